@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Installs the Debian packages pdproxy needs to build, test and benchmark.
+# Idempotent: returns at once when everything is already installed.
+set -euo pipefail
+
+PKGS=(
+  build-essential cmake pkg-config git ca-certificates
+  libevent-dev libcurl4-openssl-dev libcjson-dev libssl-dev libucx-dev ucx-utils libcmocka-dev
+  python3 curl openssl
+  nginx-light wrk
+  clang libclang-rt-dev
+)
+
+missing=()
+for p in "${PKGS[@]}"; do
+  if ! dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed"; then
+    missing+=("$p")
+  fi
+done
+if [ ${#missing[@]} -eq 0 ]; then
+  exit 0
+fi
+
+SUDO=""
+if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
+echo "install-deps: installing ${missing[*]}" >&2
+export DEBIAN_FRONTEND=noninteractive
+$SUDO apt-get update -qq
+$SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
