@@ -1,0 +1,349 @@
+#include "config.h"
+
+#include <ctype.h>
+#include <errno.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "log.h"
+#include "util.h"
+
+typedef enum { CT_STR, CT_INT, CT_SECONDS, CT_LIST, CT_FLAG, CT_LOGLEVEL } ctype_t;
+
+typedef struct opt {
+    const char *name;  /* long flag without dashes */
+    const char *alias; /* second spelling (toy proxy's singular forms), or NULL */
+    ctype_t type;
+    size_t off;
+    const char *def;   /* default, as text */
+    double min, max;   /* bounds for numbers */
+    const char *help;
+} opt;
+
+#define OFF(f) offsetof(px_config, f)
+
+static const opt opts[] = {
+    {"host", NULL, CT_STR, OFF(host), "127.0.0.1", 0, 0, "address to listen on"},
+    {"port", NULL, CT_INT, OFF(port), "8000", 1, 65535, "port to listen on"},
+    {"prefiller-hosts", "prefiller-host", CT_LIST, OFF(prefiller_hosts), "localhost", 0, 0,
+     "prefill instance hosts (one or more)"},
+    {"prefiller-ports", "prefiller-port", CT_LIST, OFF(prefiller_ports), "8100", 1, 65535,
+     "prefill instance ports, one per host"},
+    {"decoder-hosts", "decoder-host", CT_LIST, OFF(decoder_hosts), "localhost", 0, 0,
+     "decode instance hosts (one or more)"},
+    {"decoder-ports", "decoder-port", CT_LIST, OFF(decoder_ports), "8200", 1, 65535,
+     "decode instance ports, one per host"},
+    {"threads", NULL, CT_INT, OFF(threads), "0", 0, 1024,
+     "worker threads, each with its own event loop (0: one per CPU)"},
+    {"max-body-bytes", NULL, CT_INT, OFF(max_body_bytes), "33554432", 1, 1099511627776.0,
+     "largest request body accepted (413 beyond)"},
+    {"connect-timeout", NULL, CT_SECONDS, OFF(connect_timeout), "5", 0.001, 3600,
+     "seconds to wait for an upstream TCP connection (504 beyond)"},
+    {"prefill-timeout", NULL, CT_SECONDS, OFF(prefill_timeout), "600", 0, 86400,
+     "seconds a prefill request may take in all (504 beyond; 0: no limit)"},
+    {"client-header-timeout", NULL, CT_SECONDS, OFF(client_header_timeout), "30", 0.001, 3600,
+     "seconds a client has to send a complete request head"},
+    {"keepalive-timeout", NULL, CT_SECONDS, OFF(keepalive_timeout), "75", 0.001, 86400,
+     "seconds an idle client connection is kept open"},
+    {"log-level", NULL, CT_LOGLEVEL, OFF(log_level), "info", 0, 0, "debug, info, warn or error"},
+    {"print-config", NULL, CT_FLAG, OFF(print_config), "false", 0, 0,
+     "print the effective configuration and exit"},
+};
+#define NOPTS (sizeof opts / sizeof *opts)
+
+static void list_clear(px_strlist *l)
+{
+    for (size_t i = 0; i < l->n; i++) free(l->v[i]);
+    free(l->v);
+    l->v = NULL;
+    l->n = 0;
+}
+
+static void list_push(px_strlist *l, const char *s, size_t n)
+{
+    l->v = px_xrealloc(l->v, (l->n + 1) * sizeof *l->v);
+    l->v[l->n++] = px_xstrndup(s, n);
+}
+
+/* Checks one element of a list against the option's bounds. */
+static int check_list_item(const opt *o, const char *v, char *err, size_t errlen)
+{
+    if (!*v) {
+        snprintf(err, errlen, "--%s '%s': empty value", o->name, v);
+        return -1;
+    }
+    if (o->max > 0) {
+        char *end;
+        errno = 0;
+        long x = strtol(v, &end, 10);
+        if (errno || *end || end == v || x < o->min || x > o->max) {
+            snprintf(err, errlen, "--%s '%s': not an integer in %.0f..%.0f", o->name, v, o->min,
+                     o->max);
+            return -1;
+        }
+    }
+    return 0;
+}
+
+/* Sets a scalar option from text. Lists are handled by the callers. */
+static int set_value(px_config *c, const opt *o, const char *v, char *err, size_t errlen)
+{
+    void *field = (char *)c + o->off;
+    switch (o->type) {
+    case CT_STR:
+        free(*(char **)field);
+        *(char **)field = px_xstrdup(v);
+        return 0;
+    case CT_LOGLEVEL:
+        if (px_log_level_parse(v) < 0) {
+            snprintf(err, errlen, "--%s '%s': expected debug, info, warn or error", o->name, v);
+            return -1;
+        }
+        free(*(char **)field);
+        *(char **)field = px_xstrdup(v);
+        return 0;
+    case CT_INT: {
+        char *end;
+        errno = 0;
+        long long x = strtoll(v, &end, 10);
+        if (errno || end == v || *end) {
+            snprintf(err, errlen, "--%s '%s': not an integer", o->name, v);
+            return -1;
+        }
+        if ((double)x < o->min || (double)x > o->max) {
+            snprintf(err, errlen, "--%s '%s': out of range %.0f..%.0f", o->name, v, o->min,
+                     o->max);
+            return -1;
+        }
+        *(int64_t *)field = x;
+        return 0;
+    }
+    case CT_SECONDS: {
+        char *end;
+        errno = 0;
+        double x = strtod(v, &end);
+        if (errno || end == v || *end || !isfinite(x)) {
+            snprintf(err, errlen, "--%s '%s': not a number of seconds", o->name, v);
+            return -1;
+        }
+        if (x < o->min || x > o->max) {
+            snprintf(err, errlen, "--%s '%s': out of range %g..%g seconds", o->name, v, o->min,
+                     o->max);
+            return -1;
+        }
+        *(double *)field = x;
+        return 0;
+    }
+    case CT_FLAG:
+        if (!strcmp(v, "1") || !strcmp(v, "true") || !strcmp(v, "yes") || !strcmp(v, "on")) {
+            *(int *)field = 1;
+        } else if (!strcmp(v, "0") || !strcmp(v, "false") || !strcmp(v, "no") ||
+                   !strcmp(v, "off")) {
+            *(int *)field = 0;
+        } else {
+            snprintf(err, errlen, "--%s '%s': expected true or false", o->name, v);
+            return -1;
+        }
+        return 0;
+    case CT_LIST: {
+        /* Text form (defaults, environment): separated by commas or spaces. */
+        px_strlist *l = field;
+        list_clear(l);
+        const char *p = v;
+        while (*p) {
+            while (*p == ',' || *p == ' ') p++;
+            const char *s = p;
+            while (*p && *p != ',' && *p != ' ') p++;
+            if (p > s) {
+                list_push(l, s, (size_t)(p - s));
+                if (check_list_item(o, l->v[l->n - 1], err, errlen) < 0) return -1;
+            }
+        }
+        if (!l->n) {
+            snprintf(err, errlen, "--%s '%s': needs at least one value", o->name, v);
+            return -1;
+        }
+        return 0;
+    }
+    }
+    return -1;
+}
+
+static const opt *find_opt(const char *name, size_t n)
+{
+    for (size_t i = 0; i < NOPTS; i++) {
+        if (strlen(opts[i].name) == n && !strncmp(opts[i].name, name, n)) return &opts[i];
+        if (opts[i].alias && strlen(opts[i].alias) == n && !strncmp(opts[i].alias, name, n))
+            return &opts[i];
+    }
+    return NULL;
+}
+
+static void usage(FILE *out)
+{
+    fprintf(out,
+            "Usage: pdproxy [options]\n"
+            "Prefill/decode disaggregation proxy for OpenAI-compatible engines.\n\n"
+            "Options (each also as environment variable PDPROXY_<NAME>, e.g. PDPROXY_PORT):\n");
+    for (size_t i = 0; i < NOPTS; i++) {
+        const opt *o = &opts[i];
+        char names[96];
+        const char *arg = o->type == CT_LIST      ? " V [V...]"
+                          : o->type == CT_FLAG    ? ""
+                          : o->type == CT_SECONDS ? " SECONDS"
+                          : o->type == CT_INT     ? " N"
+                                                  : " VALUE";
+        if (o->alias)
+            snprintf(names, sizeof names, "--%s/--%s%s", o->name, o->alias, arg);
+        else
+            snprintf(names, sizeof names, "--%s%s", o->name, arg);
+        fprintf(out, "  %-44s %s (default: %s)\n", names, o->help, o->def);
+    }
+    fprintf(out, "  %-44s %s\n  %-44s %s\n", "--help", "show this help and exit", "--version",
+            "show the version and exit");
+}
+
+static void env_name(const opt *o, char *buf, size_t n)
+{
+    size_t j = (size_t)snprintf(buf, n, "PDPROXY_");
+    for (const char *p = o->name; *p && j + 1 < n; p++)
+        buf[j++] = *p == '-' ? '_' : (char)toupper((unsigned char)*p);
+    buf[j] = '\0';
+}
+
+px_config_result px_config_load(px_config *c, int argc, char **argv, char **envp, FILE *out,
+                                char *err, size_t errlen)
+{
+    memset(c, 0, sizeof *c);
+    err[0] = '\0';
+    for (size_t i = 0; i < NOPTS; i++)
+        if (set_value(c, &opts[i], opts[i].def, err, errlen) < 0) return PX_CONFIG_ERROR;
+
+    for (size_t i = 0; envp && i < NOPTS; i++) {
+        char name[96];
+        env_name(&opts[i], name, sizeof name);
+        size_t nl = strlen(name);
+        for (char **e = envp; *e; e++) {
+            if (strncmp(*e, name, nl) == 0 && (*e)[nl] == '=') {
+                if (set_value(c, &opts[i], *e + nl + 1, err, errlen) < 0) {
+                    size_t l = strlen(err);
+                    snprintf(err + l, errlen - l, " (from %s)", name);
+                    return PX_CONFIG_ERROR;
+                }
+            }
+        }
+    }
+
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i];
+        if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
+            usage(out);
+            return PX_CONFIG_EXIT_OK;
+        }
+        if (!strcmp(a, "--version")) {
+            fprintf(out, "pdproxy %s\n", PDPROXY_VERSION);
+            return PX_CONFIG_EXIT_OK;
+        }
+        if (strncmp(a, "--", 2) != 0) {
+            snprintf(err, errlen, "unexpected argument '%s'", a);
+            return PX_CONFIG_ERROR;
+        }
+        const char *name = a + 2, *eq = strchr(name, '=');
+        size_t nlen = eq ? (size_t)(eq - name) : strlen(name);
+        const opt *o = find_opt(name, nlen);
+        if (!o) {
+            snprintf(err, errlen, "unknown flag '%.*s' (see --help)", (int)(nlen + 2), a);
+            return PX_CONFIG_ERROR;
+        }
+        if (o->type == CT_FLAG && !eq) {
+            *(int *)((char *)c + o->off) = 1;
+            continue;
+        }
+        if (o->type == CT_LIST) {
+            /* nargs='+' as in the toy proxy: values until the next flag. */
+            px_strlist *l = (px_strlist *)((char *)c + o->off);
+            list_clear(l);
+            if (eq) {
+                if (set_value(c, o, eq + 1, err, errlen) < 0) return PX_CONFIG_ERROR;
+                continue;
+            }
+            while (i + 1 < argc && strncmp(argv[i + 1], "--", 2) != 0) {
+                list_push(l, argv[i + 1], strlen(argv[i + 1]));
+                if (check_list_item(o, argv[i + 1], err, errlen) < 0) return PX_CONFIG_ERROR;
+                i++;
+            }
+            if (!l->n) {
+                snprintf(err, errlen, "--%s: needs at least one value", o->name);
+                return PX_CONFIG_ERROR;
+            }
+            continue;
+        }
+        const char *v;
+        if (eq) {
+            v = eq + 1;
+        } else if (i + 1 < argc) {
+            v = argv[++i];
+        } else {
+            snprintf(err, errlen, "--%s: missing value", o->name);
+            return PX_CONFIG_ERROR;
+        }
+        if (set_value(c, o, v, err, errlen) < 0) return PX_CONFIG_ERROR;
+    }
+
+    if (c->prefiller_hosts.n != c->prefiller_ports.n) {
+        snprintf(err, errlen,
+                 "--prefiller-hosts has %zu value(s) but --prefiller-ports has %zu: give one port "
+                 "per host",
+                 c->prefiller_hosts.n, c->prefiller_ports.n);
+        return PX_CONFIG_ERROR;
+    }
+    if (c->decoder_hosts.n != c->decoder_ports.n) {
+        snprintf(err, errlen,
+                 "--decoder-hosts has %zu value(s) but --decoder-ports has %zu: give one port per "
+                 "host",
+                 c->decoder_hosts.n, c->decoder_ports.n);
+        return PX_CONFIG_ERROR;
+    }
+    if (c->print_config) {
+        px_config_dump(c, out);
+        return PX_CONFIG_EXIT_OK;
+    }
+    return PX_CONFIG_RUN;
+}
+
+void px_config_cleanup(px_config *c)
+{
+    for (size_t i = 0; i < NOPTS; i++) {
+        void *field = (char *)c + opts[i].off;
+        if (opts[i].type == CT_STR || opts[i].type == CT_LOGLEVEL) {
+            free(*(char **)field);
+            *(char **)field = NULL;
+        } else if (opts[i].type == CT_LIST) {
+            list_clear(field);
+        }
+    }
+}
+
+void px_config_dump(const px_config *c, FILE *out)
+{
+    for (size_t i = 0; i < NOPTS; i++) {
+        const opt *o = &opts[i];
+        const void *field = (const char *)c + o->off;
+        if (o->type == CT_FLAG && !strcmp(o->name, "print-config")) continue;
+        fprintf(out, "%s = ", o->name);
+        switch (o->type) {
+        case CT_STR:
+        case CT_LOGLEVEL: fprintf(out, "%s", *(char *const *)field); break;
+        case CT_INT: fprintf(out, "%lld", (long long)*(const int64_t *)field); break;
+        case CT_SECONDS: fprintf(out, "%g", *(const double *)field); break;
+        case CT_FLAG: fprintf(out, "%s", *(const int *)field ? "true" : "false"); break;
+        case CT_LIST: {
+            const px_strlist *l = field;
+            for (size_t j = 0; j < l->n; j++) fprintf(out, "%s%s", j ? " " : "", l->v[j]);
+            break;
+        }
+        }
+        fputc('\n', out);
+    }
+}

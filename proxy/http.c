@@ -1,0 +1,271 @@
+#include "http.h"
+
+#include <string.h>
+
+static int is_tchar(unsigned char c)
+{
+    if ((c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9')) return 1;
+    return c && strchr("!#$%&'*+-.^_`|~", c) != NULL;
+}
+
+int px_http_token_eq(const char *s, size_t n, const char *lit)
+{
+    size_t i;
+    for (i = 0; i < n && lit[i]; i++) {
+        unsigned char a = (unsigned char)s[i], b = (unsigned char)lit[i];
+        if (a >= 'A' && a <= 'Z') a = (unsigned char)(a + 32);
+        if (b >= 'A' && b <= 'Z') b = (unsigned char)(b + 32);
+        if (a != b) return 0;
+    }
+    return i == n && lit[i] == 0;
+}
+
+const px_http_header *px_http_find(const px_http_head *h, const char *name)
+{
+    for (size_t i = 0; i < h->nheaders; i++)
+        if (px_http_token_eq(h->headers[i].name, h->headers[i].name_len, name))
+            return &h->headers[i];
+    return NULL;
+}
+
+/* Calls fn for each comma-separated, trimmed element of a header value. */
+static int has_token(const char *v, size_t n, const char *tok)
+{
+    size_t i = 0;
+    while (i < n) {
+        while (i < n && (v[i] == ' ' || v[i] == '\t' || v[i] == ',')) i++;
+        size_t s = i;
+        while (i < n && v[i] != ',') i++;
+        size_t e = i;
+        while (e > s && (v[e - 1] == ' ' || v[e - 1] == '\t')) e--;
+        if (e > s && px_http_token_eq(v + s, e - s, tok)) return 1;
+    }
+    return 0;
+}
+
+static int parse_content_length(const char *v, size_t n, int64_t *out)
+{
+    if (n == 0 || n > 18) return -1;
+    int64_t x = 0;
+    for (size_t i = 0; i < n; i++) {
+        if (v[i] < '0' || v[i] > '9') return -1;
+        x = x * 10 + (v[i] - '0');
+    }
+    *out = x;
+    return 0;
+}
+
+int px_http_parse_head(const char *buf, size_t n, px_http_head *h, const char **why)
+{
+    const char *p = buf, *end = buf + n;
+    memset(h, 0, offsetof(px_http_head, headers));
+    h->nheaders = 0;
+    h->content_length = -1;
+    h->chunked = 0;
+    h->keep_alive = 0;
+    h->expect_continue = 0;
+
+    /* Request line: method SP target SP HTTP/1.x CRLF */
+    const char *s = p;
+    while (p < end && is_tchar((unsigned char)*p)) p++;
+    if (p == s || p >= end || *p != ' ') return *why = "malformed request line", 400;
+    h->method = s;
+    h->method_len = (size_t)(p - s);
+    s = ++p;
+    while (p < end && (unsigned char)*p > 0x20 && (unsigned char)*p < 0x7f) p++;
+    if (p == s || p >= end || *p != ' ') return *why = "malformed request target", 400;
+    h->target = s;
+    h->target_len = (size_t)(p - s);
+    p++;
+    if (end - p < 10 || memcmp(p, "HTTP/1.", 7) != 0) {
+        if (end - p >= 5 && memcmp(p, "HTTP/", 5) == 0)
+            return *why = "unsupported HTTP version", 505;
+        return *why = "malformed HTTP version", 400;
+    }
+    if (p[7] != '0' && p[7] != '1') return *why = "unsupported HTTP version", 505;
+    h->minor = p[7] - '0';
+    p += 8;
+    if (p[0] != '\r' || p[1] != '\n') return *why = "malformed request line", 400;
+    p += 2;
+
+    int have_te = 0, conn_close = 0, conn_keep = 0;
+    for (;;) {
+        if (end - p < 2) return *why = "truncated header block", 400;
+        if (p[0] == '\r' && p[1] == '\n') break;
+        if (*p == ' ' || *p == '\t') return *why = "obsolete line folding", 400;
+        s = p;
+        while (p < end && is_tchar((unsigned char)*p)) p++;
+        if (p == s || p >= end || *p != ':') return *why = "malformed header field", 400;
+        if (h->nheaders == PX_HTTP_MAX_HEADERS) return *why = "too many header fields", 431;
+        px_http_header *hd = &h->headers[h->nheaders++];
+        hd->name = s;
+        hd->name_len = (size_t)(p - s);
+        p++;
+        while (p < end && (*p == ' ' || *p == '\t')) p++;
+        s = p;
+        while (p < end && *p != '\r' && *p != '\n') {
+            unsigned char c = (unsigned char)*p;
+            if ((c < 0x20 && c != '\t') || c == 0x7f) return *why = "invalid header value", 400;
+            p++;
+        }
+        if (end - p < 2 || p[0] != '\r' || p[1] != '\n') return *why = "bare CR or LF", 400;
+        const char *e = p;
+        while (e > s && (e[-1] == ' ' || e[-1] == '\t')) e--;
+        hd->value = s;
+        hd->value_len = (size_t)(e - s);
+        p += 2;
+
+        if (px_http_token_eq(hd->name, hd->name_len, "content-length")) {
+            int64_t cl;
+            if (parse_content_length(hd->value, hd->value_len, &cl) < 0)
+                return *why = "invalid Content-Length", 400;
+            if (h->content_length >= 0 && h->content_length != cl)
+                return *why = "conflicting Content-Length headers", 400;
+            h->content_length = cl;
+        } else if (px_http_token_eq(hd->name, hd->name_len, "transfer-encoding")) {
+            if (have_te || !px_http_token_eq(hd->value, hd->value_len, "chunked"))
+                return *why = "unsupported Transfer-Encoding", 501;
+            have_te = 1;
+        } else if (px_http_token_eq(hd->name, hd->name_len, "connection")) {
+            if (has_token(hd->value, hd->value_len, "close")) conn_close = 1;
+            if (has_token(hd->value, hd->value_len, "keep-alive")) conn_keep = 1;
+        } else if (px_http_token_eq(hd->name, hd->name_len, "expect")) {
+            if (!px_http_token_eq(hd->value, hd->value_len, "100-continue"))
+                return *why = "unsupported Expect", 417;
+            h->expect_continue = 1;
+        }
+    }
+    if (have_te) {
+        if (h->content_length >= 0)
+            return *why = "both Content-Length and Transfer-Encoding", 400;
+        if (h->minor == 0) return *why = "Transfer-Encoding in HTTP/1.0", 400;
+        h->chunked = 1;
+    }
+    h->keep_alive = h->minor == 1 ? !conn_close : (conn_keep && !conn_close);
+    return 0;
+}
+
+enum { CK_SIZE, CK_EXT, CK_SIZE_LF, CK_DATA, CK_DATA_CR, CK_DATA_LF, CK_TRAILER, CK_TRAILER_LINE,
+       CK_FINAL_LF, CK_TRAILER_LF };
+
+void px_chunked_init(px_chunked *c)
+{
+    memset(c, 0, sizeof *c);
+    c->state = CK_SIZE;
+}
+
+long px_chunked_feed(px_chunked *c, const char *in, size_t n, px_buf *out, size_t max)
+{
+    size_t i = 0;
+    while (i < n && !c->done) {
+        char ch = in[i];
+        switch (c->state) {
+        case CK_SIZE: {
+            int v = (ch >= '0' && ch <= '9') ? ch - '0'
+                    : (ch >= 'a' && ch <= 'f') ? ch - 'a' + 10
+                    : (ch >= 'A' && ch <= 'F') ? ch - 'A' + 10 : -1;
+            if (v >= 0) {
+                if (c->remaining > (UINT64_C(1) << 40)) return -1;
+                c->remaining = c->remaining * 16 + (uint64_t)v;
+                c->ndigits++;
+                i++;
+            } else if (c->ndigits && (ch == ';' || ch == ' ' || ch == '\t')) {
+                c->state = CK_EXT;
+                i++;
+            } else if (ch == '\r') {
+                c->state = CK_SIZE_LF;
+                i++;
+            } else {
+                return -1;
+            }
+            break;
+        }
+        case CK_EXT:
+            if (ch == '\r') c->state = CK_SIZE_LF;
+            else if (ch == '\n') return -1;
+            i++;
+            break;
+        case CK_SIZE_LF:
+            if (ch != '\n' || c->ndigits == 0) return -1;
+            c->ndigits = 0;
+            i++;
+            c->state = c->remaining ? CK_DATA : CK_TRAILER;
+            break;
+        case CK_DATA: {
+            size_t take = n - i;
+            if (take > c->remaining) take = (size_t)c->remaining;
+            if (out->len + take > max) return -2;
+            px_buf_append(out, in + i, take);
+            i += take;
+            c->remaining -= take;
+            if (!c->remaining) c->state = CK_DATA_CR;
+            break;
+        }
+        case CK_DATA_CR:
+            if (ch != '\r') return -1;
+            i++;
+            c->state = CK_DATA_LF;
+            break;
+        case CK_DATA_LF:
+            if (ch != '\n') return -1;
+            i++;
+            c->state = CK_SIZE;
+            break;
+        case CK_TRAILER: /* start of a trailer line, or the final CRLF */
+            if (ch == '\r') {
+                c->state = CK_FINAL_LF;
+            } else {
+                c->state = CK_TRAILER_LINE;
+            }
+            i++;
+            break;
+        case CK_TRAILER_LINE:
+            if (ch == '\r') c->state = CK_TRAILER_LF;
+            i++;
+            break;
+        case CK_TRAILER_LF:
+            if (ch != '\n') return -1;
+            i++;
+            c->state = CK_TRAILER;
+            break;
+        case CK_FINAL_LF:
+            if (ch != '\n') return -1;
+            i++;
+            c->done = 1;
+            break;
+        }
+    }
+    return (long)i;
+}
+
+const char *px_http_reason(int status)
+{
+    switch (status) {
+    case 100: return "Continue";
+    case 200: return "OK";
+    case 201: return "Created";
+    case 202: return "Accepted";
+    case 204: return "No Content";
+    case 400: return "Bad Request";
+    case 401: return "Unauthorized";
+    case 403: return "Forbidden";
+    case 404: return "Not Found";
+    case 405: return "Method Not Allowed";
+    case 408: return "Request Timeout";
+    case 409: return "Conflict";
+    case 411: return "Length Required";
+    case 413: return "Content Too Large";
+    case 415: return "Unsupported Media Type";
+    case 417: return "Expectation Failed";
+    case 422: return "Unprocessable Content";
+    case 429: return "Too Many Requests";
+    case 431: return "Request Header Fields Too Large";
+    case 500: return "Internal Server Error";
+    case 501: return "Not Implemented";
+    case 502: return "Bad Gateway";
+    case 503: return "Service Unavailable";
+    case 504: return "Gateway Timeout";
+    case 505: return "HTTP Version Not Supported";
+    default: return "Unknown";
+    }
+}

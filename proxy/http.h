@@ -1,0 +1,65 @@
+/* HTTP/1.1 request parsing (RFC 9112), pure and incremental where bodies
+ * are concerned. It is strict where leniency enables request smuggling:
+ * Content-Length with Transfer-Encoding, conflicting lengths, obs-folded
+ * lines and whitespace before a colon are all rejected. */
+#ifndef PX_HTTP_H
+#define PX_HTTP_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "util.h"
+
+#define PX_HTTP_MAX_HEADERS 100
+#define PX_HTTP_MAX_HEAD_BYTES (64 * 1024)
+
+typedef struct px_http_header {
+    const char *name; /* borrowed: spans of the parsed buffer */
+    size_t name_len;
+    const char *value;
+    size_t value_len;
+} px_http_header;
+
+typedef struct px_http_head {
+    const char *method;
+    size_t method_len;
+    const char *target;
+    size_t target_len;
+    int minor;                  /* HTTP/1.<minor> */
+    px_http_header headers[PX_HTTP_MAX_HEADERS];
+    size_t nheaders;
+    int64_t content_length;     /* -1: none */
+    int chunked;                /* Transfer-Encoding: chunked */
+    int keep_alive;             /* after this request */
+    int expect_continue;        /* Expect: 100-continue */
+} px_http_head;
+
+/* Parses buf[0..n), which holds a request head through its final CRLFCRLF.
+ * Header spans point into buf. Returns 0, or the status to answer (400,
+ * 431, 501, 505) with *why set to a static reason. */
+int px_http_parse_head(const char *buf, size_t n, px_http_head *h, const char **why);
+
+/* First header named `name` (case-insensitive), or NULL. */
+const px_http_header *px_http_find(const px_http_head *h, const char *name);
+
+int px_http_token_eq(const char *s, size_t n, const char *lit); /* case-insensitive */
+
+/* Incremental decoder of a chunked request body. */
+typedef struct px_chunked {
+    int state;
+    uint64_t remaining; /* bytes left in the current chunk */
+    int ndigits;        /* hex digits of the current size line */
+    int done;
+} px_chunked;
+
+void px_chunked_init(px_chunked *c);
+
+/* Consumes in[0..n), appending decoded bytes to out. Returns the number of
+ * input bytes consumed (fewer than n once the body is complete, c->done set),
+ * or -1 on malformed framing, -2 when the decoded body would exceed max. */
+long px_chunked_feed(px_chunked *c, const char *in, size_t n, px_buf *out, size_t max);
+
+/* Reason phrase for a status code ("Unknown" when not listed). */
+const char *px_http_reason(int status);
+
+#endif

@@ -1,0 +1,67 @@
+/* A strict, allocation-free JSON scanner (RFC 8259) that works on byte spans.
+ *
+ * pdproxy never re-serialises the JSON it forwards: values travel as the
+ * exact bytes they arrived in, so integers above 2^53, float spellings and
+ * string escapes reach the engines unchanged. This module validates a
+ * document and walks an object's members as spans of the original text. */
+#ifndef PX_JSON_H
+#define PX_JSON_H
+
+#include <stddef.h>
+
+typedef enum {
+    PX_JSON_INVALID = -1,
+    PX_JSON_OBJECT = 1,
+    PX_JSON_ARRAY,
+    PX_JSON_STRING,
+    PX_JSON_NUMBER,
+    PX_JSON_TRUE,
+    PX_JSON_FALSE,
+    PX_JSON_NULL,
+} px_json_type;
+
+/* Deepest nesting accepted; deeper documents are rejected, not recursed. */
+#define PX_JSON_MAX_DEPTH 256
+
+/* Validates the whole of s[0..n): one value with optional surrounding
+ * whitespace, strings valid UTF-8. Returns the root's type, or
+ * PX_JSON_INVALID with a reason (and byte offset) written to err. */
+px_json_type px_json_validate(const char *s, size_t n, char *err, size_t errlen);
+
+/* One member of an object, as spans of the original text (borrowed). */
+typedef struct px_json_member {
+    const char *key;     /* key text between the quotes, escapes not decoded */
+    size_t key_len;
+    const char *val;     /* the value's exact bytes */
+    size_t val_len;
+    px_json_type type;
+    const char *start;   /* the key's opening quote: start..val+val_len is the member */
+} px_json_member;
+
+typedef struct px_json_iter {
+    const char *p;
+    const char *end;
+    int done;
+} px_json_iter;
+
+/* Starts iterating the object that fills obj[0..n) (leading/trailing space
+ * allowed). Returns 0, or -1 when it is not an object. */
+int px_json_iter_init(px_json_iter *it, const char *obj, size_t n);
+
+/* Returns 1 with the next member, 0 at the end, -1 on malformed input. */
+int px_json_iter_next(px_json_iter *it, px_json_member *m);
+
+/* Whether a raw (escaped) JSON string body equals the plain text `lit`
+ * once its escapes are decoded: "\u0073tream" equals "stream". */
+int px_json_str_eq(const char *raw, size_t len, const char *lit);
+
+/* Finds the LAST member named `key` (duplicate keys resolve as Python's json
+ * does). Returns 1 and fills *m, or 0 when absent or obj is not an object. */
+int px_json_find(const char *obj, size_t n, const char *key, px_json_member *m);
+
+/* Decodes a raw JSON string body into UTF-8 at out (at most outcap-1 bytes,
+ * NUL-terminated). Returns the decoded length, or -1 when it does not fit or
+ * is malformed. */
+long px_json_str_decode(const char *raw, size_t len, char *out, size_t outcap);
+
+#endif

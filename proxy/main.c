@@ -1,0 +1,42 @@
+/* pdproxy: prefill/decode disaggregation proxy. Everything lives in the
+ * proxy library; this only wires configuration to the server. */
+#include <curl/curl.h>
+#include <signal.h>
+#include <stdio.h>
+
+#include "config.h"
+#include "log.h"
+#include "server.h"
+
+extern char **environ;
+
+int main(int argc, char **argv)
+{
+    px_config cfg;
+    char err[512];
+    px_config_result r = px_config_load(&cfg, argc, argv, environ, stdout, err, sizeof err);
+    if (r != PX_CONFIG_RUN) {
+        if (r == PX_CONFIG_ERROR) fprintf(stderr, "pdproxy: %s\n", err);
+        px_config_cleanup(&cfg);
+        return r == PX_CONFIG_ERROR ? 2 : 0;
+    }
+    px_log_threshold = (px_log_level_t)px_log_level_parse(cfg.log_level);
+    signal(SIGPIPE, SIG_IGN);
+    if (curl_global_init(CURL_GLOBAL_DEFAULT) != CURLE_OK) {
+        fprintf(stderr, "pdproxy: curl_global_init failed\n");
+        px_config_cleanup(&cfg);
+        return 1;
+    }
+    px_server *s = px_server_create(&cfg, err, sizeof err);
+    if (!s) {
+        fprintf(stderr, "pdproxy: %s\n", err);
+        curl_global_cleanup();
+        px_config_cleanup(&cfg);
+        return 1;
+    }
+    int rc = px_server_run(s);
+    px_server_destroy(s);
+    curl_global_cleanup();
+    px_config_cleanup(&cfg);
+    return rc;
+}

@@ -1,0 +1,94 @@
+#include "rewrite.h"
+
+#include <stdio.h>
+
+#include "json.h"
+
+/* Keys the prefill request must not carry from the client. */
+static const char *const prefill_drop[] = {
+    "kv_transfer_params", "stream",     "stream_options",        "max_tokens",
+    "max_completion_tokens", "min_tokens", "min_completion_tokens",
+};
+
+/* Copies the members of `body` not named in `drop` into `out` as "{m1,m2,...",
+ * leaving the object open. Sets *saw for each dropped key seen (bit i). */
+static int copy_members(const char *body, size_t n, const char *const *drop, size_t ndrop,
+                        px_buf *out, unsigned *saw)
+{
+    px_json_iter it;
+    px_json_member m;
+    int r, first = 1;
+    if (px_json_iter_init(&it, body, n) < 0) return -1;
+    px_buf_reserve(out, n + 256);
+    px_buf_append(out, "{", 1);
+    *saw = 0;
+    while ((r = px_json_iter_next(&it, &m)) == 1) {
+        int dropped = 0;
+        for (size_t i = 0; i < ndrop; i++) {
+            if (px_json_str_eq(m.key, m.key_len, drop[i])) {
+                *saw |= 1u << i;
+                dropped = 1;
+                break;
+            }
+        }
+        if (dropped) continue;
+        if (!first) px_buf_append(out, ",", 1);
+        first = 0;
+        /* Key, colon and value exactly as sent; only the whitespace around
+         * the colon is normalised away. */
+        px_buf_append(out, m.start, (size_t)(m.key + m.key_len + 1 - m.start));
+        px_buf_append(out, ":", 1);
+        px_buf_append(out, m.val, m.val_len);
+    }
+    if (r < 0) return -1;
+    if (!first) px_buf_append(out, ",", 1);
+    return 0;
+}
+
+int px_rewrite_prefill(const char *body, size_t n, px_buf *out)
+{
+    unsigned saw;
+    if (copy_members(body, n, prefill_drop, sizeof prefill_drop / sizeof *prefill_drop, out,
+                     &saw) < 0)
+        return -1;
+    px_buf_appends(out, "\"kv_transfer_params\":" PX_PREFILL_KV_PARAMS
+                        ",\"stream\":false,\"max_tokens\":1");
+    if (saw & (1u << 4)) px_buf_appends(out, ",\"max_completion_tokens\":1");
+    px_buf_append(out, "}", 1);
+    return 0;
+}
+
+int px_rewrite_decode(const char *body, size_t n, const char *kvp, size_t kvp_len, px_buf *out)
+{
+    unsigned saw;
+    size_t start = out->len;
+    if (copy_members(body, n, prefill_drop, 1, out, &saw) < 0) return -1;
+    if (kvp) {
+        px_buf_appends(out, "\"kv_transfer_params\":");
+        px_buf_append(out, kvp, kvp_len);
+        px_buf_append(out, "}", 1);
+    } else if (out->len - start > 1) {
+        out->data[out->len - 1] = '}'; /* replace the trailing comma */
+    } else {
+        px_buf_append(out, "}", 1);
+    }
+    return 0;
+}
+
+px_kvp_status px_extract_kv_params(const char *resp, size_t n, const char **kvp, size_t *kvp_len,
+                                   char *err, size_t errlen)
+{
+    if (px_json_validate(resp, n, err, errlen) != PX_JSON_OBJECT) {
+        if (err && errlen && !err[0]) snprintf(err, errlen, "not a JSON object");
+        return PX_KVP_BAD_RESPONSE;
+    }
+    px_json_member m, rid;
+    if (!px_json_find(resp, n, "kv_transfer_params", &m) || m.type != PX_JSON_OBJECT)
+        return PX_KVP_MISSING;
+    *kvp = m.val;
+    *kvp_len = m.val_len;
+    if (!px_json_find(m.val, m.val_len, "remote_request_id", &rid) ||
+        (rid.type != PX_JSON_STRING) || rid.val_len <= 2)
+        return PX_KVP_NO_REQUEST_ID;
+    return PX_KVP_OK;
+}

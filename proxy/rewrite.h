@@ -1,0 +1,43 @@
+/* The JSON edits of the P/D flow (DESIGN.md §1.1), as pure functions over
+ * byte spans: every value the client or the prefill sent is copied as the
+ * exact bytes it arrived in. */
+#ifndef PX_REWRITE_H
+#define PX_REWRITE_H
+
+#include <stddef.h>
+
+#include "util.h"
+
+/* The kv_transfer_params the proxy sends to prefill. */
+#define PX_PREFILL_KV_PARAMS                                                                       \
+    "{\"do_remote_decode\":true,\"do_remote_prefill\":false,\"remote_engine_id\":null,"           \
+    "\"remote_block_ids\":null,\"remote_host\":null,\"remote_port\":null}"
+
+/* Appends to `out` the prefill request built from the client's body (a
+ * validated JSON object): its members minus kv_transfer_params, stream,
+ * stream_options, max_tokens, max_completion_tokens, min_tokens and
+ * min_completion_tokens, then the proxy's kv_transfer_params,
+ * "stream":false, "max_tokens":1 and, when the client sent the key,
+ * "max_completion_tokens":1. Returns 0, or -1 when body is not an object. */
+int px_rewrite_prefill(const char *body, size_t n, px_buf *out);
+
+/* Appends to `out` the decode request: the client's members minus any
+ * kv_transfer_params of its own, then "kv_transfer_params":<kvp> with kvp's
+ * bytes as they are (kvp NULL: none added). Returns 0, or -1 when body is
+ * not an object. */
+int px_rewrite_decode(const char *body, size_t n, const char *kvp, size_t kvp_len, px_buf *out);
+
+typedef enum {
+    PX_KVP_OK = 0,            /* an object with remote_request_id */
+    PX_KVP_MISSING = 1,       /* absent, null or not an object */
+    PX_KVP_NO_REQUEST_ID = 2, /* an object without a usable remote_request_id */
+    PX_KVP_BAD_RESPONSE = -1, /* the prefill answer is not a JSON object */
+} px_kvp_status;
+
+/* Finds the top-level kv_transfer_params of a prefill answer. On PX_KVP_OK
+ * and PX_KVP_NO_REQUEST_ID, kvp and kvp_len span the object's bytes inside
+ * resp (borrowed). err receives the parse error for PX_KVP_BAD_RESPONSE. */
+px_kvp_status px_extract_kv_params(const char *resp, size_t n, const char **kvp, size_t *kvp_len,
+                                   char *err, size_t errlen);
+
+#endif

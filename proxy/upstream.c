@@ -1,0 +1,249 @@
+#include "upstream.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+#include "log.h"
+#include "util.h"
+
+struct px_uploop {
+    struct event_base *base; /* borrowed */
+    CURLM *multi;            /* owned */
+    struct event *timer;     /* owned */
+    px_upstream *live;       /* transfers in flight, for destroy */
+};
+
+struct px_upstream {
+    px_uploop *loop; /* borrowed */
+    CURL *easy;      /* owned */
+    px_upstream_cbs cbs;
+    void *arg;
+    px_upstream *prev, *next; /* in loop->live */
+    int headers_seen;
+    int paused;
+    char errbuf[CURL_ERROR_SIZE];
+};
+
+/* One per socket curl watches; freed when curl says CURL_POLL_REMOVE. */
+typedef struct sockwatch {
+    px_uploop *loop;
+    struct event *ev;
+} sockwatch;
+
+static void unlink_up(px_upstream *u)
+{
+    if (u->prev) u->prev->next = u->next;
+    else u->loop->live = u->next;
+    if (u->next) u->next->prev = u->prev;
+}
+
+static void free_up(px_upstream *u)
+{
+    unlink_up(u);
+    curl_easy_cleanup(u->easy);
+    free(u);
+}
+
+static void check_done(px_uploop *l)
+{
+    CURLMsg *msg;
+    int left;
+    while ((msg = curl_multi_info_read(l->multi, &left))) {
+        if (msg->msg != CURLMSG_DONE) continue;
+        px_upstream *u = NULL;
+        CURL *easy = msg->easy_handle;
+        CURLcode rc = msg->data.result;
+        curl_easy_getinfo(easy, CURLINFO_PRIVATE, (char **)&u);
+        curl_multi_remove_handle(l->multi, easy);
+        if (u) {
+            u->cbs.on_done(u->arg, rc, u->errbuf);
+            free_up(u);
+        } else {
+            curl_easy_cleanup(easy);
+        }
+    }
+}
+
+static void on_sock_event(evutil_socket_t fd, short what, void *arg)
+{
+    px_uploop *l = arg;
+    int running, flags = 0;
+    if (what & EV_READ) flags |= CURL_CSELECT_IN;
+    if (what & EV_WRITE) flags |= CURL_CSELECT_OUT;
+    curl_multi_socket_action(l->multi, fd, flags, &running);
+    check_done(l);
+}
+
+static void on_timer(evutil_socket_t fd, short what, void *arg)
+{
+    px_uploop *l = arg;
+    int running;
+    curl_multi_socket_action(l->multi, CURL_SOCKET_TIMEOUT, 0, &running);
+    check_done(l);
+}
+
+static int sock_cb(CURL *easy, curl_socket_t s, int what, void *userp, void *socketp)
+{
+    px_uploop *l = userp;
+    sockwatch *w = socketp;
+    if (what == CURL_POLL_REMOVE) {
+        if (w) {
+            event_free(w->ev);
+            free(w);
+            curl_multi_assign(l->multi, s, NULL);
+        }
+        return 0;
+    }
+    short ev = EV_PERSIST | ((what & CURL_POLL_IN) ? EV_READ : 0) |
+               ((what & CURL_POLL_OUT) ? EV_WRITE : 0);
+    if (!w) {
+        w = px_xcalloc(1, sizeof *w);
+        w->loop = l;
+        curl_multi_assign(l->multi, s, w);
+    } else {
+        event_free(w->ev);
+    }
+    w->ev = event_new(l->base, s, ev, on_sock_event, l);
+    event_add(w->ev, NULL);
+    return 0;
+}
+
+static int timer_cb(CURLM *multi, long timeout_ms, void *userp)
+{
+    px_uploop *l = userp;
+    if (timeout_ms < 0) {
+        evtimer_del(l->timer);
+    } else {
+        struct timeval tv = {timeout_ms / 1000, (timeout_ms % 1000) * 1000};
+        evtimer_add(l->timer, &tv);
+    }
+    return 0;
+}
+
+px_uploop *px_uploop_create(struct event_base *base)
+{
+    px_uploop *l = px_xcalloc(1, sizeof *l);
+    l->base = base;
+    l->multi = curl_multi_init();
+    if (!l->multi) goto err_multi;
+    l->timer = evtimer_new(base, on_timer, l);
+    if (!l->timer) goto err_timer;
+    curl_multi_setopt(l->multi, CURLMOPT_SOCKETFUNCTION, sock_cb);
+    curl_multi_setopt(l->multi, CURLMOPT_SOCKETDATA, l);
+    curl_multi_setopt(l->multi, CURLMOPT_TIMERFUNCTION, timer_cb);
+    curl_multi_setopt(l->multi, CURLMOPT_TIMERDATA, l);
+    /* Keep enough idle connections for bursts of concurrent streams. */
+    curl_multi_setopt(l->multi, CURLMOPT_MAXCONNECTS, 1024L);
+    return l;
+err_timer:
+    curl_multi_cleanup(l->multi);
+err_multi:
+    free(l);
+    return NULL;
+}
+
+void px_uploop_destroy(px_uploop *l)
+{
+    if (!l) return;
+    while (l->live) px_upstream_cancel(l->live);
+    curl_multi_cleanup(l->multi);
+    event_free(l->timer);
+    free(l);
+}
+
+static size_t header_cb(char *p, size_t size, size_t n, void *arg)
+{
+    px_upstream *u = arg;
+    size_t len = size * n;
+    if (len <= 2 && (p[0] == '\r' || p[0] == '\n')) {
+        long status = 0;
+        curl_easy_getinfo(u->easy, CURLINFO_RESPONSE_CODE, &status);
+        if (status >= 200 && !u->headers_seen) {
+            char *ct = NULL;
+            curl_easy_getinfo(u->easy, CURLINFO_CONTENT_TYPE, &ct);
+            u->headers_seen = 1;
+            if (u->cbs.on_headers) u->cbs.on_headers(u->arg, (int)status, ct);
+        }
+    }
+    return len;
+}
+
+static size_t write_cb(char *p, size_t size, size_t n, void *arg)
+{
+    px_upstream *u = arg;
+    size_t len = size * n;
+    int r = u->cbs.on_data(u->arg, p, len);
+    if (r == 1) {
+        u->paused = 1;
+        return CURL_WRITEFUNC_PAUSE;
+    }
+    return r == 0 ? len : 0;
+}
+
+px_upstream *px_upstream_post(px_uploop *l, const char *url, const char *body, size_t len,
+                              struct curl_slist *hdrs, const px_upstream_opts *o,
+                              const px_upstream_cbs *cbs, void *arg)
+{
+    px_upstream *u = px_xcalloc(1, sizeof *u);
+    u->loop = l;
+    u->cbs = *cbs;
+    u->arg = arg;
+    u->easy = curl_easy_init();
+    if (!u->easy) {
+        free(u);
+        return NULL;
+    }
+    CURL *e = u->easy;
+    curl_easy_setopt(e, CURLOPT_URL, url);
+    curl_easy_setopt(e, CURLOPT_POST, 1L);
+    curl_easy_setopt(e, CURLOPT_POSTFIELDS, body);
+    curl_easy_setopt(e, CURLOPT_POSTFIELDSIZE_LARGE, (curl_off_t)len);
+    curl_easy_setopt(e, CURLOPT_HTTPHEADER, hdrs);
+    curl_easy_setopt(e, CURLOPT_HTTP_VERSION, (long)CURL_HTTP_VERSION_1_1);
+    curl_easy_setopt(e, CURLOPT_NOSIGNAL, 1L);
+    curl_easy_setopt(e, CURLOPT_TCP_NODELAY, 1L);
+    curl_easy_setopt(e, CURLOPT_PRIVATE, u);
+    curl_easy_setopt(e, CURLOPT_ERRORBUFFER, u->errbuf);
+    curl_easy_setopt(e, CURLOPT_HEADERFUNCTION, header_cb);
+    curl_easy_setopt(e, CURLOPT_HEADERDATA, u);
+    curl_easy_setopt(e, CURLOPT_WRITEFUNCTION, write_cb);
+    curl_easy_setopt(e, CURLOPT_WRITEDATA, u);
+    curl_easy_setopt(e, CURLOPT_CONNECTTIMEOUT_MS, o->connect_timeout_ms);
+    if (o->total_timeout_ms > 0) curl_easy_setopt(e, CURLOPT_TIMEOUT_MS, o->total_timeout_ms);
+    if (o->idle_timeout_s > 0) {
+        curl_easy_setopt(e, CURLOPT_LOW_SPEED_LIMIT, 1L);
+        curl_easy_setopt(e, CURLOPT_LOW_SPEED_TIME, o->idle_timeout_s);
+    }
+    /* Only http and https upstreams; no redirects followed. */
+    curl_easy_setopt(e, CURLOPT_PROTOCOLS_STR, "http,https");
+    if (curl_multi_add_handle(l->multi, e) != CURLM_OK) {
+        curl_easy_cleanup(e);
+        free(u);
+        return NULL;
+    }
+    u->next = l->live;
+    if (l->live) l->live->prev = u;
+    l->live = u;
+    return u;
+}
+
+void px_upstream_resume(px_upstream *u)
+{
+    if (!u->paused) return;
+    u->paused = 0;
+    /* May call write_cb synchronously with the data held back; a second
+     * pause sets u->paused again. */
+    curl_easy_pause(u->easy, CURLPAUSE_CONT);
+}
+
+void px_upstream_cancel(px_upstream *u)
+{
+    if (!u) return;
+    curl_multi_remove_handle(u->loop->multi, u->easy);
+    free_up(u);
+}
+
+int px_upstream_status_for(CURLcode rc)
+{
+    return rc == CURLE_OPERATION_TIMEDOUT ? 504 : 502;
+}

@@ -1,0 +1,46 @@
+/* Small shared helpers: checked allocation, growable byte buffers, ids. */
+#ifndef PX_UTIL_H
+#define PX_UTIL_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+/* Allocation that never returns NULL: on exhaustion it logs and aborts the
+ * process, because every caller would otherwise have to unwind a half-built
+ * request with no memory to report the error in. */
+void *px_xmalloc(size_t n);
+void *px_xcalloc(size_t n, size_t size);
+void *px_xrealloc(void *p, size_t n);
+char *px_xstrdup(const char *s);
+char *px_xstrndup(const char *s, size_t n);
+
+/* A growable byte buffer. `data` is owned; always NUL-terminated past `len`
+ * so text can be passed to C string functions. */
+typedef struct px_buf {
+    char *data;
+    size_t len;
+    size_t cap;
+} px_buf;
+
+void px_buf_init(px_buf *b);
+void px_buf_cleanup(px_buf *b);
+void px_buf_reserve(px_buf *b, size_t extra);
+void px_buf_append(px_buf *b, const void *p, size_t n);
+void px_buf_appends(px_buf *b, const char *s);
+void px_buf_printf(px_buf *b, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+void px_buf_reset(px_buf *b);
+
+/* Monotonic clock in nanoseconds. */
+uint64_t px_now_ns(void);
+
+/* Per-thread random numbers (xoshiro256**, seeded from getrandom). */
+uint64_t px_rand64(void);
+
+/* Writes a random RFC 4122 version-4 UUID in lowercase text (36 chars + NUL). */
+void px_uuid4(char out[37]);
+
+/* Appends `s` to `b` as a JSON string literal (with quotes), escaping as
+ * RFC 8259 requires. */
+void px_buf_append_json_str(px_buf *b, const char *s, size_t n);
+
+#endif
