@@ -1,0 +1,122 @@
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <cmocka.h>
+#include <string.h>
+
+#include "http.h"
+
+static int parse(const char *s, px_http_head *h, const char **why)
+{
+    return px_http_parse_head(s, strlen(s), h, why);
+}
+
+static void test_simple_request(void **state)
+{
+    px_http_head h;
+    const char *why = NULL;
+    assert_int_equal(parse("POST /v1/completions?x=1 HTTP/1.1\r\nHost: a\r\n"
+                           "Content-Length: 12\r\nX-Request-Id:  abc \r\n\r\n",
+                           &h, &why),
+                     0);
+    assert_int_equal(h.method_len, 4);
+    assert_memory_equal(h.target, "/v1/completions?x=1", h.target_len);
+    assert_int_equal(h.minor, 1);
+    assert_int_equal(h.content_length, 12);
+    assert_true(h.keep_alive);
+    const px_http_header *x = px_http_find(&h, "x-request-id");
+    assert_non_null(x);
+    assert_int_equal(x->value_len, 3);
+    assert_memory_equal(x->value, "abc", 3);
+}
+
+static void test_keep_alive_rules(void **state)
+{
+    px_http_head h;
+    const char *why;
+    assert_int_equal(parse("GET / HTTP/1.0\r\n\r\n", &h, &why), 0);
+    assert_false(h.keep_alive);
+    assert_int_equal(parse("GET / HTTP/1.0\r\nConnection: keep-alive\r\n\r\n", &h, &why), 0);
+    assert_true(h.keep_alive);
+    assert_int_equal(parse("GET / HTTP/1.1\r\nConnection: foo, close\r\n\r\n", &h, &why), 0);
+    assert_false(h.keep_alive);
+}
+
+static void test_smuggling_shapes_rejected(void **state)
+{
+    px_http_head h;
+    const char *why;
+    assert_int_equal(parse("POST / HTTP/1.1\r\nContent-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n",
+                           &h, &why), 400);
+    assert_int_equal(parse("POST / HTTP/1.1\r\nContent-Length: 5\r\nContent-Length: 6\r\n\r\n",
+                           &h, &why), 400);
+    assert_int_equal(parse("POST / HTTP/1.1\r\nContent-Length: 5\r\nContent-Length: 5\r\n\r\n",
+                           &h, &why), 0);
+    assert_int_equal(parse("POST / HTTP/1.1\r\nX: a\r\n  folded\r\n\r\n", &h, &why), 400);
+    assert_int_equal(parse("POST / HTTP/1.1\r\nContent-Length : 5\r\n\r\n", &h, &why), 400);
+    assert_int_equal(parse("POST / HTTP/1.1\r\nContent-Length: -5\r\n\r\n", &h, &why), 400);
+    assert_int_equal(parse("POST / HTTP/1.1\r\nContent-Length: 5, 5\r\n\r\n", &h, &why), 400);
+    assert_int_equal(parse("POST / HTTP/1.1\r\nTransfer-Encoding: gzip\r\n\r\n", &h, &why), 501);
+    assert_int_equal(parse("POST / HTTP/1.0\r\nTransfer-Encoding: chunked\r\n\r\n", &h, &why), 400);
+    assert_int_equal(parse("GET / HTTP/2.0\r\n\r\n", &h, &why), 505);
+    assert_int_equal(parse("GET /\r\n\r\n", &h, &why), 400);
+    assert_int_equal(parse("GET / HTTP/1.1\r\nX: a\rb\r\n\r\n", &h, &why), 400);
+    assert_int_equal(parse("GET / HTTP/1.1\nX: a\r\n\r\n", &h, &why), 400);
+}
+
+static void test_too_many_headers(void **state)
+{
+    px_buf b;
+    px_buf_init(&b);
+    px_buf_appends(&b, "GET / HTTP/1.1\r\n");
+    for (int i = 0; i < PX_HTTP_MAX_HEADERS + 1; i++) px_buf_printf(&b, "X-%d: v\r\n", i);
+    px_buf_appends(&b, "\r\n");
+    px_http_head h;
+    const char *why;
+    assert_int_equal(px_http_parse_head(b.data, b.len, &h, &why), 431);
+    px_buf_cleanup(&b);
+}
+
+static void test_chunked_decoder(void **state)
+{
+    const char *in = "5;ext=1\r\nhello\r\n6\r\n world\r\n0\r\nTrailer: x\r\n\r\nNEXT";
+    px_chunked c;
+    px_buf out;
+    px_buf_init(&out);
+    /* Byte by byte, to cover every state boundary. */
+    px_chunked_init(&c);
+    size_t used = 0;
+    for (size_t i = 0; i < strlen(in) && !c.done; i++) {
+        long r = px_chunked_feed(&c, in + i, 1, &out, 1000);
+        assert_true(r >= 0);
+        used += (size_t)r;
+    }
+    assert_true(c.done);
+    assert_string_equal(out.data, "hello world");
+    assert_int_equal(used, strlen(in) - 4);
+    /* Whole, and too big. */
+    px_buf_reset(&out);
+    px_chunked_init(&c);
+    assert_int_equal(px_chunked_feed(&c, in, strlen(in), &out, 5), -2);
+    /* Malformed framing. */
+    const char *bad[] = {"x\r\n", "\r\n", "5\r\nhelloX\r\n", "5\nhello"};
+    for (size_t i = 0; i < 4; i++) {
+        px_buf_reset(&out);
+        px_chunked_init(&c);
+        assert_int_equal(px_chunked_feed(&c, bad[i], strlen(bad[i]), &out, 100), -1);
+    }
+    px_buf_cleanup(&out);
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_simple_request),
+        cmocka_unit_test(test_keep_alive_rules),
+        cmocka_unit_test(test_smuggling_shapes_rejected),
+        cmocka_unit_test(test_too_many_headers),
+        cmocka_unit_test(test_chunked_decoder),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}

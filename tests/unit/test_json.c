@@ -1,0 +1,109 @@
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <cmocka.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "json.h"
+
+static px_json_type v(const char *s)
+{
+    char err[128];
+    return px_json_validate(s, strlen(s), err, sizeof err);
+}
+
+static void test_valid_documents(void **state)
+{
+    assert_int_equal(v("{}"), PX_JSON_OBJECT);
+    assert_int_equal(v(" { \"a\" : [1, -2.5e+3, true, false, null, \"x\"] } "), PX_JSON_OBJECT);
+    assert_int_equal(v("[]"), PX_JSON_ARRAY);
+    assert_int_equal(v("18446744073709551615"), PX_JSON_NUMBER);
+    assert_int_equal(v("\"\\u00e9\\ud83d\\ude00 \xc3\xa9 \xf0\x9f\x98\x80\""), PX_JSON_STRING);
+}
+
+static void test_invalid_documents(void **state)
+{
+    const char *bad[] = {"",       "{",          "{\"a\"}",     "{\"a\":1,}", "[1,]",
+                         "01",     "1.",         "-",           "1e",         "tru",
+                         "{} {}",  "\"\\x\"",    "\"\\u12\"",   "\"a\nb\"",   "nul",
+                         "\"\xff\"", "\"\xc0\xaf\"", "\"\xed\xa0\x80\"", "{1:2}", "[1 2]"};
+    for (size_t i = 0; i < sizeof bad / sizeof *bad; i++) {
+        char err[128] = "";
+        assert_int_equal(px_json_validate(bad[i], strlen(bad[i]), err, sizeof err),
+                         PX_JSON_INVALID);
+        assert_true(err[0] != '\0');
+    }
+}
+
+static void test_depth_limit(void **state)
+{
+    size_t n = 10000;
+    char *s = malloc(2 * n + 1);
+    memset(s, '[', n);
+    memset(s + n, ']', n);
+    s[2 * n] = 0;
+    char err[128];
+    assert_int_equal(px_json_validate(s, 2 * n, err, sizeof err), PX_JSON_INVALID);
+    assert_non_null(strstr(err, "nesting too deep"));
+    /* Exactly at the limit is fine. */
+    size_t k = PX_JSON_MAX_DEPTH;
+    memset(s, '[', k);
+    memset(s + k, ']', k);
+    assert_int_equal(px_json_validate(s, 2 * k, err, sizeof err), PX_JSON_ARRAY);
+    free(s);
+}
+
+static void test_iterate_members(void **state)
+{
+    const char *s = "{ \"a\" : 1 , \"b\":{\"c\":[1,2]},\"d\":\"x\" }";
+    px_json_iter it;
+    px_json_member m;
+    assert_int_equal(px_json_iter_init(&it, s, strlen(s)), 0);
+    assert_int_equal(px_json_iter_next(&it, &m), 1);
+    assert_true(px_json_str_eq(m.key, m.key_len, "a"));
+    assert_int_equal(m.type, PX_JSON_NUMBER);
+    assert_memory_equal(m.val, "1", 1);
+    assert_int_equal(px_json_iter_next(&it, &m), 1);
+    assert_int_equal(m.type, PX_JSON_OBJECT);
+    assert_int_equal(m.val_len, strlen("{\"c\":[1,2]}"));
+    assert_int_equal(px_json_iter_next(&it, &m), 1);
+    assert_int_equal(m.type, PX_JSON_STRING);
+    assert_int_equal(px_json_iter_next(&it, &m), 0);
+    assert_int_equal(px_json_iter_init(&it, "[1]", 3), -1);
+}
+
+static void test_key_escapes(void **state)
+{
+    assert_true(px_json_str_eq("\\u0073tream", 11, "stream"));
+    assert_true(px_json_str_eq("stream", 6, "stream"));
+    assert_false(px_json_str_eq("streams", 7, "stream"));
+    assert_false(px_json_str_eq("\\u0073trea", 10, "stream"));
+    assert_false(px_json_str_eq("str\\u00e9am", 11, "stream"));
+    char out[16];
+    assert_int_equal(px_json_str_decode("a\\u00e9\\n", 9, out, sizeof out), 4);
+    assert_string_equal(out, "a\xc3\xa9\n");
+    assert_int_equal(px_json_str_decode("\\ud83d\\ude00", 12, out, sizeof out), 4);
+    assert_memory_equal(out, "\xf0\x9f\x98\x80", 4);
+    assert_int_equal(px_json_str_decode("abcdef", 6, out, 4), -1);
+}
+
+static void test_find_last_duplicate(void **state)
+{
+    const char *s = "{\"k\":1,\"x\":2,\"k\":3}";
+    px_json_member m;
+    assert_int_equal(px_json_find(s, strlen(s), "k", &m), 1);
+    assert_memory_equal(m.val, "3", 1);
+    assert_int_equal(px_json_find(s, strlen(s), "nope", &m), 0);
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_valid_documents),   cmocka_unit_test(test_invalid_documents),
+        cmocka_unit_test(test_depth_limit),       cmocka_unit_test(test_iterate_members),
+        cmocka_unit_test(test_key_escapes),       cmocka_unit_test(test_find_last_duplicate),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}

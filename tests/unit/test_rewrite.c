@@ -1,0 +1,103 @@
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <cmocka.h>
+#include <string.h>
+
+#include "rewrite.h"
+
+static void check_prefill(const char *in, const char *want)
+{
+    px_buf b;
+    px_buf_init(&b);
+    assert_int_equal(px_rewrite_prefill(in, strlen(in), &b), 0);
+    assert_string_equal(b.data, want);
+    px_buf_cleanup(&b);
+}
+
+#define KVP PX_PREFILL_KV_PARAMS
+
+static void test_prefill_rewrite(void **state)
+{
+    check_prefill("{}", "{\"kv_transfer_params\":" KVP ",\"stream\":false,\"max_tokens\":1}");
+    check_prefill("{\"prompt\":\"hi\",\"stream\":true,\"stream_options\":{\"include_usage\":true},"
+                  "\"max_tokens\":50,\"min_tokens\":3,\"seed\":18446744073709551615}",
+                  "{\"prompt\":\"hi\",\"seed\":18446744073709551615,\"kv_transfer_params\":" KVP
+                  ",\"stream\":false,\"max_tokens\":1}");
+    /* max_completion_tokens only when the client sent it; min_completion_tokens dropped. */
+    check_prefill("{\"messages\":[],\"max_completion_tokens\":9,\"min_completion_tokens\":2}",
+                  "{\"messages\":[],\"kv_transfer_params\":" KVP
+                  ",\"stream\":false,\"max_tokens\":1,\"max_completion_tokens\":1}");
+    /* A client's kv_transfer_params, even spelled with escapes or repeated, is dropped. */
+    check_prefill("{\"kv_transfer_params\":{\"remote_host\":\"evil\"},\"a\" : 1,"
+                  "\"kv_transfer_\\u0070arams\":{\"x\":1}}",
+                  "{\"a\":1,\"kv_transfer_params\":" KVP ",\"stream\":false,\"max_tokens\":1}");
+}
+
+static void test_prefill_rejects_non_object(void **state)
+{
+    px_buf b;
+    px_buf_init(&b);
+    assert_int_equal(px_rewrite_prefill("[1]", 3, &b), -1);
+    px_buf_cleanup(&b);
+}
+
+static void test_decode_rewrite(void **state)
+{
+    const char *client = "{\"prompt\":\"h\\u00e9\",\"stream\":true,\"kv_transfer_params\":{\"evil\":1}}";
+    const char *kvp = "{\"remote_request_id\":\"cmpl-1-0-abcd\",\"n\":9007199254740993,\"f\":1e-7}";
+    px_buf b;
+    px_buf_init(&b);
+    assert_int_equal(px_rewrite_decode(client, strlen(client), kvp, strlen(kvp), &b), 0);
+    assert_string_equal(b.data, "{\"prompt\":\"h\\u00e9\",\"stream\":true,\"kv_transfer_params\":"
+                                "{\"remote_request_id\":\"cmpl-1-0-abcd\",\"n\":9007199254740993,"
+                                "\"f\":1e-7}}");
+    px_buf_reset(&b);
+    assert_int_equal(px_rewrite_decode(client, strlen(client), NULL, 0, &b), 0);
+    assert_string_equal(b.data, "{\"prompt\":\"h\\u00e9\",\"stream\":true}");
+    px_buf_reset(&b);
+    assert_int_equal(px_rewrite_decode("{}", 2, NULL, 0, &b), 0);
+    assert_string_equal(b.data, "{}");
+    px_buf_reset(&b);
+    assert_int_equal(px_rewrite_decode("{\"kv_transfer_params\":1}", 24, NULL, 0, &b), 0);
+    assert_string_equal(b.data, "{}");
+    px_buf_cleanup(&b);
+}
+
+static void test_extract(void **state)
+{
+    const char *kvp;
+    size_t n;
+    char err[64];
+    const char *ok = "{\"id\":\"x\",\"kv_transfer_params\":{\"remote_request_id\":\"r:1\",\"b\":[[1],[2]]}}";
+    assert_int_equal(px_extract_kv_params(ok, strlen(ok), &kvp, &n, err, sizeof err), PX_KVP_OK);
+    assert_int_equal(n, strlen("{\"remote_request_id\":\"r:1\",\"b\":[[1],[2]]}"));
+    const char *norid = "{\"kv_transfer_params\":{\"remote_block_ids\":[1]}}";
+    assert_int_equal(px_extract_kv_params(norid, strlen(norid), &kvp, &n, err, sizeof err),
+                     PX_KVP_NO_REQUEST_ID);
+    const char *nullrid = "{\"kv_transfer_params\":{\"remote_request_id\":null}}";
+    assert_int_equal(px_extract_kv_params(nullrid, strlen(nullrid), &kvp, &n, err, sizeof err),
+                     PX_KVP_NO_REQUEST_ID);
+    const char *none = "{\"choices\":[]}";
+    assert_int_equal(px_extract_kv_params(none, strlen(none), &kvp, &n, err, sizeof err),
+                     PX_KVP_MISSING);
+    const char *nul = "{\"kv_transfer_params\":null}";
+    assert_int_equal(px_extract_kv_params(nul, strlen(nul), &kvp, &n, err, sizeof err),
+                     PX_KVP_MISSING);
+    assert_int_equal(px_extract_kv_params("<html>", 6, &kvp, &n, err, sizeof err),
+                     PX_KVP_BAD_RESPONSE);
+    assert_int_equal(px_extract_kv_params("[]", 2, &kvp, &n, err, sizeof err),
+                     PX_KVP_BAD_RESPONSE);
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_prefill_rewrite),
+        cmocka_unit_test(test_prefill_rejects_non_object),
+        cmocka_unit_test(test_decode_rewrite),
+        cmocka_unit_test(test_extract),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
