@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Installs what is missing, builds pdproxy twice (optimised, and with
+# AddressSanitizer + UndefinedBehaviorSanitizer) and runs every test in both.
+#
+#   tests/run_all.sh            everything
+#   SKIP_SANITIZE=1 tests/run_all.sh   only the optimised build
+set -euo pipefail
+cd "$(dirname "$0")/.."
+root=$PWD
+jobs=$(nproc 2>/dev/null || echo 2)
+
+deploy/local/install-deps.sh
+
+run_suite() {
+    local dir=$1; shift
+    echo "=== configure $dir ($*)"
+    cmake -S "$root" -B "$dir" -DCMAKE_BUILD_TYPE=RelWithDebInfo "$@" >/dev/null
+    echo "=== build $dir"
+    cmake --build "$dir" -j "$jobs" 2>&1 | grep -Ev '^\[ *[0-9]+%\]|^-- ' || true
+    # The grep above hides progress lines; a failed build must still fail here.
+    cmake --build "$dir" -j "$jobs" >/dev/null
+    echo "=== test $dir"
+    ctest --test-dir "$dir" --output-on-failure --timeout 300
+}
+
+run_suite build
+if [ -z "${SKIP_SANITIZE:-}" ]; then
+    export ASAN_OPTIONS=${ASAN_OPTIONS:-detect_leaks=1:abort_on_error=0:exitcode=23}
+    export UBSAN_OPTIONS=${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1}
+    if [ -f "$root/tests/lsan.supp" ]; then
+        export LSAN_OPTIONS=${LSAN_OPTIONS:-suppressions=$root/tests/lsan.supp}
+    fi
+    run_suite build-asan -DSANITIZE=address,undefined
+fi
