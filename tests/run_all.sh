@@ -16,9 +16,10 @@ run_suite() {
     echo "=== configure $dir ($*)"
     cmake -S "$root" -B "$dir" -DCMAKE_BUILD_TYPE=RelWithDebInfo "$@" >/dev/null
     echo "=== build $dir"
-    cmake --build "$dir" -j "$jobs" 2>&1 | grep -Ev '^\[ *[0-9]+%\]|^-- ' || true
-    # The grep above hides progress lines; a failed build must still fail here.
-    cmake --build "$dir" -j "$jobs" >/dev/null
+    if ! cmake --build "$dir" -j "$jobs" >"$dir/build.log" 2>&1; then
+        cat "$dir/build.log"
+        exit 1
+    fi
     echo "=== test $dir"
     ctest --test-dir "$dir" --output-on-failure --timeout 300
 }
