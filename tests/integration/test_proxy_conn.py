@@ -1,0 +1,215 @@
+#!/usr/bin/env python3
+"""Connections: client keep-alive, upstream connection reuse, HTTP/1.0
+clients, worker threads under parallel load, cancelling P when the client
+goes away."""
+
+import json
+import os
+import sys
+import threading
+import time
+import unittest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import pxtest  # noqa: E402
+from pxtest import Hang, PxTestCase, RawClient, Respond, Stream, http_request, strict_json  # noqa: E402
+
+
+def echo_decode(req):
+    """D answer naming the client's prompt, to catch cross-talk between requests."""
+    prompt = strict_json(req.body)["prompt"]
+    body = json.dumps({"choices": [{"text": "echo:" + prompt}]}).encode()
+    return Respond(200, [("Content-Type", "application/json")], body)
+
+
+class KeepAliveTest(PxTestCase):
+    def setUp(self):
+        super().setUp()
+        self.P = self.mock(pxtest.prefill_handler(), name="P")
+        self.D = self.mock(echo_decode, name="D")
+
+    def test_client_keepalive_and_upstream_reuse(self):
+        px = self.start_proxy([self.P], [self.D], threads=1)
+        c = RawClient(px.port)
+        self.addCleanup(c.close)
+        n = 6
+        for i in range(n):
+            c.request("POST", "/v1/completions", pxtest.completion_body(prompt="ka-%d" % i))
+            r = c.read_response(timeout=5)
+            self.assertEqual(r.status, 200, r)
+            self.assertTrue(r.complete, r)
+            self.assertFalse(r.eof, "pdproxy closed a keep-alive connection after request %d" % i)
+            self.assertNotEqual((r.header("connection") or "").lower(), "close")
+            self.assertEqual(r.json(), {"choices": [{"text": "echo:ka-%d" % i}]})
+        self.assertEqual(len(self.P.requests), n)
+        self.assertEqual(len(self.D.requests), n)
+        p_conns = set(self.P.conn_ids())
+        d_conns = set(self.D.conn_ids())
+        self.assertLess(len(p_conns), n, "no upstream reuse towards P: conns %r" % self.P.conn_ids())
+        self.assertLess(len(d_conns), n, "no upstream reuse towards D: conns %r" % self.D.conn_ids())
+
+    def test_upstream_reuse_after_streams(self):
+        events = pxtest.sse_events(["x", "y"])
+        self.D.set_handler(lambda req: Stream(200, [("Content-Type", "text/event-stream")],
+                                              [(0, e) for e in events]))
+        px = self.start_proxy([self.P], [self.D], threads=1)
+        n = 5
+        for i in range(n):
+            # A fresh client connection each time: reuse is pdproxy's doing.
+            r = pxtest.raw_exchange(px.port, "POST", "/v1/completions",
+                                    pxtest.completion_body(stream=True))
+            self.assertEqual(r.status, 200)
+            self.assertTrue(r.complete, r)
+            self.assertEqual(bytes(r.body), b"".join(events))
+        self.assertLess(len(set(self.D.conn_ids())), n, "D conns %r" % self.D.conn_ids())
+        self.assertLess(len(set(self.P.conn_ids())), n, "P conns %r" % self.P.conn_ids())
+
+    def test_keepalive_mixed_paths_and_errors(self):
+        px = self.start_proxy([self.P], [self.D], threads=1)
+        c = RawClient(px.port)
+        self.addCleanup(c.close)
+        c.request("GET", "/healthcheck")
+        r = c.read_response(method="GET")
+        self.assertEqual(r.status, 200)
+        c.request("POST", "/v1/completions", b"not json")
+        r = c.read_response()
+        self.assertEqual(r.status, 400)
+        self.assertTrue(r.complete)
+        if r.eof:
+            return  # closing after an error is allowed
+        c.request("POST", "/v1/chat/completions", pxtest.chat_body(prompt="z"))
+        r = c.read_response()
+        self.assertEqual(r.status, 200, r)
+
+    def test_http10_client(self):
+        px = self.start_proxy([self.P], [self.D])
+        c = RawClient(px.port)
+        self.addCleanup(c.close)
+        c.request("POST", "/v1/completions", pxtest.completion_body(prompt="old"),
+                  version="HTTP/1.0")
+        r = c.read_response(timeout=5)
+        self.assertEqual(r.status, 200, r)
+        self.assertNotEqual(r.framing, "chunked", "chunked sent to an HTTP/1.0 client")
+        self.assertTrue(r.complete, r)
+        self.assertEqual(r.json(), {"choices": [{"text": "echo:old"}]})
+
+
+class ThreadsTest(PxTestCase):
+
+    def test_parallel_clients_threads_4(self):
+        ps = [self.mock(pxtest.prefill_handler(), name="p%d" % i) for i in range(2)]
+        ds = [self.mock(echo_decode, name="d%d" % i) for i in range(2)]
+        px = self.start_proxy(ps, ds, threads=4)
+        n_clients, n_each = 24, 3
+        failures = []
+        ids = []
+        lock = threading.Lock()
+
+        def client(k):
+            try:
+                for j in range(n_each):
+                    prompt = "c%d-r%d" % (k, j)
+                    r = http_request(px.port, "POST", "/v1/completions",
+                                     pxtest.completion_body(prompt=prompt), timeout=20)
+                    ok = (r.status == 200 and r.json() == {"choices": [{"text": "echo:" + prompt}]})
+                    with lock:
+                        ids.append(r.header("x-request-id"))
+                        if not ok:
+                            failures.append((prompt, r.status, r.body[:200]))
+            except Exception as e:
+                with lock:
+                    failures.append((k, repr(e)))
+
+        threads = [threading.Thread(target=client, args=(k,)) for k in range(n_clients)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+        self.assertFalse(any(t.is_alive() for t in threads), "clients still running")
+        self.assertEqual(failures, [])
+        total = n_clients * n_each
+        self.assertEqual(sum(len(m.requests) for m in ps), total)
+        self.assertEqual(sum(len(m.requests) for m in ds), total)
+        self.assertEqual(len(set(ids)), total, "request ids not unique")
+
+    def test_parallel_streams_threads_4(self):
+        P = self.mock(pxtest.prefill_handler(), name="P")
+        events = pxtest.sse_events(["a", "b", "c"])
+        D = self.mock(lambda req: Stream(200, [("Content-Type", "text/event-stream")],
+                                         [(0.05, e) for e in events]), name="D")
+        px = self.start_proxy([P], [D], threads=4)
+        results = []
+        lock = threading.Lock()
+
+        def client():
+            try:
+                r = pxtest.raw_exchange(px.port, "POST", "/v1/completions",
+                                        pxtest.completion_body(stream=True), timeout=20)
+                ok = r.status == 200 and r.complete and bytes(r.body) == b"".join(events)
+            except Exception as e:
+                ok = repr(e)
+            with lock:
+                results.append(ok)
+
+        threads = [threading.Thread(target=client) for _ in range(16)]
+        t0 = time.monotonic()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=30)
+        self.assertEqual(results, [True] * 16)
+        # 16 streams of 4 x 50 ms run concurrently, not one after another (~3.2 s).
+        self.assertLess(time.monotonic() - t0, 2.5)
+
+
+class CancelPrefillTest(PxTestCase):
+    def setUp(self):
+        super().setUp()
+        self.P = self.mock(lambda req: Hang(max_s=10), name="P")
+        self.D = self.mock(pxtest.decode_handler(), name="D")
+
+    def _cancel_during_p(self, rst):
+        px = self.start_proxy([self.P], [self.D])
+        c = RawClient(px.port)
+        c.request("POST", "/v1/completions", pxtest.completion_body())
+        reqs = self.P.wait_requests(1, timeout=5)
+        self.assertEqual(len(reqs), 1, "P never got the request")
+        pconn = reqs[0].conn
+        t0 = c.close(rst=rst)
+        t_closed = pconn.wait_closed(3.0)
+        self.assertIsNotNone(t_closed, "pdproxy kept waiting on P after the client left")
+        self.assertTrue(pconn.closed_by_peer)
+        self.assertLessEqual(t_closed - t0, 0.3, "P closed %.0f ms after the client left"
+                             % ((t_closed - t0) * 1000))
+        time.sleep(0.3)  # give a wrong D request time to show up
+        self.assertEqual(self.D.requests, [])
+        # pdproxy still serves.
+        self.P.set_handler(pxtest.prefill_handler())
+        r = http_request(px.port, "POST", "/v1/completions", pxtest.completion_body())
+        self.assertEqual(r.status, 200, r.body)
+
+    def test_client_close_cancels_p(self):
+        self._cancel_during_p(rst=False)
+
+    def test_client_reset_cancels_p(self):
+        self._cancel_during_p(rst=True)
+
+    def test_no_decode_after_client_left(self):
+        # P answers 0.4 s later whatever happens (if pdproxy still listens):
+        # D must not be called for a client that is gone.
+        def slow_p(req):
+            time.sleep(0.4)
+            return pxtest.prefill_handler()(req)
+
+        self.P.set_handler(slow_p)
+        px = self.start_proxy([self.P], [self.D])
+        c = RawClient(px.port)
+        c.request("POST", "/v1/completions", pxtest.completion_body())
+        self.assertEqual(len(self.P.wait_requests(1, timeout=5)), 1)
+        c.close()
+        time.sleep(0.8)
+        self.assertEqual(self.D.requests, [], "D called for a client that had left")
+
+
+if __name__ == "__main__":
+    pxtest.main()

@@ -1,0 +1,206 @@
+#!/usr/bin/env python3
+"""Errors: OpenAI-style JSON for client mistakes (400/404/405/413), P's 4xx
+passed through, upstream failures (502/504), D failing mid-stream."""
+
+import json
+import os
+import sys
+import time
+import unittest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import pxtest  # noqa: E402
+from pxtest import (CloseBeforeHeaders, PxTestCase, RawClient, Reset, Respond, Stream,  # noqa: E402
+                    http_request, raw_exchange)
+
+
+class ClientErrorTest(PxTestCase):
+    def setUp(self):
+        super().setUp()
+        self.P = self.mock(pxtest.prefill_handler(), name="P")
+        self.D = self.mock(pxtest.decode_handler(), name="D")
+
+    def test_body_not_json_400(self):
+        px = self.start_proxy([self.P], [self.D])
+        for body in (b"not json", b"{", b'{"a":1} trailing', b"", b"\xff\xfe{}",
+                     b'{"prompt":"x",}'):
+            with self.subTest(body=body):
+                r = http_request(px.port, "POST", "/v1/completions", body)
+                self.assertErrorJson(r, 400)
+        self.assertEqual(self.P.requests, [])
+        self.assertEqual(self.D.requests, [])
+
+    def test_json_not_object_400(self):
+        px = self.start_proxy([self.P], [self.D])
+        for path in ("/v1/completions", "/v1/chat/completions"):
+            for body in (b"[1,2]", b'"prompt"', b"42", b"null", b"true"):
+                with self.subTest(path=path, body=body):
+                    r = http_request(px.port, "POST", path, body)
+                    self.assertErrorJson(r, 400)
+        self.assertEqual(self.P.requests, [])
+
+    def test_unknown_path_404(self):
+        px = self.start_proxy([self.P], [self.D])
+        for method, path in (("POST", "/v1/nope"), ("GET", "/nope"), ("POST", "/v1/completions/x"),
+                             ("POST", "/v2/completions")):
+            with self.subTest(method=method, path=path):
+                r = http_request(px.port, method, path, b"{}" if method == "POST" else None)
+                self.assertErrorJson(r, 404)
+        self.assertEqual(self.P.requests, [])
+
+    def test_wrong_method_405(self):
+        px = self.start_proxy([self.P], [self.D])
+        for method, path in (("GET", "/v1/completions"), ("GET", "/v1/chat/completions"),
+                             ("PUT", "/v1/completions"), ("DELETE", "/v1/chat/completions"),
+                             ("POST", "/healthcheck")):
+            with self.subTest(method=method, path=path):
+                body = b"{}" if method in ("PUT", "POST") else None
+                r = http_request(px.port, method, path, body)
+                self.assertErrorJson(r, 405)
+        self.assertEqual(self.P.requests, [])
+
+    def test_body_over_limit_413(self):
+        px = self.start_proxy([self.P], [self.D], extra=["--max-body-bytes", "1000"])
+        base = b'{"model":"m","prompt":"'
+        tail = b'"}'
+
+        def body_of(n):
+            return base + b"a" * (n - len(base) - len(tail)) + tail
+
+        r = http_request(px.port, "POST", "/v1/completions", body_of(1000))
+        self.assertEqual(r.status, 200, "a body of exactly the limit is accepted: %r" % r.body)
+        r = http_request(px.port, "POST", "/v1/completions", body_of(1001))
+        self.assertErrorJson(r, 413)
+        r = raw_exchange(px.port, "POST", "/v1/completions", body_of(5000), chunked=True)
+        self.assertErrorJson(r, 413, "chunked request")
+        self.assertEqual(len(self.P.requests), 1)
+        self.assertEqual(len(self.D.requests), 1)
+
+
+class PrefillErrorTest(PxTestCase):
+    def setUp(self):
+        super().setUp()
+        self.P = self.mock(pxtest.prefill_handler(), name="P")
+        self.D = self.mock(pxtest.decode_handler(), name="D")
+
+    def test_p_4xx_passed_through(self):
+        px = self.start_proxy([self.P], [self.D])
+        for status in (400, 401, 404, 422, 429):
+            body = ('{"object":"error","message":"p says no %d","type":"BadRequestError",'
+                    '"param":null,"code":%d}\n' % (status, status)).encode()
+            self.P.set_handler(lambda req, s=status, b=body: Respond(
+                s, [("Content-Type", "application/json")], b))
+            with self.subTest(status=status):
+                r = raw_exchange(px.port, "POST", "/v1/completions", pxtest.completion_body())
+                self.assertEqual(r.status, status)
+                self.assertTrue(r.complete, r)
+                self.assertEqual(bytes(r.body), body)
+        self.assertEqual(self.D.requests, [])
+
+    def _expect_502(self, handler=None, p_port=None, n=1):
+        if handler is not None:
+            self.P.set_handler(handler)
+        px = self.start_proxy([p_port or self.P], [self.D])
+        for _ in range(n):
+            r = http_request(px.port, "POST", "/v1/completions", pxtest.completion_body())
+            self.assertErrorJson(r, 502)
+        self.assertEqual(self.D.requests, [])
+        return px
+
+    def test_p_5xx_502(self):
+        for status in (500, 503):
+            with self.subTest(status=status):
+                self._expect_502(lambda req, s=status: Respond(
+                    s, [("Content-Type", "text/plain")], b"internal boom"))
+
+    def test_p_refused_502(self):
+        self._expect_502(p_port=pxtest.closed_port(), n=2)
+
+    def test_p_reset_502(self):
+        self._expect_502(lambda req: Reset(), n=2)
+
+    def test_p_close_before_headers_502(self):
+        self._expect_502(lambda req: CloseBeforeHeaders(), n=2)
+
+    def test_p_connect_timeout_504(self):
+        bh = self.blackhole()
+        if not bh.works:
+            self.skipTest("cannot make a blackhole listener on this host")
+        px = self.start_proxy([bh.port], [self.D], extra=["--connect-timeout", "0.3"])
+        t0 = time.monotonic()
+        r = http_request(px.port, "POST", "/v1/completions", pxtest.completion_body())
+        dt = time.monotonic() - t0
+        self.assertErrorJson(r, 504)
+        self.assertGreaterEqual(dt, 0.25, "answered before the connect timeout")
+        self.assertLess(dt, 2.5, "connect timeout 0.3 s took %.2fs" % dt)
+        self.assertEqual(self.D.requests, [])
+
+
+class DecodeErrorTest(PxTestCase):
+    def setUp(self):
+        super().setUp()
+        self.P = self.mock(pxtest.prefill_handler(), name="P")
+        self.D = self.mock(pxtest.decode_handler(), name="D")
+
+    def _expect(self, status, handler=None, d_port=None, n=2):
+        if handler is not None:
+            self.D.set_handler(handler)
+        px = self.start_proxy([self.P], [d_port or self.D])
+        for _ in range(n):
+            r = http_request(px.port, "POST", "/v1/completions", pxtest.completion_body())
+            self.assertErrorJson(r, status)
+        self.assertEqual(len(self.P.requests), n)
+        return px
+
+    def test_d_refused_502(self):
+        self._expect(502, d_port=pxtest.closed_port())
+
+    def test_d_reset_before_headers_502(self):
+        self._expect(502, lambda req: Reset())
+
+    def test_d_close_before_headers_502(self):
+        self._expect(502, lambda req: CloseBeforeHeaders())
+
+    def test_d_connect_timeout_504(self):
+        bh = self.blackhole()
+        if not bh.works:
+            self.skipTest("cannot make a blackhole listener on this host")
+        px = self.start_proxy([self.P], [bh.port], extra=["--connect-timeout", "0.3"])
+        t0 = time.monotonic()
+        r = http_request(px.port, "POST", "/v1/completions", pxtest.completion_body())
+        dt = time.monotonic() - t0
+        self.assertErrorJson(r, 504)
+        self.assertGreaterEqual(dt, 0.25)
+        self.assertLess(dt, 2.5, "connect timeout 0.3 s took %.2fs" % dt)
+
+    def _mid_stream(self, end, framing):
+        events = pxtest.sse_events(["a", "b", "c"], done=False)
+        self.D.set_handler(lambda req: Stream(
+            200, [("Content-Type", "text/event-stream")], [(0.02, e) for e in events],
+            framing=framing, end=end,
+            length=sum(len(e) for e in events) + 1000 if framing == "length" else None))
+        px = self.start_proxy([self.P], [self.D])
+        c = RawClient(px.port)
+        self.addCleanup(c.close)
+        c.request("POST", "/v1/completions", pxtest.completion_body(stream=True))
+        r = c.read_response(timeout=5.0)
+        self.assertFalse(r.timed_out, "proxy neither finished nor closed the stream: %r" % r)
+        self.assertEqual(r.status, 200)
+        self.assertEqual(r.framing, "chunked")
+        self.assertFalse(r.complete, "stream ended with a 0-chunk though D failed: %r" % r)
+        self.assertTrue(r.eof, "connection must be closed after a failed stream")
+        self.assertEqual(bytes(r.body), b"".join(events), "bytes before the failure must arrive")
+        return px
+
+    def test_d_close_mid_stream_chunked(self):
+        self._mid_stream("close", "chunked")
+
+    def test_d_reset_mid_stream(self):
+        self._mid_stream("reset", "chunked")
+
+    def test_d_close_mid_stream_content_length(self):
+        self._mid_stream("close", "length")
+
+
+if __name__ == "__main__":
+    pxtest.main()

@@ -1,0 +1,189 @@
+#!/usr/bin/env python3
+"""Streaming from D to the client: SSE without buffering, D's status and
+Content-Type, chunked framing, backpressure on a slow client, cancelling D
+when the client goes away mid-stream."""
+
+import hashlib
+import os
+import struct
+import sys
+import time
+import unittest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import pxtest  # noqa: E402
+from pxtest import PxTestCase, RawClient, Stream, http_request  # noqa: E402
+
+MiB = 1 << 20
+
+
+def rss_bytes(pid):
+    with open("/proc/%d/status" % pid) as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+class StreamTest(PxTestCase):
+    def setUp(self):
+        super().setUp()
+        self.P = self.mock(pxtest.prefill_handler(), name="P")
+        self.D = self.mock(name="D")
+
+    def _sse(self, path, body, gap=0.3, content_type="text/event-stream"):
+        events = pxtest.sse_events(["Hello", " world", "!"])  # 3 events + [DONE]
+        self.D.set_handler(lambda req: Stream(
+            200, [("Content-Type", content_type), ("Cache-Control", "no-cache")],
+            [(0, events[0])] + [(gap, e) for e in events[1:]]))
+        px = self.start_proxy([self.P], [self.D])
+        c = RawClient(px.port)
+        self.addCleanup(c.close)
+        c.request("POST", path, body)
+        r = c.read_response(timeout=10)
+        self.assertEqual(r.status, 200, r)
+        self.assertEqual(r.header("content-type"), content_type)
+        self.assertChunkedComplete(r)
+        self.assertEqual(bytes(r.body), b"".join(events))
+        self.assertIsNone(r.header("content-length"))
+
+        dconn = self.D.requests[0].conn
+        # send_log[0] is D's head; then one entry per event.
+        d_sent = [t for t, _ in dconn.send_log[1:1 + len(events)]]
+        ends = []
+        total = 0
+        for e in events:
+            total += len(e)
+            ends.append(r.time_body_reached(total))
+        for i in range(len(events)):
+            lag = ends[i] - d_sent[i]
+            self.assertLess(lag, 0.1, "event %d reached the client %.0f ms after D sent it"
+                            % (i, lag * 1000))
+        for i in range(1, len(events)):
+            self.assertGreaterEqual(ends[i] - ends[i - 1], gap - 0.1,
+                                    "events %d and %d arrived together (buffered)" % (i - 1, i))
+        return r
+
+    def test_sse_completions_unbuffered(self):
+        self._sse("/v1/completions", pxtest.completion_body(stream=True))
+
+    def test_sse_chat_unbuffered(self):
+        self._sse("/v1/chat/completions", pxtest.chat_body(stream=True),
+                  content_type="text/event-stream; charset=utf-8")
+
+    def test_first_event_before_d_finishes(self):
+        # D sends one event then stays silent for 1 s: the client must have
+        # the event long before D's stream ends.
+        ev = pxtest.sse_events(["first"], done=False)[0]
+        self.D.set_handler(lambda req: Stream(200, [("Content-Type", "text/event-stream")],
+                                              [(0, ev), (1.0, b"data: [DONE]\n\n")]))
+        px = self.start_proxy([self.P], [self.D])
+        c = RawClient(px.port)
+        self.addCleanup(c.close)
+        c.request("POST", "/v1/completions", pxtest.completion_body(stream=True))
+        t0 = time.monotonic()
+        r = c.read_response(timeout=0.6, until=lambda r: len(r.body) >= len(ev))
+        self.assertTrue(r.stopped_early, "first event not received within 0.6 s: %r" % r)
+        self.assertEqual(bytes(r.body[:len(ev)]), ev)
+        self.assertLess(time.monotonic() - t0, 0.6)
+
+    def test_stream_from_close_delimited_d(self):
+        events = pxtest.sse_events(["a", "b"])
+        self.D.set_handler(lambda req: Stream(200, [("Content-Type", "text/event-stream")],
+                                              [(0.05, e) for e in events], framing="close"))
+        px = self.start_proxy([self.P], [self.D])
+        c = RawClient(px.port)
+        self.addCleanup(c.close)
+        c.request("POST", "/v1/completions", pxtest.completion_body(stream=True))
+        r = c.read_response(timeout=5)
+        self.assertChunkedComplete(r)
+        self.assertEqual(bytes(r.body), b"".join(events))
+
+    def test_backpressure_slow_client(self):
+        TOTAL = 64 * MiB
+        PIECE = 64 * 1024
+        block = hashlib.sha256(b"seed").digest() * (PIECE // 32)
+
+        def piece(i):
+            return struct.pack(">Q", i) + block[8:]
+
+        def chunks():
+            for i in range(TOTAL // PIECE):
+                yield (0, piece(i))
+
+        expect = hashlib.sha256()
+        for i in range(TOTAL // PIECE):
+            expect.update(piece(i))
+
+        # Small socket buffers on the mock's and the client's side keep the
+        # kernel's share small; pdproxy's own sockets are what they are
+        # (measured: a blocking relay stalls D at ~7 MiB here).
+        self.D.set_handler(lambda req: Stream(200, [("Content-Type", "application/octet-stream")],
+                                              chunks(), framing="length", length=TOTAL,
+                                              sndbuf=128 * 1024))
+        px = self.start_proxy([self.P], [self.D])
+        rss0 = rss_bytes(px.proc.pid)
+        c = RawClient(px.port, rcvbuf=64 * 1024, timeout=60)
+        self.addCleanup(c.close)
+        c.request("POST", "/v1/completions", pxtest.completion_body())
+        self.D.wait_requests(1, timeout=5)
+        dconn = self.D.requests[0].conn
+        time.sleep(1.0)  # the client is not reading: that is the scenario
+        sent1 = dconn.bytes_sent
+        time.sleep(1.0)
+        sent2 = dconn.bytes_sent
+        rss2 = rss_bytes(px.proc.pid)
+        self.assertLess(sent2, 16 * MiB,
+                        "D wrote %.1f MiB to a client that reads nothing: no backpressure"
+                        % (sent2 / MiB))
+        self.assertLess(sent2 - sent1, 1 * MiB, "D kept writing (%.1f -> %.1f MiB)"
+                        % (sent1 / MiB, sent2 / MiB))
+        self.assertLess(rss2 - rss0, 16 * MiB, "pdproxy RSS grew by %.1f MiB while stalled"
+                        % ((rss2 - rss0) / MiB))
+
+        h = hashlib.sha256()
+        r = c.read_response(timeout=60, on_progress=None)
+        self.assertEqual(r.status, 200)
+        self.assertChunkedComplete(r)
+        self.assertEqual(len(r.body), TOTAL)
+        h.update(r.body)
+        self.assertEqual(h.hexdigest(), expect.hexdigest(), "bytes corrupted on the way")
+
+
+class CancelStreamTest(PxTestCase):
+    def setUp(self):
+        super().setUp()
+        self.P = self.mock(pxtest.prefill_handler(), name="P")
+        self.D = self.mock(name="D")
+
+    def _cancel_mid_stream(self, rst):
+        events = pxtest.sse_events(["tok%d" % i for i in range(500)], done=True)
+        self.D.set_handler(lambda req: Stream(200, [("Content-Type", "text/event-stream")],
+                                              [(0.02, e) for e in events]))
+        px = self.start_proxy([self.P], [self.D])
+        c = RawClient(px.port)
+        c.request("POST", "/v1/completions", pxtest.completion_body(stream=True))
+        r = c.read_response(timeout=5, until=lambda r: len(r.body) >= len(events[0]) * 2)
+        self.assertTrue(r.stopped_early, "stream did not start: %r" % r)
+        dconn = self.D.requests[0].conn
+        self.assertIsNone(dconn.t_closed, "D connection closed before the client left")
+        t0 = c.close(rst=rst)
+        t_closed = dconn.wait_closed(3.0)
+        self.assertIsNotNone(t_closed, "pdproxy kept D streaming after the client left")
+        self.assertTrue(dconn.closed_by_peer)
+        self.assertLessEqual(t_closed - t0, 0.3, "D closed %.0f ms after the client left"
+                             % ((t_closed - t0) * 1000))
+        # pdproxy still serves.
+        self.D.set_handler(pxtest.decode_handler())
+        r = http_request(px.port, "POST", "/v1/completions", pxtest.completion_body())
+        self.assertEqual(r.status, 200, r.body)
+
+    def test_client_close_cancels_d(self):
+        self._cancel_mid_stream(rst=False)
+
+    def test_client_reset_cancels_d(self):
+        self._cancel_mid_stream(rst=True)
+
+
+if __name__ == "__main__":
+    pxtest.main()
