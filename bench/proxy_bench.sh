@@ -1,0 +1,134 @@
+#!/usr/bin/env bash
+# Benchmark: pdproxy's cost per request, side by side in one run.
+#
+#   (a) wrk straight at a mock decode engine (nginx returning a canned answer)
+#   (b) wrk through pdproxy (two upstream calls: mock prefill, then mock decode)
+#   (c) wrk through an nginx reverse proxy making one keep-alive hop to the mock
+#
+# Prints req/s, p50 and p99 for 1, 16 and 64 connections (wrk -t1), the
+# ratios, and pdproxy's RSS idle and under load.
+#   bench/proxy_bench.sh [build-dir]     (DURATION=10 THREADS=1 by default)
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+build=${1:-$root/build}
+pdproxy=$build/bin/pdproxy
+duration=${DURATION:-10}
+pthreads=${THREADS:-1}
+[ -x "$pdproxy" ] || { echo "build pdproxy first ($pdproxy missing)" >&2; exit 1; }
+command -v wrk >/dev/null && command -v nginx >/dev/null || {
+    echo "needs wrk and nginx (deploy/local/install-deps.sh)" >&2; exit 1; }
+
+work=$(mktemp -d)
+pids=()
+cleanup() {
+    for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
+    wait 2>/dev/null || true
+    rm -rf "$work"
+}
+trap cleanup EXIT INT TERM
+
+free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+P=$(free_port); D=$(free_port); N=$(free_port); X=$(free_port)
+
+pbody='{"id":"cmpl-bench","object":"text_completion","created":1,"model":"bench","choices":[{"index":0,"text":" a","finish_reason":"length"}],"usage":{"prompt_tokens":9,"completion_tokens":1,"total_tokens":10},"kv_transfer_params":{"do_remote_prefill":true,"do_remote_decode":false,"remote_block_ids":[1,2,3],"remote_engine_id":"p0","remote_request_id":"cmpl-bench-0-deadbeef","remote_host":"127.0.0.1","remote_port":5600,"tp_size":1}}'
+dbody='{"id":"cmpl-bench","object":"text_completion","created":1,"model":"bench","choices":[{"index":0,"text":" jumps over the lazy dog again and again","finish_reason":"length"}],"usage":{"prompt_tokens":9,"completion_tokens":16,"total_tokens":25}}'
+
+mkdir -p "$work/logs"
+cat > "$work/backends.conf" <<CONF
+user root;
+worker_processes 1;
+pid $work/backends.pid;
+error_log $work/logs/backends.err warn;
+events { worker_connections 4096; }
+http {
+  access_log off;
+  keepalive_requests 1000000;
+  client_body_temp_path $work/body;
+  server { listen 127.0.0.1:$P; location / { default_type application/json; return 200 '$pbody'; } }
+  server { listen 127.0.0.1:$D; location / { default_type application/json; return 200 '$dbody'; } }
+}
+CONF
+cat > "$work/onehop.conf" <<CONF
+user root;
+worker_processes $pthreads;
+pid $work/onehop.pid;
+error_log $work/logs/onehop.err warn;
+events { worker_connections 4096; }
+http {
+  access_log off;
+  keepalive_requests 1000000;
+  client_body_temp_path $work/body2;
+  proxy_temp_path $work/ptemp;
+  upstream dmock { server 127.0.0.1:$D; keepalive 128; }
+  server {
+    listen 127.0.0.1:$N;
+    location / {
+      proxy_pass http://dmock;
+      proxy_http_version 1.1;
+      proxy_set_header Connection "";
+      proxy_buffering off;
+    }
+  }
+}
+CONF
+nginx -c "$work/backends.conf" -g 'daemon off;' & pids+=($!)
+nginx -c "$work/onehop.conf" -g 'daemon off;' & pids+=($!)
+"$pdproxy" --port "$X" --threads "$pthreads" --log-level warn \
+    --prefiller-hosts 127.0.0.1 --prefiller-ports "$P" \
+    --decoder-hosts 127.0.0.1 --decoder-ports "$D" 2>"$work/logs/pdproxy.err" & ppid=$!
+pids+=($ppid)
+
+wait_port() {
+    for _ in $(seq 1 100); do
+        (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null && return 0
+        sleep 0.05
+    done
+    echo "port $1 never opened" >&2; exit 1
+}
+for p in $P $D $N $X; do wait_port "$p"; done
+curl -sf -X POST "http://127.0.0.1:$X/v1/completions" -d '{"prompt":"x"}' >/dev/null
+
+rss_kb() { awk '/VmRSS/{print $2}' "/proc/$1/status"; }
+rss_idle=$(rss_kb "$ppid")
+rss_peak=$rss_idle
+
+# wrk's latency table: "50%  123.00us"; normalise to milliseconds.
+to_ms() { awk '{v=$1; if (v ~ /us$/) {sub(/us/,"",v); v/=1000} else if (v ~ /ms$/) {sub(/ms/,"",v)} else if (v ~ /s$/) {sub(/s/,"",v); v*=1000}; printf "%.3f", v}'; }
+run() { # name url conns
+    local out
+    out=$(wrk -t1 -c"$3" -d"${duration}s" --latency -s "$root/bench/wrk/completion.lua" "$2/v1/completions")
+    local rps p50 p99 errs
+    rps=$(awk '/Requests\/sec/{print $2}' <<<"$out")
+    p50=$(awk '$1=="50%"{print $2}' <<<"$out" | to_ms)
+    p99=$(awk '$1=="99%"{print $2}' <<<"$out" | to_ms)
+    errs=$(awk '/Non-2xx|Socket errors/{print}' <<<"$out" | tr '\n' ' ')
+    printf "%-8s c=%-3s %10s req/s  p50 %8s ms  p99 %8s ms  %s\n" "$1" "$3" "$rps" "$p50" "$p99" "$errs"
+    echo "$1 $3 $rps $p50 $p99" >> "$work/results"
+}
+
+echo "pdproxy bench: wrk -t1 -d${duration}s, pdproxy --threads $pthreads, nginx one-hop worker_processes $pthreads"
+for c in 1 16 64; do
+    run direct "http://127.0.0.1:$D" "$c"
+    run pdproxy "http://127.0.0.1:$X" "$c" &
+    runpid=$!
+    while kill -0 "$runpid" 2>/dev/null; do
+        r=$(rss_kb "$ppid"); [ "$r" -gt "$rss_peak" ] && rss_peak=$r
+        sleep 0.5
+    done
+    wait "$runpid"
+    run nginx1hop "http://127.0.0.1:$N" "$c"
+done
+
+echo
+awk '
+  { rps[$1" "$2]=$3; p50[$1" "$2]=$4 }
+  END {
+    for (i = 1; i <= 3; i++) {
+      c = (i == 1) ? 1 : (i == 2) ? 16 : 64
+      printf "c=%-3d pdproxy/nginx1hop req/s = %.2f   pdproxy/direct req/s = %.2f   p50 pdproxy - direct = %.3f ms\n",
+        c, rps["pdproxy " c] / rps["nginx1hop " c], rps["pdproxy " c] / rps["direct " c],
+        p50["pdproxy " c] - p50["direct " c]
+    }
+  }' "$work/results"
+echo "pdproxy RSS: idle $((rss_idle / 1024)).$(( (rss_idle % 1024) * 10 / 1024 )) MiB, peak under load $((rss_peak / 1024)).$(( (rss_peak % 1024) * 10 / 1024 )) MiB"
+if [ -s "$work/logs/pdproxy.err" ]; then echo "pdproxy stderr (last lines):"; tail -5 "$work/logs/pdproxy.err"; fi
