@@ -1,0 +1,339 @@
+/* Internal declarations shared by the connector's files.  Not installed. */
+#ifndef KVC_INT_H
+#define KVC_INT_H
+
+#include "kvconnector.h"
+
+#include <stdarg.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <ucp/api/ucp.h>
+
+#define KVC_HIDDEN __attribute__((visibility("hidden")))
+
+/* ------------------------------------------------------------ wire.c -- */
+
+/* Side-channel messages: 12-byte header (magic, version, type, body length),
+ * then a body.  Integers little-endian.  See wire.c for the body layouts. */
+#define KVC_WIRE_MAGIC 0x4843564bu /* "KVCH" on the wire */
+#define KVC_WIRE_VERSION 1
+#define KVC_WIRE_HDR_LEN 12
+#define KVC_WIRE_MAX_BODY (64u << 20)
+#define KVC_WIRE_MAX_HELLO (64u << 10)
+#define KVC_WIRE_MAX_REGIONS 65536u
+#define KVC_WIRE_MAX_STR 4096u
+#define KVC_WIRE_MAX_BLOB (1u << 20)
+#define KVC_WIRE_DATA_HDR_LEN 32
+#define KVC_WIRE_MAX_NOTIFY 65536u
+
+enum { KVC_MSG_HELLO = 1, KVC_MSG_HANDSHAKE = 2 };
+
+/* Region flags in the handshake table. */
+enum { KVC_RFLAG_POOL = 1u << 0, KVC_RFLAG_STAGED = 1u << 1 };
+
+typedef struct {
+    const uint8_t *p; /* borrowed: points into the parsed buffer */
+    size_t len;
+} kvc_span_t;
+
+typedef struct {
+    uint16_t version;
+    uint16_t type;
+    uint32_t body_len;
+} kvc_wire_hdr_t;
+
+typedef struct {
+    uint64_t base, len, block_len;
+    uint8_t mem_type, flags;
+    kvc_span_t rkey;
+} kvc_wire_region_t;
+
+typedef struct {
+    kvc_span_t engine_id, layout, worker_addr;
+    uint64_t nonce;
+    uint64_t num_blocks;
+    uint32_t tp_size;
+    uint32_t n_regions;
+    kvc_wire_region_t *regions; /* owned (parse) or borrowed (encode) */
+} kvc_wire_hs_t;
+
+typedef struct {
+    uint64_t remote, local, count;
+} kvc_run_t;
+
+typedef struct {
+    uint64_t xfer_id;
+    uint32_t region;
+    int32_t status;
+    uint64_t local_start;
+    uint64_t count;
+} kvc_wire_data_hdr_t;
+
+typedef struct {
+    uint8_t *p; /* owned */
+    size_t len, cap;
+    bool failed; /* an append ran out of memory; p holds a prefix */
+} kvc_buf_t;
+
+KVC_HIDDEN void kvc_buf_cleanup(kvc_buf_t *b);
+KVC_HIDDEN void kvc_buf_put(kvc_buf_t *b, const void *p, size_t n);
+KVC_HIDDEN void kvc_buf_u8(kvc_buf_t *b, uint8_t v);
+KVC_HIDDEN void kvc_buf_u16(kvc_buf_t *b, uint16_t v);
+KVC_HIDDEN void kvc_buf_u32(kvc_buf_t *b, uint32_t v);
+KVC_HIDDEN void kvc_buf_u64(kvc_buf_t *b, uint64_t v);
+
+/* KVC_OK: header complete and sane; KVC_AGAIN: need more bytes;
+ * KVC_ERR_PROTOCOL: bad magic or body longer than max_body. */
+KVC_HIDDEN kvc_status_t kvc_wire_parse_hdr(const uint8_t *b, size_t len, uint32_t max_body,
+                                           kvc_wire_hdr_t *h);
+KVC_HIDDEN void kvc_wire_encode_hello(kvc_buf_t *b, uint16_t version, const char *engine_id);
+KVC_HIDDEN kvc_status_t kvc_wire_parse_hello(const uint8_t *body, size_t len, kvc_span_t *engine_id);
+KVC_HIDDEN void kvc_wire_encode_handshake(kvc_buf_t *b, uint16_t version, const kvc_wire_hs_t *hs);
+/* On KVC_OK *hs references `body` and owns hs->regions (kvc_wire_hs_cleanup). */
+KVC_HIDDEN kvc_status_t kvc_wire_parse_handshake(const uint8_t *body, size_t len, kvc_wire_hs_t *hs);
+KVC_HIDDEN void kvc_wire_hs_cleanup(kvc_wire_hs_t *hs);
+
+KVC_HIDDEN void kvc_wire_encode_pull(kvc_buf_t *b, uint64_t xfer_id, const kvc_run_t *runs, size_t n);
+/* On KVC_OK *runs is malloc'ed (caller frees); *n may be 0. */
+KVC_HIDDEN kvc_status_t kvc_wire_parse_pull(const uint8_t *p, size_t len, uint64_t *xfer_id,
+                                            kvc_run_t **runs, size_t *n);
+KVC_HIDDEN void kvc_wire_encode_data_hdr(uint8_t out[KVC_WIRE_DATA_HDR_LEN],
+                                         const kvc_wire_data_hdr_t *h);
+KVC_HIDDEN kvc_status_t kvc_wire_parse_data_hdr(const uint8_t *p, size_t len, kvc_wire_data_hdr_t *h);
+
+/* "<request id>:<tp>" split at the last ':'; the id must be non-empty
+ * printable ASCII.  Without ':' the whole text is the id and tp is 0. */
+KVC_HIDDEN void kvc_wire_encode_notify(kvc_buf_t *b, const char *request_id, uint32_t tp);
+KVC_HIDDEN kvc_status_t kvc_wire_parse_notify(const uint8_t *p, size_t len, kvc_span_t *id,
+                                              uint32_t *tp);
+KVC_HIDDEN bool kvc_printable(const char *s, size_t len);
+
+/* Pairs remote[i] with local[i] and merges runs where both are consecutive.
+ * *runs malloc'ed (NULL when n == 0). */
+KVC_HIDDEN kvc_status_t kvc_coalesce(const uint64_t *remote, const uint64_t *local, size_t n,
+                                     kvc_run_t **runs, size_t *nruns);
+
+/* ---------------------------------------------------------- params.c -- */
+
+typedef struct {
+    char *engine_id, *request_id, *host; /* owned */
+    uint16_t port;
+    uint64_t *block_ids; /* owned */
+    size_t num_blocks;
+    uint32_t tp_size;
+} kvc_remote_t;
+
+KVC_HIDDEN kvc_status_t kvc_params_parse_json(const char *json, kvc_remote_t *r, char *err,
+                                              size_t errlen);
+KVC_HIDDEN void kvc_remote_cleanup(kvc_remote_t *r);
+KVC_HIDDEN char *kvc_params_to_json(const char *engine_id, const char *request_id,
+                                    const char *host, uint16_t port, const uint64_t *blocks,
+                                    size_t n, uint32_t tp_size);
+
+/* ------------------------------------------------------------ cuda.c -- */
+
+typedef struct kvc_cuda kvc_cuda_t;
+KVC_HIDDEN bool kvc_cuda_built(void);
+/* KVC_ERR_NO_DEVICE when no usable device. */
+KVC_HIDDEN kvc_status_t kvc_cuda_create(int device, kvc_cuda_t **out, char *err, size_t errlen);
+KVC_HIDDEN void kvc_cuda_destroy(kvc_cuda_t *c);
+KVC_HIDDEN kvc_status_t kvc_cuda_host_register(kvc_cuda_t *c, void *p, size_t len);
+KVC_HIDDEN void kvc_cuda_host_unregister(kvc_cuda_t *c, void *p);
+/* Queues copies of whole blocks (to_device: host→device, else device→host),
+ * runs index blocks of both sides by the same id (r.local used). */
+KVC_HIDDEN kvc_status_t kvc_cuda_copy_blocks(kvc_cuda_t *c, void *dev, void *host, size_t block_len,
+                                             const uint64_t *ids, size_t n, bool to_device);
+KVC_HIDDEN kvc_status_t kvc_cuda_sync(kvc_cuda_t *c);
+
+/* ------------------------------------------------------- agent types -- */
+
+typedef enum { PE_LISTEN, PE_UCX, PE_TIMER, PE_WAKE, PE_SCONN, PE_PEER } kvc_pe_kind_t;
+
+typedef struct {
+    kvc_pe_kind_t kind;
+    void *obj;
+} kvc_pollent_t;
+
+typedef struct {
+    void *base; /* host-visible memory UCX reads/writes (pool, user memory or mirror) */
+    void *dev_base; /* CUDA staged: the device memory; else NULL */
+    size_t len, block_len;
+    kvc_mem_type_t mem_type;
+    bool pool, staged;
+    ucp_mem_h memh;
+    void *rkey_buf; /* owned by UCX (ucp_rkey_buffer_release) */
+    size_t rkey_len;
+} kvc_region_t;
+
+typedef struct kvc_pub kvc_pub_t;
+struct kvc_pub {
+    kvc_pub_t *hnext;             /* hash chain */
+    kvc_pub_t *eprev, *enext;     /* expiry list, sorted by deadline */
+    char *id;                     /* owned */
+    uint64_t *blocks;             /* owned */
+    size_t n;
+    uint64_t deadline_ns;
+    uint64_t user_data;
+};
+
+typedef struct {
+    kvc_pub_t **buckets; /* owned */
+    size_t nbuckets, count;
+    kvc_pub_t *ehead, *etail;
+} kvc_pubtab_t;
+
+typedef struct kvc_sconn kvc_sconn_t;
+typedef struct kvc_peer kvc_peer_t;
+typedef struct kvc_xfer kvc_xfer_t;
+typedef struct kvc_evnode kvc_evnode_t;
+
+struct kvc_evnode {
+    kvc_evnode_t *next;
+    kvc_event_t ev;
+    char *request_id;  /* owned */
+    uint64_t *blocks;  /* owned */
+    char *message;     /* owned */
+};
+
+struct kvc_agent {
+    char *engine_id, *listen_host, *adv_host, *layout; /* owned */
+    uint16_t port;
+    kvc_log_cb_t log_cb;
+    void *log_arg;
+    kvc_log_level_t log_level;
+    uint32_t connect_timeout_ms, expiry_ms, xfer_timeout_ms, tp_size;
+    kvc_proto_t proto;
+    uint16_t wire_version; /* KVC_WIRE_VERSION unless KVC_TEST_WIRE_VERSION */
+    uint64_t nonce;        /* this instance */
+
+    ucp_context_h ctx;
+    ucp_worker_h worker;
+    bool cuda_native; /* UCX can register CUDA memory */
+    ucp_address_t *worker_addr;
+    size_t worker_addr_len;
+
+    int epfd, ucx_efd, listen_fd, timer_fd, wake_fd;
+    kvc_pollent_t pe_listen, pe_ucx, pe_timer, pe_wake;
+    bool wake_pending;
+
+    uint64_t num_blocks;
+    size_t n_regions;
+    kvc_region_t *regions; /* owned */
+    kvc_buf_t hs_msg;      /* prebuilt handshake reply */
+    kvc_cuda_t *cuda;      /* owned; staged CUDA regions only */
+
+    kvc_pubtab_t pubs;
+    kvc_sconn_t *sconns;
+    kvc_peer_t *peers; /* cache of handshaken/connecting producers */
+    kvc_xfer_t *xfers; /* active and finishing fetches */
+    uint64_t next_xfer_id;
+    uint64_t push_inflight; /* producer-side sends in flight */
+
+    kvc_evnode_t *evq_head, *evq_tail, *ev_cur;
+    uint64_t stats[KVC_STAT_PUBLISHED_NOW + 1];
+    bool destroying;
+};
+
+/* ------------------------------------------------------ context.c -- */
+KVC_HIDDEN void kvc_log(kvc_agent_t *a, kvc_log_level_t lvl, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+#define KVC_LOG(a, lvl, ...)                                                                   \
+    do {                                                                                       \
+        if ((int)(lvl) <= (int)(a)->log_level)                                                 \
+            kvc_log((a), (lvl), __VA_ARGS__);                                                  \
+    } while (0)
+KVC_HIDDEN uint64_t kvc_now_ns(void);
+KVC_HIDDEN void kvc_wake(kvc_agent_t *a);
+KVC_HIDDEN char *kvc_strdup(const char *s);
+KVC_HIDDEN char *kvc_strndup(const char *s, size_t n);
+/* Queues an event; copies strings and blocks.  Drops it silently when out of
+ * memory or when the agent is being destroyed (logged). */
+KVC_HIDDEN void kvc_event_push(kvc_agent_t *a, kvc_event_type_t type, kvc_status_t st,
+                               uint64_t xfer_id, uint64_t user_data, const char *request_id,
+                               const uint64_t *blocks, size_t n, uint64_t bytes, const char *msg);
+KVC_HIDDEN kvc_status_t kvc_ep_add(kvc_agent_t *a, int fd, uint32_t events, kvc_pollent_t *pe);
+KVC_HIDDEN kvc_status_t kvc_ep_mod(kvc_agent_t *a, int fd, uint32_t events, kvc_pollent_t *pe);
+KVC_HIDDEN void kvc_ep_del(kvc_agent_t *a, int fd);
+
+/* ---------------------------------------------------------- mem.c -- */
+KVC_HIDDEN void kvc_mem_cleanup(kvc_agent_t *a);
+KVC_HIDDEN kvc_status_t kvc_mem_build_handshake(kvc_agent_t *a);
+
+/* --------------------------------------------------------- peer.c -- */
+KVC_HIDDEN kvc_status_t kvc_listen_open(kvc_agent_t *a);
+KVC_HIDDEN void kvc_listen_accept(kvc_agent_t *a);
+KVC_HIDDEN void kvc_sconn_io(kvc_agent_t *a, kvc_sconn_t *c, uint32_t events);
+KVC_HIDDEN void kvc_peer_io(kvc_agent_t *a, kvc_peer_t *p, uint32_t events);
+/* Finds or starts a handshake with host:port.  KVC_ERR_NO_MEMORY only. */
+KVC_HIDDEN kvc_status_t kvc_peer_get(kvc_agent_t *a, const char *host, uint16_t port,
+                                     const char *engine_id, kvc_peer_t **out);
+KVC_HIDDEN void kvc_peer_ref(kvc_peer_t *p);
+KVC_HIDDEN void kvc_peer_unref(kvc_agent_t *a, kvc_peer_t *p);
+KVC_HIDDEN bool kvc_peer_ready(const kvc_peer_t *p);
+KVC_HIDDEN bool kvc_peer_dead(const kvc_peer_t *p, kvc_status_t *st, const char **msg);
+KVC_HIDDEN void kvc_peers_timers(kvc_agent_t *a, uint64_t now, uint64_t *next);
+KVC_HIDDEN void kvc_peers_reap(kvc_agent_t *a);
+KVC_HIDDEN void kvc_peers_destroy(kvc_agent_t *a);
+KVC_HIDDEN void kvc_sconns_timers(kvc_agent_t *a, uint64_t now, uint64_t *next);
+KVC_HIDDEN void kvc_sconns_destroy(kvc_agent_t *a);
+
+/* peer internals used by xfer.c */
+struct kvc_peer_region {
+    uint64_t base, len, block_len;
+    ucp_rkey_h rkey;
+};
+typedef enum { PEER_CONNECTING, PEER_HELLO, PEER_READY, PEER_DEAD } kvc_peer_state_t;
+struct kvc_peer {
+    kvc_peer_t *next;
+    kvc_agent_t *a;
+    kvc_pollent_t pe;
+    char *host;      /* owned */
+    uint16_t port;
+    char *engine_id; /* owned: expected, then the handshake's */
+    kvc_peer_state_t state;
+    bool linked;     /* in a->peers */
+    int fd;
+    kvc_buf_t out;
+    size_t out_off;
+    uint8_t *in; /* owned */
+    size_t in_len, in_cap;
+    uint64_t deadline_ns;
+    ucp_ep_h ep;
+    void *close_req; /* ucp_ep_close_nbx in progress */
+    uint64_t nonce, num_blocks;
+    uint32_t n_regions;
+    struct kvc_peer_region *rr; /* owned */
+    kvc_proto_t proto;
+    bool shm; /* every remote region is mapped here (ucp_rkey_ptr) */
+    int refs;
+    kvc_status_t fail_status;
+    char fail_msg[320];
+};
+
+/* --------------------------------------------------------- xfer.c -- */
+KVC_HIDDEN kvc_status_t kvc_xfer_register_am(kvc_agent_t *a);
+KVC_HIDDEN void kvc_xfers_advance(kvc_agent_t *a, uint64_t now, uint64_t *next);
+KVC_HIDDEN void kvc_xfers_destroy(kvc_agent_t *a);
+KVC_HIDDEN void kvc_xfers_fail_peer(kvc_agent_t *a, kvc_peer_t *p, kvc_status_t st,
+                                    const char *msg);
+
+/* ------------------------------------------------------- notify.c -- */
+KVC_HIDDEN kvc_status_t kvc_notify_register_am(kvc_agent_t *a);
+/* Handles one notification's bytes (producer side). */
+KVC_HIDDEN void kvc_notify_handle(kvc_agent_t *a, const uint8_t *p, size_t len);
+KVC_HIDDEN kvc_status_t kvc_notify_send(kvc_agent_t *a, ucp_ep_h ep, const kvc_buf_t *msg,
+                                        ucp_send_nbx_callback_t cb, void *arg, void **req);
+
+/* -------------------------------------------------- publish.c / expiry.c -- */
+KVC_HIDDEN kvc_status_t kvc_pubtab_init(kvc_pubtab_t *t);
+KVC_HIDDEN void kvc_pubtab_cleanup(kvc_pubtab_t *t);
+KVC_HIDDEN kvc_pub_t *kvc_pubtab_find(kvc_pubtab_t *t, const char *id, size_t len);
+KVC_HIDDEN void kvc_pubtab_insert(kvc_pubtab_t *t, kvc_pub_t *p);
+KVC_HIDDEN void kvc_pubtab_remove(kvc_pubtab_t *t, kvc_pub_t *p);
+KVC_HIDDEN void kvc_pub_free(kvc_pub_t *p);
+KVC_HIDDEN void kvc_expiry_insert(kvc_pubtab_t *t, kvc_pub_t *p);
+KVC_HIDDEN void kvc_expiry_remove(kvc_pubtab_t *t, kvc_pub_t *p);
+KVC_HIDDEN void kvc_expiry_run(kvc_agent_t *a, uint64_t now, uint64_t *next);
+
+#endif

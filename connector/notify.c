@@ -1,0 +1,80 @@
+/* Notifications: the consumer tells the producer "<remote_request_id>:<tp>"
+ * (an active message on the endpoint the data used, after the data landed);
+ * the producer releases the request's blocks, or logs and counts an unknown
+ * or already-expired id. */
+#include "kvc_int.h"
+
+#include <string.h>
+
+enum { KVC_AM_NOTIFY = 23 };
+
+void kvc_notify_handle(kvc_agent_t *a, const uint8_t *p, size_t len)
+{
+    kvc_span_t id;
+    uint32_t tp;
+    if (kvc_wire_parse_notify(p, len, &id, &tp) != KVC_OK) {
+        a->stats[KVC_STAT_UNKNOWN_NOTIFY]++;
+        KVC_LOG(a, KVC_LOG_WARN, "notify: malformed notification (%zu bytes) ignored", len);
+        return;
+    }
+    kvc_pub_t *pub = kvc_pubtab_find(&a->pubs, (const char *)id.p, id.len);
+    if (!pub) {
+        a->stats[KVC_STAT_UNKNOWN_NOTIFY]++;
+        char *rid = kvc_strndup((const char *)id.p, id.len);
+        KVC_LOG(a, KVC_LOG_WARN, "notify: unrecognized request id req=%.*s (unknown or expired)",
+                (int)id.len, (const char *)id.p);
+        if (rid)
+            kvc_event_push(a, KVC_EV_UNKNOWN_NOTIFY, KVC_ERR_NOT_FOUND, 0, 0, rid, NULL, 0, 0,
+                           "notification for an unknown or expired request id");
+        kvc_free(rid);
+        return;
+    }
+    kvc_pubtab_remove(&a->pubs, pub);
+    a->stats[KVC_STAT_RELEASED]++;
+    KVC_LOG(a, KVC_LOG_DEBUG, "notify: released req=%s blocks=%zu consumer_tp=%u", pub->id,
+            pub->n, tp);
+    kvc_event_push(a, KVC_EV_RELEASED, KVC_OK, 0, pub->user_data, pub->id, pub->blocks, pub->n, 0,
+                   NULL);
+    kvc_pub_free(pub);
+}
+
+static ucs_status_t notify_cb(void *arg, const void *header, size_t hlen, void *data, size_t len,
+                              const ucp_am_recv_param_t *param)
+{
+    kvc_agent_t *a = arg;
+    if (a->destroying) return UCS_OK;
+    if (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) {
+        KVC_LOG(a, KVC_LOG_WARN, "notify: oversized notification (%zu bytes) refused", len);
+        return UCS_ERR_MESSAGE_TRUNCATED;
+    }
+    kvc_notify_handle(a, data, len);
+    return UCS_OK;
+}
+
+kvc_status_t kvc_notify_register_am(kvc_agent_t *a)
+{
+    ucp_am_handler_param_t hp;
+    memset(&hp, 0, sizeof(hp));
+    hp.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_FLAGS |
+                    UCP_AM_HANDLER_PARAM_FIELD_CB | UCP_AM_HANDLER_PARAM_FIELD_ARG;
+    hp.id = KVC_AM_NOTIFY;
+    hp.flags = UCP_AM_FLAG_WHOLE_MSG;
+    hp.cb = notify_cb;
+    hp.arg = a;
+    return ucp_worker_set_am_recv_handler(a->worker, &hp) == UCS_OK ? KVC_OK : KVC_ERR_TRANSPORT;
+}
+
+kvc_status_t kvc_notify_send(kvc_agent_t *a, ucp_ep_h ep, const kvc_buf_t *msg,
+                             ucp_send_nbx_callback_t cb, void *arg, void **req)
+{
+    ucp_request_param_t rp;
+    memset(&rp, 0, sizeof(rp));
+    rp.op_attr_mask =
+        UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
+    rp.cb.send = cb;
+    rp.user_data = arg;
+    rp.flags = UCP_AM_SEND_FLAG_EAGER;
+    if (msg->len > KVC_WIRE_MAX_NOTIFY) return KVC_ERR_INVALID_PARAM;
+    *req = ucp_am_send_nbx(ep, KVC_AM_NOTIFY, NULL, 0, msg->p, msg->len, &rp);
+    return KVC_OK;
+}

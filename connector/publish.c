@@ -1,0 +1,162 @@
+/* Producer bookkeeping: the table of published requests (hash by request id)
+ * and kvc_publish / kvc_unpublish.  Release by notification is in notify.c,
+ * by time in expiry.c. */
+#include "kvc_int.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+#define INITIAL_BUCKETS 1024
+
+static uint64_t hash(const char *s, size_t n)
+{
+    uint64_t h = 1469598103934665603ull; /* FNV-1a */
+    for (size_t i = 0; i < n; i++) h = (h ^ (uint8_t)s[i]) * 1099511628211ull;
+    return h;
+}
+
+kvc_status_t kvc_pubtab_init(kvc_pubtab_t *t)
+{
+    memset(t, 0, sizeof(*t));
+    t->buckets = calloc(INITIAL_BUCKETS, sizeof(*t->buckets));
+    if (!t->buckets) return KVC_ERR_NO_MEMORY;
+    t->nbuckets = INITIAL_BUCKETS;
+    return KVC_OK;
+}
+
+void kvc_pub_free(kvc_pub_t *p)
+{
+    if (!p) return;
+    free(p->id);
+    free(p->blocks);
+    free(p);
+}
+
+void kvc_pubtab_cleanup(kvc_pubtab_t *t)
+{
+    for (size_t i = 0; t->buckets && i < t->nbuckets; i++) {
+        kvc_pub_t *p = t->buckets[i];
+        while (p) {
+            kvc_pub_t *nx = p->hnext;
+            kvc_pub_free(p);
+            p = nx;
+        }
+    }
+    free(t->buckets);
+    memset(t, 0, sizeof(*t));
+}
+
+kvc_pub_t *kvc_pubtab_find(kvc_pubtab_t *t, const char *id, size_t len)
+{
+    for (kvc_pub_t *p = t->buckets[hash(id, len) % t->nbuckets]; p; p = p->hnext)
+        if (strlen(p->id) == len && !memcmp(p->id, id, len)) return p;
+    return NULL;
+}
+
+static void grow(kvc_pubtab_t *t)
+{
+    size_t nb = t->nbuckets * 2;
+    kvc_pub_t **b = calloc(nb, sizeof(*b));
+    if (!b) return; /* keep the longer chains */
+    for (size_t i = 0; i < t->nbuckets; i++) {
+        kvc_pub_t *p = t->buckets[i];
+        while (p) {
+            kvc_pub_t *nx = p->hnext;
+            size_t k = hash(p->id, strlen(p->id)) % nb;
+            p->hnext = b[k];
+            b[k] = p;
+            p = nx;
+        }
+    }
+    free(t->buckets);
+    t->buckets = b;
+    t->nbuckets = nb;
+}
+
+void kvc_pubtab_insert(kvc_pubtab_t *t, kvc_pub_t *p)
+{
+    if (t->count >= t->nbuckets) grow(t);
+    size_t k = hash(p->id, strlen(p->id)) % t->nbuckets;
+    p->hnext = t->buckets[k];
+    t->buckets[k] = p;
+    t->count++;
+    kvc_expiry_insert(t, p);
+}
+
+void kvc_pubtab_remove(kvc_pubtab_t *t, kvc_pub_t *p)
+{
+    kvc_pub_t **pp = &t->buckets[hash(p->id, strlen(p->id)) % t->nbuckets];
+    while (*pp && *pp != p) pp = &(*pp)->hnext;
+    if (*pp) {
+        *pp = p->hnext;
+        t->count--;
+    }
+    p->hnext = NULL;
+    kvc_expiry_remove(t, p);
+}
+
+kvc_status_t kvc_publish(kvc_agent_t *a, const char *request_id, const uint64_t *block_ids,
+                         size_t n, const kvc_publish_params_t *params, char **json_out)
+{
+    if (!a || !request_id || !json_out || (n && !block_ids)) return KVC_ERR_INVALID_PARAM;
+    size_t idlen = strlen(request_id);
+    if (idlen == 0 || idlen > KVC_WIRE_MAX_STR || !kvc_printable(request_id, idlen))
+        return KVC_ERR_INVALID_PARAM;
+    if (!a->n_regions) return KVC_ERR_STATE;
+    for (size_t i = 0; i < n; i++)
+        if (block_ids[i] >= a->num_blocks) {
+            KVC_LOG(a, KVC_LOG_WARN, "publish req=%s: block %llu out of range (%llu)", request_id,
+                    (unsigned long long)block_ids[i], (unsigned long long)a->num_blocks);
+            return KVC_ERR_INVALID_PARAM;
+        }
+    if (kvc_pubtab_find(&a->pubs, request_id, idlen)) return KVC_ERR_EXISTS;
+
+    kvc_status_t st = KVC_ERR_NO_MEMORY;
+    kvc_pub_t *p = calloc(1, sizeof(*p));
+    if (!p) return st;
+    if (!(p->id = kvc_strdup(request_id))) goto err_pub;
+    if (n) {
+        if (!(p->blocks = malloc(n * sizeof(uint64_t)))) goto err_pub;
+        memcpy(p->blocks, block_ids, n * sizeof(uint64_t));
+    }
+    p->n = n;
+    uint64_t m = params ? params->field_mask : 0;
+    uint32_t exp = (m & KVC_PUBLISH_FIELD_EXPIRY) ? params->expiry_ms : a->expiry_ms;
+    p->deadline_ns = kvc_now_ns() + (uint64_t)exp * 1000000ull;
+    p->user_data = (m & KVC_PUBLISH_FIELD_USER_DATA) ? params->user_data : 0;
+    char *json = kvc_params_to_json(a->engine_id, request_id, a->adv_host, a->port, block_ids, n,
+                                    a->tp_size);
+    if (!json) goto err_pub;
+    /* Staged CUDA regions: the bytes must be in the host mirror before any
+     * consumer can read them, i.e. before the params leave this function. */
+    for (size_t r = 0; r < a->n_regions && n; r++) {
+        kvc_region_t *rg = &a->regions[r];
+        if (!rg->staged) continue;
+        st = kvc_cuda_copy_blocks(a->cuda, rg->dev_base, rg->base, rg->block_len, block_ids, n,
+                                  false);
+        if (st == KVC_OK) st = kvc_cuda_sync(a->cuda);
+        if (st != KVC_OK) goto err_json;
+    }
+    kvc_pubtab_insert(&a->pubs, p);
+    a->stats[KVC_STAT_PUBLISHED]++;
+    kvc_wake(a); /* re-arm the timer with this deadline */
+    KVC_LOG(a, KVC_LOG_DEBUG, "published req=%s blocks=%zu expiry_ms=%u", request_id, n, exp);
+    *json_out = json;
+    return KVC_OK;
+
+err_json:
+    kvc_free(json);
+err_pub:
+    kvc_pub_free(p);
+    return st;
+}
+
+kvc_status_t kvc_unpublish(kvc_agent_t *a, const char *request_id)
+{
+    if (!a || !request_id) return KVC_ERR_INVALID_PARAM;
+    kvc_pub_t *p = kvc_pubtab_find(&a->pubs, request_id, strlen(request_id));
+    if (!p) return KVC_ERR_NOT_FOUND;
+    kvc_pubtab_remove(&a->pubs, p);
+    kvc_pub_free(p);
+    return KVC_OK;
+}

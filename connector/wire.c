@@ -1,0 +1,418 @@
+/* Wire formats: side-channel handshake, pull requests, data headers and
+ * notifications.  Pure functions (no I/O, no UCX calls) so that the fuzzers
+ * and unit tests exercise exactly what the agent runs.
+ *
+ * Header (12 bytes): u32 magic "KVCH", u16 version, u16 type, u32 body_len.
+ * HELLO body:     str16 engine_id
+ * HANDSHAKE body: str16 engine_id, u64 nonce, str16 layout, u32 tp_size,
+ *                 blob32 worker_address, u64 num_blocks, u32 n_regions,
+ *                 n_regions * { u64 base, u64 len, u64 block_len, u8 mem_type,
+ *                               u8 flags, blob32 rkey }
+ * PULL (AM data): u16 version, u16 0, u32 n_runs, u64 xfer_id,
+ *                 n_runs * { u64 remote, u64 local, u64 count }
+ * DATA header (AM header): u64 xfer_id, u32 region, i32 status,
+ *                 u64 local_start, u64 count
+ * Everything a parser reads is bounds-checked against the input length;
+ * counts are checked against the bytes that remain before any allocation. */
+#include "kvc_int.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+void kvc_buf_cleanup(kvc_buf_t *b)
+{
+    free(b->p);
+    memset(b, 0, sizeof(*b));
+}
+
+void kvc_buf_put(kvc_buf_t *b, const void *p, size_t n)
+{
+    if (b->failed || n == 0) return;
+    if (b->len + n > b->cap) {
+        size_t cap = b->cap ? b->cap : 256;
+        while (cap < b->len + n) cap *= 2;
+        uint8_t *np = realloc(b->p, cap);
+        if (!np) {
+            b->failed = true;
+            return;
+        }
+        b->p = np;
+        b->cap = cap;
+    }
+    memcpy(b->p + b->len, p, n);
+    b->len += n;
+}
+
+void kvc_buf_u8(kvc_buf_t *b, uint8_t v)
+{
+    kvc_buf_put(b, &v, 1);
+}
+
+void kvc_buf_u16(kvc_buf_t *b, uint16_t v)
+{
+    uint8_t x[2] = {(uint8_t)v, (uint8_t)(v >> 8)};
+    kvc_buf_put(b, x, 2);
+}
+
+void kvc_buf_u32(kvc_buf_t *b, uint32_t v)
+{
+    uint8_t x[4];
+    for (int i = 0; i < 4; i++) x[i] = (uint8_t)(v >> (8 * i));
+    kvc_buf_put(b, x, 4);
+}
+
+void kvc_buf_u64(kvc_buf_t *b, uint64_t v)
+{
+    uint8_t x[8];
+    for (int i = 0; i < 8; i++) x[i] = (uint8_t)(v >> (8 * i));
+    kvc_buf_put(b, x, 8);
+}
+
+static void put_str16(kvc_buf_t *b, const void *s, size_t n)
+{
+    if (n > KVC_WIRE_MAX_STR) {
+        b->failed = true;
+        return;
+    }
+    kvc_buf_u16(b, (uint16_t)n);
+    kvc_buf_put(b, s, n);
+}
+
+static void put_blob32(kvc_buf_t *b, const void *s, size_t n)
+{
+    if (n > KVC_WIRE_MAX_BLOB) {
+        b->failed = true;
+        return;
+    }
+    kvc_buf_u32(b, (uint32_t)n);
+    kvc_buf_put(b, s, n);
+}
+
+/* Reader: every getter fails (and stays failed) instead of reading past end. */
+typedef struct {
+    const uint8_t *p;
+    size_t len, off;
+    bool bad;
+} rd_t;
+
+static bool rd_need(rd_t *r, size_t n)
+{
+    if (r->bad || r->len - r->off < n) {
+        r->bad = true;
+        return false;
+    }
+    return true;
+}
+
+static uint64_t rd_uint(rd_t *r, int bytes)
+{
+    if (!rd_need(r, (size_t)bytes)) return 0;
+    uint64_t v = 0;
+    for (int i = 0; i < bytes; i++) v |= (uint64_t)r->p[r->off + i] << (8 * i);
+    r->off += (size_t)bytes;
+    return v;
+}
+
+static kvc_span_t rd_span(rd_t *r, size_t n)
+{
+    kvc_span_t s = {NULL, 0};
+    if (!rd_need(r, n)) return s;
+    s.p = r->p + r->off;
+    s.len = n;
+    r->off += n;
+    return s;
+}
+
+static kvc_span_t rd_str16(rd_t *r)
+{
+    size_t n = (size_t)rd_uint(r, 2);
+    if (n > KVC_WIRE_MAX_STR) r->bad = true;
+    return rd_span(r, n);
+}
+
+static kvc_span_t rd_blob32(rd_t *r)
+{
+    size_t n = (size_t)rd_uint(r, 4);
+    if (n > KVC_WIRE_MAX_BLOB) r->bad = true;
+    return rd_span(r, n);
+}
+
+bool kvc_printable(const char *s, size_t len)
+{
+    for (size_t i = 0; i < len; i++)
+        if ((unsigned char)s[i] < 0x20 || (unsigned char)s[i] > 0x7e) return false;
+    return true;
+}
+
+kvc_status_t kvc_wire_parse_hdr(const uint8_t *b, size_t len, uint32_t max_body,
+                                kvc_wire_hdr_t *h)
+{
+    rd_t r = {b, len, 0, false};
+    if (len < 4) return KVC_AGAIN;
+    if (rd_uint(&r, 4) != KVC_WIRE_MAGIC) return KVC_ERR_PROTOCOL;
+    if (len < KVC_WIRE_HDR_LEN) return KVC_AGAIN;
+    kvc_wire_hdr_t t;
+    t.version = (uint16_t)rd_uint(&r, 2);
+    t.type = (uint16_t)rd_uint(&r, 2);
+    t.body_len = (uint32_t)rd_uint(&r, 4);
+    if (t.body_len > max_body) return KVC_ERR_PROTOCOL;
+    *h = t;
+    return KVC_OK;
+}
+
+static void put_hdr(kvc_buf_t *b, uint16_t version, uint16_t type)
+{
+    kvc_buf_u32(b, KVC_WIRE_MAGIC);
+    kvc_buf_u16(b, version);
+    kvc_buf_u16(b, type);
+    kvc_buf_u32(b, 0); /* body length, patched by end_msg */
+}
+
+static void end_msg(kvc_buf_t *b, size_t start)
+{
+    if (b->failed) return;
+    size_t body = b->len - start - KVC_WIRE_HDR_LEN;
+    if (body > KVC_WIRE_MAX_BODY) {
+        b->failed = true;
+        return;
+    }
+    for (int i = 0; i < 4; i++) b->p[start + 8 + i] = (uint8_t)(body >> (8 * i));
+}
+
+void kvc_wire_encode_hello(kvc_buf_t *b, uint16_t version, const char *engine_id)
+{
+    size_t start = b->len;
+    put_hdr(b, version, KVC_MSG_HELLO);
+    put_str16(b, engine_id, strlen(engine_id));
+    end_msg(b, start);
+}
+
+kvc_status_t kvc_wire_parse_hello(const uint8_t *body, size_t len, kvc_span_t *engine_id)
+{
+    rd_t r = {body, len, 0, false};
+    kvc_span_t id = rd_str16(&r);
+    if (r.bad || r.off != len) return KVC_ERR_PROTOCOL;
+    *engine_id = id;
+    return KVC_OK;
+}
+
+void kvc_wire_encode_handshake(kvc_buf_t *b, uint16_t version, const kvc_wire_hs_t *hs)
+{
+    size_t start = b->len;
+    put_hdr(b, version, KVC_MSG_HANDSHAKE);
+    put_str16(b, hs->engine_id.p, hs->engine_id.len);
+    kvc_buf_u64(b, hs->nonce);
+    put_str16(b, hs->layout.p, hs->layout.len);
+    kvc_buf_u32(b, hs->tp_size);
+    put_blob32(b, hs->worker_addr.p, hs->worker_addr.len);
+    kvc_buf_u64(b, hs->num_blocks);
+    if (hs->n_regions > KVC_WIRE_MAX_REGIONS) b->failed = true;
+    kvc_buf_u32(b, hs->n_regions);
+    for (uint32_t i = 0; i < hs->n_regions; i++) {
+        const kvc_wire_region_t *rg = &hs->regions[i];
+        kvc_buf_u64(b, rg->base);
+        kvc_buf_u64(b, rg->len);
+        kvc_buf_u64(b, rg->block_len);
+        kvc_buf_u8(b, rg->mem_type);
+        kvc_buf_u8(b, rg->flags);
+        put_blob32(b, rg->rkey.p, rg->rkey.len);
+    }
+    end_msg(b, start);
+}
+
+/* Smallest encoding of one region entry: 3 u64 + 2 u8 + empty blob32. */
+#define REGION_MIN_BYTES (8 * 3 + 2 + 4)
+
+kvc_status_t kvc_wire_parse_handshake(const uint8_t *body, size_t len, kvc_wire_hs_t *hs)
+{
+    rd_t r = {body, len, 0, false};
+    kvc_wire_hs_t t;
+    memset(&t, 0, sizeof(t));
+    t.engine_id = rd_str16(&r);
+    t.nonce = rd_uint(&r, 8);
+    t.layout = rd_str16(&r);
+    t.tp_size = (uint32_t)rd_uint(&r, 4);
+    t.worker_addr = rd_blob32(&r);
+    t.num_blocks = rd_uint(&r, 8);
+    t.n_regions = (uint32_t)rd_uint(&r, 4);
+    if (r.bad || t.n_regions > KVC_WIRE_MAX_REGIONS ||
+        (size_t)t.n_regions > (len - r.off) / REGION_MIN_BYTES)
+        return KVC_ERR_PROTOCOL;
+    if (t.n_regions) {
+        t.regions = calloc(t.n_regions, sizeof(*t.regions));
+        if (!t.regions) return KVC_ERR_NO_MEMORY;
+    }
+    for (uint32_t i = 0; i < t.n_regions && !r.bad; i++) {
+        kvc_wire_region_t *rg = &t.regions[i];
+        rg->base = rd_uint(&r, 8);
+        rg->len = rd_uint(&r, 8);
+        rg->block_len = rd_uint(&r, 8);
+        rg->mem_type = (uint8_t)rd_uint(&r, 1);
+        rg->flags = (uint8_t)rd_uint(&r, 1);
+        rg->rkey = rd_blob32(&r);
+        /* Geometry must be self-consistent: len == num_blocks * block_len
+         * without overflow, and the region must not wrap the address space. */
+        if (!r.bad && (rg->block_len == 0 || t.num_blocks == 0 ||
+                       rg->block_len > UINT64_MAX / t.num_blocks ||
+                       rg->block_len * t.num_blocks != rg->len || rg->base > UINT64_MAX - rg->len))
+            r.bad = true;
+    }
+    if (r.bad || r.off != len || !kvc_printable((const char *)t.engine_id.p, t.engine_id.len) ||
+        !kvc_printable((const char *)t.layout.p, t.layout.len)) {
+        free(t.regions);
+        return KVC_ERR_PROTOCOL;
+    }
+    *hs = t;
+    return KVC_OK;
+}
+
+void kvc_wire_hs_cleanup(kvc_wire_hs_t *hs)
+{
+    free(hs->regions);
+    memset(hs, 0, sizeof(*hs));
+}
+
+#define PULL_FIXED 16
+#define RUN_BYTES 24
+
+void kvc_wire_encode_pull(kvc_buf_t *b, uint64_t xfer_id, const kvc_run_t *runs, size_t n)
+{
+    if (n > UINT32_MAX) {
+        b->failed = true;
+        return;
+    }
+    kvc_buf_u16(b, KVC_WIRE_VERSION);
+    kvc_buf_u16(b, 0);
+    kvc_buf_u32(b, (uint32_t)n);
+    kvc_buf_u64(b, xfer_id);
+    for (size_t i = 0; i < n; i++) {
+        kvc_buf_u64(b, runs[i].remote);
+        kvc_buf_u64(b, runs[i].local);
+        kvc_buf_u64(b, runs[i].count);
+    }
+}
+
+kvc_status_t kvc_wire_parse_pull(const uint8_t *p, size_t len, uint64_t *xfer_id, kvc_run_t **runs,
+                                 size_t *n)
+{
+    rd_t r = {p, len, 0, false};
+    uint16_t ver = (uint16_t)rd_uint(&r, 2);
+    (void)rd_uint(&r, 2);
+    uint32_t cnt = (uint32_t)rd_uint(&r, 4);
+    uint64_t id = rd_uint(&r, 8);
+    if (r.bad || ver != KVC_WIRE_VERSION || (size_t)cnt != (len - PULL_FIXED) / RUN_BYTES ||
+        (len - PULL_FIXED) % RUN_BYTES)
+        return KVC_ERR_PROTOCOL;
+    kvc_run_t *v = NULL;
+    if (cnt) {
+        v = malloc((size_t)cnt * sizeof(*v));
+        if (!v) return KVC_ERR_NO_MEMORY;
+    }
+    for (uint32_t i = 0; i < cnt; i++) {
+        v[i].remote = rd_uint(&r, 8);
+        v[i].local = rd_uint(&r, 8);
+        v[i].count = rd_uint(&r, 8);
+    }
+    *xfer_id = id;
+    *runs = v;
+    *n = cnt;
+    return KVC_OK;
+}
+
+void kvc_wire_encode_data_hdr(uint8_t out[KVC_WIRE_DATA_HDR_LEN], const kvc_wire_data_hdr_t *h)
+{
+    kvc_buf_t b = {0};
+    kvc_buf_u64(&b, h->xfer_id);
+    kvc_buf_u32(&b, h->region);
+    kvc_buf_u32(&b, (uint32_t)h->status);
+    kvc_buf_u64(&b, h->local_start);
+    kvc_buf_u64(&b, h->count);
+    if (!b.failed && b.len == KVC_WIRE_DATA_HDR_LEN)
+        memcpy(out, b.p, KVC_WIRE_DATA_HDR_LEN);
+    else
+        memset(out, 0xff, KVC_WIRE_DATA_HDR_LEN); /* parses as garbage: rejected */
+    kvc_buf_cleanup(&b);
+}
+
+kvc_status_t kvc_wire_parse_data_hdr(const uint8_t *p, size_t len, kvc_wire_data_hdr_t *h)
+{
+    if (!p || len != KVC_WIRE_DATA_HDR_LEN) return KVC_ERR_PROTOCOL;
+    rd_t r = {p, len, 0, false};
+    kvc_wire_data_hdr_t t;
+    t.xfer_id = rd_uint(&r, 8);
+    t.region = (uint32_t)rd_uint(&r, 4);
+    t.status = (int32_t)(uint32_t)rd_uint(&r, 4);
+    t.local_start = rd_uint(&r, 8);
+    t.count = rd_uint(&r, 8);
+    *h = t;
+    return KVC_OK;
+}
+
+void kvc_wire_encode_notify(kvc_buf_t *b, const char *request_id, uint32_t tp)
+{
+    char num[16];
+    int k = 0;
+    char tmp[16];
+    do {
+        tmp[k++] = (char)('0' + tp % 10);
+        tp /= 10;
+    } while (tp);
+    for (int i = 0; i < k; i++) num[i] = tmp[k - 1 - i];
+    kvc_buf_put(b, request_id, strlen(request_id));
+    kvc_buf_u8(b, ':');
+    kvc_buf_put(b, num, (size_t)k);
+}
+
+kvc_status_t kvc_wire_parse_notify(const uint8_t *p, size_t len, kvc_span_t *id, uint32_t *tp)
+{
+    if (!p || len == 0 || len > KVC_WIRE_MAX_NOTIFY) return KVC_ERR_PROTOCOL;
+    size_t colon = len;
+    for (size_t i = len; i-- > 0;)
+        if (p[i] == ':') {
+            colon = i;
+            break;
+        }
+    uint32_t t = 0;
+    if (colon < len) {
+        size_t nd = len - colon - 1;
+        if (nd == 0 || nd > 9) return KVC_ERR_PROTOCOL;
+        for (size_t i = colon + 1; i < len; i++) {
+            if (p[i] < '0' || p[i] > '9') return KVC_ERR_PROTOCOL;
+            t = t * 10 + (uint32_t)(p[i] - '0');
+        }
+    }
+    if (colon == 0 || !kvc_printable((const char *)p, colon)) return KVC_ERR_PROTOCOL;
+    id->p = p;
+    id->len = colon;
+    *tp = t;
+    return KVC_OK;
+}
+
+kvc_status_t kvc_coalesce(const uint64_t *remote, const uint64_t *local, size_t n, kvc_run_t **runs,
+                          size_t *nruns)
+{
+    if (n == 0) {
+        *runs = NULL;
+        *nruns = 0;
+        return KVC_OK;
+    }
+    kvc_run_t *v = malloc(n * sizeof(*v));
+    if (!v) return KVC_ERR_NO_MEMORY;
+    size_t k = 0;
+    for (size_t i = 0; i < n; i++) {
+        if (k && v[k - 1].remote + v[k - 1].count == remote[i] &&
+            v[k - 1].local + v[k - 1].count == local[i]) {
+            v[k - 1].count++;
+            continue;
+        }
+        v[k].remote = remote[i];
+        v[k].local = local[i];
+        v[k].count = 1;
+        k++;
+    }
+    /* Shrinking cannot fail in a way that matters: keep the larger block. */
+    kvc_run_t *s = realloc(v, k * sizeof(*v));
+    *runs = s ? s : v;
+    *nruns = k;
+    return KVC_OK;
+}

@@ -1,0 +1,621 @@
+/* Fetches (consumer) and pushes (producer side of a fetch).
+ *
+ * A fetch goes WAIT_PEER -> DATA -> [FLUSH] -> NOTIFY -> done, one step per
+ * progress call, never from inside a UCX callback: callbacks only count
+ * completions and record errors; kvc_xfers_advance() moves the state.
+ *
+ * DATA uses one of two protocols, chosen per peer (peer.c: choose_proto):
+ *  GET:  one ucp_get_nbx per (coalesced run, region).  One-sided on shared
+ *        memory pools and on RDMA.
+ *  PUSH: one PULL active message listing the runs; the producer answers with
+ *        one DATA active message per (run, region) whose header names the
+ *        local destination; large ones arrive as rendezvous and are received
+ *        straight into the local region.  This is the fast path over UCX's
+ *        tcp transport, whose get is emulated by the target.
+ *
+ * A fetch struct lives until its event is queued AND every UCX request that
+ * points to it has completed (outstanding == 0). */
+#include "kvc_int.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+enum { KVC_AM_PULL = 21, KVC_AM_DATA = 22 };
+
+typedef enum { X_WAIT_PEER, X_DATA, X_FLUSH, X_NOTIFY, X_DONE } xstate_t;
+
+struct kvc_xfer {
+    kvc_xfer_t *next;
+    kvc_agent_t *a;
+    uint64_t id, user_data;
+    kvc_peer_t *peer; /* referenced */
+    char *req_id;     /* owned */
+    uint64_t *remote, *local; /* owned; n pairs (the tail of the remote list) */
+    size_t n;
+    kvc_run_t *runs; /* owned */
+    size_t nruns;
+    kvc_proto_t proto;
+    xstate_t state;
+    bool finished;   /* event queued */
+    int outstanding; /* UCX requests whose user_data is this fetch */
+    bool op_failed;
+    kvc_status_t op_status;
+    char op_msg[256];
+    uint64_t bytes_expected, bytes_got;
+    uint64_t deadline_ns;
+    kvc_buf_t pull, notify; /* must outlive their sends */
+};
+
+/* Producer side: headers of one PULL's DATA sends, freed with the last send. */
+typedef struct {
+    kvc_agent_t *a;
+    size_t refs;
+    uint8_t (*hdr)[KVC_WIRE_DATA_HDR_LEN];
+} push_job_t;
+
+static kvc_status_t ucs_to_kvc(ucs_status_t us)
+{
+    switch (us) {
+    case UCS_OK: return KVC_OK;
+    case UCS_ERR_CANCELED: return KVC_ERR_CANCELED;
+    case UCS_ERR_NO_MEMORY: return KVC_ERR_NO_MEMORY;
+    case UCS_ERR_UNREACHABLE:
+    case UCS_ERR_ENDPOINT_TIMEOUT:
+    case UCS_ERR_CONNECTION_RESET:
+    case UCS_ERR_NOT_CONNECTED:
+    case UCS_ERR_REJECTED: return KVC_ERR_PEER_FAILED;
+    case UCS_ERR_TIMED_OUT: return KVC_ERR_TIMED_OUT;
+    default: return KVC_ERR_TRANSPORT;
+    }
+}
+
+static void op_error(kvc_xfer_t *x, kvc_status_t st, const char *what, const char *detail)
+{
+    if (x->op_failed) return;
+    x->op_failed = true;
+    x->op_status = st;
+    snprintf(x->op_msg, sizeof(x->op_msg), "%s: %s", what, detail);
+}
+
+static void op_done(kvc_xfer_t *x, ucs_status_t us, const char *what)
+{
+    x->outstanding--;
+    if (us != UCS_OK) op_error(x, ucs_to_kvc(us), what, ucs_status_string(us));
+    kvc_wake(x->a);
+}
+
+static void get_cb(void *req, ucs_status_t us, void *ud)
+{
+    op_done(ud, us, "get");
+    ucp_request_free(req);
+}
+
+static void flush_cb(void *req, ucs_status_t us, void *ud)
+{
+    op_done(ud, us, "flush");
+    ucp_request_free(req);
+}
+
+static void send_cb(void *req, ucs_status_t us, void *ud)
+{
+    op_done(ud, us, "send");
+    ucp_request_free(req);
+}
+
+static void recv_cb(void *req, ucs_status_t us, size_t length, void *ud)
+{
+    kvc_xfer_t *x = ud;
+    if (us == UCS_OK) x->bytes_got += length;
+    op_done(x, us, "receive");
+    ucp_request_free(req);
+}
+
+/* Tracks one request returned by a UCX call; false if it failed at once. */
+static bool track(kvc_xfer_t *x, ucs_status_ptr_t r, const char *what)
+{
+    if (r == NULL) return true;
+    if (UCS_PTR_IS_ERR(r)) {
+        ucs_status_t us = UCS_PTR_STATUS(r);
+        op_error(x, ucs_to_kvc(us), what, ucs_status_string(us));
+        return false;
+    }
+    x->outstanding++;
+    return true;
+}
+
+static void xfer_finish(kvc_agent_t *a, kvc_xfer_t *x, kvc_status_t st, const char *msg)
+{
+    if (x->finished) return;
+    x->finished = true;
+    x->state = X_DONE;
+    if (st == KVC_OK) {
+        a->stats[KVC_STAT_FETCH_DONE]++;
+        a->stats[KVC_STAT_BYTES_FETCHED] += x->bytes_expected;
+        KVC_LOG(a, KVC_LOG_DEBUG, "fetch %llu req=%s done blocks=%zu bytes=%llu",
+                (unsigned long long)x->id, x->req_id, x->n,
+                (unsigned long long)x->bytes_expected);
+        kvc_event_push(a, KVC_EV_FETCH_DONE, KVC_OK, x->id, x->user_data, x->req_id, x->local,
+                       x->n, x->bytes_expected, NULL);
+    } else {
+        a->stats[KVC_STAT_FETCH_FAILED]++;
+        KVC_LOG(a, KVC_LOG_WARN, "fetch %llu req=%s failed: %s (%s)", (unsigned long long)x->id,
+                x->req_id, msg, kvc_status_str(st));
+        kvc_event_push(a, KVC_EV_FETCH_FAILED, st, x->id, x->user_data, x->req_id, x->local, x->n,
+                       0, msg);
+    }
+}
+
+void kvc_xfers_fail_peer(kvc_agent_t *a, kvc_peer_t *p, kvc_status_t st, const char *msg)
+{
+    for (kvc_xfer_t *x = a->xfers; x; x = x->next)
+        if (x->peer == p && !x->finished) xfer_finish(a, x, st, msg);
+}
+
+static void xfer_free(kvc_xfer_t *x)
+{
+    free(x->req_id);
+    free(x->remote);
+    free(x->local);
+    free(x->runs);
+    kvc_buf_cleanup(&x->pull);
+    kvc_buf_cleanup(&x->notify);
+    free(x);
+}
+
+/* ------------------------------------------------------------- consumer -- */
+
+static void start_notify(kvc_agent_t *a, kvc_xfer_t *x)
+{
+    for (size_t r = 0; r < a->n_regions && x->n; r++) {
+        kvc_region_t *rg = &a->regions[r];
+        if (!rg->staged) continue;
+        kvc_status_t st =
+            kvc_cuda_copy_blocks(a->cuda, rg->dev_base, rg->base, rg->block_len, x->local, x->n, true);
+        if (st == KVC_OK) st = kvc_cuda_sync(a->cuda);
+        if (st != KVC_OK) {
+            xfer_finish(a, x, st, "staging host->device copy failed");
+            return;
+        }
+    }
+    kvc_wire_encode_notify(&x->notify, x->req_id, a->tp_size);
+    if (x->notify.failed) {
+        xfer_finish(a, x, KVC_ERR_NO_MEMORY, "out of memory");
+        return;
+    }
+    x->state = X_NOTIFY;
+    void *r = NULL;
+    kvc_status_t st = kvc_notify_send(a, x->peer->ep, &x->notify, send_cb, x, &r);
+    if (st != KVC_OK || !track(x, r, "notify")) {
+        if (!x->op_failed) op_error(x, st, "notify", "send failed");
+    }
+}
+
+static void start_data(kvc_agent_t *a, kvc_xfer_t *x, uint64_t now)
+{
+    kvc_peer_t *p = x->peer;
+    for (size_t i = 0; i < x->n; i++) {
+        if (x->remote[i] >= p->num_blocks) {
+            char m[200];
+            snprintf(m, sizeof(m), "remote block id %llu out of range: engine %s has %llu blocks",
+                     (unsigned long long)x->remote[i], p->engine_id,
+                     (unsigned long long)p->num_blocks);
+            xfer_finish(a, x, KVC_ERR_INVALID_PARAM, m);
+            return;
+        }
+    }
+    if (kvc_coalesce(x->remote, x->local, x->n, &x->runs, &x->nruns) != KVC_OK) {
+        xfer_finish(a, x, KVC_ERR_NO_MEMORY, "out of memory");
+        return;
+    }
+    x->proto = p->proto;
+    x->deadline_ns = now + (uint64_t)a->xfer_timeout_ms * 1000000ull;
+    size_t per_block = 0;
+    for (size_t r = 0; r < a->n_regions; r++) per_block += a->regions[r].block_len;
+    x->bytes_expected = (uint64_t)x->n * per_block;
+    x->state = X_DATA;
+    if (x->n == 0) return; /* notify only */
+
+    ucp_request_param_t rp;
+    memset(&rp, 0, sizeof(rp));
+    rp.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+    rp.user_data = x;
+    if (x->proto == KVC_PROTO_GET) {
+        rp.cb.send = get_cb;
+        for (size_t i = 0; i < x->nruns; i++) {
+            const kvc_run_t *run = &x->runs[i];
+            for (size_t r = 0; r < a->n_regions; r++) {
+                size_t bl = a->regions[r].block_len;
+                uint8_t *dst = (uint8_t *)a->regions[r].base + run->local * bl;
+                uint64_t src = p->rr[r].base + run->remote * bl;
+                if (!track(x, ucp_get_nbx(p->ep, dst, run->count * bl, src, p->rr[r].rkey, &rp),
+                           "get"))
+                    return;
+            }
+        }
+        return;
+    }
+    kvc_wire_encode_pull(&x->pull, x->id, x->runs, x->nruns);
+    if (x->pull.failed) {
+        xfer_finish(a, x, KVC_ERR_NO_MEMORY, "out of memory");
+        return;
+    }
+    rp.cb.send = send_cb;
+    rp.op_attr_mask |= UCP_OP_ATTR_FIELD_FLAGS;
+    rp.flags = UCP_AM_SEND_FLAG_REPLY | UCP_AM_SEND_FLAG_EAGER;
+    track(x, ucp_am_send_nbx(p->ep, KVC_AM_PULL, NULL, 0, x->pull.p, x->pull.len, &rp), "pull");
+}
+
+static void advance(kvc_agent_t *a, kvc_xfer_t *x, uint64_t now, uint64_t *next)
+{
+    kvc_status_t pst;
+    const char *pmsg;
+    if (x->state == X_WAIT_PEER) {
+        if (kvc_peer_dead(x->peer, &pst, &pmsg)) {
+            xfer_finish(a, x, pst, pmsg);
+            return;
+        }
+        if (!kvc_peer_ready(x->peer)) return;
+        start_data(a, x, now);
+        if (x->finished) return;
+    }
+    if (x->op_failed) {
+        xfer_finish(a, x, x->op_status, x->op_msg);
+        return;
+    }
+    if (x->state == X_DATA) {
+        bool landed = x->outstanding == 0 &&
+                      (x->proto == KVC_PROTO_GET || x->n == 0 || x->bytes_got == x->bytes_expected);
+        if (!landed) {
+            if (now >= x->deadline_ns) {
+                char m[160];
+                snprintf(m, sizeof(m), "data not complete after %u ms (%llu of %llu bytes)",
+                         a->xfer_timeout_ms, (unsigned long long)x->bytes_got,
+                         (unsigned long long)x->bytes_expected);
+                xfer_finish(a, x, KVC_ERR_TIMED_OUT, m);
+                return;
+            }
+            if (x->deadline_ns < *next) *next = x->deadline_ns;
+            return;
+        }
+        if (x->proto == KVC_PROTO_GET && x->n) {
+            ucp_request_param_t rp;
+            memset(&rp, 0, sizeof(rp));
+            rp.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+            rp.cb.send = flush_cb;
+            rp.user_data = x;
+            x->state = X_FLUSH;
+            if (!track(x, ucp_ep_flush_nbx(x->peer->ep, &rp), "flush")) return;
+        } else {
+            start_notify(a, x);
+            return;
+        }
+    }
+    if (x->state == X_FLUSH && x->outstanding == 0) {
+        start_notify(a, x);
+        return;
+    }
+    if (x->state == X_NOTIFY && x->outstanding == 0) xfer_finish(a, x, KVC_OK, NULL);
+}
+
+void kvc_xfers_advance(kvc_agent_t *a, uint64_t now, uint64_t *next)
+{
+    kvc_xfer_t **pp = &a->xfers;
+    while (*pp) {
+        kvc_xfer_t *x = *pp;
+        if (!x->finished) advance(a, x, now, next);
+        if (x->finished && x->outstanding == 0) {
+            *pp = x->next;
+            kvc_peer_unref(a, x->peer);
+            xfer_free(x);
+            continue;
+        }
+        pp = &x->next;
+    }
+}
+
+void kvc_xfers_destroy(kvc_agent_t *a)
+{
+    while (a->xfers) {
+        kvc_xfer_t *x = a->xfers;
+        a->xfers = x->next;
+        xfer_free(x);
+    }
+}
+
+static kvc_status_t remote_from_fields(const kvc_fetch_params_t *p, kvc_remote_t *r)
+{
+    if (!p->remote_engine_id || !p->remote_request_id || !p->remote_host ||
+        (p->num_remote_blocks && !p->remote_block_ids))
+        return KVC_ERR_INVALID_PARAM;
+    r->engine_id = kvc_strdup(p->remote_engine_id);
+    r->request_id = kvc_strdup(p->remote_request_id);
+    r->host = kvc_strdup(p->remote_host);
+    r->port = p->remote_port;
+    r->num_blocks = p->num_remote_blocks;
+    if (r->num_blocks) {
+        r->block_ids = malloc(r->num_blocks * sizeof(uint64_t));
+        if (r->block_ids)
+            memcpy(r->block_ids, p->remote_block_ids, r->num_blocks * sizeof(uint64_t));
+    }
+    if (!r->engine_id || !r->request_id || !r->host || (r->num_blocks && !r->block_ids))
+        return KVC_ERR_NO_MEMORY;
+    return KVC_OK;
+}
+
+kvc_status_t kvc_fetch(kvc_agent_t *a, const kvc_fetch_params_t *p, uint64_t *xfer_id)
+{
+    if (!a || !p || !xfer_id) return KVC_ERR_INVALID_PARAM;
+    if (!a->n_regions) return KVC_ERR_STATE;
+    kvc_remote_t r;
+    memset(&r, 0, sizeof(r));
+    kvc_status_t st;
+    if ((p->field_mask & KVC_FETCH_FIELD_JSON) && p->kv_transfer_params_json) {
+        char err[200];
+        st = kvc_params_parse_json(p->kv_transfer_params_json, &r, err, sizeof(err));
+        if (st != KVC_OK) {
+            KVC_LOG(a, KVC_LOG_WARN, "fetch: invalid kv_transfer_params: %s", err);
+            goto err_remote;
+        }
+    } else if (p->field_mask & KVC_FETCH_FIELD_REMOTE) {
+        if ((st = remote_from_fields(p, &r)) != KVC_OK) goto err_remote;
+    } else {
+        st = KVC_ERR_INVALID_PARAM;
+        goto err_remote;
+    }
+    st = KVC_ERR_INVALID_PARAM;
+    if (!*r.request_id || !kvc_printable(r.request_id, strlen(r.request_id)) || !*r.host ||
+        r.port == 0 || !*r.engine_id)
+        goto err_remote;
+    size_t nl = 0;
+    const uint64_t *lids = NULL;
+    if (p->field_mask & KVC_FETCH_FIELD_LOCAL_BLOCKS) {
+        nl = p->num_local_blocks;
+        lids = p->local_block_ids;
+        if (nl && !lids) goto err_remote;
+    }
+    if (nl > r.num_blocks) {
+        KVC_LOG(a, KVC_LOG_WARN, "fetch req=%s: %zu local blocks for %zu remote", r.request_id,
+                nl, r.num_blocks);
+        goto err_remote;
+    }
+    for (size_t i = 0; i < nl; i++)
+        if (lids[i] >= a->num_blocks) {
+            KVC_LOG(a, KVC_LOG_WARN, "fetch req=%s: local block %llu out of range (%llu)",
+                    r.request_id, (unsigned long long)lids[i], (unsigned long long)a->num_blocks);
+            goto err_remote;
+        }
+
+    st = KVC_ERR_NO_MEMORY;
+    kvc_xfer_t *x = calloc(1, sizeof(*x));
+    if (!x) goto err_remote;
+    x->a = a;
+    x->req_id = r.request_id;
+    r.request_id = NULL;
+    x->n = nl;
+    if (nl) {
+        x->remote = malloc(nl * sizeof(uint64_t));
+        x->local = malloc(nl * sizeof(uint64_t));
+        if (!x->remote || !x->local) goto err_xfer;
+        /* Fewer local than remote: decode has the prefix cached; the tail is new. */
+        memcpy(x->remote, r.block_ids + (r.num_blocks - nl), nl * sizeof(uint64_t));
+        memcpy(x->local, lids, nl * sizeof(uint64_t));
+    }
+    if ((st = kvc_peer_get(a, r.host, r.port, r.engine_id, &x->peer)) != KVC_OK) goto err_xfer;
+    kvc_peer_ref(x->peer);
+    x->id = a->next_xfer_id++;
+    x->user_data = (p->field_mask & KVC_FETCH_FIELD_USER_DATA) ? p->user_data : 0;
+    x->state = X_WAIT_PEER;
+    x->next = a->xfers;
+    a->xfers = x;
+    kvc_remote_cleanup(&r);
+    KVC_LOG(a, KVC_LOG_DEBUG, "fetch %llu req=%s blocks=%zu", (unsigned long long)x->id, x->req_id,
+            x->n);
+    kvc_wake(a);
+    *xfer_id = x->id;
+    return KVC_INPROGRESS;
+
+err_xfer:
+    xfer_free(x);
+err_remote:
+    kvc_remote_cleanup(&r);
+    return st;
+}
+
+static kvc_xfer_t *find_xfer(kvc_agent_t *a, uint64_t id)
+{
+    for (kvc_xfer_t *x = a->xfers; x; x = x->next)
+        if (x->id == id && !x->finished) return x;
+    return NULL;
+}
+
+/* Consumer: a DATA message from the producer. */
+static ucs_status_t data_cb(void *arg, const void *header, size_t hlen, void *data, size_t len,
+                            const ucp_am_recv_param_t *param)
+{
+    kvc_agent_t *a = arg;
+    bool rndv = (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0;
+    kvc_wire_data_hdr_t h;
+    if (a->destroying) return UCS_OK;
+    if (kvc_wire_parse_data_hdr(header, hlen, &h) != KVC_OK) {
+        KVC_LOG(a, KVC_LOG_WARN, "push: malformed data header (%zu bytes), dropped", hlen);
+        return rndv ? UCS_ERR_INVALID_PARAM : UCS_OK;
+    }
+    kvc_xfer_t *x = find_xfer(a, h.xfer_id);
+    if (!x || x->state != X_DATA) {
+        KVC_LOG(a, KVC_LOG_DEBUG, "push: data for finished fetch %llu dropped",
+                (unsigned long long)h.xfer_id);
+        return rndv ? UCS_ERR_CANCELED : UCS_OK;
+    }
+    kvc_wake(a);
+    if (h.status != 0) {
+        kvc_status_t st = h.status < 0 && h.status >= KVC_ERR_STATE ? (kvc_status_t)h.status
+                                                                     : KVC_ERR_PROTOCOL;
+        op_error(x, st, "producer refused the fetch", kvc_status_str(st));
+        return rndv ? UCS_ERR_CANCELED : UCS_OK;
+    }
+    if (h.region >= a->n_regions || h.count == 0 || h.local_start >= a->num_blocks ||
+        h.count > a->num_blocks - h.local_start ||
+        h.count > UINT64_MAX / a->regions[h.region].block_len ||
+        len != h.count * a->regions[h.region].block_len ||
+        len > x->bytes_expected - x->bytes_got) {
+        op_error(x, KVC_ERR_PROTOCOL, "push", "data message does not match the fetch");
+        return rndv ? UCS_ERR_INVALID_PARAM : UCS_OK;
+    }
+    kvc_region_t *rg = &a->regions[h.region];
+    uint8_t *dst = (uint8_t *)rg->base + h.local_start * rg->block_len;
+    if (!rndv) {
+        memcpy(dst, data, len);
+        x->bytes_got += len;
+        return UCS_OK;
+    }
+    ucp_request_param_t rp;
+    memset(&rp, 0, sizeof(rp));
+    rp.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+    rp.cb.recv_am = recv_cb;
+    rp.user_data = x;
+    ucs_status_ptr_t r = ucp_am_recv_data_nbx(a->worker, data, dst, len, &rp);
+    if (r == NULL)
+        x->bytes_got += len;
+    else
+        track(x, r, "receive");
+    return UCS_INPROGRESS;
+}
+
+/* ------------------------------------------------------------- producer -- */
+
+static void push_cb(void *req, ucs_status_t us, void *ud)
+{
+    push_job_t *j = ud;
+    if (us != UCS_OK && us != UCS_ERR_CANCELED)
+        KVC_LOG(j->a, KVC_LOG_WARN, "push: send failed: %s", ucs_status_string(us));
+    j->a->push_inflight--;
+    if (--j->refs == 0) {
+        free(j->hdr);
+        free(j);
+    }
+    ucp_request_free(req);
+}
+
+static void push_refuse(kvc_agent_t *a, ucp_ep_h ep, uint64_t xfer_id, kvc_status_t st)
+{
+    /* Eager send with the header copied by UCX before returning? Not in 1.13:
+     * the header must live until completion, so it goes in a job too. */
+    push_job_t *j = calloc(1, sizeof(*j));
+    if (!j || !(j->hdr = calloc(1, KVC_WIRE_DATA_HDR_LEN))) {
+        free(j);
+        return;
+    }
+    j->a = a;
+    kvc_wire_data_hdr_t h = {xfer_id, 0, (int32_t)st, 0, 0};
+    kvc_wire_encode_data_hdr(j->hdr[0], &h);
+    ucp_request_param_t rp;
+    memset(&rp, 0, sizeof(rp));
+    rp.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+    rp.cb.send = push_cb;
+    rp.user_data = j;
+    j->refs = 1;
+    ucs_status_ptr_t r = ucp_am_send_nbx(ep, KVC_AM_DATA, j->hdr[0], KVC_WIRE_DATA_HDR_LEN, NULL, 0, &rp);
+    if (UCS_PTR_IS_PTR(r)) {
+        a->push_inflight++;
+        return;
+    }
+    free(j->hdr);
+    free(j);
+}
+
+static ucs_status_t pull_cb(void *arg, const void *header, size_t hlen, void *data, size_t len,
+                            const ucp_am_recv_param_t *param)
+{
+    kvc_agent_t *a = arg;
+    if (a->destroying) return UCS_OK;
+    if (!(param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) || !param->reply_ep ||
+        (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV)) {
+        KVC_LOG(a, KVC_LOG_WARN, "push: pull request without reply endpoint, dropped");
+        return (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) ? UCS_ERR_INVALID_PARAM : UCS_OK;
+    }
+    ucp_ep_h ep = param->reply_ep;
+    uint64_t xid;
+    kvc_run_t *runs = NULL;
+    size_t n = 0;
+    kvc_status_t st = kvc_wire_parse_pull(data, len, &xid, &runs, &n);
+    if (st != KVC_OK) {
+        KVC_LOG(a, KVC_LOG_WARN, "push: malformed pull request (%zu bytes), dropped", len);
+        return UCS_OK;
+    }
+    for (size_t i = 0; i < n; i++) {
+        if (runs[i].count == 0 || runs[i].remote >= a->num_blocks ||
+            runs[i].count > a->num_blocks - runs[i].remote) {
+            KVC_LOG(a, KVC_LOG_WARN, "push: fetch %llu asks for blocks [%llu,+%llu) of %llu",
+                    (unsigned long long)xid, (unsigned long long)runs[i].remote,
+                    (unsigned long long)runs[i].count, (unsigned long long)a->num_blocks);
+            push_refuse(a, ep, xid, KVC_ERR_INVALID_PARAM);
+            free(runs);
+            return UCS_OK;
+        }
+    }
+    size_t nsend = n * a->n_regions;
+    if (nsend == 0) {
+        free(runs);
+        return UCS_OK;
+    }
+    push_job_t *j = calloc(1, sizeof(*j));
+    if (!j || !(j->hdr = calloc(nsend, KVC_WIRE_DATA_HDR_LEN))) {
+        free(j);
+        free(runs);
+        push_refuse(a, ep, xid, KVC_ERR_NO_MEMORY);
+        return UCS_OK;
+    }
+    j->a = a;
+    j->refs = 1; /* held while issuing */
+    ucp_request_param_t rp;
+    memset(&rp, 0, sizeof(rp));
+    rp.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+    rp.cb.send = push_cb;
+    rp.user_data = j;
+    size_t k = 0;
+    for (size_t i = 0; i < n; i++) {
+        for (size_t r = 0; r < a->n_regions; r++, k++) {
+            kvc_region_t *rg = &a->regions[r];
+            kvc_wire_data_hdr_t h = {xid, (uint32_t)r, 0, runs[i].local, runs[i].count};
+            kvc_wire_encode_data_hdr(j->hdr[k], &h);
+            const uint8_t *src = (const uint8_t *)rg->base + runs[i].remote * rg->block_len;
+            j->refs++;
+            a->push_inflight++;
+            ucs_status_ptr_t s = ucp_am_send_nbx(ep, KVC_AM_DATA, j->hdr[k], KVC_WIRE_DATA_HDR_LEN,
+                                                 src, runs[i].count * rg->block_len, &rp);
+            if (UCS_PTR_IS_PTR(s)) continue;
+            j->refs--;
+            a->push_inflight--;
+            if (UCS_PTR_IS_ERR(s)) {
+                KVC_LOG(a, KVC_LOG_WARN, "push: send for fetch %llu failed: %s",
+                        (unsigned long long)xid, ucs_status_string(UCS_PTR_STATUS(s)));
+                goto out; /* the consumer's endpoint error or timeout ends its fetch */
+            }
+        }
+    }
+out:
+    if (--j->refs == 0) {
+        free(j->hdr);
+        free(j);
+    }
+    free(runs);
+    return UCS_OK;
+}
+
+kvc_status_t kvc_xfer_register_am(kvc_agent_t *a)
+{
+    ucp_am_handler_param_t hp;
+    memset(&hp, 0, sizeof(hp));
+    hp.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_FLAGS |
+                    UCP_AM_HANDLER_PARAM_FIELD_CB | UCP_AM_HANDLER_PARAM_FIELD_ARG;
+    hp.flags = UCP_AM_FLAG_WHOLE_MSG;
+    hp.arg = a;
+    hp.id = KVC_AM_PULL;
+    hp.cb = pull_cb;
+    if (ucp_worker_set_am_recv_handler(a->worker, &hp) != UCS_OK) return KVC_ERR_TRANSPORT;
+    hp.id = KVC_AM_DATA;
+    hp.cb = data_cb;
+    if (ucp_worker_set_am_recv_handler(a->worker, &hp) != UCS_OK) return KVC_ERR_TRANSPORT;
+    return KVC_OK;
+}

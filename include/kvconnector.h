@@ -1,0 +1,367 @@
+/*
+ * libkvconnector — move KV-cache blocks from a prefill engine (producer, "P")
+ * to a decode engine (consumer, "D") over UCX.  See DESIGN.md §4.
+ *
+ * Model
+ * -----
+ * An *agent* (kvc_agent_t) per engine worker owns a UCX context and worker, a
+ * side-channel TCP listener (advertised as remote_host:remote_port in
+ * kv_transfer_params) and a set of registered KV *regions*.  All regions share
+ * num_blocks; block id b names block b of every region at once:
+ *     block b of region r lives at base_r + b * block_len_r.
+ *
+ * Producer: kvc_publish() keeps a request's blocks readable and returns the
+ * kv_transfer_params JSON text.  The blocks are released (KVC_EV_RELEASED)
+ * when the consumer's notification "<remote_request_id>:<tp>" arrives, or
+ * when they expire (KVC_EV_EXPIRED).  The engine must not reuse the blocks of
+ * a published request before one of these two events.
+ *
+ * Consumer: kvc_fetch() handshakes with the producer (once per producer
+ * instance, cached), reads every remote block into the matching local block
+ * (contiguous runs coalesced), then notifies the producer.  The outcome is one
+ * KVC_EV_FETCH_DONE or KVC_EV_FETCH_FAILED event.  After FETCH_FAILED, no local
+ * block of that fetch holds valid data (some may have been partly written).
+ *
+ * Threading contract
+ * ------------------
+ * One thread drives an agent: every kvc_ function taking a kvc_agent_t must
+ * be called from that thread (or with external locking).  The library starts
+ * no threads.  Nothing happens unless the driving thread calls
+ * kvc_agent_progress(); in particular a producer must keep progressing, since
+ * without RDMA hardware a remote read is served by the producer's worker.
+ * There are no user callbacks except the log callback, which runs on the
+ * thread that called the kvc_ function that logs (the driving thread).
+ *
+ * Driving an agent from libevent
+ * ------------------------------
+ *     static void on_kvc(evutil_socket_t fd, short what, void *arg) {
+ *         kvc_agent_t *a = arg;
+ *         kvc_event_t ev;
+ *         kvc_agent_progress(a);
+ *         while (kvc_agent_next_event(a, &ev) == KVC_OK)
+ *             handle(&ev);              // may call kvc_publish/kvc_fetch
+ *     }
+ *     int fd;
+ *     kvc_agent_get_fd(a, &fd);
+ *     struct event *e = event_new(base, fd, EV_READ | EV_PERSIST, on_kvc, a);
+ *     event_add(e, NULL);
+ *     // after kvc_publish()/kvc_fetch() from other callbacks, the fd becomes
+ *     // readable by itself: no extra wakeup is needed.
+ *
+ * The fd is level-triggered: it stays readable while the agent has work, so
+ * a loop that does not call kvc_agent_progress() spins.  Timers (expiry,
+ * timeouts) are part of the fd; no separate timer event is needed.
+ *
+ * Conventions: functions return kvc_status_t; out-parameters are written
+ * only on KVC_OK; "borrowed" pointers are not freed by the library; strings
+ * returned to the caller are freed with kvc_free().
+ */
+#ifndef KVCONNECTOR_H
+#define KVCONNECTOR_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#if defined(__GNUC__)
+#define KVC_API __attribute__((visibility("default")))
+#else
+#define KVC_API
+#endif
+
+/** Status codes.  Values are stable and never renumbered. */
+typedef enum {
+    KVC_OK = 0,
+    KVC_INPROGRESS = 1,       /**< started; the outcome arrives as an event */
+    KVC_AGAIN = 2,            /**< nothing to report now (kvc_agent_next_event) */
+    KVC_ERR_NO_MEMORY = -1,
+    KVC_ERR_INVALID_PARAM = -2,
+    KVC_ERR_UNREACHABLE = -3, /**< side channel: connect/handshake failed or timed out */
+    KVC_ERR_TIMED_OUT = -4,   /**< a transfer did not finish within xfer_timeout_ms */
+    KVC_ERR_VERSION = -5,     /**< peer speaks another handshake wire version */
+    KVC_ERR_INCOMPATIBLE = -6, /**< layout tag, region count or block geometry differ */
+    KVC_ERR_NOT_FOUND = -7,
+    KVC_ERR_EXISTS = -8,      /**< e.g. a request id already published */
+    KVC_ERR_PROTOCOL = -9,    /**< malformed message from a peer */
+    KVC_ERR_PEER_FAILED = -10, /**< peer died or its endpoint failed mid-transfer */
+    KVC_ERR_CANCELED = -11,   /**< agent destroyed with the transfer in flight */
+    KVC_ERR_TRANSPORT = -12,  /**< UCX reported an error */
+    KVC_ERR_IO = -13,         /**< socket or system call failure */
+    KVC_ERR_UNSUPPORTED = -14, /**< e.g. CUDA region in a build without CUDA */
+    KVC_ERR_NO_DEVICE = -15,  /**< CUDA built in but no usable device */
+    KVC_ERR_STATE = -16,      /**< call not valid now (e.g. regions not registered) */
+} kvc_status_t;
+
+/** Static string naming `st` ("KVC_ERR_UNREACHABLE" style); never NULL. */
+KVC_API const char *kvc_status_str(kvc_status_t st);
+
+/** Frees memory returned by the library (JSON text). NULL is a no-op. */
+KVC_API void kvc_free(void *p);
+
+/* ------------------------------------------------------------------ log -- */
+
+typedef enum {
+    KVC_LOG_ERROR = 0,
+    KVC_LOG_WARN = 1,
+    KVC_LOG_INFO = 2,
+    KVC_LOG_DEBUG = 3,
+} kvc_log_level_t;
+
+/** Log sink.  `msg` is one line without newline, borrowed for the call.
+ * Runs on the agent's driving thread.  Must not call kvc_ functions. */
+typedef void (*kvc_log_cb_t)(void *arg, kvc_log_level_t level, const char *msg);
+
+/* ---------------------------------------------------------------- agent -- */
+
+typedef struct kvc_agent kvc_agent_t; /* opaque */
+
+/** How the consumer moves bytes.  AUTO: one-sided RMA get when the producer's
+ * memory is directly reachable (shared-memory pool on the same host), else
+ * producer push (UCX active-message rendezvous), which is what UCX's tcp
+ * transport does fast (its emulated get is slow). */
+typedef enum {
+    KVC_PROTO_AUTO = 0,
+    KVC_PROTO_GET = 1,
+    KVC_PROTO_PUSH = 2,
+} kvc_proto_t;
+
+enum {
+    KVC_AGENT_FIELD_ENGINE_ID = 1u << 0,
+    KVC_AGENT_FIELD_LISTEN_HOST = 1u << 1,
+    KVC_AGENT_FIELD_LISTEN_PORT = 1u << 2,
+    KVC_AGENT_FIELD_ADVERTISE_HOST = 1u << 3,
+    KVC_AGENT_FIELD_LOG = 1u << 4,
+    KVC_AGENT_FIELD_CONNECT_TIMEOUT = 1u << 5,
+    KVC_AGENT_FIELD_EXPIRY = 1u << 6,
+    KVC_AGENT_FIELD_XFER_TIMEOUT = 1u << 7,
+    KVC_AGENT_FIELD_LAYOUT_TAG = 1u << 8,
+    KVC_AGENT_FIELD_TP_SIZE = 1u << 9,
+    KVC_AGENT_FIELD_PROTO = 1u << 10,
+};
+
+/** Agent parameters.  Only fields named in field_mask are read; others take
+ * the default shown.  Strings are borrowed for the call (copied). */
+typedef struct {
+    uint64_t field_mask;
+    const char *engine_id;       /**< required; remote_engine_id of P */
+    const char *listen_host;     /**< side channel bind address; "127.0.0.1" */
+    uint16_t listen_port;        /**< 0 (default): pick a free port */
+    const char *advertise_host;  /**< remote_host in kv_transfer_params;
+                                      default listen_host */
+    kvc_log_cb_t log_cb;         /**< default: stderr, level from KVC_LOG_LEVEL
+                                      (error|warn|info|debug, default warn) */
+    void *log_arg;               /**< borrowed: until kvc_agent_destroy */
+    kvc_log_level_t log_level;   /**< with log_cb; default: KVC_LOG_LEVEL */
+    uint32_t connect_timeout_ms; /**< side-channel connect + handshake; 5000 */
+    uint32_t expiry_ms;          /**< published blocks expire after; 480000 */
+    uint32_t xfer_timeout_ms;    /**< data phase of a fetch; 60000 */
+    const char *layout_tag;      /**< must match on both sides; "NHD" */
+    uint32_t tp_size;            /**< this engine's TP size; 1 */
+    kvc_proto_t proto;           /**< consumer transfer protocol; AUTO.  The
+                                      env KVC_PROTO=get|push|auto overrides. */
+} kvc_agent_params_t;
+
+/**
+ * Creates an agent: UCX context and worker (UCX honours UCX_TLS,
+ * UCX_NET_DEVICES, ...), and a listening side channel.
+ * KVC_OK: *out set; destroy with kvc_agent_destroy().
+ * KVC_ERR_INVALID_PARAM (no engine id, bad host), KVC_ERR_IO (bind/listen),
+ * KVC_ERR_TRANSPORT (UCX init), KVC_ERR_NO_MEMORY.
+ */
+KVC_API kvc_status_t kvc_agent_create(const kvc_agent_params_t *params, kvc_agent_t **out);
+
+/**
+ * Destroys the agent.  Fetches in flight are cancelled (no event is
+ * delivered for them any more), published blocks are dropped, connector-
+ * allocated pools are freed.  NULL is a no-op.
+ */
+KVC_API void kvc_agent_destroy(kvc_agent_t *a);
+
+/** The side-channel port actually bound (useful with listen_port 0). */
+KVC_API kvc_status_t kvc_agent_get_port(const kvc_agent_t *a, uint16_t *port);
+
+/** One pollable fd (readable when kvc_agent_progress() has work).  Owned by
+ * the agent: do not close or read it.  KVC_OK always for a valid agent. */
+KVC_API kvc_status_t kvc_agent_get_fd(const kvc_agent_t *a, int *fd);
+
+/**
+ * Does all work that is ready, never blocks: side-channel I/O, UCX progress,
+ * expiry and timeouts.  Queues events for kvc_agent_next_event().
+ * KVC_OK, or KVC_ERR_IO if polling failed (the agent stays usable).
+ */
+KVC_API kvc_status_t kvc_agent_progress(kvc_agent_t *a);
+
+/**
+ * Convenience for blocking users: waits up to timeout_ms (-1: forever) for
+ * the fd, then calls kvc_agent_progress().  KVC_OK or KVC_ERR_IO.
+ */
+KVC_API kvc_status_t kvc_agent_wait(kvc_agent_t *a, int timeout_ms);
+
+/* -------------------------------------------------------------- regions -- */
+
+typedef enum {
+    KVC_MEM_HOST = 0,
+    KVC_MEM_CUDA = 1,
+} kvc_mem_type_t;
+
+enum {
+    KVC_REGION_FIELD_BASE = 1u << 0,
+    KVC_REGION_FIELD_MEM_TYPE = 1u << 1,
+    KVC_REGION_FIELD_CUDA_DEVICE = 1u << 2,
+};
+
+/** One region: len bytes = num_blocks * block_len. */
+typedef struct {
+    uint64_t field_mask;
+    size_t len;              /**< required; a non-zero multiple of num_blocks */
+    void *base;              /**< borrowed: must stay valid until destroy.  Without
+                                  this field the connector allocates a host pool
+                                  (shared memory, fastest on one host); read its
+                                  address with kvc_region_base(). */
+    kvc_mem_type_t mem_type; /**< default KVC_MEM_HOST; CUDA needs base */
+    int cuda_device;         /**< default 0 */
+} kvc_region_params_t;
+
+/**
+ * Registers the KV regions, once per agent, before publish or fetch.
+ * CUDA regions are registered with UCX directly when UCX supports CUDA
+ * memory, otherwise staged through a pinned host mirror.
+ * KVC_OK; KVC_ERR_INVALID_PARAM (n == 0, len not a multiple of num_blocks);
+ * KVC_ERR_STATE (already registered); KVC_ERR_UNSUPPORTED (CUDA without CUDA
+ * build); KVC_ERR_NO_DEVICE; KVC_ERR_TRANSPORT; KVC_ERR_NO_MEMORY.
+ * On failure nothing stays registered.
+ */
+KVC_API kvc_status_t kvc_agent_register_regions(kvc_agent_t *a, uint64_t num_blocks,
+                                                const kvc_region_params_t *regions, size_t n);
+
+/** Host address of region `idx` (the pool, or the caller's base; for staged
+ * CUDA regions the device base).  KVC_ERR_NOT_FOUND for a bad index. */
+KVC_API kvc_status_t kvc_region_base(const kvc_agent_t *a, size_t idx, void **base);
+
+/* ------------------------------------------------------------- producer -- */
+
+enum {
+    KVC_PUBLISH_FIELD_EXPIRY = 1u << 0,
+    KVC_PUBLISH_FIELD_USER_DATA = 1u << 1,
+};
+
+typedef struct {
+    uint64_t field_mask;
+    uint32_t expiry_ms;  /**< default: the agent's expiry_ms */
+    uint64_t user_data;  /**< echoed in this request's events */
+} kvc_publish_params_t;
+
+/**
+ * Publishes `n` blocks (copied) of request `request_id` (any printable
+ * characters, ':' included; copied) and returns the kv_transfer_params JSON
+ * object text in *json_out (owned by the caller, kvc_free()):
+ *   {"do_remote_prefill":true,"do_remote_decode":false,
+ *    "remote_block_ids":[...],"remote_engine_id":"...",
+ *    "remote_request_id":"<request_id>","remote_host":"...",
+ *    "remote_port":N,"tp_size":N}
+ * `params` may be NULL.  For staged CUDA regions the blocks are copied to
+ * the host mirror before this returns.
+ * KVC_OK; KVC_ERR_INVALID_PARAM (empty/non-printable id, block id out of
+ * range; nothing is touched); KVC_ERR_EXISTS (id already published);
+ * KVC_ERR_STATE (no regions); KVC_ERR_NO_MEMORY.
+ */
+KVC_API kvc_status_t kvc_publish(kvc_agent_t *a, const char *request_id,
+                                 const uint64_t *block_ids, size_t n,
+                                 const kvc_publish_params_t *params, char **json_out);
+
+/** Releases a published request early, without an event (e.g. the engine
+ * aborted it).  KVC_OK or KVC_ERR_NOT_FOUND. */
+KVC_API kvc_status_t kvc_unpublish(kvc_agent_t *a, const char *request_id);
+
+/* ------------------------------------------------------------- consumer -- */
+
+enum {
+    KVC_FETCH_FIELD_JSON = 1u << 0,       /**< kv_transfer_params as JSON text */
+    KVC_FETCH_FIELD_REMOTE = 1u << 1,     /**< the remote_* fields below */
+    KVC_FETCH_FIELD_LOCAL_BLOCKS = 1u << 2,
+    KVC_FETCH_FIELD_USER_DATA = 1u << 3,
+};
+
+typedef struct {
+    uint64_t field_mask;
+    /** The producer's kv_transfer_params object as text (what kvc_publish
+     * returned, possibly forwarded through a proxy; unknown keys ignored). */
+    const char *kv_transfer_params_json;
+    /* Or the same as fields (KVC_FETCH_FIELD_REMOTE); all borrowed for the call. */
+    const char *remote_engine_id;
+    const char *remote_request_id;
+    const char *remote_host;
+    uint16_t remote_port;
+    const uint64_t *remote_block_ids;
+    size_t num_remote_blocks;
+    /** Local block ids (copied).  Fewer than remote: the LAST remote blocks
+     * are fetched.  Zero: notify only.  More than remote: invalid. */
+    const uint64_t *local_block_ids;
+    size_t num_local_blocks;
+    uint64_t user_data; /**< echoed in the fetch's event */
+} kvc_fetch_params_t;
+
+/**
+ * Starts a fetch.  KVC_INPROGRESS: *xfer_id set; exactly one FETCH_DONE or
+ * FETCH_FAILED event with that id follows (unless the agent is destroyed
+ * first).  The local regions must not be touched by the engine until then.
+ * KVC_ERR_INVALID_PARAM: missing keys, local block id out of range, more
+ * local than remote blocks (nothing touched, no event); KVC_ERR_STATE (no
+ * regions); KVC_ERR_NO_MEMORY.  Remote block ids out of the producer's range
+ * fail the fetch (event, KVC_ERR_INVALID_PARAM) before any data moves.
+ */
+KVC_API kvc_status_t kvc_fetch(kvc_agent_t *a, const kvc_fetch_params_t *params,
+                               uint64_t *xfer_id);
+
+/* --------------------------------------------------------------- events -- */
+
+typedef enum {
+    KVC_EV_FETCH_DONE = 1,   /**< consumer: all blocks landed, producer notified */
+    KVC_EV_FETCH_FAILED = 2, /**< consumer: status says why; message has details */
+    KVC_EV_RELEASED = 3,     /**< producer: consumer notified; blocks are free */
+    KVC_EV_EXPIRED = 4,      /**< producer: not claimed in time; blocks are free */
+    KVC_EV_UNKNOWN_NOTIFY = 5, /**< producer: notification for an unknown id */
+} kvc_event_type_t;
+
+typedef struct {
+    kvc_event_type_t type;
+    kvc_status_t status;       /**< KVC_OK or the failure */
+    uint64_t xfer_id;          /**< fetch events */
+    uint64_t user_data;        /**< from kvc_fetch / kvc_publish params */
+    const char *request_id;    /**< remote_request_id (fetch) or published id;
+                                    borrowed: valid until the next call of
+                                    kvc_agent_next_event/progress/destroy */
+    const uint64_t *block_ids; /**< producer events: the published blocks;
+                                    consumer: local blocks. Borrowed as above */
+    size_t num_blocks;
+    uint64_t bytes;            /**< FETCH_DONE: bytes moved */
+    const char *message;       /**< human-readable detail, borrowed as above */
+} kvc_event_t;
+
+/** Pops the next event.  KVC_OK: *ev filled; KVC_AGAIN: none queued. */
+KVC_API kvc_status_t kvc_agent_next_event(kvc_agent_t *a, kvc_event_t *ev);
+
+/* ---------------------------------------------------------------- stats -- */
+
+typedef enum {
+    KVC_STAT_PUBLISHED = 0,
+    KVC_STAT_RELEASED = 1,
+    KVC_STAT_EXPIRED = 2,
+    KVC_STAT_UNKNOWN_NOTIFY = 3,
+    KVC_STAT_FETCH_DONE = 4,
+    KVC_STAT_FETCH_FAILED = 5,
+    KVC_STAT_BYTES_FETCHED = 6,
+    KVC_STAT_HANDSHAKES = 7,   /**< handshakes done by this consumer */
+    KVC_STAT_PUBLISHED_NOW = 8, /**< requests currently published */
+} kvc_stat_t;
+
+/** Reads one counter.  KVC_OK or KVC_ERR_INVALID_PARAM (unknown stat). */
+KVC_API kvc_status_t kvc_agent_stat(const kvc_agent_t *a, kvc_stat_t which, uint64_t *value);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* KVCONNECTOR_H */
