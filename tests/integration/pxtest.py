@@ -1287,12 +1287,16 @@ def chat_body(**extra):
 
 
 def _test_failed(tc):
+    """Whether test case `tc` has recorded a failure or error so far (usable
+    from a cleanup: unittest resets its own success flag for each part)."""
     outcome = getattr(tc, "_outcome", None)
-    if outcome is None:
+    res = getattr(outcome, "result", None)
+    if res is None:
         return True
-    if hasattr(outcome, "success"):
-        return not outcome.success
-    return True
+    for test, _ in list(getattr(res, "failures", [])) + list(getattr(res, "errors", [])):
+        if test is tc or getattr(test, "test_case", None) is tc:
+            return True
+    return False
 
 
 class PxTestCase(unittest.TestCase):
@@ -1378,9 +1382,15 @@ class PxTestCase(unittest.TestCase):
         if failed:
             sys.stderr.write("\n----- pdproxy %s stderr (%s) -----\n%s\n----- end -----\n"
                              % (" ".join(p.args), self.id(), p.stderr()[-20000:]))
+        san = SANITIZER_RE.search(p.stderr())
+        if san and not failed:
+            sys.stderr.write("\n----- pdproxy %s stderr (%s) -----\n%s\n----- end -----\n"
+                             % (" ".join(p.args), self.id(), p.stderr()[-20000:]))
         p.remove_logs()
         if died:
             raise AssertionError("pdproxy exited during the test with status %s" % rc)
+        if san:
+            raise AssertionError("sanitizer report in pdproxy's stderr: %s" % san.group(0))
 
     # -- assertions
 
@@ -1421,6 +1431,10 @@ class PxTestCase(unittest.TestCase):
                         % (keyword, proxy.stderr()[since:][-4000:]))
         return lines
 
+
+# What AddressSanitizer, LeakSanitizer and UBSan print when they find something.
+SANITIZER_RE = re.compile(r"ERROR: (Address|Leak|Thread|Memory)Sanitizer[^\n]*|"
+                          r"[^\n]*runtime error:[^\n]*")
 
 # A log line at warning level: "warn", "WARN", "warning", "level=warn", "W ".
 WARN_RE = re.compile(r"(?i)\bwarn(ing)?\b")

@@ -162,6 +162,86 @@ class ThreadsTest(PxTestCase):
         self.assertLess(time.monotonic() - t0, 2.5)
 
 
+def listeners_on(port):
+    """Number of TCP sockets listening on 127.0.0.1:port (from /proc/net/tcp)."""
+    n = 0
+    with open("/proc/net/tcp") as f:
+        next(f)
+        for line in f:
+            fields = line.split()
+            local, state = fields[1], fields[3]
+            if state == "0A" and int(local.split(":")[1], 16) == port:
+                n += 1
+    return n
+
+
+class ListenerTest(PxTestCase):
+
+    def test_one_reuseport_listener_per_thread(self):
+        P = self.mock(pxtest.prefill_handler(), name="P")
+        D = self.mock(pxtest.decode_handler(), name="D")
+        px = self.start_proxy([P], [D], threads=3)
+        self.assertEqual(pxtest.wait_until(lambda: listeners_on(px.port) == 3, 2.0) and 3,
+                         3, "listeners on %d: %d" % (px.port, listeners_on(px.port)))
+
+    def test_default_threads_cpu_count(self):
+        P = self.mock(pxtest.prefill_handler(), name="P")
+        D = self.mock(pxtest.decode_handler(), name="D")
+        px = self.start_proxy([P], [D], threads=None)
+        ncpu = len(os.sched_getaffinity(0))
+        pxtest.wait_until(lambda: listeners_on(px.port) >= ncpu, 2.0)
+        self.assertIn(listeners_on(px.port), (ncpu, os.cpu_count()))
+
+
+class ClientBehaviourTest(PxTestCase):
+    def setUp(self):
+        super().setUp()
+        self.P = self.mock(pxtest.prefill_handler(), name="P")
+        self.D = self.mock(echo_decode, name="D")
+
+    def test_expect_100_continue(self):
+        # curl sends "Expect: 100-continue" before large bodies.
+        px = self.start_proxy([self.P], [self.D])
+        body = json.dumps(pxtest.completion_body(prompt="e" * 2_000_000)).encode()
+        c = RawClient(px.port)
+        self.addCleanup(c.close)
+        c.send(RawClient.build("POST", "/v1/completions", None,
+                               [("Content-Type", "application/json"),
+                                ("Content-Length", str(len(body))),
+                                ("Expect", "100-continue")]))
+        interim = c.read_response(timeout=1.0, head_only=True)
+        if not interim.timed_out:
+            self.assertEqual(interim.status, 100, "expected 100 Continue, got %r" % interim)
+        c.send(body)
+        r = c.read_response(timeout=10)
+        self.assertEqual(r.status, 200, r)
+        self.assertEqual(strict_json(self.P.requests[0].body)["prompt"], "e" * 2_000_000)
+
+    def test_client_gone_before_body_complete(self):
+        px = self.start_proxy([self.P], [self.D])
+        c = RawClient(px.port)
+        c.send(RawClient.build("POST", "/v1/completions", None,
+                               [("Content-Type", "application/json"),
+                                ("Content-Length", "1000")]) + b'{"prompt":"tr')
+        time.sleep(0.1)
+        c.close()
+        time.sleep(0.3)
+        self.assertEqual(self.P.requests, [])
+        r = http_request(px.port, "POST", "/v1/completions", pxtest.completion_body())
+        self.assertEqual(r.status, 200, r.body)
+
+    def test_connection_close_honoured(self):
+        px = self.start_proxy([self.P], [self.D])
+        c = RawClient(px.port)
+        self.addCleanup(c.close)
+        c.request("POST", "/v1/completions", pxtest.completion_body(prompt="bye"),
+                  headers=[("Connection", "close")])
+        r = c.read_response(timeout=5)
+        self.assertEqual(r.status, 200, r)
+        self.assertTrue(r.complete, r)
+        self.assertTrue(c.wait_eof(2.0), "pdproxy kept a Connection: close connection open")
+
+
 class CancelPrefillTest(PxTestCase):
     def setUp(self):
         super().setUp()

@@ -4,7 +4,9 @@ passed through, upstream failures (502/504), D failing mid-stream."""
 
 import json
 import os
+import re
 import sys
+import threading
 import time
 import unittest
 
@@ -12,6 +14,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import pxtest  # noqa: E402
 from pxtest import (CloseBeforeHeaders, PxTestCase, RawClient, Reset, Respond, Stream,  # noqa: E402
                     http_request, raw_exchange)
+
+FAIL_RE = re.compile(r"(?i)fail|error|abort|reset|closed")
 
 
 class ClientErrorTest(PxTestCase):
@@ -77,6 +81,35 @@ class ClientErrorTest(PxTestCase):
         self.assertEqual(len(self.D.requests), 1)
 
 
+class DefaultBodyLimitTest(PxTestCase):
+
+    def test_default_limit_32mib(self):
+        P = self.mock(pxtest.prefill_handler(), name="P")
+        D = self.mock(pxtest.decode_handler(), name="D")
+        px = self.start_proxy([P], [D])
+        limit = 32 * 1024 * 1024
+        body = b'{"prompt":"' + b"z" * (limit + 1 - 13) + b'"}'
+        self.assertEqual(len(body), limit + 1)
+        c = RawClient(px.port, timeout=20)
+        self.addCleanup(c.close)
+        c.send(RawClient.build("POST", "/v1/completions", None,
+                               [("Content-Type", "application/json"),
+                                ("Content-Length", str(len(body)))]))
+
+        def send_body():  # pdproxy may answer and close before reading it all
+            try:
+                c.sock.sendall(body)
+            except OSError:
+                pass
+
+        t = threading.Thread(target=send_body, daemon=True)
+        t.start()
+        r = c.read_response(timeout=20)
+        t.join(timeout=20)
+        self.assertErrorJson(r, 413)
+        self.assertEqual(P.requests, [])
+
+
 class PrefillErrorTest(PxTestCase):
     def setUp(self):
         super().setUp()
@@ -106,6 +139,18 @@ class PrefillErrorTest(PxTestCase):
             self.assertErrorJson(r, 502)
         self.assertEqual(self.D.requests, [])
         return px
+
+    def test_error_carries_request_id_and_is_logged(self):
+        self.P.set_handler(lambda req: Respond(500, [("Content-Type", "text/plain")], b"boom"))
+        px = self.start_proxy([self.P], [self.D])
+        r = http_request(px.port, "POST", "/v1/completions", pxtest.completion_body(),
+                         {"X-Request-Id": "err-id-4242"})
+        self.assertErrorJson(r, 502)
+        self.assertEqual(self.P.requests[0].header("x-request-id"), "err-id-4242")
+        self.assertEqual(r.header("x-request-id"), "err-id-4242")
+        lines = pxtest.wait_until(
+            lambda: [l for l in px.stderr().splitlines() if "err-id-4242" in l], 2.0)
+        self.assertTrue(lines, "error not logged with the request id:\n" + px.stderr())
 
     def test_p_5xx_502(self):
         for status in (500, 503):
@@ -190,6 +235,10 @@ class DecodeErrorTest(PxTestCase):
         self.assertFalse(r.complete, "stream ended with a 0-chunk though D failed: %r" % r)
         self.assertTrue(r.eof, "connection must be closed after a failed stream")
         self.assertEqual(bytes(r.body), b"".join(events), "bytes before the failure must arrive")
+        rid = self.D.requests[0].header("x-request-id")
+        lines = pxtest.wait_until(lambda: [l for l in px.stderr().splitlines()
+                                           if rid in l and FAIL_RE.search(l)], 2.0)
+        self.assertTrue(lines, "failure not logged with req id %s:\n%s" % (rid, px.stderr()))
         return px
 
     def test_d_close_mid_stream_chunked(self):

@@ -125,6 +125,21 @@ class PrefillRewriteTest(FlowBase):
         self.assertEqual(preq.json()["max_completion_tokens"], 1)
         self.assertNotIn("min_completion_tokens", preq.json())
 
+    def test_upstream_requests_are_json(self):
+        # vLLM (FastAPI) rejects a body whose Content-Type is not JSON; curl's
+        # default for a POST body is application/x-www-form-urlencoded.
+        px = self.proxy()
+        r = http_request(px.port, "POST", "/v1/completions", pxtest.completion_body(),
+                         {"Content-Type": "text/plain"})
+        self.assertEqual(r.status, 200, r.body)
+        for req in (self.P.requests[0], self.D.requests[0]):
+            self.assertEqual(req.method, "POST")
+            cts = req.header_all("content-type")
+            self.assertEqual(len(cts), 1, "%r Content-Type headers %r" % (req, cts))
+            self.assertEqual(cts[0].split(";")[0].strip().lower(), "application/json")
+            if not req.chunked:
+                self.assertEqual(req.header("content-length"), str(len(req.body)))
+
     def test_max_tokens_added_when_absent(self):
         body = {"model": "m", "prompt": "p"}
         preq = self._check_p("/v1/completions", body)
@@ -279,6 +294,13 @@ class RequestIdTest(FlowBase):
                 self.assertEqual(r.status, 200, r.body)
                 self.assertEqual(self._ids(r), rid)
 
+    def test_client_id_header_name_case_insensitive(self):
+        px = self.proxy()
+        r = raw_exchange(px.port, "POST", "/v1/completions", pxtest.completion_body(),
+                         headers=[("x-request-id", "lower-case-name-1")])
+        self.assertEqual(r.status, 200, r.body)
+        self.assertEqual(self._ids(r), "lower-case-name-1")
+
     def test_invalid_client_id_replaced(self):
         px = self.proxy()
         bad = ["B" * 129, "caf\xc3\xa9-id", "a\tb"]
@@ -327,6 +349,11 @@ class AuthTest(PxTestCase):
         p, d = self._run(env={"OPENAI_API_KEY": "sk-env"}, client_auth="Bearer sk-client-xyz")
         self.assertEqual(p, ["Bearer sk-client-xyz"])
         self.assertEqual(d, ["Bearer sk-client-xyz"])
+
+    def test_client_authorization_forwarded_without_env(self):
+        p, d = self._run(client_auth="Basic dXNlcjpwYXNz")
+        self.assertEqual(p, ["Basic dXNlcjpwYXNz"])
+        self.assertEqual(d, ["Basic dXNlcjpwYXNz"])
 
     def test_env_key_used_without_client_auth(self):
         p, d = self._run(env={"OPENAI_API_KEY": "sk-env-123"})

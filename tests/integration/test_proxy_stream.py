@@ -178,6 +178,20 @@ class CancelStreamTest(PxTestCase):
         r = http_request(px.port, "POST", "/v1/completions", pxtest.completion_body())
         self.assertEqual(r.status, 200, r.body)
 
+    def test_client_close_while_d_silent(self):
+        # D accepted the request but has sent nothing yet.
+        self.D.set_handler(lambda req: pxtest.Hang(max_s=10))
+        px = self.start_proxy([self.P], [self.D])
+        c = RawClient(px.port)
+        c.request("POST", "/v1/completions", pxtest.completion_body(stream=True))
+        self.assertEqual(len(self.D.wait_requests(1, timeout=5)), 1)
+        dconn = self.D.requests[0].conn
+        t0 = c.close()
+        t_closed = dconn.wait_closed(3.0)
+        self.assertIsNotNone(t_closed, "pdproxy kept waiting on D after the client left")
+        self.assertLessEqual(t_closed - t0, 0.3, "D closed %.0f ms after the client left"
+                             % ((t_closed - t0) * 1000))
+
     def test_client_close_cancels_d(self):
         self._cancel_mid_stream(rst=False)
 
