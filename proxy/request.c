@@ -94,7 +94,7 @@ static void req_fail(px_req *r, int status, const char *fmt, ...)
         if (r->state == RS_STREAM)
             px_conn_abort(r->conn);
         else
-            px_conn_reply_error(r->conn, status, r->id, msg);
+            px_conn_reply_error(r->conn, status, r->id, NULL, msg);
         r->conn = NULL;
     }
     access_log(r, status, r->state == RS_STREAM ? "stream_failed" : "error");
@@ -158,7 +158,7 @@ static void decode_headers(void *arg, int status, const char *ctype)
     r->dstatus = status;
     r->t_first = px_now_ns();
     set_state(r, RS_STREAM);
-    if (r->conn) px_conn_stream_start(r->conn, status, ctype, r->id);
+    if (r->conn) px_conn_stream_start(r->conn, status, ctype, r->id, NULL);
 }
 
 static int decode_data(void *arg, const char *p, size_t n)
@@ -268,7 +268,7 @@ static void prefill_done(void *arg, CURLcode rc, const char *errbuf)
         PX_LOG(PX_LOG_INFO, "req=%s msg=\"prefill rejected the request\" prefill=%s status=%d",
                r->id, r->pb->name, r->pstatus);
         if (r->conn) {
-            px_conn_reply(r->conn, r->pstatus, r->pctype, r->id, r->presp.data, r->presp.len);
+            px_conn_reply(r->conn, r->pstatus, r->pctype, r->id, NULL, r->presp.data, r->presp.len);
             r->conn = NULL;
         }
         access_log(r, r->pstatus, "prefill_rejected");
@@ -286,6 +286,10 @@ static void prefill_done(void *arg, CURLcode rc, const char *errbuf)
 static const px_upstream_cbs prefill_cbs = {prefill_headers, prefill_data, prefill_done};
 
 /* ---------- entry points ---------- */
+
+static void client_gone(void *arg);
+static void client_drained(void *arg);
+static const px_exchange_cbs client_cbs = {client_gone, client_drained};
 
 px_req *px_req_start(px_worker *w, px_conn *c, px_endpoint ep, const px_http_head *h,
                      px_buf *body)
@@ -329,19 +333,22 @@ px_req *px_req_start(px_worker *w, px_conn *c, px_endpoint ep, const px_http_hea
         req_fail(r, 502, "prefill %s: cannot start the request", r->pb->name);
         return NULL;
     }
+    px_conn_bind(c, &client_cbs, r);
     return r;
 }
 
-void px_req_client_gone(px_req *r)
+static void client_gone(void *arg)
 {
+    px_req *r = arg;
     r->conn = NULL;
     set_state(r, RS_CLOSING);
     access_log(r, 499, "client_disconnected");
     req_free(r); /* cancels the upstream transfer, closing its connection */
 }
 
-void px_req_on_drained(px_req *r)
+static void client_drained(void *arg)
 {
+    px_req *r = arg;
     if (r->paused && r->up) {
         r->paused = 0;
         px_upstream_resume(r->up);

@@ -13,17 +13,10 @@ typedef struct px_req px_req;
 typedef enum { PX_EP_COMPLETIONS = 0, PX_EP_CHAT = 1 } px_endpoint;
 
 /* Starts the flow for a parsed client request. `body` is moved into the
- * request (left empty). The request replies on `c` when done. Returns the
- * request, which the connection keeps to report disconnects and drains. */
+ * request (left empty). The request replies on `c` when done and binds
+ * itself to the exchange to hear of disconnects and drains. Returns NULL
+ * when it already answered (bad request, no upstream). */
 px_req *px_req_start(px_worker *w, px_conn *c, px_endpoint ep, const px_http_head *h,
                      px_buf *body);
-
-/* The client went away: upstream transfers are cancelled (their connections
- * closed) and the request is freed. Called by the connection, which must
- * not use `r` afterwards. */
-void px_req_client_gone(px_req *r);
-
-/* The client's queue fell below the low-water mark: resume a paused stream. */
-void px_req_on_drained(px_req *r);
 
 #endif

@@ -8,11 +8,11 @@
 #include <stddef.h>
 
 #include "config.h"
+#include "conn.h"
 #include "route.h"
 #include "upstream.h"
 
 typedef struct px_server px_server;
-typedef struct px_conn px_conn;
 
 typedef struct px_worker {
     px_server *srv;             /* borrowed: outlives the worker */
@@ -22,7 +22,8 @@ typedef struct px_worker {
     px_uploop *up;              /* owned */
     struct event *wake;         /* owned: stop requests from the main thread */
     int wake_fd;                /* owned eventfd */
-    px_conn *conns;             /* owned: open client connections */
+    px_conn_list conns;         /* owned: open client connections */
+    px_conn_cfg conn_cfg;
     pthread_t thread;
 } px_worker;
 
@@ -41,29 +42,5 @@ px_server *px_server_create(const px_config *cfg, char *err, size_t errlen);
 /* Runs the workers until SIGINT or SIGTERM; returns the exit status. */
 int px_server_run(px_server *s);
 void px_server_destroy(px_server *s);
-
-/* --- Responses, for request.c. Every call below ends the exchange except
- * px_conn_stream_start/_write; after an ending call the request must drop its
- * px_conn pointer. All run on the connection's worker thread. --- */
-
-/* A complete response with a Content-Length body. */
-void px_conn_reply(px_conn *c, int status, const char *ctype, const char *req_id,
-                   const char *body, size_t n);
-/* An OpenAI-style error: {"error":{"message","type","code"}}. */
-void px_conn_reply_error(px_conn *c, int status, const char *req_id, const char *msg);
-/* Starts a streamed response (chunked for HTTP/1.1 clients). */
-void px_conn_stream_start(px_conn *c, int status, const char *ctype, const char *req_id);
-void px_conn_stream_write(px_conn *c, const char *p, size_t n);
-void px_conn_stream_end(px_conn *c);
-/* Drops the connection without completing the response, so the client sees
- * a truncated stream rather than a clean end. */
-void px_conn_abort(px_conn *c);
-/* Bytes queued for the client and not yet written to its socket. */
-size_t px_conn_pending(px_conn *c);
-
-/* Above this many queued bytes a streaming request pauses its upstream;
- * px_req_on_drained() is called once the queue falls below the low mark. */
-#define PX_CONN_HIGH_WATER (1024 * 1024)
-#define PX_CONN_LOW_WATER (256 * 1024)
 
 #endif

@@ -1,0 +1,439 @@
+#include "conn.h"
+
+#include <event2/buffer.h>
+#include <event2/bufferevent.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+
+#include "log.h"
+
+typedef enum { CS_HEAD, CS_BODY, CS_BUSY, CS_CLOSING } conn_state;
+
+struct px_conn {
+    struct event_base *base;  /* borrowed */
+    const px_conn_cfg *cfg;   /* borrowed */
+    px_conn_list *list;       /* borrowed */
+    struct bufferevent *bev;  /* owned */
+    struct event *timer;      /* owned: idle / header timeout */
+    struct event *resume;     /* owned: reads pipelined bytes on the next turn */
+    px_conn *prev, *next;     /* in list */
+    conn_state state;
+    px_http_head head;        /* spans point into headbuf */
+    char *headbuf;            /* owned */
+    px_buf body;              /* owned until moved into a request */
+    px_chunked ck;
+    int64_t body_left;        /* Content-Length bytes still to read */
+    int keep_alive;
+    int minor;
+    int streaming;            /* a streamed response is open */
+    int chunked_out;          /* ...and it uses chunked encoding */
+    int got_bytes;            /* bytes of the current request received */
+    int timer_is_header;
+    int closed;               /* socket closed, free scheduled */
+    const px_exchange_cbs *xcbs; /* borrowed: the exchange in flight's handler */
+    void *xarg;
+};
+
+static void conn_process(px_conn *c);
+
+/* ---------- connection lifetime ---------- */
+
+static void conn_unlink(px_conn *c)
+{
+    if (c->prev) c->prev->next = c->next;
+    else c->list->head = c->next;
+    if (c->next) c->next->prev = c->prev;
+    c->list->n--;
+}
+
+static void conn_free_cb(evutil_socket_t fd, short what, void *arg)
+{
+    px_conn *c = arg;
+    conn_unlink(c);
+    bufferevent_free(c->bev);
+    event_free(c->timer);
+    event_free(c->resume);
+    free(c->headbuf);
+    px_buf_cleanup(&c->body);
+    free(c);
+}
+
+/* Closes now; the memory goes on the next loop turn, since this may run
+ * inside one of the connection's own callbacks. */
+static void conn_close(px_conn *c)
+{
+    if (c->closed) return;
+    c->closed = 1;
+    if (c->xcbs) {
+        const px_exchange_cbs *cbs = c->xcbs;
+        c->xcbs = NULL;
+        cbs->on_gone(c->xarg);
+    }
+    c->state = CS_CLOSING;
+    bufferevent_disable(c->bev, EV_READ | EV_WRITE);
+    bufferevent_setcb(c->bev, NULL, NULL, NULL, NULL);
+    evtimer_del(c->timer);
+    /* Close the socket at once so the peer sees it without waiting for the
+     * deferred free. */
+    evutil_socket_t fd = bufferevent_getfd(c->bev);
+    if (fd >= 0) {
+        bufferevent_setfd(c->bev, -1);
+        evutil_closesocket(fd);
+    }
+    event_base_once(c->base, -1, EV_TIMEOUT, conn_free_cb, c, NULL);
+}
+
+static void arm_timer(px_conn *c, int header)
+{
+    double s = header ? c->cfg->header_timeout : c->cfg->keepalive_timeout;
+    struct timeval tv = {(time_t)s, (suseconds_t)((s - (double)(time_t)s) * 1e6)};
+    c->timer_is_header = header;
+    evtimer_add(c->timer, &tv);
+}
+
+/* Closes once what is queued has been written to the client. */
+static void close_after_flush(px_conn *c)
+{
+    c->state = CS_CLOSING;
+    bufferevent_disable(c->bev, EV_READ);
+    bufferevent_setwatermark(c->bev, EV_WRITE, 0, 0);
+    if (evbuffer_get_length(bufferevent_get_output(c->bev)) == 0) {
+        conn_close(c);
+        return;
+    }
+    arm_timer(c, 0); /* a client that never reads does not hold us forever */
+}
+
+/* After the last byte of a response is queued. */
+static void exchange_done(px_conn *c)
+{
+    c->xcbs = NULL;
+    c->streaming = 0;
+    free(c->headbuf);
+    c->headbuf = NULL;
+    px_buf_reset(&c->body);
+    if (!c->keep_alive) {
+        close_after_flush(c);
+        return;
+    }
+    c->state = CS_HEAD;
+    c->got_bytes = 0;
+    bufferevent_enable(c->bev, EV_READ);
+    arm_timer(c, 0);
+    /* A pipelined request may already be buffered: read it on the next loop
+     * turn, not from inside the request that is ending now. */
+    if (evbuffer_get_length(bufferevent_get_input(c->bev))) event_active(c->resume, EV_TIMEOUT, 0);
+}
+
+/* ---------- responses ---------- */
+
+static void write_head(px_conn *c, int status, const char *ctype, const char *req_id,
+                       int64_t content_length, const char *extra)
+{
+    struct evbuffer *out = bufferevent_get_output(c->bev);
+    evbuffer_add_printf(out, "HTTP/1.%d %d %s\r\n", c->minor, status, px_http_reason(status));
+    if (ctype) evbuffer_add_printf(out, "Content-Type: %s\r\n", ctype);
+    if (req_id) evbuffer_add_printf(out, "X-Request-Id: %s\r\n", req_id);
+    if (extra) evbuffer_add(out, extra, strlen(extra));
+    if (content_length >= 0)
+        evbuffer_add_printf(out, "Content-Length: %lld\r\n", (long long)content_length);
+    else if (c->chunked_out)
+        evbuffer_add(out, "Transfer-Encoding: chunked\r\n", 28);
+    if (!c->keep_alive)
+        evbuffer_add(out, "Connection: close\r\n", 19);
+    else if (c->minor == 0)
+        evbuffer_add(out, "Connection: keep-alive\r\n", 24);
+    evbuffer_add(out, "\r\n", 2);
+}
+
+void px_conn_reply(px_conn *c, int status, const char *ctype, const char *req_id,
+                   const char *extra, const char *body, size_t n)
+{
+    write_head(c, status, ctype, req_id, (int64_t)n, extra);
+    if (n) evbuffer_add(bufferevent_get_output(c->bev), body, n);
+    exchange_done(c);
+}
+
+const char *px_error_type(int status)
+{
+    switch (status) {
+    case 401: return "authentication_error";
+    case 404: return "not_found_error";
+    case 429: return "rate_limit_error";
+    case 502: return "bad_gateway";
+    case 503: return "service_unavailable";
+    case 504: return "gateway_timeout";
+    default: return status >= 500 ? "server_error" : "invalid_request_error";
+    }
+}
+
+void px_conn_reply_error(px_conn *c, int status, const char *req_id, const char *extra,
+                         const char *msg)
+{
+    px_buf b;
+    px_buf_init(&b);
+    px_buf_appends(&b, "{\"error\":{\"message\":");
+    px_buf_append_json_str(&b, msg, strlen(msg));
+    px_buf_printf(&b, ",\"type\":\"%s\",\"code\":%d}}", px_error_type(status), status);
+    px_conn_reply(c, status, "application/json", req_id, extra, b.data, b.len);
+    px_buf_cleanup(&b);
+}
+
+/* An error found while reading the request: answer and close, since the
+ * rest of the stream cannot be trusted to be framed. */
+static void reject(px_conn *c, int status, const char *msg)
+{
+    PX_LOG(PX_LOG_INFO, "msg=\"rejected request\" status=%d reason=\"%s\"", status, msg);
+    c->keep_alive = 0;
+    px_conn_reply_error(c, status, NULL, NULL, msg);
+}
+
+void px_conn_stream_start(px_conn *c, int status, const char *ctype, const char *req_id,
+                          const char *extra)
+{
+    c->streaming = 1;
+    c->chunked_out = c->minor >= 1;
+    if (!c->chunked_out) c->keep_alive = 0; /* HTTP/1.0: the close ends the body */
+    write_head(c, status, ctype, req_id, -1, extra);
+}
+
+void px_conn_stream_write(px_conn *c, const char *p, size_t n)
+{
+    if (!n) return;
+    struct evbuffer *out = bufferevent_get_output(c->bev);
+    if (c->chunked_out) {
+        evbuffer_add_printf(out, "%zx\r\n", n);
+        evbuffer_add(out, p, n);
+        evbuffer_add(out, "\r\n", 2);
+    } else {
+        evbuffer_add(out, p, n);
+    }
+}
+
+void px_conn_stream_end(px_conn *c)
+{
+    if (c->chunked_out) evbuffer_add(bufferevent_get_output(c->bev), "0\r\n\r\n", 5);
+    exchange_done(c);
+}
+
+void px_conn_abort(px_conn *c)
+{
+    /* The bytes already queued are delivered; only the clean end is not. */
+    c->xcbs = NULL;
+    c->streaming = 0;
+    close_after_flush(c);
+}
+
+size_t px_conn_pending(const px_conn *c)
+{
+    return evbuffer_get_length(bufferevent_get_output(c->bev));
+}
+
+void px_conn_bind(px_conn *c, const px_exchange_cbs *cbs, void *arg)
+{
+    c->xcbs = cbs;
+    c->xarg = arg;
+}
+
+static void dispatch(px_conn *c)
+{
+    c->state = CS_BUSY;
+    evtimer_del(c->timer);
+    c->cfg->dispatch(c->cfg->ctx, c, &c->head, &c->body);
+}
+
+/* ---------- reading requests ---------- */
+
+static void read_head(px_conn *c)
+{
+    struct evbuffer *in = bufferevent_get_input(c->bev);
+    size_t len = evbuffer_get_length(in);
+    if (!c->got_bytes) {
+        /* A new request starts: the header deadline replaces the idle one. */
+        c->got_bytes = 1;
+        arm_timer(c, 1);
+    }
+    struct evbuffer_ptr end;
+    evbuffer_ptr_set(in, &end, len < PX_HTTP_MAX_HEAD_BYTES + 4 ? len : PX_HTTP_MAX_HEAD_BYTES + 4,
+                     EVBUFFER_PTR_SET);
+    struct evbuffer_ptr pos = evbuffer_search_range(in, "\r\n\r\n", 4, NULL, &end);
+    if (pos.pos < 0) {
+        if (len >= PX_HTTP_MAX_HEAD_BYTES + 4) reject(c, 431, "request header block too large");
+        return;
+    }
+    size_t hlen = (size_t)pos.pos + 4;
+    c->headbuf = px_xmalloc(hlen);
+    evbuffer_remove(in, c->headbuf, hlen);
+    const char *why = NULL;
+    int st = px_http_parse_head(c->headbuf, hlen, &c->head, &why);
+    if (st) {
+        c->minor = 1;
+        reject(c, st, why);
+        return;
+    }
+    c->minor = c->head.minor;
+    c->keep_alive = c->head.keep_alive;
+    int64_t max = c->cfg->max_body_bytes;
+    if (c->head.content_length > max) {
+        reject(c, 413, "request body exceeds the size limit");
+        return;
+    }
+    px_buf_reset(&c->body);
+    c->body_left = c->head.content_length > 0 ? c->head.content_length : 0;
+    px_chunked_init(&c->ck);
+    if (c->head.expect_continue && (c->head.chunked || c->body_left) &&
+        evbuffer_get_length(in) == 0)
+        evbuffer_add(bufferevent_get_output(c->bev), "HTTP/1.1 100 Continue\r\n\r\n", 25);
+    c->state = CS_BODY;
+}
+
+/* Returns 1 once the whole body is in c->body. */
+static int read_body(px_conn *c)
+{
+    struct evbuffer *in = bufferevent_get_input(c->bev);
+    if (!c->head.chunked) {
+        size_t avail = evbuffer_get_length(in);
+        size_t take = avail < (size_t)c->body_left ? avail : (size_t)c->body_left;
+        if (take) {
+            px_buf_reserve(&c->body, take);
+            evbuffer_remove(in, c->body.data + c->body.len, take);
+            c->body.len += take;
+            c->body.data[c->body.len] = '\0';
+            c->body_left -= (int64_t)take;
+        }
+        return c->body_left == 0;
+    }
+    size_t max = (size_t)c->cfg->max_body_bytes;
+    while (!c->ck.done && evbuffer_get_length(in)) {
+        struct evbuffer_iovec v;
+        if (evbuffer_peek(in, -1, NULL, &v, 1) < 1) break;
+        long used = px_chunked_feed(&c->ck, v.iov_base, v.iov_len, &c->body, max);
+        if (used == -2) {
+            reject(c, 413, "request body exceeds the size limit");
+            return -1;
+        }
+        if (used < 0) {
+            reject(c, 400, "malformed chunked request body");
+            return -1;
+        }
+        evbuffer_drain(in, (size_t)used);
+    }
+    return c->ck.done;
+}
+
+static void conn_process(px_conn *c)
+{
+    if (c->state == CS_HEAD) {
+        if (evbuffer_get_length(bufferevent_get_input(c->bev)) == 0) return;
+        read_head(c);
+        if (c->state != CS_BODY) return;
+    }
+    if (c->state == CS_BODY) {
+        int r = read_body(c);
+        if (r == 1) dispatch(c);
+    }
+}
+
+static void on_resume(evutil_socket_t fd, short what, void *arg)
+{
+    px_conn *c = arg;
+    if (c->state == CS_HEAD) conn_process(c);
+}
+
+static void on_read(struct bufferevent *bev, void *arg)
+{
+    px_conn *c = arg;
+    if (c->state == CS_BUSY) {
+        /* Pipelined bytes wait until the current exchange ends; stop reading
+         * (and so stop noticing a close) only if a client floods us. */
+        if (evbuffer_get_length(bufferevent_get_input(bev)) > PX_HTTP_MAX_HEAD_BYTES * 4)
+            bufferevent_disable(bev, EV_READ);
+        return;
+    }
+    if (c->state == CS_CLOSING) return;
+    conn_process(c);
+}
+
+static void on_write(struct bufferevent *bev, void *arg)
+{
+    px_conn *c = arg;
+    if (c->state == CS_CLOSING) {
+        if (evbuffer_get_length(bufferevent_get_output(bev)) == 0) conn_close(c);
+        return;
+    }
+    if (c->xcbs && c->streaming && c->xcbs->on_drained) c->xcbs->on_drained(c->xarg);
+}
+
+static void on_event(struct bufferevent *bev, short what, void *arg)
+{
+    px_conn *c = arg;
+    if (what & (BEV_EVENT_EOF | BEV_EVENT_ERROR)) conn_close(c);
+}
+
+static void on_timeout(evutil_socket_t fd, short what, void *arg)
+{
+    px_conn *c = arg;
+    if (c->state == CS_CLOSING) {
+        conn_close(c);
+        return;
+    }
+    if (c->state == CS_HEAD || c->state == CS_BODY) {
+        if (c->timer_is_header && c->got_bytes) {
+            PX_LOG(PX_LOG_INFO, "msg=\"client too slow sending its request\" state=%s",
+                   c->state == CS_HEAD ? "head" : "body");
+            c->minor = 1;
+            reject(c, 408, "request not received within the client header timeout");
+            return;
+        }
+        conn_close(c);
+    }
+}
+
+px_conn *px_conn_accept(struct event_base *base, evutil_socket_t fd, const px_conn_cfg *cfg,
+                        px_conn_list *list)
+{
+    int one = 1;
+    setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+    px_conn *c = px_xcalloc(1, sizeof *c);
+    c->base = base;
+    c->cfg = cfg;
+    c->list = list;
+    c->bev = bufferevent_socket_new(base, fd, BEV_OPT_CLOSE_ON_FREE);
+    c->timer = evtimer_new(base, on_timeout, c);
+    c->resume = event_new(base, -1, 0, on_resume, c);
+    if (!c->bev || !c->timer || !c->resume) {
+        if (c->bev) bufferevent_free(c->bev);
+        else evutil_closesocket(fd);
+        if (c->timer) event_free(c->timer);
+        if (c->resume) event_free(c->resume);
+        free(c);
+        return NULL;
+    }
+    c->next = list->head;
+    if (list->head) list->head->prev = c;
+    list->head = c;
+    list->n++;
+    px_buf_init(&c->body);
+    c->state = CS_HEAD;
+    c->keep_alive = 1;
+    c->minor = 1;
+    bufferevent_setcb(c->bev, on_read, on_write, on_event, c);
+    bufferevent_setwatermark(c->bev, EV_WRITE, PX_CONN_LOW_WATER, 0);
+    bufferevent_enable(c->bev, EV_READ | EV_WRITE);
+    arm_timer(c, 1);
+    return c;
+}
+
+void px_conn_list_close_all(px_conn_list *list)
+{
+    /* The loop has stopped: the deferred frees will never run, so free here. */
+    while (list->head) {
+        px_conn *c = list->head;
+        conn_close(c);
+        conn_free_cb(-1, 0, c);
+    }
+}
+

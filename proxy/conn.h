@@ -1,0 +1,86 @@
+/* HTTP/1.1 server connections on libevent bufferevents: reading requests
+ * (heads, Content-Length and chunked bodies, pipelining, timeouts) and
+ * writing responses (whole, or streamed with backpressure). Used by the
+ * proxy's workers and by engine-sim. Everything runs on the loop's thread. */
+#ifndef PX_CONN_H
+#define PX_CONN_H
+
+#include <event2/event.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "http.h"
+#include "util.h"
+
+typedef struct px_conn px_conn;
+
+typedef struct px_conn_cfg {
+    int64_t max_body_bytes;   /* 413 beyond */
+    double header_timeout;    /* seconds to receive a whole request (408) */
+    double keepalive_timeout; /* seconds an idle connection is kept */
+    /* A complete request arrived. The handler ends the exchange, now or
+     * later, with exactly one reply, stream end or abort. `body` may be
+     * moved out (px_buf ownership). `h` is valid until the exchange ends. */
+    void (*dispatch)(void *ctx, px_conn *c, const px_http_head *h, px_buf *body);
+    void *ctx;                /* borrowed */
+} px_conn_cfg;
+
+/* The connections of one loop, so they can be closed when it stops. */
+typedef struct px_conn_list {
+    px_conn *head;
+    size_t n;
+} px_conn_list;
+
+/* Takes a connected socket (owned from now on). cfg and list are borrowed
+ * and must outlive the connection. Returns NULL (fd closed) on failure. */
+px_conn *px_conn_accept(struct event_base *base, evutil_socket_t fd, const px_conn_cfg *cfg,
+                        px_conn_list *list);
+
+/* Closes and frees every connection of the list, for use once the loop has
+ * stopped: exchanges in flight get on_gone first. */
+void px_conn_list_close_all(px_conn_list *list);
+
+/* What the handler of the exchange in flight wants to hear about. */
+typedef struct px_exchange_cbs {
+    /* The client went away before the exchange ended. The connection is
+     * gone: drop the pointer. Not called for exchanges already ended. */
+    void (*on_gone)(void *arg);
+    /* The queued output fell below PX_CONN_LOW_WATER (resume a paused
+     * producer). May be NULL. */
+    void (*on_drained)(void *arg);
+} px_exchange_cbs;
+
+/* Binds callbacks to the current exchange; cleared when it ends. */
+void px_conn_bind(px_conn *c, const px_exchange_cbs *cbs, void *arg);
+
+/* --- Responses. Every call below ends the exchange except
+ * px_conn_stream_start/_write; afterwards the caller drops its pointer. --- */
+
+/* A complete response with a Content-Length body; `extra` holds more header
+ * lines ("Name: value\r\n"...) or is NULL. */
+void px_conn_reply(px_conn *c, int status, const char *ctype, const char *req_id,
+                   const char *extra, const char *body, size_t n);
+/* An OpenAI-style error: {"error":{"message","type","code"}}. */
+void px_conn_reply_error(px_conn *c, int status, const char *req_id, const char *extra,
+                         const char *msg);
+/* Starts a streamed response (chunked for HTTP/1.1 clients, close-delimited
+ * for HTTP/1.0). */
+void px_conn_stream_start(px_conn *c, int status, const char *ctype, const char *req_id,
+                          const char *extra);
+void px_conn_stream_write(px_conn *c, const char *p, size_t n);
+void px_conn_stream_end(px_conn *c);
+/* Drops the connection without completing the response, so the client sees
+ * a truncated stream rather than a clean end. on_gone is not called. */
+void px_conn_abort(px_conn *c);
+/* Bytes queued for the client and not yet written to its socket. */
+size_t px_conn_pending(const px_conn *c);
+
+/* The OpenAI error "type" for a status. */
+const char *px_error_type(int status);
+
+/* Above this many queued bytes a streaming producer should pause; on_drained
+ * is called once the queue falls below the low mark. */
+#define PX_CONN_HIGH_WATER (1024 * 1024)
+#define PX_CONN_LOW_WATER (256 * 1024)
+
+#endif
