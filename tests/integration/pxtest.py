@@ -258,7 +258,8 @@ class Respond:
     meanwhile)."""
 
     def __init__(self, status=200, headers=(), body=b"", framing="length", delay=0.0,
-                 reason=None, raw_framing=False):
+                 reason=None, raw_framing=False, then_close=False):
+        self.then_close = then_close  # close after answering, without saying so
         self.status = status
         self.headers = list(headers)
         self.body = body if isinstance(body, (bytes, bytearray)) else body.encode("utf-8")
@@ -708,7 +709,7 @@ class MockBackend:
                 elif a.framing == "close":
                     headers.append(("Connection", "close"))
             self._send(conn, self._head(a.status, a.reason, headers) + body)
-            return a.framing != "close" and not client_close
+            return a.framing != "close" and not client_close and not a.then_close
         if isinstance(a, Stream):
             if a.sndbuf:
                 conn.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, a.sndbuf)
@@ -1420,6 +1421,8 @@ class PxTestCase(unittest.TestCase):
         self.assertEqual(resp.framing, "chunked",
                          "%s expected Transfer-Encoding: chunked, head=%r" % (msg or "", resp.raw_head))
         self.assertTrue(resp.complete, "%s chunked body not terminated by 0-chunk" % (msg or ""))
+        self.assertEqual(len(resp.header_all("transfer-encoding")), 1,
+                         "%s Transfer-Encoding headers: %r" % (msg or "", resp.raw_head))
 
     def assertWarned(self, proxy, keyword, since=0, timeout=2.0):
         """pdproxy's stderr (from offset `since`) gets a warning-level line that contains keyword."""

@@ -87,6 +87,9 @@ class CliTest(PxTestCase):
         r = http_request(p.port, "GET", "/healthcheck")
         self.assertEqual(r.status, 200, r.body)
         self.assertEqual(r.json(), {"status": "ok", "prefill_instances": 2, "decode_instances": 3})
+        doc = r.json()
+        self.assertIs(type(doc["prefill_instances"]), int)
+        self.assertIs(type(doc["decode_instances"]), int)
 
     def test_defaults_one_prefill_one_decode(self):
         # Defaults: localhost:8100 and localhost:8200, one of each.

@@ -64,6 +64,54 @@ class KeepAliveTest(PxTestCase):
         self.assertLess(len(set(self.D.conn_ids())), n, "D conns %r" % self.D.conn_ids())
         self.assertLess(len(set(self.P.conn_ids())), n, "P conns %r" % self.P.conn_ids())
 
+    def test_keepalive_across_streams(self):
+        events = pxtest.sse_events(["s1", "s2"])
+        px = self.start_proxy([self.P], [self.D], threads=1)
+        c = RawClient(px.port)
+        self.addCleanup(c.close)
+        for i in range(4):
+            if i % 2:
+                self.D.set_handler(echo_decode)
+            else:
+                self.D.set_handler(lambda req: Stream(200, [("Content-Type", "text/event-stream")],
+                                                      [(0.01, e) for e in events]))
+            c.request("POST", "/v1/completions", pxtest.completion_body(prompt="m%d" % i,
+                                                                         stream=not i % 2))
+            r = c.read_response(timeout=5)
+            self.assertEqual(r.status, 200, r)
+            self.assertChunkedComplete(r)
+            self.assertFalse(r.eof, "connection closed after request %d" % i)
+            if i % 2:
+                self.assertEqual(r.json(), {"choices": [{"text": "echo:m%d" % i}]})
+            else:
+                self.assertEqual(r.header("content-type"), "text/event-stream")
+                self.assertEqual(bytes(r.body), b"".join(events))
+
+    def test_upstream_closes_idle_connection(self):
+        # Engines close idle keep-alive connections (uvicorn: after 5 s). A
+        # pooled connection the backend has closed must not fail a request.
+        def p(req):
+            a = pxtest.prefill_handler()(req)
+            a.then_close = True
+            return a
+
+        def d(req):
+            a = echo_decode(req)
+            a.then_close = True
+            return a
+
+        self.P.set_handler(p)
+        self.D.set_handler(d)
+        px = self.start_proxy([self.P], [self.D], threads=1)
+        for i in range(4):
+            r = http_request(px.port, "POST", "/v1/completions",
+                             pxtest.completion_body(prompt="idle-%d" % i))
+            self.assertEqual(r.status, 200, "request %d: %r" % (i, r.body))
+            self.assertEqual(r.json(), {"choices": [{"text": "echo:idle-%d" % i}]})
+            # Let the FINs arrive before the next request.
+            pxtest.wait_until(lambda: all(c.closed.is_set() for c in self.P.conns + self.D.conns),
+                              1.0)
+
     def test_keepalive_mixed_paths_and_errors(self):
         px = self.start_proxy([self.P], [self.D], threads=1)
         c = RawClient(px.port)
@@ -240,6 +288,81 @@ class ClientBehaviourTest(PxTestCase):
         self.assertEqual(r.status, 200, r)
         self.assertTrue(r.complete, r)
         self.assertTrue(c.wait_eof(2.0), "pdproxy kept a Connection: close connection open")
+
+
+class ChurnTest(PxTestCase):
+
+    def test_clients_leaving_at_every_stage(self):
+        # Clients that leave while sending, during P, during D's headers,
+        # mid-stream, and clients that stay, all at once. pdproxy must keep
+        # serving (under ASan this also looks for use-after-free).
+        events = pxtest.sse_events(["t%d" % i for i in range(20)])
+
+        def p(req):
+            prompt = strict_json(req.body)["prompt"]
+            if prompt.startswith("hang-p"):
+                return Hang(max_s=5)
+            return pxtest.prefill_handler()(req)
+
+        def d(req):
+            prompt = strict_json(req.body)["prompt"]
+            if prompt.startswith("hang-d"):
+                return Hang(max_s=5)
+            return Stream(200, [("Content-Type", "text/event-stream")],
+                          [(0.01, e) for e in events])
+
+        P = self.mock(p, name="P")
+        D = self.mock(d, name="D")
+        px = self.start_proxy([P], [D], threads=2)
+        errors = []
+        lock = threading.Lock()
+
+        def client(kind, k):
+            try:
+                c = RawClient(px.port, timeout=10)
+                prompt = "%s-%d" % (kind, k)
+                body = json.dumps(pxtest.completion_body(prompt=prompt, stream=True)).encode()
+                if kind == "partial":
+                    c.send(RawClient.build("POST", "/v1/completions", body)[:-5])
+                    time.sleep(0.05)
+                    c.close(rst=k % 2 == 1)
+                    return
+                c.request("POST", "/v1/completions", body)
+                if kind in ("hang-p", "hang-d"):
+                    time.sleep(0.1)
+                    c.close(rst=k % 2 == 1)
+                    return
+                if kind == "mid":
+                    c.read_response(timeout=5, until=lambda r: len(r.body) > 0)
+                    c.close(rst=k % 2 == 1)
+                    return
+                r = c.read_response(timeout=10)
+                c.close()
+                if not (r.status == 200 and r.complete and bytes(r.body) == b"".join(events)):
+                    with lock:
+                        errors.append((prompt, r))
+            except Exception as e:
+                with lock:
+                    errors.append((kind, k, repr(e)))
+
+        kinds = ["partial", "hang-p", "hang-d", "mid", "ok"]
+        threads = [threading.Thread(target=client, args=(kinds[i % 5], i)) for i in range(40)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=30)
+        self.assertEqual(errors, [])
+        self.assertTrue(px.alive())
+        r = pxtest.raw_exchange(px.port, "POST", "/v1/completions",
+                                pxtest.completion_body(prompt="after", stream=True))
+        self.assertEqual(r.status, 200)
+        self.assertTrue(r.complete)
+        # Every upstream connection of a departed client has been closed.
+        for m, kind in ((P, "hang-p"), (D, "hang-d")):
+            for req in m.requests:
+                if req.json()["prompt"].startswith(kind):
+                    self.assertIsNotNone(req.conn.wait_closed(2.0),
+                                         "%s still open for %s" % (m.name, req.json()["prompt"]))
 
 
 class CancelPrefillTest(PxTestCase):

@@ -128,6 +128,7 @@ class PrefillErrorTest(PxTestCase):
                 self.assertEqual(r.status, status)
                 self.assertTrue(r.complete, r)
                 self.assertEqual(bytes(r.body), body)
+                self.assertEqual(r.header("content-type"), "application/json")
         self.assertEqual(self.D.requests, [])
 
     def _expect_502(self, handler=None, p_port=None, n=1):

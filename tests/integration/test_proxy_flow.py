@@ -154,6 +154,59 @@ class PrefillRewriteTest(FlowBase):
         preq = self._check_p("/v1/completions", body)
         self.assertNotIn(b"evil", preq.body)
 
+    def test_duplicate_keys_do_not_leak(self):
+        # A client body with duplicate keys: pdproxy may reject it (400) or
+        # collapse the duplicates, but P must not see a second max_tokens or
+        # stream, and the client's kv_transfer_params must not survive.
+        raw = (b'{"model":"m","prompt":"dup","max_tokens":50,"max_tokens":60,"stream":true,'
+               b'"stream":true,"kv_transfer_params":{"remote_host":"evil-1"},'
+               b'"kv_transfer_params":{"remote_host":"evil-2"}}')
+        px = self.proxy()
+        r = http_request(px.port, "POST", "/v1/completions", raw)
+        if r.status == 400:
+            self.assertErrorJson(r, 400)
+            self.assertEqual(self.P.requests, [])
+            return
+        self.assertEqual(r.status, 200, r.body)
+        for req in self.P.requests + self.D.requests:
+            self.assertNotIn(b"evil", req.body, "client kv_transfer_params leaked to %r" % req)
+        try:
+            p = self.P.requests[0].json()
+        except pxtest.DuplicateKeyError as e:
+            self.fail("%s in the body sent to P: %r" % (e, self.P.requests[0].body))
+        self.assertEqual((p["max_tokens"], p["stream"]), (1, False))
+        # D gets the client's body as the client wrote it; whatever way an
+        # engine reads duplicates (last wins in Python), kv_transfer_params is P's.
+        rid = self.P.requests[0].header("x-request-id")
+        d = json.loads(self.D.requests[0].body)
+        self.assertEqual(d["kv_transfer_params"], pxtest.default_p_kv(rid))
+
+    def test_deeply_nested_body_no_crash(self):
+        px = self.proxy()
+        deep = b'{"model":"m","prompt":"x","extra":' + b"[" * 100000 + b"]" * 100000 + b"}"
+        r = http_request(px.port, "POST", "/v1/completions", deep)
+        self.assertIn(r.status, (200, 400), r.body[:200])
+        if r.status == 400:
+            self.assertErrorJson(r, 400)
+        self.assertTrue(px.alive())
+
+    def test_p_answer_framings(self):
+        # P's JSON may come chunked or close-delimited.
+        px = self.proxy()
+        for framing in ("chunked", "close", "length"):
+            with self.subTest(framing=framing):
+                kv = pxtest.default_p_kv(framing)
+
+                def h(req, framing=framing, kv=kv):
+                    doc = {"choices": [{"text": "x"}], "kv_transfer_params": kv}
+                    return Respond(200, [("Content-Type", "application/json")],
+                                   json.dumps(doc).encode(), framing=framing)
+
+                self.P.set_handler(h)
+                r = http_request(px.port, "POST", "/v1/completions", pxtest.completion_body())
+                self.assertEqual(r.status, 200, r.body)
+                self.assertEqual(self.D.requests[-1].json()["kv_transfer_params"], kv)
+
     def test_chunked_client_body(self):
         px = self.proxy()
         c = RawClient(px.port)
@@ -201,6 +254,16 @@ class DecodeBodyTest(FlowBase):
         self.assertIsInstance(kv["zero"], int)
         self.assertIsInstance(kv["tp_size"], int)
         self.assertEqual(kv["remote_block_ids"], [[1, 2, 3], [4, 5], []])
+
+    def test_large_kv_params_verbatim(self):
+        kv = pxtest.default_p_kv("big")
+        kv["remote_block_ids"] = list(range(200000))
+        kv["remote_block_ids_by_layer"] = [[i, i * 2 ** 60] for i in range(2000)]
+        self.P.set_handler(pxtest.prefill_handler(kv=kv))
+        px = self.proxy()
+        r = http_request(px.port, "POST", "/v1/completions", pxtest.completion_body())
+        self.assertEqual(r.status, 200, r.body)
+        self.assertEqual(self.D.requests[0].json()["kv_transfer_params"], kv)
 
     def test_chat_completions_d_body(self):
         self.P.set_handler(pxtest.prefill_handler(raw_body=P_ANSWER_RAW))
@@ -293,6 +356,16 @@ class RequestIdTest(FlowBase):
                                  headers=[("X-Request-Id", rid)])
                 self.assertEqual(r.status, 200, r.body)
                 self.assertEqual(self._ids(r), rid)
+
+    def test_one_request_id_header_even_if_d_sends_one(self):
+        self.D.set_handler(lambda req: Respond(
+            200, [("Content-Type", "application/json"), ("X-Request-Id", "d-internal-id")],
+            b'{"choices":[]}'))
+        px = self.proxy()
+        r = raw_exchange(px.port, "POST", "/v1/completions", pxtest.completion_body(),
+                         headers=[("X-Request-Id", "client-id-77")])
+        self.assertEqual(r.status, 200, r.body)
+        self.assertEqual(r.header_all("x-request-id"), ["client-id-77"])
 
     def test_client_id_header_name_case_insensitive(self):
         px = self.proxy()

@@ -192,6 +192,35 @@ class CancelStreamTest(PxTestCase):
         self.assertLessEqual(t_closed - t0, 0.3, "D closed %.0f ms after the client left"
                              % ((t_closed - t0) * 1000))
 
+    def test_client_leaves_while_stream_paused(self):
+        # Backpressure has paused the D transfer; the client then goes away
+        # without reading: D must still be cancelled.
+        piece = b"p" * 65536
+        self.D.set_handler(lambda req: Stream(
+            200, [("Content-Type", "application/octet-stream")],
+            ((0, piece) for _ in range(1024)), framing="length", length=1024 * len(piece),
+            sndbuf=128 * 1024))
+        px = self.start_proxy([self.P], [self.D])
+        c = RawClient(px.port, rcvbuf=64 * 1024)
+        c.request("POST", "/v1/completions", pxtest.completion_body())
+        self.assertEqual(len(self.D.wait_requests(1, timeout=5)), 1)
+        dconn = self.D.requests[0].conn
+        # Wait until D is stalled (nothing more written for 200 ms).
+        last, stalled_since = -1, time.monotonic()
+        for _ in range(200):
+            cur = dconn.bytes_sent
+            if cur != last:
+                last, stalled_since = cur, time.monotonic()
+            elif time.monotonic() - stalled_since > 0.2:
+                break
+            time.sleep(0.02)
+        self.assertIsNone(dconn.t_closed)
+        t0 = c.close()
+        t_closed = dconn.wait_closed(3.0)
+        self.assertIsNotNone(t_closed, "pdproxy kept the paused D transfer after the client left")
+        self.assertLessEqual(t_closed - t0, 0.3, "D closed %.0f ms after the client left"
+                             % ((t_closed - t0) * 1000))
+
     def test_client_close_cancels_d(self):
         self._cancel_mid_stream(rst=False)
 
