@@ -1,0 +1,954 @@
+#include "engine.h"
+
+#include <cjson/cJSON.h>
+#include <event2/event.h>
+#include <event2/listener.h>
+#include <kvconnector.h>
+#include <netdb.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "conn.h"
+#include "http.h"
+#include "kvsim.h"
+#include "log.h"
+#include "util.h"
+
+typedef enum { EP_COMPLETIONS, EP_CHAT } sim_ep;
+typedef enum { MODE_LOCAL, MODE_PREFILL, MODE_DECODE } sim_mode;
+typedef enum { SR_QUEUED, SR_FETCHING, SR_PREFILL_WAIT, SR_GENERATING } sim_state;
+
+typedef struct sim_engine sim_engine;
+
+typedef struct sim_req {
+    sim_engine *e;             /* borrowed */
+    px_conn *conn;             /* borrowed: NULL once the client left */
+    struct sim_req *qnext;     /* in the wait queue */
+    struct sim_req *prev, *next; /* in e->reqs */
+    sim_ep ep;
+    sim_mode mode;
+    sim_state state;
+    char xrid[129];
+    char internal_id[160];
+    char resp_id[160];
+    uint32_t *tok;             /* owned */
+    size_t ntok;
+    uint64_t prompt_hash;
+    size_t nblocks;
+    uint64_t *blocks;          /* owned: local block ids while held */
+    int holds_blocks;
+    int max_tokens;
+    int stream;
+    int include_usage;
+    uint64_t seed;
+    cJSON *kvp;                /* owned: the decode request's kv_transfer_params */
+    int fetching;
+    int orphan;                /* client left during a fetch: free on its event */
+    struct event *timer;       /* owned */
+    size_t emitted;
+    px_buf text;               /* owned: non-streamed output */
+    long created;
+    uint64_t t_fetch0;
+} sim_req;
+
+struct sim_engine {
+    const sim_config *cfg;
+    struct event_base *base;
+    struct evconnlistener *lev;
+    px_conn_list conns;
+    px_conn_cfg conn_cfg;
+    kvc_agent_t *agent;
+    struct event *kv_ev;
+    uint64_t *free_blocks;
+    size_t nfree;
+    sim_req *qhead, *qtail;
+    size_t nqueued;
+    size_t nrunning;
+    sim_req *reqs;
+    uint64_t model_hash;
+    char model_json[300];      /* the model name as a JSON string literal */
+    /* counters for /metrics */
+    uint64_t requests_total, blocks_published, blocks_released, blocks_expired, unknown_notify,
+        fetch_failures, corrupt_blocks, fetches, bytes_fetched, fetch_ns, invalid_kvp,
+        queue_rejects;
+};
+
+static void pump_queue(sim_engine *e);
+static void start_generation(sim_req *r);
+
+/* ---------------------------------------------------------------- pool -- */
+
+static int take_blocks(sim_engine *e, sim_req *r)
+{
+    if (e->nfree < r->nblocks) return -1;
+    r->blocks = px_xmalloc((r->nblocks ? r->nblocks : 1) * sizeof *r->blocks);
+    for (size_t i = 0; i < r->nblocks; i++) r->blocks[i] = e->free_blocks[--e->nfree];
+    r->holds_blocks = 1;
+    return 0;
+}
+
+static void give_blocks(sim_engine *e, const uint64_t *ids, size_t n)
+{
+    for (size_t i = 0; i < n; i++) e->free_blocks[e->nfree++] = ids[i];
+}
+
+static void release_req_blocks(sim_req *r)
+{
+    if (r->holds_blocks) {
+        give_blocks(r->e, r->blocks, r->nblocks);
+        r->holds_blocks = 0;
+    }
+}
+
+static unsigned char *block_addr(sim_engine *e, uint32_t region, uint64_t block)
+{
+    void *base = NULL;
+    kvc_region_base(e->agent, region, &base);
+    return (unsigned char *)base + block * e->cfg->block_bytes;
+}
+
+static void compute_blocks(sim_req *r)
+{
+    sim_engine *e = r->e;
+    for (size_t b = 0; b < r->nblocks; b++) {
+        uint64_t ph = kvsim_prefix_hash(e->model_hash, r->tok, r->ntok, e->cfg->block_tokens, b);
+        for (uint32_t l = 0; l < e->cfg->layers; l++)
+            for (uint32_t kv = 0; kv < 2; kv++)
+                kvsim_fill_block(ph, l, kv, block_addr(e, l * 2 + kv, r->blocks[b]),
+                                 e->cfg->block_bytes);
+    }
+}
+
+/* Returns the number of (block, region) pieces whose bytes are wrong. */
+static uint64_t verify_blocks(sim_req *r)
+{
+    sim_engine *e = r->e;
+    unsigned char *want = px_xmalloc(e->cfg->block_bytes);
+    uint64_t bad = 0;
+    for (size_t b = 0; b < r->nblocks; b++) {
+        uint64_t ph = kvsim_prefix_hash(e->model_hash, r->tok, r->ntok, e->cfg->block_tokens, b);
+        for (uint32_t l = 0; l < e->cfg->layers; l++)
+            for (uint32_t kv = 0; kv < 2; kv++) {
+                kvsim_fill_block(ph, l, kv, want, e->cfg->block_bytes);
+                if (memcmp(want, block_addr(e, l * 2 + kv, r->blocks[b]), e->cfg->block_bytes))
+                    bad++;
+            }
+    }
+    free(want);
+    return bad;
+}
+
+/* ------------------------------------------------------------ requests -- */
+
+static void req_free(sim_req *r)
+{
+    sim_engine *e = r->e;
+    release_req_blocks(r);
+    if (r->prev) r->prev->next = r->next;
+    else e->reqs = r->next;
+    if (r->next) r->next->prev = r->prev;
+    if (r->timer) event_free(r->timer);
+    cJSON_Delete(r->kvp);
+    free(r->tok);
+    free(r->blocks);
+    px_buf_cleanup(&r->text);
+    free(r);
+}
+
+/* The request is over (answered, failed or abandoned). */
+static void req_finish(sim_req *r)
+{
+    sim_engine *e = r->e;
+    if (r->state == SR_GENERATING || r->state == SR_PREFILL_WAIT || r->state == SR_FETCHING)
+        e->nrunning--;
+    req_free(r);
+    pump_queue(e);
+}
+
+static void req_error(sim_req *r, int status, const char *msg)
+{
+    PX_LOG(PX_LOG_WARN, "req=%s msg=\"%s\" status=%d", r->internal_id, msg, status);
+    if (r->conn) {
+        px_conn_reply_error(r->conn, status, r->xrid, NULL, msg);
+        r->conn = NULL;
+    }
+    req_finish(r);
+}
+
+/* Tells the producer to free the blocks at once: a fetch of zero blocks is
+ * a bare notification, what vLLM's decode sends for an aborted request. */
+static void notify_only(sim_engine *e, cJSON *kvp)
+{
+    char *json = cJSON_PrintUnformatted(kvp);
+    if (!json) return;
+    kvc_fetch_params_t fp = {.field_mask = KVC_FETCH_FIELD_JSON | KVC_FETCH_FIELD_LOCAL_BLOCKS,
+                             .kv_transfer_params_json = json,
+                             .local_block_ids = NULL,
+                             .num_local_blocks = 0};
+    uint64_t xid;
+    kvc_status_t st = kvc_fetch(e->agent, &fp, &xid);
+    if (st != KVC_INPROGRESS && st != KVC_OK)
+        PX_LOG(PX_LOG_WARN, "msg=\"cannot notify prefill\" status=%s", kvc_status_str(st));
+    free(json);
+}
+
+static void on_client_gone(void *arg)
+{
+    sim_req *r = arg;
+    sim_engine *e = r->e;
+    r->conn = NULL;
+    switch (r->state) {
+    case SR_QUEUED: {
+        sim_req **pp = &e->qhead, *prev = NULL;
+        while (*pp && *pp != r) {
+            prev = *pp;
+            pp = &(*pp)->qnext;
+        }
+        if (*pp) {
+            *pp = r->qnext;
+            if (e->qtail == r) e->qtail = prev;
+            e->nqueued--;
+        }
+        if (r->mode == MODE_DECODE) notify_only(e, r->kvp);
+        req_free(r);
+        return;
+    }
+    case SR_FETCHING:
+        r->orphan = 1; /* freed when the fetch reports back */
+        return;
+    default:
+        req_finish(r);
+        return;
+    }
+}
+
+static const px_exchange_cbs client_cbs = {on_client_gone, NULL};
+
+/* ---------------------------------------------------------- responses -- */
+
+static void append_usage(px_buf *b, sim_req *r)
+{
+    px_buf_printf(b, "\"usage\":{\"prompt_tokens\":%zu,\"completion_tokens\":%zu,\"total_tokens\":%zu}",
+                  r->ntok, r->emitted, r->ntok + r->emitted);
+}
+
+static void chunk_head(px_buf *b, sim_req *r)
+{
+    px_buf_appends(b, "data: {\"id\":");
+    px_buf_append_json_str(b, r->resp_id, strlen(r->resp_id));
+    px_buf_printf(b, ",\"object\":\"%s\",\"created\":%ld,\"model\":%s,",
+                  r->ep == EP_CHAT ? "chat.completion.chunk" : "text_completion", r->created,
+                  r->e->model_json);
+}
+
+static void send_sse(sim_req *r, px_buf *b)
+{
+    px_conn_stream_write(r->conn, b->data, b->len);
+    px_buf_reset(b);
+}
+
+/* Writes the whole non-streamed answer; `kvp` is raw JSON or NULL. */
+static void reply_json(sim_req *r, const char *text, size_t tlen, const char *finish,
+                       const char *kvp)
+{
+    px_buf b;
+    px_buf_init(&b);
+    px_buf_appends(&b, "{\"id\":");
+    px_buf_append_json_str(&b, r->resp_id, strlen(r->resp_id));
+    px_buf_printf(&b, ",\"object\":\"%s\",\"created\":%ld,\"model\":%s,\"choices\":[{\"index\":0,",
+                  r->ep == EP_CHAT ? "chat.completion" : "text_completion", r->created,
+                  r->e->model_json);
+    if (r->ep == EP_CHAT) {
+        px_buf_appends(&b, "\"message\":{\"role\":\"assistant\",\"content\":");
+        px_buf_append_json_str(&b, text, tlen);
+        px_buf_appends(&b, "},");
+    } else {
+        px_buf_appends(&b, "\"text\":");
+        px_buf_append_json_str(&b, text, tlen);
+        px_buf_appends(&b, ",\"logprobs\":null,");
+    }
+    px_buf_printf(&b, "\"finish_reason\":\"%s\"}],", finish);
+    append_usage(&b, r);
+    if (kvp) {
+        px_buf_appends(&b, ",\"kv_transfer_params\":");
+        px_buf_appends(&b, kvp);
+    }
+    px_buf_appends(&b, "}");
+    px_conn_reply(r->conn, 200, "application/json", r->xrid, NULL, b.data, b.len);
+    r->conn = NULL;
+    px_buf_cleanup(&b);
+}
+
+/* ---------------------------------------------------------- generation -- */
+
+static void schedule(sim_req *r, uint32_t ms)
+{
+    struct timeval tv = {ms / 1000, (ms % 1000) * 1000};
+    evtimer_add(r->timer, &tv);
+}
+
+static void emit_tokens(evutil_socket_t fd, short what, void *arg)
+{
+    sim_req *r = arg;
+    sim_engine *e = r->e;
+    px_buf b;
+    px_buf_init(&b);
+    /* With no inter-token latency, everything goes out in this turn. */
+    do {
+        char w[32];
+        size_t wl = kvsim_word(r->prompt_hash, r->seed, r->emitted, w);
+        r->emitted++;
+        int last = r->emitted >= (size_t)r->max_tokens;
+        if (!r->stream) {
+            px_buf_append(&r->text, w, wl);
+        } else {
+            if (r->emitted == 1 && r->ep == EP_CHAT) {
+                chunk_head(&b, r);
+                px_buf_appends(&b, "\"choices\":[{\"index\":0,\"delta\":{\"role\":\"assistant\","
+                                   "\"content\":\"\"},\"logprobs\":null,\"finish_reason\":null}]}\n\n");
+            }
+            chunk_head(&b, r);
+            if (r->ep == EP_CHAT) {
+                px_buf_appends(&b, "\"choices\":[{\"index\":0,\"delta\":{\"content\":");
+                px_buf_append_json_str(&b, w, wl);
+                px_buf_appends(&b, "},\"logprobs\":null,\"finish_reason\":null}]}\n\n");
+            } else {
+                px_buf_appends(&b, "\"choices\":[{\"index\":0,\"text\":");
+                px_buf_append_json_str(&b, w, wl);
+                px_buf_printf(&b, ",\"logprobs\":null,\"finish_reason\":%s}]}\n\n",
+                              last ? "\"length\"" : "null");
+            }
+        }
+        if (last) break;
+    } while (e->cfg->itl_ms == 0);
+
+    if (r->emitted < (size_t)r->max_tokens) {
+        if (r->stream) send_sse(r, &b);
+        px_buf_cleanup(&b);
+        schedule(r, e->cfg->itl_ms);
+        return;
+    }
+    if (!r->stream) {
+        reply_json(r, r->text.data ? r->text.data : "", r->text.len, "length", NULL);
+    } else {
+        if (r->ep == EP_CHAT) {
+            chunk_head(&b, r);
+            px_buf_appends(&b, "\"choices\":[{\"index\":0,\"delta\":{},\"logprobs\":null,"
+                               "\"finish_reason\":\"length\"}]}\n\n");
+        }
+        if (r->include_usage) {
+            chunk_head(&b, r);
+            px_buf_appends(&b, "\"choices\":[],");
+            append_usage(&b, r);
+            px_buf_appends(&b, "}\n\n");
+        }
+        px_buf_appends(&b, "data: [DONE]\n\n");
+        send_sse(r, &b);
+        px_conn_stream_end(r->conn);
+        r->conn = NULL;
+    }
+    px_buf_cleanup(&b);
+    req_finish(r);
+}
+
+static void start_generation(sim_req *r)
+{
+    r->state = SR_GENERATING;
+    if (r->stream) px_conn_stream_start(r->conn, 200, "text/event-stream", r->xrid, NULL);
+    event_assign(r->timer, r->e->base, -1, 0, emit_tokens, r);
+    schedule(r, r->e->cfg->ttft_ms);
+}
+
+/* --------------------------------------------------------------- modes -- */
+
+static void prefill_reply(evutil_socket_t fd, short what, void *arg)
+{
+    sim_req *r = arg;
+    sim_engine *e = r->e;
+    char *json = NULL;
+    kvc_status_t st = kvc_publish(e->agent, r->internal_id, r->blocks, r->nblocks, NULL, &json);
+    if (st != KVC_OK) {
+        char msg[160];
+        snprintf(msg, sizeof msg, "cannot publish KV blocks: %s", kvc_status_str(st));
+        req_error(r, 500, msg);
+        return;
+    }
+    /* The blocks now belong to the publication until released or expired. */
+    r->holds_blocks = 0;
+    e->blocks_published += r->nblocks;
+    char w[32];
+    size_t wl = kvsim_word(r->prompt_hash, r->seed, 0, w);
+    r->emitted = 1;
+    reply_json(r, w, wl, "length", json);
+    kvc_free(json);
+    req_finish(r);
+}
+
+static void start_local(sim_req *r)
+{
+    compute_blocks(r);
+    start_generation(r);
+}
+
+static void start_decode(sim_req *r)
+{
+    sim_engine *e = r->e;
+    cJSON *ids = cJSON_GetObjectItemCaseSensitive(r->kvp, "remote_block_ids");
+    size_t nremote = (size_t)cJSON_GetArraySize(ids);
+    if (nremote != r->nblocks) {
+        PX_LOG(PX_LOG_WARN,
+               "req=%s msg=\"remote has %zu blocks, prompt needs %zu: recomputing locally\"",
+               r->internal_id, nremote, r->nblocks);
+        notify_only(e, r->kvp);
+        start_local(r);
+        return;
+    }
+    char *json = cJSON_PrintUnformatted(r->kvp);
+    kvc_fetch_params_t fp = {
+        .field_mask = KVC_FETCH_FIELD_JSON | KVC_FETCH_FIELD_LOCAL_BLOCKS | KVC_FETCH_FIELD_USER_DATA,
+        .kv_transfer_params_json = json,
+        .local_block_ids = r->blocks,
+        .num_local_blocks = r->nblocks,
+        .user_data = (uint64_t)(uintptr_t)r,
+    };
+    uint64_t xid;
+    r->t_fetch0 = px_now_ns();
+    kvc_status_t st = json ? kvc_fetch(e->agent, &fp, &xid) : KVC_ERR_NO_MEMORY;
+    free(json);
+    if (st != KVC_INPROGRESS && st != KVC_OK) {
+        e->fetch_failures++;
+        PX_LOG(PX_LOG_WARN, "req=%s msg=\"KV fetch refused, recomputing locally\" status=%s",
+               r->internal_id, kvc_status_str(st));
+        start_local(r);
+        return;
+    }
+    r->state = SR_FETCHING;
+    r->fetching = 1;
+}
+
+static void start_req(sim_req *r)
+{
+    r->e->nrunning++;
+    switch (r->mode) {
+    case MODE_PREFILL:
+        compute_blocks(r);
+        r->state = SR_PREFILL_WAIT;
+        event_assign(r->timer, r->e->base, -1, 0, prefill_reply, r);
+        schedule(r, r->e->cfg->ttft_ms);
+        break;
+    case MODE_DECODE:
+        start_decode(r);
+        break;
+    case MODE_LOCAL:
+        start_local(r);
+        break;
+    }
+}
+
+static void pump_queue(sim_engine *e)
+{
+    while (e->qhead && e->nfree >= e->qhead->nblocks) {
+        sim_req *r = e->qhead;
+        e->qhead = r->qnext;
+        if (!e->qhead) e->qtail = NULL;
+        e->nqueued--;
+        take_blocks(e, r);
+        start_req(r);
+    }
+}
+
+/* ----------------------------------------------------- connector events -- */
+
+static void on_fetch_event(sim_engine *e, const kvc_event_t *ev)
+{
+    sim_req *r = (sim_req *)(uintptr_t)ev->user_data;
+    if (!r) return; /* a bare notification */
+    r->fetching = 0;
+    if (ev->type == KVC_EV_FETCH_DONE) {
+        uint64_t ns = px_now_ns() - r->t_fetch0;
+        e->fetches++;
+        e->bytes_fetched += ev->bytes;
+        e->fetch_ns += ns;
+        PX_LOG(PX_LOG_INFO,
+               "req=%s msg=\"kv fetch done\" remote_request_id=%s blocks=%zu bytes=%llu ms=%.3f "
+               "gbps=%.2f",
+               r->internal_id, ev->request_id ? ev->request_id : "-", ev->num_blocks,
+               (unsigned long long)ev->bytes, (double)ns / 1e6,
+               ns ? (double)ev->bytes / (double)ns : 0.0);
+    } else {
+        e->fetch_failures++;
+        PX_LOG(PX_LOG_WARN, "req=%s msg=\"kv fetch failed, recomputing locally\" status=%s detail=\"%s\"",
+               r->internal_id, kvc_status_str(ev->status), ev->message ? ev->message : "");
+    }
+    if (r->orphan) {
+        req_finish(r);
+        return;
+    }
+    if (ev->type == KVC_EV_FETCH_DONE) {
+        uint64_t bad = verify_blocks(r);
+        if (bad) {
+            e->corrupt_blocks += bad;
+            char msg[160];
+            snprintf(msg, sizeof msg, "KV blocks received from prefill are corrupt (%llu pieces)",
+                     (unsigned long long)bad);
+            req_error(r, 500, msg);
+            return;
+        }
+        start_generation(r);
+    } else {
+        start_local(r);
+    }
+}
+
+static void on_kv(evutil_socket_t fd, short what, void *arg)
+{
+    sim_engine *e = arg;
+    kvc_event_t ev;
+    kvc_agent_progress(e->agent);
+    while (kvc_agent_next_event(e->agent, &ev) == KVC_OK) {
+        switch (ev.type) {
+        case KVC_EV_FETCH_DONE:
+        case KVC_EV_FETCH_FAILED:
+            on_fetch_event(e, &ev);
+            break;
+        case KVC_EV_RELEASED:
+            e->blocks_released += ev.num_blocks;
+            give_blocks(e, ev.block_ids, ev.num_blocks);
+            PX_LOG(PX_LOG_DEBUG, "msg=\"kv blocks released by consumer\" request=%s blocks=%zu",
+                   ev.request_id, ev.num_blocks);
+            break;
+        case KVC_EV_EXPIRED:
+            e->blocks_expired += ev.num_blocks;
+            give_blocks(e, ev.block_ids, ev.num_blocks);
+            PX_LOG(PX_LOG_WARN, "msg=\"Releasing expired KV blocks for request %s\" blocks=%zu",
+                   ev.request_id, ev.num_blocks);
+            break;
+        case KVC_EV_UNKNOWN_NOTIFY:
+            e->unknown_notify++;
+            PX_LOG(PX_LOG_WARN, "msg=\"unrecognized kv notification\" request=%s",
+                   ev.request_id ? ev.request_id : "-");
+            break;
+        }
+    }
+    pump_queue(e);
+}
+
+static void kvc_log(void *arg, kvc_log_level_t level, const char *msg)
+{
+    px_log_level_t l = level == KVC_LOG_ERROR  ? PX_LOG_ERROR
+                       : level == KVC_LOG_WARN ? PX_LOG_WARN
+                       : level == KVC_LOG_INFO ? PX_LOG_INFO
+                                               : PX_LOG_DEBUG;
+    PX_LOG(l, "component=kvconnector msg=\"%s\"", msg);
+}
+
+/* ------------------------------------------------------------- parsing -- */
+
+/* Appends the prompt's text (completions) or rendered messages (chat).
+ * Returns NULL or an error message. */
+static const char *prompt_text(sim_ep ep, const cJSON *body, px_buf *out)
+{
+    if (ep == EP_COMPLETIONS) {
+        const cJSON *p = cJSON_GetObjectItemCaseSensitive(body, "prompt");
+        if (cJSON_IsArray(p) && cJSON_GetArraySize(p) == 1) p = cJSON_GetArrayItem(p, 0);
+        if (!cJSON_IsString(p)) return "'prompt' must be a string";
+        px_buf_appends(out, p->valuestring);
+        return NULL;
+    }
+    const cJSON *msgs = cJSON_GetObjectItemCaseSensitive(body, "messages");
+    if (!cJSON_IsArray(msgs) || cJSON_GetArraySize(msgs) == 0)
+        return "'messages' must be a non-empty array";
+    const cJSON *m;
+    cJSON_ArrayForEach(m, msgs)
+    {
+        const cJSON *role = cJSON_GetObjectItemCaseSensitive(m, "role");
+        const cJSON *content = cJSON_GetObjectItemCaseSensitive(m, "content");
+        if (!cJSON_IsString(role)) return "each message needs a string 'role'";
+        px_buf_printf(out, "<|%s|>\n", role->valuestring);
+        if (cJSON_IsString(content)) {
+            px_buf_appends(out, content->valuestring);
+        } else if (cJSON_IsArray(content)) {
+            const cJSON *part;
+            cJSON_ArrayForEach(part, content)
+            {
+                const cJSON *t = cJSON_GetObjectItemCaseSensitive(part, "text");
+                if (!cJSON_IsString(t)) return "message content parts need 'text'";
+                px_buf_appends(out, t->valuestring);
+            }
+        } else if (!cJSON_IsNull(content)) {
+            return "message 'content' must be a string or a list of parts";
+        }
+        px_buf_appends(out, "\n");
+    }
+    px_buf_appends(out, "<|assistant|>\n");
+    return NULL;
+}
+
+static int kvp_valid_for_decode(const cJSON *kvp)
+{
+    const cJSON *ids = cJSON_GetObjectItemCaseSensitive(kvp, "remote_block_ids");
+    const cJSON *eid = cJSON_GetObjectItemCaseSensitive(kvp, "remote_engine_id");
+    const cJSON *rid = cJSON_GetObjectItemCaseSensitive(kvp, "remote_request_id");
+    const cJSON *host = cJSON_GetObjectItemCaseSensitive(kvp, "remote_host");
+    const cJSON *port = cJSON_GetObjectItemCaseSensitive(kvp, "remote_port");
+    return cJSON_IsArray(ids) && cJSON_IsString(eid) && cJSON_IsString(rid) &&
+           cJSON_IsString(host) && cJSON_IsNumber(port);
+}
+
+static void handle_completion(sim_engine *e, px_conn *c, sim_ep ep, const px_http_head *h,
+                              px_buf *body)
+{
+    char msg[256];
+    const px_http_header *xh = px_http_find(h, "x-request-id");
+    char xrid[129];
+    if (xh && xh->value_len > 0 && xh->value_len <= 128) {
+        memcpy(xrid, xh->value, xh->value_len);
+        xrid[xh->value_len] = '\0';
+    } else {
+        px_uuid4(xrid);
+    }
+    cJSON *doc = cJSON_ParseWithLength(body->data ? body->data : "", body->len);
+    if (!cJSON_IsObject(doc)) {
+        cJSON_Delete(doc);
+        px_conn_reply_error(c, 400, xrid, NULL, "request body must be a JSON object");
+        return;
+    }
+    const cJSON *model = cJSON_GetObjectItemCaseSensitive(doc, "model");
+    if (model && (!cJSON_IsString(model) || strcmp(model->valuestring, e->cfg->model) != 0)) {
+        snprintf(msg, sizeof msg, "The model `%.100s` does not exist.",
+                 cJSON_IsString(model) ? model->valuestring : "?");
+        cJSON_Delete(doc);
+        px_conn_reply_error(c, 404, xrid, NULL, msg);
+        return;
+    }
+    px_buf text;
+    px_buf_init(&text);
+    const char *why = prompt_text(ep, doc, &text);
+    if (why) {
+        px_buf_cleanup(&text);
+        cJSON_Delete(doc);
+        px_conn_reply_error(c, 400, xrid, NULL, why);
+        return;
+    }
+    sim_req *r = px_xcalloc(1, sizeof *r);
+    r->e = e;
+    r->ep = ep;
+    px_buf_init(&r->text);
+    memcpy(r->xrid, xrid, sizeof xrid);
+    r->ntok = kvsim_tokenize(text.data ? text.data : "", text.len, &r->tok, 0);
+    px_buf_cleanup(&text);
+    r->created = (long)time(NULL);
+    r->next = e->reqs;
+    if (e->reqs) e->reqs->prev = r;
+    e->reqs = r;
+    r->timer = evtimer_new(e->base, emit_tokens, r);
+
+    const cJSON *mt = cJSON_GetObjectItemCaseSensitive(doc, "max_completion_tokens");
+    if (ep != EP_CHAT || !mt) mt = cJSON_GetObjectItemCaseSensitive(doc, "max_tokens");
+    r->max_tokens = 16;
+    if (mt && !cJSON_IsNull(mt)) {
+        if (!cJSON_IsNumber(mt) || mt->valuedouble < 1 || mt->valuedouble > 100000 ||
+            mt->valuedouble != (double)(int)mt->valuedouble) {
+            cJSON_Delete(doc);
+            req_free(r);
+            px_conn_reply_error(c, 400, xrid, NULL, "max_tokens must be an integer in 1..100000");
+            return;
+        }
+        r->max_tokens = (int)mt->valuedouble;
+    }
+    r->stream = cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(doc, "stream"));
+    const cJSON *so = cJSON_GetObjectItemCaseSensitive(doc, "stream_options");
+    r->include_usage = so && cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(so, "include_usage"));
+    const cJSON *seed = cJSON_GetObjectItemCaseSensitive(doc, "seed");
+    r->seed = cJSON_IsNumber(seed) ? (uint64_t)seed->valuedouble : 0;
+    r->prompt_hash = kvsim_hash(r->tok, r->ntok * sizeof *r->tok, e->model_hash);
+    snprintf(r->internal_id, sizeof r->internal_id, "cmpl-%s-%08x", xrid,
+             (unsigned)(px_rand64() & 0xffffffffu));
+    snprintf(r->resp_id, sizeof r->resp_id, "%s-%s", ep == EP_CHAT ? "chatcmpl" : "cmpl", xrid);
+
+    r->mode = MODE_LOCAL;
+    const cJSON *kvp = cJSON_GetObjectItemCaseSensitive(doc, "kv_transfer_params");
+    if (cJSON_IsObject(kvp)) {
+        if (cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(kvp, "do_remote_decode"))) {
+            r->mode = MODE_PREFILL;
+        } else if (cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(kvp, "do_remote_prefill"))) {
+            if (kvp_valid_for_decode(kvp)) {
+                r->mode = MODE_DECODE;
+                r->kvp = cJSON_Duplicate(kvp, 1);
+            } else {
+                e->invalid_kvp++;
+                PX_LOG(PX_LOG_WARN,
+                       "req=%s msg=\"Got invalid KVTransferParams: invalid kv_transfer_params, "
+                       "recomputing the prefill locally\"",
+                       r->internal_id);
+            }
+        }
+    }
+    cJSON_Delete(doc);
+    e->requests_total++;
+
+    if (r->ntok == 0) {
+        req_free(r);
+        px_conn_reply_error(c, 400, xrid, NULL, "the prompt is empty");
+        return;
+    }
+    r->nblocks = (r->ntok + e->cfg->block_tokens - 1) / e->cfg->block_tokens;
+    if (r->nblocks > e->cfg->num_blocks) {
+        snprintf(msg, sizeof msg, "prompt of %zu tokens needs %zu KV blocks; the pool has %llu",
+                 r->ntok, r->nblocks, (unsigned long long)e->cfg->num_blocks);
+        if (r->mode == MODE_DECODE) notify_only(e, r->kvp);
+        req_free(r);
+        px_conn_reply_error(c, 400, xrid, NULL, msg);
+        return;
+    }
+    r->conn = c;
+    px_conn_bind(c, &client_cbs, r);
+    if (!e->qhead && take_blocks(e, r) == 0) {
+        start_req(r);
+        return;
+    }
+    if (e->nqueued >= e->cfg->max_queue) {
+        e->queue_rejects++;
+        if (r->mode == MODE_DECODE) notify_only(e, r->kvp);
+        r->conn = NULL;
+        req_free(r);
+        px_conn_reply_error(c, 503, xrid, "Retry-After: 1\r\n",
+                            "KV cache full and the wait queue is full");
+        return;
+    }
+    r->state = SR_QUEUED;
+    if (e->qtail) e->qtail->qnext = r;
+    else e->qhead = r;
+    e->qtail = r;
+    e->nqueued++;
+}
+
+/* ------------------------------------------------------------- routing -- */
+
+static void reply_metrics(sim_engine *e, px_conn *c)
+{
+    px_buf b;
+    px_buf_init(&b);
+    const sim_config *cfg = e->cfg;
+    double usage = cfg->num_blocks ? 1.0 - (double)e->nfree / (double)cfg->num_blocks : 0;
+#define GAUGE(name, help, fmt, v)                                                                  \
+    px_buf_printf(&b, "# HELP %s %s\n# TYPE %s gauge\n%s{model_name=%s} " fmt "\n", name, help,     \
+                  name, name, e->model_json, v)
+#define COUNTER(name, help, v)                                                                     \
+    px_buf_printf(&b, "# HELP %s %s\n# TYPE %s counter\n%s %llu\n", name, help, name, name,        \
+                  (unsigned long long)(v))
+    GAUGE("vllm:num_requests_running", "Requests being processed.", "%zu", e->nrunning);
+    GAUGE("vllm:num_requests_waiting", "Requests waiting for KV blocks.", "%zu", e->nqueued);
+    GAUGE("vllm:kv_cache_usage_perc", "Fraction of KV blocks in use (1 = 100%).", "%.6f", usage);
+    px_buf_printf(&b,
+                  "# HELP vllm:cache_config_info KV cache configuration.\n"
+                  "# TYPE vllm:cache_config_info gauge\n"
+                  "vllm:cache_config_info{block_size=\"%u\",num_gpu_blocks=\"%llu\"} 1\n",
+                  cfg->block_tokens, (unsigned long long)cfg->num_blocks);
+    COUNTER("engine_sim_requests_total", "Completion requests received.", e->requests_total);
+    COUNTER("engine_sim_kv_blocks_published_total", "KV blocks published by prefill.",
+            e->blocks_published);
+    COUNTER("engine_sim_kv_blocks_released_by_consumer_total",
+            "Published KV blocks released by the consumer's notification.", e->blocks_released);
+    COUNTER("engine_sim_kv_blocks_expired_total", "Published KV blocks freed by expiry.",
+            e->blocks_expired);
+    COUNTER("engine_sim_kv_unknown_notifications_total",
+            "Notifications for unknown or expired request ids.", e->unknown_notify);
+    COUNTER("engine_sim_kv_fetch_failures_total", "KV fetches that failed.", e->fetch_failures);
+    COUNTER("engine_sim_kv_corrupt_blocks_total", "Fetched KV pieces whose bytes were wrong.",
+            e->corrupt_blocks);
+    COUNTER("engine_sim_kv_fetches_total", "KV fetches completed.", e->fetches);
+    COUNTER("engine_sim_kv_bytes_fetched_total", "Bytes moved by completed KV fetches.",
+            e->bytes_fetched);
+    px_buf_printf(&b,
+                  "# HELP engine_sim_kv_fetch_seconds_total Time spent in completed KV fetches.\n"
+                  "# TYPE engine_sim_kv_fetch_seconds_total counter\n"
+                  "engine_sim_kv_fetch_seconds_total %.9f\n",
+                  (double)e->fetch_ns / 1e9);
+    COUNTER("engine_sim_invalid_kv_transfer_params_total",
+            "Decode requests whose kv_transfer_params were unusable.", e->invalid_kvp);
+    COUNTER("engine_sim_queue_rejections_total", "Requests refused with 503: queue full.",
+            e->queue_rejects);
+    GAUGE("engine_sim_kv_blocks_free", "Free KV blocks.", "%zu", e->nfree);
+#undef GAUGE
+#undef COUNTER
+    px_conn_reply(c, 200, "text/plain; version=0.0.4; charset=utf-8", NULL, NULL, b.data, b.len);
+    px_buf_cleanup(&b);
+}
+
+static int path_is(const px_http_head *h, const char *path)
+{
+    size_t n = h->target_len;
+    const char *q = memchr(h->target, '?', n);
+    if (q) n = (size_t)(q - h->target);
+    return strlen(path) == n && memcmp(h->target, path, n) == 0;
+}
+
+static void dispatch(void *ctx, px_conn *c, const px_http_head *h, px_buf *body)
+{
+    sim_engine *e = ctx;
+    int is_get = h->method_len == 3 && !memcmp(h->method, "GET", 3);
+    int is_post = h->method_len == 4 && !memcmp(h->method, "POST", 4);
+    if (path_is(h, "/v1/completions") || path_is(h, "/v1/chat/completions")) {
+        if (!is_post) {
+            px_conn_reply_error(c, 405, NULL, "Allow: POST\r\n", "method not allowed");
+            return;
+        }
+        handle_completion(e, c, path_is(h, "/v1/chat/completions") ? EP_CHAT : EP_COMPLETIONS, h,
+                          body);
+        return;
+    }
+    if (!is_get && (path_is(h, "/health") || path_is(h, "/metrics") || path_is(h, "/v1/models"))) {
+        px_conn_reply_error(c, 405, NULL, "Allow: GET\r\n", "method not allowed");
+        return;
+    }
+    if (path_is(h, "/health")) {
+        px_conn_reply(c, 200, "application/json", NULL, NULL, "{}", 2);
+    } else if (path_is(h, "/metrics")) {
+        reply_metrics(e, c);
+    } else if (path_is(h, "/v1/models")) {
+        px_buf b;
+        px_buf_init(&b);
+        px_buf_printf(&b,
+                      "{\"object\":\"list\",\"data\":[{\"id\":%s,\"object\":\"model\",\"created\":"
+                      "%ld,\"owned_by\":\"engine-sim\",\"root\":%s,\"max_model_len\":%llu}]}",
+                      e->model_json, (long)time(NULL), e->model_json,
+                      (unsigned long long)(e->cfg->num_blocks * e->cfg->block_tokens));
+        px_conn_reply(c, 200, "application/json", NULL, NULL, b.data, b.len);
+        px_buf_cleanup(&b);
+    } else {
+        px_conn_reply_error(c, 404, NULL, NULL, "not found");
+    }
+}
+
+/* --------------------------------------------------------------- setup -- */
+
+static void on_accept(struct evconnlistener *lev, evutil_socket_t fd, struct sockaddr *sa,
+                      int salen, void *arg)
+{
+    sim_engine *e = arg;
+    px_conn_accept(e->base, fd, &e->conn_cfg, &e->conns);
+}
+
+static void on_signal(evutil_socket_t sig, short what, void *arg)
+{
+    sim_engine *e = arg;
+    PX_LOG(PX_LOG_INFO, "msg=\"stopping\" signal=%d", (int)sig);
+    event_base_loopbreak(e->base);
+}
+
+static int setup_agent(sim_engine *e)
+{
+    const sim_config *cfg = e->cfg;
+    kvc_agent_params_t ap = {
+        .field_mask = KVC_AGENT_FIELD_ENGINE_ID | KVC_AGENT_FIELD_LISTEN_HOST |
+                      KVC_AGENT_FIELD_LISTEN_PORT | KVC_AGENT_FIELD_LOG | KVC_AGENT_FIELD_EXPIRY,
+        .engine_id = cfg->engine_id,
+        .listen_host = cfg->kv_host,
+        .listen_port = (uint16_t)cfg->kv_port,
+        .log_cb = kvc_log,
+        .log_level = cfg->log_level == 0 ? KVC_LOG_DEBUG : cfg->log_level == 1 ? KVC_LOG_INFO
+                     : cfg->log_level == 2                                   ? KVC_LOG_WARN
+                                                                               : KVC_LOG_ERROR,
+        .expiry_ms = cfg->kv_expiry_ms,
+    };
+    kvc_status_t st = kvc_agent_create(&ap, &e->agent);
+    if (st != KVC_OK) {
+        fprintf(stderr, "engine-sim: cannot create the KV agent: %s\n", kvc_status_str(st));
+        return -1;
+    }
+    size_t nreg = (size_t)cfg->layers * 2;
+    kvc_region_params_t *regs = px_xcalloc(nreg, sizeof *regs);
+    for (size_t i = 0; i < nreg; i++) regs[i].len = (size_t)cfg->num_blocks * cfg->block_bytes;
+    st = kvc_agent_register_regions(e->agent, cfg->num_blocks, regs, nreg);
+    free(regs);
+    if (st != KVC_OK) {
+        fprintf(stderr, "engine-sim: cannot register %zu KV regions of %llu bytes: %s\n", nreg,
+                (unsigned long long)cfg->num_blocks * cfg->block_bytes, kvc_status_str(st));
+        return -1;
+    }
+    int fd;
+    kvc_agent_get_fd(e->agent, &fd);
+    e->kv_ev = event_new(e->base, fd, EV_READ | EV_PERSIST, on_kv, e);
+    event_add(e->kv_ev, NULL);
+    return 0;
+}
+
+static int setup_listener(sim_engine *e)
+{
+    struct addrinfo hints = {0}, *res = NULL;
+    char ps[16];
+    hints.ai_family = AF_UNSPEC;
+    hints.ai_socktype = SOCK_STREAM;
+    hints.ai_flags = AI_PASSIVE;
+    snprintf(ps, sizeof ps, "%d", e->cfg->port);
+    if (getaddrinfo(e->cfg->host, ps, &hints, &res) != 0) {
+        fprintf(stderr, "engine-sim: cannot resolve --host %s\n", e->cfg->host);
+        return -1;
+    }
+    e->lev = evconnlistener_new_bind(e->base, on_accept, e,
+                                     LEV_OPT_CLOSE_ON_FREE | LEV_OPT_REUSEABLE, 1024,
+                                     res->ai_addr, (int)res->ai_addrlen);
+    freeaddrinfo(res);
+    if (!e->lev) {
+        fprintf(stderr, "engine-sim: cannot listen on %s:%d\n", e->cfg->host, e->cfg->port);
+        return -1;
+    }
+    return 0;
+}
+
+int sim_engine_run(const sim_config *cfg)
+{
+    sim_engine *e = px_xcalloc(1, sizeof *e);
+    int rc = 1;
+    e->cfg = cfg;
+    e->model_hash = kvsim_hash(cfg->model, strlen(cfg->model), 0x5eed);
+    {
+        px_buf b;
+        px_buf_init(&b);
+        px_buf_append_json_str(&b, cfg->model, strlen(cfg->model));
+        snprintf(e->model_json, sizeof e->model_json, "%s", b.data);
+        px_buf_cleanup(&b);
+    }
+    e->free_blocks = px_xmalloc(cfg->num_blocks * sizeof *e->free_blocks);
+    /* Hand out low ids first: popping from the end of a descending stack. */
+    for (uint64_t i = 0; i < cfg->num_blocks; i++) e->free_blocks[i] = cfg->num_blocks - 1 - i;
+    e->nfree = cfg->num_blocks;
+    e->base = event_base_new();
+    e->conn_cfg = (px_conn_cfg){.max_body_bytes = 64 << 20,
+                                .header_timeout = 30,
+                                .keepalive_timeout = 75,
+                                .dispatch = dispatch,
+                                .ctx = e};
+    struct event *sigint = evsignal_new(e->base, SIGINT, on_signal, e);
+    struct event *sigterm = evsignal_new(e->base, SIGTERM, on_signal, e);
+    event_add(sigint, NULL);
+    event_add(sigterm, NULL);
+    if (setup_agent(e) < 0 || setup_listener(e) < 0) goto out;
+    uint16_t kvport = 0;
+    kvc_agent_get_port(e->agent, &kvport);
+    PX_LOG(PX_LOG_INFO,
+           "msg=\"engine-sim ready\" role=%s addr=%s:%d model=%s engine_id=%s kv=%s:%u "
+           "num_blocks=%llu block_tokens=%u layers=%u block_bytes=%u",
+           cfg->role, cfg->host, cfg->port, cfg->model, cfg->engine_id, cfg->kv_host, kvport,
+           (unsigned long long)cfg->num_blocks, cfg->block_tokens, cfg->layers, cfg->block_bytes);
+    event_base_dispatch(e->base);
+    rc = 0;
+out:
+    px_conn_list_close_all(&e->conns);
+    while (e->reqs) req_free(e->reqs);
+    if (e->lev) evconnlistener_free(e->lev);
+    if (e->kv_ev) event_free(e->kv_ev);
+    kvc_agent_destroy(e->agent);
+    event_free(sigint);
+    event_free(sigterm);
+    event_base_free(e->base);
+    free(e->free_blocks);
+    free(e);
+    return rc;
+}
