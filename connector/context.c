@@ -97,7 +97,10 @@ static kvc_log_level_t env_log_level(void)
 
 static void stderr_log(void *arg, kvc_log_level_t level, const char *msg)
 {
-    fprintf(stderr, "kvc %s %s\n", level_name(level), msg);
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    fprintf(stderr, "kvc %lld.%06ld %s %s\n", (long long)ts.tv_sec, ts.tv_nsec / 1000,
+            level_name(level), msg);
 }
 
 void kvc_log(kvc_agent_t *a, kvc_log_level_t lvl, const char *fmt, ...)
@@ -404,6 +407,9 @@ kvc_status_t kvc_agent_create(const kvc_agent_params_t *p, kvc_agent_t **out)
     if (getrandom(&a->nonce, sizeof(a->nonce), GRND_NONBLOCK) != (ssize_t)sizeof(a->nonce))
         a->nonce = kvc_now_ns() ^ ((uint64_t)getpid() << 32);
     a->next_xfer_id = 1;
+    a->push_chunk = 4u << 20;
+    const char *pc = getenv("KVC_PUSH_CHUNK_KB"); /* tuning knob for benchmarks */
+    if (pc && *pc && strtoul(pc, NULL, 10) > 0) a->push_chunk = strtoul(pc, NULL, 10) << 10;
 
     const char *lh = (m & KVC_AGENT_FIELD_LISTEN_HOST) && p->listen_host ? p->listen_host
                                                                           : "127.0.0.1";

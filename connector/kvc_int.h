@@ -229,6 +229,7 @@ struct kvc_agent {
     kvc_xfer_t *xfers; /* active and finishing fetches */
     uint64_t next_xfer_id;
     uint64_t push_inflight; /* producer-side sends in flight */
+    size_t push_chunk;      /* largest DATA message (bytes, whole blocks) */
 
     kvc_evnode_t *evq_head, *evq_tail, *ev_cur;
     uint64_t stats[KVC_STAT_PUBLISHED_NOW + 1];
@@ -282,6 +283,7 @@ KVC_HIDDEN void kvc_sconns_destroy(kvc_agent_t *a);
 struct kvc_peer_region {
     uint64_t base, len, block_len;
     ucp_rkey_h rkey;
+    const uint8_t *mapped; /* the region mapped here (shared memory), or NULL */
 };
 typedef enum { PEER_CONNECTING, PEER_HELLO, PEER_READY, PEER_DEAD } kvc_peer_state_t;
 struct kvc_peer {

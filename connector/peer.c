@@ -422,15 +422,17 @@ static kvc_proto_t choose_proto(kvc_agent_t *a, kvc_peer_t *p)
 {
     bool shm = p->n_regions > 0;
     for (uint32_t i = 0; i < p->n_regions && shm; i++) {
-        void *ptr;
-        shm = ucp_rkey_ptr(p->rr[i].rkey, p->rr[i].base, &ptr) == UCS_OK;
+        void *ptr = NULL;
+        shm = ucp_rkey_ptr(p->rr[i].rkey, p->rr[i].base, &ptr) == UCS_OK && ptr;
+        p->rr[i].mapped = shm ? ptr : NULL;
     }
     p->shm = shm;
     if (a->proto != KVC_PROTO_AUTO) return a->proto;
-    /* A direct pointer to every remote region means shared memory on this
-     * host: UCX gets are one-sided memcpy there.  Otherwise (tcp, registered
-     * memory) a get is emulated by the producer's handler and slow on tcp;
-     * a producer push is what the transport does well. */
+    /* A mapping of every remote region means shared memory on this host:
+     * reads are one-sided memcpy through UCX's mapping (xfer.c), whatever
+     * lanes the endpoint uses.  Otherwise (tcp, registered memory) a get is
+     * emulated by the producer's handler and slow on tcp; a producer push is
+     * what the transport does well.  With RDMA, set KVC_PROTO=get. */
     return shm ? KVC_PROTO_GET : KVC_PROTO_PUSH;
 }
 
@@ -500,6 +502,7 @@ static kvc_status_t ep_create(kvc_agent_t *a, kvc_peer_t *p, const kvc_span_t *a
 static void handshake_done(kvc_agent_t *a, kvc_peer_t *p, const uint8_t *body, size_t len)
 {
     kvc_wire_hs_t hs;
+    KVC_LOG(a, KVC_LOG_DEBUG, "peer %s:%u: handshake received (%zu bytes)", p->host, p->port, len);
     kvc_status_t st = kvc_wire_parse_handshake(body, len, &hs);
     if (st != KVC_OK) {
         peer_fail(a, p, st == KVC_ERR_NO_MEMORY ? st : KVC_ERR_PROTOCOL,
@@ -549,6 +552,7 @@ static void handshake_done(kvc_agent_t *a, kvc_peer_t *p, const uint8_t *body, s
     p->num_blocks = hs.num_blocks;
     p->nonce = hs.nonce;
     if (ep_create(a, p, &hs.worker_addr) != KVC_OK) goto out;
+    KVC_LOG(a, KVC_LOG_DEBUG, "peer %s:%u: endpoint created", p->host, p->port);
     for (uint32_t i = 0; i < hs.n_regions; i++) {
         p->rr[i].base = hs.regions[i].base;
         p->rr[i].len = hs.regions[i].len;

@@ -29,13 +29,15 @@ struct kvc_xfer {
     kvc_xfer_t *next;
     kvc_agent_t *a;
     uint64_t id, user_data;
-    kvc_peer_t *peer; /* referenced */
-    char *req_id;     /* owned */
+    kvc_peer_t *peer;         /* referenced */
+    char *req_id;             /* owned */
     uint64_t *remote, *local; /* owned; n pairs (the tail of the remote list) */
     size_t n;
     kvc_run_t *runs; /* owned */
     size_t nruns;
     kvc_proto_t proto;
+    bool direct;             /* GET through the shared-memory mapping */
+    size_t cur_run, cur_reg; /* direct copy cursor */
     xstate_t state;
     bool finished;   /* event queued */
     int outstanding; /* UCX requests whose user_data is this fetch */
@@ -54,57 +56,56 @@ typedef struct {
     uint8_t (*hdr)[KVC_WIRE_DATA_HDR_LEN];
 } push_job_t;
 
-static kvc_status_t ucs_to_kvc(ucs_status_t us)
-{
+static kvc_status_t ucs_to_kvc(ucs_status_t us) {
     switch (us) {
-    case UCS_OK: return KVC_OK;
-    case UCS_ERR_CANCELED: return KVC_ERR_CANCELED;
-    case UCS_ERR_NO_MEMORY: return KVC_ERR_NO_MEMORY;
+    case UCS_OK:
+        return KVC_OK;
+    case UCS_ERR_CANCELED:
+        return KVC_ERR_CANCELED;
+    case UCS_ERR_NO_MEMORY:
+        return KVC_ERR_NO_MEMORY;
     case UCS_ERR_UNREACHABLE:
     case UCS_ERR_ENDPOINT_TIMEOUT:
     case UCS_ERR_CONNECTION_RESET:
     case UCS_ERR_NOT_CONNECTED:
-    case UCS_ERR_REJECTED: return KVC_ERR_PEER_FAILED;
-    case UCS_ERR_TIMED_OUT: return KVC_ERR_TIMED_OUT;
-    default: return KVC_ERR_TRANSPORT;
+    case UCS_ERR_REJECTED:
+        return KVC_ERR_PEER_FAILED;
+    case UCS_ERR_TIMED_OUT:
+        return KVC_ERR_TIMED_OUT;
+    default:
+        return KVC_ERR_TRANSPORT;
     }
 }
 
-static void op_error(kvc_xfer_t *x, kvc_status_t st, const char *what, const char *detail)
-{
+static void op_error(kvc_xfer_t *x, kvc_status_t st, const char *what, const char *detail) {
     if (x->op_failed) return;
     x->op_failed = true;
     x->op_status = st;
     snprintf(x->op_msg, sizeof(x->op_msg), "%s: %s", what, detail);
 }
 
-static void op_done(kvc_xfer_t *x, ucs_status_t us, const char *what)
-{
+static void op_done(kvc_xfer_t *x, ucs_status_t us, const char *what) {
     x->outstanding--;
     if (us != UCS_OK) op_error(x, ucs_to_kvc(us), what, ucs_status_string(us));
     kvc_wake(x->a);
 }
 
-static void get_cb(void *req, ucs_status_t us, void *ud)
-{
+static void get_cb(void *req, ucs_status_t us, void *ud) {
     op_done(ud, us, "get");
     ucp_request_free(req);
 }
 
-static void flush_cb(void *req, ucs_status_t us, void *ud)
-{
+static void flush_cb(void *req, ucs_status_t us, void *ud) {
     op_done(ud, us, "flush");
     ucp_request_free(req);
 }
 
-static void send_cb(void *req, ucs_status_t us, void *ud)
-{
+static void send_cb(void *req, ucs_status_t us, void *ud) {
     op_done(ud, us, "send");
     ucp_request_free(req);
 }
 
-static void recv_cb(void *req, ucs_status_t us, size_t length, void *ud)
-{
+static void recv_cb(void *req, ucs_status_t us, size_t length, void *ud) {
     kvc_xfer_t *x = ud;
     if (us == UCS_OK) x->bytes_got += length;
     op_done(x, us, "receive");
@@ -112,8 +113,7 @@ static void recv_cb(void *req, ucs_status_t us, size_t length, void *ud)
 }
 
 /* Tracks one request returned by a UCX call; false if it failed at once. */
-static bool track(kvc_xfer_t *x, ucs_status_ptr_t r, const char *what)
-{
+static bool track(kvc_xfer_t *x, ucs_status_ptr_t r, const char *what) {
     if (r == NULL) return true;
     if (UCS_PTR_IS_ERR(r)) {
         ucs_status_t us = UCS_PTR_STATUS(r);
@@ -124,8 +124,7 @@ static bool track(kvc_xfer_t *x, ucs_status_ptr_t r, const char *what)
     return true;
 }
 
-static void xfer_finish(kvc_agent_t *a, kvc_xfer_t *x, kvc_status_t st, const char *msg)
-{
+static void xfer_finish(kvc_agent_t *a, kvc_xfer_t *x, kvc_status_t st, const char *msg) {
     if (x->finished) return;
     x->finished = true;
     x->state = X_DONE;
@@ -133,10 +132,9 @@ static void xfer_finish(kvc_agent_t *a, kvc_xfer_t *x, kvc_status_t st, const ch
         a->stats[KVC_STAT_FETCH_DONE]++;
         a->stats[KVC_STAT_BYTES_FETCHED] += x->bytes_expected;
         KVC_LOG(a, KVC_LOG_DEBUG, "fetch %llu req=%s done blocks=%zu bytes=%llu",
-                (unsigned long long)x->id, x->req_id, x->n,
-                (unsigned long long)x->bytes_expected);
-        kvc_event_push(a, KVC_EV_FETCH_DONE, KVC_OK, x->id, x->user_data, x->req_id, x->local,
-                       x->n, x->bytes_expected, NULL);
+                (unsigned long long)x->id, x->req_id, x->n, (unsigned long long)x->bytes_expected);
+        kvc_event_push(a, KVC_EV_FETCH_DONE, KVC_OK, x->id, x->user_data, x->req_id, x->local, x->n,
+                       x->bytes_expected, NULL);
     } else {
         a->stats[KVC_STAT_FETCH_FAILED]++;
         KVC_LOG(a, KVC_LOG_WARN, "fetch %llu req=%s failed: %s (%s)", (unsigned long long)x->id,
@@ -146,14 +144,12 @@ static void xfer_finish(kvc_agent_t *a, kvc_xfer_t *x, kvc_status_t st, const ch
     }
 }
 
-void kvc_xfers_fail_peer(kvc_agent_t *a, kvc_peer_t *p, kvc_status_t st, const char *msg)
-{
+void kvc_xfers_fail_peer(kvc_agent_t *a, kvc_peer_t *p, kvc_status_t st, const char *msg) {
     for (kvc_xfer_t *x = a->xfers; x; x = x->next)
         if (x->peer == p && !x->finished) xfer_finish(a, x, st, msg);
 }
 
-static void xfer_free(kvc_xfer_t *x)
-{
+static void xfer_free(kvc_xfer_t *x) {
     free(x->req_id);
     free(x->remote);
     free(x->local);
@@ -165,13 +161,12 @@ static void xfer_free(kvc_xfer_t *x)
 
 /* ------------------------------------------------------------- consumer -- */
 
-static void start_notify(kvc_agent_t *a, kvc_xfer_t *x)
-{
+static void start_notify(kvc_agent_t *a, kvc_xfer_t *x) {
     for (size_t r = 0; r < a->n_regions && x->n; r++) {
         kvc_region_t *rg = &a->regions[r];
         if (!rg->staged) continue;
-        kvc_status_t st =
-            kvc_cuda_copy_blocks(a->cuda, rg->dev_base, rg->base, rg->block_len, x->local, x->n, true);
+        kvc_status_t st = kvc_cuda_copy_blocks(a->cuda, rg->dev_base, rg->base, rg->block_len,
+                                               x->local, x->n, true);
         if (st == KVC_OK) st = kvc_cuda_sync(a->cuda);
         if (st != KVC_OK) {
             xfer_finish(a, x, st, "staging host->device copy failed");
@@ -191,8 +186,7 @@ static void start_notify(kvc_agent_t *a, kvc_xfer_t *x)
     }
 }
 
-static void start_data(kvc_agent_t *a, kvc_xfer_t *x, uint64_t now)
-{
+static void start_data(kvc_agent_t *a, kvc_xfer_t *x, uint64_t now) {
     kvc_peer_t *p = x->peer;
     for (size_t i = 0; i < x->n; i++) {
         if (x->remote[i] >= p->num_blocks) {
@@ -211,11 +205,16 @@ static void start_data(kvc_agent_t *a, kvc_xfer_t *x, uint64_t now)
     x->proto = p->proto;
     x->deadline_ns = now + (uint64_t)a->xfer_timeout_ms * 1000000ull;
     size_t per_block = 0;
-    for (size_t r = 0; r < a->n_regions; r++) per_block += a->regions[r].block_len;
+    for (size_t r = 0; r < a->n_regions; r++)
+        per_block += a->regions[r].block_len;
     x->bytes_expected = (uint64_t)x->n * per_block;
     x->state = X_DATA;
     if (x->n == 0) return; /* notify only */
 
+    if (x->proto == KVC_PROTO_GET && p->shm) {
+        x->direct = true; /* copied in slices by advance() */
+        return;
+    }
     ucp_request_param_t rp;
     memset(&rp, 0, sizeof(rp));
     rp.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
@@ -246,8 +245,34 @@ static void start_data(kvc_agent_t *a, kvc_xfer_t *x, uint64_t now)
     track(x, ucp_am_send_nbx(p->ep, KVC_AM_PULL, NULL, 0, x->pull.p, x->pull.len, &rp), "pull");
 }
 
-static void advance(kvc_agent_t *a, kvc_xfer_t *x, uint64_t now, uint64_t *next)
-{
+/* One-sided read through UCX's mapping of the producer's pool (ucp_rkey_ptr):
+ * the same memcpy UCX's shared-memory get does, without needing an sm lane
+ * (peer-failure handling keeps the endpoint on tcp).  Sliced so that a huge
+ * fetch does not hold the caller's loop for long; true when all copied. */
+#define DIRECT_SLICE (64u << 20)
+static bool direct_copy(kvc_agent_t *a, kvc_xfer_t *x) {
+    size_t budget = DIRECT_SLICE;
+    while (x->cur_run < x->nruns) {
+        const kvc_run_t *run = &x->runs[x->cur_run];
+        size_t bl = a->regions[x->cur_reg].block_len;
+        memcpy((uint8_t *)a->regions[x->cur_reg].base + run->local * bl,
+               x->peer->rr[x->cur_reg].mapped + run->remote * bl, run->count * bl);
+        x->bytes_got += run->count * bl;
+        if (++x->cur_reg == a->n_regions) {
+            x->cur_reg = 0;
+            x->cur_run++;
+        }
+        if (run->count * bl >= budget) break;
+        budget -= run->count * bl;
+    }
+    if (x->cur_run < x->nruns) {
+        kvc_wake(a);
+        return false;
+    }
+    return true;
+}
+
+static void advance(kvc_agent_t *a, kvc_xfer_t *x, uint64_t now, uint64_t *next) {
     kvc_status_t pst;
     const char *pmsg;
     if (x->state == X_WAIT_PEER) {
@@ -261,6 +286,10 @@ static void advance(kvc_agent_t *a, kvc_xfer_t *x, uint64_t now, uint64_t *next)
     }
     if (x->op_failed) {
         xfer_finish(a, x, x->op_status, x->op_msg);
+        return;
+    }
+    if (x->state == X_DATA && x->direct) {
+        if (direct_copy(a, x)) start_notify(a, x);
         return;
     }
     if (x->state == X_DATA) {
@@ -298,8 +327,7 @@ static void advance(kvc_agent_t *a, kvc_xfer_t *x, uint64_t now, uint64_t *next)
     if (x->state == X_NOTIFY && x->outstanding == 0) xfer_finish(a, x, KVC_OK, NULL);
 }
 
-void kvc_xfers_advance(kvc_agent_t *a, uint64_t now, uint64_t *next)
-{
+void kvc_xfers_advance(kvc_agent_t *a, uint64_t now, uint64_t *next) {
     kvc_xfer_t **pp = &a->xfers;
     while (*pp) {
         kvc_xfer_t *x = *pp;
@@ -314,8 +342,7 @@ void kvc_xfers_advance(kvc_agent_t *a, uint64_t now, uint64_t *next)
     }
 }
 
-void kvc_xfers_destroy(kvc_agent_t *a)
-{
+void kvc_xfers_destroy(kvc_agent_t *a) {
     while (a->xfers) {
         kvc_xfer_t *x = a->xfers;
         a->xfers = x->next;
@@ -323,8 +350,7 @@ void kvc_xfers_destroy(kvc_agent_t *a)
     }
 }
 
-static kvc_status_t remote_from_fields(const kvc_fetch_params_t *p, kvc_remote_t *r)
-{
+static kvc_status_t remote_from_fields(const kvc_fetch_params_t *p, kvc_remote_t *r) {
     if (!p->remote_engine_id || !p->remote_request_id || !p->remote_host ||
         (p->num_remote_blocks && !p->remote_block_ids))
         return KVC_ERR_INVALID_PARAM;
@@ -343,8 +369,7 @@ static kvc_status_t remote_from_fields(const kvc_fetch_params_t *p, kvc_remote_t
     return KVC_OK;
 }
 
-kvc_status_t kvc_fetch(kvc_agent_t *a, const kvc_fetch_params_t *p, uint64_t *xfer_id)
-{
+kvc_status_t kvc_fetch(kvc_agent_t *a, const kvc_fetch_params_t *p, uint64_t *xfer_id) {
     if (!a || !p || !xfer_id) return KVC_ERR_INVALID_PARAM;
     if (!a->n_regions) return KVC_ERR_STATE;
     kvc_remote_t r;
@@ -375,8 +400,8 @@ kvc_status_t kvc_fetch(kvc_agent_t *a, const kvc_fetch_params_t *p, uint64_t *xf
         if (nl && !lids) goto err_remote;
     }
     if (nl > r.num_blocks) {
-        KVC_LOG(a, KVC_LOG_WARN, "fetch req=%s: %zu local blocks for %zu remote", r.request_id,
-                nl, r.num_blocks);
+        KVC_LOG(a, KVC_LOG_WARN, "fetch req=%s: %zu local blocks for %zu remote", r.request_id, nl,
+                r.num_blocks);
         goto err_remote;
     }
     for (size_t i = 0; i < nl; i++)
@@ -422,8 +447,7 @@ err_remote:
     return st;
 }
 
-static kvc_xfer_t *find_xfer(kvc_agent_t *a, uint64_t id)
-{
+static kvc_xfer_t *find_xfer(kvc_agent_t *a, uint64_t id) {
     for (kvc_xfer_t *x = a->xfers; x; x = x->next)
         if (x->id == id && !x->finished) return x;
     return NULL;
@@ -431,8 +455,7 @@ static kvc_xfer_t *find_xfer(kvc_agent_t *a, uint64_t id)
 
 /* Consumer: a DATA message from the producer. */
 static ucs_status_t data_cb(void *arg, const void *header, size_t hlen, void *data, size_t len,
-                            const ucp_am_recv_param_t *param)
-{
+                            const ucp_am_recv_param_t *param) {
     kvc_agent_t *a = arg;
     bool rndv = (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0;
     kvc_wire_data_hdr_t h;
@@ -449,16 +472,15 @@ static ucs_status_t data_cb(void *arg, const void *header, size_t hlen, void *da
     }
     kvc_wake(a);
     if (h.status != 0) {
-        kvc_status_t st = h.status < 0 && h.status >= KVC_ERR_STATE ? (kvc_status_t)h.status
-                                                                     : KVC_ERR_PROTOCOL;
+        kvc_status_t st =
+            h.status < 0 && h.status >= KVC_ERR_STATE ? (kvc_status_t)h.status : KVC_ERR_PROTOCOL;
         op_error(x, st, "producer refused the fetch", kvc_status_str(st));
         return rndv ? UCS_ERR_CANCELED : UCS_OK;
     }
     if (h.region >= a->n_regions || h.count == 0 || h.local_start >= a->num_blocks ||
         h.count > a->num_blocks - h.local_start ||
         h.count > UINT64_MAX / a->regions[h.region].block_len ||
-        len != h.count * a->regions[h.region].block_len ||
-        len > x->bytes_expected - x->bytes_got) {
+        len != h.count * a->regions[h.region].block_len || len > x->bytes_expected - x->bytes_got) {
         op_error(x, KVC_ERR_PROTOCOL, "push", "data message does not match the fetch");
         return rndv ? UCS_ERR_INVALID_PARAM : UCS_OK;
     }
@@ -484,8 +506,7 @@ static ucs_status_t data_cb(void *arg, const void *header, size_t hlen, void *da
 
 /* ------------------------------------------------------------- producer -- */
 
-static void push_cb(void *req, ucs_status_t us, void *ud)
-{
+static void push_cb(void *req, ucs_status_t us, void *ud) {
     push_job_t *j = ud;
     if (us != UCS_OK && us != UCS_ERR_CANCELED)
         KVC_LOG(j->a, KVC_LOG_WARN, "push: send failed: %s", ucs_status_string(us));
@@ -497,8 +518,7 @@ static void push_cb(void *req, ucs_status_t us, void *ud)
     ucp_request_free(req);
 }
 
-static void push_refuse(kvc_agent_t *a, ucp_ep_h ep, uint64_t xfer_id, kvc_status_t st)
-{
+static void push_refuse(kvc_agent_t *a, ucp_ep_h ep, uint64_t xfer_id, kvc_status_t st) {
     /* Eager send with the header copied by UCX before returning? Not in 1.13:
      * the header must live until completion, so it goes in a job too. */
     push_job_t *j = calloc(1, sizeof(*j));
@@ -515,7 +535,8 @@ static void push_refuse(kvc_agent_t *a, ucp_ep_h ep, uint64_t xfer_id, kvc_statu
     rp.cb.send = push_cb;
     rp.user_data = j;
     j->refs = 1;
-    ucs_status_ptr_t r = ucp_am_send_nbx(ep, KVC_AM_DATA, j->hdr[0], KVC_WIRE_DATA_HDR_LEN, NULL, 0, &rp);
+    ucs_status_ptr_t r =
+        ucp_am_send_nbx(ep, KVC_AM_DATA, j->hdr[0], KVC_WIRE_DATA_HDR_LEN, NULL, 0, &rp);
     if (UCS_PTR_IS_PTR(r)) {
         a->push_inflight++;
         return;
@@ -525,8 +546,7 @@ static void push_refuse(kvc_agent_t *a, ucp_ep_h ep, uint64_t xfer_id, kvc_statu
 }
 
 static ucs_status_t pull_cb(void *arg, const void *header, size_t hlen, void *data, size_t len,
-                            const ucp_am_recv_param_t *param)
-{
+                            const ucp_am_recv_param_t *param) {
     kvc_agent_t *a = arg;
     if (a->destroying) return UCS_OK;
     if (!(param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) || !param->reply_ep ||
@@ -554,7 +574,15 @@ static ucs_status_t pull_cb(void *arg, const void *header, size_t hlen, void *da
             return UCS_OK;
         }
     }
-    size_t nsend = n * a->n_regions;
+    /* Large runs go as several messages: one huge rendezvous over tcp is
+     * slower than a stream of a few MiB each. */
+    size_t nsend = 0;
+    for (size_t i = 0; i < n; i++)
+        for (size_t r = 0; r < a->n_regions; r++) {
+            uint64_t per = a->push_chunk / a->regions[r].block_len;
+            if (per == 0) per = 1;
+            nsend += (size_t)((runs[i].count + per - 1) / per);
+        }
     if (nsend == 0) {
         free(runs);
         return UCS_OK;
@@ -575,22 +603,29 @@ static ucs_status_t pull_cb(void *arg, const void *header, size_t hlen, void *da
     rp.user_data = j;
     size_t k = 0;
     for (size_t i = 0; i < n; i++) {
-        for (size_t r = 0; r < a->n_regions; r++, k++) {
+        for (size_t r = 0; r < a->n_regions; r++) {
             kvc_region_t *rg = &a->regions[r];
-            kvc_wire_data_hdr_t h = {xid, (uint32_t)r, 0, runs[i].local, runs[i].count};
-            kvc_wire_encode_data_hdr(j->hdr[k], &h);
-            const uint8_t *src = (const uint8_t *)rg->base + runs[i].remote * rg->block_len;
-            j->refs++;
-            a->push_inflight++;
-            ucs_status_ptr_t s = ucp_am_send_nbx(ep, KVC_AM_DATA, j->hdr[k], KVC_WIRE_DATA_HDR_LEN,
-                                                 src, runs[i].count * rg->block_len, &rp);
-            if (UCS_PTR_IS_PTR(s)) continue;
-            j->refs--;
-            a->push_inflight--;
-            if (UCS_PTR_IS_ERR(s)) {
-                KVC_LOG(a, KVC_LOG_WARN, "push: send for fetch %llu failed: %s",
-                        (unsigned long long)xid, ucs_status_string(UCS_PTR_STATUS(s)));
-                goto out; /* the consumer's endpoint error or timeout ends its fetch */
+            uint64_t per = a->push_chunk / rg->block_len;
+            if (per == 0) per = 1;
+            for (uint64_t off = 0; off < runs[i].count; off += per, k++) {
+                uint64_t cnt = runs[i].count - off < per ? runs[i].count - off : per;
+                kvc_wire_data_hdr_t h = {xid, (uint32_t)r, 0, runs[i].local + off, cnt};
+                kvc_wire_encode_data_hdr(j->hdr[k], &h);
+                const uint8_t *src =
+                    (const uint8_t *)rg->base + (runs[i].remote + off) * rg->block_len;
+                j->refs++;
+                a->push_inflight++;
+                ucs_status_ptr_t s =
+                    ucp_am_send_nbx(ep, KVC_AM_DATA, j->hdr[k], KVC_WIRE_DATA_HDR_LEN, src,
+                                    cnt * rg->block_len, &rp);
+                if (UCS_PTR_IS_PTR(s)) continue;
+                j->refs--;
+                a->push_inflight--;
+                if (UCS_PTR_IS_ERR(s)) {
+                    KVC_LOG(a, KVC_LOG_WARN, "push: send for fetch %llu failed: %s",
+                            (unsigned long long)xid, ucs_status_string(UCS_PTR_STATUS(s)));
+                    goto out; /* the consumer's endpoint error or timeout ends its fetch */
+                }
             }
         }
     }
@@ -603,8 +638,7 @@ out:
     return UCS_OK;
 }
 
-kvc_status_t kvc_xfer_register_am(kvc_agent_t *a)
-{
+kvc_status_t kvc_xfer_register_am(kvc_agent_t *a) {
     ucp_am_handler_param_t hp;
     memset(&hp, 0, sizeof(hp));
     hp.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_FLAGS |
