@@ -182,6 +182,23 @@ class PrefillErrorTest(PxTestCase):
         self.assertEqual(self.D.requests, [])
 
 
+class SlowUpstreamTest(PxTestCase):
+
+    def test_connect_timeout_is_not_a_request_timeout(self):
+        # --connect-timeout bounds connect() only: a P that thinks for 0.6 s
+        # and a D that streams for 0.8 s are fine.
+        events = pxtest.sse_events(["slow%d" % i for i in range(3)])
+        P = self.mock(lambda req: Respond(200, [("Content-Type", "application/json")],
+                                          pxtest.prefill_handler()(req).body, delay=0.6), name="P")
+        D = self.mock(lambda req: Stream(200, [("Content-Type", "text/event-stream")],
+                                         [(0.2, e) for e in events]), name="D")
+        px = self.start_proxy([P], [D], extra=["--connect-timeout", "0.3"])
+        r = raw_exchange(px.port, "POST", "/v1/completions", pxtest.completion_body(stream=True))
+        self.assertEqual(r.status, 200, r.body)
+        self.assertChunkedComplete(r)
+        self.assertEqual(bytes(r.body), b"".join(events))
+
+
 class DecodeErrorTest(PxTestCase):
     def setUp(self):
         super().setUp()

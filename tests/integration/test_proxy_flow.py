@@ -254,6 +254,10 @@ class DecodeBodyTest(FlowBase):
         self.assertIsInstance(kv["zero"], int)
         self.assertIsInstance(kv["tp_size"], int)
         self.assertEqual(kv["remote_block_ids"], [[1, 2, 3], [4, 5], []])
+        # A complete answer from P draws no warning.
+        spurious = [l for l in px.stderr().splitlines() if pxtest.WARN_RE.search(l) and
+                    ("kv_transfer_params" in l or "remote_request_id" in l)]
+        self.assertEqual(spurious, [])
 
     def test_large_kv_params_verbatim(self):
         kv = pxtest.default_p_kv("big")
