@@ -1,0 +1,132 @@
+"""End to end, when things go wrong: a relay that loses remote_request_id
+(the check that blocks are released must be able to fail), and a prefill
+killed in the middle of a run."""
+import concurrent.futures
+import http.client
+import http.server
+import json
+import threading
+import time
+import unittest
+
+import e2e
+
+
+class DroppingRelay:
+    """Forwards POSTs to a prefill and deletes remote_request_id from the
+    kv_transfer_params of its answers."""
+
+    def __init__(self, target_port):
+        target = target_port
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *a):
+                pass
+
+            def do_POST(self):
+                n = int(self.headers.get("Content-Length", 0))
+                body = self.rfile.read(n)
+                c = http.client.HTTPConnection(e2e.HOST, target, timeout=30)
+                c.request("POST", self.path, body=body, headers={
+                    "Content-Type": "application/json",
+                    "X-Request-Id": self.headers.get("X-Request-Id", "")})
+                r = c.getresponse()
+                doc = json.loads(r.read())
+                c.close()
+                doc.get("kv_transfer_params", {}).pop("remote_request_id", None)
+                out = json.dumps(doc).encode()
+                self.send_response(r.status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(out)))
+                self.end_headers()
+                self.wfile.write(out)
+
+        self.server = http.server.ThreadingHTTPServer((e2e.HOST, 0), Handler)
+        self.port = self.server.server_address[1]
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+class LostRequestIdTest(e2e.ClusterCase):
+    def test_without_remote_request_id_blocks_expire_instead_of_release(self):
+        p = self.start(e2e.engine("prefill", ["--kv-expiry-ms", "1500"]))
+        d = self.start(e2e.engine("decode"))
+        relay = DroppingRelay(p.port)
+        self.addCleanup(relay.close)
+        px = self.start(e2e.proxy([relay.port], [d.port]))
+        n = 10
+        for i in range(n):
+            st, _, raw = e2e.post(px.port, "/v1/completions",
+                                  {"prompt": "lost ids %d " % i + "x " * 40, "max_tokens": 4})
+            self.assertEqual(st, 200, raw)
+        # Decode could not use the params: it recomputed, and never notified.
+        dm = e2e.metrics(d.port)
+        self.assertEqual(dm["engine_sim_invalid_kv_transfer_params_total"], n)
+        self.assertEqual(dm["engine_sim_kv_fetches_total"], 0)
+        # pdproxy warned about every one of them.
+        self.assertEqual(px.log().count("remote_request_id"), n)
+
+        def expired():
+            m = e2e.metrics(p.port)
+            return (m["engine_sim_kv_blocks_published_total"] > 0 and
+                    m["engine_sim_kv_blocks_expired_total"] ==
+                    m["engine_sim_kv_blocks_published_total"]), m
+        m = e2e.wait_for(expired, 15, "prefill blocks to expire")
+        self.assertEqual(m["engine_sim_kv_blocks_released_by_consumer_total"], 0)
+        self.assertIn("Releasing expired KV blocks", p.log())
+
+
+class KilledPrefillTest(e2e.ClusterCase):
+    def test_killed_prefill_hangs_no_request_and_survivors_serve(self):
+        p1 = self.start(e2e.engine("prefill", ["--ttft-ms", "20"]))
+        p2 = self.start(e2e.engine("prefill", ["--ttft-ms", "20"]))
+        d = self.start(e2e.engine("decode", ["--itl-ms", "5"]))
+        px = self.start(e2e.proxy([p1.port, p2.port], [d.port], ["--connect-timeout", "1"]))
+        results = []
+        lock = threading.Lock()
+        stop_at = time.monotonic() + 4.0
+
+        def client(k):
+            i = 0
+            while time.monotonic() < stop_at and i < 400:
+                i += 1
+                t0 = time.monotonic()
+                st, hdrs, raw = e2e.post(px.port, "/v1/chat/completions", {
+                    "messages": [{"role": "user", "content": "client %d request %d " % (k, i) * 20}],
+                    "max_tokens": 8, "stream": bool(i % 2)}, timeout=30)
+                with lock:
+                    results.append((t0, time.monotonic() - t0, st, raw))
+
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            futs = [pool.submit(client, k) for k in range(8)]
+            time.sleep(1.5)
+            t_kill = time.monotonic()
+            p1.kill()
+            for f in futs:
+                f.result(timeout=60)
+        self.assertTrue(results)
+        # Nothing hung: every request ended well inside the client's timeout.
+        self.assertLess(max(r[1] for r in results), 10.0)
+        # Failures are proper errors: 502 with OpenAI-style JSON naming the prefill.
+        for t0, dt, st, raw in results:
+            if st != 200:
+                self.assertEqual(st, 502, raw)
+                err = json.loads(raw)["error"]
+                self.assertIn("prefill", err["message"])
+                self.assertEqual(err["code"], 502)
+        after = [r for r in results if r[0] > t_kill + 0.2]
+        self.assertTrue(any(r[2] == 200 for r in after), "survivors keep serving")
+        self.assertTrue(d.alive() and p2.alive() and px.alive())
+        # The surviving prefill's blocks were all released.
+        e2e.wait_for(lambda: (e2e.metrics(p2.port)["vllm:kv_cache_usage_perc"] == 0, None), 10,
+                     "surviving prefill's blocks released")
+
+
+if __name__ == "__main__":
+    unittest.main(verbosity=2)
