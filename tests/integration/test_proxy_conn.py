@@ -129,6 +129,16 @@ class KeepAliveTest(PxTestCase):
         r = c.read_response()
         self.assertEqual(r.status, 200, r)
 
+    def test_pipelined_healthchecks(self):
+        px = self.start_proxy([self.P], [self.D], threads=1)
+        c = RawClient(px.port)
+        self.addCleanup(c.close)
+        c.send(RawClient.build("GET", "/healthcheck") * 3)
+        for i in range(3):
+            r = c.read_response(timeout=5, method="GET")
+            self.assertEqual(r.status, 200, "pipelined response %d: %r" % (i, r))
+            self.assertEqual(r.json()["status"], "ok")
+
     def test_http10_client(self):
         px = self.start_proxy([self.P], [self.D])
         c = RawClient(px.port)

@@ -181,6 +181,31 @@ class PrefillRewriteTest(FlowBase):
         d = json.loads(self.D.requests[0].body)
         self.assertEqual(d["kv_transfer_params"], pxtest.default_p_kv(rid))
 
+    def test_escaped_key_names(self):
+        # "max_tok\u0065ns" *is* max_tokens, "kv_transfer_p\u0061rams" *is*
+        # kv_transfer_params: a text-level rewrite would miss them.
+        raw = (b'{"model":"m","prompt":"esc","max_tok\\u0065ns":50,"str\\u0065am":true,'
+               b'"kv_transfer_p\\u0061rams":{"remote_host":"evil-esc"}}')
+        px = self.proxy()
+        r = http_request(px.port, "POST", "/v1/completions", raw)
+        if r.status == 400:
+            self.assertErrorJson(r, 400)
+            return
+        self.assertEqual(r.status, 200, r.body)
+        try:
+            p = self.P.requests[0].json()
+        except pxtest.DuplicateKeyError as e:
+            self.fail("%s in the body sent to P: %r" % (e, self.P.requests[0].body))
+        self.assertEqual((p["max_tokens"], p["stream"]), (1, False), self.P.requests[0].body)
+        self.assertEqual(p["kv_transfer_params"], PREFILL_KV, self.P.requests[0].body)
+        for req in self.P.requests + self.D.requests:
+            self.assertNotIn(b"evil", req.body, "client kv_transfer_params leaked to %r" % req)
+
+    def test_max_completion_tokens_null_still_set(self):
+        body = pxtest.chat_body(max_completion_tokens=None)
+        preq = self._check_p("/v1/chat/completions", body)
+        self.assertEqual(preq.json()["max_completion_tokens"], 1)
+
     def test_deeply_nested_body_no_crash(self):
         px = self.proxy()
         deep = b'{"model":"m","prompt":"x","extra":' + b"[" * 100000 + b"]" * 100000 + b"}"
