@@ -199,6 +199,18 @@ class Proxy:
     def alive(self):
         return self.proc is not None and self.proc.poll() is None
 
+    def owns_port(self, timeout=1.0):
+        """True when every socket listening on our port belongs to this pdproxy.
+
+        pdproxy listens with SO_REUSEPORT, so a second process that picked the
+        same "free" port (another test running in parallel) would silently
+        share it and take some of our connections."""
+        def check():
+            listeners = listening_inodes(self.port)
+            mine = socket_inodes(self.proc.pid)
+            return bool(listeners) and bool(listeners & mine) and listeners <= mine
+        return bool(wait_until(check, timeout, 0.01))
+
     def stderr(self):
         try:
             with open(self.stderr_path, "rb") as f:
@@ -232,6 +244,40 @@ class Proxy:
                 os.unlink(p)
             except OSError:
                 pass
+
+
+def listening_inodes(port):
+    """Inodes of the TCP sockets listening on `port` (IPv4 and IPv6)."""
+    out = set()
+    for name in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(name) as f:
+                next(f)
+                for line in f:
+                    fields = line.split()
+                    if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:
+                        out.add(fields[9])
+        except OSError:
+            pass
+    return out
+
+
+def socket_inodes(pid):
+    """Inodes of the sockets process `pid` has open."""
+    out = set()
+    d = "/proc/%d/fd" % pid
+    try:
+        fds = os.listdir(d)
+    except OSError:
+        return out
+    for fd in fds:
+        try:
+            link = os.readlink(os.path.join(d, fd))
+        except OSError:
+            continue
+        if link.startswith("socket:["):
+            out.add(link[8:-1])
+    return out
 
 
 def run_pdproxy(args, env=None, timeout=5.0):
@@ -1369,11 +1415,17 @@ class PxTestCase(unittest.TestCase):
             self._proxies.append(p)
             self.addCleanup(self._stop_proxy, p)
             try:
-                return p.wait_ready()
+                p.wait_ready()
             except ProxyStartError as e:
                 last = e
                 if "in use" not in p.stderr().lower():
                     raise
+                continue
+            if p.owns_port():
+                return p
+            last = ProxyStartError("port %d shared with another process" % port)
+            p._expected_exit = True
+            p.stop()
         raise last
 
     def _stop_proxy(self, p):

@@ -126,16 +126,22 @@ class CliTest(PxTestCase):
     def test_env_vars(self):
         P = self.mock(pxtest.prefill_handler(), name="P")
         D = self.mock(pxtest.decode_handler(), name="D")
-        port = pxtest.free_port()
-        env = {"PDPROXY_HOST": HOST, "PDPROXY_PORT": str(port),
-               "PDPROXY_PREFILLER_HOSTS": HOST, "PDPROXY_PREFILLER_PORTS": str(P.port),
-               "PDPROXY_DECODER_HOSTS": HOST, "PDPROXY_DECODER_PORTS": str(D.port),
-               "PDPROXY_MAX_BODY_BYTES": "200", "PDPROXY_THREADS": "1"}
-        proxy = pxtest.Proxy([], env=env, port=port)
-        proxy.spawn()
-        self._proxies.append(proxy)
-        self.addCleanup(self._stop_proxy, proxy)
-        proxy.wait_ready()
+        for _ in range(3):
+            port = pxtest.free_port()
+            env = {"PDPROXY_HOST": HOST, "PDPROXY_PORT": str(port),
+                   "PDPROXY_PREFILLER_HOSTS": HOST, "PDPROXY_PREFILLER_PORTS": str(P.port),
+                   "PDPROXY_DECODER_HOSTS": HOST, "PDPROXY_DECODER_PORTS": str(D.port),
+                   "PDPROXY_MAX_BODY_BYTES": "200", "PDPROXY_THREADS": "1"}
+            proxy = pxtest.Proxy([], env=env, port=port)
+            proxy.spawn()
+            self._proxies.append(proxy)
+            self.addCleanup(self._stop_proxy, proxy)
+            proxy.wait_ready()
+            if proxy.owns_port():
+                break
+            proxy._expected_exit = True
+            proxy.stop()
+        self.assertTrue(proxy.owns_port(), "no port of our own")
         r = http_request(port, "POST", "/v1/completions", pxtest.completion_body())
         self.assertEqual(r.status, 200, r.body)
         self.assertEqual((len(P.requests), len(D.requests)), (1, 1))
