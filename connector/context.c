@@ -50,20 +50,6 @@ void kvc_free(void *p)
     free(p);
 }
 
-char *kvc_strdup(const char *s)
-{
-    return s ? kvc_strndup(s, strlen(s)) : NULL;
-}
-
-char *kvc_strndup(const char *s, size_t n)
-{
-    char *d = malloc(n + 1);
-    if (!d) return NULL;
-    memcpy(d, s, n);
-    d[n] = '\0';
-    return d;
-}
-
 uint64_t kvc_now_ns(void)
 {
     struct timespec ts;

@@ -19,6 +19,22 @@
 #include <stdlib.h>
 #include <string.h>
 
+/* String copies (here with the parsers, which need them and are built alone
+ * into the fuzzers). */
+char *kvc_strdup(const char *s)
+{
+    return s ? kvc_strndup(s, strlen(s)) : NULL;
+}
+
+char *kvc_strndup(const char *s, size_t n)
+{
+    char *d = malloc(n + 1);
+    if (!d) return NULL;
+    memcpy(d, s, n);
+    d[n] = '\0';
+    return d;
+}
+
 void kvc_buf_cleanup(kvc_buf_t *b)
 {
     free(b->p);
