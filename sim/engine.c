@@ -17,10 +17,10 @@
 #include "http.h"
 #include "kvsim.h"
 #include "log.h"
+#include "request.h"
 #include "util.h"
 
 typedef enum { EP_COMPLETIONS, EP_CHAT } sim_ep;
-typedef enum { MODE_LOCAL, MODE_PREFILL, MODE_DECODE } sim_mode;
 typedef enum { SR_QUEUED, SR_FETCHING, SR_PREFILL_WAIT, SR_GENERATING } sim_state;
 
 typedef struct sim_engine sim_engine;
@@ -214,7 +214,7 @@ static void on_client_gone(void *arg)
             if (e->qtail == r) e->qtail = prev;
             e->nqueued--;
         }
-        if (r->mode == MODE_DECODE) notify_only(e, r->kvp);
+        if (r->mode == SIM_MODE_DECODE) notify_only(e, r->kvp);
         req_free(r);
         return;
     }
@@ -435,16 +435,16 @@ static void start_req(sim_req *r)
 {
     r->e->nrunning++;
     switch (r->mode) {
-    case MODE_PREFILL:
+    case SIM_MODE_PREFILL:
         compute_blocks(r);
         r->state = SR_PREFILL_WAIT;
         event_assign(r->timer, r->e->base, -1, 0, prefill_reply, r);
         schedule(r, r->e->cfg->ttft_ms);
         break;
-    case MODE_DECODE:
+    case SIM_MODE_DECODE:
         start_decode(r);
         break;
-    case MODE_LOCAL:
+    case SIM_MODE_LOCAL:
         start_local(r);
         break;
     }
@@ -547,58 +547,7 @@ static void kvc_log(void *arg, kvc_log_level_t level, const char *msg)
     PX_LOG(l, "component=kvconnector msg=\"%s\"", msg);
 }
 
-/* ------------------------------------------------------------- parsing -- */
-
-/* Appends the prompt's text (completions) or rendered messages (chat).
- * Returns NULL or an error message. */
-static const char *prompt_text(sim_ep ep, const cJSON *body, px_buf *out)
-{
-    if (ep == EP_COMPLETIONS) {
-        const cJSON *p = cJSON_GetObjectItemCaseSensitive(body, "prompt");
-        if (cJSON_IsArray(p) && cJSON_GetArraySize(p) == 1) p = cJSON_GetArrayItem(p, 0);
-        if (!cJSON_IsString(p)) return "'prompt' must be a string";
-        px_buf_appends(out, p->valuestring);
-        return NULL;
-    }
-    const cJSON *msgs = cJSON_GetObjectItemCaseSensitive(body, "messages");
-    if (!cJSON_IsArray(msgs) || cJSON_GetArraySize(msgs) == 0)
-        return "'messages' must be a non-empty array";
-    const cJSON *m;
-    cJSON_ArrayForEach(m, msgs)
-    {
-        const cJSON *role = cJSON_GetObjectItemCaseSensitive(m, "role");
-        const cJSON *content = cJSON_GetObjectItemCaseSensitive(m, "content");
-        if (!cJSON_IsString(role)) return "each message needs a string 'role'";
-        px_buf_printf(out, "<|%s|>\n", role->valuestring);
-        if (cJSON_IsString(content)) {
-            px_buf_appends(out, content->valuestring);
-        } else if (cJSON_IsArray(content)) {
-            const cJSON *part;
-            cJSON_ArrayForEach(part, content)
-            {
-                const cJSON *t = cJSON_GetObjectItemCaseSensitive(part, "text");
-                if (!cJSON_IsString(t)) return "message content parts need 'text'";
-                px_buf_appends(out, t->valuestring);
-            }
-        } else if (!cJSON_IsNull(content)) {
-            return "message 'content' must be a string or a list of parts";
-        }
-        px_buf_appends(out, "\n");
-    }
-    px_buf_appends(out, "<|assistant|>\n");
-    return NULL;
-}
-
-static int kvp_valid_for_decode(const cJSON *kvp)
-{
-    const cJSON *ids = cJSON_GetObjectItemCaseSensitive(kvp, "remote_block_ids");
-    const cJSON *eid = cJSON_GetObjectItemCaseSensitive(kvp, "remote_engine_id");
-    const cJSON *rid = cJSON_GetObjectItemCaseSensitive(kvp, "remote_request_id");
-    const cJSON *host = cJSON_GetObjectItemCaseSensitive(kvp, "remote_host");
-    const cJSON *port = cJSON_GetObjectItemCaseSensitive(kvp, "remote_port");
-    return cJSON_IsArray(ids) && cJSON_IsString(eid) && cJSON_IsString(rid) &&
-           cJSON_IsString(host) && cJSON_IsNumber(port);
-}
+/* ---------------------------------------------------------- completions -- */
 
 static void handle_completion(sim_engine *e, px_conn *c, sim_ep ep, const px_http_head *h,
                               px_buf *body)
@@ -612,27 +561,11 @@ static void handle_completion(sim_engine *e, px_conn *c, sim_ep ep, const px_htt
     } else {
         px_uuid4(xrid);
     }
-    cJSON *doc = cJSON_ParseWithLength(body->data ? body->data : "", body->len);
-    if (!cJSON_IsObject(doc)) {
-        cJSON_Delete(doc);
-        px_conn_reply_error(c, 400, xrid, NULL, "request body must be a JSON object");
-        return;
-    }
-    const cJSON *model = cJSON_GetObjectItemCaseSensitive(doc, "model");
-    if (model && (!cJSON_IsString(model) || strcmp(model->valuestring, e->cfg->model) != 0)) {
-        snprintf(msg, sizeof msg, "The model `%.100s` does not exist.",
-                 cJSON_IsString(model) ? model->valuestring : "?");
-        cJSON_Delete(doc);
-        px_conn_reply_error(c, 404, xrid, NULL, msg);
-        return;
-    }
-    px_buf text;
-    px_buf_init(&text);
-    const char *why = prompt_text(ep, doc, &text);
-    if (why) {
-        px_buf_cleanup(&text);
-        cJSON_Delete(doc);
-        px_conn_reply_error(c, 400, xrid, NULL, why);
+    sim_parsed pr;
+    int status = sim_parse_request(ep == EP_CHAT, body->data, body->len, e->cfg->model, &pr, msg,
+                                   sizeof msg);
+    if (status) {
+        px_conn_reply_error(c, status, xrid, NULL, msg);
         return;
     }
     sim_req *r = px_xcalloc(1, sizeof *r);
@@ -640,56 +573,30 @@ static void handle_completion(sim_engine *e, px_conn *c, sim_ep ep, const px_htt
     r->ep = ep;
     px_buf_init(&r->text);
     memcpy(r->xrid, xrid, sizeof xrid);
-    r->ntok = kvsim_tokenize(text.data ? text.data : "", text.len, &r->tok, 0);
-    px_buf_cleanup(&text);
+    r->tok = pr.tok;
+    r->ntok = pr.ntok;
     r->created = (long)time(NULL);
     r->next = e->reqs;
     if (e->reqs) e->reqs->prev = r;
     e->reqs = r;
     r->timer = evtimer_new(e->base, emit_tokens, r);
-
-    const cJSON *mt = cJSON_GetObjectItemCaseSensitive(doc, "max_completion_tokens");
-    if (ep != EP_CHAT || !mt) mt = cJSON_GetObjectItemCaseSensitive(doc, "max_tokens");
-    r->max_tokens = 16;
-    if (mt && !cJSON_IsNull(mt)) {
-        if (!cJSON_IsNumber(mt) || mt->valuedouble < 1 || mt->valuedouble > 100000 ||
-            mt->valuedouble != (double)(int)mt->valuedouble) {
-            cJSON_Delete(doc);
-            req_free(r);
-            px_conn_reply_error(c, 400, xrid, NULL, "max_tokens must be an integer in 1..100000");
-            return;
-        }
-        r->max_tokens = (int)mt->valuedouble;
-    }
-    r->stream = cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(doc, "stream"));
-    const cJSON *so = cJSON_GetObjectItemCaseSensitive(doc, "stream_options");
-    r->include_usage = so && cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(so, "include_usage"));
-    const cJSON *seed = cJSON_GetObjectItemCaseSensitive(doc, "seed");
-    r->seed = cJSON_IsNumber(seed) ? (uint64_t)seed->valuedouble : 0;
+    r->max_tokens = pr.max_tokens;
+    r->stream = pr.stream;
+    r->include_usage = pr.include_usage;
+    r->seed = pr.seed;
     r->prompt_hash = kvsim_hash(r->tok, r->ntok * sizeof *r->tok, e->model_hash);
     snprintf(r->internal_id, sizeof r->internal_id, "cmpl-%s-%08x", xrid,
              (unsigned)(px_rand64() & 0xffffffffu));
     snprintf(r->resp_id, sizeof r->resp_id, "%s-%s", ep == EP_CHAT ? "chatcmpl" : "cmpl", xrid);
-
-    r->mode = MODE_LOCAL;
-    const cJSON *kvp = cJSON_GetObjectItemCaseSensitive(doc, "kv_transfer_params");
-    if (cJSON_IsObject(kvp)) {
-        if (cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(kvp, "do_remote_decode"))) {
-            r->mode = MODE_PREFILL;
-        } else if (cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(kvp, "do_remote_prefill"))) {
-            if (kvp_valid_for_decode(kvp)) {
-                r->mode = MODE_DECODE;
-                r->kvp = cJSON_Duplicate(kvp, 1);
-            } else {
-                e->invalid_kvp++;
-                PX_LOG(PX_LOG_WARN,
-                       "req=%s msg=\"Got invalid KVTransferParams: invalid kv_transfer_params, "
-                       "recomputing the prefill locally\"",
-                       r->internal_id);
-            }
-        }
+    r->mode = pr.mode;
+    r->kvp = pr.kvp; /* ownership moves to r */
+    if (pr.kvp_invalid) {
+        e->invalid_kvp++;
+        PX_LOG(PX_LOG_WARN,
+               "req=%s msg=\"Got invalid KVTransferParams: invalid kv_transfer_params, "
+               "recomputing the prefill locally\"",
+               r->internal_id);
     }
-    cJSON_Delete(doc);
     e->requests_total++;
 
     if (r->ntok == 0) {
@@ -701,7 +608,7 @@ static void handle_completion(sim_engine *e, px_conn *c, sim_ep ep, const px_htt
     if (r->nblocks > e->cfg->num_blocks) {
         snprintf(msg, sizeof msg, "prompt of %zu tokens needs %zu KV blocks; the pool has %llu",
                  r->ntok, r->nblocks, (unsigned long long)e->cfg->num_blocks);
-        if (r->mode == MODE_DECODE) notify_only(e, r->kvp);
+        if (r->mode == SIM_MODE_DECODE) notify_only(e, r->kvp);
         req_free(r);
         px_conn_reply_error(c, 400, xrid, NULL, msg);
         return;
@@ -714,7 +621,7 @@ static void handle_completion(sim_engine *e, px_conn *c, sim_ep ep, const px_htt
     }
     if (e->nqueued >= e->cfg->max_queue) {
         e->queue_rejects++;
-        if (r->mode == MODE_DECODE) notify_only(e, r->kvp);
+        if (r->mode == SIM_MODE_DECODE) notify_only(e, r->kvp);
         r->conn = NULL;
         req_free(r);
         px_conn_reply_error(c, 503, xrid, "Retry-After: 1\r\n",

@@ -1,0 +1,144 @@
+#include "request.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kvsim.h"
+#include "util.h"
+
+/* Appends the prompt's text (completions) or rendered messages (chat).
+ * Returns NULL or an error message. */
+static const char *prompt_text(int chat, const cJSON *body, px_buf *out)
+{
+    if (!chat) {
+        const cJSON *p = cJSON_GetObjectItemCaseSensitive(body, "prompt");
+        if (cJSON_IsArray(p) && cJSON_GetArraySize(p) == 1) p = cJSON_GetArrayItem(p, 0);
+        if (!cJSON_IsString(p)) return "'prompt' must be a string";
+        px_buf_appends(out, p->valuestring);
+        return NULL;
+    }
+    const cJSON *msgs = cJSON_GetObjectItemCaseSensitive(body, "messages");
+    if (!cJSON_IsArray(msgs) || cJSON_GetArraySize(msgs) == 0)
+        return "'messages' must be a non-empty array";
+    const cJSON *m;
+    cJSON_ArrayForEach(m, msgs)
+    {
+        const cJSON *role = cJSON_GetObjectItemCaseSensitive(m, "role");
+        const cJSON *content = cJSON_GetObjectItemCaseSensitive(m, "content");
+        if (!cJSON_IsString(role)) return "each message needs a string 'role'";
+        px_buf_printf(out, "<|%s|>\n", role->valuestring);
+        if (cJSON_IsString(content)) {
+            px_buf_appends(out, content->valuestring);
+        } else if (cJSON_IsArray(content)) {
+            const cJSON *part;
+            cJSON_ArrayForEach(part, content)
+            {
+                const cJSON *t = cJSON_GetObjectItemCaseSensitive(part, "text");
+                if (!cJSON_IsString(t)) return "message content parts need 'text'";
+                px_buf_appends(out, t->valuestring);
+            }
+        } else if (!cJSON_IsNull(content)) {
+            return "message 'content' must be a string or a list of parts";
+        }
+        px_buf_appends(out, "\n");
+    }
+    px_buf_appends(out, "<|assistant|>\n");
+    return NULL;
+}
+
+static int kvp_valid_for_decode(const cJSON *kvp)
+{
+    const cJSON *ids = cJSON_GetObjectItemCaseSensitive(kvp, "remote_block_ids");
+    const cJSON *eid = cJSON_GetObjectItemCaseSensitive(kvp, "remote_engine_id");
+    const cJSON *rid = cJSON_GetObjectItemCaseSensitive(kvp, "remote_request_id");
+    const cJSON *host = cJSON_GetObjectItemCaseSensitive(kvp, "remote_host");
+    const cJSON *port = cJSON_GetObjectItemCaseSensitive(kvp, "remote_port");
+    return cJSON_IsArray(ids) && cJSON_IsString(eid) && cJSON_IsString(rid) &&
+           cJSON_IsString(host) && cJSON_IsNumber(port);
+}
+
+/* A JSON number as a 64-bit seed. Converting a double the integer type
+ * cannot hold is undefined behaviour in C, so only integral values in
+ * range are converted: negatives wrap as they would in int64_t (what the
+ * plain cast did on x86-64), anything else (fractions aside) gives 0. */
+static uint64_t seed_from_double(double v)
+{
+    if (v >= 0 && v < 18446744073709551616.0) return (uint64_t)v;
+    if (v < 0 && v > -9223372036854775808.0) return (uint64_t)(int64_t)v;
+    return 0;
+}
+
+int sim_parse_request(int chat, const char *body, size_t len, const char *model, sim_parsed *out,
+                      char *err, size_t errlen)
+{
+    memset(out, 0, sizeof *out);
+    cJSON *doc = cJSON_ParseWithLength(body ? body : "", len);
+    if (!cJSON_IsObject(doc)) {
+        cJSON_Delete(doc);
+        snprintf(err, errlen, "request body must be a JSON object");
+        return 400;
+    }
+    const cJSON *m = cJSON_GetObjectItemCaseSensitive(doc, "model");
+    if (m && (!cJSON_IsString(m) || strcmp(m->valuestring, model) != 0)) {
+        snprintf(err, errlen, "The model `%.100s` does not exist.",
+                 cJSON_IsString(m) ? m->valuestring : "?");
+        cJSON_Delete(doc);
+        return 404;
+    }
+    px_buf text;
+    px_buf_init(&text);
+    const char *why = prompt_text(chat, doc, &text);
+    if (why) {
+        px_buf_cleanup(&text);
+        cJSON_Delete(doc);
+        snprintf(err, errlen, "%s", why);
+        return 400;
+    }
+
+    const cJSON *mt = cJSON_GetObjectItemCaseSensitive(doc, "max_completion_tokens");
+    if (!chat || !mt) mt = cJSON_GetObjectItemCaseSensitive(doc, "max_tokens");
+    out->max_tokens = 16;
+    if (mt && !cJSON_IsNull(mt)) {
+        if (!cJSON_IsNumber(mt) || mt->valuedouble < 1 || mt->valuedouble > 100000 ||
+            mt->valuedouble != (double)(int)mt->valuedouble) {
+            px_buf_cleanup(&text);
+            cJSON_Delete(doc);
+            snprintf(err, errlen, "max_tokens must be an integer in 1..100000");
+            return 400;
+        }
+        out->max_tokens = (int)mt->valuedouble;
+    }
+    out->ntok = kvsim_tokenize(text.data ? text.data : "", text.len, &out->tok, 0);
+    px_buf_cleanup(&text);
+    out->stream = cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(doc, "stream"));
+    const cJSON *so = cJSON_GetObjectItemCaseSensitive(doc, "stream_options");
+    out->include_usage =
+        so && cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(so, "include_usage"));
+    const cJSON *seed = cJSON_GetObjectItemCaseSensitive(doc, "seed");
+    out->seed = cJSON_IsNumber(seed) ? seed_from_double(seed->valuedouble) : 0;
+
+    out->mode = SIM_MODE_LOCAL;
+    const cJSON *kvp = cJSON_GetObjectItemCaseSensitive(doc, "kv_transfer_params");
+    if (cJSON_IsObject(kvp)) {
+        if (cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(kvp, "do_remote_decode"))) {
+            out->mode = SIM_MODE_PREFILL;
+        } else if (cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(kvp, "do_remote_prefill"))) {
+            if (kvp_valid_for_decode(kvp)) {
+                out->mode = SIM_MODE_DECODE;
+                out->kvp = cJSON_Duplicate(kvp, 1);
+            } else {
+                out->kvp_invalid = 1;
+            }
+        }
+    }
+    cJSON_Delete(doc);
+    return 0;
+}
+
+void sim_parsed_cleanup(sim_parsed *p)
+{
+    free(p->tok);
+    cJSON_Delete(p->kvp);
+    memset(p, 0, sizeof *p);
+}

@@ -1,0 +1,36 @@
+/* engine-sim's parsing of a completion request body, as a pure function:
+ * no engine, no connection, no clock. The engine calls it for every
+ * /v1/completions and /v1/chat/completions request, and the fuzzer
+ * (tests/fuzz/fuzz_sim_request.c) calls it on arbitrary bytes. */
+#ifndef SIM_REQUEST_H
+#define SIM_REQUEST_H
+
+#include <cjson/cJSON.h>
+#include <stddef.h>
+#include <stdint.h>
+
+typedef enum { SIM_MODE_LOCAL, SIM_MODE_PREFILL, SIM_MODE_DECODE } sim_mode;
+
+typedef struct sim_parsed {
+    uint32_t *tok;    /* owned: the prompt's token ids (may be NULL when ntok is 0) */
+    size_t ntok;      /* 0: empty prompt; the engine answers 400 */
+    int max_tokens;   /* 1..100000, 16 when absent or null */
+    int stream;
+    int include_usage;
+    uint64_t seed;
+    sim_mode mode;
+    cJSON *kvp;       /* owned: decode's kv_transfer_params; set only for SIM_MODE_DECODE */
+    int kvp_invalid;  /* do_remote_prefill with unusable params: recompute locally */
+} sim_parsed;
+
+/* Parses body[0..len) for /v1/chat/completions (chat != 0) or
+ * /v1/completions. `model` is the served model name: a request naming
+ * another one is refused. Returns 0 with *out filled (release it with
+ * sim_parsed_cleanup), or the HTTP status to answer (400, 404) with the
+ * client-facing message in err; *out then holds nothing to release. */
+int sim_parse_request(int chat, const char *body, size_t len, const char *model, sim_parsed *out,
+                      char *err, size_t errlen);
+
+void sim_parsed_cleanup(sim_parsed *p);
+
+#endif
