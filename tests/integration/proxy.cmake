@@ -1,6 +1,6 @@
 # pdproxy integration tests (Python 3 stdlib, real processes on 127.0.0.1).
 # Included from tests/CMakeLists.txt, so CMAKE_CURRENT_SOURCE_DIR is tests/.
-foreach(area cli flow errors stream conn)
+foreach(area cli flow errors stream conn http)
   add_test(NAME integration.proxy_${area}
            COMMAND ${PYTHON3} ${CMAKE_CURRENT_SOURCE_DIR}/integration/test_proxy_${area}.py)
   set_tests_properties(integration.proxy_${area} PROPERTIES
