@@ -10,3 +10,12 @@ if(TARGET kvconnector)
       LABELS integration TIMEOUT 300 ENVIRONMENT "${PX_TEST_ENV}")
   endforeach()
 endif()
+
+# CUDA end to end (tests/gpu): label gpu, skipped (code 77) without a device.
+if(TARGET kvconnector AND PDPROXY_WITH_CUDA)
+  add_executable(kvc_gpu_test ${PROJECT_SOURCE_DIR}/tests/gpu/kvc_gpu_test.c)
+  target_link_libraries(kvc_gpu_test PRIVATE kvconnector CUDA::cudart)
+  add_test(NAME gpu.kvc_cuda COMMAND kvc_gpu_test)
+  set_tests_properties(gpu.kvc_cuda PROPERTIES LABELS gpu SKIP_RETURN_CODE 77 TIMEOUT 180
+                       ENVIRONMENT "UCX_TLS=sm,tcp,self")
+endif()
