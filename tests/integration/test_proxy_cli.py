@@ -2,7 +2,9 @@
 """pdproxy command line: toy-proxy flags, lists, env vars, --help/--version,
 bad values (exit 2), startup time, /healthcheck."""
 
+import json
 import os
+import re
 import socket
 import sys
 import time
@@ -148,6 +150,29 @@ class CliTest(PxTestCase):
         r = http_request(port, "POST", "/v1/completions", pxtest.completion_body(prompt="x" * 300))
         self.assertErrorJson(r, 413)
         self.assertEqual(len(P.requests), 1)
+
+    def _kv_warning_run(self, level):
+        doc = {"choices": [{"text": "x"}]}  # no kv_transfer_params: a warning
+        P = self.mock(pxtest.prefill_handler(raw_body=json.dumps(doc).encode()), name="P")
+        D = self.mock(pxtest.decode_handler(), name="D")
+        px = self.start_proxy([P], [D], extra=["--log-level", level])
+        r = http_request(px.port, "POST", "/v1/completions", pxtest.completion_body())
+        self.assertEqual(r.status, 200, r.body)
+        self.assertEqual(len(D.requests), 1)
+        return px
+
+    def test_log_level_warn_keeps_warnings_drops_info(self):
+        px = self._kv_warning_run("warn")
+        self.assertWarned(px, "kv_transfer_params")
+        info = [l for l in px.stderr().splitlines() if re.search(r"(?i)\binfo\b", l)]
+        self.assertEqual(info, [], "info lines at --log-level warn")
+
+    def test_log_level_error_drops_warnings(self):
+        px = self._kv_warning_run("error")
+        time.sleep(0.2)  # a warning, if any, would be written by now
+        lines = [l for l in px.stderr().splitlines() if pxtest.WARN_RE.search(l)
+                 or re.search(r"(?i)\binfo\b", l)]
+        self.assertEqual(lines, [], "warn/info lines at --log-level error")
 
     def test_env_bad_value_exit_2(self):
         p = run_pdproxy(["--port", str(pxtest.free_port())], env={"PDPROXY_THREADS": "lots"})

@@ -129,6 +129,8 @@ class PrefillErrorTest(PxTestCase):
                 self.assertTrue(r.complete, r)
                 self.assertEqual(bytes(r.body), body)
                 self.assertEqual(r.header("content-type"), "application/json")
+                self.assertEqual(r.header_all("x-request-id"),
+                                 [self.P.requests[-1].header("x-request-id")])
         self.assertEqual(self.D.requests, [])
 
     def _expect_502(self, handler=None, p_port=None, n=1):
