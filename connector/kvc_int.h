@@ -275,6 +275,9 @@ KVC_HIDDEN bool kvc_peer_ready(const kvc_peer_t *p);
 KVC_HIDDEN bool kvc_peer_dead(const kvc_peer_t *p, kvc_status_t *st, const char **msg);
 KVC_HIDDEN void kvc_peers_timers(kvc_agent_t *a, uint64_t now, uint64_t *next);
 KVC_HIDDEN void kvc_peers_reap(kvc_agent_t *a);
+/* Fails every fetch on the peer and closes its endpoint, which cancels the
+ * UCX requests still in flight (no late writes into local blocks). */
+KVC_HIDDEN void kvc_peer_abort(kvc_agent_t *a, kvc_peer_t *p, kvc_status_t st, const char *msg);
 KVC_HIDDEN void kvc_peers_destroy(kvc_agent_t *a);
 KVC_HIDDEN void kvc_sconns_timers(kvc_agent_t *a, uint64_t now, uint64_t *next);
 KVC_HIDDEN void kvc_sconns_destroy(kvc_agent_t *a);

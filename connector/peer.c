@@ -264,6 +264,11 @@ static void peer_fail(kvc_agent_t *a, kvc_peer_t *p, kvc_status_t st, const char
     kvc_wake(a);
 }
 
+void kvc_peer_abort(kvc_agent_t *a, kvc_peer_t *p, kvc_status_t st, const char *msg)
+{
+    peer_fail(a, p, st, "%s", msg);
+}
+
 static void ep_err_cb(void *arg, ucp_ep_h ep, ucs_status_t us)
 {
     kvc_peer_t *p = arg;

@@ -301,6 +301,10 @@ static void advance(kvc_agent_t *a, kvc_xfer_t *x, uint64_t now, uint64_t *next)
                 snprintf(m, sizeof(m), "data not complete after %u ms (%llu of %llu bytes)",
                          a->xfer_timeout_ms, (unsigned long long)x->bytes_got,
                          (unsigned long long)x->bytes_expected);
+                /* A peer that stalls a fetch this long is treated as broken:
+                 * closing its endpoint cancels what is still in flight, so
+                 * nothing lands in local blocks after the failure event. */
+                kvc_peer_abort(a, x->peer, KVC_ERR_TIMED_OUT, m);
                 xfer_finish(a, x, KVC_ERR_TIMED_OUT, m);
                 return;
             }

@@ -80,7 +80,9 @@ typedef enum {
     KVC_ERR_NO_MEMORY = -1,
     KVC_ERR_INVALID_PARAM = -2,
     KVC_ERR_UNREACHABLE = -3, /**< side channel: connect/handshake failed or timed out */
-    KVC_ERR_TIMED_OUT = -4,   /**< a transfer did not finish within xfer_timeout_ms */
+    KVC_ERR_TIMED_OUT = -4,   /**< a fetch's data did not land within xfer_timeout_ms; the
+                                   producer is then treated as failed (all its fetches fail,
+                                   the next fetch handshakes again) */
     KVC_ERR_VERSION = -5,     /**< peer speaks another handshake wire version */
     KVC_ERR_INCOMPATIBLE = -6, /**< layout tag, region count or block geometry differ */
     KVC_ERR_NOT_FOUND = -7,
