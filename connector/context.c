@@ -251,6 +251,7 @@ kvc_status_t kvc_agent_progress(kvc_agent_t *a)
     kvc_xfers_advance(a, now, &next);
     kvc_expiry_run(a, now, &next);
     kvc_peers_reap(a);
+    kvc_cons_reap(a);
     for (int i = 0; i < 4096 && ucp_worker_progress(a->worker); i++) {
     }
     kvc_xfers_advance(a, now, &next);
@@ -452,6 +453,7 @@ void kvc_agent_destroy(kvc_agent_t *a)
     a->destroying = true; /* callbacks below queue no events */
     kvc_sconns_destroy(a);
     kvc_peers_destroy(a); /* closes endpoints: in-flight requests complete as cancelled */
+    kvc_cons_destroy(a);
     /* Producer pushes still in flight reference region memory: let them end
      * before the memory goes away (bounded: peers may be gone). */
     uint64_t until = kvc_now_ns() + 2000000000ull;

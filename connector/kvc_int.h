@@ -87,8 +87,11 @@ KVC_HIDDEN void kvc_buf_u64(kvc_buf_t *b, uint64_t v);
  * KVC_ERR_PROTOCOL: bad magic or body longer than max_body. */
 KVC_HIDDEN kvc_status_t kvc_wire_parse_hdr(const uint8_t *b, size_t len, uint32_t max_body,
                                            kvc_wire_hdr_t *h);
-KVC_HIDDEN void kvc_wire_encode_hello(kvc_buf_t *b, uint16_t version, const char *engine_id);
-KVC_HIDDEN kvc_status_t kvc_wire_parse_hello(const uint8_t *body, size_t len, kvc_span_t *engine_id);
+KVC_HIDDEN void kvc_wire_encode_hello(kvc_buf_t *b, uint16_t version, const char *engine_id,
+                                      const void *worker_addr, size_t addr_len);
+/* worker_addr is empty when the consumer sent none. */
+KVC_HIDDEN kvc_status_t kvc_wire_parse_hello(const uint8_t *body, size_t len, kvc_span_t *engine_id,
+                                             kvc_span_t *worker_addr);
 KVC_HIDDEN void kvc_wire_encode_handshake(kvc_buf_t *b, uint16_t version, const kvc_wire_hs_t *hs);
 /* On KVC_OK *hs references `body` and owns hs->regions (kvc_wire_hs_cleanup). */
 KVC_HIDDEN kvc_status_t kvc_wire_parse_handshake(const uint8_t *body, size_t len, kvc_wire_hs_t *hs);
@@ -225,6 +228,7 @@ struct kvc_agent {
 
     kvc_pubtab_t pubs;
     kvc_sconn_t *sconns;
+    struct kvc_cons *cons; /* producer: endpoints to consumers, made on HELLO */
     kvc_peer_t *peers; /* cache of handshaken/connecting producers */
     kvc_xfer_t *xfers; /* active and finishing fetches */
     uint64_t next_xfer_id;
@@ -281,6 +285,8 @@ KVC_HIDDEN void kvc_peer_abort(kvc_agent_t *a, kvc_peer_t *p, kvc_status_t st, c
 KVC_HIDDEN void kvc_peers_destroy(kvc_agent_t *a);
 KVC_HIDDEN void kvc_sconns_timers(kvc_agent_t *a, uint64_t now, uint64_t *next);
 KVC_HIDDEN void kvc_sconns_destroy(kvc_agent_t *a);
+KVC_HIDDEN void kvc_cons_reap(kvc_agent_t *a);
+KVC_HIDDEN void kvc_cons_destroy(kvc_agent_t *a);
 
 /* peer internals used by xfer.c */
 struct kvc_peer_region {

@@ -123,6 +123,113 @@ void kvc_listen_accept(kvc_agent_t *a)
     }
 }
 
+/* Writes the handshake reply; closes the connection when done or broken.
+ * May free c. */
+static void sconn_write(kvc_agent_t *a, kvc_sconn_t *c)
+{
+    while (c->out_off < c->out.len) {
+        ssize_t n = send(c->fd, c->out.p + c->out_off, c->out.len - c->out_off, MSG_NOSIGNAL);
+        if (n > 0) {
+            c->out_off += (size_t)n;
+            continue;
+        }
+        if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) return;
+        break;
+    }
+    sconn_close(a, c); /* done, or the consumer went away */
+}
+
+/* ------------------------------------------- producer -> consumer endpoints -- */
+
+struct kvc_cons {
+    struct kvc_cons *next;
+    kvc_agent_t *a;
+    ucp_ep_h ep;
+    bool failed;
+    void *close_req;
+};
+
+static void cons_err_cb(void *arg, ucp_ep_h ep, ucs_status_t us)
+{
+    struct kvc_cons *k = arg;
+    k->failed = true; /* closed by kvc_cons_reap, outside this callback */
+    kvc_wake(k->a);
+}
+
+static void cons_connect(kvc_agent_t *a, const void *addr, size_t len)
+{
+    struct kvc_cons *k = calloc(1, sizeof(*k));
+    if (!k) return;
+    k->a = a;
+    ucp_ep_params_t ep;
+    memset(&ep, 0, sizeof(ep));
+    ep.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
+                    UCP_EP_PARAM_FIELD_ERR_HANDLER;
+    ep.address = addr;
+    ep.err_mode = UCP_ERR_HANDLING_MODE_PEER;
+    ep.err_handler.cb = cons_err_cb;
+    ep.err_handler.arg = k;
+    if (ucp_ep_create(a->worker, &ep, &k->ep) != UCS_OK) {
+        /* Only an optimisation: the consumer's own endpoint still works. */
+        free(k);
+        return;
+    }
+    k->next = a->cons;
+    a->cons = k;
+}
+
+static void *close_force(ucp_ep_h ep)
+{
+    ucp_request_param_t rp;
+    memset(&rp, 0, sizeof(rp));
+    rp.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+    rp.flags = UCP_EP_CLOSE_FLAG_FORCE;
+    void *req = ucp_ep_close_nbx(ep, &rp);
+    return UCS_PTR_IS_PTR(req) ? req : NULL;
+}
+
+void kvc_cons_reap(kvc_agent_t *a)
+{
+    struct kvc_cons **pp = &a->cons;
+    while (*pp) {
+        struct kvc_cons *k = *pp;
+        if (k->failed && k->ep) {
+            k->close_req = close_force(k->ep);
+            k->ep = NULL;
+        }
+        if (k->close_req && ucp_request_check_status(k->close_req) != UCS_INPROGRESS) {
+            ucp_request_free(k->close_req);
+            k->close_req = NULL;
+        }
+        if (!k->ep && !k->close_req) {
+            *pp = k->next;
+            free(k);
+            continue;
+        }
+        if (k->close_req) kvc_wake(a);
+        pp = &k->next;
+    }
+}
+
+void kvc_cons_destroy(kvc_agent_t *a)
+{
+    for (struct kvc_cons *k = a->cons; k; k = k->next)
+        if (k->ep) {
+            k->close_req = close_force(k->ep);
+            k->ep = NULL;
+        }
+    uint64_t until = kvc_now_ns() + 1000000000ull;
+    while (a->cons) {
+        struct kvc_cons *k = a->cons;
+        while (k->close_req && ucp_request_check_status(k->close_req) == UCS_INPROGRESS &&
+               kvc_now_ns() < until)
+            ucp_worker_progress(a->worker);
+        if (k->close_req) ucp_request_free(k->close_req);
+        a->cons = k->next;
+        free(k);
+    }
+}
+
 void kvc_sconn_io(kvc_agent_t *a, kvc_sconn_t *c, uint32_t events)
 {
     if (!c->replying) {
@@ -151,16 +258,16 @@ void kvc_sconn_io(kvc_agent_t *a, kvc_sconn_t *c, uint32_t events)
             /* Reply anyway: the consumer reports the mismatch with both values. */
             KVC_LOG(a, KVC_LOG_WARN, "side channel: hello wire version %u, ours %u", h.version,
                     a->wire_version);
-        } else {
-            kvc_span_t id;
-            if (kvc_wire_parse_hello(c->in + KVC_WIRE_HDR_LEN, h.body_len, &id) != KVC_OK) {
-                KVC_LOG(a, KVC_LOG_WARN, "side channel: malformed hello body, closing");
-                sconn_close(a, c);
-                return;
-            }
-            KVC_LOG(a, KVC_LOG_DEBUG, "side channel: hello from engine %.*s", (int)id.len,
-                    (const char *)id.p);
         }
+        kvc_span_t id = {NULL, 0}, addr = {NULL, 0};
+        if (h.version == a->wire_version &&
+            kvc_wire_parse_hello(c->in + KVC_WIRE_HDR_LEN, h.body_len, &id, &addr) != KVC_OK) {
+            KVC_LOG(a, KVC_LOG_WARN, "side channel: malformed hello body, closing");
+            sconn_close(a, c);
+            return;
+        }
+        KVC_LOG(a, KVC_LOG_DEBUG, "side channel: hello from engine %.*s", (int)id.len,
+                id.p ? (const char *)id.p : "");
         kvc_buf_put(&c->out, a->hs_msg.p, a->hs_msg.len);
         if (c->out.failed) {
             sconn_close(a, c);
@@ -169,19 +276,20 @@ void kvc_sconn_io(kvc_agent_t *a, kvc_sconn_t *c, uint32_t events)
         c->replying = true;
         kvc_ep_mod(a, c->fd, EPOLLOUT | EPOLLRDHUP, &c->pe);
         events |= EPOLLOUT;
-    }
-    if (events & (EPOLLOUT | EPOLLERR | EPOLLHUP)) {
-        while (c->out_off < c->out.len) {
-            ssize_t n = send(c->fd, c->out.p + c->out_off, c->out.len - c->out_off, MSG_NOSIGNAL);
-            if (n > 0) {
-                c->out_off += (size_t)n;
-                continue;
-            }
-            if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) return;
-            break;
+        if (addr.len) {
+            /* Reply first, then connect back: the consumer creates its endpoint
+             * meanwhile, UCX pairs the two (same connection sequence number),
+             * and the two costly endpoint setups overlap instead of running
+             * one after the other during wireup. */
+            uint8_t *copy = malloc(addr.len);
+            if (copy) memcpy(copy, addr.p, addr.len);
+            sconn_write(a, c);
+            if (copy) cons_connect(a, copy, addr.len);
+            free(copy);
+            return;
         }
-        sconn_close(a, c); /* done, or the consumer went away */
     }
+    if (events & (EPOLLOUT | EPOLLERR | EPOLLHUP)) sconn_write(a, c);
 }
 
 void kvc_sconns_timers(kvc_agent_t *a, uint64_t now, uint64_t *next)
@@ -595,7 +703,8 @@ void kvc_peer_io(kvc_agent_t *a, kvc_peer_t *p, uint32_t events)
                       strerror(err ? err : errno));
             return;
         }
-        kvc_wire_encode_hello(&p->out, a->wire_version, a->engine_id);
+        kvc_wire_encode_hello(&p->out, a->wire_version, a->engine_id, a->worker_addr,
+                              a->worker_addr_len);
         if (p->out.failed) {
             peer_fail(a, p, KVC_ERR_NO_MEMORY, "out of memory");
             return;

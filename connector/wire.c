@@ -3,7 +3,7 @@
  * and unit tests exercise exactly what the agent runs.
  *
  * Header (12 bytes): u32 magic "KVCH", u16 version, u16 type, u32 body_len.
- * HELLO body:     str16 engine_id
+ * HELLO body:     str16 engine_id, [blob32 worker_address]
  * HANDSHAKE body: str16 engine_id, u64 nonce, str16 layout, u32 tp_size,
  *                 blob32 worker_address, u64 num_blocks, u32 n_regions,
  *                 n_regions * { u64 base, u64 len, u64 block_len, u8 mem_type,
@@ -195,20 +195,27 @@ static void end_msg(kvc_buf_t *b, size_t start)
     for (int i = 0; i < 4; i++) b->p[start + 8 + i] = (uint8_t)(body >> (8 * i));
 }
 
-void kvc_wire_encode_hello(kvc_buf_t *b, uint16_t version, const char *engine_id)
+void kvc_wire_encode_hello(kvc_buf_t *b, uint16_t version, const char *engine_id,
+                           const void *worker_addr, size_t addr_len)
 {
     size_t start = b->len;
     put_hdr(b, version, KVC_MSG_HELLO);
     put_str16(b, engine_id, strlen(engine_id));
+    put_blob32(b, worker_addr, addr_len);
     end_msg(b, start);
 }
 
-kvc_status_t kvc_wire_parse_hello(const uint8_t *body, size_t len, kvc_span_t *engine_id)
+kvc_status_t kvc_wire_parse_hello(const uint8_t *body, size_t len, kvc_span_t *engine_id,
+                                  kvc_span_t *worker_addr)
 {
     rd_t r = {body, len, 0, false};
     kvc_span_t id = rd_str16(&r);
-    if (r.bad || r.off != len) return KVC_ERR_PROTOCOL;
+    kvc_span_t addr = {NULL, 0};
+    if (!r.bad && r.off < len) addr = rd_blob32(&r); /* optional */
+    if (r.bad || r.off != len || !kvc_printable((const char *)id.p, id.len))
+        return KVC_ERR_PROTOCOL;
     *engine_id = id;
+    *worker_addr = addr;
     return KVC_OK;
 }
 

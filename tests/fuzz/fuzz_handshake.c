@@ -16,8 +16,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         size >= KVC_WIRE_HDR_LEN + (size_t)h.body_len) {
         const uint8_t *body = buf + KVC_WIRE_HDR_LEN;
         if (h.type == KVC_MSG_HELLO) {
-            kvc_span_t id;
-            kvc_wire_parse_hello(body, h.body_len, &id);
+            kvc_span_t id, addr;
+            kvc_wire_parse_hello(body, h.body_len, &id, &addr);
         } else {
             kvc_wire_hs_t hs;
             if (kvc_wire_parse_handshake(body, h.body_len, &hs) == KVC_OK) {

@@ -40,7 +40,7 @@ static void test_header(void **state)
 {
     kvc_buf_t b = {0};
     kvc_wire_hdr_t h;
-    kvc_wire_encode_hello(&b, KVC_WIRE_VERSION, "abc");
+    kvc_wire_encode_hello(&b, KVC_WIRE_VERSION, "abc", "\x01\x02", 2);
     assert_false(b.failed);
     for (size_t n = 0; n < KVC_WIRE_HDR_LEN; n++)
         assert_int_equal(kvc_wire_parse_hdr(b.p, n, KVC_WIRE_MAX_HELLO, &h), KVC_AGAIN);
@@ -48,13 +48,16 @@ static void test_header(void **state)
     assert_int_equal(h.type, KVC_MSG_HELLO);
     assert_int_equal(h.version, KVC_WIRE_VERSION);
     assert_int_equal(h.body_len, b.len - KVC_WIRE_HDR_LEN);
-    kvc_span_t id;
-    assert_int_equal(kvc_wire_parse_hello(b.p + KVC_WIRE_HDR_LEN, h.body_len, &id), KVC_OK);
+    kvc_span_t id, addr;
+    assert_int_equal(kvc_wire_parse_hello(b.p + KVC_WIRE_HDR_LEN, h.body_len, &id, &addr), KVC_OK);
     assert_int_equal(id.len, 3);
     assert_memory_equal(id.p, "abc", 3);
-    /* trailing garbage and short bodies are rejected */
-    assert_int_equal(kvc_wire_parse_hello(b.p + KVC_WIRE_HDR_LEN, h.body_len - 1, &id),
+    assert_int_equal(addr.len, 2);
+    /* short bodies are rejected; the address is optional */
+    assert_int_equal(kvc_wire_parse_hello(b.p + KVC_WIRE_HDR_LEN, h.body_len - 1, &id, &addr),
                      KVC_ERR_PROTOCOL);
+    assert_int_equal(kvc_wire_parse_hello(b.p + KVC_WIRE_HDR_LEN, 5, &id, &addr), KVC_OK);
+    assert_int_equal(addr.len, 0);
     /* bad magic, oversized body */
     uint8_t bad[KVC_WIRE_HDR_LEN];
     memcpy(bad, b.p, sizeof(bad));
