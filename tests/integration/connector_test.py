@@ -359,6 +359,35 @@ def case_destroy_inflight(P, D):
         K.close(check=False)
 
 
+def case_stalled_peer(P, D):
+    # Registered (not pool) memory: the data has to be pushed by the producer,
+    # so a stopped producer stalls the fetch until xfer_timeout_ms.
+    K = Peer("P-stall", "--regions", "2", "--blocks", "64", "--block-len", "4096", "--user-mem")
+    D2 = Peer("D-stall", "--regions", "2", "--blocks", "64", "--block-len", "4096", "--user-mem",
+              "--xfer-timeout-ms", "300")
+    try:
+        K.cmd("fill 5", "OK")
+        fetch(D2, [1], publish(K, "s1", [1]))
+        D2.event("FETCH_DONE")
+        params = publish(K, "s2", [2, 3])
+        K.p.send_signal(signal.SIGSTOP)
+        t0 = time.monotonic()
+        x = fetch(D2, [2, 3], params)
+        ev = D2.event("FETCH_FAILED", timeout=5, xfer=x)
+        dt = time.monotonic() - t0
+        assert "KVC_ERR_TIMED_OUT" in ev and 0.25 < dt < 3.0, (ev, dt)
+        K.p.send_signal(signal.SIGCONT)
+        # The stalled producer was dropped: the next fetch handshakes again.
+        fetch(D2, [4, 5], publish(K, "s3", [4, 5]))
+        D2.event("FETCH_DONE")
+        assert D2.cmd("verify 5 4,5 4,5", "VERIFY") == "VERIFY ok"
+        assert D2.stat()["handshakes"] == "2"
+    finally:
+        K.p.send_signal(signal.SIGCONT)
+        K.close()
+        D2.close()
+
+
 def case_many(P, D):
     # 200 concurrent requests, random-ish block ids, all verified.
     reqs = []
@@ -376,7 +405,7 @@ def case_many(P, D):
 
 CASES = [case_roundtrip, case_colon_id, case_tail, case_zero_blocks, case_expiry,
          case_unknown_id, case_out_of_range, case_version_mismatch, case_layout_mismatch,
-         case_unreachable, case_killed_peer, case_restart, case_destroy_inflight, case_many]
+         case_unreachable, case_killed_peer, case_restart, case_destroy_inflight, case_stalled_peer, case_many]
 
 
 def main():
