@@ -28,21 +28,18 @@
 #include <time.h>
 #include <unistd.h>
 
-static double now_s(void)
-{
+static double now_s(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
 }
 
-static void die(const char *what, kvc_status_t st)
-{
+static void die(const char *what, kvc_status_t st) {
     fprintf(stderr, "kvc_bench: %s: %s\n", what, kvc_status_str(st));
     exit(1);
 }
 
-static bool xread(int fd, void *p, size_t n)
-{
+static bool xread(int fd, void *p, size_t n) {
     char *c = p;
     while (n) {
         ssize_t k = read(fd, c, n);
@@ -56,8 +53,7 @@ static bool xread(int fd, void *p, size_t n)
     return true;
 }
 
-static bool xwrite(int fd, const void *p, size_t n)
-{
+static bool xwrite(int fd, const void *p, size_t n) {
     const char *c = p;
     while (n) {
         ssize_t k = write(fd, c, n);
@@ -71,8 +67,7 @@ static bool xwrite(int fd, const void *p, size_t n)
     return true;
 }
 
-static kvc_agent_t *mk_agent(const char *name, size_t block_len, uint64_t nblocks)
-{
+static kvc_agent_t *mk_agent(const char *name, size_t block_len, uint64_t nblocks) {
     kvc_agent_params_t ap = {0};
     ap.field_mask = KVC_AGENT_FIELD_ENGINE_ID;
     ap.engine_id = name;
@@ -91,8 +86,7 @@ static kvc_agent_t *mk_agent(const char *name, size_t block_len, uint64_t nblock
  *  op 2 PUB:  u32 k, u32 n, n * u64 ids         -> reply u32 0 when published
  *  op 3 TCP:  u32 port, u64 bytes, u64 chunk    -> streams bytes, reply u32 0
  *  op 4 QUIT */
-static void producer(int ctl)
-{
+static void producer(int ctl) {
     kvc_agent_t *a = NULL;
     uint64_t gen = 0;
     for (;;) {
@@ -115,7 +109,8 @@ static void producer(int ctl)
             a = mk_agent("bench-P", v[0], v[1]);
             void *base;
             kvc_region_base(a, 0, &base);
-            for (uint64_t i = 0; i < v[0] * v[1]; i += 8) ((uint64_t *)base)[i / 8] = i * 2654435761u;
+            for (uint64_t i = 0; i < v[0] * v[1]; i += 8)
+                ((uint64_t *)base)[i / 8] = i * 2654435761u;
             uint16_t port;
             kvc_agent_get_port(a, &port);
             uint32_t p32 = port;
@@ -146,7 +141,8 @@ static void producer(int ctl)
             sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
             char *buf = calloc(1, v[1]);
             if (connect(s, (struct sockaddr *)&sa, sizeof(sa)) == 0)
-                for (uint64_t sent = 0; sent < v[0]; sent += v[1]) xwrite(s, buf, v[1]);
+                for (uint64_t sent = 0; sent < v[0]; sent += v[1])
+                    xwrite(s, buf, v[1]);
             close(s);
             free(buf);
             uint32_t z = 0;
@@ -165,8 +161,7 @@ static int ctl;
 static uint16_t pport;
 static uint64_t gen;
 
-static void cfg(size_t block_len, uint64_t nblocks)
-{
+static void cfg(size_t block_len, uint64_t nblocks) {
     uint32_t op = 1, p32;
     uint64_t v[2] = {block_len, nblocks};
     xwrite(ctl, &op, 4);
@@ -175,8 +170,7 @@ static void cfg(size_t block_len, uint64_t nblocks)
     pport = (uint16_t)p32;
 }
 
-static void pub(uint32_t k, const uint64_t *ids, uint32_t n)
-{
+static void pub(uint32_t k, const uint64_t *ids, uint32_t n) {
     uint32_t op = 2, kn[2] = {k, n}, z;
     xwrite(ctl, &op, 4);
     xwrite(ctl, kn, sizeof(kn));
@@ -186,8 +180,7 @@ static void pub(uint32_t k, const uint64_t *ids, uint32_t n)
 
 /* One fetch of request i of the current publish generation; seconds. */
 static double fetch_one(kvc_agent_t *a, uint32_t i, const uint64_t *rids, const uint64_t *lids,
-                        size_t n)
-{
+                        size_t n) {
     char id[64];
     snprintf(id, sizeof(id), "bench-%llu-%u", (unsigned long long)gen, i);
     kvc_fetch_params_t fp = {0};
@@ -219,16 +212,14 @@ static double fetch_one(kvc_agent_t *a, uint32_t i, const uint64_t *rids, const 
 }
 
 static uint64_t rng = 88172645463325252ull;
-static uint64_t xs(void)
-{
+static uint64_t xs(void) {
     rng ^= rng << 13;
     rng ^= rng >> 7;
     rng ^= rng << 17;
     return rng;
 }
 
-static void shuffle(uint64_t *v, size_t n)
-{
+static void shuffle(uint64_t *v, size_t n) {
     for (size_t i = n; i > 1; i--) {
         size_t j = xs() % i;
         uint64_t t = v[i - 1];
@@ -237,8 +228,7 @@ static void shuffle(uint64_t *v, size_t n)
     }
 }
 
-static double memcpy_gbs(size_t total)
-{
+static double memcpy_gbs(size_t total) {
     char *s = malloc(total), *d = malloc(total);
     memset(s, 1, total);
     memset(d, 2, total);
@@ -256,8 +246,7 @@ static double memcpy_gbs(size_t total)
     return (double)total * it / t / 1e9;
 }
 
-static double tcp_gbs(uint64_t bytes, uint64_t chunk)
-{
+static double tcp_gbs(uint64_t bytes, uint64_t chunk) {
     int ls = socket(AF_INET, SOCK_STREAM, 0);
     struct sockaddr_in sa = {.sin_family = AF_INET};
     sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
@@ -287,14 +276,12 @@ static double tcp_gbs(uint64_t bytes, uint64_t chunk)
     return (double)got / t / 1e9;
 }
 
-static int cmp_d(const void *a, const void *b)
-{
+static int cmp_d(const void *a, const void *b) {
     double x = *(const double *)a, y = *(const double *)b;
     return x < y ? -1 : x > y;
 }
 
-int main(int argc, char **argv)
-{
+int main(int argc, char **argv) {
     size_t max_mb = 1024, min_mb = 256;
     bool quick = false, latency_only = false;
     for (int i = 1; i < argc; i++) {
@@ -344,16 +331,20 @@ int main(int argc, char **argv)
             cfg(bl, n);
             kvc_agent_t *a = mk_agent("bench-D", bl, n);
             uint64_t *rids = malloc(n * sizeof(uint64_t)), *lids = malloc(n * sizeof(uint64_t));
-            for (uint64_t i = 0; i < n; i++) lids[i] = i;
+            for (uint64_t i = 0; i < n; i++)
+                lids[i] = i;
             double mc = memcpy_gbs(total);
             for (int pi = 0; pi < 3; pi++) {
                 if (n == 1 && pi) continue;
-                for (uint64_t i = 0; i < n; i++) rids[i] = i;
+                for (uint64_t i = 0; i < n; i++)
+                    rids[i] = i;
                 if (pi == 1 && n >= 8) { /* shuffle groups of 8 */
                     uint64_t g = n / 8, *perm = malloc(g * sizeof(uint64_t));
-                    for (uint64_t i = 0; i < g; i++) perm[i] = i;
+                    for (uint64_t i = 0; i < g; i++)
+                        perm[i] = i;
                     shuffle(perm, g);
-                    for (uint64_t i = 0; i < n; i++) rids[i] = perm[i / 8] * 8 + i % 8;
+                    for (uint64_t i = 0; i < n; i++)
+                        rids[i] = perm[i / 8] * 8 + i % 8;
                     free(perm);
                 } else if (pi == 2) {
                     shuffle(rids, n);
@@ -365,7 +356,8 @@ int main(int argc, char **argv)
                 pub(iters + 1, rids, (uint32_t)n);
                 fetch_one(a, 0, rids, lids, n); /* warm-up: handshake, registration */
                 double t = 0;
-                for (uint32_t i = 1; i <= iters; i++) t += fetch_one(a, i, rids, lids, n);
+                for (uint32_t i = 1; i <= iters; i++)
+                    t += fetch_one(a, i, rids, lids, n);
                 gen++;
                 double gbs = (double)total * iters / t / 1e9;
                 printf("block=%zu count=%llu pattern=%s fetch_GBps=%.3f memcpy_GBps=%.3f "
@@ -388,7 +380,8 @@ int main(int argc, char **argv)
     kvc_agent_t *a = mk_agent("bench-D", 16 << 10, 64);
     pub((uint32_t)nl + 1, &one, 1);
     fetch_one(a, 0, &one, &one, 1);
-    for (int i = 0; i < nl; i++) lat[i] = fetch_one(a, (uint32_t)i + 1, &one, &one, 1);
+    for (int i = 0; i < nl; i++)
+        lat[i] = fetch_one(a, (uint32_t)i + 1, &one, &one, 1);
     gen++;
     kvc_agent_destroy(a);
     qsort(lat, (size_t)nl, sizeof(double), cmp_d);
@@ -408,8 +401,7 @@ int main(int argc, char **argv)
 
     for (size_t si = 0; si < 3 && !latency_only; si++) {
         uint64_t bytes = quick ? (256ull << 20) : (1ull << 30);
-        printf("baseline tcp_loopback chunk=%zu GBps=%.3f\n", sizes[si],
-               tcp_gbs(bytes, sizes[si]));
+        printf("baseline tcp_loopback chunk=%zu GBps=%.3f\n", sizes[si], tcp_gbs(bytes, sizes[si]));
     }
     uint32_t op = 4;
     xwrite(ctl, &op, 4);

@@ -19,39 +19,55 @@
 #define DEFAULT_EXPIRY_MS 480000u
 #define DEFAULT_XFER_TIMEOUT_MS 60000u
 
-const char *kvc_status_str(kvc_status_t st)
-{
+const char *kvc_status_str(kvc_status_t st) {
     switch (st) {
-    case KVC_OK: return "KVC_OK";
-    case KVC_INPROGRESS: return "KVC_INPROGRESS";
-    case KVC_AGAIN: return "KVC_AGAIN";
-    case KVC_ERR_NO_MEMORY: return "KVC_ERR_NO_MEMORY";
-    case KVC_ERR_INVALID_PARAM: return "KVC_ERR_INVALID_PARAM";
-    case KVC_ERR_UNREACHABLE: return "KVC_ERR_UNREACHABLE";
-    case KVC_ERR_TIMED_OUT: return "KVC_ERR_TIMED_OUT";
-    case KVC_ERR_VERSION: return "KVC_ERR_VERSION";
-    case KVC_ERR_INCOMPATIBLE: return "KVC_ERR_INCOMPATIBLE";
-    case KVC_ERR_NOT_FOUND: return "KVC_ERR_NOT_FOUND";
-    case KVC_ERR_EXISTS: return "KVC_ERR_EXISTS";
-    case KVC_ERR_PROTOCOL: return "KVC_ERR_PROTOCOL";
-    case KVC_ERR_PEER_FAILED: return "KVC_ERR_PEER_FAILED";
-    case KVC_ERR_CANCELED: return "KVC_ERR_CANCELED";
-    case KVC_ERR_TRANSPORT: return "KVC_ERR_TRANSPORT";
-    case KVC_ERR_IO: return "KVC_ERR_IO";
-    case KVC_ERR_UNSUPPORTED: return "KVC_ERR_UNSUPPORTED";
-    case KVC_ERR_NO_DEVICE: return "KVC_ERR_NO_DEVICE";
-    case KVC_ERR_STATE: return "KVC_ERR_STATE";
+    case KVC_OK:
+        return "KVC_OK";
+    case KVC_INPROGRESS:
+        return "KVC_INPROGRESS";
+    case KVC_AGAIN:
+        return "KVC_AGAIN";
+    case KVC_ERR_NO_MEMORY:
+        return "KVC_ERR_NO_MEMORY";
+    case KVC_ERR_INVALID_PARAM:
+        return "KVC_ERR_INVALID_PARAM";
+    case KVC_ERR_UNREACHABLE:
+        return "KVC_ERR_UNREACHABLE";
+    case KVC_ERR_TIMED_OUT:
+        return "KVC_ERR_TIMED_OUT";
+    case KVC_ERR_VERSION:
+        return "KVC_ERR_VERSION";
+    case KVC_ERR_INCOMPATIBLE:
+        return "KVC_ERR_INCOMPATIBLE";
+    case KVC_ERR_NOT_FOUND:
+        return "KVC_ERR_NOT_FOUND";
+    case KVC_ERR_EXISTS:
+        return "KVC_ERR_EXISTS";
+    case KVC_ERR_PROTOCOL:
+        return "KVC_ERR_PROTOCOL";
+    case KVC_ERR_PEER_FAILED:
+        return "KVC_ERR_PEER_FAILED";
+    case KVC_ERR_CANCELED:
+        return "KVC_ERR_CANCELED";
+    case KVC_ERR_TRANSPORT:
+        return "KVC_ERR_TRANSPORT";
+    case KVC_ERR_IO:
+        return "KVC_ERR_IO";
+    case KVC_ERR_UNSUPPORTED:
+        return "KVC_ERR_UNSUPPORTED";
+    case KVC_ERR_NO_DEVICE:
+        return "KVC_ERR_NO_DEVICE";
+    case KVC_ERR_STATE:
+        return "KVC_ERR_STATE";
     }
     return "KVC_ERR_UNKNOWN";
 }
 
-void kvc_free(void *p)
-{
+void kvc_free(void *p) {
     free(p);
 }
 
-uint64_t kvc_now_ns(void)
-{
+uint64_t kvc_now_ns(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
@@ -59,18 +75,20 @@ uint64_t kvc_now_ns(void)
 
 /* ------------------------------------------------------------------ log -- */
 
-static const char *level_name(kvc_log_level_t l)
-{
+static const char *level_name(kvc_log_level_t l) {
     switch (l) {
-    case KVC_LOG_ERROR: return "error";
-    case KVC_LOG_WARN: return "warn";
-    case KVC_LOG_INFO: return "info";
-    default: return "debug";
+    case KVC_LOG_ERROR:
+        return "error";
+    case KVC_LOG_WARN:
+        return "warn";
+    case KVC_LOG_INFO:
+        return "info";
+    default:
+        return "debug";
     }
 }
 
-static kvc_log_level_t env_log_level(void)
-{
+static kvc_log_level_t env_log_level(void) {
     const char *e = getenv("KVC_LOG_LEVEL");
     if (!e || !*e) return KVC_LOG_WARN;
     if (!strcasecmp(e, "error")) return KVC_LOG_ERROR;
@@ -81,16 +99,14 @@ static kvc_log_level_t env_log_level(void)
     return KVC_LOG_WARN;
 }
 
-static void stderr_log(void *arg, kvc_log_level_t level, const char *msg)
-{
+static void stderr_log(void *arg, kvc_log_level_t level, const char *msg) {
     struct timespec ts;
     clock_gettime(CLOCK_REALTIME, &ts);
     fprintf(stderr, "kvc %lld.%06ld %s %s\n", (long long)ts.tv_sec, ts.tv_nsec / 1000,
             level_name(level), msg);
 }
 
-void kvc_log(kvc_agent_t *a, kvc_log_level_t lvl, const char *fmt, ...)
-{
+void kvc_log(kvc_agent_t *a, kvc_log_level_t lvl, const char *fmt, ...) {
     char line[1024];
     int off = snprintf(line, sizeof(line), "engine=%s ", a->engine_id ? a->engine_id : "?");
     if (off < 0) off = 0;
@@ -104,8 +120,7 @@ void kvc_log(kvc_agent_t *a, kvc_log_level_t lvl, const char *fmt, ...)
 
 /* --------------------------------------------------------------- events -- */
 
-static void evnode_free(kvc_evnode_t *n)
-{
+static void evnode_free(kvc_evnode_t *n) {
     if (!n) return;
     free(n->request_id);
     free(n->blocks);
@@ -115,8 +130,7 @@ static void evnode_free(kvc_evnode_t *n)
 
 void kvc_event_push(kvc_agent_t *a, kvc_event_type_t type, kvc_status_t st, uint64_t xfer_id,
                     uint64_t user_data, const char *request_id, const uint64_t *blocks, size_t n,
-                    uint64_t bytes, const char *msg)
-{
+                    uint64_t bytes, const char *msg) {
     if (a->destroying) return;
     kvc_evnode_t *e = calloc(1, sizeof(*e));
     if (!e) goto err_oom;
@@ -150,8 +164,7 @@ err_oom:
             request_id ? request_id : "");
 }
 
-kvc_status_t kvc_agent_next_event(kvc_agent_t *a, kvc_event_t *ev)
-{
+kvc_status_t kvc_agent_next_event(kvc_agent_t *a, kvc_event_t *ev) {
     if (!a || !ev) return KVC_ERR_INVALID_PARAM;
     evnode_free(a->ev_cur);
     a->ev_cur = NULL;
@@ -164,8 +177,7 @@ kvc_status_t kvc_agent_next_event(kvc_agent_t *a, kvc_event_t *ev)
     return KVC_OK;
 }
 
-kvc_status_t kvc_agent_stat(const kvc_agent_t *a, kvc_stat_t which, uint64_t *value)
-{
+kvc_status_t kvc_agent_stat(const kvc_agent_t *a, kvc_stat_t which, uint64_t *value) {
     if (!a || !value || (int)which < 0 || which > KVC_STAT_PUBLISHED_NOW)
         return KVC_ERR_INVALID_PARAM;
     *value = which == KVC_STAT_PUBLISHED_NOW ? a->pubs.count : a->stats[which];
@@ -174,32 +186,27 @@ kvc_status_t kvc_agent_stat(const kvc_agent_t *a, kvc_stat_t which, uint64_t *va
 
 /* ----------------------------------------------------------------- poll -- */
 
-kvc_status_t kvc_ep_add(kvc_agent_t *a, int fd, uint32_t events, kvc_pollent_t *pe)
-{
+kvc_status_t kvc_ep_add(kvc_agent_t *a, int fd, uint32_t events, kvc_pollent_t *pe) {
     struct epoll_event ev = {.events = events, .data.ptr = pe};
     return epoll_ctl(a->epfd, EPOLL_CTL_ADD, fd, &ev) ? KVC_ERR_IO : KVC_OK;
 }
 
-kvc_status_t kvc_ep_mod(kvc_agent_t *a, int fd, uint32_t events, kvc_pollent_t *pe)
-{
+kvc_status_t kvc_ep_mod(kvc_agent_t *a, int fd, uint32_t events, kvc_pollent_t *pe) {
     struct epoll_event ev = {.events = events, .data.ptr = pe};
     return epoll_ctl(a->epfd, EPOLL_CTL_MOD, fd, &ev) ? KVC_ERR_IO : KVC_OK;
 }
 
-void kvc_ep_del(kvc_agent_t *a, int fd)
-{
+void kvc_ep_del(kvc_agent_t *a, int fd) {
     epoll_ctl(a->epfd, EPOLL_CTL_DEL, fd, NULL);
 }
 
-void kvc_wake(kvc_agent_t *a)
-{
+void kvc_wake(kvc_agent_t *a) {
     if (a->wake_pending || a->wake_fd < 0) return;
     uint64_t one = 1;
     if (write(a->wake_fd, &one, sizeof(one)) == (ssize_t)sizeof(one)) a->wake_pending = true;
 }
 
-static void arm_timer(kvc_agent_t *a, uint64_t next)
-{
+static void arm_timer(kvc_agent_t *a, uint64_t next) {
     struct itimerspec its;
     memset(&its, 0, sizeof(its));
     if (next != UINT64_MAX) {
@@ -210,8 +217,7 @@ static void arm_timer(kvc_agent_t *a, uint64_t next)
     timerfd_settime(a->timer_fd, TFD_TIMER_ABSTIME, &its, NULL);
 }
 
-kvc_status_t kvc_agent_progress(kvc_agent_t *a)
-{
+kvc_status_t kvc_agent_progress(kvc_agent_t *a) {
     if (!a) return KVC_ERR_INVALID_PARAM;
     kvc_status_t st = KVC_OK;
     evnode_free(a->ev_cur);
@@ -224,8 +230,11 @@ kvc_status_t kvc_agent_progress(kvc_agent_t *a)
         kvc_pollent_t *pe = evs[i].data.ptr;
         uint64_t junk;
         switch (pe->kind) {
-        case PE_LISTEN: kvc_listen_accept(a); break;
-        case PE_UCX: break; /* drained by ucp_worker_arm below */
+        case PE_LISTEN:
+            kvc_listen_accept(a);
+            break;
+        case PE_UCX:
+            break; /* drained by ucp_worker_arm below */
         case PE_TIMER:
             if (read(a->timer_fd, &junk, sizeof(junk)) < 0) { /* EAGAIN: raced */
             }
@@ -235,8 +244,12 @@ kvc_status_t kvc_agent_progress(kvc_agent_t *a)
             }
             a->wake_pending = false;
             break;
-        case PE_SCONN: kvc_sconn_io(a, pe->obj, evs[i].events); break;
-        case PE_PEER: kvc_peer_io(a, pe->obj, evs[i].events); break;
+        case PE_SCONN:
+            kvc_sconn_io(a, pe->obj, evs[i].events);
+            break;
+        case PE_PEER:
+            kvc_peer_io(a, pe->obj, evs[i].events);
+            break;
         }
     }
 
@@ -263,23 +276,20 @@ kvc_status_t kvc_agent_progress(kvc_agent_t *a)
     return st;
 }
 
-kvc_status_t kvc_agent_wait(kvc_agent_t *a, int timeout_ms)
-{
+kvc_status_t kvc_agent_wait(kvc_agent_t *a, int timeout_ms) {
     if (!a) return KVC_ERR_INVALID_PARAM;
     struct pollfd p = {.fd = a->epfd, .events = POLLIN};
     if (poll(&p, 1, timeout_ms) < 0 && errno != EINTR) return KVC_ERR_IO;
     return kvc_agent_progress(a);
 }
 
-kvc_status_t kvc_agent_get_fd(const kvc_agent_t *a, int *fd)
-{
+kvc_status_t kvc_agent_get_fd(const kvc_agent_t *a, int *fd) {
     if (!a || !fd) return KVC_ERR_INVALID_PARAM;
     *fd = a->epfd;
     return KVC_OK;
 }
 
-kvc_status_t kvc_agent_get_port(const kvc_agent_t *a, uint16_t *port)
-{
+kvc_status_t kvc_agent_get_port(const kvc_agent_t *a, uint16_t *port) {
     if (!a || !port) return KVC_ERR_INVALID_PARAM;
     *port = a->port;
     return KVC_OK;
@@ -287,8 +297,7 @@ kvc_status_t kvc_agent_get_port(const kvc_agent_t *a, uint16_t *port)
 
 /* ---------------------------------------------------------- create/destroy -- */
 
-static kvc_status_t ucx_init(kvc_agent_t *a)
-{
+static kvc_status_t ucx_init(kvc_agent_t *a) {
     ucp_config_t *cfg = NULL;
     ucs_status_t us = ucp_config_read(NULL, NULL, &cfg);
     if (us != UCS_OK) goto err_status;
@@ -329,8 +338,7 @@ err_status:
     return KVC_ERR_TRANSPORT;
 }
 
-static kvc_status_t fds_init(kvc_agent_t *a)
-{
+static kvc_status_t fds_init(kvc_agent_t *a) {
     a->epfd = epoll_create1(EPOLL_CLOEXEC);
     a->timer_fd = timerfd_create(CLOCK_MONOTONIC, TFD_NONBLOCK | TFD_CLOEXEC);
     a->wake_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
@@ -345,14 +353,12 @@ static kvc_status_t fds_init(kvc_agent_t *a)
     return KVC_OK;
 }
 
-static void close_fd(int *fd)
-{
+static void close_fd(int *fd) {
     if (*fd >= 0) close(*fd);
     *fd = -1;
 }
 
-static kvc_proto_t env_proto(kvc_proto_t dflt)
-{
+static kvc_proto_t env_proto(kvc_proto_t dflt) {
     const char *e = getenv("KVC_PROTO");
     if (!e) return dflt;
     if (!strcasecmp(e, "get")) return KVC_PROTO_GET;
@@ -361,8 +367,7 @@ static kvc_proto_t env_proto(kvc_proto_t dflt)
     return dflt;
 }
 
-kvc_status_t kvc_agent_create(const kvc_agent_params_t *p, kvc_agent_t **out)
-{
+kvc_status_t kvc_agent_create(const kvc_agent_params_t *p, kvc_agent_t **out) {
     if (!p || !out || !(p->field_mask & KVC_AGENT_FIELD_ENGINE_ID) || !p->engine_id ||
         !*p->engine_id || strlen(p->engine_id) > KVC_WIRE_MAX_STR ||
         !kvc_printable(p->engine_id, strlen(p->engine_id)))
@@ -398,10 +403,10 @@ kvc_status_t kvc_agent_create(const kvc_agent_params_t *p, kvc_agent_t **out)
     const char *pc = getenv("KVC_PUSH_CHUNK_KB"); /* tuning knob for benchmarks */
     if (pc && *pc && strtoul(pc, NULL, 10) > 0) a->push_chunk = strtoul(pc, NULL, 10) << 10;
 
-    const char *lh = (m & KVC_AGENT_FIELD_LISTEN_HOST) && p->listen_host ? p->listen_host
-                                                                          : "127.0.0.1";
-    const char *ah = (m & KVC_AGENT_FIELD_ADVERTISE_HOST) && p->advertise_host ? p->advertise_host
-                                                                                : lh;
+    const char *lh =
+        (m & KVC_AGENT_FIELD_LISTEN_HOST) && p->listen_host ? p->listen_host : "127.0.0.1";
+    const char *ah =
+        (m & KVC_AGENT_FIELD_ADVERTISE_HOST) && p->advertise_host ? p->advertise_host : lh;
     const char *lt = (m & KVC_AGENT_FIELD_LAYOUT_TAG) && p->layout_tag ? p->layout_tag : "NHD";
     if (strlen(lt) > KVC_WIRE_MAX_STR || !kvc_printable(lt, strlen(lt))) {
         st = KVC_ERR_INVALID_PARAM;
@@ -421,8 +426,8 @@ kvc_status_t kvc_agent_create(const kvc_agent_params_t *p, kvc_agent_t **out)
     if ((st = fds_init(a)) != KVC_OK) goto err_fds;
     if ((st = kvc_listen_open(a)) != KVC_OK) goto err_fds;
     if ((st = kvc_mem_build_handshake(a)) != KVC_OK) goto err_fds;
-    KVC_LOG(a, KVC_LOG_INFO, "agent up side_channel=%s:%u proto=%d cuda_native=%d",
-            a->listen_host, a->port, (int)a->proto, (int)a->cuda_native);
+    KVC_LOG(a, KVC_LOG_INFO, "agent up side_channel=%s:%u proto=%d cuda_native=%d", a->listen_host,
+            a->port, (int)a->proto, (int)a->cuda_native);
     kvc_wake(a); /* first progress arms the worker */
     *out = a;
     return KVC_OK;
@@ -447,8 +452,7 @@ err_agent:
     return st;
 }
 
-void kvc_agent_destroy(kvc_agent_t *a)
-{
+void kvc_agent_destroy(kvc_agent_t *a) {
     if (!a) return;
     a->destroying = true; /* callbacks below queue no events */
     kvc_sconns_destroy(a);
@@ -457,7 +461,8 @@ void kvc_agent_destroy(kvc_agent_t *a)
     /* Producer pushes still in flight reference region memory: let them end
      * before the memory goes away (bounded: peers may be gone). */
     uint64_t until = kvc_now_ns() + 2000000000ull;
-    while (a->push_inflight && kvc_now_ns() < until) ucp_worker_progress(a->worker);
+    while (a->push_inflight && kvc_now_ns() < until)
+        ucp_worker_progress(a->worker);
     kvc_mem_cleanup(a);
     ucp_worker_release_address(a->worker, a->worker_addr);
     ucp_worker_destroy(a->worker);

@@ -94,16 +94,19 @@ KVC_HIDDEN kvc_status_t kvc_wire_parse_hello(const uint8_t *body, size_t len, kv
                                              kvc_span_t *worker_addr);
 KVC_HIDDEN void kvc_wire_encode_handshake(kvc_buf_t *b, uint16_t version, const kvc_wire_hs_t *hs);
 /* On KVC_OK *hs references `body` and owns hs->regions (kvc_wire_hs_cleanup). */
-KVC_HIDDEN kvc_status_t kvc_wire_parse_handshake(const uint8_t *body, size_t len, kvc_wire_hs_t *hs);
+KVC_HIDDEN kvc_status_t kvc_wire_parse_handshake(const uint8_t *body, size_t len,
+                                                 kvc_wire_hs_t *hs);
 KVC_HIDDEN void kvc_wire_hs_cleanup(kvc_wire_hs_t *hs);
 
-KVC_HIDDEN void kvc_wire_encode_pull(kvc_buf_t *b, uint64_t xfer_id, const kvc_run_t *runs, size_t n);
+KVC_HIDDEN void kvc_wire_encode_pull(kvc_buf_t *b, uint64_t xfer_id, const kvc_run_t *runs,
+                                     size_t n);
 /* On KVC_OK *runs is malloc'ed (caller frees); *n may be 0. */
 KVC_HIDDEN kvc_status_t kvc_wire_parse_pull(const uint8_t *p, size_t len, uint64_t *xfer_id,
                                             kvc_run_t **runs, size_t *n);
 KVC_HIDDEN void kvc_wire_encode_data_hdr(uint8_t out[KVC_WIRE_DATA_HDR_LEN],
                                          const kvc_wire_data_hdr_t *h);
-KVC_HIDDEN kvc_status_t kvc_wire_parse_data_hdr(const uint8_t *p, size_t len, kvc_wire_data_hdr_t *h);
+KVC_HIDDEN kvc_status_t kvc_wire_parse_data_hdr(const uint8_t *p, size_t len,
+                                                kvc_wire_data_hdr_t *h);
 
 /* "<request id>:<tp>" split at the last ':'; the id must be non-empty
  * printable ASCII.  Without ':' the whole text is the id and tp is 0. */
@@ -130,9 +133,9 @@ typedef struct {
 KVC_HIDDEN kvc_status_t kvc_params_parse_json(const char *json, kvc_remote_t *r, char *err,
                                               size_t errlen);
 KVC_HIDDEN void kvc_remote_cleanup(kvc_remote_t *r);
-KVC_HIDDEN char *kvc_params_to_json(const char *engine_id, const char *request_id,
-                                    const char *host, uint16_t port, const uint64_t *blocks,
-                                    size_t n, uint32_t tp_size);
+KVC_HIDDEN char *kvc_params_to_json(const char *engine_id, const char *request_id, const char *host,
+                                    uint16_t port, const uint64_t *blocks, size_t n,
+                                    uint32_t tp_size);
 
 /* ------------------------------------------------------------ cuda.c -- */
 
@@ -159,7 +162,7 @@ typedef struct {
 } kvc_pollent_t;
 
 typedef struct {
-    void *base; /* host-visible memory UCX reads/writes (pool, user memory or mirror) */
+    void *base;     /* host-visible memory UCX reads/writes (pool, user memory or mirror) */
     void *dev_base; /* CUDA staged: the device memory; else NULL */
     size_t len, block_len;
     kvc_mem_type_t mem_type;
@@ -171,10 +174,10 @@ typedef struct {
 
 typedef struct kvc_pub kvc_pub_t;
 struct kvc_pub {
-    kvc_pub_t *hnext;             /* hash chain */
-    kvc_pub_t *eprev, *enext;     /* expiry list, sorted by deadline */
-    char *id;                     /* owned */
-    uint64_t *blocks;             /* owned */
+    kvc_pub_t *hnext;         /* hash chain */
+    kvc_pub_t *eprev, *enext; /* expiry list, sorted by deadline */
+    char *id;                 /* owned */
+    uint64_t *blocks;         /* owned */
     size_t n;
     uint64_t deadline_ns;
     uint64_t user_data;
@@ -194,9 +197,9 @@ typedef struct kvc_evnode kvc_evnode_t;
 struct kvc_evnode {
     kvc_evnode_t *next;
     kvc_event_t ev;
-    char *request_id;  /* owned */
-    uint64_t *blocks;  /* owned */
-    char *message;     /* owned */
+    char *request_id; /* owned */
+    uint64_t *blocks; /* owned */
+    char *message;    /* owned */
 };
 
 struct kvc_agent {
@@ -229,8 +232,8 @@ struct kvc_agent {
     kvc_pubtab_t pubs;
     kvc_sconn_t *sconns;
     struct kvc_cons *cons; /* producer: endpoints to consumers, made on HELLO */
-    kvc_peer_t *peers; /* cache of handshaken/connecting producers */
-    kvc_xfer_t *xfers; /* active and finishing fetches */
+    kvc_peer_t *peers;     /* cache of handshaken/connecting producers */
+    kvc_xfer_t *xfers;     /* active and finishing fetches */
     uint64_t next_xfer_id;
     uint64_t push_inflight; /* producer-side sends in flight */
     size_t push_chunk;      /* largest DATA message (bytes, whole blocks) */
@@ -243,10 +246,9 @@ struct kvc_agent {
 /* ------------------------------------------------------ context.c -- */
 KVC_HIDDEN void kvc_log(kvc_agent_t *a, kvc_log_level_t lvl, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
-#define KVC_LOG(a, lvl, ...)                                                                   \
-    do {                                                                                       \
-        if ((int)(lvl) <= (int)(a)->log_level)                                                 \
-            kvc_log((a), (lvl), __VA_ARGS__);                                                  \
+#define KVC_LOG(a, lvl, ...)                                                                       \
+    do {                                                                                           \
+        if ((int)(lvl) <= (int)(a)->log_level) kvc_log((a), (lvl), __VA_ARGS__);                   \
     } while (0)
 KVC_HIDDEN uint64_t kvc_now_ns(void);
 KVC_HIDDEN void kvc_wake(kvc_agent_t *a);
@@ -299,11 +301,11 @@ struct kvc_peer {
     kvc_peer_t *next;
     kvc_agent_t *a;
     kvc_pollent_t pe;
-    char *host;      /* owned */
+    char *host; /* owned */
     uint16_t port;
     char *engine_id; /* owned: expected, then the handshake's */
     kvc_peer_state_t state;
-    bool linked;     /* in a->peers */
+    bool linked; /* in a->peers */
     int fd;
     kvc_buf_t out;
     size_t out_off;

@@ -6,25 +6,23 @@
 #include <stdlib.h>
 #include <string.h>
 
-static void region_cleanup(kvc_agent_t *a, kvc_region_t *r)
-{
+static void region_cleanup(kvc_agent_t *a, kvc_region_t *r) {
     if (r->rkey_buf) ucp_rkey_buffer_release(r->rkey_buf);
     if (r->staged && a->cuda) kvc_cuda_host_unregister(a->cuda, r->base);
     if (r->memh) ucp_mem_unmap(a->ctx, r->memh);
     memset(r, 0, sizeof(*r));
 }
 
-void kvc_mem_cleanup(kvc_agent_t *a)
-{
-    for (size_t i = 0; i < a->n_regions; i++) region_cleanup(a, &a->regions[i]);
+void kvc_mem_cleanup(kvc_agent_t *a) {
+    for (size_t i = 0; i < a->n_regions; i++)
+        region_cleanup(a, &a->regions[i]);
     free(a->regions);
     a->regions = NULL;
     a->n_regions = 0;
 }
 
 static kvc_status_t map(kvc_agent_t *a, kvc_region_t *r, void *addr, size_t len, bool alloc,
-                        ucs_memory_type_t mt)
-{
+                        ucs_memory_type_t mt) {
     ucp_mem_map_params_t mp;
     memset(&mp, 0, sizeof(mp));
     mp.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH |
@@ -62,8 +60,7 @@ static kvc_status_t map(kvc_agent_t *a, kvc_region_t *r, void *addr, size_t len,
 }
 
 static kvc_status_t region_init(kvc_agent_t *a, kvc_region_t *r, const kvc_region_params_t *p,
-                                uint64_t num_blocks)
-{
+                                uint64_t num_blocks) {
     bool has_base = (p->field_mask & KVC_REGION_FIELD_BASE) && p->base;
     kvc_mem_type_t mt = (p->field_mask & KVC_REGION_FIELD_MEM_TYPE) ? p->mem_type : KVC_MEM_HOST;
     r->len = p->len;
@@ -100,8 +97,7 @@ static kvc_status_t region_init(kvc_agent_t *a, kvc_region_t *r, const kvc_regio
 }
 
 kvc_status_t kvc_agent_register_regions(kvc_agent_t *a, uint64_t num_blocks,
-                                        const kvc_region_params_t *rp, size_t n)
-{
+                                        const kvc_region_params_t *rp, size_t n) {
     if (!a || !rp || n == 0 || n > KVC_WIRE_MAX_REGIONS || num_blocks == 0)
         return KVC_ERR_INVALID_PARAM;
     if (a->n_regions) return KVC_ERR_STATE;
@@ -109,8 +105,8 @@ kvc_status_t kvc_agent_register_regions(kvc_agent_t *a, uint64_t num_blocks,
         bool has_base = (rp[i].field_mask & KVC_REGION_FIELD_BASE) && rp[i].base;
         kvc_mem_type_t mt =
             (rp[i].field_mask & KVC_REGION_FIELD_MEM_TYPE) ? rp[i].mem_type : KVC_MEM_HOST;
-        if (rp[i].len == 0 || rp[i].len % num_blocks || (mt != KVC_MEM_HOST && mt != KVC_MEM_CUDA) ||
-            (mt == KVC_MEM_CUDA && !has_base))
+        if (rp[i].len == 0 || rp[i].len % num_blocks ||
+            (mt != KVC_MEM_HOST && mt != KVC_MEM_CUDA) || (mt == KVC_MEM_CUDA && !has_base))
             return KVC_ERR_INVALID_PARAM;
     }
     kvc_region_t *regs = calloc(n, sizeof(*regs));
@@ -135,22 +131,21 @@ err_built:
     a->num_blocks = 0;
     done = n;
 err_regions:
-    for (size_t i = 0; i <= done && i < n; i++) region_cleanup(a, &regs[i]);
+    for (size_t i = 0; i <= done && i < n; i++)
+        region_cleanup(a, &regs[i]);
     free(regs);
     kvc_mem_build_handshake(a);
     return st;
 }
 
-kvc_status_t kvc_region_base(const kvc_agent_t *a, size_t idx, void **base)
-{
+kvc_status_t kvc_region_base(const kvc_agent_t *a, size_t idx, void **base) {
     if (!a || !base) return KVC_ERR_INVALID_PARAM;
     if (idx >= a->n_regions) return KVC_ERR_NOT_FOUND;
     *base = a->regions[idx].staged ? a->regions[idx].dev_base : a->regions[idx].base;
     return KVC_OK;
 }
 
-kvc_status_t kvc_mem_build_handshake(kvc_agent_t *a)
-{
+kvc_status_t kvc_mem_build_handshake(kvc_agent_t *a) {
     kvc_wire_hs_t hs;
     memset(&hs, 0, sizeof(hs));
     hs.engine_id = (kvc_span_t){(const uint8_t *)a->engine_id, strlen(a->engine_id)};
@@ -172,7 +167,8 @@ kvc_status_t kvc_mem_build_handshake(kvc_agent_t *a)
         wr[i].block_len = r->block_len;
         /* Consumers see host memory for staged regions: the mirror. */
         wr[i].mem_type = (uint8_t)(r->staged ? KVC_MEM_HOST : r->mem_type);
-        wr[i].flags = (uint8_t)((r->pool ? KVC_RFLAG_POOL : 0) | (r->staged ? KVC_RFLAG_STAGED : 0));
+        wr[i].flags =
+            (uint8_t)((r->pool ? KVC_RFLAG_POOL : 0) | (r->staged ? KVC_RFLAG_STAGED : 0));
         wr[i].rkey = (kvc_span_t){r->rkey_buf, r->rkey_len};
     }
     hs.regions = wr;

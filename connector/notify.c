@@ -8,8 +8,7 @@
 
 enum { KVC_AM_NOTIFY = 23 };
 
-void kvc_notify_handle(kvc_agent_t *a, const uint8_t *p, size_t len)
-{
+void kvc_notify_handle(kvc_agent_t *a, const uint8_t *p, size_t len) {
     kvc_span_t id;
     uint32_t tp;
     if (kvc_wire_parse_notify(p, len, &id, &tp) != KVC_OK) {
@@ -31,16 +30,15 @@ void kvc_notify_handle(kvc_agent_t *a, const uint8_t *p, size_t len)
     }
     kvc_pubtab_remove(&a->pubs, pub);
     a->stats[KVC_STAT_RELEASED]++;
-    KVC_LOG(a, KVC_LOG_DEBUG, "notify: released req=%s blocks=%zu consumer_tp=%u", pub->id,
-            pub->n, tp);
+    KVC_LOG(a, KVC_LOG_DEBUG, "notify: released req=%s blocks=%zu consumer_tp=%u", pub->id, pub->n,
+            tp);
     kvc_event_push(a, KVC_EV_RELEASED, KVC_OK, 0, pub->user_data, pub->id, pub->blocks, pub->n, 0,
                    NULL);
     kvc_pub_free(pub);
 }
 
 static ucs_status_t notify_cb(void *arg, const void *header, size_t hlen, void *data, size_t len,
-                              const ucp_am_recv_param_t *param)
-{
+                              const ucp_am_recv_param_t *param) {
     kvc_agent_t *a = arg;
     if (a->destroying) return UCS_OK;
     if (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) {
@@ -51,8 +49,7 @@ static ucs_status_t notify_cb(void *arg, const void *header, size_t hlen, void *
     return UCS_OK;
 }
 
-kvc_status_t kvc_notify_register_am(kvc_agent_t *a)
-{
+kvc_status_t kvc_notify_register_am(kvc_agent_t *a) {
     ucp_am_handler_param_t hp;
     memset(&hp, 0, sizeof(hp));
     hp.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_FLAGS |
@@ -65,8 +62,7 @@ kvc_status_t kvc_notify_register_am(kvc_agent_t *a)
 }
 
 kvc_status_t kvc_notify_send(kvc_agent_t *a, ucp_ep_h ep, const kvc_buf_t *msg,
-                             ucp_send_nbx_callback_t cb, void *arg, void **req)
-{
+                             ucp_send_nbx_callback_t cb, void *arg, void **req) {
     ucp_request_param_t rp;
     memset(&rp, 0, sizeof(rp));
     rp.op_attr_mask =

@@ -10,8 +10,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-void kvc_remote_cleanup(kvc_remote_t *r)
-{
+void kvc_remote_cleanup(kvc_remote_t *r) {
     free(r->engine_id);
     free(r->request_id);
     free(r->host);
@@ -20,8 +19,7 @@ void kvc_remote_cleanup(kvc_remote_t *r)
 }
 
 char *kvc_params_to_json(const char *engine_id, const char *request_id, const char *host,
-                         uint16_t port, const uint64_t *blocks, size_t n, uint32_t tp_size)
-{
+                         uint16_t port, const uint64_t *blocks, size_t n, uint32_t tp_size) {
     /* Written by hand, not with cJSON numbers: block ids stay exact integers. */
     kvc_buf_t b = {0};
     char num[32];
@@ -34,8 +32,8 @@ char *kvc_params_to_json(const char *engine_id, const char *request_id, const ch
         int k = snprintf(num, sizeof(num), "%s%llu", i ? "," : "", (unsigned long long)blocks[i]);
         kvc_buf_put(&b, num, (size_t)k);
     }
-    const char *keys[3] = {"],\"remote_engine_id\":", ",\"remote_request_id\":",
-                           ",\"remote_host\":"};
+    const char *keys[3] = {
+        "],\"remote_engine_id\":", ",\"remote_request_id\":", ",\"remote_host\":"};
     const char *vals[3] = {engine_id, request_id, host};
     for (int i = 0; i < 3; i++) {
         kvc_buf_put(&b, keys[i], strlen(keys[i]));
@@ -60,8 +58,7 @@ char *kvc_params_to_json(const char *engine_id, const char *request_id, const ch
     return (char *)b.p;
 }
 
-static bool get_uint(const cJSON *v, uint64_t max, uint64_t *out)
-{
+static bool get_uint(const cJSON *v, uint64_t max, uint64_t *out) {
     if (!cJSON_IsNumber(v)) return false;
     double d = v->valuedouble;
     if (!(d >= 0) || d > (double)max || floor(d) != d || d >= 9007199254740992.0) return false;
@@ -69,15 +66,13 @@ static bool get_uint(const cJSON *v, uint64_t max, uint64_t *out)
     return true;
 }
 
-static bool get_str(const cJSON *o, const char *key, char **out)
-{
+static bool get_str(const cJSON *o, const char *key, char **out) {
     const cJSON *v = cJSON_GetObjectItemCaseSensitive(o, key);
     if (!cJSON_IsString(v) || !v->valuestring) return false;
     return (*out = kvc_strdup(v->valuestring)) != NULL;
 }
 
-kvc_status_t kvc_params_parse_json(const char *json, kvc_remote_t *r, char *err, size_t errlen)
-{
+kvc_status_t kvc_params_parse_json(const char *json, kvc_remote_t *r, char *err, size_t errlen) {
     kvc_remote_t t;
     memset(&t, 0, sizeof(t));
     kvc_status_t st = KVC_ERR_INVALID_PARAM;
@@ -88,7 +83,8 @@ kvc_status_t kvc_params_parse_json(const char *json, kvc_remote_t *r, char *err,
     }
     if (!get_str(o, "remote_engine_id", &t.engine_id) ||
         !get_str(o, "remote_request_id", &t.request_id) || !get_str(o, "remote_host", &t.host)) {
-        snprintf(err, errlen, "missing or non-string remote_engine_id/remote_request_id/remote_host");
+        snprintf(err, errlen,
+                 "missing or non-string remote_engine_id/remote_request_id/remote_host");
         goto err_fields;
     }
     uint64_t v;
@@ -118,8 +114,7 @@ kvc_status_t kvc_params_parse_json(const char *json, kvc_remote_t *r, char *err,
     }
     size_t i = 0;
     const cJSON *it;
-    cJSON_ArrayForEach(it, ids)
-    {
+    cJSON_ArrayForEach(it, ids) {
         if (!get_uint(it, UINT64_MAX, &t.block_ids[i])) {
             snprintf(err, errlen, "remote_block_ids[%zu] is not a non-negative integer", i);
             goto err_fields;

@@ -31,8 +31,7 @@ struct kvc_sconn {
 };
 
 static kvc_status_t resolve(const char *host, uint16_t port, struct sockaddr_storage *ss,
-                            socklen_t *sl, bool passive)
-{
+                            socklen_t *sl, bool passive) {
     struct addrinfo hints, *res = NULL;
     memset(&hints, 0, sizeof(hints));
     hints.ai_family = AF_UNSPEC;
@@ -49,8 +48,7 @@ static kvc_status_t resolve(const char *host, uint16_t port, struct sockaddr_sto
 
 /* ------------------------------------------------------------- listener -- */
 
-kvc_status_t kvc_listen_open(kvc_agent_t *a)
-{
+kvc_status_t kvc_listen_open(kvc_agent_t *a) {
     struct sockaddr_storage ss;
     socklen_t sl;
     if (resolve(a->listen_host, a->port, &ss, &sl, true) != KVC_OK) {
@@ -81,10 +79,10 @@ err_log:
     return KVC_ERR_IO;
 }
 
-static void sconn_close(kvc_agent_t *a, kvc_sconn_t *c)
-{
+static void sconn_close(kvc_agent_t *a, kvc_sconn_t *c) {
     kvc_sconn_t **pp = &a->sconns;
-    while (*pp && *pp != c) pp = &(*pp)->next;
+    while (*pp && *pp != c)
+        pp = &(*pp)->next;
     if (*pp) *pp = c->next;
     kvc_ep_del(a, c->fd);
     close(c->fd);
@@ -93,8 +91,7 @@ static void sconn_close(kvc_agent_t *a, kvc_sconn_t *c)
     free(c);
 }
 
-void kvc_listen_accept(kvc_agent_t *a)
-{
+void kvc_listen_accept(kvc_agent_t *a) {
     for (int i = 0; i < 64; i++) {
         int fd = accept4(a->listen_fd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
         if (fd < 0) {
@@ -125,8 +122,7 @@ void kvc_listen_accept(kvc_agent_t *a)
 
 /* Writes the handshake reply; closes the connection when done or broken.
  * May free c. */
-static void sconn_write(kvc_agent_t *a, kvc_sconn_t *c)
-{
+static void sconn_write(kvc_agent_t *a, kvc_sconn_t *c) {
     while (c->out_off < c->out.len) {
         ssize_t n = send(c->fd, c->out.p + c->out_off, c->out.len - c->out_off, MSG_NOSIGNAL);
         if (n > 0) {
@@ -149,15 +145,13 @@ struct kvc_cons {
     void *close_req;
 };
 
-static void cons_err_cb(void *arg, ucp_ep_h ep, ucs_status_t us)
-{
+static void cons_err_cb(void *arg, ucp_ep_h ep, ucs_status_t us) {
     struct kvc_cons *k = arg;
     k->failed = true; /* closed by kvc_cons_reap, outside this callback */
     kvc_wake(k->a);
 }
 
-static void cons_connect(kvc_agent_t *a, const void *addr, size_t len)
-{
+static void cons_connect(kvc_agent_t *a, const void *addr, size_t len) {
     struct kvc_cons *k = calloc(1, sizeof(*k));
     if (!k) return;
     k->a = a;
@@ -178,8 +172,7 @@ static void cons_connect(kvc_agent_t *a, const void *addr, size_t len)
     a->cons = k;
 }
 
-static void *close_force(ucp_ep_h ep)
-{
+static void *close_force(ucp_ep_h ep) {
     ucp_request_param_t rp;
     memset(&rp, 0, sizeof(rp));
     rp.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
@@ -188,8 +181,7 @@ static void *close_force(ucp_ep_h ep)
     return UCS_PTR_IS_PTR(req) ? req : NULL;
 }
 
-void kvc_cons_reap(kvc_agent_t *a)
-{
+void kvc_cons_reap(kvc_agent_t *a) {
     struct kvc_cons **pp = &a->cons;
     while (*pp) {
         struct kvc_cons *k = *pp;
@@ -211,8 +203,7 @@ void kvc_cons_reap(kvc_agent_t *a)
     }
 }
 
-void kvc_cons_destroy(kvc_agent_t *a)
-{
+void kvc_cons_destroy(kvc_agent_t *a) {
     for (struct kvc_cons *k = a->cons; k; k = k->next)
         if (k->ep) {
             k->close_req = close_force(k->ep);
@@ -230,8 +221,7 @@ void kvc_cons_destroy(kvc_agent_t *a)
     }
 }
 
-void kvc_sconn_io(kvc_agent_t *a, kvc_sconn_t *c, uint32_t events)
-{
+void kvc_sconn_io(kvc_agent_t *a, kvc_sconn_t *c, uint32_t events) {
     if (!c->replying) {
         size_t cap = KVC_WIRE_HDR_LEN + KVC_WIRE_MAX_HELLO;
         for (;;) {
@@ -292,8 +282,7 @@ void kvc_sconn_io(kvc_agent_t *a, kvc_sconn_t *c, uint32_t events)
     if (events & (EPOLLOUT | EPOLLERR | EPOLLHUP)) sconn_write(a, c);
 }
 
-void kvc_sconns_timers(kvc_agent_t *a, uint64_t now, uint64_t *next)
-{
+void kvc_sconns_timers(kvc_agent_t *a, uint64_t now, uint64_t *next) {
     kvc_sconn_t *c = a->sconns;
     while (c) {
         kvc_sconn_t *nx = c->next;
@@ -307,39 +296,34 @@ void kvc_sconns_timers(kvc_agent_t *a, uint64_t now, uint64_t *next)
     }
 }
 
-void kvc_sconns_destroy(kvc_agent_t *a)
-{
-    while (a->sconns) sconn_close(a, a->sconns);
+void kvc_sconns_destroy(kvc_agent_t *a) {
+    while (a->sconns)
+        sconn_close(a, a->sconns);
 }
 
 /* ---------------------------------------------------------------- peers -- */
 
-void kvc_peer_ref(kvc_peer_t *p)
-{
+void kvc_peer_ref(kvc_peer_t *p) {
     p->refs++;
 }
 
-void kvc_peer_unref(kvc_agent_t *a, kvc_peer_t *p)
-{
+void kvc_peer_unref(kvc_agent_t *a, kvc_peer_t *p) {
     p->refs--;
     kvc_wake(a); /* reap may free it */
 }
 
-bool kvc_peer_ready(const kvc_peer_t *p)
-{
+bool kvc_peer_ready(const kvc_peer_t *p) {
     return p->state == PEER_READY;
 }
 
-bool kvc_peer_dead(const kvc_peer_t *p, kvc_status_t *st, const char **msg)
-{
+bool kvc_peer_dead(const kvc_peer_t *p, kvc_status_t *st, const char **msg) {
     if (p->state != PEER_DEAD) return false;
     *st = p->fail_status;
     *msg = p->fail_msg;
     return true;
 }
 
-static void peer_close_socket(kvc_agent_t *a, kvc_peer_t *p)
-{
+static void peer_close_socket(kvc_agent_t *a, kvc_peer_t *p) {
     if (p->fd >= 0) {
         kvc_ep_del(a, p->fd);
         close(p->fd);
@@ -355,8 +339,7 @@ static void peer_close_socket(kvc_agent_t *a, kvc_peer_t *p)
  * a UCX callback: it does not call UCX; reap closes the endpoint later. */
 static void peer_fail(kvc_agent_t *a, kvc_peer_t *p, kvc_status_t st, const char *fmt, ...)
     __attribute__((format(printf, 4, 5)));
-static void peer_fail(kvc_agent_t *a, kvc_peer_t *p, kvc_status_t st, const char *fmt, ...)
-{
+static void peer_fail(kvc_agent_t *a, kvc_peer_t *p, kvc_status_t st, const char *fmt, ...) {
     if (p->state == PEER_DEAD) return;
     va_list ap;
     va_start(ap, fmt);
@@ -372,20 +355,17 @@ static void peer_fail(kvc_agent_t *a, kvc_peer_t *p, kvc_status_t st, const char
     kvc_wake(a);
 }
 
-void kvc_peer_abort(kvc_agent_t *a, kvc_peer_t *p, kvc_status_t st, const char *msg)
-{
+void kvc_peer_abort(kvc_agent_t *a, kvc_peer_t *p, kvc_status_t st, const char *msg) {
     peer_fail(a, p, st, "%s", msg);
 }
 
-static void ep_err_cb(void *arg, ucp_ep_h ep, ucs_status_t us)
-{
+static void ep_err_cb(void *arg, ucp_ep_h ep, ucs_status_t us) {
     kvc_peer_t *p = arg;
     peer_fail(p->a, p, KVC_ERR_PEER_FAILED, "endpoint to engine %s failed: %s",
               p->engine_id ? p->engine_id : "?", ucs_status_string(us));
 }
 
-static void peer_free(kvc_agent_t *a, kvc_peer_t *p)
-{
+static void peer_free(kvc_agent_t *a, kvc_peer_t *p) {
     peer_close_socket(a, p);
     free(p->rr);
     free(p->host);
@@ -393,8 +373,7 @@ static void peer_free(kvc_agent_t *a, kvc_peer_t *p)
     free(p);
 }
 
-static void peer_release_rkeys(kvc_peer_t *p)
-{
+static void peer_release_rkeys(kvc_peer_t *p) {
     for (uint32_t i = 0; p->rr && i < p->n_regions; i++)
         if (p->rr[i].rkey) {
             ucp_rkey_destroy(p->rr[i].rkey);
@@ -402,8 +381,7 @@ static void peer_release_rkeys(kvc_peer_t *p)
         }
 }
 
-static void *ep_close(kvc_peer_t *p)
-{
+static void *ep_close(kvc_peer_t *p) {
     ucp_request_param_t rp;
     memset(&rp, 0, sizeof(rp));
     rp.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
@@ -413,8 +391,7 @@ static void *ep_close(kvc_peer_t *p)
     return UCS_PTR_IS_PTR(req) ? req : NULL;
 }
 
-void kvc_peers_reap(kvc_agent_t *a)
-{
+void kvc_peers_reap(kvc_agent_t *a) {
     kvc_peer_t **pp = &a->peers;
     while (*pp) {
         kvc_peer_t *p = *pp;
@@ -439,8 +416,7 @@ void kvc_peers_reap(kvc_agent_t *a)
     }
 }
 
-void kvc_peers_destroy(kvc_agent_t *a)
-{
+void kvc_peers_destroy(kvc_agent_t *a) {
     for (kvc_peer_t *p = a->peers; p; p = p->next)
         if (p->ep) p->close_req = ep_close(p);
     /* Wait (bounded) for the closes so that cancelled requests call back now,
@@ -461,8 +437,7 @@ void kvc_peers_destroy(kvc_agent_t *a)
     }
 }
 
-void kvc_peers_timers(kvc_agent_t *a, uint64_t now, uint64_t *next)
-{
+void kvc_peers_timers(kvc_agent_t *a, uint64_t now, uint64_t *next) {
     for (kvc_peer_t *p = a->peers; p; p = p->next) {
         if (p->state != PEER_CONNECTING && p->state != PEER_HELLO) continue;
         if (now >= p->deadline_ns)
@@ -474,15 +449,14 @@ void kvc_peers_timers(kvc_agent_t *a, uint64_t now, uint64_t *next)
 }
 
 kvc_status_t kvc_peer_get(kvc_agent_t *a, const char *host, uint16_t port, const char *engine_id,
-                          kvc_peer_t **out)
-{
+                          kvc_peer_t **out) {
     for (kvc_peer_t *p = a->peers; p; p = p->next) {
         if (!p->linked || p->port != port || strcmp(p->host, host)) continue;
         if (p->state == PEER_READY && engine_id && strcmp(engine_id, p->engine_id)) {
             /* Another engine answers there now: a restart.  Stop using the old
              * entry; fetches still on it finish or fail on their own. */
-            KVC_LOG(a, KVC_LOG_INFO, "peer %s:%u: engine id changed %s -> %s, new handshake",
-                    host, port, p->engine_id, engine_id);
+            KVC_LOG(a, KVC_LOG_INFO, "peer %s:%u: engine id changed %s -> %s, new handshake", host,
+                    port, p->engine_id, engine_id);
             p->linked = false;
             continue;
         }
@@ -531,8 +505,7 @@ out:
     return KVC_OK;
 }
 
-static kvc_proto_t choose_proto(kvc_agent_t *a, kvc_peer_t *p)
-{
+static kvc_proto_t choose_proto(kvc_agent_t *a, kvc_peer_t *p) {
     bool shm = p->n_regions > 0;
     for (uint32_t i = 0; i < p->n_regions && shm; i++) {
         void *ptr = NULL;
@@ -551,8 +524,7 @@ static kvc_proto_t choose_proto(kvc_agent_t *a, kvc_peer_t *p)
 
 /* Logs which UCX transports the endpoint's lanes use ("tcp", "posix", ...):
  * tests check that the sm configuration really moves data over shared memory. */
-static void log_transports(kvc_agent_t *a, kvc_peer_t *p)
-{
+static void log_transports(kvc_agent_t *a, kvc_peer_t *p) {
     char *text = NULL, names[256] = "";
     size_t tlen = 0, nl = 0;
     FILE *f = open_memstream(&text, &tlen);
@@ -564,11 +536,14 @@ static void log_transports(kvc_agent_t *a, kvc_peer_t *p)
         char *c = strchr(s, ':');
         if (!c) break;
         c++;
-        while (*c == ' ') c++;
-        while (*c >= '0' && *c <= '9') c++;
+        while (*c == ' ')
+            c++;
+        while (*c >= '0' && *c <= '9')
+            c++;
         if (*c != ':') continue;
         char *tl = c + 1, *e = tl;
-        while (*e && *e != '/' && *e != ' ' && *e != '\n') e++;
+        while (*e && *e != '/' && *e != ' ' && *e != '\n')
+            e++;
         size_t k = (size_t)(e - tl);
         if (k == 0 || k > 32) continue;
         char tok[40];
@@ -584,8 +559,7 @@ static void log_transports(kvc_agent_t *a, kvc_peer_t *p)
     KVC_LOG(a, KVC_LOG_INFO, "peer %s:%u transports=%s", p->host, p->port, names[0] ? names : "?");
 }
 
-static kvc_status_t ep_create(kvc_agent_t *a, kvc_peer_t *p, const kvc_span_t *addr)
-{
+static kvc_status_t ep_create(kvc_agent_t *a, kvc_peer_t *p, const kvc_span_t *addr) {
     ucp_ep_params_t ep;
     memset(&ep, 0, sizeof(ep));
     ep.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
@@ -612,8 +586,7 @@ static kvc_status_t ep_create(kvc_agent_t *a, kvc_peer_t *p, const kvc_span_t *a
     return KVC_OK;
 }
 
-static void handshake_done(kvc_agent_t *a, kvc_peer_t *p, const uint8_t *body, size_t len)
-{
+static void handshake_done(kvc_agent_t *a, kvc_peer_t *p, const uint8_t *body, size_t len) {
     kvc_wire_hs_t hs;
     KVC_LOG(a, KVC_LOG_DEBUG, "peer %s:%u: handshake received (%zu bytes)", p->host, p->port, len);
     kvc_status_t st = kvc_wire_parse_handshake(body, len, &hs);
@@ -624,8 +597,8 @@ static void handshake_done(kvc_agent_t *a, kvc_peer_t *p, const uint8_t *body, s
     }
     int eid_len = (int)hs.engine_id.len;
     const char *eid = (const char *)hs.engine_id.p;
-    if (p->engine_id && (strlen(p->engine_id) != hs.engine_id.len ||
-                         memcmp(p->engine_id, eid, hs.engine_id.len))) {
+    if (p->engine_id &&
+        (strlen(p->engine_id) != hs.engine_id.len || memcmp(p->engine_id, eid, hs.engine_id.len))) {
         peer_fail(a, p, KVC_ERR_INCOMPATIBLE,
                   "engine id mismatch: kv_transfer_params name %s, %s:%u is %.*s", p->engine_id,
                   p->host, p->port, eid_len, eid);
@@ -683,7 +656,8 @@ static void handshake_done(kvc_agent_t *a, kvc_peer_t *p, const uint8_t *body, s
     p->state = PEER_READY;
     peer_close_socket(a, p);
     a->stats[KVC_STAT_HANDSHAKES]++;
-    KVC_LOG(a, KVC_LOG_INFO, "handshake with engine %s at %s:%u: regions=%u num_blocks=%llu proto=%s "
+    KVC_LOG(a, KVC_LOG_INFO,
+            "handshake with engine %s at %s:%u: regions=%u num_blocks=%llu proto=%s "
             "remote_memory=%s",
             p->engine_id, p->host, p->port, p->n_regions, (unsigned long long)p->num_blocks,
             p->proto == KVC_PROTO_GET ? "get" : "push", p->shm ? "shared-mapped" : "remote");
@@ -692,8 +666,7 @@ out:
     kvc_wire_hs_cleanup(&hs);
 }
 
-void kvc_peer_io(kvc_agent_t *a, kvc_peer_t *p, uint32_t events)
-{
+void kvc_peer_io(kvc_agent_t *a, kvc_peer_t *p, uint32_t events) {
     if (p->state == PEER_CONNECTING) {
         if (!(events & (EPOLLOUT | EPOLLERR | EPOLLHUP))) return;
         int err = 0;
@@ -742,8 +715,8 @@ void kvc_peer_io(kvc_agent_t *a, kvc_peer_t *p, uint32_t events)
                 return;
             }
             if (h.type != KVC_MSG_HANDSHAKE) {
-                peer_fail(a, p, KVC_ERR_PROTOCOL, "unexpected message type %u from %s:%u",
-                          h.type, p->host, p->port);
+                peer_fail(a, p, KVC_ERR_PROTOCOL, "unexpected message type %u from %s:%u", h.type,
+                          p->host, p->port);
                 return;
             }
             want = KVC_WIRE_HDR_LEN + h.body_len;

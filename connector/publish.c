@@ -8,15 +8,14 @@
 
 #define INITIAL_BUCKETS 1024
 
-static uint64_t hash(const char *s, size_t n)
-{
+static uint64_t hash(const char *s, size_t n) {
     uint64_t h = 1469598103934665603ull; /* FNV-1a */
-    for (size_t i = 0; i < n; i++) h = (h ^ (uint8_t)s[i]) * 1099511628211ull;
+    for (size_t i = 0; i < n; i++)
+        h = (h ^ (uint8_t)s[i]) * 1099511628211ull;
     return h;
 }
 
-kvc_status_t kvc_pubtab_init(kvc_pubtab_t *t)
-{
+kvc_status_t kvc_pubtab_init(kvc_pubtab_t *t) {
     memset(t, 0, sizeof(*t));
     t->buckets = calloc(INITIAL_BUCKETS, sizeof(*t->buckets));
     if (!t->buckets) return KVC_ERR_NO_MEMORY;
@@ -24,16 +23,14 @@ kvc_status_t kvc_pubtab_init(kvc_pubtab_t *t)
     return KVC_OK;
 }
 
-void kvc_pub_free(kvc_pub_t *p)
-{
+void kvc_pub_free(kvc_pub_t *p) {
     if (!p) return;
     free(p->id);
     free(p->blocks);
     free(p);
 }
 
-void kvc_pubtab_cleanup(kvc_pubtab_t *t)
-{
+void kvc_pubtab_cleanup(kvc_pubtab_t *t) {
     for (size_t i = 0; t->buckets && i < t->nbuckets; i++) {
         kvc_pub_t *p = t->buckets[i];
         while (p) {
@@ -46,15 +43,13 @@ void kvc_pubtab_cleanup(kvc_pubtab_t *t)
     memset(t, 0, sizeof(*t));
 }
 
-kvc_pub_t *kvc_pubtab_find(kvc_pubtab_t *t, const char *id, size_t len)
-{
+kvc_pub_t *kvc_pubtab_find(kvc_pubtab_t *t, const char *id, size_t len) {
     for (kvc_pub_t *p = t->buckets[hash(id, len) % t->nbuckets]; p; p = p->hnext)
         if (strlen(p->id) == len && !memcmp(p->id, id, len)) return p;
     return NULL;
 }
 
-static void grow(kvc_pubtab_t *t)
-{
+static void grow(kvc_pubtab_t *t) {
     size_t nb = t->nbuckets * 2;
     kvc_pub_t **b = calloc(nb, sizeof(*b));
     if (!b) return; /* keep the longer chains */
@@ -73,8 +68,7 @@ static void grow(kvc_pubtab_t *t)
     t->nbuckets = nb;
 }
 
-void kvc_pubtab_insert(kvc_pubtab_t *t, kvc_pub_t *p)
-{
+void kvc_pubtab_insert(kvc_pubtab_t *t, kvc_pub_t *p) {
     if (t->count >= t->nbuckets) grow(t);
     size_t k = hash(p->id, strlen(p->id)) % t->nbuckets;
     p->hnext = t->buckets[k];
@@ -83,10 +77,10 @@ void kvc_pubtab_insert(kvc_pubtab_t *t, kvc_pub_t *p)
     kvc_expiry_insert(t, p);
 }
 
-void kvc_pubtab_remove(kvc_pubtab_t *t, kvc_pub_t *p)
-{
+void kvc_pubtab_remove(kvc_pubtab_t *t, kvc_pub_t *p) {
     kvc_pub_t **pp = &t->buckets[hash(p->id, strlen(p->id)) % t->nbuckets];
-    while (*pp && *pp != p) pp = &(*pp)->hnext;
+    while (*pp && *pp != p)
+        pp = &(*pp)->hnext;
     if (*pp) {
         *pp = p->hnext;
         t->count--;
@@ -96,8 +90,7 @@ void kvc_pubtab_remove(kvc_pubtab_t *t, kvc_pub_t *p)
 }
 
 kvc_status_t kvc_publish(kvc_agent_t *a, const char *request_id, const uint64_t *block_ids,
-                         size_t n, const kvc_publish_params_t *params, char **json_out)
-{
+                         size_t n, const kvc_publish_params_t *params, char **json_out) {
     if (!a || !request_id || !json_out || (n && !block_ids)) return KVC_ERR_INVALID_PARAM;
     size_t idlen = strlen(request_id);
     if (idlen == 0 || idlen > KVC_WIRE_MAX_STR || !kvc_printable(request_id, idlen))
@@ -151,8 +144,7 @@ err_pub:
     return st;
 }
 
-kvc_status_t kvc_unpublish(kvc_agent_t *a, const char *request_id)
-{
+kvc_status_t kvc_unpublish(kvc_agent_t *a, const char *request_id) {
     if (!a || !request_id) return KVC_ERR_INVALID_PARAM;
     kvc_pub_t *p = kvc_pubtab_find(&a->pubs, request_id, strlen(request_id));
     if (!p) return KVC_ERR_NOT_FOUND;

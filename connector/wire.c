@@ -21,13 +21,11 @@
 
 /* String copies (here with the parsers, which need them and are built alone
  * into the fuzzers). */
-char *kvc_strdup(const char *s)
-{
+char *kvc_strdup(const char *s) {
     return s ? kvc_strndup(s, strlen(s)) : NULL;
 }
 
-char *kvc_strndup(const char *s, size_t n)
-{
+char *kvc_strndup(const char *s, size_t n) {
     char *d = malloc(n + 1);
     if (!d) return NULL;
     memcpy(d, s, n);
@@ -35,18 +33,17 @@ char *kvc_strndup(const char *s, size_t n)
     return d;
 }
 
-void kvc_buf_cleanup(kvc_buf_t *b)
-{
+void kvc_buf_cleanup(kvc_buf_t *b) {
     free(b->p);
     memset(b, 0, sizeof(*b));
 }
 
-void kvc_buf_put(kvc_buf_t *b, const void *p, size_t n)
-{
+void kvc_buf_put(kvc_buf_t *b, const void *p, size_t n) {
     if (b->failed || n == 0) return;
     if (b->len + n > b->cap) {
         size_t cap = b->cap ? b->cap : 256;
-        while (cap < b->len + n) cap *= 2;
+        while (cap < b->len + n)
+            cap *= 2;
         uint8_t *np = realloc(b->p, cap);
         if (!np) {
             b->failed = true;
@@ -59,33 +56,30 @@ void kvc_buf_put(kvc_buf_t *b, const void *p, size_t n)
     b->len += n;
 }
 
-void kvc_buf_u8(kvc_buf_t *b, uint8_t v)
-{
+void kvc_buf_u8(kvc_buf_t *b, uint8_t v) {
     kvc_buf_put(b, &v, 1);
 }
 
-void kvc_buf_u16(kvc_buf_t *b, uint16_t v)
-{
+void kvc_buf_u16(kvc_buf_t *b, uint16_t v) {
     uint8_t x[2] = {(uint8_t)v, (uint8_t)(v >> 8)};
     kvc_buf_put(b, x, 2);
 }
 
-void kvc_buf_u32(kvc_buf_t *b, uint32_t v)
-{
+void kvc_buf_u32(kvc_buf_t *b, uint32_t v) {
     uint8_t x[4];
-    for (int i = 0; i < 4; i++) x[i] = (uint8_t)(v >> (8 * i));
+    for (int i = 0; i < 4; i++)
+        x[i] = (uint8_t)(v >> (8 * i));
     kvc_buf_put(b, x, 4);
 }
 
-void kvc_buf_u64(kvc_buf_t *b, uint64_t v)
-{
+void kvc_buf_u64(kvc_buf_t *b, uint64_t v) {
     uint8_t x[8];
-    for (int i = 0; i < 8; i++) x[i] = (uint8_t)(v >> (8 * i));
+    for (int i = 0; i < 8; i++)
+        x[i] = (uint8_t)(v >> (8 * i));
     kvc_buf_put(b, x, 8);
 }
 
-static void put_str16(kvc_buf_t *b, const void *s, size_t n)
-{
+static void put_str16(kvc_buf_t *b, const void *s, size_t n) {
     if (n > KVC_WIRE_MAX_STR) {
         b->failed = true;
         return;
@@ -94,8 +88,7 @@ static void put_str16(kvc_buf_t *b, const void *s, size_t n)
     kvc_buf_put(b, s, n);
 }
 
-static void put_blob32(kvc_buf_t *b, const void *s, size_t n)
-{
+static void put_blob32(kvc_buf_t *b, const void *s, size_t n) {
     if (n > KVC_WIRE_MAX_BLOB) {
         b->failed = true;
         return;
@@ -111,8 +104,7 @@ typedef struct {
     bool bad;
 } rd_t;
 
-static bool rd_need(rd_t *r, size_t n)
-{
+static bool rd_need(rd_t *r, size_t n) {
     if (r->bad || r->len - r->off < n) {
         r->bad = true;
         return false;
@@ -120,17 +112,16 @@ static bool rd_need(rd_t *r, size_t n)
     return true;
 }
 
-static uint64_t rd_uint(rd_t *r, int bytes)
-{
+static uint64_t rd_uint(rd_t *r, int bytes) {
     if (!rd_need(r, (size_t)bytes)) return 0;
     uint64_t v = 0;
-    for (int i = 0; i < bytes; i++) v |= (uint64_t)r->p[r->off + i] << (8 * i);
+    for (int i = 0; i < bytes; i++)
+        v |= (uint64_t)r->p[r->off + i] << (8 * i);
     r->off += (size_t)bytes;
     return v;
 }
 
-static kvc_span_t rd_span(rd_t *r, size_t n)
-{
+static kvc_span_t rd_span(rd_t *r, size_t n) {
     kvc_span_t s = {NULL, 0};
     if (!rd_need(r, n)) return s;
     s.p = r->p + r->off;
@@ -139,30 +130,26 @@ static kvc_span_t rd_span(rd_t *r, size_t n)
     return s;
 }
 
-static kvc_span_t rd_str16(rd_t *r)
-{
+static kvc_span_t rd_str16(rd_t *r) {
     size_t n = (size_t)rd_uint(r, 2);
     if (n > KVC_WIRE_MAX_STR) r->bad = true;
     return rd_span(r, n);
 }
 
-static kvc_span_t rd_blob32(rd_t *r)
-{
+static kvc_span_t rd_blob32(rd_t *r) {
     size_t n = (size_t)rd_uint(r, 4);
     if (n > KVC_WIRE_MAX_BLOB) r->bad = true;
     return rd_span(r, n);
 }
 
-bool kvc_printable(const char *s, size_t len)
-{
+bool kvc_printable(const char *s, size_t len) {
     for (size_t i = 0; i < len; i++)
         if ((unsigned char)s[i] < 0x20 || (unsigned char)s[i] > 0x7e) return false;
     return true;
 }
 
 kvc_status_t kvc_wire_parse_hdr(const uint8_t *b, size_t len, uint32_t max_body,
-                                kvc_wire_hdr_t *h)
-{
+                                kvc_wire_hdr_t *h) {
     rd_t r = {b, len, 0, false};
     if (len < 4) return KVC_AGAIN;
     if (rd_uint(&r, 4) != KVC_WIRE_MAGIC) return KVC_ERR_PROTOCOL;
@@ -176,28 +163,26 @@ kvc_status_t kvc_wire_parse_hdr(const uint8_t *b, size_t len, uint32_t max_body,
     return KVC_OK;
 }
 
-static void put_hdr(kvc_buf_t *b, uint16_t version, uint16_t type)
-{
+static void put_hdr(kvc_buf_t *b, uint16_t version, uint16_t type) {
     kvc_buf_u32(b, KVC_WIRE_MAGIC);
     kvc_buf_u16(b, version);
     kvc_buf_u16(b, type);
     kvc_buf_u32(b, 0); /* body length, patched by end_msg */
 }
 
-static void end_msg(kvc_buf_t *b, size_t start)
-{
+static void end_msg(kvc_buf_t *b, size_t start) {
     if (b->failed) return;
     size_t body = b->len - start - KVC_WIRE_HDR_LEN;
     if (body > KVC_WIRE_MAX_BODY) {
         b->failed = true;
         return;
     }
-    for (int i = 0; i < 4; i++) b->p[start + 8 + i] = (uint8_t)(body >> (8 * i));
+    for (int i = 0; i < 4; i++)
+        b->p[start + 8 + i] = (uint8_t)(body >> (8 * i));
 }
 
 void kvc_wire_encode_hello(kvc_buf_t *b, uint16_t version, const char *engine_id,
-                           const void *worker_addr, size_t addr_len)
-{
+                           const void *worker_addr, size_t addr_len) {
     size_t start = b->len;
     put_hdr(b, version, KVC_MSG_HELLO);
     put_str16(b, engine_id, strlen(engine_id));
@@ -206,8 +191,7 @@ void kvc_wire_encode_hello(kvc_buf_t *b, uint16_t version, const char *engine_id
 }
 
 kvc_status_t kvc_wire_parse_hello(const uint8_t *body, size_t len, kvc_span_t *engine_id,
-                                  kvc_span_t *worker_addr)
-{
+                                  kvc_span_t *worker_addr) {
     rd_t r = {body, len, 0, false};
     kvc_span_t id = rd_str16(&r);
     kvc_span_t addr = {NULL, 0};
@@ -219,8 +203,7 @@ kvc_status_t kvc_wire_parse_hello(const uint8_t *body, size_t len, kvc_span_t *e
     return KVC_OK;
 }
 
-void kvc_wire_encode_handshake(kvc_buf_t *b, uint16_t version, const kvc_wire_hs_t *hs)
-{
+void kvc_wire_encode_handshake(kvc_buf_t *b, uint16_t version, const kvc_wire_hs_t *hs) {
     size_t start = b->len;
     put_hdr(b, version, KVC_MSG_HANDSHAKE);
     put_str16(b, hs->engine_id.p, hs->engine_id.len);
@@ -246,8 +229,7 @@ void kvc_wire_encode_handshake(kvc_buf_t *b, uint16_t version, const kvc_wire_hs
 /* Smallest encoding of one region entry: 3 u64 + 2 u8 + empty blob32. */
 #define REGION_MIN_BYTES (8 * 3 + 2 + 4)
 
-kvc_status_t kvc_wire_parse_handshake(const uint8_t *body, size_t len, kvc_wire_hs_t *hs)
-{
+kvc_status_t kvc_wire_parse_handshake(const uint8_t *body, size_t len, kvc_wire_hs_t *hs) {
     rd_t r = {body, len, 0, false};
     kvc_wire_hs_t t;
     memset(&t, 0, sizeof(t));
@@ -275,9 +257,9 @@ kvc_status_t kvc_wire_parse_handshake(const uint8_t *body, size_t len, kvc_wire_
         rg->rkey = rd_blob32(&r);
         /* Geometry must be self-consistent: len == num_blocks * block_len
          * without overflow, and the region must not wrap the address space. */
-        if (!r.bad && (rg->block_len == 0 || t.num_blocks == 0 ||
-                       rg->block_len > UINT64_MAX / t.num_blocks ||
-                       rg->block_len * t.num_blocks != rg->len || rg->base > UINT64_MAX - rg->len))
+        if (!r.bad &&
+            (rg->block_len == 0 || t.num_blocks == 0 || rg->block_len > UINT64_MAX / t.num_blocks ||
+             rg->block_len * t.num_blocks != rg->len || rg->base > UINT64_MAX - rg->len))
             r.bad = true;
     }
     if (r.bad || r.off != len || !kvc_printable((const char *)t.engine_id.p, t.engine_id.len) ||
@@ -289,8 +271,7 @@ kvc_status_t kvc_wire_parse_handshake(const uint8_t *body, size_t len, kvc_wire_
     return KVC_OK;
 }
 
-void kvc_wire_hs_cleanup(kvc_wire_hs_t *hs)
-{
+void kvc_wire_hs_cleanup(kvc_wire_hs_t *hs) {
     free(hs->regions);
     memset(hs, 0, sizeof(*hs));
 }
@@ -298,8 +279,7 @@ void kvc_wire_hs_cleanup(kvc_wire_hs_t *hs)
 #define PULL_FIXED 16
 #define RUN_BYTES 24
 
-void kvc_wire_encode_pull(kvc_buf_t *b, uint64_t xfer_id, const kvc_run_t *runs, size_t n)
-{
+void kvc_wire_encode_pull(kvc_buf_t *b, uint64_t xfer_id, const kvc_run_t *runs, size_t n) {
     if (n > UINT32_MAX) {
         b->failed = true;
         return;
@@ -316,8 +296,7 @@ void kvc_wire_encode_pull(kvc_buf_t *b, uint64_t xfer_id, const kvc_run_t *runs,
 }
 
 kvc_status_t kvc_wire_parse_pull(const uint8_t *p, size_t len, uint64_t *xfer_id, kvc_run_t **runs,
-                                 size_t *n)
-{
+                                 size_t *n) {
     rd_t r = {p, len, 0, false};
     uint16_t ver = (uint16_t)rd_uint(&r, 2);
     (void)rd_uint(&r, 2);
@@ -342,8 +321,7 @@ kvc_status_t kvc_wire_parse_pull(const uint8_t *p, size_t len, uint64_t *xfer_id
     return KVC_OK;
 }
 
-void kvc_wire_encode_data_hdr(uint8_t out[KVC_WIRE_DATA_HDR_LEN], const kvc_wire_data_hdr_t *h)
-{
+void kvc_wire_encode_data_hdr(uint8_t out[KVC_WIRE_DATA_HDR_LEN], const kvc_wire_data_hdr_t *h) {
     kvc_buf_t b = {0};
     kvc_buf_u64(&b, h->xfer_id);
     kvc_buf_u32(&b, h->region);
@@ -357,8 +335,7 @@ void kvc_wire_encode_data_hdr(uint8_t out[KVC_WIRE_DATA_HDR_LEN], const kvc_wire
     kvc_buf_cleanup(&b);
 }
 
-kvc_status_t kvc_wire_parse_data_hdr(const uint8_t *p, size_t len, kvc_wire_data_hdr_t *h)
-{
+kvc_status_t kvc_wire_parse_data_hdr(const uint8_t *p, size_t len, kvc_wire_data_hdr_t *h) {
     if (!p || len != KVC_WIRE_DATA_HDR_LEN) return KVC_ERR_PROTOCOL;
     rd_t r = {p, len, 0, false};
     kvc_wire_data_hdr_t t;
@@ -371,8 +348,7 @@ kvc_status_t kvc_wire_parse_data_hdr(const uint8_t *p, size_t len, kvc_wire_data
     return KVC_OK;
 }
 
-void kvc_wire_encode_notify(kvc_buf_t *b, const char *request_id, uint32_t tp)
-{
+void kvc_wire_encode_notify(kvc_buf_t *b, const char *request_id, uint32_t tp) {
     char num[16];
     int k = 0;
     char tmp[16];
@@ -380,14 +356,14 @@ void kvc_wire_encode_notify(kvc_buf_t *b, const char *request_id, uint32_t tp)
         tmp[k++] = (char)('0' + tp % 10);
         tp /= 10;
     } while (tp);
-    for (int i = 0; i < k; i++) num[i] = tmp[k - 1 - i];
+    for (int i = 0; i < k; i++)
+        num[i] = tmp[k - 1 - i];
     kvc_buf_put(b, request_id, strlen(request_id));
     kvc_buf_u8(b, ':');
     kvc_buf_put(b, num, (size_t)k);
 }
 
-kvc_status_t kvc_wire_parse_notify(const uint8_t *p, size_t len, kvc_span_t *id, uint32_t *tp)
-{
+kvc_status_t kvc_wire_parse_notify(const uint8_t *p, size_t len, kvc_span_t *id, uint32_t *tp) {
     if (!p || len == 0 || len > KVC_WIRE_MAX_NOTIFY) return KVC_ERR_PROTOCOL;
     size_t colon = len;
     for (size_t i = len; i-- > 0;)
@@ -412,8 +388,7 @@ kvc_status_t kvc_wire_parse_notify(const uint8_t *p, size_t len, kvc_span_t *id,
 }
 
 kvc_status_t kvc_coalesce(const uint64_t *remote, const uint64_t *local, size_t n, kvc_run_t **runs,
-                          size_t *nruns)
-{
+                          size_t *nruns) {
     if (n == 0) {
         *runs = NULL;
         *nruns = 0;

@@ -75,26 +75,26 @@ extern "C" {
 /** Status codes.  Values are stable and never renumbered. */
 typedef enum {
     KVC_OK = 0,
-    KVC_INPROGRESS = 1,       /**< started; the outcome arrives as an event */
-    KVC_AGAIN = 2,            /**< nothing to report now (kvc_agent_next_event) */
+    KVC_INPROGRESS = 1, /**< started; the outcome arrives as an event */
+    KVC_AGAIN = 2,      /**< nothing to report now (kvc_agent_next_event) */
     KVC_ERR_NO_MEMORY = -1,
     KVC_ERR_INVALID_PARAM = -2,
-    KVC_ERR_UNREACHABLE = -3, /**< side channel: connect/handshake failed or timed out */
-    KVC_ERR_TIMED_OUT = -4,   /**< a fetch's data did not land within xfer_timeout_ms; the
-                                   producer is then treated as failed (all its fetches fail,
-                                   the next fetch handshakes again) */
-    KVC_ERR_VERSION = -5,     /**< peer speaks another handshake wire version */
+    KVC_ERR_UNREACHABLE = -3,  /**< side channel: connect/handshake failed or timed out */
+    KVC_ERR_TIMED_OUT = -4,    /**< a fetch's data did not land within xfer_timeout_ms; the
+                                    producer is then treated as failed (all its fetches fail,
+                                    the next fetch handshakes again) */
+    KVC_ERR_VERSION = -5,      /**< peer speaks another handshake wire version */
     KVC_ERR_INCOMPATIBLE = -6, /**< layout tag, region count or block geometry differ */
     KVC_ERR_NOT_FOUND = -7,
-    KVC_ERR_EXISTS = -8,      /**< e.g. a request id already published */
-    KVC_ERR_PROTOCOL = -9,    /**< malformed message from a peer */
+    KVC_ERR_EXISTS = -8,       /**< e.g. a request id already published */
+    KVC_ERR_PROTOCOL = -9,     /**< malformed message from a peer */
     KVC_ERR_PEER_FAILED = -10, /**< peer died or its endpoint failed mid-transfer */
-    KVC_ERR_CANCELED = -11,   /**< agent destroyed with the transfer in flight */
-    KVC_ERR_TRANSPORT = -12,  /**< UCX reported an error */
-    KVC_ERR_IO = -13,         /**< socket or system call failure */
+    KVC_ERR_CANCELED = -11,    /**< agent destroyed with the transfer in flight */
+    KVC_ERR_TRANSPORT = -12,   /**< UCX reported an error */
+    KVC_ERR_IO = -13,          /**< socket or system call failure */
     KVC_ERR_UNSUPPORTED = -14, /**< e.g. CUDA region in a build without CUDA */
-    KVC_ERR_NO_DEVICE = -15,  /**< CUDA built in but no usable device */
-    KVC_ERR_STATE = -16,      /**< call not valid now (e.g. regions not registered) */
+    KVC_ERR_NO_DEVICE = -15,   /**< CUDA built in but no usable device */
+    KVC_ERR_STATE = -16,       /**< call not valid now (e.g. regions not registered) */
 } kvc_status_t;
 
 /** Static string naming `st` ("KVC_ERR_UNREACHABLE" style); never NULL. */
@@ -252,8 +252,8 @@ enum {
 
 typedef struct {
     uint64_t field_mask;
-    uint32_t expiry_ms;  /**< default: the agent's expiry_ms */
-    uint64_t user_data;  /**< echoed in this request's events */
+    uint32_t expiry_ms; /**< default: the agent's expiry_ms */
+    uint64_t user_data; /**< echoed in this request's events */
 } kvc_publish_params_t;
 
 /**
@@ -270,9 +270,8 @@ typedef struct {
  * range; nothing is touched); KVC_ERR_EXISTS (id already published);
  * KVC_ERR_STATE (no regions); KVC_ERR_NO_MEMORY.
  */
-KVC_API kvc_status_t kvc_publish(kvc_agent_t *a, const char *request_id,
-                                 const uint64_t *block_ids, size_t n,
-                                 const kvc_publish_params_t *params, char **json_out);
+KVC_API kvc_status_t kvc_publish(kvc_agent_t *a, const char *request_id, const uint64_t *block_ids,
+                                 size_t n, const kvc_publish_params_t *params, char **json_out);
 
 /** Releases a published request early, without an event (e.g. the engine
  * aborted it).  KVC_OK or KVC_ERR_NOT_FOUND. */
@@ -281,8 +280,8 @@ KVC_API kvc_status_t kvc_unpublish(kvc_agent_t *a, const char *request_id);
 /* ------------------------------------------------------------- consumer -- */
 
 enum {
-    KVC_FETCH_FIELD_JSON = 1u << 0,       /**< kv_transfer_params as JSON text */
-    KVC_FETCH_FIELD_REMOTE = 1u << 1,     /**< the remote_* fields below */
+    KVC_FETCH_FIELD_JSON = 1u << 0,   /**< kv_transfer_params as JSON text */
+    KVC_FETCH_FIELD_REMOTE = 1u << 1, /**< the remote_* fields below */
     KVC_FETCH_FIELD_LOCAL_BLOCKS = 1u << 2,
     KVC_FETCH_FIELD_USER_DATA = 1u << 3,
 };
@@ -315,16 +314,15 @@ typedef struct {
  * regions); KVC_ERR_NO_MEMORY.  Remote block ids out of the producer's range
  * fail the fetch (event, KVC_ERR_INVALID_PARAM) before any data moves.
  */
-KVC_API kvc_status_t kvc_fetch(kvc_agent_t *a, const kvc_fetch_params_t *params,
-                               uint64_t *xfer_id);
+KVC_API kvc_status_t kvc_fetch(kvc_agent_t *a, const kvc_fetch_params_t *params, uint64_t *xfer_id);
 
 /* --------------------------------------------------------------- events -- */
 
 typedef enum {
-    KVC_EV_FETCH_DONE = 1,   /**< consumer: all blocks landed, producer notified */
-    KVC_EV_FETCH_FAILED = 2, /**< consumer: status says why; message has details */
-    KVC_EV_RELEASED = 3,     /**< producer: consumer notified; blocks are free */
-    KVC_EV_EXPIRED = 4,      /**< producer: not claimed in time; blocks are free */
+    KVC_EV_FETCH_DONE = 1,     /**< consumer: all blocks landed, producer notified */
+    KVC_EV_FETCH_FAILED = 2,   /**< consumer: status says why; message has details */
+    KVC_EV_RELEASED = 3,       /**< producer: consumer notified; blocks are free */
+    KVC_EV_EXPIRED = 4,        /**< producer: not claimed in time; blocks are free */
     KVC_EV_UNKNOWN_NOTIFY = 5, /**< producer: notification for an unknown id */
 } kvc_event_type_t;
 
@@ -339,8 +337,8 @@ typedef struct {
     const uint64_t *block_ids; /**< producer events: the published blocks;
                                     consumer: local blocks. Borrowed as above */
     size_t num_blocks;
-    uint64_t bytes;            /**< FETCH_DONE: bytes moved */
-    const char *message;       /**< human-readable detail, borrowed as above */
+    uint64_t bytes;      /**< FETCH_DONE: bytes moved */
+    const char *message; /**< human-readable detail, borrowed as above */
 } kvc_event_t;
 
 /** Pops the next event.  KVC_OK: *ev filled; KVC_AGAIN: none queued. */
@@ -356,7 +354,7 @@ typedef enum {
     KVC_STAT_FETCH_DONE = 4,
     KVC_STAT_FETCH_FAILED = 5,
     KVC_STAT_BYTES_FETCHED = 6,
-    KVC_STAT_HANDSHAKES = 7,   /**< handshakes done by this consumer */
+    KVC_STAT_HANDSHAKES = 7,    /**< handshakes done by this consumer */
     KVC_STAT_PUBLISHED_NOW = 8, /**< requests currently published */
 } kvc_stat_t;
 

@@ -6,8 +6,7 @@
 
 #include "kvc_int.h"
 
-int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
-{
+int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     uint8_t *buf = malloc(size ? size : 1);
     if (!buf) return 0;
     memcpy(buf, data, size);

@@ -6,8 +6,7 @@
 
 #include "kvc_int.h"
 
-int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
-{
+int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     if (size == 0) return 0;
     uint8_t sel = data[0];
     size--;

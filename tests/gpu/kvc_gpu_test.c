@@ -14,13 +14,11 @@
 #define NBLOCKS 256
 #define BLOCK (64 << 10)
 
-static uint8_t pat(int r, uint64_t b, size_t i)
-{
+static uint8_t pat(int r, uint64_t b, size_t i) {
     return (uint8_t)(r * 131 + b * 7 + i * 13 + (i >> 9));
 }
 
-static kvc_agent_t *agent(const char *name, void **dev)
-{
+static kvc_agent_t *agent(const char *name, void **dev) {
     kvc_agent_params_t ap = {.field_mask = KVC_AGENT_FIELD_ENGINE_ID, .engine_id = name};
     kvc_agent_t *a;
     if (kvc_agent_create(&ap, &a) != KVC_OK) return NULL;
@@ -41,12 +39,12 @@ static kvc_agent_t *agent(const char *name, void **dev)
     return a;
 }
 
-int main(void)
-{
+int main(void) {
     int n = 0;
     cudaError_t ce = cudaGetDeviceCount(&n);
     if (ce != cudaSuccess || n == 0) {
-        printf("SKIP: no CUDA device (%s)\n", ce == cudaSuccess ? "count 0" : cudaGetErrorString(ce));
+        printf("SKIP: no CUDA device (%s)\n",
+               ce == cudaSuccess ? "count 0" : cudaGetErrorString(ce));
         return 77;
     }
     size_t len = (size_t)NBLOCKS * BLOCK;
@@ -58,7 +56,8 @@ int main(void)
             return 1;
         }
         for (uint64_t b = 0; b < NBLOCKS; b++)
-            for (size_t i = 0; i < BLOCK; i++) host[b * BLOCK + i] = pat(r, b, i);
+            for (size_t i = 0; i < BLOCK; i++)
+                host[b * BLOCK + i] = pat(r, b, i);
         cudaMemcpy(pdev[r], host, len, cudaMemcpyHostToDevice);
         cudaMemset(ddev[r], 0, len);
     }
@@ -98,7 +97,8 @@ int main(void)
             }
             done |= ev.type == KVC_EV_FETCH_DONE;
         }
-        while (kvc_agent_next_event(P, &ev) == KVC_OK) released |= ev.type == KVC_EV_RELEASED;
+        while (kvc_agent_next_event(P, &ev) == KVC_OK)
+            released |= ev.type == KVC_EV_RELEASED;
     }
     if (!done || !released) {
         fprintf(stderr, "timed out: done=%d released=%d\n", done, released);

@@ -30,16 +30,14 @@ static size_t nreg = 1, block_len = 4096;
 static uint64_t nblocks = 64;
 static void *user_mem[64];
 
-static uint64_t mix(uint64_t x)
-{
+static uint64_t mix(uint64_t x) {
     x += 0x9e3779b97f4a7c15ull;
     x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
     x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
     return x ^ (x >> 31);
 }
 
-static void pattern(uint64_t seed, size_t r, uint64_t b, uint8_t *out)
-{
+static void pattern(uint64_t seed, size_t r, uint64_t b, uint8_t *out) {
     uint64_t base = mix(seed ^ ((uint64_t)r << 48) ^ (b << 8));
     for (size_t i = 0; i < block_len; i += 8) {
         uint64_t v = mix(base + i);
@@ -48,19 +46,18 @@ static void pattern(uint64_t seed, size_t r, uint64_t b, uint8_t *out)
     }
 }
 
-static uint8_t *block_ptr(size_t r, uint64_t b)
-{
+static uint8_t *block_ptr(size_t r, uint64_t b) {
     void *base;
     if (kvc_region_base(agent, r, &base) != KVC_OK) return NULL;
     return (uint8_t *)base + b * block_len;
 }
 
-static size_t parse_ids(const char *s, uint64_t **out)
-{
+static size_t parse_ids(const char *s, uint64_t **out) {
     *out = NULL;
     if (!s || !strcmp(s, "-")) return 0;
     size_t n = 1;
-    for (const char *p = s; *p; p++) n += *p == ',';
+    for (const char *p = s; *p; p++)
+        n += *p == ',';
     uint64_t *v = calloc(n, sizeof(*v));
     if (!v) return 0;
     char *end;
@@ -72,24 +69,23 @@ static size_t parse_ids(const char *s, uint64_t **out)
     return n;
 }
 
-static void print_events(void)
-{
-    static const char *names[] = {"?", "FETCH_DONE", "FETCH_FAILED", "RELEASED", "EXPIRED",
-                                  "UNKNOWN_NOTIFY"};
+static void print_events(void) {
+    static const char *names[] = {"?",        "FETCH_DONE", "FETCH_FAILED",
+                                  "RELEASED", "EXPIRED",    "UNKNOWN_NOTIFY"};
     kvc_event_t ev;
     while (kvc_agent_next_event(agent, &ev) == KVC_OK) {
         printf("EVENT %s status=%s xfer=%llu req=%s n=%zu bytes=%llu msg=%s\n",
                names[ev.type <= 5 ? ev.type : 0], kvc_status_str(ev.status),
-               (unsigned long long)ev.xfer_id, ev.request_id ? ev.request_id : "-",
-               ev.num_blocks, (unsigned long long)ev.bytes, ev.message);
+               (unsigned long long)ev.xfer_id, ev.request_id ? ev.request_id : "-", ev.num_blocks,
+               (unsigned long long)ev.bytes, ev.message);
     }
     fflush(stdout);
 }
 
-static void stat_line(void)
-{
-    static const char *k[] = {"published", "released", "expired", "unknown", "fetch_done",
-                              "fetch_failed", "bytes", "handshakes", "published_now"};
+static void stat_line(void) {
+    static const char *k[] = {"published", "released",   "expired",
+                              "unknown",   "fetch_done", "fetch_failed",
+                              "bytes",     "handshakes", "published_now"};
     printf("STAT");
     for (int i = 0; i <= KVC_STAT_PUBLISHED_NOW; i++) {
         uint64_t v = 0;
@@ -100,8 +96,7 @@ static void stat_line(void)
 }
 
 /* Returns 0 to go on, 1 to quit. */
-static int command(char *line)
-{
+static int command(char *line) {
     char *save = NULL;
     char *cmd = strtok_r(line, " \n", &save);
     if (!cmd) return 0;
@@ -186,8 +181,7 @@ static int command(char *line)
     return 0;
 }
 
-int main(int argc, char **argv)
-{
+int main(int argc, char **argv) {
     kvc_agent_params_t ap = {0};
     ap.field_mask = KVC_AGENT_FIELD_ENGINE_ID;
     bool user = false;
@@ -198,10 +192,14 @@ int main(int argc, char **argv)
             continue;
         }
         const char *v = argv[++i];
-        if (!strcmp(k, "--engine")) ap.engine_id = v;
-        else if (!strcmp(k, "--regions")) nreg = strtoul(v, NULL, 10);
-        else if (!strcmp(k, "--blocks")) nblocks = strtoull(v, NULL, 10);
-        else if (!strcmp(k, "--block-len")) block_len = strtoul(v, NULL, 10);
+        if (!strcmp(k, "--engine"))
+            ap.engine_id = v;
+        else if (!strcmp(k, "--regions"))
+            nreg = strtoul(v, NULL, 10);
+        else if (!strcmp(k, "--blocks"))
+            nblocks = strtoull(v, NULL, 10);
+        else if (!strcmp(k, "--block-len"))
+            block_len = strtoul(v, NULL, 10);
         else if (!strcmp(k, "--port")) {
             ap.field_mask |= KVC_AGENT_FIELD_LISTEN_PORT;
             ap.listen_port = (uint16_t)atoi(v);
@@ -278,6 +276,7 @@ int main(int argc, char **argv)
         }
     }
     kvc_agent_destroy(agent);
-    for (size_t r = 0; r < nreg; r++) free(user_mem[r]);
+    for (size_t r = 0; r < nreg; r++)
+        free(user_mem[r]);
     return rc;
 }

@@ -4,20 +4,20 @@
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdint.h>
+/* cmocka needs the headers above first */
 #include <cmocka.h>
+
 #include <stdlib.h>
 #include <string.h>
 
 #include "kvc_int.h"
 
 static int log_lines;
-static void quiet_log(void *arg, kvc_log_level_t level, const char *msg)
-{
+static void quiet_log(void *arg, kvc_log_level_t level, const char *msg) {
     log_lines++;
 }
 
-static kvc_agent_t *mk_agent(uint32_t expiry_ms)
-{
+static kvc_agent_t *mk_agent(uint32_t expiry_ms) {
     kvc_agent_params_t p = {0};
     p.field_mask = KVC_AGENT_FIELD_ENGINE_ID | KVC_AGENT_FIELD_LOG | KVC_AGENT_FIELD_EXPIRY;
     p.engine_id = "unit-P";
@@ -29,14 +29,12 @@ static kvc_agent_t *mk_agent(uint32_t expiry_ms)
     return a;
 }
 
-static void regions(kvc_agent_t *a)
-{
+static void regions(kvc_agent_t *a) {
     kvc_region_params_t rp[2] = {{.len = 16 * 1024}, {.len = 16 * 1024}};
     assert_int_equal(kvc_agent_register_regions(a, 16, rp, 2), KVC_OK);
 }
 
-static void test_create_params(void **state)
-{
+static void test_create_params(void **state) {
     kvc_agent_t *a = (kvc_agent_t *)0x1;
     kvc_agent_params_t p = {0};
     assert_int_equal(kvc_agent_create(&p, &a), KVC_ERR_INVALID_PARAM);
@@ -64,15 +62,14 @@ static void test_create_params(void **state)
     kvc_agent_destroy(a);
 }
 
-static void test_regions(void **state)
-{
+static void test_regions(void **state) {
     kvc_agent_t *a = mk_agent(0);
     kvc_region_params_t bad = {.len = 1000};
     assert_int_equal(kvc_agent_register_regions(a, 16, &bad, 1), KVC_ERR_INVALID_PARAM);
     assert_int_equal(kvc_agent_register_regions(a, 0, &bad, 1), KVC_ERR_INVALID_PARAM);
     assert_int_equal(kvc_agent_register_regions(a, 16, &bad, 0), KVC_ERR_INVALID_PARAM);
-    kvc_region_params_t cuda = {.field_mask = KVC_REGION_FIELD_MEM_TYPE, .len = 4096,
-                                .mem_type = KVC_MEM_CUDA};
+    kvc_region_params_t cuda = {
+        .field_mask = KVC_REGION_FIELD_MEM_TYPE, .len = 4096, .mem_type = KVC_MEM_CUDA};
     assert_int_equal(kvc_agent_register_regions(a, 16, &cuda, 1), KVC_ERR_INVALID_PARAM);
     /* A CUDA region here: no device (driver missing) or a CPU-only build. */
     static uint8_t fake_dev[4096];
@@ -91,8 +88,8 @@ static void test_regions(void **state)
     assert_int_equal(kvc_region_base(a, 0, &base), KVC_ERR_NOT_FOUND);
 
     static uint8_t user[8 * 512];
-    kvc_region_params_t rp[2] = {{.len = 8 * 512},
-                                 {.field_mask = KVC_REGION_FIELD_BASE, .len = 8 * 512, .base = user}};
+    kvc_region_params_t rp[2] = {
+        {.len = 8 * 512}, {.field_mask = KVC_REGION_FIELD_BASE, .len = 8 * 512, .base = user}};
     assert_int_equal(kvc_agent_register_regions(a, 8, rp, 2), KVC_OK);
     assert_int_equal(kvc_agent_register_regions(a, 8, rp, 2), KVC_ERR_STATE);
     assert_int_equal(kvc_region_base(a, 1, &base), KVC_OK);
@@ -102,8 +99,7 @@ static void test_regions(void **state)
     kvc_agent_destroy(a);
 }
 
-static void test_publish(void **state)
-{
+static void test_publish(void **state) {
     kvc_agent_t *a = mk_agent(0);
     regions(a);
     uint64_t ids[] = {1, 2, 15};
@@ -141,8 +137,7 @@ static void test_publish(void **state)
     kvc_agent_destroy(a); /* frees the 5000 entries */
 }
 
-static void test_notify_release(void **state)
-{
+static void test_notify_release(void **state) {
     kvc_agent_t *a = mk_agent(0);
     regions(a);
     uint64_t ids[] = {3, 4};
@@ -178,8 +173,7 @@ static void test_notify_release(void **state)
     kvc_agent_destroy(a);
 }
 
-static void test_expiry(void **state)
-{
+static void test_expiry(void **state) {
     kvc_agent_t *a = mk_agent(60000);
     regions(a);
     uint64_t ids[] = {1};
@@ -212,8 +206,7 @@ static void test_expiry(void **state)
     kvc_agent_destroy(a);
 }
 
-static void test_fetch_params(void **state)
-{
+static void test_fetch_params(void **state) {
     kvc_agent_t *a = mk_agent(0);
     uint64_t id = 12345;
     kvc_fetch_params_t fp = {0};
@@ -243,9 +236,9 @@ static void test_fetch_params(void **state)
     kvc_agent_destroy(a);
 }
 
-static void test_status_str(void **state)
-{
-    for (int s = -16; s <= 2; s++) assert_null(strstr(kvc_status_str((kvc_status_t)s), "UNKNOWN"));
+static void test_status_str(void **state) {
+    for (int s = -16; s <= 2; s++)
+        assert_null(strstr(kvc_status_str((kvc_status_t)s), "UNKNOWN"));
     assert_string_equal(kvc_status_str(KVC_ERR_INCOMPATIBLE), "KVC_ERR_INCOMPATIBLE");
     assert_string_equal(kvc_status_str((kvc_status_t)-999), "KVC_ERR_UNKNOWN");
     /* codes never renumber */
@@ -254,8 +247,7 @@ static void test_status_str(void **state)
     assert_int_equal(KVC_ERR_INCOMPATIBLE, -6);
 }
 
-int main(void)
-{
+int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_create_params), cmocka_unit_test(test_regions),
         cmocka_unit_test(test_publish),       cmocka_unit_test(test_notify_release),

@@ -8,7 +8,9 @@
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdint.h>
+/* cmocka needs the headers above first */
 #include <cmocka.h>
+
 #include <stdlib.h>
 #include <string.h>
 
@@ -20,32 +22,25 @@ struct kvc_cuda {
 };
 static size_t copies_d2h, copies_h2d, syncs;
 
-bool kvc_cuda_built(void)
-{
+bool kvc_cuda_built(void) {
     return true;
 }
-kvc_status_t kvc_cuda_create(int device, kvc_cuda_t **out, char *err, size_t errlen)
-{
+kvc_status_t kvc_cuda_create(int device, kvc_cuda_t **out, char *err, size_t errlen) {
     kvc_cuda_t *c = calloc(1, sizeof(*c));
     if (!c) return KVC_ERR_NO_MEMORY;
     c->device = device;
     *out = c;
     return KVC_OK;
 }
-void kvc_cuda_destroy(kvc_cuda_t *c)
-{
+void kvc_cuda_destroy(kvc_cuda_t *c) {
     free(c);
 }
-kvc_status_t kvc_cuda_host_register(kvc_cuda_t *c, void *p, size_t len)
-{
+kvc_status_t kvc_cuda_host_register(kvc_cuda_t *c, void *p, size_t len) {
     return KVC_OK;
 }
-void kvc_cuda_host_unregister(kvc_cuda_t *c, void *p)
-{
-}
+void kvc_cuda_host_unregister(kvc_cuda_t *c, void *p) {}
 kvc_status_t kvc_cuda_copy_blocks(kvc_cuda_t *c, void *dev, void *host, size_t block_len,
-                                  const uint64_t *ids, size_t n, bool to_device)
-{
+                                  const uint64_t *ids, size_t n, bool to_device) {
     for (size_t i = 0; i < n; i++) {
         uint8_t *d = (uint8_t *)dev + ids[i] * block_len, *h = (uint8_t *)host + ids[i] * block_len;
         if (to_device) {
@@ -58,8 +53,7 @@ kvc_status_t kvc_cuda_copy_blocks(kvc_cuda_t *c, void *dev, void *host, size_t b
     }
     return KVC_OK;
 }
-kvc_status_t kvc_cuda_sync(kvc_cuda_t *c)
-{
+kvc_status_t kvc_cuda_sync(kvc_cuda_t *c) {
     syncs++;
     return KVC_OK;
 }
@@ -68,16 +62,17 @@ kvc_status_t kvc_cuda_sync(kvc_cuda_t *c)
 #define NB 32
 #define BL 8192
 
-static kvc_agent_t *mk(const char *name, uint8_t *dev[2])
-{
+static kvc_agent_t *mk(const char *name, uint8_t *dev[2]) {
     kvc_agent_params_t ap = {.field_mask = KVC_AGENT_FIELD_ENGINE_ID, .engine_id = name};
     kvc_agent_t *a;
     assert_int_equal(kvc_agent_create(&ap, &a), KVC_OK);
     kvc_region_params_t rp[2];
     for (int r = 0; r < 2; r++) {
-        rp[r] = (kvc_region_params_t){
-            .field_mask = KVC_REGION_FIELD_BASE | KVC_REGION_FIELD_MEM_TYPE,
-            .len = NB * BL, .base = dev[r], .mem_type = KVC_MEM_CUDA};
+        rp[r] =
+            (kvc_region_params_t){.field_mask = KVC_REGION_FIELD_BASE | KVC_REGION_FIELD_MEM_TYPE,
+                                  .len = NB * BL,
+                                  .base = dev[r],
+                                  .mem_type = KVC_MEM_CUDA};
     }
     assert_int_equal(kvc_agent_register_regions(a, NB, rp, 2), KVC_OK);
     void *b;
@@ -86,13 +81,13 @@ static kvc_agent_t *mk(const char *name, uint8_t *dev[2])
     return a;
 }
 
-static void test_staged_roundtrip(void **state)
-{
+static void test_staged_roundtrip(void **state) {
     uint8_t *pd[2], *dd[2];
     for (int r = 0; r < 2; r++) {
         pd[r] = malloc(NB * BL);
         dd[r] = calloc(1, NB * BL);
-        for (size_t i = 0; i < NB * BL; i++) pd[r][i] = (uint8_t)(i * 7 + r * 3 + i / BL);
+        for (size_t i = 0; i < NB * BL; i++)
+            pd[r][i] = (uint8_t)(i * 7 + r * 3 + i / BL);
     }
     kvc_agent_t *P = mk("stage-P", pd), *D = mk("stage-D", dd);
     uint64_t rem[] = {4, 5, 6, 20}, loc[] = {0, 1, 2, 31};
@@ -101,7 +96,8 @@ static void test_staged_roundtrip(void **state)
     assert_int_equal(copies_d2h, 8); /* 4 blocks x 2 regions, before publish returned */
     assert_true(syncs >= 1);
     kvc_fetch_params_t fp = {.field_mask = KVC_FETCH_FIELD_JSON | KVC_FETCH_FIELD_LOCAL_BLOCKS,
-                             .kv_transfer_params_json = json, .local_block_ids = loc,
+                             .kv_transfer_params_json = json,
+                             .local_block_ids = loc,
                              .num_local_blocks = 4};
     uint64_t xid;
     assert_int_equal(kvc_fetch(D, &fp, &xid), KVC_INPROGRESS);
@@ -118,7 +114,8 @@ static void test_staged_roundtrip(void **state)
             assert_int_equal(copies_h2d, 8); /* device filled before completion */
             done = 1;
         }
-        while (kvc_agent_next_event(P, &ev) == KVC_OK) released |= ev.type == KVC_EV_RELEASED;
+        while (kvc_agent_next_event(P, &ev) == KVC_OK)
+            released |= ev.type == KVC_EV_RELEASED;
     }
     for (int r = 0; r < 2; r++) {
         for (int k = 0; k < 4; k++)
@@ -133,8 +130,7 @@ static void test_staged_roundtrip(void **state)
     }
 }
 
-int main(void)
-{
+int main(void) {
     const struct CMUnitTest tests[] = {cmocka_unit_test(test_staged_roundtrip)};
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

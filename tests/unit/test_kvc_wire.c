@@ -4,14 +4,15 @@
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdint.h>
+/* cmocka needs the headers above first */
 #include <cmocka.h>
+
 #include <stdlib.h>
 #include <string.h>
 
 #include "kvc_int.h"
 
-static void encode_sample(kvc_buf_t *b, uint16_t version, uint32_t nreg, uint64_t nblocks)
-{
+static void encode_sample(kvc_buf_t *b, uint16_t version, uint32_t nreg, uint64_t nblocks) {
     static const uint8_t rkey[] = {1, 2, 3, 4, 5};
     static const uint8_t addr[] = {9, 8, 7};
     kvc_wire_region_t regs[4];
@@ -36,8 +37,7 @@ static void encode_sample(kvc_buf_t *b, uint16_t version, uint32_t nreg, uint64_
     kvc_wire_encode_handshake(b, version, &hs);
 }
 
-static void test_header(void **state)
-{
+static void test_header(void **state) {
     kvc_buf_t b = {0};
     kvc_wire_hdr_t h;
     kvc_wire_encode_hello(&b, KVC_WIRE_VERSION, "abc", "\x01\x02", 2);
@@ -62,15 +62,16 @@ static void test_header(void **state)
     uint8_t bad[KVC_WIRE_HDR_LEN];
     memcpy(bad, b.p, sizeof(bad));
     bad[0] ^= 0xff;
-    assert_int_equal(kvc_wire_parse_hdr(bad, sizeof(bad), KVC_WIRE_MAX_HELLO, &h), KVC_ERR_PROTOCOL);
+    assert_int_equal(kvc_wire_parse_hdr(bad, sizeof(bad), KVC_WIRE_MAX_HELLO, &h),
+                     KVC_ERR_PROTOCOL);
     memcpy(bad, b.p, sizeof(bad));
     bad[11] = 0x7f;
-    assert_int_equal(kvc_wire_parse_hdr(bad, sizeof(bad), KVC_WIRE_MAX_HELLO, &h), KVC_ERR_PROTOCOL);
+    assert_int_equal(kvc_wire_parse_hdr(bad, sizeof(bad), KVC_WIRE_MAX_HELLO, &h),
+                     KVC_ERR_PROTOCOL);
     kvc_buf_cleanup(&b);
 }
 
-static void test_handshake_roundtrip(void **state)
-{
+static void test_handshake_roundtrip(void **state) {
     kvc_buf_t b = {0};
     encode_sample(&b, KVC_WIRE_VERSION, 3, 100);
     assert_false(b.failed);
@@ -94,8 +95,7 @@ static void test_handshake_roundtrip(void **state)
     kvc_buf_cleanup(&b);
 }
 
-static void test_handshake_truncated_and_corrupt(void **state)
-{
+static void test_handshake_truncated_and_corrupt(void **state) {
     kvc_buf_t b = {0};
     encode_sample(&b, KVC_WIRE_VERSION, 2, 10);
     const uint8_t *body = b.p + KVC_WIRE_HDR_LEN;
@@ -124,8 +124,9 @@ static void test_handshake_truncated_and_corrupt(void **state)
     /* region entry starts after: str16(8) u64 str16(3) u32 blob32(3) u64 u32 */
     size_t off = KVC_WIRE_HDR_LEN + 2 + 8 + 8 + 2 + 3 + 4 + 4 + 3 + 8 + 4;
     g.p[off + 8] ^= 1; /* len */
-    assert_int_equal(kvc_wire_parse_handshake(g.p + KVC_WIRE_HDR_LEN, g.len - KVC_WIRE_HDR_LEN, &hs),
-                     KVC_ERR_PROTOCOL);
+    assert_int_equal(
+        kvc_wire_parse_handshake(g.p + KVC_WIRE_HDR_LEN, g.len - KVC_WIRE_HDR_LEN, &hs),
+        KVC_ERR_PROTOCOL);
     kvc_buf_cleanup(&g);
 
     /* Region count far beyond the bytes present: rejected before allocating. */
@@ -134,13 +135,13 @@ static void test_handshake_truncated_and_corrupt(void **state)
     size_t nr = c.len - 4;
     c.p[nr] = 0xff;
     c.p[nr + 1] = 0xff;
-    assert_int_equal(kvc_wire_parse_handshake(c.p + KVC_WIRE_HDR_LEN, c.len - KVC_WIRE_HDR_LEN, &hs),
-                     KVC_ERR_PROTOCOL);
+    assert_int_equal(
+        kvc_wire_parse_handshake(c.p + KVC_WIRE_HDR_LEN, c.len - KVC_WIRE_HDR_LEN, &hs),
+        KVC_ERR_PROTOCOL);
     kvc_buf_cleanup(&c);
 }
 
-static void test_pull_and_data(void **state)
-{
+static void test_pull_and_data(void **state) {
     kvc_run_t runs[3] = {{1, 2, 3}, {10, 20, 1}, {UINT64_MAX, 0, 7}};
     kvc_buf_t b = {0};
     kvc_wire_encode_pull(&b, 42, runs, 3);
@@ -165,8 +166,7 @@ static void test_pull_and_data(void **state)
     assert_int_equal(kvc_wire_parse_data_hdr(NULL, 0, &g), KVC_ERR_PROTOCOL);
 }
 
-static void check_notify(const char *txt, kvc_status_t want, const char *id, uint32_t tp)
-{
+static void check_notify(const char *txt, kvc_status_t want, const char *id, uint32_t tp) {
     kvc_span_t s;
     uint32_t t = 99;
     assert_int_equal(kvc_wire_parse_notify((const uint8_t *)txt, strlen(txt), &s, &t), want);
@@ -176,15 +176,14 @@ static void check_notify(const char *txt, kvc_status_t want, const char *id, uin
     assert_int_equal(t, tp);
 }
 
-static void test_notify(void **state)
-{
+static void test_notify(void **state) {
     check_notify("cmpl-abc-0-1234:1", KVC_OK, "cmpl-abc-0-1234", 1);
-    check_notify("a:b:c:8", KVC_OK, "a:b:c", 8);       /* split at the last ':' */
+    check_notify("a:b:c:8", KVC_OK, "a:b:c", 8); /* split at the last ':' */
     check_notify("x::16", KVC_OK, "x:", 16);
-    check_notify("plain-id", KVC_OK, "plain-id", 0);    /* no tp */
-    check_notify(":4", KVC_ERR_PROTOCOL, "", 0);        /* empty id */
-    check_notify("a:", KVC_ERR_PROTOCOL, "", 0);        /* empty tp */
-    check_notify("a:b:x", KVC_ERR_PROTOCOL, "", 0);     /* tp not a number */
+    check_notify("plain-id", KVC_OK, "plain-id", 0); /* no tp */
+    check_notify(":4", KVC_ERR_PROTOCOL, "", 0);     /* empty id */
+    check_notify("a:", KVC_ERR_PROTOCOL, "", 0);     /* empty tp */
+    check_notify("a:b:x", KVC_ERR_PROTOCOL, "", 0);  /* tp not a number */
     check_notify("a:1234567890", KVC_ERR_PROTOCOL, "", 0);
     check_notify("bad\nid:1", KVC_ERR_PROTOCOL, "", 0); /* not printable */
     check_notify("", KVC_ERR_PROTOCOL, "", 0);
@@ -195,8 +194,7 @@ static void test_notify(void **state)
     kvc_buf_cleanup(&b);
 }
 
-static void test_coalesce(void **state)
-{
+static void test_coalesce(void **state) {
     uint64_t r[] = {1, 2, 3, 7, 8, 20, 21, 22, 5};
     uint64_t l[] = {10, 11, 12, 13, 14, 30, 31, 40, 41};
     kvc_run_t *runs;
@@ -218,8 +216,7 @@ static void test_coalesce(void **state)
     assert_int_equal(n, 0);
 }
 
-static void test_params_json(void **state)
-{
+static void test_params_json(void **state) {
     uint64_t blocks[] = {0, 5, 9007199254740991ull};
     char *js = kvc_params_to_json("eng\"1", "req:with:colons", "10.0.0.1", 5600, blocks, 3, 4);
     assert_non_null(js);
@@ -249,7 +246,10 @@ static void test_params_json(void **state)
     kvc_remote_cleanup(&r);
 
     const char *bad[] = {
-        "", "[]", "{}", "not json",
+        "",
+        "[]",
+        "{}",
+        "not json",
         "{\"remote_block_ids\":[1],\"remote_engine_id\":\"e\",\"remote_request_id\":\"r\","
         "\"remote_host\":\"h\",\"remote_port\":0}",
         "{\"remote_block_ids\":[-1],\"remote_engine_id\":\"e\",\"remote_request_id\":\"r\","
@@ -264,11 +264,11 @@ static void test_params_json(void **state)
         "\"remote_port\":5}",
     };
     for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++)
-        assert_int_equal(kvc_params_parse_json(bad[i], &r, err, sizeof(err)), KVC_ERR_INVALID_PARAM);
+        assert_int_equal(kvc_params_parse_json(bad[i], &r, err, sizeof(err)),
+                         KVC_ERR_INVALID_PARAM);
 }
 
-int main(void)
-{
+int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_header),
         cmocka_unit_test(test_handshake_roundtrip),
