@@ -9,6 +9,10 @@ PKGS=(
   python3 curl openssl
   nginx-light wrk
   clang libclang-rt-dev
+  python3-yaml   # deploy/check.sh parses the rendered Kubernetes manifests
+  # deploy/check.sh renders them with `kubectl kustomize`: Debian's kubectl,
+  # unless one is installed already (its /usr/bin/kubectl would clash).
+  $(command -v kubectl >/dev/null 2>&1 || echo kubernetes-client)
 )
 
 missing=()
