@@ -9,7 +9,9 @@
 #include "log.h"
 #include "util.h"
 
-typedef enum { CT_STR, CT_INT, CT_SECONDS, CT_LIST, CT_FLAG, CT_LOGLEVEL } ctype_t;
+#define PX_POLICIES "round_robin|least_inflight|power_of_two|prefix_affinity|load_aware"
+
+typedef enum { CT_STR, CT_INT, CT_SECONDS, CT_LIST, CT_URLS, CT_FLAG, CT_ENUM, CT_SECRET } ctype_t;
 
 typedef struct opt {
     const char *name;  /* long flag without dashes */
@@ -19,38 +21,94 @@ typedef struct opt {
     const char *def;   /* default, as text */
     double min, max;   /* bounds for numbers */
     const char *help;
+    const char *choices; /* CT_ENUM: "a|b|c" */
 } opt;
 
 #define OFF(f) offsetof(px_config, f)
 
 static const opt opts[] = {
-    {"host", NULL, CT_STR, OFF(host), "127.0.0.1", 0, 0, "address to listen on"},
-    {"port", NULL, CT_INT, OFF(port), "8000", 1, 65535, "port to listen on"},
+    {"host", NULL, CT_STR, OFF(host), "127.0.0.1", 0, 0, "address to listen on", NULL},
+    {"port", NULL, CT_INT, OFF(port), "8000", 1, 65535, "port to listen on", NULL},
     {"prefiller-hosts", "prefiller-host", CT_LIST, OFF(prefiller_hosts), "localhost", 0, 0,
-     "prefill instance hosts (one or more)"},
+     "prefill instance hosts (one or more; toy-proxy form)", NULL},
     {"prefiller-ports", "prefiller-port", CT_LIST, OFF(prefiller_ports), "8100", 1, 65535,
-     "prefill instance ports, one per host"},
+     "prefill instance ports, one per host", NULL},
     {"decoder-hosts", "decoder-host", CT_LIST, OFF(decoder_hosts), "localhost", 0, 0,
-     "decode instance hosts (one or more)"},
+     "decode instance hosts (one or more; toy-proxy form)", NULL},
     {"decoder-ports", "decoder-port", CT_LIST, OFF(decoder_ports), "8200", 1, 65535,
-     "decode instance ports, one per host"},
+     "decode instance ports, one per host", NULL},
+    {"prefill", NULL, CT_URLS, OFF(prefill_urls), "", 0, 0,
+     "prefill backend URL http[s]://host:port, repeatable; a host name is re-resolved every "
+     "--dns-refresh and each address is a backend (replaces the toy flags' defaults)", NULL},
+    {"decode", NULL, CT_URLS, OFF(decode_urls), "", 0, 0,
+     "decode backend URL, repeatable, as --prefill", NULL},
+    {"dns-refresh", NULL, CT_SECONDS, OFF(dns_refresh), "10", 0.1, 86400,
+     "seconds between DNS re-resolutions of backend names", NULL},
     {"threads", NULL, CT_INT, OFF(threads), "0", 0, 1024,
-     "worker threads, each with its own event loop (0: one per CPU)"},
+     "worker threads, each with its own event loop (0: one per CPU)", NULL},
     {"max-body-bytes", NULL, CT_INT, OFF(max_body_bytes), "33554432", 1, 1099511627776.0,
-     "largest request body accepted (413 beyond)"},
+     "largest request body accepted (413 beyond)", NULL},
+    {"max-inflight", NULL, CT_INT, OFF(max_inflight), "0", 0, 100000000,
+     "most requests in flight at once; beyond, 503 with Retry-After (0: unlimited)", NULL},
     {"connect-timeout", NULL, CT_SECONDS, OFF(connect_timeout), "5", 0.001, 3600,
-     "seconds to wait for an upstream TCP connection (504 beyond)"},
+     "seconds to wait for an upstream TCP connection (504 beyond)", NULL},
     {"prefill-timeout", NULL, CT_SECONDS, OFF(prefill_timeout), "600", 0, 86400,
-     "seconds a prefill request may take in all (504 beyond; 0: no limit)"},
+     "seconds a prefill request may take in all (504 beyond; 0: no limit)", NULL},
+    {"decode-idle-timeout", NULL, CT_SECONDS, OFF(decode_idle_timeout), "600", 0, 86400,
+     "seconds without a byte from decode before the request is failed (0: no limit)", NULL},
     {"client-header-timeout", NULL, CT_SECONDS, OFF(client_header_timeout), "30", 0.001, 3600,
-     "seconds a client has to send a complete request head"},
+     "seconds a client has to send a complete request (408 beyond)", NULL},
     {"keepalive-timeout", NULL, CT_SECONDS, OFF(keepalive_timeout), "75", 0.001, 86400,
-     "seconds an idle client connection is kept open"},
-    {"log-level", NULL, CT_LOGLEVEL, OFF(log_level), "info", 0, 0, "debug, info, warn or error"},
+     "seconds an idle client connection is kept open", NULL},
+    {"health-interval", NULL, CT_SECONDS, OFF(health_interval), "5", 0, 3600,
+     "seconds between active health checks, GET /health (0: none)", NULL},
+    {"health-timeout", NULL, CT_SECONDS, OFF(health_timeout), "2", 0.001, 600,
+     "seconds a health check may take", NULL},
+    {"unhealthy-after", NULL, CT_INT, OFF(unhealthy_after), "3", 1, 1000,
+     "consecutive failures (checks, connect errors, resets, 5xx) that eject a backend", NULL},
+    {"healthy-after", NULL, CT_INT, OFF(healthy_after), "2", 1, 1000,
+     "consecutive successful checks that readmit an ejected backend", NULL},
+    {"prefill-retries", NULL, CT_INT, OFF(prefill_retries), "2", 0, 100,
+     "retries of a prefill refused, reset or answering 5xx, each on another instance", NULL},
+    {"fallback-decode-only", NULL, CT_FLAG, OFF(fallback_decode_only), "false", 0, 0,
+     "when no prefill is healthy, send requests to decode alone (else 503)", NULL},
+    {"prefill-policy", NULL, CT_ENUM, OFF(prefill_policy), "round_robin", 0, 0,
+     "how to choose a prefill instance", PX_POLICIES},
+    {"decode-policy", NULL, CT_ENUM, OFF(decode_policy), "round_robin", 0, 0,
+     "how to choose a decode instance", PX_POLICIES},
+    {"prefix-bytes", NULL, CT_INT, OFF(prefix_bytes), "256", 1, 1048576,
+     "prefix_affinity: bytes of the prompt (or first chat messages) that are hashed", NULL},
+    {"prefix-load-factor", NULL, CT_SECONDS, OFF(prefix_load_factor), "1.25", 1, 100,
+     "prefix_affinity: an instance takes at most this times the mean in-flight load", NULL},
+    {"metrics-interval", NULL, CT_SECONDS, OFF(metrics_interval), "2", 0.05, 3600,
+     "load_aware: seconds between scrapes of each engine's /metrics", NULL},
+    {"drain-delay", NULL, CT_SECONDS, OFF(drain_delay), "5", 0, 3600,
+     "on SIGTERM, seconds /ready answers 503 before new connections stop", NULL},
+    {"drain-timeout", NULL, CT_SECONDS, OFF(drain_timeout), "60", 0, 86400,
+     "on SIGTERM, seconds in-flight requests get to finish", NULL},
+    {"tls-cert", NULL, CT_STR, OFF(tls_cert), "", 0, 0, "PEM certificate chain: serve HTTPS",
+     NULL},
+    {"tls-key", NULL, CT_STR, OFF(tls_key), "", 0, 0, "PEM private key for --tls-cert", NULL},
+    {"upstream-ca", NULL, CT_STR, OFF(upstream_ca), "", 0, 0,
+     "PEM CA bundle to verify https:// backends (default: the system store)", NULL},
+    {"upstream-insecure", NULL, CT_FLAG, OFF(upstream_insecure), "false", 0, 0,
+     "do not verify https:// backends' certificates", NULL},
+    {"api-key", NULL, CT_SECRET, OFF(api_key), "", 0, 0,
+     "clients must send Authorization: Bearer <key> (401 otherwise)", NULL},
+    {"api-key-file", NULL, CT_STR, OFF(api_key_file), "", 0, 0,
+     "file of accepted API keys, one per line", NULL},
+    {"upstream-api-key", NULL, CT_SECRET, OFF(upstream_api_key), "", 0, 0,
+     "key sent to engines as Bearer (else the client's Authorization, else $OPENAI_API_KEY)",
+     NULL},
+    {"log-level", NULL, CT_ENUM, OFF(log_level), "info", 0, 0, "log verbosity",
+     "debug|info|warn|error"},
+    {"log-format", NULL, CT_ENUM, OFF(log_format), "logfmt", 0, 0, "log line format",
+     "logfmt|json"},
     {"print-config", NULL, CT_FLAG, OFF(print_config), "false", 0, 0,
-     "print the effective configuration and exit"},
+     "print the effective configuration and exit", NULL},
 };
 #define NOPTS (sizeof opts / sizeof *opts)
+_Static_assert(NOPTS <= sizeof(((px_config *)0)->set), "grow px_config.set");
 
 static void list_clear(px_strlist *l)
 {
@@ -86,6 +144,34 @@ static int check_list_item(const opt *o, const char *v, char *err, size_t errlen
     return 0;
 }
 
+/* http[s]://host[:port] with nothing after but an optional "/". */
+static int check_url(const opt *o, const char *v, char *err, size_t errlen)
+{
+    const char *h = NULL;
+    if (!strncmp(v, "http://", 7)) h = v + 7;
+    else if (!strncmp(v, "https://", 8)) h = v + 8;
+    if (!h || !*h || *h == '/' || *h == ':') {
+        snprintf(err, errlen, "--%s '%s': expected http://host:port or https://host:port", o->name,
+                 v);
+        return -1;
+    }
+    const char *slash = strchr(h, '/');
+    if (slash && slash[1]) {
+        snprintf(err, errlen, "--%s '%s': a backend URL has no path", o->name, v);
+        return -1;
+    }
+    const char *colon = h[0] == '[' ? strstr(h, "]:") : strrchr(h, ':');
+    if (colon) {
+        char *end;
+        long port = strtol(colon + (h[0] == '[' ? 2 : 1), &end, 10);
+        if ((*end && *end != '/') || port < 1 || port > 65535) {
+            snprintf(err, errlen, "--%s '%s': bad port", o->name, v);
+            return -1;
+        }
+    }
+    return 0;
+}
+
 /* Sets a scalar option from text. Lists are handled by the callers. */
 static int set_value(px_config *c, const opt *o, const char *v, char *err, size_t errlen)
 {
@@ -95,14 +181,43 @@ static int set_value(px_config *c, const opt *o, const char *v, char *err, size_
         free(*(char **)field);
         *(char **)field = px_xstrdup(v);
         return 0;
-    case CT_LOGLEVEL:
-        if (px_log_level_parse(v) < 0) {
-            snprintf(err, errlen, "--%s '%s': expected debug, info, warn or error", o->name, v);
-            return -1;
-        }
+    case CT_SECRET:
         free(*(char **)field);
         *(char **)field = px_xstrdup(v);
         return 0;
+    case CT_ENUM: {
+        size_t n = strlen(v);
+        const char *p = o->choices;
+        while (p && *p) {
+            const char *e = strchr(p, '|');
+            size_t l = e ? (size_t)(e - p) : strlen(p);
+            if (l == n && !strncmp(p, v, n)) {
+                free(*(char **)field);
+                *(char **)field = px_xstrdup(v);
+                return 0;
+            }
+            p = e ? e + 1 : NULL;
+        }
+        snprintf(err, errlen, "--%s '%s': expected one of %s", o->name, v, o->choices);
+        return -1;
+    }
+    case CT_URLS: {
+        /* Text form (env, defaults): whitespace or comma separated; each
+         * occurrence on the command line appends instead. */
+        px_strlist *l = field;
+        list_clear(l);
+        const char *p = v;
+        while (*p) {
+            while (*p == ',' || *p == ' ') p++;
+            const char *s0 = p;
+            while (*p && *p != ',' && *p != ' ') p++;
+            if (p > s0) {
+                list_push(l, s0, (size_t)(p - s0));
+                if (check_url(o, l->v[l->n - 1], err, errlen) < 0) return -1;
+            }
+        }
+        return 0;
+    }
     case CT_INT: {
         char *end;
         errno = 0;
@@ -190,6 +305,8 @@ static void usage(FILE *out)
         const opt *o = &opts[i];
         char names[96];
         const char *arg = o->type == CT_LIST      ? " V [V...]"
+                          : o->type == CT_URLS    ? " URL"
+                          : o->type == CT_ENUM    ? " CHOICE"
                           : o->type == CT_FLAG    ? ""
                           : o->type == CT_SECONDS ? " SECONDS"
                           : o->type == CT_INT     ? " N"
@@ -198,7 +315,12 @@ static void usage(FILE *out)
             snprintf(names, sizeof names, "--%s/--%s%s", o->name, o->alias, arg);
         else
             snprintf(names, sizeof names, "--%s%s", o->name, arg);
-        fprintf(out, "  %-44s %s (default: %s)\n", names, o->help, o->def);
+        if (o->type == CT_ENUM)
+            fprintf(out, "  %-44s %s: %s (default: %s)\n", names, o->help, o->choices, o->def);
+        else if (!o->def[0])
+            fprintf(out, "  %-44s %s\n", names, o->help);
+        else
+            fprintf(out, "  %-44s %s (default: %s)\n", names, o->help, o->def);
     }
     fprintf(out, "  %-44s %s\n  %-44s %s\n", "--help", "show this help and exit", "--version",
             "show the version and exit");
@@ -226,6 +348,7 @@ px_config_result px_config_load(px_config *c, int argc, char **argv, char **envp
         size_t nl = strlen(name);
         for (char **e = envp; *e; e++) {
             if (strncmp(*e, name, nl) == 0 && (*e)[nl] == '=') {
+                c->set[i] = 1;
                 if (set_value(c, &opts[i], *e + nl + 1, err, errlen) < 0) {
                     size_t l = strlen(err);
                     snprintf(err + l, errlen - l, " (from %s)", name);
@@ -235,6 +358,7 @@ px_config_result px_config_load(px_config *c, int argc, char **argv, char **envp
         }
     }
 
+    unsigned char seen_urls[NOPTS] = {0};
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
@@ -256,8 +380,22 @@ px_config_result px_config_load(px_config *c, int argc, char **argv, char **envp
             snprintf(err, errlen, "unknown flag '%.*s' (see --help)", (int)(nlen + 2), a);
             return PX_CONFIG_ERROR;
         }
+        c->set[o - opts] = 1;
         if (o->type == CT_FLAG && !eq) {
             *(int *)((char *)c + o->off) = 1;
+            continue;
+        }
+        if (o->type == CT_URLS) {
+            px_strlist *l = (px_strlist *)((char *)c + o->off);
+            if (!seen_urls[o - opts]) list_clear(l); /* the command line replaces the env */
+            seen_urls[o - opts] = 1;
+            const char *v = eq ? eq + 1 : (i + 1 < argc ? argv[++i] : NULL);
+            if (!v) {
+                snprintf(err, errlen, "--%s: missing value", o->name);
+                return PX_CONFIG_ERROR;
+            }
+            list_push(l, v, strlen(v));
+            if (check_url(o, v, err, errlen) < 0) return PX_CONFIG_ERROR;
             continue;
         }
         if (o->type == CT_LIST) {
@@ -291,6 +429,10 @@ px_config_result px_config_load(px_config *c, int argc, char **argv, char **envp
         if (set_value(c, o, v, err, errlen) < 0) return PX_CONFIG_ERROR;
     }
 
+    if (!c->tls_cert[0] != !c->tls_key[0]) {
+        snprintf(err, errlen, "--tls-cert and --tls-key go together: give both or neither");
+        return PX_CONFIG_ERROR;
+    }
     if (c->prefiller_hosts.n != c->prefiller_ports.n) {
         snprintf(err, errlen,
                  "--prefiller-hosts has %zu value(s) but --prefiller-ports has %zu: give one port "
@@ -316,13 +458,19 @@ void px_config_cleanup(px_config *c)
 {
     for (size_t i = 0; i < NOPTS; i++) {
         void *field = (char *)c + opts[i].off;
-        if (opts[i].type == CT_STR || opts[i].type == CT_LOGLEVEL) {
+        if (opts[i].type == CT_STR || opts[i].type == CT_ENUM || opts[i].type == CT_SECRET) {
             free(*(char **)field);
             *(char **)field = NULL;
-        } else if (opts[i].type == CT_LIST) {
+        } else if (opts[i].type == CT_LIST || opts[i].type == CT_URLS) {
             list_clear(field);
         }
     }
+}
+
+int px_config_is_set(const px_config *c, const char *name)
+{
+    const opt *o = find_opt(name, strlen(name));
+    return o ? c->set[o - opts] : 0;
 }
 
 void px_config_dump(const px_config *c, FILE *out)
@@ -334,11 +482,13 @@ void px_config_dump(const px_config *c, FILE *out)
         fprintf(out, "%s = ", o->name);
         switch (o->type) {
         case CT_STR:
-        case CT_LOGLEVEL: fprintf(out, "%s", *(char *const *)field); break;
+        case CT_ENUM: fprintf(out, "%s", *(char *const *)field); break;
+        case CT_SECRET: fprintf(out, "%s", (*(char *const *)field)[0] ? "(set)" : ""); break;
         case CT_INT: fprintf(out, "%lld", (long long)*(const int64_t *)field); break;
         case CT_SECONDS: fprintf(out, "%g", *(const double *)field); break;
         case CT_FLAG: fprintf(out, "%s", *(const int *)field ? "true" : "false"); break;
-        case CT_LIST: {
+        case CT_LIST:
+        case CT_URLS: {
             const px_strlist *l = field;
             for (size_t j = 0; j < l->n; j++) fprintf(out, "%s%s", j ? " " : "", l->v[j]);
             break;

@@ -15,18 +15,51 @@ typedef struct px_strlist {
 typedef struct px_config {
     char *host;
     int64_t port;
+    /* Backends: the toy proxy's parallel host/port lists, and URLs. */
     px_strlist prefiller_hosts;
     px_strlist prefiller_ports;
     px_strlist decoder_hosts;
     px_strlist decoder_ports;
+    px_strlist prefill_urls;  /* --prefill, repeatable */
+    px_strlist decode_urls;   /* --decode, repeatable */
+    double dns_refresh;       /* seconds between re-resolutions of backend names */
     int64_t threads;          /* 0: one per CPU */
     int64_t max_body_bytes;
     double connect_timeout;   /* seconds */
     double prefill_timeout;   /* seconds, 0: none */
+    double decode_idle_timeout; /* seconds without a byte from decode, 0: none */
     double client_header_timeout;
     double keepalive_timeout;
+    int64_t max_inflight;     /* 0: unlimited */
+    /* Health and failover. */
+    double health_interval;   /* 0: no active checks */
+    double health_timeout;
+    int64_t unhealthy_after;
+    int64_t healthy_after;
+    int64_t prefill_retries;
+    int fallback_decode_only;
+    /* Routing. */
+    char *prefill_policy;
+    char *decode_policy;
+    int64_t prefix_bytes;
+    double prefix_load_factor;
+    double metrics_interval;
+    /* Shutdown. */
+    double drain_delay;
+    double drain_timeout;
+    /* Security. */
+    char *tls_cert;
+    char *tls_key;
+    char *upstream_ca;
+    int upstream_insecure;
+    char *api_key;
+    char *api_key_file;
+    char *upstream_api_key;
+    /* Logging. */
     char *log_level;
+    char *log_format;
     int print_config;
+    unsigned char set[64];    /* set[i]: option i was given by flag or environment */
 } px_config;
 
 typedef enum { PX_CONFIG_RUN = 0, PX_CONFIG_EXIT_OK = 1, PX_CONFIG_ERROR = -1 } px_config_result;
@@ -40,7 +73,11 @@ px_config_result px_config_load(px_config *c, int argc, char **argv, char **envp
 
 void px_config_cleanup(px_config *c);
 
-/* Writes the effective configuration, one "name = value" line per setting. */
+/* Whether the option named `name` was given explicitly (flag or env). */
+int px_config_is_set(const px_config *c, const char *name);
+
+/* Writes the effective configuration, one "name = value" line per setting
+ * (secrets masked). */
 void px_config_dump(const px_config *c, FILE *out);
 
 #endif

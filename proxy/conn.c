@@ -2,6 +2,8 @@
 
 #include <event2/buffer.h>
 #include <event2/bufferevent.h>
+#include <event2/bufferevent_ssl.h>
+#include <openssl/ssl.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <stdlib.h>
@@ -76,13 +78,10 @@ static void conn_close(px_conn *c)
     bufferevent_disable(c->bev, EV_READ | EV_WRITE);
     bufferevent_setcb(c->bev, NULL, NULL, NULL, NULL);
     evtimer_del(c->timer);
-    /* Close the socket at once so the peer sees it without waiting for the
-     * deferred free. */
+    /* Let the peer see the close at once, without waiting for the deferred
+     * free (which closes the descriptor). */
     evutil_socket_t fd = bufferevent_getfd(c->bev);
-    if (fd >= 0) {
-        bufferevent_setfd(c->bev, -1);
-        evutil_closesocket(fd);
-    }
+    if (fd >= 0) shutdown(fd, SHUT_RDWR);
     event_base_once(c->base, -1, EV_TIMEOUT, conn_free_cb, c, NULL);
 }
 
@@ -115,7 +114,7 @@ static void exchange_done(px_conn *c)
     free(c->headbuf);
     c->headbuf = NULL;
     px_buf_reset(&c->body);
-    if (!c->keep_alive) {
+    if (!c->keep_alive || c->cfg->draining) {
         close_after_flush(c);
         return;
     }
@@ -133,6 +132,7 @@ static void exchange_done(px_conn *c)
 static void write_head(px_conn *c, int status, const char *ctype, const char *req_id,
                        int64_t content_length, const char *extra)
 {
+    if (c->cfg->draining) c->keep_alive = 0;
     struct evbuffer *out = bufferevent_get_output(c->bev);
     evbuffer_add_printf(out, "HTTP/1.%d %d %s\r\n", c->minor, status, px_http_reason(status));
     if (ctype) evbuffer_add_printf(out, "Content-Type: %s\r\n", ctype);
@@ -401,7 +401,17 @@ px_conn *px_conn_accept(struct event_base *base, evutil_socket_t fd, const px_co
     c->base = base;
     c->cfg = cfg;
     c->list = list;
-    c->bev = bufferevent_socket_new(base, fd, BEV_OPT_CLOSE_ON_FREE);
+    if (cfg->tls) {
+        SSL *ssl = SSL_new(cfg->tls);
+        c->bev = ssl ? bufferevent_openssl_socket_new(base, fd, ssl, BUFFEREVENT_SSL_ACCEPTING,
+                                                      BEV_OPT_CLOSE_ON_FREE)
+                     : NULL;
+        if (!c->bev && ssl) SSL_free(ssl);
+        /* Peers that close without close_notify are the norm over HTTP/1.1. */
+        if (c->bev) bufferevent_openssl_set_allow_dirty_shutdown(c->bev, 1);
+    } else {
+        c->bev = bufferevent_socket_new(base, fd, BEV_OPT_CLOSE_ON_FREE);
+    }
     c->timer = evtimer_new(base, on_timeout, c);
     c->resume = event_new(base, -1, 0, on_resume, c);
     if (!c->bev || !c->timer || !c->resume) {
@@ -425,6 +435,12 @@ px_conn *px_conn_accept(struct event_base *base, evutil_socket_t fd, const px_co
     bufferevent_enable(c->bev, EV_READ | EV_WRITE);
     arm_timer(c, 1);
     return c;
+}
+
+void px_conn_list_close_idle(px_conn_list *list)
+{
+    for (px_conn *c = list->head; c; c = c->next)
+        if (c->state == CS_HEAD && !c->got_bytes) conn_close(c);
 }
 
 void px_conn_list_close_all(px_conn_list *list)

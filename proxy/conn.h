@@ -23,6 +23,8 @@ typedef struct px_conn_cfg {
      * moved out (px_buf ownership). `h` is valid until the exchange ends. */
     void (*dispatch)(void *ctx, px_conn *c, const px_http_head *h, px_buf *body);
     void *ctx;                /* borrowed */
+    struct ssl_ctx_st *tls;   /* borrowed: serve TLS with it, or NULL for plain HTTP */
+    int draining;             /* answer with Connection: close from now on */
 } px_conn_cfg;
 
 /* The connections of one loop, so they can be closed when it stops. */
@@ -35,6 +37,9 @@ typedef struct px_conn_list {
  * and must outlive the connection. Returns NULL (fd closed) on failure. */
 px_conn *px_conn_accept(struct event_base *base, evutil_socket_t fd, const px_conn_cfg *cfg,
                         px_conn_list *list);
+
+/* Closes the connections that have no exchange in flight (draining). */
+void px_conn_list_close_idle(px_conn_list *list);
 
 /* Closes and frees every connection of the list, for use once the loop has
  * stopped: exchanges in flight get on_gone first. */

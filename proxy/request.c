@@ -12,44 +12,80 @@
 /* Largest prefill answer kept; a prefill answers one token, so anything near
  * this is a broken engine, not a big request. */
 #define PREFILL_MAX_ANSWER (8 * 1024 * 1024)
+#define MAX_TRIES 16
 
-typedef enum { RS_NEW, RS_PREFILL, RS_DECODE, RS_STREAM, RS_DONE, RS_CLOSING } req_state;
+typedef enum {
+    RS_NEW,
+    RS_PREFILL,
+    RS_RETRY_WAIT,
+    RS_DECODE,
+    RS_STREAM,
+    RS_RELEASING,
+    RS_DONE,
+    RS_CLOSING
+} req_state;
 
-static const char *const state_names[] = {"new", "prefill", "decode", "stream", "done", "closing"};
+static const char *const state_names[] = {"new",    "prefill",   "retry_wait", "decode",
+                                          "stream", "releasing", "done",       "closing"};
+static const char *const ep_paths[] = {"/v1/completions", "/v1/chat/completions", "/v1/models"};
+static const px_metric_endpoint ep_metric[] = {PX_MEP_COMPLETIONS, PX_MEP_CHAT, PX_MEP_MODELS};
 
 struct px_req {
-    px_worker *w;           /* borrowed: the worker this request runs on */
-    px_conn *conn;          /* borrowed: NULL once the exchange ended */
+    px_worker *w;            /* borrowed: the worker this request runs on */
+    px_server *s;            /* borrowed */
+    px_conn *conn;           /* borrowed: NULL once the exchange ended or the client left */
     req_state state;
     px_endpoint ep;
     char id[129];
-    px_buf body;            /* owned: the client's body */
-    px_buf up_body;         /* owned: body of the upstream request in flight */
-    px_buf presp;           /* owned: the prefill's answer */
-    px_buf url;             /* owned */
-    struct curl_slist *hdrs;/* owned */
-    px_upstream *up;        /* owned: the transfer in flight */
-    const px_backend *pb;   /* borrowed: server pools outlive requests */
-    const px_backend *db;
+    char trace_id[33];
+    px_buf body;             /* owned: the client's body */
+    px_buf pbody;            /* owned: the prefill request's body */
+    px_buf dbody;            /* owned: the decode request's body */
+    px_buf presp;            /* owned: the prefill's answer */
+    px_buf url;              /* owned */
+    struct curl_slist *hdrs_p; /* owned: headers of the prefill request */
+    struct curl_slist *hdrs_d; /* owned: headers of the decode request */
+    px_upstream *up;         /* owned: the transfer in flight */
+    px_backend *pb;          /* owned reference while a prefill is in flight */
+    px_backend *db;          /* owned reference while a decode is in flight */
+    char pname[128], dname[128]; /* the backends' names, for logs after release */
+    px_backend *tried_p[MAX_TRIES]; /* identity only, never dereferenced */
+    size_t ntried_p;
+    px_backend *tried_d[MAX_TRIES];
+    size_t ntried_d;
+    const char *key;         /* borrowed from body: prefix_affinity's bytes */
+    size_t key_len;
+    struct event *retry_timer; /* owned */
     int pstatus;
     char pctype[128];
     int dstatus;
     int too_big;
     int paused;
+    int counted;             /* holds one of the server's in-flight slots */
+    int released_via_decode;
     uint64_t t0, t_prefill, t_first;
     size_t bytes_out;
 };
 
-static const char *const ep_paths[] = {"/v1/completions", "/v1/chat/completions"};
+static void start_prefill(px_req *r);
+static void start_decode(px_req *r);
+
+/* ---------- lifetime ---------- */
 
 static void req_free(px_req *r)
 {
     px_upstream_cancel(r->up);
+    px_backend_done(&r->s->prefill, r->pb, PX_OUT_CANCELLED);
+    px_backend_done(&r->s->decode, r->db, PX_OUT_CANCELLED);
+    if (r->retry_timer) event_free(r->retry_timer);
+    if (r->counted) atomic_fetch_sub(&r->s->inflight, 1);
     px_buf_cleanup(&r->body);
-    px_buf_cleanup(&r->up_body);
+    px_buf_cleanup(&r->pbody);
+    px_buf_cleanup(&r->dbody);
     px_buf_cleanup(&r->presp);
     px_buf_cleanup(&r->url);
-    curl_slist_free_all(r->hdrs);
+    curl_slist_free_all(r->hdrs_p);
+    curl_slist_free_all(r->hdrs_d);
     free(r);
 }
 
@@ -61,27 +97,40 @@ static void set_state(px_req *r, req_state st)
     r->state = st;
 }
 
-static double ms_since(uint64_t t)
+static double secs(uint64_t from, uint64_t to)
 {
-    return t ? (double)(px_now_ns() - t) / 1e6 : -1;
+    return from && to ? (double)(to - from) / 1e9 : -1;
 }
 
-static void access_log(px_req *r, int status, const char *outcome)
+/* The access log line and the request metrics, once per request. */
+static void finish_log(px_req *r, int status, const char *outcome)
 {
+    uint64_t now = px_now_ns();
+    px_metrics *m = &r->w->metrics;
+    px_metrics_count(m, ep_metric[r->ep], status);
+    px_hist_observe(&m->duration, secs(r->t0, now));
+    if (r->t_first) px_hist_observe(&m->ttfb, secs(r->t0, r->t_first));
     PX_LOG(PX_LOG_INFO,
            "req=%s msg=\"request\" endpoint=%s prefill=%s decode=%s status=%d prefill_ms=%.2f "
-           "ttfb_ms=%.2f total_ms=%.2f bytes_out=%zu outcome=%s",
-           r->id, ep_paths[r->ep], r->pb ? r->pb->name : "-", r->db ? r->db->name : "-", status,
-           r->t_prefill ? (double)(r->t_prefill - r->t0) / 1e6 : -1.0,
-           r->t_first ? (double)(r->t_first - r->t0) / 1e6 : -1.0, ms_since(r->t0), r->bytes_out,
-           outcome);
+           "ttfb_ms=%.2f total_ms=%.2f bytes_out=%zu outcome=%s trace_id=%s",
+           r->id, ep_paths[r->ep], r->pname[0] ? r->pname : "-", r->dname[0] ? r->dname : "-",
+           status, r->t_prefill ? secs(r->t0, r->t_prefill) * 1e3 : -1.0,
+           r->t_first ? secs(r->t0, r->t_first) * 1e3 : -1.0, secs(r->t0, now) * 1e3,
+           r->bytes_out, outcome, r->trace_id);
+}
+
+static void req_end(px_req *r, int status, const char *outcome)
+{
+    finish_log(r, status, outcome);
+    set_state(r, RS_DONE);
+    req_free(r);
 }
 
 /* Ends a request that failed: logs, answers once in OpenAI error JSON when
  * nothing was sent yet (else cuts the stream), and frees it. */
-static void req_fail(px_req *r, int status, const char *fmt, ...)
-    __attribute__((format(printf, 3, 4)));
-static void req_fail(px_req *r, int status, const char *fmt, ...)
+static void req_fail(px_req *r, int status, const char *extra, const char *fmt, ...)
+    __attribute__((format(printf, 4, 5)));
+static void req_fail(px_req *r, int status, const char *extra, const char *fmt, ...)
 {
     char msg[512];
     va_list ap;
@@ -90,16 +139,72 @@ static void req_fail(px_req *r, int status, const char *fmt, ...)
     va_end(ap);
     PX_LOG(status >= 500 ? PX_LOG_WARN : PX_LOG_INFO, "req=%s msg=\"%s\" status=%d state=%s", r->id,
            msg, status, state_names[r->state]);
+    int streaming = r->state == RS_STREAM;
     if (r->conn) {
-        if (r->state == RS_STREAM)
+        if (streaming)
             px_conn_abort(r->conn);
         else
-            px_conn_reply_error(r->conn, status, r->id, NULL, msg);
+            px_conn_reply_error(r->conn, status, r->id, extra, msg);
         r->conn = NULL;
     }
-    access_log(r, status, r->state == RS_STREAM ? "stream_failed" : "error");
-    set_state(r, RS_DONE);
-    req_free(r);
+    req_end(r, status, streaming ? "stream_failed" : "error");
+}
+
+static px_outcome outcome_of(CURLcode rc, int status)
+{
+    switch (rc) {
+    case CURLE_OK:
+        return status >= 500 ? PX_OUT_SERVER_ERR : status >= 400 ? PX_OUT_CLIENT_ERR : PX_OUT_OK;
+    case CURLE_COULDNT_CONNECT:
+    case CURLE_COULDNT_RESOLVE_HOST:
+        return PX_OUT_CONNECT_ERR;
+    case CURLE_OPERATION_TIMEDOUT:
+        return PX_OUT_TIMEOUT;
+    case CURLE_WRITE_ERROR:
+    case CURLE_ABORTED_BY_CALLBACK:
+        return PX_OUT_CANCELLED;
+    default:
+        return PX_OUT_RESET;
+    }
+}
+
+/* ---------- headers and tracing ---------- */
+
+static int hexrun(const char *s, size_t n)
+{
+    int nonzero = 0;
+    for (size_t i = 0; i < n; i++) {
+        char c = s[i];
+        if (!((c >= '0' && c <= '9') || (c >= 'a' && c <= 'f'))) return 0;
+        nonzero |= c != '0';
+    }
+    return nonzero;
+}
+
+void px_trace_child(const char *tp, size_t n, char out[56])
+{
+    static const char hex[] = "0123456789abcdef";
+    char trace[33], flags[3] = "01";
+    /* version-traceid-parentid-flags, 55 characters in version 00. */
+    if (tp && n >= 55 && tp[2] == '-' && tp[35] == '-' && tp[52] == '-' && hexrun(tp, 2) + 1 &&
+        memcmp(tp, "ff", 2) != 0 && hexrun(tp + 3, 32) && hexrun(tp + 36, 16) &&
+        (hexrun(tp + 53, 2) || (tp[53] == '0' && tp[54] == '0')) && (n == 55 || tp[55] == '-')) {
+        memcpy(trace, tp + 3, 32);
+        memcpy(flags, tp + 53, 2);
+    } else {
+        uint64_t a = px_rand64() | 1, b = px_rand64();
+        for (int i = 0; i < 16; i++) {
+            trace[i] = hex[(a >> (60 - 4 * i)) & 15];
+            trace[16 + i] = hex[(b >> (60 - 4 * i)) & 15];
+        }
+    }
+    trace[32] = '\0';
+    flags[2] = '\0';
+    uint64_t span = px_rand64() | 1;
+    char sp[17];
+    for (int i = 0; i < 16; i++) sp[i] = hex[(span >> (60 - 4 * i)) & 15];
+    sp[16] = '\0';
+    snprintf(out, 56, "00-%s-%s-%s", trace, sp, flags);
 }
 
 static int valid_request_id(const char *v, size_t n)
@@ -110,43 +215,60 @@ static int valid_request_id(const char *v, size_t n)
     return 1;
 }
 
-static void build_headers(px_req *r, const px_http_head *h)
+static struct curl_slist *headers_for(px_req *r, const px_http_head *h, const char *tp)
 {
     char line[300];
-    const px_http_header *auth = px_http_find(h, "authorization");
-    r->hdrs = curl_slist_append(NULL, "Content-Type: application/json");
+    struct curl_slist *l = NULL;
+    if (r->ep != PX_EP_MODELS) l = curl_slist_append(l, "Content-Type: application/json");
     snprintf(line, sizeof line, "X-Request-Id: %s", r->id);
-    r->hdrs = curl_slist_append(r->hdrs, line);
-    if (auth) {
-        px_buf b;
-        px_buf_init(&b);
+    l = curl_slist_append(l, line);
+    const px_http_header *auth = px_http_find(h, "authorization");
+    px_buf b;
+    px_buf_init(&b);
+    if (r->s->upstream_auth_forced || !auth) {
+        if (r->s->upstream_auth) l = curl_slist_append(l, r->s->upstream_auth);
+    } else {
         px_buf_printf(&b, "Authorization: %.*s", (int)auth->value_len, auth->value);
-        r->hdrs = curl_slist_append(r->hdrs, b.data);
-        px_buf_cleanup(&b);
-    } else if (r->w->srv->env_auth) {
-        px_buf b;
-        px_buf_init(&b);
-        px_buf_printf(&b, "Authorization: %s", r->w->srv->env_auth);
-        r->hdrs = curl_slist_append(r->hdrs, b.data);
-        px_buf_cleanup(&b);
+        l = curl_slist_append(l, b.data);
     }
+    char child[56];
+    px_trace_child(tp, tp ? strlen(tp) : 0, child);
+    snprintf(line, sizeof line, "traceparent: %s", child);
+    l = curl_slist_append(l, line);
+    if (!r->trace_id[0]) {
+        memcpy(r->trace_id, child + 3, 32);
+        r->trace_id[32] = '\0';
+    }
+    const px_http_header *ts = px_http_find(h, "tracestate");
+    if (ts && ts->value_len <= 512) {
+        px_buf_reset(&b);
+        px_buf_printf(&b, "tracestate: %.*s", (int)ts->value_len, ts->value);
+        l = curl_slist_append(l, b.data);
+    }
+    px_buf_cleanup(&b);
     /* No 100-continue round trip on large bodies. */
-    r->hdrs = curl_slist_append(r->hdrs, "Expect:");
+    l = curl_slist_append(l, "Expect:");
+    return l;
 }
 
-static int start_upstream(px_req *r, const px_backend *b, const px_upstream_cbs *cbs,
-                          long total_timeout_ms)
+static int start_upstream(px_req *r, px_backend *b, const char *path, const px_buf *body,
+                          struct curl_slist *hdrs, const px_upstream_cbs *cbs, long total_ms,
+                          long idle_s)
 {
-    const px_config *cfg = r->w->srv->cfg;
+    const px_config *cfg = r->s->cfg;
     px_upstream_opts o = {
         .connect_timeout_ms = (long)(cfg->connect_timeout * 1000),
-        .total_timeout_ms = total_timeout_ms,
-        .idle_timeout_s = 0,
+        .total_timeout_ms = total_ms,
+        .idle_timeout_s = idle_s,
+        .ca_file = cfg->upstream_ca,
+        .insecure = cfg->upstream_insecure,
+        .connect_to = b->connect_to,
+        .track_upload = body && cbs != NULL && b == r->db,
     };
     px_buf_reset(&r->url);
-    px_buf_printf(&r->url, "%s%s", b->url, ep_paths[r->ep]);
-    r->up = px_upstream_post(r->w->up, r->url.data, r->up_body.data, r->up_body.len, r->hdrs, &o,
-                             cbs, r);
+    px_buf_printf(&r->url, "%s%s", b->url, path);
+    r->up = px_upstream_start(r->w->up, body ? "POST" : "GET", r->url.data,
+                              body ? body->data : NULL, body ? body->len : 0, hdrs, &o, cbs, r);
     return r->up ? 0 : -1;
 }
 
@@ -156,6 +278,7 @@ static void decode_headers(void *arg, int status, const char *ctype)
 {
     px_req *r = arg;
     r->dstatus = status;
+    if (r->state == RS_RELEASING) return;
     r->t_first = px_now_ns();
     set_state(r, RS_STREAM);
     if (r->conn) px_conn_stream_start(r->conn, status, ctype, r->id, NULL);
@@ -174,30 +297,92 @@ static int decode_data(void *arg, const char *p, size_t n)
     return 0;
 }
 
-static void decode_done(void *arg, CURLcode rc, const char *errbuf)
+static void decode_done(void *arg, CURLcode rc, const char *errbuf, int connected)
 {
     px_req *r = arg;
     r->up = NULL; /* freed by the upstream module when this returns */
-    if (rc != CURLE_OK) {
-        if (r->state == RS_STREAM) {
-            req_fail(r, r->dstatus, "decode %s failed mid-stream after %zu bytes: %s", r->db->name,
-                     r->bytes_out, errbuf[0] ? errbuf : curl_easy_strerror(rc));
-        } else {
-            req_fail(r, px_upstream_status_for(rc), "decode %s: %s", r->db->name,
-                     errbuf[0] ? errbuf : curl_easy_strerror(rc));
-        }
+    px_outcome o = outcome_of(rc, r->dstatus);
+    const char *why = errbuf[0] ? errbuf : curl_easy_strerror(rc);
+    if (r->state == RS_RELEASING && connected) {
+        /* Decode has the request and its kv_transfer_params; it drops the
+         * request now that we left, and tells prefill to free the blocks. */
+        px_backend_done(&r->s->decode, r->db, PX_OUT_CANCELLED);
+        r->db = NULL;
+        px_m_inc(&r->w->metrics.stranded_released);
+        PX_LOG(PX_LOG_INFO,
+               "req=%s msg=\"client left after prefill: decode was given the request and "
+               "aborted so prefill frees its blocks\" decode=%s",
+               r->id, r->dname);
+        req_end(r, 499, "client_disconnected");
         return;
     }
-    if (r->conn) {
-        px_conn_stream_end(r->conn);
-        r->conn = NULL;
+    px_backend_done(&r->s->decode, r->db, o);
+    r->db = NULL;
+    if (rc == CURLE_OK) {
+        if (r->conn) {
+            px_conn_stream_end(r->conn);
+            r->conn = NULL;
+        }
+        req_end(r, r->dstatus, "ok");
+        return;
     }
-    access_log(r, r->dstatus, "ok");
-    set_state(r, RS_DONE);
-    req_free(r);
+    if (r->state == RS_STREAM) {
+        req_fail(r, r->dstatus, NULL, "decode %s failed mid-stream after %zu bytes: %s", r->dname,
+                 r->bytes_out, why);
+        return;
+    }
+    /* Resend only what decode never saw: it may have read prefill's blocks
+     * once the request reached it. */
+    size_t ndecode;
+    px_pool_counts(&r->s->decode, &ndecode, NULL);
+    if (!connected && r->ntried_d < MAX_TRIES && r->ntried_d < ndecode) {
+        PX_LOG(PX_LOG_WARN,
+               "req=%s msg=\"decode unreachable, trying another\" decode=%s error=\"%s\"", r->id,
+               r->dname, why);
+        px_m_inc(&r->w->metrics.retries[1]);
+        start_decode(r);
+        return;
+    }
+    if (r->state == RS_RELEASING) {
+        req_end(r, 499, "client_disconnected");
+        return;
+    }
+    req_fail(r, px_upstream_status_for(rc), NULL, "decode %s: %s", r->dname, why);
 }
 
 static const px_upstream_cbs decode_cbs = {decode_headers, decode_data, decode_done};
+
+/* Picks a decode and sends it r->dbody (built by the caller) or, for
+ * /v1/models, a GET. */
+static void start_decode(px_req *r)
+{
+    px_pick k = {.exclude = r->tried_d, .nexclude = r->ntried_d};
+    size_t n;
+    r->db = px_pool_pick(&r->s->decode, &k, &n);
+    if (!r->db) {
+        if (r->state == RS_RELEASING) {
+            PX_LOG(PX_LOG_WARN, "req=%s msg=\"client left after prefill and no decode can take "
+                                "the request: prefill's blocks stay until they expire\"", r->id);
+            req_end(r, 499, "client_disconnected");
+            return;
+        }
+        req_fail(r, 503, "Retry-After: 1\r\n", "no healthy decode backend (%zu configured%s)", n,
+                 n ? ", all ejected" : "");
+        return;
+    }
+    snprintf(r->dname, sizeof r->dname, "%s", r->db->name);
+    if (r->ntried_d < MAX_TRIES) r->tried_d[r->ntried_d++] = r->db;
+    if (r->state != RS_RELEASING) set_state(r, RS_DECODE);
+    long idle = (long)r->s->cfg->decode_idle_timeout;
+    if (r->s->cfg->decode_idle_timeout > 0 && idle < 1) idle = 1;
+    if (start_upstream(r, r->db, ep_paths[r->ep], r->ep == PX_EP_MODELS ? NULL : &r->dbody,
+                       r->hdrs_d, &decode_cbs, 0, idle) < 0) {
+        req_fail(r, 502, NULL, "decode %s: cannot start the request", r->dname);
+        return;
+    }
+    /* Releasing: the body only has to reach decode. */
+    if (r->state == RS_RELEASING) px_upstream_abort_after_upload(r->up);
+}
 
 /* ---------- prefill ---------- */
 
@@ -219,7 +404,7 @@ static int prefill_data(void *arg, const char *p, size_t n)
     return 0;
 }
 
-static void start_decode(px_req *r)
+static void proceed_to_decode(px_req *r)
 {
     const char *kvp = NULL;
     size_t kvp_len = 0;
@@ -227,82 +412,203 @@ static void start_decode(px_req *r)
     px_kvp_status ks = px_extract_kv_params(r->presp.data ? r->presp.data : "", r->presp.len, &kvp,
                                             &kvp_len, err, sizeof err);
     if (ks == PX_KVP_BAD_RESPONSE) {
-        req_fail(r, 502, "prefill %s returned an invalid answer: %s", r->pb->name, err);
+        if (r->state == RS_RELEASING) {
+            req_end(r, 499, "client_disconnected");
+            return;
+        }
+        req_fail(r, 502, NULL, "prefill %s returned an invalid answer: %s", r->pname, err);
         return;
     }
     if (ks == PX_KVP_MISSING) {
+        px_m_inc(&r->w->metrics.kvp_missing);
         PX_LOG(PX_LOG_WARN,
                "req=%s msg=\"prefill answer has no kv_transfer_params; decode will recompute the "
                "prefill\" prefill=%s",
-               r->id, r->pb->name);
+               r->id, r->pname);
         kvp = NULL;
+        if (r->state == RS_RELEASING) { /* nothing to release */
+            req_end(r, 499, "client_disconnected");
+            return;
+        }
     } else if (ks == PX_KVP_NO_REQUEST_ID) {
+        px_m_inc(&r->w->metrics.rrid_missing);
         PX_LOG(PX_LOG_WARN,
                "req=%s msg=\"kv_transfer_params lack remote_request_id; decode cannot release "
                "prefill's blocks\" prefill=%s",
-               r->id, r->pb->name);
+               r->id, r->pname);
     }
-    px_buf_reset(&r->up_body);
-    px_rewrite_decode(r->body.data, r->body.len, kvp, kvp_len, &r->up_body);
-    r->db = &r->w->srv->decode.b[px_pool_pick_rr(&r->w->srv->decode)];
-    set_state(r, RS_DECODE);
-    if (start_upstream(r, r->db, &decode_cbs, 0) < 0)
-        req_fail(r, 502, "decode %s: cannot start the request", r->db->name);
+    px_buf_reset(&r->dbody);
+    px_rewrite_decode(r->body.data, r->body.len, kvp, kvp_len, &r->dbody);
+    start_decode(r);
 }
 
-static void prefill_done(void *arg, CURLcode rc, const char *errbuf)
+static void on_retry_timer(evutil_socket_t fd, short what, void *arg)
+{
+    start_prefill(arg);
+}
+
+static void prefill_done(void *arg, CURLcode rc, const char *errbuf, int connected)
 {
     px_req *r = arg;
     r->up = NULL;
+    px_outcome o = outcome_of(rc, r->pstatus);
+    if (r->too_big) o = PX_OUT_SERVER_ERR;
+    px_backend_done(&r->s->prefill, r->pb, o);
+    r->pb = NULL;
+    const char *why = errbuf[0] ? errbuf : curl_easy_strerror(rc);
+
+    if (r->state == RS_RELEASING) {
+        if (rc == CURLE_OK && r->pstatus >= 200 && r->pstatus < 300) {
+            proceed_to_decode(r);
+            return;
+        }
+        req_end(r, 499, "client_disconnected");
+        return;
+    }
+    /* Refused, reset or 5xx: another prefill, after a jittered pause. */
+    int retryable = o == PX_OUT_CONNECT_ERR || o == PX_OUT_RESET || o == PX_OUT_SERVER_ERR;
+    if (retryable && !r->too_big && (int64_t)(r->ntried_p) <= r->s->cfg->prefill_retries &&
+        r->ntried_p < MAX_TRIES) {
+        PX_LOG(PX_LOG_WARN,
+               "req=%s msg=\"prefill failed, retrying on another instance\" prefill=%s attempt=%zu "
+               "error=\"%s\" status=%d",
+               r->id, r->pname, r->ntried_p, rc ? why : "", r->pstatus);
+        px_m_inc(&r->w->metrics.retries[0]);
+        px_buf_reset(&r->presp);
+        r->pstatus = 0;
+        set_state(r, RS_RETRY_WAIT);
+        uint64_t base_us = 10000u << (r->ntried_p < 6 ? r->ntried_p - 1 : 5);
+        uint64_t us = base_us / 2 + px_rand64() % base_us;
+        struct timeval tv = {(time_t)(us / 1000000), (suseconds_t)(us % 1000000)};
+        if (!r->retry_timer) r->retry_timer = evtimer_new(r->w->base, on_retry_timer, r);
+        evtimer_add(r->retry_timer, &tv);
+        return;
+    }
     r->t_prefill = px_now_ns();
+    px_hist_observe(&r->w->metrics.prefill, secs(r->t0, r->t_prefill));
     if (rc != CURLE_OK) {
         if (r->too_big)
-            req_fail(r, 502, "prefill %s answer exceeds %d bytes", r->pb->name, PREFILL_MAX_ANSWER);
+            req_fail(r, 502, NULL, "prefill %s answer exceeds %d bytes", r->pname,
+                     PREFILL_MAX_ANSWER);
         else
-            req_fail(r, px_upstream_status_for(rc), "prefill %s: %s", r->pb->name,
-                     errbuf[0] ? errbuf : curl_easy_strerror(rc));
+            req_fail(r, px_upstream_status_for(rc), NULL, "prefill %s: %s", r->pname, why);
         return;
     }
     if (r->pstatus >= 400 && r->pstatus < 500) {
         /* The client's fault: its status and the engine's words, as they are. */
         PX_LOG(PX_LOG_INFO, "req=%s msg=\"prefill rejected the request\" prefill=%s status=%d",
-               r->id, r->pb->name, r->pstatus);
+               r->id, r->pname, r->pstatus);
         if (r->conn) {
             px_conn_reply(r->conn, r->pstatus, r->pctype, r->id, NULL, r->presp.data, r->presp.len);
             r->conn = NULL;
         }
-        access_log(r, r->pstatus, "prefill_rejected");
-        set_state(r, RS_DONE);
-        req_free(r);
+        req_end(r, r->pstatus, "prefill_rejected");
         return;
     }
     if (r->pstatus < 200 || r->pstatus >= 300) {
-        req_fail(r, 502, "prefill %s answered HTTP %d", r->pb->name, r->pstatus);
+        req_fail(r, 502, NULL, "prefill %s answered HTTP %d", r->pname, r->pstatus);
         return;
     }
-    start_decode(r);
+    proceed_to_decode(r);
 }
 
 static const px_upstream_cbs prefill_cbs = {prefill_headers, prefill_data, prefill_done};
 
-/* ---------- entry points ---------- */
+static void start_prefill(px_req *r)
+{
+    px_pick k = {.key = r->key, .key_len = r->key_len, .exclude = r->tried_p,
+                 .nexclude = r->ntried_p};
+    size_t n;
+    r->pb = px_pool_pick(&r->s->prefill, &k, &n);
+    if (!r->pb) {
+        if (r->s->cfg->fallback_decode_only) {
+            PX_LOG(PX_LOG_WARN,
+                   "req=%s msg=\"no healthy prefill: sending the request to decode alone\" "
+                   "prefill_backends=%zu",
+                   r->id, n);
+            px_buf_reset(&r->dbody);
+            px_rewrite_decode(r->body.data, r->body.len, NULL, 0, &r->dbody);
+            start_decode(r);
+            return;
+        }
+        req_fail(r, 503, "Retry-After: 1\r\n", "no healthy prefill backend (%zu configured%s)", n,
+                 n ? ", all ejected" : "");
+        return;
+    }
+    snprintf(r->pname, sizeof r->pname, "%s", r->pb->name);
+    if (r->ntried_p < MAX_TRIES) r->tried_p[r->ntried_p++] = r->pb;
+    set_state(r, RS_PREFILL);
+    long ptimeout = (long)(r->s->cfg->prefill_timeout * 1000);
+    if (start_upstream(r, r->pb, ep_paths[r->ep], &r->pbody, r->hdrs_p, &prefill_cbs, ptimeout,
+                       0) < 0)
+        req_fail(r, 502, NULL, "prefill %s: cannot start the request", r->pname);
+}
 
-static void client_gone(void *arg);
-static void client_drained(void *arg);
+/* ---------- the client ---------- */
+
+static void client_gone(void *arg)
+{
+    px_req *r = arg;
+    r->conn = NULL;
+    px_phase phase = r->state == RS_STREAM ? PX_PHASE_STREAM
+                     : r->state == RS_DECODE ? PX_PHASE_DECODE
+                                             : PX_PHASE_PREFILL;
+    px_m_inc(&r->w->metrics.disconnects[phase]);
+    if (r->state == RS_PREFILL && r->up && px_upstream_readable(r->up)) {
+        /* Prefill has already answered: its blocks are published. Finish
+         * reading, then release them through decode. */
+        set_state(r, RS_RELEASING);
+        return;
+    }
+    if (r->state == RS_DECODE && r->up && r->ep != PX_EP_MODELS &&
+        !px_upstream_abort_after_upload(r->up)) {
+        /* Decode has not received the request yet: let the body reach it,
+         * then abort, so that decode tells prefill to free the blocks. */
+        set_state(r, RS_RELEASING);
+        return;
+    }
+    set_state(r, RS_CLOSING);
+    finish_log(r, 499, "client_disconnected");
+    req_free(r); /* cancels the transfer in flight, closing its connection */
+}
+
+static void client_drained(void *arg)
+{
+    px_req *r = arg;
+    if (r->paused && r->up) {
+        r->paused = 0;
+        px_upstream_resume(r->up);
+    }
+}
+
 static const px_exchange_cbs client_cbs = {client_gone, client_drained};
 
-px_req *px_req_start(px_worker *w, px_conn *c, px_endpoint ep, const px_http_head *h,
-                     px_buf *body)
+/* The bytes prefix_affinity hashes: the start of the prompt, or of the
+ * messages, as the client spelled them (identical requests, identical keys,
+ * in every replica). */
+static void find_key(px_req *r)
+{
+    px_json_member m;
+    const char *name = r->ep == PX_EP_CHAT ? "messages" : "prompt";
+    if (!px_json_find(r->body.data, r->body.len, name, &m)) return;
+    r->key = m.val;
+    r->key_len = m.val_len < r->s->prefill.cfg.prefix_bytes ? m.val_len
+                                                              : r->s->prefill.cfg.prefix_bytes;
+}
+
+void px_req_start(px_worker *w, px_conn *c, px_endpoint ep, const px_http_head *h, px_buf *body)
 {
     px_req *r = px_xcalloc(1, sizeof *r);
     r->w = w;
+    r->s = w->srv;
     r->conn = c;
     r->ep = ep;
     r->state = RS_NEW;
     r->t0 = px_now_ns();
     r->body = *body;
     px_buf_init(body);
-    px_buf_init(&r->up_body);
+    px_buf_init(&r->pbody);
+    px_buf_init(&r->dbody);
     px_buf_init(&r->presp);
     px_buf_init(&r->url);
 
@@ -313,44 +619,39 @@ px_req *px_req_start(px_worker *w, px_conn *c, px_endpoint ep, const px_http_hea
     } else {
         px_uuid4(r->id);
     }
+    const px_http_header *tp = px_http_find(h, "traceparent");
+    char tpbuf[64] = "";
+    if (tp && tp->value_len < sizeof tpbuf) {
+        memcpy(tpbuf, tp->value, tp->value_len);
+        tpbuf[tp->value_len] = '\0';
+    }
+    r->hdrs_p = headers_for(r, h, tpbuf[0] ? tpbuf : NULL);
+    r->hdrs_d = headers_for(r, h, tpbuf[0] ? tpbuf : NULL);
 
+    long max = r->s->cfg->max_inflight;
+    long now = atomic_fetch_add(&r->s->inflight, 1) + 1;
+    r->counted = 1;
+    if (max > 0 && now > max) {
+        req_fail(r, 503, "Retry-After: 1\r\n", "too many requests in flight (--max-inflight %ld)",
+                 max);
+        return;
+    }
+    px_conn_bind(c, &client_cbs, r);
+    if (ep == PX_EP_MODELS) {
+        start_decode(r);
+        return;
+    }
     char err[128];
     px_json_type t = px_json_validate(r->body.data ? r->body.data : "", r->body.len, err, sizeof err);
     if (t == PX_JSON_INVALID) {
-        req_fail(r, 400, "request body is not valid JSON: %s", err);
-        return NULL;
+        req_fail(r, 400, NULL, "request body is not valid JSON: %s", err);
+        return;
     }
     if (t != PX_JSON_OBJECT) {
-        req_fail(r, 400, "request body must be a JSON object");
-        return NULL;
+        req_fail(r, 400, NULL, "request body must be a JSON object");
+        return;
     }
-    build_headers(r, h);
-    px_rewrite_prefill(r->body.data, r->body.len, &r->up_body);
-    r->pb = &w->srv->prefill.b[px_pool_pick_rr(&w->srv->prefill)];
-    set_state(r, RS_PREFILL);
-    long ptimeout = (long)(w->srv->cfg->prefill_timeout * 1000);
-    if (start_upstream(r, r->pb, &prefill_cbs, ptimeout) < 0) {
-        req_fail(r, 502, "prefill %s: cannot start the request", r->pb->name);
-        return NULL;
-    }
-    px_conn_bind(c, &client_cbs, r);
-    return r;
-}
-
-static void client_gone(void *arg)
-{
-    px_req *r = arg;
-    r->conn = NULL;
-    set_state(r, RS_CLOSING);
-    access_log(r, 499, "client_disconnected");
-    req_free(r); /* cancels the upstream transfer, closing its connection */
-}
-
-static void client_drained(void *arg)
-{
-    px_req *r = arg;
-    if (r->paused && r->up) {
-        r->paused = 0;
-        px_upstream_resume(r->up);
-    }
+    px_rewrite_prefill(r->body.data, r->body.len, &r->pbody);
+    if (r->s->prefill.cfg.policy == PX_POLICY_PREFIX_AFFINITY) find_key(r);
+    start_prefill(r);
 }

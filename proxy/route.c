@@ -4,39 +4,448 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "log.h"
 #include "util.h"
 
-void px_pool_init(px_pool *p, const char *role, const px_strlist *hosts, const px_strlist *ports)
+#define RING_POINTS 64 /* virtual nodes per backend */
+
+static const char *const policy_names[] = {"round_robin", "least_inflight", "power_of_two",
+                                           "prefix_affinity", "load_aware"};
+static const char *const outcome_names[] = {"ok",    "client_error", "server_error", "connect_error",
+                                            "reset", "timeout",      "cancelled"};
+
+int px_policy_parse(const char *s)
 {
-    p->role = role;
-    p->n = hosts->n;
-    p->b = px_xcalloc(p->n, sizeof *p->b);
-    atomic_init(&p->rr, 0);
-    for (size_t i = 0; i < p->n; i++) {
-        const char *h = hosts->v[i];
-        int v6 = strchr(h, ':') != NULL && h[0] != '[';
-        px_buf b;
-        px_buf_init(&b);
-        px_buf_printf(&b, "%s%s%s:%s", v6 ? "[" : "", h, v6 ? "]" : "", ports->v[i]);
-        p->b[i].name = px_xstrdup(b.data);
-        px_buf_reset(&b);
-        px_buf_printf(&b, "http://%s", p->b[i].name);
-        p->b[i].url = b.data; /* ownership moves to the backend */
+    for (int i = 0; i < 5; i++)
+        if (!strcmp(s, policy_names[i])) return i;
+    return -1;
+}
+
+const char *px_policy_name(px_policy p)
+{
+    return policy_names[p];
+}
+
+const char *px_outcome_name(px_outcome o)
+{
+    return outcome_names[o];
+}
+
+uint64_t px_hash64(const void *p, size_t n)
+{
+    const unsigned char *s = p;
+    uint64_t h = 0xcbf29ce484222325ull;
+    for (size_t i = 0; i < n; i++) {
+        h ^= s[i];
+        h *= 0x100000001b3ull;
     }
+    return h;
+}
+
+static uint64_t mix64(uint64_t x)
+{
+    x ^= x >> 33;
+    x *= 0xff51afd7ed558ccdull;
+    x ^= x >> 33;
+    x *= 0xc4ceb9fe1a85ec53ull;
+    x ^= x >> 33;
+    return x;
+}
+
+void px_backend_release(px_backend *b)
+{
+    if (!b || atomic_fetch_sub(&b->refs, 1) != 1) return;
+    free(b->name);
+    free(b->url);
+    free(b->connect_to);
+    free(b->src);
+    free(b);
+}
+
+void px_pool_init(px_pool *p, const char *role, const px_pool_cfg *cfg)
+{
+    memset(p, 0, sizeof *p);
+    p->role = role;
+    p->cfg = *cfg;
+    pthread_mutex_init(&p->mu, NULL);
 }
 
 void px_pool_cleanup(px_pool *p)
 {
-    for (size_t i = 0; i < p->n; i++) {
-        free(p->b[i].name);
-        free(p->b[i].url);
-    }
+    for (size_t i = 0; i < p->n; i++) px_backend_release(p->b[i]);
     free(p->b);
-    p->b = NULL;
-    p->n = 0;
+    free(p->ring);
+    pthread_mutex_destroy(&p->mu);
+    memset(p, 0, sizeof *p);
 }
 
-size_t px_pool_pick_rr(px_pool *p)
+int px_url_split(const char *url, char *host, size_t hostcap, int *port, int *https)
 {
-    return (size_t)(atomic_fetch_add_explicit(&p->rr, 1, memory_order_relaxed) % p->n);
+    const char *h;
+    if (!strncmp(url, "http://", 7)) {
+        h = url + 7;
+        *https = 0;
+    } else if (!strncmp(url, "https://", 8)) {
+        h = url + 8;
+        *https = 1;
+    } else {
+        return -1;
+    }
+    *port = *https ? 443 : 80;
+    const char *end = h + strcspn(h, "/");
+    const char *hs = h, *he, *colon = NULL;
+    if (*h == '[') {
+        const char *rb = memchr(h, ']', (size_t)(end - h));
+        if (!rb) return -1;
+        hs = h + 1;
+        he = rb;
+        if (rb + 1 < end) {
+            if (rb[1] != ':') return -1;
+            colon = rb + 1;
+        }
+    } else {
+        colon = memchr(h, ':', (size_t)(end - h));
+        he = colon ? colon : end;
+    }
+    if (he <= hs || (size_t)(he - hs) >= hostcap) return -1;
+    memcpy(host, hs, (size_t)(he - hs));
+    host[he - hs] = '\0';
+    if (colon) {
+        char *e;
+        long p = strtol(colon + 1, &e, 10);
+        if (e != end || p < 1 || p > 65535) return -1;
+        *port = (int)p;
+    }
+    return 0;
+}
+
+static int cmp_u64(const void *a, const void *b)
+{
+    uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
+    return x < y ? -1 : x > y;
+}
+
+/* Under p->mu. The ring depends only on the members' names, so every
+ * replica builds the same one. */
+static void rebuild_ring(px_pool *p)
+{
+    free(p->ring);
+    p->ring = NULL;
+    p->nring = 0;
+    if (!p->n) return;
+    p->ring = px_xmalloc(p->n * RING_POINTS * sizeof *p->ring);
+    for (size_t i = 0; i < p->n && i < 0xffff; i++)
+        for (uint64_t v = 0; v < RING_POINTS; v++)
+            p->ring[p->nring++] =
+                (mix64(p->b[i]->key_hash + v * 0x9e3779b97f4a7c15ull) & ~0xffffull) | i;
+    qsort(p->ring, p->nring, sizeof *p->ring, cmp_u64);
+}
+
+static px_backend *backend_new(const char *url, const char *name, const char *connect_to,
+                               const char *src)
+{
+    px_backend *b = px_xcalloc(1, sizeof *b);
+    b->url = px_xstrdup(url);
+    b->name = px_xstrdup(name);
+    b->connect_to = connect_to ? px_xstrdup(connect_to) : NULL;
+    b->src = px_xstrdup(src);
+    b->key_hash = px_hash64(name, strlen(name));
+    atomic_init(&b->refs, 1);
+    atomic_init(&b->healthy, 1);
+    return b;
+}
+
+/* Under p->mu. */
+static void add_member(px_pool *p, px_backend *b)
+{
+    p->b = px_xrealloc(p->b, (p->n + 1) * sizeof *p->b);
+    p->b[p->n++] = b;
+}
+
+px_backend *px_pool_add(px_pool *p, const char *url, const char *connect_ip)
+{
+    char host[256];
+    int port, https;
+    if (px_url_split(url, host, sizeof host, &port, &https) < 0) return NULL;
+    const char *hp = strstr(url, "://") + 3;
+    size_t hl = strcspn(hp, "/");
+    px_buf name, pin, u;
+    px_buf_init(&name);
+    px_buf_init(&pin);
+    px_buf_init(&u);
+    px_buf_append(&u, url, (size_t)(hp - url) + hl); /* without a trailing slash */
+    if (connect_ip) {
+        /* The address is the backend's identity; the URL keeps the host name
+         * for Host, SNI and certificate checks. */
+        int v6 = strchr(connect_ip, ':') != NULL;
+        px_buf_printf(&name, "%s%s%s:%d", v6 ? "[" : "", connect_ip, v6 ? "]" : "", port);
+        px_buf_printf(&pin, "%s:%d:%s%s%s:%d", host, port, v6 ? "[" : "", connect_ip,
+                      v6 ? "]" : "", port);
+    } else {
+        px_buf_append(&name, hp, hl);
+    }
+    px_backend *b = backend_new(u.data, name.data, connect_ip ? pin.data : NULL, url);
+    px_buf_cleanup(&u);
+    px_buf_cleanup(&name);
+    px_buf_cleanup(&pin);
+    pthread_mutex_lock(&p->mu);
+    add_member(p, b);
+    rebuild_ring(p);
+    pthread_mutex_unlock(&p->mu);
+    return b;
+}
+
+size_t px_pool_sync_addrs(px_pool *p, const char *url, const char *host, int port, char **ips,
+                          size_t nips)
+{
+    size_t changed = 0;
+    /* Names of the backends the addresses stand for. */
+    char **names = px_xcalloc(nips ? nips : 1, sizeof *names);
+    for (size_t i = 0; i < nips; i++) {
+        px_buf b;
+        px_buf_init(&b);
+        int v6 = strchr(ips[i], ':') != NULL;
+        px_buf_printf(&b, "%s%s%s:%d", v6 ? "[" : "", ips[i], v6 ? "]" : "", port);
+        names[i] = b.data;
+    }
+    pthread_mutex_lock(&p->mu);
+    /* Drop members of this URL whose address went away. */
+    for (size_t i = 0; i < p->n;) {
+        px_backend *b = p->b[i];
+        int keep = strcmp(b->src, url) != 0;
+        for (size_t j = 0; !keep && j < nips; j++) keep = !strcmp(b->name, names[j]);
+        if (keep) {
+            i++;
+            continue;
+        }
+        PX_LOG(PX_LOG_INFO, "msg=\"backend removed: gone from DNS\" role=%s backend=%s name=%s",
+               p->role, b->name, host);
+        memmove(&p->b[i], &p->b[i + 1], (p->n - i - 1) * sizeof *p->b);
+        p->n--;
+        px_backend_release(b);
+        changed++;
+    }
+    pthread_mutex_unlock(&p->mu);
+    for (size_t j = 0; j < nips; j++) {
+        int have = 0;
+        pthread_mutex_lock(&p->mu);
+        for (size_t i = 0; i < p->n && !have; i++) have = !strcmp(p->b[i]->name, names[j]);
+        pthread_mutex_unlock(&p->mu);
+        if (!have) {
+            px_pool_add(p, url, ips[j]);
+            PX_LOG(PX_LOG_INFO, "msg=\"backend added from DNS\" role=%s backend=%s name=%s",
+                   p->role, names[j], host);
+            changed++;
+        }
+    }
+    if (changed) {
+        pthread_mutex_lock(&p->mu);
+        rebuild_ring(p);
+        pthread_mutex_unlock(&p->mu);
+    }
+    for (size_t i = 0; i < nips; i++) free(names[i]);
+    free(names);
+    return changed;
+}
+
+/* Under p->mu: may b take a request now? */
+static int eligible(px_pool *p, px_backend *b, uint64_t now)
+{
+    if (atomic_load(&b->healthy)) return 1;
+    if (p->cfg.active_checks) return 0;
+    /* No active checks: after its backoff an ejected backend gets one try. */
+    if (now >= atomic_load(&b->readmit_ns)) {
+        atomic_store(&b->fails, p->cfg.unhealthy_after - 1);
+        atomic_store(&b->healthy, 1);
+        PX_LOG(PX_LOG_INFO, "msg=\"backend on probation after backoff\" role=%s backend=%s",
+               p->role, b->name);
+        return 1;
+    }
+    return 0;
+}
+
+static int excluded(const px_pick *k, px_backend *b)
+{
+    for (size_t i = 0; k && i < k->nexclude; i++)
+        if (k->exclude[i] == b) return 1;
+    return 0;
+}
+
+static double load_score(px_backend *b)
+{
+    double s = atomic_load(&b->inflight);
+    if (atomic_load(&b->load_known))
+        s += 4.0 * atomic_load(&b->waiting) + atomic_load(&b->running) +
+             2.0 * atomic_load(&b->kv_usage_milli) / 1000.0;
+    return s;
+}
+
+/* Under p->mu; cand[] holds eligible member indexes, in member order. */
+static size_t choose(px_pool *p, const px_pick *k, const size_t *cand, size_t nc)
+{
+    switch (p->cfg.policy) {
+    case PX_POLICY_ROUND_ROBIN:
+    default: {
+        /* The first candidate at or after the cursor. */
+        size_t start = p->rr % p->n, best = cand[0];
+        for (size_t i = 0; i < nc; i++)
+            if (cand[i] >= start) {
+                best = cand[i];
+                break;
+            }
+        p->rr = best + 1;
+        return best;
+    }
+    case PX_POLICY_LEAST_INFLIGHT:
+    case PX_POLICY_LOAD_AWARE: {
+        size_t start = p->rr++ % nc, best = cand[start];
+        double bs = 1e300;
+        for (size_t j = 0; j < nc; j++) {
+            size_t i = cand[(start + j) % nc];
+            double s = p->cfg.policy == PX_POLICY_LOAD_AWARE ? load_score(p->b[i])
+                                                             : atomic_load(&p->b[i]->inflight);
+            if (s < bs) {
+                bs = s;
+                best = i;
+            }
+        }
+        return best;
+    }
+    case PX_POLICY_POWER_OF_TWO: {
+        if (nc == 1) return cand[0];
+        size_t a = cand[px_rand64() % nc], b = cand[px_rand64() % (nc - 1)];
+        if (b == a) b = cand[nc - 1];
+        return atomic_load(&p->b[b]->inflight) < atomic_load(&p->b[a]->inflight) ? b : a;
+    }
+    case PX_POLICY_PREFIX_AFFINITY: {
+        if (!k || !k->key || !p->nring) {
+            size_t best = cand[p->rr++ % nc];
+            return best;
+        }
+        /* Consistent hashing with bounded loads: walk the ring from the key's
+         * point to the first candidate under ceil(c * mean load). */
+        long total = 0;
+        for (size_t j = 0; j < nc; j++) total += atomic_load(&p->b[cand[j]]->inflight);
+        double cap = p->cfg.load_factor * (double)(total + 1) / (double)nc;
+        long icap = (long)cap + ((double)(long)cap < cap);
+        unsigned char *is_cand = px_xcalloc(p->n, 1);
+        for (size_t j = 0; j < nc; j++) is_cand[cand[j]] = 1;
+        uint64_t h = mix64(px_hash64(k->key, k->key_len)) & ~0xffffull;
+        size_t lo = 0, hi = p->nring;
+        while (lo < hi) {
+            size_t mid = (lo + hi) / 2;
+            if ((p->ring[mid] & ~0xffffull) < h) lo = mid + 1;
+            else hi = mid;
+        }
+        size_t best = (size_t)-1, first = (size_t)-1;
+        for (size_t j = 0; j < p->nring; j++) {
+            size_t i = (size_t)(p->ring[(lo + j) % p->nring] & 0xffff);
+            if (i >= p->n || !is_cand[i]) continue;
+            if (first == (size_t)-1) first = i;
+            if (atomic_load(&p->b[i]->inflight) + 1 <= icap) {
+                best = i;
+                break;
+            }
+        }
+        free(is_cand);
+        return best != (size_t)-1 ? best : first;
+    }
+    }
+}
+
+px_backend *px_pool_pick(px_pool *p, const px_pick *k, size_t *nmembers)
+{
+    uint64_t now = px_now_ns();
+    px_backend *b = NULL;
+    pthread_mutex_lock(&p->mu);
+    if (nmembers) *nmembers = p->n;
+    size_t *cand = px_xmalloc((p->n ? p->n : 1) * sizeof *cand), nc = 0;
+    for (int pass = 0; pass < 2 && nc == 0; pass++)
+        for (size_t i = 0; i < p->n; i++)
+            if ((pass == 1 || !excluded(k, p->b[i])) && eligible(p, p->b[i], now)) cand[nc++] = i;
+    if (nc) {
+        b = p->b[choose(p, k, cand, nc)];
+        atomic_fetch_add(&b->refs, 1);
+        atomic_fetch_add(&b->inflight, 1);
+    }
+    pthread_mutex_unlock(&p->mu);
+    free(cand);
+    return b;
+}
+
+static void eject(px_pool *p, px_backend *b, const char *why)
+{
+    int expected = 1;
+    if (!atomic_compare_exchange_strong(&b->healthy, &expected, 0)) return;
+    int n = atomic_fetch_add(&b->ejections, 1);
+    uint64_t backoff = 1000000000ull << (n < 6 ? n : 6); /* 1 s doubling to 64 s */
+    atomic_store(&b->readmit_ns, px_now_ns() + backoff);
+    atomic_store(&b->oks, 0);
+    PX_LOG(PX_LOG_WARN, "msg=\"backend ejected\" role=%s backend=%s reason=%s failures=%d", p->role,
+           b->name, why, atomic_load(&b->fails));
+}
+
+void px_backend_done(px_pool *p, px_backend *b, px_outcome o)
+{
+    if (!b) return;
+    atomic_fetch_sub(&b->inflight, 1);
+    atomic_fetch_add_explicit(&b->outcomes[o], 1, memory_order_relaxed);
+    switch (o) {
+    case PX_OUT_OK:
+    case PX_OUT_CLIENT_ERR:
+        atomic_store(&b->fails, 0);
+        break;
+    case PX_OUT_SERVER_ERR:
+    case PX_OUT_CONNECT_ERR:
+    case PX_OUT_RESET:
+    case PX_OUT_TIMEOUT:
+        if (atomic_fetch_add(&b->fails, 1) + 1 >= p->cfg.unhealthy_after)
+            eject(p, b, px_outcome_name(o));
+        break;
+    default:
+        break;
+    }
+    px_backend_release(b);
+}
+
+void px_backend_check(px_pool *p, px_backend *b, int ok)
+{
+    if (ok) {
+        atomic_store(&b->fails, 0);
+        int oks = atomic_fetch_add(&b->oks, 1) + 1;
+        int expected = 0;
+        if (oks >= p->cfg.healthy_after &&
+            atomic_compare_exchange_strong(&b->healthy, &expected, 1)) {
+            atomic_store(&b->ejections, 0);
+            PX_LOG(PX_LOG_INFO, "msg=\"backend readmitted\" role=%s backend=%s checks_ok=%d",
+                   p->role, b->name, oks);
+        }
+    } else {
+        atomic_store(&b->oks, 0);
+        if (atomic_fetch_add(&b->fails, 1) + 1 >= p->cfg.unhealthy_after)
+            eject(p, b, "health_check");
+    }
+}
+
+px_backend **px_pool_members(px_pool *p, size_t *n)
+{
+    pthread_mutex_lock(&p->mu);
+    px_backend **v = px_xmalloc((p->n ? p->n : 1) * sizeof *v);
+    for (size_t i = 0; i < p->n; i++) {
+        v[i] = p->b[i];
+        atomic_fetch_add(&v[i]->refs, 1);
+    }
+    *n = p->n;
+    pthread_mutex_unlock(&p->mu);
+    return v;
+}
+
+void px_pool_counts(px_pool *p, size_t *n, size_t *healthy)
+{
+    pthread_mutex_lock(&p->mu);
+    size_t h = 0;
+    for (size_t i = 0; i < p->n; i++) h += atomic_load(&p->b[i]->healthy) != 0;
+    if (n) *n = p->n;
+    if (healthy) *healthy = h;
+    pthread_mutex_unlock(&p->mu);
 }

@@ -1,29 +1,133 @@
-/* Backend pools and the choice of a backend for a request. */
+/* Backends, pools of them per role, their health, and the routing policies
+ * that choose one for a request. The choice itself (px_pool_pick) is a pure
+ * function of the pool's state and the request's routing key, so replicas of
+ * the proxy that see the same backends route a prefix the same way. */
 #ifndef PX_ROUTE_H
 #define PX_ROUTE_H
 
+#include <pthread.h>
 #include <stdatomic.h>
 #include <stddef.h>
+#include <stdint.h>
 
-#include "config.h"
+typedef enum {
+    PX_POLICY_ROUND_ROBIN = 0,
+    PX_POLICY_LEAST_INFLIGHT,
+    PX_POLICY_POWER_OF_TWO,
+    PX_POLICY_PREFIX_AFFINITY,
+    PX_POLICY_LOAD_AWARE,
+} px_policy;
+
+/* Parses a policy name; -1 when unknown. */
+int px_policy_parse(const char *s);
+const char *px_policy_name(px_policy p);
+
+/* Outcome of one upstream request, for passive health and metrics. */
+typedef enum {
+    PX_OUT_OK = 0,       /* 2xx */
+    PX_OUT_CLIENT_ERR,   /* 4xx: the client's fault, never the backend's */
+    PX_OUT_SERVER_ERR,   /* 5xx */
+    PX_OUT_CONNECT_ERR,  /* refused, unreachable, connect timeout */
+    PX_OUT_RESET,        /* reset or closed before a complete answer */
+    PX_OUT_TIMEOUT,      /* answer too slow */
+    PX_OUT_CANCELLED,    /* the client left; says nothing about the backend */
+    PX_OUT_COUNT
+} px_outcome;
+
+const char *px_outcome_name(px_outcome o);
 
 typedef struct px_backend {
-    char *name; /* owned: "host:port" as configured */
-    char *url;  /* owned: "http://host:port" (IPv6 literals bracketed) */
+    char *name;            /* owned: "host:port" as shown in logs and metrics */
+    char *url;             /* owned: "http[s]://host:port" */
+    char *connect_to;      /* owned: curl CONNECT_TO pin "host:port:ip:port", or NULL */
+    char *src;             /* owned: the configured URL this backend came from */
+    uint64_t key_hash;     /* of name: the place on the consistent-hash ring */
+    atomic_int refs;       /* the pool's reference + one per request using it */
+    atomic_int inflight;
+    atomic_int healthy;    /* 1: receives traffic; 0: ejected */
+    atomic_int fails;      /* consecutive failures, passive and active */
+    atomic_int oks;        /* consecutive successful health checks */
+    atomic_int ejections;  /* times ejected, for the passive backoff */
+    atomic_ullong readmit_ns; /* without active checks: when an ejected backend is tried again */
+    /* load_aware: the engine's own figures, scraped from /metrics. */
+    atomic_int load_known;
+    atomic_int waiting;
+    atomic_int running;
+    atomic_int kv_usage_milli;
+    atomic_ullong outcomes[PX_OUT_COUNT]; /* upstream requests by outcome */
+    int check_busy;        /* control thread only: a health check is in flight */
+    int scrape_busy;       /* control thread only: a /metrics scrape is in flight */
 } px_backend;
 
+/* Drops a reference; the last one frees the backend. NULL is a no-op. */
+void px_backend_release(px_backend *b);
+
+typedef struct px_pool_cfg {
+    px_policy policy;
+    int unhealthy_after;
+    int healthy_after;
+    int active_checks;     /* health checks run: readmission is theirs */
+    size_t prefix_bytes;
+    double load_factor;    /* prefix_affinity bounded load: c in ceil(c * mean) */
+} px_pool_cfg;
+
 typedef struct px_pool {
-    const char *role;     /* "prefill" or "decode" */
-    px_backend *b;        /* owned array */
+    const char *role;      /* "prefill" or "decode" */
+    px_pool_cfg cfg;
+    pthread_mutex_t mu;    /* guards the member list, cursor and ring */
+    px_backend **b;        /* owned references */
     size_t n;
-    atomic_ulong rr;      /* round-robin cursor, shared by all workers */
+    size_t rr;
+    uint64_t *ring;        /* prefix_affinity: sorted (point << 16 | member index) */
+    size_t nring;
 } px_pool;
 
-/* Builds a pool from parallel host and port lists (equal lengths). */
-void px_pool_init(px_pool *p, const char *role, const px_strlist *hosts, const px_strlist *ports);
+void px_pool_init(px_pool *p, const char *role, const px_pool_cfg *cfg);
 void px_pool_cleanup(px_pool *p);
 
-/* Round robin over the pool, strict across threads. p->n must be > 0. */
-size_t px_pool_pick_rr(px_pool *p);
+/* Creates a backend for `url` (borrowed). connect_ip, when not NULL, pins
+ * the connection to that address while requests keep the URL's host name.
+ * The pool takes the new backend's only reference. */
+px_backend *px_pool_add(px_pool *p, const char *url, const char *connect_ip);
+
+/* Replaces the members that were added for `url` by one per address in
+ * `ips` (DNS discovery). Existing backends for a kept address stay, with
+ * their health and counters. Returns how many members changed. */
+size_t px_pool_sync_addrs(px_pool *p, const char *url, const char *host, int port,
+                          char **ips, size_t nips);
+
+/* What a request brings to the choice. */
+typedef struct px_pick {
+    const void *key;       /* prefix_affinity: bytes to hash (the prompt prefix) */
+    size_t key_len;
+    px_backend *const *exclude; /* already tried; avoided while others remain */
+    size_t nexclude;
+} px_pick;
+
+/* Chooses a healthy backend and returns it with a reference taken and its
+ * in-flight count raised: hand it back with px_backend_done(). Returns NULL
+ * when there is no healthy member; *nmembers says how many there are. */
+px_backend *px_pool_pick(px_pool *p, const px_pick *k, size_t *nmembers);
+
+/* Ends one request on b: lowers in-flight, counts the outcome, feeds passive
+ * health, drops the reference. */
+void px_backend_done(px_pool *p, px_backend *b, px_outcome o);
+
+/* Active health check result for b. */
+void px_backend_check(px_pool *p, px_backend *b, int ok);
+
+/* A snapshot of the members with a reference on each; release each with
+ * px_backend_release() and free the array. */
+px_backend **px_pool_members(px_pool *p, size_t *n);
+
+/* Number of members, and of healthy ones. */
+void px_pool_counts(px_pool *p, size_t *n, size_t *healthy);
+
+/* Splits "http[s]://host[:port][/]" (host may be a bracketed IPv6 literal).
+ * Returns 0, or -1 when malformed. */
+int px_url_split(const char *url, char *host, size_t hostcap, int *port, int *https);
+
+/* Hashes bytes (FNV-1a, 64 bit): stable across processes and replicas. */
+uint64_t px_hash64(const void *p, size_t n);
 
 #endif

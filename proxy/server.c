@@ -4,6 +4,9 @@
 #include <event2/listener.h>
 #include <netdb.h>
 #include <netinet/in.h>
+#include <openssl/crypto.h>
+#include <openssl/err.h>
+#include <openssl/sha.h>
 #include <signal.h>
 #include <stdlib.h>
 #include <string.h>
@@ -11,6 +14,8 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include "discovery.h"
+#include "health.h"
 #include "http.h"
 #include "log.h"
 #include "request.h"
@@ -25,38 +30,117 @@ static int path_is(const px_http_head *h, const char *path)
     return strlen(path) == n && memcmp(h->target, path, n) == 0;
 }
 
+/* With --api-key: Bearer <key>, compared in constant time (of the digests,
+ * so neither the key's length nor its bytes leak through timing). */
+static int authorized(px_server *s, const px_http_head *h)
+{
+    if (!s->napi_keys) return 1;
+    const px_http_header *a = px_http_find(h, "authorization");
+    if (!a || a->value_len < 7 || !px_http_token_eq(a->value, 6, "bearer") || a->value[6] != ' ')
+        return 0;
+    unsigned char d[32];
+    SHA256((const unsigned char *)a->value + 7, a->value_len - 7, d);
+    int ok = 0;
+    for (size_t i = 0; i < s->napi_keys; i++) ok |= CRYPTO_memcmp(d, s->api_keys[i], 32) == 0;
+    return ok;
+}
+
+static void reply_json(px_worker *w, px_conn *c, px_metric_endpoint ep, int status,
+                       const char *json, size_t n)
+{
+    px_metrics_count(&w->metrics, ep, status);
+    px_conn_reply(c, status, "application/json", NULL, NULL, json, n);
+}
+
+static void reply_ready(px_worker *w, px_conn *c)
+{
+    px_server *s = w->srv;
+    size_t pn, ph, dn, dh;
+    px_pool_counts(&s->prefill, &pn, &ph);
+    px_pool_counts(&s->decode, &dn, &dh);
+    int draining = atomic_load(&s->draining);
+    const char *reason = draining ? "draining"
+                         : dh == 0 ? (dn ? "every decode backend is ejected" : "no decode backend")
+                         : ph == 0 && !s->cfg->fallback_decode_only
+                             ? (pn ? "every prefill backend is ejected" : "no prefill backend")
+                             : NULL;
+    int ready = !draining && dh > 0;
+    px_buf b;
+    px_buf_init(&b);
+    px_buf_printf(&b,
+                  "{\"status\":\"%s\",\"draining\":%s,\"prefill\":{\"healthy\":%zu,\"total\":%zu},"
+                  "\"decode\":{\"healthy\":%zu,\"total\":%zu}",
+                  ready ? "ready" : "not ready", draining ? "true" : "false", ph, pn, dh, dn);
+    if (reason) px_buf_printf(&b, ",\"reason\":\"%s\"", reason);
+    px_buf_appends(&b, "}");
+    reply_json(w, c, PX_MEP_READY, ready ? 200 : 503, b.data, b.len);
+    px_buf_cleanup(&b);
+}
+
 static void dispatch(void *ctx, px_conn *c, const px_http_head *h, px_buf *body)
 {
     px_worker *w = ctx;
     px_server *s = w->srv;
     int is_get = h->method_len == 3 && memcmp(h->method, "GET", 3) == 0;
     int is_post = h->method_len == 4 && memcmp(h->method, "POST", 4) == 0;
+    int completions = path_is(h, "/v1/completions"), chat = path_is(h, "/v1/chat/completions");
+    int models = path_is(h, "/v1/models");
 
-    if (path_is(h, "/v1/completions") || path_is(h, "/v1/chat/completions")) {
-        if (!is_post) {
-            px_conn_reply_error(c, 405, NULL, "Allow: POST\r\n", "method not allowed: use POST");
+    if (completions || chat || models) {
+        px_metric_endpoint mep = completions ? PX_MEP_COMPLETIONS : chat ? PX_MEP_CHAT : PX_MEP_MODELS;
+        if (models ? !is_get : !is_post) {
+            px_metrics_count(&w->metrics, mep, 405);
+            px_conn_reply_error(c, 405, NULL, models ? "Allow: GET\r\n" : "Allow: POST\r\n",
+                                models ? "method not allowed: use GET" : "method not allowed: use POST");
             return;
         }
-        px_endpoint ep = path_is(h, "/v1/completions") ? PX_EP_COMPLETIONS : PX_EP_CHAT;
-        px_req_start(w, c, ep, h, body);
+        if (!authorized(s, h)) {
+            px_metrics_count(&w->metrics, mep, 401);
+            px_conn_reply_error(c, 401, NULL, "WWW-Authenticate: Bearer\r\n",
+                                "invalid or missing API key: send Authorization: Bearer <key>");
+            return;
+        }
+        px_req_start(w, c, completions ? PX_EP_COMPLETIONS : chat ? PX_EP_CHAT : PX_EP_MODELS, h,
+                     body);
         return;
     }
-    if (path_is(h, "/healthcheck") || path_is(h, "/health")) {
+    int healthcheck = path_is(h, "/healthcheck"), health = path_is(h, "/health");
+    int ready = path_is(h, "/ready"), metrics = path_is(h, "/metrics");
+    if (healthcheck || health || ready || metrics) {
+        px_metric_endpoint mep = healthcheck ? PX_MEP_HEALTHCHECK
+                                 : health    ? PX_MEP_HEALTH
+                                 : ready     ? PX_MEP_READY
+                                             : PX_MEP_METRICS;
         if (!is_get) {
+            px_metrics_count(&w->metrics, mep, 405);
             px_conn_reply_error(c, 405, NULL, "Allow: GET\r\n", "method not allowed: use GET");
             return;
         }
-        char json[160];
-        int n;
-        if (path_is(h, "/health"))
-            n = snprintf(json, sizeof json, "{\"status\":\"ok\"}");
-        else
-            n = snprintf(json, sizeof json,
-                         "{\"status\":\"ok\",\"prefill_instances\":%zu,\"decode_instances\":%zu}",
-                         s->prefill.n, s->decode.n);
-        px_conn_reply(c, 200, "application/json", NULL, NULL, json, (size_t)n);
+        if (ready) {
+            reply_ready(w, c);
+        } else if (metrics) {
+            px_metrics_count(&w->metrics, PX_MEP_METRICS, 200);
+            px_buf b;
+            px_buf_init(&b);
+            px_metrics_render(s, &b);
+            px_conn_reply(c, 200, "text/plain; version=0.0.4; charset=utf-8", NULL, NULL, b.data,
+                          b.len);
+            px_buf_cleanup(&b);
+        } else if (health) {
+            reply_json(w, c, PX_MEP_HEALTH, 200, "{\"status\":\"ok\"}", 15);
+        } else {
+            size_t pn, dn;
+            px_pool_counts(&s->prefill, &pn, NULL);
+            px_pool_counts(&s->decode, &dn, NULL);
+            char json[160];
+            int n = snprintf(json, sizeof json,
+                             "{\"status\":\"ok\",\"prefill_instances\":%zu,\"decode_instances\":%zu}",
+                             pn, dn);
+            reply_json(w, c, PX_MEP_HEALTHCHECK, 200, json, (size_t)n);
+        }
         return;
     }
+    px_metrics_count(&w->metrics, PX_MEP_OTHER, 404);
     px_buf m;
     px_buf_init(&m);
     px_buf_printf(&m, "not found: %.*s %.*s", (int)(h->method_len > 16 ? 16 : h->method_len),
@@ -96,18 +180,41 @@ static int make_listener(const char *host, int port, char *err, size_t errlen)
     return fd;
 }
 
+static void on_drain_poll(evutil_socket_t fd, short what, void *arg)
+{
+    px_worker *w = arg;
+    if (w->conns.n == 0) event_base_loopbreak(w->base);
+}
+
 static void on_wake(evutil_socket_t fd, short what, void *arg)
 {
     px_worker *w = arg;
     uint64_t v;
-    if (read(fd, &v, sizeof v) < 0) return;
-    event_base_loopbreak(w->base);
+    if (read(fd, &v, sizeof v) < 0 && errno != EAGAIN) return;
+    int cmd = atomic_exchange(&w->cmd, 0);
+    if (cmd & PX_CMD_STOP) {
+        event_base_loopbreak(w->base);
+        return;
+    }
+    if ((cmd & PX_CMD_DRAIN) && w->lev) {
+        /* Stop accepting, answer what is in flight with Connection: close,
+         * and leave once no connection is left. */
+        evconnlistener_free(w->lev);
+        w->lev = NULL;
+        w->conn_cfg.draining = 1;
+        px_conn_list_close_idle(&w->conns);
+        struct timeval tv = {0, 50000};
+        w->drain_poll = event_new(w->base, -1, EV_PERSIST, on_drain_poll, w);
+        event_add(w->drain_poll, &tv);
+        on_drain_poll(-1, 0, w);
+    }
 }
 
 static void *worker_main(void *arg)
 {
     px_worker *w = arg;
     event_base_dispatch(w->base);
+    atomic_fetch_sub(&w->srv->workers_running, 1);
     return NULL;
 }
 
@@ -122,38 +229,128 @@ static void worker_cleanup(px_worker *w)
 {
     px_conn_list_close_all(&w->conns);
     if (w->lev) evconnlistener_free(w->lev);
+    if (w->drain_poll) event_free(w->drain_poll);
     px_uploop_destroy(w->up);
     if (w->wake) event_free(w->wake);
     if (w->wake_fd >= 0) close(w->wake_fd);
     if (w->base) event_base_free(w->base);
 }
 
+static void post_cmd(px_server *s, int cmd)
+{
+    for (int i = 0; i < s->nworkers; i++) {
+        uint64_t one = 1;
+        atomic_fetch_or(&s->workers[i].cmd, cmd);
+        if (write(s->workers[i].wake_fd, &one, sizeof one) < 0) continue;
+    }
+}
+
+/* ---------- setup ---------- */
+
+static void add_api_key(px_server *s, const char *k, size_t n)
+{
+    while (n && (k[n - 1] == '\r' || k[n - 1] == ' ' || k[n - 1] == '\t')) n--;
+    while (n && (*k == ' ' || *k == '\t')) k++, n--;
+    if (!n || *k == '#') return;
+    s->api_keys = px_xrealloc(s->api_keys, (s->napi_keys + 1) * sizeof *s->api_keys);
+    SHA256((const unsigned char *)k, n, s->api_keys[s->napi_keys++]);
+}
+
+static int load_api_keys(px_server *s, char *err, size_t errlen)
+{
+    const px_config *c = s->cfg;
+    if (c->api_key[0]) add_api_key(s, c->api_key, strlen(c->api_key));
+    if (!c->api_key_file[0]) return 0;
+    FILE *f = fopen(c->api_key_file, "r");
+    if (!f) {
+        snprintf(err, errlen, "--api-key-file '%s': %s", c->api_key_file, strerror(errno));
+        return -1;
+    }
+    char line[4096];
+    size_t before = s->napi_keys;
+    while (fgets(line, sizeof line, f)) add_api_key(s, line, strcspn(line, "\n"));
+    fclose(f);
+    if (s->napi_keys == before) {
+        snprintf(err, errlen, "--api-key-file '%s': no key in the file", c->api_key_file);
+        return -1;
+    }
+    return 0;
+}
+
+static int setup_tls(px_server *s, char *err, size_t errlen)
+{
+    const px_config *c = s->cfg;
+    if (!c->tls_cert[0]) return 0;
+    s->tls = SSL_CTX_new(TLS_server_method());
+    if (!s->tls) goto fail;
+    SSL_CTX_set_min_proto_version(s->tls, TLS1_2_VERSION);
+    SSL_CTX_set_options(s->tls, SSL_OP_NO_RENEGOTIATION | SSL_OP_CIPHER_SERVER_PREFERENCE);
+    if (SSL_CTX_use_certificate_chain_file(s->tls, c->tls_cert) != 1) {
+        snprintf(err, errlen, "--tls-cert '%s': %s", c->tls_cert,
+                 ERR_reason_error_string(ERR_get_error()));
+        return -1;
+    }
+    if (SSL_CTX_use_PrivateKey_file(s->tls, c->tls_key, SSL_FILETYPE_PEM) != 1 ||
+        SSL_CTX_check_private_key(s->tls) != 1) {
+        snprintf(err, errlen, "--tls-key '%s': %s", c->tls_key,
+                 ERR_reason_error_string(ERR_get_error()));
+        return -1;
+    }
+    return 0;
+fail:
+    snprintf(err, errlen, "cannot create the TLS context");
+    return -1;
+}
+
+static void setup_upstream_auth(px_server *s)
+{
+    const px_config *c = s->cfg;
+    const char *key = c->upstream_api_key[0] ? c->upstream_api_key : getenv("OPENAI_API_KEY");
+    s->upstream_auth_forced = c->upstream_api_key[0] != 0;
+    if (key && *key) {
+        px_buf b;
+        px_buf_init(&b);
+        px_buf_printf(&b, "Authorization: Bearer %s", key);
+        s->upstream_auth = b.data;
+        s->health_hdrs = curl_slist_append(NULL, s->upstream_auth);
+    }
+}
+
 px_server *px_server_create(const px_config *cfg, char *err, size_t errlen)
 {
     px_server *s = px_xcalloc(1, sizeof *s);
     s->cfg = cfg;
-    px_pool_init(&s->prefill, "prefill", &cfg->prefiller_hosts, &cfg->prefiller_ports);
-    px_pool_init(&s->decode, "decode", &cfg->decoder_hosts, &cfg->decoder_ports);
-    const char *key = getenv("OPENAI_API_KEY");
-    if (key && *key) {
-        px_buf b;
-        px_buf_init(&b);
-        px_buf_printf(&b, "Bearer %s", key);
-        s->env_auth = b.data;
-    }
+    px_pool_cfg pc = {
+        .unhealthy_after = (int)cfg->unhealthy_after,
+        .healthy_after = (int)cfg->healthy_after,
+        .active_checks = cfg->health_interval > 0,
+        .prefix_bytes = (size_t)cfg->prefix_bytes,
+        .load_factor = cfg->prefix_load_factor,
+    };
+    pc.policy = (px_policy)px_policy_parse(cfg->prefill_policy);
+    px_pool_init(&s->prefill, "prefill", &pc);
+    pc.policy = (px_policy)px_policy_parse(cfg->decode_policy);
+    px_pool_init(&s->decode, "decode", &pc);
+    setup_upstream_auth(s);
     long ncpu = sysconf(_SC_NPROCESSORS_ONLN);
     s->nworkers = cfg->threads > 0 ? (int)cfg->threads : (ncpu > 0 ? (int)ncpu : 1);
     s->workers = px_xcalloc((size_t)s->nworkers, sizeof *s->workers);
     for (int i = 0; i < s->nworkers; i++) s->workers[i].wake_fd = -1;
+    if (load_api_keys(s, err, errlen) < 0 || setup_tls(s, err, errlen) < 0) goto err;
+    s->disc = px_discovery_start(s, err, errlen);
+    if (!s->disc) goto err;
     for (int i = 0; i < s->nworkers; i++) {
         px_worker *w = &s->workers[i];
         w->srv = s;
         w->index = i;
-        w->conn_cfg.max_body_bytes = cfg->max_body_bytes;
-        w->conn_cfg.header_timeout = cfg->client_header_timeout;
-        w->conn_cfg.keepalive_timeout = cfg->keepalive_timeout;
-        w->conn_cfg.dispatch = dispatch;
-        w->conn_cfg.ctx = w;
+        w->conn_cfg = (px_conn_cfg){
+            .max_body_bytes = cfg->max_body_bytes,
+            .header_timeout = cfg->client_header_timeout,
+            .keepalive_timeout = cfg->keepalive_timeout,
+            .dispatch = dispatch,
+            .ctx = w,
+            .tls = s->tls,
+        };
         struct event_config *ec = event_config_new();
         event_config_set_flag(ec, EVENT_BASE_FLAG_NOLOCK);
         w->base = event_base_new_with_config(ec);
@@ -185,25 +382,105 @@ err:
     return NULL;
 }
 
+/* ---------- the control loop ---------- */
+
+typedef struct control {
+    px_server *s;
+    struct event_base *base;
+    struct event *drain_timer;  /* drain-delay, then drain-timeout */
+    struct event *exit_poll;
+    int phase;                  /* 0 running, 1 not ready, 2 draining, 3 stopping */
+} control;
+
+static void arm(struct event *ev, double seconds)
+{
+    struct timeval tv = {(time_t)seconds, (suseconds_t)((seconds - (double)(time_t)seconds) * 1e6)};
+    event_add(ev, &tv);
+}
+
+static void on_drain_timer(evutil_socket_t fd, short what, void *arg)
+{
+    control *k = arg;
+    if (k->phase == 1) {
+        PX_LOG(PX_LOG_INFO, "msg=\"drain: no new connections; waiting for requests in flight\" "
+                            "timeout_s=%g inflight=%ld",
+               k->s->cfg->drain_timeout, atomic_load(&k->s->inflight));
+        k->phase = 2;
+        post_cmd(k->s, PX_CMD_DRAIN);
+        arm(k->drain_timer, k->s->cfg->drain_timeout);
+    } else if (k->phase == 2) {
+        PX_LOG(PX_LOG_WARN, "msg=\"drain timeout: closing what is left\" inflight=%ld",
+               atomic_load(&k->s->inflight));
+        k->phase = 3;
+        post_cmd(k->s, PX_CMD_STOP);
+    }
+}
+
+static void on_exit_poll(evutil_socket_t fd, short what, void *arg)
+{
+    control *k = arg;
+    if (atomic_load(&k->s->workers_running) == 0) event_base_loopbreak(k->base);
+}
+
+static void on_signal(evutil_socket_t sig, short what, void *arg)
+{
+    control *k = arg;
+    if (sig == SIGTERM && k->phase == 0) {
+        /* Readiness turns 503 at once; load balancers get drain-delay to
+         * notice before the listeners close. */
+        PX_LOG(PX_LOG_INFO, "msg=\"SIGTERM: draining\" drain_delay_s=%g drain_timeout_s=%g",
+               k->s->cfg->drain_delay, k->s->cfg->drain_timeout);
+        atomic_store(&k->s->draining, 1);
+        k->phase = 1;
+        arm(k->drain_timer, k->s->cfg->drain_delay);
+        return;
+    }
+    PX_LOG(PX_LOG_INFO, "msg=\"stopping now\" signal=%d", (int)sig);
+    atomic_store(&k->s->draining, 1);
+    k->phase = 3;
+    post_cmd(k->s, PX_CMD_STOP);
+}
+
 int px_server_run(px_server *s)
 {
-    sigset_t set;
+    control k = {.s = s};
+    k.base = event_base_new();
+    if (!k.base) return 1;
+    struct event *sigterm = evsignal_new(k.base, SIGTERM, on_signal, &k);
+    struct event *sigint = evsignal_new(k.base, SIGINT, on_signal, &k);
+    event_add(sigterm, NULL);
+    event_add(sigint, NULL);
+    k.drain_timer = evtimer_new(k.base, on_drain_timer, &k);
+    k.exit_poll = event_new(k.base, -1, EV_PERSIST, on_exit_poll, &k);
+    arm(k.exit_poll, 0.05);
+    /* Workers must not take the signals: the control loop handles them. */
+    sigset_t set, old;
     sigemptyset(&set);
     sigaddset(&set, SIGINT);
     sigaddset(&set, SIGTERM);
-    pthread_sigmask(SIG_BLOCK, &set, NULL); /* workers inherit the mask */
+    pthread_sigmask(SIG_BLOCK, &set, &old);
+    atomic_store(&s->workers_running, s->nworkers);
     for (int i = 0; i < s->nworkers; i++)
         pthread_create(&s->workers[i].thread, NULL, worker_main, &s->workers[i]);
-    PX_LOG(PX_LOG_INFO, "msg=\"listening\" addr=%s:%lld threads=%d prefill=%zu decode=%zu",
-           s->cfg->host, (long long)s->cfg->port, s->nworkers, s->prefill.n, s->decode.n);
-    int sig = 0;
-    sigwait(&set, &sig);
-    PX_LOG(PX_LOG_INFO, "msg=\"stopping\" signal=%d", sig);
-    for (int i = 0; i < s->nworkers; i++) {
-        uint64_t one = 1;
-        if (write(s->workers[i].wake_fd, &one, sizeof one) < 0) continue;
-    }
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
+    px_health *h = px_health_start(s, k.base);
+    size_t pn, dn;
+    px_pool_counts(&s->prefill, &pn, NULL);
+    px_pool_counts(&s->decode, &dn, NULL);
+    PX_LOG(PX_LOG_INFO,
+           "msg=\"listening\" addr=%s:%lld tls=%s threads=%d prefill=%zu decode=%zu "
+           "prefill_policy=%s decode_policy=%s",
+           s->cfg->host, (long long)s->cfg->port, s->tls ? "on" : "off", s->nworkers, pn, dn,
+           s->cfg->prefill_policy, s->cfg->decode_policy);
+    event_base_dispatch(k.base);
+    px_health_stop(h);
     for (int i = 0; i < s->nworkers; i++) pthread_join(s->workers[i].thread, NULL);
+    event_free(sigterm);
+    event_free(sigint);
+    event_free(k.drain_timer);
+    event_free(k.exit_poll);
+    event_base_free(k.base);
+    PX_LOG(PX_LOG_INFO, "msg=\"stopped\"");
     return 0;
 }
 
@@ -212,8 +489,12 @@ void px_server_destroy(px_server *s)
     if (!s) return;
     for (int i = 0; i < s->nworkers; i++) worker_cleanup(&s->workers[i]);
     free(s->workers);
+    px_discovery_stop(s->disc);
     px_pool_cleanup(&s->prefill);
     px_pool_cleanup(&s->decode);
-    free(s->env_auth);
+    free(s->upstream_auth);
+    curl_slist_free_all(s->health_hdrs);
+    free(s->api_keys);
+    if (s->tls) SSL_CTX_free(s->tls);
     free(s);
 }

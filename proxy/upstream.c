@@ -1,5 +1,6 @@
 #include "upstream.h"
 
+#include <poll.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -23,6 +24,9 @@ struct px_upstream {
     px_upstream *prev, *next; /* in loop->live */
     int headers_seen;
     int paused;
+    int upload_done;
+    int abort_after_upload;
+    struct curl_slist *connect_to; /* owned */
     char errbuf[CURL_ERROR_SIZE];
 };
 
@@ -53,6 +57,7 @@ static void release_easy(px_uploop *l, CURL *e)
 static void free_up(px_upstream *u)
 {
     unlink_up(u);
+    curl_slist_free_all(u->connect_to);
     release_easy(u->loop, u->easy);
     free(u);
 }
@@ -69,7 +74,9 @@ static void check_done(px_uploop *l)
         curl_easy_getinfo(easy, CURLINFO_PRIVATE, (char **)&u);
         curl_multi_remove_handle(l->multi, easy);
         if (u) {
-            u->cbs.on_done(u->arg, rc, u->errbuf);
+            curl_off_t ct = 0;
+            curl_easy_getinfo(easy, CURLINFO_CONNECT_TIME_T, &ct);
+            u->cbs.on_done(u->arg, rc, u->errbuf, ct > 0);
             free_up(u);
         } else {
             curl_easy_cleanup(easy);
@@ -198,9 +205,17 @@ static size_t write_cb(char *p, size_t size, size_t n, void *arg)
     return r == 0 ? len : 0;
 }
 
-px_upstream *px_upstream_post(px_uploop *l, const char *url, const char *body, size_t len,
-                              struct curl_slist *hdrs, const px_upstream_opts *o,
-                              const px_upstream_cbs *cbs, void *arg)
+static int xferinfo_cb(void *arg, curl_off_t dltotal, curl_off_t dlnow, curl_off_t ultotal,
+                       curl_off_t ulnow)
+{
+    px_upstream *u = arg;
+    if (ultotal > 0 && ulnow >= ultotal) u->upload_done = 1;
+    return u->upload_done && u->abort_after_upload;
+}
+
+px_upstream *px_upstream_start(px_uploop *l, const char *method, const char *url,
+                               const char *body, size_t len, struct curl_slist *hdrs,
+                               const px_upstream_opts *o, const px_upstream_cbs *cbs, void *arg)
 {
     px_upstream *u = px_xcalloc(1, sizeof *u);
     u->loop = l;
@@ -213,9 +228,14 @@ px_upstream *px_upstream_post(px_uploop *l, const char *url, const char *body, s
     }
     CURL *e = u->easy;
     curl_easy_setopt(e, CURLOPT_URL, url);
-    curl_easy_setopt(e, CURLOPT_POST, 1L);
-    curl_easy_setopt(e, CURLOPT_POSTFIELDS, body);
-    curl_easy_setopt(e, CURLOPT_POSTFIELDSIZE_LARGE, (curl_off_t)len);
+    if (body) {
+        curl_easy_setopt(e, CURLOPT_POSTFIELDS, body);
+        curl_easy_setopt(e, CURLOPT_POSTFIELDSIZE_LARGE, (curl_off_t)len);
+        curl_easy_setopt(e, CURLOPT_POST, 1L);
+    } else {
+        curl_easy_setopt(e, CURLOPT_HTTPGET, 1L);
+    }
+    (void)method; /* POST with a body, GET without: all pdproxy sends */
     curl_easy_setopt(e, CURLOPT_HTTPHEADER, hdrs);
     curl_easy_setopt(e, CURLOPT_HTTP_VERSION, (long)CURL_HTTP_VERSION_1_1);
     curl_easy_setopt(e, CURLOPT_NOSIGNAL, 1L);
@@ -233,10 +253,19 @@ px_upstream *px_upstream_post(px_uploop *l, const char *url, const char *body, s
     curl_easy_setopt(e, CURLOPT_LOW_SPEED_TIME, o->idle_timeout_s > 0 ? o->idle_timeout_s : 0L);
     /* Engines are reached directly; never through a proxy from the environment. */
     curl_easy_setopt(e, CURLOPT_PROXY, "");
+    curl_easy_setopt(e, CURLOPT_CAINFO, o->ca_file && o->ca_file[0] ? o->ca_file : NULL);
+    curl_easy_setopt(e, CURLOPT_SSL_VERIFYPEER, o->insecure ? 0L : 1L);
+    curl_easy_setopt(e, CURLOPT_SSL_VERIFYHOST, o->insecure ? 0L : 2L);
+    u->connect_to = o->connect_to ? curl_slist_append(NULL, o->connect_to) : NULL;
+    curl_easy_setopt(e, CURLOPT_CONNECT_TO, u->connect_to);
+    curl_easy_setopt(e, CURLOPT_NOPROGRESS, o->track_upload ? 0L : 1L);
+    curl_easy_setopt(e, CURLOPT_XFERINFOFUNCTION, o->track_upload ? xferinfo_cb : NULL);
+    curl_easy_setopt(e, CURLOPT_XFERINFODATA, u);
     /* Only http and https upstreams; no redirects followed. */
     curl_easy_setopt(e, CURLOPT_PROTOCOLS_STR, "http,https");
     if (curl_multi_add_handle(l->multi, e) != CURLM_OK) {
         release_easy(l, e);
+        curl_slist_free_all(u->connect_to);
         free(u);
         return NULL;
     }
@@ -260,6 +289,22 @@ void px_upstream_cancel(px_upstream *u)
     if (!u) return;
     curl_multi_remove_handle(u->loop->multi, u->easy);
     free_up(u);
+}
+
+int px_upstream_readable(px_upstream *u)
+{
+    curl_socket_t fd = CURL_SOCKET_BAD;
+    if (curl_easy_getinfo(u->easy, CURLINFO_ACTIVESOCKET, &fd) != CURLE_OK ||
+        fd == CURL_SOCKET_BAD)
+        return 0;
+    struct pollfd pfd = {.fd = fd, .events = POLLIN};
+    return poll(&pfd, 1, 0) == 1 && (pfd.revents & POLLIN);
+}
+
+int px_upstream_abort_after_upload(px_upstream *u)
+{
+    u->abort_after_upload = 1;
+    return u->upload_done;
 }
 
 int px_upstream_status_for(CURLcode rc)

@@ -25,24 +25,39 @@ typedef struct px_upstream_cbs {
      * -1 to abort (on_done follows with CURLE_WRITE_ERROR). Runs inside a
      * curl callback, same restriction. */
     int (*on_data)(void *arg, const char *p, size_t n);
-    /* The transfer ended: rc is CURLE_OK or the failure, errbuf curl's text.
-     * Runs from the event loop, outside curl; the px_upstream is freed when
-     * this returns, so the callee drops its pointer. */
-    void (*on_done)(void *arg, CURLcode rc, const char *errbuf);
+    /* The transfer ended: rc is CURLE_OK or the failure, errbuf curl's text;
+     * `connected` is 0 when no connection was ever made (the backend cannot
+     * have seen the request). Runs from the event loop, outside curl; the
+     * px_upstream is freed when this returns, so the callee drops it. */
+    void (*on_done)(void *arg, CURLcode rc, const char *errbuf, int connected);
 } px_upstream_cbs;
 
 typedef struct px_upstream_opts {
     long connect_timeout_ms;
     long total_timeout_ms;  /* 0: none */
     long idle_timeout_s;    /* abort when no byte arrives for this long; 0: none */
+    const char *ca_file;    /* https: CA bundle; NULL: the system store */
+    int insecure;           /* https: skip certificate verification */
+    const char *connect_to; /* "host:port:addr:port" pin, or NULL */
+    int track_upload;       /* report when the body has been sent (px_upstream_abort_after_upload) */
 } px_upstream_opts;
 
-/* Starts POST url with body[0..len) (borrowed: valid until on_done) and the
- * header list `hdrs` (borrowed likewise). Returns NULL when curl refuses the
- * handle; nothing is called back then. */
-px_upstream *px_upstream_post(px_uploop *l, const char *url, const char *body, size_t len,
-                              struct curl_slist *hdrs, const px_upstream_opts *o,
-                              const px_upstream_cbs *cbs, void *arg);
+/* Starts `method` (POST with a body, or GET with body NULL) on url, with
+ * body[0..len) (borrowed: valid until on_done) and the header list `hdrs`
+ * (borrowed likewise). Returns NULL when curl refuses the handle; nothing is
+ * called back then. */
+px_upstream *px_upstream_start(px_uploop *l, const char *method, const char *url,
+                               const char *body, size_t len, struct curl_slist *hdrs,
+                               const px_upstream_opts *o, const px_upstream_cbs *cbs, void *arg);
+
+/* Whether the backend has already sent something on the connection that
+ * has not been read yet (its answer may be waiting). */
+int px_upstream_readable(px_upstream *u);
+
+/* Arranges for the transfer to be aborted as soon as the whole request body
+ * has been handed to the connection (needs opts.track_upload). Returns 1
+ * when that has already happened: the caller may cancel at once. */
+int px_upstream_abort_after_upload(px_upstream *u);
 
 /* Resumes a transfer paused by on_data returning 1. Not from inside a curl
  * callback. Delivered bytes may arrive in on_data before this returns. */

@@ -96,7 +96,7 @@ def engine(role, extra=(), env=None):
 
 def proxy(prefills, decodes, extra=()):
     port = free_port()
-    argv = [PDPROXY, "--port", str(port), "--threads", "2",
+    argv = [PDPROXY, "--port", str(port), "--threads", "2", "--drain-delay", "0",
             "--prefiller-hosts"] + [HOST] * len(prefills) + ["--prefiller-ports"] + \
         [str(p) for p in prefills] + ["--decoder-hosts"] + [HOST] * len(decodes) + \
         ["--decoder-ports"] + [str(d) for d in decodes] + list(extra)

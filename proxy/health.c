@@ -1,0 +1,243 @@
+#include "health.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+#include "log.h"
+#include "route.h"
+#include "server.h"
+#include "upstream.h"
+
+#define SCRAPE_MAX (4 * 1024 * 1024)
+
+typedef enum { K_HEALTH, K_SCRAPE } check_kind;
+
+typedef struct check {
+    struct px_health *h;
+    px_pool *pool;       /* borrowed: the server's */
+    px_backend *b;       /* owned reference */
+    check_kind kind;
+    int status;
+    int too_big;
+    px_buf body;
+    px_buf url;
+    px_upstream *up;     /* owned until on_done */
+    struct check *prev, *next;
+} check;
+
+struct px_health {
+    px_server *s;
+    struct event_base *base;
+    px_uploop *loop;
+    struct event *check_timer;
+    struct event *scrape_timer;
+    check *live;
+};
+
+static void check_free(check *c)
+{
+    px_health *h = c->h;
+    if (c->prev) c->prev->next = c->next;
+    else h->live = c->next;
+    if (c->next) c->next->prev = c->prev;
+    if (c->kind == K_HEALTH) c->b->check_busy = 0;
+    else c->b->scrape_busy = 0;
+    px_backend_release(c->b);
+    px_buf_cleanup(&c->body);
+    px_buf_cleanup(&c->url);
+    free(c);
+}
+
+static void on_headers(void *arg, int status, const char *ct)
+{
+    ((check *)arg)->status = status;
+}
+
+static int on_data(void *arg, const char *p, size_t n)
+{
+    check *c = arg;
+    if (c->kind == K_HEALTH) return 0; /* the status is the answer */
+    if (c->body.len + n > SCRAPE_MAX) {
+        c->too_big = 1;
+        return -1;
+    }
+    px_buf_append(&c->body, p, n);
+    return 0;
+}
+
+static void on_done(void *arg, CURLcode rc, const char *errbuf, int connected)
+{
+    check *c = arg;
+    c->up = NULL;
+    int ok = rc == CURLE_OK && c->status >= 200 && c->status < 300;
+    if (c->kind == K_HEALTH) {
+        if (!ok)
+            PX_LOG(PX_LOG_DEBUG, "msg=\"health check failed\" role=%s backend=%s status=%d error=\"%s\"",
+                   c->pool->role, c->b->name, c->status, rc ? (errbuf[0] ? errbuf : curl_easy_strerror(rc)) : "");
+        px_backend_check(c->pool, c->b, ok);
+    } else {
+        double w = 0, r = 0, kv = 0;
+        if (ok && px_parse_engine_load(c->body.data ? c->body.data : "", c->body.len, &w, &r, &kv) > 0) {
+            atomic_store(&c->b->waiting, (int)w);
+            atomic_store(&c->b->running, (int)r);
+            atomic_store(&c->b->kv_usage_milli, (int)(kv * 1000));
+            atomic_store(&c->b->load_known, 1);
+        } else {
+            atomic_store(&c->b->load_known, 0);
+        }
+    }
+    check_free(c);
+}
+
+static const px_upstream_cbs check_cbs = {on_headers, on_data, on_done};
+
+static void start_check(px_health *h, px_pool *pool, px_backend *b, check_kind kind)
+{
+    const px_config *cfg = h->s->cfg;
+    check *c = px_xcalloc(1, sizeof *c);
+    c->h = h;
+    c->pool = pool;
+    c->b = b; /* takes the caller's reference */
+    c->kind = kind;
+    px_buf_init(&c->body);
+    px_buf_init(&c->url);
+    px_buf_printf(&c->url, "%s%s", b->url, kind == K_HEALTH ? "/health" : "/metrics");
+    double t = kind == K_HEALTH ? cfg->health_timeout : cfg->metrics_interval;
+    px_upstream_opts o = {
+        .connect_timeout_ms = (long)(t * 1000) > 0 ? (long)(t * 1000) : 1,
+        .total_timeout_ms = (long)(t * 1000) > 0 ? (long)(t * 1000) : 1,
+        .ca_file = cfg->upstream_ca,
+        .insecure = cfg->upstream_insecure,
+        .connect_to = b->connect_to,
+    };
+    if (kind == K_HEALTH) b->check_busy = 1;
+    else b->scrape_busy = 1;
+    c->next = h->live;
+    if (h->live) h->live->prev = c;
+    h->live = c;
+    c->up = px_upstream_start(h->loop, "GET", c->url.data, NULL, 0, h->s->health_hdrs, &o,
+                              &check_cbs, c);
+    if (!c->up) check_free(c);
+}
+
+static void sweep(px_health *h, check_kind kind)
+{
+    px_pool *pools[2] = {&h->s->prefill, &h->s->decode};
+    for (int r = 0; r < 2; r++) {
+        if (kind == K_SCRAPE && pools[r]->cfg.policy != PX_POLICY_LOAD_AWARE) continue;
+        size_t n;
+        px_backend **m = px_pool_members(pools[r], &n);
+        for (size_t i = 0; i < n; i++) {
+            int busy = kind == K_HEALTH ? m[i]->check_busy : m[i]->scrape_busy;
+            if (busy)
+                px_backend_release(m[i]);
+            else
+                start_check(h, pools[r], m[i], kind);
+        }
+        free(m);
+    }
+}
+
+static void on_check_timer(evutil_socket_t fd, short what, void *arg)
+{
+    sweep(arg, K_HEALTH);
+}
+
+static void on_scrape_timer(evutil_socket_t fd, short what, void *arg)
+{
+    sweep(arg, K_SCRAPE);
+}
+
+static struct event *every(px_health *h, double seconds, event_callback_fn fn)
+{
+    struct event *ev = event_new(h->base, -1, EV_PERSIST, fn, h);
+    struct timeval tv = {(time_t)seconds, (suseconds_t)((seconds - (double)(time_t)seconds) * 1e6)};
+    event_add(ev, &tv);
+    event_active(ev, EV_TIMEOUT, 0); /* a first round at once */
+    return ev;
+}
+
+px_health *px_health_start(px_server *s, struct event_base *base)
+{
+    const px_config *cfg = s->cfg;
+    int scrape = s->prefill.cfg.policy == PX_POLICY_LOAD_AWARE ||
+                 s->decode.cfg.policy == PX_POLICY_LOAD_AWARE;
+    if (cfg->health_interval <= 0 && !scrape) return NULL;
+    px_health *h = px_xcalloc(1, sizeof *h);
+    h->s = s;
+    h->base = base;
+    h->loop = px_uploop_create(base);
+    if (!h->loop) {
+        free(h);
+        return NULL;
+    }
+    if (cfg->health_interval > 0) h->check_timer = every(h, cfg->health_interval, on_check_timer);
+    if (scrape) h->scrape_timer = every(h, cfg->metrics_interval, on_scrape_timer);
+    return h;
+}
+
+void px_health_stop(px_health *h)
+{
+    if (!h) return;
+    if (h->check_timer) event_free(h->check_timer);
+    if (h->scrape_timer) event_free(h->scrape_timer);
+    for (check *c = h->live; c; c = c->next) {
+        px_upstream_cancel(c->up);
+        c->up = NULL;
+    }
+    while (h->live) check_free(h->live);
+    px_uploop_destroy(h->loop);
+    free(h);
+}
+
+int px_parse_engine_load(const char *text, size_t n, double *waiting, double *running,
+                         double *kv_usage)
+{
+    int found_w = 0, found_r = 0, found_k = 0;
+    double w = 0, r = 0, k = 0;
+    const char *p = text, *end = text + n;
+    while (p < end) {
+        const char *eol = memchr(p, '\n', (size_t)(end - p));
+        if (!eol) eol = end;
+        if (p < eol && *p != '#') {
+            size_t nl = strcspn(p, "{ \t");
+            if (nl > (size_t)(eol - p)) nl = (size_t)(eol - p);
+            /* The value is the last field before the optional timestamp: take
+             * the field after the closing brace or the name. */
+            const char *v = p + nl;
+            if (v < eol && *v == '{') {
+                const char *close = memchr(v, '}', (size_t)(eol - v));
+                v = close ? close + 1 : eol;
+            }
+            while (v < eol && (*v == ' ' || *v == '\t')) v++;
+            char num[64];
+            size_t vl = strcspn(v, " \t\n");
+            if (vl > (size_t)(eol - v)) vl = (size_t)(eol - v);
+            if (vl && vl < sizeof num) {
+                memcpy(num, v, vl);
+                num[vl] = '\0';
+                char *e;
+                double x = strtod(num, &e);
+                if (!*e && x == x) {
+#define IS(lit) (nl == sizeof(lit) - 1 && !memcmp(p, lit, nl))
+                    if (IS("vllm:num_requests_waiting")) {
+                        w += x;
+                        found_w = 1;
+                    } else if (IS("vllm:num_requests_running")) {
+                        r += x;
+                        found_r = 1;
+                    } else if (IS("vllm:kv_cache_usage_perc") || IS("vllm:gpu_cache_usage_perc")) {
+                        if (!found_k || x > k) k = x;
+                        found_k = 1;
+                    }
+#undef IS
+                }
+            }
+        }
+        p = eol + 1;
+    }
+    *waiting = w;
+    *running = r;
+    *kv_usage = k;
+    return found_w + found_r + found_k;
+}

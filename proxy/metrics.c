@@ -1,0 +1,225 @@
+#include "metrics.h"
+
+#include <dirent.h>
+#include <stddef.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/resource.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "route.h"
+#include "server.h"
+
+static const double bounds[PX_HIST_BUCKETS] = {0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
+                                               0.5,   1,      2.5,   5,    10,    30,   60,  300};
+static const char *const ep_names[PX_MEP_COUNT] = {
+    "/v1/completions", "/v1/chat/completions", "/v1/models", "/healthcheck",
+    "/health",         "/ready",               "/metrics",   "other"};
+static const char *const phase_names[PX_PHASE_COUNT] = {"prefill", "decode", "stream"};
+
+void px_metrics_count(px_metrics *m, px_metric_endpoint ep, int status)
+{
+    if (status < 100 || status > 599) status = 599;
+    px_m_inc(&m->requests[ep][status - 100]);
+}
+
+void px_hist_observe(px_hist *h, double seconds)
+{
+    int i = 0;
+    while (i < PX_HIST_BUCKETS && seconds > bounds[i]) i++;
+    if (i < PX_HIST_BUCKETS) px_m_inc(&h->bucket[i]);
+    px_m_inc(&h->count);
+    atomic_store_explicit(&h->sum_us,
+                          atomic_load_explicit(&h->sum_us, memory_order_relaxed) +
+                              (unsigned long long)(seconds * 1e6),
+                          memory_order_relaxed);
+}
+
+static unsigned long long ld(const atomic_ullong *c)
+{
+    return atomic_load_explicit(c, memory_order_relaxed);
+}
+
+static void render_hist(px_buf *o, px_server *s, const char *name, const char *help,
+                        size_t offset)
+{
+    unsigned long long b[PX_HIST_BUCKETS] = {0}, count = 0, sum = 0;
+    for (int w = 0; w < s->nworkers; w++) {
+        const px_hist *h = (const px_hist *)((const char *)&s->workers[w].metrics + offset);
+        for (int i = 0; i < PX_HIST_BUCKETS; i++) b[i] += ld(&h->bucket[i]);
+        count += ld(&h->count);
+        sum += ld(&h->sum_us);
+    }
+    px_buf_printf(o, "# HELP %s %s\n# TYPE %s histogram\n", name, help, name);
+    unsigned long long cum = 0;
+    for (int i = 0; i < PX_HIST_BUCKETS; i++) {
+        cum += b[i];
+        px_buf_printf(o, "%s_bucket{le=\"%g\"} %llu\n", name, bounds[i], cum);
+    }
+    px_buf_printf(o, "%s_bucket{le=\"+Inf\"} %llu\n%s_sum %.6f\n%s_count %llu\n", name, count, name,
+                  (double)sum / 1e6, name, count);
+}
+
+/* Sums one counter (at `offset` in px_metrics) over every worker. */
+static unsigned long long sum_at(px_server *s, size_t offset)
+{
+    unsigned long long t = 0;
+    for (int w = 0; w < s->nworkers; w++)
+        t += ld((const atomic_ullong *)((const char *)&s->workers[w].metrics + offset));
+    return t;
+}
+
+#define SUM(field) sum_at(s, offsetof(px_metrics, field))
+
+static void counter(px_buf *o, const char *name, const char *help, unsigned long long v)
+{
+    px_buf_printf(o, "# HELP %s %s\n# TYPE %s counter\n%s %llu\n", name, help, name, name, v);
+}
+
+/* Label values are backend names and fixed words: escape what the format asks. */
+static void label_value(px_buf *o, const char *v)
+{
+    for (; *v; v++) {
+        if (*v == '\\' || *v == '"') px_buf_append(o, "\\", 1);
+        if (*v == '\n') {
+            px_buf_appends(o, "\\n");
+            continue;
+        }
+        px_buf_append(o, v, 1);
+    }
+}
+
+static void render_backends(px_buf *o, px_server *s)
+{
+    px_pool *pools[2] = {&s->prefill, &s->decode};
+    size_t n[2];
+    px_backend **m[2];
+    for (int r = 0; r < 2; r++) m[r] = px_pool_members(pools[r], &n[r]);
+
+    px_buf_appends(o, "# HELP pdproxy_backend_up Whether a backend receives traffic (1) or is "
+                      "ejected (0).\n# TYPE pdproxy_backend_up gauge\n");
+    for (int r = 0; r < 2; r++)
+        for (size_t i = 0; i < n[r]; i++) {
+            px_buf_printf(o, "pdproxy_backend_up{role=\"%s\",backend=\"", pools[r]->role);
+            label_value(o, m[r][i]->name);
+            px_buf_printf(o, "\"} %d\n", atomic_load(&m[r][i]->healthy) ? 1 : 0);
+        }
+    px_buf_appends(o, "# HELP pdproxy_backend_inflight Requests in flight to a backend.\n"
+                      "# TYPE pdproxy_backend_inflight gauge\n");
+    for (int r = 0; r < 2; r++)
+        for (size_t i = 0; i < n[r]; i++) {
+            px_buf_printf(o, "pdproxy_backend_inflight{role=\"%s\",backend=\"", pools[r]->role);
+            label_value(o, m[r][i]->name);
+            px_buf_printf(o, "\"} %d\n", atomic_load(&m[r][i]->inflight));
+        }
+    px_buf_appends(o, "# HELP pdproxy_upstream_requests_total Requests sent to backends, by "
+                      "outcome.\n# TYPE pdproxy_upstream_requests_total counter\n");
+    for (int r = 0; r < 2; r++)
+        for (size_t i = 0; i < n[r]; i++)
+            for (int k = 0; k < PX_OUT_COUNT; k++) {
+                unsigned long long v = ld(&m[r][i]->outcomes[k]);
+                if (!v && k != PX_OUT_OK) continue;
+                px_buf_printf(o, "pdproxy_upstream_requests_total{role=\"%s\",backend=\"",
+                              pools[r]->role);
+                label_value(o, m[r][i]->name);
+                px_buf_printf(o, "\",outcome=\"%s\"} %llu\n", px_outcome_name((px_outcome)k), v);
+            }
+    for (int r = 0; r < 2; r++) {
+        for (size_t i = 0; i < n[r]; i++) px_backend_release(m[r][i]);
+        free(m[r]);
+    }
+}
+
+static void render_process(px_buf *o)
+{
+    long page = sysconf(_SC_PAGESIZE);
+    unsigned long vsz = 0, rss = 0;
+    FILE *f = fopen("/proc/self/statm", "r");
+    if (f) {
+        if (fscanf(f, "%lu %lu", &vsz, &rss) != 2) vsz = rss = 0;
+        fclose(f);
+    }
+    int fds = 0;
+    DIR *d = opendir("/proc/self/fd");
+    if (d) {
+        struct dirent *e;
+        while ((e = readdir(d)))
+            if (e->d_name[0] != '.') fds++;
+        closedir(d);
+        fds--; /* the directory's own fd */
+    }
+    struct rusage ru;
+    getrusage(RUSAGE_SELF, &ru);
+    double cpu = (double)ru.ru_utime.tv_sec + (double)ru.ru_utime.tv_usec / 1e6 +
+                 (double)ru.ru_stime.tv_sec + (double)ru.ru_stime.tv_usec / 1e6;
+    struct rlimit rl;
+    getrlimit(RLIMIT_NOFILE, &rl);
+    px_buf_printf(o,
+                  "# HELP process_resident_memory_bytes Resident memory size in bytes.\n"
+                  "# TYPE process_resident_memory_bytes gauge\n"
+                  "process_resident_memory_bytes %lu\n"
+                  "# HELP process_virtual_memory_bytes Virtual memory size in bytes.\n"
+                  "# TYPE process_virtual_memory_bytes gauge\n"
+                  "process_virtual_memory_bytes %lu\n"
+                  "# HELP process_open_fds Number of open file descriptors.\n"
+                  "# TYPE process_open_fds gauge\n"
+                  "process_open_fds %d\n"
+                  "# HELP process_max_fds Maximum number of open file descriptors.\n"
+                  "# TYPE process_max_fds gauge\n"
+                  "process_max_fds %llu\n"
+                  "# HELP process_cpu_seconds_total Total user and system CPU time in seconds.\n"
+                  "# TYPE process_cpu_seconds_total counter\n"
+                  "process_cpu_seconds_total %.3f\n",
+                  rss * (unsigned long)page, vsz * (unsigned long)page, fds,
+                  (unsigned long long)rl.rlim_cur, cpu);
+}
+
+void px_metrics_render(px_server *s, px_buf *o)
+{
+    px_buf_appends(o, "# HELP pdproxy_requests_total Client requests answered, by endpoint and "
+                      "status code.\n# TYPE pdproxy_requests_total counter\n");
+    for (int e = 0; e < PX_MEP_COUNT; e++)
+        for (int c = 0; c < 500; c++) {
+            unsigned long long v = 0;
+            for (int w = 0; w < s->nworkers; w++) v += ld(&s->workers[w].metrics.requests[e][c]);
+            if (v)
+                px_buf_printf(o, "pdproxy_requests_total{endpoint=\"%s\",code=\"%d\"} %llu\n",
+                              ep_names[e], c + 100, v);
+        }
+    render_hist(o, s, "pdproxy_request_duration_seconds",
+                "Time from a request's arrival to the end of its answer.",
+                offsetof(px_metrics, duration));
+    render_hist(o, s, "pdproxy_time_to_first_byte_seconds",
+                "Time from a request's arrival to the first byte of decode's answer.",
+                offsetof(px_metrics, ttfb));
+    render_hist(o, s, "pdproxy_prefill_duration_seconds",
+                "Time the prefill request took, retries included.",
+                offsetof(px_metrics, prefill));
+    counter(o, "pdproxy_kv_transfer_params_missing_total",
+            "Prefill answers without kv_transfer_params (decode recomputed the prefill).",
+            SUM(kvp_missing));
+    counter(o, "pdproxy_remote_request_id_missing_total",
+            "kv_transfer_params without remote_request_id (decode cannot release the blocks).",
+            SUM(rrid_missing));
+    px_buf_appends(o, "# HELP pdproxy_client_disconnects_total Clients that left before their "
+                      "answer ended, by phase.\n# TYPE pdproxy_client_disconnects_total counter\n");
+    for (int p = 0; p < PX_PHASE_COUNT; p++)
+        px_buf_printf(o, "pdproxy_client_disconnects_total{phase=\"%s\"} %llu\n", phase_names[p],
+                      SUM(disconnects[p]));
+    px_buf_appends(o, "# HELP pdproxy_retries_total Upstream requests retried on another "
+                      "instance.\n# TYPE pdproxy_retries_total counter\n");
+    px_buf_printf(o, "pdproxy_retries_total{role=\"prefill\"} %llu\n", SUM(retries[0]));
+    px_buf_printf(o, "pdproxy_retries_total{role=\"decode\"} %llu\n", SUM(retries[1]));
+    counter(o, "pdproxy_stranded_blocks_released_total",
+            "Requests whose client left after prefill answered: decode was sent the request and "
+            "aborted so that prefill frees the blocks at once.",
+            SUM(stranded_released));
+    unsigned long long inflight = (unsigned long long)atomic_load(&s->inflight);
+    px_buf_printf(o, "# HELP pdproxy_inflight_requests Client requests in flight.\n"
+                     "# TYPE pdproxy_inflight_requests gauge\npdproxy_inflight_requests %llu\n",
+                  inflight);
+    render_backends(o, s);
+    render_process(o);
+}
