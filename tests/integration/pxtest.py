@@ -226,12 +226,16 @@ class Proxy:
             return ""
 
     def stop(self):
-        """Terminate (SIGTERM, then SIGKILL after 2 s) and reap. Returns the exit status."""
+        """Stop (SIGINT, then SIGKILL after 2 s) and reap. Returns the exit status.
+
+        SIGINT, not SIGTERM: pdproxy answers SIGTERM with a graceful drain
+        (a drain delay for load balancers, then in-flight requests), SIGINT
+        with an immediate clean exit, which still lets sanitizers report."""
         if self.proc is None:
             return None
         if self.proc.poll() is None:
             try:
-                self.proc.send_signal(signal.SIGTERM)
+                self.proc.send_signal(signal.SIGINT)
                 self.proc.wait(timeout=2.0)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
@@ -376,6 +380,7 @@ class MockRequest:
         self.t_done = t_done  # monotonic time the body was complete
         self.seq = seq  # order of arrival at this backend
         self.chunked = False
+        self.probe = False  # a health/metrics probe (kept in MockBackend.probes)
 
     def header(self, name):
         return hdr_get(self.headers, name)
@@ -389,6 +394,20 @@ class MockRequest:
     def __repr__(self):
         return "<MockRequest %s %s conn=%d %dB>" % (self.method, self.path, self.conn_id,
                                                    len(self.body))
+
+
+def is_probe(method, target):
+    """pdproxy's own checks of an engine (active health checks, metrics
+    scrapes): not part of any client request's P/D flow."""
+    return method == "GET" and target.split("?")[0] in ("/health", "/metrics")
+
+
+def default_probe_handler(req):
+    if req.path.startswith("/metrics"):
+        return Respond(200, [("Content-Type", "text/plain; version=0.0.4")],
+                       b"vllm:num_requests_running 0\nvllm:num_requests_waiting 0\n"
+                       b"vllm:kv_cache_usage_perc 0\n")
+    return Respond(200, [], b"")
 
 
 class MockConn:
@@ -440,7 +459,10 @@ class MockBackend:
         self.name = name
         self.handler = handler or (lambda req: Respond(200, [("Content-Type", "application/json")],
                                                        b"{}"))
-        self.requests = []
+        self.requests = []  # every request except health/metrics probes
+        self.probes = []  # GET /health, GET /metrics: pdproxy's own checks
+        # Answers probes; None passes them to `handler` like any request.
+        self.probe_handler = default_probe_handler
         self.conns = []
         self.errors = []  # exceptions raised by handlers (test bugs) or protocol errors
         self._lock = threading.Lock()
@@ -478,7 +500,19 @@ class MockBackend:
                 self._cond.wait(left)
             return list(self.requests)
 
+    def wait_probes(self, n, timeout):
+        """Wait until at least n probes (GET /health, /metrics) arrived; returns how many."""
+        deadline = now() + timeout
+        with self._cond:
+            for _ in range(MAX_LOOP):
+                left = deadline - now()
+                if len(self.probes) >= n or left <= 0:
+                    break
+                self._cond.wait(left)
+            return len(self.probes)
+
     def conn_ids(self):
+        """Connection id of each (non-probe) request, in arrival order."""
         with self._lock:
             return [r.conn_id for r in self.requests]
 
@@ -607,10 +641,13 @@ class MockBackend:
         else:
             body = b""
         with self._cond:
+            probe = self.probe_handler is not None and is_probe(method, target)
+            lst = self.probes if probe else self.requests
             req = MockRequest(conn, method, target, version, headers, body, t_start, now(),
-                              len(self.requests))
+                              len(lst))
             req.chunked = chunked
-            self.requests.append(req)
+            req.probe = probe
+            lst.append(req)
             conn.requests.append(req)
             self._cond.notify_all()
         return req
@@ -718,7 +755,7 @@ class MockBackend:
                 if req is None:
                     return
                 try:
-                    action = self.handler(req)
+                    action = (self.probe_handler if req.probe else self.handler)(req)
                 except Exception as e:  # a test bug: record and answer 500
                     self.errors.append("handler raised %r for %r" % (e, req))
                     action = Respond(500, [("Content-Type", "text/plain")], b"mock handler error")

@@ -137,9 +137,15 @@ class PrefillErrorTest(PxTestCase):
         if handler is not None:
             self.P.set_handler(handler)
         px = self.start_proxy([p_port or self.P], [self.D])
-        for _ in range(n):
+        for i in range(n):
             r = http_request(px.port, "POST", "/v1/completions", pxtest.completion_body())
-            self.assertErrorJson(r, 502)
+            if i == 0:
+                self.assertErrorJson(r, 502)
+            else:
+                # Once failing, the only P may be ejected (passive health
+                # checks): then "no healthy prefill" is a 503.
+                self.assertIn(r.status, (502, 503), r.body)
+                self.assertErrorJson(r, r.status)
         self.assertEqual(self.D.requests, [])
         return px
 
@@ -162,7 +168,23 @@ class PrefillErrorTest(PxTestCase):
                     s, [("Content-Type", "text/plain")], b"internal boom"))
 
     def test_p_refused_502(self):
-        self._expect_502(p_port=pxtest.closed_port(), n=2)
+        # P is up when pdproxy starts (so an active health check at startup
+        # finds it healthy), then goes away: its port refuses connections.
+        px = self.start_proxy([self.P], [self.D])
+        self.P.wait_probes(1, timeout=0.5)
+        self.P.stop()
+        r = http_request(px.port, "POST", "/v1/completions", pxtest.completion_body())
+        self.assertErrorJson(r, 502)
+        self.assertEqual(self.D.requests, [])
+
+    def test_p_refused_from_start(self):
+        # Never up: 502 (connect refused), or 503 if a startup health check
+        # has already ejected it.
+        px = self.start_proxy([pxtest.closed_port()], [self.D])
+        r = http_request(px.port, "POST", "/v1/completions", pxtest.completion_body())
+        self.assertIn(r.status, (502, 503), r.body)
+        self.assertErrorJson(r, r.status)
+        self.assertEqual(self.D.requests, [])
 
     def test_p_reset_502(self):
         self._expect_502(lambda req: Reset(), n=2)
@@ -211,14 +233,29 @@ class DecodeErrorTest(PxTestCase):
         if handler is not None:
             self.D.set_handler(handler)
         px = self.start_proxy([self.P], [d_port or self.D])
-        for _ in range(n):
+        for i in range(n):
             r = http_request(px.port, "POST", "/v1/completions", pxtest.completion_body())
-            self.assertErrorJson(r, status)
-        self.assertEqual(len(self.P.requests), n)
+            if i == 0:
+                self.assertErrorJson(r, status)
+                self.assertEqual(len(self.P.requests), 1)
+            else:  # the only D may be ejected by now: 503
+                self.assertIn(r.status, (status, 503), r.body)
+                self.assertErrorJson(r, r.status)
         return px
 
     def test_d_refused_502(self):
-        self._expect(502, d_port=pxtest.closed_port())
+        px = self.start_proxy([self.P], [self.D])
+        self.D.wait_probes(1, timeout=0.5)
+        self.D.stop()
+        r = http_request(px.port, "POST", "/v1/completions", pxtest.completion_body())
+        self.assertErrorJson(r, 502)
+        self.assertEqual(len(self.P.requests), 1)
+
+    def test_d_refused_from_start(self):
+        px = self.start_proxy([self.P], [pxtest.closed_port()])
+        r = http_request(px.port, "POST", "/v1/completions", pxtest.completion_body())
+        self.assertIn(r.status, (502, 503), r.body)
+        self.assertErrorJson(r, r.status)
 
     def test_d_reset_before_headers_502(self):
         self._expect(502, lambda req: Reset())
