@@ -6,6 +6,68 @@
 #include <time.h>
 
 px_log_level_t px_log_threshold = PX_LOG_INFO;
+int px_log_json = 0;
+
+/* Rewrites a logfmt line (key=value, key="quoted \" value") as a JSON
+ * object, so every log line has one source of truth for its fields. */
+static size_t logfmt_to_json(const char *in, size_t n, char *out, size_t cap)
+{
+    size_t o = 0;
+#define PUT(c)                                                                                     \
+    do {                                                                                           \
+        if (o + 1 < cap) out[o++] = (c);                                                           \
+    } while (0)
+    PUT('{');
+    size_t i = 0;
+    int first = 1;
+    while (i < n) {
+        while (i < n && in[i] == ' ') i++;
+        if (i >= n) break;
+        size_t ks = i;
+        while (i < n && in[i] != '=' && in[i] != ' ') i++;
+        size_t ke = i;
+        if (!first) PUT(',');
+        first = 0;
+        PUT('"');
+        for (size_t k = ks; k < ke; k++) PUT(in[k] == '"' ? '_' : in[k]);
+        PUT('"');
+        PUT(':');
+        PUT('"');
+        if (i < n && in[i] == '=') {
+            i++;
+            if (i < n && in[i] == '"') {
+                i++;
+                while (i < n && in[i] != '"') {
+                    if (in[i] == '\\' && i + 1 < n) {
+                        PUT('\\');
+                        PUT(in[i + 1]);
+                        i += 2;
+                        continue;
+                    }
+                    unsigned char c = (unsigned char)in[i++];
+                    if (c < 0x20) {
+                        char esc[8];
+                        snprintf(esc, sizeof esc, "\\u%04x", c);
+                        for (char *e = esc; *e; e++) PUT(*e);
+                    } else {
+                        PUT((char)c);
+                    }
+                }
+                if (i < n) i++;
+            } else {
+                while (i < n && in[i] != ' ') {
+                    unsigned char c = (unsigned char)in[i++];
+                    if (c == '\\' || c == '"') PUT('\\');
+                    if (c >= 0x20) PUT((char)c);
+                }
+            }
+        }
+        PUT('"');
+    }
+    PUT('}');
+#undef PUT
+    return o;
+}
 
 static const char *const names[] = {"debug", "info", "warn", "error"};
 
@@ -32,6 +94,13 @@ void px_log_write(px_log_level_t lvl, const char *fmt, ...)
     va_end(ap);
     size_t len = (size_t)n + (m < 0 ? 0 : (size_t)m);
     if (len > sizeof line - 2) len = sizeof line - 2;
+    if (px_log_json) {
+        char js[4096];
+        size_t jl = logfmt_to_json(line, len, js, sizeof js - 1);
+        js[jl++] = '\n';
+        fwrite(js, 1, jl, stderr);
+        return;
+    }
     line[len++] = '\n';
     /* One write per line so lines from several threads never interleave. */
     fwrite(line, 1, len, stderr);

@@ -5,6 +5,8 @@
 typedef enum { PX_LOG_DEBUG = 0, PX_LOG_INFO = 1, PX_LOG_WARN = 2, PX_LOG_ERROR = 3 } px_log_level_t;
 
 extern px_log_level_t px_log_threshold;
+/* 0: logfmt (key=value), 1: one JSON object per line. */
+extern int px_log_json;
 
 /* Parses "debug|info|warn|error"; returns -1 when unknown. */
 int px_log_level_parse(const char *s);

@@ -21,6 +21,7 @@ int main(int argc, char **argv)
         return r == PX_CONFIG_ERROR ? 2 : 0;
     }
     px_log_threshold = (px_log_level_t)px_log_level_parse(cfg.log_level);
+    px_log_json = cfg.log_format[0] == 'j';
     signal(SIGPIPE, SIG_IGN);
     if (curl_global_init(CURL_GLOBAL_DEFAULT) != CURLE_OK) {
         fprintf(stderr, "pdproxy: curl_global_init failed\n");

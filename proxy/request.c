@@ -207,11 +207,15 @@ void px_trace_child(const char *tp, size_t n, char out[56])
     snprintf(out, 56, "00-%s-%s-%s", trace, sp, flags);
 }
 
+/* Printable ASCII, at most 128 bytes; no space, quote or backslash, so the
+ * id can go into log lines and headers as it is. */
 static int valid_request_id(const char *v, size_t n)
 {
     if (n == 0 || n > 128) return 0;
-    for (size_t i = 0; i < n; i++)
-        if ((unsigned char)v[i] < 0x20 || (unsigned char)v[i] > 0x7e) return 0;
+    for (size_t i = 0; i < n; i++) {
+        unsigned char c = (unsigned char)v[i];
+        if (c <= 0x20 || c > 0x7e || c == '"' || c == '\\') return 0;
+    }
     return 1;
 }
 
