@@ -3,6 +3,7 @@
 #include <curl/curl.h>
 #include <signal.h>
 #include <stdio.h>
+#include <sys/resource.h>
 
 #include "config.h"
 #include "log.h"
@@ -23,6 +24,13 @@ int main(int argc, char **argv)
     px_log_threshold = (px_log_level_t)px_log_level_parse(cfg.log_level);
     px_log_json = cfg.log_format[0] == 'j';
     signal(SIGPIPE, SIG_IGN);
+    /* Every client and upstream connection is a descriptor: take all the
+     * kernel allows rather than the 1024 a shell usually starts with. */
+    struct rlimit rl;
+    if (getrlimit(RLIMIT_NOFILE, &rl) == 0 && rl.rlim_cur < rl.rlim_max) {
+        rl.rlim_cur = rl.rlim_max;
+        setrlimit(RLIMIT_NOFILE, &rl);
+    }
     if (curl_global_init(CURL_GLOBAL_DEFAULT) != CURLE_OK) {
         fprintf(stderr, "pdproxy: curl_global_init failed\n");
         px_config_cleanup(&cfg);
