@@ -125,9 +125,9 @@ if not {"port", "host", "threads"} <= px_flags:
     err("pdproxy --help", "could not read its flags: %s" % sorted(px_flags))
 if not {"role", "port", "kv-host", "kv-port"} <= sim_flags:
     err("engine-sim --help", "could not read its flags: %s" % sorted(sim_flags))
-for f in coming:
-    if f in px_flags:
-        print("   note: --%s is implemented now; it can leave COMING_FLAGS in deploy/check.sh" % f)
+done_now = [f for f in coming if f in px_flags]
+if done_now:
+    print("   note: implemented now, can leave COMING_FLAGS in deploy/check.sh: %s" % " ".join(done_now))
 known_px = px_flags | set(coming)
 ENUMS = {
     "PDPROXY_PREFILL_POLICY": {"round_robin", "least_inflight", "power_of_two", "prefix_affinity", "load_aware"},
@@ -534,8 +534,10 @@ PY
 
 # ------------------------------------------------------------------ 2. Grafana
 section "grafana dashboards"
-"$PY" - "$deploy"/dashboards/*.json <<'PY'
+"$PY" - "$work/dashboard-metrics.txt" "$deploy"/dashboards/*.json <<'PY'
 import json, re, sys
+out_names = sys.argv.pop(1)
+all_used = set()
 ALLOWED = {
     "pdproxy_requests_total", "pdproxy_request_duration_seconds", "pdproxy_time_to_first_byte_seconds",
     "pdproxy_prefill_duration_seconds", "pdproxy_upstream_requests_total", "pdproxy_backend_up",
@@ -633,7 +635,9 @@ for path in sys.argv[1:]:
     if "pdproxy.json" in path:
         for m in sorted(REQUIRED - used):
             errors.append("%s: no panel shows %s" % (path, m))
+    all_used |= used
     print("   %s: %d panels, %d queries, %d metrics" % (path.split("/deploy/")[-1], len(seen_ids), nexpr, len(used)))
+open(out_names, "w").write("\n".join(sorted(all_used)) + "\n")
 if errors:
     for e in errors:
         print("deploy/check: FAIL: " + e, file=sys.stderr)
@@ -791,9 +795,15 @@ export UCX_TLS=tcp,self UCX_WARN_UNUSED_ENV_VARS=n
     --num-blocks 4096 2>"$work/prefill.log" & pids+=($!)
 "$bin/engine-sim" --role decode --port "$D" --log-level warn --layers 2 --block-bytes 4096 \
     --num-blocks 4096 2>"$work/decode.log" & pids+=($!)
+# Flags pdproxy may not have yet: used only when its --help lists them.
+px_extra=()
+px_has() { grep -Eq -- "(^|[ /])--$1( |/|\$)" "$work/pdproxy.help"; }
+px_has drain-delay && px_extra+=(--drain-delay 0)
+px_has health-interval && px_extra+=(--health-interval 1)
 "$bin/pdproxy" --port "$X" --threads 1 --log-level warn \
     --prefiller-hosts 127.0.0.1 --prefiller-ports "$P" \
-    --decoder-hosts 127.0.0.1 --decoder-ports "$D" 2>"$work/pdproxy.log" & pids+=($!)
+    --decoder-hosts 127.0.0.1 --decoder-ports "$D" ${px_extra[@]+"${px_extra[@]}"} \
+    2>"$work/pdproxy.log" & pids+=($!)
 for port in "$P" "$D" "$X"; do
     for i in $(seq 1 200); do
         curl -sf -o /dev/null --max-time 1 "http://127.0.0.1:$port/health" && break
@@ -806,7 +816,12 @@ done
 
 # the endpoints the manifests probe, live
 for path in /health /ready; do
-    code=$(curl -s -o /dev/null -w '%{http_code}' --max-time 2 "http://127.0.0.1:$X$path" || true)
+    # readiness may wait for the first health checks of the backends
+    for i in $(seq 1 75); do
+        code=$(curl -s -o /dev/null -w '%{http_code}' --max-time 2 "http://127.0.0.1:$X$path" || true)
+        [ "$code" = 200 ] || [ "$code" = 404 ] && break
+        sleep 0.2
+    done
     if [ "$code" = 200 ]; then echo "   pdproxy GET $path: 200"
     elif [[ " $COMING_ENDPOINTS " == *" $path "* ]]; then echo "   note: pdproxy GET $path: $code (not implemented yet; allowed by COMING_ENDPOINTS)"
     else die "pdproxy GET $path answered $code"; fi
@@ -841,5 +856,49 @@ print("   %-12s %6d requests in %.1fs, p50 %.2f ms, p99 %.2f ms%s" % (s, r["requ
 sys.exit(1 if bad else 0)' "$res" "$s" || { echo "$out" >&2; tail -n 5 "$work"/*.log >&2; die "wrk $s.lua"; }
 done
 for p in "${pids[@]}"; do kill -0 "$p" 2>/dev/null || { cat "$work"/*.log >&2; die "a process died under load"; }; done
+
+section "metrics: the dashboard's metrics are exposed"
+# After the load above every labelled series has children.  engine-sim
+# exposes vLLM's router metrics under their vLLM names; pdproxy's /metrics
+# may not exist yet (COMING_ENDPOINTS).
+px_code=$(curl -s -o "$work/metrics.pdproxy" -w '%{http_code}' --max-time 5 "http://127.0.0.1:$X/metrics" || true)
+curl -sf -o "$work/metrics.prefill" --max-time 5 "http://127.0.0.1:$P/metrics" || die "engine-sim /metrics failed"
+curl -sf -o "$work/metrics.decode" --max-time 5 "http://127.0.0.1:$D/metrics" || die "engine-sim /metrics failed"
+if [ "$px_code" != 200 ]; then
+    [[ " $COMING_ENDPOINTS " == *" /metrics "* ]] || die "pdproxy GET /metrics answered $px_code"
+    echo "   note: pdproxy GET /metrics: $px_code (not implemented yet; allowed by COMING_ENDPOINTS)"
+    rm -f "$work/metrics.pdproxy"
+fi
+"$PY" - "$work" <<'PY'
+import os, re, sys
+work = sys.argv[1]
+def names(path):
+    out = set()
+    for line in open(path, errors="replace"):
+        m = re.match(r"#\s*(?:HELP|TYPE)\s+(\S+)", line) or re.match(r"([A-Za-z_:][A-Za-z0-9_:]*)[{\s]", line)
+        if m:
+            out.add(m.group(1))
+    return out
+used = [l.strip() for l in open(os.path.join(work, "dashboard-metrics.txt")) if l.strip()]
+engine = names(os.path.join(work, "metrics.prefill")) | names(os.path.join(work, "metrics.decode"))
+px_path = os.path.join(work, "metrics.pdproxy")
+px = names(px_path) if os.path.exists(px_path) else None
+errors, checked = [], 0
+for m in used:
+    if m.startswith("vllm:") or m.startswith("engine_sim_"):
+        checked += 1
+        if m not in engine:
+            errors.append("the dashboard uses %s, which engine-sim's /metrics does not expose" % m)
+    elif px is not None:
+        checked += 1
+        if m not in px and m + "_bucket" not in px:
+            errors.append("the dashboard uses %s, which pdproxy's /metrics does not expose" % m)
+if errors:
+    for e in errors:
+        print("deploy/check: FAIL: " + e, file=sys.stderr)
+    sys.exit(1)
+print("   %d of the dashboard's %d metrics found in live /metrics pages%s"
+      % (checked, len(used), "" if px is not None else " (engines only)"))
+PY
 
 section "deploy/check: all passed"
