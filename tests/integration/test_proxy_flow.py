@@ -379,7 +379,7 @@ class RequestIdTest(FlowBase):
 
     def test_client_id_kept(self):
         px = self.proxy()
-        for rid in ("my-req-123", "A" * 128, "abc_DEF.ghi:~!@#$%^&*()[]{}<>?/|\\'\"=+`"):
+        for rid in ("my-req-123", "A" * 128, "abc_DEF.ghi:~!@#$%^&*()[]{}<>?/|'=+`,;"):
             with self.subTest(rid=rid):
                 r = raw_exchange(px.port, "POST", "/v1/completions", pxtest.completion_body(),
                                  headers=[("X-Request-Id", rid)])
@@ -395,6 +395,18 @@ class RequestIdTest(FlowBase):
                          headers=[("X-Request-Id", "client-id-77")])
         self.assertEqual(r.status, 200, r.body)
         self.assertEqual(r.header_all("x-request-id"), ["client-id-77"])
+
+    def test_client_id_with_quote_or_backslash_kept(self):
+        # The contract: any visible ASCII (0x21-0x7e), at most 128 bytes.
+        # pdproxy (proxy/request.c valid_request_id) also refuses '"' and
+        # '\\' to keep log lines parseable; this test holds it to the contract.
+        px = self.proxy()
+        for rid in ('say-"hi"', "back\\slash"):
+            with self.subTest(rid=rid):
+                r = raw_exchange(px.port, "POST", "/v1/completions", pxtest.completion_body(),
+                                 headers=[("X-Request-Id", rid)])
+                self.assertEqual(r.status, 200, r.body)
+                self.assertEqual(self._ids(r), rid)
 
     def test_client_id_header_name_case_insensitive(self):
         px = self.proxy()
