@@ -212,6 +212,10 @@ long px_chunked_feed(px_chunked *c, const char *in, size_t n, px_buf *out, size_
             c->state = CK_SIZE;
             break;
         case CK_TRAILER: /* start of a trailer line, or the final CRLF */
+            /* A bare LF is refused here as in the header block: a front
+             * proxy that ends the body at "0\r\n\n" would see the bytes
+             * this decoder takes for trailers as the next request. */
+            if (ch == '\n') return -1;
             if (ch == '\r') {
                 c->state = CK_FINAL_LF;
             } else {
@@ -220,6 +224,7 @@ long px_chunked_feed(px_chunked *c, const char *in, size_t n, px_buf *out, size_
             i++;
             break;
         case CK_TRAILER_LINE:
+            if (ch == '\n') return -1;
             if (ch == '\r') c->state = CK_TRAILER_LF;
             i++;
             break;
