@@ -305,6 +305,10 @@ int px_json_str_eq(const char *raw, size_t len, const char *lit)
     if (!memchr(raw, '\\', len)) return strlen(lit) == len && memcmp(raw, lit, len) == 0;
     while (p < end) {
         long cp = next_cp(&p, end);
+        /* An escaped NUL ends the key for C consumers (cJSON reads
+         * "kv_transfer_params\u0000x" as "kv_transfer_params"), so it ends
+         * the comparison too: a key an engine may read as `lit` is `lit`. */
+        if (cp == 0) return *l == 0;
         if (cp < 0 || cp > 0x7f || *l == 0 || (long)*l != cp) {
             /* `lit` is ASCII; a non-ASCII code point never matches. */
             return 0;

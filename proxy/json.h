@@ -52,7 +52,10 @@ int px_json_iter_init(px_json_iter *it, const char *obj, size_t n);
 int px_json_iter_next(px_json_iter *it, px_json_member *m);
 
 /* Whether a raw (escaped) JSON string body equals the plain text `lit`
- * once its escapes are decoded: "\u0073tream" equals "stream". */
+ * (ASCII) once its escapes are decoded: "\u0073tream" equals "stream".
+ * An escaped NUL ends the string, as it does for engines that decode keys
+ * into C strings (cJSON): "stream\u0000x" equals "stream" too, so every
+ * spelling some engine reads as `lit` is matched (and stripped). */
 int px_json_str_eq(const char *raw, size_t len, const char *lit);
 
 /* Finds the LAST member named `key` (duplicate keys resolve as Python's json

@@ -81,6 +81,10 @@ static void test_key_escapes(void **state)
     assert_false(px_json_str_eq("streams", 7, "stream"));
     assert_false(px_json_str_eq("\\u0073trea", 10, "stream"));
     assert_false(px_json_str_eq("str\\u00e9am", 11, "stream"));
+    /* Fuzzer find: cJSON-based engines read "stream\u0000x" as "stream". */
+    assert_true(px_json_str_eq("stream\\u0000x", 13, "stream"));
+    assert_true(px_json_str_eq("\\u0000", 6, ""));
+    assert_false(px_json_str_eq("strea\\u0000m", 12, "stream"));
     char out[16];
     assert_int_equal(px_json_str_decode("a\\u00e9\\n", 9, out, sizeof out), 4);
     assert_string_equal(out, "a\xc3\xa9\n");

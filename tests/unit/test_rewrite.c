@@ -33,6 +33,11 @@ static void test_prefill_rewrite(void **state)
     check_prefill("{\"kv_transfer_params\":{\"remote_host\":\"evil\"},\"a\" : 1,"
                   "\"kv_transfer_\\u0070arams\":{\"x\":1}}",
                   "{\"a\":1,\"kv_transfer_params\":" KVP ",\"stream\":false,\"max_tokens\":1}");
+    /* Fuzzer find: an escaped NUL ends a key for cJSON-based engines, which
+     * would take the first of these as their kv_transfer_params and stream. */
+    check_prefill("{\"kv_transfer_params\\u0000x\":{\"remote_host\":\"evil\"},"
+                  "\"stream\\u0000\":true,\"b\":2}",
+                  "{\"b\":2,\"kv_transfer_params\":" KVP ",\"stream\":false,\"max_tokens\":1}");
 }
 
 static void test_prefill_rejects_non_object(void **state)
@@ -62,6 +67,10 @@ static void test_decode_rewrite(void **state)
     px_buf_reset(&b);
     assert_int_equal(px_rewrite_decode("{\"kv_transfer_params\":1}", 24, NULL, 0, &b), 0);
     assert_string_equal(b.data, "{}");
+    px_buf_reset(&b);
+    const char *nul = "{\"kv_transfer_params\\u0000\":{\"remote_host\":\"evil\"},\"a\":1}";
+    assert_int_equal(px_rewrite_decode(nul, strlen(nul), NULL, 0, &b), 0);
+    assert_string_equal(b.data, "{\"a\":1}");
     px_buf_cleanup(&b);
 }
 
