@@ -8,7 +8,8 @@
 #      against the drain settings, security contexts, resources, every
 #      PDPROXY_* key a real pdproxy flag (and the values accepted by
 #      `pdproxy --print-config`), engine-sim args accepted by engine-sim,
-#      vLLM's NixlConnector settings.
+#      vLLM's NixlConnector settings; then validates every object against
+#      Kubernetes' OpenAPI schemas (npm kubernetes-models, when node is here).
 #   2. Grafana: deploy/dashboards/*.json parse, panels are well formed and
 #      every PromQL expression uses only pdproxy's, vLLM's or engine-sim's
 #      metrics.
@@ -162,6 +163,28 @@ def port_of(c, ref):
     return None
 
 VARREF = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
+# Field names of the objects typos hide in (the schema validation after this
+# one accepts unknown fields; the API server would drop them silently).
+FIELDS = {
+    "container": {"name", "image", "command", "args", "workingDir", "ports", "envFrom", "env",
+                  "resources", "resizePolicy", "restartPolicy", "volumeMounts", "volumeDevices",
+                  "livenessProbe", "readinessProbe", "startupProbe", "lifecycle",
+                  "terminationMessagePath", "terminationMessagePolicy", "imagePullPolicy",
+                  "securityContext", "stdin", "stdinOnce", "tty"},
+    "probe": {"exec", "httpGet", "tcpSocket", "grpc", "initialDelaySeconds", "timeoutSeconds",
+              "periodSeconds", "successThreshold", "failureThreshold", "terminationGracePeriodSeconds"},
+    "httpGet": {"path", "port", "host", "scheme", "httpHeaders"},
+    "securityContext": {"capabilities", "privileged", "seLinuxOptions", "windowsOptions", "runAsUser",
+                        "runAsGroup", "runAsNonRoot", "readOnlyRootFilesystem", "allowPrivilegeEscalation",
+                        "procMount", "seccompProfile", "appArmorProfile"},
+    "podSecurityContext": {"seLinuxOptions", "windowsOptions", "runAsUser", "runAsGroup", "runAsNonRoot",
+                           "supplementalGroups", "supplementalGroupsPolicy", "fsGroup", "sysctls",
+                           "fsGroupChangePolicy", "seccompProfile", "appArmorProfile", "seLinuxChangePolicy"},
+    "resources": {"limits", "requests", "claims"},
+    "lifecycle": {"postStart", "preStop", "stopSignal"},
+}
+def unknown_fields(kind, obj):
+    return sorted(set(obj or {}) - FIELDS[kind])
 total_checks = [0]
 
 for ov in overlays:
@@ -218,6 +241,17 @@ for ov in overlays:
         for c in pod.get("containers") or []:
             cw = "%s container %s" % (w, c.get("name"))
             kind = kind_of(c)
+            for fk, obj in (("container", c), ("securityContext", c.get("securityContext")),
+                            ("resources", c.get("resources")), ("lifecycle", c.get("lifecycle")),
+                            ("podSecurityContext", psc)):
+                for f in unknown_fields(fk, obj):
+                    err(cw, "unknown field %r in %s" % (f, fk))
+            for pk in ("livenessProbe", "readinessProbe", "startupProbe"):
+                if c.get(pk):
+                    for f in unknown_fields("probe", c[pk]):
+                        err(cw, "unknown field %r in %s" % (f, pk))
+                    for f in unknown_fields("httpGet", c[pk].get("httpGet")):
+                        err(cw, "unknown field %r in %s.httpGet" % (f, pk))
             image = c.get("image", "")
             if ":" not in image.split("/")[-1] or image.endswith(":latest"):
                 err(cw, "image %r has no pinned tag" % image)
@@ -531,6 +565,36 @@ if errors:
     sys.exit(1)
 print("   kubernetes: %d overlays consistent (%d probe/port/key checks)" % (len(overlays), total_checks[0]))
 PY
+
+section "kubernetes: API schemas (npm kubernetes-models, offline)"
+# Kubernetes' OpenAPI schemas as compiled validators (deploy/k8s/schema/:
+# package.json + lock, validate.mjs), installed once per build directory
+# from the npm registry and then used offline: types, required fields, enums.
+schema_src=$deploy/k8s/schema
+if command -v node >/dev/null && command -v npm >/dev/null; then
+    cache=${DEPLOY_CHECK_CACHE:-${PX_BUILD_DIR:-$root/build-deploy}/deploy-check-npm}
+    want=$(sha256sum "$schema_src/package-lock.json" | cut -d' ' -f1)
+    if [ "$(cat "$cache/.lock-sha256" 2>/dev/null)" != "$want" ] ||
+       [ ! -f "$cache/node_modules/kubernetes-models/package.json" ]; then
+        rm -rf "$cache" && mkdir -p "$cache"
+        cp "$schema_src/package.json" "$schema_src/package-lock.json" "$cache/"
+        if ! (cd "$cache" && timeout 240 npm ci --no-audit --no-fund --loglevel=error) >"$work/npm.log" 2>&1; then
+            cat "$work/npm.log" >&2; die "npm ci of deploy/k8s/schema failed (needs the npm registry once)"
+        fi
+        echo "$want" >"$cache/.lock-sha256"
+        echo "   installed kubernetes-models into $cache"
+    fi
+    cp "$schema_src/validate.mjs" "$cache/validate.mjs"
+    "$PY" - "$work"/k8s/*.yaml <<'PY'
+import json, sys, yaml
+for path in sys.argv[1:]:
+    docs = [d for d in yaml.safe_load_all(open(path)) if d]
+    json.dump(docs, open(path[:-5] + ".json", "w"))
+PY
+    timeout 120 node "$cache/validate.mjs" "$work"/k8s/*.json || die "rendered objects fail the Kubernetes API schemas"
+else
+    echo "   note: node/npm not installed: API schema validation skipped (the checks above still ran)"
+fi
 
 # ------------------------------------------------------------------ 2. Grafana
 section "grafana dashboards"
