@@ -55,7 +55,13 @@ work=$(mktemp -d "${TMPDIR:-/tmp}/deploy-check.XXXXXX")
 pids=()
 cleanup() {
     for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
-    for p in "${pids[@]}"; do wait "$p" 2>/dev/null || true; done
+    for _ in $(seq 1 50); do   # up to 5 s for a graceful exit, then SIGKILL
+        alive=0
+        for p in "${pids[@]}"; do kill -0 "$p" 2>/dev/null && alive=1; done
+        [ "$alive" = 0 ] && break
+        sleep 0.1
+    done
+    for p in "${pids[@]}"; do kill -KILL "$p" 2>/dev/null || true; wait "$p" 2>/dev/null || true; done
     rm -rf "$work"
 }
 trap cleanup EXIT
@@ -864,16 +870,23 @@ px_extra=()
 px_has() { grep -Eq -- "(^|[ /])--$1( |/|\$)" "$work/pdproxy.help"; }
 px_has drain-delay && px_extra+=(--drain-delay 0)
 px_has health-interval && px_extra+=(--health-interval 1)
-"$bin/pdproxy" --port "$X" --threads 1 --log-level warn \
-    --prefiller-hosts 127.0.0.1 --prefiller-ports "$P" \
-    --decoder-hosts 127.0.0.1 --decoder-ports "$D" ${px_extra[@]+"${px_extra[@]}"} \
-    2>"$work/pdproxy.log" & pids+=($!)
+# Backends the way the ConfigMaps give them (URLs) once pdproxy has
+# --prefill/--decode, else with the toy proxy's flags.
+if px_has prefill && px_has decode; then
+    backends=(--prefill "http://127.0.0.1:$P" --decode "http://127.0.0.1:$D")
+else
+    backends=(--prefiller-hosts 127.0.0.1 --prefiller-ports "$P"
+              --decoder-hosts 127.0.0.1 --decoder-ports "$D")
+fi
+"$bin/pdproxy" --port "$X" --threads 1 --log-level warn "${backends[@]}" \
+    ${px_extra[@]+"${px_extra[@]}"} 2>"$work/pdproxy.log" & pids+=($!)
+echo "   pdproxy ${backends[*]} ${px_extra[*]+${px_extra[*]}}"
 for port in "$P" "$D" "$X"; do
-    for i in $(seq 1 200); do
+    for i in $(seq 1 400); do
         curl -sf -o /dev/null --max-time 1 "http://127.0.0.1:$port/health" && break
         for p in "${pids[@]}"; do kill -0 "$p" 2>/dev/null ||
             { cat "$work"/*.log >&2; die "a process exited at start (port $port)"; }; done
-        [ "$i" = 200 ] && { cat "$work"/*.log >&2; die "port $port never answered /health"; }
+        [ "$i" = 400 ] && { cat "$work"/*.log >&2; die "port $port never answered /health"; }
         sleep 0.05
     done
 done
