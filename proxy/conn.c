@@ -1,11 +1,12 @@
 #include "conn.h"
 
+#include <errno.h>
 #include <event2/buffer.h>
 #include <event2/bufferevent.h>
 #include <event2/bufferevent_ssl.h>
-#include <openssl/ssl.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
+#include <openssl/ssl.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
@@ -15,26 +16,29 @@
 typedef enum { CS_HEAD, CS_BODY, CS_BUSY, CS_CLOSING } conn_state;
 
 struct px_conn {
-    struct event_base *base;  /* borrowed */
-    const px_conn_cfg *cfg;   /* borrowed */
-    px_conn_list *list;       /* borrowed */
-    struct bufferevent *bev;  /* owned */
-    struct event *timer;      /* owned: idle / header timeout */
-    struct event *resume;     /* owned: reads pipelined bytes on the next turn */
-    px_conn *prev, *next;     /* in list */
+    struct event_base *base; /* borrowed */
+    const px_conn_cfg *cfg;  /* borrowed */
+    px_conn_list *list;      /* borrowed */
+    struct bufferevent *bev; /* owned */
+    struct event *timer;     /* owned: idle / header timeout */
+    struct event *resume;    /* owned: reads pipelined bytes on the next turn */
+    struct event *flush;     /* owned: writes what was queued, once per loop turn */
+    int flush_pending;
+    int tls;
+    px_conn *prev, *next; /* in list */
     conn_state state;
-    px_http_head head;        /* spans point into headbuf */
-    char *headbuf;            /* owned */
-    px_buf body;              /* owned until moved into a request */
+    px_http_head head; /* spans point into headbuf */
+    char *headbuf;     /* owned */
+    px_buf body;       /* owned until moved into a request */
     px_chunked ck;
-    int64_t body_left;        /* Content-Length bytes still to read */
+    int64_t body_left; /* Content-Length bytes still to read */
     int keep_alive;
     int minor;
-    int streaming;            /* a streamed response is open */
-    int chunked_out;          /* ...and it uses chunked encoding */
-    int got_bytes;            /* bytes of the current request received */
+    int streaming;   /* a streamed response is open */
+    int chunked_out; /* ...and it uses chunked encoding */
+    int got_bytes;   /* bytes of the current request received */
     int timer_is_header;
-    int closed;               /* socket closed, free scheduled */
+    int closed;                  /* socket closed, free scheduled */
     const px_exchange_cbs *xcbs; /* borrowed: the exchange in flight's handler */
     void *xarg;
 };
@@ -43,21 +47,22 @@ static void conn_process(px_conn *c);
 
 /* ---------- connection lifetime ---------- */
 
-static void conn_unlink(px_conn *c)
-{
-    if (c->prev) c->prev->next = c->next;
-    else c->list->head = c->next;
+static void conn_unlink(px_conn *c) {
+    if (c->prev)
+        c->prev->next = c->next;
+    else
+        c->list->head = c->next;
     if (c->next) c->next->prev = c->prev;
     c->list->n--;
 }
 
-static void conn_free_cb(evutil_socket_t fd, short what, void *arg)
-{
+static void conn_free_cb(evutil_socket_t fd, short what, void *arg) {
     px_conn *c = arg;
     conn_unlink(c);
     bufferevent_free(c->bev);
     event_free(c->timer);
     event_free(c->resume);
+    event_free(c->flush);
     free(c->headbuf);
     px_buf_cleanup(&c->body);
     free(c);
@@ -65,8 +70,7 @@ static void conn_free_cb(evutil_socket_t fd, short what, void *arg)
 
 /* Closes now; the memory goes on the next loop turn, since this may run
  * inside one of the connection's own callbacks. */
-static void conn_close(px_conn *c)
-{
+static void conn_close(px_conn *c) {
     if (c->closed) return;
     c->closed = 1;
     if (c->xcbs) {
@@ -85,17 +89,58 @@ static void conn_close(px_conn *c)
     event_base_once(c->base, -1, EV_TIMEOUT, conn_free_cb, c, NULL);
 }
 
-static void arm_timer(px_conn *c, int header)
-{
+static void arm_timer(px_conn *c, int header) {
     double s = header ? c->cfg->header_timeout : c->cfg->keepalive_timeout;
     struct timeval tv = {(time_t)s, (suseconds_t)((s - (double)(time_t)s) * 1e6)};
     c->timer_is_header = header;
     evtimer_add(c->timer, &tv);
 }
 
+/* Output is written straight to the socket once per loop turn, after every
+ * callback of the turn has queued its part: a whole small response goes out
+ * in one writev, and the write event (two epoll_ctl calls and a wakeup) is
+ * armed only when the socket cannot take everything. */
+static void queued(px_conn *c) {
+    if (!c->flush_pending && !c->closed) {
+        c->flush_pending = 1;
+        event_active(c->flush, EV_WRITE, 0);
+    }
+}
+
+static void on_flush(evutil_socket_t fd, short what, void *arg) {
+    px_conn *c = arg;
+    c->flush_pending = 0;
+    if (c->closed) return;
+    struct evbuffer *out = bufferevent_get_output(c->bev);
+    if (!c->tls && evbuffer_get_length(out)) {
+        /* A socket bufferevent keeps its output's start frozen except while
+         * it writes itself; we write in its stead here. */
+        evbuffer_unfreeze(out, 1);
+        int n = evbuffer_write(out, bufferevent_getfd(c->bev));
+        int err = errno;
+        evbuffer_freeze(out, 1);
+        errno = err;
+        if (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) {
+            conn_close(c); /* the client is gone */
+            return;
+        }
+    }
+    size_t left = evbuffer_get_length(out);
+    if (left) {
+        bufferevent_enable(c->bev, EV_WRITE);
+    } else if (c->state == CS_CLOSING) {
+        conn_close(c);
+        return;
+    }
+    /* A producer paused at the high-water mark hears here, too, that the
+     * queue went down: the write event may never fire if this write took
+     * it all. */
+    if (left <= PX_CONN_LOW_WATER && c->xcbs && c->streaming && c->xcbs->on_drained)
+        c->xcbs->on_drained(c->xarg);
+}
+
 /* Closes once what is queued has been written to the client. */
-static void close_after_flush(px_conn *c)
-{
+static void close_after_flush(px_conn *c) {
     c->state = CS_CLOSING;
     bufferevent_disable(c->bev, EV_READ);
     bufferevent_setwatermark(c->bev, EV_WRITE, 0, 0);
@@ -103,12 +148,12 @@ static void close_after_flush(px_conn *c)
         conn_close(c);
         return;
     }
+    queued(c);
     arm_timer(c, 0); /* a client that never reads does not hold us forever */
 }
 
 /* After the last byte of a response is queued. */
-static void exchange_done(px_conn *c)
-{
+static void exchange_done(px_conn *c) {
     c->xcbs = NULL;
     c->streaming = 0;
     free(c->headbuf);
@@ -130,8 +175,7 @@ static void exchange_done(px_conn *c)
 /* ---------- responses ---------- */
 
 static void write_head(px_conn *c, int status, const char *ctype, const char *req_id,
-                       int64_t content_length, const char *extra)
-{
+                       int64_t content_length, const char *extra) {
     if (c->cfg->draining) c->keep_alive = 0;
     struct evbuffer *out = bufferevent_get_output(c->bev);
     evbuffer_add_printf(out, "HTTP/1.%d %d %s\r\n", c->minor, status, px_http_reason(status));
@@ -147,32 +191,37 @@ static void write_head(px_conn *c, int status, const char *ctype, const char *re
     else if (c->minor == 0)
         evbuffer_add(out, "Connection: keep-alive\r\n", 24);
     evbuffer_add(out, "\r\n", 2);
+    queued(c);
 }
 
-void px_conn_reply(px_conn *c, int status, const char *ctype, const char *req_id,
-                   const char *extra, const char *body, size_t n)
-{
+void px_conn_reply(px_conn *c, int status, const char *ctype, const char *req_id, const char *extra,
+                   const char *body, size_t n) {
     write_head(c, status, ctype, req_id, (int64_t)n, extra);
     if (n) evbuffer_add(bufferevent_get_output(c->bev), body, n);
     exchange_done(c);
 }
 
-const char *px_error_type(int status)
-{
+const char *px_error_type(int status) {
     switch (status) {
-    case 401: return "authentication_error";
-    case 404: return "not_found_error";
-    case 429: return "rate_limit_error";
-    case 502: return "bad_gateway";
-    case 503: return "service_unavailable";
-    case 504: return "gateway_timeout";
-    default: return status >= 500 ? "server_error" : "invalid_request_error";
+    case 401:
+        return "authentication_error";
+    case 404:
+        return "not_found_error";
+    case 429:
+        return "rate_limit_error";
+    case 502:
+        return "bad_gateway";
+    case 503:
+        return "service_unavailable";
+    case 504:
+        return "gateway_timeout";
+    default:
+        return status >= 500 ? "server_error" : "invalid_request_error";
     }
 }
 
 void px_conn_reply_error(px_conn *c, int status, const char *req_id, const char *extra,
-                         const char *msg)
-{
+                         const char *msg) {
     px_buf b;
     px_buf_init(&b);
     px_buf_appends(&b, "{\"error\":{\"message\":");
@@ -184,24 +233,21 @@ void px_conn_reply_error(px_conn *c, int status, const char *req_id, const char 
 
 /* An error found while reading the request: answer and close, since the
  * rest of the stream cannot be trusted to be framed. */
-static void reject(px_conn *c, int status, const char *msg)
-{
+static void reject(px_conn *c, int status, const char *msg) {
     PX_LOG(PX_LOG_INFO, "msg=\"rejected request\" status=%d reason=\"%s\"", status, msg);
     c->keep_alive = 0;
     px_conn_reply_error(c, status, NULL, NULL, msg);
 }
 
 void px_conn_stream_start(px_conn *c, int status, const char *ctype, const char *req_id,
-                          const char *extra)
-{
+                          const char *extra) {
     c->streaming = 1;
     c->chunked_out = c->minor >= 1;
     if (!c->chunked_out) c->keep_alive = 0; /* HTTP/1.0: the close ends the body */
     write_head(c, status, ctype, req_id, -1, extra);
 }
 
-void px_conn_stream_write(px_conn *c, const char *p, size_t n)
-{
+void px_conn_stream_write(px_conn *c, const char *p, size_t n) {
     if (!n) return;
     struct evbuffer *out = bufferevent_get_output(c->bev);
     if (c->chunked_out) {
@@ -211,35 +257,34 @@ void px_conn_stream_write(px_conn *c, const char *p, size_t n)
     } else {
         evbuffer_add(out, p, n);
     }
+    queued(c);
 }
 
-void px_conn_stream_end(px_conn *c)
-{
-    if (c->chunked_out) evbuffer_add(bufferevent_get_output(c->bev), "0\r\n\r\n", 5);
+void px_conn_stream_end(px_conn *c) {
+    if (c->chunked_out) {
+        evbuffer_add(bufferevent_get_output(c->bev), "0\r\n\r\n", 5);
+        queued(c);
+    }
     exchange_done(c);
 }
 
-void px_conn_abort(px_conn *c)
-{
+void px_conn_abort(px_conn *c) {
     /* The bytes already queued are delivered; only the clean end is not. */
     c->xcbs = NULL;
     c->streaming = 0;
     close_after_flush(c);
 }
 
-size_t px_conn_pending(const px_conn *c)
-{
+size_t px_conn_pending(const px_conn *c) {
     return evbuffer_get_length(bufferevent_get_output(c->bev));
 }
 
-void px_conn_bind(px_conn *c, const px_exchange_cbs *cbs, void *arg)
-{
+void px_conn_bind(px_conn *c, const px_exchange_cbs *cbs, void *arg) {
     c->xcbs = cbs;
     c->xarg = arg;
 }
 
-static void dispatch(px_conn *c)
-{
+static void dispatch(px_conn *c) {
     c->state = CS_BUSY;
     evtimer_del(c->timer);
     c->cfg->dispatch(c->cfg->ctx, c, &c->head, &c->body);
@@ -247,8 +292,7 @@ static void dispatch(px_conn *c)
 
 /* ---------- reading requests ---------- */
 
-static void read_head(px_conn *c)
-{
+static void read_head(px_conn *c) {
     struct evbuffer *in = bufferevent_get_input(c->bev);
     size_t len = evbuffer_get_length(in);
     if (!c->got_bytes) {
@@ -285,14 +329,15 @@ static void read_head(px_conn *c)
     c->body_left = c->head.content_length > 0 ? c->head.content_length : 0;
     px_chunked_init(&c->ck);
     if (c->head.expect_continue && (c->head.chunked || c->body_left) &&
-        evbuffer_get_length(in) == 0)
+        evbuffer_get_length(in) == 0) {
         evbuffer_add(bufferevent_get_output(c->bev), "HTTP/1.1 100 Continue\r\n\r\n", 25);
+        queued(c);
+    }
     c->state = CS_BODY;
 }
 
 /* Returns 1 once the whole body is in c->body. */
-static int read_body(px_conn *c)
-{
+static int read_body(px_conn *c) {
     struct evbuffer *in = bufferevent_get_input(c->bev);
     if (!c->head.chunked) {
         size_t avail = evbuffer_get_length(in);
@@ -324,8 +369,7 @@ static int read_body(px_conn *c)
     return c->ck.done;
 }
 
-static void conn_process(px_conn *c)
-{
+static void conn_process(px_conn *c) {
     if (c->state == CS_HEAD) {
         if (evbuffer_get_length(bufferevent_get_input(c->bev)) == 0) return;
         read_head(c);
@@ -337,14 +381,12 @@ static void conn_process(px_conn *c)
     }
 }
 
-static void on_resume(evutil_socket_t fd, short what, void *arg)
-{
+static void on_resume(evutil_socket_t fd, short what, void *arg) {
     px_conn *c = arg;
     if (c->state == CS_HEAD) conn_process(c);
 }
 
-static void on_read(struct bufferevent *bev, void *arg)
-{
+static void on_read(struct bufferevent *bev, void *arg) {
     px_conn *c = arg;
     if (c->state == CS_BUSY) {
         /* Pipelined bytes wait until the current exchange ends; stop reading
@@ -357,24 +399,23 @@ static void on_read(struct bufferevent *bev, void *arg)
     conn_process(c);
 }
 
-static void on_write(struct bufferevent *bev, void *arg)
-{
+static void on_write(struct bufferevent *bev, void *arg) {
     px_conn *c = arg;
     if (c->state == CS_CLOSING) {
         if (evbuffer_get_length(bufferevent_get_output(bev)) == 0) conn_close(c);
         return;
     }
+    if (!c->tls && evbuffer_get_length(bufferevent_get_output(bev)) == 0)
+        bufferevent_disable(bev, EV_WRITE); /* the next output is flushed directly */
     if (c->xcbs && c->streaming && c->xcbs->on_drained) c->xcbs->on_drained(c->xarg);
 }
 
-static void on_event(struct bufferevent *bev, short what, void *arg)
-{
+static void on_event(struct bufferevent *bev, short what, void *arg) {
     px_conn *c = arg;
     if (what & (BEV_EVENT_EOF | BEV_EVENT_ERROR)) conn_close(c);
 }
 
-static void on_timeout(evutil_socket_t fd, short what, void *arg)
-{
+static void on_timeout(evutil_socket_t fd, short what, void *arg) {
     px_conn *c = arg;
     if (c->state == CS_CLOSING) {
         conn_close(c);
@@ -393,8 +434,7 @@ static void on_timeout(evutil_socket_t fd, short what, void *arg)
 }
 
 px_conn *px_conn_accept(struct event_base *base, evutil_socket_t fd, const px_conn_cfg *cfg,
-                        px_conn_list *list)
-{
+                        px_conn_list *list) {
     int one = 1;
     setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
     px_conn *c = px_xcalloc(1, sizeof *c);
@@ -414,11 +454,16 @@ px_conn *px_conn_accept(struct event_base *base, evutil_socket_t fd, const px_co
     }
     c->timer = evtimer_new(base, on_timeout, c);
     c->resume = event_new(base, -1, 0, on_resume, c);
-    if (!c->bev || !c->timer || !c->resume) {
-        if (c->bev) bufferevent_free(c->bev);
-        else evutil_closesocket(fd);
+    c->flush = event_new(base, -1, 0, on_flush, c);
+    c->tls = cfg->tls != NULL;
+    if (!c->bev || !c->timer || !c->resume || !c->flush) {
+        if (c->bev)
+            bufferevent_free(c->bev);
+        else
+            evutil_closesocket(fd);
         if (c->timer) event_free(c->timer);
         if (c->resume) event_free(c->resume);
+        if (c->flush) event_free(c->flush);
         free(c);
         return NULL;
     }
@@ -432,19 +477,24 @@ px_conn *px_conn_accept(struct event_base *base, evutil_socket_t fd, const px_co
     c->minor = 1;
     bufferevent_setcb(c->bev, on_read, on_write, on_event, c);
     bufferevent_setwatermark(c->bev, EV_WRITE, PX_CONN_LOW_WATER, 0);
-    bufferevent_enable(c->bev, EV_READ | EV_WRITE);
+    if (c->tls) {
+        bufferevent_enable(c->bev, EV_READ | EV_WRITE);
+    } else {
+        /* Writes go out from on_flush; the write event only when the socket
+         * is full. */
+        bufferevent_enable(c->bev, EV_READ);
+        bufferevent_disable(c->bev, EV_WRITE);
+    }
     arm_timer(c, 1);
     return c;
 }
 
-void px_conn_list_close_idle(px_conn_list *list)
-{
+void px_conn_list_close_idle(px_conn_list *list) {
     for (px_conn *c = list->head; c; c = c->next)
         if (c->state == CS_HEAD && !c->got_bytes) conn_close(c);
 }
 
-void px_conn_list_close_all(px_conn_list *list)
-{
+void px_conn_list_close_all(px_conn_list *list) {
     /* The loop has stopped: the deferred frees will never run, so free here. */
     while (list->head) {
         px_conn *c = list->head;
@@ -452,4 +502,3 @@ void px_conn_list_close_all(px_conn_list *list)
         conn_free_cb(-1, 0, c);
     }
 }
-

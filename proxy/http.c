@@ -2,14 +2,12 @@
 
 #include <string.h>
 
-static int is_tchar(unsigned char c)
-{
+static int is_tchar(unsigned char c) {
     if ((c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9')) return 1;
     return c && strchr("!#$%&'*+-.^_`|~", c) != NULL;
 }
 
-int px_http_token_eq(const char *s, size_t n, const char *lit)
-{
+int px_http_token_eq(const char *s, size_t n, const char *lit) {
     size_t i;
     for (i = 0; i < n && lit[i]; i++) {
         unsigned char a = (unsigned char)s[i], b = (unsigned char)lit[i];
@@ -20,8 +18,34 @@ int px_http_token_eq(const char *s, size_t n, const char *lit)
     return i == n && lit[i] == 0;
 }
 
-const px_http_header *px_http_find(const px_http_head *h, const char *name)
-{
+void px_http_path(const px_http_head *h, const char **path, size_t *len) {
+    const char *t = h->target;
+    size_t n = h->target_len;
+    size_t skip = 0;
+    if (n > 7 && px_http_token_eq(t, 7, "http://"))
+        skip = 7;
+    else if (n > 8 && px_http_token_eq(t, 8, "https://"))
+        skip = 8;
+    if (skip) {
+        const char *slash = memchr(t + skip, '/', n - skip);
+        size_t off = slash ? (size_t)(slash - t) : n;
+        t += off;
+        n -= off;
+    }
+    const char *q = memchr(t, '?', n);
+    if (q) n = (size_t)(q - t);
+    *path = n ? t : "/";
+    *len = n ? n : 1;
+}
+
+int px_http_path_is(const px_http_head *h, const char *path) {
+    const char *p;
+    size_t n;
+    px_http_path(h, &p, &n);
+    return strlen(path) == n && memcmp(p, path, n) == 0;
+}
+
+const px_http_header *px_http_find(const px_http_head *h, const char *name) {
     for (size_t i = 0; i < h->nheaders; i++)
         if (px_http_token_eq(h->headers[i].name, h->headers[i].name_len, name))
             return &h->headers[i];
@@ -29,22 +53,23 @@ const px_http_header *px_http_find(const px_http_head *h, const char *name)
 }
 
 /* Calls fn for each comma-separated, trimmed element of a header value. */
-static int has_token(const char *v, size_t n, const char *tok)
-{
+static int has_token(const char *v, size_t n, const char *tok) {
     size_t i = 0;
     while (i < n) {
-        while (i < n && (v[i] == ' ' || v[i] == '\t' || v[i] == ',')) i++;
+        while (i < n && (v[i] == ' ' || v[i] == '\t' || v[i] == ','))
+            i++;
         size_t s = i;
-        while (i < n && v[i] != ',') i++;
+        while (i < n && v[i] != ',')
+            i++;
         size_t e = i;
-        while (e > s && (v[e - 1] == ' ' || v[e - 1] == '\t')) e--;
+        while (e > s && (v[e - 1] == ' ' || v[e - 1] == '\t'))
+            e--;
         if (e > s && px_http_token_eq(v + s, e - s, tok)) return 1;
     }
     return 0;
 }
 
-static int parse_content_length(const char *v, size_t n, int64_t *out)
-{
+static int parse_content_length(const char *v, size_t n, int64_t *out) {
     if (n == 0 || n > 18) return -1;
     int64_t x = 0;
     for (size_t i = 0; i < n; i++) {
@@ -55,8 +80,7 @@ static int parse_content_length(const char *v, size_t n, int64_t *out)
     return 0;
 }
 
-int px_http_parse_head(const char *buf, size_t n, px_http_head *h, const char **why)
-{
+int px_http_parse_head(const char *buf, size_t n, px_http_head *h, const char **why) {
     const char *p = buf, *end = buf + n;
     memset(h, 0, offsetof(px_http_head, headers));
     h->nheaders = 0;
@@ -67,12 +91,14 @@ int px_http_parse_head(const char *buf, size_t n, px_http_head *h, const char **
 
     /* Request line: method SP target SP HTTP/1.x CRLF */
     const char *s = p;
-    while (p < end && is_tchar((unsigned char)*p)) p++;
+    while (p < end && is_tchar((unsigned char)*p))
+        p++;
     if (p == s || p >= end || *p != ' ') return *why = "malformed request line", 400;
     h->method = s;
     h->method_len = (size_t)(p - s);
     s = ++p;
-    while (p < end && (unsigned char)*p > 0x20 && (unsigned char)*p < 0x7f) p++;
+    while (p < end && (unsigned char)*p > 0x20 && (unsigned char)*p < 0x7f)
+        p++;
     if (p == s || p >= end || *p != ' ') return *why = "malformed request target", 400;
     h->target = s;
     h->target_len = (size_t)(p - s);
@@ -94,14 +120,16 @@ int px_http_parse_head(const char *buf, size_t n, px_http_head *h, const char **
         if (p[0] == '\r' && p[1] == '\n') break;
         if (*p == ' ' || *p == '\t') return *why = "obsolete line folding", 400;
         s = p;
-        while (p < end && is_tchar((unsigned char)*p)) p++;
+        while (p < end && is_tchar((unsigned char)*p))
+            p++;
         if (p == s || p >= end || *p != ':') return *why = "malformed header field", 400;
         if (h->nheaders == PX_HTTP_MAX_HEADERS) return *why = "too many header fields", 431;
         px_http_header *hd = &h->headers[h->nheaders++];
         hd->name = s;
         hd->name_len = (size_t)(p - s);
         p++;
-        while (p < end && (*p == ' ' || *p == '\t')) p++;
+        while (p < end && (*p == ' ' || *p == '\t'))
+            p++;
         s = p;
         while (p < end && *p != '\r' && *p != '\n') {
             unsigned char c = (unsigned char)*p;
@@ -110,7 +138,8 @@ int px_http_parse_head(const char *buf, size_t n, px_http_head *h, const char **
         }
         if (end - p < 2 || p[0] != '\r' || p[1] != '\n') return *why = "bare CR or LF", 400;
         const char *e = p;
-        while (e > s && (e[-1] == ' ' || e[-1] == '\t')) e--;
+        while (e > s && (e[-1] == ' ' || e[-1] == '\t'))
+            e--;
         hd->value = s;
         hd->value_len = (size_t)(e - s);
         p += 2;
@@ -136,8 +165,7 @@ int px_http_parse_head(const char *buf, size_t n, px_http_head *h, const char **
         }
     }
     if (have_te) {
-        if (h->content_length >= 0)
-            return *why = "both Content-Length and Transfer-Encoding", 400;
+        if (h->content_length >= 0) return *why = "both Content-Length and Transfer-Encoding", 400;
         if (h->minor == 0) return *why = "Transfer-Encoding in HTTP/1.0", 400;
         h->chunked = 1;
     }
@@ -145,25 +173,34 @@ int px_http_parse_head(const char *buf, size_t n, px_http_head *h, const char **
     return 0;
 }
 
-enum { CK_SIZE, CK_EXT, CK_SIZE_LF, CK_DATA, CK_DATA_CR, CK_DATA_LF, CK_TRAILER, CK_TRAILER_LINE,
-       CK_FINAL_LF, CK_TRAILER_LF };
+enum {
+    CK_SIZE,
+    CK_EXT,
+    CK_SIZE_LF,
+    CK_DATA,
+    CK_DATA_CR,
+    CK_DATA_LF,
+    CK_TRAILER,
+    CK_TRAILER_LINE,
+    CK_FINAL_LF,
+    CK_TRAILER_LF
+};
 
-void px_chunked_init(px_chunked *c)
-{
+void px_chunked_init(px_chunked *c) {
     memset(c, 0, sizeof *c);
     c->state = CK_SIZE;
 }
 
-long px_chunked_feed(px_chunked *c, const char *in, size_t n, px_buf *out, size_t max)
-{
+long px_chunked_feed(px_chunked *c, const char *in, size_t n, px_buf *out, size_t max) {
     size_t i = 0;
     while (i < n && !c->done) {
         char ch = in[i];
         switch (c->state) {
         case CK_SIZE: {
-            int v = (ch >= '0' && ch <= '9') ? ch - '0'
+            int v = (ch >= '0' && ch <= '9')   ? ch - '0'
                     : (ch >= 'a' && ch <= 'f') ? ch - 'a' + 10
-                    : (ch >= 'A' && ch <= 'F') ? ch - 'A' + 10 : -1;
+                    : (ch >= 'A' && ch <= 'F') ? ch - 'A' + 10
+                                               : -1;
             if (v >= 0) {
                 if (c->remaining > (UINT64_C(1) << 40)) return -1;
                 c->remaining = c->remaining * 16 + (uint64_t)v;
@@ -181,8 +218,10 @@ long px_chunked_feed(px_chunked *c, const char *in, size_t n, px_buf *out, size_
             break;
         }
         case CK_EXT:
-            if (ch == '\r') c->state = CK_SIZE_LF;
-            else if (ch == '\n') return -1;
+            if (ch == '\r')
+                c->state = CK_SIZE_LF;
+            else if (ch == '\n')
+                return -1;
             i++;
             break;
         case CK_SIZE_LF:
@@ -243,34 +282,59 @@ long px_chunked_feed(px_chunked *c, const char *in, size_t n, px_buf *out, size_
     return (long)i;
 }
 
-const char *px_http_reason(int status)
-{
+const char *px_http_reason(int status) {
     switch (status) {
-    case 100: return "Continue";
-    case 200: return "OK";
-    case 201: return "Created";
-    case 202: return "Accepted";
-    case 204: return "No Content";
-    case 400: return "Bad Request";
-    case 401: return "Unauthorized";
-    case 403: return "Forbidden";
-    case 404: return "Not Found";
-    case 405: return "Method Not Allowed";
-    case 408: return "Request Timeout";
-    case 409: return "Conflict";
-    case 411: return "Length Required";
-    case 413: return "Content Too Large";
-    case 415: return "Unsupported Media Type";
-    case 417: return "Expectation Failed";
-    case 422: return "Unprocessable Content";
-    case 429: return "Too Many Requests";
-    case 431: return "Request Header Fields Too Large";
-    case 500: return "Internal Server Error";
-    case 501: return "Not Implemented";
-    case 502: return "Bad Gateway";
-    case 503: return "Service Unavailable";
-    case 504: return "Gateway Timeout";
-    case 505: return "HTTP Version Not Supported";
-    default: return "Unknown";
+    case 100:
+        return "Continue";
+    case 200:
+        return "OK";
+    case 201:
+        return "Created";
+    case 202:
+        return "Accepted";
+    case 204:
+        return "No Content";
+    case 400:
+        return "Bad Request";
+    case 401:
+        return "Unauthorized";
+    case 403:
+        return "Forbidden";
+    case 404:
+        return "Not Found";
+    case 405:
+        return "Method Not Allowed";
+    case 408:
+        return "Request Timeout";
+    case 409:
+        return "Conflict";
+    case 411:
+        return "Length Required";
+    case 413:
+        return "Content Too Large";
+    case 415:
+        return "Unsupported Media Type";
+    case 417:
+        return "Expectation Failed";
+    case 422:
+        return "Unprocessable Content";
+    case 429:
+        return "Too Many Requests";
+    case 431:
+        return "Request Header Fields Too Large";
+    case 500:
+        return "Internal Server Error";
+    case 501:
+        return "Not Implemented";
+    case 502:
+        return "Bad Gateway";
+    case 503:
+        return "Service Unavailable";
+    case 504:
+        return "Gateway Timeout";
+    case 505:
+        return "HTTP Version Not Supported";
+    default:
+        return "Unknown";
     }
 }

@@ -39,6 +39,13 @@ typedef struct px_http_head {
  * 431, 501, 505) with *why set to a static reason. */
 int px_http_parse_head(const char *buf, size_t n, px_http_head *h, const char **why);
 
+/* The request's path: the target without its query, and without scheme and
+ * authority when the client sent the absolute form (http://host/path). */
+void px_http_path(const px_http_head *h, const char **path, size_t *len);
+
+/* Whether the request's path is exactly `path`. */
+int px_http_path_is(const px_http_head *h, const char *path);
+
 /* First header named `name` (case-insensitive), or NULL. */
 const px_http_header *px_http_find(const px_http_head *h, const char *name);
 

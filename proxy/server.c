@@ -22,18 +22,9 @@
 
 /* ---------- routing ---------- */
 
-static int path_is(const px_http_head *h, const char *path)
-{
-    size_t n = h->target_len;
-    const char *q = memchr(h->target, '?', n);
-    if (q) n = (size_t)(q - h->target);
-    return strlen(path) == n && memcmp(h->target, path, n) == 0;
-}
-
 /* With --api-key: Bearer <key>, compared in constant time (of the digests,
  * so neither the key's length nor its bytes leak through timing). */
-static int authorized(px_server *s, const px_http_head *h)
-{
+static int authorized(px_server *s, const px_http_head *h) {
     if (!s->napi_keys) return 1;
     const px_http_header *a = px_http_find(h, "authorization");
     if (!a || a->value_len < 7 || !px_http_token_eq(a->value, 6, "bearer") || a->value[6] != ' ')
@@ -41,25 +32,24 @@ static int authorized(px_server *s, const px_http_head *h)
     unsigned char d[32];
     SHA256((const unsigned char *)a->value + 7, a->value_len - 7, d);
     int ok = 0;
-    for (size_t i = 0; i < s->napi_keys; i++) ok |= CRYPTO_memcmp(d, s->api_keys[i], 32) == 0;
+    for (size_t i = 0; i < s->napi_keys; i++)
+        ok |= CRYPTO_memcmp(d, s->api_keys[i], 32) == 0;
     return ok;
 }
 
 static void reply_json(px_worker *w, px_conn *c, px_metric_endpoint ep, int status,
-                       const char *json, size_t n)
-{
+                       const char *json, size_t n) {
     px_metrics_count(&w->metrics, ep, status);
     px_conn_reply(c, status, "application/json", NULL, NULL, json, n);
 }
 
-static void reply_ready(px_worker *w, px_conn *c)
-{
+static void reply_ready(px_worker *w, px_conn *c) {
     px_server *s = w->srv;
     size_t pn, ph, dn, dh;
     px_pool_counts(&s->prefill, &pn, &ph);
     px_pool_counts(&s->decode, &dn, &dh);
     int draining = atomic_load(&s->draining);
-    const char *reason = draining ? "draining"
+    const char *reason = draining  ? "draining"
                          : dh == 0 ? (dn ? "every decode backend is ejected" : "no decode backend")
                          : ph == 0 && !s->cfg->fallback_decode_only
                              ? (pn ? "every prefill backend is ejected" : "no prefill backend")
@@ -77,21 +67,24 @@ static void reply_ready(px_worker *w, px_conn *c)
     px_buf_cleanup(&b);
 }
 
-static void dispatch(void *ctx, px_conn *c, const px_http_head *h, px_buf *body)
-{
+static void dispatch(void *ctx, px_conn *c, const px_http_head *h, px_buf *body) {
     px_worker *w = ctx;
     px_server *s = w->srv;
     int is_get = h->method_len == 3 && memcmp(h->method, "GET", 3) == 0;
     int is_post = h->method_len == 4 && memcmp(h->method, "POST", 4) == 0;
-    int completions = path_is(h, "/v1/completions"), chat = path_is(h, "/v1/chat/completions");
-    int models = path_is(h, "/v1/models");
+    int completions = px_http_path_is(h, "/v1/completions"),
+        chat = px_http_path_is(h, "/v1/chat/completions");
+    int models = px_http_path_is(h, "/v1/models");
 
     if (completions || chat || models) {
-        px_metric_endpoint mep = completions ? PX_MEP_COMPLETIONS : chat ? PX_MEP_CHAT : PX_MEP_MODELS;
+        px_metric_endpoint mep = completions ? PX_MEP_COMPLETIONS
+                                 : chat      ? PX_MEP_CHAT
+                                             : PX_MEP_MODELS;
         if (models ? !is_get : !is_post) {
             px_metrics_count(&w->metrics, mep, 405);
             px_conn_reply_error(c, 405, NULL, models ? "Allow: GET\r\n" : "Allow: POST\r\n",
-                                models ? "method not allowed: use GET" : "method not allowed: use POST");
+                                models ? "method not allowed: use GET"
+                                       : "method not allowed: use POST");
             return;
         }
         if (!authorized(s, h)) {
@@ -100,12 +93,15 @@ static void dispatch(void *ctx, px_conn *c, const px_http_head *h, px_buf *body)
                                 "invalid or missing API key: send Authorization: Bearer <key>");
             return;
         }
-        px_req_start(w, c, completions ? PX_EP_COMPLETIONS : chat ? PX_EP_CHAT : PX_EP_MODELS, h,
-                     body);
+        px_req_start(w, c,
+                     completions ? PX_EP_COMPLETIONS
+                     : chat      ? PX_EP_CHAT
+                                 : PX_EP_MODELS,
+                     h, body);
         return;
     }
-    int healthcheck = path_is(h, "/healthcheck"), health = path_is(h, "/health");
-    int ready = path_is(h, "/ready"), metrics = path_is(h, "/metrics");
+    int healthcheck = px_http_path_is(h, "/healthcheck"), health = px_http_path_is(h, "/health");
+    int ready = px_http_path_is(h, "/ready"), metrics = px_http_path_is(h, "/metrics");
     if (healthcheck || health || ready || metrics) {
         px_metric_endpoint mep = healthcheck ? PX_MEP_HEALTHCHECK
                                  : health    ? PX_MEP_HEALTH
@@ -133,9 +129,9 @@ static void dispatch(void *ctx, px_conn *c, const px_http_head *h, px_buf *body)
             px_pool_counts(&s->prefill, &pn, NULL);
             px_pool_counts(&s->decode, &dn, NULL);
             char json[160];
-            int n = snprintf(json, sizeof json,
-                             "{\"status\":\"ok\",\"prefill_instances\":%zu,\"decode_instances\":%zu}",
-                             pn, dn);
+            int n = snprintf(
+                json, sizeof json,
+                "{\"status\":\"ok\",\"prefill_instances\":%zu,\"decode_instances\":%zu}", pn, dn);
             reply_json(w, c, PX_MEP_HEALTHCHECK, 200, json, (size_t)n);
         }
         return;
@@ -151,8 +147,7 @@ static void dispatch(void *ctx, px_conn *c, const px_http_head *h, px_buf *body)
 
 /* ---------- workers ---------- */
 
-static int make_listener(const char *host, int port, char *err, size_t errlen)
-{
+static int make_listener(const char *host, int port, char *err, size_t errlen) {
     struct addrinfo hints = {0}, *res = NULL;
     char ps[16];
     hints.ai_family = AF_UNSPEC;
@@ -180,14 +175,12 @@ static int make_listener(const char *host, int port, char *err, size_t errlen)
     return fd;
 }
 
-static void on_drain_poll(evutil_socket_t fd, short what, void *arg)
-{
+static void on_drain_poll(evutil_socket_t fd, short what, void *arg) {
     px_worker *w = arg;
     if (w->conns.n == 0) event_base_loopbreak(w->base);
 }
 
-static void on_wake(evutil_socket_t fd, short what, void *arg)
-{
+static void on_wake(evutil_socket_t fd, short what, void *arg) {
     px_worker *w = arg;
     uint64_t v;
     if (read(fd, &v, sizeof v) < 0 && errno != EAGAIN) return;
@@ -210,8 +203,7 @@ static void on_wake(evutil_socket_t fd, short what, void *arg)
     }
 }
 
-static void *worker_main(void *arg)
-{
+static void *worker_main(void *arg) {
     px_worker *w = arg;
     event_base_dispatch(w->base);
     atomic_fetch_sub(&w->srv->workers_running, 1);
@@ -219,14 +211,12 @@ static void *worker_main(void *arg)
 }
 
 static void on_accept(struct evconnlistener *lev, evutil_socket_t fd, struct sockaddr *sa,
-                      int salen, void *arg)
-{
+                      int salen, void *arg) {
     px_worker *w = arg;
     px_conn_accept(w->base, fd, &w->conn_cfg, &w->conns);
 }
 
-static void worker_cleanup(px_worker *w)
-{
+static void worker_cleanup(px_worker *w) {
     px_conn_list_close_all(&w->conns);
     if (w->lev) evconnlistener_free(w->lev);
     if (w->drain_poll) event_free(w->drain_poll);
@@ -236,8 +226,7 @@ static void worker_cleanup(px_worker *w)
     if (w->base) event_base_free(w->base);
 }
 
-static void post_cmd(px_server *s, int cmd)
-{
+static void post_cmd(px_server *s, int cmd) {
     for (int i = 0; i < s->nworkers; i++) {
         uint64_t one = 1;
         atomic_fetch_or(&s->workers[i].cmd, cmd);
@@ -247,17 +236,17 @@ static void post_cmd(px_server *s, int cmd)
 
 /* ---------- setup ---------- */
 
-static void add_api_key(px_server *s, const char *k, size_t n)
-{
-    while (n && (k[n - 1] == '\r' || k[n - 1] == ' ' || k[n - 1] == '\t')) n--;
-    while (n && (*k == ' ' || *k == '\t')) k++, n--;
+static void add_api_key(px_server *s, const char *k, size_t n) {
+    while (n && (k[n - 1] == '\r' || k[n - 1] == ' ' || k[n - 1] == '\t'))
+        n--;
+    while (n && (*k == ' ' || *k == '\t'))
+        k++, n--;
     if (!n || *k == '#') return;
     s->api_keys = px_xrealloc(s->api_keys, (s->napi_keys + 1) * sizeof *s->api_keys);
     SHA256((const unsigned char *)k, n, s->api_keys[s->napi_keys++]);
 }
 
-static int load_api_keys(px_server *s, char *err, size_t errlen)
-{
+static int load_api_keys(px_server *s, char *err, size_t errlen) {
     const px_config *c = s->cfg;
     if (c->api_key[0]) add_api_key(s, c->api_key, strlen(c->api_key));
     if (!c->api_key_file[0]) return 0;
@@ -268,7 +257,8 @@ static int load_api_keys(px_server *s, char *err, size_t errlen)
     }
     char line[4096];
     size_t before = s->napi_keys;
-    while (fgets(line, sizeof line, f)) add_api_key(s, line, strcspn(line, "\n"));
+    while (fgets(line, sizeof line, f))
+        add_api_key(s, line, strcspn(line, "\n"));
     fclose(f);
     if (s->napi_keys == before) {
         snprintf(err, errlen, "--api-key-file '%s': no key in the file", c->api_key_file);
@@ -277,8 +267,7 @@ static int load_api_keys(px_server *s, char *err, size_t errlen)
     return 0;
 }
 
-static int setup_tls(px_server *s, char *err, size_t errlen)
-{
+static int setup_tls(px_server *s, char *err, size_t errlen) {
     const px_config *c = s->cfg;
     if (!c->tls_cert[0]) return 0;
     s->tls = SSL_CTX_new(TLS_server_method());
@@ -302,8 +291,7 @@ fail:
     return -1;
 }
 
-static void setup_upstream_auth(px_server *s)
-{
+static void setup_upstream_auth(px_server *s) {
     const px_config *c = s->cfg;
     const char *key = c->upstream_api_key[0] ? c->upstream_api_key : getenv("OPENAI_API_KEY");
     s->upstream_auth_forced = c->upstream_api_key[0] != 0;
@@ -316,8 +304,7 @@ static void setup_upstream_auth(px_server *s)
     }
 }
 
-px_server *px_server_create(const px_config *cfg, char *err, size_t errlen)
-{
+px_server *px_server_create(const px_config *cfg, char *err, size_t errlen) {
     px_server *s = px_xcalloc(1, sizeof *s);
     s->cfg = cfg;
     px_pool_cfg pc = {
@@ -335,7 +322,8 @@ px_server *px_server_create(const px_config *cfg, char *err, size_t errlen)
     long ncpu = sysconf(_SC_NPROCESSORS_ONLN);
     s->nworkers = cfg->threads > 0 ? (int)cfg->threads : (ncpu > 0 ? (int)ncpu : 1);
     s->workers = px_xcalloc((size_t)s->nworkers, sizeof *s->workers);
-    for (int i = 0; i < s->nworkers; i++) s->workers[i].wake_fd = -1;
+    for (int i = 0; i < s->nworkers; i++)
+        s->workers[i].wake_fd = -1;
     if (load_api_keys(s, err, errlen) < 0 || setup_tls(s, err, errlen) < 0) goto err;
     s->disc = px_discovery_start(s, err, errlen);
     if (!s->disc) goto err;
@@ -387,23 +375,22 @@ err:
 typedef struct control {
     px_server *s;
     struct event_base *base;
-    struct event *drain_timer;  /* drain-delay, then drain-timeout */
+    struct event *drain_timer; /* drain-delay, then drain-timeout */
     struct event *exit_poll;
-    int phase;                  /* 0 running, 1 not ready, 2 draining, 3 stopping */
+    int phase; /* 0 running, 1 not ready, 2 draining, 3 stopping */
 } control;
 
-static void arm(struct event *ev, double seconds)
-{
+static void arm(struct event *ev, double seconds) {
     struct timeval tv = {(time_t)seconds, (suseconds_t)((seconds - (double)(time_t)seconds) * 1e6)};
     event_add(ev, &tv);
 }
 
-static void on_drain_timer(evutil_socket_t fd, short what, void *arg)
-{
+static void on_drain_timer(evutil_socket_t fd, short what, void *arg) {
     control *k = arg;
     if (k->phase == 1) {
-        PX_LOG(PX_LOG_INFO, "msg=\"drain: no new connections; waiting for requests in flight\" "
-                            "timeout_s=%g inflight=%ld",
+        PX_LOG(PX_LOG_INFO,
+               "msg=\"drain: no new connections; waiting for requests in flight\" "
+               "timeout_s=%g inflight=%ld",
                k->s->cfg->drain_timeout, atomic_load(&k->s->inflight));
         k->phase = 2;
         post_cmd(k->s, PX_CMD_DRAIN);
@@ -416,14 +403,12 @@ static void on_drain_timer(evutil_socket_t fd, short what, void *arg)
     }
 }
 
-static void on_exit_poll(evutil_socket_t fd, short what, void *arg)
-{
+static void on_exit_poll(evutil_socket_t fd, short what, void *arg) {
     control *k = arg;
     if (atomic_load(&k->s->workers_running) == 0) event_base_loopbreak(k->base);
 }
 
-static void on_signal(evutil_socket_t sig, short what, void *arg)
-{
+static void on_signal(evutil_socket_t sig, short what, void *arg) {
     control *k = arg;
     if (sig == SIGTERM && k->phase == 0) {
         /* Readiness turns 503 at once; load balancers get drain-delay to
@@ -441,8 +426,7 @@ static void on_signal(evutil_socket_t sig, short what, void *arg)
     post_cmd(k->s, PX_CMD_STOP);
 }
 
-int px_server_run(px_server *s)
-{
+int px_server_run(px_server *s) {
     control k = {.s = s};
     k.base = event_base_new();
     if (!k.base) return 1;
@@ -474,7 +458,8 @@ int px_server_run(px_server *s)
            s->cfg->prefill_policy, s->cfg->decode_policy);
     event_base_dispatch(k.base);
     px_health_stop(h);
-    for (int i = 0; i < s->nworkers; i++) pthread_join(s->workers[i].thread, NULL);
+    for (int i = 0; i < s->nworkers; i++)
+        pthread_join(s->workers[i].thread, NULL);
     event_free(sigterm);
     event_free(sigint);
     event_free(k.drain_timer);
@@ -484,10 +469,10 @@ int px_server_run(px_server *s)
     return 0;
 }
 
-void px_server_destroy(px_server *s)
-{
+void px_server_destroy(px_server *s) {
     if (!s) return;
-    for (int i = 0; i < s->nworkers; i++) worker_cleanup(&s->workers[i]);
+    for (int i = 0; i < s->nworkers; i++)
+        worker_cleanup(&s->workers[i]);
     free(s->workers);
     px_discovery_stop(s->disc);
     px_pool_cleanup(&s->prefill);

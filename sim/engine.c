@@ -26,9 +26,9 @@ typedef enum { SR_QUEUED, SR_FETCHING, SR_PREFILL_WAIT, SR_GENERATING } sim_stat
 typedef struct sim_engine sim_engine;
 
 typedef struct sim_req {
-    sim_engine *e;             /* borrowed */
-    px_conn *conn;             /* borrowed: NULL once the client left */
-    struct sim_req *qnext;     /* in the wait queue */
+    sim_engine *e;               /* borrowed */
+    px_conn *conn;               /* borrowed: NULL once the client left */
+    struct sim_req *qnext;       /* in the wait queue */
     struct sim_req *prev, *next; /* in e->reqs */
     sim_ep ep;
     sim_mode mode;
@@ -36,22 +36,22 @@ typedef struct sim_req {
     char xrid[129];
     char internal_id[160];
     char resp_id[160];
-    uint32_t *tok;             /* owned */
+    uint32_t *tok; /* owned */
     size_t ntok;
     uint64_t prompt_hash;
     size_t nblocks;
-    uint64_t *blocks;          /* owned: local block ids while held */
+    uint64_t *blocks; /* owned: local block ids while held */
     int holds_blocks;
     int max_tokens;
     int stream;
     int include_usage;
     uint64_t seed;
-    cJSON *kvp;                /* owned: the decode request's kv_transfer_params */
+    cJSON *kvp; /* owned: the decode request's kv_transfer_params */
     int fetching;
-    int orphan;                /* client left during a fetch: free on its event */
-    struct event *timer;       /* owned */
+    int orphan;          /* client left during a fetch: free on its event */
+    struct event *timer; /* owned */
     size_t emitted;
-    px_buf text;               /* owned: non-streamed output */
+    px_buf text; /* owned: non-streamed output */
     long created;
     uint64_t t_fetch0;
 } sim_req;
@@ -71,7 +71,7 @@ struct sim_engine {
     size_t nrunning;
     sim_req *reqs;
     uint64_t model_hash;
-    char model_json[300];      /* the model name as a JSON string literal */
+    char model_json[300]; /* the model name as a JSON string literal */
     /* counters for /metrics */
     uint64_t requests_total, blocks_published, blocks_released, blocks_expired, unknown_notify,
         fetch_failures, corrupt_blocks, fetches, bytes_fetched, fetch_ns, invalid_kvp,
@@ -83,37 +83,34 @@ static void start_generation(sim_req *r);
 
 /* ---------------------------------------------------------------- pool -- */
 
-static int take_blocks(sim_engine *e, sim_req *r)
-{
+static int take_blocks(sim_engine *e, sim_req *r) {
     if (e->nfree < r->nblocks) return -1;
     r->blocks = px_xmalloc((r->nblocks ? r->nblocks : 1) * sizeof *r->blocks);
-    for (size_t i = 0; i < r->nblocks; i++) r->blocks[i] = e->free_blocks[--e->nfree];
+    for (size_t i = 0; i < r->nblocks; i++)
+        r->blocks[i] = e->free_blocks[--e->nfree];
     r->holds_blocks = 1;
     return 0;
 }
 
-static void give_blocks(sim_engine *e, const uint64_t *ids, size_t n)
-{
-    for (size_t i = 0; i < n; i++) e->free_blocks[e->nfree++] = ids[i];
+static void give_blocks(sim_engine *e, const uint64_t *ids, size_t n) {
+    for (size_t i = 0; i < n; i++)
+        e->free_blocks[e->nfree++] = ids[i];
 }
 
-static void release_req_blocks(sim_req *r)
-{
+static void release_req_blocks(sim_req *r) {
     if (r->holds_blocks) {
         give_blocks(r->e, r->blocks, r->nblocks);
         r->holds_blocks = 0;
     }
 }
 
-static unsigned char *block_addr(sim_engine *e, uint32_t region, uint64_t block)
-{
+static unsigned char *block_addr(sim_engine *e, uint32_t region, uint64_t block) {
     void *base = NULL;
     kvc_region_base(e->agent, region, &base);
     return (unsigned char *)base + block * e->cfg->block_bytes;
 }
 
-static void compute_blocks(sim_req *r)
-{
+static void compute_blocks(sim_req *r) {
     sim_engine *e = r->e;
     for (size_t b = 0; b < r->nblocks; b++) {
         uint64_t ph = kvsim_prefix_hash(e->model_hash, r->tok, r->ntok, e->cfg->block_tokens, b);
@@ -125,8 +122,7 @@ static void compute_blocks(sim_req *r)
 }
 
 /* Returns the number of (block, region) pieces whose bytes are wrong. */
-static uint64_t verify_blocks(sim_req *r)
-{
+static uint64_t verify_blocks(sim_req *r) {
     sim_engine *e = r->e;
     unsigned char *want = px_xmalloc(e->cfg->block_bytes);
     uint64_t bad = 0;
@@ -145,12 +141,13 @@ static uint64_t verify_blocks(sim_req *r)
 
 /* ------------------------------------------------------------ requests -- */
 
-static void req_free(sim_req *r)
-{
+static void req_free(sim_req *r) {
     sim_engine *e = r->e;
     release_req_blocks(r);
-    if (r->prev) r->prev->next = r->next;
-    else e->reqs = r->next;
+    if (r->prev)
+        r->prev->next = r->next;
+    else
+        e->reqs = r->next;
     if (r->next) r->next->prev = r->prev;
     if (r->timer) event_free(r->timer);
     cJSON_Delete(r->kvp);
@@ -161,8 +158,7 @@ static void req_free(sim_req *r)
 }
 
 /* The request is over (answered, failed or abandoned). */
-static void req_finish(sim_req *r)
-{
+static void req_finish(sim_req *r) {
     sim_engine *e = r->e;
     if (r->state == SR_GENERATING || r->state == SR_PREFILL_WAIT || r->state == SR_FETCHING)
         e->nrunning--;
@@ -170,8 +166,7 @@ static void req_finish(sim_req *r)
     pump_queue(e);
 }
 
-static void req_error(sim_req *r, int status, const char *msg)
-{
+static void req_error(sim_req *r, int status, const char *msg) {
     PX_LOG(PX_LOG_WARN, "req=%s msg=\"%s\" status=%d", r->internal_id, msg, status);
     if (r->conn) {
         px_conn_reply_error(r->conn, status, r->xrid, NULL, msg);
@@ -182,8 +177,7 @@ static void req_error(sim_req *r, int status, const char *msg)
 
 /* Tells the producer to free the blocks at once: a fetch of zero blocks is
  * a bare notification, what vLLM's decode sends for an aborted request. */
-static void notify_only(sim_engine *e, cJSON *kvp)
-{
+static void notify_only(sim_engine *e, cJSON *kvp) {
     char *json = cJSON_PrintUnformatted(kvp);
     if (!json) return;
     kvc_fetch_params_t fp = {.field_mask = KVC_FETCH_FIELD_JSON | KVC_FETCH_FIELD_LOCAL_BLOCKS,
@@ -197,8 +191,7 @@ static void notify_only(sim_engine *e, cJSON *kvp)
     free(json);
 }
 
-static void on_client_gone(void *arg)
-{
+static void on_client_gone(void *arg) {
     sim_req *r = arg;
     sim_engine *e = r->e;
     r->conn = NULL;
@@ -231,14 +224,13 @@ static const px_exchange_cbs client_cbs = {on_client_gone, NULL};
 
 /* ---------------------------------------------------------- responses -- */
 
-static void append_usage(px_buf *b, sim_req *r)
-{
-    px_buf_printf(b, "\"usage\":{\"prompt_tokens\":%zu,\"completion_tokens\":%zu,\"total_tokens\":%zu}",
-                  r->ntok, r->emitted, r->ntok + r->emitted);
+static void append_usage(px_buf *b, sim_req *r) {
+    px_buf_printf(
+        b, "\"usage\":{\"prompt_tokens\":%zu,\"completion_tokens\":%zu,\"total_tokens\":%zu}",
+        r->ntok, r->emitted, r->ntok + r->emitted);
 }
 
-static void chunk_head(px_buf *b, sim_req *r)
-{
+static void chunk_head(px_buf *b, sim_req *r) {
     px_buf_appends(b, "data: {\"id\":");
     px_buf_append_json_str(b, r->resp_id, strlen(r->resp_id));
     px_buf_printf(b, ",\"object\":\"%s\",\"created\":%ld,\"model\":%s,",
@@ -246,16 +238,14 @@ static void chunk_head(px_buf *b, sim_req *r)
                   r->e->model_json);
 }
 
-static void send_sse(sim_req *r, px_buf *b)
-{
+static void send_sse(sim_req *r, px_buf *b) {
     px_conn_stream_write(r->conn, b->data, b->len);
     px_buf_reset(b);
 }
 
 /* Writes the whole non-streamed answer; `kvp` is raw JSON or NULL. */
 static void reply_json(sim_req *r, const char *text, size_t tlen, const char *finish,
-                       const char *kvp)
-{
+                       const char *kvp) {
     px_buf b;
     px_buf_init(&b);
     px_buf_appends(&b, "{\"id\":");
@@ -286,14 +276,12 @@ static void reply_json(sim_req *r, const char *text, size_t tlen, const char *fi
 
 /* ---------------------------------------------------------- generation -- */
 
-static void schedule(sim_req *r, uint32_t ms)
-{
+static void schedule(sim_req *r, uint32_t ms) {
     struct timeval tv = {ms / 1000, (ms % 1000) * 1000};
     evtimer_add(r->timer, &tv);
 }
 
-static void emit_tokens(evutil_socket_t fd, short what, void *arg)
-{
+static void emit_tokens(evutil_socket_t fd, short what, void *arg) {
     sim_req *r = arg;
     sim_engine *e = r->e;
     px_buf b;
@@ -309,8 +297,9 @@ static void emit_tokens(evutil_socket_t fd, short what, void *arg)
         } else {
             if (r->emitted == 1 && r->ep == EP_CHAT) {
                 chunk_head(&b, r);
-                px_buf_appends(&b, "\"choices\":[{\"index\":0,\"delta\":{\"role\":\"assistant\","
-                                   "\"content\":\"\"},\"logprobs\":null,\"finish_reason\":null}]}\n\n");
+                px_buf_appends(&b,
+                               "\"choices\":[{\"index\":0,\"delta\":{\"role\":\"assistant\","
+                               "\"content\":\"\"},\"logprobs\":null,\"finish_reason\":null}]}\n\n");
             }
             chunk_head(&b, r);
             if (r->ep == EP_CHAT) {
@@ -356,8 +345,7 @@ static void emit_tokens(evutil_socket_t fd, short what, void *arg)
     req_finish(r);
 }
 
-static void start_generation(sim_req *r)
-{
+static void start_generation(sim_req *r) {
     r->state = SR_GENERATING;
     if (r->stream) px_conn_stream_start(r->conn, 200, "text/event-stream", r->xrid, NULL);
     event_assign(r->timer, r->e->base, -1, 0, emit_tokens, r);
@@ -366,8 +354,7 @@ static void start_generation(sim_req *r)
 
 /* --------------------------------------------------------------- modes -- */
 
-static void prefill_reply(evutil_socket_t fd, short what, void *arg)
-{
+static void prefill_reply(evutil_socket_t fd, short what, void *arg) {
     sim_req *r = arg;
     sim_engine *e = r->e;
     char *json = NULL;
@@ -389,14 +376,12 @@ static void prefill_reply(evutil_socket_t fd, short what, void *arg)
     req_finish(r);
 }
 
-static void start_local(sim_req *r)
-{
+static void start_local(sim_req *r) {
     compute_blocks(r);
     start_generation(r);
 }
 
-static void start_decode(sim_req *r)
-{
+static void start_decode(sim_req *r) {
     sim_engine *e = r->e;
     cJSON *ids = cJSON_GetObjectItemCaseSensitive(r->kvp, "remote_block_ids");
     size_t nremote = (size_t)cJSON_GetArraySize(ids);
@@ -410,7 +395,8 @@ static void start_decode(sim_req *r)
     }
     char *json = cJSON_PrintUnformatted(r->kvp);
     kvc_fetch_params_t fp = {
-        .field_mask = KVC_FETCH_FIELD_JSON | KVC_FETCH_FIELD_LOCAL_BLOCKS | KVC_FETCH_FIELD_USER_DATA,
+        .field_mask =
+            KVC_FETCH_FIELD_JSON | KVC_FETCH_FIELD_LOCAL_BLOCKS | KVC_FETCH_FIELD_USER_DATA,
         .kv_transfer_params_json = json,
         .local_block_ids = r->blocks,
         .num_local_blocks = r->nblocks,
@@ -431,8 +417,7 @@ static void start_decode(sim_req *r)
     r->fetching = 1;
 }
 
-static void start_req(sim_req *r)
-{
+static void start_req(sim_req *r) {
     r->e->nrunning++;
     switch (r->mode) {
     case SIM_MODE_PREFILL:
@@ -450,8 +435,7 @@ static void start_req(sim_req *r)
     }
 }
 
-static void pump_queue(sim_engine *e)
-{
+static void pump_queue(sim_engine *e) {
     while (e->qhead && e->nfree >= e->qhead->nblocks) {
         sim_req *r = e->qhead;
         e->qhead = r->qnext;
@@ -464,8 +448,7 @@ static void pump_queue(sim_engine *e)
 
 /* ----------------------------------------------------- connector events -- */
 
-static void on_fetch_event(sim_engine *e, const kvc_event_t *ev)
-{
+static void on_fetch_event(sim_engine *e, const kvc_event_t *ev) {
     sim_req *r = (sim_req *)(uintptr_t)ev->user_data;
     if (!r) return; /* a bare notification */
     r->fetching = 0;
@@ -482,7 +465,8 @@ static void on_fetch_event(sim_engine *e, const kvc_event_t *ev)
                ns ? (double)ev->bytes / (double)ns : 0.0);
     } else {
         e->fetch_failures++;
-        PX_LOG(PX_LOG_WARN, "req=%s msg=\"kv fetch failed, recomputing locally\" status=%s detail=\"%s\"",
+        PX_LOG(PX_LOG_WARN,
+               "req=%s msg=\"kv fetch failed, recomputing locally\" status=%s detail=\"%s\"",
                r->internal_id, kvc_status_str(ev->status), ev->message ? ev->message : "");
     }
     if (r->orphan) {
@@ -505,8 +489,7 @@ static void on_fetch_event(sim_engine *e, const kvc_event_t *ev)
     }
 }
 
-static void on_kv(evutil_socket_t fd, short what, void *arg)
-{
+static void on_kv(evutil_socket_t fd, short what, void *arg) {
     sim_engine *e = arg;
     kvc_event_t ev;
     kvc_agent_progress(e->agent);
@@ -538,8 +521,7 @@ static void on_kv(evutil_socket_t fd, short what, void *arg)
     pump_queue(e);
 }
 
-static void kvc_log(void *arg, kvc_log_level_t level, const char *msg)
-{
+static void kvc_log(void *arg, kvc_log_level_t level, const char *msg) {
     px_log_level_t l = level == KVC_LOG_ERROR  ? PX_LOG_ERROR
                        : level == KVC_LOG_WARN ? PX_LOG_WARN
                        : level == KVC_LOG_INFO ? PX_LOG_INFO
@@ -550,8 +532,7 @@ static void kvc_log(void *arg, kvc_log_level_t level, const char *msg)
 /* ---------------------------------------------------------- completions -- */
 
 static void handle_completion(sim_engine *e, px_conn *c, sim_ep ep, const px_http_head *h,
-                              px_buf *body)
-{
+                              px_buf *body) {
     char msg[256];
     const px_http_header *xh = px_http_find(h, "x-request-id");
     char xrid[129];
@@ -629,22 +610,23 @@ static void handle_completion(sim_engine *e, px_conn *c, sim_ep ep, const px_htt
         return;
     }
     r->state = SR_QUEUED;
-    if (e->qtail) e->qtail->qnext = r;
-    else e->qhead = r;
+    if (e->qtail)
+        e->qtail->qnext = r;
+    else
+        e->qhead = r;
     e->qtail = r;
     e->nqueued++;
 }
 
 /* ------------------------------------------------------------- routing -- */
 
-static void reply_metrics(sim_engine *e, px_conn *c)
-{
+static void reply_metrics(sim_engine *e, px_conn *c) {
     px_buf b;
     px_buf_init(&b);
     const sim_config *cfg = e->cfg;
     double usage = cfg->num_blocks ? 1.0 - (double)e->nfree / (double)cfg->num_blocks : 0;
 #define GAUGE(name, help, fmt, v)                                                                  \
-    px_buf_printf(&b, "# HELP %s %s\n# TYPE %s gauge\n%s{model_name=%s} " fmt "\n", name, help,     \
+    px_buf_printf(&b, "# HELP %s %s\n# TYPE %s gauge\n%s{model_name=%s} " fmt "\n", name, help,    \
                   name, name, e->model_json, v)
 #define COUNTER(name, help, v)                                                                     \
     px_buf_printf(&b, "# HELP %s %s\n# TYPE %s counter\n%s %llu\n", name, help, name, name,        \
@@ -688,37 +670,29 @@ static void reply_metrics(sim_engine *e, px_conn *c)
     px_buf_cleanup(&b);
 }
 
-static int path_is(const px_http_head *h, const char *path)
-{
-    size_t n = h->target_len;
-    const char *q = memchr(h->target, '?', n);
-    if (q) n = (size_t)(q - h->target);
-    return strlen(path) == n && memcmp(h->target, path, n) == 0;
-}
-
-static void dispatch(void *ctx, px_conn *c, const px_http_head *h, px_buf *body)
-{
+static void dispatch(void *ctx, px_conn *c, const px_http_head *h, px_buf *body) {
     sim_engine *e = ctx;
     int is_get = h->method_len == 3 && !memcmp(h->method, "GET", 3);
     int is_post = h->method_len == 4 && !memcmp(h->method, "POST", 4);
-    if (path_is(h, "/v1/completions") || path_is(h, "/v1/chat/completions")) {
+    if (px_http_path_is(h, "/v1/completions") || px_http_path_is(h, "/v1/chat/completions")) {
         if (!is_post) {
             px_conn_reply_error(c, 405, NULL, "Allow: POST\r\n", "method not allowed");
             return;
         }
-        handle_completion(e, c, path_is(h, "/v1/chat/completions") ? EP_CHAT : EP_COMPLETIONS, h,
-                          body);
+        handle_completion(
+            e, c, px_http_path_is(h, "/v1/chat/completions") ? EP_CHAT : EP_COMPLETIONS, h, body);
         return;
     }
-    if (!is_get && (path_is(h, "/health") || path_is(h, "/metrics") || path_is(h, "/v1/models"))) {
+    if (!is_get && (px_http_path_is(h, "/health") || px_http_path_is(h, "/metrics") ||
+                    px_http_path_is(h, "/v1/models"))) {
         px_conn_reply_error(c, 405, NULL, "Allow: GET\r\n", "method not allowed");
         return;
     }
-    if (path_is(h, "/health")) {
+    if (px_http_path_is(h, "/health")) {
         px_conn_reply(c, 200, "application/json", NULL, NULL, "{}", 2);
-    } else if (path_is(h, "/metrics")) {
+    } else if (px_http_path_is(h, "/metrics")) {
         reply_metrics(e, c);
-    } else if (path_is(h, "/v1/models")) {
+    } else if (px_http_path_is(h, "/v1/models")) {
         px_buf b;
         px_buf_init(&b);
         px_buf_printf(&b,
@@ -736,21 +710,18 @@ static void dispatch(void *ctx, px_conn *c, const px_http_head *h, px_buf *body)
 /* --------------------------------------------------------------- setup -- */
 
 static void on_accept(struct evconnlistener *lev, evutil_socket_t fd, struct sockaddr *sa,
-                      int salen, void *arg)
-{
+                      int salen, void *arg) {
     sim_engine *e = arg;
     px_conn_accept(e->base, fd, &e->conn_cfg, &e->conns);
 }
 
-static void on_signal(evutil_socket_t sig, short what, void *arg)
-{
+static void on_signal(evutil_socket_t sig, short what, void *arg) {
     sim_engine *e = arg;
     PX_LOG(PX_LOG_INFO, "msg=\"stopping\" signal=%d", (int)sig);
     event_base_loopbreak(e->base);
 }
 
-static int setup_agent(sim_engine *e)
-{
+static int setup_agent(sim_engine *e) {
     const sim_config *cfg = e->cfg;
     kvc_agent_params_t ap = {
         .field_mask = KVC_AGENT_FIELD_ENGINE_ID | KVC_AGENT_FIELD_LISTEN_HOST |
@@ -759,9 +730,10 @@ static int setup_agent(sim_engine *e)
         .listen_host = cfg->kv_host,
         .listen_port = (uint16_t)cfg->kv_port,
         .log_cb = kvc_log,
-        .log_level = cfg->log_level == 0 ? KVC_LOG_DEBUG : cfg->log_level == 1 ? KVC_LOG_INFO
-                     : cfg->log_level == 2                                   ? KVC_LOG_WARN
-                                                                               : KVC_LOG_ERROR,
+        .log_level = cfg->log_level == 0   ? KVC_LOG_DEBUG
+                     : cfg->log_level == 1 ? KVC_LOG_INFO
+                     : cfg->log_level == 2 ? KVC_LOG_WARN
+                                           : KVC_LOG_ERROR,
         .expiry_ms = cfg->kv_expiry_ms,
     };
     kvc_status_t st = kvc_agent_create(&ap, &e->agent);
@@ -771,7 +743,8 @@ static int setup_agent(sim_engine *e)
     }
     size_t nreg = (size_t)cfg->layers * 2;
     kvc_region_params_t *regs = px_xcalloc(nreg, sizeof *regs);
-    for (size_t i = 0; i < nreg; i++) regs[i].len = (size_t)cfg->num_blocks * cfg->block_bytes;
+    for (size_t i = 0; i < nreg; i++)
+        regs[i].len = (size_t)cfg->num_blocks * cfg->block_bytes;
     st = kvc_agent_register_regions(e->agent, cfg->num_blocks, regs, nreg);
     free(regs);
     if (st != KVC_OK) {
@@ -786,8 +759,7 @@ static int setup_agent(sim_engine *e)
     return 0;
 }
 
-static int setup_listener(sim_engine *e)
-{
+static int setup_listener(sim_engine *e) {
     struct addrinfo hints = {0}, *res = NULL;
     char ps[16];
     hints.ai_family = AF_UNSPEC;
@@ -798,9 +770,9 @@ static int setup_listener(sim_engine *e)
         fprintf(stderr, "engine-sim: cannot resolve --host %s\n", e->cfg->host);
         return -1;
     }
-    e->lev = evconnlistener_new_bind(e->base, on_accept, e,
-                                     LEV_OPT_CLOSE_ON_FREE | LEV_OPT_REUSEABLE, 1024,
-                                     res->ai_addr, (int)res->ai_addrlen);
+    e->lev =
+        evconnlistener_new_bind(e->base, on_accept, e, LEV_OPT_CLOSE_ON_FREE | LEV_OPT_REUSEABLE,
+                                1024, res->ai_addr, (int)res->ai_addrlen);
     freeaddrinfo(res);
     if (!e->lev) {
         fprintf(stderr, "engine-sim: cannot listen on %s:%d\n", e->cfg->host, e->cfg->port);
@@ -809,8 +781,7 @@ static int setup_listener(sim_engine *e)
     return 0;
 }
 
-int sim_engine_run(const sim_config *cfg)
-{
+int sim_engine_run(const sim_config *cfg) {
     sim_engine *e = px_xcalloc(1, sizeof *e);
     int rc = 1;
     e->cfg = cfg;
@@ -824,7 +795,8 @@ int sim_engine_run(const sim_config *cfg)
     }
     e->free_blocks = px_xmalloc(cfg->num_blocks * sizeof *e->free_blocks);
     /* Hand out low ids first: popping from the end of a descending stack. */
-    for (uint64_t i = 0; i < cfg->num_blocks; i++) e->free_blocks[i] = cfg->num_blocks - 1 - i;
+    for (uint64_t i = 0; i < cfg->num_blocks; i++)
+        e->free_blocks[i] = cfg->num_blocks - 1 - i;
     e->nfree = cfg->num_blocks;
     e->base = event_base_new();
     e->conn_cfg = (px_conn_cfg){.max_body_bytes = 64 << 20,
@@ -848,7 +820,8 @@ int sim_engine_run(const sim_config *cfg)
     rc = 0;
 out:
     px_conn_list_close_all(&e->conns);
-    while (e->reqs) req_free(e->reqs);
+    while (e->reqs)
+        req_free(e->reqs);
     if (e->lev) evconnlistener_free(e->lev);
     if (e->kv_ev) event_free(e->kv_ev);
     kvc_agent_destroy(e->agent);
