@@ -154,8 +154,12 @@ class StreamTest(PxTestCase):
                         % ((rss2 - rss0) / MiB))
 
         h = hashlib.sha256()
-        r = c.read_response(timeout=60, on_progress=None)
+        r = c.read_response(timeout=30)
         self.assertEqual(r.status, 200)
+        self.assertFalse(r.timed_out, "stream stuck after the client started reading: client got "
+                         "%.2f MiB, D wrote %.2f MiB of %d MiB" % (len(r.body) / MiB,
+                                                                 dconn.bytes_sent / MiB,
+                                                                 TOTAL // MiB))
         self.assertChunkedComplete(r)
         self.assertEqual(len(r.body), TOTAL)
         h.update(r.body)
