@@ -1,0 +1,479 @@
+#!/usr/bin/env python3
+"""The access log (issue 6 item 2): one line per request on stderr, in logfmt
+(the default) or JSON, with request id, endpoint, P and D backends, status,
+prefill / first byte / total milliseconds, bytes out and outcome; --log-level;
+no Authorization value or API key ever in stderr or in --print-config."""
+
+import os
+import re
+import sys
+import tempfile
+import threading
+import unittest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import pxtest  # noqa: E402
+from pxtest import (PxTestCase, RawClient, Respond, Stream, Hang, closed_port,  # noqa: E402
+                    completion_body, chat_body, decode_handler, http_request, prefill_handler,
+                    raw_exchange, run_pdproxy, sse_events, strict_json, wait_until)
+
+ACCESS_FIELDS = ("req", "endpoint", "prefill", "decode", "status", "prefill_ms", "ttfb_ms",
+                 "total_ms", "bytes_out", "outcome")
+
+
+class LogfmtError(AssertionError):
+    pass
+
+
+def parse_logfmt(line):
+    """Strict logfmt as go-logfmt reads it: key=value pairs separated by
+    blanks; keys without '=', '"' or blanks; bare values without '=', '"' or
+    blanks; quoted values with \\" \\\\ \\n \\t \\r escapes. Duplicate keys
+    are an error (a log reader would keep only one of them)."""
+    out = {}
+    i, n = 0, len(line)
+    for _ in range(n + 1):
+        while i < n and line[i] == " ":
+            i += 1
+        if i >= n:
+            return out
+        m = re.compile(r'[^\s="]+').match(line, i)
+        if not m:
+            raise LogfmtError("bad key at column %d of %r" % (i, line))
+        key = m.group(0)
+        i = m.end()
+        if key in out:
+            raise LogfmtError("duplicate key %r in %r" % (key, line))
+        if i >= n or line[i] == " ":
+            out[key] = True
+            continue
+        if line[i] != "=":
+            raise LogfmtError("unexpected %r after key %r in %r" % (line[i], key, line))
+        i += 1
+        if i < n and line[i] == '"':
+            i += 1
+            val = []
+            for _ in range(n + 1):
+                if i >= n:
+                    raise LogfmtError("unterminated quoted value in %r" % line)
+                c = line[i]
+                if c == "\\":  # go-logfmt unquotes as JSON strings
+                    e = line[i + 1] if i + 1 < n else ""
+                    if e == "u" and re.match(r"[0-9a-fA-F]{4}", line[i + 2:i + 6]):
+                        val.append(chr(int(line[i + 2:i + 6], 16)))
+                        i += 6
+                        continue
+                    if not e or e not in '"\\/bfnrt':
+                        raise LogfmtError("bad escape in %r" % line)
+                    val.append({'"': '"', "\\": "\\", "/": "/", "b": "\b", "f": "\f", "n": "\n",
+                                "r": "\r", "t": "\t"}[e])
+                    i += 2
+                    continue
+                if c == '"':
+                    i += 1
+                    break
+                if ord(c) < 0x20:
+                    raise LogfmtError("control character in %r" % line)
+                val.append(c)
+                i += 1
+            if i < n and line[i] != " ":
+                raise LogfmtError("blank expected after a quoted value in %r" % line)
+            out[key] = "".join(val)
+            continue
+        m = re.compile(r'[^\s]*').match(line, i)
+        val = m.group(0)
+        if "=" in val or '"' in val:
+            raise LogfmtError("unquoted value with '=' or '\"' (%r) in %r" % (val, line))
+        out[key] = val
+        i = m.end()
+    raise LogfmtError("unparsable %r" % line)
+
+
+def num(v):
+    return float(v) if not isinstance(v, bool) else None
+
+
+class LogfmtParserSelfTest(unittest.TestCase):
+    """The parser rejects what logfmt readers reject (so the tests below can fail)."""
+
+    def test_parser(self):
+        self.assertEqual(parse_logfmt('a=1 b="x \\"y\\"" c'), {"a": "1", "b": 'x "y"', "c": True})
+        for bad in ('a=b=c', 'a=x"y', 'a="open', 'a=1 a=2', '"k"=1', 'a="x"b', 'a="\\q"'):
+            with self.assertRaises(LogfmtError, msg=bad):
+                parse_logfmt(bad)
+
+
+class LogTestBase(PxTestCase):
+
+    def stop(self, px):
+        """Stop pdproxy now (SIGINT) to read all it wrote; it must exit 0."""
+        px._expected_exit = True
+        rc = px.stop()
+        self.assertEqual(rc, 0, "pdproxy exit status after SIGINT")
+
+    def lines(self, px):
+        return [l for l in px.stderr().splitlines() if l.strip()]
+
+    def records(self, px, fmt="logfmt"):
+        out = []
+        for l in self.lines(px):
+            if fmt == "json":
+                try:
+                    d = strict_json(l)
+                except ValueError as e:
+                    self.fail("stderr line is not valid JSON (%s): %r" % (e, l))
+                self.assertIsInstance(d, dict, l)
+                out.append(d)
+            else:
+                try:
+                    out.append(parse_logfmt(l))
+                except LogfmtError as e:
+                    self.fail(str(e))
+        return out
+
+    def access(self, px, fmt="logfmt"):
+        """Access-log records (those with total_ms), in order."""
+        return [r for r in self.records(px, fmt) if "total_ms" in r]
+
+    def wait_access(self, px, req_ids, fmt="logfmt", timeout=5.0):
+        want = set(req_ids)
+
+        def f():
+            got = {str(r.get("req")) for r in self.access(px, fmt)}
+            return want <= got
+        wait_until(f, timeout, 0.02)
+        return self.access(px, fmt)
+
+    def one_line(self, recs, rid):
+        mine = [r for r in recs if str(r.get("req")) == rid]
+        self.assertEqual(len(mine), 1, "access lines for %s: %r" % (rid, mine))
+        return mine[0]
+
+    def check_fields(self, rec, where=""):
+        for f in ACCESS_FIELDS:
+            self.assertIn(f, rec, "%s field %r missing in %r" % (where, f, rec))
+
+
+def slow_p(delay):
+    h = prefill_handler()
+
+    def f(req):
+        r = h(req)
+        r.delay = delay
+        return r
+    return f
+
+
+class AccessLogTest(LogTestBase):
+
+    def test_logfmt_fields_and_timings(self):
+        P = self.mock(slow_p(0.2), "P")
+        body = b'{"id":"cmpl-d","choices":[{"index":0,"text":"hello there"}]}'
+        D = self.mock(lambda r: Respond(200, [("Content-Type", "application/json")], body,
+                                        delay=0.1), "D")
+        px = self.start_proxy([P], [D], extra=["--drain-delay", "0"])
+        r = http_request(px.port, "POST", "/v1/completions", completion_body(),
+                         headers={"X-Request-Id": "obs-log-1"})
+        self.assertEqual(r.status, 200, r)
+        self.assertEqual(r.body, body)
+        rec = self.one_line(self.wait_access(px, ["obs-log-1"]), "obs-log-1")
+        self.check_fields(rec)
+        self.assertEqual(rec["endpoint"], "/v1/completions")
+        self.assertEqual(rec["prefill"], "127.0.0.1:%d" % P.port)
+        self.assertEqual(rec["decode"], "127.0.0.1:%d" % D.port)
+        self.assertEqual(num(rec["status"]), 200)
+        self.assertEqual(rec["outcome"], "ok")
+        self.assertEqual(num(rec["bytes_out"]), len(body))
+        pms, tms, total = num(rec["prefill_ms"]), num(rec["ttfb_ms"]), num(rec["total_ms"])
+        self.assertGreaterEqual(pms, 190, rec)  # P took 0.2 s
+        self.assertGreaterEqual(tms, pms + 90, rec)  # then D 0.1 s before its first byte
+        self.assertGreaterEqual(total, tms, rec)
+        self.assertLess(total, 5000, rec)
+        self.assertEqual(rec.get("level"), "info", rec)
+
+    def test_one_line_per_request_with_outcomes(self):
+        """Successes (plain and streamed, both endpoints), a prefill 4xx, a
+        502 and a client that leaves: exactly one access line each, with the
+        status the client saw."""
+        def p(req):
+            doc = req.json()
+            prompt = doc.get("prompt") or doc["messages"][0]["content"]
+            if prompt == "reject":
+                return Respond(400, [("Content-Type", "application/json")],
+                               b'{"error":{"message":"bad prompt","code":400}}')
+            if prompt == "fail":
+                return Respond(500, [("Content-Type", "application/json")], b'{}')
+            if prompt == "hang":
+                return Hang(8.0)
+            return prefill_handler()(req)
+        events = sse_events(["a", "bb", "ccc"])
+
+        def d(req):
+            if req.json().get("stream"):
+                return Stream(200, [("Content-Type", "text/event-stream")],
+                              [(0, e) for e in events])
+            return decode_handler()(req)
+        P = self.mock(p, "P")
+        D = self.mock(d, "D")
+        px = self.start_proxy([P], [D], threads=4,
+                              extra=["--drain-delay", "0", "--prefill-retries", "0",
+                                     "--unhealthy-after", "100", "--health-interval", "0"])
+        expect = {}  # id -> (status, bytes of body or None)
+        lock = threading.Lock()
+
+        def run(rid, path, body):
+            r = raw_exchange(px.port, "POST", path, body, headers=[("X-Request-Id", rid)])
+            with lock:
+                expect[rid] = (r.status, len(r.body))
+        jobs = []
+        for k in range(12):
+            if k % 3 == 0:
+                jobs.append(("ok-chat-%d" % k, "/v1/chat/completions", chat_body()))
+            elif k % 3 == 1:
+                jobs.append(("ok-stream-%d" % k, "/v1/completions", completion_body(stream=True)))
+            else:
+                jobs.append(("ok-cmpl-%d" % k, "/v1/completions", completion_body()))
+        jobs.append(("rejected-1", "/v1/completions", completion_body(prompt="reject")))
+        jobs.append(("failed-1", "/v1/completions", completion_body(prompt="fail")))
+        ts = [threading.Thread(target=run, args=j) for j in jobs]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join(30)
+        # A client that leaves while P hangs.
+        c = RawClient(px.port)
+        c.request("POST", "/v1/completions", completion_body(prompt="hang"),
+                  headers=[("X-Request-Id", "left-1")])
+        self.assertTrue(wait_until(lambda: any(r.header("x-request-id") == "left-1"
+                                               for r in list(P.requests)), 5))
+        c.close()
+        ids = [j[0] for j in jobs] + ["left-1"]
+        recs = self.wait_access(px, ids)
+        for rid in ids:
+            rec = self.one_line(recs, rid)
+            self.check_fields(rec, rid)
+            if rid == "left-1":
+                self.assertNotEqual(rec["outcome"], "ok", rec)
+                self.assertTrue(400 <= num(rec["status"]) < 600, rec)
+                continue
+            status, nbytes = expect[rid]
+            self.assertEqual(num(rec["status"]), status, rec)
+            if rid.startswith("ok-"):
+                self.assertEqual(status, 200, rid)
+                self.assertEqual(rec["outcome"], "ok", rec)
+                self.assertEqual(num(rec["bytes_out"]), nbytes, rec)
+                self.assertEqual(rec["endpoint"], "/v1/chat/completions" if "chat" in rid
+                                 else "/v1/completions", rec)
+                self.assertGreaterEqual(num(rec["ttfb_ms"]), num(rec["prefill_ms"]), rec)
+                self.assertGreaterEqual(num(rec["total_ms"]), num(rec["ttfb_ms"]), rec)
+            else:
+                self.assertNotEqual(rec["outcome"], "ok", rec)
+        self.assertEqual(expect["rejected-1"][0], 400)
+        self.assertEqual(expect["failed-1"][0], 502)
+        self.assertEqual(len(self.access(px)), len(ids), "one access line per request")
+
+    def test_json_format(self):
+        P = self.mock(prefill_handler(), "P")
+        D = self.mock(decode_handler(), "D")
+        dead = closed_port()
+        px = self.start_proxy([P], [D, dead], extra=["--drain-delay", "0", "--log-format",
+                                                     "json", "--health-interval", "0"])
+        ids = []
+        for k in range(4):  # round robin: some go to the dead D first (warn lines)
+            rid = "json-%d" % k
+            ids.append(rid)
+            r = http_request(px.port, "POST", "/v1/completions", completion_body(),
+                             headers={"X-Request-Id": rid})
+            self.assertEqual(r.status, 200, r)
+        recs = self.wait_access(px, ids, fmt="json")
+        for rid in ids:
+            rec = self.one_line(recs, rid)
+            self.check_fields(rec, rid)
+            self.assertEqual(num(rec["status"]), 200, rec)
+            self.assertEqual(rec["outcome"], "ok", rec)
+            self.assertEqual(rec["prefill"], "127.0.0.1:%d" % P.port, rec)
+            self.assertEqual(rec["decode"], "127.0.0.1:%d" % D.port, rec)
+            self.assertEqual(rec["endpoint"], "/v1/completions", rec)
+            for f in ("prefill_ms", "ttfb_ms", "total_ms", "bytes_out"):
+                self.assertGreaterEqual(num(rec[f]), 0, rec)
+        self.assertTrue(any(r.get("level") in ("warn", "warning") for r in self.records(px, "json")),
+                        "no warn line for the dead decode")
+        self.stop(px)
+        self.records(px, "json")  # every line, the last ones included, is JSON
+
+    def test_request_id_with_equals_signs_keeps_logfmt_valid(self):
+        # Base64 request ids end in '='; the id must come back intact.
+        P = self.mock(prefill_handler(), "P")
+        D = self.mock(decode_handler(), "D")
+        px = self.start_proxy([P], [D], extra=["--drain-delay", "0"])
+        rid = "YWJjZGVm=="
+        r = http_request(px.port, "POST", "/v1/completions", completion_body(),
+                         headers={"X-Request-Id": rid})
+        self.assertEqual(r.status, 200, r)
+        wait_until(lambda: rid in px.stderr(), 5)
+        lines = [l for l in self.lines(px) if rid in l and "total_ms" in l]
+        self.assertEqual(len(lines), 1, px.stderr())
+        try:
+            rec = parse_logfmt(lines[0])
+        except LogfmtError as e:
+            self.fail("access line with X-Request-Id %r is not valid logfmt: %s" % (rid, e))
+        self.assertEqual(rec["req"], rid)
+
+    def test_hostile_request_id_cannot_forge_fields(self):
+        P = self.mock(prefill_handler(), "P")
+        D = self.mock(decode_handler(), "D")
+        for fmt in ("logfmt", "json"):
+            px = self.start_proxy([P], [D], extra=["--drain-delay", "0", "--log-format", fmt])
+            evil = 'x" status=999 outcome=forged y="\\'
+            r = raw_exchange(px.port, "POST", "/v1/completions", completion_body(),
+                             headers=[("X-Request-Id", evil)])
+            self.assertEqual(r.status, 200, r)
+            self.assertTrue(wait_until(lambda: self.access(px, fmt), 5), px.stderr())
+            for rec in self.access(px, fmt):
+                self.assertEqual(num(rec["status"]), 200, (fmt, rec))
+                self.assertEqual(rec["outcome"], "ok", (fmt, rec))
+            self.stop(px)
+
+
+class LogLevelTest(LogTestBase):
+
+    def test_warn_suppresses_info(self):
+        mode = {"fail": False}
+
+        def p(req):
+            if mode["fail"]:
+                return Respond(500, [("Content-Type", "application/json")], b"{}")
+            return prefill_handler()(req)
+        P = self.mock(p, "P")
+        D = self.mock(decode_handler(), "D")
+        px = self.start_proxy([P], [D], extra=["--drain-delay", "0", "--log-level", "warn",
+                                               "--prefill-retries", "0", "--health-interval", "0",
+                                               "--unhealthy-after", "100"])
+        for k in range(5):
+            r = http_request(px.port, "POST", "/v1/completions", completion_body(),
+                             headers={"X-Request-Id": "quiet-%d" % k})
+            self.assertEqual(r.status, 200, r)
+        mode["fail"] = True
+        r = http_request(px.port, "POST", "/v1/completions", completion_body(),
+                         headers={"X-Request-Id": "loud-1"})
+        self.assertEqual(r.status, 502, r)
+        self.assertTrue(wait_until(lambda: "loud-1" in px.stderr(), 5),
+                        "no warn line for a 502 at --log-level warn:\n" + px.stderr())
+        recs = self.records(px)
+        for rec in recs:
+            self.assertIn(rec.get("level"), ("warn", "warning", "error"),
+                          "line below warn at --log-level warn: %r" % rec)
+        self.assertFalse([r for r in recs if str(r.get("req", "")).startswith("quiet-")],
+                         "info lines of successful requests at --log-level warn")
+
+    def test_error_suppresses_warn(self):
+        P = self.mock(lambda r: Respond(500, [("Content-Type", "application/json")], b"{}"), "P")
+        D = self.mock(decode_handler(), "D")
+        px = self.start_proxy([P], [D], extra=["--drain-delay", "0", "--log-level", "error",
+                                               "--prefill-retries", "1", "--health-interval", "0"])
+        r = http_request(px.port, "POST", "/v1/completions", completion_body())
+        self.assertEqual(r.status, 502, r)
+        self.assertEqual(len(P.requests), 2)
+        self.stop(px)
+        for rec in self.records(px):
+            self.assertEqual(rec.get("level"), "error", rec)
+
+    def test_default_is_info(self):
+        P = self.mock(prefill_handler(), "P")
+        D = self.mock(decode_handler(), "D")
+        px = self.start_proxy([P], [D], extra=["--drain-delay", "0"])
+        r = http_request(px.port, "POST", "/v1/completions", completion_body(),
+                         headers={"X-Request-Id": "info-1"})
+        self.assertEqual(r.status, 200)
+        rec = self.one_line(self.wait_access(px, ["info-1"]), "info-1")
+        self.assertEqual(rec.get("level"), "info")
+
+
+SECRETS = {
+    "api": "sk-front-7Hq2ZpA91xLwQe",
+    "wrong": "sk-wrong-Lm3Nb8Vc6Xz1Qa",
+    "upstream": "sk-upstream-Rt5Yu7Io9Pa2Sd",
+    "env": "sk-openai-env-Gh4Jk6Lz8Xc0",
+    "file1": "sk-file-one-Qw1Er3Ty5Ui7",
+    "file2": "sk-file-two-As2Df4Gh6Jk8",
+}
+
+
+class SecretTest(LogTestBase):
+
+    def assertNoSecret(self, text, where):
+        for name, s in SECRETS.items():
+            self.assertNotIn(s, text, "%s secret (%s) appears in %s" % (name, s, where))
+            self.assertNotIn(s[6:], text, "part of the %s secret appears in %s" % (name, where))
+
+    def key_file(self):
+        fd, path = tempfile.mkstemp(prefix="pdproxy-keys-")
+        with os.fdopen(fd, "w") as f:
+            f.write("%s\n%s\n" % (SECRETS["file1"], SECRETS["file2"]))
+        self.addCleanup(os.unlink, path)
+        return path
+
+    def exercise(self, px, P):
+        statuses = []
+        for auth in (SECRETS["api"], SECRETS["wrong"], SECRETS["file1"], None):
+            hs = {"Authorization": "Bearer %s" % auth} if auth else {}
+            statuses.append(http_request(px.port, "POST", "/v1/completions",
+                                         completion_body(), headers=hs).status)
+        return statuses
+
+    def test_keys_never_in_stderr_debug(self):
+        fail = {"n": 0}
+
+        def p(req):
+            fail["n"] += 1
+            if fail["n"] % 2:  # every other prefill fails once: warn lines
+                return Respond(500, [("Content-Type", "application/json")], b"{}")
+            return prefill_handler()(req)
+        P = self.mock(p, "P")
+        D = self.mock(decode_handler(), "D")
+        for fmt in ("logfmt", "json"):
+            px = self.start_proxy([P], [D], env={"OPENAI_API_KEY": SECRETS["env"]},
+                                  extra=["--drain-delay", "0", "--log-level", "debug",
+                                         "--log-format", fmt, "--api-key", SECRETS["api"],
+                                         "--api-key-file", self.key_file(),
+                                         "--upstream-api-key", SECRETS["upstream"],
+                                         "--unhealthy-after", "100"])
+            st = self.exercise(px, P)
+            self.assertEqual(st, [200, 401, 200, 401], fmt)
+            self.stop(px)
+            self.assertNoSecret(px.stderr(), "stderr (%s, debug)" % fmt)
+            self.assertNoSecret(px.stdout(), "stdout")
+
+    def test_forwarded_client_key_never_in_stderr(self):
+        # No --upstream-api-key: the client's header is forwarded to P and D,
+        # and still never logged.
+        P = self.mock(prefill_handler(), "P")
+        D = self.mock(decode_handler(), "D")
+        px = self.start_proxy([P], [D], extra=["--drain-delay", "0", "--log-level", "debug",
+                                               "--api-key", SECRETS["api"]])
+        r = http_request(px.port, "POST", "/v1/completions", completion_body(),
+                         headers={"Authorization": "Bearer %s" % SECRETS["api"]})
+        self.assertEqual(r.status, 200, r)
+        self.assertEqual(P.requests[-1].header("authorization"), "Bearer %s" % SECRETS["api"])
+        self.stop(px)
+        self.assertNoSecret(px.stderr(), "stderr")
+
+    def test_print_config_hides_keys(self):
+        kf = self.key_file()
+        runs = [
+            (["--api-key", SECRETS["api"], "--upstream-api-key", SECRETS["upstream"],
+              "--api-key-file", kf], {}),
+            ([], {"PDPROXY_API_KEY": SECRETS["api"], "PDPROXY_UPSTREAM_API_KEY":
+                  SECRETS["upstream"], "PDPROXY_API_KEY_FILE": kf,
+                  "OPENAI_API_KEY": SECRETS["env"]}),
+        ]
+        for args, env in runs:
+            for fmt in ("logfmt", "json"):
+                p = run_pdproxy(args + ["--log-format", fmt, "--print-config"], env=env)
+                self.assertEqual(p.returncode, 0, p.stderr)
+                self.assertIn("api-key", p.stdout + p.stderr, "no api-key entry in --print-config")
+                self.assertNoSecret(p.stdout + p.stderr, "--print-config %r %r" % (args, env))
+
+
+if __name__ == "__main__":
+    pxtest.main()
