@@ -505,6 +505,24 @@ class ResponsePassThroughTest(FlowBase):
         self.assertEqual(r.header("content-type"), "application/octet-stream")
         self.assertEqual(bytes(r.body), body)
 
+    def test_multi_mib_bodies(self):
+        # Bodies well past pdproxy's per-stream buffer (~1 MiB): they must
+        # keep flowing to a client that reads normally.
+        import random
+        body = random.Random(11).randbytes(8 * 1024 * 1024)
+        px = self.proxy()
+        for framing in ("length", "chunked"):
+            with self.subTest(framing=framing):
+                self.D.set_handler(pxtest.decode_handler(
+                    body=body, content_type="application/octet-stream", framing=framing))
+                r = raw_exchange(px.port, "POST", "/v1/completions", pxtest.completion_body(),
+                                 timeout=10)
+                self.assertEqual(r.status, 200)
+                self.assertFalse(r.timed_out, "stuck after %d of %d bytes" % (len(r.body),
+                                                                            len(body)))
+                self.assertTrue(r.complete, r)
+                self.assertTrue(bytes(r.body) == body, "8 MiB body changed on the way")
+
     def test_d_chunked_and_close_delimited_bodies(self):
         body = b'{"choices":[{"text":"abc"}]}\n'
         px = self.proxy()
