@@ -10,6 +10,8 @@
  *
  * usage: kvc_bench [--tls tcp,self|sm,tcp,self] [--max-mb 1024] [--min-mb 256]
  *                  [--quick] [--latency-only]
+ * GB/s figures use the median iteration (this box is shared and noisy); the
+ * memcpy baseline runs right before each row's fetches.
  * Output: one "key=value" line per measurement (grep-friendly). */
 #include "kvconnector.h"
 
@@ -228,22 +230,37 @@ static void shuffle(uint64_t *v, size_t n) {
     }
 }
 
-static double memcpy_gbs(size_t total) {
+static int cmp_d(const void *a, const void *b) {
+    double x = *(const double *)a, y = *(const double *)b;
+    return x < y ? -1 : x > y;
+}
+
+static double median(double *v, size_t n) {
+    qsort(v, n, sizeof(double), cmp_d);
+    return v[n / 2];
+}
+
+/* memcpy of `total` bytes between two warmed buffers: median seconds of
+ * `iters` copies, measured right before the fetches it is compared with so
+ * that both see the same machine load. */
+static double memcpy_median_s(size_t total, uint32_t iters) {
     char *s = malloc(total), *d = malloc(total);
+    double *t = malloc(sizeof(double) * iters);
     memset(s, 1, total);
     memset(d, 2, total);
-    int it = 0;
-    double t0 = now_s(), t;
-    do {
+    memcpy(d, s, total);
+    for (uint32_t i = 0; i < iters; i++) {
+        double t0 = now_s();
         memcpy(d, s, total);
-        it++;
-        t = now_s() - t0;
-    } while (t < 0.2 || it < 3);
+        t[i] = now_s() - t0;
+    }
     volatile char sink = d[total / 2];
     (void)sink;
+    double m = median(t, iters);
     free(s);
     free(d);
-    return (double)total * it / t / 1e9;
+    free(t);
+    return m;
 }
 
 static double tcp_gbs(uint64_t bytes, uint64_t chunk) {
@@ -274,11 +291,6 @@ static double tcp_gbs(uint64_t bytes, uint64_t chunk) {
     close(ls);
     free(buf);
     return (double)got / t / 1e9;
-}
-
-static int cmp_d(const void *a, const void *b) {
-    double x = *(const double *)a, y = *(const double *)b;
-    return x < y ? -1 : x > y;
 }
 
 int main(int argc, char **argv) {
@@ -333,7 +345,6 @@ int main(int argc, char **argv) {
             uint64_t *rids = malloc(n * sizeof(uint64_t)), *lids = malloc(n * sizeof(uint64_t));
             for (uint64_t i = 0; i < n; i++)
                 lids[i] = i;
-            double mc = memcpy_gbs(total);
             for (int pi = 0; pi < 3; pi++) {
                 if (n == 1 && pi) continue;
                 for (uint64_t i = 0; i < n; i++)
@@ -351,19 +362,21 @@ int main(int argc, char **argv) {
                 }
                 uint32_t iters = (uint32_t)((min_mb << 20) / total);
                 if (quick) iters /= 8;
-                if (iters < 3) iters = 3;
+                if (iters < 5) iters = 5;
                 if (iters > 500) iters = 500;
                 pub(iters + 1, rids, (uint32_t)n);
                 fetch_one(a, 0, rids, lids, n); /* warm-up: handshake, registration */
-                double t = 0;
+                double mc = (double)total / memcpy_median_s(total, iters < 5 ? 5 : iters) / 1e9;
+                double *ft = malloc(sizeof(double) * iters), sum = 0;
                 for (uint32_t i = 1; i <= iters; i++)
-                    t += fetch_one(a, i, rids, lids, n);
+                    sum += ft[i - 1] = fetch_one(a, i, rids, lids, n);
                 gen++;
-                double gbs = (double)total * iters / t / 1e9;
+                double gbs = (double)total / median(ft, iters) / 1e9;
+                free(ft);
                 printf("block=%zu count=%llu pattern=%s fetch_GBps=%.3f memcpy_GBps=%.3f "
-                       "pct_memcpy=%.1f per_fetch_us=%.1f iters=%u\n",
+                       "pct_memcpy=%.1f mean_fetch_us=%.1f iters=%u\n",
                        bl, (unsigned long long)n, pats[pi], gbs, mc, 100 * gbs / mc,
-                       t / iters * 1e6, iters);
+                       sum / iters * 1e6, iters);
                 fflush(stdout);
             }
             kvc_agent_destroy(a);

@@ -52,9 +52,27 @@
  * a loop that does not call kvc_agent_progress() spins.  Timers (expiry,
  * timeouts) are part of the fd; no separate timer event is needed.
  *
+ * How bytes move
+ * --------------
+ * Per producer, after the handshake: if the producer's regions are mapped on
+ * this host (connector-allocated pools over shared memory), the consumer
+ * reads them one-sided through UCX's mapping; otherwise the consumer sends
+ * the list of runs and the producer pushes them as UCX active messages
+ * (rendezvous for large ones) straight into the local blocks.  UCX's tcp
+ * transport has no native get, so this is also the fast path there.
+ *
+ * Environment
+ * -----------
+ * UCX_* (UCX_TLS, UCX_NET_DEVICES, ...) as UCX documents them;
+ * KVC_LOG_LEVEL=error|warn|info|debug (default log level);
+ * KVC_PROTO=auto|get|push (consumer protocol, overrides the parameter);
+ * KVC_PUSH_CHUNK_KB (largest pushed message, default 4096; tuning);
+ * KVC_TEST_WIRE_VERSION (tests only: speak another handshake version).
+ *
  * Conventions: functions return kvc_status_t; out-parameters are written
- * only on KVC_OK; "borrowed" pointers are not freed by the library; strings
- * returned to the caller are freed with kvc_free().
+ * only on success (KVC_OK, or KVC_INPROGRESS for kvc_fetch); "borrowed"
+ * pointers are not freed by the library; strings returned to the caller are
+ * freed with kvc_free().
  */
 #ifndef KVCONNECTOR_H
 #define KVCONNECTOR_H
@@ -142,6 +160,7 @@ enum {
     KVC_AGENT_FIELD_LAYOUT_TAG = 1u << 8,
     KVC_AGENT_FIELD_TP_SIZE = 1u << 9,
     KVC_AGENT_FIELD_PROTO = 1u << 10,
+    KVC_AGENT_FIELD_LOG_LEVEL = 1u << 11,
 };
 
 /** Agent parameters.  Only fields named in field_mask are read; others take
@@ -156,7 +175,7 @@ typedef struct {
     kvc_log_cb_t log_cb;         /**< default: stderr, level from KVC_LOG_LEVEL
                                       (error|warn|info|debug, default warn) */
     void *log_arg;               /**< borrowed: until kvc_agent_destroy */
-    kvc_log_level_t log_level;   /**< with log_cb; default: KVC_LOG_LEVEL */
+    kvc_log_level_t log_level;   /**< most verbose level passed on; default: KVC_LOG_LEVEL */
     uint32_t connect_timeout_ms; /**< side-channel connect + handshake; 5000 */
     uint32_t expiry_ms;          /**< published blocks expire after; 480000 */
     uint32_t xfer_timeout_ms;    /**< data phase of a fetch; 60000 */

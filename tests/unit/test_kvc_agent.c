@@ -19,7 +19,8 @@ static void quiet_log(void *arg, kvc_log_level_t level, const char *msg) {
 
 static kvc_agent_t *mk_agent(uint32_t expiry_ms) {
     kvc_agent_params_t p = {0};
-    p.field_mask = KVC_AGENT_FIELD_ENGINE_ID | KVC_AGENT_FIELD_LOG | KVC_AGENT_FIELD_EXPIRY;
+    p.field_mask = KVC_AGENT_FIELD_ENGINE_ID | KVC_AGENT_FIELD_LOG | KVC_AGENT_FIELD_LOG_LEVEL |
+                   KVC_AGENT_FIELD_EXPIRY;
     p.engine_id = "unit-P";
     p.log_cb = quiet_log;
     p.log_level = KVC_LOG_DEBUG;
