@@ -10,6 +10,9 @@ if(TARGET kvconnector_static)
     endif()
   endforeach()
 
+  # The libevent recipe of kvconnector.h, driving a producer and a consumer.
+  px_unit_test(kvc_event kvconnector PkgConfig::LIBEVENT)
+
   add_library(kvc_fakecuda STATIC EXCLUDE_FROM_ALL ${KVC_CORE_SOURCES})
   target_include_directories(kvc_fakecuda PUBLIC ${PROJECT_SOURCE_DIR}/include
                                                  ${PROJECT_SOURCE_DIR}/connector)
