@@ -388,6 +388,22 @@ def case_stalled_peer(P, D):
         D2.close()
 
 
+def case_killed_consumer(P, D):
+    # A consumer that dies mid-fetch costs the producer nothing but its own
+    # pushes; the producer keeps serving the others.
+    D1 = consumer("D-dies")
+    try:
+        fetch(D1, list(range(64)), publish(P, "big", list(range(64))))
+        D1.kill()
+    finally:
+        D1.close(check=False)
+    fetch(D, [1, 2], publish(P, "after", [5, 6]))
+    D.event("FETCH_DONE")
+    assert D.cmd("verify 7 5,6 1,2", "VERIFY") == "VERIFY ok"
+    P.event("RELEASED", req="after")
+    assert P.p.poll() is None
+
+
 def case_many(P, D):
     # 200 concurrent requests, random-ish block ids, all verified.
     reqs = []
@@ -405,7 +421,8 @@ def case_many(P, D):
 
 CASES = [case_roundtrip, case_colon_id, case_tail, case_zero_blocks, case_expiry,
          case_unknown_id, case_out_of_range, case_version_mismatch, case_layout_mismatch,
-         case_unreachable, case_killed_peer, case_restart, case_destroy_inflight, case_stalled_peer, case_many]
+         case_unreachable, case_killed_peer, case_restart, case_destroy_inflight, case_stalled_peer, case_killed_consumer,
+         case_many]
 
 
 def main():
