@@ -556,7 +556,7 @@ static void log_transports(kvc_agent_t *a, kvc_peer_t *p) {
     }
     if (getenv("KVC_DUMP_EP")) fprintf(stderr, "%s\n", text);
     free(text);
-    KVC_LOG(a, KVC_LOG_INFO, "peer %s:%u transports=%s", p->host, p->port, names[0] ? names : "?");
+    KVC_LOG(a, KVC_LOG_DEBUG, "peer %s:%u transports=%s", p->host, p->port, names[0] ? names : "?");
 }
 
 static kvc_status_t ep_create(kvc_agent_t *a, kvc_peer_t *p, const kvc_span_t *addr) {
@@ -652,7 +652,7 @@ static void handshake_done(kvc_agent_t *a, kvc_peer_t *p, const uint8_t *body, s
         }
     }
     p->proto = choose_proto(a, p);
-    if (a->log_level >= KVC_LOG_INFO) log_transports(a, p);
+    if (a->log_level >= KVC_LOG_DEBUG) log_transports(a, p); /* ucp_ep_print_info: ms */
     p->state = PEER_READY;
     peer_close_socket(a, p);
     a->stats[KVC_STAT_HANDSHAKES]++;

@@ -23,7 +23,7 @@ WAIT = 20.0  # generous bound for any single expected line
 class Peer:
     def __init__(self, engine, *args, env=None):
         e = dict(os.environ)
-        e.setdefault("KVC_LOG_LEVEL", "info")
+        e.setdefault("KVC_LOG_LEVEL", "debug")
         e.update(env or {})
         self.engine = engine
         self.errpath = "/tmp/kvc_test_%d_%s.err" % (os.getpid(), engine)
