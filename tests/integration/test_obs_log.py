@@ -272,6 +272,42 @@ class AccessLogTest(LogTestBase):
         self.assertEqual(expect["failed-1"][0], 502)
         self.assertEqual(len(self.access(px)), len(ids), "one access line per request")
 
+    def test_generated_request_id_matches_response_header(self):
+        P = self.mock(prefill_handler(), "P")
+        D = self.mock(decode_handler(), "D")
+        px = self.start_proxy([P], [D], extra=["--drain-delay", "0"])
+        r = http_request(px.port, "POST", "/v1/completions", completion_body())
+        self.assertEqual(r.status, 200, r)
+        rid = r.header("x-request-id")
+        self.assertTrue(rid, "no X-Request-Id in the answer")
+        rec = self.one_line(self.wait_access(px, [rid]), rid)
+        self.assertEqual(P.requests[0].header("x-request-id"), rid)
+        self.assertEqual(num(rec["status"]), 200)
+
+    def test_refused_api_requests_are_logged(self):
+        # "One line per request": requests refused before any backend is
+        # involved (bad key, wrong method, invalid JSON) are requests too.
+        P = self.mock(prefill_handler(), "P")
+        D = self.mock(decode_handler(), "D")
+        px = self.start_proxy([P], [D], extra=["--drain-delay", "0", "--api-key", "k1"])
+        sent = [("POST", "/v1/completions", completion_body(), [], 401, "refused-401"),
+                ("GET", "/v1/completions", None, [("Authorization", "Bearer k1")], 405,
+                 "refused-405"),
+                ("POST", "/v1/completions", "{bad json", [("Authorization", "Bearer k1")], 400,
+                 "refused-400")]
+        for method, path, body, hs, want, rid in sent:
+            r = raw_exchange(px.port, method, path, body, headers=hs + [("X-Request-Id", rid)])
+            self.assertEqual(r.status, want, r)
+        wait_until(lambda: len(self.access(px)) >= len(sent), 3)
+        recs = self.access(px)
+        missing = []
+        for method, path, body, hs, want, rid in sent:
+            mine = [r for r in recs if num(r.get("status")) == want]
+            if not mine:
+                missing.append("%s %s -> %d" % (method, path, want))
+        self.assertFalse(missing, "no access line for: %s\nstderr:\n%s"
+                         % (", ".join(missing), px.stderr()[-3000:]))
+
     def test_json_format(self):
         P = self.mock(prefill_handler(), "P")
         D = self.mock(decode_handler(), "D")

@@ -461,11 +461,33 @@ class MetricsTest(PxTestCase):
                 except Exception as ex:  # reported below
                     with lock:
                         errors.append(repr(ex))
+        scrapes = {"n": 0, "err": None}
+        done = threading.Event()
+
+        def scraper():
+            # Scrapes while requests flow: each one valid, none going backwards.
+            prev = before
+            for _ in range(500):
+                if done.is_set():
+                    break
+                try:
+                    prev = self.scrape(px, prev)
+                    scrapes["n"] += 1
+                except BaseException as ex:  # reported below
+                    scrapes["err"] = ex
+                    break
         ts = [threading.Thread(target=client, args=(k,)) for k in range(n_threads)]
+        st = threading.Thread(target=scraper)
+        st.start()
         for t in ts:
             t.start()
         for t in ts:
             t.join(60)
+        done.set()
+        st.join(30)
+        if scrapes["err"] is not None:
+            raise scrapes["err"]
+        self.assertGreater(scrapes["n"], 0)
         self.assertFalse(errors, errors)
         self.assertEqual(len(results), n_threads * per)
         self.assertTrue(all(s == 200 for _, s in results), results)
@@ -495,6 +517,44 @@ class MetricsTest(PxTestCase):
         self.assertEqual(delta("pdproxy_retries_total", role="prefill"), 0)
         # The process spent some CPU on all that.
         self.assertGreater(self.val(after, "process_cpu_seconds_total"), 0)
+
+    def test_status_codes_counted(self):
+        P = self.mock(prefill_handler(), "P")
+        D = self.mock(decode_handler(), "D")
+        px = self.start(P, D, ["--api-key", "k1"])
+        auth = {"Authorization": "Bearer k1"}
+        e0 = self.scrape(px)
+        sent = [
+            ("POST", "/v1/completions", completion_body(), auth, 200),
+            ("POST", "/v1/completions", completion_body(), {}, 401),
+            ("POST", "/v1/chat/completions", chat_body(), {"Authorization": "Bearer no"}, 401),
+            ("POST", "/v1/completions", "{not json", auth, 400),
+            ("GET", "/v1/completions", None, auth, 405),
+            ("GET", "/nowhere", None, {}, 404),
+            ("GET", "/health", None, {}, 200),
+            ("GET", "/healthcheck", None, {}, 200),
+        ]
+        for method, path, body, hs, want in sent:
+            r = http_request(px.port, method, path, body, headers=hs)
+            self.assertEqual(r.status, want, (method, path, r))
+        e1 = self.scrape(px, e0)
+
+        def d(ep, code):
+            return (self.val(e1, "pdproxy_requests_total", endpoint=ep, code=code) -
+                    self.val(e0, "pdproxy_requests_total", endpoint=ep, code=code))
+        self.assertEqual(d("/v1/completions", "200"), 1)
+        self.assertEqual(d("/v1/completions", "401"), 1)
+        self.assertEqual(d("/v1/chat/completions", "401"), 1)
+        self.assertEqual(d("/v1/completions", "400"), 1)
+        self.assertEqual(d("/v1/completions", "405"), 1)
+        self.assertEqual(d("/health", "200"), 1)
+        self.assertEqual(d("/healthcheck", "200"), 1)
+        codes404 = sum(v for lab, v in e1.samples("pdproxy_requests_total") if lab["code"] == "404")
+        codes404 -= sum(v for lab, v in e0.samples("pdproxy_requests_total") if lab["code"] == "404")
+        self.assertEqual(codes404, 1, "the 404 is counted once (under some endpoint label)")
+        # Unknown paths must not become label values (unbounded cardinality).
+        self.assertFalse([lab for lab, _ in e1.samples("pdproxy_requests_total")
+                          if lab["endpoint"] == "/nowhere"])
 
     def test_histogram_buckets_reflect_durations(self):
         # P takes 0.3 s, D 0.3 s more: nothing may land in a bucket <= 0.25 s.

@@ -32,13 +32,13 @@ def _openssl(args, cwd):
         raise RuntimeError("openssl %s failed: %s" % (" ".join(args), p.stderr.decode()[-2000:]))
 
 
-def _leaf(d, name, san):
+def _leaf(d, name, san, ca="ca", ext=None):
     with open(os.path.join(d, name + ".ext"), "w") as f:
-        f.write("subjectAltName=%s\nbasicConstraints=critical,CA:FALSE\n"
-                "keyUsage=critical,digitalSignature\nextendedKeyUsage=serverAuth\n" % san)
+        f.write(ext or ("subjectAltName=%s\nbasicConstraints=critical,CA:FALSE\n"
+                        "keyUsage=critical,digitalSignature\nextendedKeyUsage=serverAuth\n" % san))
     _openssl(["req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
               "-keyout", name + ".key", "-out", name + ".csr", "-subj", "/CN=%s" % name], d)
-    _openssl(["x509", "-req", "-in", name + ".csr", "-CA", "ca.pem", "-CAkey", "ca.key",
+    _openssl(["x509", "-req", "-in", name + ".csr", "-CA", ca + ".pem", "-CAkey", ca + ".key",
               "-CAcreateserial", "-days", "2", "-out", name + ".pem", "-extfile", name + ".ext"], d)
     return os.path.join(d, name + ".pem"), os.path.join(d, name + ".key")
 
@@ -56,6 +56,14 @@ def setUpModule():
     CERTS["ca"] = os.path.join(d, "ca.pem")
     CERTS["server"] = _leaf(d, "server", "IP:127.0.0.1,DNS:localhost")
     CERTS["wronghost"] = _leaf(d, "wronghost", "DNS:wrong.example,IP:10.9.9.9")
+    # A leaf under an intermediate CA; its --tls-cert file holds the chain.
+    _leaf(d, "inter", None, ext="basicConstraints=critical,CA:TRUE,pathlen:0\n"
+                                "keyUsage=critical,keyCertSign,cRLSign\n")
+    leaf, key = _leaf(d, "chained", "IP:127.0.0.1", ca="inter")
+    chain = os.path.join(d, "chain.pem")
+    with open(chain, "w") as out, open(leaf) as a, open(os.path.join(d, "inter.pem")) as b:
+        out.write(a.read() + b.read())
+    CERTS["chain"] = (chain, key)
 
 
 def tearDownModule():
@@ -226,6 +234,17 @@ class TlsFrontTest(PxTestCase):
         for path in ("/health", "/metrics", "/healthcheck"):
             st, _, body, _, _ = https_request(px.port, "GET", path, conn=c)
             self.assertEqual(st, 200, (path, body))
+
+    def test_certificate_chain_file(self):
+        # The client trusts the root only: the intermediate must come from pdproxy.
+        P = self.mock(p_handler(), "P")
+        D = self.mock(d_handler, "D")
+        cert, key = CERTS["chain"]
+        px = self.start_proxy([P], [D], extra=["--drain-delay", "0", "--tls-cert", cert,
+                                               "--tls-key", key])
+        st, _, body, _, _ = https_request(px.port, "POST", "/v1/completions", completion_body())
+        self.assertEqual(st, 200, body)
+        self.assertEqual(body, D_BODY)
 
     def test_tls12_and_tls13_accepted(self):
         P = self.mock(p_handler(), "P")
