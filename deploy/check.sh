@@ -605,6 +605,8 @@ section "grafana dashboards"
 import json, re, sys
 out_names = sys.argv.pop(1)
 all_used = set()
+label_uses = {}   # metric -> labels the dashboard groups or filters it by
+TARGET_LABELS = {"instance", "job", "namespace", "pod", "le", "__name__"}  # added by Prometheus, or histogram buckets
 ALLOWED = {
     "pdproxy_requests_total", "pdproxy_request_duration_seconds", "pdproxy_time_to_first_byte_seconds",
     "pdproxy_prefill_duration_seconds", "pdproxy_upstream_requests_total", "pdproxy_backend_up",
@@ -686,6 +688,13 @@ for path in sys.argv[1:]:
                 for v in re.findall(r"\$\{?([A-Za-z_][A-Za-z0-9_]*)", expr):
                     if not v.startswith("__") and v not in var_names:
                         errors.append("%s: panel %r uses undefined variable $%s" % (path, p.get("title"), v))
+                ms = {re.sub(r"_(bucket|sum|count)$", "", m) if re.sub(r"_(bucket|sum|count)$", "", m) in HISTOGRAMS else m
+                      for m in metrics_of(expr)}
+                if len(ms) == 1:
+                    labels = set(re.findall(r"([A-Za-z_][A-Za-z0-9_]*)\s*(?:=~|!~|!=|=)\s*\"", expr))
+                    for grp in re.findall(r"\b(?:by|without)\s*\(([^)]*)\)", expr):
+                        labels.update(l.strip() for l in grp.split(",") if l.strip())
+                    label_uses.setdefault(ms.pop(), set()).update(labels - TARGET_LABELS)
                 for m in metrics_of(expr):
                     used.add(re.sub(r"_(bucket|sum|count)$", "", m) if re.sub(r"_(bucket|sum|count)$", "", m) in HISTOGRAMS else m)
                     if not allowed(m):
@@ -705,6 +714,7 @@ for path in sys.argv[1:]:
     all_used |= used
     print("   %s: %d panels, %d queries, %d metrics" % (path.split("/deploy/")[-1], len(seen_ids), nexpr, len(used)))
 open(out_names, "w").write("\n".join(sorted(all_used)) + "\n")
+json.dump({m: sorted(l) for m, l in label_uses.items()}, open(out_names + ".labels.json", "w"))
 if errors:
     for e in errors:
         print("deploy/check: FAIL: " + e, file=sys.stderr)
@@ -946,12 +956,24 @@ fi
 "$PY" - "$work" <<'PY'
 import os, re, sys
 work = sys.argv[1]
+import json
+labels_seen = {}   # metric family -> label names on its samples
 def names(path):
     out = set()
     for line in open(path, errors="replace"):
         m = re.match(r"#\s*(?:HELP|TYPE)\s+(\S+)", line) or re.match(r"([A-Za-z_:][A-Za-z0-9_:]*)[{\s]", line)
         if m:
             out.add(m.group(1))
+        m = re.match(r"([A-Za-z_:][A-Za-z0-9_:]*)(?:\{(.*)\})?\s+\S", line)
+        if m and not line.startswith("#"):
+            fam = re.sub(r"_(bucket|sum|count)$", "", m.group(1))
+            labels_seen.setdefault(m.group(1), set())
+            labels_seen.setdefault(fam, set())
+        if m and not line.startswith("#") and m.group(2):
+            fam = re.sub(r"_(bucket|sum|count)$", "", m.group(1))
+            for n in re.findall(r'([A-Za-z_][A-Za-z0-9_]*)="', m.group(2)):
+                labels_seen.setdefault(m.group(1), set()).add(n)
+                labels_seen.setdefault(fam, set()).add(n)
     return out
 used = [l.strip() for l in open(os.path.join(work, "dashboard-metrics.txt")) if l.strip()]
 engine = names(os.path.join(work, "metrics.prefill")) | names(os.path.join(work, "metrics.decode"))
@@ -967,10 +989,22 @@ for m in used:
         checked += 1
         if m not in px and m + "_bucket" not in px:
             errors.append("the dashboard uses %s, which pdproxy's /metrics does not expose" % m)
+label_uses = json.load(open(os.path.join(work, "dashboard-metrics.txt.labels.json")))
+nlabels = 0
+for m, labels in sorted(label_uses.items()):
+    live = m.startswith("vllm:") or m.startswith("engine_sim_") or px is not None
+    if not live or m not in labels_seen:
+        continue  # no samples to compare with (pdproxy's page absent, or no series yet)
+    for l in labels:
+        nlabels += 1
+        if l not in labels_seen.get(m, set()):
+            errors.append("the dashboard groups or filters %s by label %r, which its live samples do not carry (they have: %s)"
+                          % (m, l, ", ".join(sorted(labels_seen.get(m, []))) or "no labels"))
 if errors:
     for e in errors:
         print("deploy/check: FAIL: " + e, file=sys.stderr)
     sys.exit(1)
+print("   %d label uses checked against live samples" % nlabels)
 print("   %d of the dashboard's %d metrics found in live /metrics pages%s"
       % (checked, len(used), "" if px is not None else " (engines only)"))
 PY
