@@ -4,8 +4,11 @@ What it gives a test:
 
 * ``Proxy``: pdproxy as a real subprocess on a free 127.0.0.1 port, started with
   explicit flags and a clean environment (no inherited OPENAI_API_KEY or
-  PDPROXY_*), readiness by polling connect(), stderr captured to a file,
-  killed and reaped by the test's cleanup.
+  PDPROXY_*), readiness by polling connect(), then a check that no other
+  process shares the port (pdproxy listens with SO_REUSEPORT); stderr
+  captured to a file and printed when the test fails; stopped with SIGINT
+  (SIGKILL after 2 s) and reaped by the test's cleanup, which also fails the
+  test if pdproxy died during it or a sanitizer reported anything.
 * ``MockBackend``: a raw-socket HTTP/1.1 server standing in for a prefill or
   decode engine. One thread per connection, keep-alive, chunked request bodies,
   ``Expect: 100-continue``. It records every request (method, path, headers as a
@@ -13,7 +16,9 @@ What it gives a test:
   answers through a per-test handler returning an action (``Respond``,
   ``Stream``, ``Reset``, ``CloseBeforeHeaders``, ``Hang``). Each connection
   records when the peer (pdproxy) closed it, so a test can assert that the
-  proxy cancelled upstream work.
+  proxy cancelled upstream work, and how many response bytes the mock has
+  written (backpressure). pdproxy's own probes (GET /health, GET /metrics)
+  are answered by the mock itself and kept apart in ``.probes``.
 * ``Blackhole``: a listener whose accept queue is full, so that SYNs to it are
   dropped and a connect() times out (Linux drops SYNs to a listener whose
   accept queue is full when tcp_abort_on_overflow=0). ``Blackhole.works``
