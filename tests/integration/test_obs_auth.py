@@ -83,6 +83,11 @@ class AuthTest(PxTestCase):
         doc = r.json()
         self.assertEqual(doc["error"]["code"], 401)
         self.assertNotIn(KEY, bytes(r.raw).decode("latin-1"), "the key is echoed in the 401")
+        r = self.assertRefused(px, "wrong key", auth="sk-guess-ABCDEF123")
+        self.assertNotIn("sk-guess-ABCDEF123", bytes(r.raw).decode("latin-1"),
+                         "the wrong key is echoed in the 401")
+        self.assertEqual((r.header("www-authenticate") or "").split(" ")[0].lower(), "bearer",
+                         "401 without WWW-Authenticate: Bearer (RFC 9110 11.6.1)")
         # The connection stays usable for a keyed request afterwards.
         c = pxtest.RawClient(px.port)
         try:

@@ -695,6 +695,29 @@ class MetricsTest(PxTestCase):
         self.assertEqual(self.val(e1, "pdproxy_upstream_requests_total", role="prefill",
                                   backend=be(good), outcome="ok"), 6)
 
+    def test_decode_retries(self):
+        P = self.mock(prefill_handler(), "P")
+        D = self.mock(decode_handler(), "D")
+        dead = closed_port()
+        px = self.start_proxy([P], [D, dead], threads=2,
+                              extra=["--drain-delay", "0", "--health-interval", "0",
+                                     "--unhealthy-after", "100"])
+        e0 = self.scrape(px)
+        for _ in range(4):
+            r = http_request(px.port, "POST", "/v1/completions", completion_body())
+            self.assertEqual(r.status, 200, r)
+        e1 = self.scrape(px, e0)
+        name = "127.0.0.1:%d" % dead
+        dead_tries = sum(v for lab, v in e1.samples("pdproxy_upstream_requests_total")
+                         if lab["role"] == "decode" and lab["backend"] == name)
+        self.assertGreaterEqual(dead_tries, 1, "round robin never chose the dead decode")
+        self.assertEqual(self.val(e1, "pdproxy_upstream_requests_total", role="decode",
+                                  backend=name, outcome="ok"), 0)
+        self.assertEqual(self.val(e1, "pdproxy_retries_total", role="decode") -
+                         self.val(e0, "pdproxy_retries_total", role="decode"), dead_tries)
+        self.assertEqual(self.val(e1, "pdproxy_upstream_requests_total", role="decode",
+                                  backend=be(D), outcome="ok"), 4)
+
     def test_backend_up_after_ejection(self):
         P = self.mock(prefill_handler(), "P")
         D = self.mock(decode_handler(), "D")

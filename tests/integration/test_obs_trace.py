@@ -93,6 +93,15 @@ class TraceTest(PxTestCase):
             spans |= {ps, ds}
         self.assertEqual(len(spans), 4, "span ids reused across requests")
 
+    def test_models_request_to_decode(self):
+        r = raw_exchange(self.px.port, "GET", "/v1/models", headers=[("traceparent", tp())])
+        self.assertEqual(r.status, 200, r)
+        d = self.D.wait_requests(1)[-1]
+        self.assertEqual(d.path, "/v1/models")
+        trace, span, flags = self.parsed(d, "D (/v1/models)")
+        self.assertEqual((trace, flags), (TRACE, "01"))
+        self.assertNotEqual(span, SPAN)
+
     def test_flags_kept(self):
         self.assertChild([("traceparent", tp(flags="00"))], flags="00")
         self.assertChild([("traceparent", tp(flags="01"))], flags="01")
