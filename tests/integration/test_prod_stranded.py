@@ -17,6 +17,7 @@ import unittest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import e2e  # noqa: E402
+import pxtest  # noqa: E402
 from prodtest import metric, parse_prom  # noqa: E402
 from pxtest import MAX_LOOP, RawClient, http_request, now  # noqa: E402
 
@@ -278,15 +279,34 @@ class Relay:
                 return
 
 
+HANDOVER_EXPIRY_MS = 6000
+HANDOVER_FLAGS = ["--ttft-ms", "30", "--itl-ms", "10", "--kv-expiry-ms", str(HANDOVER_EXPIRY_MS)]
+
+
 class HandOverWindowTest(e2e.ClusterCase):
     """The windows between "prefill answered" and "decode has the request",
-    stretched by a relay so that a client leaves inside them for sure."""
+    stretched by a relay so that a client leaves inside them for sure. The
+    blocks expire after 6 s here: the stretched path itself takes a second
+    or two on a loaded machine."""
+
+    def tearDown(self):
+        # Show the processes' last log lines when a test here failed, before
+        # ClusterCase removes the logs.
+        if pxtest._test_failed(self):
+            for p in self.procs:
+                try:
+                    lines = p.log().splitlines()[-30:]
+                except OSError:
+                    continue
+                sys.stderr.write("----- %s (last lines)\n%s\n" % (p.name, "\n".join(lines)))
+        super().tearDown()
 
     def released_without_expiry(self, p, where):
         """Polls until the prefill's published blocks are all released by
         the consumer, well before they could expire; then, after the expiry,
         checks that none expired."""
-        deadline = now() + (EXPIRY_MS / 1000.0) * 0.8
+        expiry = HANDOVER_EXPIRY_MS / 1000.0
+        deadline = now() + expiry * 0.8
         for _ in range(MAX_LOOP):
             em = prom_of(p.port)
             pub = metric(em, "engine_sim_kv_blocks_published_total")
@@ -296,15 +316,15 @@ class HandOverWindowTest(e2e.ClusterCase):
             time.sleep(0.05)
         self.assertGreater(pub, 0, where)
         self.assertEqual(rel, pub, "%s: %d of %d published blocks not released by the consumer "
-                         "%.1fs into a %d ms expiry" % (where, pub - rel, pub,
-                                                        (EXPIRY_MS / 1000.0) * 0.8, EXPIRY_MS))
-        time.sleep(EXPIRY_MS / 1000.0 * 0.4 + 0.5)
+                         "%.1fs into a %d ms expiry" % (where, pub - rel, pub, expiry * 0.8,
+                                                        HANDOVER_EXPIRY_MS))
+        time.sleep(expiry * 0.2 + 0.5)
         self.assertEqual(metric(prom_of(p.port), "engine_sim_kv_blocks_expired_total"), 0, where)
 
     def test_client_leaves_while_request_uploads_to_decode(self):
-        p = self.start(e2e.engine("prefill", ENGINE_FLAGS))
-        d = self.start(e2e.engine("decode", ENGINE_FLAGS))
-        relay = Relay(d.port, up_piece=65536, up_gap=0.02)  # ~3 MB/s toward decode
+        p = self.start(e2e.engine("prefill", HANDOVER_FLAGS))
+        d = self.start(e2e.engine("decode", HANDOVER_FLAGS))
+        relay = Relay(d.port, up_piece=65536, up_gap=0.01)  # ~6 MB/s toward decode
         self.addCleanup(relay.close)
         px = self.start(e2e.proxy([p.port], [relay.port], ["--health-interval", "0"]))
         body = {"model": "sim-model", "prompt": "the hand over window " * 20, "max_tokens": 8,
@@ -313,7 +333,6 @@ class HandOverWindowTest(e2e.ClusterCase):
         c.request("POST", "/v1/completions", json.dumps(body).encode(),
                   [("X-Request-Id", "slow-upload")])
         self.assertTrue(relay.up_started.wait(10), "the request never headed for decode")
-        time.sleep(0.1)
         self.assertLess(relay.up_bytes, 3 << 20, "upload finished before the client left")
         c.close()  # prefill answered, decode has not received the request yet
         self.released_without_expiry(p, "client left during the upload to decode")
@@ -325,8 +344,8 @@ class HandOverWindowTest(e2e.ClusterCase):
     def test_client_leaves_while_prefill_answer_in_flight(self):
         """P has answered (its blocks are published) but the last byte of
         its answer is still on the way when the client leaves."""
-        p = self.start(e2e.engine("prefill", ENGINE_FLAGS))
-        d = self.start(e2e.engine("decode", ENGINE_FLAGS))
+        p = self.start(e2e.engine("prefill", HANDOVER_FLAGS))
+        d = self.start(e2e.engine("decode", HANDOVER_FLAGS))
         relay = Relay(p.port, hold_last_s=0.5)
         self.addCleanup(relay.close)
         px = self.start(e2e.proxy([relay.port], [d.port], ["--health-interval", "0"]))
