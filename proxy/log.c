@@ -10,8 +10,7 @@ int px_log_json = 0;
 
 /* Rewrites a logfmt line (key=value, key="quoted \" value") as a JSON
  * object, so every log line has one source of truth for its fields. */
-static size_t logfmt_to_json(const char *in, size_t n, char *out, size_t cap)
-{
+static size_t logfmt_to_json(const char *in, size_t n, char *out, size_t cap) {
     size_t o = 0;
 #define PUT(c)                                                                                     \
     do {                                                                                           \
@@ -21,15 +20,18 @@ static size_t logfmt_to_json(const char *in, size_t n, char *out, size_t cap)
     size_t i = 0;
     int first = 1;
     while (i < n) {
-        while (i < n && in[i] == ' ') i++;
+        while (i < n && in[i] == ' ')
+            i++;
         if (i >= n) break;
         size_t ks = i;
-        while (i < n && in[i] != '=' && in[i] != ' ') i++;
+        while (i < n && in[i] != '=' && in[i] != ' ')
+            i++;
         size_t ke = i;
         if (!first) PUT(',');
         first = 0;
         PUT('"');
-        for (size_t k = ks; k < ke; k++) PUT(in[k] == '"' ? '_' : in[k]);
+        for (size_t k = ks; k < ke; k++)
+            PUT(in[k] == '"' ? '_' : in[k]);
         PUT('"');
         PUT(':');
         PUT('"');
@@ -48,7 +50,8 @@ static size_t logfmt_to_json(const char *in, size_t n, char *out, size_t cap)
                     if (c < 0x20) {
                         char esc[8];
                         snprintf(esc, sizeof esc, "\\u%04x", c);
-                        for (char *e = esc; *e; e++) PUT(*e);
+                        for (char *e = esc; *e; e++)
+                            PUT(*e);
                     } else {
                         PUT((char)c);
                     }
@@ -71,23 +74,48 @@ static size_t logfmt_to_json(const char *in, size_t n, char *out, size_t cap)
 
 static const char *const names[] = {"debug", "info", "warn", "error"};
 
-int px_log_level_parse(const char *s)
-{
+int px_log_level_parse(const char *s) {
     for (int i = 0; i < 4; i++)
         if (strcmp(s, names[i]) == 0) return i;
     return -1;
 }
 
-void px_log_write(px_log_level_t lvl, const char *fmt, ...)
-{
+const char *px_log_value(const char *s, char *out, size_t cap) {
+    int plain = s[0] != '\0';
+    for (const char *p = s; *p && plain; p++)
+        plain = (unsigned char)*p > 0x20 && *p != '=' && *p != '"' && *p != '\\' && *p != 0x7f;
+    size_t o = 0;
+    if (plain) {
+        snprintf(out, cap, "%s", s);
+        return out;
+    }
+    if (cap < 3) return "\"\"";
+    out[o++] = '"';
+    for (const char *p = s; *p && o + 6 < cap; p++) {
+        unsigned char c = (unsigned char)*p;
+        if (c == '"' || c == '\\') {
+            out[o++] = '\\';
+            out[o++] = (char)c;
+        } else if (c < 0x20 || c == 0x7f) {
+            o += (size_t)snprintf(out + o, cap - o, "\\x%02x", c);
+        } else {
+            out[o++] = (char)c;
+        }
+    }
+    out[o++] = '"';
+    out[o] = '\0';
+    return out;
+}
+
+void px_log_write(px_log_level_t lvl, const char *fmt, ...) {
     char line[2048];
     struct timespec ts;
     struct tm tm;
     clock_gettime(CLOCK_REALTIME, &ts);
     gmtime_r(&ts.tv_sec, &tm);
     int n = snprintf(line, sizeof line, "ts=%04d-%02d-%02dT%02d:%02d:%02d.%03ldZ level=%s ",
-                     tm.tm_year + 1900, tm.tm_mon + 1, tm.tm_mday, tm.tm_hour, tm.tm_min,
-                     tm.tm_sec, ts.tv_nsec / 1000000, names[lvl]);
+                     tm.tm_year + 1900, tm.tm_mon + 1, tm.tm_mday, tm.tm_hour, tm.tm_min, tm.tm_sec,
+                     ts.tv_nsec / 1000000, names[lvl]);
     va_list ap;
     va_start(ap, fmt);
     int m = vsnprintf(line + n, sizeof line - (size_t)n - 1, fmt, ap);

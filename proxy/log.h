@@ -2,6 +2,8 @@
 #ifndef PX_LOG_H
 #define PX_LOG_H
 
+#include <stddef.h>
+
 typedef enum { PX_LOG_DEBUG = 0, PX_LOG_INFO = 1, PX_LOG_WARN = 2, PX_LOG_ERROR = 3 } px_log_level_t;
 
 extern px_log_level_t px_log_threshold;
@@ -10,6 +12,11 @@ extern int px_log_json;
 
 /* Parses "debug|info|warn|error"; returns -1 when unknown. */
 int px_log_level_parse(const char *s);
+
+/* Renders s as one logfmt value in out (cap bytes): as it is when it holds no
+ * space, '=', '"', '\\' or control character, else quoted and escaped.
+ * Returns out. Use it for every value that comes from outside. */
+const char *px_log_value(const char *s, char *out, size_t cap);
 
 void px_log_write(px_log_level_t lvl, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 

@@ -31,29 +31,31 @@ static const char *const ep_paths[] = {"/v1/completions", "/v1/chat/completions"
 static const px_metric_endpoint ep_metric[] = {PX_MEP_COMPLETIONS, PX_MEP_CHAT, PX_MEP_MODELS};
 
 struct px_req {
-    px_worker *w;            /* borrowed: the worker this request runs on */
-    px_server *s;            /* borrowed */
-    px_conn *conn;           /* borrowed: NULL once the exchange ended or the client left */
+    px_worker *w;  /* borrowed: the worker this request runs on */
+    px_server *s;  /* borrowed */
+    px_conn *conn; /* borrowed: NULL once the exchange ended or the client left */
     req_state state;
     px_endpoint ep;
     char id[129];
+    char lid[300]; /* id as a logfmt value */
     char trace_id[33];
-    px_buf body;             /* owned: the client's body */
-    px_buf pbody;            /* owned: the prefill request's body */
-    px_buf dbody;            /* owned: the decode request's body */
-    px_buf presp;            /* owned: the prefill's answer */
-    px_buf url;              /* owned */
-    struct curl_slist *hdrs_p; /* owned: headers of the prefill request */
-    struct curl_slist *hdrs_d; /* owned: headers of the decode request */
-    px_upstream *up;         /* owned: the transfer in flight */
-    px_backend *pb;          /* owned reference while a prefill is in flight */
-    px_backend *db;          /* owned reference while a decode is in flight */
-    char pname[128], dname[128]; /* the backends' names, for logs after release */
+    char trace_flags[3];
+    px_buf body;                    /* owned: the client's body */
+    px_buf pbody;                   /* owned: the prefill request's body */
+    px_buf dbody;                   /* owned: the decode request's body */
+    px_buf presp;                   /* owned: the prefill's answer */
+    px_buf url;                     /* owned */
+    struct curl_slist *hdrs_p;      /* owned: headers of the prefill request */
+    struct curl_slist *hdrs_d;      /* owned: headers of the decode request */
+    px_upstream *up;                /* owned: the transfer in flight */
+    px_backend *pb;                 /* owned reference while a prefill is in flight */
+    px_backend *db;                 /* owned reference while a decode is in flight */
+    char pname[128], dname[128];    /* the backends' names, for logs after release */
     px_backend *tried_p[MAX_TRIES]; /* identity only, never dereferenced */
     size_t ntried_p;
     px_backend *tried_d[MAX_TRIES];
     size_t ntried_d;
-    const char *key;         /* borrowed from body: prefix_affinity's bytes */
+    const char *key; /* borrowed from body: prefix_affinity's bytes */
     size_t key_len;
     struct event *retry_timer; /* owned */
     int pstatus;
@@ -61,7 +63,7 @@ struct px_req {
     int dstatus;
     int too_big;
     int paused;
-    int counted;             /* holds one of the server's in-flight slots */
+    int counted; /* holds one of the server's in-flight slots */
     int released_via_decode;
     uint64_t t0, t_prefill, t_first;
     size_t bytes_out;
@@ -72,8 +74,7 @@ static void start_decode(px_req *r);
 
 /* ---------- lifetime ---------- */
 
-static void req_free(px_req *r)
-{
+static void req_free(px_req *r) {
     px_upstream_cancel(r->up);
     px_backend_done(&r->s->prefill, r->pb, PX_OUT_CANCELLED);
     px_backend_done(&r->s->decode, r->db, PX_OUT_CANCELLED);
@@ -90,21 +91,18 @@ static void req_free(px_req *r)
 }
 
 /* The one place a request changes state. */
-static void set_state(px_req *r, req_state st)
-{
-    PX_LOG(PX_LOG_DEBUG, "req=%s msg=\"state\" from=%s to=%s", r->id, state_names[r->state],
+static void set_state(px_req *r, req_state st) {
+    PX_LOG(PX_LOG_DEBUG, "req=%s msg=\"state\" from=%s to=%s", r->lid, state_names[r->state],
            state_names[st]);
     r->state = st;
 }
 
-static double secs(uint64_t from, uint64_t to)
-{
+static double secs(uint64_t from, uint64_t to) {
     return from && to ? (double)(to - from) / 1e9 : -1;
 }
 
 /* The access log line and the request metrics, once per request. */
-static void finish_log(px_req *r, int status, const char *outcome)
-{
+static void finish_log(px_req *r, int status, const char *outcome) {
     uint64_t now = px_now_ns();
     px_metrics *m = &r->w->metrics;
     px_metrics_count(m, ep_metric[r->ep], status);
@@ -113,14 +111,37 @@ static void finish_log(px_req *r, int status, const char *outcome)
     PX_LOG(PX_LOG_INFO,
            "req=%s msg=\"request\" endpoint=%s prefill=%s decode=%s status=%d prefill_ms=%.2f "
            "ttfb_ms=%.2f total_ms=%.2f bytes_out=%zu outcome=%s trace_id=%s",
-           r->id, ep_paths[r->ep], r->pname[0] ? r->pname : "-", r->dname[0] ? r->dname : "-",
+           r->lid, ep_paths[r->ep], r->pname[0] ? r->pname : "-", r->dname[0] ? r->dname : "-",
            status, r->t_prefill ? secs(r->t0, r->t_prefill) * 1e3 : -1.0,
-           r->t_first ? secs(r->t0, r->t_first) * 1e3 : -1.0, secs(r->t0, now) * 1e3,
-           r->bytes_out, outcome, r->trace_id);
+           r->t_first ? secs(r->t0, r->t_first) * 1e3 : -1.0, secs(r->t0, now) * 1e3, r->bytes_out,
+           outcome, r->trace_id);
 }
 
-static void req_end(px_req *r, int status, const char *outcome)
-{
+/* Printable ASCII (space included), at most 128 bytes. Log lines carry it
+ * escaped (r->lid). */
+static int valid_request_id(const char *v, size_t n) {
+    if (n == 0 || n > 128) return 0;
+    for (size_t i = 0; i < n; i++)
+        if ((unsigned char)v[i] < 0x20 || (unsigned char)v[i] > 0x7e) return 0;
+    return 1;
+}
+
+void px_req_log_refused(const px_http_head *h, const char *endpoint, int status) {
+    char lid[300] = "-";
+    const px_http_header *xid = px_http_find(h, "x-request-id");
+    if (xid && valid_request_id(xid->value, xid->value_len)) {
+        char id[129];
+        memcpy(id, xid->value, xid->value_len);
+        id[xid->value_len] = '\0';
+        px_log_value(id, lid, sizeof lid);
+    }
+    PX_LOG(PX_LOG_INFO,
+           "req=%s msg=\"request\" endpoint=%s prefill=- decode=- status=%d prefill_ms=-1.00 "
+           "ttfb_ms=-1.00 total_ms=0.00 bytes_out=0 outcome=refused trace_id=-",
+           lid, endpoint, status);
+}
+
+static void req_end(px_req *r, int status, const char *outcome) {
     finish_log(r, status, outcome);
     set_state(r, RS_DONE);
     req_free(r);
@@ -130,15 +151,15 @@ static void req_end(px_req *r, int status, const char *outcome)
  * nothing was sent yet (else cuts the stream), and frees it. */
 static void req_fail(px_req *r, int status, const char *extra, const char *fmt, ...)
     __attribute__((format(printf, 4, 5)));
-static void req_fail(px_req *r, int status, const char *extra, const char *fmt, ...)
-{
+static void req_fail(px_req *r, int status, const char *extra, const char *fmt, ...) {
     char msg[512];
     va_list ap;
     va_start(ap, fmt);
     vsnprintf(msg, sizeof msg, fmt, ap);
     va_end(ap);
-    PX_LOG(status >= 500 ? PX_LOG_WARN : PX_LOG_INFO, "req=%s msg=\"%s\" status=%d state=%s", r->id,
-           msg, status, state_names[r->state]);
+    char qmsg[1100];
+    PX_LOG(status >= 500 ? PX_LOG_WARN : PX_LOG_INFO, "req=%s msg=%s status=%d state=%s", r->lid,
+           px_log_value(msg, qmsg, sizeof qmsg), status, state_names[r->state]);
     int streaming = r->state == RS_STREAM;
     if (r->conn) {
         if (streaming)
@@ -150,8 +171,7 @@ static void req_fail(px_req *r, int status, const char *extra, const char *fmt, 
     req_end(r, status, streaming ? "stream_failed" : "error");
 }
 
-static px_outcome outcome_of(CURLcode rc, int status)
-{
+static px_outcome outcome_of(CURLcode rc, int status) {
     switch (rc) {
     case CURLE_OK:
         return status >= 500 ? PX_OUT_SERVER_ERR : status >= 400 ? PX_OUT_CLIENT_ERR : PX_OUT_OK;
@@ -170,57 +190,54 @@ static px_outcome outcome_of(CURLcode rc, int status)
 
 /* ---------- headers and tracing ---------- */
 
-static int hexrun(const char *s, size_t n)
-{
-    int nonzero = 0;
+static int lowhex(const char *s, size_t n, int nonzero) {
+    int nz = 0;
     for (size_t i = 0; i < n; i++) {
         char c = s[i];
         if (!((c >= '0' && c <= '9') || (c >= 'a' && c <= 'f'))) return 0;
-        nonzero |= c != '0';
+        nz |= c != '0';
     }
-    return nonzero;
+    return !nonzero || nz;
 }
 
-void px_trace_child(const char *tp, size_t n, char out[56])
-{
+int px_trace_parse(const char *tp, size_t n, char trace[33], char flags[3]) {
+    /* version "-" trace-id "-" parent-id "-" flags (W3C Trace Context):
+     * version 00 is exactly 55 characters; later versions may append
+     * "-..." fields, which a version-00 reader ignores; ff is invalid. */
+    if (!tp || n < 55 || tp[2] != '-' || tp[35] != '-' || tp[52] != '-') return 0;
+    if (!lowhex(tp, 2, 0) || !memcmp(tp, "ff", 2)) return 0;
+    if (!memcmp(tp, "00", 2) ? n != 55 : (n > 55 && tp[55] != '-')) return 0;
+    if (!lowhex(tp + 3, 32, 1) || !lowhex(tp + 36, 16, 1) || !lowhex(tp + 53, 2, 0)) return 0;
+    memcpy(trace, tp + 3, 32);
+    trace[32] = '\0';
+    memcpy(flags, tp + 53, 2);
+    flags[2] = '\0';
+    return 1;
+}
+
+void px_trace_new(char trace[33]) {
     static const char hex[] = "0123456789abcdef";
-    char trace[33], flags[3] = "01";
-    /* version-traceid-parentid-flags, 55 characters in version 00. */
-    if (tp && n >= 55 && tp[2] == '-' && tp[35] == '-' && tp[52] == '-' && hexrun(tp, 2) + 1 &&
-        memcmp(tp, "ff", 2) != 0 && hexrun(tp + 3, 32) && hexrun(tp + 36, 16) &&
-        (hexrun(tp + 53, 2) || (tp[53] == '0' && tp[54] == '0')) && (n == 55 || tp[55] == '-')) {
-        memcpy(trace, tp + 3, 32);
-        memcpy(flags, tp + 53, 2);
-    } else {
-        uint64_t a = px_rand64() | 1, b = px_rand64();
-        for (int i = 0; i < 16; i++) {
-            trace[i] = hex[(a >> (60 - 4 * i)) & 15];
-            trace[16 + i] = hex[(b >> (60 - 4 * i)) & 15];
-        }
+    uint64_t a = px_rand64() | 1, b = px_rand64();
+    for (int i = 0; i < 16; i++) {
+        trace[i] = hex[(a >> (60 - 4 * i)) & 15];
+        trace[16 + i] = hex[(b >> (60 - 4 * i)) & 15];
     }
     trace[32] = '\0';
-    flags[2] = '\0';
+}
+
+/* A child span of the request's trace: same trace id and flags, a new
+ * parent id, for each upstream request. */
+static void trace_child(const char *trace, const char *flags, char out[56]) {
+    static const char hex[] = "0123456789abcdef";
     uint64_t span = px_rand64() | 1;
     char sp[17];
-    for (int i = 0; i < 16; i++) sp[i] = hex[(span >> (60 - 4 * i)) & 15];
+    for (int i = 0; i < 16; i++)
+        sp[i] = hex[(span >> (60 - 4 * i)) & 15];
     sp[16] = '\0';
     snprintf(out, 56, "00-%s-%s-%s", trace, sp, flags);
 }
 
-/* Printable ASCII, at most 128 bytes; no space, quote or backslash, so the
- * id can go into log lines and headers as it is. */
-static int valid_request_id(const char *v, size_t n)
-{
-    if (n == 0 || n > 128) return 0;
-    for (size_t i = 0; i < n; i++) {
-        unsigned char c = (unsigned char)v[i];
-        if (c <= 0x20 || c > 0x7e || c == '"' || c == '\\') return 0;
-    }
-    return 1;
-}
-
-static struct curl_slist *headers_for(px_req *r, const px_http_head *h, const char *tp)
-{
+static struct curl_slist *headers_for(px_req *r, const px_http_head *h, int traced) {
     char line[300];
     struct curl_slist *l = NULL;
     if (r->ep != PX_EP_MODELS) l = curl_slist_append(l, "Content-Type: application/json");
@@ -236,14 +253,12 @@ static struct curl_slist *headers_for(px_req *r, const px_http_head *h, const ch
         l = curl_slist_append(l, b.data);
     }
     char child[56];
-    px_trace_child(tp, tp ? strlen(tp) : 0, child);
+    trace_child(r->trace_id, r->trace_flags, child);
     snprintf(line, sizeof line, "traceparent: %s", child);
     l = curl_slist_append(l, line);
-    if (!r->trace_id[0]) {
-        memcpy(r->trace_id, child + 3, 32);
-        r->trace_id[32] = '\0';
-    }
-    const px_http_header *ts = px_http_find(h, "tracestate");
+    /* tracestate belongs to the client's trace: dropped when that was
+     * unusable and a new trace started. */
+    const px_http_header *ts = traced ? px_http_find(h, "tracestate") : NULL;
     if (ts && ts->value_len <= 512) {
         px_buf_reset(&b);
         px_buf_printf(&b, "tracestate: %.*s", (int)ts->value_len, ts->value);
@@ -257,8 +272,7 @@ static struct curl_slist *headers_for(px_req *r, const px_http_head *h, const ch
 
 static int start_upstream(px_req *r, px_backend *b, const char *path, const px_buf *body,
                           struct curl_slist *hdrs, const px_upstream_cbs *cbs, long total_ms,
-                          long idle_s)
-{
+                          long idle_s) {
     const px_config *cfg = r->s->cfg;
     px_upstream_opts o = {
         .connect_timeout_ms = (long)(cfg->connect_timeout * 1000),
@@ -278,8 +292,7 @@ static int start_upstream(px_req *r, px_backend *b, const char *path, const px_b
 
 /* ---------- decode ---------- */
 
-static void decode_headers(void *arg, int status, const char *ctype)
-{
+static void decode_headers(void *arg, int status, const char *ctype) {
     px_req *r = arg;
     r->dstatus = status;
     if (r->state == RS_RELEASING) return;
@@ -288,8 +301,7 @@ static void decode_headers(void *arg, int status, const char *ctype)
     if (r->conn) px_conn_stream_start(r->conn, status, ctype, r->id, NULL);
 }
 
-static int decode_data(void *arg, const char *p, size_t n)
-{
+static int decode_data(void *arg, const char *p, size_t n) {
     px_req *r = arg;
     if (!r->conn) return -1;
     if (px_conn_pending(r->conn) >= PX_CONN_HIGH_WATER) {
@@ -301,8 +313,7 @@ static int decode_data(void *arg, const char *p, size_t n)
     return 0;
 }
 
-static void decode_done(void *arg, CURLcode rc, const char *errbuf, int connected)
-{
+static void decode_done(void *arg, CURLcode rc, const char *errbuf, int connected) {
     px_req *r = arg;
     r->up = NULL; /* freed by the upstream module when this returns */
     px_outcome o = outcome_of(rc, r->dstatus);
@@ -316,7 +327,7 @@ static void decode_done(void *arg, CURLcode rc, const char *errbuf, int connecte
         PX_LOG(PX_LOG_INFO,
                "req=%s msg=\"client left after prefill: decode was given the request and "
                "aborted so prefill frees its blocks\" decode=%s",
-               r->id, r->dname);
+               r->lid, r->dname);
         req_end(r, 499, "client_disconnected");
         return;
     }
@@ -341,7 +352,7 @@ static void decode_done(void *arg, CURLcode rc, const char *errbuf, int connecte
     px_pool_counts(&r->s->decode, &ndecode, NULL);
     if (!connected && r->ntried_d < MAX_TRIES && r->ntried_d < ndecode) {
         PX_LOG(PX_LOG_WARN,
-               "req=%s msg=\"decode unreachable, trying another\" decode=%s error=\"%s\"", r->id,
+               "req=%s msg=\"decode unreachable, trying another\" decode=%s error=\"%s\"", r->lid,
                r->dname, why);
         px_m_inc(&r->w->metrics.retries[1]);
         start_decode(r);
@@ -358,15 +369,16 @@ static const px_upstream_cbs decode_cbs = {decode_headers, decode_data, decode_d
 
 /* Picks a decode and sends it r->dbody (built by the caller) or, for
  * /v1/models, a GET. */
-static void start_decode(px_req *r)
-{
+static void start_decode(px_req *r) {
     px_pick k = {.exclude = r->tried_d, .nexclude = r->ntried_d};
     size_t n;
     r->db = px_pool_pick(&r->s->decode, &k, &n);
     if (!r->db) {
         if (r->state == RS_RELEASING) {
-            PX_LOG(PX_LOG_WARN, "req=%s msg=\"client left after prefill and no decode can take "
-                                "the request: prefill's blocks stay until they expire\"", r->id);
+            PX_LOG(PX_LOG_WARN,
+                   "req=%s msg=\"client left after prefill and no decode can take "
+                   "the request: prefill's blocks stay until they expire\"",
+                   r->lid);
             req_end(r, 499, "client_disconnected");
             return;
         }
@@ -390,15 +402,13 @@ static void start_decode(px_req *r)
 
 /* ---------- prefill ---------- */
 
-static void prefill_headers(void *arg, int status, const char *ctype)
-{
+static void prefill_headers(void *arg, int status, const char *ctype) {
     px_req *r = arg;
     r->pstatus = status;
     snprintf(r->pctype, sizeof r->pctype, "%s", ctype ? ctype : "application/json");
 }
 
-static int prefill_data(void *arg, const char *p, size_t n)
-{
+static int prefill_data(void *arg, const char *p, size_t n) {
     px_req *r = arg;
     if (r->presp.len + n > PREFILL_MAX_ANSWER) {
         r->too_big = 1;
@@ -408,8 +418,7 @@ static int prefill_data(void *arg, const char *p, size_t n)
     return 0;
 }
 
-static void proceed_to_decode(px_req *r)
-{
+static void proceed_to_decode(px_req *r) {
     const char *kvp = NULL;
     size_t kvp_len = 0;
     char err[128];
@@ -428,7 +437,7 @@ static void proceed_to_decode(px_req *r)
         PX_LOG(PX_LOG_WARN,
                "req=%s msg=\"prefill answer has no kv_transfer_params; decode will recompute the "
                "prefill\" prefill=%s",
-               r->id, r->pname);
+               r->lid, r->pname);
         kvp = NULL;
         if (r->state == RS_RELEASING) { /* nothing to release */
             req_end(r, 499, "client_disconnected");
@@ -439,20 +448,18 @@ static void proceed_to_decode(px_req *r)
         PX_LOG(PX_LOG_WARN,
                "req=%s msg=\"kv_transfer_params lack remote_request_id; decode cannot release "
                "prefill's blocks\" prefill=%s",
-               r->id, r->pname);
+               r->lid, r->pname);
     }
     px_buf_reset(&r->dbody);
     px_rewrite_decode(r->body.data, r->body.len, kvp, kvp_len, &r->dbody);
     start_decode(r);
 }
 
-static void on_retry_timer(evutil_socket_t fd, short what, void *arg)
-{
+static void on_retry_timer(evutil_socket_t fd, short what, void *arg) {
     start_prefill(arg);
 }
 
-static void prefill_done(void *arg, CURLcode rc, const char *errbuf, int connected)
-{
+static void prefill_done(void *arg, CURLcode rc, const char *errbuf, int connected) {
     px_req *r = arg;
     r->up = NULL;
     px_outcome o = outcome_of(rc, r->pstatus);
@@ -476,7 +483,7 @@ static void prefill_done(void *arg, CURLcode rc, const char *errbuf, int connect
         PX_LOG(PX_LOG_WARN,
                "req=%s msg=\"prefill failed, retrying on another instance\" prefill=%s attempt=%zu "
                "error=\"%s\" status=%d",
-               r->id, r->pname, r->ntried_p, rc ? why : "", r->pstatus);
+               r->lid, r->pname, r->ntried_p, rc ? why : "", r->pstatus);
         px_m_inc(&r->w->metrics.retries[0]);
         px_buf_reset(&r->presp);
         r->pstatus = 0;
@@ -501,7 +508,7 @@ static void prefill_done(void *arg, CURLcode rc, const char *errbuf, int connect
     if (r->pstatus >= 400 && r->pstatus < 500) {
         /* The client's fault: its status and the engine's words, as they are. */
         PX_LOG(PX_LOG_INFO, "req=%s msg=\"prefill rejected the request\" prefill=%s status=%d",
-               r->id, r->pname, r->pstatus);
+               r->lid, r->pname, r->pstatus);
         if (r->conn) {
             px_conn_reply(r->conn, r->pstatus, r->pctype, r->id, NULL, r->presp.data, r->presp.len);
             r->conn = NULL;
@@ -518,10 +525,9 @@ static void prefill_done(void *arg, CURLcode rc, const char *errbuf, int connect
 
 static const px_upstream_cbs prefill_cbs = {prefill_headers, prefill_data, prefill_done};
 
-static void start_prefill(px_req *r)
-{
-    px_pick k = {.key = r->key, .key_len = r->key_len, .exclude = r->tried_p,
-                 .nexclude = r->ntried_p};
+static void start_prefill(px_req *r) {
+    px_pick k = {
+        .key = r->key, .key_len = r->key_len, .exclude = r->tried_p, .nexclude = r->ntried_p};
     size_t n;
     r->pb = px_pool_pick(&r->s->prefill, &k, &n);
     if (!r->pb) {
@@ -529,7 +535,7 @@ static void start_prefill(px_req *r)
             PX_LOG(PX_LOG_WARN,
                    "req=%s msg=\"no healthy prefill: sending the request to decode alone\" "
                    "prefill_backends=%zu",
-                   r->id, n);
+                   r->lid, n);
             px_buf_reset(&r->dbody);
             px_rewrite_decode(r->body.data, r->body.len, NULL, 0, &r->dbody);
             start_decode(r);
@@ -543,18 +549,17 @@ static void start_prefill(px_req *r)
     if (r->ntried_p < MAX_TRIES) r->tried_p[r->ntried_p++] = r->pb;
     set_state(r, RS_PREFILL);
     long ptimeout = (long)(r->s->cfg->prefill_timeout * 1000);
-    if (start_upstream(r, r->pb, ep_paths[r->ep], &r->pbody, r->hdrs_p, &prefill_cbs, ptimeout,
-                       0) < 0)
+    if (start_upstream(r, r->pb, ep_paths[r->ep], &r->pbody, r->hdrs_p, &prefill_cbs, ptimeout, 0) <
+        0)
         req_fail(r, 502, NULL, "prefill %s: cannot start the request", r->pname);
 }
 
 /* ---------- the client ---------- */
 
-static void client_gone(void *arg)
-{
+static void client_gone(void *arg) {
     px_req *r = arg;
     r->conn = NULL;
-    px_phase phase = r->state == RS_STREAM ? PX_PHASE_STREAM
+    px_phase phase = r->state == RS_STREAM   ? PX_PHASE_STREAM
                      : r->state == RS_DECODE ? PX_PHASE_DECODE
                                              : PX_PHASE_PREFILL;
     px_m_inc(&r->w->metrics.disconnects[phase]);
@@ -576,8 +581,7 @@ static void client_gone(void *arg)
     req_free(r); /* cancels the transfer in flight, closing its connection */
 }
 
-static void client_drained(void *arg)
-{
+static void client_drained(void *arg) {
     px_req *r = arg;
     if (r->paused && r->up) {
         r->paused = 0;
@@ -590,18 +594,16 @@ static const px_exchange_cbs client_cbs = {client_gone, client_drained};
 /* The bytes prefix_affinity hashes: the start of the prompt, or of the
  * messages, as the client spelled them (identical requests, identical keys,
  * in every replica). */
-static void find_key(px_req *r)
-{
+static void find_key(px_req *r) {
     px_json_member m;
     const char *name = r->ep == PX_EP_CHAT ? "messages" : "prompt";
     if (!px_json_find(r->body.data, r->body.len, name, &m)) return;
     r->key = m.val;
-    r->key_len = m.val_len < r->s->prefill.cfg.prefix_bytes ? m.val_len
-                                                              : r->s->prefill.cfg.prefix_bytes;
+    r->key_len =
+        m.val_len < r->s->prefill.cfg.prefix_bytes ? m.val_len : r->s->prefill.cfg.prefix_bytes;
 }
 
-void px_req_start(px_worker *w, px_conn *c, px_endpoint ep, const px_http_head *h, px_buf *body)
-{
+void px_req_start(px_worker *w, px_conn *c, px_endpoint ep, const px_http_head *h, px_buf *body) {
     px_req *r = px_xcalloc(1, sizeof *r);
     r->w = w;
     r->s = w->srv;
@@ -623,14 +625,23 @@ void px_req_start(px_worker *w, px_conn *c, px_endpoint ep, const px_http_head *
     } else {
         px_uuid4(r->id);
     }
-    const px_http_header *tp = px_http_find(h, "traceparent");
-    char tpbuf[64] = "";
-    if (tp && tp->value_len < sizeof tpbuf) {
-        memcpy(tpbuf, tp->value, tp->value_len);
-        tpbuf[tp->value_len] = '\0';
+    px_log_value(r->id, r->lid, sizeof r->lid);
+    /* One trace for the request: the client's when it sent exactly one
+     * valid traceparent, else a new one; P and D get child spans of it. */
+    const px_http_header *tp = NULL;
+    int ntp = 0;
+    for (size_t i = 0; i < h->nheaders; i++)
+        if (px_http_token_eq(h->headers[i].name, h->headers[i].name_len, "traceparent")) {
+            tp = &h->headers[i];
+            ntp++;
+        }
+    int traced = ntp == 1 && px_trace_parse(tp->value, tp->value_len, r->trace_id, r->trace_flags);
+    if (!traced) {
+        px_trace_new(r->trace_id);
+        memcpy(r->trace_flags, "01", 3);
     }
-    r->hdrs_p = headers_for(r, h, tpbuf[0] ? tpbuf : NULL);
-    r->hdrs_d = headers_for(r, h, tpbuf[0] ? tpbuf : NULL);
+    r->hdrs_p = headers_for(r, h, traced);
+    r->hdrs_d = headers_for(r, h, traced);
 
     long max = r->s->cfg->max_inflight;
     long now = atomic_fetch_add(&r->s->inflight, 1) + 1;
@@ -646,7 +657,8 @@ void px_req_start(px_worker *w, px_conn *c, px_endpoint ep, const px_http_head *
         return;
     }
     char err[128];
-    px_json_type t = px_json_validate(r->body.data ? r->body.data : "", r->body.len, err, sizeof err);
+    px_json_type t =
+        px_json_validate(r->body.data ? r->body.data : "", r->body.len, err, sizeof err);
     if (t == PX_JSON_INVALID) {
         req_fail(r, 400, NULL, "request body is not valid JSON: %s", err);
         return;

@@ -20,8 +20,14 @@ typedef enum { PX_EP_COMPLETIONS = 0, PX_EP_CHAT = 1, PX_EP_MODELS = 2 } px_endp
  * of disconnects and drains. */
 void px_req_start(px_worker *w, px_conn *c, px_endpoint ep, const px_http_head *h, px_buf *body);
 
-/* Builds the W3C traceparent for a child span of the client's (or of a new
- * trace when the client sent none or a malformed one). out: 56 bytes. */
-void px_trace_child(const char *client_tp, size_t n, char out[56]);
+/* The access line of an API request refused before the flow started (401,
+ * 405): one line per request, whatever its fate. */
+void px_req_log_refused(const px_http_head *h, const char *endpoint, int status);
+
+/* Parses a W3C traceparent value; returns 1 with its trace id and flags, 0
+ * when it is not valid (then a new trace starts). */
+int px_trace_parse(const char *tp, size_t n, char trace[33], char flags[3]);
+/* A fresh random trace id (32 lowercase hex digits). */
+void px_trace_new(char trace[33]);
 
 #endif

@@ -80,8 +80,12 @@ static void dispatch(void *ctx, px_conn *c, const px_http_head *h, px_buf *body)
         px_metric_endpoint mep = completions ? PX_MEP_COMPLETIONS
                                  : chat      ? PX_MEP_CHAT
                                              : PX_MEP_MODELS;
+        const char *epname = completions ? "/v1/completions"
+                             : chat      ? "/v1/chat/completions"
+                                         : "/v1/models";
         if (models ? !is_get : !is_post) {
             px_metrics_count(&w->metrics, mep, 405);
+            px_req_log_refused(h, epname, 405);
             px_conn_reply_error(c, 405, NULL, models ? "Allow: GET\r\n" : "Allow: POST\r\n",
                                 models ? "method not allowed: use GET"
                                        : "method not allowed: use POST");
@@ -89,6 +93,7 @@ static void dispatch(void *ctx, px_conn *c, const px_http_head *h, px_buf *body)
         }
         if (!authorized(s, h)) {
             px_metrics_count(&w->metrics, mep, 401);
+            px_req_log_refused(h, epname, 401);
             px_conn_reply_error(c, 401, NULL, "WWW-Authenticate: Bearer\r\n",
                                 "invalid or missing API key: send Authorization: Bearer <key>");
             return;
@@ -137,6 +142,7 @@ static void dispatch(void *ctx, px_conn *c, const px_http_head *h, px_buf *body)
         return;
     }
     px_metrics_count(&w->metrics, PX_MEP_OTHER, 404);
+    px_req_log_refused(h, "other", 404);
     px_buf m;
     px_buf_init(&m);
     px_buf_printf(&m, "not found: %.*s %.*s", (int)(h->method_len > 16 ? 16 : h->method_len),
