@@ -383,7 +383,7 @@ kvc_status_t kvc_agent_create(const kvc_agent_params_t *p, kvc_agent_t **out) {
         a->log_cb = p->log_cb;
         a->log_arg = p->log_arg;
     }
-    if (m & KVC_AGENT_FIELD_LOG_LEVEL) a->log_level = p->log_level;
+    if (m & (KVC_AGENT_FIELD_LOG | KVC_AGENT_FIELD_LOG_LEVEL)) a->log_level = p->log_level;
     a->connect_timeout_ms = (m & KVC_AGENT_FIELD_CONNECT_TIMEOUT) && p->connect_timeout_ms
                                 ? p->connect_timeout_ms
                                 : DEFAULT_CONNECT_TIMEOUT_MS;

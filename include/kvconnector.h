@@ -175,7 +175,10 @@ typedef struct {
     kvc_log_cb_t log_cb;         /**< default: stderr, level from KVC_LOG_LEVEL
                                       (error|warn|info|debug, default warn) */
     void *log_arg;               /**< borrowed: until kvc_agent_destroy */
-    kvc_log_level_t log_level;   /**< most verbose level passed on; default: KVC_LOG_LEVEL */
+    kvc_log_level_t log_level;   /**< most verbose level passed on; read with
+                                      KVC_AGENT_FIELD_LOG (callback and level) or
+                                      KVC_AGENT_FIELD_LOG_LEVEL (level for the
+                                      default logger); default: KVC_LOG_LEVEL */
     uint32_t connect_timeout_ms; /**< side-channel connect + handshake; 5000 */
     uint32_t expiry_ms;          /**< published blocks expire after; 480000 */
     uint32_t xfer_timeout_ms;    /**< data phase of a fetch; 60000 */
