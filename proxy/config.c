@@ -326,6 +326,27 @@ static void usage(FILE *out)
             "show the version and exit");
 }
 
+static void env_name(const opt *o, char *buf, size_t n);
+
+/* The flags table of README.md, from the same table as --help. */
+static void markdown(FILE *out)
+{
+    fprintf(out, "| flag | environment | default | meaning |\n|---|---|---|---|\n");
+    for (size_t i = 0; i < NOPTS; i++) {
+        const opt *o = &opts[i];
+        char env[96];
+        env_name(o, env, sizeof env);
+        fprintf(out, "| `--%s`", o->name);
+        if (o->alias) fprintf(out, " / `--%s`", o->alias);
+        fprintf(out, " | `%s` | %s%s%s | %s", env, o->def[0] ? "`" : "", o->def,
+                o->def[0] ? "`" : "", o->help);
+        if (o->type == CT_ENUM) fprintf(out, ": `%s`", o->choices);
+        if (o->type == CT_URLS) fprintf(out, " (repeatable)");
+        if (o->type == CT_LIST) fprintf(out, " (one or more values)");
+        fprintf(out, " |\n");
+    }
+}
+
 static void env_name(const opt *o, char *buf, size_t n)
 {
     size_t j = (size_t)snprintf(buf, n, "PDPROXY_");
@@ -363,6 +384,10 @@ px_config_result px_config_load(px_config *c, int argc, char **argv, char **envp
         const char *a = argv[i];
         if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
             usage(out);
+            return PX_CONFIG_EXIT_OK;
+        }
+        if (!strcmp(a, "--help-markdown")) {
+            markdown(out);
             return PX_CONFIG_EXIT_OK;
         }
         if (!strcmp(a, "--version")) {
