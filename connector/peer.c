@@ -18,6 +18,9 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#define MAX_CONS 4096  /* pre-connected consumer endpoints kept */
+#define MAX_SCONNS 256 /* side-channel connections being served at once */
+
 struct kvc_sconn {
     kvc_sconn_t *next;
     kvc_pollent_t pe;
@@ -99,6 +102,14 @@ void kvc_listen_accept(kvc_agent_t *a) {
                 KVC_LOG(a, KVC_LOG_WARN, "side channel: accept: %s", strerror(errno));
             return;
         }
+        size_t nc = 0;
+        for (kvc_sconn_t *o = a->sconns; o; o = o->next)
+            nc++;
+        if (nc >= MAX_SCONNS) {
+            close(fd);
+            KVC_LOG(a, KVC_LOG_WARN, "side channel: %zu handshakes in progress, refusing", nc);
+            continue;
+        }
         kvc_sconn_t *c = calloc(1, sizeof(*c));
         if (!c || !(c->in = malloc(KVC_WIRE_HDR_LEN + KVC_WIRE_MAX_HELLO))) {
             free(c);
@@ -152,6 +163,10 @@ static void cons_err_cb(void *arg, ucp_ep_h ep, ucs_status_t us) {
 }
 
 static void cons_connect(kvc_agent_t *a, const void *addr, size_t len) {
+    size_t n = 0;
+    for (struct kvc_cons *k = a->cons; k; k = k->next)
+        n++;
+    if (n >= MAX_CONS) return; /* only an optimisation: skip it */
     struct kvc_cons *k = calloc(1, sizeof(*k));
     if (!k) return;
     k->a = a;
