@@ -271,6 +271,26 @@ def listening_inodes(port):
     return out
 
 
+def tcp_queues(local_port, remote_port):
+    """(tx_queue, rx_queue) in bytes of the established loopback TCP socket
+    local_port -> remote_port, from /proc/net/tcp; (0, 0) if not found.
+    tx_queue: written by the application, not yet acknowledged by the peer;
+    rx_queue: received, not yet read by the application."""
+    try:
+        with open("/proc/net/tcp") as f:
+            next(f)
+            for line in f:
+                fields = line.split()
+                lp = int(fields[1].rsplit(":", 1)[1], 16)
+                rp = int(fields[2].rsplit(":", 1)[1], 16)
+                if lp == local_port and rp == remote_port and fields[3] == "01":
+                    tx, rx = fields[4].split(":")
+                    return int(tx, 16), int(rx, 16)
+    except OSError:
+        pass
+    return 0, 0
+
+
 def socket_inodes(pid):
     """Inodes of the sockets process `pid` has open."""
     out = set()
@@ -419,6 +439,11 @@ class MockConn:
     def __init__(self, cid, sock, backend):
         self.id = cid
         self.sock = sock
+        try:
+            self.local_port = sock.getsockname()[1]
+            self.peer_port = sock.getpeername()[1]
+        except OSError:  # the peer is already gone
+            self.local_port = self.peer_port = 0
         self.backend = backend
         self.t_open = now()
         self.t_closed = None  # monotonic time the peer closed (EOF/RST seen), or we closed
