@@ -1093,12 +1093,13 @@ class RawClient:
         raise ProtocolError("too many reads for one line")
 
     def read_response(self, timeout=IO_TIMEOUT, head_only=False, method="POST",
-                      on_progress=None, until=None):
+                      on_progress=None, until=None, return_interim=False):
         """Read one response (skipping 1xx). Returns RawResponse; never raises
         for EOF (see .complete/.eof) or timeout (see .timed_out), raises
         ProtocolError for malformed framing. `until(r)`: stop reading (leaving
         the rest unread) as soon as it returns true after some body bytes
-        arrived; r.stopped_early is then True."""
+        arrived; r.stopped_early is then True. `return_interim`: return a 1xx
+        response (head only) instead of skipping it."""
         r = RawResponse()
         if until is not None:
             inner = on_progress
@@ -1115,6 +1116,8 @@ class RawClient:
                 if not self._read_head(r, deadline):
                     return r
                 if 100 <= r.status < 200:
+                    if return_interim:
+                        return r
                     r.interim.append(r.status)
                     continue
                 break

@@ -109,8 +109,8 @@ class KeepAliveTest(PxTestCase):
             self.assertEqual(r.status, 200, "request %d: %r" % (i, r.body))
             self.assertEqual(r.json(), {"choices": [{"text": "echo:idle-%d" % i}]})
             # Let the FINs arrive before the next request.
-            pxtest.wait_until(lambda: all(c.closed.is_set() for c in self.P.conns + self.D.conns),
-                              1.0)
+            pxtest.wait_until(lambda: all(r.conn.closed.is_set()
+                                          for r in self.P.requests + self.D.requests), 1.0)
 
     def test_keepalive_mixed_paths_and_errors(self):
         px = self.start_proxy([self.P], [self.D], threads=1)
@@ -267,9 +267,10 @@ class ClientBehaviourTest(PxTestCase):
                                [("Content-Type", "application/json"),
                                 ("Content-Length", str(len(body))),
                                 ("Expect", "100-continue")]))
-        interim = c.read_response(timeout=1.0, head_only=True)
-        if not interim.timed_out:
-            self.assertEqual(interim.status, 100, "expected 100 Continue, got %r" % interim)
+        # A client waits (curl: 1 s) for "100 Continue" before it sends the body.
+        interim = c.read_response(timeout=0.5, head_only=True, return_interim=True)
+        self.assertFalse(interim.timed_out, "no 100 Continue within 0.5 s")
+        self.assertEqual(interim.status, 100, "expected 100 Continue, got %r" % interim)
         c.send(body)
         r = c.read_response(timeout=10)
         self.assertEqual(r.status, 200, r)
