@@ -104,8 +104,9 @@ class DrainTest(ProdCase):
         self.assertTrue(refused, "new connections still accepted %.1fs after SIGTERM "
                         "(--drain-delay %g)" % (t_refused, delay))
         self.assertGreaterEqual(t_refused, delay - 0.1,
-                                "connections refused %.2fs after SIGTERM, before --drain-delay"
-                                % t_refused)
+                                "connections refused %.2fs after SIGTERM, before --drain-delay "
+                                "(pdproxy exit status now: %r)" % (t_refused, px.proc.poll()))
+        self.assertIsNone(px.proc.poll(), "pdproxy exited with a stream still in flight")
 
         resp = s.join(15)
         self.assertIsNotNone(resp)

@@ -35,7 +35,22 @@ def prom_of(port):
     return parse_prom(r.body.decode())
 
 
-class StrandedBlocksTest(e2e.ClusterCase):
+class LoggedCase(e2e.ClusterCase):
+    def tearDown(self):
+        # Show the processes' last log lines when a test here failed, before
+        # ClusterCase removes the logs.
+        if pxtest._test_failed(self):
+            for p in self.procs:
+                try:
+                    lines = [l for l in p.log().splitlines() if "level=info req=" not in l
+                             or "client" in l or "expire" in l][-60:]
+                except OSError:
+                    continue
+                sys.stderr.write("----- %s (last lines)\n%s\n" % (p.name, "\n".join(lines)))
+        super().tearDown()
+
+
+class StrandedBlocksTest(LoggedCase):
     def test_no_block_expires_when_a_third_of_clients_leave(self):
         seed = int(os.environ.get("PX_TEST_SEED") or random.SystemRandom().randrange(1 << 30))
         rnd = random.Random(seed)
@@ -283,23 +298,11 @@ HANDOVER_EXPIRY_MS = 6000
 HANDOVER_FLAGS = ["--ttft-ms", "30", "--itl-ms", "10", "--kv-expiry-ms", str(HANDOVER_EXPIRY_MS)]
 
 
-class HandOverWindowTest(e2e.ClusterCase):
+class HandOverWindowTest(LoggedCase):
     """The windows between "prefill answered" and "decode has the request",
     stretched by a relay so that a client leaves inside them for sure. The
     blocks expire after 6 s here: the stretched path itself takes a second
     or two on a loaded machine."""
-
-    def tearDown(self):
-        # Show the processes' last log lines when a test here failed, before
-        # ClusterCase removes the logs.
-        if pxtest._test_failed(self):
-            for p in self.procs:
-                try:
-                    lines = p.log().splitlines()[-30:]
-                except OSError:
-                    continue
-                sys.stderr.write("----- %s (last lines)\n%s\n" % (p.name, "\n".join(lines)))
-        super().tearDown()
 
     def released_without_expiry(self, p, where):
         """Polls until the prefill's published blocks are all released by
