@@ -93,6 +93,21 @@ class PrefillFailoverTest(ProdCase):
                 px._expected_exit = True
                 px.stop()
 
+    def test_prefill_retries_back_off(self):
+        """Retries are spaced by a (jittered) backoff, not fired at once."""
+        Ps = [self.mock(p503, name="P%d" % i) for i in range(4)]
+        D = self.mock(pxtest.decode_handler(), name="D")
+        px = self.start(Ps, [D], NO_EJECT + ["--prefill-retries", "3"])
+        self.assertErrorJson(self.post(px), 502)
+        starts = sorted(r.t_start for m in Ps for r in m.requests)
+        self.assertEqual(len(starts), 4)
+        gaps = [b - a for a, b in zip(starts, starts[1:])]
+        self.assertTrue(all(g >= 0.003 for g in gaps), "retry gaps %r s" % gaps)
+        self.assertGreaterEqual(starts[-1] - starts[0], 0.015,
+                                "three retries within %.1f ms: no backoff"
+                                % ((starts[-1] - starts[0]) * 1e3))
+        self.assertLess(starts[-1] - starts[0], 2.0, "backoff far too long: %r" % gaps)
+
     def test_prefill_4xx_not_retried(self):
         P0 = self.mock(lambda req: Respond(400, [("Content-Type", "application/json")],
                                            b'{"error":{"message":"prompt too long"}}'), name="P0")

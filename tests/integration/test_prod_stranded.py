@@ -223,7 +223,8 @@ class Relay:
                 continue
             except OSError:
                 return
-            b = socket.create_connection((e2e.HOST, self.target))
+            b = socket.create_connection((e2e.HOST, self.target), timeout=5)
+            b.settimeout(None)
             if self.up_piece:
                 # A small receive buffer so that slow reading slows the sender.
                 a.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16384)
