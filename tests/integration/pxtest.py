@@ -33,7 +33,6 @@ What it gives a test:
 Every loop here is bounded by a deadline and an iteration count.
 """
 
-import errno
 import http.client
 import json
 import os

@@ -5,10 +5,8 @@ bad values (exit 2), startup time, /healthcheck."""
 import json
 import os
 import re
-import socket
 import sys
 import time
-import unittest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import pxtest  # noqa: E402

@@ -2,13 +2,11 @@
 """Errors: OpenAI-style JSON for client mistakes (400/404/405/413), P's 4xx
 passed through, upstream failures (502/504), D failing mid-stream."""
 
-import json
 import os
 import re
 import sys
 import threading
 import time
-import unittest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import pxtest  # noqa: E402
