@@ -98,11 +98,13 @@ KVC_HIDDEN kvc_status_t kvc_wire_parse_handshake(const uint8_t *body, size_t len
                                                  kvc_wire_hs_t *hs);
 KVC_HIDDEN void kvc_wire_hs_cleanup(kvc_wire_hs_t *hs);
 
-KVC_HIDDEN void kvc_wire_encode_pull(kvc_buf_t *b, uint64_t xfer_id, const kvc_run_t *runs,
-                                     size_t n);
+/* KVC_PULL_RNDV: the consumer can only take rendezvous DATA (device memory). */
+enum { KVC_PULL_RNDV = 1u << 0 };
+KVC_HIDDEN void kvc_wire_encode_pull(kvc_buf_t *b, uint64_t xfer_id, uint16_t flags,
+                                     const kvc_run_t *runs, size_t n);
 /* On KVC_OK *runs is malloc'ed (caller frees); *n may be 0. */
 KVC_HIDDEN kvc_status_t kvc_wire_parse_pull(const uint8_t *p, size_t len, uint64_t *xfer_id,
-                                            kvc_run_t **runs, size_t *n);
+                                            uint16_t *flags, kvc_run_t **runs, size_t *n);
 KVC_HIDDEN void kvc_wire_encode_data_hdr(uint8_t out[KVC_WIRE_DATA_HDR_LEN],
                                          const kvc_wire_data_hdr_t *h);
 KVC_HIDDEN kvc_status_t kvc_wire_parse_data_hdr(const uint8_t *p, size_t len,
@@ -166,7 +168,7 @@ typedef struct {
     void *dev_base; /* CUDA staged: the device memory; else NULL */
     size_t len, block_len;
     kvc_mem_type_t mem_type;
-    bool pool, staged;
+    bool pool, staged, unpinned;
     ucp_mem_h memh;
     void *rkey_buf; /* owned by UCX (ucp_rkey_buffer_release) */
     size_t rkey_len;

@@ -8,7 +8,7 @@
 
 static void region_cleanup(kvc_agent_t *a, kvc_region_t *r) {
     if (r->rkey_buf) ucp_rkey_buffer_release(r->rkey_buf);
-    if (r->staged && a->cuda) kvc_cuda_host_unregister(a->cuda, r->base);
+    if (r->staged && !r->unpinned && a->cuda) kvc_cuda_host_unregister(a->cuda, r->base);
     if (r->memh) ucp_mem_unmap(a->ctx, r->memh);
     memset(r, 0, sizeof(*r));
 }
@@ -88,8 +88,13 @@ static kvc_status_t region_init(kvc_agent_t *a, kvc_region_t *r, const kvc_regio
     }
     kvc_status_t st = map(a, r, NULL, p->len, true, UCS_MEMORY_TYPE_HOST);
     if (st != KVC_OK) return st;
-    st = kvc_cuda_host_register(a->cuda, r->base, r->len);
-    if (st != KVC_OK) return st;
+    /* Pinning makes the copies asynchronous and fast; without it they still
+     * work (pageable), so a refusal is only worth a warning. */
+    if (kvc_cuda_host_register(a->cuda, r->base, r->len) != KVC_OK) {
+        KVC_LOG(a, KVC_LOG_WARN, "cudaHostRegister of the %zu-byte mirror failed: copies unpinned",
+                r->len);
+        r->unpinned = true;
+    }
     r->staged = true;
     r->pool = true;
     r->dev_base = p->base;

@@ -8,7 +8,7 @@
  *                 blob32 worker_address, u64 num_blocks, u32 n_regions,
  *                 n_regions * { u64 base, u64 len, u64 block_len, u8 mem_type,
  *                               u8 flags, blob32 rkey }
- * PULL (AM data): u16 version, u16 0, u32 n_runs, u64 xfer_id,
+ * PULL (AM data): u16 version, u16 flags (KVC_PULL_*), u32 n_runs, u64 xfer_id,
  *                 n_runs * { u64 remote, u64 local, u64 count }
  * DATA header (AM header): u64 xfer_id, u32 region, i32 status,
  *                 u64 local_start, u64 count
@@ -279,13 +279,14 @@ void kvc_wire_hs_cleanup(kvc_wire_hs_t *hs) {
 #define PULL_FIXED 16
 #define RUN_BYTES 24
 
-void kvc_wire_encode_pull(kvc_buf_t *b, uint64_t xfer_id, const kvc_run_t *runs, size_t n) {
+void kvc_wire_encode_pull(kvc_buf_t *b, uint64_t xfer_id, uint16_t flags, const kvc_run_t *runs,
+                          size_t n) {
     if (n > UINT32_MAX) {
         b->failed = true;
         return;
     }
     kvc_buf_u16(b, KVC_WIRE_VERSION);
-    kvc_buf_u16(b, 0);
+    kvc_buf_u16(b, flags);
     kvc_buf_u32(b, (uint32_t)n);
     kvc_buf_u64(b, xfer_id);
     for (size_t i = 0; i < n; i++) {
@@ -295,11 +296,11 @@ void kvc_wire_encode_pull(kvc_buf_t *b, uint64_t xfer_id, const kvc_run_t *runs,
     }
 }
 
-kvc_status_t kvc_wire_parse_pull(const uint8_t *p, size_t len, uint64_t *xfer_id, kvc_run_t **runs,
-                                 size_t *n) {
+kvc_status_t kvc_wire_parse_pull(const uint8_t *p, size_t len, uint64_t *xfer_id, uint16_t *flags,
+                                 kvc_run_t **runs, size_t *n) {
     rd_t r = {p, len, 0, false};
     uint16_t ver = (uint16_t)rd_uint(&r, 2);
-    (void)rd_uint(&r, 2);
+    uint16_t fl = (uint16_t)rd_uint(&r, 2);
     uint32_t cnt = (uint32_t)rd_uint(&r, 4);
     uint64_t id = rd_uint(&r, 8);
     if (r.bad || ver != KVC_WIRE_VERSION || (size_t)cnt != (len - PULL_FIXED) / RUN_BYTES ||
@@ -316,6 +317,7 @@ kvc_status_t kvc_wire_parse_pull(const uint8_t *p, size_t len, uint64_t *xfer_id
         v[i].count = rd_uint(&r, 8);
     }
     *xfer_id = id;
+    *flags = fl;
     *runs = v;
     *n = cnt;
     return KVC_OK;

@@ -211,7 +211,10 @@ static void start_data(kvc_agent_t *a, kvc_xfer_t *x, uint64_t now) {
     x->state = X_DATA;
     if (x->n == 0) return; /* notify only */
 
-    if (x->proto == KVC_PROTO_GET && p->shm) {
+    bool local_host = true;
+    for (size_t r = 0; r < a->n_regions; r++)
+        local_host &= a->regions[r].mem_type == KVC_MEM_HOST || a->regions[r].staged;
+    if (x->proto == KVC_PROTO_GET && p->shm && local_host) {
         x->direct = true; /* copied in slices by advance() */
         return;
     }
@@ -234,7 +237,12 @@ static void start_data(kvc_agent_t *a, kvc_xfer_t *x, uint64_t now) {
         }
         return;
     }
-    kvc_wire_encode_pull(&x->pull, x->id, x->runs, x->nruns);
+    /* Device memory cannot take an eager copy in the handler: ask for
+     * rendezvous only, which UCX receives straight into device memory. */
+    uint16_t flags = 0;
+    for (size_t r = 0; r < a->n_regions; r++)
+        if (a->regions[r].mem_type == KVC_MEM_CUDA && !a->regions[r].staged) flags |= KVC_PULL_RNDV;
+    kvc_wire_encode_pull(&x->pull, x->id, flags, x->runs, x->nruns);
     if (x->pull.failed) {
         xfer_finish(a, x, KVC_ERR_NO_MEMORY, "out of memory");
         return;
@@ -490,6 +498,10 @@ static ucs_status_t data_cb(void *arg, const void *header, size_t hlen, void *da
     }
     kvc_region_t *rg = &a->regions[h.region];
     uint8_t *dst = (uint8_t *)rg->base + h.local_start * rg->block_len;
+    if (!rndv && rg->mem_type == KVC_MEM_CUDA && !rg->staged) {
+        op_error(x, KVC_ERR_PROTOCOL, "push", "eager data for device memory (asked rendezvous)");
+        return UCS_OK;
+    }
     if (!rndv) {
         memcpy(dst, data, len);
         x->bytes_got += len;
@@ -562,7 +574,8 @@ static ucs_status_t pull_cb(void *arg, const void *header, size_t hlen, void *da
     uint64_t xid;
     kvc_run_t *runs = NULL;
     size_t n = 0;
-    kvc_status_t st = kvc_wire_parse_pull(data, len, &xid, &runs, &n);
+    uint16_t flags = 0;
+    kvc_status_t st = kvc_wire_parse_pull(data, len, &xid, &flags, &runs, &n);
     if (st != KVC_OK) {
         KVC_LOG(a, KVC_LOG_WARN, "push: malformed pull request (%zu bytes), dropped", len);
         return UCS_OK;
@@ -605,6 +618,10 @@ static ucs_status_t pull_cb(void *arg, const void *header, size_t hlen, void *da
     rp.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
     rp.cb.send = push_cb;
     rp.user_data = j;
+    if (flags & KVC_PULL_RNDV) {
+        rp.op_attr_mask |= UCP_OP_ATTR_FIELD_FLAGS;
+        rp.flags = UCP_AM_SEND_FLAG_RNDV;
+    }
     size_t k = 0;
     for (size_t i = 0; i < n; i++) {
         for (size_t r = 0; r < a->n_regions; r++) {

@@ -24,7 +24,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
         uint64_t xid;
         kvc_run_t *runs;
         size_t n;
-        if (kvc_wire_parse_pull(buf, size, &xid, &runs, &n) == KVC_OK) free(runs);
+        uint16_t fl;
+        if (kvc_wire_parse_pull(buf, size, &xid, &fl, &runs, &n) == KVC_OK) free(runs);
         break;
     }
     case 2: {

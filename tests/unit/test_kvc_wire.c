@@ -144,17 +144,19 @@ static void test_handshake_truncated_and_corrupt(void **state) {
 static void test_pull_and_data(void **state) {
     kvc_run_t runs[3] = {{1, 2, 3}, {10, 20, 1}, {UINT64_MAX, 0, 7}};
     kvc_buf_t b = {0};
-    kvc_wire_encode_pull(&b, 42, runs, 3);
+    kvc_wire_encode_pull(&b, 42, KVC_PULL_RNDV, runs, 3);
     uint64_t id;
     kvc_run_t *out;
     size_t n;
-    assert_int_equal(kvc_wire_parse_pull(b.p, b.len, &id, &out, &n), KVC_OK);
+    uint16_t fl = 0;
+    assert_int_equal(kvc_wire_parse_pull(b.p, b.len, &id, &fl, &out, &n), KVC_OK);
+    assert_int_equal(fl, KVC_PULL_RNDV);
     assert_int_equal(id, 42);
     assert_int_equal(n, 3);
     assert_memory_equal(out, runs, sizeof(runs));
     free(out);
     for (size_t k = 0; k < b.len; k++)
-        assert_int_equal(kvc_wire_parse_pull(b.p, k, &id, &out, &n), KVC_ERR_PROTOCOL);
+        assert_int_equal(kvc_wire_parse_pull(b.p, k, &id, &fl, &out, &n), KVC_ERR_PROTOCOL);
     kvc_buf_cleanup(&b);
 
     kvc_wire_data_hdr_t h = {7, 3, -5, 100, 8}, g;
