@@ -24,6 +24,7 @@ class Peer:
     def __init__(self, engine, *args, env=None):
         e = dict(os.environ)
         e.setdefault("KVC_LOG_LEVEL", "debug")
+        e.setdefault("UCX_LOG_FILE", "/dev/stderr")  # UCX logs to stdout by default
         e.update(env or {})
         self.engine = engine
         self.errpath = "/tmp/kvc_test_%d_%s.err" % (os.getpid(), engine)
@@ -52,7 +53,10 @@ class Peer:
                                          % (self.engine, self.p.poll(), self.stderr()))
                 self.buf += chunk
         line, self.buf = self.buf.split(b"\n", 1)
-        return line.decode()
+        line = line.decode()
+        if line.startswith("[") and " UCX " in line:  # a UCX log line, not ours
+            return self.readline(deadline)
+        return line
 
     def expect(self, prefix, timeout=WAIT):
         deadline = time.monotonic() + timeout
