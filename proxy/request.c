@@ -66,6 +66,8 @@ struct px_req {
     int counted; /* holds one of the server's in-flight slots */
     int released_via_decode;
     uint64_t t0, t_prefill, t_first;
+    uint64_t prefill_deadline; /* --prefill-timeout covers every attempt; 0: none */
+    struct event *idle_timer;  /* owned: --decode-idle-timeout */
     size_t bytes_out;
 };
 
@@ -79,6 +81,7 @@ static void req_free(px_req *r) {
     px_backend_done(&r->s->prefill, r->pb, PX_OUT_CANCELLED);
     px_backend_done(&r->s->decode, r->db, PX_OUT_CANCELLED);
     if (r->retry_timer) event_free(r->retry_timer);
+    if (r->idle_timer) event_free(r->idle_timer);
     if (r->counted) atomic_fetch_sub(&r->s->inflight, 1);
     px_buf_cleanup(&r->body);
     px_buf_cleanup(&r->pbody);
@@ -292,9 +295,35 @@ static int start_upstream(px_req *r, px_backend *b, const char *path, const px_b
 
 /* ---------- decode ---------- */
 
+/* --decode-idle-timeout: no byte from decode for that long ends the request.
+ * Our own timer, re-armed on every byte, since curl's low-speed check
+ * averages over several seconds. */
+static void on_idle_timer(evutil_socket_t fd, short what, void *arg) {
+    px_req *r = arg;
+    px_upstream_cancel(r->up);
+    r->up = NULL;
+    px_backend_done(&r->s->decode, r->db, PX_OUT_TIMEOUT);
+    r->db = NULL;
+    if (r->state == RS_RELEASING) {
+        req_end(r, 499, "client_disconnected");
+        return;
+    }
+    req_fail(r, 504, NULL, "decode %s sent nothing for --decode-idle-timeout %gs", r->dname,
+             r->s->cfg->decode_idle_timeout);
+}
+
+static void touch_idle(px_req *r) {
+    double s = r->s->cfg->decode_idle_timeout;
+    if (s <= 0) return;
+    if (!r->idle_timer) r->idle_timer = evtimer_new(r->w->base, on_idle_timer, r);
+    struct timeval tv = {(time_t)s, (suseconds_t)((s - (double)(time_t)s) * 1e6)};
+    evtimer_add(r->idle_timer, &tv);
+}
+
 static void decode_headers(void *arg, int status, const char *ctype) {
     px_req *r = arg;
     r->dstatus = status;
+    touch_idle(r);
     if (r->state == RS_RELEASING) return;
     r->t_first = px_now_ns();
     set_state(r, RS_STREAM);
@@ -304,8 +333,11 @@ static void decode_headers(void *arg, int status, const char *ctype) {
 static int decode_data(void *arg, const char *p, size_t n) {
     px_req *r = arg;
     if (!r->conn) return -1;
+    touch_idle(r);
     if (px_conn_pending(r->conn) >= PX_CONN_HIGH_WATER) {
+        /* The client is the slow one: decode's silence while paused is ours. */
         r->paused = 1;
+        if (r->idle_timer) evtimer_del(r->idle_timer);
         return 1;
     }
     px_conn_stream_write(r->conn, p, n);
@@ -316,6 +348,7 @@ static int decode_data(void *arg, const char *p, size_t n) {
 static void decode_done(void *arg, CURLcode rc, const char *errbuf, int connected) {
     px_req *r = arg;
     r->up = NULL; /* freed by the upstream module when this returns */
+    if (r->idle_timer) evtimer_del(r->idle_timer);
     px_outcome o = outcome_of(rc, r->dstatus);
     const char *why = errbuf[0] ? errbuf : curl_easy_strerror(rc);
     if (r->state == RS_RELEASING && connected) {
@@ -389,13 +422,12 @@ static void start_decode(px_req *r) {
     snprintf(r->dname, sizeof r->dname, "%s", r->db->name);
     if (r->ntried_d < MAX_TRIES) r->tried_d[r->ntried_d++] = r->db;
     if (r->state != RS_RELEASING) set_state(r, RS_DECODE);
-    long idle = (long)r->s->cfg->decode_idle_timeout;
-    if (r->s->cfg->decode_idle_timeout > 0 && idle < 1) idle = 1;
     if (start_upstream(r, r->db, ep_paths[r->ep], r->ep == PX_EP_MODELS ? NULL : &r->dbody,
-                       r->hdrs_d, &decode_cbs, 0, idle) < 0) {
+                       r->hdrs_d, &decode_cbs, 0, 0) < 0) {
         req_fail(r, 502, NULL, "decode %s: cannot start the request", r->dname);
         return;
     }
+    touch_idle(r);
     /* Releasing: the body only has to reach decode. */
     if (r->state == RS_RELEASING) px_upstream_abort_after_upload(r->up);
 }
@@ -548,7 +580,18 @@ static void start_prefill(px_req *r) {
     snprintf(r->pname, sizeof r->pname, "%s", r->pb->name);
     if (r->ntried_p < MAX_TRIES) r->tried_p[r->ntried_p++] = r->pb;
     set_state(r, RS_PREFILL);
-    long ptimeout = (long)(r->s->cfg->prefill_timeout * 1000);
+    long ptimeout = 0;
+    if (r->prefill_deadline) {
+        uint64_t now = px_now_ns();
+        if (now + 1000000 >= r->prefill_deadline) {
+            px_backend_done(&r->s->prefill, r->pb, PX_OUT_CANCELLED);
+            r->pb = NULL;
+            req_fail(r, 504, NULL, "prefill did not answer within --prefill-timeout %gs",
+                     r->s->cfg->prefill_timeout);
+            return;
+        }
+        ptimeout = (long)((r->prefill_deadline - now) / 1000000);
+    }
     if (start_upstream(r, r->pb, ep_paths[r->ep], &r->pbody, r->hdrs_p, &prefill_cbs, ptimeout, 0) <
         0)
         req_fail(r, 502, NULL, "prefill %s: cannot start the request", r->pname);
@@ -563,9 +606,9 @@ static void client_gone(void *arg) {
                      : r->state == RS_DECODE ? PX_PHASE_DECODE
                                              : PX_PHASE_PREFILL;
     px_m_inc(&r->w->metrics.disconnects[phase]);
-    if (r->state == RS_PREFILL && r->up && px_upstream_readable(r->up)) {
-        /* Prefill has already answered: its blocks are published. Finish
-         * reading, then release them through decode. */
+    if (r->state == RS_PREFILL && r->up && px_upstream_answering(r->up)) {
+        /* Prefill has answered, or started to: its blocks are published.
+         * Finish reading, then release them through decode. */
         set_state(r, RS_RELEASING);
         return;
     }
@@ -585,6 +628,7 @@ static void client_drained(void *arg) {
     px_req *r = arg;
     if (r->paused && r->up) {
         r->paused = 0;
+        touch_idle(r);
         px_upstream_resume(r->up);
     }
 }
@@ -669,5 +713,7 @@ void px_req_start(px_worker *w, px_conn *c, px_endpoint ep, const px_http_head *
     }
     px_rewrite_prefill(r->body.data, r->body.len, &r->pbody);
     if (r->s->prefill.cfg.policy == PX_POLICY_PREFIX_AFFINITY) find_key(r);
+    if (r->s->cfg->prefill_timeout > 0)
+        r->prefill_deadline = r->t0 + (uint64_t)(r->s->cfg->prefill_timeout * 1e9);
     start_prefill(r);
 }

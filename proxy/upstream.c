@@ -291,8 +291,9 @@ void px_upstream_cancel(px_upstream *u)
     free_up(u);
 }
 
-int px_upstream_readable(px_upstream *u)
+int px_upstream_answering(px_upstream *u)
 {
+    if (u->headers_seen) return 1;
     curl_socket_t fd = CURL_SOCKET_BAD;
     if (curl_easy_getinfo(u->easy, CURLINFO_ACTIVESOCKET, &fd) != CURLE_OK ||
         fd == CURL_SOCKET_BAD)

@@ -50,9 +50,9 @@ px_upstream *px_upstream_start(px_uploop *l, const char *method, const char *url
                                const char *body, size_t len, struct curl_slist *hdrs,
                                const px_upstream_opts *o, const px_upstream_cbs *cbs, void *arg);
 
-/* Whether the backend has already sent something on the connection that
- * has not been read yet (its answer may be waiting). */
-int px_upstream_readable(px_upstream *u);
+/* Whether the backend has started answering: its response head arrived, or
+ * bytes wait unread on the connection. */
+int px_upstream_answering(px_upstream *u);
 
 /* Arranges for the transfer to be aborted as soon as the whole request body
  * has been handed to the connection (needs opts.track_upload). Returns 1
