@@ -9,8 +9,7 @@
 
 /* Appends the prompt's text (completions) or rendered messages (chat).
  * Returns NULL or an error message. */
-static const char *prompt_text(int chat, const cJSON *body, px_buf *out)
-{
+static const char *prompt_text(int chat, const cJSON *body, px_buf *out) {
     if (!chat) {
         const cJSON *p = cJSON_GetObjectItemCaseSensitive(body, "prompt");
         if (cJSON_IsArray(p) && cJSON_GetArraySize(p) == 1) p = cJSON_GetArrayItem(p, 0);
@@ -22,8 +21,7 @@ static const char *prompt_text(int chat, const cJSON *body, px_buf *out)
     if (!cJSON_IsArray(msgs) || cJSON_GetArraySize(msgs) == 0)
         return "'messages' must be a non-empty array";
     const cJSON *m;
-    cJSON_ArrayForEach(m, msgs)
-    {
+    cJSON_ArrayForEach(m, msgs) {
         const cJSON *role = cJSON_GetObjectItemCaseSensitive(m, "role");
         const cJSON *content = cJSON_GetObjectItemCaseSensitive(m, "content");
         if (!cJSON_IsString(role)) return "each message needs a string 'role'";
@@ -32,8 +30,7 @@ static const char *prompt_text(int chat, const cJSON *body, px_buf *out)
             px_buf_appends(out, content->valuestring);
         } else if (cJSON_IsArray(content)) {
             const cJSON *part;
-            cJSON_ArrayForEach(part, content)
-            {
+            cJSON_ArrayForEach(part, content) {
                 const cJSON *t = cJSON_GetObjectItemCaseSensitive(part, "text");
                 if (!cJSON_IsString(t)) return "message content parts need 'text'";
                 px_buf_appends(out, t->valuestring);
@@ -47,8 +44,7 @@ static const char *prompt_text(int chat, const cJSON *body, px_buf *out)
     return NULL;
 }
 
-static int kvp_valid_for_decode(const cJSON *kvp)
-{
+static int kvp_valid_for_decode(const cJSON *kvp) {
     const cJSON *ids = cJSON_GetObjectItemCaseSensitive(kvp, "remote_block_ids");
     const cJSON *eid = cJSON_GetObjectItemCaseSensitive(kvp, "remote_engine_id");
     const cJSON *rid = cJSON_GetObjectItemCaseSensitive(kvp, "remote_request_id");
@@ -62,16 +58,14 @@ static int kvp_valid_for_decode(const cJSON *kvp)
  * cannot hold is undefined behaviour in C, so only integral values in
  * range are converted: negatives wrap as they would in int64_t (what the
  * plain cast did on x86-64), anything else (fractions aside) gives 0. */
-static uint64_t seed_from_double(double v)
-{
+static uint64_t seed_from_double(double v) {
     if (v >= 0 && v < 18446744073709551616.0) return (uint64_t)v;
     if (v < 0 && v > -9223372036854775808.0) return (uint64_t)(int64_t)v;
     return 0;
 }
 
 int sim_parse_request(int chat, const char *body, size_t len, const char *model, sim_parsed *out,
-                      char *err, size_t errlen)
-{
+                      char *err, size_t errlen) {
     memset(out, 0, sizeof *out);
     cJSON *doc = cJSON_ParseWithLength(body ? body : "", len);
     if (!cJSON_IsObject(doc)) {
@@ -113,8 +107,7 @@ int sim_parse_request(int chat, const char *body, size_t len, const char *model,
     px_buf_cleanup(&text);
     out->stream = cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(doc, "stream"));
     const cJSON *so = cJSON_GetObjectItemCaseSensitive(doc, "stream_options");
-    out->include_usage =
-        so && cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(so, "include_usage"));
+    out->include_usage = so && cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(so, "include_usage"));
     const cJSON *seed = cJSON_GetObjectItemCaseSensitive(doc, "seed");
     out->seed = cJSON_IsNumber(seed) ? seed_from_double(seed->valuedouble) : 0;
 
@@ -136,8 +129,7 @@ int sim_parse_request(int chat, const char *body, size_t len, const char *model,
     return 0;
 }
 
-void sim_parsed_cleanup(sim_parsed *p)
-{
+void sim_parsed_cleanup(sim_parsed *p) {
     free(p->tok);
     cJSON_Delete(p->kvp);
     memset(p, 0, sizeof *p);

@@ -12,15 +12,15 @@
 typedef enum { SIM_MODE_LOCAL, SIM_MODE_PREFILL, SIM_MODE_DECODE } sim_mode;
 
 typedef struct sim_parsed {
-    uint32_t *tok;    /* owned: the prompt's token ids (may be NULL when ntok is 0) */
-    size_t ntok;      /* 0: empty prompt; the engine answers 400 */
-    int max_tokens;   /* 1..100000, 16 when absent or null */
+    uint32_t *tok;  /* owned: the prompt's token ids (may be NULL when ntok is 0) */
+    size_t ntok;    /* 0: empty prompt; the engine answers 400 */
+    int max_tokens; /* 1..100000, 16 when absent or null */
     int stream;
     int include_usage;
     uint64_t seed;
     sim_mode mode;
-    cJSON *kvp;       /* owned: decode's kv_transfer_params; set only for SIM_MODE_DECODE */
-    int kvp_invalid;  /* do_remote_prefill with unusable params: recompute locally */
+    cJSON *kvp;      /* owned: decode's kv_transfer_params; set only for SIM_MODE_DECODE */
+    int kvp_invalid; /* do_remote_prefill with unusable params: recompute locally */
 } sim_parsed;
 
 /* Parses body[0..len) for /v1/chat/completions (chat != 0) or

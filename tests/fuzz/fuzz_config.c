@@ -15,15 +15,13 @@
 
 static FILE *devnull;
 
-int LLVMFuzzerInitialize(int *argc, char ***argv)
-{
+int LLVMFuzzerInitialize(int *argc, char ***argv) {
     devnull = fopen("/dev/null", "w");
     if (!devnull) abort();
     return 0;
 }
 
-int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
-{
+int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     char *parts[MAX_PARTS];
     size_t nparts = 0, off = 0;
     while (off <= size && nparts < MAX_PARTS) {
@@ -45,10 +43,12 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     char prog[] = "pdproxy";
     int argc = 0;
     argv[argc++] = prog;
-    for (size_t i = 0; i < nargs; i++) argv[argc++] = parts[1 + i];
+    for (size_t i = 0; i < nargs; i++)
+        argv[argc++] = parts[1 + i];
     argv[argc] = NULL;
     size_t nenv = 0;
-    for (size_t i = 1 + nargs; i < nparts; i++) envp[nenv++] = parts[i];
+    for (size_t i = 1 + nargs; i < nparts; i++)
+        envp[nenv++] = parts[i];
     envp[nenv] = NULL;
 
     px_config c;
@@ -67,6 +67,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         px_config_dump(&c, devnull);
     }
     px_config_cleanup(&c);
-    for (size_t i = 0; i < nparts; i++) free(parts[i]);
+    for (size_t i = 0; i < nparts; i++)
+        free(parts[i]);
     return 0;
 }

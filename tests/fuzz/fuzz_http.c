@@ -9,15 +9,14 @@
 #include "fuzz_common.h"
 #include "http.h"
 
-static int64_t cl_value(const px_http_header *hd)
-{
+static int64_t cl_value(const px_http_header *hd) {
     int64_t x = 0;
-    for (size_t i = 0; i < hd->value_len; i++) x = x * 10 + (hd->value[i] - '0');
+    for (size_t i = 0; i < hd->value_len; i++)
+        x = x * 10 + (hd->value[i] - '0');
     return x;
 }
 
-static void check_head(const char *buf, size_t n)
-{
+static void check_head(const char *buf, size_t n) {
     px_http_head h;
     const char *why = NULL;
     int st = px_http_parse_head(buf, n, &h, &why);
@@ -38,7 +37,8 @@ static void check_head(const char *buf, size_t n)
         FZ_CHECK(hd->name_len > 0 && fz_inside(hd->name, hd->name_len, buf, n));
         FZ_CHECK(fz_inside(hd->value, hd->value_len, buf, n));
         /* Nothing that could end a line or fold one survives into a value. */
-        FZ_CHECK(!memchr(hd->value, '\r', hd->value_len) && !memchr(hd->value, '\n', hd->value_len));
+        FZ_CHECK(!memchr(hd->value, '\r', hd->value_len) &&
+                 !memchr(hd->value, '\n', hd->value_len));
         FZ_CHECK(!memchr(hd->value, '\0', hd->value_len));
         if (hd->value_len) {
             FZ_CHECK(hd->value[0] != ' ' && hd->value[0] != '\t');
@@ -67,8 +67,7 @@ static void check_head(const char *buf, size_t n)
     if (h.chunked) FZ_CHECK(h.content_length == -1 && h.minor == 1);
 }
 
-static int hexval(char c)
-{
+static int hexval(char c) {
     if (c >= '0' && c <= '9') return c - '0';
     if (c >= 'a' && c <= 'f') return c - 'a' + 10;
     if (c >= 'A' && c <= 'F') return c - 'A' + 10;
@@ -83,8 +82,7 @@ static int hexval(char c)
  * Sizes stop growing past 2^40 (the decoder refuses more digits). Returns
  * the bytes consumed (all of them while incomplete), -1 or -2 (over max),
  * with *done set once the body is complete. */
-static long ref_chunked(const char *in, size_t n, size_t max, px_buf *out, int *done)
-{
+static long ref_chunked(const char *in, size_t n, size_t max, px_buf *out, int *done) {
     size_t i = 0;
     *done = 0;
     for (;;) {
@@ -100,7 +98,8 @@ static long ref_chunked(const char *in, size_t n, size_t max, px_buf *out, int *
             return i + 1 == n ? (long)n : -1;
         }
         if (in[i] == ' ' || in[i] == '\t' || in[i] == ';')
-            while (i < n && in[i] != '\r' && in[i] != '\n') i++;
+            while (i < n && in[i] != '\r' && in[i] != '\n')
+                i++;
         if (i == n) return (long)i;
         if (in[i++] != '\r') return -1;
         if (i == n) return (long)i;
@@ -123,7 +122,8 @@ static long ref_chunked(const char *in, size_t n, size_t max, px_buf *out, int *
             *done = 1;
             return (long)i;
         }
-        while (i < n && in[i] != '\r' && in[i] != '\n') i++;
+        while (i < n && in[i] != '\r' && in[i] != '\n')
+            i++;
         if (i == n) return (long)i;
         if (in[i++] != '\r') return -1; /* a bare LF */
         if (i == n) return (long)i;
@@ -133,8 +133,7 @@ static long ref_chunked(const char *in, size_t n, size_t max, px_buf *out, int *
 
 /* Decodes in[0..n) with pieces of random length. Returns the feed's final
  * status (consumed total, -1 or -2) and leaves the output in out. */
-static long decode_split(const char *in, size_t n, size_t max, uint64_t *rng, px_buf *out)
-{
+static long decode_split(const char *in, size_t n, size_t max, uint64_t *rng, px_buf *out) {
     px_chunked c;
     px_chunked_init(&c);
     size_t off = 0;
@@ -156,8 +155,7 @@ static long decode_split(const char *in, size_t n, size_t max, uint64_t *rng, px
     return (long)off;
 }
 
-static void check_chunked(const char *in, size_t n, uint64_t seed)
-{
+static void check_chunked(const char *in, size_t n, uint64_t seed) {
     size_t max = (seed >> 8) % 2 ? (size_t)(seed >> 16) % 4096 : 1u << 20;
     px_chunked c;
     px_chunked_init(&c);
@@ -200,8 +198,7 @@ static void check_chunked(const char *in, size_t n, uint64_t seed)
     px_buf_cleanup(&split);
 }
 
-int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
-{
+int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     const char *d = (const char *)data;
     const char *eoh = size >= 4 ? memmem(d, size, "\r\n\r\n", 4) : NULL;
     size_t head_len;

@@ -13,8 +13,7 @@
 
 /* Decodes a validated key and checks px_json_str_eq and px_json_find
  * against the decoded text. */
-static void check_key(const char *buf, size_t n, const px_json_member *m)
-{
+static void check_key(const char *buf, size_t n, const px_json_member *m) {
     char *dec = malloc(m->key_len + 1);
     if (!dec) abort();
     long dl = px_json_str_decode(m->key, m->key_len, dec, m->key_len + 1);
@@ -45,8 +44,7 @@ static void check_key(const char *buf, size_t n, const px_json_member *m)
     free(dec);
 }
 
-static void walk_object(const char *buf, size_t n, const char *obj, size_t len, int depth)
-{
+static void walk_object(const char *buf, size_t n, const char *obj, size_t len, int depth) {
     px_json_iter it;
     px_json_member m;
     int r, count = 0;
@@ -68,15 +66,16 @@ static void walk_object(const char *buf, size_t n, const char *obj, size_t len, 
     FZ_CHECK(r == 0 || count > 100000);
 }
 
-int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
-{
+int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     char *buf = fz_dup(data, size);
     char err[48];
     memset(err, 'x', sizeof err);
     px_json_type t = px_json_validate(buf, size, err, sizeof err);
     FZ_CHECK(memchr(err, '\0', sizeof err) != NULL);
-    if (t == PX_JSON_INVALID) FZ_CHECK(err[0] != '\0');
-    else FZ_CHECK(t >= PX_JSON_OBJECT && t <= PX_JSON_NULL);
+    if (t == PX_JSON_INVALID)
+        FZ_CHECK(err[0] != '\0');
+    else
+        FZ_CHECK(t >= PX_JSON_OBJECT && t <= PX_JSON_NULL);
 
     if (t == PX_JSON_OBJECT) {
         walk_object(buf, size, buf, size, 0);

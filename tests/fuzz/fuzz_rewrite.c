@@ -21,14 +21,13 @@
 #include "json.h"
 #include "rewrite.h"
 
-static const char *const dropped[] = {"kv_transfer_params", "stream", "stream_options",
-                                      "max_tokens", "max_completion_tokens", "min_tokens",
-                                      "min_completion_tokens"};
+static const char *const dropped[] = {
+    "kv_transfer_params",    "stream",     "stream_options",       "max_tokens",
+    "max_completion_tokens", "min_tokens", "min_completion_tokens"};
 #define NDROPPED (sizeof dropped / sizeof *dropped)
 
 /* Index into `dropped` of a key, or -1. */
-static int drop_index(const px_json_member *m, size_t ndrop)
-{
+static int drop_index(const px_json_member *m, size_t ndrop) {
     for (size_t i = 0; i < ndrop; i++)
         if (px_json_str_eq(m->key, m->key_len, dropped[i])) return (int)i;
     return -1;
@@ -41,8 +40,7 @@ typedef struct counts {
     size_t last_len[NDROPPED];
 } counts;
 
-static void count_members(const char *s, size_t n, counts *c)
-{
+static void count_members(const char *s, size_t n, counts *c) {
     px_json_iter it;
     px_json_member m;
     int r;
@@ -60,13 +58,11 @@ static void count_members(const char *s, size_t n, counts *c)
     FZ_CHECK(r == 0);
 }
 
-static int span_is(const char *p, size_t n, const char *lit)
-{
+static int span_is(const char *p, size_t n, const char *lit) {
     return p && strlen(lit) == n && memcmp(p, lit, n) == 0;
 }
 
-static void check_prefill(const char *body, size_t n, const counts *in)
-{
+static void check_prefill(const char *body, size_t n, const counts *in) {
     px_buf out;
     px_buf_init(&out);
     FZ_CHECK(px_rewrite_prefill(body, n, &out) == 0);
@@ -82,15 +78,15 @@ static void check_prefill(const char *body, size_t n, const counts *in)
     if (c.per_drop[4]) FZ_CHECK(span_is(c.last_val[4], c.last_len[4], "1"));
     FZ_CHECK(c.per_drop[5] == 0 && c.per_drop[6] == 0);
     size_t in_dropped = 0;
-    for (size_t i = 0; i < NDROPPED; i++) in_dropped += in->per_drop[i];
+    for (size_t i = 0; i < NDROPPED; i++)
+        in_dropped += in->per_drop[i];
     FZ_CHECK(c.members == in->members - in_dropped + 3 + (in->per_drop[4] ? 1 : 0));
     free(o);
     px_buf_cleanup(&out);
 }
 
 static void check_decode(const char *body, size_t n, const counts *in, const char *kvp,
-                         size_t kvp_len)
-{
+                         size_t kvp_len) {
     px_buf out;
     px_buf_init(&out);
     FZ_CHECK(px_rewrite_decode(body, n, kvp, kvp_len, &out) == 0);
@@ -106,13 +102,13 @@ static void check_decode(const char *body, size_t n, const counts *in, const cha
         FZ_CHECK(c.per_drop[0] == 0);
     }
     FZ_CHECK(c.members == in->members - in->per_drop[0] + (kvp ? 1 : 0));
-    for (size_t i = 1; i < NDROPPED; i++) FZ_CHECK(c.per_drop[i] == in->per_drop[i]);
+    for (size_t i = 1; i < NDROPPED; i++)
+        FZ_CHECK(c.per_drop[i] == in->per_drop[i]);
     free(o);
     px_buf_cleanup(&out);
 }
 
-int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
-{
+int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     const uint8_t *nul = memchr(data, '\0', size);
     size_t blen = nul ? (size_t)(nul - data) : size;
     const uint8_t *a = nul ? nul + 1 : data;

@@ -25,8 +25,7 @@ static const char good_kvp[] =
     "\"remote_engine_id\":\"p0\",\"remote_request_id\":\"cmpl-x-1\","
     "\"remote_host\":\"10.0.0.7\",\"remote_port\":5600,\"tp_size\":1}";
 
-static int parse(int chat, const char *body, size_t len, sim_parsed *p)
-{
+static int parse(int chat, const char *body, size_t len, sim_parsed *p) {
     char err[256];
     memset(err, 'x', sizeof err);
     char *b = fz_dup(body, len);
@@ -40,7 +39,8 @@ static int parse(int chat, const char *body, size_t len, sim_parsed *p)
     }
     FZ_CHECK(p->max_tokens >= 1 && p->max_tokens <= 100000);
     FZ_CHECK(p->ntok == 0 || p->tok != NULL);
-    for (size_t i = 0; i < p->ntok; i++) FZ_CHECK(p->tok[i] >= 1 && p->tok[i] <= 32000);
+    for (size_t i = 0; i < p->ntok; i++)
+        FZ_CHECK(p->tok[i] >= 1 && p->tok[i] <= 32000);
     FZ_CHECK(p->mode == SIM_MODE_LOCAL || p->mode == SIM_MODE_PREFILL ||
              p->mode == SIM_MODE_DECODE);
     if (p->mode != SIM_MODE_DECODE) FZ_CHECK(p->kvp == NULL);
@@ -48,8 +48,7 @@ static int parse(int chat, const char *body, size_t len, sim_parsed *p)
     return 0;
 }
 
-int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
-{
+int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     if (size == 0) return 0;
     int chat = data[0] & 1;
     const char *body = (const char *)data + 1;
