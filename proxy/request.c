@@ -13,6 +13,8 @@
  * this is a broken engine, not a big request. */
 #define PREFILL_MAX_ANSWER (8 * 1024 * 1024)
 #define MAX_TRIES 16
+/* How long a prefill whose client left gets to answer before it is cut. */
+#define PREFILL_GRACE_US 50000
 
 typedef enum {
     RS_NEW,
@@ -68,6 +70,7 @@ struct px_req {
     uint64_t t0, t_prefill, t_first;
     uint64_t prefill_deadline; /* --prefill-timeout covers every attempt; 0: none */
     struct event *idle_timer;  /* owned: --decode-idle-timeout */
+    struct event *grace_timer; /* owned: a prefill whose client left may still answer */
     size_t bytes_out;
 };
 
@@ -82,6 +85,7 @@ static void req_free(px_req *r) {
     px_backend_done(&r->s->decode, r->db, PX_OUT_CANCELLED);
     if (r->retry_timer) event_free(r->retry_timer);
     if (r->idle_timer) event_free(r->idle_timer);
+    if (r->grace_timer) event_free(r->grace_timer);
     if (r->counted) atomic_fetch_sub(&r->s->inflight, 1);
     px_buf_cleanup(&r->body);
     px_buf_cleanup(&r->pbody);
@@ -494,6 +498,7 @@ static void on_retry_timer(evutil_socket_t fd, short what, void *arg) {
 static void prefill_done(void *arg, CURLcode rc, const char *errbuf, int connected) {
     px_req *r = arg;
     r->up = NULL;
+    if (r->grace_timer) evtimer_del(r->grace_timer); /* it answered in time */
     px_outcome o = outcome_of(rc, r->pstatus);
     if (r->too_big) o = PX_OUT_SERVER_ERR;
     px_backend_done(&r->s->prefill, r->pb, o);
@@ -599,6 +604,14 @@ static void start_prefill(px_req *r) {
 
 /* ---------- the client ---------- */
 
+/* The client left during prefill and prefill did not answer in its grace. */
+static void on_grace_timer(evutil_socket_t fd, short what, void *arg) {
+    px_req *r = arg;
+    finish_log(r, 499, "client_disconnected");
+    set_state(r, RS_CLOSING);
+    req_free(r); /* cancels prefill, closing its connection */
+}
+
 static void client_gone(void *arg) {
     px_req *r = arg;
     r->conn = NULL;
@@ -606,10 +619,18 @@ static void client_gone(void *arg) {
                      : r->state == RS_DECODE ? PX_PHASE_DECODE
                                              : PX_PHASE_PREFILL;
     px_m_inc(&r->w->metrics.disconnects[phase]);
-    if (r->state == RS_PREFILL && r->up && px_upstream_answering(r->up)) {
-        /* Prefill has answered, or started to: its blocks are published.
-         * Finish reading, then release them through decode. */
+    if (r->state == RS_PREFILL && r->up) {
+        /* Prefill publishes its blocks just before its answer leaves: a
+         * client leaving near that moment would strand them if we cut the
+         * connection. So prefill gets a short grace (well inside the 100 ms
+         * in which a cancelled upstream must close) to answer; an answer
+         * goes on to the release through decode, silence is cut. */
         set_state(r, RS_RELEASING);
+        if (!px_upstream_answering(r->up)) {
+            if (!r->grace_timer) r->grace_timer = evtimer_new(r->w->base, on_grace_timer, r);
+            struct timeval tv = {0, PREFILL_GRACE_US};
+            evtimer_add(r->grace_timer, &tv);
+        }
         return;
     }
     if (r->state == RS_DECODE && r->up && r->ep != PX_EP_MODELS &&
