@@ -3,5 +3,5 @@
 # and the wrk scripts run against engine-sim + pdproxy on loopback.
 # Included from tests/CMakeLists.txt, hence PROJECT_SOURCE_DIR.
 add_test(NAME integration.deploy COMMAND ${PROJECT_SOURCE_DIR}/deploy/check.sh)
-set_tests_properties(integration.deploy PROPERTIES LABELS integration TIMEOUT 600
+set_tests_properties(integration.deploy PROPERTIES LABELS "integration;deploy" TIMEOUT 600
                      ENVIRONMENT "${PX_TEST_ENV}")
