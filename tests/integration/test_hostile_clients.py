@@ -164,7 +164,8 @@ class SlowlorisTest(HostileCase):
         self.assertIsNotNone(st["t_eof"], "%s: connection not closed after the 408" % what)
         self.assertLess(st["t_eof"] - st["t_ans"], 1.0, "%s: close %.2fs after the 408"
                         % (what, st["t_eof"] - st["t_ans"]))
-        self.assertLess(st["sent"], 12, "%s: %d bytes were taken before the 408" % (what, st["sent"]))
+        self.assertLess(st["sent"], 12, "%s: %d bytes were taken before the 408"
+                        % (what, st["sent"]))
 
     def test_slowloris_connections_get_408_and_close(self):
         px = self.pd(["--client-header-timeout", "1"])
@@ -386,51 +387,51 @@ def smuggling_shapes():
     body = good_body()
     sm = smuggled_request(0)
     chunked = b"%x\r\n" % len(body) + body + b"\r\n0\r\n\r\n"
+    n, nc, ns = len(body), len(chunked), len(sm)
+
+    def add(name, status, fields, payload, head=H):
+        out.append((name, head + fields + b"\r\n" + payload + sm, status))
+
     # CL.TE: a front end trusting Content-Length sees one request; one trusting
     # Transfer-Encoding sees a second one (the smuggled request).
-    out.append(("CL then TE", H + b"Content-Length: %d\r\nTransfer-Encoding: chunked\r\n\r\n"
-                % (len(chunked) + len(sm)) + chunked, 400))
-    out.append(("TE then CL", H + b"Transfer-Encoding: chunked\r\nContent-Length: %d\r\n\r\n"
-                % len(chunked) + chunked, 400))
-    out.append(("TE then CL, short CL", H + b"Transfer-Encoding: chunked\r\nContent-Length: 4\r\n\r\n"
-                + chunked, 400))
-    out.append(("CL and TE, odd case", H + b"content-LENGTH: %d\r\ntransfer-encoding: CHUNKED\r\n\r\n"
-                % len(chunked) + chunked, 400))
-    out.append(("CL and TE, CL zero", H + b"Content-Length: 0\r\nTransfer-Encoding: chunked\r\n\r\n"
-                + chunked, 400))
+    add("CL then TE", 400,
+        b"Content-Length: %d\r\nTransfer-Encoding: chunked\r\n" % (nc + ns), chunked)
+    add("TE then CL", 400, b"Transfer-Encoding: chunked\r\nContent-Length: %d\r\n" % nc, chunked)
+    add("TE then CL, short CL", 400,
+        b"Transfer-Encoding: chunked\r\nContent-Length: 4\r\n", chunked)
+    add("CL and TE, odd case", 400,
+        b"content-LENGTH: %d\r\ntransfer-encoding: CHUNKED\r\n" % nc, chunked)
+    add("CL and TE, CL zero", 400, b"Content-Length: 0\r\nTransfer-Encoding: chunked\r\n", chunked)
     # Two different Content-Lengths: one covers the smuggled request, one not.
-    out.append(("two Content-Lengths", H + b"Content-Length: %d\r\nContent-Length: %d\r\n\r\n"
-                % (len(body), len(body) + len(sm)) + body, 400))
-    out.append(("two Content-Lengths, zero first", H + b"Content-Length: 0\r\nContent-Length: %d\r\n\r\n"
-                % len(body) + body, 400))
-    out.append(("Content-Length list", H + b"Content-Length: %d, %d\r\n\r\n"
-                % (len(body), len(body) + len(sm)) + body, 400))
-    out.append(("Content-Length with sign", H + b"Content-Length: +%d\r\n\r\n" % len(body) + body, 400))
+    add("two Content-Lengths", 400,
+        b"Content-Length: %d\r\nContent-Length: %d\r\n" % (n, n + ns), body)
+    add("two Content-Lengths, zero first", 400,
+        b"Content-Length: 0\r\nContent-Length: %d\r\n" % n, body)
+    add("Content-Length list", 400, b"Content-Length: %d, %d\r\n" % (n, n + ns), body)
+    add("Content-Length with sign", 400, b"Content-Length: +%d\r\n" % n, body)
     # Obsolete line folding: a lenient parser glues the line onto the previous
     # header, another reads it as a header of its own.
-    out.append(("obs-fold TE", H + b"Content-Length: %d\r\nX-Folded: a\r\n Transfer-Encoding: chunked\r\n\r\n"
-                % len(body) + body, 400))
-    out.append(("obs-fold CL", H + b"Content-Length: %d\r\n\t%d\r\n\r\n" % (len(body), len(sm)) + body, 400))
-    out.append(("obs-fold with tab", H + b"X-Folded: a\r\n\tb\r\nContent-Length: %d\r\n\r\n"
-                % len(body) + body, 400))
-    out.append(("fold right after the request line", b"POST /v1/completions HTTP/1.1\r\n Host: x\r\n"
-                b"Content-Length: %d\r\n\r\n" % len(body) + body, 400))
+    add("obs-fold TE", 400,
+        b"Content-Length: %d\r\nX-Folded: a\r\n Transfer-Encoding: chunked\r\n" % n, body)
+    add("obs-fold CL", 400, b"Content-Length: %d\r\n\t%d\r\n" % (n, ns), body)
+    add("obs-fold with tab", 400, b"X-Folded: a\r\n\tb\r\nContent-Length: %d\r\n" % n, body)
+    add("fold right after the request line", 400, b" Host: x\r\nContent-Length: %d\r\n" % n, body,
+        head=b"POST /v1/completions HTTP/1.1\r\n")
     # Shapes SECURITY.md lists next to these.
-    out.append(("space before colon", H + b"Content-Length: %d\r\nTransfer-Encoding : chunked\r\n\r\n"
-                % len(body) + body, 400))
-    out.append(("bare LF between headers", H + b"X-A: b\nTransfer-Encoding: chunked\r\n"
-                b"Content-Length: %d\r\n\r\n" % len(body) + body, 400))
-    out.append(("TE in HTTP/1.0", b"POST /v1/completions HTTP/1.0\r\nContent-Type: application/json\r\n"
-                b"Transfer-Encoding: chunked\r\n\r\n" + chunked, 400))
-    out.append(("TE chunked, identity", H + b"Transfer-Encoding: chunked, identity\r\n\r\n" + chunked, 501))
-    out.append(("TE twice", H + b"Transfer-Encoding: chunked\r\nTransfer-Encoding: chunked\r\n\r\n"
-                + chunked, 501))
-    out.append(("TE xchunked", H + b"Transfer-Encoding: xchunked\r\n\r\n" + chunked, 501))
-    out.append(("bare LF ends the trailers", H + b"Transfer-Encoding: chunked\r\n\r\n"
-                + b"%x\r\n" % len(body) + body + b"\r\n0\r\n\n", 400))
-    out.append(("chunk size overflow", H + b"Transfer-Encoding: chunked\r\n\r\n"
-                b"10000000000000000" + b"5\r\nhello\r\n0\r\n\r\n", 400))
-    return [(name, data + sm, status) for name, data, status in out]
+    add("space before colon", 400,
+        b"Content-Length: %d\r\nTransfer-Encoding : chunked\r\n" % n, body)
+    add("bare LF between headers", 400,
+        b"X-A: b\nTransfer-Encoding: chunked\r\nContent-Length: %d\r\n" % n, body)
+    add("TE in HTTP/1.0", 400, b"Transfer-Encoding: chunked\r\n", chunked,
+        head=b"POST /v1/completions HTTP/1.0\r\nContent-Type: application/json\r\n")
+    add("TE chunked, identity", 501, b"Transfer-Encoding: chunked, identity\r\n", chunked)
+    add("TE twice", 501, b"Transfer-Encoding: chunked\r\nTransfer-Encoding: chunked\r\n", chunked)
+    add("TE xchunked", 501, b"Transfer-Encoding: xchunked\r\n", chunked)
+    add("bare LF ends the trailers", 400, b"Transfer-Encoding: chunked\r\n",
+        b"%x\r\n" % n + body + b"\r\n0\r\n\n")
+    add("chunk size overflow", 400, b"Transfer-Encoding: chunked\r\n",
+        b"10000000000000000" + b"5\r\nhello\r\n0\r\n\r\n")
+    return out
 
 
 class SmugglingTest(HostileCase):
@@ -654,7 +655,8 @@ class PipeliningTest(HostileCase):
                 out += RawClient.build("GET", "/healthcheck")
                 exp.append((200, None, "prefill_instances"))
             elif kind == 4:
-                out += RawClient.build("POST", "/v1/completions", b'{"prompt":', [("X-Request-Id", rid)])
+                out += RawClient.build("POST", "/v1/completions", b'{"prompt":',
+                                       [("X-Request-Id", rid)])
                 exp.append((400, rid, '"error"'))
             else:
                 out += RawClient.build("GET", "/v1/models")
@@ -674,7 +676,8 @@ class PipeliningTest(HostileCase):
                           % (what, i, bytes(r.body)[:300]))
             if i < len(exp) - 1:
                 self.assertNotEqual((r.header("connection") or "").lower(), "close",
-                                    "%s: connection closed after %d of %d" % (what, i + 1, len(exp)))
+                                    "%s: connection closed after %d of %d"
+                                    % (what, i + 1, len(exp)))
 
     def test_pipelined_mixed_requests_in_order(self):
         px = self.pd()

@@ -21,8 +21,8 @@ import threading
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import pxtest  # noqa: E402
 from prodtest import ProdCase, metric, prom  # noqa: E402
-from pxtest import (HOST, MAX_LOOP, CloseBeforeHeaders, Hang, RawClient, Reset, Respond,  # noqa: E402
-                    Stream, http_request, now)
+from pxtest import (HOST, MAX_LOOP, CloseBeforeHeaders, Hang, RawClient,  # noqa: E402
+                    Reset, Respond, Stream, http_request, now)
 
 SSE = ("Content-Type", "text/event-stream")
 JSONCT = ("Content-Type", "application/json")
@@ -257,8 +257,8 @@ class MalformedChunkedTest(UpstreamCase):
 
     SHAPES = [
         ("bad hex size first", b"zz\r\n" + GOOD + b"\r\n0\r\n\r\n", b""),
-        ("bad hex size after a chunk", b"%x\r\n" % len(GOOD) + GOOD + b"\r\nq1\r\nmore\r\n0\r\n\r\n",
-         GOOD),
+        ("bad hex size after a chunk",
+         b"%x\r\n" % len(GOOD) + GOOD + b"\r\nq1\r\nmore\r\n0\r\n\r\n", GOOD),
         ("negative size", b"%x\r\n" % len(GOOD) + GOOD + b"\r\n-5\r\nmore!\r\n0\r\n\r\n", GOOD),
         ("size overflow", b"%x\r\n" % len(GOOD) + GOOD + b"\r\n" + b"f" * 40
          + b"\r\nmore\r\n0\r\n\r\n", GOOD),
@@ -464,7 +464,8 @@ function response(status, headers, body)
 end
 
 function done(summary, latency, requests)
-  io.write(string.format("WRKSUMMARY requests=%d connect=%d read=%d write=%d status=%d timeout=%d\n",
+  io.write(string.format(
+    "WRKSUMMARY requests=%d connect=%d read=%d write=%d status=%d timeout=%d\n",
     summary.requests, summary.errors.connect, summary.errors.read, summary.errors.write,
     summary.errors.status, summary.errors.timeout))
 end
