@@ -399,43 +399,55 @@ class PrefillGarbageTest(UpstreamCase):
                             proc_status(pid)["VmRSS"] / 1024.0))
 
 
-class DecodeResendTest(UpstreamCase):
+class NoSilentResendTest(UpstreamCase):
     """README: "a decode is retried only when it was never reached: once
     decode may have read prefill's blocks, the request is not resent". That
     must hold on a reused (keep-alive) upstream connection too, where an
     HTTP client library may silently resend a request whose connection
-    "died" before any answer byte."""
+    "died" before any answer byte. Likewise a prefill is retried only as
+    --prefill-retries says (0: never)."""
 
-    def check(self, failing, what):
+    def check(self, role, failing, what):
         n = {"i": 0}
+        normal = pxtest.prefill_handler() if role == "prefill" else pxtest.decode_handler()
 
-        def d(req):
+        def h(req):
             n["i"] += 1
-            return failing() if n["i"] == 2 else pxtest.decode_handler()(req)
-        P = self.mock(pxtest.prefill_handler(), name="P")
-        D = self.mock(d, name="D")
+            return failing() if n["i"] == 2 else normal(req)
+        if role == "prefill":
+            P = M = self.mock(h, name="P")
+            D = self.mock(pxtest.decode_handler(), name="D")
+        else:
+            P = self.mock(pxtest.prefill_handler(), name="P")
+            D = M = self.mock(h, name="D")
         # One worker thread: one pool of upstream connections, so the second
         # request reuses the first one's connection.
-        px = self.start([P], [D], ["--unhealthy-after", "1000"], threads=1)
+        px = self.start([P], [D], ["--unhealthy-after", "1000", "--prefill-retries", "0"],
+                        threads=1)
         r1 = http_request(px.port, "POST", "/v1/completions", pxtest.completion_body(),
                           headers={"X-Request-Id": "first-ok"})
         self.assertEqual(r1.status, 200, r1.body)
         r2 = http_request(px.port, "POST", "/v1/completions", pxtest.completion_body(),
                           headers={"X-Request-Id": "second-fails"})
-        got = [(q.header("x-request-id"), q.conn_id) for q in D.requests]
+        got = [(q.header("x-request-id"), q.conn_id) for q in M.requests]
         self.assertEqual(got[0], ("first-ok", 0))
         self.assertEqual(got[1], ("second-fails", 0), "the second request did not reuse the "
                          "upstream connection, the case is not exercised: %r" % got)
         self.assertEqual([g for g in got if g[0] == "second-fails"], [("second-fails", 0)],
-                         "%s: decode read the request, then pdproxy sent it again: %r"
-                         % (what, got))
+                         "%s: %s read the request, then pdproxy sent it again: %r"
+                         % (what, role, got))
         self.assertErrorJson(r2, 502, what)
 
     def test_decode_reset_on_reused_connection_not_resent(self):
-        self.check(lambda: Reset(), "decode reset after reading the request")
+        self.check("decode", lambda: Reset(), "decode reset after reading the request")
 
     def test_decode_close_on_reused_connection_not_resent(self):
-        self.check(lambda: CloseBeforeHeaders(), "decode closed after reading the request")
+        self.check("decode", lambda: CloseBeforeHeaders(),
+                   "decode closed after reading the request")
+
+    def test_prefill_reset_on_reused_connection_not_resent_with_no_retries(self):
+        self.check("prefill", lambda: Reset(),
+                   "prefill reset after reading the request, --prefill-retries 0")
 
 
 # --------------------------------------------------------------------------
@@ -615,7 +627,7 @@ class RandomResetLoadTest(UpstreamCase):
         resent = sum(1 for v in ids.values() if v > 1)
         sys.stderr.write("\n[wrk] %d responses %r; socket errors connect=%d read=%d write=%d "
                          "timeout=%d; decode actions %r; decode requests sent twice or more: %d "
-                         "(see DecodeResendTest)\n"
+                         "(see NoSilentResendTest)\n"
                          % (total, sorted(by_status.items()), e_conn, e_read, e_write, e_timeout,
                             sorted(counts.items()), resent))
         self.assertEqual(len(resp), total, "wrk's count and the responses recorded differ")
