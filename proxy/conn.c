@@ -38,6 +38,7 @@ struct px_conn {
     int chunked_out; /* ...and it uses chunked encoding */
     int got_bytes;   /* bytes of the current request received */
     int timer_is_header;
+    size_t searched;             /* bytes of the input already searched for the head's end */
     int closed;                  /* socket closed, free scheduled */
     const px_exchange_cbs *xcbs; /* borrowed: the exchange in flight's handler */
     void *xarg;
@@ -158,7 +159,7 @@ static void exchange_done(px_conn *c) {
     c->streaming = 0;
     free(c->headbuf);
     c->headbuf = NULL;
-    px_buf_reset(&c->body);
+    px_buf_cleanup(&c->body); /* an idle connection keeps no body's capacity */
     if (!c->keep_alive || c->cfg->draining) {
         close_after_flush(c);
         return;
@@ -300,14 +301,20 @@ static void read_head(px_conn *c) {
         c->got_bytes = 1;
         arm_timer(c, 1);
     }
-    struct evbuffer_ptr end;
-    evbuffer_ptr_set(in, &end, len < PX_HTTP_MAX_HEAD_BYTES + 4 ? len : PX_HTTP_MAX_HEAD_BYTES + 4,
-                     EVBUFFER_PTR_SET);
-    struct evbuffer_ptr pos = evbuffer_search_range(in, "\r\n\r\n", 4, NULL, &end);
+    /* Search only what is new (and the 3 bytes before it): a head trickled
+     * in byte by byte would otherwise cost a search of everything per byte. */
+    struct evbuffer_ptr start, end;
+    size_t limit = len < PX_HTTP_MAX_HEAD_BYTES + 4 ? len : PX_HTTP_MAX_HEAD_BYTES + 4;
+    size_t from = c->searched > 3 ? c->searched - 3 : 0;
+    evbuffer_ptr_set(in, &start, from, EVBUFFER_PTR_SET);
+    evbuffer_ptr_set(in, &end, limit, EVBUFFER_PTR_SET);
+    struct evbuffer_ptr pos = evbuffer_search_range(in, "\r\n\r\n", 4, &start, &end);
     if (pos.pos < 0) {
+        c->searched = limit;
         if (len >= PX_HTTP_MAX_HEAD_BYTES + 4) reject(c, 431, "request header block too large");
         return;
     }
+    c->searched = 0;
     size_t hlen = (size_t)pos.pos + 4;
     c->headbuf = px_xmalloc(hlen);
     evbuffer_remove(in, c->headbuf, hlen);
@@ -328,7 +335,7 @@ static void read_head(px_conn *c) {
     px_buf_reset(&c->body);
     c->body_left = c->head.content_length > 0 ? c->head.content_length : 0;
     px_chunked_init(&c->ck);
-    if (c->head.expect_continue && (c->head.chunked || c->body_left) &&
+    if (c->head.expect_continue && c->head.minor >= 1 && (c->head.chunked || c->body_left) &&
         evbuffer_get_length(in) == 0) {
         evbuffer_add(bufferevent_get_output(c->bev), "HTTP/1.1 100 Continue\r\n\r\n", 25);
         queued(c);
@@ -421,6 +428,11 @@ static void on_timeout(evutil_socket_t fd, short what, void *arg) {
         conn_close(c);
         return;
     }
+    if (c->state == CS_HEAD && !c->got_bytes && px_conn_pending(c) > 0) {
+        /* Still sending the last answer: idle only once it is out. */
+        arm_timer(c, 0);
+        return;
+    }
     if (c->state == CS_HEAD || c->state == CS_BODY) {
         if (c->timer_is_header && c->got_bytes) {
             PX_LOG(PX_LOG_INFO, "msg=\"client too slow sending its request\" state=%s",
@@ -491,7 +503,12 @@ px_conn *px_conn_accept(struct event_base *base, evutil_socket_t fd, const px_co
 
 void px_conn_list_close_idle(px_conn_list *list) {
     for (px_conn *c = list->head; c; c = c->next)
-        if (c->state == CS_HEAD && !c->got_bytes) conn_close(c);
+        if (c->state == CS_HEAD && !c->got_bytes) {
+            if (px_conn_pending(c))
+                close_after_flush(c);
+            else
+                conn_close(c);
+        }
 }
 
 void px_conn_list_close_all(px_conn_list *list) {

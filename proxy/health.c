@@ -14,14 +14,14 @@ typedef enum { K_HEALTH, K_SCRAPE } check_kind;
 
 typedef struct check {
     struct px_health *h;
-    px_pool *pool;       /* borrowed: the server's */
-    px_backend *b;       /* owned reference */
+    px_pool *pool; /* borrowed: the server's */
+    px_backend *b; /* owned reference */
     check_kind kind;
     int status;
     int too_big;
     px_buf body;
     px_buf url;
-    px_upstream *up;     /* owned until on_done */
+    px_upstream *up; /* owned until on_done */
     struct check *prev, *next;
 } check;
 
@@ -34,27 +34,28 @@ struct px_health {
     check *live;
 };
 
-static void check_free(check *c)
-{
+static void check_free(check *c) {
     px_health *h = c->h;
-    if (c->prev) c->prev->next = c->next;
-    else h->live = c->next;
+    if (c->prev)
+        c->prev->next = c->next;
+    else
+        h->live = c->next;
     if (c->next) c->next->prev = c->prev;
-    if (c->kind == K_HEALTH) c->b->check_busy = 0;
-    else c->b->scrape_busy = 0;
+    if (c->kind == K_HEALTH)
+        c->b->check_busy = 0;
+    else
+        c->b->scrape_busy = 0;
     px_backend_release(c->b);
     px_buf_cleanup(&c->body);
     px_buf_cleanup(&c->url);
     free(c);
 }
 
-static void on_headers(void *arg, int status, const char *ct)
-{
+static void on_headers(void *arg, int status, const char *ct) {
     ((check *)arg)->status = status;
 }
 
-static int on_data(void *arg, const char *p, size_t n)
-{
+static int on_data(void *arg, const char *p, size_t n) {
     check *c = arg;
     if (c->kind == K_HEALTH) return 0; /* the status is the answer */
     if (c->body.len + n > SCRAPE_MAX) {
@@ -65,22 +66,27 @@ static int on_data(void *arg, const char *p, size_t n)
     return 0;
 }
 
-static void on_done(void *arg, CURLcode rc, const char *errbuf, int connected)
-{
+static void on_done(void *arg, CURLcode rc, const char *errbuf, int connected) {
     check *c = arg;
     c->up = NULL;
     int ok = rc == CURLE_OK && c->status >= 200 && c->status < 300;
     if (c->kind == K_HEALTH) {
         if (!ok)
-            PX_LOG(PX_LOG_DEBUG, "msg=\"health check failed\" role=%s backend=%s status=%d error=\"%s\"",
-                   c->pool->role, c->b->name, c->status, rc ? (errbuf[0] ? errbuf : curl_easy_strerror(rc)) : "");
+            PX_LOG(PX_LOG_DEBUG,
+                   "msg=\"health check failed\" role=%s backend=%s status=%d error=\"%s\"",
+                   c->pool->role, c->b->name, c->status,
+                   rc ? (errbuf[0] ? errbuf : curl_easy_strerror(rc)) : "");
         px_backend_check(c->pool, c->b, ok);
     } else {
         double w = 0, r = 0, kv = 0;
-        if (ok && px_parse_engine_load(c->body.data ? c->body.data : "", c->body.len, &w, &r, &kv) > 0) {
-            atomic_store(&c->b->waiting, (int)w);
-            atomic_store(&c->b->running, (int)r);
-            atomic_store(&c->b->kv_usage_milli, (int)(kv * 1000));
+        if (ok &&
+            px_parse_engine_load(c->body.data ? c->body.data : "", c->body.len, &w, &r, &kv) > 0) {
+            /* Engine figures are outside input: clamp before converting. */
+            atomic_store(&c->b->waiting, (int)(w > 0 && w < 1e6 ? w : w >= 1e6 ? 1e6 : 0));
+            atomic_store(&c->b->running, (int)(r > 0 && r < 1e6 ? r : r >= 1e6 ? 1e6 : 0));
+            atomic_store(&c->b->kv_usage_milli, (int)(kv > 0 && kv < 1 ? kv * 1000
+                                                      : kv >= 1        ? 1000
+                                                                       : 0));
             atomic_store(&c->b->load_known, 1);
         } else {
             atomic_store(&c->b->load_known, 0);
@@ -91,8 +97,7 @@ static void on_done(void *arg, CURLcode rc, const char *errbuf, int connected)
 
 static const px_upstream_cbs check_cbs = {on_headers, on_data, on_done};
 
-static void start_check(px_health *h, px_pool *pool, px_backend *b, check_kind kind)
-{
+static void start_check(px_health *h, px_pool *pool, px_backend *b, check_kind kind) {
     const px_config *cfg = h->s->cfg;
     check *c = px_xcalloc(1, sizeof *c);
     c->h = h;
@@ -110,8 +115,10 @@ static void start_check(px_health *h, px_pool *pool, px_backend *b, check_kind k
         .insecure = cfg->upstream_insecure,
         .connect_to = b->connect_to,
     };
-    if (kind == K_HEALTH) b->check_busy = 1;
-    else b->scrape_busy = 1;
+    if (kind == K_HEALTH)
+        b->check_busy = 1;
+    else
+        b->scrape_busy = 1;
     c->next = h->live;
     if (h->live) h->live->prev = c;
     h->live = c;
@@ -120,8 +127,7 @@ static void start_check(px_health *h, px_pool *pool, px_backend *b, check_kind k
     if (!c->up) check_free(c);
 }
 
-static void sweep(px_health *h, check_kind kind)
-{
+static void sweep(px_health *h, check_kind kind) {
     px_pool *pools[2] = {&h->s->prefill, &h->s->decode};
     for (int r = 0; r < 2; r++) {
         if (kind == K_SCRAPE && pools[r]->cfg.policy != PX_POLICY_LOAD_AWARE) continue;
@@ -138,18 +144,15 @@ static void sweep(px_health *h, check_kind kind)
     }
 }
 
-static void on_check_timer(evutil_socket_t fd, short what, void *arg)
-{
+static void on_check_timer(evutil_socket_t fd, short what, void *arg) {
     sweep(arg, K_HEALTH);
 }
 
-static void on_scrape_timer(evutil_socket_t fd, short what, void *arg)
-{
+static void on_scrape_timer(evutil_socket_t fd, short what, void *arg) {
     sweep(arg, K_SCRAPE);
 }
 
-static struct event *every(px_health *h, double seconds, event_callback_fn fn)
-{
+static struct event *every(px_health *h, double seconds, event_callback_fn fn) {
     struct event *ev = event_new(h->base, -1, EV_PERSIST, fn, h);
     struct timeval tv = {(time_t)seconds, (suseconds_t)((seconds - (double)(time_t)seconds) * 1e6)};
     event_add(ev, &tv);
@@ -157,8 +160,7 @@ static struct event *every(px_health *h, double seconds, event_callback_fn fn)
     return ev;
 }
 
-px_health *px_health_start(px_server *s, struct event_base *base)
-{
+px_health *px_health_start(px_server *s, struct event_base *base) {
     const px_config *cfg = s->cfg;
     int scrape = s->prefill.cfg.policy == PX_POLICY_LOAD_AWARE ||
                  s->decode.cfg.policy == PX_POLICY_LOAD_AWARE;
@@ -176,8 +178,7 @@ px_health *px_health_start(px_server *s, struct event_base *base)
     return h;
 }
 
-void px_health_stop(px_health *h)
-{
+void px_health_stop(px_health *h) {
     if (!h) return;
     if (h->check_timer) event_free(h->check_timer);
     if (h->scrape_timer) event_free(h->scrape_timer);
@@ -185,14 +186,14 @@ void px_health_stop(px_health *h)
         px_upstream_cancel(c->up);
         c->up = NULL;
     }
-    while (h->live) check_free(h->live);
+    while (h->live)
+        check_free(h->live);
     px_uploop_destroy(h->loop);
     free(h);
 }
 
 int px_parse_engine_load(const char *text, size_t n, double *waiting, double *running,
-                         double *kv_usage)
-{
+                         double *kv_usage) {
     int found_w = 0, found_r = 0, found_k = 0;
     double w = 0, r = 0, k = 0;
     const char *p = text, *end = text + n;
@@ -209,7 +210,8 @@ int px_parse_engine_load(const char *text, size_t n, double *waiting, double *ru
                 const char *close = memchr(v, '}', (size_t)(eol - v));
                 v = close ? close + 1 : eol;
             }
-            while (v < eol && (*v == ' ' || *v == '\t')) v++;
+            while (v < eol && (*v == ' ' || *v == '\t'))
+                v++;
             char num[64];
             size_t vl = strcspn(v, " \t\n");
             if (vl > (size_t)(eol - v)) vl = (size_t)(eol - v);

@@ -33,9 +33,10 @@ static const char *const ep_paths[] = {"/v1/completions", "/v1/chat/completions"
 static const px_metric_endpoint ep_metric[] = {PX_MEP_COMPLETIONS, PX_MEP_CHAT, PX_MEP_MODELS};
 
 struct px_req {
-    px_worker *w;  /* borrowed: the worker this request runs on */
-    px_server *s;  /* borrowed */
-    px_conn *conn; /* borrowed: NULL once the exchange ended or the client left */
+    px_req *prev, *next; /* in w->reqs */
+    px_worker *w;        /* borrowed: the worker this request runs on */
+    px_server *s;        /* borrowed */
+    px_conn *conn;       /* borrowed: NULL once the exchange ended or the client left */
     req_state state;
     px_endpoint ep;
     char id[129];
@@ -80,6 +81,12 @@ static void start_decode(px_req *r);
 /* ---------- lifetime ---------- */
 
 static void req_free(px_req *r) {
+    if (r->prev)
+        r->prev->next = r->next;
+    else
+        r->w->reqs = r->next;
+    if (r->next) r->next->prev = r->prev;
+    r->w->nreqs--;
     px_upstream_cancel(r->up);
     px_backend_done(&r->s->prefill, r->pb, PX_OUT_CANCELLED);
     px_backend_done(&r->s->decode, r->db, PX_OUT_CANCELLED);
@@ -312,8 +319,12 @@ static void on_idle_timer(evutil_socket_t fd, short what, void *arg) {
         req_end(r, 499, "client_disconnected");
         return;
     }
-    req_fail(r, 504, NULL, "decode %s sent nothing for --decode-idle-timeout %gs", r->dname,
-             r->s->cfg->decode_idle_timeout);
+    if (r->paused)
+        req_fail(r, 504, NULL, "client read nothing for --decode-idle-timeout %gs",
+                 r->s->cfg->decode_idle_timeout);
+    else
+        req_fail(r, 504, NULL, "decode %s sent nothing for --decode-idle-timeout %gs", r->dname,
+                 r->s->cfg->decode_idle_timeout);
 }
 
 static void touch_idle(px_req *r) {
@@ -339,9 +350,11 @@ static int decode_data(void *arg, const char *p, size_t n) {
     if (!r->conn) return -1;
     touch_idle(r);
     if (px_conn_pending(r->conn) >= PX_CONN_HIGH_WATER) {
-        /* The client is the slow one: decode's silence while paused is ours. */
+        /* Paused on the client: the same timeout now bounds how long the
+         * client may leave its queue full, so a reader that stopped reading
+         * does not hold a decode forever. */
+        if (!r->paused) touch_idle(r);
         r->paused = 1;
-        if (r->idle_timer) evtimer_del(r->idle_timer);
         return 1;
     }
     px_conn_stream_write(r->conn, p, n);
@@ -671,6 +684,10 @@ static void find_key(px_req *r) {
 void px_req_start(px_worker *w, px_conn *c, px_endpoint ep, const px_http_head *h, px_buf *body) {
     px_req *r = px_xcalloc(1, sizeof *r);
     r->w = w;
+    r->next = w->reqs;
+    if (w->reqs) w->reqs->prev = r;
+    w->reqs = r;
+    w->nreqs++;
     r->s = w->srv;
     r->conn = c;
     r->ep = ep;
@@ -737,4 +754,16 @@ void px_req_start(px_worker *w, px_conn *c, px_endpoint ep, const px_http_head *
     if (r->s->cfg->prefill_timeout > 0)
         r->prefill_deadline = r->t0 + (uint64_t)(r->s->cfg->prefill_timeout * 1e9);
     start_prefill(r);
+}
+
+void px_req_free_all(px_worker *w) {
+    while (w->reqs) {
+        px_req *r = w->reqs;
+        if (r->conn) {
+            px_conn_abort(r->conn);
+            r->conn = NULL;
+        }
+        finish_log(r, 499, "stopped");
+        req_free(r);
+    }
 }

@@ -20,6 +20,10 @@ typedef enum { PX_EP_COMPLETIONS = 0, PX_EP_CHAT = 1, PX_EP_MODELS = 2 } px_endp
  * of disconnects and drains. */
 void px_req_start(px_worker *w, px_conn *c, px_endpoint ep, const px_http_head *h, px_buf *body);
 
+/* Frees every request of the worker (its loop has stopped): transfers are
+ * cancelled, backend references dropped. */
+void px_req_free_all(px_worker *w);
+
 /* The access line of an API request refused before the flow started (401,
  * 405): one line per request, whatever its fate. */
 void px_req_log_refused(const px_http_head *h, const char *endpoint, int status);

@@ -11,28 +11,24 @@
 
 static const char *const policy_names[] = {"round_robin", "least_inflight", "power_of_two",
                                            "prefix_affinity", "load_aware"};
-static const char *const outcome_names[] = {"ok",    "client_error", "server_error", "connect_error",
-                                            "reset", "timeout",      "cancelled"};
+static const char *const outcome_names[] = {
+    "ok", "client_error", "server_error", "connect_error", "reset", "timeout", "cancelled"};
 
-int px_policy_parse(const char *s)
-{
+int px_policy_parse(const char *s) {
     for (int i = 0; i < 5; i++)
         if (!strcmp(s, policy_names[i])) return i;
     return -1;
 }
 
-const char *px_policy_name(px_policy p)
-{
+const char *px_policy_name(px_policy p) {
     return policy_names[p];
 }
 
-const char *px_outcome_name(px_outcome o)
-{
+const char *px_outcome_name(px_outcome o) {
     return outcome_names[o];
 }
 
-uint64_t px_hash64(const void *p, size_t n)
-{
+uint64_t px_hash64(const void *p, size_t n) {
     const unsigned char *s = p;
     uint64_t h = 0xcbf29ce484222325ull;
     for (size_t i = 0; i < n; i++) {
@@ -42,8 +38,7 @@ uint64_t px_hash64(const void *p, size_t n)
     return h;
 }
 
-static uint64_t mix64(uint64_t x)
-{
+static uint64_t mix64(uint64_t x) {
     x ^= x >> 33;
     x *= 0xff51afd7ed558ccdull;
     x ^= x >> 33;
@@ -52,8 +47,7 @@ static uint64_t mix64(uint64_t x)
     return x;
 }
 
-void px_backend_release(px_backend *b)
-{
+void px_backend_release(px_backend *b) {
     if (!b || atomic_fetch_sub(&b->refs, 1) != 1) return;
     free(b->name);
     free(b->url);
@@ -62,25 +56,23 @@ void px_backend_release(px_backend *b)
     free(b);
 }
 
-void px_pool_init(px_pool *p, const char *role, const px_pool_cfg *cfg)
-{
+void px_pool_init(px_pool *p, const char *role, const px_pool_cfg *cfg) {
     memset(p, 0, sizeof *p);
     p->role = role;
     p->cfg = *cfg;
     pthread_mutex_init(&p->mu, NULL);
 }
 
-void px_pool_cleanup(px_pool *p)
-{
-    for (size_t i = 0; i < p->n; i++) px_backend_release(p->b[i]);
+void px_pool_cleanup(px_pool *p) {
+    for (size_t i = 0; i < p->n; i++)
+        px_backend_release(p->b[i]);
     free(p->b);
     free(p->ring);
     pthread_mutex_destroy(&p->mu);
     memset(p, 0, sizeof *p);
 }
 
-int px_url_split(const char *url, char *host, size_t hostcap, int *port, int *https)
-{
+int px_url_split(const char *url, char *host, size_t hostcap, int *port, int *https) {
     const char *h;
     if (!strncmp(url, "http://", 7)) {
         h = url + 7;
@@ -119,16 +111,14 @@ int px_url_split(const char *url, char *host, size_t hostcap, int *port, int *ht
     return 0;
 }
 
-static int cmp_u64(const void *a, const void *b)
-{
+static int cmp_u64(const void *a, const void *b) {
     uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
     return x < y ? -1 : x > y;
 }
 
 /* Under p->mu. The ring depends only on the members' names, so every
  * replica builds the same one. */
-static void rebuild_ring(px_pool *p)
-{
+static void rebuild_ring(px_pool *p) {
     free(p->ring);
     p->ring = NULL;
     p->nring = 0;
@@ -142,8 +132,7 @@ static void rebuild_ring(px_pool *p)
 }
 
 static px_backend *backend_new(const char *url, const char *name, const char *connect_to,
-                               const char *src)
-{
+                               const char *src) {
     px_backend *b = px_xcalloc(1, sizeof *b);
     b->url = px_xstrdup(url);
     b->name = px_xstrdup(name);
@@ -156,14 +145,12 @@ static px_backend *backend_new(const char *url, const char *name, const char *co
 }
 
 /* Under p->mu. */
-static void add_member(px_pool *p, px_backend *b)
-{
+static void add_member(px_pool *p, px_backend *b) {
     p->b = px_xrealloc(p->b, (p->n + 1) * sizeof *p->b);
     p->b[p->n++] = b;
 }
 
-px_backend *px_pool_add(px_pool *p, const char *url, const char *connect_ip)
-{
+px_backend *px_pool_add(px_pool *p, const char *url, const char *connect_ip) {
     char host[256];
     int port, https;
     if (px_url_split(url, host, sizeof host, &port, &https) < 0) return NULL;
@@ -179,8 +166,8 @@ px_backend *px_pool_add(px_pool *p, const char *url, const char *connect_ip)
          * for Host, SNI and certificate checks. */
         int v6 = strchr(connect_ip, ':') != NULL;
         px_buf_printf(&name, "%s%s%s:%d", v6 ? "[" : "", connect_ip, v6 ? "]" : "", port);
-        px_buf_printf(&pin, "%s:%d:%s%s%s:%d", host, port, v6 ? "[" : "", connect_ip,
-                      v6 ? "]" : "", port);
+        px_buf_printf(&pin, "%s:%d:%s%s%s:%d", host, port, v6 ? "[" : "", connect_ip, v6 ? "]" : "",
+                      port);
     } else {
         px_buf_append(&name, hp, hl);
     }
@@ -196,8 +183,7 @@ px_backend *px_pool_add(px_pool *p, const char *url, const char *connect_ip)
 }
 
 size_t px_pool_sync_addrs(px_pool *p, const char *url, const char *host, int port, char **ips,
-                          size_t nips)
-{
+                          size_t nips) {
     size_t changed = 0;
     /* Names of the backends the addresses stand for. */
     char **names = px_xcalloc(nips ? nips : 1, sizeof *names);
@@ -213,7 +199,8 @@ size_t px_pool_sync_addrs(px_pool *p, const char *url, const char *host, int por
     for (size_t i = 0; i < p->n;) {
         px_backend *b = p->b[i];
         int keep = strcmp(b->src, url) != 0;
-        for (size_t j = 0; !keep && j < nips; j++) keep = !strcmp(b->name, names[j]);
+        for (size_t j = 0; !keep && j < nips; j++)
+            keep = !strcmp(b->name, names[j]);
         if (keep) {
             i++;
             continue;
@@ -229,7 +216,8 @@ size_t px_pool_sync_addrs(px_pool *p, const char *url, const char *host, int por
     for (size_t j = 0; j < nips; j++) {
         int have = 0;
         pthread_mutex_lock(&p->mu);
-        for (size_t i = 0; i < p->n && !have; i++) have = !strcmp(p->b[i]->name, names[j]);
+        for (size_t i = 0; i < p->n && !have; i++)
+            have = !strcmp(p->b[i]->name, names[j]);
         pthread_mutex_unlock(&p->mu);
         if (!have) {
             px_pool_add(p, url, ips[j]);
@@ -243,14 +231,14 @@ size_t px_pool_sync_addrs(px_pool *p, const char *url, const char *host, int por
         rebuild_ring(p);
         pthread_mutex_unlock(&p->mu);
     }
-    for (size_t i = 0; i < nips; i++) free(names[i]);
+    for (size_t i = 0; i < nips; i++)
+        free(names[i]);
     free(names);
     return changed;
 }
 
 /* Under p->mu: may b take a request now? */
-static int eligible(px_pool *p, px_backend *b, uint64_t now)
-{
+static int eligible(px_pool *p, px_backend *b, uint64_t now) {
     if (atomic_load(&b->healthy)) return 1;
     if (p->cfg.active_checks) return 0;
     /* No active checks: after its backoff an ejected backend gets one try. */
@@ -264,15 +252,13 @@ static int eligible(px_pool *p, px_backend *b, uint64_t now)
     return 0;
 }
 
-static int excluded(const px_pick *k, px_backend *b)
-{
+static int excluded(const px_pick *k, px_backend *b) {
     for (size_t i = 0; k && i < k->nexclude; i++)
         if (k->exclude[i] == b) return 1;
     return 0;
 }
 
-static double load_score(px_backend *b)
-{
+static double load_score(px_backend *b) {
     double s = atomic_load(&b->inflight);
     if (atomic_load(&b->load_known))
         s += 4.0 * atomic_load(&b->waiting) + atomic_load(&b->running) +
@@ -281,8 +267,7 @@ static double load_score(px_backend *b)
 }
 
 /* Under p->mu; cand[] holds eligible member indexes, in member order. */
-static size_t choose(px_pool *p, const px_pick *k, const size_t *cand, size_t nc)
-{
+static size_t choose(px_pool *p, const px_pick *k, const size_t *cand, size_t nc) {
     switch (p->cfg.policy) {
     case PX_POLICY_ROUND_ROBIN:
     default: {
@@ -325,17 +310,21 @@ static size_t choose(px_pool *p, const px_pick *k, const size_t *cand, size_t nc
         /* Consistent hashing with bounded loads: walk the ring from the key's
          * point to the first candidate under ceil(c * mean load). */
         long total = 0;
-        for (size_t j = 0; j < nc; j++) total += atomic_load(&p->b[cand[j]]->inflight);
+        for (size_t j = 0; j < nc; j++)
+            total += atomic_load(&p->b[cand[j]]->inflight);
         double cap = p->cfg.load_factor * (double)(total + 1) / (double)nc;
         long icap = (long)cap + ((double)(long)cap < cap);
         unsigned char *is_cand = px_xcalloc(p->n, 1);
-        for (size_t j = 0; j < nc; j++) is_cand[cand[j]] = 1;
+        for (size_t j = 0; j < nc; j++)
+            is_cand[cand[j]] = 1;
         uint64_t h = mix64(px_hash64(k->key, k->key_len)) & ~0xffffull;
         size_t lo = 0, hi = p->nring;
         while (lo < hi) {
             size_t mid = (lo + hi) / 2;
-            if ((p->ring[mid] & ~0xffffull) < h) lo = mid + 1;
-            else hi = mid;
+            if ((p->ring[mid] & ~0xffffull) < h)
+                lo = mid + 1;
+            else
+                hi = mid;
         }
         size_t best = (size_t)-1, first = (size_t)-1;
         for (size_t j = 0; j < p->nring; j++) {
@@ -353,8 +342,7 @@ static size_t choose(px_pool *p, const px_pick *k, const size_t *cand, size_t nc
     }
 }
 
-px_backend *px_pool_pick(px_pool *p, const px_pick *k, size_t *nmembers)
-{
+px_backend *px_pool_pick(px_pool *p, const px_pick *k, size_t *nmembers) {
     uint64_t now = px_now_ns();
     px_backend *b = NULL;
     pthread_mutex_lock(&p->mu);
@@ -373,8 +361,7 @@ px_backend *px_pool_pick(px_pool *p, const px_pick *k, size_t *nmembers)
     return b;
 }
 
-static void eject(px_pool *p, px_backend *b, const char *why)
-{
+static void eject(px_pool *p, px_backend *b, const char *why) {
     int expected = 1;
     if (!atomic_compare_exchange_strong(&b->healthy, &expected, 0)) return;
     int n = atomic_fetch_add(&b->ejections, 1);
@@ -385,8 +372,7 @@ static void eject(px_pool *p, px_backend *b, const char *why)
            b->name, why, atomic_load(&b->fails));
 }
 
-void px_backend_done(px_pool *p, px_backend *b, px_outcome o)
-{
+void px_backend_done(px_pool *p, px_backend *b, px_outcome o) {
     if (!b) return;
     atomic_fetch_sub(&b->inflight, 1);
     atomic_fetch_add_explicit(&b->outcomes[o], 1, memory_order_relaxed);
@@ -394,6 +380,8 @@ void px_backend_done(px_pool *p, px_backend *b, px_outcome o)
     case PX_OUT_OK:
     case PX_OUT_CLIENT_ERR:
         atomic_store(&b->fails, 0);
+        /* A success after probation ends the backoff escalation. */
+        if (!p->cfg.active_checks) atomic_store(&b->ejections, 0);
         break;
     case PX_OUT_SERVER_ERR:
     case PX_OUT_CONNECT_ERR:
@@ -408,8 +396,7 @@ void px_backend_done(px_pool *p, px_backend *b, px_outcome o)
     px_backend_release(b);
 }
 
-void px_backend_check(px_pool *p, px_backend *b, int ok)
-{
+void px_backend_check(px_pool *p, px_backend *b, int ok) {
     if (ok) {
         atomic_store(&b->fails, 0);
         int oks = atomic_fetch_add(&b->oks, 1) + 1;
@@ -427,8 +414,7 @@ void px_backend_check(px_pool *p, px_backend *b, int ok)
     }
 }
 
-px_backend **px_pool_members(px_pool *p, size_t *n)
-{
+px_backend **px_pool_members(px_pool *p, size_t *n) {
     pthread_mutex_lock(&p->mu);
     px_backend **v = px_xmalloc((p->n ? p->n : 1) * sizeof *v);
     for (size_t i = 0; i < p->n; i++) {
@@ -440,11 +426,11 @@ px_backend **px_pool_members(px_pool *p, size_t *n)
     return v;
 }
 
-void px_pool_counts(px_pool *p, size_t *n, size_t *healthy)
-{
+void px_pool_counts(px_pool *p, size_t *n, size_t *healthy) {
     pthread_mutex_lock(&p->mu);
     size_t h = 0;
-    for (size_t i = 0; i < p->n; i++) h += atomic_load(&p->b[i]->healthy) != 0;
+    for (size_t i = 0; i < p->n; i++)
+        h += atomic_load(&p->b[i]->healthy) != 0;
     if (n) *n = p->n;
     if (healthy) *healthy = h;
     pthread_mutex_unlock(&p->mu);

@@ -183,7 +183,8 @@ static int make_listener(const char *host, int port, char *err, size_t errlen) {
 
 static void on_drain_poll(evutil_socket_t fd, short what, void *arg) {
     px_worker *w = arg;
-    if (w->conns.n == 0) event_base_loopbreak(w->base);
+    /* Requests whose client left may still be releasing prefill's blocks. */
+    if (w->conns.n == 0 && w->nreqs == 0) event_base_loopbreak(w->base);
 }
 
 static void on_wake(evutil_socket_t fd, short what, void *arg) {
@@ -222,8 +223,26 @@ static void on_accept(struct evconnlistener *lev, evutil_socket_t fd, struct soc
     px_conn_accept(w->base, fd, &w->conn_cfg, &w->conns);
 }
 
+static void on_accept_resume(evutil_socket_t fd, short what, void *arg) {
+    px_worker *w = arg;
+    if (w->lev) evconnlistener_enable(w->lev);
+}
+
+/* Out of descriptors (EMFILE) and the like: pause accepting for 100 ms
+ * rather than spin on a listener that stays readable. */
+static void on_accept_error(struct evconnlistener *lev, void *arg) {
+    px_worker *w = arg;
+    int err = EVUTIL_SOCKET_ERROR();
+    PX_LOG(PX_LOG_WARN, "msg=\"accept failed; pausing the listener\" error=\"%s\"",
+           evutil_socket_error_to_string(err));
+    evconnlistener_disable(lev);
+    struct timeval tv = {0, 100000};
+    event_base_once(w->base, -1, EV_TIMEOUT, on_accept_resume, w, &tv);
+}
+
 static void worker_cleanup(px_worker *w) {
     px_conn_list_close_all(&w->conns);
+    px_req_free_all(w);
     if (w->lev) evconnlistener_free(w->lev);
     if (w->drain_poll) event_free(w->drain_poll);
     px_uploop_destroy(w->up);
@@ -261,10 +280,11 @@ static int load_api_keys(px_server *s, char *err, size_t errlen) {
         snprintf(err, errlen, "--api-key-file '%s': %s", c->api_key_file, strerror(errno));
         return -1;
     }
-    char line[4096];
-    size_t before = s->napi_keys;
-    while (fgets(line, sizeof line, f))
+    char *line = NULL;
+    size_t cap = 0, before = s->napi_keys;
+    while (getline(&line, &cap, f) >= 0)
         add_api_key(s, line, strcspn(line, "\n"));
+    free(line);
     fclose(f);
     if (s->napi_keys == before) {
         snprintf(err, errlen, "--api-key-file '%s': no key in the file", c->api_key_file);
@@ -356,6 +376,7 @@ px_server *px_server_create(const px_config *cfg, char *err, size_t errlen) {
         int fd = make_listener(cfg->host, (int)cfg->port, err, errlen);
         if (fd < 0) goto err;
         w->lev = evconnlistener_new(w->base, on_accept, w, LEV_OPT_CLOSE_ON_FREE, -1, fd);
+        if (w->lev) evconnlistener_set_error_cb(w->lev, on_accept_error);
         if (!w->lev) {
             close(fd);
             snprintf(err, errlen, "cannot create a listener");

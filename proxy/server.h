@@ -34,6 +34,8 @@ typedef struct px_worker {
     px_conn_list conns;         /* owned: open client connections */
     px_conn_cfg conn_cfg;
     px_metrics metrics;         /* written by this thread only */
+    struct px_req *reqs;        /* owned: requests alive, some without a client */
+    size_t nreqs;
     pthread_t thread;
 } px_worker;
 

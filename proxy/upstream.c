@@ -74,9 +74,11 @@ static void check_done(px_uploop *l)
         curl_easy_getinfo(easy, CURLINFO_PRIVATE, (char **)&u);
         curl_multi_remove_handle(l->multi, easy);
         if (u) {
-            curl_off_t ct = 0;
-            curl_easy_getinfo(easy, CURLINFO_CONNECT_TIME_T, &ct);
-            u->cbs.on_done(u->arg, rc, u->errbuf, ct > 0);
+            /* Whether the backend may have seen the request: any of it was
+             * sent. (The connect time reads 0 on a reused connection.) */
+            long sent = 0;
+            curl_easy_getinfo(easy, CURLINFO_REQUEST_SIZE, &sent);
+            u->cbs.on_done(u->arg, rc, u->errbuf, sent > 0);
             free_up(u);
         } else {
             curl_easy_cleanup(easy);

@@ -26,8 +26,8 @@ typedef struct px_upstream_cbs {
      * curl callback, same restriction. */
     int (*on_data)(void *arg, const char *p, size_t n);
     /* The transfer ended: rc is CURLE_OK or the failure, errbuf curl's text;
-     * `connected` is 0 when no connection was ever made (the backend cannot
-     * have seen the request). Runs from the event loop, outside curl; the
+     * `connected` is 0 when no byte of the request was sent (the backend
+     * cannot have seen it). Runs from the event loop, outside curl; the
      * px_upstream is freed when this returns, so the callee drops it. */
     void (*on_done)(void *arg, CURLcode rc, const char *errbuf, int connected);
 } px_upstream_cbs;
