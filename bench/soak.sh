@@ -101,11 +101,15 @@ wait "$flapper" 2>/dev/null || true
 [ -f "$work/p2.pid" ] && p2=$(cat "$work/p2.pid")
 sleep $(( expiry_ms / 1000 + 2 ))   # anything stranded has expired by now
 rss1=$(rss); fds1=$(fds)
+# What the descriptors are: client sockets, upstream sockets kept in curl's
+# connection pools (bounded), and the rest.
+sockets=$(ss -tanp 2>/dev/null | grep -c "pid=$px," || true)
+upstream=$(ss -tanp 2>/dev/null | grep "pid=$px," | grep -cE ":($P1|$P2|$D1|$D2)\s*(users|$)" || true)
 
 echo "== soak: ${duration}s, wrk -t1 -c$conns chat_stream + random leavers, prefill :$P2 killed every ${flap}s"
 grep -E "Requests/sec|requests in|Non-2xx|Socket errors|50%|99%" <<<"$out" | sed 's/^/wrk: /'
 cat "$work/leavers.out"
-echo "pdproxy RSS: start $((rss0/1024)) MiB  end $((rss1/1024)) MiB   open fds: start $fds0  end $fds1"
+echo "pdproxy RSS: start $((rss0/1024)) MiB  end $((rss1/1024)) MiB   open fds: start $fds0  end $fds1 (end: $sockets TCP sockets, $upstream of them pooled upstream connections)"
 printf "prefill :%s (never killed): published=%s released_by_consumer=%s expired=%s\n" "$P1" \
     "$(metric "$P1" engine_sim_kv_blocks_published_total)" \
     "$(metric "$P1" engine_sim_kv_blocks_released_by_consumer_total)" \
