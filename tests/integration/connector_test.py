@@ -6,9 +6,11 @@ connector_peer.c) under the UCX_TLS of the environment.  Every wait is a
 bounded read of the peer's stdout; nothing sleeps to wait for a server.
 
 usage: connector_test.py --mode tcp|sm [case ...]
+(KVC_TEST_TRACE=1: tracebacks and a few measurements on stdout)
 """
 import json
 import os
+import random
 import select
 import signal
 import socket
@@ -72,6 +74,20 @@ class Peer:
                 continue
             raise AssertionError("%s: expected %r, got %r" % (self.engine, prefix, line))
 
+    def take_events(self):
+        """Files the complete lines already read; only events may be pending."""
+        while b"\n" in self.buf:
+            line, self.buf = self.buf.split(b"\n", 1)
+            line = line.decode()
+            if line.startswith("[") and " UCX " in line:
+                continue
+            if not line.startswith("EVENT "):
+                raise AssertionError("%s: unexpected %r" % (self.engine, line))
+            self.events.append(line)
+
+    def count(self, kind):
+        return sum(1 for e in self.events if e.split()[1] == kind)
+
     def event(self, kind, timeout=WAIT, **match):
         """Next event of `kind` (a name or a tuple of names); earlier unmatched
         events are kept."""
@@ -120,6 +136,34 @@ class Peer:
         self.p.wait()
 
 
+def pump(peers, timeout):
+    """Reads whatever the peers have written (waiting up to `timeout` for the
+    first byte) into their buffers and files complete EVENT lines, so that no
+    peer ever blocks on a full stdout while the test waits on another one."""
+    r, _, _ = select.select([x.p.stdout for x in peers], [], [], max(timeout, 0))
+    for x in peers:
+        if x.p.stdout in r:
+            chunk = os.read(x.p.stdout.fileno(), 1 << 20)
+            if not chunk:
+                raise AssertionError("%s: exited rc=%s; stderr:\n%s"
+                                     % (x.engine, x.p.poll(), x.stderr()))
+            x.buf += chunk
+        x.take_events()
+
+
+def pipelined(peer, cmds, prefix, others=(), batch=32):
+    """Sends `cmds` `batch` at a time (a batch of answers fits a pipe), returns
+    the answer lines in order; keeps `others` drained meanwhile."""
+    out = []
+    for i in range(0, len(cmds), batch):
+        peer.send("\n".join(cmds[i:i + batch]))
+        for _ in cmds[i:i + batch]:
+            out.append(peer.expect(prefix))
+        if others:
+            pump(others, 0)
+    return out
+
+
 def ids(v):
     return ",".join(str(x) for x in v) if v else "-"
 
@@ -150,6 +194,13 @@ def fetch(d, local, params):
     line = d.cmd("fetch %s %s" % (ids(local), params), "")
     assert line.startswith("FETCHING"), line
     return line.split()[1]
+
+
+def roundtrip(K, C, req, remote, local, seed=7):
+    x = fetch(C, local, publish(K, req, remote))
+    C.event("FETCH_DONE", xfer=x)
+    assert C.cmd("verify %d %s %s" % (seed, ids(remote), ids(local)), "VERIFY") == "VERIFY ok"
+    K.event("RELEASED", req=req)
 
 
 # --------------------------------------------------------------- cases --
@@ -309,6 +360,7 @@ def case_killed_peer(P, D):
         fetch(D, [1], publish(K, "k1", [1]))
         D.event("FETCH_DONE")
         params = publish(K, "k2", [2, 3, 4])
+        never = publish(K, "k3", [7])  # published, never fetched before the kill
         K.p.send_signal(signal.SIGSTOP)  # a peer that hangs, then dies
         x = fetch(D, [2, 3, 4], params)
         if MODE == "tcp":
@@ -324,10 +376,21 @@ def case_killed_peer(P, D):
         fetch(D, [5], params)
         ev = D.event("FETCH_FAILED", timeout=10)
         assert "UNREACHABLE" in ev or "PEER_FAILED" in ev, ev
+        # A consumer that never met it: refused at once.
+        D2 = consumer("D-late")
+        try:
+            fetch(D2, [7], never)
+            ev = D2.event("FETCH_FAILED", timeout=10)
+            assert "UNREACHABLE" in ev, ev
+        finally:
+            D2.close()
         fetch(D, [6], publish(P, "alive", [6]))
         D.event("FETCH_DONE")
         assert D.cmd("verify 7 6 6", "VERIFY") == "VERIFY ok"
         P.event("RELEASED", req="alive")
+        st = P.stat()  # the live producer saw nothing of it
+        assert (st["published"], st["released"], st["expired"], st["unknown"]) == \
+            ("1", "1", "0", "0"), st
     finally:
         K.close(check=False)
 
@@ -394,18 +457,45 @@ def case_stalled_peer(P, D):
 
 def case_killed_consumer(P, D):
     # A consumer that dies mid-fetch costs the producer nothing but its own
-    # pushes; the producer keeps serving the others.
+    # pushes and the dead consumer's blocks, which expire and are counted; the
+    # producer keeps serving the others.
     D1 = consumer("D-dies")
     try:
-        fetch(D1, list(range(64)), publish(P, "big", list(range(64))))
+        fetch(D1, list(range(64)), publish(P, "big", list(range(64)), expiry=1500))
         D1.kill()
     finally:
         D1.close(check=False)
-    fetch(D, [1, 2], publish(P, "after", [5, 6]))
-    D.event("FETCH_DONE")
-    assert D.cmd("verify 7 5,6 1,2", "VERIFY") == "VERIFY ok"
-    P.event("RELEASED", req="after")
+    roundtrip(P, D, "after", [5, 6], [1, 2])
     assert P.p.poll() is None
+    # The fetch may or may not have finished before the kill (with sm the read
+    # is one-sided): "big" ends released or expired, never stays published.
+    P.event(("RELEASED", "EXPIRED"), req="big", timeout=6)
+    st = P.stat()
+    assert st["published"] == "2" and int(st["released"]) + int(st["expired"]) == 2 \
+        and st["unknown"] == "0" and st["published_now"] == "0", st
+    # Deterministic variant: the producer has to push (registered memory) and
+    # is stopped while the consumer asks and dies, so no notification can
+    # come: the blocks expire, and only they.
+    K = producer("P-kc", *([] if "--user-mem" in MEM else ["--user-mem"]))
+    D2 = consumer("D-dies-2")
+    try:
+        roundtrip(K, D2, "warm", [1], [1])  # handshake done: the fetch below only pulls
+        params = publish(K, "lost", [10, 11, 12, 13], expiry=1500)
+        K.p.send_signal(signal.SIGSTOP)
+        fetch(D2, [10, 11, 12, 13], params)
+        D2.kill()
+        K.p.send_signal(signal.SIGCONT)
+        roundtrip(K, D, "other", [20, 21], [20, 21])  # unaffected, during
+        ev = K.event(("RELEASED", "EXPIRED", "UNKNOWN_NOTIFY"), req="lost", timeout=6)
+        assert ev.split()[1] == "EXPIRED" and "n=4" in ev, ev
+        roundtrip(K, D, "other-2", [30], [30])  # and after
+        st = K.stat()
+        assert (st["published"], st["released"], st["expired"], st["unknown"],
+                st["published_now"]) == ("4", "3", "1", "0", "0"), st
+    finally:
+        K.p.send_signal(signal.SIGCONT)
+        D2.close(check=False)
+        K.close()
 
 
 def case_many(P, D):
@@ -423,10 +513,272 @@ def case_many(P, D):
         P.event("RELEASED", req="m%d" % i)
 
 
+# Side-channel wire format (connector/wire.c): u32 magic "KVCH", u16 version,
+# u16 type (1 HELLO), u32 body length; HELLO body: str16 engine id, blob32
+# worker address.
+MAGIC = b"KVCH"
+
+
+def hdr(version, typ, body_len):
+    return MAGIC + version.to_bytes(2, "little") + typ.to_bytes(2, "little") + \
+        body_len.to_bytes(4, "little")
+
+
+def hello_body(engine, addr=b""):
+    e = engine.encode()
+    return len(e).to_bytes(2, "little") + e + len(addr).to_bytes(4, "little") + addr
+
+
+def garbage(kind, rnd):
+    """What a hostile client sends on the side channel; None: nothing at all."""
+    if kind == "random":
+        b = bytes(rnd.getrandbits(8) for _ in range(rnd.randrange(1, 4096)))
+        return b"\x00" + b  # never starts with the magic
+    if kind == "short-header":
+        return hdr(1, 1, 20)[:7]
+    if kind == "truncated":  # a HELLO that promises more than it sends
+        return hdr(1, 1, 200) + hello_body("D-evil")[:9]
+    if kind == "oversized":
+        return hdr(1, 1, 0xFFFFFFFF) + b"x" * 64
+    if kind == "wrong-version":
+        body = hello_body("D-evil")
+        return hdr(0xBEEF, 1, len(body)) + body
+    if kind == "wrong-type":  # a HANDSHAKE sent to the producer
+        return hdr(1, 2, 4) + b"\x00" * 4
+    if kind == "bad-body":  # engine id length beyond the body
+        return hdr(1, 1, 6) + b"\xff\xff" + b"\x00" * 4
+    if kind == "bad-address":  # well-formed HELLO, worker address of junk
+        body = hello_body("D-evil", bytes(rnd.getrandbits(8) for _ in range(64)))
+        return hdr(1, 1, len(body)) + body
+    if kind == "silent":
+        return None
+    raise ValueError(kind)
+
+
+GARBAGE = ["random", "short-header", "truncated", "oversized", "wrong-version", "wrong-type",
+           "bad-body", "silent"]
+
+
+def open_garbage(port, kind, rnd):
+    s = socket.create_connection(("127.0.0.1", port), timeout=5)
+    data = garbage(kind, rnd)
+    if data:
+        try:
+            s.sendall(data)
+        except (ConnectionResetError, BrokenPipeError):
+            pass  # closed on the first bytes: fine
+    s.setblocking(False)
+    return s
+
+
+def wait_closed(socks, deadline):
+    """Reads every socket until the producer closes it (EOF or reset)."""
+    left = set(socks)
+    while left:
+        t = deadline - time.monotonic()
+        if t <= 0:
+            raise AssertionError("%d side-channel connections still open" % len(left))
+        r, _, _ = select.select(list(left), [], [], t)
+        for s in r:
+            try:
+                if not s.recv(65536):
+                    left.discard(s)
+            except (ConnectionResetError, BrokenPipeError):
+                left.discard(s)
+            except BlockingIOError:
+                pass
+
+
+def fd_count(pid):
+    return len(os.listdir("/proc/%d/fd" % pid))
+
+
+def side_channel_conns(pid, port):
+    """Connected sockets of `pid` whose local port is the side-channel port."""
+    inodes = set()
+    for f in ("/proc/%d/net/tcp" % pid, "/proc/%d/net/tcp6" % pid):
+        try:
+            with open(f) as fh:
+                for row in fh.readlines()[1:]:
+                    c = row.split()
+                    if int(c[1].rsplit(":", 1)[1], 16) == port and c[3] != "0A":  # not LISTEN
+                        inodes.add(c[9])
+        except FileNotFoundError:
+            pass
+    n = 0
+    for fd in os.listdir("/proc/%d/fd" % pid):
+        try:
+            link = os.readlink("/proc/%d/fd/%s" % (pid, fd))
+        except OSError:
+            continue
+        if link.startswith("socket:[") and link[8:-1] in inodes:
+            n += 1
+    return n
+
+
+def case_garbage(P, D):
+    # A producer whose side channel gets junk: it closes every such connection
+    # (at once, or after its connect timeout for the ones that stall), leaks no
+    # fd, and serves consumers' handshakes during and after.
+    tmo = 3.0
+    K = producer("P-junk", "--connect-timeout-ms", str(int(tmo * 1000)))
+    D2 = consumer("D-during")
+    rnd = random.Random(9)
+    socks = []
+    try:
+        pid = K.p.pid
+        roundtrip(K, D, "warm", [1, 2], [1, 2])  # D's endpoints exist before the baseline
+        base = fd_count(pid)
+        # Each kind alone: closed by the producer within its connect timeout.
+        t0 = time.monotonic()
+        socks = [open_garbage(K.port, k, rnd) for k in GARBAGE]
+        wait_closed(socks, t0 + tmo + 3)
+        for s in socks:
+            s.close()
+        assert K.p.poll() is None
+        # 200 at once (under the producer's 256 concurrent side-channel
+        # connections); a fresh consumer handshakes and fetches meanwhile.
+        t0 = time.monotonic()
+        socks = [open_garbage(K.port, GARBAGE[i % len(GARBAGE)], rnd) for i in range(200)]
+        roundtrip(K, D2, "during", [3, 4, 5, 40], [0, 1, 2, 3])
+        roundtrip(K, D, "during-2", [6], [6])
+        silent = [s for i, s in enumerate(socks) if GARBAGE[i % len(GARBAGE)] == "silent"]
+        r, _, _ = select.select(silent, [], [], 0)
+        assert not r and time.monotonic() - t0 < tmo, \
+            "the round trip did not happen while the garbage was open"
+        wait_closed(socks, time.monotonic() + tmo + 5)
+        for s in socks:
+            s.close()
+        socks = []
+        # No fd kept for the garbage: every accepted side-channel socket is
+        # gone, and the fd count is back near the baseline (D2's endpoints).
+        deadline = time.monotonic() + 10
+        while True:
+            n_sc, n_fd = side_channel_conns(pid, K.port), fd_count(pid)
+            if n_sc == 0 and n_fd <= base + 16:
+                if os.environ.get("KVC_TEST_TRACE"):
+                    print("fds: baseline %d, after %d" % (base, n_fd))
+                break
+            if time.monotonic() > deadline:
+                raise AssertionError("producer fds: %d (baseline %d), side-channel sockets %d"
+                                     % (n_fd, base, n_sc))
+            pump([K], 0.05)  # bounded poll of the producer's state
+        # After: a new consumer handshakes; the old ones go on.
+        D3 = consumer("D-after")
+        try:
+            roundtrip(K, D3, "after", [10, 11, 12], [20, 21, 22])
+        finally:
+            D3.close()
+        roundtrip(K, D2, "after-2", [13], [13])
+        st = K.stat()
+        assert st["published"] == st["released"] == "5" and st["expired"] == "0" \
+            and st["unknown"] == "0" and st["published_now"] == "0", st
+        with open(K.errpath) as f:
+            log = f.read()
+        assert "malformed hello" in log and "too slow" in log and "wire version 48879" in log
+    finally:
+        for s in socks:
+            s.close()
+        D2.close()
+        K.close()
+
+
+def case_garbage_address(P, D):
+    # A well-formed HELLO whose worker address is junk: the producer (which
+    # connects back to the consumer's address on HELLO) must not hand it to
+    # UCX unchecked; it stays up and serves the next consumer.
+    K = producer("P-junkaddr")
+    rnd = random.Random(5)
+    try:
+        s = open_garbage(K.port, "bad-address", rnd)
+        try:
+            wait_closed([s], time.monotonic() + 8)
+        finally:
+            s.close()
+        assert K.p.poll() is None, "producer died on a junk worker address:\n" + K.stderr()
+        roundtrip(K, D, "after-junk", [1, 2], [3, 4])
+    finally:
+        K.close(check=False)
+
+
+def case_many_consumers(P, D):
+    # One producer, 4 consumers, 1 000 requests published and all fetches
+    # started before any is waited for; every fetch verified byte for byte and
+    # every request released by its notification.  Bounded: 120 s in all.
+    deadline = time.monotonic() + 120
+    geo = ("--regions", "2", "--blocks", "1024", "--block-len", "4096")
+    K = Peer("P-1k", *(geo + tuple(MEM)))
+    Ds = []
+    try:
+        K.cmd("fill 11", "OK")
+        for c in range(4):
+            Ds.append(Peer("D-1k-%d" % c, *(geo + tuple(MEM))))
+            Ds[-1].cmd("clear", "OK")
+        N = 1000
+        reqs = []  # (consumer, name, remote, local)
+        for i in range(N):
+            c, j = i % 4, i // 4
+            n = 1 + i % 4
+            s0 = (i * 37) % 1024
+            remote = [(s0 + k) % 1024 for k in range(n)] if i % 2 else \
+                [(s0 + k * 97) % 1024 for k in range(n)]
+            local = [j * 4 + k for k in range(n)]
+            reqs.append((c, "r1k-%d-%d" % (c, j), remote, local))
+        lines = pipelined(K, ["publish %s %s" % (r, ids(rem)) for _, r, rem, _ in reqs],
+                          "PUBLISHED")
+        params = [l.split(" ", 1)[1] for l in lines]
+        xfers = [dict() for _ in range(4)]  # xfer id -> request index
+        B = 25
+        for b in range(0, N // 4, B):  # the 4 consumers' fetches interleaved
+            for c in range(4):
+                mine = [i for i in range(N) if reqs[i][0] == c][b:b + B]
+                got = pipelined(Ds[c], ["fetch %s %s" % (ids(reqs[i][3]), params[i]) for i in mine],
+                                "", others=[K] + Ds, batch=B)
+                for i, l in zip(mine, got):
+                    assert l.startswith("FETCHING"), l
+                    xfers[c][l.split()[1]] = i
+        assert sum(len(x) for x in xfers) == N
+        # Wait for all of it, reading every peer so none stalls on its stdout.
+        while not (all(d.count("FETCH_DONE") + d.count("FETCH_FAILED") >= N // 4 for d in Ds)
+                   and K.count("RELEASED") + K.count("EXPIRED") + K.count("UNKNOWN_NOTIFY") >= N):
+            if time.monotonic() > deadline:
+                raise AssertionError("not done in 120 s: fetches done %s, released %d"
+                                     % ([d.count("FETCH_DONE") for d in Ds], K.count("RELEASED")))
+            pump([K] + Ds, min(1.0, deadline - time.monotonic()))
+        for c, d in enumerate(Ds):
+            failed = [e for e in d.events if e.split()[1] == "FETCH_FAILED"]
+            assert not failed, failed[:3]
+            done = {}
+            for e in d.events:
+                f = dict(kv.split("=", 1) for kv in e.split()[2:6])
+                done[f["xfer"]] = f
+            assert set(done) == set(xfers[c]), "consumer %d: fetches done != started" % c
+            for x, i in xfers[c].items():
+                _, name, remote, local = reqs[i]
+                assert done[x]["req"] == name and done[x]["n"] == str(len(local)), (done[x], name)
+            mine = [reqs[i] for i in sorted(xfers[c].values())]
+            rem = [b for r in mine for b in r[2]]
+            loc = [b for r in mine for b in r[3]]
+            assert d.cmd("verify 11 %s %s" % (ids(rem), ids(loc)), "VERIFY") == "VERIFY ok"
+            st = d.stat()
+            assert st["fetch_done"] == str(N // 4) and st["fetch_failed"] == "0" \
+                and st["handshakes"] == "1", st
+        rel = {e.split()[4][4:] for e in K.events if e.split()[1] == "RELEASED"}
+        assert rel == {r[1] for r in reqs}, "released %d of %d" % (len(rel), N)
+        st = K.stat()
+        assert st["published"] == st["released"] == str(N) and st["expired"] == "0" \
+            and st["unknown"] == "0" and st["published_now"] == "0", st
+    finally:
+        for d in Ds:
+            d.close()
+        K.close()
+
+
 CASES = [case_roundtrip, case_colon_id, case_tail, case_zero_blocks, case_expiry,
          case_unknown_id, case_out_of_range, case_version_mismatch, case_layout_mismatch,
          case_unreachable, case_killed_peer, case_restart, case_destroy_inflight, case_stalled_peer, case_killed_consumer,
-         case_many]
+         case_many, case_garbage, case_garbage_address,
+         case_many_consumers]
 
 
 def main():
@@ -450,6 +802,9 @@ def main():
             D.close()
             print("ok   %-20s %.2fs" % (c.__name__[5:], time.monotonic() - t0), flush=True)
         except Exception as e:  # report and go on with the other cases
+            if os.environ.get("KVC_TEST_TRACE"):
+                import traceback
+                traceback.print_exc()
             failed += 1
             print("FAIL %-20s %s" % (c.__name__[5:], e), flush=True)
             for x in (P, D):
