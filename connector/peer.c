@@ -162,6 +162,16 @@ static void cons_err_cb(void *arg, ucp_ep_h ep, ucs_status_t us) {
     kvc_wake(k->a);
 }
 
+/* UCX asserts (aborts the process) on a malformed worker address, and its
+ * format is private: the best we can do is refuse what cannot be one of
+ * ours — another header byte (UCX version and flags) or an absurd length.
+ * A crafted address can still get through; the side channel must only be
+ * reachable inside the cluster (SECURITY.md). */
+static bool addr_plausible(const kvc_agent_t *a, const uint8_t *addr, size_t len) {
+    return len >= 16 && len <= 65536 && a->worker_addr_len >= 1 &&
+           addr[0] == ((const uint8_t *)a->worker_addr)[0];
+}
+
 static void cons_connect(kvc_agent_t *a, const void *addr, size_t len) {
     size_t n = 0;
     for (struct kvc_cons *k = a->cons; k; k = k->next)
@@ -281,7 +291,12 @@ void kvc_sconn_io(kvc_agent_t *a, kvc_sconn_t *c, uint32_t events) {
         c->replying = true;
         kvc_ep_mod(a, c->fd, EPOLLOUT | EPOLLRDHUP, &c->pe);
         events |= EPOLLOUT;
-        if (addr.len) {
+        if (addr.len && !addr_plausible(a, addr.p, addr.len)) {
+            KVC_LOG(a, KVC_LOG_WARN,
+                    "side channel: HELLO with an implausible worker address "
+                    "(%zu bytes) ignored",
+                    (size_t)addr.len);
+        } else if (addr.len) {
             /* Reply first, then connect back: the consumer creates its endpoint
              * meanwhile, UCX pairs the two (same connection sequence number),
              * and the two costly endpoint setups overlap instead of running
@@ -652,6 +667,10 @@ static void handshake_done(kvc_agent_t *a, kvc_peer_t *p, const uint8_t *body, s
     p->n_regions = hs.n_regions;
     p->num_blocks = hs.num_blocks;
     p->nonce = hs.nonce;
+    if (!addr_plausible(a, hs.worker_addr.p, hs.worker_addr.len)) {
+        peer_fail(a, p, KVC_ERR_PROTOCOL, "handshake carries an implausible worker address");
+        goto out;
+    }
     if (ep_create(a, p, &hs.worker_addr) != KVC_OK) goto out;
     KVC_LOG(a, KVC_LOG_DEBUG, "peer %s:%u: endpoint created", p->host, p->port);
     for (uint32_t i = 0; i < hs.n_regions; i++) {

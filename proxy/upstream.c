@@ -1,6 +1,7 @@
 #include "upstream.h"
 
 #include <poll.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -27,6 +28,8 @@ struct px_upstream {
     int upload_done;
     int abort_after_upload;
     struct curl_slist *connect_to; /* owned */
+    const char *body;              /* borrowed: valid until on_done */
+    size_t body_len, body_off;
     char errbuf[CURL_ERROR_SIZE];
 };
 
@@ -37,33 +40,31 @@ typedef struct sockwatch {
     short events;
 } sockwatch;
 
-static void unlink_up(px_upstream *u)
-{
-    if (u->prev) u->prev->next = u->next;
-    else u->loop->live = u->next;
+static void unlink_up(px_upstream *u) {
+    if (u->prev)
+        u->prev->next = u->next;
+    else
+        u->loop->live = u->next;
     if (u->next) u->next->prev = u->prev;
 }
 
 /* Easy handles are reused: creating one allocates tens of kilobytes, which
  * showed up in profiles at ~10 % of the per-request cost. */
-static void release_easy(px_uploop *l, CURL *e)
-{
+static void release_easy(px_uploop *l, CURL *e) {
     if (l->nidle < (int)(sizeof l->idle / sizeof *l->idle))
         l->idle[l->nidle++] = e;
     else
         curl_easy_cleanup(e);
 }
 
-static void free_up(px_upstream *u)
-{
+static void free_up(px_upstream *u) {
     unlink_up(u);
     curl_slist_free_all(u->connect_to);
     release_easy(u->loop, u->easy);
     free(u);
 }
 
-static void check_done(px_uploop *l)
-{
+static void check_done(px_uploop *l) {
     CURLMsg *msg;
     int left;
     while ((msg = curl_multi_info_read(l->multi, &left))) {
@@ -86,8 +87,7 @@ static void check_done(px_uploop *l)
     }
 }
 
-static void on_sock_event(evutil_socket_t fd, short what, void *arg)
-{
+static void on_sock_event(evutil_socket_t fd, short what, void *arg) {
     px_uploop *l = arg;
     int running, flags = 0;
     if (what & EV_READ) flags |= CURL_CSELECT_IN;
@@ -96,16 +96,14 @@ static void on_sock_event(evutil_socket_t fd, short what, void *arg)
     check_done(l);
 }
 
-static void on_timer(evutil_socket_t fd, short what, void *arg)
-{
+static void on_timer(evutil_socket_t fd, short what, void *arg) {
     px_uploop *l = arg;
     int running;
     curl_multi_socket_action(l->multi, CURL_SOCKET_TIMEOUT, 0, &running);
     check_done(l);
 }
 
-static int sock_cb(CURL *easy, curl_socket_t s, int what, void *userp, void *socketp)
-{
+static int sock_cb(CURL *easy, curl_socket_t s, int what, void *userp, void *socketp) {
     px_uploop *l = userp;
     sockwatch *w = socketp;
     if (what == CURL_POLL_REMOVE) {
@@ -134,8 +132,7 @@ static int sock_cb(CURL *easy, curl_socket_t s, int what, void *userp, void *soc
     return 0;
 }
 
-static int timer_cb(CURLM *multi, long timeout_ms, void *userp)
-{
+static int timer_cb(CURLM *multi, long timeout_ms, void *userp) {
     px_uploop *l = userp;
     if (timeout_ms < 0) {
         evtimer_del(l->timer);
@@ -146,8 +143,7 @@ static int timer_cb(CURLM *multi, long timeout_ms, void *userp)
     return 0;
 }
 
-px_uploop *px_uploop_create(struct event_base *base)
-{
+px_uploop *px_uploop_create(struct event_base *base) {
     px_uploop *l = px_xcalloc(1, sizeof *l);
     l->base = base;
     l->multi = curl_multi_init();
@@ -168,18 +164,18 @@ err_multi:
     return NULL;
 }
 
-void px_uploop_destroy(px_uploop *l)
-{
+void px_uploop_destroy(px_uploop *l) {
     if (!l) return;
-    while (l->live) px_upstream_cancel(l->live);
-    while (l->nidle) curl_easy_cleanup(l->idle[--l->nidle]);
+    while (l->live)
+        px_upstream_cancel(l->live);
+    while (l->nidle)
+        curl_easy_cleanup(l->idle[--l->nidle]);
     curl_multi_cleanup(l->multi);
     event_free(l->timer);
     free(l);
 }
 
-static size_t header_cb(char *p, size_t size, size_t n, void *arg)
-{
+static size_t header_cb(char *p, size_t size, size_t n, void *arg) {
     px_upstream *u = arg;
     size_t len = size * n;
     if (len <= 2 && (p[0] == '\r' || p[0] == '\n')) {
@@ -195,8 +191,7 @@ static size_t header_cb(char *p, size_t size, size_t n, void *arg)
     return len;
 }
 
-static size_t write_cb(char *p, size_t size, size_t n, void *arg)
-{
+static size_t write_cb(char *p, size_t size, size_t n, void *arg) {
     px_upstream *u = arg;
     size_t len = size * n;
     int r = u->cbs.on_data(u->arg, p, len);
@@ -207,18 +202,33 @@ static size_t write_cb(char *p, size_t size, size_t n, void *arg)
     return r == 0 ? len : 0;
 }
 
+static size_t read_cb(char *buf, size_t size, size_t n, void *arg) {
+    px_upstream *u = arg;
+    size_t take = size * n, left = u->body_len - u->body_off;
+    if (take > left) take = left;
+    memcpy(buf, u->body + u->body_off, take);
+    u->body_off += take;
+    return take;
+}
+
+/* Rewinding to the start before anything was sent is harmless; any other
+ * rewind would resend the request. */
+static int seek_cb(void *arg, curl_off_t off, int origin) {
+    px_upstream *u = arg;
+    if (origin == SEEK_SET && off == 0 && u->body_off == 0) return CURL_SEEKFUNC_OK;
+    return CURL_SEEKFUNC_CANTSEEK;
+}
+
 static int xferinfo_cb(void *arg, curl_off_t dltotal, curl_off_t dlnow, curl_off_t ultotal,
-                       curl_off_t ulnow)
-{
+                       curl_off_t ulnow) {
     px_upstream *u = arg;
     if (ultotal > 0 && ulnow >= ultotal) u->upload_done = 1;
     return u->upload_done && u->abort_after_upload;
 }
 
-px_upstream *px_upstream_start(px_uploop *l, const char *method, const char *url,
-                               const char *body, size_t len, struct curl_slist *hdrs,
-                               const px_upstream_opts *o, const px_upstream_cbs *cbs, void *arg)
-{
+px_upstream *px_upstream_start(px_uploop *l, const char *method, const char *url, const char *body,
+                               size_t len, struct curl_slist *hdrs, const px_upstream_opts *o,
+                               const px_upstream_cbs *cbs, void *arg) {
     px_upstream *u = px_xcalloc(1, sizeof *u);
     u->loop = l;
     u->cbs = *cbs;
@@ -231,11 +241,25 @@ px_upstream *px_upstream_start(px_uploop *l, const char *method, const char *url
     CURL *e = u->easy;
     curl_easy_setopt(e, CURLOPT_URL, url);
     if (body) {
-        curl_easy_setopt(e, CURLOPT_POSTFIELDS, body);
-        curl_easy_setopt(e, CURLOPT_POSTFIELDSIZE_LARGE, (curl_off_t)len);
+        /* The body goes through a read callback that cannot rewind: given
+         * POSTFIELDS, libcurl silently resends a request whose reused
+         * connection died after the engine read it, and pdproxy must never
+         * hand an engine the same request twice (decode may already have
+         * pulled prefill's blocks). Now that case fails, and we decide. */
+        u->body = body;
+        u->body_len = len;
+        u->body_off = 0;
         curl_easy_setopt(e, CURLOPT_POST, 1L);
+        curl_easy_setopt(e, CURLOPT_POSTFIELDS, NULL);
+        curl_easy_setopt(e, CURLOPT_POSTFIELDSIZE_LARGE, (curl_off_t)len);
+        curl_easy_setopt(e, CURLOPT_READFUNCTION, read_cb);
+        curl_easy_setopt(e, CURLOPT_READDATA, u);
+        curl_easy_setopt(e, CURLOPT_SEEKFUNCTION, seek_cb);
+        curl_easy_setopt(e, CURLOPT_SEEKDATA, u);
     } else {
         curl_easy_setopt(e, CURLOPT_HTTPGET, 1L);
+        curl_easy_setopt(e, CURLOPT_READFUNCTION, NULL);
+        curl_easy_setopt(e, CURLOPT_SEEKFUNCTION, NULL);
     }
     (void)method; /* POST with a body, GET without: all pdproxy sends */
     curl_easy_setopt(e, CURLOPT_HTTPHEADER, hdrs);
@@ -277,8 +301,7 @@ px_upstream *px_upstream_start(px_uploop *l, const char *method, const char *url
     return u;
 }
 
-void px_upstream_resume(px_upstream *u)
-{
+void px_upstream_resume(px_upstream *u) {
     if (!u->paused) return;
     u->paused = 0;
     /* May call write_cb synchronously with the data held back; a second
@@ -286,31 +309,26 @@ void px_upstream_resume(px_upstream *u)
     curl_easy_pause(u->easy, CURLPAUSE_CONT);
 }
 
-void px_upstream_cancel(px_upstream *u)
-{
+void px_upstream_cancel(px_upstream *u) {
     if (!u) return;
     curl_multi_remove_handle(u->loop->multi, u->easy);
     free_up(u);
 }
 
-int px_upstream_answering(px_upstream *u)
-{
+int px_upstream_answering(px_upstream *u) {
     if (u->headers_seen) return 1;
     curl_socket_t fd = CURL_SOCKET_BAD;
-    if (curl_easy_getinfo(u->easy, CURLINFO_ACTIVESOCKET, &fd) != CURLE_OK ||
-        fd == CURL_SOCKET_BAD)
+    if (curl_easy_getinfo(u->easy, CURLINFO_ACTIVESOCKET, &fd) != CURLE_OK || fd == CURL_SOCKET_BAD)
         return 0;
     struct pollfd pfd = {.fd = fd, .events = POLLIN};
     return poll(&pfd, 1, 0) == 1 && (pfd.revents & POLLIN);
 }
 
-int px_upstream_abort_after_upload(px_upstream *u)
-{
+int px_upstream_abort_after_upload(px_upstream *u) {
     u->abort_after_upload = 1;
     return u->upload_done;
 }
 
-int px_upstream_status_for(CURLcode rc)
-{
+int px_upstream_status_for(CURLcode rc) {
     return rc == CURLE_OPERATION_TIMEDOUT ? 504 : 502;
 }
