@@ -18,8 +18,8 @@ typedef struct opt {
     const char *alias; /* second spelling (toy proxy's singular forms), or NULL */
     ctype_t type;
     size_t off;
-    const char *def;   /* default, as text */
-    double min, max;   /* bounds for numbers */
+    const char *def; /* default, as text */
+    double min, max; /* bounds for numbers */
     const char *help;
     const char *choices; /* CT_ENUM: "a|b|c" */
 } opt;
@@ -39,7 +39,8 @@ static const opt opts[] = {
      "decode instance ports, one per host", NULL},
     {"prefill", NULL, CT_URLS, OFF(prefill_urls), "", 0, 0,
      "prefill backend URL http[s]://host:port, repeatable; a host name is re-resolved every "
-     "--dns-refresh and each address is a backend (replaces the toy flags' defaults)", NULL},
+     "--dns-refresh and each address is a backend (replaces the toy flags' defaults)",
+     NULL},
     {"decode", NULL, CT_URLS, OFF(decode_urls), "", 0, 0,
      "decode backend URL, repeatable, as --prefill", NULL},
     {"dns-refresh", NULL, CT_SECONDS, OFF(dns_refresh), "10", 0.1, 86400,
@@ -86,8 +87,7 @@ static const opt opts[] = {
      "on SIGTERM, seconds /ready answers 503 before new connections stop", NULL},
     {"drain-timeout", NULL, CT_SECONDS, OFF(drain_timeout), "60", 0, 86400,
      "on SIGTERM, seconds in-flight requests get to finish", NULL},
-    {"tls-cert", NULL, CT_STR, OFF(tls_cert), "", 0, 0, "PEM certificate chain: serve HTTPS",
-     NULL},
+    {"tls-cert", NULL, CT_STR, OFF(tls_cert), "", 0, 0, "PEM certificate chain: serve HTTPS", NULL},
     {"tls-key", NULL, CT_STR, OFF(tls_key), "", 0, 0, "PEM private key for --tls-cert", NULL},
     {"upstream-ca", NULL, CT_STR, OFF(upstream_ca), "", 0, 0,
      "PEM CA bundle to verify https:// backends (default: the system store)", NULL},
@@ -98,8 +98,7 @@ static const opt opts[] = {
     {"api-key-file", NULL, CT_STR, OFF(api_key_file), "", 0, 0,
      "file of accepted API keys, one per line", NULL},
     {"upstream-api-key", NULL, CT_SECRET, OFF(upstream_api_key), "", 0, 0,
-     "key sent to engines as Bearer (else the client's Authorization, else $OPENAI_API_KEY)",
-     NULL},
+     "key sent to engines as Bearer (else the client's Authorization, else $OPENAI_API_KEY)", NULL},
     {"log-level", NULL, CT_ENUM, OFF(log_level), "info", 0, 0, "log verbosity",
      "debug|info|warn|error"},
     {"log-format", NULL, CT_ENUM, OFF(log_format), "logfmt", 0, 0, "log line format",
@@ -110,23 +109,21 @@ static const opt opts[] = {
 #define NOPTS (sizeof opts / sizeof *opts)
 _Static_assert(NOPTS <= sizeof(((px_config *)0)->set), "grow px_config.set");
 
-static void list_clear(px_strlist *l)
-{
-    for (size_t i = 0; i < l->n; i++) free(l->v[i]);
+static void list_clear(px_strlist *l) {
+    for (size_t i = 0; i < l->n; i++)
+        free(l->v[i]);
     free(l->v);
     l->v = NULL;
     l->n = 0;
 }
 
-static void list_push(px_strlist *l, const char *s, size_t n)
-{
+static void list_push(px_strlist *l, const char *s, size_t n) {
     l->v = px_xrealloc(l->v, (l->n + 1) * sizeof *l->v);
     l->v[l->n++] = px_xstrndup(s, n);
 }
 
 /* Checks one element of a list against the option's bounds. */
-static int check_list_item(const opt *o, const char *v, char *err, size_t errlen)
-{
+static int check_list_item(const opt *o, const char *v, char *err, size_t errlen) {
     if (!*v) {
         snprintf(err, errlen, "--%s '%s': empty value", o->name, v);
         return -1;
@@ -145,11 +142,12 @@ static int check_list_item(const opt *o, const char *v, char *err, size_t errlen
 }
 
 /* http[s]://host[:port] with nothing after but an optional "/". */
-static int check_url(const opt *o, const char *v, char *err, size_t errlen)
-{
+static int check_url(const opt *o, const char *v, char *err, size_t errlen) {
     const char *h = NULL;
-    if (!strncmp(v, "http://", 7)) h = v + 7;
-    else if (!strncmp(v, "https://", 8)) h = v + 8;
+    if (!strncmp(v, "http://", 7))
+        h = v + 7;
+    else if (!strncmp(v, "https://", 8))
+        h = v + 8;
     if (!h || !*h || *h == '/' || *h == ':') {
         snprintf(err, errlen, "--%s '%s': expected http://host:port or https://host:port", o->name,
                  v);
@@ -173,8 +171,7 @@ static int check_url(const opt *o, const char *v, char *err, size_t errlen)
 }
 
 /* Sets a scalar option from text. Lists are handled by the callers. */
-static int set_value(px_config *c, const opt *o, const char *v, char *err, size_t errlen)
-{
+static int set_value(px_config *c, const opt *o, const char *v, char *err, size_t errlen) {
     void *field = (char *)c + o->off;
     switch (o->type) {
     case CT_STR:
@@ -208,9 +205,11 @@ static int set_value(px_config *c, const opt *o, const char *v, char *err, size_
         list_clear(l);
         const char *p = v;
         while (*p) {
-            while (*p == ',' || *p == ' ') p++;
+            while (*p == ',' || *p == ' ')
+                p++;
             const char *s0 = p;
-            while (*p && *p != ',' && *p != ' ') p++;
+            while (*p && *p != ',' && *p != ' ')
+                p++;
             if (p > s0) {
                 list_push(l, s0, (size_t)(p - s0));
                 if (check_url(o, l->v[l->n - 1], err, errlen) < 0) return -1;
@@ -227,8 +226,7 @@ static int set_value(px_config *c, const opt *o, const char *v, char *err, size_
             return -1;
         }
         if ((double)x < o->min || (double)x > o->max) {
-            snprintf(err, errlen, "--%s '%s': out of range %.0f..%.0f", o->name, v, o->min,
-                     o->max);
+            snprintf(err, errlen, "--%s '%s': out of range %.0f..%.0f", o->name, v, o->min, o->max);
             return -1;
         }
         *(int64_t *)field = x;
@@ -267,9 +265,11 @@ static int set_value(px_config *c, const opt *o, const char *v, char *err, size_
         list_clear(l);
         const char *p = v;
         while (*p) {
-            while (*p == ',' || *p == ' ') p++;
+            while (*p == ',' || *p == ' ')
+                p++;
             const char *s = p;
-            while (*p && *p != ',' && *p != ' ') p++;
+            while (*p && *p != ',' && *p != ' ')
+                p++;
             if (p > s) {
                 list_push(l, s, (size_t)(p - s));
                 if (check_list_item(o, l->v[l->n - 1], err, errlen) < 0) return -1;
@@ -285,8 +285,7 @@ static int set_value(px_config *c, const opt *o, const char *v, char *err, size_
     return -1;
 }
 
-static const opt *find_opt(const char *name, size_t n)
-{
+static const opt *find_opt(const char *name, size_t n) {
     for (size_t i = 0; i < NOPTS; i++) {
         if (strlen(opts[i].name) == n && !strncmp(opts[i].name, name, n)) return &opts[i];
         if (opts[i].alias && strlen(opts[i].alias) == n && !strncmp(opts[i].alias, name, n))
@@ -295,8 +294,7 @@ static const opt *find_opt(const char *name, size_t n)
     return NULL;
 }
 
-static void usage(FILE *out)
-{
+static void usage(FILE *out) {
     fprintf(out,
             "Usage: pdproxy [options]\n"
             "Prefill/decode disaggregation proxy for OpenAI-compatible engines.\n\n"
@@ -329,8 +327,7 @@ static void usage(FILE *out)
 static void env_name(const opt *o, char *buf, size_t n);
 
 /* The flags table of README.md, from the same table as --help. */
-static void markdown(FILE *out)
-{
+static void markdown(FILE *out) {
     fprintf(out, "| flag | environment | default | meaning |\n|---|---|---|---|\n");
     for (size_t i = 0; i < NOPTS; i++) {
         const opt *o = &opts[i];
@@ -347,8 +344,7 @@ static void markdown(FILE *out)
     }
 }
 
-static void env_name(const opt *o, char *buf, size_t n)
-{
+static void env_name(const opt *o, char *buf, size_t n) {
     size_t j = (size_t)snprintf(buf, n, "PDPROXY_");
     for (const char *p = o->name; *p && j + 1 < n; p++)
         buf[j++] = *p == '-' ? '_' : (char)toupper((unsigned char)*p);
@@ -356,8 +352,7 @@ static void env_name(const opt *o, char *buf, size_t n)
 }
 
 px_config_result px_config_load(px_config *c, int argc, char **argv, char **envp, FILE *out,
-                                char *err, size_t errlen)
-{
+                                char *err, size_t errlen) {
     memset(c, 0, sizeof *c);
     err[0] = '\0';
     for (size_t i = 0; i < NOPTS; i++)
@@ -479,8 +474,7 @@ px_config_result px_config_load(px_config *c, int argc, char **argv, char **envp
     return PX_CONFIG_RUN;
 }
 
-void px_config_cleanup(px_config *c)
-{
+void px_config_cleanup(px_config *c) {
     for (size_t i = 0; i < NOPTS; i++) {
         void *field = (char *)c + opts[i].off;
         if (opts[i].type == CT_STR || opts[i].type == CT_ENUM || opts[i].type == CT_SECRET) {
@@ -492,14 +486,12 @@ void px_config_cleanup(px_config *c)
     }
 }
 
-int px_config_is_set(const px_config *c, const char *name)
-{
+int px_config_is_set(const px_config *c, const char *name) {
     const opt *o = find_opt(name, strlen(name));
     return o ? c->set[o - opts] : 0;
 }
 
-void px_config_dump(const px_config *c, FILE *out)
-{
+void px_config_dump(const px_config *c, FILE *out) {
     for (size_t i = 0; i < NOPTS; i++) {
         const opt *o = &opts[i];
         const void *field = (const char *)c + o->off;
@@ -507,15 +499,26 @@ void px_config_dump(const px_config *c, FILE *out)
         fprintf(out, "%s = ", o->name);
         switch (o->type) {
         case CT_STR:
-        case CT_ENUM: fprintf(out, "%s", *(char *const *)field); break;
-        case CT_SECRET: fprintf(out, "%s", (*(char *const *)field)[0] ? "(set)" : ""); break;
-        case CT_INT: fprintf(out, "%lld", (long long)*(const int64_t *)field); break;
-        case CT_SECONDS: fprintf(out, "%g", *(const double *)field); break;
-        case CT_FLAG: fprintf(out, "%s", *(const int *)field ? "true" : "false"); break;
+        case CT_ENUM:
+            fprintf(out, "%s", *(char *const *)field);
+            break;
+        case CT_SECRET:
+            fprintf(out, "%s", (*(char *const *)field)[0] ? "(set)" : "");
+            break;
+        case CT_INT:
+            fprintf(out, "%lld", (long long)*(const int64_t *)field);
+            break;
+        case CT_SECONDS:
+            fprintf(out, "%g", *(const double *)field);
+            break;
+        case CT_FLAG:
+            fprintf(out, "%s", *(const int *)field ? "true" : "false");
+            break;
         case CT_LIST:
         case CT_URLS: {
             const px_strlist *l = field;
-            for (size_t j = 0; j < l->n; j++) fprintf(out, "%s%s", j ? " " : "", l->v[j]);
+            for (size_t j = 0; j < l->n; j++)
+                fprintf(out, "%s%s", j ? " " : "", l->v[j]);
             break;
         }
         }

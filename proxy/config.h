@@ -20,19 +20,19 @@ typedef struct px_config {
     px_strlist prefiller_ports;
     px_strlist decoder_hosts;
     px_strlist decoder_ports;
-    px_strlist prefill_urls;  /* --prefill, repeatable */
-    px_strlist decode_urls;   /* --decode, repeatable */
-    double dns_refresh;       /* seconds between re-resolutions of backend names */
-    int64_t threads;          /* 0: one per CPU */
+    px_strlist prefill_urls; /* --prefill, repeatable */
+    px_strlist decode_urls;  /* --decode, repeatable */
+    double dns_refresh;      /* seconds between re-resolutions of backend names */
+    int64_t threads;         /* 0: one per CPU */
     int64_t max_body_bytes;
-    double connect_timeout;   /* seconds */
-    double prefill_timeout;   /* seconds, 0: none */
+    double connect_timeout;     /* seconds */
+    double prefill_timeout;     /* seconds, 0: none */
     double decode_idle_timeout; /* seconds without a byte from decode, 0: none */
     double client_header_timeout;
     double keepalive_timeout;
-    int64_t max_inflight;     /* 0: unlimited */
+    int64_t max_inflight; /* 0: unlimited */
     /* Health and failover. */
-    double health_interval;   /* 0: no active checks */
+    double health_interval; /* 0: no active checks */
     double health_timeout;
     int64_t unhealthy_after;
     int64_t healthy_after;
@@ -59,7 +59,7 @@ typedef struct px_config {
     char *log_level;
     char *log_format;
     int print_config;
-    unsigned char set[64];    /* set[i]: option i was given by flag or environment */
+    unsigned char set[64]; /* set[i]: option i was given by flag or environment */
 } px_config;
 
 typedef enum { PX_CONFIG_RUN = 0, PX_CONFIG_EXIT_OK = 1, PX_CONFIG_ERROR = -1 } px_config_result;

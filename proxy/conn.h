@@ -22,9 +22,9 @@ typedef struct px_conn_cfg {
      * later, with exactly one reply, stream end or abort. `body` may be
      * moved out (px_buf ownership). `h` is valid until the exchange ends. */
     void (*dispatch)(void *ctx, px_conn *c, const px_http_head *h, px_buf *body);
-    void *ctx;                /* borrowed */
-    struct ssl_ctx_st *tls;   /* borrowed: serve TLS with it, or NULL for plain HTTP */
-    int draining;             /* answer with Connection: close from now on */
+    void *ctx;              /* borrowed */
+    struct ssl_ctx_st *tls; /* borrowed: serve TLS with it, or NULL for plain HTTP */
+    int draining;           /* answer with Connection: close from now on */
 } px_conn_cfg;
 
 /* The connections of one loop, so they can be closed when it stops. */
@@ -63,8 +63,8 @@ void px_conn_bind(px_conn *c, const px_exchange_cbs *cbs, void *arg);
 
 /* A complete response with a Content-Length body; `extra` holds more header
  * lines ("Name: value\r\n"...) or is NULL. */
-void px_conn_reply(px_conn *c, int status, const char *ctype, const char *req_id,
-                   const char *extra, const char *body, size_t n);
+void px_conn_reply(px_conn *c, int status, const char *ctype, const char *req_id, const char *extra,
+                   const char *body, size_t n);
 /* An OpenAI-style error: {"error":{"message","type","code"}}. */
 void px_conn_reply_error(px_conn *c, int status, const char *req_id, const char *extra,
                          const char *msg);

@@ -14,15 +14,15 @@
 #include "server.h"
 
 typedef struct dns_entry {
-    px_pool *pool;   /* borrowed */
-    char *url;       /* owned */
+    px_pool *pool; /* borrowed */
+    char *url;     /* owned */
     char host[256];
     int port;
 } dns_entry;
 
 struct px_discovery {
     px_server *s;
-    dns_entry *e;    /* owned */
+    dns_entry *e; /* owned */
     size_t n;
     pthread_t thread;
     int running;
@@ -31,20 +31,17 @@ struct px_discovery {
     pthread_cond_t cv;
 };
 
-static int is_ip_literal(const char *host)
-{
+static int is_ip_literal(const char *host) {
     unsigned char buf[16];
     return inet_pton(AF_INET, host, buf) == 1 || inet_pton(AF_INET6, host, buf) == 1;
 }
 
-static int cmp_str(const void *a, const void *b)
-{
+static int cmp_str(const void *a, const void *b) {
     return strcmp(*(char *const *)a, *(char *const *)b);
 }
 
 /* Resolves host to its distinct addresses, sorted. Returns the count, or -1. */
-static long resolve(const char *host, char ***out)
-{
+static long resolve(const char *host, char ***out) {
     struct addrinfo hints = {0}, *res = NULL;
     hints.ai_family = AF_UNSPEC;
     hints.ai_socktype = SOCK_STREAM;
@@ -63,7 +60,8 @@ static long resolve(const char *host, char ***out)
                             : (const void *)&((struct sockaddr_in6 *)ai->ai_addr)->sin6_addr;
         if (!inet_ntop(ai->ai_family, a, ip, sizeof ip)) continue;
         int dup = 0;
-        for (long i = 0; i < n && !dup; i++) dup = !strcmp(v[i], ip);
+        for (long i = 0; i < n && !dup; i++)
+            dup = !strcmp(v[i], ip);
         if (dup) continue;
         v = px_xrealloc(v, (size_t)(n + 1) * sizeof *v);
         v[n++] = px_xstrdup(ip);
@@ -74,20 +72,19 @@ static long resolve(const char *host, char ***out)
     return n;
 }
 
-static void refresh(px_discovery *d)
-{
+static void refresh(px_discovery *d) {
     for (size_t i = 0; i < d->n; i++) {
         char **ips = NULL;
         long n = resolve(d->e[i].host, &ips);
         if (n < 0) continue; /* keep what we had: a DNS hiccup must not empty a pool */
         px_pool_sync_addrs(d->e[i].pool, d->e[i].url, d->e[i].host, d->e[i].port, ips, (size_t)n);
-        for (long j = 0; j < n; j++) free(ips[j]);
+        for (long j = 0; j < n; j++)
+            free(ips[j]);
         free(ips);
     }
 }
 
-static void *refresh_main(void *arg)
-{
+static void *refresh_main(void *arg) {
     px_discovery *d = arg;
     pthread_mutex_lock(&d->mu);
     while (!d->stop) {
@@ -101,7 +98,8 @@ static void *refresh_main(void *arg)
             ts.tv_nsec -= 1000000000L;
         }
         int rc = 0;
-        while (!d->stop && rc != ETIMEDOUT) rc = pthread_cond_timedwait(&d->cv, &d->mu, &ts);
+        while (!d->stop && rc != ETIMEDOUT)
+            rc = pthread_cond_timedwait(&d->cv, &d->mu, &ts);
         if (d->stop) break;
         pthread_mutex_unlock(&d->mu);
         refresh(d);
@@ -111,8 +109,7 @@ static void *refresh_main(void *arg)
     return NULL;
 }
 
-static int add_url(px_discovery *d, px_pool *pool, const char *url, char *err, size_t errlen)
-{
+static int add_url(px_discovery *d, px_pool *pool, const char *url, char *err, size_t errlen) {
     char host[256];
     int port, https;
     if (px_url_split(url, host, sizeof host, &port, &https) < 0) {
@@ -133,8 +130,7 @@ static int add_url(px_discovery *d, px_pool *pool, const char *url, char *err, s
 }
 
 static int add_role(px_discovery *d, px_pool *pool, const px_strlist *urls, const char *toy_name,
-                    const px_strlist *hosts, const px_strlist *ports, char *err, size_t errlen)
-{
+                    const px_strlist *hosts, const px_strlist *ports, char *err, size_t errlen) {
     const px_config *cfg = d->s->cfg;
     /* The toy lists count when given, or when no URL is (their defaults). */
     if (!urls->n || px_config_is_set(cfg, toy_name)) {
@@ -154,8 +150,7 @@ static int add_role(px_discovery *d, px_pool *pool, const px_strlist *urls, cons
     return 0;
 }
 
-px_discovery *px_discovery_start(px_server *s, char *err, size_t errlen)
-{
+px_discovery *px_discovery_start(px_server *s, char *err, size_t errlen) {
     px_discovery *d = px_xcalloc(1, sizeof *d);
     d->s = s;
     pthread_mutex_init(&d->mu, NULL);
@@ -175,8 +170,7 @@ px_discovery *px_discovery_start(px_server *s, char *err, size_t errlen)
     return d;
 }
 
-void px_discovery_stop(px_discovery *d)
-{
+void px_discovery_stop(px_discovery *d) {
     if (!d) return;
     if (d->running) {
         pthread_mutex_lock(&d->mu);
@@ -185,7 +179,8 @@ void px_discovery_stop(px_discovery *d)
         pthread_mutex_unlock(&d->mu);
         pthread_join(d->thread, NULL);
     }
-    for (size_t i = 0; i < d->n; i++) free(d->e[i].url);
+    for (size_t i = 0; i < d->n; i++)
+        free(d->e[i].url);
     free(d->e);
     pthread_mutex_destroy(&d->mu);
     pthread_cond_destroy(&d->cv);

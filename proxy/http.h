@@ -25,13 +25,13 @@ typedef struct px_http_head {
     size_t method_len;
     const char *target;
     size_t target_len;
-    int minor;                  /* HTTP/1.<minor> */
+    int minor; /* HTTP/1.<minor> */
     px_http_header headers[PX_HTTP_MAX_HEADERS];
     size_t nheaders;
-    int64_t content_length;     /* -1: none */
-    int chunked;                /* Transfer-Encoding: chunked */
-    int keep_alive;             /* after this request */
-    int expect_continue;        /* Expect: 100-continue */
+    int64_t content_length; /* -1: none */
+    int chunked;            /* Transfer-Encoding: chunked */
+    int keep_alive;         /* after this request */
+    int expect_continue;    /* Expect: 100-continue */
 } px_http_head;
 
 /* Parses buf[0..n), which holds a request head through its final CRLFCRLF.

@@ -10,21 +10,19 @@ typedef struct scan {
     size_t errlen;
 } scan;
 
-static const char *fail(scan *sc, const char *at, const char *why)
-{
+static const char *fail(scan *sc, const char *at, const char *why) {
     if (sc->err && sc->errlen && !sc->err[0])
         snprintf(sc->err, sc->errlen, "%s at byte %ld", why, (long)(at - sc->base));
     return NULL;
 }
 
-static const char *skip_ws(const char *p, const char *end)
-{
-    while (p < end && (*p == ' ' || *p == '\t' || *p == '\n' || *p == '\r')) p++;
+static const char *skip_ws(const char *p, const char *end) {
+    while (p < end && (*p == ' ' || *p == '\t' || *p == '\n' || *p == '\r'))
+        p++;
     return p;
 }
 
-static int hexval(char c)
-{
+static int hexval(char c) {
     if (c >= '0' && c <= '9') return c - '0';
     if (c >= 'a' && c <= 'f') return c - 'a' + 10;
     if (c >= 'A' && c <= 'F') return c - 'A' + 10;
@@ -33,8 +31,7 @@ static int hexval(char c)
 
 /* Length of the valid UTF-8 sequence at p (1..4), or 0 when invalid:
  * overlong forms, surrogates and code points above U+10FFFF are rejected. */
-static int utf8_len(const unsigned char *p, const unsigned char *end)
-{
+static int utf8_len(const unsigned char *p, const unsigned char *end) {
     unsigned c = p[0];
     if (c < 0x80) return 1;
     int n;
@@ -59,8 +56,7 @@ static int utf8_len(const unsigned char *p, const unsigned char *end)
 }
 
 /* p points just past the opening quote; returns a pointer past the closing one. */
-static const char *scan_string(scan *sc, const char *p)
-{
+static const char *scan_string(scan *sc, const char *p) {
     const char *end = sc->end;
     while (p < end) {
         unsigned char c = (unsigned char)*p;
@@ -68,7 +64,14 @@ static const char *scan_string(scan *sc, const char *p)
         if (c == '\\') {
             if (++p >= end) break;
             switch (*p) {
-            case '"': case '\\': case '/': case 'b': case 'f': case 'n': case 'r': case 't':
+            case '"':
+            case '\\':
+            case '/':
+            case 'b':
+            case 'f':
+            case 'n':
+            case 'r':
+            case 't':
                 p++;
                 break;
             case 'u':
@@ -90,43 +93,43 @@ static const char *scan_string(scan *sc, const char *p)
     return fail(sc, p, "unterminated string");
 }
 
-static const char *scan_number(scan *sc, const char *p)
-{
+static const char *scan_number(scan *sc, const char *p) {
     const char *end = sc->end, *s = p;
     if (p < end && *p == '-') p++;
     if (p >= end) return fail(sc, s, "bad number");
     if (*p == '0') {
         p++;
     } else if (*p >= '1' && *p <= '9') {
-        while (p < end && *p >= '0' && *p <= '9') p++;
+        while (p < end && *p >= '0' && *p <= '9')
+            p++;
     } else {
         return fail(sc, s, "bad number");
     }
     if (p < end && *p == '.') {
         p++;
         if (p >= end || *p < '0' || *p > '9') return fail(sc, s, "bad number");
-        while (p < end && *p >= '0' && *p <= '9') p++;
+        while (p < end && *p >= '0' && *p <= '9')
+            p++;
     }
     if (p < end && (*p == 'e' || *p == 'E')) {
         p++;
         if (p < end && (*p == '+' || *p == '-')) p++;
         if (p >= end || *p < '0' || *p > '9') return fail(sc, s, "bad number");
-        while (p < end && *p >= '0' && *p <= '9') p++;
+        while (p < end && *p >= '0' && *p <= '9')
+            p++;
     }
     return p;
 }
 
 static const char *scan_value(scan *sc, const char *p, int depth, px_json_type *type);
 
-static const char *scan_literal(scan *sc, const char *p, const char *lit)
-{
+static const char *scan_literal(scan *sc, const char *p, const char *lit) {
     size_t n = strlen(lit);
     if ((size_t)(sc->end - p) < n || memcmp(p, lit, n) != 0) return fail(sc, p, "unexpected token");
     return p + n;
 }
 
-static const char *scan_container(scan *sc, const char *p, int depth, int is_obj)
-{
+static const char *scan_container(scan *sc, const char *p, int depth, int is_obj) {
     const char *end = sc->end;
     char close = is_obj ? '}' : ']';
     if (depth >= PX_JSON_MAX_DEPTH) return fail(sc, p, "nesting too deep");
@@ -150,8 +153,7 @@ static const char *scan_container(scan *sc, const char *p, int depth, int is_obj
     }
 }
 
-static const char *scan_value(scan *sc, const char *p, int depth, px_json_type *type)
-{
+static const char *scan_value(scan *sc, const char *p, int depth, px_json_type *type) {
     if (p >= sc->end) return fail(sc, p, "unexpected end of input");
     switch (*p) {
     case '{':
@@ -178,8 +180,7 @@ static const char *scan_value(scan *sc, const char *p, int depth, px_json_type *
     }
 }
 
-px_json_type px_json_validate(const char *s, size_t n, char *err, size_t errlen)
-{
+px_json_type px_json_validate(const char *s, size_t n, char *err, size_t errlen) {
     scan sc = {s, s + n, err, errlen};
     if (err && errlen) err[0] = '\0';
     px_json_type t = PX_JSON_INVALID;
@@ -193,8 +194,7 @@ px_json_type px_json_validate(const char *s, size_t n, char *err, size_t errlen)
     return t;
 }
 
-int px_json_iter_init(px_json_iter *it, const char *obj, size_t n)
-{
+int px_json_iter_init(px_json_iter *it, const char *obj, size_t n) {
     const char *end = obj + n;
     const char *p = skip_ws(obj, end);
     if (p >= end || *p != '{') return -1;
@@ -205,8 +205,7 @@ int px_json_iter_init(px_json_iter *it, const char *obj, size_t n)
     return 0;
 }
 
-int px_json_iter_next(px_json_iter *it, px_json_member *m)
-{
+int px_json_iter_next(px_json_iter *it, px_json_member *m) {
     if (it->done) return 0;
     scan sc = {it->p, it->end, NULL, 0};
     const char *p = it->p, *end = it->end;
@@ -237,8 +236,7 @@ int px_json_iter_next(px_json_iter *it, px_json_member *m)
 }
 
 /* Decodes one character of a raw JSON string at *pp into a code point. */
-static long next_cp(const char **pp, const char *end)
-{
+static long next_cp(const char **pp, const char *end) {
     const char *p = *pp;
     if (p >= end) return -1;
     if (*p != '\\') {
@@ -247,7 +245,8 @@ static long next_cp(const char **pp, const char *end)
         long cp = (unsigned char)p[0];
         if (n > 1) {
             cp &= (n == 2) ? 0x1f : (n == 3) ? 0x0f : 0x07;
-            for (int i = 1; i < n; i++) cp = (cp << 6) | (p[i] & 0x3f);
+            for (int i = 1; i < n; i++)
+                cp = (cp << 6) | (p[i] & 0x3f);
         }
         *pp = p + n;
         return cp;
@@ -256,14 +255,30 @@ static long next_cp(const char **pp, const char *end)
     p++;
     long cp;
     switch (*p) {
-    case '"': cp = '"'; break;
-    case '\\': cp = '\\'; break;
-    case '/': cp = '/'; break;
-    case 'b': cp = '\b'; break;
-    case 'f': cp = '\f'; break;
-    case 'n': cp = '\n'; break;
-    case 'r': cp = '\r'; break;
-    case 't': cp = '\t'; break;
+    case '"':
+        cp = '"';
+        break;
+    case '\\':
+        cp = '\\';
+        break;
+    case '/':
+        cp = '/';
+        break;
+    case 'b':
+        cp = '\b';
+        break;
+    case 'f':
+        cp = '\f';
+        break;
+    case 'n':
+        cp = '\n';
+        break;
+    case 'r':
+        cp = '\r';
+        break;
+    case 't':
+        cp = '\t';
+        break;
     case 'u': {
         if (end - p < 5) return -1;
         cp = 0;
@@ -297,8 +312,7 @@ static long next_cp(const char **pp, const char *end)
     return cp;
 }
 
-int px_json_str_eq(const char *raw, size_t len, const char *lit)
-{
+int px_json_str_eq(const char *raw, size_t len, const char *lit) {
     const char *p = raw, *end = raw + len;
     const unsigned char *l = (const unsigned char *)lit;
     /* Fast path: no escapes, plain byte comparison. */
@@ -318,8 +332,7 @@ int px_json_str_eq(const char *raw, size_t len, const char *lit)
     return *l == 0;
 }
 
-long px_json_str_decode(const char *raw, size_t len, char *out, size_t outcap)
-{
+long px_json_str_decode(const char *raw, size_t len, char *out, size_t outcap) {
     const char *p = raw, *end = raw + len;
     size_t o = 0;
     while (p < end) {
@@ -330,7 +343,8 @@ long px_json_str_decode(const char *raw, size_t len, char *out, size_t outcap)
         if (cp < 0x80) {
             tmp[0] = (unsigned char)cp, n = 1;
         } else if (cp < 0x800) {
-            tmp[0] = (unsigned char)(0xc0 | (cp >> 6)), tmp[1] = (unsigned char)(0x80 | (cp & 0x3f)), n = 2;
+            tmp[0] = (unsigned char)(0xc0 | (cp >> 6)),
+            tmp[1] = (unsigned char)(0x80 | (cp & 0x3f)), n = 2;
         } else if (cp < 0x10000) {
             tmp[0] = (unsigned char)(0xe0 | (cp >> 12));
             tmp[1] = (unsigned char)(0x80 | ((cp >> 6) & 0x3f));
@@ -350,8 +364,7 @@ long px_json_str_decode(const char *raw, size_t len, char *out, size_t outcap)
     return (long)o;
 }
 
-int px_json_find(const char *obj, size_t n, const char *key, px_json_member *m)
-{
+int px_json_find(const char *obj, size_t n, const char *key, px_json_member *m) {
     px_json_iter it;
     px_json_member cur;
     int found = 0, r;

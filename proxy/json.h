@@ -30,12 +30,12 @@ px_json_type px_json_validate(const char *s, size_t n, char *err, size_t errlen)
 
 /* One member of an object, as spans of the original text (borrowed). */
 typedef struct px_json_member {
-    const char *key;     /* key text between the quotes, escapes not decoded */
+    const char *key; /* key text between the quotes, escapes not decoded */
     size_t key_len;
-    const char *val;     /* the value's exact bytes */
+    const char *val; /* the value's exact bytes */
     size_t val_len;
     px_json_type type;
-    const char *start;   /* the key's opening quote: start..val+val_len is the member */
+    const char *start; /* the key's opening quote: start..val+val_len is the member */
 } px_json_member;
 
 typedef struct px_json_iter {

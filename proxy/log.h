@@ -4,7 +4,12 @@
 
 #include <stddef.h>
 
-typedef enum { PX_LOG_DEBUG = 0, PX_LOG_INFO = 1, PX_LOG_WARN = 2, PX_LOG_ERROR = 3 } px_log_level_t;
+typedef enum {
+    PX_LOG_DEBUG = 0,
+    PX_LOG_INFO = 1,
+    PX_LOG_WARN = 2,
+    PX_LOG_ERROR = 3
+} px_log_level_t;
 
 extern px_log_level_t px_log_threshold;
 /* 0: logfmt (key=value), 1: one JSON object per line. */

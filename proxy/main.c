@@ -11,8 +11,7 @@
 
 extern char **environ;
 
-int main(int argc, char **argv)
-{
+int main(int argc, char **argv) {
     px_config cfg;
     char err[512];
     px_config_result r = px_config_load(&cfg, argc, argv, environ, stdout, err, sizeof err);

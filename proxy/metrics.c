@@ -14,21 +14,21 @@
 
 static const double bounds[PX_HIST_BUCKETS] = {0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
                                                0.5,   1,      2.5,   5,    10,    30,   60,  300};
-static const char *const ep_names[PX_MEP_COUNT] = {
-    "/v1/completions", "/v1/chat/completions", "/v1/models", "/healthcheck",
-    "/health",         "/ready",               "/metrics",   "other"};
+static const char *const ep_names[PX_MEP_COUNT] = {"/v1/completions", "/v1/chat/completions",
+                                                   "/v1/models",      "/healthcheck",
+                                                   "/health",         "/ready",
+                                                   "/metrics",        "other"};
 static const char *const phase_names[PX_PHASE_COUNT] = {"prefill", "decode", "stream"};
 
-void px_metrics_count(px_metrics *m, px_metric_endpoint ep, int status)
-{
+void px_metrics_count(px_metrics *m, px_metric_endpoint ep, int status) {
     if (status < 100 || status > 599) status = 599;
     px_m_inc(&m->requests[ep][status - 100]);
 }
 
-void px_hist_observe(px_hist *h, double seconds)
-{
+void px_hist_observe(px_hist *h, double seconds) {
     int i = 0;
-    while (i < PX_HIST_BUCKETS && seconds > bounds[i]) i++;
+    while (i < PX_HIST_BUCKETS && seconds > bounds[i])
+        i++;
     if (i < PX_HIST_BUCKETS) px_m_inc(&h->bucket[i]);
     px_m_inc(&h->count);
     atomic_store_explicit(&h->sum_us,
@@ -37,18 +37,17 @@ void px_hist_observe(px_hist *h, double seconds)
                           memory_order_relaxed);
 }
 
-static unsigned long long ld(const atomic_ullong *c)
-{
+static unsigned long long ld(const atomic_ullong *c) {
     return atomic_load_explicit(c, memory_order_relaxed);
 }
 
 static void render_hist(px_buf *o, px_server *s, const char *name, const char *help,
-                        size_t offset)
-{
+                        size_t offset) {
     unsigned long long b[PX_HIST_BUCKETS] = {0}, count = 0, sum = 0;
     for (int w = 0; w < s->nworkers; w++) {
         const px_hist *h = (const px_hist *)((const char *)&s->workers[w].metrics + offset);
-        for (int i = 0; i < PX_HIST_BUCKETS; i++) b[i] += ld(&h->bucket[i]);
+        for (int i = 0; i < PX_HIST_BUCKETS; i++)
+            b[i] += ld(&h->bucket[i]);
         count += ld(&h->count);
         sum += ld(&h->sum_us);
     }
@@ -63,8 +62,7 @@ static void render_hist(px_buf *o, px_server *s, const char *name, const char *h
 }
 
 /* Sums one counter (at `offset` in px_metrics) over every worker. */
-static unsigned long long sum_at(px_server *s, size_t offset)
-{
+static unsigned long long sum_at(px_server *s, size_t offset) {
     unsigned long long t = 0;
     for (int w = 0; w < s->nworkers; w++)
         t += ld((const atomic_ullong *)((const char *)&s->workers[w].metrics + offset));
@@ -73,14 +71,12 @@ static unsigned long long sum_at(px_server *s, size_t offset)
 
 #define SUM(field) sum_at(s, offsetof(px_metrics, field))
 
-static void counter(px_buf *o, const char *name, const char *help, unsigned long long v)
-{
+static void counter(px_buf *o, const char *name, const char *help, unsigned long long v) {
     px_buf_printf(o, "# HELP %s %s\n# TYPE %s counter\n%s %llu\n", name, help, name, name, v);
 }
 
 /* Label values are backend names and fixed words: escape what the format asks. */
-static void label_value(px_buf *o, const char *v)
-{
+static void label_value(px_buf *o, const char *v) {
     for (; *v; v++) {
         if (*v == '\\' || *v == '"') px_buf_append(o, "\\", 1);
         if (*v == '\n') {
@@ -91,12 +87,12 @@ static void label_value(px_buf *o, const char *v)
     }
 }
 
-static void render_backends(px_buf *o, px_server *s)
-{
+static void render_backends(px_buf *o, px_server *s) {
     px_pool *pools[2] = {&s->prefill, &s->decode};
     size_t n[2];
     px_backend **m[2];
-    for (int r = 0; r < 2; r++) m[r] = px_pool_members(pools[r], &n[r]);
+    for (int r = 0; r < 2; r++)
+        m[r] = px_pool_members(pools[r], &n[r]);
 
     px_buf_appends(o, "# HELP pdproxy_backend_up Whether a backend receives traffic (1) or is "
                       "ejected (0).\n# TYPE pdproxy_backend_up gauge\n");
@@ -127,13 +123,13 @@ static void render_backends(px_buf *o, px_server *s)
                 px_buf_printf(o, "\",outcome=\"%s\"} %llu\n", px_outcome_name((px_outcome)k), v);
             }
     for (int r = 0; r < 2; r++) {
-        for (size_t i = 0; i < n[r]; i++) px_backend_release(m[r][i]);
+        for (size_t i = 0; i < n[r]; i++)
+            px_backend_release(m[r][i]);
         free(m[r]);
     }
 }
 
-static void render_process(px_buf *o)
-{
+static void render_process(px_buf *o) {
     long page = sysconf(_SC_PAGESIZE);
     unsigned long vsz = 0, rss = 0;
     FILE *f = fopen("/proc/self/statm", "r");
@@ -176,14 +172,14 @@ static void render_process(px_buf *o)
                   (unsigned long long)rl.rlim_cur, cpu);
 }
 
-void px_metrics_render(px_server *s, px_buf *o)
-{
+void px_metrics_render(px_server *s, px_buf *o) {
     px_buf_appends(o, "# HELP pdproxy_requests_total Client requests answered, by endpoint and "
                       "status code.\n# TYPE pdproxy_requests_total counter\n");
     for (int e = 0; e < PX_MEP_COUNT; e++)
         for (int c = 0; c < 500; c++) {
             unsigned long long v = 0;
-            for (int w = 0; w < s->nworkers; w++) v += ld(&s->workers[w].metrics.requests[e][c]);
+            for (int w = 0; w < s->nworkers; w++)
+                v += ld(&s->workers[w].metrics.requests[e][c]);
             if (v)
                 px_buf_printf(o, "pdproxy_requests_total{endpoint=\"%s\",code=\"%d\"} %llu\n",
                               ep_names[e], c + 100, v);
@@ -195,8 +191,7 @@ void px_metrics_render(px_server *s, px_buf *o)
                 "Time from a request's arrival to the first byte of decode's answer.",
                 offsetof(px_metrics, ttfb));
     render_hist(o, s, "pdproxy_prefill_duration_seconds",
-                "Time the prefill request took, retries included.",
-                offsetof(px_metrics, prefill));
+                "Time the prefill request took, retries included.", offsetof(px_metrics, prefill));
     counter(o, "pdproxy_kv_transfer_params_missing_total",
             "Prefill answers without kv_transfer_params (decode recomputed the prefill).",
             SUM(kvp_missing));
@@ -217,8 +212,9 @@ void px_metrics_render(px_server *s, px_buf *o)
             "aborted so that prefill frees the blocks at once.",
             SUM(stranded_released));
     unsigned long long inflight = (unsigned long long)atomic_load(&s->inflight);
-    px_buf_printf(o, "# HELP pdproxy_inflight_requests Client requests in flight.\n"
-                     "# TYPE pdproxy_inflight_requests gauge\npdproxy_inflight_requests %llu\n",
+    px_buf_printf(o,
+                  "# HELP pdproxy_inflight_requests Client requests in flight.\n"
+                  "# TYPE pdproxy_inflight_requests gauge\npdproxy_inflight_requests %llu\n",
                   inflight);
     render_backends(o, s);
     render_process(o);

@@ -44,8 +44,7 @@ typedef struct px_metrics {
 } px_metrics;
 
 /* Single-writer increment: only the owning thread calls these. */
-static inline void px_m_inc(atomic_ullong *c)
-{
+static inline void px_m_inc(atomic_ullong *c) {
     atomic_store_explicit(c, atomic_load_explicit(c, memory_order_relaxed) + 1,
                           memory_order_relaxed);
 }

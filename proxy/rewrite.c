@@ -6,15 +6,14 @@
 
 /* Keys the prefill request must not carry from the client. */
 static const char *const prefill_drop[] = {
-    "kv_transfer_params", "stream",     "stream_options",        "max_tokens",
+    "kv_transfer_params",    "stream",     "stream_options",        "max_tokens",
     "max_completion_tokens", "min_tokens", "min_completion_tokens",
 };
 
 /* Copies the members of `body` not named in `drop` into `out` as "{m1,m2,...",
  * leaving the object open. Sets *saw for each dropped key seen (bit i). */
 static int copy_members(const char *body, size_t n, const char *const *drop, size_t ndrop,
-                        px_buf *out, unsigned *saw)
-{
+                        px_buf *out, unsigned *saw) {
     px_json_iter it;
     px_json_member m;
     int r, first = 1;
@@ -45,11 +44,10 @@ static int copy_members(const char *body, size_t n, const char *const *drop, siz
     return 0;
 }
 
-int px_rewrite_prefill(const char *body, size_t n, px_buf *out)
-{
+int px_rewrite_prefill(const char *body, size_t n, px_buf *out) {
     unsigned saw;
-    if (copy_members(body, n, prefill_drop, sizeof prefill_drop / sizeof *prefill_drop, out,
-                     &saw) < 0)
+    if (copy_members(body, n, prefill_drop, sizeof prefill_drop / sizeof *prefill_drop, out, &saw) <
+        0)
         return -1;
     px_buf_appends(out, "\"kv_transfer_params\":" PX_PREFILL_KV_PARAMS
                         ",\"stream\":false,\"max_tokens\":1");
@@ -58,8 +56,7 @@ int px_rewrite_prefill(const char *body, size_t n, px_buf *out)
     return 0;
 }
 
-int px_rewrite_decode(const char *body, size_t n, const char *kvp, size_t kvp_len, px_buf *out)
-{
+int px_rewrite_decode(const char *body, size_t n, const char *kvp, size_t kvp_len, px_buf *out) {
     unsigned saw;
     size_t start = out->len;
     if (copy_members(body, n, prefill_drop, 1, out, &saw) < 0) return -1;
@@ -76,8 +73,7 @@ int px_rewrite_decode(const char *body, size_t n, const char *kvp, size_t kvp_le
 }
 
 px_kvp_status px_extract_kv_params(const char *resp, size_t n, const char **kvp, size_t *kvp_len,
-                                   char *err, size_t errlen)
-{
+                                   char *err, size_t errlen) {
     if (px_json_validate(resp, n, err, errlen) != PX_JSON_OBJECT) {
         if (err && errlen && !err[0]) snprintf(err, errlen, "not a JSON object");
         return PX_KVP_BAD_RESPONSE;

@@ -10,7 +10,7 @@
 
 /* The kv_transfer_params the proxy sends to prefill. */
 #define PX_PREFILL_KV_PARAMS                                                                       \
-    "{\"do_remote_decode\":true,\"do_remote_prefill\":false,\"remote_engine_id\":null,"           \
+    "{\"do_remote_decode\":true,\"do_remote_prefill\":false,\"remote_engine_id\":null,"            \
     "\"remote_block_ids\":null,\"remote_host\":null,\"remote_port\":null}"
 
 /* Appends to `out` the prefill request built from the client's body (a

@@ -24,30 +24,30 @@ const char *px_policy_name(px_policy p);
 
 /* Outcome of one upstream request, for passive health and metrics. */
 typedef enum {
-    PX_OUT_OK = 0,       /* 2xx */
-    PX_OUT_CLIENT_ERR,   /* 4xx: the client's fault, never the backend's */
-    PX_OUT_SERVER_ERR,   /* 5xx */
-    PX_OUT_CONNECT_ERR,  /* refused, unreachable, connect timeout */
-    PX_OUT_RESET,        /* reset or closed before a complete answer */
-    PX_OUT_TIMEOUT,      /* answer too slow */
-    PX_OUT_CANCELLED,    /* the client left; says nothing about the backend */
+    PX_OUT_OK = 0,      /* 2xx */
+    PX_OUT_CLIENT_ERR,  /* 4xx: the client's fault, never the backend's */
+    PX_OUT_SERVER_ERR,  /* 5xx */
+    PX_OUT_CONNECT_ERR, /* refused, unreachable, connect timeout */
+    PX_OUT_RESET,       /* reset or closed before a complete answer */
+    PX_OUT_TIMEOUT,     /* answer too slow */
+    PX_OUT_CANCELLED,   /* the client left; says nothing about the backend */
     PX_OUT_COUNT
 } px_outcome;
 
 const char *px_outcome_name(px_outcome o);
 
 typedef struct px_backend {
-    char *name;            /* owned: "host:port" as shown in logs and metrics */
-    char *url;             /* owned: "http[s]://host:port" */
-    char *connect_to;      /* owned: curl CONNECT_TO pin "host:port:ip:port", or NULL */
-    char *src;             /* owned: the configured URL this backend came from */
-    uint64_t key_hash;     /* of name: the place on the consistent-hash ring */
-    atomic_int refs;       /* the pool's reference + one per request using it */
+    char *name;        /* owned: "host:port" as shown in logs and metrics */
+    char *url;         /* owned: "http[s]://host:port" */
+    char *connect_to;  /* owned: curl CONNECT_TO pin "host:port:ip:port", or NULL */
+    char *src;         /* owned: the configured URL this backend came from */
+    uint64_t key_hash; /* of name: the place on the consistent-hash ring */
+    atomic_int refs;   /* the pool's reference + one per request using it */
     atomic_int inflight;
-    atomic_int healthy;    /* 1: receives traffic; 0: ejected */
-    atomic_int fails;      /* consecutive failures, passive and active */
-    atomic_int oks;        /* consecutive successful health checks */
-    atomic_int ejections;  /* times ejected, for the passive backoff */
+    atomic_int healthy;       /* 1: receives traffic; 0: ejected */
+    atomic_int fails;         /* consecutive failures, passive and active */
+    atomic_int oks;           /* consecutive successful health checks */
+    atomic_int ejections;     /* times ejected, for the passive backoff */
     atomic_ullong readmit_ns; /* without active checks: when an ejected backend is tried again */
     /* load_aware: the engine's own figures, scraped from /metrics. */
     atomic_int load_known;
@@ -55,8 +55,8 @@ typedef struct px_backend {
     atomic_int running;
     atomic_int kv_usage_milli;
     atomic_ullong outcomes[PX_OUT_COUNT]; /* upstream requests by outcome */
-    int check_busy;        /* control thread only: a health check is in flight */
-    int scrape_busy;       /* control thread only: a /metrics scrape is in flight */
+    int check_busy;                       /* control thread only: a health check is in flight */
+    int scrape_busy;                      /* control thread only: a /metrics scrape is in flight */
 } px_backend;
 
 /* Drops a reference; the last one frees the backend. NULL is a no-op. */
@@ -66,19 +66,19 @@ typedef struct px_pool_cfg {
     px_policy policy;
     int unhealthy_after;
     int healthy_after;
-    int active_checks;     /* health checks run: readmission is theirs */
+    int active_checks; /* health checks run: readmission is theirs */
     size_t prefix_bytes;
-    double load_factor;    /* prefix_affinity bounded load: c in ceil(c * mean) */
+    double load_factor; /* prefix_affinity bounded load: c in ceil(c * mean) */
 } px_pool_cfg;
 
 typedef struct px_pool {
-    const char *role;      /* "prefill" or "decode" */
+    const char *role; /* "prefill" or "decode" */
     px_pool_cfg cfg;
-    pthread_mutex_t mu;    /* guards the member list, cursor and ring */
-    px_backend **b;        /* owned references */
+    pthread_mutex_t mu; /* guards the member list, cursor and ring */
+    px_backend **b;     /* owned references */
     size_t n;
     size_t rr;
-    uint64_t *ring;        /* prefix_affinity: sorted (point << 16 | member index) */
+    uint64_t *ring; /* prefix_affinity: sorted (point << 16 | member index) */
     size_t nring;
 } px_pool;
 
@@ -93,12 +93,12 @@ px_backend *px_pool_add(px_pool *p, const char *url, const char *connect_ip);
 /* Replaces the members that were added for `url` by one per address in
  * `ips` (DNS discovery). Existing backends for a kept address stay, with
  * their health and counters. Returns how many members changed. */
-size_t px_pool_sync_addrs(px_pool *p, const char *url, const char *host, int port,
-                          char **ips, size_t nips);
+size_t px_pool_sync_addrs(px_pool *p, const char *url, const char *host, int port, char **ips,
+                          size_t nips);
 
 /* What a request brings to the choice. */
 typedef struct px_pick {
-    const void *key;       /* prefix_affinity: bytes to hash (the prompt prefix) */
+    const void *key; /* prefix_affinity: bytes to hash (the prompt prefix) */
     size_t key_len;
     px_backend *const *exclude; /* already tried; avoided while others remain */
     size_t nexclude;

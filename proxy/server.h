@@ -22,7 +22,7 @@ struct px_discovery;
 enum { PX_CMD_DRAIN = 1, PX_CMD_STOP = 2 };
 
 typedef struct px_worker {
-    px_server *srv;             /* borrowed: outlives the worker */
+    px_server *srv; /* borrowed: outlives the worker */
     int index;
     struct event_base *base;    /* owned */
     struct evconnlistener *lev; /* owned; NULL once draining */
@@ -33,26 +33,26 @@ typedef struct px_worker {
     struct event *drain_poll;   /* owned: while draining, exits when idle */
     px_conn_list conns;         /* owned: open client connections */
     px_conn_cfg conn_cfg;
-    px_metrics metrics;         /* written by this thread only */
-    struct px_req *reqs;        /* owned: requests alive, some without a client */
+    px_metrics metrics;  /* written by this thread only */
+    struct px_req *reqs; /* owned: requests alive, some without a client */
     size_t nreqs;
     pthread_t thread;
 } px_worker;
 
 struct px_server {
-    const px_config *cfg;       /* borrowed: outlives the server */
+    const px_config *cfg; /* borrowed: outlives the server */
     px_pool prefill;
     px_pool decode;
-    char *upstream_auth;        /* owned: "Authorization: Bearer …" line, or NULL */
-    int upstream_auth_forced;   /* --upstream-api-key: always, over the client's */
+    char *upstream_auth;            /* owned: "Authorization: Bearer …" line, or NULL */
+    int upstream_auth_forced;       /* --upstream-api-key: always, over the client's */
     struct curl_slist *health_hdrs; /* owned: headers of health checks and scrapes */
-    unsigned char (*api_keys)[32]; /* owned: SHA-256 of each accepted key */
+    unsigned char (*api_keys)[32];  /* owned: SHA-256 of each accepted key */
     size_t napi_keys;
-    SSL_CTX *tls;               /* owned, or NULL */
-    struct px_discovery *disc;  /* owned */
-    px_worker *workers;         /* owned array */
+    SSL_CTX *tls;              /* owned, or NULL */
+    struct px_discovery *disc; /* owned */
+    px_worker *workers;        /* owned array */
     int nworkers;
-    atomic_long inflight;       /* P/D requests in flight, all workers */
+    atomic_long inflight; /* P/D requests in flight, all workers */
     atomic_int draining;
     atomic_int workers_running;
 };

@@ -39,16 +39,16 @@ typedef struct px_upstream_opts {
     const char *ca_file;    /* https: CA bundle; NULL: the system store */
     int insecure;           /* https: skip certificate verification */
     const char *connect_to; /* "host:port:addr:port" pin, or NULL */
-    int track_upload;       /* report when the body has been sent (px_upstream_abort_after_upload) */
+    int track_upload; /* report when the body has been sent (px_upstream_abort_after_upload) */
 } px_upstream_opts;
 
 /* Starts `method` (POST with a body, or GET with body NULL) on url, with
  * body[0..len) (borrowed: valid until on_done) and the header list `hdrs`
  * (borrowed likewise). Returns NULL when curl refuses the handle; nothing is
  * called back then. */
-px_upstream *px_upstream_start(px_uploop *l, const char *method, const char *url,
-                               const char *body, size_t len, struct curl_slist *hdrs,
-                               const px_upstream_opts *o, const px_upstream_cbs *cbs, void *arg);
+px_upstream *px_upstream_start(px_uploop *l, const char *method, const char *url, const char *body,
+                               size_t len, struct curl_slist *hdrs, const px_upstream_opts *o,
+                               const px_upstream_cbs *cbs, void *arg);
 
 /* Whether the backend has started answering: its response head arrived, or
  * bytes wait unread on the connection. */

@@ -7,90 +7,78 @@
 #include <sys/random.h>
 #include <time.h>
 
-static void oom(size_t n)
-{
+static void oom(size_t n) {
     fprintf(stderr, "pdproxy: out of memory allocating %zu bytes\n", n);
     abort();
 }
 
-void *px_xmalloc(size_t n)
-{
+void *px_xmalloc(size_t n) {
     void *p = malloc(n ? n : 1);
     if (!p) oom(n);
     return p;
 }
 
-void *px_xcalloc(size_t n, size_t size)
-{
+void *px_xcalloc(size_t n, size_t size) {
     void *p = calloc(n ? n : 1, size ? size : 1);
     if (!p) oom(n * size);
     return p;
 }
 
-void *px_xrealloc(void *p, size_t n)
-{
+void *px_xrealloc(void *p, size_t n) {
     void *q = realloc(p, n ? n : 1);
     if (!q) oom(n);
     return q;
 }
 
-char *px_xstrdup(const char *s)
-{
+char *px_xstrdup(const char *s) {
     return px_xstrndup(s, strlen(s));
 }
 
-char *px_xstrndup(const char *s, size_t n)
-{
+char *px_xstrndup(const char *s, size_t n) {
     char *p = px_xmalloc(n + 1);
     memcpy(p, s, n);
     p[n] = '\0';
     return p;
 }
 
-void px_buf_init(px_buf *b)
-{
+void px_buf_init(px_buf *b) {
     b->data = NULL;
     b->len = 0;
     b->cap = 0;
 }
 
-void px_buf_cleanup(px_buf *b)
-{
+void px_buf_cleanup(px_buf *b) {
     free(b->data);
     px_buf_init(b);
 }
 
-void px_buf_reset(px_buf *b)
-{
+void px_buf_reset(px_buf *b) {
     b->len = 0;
     if (b->data) b->data[0] = '\0';
 }
 
-void px_buf_reserve(px_buf *b, size_t extra)
-{
+void px_buf_reserve(px_buf *b, size_t extra) {
     size_t need = b->len + extra + 1;
     if (need <= b->cap) return;
     size_t cap = b->cap ? b->cap : 256;
-    while (cap < need) cap *= 2;
+    while (cap < need)
+        cap *= 2;
     b->data = px_xrealloc(b->data, cap);
     b->cap = cap;
 }
 
-void px_buf_append(px_buf *b, const void *p, size_t n)
-{
+void px_buf_append(px_buf *b, const void *p, size_t n) {
     px_buf_reserve(b, n);
     if (n) memcpy(b->data + b->len, p, n);
     b->len += n;
     b->data[b->len] = '\0';
 }
 
-void px_buf_appends(px_buf *b, const char *s)
-{
+void px_buf_appends(px_buf *b, const char *s) {
     px_buf_append(b, s, strlen(s));
 }
 
-void px_buf_printf(px_buf *b, const char *fmt, ...)
-{
+void px_buf_printf(px_buf *b, const char *fmt, ...) {
     va_list ap;
     va_start(ap, fmt);
     char tmp[256];
@@ -108,8 +96,7 @@ void px_buf_printf(px_buf *b, const char *fmt, ...)
     b->len += (size_t)n;
 }
 
-uint64_t px_now_ns(void)
-{
+uint64_t px_now_ns(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
@@ -118,19 +105,18 @@ uint64_t px_now_ns(void)
 static _Thread_local uint64_t rng[4];
 static _Thread_local int rng_seeded;
 
-static inline uint64_t rotl(uint64_t x, int k)
-{
+static inline uint64_t rotl(uint64_t x, int k) {
     return (x << k) | (x >> (64 - k));
 }
 
-uint64_t px_rand64(void)
-{
+uint64_t px_rand64(void) {
     if (!rng_seeded) {
         if (getrandom(rng, sizeof rng, 0) != (ssize_t)sizeof rng) {
             /* getrandom on Linux ≥ 3.17 does not fail for 32 bytes; keep a
              * usable, if weaker, seed anyway. */
             uint64_t t = px_now_ns();
-            for (int i = 0; i < 4; i++) rng[i] = t * 0x9e3779b97f4a7c15ull + (uint64_t)i;
+            for (int i = 0; i < 4; i++)
+                rng[i] = t * 0x9e3779b97f4a7c15ull + (uint64_t)i;
         }
         rng_seeded = 1;
     }
@@ -145,8 +131,7 @@ uint64_t px_rand64(void)
     return result;
 }
 
-void px_uuid4(char out[37])
-{
+void px_uuid4(char out[37]) {
     uint8_t b[16];
     uint64_t a = px_rand64(), c = px_rand64();
     memcpy(b, &a, 8);
@@ -163,8 +148,7 @@ void px_uuid4(char out[37])
     out[o] = '\0';
 }
 
-void px_buf_append_json_str(px_buf *b, const char *s, size_t n)
-{
+void px_buf_append_json_str(px_buf *b, const char *s, size_t n) {
     static const char hex[] = "0123456789abcdef";
     px_buf_reserve(b, n + 2);
     px_buf_append(b, "\"", 1);

@@ -7,22 +7,22 @@
 #include <stdint.h>
 
 typedef struct sim_config {
-    const char *role;        /* prefill | decode | both (informational + defaults) */
+    const char *role; /* prefill | decode | both (informational + defaults) */
     const char *host;
     int port;
     const char *model;
-    const char *kv_host;     /* side channel bind and advertised address */
-    int kv_port;             /* 0: any free port */
+    const char *kv_host; /* side channel bind and advertised address */
+    int kv_port;         /* 0: any free port */
     uint64_t num_blocks;
     uint32_t block_tokens;
     uint32_t layers;
-    uint32_t block_bytes;    /* bytes per block per region (K or V of a layer) */
+    uint32_t block_bytes; /* bytes per block per region (K or V of a layer) */
     uint32_t ttft_ms;
     uint32_t itl_ms;
     const char *engine_id;
-    uint32_t max_queue;      /* requests waiting for KV blocks; 503 beyond */
-    uint32_t kv_expiry_ms;   /* published blocks expire after this */
-    int log_level;           /* 0 debug, 1 info, 2 warn, 3 error */
+    uint32_t max_queue;    /* requests waiting for KV blocks; 503 beyond */
+    uint32_t kv_expiry_ms; /* published blocks expire after this */
+    int log_level;         /* 0 debug, 1 info, 2 warn, 3 error */
 } sim_config;
 
 /* Runs the engine until SIGINT/SIGTERM. Returns the process exit status. */

@@ -4,8 +4,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-uint64_t kvsim_hash(const void *p, size_t n, uint64_t seed)
-{
+uint64_t kvsim_hash(const void *p, size_t n, uint64_t seed) {
     const unsigned char *s = p;
     uint64_t h = 0xcbf29ce484222325ull ^ seed;
     for (size_t i = 0; i < n; i++) {
@@ -15,8 +14,7 @@ uint64_t kvsim_hash(const void *p, size_t n, uint64_t seed)
     return h;
 }
 
-static uint64_t mix(uint64_t x)
-{
+static uint64_t mix(uint64_t x) {
     x ^= x >> 30;
     x *= 0xbf58476d1ce4e5b9ull;
     x ^= x >> 27;
@@ -25,8 +23,7 @@ static uint64_t mix(uint64_t x)
     return x;
 }
 
-size_t kvsim_tokenize(const char *text, size_t len, uint32_t **ids, size_t n)
-{
+size_t kvsim_tokenize(const char *text, size_t len, uint32_t **ids, size_t n) {
     size_t cap = n + len / 2 + 4;
     uint32_t *v = realloc(*ids, cap * sizeof *v);
     if (!v) abort();
@@ -56,15 +53,13 @@ size_t kvsim_tokenize(const char *text, size_t len, uint32_t **ids, size_t n)
 }
 
 uint64_t kvsim_prefix_hash(uint64_t model_hash, const uint32_t *ids, size_t ntok,
-                           size_t block_tokens, size_t b)
-{
+                           size_t block_tokens, size_t b) {
     size_t end = (b + 1) * block_tokens;
     if (end > ntok) end = ntok;
     return kvsim_hash(ids, end * sizeof *ids, model_hash);
 }
 
-void kvsim_fill_block(uint64_t prefix_hash, uint32_t layer, uint32_t kv, void *out, size_t len)
-{
+void kvsim_fill_block(uint64_t prefix_hash, uint32_t layer, uint32_t kv, void *out, size_t len) {
     uint64_t x = mix(prefix_hash ^ ((uint64_t)layer << 32) ^ ((uint64_t)kv << 62));
     unsigned char *p = out;
     size_t i = 0;
@@ -81,16 +76,15 @@ void kvsim_fill_block(uint64_t prefix_hash, uint32_t layer, uint32_t kv, void *o
 }
 
 static const char *const words[] = {
-    "the",   "a",     "KV",     "cache",  "moves",  "from",   "prefill", "to",     "decode",
-    "and",   "tokens", "flow",  "over",   "UCX",    "blocks", "are",     "read",   "once",
-    "then",  "freed", "by",     "request", "id",    "quickly", "while",  "streams", "keep",
-    "going", "with",  "no",     "copies", "left",   "behind", "in",      "memory", "engine",
-    "proxy", "sends", "answers", "back",  "byte",   "for",    "every",   "client", "waits",
-    "less",  "than",  "before", "model",  "layers", "heads",  "of",      "attention", "runs",
-    "fast",  "on",    "GPUs",   "or",     "CPUs",   "alike",  "today",   "."};
+    "the",   "a",      "KV",      "cache",   "moves",  "from",    "prefill", "to",        "decode",
+    "and",   "tokens", "flow",    "over",    "UCX",    "blocks",  "are",     "read",      "once",
+    "then",  "freed",  "by",      "request", "id",     "quickly", "while",   "streams",   "keep",
+    "going", "with",   "no",      "copies",  "left",   "behind",  "in",      "memory",    "engine",
+    "proxy", "sends",  "answers", "back",    "byte",   "for",     "every",   "client",    "waits",
+    "less",  "than",   "before",  "model",   "layers", "heads",   "of",      "attention", "runs",
+    "fast",  "on",     "GPUs",    "or",      "CPUs",   "alike",   "today",   "."};
 
-size_t kvsim_word(uint64_t prompt_hash, uint64_t seed, size_t i, char *out)
-{
+size_t kvsim_word(uint64_t prompt_hash, uint64_t seed, size_t i, char *out) {
     uint64_t x = mix(prompt_hash ^ mix(seed + 0x1234) ^ mix((uint64_t)i + 1));
     const char *w = words[x % (sizeof words / sizeof *words)];
     size_t n = strlen(w);
