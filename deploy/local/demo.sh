@@ -72,12 +72,12 @@ if usage: print("usage:", json.dumps(usage))
 
 metric() { curl -s "http://127.0.0.1:$1/metrics" | awk -v m="$2" '$1==m {print $2}'; }
 echo "== KV transfer (decode pulled the blocks from prefill over UCX, then notified it)"
-grep -o 'msg="kv fetch done".*' "$work/decode.log" | tail -1 | sed 's/^/decode: /'
-grep -o 'transports=[a-z,]*' "$work/decode.log" | head -1 | sed 's/^/decode: UCX /'
+{ grep -o 'msg="kv fetch done".*' "$work/decode.log" || true; } | tail -1 | sed 's/^/decode: /'
+{ grep -o 'transports=[a-z,]*' "$work/decode.log" || true; } | head -1 | sed 's/^/decode: UCX /'
 printf "fetches=%s bytes=%s seconds=%s\n" "$(metric "$D" engine_sim_kv_fetches_total)" \
     "$(metric "$D" engine_sim_kv_bytes_fetched_total)" "$(metric "$D" engine_sim_kv_fetch_seconds_total)"
 printf "prefill: blocks published=%s released by decode's notification=%s expired=%s\n" \
     "$(metric "$P" engine_sim_kv_blocks_published_total)" \
     "$(metric "$P" engine_sim_kv_blocks_released_by_consumer_total)" \
     "$(metric "$P" engine_sim_kv_blocks_expired_total)"
-grep -o 'msg="request".*' "$work/pdproxy.log" | tail -1 | sed 's/^/pdproxy: /'
+{ grep -o 'msg="request".*' "$work/pdproxy.log" || true; } | tail -1 | sed 's/^/pdproxy: /'
