@@ -170,6 +170,27 @@ static int check_url(const opt *o, const char *v, char *err, size_t errlen) {
     return 0;
 }
 
+/* Replaces *l by the comma- or space-separated items of v (the text form of
+ * defaults and the environment), each checked by `check`. */
+static int split_list(const opt *o, px_strlist *l, const char *v,
+                      int (*check)(const opt *, const char *, char *, size_t), char *err,
+                      size_t errlen) {
+    list_clear(l);
+    const char *p = v;
+    while (*p) {
+        while (*p == ',' || *p == ' ')
+            p++;
+        const char *s0 = p;
+        while (*p && *p != ',' && *p != ' ')
+            p++;
+        if (p > s0) {
+            list_push(l, s0, (size_t)(p - s0));
+            if (check(o, l->v[l->n - 1], err, errlen) < 0) return -1;
+        }
+    }
+    return 0;
+}
+
 /* Sets a scalar option from text. Lists are handled by the callers. */
 static int set_value(px_config *c, const opt *o, const char *v, char *err, size_t errlen) {
     void *field = (char *)c + o->off;
@@ -198,25 +219,10 @@ static int set_value(px_config *c, const opt *o, const char *v, char *err, size_
         snprintf(err, errlen, "--%s '%s': expected one of %s", o->name, v, o->choices);
         return -1;
     }
-    case CT_URLS: {
-        /* Text form (env, defaults): whitespace or comma separated; each
-         * occurrence on the command line appends instead. */
-        px_strlist *l = field;
-        list_clear(l);
-        const char *p = v;
-        while (*p) {
-            while (*p == ',' || *p == ' ')
-                p++;
-            const char *s0 = p;
-            while (*p && *p != ',' && *p != ' ')
-                p++;
-            if (p > s0) {
-                list_push(l, s0, (size_t)(p - s0));
-                if (check_url(o, l->v[l->n - 1], err, errlen) < 0) return -1;
-            }
-        }
-        return 0;
-    }
+    case CT_URLS:
+        /* Text form (env, defaults); each occurrence on the command line
+         * appends instead. */
+        return split_list(o, field, v, check_url, err, errlen);
     case CT_INT: {
         char *end;
         errno = 0;
@@ -260,21 +266,8 @@ static int set_value(px_config *c, const opt *o, const char *v, char *err, size_
         }
         return 0;
     case CT_LIST: {
-        /* Text form (defaults, environment): separated by commas or spaces. */
         px_strlist *l = field;
-        list_clear(l);
-        const char *p = v;
-        while (*p) {
-            while (*p == ',' || *p == ' ')
-                p++;
-            const char *s = p;
-            while (*p && *p != ',' && *p != ' ')
-                p++;
-            if (p > s) {
-                list_push(l, s, (size_t)(p - s));
-                if (check_list_item(o, l->v[l->n - 1], err, errlen) < 0) return -1;
-            }
-        }
+        if (split_list(o, l, v, check_list_item, err, errlen) < 0) return -1;
         if (!l->n) {
             snprintf(err, errlen, "--%s '%s': needs at least one value", o->name, v);
             return -1;
