@@ -9,3 +9,11 @@ foreach(name clients upstream)
                        ENVIRONMENT "${PX_TEST_ENV}"
                        TIMEOUT 300)
 endforeach()
+
+# Issue 18: bounded memory, no self-inflicted outage, every exit cancels.
+add_test(NAME integration.hold_line
+         COMMAND ${PYTHON3} ${CMAKE_CURRENT_SOURCE_DIR}/integration/test_hold_line.py)
+set_tests_properties(integration.hold_line PROPERTIES
+                     LABELS integration
+                     ENVIRONMENT "${PX_TEST_ENV}"
+                     TIMEOUT 300)
