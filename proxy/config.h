@@ -31,6 +31,13 @@ typedef struct px_config {
     double client_header_timeout;
     double keepalive_timeout;
     int64_t max_inflight; /* 0: unlimited */
+    double send_timeout;  /* seconds a client may read nothing of its output, 0: none */
+    int64_t max_buffered_bytes; /* bodies held + output queued, all connections; 0: none */
+    int64_t max_connections;    /* 0: unlimited */
+    int reuse_port;
+    char *metrics_host; /* "": --host */
+    int64_t metrics_port; /* 0: /metrics on --port */
+    int metrics_auth;     /* /metrics needs the API key */
     /* Health and failover. */
     double health_interval; /* 0: no active checks */
     double health_timeout;

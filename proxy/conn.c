@@ -13,7 +13,10 @@
 
 #include "log.h"
 
-typedef enum { CS_HEAD, CS_BODY, CS_BUSY, CS_CLOSING } conn_state;
+/* CS_LINGER: a refusal was queued while the client may still be sending;
+ * its bytes are read and dropped until it closes (or a short timer), so the
+ * close does not turn into a reset that destroys the answer in flight. */
+typedef enum { CS_HEAD, CS_BODY, CS_BUSY, CS_CLOSING, CS_LINGER } conn_state;
 
 struct px_conn {
     struct event_base *base; /* borrowed */
@@ -38,6 +41,14 @@ struct px_conn {
     int chunked_out; /* ...and it uses chunked encoding */
     int got_bytes;   /* bytes of the current request received */
     int timer_is_header;
+    int head_req;    /* the request in flight is a HEAD */
+    int no_body;     /* the response in flight has no body (HEAD, 204, 304) */
+    int out_blocked; /* pipelined requests wait: too much output queued */
+    int idle_due;    /* the idle timer expired while output was still queued */
+    int counted;     /* counted in cfg->shared->conns */
+    int shut_wr;     /* CS_LINGER: our side is shut down for writing */
+    int64_t body_held; /* budget taken for the body being read */
+    int64_t out_held;  /* budget taken for queued output */
     size_t searched;             /* bytes of the input already searched for the head's end */
     int closed;                  /* socket closed, free scheduled */
     const px_exchange_cbs *xcbs; /* borrowed: the exchange in flight's handler */
@@ -45,6 +56,37 @@ struct px_conn {
 };
 
 static void conn_process(px_conn *c);
+
+/* ---------- the shared budget ---------- */
+
+int px_budget_try(px_conn_shared *sh, int64_t n) {
+    if (!sh) return 1;
+    long long cur = atomic_load_explicit(&sh->buffered, memory_order_relaxed);
+    do {
+        if (sh->max_buffered > 0 && n > 0 && cur + n > sh->max_buffered) return 0;
+    } while (!atomic_compare_exchange_weak_explicit(&sh->buffered, &cur, cur + n,
+                                                    memory_order_relaxed, memory_order_relaxed));
+    return 1;
+}
+
+void px_budget_add(px_conn_shared *sh, int64_t n) {
+    if (sh && n) atomic_fetch_add_explicit(&sh->buffered, n, memory_order_relaxed);
+}
+
+static int budget_spent(const px_conn_shared *sh) {
+    return sh && sh->max_buffered > 0 &&
+           atomic_load_explicit(&sh->buffered, memory_order_relaxed) >= sh->max_buffered;
+}
+
+/* Brings the budget's share of this connection's queued output up to date:
+ * one atomic only when the queue's length changed since the last look. */
+static void account_output(px_conn *c) {
+    int64_t now = (int64_t)evbuffer_get_length(bufferevent_get_output(c->bev));
+    if (now != c->out_held) {
+        px_budget_add(c->cfg->shared, now - c->out_held);
+        c->out_held = now;
+    }
+}
 
 /* ---------- connection lifetime ---------- */
 
@@ -60,6 +102,8 @@ static void conn_unlink(px_conn *c) {
 static void conn_free_cb(evutil_socket_t fd, short what, void *arg) {
     px_conn *c = arg;
     conn_unlink(c);
+    px_budget_add(c->cfg->shared, -(c->body_held + c->out_held));
+    if (c->counted) atomic_fetch_sub_explicit(&c->cfg->shared->conns, 1, memory_order_relaxed);
     bufferevent_free(c->bev);
     event_free(c->timer);
     event_free(c->resume);
@@ -108,6 +152,34 @@ static void queued(px_conn *c) {
     }
 }
 
+static void arm_linger(px_conn *c);
+
+/* After output left (or was queued): the budget's view, pipelined requests
+ * held back for a full queue, an idle expiry that waited for the queue, a
+ * refusal's lingering close. Returns 1 when the connection was closed. */
+static int output_progress(px_conn *c) {
+    account_output(c);
+    size_t left = (size_t)c->out_held;
+    struct evbuffer *in = bufferevent_get_input(c->bev);
+    if (c->state == CS_LINGER) {
+        if (!left && !c->shut_wr) arm_linger(c);
+        return 0;
+    }
+    if (c->out_blocked && left <= PX_CONN_LOW_WATER) {
+        c->out_blocked = 0;
+        bufferevent_enable(c->bev, EV_READ);
+        if (evbuffer_get_length(in)) event_active(c->resume, EV_TIMEOUT, 0);
+    }
+    if (c->idle_due && !left && c->state == CS_HEAD && !c->got_bytes && !c->out_blocked) {
+        c->idle_due = 0;
+        if (!evbuffer_get_length(in)) {
+            conn_close(c);
+            return 1;
+        }
+    }
+    return 0;
+}
+
 static void on_flush(evutil_socket_t fd, short what, void *arg) {
     px_conn *c = arg;
     c->flush_pending = 0;
@@ -128,11 +200,14 @@ static void on_flush(evutil_socket_t fd, short what, void *arg) {
     }
     size_t left = evbuffer_get_length(out);
     if (left) {
-        bufferevent_enable(c->bev, EV_WRITE);
+        /* Enabling an enabled write event would restart its --send-timeout
+         * clock without any byte having left. */
+        if (!(bufferevent_get_enabled(c->bev) & EV_WRITE)) bufferevent_enable(c->bev, EV_WRITE);
     } else if (c->state == CS_CLOSING) {
         conn_close(c);
         return;
     }
+    if (output_progress(c)) return;
     /* A producer paused at the high-water mark hears here, too, that the
      * queue went down: the write event may never fire if this write took
      * it all. */
@@ -166,8 +241,19 @@ static void exchange_done(px_conn *c) {
     }
     c->state = CS_HEAD;
     c->got_bytes = 0;
-    bufferevent_enable(c->bev, EV_READ);
+    c->head_req = 0;
     arm_timer(c, 0);
+    /* A client that pipelines requests and reads no answers would have us
+     * queue answers without bound: past the high-water mark (or with the
+     * process's budget spent) the next request waits for the queue to
+     * drain, and the socket is not read meanwhile. */
+    size_t pending = px_conn_pending(c);
+    if (pending > PX_CONN_HIGH_WATER || (pending && budget_spent(c->cfg->shared))) {
+        c->out_blocked = 1;
+        bufferevent_disable(c->bev, EV_READ);
+        return;
+    }
+    bufferevent_enable(c->bev, EV_READ);
     /* A pipelined request may already be buffered: read it on the next loop
      * turn, not from inside the request that is ending now. */
     if (evbuffer_get_length(bufferevent_get_input(c->bev))) event_active(c->resume, EV_TIMEOUT, 0);
@@ -183,7 +269,10 @@ static void write_head(px_conn *c, int status, const char *ctype, const char *re
     if (ctype) evbuffer_add_printf(out, "Content-Type: %s\r\n", ctype);
     if (req_id) evbuffer_add_printf(out, "X-Request-Id: %s\r\n", req_id);
     if (extra) evbuffer_add(out, extra, strlen(extra));
-    if (content_length >= 0)
+    int bodiless_status = status == 204 || status == 304 || (status >= 100 && status < 200);
+    if (bodiless_status)
+        ; /* RFC 9112 §6.3: no framing header, no body */
+    else if (content_length >= 0)
         evbuffer_add_printf(out, "Content-Length: %lld\r\n", (long long)content_length);
     else if (c->chunked_out)
         evbuffer_add(out, "Transfer-Encoding: chunked\r\n", 28);
@@ -195,10 +284,18 @@ static void write_head(px_conn *c, int status, const char *ctype, const char *re
     queued(c);
 }
 
+/* Whether the response for `status` to the request in flight carries no
+ * body: the answer to a HEAD, or a 1xx, 204 or 304 (RFC 9112 §6.3). */
+static void set_no_body(px_conn *c, int status) {
+    c->no_body =
+        c->head_req || status == 204 || status == 304 || (status >= 100 && status < 200);
+}
+
 void px_conn_reply(px_conn *c, int status, const char *ctype, const char *req_id, const char *extra,
                    const char *body, size_t n) {
+    set_no_body(c, status);
     write_head(c, status, ctype, req_id, (int64_t)n, extra);
-    if (n) evbuffer_add(bufferevent_get_output(c->bev), body, n);
+    if (n && !c->no_body) evbuffer_add(bufferevent_get_output(c->bev), body, n);
     exchange_done(c);
 }
 
@@ -232,6 +329,51 @@ void px_conn_reply_error(px_conn *c, int status, const char *req_id, const char 
     px_buf_cleanup(&b);
 }
 
+/* Closes once the client has stopped sending (or after a short while):
+ * what it sends meanwhile is read and dropped. */
+static void arm_linger(px_conn *c) {
+    evutil_socket_t fd = bufferevent_getfd(c->bev);
+    if (fd >= 0 && !c->tls) shutdown(fd, SHUT_WR);
+    c->shut_wr = 1;
+    double s = c->cfg->header_timeout < 2.0 ? c->cfg->header_timeout : 2.0;
+    struct timeval tv = {(time_t)s, (suseconds_t)((s - (double)(time_t)s) * 1e6)};
+    evtimer_add(c->timer, &tv);
+}
+
+/* A refusal sent while the client may still be sending: 503 with
+ * Retry-After, then a lingering close. */
+static void refuse(px_conn *c, const char *msg) {
+    c->keep_alive = 0;
+    c->xcbs = NULL;
+    px_buf b;
+    px_buf_init(&b);
+    px_buf_appends(&b, "{\"error\":{\"message\":");
+    px_buf_append_json_str(&b, msg, strlen(msg));
+    px_buf_appends(&b, ",\"type\":\"service_unavailable\",\"param\":null,\"code\":503}}");
+    set_no_body(c, 503);
+    write_head(c, 503, "application/json", NULL, (int64_t)b.len, "Retry-After: 1\r\n");
+    if (!c->no_body) evbuffer_add(bufferevent_get_output(c->bev), b.data, b.len);
+    px_buf_cleanup(&b);
+    px_buf_cleanup(&c->body);
+    px_budget_add(c->cfg->shared, -c->body_held);
+    c->body_held = 0;
+    c->state = CS_LINGER;
+    bufferevent_enable(c->bev, EV_READ);
+    evtimer_del(c->timer);
+    if (c->tls) close_after_flush(c);
+}
+
+static void refuse_budget(px_conn *c) {
+    px_conn_shared *sh = c->cfg->shared;
+    atomic_fetch_add_explicit(&sh->budget_rejected, 1, memory_order_relaxed);
+    PX_LOG(PX_LOG_WARN,
+           "msg=\"request body refused: memory budget spent\" max_buffered_bytes=%lld "
+           "buffered=%lld",
+           (long long)sh->max_buffered, (long long)atomic_load(&sh->buffered));
+    refuse(c, "request body refused: the proxy's memory budget for buffered bodies "
+              "(--max-buffered-bytes) is spent; retry later");
+}
+
 /* An error found while reading the request: answer and close, since the
  * rest of the stream cannot be trusted to be framed. */
 static void reject(px_conn *c, int status, const char *msg) {
@@ -243,13 +385,15 @@ static void reject(px_conn *c, int status, const char *msg) {
 void px_conn_stream_start(px_conn *c, int status, const char *ctype, const char *req_id,
                           const char *extra) {
     c->streaming = 1;
-    c->chunked_out = c->minor >= 1;
-    if (!c->chunked_out) c->keep_alive = 0; /* HTTP/1.0: the close ends the body */
+    set_no_body(c, status);
+    c->chunked_out = c->minor >= 1 && !c->no_body;
+    /* HTTP/1.0: the close ends the body */
+    if (!c->chunked_out && !c->no_body) c->keep_alive = 0;
     write_head(c, status, ctype, req_id, -1, extra);
 }
 
 void px_conn_stream_write(px_conn *c, const char *p, size_t n) {
-    if (!n) return;
+    if (!n || c->no_body) return;
     struct evbuffer *out = bufferevent_get_output(c->bev);
     if (c->chunked_out) {
         evbuffer_add_printf(out, "%zx\r\n", n);
@@ -276,6 +420,10 @@ void px_conn_abort(px_conn *c) {
     close_after_flush(c);
 }
 
+const px_conn_cfg *px_conn_config(const px_conn *c) {
+    return c->cfg;
+}
+
 size_t px_conn_pending(const px_conn *c) {
     return evbuffer_get_length(bufferevent_get_output(c->bev));
 }
@@ -288,6 +436,9 @@ void px_conn_bind(px_conn *c, const px_exchange_cbs *cbs, void *arg) {
 static void dispatch(px_conn *c) {
     c->state = CS_BUSY;
     evtimer_del(c->timer);
+    /* The body may be moved into a request, which accounts for it from now. */
+    px_budget_add(c->cfg->shared, -c->body_held);
+    c->body_held = 0;
     c->cfg->dispatch(c->cfg->ctx, c, &c->head, &c->body);
 }
 
@@ -327,9 +478,20 @@ static void read_head(px_conn *c) {
     }
     c->minor = c->head.minor;
     c->keep_alive = c->head.keep_alive;
+    c->head_req = c->head.method_len == 4 && memcmp(c->head.method, "HEAD", 4) == 0;
     int64_t max = c->cfg->max_body_bytes;
     if (c->head.content_length > max) {
         reject(c, 413, "request body exceeds the size limit");
+        return;
+    }
+    /* Refused before a byte of it is read when it cannot fit; otherwise the
+     * budget is taken as the bytes arrive (an announced length costs
+     * nothing until it is sent). */
+    px_conn_shared *sh = c->cfg->shared;
+    if (sh && sh->max_buffered > 0 && c->head.content_length > 0 &&
+        atomic_load_explicit(&sh->buffered, memory_order_relaxed) + c->head.content_length >
+            sh->max_buffered) {
+        refuse_budget(c);
         return;
     }
     px_buf_reset(&c->body);
@@ -350,6 +512,11 @@ static int read_body(px_conn *c) {
         size_t avail = evbuffer_get_length(in);
         size_t take = avail < (size_t)c->body_left ? avail : (size_t)c->body_left;
         if (take) {
+            if (!px_budget_try(c->cfg->shared, (int64_t)take)) {
+                refuse_budget(c);
+                return -1;
+            }
+            c->body_held += (int64_t)take;
             px_buf_reserve(&c->body, take);
             evbuffer_remove(in, c->body.data + c->body.len, take);
             c->body.len += take;
@@ -362,7 +529,16 @@ static int read_body(px_conn *c) {
     while (!c->ck.done && evbuffer_get_length(in)) {
         struct evbuffer_iovec v;
         if (evbuffer_peek(in, -1, NULL, &v, 1) < 1) break;
+        size_t before = c->body.len;
         long used = px_chunked_feed(&c->ck, v.iov_base, v.iov_len, &c->body, max);
+        int64_t grew = (int64_t)(c->body.len - before);
+        if (used >= 0 && grew) {
+            if (!px_budget_try(c->cfg->shared, grew)) {
+                refuse_budget(c);
+                return -1;
+            }
+            c->body_held += grew;
+        }
         if (used == -2) {
             reject(c, 413, "request body exceeds the size limit");
             return -1;
@@ -390,7 +566,7 @@ static void conn_process(px_conn *c) {
 
 static void on_resume(evutil_socket_t fd, short what, void *arg) {
     px_conn *c = arg;
-    if (c->state == CS_HEAD) conn_process(c);
+    if (c->state == CS_HEAD && !c->out_blocked) conn_process(c);
 }
 
 static void on_read(struct bufferevent *bev, void *arg) {
@@ -402,7 +578,11 @@ static void on_read(struct bufferevent *bev, void *arg) {
             bufferevent_disable(bev, EV_READ);
         return;
     }
-    if (c->state == CS_CLOSING) return;
+    if (c->state == CS_LINGER) {
+        evbuffer_drain(bufferevent_get_input(bev), evbuffer_get_length(bufferevent_get_input(bev)));
+        return;
+    }
+    if (c->state == CS_CLOSING || c->out_blocked) return;
     conn_process(c);
 }
 
@@ -414,23 +594,37 @@ static void on_write(struct bufferevent *bev, void *arg) {
     }
     if (!c->tls && evbuffer_get_length(bufferevent_get_output(bev)) == 0)
         bufferevent_disable(bev, EV_WRITE); /* the next output is flushed directly */
+    if (output_progress(c)) return;
     if (c->xcbs && c->streaming && c->xcbs->on_drained) c->xcbs->on_drained(c->xarg);
 }
 
 static void on_event(struct bufferevent *bev, short what, void *arg) {
     px_conn *c = arg;
+    if ((what & BEV_EVENT_TIMEOUT) && (what & BEV_EVENT_WRITING)) {
+        /* Nothing of the queued output left for --send-timeout. */
+        if (c->cfg->shared)
+            atomic_fetch_add_explicit(&c->cfg->shared->send_timeouts, 1, memory_order_relaxed);
+        PX_LOG(PX_LOG_INFO,
+               "msg=\"closing a connection whose client reads nothing\" send-timeout_s=%g "
+               "queued_bytes=%zu",
+               c->cfg->send_timeout, px_conn_pending(c));
+        conn_close(c);
+        return;
+    }
     if (what & (BEV_EVENT_EOF | BEV_EVENT_ERROR)) conn_close(c);
 }
 
 static void on_timeout(evutil_socket_t fd, short what, void *arg) {
     px_conn *c = arg;
-    if (c->state == CS_CLOSING) {
+    if (c->state == CS_CLOSING || c->state == CS_LINGER) {
         conn_close(c);
         return;
     }
     if (c->state == CS_HEAD && !c->got_bytes && px_conn_pending(c) > 0) {
-        /* Still sending the last answer: idle only once it is out. */
-        arm_timer(c, 0);
+        /* Still sending the last answer: idle once it is out (a client that
+         * reads nothing meets --send-timeout instead). Not re-armed, so a
+         * trickle of output never keeps an idle connection. */
+        c->idle_due = 1;
         return;
     }
     if (c->state == CS_HEAD || c->state == CS_BODY) {
@@ -468,6 +662,11 @@ px_conn *px_conn_accept(struct event_base *base, evutil_socket_t fd, const px_co
     c->resume = event_new(base, -1, 0, on_resume, c);
     c->flush = event_new(base, -1, 0, on_flush, c);
     c->tls = cfg->tls != NULL;
+    if (c->bev && cfg->send_timeout > 0) {
+        double s = cfg->send_timeout;
+        struct timeval wt = {(time_t)s, (suseconds_t)((s - (double)(time_t)s) * 1e6)};
+        bufferevent_set_timeouts(c->bev, NULL, &wt);
+    }
     if (!c->bev || !c->timer || !c->resume || !c->flush) {
         if (c->bev)
             bufferevent_free(c->bev);
@@ -498,6 +697,20 @@ px_conn *px_conn_accept(struct event_base *base, evutil_socket_t fd, const px_co
         bufferevent_disable(c->bev, EV_WRITE);
     }
     arm_timer(c, 1);
+    px_conn_shared *sh = cfg->shared;
+    if (sh) {
+        long n = atomic_fetch_add_explicit(&sh->conns, 1, memory_order_relaxed) + 1;
+        c->counted = 1;
+        if (sh->max_conns > 0 && n > sh->max_conns) {
+            atomic_fetch_add_explicit(&sh->conns_refused, 1, memory_order_relaxed);
+            /* A refused connection does not hold a slot while it lingers. */
+            atomic_fetch_sub_explicit(&sh->conns, 1, memory_order_relaxed);
+            c->counted = 0;
+            PX_LOG(PX_LOG_WARN, "msg=\"connection refused: --max-connections reached\" max=%ld",
+                   sh->max_conns);
+            refuse(c, "too many client connections (--max-connections); retry later");
+        }
+    }
     return c;
 }
 

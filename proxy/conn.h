@@ -6,6 +6,7 @@
 #define PX_CONN_H
 
 #include <event2/event.h>
+#include <stdatomic.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -14,10 +15,31 @@
 
 typedef struct px_conn px_conn;
 
+/* What every connection of the process shares, across worker threads: the
+ * memory budget for request bodies held and responses queued, and the
+ * connection cap. Counters only grow; the gauges are exact. */
+typedef struct px_conn_shared {
+    atomic_llong buffered; /* bytes of request bodies held + client output queued */
+    int64_t max_buffered;  /* new bodies are refused beyond it (503); 0: no budget */
+    atomic_long conns;     /* client connections open */
+    long max_conns;        /* connections past it are answered 503 and closed; 0: none */
+    atomic_ullong budget_rejected; /* bodies refused for the budget */
+    atomic_ullong conns_refused;   /* connections refused past max_conns */
+    atomic_ullong send_timeouts;   /* connections closed: the peer read nothing */
+} px_conn_shared;
+
+/* Takes n bytes of the budget: 1, or 0 when that would pass it (nothing is
+ * taken). A NULL budget always grants. */
+int px_budget_try(px_conn_shared *sh, int64_t n);
+/* Adds n (negative: returns) unconditionally: memory already held. */
+void px_budget_add(px_conn_shared *sh, int64_t n);
+
 typedef struct px_conn_cfg {
     int64_t max_body_bytes;   /* 413 beyond */
     double header_timeout;    /* seconds to receive a whole request (408) */
     double keepalive_timeout; /* seconds an idle connection is kept */
+    double send_timeout;      /* seconds queued output may wait on a peer that reads nothing */
+    px_conn_shared *shared;   /* borrowed: process-wide budget and caps, or NULL */
     /* A complete request arrived. The handler ends the exchange, now or
      * later, with exactly one reply, stream end or abort. `body` may be
      * moved out (px_buf ownership). `h` is valid until the exchange ends. */
@@ -34,7 +56,8 @@ typedef struct px_conn_list {
 } px_conn_list;
 
 /* Takes a connected socket (owned from now on). cfg and list are borrowed
- * and must outlive the connection. Returns NULL (fd closed) on failure. */
+ * and must outlive the connection. Returns NULL (fd closed) on failure.
+ * Past cfg->shared->max_conns the connection is answered 503 and closed. */
 px_conn *px_conn_accept(struct event_base *base, evutil_socket_t fd, const px_conn_cfg *cfg,
                         px_conn_list *list);
 
@@ -79,12 +102,15 @@ void px_conn_stream_end(px_conn *c);
 void px_conn_abort(px_conn *c);
 /* Bytes queued for the client and not yet written to its socket. */
 size_t px_conn_pending(const px_conn *c);
+/* The configuration the connection was accepted with (borrowed). */
+const px_conn_cfg *px_conn_config(const px_conn *c);
 
 /* The OpenAI error "type" for a status. */
 const char *px_error_type(int status);
 
-/* Above this many queued bytes a streaming producer should pause; on_drained
- * is called once the queue falls below the low mark. */
+/* Above this many queued bytes a streaming producer should pause, and
+ * pipelined requests wait (the connection stops reading); on_drained is
+ * called, and reading resumes, once the queue falls below the low mark. */
 #define PX_CONN_HIGH_WATER (1024 * 1024)
 #define PX_CONN_LOW_WATER (256 * 1024)
 

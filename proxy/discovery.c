@@ -1,34 +1,39 @@
 #include "discovery.h"
 
 #include <arpa/inet.h>
-#include <errno.h>
+#include <event2/dns.h>
+#include <event2/util.h>
 #include <netdb.h>
-#include <pthread.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 
 #include "log.h"
 #include "route.h"
 #include "server.h"
 
+#define HOSTS_FILE "/etc/hosts"
+
 typedef struct dns_entry {
-    px_pool *pool; /* borrowed */
-    char *url;     /* owned */
+    struct px_discovery *d; /* borrowed: the owner */
+    px_pool *pool;          /* borrowed */
+    char *url;              /* owned */
     char host[256];
     int port;
+    struct evdns_getaddrinfo_request *req; /* in flight, or NULL (control thread) */
+    atomic_int unresolved;                 /* the last try failed, or none finished yet */
 } dns_entry;
 
 struct px_discovery {
-    px_server *s;
-    dns_entry *e; /* owned */
+    px_server *s;            /* borrowed */
+    struct event_base *base; /* borrowed: the control loop */
+    struct evdns_base *dns;  /* owned, NULL when no backend is a name */
+    dns_entry *e;            /* owned */
     size_t n;
-    pthread_t thread;
-    int running;
-    int stop;
-    pthread_mutex_t mu;
-    pthread_cond_t cv;
+    struct event *timer; /* owned: the next round */
+    size_t inflight;     /* control thread only */
+    atomic_ullong failures;
 };
 
 static int is_ip_literal(const char *host) {
@@ -40,73 +45,73 @@ static int cmp_str(const void *a, const void *b) {
     return strcmp(*(char *const *)a, *(char *const *)b);
 }
 
-/* Resolves host to its distinct addresses, sorted. Returns the count, or -1. */
-static long resolve(const char *host, char ***out) {
-    struct addrinfo hints = {0}, *res = NULL;
-    hints.ai_family = AF_UNSPEC;
-    hints.ai_socktype = SOCK_STREAM;
-    int rc = getaddrinfo(host, NULL, &hints, &res);
-    if (rc) {
-        PX_LOG(PX_LOG_WARN, "msg=\"cannot resolve backend name\" name=%s error=\"%s\"", host,
-               gai_strerror(rc));
-        return -1;
+/* Runs on the control loop (or inside evdns_getaddrinfo, for answers from
+ * /etc/hosts). */
+static void on_resolved(int result, struct evutil_addrinfo *res, void *arg) {
+    dns_entry *e = arg;
+    px_discovery *d = e->d;
+    e->req = NULL;
+    d->inflight--;
+    if (result == EVUTIL_EAI_CANCEL) return; /* stopping */
+    if (result != 0) {
+        atomic_fetch_add(&d->failures, 1);
+        atomic_store(&e->unresolved, 1);
+        /* Keep what we had: a DNS hiccup must not empty a pool. */
+        PX_LOG(PX_LOG_WARN,
+               "msg=\"cannot resolve backend name; keeping its last addresses\" name=%s role=%s "
+               "error=\"%s\"",
+               e->host, e->pool->role, evutil_gai_strerror(result));
+        return;
     }
     char **v = NULL;
-    long n = 0;
-    for (struct addrinfo *ai = res; ai; ai = ai->ai_next) {
+    size_t n = 0;
+    for (struct evutil_addrinfo *ai = res; ai; ai = ai->ai_next) {
         char ip[INET6_ADDRSTRLEN];
         const void *a = ai->ai_family == AF_INET
                             ? (const void *)&((struct sockaddr_in *)ai->ai_addr)->sin_addr
                             : (const void *)&((struct sockaddr_in6 *)ai->ai_addr)->sin6_addr;
         if (!inet_ntop(ai->ai_family, a, ip, sizeof ip)) continue;
         int dup = 0;
-        for (long i = 0; i < n && !dup; i++)
+        for (size_t i = 0; i < n && !dup; i++)
             dup = !strcmp(v[i], ip);
         if (dup) continue;
-        v = px_xrealloc(v, (size_t)(n + 1) * sizeof *v);
+        v = px_xrealloc(v, (n + 1) * sizeof *v);
         v[n++] = px_xstrdup(ip);
     }
-    freeaddrinfo(res);
-    qsort(v, (size_t)n, sizeof *v, cmp_str);
-    *out = v;
-    return n;
+    if (res) evutil_freeaddrinfo(res);
+    if (n) qsort(v, n, sizeof *v, cmp_str);
+    if (atomic_exchange(&e->unresolved, 0))
+        PX_LOG(PX_LOG_INFO, "msg=\"backend name resolved\" name=%s role=%s addresses=%zu", e->host,
+               e->pool->role, n);
+    px_pool_sync_addrs(e->pool, e->url, e->host, e->port, v, n);
+    for (size_t i = 0; i < n; i++)
+        free(v[i]);
+    free(v);
 }
 
+/* One round: every name not still being resolved is asked again, with
+ * /etc/hosts read anew (a name may move there, as in tests and on hosts
+ * without DNS). */
 static void refresh(px_discovery *d) {
+    evdns_base_clear_host_addresses(d->dns);
+    if (evdns_base_load_hosts(d->dns, HOSTS_FILE) != 0) evdns_base_load_hosts(d->dns, NULL);
     for (size_t i = 0; i < d->n; i++) {
-        char **ips = NULL;
-        long n = resolve(d->e[i].host, &ips);
-        if (n < 0) continue; /* keep what we had: a DNS hiccup must not empty a pool */
-        px_pool_sync_addrs(d->e[i].pool, d->e[i].url, d->e[i].host, d->e[i].port, ips, (size_t)n);
-        for (long j = 0; j < n; j++)
-            free(ips[j]);
-        free(ips);
+        dns_entry *e = &d->e[i];
+        if (e->req) continue;
+        struct evutil_addrinfo hints = {0};
+        hints.ai_family = AF_UNSPEC;
+        hints.ai_socktype = SOCK_STREAM;
+        hints.ai_protocol = IPPROTO_TCP;
+        d->inflight++;
+        /* May answer at once (from /etc/hosts) and return NULL. */
+        struct evdns_getaddrinfo_request *r =
+            evdns_getaddrinfo(d->dns, e->host, NULL, &hints, on_resolved, e);
+        e->req = r;
     }
 }
 
-static void *refresh_main(void *arg) {
-    px_discovery *d = arg;
-    pthread_mutex_lock(&d->mu);
-    while (!d->stop) {
-        struct timespec ts;
-        clock_gettime(CLOCK_REALTIME, &ts);
-        double s = d->s->cfg->dns_refresh;
-        ts.tv_sec += (time_t)s;
-        ts.tv_nsec += (long)((s - (double)(time_t)s) * 1e9);
-        if (ts.tv_nsec >= 1000000000L) {
-            ts.tv_sec++;
-            ts.tv_nsec -= 1000000000L;
-        }
-        int rc = 0;
-        while (!d->stop && rc != ETIMEDOUT)
-            rc = pthread_cond_timedwait(&d->cv, &d->mu, &ts);
-        if (d->stop) break;
-        pthread_mutex_unlock(&d->mu);
-        refresh(d);
-        pthread_mutex_lock(&d->mu);
-    }
-    pthread_mutex_unlock(&d->mu);
-    return NULL;
+static void on_timer(evutil_socket_t fd, short what, void *arg) {
+    refresh(arg);
 }
 
 static int add_url(px_discovery *d, px_pool *pool, const char *url, char *err, size_t errlen) {
@@ -122,10 +127,12 @@ static int add_url(px_discovery *d, px_pool *pool, const char *url, char *err, s
     }
     d->e = px_xrealloc(d->e, (d->n + 1) * sizeof *d->e);
     dns_entry *e = &d->e[d->n++];
+    memset(e, 0, sizeof *e);
     e->pool = pool;
     e->url = px_xstrdup(url);
     snprintf(e->host, sizeof e->host, "%s", host);
     e->port = port;
+    atomic_init(&e->unresolved, 1);
     return 0;
 }
 
@@ -140,7 +147,8 @@ static int add_role(px_discovery *d, px_pool *pool, const px_strlist *urls, cons
             px_buf u;
             px_buf_init(&u);
             px_buf_printf(&u, "http://%s%s%s:%s", v6 ? "[" : "", h, v6 ? "]" : "", ports->v[i]);
-            /* Toy-style hosts are single backends: curl resolves them. */
+            /* Toy-style hosts are single backends: the upstream client
+             * resolves them per connection. */
             px_pool_add(pool, u.data, NULL);
             px_buf_cleanup(&u);
         }
@@ -150,11 +158,15 @@ static int add_role(px_discovery *d, px_pool *pool, const px_strlist *urls, cons
     return 0;
 }
 
-px_discovery *px_discovery_start(px_server *s, char *err, size_t errlen) {
+static void on_startup_deadline(evutil_socket_t fd, short what, void *arg) {
+    *(int *)arg = 1;
+}
+
+px_discovery *px_discovery_start(px_server *s, struct event_base *base, char *err,
+                                 size_t errlen) {
     px_discovery *d = px_xcalloc(1, sizeof *d);
     d->s = s;
-    pthread_mutex_init(&d->mu, NULL);
-    pthread_cond_init(&d->cv, NULL);
+    d->base = base;
     const px_config *c = s->cfg;
     if (add_role(d, &s->prefill, &c->prefill_urls, "prefiller-hosts", &c->prefiller_hosts,
                  &c->prefiller_ports, err, errlen) < 0 ||
@@ -163,26 +175,75 @@ px_discovery *px_discovery_start(px_server *s, char *err, size_t errlen) {
         px_discovery_stop(d);
         return NULL;
     }
-    if (d->n) {
-        refresh(d);
-        if (pthread_create(&d->thread, NULL, refresh_main, d) == 0) d->running = 1;
+    for (size_t i = 0; i < d->n; i++)
+        d->e[i].d = d;
+    if (!d->n) return d;
+    /* resolv.conf's name servers, search list, ndots, timeout and attempts
+     * (Kubernetes sets all of them). */
+    d->dns = evdns_base_new(base, EVDNS_BASE_INITIALIZE_NAMESERVERS);
+    if (!d->dns) {
+        snprintf(err, errlen, "cannot set up the DNS resolver (/etc/resolv.conf)");
+        px_discovery_stop(d);
+        return NULL;
     }
+    /* The 0x20 trick changes the letters' case in queries; some resolvers
+     * and caches answer such names badly. */
+    evdns_base_set_option(d->dns, "randomize-case:", "0");
+    d->timer = event_new(base, -1, EV_PERSIST, on_timer, d);
+    double r = c->dns_refresh;
+    struct timeval tv = {(time_t)r, (suseconds_t)((r - (double)(time_t)r) * 1e6)};
+    event_add(d->timer, &tv);
+    refresh(d);
+    /* Give the first answers a moment, so that the pools are filled when
+     * the listeners open; a silent server costs at most this second. */
+    int late = 0;
+    struct event *deadline = evtimer_new(base, on_startup_deadline, &late);
+    struct timeval one = {1, 0};
+    evtimer_add(deadline, &one);
+    for (int i = 0; i < 1000 && d->inflight && !late; i++)
+        event_base_loop(base, EVLOOP_ONCE);
+    event_free(deadline);
+    for (size_t i = 0; i < d->n; i++)
+        if (d->e[i].req)
+            PX_LOG(PX_LOG_WARN,
+                   "msg=\"backend name not resolved yet at start; its backends join when it "
+                   "is\" name=%s role=%s",
+                   d->e[i].host, d->e[i].pool->role);
     return d;
 }
 
 void px_discovery_stop(px_discovery *d) {
     if (!d) return;
-    if (d->running) {
-        pthread_mutex_lock(&d->mu);
-        d->stop = 1;
-        pthread_cond_signal(&d->cv);
-        pthread_mutex_unlock(&d->mu);
-        pthread_join(d->thread, NULL);
-    }
+    if (d->timer) event_free(d->timer);
+    for (size_t i = 0; i < d->n; i++)
+        if (d->e[i].req) evdns_getaddrinfo_cancel(d->e[i].req); /* calls back with CANCEL */
+    if (d->dns) evdns_base_free(d->dns, 0);
     for (size_t i = 0; i < d->n; i++)
         free(d->e[i].url);
     free(d->e);
-    pthread_mutex_destroy(&d->mu);
-    pthread_cond_destroy(&d->cv);
     free(d);
+}
+
+void px_discovery_ready_json(px_discovery *d, px_buf *out) {
+    if (!d || !px_discovery_unresolved(d)) return;
+    px_buf_appends(out, ",\"unresolved\":[");
+    int first = 1;
+    for (size_t i = 0; i < d->n; i++) {
+        if (!atomic_load(&d->e[i].unresolved)) continue;
+        if (!first) px_buf_appends(out, ",");
+        first = 0;
+        px_buf_append_json_str(out, d->e[i].host, strlen(d->e[i].host));
+    }
+    px_buf_appends(out, "]");
+}
+
+uint64_t px_discovery_failures(px_discovery *d) {
+    return d ? atomic_load(&d->failures) : 0;
+}
+
+size_t px_discovery_unresolved(px_discovery *d) {
+    size_t n = 0;
+    for (size_t i = 0; d && i < d->n; i++)
+        n += atomic_load(&d->e[i].unresolved) != 0;
+    return n;
 }

@@ -1,20 +1,38 @@
 /* Where the backends come from: the toy proxy's host/port lists and the
  * --prefill/--decode URLs. A URL whose host is a name is followed through
  * DNS: every address it resolves to is a backend, and the name is resolved
- * again every --dns-refresh seconds (Kubernetes headless services), on a
- * thread of its own since resolution blocks. */
+ * again every --dns-refresh seconds (Kubernetes headless services).
+ * Resolution is asynchronous (libevent's evdns, with /etc/resolv.conf's
+ * servers, search list and timeouts, and /etc/hosts re-read on each round)
+ * on the control thread's loop: a slow or silent DNS server delays nothing
+ * but the name's own backends. */
 #ifndef PX_DISCOVERY_H
 #define PX_DISCOVERY_H
 
+#include <event2/event.h>
 #include <stddef.h>
+#include <stdint.h>
+
+#include "util.h"
 
 struct px_server;
 typedef struct px_discovery px_discovery;
 
-/* Fills the server's pools (names resolved once, synchronously) and starts
- * the refresh thread when some backend is a name. NULL with err on a
- * malformed URL. */
-px_discovery *px_discovery_start(struct px_server *s, char *err, size_t errlen);
+/* Fills the server's pools: IP literals and toy-style hosts at once; names
+ * are resolved on `base` (borrowed: the control loop, which must outlive
+ * discovery), waiting at most a second for the first answers. NULL with err
+ * on a malformed URL or when the resolver cannot be set up. */
+px_discovery *px_discovery_start(struct px_server *s, struct event_base *base, char *err,
+                                 size_t errlen);
+/* Cancels resolutions in flight and frees. NULL is a no-op. */
 void px_discovery_stop(px_discovery *d);
+
+/* Appends ,"unresolved":["name",...] to a JSON object under construction
+ * when some backend name did not resolve on its last try. Any thread. */
+void px_discovery_ready_json(px_discovery *d, px_buf *out);
+/* Failed resolutions so far, and names whose last resolution failed. Any
+ * thread. */
+uint64_t px_discovery_failures(px_discovery *d);
+size_t px_discovery_unresolved(px_discovery *d);
 
 #endif

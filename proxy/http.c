@@ -114,7 +114,7 @@ int px_http_parse_head(const char *buf, size_t n, px_http_head *h, const char **
     if (p[0] != '\r' || p[1] != '\n') return *why = "malformed request line", 400;
     p += 2;
 
-    int have_te = 0, conn_close = 0, conn_keep = 0;
+    int have_te = 0, conn_close = 0, conn_keep = 0, nhost = 0;
     for (;;) {
         if (end - p < 2) return *why = "truncated header block", 400;
         if (p[0] == '\r' && p[1] == '\n') break;
@@ -158,12 +158,18 @@ int px_http_parse_head(const char *buf, size_t n, px_http_head *h, const char **
         } else if (px_http_token_eq(hd->name, hd->name_len, "connection")) {
             if (has_token(hd->value, hd->value_len, "close")) conn_close = 1;
             if (has_token(hd->value, hd->value_len, "keep-alive")) conn_keep = 1;
+        } else if (px_http_token_eq(hd->name, hd->name_len, "host")) {
+            nhost++;
         } else if (px_http_token_eq(hd->name, hd->name_len, "expect")) {
             if (!px_http_token_eq(hd->value, hd->value_len, "100-continue"))
                 return *why = "unsupported Expect", 417;
             h->expect_continue = 1;
         }
     }
+    /* RFC 9112 §3.2: an HTTP/1.1 request carries exactly one Host (it may be
+     * empty); two could be read differently by two hops. */
+    if (nhost > 1) return *why = "more than one Host header", 400;
+    if (h->minor == 1 && nhost == 0) return *why = "missing Host header (required in HTTP/1.1)", 400;
     if (have_te) {
         if (h->content_length >= 0) return *why = "both Content-Length and Transfer-Encoding", 400;
         if (h->minor == 0) return *why = "Transfer-Encoding in HTTP/1.0", 400;

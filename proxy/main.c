@@ -37,10 +37,12 @@ int main(int argc, char **argv) {
     }
     px_server *s = px_server_create(&cfg, err, sizeof err);
     if (!s) {
+        /* Like a bad flag: what was asked cannot be served (the port is
+         * taken, a file is missing). */
         fprintf(stderr, "pdproxy: %s\n", err);
         curl_global_cleanup();
         px_config_cleanup(&cfg);
-        return 1;
+        return 2;
     }
     int rc = px_server_run(s);
     px_server_destroy(s);

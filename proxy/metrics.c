@@ -9,6 +9,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "discovery.h"
 #include "route.h"
 #include "server.h"
 
@@ -172,6 +173,46 @@ static void render_process(px_buf *o) {
                   (unsigned long long)rl.rlim_cur, cpu);
 }
 
+/* Limits that hold memory and connections, and what routing did when every
+ * backend of a role was out. */
+static void render_limits(px_buf *o, px_server *s) {
+    px_conn_shared *sh = &s->shared;
+    px_buf_printf(o,
+                  "# HELP pdproxy_buffered_bytes Request bodies held and client output queued, "
+                  "in bytes (bounded by --max-buffered-bytes).\n"
+                  "# TYPE pdproxy_buffered_bytes gauge\npdproxy_buffered_bytes %lld\n"
+                  "# HELP pdproxy_buffered_bytes_limit The --max-buffered-bytes budget (0: none).\n"
+                  "# TYPE pdproxy_buffered_bytes_limit gauge\npdproxy_buffered_bytes_limit %lld\n"
+                  "# HELP pdproxy_client_connections Client connections open.\n"
+                  "# TYPE pdproxy_client_connections gauge\npdproxy_client_connections %ld\n",
+                  (long long)atomic_load(&sh->buffered), (long long)sh->max_buffered,
+                  (long)atomic_load(&sh->conns));
+    counter(o, "pdproxy_buffer_budget_rejected_total",
+            "Request bodies refused with 503 because --max-buffered-bytes was spent.",
+            (unsigned long long)atomic_load(&sh->budget_rejected));
+    counter(o, "pdproxy_connections_refused_total",
+            "Connections answered 503 and closed past --max-connections.",
+            (unsigned long long)atomic_load(&sh->conns_refused));
+    counter(o, "pdproxy_send_timeouts_total",
+            "Client connections closed because the client read nothing for --send-timeout.",
+            (unsigned long long)atomic_load(&sh->send_timeouts));
+    px_buf_appends(o, "# HELP pdproxy_panic_routed_total Requests routed to an ejected backend "
+                      "because every backend of the role was ejected for request failures.\n"
+                      "# TYPE pdproxy_panic_routed_total counter\n");
+    px_buf_printf(o, "pdproxy_panic_routed_total{role=\"prefill\"} %llu\n",
+                  (unsigned long long)atomic_load(&s->prefill.panic_routed));
+    px_buf_printf(o, "pdproxy_panic_routed_total{role=\"decode\"} %llu\n",
+                  (unsigned long long)atomic_load(&s->decode.panic_routed));
+    counter(o, "pdproxy_dns_resolution_failures_total",
+            "Resolutions of backend names that failed (the last addresses are kept).",
+            (unsigned long long)px_discovery_failures(s->disc));
+    px_buf_printf(o,
+                  "# HELP pdproxy_backend_names_unresolved Backend names whose last resolution "
+                  "failed.\n# TYPE pdproxy_backend_names_unresolved gauge\n"
+                  "pdproxy_backend_names_unresolved %zu\n",
+                  px_discovery_unresolved(s->disc));
+}
+
 void px_metrics_render(px_server *s, px_buf *o) {
     px_buf_appends(o, "# HELP pdproxy_requests_total Client requests answered, by endpoint and "
                       "status code.\n# TYPE pdproxy_requests_total counter\n");
@@ -218,4 +259,5 @@ void px_metrics_render(px_server *s, px_buf *o) {
                   inflight);
     render_backends(o, s);
     render_process(o);
+    render_limits(o, s);
 }

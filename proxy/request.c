@@ -13,8 +13,12 @@
  * this is a broken engine, not a big request. */
 #define PREFILL_MAX_ANSWER (8 * 1024 * 1024)
 #define MAX_TRIES 16
-/* How long a prefill whose client left gets to answer before it is cut. */
+/* How long a prefill whose client left gets to answer before it is cut:
+ * one that has not started answering has probably not published blocks
+ * yet; one that has is let finish (so decode can release its blocks), but
+ * not for longer than this, so a prefill stalled mid-answer is cut too. */
 #define PREFILL_GRACE_US 50000
+#define PREFILL_ANSWER_GRACE_US 2000000
 
 typedef enum {
     RS_NEW,
@@ -73,12 +77,33 @@ struct px_req {
     struct event *idle_timer;  /* owned: --decode-idle-timeout */
     struct event *grace_timer; /* owned: a prefill whose client left may still answer */
     size_t bytes_out;
+    int64_t held; /* bytes of the bodies above counted in the server's memory budget */
 };
 
 static void start_prefill(px_req *r);
 static void start_decode(px_req *r);
 
+/* Hands a backend back after an attempt. A request's attempts on the same
+ * backend (retries with one instance configured) are one failure toward
+ * --unhealthy-after, not one each. */
+static void attempt_done(px_pool *p, px_backend *b, px_backend *const *tried, size_t ntried,
+                         px_outcome o) {
+    for (size_t i = 0; i + 1 < ntried; i++)
+        if (tried[i] == b) {
+            px_backend_done_repeat(p, b, o);
+            return;
+        }
+    px_backend_done(p, b, o);
+}
+
 /* ---------- lifetime ---------- */
+
+/* Brings the memory budget's count of this request's bodies up to date. */
+static void account(px_req *r) {
+    int64_t now = (int64_t)(r->body.len + r->pbody.len + r->dbody.len + r->presp.len);
+    px_budget_add(&r->s->shared, now - r->held);
+    r->held = now;
+}
 
 static void req_free(px_req *r) {
     if (r->prev)
@@ -94,6 +119,7 @@ static void req_free(px_req *r) {
     if (r->idle_timer) event_free(r->idle_timer);
     if (r->grace_timer) event_free(r->grace_timer);
     if (r->counted) atomic_fetch_sub(&r->s->inflight, 1);
+    px_budget_add(&r->s->shared, -r->held);
     px_buf_cleanup(&r->body);
     px_buf_cleanup(&r->pbody);
     px_buf_cleanup(&r->dbody);
@@ -131,12 +157,15 @@ static void finish_log(px_req *r, int status, const char *outcome) {
            outcome, r->trace_id);
 }
 
-/* Printable ASCII (space included), at most 128 bytes. Log lines carry it
- * escaped (r->lid). */
+/* Visible ASCII without quote or backslash, at most 128 bytes (README,
+ * SECURITY.md): engines put it into their own ids and log lines. Anything
+ * else is replaced by a UUIDv4. */
 static int valid_request_id(const char *v, size_t n) {
     if (n == 0 || n > 128) return 0;
-    for (size_t i = 0; i < n; i++)
-        if ((unsigned char)v[i] < 0x20 || (unsigned char)v[i] > 0x7e) return 0;
+    for (size_t i = 0; i < n; i++) {
+        unsigned char c = (unsigned char)v[i];
+        if (c <= 0x20 || c > 0x7e || c == '"' || c == '\\') return 0;
+    }
     return 1;
 }
 
@@ -381,7 +410,7 @@ static void decode_done(void *arg, CURLcode rc, const char *errbuf, int connecte
         req_end(r, 499, "client_disconnected");
         return;
     }
-    px_backend_done(&r->s->decode, r->db, o);
+    attempt_done(&r->s->decode, r->db, r->tried_d, r->ntried_d, o);
     r->db = NULL;
     if (rc == CURLE_OK) {
         if (r->conn) {
@@ -501,6 +530,13 @@ static void proceed_to_decode(px_req *r) {
     }
     px_buf_reset(&r->dbody);
     px_rewrite_decode(r->body.data, r->body.len, kvp, kvp_len, &r->dbody);
+    /* From here on only the decode body is needed (retries resend it): one
+     * copy of the request is held, not three. */
+    px_buf_cleanup(&r->body);
+    px_buf_cleanup(&r->pbody);
+    px_buf_cleanup(&r->presp);
+    r->key = NULL;
+    account(r);
     start_decode(r);
 }
 
@@ -511,10 +547,11 @@ static void on_retry_timer(evutil_socket_t fd, short what, void *arg) {
 static void prefill_done(void *arg, CURLcode rc, const char *errbuf, int connected) {
     px_req *r = arg;
     r->up = NULL;
+    account(r); /* the prefill's answer */
     if (r->grace_timer) evtimer_del(r->grace_timer); /* it answered in time */
     px_outcome o = outcome_of(rc, r->pstatus);
     if (r->too_big) o = PX_OUT_SERVER_ERR;
-    px_backend_done(&r->s->prefill, r->pb, o);
+    attempt_done(&r->s->prefill, r->pb, r->tried_p, r->ntried_p, o);
     r->pb = NULL;
     const char *why = errbuf[0] ? errbuf : curl_easy_strerror(rc);
 
@@ -588,6 +625,7 @@ static void start_prefill(px_req *r) {
                    r->lid, n);
             px_buf_reset(&r->dbody);
             px_rewrite_decode(r->body.data, r->body.len, NULL, 0, &r->dbody);
+            account(r);
             start_decode(r);
             return;
         }
@@ -639,11 +677,10 @@ static void client_gone(void *arg) {
          * in which a cancelled upstream must close) to answer; an answer
          * goes on to the release through decode, silence is cut. */
         set_state(r, RS_RELEASING);
-        if (!px_upstream_answering(r->up)) {
-            if (!r->grace_timer) r->grace_timer = evtimer_new(r->w->base, on_grace_timer, r);
-            struct timeval tv = {0, PREFILL_GRACE_US};
-            evtimer_add(r->grace_timer, &tv);
-        }
+        long us = px_upstream_answering(r->up) ? PREFILL_ANSWER_GRACE_US : PREFILL_GRACE_US;
+        if (!r->grace_timer) r->grace_timer = evtimer_new(r->w->base, on_grace_timer, r);
+        struct timeval tv = {us / 1000000, us % 1000000};
+        evtimer_add(r->grace_timer, &tv);
         return;
     }
     if (r->state == RS_DECODE && r->up && r->ep != PX_EP_MODELS &&
@@ -749,7 +786,19 @@ void px_req_start(px_worker *w, px_conn *c, px_endpoint ep, const px_http_head *
         req_fail(r, 400, NULL, "request body must be a JSON object");
         return;
     }
+    /* The client's body is held already (the connection counted it); the
+     * prefill copy needs room in the budget too. */
+    account(r);
+    if (!px_budget_try(&r->s->shared, (int64_t)r->body.len + 512)) {
+        atomic_fetch_add_explicit(&r->s->shared.budget_rejected, 1, memory_order_relaxed);
+        req_fail(r, 503, "Retry-After: 1\r\n",
+                 "request refused: the proxy's memory budget for buffered bodies "
+                 "(--max-buffered-bytes) is spent; retry later");
+        return;
+    }
+    r->held += (int64_t)r->body.len + 512;
     px_rewrite_prefill(r->body.data, r->body.len, &r->pbody);
+    account(r);
     if (r->s->prefill.cfg.policy == PX_POLICY_PREFIX_AFFINITY) find_key(r);
     if (r->s->cfg->prefill_timeout > 0)
         r->prefill_deadline = r->t0 + (uint64_t)(r->s->cfg->prefill_timeout * 1e9);

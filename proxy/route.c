@@ -351,6 +351,17 @@ px_backend *px_pool_pick(px_pool *p, const px_pick *k, size_t *nmembers) {
     for (int pass = 0; pass < 2 && nc == 0; pass++)
         for (size_t i = 0; i < p->n; i++)
             if ((pass == 1 || !excluded(k, p->b[i])) && eligible(p, p->b[i], now)) cand[nc++] = i;
+    if (!nc) {
+        /* Panic: every member is out. Those ejected for failed requests may
+         * have recovered already (one engine restarting, one burst of 5xx):
+         * untried ones first, as above. */
+        for (int pass = 0; pass < 2 && nc == 0; pass++)
+            for (size_t i = 0; i < p->n; i++)
+                if ((pass == 1 || !excluded(k, p->b[i])) &&
+                    !atomic_load(&p->b[i]->check_failing))
+                    cand[nc++] = i;
+        if (nc) atomic_fetch_add_explicit(&p->panic_routed, 1, memory_order_relaxed);
+    }
     if (nc) {
         b = p->b[choose(p, k, cand, nc)];
         atomic_fetch_add(&b->refs, 1);
@@ -364,6 +375,7 @@ px_backend *px_pool_pick(px_pool *p, const px_pick *k, size_t *nmembers) {
 static void eject(px_pool *p, px_backend *b, const char *why) {
     int expected = 1;
     if (!atomic_compare_exchange_strong(&b->healthy, &expected, 0)) return;
+    atomic_store(&b->ejected_by_check, !strcmp(why, "health_check"));
     int n = atomic_fetch_add(&b->ejections, 1);
     uint64_t backoff = 1000000000ull << (n < 6 ? n : 6); /* 1 s doubling to 64 s */
     atomic_store(&b->readmit_ns, px_now_ns() + backoff);
@@ -372,22 +384,31 @@ static void eject(px_pool *p, px_backend *b, const char *why) {
            b->name, why, atomic_load(&b->fails));
 }
 
-void px_backend_done(px_pool *p, px_backend *b, px_outcome o) {
+static void backend_done(px_pool *p, px_backend *b, px_outcome o, int count_failure) {
     if (!b) return;
     atomic_fetch_sub(&b->inflight, 1);
     atomic_fetch_add_explicit(&b->outcomes[o], 1, memory_order_relaxed);
     switch (o) {
     case PX_OUT_OK:
-    case PX_OUT_CLIENT_ERR:
+    case PX_OUT_CLIENT_ERR: {
         atomic_store(&b->fails, 0);
         /* A success after probation ends the backoff escalation. */
         if (!p->cfg.active_checks) atomic_store(&b->ejections, 0);
+        /* It answered (panic routing sent it a request): back at once. */
+        int expected = 0;
+        if (atomic_compare_exchange_strong(&b->healthy, &expected, 1)) {
+            atomic_store(&b->ejections, 0);
+            PX_LOG(PX_LOG_INFO,
+                   "msg=\"backend readmitted after a successful request\" role=%s backend=%s",
+                   p->role, b->name);
+        }
         break;
+    }
     case PX_OUT_SERVER_ERR:
     case PX_OUT_CONNECT_ERR:
     case PX_OUT_RESET:
     case PX_OUT_TIMEOUT:
-        if (atomic_fetch_add(&b->fails, 1) + 1 >= p->cfg.unhealthy_after)
+        if (count_failure && atomic_fetch_add(&b->fails, 1) + 1 >= p->cfg.unhealthy_after)
             eject(p, b, px_outcome_name(o));
         break;
     default:
@@ -396,12 +417,23 @@ void px_backend_done(px_pool *p, px_backend *b, px_outcome o) {
     px_backend_release(b);
 }
 
+void px_backend_done(px_pool *p, px_backend *b, px_outcome o) {
+    backend_done(p, b, o, 1);
+}
+
+void px_backend_done_repeat(px_pool *p, px_backend *b, px_outcome o) {
+    backend_done(p, b, o, 0);
+}
+
 void px_backend_check(px_pool *p, px_backend *b, int ok) {
     if (ok) {
         atomic_store(&b->fails, 0);
+        atomic_store(&b->check_failing, 0);
         int oks = atomic_fetch_add(&b->oks, 1) + 1;
         int expected = 0;
-        if (oks >= p->cfg.healthy_after &&
+        /* Ejected for failed requests, a passing check is enough to return;
+         * ejected by checks, --healthy-after of them in a row. */
+        if ((oks >= p->cfg.healthy_after || !atomic_load(&b->ejected_by_check)) &&
             atomic_compare_exchange_strong(&b->healthy, &expected, 1)) {
             atomic_store(&b->ejections, 0);
             PX_LOG(PX_LOG_INFO, "msg=\"backend readmitted\" role=%s backend=%s checks_ok=%d",
@@ -409,8 +441,11 @@ void px_backend_check(px_pool *p, px_backend *b, int ok) {
         }
     } else {
         atomic_store(&b->oks, 0);
-        if (atomic_fetch_add(&b->fails, 1) + 1 >= p->cfg.unhealthy_after)
+        atomic_store(&b->check_failing, 1);
+        if (atomic_fetch_add(&b->fails, 1) + 1 >= p->cfg.unhealthy_after) {
             eject(p, b, "health_check");
+            atomic_store(&b->ejected_by_check, 1);
+        }
     }
 }
 
@@ -424,6 +459,17 @@ px_backend **px_pool_members(px_pool *p, size_t *n) {
     *n = p->n;
     pthread_mutex_unlock(&p->mu);
     return v;
+}
+
+size_t px_pool_usable(px_pool *p) {
+    size_t h, panic = 0;
+    px_pool_counts(p, NULL, &h);
+    if (h) return h;
+    pthread_mutex_lock(&p->mu);
+    for (size_t i = 0; i < p->n; i++)
+        panic += !atomic_load(&p->b[i]->check_failing);
+    pthread_mutex_unlock(&p->mu);
+    return panic;
 }
 
 void px_pool_counts(px_pool *p, size_t *n, size_t *healthy) {

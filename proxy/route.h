@@ -48,6 +48,8 @@ typedef struct px_backend {
     atomic_int fails;         /* consecutive failures, passive and active */
     atomic_int oks;           /* consecutive successful health checks */
     atomic_int ejections;     /* times ejected, for the passive backoff */
+    atomic_int check_failing; /* its last active health check failed */
+    atomic_int ejected_by_check; /* the current ejection came from health checks */
     atomic_ullong readmit_ns; /* without active checks: when an ejected backend is tried again */
     /* load_aware: the engine's own figures, scraped from /metrics. */
     atomic_int load_known;
@@ -80,6 +82,7 @@ typedef struct px_pool {
     size_t rr;
     uint64_t *ring; /* prefix_affinity: sorted (point << 16 | member index) */
     size_t nring;
+    atomic_ullong panic_routed; /* picks made with every member ejected */
 } px_pool;
 
 void px_pool_init(px_pool *p, const char *role, const px_pool_cfg *cfg);
@@ -105,13 +108,21 @@ typedef struct px_pick {
 } px_pick;
 
 /* Chooses a healthy backend and returns it with a reference taken and its
- * in-flight count raised: hand it back with px_backend_done(). Returns NULL
- * when there is no healthy member; *nmembers says how many there are. */
+ * in-flight count raised: hand it back with px_backend_done(). When every
+ * member is ejected, the ones ejected for request failures (not those
+ * failing their active health checks) are chosen from anyway, and counted
+ * (panic routing: passive ejection must never turn errors into an outage).
+ * Returns NULL when no member can be chosen; *nmembers says how many there
+ * are. */
 px_backend *px_pool_pick(px_pool *p, const px_pick *k, size_t *nmembers);
 
 /* Ends one request on b: lowers in-flight, counts the outcome, feeds passive
- * health, drops the reference. */
+ * health, drops the reference. A success readmits an ejected backend. */
 void px_backend_done(px_pool *p, px_backend *b, px_outcome o);
+/* The same, but a failure is not counted toward --unhealthy-after: for a
+ * retry of one request on a backend that already failed it (one request's
+ * retries are one failure). */
+void px_backend_done_repeat(px_pool *p, px_backend *b, px_outcome o);
 
 /* Active health check result for b. */
 void px_backend_check(px_pool *p, px_backend *b, int ok);
@@ -122,6 +133,9 @@ px_backend **px_pool_members(px_pool *p, size_t *n);
 
 /* Number of members, and of healthy ones. */
 void px_pool_counts(px_pool *p, size_t *n, size_t *healthy);
+/* Members a request could be routed to now: the healthy ones or, when
+ * none is, those panic routing would use. */
+size_t px_pool_usable(px_pool *p);
 
 /* Splits "http[s]://host[:port][/]" (host may be a bracketed IPv6 literal).
  * Returns 0, or -1 when malformed. */

@@ -37,24 +37,28 @@ static int authorized(px_server *s, const px_http_head *h) {
     return ok;
 }
 
-static void reply_json(px_worker *w, px_conn *c, px_metric_endpoint ep, int status,
+/* m: the worker's metrics, or NULL on the control thread's listener. */
+static void reply_json(px_metrics *m, px_conn *c, px_metric_endpoint ep, int status,
                        const char *json, size_t n) {
-    px_metrics_count(&w->metrics, ep, status);
+    if (m) px_metrics_count(m, ep, status);
     px_conn_reply(c, status, "application/json", NULL, NULL, json, n);
 }
 
-static void reply_ready(px_worker *w, px_conn *c) {
-    px_server *s = w->srv;
+static void reply_ready(px_server *s, px_metrics *m, px_conn *c) {
     size_t pn, ph, dn, dh;
     px_pool_counts(&s->prefill, &pn, &ph);
     px_pool_counts(&s->decode, &dn, &dh);
     int draining = atomic_load(&s->draining);
+    /* Backends ejected for failed requests still take traffic when all of
+     * their role are (panic routing): readiness follows what can serve. */
+    size_t du = dh ? dh : px_pool_usable(&s->decode), pu = ph ? ph : px_pool_usable(&s->prefill);
     const char *reason = draining  ? "draining"
                          : dh == 0 ? (dn ? "every decode backend is ejected" : "no decode backend")
                          : ph == 0 && !s->cfg->fallback_decode_only
                              ? (pn ? "every prefill backend is ejected" : "no prefill backend")
                              : NULL;
-    int ready = !draining && dh > 0;
+    (void)pu;
+    int ready = !draining && du > 0;
     px_buf b;
     px_buf_init(&b);
     px_buf_printf(&b,
@@ -62,9 +66,77 @@ static void reply_ready(px_worker *w, px_conn *c) {
                   "\"decode\":{\"healthy\":%zu,\"total\":%zu}",
                   ready ? "ready" : "not ready", draining ? "true" : "false", ph, pn, dh, dn);
     if (reason) px_buf_printf(&b, ",\"reason\":\"%s\"", reason);
+    px_discovery_ready_json(s->disc, &b);
     px_buf_appends(&b, "}");
-    reply_json(w, c, PX_MEP_READY, ready ? 200 : 503, b.data, b.len);
+    reply_json(m, c, PX_MEP_READY, ready ? 200 : 503, b.data, b.len);
     px_buf_cleanup(&b);
+}
+
+static void not_found(px_conn *c, const px_http_head *h) {
+    px_buf m;
+    px_buf_init(&m);
+    px_buf_printf(&m, "not found: %.*s %.*s", (int)(h->method_len > 16 ? 16 : h->method_len),
+                  h->method, (int)(h->target_len > 200 ? 200 : h->target_len), h->target);
+    px_conn_reply_error(c, 404, NULL, NULL, m.data);
+    px_buf_cleanup(&m);
+}
+
+/* The proxy's own GET endpoints (HEAD answers as GET, without the body).
+ * `metrics_here`: /metrics is served on this listener. Returns 0 when the
+ * path is none of them. */
+static int serve_local(px_server *s, px_metrics *m, px_conn *c, const px_http_head *h,
+                       int metrics_here) {
+    int is_get = (h->method_len == 3 && memcmp(h->method, "GET", 3) == 0) ||
+                 (h->method_len == 4 && memcmp(h->method, "HEAD", 4) == 0);
+    int healthcheck = px_http_path_is(h, "/healthcheck"), health = px_http_path_is(h, "/health");
+    int ready = px_http_path_is(h, "/ready"), metrics = px_http_path_is(h, "/metrics");
+    if (metrics && !metrics_here) return 0;
+    if (!(healthcheck || health || ready || metrics)) return 0;
+    px_metric_endpoint mep = healthcheck ? PX_MEP_HEALTHCHECK
+                             : health    ? PX_MEP_HEALTH
+                             : ready     ? PX_MEP_READY
+                                         : PX_MEP_METRICS;
+    if (!is_get) {
+        if (m) px_metrics_count(m, mep, 405);
+        px_conn_reply_error(c, 405, NULL, "Allow: GET, HEAD\r\n", "method not allowed: use GET");
+        return 1;
+    }
+    if (metrics && s->cfg->metrics_auth && !authorized(s, h)) {
+        if (m) px_metrics_count(m, mep, 401);
+        px_conn_reply_error(c, 401, NULL, "WWW-Authenticate: Bearer\r\n",
+                            "invalid or missing API key: send Authorization: Bearer <key>");
+        return 1;
+    }
+    if (ready) {
+        reply_ready(s, m, c);
+    } else if (metrics) {
+        if (m) px_metrics_count(m, PX_MEP_METRICS, 200);
+        px_buf b;
+        px_buf_init(&b);
+        px_metrics_render(s, &b);
+        px_conn_reply(c, 200, "text/plain; version=0.0.4; charset=utf-8", NULL, NULL, b.data,
+                      b.len);
+        px_buf_cleanup(&b);
+    } else if (health) {
+        reply_json(m, c, PX_MEP_HEALTH, 200, "{\"status\":\"ok\"}", 15);
+    } else {
+        size_t pn, dn;
+        px_pool_counts(&s->prefill, &pn, NULL);
+        px_pool_counts(&s->decode, &dn, NULL);
+        char json[160];
+        int n = snprintf(json, sizeof json,
+                         "{\"status\":\"ok\",\"prefill_instances\":%zu,\"decode_instances\":%zu}",
+                         pn, dn);
+        reply_json(m, c, PX_MEP_HEALTHCHECK, 200, json, (size_t)n);
+    }
+    return 1;
+}
+
+/* The --metrics-port listener, on the control thread: only the proxy's own
+ * endpoints. */
+static void dispatch_metrics(void *ctx, px_conn *c, const px_http_head *h, px_buf *body) {
+    px_server *s = ctx;
+    if (!serve_local(s, NULL, c, h, 1)) not_found(c, h);
 }
 
 static void dispatch(void *ctx, px_conn *c, const px_http_head *h, px_buf *body) {
@@ -105,55 +177,46 @@ static void dispatch(void *ctx, px_conn *c, const px_http_head *h, px_buf *body)
                      h, body);
         return;
     }
-    int healthcheck = px_http_path_is(h, "/healthcheck"), health = px_http_path_is(h, "/health");
-    int ready = px_http_path_is(h, "/ready"), metrics = px_http_path_is(h, "/metrics");
-    if (healthcheck || health || ready || metrics) {
-        px_metric_endpoint mep = healthcheck ? PX_MEP_HEALTHCHECK
-                                 : health    ? PX_MEP_HEALTH
-                                 : ready     ? PX_MEP_READY
-                                             : PX_MEP_METRICS;
-        if (!is_get) {
-            px_metrics_count(&w->metrics, mep, 405);
-            px_conn_reply_error(c, 405, NULL, "Allow: GET\r\n", "method not allowed: use GET");
-            return;
-        }
-        if (ready) {
-            reply_ready(w, c);
-        } else if (metrics) {
-            px_metrics_count(&w->metrics, PX_MEP_METRICS, 200);
-            px_buf b;
-            px_buf_init(&b);
-            px_metrics_render(s, &b);
-            px_conn_reply(c, 200, "text/plain; version=0.0.4; charset=utf-8", NULL, NULL, b.data,
-                          b.len);
-            px_buf_cleanup(&b);
-        } else if (health) {
-            reply_json(w, c, PX_MEP_HEALTH, 200, "{\"status\":\"ok\"}", 15);
-        } else {
-            size_t pn, dn;
-            px_pool_counts(&s->prefill, &pn, NULL);
-            px_pool_counts(&s->decode, &dn, NULL);
-            char json[160];
-            int n = snprintf(
-                json, sizeof json,
-                "{\"status\":\"ok\",\"prefill_instances\":%zu,\"decode_instances\":%zu}", pn, dn);
-            reply_json(w, c, PX_MEP_HEALTHCHECK, 200, json, (size_t)n);
-        }
-        return;
-    }
+    if (serve_local(s, &w->metrics, c, h, s->cfg->metrics_port == 0)) return;
     px_metrics_count(&w->metrics, PX_MEP_OTHER, 404);
     px_req_log_refused(h, "other", 404);
-    px_buf m;
-    px_buf_init(&m);
-    px_buf_printf(&m, "not found: %.*s %.*s", (int)(h->method_len > 16 ? 16 : h->method_len),
-                  h->method, (int)(h->target_len > 200 ? 200 : h->target_len), h->target);
-    px_conn_reply_error(c, 404, NULL, NULL, m.data);
-    px_buf_cleanup(&m);
+    not_found(c, h);
 }
 
 /* ---------- workers ---------- */
 
-static int make_listener(const char *host, int port, char *err, size_t errlen) {
+/* Whether host:port is served already: a bind without SO_REUSEPORT fails
+ * then, whoever holds it (another pdproxy with SO_REUSEPORT included).
+ * Returns 0 when it is free, -1 with a message otherwise. */
+static int port_free(const char *host, int port, const char *flag, char *err, size_t errlen) {
+    struct addrinfo hints = {0}, *res = NULL;
+    char ps[16];
+    hints.ai_family = AF_UNSPEC;
+    hints.ai_socktype = SOCK_STREAM;
+    hints.ai_flags = AI_PASSIVE;
+    snprintf(ps, sizeof ps, "%d", port);
+    if (getaddrinfo(host, ps, &hints, &res)) return 0; /* make_listener says why */
+    int rc = 0;
+    for (struct addrinfo *ai = res; ai && rc == 0; ai = ai->ai_next) {
+        int fd = socket(ai->ai_family, ai->ai_socktype | SOCK_CLOEXEC, 0);
+        if (fd < 0) continue;
+        int one = 1;
+        setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+        if (bind(fd, ai->ai_addr, ai->ai_addrlen) < 0 && errno == EADDRINUSE) {
+            snprintf(err, errlen,
+                     "cannot listen on %s:%d: address already in use by another process "
+                     "(%s; --reuse-port shares it on purpose)",
+                     host, port, flag);
+            rc = -1;
+        }
+        close(fd);
+        break; /* the first address is the one make_listener binds */
+    }
+    freeaddrinfo(res);
+    return rc;
+}
+
+static int make_listener(const char *host, int port, int reuse_port, char *err, size_t errlen) {
     struct addrinfo hints = {0}, *res = NULL;
     char ps[16];
     hints.ai_family = AF_UNSPEC;
@@ -171,7 +234,9 @@ static int make_listener(const char *host, int port, char *err, size_t errlen) {
         if (fd < 0) continue;
         int one = 1;
         setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
-        setsockopt(fd, SOL_SOCKET, SO_REUSEPORT, &one, sizeof one);
+        /* Each worker has a listener of its own on the port: the kernel
+         * spreads connections across them. */
+        if (reuse_port) setsockopt(fd, SOL_SOCKET, SO_REUSEPORT, &one, sizeof one);
         if (bind(fd, ai->ai_addr, ai->ai_addrlen) == 0 && listen(fd, 4096) == 0) break;
         snprintf(err, errlen, "cannot listen on %s:%d: %s", host, port, strerror(errno));
         close(fd);
@@ -221,6 +286,12 @@ static void on_accept(struct evconnlistener *lev, evutil_socket_t fd, struct soc
                       int salen, void *arg) {
     px_worker *w = arg;
     px_conn_accept(w->base, fd, &w->conn_cfg, &w->conns);
+}
+
+static void on_maccept(struct evconnlistener *lev, evutil_socket_t fd, struct sockaddr *sa,
+                       int salen, void *arg) {
+    px_server *s = arg;
+    px_conn_accept(s->ctl_base, fd, &s->mconn_cfg, &s->mconns);
 }
 
 static void on_accept_resume(evutil_socket_t fd, short what, void *arg) {
@@ -330,6 +401,32 @@ static void setup_upstream_auth(px_server *s) {
     }
 }
 
+/* --metrics-port: /metrics, /health and /ready on a listener of their own,
+ * served by the control thread (so a busy worker does not delay a scrape). */
+static int setup_metrics_listener(px_server *s, char *err, size_t errlen) {
+    const px_config *cfg = s->cfg;
+    if (!cfg->metrics_port) return 0;
+    const char *host = cfg->metrics_host[0] ? cfg->metrics_host : cfg->host;
+    if (port_free(host, (int)cfg->metrics_port, "--metrics-port", err, errlen) < 0) return -1;
+    int fd = make_listener(host, (int)cfg->metrics_port, 0, err, errlen);
+    if (fd < 0) return -1;
+    s->mlev = evconnlistener_new(s->ctl_base, on_maccept, s, LEV_OPT_CLOSE_ON_FREE, -1, fd);
+    if (!s->mlev) {
+        close(fd);
+        snprintf(err, errlen, "cannot create the metrics listener");
+        return -1;
+    }
+    s->mconn_cfg = (px_conn_cfg){
+        .max_body_bytes = 65536,
+        .header_timeout = cfg->client_header_timeout,
+        .keepalive_timeout = cfg->keepalive_timeout,
+        .send_timeout = cfg->send_timeout,
+        .dispatch = dispatch_metrics,
+        .ctx = s,
+    };
+    return 0;
+}
+
 px_server *px_server_create(const px_config *cfg, char *err, size_t errlen) {
     px_server *s = px_xcalloc(1, sizeof *s);
     s->cfg = cfg;
@@ -350,8 +447,18 @@ px_server *px_server_create(const px_config *cfg, char *err, size_t errlen) {
     s->workers = px_xcalloc((size_t)s->nworkers, sizeof *s->workers);
     for (int i = 0; i < s->nworkers; i++)
         s->workers[i].wake_fd = -1;
+    s->shared.max_buffered = cfg->max_buffered_bytes;
+    s->shared.max_conns = (long)cfg->max_connections;
     if (load_api_keys(s, err, errlen) < 0 || setup_tls(s, err, errlen) < 0) goto err;
-    s->disc = px_discovery_start(s, err, errlen);
+    s->ctl_base = event_base_new();
+    if (!s->ctl_base) {
+        snprintf(err, errlen, "cannot create an event loop");
+        goto err;
+    }
+    if (!cfg->reuse_port && port_free(cfg->host, (int)cfg->port, "--port", err, errlen) < 0)
+        goto err;
+    if (setup_metrics_listener(s, err, errlen) < 0) goto err;
+    s->disc = px_discovery_start(s, s->ctl_base, err, errlen);
     if (!s->disc) goto err;
     for (int i = 0; i < s->nworkers; i++) {
         px_worker *w = &s->workers[i];
@@ -361,6 +468,8 @@ px_server *px_server_create(const px_config *cfg, char *err, size_t errlen) {
             .max_body_bytes = cfg->max_body_bytes,
             .header_timeout = cfg->client_header_timeout,
             .keepalive_timeout = cfg->keepalive_timeout,
+            .send_timeout = cfg->send_timeout,
+            .shared = &s->shared,
             .dispatch = dispatch,
             .ctx = w,
             .tls = s->tls,
@@ -373,7 +482,9 @@ px_server *px_server_create(const px_config *cfg, char *err, size_t errlen) {
             snprintf(err, errlen, "cannot create an event loop");
             goto err;
         }
-        int fd = make_listener(cfg->host, (int)cfg->port, err, errlen);
+        /* Without --reuse-port the workers still share the port among
+         * themselves: port_free() checked that no one else serves it. */
+        int fd = make_listener(cfg->host, (int)cfg->port, 1, err, errlen);
         if (fd < 0) goto err;
         w->lev = evconnlistener_new(w->base, on_accept, w, LEV_OPT_CLOSE_ON_FREE, -1, fd);
         if (w->lev) evconnlistener_set_error_cb(w->lev, on_accept_error);
@@ -435,6 +546,13 @@ static void on_exit_poll(evutil_socket_t fd, short what, void *arg) {
     if (atomic_load(&k->s->workers_running) == 0) event_base_loopbreak(k->base);
 }
 
+/* Reserved for reloading a configuration file; until then it must not do
+ * what the default action does (kill the process mid-stream). */
+static void on_sighup(evutil_socket_t sig, short what, void *arg) {
+    PX_LOG(PX_LOG_INFO, "msg=\"SIGHUP received: nothing to reload (no configuration file); "
+                        "ignored\"");
+}
+
 static void on_signal(evutil_socket_t sig, short what, void *arg) {
     control *k = arg;
     if (sig == SIGTERM && k->phase == 0) {
@@ -455,12 +573,13 @@ static void on_signal(evutil_socket_t sig, short what, void *arg) {
 
 int px_server_run(px_server *s) {
     control k = {.s = s};
-    k.base = event_base_new();
-    if (!k.base) return 1;
+    k.base = s->ctl_base;
     struct event *sigterm = evsignal_new(k.base, SIGTERM, on_signal, &k);
     struct event *sigint = evsignal_new(k.base, SIGINT, on_signal, &k);
+    struct event *sighup = evsignal_new(k.base, SIGHUP, on_sighup, &k);
     event_add(sigterm, NULL);
     event_add(sigint, NULL);
+    event_add(sighup, NULL);
     k.drain_timer = evtimer_new(k.base, on_drain_timer, &k);
     k.exit_poll = event_new(k.base, -1, EV_PERSIST, on_exit_poll, &k);
     arm(k.exit_poll, 0.05);
@@ -469,6 +588,7 @@ int px_server_run(px_server *s) {
     sigemptyset(&set);
     sigaddset(&set, SIGINT);
     sigaddset(&set, SIGTERM);
+    sigaddset(&set, SIGHUP);
     pthread_sigmask(SIG_BLOCK, &set, &old);
     atomic_store(&s->workers_running, s->nworkers);
     for (int i = 0; i < s->nworkers; i++)
@@ -489,9 +609,9 @@ int px_server_run(px_server *s) {
         pthread_join(s->workers[i].thread, NULL);
     event_free(sigterm);
     event_free(sigint);
+    event_free(sighup);
     event_free(k.drain_timer);
     event_free(k.exit_poll);
-    event_base_free(k.base);
     PX_LOG(PX_LOG_INFO, "msg=\"stopped\"");
     return 0;
 }
@@ -502,6 +622,9 @@ void px_server_destroy(px_server *s) {
         worker_cleanup(&s->workers[i]);
     free(s->workers);
     px_discovery_stop(s->disc);
+    px_conn_list_close_all(&s->mconns);
+    if (s->mlev) evconnlistener_free(s->mlev);
+    if (s->ctl_base) event_base_free(s->ctl_base);
     px_pool_cleanup(&s->prefill);
     px_pool_cleanup(&s->decode);
     free(s->upstream_auth);

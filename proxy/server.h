@@ -53,6 +53,11 @@ struct px_server {
     px_worker *workers;        /* owned array */
     int nworkers;
     atomic_long inflight; /* P/D requests in flight, all workers */
+    px_conn_shared shared;        /* memory budget and connection cap, all workers */
+    struct event_base *ctl_base;  /* owned: the control loop (signals, DNS, health) */
+    struct evconnlistener *mlev;  /* owned: --metrics-port listener, or NULL */
+    px_conn_list mconns;          /* owned: its connections (control thread) */
+    px_conn_cfg mconn_cfg;
     atomic_int draining;
     atomic_int workers_running;
 };

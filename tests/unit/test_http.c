@@ -39,7 +39,7 @@ static void test_keep_alive_rules(void **state)
     assert_false(h.keep_alive);
     assert_int_equal(parse("GET / HTTP/1.0\r\nConnection: keep-alive\r\n\r\n", &h, &why), 0);
     assert_true(h.keep_alive);
-    assert_int_equal(parse("GET / HTTP/1.1\r\nConnection: foo, close\r\n\r\n", &h, &why), 0);
+    assert_int_equal(parse("GET / HTTP/1.1\r\nHost: a\r\nConnection: foo, close\r\n\r\n", &h, &why), 0);
     assert_false(h.keep_alive);
 }
 
@@ -51,7 +51,7 @@ static void test_smuggling_shapes_rejected(void **state)
                            &h, &why), 400);
     assert_int_equal(parse("POST / HTTP/1.1\r\nContent-Length: 5\r\nContent-Length: 6\r\n\r\n",
                            &h, &why), 400);
-    assert_int_equal(parse("POST / HTTP/1.1\r\nContent-Length: 5\r\nContent-Length: 5\r\n\r\n",
+    assert_int_equal(parse("POST / HTTP/1.1\r\nHost: a\r\nContent-Length: 5\r\nContent-Length: 5\r\n\r\n",
                            &h, &why), 0);
     assert_int_equal(parse("POST / HTTP/1.1\r\nX: a\r\n  folded\r\n\r\n", &h, &why), 400);
     assert_int_equal(parse("POST / HTTP/1.1\r\nContent-Length : 5\r\n\r\n", &h, &why), 400);
@@ -63,6 +63,17 @@ static void test_smuggling_shapes_rejected(void **state)
     assert_int_equal(parse("GET /\r\n\r\n", &h, &why), 400);
     assert_int_equal(parse("GET / HTTP/1.1\r\nX: a\rb\r\n\r\n", &h, &why), 400);
     assert_int_equal(parse("GET / HTTP/1.1\nX: a\r\n\r\n", &h, &why), 400);
+}
+
+static void test_host_rules(void **state)
+{
+    px_http_head h;
+    const char *why;
+    assert_int_equal(parse("GET / HTTP/1.1\r\n\r\n", &h, &why), 400);
+    assert_int_equal(parse("GET / HTTP/1.1\r\nHost: a\r\nhost: b\r\n\r\n", &h, &why), 400);
+    assert_int_equal(parse("GET / HTTP/1.1\r\nHost: a\r\nHost: a\r\n\r\n", &h, &why), 400);
+    assert_int_equal(parse("GET / HTTP/1.1\r\nHost:\r\n\r\n", &h, &why), 0);
+    assert_int_equal(parse("GET / HTTP/1.0\r\n\r\n", &h, &why), 0);
 }
 
 static void test_too_many_headers(void **state)
@@ -118,6 +129,7 @@ int main(void)
         cmocka_unit_test(test_simple_request),
         cmocka_unit_test(test_keep_alive_rules),
         cmocka_unit_test(test_smuggling_shapes_rejected),
+        cmocka_unit_test(test_host_rules),
         cmocka_unit_test(test_too_many_headers),
         cmocka_unit_test(test_chunked_decoder),
     };
