@@ -395,17 +395,19 @@ class RequestIdTest(FlowBase):
         self.assertEqual(r.status, 200, r.body)
         self.assertEqual(r.header_all("x-request-id"), ["client-id-77"])
 
-    def test_client_id_with_quote_or_backslash_kept(self):
-        # The contract: any visible ASCII (0x21-0x7e), at most 128 bytes.
-        # pdproxy (proxy/request.c valid_request_id) also refuses '"' and
-        # '\\' to keep log lines parseable; this test holds it to the contract.
+    def test_client_id_with_space_quote_or_backslash_replaced(self):
+        # The contract (README, SECURITY.md): visible ASCII without '"' or
+        # '\\', at most 128 bytes. Engines build their ids and log lines from
+        # it, so anything else is replaced by a UUIDv4, and P and D get that.
         px = self.proxy()
-        for rid in ('say-"hi"', "back\\slash"):
+        for rid in ('say-"hi"', "back\\slash", "with space"):
             with self.subTest(rid=rid):
                 r = raw_exchange(px.port, "POST", "/v1/completions", pxtest.completion_body(),
                                  headers=[("X-Request-Id", rid)])
                 self.assertEqual(r.status, 200, r.body)
-                self.assertEqual(self._ids(r), rid)
+                got = self._ids(r)
+                self.assertNotEqual(got, rid)
+                self.assertRegex(got, r"^[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[0-9a-f]{4}-[0-9a-f]{12}$")
 
     def test_client_id_header_name_case_insensitive(self):
         px = self.proxy()

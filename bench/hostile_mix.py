@@ -1,0 +1,304 @@
+#!/usr/bin/env python3
+"""Hostile mix: legitimate clients through pdproxy while, at the same time,
+clients pipeline requests and never read, send bodies and stall, leave at
+random points, a prefill answers 5xx in bursts, and (as root, with
+unshare) one prefill backend name sits behind a DNS server that never
+answers. Everything on loopback; bounded in time (DURATION, default 60 s,
+at most 300) and in count.
+
+Reports pdproxy's peak RSS, the legitimate requests lost (goal: 0), the
+ejections and the limits' counters.
+
+    bench/hostile_mix.py [build-dir]        DURATION=60 LEGIT=4
+"""
+
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "tests", "integration"))
+BUILD = sys.argv[1] if len(sys.argv) > 1 else os.path.join(ROOT, "build")
+os.environ.setdefault("PX_BIN_DIR", os.path.join(BUILD, "bin"))
+
+import pxtest  # noqa: E402
+from prodtest import metric, parse_prom  # noqa: E402
+from pxtest import HOST, MockBackend, Respond, Stream, free_port, http_request, now  # noqa: E402
+
+DURATION = min(300.0, float(os.environ.get("DURATION", "60")))
+LEGIT = int(os.environ.get("LEGIT", "4"))
+STALL_DNS = "127.0.0.98"
+MiB = 1 << 20
+
+
+def rss(pid):
+    try:
+        with open("/proc/%d/status" % pid) as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+class Burst:
+    """A prefill handler that answers 500 while `on` is set."""
+
+    def __init__(self):
+        self.on = False
+        self.ok = pxtest.prefill_handler()
+
+    def __call__(self, req):
+        if self.on:
+            return Respond(500, [("Content-Type", "application/json")], b'{"error":"burst"}')
+        return self.ok(req)
+
+
+def decode(req):
+    doc = req.json()
+    if doc.get("stream"):
+        return Stream(200, [("Content-Type", "text/event-stream")],
+                      [(0, e) for e in pxtest.sse_events(["a", "b", "c"])])
+    return pxtest.decode_handler()(req)
+
+
+def stalling_dns(stop):
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    s.bind((STALL_DNS, 53))
+    s.settimeout(0.2)
+
+    def run():
+        while not stop.is_set():
+            try:
+                s.recvfrom(4096)
+            except socket.timeout:
+                pass
+            except OSError:
+                return
+        s.close()
+
+    threading.Thread(target=run, daemon=True).start()
+
+
+def can_unshare():
+    if os.geteuid() != 0 or not shutil.which("unshare"):
+        return False
+    return subprocess.run(["unshare", "-m", "true"], capture_output=True).returncode == 0
+
+
+def main():
+    stop = threading.Event()
+    end = now() + DURATION
+    burst = Burst()
+    P0 = MockBackend(burst, name="P0")
+    P1 = MockBackend(pxtest.prefill_handler(), name="P1")
+    D = MockBackend(decode, name="D")
+    port = free_port()
+    args = ["--host", HOST, "--port", str(port), "--threads", "2", "--log-level", "info",
+            "--drain-delay", "0", "--health-interval", "1",
+            "--prefill", "http://%s:%d" % (HOST, P0.port),
+            "--prefill", "http://%s:%d" % (HOST, P1.port),
+            "--decode", "http://%s:%d" % (HOST, D.port),
+            "--max-buffered-bytes", str(64 * MiB), "--send-timeout", "5",
+            "--keepalive-timeout", "5", "--client-header-timeout", "10",
+            "--max-connections", "2000", "--dns-refresh", "2"]
+    prefix, tmp = [], []
+    dns = can_unshare()
+    if dns:
+        try:
+            stalling_dns(stop)
+        except OSError as e:
+            print("no stalling DNS server (%s): DNS part skipped" % e)
+            dns = False
+    if dns:
+        for text in ("127.0.0.1 localhost\n", "nameserver %s\n" % STALL_DNS):
+            fd, path = tempfile.mkstemp(prefix="hostile-mix-")
+            os.write(fd, text.encode())
+            os.close(fd)
+            tmp.append(path)
+        prefix = ["unshare", "-m", "sh", "-c",
+                  'mount --bind "$0" /etc/hosts && mount --bind "$1" /etc/resolv.conf && '
+                  'shift && exec "$@"'] + tmp
+        args += ["--prefill", "http://stalled.hostile-mix:%d" % P1.port]
+    log = tempfile.NamedTemporaryFile(prefix="hostile-mix-", suffix=".log", delete=False)
+    proc = subprocess.Popen(prefix + [pxtest.PDPROXY] + args, stdin=subprocess.DEVNULL,
+                            stdout=subprocess.DEVNULL, stderr=log)
+    for _ in range(500):
+        try:
+            socket.create_connection((HOST, port), 0.2).close()
+            break
+        except OSError:
+            time.sleep(0.01)
+    pid = proc.pid
+    rss0 = rss(pid)
+    peak = [rss0]
+    stats = {"legit_ok": 0, "legit_lost": 0, "lost_why": {}, "nonreaders": 0, "stallers": 0,
+             "leavers": 0, "bursts": 0}
+    lock = threading.Lock()
+
+    def bump(k, n=1):
+        with lock:
+            stats[k] += n
+
+    def legit(i):
+        rng = random.Random(i)
+        for _ in range(1000000):
+            if now() >= end:
+                return
+            stream = rng.random() < 0.5
+            body = pxtest.completion_body(prompt="legit %d %s" % (i, "x" * rng.randint(10, 4000)),
+                                          stream=stream)
+            try:
+                r = http_request(port, "POST", "/v1/completions", body, timeout=20)
+                ok = r.status == 200 and (not stream or b"[DONE]" in r.body)
+                why = "status %d" % r.status
+            except Exception as e:  # counted, not raised: the run goes on
+                ok, why = False, type(e).__name__
+            if ok:
+                bump("legit_ok")
+            else:
+                with lock:
+                    stats["legit_lost"] += 1
+                    stats["lost_why"][why] = stats["lost_why"].get(why, 0) + 1
+
+    def nonreader(i):
+        for _ in range(100000):
+            if now() >= end:
+                return
+            try:
+                s = socket.socket()
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+                s.connect((HOST, port))
+                s.setblocking(False)
+                data = b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n" * 20000
+                sent, t_end = 0, min(end, now() + 8)
+                while sent < len(data) and now() < t_end:
+                    try:
+                        sent += s.send(data[sent:sent + 65536])
+                    except BlockingIOError:
+                        time.sleep(0.05)
+                    except OSError:
+                        break
+                while now() < t_end:
+                    time.sleep(0.1)
+                s.close()
+                bump("nonreaders")
+            except OSError:
+                time.sleep(0.1)
+
+    def staller(i):
+        for _ in range(100000):
+            if now() >= end:
+                return
+            try:
+                s = socket.create_connection((HOST, port), 2)
+                s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                          b"application/json\r\nContent-Length: %d\r\n\r\n" % (4 * MiB))
+                s.setblocking(False)
+                sent, t_end = 0, min(end, now() + 6)
+                while sent < 3 * MiB and now() < t_end:
+                    try:
+                        sent += s.send(b" " * 65536)
+                    except BlockingIOError:
+                        time.sleep(0.05)
+                    except OSError:
+                        break
+                while now() < t_end:
+                    time.sleep(0.1)
+                s.close()
+                bump("stallers")
+            except OSError:
+                time.sleep(0.1)
+
+    def leaver(i):
+        rng = random.Random(100 + i)
+        for _ in range(1000000):
+            if now() >= end:
+                return
+            try:
+                c = pxtest.RawClient(port, timeout=5)
+                c.request("POST", "/v1/completions", pxtest.completion_body(stream=True))
+                time.sleep(rng.uniform(0, 0.05))
+                c.close(rst=rng.random() < 0.5)
+                bump("leavers")
+            except OSError:
+                time.sleep(0.05)
+
+    def bursts():
+        for _ in range(100000):
+            if now() >= end - 3:
+                return
+            time.sleep(4)
+            burst.on = True
+            bump("bursts")
+            time.sleep(1)
+            burst.on = False
+
+    def sampler():
+        for _ in range(1000000):
+            if stop.is_set():
+                return
+            peak[0] = max(peak[0], rss(pid))
+            for m in (P0, P1, D):
+                with m._lock:
+                    del m.requests[:]
+            time.sleep(0.25)
+
+    threads = [threading.Thread(target=f, args=(i,), daemon=True)
+               for f, n in ((legit, LEGIT), (nonreader, 6), (staller, 6), (leaver, 2))
+               for i in range(n)]
+    threads += [threading.Thread(target=bursts, daemon=True),
+                threading.Thread(target=sampler, daemon=True)]
+    for t in threads:
+        t.start()
+    for t in threads[:-1]:
+        t.join(max(0.0, end - now() + 30))
+    time.sleep(1)
+    samples = parse_prom(http_request(port, "GET", "/metrics").body.decode())
+    rss_end = rss(pid)
+    stop.set()
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(5)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+    log.close()
+    text = open(log.name, errors="replace").read()
+    ejections = len(re.findall(r'msg="backend ejected"', text))
+    for m in (P0, P1, D):
+        m.stop()
+    for p in tmp + [log.name]:
+        os.unlink(p)
+
+    def g(name, **labels):
+        v = metric(samples, name, **labels)
+        return int(v) if v is not None else 0
+
+    print("hostile mix: %.0f s, %d legitimate clients, DNS stall %s"
+          % (DURATION, LEGIT, "on" if dns else "off (needs root and unshare)"))
+    print("  legitimate requests: %d ok, %d lost %s" % (stats["legit_ok"], stats["legit_lost"],
+                                                      json.dumps(stats["lost_why"])))
+    print("  attackers: %d non-reading pipeliners, %d stalled bodies, %d leavers, %d 5xx bursts"
+          % (stats["nonreaders"], stats["stallers"], stats["leavers"], stats["bursts"]))
+    print("  pdproxy RSS: start %.1f MiB, peak %.1f MiB, end %.1f MiB"
+          % (rss0 / MiB, peak[0] / MiB, rss_end / MiB))
+    print("  ejections %d, panic routed %d, budget refusals %d, send timeouts %d, "
+          "connections refused %d, DNS failures %d"
+          % (ejections, g("pdproxy_panic_routed_total"), g("pdproxy_buffer_budget_rejected_total"),
+             g("pdproxy_send_timeouts_total"), g("pdproxy_connections_refused_total"),
+             g("pdproxy_dns_resolution_failures_total")))
+    return 0 if stats["legit_lost"] == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
