@@ -1,5 +1,5 @@
 /* libFuzzer target: the proxy's HTTP/1.1 request-head parser and chunked
- * body decoder (proxy/http.c), the first code every client byte meets.
+ * body decoder (base/http.c), the first code every client byte meets.
  *
  * Input: bytes up to and including the first CRLFCRLF are the head (when
  * there is none, CRLFCRLF is appended to the whole input); what follows is

@@ -1,4 +1,4 @@
-/* libFuzzer target: the proxy's JSON scanner (proxy/json.c), which decides
+/* libFuzzer target: the proxy's JSON scanner (base/json.c), which decides
  * what a client body is and which keys the proxy strips before forwarding.
  *
  * Invariants: validation never reads out of bounds and its error text is a

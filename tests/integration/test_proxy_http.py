@@ -117,7 +117,7 @@ class HttpFrontTest(PxTestCase):
         self._still_serves()
 
     def test_many_headers(self):
-        # pdproxy caps a request at 100 header fields (proxy/http.h); 93 pass.
+        # pdproxy caps a request at 100 header fields (base/http.h); 93 pass.
         hs = [("X-H%d" % i, "v%d" % i) for i in range(90)]
         r = self._raw(RawClient.build("POST", "/v1/completions", BODY, hs))
         self._assert_ok(r)
