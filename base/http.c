@@ -80,46 +80,20 @@ static int parse_content_length(const char *v, size_t n, int64_t *out) {
     return 0;
 }
 
-int px_http_parse_head(const char *buf, size_t n, px_http_head *h, const char **why) {
-    const char *p = buf, *end = buf + n;
-    memset(h, 0, offsetof(px_http_head, headers));
-    h->nheaders = 0;
-    h->content_length = -1;
-    h->chunked = 0;
-    h->keep_alive = 0;
-    h->expect_continue = 0;
+/* The header fields from p up to and including the blank line: the same
+ * strictness for requests and responses. Returns 0, or the status to
+ * answer with *why set. Framing facts land in h; the rest in *f. */
+typedef struct fields {
+    int have_te, conn_close, conn_keep, nhost;
+} fields;
 
-    /* Request line: method SP target SP HTTP/1.x CRLF */
-    const char *s = p;
-    while (p < end && is_tchar((unsigned char)*p))
-        p++;
-    if (p == s || p >= end || *p != ' ') return *why = "malformed request line", 400;
-    h->method = s;
-    h->method_len = (size_t)(p - s);
-    s = ++p;
-    while (p < end && (unsigned char)*p > 0x20 && (unsigned char)*p < 0x7f)
-        p++;
-    if (p == s || p >= end || *p != ' ') return *why = "malformed request target", 400;
-    h->target = s;
-    h->target_len = (size_t)(p - s);
-    p++;
-    if (end - p < 10 || memcmp(p, "HTTP/1.", 7) != 0) {
-        if (end - p >= 5 && memcmp(p, "HTTP/", 5) == 0)
-            return *why = "unsupported HTTP version", 505;
-        return *why = "malformed HTTP version", 400;
-    }
-    if (p[7] != '0' && p[7] != '1') return *why = "unsupported HTTP version", 505;
-    h->minor = p[7] - '0';
-    p += 8;
-    if (p[0] != '\r' || p[1] != '\n') return *why = "malformed request line", 400;
-    p += 2;
-
-    int have_te = 0, conn_close = 0, conn_keep = 0, nhost = 0;
+static int parse_fields(const char *p, const char *end, px_http_head *h, fields *f,
+                        const char **why) {
     for (;;) {
         if (end - p < 2) return *why = "truncated header block", 400;
         if (p[0] == '\r' && p[1] == '\n') break;
         if (*p == ' ' || *p == '\t') return *why = "obsolete line folding", 400;
-        s = p;
+        const char *s = p;
         while (p < end && is_tchar((unsigned char)*p))
             p++;
         if (p == s || p >= end || *p != ':') return *why = "malformed header field", 400;
@@ -152,31 +126,106 @@ int px_http_parse_head(const char *buf, size_t n, px_http_head *h, const char **
                 return *why = "conflicting Content-Length headers", 400;
             h->content_length = cl;
         } else if (px_http_token_eq(hd->name, hd->name_len, "transfer-encoding")) {
-            if (have_te || !px_http_token_eq(hd->value, hd->value_len, "chunked"))
+            if (f->have_te || !px_http_token_eq(hd->value, hd->value_len, "chunked"))
                 return *why = "unsupported Transfer-Encoding", 501;
-            have_te = 1;
+            f->have_te = 1;
         } else if (px_http_token_eq(hd->name, hd->name_len, "connection")) {
-            if (has_token(hd->value, hd->value_len, "close")) conn_close = 1;
-            if (has_token(hd->value, hd->value_len, "keep-alive")) conn_keep = 1;
+            if (has_token(hd->value, hd->value_len, "close")) f->conn_close = 1;
+            if (has_token(hd->value, hd->value_len, "keep-alive")) f->conn_keep = 1;
         } else if (px_http_token_eq(hd->name, hd->name_len, "host")) {
-            nhost++;
+            f->nhost++;
         } else if (px_http_token_eq(hd->name, hd->name_len, "expect")) {
             if (!px_http_token_eq(hd->value, hd->value_len, "100-continue"))
                 return *why = "unsupported Expect", 417;
             h->expect_continue = 1;
         }
     }
-    /* RFC 9112 §3.2: an HTTP/1.1 request carries exactly one Host (it may be
-     * empty); two could be read differently by two hops. */
-    if (nhost > 1) return *why = "more than one Host header", 400;
-    if (h->minor == 1 && nhost == 0) return *why = "missing Host header (required in HTTP/1.1)", 400;
-    if (have_te) {
+    if (f->have_te) {
         if (h->content_length >= 0) return *why = "both Content-Length and Transfer-Encoding", 400;
         if (h->minor == 0) return *why = "Transfer-Encoding in HTTP/1.0", 400;
         h->chunked = 1;
     }
-    h->keep_alive = h->minor == 1 ? !conn_close : (conn_keep && !conn_close);
+    h->keep_alive = h->minor == 1 ? !f->conn_close : (f->conn_keep && !f->conn_close);
     return 0;
+}
+
+static void head_reset(px_http_head *h) {
+    memset(h, 0, offsetof(px_http_head, headers));
+    h->nheaders = 0;
+    h->content_length = -1;
+    h->chunked = 0;
+    h->keep_alive = 0;
+    h->expect_continue = 0;
+}
+
+int px_http_parse_head(const char *buf, size_t n, px_http_head *h, const char **why) {
+    const char *p = buf, *end = buf + n;
+    head_reset(h);
+
+    /* Request line: method SP target SP HTTP/1.x CRLF */
+    const char *s = p;
+    while (p < end && is_tchar((unsigned char)*p))
+        p++;
+    if (p == s || p >= end || *p != ' ') return *why = "malformed request line", 400;
+    h->method = s;
+    h->method_len = (size_t)(p - s);
+    s = ++p;
+    while (p < end && (unsigned char)*p > 0x20 && (unsigned char)*p < 0x7f)
+        p++;
+    if (p == s || p >= end || *p != ' ') return *why = "malformed request target", 400;
+    h->target = s;
+    h->target_len = (size_t)(p - s);
+    p++;
+    if (end - p < 10 || memcmp(p, "HTTP/1.", 7) != 0) {
+        if (end - p >= 5 && memcmp(p, "HTTP/", 5) == 0)
+            return *why = "unsupported HTTP version", 505;
+        return *why = "malformed HTTP version", 400;
+    }
+    if (p[7] != '0' && p[7] != '1') return *why = "unsupported HTTP version", 505;
+    h->minor = p[7] - '0';
+    p += 8;
+    if (p[0] != '\r' || p[1] != '\n') return *why = "malformed request line", 400;
+    p += 2;
+
+    fields f = {0};
+    int st = parse_fields(p, end, h, &f, why);
+    if (st) return st;
+    /* RFC 9112 §3.2: an HTTP/1.1 request carries exactly one Host (it may be
+     * empty); two could be read differently by two hops. */
+    if (f.nhost > 1) return *why = "more than one Host header", 400;
+    if (h->minor == 1 && f.nhost == 0) return *why = "missing Host header (required in HTTP/1.1)", 400;
+    return 0;
+}
+
+int px_http_parse_response(const char *buf, size_t n, px_http_head *h, const char **why) {
+    const char *p = buf, *end = buf + n;
+    head_reset(h);
+    /* Status line: HTTP/1.x SP 3DIGIT SP reason CRLF (an empty reason, and
+     * no SP before it, are tolerated as most clients do). */
+    if (end - p < 12 || memcmp(p, "HTTP/1.", 7) != 0 || (p[7] != '0' && p[7] != '1') ||
+        p[8] != ' ')
+        return *why = "malformed status line", 502;
+    h->minor = p[7] - '0';
+    p += 9;
+    int st = 0;
+    for (int i = 0; i < 3; i++, p++) {
+        if (*p < '0' || *p > '9') return *why = "malformed status code", 502;
+        st = st * 10 + (*p - '0');
+    }
+    if (st < 100) return *why = "malformed status code", 502;
+    if (*p == ' ') {
+        while (p < end && *p != '\r' && *p != '\n') {
+            unsigned char c = (unsigned char)*p;
+            if ((c < 0x20 && c != '\t') || c == 0x7f) return *why = "malformed status line", 502;
+            p++;
+        }
+    }
+    if (end - p < 2 || p[0] != '\r' || p[1] != '\n') return *why = "malformed status line", 502;
+    p += 2;
+    h->status = st;
+    fields f = {0};
+    int rc = parse_fields(p, end, h, &f, why);
+    return rc ? 502 : 0;
 }
 
 enum {
@@ -198,7 +247,25 @@ void px_chunked_init(px_chunked *c) {
 }
 
 long px_chunked_feed(px_chunked *c, const char *in, size_t n, px_buf *out, size_t max) {
+    size_t used = 0;
+    while (used < n && !c->done) {
+        const char *d;
+        size_t dn;
+        long r = px_chunked_span(c, in + used, n - used, &d, &dn);
+        if (r < 0) return r;
+        if (dn) {
+            if (out->len + dn > max) return -2;
+            px_buf_append(out, d, dn);
+        }
+        used += (size_t)r;
+    }
+    return (long)used;
+}
+
+long px_chunked_span(px_chunked *c, const char *in, size_t n, const char **data, size_t *dlen) {
     size_t i = 0;
+    *data = NULL;
+    *dlen = 0;
     while (i < n && !c->done) {
         char ch = in[i];
         switch (c->state) {
@@ -239,12 +306,12 @@ long px_chunked_feed(px_chunked *c, const char *in, size_t n, px_buf *out, size_
         case CK_DATA: {
             size_t take = n - i;
             if (take > c->remaining) take = (size_t)c->remaining;
-            if (out->len + take > max) return -2;
-            px_buf_append(out, in + i, take);
+            *data = in + i;
+            *dlen = take;
             i += take;
             c->remaining -= take;
             if (!c->remaining) c->state = CK_DATA_CR;
-            break;
+            return (long)i; /* one span per call: the caller takes it */
         }
         case CK_DATA_CR:
             if (ch != '\r') return -1;

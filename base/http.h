@@ -32,12 +32,21 @@ typedef struct px_http_head {
     int chunked;            /* Transfer-Encoding: chunked */
     int keep_alive;         /* after this request */
     int expect_continue;    /* Expect: 100-continue */
+    int status;             /* responses: the status code */
 } px_http_head;
 
 /* Parses buf[0..n), which holds a request head through its final CRLFCRLF.
  * Header spans point into buf. Returns 0, or the status to answer (400,
  * 431, 501, 505) with *why set to a static reason. */
 int px_http_parse_head(const char *buf, size_t n, px_http_head *h, const char **why);
+
+/* Parses buf[0..n), a response head through its final CRLFCRLF, with the
+ * request parser's strictness on header fields and framing (Content-Length
+ * with Transfer-Encoding, conflicting lengths, obs-fold: refused). Sets
+ * h->status, h->minor, headers, content_length, chunked, keep_alive. Whether
+ * a body follows is the caller's call (HEAD, 1xx, 204, 304: none; neither
+ * length nor chunked: until close). Returns 0, or 502 with *why. */
+int px_http_parse_response(const char *buf, size_t n, px_http_head *h, const char **why);
 
 /* The request's path: the target without its query, and without scheme and
  * authority when the client sent the absolute form (http://host/path). */
@@ -51,7 +60,7 @@ const px_http_header *px_http_find(const px_http_head *h, const char *name);
 
 int px_http_token_eq(const char *s, size_t n, const char *lit); /* case-insensitive */
 
-/* Incremental decoder of a chunked request body. */
+/* Incremental decoder of a chunked body (requests and responses). */
 typedef struct px_chunked {
     int state;
     uint64_t remaining; /* bytes left in the current chunk */
@@ -65,6 +74,12 @@ void px_chunked_init(px_chunked *c);
  * input bytes consumed (fewer than n once the body is complete, c->done set),
  * or -1 on malformed framing, -2 when the decoded body would exceed max. */
 long px_chunked_feed(px_chunked *c, const char *in, size_t n, px_buf *out, size_t max);
+
+/* The same without copying: consumes framing from in[0..n) up to and
+ * including at most one run of body bytes, which is pointed to by *data
+ * (*dlen bytes, inside `in`; 0 when this call met none). Returns the bytes
+ * consumed, or -1 on malformed framing. Call again with the rest. */
+long px_chunked_span(px_chunked *c, const char *in, size_t n, const char **data, size_t *dlen);
 
 /* Reason phrase for a status code ("Unknown" when not listed). */
 const char *px_http_reason(int status);

@@ -76,6 +76,70 @@ static void test_host_rules(void **state)
     assert_int_equal(parse("GET / HTTP/1.0\r\n\r\n", &h, &why), 0);
 }
 
+static int presp(const char *s, px_http_head *h, const char **why)
+{
+    return px_http_parse_response(s, strlen(s), h, why);
+}
+
+static void test_response_heads(void **state)
+{
+    px_http_head h;
+    const char *why;
+    assert_int_equal(presp("HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+                           "Transfer-Encoding: chunked\r\n\r\n", &h, &why), 0);
+    assert_int_equal(h.status, 200);
+    assert_true(h.chunked);
+    assert_true(h.keep_alive);
+    assert_int_equal(h.content_length, -1);
+    const px_http_header *ct = px_http_find(&h, "content-type");
+    assert_non_null(ct);
+    assert_int_equal(ct->value_len, 17);
+    assert_int_equal(presp("HTTP/1.1 204\r\n\r\n", &h, &why), 0); /* no reason phrase */
+    assert_int_equal(h.status, 204);
+    assert_int_equal(presp("HTTP/1.0 200 OK\r\nContent-Length: 5\r\n\r\n", &h, &why), 0);
+    assert_false(h.keep_alive);
+    assert_int_equal(h.content_length, 5);
+    assert_int_equal(presp("HTTP/1.1 200 OK\r\nConnection: close\r\n\r\n", &h, &why), 0);
+    assert_false(h.keep_alive);
+    /* The request side's smuggling rules hold for responses too. */
+    assert_int_equal(presp("HTTP/1.1 200 OK\r\nContent-Length: 5\r\n"
+                           "Transfer-Encoding: chunked\r\n\r\n", &h, &why), 502);
+    assert_int_equal(presp("HTTP/1.1 200 OK\r\nContent-Length: 5\r\nContent-Length: 6\r\n\r\n",
+                           &h, &why), 502);
+    assert_int_equal(presp("HTTP/1.1 200 OK\r\nX: a\r\n b\r\n\r\n", &h, &why), 502);
+    assert_int_equal(presp("HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip\r\n\r\n", &h, &why), 502);
+    assert_int_equal(presp("HTTP/1.1 20 OK\r\n\r\n", &h, &why), 502);
+    assert_int_equal(presp("HTTP/1.1 099 OK\r\n\r\n", &h, &why), 502);
+    assert_int_equal(presp("HTTP/2 200 OK\r\n\r\n", &h, &why), 502);
+    assert_int_equal(presp("HTTP/1.1 200 OK\nX: y\r\n\r\n", &h, &why), 502);
+    assert_int_equal(presp("ICY 200 OK\r\n\r\n", &h, &why), 502);
+}
+
+static void test_chunked_spans_point_into_input(void **state)
+{
+    const char *in = "5\r\nhello\r\n6;x\r\n world\r\n0\r\n\r\n";
+    px_chunked c;
+    px_chunked_init(&c);
+    char out[32];
+    size_t olen = 0, used = 0, n = strlen(in);
+    while (used < n && !c.done) {
+        const char *d;
+        size_t dn;
+        long r = px_chunked_span(&c, in + used, n - used, &d, &dn);
+        assert_true(r > 0);
+        if (dn) {
+            assert_true(d >= in + used && d + dn <= in + n); /* no copy */
+            memcpy(out + olen, d, dn);
+            olen += dn;
+        }
+        used += (size_t)r;
+    }
+    assert_true(c.done);
+    assert_int_equal(used, n);
+    assert_int_equal(olen, 11);
+    assert_memory_equal(out, "hello world", 11);
+}
+
 static void test_too_many_headers(void **state)
 {
     px_buf b;
@@ -130,6 +194,8 @@ int main(void)
         cmocka_unit_test(test_keep_alive_rules),
         cmocka_unit_test(test_smuggling_shapes_rejected),
         cmocka_unit_test(test_host_rules),
+        cmocka_unit_test(test_response_heads),
+        cmocka_unit_test(test_chunked_spans_point_into_input),
         cmocka_unit_test(test_too_many_headers),
         cmocka_unit_test(test_chunked_decoder),
     };
