@@ -215,8 +215,15 @@ px_discovery *px_discovery_start(px_server *s, struct event_base *base, char *er
 void px_discovery_stop(px_discovery *d) {
     if (!d) return;
     if (d->timer) event_free(d->timer);
+    int cancelled = 0;
     for (size_t i = 0; i < d->n; i++)
-        if (d->e[i].req) evdns_getaddrinfo_cancel(d->e[i].req); /* calls back with CANCEL */
+        if (d->e[i].req) {
+            evdns_getaddrinfo_cancel(d->e[i].req); /* calls back with CANCEL */
+            cancelled = 1;
+        }
+    /* A cancelled lookup is freed by evdns's deferred callbacks: let them
+     * run before the resolver goes. */
+    if (cancelled) event_base_loop(d->base, EVLOOP_NONBLOCK);
     if (d->dns) evdns_base_free(d->dns, 0);
     for (size_t i = 0; i < d->n; i++)
         free(d->e[i].url);
