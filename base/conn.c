@@ -41,14 +41,14 @@ struct px_conn {
     int chunked_out; /* ...and it uses chunked encoding */
     int got_bytes;   /* bytes of the current request received */
     int timer_is_header;
-    int head_req;    /* the request in flight is a HEAD */
-    int no_body;     /* the response in flight has no body (HEAD, 204, 304) */
-    int out_blocked; /* pipelined requests wait: too much output queued */
-    int idle_due;    /* the idle timer expired while output was still queued */
-    int counted;     /* counted in cfg->shared->conns */
-    int shut_wr;     /* CS_LINGER: our side is shut down for writing */
-    int64_t body_held; /* budget taken for the body being read */
-    int64_t out_held;  /* budget taken for queued output */
+    int head_req;                /* the request in flight is a HEAD */
+    int no_body;                 /* the response in flight has no body (HEAD, 204, 304) */
+    int out_blocked;             /* pipelined requests wait: too much output queued */
+    int idle_due;                /* the idle timer expired while output was still queued */
+    int counted;                 /* counted in cfg->shared->conns */
+    int shut_wr;                 /* CS_LINGER: our side is shut down for writing */
+    int64_t body_held;           /* budget taken for the body being read */
+    int64_t out_held;            /* budget taken for queued output */
     size_t searched;             /* bytes of the input already searched for the head's end */
     int closed;                  /* socket closed, free scheduled */
     const px_exchange_cbs *xcbs; /* borrowed: the exchange in flight's handler */
@@ -287,8 +287,7 @@ static void write_head(px_conn *c, int status, const char *ctype, const char *re
 /* Whether the response for `status` to the request in flight carries no
  * body: the answer to a HEAD, or a 1xx, 204 or 304 (RFC 9112 §6.3). */
 static void set_no_body(px_conn *c, int status) {
-    c->no_body =
-        c->head_req || status == 204 || status == 304 || (status >= 100 && status < 200);
+    c->no_body = c->head_req || status == 204 || status == 304 || (status >= 100 && status < 200);
 }
 
 void px_conn_reply(px_conn *c, int status, const char *ctype, const char *req_id, const char *extra,

@@ -193,7 +193,8 @@ int px_http_parse_head(const char *buf, size_t n, px_http_head *h, const char **
     /* RFC 9112 §3.2: an HTTP/1.1 request carries exactly one Host (it may be
      * empty); two could be read differently by two hops. */
     if (f.nhost > 1) return *why = "more than one Host header", 400;
-    if (h->minor == 1 && f.nhost == 0) return *why = "missing Host header (required in HTTP/1.1)", 400;
+    if (h->minor == 1 && f.nhost == 0)
+        return *why = "missing Host header (required in HTTP/1.1)", 400;
     return 0;
 }
 
@@ -202,8 +203,7 @@ int px_http_parse_response(const char *buf, size_t n, px_http_head *h, const cha
     head_reset(h);
     /* Status line: HTTP/1.x SP 3DIGIT SP reason CRLF (an empty reason, and
      * no SP before it, are tolerated as most clients do). */
-    if (end - p < 12 || memcmp(p, "HTTP/1.", 7) != 0 || (p[7] != '0' && p[7] != '1') ||
-        p[8] != ' ')
+    if (end - p < 12 || memcmp(p, "HTTP/1.", 7) != 0 || (p[7] != '0' && p[7] != '1') || p[8] != ' ')
         return *why = "malformed status line", 502;
     h->minor = p[7] - '0';
     p += 9;

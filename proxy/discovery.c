@@ -162,8 +162,7 @@ static void on_startup_deadline(evutil_socket_t fd, short what, void *arg) {
     *(int *)arg = 1;
 }
 
-px_discovery *px_discovery_start(px_server *s, struct event_base *base, char *err,
-                                 size_t errlen) {
+px_discovery *px_discovery_start(px_server *s, struct event_base *base, char *err, size_t errlen) {
     px_discovery *d = px_xcalloc(1, sizeof *d);
     d->s = s;
     d->base = base;

@@ -66,16 +66,16 @@ static int on_data(void *arg, const char *p, size_t n) {
     return 0;
 }
 
-static void on_done(void *arg, CURLcode rc, const char *errbuf, int connected) {
+static void on_done(void *arg, px_up_result rc, const char *errbuf, int connected) {
     check *c = arg;
     c->up = NULL;
-    int ok = rc == CURLE_OK && c->status >= 200 && c->status < 300;
+    int ok = rc == PX_UP_OK && c->status >= 200 && c->status < 300;
     if (c->kind == K_HEALTH) {
         if (!ok)
             PX_LOG(PX_LOG_DEBUG,
                    "msg=\"health check failed\" role=%s backend=%s status=%d error=\"%s\"",
                    c->pool->role, c->b->name, c->status,
-                   rc ? (errbuf[0] ? errbuf : curl_easy_strerror(rc)) : "");
+                   rc ? (errbuf[0] ? errbuf : px_up_result_str(rc)) : "");
         px_backend_check(c->pool, c->b, ok);
     } else {
         double w = 0, r = 0, kv = 0;
@@ -106,14 +106,13 @@ static void start_check(px_health *h, px_pool *pool, px_backend *b, check_kind k
     c->kind = kind;
     px_buf_init(&c->body);
     px_buf_init(&c->url);
-    px_buf_printf(&c->url, "%s%s", b->url, kind == K_HEALTH ? "/health" : "/metrics");
+    px_buf_appends(&c->url, kind == K_HEALTH ? "/health" : "/metrics");
     double t = kind == K_HEALTH ? cfg->health_timeout : cfg->metrics_interval;
     px_upstream_opts o = {
         .connect_timeout_ms = (long)(t * 1000) > 0 ? (long)(t * 1000) : 1,
         .total_timeout_ms = (long)(t * 1000) > 0 ? (long)(t * 1000) : 1,
         .ca_file = cfg->upstream_ca,
         .insecure = cfg->upstream_insecure,
-        .connect_to = b->connect_to,
     };
     if (kind == K_HEALTH)
         b->check_busy = 1;
@@ -122,7 +121,7 @@ static void start_check(px_health *h, px_pool *pool, px_backend *b, check_kind k
     c->next = h->live;
     if (h->live) h->live->prev = c;
     h->live = c;
-    c->up = px_upstream_start(h->loop, "GET", c->url.data, NULL, 0, h->s->health_hdrs, &o,
+    c->up = px_upstream_start(h->loop, pool, b, "GET", c->url.data, NULL, 0, &h->s->health_hdrs, &o,
                               &check_cbs, c);
     if (!c->up) check_free(c);
 }

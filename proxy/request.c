@@ -51,9 +51,8 @@ struct px_req {
     px_buf pbody;                   /* owned: the prefill request's body */
     px_buf dbody;                   /* owned: the decode request's body */
     px_buf presp;                   /* owned: the prefill's answer */
-    px_buf url;                     /* owned */
-    struct curl_slist *hdrs_p;      /* owned: headers of the prefill request */
-    struct curl_slist *hdrs_d;      /* owned: headers of the decode request */
+    px_buf hdrs_p;                  /* owned: header lines of the prefill request */
+    px_buf hdrs_d;                  /* owned: header lines of the decode request */
     px_upstream *up;                /* owned: the transfer in flight */
     px_backend *pb;                 /* owned reference while a prefill is in flight */
     px_backend *db;                 /* owned reference while a decode is in flight */
@@ -124,9 +123,8 @@ static void req_free(px_req *r) {
     px_buf_cleanup(&r->pbody);
     px_buf_cleanup(&r->dbody);
     px_buf_cleanup(&r->presp);
-    px_buf_cleanup(&r->url);
-    curl_slist_free_all(r->hdrs_p);
-    curl_slist_free_all(r->hdrs_d);
+    px_buf_cleanup(&r->hdrs_p);
+    px_buf_cleanup(&r->hdrs_d);
     free(r);
 }
 
@@ -214,17 +212,15 @@ static void req_fail(px_req *r, int status, const char *extra, const char *fmt, 
     req_end(r, status, streaming ? "stream_failed" : "error");
 }
 
-static px_outcome outcome_of(CURLcode rc, int status) {
+static px_outcome outcome_of(px_up_result rc, int status) {
     switch (rc) {
-    case CURLE_OK:
+    case PX_UP_OK:
         return status >= 500 ? PX_OUT_SERVER_ERR : status >= 400 ? PX_OUT_CLIENT_ERR : PX_OUT_OK;
-    case CURLE_COULDNT_CONNECT:
-    case CURLE_COULDNT_RESOLVE_HOST:
+    case PX_UP_CONNECT:
         return PX_OUT_CONNECT_ERR;
-    case CURLE_OPERATION_TIMEDOUT:
+    case PX_UP_TIMEOUT:
         return PX_OUT_TIMEOUT;
-    case CURLE_WRITE_ERROR:
-    case CURLE_ABORTED_BY_CALLBACK:
+    case PX_UP_ABORTED:
         return PX_OUT_CANCELLED;
     default:
         return PX_OUT_RESET;
@@ -280,42 +276,30 @@ static void trace_child(const char *trace, const char *flags, char out[56]) {
     snprintf(out, 56, "00-%s-%s-%s", trace, sp, flags);
 }
 
-static struct curl_slist *headers_for(px_req *r, const px_http_head *h, int traced) {
-    char line[300];
-    struct curl_slist *l = NULL;
-    if (r->ep != PX_EP_MODELS) l = curl_slist_append(l, "Content-Type: application/json");
-    snprintf(line, sizeof line, "X-Request-Id: %s", r->id);
-    l = curl_slist_append(l, line);
+/* The header lines both upstream requests carry ("Name: value\r\n" each);
+ * Host and the body's framing are the transport's. */
+static void headers_for(px_req *r, const px_http_head *h, int traced, px_buf *l) {
+    if (r->ep != PX_EP_MODELS) px_buf_appends(l, "Content-Type: application/json\r\n");
+    px_buf_printf(l, "X-Request-Id: %s\r\n", r->id);
     const px_http_header *auth = px_http_find(h, "authorization");
-    px_buf b;
-    px_buf_init(&b);
     if (r->s->upstream_auth_forced || !auth) {
-        if (r->s->upstream_auth) l = curl_slist_append(l, r->s->upstream_auth);
+        if (r->s->upstream_auth) px_buf_printf(l, "%s\r\n", r->s->upstream_auth);
     } else {
-        px_buf_printf(&b, "Authorization: %.*s", (int)auth->value_len, auth->value);
-        l = curl_slist_append(l, b.data);
+        px_buf_printf(l, "Authorization: %.*s\r\n", (int)auth->value_len, auth->value);
     }
     char child[56];
     trace_child(r->trace_id, r->trace_flags, child);
-    snprintf(line, sizeof line, "traceparent: %s", child);
-    l = curl_slist_append(l, line);
+    px_buf_printf(l, "traceparent: %s\r\n", child);
     /* tracestate belongs to the client's trace: dropped when that was
      * unusable and a new trace started. */
     const px_http_header *ts = traced ? px_http_find(h, "tracestate") : NULL;
-    if (ts && ts->value_len <= 512) {
-        px_buf_reset(&b);
-        px_buf_printf(&b, "tracestate: %.*s", (int)ts->value_len, ts->value);
-        l = curl_slist_append(l, b.data);
-    }
-    px_buf_cleanup(&b);
-    /* No 100-continue round trip on large bodies. */
-    l = curl_slist_append(l, "Expect:");
-    return l;
+    if (ts && ts->value_len <= 512)
+        px_buf_printf(l, "tracestate: %.*s\r\n", (int)ts->value_len, ts->value);
 }
 
-static int start_upstream(px_req *r, px_backend *b, const char *path, const px_buf *body,
-                          struct curl_slist *hdrs, const px_upstream_cbs *cbs, long total_ms,
-                          long idle_s) {
+static int start_upstream(px_req *r, px_pool *pool, px_backend *b, const char *path,
+                          const px_buf *body, const px_buf *hdrs, const px_upstream_cbs *cbs,
+                          long total_ms, long idle_s) {
     const px_config *cfg = r->s->cfg;
     px_upstream_opts o = {
         .connect_timeout_ms = (long)(cfg->connect_timeout * 1000),
@@ -323,12 +307,9 @@ static int start_upstream(px_req *r, px_backend *b, const char *path, const px_b
         .idle_timeout_s = idle_s,
         .ca_file = cfg->upstream_ca,
         .insecure = cfg->upstream_insecure,
-        .connect_to = b->connect_to,
         .track_upload = body && cbs != NULL && b == r->db,
     };
-    px_buf_reset(&r->url);
-    px_buf_printf(&r->url, "%s%s", b->url, path);
-    r->up = px_upstream_start(r->w->up, body ? "POST" : "GET", r->url.data,
+    r->up = px_upstream_start(r->w->up, pool, b, body ? "POST" : "GET", path,
                               body ? body->data : NULL, body ? body->len : 0, hdrs, &o, cbs, r);
     return r->up ? 0 : -1;
 }
@@ -391,12 +372,12 @@ static int decode_data(void *arg, const char *p, size_t n) {
     return 0;
 }
 
-static void decode_done(void *arg, CURLcode rc, const char *errbuf, int connected) {
+static void decode_done(void *arg, px_up_result rc, const char *errbuf, int connected) {
     px_req *r = arg;
     r->up = NULL; /* freed by the upstream module when this returns */
     if (r->idle_timer) evtimer_del(r->idle_timer);
     px_outcome o = outcome_of(rc, r->dstatus);
-    const char *why = errbuf[0] ? errbuf : curl_easy_strerror(rc);
+    const char *why = errbuf[0] ? errbuf : px_up_result_str(rc);
     if (r->state == RS_RELEASING && connected) {
         /* Decode has the request and its kv_transfer_params; it drops the
          * request now that we left, and tells prefill to free the blocks. */
@@ -412,7 +393,7 @@ static void decode_done(void *arg, CURLcode rc, const char *errbuf, int connecte
     }
     attempt_done(&r->s->decode, r->db, r->tried_d, r->ntried_d, o);
     r->db = NULL;
-    if (rc == CURLE_OK) {
+    if (rc == PX_UP_OK) {
         if (r->conn) {
             px_conn_stream_end(r->conn);
             r->conn = NULL;
@@ -468,8 +449,9 @@ static void start_decode(px_req *r) {
     snprintf(r->dname, sizeof r->dname, "%s", r->db->name);
     if (r->ntried_d < MAX_TRIES) r->tried_d[r->ntried_d++] = r->db;
     if (r->state != RS_RELEASING) set_state(r, RS_DECODE);
-    if (start_upstream(r, r->db, ep_paths[r->ep], r->ep == PX_EP_MODELS ? NULL : &r->dbody,
-                       r->hdrs_d, &decode_cbs, 0, 0) < 0) {
+    if (start_upstream(r, &r->s->decode, r->db, ep_paths[r->ep],
+                       r->ep == PX_EP_MODELS ? NULL : &r->dbody, &r->hdrs_d, &decode_cbs, 0,
+                       0) < 0) {
         req_fail(r, 502, NULL, "decode %s: cannot start the request", r->dname);
         return;
     }
@@ -544,19 +526,19 @@ static void on_retry_timer(evutil_socket_t fd, short what, void *arg) {
     start_prefill(arg);
 }
 
-static void prefill_done(void *arg, CURLcode rc, const char *errbuf, int connected) {
+static void prefill_done(void *arg, px_up_result rc, const char *errbuf, int connected) {
     px_req *r = arg;
     r->up = NULL;
-    account(r); /* the prefill's answer */
+    account(r);                                      /* the prefill's answer */
     if (r->grace_timer) evtimer_del(r->grace_timer); /* it answered in time */
     px_outcome o = outcome_of(rc, r->pstatus);
     if (r->too_big) o = PX_OUT_SERVER_ERR;
     attempt_done(&r->s->prefill, r->pb, r->tried_p, r->ntried_p, o);
     r->pb = NULL;
-    const char *why = errbuf[0] ? errbuf : curl_easy_strerror(rc);
+    const char *why = errbuf[0] ? errbuf : px_up_result_str(rc);
 
     if (r->state == RS_RELEASING) {
-        if (rc == CURLE_OK && r->pstatus >= 200 && r->pstatus < 300) {
+        if (rc == PX_UP_OK && r->pstatus >= 200 && r->pstatus < 300) {
             proceed_to_decode(r);
             return;
         }
@@ -584,7 +566,7 @@ static void prefill_done(void *arg, CURLcode rc, const char *errbuf, int connect
     }
     r->t_prefill = px_now_ns();
     px_hist_observe(&r->w->metrics.prefill, secs(r->t0, r->t_prefill));
-    if (rc != CURLE_OK) {
+    if (rc != PX_UP_OK) {
         if (r->too_big)
             req_fail(r, 502, NULL, "prefill %s answer exceeds %d bytes", r->pname,
                      PREFILL_MAX_ANSWER);
@@ -648,8 +630,8 @@ static void start_prefill(px_req *r) {
         }
         ptimeout = (long)((r->prefill_deadline - now) / 1000000);
     }
-    if (start_upstream(r, r->pb, ep_paths[r->ep], &r->pbody, r->hdrs_p, &prefill_cbs, ptimeout, 0) <
-        0)
+    if (start_upstream(r, &r->s->prefill, r->pb, ep_paths[r->ep], &r->pbody, &r->hdrs_p,
+                       &prefill_cbs, ptimeout, 0) < 0)
         req_fail(r, 502, NULL, "prefill %s: cannot start the request", r->pname);
 }
 
@@ -735,7 +717,8 @@ void px_req_start(px_worker *w, px_conn *c, px_endpoint ep, const px_http_head *
     px_buf_init(&r->pbody);
     px_buf_init(&r->dbody);
     px_buf_init(&r->presp);
-    px_buf_init(&r->url);
+    px_buf_init(&r->hdrs_p);
+    px_buf_init(&r->hdrs_d);
 
     const px_http_header *xid = px_http_find(h, "x-request-id");
     if (xid && valid_request_id(xid->value, xid->value_len)) {
@@ -759,8 +742,8 @@ void px_req_start(px_worker *w, px_conn *c, px_endpoint ep, const px_http_head *
         px_trace_new(r->trace_id);
         memcpy(r->trace_flags, "01", 3);
     }
-    r->hdrs_p = headers_for(r, h, traced);
-    r->hdrs_d = headers_for(r, h, traced);
+    headers_for(r, h, traced, &r->hdrs_p);
+    headers_for(r, h, traced, &r->hdrs_d);
 
     long max = r->s->cfg->max_inflight;
     long now = atomic_fetch_add(&r->s->inflight, 1) + 1;

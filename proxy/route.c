@@ -1,5 +1,8 @@
 #include "route.h"
 
+#include <arpa/inet.h>
+#include <netdb.h>
+#include <netinet/in.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -53,7 +56,53 @@ void px_backend_release(px_backend *b) {
     free(b->url);
     free(b->connect_to);
     free(b->src);
+    free(b->authority);
     free(b);
+}
+
+int px_backend_addr(px_pool *p, px_backend *b, struct sockaddr_storage *out, socklen_t *len) {
+    (void)p; /* immutable once made: no lock needed */
+    if (!b->addrlen) return -1;
+    memcpy(out, &b->addr, b->addrlen);
+    *len = b->addrlen;
+    return 0;
+}
+
+/* An address for host:port: a literal as is; a name (the toy flags' hosts,
+ * "localhost" most often) through the system resolver once, IPv4 first as
+ * engines usually listen there. 0 on success. */
+static int resolve_addr(const char *host, int port, struct sockaddr_storage *out, socklen_t *len) {
+    memset(out, 0, sizeof *out);
+    struct sockaddr_in *a4 = (struct sockaddr_in *)out;
+    struct sockaddr_in6 *a6 = (struct sockaddr_in6 *)out;
+    if (inet_pton(AF_INET, host, &a4->sin_addr) == 1) {
+        a4->sin_family = AF_INET;
+        a4->sin_port = htons((uint16_t)port);
+        *len = sizeof *a4;
+        return 0;
+    }
+    if (inet_pton(AF_INET6, host, &a6->sin6_addr) == 1) {
+        a6->sin6_family = AF_INET6;
+        a6->sin6_port = htons((uint16_t)port);
+        *len = sizeof *a6;
+        return 0;
+    }
+    struct addrinfo hints = {0}, *res = NULL;
+    hints.ai_family = AF_UNSPEC;
+    hints.ai_socktype = SOCK_STREAM;
+    if (getaddrinfo(host, NULL, &hints, &res) != 0) return -1;
+    struct addrinfo *pick = NULL;
+    for (struct addrinfo *ai = res; ai && !pick; ai = ai->ai_next)
+        if (ai->ai_family == AF_INET) pick = ai;
+    if (!pick) pick = res;
+    memcpy(out, pick->ai_addr, pick->ai_addrlen);
+    *len = pick->ai_addrlen;
+    if (pick->ai_family == AF_INET)
+        a4->sin_port = htons((uint16_t)port);
+    else
+        a6->sin6_port = htons((uint16_t)port);
+    freeaddrinfo(res);
+    return 0;
 }
 
 void px_pool_init(px_pool *p, const char *role, const px_pool_cfg *cfg) {
@@ -172,6 +221,15 @@ px_backend *px_pool_add(px_pool *p, const char *url, const char *connect_ip) {
         px_buf_append(&name, hp, hl);
     }
     px_backend *b = backend_new(u.data, name.data, connect_ip ? pin.data : NULL, url);
+    b->authority = px_xstrndup(hp, hl);
+    b->https = https;
+    if (!https && resolve_addr(connect_ip ? connect_ip : host, port, &b->addr, &b->addrlen) < 0) {
+        b->addrlen = 0;
+        PX_LOG(PX_LOG_WARN,
+               "msg=\"cannot resolve backend host; requests to it fail until restarted (use "
+               "--prefill/--decode URLs for names that DNS should follow)\" role=%s backend=%s",
+               p->role, name.data);
+    }
     px_buf_cleanup(&u);
     px_buf_cleanup(&name);
     px_buf_cleanup(&pin);
@@ -357,8 +415,7 @@ px_backend *px_pool_pick(px_pool *p, const px_pick *k, size_t *nmembers) {
          * untried ones first, as above. */
         for (int pass = 0; pass < 2 && nc == 0; pass++)
             for (size_t i = 0; i < p->n; i++)
-                if ((pass == 1 || !excluded(k, p->b[i])) &&
-                    !atomic_load(&p->b[i]->check_failing))
+                if ((pass == 1 || !excluded(k, p->b[i])) && !atomic_load(&p->b[i]->check_failing))
                     cand[nc++] = i;
         if (nc) atomic_fetch_add_explicit(&p->panic_routed, 1, memory_order_relaxed);
     }

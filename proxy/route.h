@@ -9,6 +9,7 @@
 #include <stdatomic.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <sys/socket.h>
 
 typedef enum {
     PX_POLICY_ROUND_ROBIN = 0,
@@ -37,20 +38,26 @@ typedef enum {
 const char *px_outcome_name(px_outcome o);
 
 typedef struct px_backend {
-    char *name;        /* owned: "host:port" as shown in logs and metrics */
-    char *url;         /* owned: "http[s]://host:port" */
-    char *connect_to;  /* owned: curl CONNECT_TO pin "host:port:ip:port", or NULL */
-    char *src;         /* owned: the configured URL this backend came from */
+    char *name;       /* owned: "host:port" as shown in logs and metrics */
+    char *url;        /* owned: "http[s]://host:port" */
+    char *connect_to; /* owned: curl CONNECT_TO pin "host:port:ip:port", or NULL */
+    char *src;        /* owned: the configured URL this backend came from */
+    char *authority;  /* owned: "host:port" of the URL, sent as Host */
+    int https;
+    /* http://: where to connect. Set once when the backend is made; read
+     * with px_backend_addr. */
+    struct sockaddr_storage addr;
+    socklen_t addrlen; /* 0: the name did not resolve */
     uint64_t key_hash; /* of name: the place on the consistent-hash ring */
     atomic_int refs;   /* the pool's reference + one per request using it */
     atomic_int inflight;
-    atomic_int healthy;       /* 1: receives traffic; 0: ejected */
-    atomic_int fails;         /* consecutive failures, passive and active */
-    atomic_int oks;           /* consecutive successful health checks */
-    atomic_int ejections;     /* times ejected, for the passive backoff */
-    atomic_int check_failing; /* its last active health check failed */
+    atomic_int healthy;          /* 1: receives traffic; 0: ejected */
+    atomic_int fails;            /* consecutive failures, passive and active */
+    atomic_int oks;              /* consecutive successful health checks */
+    atomic_int ejections;        /* times ejected, for the passive backoff */
+    atomic_int check_failing;    /* its last active health check failed */
     atomic_int ejected_by_check; /* the current ejection came from health checks */
-    atomic_ullong readmit_ns; /* without active checks: when an ejected backend is tried again */
+    atomic_ullong readmit_ns;    /* without active checks: when an ejected backend is tried again */
     /* load_aware: the engine's own figures, scraped from /metrics. */
     atomic_int load_known;
     atomic_int waiting;
@@ -130,6 +137,10 @@ void px_backend_check(px_pool *p, px_backend *b, int ok);
 /* A snapshot of the members with a reference on each; release each with
  * px_backend_release() and free the array. */
 px_backend **px_pool_members(px_pool *p, size_t *n);
+
+/* The address to connect to for an http:// backend: 0, or -1 when its name
+ * could not be resolved. */
+int px_backend_addr(px_pool *p, px_backend *b, struct sockaddr_storage *out, socklen_t *len);
 
 /* Number of members, and of healthy ones. */
 void px_pool_counts(px_pool *p, size_t *n, size_t *healthy);

@@ -397,7 +397,7 @@ static void setup_upstream_auth(px_server *s) {
         px_buf_init(&b);
         px_buf_printf(&b, "Authorization: Bearer %s", key);
         s->upstream_auth = b.data;
-        s->health_hdrs = curl_slist_append(NULL, s->upstream_auth);
+        px_buf_printf(&s->health_hdrs, "%s\r\n", s->upstream_auth);
     }
 }
 
@@ -628,7 +628,7 @@ void px_server_destroy(px_server *s) {
     px_pool_cleanup(&s->prefill);
     px_pool_cleanup(&s->decode);
     free(s->upstream_auth);
-    curl_slist_free_all(s->health_hdrs);
+    px_buf_cleanup(&s->health_hdrs);
     free(s->api_keys);
     if (s->tls) SSL_CTX_free(s->tls);
     free(s);

@@ -45,7 +45,7 @@ struct px_server {
     px_pool decode;
     char *upstream_auth;            /* owned: "Authorization: Bearer …" line, or NULL */
     int upstream_auth_forced;       /* --upstream-api-key: always, over the client's */
-    struct curl_slist *health_hdrs; /* owned: headers of health checks and scrapes */
+    px_buf health_hdrs;             /* owned: header lines of health checks and scrapes */
     unsigned char (*api_keys)[32];  /* owned: SHA-256 of each accepted key */
     size_t napi_keys;
     SSL_CTX *tls;              /* owned, or NULL */

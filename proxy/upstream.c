@@ -1,32 +1,41 @@
 #include "upstream.h"
 
+#include <arpa/inet.h>
+#include <curl/curl.h>
 #include <poll.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "client.h"
 #include "log.h"
 #include "util.h"
 
 struct px_uploop {
     struct event_base *base; /* borrowed */
-    CURLM *multi;            /* owned */
-    struct event *timer;     /* owned */
-    px_upstream *live;       /* transfers in flight, for destroy */
-    CURL *idle[64];          /* owned: easy handles kept for reuse */
+    px_client *client;       /* owned: http:// backends */
+    px_buf head;             /* scratch: the request head being built */
+    /* https:// backends, created on the first one. */
+    CURLM *multi;        /* owned, or NULL */
+    struct event *timer; /* owned, or NULL */
+    px_upstream *live;   /* transfers in flight, for destroy */
+    CURL *idle[64];      /* owned: easy handles kept for reuse */
     int nidle;
 };
 
 struct px_upstream {
     px_uploop *loop; /* borrowed */
-    CURL *easy;      /* owned */
     px_upstream_cbs cbs;
     void *arg;
     px_upstream *prev, *next; /* in loop->live */
+    px_creq *q;               /* http: the client's exchange, or NULL */
+    /* https */
+    CURL *easy; /* owned */
     int headers_seen;
     int paused;
     int upload_done;
     int abort_after_upload;
+    struct curl_slist *hdrs;       /* owned */
     struct curl_slist *connect_to; /* owned */
     const char *body;              /* borrowed: valid until on_done */
     size_t body_len, body_off;
@@ -60,8 +69,28 @@ static void release_easy(px_uploop *l, CURL *e) {
 static void free_up(px_upstream *u) {
     unlink_up(u);
     curl_slist_free_all(u->connect_to);
-    release_easy(u->loop, u->easy);
+    curl_slist_free_all(u->hdrs);
+    if (u->easy) release_easy(u->loop, u->easy);
     free(u);
+}
+
+static px_up_result result_of(CURLcode rc) {
+    switch (rc) {
+    case CURLE_OK:
+        return PX_UP_OK;
+    case CURLE_COULDNT_CONNECT:
+    case CURLE_COULDNT_RESOLVE_HOST:
+    case CURLE_SSL_CONNECT_ERROR:
+    case CURLE_PEER_FAILED_VERIFICATION:
+        return PX_UP_CONNECT;
+    case CURLE_OPERATION_TIMEDOUT:
+        return PX_UP_TIMEOUT;
+    case CURLE_WRITE_ERROR:
+    case CURLE_ABORTED_BY_CALLBACK:
+        return PX_UP_ABORTED;
+    default:
+        return PX_UP_RESET;
+    }
 }
 
 static void check_done(px_uploop *l) {
@@ -79,8 +108,12 @@ static void check_done(px_uploop *l) {
              * sent. (The connect time reads 0 on a reused connection.) */
             long sent = 0;
             curl_easy_getinfo(easy, CURLINFO_REQUEST_SIZE, &sent);
-            u->cbs.on_done(u->arg, rc, u->errbuf, sent > 0);
+            px_upstream_cbs cbs = u->cbs;
+            void *arg = u->arg;
+            char why[CURL_ERROR_SIZE];
+            snprintf(why, sizeof why, "%s", u->errbuf[0] ? u->errbuf : curl_easy_strerror(rc));
             free_up(u);
+            cbs.on_done(arg, result_of(rc), why, sent > 0);
         } else {
             curl_easy_cleanup(easy);
         }
@@ -143,25 +176,32 @@ static int timer_cb(CURLM *multi, long timeout_ms, void *userp) {
     return 0;
 }
 
-px_uploop *px_uploop_create(struct event_base *base) {
-    px_uploop *l = px_xcalloc(1, sizeof *l);
-    l->base = base;
+/* The curl side, on the first https:// request. */
+static int curl_side(px_uploop *l) {
+    if (l->multi) return 0;
     l->multi = curl_multi_init();
-    if (!l->multi) goto err_multi;
-    l->timer = evtimer_new(base, on_timer, l);
-    if (!l->timer) goto err_timer;
+    if (!l->multi) return -1;
+    l->timer = evtimer_new(l->base, on_timer, l);
+    if (!l->timer) {
+        curl_multi_cleanup(l->multi);
+        l->multi = NULL;
+        return -1;
+    }
     curl_multi_setopt(l->multi, CURLMOPT_SOCKETFUNCTION, sock_cb);
     curl_multi_setopt(l->multi, CURLMOPT_SOCKETDATA, l);
     curl_multi_setopt(l->multi, CURLMOPT_TIMERFUNCTION, timer_cb);
     curl_multi_setopt(l->multi, CURLMOPT_TIMERDATA, l);
     /* Keep enough idle connections for bursts of concurrent streams. */
     curl_multi_setopt(l->multi, CURLMOPT_MAXCONNECTS, 1024L);
+    return 0;
+}
+
+px_uploop *px_uploop_create(struct event_base *base) {
+    px_uploop *l = px_xcalloc(1, sizeof *l);
+    l->base = base;
+    px_buf_init(&l->head);
+    l->client = px_client_create(base, NULL);
     return l;
-err_timer:
-    curl_multi_cleanup(l->multi);
-err_multi:
-    free(l);
-    return NULL;
 }
 
 void px_uploop_destroy(px_uploop *l) {
@@ -170,8 +210,10 @@ void px_uploop_destroy(px_uploop *l) {
         px_upstream_cancel(l->live);
     while (l->nidle)
         curl_easy_cleanup(l->idle[--l->nidle]);
-    curl_multi_cleanup(l->multi);
-    event_free(l->timer);
+    if (l->multi) curl_multi_cleanup(l->multi);
+    if (l->timer) event_free(l->timer);
+    px_client_destroy(l->client);
+    px_buf_cleanup(&l->head);
     free(l);
 }
 
@@ -226,9 +268,10 @@ static int xferinfo_cb(void *arg, curl_off_t dltotal, curl_off_t dlnow, curl_off
     return u->upload_done && u->abort_after_upload;
 }
 
-px_upstream *px_upstream_start(px_uploop *l, const char *method, const char *url, const char *body,
-                               size_t len, struct curl_slist *hdrs, const px_upstream_opts *o,
-                               const px_upstream_cbs *cbs, void *arg) {
+static px_upstream *start_https(px_uploop *l, px_backend *b, const char *path, const char *body,
+                                size_t len, const px_buf *headers, const px_upstream_opts *o,
+                                const px_upstream_cbs *cbs, void *arg) {
+    if (curl_side(l) < 0) return NULL;
     px_upstream *u = px_xcalloc(1, sizeof *u);
     u->loop = l;
     u->cbs = *cbs;
@@ -239,7 +282,21 @@ px_upstream *px_upstream_start(px_uploop *l, const char *method, const char *url
         return NULL;
     }
     CURL *e = u->easy;
-    curl_easy_setopt(e, CURLOPT_URL, url);
+    px_buf url;
+    px_buf_init(&url);
+    px_buf_printf(&url, "%s%s", b->url, path);
+    curl_easy_setopt(e, CURLOPT_URL, url.data); /* copied by curl */
+    px_buf_cleanup(&url);
+    /* The header lines, one list entry each; no 100-continue round trip. */
+    for (size_t at = 0; headers && at < headers->len;) {
+        const char *eol = memchr(headers->data + at, '\r', headers->len - at);
+        size_t n = eol ? (size_t)(eol - (headers->data + at)) : headers->len - at;
+        char *line = px_xstrndup(headers->data + at, n);
+        u->hdrs = curl_slist_append(u->hdrs, line);
+        free(line);
+        at += n + 2;
+    }
+    u->hdrs = curl_slist_append(u->hdrs, "Expect:");
     if (body) {
         /* The body goes through a read callback that cannot rewind: given
          * POSTFIELDS, libcurl silently resends a request whose reused
@@ -261,8 +318,7 @@ px_upstream *px_upstream_start(px_uploop *l, const char *method, const char *url
         curl_easy_setopt(e, CURLOPT_READFUNCTION, NULL);
         curl_easy_setopt(e, CURLOPT_SEEKFUNCTION, NULL);
     }
-    (void)method; /* POST with a body, GET without: all pdproxy sends */
-    curl_easy_setopt(e, CURLOPT_HTTPHEADER, hdrs);
+    curl_easy_setopt(e, CURLOPT_HTTPHEADER, u->hdrs);
     curl_easy_setopt(e, CURLOPT_HTTP_VERSION, (long)CURL_HTTP_VERSION_1_1);
     curl_easy_setopt(e, CURLOPT_NOSIGNAL, 1L);
     curl_easy_setopt(e, CURLOPT_TCP_NODELAY, 1L);
@@ -282,7 +338,7 @@ px_upstream *px_upstream_start(px_uploop *l, const char *method, const char *url
     curl_easy_setopt(e, CURLOPT_CAINFO, o->ca_file && o->ca_file[0] ? o->ca_file : NULL);
     curl_easy_setopt(e, CURLOPT_SSL_VERIFYPEER, o->insecure ? 0L : 1L);
     curl_easy_setopt(e, CURLOPT_SSL_VERIFYHOST, o->insecure ? 0L : 2L);
-    u->connect_to = o->connect_to ? curl_slist_append(NULL, o->connect_to) : NULL;
+    u->connect_to = b->connect_to ? curl_slist_append(NULL, b->connect_to) : NULL;
     curl_easy_setopt(e, CURLOPT_CONNECT_TO, u->connect_to);
     curl_easy_setopt(e, CURLOPT_NOPROGRESS, o->track_upload ? 0L : 1L);
     curl_easy_setopt(e, CURLOPT_XFERINFOFUNCTION, o->track_upload ? xferinfo_cb : NULL);
@@ -292,6 +348,7 @@ px_upstream *px_upstream_start(px_uploop *l, const char *method, const char *url
     if (curl_multi_add_handle(l->multi, e) != CURLM_OK) {
         release_easy(l, e);
         curl_slist_free_all(u->connect_to);
+        curl_slist_free_all(u->hdrs);
         free(u);
         return NULL;
     }
@@ -301,7 +358,89 @@ px_upstream *px_upstream_start(px_uploop *l, const char *method, const char *url
     return u;
 }
 
+/* ---------- http:// through base's client ---------- */
+
+static void link_up(px_uploop *l, px_upstream *u) {
+    u->next = l->live;
+    if (l->live) l->live->prev = u;
+    l->live = u;
+}
+
+static void h_head(void *arg, const px_http_head *h) {
+    px_upstream *u = arg;
+    const px_http_header *ct = px_http_find(h, "content-type");
+    char buf[256];
+    if (ct) snprintf(buf, sizeof buf, "%.*s", (int)ct->value_len, ct->value);
+    if (u->cbs.on_headers) u->cbs.on_headers(u->arg, h->status, ct ? buf : NULL);
+}
+
+static int h_data(void *arg, const char *p, size_t n) {
+    px_upstream *u = arg;
+    return u->cbs.on_data(u->arg, p, n);
+}
+
+static void h_done(void *arg, px_cresult r, const char *why, int sent) {
+    px_upstream *u = arg;
+    px_upstream_cbs cbs = u->cbs;
+    void *uarg = u->arg;
+    u->q = NULL;
+    free_up(u);
+    px_up_result res = r == PX_CR_OK        ? PX_UP_OK
+                       : r == PX_CR_CONNECT ? PX_UP_CONNECT
+                       : r == PX_CR_TIMEOUT ? PX_UP_TIMEOUT
+                       : r == PX_CR_ABORTED ? PX_UP_ABORTED
+                                            : PX_UP_RESET;
+    cbs.on_done(uarg, res, why, sent);
+}
+
+static const px_creq_cbs h_cbs = {h_head, h_data, h_done};
+
+static px_upstream *start_http(px_uploop *l, px_pool *pool, px_backend *b, const char *method,
+                               const char *path, const char *body, size_t len,
+                               const px_buf *headers, const px_upstream_opts *o,
+                               const px_upstream_cbs *cbs, void *arg) {
+    struct sockaddr_storage sa;
+    socklen_t salen;
+    if (px_backend_addr(pool, b, &sa, &salen) < 0) return NULL;
+    px_buf *hd = &l->head;
+    px_buf_reset(hd);
+    px_buf_printf(hd, "%s %s HTTP/1.1\r\nHost: %s\r\n", method, path, b->authority);
+    if (body) px_buf_printf(hd, "Content-Length: %zu\r\n", len);
+    if (headers) px_buf_append(hd, headers->data, headers->len);
+    px_buf_append(hd, "\r\n", 2);
+    px_creq_opts co = {
+        .connect_timeout = (double)o->connect_timeout_ms / 1e3,
+        .total_timeout = (double)o->total_timeout_ms / 1e3,
+        .idle_timeout = (double)o->idle_timeout_s,
+        .track_upload = o->track_upload,
+    };
+    px_upstream *u = px_xcalloc(1, sizeof *u);
+    u->loop = l;
+    u->cbs = *cbs;
+    u->arg = arg;
+    u->q = px_creq_start(l->client, (struct sockaddr *)&sa, salen, hd->data, hd->len, body,
+                         body ? len : 0, &co, &h_cbs, u);
+    if (!u->q) {
+        free(u);
+        return NULL;
+    }
+    link_up(l, u);
+    return u;
+}
+
+px_upstream *px_upstream_start(px_uploop *l, px_pool *pool, px_backend *b, const char *method,
+                               const char *path, const char *body, size_t len,
+                               const px_buf *headers, const px_upstream_opts *o,
+                               const px_upstream_cbs *cbs, void *arg) {
+    if (b->https) return start_https(l, b, path, body, len, headers, o, cbs, arg);
+    return start_http(l, pool, b, method, path, body, len, headers, o, cbs, arg);
+}
+
 void px_upstream_resume(px_upstream *u) {
+    if (u->q) {
+        px_creq_resume(u->q);
+        return;
+    }
     if (!u->paused) return;
     u->paused = 0;
     /* May call write_cb synchronously with the data held back; a second
@@ -311,11 +450,16 @@ void px_upstream_resume(px_upstream *u) {
 
 void px_upstream_cancel(px_upstream *u) {
     if (!u) return;
-    curl_multi_remove_handle(u->loop->multi, u->easy);
+    if (u->q)
+        px_creq_cancel(u->q);
+    else
+        curl_multi_remove_handle(u->loop->multi, u->easy);
+    u->q = NULL;
     free_up(u);
 }
 
 int px_upstream_answering(px_upstream *u) {
+    if (u->q) return px_creq_answering(u->q);
     if (u->headers_seen) return 1;
     curl_socket_t fd = CURL_SOCKET_BAD;
     if (curl_easy_getinfo(u->easy, CURLINFO_ACTIVESOCKET, &fd) != CURLE_OK || fd == CURL_SOCKET_BAD)
@@ -325,10 +469,27 @@ int px_upstream_answering(px_upstream *u) {
 }
 
 int px_upstream_abort_after_upload(px_upstream *u) {
+    if (u->q) return px_creq_abort_after_upload(u->q);
     u->abort_after_upload = 1;
     return u->upload_done;
 }
 
-int px_upstream_status_for(CURLcode rc) {
-    return rc == CURLE_OPERATION_TIMEDOUT ? 504 : 502;
+int px_upstream_status_for(px_up_result r) {
+    return r == PX_UP_TIMEOUT ? 504 : 502;
+}
+
+const char *px_up_result_str(px_up_result r) {
+    switch (r) {
+    case PX_UP_OK:
+        return "ok";
+    case PX_UP_CONNECT:
+        return "could not connect";
+    case PX_UP_TIMEOUT:
+        return "timed out";
+    case PX_UP_RESET:
+        return "connection closed before a complete response";
+    case PX_UP_ABORTED:
+        return "aborted";
+    }
+    return "unknown";
 }

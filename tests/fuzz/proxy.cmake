@@ -7,6 +7,7 @@
 #   hand with  bin/fuzz_http -dict=tests/fuzz/http.dict tests/fuzz/corpus/http
 set(PX_FUZZ_TARGETS
   "http:pxbase"
+  "http_response:pxbase"
   "json:pxbase"
   "rewrite:pxcore"
   "config:pxcore"

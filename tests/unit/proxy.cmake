@@ -2,3 +2,5 @@
 foreach(m json rewrite http config)
   px_unit_test(${m} pxcore)
 endforeach()
+# base/client.c against a scripted server thread on 127.0.0.1.
+px_unit_test(client pxbase)

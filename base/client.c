@@ -1,0 +1,605 @@
+#include "client.h"
+
+#include <errno.h>
+#include <event2/buffer.h>
+#include <event2/bufferevent.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#define MAX_RESP_HEAD (64 * 1024)
+
+typedef enum { BM_NONE, BM_LENGTH, BM_CHUNKED, BM_CLOSE } body_mode;
+
+typedef struct cconn cconn;
+
+/* The idle connections to one backend address. */
+typedef struct host {
+    struct sockaddr_storage sa;
+    socklen_t salen;
+    cconn *idle; /* most recently used first */
+    int nidle;
+    struct host *next;
+} host;
+
+struct px_client {
+    struct event_base *base; /* borrowed */
+    int max_idle;
+    double idle_close_s;
+    host *hosts;          /* owned */
+    cconn *busy;          /* owned: connections with an exchange */
+    size_t nidle;         /* all hosts */
+    px_http_head scratch; /* the response head being read (one at a time per loop) */
+};
+
+struct cconn {
+    px_client *cl;
+    host *h;                 /* borrowed: its address's pool */
+    struct bufferevent *bev; /* owned */
+    struct event *timer;     /* owned: closes it after idle_close_s idle */
+    cconn *prev, *next;      /* in h->idle or cl->busy */
+    int idle;
+    int reused; /* served an exchange before the current one */
+    uint64_t idle_since_ns;
+    px_creq *q; /* the exchange in flight, or NULL when idle */
+};
+
+struct px_creq {
+    px_client *cl; /* borrowed */
+    cconn *cn;     /* owned while the exchange runs */
+    host *h;       /* borrowed */
+    px_buf head;   /* owned: the request head, kept for the one resend */
+    const char *body;
+    size_t body_len;
+    size_t req_bytes;
+    px_creq_opts o;
+    px_creq_cbs cbs;
+    void *arg;
+    struct event *timer;     /* owned: connect, then total timeout */
+    struct event *resume_ev; /* owned: reads on after a pause, on the next loop turn */
+    uint64_t t_start_ns;
+    int connected;
+    int answering;
+    int head_done;
+    body_mode mode;
+    int64_t left; /* BM_LENGTH: bytes still to come */
+    px_chunked ck;
+    size_t raw_pending; /* BM_CHUNKED: decoded body bytes at the input's start, undelivered */
+    int paused;
+    int keep_alive;
+    int eof;
+    int upload_done;
+    int abort_after_upload;
+    int resent;
+    size_t searched;
+};
+
+const char *px_cresult_str(px_cresult r) {
+    switch (r) {
+    case PX_CR_OK:
+        return "ok";
+    case PX_CR_CONNECT:
+        return "could not connect";
+    case PX_CR_TIMEOUT:
+        return "timed out";
+    case PX_CR_RESET:
+        return "connection closed before the response was complete";
+    case PX_CR_PROTOCOL:
+        return "malformed response";
+    case PX_CR_ABORTED:
+        return "aborted";
+    }
+    return "unknown";
+}
+
+static struct timeval tv_of(double s) {
+    struct timeval tv = {(time_t)s, (suseconds_t)((s - (double)(time_t)s) * 1e6)};
+    return tv;
+}
+
+/* ---------- connection lists ---------- */
+
+static void list_unlink(cconn **head, cconn *c) {
+    if (c->prev)
+        c->prev->next = c->next;
+    else
+        *head = c->next;
+    if (c->next) c->next->prev = c->prev;
+    c->prev = c->next = NULL;
+}
+
+static void list_push(cconn **head, cconn *c) {
+    c->prev = NULL;
+    c->next = *head;
+    if (*head) (*head)->prev = c;
+    *head = c;
+}
+
+static void conn_free(cconn *c) {
+    if (c->idle) {
+        list_unlink(&c->h->idle, c);
+        c->h->nidle--;
+        c->cl->nidle--;
+    } else {
+        list_unlink(&c->cl->busy, c);
+    }
+    bufferevent_free(c->bev);
+    event_free(c->timer);
+    free(c);
+}
+
+static host *host_for(px_client *cl, const struct sockaddr *sa, socklen_t salen) {
+    for (host *h = cl->hosts; h; h = h->next)
+        if (h->salen == salen && !memcmp(&h->sa, sa, salen)) return h;
+    host *h = px_xcalloc(1, sizeof *h);
+    memcpy(&h->sa, sa, salen);
+    h->salen = salen;
+    h->next = cl->hosts;
+    cl->hosts = h;
+    return h;
+}
+
+/* ---------- idle connections ---------- */
+
+static void on_idle_read(struct bufferevent *bev, void *arg) {
+    conn_free(arg); /* bytes nobody asked for: the connection is not reusable */
+}
+
+static void on_idle_event(struct bufferevent *bev, short what, void *arg) {
+    conn_free(arg); /* the backend closed it */
+}
+
+static void on_idle_timer(evutil_socket_t fd, short what, void *arg) {
+    conn_free(arg);
+}
+
+static void to_idle(cconn *c) {
+    px_client *cl = c->cl;
+    list_unlink(&cl->busy, c);
+    c->idle = 1;
+    c->reused = 1;
+    c->idle_since_ns = px_now_ns();
+    bufferevent_set_timeouts(c->bev, NULL, NULL);
+    bufferevent_disable(c->bev, EV_WRITE);
+    bufferevent_setcb(c->bev, on_idle_read, NULL, on_idle_event, c);
+    /* Reading stays on: a backend closing an idle connection is noticed at
+     * once, so the next request does not walk into it. */
+    bufferevent_enable(c->bev, EV_READ);
+    struct timeval tv = tv_of(cl->idle_close_s);
+    evtimer_add(c->timer, &tv);
+    list_push(&c->h->idle, c);
+    c->h->nidle++;
+    cl->nidle++;
+    if (c->h->nidle > cl->max_idle) {
+        cconn *old = c->h->idle;
+        while (old->next)
+            old = old->next;
+        conn_free(old);
+    }
+}
+
+/* ---------- the exchange ---------- */
+
+static void on_read(struct bufferevent *bev, void *arg);
+static void on_write(struct bufferevent *bev, void *arg);
+static void on_event(struct bufferevent *bev, short what, void *arg);
+static void process(px_creq *q);
+
+static void creq_free(px_creq *q) {
+    event_free(q->timer);
+    event_free(q->resume_ev);
+    px_buf_cleanup(&q->head);
+    free(q);
+}
+
+/* Whether any byte of the request was handed to the kernel. */
+static int request_sent_bytes(const px_creq *q) {
+    if (!q->cn) return 0;
+    size_t queued = evbuffer_get_length(bufferevent_get_output(q->cn->bev));
+    return queued < q->req_bytes;
+}
+
+/* Whether any byte of the request may have reached the backend. */
+static int request_sent(const px_creq *q) {
+    return q->connected && request_sent_bytes(q);
+}
+
+static void finish(px_creq *q, px_cresult r, const char *why) {
+    cconn *c = q->cn;
+    int sent = r == PX_CR_OK || request_sent(q);
+    if (c) {
+        c->q = NULL;
+        if (r == PX_CR_OK && q->keep_alive && !evbuffer_get_length(bufferevent_get_input(c->bev))) {
+            to_idle(c);
+        } else {
+            conn_free(c);
+        }
+        q->cn = NULL;
+    }
+    px_creq_cbs cbs = q->cbs;
+    void *arg = q->arg;
+    creq_free(q);
+    cbs.on_done(arg, r, why, sent);
+}
+
+static int attach(px_creq *q, cconn *c);
+
+/* A fresh connection to q's backend. 0, or -1 when no socket could be had. */
+static int connect_new(px_creq *q) {
+    px_client *cl = q->cl;
+    int fd = socket(q->h->sa.ss_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+    if (fd < 0) return -1;
+    int one = 1;
+    setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+    cconn *c = px_xcalloc(1, sizeof *c);
+    c->cl = cl;
+    c->h = q->h;
+    c->bev = bufferevent_socket_new(cl->base, fd, BEV_OPT_CLOSE_ON_FREE);
+    c->timer = evtimer_new(cl->base, on_idle_timer, c);
+    if (!c->bev || !c->timer) {
+        if (c->bev)
+            bufferevent_free(c->bev);
+        else
+            close(fd);
+        if (c->timer) event_free(c->timer);
+        free(c);
+        return -1;
+    }
+    /* libevent moves at most 16 KiB per read or write call by default: a
+     * multi-MiB body or answer would take hundreds of loop turns. */
+    bufferevent_set_max_single_write(c->bev, 1 << 20);
+    bufferevent_set_max_single_read(c->bev, 256 << 10);
+    list_push(&cl->busy, c);
+    attach(q, c);
+    q->connected = 0;
+    struct timeval tv = tv_of(q->o.connect_timeout > 0 ? q->o.connect_timeout : 5.0);
+    evtimer_add(q->timer, &tv);
+    /* An immediate failure is reported through on_event, like a late one. */
+    bufferevent_socket_connect(c->bev, (struct sockaddr *)&q->h->sa, (int)q->h->salen);
+    return 0;
+}
+
+static void arm_total(px_creq *q) {
+    if (q->o.total_timeout <= 0) {
+        evtimer_del(q->timer);
+        return;
+    }
+    double left = q->o.total_timeout - (double)(px_now_ns() - q->t_start_ns) / 1e9;
+    struct timeval tv = tv_of(left > 0.001 ? left : 0.001);
+    evtimer_add(q->timer, &tv);
+}
+
+/* Hands q's request to connection c. */
+static int attach(px_creq *q, cconn *c) {
+    q->cn = c;
+    c->q = q;
+    bufferevent_setcb(c->bev, on_read, on_write, on_event, c);
+    if (q->o.idle_timeout > 0) {
+        struct timeval rt = tv_of(q->o.idle_timeout);
+        bufferevent_set_timeouts(c->bev, &rt, NULL);
+    }
+    /* on_write at an empty output: the whole request is with the kernel. */
+    bufferevent_setwatermark(c->bev, EV_WRITE, 0, 0);
+    struct evbuffer *out = bufferevent_get_output(c->bev);
+    evbuffer_add(out, q->head.data, q->head.len);
+    if (q->body_len) evbuffer_add_reference(out, q->body, q->body_len, NULL, NULL);
+    bufferevent_enable(c->bev, EV_READ | EV_WRITE);
+    return 0;
+}
+
+/* The one resend: the request went to a reused connection that turned out
+ * dead before the kernel took a byte of it (the write itself failed), so
+ * the backend cannot have read any. Once bytes left, never: a reset after
+ * the backend read the request looks the same as one before. */
+static int may_resend(px_creq *q) {
+    cconn *c = q->cn;
+    return c && c->reused && !q->resent && !q->answering && !request_sent_bytes(q);
+}
+
+static void fail(px_creq *q, px_cresult r, const char *why) {
+    if ((r == PX_CR_RESET) && may_resend(q)) {
+        cconn *c = q->cn;
+        c->q = NULL;
+        conn_free(c);
+        q->cn = NULL;
+        q->resent = 1;
+        q->eof = 0;
+        q->searched = 0;
+        if (connect_new(q) == 0) return;
+        r = PX_CR_CONNECT;
+        why = "no socket for the resend";
+    }
+    finish(q, r, why);
+}
+
+static void on_timer(evutil_socket_t fd, short what, void *arg) {
+    px_creq *q = arg;
+    if (!q->connected)
+        fail(q, PX_CR_TIMEOUT, "connect timeout"); /* sent stays 0 */
+    else
+        fail(q, PX_CR_TIMEOUT, "total timeout");
+}
+
+static void on_resume(evutil_socket_t fd, short what, void *arg) {
+    process(arg);
+}
+
+static void on_write(struct bufferevent *bev, void *arg) {
+    cconn *c = arg;
+    px_creq *q = c->q;
+    if (!q || evbuffer_get_length(bufferevent_get_output(bev))) return;
+    q->upload_done = 1;
+    if (q->abort_after_upload) fail(q, PX_CR_ABORTED, "aborted after the upload");
+}
+
+static void on_event(struct bufferevent *bev, short what, void *arg) {
+    cconn *c = arg;
+    px_creq *q = c->q;
+    if (!q) return;
+    if (what & BEV_EVENT_CONNECTED) {
+        q->connected = 1;
+        arm_total(q);
+        return;
+    }
+    if (what & BEV_EVENT_TIMEOUT) {
+        fail(q, PX_CR_TIMEOUT, "no byte from the backend within the idle timeout");
+        return;
+    }
+    if (!q->connected) {
+        int err = EVUTIL_SOCKET_ERROR();
+        fail(q, PX_CR_CONNECT, err ? evutil_socket_error_to_string(err) : "connection refused");
+        return;
+    }
+    /* EOF or error: what is buffered is still the response's. */
+    q->eof = 1;
+    bufferevent_disable(bev, EV_READ);
+    process(q);
+}
+
+static void on_read(struct bufferevent *bev, void *arg) {
+    cconn *c = arg;
+    if (c->q) process(c->q);
+}
+
+/* Reads the response head when it is complete. 1: done (q->head_done),
+ * 0: more bytes needed, -1: q was finished. */
+static int read_head(px_creq *q, struct evbuffer *in) {
+    for (;;) {
+        size_t len = evbuffer_get_length(in);
+        if (!len) return 0;
+        q->answering = 1;
+        struct evbuffer_ptr start, end;
+        size_t limit = len < MAX_RESP_HEAD + 4 ? len : MAX_RESP_HEAD + 4;
+        size_t from = q->searched > 3 ? q->searched - 3 : 0;
+        evbuffer_ptr_set(in, &start, from, EVBUFFER_PTR_SET);
+        evbuffer_ptr_set(in, &end, limit, EVBUFFER_PTR_SET);
+        struct evbuffer_ptr pos = evbuffer_search_range(in, "\r\n\r\n", 4, &start, &end);
+        if (pos.pos < 0) {
+            q->searched = limit;
+            if (len >= MAX_RESP_HEAD + 4) {
+                fail(q, PX_CR_PROTOCOL, "response head too large");
+                return -1;
+            }
+            return 0;
+        }
+        q->searched = 0;
+        size_t hlen = (size_t)pos.pos + 4;
+        /* Header spans point into this copy while on_head runs. */
+        char *buf = (char *)evbuffer_pullup(in, (ev_ssize_t)hlen);
+        px_http_head *h = &q->cl->scratch;
+        const char *why = NULL;
+        if (!buf || px_http_parse_response(buf, hlen, h, &why)) {
+            fail(q, PX_CR_PROTOCOL, why ? why : "malformed response head");
+            return -1;
+        }
+        if (h->status >= 100 && h->status < 200) { /* 100 Continue and the like */
+            evbuffer_drain(in, hlen);
+            continue;
+        }
+        int st = h->status;
+        if (q->o.head_request || st == 204 || st == 304) {
+            q->mode = BM_NONE;
+        } else if (h->chunked) {
+            q->mode = BM_CHUNKED;
+            px_chunked_init(&q->ck);
+        } else if (h->content_length >= 0) {
+            q->mode = BM_LENGTH;
+            q->left = h->content_length;
+        } else {
+            q->mode = BM_CLOSE;
+        }
+        q->keep_alive = h->keep_alive && q->mode != BM_CLOSE;
+        q->head_done = 1;
+        q->cbs.on_head(q->arg, h);
+        evbuffer_drain(in, hlen); /* after on_head: its spans point into these bytes */
+        return 1;
+    }
+}
+
+/* Feeds what the input holds to on_data until it pauses, the body ends or
+ * the input runs dry. */
+static void process(px_creq *q) {
+    if (q->paused || !q->cn) return;
+    struct evbuffer *in = bufferevent_get_input(q->cn->bev);
+    if (!q->head_done) {
+        int r = read_head(q, in);
+        if (r < 0) return;
+        if (r == 0) {
+            if (q->eof) fail(q, PX_CR_RESET, "closed before the response head");
+            return;
+        }
+    }
+    for (;;) {
+        if (q->mode == BM_NONE || (q->mode == BM_LENGTH && q->left == 0) ||
+            (q->mode == BM_CHUNKED && q->ck.done && !q->raw_pending)) {
+            finish(q, PX_CR_OK, "");
+            return;
+        }
+        struct evbuffer_iovec v;
+        if (evbuffer_peek(in, -1, NULL, &v, 1) < 1 || v.iov_len == 0) break;
+        const char *data = v.iov_base;
+        size_t dn = v.iov_len, used = v.iov_len, framing = 0;
+        if (q->mode == BM_CHUNKED) {
+            if (q->raw_pending) {
+                if (dn > q->raw_pending) dn = q->raw_pending;
+                used = dn;
+            } else {
+                long u = px_chunked_span(&q->ck, v.iov_base, v.iov_len, &data, &dn);
+                if (u < 0) {
+                    fail(q, PX_CR_PROTOCOL, "malformed chunked response body");
+                    return;
+                }
+                used = (size_t)u;
+                framing = used - dn;
+            }
+        } else if (q->mode == BM_LENGTH && (int64_t)dn > q->left) {
+            dn = used = (size_t)q->left;
+        }
+        if (dn) {
+            int r = q->cbs.on_data(q->arg, data, dn);
+            if (r < 0) {
+                fail(q, PX_CR_ABORTED, "the receiver stopped the transfer");
+                return;
+            }
+            if (r > 0) {
+                /* Not consumed: keep the bytes, drop only the framing before
+                 * them, and stop reading until resumed. */
+                if (q->mode == BM_CHUNKED && !q->raw_pending) {
+                    evbuffer_drain(in, framing);
+                    q->raw_pending = dn;
+                }
+                q->paused = 1;
+                bufferevent_disable(q->cn->bev, EV_READ);
+                return;
+            }
+        }
+        evbuffer_drain(in, used);
+        if (q->mode == BM_CHUNKED && q->raw_pending) q->raw_pending -= dn;
+        if (q->mode == BM_LENGTH) q->left -= (int64_t)dn;
+    }
+    if (q->eof) {
+        if (q->mode == BM_CLOSE)
+            finish(q, PX_CR_OK, "");
+        else
+            fail(q, PX_CR_RESET, "closed before the response body was complete");
+    }
+}
+
+/* An idle connection the backend may have closed since the loop last
+ * looked: one idle for a while (a backend's keep-alive timeout, a restart)
+ * is checked with a peek, so a request does not walk into a closed
+ * connection. One in steady use is not: the loop sees a close at once. */
+#define PEEK_AFTER_IDLE_NS 50000000ull
+
+static int usable(cconn *c) {
+    if (px_now_ns() - c->idle_since_ns < PEEK_AFTER_IDLE_NS) return 1;
+    char b;
+    evutil_socket_t fd = bufferevent_getfd(c->bev);
+    ssize_t r = recv(fd, &b, 1, MSG_PEEK | MSG_DONTWAIT);
+    return r < 0 && (errno == EAGAIN || errno == EWOULDBLOCK);
+}
+
+/* ---------- public ---------- */
+
+px_client *px_client_create(struct event_base *base, const px_client_cfg *cfg) {
+    px_client *c = px_xcalloc(1, sizeof *c);
+    c->base = base;
+    c->max_idle = cfg && cfg->max_idle_per_host > 0 ? cfg->max_idle_per_host : 64;
+    c->idle_close_s = cfg && cfg->idle_close_s > 0 ? cfg->idle_close_s : 4.0;
+    return c;
+}
+
+void px_client_destroy(px_client *c) {
+    if (!c) return;
+    while (c->busy) {
+        cconn *k = c->busy;
+        if (k->q) {
+            creq_free(k->q);
+            k->q = NULL;
+        }
+        conn_free(k);
+    }
+    while (c->hosts) {
+        host *h = c->hosts;
+        while (h->idle)
+            conn_free(h->idle);
+        c->hosts = h->next;
+        free(h);
+    }
+    free(c);
+}
+
+px_creq *px_creq_start(px_client *cl, const struct sockaddr *sa, socklen_t salen, const char *head,
+                       size_t head_len, const char *body, size_t len, const px_creq_opts *o,
+                       const px_creq_cbs *cbs, void *arg) {
+    if (salen > sizeof(struct sockaddr_storage)) return NULL;
+    px_creq *q = px_xcalloc(1, sizeof *q);
+    q->cl = cl;
+    q->h = host_for(cl, sa, salen);
+    px_buf_init(&q->head);
+    px_buf_append(&q->head, head, head_len);
+    q->body = body;
+    q->body_len = len;
+    q->req_bytes = head_len + len;
+    q->o = *o;
+    q->cbs = *cbs;
+    q->arg = arg;
+    q->t_start_ns = px_now_ns();
+    q->timer = evtimer_new(cl->base, on_timer, q);
+    q->resume_ev = event_new(cl->base, -1, 0, on_resume, q);
+    host *h = q->h;
+    while (h->idle && !usable(h->idle))
+        conn_free(h->idle);
+    if (h->idle) {
+        cconn *c = h->idle;
+        list_unlink(&h->idle, c);
+        h->nidle--;
+        cl->nidle--;
+        c->idle = 0;
+        evtimer_del(c->timer);
+        list_push(&cl->busy, c);
+        q->connected = 1;
+        attach(q, c);
+        arm_total(q);
+        return q;
+    }
+    if (connect_new(q) < 0) {
+        creq_free(q);
+        return NULL;
+    }
+    return q;
+}
+
+int px_creq_answering(const px_creq *q) {
+    return q && q->answering;
+}
+
+int px_creq_abort_after_upload(px_creq *q) {
+    if (q->upload_done) return 1;
+    q->abort_after_upload = 1;
+    return 0;
+}
+
+void px_creq_resume(px_creq *q) {
+    if (!q || !q->paused) return;
+    q->paused = 0;
+    if (q->cn && !q->eof) bufferevent_enable(q->cn->bev, EV_READ);
+    /* On the next loop turn: the caller may be inside its own callbacks, and
+     * what is delivered may end the exchange. */
+    event_active(q->resume_ev, EV_TIMEOUT, 0);
+}
+
+void px_creq_cancel(px_creq *q) {
+    if (!q) return;
+    if (q->cn) {
+        q->cn->q = NULL;
+        conn_free(q->cn);
+    }
+    creq_free(q);
+}
+
+size_t px_client_idle(const px_client *c) {
+    return c->nidle;
+}
