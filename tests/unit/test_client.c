@@ -2,11 +2,13 @@
  * blocking sockets): keep-alive reuse, the one resend on a stale reused
  * connection, no resend once the backend read the request, chunked bodies
  * with pause and resume, bodiless responses, refused connections. */
-#include <cmocka.h>
+/* clang-format off: cmocka needs these first, in this order */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <cmocka.h>
+/* clang-format on */
 
 #include <arpa/inet.h>
 #include <event2/event.h>
