@@ -2,11 +2,13 @@
 
 #include <errno.h>
 #include <event2/buffer.h>
-#include <event2/bufferevent.h>
+#include <linux/sockios.h> /* SIOCOUTQ */
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/ioctl.h>
+#include <sys/uio.h>
 #include <unistd.h>
 
 #define MAX_RESP_HEAD (64 * 1024)
@@ -34,12 +36,24 @@ struct px_client {
     px_http_head scratch; /* the response head being read (one at a time per loop) */
 };
 
+/* A connection is a socket with two events of its own, not a bufferevent:
+ * reads go straight into the input buffer (no FIONREAD per read), writes
+ * straight out with writev, and the read event stays registered for the
+ * connection's life, so a request costs no epoll_ctl; the write event is
+ * added only while the kernel cannot take the output. */
 struct cconn {
     px_client *cl;
-    host *h;                 /* borrowed: its address's pool */
-    struct bufferevent *bev; /* owned */
-    struct event *timer;     /* owned: closes it after idle_close_s idle */
-    cconn *prev, *next;      /* in h->idle or cl->busy */
+    host *h; /* borrowed: its address's pool */
+    evutil_socket_t fd;
+    struct event *rev;    /* owned: EV_READ|EV_PERSIST, added unless paused */
+    struct event *wev;    /* owned: EV_WRITE|EV_PERSIST, added while output waits */
+    struct evbuffer *in;  /* owned */
+    struct evbuffer *out; /* owned */
+    int reading, writing; /* rev / wev added */
+    int connecting;
+    int connect_err;     /* connect() failed at once with this */
+    struct event *timer; /* owned: closes it after idle_close_s idle */
+    cconn *prev, *next;  /* in h->idle or cl->busy */
     int idle;
     int reused; /* served an exchange before the current one */
     uint64_t idle_since_ns;
@@ -59,6 +73,8 @@ struct px_creq {
     void *arg;
     struct event *timer;     /* owned: connect, then total timeout */
     struct event *resume_ev; /* owned: reads on after a pause, on the next loop turn */
+    struct event *idle_ev;   /* owned: opts.idle_timeout without a byte */
+    struct event *acked_ev;  /* owned: abort_after_upload waits for the peer's ACKs */
     uint64_t t_start_ns;
     int connected;
     int answering;
@@ -125,9 +141,31 @@ static void conn_free(cconn *c) {
     } else {
         list_unlink(&c->cl->busy, c);
     }
-    bufferevent_free(c->bev);
+    event_free(c->rev);
+    event_free(c->wev);
+    evbuffer_free(c->in);
+    evbuffer_free(c->out);
+    evutil_closesocket(c->fd);
     event_free(c->timer);
     free(c);
+}
+
+static void set_reading(cconn *c, int on) {
+    if (on == c->reading) return;
+    c->reading = on;
+    if (on)
+        event_add(c->rev, NULL);
+    else
+        event_del(c->rev);
+}
+
+static void set_writing(cconn *c, int on) {
+    if (on == c->writing) return;
+    c->writing = on;
+    if (on)
+        event_add(c->wev, NULL);
+    else
+        event_del(c->wev);
 }
 
 static host *host_for(px_client *cl, const struct sockaddr *sa, socklen_t salen) {
@@ -143,14 +181,6 @@ static host *host_for(px_client *cl, const struct sockaddr *sa, socklen_t salen)
 
 /* ---------- idle connections ---------- */
 
-static void on_idle_read(struct bufferevent *bev, void *arg) {
-    conn_free(arg); /* bytes nobody asked for: the connection is not reusable */
-}
-
-static void on_idle_event(struct bufferevent *bev, short what, void *arg) {
-    conn_free(arg); /* the backend closed it */
-}
-
 static void on_idle_timer(evutil_socket_t fd, short what, void *arg) {
     conn_free(arg);
 }
@@ -161,12 +191,10 @@ static void to_idle(cconn *c) {
     c->idle = 1;
     c->reused = 1;
     c->idle_since_ns = px_now_ns();
-    bufferevent_set_timeouts(c->bev, NULL, NULL);
-    bufferevent_disable(c->bev, EV_WRITE);
-    bufferevent_setcb(c->bev, on_idle_read, NULL, on_idle_event, c);
-    /* Reading stays on: a backend closing an idle connection is noticed at
-     * once, so the next request does not walk into it. */
-    bufferevent_enable(c->bev, EV_READ);
+    set_writing(c, 0);
+    /* Reading stays on: a backend closing an idle connection (or sending
+     * what nobody asked for) is noticed at once, and the connection goes. */
+    set_reading(c, 1);
     struct timeval tv = tv_of(cl->idle_close_s);
     evtimer_add(c->timer, &tv);
     list_push(&c->h->idle, c);
@@ -182,14 +210,16 @@ static void to_idle(cconn *c) {
 
 /* ---------- the exchange ---------- */
 
-static void on_read(struct bufferevent *bev, void *arg);
-static void on_write(struct bufferevent *bev, void *arg);
-static void on_event(struct bufferevent *bev, short what, void *arg);
+static void on_readable(evutil_socket_t fd, short what, void *arg);
+static void on_writable(evutil_socket_t fd, short what, void *arg);
 static void process(px_creq *q);
+static void fail(px_creq *q, px_cresult r, const char *why);
 
 static void creq_free(px_creq *q) {
     event_free(q->timer);
     event_free(q->resume_ev);
+    event_free(q->idle_ev);
+    event_free(q->acked_ev);
     px_buf_cleanup(&q->head);
     free(q);
 }
@@ -197,8 +227,7 @@ static void creq_free(px_creq *q) {
 /* Whether any byte of the request was handed to the kernel. */
 static int request_sent_bytes(const px_creq *q) {
     if (!q->cn) return 0;
-    size_t queued = evbuffer_get_length(bufferevent_get_output(q->cn->bev));
-    return queued < q->req_bytes;
+    return evbuffer_get_length(q->cn->out) < q->req_bytes;
 }
 
 /* Whether any byte of the request may have reached the backend. */
@@ -211,7 +240,8 @@ static void finish(px_creq *q, px_cresult r, const char *why) {
     int sent = r == PX_CR_OK || request_sent(q);
     if (c) {
         c->q = NULL;
-        if (r == PX_CR_OK && q->keep_alive && !evbuffer_get_length(bufferevent_get_input(c->bev))) {
+        if (r == PX_CR_OK && q->keep_alive && !evbuffer_get_length(c->in) &&
+            !evbuffer_get_length(c->out)) {
             to_idle(c);
         } else {
             conn_free(c);
@@ -225,6 +255,7 @@ static void finish(px_creq *q, px_cresult r, const char *why) {
 }
 
 static int attach(px_creq *q, cconn *c);
+static void arm_total(px_creq *q);
 
 /* A fresh connection to q's backend. 0, or -1 when no socket could be had. */
 static int connect_new(px_creq *q) {
@@ -236,28 +267,37 @@ static int connect_new(px_creq *q) {
     cconn *c = px_xcalloc(1, sizeof *c);
     c->cl = cl;
     c->h = q->h;
-    c->bev = bufferevent_socket_new(cl->base, fd, BEV_OPT_CLOSE_ON_FREE);
+    c->fd = fd;
+    c->rev = event_new(cl->base, fd, EV_READ | EV_PERSIST, on_readable, c);
+    c->wev = event_new(cl->base, fd, EV_WRITE | EV_PERSIST, on_writable, c);
+    c->in = evbuffer_new();
+    c->out = evbuffer_new();
     c->timer = evtimer_new(cl->base, on_idle_timer, c);
-    if (!c->bev || !c->timer) {
-        if (c->bev)
-            bufferevent_free(c->bev);
-        else
-            close(fd);
+    if (!c->rev || !c->wev || !c->in || !c->out || !c->timer) {
+        if (c->rev) event_free(c->rev);
+        if (c->wev) event_free(c->wev);
+        if (c->in) evbuffer_free(c->in);
+        if (c->out) evbuffer_free(c->out);
         if (c->timer) event_free(c->timer);
+        close(fd);
         free(c);
         return -1;
     }
-    /* libevent moves at most 16 KiB per read or write call by default: a
-     * multi-MiB body or answer would take hundreds of loop turns. */
-    bufferevent_set_max_single_write(c->bev, 1 << 20);
-    bufferevent_set_max_single_read(c->bev, 256 << 10);
     list_push(&cl->busy, c);
-    attach(q, c);
     q->connected = 0;
     struct timeval tv = tv_of(q->o.connect_timeout > 0 ? q->o.connect_timeout : 5.0);
     evtimer_add(q->timer, &tv);
-    /* An immediate failure is reported through on_event, like a late one. */
-    bufferevent_socket_connect(c->bev, (struct sockaddr *)&q->h->sa, (int)q->h->salen);
+    int r = connect(fd, (struct sockaddr *)&q->h->sa, q->h->salen);
+    /* Refused at once (loopback) is reported from the loop like a late
+     * failure, never from inside px_creq_start: the write event tells. */
+    c->connecting = r < 0;
+    if (r < 0 && errno != EINPROGRESS) c->connect_err = errno ? errno : ECONNREFUSED;
+    attach(q, c);
+    if (c->connect_err) event_active(c->wev, EV_WRITE, 0);
+    if (!c->connecting) {
+        q->connected = 1;
+        arm_total(q);
+    }
     return 0;
 }
 
@@ -271,21 +311,19 @@ static void arm_total(px_creq *q) {
     evtimer_add(q->timer, &tv);
 }
 
-/* Hands q's request to connection c. */
+static void flush(cconn *c);
+
+/* Hands q's request to connection c, and writes it when it can. */
 static int attach(px_creq *q, cconn *c) {
     q->cn = c;
     c->q = q;
-    bufferevent_setcb(c->bev, on_read, on_write, on_event, c);
-    if (q->o.idle_timeout > 0) {
-        struct timeval rt = tv_of(q->o.idle_timeout);
-        bufferevent_set_timeouts(c->bev, &rt, NULL);
-    }
-    /* on_write at an empty output: the whole request is with the kernel. */
-    bufferevent_setwatermark(c->bev, EV_WRITE, 0, 0);
-    struct evbuffer *out = bufferevent_get_output(c->bev);
-    evbuffer_add(out, q->head.data, q->head.len);
-    if (q->body_len) evbuffer_add_reference(out, q->body, q->body_len, NULL, NULL);
-    bufferevent_enable(c->bev, EV_READ | EV_WRITE);
+    evbuffer_add(c->out, q->head.data, q->head.len);
+    if (q->body_len) evbuffer_add_reference(c->out, q->body, q->body_len, NULL, NULL);
+    set_reading(c, 1);
+    if (c->connecting)
+        set_writing(c, 1); /* writable: connected (or failed) */
+    else
+        flush(c);
     return 0;
 }
 
@@ -314,6 +352,65 @@ static void fail(px_creq *q, px_cresult r, const char *why) {
     finish(q, r, why);
 }
 
+/* Writes what the output holds; the write event only while the kernel
+ * cannot take it all. May finish the exchange (abort after upload). */
+static void flush(cconn *c) {
+    px_creq *q = c->q;
+    while (evbuffer_get_length(c->out)) {
+        int n = evbuffer_write(c->out, c->fd);
+        if (n < 0) {
+            if (errno == EAGAIN || errno == EWOULDBLOCK) break;
+            if (errno == EINTR) continue;
+            set_writing(c, 0);
+            if (q) {
+                /* A reset on write: process() decides (the one resend when
+                 * nothing left, else a failure). */
+                q->eof = 1;
+                process(q);
+            } else {
+                conn_free(c);
+            }
+            return;
+        }
+    }
+    int left = evbuffer_get_length(c->out) != 0;
+    set_writing(c, left);
+    if (!left && q && !q->upload_done) {
+        q->upload_done = 1;
+        /* Abort once the backend's kernel holds the whole request (polled:
+         * a rare path, taken when a client leaves mid-upload). */
+        if (q->abort_after_upload) {
+            struct timeval now = {0, 0};
+            evtimer_add(q->acked_ev, &now);
+        }
+    }
+}
+
+static void on_writable(evutil_socket_t fd, short what, void *arg) {
+    cconn *c = arg;
+    px_creq *q = c->q;
+    if (c->connecting) {
+        int err = c->connect_err;
+        socklen_t len = sizeof err;
+        if (!err && getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &len) < 0) err = errno;
+        if (err == EINPROGRESS) return;
+        c->connecting = 0;
+        if (err) {
+            set_writing(c, 0);
+            if (q)
+                fail(q, PX_CR_CONNECT, evutil_socket_error_to_string(err));
+            else
+                conn_free(c);
+            return;
+        }
+        if (q) {
+            q->connected = 1;
+            arm_total(q);
+        }
+    }
+    flush(c);
+}
+
 static void on_timer(evutil_socket_t fd, short what, void *arg) {
     px_creq *q = arg;
     if (!q->connected)
@@ -322,45 +419,66 @@ static void on_timer(evutil_socket_t fd, short what, void *arg) {
         fail(q, PX_CR_TIMEOUT, "total timeout");
 }
 
+/* Whether the backend's kernel acknowledged every byte we wrote: the
+ * request is there, not only in our send queue. */
+static int all_acked(px_creq *q) {
+    int outq = 0;
+    return !q->cn || ioctl(q->cn->fd, SIOCOUTQ, &outq) < 0 || outq == 0;
+}
+
+static void on_acked_poll(evutil_socket_t fd, short what, void *arg) {
+    px_creq *q = arg;
+    if (all_acked(q)) {
+        fail(q, PX_CR_ABORTED, "aborted after the upload");
+        return;
+    }
+    struct timeval tv = {0, 5000};
+    evtimer_add(q->acked_ev, &tv);
+}
+
+static void on_idle_timeout(evutil_socket_t fd, short what, void *arg) {
+    fail(arg, PX_CR_TIMEOUT, "no byte from the backend within the idle timeout");
+}
+
 static void on_resume(evutil_socket_t fd, short what, void *arg) {
     process(arg);
 }
 
-static void on_write(struct bufferevent *bev, void *arg) {
+/* One read straight into the input buffer. */
+static void on_readable(evutil_socket_t fd, short what, void *arg) {
     cconn *c = arg;
     px_creq *q = c->q;
-    if (!q || evbuffer_get_length(bufferevent_get_output(bev))) return;
-    q->upload_done = 1;
-    if (q->abort_after_upload) fail(q, PX_CR_ABORTED, "aborted after the upload");
-}
-
-static void on_event(struct bufferevent *bev, short what, void *arg) {
-    cconn *c = arg;
-    px_creq *q = c->q;
-    if (!q) return;
-    if (what & BEV_EVENT_CONNECTED) {
-        q->connected = 1;
-        arm_total(q);
+    if (c->connecting) return; /* the write event tells */
+    struct evbuffer_iovec v[2];
+    int nv = evbuffer_reserve_space(c->in, 64 * 1024, v, 2);
+    ssize_t n = nv > 0 ? readv(fd, (struct iovec *)v, nv) : -1;
+    if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) return;
+    if (n > 0) {
+        size_t left = (size_t)n;
+        for (int i = 0; i < nv; i++) {
+            size_t take = left < v[i].iov_len ? left : v[i].iov_len;
+            v[i].iov_len = take;
+            left -= take;
+        }
+        evbuffer_commit_space(c->in, v, nv);
+        if (!q) {
+            conn_free(c); /* bytes nobody asked for: not reusable */
+            return;
+        }
+        if (q->o.idle_timeout > 0) {
+            struct timeval tv = tv_of(q->o.idle_timeout);
+            evtimer_add(q->idle_ev, &tv);
+        }
+        process(q);
         return;
     }
-    if (what & BEV_EVENT_TIMEOUT) {
-        fail(q, PX_CR_TIMEOUT, "no byte from the backend within the idle timeout");
+    if (!q) {
+        conn_free(c); /* the backend closed an idle connection */
         return;
     }
-    if (!q->connected) {
-        int err = EVUTIL_SOCKET_ERROR();
-        fail(q, PX_CR_CONNECT, err ? evutil_socket_error_to_string(err) : "connection refused");
-        return;
-    }
-    /* EOF or error: what is buffered is still the response's. */
-    q->eof = 1;
-    bufferevent_disable(bev, EV_READ);
+    set_reading(c, 0);
+    q->eof = 1; /* what is buffered is still the response's */
     process(q);
-}
-
-static void on_read(struct bufferevent *bev, void *arg) {
-    cconn *c = arg;
-    if (c->q) process(c->q);
 }
 
 /* Reads the response head when it is complete. 1: done (q->head_done),
@@ -422,7 +540,7 @@ static int read_head(px_creq *q, struct evbuffer *in) {
  * the input runs dry. */
 static void process(px_creq *q) {
     if (q->paused || !q->cn) return;
-    struct evbuffer *in = bufferevent_get_input(q->cn->bev);
+    struct evbuffer *in = q->cn->in;
     if (!q->head_done) {
         int r = read_head(q, in);
         if (r < 0) return;
@@ -471,7 +589,7 @@ static void process(px_creq *q) {
                     q->raw_pending = dn;
                 }
                 q->paused = 1;
-                bufferevent_disable(q->cn->bev, EV_READ);
+                set_reading(q->cn, 0);
                 return;
             }
         }
@@ -496,8 +614,7 @@ static void process(px_creq *q) {
 static int usable(cconn *c) {
     if (px_now_ns() - c->idle_since_ns < PEEK_AFTER_IDLE_NS) return 1;
     char b;
-    evutil_socket_t fd = bufferevent_getfd(c->bev);
-    ssize_t r = recv(fd, &b, 1, MSG_PEEK | MSG_DONTWAIT);
+    ssize_t r = recv(c->fd, &b, 1, MSG_PEEK | MSG_DONTWAIT);
     return r < 0 && (errno == EAGAIN || errno == EWOULDBLOCK);
 }
 
@@ -549,6 +666,8 @@ px_creq *px_creq_start(px_client *cl, const struct sockaddr *sa, socklen_t salen
     q->t_start_ns = px_now_ns();
     q->timer = evtimer_new(cl->base, on_timer, q);
     q->resume_ev = event_new(cl->base, -1, 0, on_resume, q);
+    q->idle_ev = evtimer_new(cl->base, on_idle_timeout, q);
+    q->acked_ev = evtimer_new(cl->base, on_acked_poll, q);
     host *h = q->h;
     while (h->idle && !usable(h->idle))
         conn_free(h->idle);
@@ -569,6 +688,10 @@ px_creq *px_creq_start(px_client *cl, const struct sockaddr *sa, socklen_t salen
         creq_free(q);
         return NULL;
     }
+    if (q->o.idle_timeout > 0) {
+        struct timeval tv = tv_of(q->o.idle_timeout);
+        evtimer_add(q->idle_ev, &tv);
+    }
     return q;
 }
 
@@ -577,15 +700,19 @@ int px_creq_answering(const px_creq *q) {
 }
 
 int px_creq_abort_after_upload(px_creq *q) {
-    if (q->upload_done) return 1;
+    if (q->upload_done && all_acked(q)) return 1;
     q->abort_after_upload = 1;
+    if (q->upload_done) {
+        struct timeval soon = {0, 5000};
+        evtimer_add(q->acked_ev, &soon);
+    }
     return 0;
 }
 
 void px_creq_resume(px_creq *q) {
     if (!q || !q->paused) return;
     q->paused = 0;
-    if (q->cn && !q->eof) bufferevent_enable(q->cn->bev, EV_READ);
+    if (q->cn && !q->eof) set_reading(q->cn, 1);
     /* On the next loop turn: the caller may be inside its own callbacks, and
      * what is delivered may end the exchange. */
     event_active(q->resume_ev, EV_TIMEOUT, 0);

@@ -8,6 +8,9 @@
 # Prints req/s, p50 and p99 for 1, 16 and 64 connections (wrk -t1), the
 # ratios, and pdproxy's RSS idle and under load.
 #   bench/proxy_bench.sh [build-dir]     (DURATION=10 THREADS=1 by default)
+#   SYSCALLS=1: also count pdproxy's system calls per request (strace -c) at 1
+#   and 64 connections; PROFILE=1: also a perf profile at 64 connections;
+#   SSE=1: also 256 concurrent streams of 200 events, pdproxy beside nginx.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 build=${1:-$root/build}
@@ -29,8 +32,20 @@ trap cleanup EXIT INT TERM
 
 free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 P=$(free_port); D=$(free_port); N=$(free_port); X=$(free_port)
+S=$(free_port); NS=$(free_port); XS=$(free_port)
 
 pbody='{"id":"cmpl-bench","object":"text_completion","created":1,"model":"bench","choices":[{"index":0,"text":" a","finish_reason":"length"}],"usage":{"prompt_tokens":9,"completion_tokens":1,"total_tokens":10},"kv_transfer_params":{"do_remote_prefill":true,"do_remote_decode":false,"remote_block_ids":[1,2,3],"remote_engine_id":"p0","remote_request_id":"cmpl-bench-0-deadbeef","remote_host":"127.0.0.1","remote_port":5600,"tp_size":1}}'
+# SSE=1: a decode mock answering 200 events of ~120 bytes each, as fast as it
+# can write them: nginx serving one file (POSTs included, via error_page).
+mkdir -p "$work/sse"
+python3 -c '
+import json, sys
+with open(sys.argv[1], "w") as f:
+    for i in range(200):
+        d = {"id": "cmpl-bench", "object": "text_completion", "created": 1, "model": "bench",
+             "choices": [{"index": 0, "text": " tok%03d" % i, "finish_reason": None}]}
+        f.write("data: " + json.dumps(d, separators=(",", ":")) + "\n\n")
+    f.write("data: [DONE]\n\n")' "$work/sse/events.txt"
 dbody='{"id":"cmpl-bench","object":"text_completion","created":1,"model":"bench","choices":[{"index":0,"text":" jumps over the lazy dog again and again","finish_reason":"length"}],"usage":{"prompt_tokens":9,"completion_tokens":16,"total_tokens":25}}'
 
 mkdir -p "$work/logs"
@@ -46,6 +61,8 @@ http {
   client_body_temp_path $work/body;
   server { listen 127.0.0.1:$P; location / { default_type application/json; return 200 '$pbody'; } }
   server { listen 127.0.0.1:$D; location / { default_type application/json; return 200 '$dbody'; } }
+  server { listen 127.0.0.1:$S; root $work/sse; location / { default_type text/event-stream;
+           error_page 405 =200 /events.txt; try_files /events.txt =404; } }
 }
 CONF
 cat > "$work/onehop.conf" <<CONF
@@ -60,10 +77,20 @@ http {
   client_body_temp_path $work/body2;
   proxy_temp_path $work/ptemp;
   upstream dmock { server 127.0.0.1:$D; keepalive 128; }
+  upstream smock { server 127.0.0.1:$S; keepalive 512; }
   server {
     listen 127.0.0.1:$N;
     location / {
       proxy_pass http://dmock;
+      proxy_http_version 1.1;
+      proxy_set_header Connection "";
+      proxy_buffering off;
+    }
+  }
+  server {
+    listen 127.0.0.1:$NS;
+    location / {
+      proxy_pass http://smock;
       proxy_http_version 1.1;
       proxy_set_header Connection "";
       proxy_buffering off;
@@ -118,6 +145,63 @@ for c in 1 16 64; do
     wait "$runpid"
     run nginx1hop "http://127.0.0.1:$N" "$c"
 done
+
+if [ -n "${SSE:-}" ]; then
+    # Streaming: 256 concurrent client streams of 200 events each, through
+    # pdproxy (prefill, then the SSE decode) and through nginx one hop with
+    # proxy_buffering off, on the same mock. CPU from /proc/<pid>/stat.
+    "$pdproxy" --port "$XS" --threads "$pthreads" --log-level warn \
+        --prefiller-hosts 127.0.0.1 --prefiller-ports "$P" \
+        --decoder-hosts 127.0.0.1 --decoder-ports "$S" 2>>"$work/logs/pdproxy.err" & spid=$!
+    pids+=($spid)
+    wait_port "$XS"; wait_port "$NS"
+    ngw=$(pgrep -f "nginx: worker process" -P "$(cat "$work/onehop.pid")" | head -1)
+    cpu_s() { awk '{printf "%.2f", ($14 + $15) / 100}' "/proc/$1/stat"; }
+    stream() { # name url pid
+        local c0 out rps mbs c1
+        c0=$(cpu_s "$3")
+        out=$(wrk -t1 -c256 -d"${duration}s" -s "$root/bench/wrk/stream.lua" "$2/v1/completions")
+        c1=$(cpu_s "$3")
+        rps=$(awk '/Requests\/sec/{print $2}' <<<"$out")
+        mbs=$(awk '/Transfer\/sec/{v=$2; if (v ~ /MB$/) {sub(/MB/,"",v)} else if (v ~ /KB$/) {sub(/KB/,"",v); v/=1024} else if (v ~ /GB$/) {sub(/GB/,"",v); v*=1024}; print v}' <<<"$out")
+        awk -v n="$1" -v r="$rps" -v m="$mbs" -v c="$(awk -v a="$c0" -v b="$c1" 'BEGIN{print b-a}')" -v d="$duration" \
+            'BEGIN { printf "%-9s c=256 %9.0f events/s %8.1f MB/s  CPU %5.2f s = %.1f ms per MB\n", n, r * 201, m, c, 1000 * c / (m * d) }'
+        echo "$1 $(awk -v r="$rps" 'BEGIN{print r*201}') $mbs $c0 $c1" >> "$work/sse.results"
+    }
+    echo
+    echo "streaming (SSE=1): 256 streams x 200 events, wrk -t1 ${duration}s"
+    stream pdproxy "http://127.0.0.1:$XS" "$spid"
+    stream nginx1hop "http://127.0.0.1:$NS" "$ngw"
+    awk '{ ev[$1]=$2 } END { printf "pdproxy/nginx1hop events/s = %.2f\n", ev["pdproxy"] / ev["nginx1hop"] }' "$work/sse.results"
+fi
+if [ -n "${SYSCALLS:-}" ]; then
+    # System calls per request on pdproxy (both hops), counted by strace over
+    # a fixed-length wrk run; requests from pdproxy's own counter.
+    reqs() { curl -s "http://127.0.0.1:$X/metrics" |
+        awk '/^pdproxy_requests_total\{endpoint="\/v1\/completions",code="200"\}/{print $2}'; }
+    echo
+    for c in 1 64; do
+        before=$(reqs)
+        strace -c -f -p "$ppid" -o "$work/strace.$c" & spid=$!
+        sleep 0.5
+        wrk -t1 -c"$c" -d3s -s "$root/bench/wrk/completion.lua" "http://127.0.0.1:$X/v1/completions" >/dev/null
+        kill -INT "$spid"; wait "$spid" 2>/dev/null || true
+        n=$(( $(reqs) - before ))
+        echo "syscalls per request at c=$c ($n requests under strace):"
+        awk -v n="$n" '$NF ~ /^[a-z_0-9]+$/ && $4 ~ /^[0-9]+$/ && $NF != "total" {
+            printf "  %-14s %6.2f\n", $NF, $4 / n; t += $4 }
+            END { printf "  %-14s %6.2f\n", "total", t / n }' "$work/strace.$c"
+    done
+fi
+if [ -n "${PROFILE:-}" ]; then
+    # Where pdproxy's time goes at 64 connections (perf, software clock).
+    perf record -q -e cpu-clock -F 2000 -g -p "$ppid" -o "$work/perf.data" -- sleep 4 &
+    prof=$!
+    wrk -t1 -c64 -d4s -s "$root/bench/wrk/completion.lua" "http://127.0.0.1:$X/v1/completions" >/dev/null
+    wait "$prof" || true
+    echo; echo "pdproxy profile at c=64 (self time, top entries):"
+    perf report -q -i "$work/perf.data" --no-children --sort dso,symbol 2>/dev/null | grep -v '^$' | head -25
+fi
 
 echo
 awk '

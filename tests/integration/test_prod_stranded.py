@@ -197,6 +197,12 @@ class Relay:
         self.up_bytes = 0
         self.lsock = socket.socket()
         self.lsock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if up_piece:
+            # A small receive buffer so that slow reading slows the sender,
+            # set before the connection exists: shrinking it on an accepted
+            # socket that already advertised a larger window (the sender may
+            # have written at once) stalls the flow unpredictably.
+            self.lsock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16384)
         self.lsock.bind((e2e.HOST, 0))
         self.lsock.listen(16)
         self.lsock.settimeout(0.1)
@@ -225,9 +231,6 @@ class Relay:
                 return
             b = socket.create_connection((e2e.HOST, self.target), timeout=5)
             b.settimeout(None)
-            if self.up_piece:
-                # A small receive buffer so that slow reading slows the sender.
-                a.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16384)
             self.socks += [a, b]
             threading.Thread(target=self._up, args=(a, b), daemon=True).start()
             threading.Thread(target=self._down, args=(b, a), daemon=True).start()
