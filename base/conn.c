@@ -395,7 +395,17 @@ void px_conn_stream_write(px_conn *c, const char *p, size_t n) {
     if (!n || c->no_body) return;
     struct evbuffer *out = bufferevent_get_output(c->bev);
     if (c->chunked_out) {
-        evbuffer_add_printf(out, "%zx\r\n", n);
+        /* The chunk's size line, data and CRLF: one add each, no printf. */
+        char hex[24];
+        int k = (int)sizeof hex;
+        hex[--k] = '\n';
+        hex[--k] = '\r';
+        size_t v = n;
+        do {
+            hex[--k] = "0123456789abcdef"[v & 15];
+            v >>= 4;
+        } while (v);
+        evbuffer_add(out, hex + k, sizeof hex - (size_t)k);
         evbuffer_add(out, p, n);
         evbuffer_add(out, "\r\n", 2);
     } else {
