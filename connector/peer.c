@@ -631,6 +631,10 @@ static kvc_proto_t choose_proto(kvc_agent_t *a, kvc_peer_t *p) {
     p->shm = shm;
     if (!keys) return KVC_PROTO_PUSH; /* the producer sent no rkeys */
     if (a->proto != KVC_PROTO_AUTO) return a->proto;
+    /* AUTO runs without UCX's RMA feature (context.c): one-sided only
+     * through the mapping, into host memory. */
+    for (size_t r = 0; r < a->n_regions; r++)
+        shm &= a->regions[r].mem_type == KVC_MEM_HOST || a->regions[r].staged;
     /* A mapping of every remote region means shared memory on this host:
      * reads are one-sided memcpy through UCX's mapping (xfer.c), whatever
      * lanes the endpoint uses.  Otherwise (tcp, registered memory) a get is
