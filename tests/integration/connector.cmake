@@ -17,6 +17,10 @@ if(TARGET kvconnector)
     set_tests_properties(integration.kvc_hostile_${mode} PROPERTIES
       LABELS integration TIMEOUT 300 ENVIRONMENT "${PX_TEST_ENV}")
   endforeach()
+  # engine-sim with a secret file, tokens and heterogeneous TP.
+  add_test(NAME integration.kvc_sim COMMAND ${PYTHON3} ${CMAKE_CURRENT_SOURCE_DIR}/integration/connector_sim.py)
+  set_tests_properties(integration.kvc_sim PROPERTIES
+    LABELS integration TIMEOUT 300 ENVIRONMENT "${PX_TEST_ENV}")
 endif()
 
 # CUDA end to end (tests/gpu): label gpu, skipped (code 77) without a device.
