@@ -324,8 +324,9 @@ struct kvc_agent {
 
     kvc_pubtab_t pubs;
     kvc_sconn_t *sconns;
-    kvc_peer_t *peers; /* cache of handshaken/connecting producers */
-    kvc_xfer_t *xfers; /* active and finishing fetches */
+    kvc_sconn_t *sconns_dead; /* closed, freed at the end of progress */
+    kvc_peer_t *peers;        /* cache of handshaken/connecting producers */
+    kvc_xfer_t *xfers;        /* active and finishing fetches */
     uint64_t next_xfer_id;
     uint64_t push_inflight; /* producer-side sends in flight */
     size_t push_chunk;      /* largest DATA message (bytes, whole blocks) */
@@ -379,6 +380,7 @@ KVC_HIDDEN void kvc_peer_abort(kvc_agent_t *a, kvc_peer_t *p, kvc_status_t st, c
 KVC_HIDDEN void kvc_peers_destroy(kvc_agent_t *a);
 KVC_HIDDEN void kvc_sconns_timers(kvc_agent_t *a, uint64_t now, uint64_t *next);
 KVC_HIDDEN void kvc_sconns_destroy(kvc_agent_t *a);
+KVC_HIDDEN void kvc_sconns_reap(kvc_agent_t *a);
 
 /* peer internals used by xfer.c */
 struct kvc_peer_region {

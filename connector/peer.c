@@ -45,6 +45,7 @@ struct kvc_sconn {
     char addr[64]; /* the client's address, for limits and logs */
     uint8_t nonce_c[KVC_NONCE_LEN], nonce_p[KVC_NONCE_LEN];
     char *cons_id; /* owned: the consumer's engine id from its HELLO */
+    bool dead;     /* closed; freed by kvc_sconns_reap (events may still name it) */
 };
 
 static kvc_status_t resolve(const char *host, uint16_t port, struct sockaddr_storage *ss,
@@ -96,6 +97,9 @@ err_log:
     return KVC_ERR_IO;
 }
 
+/* Closes c at once; its memory goes at the end of this progress call, since
+ * the epoll batch being handled may still hold events for it (a connection
+ * evicted by another's accept). */
 static void sconn_close(kvc_agent_t *a, kvc_sconn_t *c) {
     kvc_sconn_t **pp = &a->sconns;
     while (*pp && *pp != c)
@@ -103,10 +107,23 @@ static void sconn_close(kvc_agent_t *a, kvc_sconn_t *c) {
     if (*pp) *pp = c->next;
     kvc_ep_del(a, c->fd);
     close(c->fd);
+    c->fd = -1;
     free(c->in);
+    c->in = NULL;
     free(c->cons_id);
+    c->cons_id = NULL;
     kvc_buf_cleanup(&c->out);
-    free(c);
+    c->dead = true;
+    c->next = a->sconns_dead;
+    a->sconns_dead = c;
+}
+
+void kvc_sconns_reap(kvc_agent_t *a) {
+    while (a->sconns_dead) {
+        kvc_sconn_t *c = a->sconns_dead;
+        a->sconns_dead = c->next;
+        free(c);
+    }
 }
 
 /* Closes a misbehaving client: counted, logged (rate-limited). */
@@ -310,6 +327,7 @@ static bool sconn_alive(kvc_agent_t *a, kvc_sconn_t *c) {
 }
 
 void kvc_sconn_io(kvc_agent_t *a, kvc_sconn_t *c, uint32_t events) {
+    if (c->dead) return;
     if (c->out.len && !sconn_flush(a, c)) return;
     if (c->state == SC_CLOSING) {
         /* Waiting for the reply to drain; a consumer that hangs up is closed. */
@@ -401,6 +419,7 @@ void kvc_sconns_timers(kvc_agent_t *a, uint64_t now, uint64_t *next) {
 void kvc_sconns_destroy(kvc_agent_t *a) {
     while (a->sconns)
         sconn_close(a, a->sconns);
+    kvc_sconns_reap(a);
 }
 
 /* UCX asserts (aborts the process) on a malformed worker address, and its

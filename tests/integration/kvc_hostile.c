@@ -26,7 +26,11 @@
  *       then the rest), short (last message missing, then END), stray (every
  *       message with a wrong transfer token, no END)
  *       -> "READY port=N"; serves until stdin closes.
- * A failure of the tool itself prints "ERR <what>" and exits 1. */
+ * A failure of the tool itself prints "ERR <what>" and exits 1.
+ * With KVC_CAPTURE_DIR set, every side-channel message and active message it
+ * sends or receives is also written there, one file each (seeds for the fuzz
+ * corpora: side-channel messages whole; active messages as the kvc_notify
+ * target reads them, a selector byte then the bytes). */
 #include "kvc_int.h"
 
 #include <arpa/inet.h>
@@ -46,10 +50,23 @@ static struct kvc_agent fake; /* only secret/secret_len are read (auth.c) */
 static ucp_context_h ctx;
 static ucp_worker_h worker;
 
+static void capture(const char *kind, int sel, const void *p, size_t n) {
+    static int seq;
+    const char *dir = getenv("KVC_CAPTURE_DIR");
+    if (!dir || !*dir) return;
+    char path[512];
+    snprintf(path, sizeof(path), "%s/%s-%d-%d", dir, kind, (int)getpid(), seq++);
+    FILE *f = fopen(path, "wb");
+    if (!f) return;
+    if (sel >= 0) fputc(sel, f);
+    fwrite(p, 1, n, f);
+    fclose(f);
+}
+
 static void die(const char *what) {
     printf("ERR %s\n", what);
     fflush(stdout);
-    exit(1);
+    _exit(1);
 }
 
 static void ucx_up(void) {
@@ -96,9 +113,16 @@ static kvc_wire_hdr_t read_msg(int fd, uint8_t **body) {
     xread(fd, h, sizeof(h));
     kvc_wire_hdr_t hdr;
     if (kvc_wire_parse_hdr(h, sizeof(h), KVC_WIRE_MAX_BODY, &hdr) != KVC_OK) die("bad header");
+    uint8_t *m = malloc(KVC_WIRE_HDR_LEN + hdr.body_len + 1);
+    if (!m) die("oom");
+    memcpy(m, h, sizeof(h));
+    xread(fd, m + KVC_WIRE_HDR_LEN, hdr.body_len);
+    static const char *names[] = {"msg", "hello", "handshake", "challenge", "auth", "error"};
+    capture(names[hdr.type <= 5 ? hdr.type : 0], -1, m, KVC_WIRE_HDR_LEN + hdr.body_len);
     *body = malloc(hdr.body_len + 1);
     if (!*body) die("oom");
-    xread(fd, *body, hdr.body_len);
+    memcpy(*body, m + KVC_WIRE_HDR_LEN, hdr.body_len);
+    free(m);
     return hdr;
 }
 
@@ -140,6 +164,7 @@ static void scratch_done(void *req, ucs_status_t st, size_t length, void *ud) {
 static ucs_status_t on_data(void *arg, const void *header, size_t hlen, void *data, size_t len,
                             const ucp_am_recv_param_t *param) {
     kvc_wire_data_hdr_t h;
+    capture("data", 2, header, hlen);
     if (kvc_wire_parse_data_hdr(header, hlen, &h) != KVC_OK) return UCS_OK;
     if (h.status != 0)
         refused = h.status;
@@ -187,6 +212,7 @@ static int consumer(int argc, char **argv) {
     kvc_wire_encode_hello(&b, KVC_WIRE_VERSION, KVC_MSG_HELLO, "D-hostile",
                           fake.secret ? KVC_HFLAG_SECRET : 0, nc);
     xwrite(fd, b.p, b.len);
+    capture("hello", -1, b.p, b.len);
     kvc_buf_cleanup(&b);
     uint8_t *body;
     kvc_wire_hdr_t h = read_msg(fd, &body);
@@ -199,6 +225,7 @@ static int consumer(int argc, char **argv) {
                      ch.engine_id, mac);
     kvc_wire_encode_auth(&b, KVC_WIRE_VERSION, proto, mac);
     xwrite(fd, b.p, b.len);
+    capture("auth", -1, b.p, b.len);
     kvc_buf_cleanup(&b);
     free(body);
     h = read_msg(fd, &body);
@@ -220,12 +247,14 @@ static int consumer(int argc, char **argv) {
             keys += hs.regions[i].rkey.len > 0;
         if (r >= hs.n_regions || !hs.regions[r].rkey.len) {
             printf("%s status=no-rkey rkeys=%d\n", put ? "PUT" : "GET", keys);
-            return 0;
+            fflush(stdout);
+            _exit(0);
         }
         ucp_rkey_h rk;
         if (ucp_ep_rkey_unpack(e, hs.regions[r].rkey.p, &rk) != UCS_OK) {
             printf("%s status=rkey-unpack-failed rkeys=%d\n", put ? "PUT" : "GET", keys);
-            return 0;
+            fflush(stdout);
+            _exit(0);
         }
         size_t bl = hs.regions[r].block_len;
         uint8_t *buf = malloc(bl);
@@ -262,6 +291,7 @@ static int consumer(int argc, char **argv) {
         pl.runs = runs;
         pl.n = n;
         kvc_wire_encode_pull(&b, &pl);
+        capture("pull", 1, b.p, b.len);
         ucp_request_param_t rp = {.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS,
                                   .flags = UCP_AM_SEND_FLAG_REPLY};
         progress_until(ucp_am_send_nbx(e, AM_PULL, NULL, 0, b.p, b.len, &rp));
@@ -271,17 +301,20 @@ static int consumer(int argc, char **argv) {
         progress_for_ms(50); /* stragglers */
         printf("PULL data=%d refused=%s\n", data_msgs,
                refused ? kvc_status_str((kvc_status_t)refused) : "none");
-        return 0;
+        fflush(stdout);
+        _exit(0); /* a one-shot tool: no orderly UCX teardown */
     }
     if (!strcmp(cmd, "notify") && argc >= 7) {
         uint8_t tok[KVC_TOKEN_LEN];
         if (kvc_token_parse(argv[5], tok) != KVC_OK) die("token");
         kvc_wire_encode_notify(&b, tok, argv[4], (uint32_t)atoi(argv[6]));
+        capture("notify", 0, b.p, b.len);
         ucp_request_param_t rp = {0};
         progress_until(ucp_am_send_nbx(e, AM_NOTIFY, NULL, 0, b.p, b.len, &rp));
         progress_until(ucp_ep_flush_nbx(e, &rp));
         printf("NOTIFY sent\n");
-        return 0;
+        fflush(stdout);
+        _exit(0);
     }
     die("usage");
     return 1;
@@ -340,6 +373,7 @@ static void send_end(ucp_ep_h ep, const kvc_wire_pull_t *pl, uint64_t sent) {
 static ucs_status_t on_pull(void *arg, const void *header, size_t hlen, void *data, size_t len,
                             const ucp_am_recv_param_t *param) {
     kvc_wire_pull_t pl;
+    capture("pull", 1, data, len);
     if (!(param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP)) return UCS_OK;
     if (kvc_wire_parse_pull(data, len, &pl) != KVC_OK) return UCS_OK;
     ucp_ep_h ep = param->reply_ep;
@@ -373,6 +407,12 @@ static ucs_status_t on_pull(void *arg, const void *header, size_t hlen, void *da
             }
     if (!stray) send_end(ep, &pl, sent);
     free(pl.runs);
+    return UCS_OK;
+}
+
+static ucs_status_t on_notify(void *arg, const void *header, size_t hlen, void *data, size_t len,
+                              const ucp_am_recv_param_t *param) {
+    capture("notify", 0, data, len);
     return UCS_OK;
 }
 
@@ -431,6 +471,7 @@ static int producer(int argc, char **argv) {
     if (nreg == 0 || nreg > 64) die("regions");
     ucx_up();
     set_handler(AM_PULL, on_pull);
+    set_handler(AM_NOTIFY, on_notify);
     ucp_address_t *waddr;
     size_t wlen;
     if (ucp_worker_get_address(worker, &waddr, &wlen) != UCS_OK) die("address");
@@ -457,7 +498,8 @@ static int producer(int argc, char **argv) {
         for (int i = 0; i < 64 && ucp_worker_progress(worker); i++) {
         }
     }
-    return 0;
+    fflush(stdout);
+    _exit(0); /* buffers of sends live until exit by design */
 }
 
 int main(int argc, char **argv) {
