@@ -315,15 +315,16 @@ static kvc_status_t ucx_init(kvc_agent_t *a) {
     ucp_params_t pp;
     memset(&pp, 0, sizeof(pp));
     pp.field_mask = UCP_PARAM_FIELD_FEATURES;
-    /* Least privilege: UCX's emulated RMA (tcp, and its software fallback)
-     * serves a peer's put or get at any address the peer names, whatever
-     * the registration allows.  Only an agent told to read with gets
-     * (KVC_PROTO_GET, i.e. RDMA, where the NIC enforces the registration)
-     * enables RMA; AUTO reads one-sided only through a shared-memory
-     * mapping, which needs no RMA lanes.  tcp puts are refused always. */
+    /* Least privilege: UCX's emulated RMA (tcp, shared memory) serves a
+     * peer's put or get at any address the peer names, whatever the
+     * registration allows (a hostile-peer test wrote a producer block that
+     * way).  Only an agent told to read with gets (KVC_PROTO_GET, meant for
+     * RDMA, where the NIC enforces the registration) enables RMA; AUTO reads
+     * one-sided only through a shared-memory mapping, which needs no RMA
+     * lanes.  (UCX_TCP_PUT_ENABLE=n does not help: the software emulation
+     * takes over.) */
     pp.features = UCP_FEATURE_AM | UCP_FEATURE_WAKEUP;
     if (a->proto == KVC_PROTO_GET) pp.features |= UCP_FEATURE_RMA;
-    ucp_config_modify(cfg, "TCP_PUT_ENABLE", "n");
     us = ucp_init(&pp, cfg, &a->ctx);
     ucp_config_release(cfg);
     if (us != UCS_OK) goto err_status;

@@ -159,7 +159,10 @@ typedef struct kvc_agent kvc_agent_t; /* opaque */
 /** How the consumer moves bytes.  AUTO: one-sided RMA get when the producer's
  * memory is directly reachable (shared-memory pool on the same host), else
  * producer push (UCX active-message rendezvous), which is what UCX's tcp
- * transport does fast (its emulated get is slow). */
+ * transport does fast (its emulated get is slow).  GET enables UCX's RMA
+ * feature for the whole agent: use it only with RDMA hardware, since UCX's
+ * emulated RMA (tcp, shared memory) lets any authenticated peer write this
+ * agent's memory (SECURITY.md). */
 typedef enum {
     KVC_PROTO_AUTO = 0,
     KVC_PROTO_GET = 1,
