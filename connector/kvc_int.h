@@ -268,6 +268,7 @@ struct kvc_pub {
     uint8_t token[KVC_TOKEN_LEN];
     uint32_t consumers; /* notifications needed; 0: from the first one */
     uint32_t notified;  /* matching notifications so far */
+    uint32_t pulls;     /* pulls served (bounded, xfer.c) */
 };
 
 typedef struct {
@@ -329,6 +330,7 @@ struct kvc_agent {
     kvc_xfer_t *xfers;        /* active and finishing fetches */
     uint64_t next_xfer_id;
     uint64_t push_inflight; /* producer-side sends in flight */
+    uint64_t push_bytes;    /* bytes those sends reference (bounded, xfer.c) */
     size_t push_chunk;      /* largest DATA message (bytes, whole blocks) */
 
     kvc_evnode_t *evq_head, *evq_tail, *ev_cur;

@@ -70,8 +70,22 @@ struct kvc_xfer {
 typedef struct {
     kvc_agent_t *a;
     size_t refs;
+    uint64_t bytes; /* counted in a->push_bytes until the job ends */
     uint8_t (*hdr)[KVC_WIRE_DATA_HDR_LEN];
 } push_job_t;
+
+/* Pulls one publication may be served: enough for every TP rank of the
+ * decode side, not an amplifier for a peer that repeats its pull. */
+#define PULLS_PER_PUB_MIN 8
+/* Bytes all pushes in flight may reference; beyond, pulls are refused
+ * (one is always served, however large). */
+#define MAX_PUSH_BYTES (4ull << 30)
+
+static void job_free(push_job_t *j) {
+    j->a->push_bytes -= j->bytes;
+    free(j->hdr);
+    free(j);
+}
 
 static kvc_status_t ucs_to_kvc(ucs_status_t us) {
     switch (us) {
@@ -674,10 +688,7 @@ static void push_cb(void *req, ucs_status_t us, void *ud) {
     if (us != UCS_OK && us != UCS_ERR_CANCELED)
         KVC_LOG(j->a, KVC_LOG_WARN, "push: send failed: %s", ucs_status_string(us));
     j->a->push_inflight--;
-    if (--j->refs == 0) {
-        free(j->hdr);
-        free(j);
-    }
+    if (--j->refs == 0) job_free(j);
     ucp_request_free(req);
 }
 
@@ -766,6 +777,26 @@ static ucs_status_t pull_cb(void *arg, const void *header, size_t hlen, void *da
             return UCS_OK;
         }
     }
+    uint32_t max_pulls =
+        pub->consumers * 2 > PULLS_PER_PUB_MIN ? pub->consumers * 2 : PULLS_PER_PUB_MIN;
+    if (pub->pulls >= max_pulls) {
+        pull_deny(a, ep, &pl, "pulled too many times already");
+        free(runs);
+        return UCS_OK;
+    }
+    uint64_t bytes = 0;
+    for (size_t r = 0; r < a->n_regions; r++)
+        bytes += total * a->regions[r].block_len;
+    if (a->push_bytes && bytes > MAX_PUSH_BYTES - a->push_bytes) {
+        a->stats[KVC_STAT_DENIED]++;
+        if (kvc_log_ratelimit(a, KVC_RL_DENIED))
+            KVC_LOG(a, KVC_LOG_WARN, "push: pull for req=%s refused: %llu bytes already in flight",
+                    pub->id, (unsigned long long)a->push_bytes);
+        push_refuse(a, ep, &pl, KVC_ERR_DENIED);
+        free(runs);
+        return UCS_OK;
+    }
+    pub->pulls++;
     uint64_t xid = pl.xfer_id;
     uint16_t flags = pl.flags;
     /* Large runs go as several messages: one huge rendezvous over tcp is
@@ -790,6 +821,8 @@ static ucs_status_t pull_cb(void *arg, const void *header, size_t hlen, void *da
     }
     j->a = a;
     j->refs = 1; /* held while issuing */
+    j->bytes = bytes;
+    a->push_bytes += bytes;
     ucp_request_param_t rp;
     memset(&rp, 0, sizeof(rp));
     rp.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
@@ -835,10 +868,7 @@ static ucs_status_t pull_cb(void *arg, const void *header, size_t hlen, void *da
         memcpy(end.token, pl.xfer_token, KVC_TOKEN_LEN);
         push_hdr_only(a, ep, &end);
     }
-    if (--j->refs == 0) {
-        free(j->hdr);
-        free(j);
-    }
+    if (--j->refs == 0) job_free(j);
     free(runs);
     return UCS_OK;
 }

@@ -14,9 +14,11 @@
  *       -> "GET status=<UCX status> rkeys=<n> data=<first 8 bytes, hex>"
  * put/get wait at most 2 s for UCX; "Operation in progress" means it never
  * completed.
- *   kvc_hostile consumer PORT pull REQ TOKEN RUNS
- *       RUNS: remote:local:count[,...]; sends one PULL, waits up to 3 s
- *       -> "PULL data=<DATA messages with bytes> refused=<status or none>"
+ *   kvc_hostile consumer PORT pull REQ TOKEN RUNS [REPEAT]
+ *       RUNS: remote:local:count[,...]; sends the PULL REPEAT times (1), waits
+ *       up to 3 s for an END or a refusal of each
+ *       -> "PULL data=<DATA messages with bytes> refused=<first refusal or
+ *          none> refusals=<n> ends=<n> rkeys=<regions with a key>"
  *   kvc_hostile consumer PORT notify REQ TOKEN TP
  *       -> "NOTIFY sent"
  *   kvc_hostile producer MODE REGIONS BLOCKS BLOCK_LEN SEED
@@ -153,8 +155,7 @@ static void progress_for_ms(int ms) {
 
 /* ------------------------------------------------------------- consumer -- */
 
-static int data_msgs, refused; /* what the producer sent us */
-static bool ended;
+static int data_msgs, refused, refusals, ends; /* what the producer sent us */
 
 static void scratch_done(void *req, ucs_status_t st, size_t length, void *ud) {
     free(ud);
@@ -166,10 +167,11 @@ static ucs_status_t on_data(void *arg, const void *header, size_t hlen, void *da
     kvc_wire_data_hdr_t h;
     capture("data", 2, header, hlen);
     if (kvc_wire_parse_data_hdr(header, hlen, &h) != KVC_OK) return UCS_OK;
-    if (h.status != 0)
-        refused = h.status;
-    else if (h.region == KVC_DATA_END)
-        ended = true;
+    if (h.status != 0) {
+        if (!refused) refused = h.status;
+        refusals++;
+    } else if (h.region == KVC_DATA_END)
+        ends++;
     else
         data_msgs++;
     if (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) {
@@ -290,17 +292,25 @@ static int consumer(int argc, char **argv) {
         }
         pl.runs = runs;
         pl.n = n;
-        kvc_wire_encode_pull(&b, &pl);
-        capture("pull", 1, b.p, b.len);
-        ucp_request_param_t rp = {.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS,
-                                  .flags = UCP_AM_SEND_FLAG_REPLY};
-        progress_until(ucp_am_send_nbx(e, AM_PULL, NULL, 0, b.p, b.len, &rp));
+        int repeat = argc >= 8 ? atoi(argv[7]) : 1;
+        for (int i = 0; i < repeat; i++) {
+            pl.xfer_id = (uint64_t)i + 1;
+            kvc_buf_cleanup(&b);
+            kvc_wire_encode_pull(&b, &pl);
+            capture("pull", 1, b.p, b.len);
+            ucp_request_param_t rp = {.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS,
+                                      .flags = UCP_AM_SEND_FLAG_REPLY};
+            progress_until(ucp_am_send_nbx(e, AM_PULL, NULL, 0, b.p, b.len, &rp));
+        }
         uint64_t end = kvc_now_ns() + 3000000000ull;
-        while (!refused && !ended && kvc_now_ns() < end)
+        while (refusals + ends < repeat && kvc_now_ns() < end)
             ucp_worker_progress(worker);
         progress_for_ms(50); /* stragglers */
-        printf("PULL data=%d refused=%s\n", data_msgs,
-               refused ? kvc_status_str((kvc_status_t)refused) : "none");
+        int keys = 0;
+        for (uint32_t i = 0; i < hs.n_regions; i++)
+            keys += hs.regions[i].rkey.len > 0;
+        printf("PULL data=%d refused=%s refusals=%d ends=%d rkeys=%d\n", data_msgs,
+               refused ? kvc_status_str((kvc_status_t)refused) : "none", refusals, ends, keys);
         fflush(stdout);
         _exit(0); /* a one-shot tool: no orderly UCX teardown */
     }
