@@ -219,7 +219,10 @@ static bool sconn_flush(kvc_agent_t *a, kvc_sconn_t *c) {
             continue;
         }
         if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) {
-            kvc_ep_mod(a, c->fd, EPOLLIN | EPOLLOUT | EPOLLRDHUP, &c->pe);
+            /* A closing connection is not read any more: input from it must
+             * not keep the level-triggered fd readable. */
+            uint32_t in = c->state == SC_CLOSING ? 0 : EPOLLIN | EPOLLRDHUP;
+            kvc_ep_mod(a, c->fd, in | EPOLLOUT, &c->pe);
             return true;
         }
         sconn_close(a, c); /* the consumer went away */
