@@ -121,18 +121,26 @@ static void producer(int ctl) {
             uint32_t kn[2];
             xread(ctl, kn, sizeof(kn));
             uint64_t *ids = malloc(kn[1] * sizeof(uint64_t) + 8);
+            char *toks = malloc((size_t)kn[0] * 32 + 1);
             xread(ctl, ids, kn[1] * sizeof(uint64_t));
             for (uint32_t i = 0; i < kn[0]; i++) {
                 char id[64], *json;
                 snprintf(id, sizeof(id), "bench-%llu-%u", (unsigned long long)gen, i);
                 kvc_status_t st = kvc_publish(a, id, ids, kn[1], NULL, &json);
                 if (st != KVC_OK) die("publish", st);
+                /* The publication's token travels to the consumer, as the
+                 * proxy carries it in kv_transfer_params. */
+                const char *t = strstr(json, "\"remote_kv_token\":\"");
+                if (!t) die("publish (no token)", KVC_ERR_PROTOCOL);
+                memcpy(toks + (size_t)i * 32, t + 19, 32);
                 kvc_free(json);
             }
             gen++;
             free(ids);
             uint32_t z = 0;
             xwrite(ctl, &z, 4);
+            xwrite(ctl, toks, (size_t)kn[0] * 32);
+            free(toks);
         } else if (op == 3) {
             uint32_t port;
             uint64_t v[2];
@@ -162,6 +170,7 @@ static void producer(int ctl) {
 static int ctl;
 static uint16_t pport;
 static uint64_t gen;
+static char *tokens; /* 32 hex digits per request of the current generation */
 
 static void cfg(size_t block_len, uint64_t nblocks) {
     uint32_t op = 1, p32;
@@ -178,14 +187,20 @@ static void pub(uint32_t k, const uint64_t *ids, uint32_t n) {
     xwrite(ctl, kn, sizeof(kn));
     xwrite(ctl, ids, n * sizeof(uint64_t));
     xread(ctl, &z, 4);
+    free(tokens);
+    tokens = malloc((size_t)k * 32 + 1);
+    if (!tokens || !xread(ctl, tokens, (size_t)k * 32)) die("publish tokens", KVC_ERR_IO);
 }
 
 /* One fetch of request i of the current publish generation; seconds. */
 static double fetch_one(kvc_agent_t *a, uint32_t i, const uint64_t *rids, const uint64_t *lids,
                         size_t n) {
-    char id[64];
+    char id[64], tok[33];
     snprintf(id, sizeof(id), "bench-%llu-%u", (unsigned long long)gen, i);
+    memcpy(tok, tokens + (size_t)i * 32, 32);
+    tok[32] = '\0';
     kvc_fetch_params_t fp = {0};
+    fp.remote_kv_token = tok;
     fp.field_mask = KVC_FETCH_FIELD_REMOTE | KVC_FETCH_FIELD_LOCAL_BLOCKS;
     fp.remote_engine_id = "bench-P";
     fp.remote_request_id = id;

@@ -11,6 +11,8 @@ QUICK=${2:-}
 BENCH="$BUILD/bin/kvc_bench"
 [ -x "$BENCH" ] || { echo "kvc_bench not found in $BUILD/bin (build first)" >&2; exit 2; }
 export UCX_WARN_UNUSED_ENV_VARS=n
+# The authenticated side channel, as deployed (KVC_SECRET= measures without).
+export KVC_SECRET=${KVC_SECRET-kvc-bench-secret}
 
 free_port() { python3 -c 'import socket;s=socket.socket();s.bind(("127.0.0.1",0));print(s.getsockname()[1])'; }
 

@@ -2,6 +2,8 @@
  * the event queue and counters. */
 #include "kvc_int.h"
 
+#include <openssl/crypto.h>
+
 #include <errno.h>
 #include <poll.h>
 #include <stdio.h>
@@ -59,6 +61,10 @@ const char *kvc_status_str(kvc_status_t st) {
         return "KVC_ERR_NO_DEVICE";
     case KVC_ERR_STATE:
         return "KVC_ERR_STATE";
+    case KVC_ERR_AUTH:
+        return "KVC_ERR_AUTH";
+    case KVC_ERR_DENIED:
+        return "KVC_ERR_DENIED";
     }
     return "KVC_ERR_UNKNOWN";
 }
@@ -178,9 +184,14 @@ kvc_status_t kvc_agent_next_event(kvc_agent_t *a, kvc_event_t *ev) {
 }
 
 kvc_status_t kvc_agent_stat(const kvc_agent_t *a, kvc_stat_t which, uint64_t *value) {
-    if (!a || !value || (int)which < 0 || which > KVC_STAT_PUBLISHED_NOW)
+    if (!a || !value || (int)which < 0 || which > KVC_STAT_PEER_ERRORS)
         return KVC_ERR_INVALID_PARAM;
-    *value = which == KVC_STAT_PUBLISHED_NOW ? a->pubs.count : a->stats[which];
+    if (which == KVC_STAT_PUBLISHED_NOW)
+        *value = a->pubs.count;
+    else if (which == KVC_STAT_AUTHENTICATED)
+        *value = a->secret != NULL;
+    else
+        *value = a->stats[which];
     return KVC_OK;
 }
 
@@ -264,7 +275,7 @@ kvc_status_t kvc_agent_progress(kvc_agent_t *a) {
     kvc_xfers_advance(a, now, &next);
     kvc_expiry_run(a, now, &next);
     kvc_peers_reap(a);
-    kvc_cons_reap(a);
+    kvc_sconns_reap(a);
     for (int i = 0; i < 4096 && ucp_worker_progress(a->worker); i++) {
     }
     kvc_xfers_advance(a, now, &next);
@@ -304,7 +315,16 @@ static kvc_status_t ucx_init(kvc_agent_t *a) {
     ucp_params_t pp;
     memset(&pp, 0, sizeof(pp));
     pp.field_mask = UCP_PARAM_FIELD_FEATURES;
-    pp.features = UCP_FEATURE_RMA | UCP_FEATURE_AM | UCP_FEATURE_WAKEUP;
+    /* Least privilege: UCX's emulated RMA (tcp, shared memory) serves a
+     * peer's put or get at any address the peer names, whatever the
+     * registration allows (a hostile-peer test wrote a producer block that
+     * way).  Only an agent told to read with gets (KVC_PROTO_GET, meant for
+     * RDMA, where the NIC enforces the registration) enables RMA; AUTO reads
+     * one-sided only through a shared-memory mapping, which needs no RMA
+     * lanes.  (UCX_TCP_PUT_ENABLE=n does not help: the software emulation
+     * takes over.) */
+    pp.features = UCP_FEATURE_AM | UCP_FEATURE_WAKEUP;
+    if (a->proto == KVC_PROTO_GET) pp.features |= UCP_FEATURE_RMA;
     us = ucp_init(&pp, cfg, &a->ctx);
     ucp_config_release(cfg);
     if (us != UCS_OK) goto err_status;
@@ -367,6 +387,13 @@ static kvc_proto_t env_proto(kvc_proto_t dflt) {
     return dflt;
 }
 
+static void free_secret(kvc_agent_t *a) {
+    if (a->secret) OPENSSL_cleanse(a->secret, a->secret_len);
+    free(a->secret);
+    a->secret = NULL;
+    a->secret_len = 0;
+}
+
 kvc_status_t kvc_agent_create(const kvc_agent_params_t *p, kvc_agent_t **out) {
     if (!p || !out || !(p->field_mask & KVC_AGENT_FIELD_ENGINE_ID) || !p->engine_id ||
         !*p->engine_id || strlen(p->engine_id) > KVC_WIRE_MAX_STR ||
@@ -392,6 +419,8 @@ kvc_status_t kvc_agent_create(const kvc_agent_params_t *p, kvc_agent_t **out) {
                              ? p->xfer_timeout_ms
                              : DEFAULT_XFER_TIMEOUT_MS;
     a->tp_size = (m & KVC_AGENT_FIELD_TP_SIZE) && p->tp_size ? p->tp_size : 1;
+    a->max_handshakes =
+        (m & KVC_AGENT_FIELD_MAX_HANDSHAKES) && p->max_handshakes ? p->max_handshakes : 256;
     a->proto = env_proto((m & KVC_AGENT_FIELD_PROTO) ? p->proto : KVC_PROTO_AUTO);
     a->wire_version = KVC_WIRE_VERSION;
     const char *wv = getenv("KVC_TEST_WIRE_VERSION"); /* compatibility tests only */
@@ -417,6 +446,11 @@ kvc_status_t kvc_agent_create(const kvc_agent_params_t *p, kvc_agent_t **out) {
     a->adv_host = kvc_strdup(ah);
     a->layout = kvc_strdup(lt);
     if (!a->engine_id || !a->listen_host || !a->adv_host || !a->layout) goto err_agent;
+    if ((st = kvc_secret_init(a, p)) != KVC_OK) goto err_agent;
+    if (!a->secret)
+        KVC_LOG(a, KVC_LOG_WARN,
+                "no cluster secret (KVC_SECRET_FILE): the side channel is NOT authenticated; "
+                "any host that reaches it can read published KV blocks");
     a->port = (m & KVC_AGENT_FIELD_LISTEN_PORT) ? p->listen_port : 0;
     if ((st = kvc_pubtab_init(&a->pubs)) != KVC_OK) goto err_agent;
 
@@ -442,7 +476,9 @@ err_ucx:
     ucp_worker_destroy(a->worker);
     ucp_cleanup(a->ctx);
 err_agent:
+    free_secret(a);
     kvc_buf_cleanup(&a->hs_msg);
+    kvc_buf_cleanup(&a->hs_msg_nokeys);
     kvc_pubtab_cleanup(&a->pubs);
     free(a->engine_id);
     free(a->listen_host);
@@ -457,7 +493,6 @@ void kvc_agent_destroy(kvc_agent_t *a) {
     a->destroying = true; /* callbacks below queue no events */
     kvc_sconns_destroy(a);
     kvc_peers_destroy(a); /* closes endpoints: in-flight requests complete as cancelled */
-    kvc_cons_destroy(a);
     /* Producer pushes still in flight reference region memory: let them end
      * before the memory goes away (bounded: peers may be gone). */
     uint64_t until = kvc_now_ns() + 2000000000ull;
@@ -480,7 +515,9 @@ void kvc_agent_destroy(kvc_agent_t *a) {
     }
     evnode_free(a->ev_cur);
     kvc_buf_cleanup(&a->hs_msg);
+    kvc_buf_cleanup(&a->hs_msg_nokeys);
     kvc_pubtab_cleanup(&a->pubs);
+    free_secret(a);
     free(a->engine_id);
     free(a->listen_host);
     free(a->adv_host);

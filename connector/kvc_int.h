@@ -15,19 +15,33 @@
 /* ------------------------------------------------------------ wire.c -- */
 
 /* Side-channel messages: 12-byte header (magic, version, type, body length),
- * then a body.  Integers little-endian.  See wire.c for the body layouts. */
+ * then a body.  Integers little-endian.  See wire.c for the body layouts.
+ * Version 2: authenticated handshake, tokens on pulls and notifications. */
 #define KVC_WIRE_MAGIC 0x4843564bu /* "KVCH" on the wire */
-#define KVC_WIRE_VERSION 1
+#define KVC_WIRE_VERSION 2
 #define KVC_WIRE_HDR_LEN 12
 #define KVC_WIRE_MAX_BODY (64u << 20)
-#define KVC_WIRE_MAX_HELLO (64u << 10)
+#define KVC_WIRE_MAX_HELLO 8192u /* HELLO and AUTH bodies */
 #define KVC_WIRE_MAX_REGIONS 65536u
 #define KVC_WIRE_MAX_STR 4096u
 #define KVC_WIRE_MAX_BLOB (1u << 20)
-#define KVC_WIRE_DATA_HDR_LEN 32
+#define KVC_WIRE_DATA_HDR_LEN 48
 #define KVC_WIRE_MAX_NOTIFY 65536u
+#define KVC_NONCE_LEN 32
+#define KVC_MAC_LEN 32
+#define KVC_TOKEN_LEN 16
+#define KVC_MAX_SECRET 4096u
 
-enum { KVC_MSG_HELLO = 1, KVC_MSG_HANDSHAKE = 2 };
+enum {
+    KVC_MSG_HELLO = 1,     /* consumer -> producer */
+    KVC_MSG_HANDSHAKE = 2, /* producer -> consumer, after AUTH */
+    KVC_MSG_CHALLENGE = 3, /* producer -> consumer */
+    KVC_MSG_AUTH = 4,      /* consumer -> producer */
+    KVC_MSG_ERROR = 5,     /* producer -> consumer, then close */
+};
+
+/* HELLO/CHALLENGE flags. */
+enum { KVC_HFLAG_SECRET = 1u << 0 };
 
 /* Region flags in the handshake table. */
 enum { KVC_RFLAG_POOL = 1u << 0, KVC_RFLAG_STAGED = 1u << 1 };
@@ -43,6 +57,13 @@ typedef struct {
     uint32_t body_len;
 } kvc_wire_hdr_t;
 
+/* HELLO and CHALLENGE bodies: str16 engine_id, u8 flags, nonce[32]. */
+typedef struct {
+    kvc_span_t engine_id;
+    uint8_t flags;
+    const uint8_t *nonce; /* borrowed, KVC_NONCE_LEN bytes */
+} kvc_wire_hello_t;
+
 typedef struct {
     uint64_t base, len, block_len;
     uint8_t mem_type, flags;
@@ -56,19 +77,36 @@ typedef struct {
     uint32_t tp_size;
     uint32_t n_regions;
     kvc_wire_region_t *regions; /* owned (parse) or borrowed (encode) */
+    const uint8_t *mac;         /* parse: borrowed, the trailing KVC_MAC_LEN bytes */
+    size_t signed_len;          /* parse: body bytes the MAC covers */
 } kvc_wire_hs_t;
 
 typedef struct {
     uint64_t remote, local, count;
 } kvc_run_t;
 
+/* region == KVC_DATA_END: the producer's last message for a pull; count is
+ * the number of DATA messages it sent before it. */
+#define KVC_DATA_END UINT32_MAX
 typedef struct {
     uint64_t xfer_id;
     uint32_t region;
     int32_t status;
     uint64_t local_start;
     uint64_t count;
+    uint8_t token[KVC_TOKEN_LEN]; /* the fetch's transfer token, echoed */
 } kvc_wire_data_hdr_t;
+
+/* A PULL: which publication, with its token, and the runs wanted. */
+typedef struct {
+    uint64_t xfer_id;
+    uint16_t flags;
+    uint8_t xfer_token[KVC_TOKEN_LEN];
+    uint8_t pub_token[KVC_TOKEN_LEN];
+    kvc_span_t request_id;
+    kvc_run_t *runs; /* owned (parse: malloc'ed) or borrowed (encode) */
+    size_t n;
+} kvc_wire_pull_t;
 
 typedef struct {
     uint8_t *p; /* owned */
@@ -87,12 +125,26 @@ KVC_HIDDEN void kvc_buf_u64(kvc_buf_t *b, uint64_t v);
  * KVC_ERR_PROTOCOL: bad magic or body longer than max_body. */
 KVC_HIDDEN kvc_status_t kvc_wire_parse_hdr(const uint8_t *b, size_t len, uint32_t max_body,
                                            kvc_wire_hdr_t *h);
-KVC_HIDDEN void kvc_wire_encode_hello(kvc_buf_t *b, uint16_t version, const char *engine_id,
-                                      const void *worker_addr, size_t addr_len);
-/* worker_addr is empty when the consumer sent none. */
-KVC_HIDDEN kvc_status_t kvc_wire_parse_hello(const uint8_t *body, size_t len, kvc_span_t *engine_id,
-                                             kvc_span_t *worker_addr);
+/* HELLO or CHALLENGE (type), same body layout. */
+KVC_HIDDEN void kvc_wire_encode_hello(kvc_buf_t *b, uint16_t version, uint16_t type,
+                                      const char *engine_id, uint8_t flags,
+                                      const uint8_t nonce[KVC_NONCE_LEN]);
+KVC_HIDDEN kvc_status_t kvc_wire_parse_hello(const uint8_t *body, size_t len, kvc_wire_hello_t *h);
+/* AUTH body: u8 proto, mac[32]. */
+KVC_HIDDEN void kvc_wire_encode_auth(kvc_buf_t *b, uint16_t version, uint8_t proto,
+                                     const uint8_t mac[KVC_MAC_LEN]);
+KVC_HIDDEN kvc_status_t kvc_wire_parse_auth(const uint8_t *body, size_t len, uint8_t *proto,
+                                            const uint8_t **mac);
+/* ERROR body: i32 status, str16 message (printable). */
+KVC_HIDDEN void kvc_wire_encode_error(kvc_buf_t *b, uint16_t version, kvc_status_t st,
+                                      const char *msg);
+KVC_HIDDEN kvc_status_t kvc_wire_parse_error(const uint8_t *body, size_t len, int32_t *st,
+                                             kvc_span_t *msg);
+/* HANDSHAKE without its MAC (kvc_wire_encode_handshake) then the MAC appended
+ * by the caller over the body (kvc_buf_put + kvc_wire_end_msg). */
 KVC_HIDDEN void kvc_wire_encode_handshake(kvc_buf_t *b, uint16_t version, const kvc_wire_hs_t *hs);
+/* Patches the body length of the message that starts at `start` in b. */
+KVC_HIDDEN void kvc_wire_end_msg(kvc_buf_t *b, size_t start);
 /* On KVC_OK *hs references `body` and owns hs->regions (kvc_wire_hs_cleanup). */
 KVC_HIDDEN kvc_status_t kvc_wire_parse_handshake(const uint8_t *body, size_t len,
                                                  kvc_wire_hs_t *hs);
@@ -100,21 +152,27 @@ KVC_HIDDEN void kvc_wire_hs_cleanup(kvc_wire_hs_t *hs);
 
 /* KVC_PULL_RNDV: the consumer can only take rendezvous DATA (device memory). */
 enum { KVC_PULL_RNDV = 1u << 0 };
-KVC_HIDDEN void kvc_wire_encode_pull(kvc_buf_t *b, uint64_t xfer_id, uint16_t flags,
-                                     const kvc_run_t *runs, size_t n);
-/* On KVC_OK *runs is malloc'ed (caller frees); *n may be 0. */
-KVC_HIDDEN kvc_status_t kvc_wire_parse_pull(const uint8_t *p, size_t len, uint64_t *xfer_id,
-                                            uint16_t *flags, kvc_run_t **runs, size_t *n);
+/* PULL: u16 version, u16 flags, u32 n_runs, u64 xfer_id, xfer_token[16],
+ * pub_token[16], str16 request_id, n_runs * {u64 remote, u64 local, u64 count}. */
+KVC_HIDDEN void kvc_wire_encode_pull(kvc_buf_t *b, const kvc_wire_pull_t *pl);
+/* On KVC_OK pl->runs is malloc'ed (caller frees), request_id borrows p. */
+KVC_HIDDEN kvc_status_t kvc_wire_parse_pull(const uint8_t *p, size_t len, kvc_wire_pull_t *pl);
 KVC_HIDDEN void kvc_wire_encode_data_hdr(uint8_t out[KVC_WIRE_DATA_HDR_LEN],
                                          const kvc_wire_data_hdr_t *h);
 KVC_HIDDEN kvc_status_t kvc_wire_parse_data_hdr(const uint8_t *p, size_t len,
                                                 kvc_wire_data_hdr_t *h);
 
-/* "<request id>:<tp>" split at the last ':'; the id must be non-empty
- * printable ASCII.  Without ':' the whole text is the id and tp is 0. */
-KVC_HIDDEN void kvc_wire_encode_notify(kvc_buf_t *b, const char *request_id, uint32_t tp);
-KVC_HIDDEN kvc_status_t kvc_wire_parse_notify(const uint8_t *p, size_t len, kvc_span_t *id,
-                                              uint32_t *tp);
+/* Notification: token[16] then "<request id>:<tp>" split at the last ':';
+ * the id must be non-empty printable ASCII.  Without ':' the whole text is
+ * the id and tp is 0. */
+KVC_HIDDEN void kvc_wire_encode_notify(kvc_buf_t *b, const uint8_t token[KVC_TOKEN_LEN],
+                                       const char *request_id, uint32_t tp);
+KVC_HIDDEN kvc_status_t kvc_wire_parse_notify(const uint8_t *p, size_t len, const uint8_t **token,
+                                              kvc_span_t *id, uint32_t *tp);
+/* 32 hex digits <-> 16 bytes.  Parse: KVC_ERR_INVALID_PARAM unless exactly
+ * 32 hex digits. */
+KVC_HIDDEN void kvc_token_hex(const uint8_t t[KVC_TOKEN_LEN], char out[2 * KVC_TOKEN_LEN + 1]);
+KVC_HIDDEN kvc_status_t kvc_token_parse(const char *hex, uint8_t t[KVC_TOKEN_LEN]);
 KVC_HIDDEN bool kvc_printable(const char *s, size_t len);
 
 /* Pairs remote[i] with local[i] and merges runs where both are consecutive.
@@ -130,6 +188,7 @@ typedef struct {
     uint64_t *block_ids; /* owned */
     size_t num_blocks;
     uint32_t tp_size;
+    uint8_t token[KVC_TOKEN_LEN];
 } kvc_remote_t;
 
 KVC_HIDDEN kvc_status_t kvc_params_parse_json(const char *json, kvc_remote_t *r, char *err,
@@ -137,7 +196,26 @@ KVC_HIDDEN kvc_status_t kvc_params_parse_json(const char *json, kvc_remote_t *r,
 KVC_HIDDEN void kvc_remote_cleanup(kvc_remote_t *r);
 KVC_HIDDEN char *kvc_params_to_json(const char *engine_id, const char *request_id, const char *host,
                                     uint16_t port, const uint64_t *blocks, size_t n,
-                                    uint32_t tp_size);
+                                    uint32_t tp_size, const uint8_t token[KVC_TOKEN_LEN]);
+
+/* ------------------------------------------------------------ auth.c -- */
+/* Cryptographic randomness (OpenSSL RAND_bytes).  KVC_ERR_IO if unavailable. */
+KVC_HIDDEN kvc_status_t kvc_random(void *p, size_t n);
+/* mac_c = HMAC-SHA-256(secret, "kvc2 consumer" | nonce_c | nonce_p | proto |
+ *                      str16 consumer id | str16 producer id) */
+KVC_HIDDEN void kvc_mac_consumer(const kvc_agent_t *a, const uint8_t *nonce_c,
+                                 const uint8_t *nonce_p, uint8_t proto, kvc_span_t cons_id,
+                                 kvc_span_t prod_id, uint8_t out[KVC_MAC_LEN]);
+/* mac_p = HMAC-SHA-256(secret, "kvc2 producer" | nonce_c | nonce_p | body) */
+KVC_HIDDEN void kvc_mac_producer(const kvc_agent_t *a, const uint8_t *nonce_c,
+                                 const uint8_t *nonce_p, const uint8_t *body, size_t len,
+                                 uint8_t out[KVC_MAC_LEN]);
+/* Constant time. */
+KVC_HIDDEN bool kvc_mac_equal(const uint8_t *x, const uint8_t *y, size_t n);
+/* Fills a->secret from the params or KVC_SECRET_FILE / KVC_SECRET. */
+KVC_HIDDEN kvc_status_t kvc_secret_init(kvc_agent_t *a, const kvc_agent_params_t *p);
+/* Rate-limited warning: at most a few lines per second per kind. */
+KVC_HIDDEN bool kvc_log_ratelimit(kvc_agent_t *a, int kind);
 
 /* ------------------------------------------------------------ cuda.c -- */
 
@@ -155,6 +233,9 @@ KVC_HIDDEN kvc_status_t kvc_cuda_copy_blocks(kvc_cuda_t *c, void *dev, void *hos
 KVC_HIDDEN kvc_status_t kvc_cuda_sync(kvc_cuda_t *c);
 
 /* ------------------------------------------------------- agent types -- */
+
+/* Rate-limited log kinds (kvc_log_ratelimit). */
+enum { KVC_RL_AUTH, KVC_RL_DENIED, KVC_RL_PEER, KVC_RL_DATA, KVC_RL_KINDS };
 
 typedef enum { PE_LISTEN, PE_UCX, PE_TIMER, PE_WAKE, PE_SCONN, PE_PEER } kvc_pe_kind_t;
 
@@ -180,9 +261,14 @@ struct kvc_pub {
     kvc_pub_t *eprev, *enext; /* expiry list, sorted by deadline */
     char *id;                 /* owned */
     uint64_t *blocks;         /* owned */
+    uint64_t *sorted;         /* owned: blocks, sorted, for membership checks */
     size_t n;
     uint64_t deadline_ns;
     uint64_t user_data;
+    uint8_t token[KVC_TOKEN_LEN];
+    uint32_t consumers; /* notifications needed; 0: from the first one */
+    uint32_t notified;  /* matching notifications so far */
+    uint32_t pulls;     /* pulls served (bounded, xfer.c) */
 };
 
 typedef struct {
@@ -214,6 +300,11 @@ struct kvc_agent {
     kvc_proto_t proto;
     uint16_t wire_version; /* KVC_WIRE_VERSION unless KVC_TEST_WIRE_VERSION */
     uint64_t nonce;        /* this instance */
+    uint8_t *secret;       /* owned (cleansed on destroy); NULL: unauthenticated */
+    size_t secret_len;
+    uint32_t max_handshakes;
+    uint64_t rl_sec[KVC_RL_KINDS];
+    uint32_t rl_count[KVC_RL_KINDS];
 
     ucp_context_h ctx;
     ucp_worker_h worker;
@@ -227,21 +318,23 @@ struct kvc_agent {
 
     uint64_t num_blocks;
     size_t n_regions;
-    kvc_region_t *regions; /* owned */
-    kvc_buf_t hs_msg;      /* prebuilt handshake reply */
-    kvc_cuda_t *cuda;      /* owned; staged CUDA regions only */
+    kvc_region_t *regions;   /* owned */
+    kvc_buf_t hs_msg;        /* prebuilt handshake reply (MAC appended per consumer) */
+    kvc_buf_t hs_msg_nokeys; /* the same without rkeys (push consumers) */
+    kvc_cuda_t *cuda;        /* owned; staged CUDA regions only */
 
     kvc_pubtab_t pubs;
     kvc_sconn_t *sconns;
-    struct kvc_cons *cons; /* producer: endpoints to consumers, made on HELLO */
-    kvc_peer_t *peers;     /* cache of handshaken/connecting producers */
-    kvc_xfer_t *xfers;     /* active and finishing fetches */
+    kvc_sconn_t *sconns_dead; /* closed, freed at the end of progress */
+    kvc_peer_t *peers;        /* cache of handshaken/connecting producers */
+    kvc_xfer_t *xfers;        /* active and finishing fetches */
     uint64_t next_xfer_id;
     uint64_t push_inflight; /* producer-side sends in flight */
+    uint64_t push_bytes;    /* bytes those sends reference (bounded, xfer.c) */
     size_t push_chunk;      /* largest DATA message (bytes, whole blocks) */
 
     kvc_evnode_t *evq_head, *evq_tail, *ev_cur;
-    uint64_t stats[KVC_STAT_PUBLISHED_NOW + 1];
+    uint64_t stats[KVC_STAT_PEER_ERRORS + 1];
     bool destroying;
 };
 
@@ -289,8 +382,7 @@ KVC_HIDDEN void kvc_peer_abort(kvc_agent_t *a, kvc_peer_t *p, kvc_status_t st, c
 KVC_HIDDEN void kvc_peers_destroy(kvc_agent_t *a);
 KVC_HIDDEN void kvc_sconns_timers(kvc_agent_t *a, uint64_t now, uint64_t *next);
 KVC_HIDDEN void kvc_sconns_destroy(kvc_agent_t *a);
-KVC_HIDDEN void kvc_cons_reap(kvc_agent_t *a);
-KVC_HIDDEN void kvc_cons_destroy(kvc_agent_t *a);
+KVC_HIDDEN void kvc_sconns_reap(kvc_agent_t *a);
 
 /* peer internals used by xfer.c */
 struct kvc_peer_region {
@@ -298,7 +390,7 @@ struct kvc_peer_region {
     ucp_rkey_h rkey;
     const uint8_t *mapped; /* the region mapped here (shared memory), or NULL */
 };
-typedef enum { PEER_CONNECTING, PEER_HELLO, PEER_READY, PEER_DEAD } kvc_peer_state_t;
+typedef enum { PEER_CONNECTING, PEER_HELLO, PEER_AUTH, PEER_READY, PEER_DEAD } kvc_peer_state_t;
 struct kvc_peer {
     kvc_peer_t *next;
     kvc_agent_t *a;
@@ -317,6 +409,7 @@ struct kvc_peer {
     ucp_ep_h ep;
     void *close_req; /* ucp_ep_close_nbx in progress */
     uint64_t nonce, num_blocks;
+    uint8_t nonce_c[KVC_NONCE_LEN], nonce_p[KVC_NONCE_LEN];
     uint32_t n_regions;
     struct kvc_peer_region *rr; /* owned */
     kvc_proto_t proto;
@@ -347,6 +440,8 @@ KVC_HIDDEN kvc_pub_t *kvc_pubtab_find(kvc_pubtab_t *t, const char *id, size_t le
 KVC_HIDDEN void kvc_pubtab_insert(kvc_pubtab_t *t, kvc_pub_t *p);
 KVC_HIDDEN void kvc_pubtab_remove(kvc_pubtab_t *t, kvc_pub_t *p);
 KVC_HIDDEN void kvc_pub_free(kvc_pub_t *p);
+/* True when every block of [start, start+count) is published in p. */
+KVC_HIDDEN bool kvc_pub_has_run(const kvc_pub_t *p, uint64_t start, uint64_t count);
 KVC_HIDDEN void kvc_expiry_insert(kvc_pubtab_t *t, kvc_pub_t *p);
 KVC_HIDDEN void kvc_expiry_remove(kvc_pubtab_t *t, kvc_pub_t *p);
 KVC_HIDDEN void kvc_expiry_run(kvc_agent_t *a, uint64_t now, uint64_t *next);

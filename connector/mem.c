@@ -26,7 +26,11 @@ static kvc_status_t map(kvc_agent_t *a, kvc_region_t *r, void *addr, size_t len,
     ucp_mem_map_params_t mp;
     memset(&mp, 0, sizeof(mp));
     mp.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH |
-                    UCP_MEM_MAP_PARAM_FIELD_FLAGS;
+                    UCP_MEM_MAP_PARAM_FIELD_FLAGS | UCP_MEM_MAP_PARAM_FIELD_PROT;
+    /* Least privilege: peers only ever read these regions (gets, or our own
+     * pushes); UCX's default would also grant remote write. */
+    mp.prot =
+        UCP_MEM_MAP_PROT_LOCAL_READ | UCP_MEM_MAP_PROT_LOCAL_WRITE | UCP_MEM_MAP_PROT_REMOTE_READ;
     mp.address = addr;
     mp.length = len;
     mp.flags = alloc ? UCP_MEM_MAP_ALLOCATE : 0;
@@ -150,7 +154,7 @@ kvc_status_t kvc_region_base(const kvc_agent_t *a, size_t idx, void **base) {
     return KVC_OK;
 }
 
-kvc_status_t kvc_mem_build_handshake(kvc_agent_t *a) {
+static kvc_status_t build_one(kvc_agent_t *a, bool rkeys, kvc_buf_t *out) {
     kvc_wire_hs_t hs;
     memset(&hs, 0, sizeof(hs));
     hs.engine_id = (kvc_span_t){(const uint8_t *)a->engine_id, strlen(a->engine_id)};
@@ -174,7 +178,7 @@ kvc_status_t kvc_mem_build_handshake(kvc_agent_t *a) {
         wr[i].mem_type = (uint8_t)(r->staged ? KVC_MEM_HOST : r->mem_type);
         wr[i].flags =
             (uint8_t)((r->pool ? KVC_RFLAG_POOL : 0) | (r->staged ? KVC_RFLAG_STAGED : 0));
-        wr[i].rkey = (kvc_span_t){r->rkey_buf, r->rkey_len};
+        if (rkeys) wr[i].rkey = (kvc_span_t){r->rkey_buf, r->rkey_len};
     }
     hs.regions = wr;
     kvc_buf_t b = {0};
@@ -184,7 +188,15 @@ kvc_status_t kvc_mem_build_handshake(kvc_agent_t *a) {
         kvc_buf_cleanup(&b);
         return KVC_ERR_NO_MEMORY;
     }
-    kvc_buf_cleanup(&a->hs_msg);
-    a->hs_msg = b;
+    kvc_buf_cleanup(out);
+    *out = b;
     return KVC_OK;
+}
+
+/* Two prebuilt replies: with rkeys for consumers that read one-sided, without
+ * for those the producer pushes to (they never need a key). */
+kvc_status_t kvc_mem_build_handshake(kvc_agent_t *a) {
+    kvc_status_t st = build_one(a, true, &a->hs_msg);
+    if (st == KVC_OK) st = build_one(a, false, &a->hs_msg_nokeys);
+    return st;
 }

@@ -1,7 +1,9 @@
 /* Notifications: the consumer tells the producer "<remote_request_id>:<tp>"
- * (an active message on the endpoint the data used, after the data landed);
- * the producer releases the request's blocks, or logs and counts an unknown
- * or already-expired id. */
+ * with the publication's token (an active message on the endpoint the data
+ * used, after the data landed); the producer releases the request's blocks
+ * once the expected number of consumers has notified (heterogeneous TP), or
+ * logs and counts an unknown or already-expired id.  A wrong token is never
+ * acted on: counted (KVC_STAT_DENIED) and logged, rate-limited. */
 #include "kvc_int.h"
 
 #include <string.h>
@@ -11,9 +13,11 @@ enum { KVC_AM_NOTIFY = 23 };
 void kvc_notify_handle(kvc_agent_t *a, const uint8_t *p, size_t len) {
     kvc_span_t id;
     uint32_t tp;
-    if (kvc_wire_parse_notify(p, len, &id, &tp) != KVC_OK) {
+    const uint8_t *token;
+    if (kvc_wire_parse_notify(p, len, &token, &id, &tp) != KVC_OK) {
         a->stats[KVC_STAT_UNKNOWN_NOTIFY]++;
-        KVC_LOG(a, KVC_LOG_WARN, "notify: malformed notification (%zu bytes) ignored", len);
+        if (kvc_log_ratelimit(a, KVC_RL_DENIED))
+            KVC_LOG(a, KVC_LOG_WARN, "notify: malformed notification (%zu bytes) ignored", len);
         return;
     }
     kvc_pub_t *pub = kvc_pubtab_find(&a->pubs, (const char *)id.p, id.len);
@@ -28,10 +32,26 @@ void kvc_notify_handle(kvc_agent_t *a, const uint8_t *p, size_t len) {
         kvc_free(rid);
         return;
     }
+    if (!kvc_mac_equal(token, pub->token, KVC_TOKEN_LEN)) {
+        a->stats[KVC_STAT_DENIED]++;
+        if (kvc_log_ratelimit(a, KVC_RL_DENIED))
+            KVC_LOG(a, KVC_LOG_WARN, "notify: wrong token for req=%s, ignored", pub->id);
+        return;
+    }
+    if (pub->consumers == 0) {
+        /* Consumers with a larger TP each read a slice: wait for all. */
+        uint32_t ratio = tp > a->tp_size ? tp / a->tp_size : 1;
+        pub->consumers = ratio ? ratio : 1;
+    }
+    if (++pub->notified < pub->consumers) {
+        KVC_LOG(a, KVC_LOG_DEBUG, "notify: req=%s %u of %u consumers", pub->id, pub->notified,
+                pub->consumers);
+        return;
+    }
     kvc_pubtab_remove(&a->pubs, pub);
     a->stats[KVC_STAT_RELEASED]++;
-    KVC_LOG(a, KVC_LOG_DEBUG, "notify: released req=%s blocks=%zu consumer_tp=%u", pub->id, pub->n,
-            tp);
+    KVC_LOG(a, KVC_LOG_DEBUG, "notify: released req=%s blocks=%zu consumer_tp=%u consumers=%u",
+            pub->id, pub->n, tp, pub->consumers);
     kvc_event_push(a, KVC_EV_RELEASED, KVC_OK, 0, pub->user_data, pub->id, pub->blocks, pub->n, 0,
                    NULL);
     kvc_pub_free(pub);

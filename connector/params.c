@@ -1,5 +1,6 @@
 /* kv_transfer_params: the JSON object a producer returns (DESIGN.md §1.1)
- * and the consumer's reading of it.  Unknown keys are ignored; block ids may
+ * and the consumer's reading of it, with the publication's token
+ * ("remote_kv_token", 32 hex digits).  Unknown keys are ignored; block ids may
  * be a flat list or, as newer engines send, a list of per-group lists (the
  * first group is used). */
 #include "kvc_int.h"
@@ -19,7 +20,8 @@ void kvc_remote_cleanup(kvc_remote_t *r) {
 }
 
 char *kvc_params_to_json(const char *engine_id, const char *request_id, const char *host,
-                         uint16_t port, const uint64_t *blocks, size_t n, uint32_t tp_size) {
+                         uint16_t port, const uint64_t *blocks, size_t n, uint32_t tp_size,
+                         const uint8_t token[KVC_TOKEN_LEN]) {
     /* Written by hand, not with cJSON numbers: block ids stay exact integers. */
     kvc_buf_t b = {0};
     char num[32];
@@ -49,8 +51,14 @@ char *kvc_params_to_json(const char *engine_id, const char *request_id, const ch
     }
     int k = snprintf(num, sizeof(num), ",\"remote_port\":%u", port);
     kvc_buf_put(&b, num, (size_t)k);
-    k = snprintf(num, sizeof(num), ",\"tp_size\":%u}", tp_size);
-    kvc_buf_put(&b, num, (size_t)k + 1); /* with the NUL */
+    k = snprintf(num, sizeof(num), ",\"tp_size\":%u", tp_size);
+    kvc_buf_put(&b, num, (size_t)k);
+    char hex[2 * KVC_TOKEN_LEN + 1];
+    kvc_token_hex(token, hex);
+    static const char tk[] = ",\"remote_kv_token\":\"";
+    kvc_buf_put(&b, tk, sizeof(tk) - 1);
+    kvc_buf_put(&b, hex, 2 * KVC_TOKEN_LEN);
+    kvc_buf_put(&b, "\"}", 3); /* with the NUL */
     if (b.failed) {
         kvc_buf_cleanup(&b);
         return NULL;
@@ -93,6 +101,11 @@ kvc_status_t kvc_params_parse_json(const char *json, kvc_remote_t *r, char *err,
         goto err_fields;
     }
     t.port = (uint16_t)v;
+    const cJSON *tok = cJSON_GetObjectItemCaseSensitive(o, "remote_kv_token");
+    if (!cJSON_IsString(tok) || kvc_token_parse(tok->valuestring, t.token) != KVC_OK) {
+        snprintf(err, errlen, "remote_kv_token missing or not 32 hex digits");
+        goto err_fields;
+    }
     t.tp_size = 1;
     if (get_uint(cJSON_GetObjectItemCaseSensitive(o, "tp_size"), UINT32_MAX, &v))
         t.tp_size = (uint32_t)v;

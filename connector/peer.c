@@ -1,8 +1,17 @@
-/* The side channel: a TCP listener that answers each HELLO with this agent's
- * handshake (worker address, region table, rkeys), and on the consumer side
- * the cache of producers ("peers"): connect, handshake, compatibility checks,
- * UCX endpoint and unpacked rkeys.  A peer whose endpoint fails is dropped
- * from the cache, so the next fetch handshakes again (remote restart). */
+/* The side channel: a TCP listener that authenticates each consumer
+ * (HELLO, CHALLENGE, AUTH: HMAC-SHA-256 over both nonces with the cluster
+ * secret) and only then answers with this agent's handshake (worker address,
+ * region table, rkeys when the consumer will read one-sided), itself MACed;
+ * and on the consumer side the cache of producers ("peers"): connect,
+ * authenticate, compatibility checks, UCX endpoint and unpacked rkeys.  A
+ * peer whose endpoint fails is dropped from the cache, so the next fetch
+ * handshakes again (remote restart).
+ *
+ * The producer never connects back to an address a consumer claims: it
+ * answers pulls on the endpoint the consumer opened (UCX reply endpoint).
+ * A malformed, oversized or slow side-channel client is closed on its own;
+ * handshakes in progress are bounded per source address and in all, and the
+ * oldest client that has not even sent a HELLO gives way to a new one. */
 #include "kvc_int.h"
 
 #include <arpa/inet.h>
@@ -18,19 +27,25 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
-#define MAX_CONS 4096  /* pre-connected consumer endpoints kept */
-#define MAX_SCONNS 256 /* side-channel connections being served at once */
+#define SCONN_IN_CAP (KVC_WIRE_HDR_LEN + KVC_WIRE_MAX_HELLO)
+
+/* Producer side of one side-channel connection. */
+typedef enum { SC_HELLO, SC_AUTH, SC_CLOSING } kvc_sc_state_t;
 
 struct kvc_sconn {
     kvc_sconn_t *next;
     kvc_pollent_t pe;
     int fd;
-    uint8_t *in; /* owned */
+    kvc_sc_state_t state;
+    uint8_t *in; /* owned, SCONN_IN_CAP bytes */
     size_t in_len;
     kvc_buf_t out;
     size_t out_off;
-    bool replying;
-    uint64_t deadline_ns;
+    uint64_t deadline_ns, accepted_ns;
+    char addr[64]; /* the client's address, for limits and logs */
+    uint8_t nonce_c[KVC_NONCE_LEN], nonce_p[KVC_NONCE_LEN];
+    char *cons_id; /* owned: the consumer's engine id from its HELLO */
+    bool dead;     /* closed; freed by kvc_sconns_reap (events may still name it) */
 };
 
 static kvc_status_t resolve(const char *host, uint16_t port, struct sockaddr_storage *ss,
@@ -82,6 +97,9 @@ err_log:
     return KVC_ERR_IO;
 }
 
+/* Closes c at once; its memory goes at the end of this progress call, since
+ * the epoll batch being handled may still hold events for it (a connection
+ * evicted by another's accept). */
 static void sconn_close(kvc_agent_t *a, kvc_sconn_t *c) {
     kvc_sconn_t **pp = &a->sconns;
     while (*pp && *pp != c)
@@ -89,29 +107,86 @@ static void sconn_close(kvc_agent_t *a, kvc_sconn_t *c) {
     if (*pp) *pp = c->next;
     kvc_ep_del(a, c->fd);
     close(c->fd);
+    c->fd = -1;
     free(c->in);
+    c->in = NULL;
+    free(c->cons_id);
+    c->cons_id = NULL;
     kvc_buf_cleanup(&c->out);
-    free(c);
+    c->dead = true;
+    c->next = a->sconns_dead;
+    a->sconns_dead = c;
+}
+
+void kvc_sconns_reap(kvc_agent_t *a) {
+    while (a->sconns_dead) {
+        kvc_sconn_t *c = a->sconns_dead;
+        a->sconns_dead = c->next;
+        free(c);
+    }
+}
+
+/* Closes a misbehaving client: counted, logged (rate-limited). */
+static void sconn_drop(kvc_agent_t *a, kvc_sconn_t *c, const char *why) {
+    a->stats[KVC_STAT_PEER_ERRORS]++;
+    if (kvc_log_ratelimit(a, KVC_RL_PEER))
+        KVC_LOG(a, KVC_LOG_WARN, "side channel: %s from %s, closing", why, c->addr);
+    sconn_close(a, c);
+}
+
+static void addr_text(const struct sockaddr_storage *ss, char *out, size_t n) {
+    const void *ip = ss->ss_family == AF_INET6
+                         ? (const void *)&((const struct sockaddr_in6 *)ss)->sin6_addr
+                         : (const void *)&((const struct sockaddr_in *)ss)->sin_addr;
+    if (!inet_ntop(ss->ss_family, ip, out, (socklen_t)n)) snprintf(out, n, "?");
+}
+
+/* Makes room for one more handshake from `addr`: true if there is room, or
+ * if the oldest client that has not completed a HELLO (of that address when the
+ * per-address limit is what is hit) was closed for it. */
+static bool sconn_make_room(kvc_agent_t *a, const char *addr) {
+    size_t total = 0, same = 0;
+    uint32_t per = a->max_handshakes / 4 < 4 ? 4 : a->max_handshakes / 4;
+    for (kvc_sconn_t *o = a->sconns; o; o = o->next) {
+        total++;
+        same += !strcmp(o->addr, addr);
+    }
+    bool by_addr = same >= per;
+    if (total < a->max_handshakes && !by_addr) return true;
+    kvc_sconn_t *victim = NULL;
+    for (kvc_sconn_t *o = a->sconns; o; o = o->next)
+        if (o->state == SC_HELLO && (!by_addr || !strcmp(o->addr, addr)) &&
+            (!victim || o->accepted_ns < victim->accepted_ns))
+            victim = o;
+    if (!victim) return false;
+    sconn_drop(a, victim, "idle handshake evicted for a new one");
+    return true;
 }
 
 void kvc_listen_accept(kvc_agent_t *a) {
     for (int i = 0; i < 64; i++) {
-        int fd = accept4(a->listen_fd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
+        struct sockaddr_storage ss;
+        socklen_t sl = sizeof(ss);
+        int fd = accept4(a->listen_fd, (struct sockaddr *)&ss, &sl, SOCK_NONBLOCK | SOCK_CLOEXEC);
         if (fd < 0) {
             if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)
                 KVC_LOG(a, KVC_LOG_WARN, "side channel: accept: %s", strerror(errno));
             return;
         }
-        size_t nc = 0;
-        for (kvc_sconn_t *o = a->sconns; o; o = o->next)
-            nc++;
-        if (nc >= MAX_SCONNS) {
+        char addr[64];
+        addr_text(&ss, addr, sizeof(addr));
+        if (!sconn_make_room(a, addr)) {
             close(fd);
-            KVC_LOG(a, KVC_LOG_WARN, "side channel: %zu handshakes in progress, refusing", nc);
+            a->stats[KVC_STAT_PEER_ERRORS]++;
+            if (kvc_log_ratelimit(a, KVC_RL_PEER))
+                KVC_LOG(a, KVC_LOG_WARN,
+                        "side channel: too many handshakes in progress, "
+                        "refusing %s",
+                        addr);
             continue;
         }
         kvc_sconn_t *c = calloc(1, sizeof(*c));
-        if (!c || !(c->in = malloc(KVC_WIRE_HDR_LEN + KVC_WIRE_MAX_HELLO))) {
+        if (!c || !(c->in = malloc(SCONN_IN_CAP))) {
             free(c);
             close(fd);
             KVC_LOG(a, KVC_LOG_ERROR, "side channel: out of memory, connection dropped");
@@ -119,7 +194,10 @@ void kvc_listen_accept(kvc_agent_t *a) {
         }
         c->fd = fd;
         c->pe = (kvc_pollent_t){PE_SCONN, c};
-        c->deadline_ns = kvc_now_ns() + (uint64_t)a->connect_timeout_ms * 1000000ull;
+        c->state = SC_HELLO;
+        memcpy(c->addr, addr, sizeof(addr));
+        c->accepted_ns = kvc_now_ns();
+        c->deadline_ns = c->accepted_ns + (uint64_t)a->connect_timeout_ms * 1000000ull;
         if (kvc_ep_add(a, fd, EPOLLIN | EPOLLRDHUP, &c->pe) != KVC_OK) {
             free(c->in);
             free(c);
@@ -131,185 +209,201 @@ void kvc_listen_accept(kvc_agent_t *a) {
     }
 }
 
-/* Writes the handshake reply; closes the connection when done or broken.
- * May free c. */
-static void sconn_write(kvc_agent_t *a, kvc_sconn_t *c) {
+/* Sends what is queued.  Closes the connection when it is done with
+ * (SC_CLOSING, all written) or broken; false if c was freed. */
+static bool sconn_flush(kvc_agent_t *a, kvc_sconn_t *c) {
     while (c->out_off < c->out.len) {
         ssize_t n = send(c->fd, c->out.p + c->out_off, c->out.len - c->out_off, MSG_NOSIGNAL);
         if (n > 0) {
             c->out_off += (size_t)n;
             continue;
         }
-        if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) return;
-        break;
+        if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) {
+            /* A closing connection is not read any more: input from it must
+             * not keep the level-triggered fd readable. */
+            uint32_t in = c->state == SC_CLOSING ? 0 : EPOLLIN | EPOLLRDHUP;
+            kvc_ep_mod(a, c->fd, in | EPOLLOUT, &c->pe);
+            return true;
+        }
+        sconn_close(a, c); /* the consumer went away */
+        return false;
     }
-    sconn_close(a, c); /* done, or the consumer went away */
+    kvc_buf_cleanup(&c->out);
+    c->out_off = 0;
+    if (c->state == SC_CLOSING) {
+        sconn_close(a, c);
+        return false;
+    }
+    kvc_ep_mod(a, c->fd, EPOLLIN | EPOLLRDHUP, &c->pe);
+    return true;
 }
 
-/* ------------------------------------------- producer -> consumer endpoints -- */
-
-struct kvc_cons {
-    struct kvc_cons *next;
-    kvc_agent_t *a;
-    ucp_ep_h ep;
-    bool failed;
-    void *close_req;
-};
-
-static void cons_err_cb(void *arg, ucp_ep_h ep, ucs_status_t us) {
-    struct kvc_cons *k = arg;
-    k->failed = true; /* closed by kvc_cons_reap, outside this callback */
-    kvc_wake(k->a);
+/* Queues an ERROR for the consumer and closes after it. */
+static void sconn_refuse(kvc_agent_t *a, kvc_sconn_t *c, kvc_status_t st, const char *msg) {
+    kvc_buf_cleanup(&c->out);
+    c->out_off = 0;
+    kvc_wire_encode_error(&c->out, a->wire_version, st, msg);
+    c->state = SC_CLOSING;
 }
 
-/* UCX asserts (aborts the process) on a malformed worker address, and its
- * format is private: the best we can do is refuse what cannot be one of
- * ours — another header byte (UCX version and flags) or an absurd length.
- * A crafted address can still get through; the side channel must only be
- * reachable inside the cluster (SECURITY.md). */
-static bool addr_plausible(const kvc_agent_t *a, const uint8_t *addr, size_t len) {
-    return len >= 16 && len <= 65536 && a->worker_addr_len >= 1 &&
-           addr[0] == ((const uint8_t *)a->worker_addr)[0];
-}
-
-static void cons_connect(kvc_agent_t *a, const void *addr, size_t len) {
-    size_t n = 0;
-    for (struct kvc_cons *k = a->cons; k; k = k->next)
-        n++;
-    if (n >= MAX_CONS) return; /* only an optimisation: skip it */
-    struct kvc_cons *k = calloc(1, sizeof(*k));
-    if (!k) return;
-    k->a = a;
-    ucp_ep_params_t ep;
-    memset(&ep, 0, sizeof(ep));
-    ep.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
-                    UCP_EP_PARAM_FIELD_ERR_HANDLER;
-    ep.address = addr;
-    ep.err_mode = UCP_ERR_HANDLING_MODE_PEER;
-    ep.err_handler.cb = cons_err_cb;
-    ep.err_handler.arg = k;
-    if (ucp_ep_create(a->worker, &ep, &k->ep) != UCS_OK) {
-        /* Only an optimisation: the consumer's own endpoint still works. */
-        free(k);
+static void on_hello(kvc_agent_t *a, kvc_sconn_t *c, const uint8_t *body, size_t len) {
+    kvc_wire_hello_t h;
+    if (kvc_wire_parse_hello(body, len, &h) != KVC_OK) {
+        sconn_drop(a, c, "malformed hello");
         return;
     }
-    k->next = a->cons;
-    a->cons = k;
-}
-
-static void *close_force(ucp_ep_h ep) {
-    ucp_request_param_t rp;
-    memset(&rp, 0, sizeof(rp));
-    rp.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
-    rp.flags = UCP_EP_CLOSE_FLAG_FORCE;
-    void *req = ucp_ep_close_nbx(ep, &rp);
-    return UCS_PTR_IS_PTR(req) ? req : NULL;
-}
-
-void kvc_cons_reap(kvc_agent_t *a) {
-    struct kvc_cons **pp = &a->cons;
-    while (*pp) {
-        struct kvc_cons *k = *pp;
-        if (k->failed && k->ep) {
-            k->close_req = close_force(k->ep);
-            k->ep = NULL;
-        }
-        if (k->close_req && ucp_request_check_status(k->close_req) != UCS_INPROGRESS) {
-            ucp_request_free(k->close_req);
-            k->close_req = NULL;
-        }
-        if (!k->ep && !k->close_req) {
-            *pp = k->next;
-            free(k);
-            continue;
-        }
-        if (k->close_req) kvc_wake(a);
-        pp = &k->next;
+    bool has = (h.flags & KVC_HFLAG_SECRET) != 0;
+    if (has != (a->secret != NULL)) {
+        a->stats[KVC_STAT_AUTH_FAILED]++;
+        if (kvc_log_ratelimit(a, KVC_RL_AUTH))
+            KVC_LOG(a, KVC_LOG_WARN,
+                    "side channel: authentication failed for engine %.*s from %s: %s",
+                    (int)h.engine_id.len, (const char *)h.engine_id.p, c->addr,
+                    has ? "it has a cluster secret, this producer has none"
+                        : "it has no cluster secret, this producer requires one");
+        sconn_refuse(a, c, KVC_ERR_AUTH,
+                     has ? "authentication failed: the producer has no cluster secret"
+                         : "authentication failed: the producer requires a cluster secret");
+        return;
     }
+    memcpy(c->nonce_c, h.nonce, KVC_NONCE_LEN);
+    if (!(c->cons_id = kvc_strndup((const char *)h.engine_id.p, h.engine_id.len)) ||
+        kvc_random(c->nonce_p, KVC_NONCE_LEN) != KVC_OK) {
+        sconn_close(a, c);
+        return;
+    }
+    KVC_LOG(a, KVC_LOG_DEBUG, "side channel: hello from engine %s at %s", c->cons_id, c->addr);
+    kvc_wire_encode_hello(&c->out, a->wire_version, KVC_MSG_CHALLENGE, a->engine_id,
+                          a->secret ? KVC_HFLAG_SECRET : 0, c->nonce_p);
+    c->state = SC_AUTH;
 }
 
-void kvc_cons_destroy(kvc_agent_t *a) {
-    for (struct kvc_cons *k = a->cons; k; k = k->next)
-        if (k->ep) {
-            k->close_req = close_force(k->ep);
-            k->ep = NULL;
-        }
-    uint64_t until = kvc_now_ns() + 1000000000ull;
-    while (a->cons) {
-        struct kvc_cons *k = a->cons;
-        while (k->close_req && ucp_request_check_status(k->close_req) == UCS_INPROGRESS &&
-               kvc_now_ns() < until)
-            ucp_worker_progress(a->worker);
-        if (k->close_req) ucp_request_free(k->close_req);
-        a->cons = k->next;
-        free(k);
+static void on_auth(kvc_agent_t *a, kvc_sconn_t *c, const uint8_t *body, size_t len) {
+    uint8_t proto;
+    const uint8_t *mac;
+    if (kvc_wire_parse_auth(body, len, &proto, &mac) != KVC_OK) {
+        sconn_drop(a, c, "malformed auth");
+        return;
     }
+    uint8_t want[KVC_MAC_LEN];
+    kvc_span_t cid = {(const uint8_t *)c->cons_id, strlen(c->cons_id)};
+    kvc_span_t pid = {(const uint8_t *)a->engine_id, strlen(a->engine_id)};
+    kvc_mac_consumer(a, c->nonce_c, c->nonce_p, proto, cid, pid, want);
+    if (!kvc_mac_equal(want, mac, KVC_MAC_LEN)) {
+        a->stats[KVC_STAT_AUTH_FAILED]++;
+        if (kvc_log_ratelimit(a, KVC_RL_AUTH))
+            KVC_LOG(a, KVC_LOG_WARN,
+                    "side channel: authentication failed for engine %s from %s: wrong MAC "
+                    "(different cluster secret)",
+                    c->cons_id, c->addr);
+        sconn_refuse(a, c, KVC_ERR_AUTH, "authentication failed: different cluster secret");
+        return;
+    }
+    /* rkeys only for a consumer that may read one-sided: it asked for GET,
+     * or AUTO with every region a pool (mappable on one host). */
+    bool pools = a->n_regions > 0;
+    for (size_t i = 0; i < a->n_regions; i++)
+        pools &= a->regions[i].pool;
+    bool rkeys = proto == KVC_PROTO_GET || (proto == KVC_PROTO_AUTO && pools);
+    const kvc_buf_t *hs = rkeys ? &a->hs_msg : &a->hs_msg_nokeys;
+    size_t start = c->out.len;
+    kvc_buf_put(&c->out, hs->p, hs->len);
+    uint8_t m[KVC_MAC_LEN];
+    if (!c->out.failed)
+        kvc_mac_producer(a, c->nonce_c, c->nonce_p, c->out.p + start + KVC_WIRE_HDR_LEN,
+                         hs->len - KVC_WIRE_HDR_LEN, m);
+    kvc_buf_put(&c->out, m, KVC_MAC_LEN);
+    kvc_wire_end_msg(&c->out, start);
+    if (c->out.failed) {
+        sconn_close(a, c);
+        return;
+    }
+    KVC_LOG(a, KVC_LOG_DEBUG, "side channel: engine %s at %s authenticated, rkeys=%d", c->cons_id,
+            c->addr, (int)rkeys);
+    c->state = SC_CLOSING;
+}
+
+static bool sconn_alive(kvc_agent_t *a, kvc_sconn_t *c) {
+    for (kvc_sconn_t *o = a->sconns; o; o = o->next)
+        if (o == c) return true;
+    return false;
 }
 
 void kvc_sconn_io(kvc_agent_t *a, kvc_sconn_t *c, uint32_t events) {
-    if (!c->replying) {
-        size_t cap = KVC_WIRE_HDR_LEN + KVC_WIRE_MAX_HELLO;
-        for (;;) {
-            ssize_t n = read(c->fd, c->in + c->in_len, cap - c->in_len);
-            if (n > 0) {
-                c->in_len += (size_t)n;
-                if (c->in_len == cap) break;
-                continue;
-            }
-            if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) break;
-            sconn_close(a, c); /* EOF or error before a full HELLO */
-            return;
-        }
-        kvc_wire_hdr_t h;
-        kvc_status_t st = kvc_wire_parse_hdr(c->in, c->in_len, KVC_WIRE_MAX_HELLO, &h);
-        if (st == KVC_AGAIN) return;
-        if (st != KVC_OK || h.type != KVC_MSG_HELLO) {
-            KVC_LOG(a, KVC_LOG_WARN, "side channel: malformed hello, closing");
-            sconn_close(a, c);
-            return;
-        }
-        if (c->in_len < KVC_WIRE_HDR_LEN + h.body_len) return;
-        if (h.version != a->wire_version) {
-            /* Reply anyway: the consumer reports the mismatch with both values. */
-            KVC_LOG(a, KVC_LOG_WARN, "side channel: hello wire version %u, ours %u", h.version,
-                    a->wire_version);
-        }
-        kvc_span_t id = {NULL, 0}, addr = {NULL, 0};
-        if (h.version == a->wire_version &&
-            kvc_wire_parse_hello(c->in + KVC_WIRE_HDR_LEN, h.body_len, &id, &addr) != KVC_OK) {
-            KVC_LOG(a, KVC_LOG_WARN, "side channel: malformed hello body, closing");
-            sconn_close(a, c);
-            return;
-        }
-        KVC_LOG(a, KVC_LOG_DEBUG, "side channel: hello from engine %.*s", (int)id.len,
-                id.p ? (const char *)id.p : "");
-        kvc_buf_put(&c->out, a->hs_msg.p, a->hs_msg.len);
-        if (c->out.failed) {
-            sconn_close(a, c);
-            return;
-        }
-        c->replying = true;
-        kvc_ep_mod(a, c->fd, EPOLLOUT | EPOLLRDHUP, &c->pe);
-        events |= EPOLLOUT;
-        if (addr.len && !addr_plausible(a, addr.p, addr.len)) {
-            KVC_LOG(a, KVC_LOG_WARN,
-                    "side channel: HELLO with an implausible worker address "
-                    "(%zu bytes) ignored",
-                    (size_t)addr.len);
-        } else if (addr.len) {
-            /* Reply first, then connect back: the consumer creates its endpoint
-             * meanwhile, UCX pairs the two (same connection sequence number),
-             * and the two costly endpoint setups overlap instead of running
-             * one after the other during wireup. */
-            uint8_t *copy = malloc(addr.len);
-            if (copy) memcpy(copy, addr.p, addr.len);
-            sconn_write(a, c);
-            if (copy) cons_connect(a, copy, addr.len);
-            free(copy);
-            return;
-        }
+    if (c->dead) return;
+    if (c->out.len && !sconn_flush(a, c)) return;
+    if (c->state == SC_CLOSING) {
+        /* Waiting for the reply to drain; a consumer that hangs up is closed. */
+        if (events & (EPOLLERR | EPOLLHUP)) sconn_close(a, c);
+        return;
     }
-    if (events & (EPOLLOUT | EPOLLERR | EPOLLHUP)) sconn_write(a, c);
+    bool eof = false;
+    while (c->in_len < SCONN_IN_CAP) {
+        ssize_t n = read(c->fd, c->in + c->in_len, SCONN_IN_CAP - c->in_len);
+        if (n > 0) {
+            c->in_len += (size_t)n;
+            continue;
+        }
+        if (n < 0 && errno == EINTR) continue;
+        if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) break;
+        eof = true;
+        break;
+    }
+    kvc_wire_hdr_t h;
+    kvc_status_t st = kvc_wire_parse_hdr(c->in, c->in_len, KVC_WIRE_MAX_HELLO, &h);
+    if (st == KVC_AGAIN) {
+        if (!eof) return;
+        if (c->in_len || c->state != SC_HELLO)
+            sconn_drop(a, c, "connection closed mid-handshake");
+        else
+            sconn_close(a, c); /* a port probe */
+        return;
+    }
+    if (st != KVC_OK) {
+        sconn_drop(a, c, "malformed hello or oversized message");
+        return;
+    }
+    if (h.version != a->wire_version) {
+        /* Distinct from an auth failure: the consumer reports both versions. */
+        a->stats[KVC_STAT_PEER_ERRORS]++;
+        if (kvc_log_ratelimit(a, KVC_RL_PEER))
+            KVC_LOG(a, KVC_LOG_WARN,
+                    "side channel: hello wire version %u from %s, ours %u: version mismatch",
+                    h.version, c->addr, a->wire_version);
+        char m[96];
+        snprintf(m, sizeof(m), "side channel version mismatch: producer speaks %u, hello was %u",
+                 a->wire_version, h.version);
+        sconn_refuse(a, c, KVC_ERR_VERSION, m);
+        sconn_flush(a, c);
+        return;
+    }
+    uint16_t want_type = c->state == SC_HELLO ? KVC_MSG_HELLO : KVC_MSG_AUTH;
+    if (h.type != want_type) {
+        sconn_drop(a, c, "malformed hello (unexpected message type)");
+        return;
+    }
+    size_t full = KVC_WIRE_HDR_LEN + h.body_len;
+    if (c->in_len < full) {
+        if (eof) sconn_drop(a, c, "truncated message");
+        return; /* the rest comes later (the deadline bounds the wait) */
+    }
+    if (c->in_len > full) {
+        /* Each message waits for the answer to the previous one: more bytes
+         * are a client that does not follow the protocol. */
+        sconn_drop(a, c, "malformed hello (bytes ahead of the protocol)");
+        return;
+    }
+    if (c->state == SC_HELLO)
+        on_hello(a, c, c->in + KVC_WIRE_HDR_LEN, h.body_len);
+    else
+        on_auth(a, c, c->in + KVC_WIRE_HDR_LEN, h.body_len);
+    if (!sconn_alive(a, c)) return; /* on_* closed it */
+    c->in_len = 0;
+    if (eof && c->state != SC_CLOSING) {
+        sconn_drop(a, c, "connection closed mid-handshake");
+        return;
+    }
+    sconn_flush(a, c);
 }
 
 void kvc_sconns_timers(kvc_agent_t *a, uint64_t now, uint64_t *next) {
@@ -317,8 +411,7 @@ void kvc_sconns_timers(kvc_agent_t *a, uint64_t now, uint64_t *next) {
     while (c) {
         kvc_sconn_t *nx = c->next;
         if (now >= c->deadline_ns) {
-            KVC_LOG(a, KVC_LOG_WARN, "side channel: client too slow, closing");
-            sconn_close(a, c);
+            sconn_drop(a, c, "client too slow");
         } else if (c->deadline_ns < *next) {
             *next = c->deadline_ns;
         }
@@ -329,6 +422,17 @@ void kvc_sconns_timers(kvc_agent_t *a, uint64_t now, uint64_t *next) {
 void kvc_sconns_destroy(kvc_agent_t *a) {
     while (a->sconns)
         sconn_close(a, a->sconns);
+    kvc_sconns_reap(a);
+}
+
+/* UCX asserts (aborts the process) on a malformed worker address, and its
+ * format is private: the best we can do is refuse what cannot be one of
+ * ours — another header byte (UCX version and flags) or an absurd length.
+ * The address now comes only from an authenticated producer (its MAC is
+ * checked first). */
+static bool addr_plausible(const kvc_agent_t *a, const uint8_t *addr, size_t len) {
+    return len >= 16 && len <= 65536 && a->worker_addr_len >= 1 &&
+           addr[0] == ((const uint8_t *)a->worker_addr)[0];
 }
 
 /* ---------------------------------------------------------------- peers -- */
@@ -469,7 +573,8 @@ void kvc_peers_destroy(kvc_agent_t *a) {
 
 void kvc_peers_timers(kvc_agent_t *a, uint64_t now, uint64_t *next) {
     for (kvc_peer_t *p = a->peers; p; p = p->next) {
-        if (p->state != PEER_CONNECTING && p->state != PEER_HELLO) continue;
+        if (p->state != PEER_CONNECTING && p->state != PEER_HELLO && p->state != PEER_AUTH)
+            continue;
         if (now >= p->deadline_ns)
             peer_fail(a, p, KVC_ERR_UNREACHABLE, "handshake with %s:%u timed out after %u ms",
                       p->host, p->port, a->connect_timeout_ms);
@@ -536,14 +641,22 @@ out:
 }
 
 static kvc_proto_t choose_proto(kvc_agent_t *a, kvc_peer_t *p) {
-    bool shm = p->n_regions > 0;
+    bool shm = p->n_regions > 0, keys = p->n_regions > 0;
+    for (uint32_t i = 0; i < p->n_regions; i++)
+        keys &= p->rr[i].rkey != NULL;
+    shm &= keys;
     for (uint32_t i = 0; i < p->n_regions && shm; i++) {
         void *ptr = NULL;
         shm = ucp_rkey_ptr(p->rr[i].rkey, p->rr[i].base, &ptr) == UCS_OK && ptr;
         p->rr[i].mapped = shm ? ptr : NULL;
     }
     p->shm = shm;
+    if (!keys) return KVC_PROTO_PUSH; /* the producer sent no rkeys */
     if (a->proto != KVC_PROTO_AUTO) return a->proto;
+    /* AUTO runs without UCX's RMA feature (context.c): one-sided only
+     * through the mapping, into host memory. */
+    for (size_t r = 0; r < a->n_regions; r++)
+        shm &= a->regions[r].mem_type == KVC_MEM_HOST || a->regions[r].staged;
     /* A mapping of every remote region means shared memory on this host:
      * reads are one-sided memcpy through UCX's mapping (xfer.c), whatever
      * lanes the endpoint uses.  Otherwise (tcp, registered memory) a get is
@@ -625,6 +738,18 @@ static void handshake_done(kvc_agent_t *a, kvc_peer_t *p, const uint8_t *body, s
                   "malformed handshake from %s:%u", p->host, p->port);
         return;
     }
+    /* Nothing of the handshake (worker address, rkeys) is used before its
+     * MAC checks out. */
+    uint8_t want[KVC_MAC_LEN];
+    kvc_mac_producer(a, p->nonce_c, p->nonce_p, body, hs.signed_len, want);
+    if (!kvc_mac_equal(want, hs.mac, KVC_MAC_LEN)) {
+        a->stats[KVC_STAT_AUTH_FAILED]++;
+        peer_fail(a, p, KVC_ERR_AUTH,
+                  "authentication failed: the handshake from %s:%u does not carry a valid MAC "
+                  "(different cluster secret)",
+                  p->host, p->port);
+        goto out;
+    }
     int eid_len = (int)hs.engine_id.len;
     const char *eid = (const char *)hs.engine_id.p;
     if (p->engine_id &&
@@ -677,6 +802,7 @@ static void handshake_done(kvc_agent_t *a, kvc_peer_t *p, const uint8_t *body, s
         p->rr[i].base = hs.regions[i].base;
         p->rr[i].len = hs.regions[i].len;
         p->rr[i].block_len = hs.regions[i].block_len;
+        if (hs.regions[i].rkey.len == 0) continue; /* push only: no rkeys were sent */
         ucs_status_t us = ucp_ep_rkey_unpack(p->ep, hs.regions[i].rkey.p, &p->rr[i].rkey);
         if (us != UCS_OK) {
             p->rr[i].rkey = NULL;
@@ -700,6 +826,67 @@ out:
     kvc_wire_hs_cleanup(&hs);
 }
 
+/* The producer's CHALLENGE: answer with our MAC over both nonces. */
+static void on_challenge(kvc_agent_t *a, kvc_peer_t *p, const uint8_t *body, size_t len) {
+    kvc_wire_hello_t h;
+    if (kvc_wire_parse_hello(body, len, &h) != KVC_OK) {
+        peer_fail(a, p, KVC_ERR_PROTOCOL, "malformed challenge from %s:%u", p->host, p->port);
+        return;
+    }
+    if (!(h.flags & KVC_HFLAG_SECRET) && a->secret) {
+        a->stats[KVC_STAT_AUTH_FAILED]++;
+        peer_fail(a, p, KVC_ERR_AUTH,
+                  "authentication failed: producer %s:%u has no cluster secret, this agent has one",
+                  p->host, p->port);
+        return;
+    }
+    memcpy(p->nonce_p, h.nonce, KVC_NONCE_LEN);
+    uint8_t mac[KVC_MAC_LEN];
+    kvc_span_t cid = {(const uint8_t *)a->engine_id, strlen(a->engine_id)};
+    kvc_mac_consumer(a, p->nonce_c, p->nonce_p, (uint8_t)a->proto, cid, h.engine_id, mac);
+    kvc_buf_cleanup(&p->out);
+    p->out_off = 0;
+    kvc_wire_encode_auth(&p->out, a->wire_version, (uint8_t)a->proto, mac);
+    if (p->out.failed) {
+        peer_fail(a, p, KVC_ERR_NO_MEMORY, "out of memory");
+        return;
+    }
+    p->state = PEER_AUTH;
+    kvc_ep_mod(a, p->fd, EPOLLOUT | EPOLLIN | EPOLLRDHUP, &p->pe);
+}
+
+/* The producer's ERROR: it refused us and closes. */
+static void on_error(kvc_agent_t *a, kvc_peer_t *p, const uint8_t *body, size_t len) {
+    int32_t code;
+    kvc_span_t m;
+    if (kvc_wire_parse_error(body, len, &code, &m) != KVC_OK) {
+        peer_fail(a, p, KVC_ERR_PROTOCOL, "malformed error message from %s:%u", p->host, p->port);
+        return;
+    }
+    kvc_status_t st = code == KVC_ERR_AUTH      ? KVC_ERR_AUTH
+                      : code == KVC_ERR_VERSION ? KVC_ERR_VERSION
+                                                : KVC_ERR_PROTOCOL;
+    if (st == KVC_ERR_AUTH) a->stats[KVC_STAT_AUTH_FAILED]++;
+    peer_fail(a, p, st, "producer %s:%u refused the handshake: %.*s", p->host, p->port, (int)m.len,
+              (const char *)m.p);
+}
+
+static bool peer_send(kvc_agent_t *a, kvc_peer_t *p) {
+    while (p->out_off < p->out.len) {
+        ssize_t n = send(p->fd, p->out.p + p->out_off, p->out.len - p->out_off, MSG_NOSIGNAL);
+        if (n > 0) {
+            p->out_off += (size_t)n;
+            if (p->out_off == p->out.len) kvc_ep_mod(a, p->fd, EPOLLIN | EPOLLRDHUP, &p->pe);
+            continue;
+        }
+        if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) break;
+        peer_fail(a, p, KVC_ERR_UNREACHABLE, "send to %s:%u: %s", p->host, p->port,
+                  strerror(errno));
+        return false;
+    }
+    return true;
+}
+
 void kvc_peer_io(kvc_agent_t *a, kvc_peer_t *p, uint32_t events) {
     if (p->state == PEER_CONNECTING) {
         if (!(events & (EPOLLOUT | EPOLLERR | EPOLLHUP))) return;
@@ -710,29 +897,21 @@ void kvc_peer_io(kvc_agent_t *a, kvc_peer_t *p, uint32_t events) {
                       strerror(err ? err : errno));
             return;
         }
-        kvc_wire_encode_hello(&p->out, a->wire_version, a->engine_id, a->worker_addr,
-                              a->worker_addr_len);
+        if (kvc_random(p->nonce_c, KVC_NONCE_LEN) != KVC_OK) {
+            peer_fail(a, p, KVC_ERR_IO, "no randomness for the handshake nonce");
+            return;
+        }
+        kvc_wire_encode_hello(&p->out, a->wire_version, KVC_MSG_HELLO, a->engine_id,
+                              a->secret ? KVC_HFLAG_SECRET : 0, p->nonce_c);
         if (p->out.failed) {
             peer_fail(a, p, KVC_ERR_NO_MEMORY, "out of memory");
             return;
         }
         p->state = PEER_HELLO;
-        events |= EPOLLOUT;
-    }
-    if (p->state != PEER_HELLO) return;
-    while (p->out_off < p->out.len) {
-        ssize_t n = send(p->fd, p->out.p + p->out_off, p->out.len - p->out_off, MSG_NOSIGNAL);
-        if (n > 0) {
-            p->out_off += (size_t)n;
-            if (p->out_off == p->out.len) kvc_ep_mod(a, p->fd, EPOLLIN | EPOLLRDHUP, &p->pe);
-            continue;
-        }
-        if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) break;
-        peer_fail(a, p, KVC_ERR_UNREACHABLE, "send hello to %s:%u: %s", p->host, p->port,
-                  strerror(errno));
-        return;
     }
     for (;;) {
+        if (p->state != PEER_HELLO && p->state != PEER_AUTH) return;
+        if (!peer_send(a, p)) return;
         kvc_wire_hdr_t h;
         size_t want = KVC_WIRE_HDR_LEN;
         kvc_status_t st = kvc_wire_parse_hdr(p->in, p->in_len, KVC_WIRE_MAX_BODY, &h);
@@ -748,15 +927,31 @@ void kvc_peer_io(kvc_agent_t *a, kvc_peer_t *p, uint32_t events) {
                           a->engine_id, a->wire_version, p->host, p->port, h.version);
                 return;
             }
-            if (h.type != KVC_MSG_HANDSHAKE) {
+            uint16_t expect = p->state == PEER_HELLO ? KVC_MSG_CHALLENGE : KVC_MSG_HANDSHAKE;
+            if (h.type != expect && h.type != KVC_MSG_ERROR) {
                 peer_fail(a, p, KVC_ERR_PROTOCOL, "unexpected message type %u from %s:%u", h.type,
                           p->host, p->port);
                 return;
             }
             want = KVC_WIRE_HDR_LEN + h.body_len;
             if (p->in_len >= want) {
-                handshake_done(a, p, p->in + KVC_WIRE_HDR_LEN, h.body_len);
-                return;
+                const uint8_t *body = p->in + KVC_WIRE_HDR_LEN;
+                if (h.type == KVC_MSG_ERROR) {
+                    on_error(a, p, body, h.body_len);
+                    return;
+                }
+                if (h.type == KVC_MSG_HANDSHAKE) {
+                    handshake_done(a, p, body, h.body_len);
+                    return;
+                }
+                if (p->in_len != want) {
+                    peer_fail(a, p, KVC_ERR_PROTOCOL, "bytes after the challenge from %s:%u",
+                              p->host, p->port);
+                    return;
+                }
+                on_challenge(a, p, body, h.body_len);
+                p->in_len = 0;
+                continue; /* send AUTH, read on */
             }
         }
         if (p->in_cap < want) {

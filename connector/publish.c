@@ -27,6 +27,7 @@ void kvc_pub_free(kvc_pub_t *p) {
     if (!p) return;
     free(p->id);
     free(p->blocks);
+    free(p->sorted);
     free(p);
 }
 
@@ -89,6 +90,33 @@ void kvc_pubtab_remove(kvc_pubtab_t *t, kvc_pub_t *p) {
     kvc_expiry_remove(t, p);
 }
 
+static int cmp_u64(const void *x, const void *y) {
+    uint64_t a = *(const uint64_t *)x, b = *(const uint64_t *)y;
+    return a < b ? -1 : a > b;
+}
+
+bool kvc_pub_has_run(const kvc_pub_t *p, uint64_t start, uint64_t count) {
+    /* The run's blocks are consecutive ids: find the first in the sorted
+     * list, then they must follow it one by one. */
+    if (count == 0 || count > p->n) return false;
+    size_t lo = 0, hi = p->n;
+    while (lo < hi) {
+        size_t mid = lo + (hi - lo) / 2;
+        if (p->sorted[mid] < start)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    if (lo >= p->n || p->sorted[lo] != start) return false;
+    uint64_t want = start;
+    for (size_t i = lo; i < p->n && want - start < count; i++) {
+        if (p->sorted[i] == want - 1 && want != start) continue; /* repeated id */
+        if (p->sorted[i] != want) return false;
+        want++;
+    }
+    return want - start == count;
+}
+
 kvc_status_t kvc_publish(kvc_agent_t *a, const char *request_id, const uint64_t *block_ids,
                          size_t n, const kvc_publish_params_t *params, char **json_out) {
     if (!a || !request_id || !json_out || (n && !block_ids)) return KVC_ERR_INVALID_PARAM;
@@ -110,15 +138,21 @@ kvc_status_t kvc_publish(kvc_agent_t *a, const char *request_id, const uint64_t 
     if (!(p->id = kvc_strdup(request_id))) goto err_pub;
     if (n) {
         if (!(p->blocks = malloc(n * sizeof(uint64_t)))) goto err_pub;
+        if (!(p->sorted = malloc(n * sizeof(uint64_t)))) goto err_pub;
         memcpy(p->blocks, block_ids, n * sizeof(uint64_t));
+        memcpy(p->sorted, block_ids, n * sizeof(uint64_t));
+        qsort(p->sorted, n, sizeof(uint64_t), cmp_u64);
     }
     p->n = n;
+    if ((st = kvc_random(p->token, KVC_TOKEN_LEN)) != KVC_OK) goto err_pub;
+    st = KVC_ERR_NO_MEMORY;
     uint64_t m = params ? params->field_mask : 0;
+    p->consumers = (m & KVC_PUBLISH_FIELD_CONSUMERS) ? params->consumers : 0;
     uint32_t exp = (m & KVC_PUBLISH_FIELD_EXPIRY) ? params->expiry_ms : a->expiry_ms;
     p->deadline_ns = kvc_now_ns() + (uint64_t)exp * 1000000ull;
     p->user_data = (m & KVC_PUBLISH_FIELD_USER_DATA) ? params->user_data : 0;
     char *json = kvc_params_to_json(a->engine_id, request_id, a->adv_host, a->port, block_ids, n,
-                                    a->tp_size);
+                                    a->tp_size, p->token);
     if (!json) goto err_pub;
     /* Staged CUDA regions: the bytes must be in the host mirror before any
      * consumer can read them, i.e. before the params leave this function. */

@@ -3,15 +3,24 @@
  * and unit tests exercise exactly what the agent runs.
  *
  * Header (12 bytes): u32 magic "KVCH", u16 version, u16 type, u32 body_len.
- * HELLO body:     str16 engine_id, [blob32 worker_address]
- * HANDSHAKE body: str16 engine_id, u64 nonce, str16 layout, u32 tp_size,
- *                 blob32 worker_address, u64 num_blocks, u32 n_regions,
- *                 n_regions * { u64 base, u64 len, u64 block_len, u8 mem_type,
- *                               u8 flags, blob32 rkey }
+ * Side channel, in order (version 2):
+ *  C->P HELLO:     str16 engine_id, u8 flags (KVC_HFLAG_*), nonce_c[32]
+ *  P->C CHALLENGE: str16 engine_id, u8 flags, nonce_p[32]
+ *  C->P AUTH:      u8 proto, mac_c[32]
+ *  P->C HANDSHAKE: str16 engine_id, u64 instance nonce, str16 layout,
+ *                  u32 tp_size, blob32 worker_address, u64 num_blocks,
+ *                  u32 n_regions, n_regions * { u64 base, u64 len,
+ *                  u64 block_len, u8 mem_type, u8 flags, blob32 rkey },
+ *                  mac_p[32] (over everything before it)
+ *  P->C ERROR:     i32 status, str16 message  (instead of CHALLENGE or
+ *                  HANDSHAKE; the producer closes after it)
+ * The MACs are computed in auth.c.
  * PULL (AM data): u16 version, u16 flags (KVC_PULL_*), u32 n_runs, u64 xfer_id,
+ *                 xfer_token[16], pub_token[16], str16 request_id,
  *                 n_runs * { u64 remote, u64 local, u64 count }
  * DATA header (AM header): u64 xfer_id, u32 region, i32 status,
- *                 u64 local_start, u64 count
+ *                 u64 local_start, u64 count, xfer_token[16]
+ * NOTIFY (AM data): pub_token[16], "<request id>:<tp>"
  * Everything a parser reads is bounds-checked against the input length;
  * counts are checked against the bytes that remain before any allocation. */
 #include "kvc_int.h"
@@ -170,7 +179,7 @@ static void put_hdr(kvc_buf_t *b, uint16_t version, uint16_t type) {
     kvc_buf_u32(b, 0); /* body length, patched by end_msg */
 }
 
-static void end_msg(kvc_buf_t *b, size_t start) {
+void kvc_wire_end_msg(kvc_buf_t *b, size_t start) {
     if (b->failed) return;
     size_t body = b->len - start - KVC_WIRE_HDR_LEN;
     if (body > KVC_WIRE_MAX_BODY) {
@@ -181,25 +190,61 @@ static void end_msg(kvc_buf_t *b, size_t start) {
         b->p[start + 8 + i] = (uint8_t)(body >> (8 * i));
 }
 
-void kvc_wire_encode_hello(kvc_buf_t *b, uint16_t version, const char *engine_id,
-                           const void *worker_addr, size_t addr_len) {
+void kvc_wire_encode_hello(kvc_buf_t *b, uint16_t version, uint16_t type, const char *engine_id,
+                           uint8_t flags, const uint8_t nonce[KVC_NONCE_LEN]) {
     size_t start = b->len;
-    put_hdr(b, version, KVC_MSG_HELLO);
+    put_hdr(b, version, type);
     put_str16(b, engine_id, strlen(engine_id));
-    put_blob32(b, worker_addr, addr_len);
-    end_msg(b, start);
+    kvc_buf_u8(b, flags);
+    kvc_buf_put(b, nonce, KVC_NONCE_LEN);
+    kvc_wire_end_msg(b, start);
 }
 
-kvc_status_t kvc_wire_parse_hello(const uint8_t *body, size_t len, kvc_span_t *engine_id,
-                                  kvc_span_t *worker_addr) {
+kvc_status_t kvc_wire_parse_hello(const uint8_t *body, size_t len, kvc_wire_hello_t *h) {
     rd_t r = {body, len, 0, false};
-    kvc_span_t id = rd_str16(&r);
-    kvc_span_t addr = {NULL, 0};
-    if (!r.bad && r.off < len) addr = rd_blob32(&r); /* optional */
-    if (r.bad || r.off != len || !kvc_printable((const char *)id.p, id.len))
+    kvc_wire_hello_t t;
+    t.engine_id = rd_str16(&r);
+    t.flags = (uint8_t)rd_uint(&r, 1);
+    t.nonce = rd_span(&r, KVC_NONCE_LEN).p;
+    if (r.bad || r.off != len || t.engine_id.len == 0 ||
+        !kvc_printable((const char *)t.engine_id.p, t.engine_id.len))
         return KVC_ERR_PROTOCOL;
-    *engine_id = id;
-    *worker_addr = addr;
+    *h = t;
+    return KVC_OK;
+}
+
+void kvc_wire_encode_auth(kvc_buf_t *b, uint16_t version, uint8_t proto,
+                          const uint8_t mac[KVC_MAC_LEN]) {
+    size_t start = b->len;
+    put_hdr(b, version, KVC_MSG_AUTH);
+    kvc_buf_u8(b, proto);
+    kvc_buf_put(b, mac, KVC_MAC_LEN);
+    kvc_wire_end_msg(b, start);
+}
+
+kvc_status_t kvc_wire_parse_auth(const uint8_t *body, size_t len, uint8_t *proto,
+                                 const uint8_t **mac) {
+    if (!body || len != 1 + KVC_MAC_LEN || body[0] > KVC_PROTO_PUSH) return KVC_ERR_PROTOCOL;
+    *proto = body[0];
+    *mac = body + 1;
+    return KVC_OK;
+}
+
+void kvc_wire_encode_error(kvc_buf_t *b, uint16_t version, kvc_status_t st, const char *msg) {
+    size_t start = b->len;
+    put_hdr(b, version, KVC_MSG_ERROR);
+    kvc_buf_u32(b, (uint32_t)(int32_t)st);
+    put_str16(b, msg, strlen(msg));
+    kvc_wire_end_msg(b, start);
+}
+
+kvc_status_t kvc_wire_parse_error(const uint8_t *body, size_t len, int32_t *st, kvc_span_t *msg) {
+    rd_t r = {body, len, 0, false};
+    int32_t s = (int32_t)(uint32_t)rd_uint(&r, 4);
+    kvc_span_t m = rd_str16(&r);
+    if (r.bad || r.off != len || !kvc_printable((const char *)m.p, m.len)) return KVC_ERR_PROTOCOL;
+    *st = s;
+    *msg = m;
     return KVC_OK;
 }
 
@@ -223,16 +268,19 @@ void kvc_wire_encode_handshake(kvc_buf_t *b, uint16_t version, const kvc_wire_hs
         kvc_buf_u8(b, rg->flags);
         put_blob32(b, rg->rkey.p, rg->rkey.len);
     }
-    end_msg(b, start);
+    kvc_wire_end_msg(b, start);
 }
 
 /* Smallest encoding of one region entry: 3 u64 + 2 u8 + empty blob32. */
 #define REGION_MIN_BYTES (8 * 3 + 2 + 4)
 
 kvc_status_t kvc_wire_parse_handshake(const uint8_t *body, size_t len, kvc_wire_hs_t *hs) {
-    rd_t r = {body, len, 0, false};
+    if (!body || len < KVC_MAC_LEN) return KVC_ERR_PROTOCOL;
     kvc_wire_hs_t t;
     memset(&t, 0, sizeof(t));
+    t.mac = body + len - KVC_MAC_LEN;
+    t.signed_len = len -= KVC_MAC_LEN;
+    rd_t r = {body, len, 0, false};
     t.engine_id = rd_str16(&r);
     t.nonce = rd_uint(&r, 8);
     t.layout = rd_str16(&r);
@@ -276,50 +324,55 @@ void kvc_wire_hs_cleanup(kvc_wire_hs_t *hs) {
     memset(hs, 0, sizeof(*hs));
 }
 
-#define PULL_FIXED 16
 #define RUN_BYTES 24
 
-void kvc_wire_encode_pull(kvc_buf_t *b, uint64_t xfer_id, uint16_t flags, const kvc_run_t *runs,
-                          size_t n) {
-    if (n > UINT32_MAX) {
+void kvc_wire_encode_pull(kvc_buf_t *b, const kvc_wire_pull_t *pl) {
+    if (pl->n > UINT32_MAX) {
         b->failed = true;
         return;
     }
     kvc_buf_u16(b, KVC_WIRE_VERSION);
-    kvc_buf_u16(b, flags);
-    kvc_buf_u32(b, (uint32_t)n);
-    kvc_buf_u64(b, xfer_id);
-    for (size_t i = 0; i < n; i++) {
-        kvc_buf_u64(b, runs[i].remote);
-        kvc_buf_u64(b, runs[i].local);
-        kvc_buf_u64(b, runs[i].count);
+    kvc_buf_u16(b, pl->flags);
+    kvc_buf_u32(b, (uint32_t)pl->n);
+    kvc_buf_u64(b, pl->xfer_id);
+    kvc_buf_put(b, pl->xfer_token, KVC_TOKEN_LEN);
+    kvc_buf_put(b, pl->pub_token, KVC_TOKEN_LEN);
+    put_str16(b, pl->request_id.p, pl->request_id.len);
+    for (size_t i = 0; i < pl->n; i++) {
+        kvc_buf_u64(b, pl->runs[i].remote);
+        kvc_buf_u64(b, pl->runs[i].local);
+        kvc_buf_u64(b, pl->runs[i].count);
     }
 }
 
-kvc_status_t kvc_wire_parse_pull(const uint8_t *p, size_t len, uint64_t *xfer_id, uint16_t *flags,
-                                 kvc_run_t **runs, size_t *n) {
+kvc_status_t kvc_wire_parse_pull(const uint8_t *p, size_t len, kvc_wire_pull_t *pl) {
     rd_t r = {p, len, 0, false};
+    kvc_wire_pull_t t;
+    memset(&t, 0, sizeof(t));
     uint16_t ver = (uint16_t)rd_uint(&r, 2);
-    uint16_t fl = (uint16_t)rd_uint(&r, 2);
+    t.flags = (uint16_t)rd_uint(&r, 2);
     uint32_t cnt = (uint32_t)rd_uint(&r, 4);
-    uint64_t id = rd_uint(&r, 8);
-    if (r.bad || ver != KVC_WIRE_VERSION || (size_t)cnt != (len - PULL_FIXED) / RUN_BYTES ||
-        (len - PULL_FIXED) % RUN_BYTES)
+    t.xfer_id = rd_uint(&r, 8);
+    kvc_span_t xt = rd_span(&r, KVC_TOKEN_LEN);
+    kvc_span_t pt = rd_span(&r, KVC_TOKEN_LEN);
+    t.request_id = rd_str16(&r);
+    if (r.bad || ver != KVC_WIRE_VERSION || t.request_id.len == 0 ||
+        !kvc_printable((const char *)t.request_id.p, t.request_id.len) ||
+        (size_t)cnt != (len - r.off) / RUN_BYTES || (len - r.off) % RUN_BYTES)
         return KVC_ERR_PROTOCOL;
-    kvc_run_t *v = NULL;
+    memcpy(t.xfer_token, xt.p, KVC_TOKEN_LEN);
+    memcpy(t.pub_token, pt.p, KVC_TOKEN_LEN);
     if (cnt) {
-        v = malloc((size_t)cnt * sizeof(*v));
-        if (!v) return KVC_ERR_NO_MEMORY;
+        t.runs = malloc((size_t)cnt * sizeof(*t.runs));
+        if (!t.runs) return KVC_ERR_NO_MEMORY;
     }
     for (uint32_t i = 0; i < cnt; i++) {
-        v[i].remote = rd_uint(&r, 8);
-        v[i].local = rd_uint(&r, 8);
-        v[i].count = rd_uint(&r, 8);
+        t.runs[i].remote = rd_uint(&r, 8);
+        t.runs[i].local = rd_uint(&r, 8);
+        t.runs[i].count = rd_uint(&r, 8);
     }
-    *xfer_id = id;
-    *flags = fl;
-    *runs = v;
-    *n = cnt;
+    t.n = cnt;
+    *pl = t;
     return KVC_OK;
 }
 
@@ -330,6 +383,7 @@ void kvc_wire_encode_data_hdr(uint8_t out[KVC_WIRE_DATA_HDR_LEN], const kvc_wire
     kvc_buf_u32(&b, (uint32_t)h->status);
     kvc_buf_u64(&b, h->local_start);
     kvc_buf_u64(&b, h->count);
+    kvc_buf_put(&b, h->token, KVC_TOKEN_LEN);
     if (!b.failed && b.len == KVC_WIRE_DATA_HDR_LEN)
         memcpy(out, b.p, KVC_WIRE_DATA_HDR_LEN);
     else
@@ -346,11 +400,13 @@ kvc_status_t kvc_wire_parse_data_hdr(const uint8_t *p, size_t len, kvc_wire_data
     t.status = (int32_t)(uint32_t)rd_uint(&r, 4);
     t.local_start = rd_uint(&r, 8);
     t.count = rd_uint(&r, 8);
+    memcpy(t.token, rd_span(&r, KVC_TOKEN_LEN).p, KVC_TOKEN_LEN);
     *h = t;
     return KVC_OK;
 }
 
-void kvc_wire_encode_notify(kvc_buf_t *b, const char *request_id, uint32_t tp) {
+void kvc_wire_encode_notify(kvc_buf_t *b, const uint8_t token[KVC_TOKEN_LEN],
+                            const char *request_id, uint32_t tp) {
     char num[16];
     int k = 0;
     char tmp[16];
@@ -360,13 +416,18 @@ void kvc_wire_encode_notify(kvc_buf_t *b, const char *request_id, uint32_t tp) {
     } while (tp);
     for (int i = 0; i < k; i++)
         num[i] = tmp[k - 1 - i];
+    kvc_buf_put(b, token, KVC_TOKEN_LEN);
     kvc_buf_put(b, request_id, strlen(request_id));
     kvc_buf_u8(b, ':');
     kvc_buf_put(b, num, (size_t)k);
 }
 
-kvc_status_t kvc_wire_parse_notify(const uint8_t *p, size_t len, kvc_span_t *id, uint32_t *tp) {
-    if (!p || len == 0 || len > KVC_WIRE_MAX_NOTIFY) return KVC_ERR_PROTOCOL;
+kvc_status_t kvc_wire_parse_notify(const uint8_t *p, size_t len, const uint8_t **token,
+                                   kvc_span_t *id, uint32_t *tp) {
+    if (!p || len <= KVC_TOKEN_LEN || len > KVC_WIRE_MAX_NOTIFY) return KVC_ERR_PROTOCOL;
+    const uint8_t *tok = p;
+    p += KVC_TOKEN_LEN;
+    len -= KVC_TOKEN_LEN;
     size_t colon = len;
     for (size_t i = len; i-- > 0;)
         if (p[i] == ':') {
@@ -383,6 +444,7 @@ kvc_status_t kvc_wire_parse_notify(const uint8_t *p, size_t len, kvc_span_t *id,
         }
     }
     if (colon == 0 || !kvc_printable((const char *)p, colon)) return KVC_ERR_PROTOCOL;
+    *token = tok;
     id->p = p;
     id->len = colon;
     *tp = t;
@@ -414,5 +476,33 @@ kvc_status_t kvc_coalesce(const uint64_t *remote, const uint64_t *local, size_t 
     kvc_run_t *s = realloc(v, k * sizeof(*v));
     *runs = s ? s : v;
     *nruns = k;
+    return KVC_OK;
+}
+
+void kvc_token_hex(const uint8_t t[KVC_TOKEN_LEN], char out[2 * KVC_TOKEN_LEN + 1]) {
+    static const char hx[] = "0123456789abcdef";
+    for (size_t i = 0; i < KVC_TOKEN_LEN; i++) {
+        out[2 * i] = hx[t[i] >> 4];
+        out[2 * i + 1] = hx[t[i] & 15];
+    }
+    out[2 * KVC_TOKEN_LEN] = '\0';
+}
+
+static int hexval(char c) {
+    if (c >= '0' && c <= '9') return c - '0';
+    if (c >= 'a' && c <= 'f') return c - 'a' + 10;
+    if (c >= 'A' && c <= 'F') return c - 'A' + 10;
+    return -1;
+}
+
+kvc_status_t kvc_token_parse(const char *hex, uint8_t t[KVC_TOKEN_LEN]) {
+    if (!hex || strlen(hex) != 2 * KVC_TOKEN_LEN) return KVC_ERR_INVALID_PARAM;
+    uint8_t v[KVC_TOKEN_LEN];
+    for (size_t i = 0; i < KVC_TOKEN_LEN; i++) {
+        int h = hexval(hex[2 * i]), l = hexval(hex[2 * i + 1]);
+        if (h < 0 || l < 0) return KVC_ERR_INVALID_PARAM;
+        v[i] = (uint8_t)(h << 4 | l);
+    }
+    memcpy(t, v, KVC_TOKEN_LEN);
     return KVC_OK;
 }

@@ -7,11 +7,21 @@
  * DATA uses one of two protocols, chosen per peer (peer.c: choose_proto):
  *  GET:  one ucp_get_nbx per (coalesced run, region).  One-sided on shared
  *        memory pools and on RDMA.
- *  PUSH: one PULL active message listing the runs; the producer answers with
- *        one DATA active message per (run, region) whose header names the
- *        local destination; large ones arrive as rendezvous and are received
- *        straight into the local region.  This is the fast path over UCX's
- *        tcp transport, whose get is emulated by the target.
+ *  PUSH: one PULL active message listing the runs, naming the publication
+ *        (remote_request_id + its token) and carrying a random transfer
+ *        token; the producer checks that every run is part of that
+ *        publication and answers with one DATA active message per
+ *        (run, region) whose header names the local destination and echoes
+ *        the transfer token, then an END saying how many it sent; large ones
+ *        arrive as rendezvous and are received straight into the local
+ *        region.  This is the fast path over UCX's tcp transport, whose get
+ *        is emulated by the target.
+ *
+ * Checked transfers: the consumer keeps one bit per (region, block) of the
+ * fetch.  DATA with another token is dropped; DATA outside the requested
+ * blocks, or for a block already received, fails the fetch before a byte is
+ * written; an END after which blocks are still missing fails it too (short
+ * transfer).  Completion is every bit set, never a byte count.
  *
  * A fetch struct lives until its event is queued AND every UCX request that
  * points to it has completed (outstanding == 0). */
@@ -46,15 +56,36 @@ struct kvc_xfer {
     char op_msg[256];
     uint64_t bytes_expected, bytes_got;
     uint64_t deadline_ns;
-    kvc_buf_t pull, notify; /* must outlive their sends */
+    kvc_buf_t pull, notify;            /* must outlive their sends */
+    uint8_t pub_token[KVC_TOKEN_LEN];  /* the publication's, from kv_transfer_params */
+    uint8_t xfer_token[KVC_TOKEN_LEN]; /* random, echoed in every DATA */
+    kvc_run_t *byloc;                  /* owned: runs sorted by local start; .remote
+                                          holds the run's first bit index */
+    uint8_t *bits;                     /* owned: n * n_regions bits, set as DATA lands */
+    uint64_t bits_set, chunks_got, end_chunks;
+    bool end_seen;
 };
 
 /* Producer side: headers of one PULL's DATA sends, freed with the last send. */
 typedef struct {
     kvc_agent_t *a;
     size_t refs;
+    uint64_t bytes; /* counted in a->push_bytes until the job ends */
     uint8_t (*hdr)[KVC_WIRE_DATA_HDR_LEN];
 } push_job_t;
+
+/* Pulls one publication may be served: enough for every TP rank of the
+ * decode side, not an amplifier for a peer that repeats its pull. */
+#define PULLS_PER_PUB_MIN 8
+/* Bytes all pushes in flight may reference; beyond, pulls are refused
+ * (one is always served, however large). */
+#define MAX_PUSH_BYTES (4ull << 30)
+
+static void job_free(push_job_t *j) {
+    j->a->push_bytes -= j->bytes;
+    free(j->hdr);
+    free(j);
+}
 
 static kvc_status_t ucs_to_kvc(ucs_status_t us) {
     switch (us) {
@@ -154,6 +185,8 @@ static void xfer_free(kvc_xfer_t *x) {
     free(x->remote);
     free(x->local);
     free(x->runs);
+    free(x->byloc);
+    free(x->bits);
     kvc_buf_cleanup(&x->pull);
     kvc_buf_cleanup(&x->notify);
     free(x);
@@ -173,7 +206,7 @@ static void start_notify(kvc_agent_t *a, kvc_xfer_t *x) {
             return;
         }
     }
-    kvc_wire_encode_notify(&x->notify, x->req_id, a->tp_size);
+    kvc_wire_encode_notify(&x->notify, x->pub_token, x->req_id, a->tp_size);
     if (x->notify.failed) {
         xfer_finish(a, x, KVC_ERR_NO_MEMORY, "out of memory");
         return;
@@ -184,6 +217,45 @@ static void start_notify(kvc_agent_t *a, kvc_xfer_t *x) {
     if (st != KVC_OK || !track(x, r, "notify")) {
         if (!x->op_failed) op_error(x, st, "notify", "send failed");
     }
+}
+
+static int cmp_local(const void *p, const void *q) {
+    const kvc_run_t *x = p, *y = q;
+    return x->local < y->local ? -1 : x->local > y->local;
+}
+
+/* The per-fetch map of what may arrive: runs by local start, one bit per
+ * (region, fetched block). */
+static kvc_status_t build_checks(kvc_agent_t *a, kvc_xfer_t *x) {
+    size_t nbits = x->n * a->n_regions;
+    x->byloc = malloc(x->nruns * sizeof(*x->byloc));
+    x->bits = calloc((nbits + 7) / 8, 1);
+    if (!x->byloc || !x->bits) return KVC_ERR_NO_MEMORY;
+    uint64_t pos = 0;
+    for (size_t i = 0; i < x->nruns; i++) {
+        x->byloc[i] = x->runs[i];
+        x->byloc[i].remote = pos; /* first fetch position of the run */
+        pos += x->runs[i].count;
+    }
+    qsort(x->byloc, x->nruns, sizeof(*x->byloc), cmp_local);
+    return KVC_OK;
+}
+
+/* Fetch position of local blocks [start, start+count) if they lie in one
+ * requested run, else UINT64_MAX. */
+static uint64_t run_pos(const kvc_xfer_t *x, uint64_t start, uint64_t count) {
+    size_t lo = 0, hi = x->nruns;
+    while (lo < hi) { /* last run with local <= start */
+        size_t mid = lo + (hi - lo) / 2;
+        if (x->byloc[mid].local <= start)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    if (lo == 0) return UINT64_MAX;
+    const kvc_run_t *r = &x->byloc[lo - 1];
+    if (start - r->local >= r->count || count > r->count - (start - r->local)) return UINT64_MAX;
+    return r->remote + (start - r->local);
 }
 
 static void start_data(kvc_agent_t *a, kvc_xfer_t *x, uint64_t now) {
@@ -210,6 +282,10 @@ static void start_data(kvc_agent_t *a, kvc_xfer_t *x, uint64_t now) {
     x->bytes_expected = (uint64_t)x->n * per_block;
     x->state = X_DATA;
     if (x->n == 0) return; /* notify only */
+    if (build_checks(a, x) != KVC_OK) {
+        xfer_finish(a, x, KVC_ERR_NO_MEMORY, "out of memory");
+        return;
+    }
 
     bool local_host = true;
     for (size_t r = 0; r < a->n_regions; r++)
@@ -242,7 +318,14 @@ static void start_data(kvc_agent_t *a, kvc_xfer_t *x, uint64_t now) {
     uint16_t flags = 0;
     for (size_t r = 0; r < a->n_regions; r++)
         if (a->regions[r].mem_type == KVC_MEM_CUDA && !a->regions[r].staged) flags |= KVC_PULL_RNDV;
-    kvc_wire_encode_pull(&x->pull, x->id, flags, x->runs, x->nruns);
+    kvc_wire_pull_t pl = {.xfer_id = x->id,
+                          .flags = flags,
+                          .request_id = {(const uint8_t *)x->req_id, strlen(x->req_id)},
+                          .runs = x->runs,
+                          .n = x->nruns};
+    memcpy(pl.xfer_token, x->xfer_token, KVC_TOKEN_LEN);
+    memcpy(pl.pub_token, x->pub_token, KVC_TOKEN_LEN);
+    kvc_wire_encode_pull(&x->pull, &pl);
     if (x->pull.failed) {
         xfer_finish(a, x, KVC_ERR_NO_MEMORY, "out of memory");
         return;
@@ -301,8 +384,18 @@ static void advance(kvc_agent_t *a, kvc_xfer_t *x, uint64_t now, uint64_t *next)
         return;
     }
     if (x->state == X_DATA) {
-        bool landed = x->outstanding == 0 &&
-                      (x->proto == KVC_PROTO_GET || x->n == 0 || x->bytes_got == x->bytes_expected);
+        bool landed = x->outstanding == 0 && (x->proto == KVC_PROTO_GET || x->n == 0 ||
+                                              x->bits_set == (uint64_t)x->n * a->n_regions);
+        if (!landed && x->outstanding == 0 && x->end_seen && x->chunks_got >= x->end_chunks) {
+            char m[200];
+            snprintf(m, sizeof(m),
+                     "short transfer: the producer ended after %llu messages with %llu of %llu "
+                     "blocks sent",
+                     (unsigned long long)x->chunks_got, (unsigned long long)x->bits_set,
+                     (unsigned long long)x->n * a->n_regions);
+            xfer_finish(a, x, KVC_ERR_PROTOCOL, m);
+            return;
+        }
         if (!landed) {
             if (now >= x->deadline_ns) {
                 char m[160];
@@ -362,6 +455,11 @@ void kvc_xfers_destroy(kvc_agent_t *a) {
     }
 }
 
+static int cmp_u64(const void *p, const void *q) {
+    uint64_t x = *(const uint64_t *)p, y = *(const uint64_t *)q;
+    return x < y ? -1 : x > y;
+}
+
 static kvc_status_t remote_from_fields(const kvc_fetch_params_t *p, kvc_remote_t *r) {
     if (!p->remote_engine_id || !p->remote_request_id || !p->remote_host ||
         (p->num_remote_blocks && !p->remote_block_ids))
@@ -378,7 +476,7 @@ static kvc_status_t remote_from_fields(const kvc_fetch_params_t *p, kvc_remote_t
     }
     if (!r->engine_id || !r->request_id || !r->host || (r->num_blocks && !r->block_ids))
         return KVC_ERR_NO_MEMORY;
-    return KVC_OK;
+    return kvc_token_parse(p->remote_kv_token, r->token);
 }
 
 kvc_status_t kvc_fetch(kvc_agent_t *a, const kvc_fetch_params_t *p, uint64_t *xfer_id) {
@@ -422,6 +520,23 @@ kvc_status_t kvc_fetch(kvc_agent_t *a, const kvc_fetch_params_t *p, uint64_t *xf
                     r.request_id, (unsigned long long)lids[i], (unsigned long long)a->num_blocks);
             goto err_remote;
         }
+    if (nl > 1) { /* a local block named twice would be written twice */
+        uint64_t *sorted = malloc(nl * sizeof(uint64_t));
+        if (!sorted) {
+            st = KVC_ERR_NO_MEMORY;
+            goto err_remote;
+        }
+        memcpy(sorted, lids, nl * sizeof(uint64_t));
+        qsort(sorted, nl, sizeof(uint64_t), cmp_u64);
+        bool dup = false;
+        for (size_t i = 1; i < nl && !dup; i++)
+            dup = sorted[i] == sorted[i - 1];
+        free(sorted);
+        if (dup) {
+            KVC_LOG(a, KVC_LOG_WARN, "fetch req=%s: a local block id is repeated", r.request_id);
+            goto err_remote;
+        }
+    }
 
     st = KVC_ERR_NO_MEMORY;
     kvc_xfer_t *x = calloc(1, sizeof(*x));
@@ -429,6 +544,9 @@ kvc_status_t kvc_fetch(kvc_agent_t *a, const kvc_fetch_params_t *p, uint64_t *xf
     x->a = a;
     x->req_id = r.request_id;
     r.request_id = NULL;
+    memcpy(x->pub_token, r.token, KVC_TOKEN_LEN);
+    if ((st = kvc_random(x->xfer_token, KVC_TOKEN_LEN)) != KVC_OK) goto err_xfer;
+    st = KVC_ERR_NO_MEMORY;
     x->n = nl;
     if (nl) {
         x->remote = malloc(nl * sizeof(uint64_t));
@@ -465,7 +583,18 @@ static kvc_xfer_t *find_xfer(kvc_agent_t *a, uint64_t id) {
     return NULL;
 }
 
-/* Consumer: a DATA message from the producer. */
+static void data_reject(kvc_agent_t *a, kvc_xfer_t *x, const char *what, uint64_t start,
+                        uint64_t count) {
+    char m[200];
+    snprintf(m, sizeof(m), "%s (local blocks [%llu,+%llu))", what, (unsigned long long)start,
+             (unsigned long long)count);
+    if (kvc_log_ratelimit(a, KVC_RL_DATA))
+        KVC_LOG(a, KVC_LOG_WARN, "fetch %llu req=%s: %s", (unsigned long long)x->id, x->req_id, m);
+    op_error(x, KVC_ERR_PROTOCOL, "checked transfer", m);
+}
+
+/* Consumer: a DATA message from the producer.  Nothing is written unless the
+ * whole message is for blocks this fetch asked for and has not received. */
 static ucs_status_t data_cb(void *arg, const void *header, size_t hlen, void *data, size_t len,
                             const ucp_am_recv_param_t *param) {
     kvc_agent_t *a = arg;
@@ -473,7 +602,8 @@ static ucs_status_t data_cb(void *arg, const void *header, size_t hlen, void *da
     kvc_wire_data_hdr_t h;
     if (a->destroying) return UCS_OK;
     if (kvc_wire_parse_data_hdr(header, hlen, &h) != KVC_OK) {
-        KVC_LOG(a, KVC_LOG_WARN, "push: malformed data header (%zu bytes), dropped", hlen);
+        if (kvc_log_ratelimit(a, KVC_RL_DATA))
+            KVC_LOG(a, KVC_LOG_WARN, "push: malformed data header (%zu bytes), dropped", hlen);
         return rndv ? UCS_ERR_INVALID_PARAM : UCS_OK;
     }
     kvc_xfer_t *x = find_xfer(a, h.xfer_id);
@@ -482,26 +612,57 @@ static ucs_status_t data_cb(void *arg, const void *header, size_t hlen, void *da
                 (unsigned long long)h.xfer_id);
         return rndv ? UCS_ERR_CANCELED : UCS_OK;
     }
+    if (!kvc_mac_equal(h.token, x->xfer_token, KVC_TOKEN_LEN)) {
+        /* Not from the producer this fetch asked: never written, and it
+         * does not get to fail someone else's fetch either. */
+        if (kvc_log_ratelimit(a, KVC_RL_DATA))
+            KVC_LOG(a, KVC_LOG_WARN,
+                    "push: data for fetch %llu with a wrong transfer token, "
+                    "dropped",
+                    (unsigned long long)h.xfer_id);
+        return rndv ? UCS_ERR_CANCELED : UCS_OK;
+    }
     kvc_wake(a);
     if (h.status != 0) {
         kvc_status_t st =
-            h.status < 0 && h.status >= KVC_ERR_STATE ? (kvc_status_t)h.status : KVC_ERR_PROTOCOL;
+            h.status < 0 && h.status >= KVC_ERR_DENIED ? (kvc_status_t)h.status : KVC_ERR_PROTOCOL;
         op_error(x, st, "producer refused the fetch", kvc_status_str(st));
         return rndv ? UCS_ERR_CANCELED : UCS_OK;
+    }
+    if (h.region == KVC_DATA_END) {
+        x->end_seen = true;
+        x->end_chunks = h.count;
+        return rndv ? UCS_ERR_INVALID_PARAM : UCS_OK;
     }
     if (h.region >= a->n_regions || h.count == 0 || h.local_start >= a->num_blocks ||
         h.count > a->num_blocks - h.local_start ||
         h.count > UINT64_MAX / a->regions[h.region].block_len ||
-        len != h.count * a->regions[h.region].block_len || len > x->bytes_expected - x->bytes_got) {
-        op_error(x, KVC_ERR_PROTOCOL, "push", "data message does not match the fetch");
+        len != h.count * a->regions[h.region].block_len) {
+        data_reject(a, x, "data message does not match the fetch (region, range or size)",
+                    h.local_start, h.count);
         return rndv ? UCS_ERR_INVALID_PARAM : UCS_OK;
     }
+    uint64_t pos = run_pos(x, h.local_start, h.count);
+    if (pos == UINT64_MAX) {
+        data_reject(a, x, "data outside the requested blocks", h.local_start, h.count);
+        return rndv ? UCS_ERR_INVALID_PARAM : UCS_OK;
+    }
+    uint64_t bit0 = (uint64_t)h.region * x->n + pos;
+    for (uint64_t i = 0; i < h.count; i++)
+        if (x->bits[(bit0 + i) / 8] & (1u << ((bit0 + i) % 8))) {
+            data_reject(a, x, "a block sent twice", h.local_start + i, 1);
+            return rndv ? UCS_ERR_INVALID_PARAM : UCS_OK;
+        }
     kvc_region_t *rg = &a->regions[h.region];
     uint8_t *dst = (uint8_t *)rg->base + h.local_start * rg->block_len;
     if (!rndv && rg->mem_type == KVC_MEM_CUDA && !rg->staged) {
         op_error(x, KVC_ERR_PROTOCOL, "push", "eager data for device memory (asked rendezvous)");
         return UCS_OK;
     }
+    for (uint64_t i = 0; i < h.count; i++)
+        x->bits[(bit0 + i) / 8] |= (uint8_t)(1u << ((bit0 + i) % 8));
+    x->bits_set += h.count;
+    x->chunks_got++;
     if (!rndv) {
         memcpy(dst, data, len);
         x->bytes_got += len;
@@ -527,24 +688,20 @@ static void push_cb(void *req, ucs_status_t us, void *ud) {
     if (us != UCS_OK && us != UCS_ERR_CANCELED)
         KVC_LOG(j->a, KVC_LOG_WARN, "push: send failed: %s", ucs_status_string(us));
     j->a->push_inflight--;
-    if (--j->refs == 0) {
-        free(j->hdr);
-        free(j);
-    }
+    if (--j->refs == 0) job_free(j);
     ucp_request_free(req);
 }
 
-static void push_refuse(kvc_agent_t *a, ucp_ep_h ep, uint64_t xfer_id, kvc_status_t st) {
-    /* Eager send with the header copied by UCX before returning? Not in 1.13:
-     * the header must live until completion, so it goes in a job too. */
+/* Sends one header-only DATA message (a refusal, or the END of a pull). */
+static void push_hdr_only(kvc_agent_t *a, ucp_ep_h ep, const kvc_wire_data_hdr_t *h) {
+    /* The header must live until completion (UCX 1.13), so it goes in a job. */
     push_job_t *j = calloc(1, sizeof(*j));
     if (!j || !(j->hdr = calloc(1, KVC_WIRE_DATA_HDR_LEN))) {
         free(j);
         return;
     }
     j->a = a;
-    kvc_wire_data_hdr_t h = {xfer_id, 0, (int32_t)st, 0, 0};
-    kvc_wire_encode_data_hdr(j->hdr[0], &h);
+    kvc_wire_encode_data_hdr(j->hdr[0], h);
     ucp_request_param_t rp;
     memset(&rp, 0, sizeof(rp));
     rp.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
@@ -561,36 +718,87 @@ static void push_refuse(kvc_agent_t *a, ucp_ep_h ep, uint64_t xfer_id, kvc_statu
     free(j);
 }
 
+static void push_refuse(kvc_agent_t *a, ucp_ep_h ep, const kvc_wire_pull_t *pl, kvc_status_t st) {
+    kvc_wire_data_hdr_t h = {pl->xfer_id, 0, (int32_t)st, 0, 0, {0}};
+    memcpy(h.token, pl->xfer_token, KVC_TOKEN_LEN);
+    push_hdr_only(a, ep, &h);
+}
+
+/* A pull that names no live publication, or presents its token wrongly, or
+ * asks for blocks it does not hold: refused, counted, logged (rate-limited). */
+static void pull_deny(kvc_agent_t *a, ucp_ep_h ep, const kvc_wire_pull_t *pl, const char *why) {
+    a->stats[KVC_STAT_DENIED]++;
+    if (kvc_log_ratelimit(a, KVC_RL_DENIED))
+        KVC_LOG(a, KVC_LOG_WARN, "push: pull for req=%.*s refused: %s", (int)pl->request_id.len,
+                (const char *)pl->request_id.p, why);
+    push_refuse(a, ep, pl, KVC_ERR_DENIED);
+}
+
 static ucs_status_t pull_cb(void *arg, const void *header, size_t hlen, void *data, size_t len,
                             const ucp_am_recv_param_t *param) {
     kvc_agent_t *a = arg;
     if (a->destroying) return UCS_OK;
     if (!(param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) || !param->reply_ep ||
         (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV)) {
-        KVC_LOG(a, KVC_LOG_WARN, "push: pull request without reply endpoint, dropped");
+        if (kvc_log_ratelimit(a, KVC_RL_DENIED))
+            KVC_LOG(a, KVC_LOG_WARN, "push: pull request without reply endpoint, dropped");
         return (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) ? UCS_ERR_INVALID_PARAM : UCS_OK;
     }
     ucp_ep_h ep = param->reply_ep;
-    uint64_t xid;
-    kvc_run_t *runs = NULL;
-    size_t n = 0;
-    uint16_t flags = 0;
-    kvc_status_t st = kvc_wire_parse_pull(data, len, &xid, &flags, &runs, &n);
+    kvc_wire_pull_t pl;
+    kvc_status_t st = kvc_wire_parse_pull(data, len, &pl);
     if (st != KVC_OK) {
-        KVC_LOG(a, KVC_LOG_WARN, "push: malformed pull request (%zu bytes), dropped", len);
+        a->stats[KVC_STAT_DENIED]++;
+        if (kvc_log_ratelimit(a, KVC_RL_DENIED))
+            KVC_LOG(a, KVC_LOG_WARN, "push: malformed pull request (%zu bytes), dropped", len);
         return UCS_OK;
     }
+    kvc_run_t *runs = pl.runs;
+    size_t n = pl.n;
+    kvc_pub_t *pub = kvc_pubtab_find(&a->pubs, (const char *)pl.request_id.p, pl.request_id.len);
+    if (!pub || !kvc_mac_equal(pub->token, pl.pub_token, KVC_TOKEN_LEN)) {
+        pull_deny(a, ep, &pl, pub ? "wrong token" : "unknown or expired publication");
+        free(runs);
+        return UCS_OK;
+    }
+    /* Only blocks of this publication, and no more of them than it holds:
+     * that bounds what one pull can make this producer send. */
+    uint64_t total = 0;
     for (size_t i = 0; i < n; i++) {
+        total += runs[i].count;
         if (runs[i].count == 0 || runs[i].remote >= a->num_blocks ||
-            runs[i].count > a->num_blocks - runs[i].remote) {
-            KVC_LOG(a, KVC_LOG_WARN, "push: fetch %llu asks for blocks [%llu,+%llu) of %llu",
-                    (unsigned long long)xid, (unsigned long long)runs[i].remote,
-                    (unsigned long long)runs[i].count, (unsigned long long)a->num_blocks);
-            push_refuse(a, ep, xid, KVC_ERR_INVALID_PARAM);
+            runs[i].count > a->num_blocks - runs[i].remote || total > pub->n ||
+            !kvc_pub_has_run(pub, runs[i].remote, runs[i].count)) {
+            char m[160];
+            snprintf(m, sizeof(m), "blocks [%llu,+%llu) are not all part of the publication",
+                     (unsigned long long)runs[i].remote, (unsigned long long)runs[i].count);
+            pull_deny(a, ep, &pl, m);
             free(runs);
             return UCS_OK;
         }
     }
+    uint32_t max_pulls =
+        pub->consumers * 2 > PULLS_PER_PUB_MIN ? pub->consumers * 2 : PULLS_PER_PUB_MIN;
+    if (pub->pulls >= max_pulls) {
+        pull_deny(a, ep, &pl, "pulled too many times already");
+        free(runs);
+        return UCS_OK;
+    }
+    uint64_t bytes = 0;
+    for (size_t r = 0; r < a->n_regions; r++)
+        bytes += total * a->regions[r].block_len;
+    if (a->push_bytes && bytes > MAX_PUSH_BYTES - a->push_bytes) {
+        a->stats[KVC_STAT_DENIED]++;
+        if (kvc_log_ratelimit(a, KVC_RL_DENIED))
+            KVC_LOG(a, KVC_LOG_WARN, "push: pull for req=%s refused: %llu bytes already in flight",
+                    pub->id, (unsigned long long)a->push_bytes);
+        push_refuse(a, ep, &pl, KVC_ERR_DENIED);
+        free(runs);
+        return UCS_OK;
+    }
+    pub->pulls++;
+    uint64_t xid = pl.xfer_id;
+    uint16_t flags = pl.flags;
     /* Large runs go as several messages: one huge rendezvous over tcp is
      * slower than a stream of a few MiB each. */
     size_t nsend = 0;
@@ -608,11 +816,13 @@ static ucs_status_t pull_cb(void *arg, const void *header, size_t hlen, void *da
     if (!j || !(j->hdr = calloc(nsend, KVC_WIRE_DATA_HDR_LEN))) {
         free(j);
         free(runs);
-        push_refuse(a, ep, xid, KVC_ERR_NO_MEMORY);
+        push_refuse(a, ep, &pl, KVC_ERR_NO_MEMORY);
         return UCS_OK;
     }
     j->a = a;
     j->refs = 1; /* held while issuing */
+    j->bytes = bytes;
+    a->push_bytes += bytes;
     ucp_request_param_t rp;
     memset(&rp, 0, sizeof(rp));
     rp.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
@@ -623,14 +833,16 @@ static ucs_status_t pull_cb(void *arg, const void *header, size_t hlen, void *da
         rp.flags = UCP_AM_SEND_FLAG_RNDV;
     }
     size_t k = 0;
-    for (size_t i = 0; i < n; i++) {
-        for (size_t r = 0; r < a->n_regions; r++) {
+    bool failed = false;
+    for (size_t i = 0; i < n && !failed; i++) {
+        for (size_t r = 0; r < a->n_regions && !failed; r++) {
             kvc_region_t *rg = &a->regions[r];
             uint64_t per = a->push_chunk / rg->block_len;
             if (per == 0) per = 1;
             for (uint64_t off = 0; off < runs[i].count; off += per, k++) {
                 uint64_t cnt = runs[i].count - off < per ? runs[i].count - off : per;
-                kvc_wire_data_hdr_t h = {xid, (uint32_t)r, 0, runs[i].local + off, cnt};
+                kvc_wire_data_hdr_t h = {xid, (uint32_t)r, 0, runs[i].local + off, cnt, {0}};
+                memcpy(h.token, pl.xfer_token, KVC_TOKEN_LEN);
                 kvc_wire_encode_data_hdr(j->hdr[k], &h);
                 const uint8_t *src =
                     (const uint8_t *)rg->base + (runs[i].remote + off) * rg->block_len;
@@ -645,16 +857,18 @@ static ucs_status_t pull_cb(void *arg, const void *header, size_t hlen, void *da
                 if (UCS_PTR_IS_ERR(s)) {
                     KVC_LOG(a, KVC_LOG_WARN, "push: send for fetch %llu failed: %s",
                             (unsigned long long)xid, ucs_status_string(UCS_PTR_STATUS(s)));
-                    goto out; /* the consumer's endpoint error or timeout ends its fetch */
+                    failed = true; /* the consumer's endpoint error or timeout ends its fetch */
+                    break;
                 }
             }
         }
     }
-out:
-    if (--j->refs == 0) {
-        free(j->hdr);
-        free(j);
+    if (!failed) {
+        kvc_wire_data_hdr_t end = {xid, KVC_DATA_END, 0, 0, k, {0}};
+        memcpy(end.token, pl.xfer_token, KVC_TOKEN_LEN);
+        push_hdr_only(a, ep, &end);
     }
+    if (--j->refs == 0) job_free(j);
     free(runs);
     return UCS_OK;
 }

@@ -67,7 +67,21 @@
  * KVC_LOG_LEVEL=error|warn|info|debug (default log level);
  * KVC_PROTO=auto|get|push (consumer protocol, overrides the parameter);
  * KVC_PUSH_CHUNK_KB (largest pushed message, default 4096; tuning);
- * KVC_TEST_WIRE_VERSION (tests only: speak another handshake version).
+ * KVC_TEST_WIRE_VERSION (tests only: speak another handshake version);
+ * KVC_SECRET_FILE (path of a file holding the cluster secret, trailing
+ * newline stripped) or KVC_SECRET (the secret itself, for tests): read by
+ * kvc_agent_create() when the parameters carry no secret.
+ *
+ * Security (SECURITY.md)
+ * ----------------------
+ * Peers authenticate each other on the side channel with a shared cluster
+ * secret (HMAC-SHA-256 challenge-response, nonces from both sides) before any
+ * worker address or rkey leaves the producer.  Without a secret the agent
+ * works, logs a warning once and reports KVC_STAT_AUTHENTICATED = 0.  Each
+ * publication carries a random 128-bit token (kv_transfer_params key
+ * "remote_kv_token"); pulls and notifications must present it.  Memory is
+ * registered without remote write access.  With one-sided gets (shared
+ * memory, RDMA) an authenticated peer can read any registered memory.
  *
  * Conventions: functions return kvc_status_t; out-parameters are written
  * only on success (KVC_OK, or KVC_INPROGRESS for kvc_fetch); "borrowed"
@@ -113,6 +127,10 @@ typedef enum {
     KVC_ERR_UNSUPPORTED = -14, /**< e.g. CUDA region in a build without CUDA */
     KVC_ERR_NO_DEVICE = -15,   /**< CUDA built in but no usable device */
     KVC_ERR_STATE = -16,       /**< call not valid now (e.g. regions not registered) */
+    KVC_ERR_AUTH = -17,        /**< side channel: the peer failed cluster authentication
+                                    (different secret, or a secret on one side only) */
+    KVC_ERR_DENIED = -18,      /**< producer refused a pull: unknown publication or wrong
+                                    token (see kvc_publish) */
 } kvc_status_t;
 
 /** Static string naming `st` ("KVC_ERR_UNREACHABLE" style); never NULL. */
@@ -141,7 +159,10 @@ typedef struct kvc_agent kvc_agent_t; /* opaque */
 /** How the consumer moves bytes.  AUTO: one-sided RMA get when the producer's
  * memory is directly reachable (shared-memory pool on the same host), else
  * producer push (UCX active-message rendezvous), which is what UCX's tcp
- * transport does fast (its emulated get is slow). */
+ * transport does fast (its emulated get is slow).  GET enables UCX's RMA
+ * feature for the whole agent: use it only with RDMA hardware, since UCX's
+ * emulated RMA (tcp, shared memory) lets any authenticated peer write this
+ * agent's memory (SECURITY.md). */
 typedef enum {
     KVC_PROTO_AUTO = 0,
     KVC_PROTO_GET = 1,
@@ -161,6 +182,8 @@ enum {
     KVC_AGENT_FIELD_TP_SIZE = 1u << 9,
     KVC_AGENT_FIELD_PROTO = 1u << 10,
     KVC_AGENT_FIELD_LOG_LEVEL = 1u << 11,
+    KVC_AGENT_FIELD_SECRET = 1u << 12,
+    KVC_AGENT_FIELD_MAX_HANDSHAKES = 1u << 13,
 };
 
 /** Agent parameters.  Only fields named in field_mask are read; others take
@@ -186,13 +209,20 @@ typedef struct {
     uint32_t tp_size;            /**< this engine's TP size; 1 */
     kvc_proto_t proto;           /**< consumer transfer protocol; AUTO.  The
                                       env KVC_PROTO=get|push|auto overrides. */
+    const void *secret;          /**< cluster secret (any bytes, copied; 1..4096);
+                                      default: env KVC_SECRET_FILE, else KVC_SECRET,
+                                      else none (unauthenticated, warned once) */
+    size_t secret_len;
+    uint32_t max_handshakes; /**< side-channel handshakes served at once (each
+                                  address: a quarter of it, at least 4); 256 */
 } kvc_agent_params_t;
 
 /**
  * Creates an agent: UCX context and worker (UCX honours UCX_TLS,
  * UCX_NET_DEVICES, ...), and a listening side channel.
  * KVC_OK: *out set; destroy with kvc_agent_destroy().
- * KVC_ERR_INVALID_PARAM (no engine id, bad host), KVC_ERR_IO (bind/listen),
+ * KVC_ERR_INVALID_PARAM (no engine id, bad host, empty or oversized secret,
+ * unreadable KVC_SECRET_FILE), KVC_ERR_IO (bind/listen),
  * KVC_ERR_TRANSPORT (UCX init), KVC_ERR_NO_MEMORY.
  */
 KVC_API kvc_status_t kvc_agent_create(const kvc_agent_params_t *params, kvc_agent_t **out);
@@ -270,12 +300,18 @@ KVC_API kvc_status_t kvc_region_base(const kvc_agent_t *a, size_t idx, void **ba
 enum {
     KVC_PUBLISH_FIELD_EXPIRY = 1u << 0,
     KVC_PUBLISH_FIELD_USER_DATA = 1u << 1,
+    KVC_PUBLISH_FIELD_CONSUMERS = 1u << 2,
 };
 
 typedef struct {
     uint64_t field_mask;
     uint32_t expiry_ms; /**< default: the agent's expiry_ms */
     uint64_t user_data; /**< echoed in this request's events */
+    uint32_t consumers; /**< notifications needed before the blocks are released
+                             (heterogeneous TP: decode_tp / prefill_tp when decode
+                             TP is larger).  Default 0: taken from the first
+                             notification, "<id>:<consumer tp>", as
+                             max(1, consumer_tp / this agent's tp_size). */
 } kvc_publish_params_t;
 
 /**
@@ -285,12 +321,12 @@ typedef struct {
  *   {"do_remote_prefill":true,"do_remote_decode":false,
  *    "remote_block_ids":[...],"remote_engine_id":"...",
  *    "remote_request_id":"<request_id>","remote_host":"...",
- *    "remote_port":N,"tp_size":N}
- * `params` may be NULL.  For staged CUDA regions the blocks are copied to
- * the host mirror before this returns.
- * KVC_OK; KVC_ERR_INVALID_PARAM (empty/non-printable id, block id out of
- * range; nothing is touched); KVC_ERR_EXISTS (id already published);
- * KVC_ERR_STATE (no regions); KVC_ERR_NO_MEMORY.
+ *    "remote_port":N,"tp_size":N,"remote_kv_token":"<32 hex digits>"}
+ * The token is random per publication: only a consumer that was handed these
+ * params can pull the blocks or release them.  `params` may be NULL.  For staged CUDA regions the
+ * blocks are copied to the host mirror before this returns. KVC_OK; KVC_ERR_INVALID_PARAM
+ * (empty/non-printable id, block id out of range; nothing is touched); KVC_ERR_EXISTS (id already
+ * published); KVC_ERR_STATE (no regions); KVC_ERR_NO_MEMORY.
  */
 KVC_API kvc_status_t kvc_publish(kvc_agent_t *a, const char *request_id, const uint64_t *block_ids,
                                  size_t n, const kvc_publish_params_t *params, char **json_out);
@@ -325,16 +361,24 @@ typedef struct {
     const uint64_t *local_block_ids;
     size_t num_local_blocks;
     uint64_t user_data; /**< echoed in the fetch's event */
+    /** With KVC_FETCH_FIELD_REMOTE: remote_kv_token (32 hex digits), borrowed. */
+    const char *remote_kv_token;
 } kvc_fetch_params_t;
 
 /**
  * Starts a fetch.  KVC_INPROGRESS: *xfer_id set; exactly one FETCH_DONE or
  * FETCH_FAILED event with that id follows (unless the agent is destroyed
  * first).  The local regions must not be touched by the engine until then.
- * KVC_ERR_INVALID_PARAM: missing keys, local block id out of range, more
- * local than remote blocks (nothing touched, no event); KVC_ERR_STATE (no
+ * KVC_ERR_INVALID_PARAM: missing keys (remote_kv_token included), local
+ * block id out of range or repeated, more local than remote blocks (nothing
+ * touched, no event); KVC_ERR_STATE (no
  * regions); KVC_ERR_NO_MEMORY.  Remote block ids out of the producer's range
  * fail the fetch (event, KVC_ERR_INVALID_PARAM) before any data moves.
+ * Failure statuses of the event include KVC_ERR_AUTH, KVC_ERR_VERSION
+ * (handshake), KVC_ERR_DENIED (the producer does not know this publication
+ * or token), KVC_ERR_PROTOCOL (data outside the requested blocks, a block
+ * sent twice, a short transfer: the fetch fails, blocks not asked for are
+ * never written).
  */
 KVC_API kvc_status_t kvc_fetch(kvc_agent_t *a, const kvc_fetch_params_t *params, uint64_t *xfer_id);
 
@@ -378,6 +422,12 @@ typedef enum {
     KVC_STAT_BYTES_FETCHED = 6,
     KVC_STAT_HANDSHAKES = 7,    /**< handshakes done by this consumer */
     KVC_STAT_PUBLISHED_NOW = 8, /**< requests currently published */
+    KVC_STAT_AUTHENTICATED = 9, /**< 1 if a cluster secret is configured, else 0 */
+    KVC_STAT_AUTH_FAILED = 10,  /**< side-channel peers refused (authentication) */
+    KVC_STAT_DENIED = 11,       /**< pulls/notifications with an unknown publication
+                                     or a wrong token (producer), refused */
+    KVC_STAT_PEER_ERRORS = 12,  /**< malformed, oversized or too slow side-channel
+                                     peers closed, handshakes over limits refused */
 } kvc_stat_t;
 
 /** Reads one counter.  KVC_OK or KVC_ERR_INVALID_PARAM (unknown stat). */

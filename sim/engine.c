@@ -1,6 +1,7 @@
 #include "engine.h"
 
 #include <cjson/cJSON.h>
+#include <errno.h>
 #include <event2/event.h>
 #include <event2/listener.h>
 #include <kvconnector.h>
@@ -415,6 +416,15 @@ static void start_decode(sim_req *r) {
     }
     r->state = SR_FETCHING;
     r->fetching = 1;
+    /* Heterogeneous TP: with a larger TP than the prefill, each decode rank
+     * reads its slice and notifies; the prefill frees after all of them.  This
+     * one process reads everything and sends the other ranks' notifications. */
+    uint64_t rtp = 1;
+    const cJSON *t = cJSON_GetObjectItemCaseSensitive(r->kvp, "tp_size");
+    if (cJSON_IsNumber(t) && t->valuedouble >= 1 && t->valuedouble <= 1024)
+        rtp = (uint64_t)t->valuedouble;
+    for (uint64_t k = 1; e->cfg->tp_size > rtp && k < e->cfg->tp_size / rtp; k++)
+        notify_only(e, r->kvp);
 }
 
 static void start_req(sim_req *r) {
@@ -721,11 +731,35 @@ static void on_signal(evutil_socket_t sig, short what, void *arg) {
     event_base_loopbreak(e->base);
 }
 
+/* The secret file's bytes, trailing newline stripped; NULL with a message. */
+static char *read_secret(const char *path, size_t *len) {
+    FILE *f = fopen(path, "rb");
+    if (!f) {
+        fprintf(stderr, "engine-sim: --kv-secret-file %s: %s\n", path, strerror(errno));
+        return NULL;
+    }
+    char *buf = px_xmalloc(4097);
+    size_t n = fread(buf, 1, 4097, f);
+    fclose(f);
+    while (n && (buf[n - 1] == '\n' || buf[n - 1] == '\r'))
+        n--;
+    if (n == 0 || n > 4096) {
+        fprintf(stderr, "engine-sim: --kv-secret-file %s: %s\n", path,
+                n ? "longer than 4096 bytes" : "empty");
+        free(buf);
+        return NULL;
+    }
+    *len = n;
+    return buf;
+}
+
 static int setup_agent(sim_engine *e) {
     const sim_config *cfg = e->cfg;
     kvc_agent_params_t ap = {
         .field_mask = KVC_AGENT_FIELD_ENGINE_ID | KVC_AGENT_FIELD_LISTEN_HOST |
-                      KVC_AGENT_FIELD_LISTEN_PORT | KVC_AGENT_FIELD_LOG | KVC_AGENT_FIELD_EXPIRY,
+                      KVC_AGENT_FIELD_LISTEN_PORT | KVC_AGENT_FIELD_LOG | KVC_AGENT_FIELD_EXPIRY |
+                      KVC_AGENT_FIELD_TP_SIZE,
+        .tp_size = cfg->tp_size,
         .engine_id = cfg->engine_id,
         .listen_host = cfg->kv_host,
         .listen_port = (uint16_t)cfg->kv_port,
@@ -736,7 +770,17 @@ static int setup_agent(sim_engine *e) {
                                            : KVC_LOG_ERROR,
         .expiry_ms = cfg->kv_expiry_ms,
     };
+    char *secret = NULL;
+    if (cfg->kv_secret_file) {
+        if (!(secret = read_secret(cfg->kv_secret_file, &ap.secret_len))) return -1;
+        ap.secret = secret;
+        ap.field_mask |= KVC_AGENT_FIELD_SECRET;
+    }
     kvc_status_t st = kvc_agent_create(&ap, &e->agent);
+    if (secret) {
+        memset(secret, 0, ap.secret_len); /* the agent keeps its own copy */
+        free(secret);
+    }
     if (st != KVC_OK) {
         fprintf(stderr, "engine-sim: cannot create the KV agent: %s\n", kvc_status_str(st));
         return -1;

@@ -32,6 +32,11 @@ static void usage(FILE *out) {
         "  --max-queue N               requests that may wait for free KV blocks; when the\n"
         "                              pool is full and the queue too, 503 + Retry-After (256)\n"
         "  --kv-expiry-ms N            published blocks not claimed in time are freed (480000)\n"
+        "  --kv-secret-file PATH       cluster secret authenticating the KV side channel (file\n"
+        "                              content, trailing newline stripped); default: env\n"
+        "                              KVC_SECRET_FILE, else KVC_SECRET, else none (warned)\n"
+        "  --tp-size N                 tensor-parallel size of this engine; a decode with a\n"
+        "                              larger TP than its prefill notifies once per rank (1)\n"
         "  --log-level L               debug|info|warn|error (info)\n"
         "  --help, --version\n");
 }
@@ -48,25 +53,14 @@ static long num(const char *flag, const char *v, long min, long max) {
 }
 
 int main(int argc, char **argv) {
-    static const struct option opts[] = {{"role", 1, 0, 'r'},
-                                         {"host", 1, 0, 'H'},
-                                         {"port", 1, 0, 'p'},
-                                         {"model", 1, 0, 'm'},
-                                         {"kv-host", 1, 0, 'K'},
-                                         {"kv-port", 1, 0, 'k'},
-                                         {"num-blocks", 1, 0, 'n'},
-                                         {"block-tokens", 1, 0, 't'},
-                                         {"layers", 1, 0, 'l'},
-                                         {"block-bytes", 1, 0, 'b'},
-                                         {"ttft-ms", 1, 0, 'f'},
-                                         {"itl-ms", 1, 0, 'i'},
-                                         {"engine-id", 1, 0, 'e'},
-                                         {"max-queue", 1, 0, 'q'},
-                                         {"kv-expiry-ms", 1, 0, 'x'},
-                                         {"log-level", 1, 0, 'L'},
-                                         {"help", 0, 0, 'h'},
-                                         {"version", 0, 0, 'V'},
-                                         {0, 0, 0, 0}};
+    static const struct option opts[] = {
+        {"role", 1, 0, 'r'},           {"host", 1, 0, 'H'},         {"port", 1, 0, 'p'},
+        {"model", 1, 0, 'm'},          {"kv-host", 1, 0, 'K'},      {"kv-port", 1, 0, 'k'},
+        {"num-blocks", 1, 0, 'n'},     {"block-tokens", 1, 0, 't'}, {"layers", 1, 0, 'l'},
+        {"block-bytes", 1, 0, 'b'},    {"ttft-ms", 1, 0, 'f'},      {"itl-ms", 1, 0, 'i'},
+        {"engine-id", 1, 0, 'e'},      {"max-queue", 1, 0, 'q'},    {"kv-expiry-ms", 1, 0, 'x'},
+        {"kv-secret-file", 1, 0, 'S'}, {"tp-size", 1, 0, 'T'},      {"log-level", 1, 0, 'L'},
+        {"help", 0, 0, 'h'},           {"version", 0, 0, 'V'},      {0, 0, 0, 0}};
     sim_config c = {.role = "both",
                     .host = "127.0.0.1",
                     .port = 8100,
@@ -82,7 +76,9 @@ int main(int argc, char **argv) {
                     .engine_id = NULL,
                     .max_queue = 256,
                     .kv_expiry_ms = 480000,
-                    .log_level = 1};
+                    .log_level = 1,
+                    .kv_secret_file = NULL,
+                    .tp_size = 1};
     int o;
     while ((o = getopt_long(argc, argv, "h", opts, NULL)) != -1) {
         switch (o) {
@@ -135,6 +131,12 @@ int main(int argc, char **argv) {
             break;
         case 'x':
             c.kv_expiry_ms = (uint32_t)num("kv-expiry-ms", optarg, 1, 86400000);
+            break;
+        case 'S':
+            c.kv_secret_file = optarg;
+            break;
+        case 'T':
+            c.tp_size = (uint32_t)num("tp-size", optarg, 1, 1024);
             break;
         case 'L':
             c.log_level = px_log_level_parse(optarg);

@@ -7,12 +7,14 @@ set(KVC_FUZZ_FLAGS -fsanitize=fuzzer,address,undefined -fno-omit-frame-pointer)
 foreach(t fuzz_handshake fuzz_kvc_notify)
   add_executable(${t} ${CMAKE_CURRENT_SOURCE_DIR}/fuzz/${t}.c
                       ${PROJECT_SOURCE_DIR}/connector/wire.c
-                      ${PROJECT_SOURCE_DIR}/connector/params.c)
+                      ${PROJECT_SOURCE_DIR}/connector/params.c
+                      ${PROJECT_SOURCE_DIR}/connector/auth.c
+                      ${CMAKE_CURRENT_SOURCE_DIR}/fuzz/kvc_fuzz_stubs.c)
   target_include_directories(${t} PRIVATE ${PROJECT_SOURCE_DIR}/include
                                           ${PROJECT_SOURCE_DIR}/connector)
   target_compile_options(${t} PRIVATE ${KVC_FUZZ_FLAGS})
   target_link_options(${t} PRIVATE ${KVC_FUZZ_FLAGS})
-  target_link_libraries(${t} PRIVATE PkgConfig::UCX PkgConfig::CJSON m)
+  target_link_libraries(${t} PRIVATE PkgConfig::UCX PkgConfig::CJSON PkgConfig::OPENSSL m)
   add_test(NAME fuzz.kvc_${t}
            COMMAND ${t} -runs=0 ${CMAKE_CURRENT_SOURCE_DIR}/fuzz/corpus/${t})
   set_tests_properties(fuzz.kvc_${t} PROPERTIES LABELS fuzz TIMEOUT 120)

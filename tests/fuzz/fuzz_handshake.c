@@ -1,10 +1,67 @@
 /* libFuzzer target: the side-channel messages libkvconnector parses from the
- * network (header, HELLO, HANDSHAKE), exactly as peer.c feeds them.  The
- * input is copied into an exact-size heap buffer so any overread trips ASan. */
+ * network — header, HELLO and CHALLENGE, AUTH, ERROR, HANDSHAKE — exactly as
+ * peer.c feeds them, and the check of the handshake's MAC.  The input is
+ * copied into an exact-size heap buffer so any overread trips ASan.  Seeds:
+ * messages captured from real handshakes (tests/integration/kvc_hostile.c,
+ * KVC_CAPTURE_DIR). */
 #include <stdlib.h>
 #include <string.h>
 
 #include "kvc_int.h"
+
+static void body(uint16_t type, const uint8_t *b, size_t len) {
+    switch (type) {
+    case KVC_MSG_HELLO:
+    case KVC_MSG_CHALLENGE: {
+        kvc_wire_hello_t h;
+        if (kvc_wire_parse_hello(b, len, &h) == KVC_OK) {
+            volatile uint8_t sink = h.nonce[KVC_NONCE_LEN - 1] ^ h.flags;
+            (void)sink;
+            if (!kvc_printable((const char *)h.engine_id.p, h.engine_id.len)) abort();
+        }
+        break;
+    }
+    case KVC_MSG_AUTH: {
+        uint8_t proto;
+        const uint8_t *mac;
+        if (kvc_wire_parse_auth(b, len, &proto, &mac) == KVC_OK) {
+            if (proto > KVC_PROTO_PUSH) abort();
+            volatile uint8_t sink = mac[KVC_MAC_LEN - 1];
+            (void)sink;
+        }
+        break;
+    }
+    case KVC_MSG_ERROR: {
+        int32_t st;
+        kvc_span_t m;
+        if (kvc_wire_parse_error(b, len, &st, &m) == KVC_OK &&
+            !kvc_printable((const char *)m.p, m.len))
+            abort();
+        break;
+    }
+    default: {
+        kvc_wire_hs_t hs;
+        if (kvc_wire_parse_handshake(b, len, &hs) == KVC_OK) {
+            /* touch what the consumer reads, and check its MAC as it does */
+            if (hs.signed_len + KVC_MAC_LEN != len || hs.mac != b + hs.signed_len) abort();
+            volatile uint64_t sink = hs.num_blocks;
+            for (uint32_t i = 0; i < hs.n_regions; i++)
+                sink += hs.regions[i].base + hs.regions[i].rkey.len +
+                        (hs.regions[i].rkey.len ? hs.regions[i].rkey.p[0] : 0);
+            (void)sink;
+            static struct kvc_agent a;
+            static uint8_t nonce[KVC_NONCE_LEN];
+            uint8_t want[KVC_MAC_LEN];
+            a.secret = (uint8_t *)"fuzz";
+            a.secret_len = 4;
+            kvc_mac_producer(&a, nonce, nonce, b, hs.signed_len, want);
+            (void)kvc_mac_equal(want, hs.mac, KVC_MAC_LEN);
+            kvc_wire_hs_cleanup(&hs);
+        }
+        break;
+    }
+    }
+}
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     uint8_t *buf = malloc(size ? size : 1);
@@ -13,26 +70,17 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     kvc_wire_hdr_t h;
     if (kvc_wire_parse_hdr(buf, size, KVC_WIRE_MAX_BODY, &h) == KVC_OK &&
         size >= KVC_WIRE_HDR_LEN + (size_t)h.body_len) {
-        const uint8_t *body = buf + KVC_WIRE_HDR_LEN;
-        if (h.type == KVC_MSG_HELLO) {
-            kvc_span_t id, addr;
-            kvc_wire_parse_hello(body, h.body_len, &id, &addr);
-        } else {
-            kvc_wire_hs_t hs;
-            if (kvc_wire_parse_handshake(body, h.body_len, &hs) == KVC_OK) {
-                /* touch what the consumer reads */
-                volatile uint64_t sink = hs.num_blocks;
-                for (uint32_t i = 0; i < hs.n_regions; i++)
-                    sink += hs.regions[i].base + hs.regions[i].rkey.len +
-                            (hs.regions[i].rkey.len ? hs.regions[i].rkey.p[0] : 0);
-                (void)sink;
-                kvc_wire_hs_cleanup(&hs);
-            }
+        /* the body alone, in its own exact-size buffer */
+        uint8_t *b = malloc(h.body_len ? h.body_len : 1);
+        if (b) {
+            memcpy(b, buf + KVC_WIRE_HDR_LEN, h.body_len);
+            body(h.type, b, h.body_len);
+            free(b);
         }
     }
-    /* The body parser alone, on the raw input (no header). */
-    kvc_wire_hs_t hs;
-    if (kvc_wire_parse_handshake(buf, size, &hs) == KVC_OK) kvc_wire_hs_cleanup(&hs);
+    /* Every body parser on the raw input too (no header). */
+    for (uint16_t t = KVC_MSG_HELLO; t <= KVC_MSG_ERROR; t++)
+        body(t, buf, size);
     free(buf);
     return 0;
 }

@@ -1,6 +1,9 @@
 /* libFuzzer target: the messages libkvconnector parses off UCX active
- * messages (notification "<id>:<tp>", PULL run lists, DATA headers) and the
- * kv_transfer_params JSON a consumer receives.  First byte picks the parser. */
+ * messages (notification token + "<id>:<tp>", PULL with tokens and run
+ * lists, DATA headers) and the kv_transfer_params JSON a consumer receives
+ * (with its remote_kv_token).  First byte picks the parser.  Seeds: messages
+ * captured from real transfers (tests/integration/kvc_hostile.c,
+ * KVC_CAPTURE_DIR) and a real kvc_publish answer. */
 #include <stdlib.h>
 #include <string.h>
 
@@ -17,15 +20,22 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     case 0: {
         kvc_span_t id;
         uint32_t tp;
-        kvc_wire_parse_notify(buf, size, &id, &tp);
+        const uint8_t *tok;
+        if (kvc_wire_parse_notify(buf, size, &tok, &id, &tp) == KVC_OK &&
+            (tok != buf || id.len == 0 || !kvc_printable((const char *)id.p, id.len)))
+            abort();
         break;
     }
     case 1: {
-        uint64_t xid;
-        kvc_run_t *runs;
-        size_t n;
-        uint16_t fl;
-        if (kvc_wire_parse_pull(buf, size, &xid, &fl, &runs, &n) == KVC_OK) free(runs);
+        kvc_wire_pull_t pl;
+        if (kvc_wire_parse_pull(buf, size, &pl) == KVC_OK) {
+            if (pl.request_id.len == 0) abort();
+            volatile uint64_t sink = pl.xfer_token[0] + pl.pub_token[KVC_TOKEN_LEN - 1];
+            for (size_t i = 0; i < pl.n; i++)
+                sink += pl.runs[i].remote + pl.runs[i].count;
+            (void)sink;
+            free(pl.runs);
+        }
         break;
     }
     case 2: {

@@ -4,13 +4,17 @@
  *
  * usage: kvc_testpeer --engine ID [--regions R] [--blocks N] [--block-len L]
  *                     [--user-mem] [--port P] [--layout TAG] [--expiry-ms MS]
- *                     [--connect-timeout-ms MS] [--xfer-timeout-ms MS]
+ *                     [--connect-timeout-ms MS] [--xfer-timeout-ms MS] [--tp-size N]
+ *                     [--max-handshakes N]
+ * The cluster secret comes from the environment (KVC_SECRET / KVC_SECRET_FILE).
  * prints "READY port=<port>", then one line per command and per event:
  *   fill SEED                      -> "OK"   (block b of region r := pattern)
  *   clear                          -> "OK"
- *   publish REQ IDS [EXPIRY_MS]    -> "PUBLISHED <json>" | "ERR <status>"
+ *   publish REQ IDS [EXPIRY_MS [CONSUMERS]] -> "PUBLISHED <json>" | "ERR <status>"
  *   fetch LOCAL_IDS JSON           -> "FETCHING <xfer>" | "ERR <status>"
  *   verify SEED REMOTE_IDS LOCAL_IDS -> "VERIFY ok" | "VERIFY bad ..."
+ *   zero IDS                       -> "ZERO yes" | "ZERO no" (every region of
+ *                                     those local blocks still all zero bytes)
  *   stat                           -> "STAT k=v ..."
  *   quit                           -> exits 0 (agent destroyed, in-flight cancelled)
  * IDS are comma-separated block ids, "-" for none.  Events:
@@ -83,11 +87,12 @@ static void print_events(void) {
 }
 
 static void stat_line(void) {
-    static const char *k[] = {"published", "released",   "expired",
-                              "unknown",   "fetch_done", "fetch_failed",
-                              "bytes",     "handshakes", "published_now"};
+    static const char *k[] = {"published",     "released",      "expired",     "unknown",
+                              "fetch_done",    "fetch_failed",  "bytes",       "handshakes",
+                              "published_now", "authenticated", "auth_failed", "denied",
+                              "peer_errors"};
     printf("STAT");
-    for (int i = 0; i <= KVC_STAT_PUBLISHED_NOW; i++) {
+    for (int i = 0; i <= KVC_STAT_PEER_ERRORS; i++) {
         uint64_t v = 0;
         kvc_agent_stat(agent, (kvc_stat_t)i, &v);
         printf(" %s=%llu", k[i], (unsigned long long)v);
@@ -115,12 +120,17 @@ static int command(char *line) {
         char *req = strtok_r(NULL, " \n", &save);
         char *ids = strtok_r(NULL, " \n", &save);
         char *exp = strtok_r(NULL, " \n", &save);
+        char *cons = strtok_r(NULL, " \n", &save);
         uint64_t *v;
         size_t n = parse_ids(ids, &v);
         kvc_publish_params_t pp = {0};
-        if (exp) {
+        if (exp && strcmp(exp, "-")) {
             pp.field_mask = KVC_PUBLISH_FIELD_EXPIRY;
             pp.expiry_ms = (uint32_t)strtoul(exp, NULL, 10);
+        }
+        if (cons) {
+            pp.field_mask |= KVC_PUBLISH_FIELD_CONSUMERS;
+            pp.consumers = (uint32_t)strtoul(cons, NULL, 10);
         }
         char *json = NULL;
         kvc_status_t st = kvc_publish(agent, req, v, n, &pp, &json);
@@ -172,6 +182,18 @@ static int command(char *line) {
         free(want);
         free(rem);
         free(loc);
+    } else if (!strcmp(cmd, "zero")) {
+        uint64_t *loc;
+        size_t nl = parse_ids(strtok_r(NULL, " \n", &save), &loc);
+        bool zero = true;
+        for (size_t i = 0; i < nl && zero; i++)
+            for (size_t r = 0; r < nreg && zero && loc[i] < nblocks; r++) {
+                const uint8_t *b = block_ptr(r, loc[i]);
+                for (size_t k = 0; k < block_len && zero; k++)
+                    zero = b[k] == 0;
+            }
+        printf("ZERO %s\n", zero ? "yes" : "no");
+        free(loc);
     } else if (!strcmp(cmd, "stat")) {
         stat_line();
     } else {
@@ -215,6 +237,12 @@ int main(int argc, char **argv) {
         } else if (!strcmp(k, "--xfer-timeout-ms")) {
             ap.field_mask |= KVC_AGENT_FIELD_XFER_TIMEOUT;
             ap.xfer_timeout_ms = (uint32_t)atoi(v);
+        } else if (!strcmp(k, "--tp-size")) {
+            ap.field_mask |= KVC_AGENT_FIELD_TP_SIZE;
+            ap.tp_size = (uint32_t)atoi(v);
+        } else if (!strcmp(k, "--max-handshakes")) {
+            ap.field_mask |= KVC_AGENT_FIELD_MAX_HANDSHAKES;
+            ap.max_handshakes = (uint32_t)atoi(v);
         } else {
             fprintf(stderr, "unknown option %s\n", k);
             return 2;

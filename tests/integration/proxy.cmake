@@ -8,3 +8,9 @@ foreach(area cli flow errors stream conn http)
                        ENVIRONMENT "${PX_TEST_ENV}"
                        TIMEOUT 180)
 endforeach()
+
+# The connector's publication token in kv_transfer_params survives the proxy.
+add_test(NAME integration.proxy_kvtoken
+         COMMAND ${PYTHON3} ${CMAKE_CURRENT_SOURCE_DIR}/integration/test_proxy_kvtoken.py)
+set_tests_properties(integration.proxy_kvtoken PROPERTIES
+                     LABELS integration ENVIRONMENT "${PX_TEST_ENV}" TIMEOUT 180)

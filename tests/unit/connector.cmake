@@ -16,6 +16,6 @@ if(TARGET kvconnector_static)
   add_library(kvc_fakecuda STATIC EXCLUDE_FROM_ALL ${KVC_CORE_SOURCES})
   target_include_directories(kvc_fakecuda PUBLIC ${PROJECT_SOURCE_DIR}/include
                                                  ${PROJECT_SOURCE_DIR}/connector)
-  target_link_libraries(kvc_fakecuda PUBLIC PkgConfig::UCX PkgConfig::CJSON m)
+  target_link_libraries(kvc_fakecuda PUBLIC PkgConfig::UCX PkgConfig::CJSON PkgConfig::OPENSSL m)
   px_unit_test(kvc_staging kvc_fakecuda)
 endif()

@@ -7,8 +7,10 @@
 /* cmocka needs the headers above first */
 #include <cmocka.h>
 
+#include <fcntl.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "kvc_int.h"
 
@@ -138,6 +140,22 @@ static void test_publish(void **state) {
     kvc_agent_destroy(a); /* frees the 5000 entries */
 }
 
+/* Delivers a notification "<token><text>" as the producer's AM handler does. */
+static void notify(kvc_agent_t *a, const uint8_t *tok, const char *text) {
+    uint8_t msg[512];
+    memcpy(msg, tok, KVC_TOKEN_LEN);
+    memcpy(msg + KVC_TOKEN_LEN, text, strlen(text));
+    kvc_notify_handle(a, msg, KVC_TOKEN_LEN + strlen(text));
+}
+
+static void token_of(const char *json, uint8_t tok[KVC_TOKEN_LEN]) {
+    kvc_remote_t r;
+    char err[128];
+    assert_int_equal(kvc_params_parse_json(json, &r, err, sizeof(err)), KVC_OK);
+    memcpy(tok, r.token, KVC_TOKEN_LEN);
+    kvc_remote_cleanup(&r);
+}
+
 static void test_notify_release(void **state) {
     kvc_agent_t *a = mk_agent(0);
     regions(a);
@@ -145,12 +163,25 @@ static void test_notify_release(void **state) {
     char *json;
     kvc_publish_params_t pp = {.field_mask = KVC_PUBLISH_FIELD_USER_DATA, .user_data = 77};
     assert_int_equal(kvc_publish(a, "a:b:c", ids, 2, &pp, &json), KVC_OK);
+    uint8_t tok[KVC_TOKEN_LEN], bad[KVC_TOKEN_LEN];
+    token_of(json, tok);
     kvc_free(json);
     kvc_event_t ev;
     assert_int_equal(kvc_agent_next_event(a, &ev), KVC_AGAIN);
 
-    const char *n1 = "a:b:c:2";
-    kvc_notify_handle(a, (const uint8_t *)n1, strlen(n1));
+    /* A wrong token frees nothing: counted as denied, no event. */
+    memcpy(bad, tok, sizeof(bad));
+    bad[15] ^= 1;
+    const char *n1 = "a:b:c:1";
+    notify(a, bad, n1);
+    assert_int_equal(kvc_agent_next_event(a, &ev), KVC_AGAIN);
+    uint64_t v;
+    kvc_agent_stat(a, KVC_STAT_DENIED, &v);
+    assert_int_equal(v, 1);
+    kvc_agent_stat(a, KVC_STAT_PUBLISHED_NOW, &v);
+    assert_int_equal(v, 1);
+
+    notify(a, tok, n1);
     assert_int_equal(kvc_agent_next_event(a, &ev), KVC_OK);
     assert_int_equal(ev.type, KVC_EV_RELEASED);
     assert_int_equal(ev.status, KVC_OK);
@@ -160,13 +191,12 @@ static void test_notify_release(void **state) {
     assert_int_equal(ev.user_data, 77);
 
     /* second notification for the same id: unknown now */
-    kvc_notify_handle(a, (const uint8_t *)n1, strlen(n1));
+    notify(a, tok, n1);
     assert_int_equal(kvc_agent_next_event(a, &ev), KVC_OK);
     assert_int_equal(ev.type, KVC_EV_UNKNOWN_NOTIFY);
     assert_string_equal(ev.request_id, "a:b:c");
-    kvc_notify_handle(a, (const uint8_t *)"\x01:1", 3); /* malformed: counted, no event */
+    notify(a, tok, "\x01:1"); /* malformed: counted, no event */
     assert_int_equal(kvc_agent_next_event(a, &ev), KVC_AGAIN);
-    uint64_t v;
     kvc_agent_stat(a, KVC_STAT_UNKNOWN_NOTIFY, &v);
     assert_int_equal(v, 2);
     kvc_agent_stat(a, KVC_STAT_RELEASED, &v);
@@ -195,8 +225,8 @@ static void test_expiry(void **state) {
     assert_true(kvc_now_ns() - t0 >= 20000000ull);
     assert_int_equal(ev.type, KVC_EV_EXPIRED);
     assert_string_equal(ev.request_id, "fast");
-    const char *n = "fast:1";
-    kvc_notify_handle(a, (const uint8_t *)n, strlen(n)); /* late: unrecognized */
+    uint8_t tok[KVC_TOKEN_LEN] = {0};
+    notify(a, tok, "fast:1"); /* late: unrecognized */
     assert_int_equal(kvc_agent_next_event(a, &ev), KVC_OK);
     assert_int_equal(ev.type, KVC_EV_UNKNOWN_NOTIFY);
     uint64_t v;
@@ -205,6 +235,104 @@ static void test_expiry(void **state) {
     kvc_agent_stat(a, KVC_STAT_EXPIRED, &v);
     assert_int_equal(v, 1);
     kvc_agent_destroy(a);
+}
+
+/* Heterogeneous TP: blocks are released after as many matching
+ * notifications as consumers are expected, stated or inferred. */
+static void test_tp_fan_in(void **state) {
+    kvc_agent_t *a = mk_agent(0);
+    regions(a);
+    uint64_t ids[] = {1, 2};
+    char *json;
+    uint8_t t1[KVC_TOKEN_LEN], t2[KVC_TOKEN_LEN];
+    kvc_publish_params_t two = {.field_mask = KVC_PUBLISH_FIELD_CONSUMERS, .consumers = 2};
+    assert_int_equal(kvc_publish(a, "fan", ids, 2, &two, &json), KVC_OK);
+    token_of(json, t1);
+    kvc_free(json);
+    assert_int_equal(kvc_publish(a, "inferred", ids, 2, NULL, &json), KVC_OK);
+    token_of(json, t2);
+    kvc_free(json);
+    kvc_event_t ev;
+    notify(a, t1, "fan:1");
+    assert_int_equal(kvc_agent_next_event(a, &ev), KVC_AGAIN); /* 1 of 2 */
+    notify(a, t2, "inferred:2"); /* a TP-2 consumer under a TP-1 producer: 2 ranks */
+    assert_int_equal(kvc_agent_next_event(a, &ev), KVC_AGAIN);
+    notify(a, t1, "fan:1");
+    assert_int_equal(kvc_agent_next_event(a, &ev), KVC_OK);
+    assert_int_equal(ev.type, KVC_EV_RELEASED);
+    assert_string_equal(ev.request_id, "fan");
+    notify(a, t2, "inferred:2");
+    assert_int_equal(kvc_agent_next_event(a, &ev), KVC_OK);
+    assert_int_equal(ev.type, KVC_EV_RELEASED);
+    assert_string_equal(ev.request_id, "inferred");
+    uint64_t v;
+    kvc_agent_stat(a, KVC_STAT_RELEASED, &v);
+    assert_int_equal(v, 2);
+    kvc_agent_destroy(a);
+}
+
+static kvc_agent_t *mk_secret_agent(const kvc_agent_params_t *extra, kvc_status_t want) {
+    kvc_agent_params_t p = *extra;
+    p.field_mask |= KVC_AGENT_FIELD_ENGINE_ID | KVC_AGENT_FIELD_LOG;
+    p.engine_id = "unit-S";
+    p.log_cb = quiet_log;
+    p.log_level = KVC_LOG_DEBUG;
+    kvc_agent_t *a = NULL;
+    assert_int_equal(kvc_agent_create(&p, &a), want);
+    return a;
+}
+
+static void test_secret(void **state) {
+    unsetenv("KVC_SECRET");
+    unsetenv("KVC_SECRET_FILE");
+    kvc_agent_params_t p = {0};
+    uint64_t v = 9;
+    /* none: runs unauthenticated, says so once */
+    log_lines = 0;
+    kvc_agent_t *a = mk_secret_agent(&p, KVC_OK);
+    assert_int_equal(kvc_agent_stat(a, KVC_STAT_AUTHENTICATED, &v), KVC_OK);
+    assert_int_equal(v, 0);
+    assert_true(log_lines >= 1);
+    kvc_agent_destroy(a);
+    /* parameter */
+    p.field_mask = KVC_AGENT_FIELD_SECRET;
+    p.secret = "s3cret";
+    p.secret_len = 6;
+    a = mk_secret_agent(&p, KVC_OK);
+    kvc_agent_stat(a, KVC_STAT_AUTHENTICATED, &v);
+    assert_int_equal(v, 1);
+    assert_int_equal(a->secret_len, 6);
+    kvc_agent_destroy(a);
+    p.secret_len = 0;
+    mk_secret_agent(&p, KVC_ERR_INVALID_PARAM);
+    p.secret = NULL;
+    p.secret_len = 4;
+    mk_secret_agent(&p, KVC_ERR_INVALID_PARAM);
+    /* KVC_SECRET_FILE: trailing newline stripped; empty or missing: refused */
+    p.field_mask = 0;
+    char path[] = "/tmp/kvc_unit_secretXXXXXX";
+    int fd = mkstemp(path);
+    assert_true(fd >= 0);
+    assert_int_equal(write(fd, "file-secret\n", 12), 12);
+    close(fd);
+    setenv("KVC_SECRET_FILE", path, 1);
+    a = mk_secret_agent(&p, KVC_OK);
+    assert_int_equal(a->secret_len, 11);
+    assert_memory_equal(a->secret, "file-secret", 11);
+    kvc_agent_destroy(a);
+    fd = open(path, O_WRONLY | O_TRUNC);
+    assert_int_equal(write(fd, "\n", 1), 1);
+    close(fd);
+    mk_secret_agent(&p, KVC_ERR_INVALID_PARAM);
+    unlink(path);
+    mk_secret_agent(&p, KVC_ERR_INVALID_PARAM);
+    unsetenv("KVC_SECRET_FILE");
+    /* KVC_SECRET (tests) */
+    setenv("KVC_SECRET", "env-secret", 1);
+    a = mk_secret_agent(&p, KVC_OK);
+    assert_int_equal(a->secret_len, 10);
+    kvc_agent_destroy(a);
+    unsetenv("KVC_SECRET");
 }
 
 static void test_fetch_params(void **state) {
@@ -224,6 +352,15 @@ static void test_fetch_params(void **state) {
     fp.remote_port = 1;
     fp.remote_block_ids = rem;
     fp.num_remote_blocks = 2;
+    uint64_t loc_ok[] = {5, 6}, loc_dup[] = {5, 5};
+    fp.local_block_ids = loc_ok;
+    fp.num_local_blocks = 2;
+    assert_int_equal(kvc_fetch(a, &fp, &id), KVC_ERR_INVALID_PARAM); /* no token */
+    fp.remote_kv_token = "0011223344556677";
+    assert_int_equal(kvc_fetch(a, &fp, &id), KVC_ERR_INVALID_PARAM); /* short token */
+    fp.remote_kv_token = "00112233445566778899aabbccddeeff";
+    fp.local_block_ids = loc_dup;
+    assert_int_equal(kvc_fetch(a, &fp, &id), KVC_ERR_INVALID_PARAM); /* local id twice */
     fp.local_block_ids = loc_bad;
     fp.num_local_blocks = 2;
     assert_int_equal(kvc_fetch(a, &fp, &id), KVC_ERR_INVALID_PARAM); /* local out of range */
@@ -238,7 +375,7 @@ static void test_fetch_params(void **state) {
 }
 
 static void test_status_str(void **state) {
-    for (int s = -16; s <= 2; s++)
+    for (int s = -18; s <= 2; s++)
         assert_null(strstr(kvc_status_str((kvc_status_t)s), "UNKNOWN"));
     assert_string_equal(kvc_status_str(KVC_ERR_INCOMPATIBLE), "KVC_ERR_INCOMPATIBLE");
     assert_string_equal(kvc_status_str((kvc_status_t)-999), "KVC_ERR_UNKNOWN");
@@ -246,12 +383,15 @@ static void test_status_str(void **state) {
     assert_int_equal(KVC_ERR_UNREACHABLE, -3);
     assert_int_equal(KVC_ERR_VERSION, -5);
     assert_int_equal(KVC_ERR_INCOMPATIBLE, -6);
+    assert_int_equal(KVC_ERR_AUTH, -17);
+    assert_int_equal(KVC_ERR_DENIED, -18);
 }
 
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_create_params), cmocka_unit_test(test_regions),
         cmocka_unit_test(test_publish),       cmocka_unit_test(test_notify_release),
+        cmocka_unit_test(test_tp_fan_in),     cmocka_unit_test(test_secret),
         cmocka_unit_test(test_expiry),        cmocka_unit_test(test_fetch_params),
         cmocka_unit_test(test_status_str),
     };

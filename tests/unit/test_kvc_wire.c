@@ -1,5 +1,6 @@
-/* Unit tests: libkvconnector wire formats, coalescing and kv_transfer_params
- * parsing (connector/wire.c, connector/params.c). */
+/* Unit tests: libkvconnector wire formats, coalescing, kv_transfer_params
+ * parsing, handshake MACs and publication membership (connector/wire.c,
+ * params.c, auth.c, publish.c). */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -34,13 +35,19 @@ static void encode_sample(kvc_buf_t *b, uint16_t version, uint32_t nreg, uint64_
         .n_regions = nreg,
         .regions = regs,
     };
+    size_t start = b->len;
     kvc_wire_encode_handshake(b, version, &hs);
+    static const uint8_t mac[KVC_MAC_LEN] = {0xee};
+    kvc_buf_put(b, mac, sizeof(mac));
+    kvc_wire_end_msg(b, start);
 }
+
+static const uint8_t NONCE[KVC_NONCE_LEN] = {1, 2, 3};
 
 static void test_header(void **state) {
     kvc_buf_t b = {0};
     kvc_wire_hdr_t h;
-    kvc_wire_encode_hello(&b, KVC_WIRE_VERSION, "abc", "\x01\x02", 2);
+    kvc_wire_encode_hello(&b, KVC_WIRE_VERSION, KVC_MSG_HELLO, "abc", KVC_HFLAG_SECRET, NONCE);
     assert_false(b.failed);
     for (size_t n = 0; n < KVC_WIRE_HDR_LEN; n++)
         assert_int_equal(kvc_wire_parse_hdr(b.p, n, KVC_WIRE_MAX_HELLO, &h), KVC_AGAIN);
@@ -48,16 +55,18 @@ static void test_header(void **state) {
     assert_int_equal(h.type, KVC_MSG_HELLO);
     assert_int_equal(h.version, KVC_WIRE_VERSION);
     assert_int_equal(h.body_len, b.len - KVC_WIRE_HDR_LEN);
-    kvc_span_t id, addr;
-    assert_int_equal(kvc_wire_parse_hello(b.p + KVC_WIRE_HDR_LEN, h.body_len, &id, &addr), KVC_OK);
-    assert_int_equal(id.len, 3);
-    assert_memory_equal(id.p, "abc", 3);
-    assert_int_equal(addr.len, 2);
-    /* short bodies are rejected; the address is optional */
-    assert_int_equal(kvc_wire_parse_hello(b.p + KVC_WIRE_HDR_LEN, h.body_len - 1, &id, &addr),
+    kvc_wire_hello_t hh;
+    assert_int_equal(kvc_wire_parse_hello(b.p + KVC_WIRE_HDR_LEN, h.body_len, &hh), KVC_OK);
+    assert_int_equal(hh.engine_id.len, 3);
+    assert_memory_equal(hh.engine_id.p, "abc", 3);
+    assert_int_equal(hh.flags, KVC_HFLAG_SECRET);
+    assert_memory_equal(hh.nonce, NONCE, KVC_NONCE_LEN);
+    /* every truncation and any extra byte are rejected */
+    for (size_t n = 0; n < h.body_len; n++)
+        assert_int_equal(kvc_wire_parse_hello(b.p + KVC_WIRE_HDR_LEN, n, &hh), KVC_ERR_PROTOCOL);
+    kvc_buf_u8(&b, 0);
+    assert_int_equal(kvc_wire_parse_hello(b.p + KVC_WIRE_HDR_LEN, h.body_len + 1, &hh),
                      KVC_ERR_PROTOCOL);
-    assert_int_equal(kvc_wire_parse_hello(b.p + KVC_WIRE_HDR_LEN, 5, &id, &addr), KVC_OK);
-    assert_int_equal(addr.len, 0);
     /* bad magic, oversized body */
     uint8_t bad[KVC_WIRE_HDR_LEN];
     memcpy(bad, b.p, sizeof(bad));
@@ -91,6 +100,8 @@ static void test_handshake_roundtrip(void **state) {
     assert_int_equal(hs.regions[1].block_len, 4096);
     assert_int_equal(hs.regions[0].rkey.len, 5);
     assert_int_equal(hs.regions[0].flags, KVC_RFLAG_POOL);
+    assert_int_equal(hs.signed_len, h.body_len - KVC_MAC_LEN);
+    assert_int_equal(hs.mac[0], 0xee);
     kvc_wire_hs_cleanup(&hs);
     kvc_buf_cleanup(&b);
 }
@@ -132,7 +143,7 @@ static void test_handshake_truncated_and_corrupt(void **state) {
     /* Region count far beyond the bytes present: rejected before allocating. */
     kvc_buf_t c = {0};
     encode_sample(&c, KVC_WIRE_VERSION, 0, 10);
-    size_t nr = c.len - 4;
+    size_t nr = c.len - 4 - KVC_MAC_LEN;
     c.p[nr] = 0xff;
     c.p[nr + 1] = 0xff;
     assert_int_equal(
@@ -144,22 +155,35 @@ static void test_handshake_truncated_and_corrupt(void **state) {
 static void test_pull_and_data(void **state) {
     kvc_run_t runs[3] = {{1, 2, 3}, {10, 20, 1}, {UINT64_MAX, 0, 7}};
     kvc_buf_t b = {0};
-    kvc_wire_encode_pull(&b, 42, KVC_PULL_RNDV, runs, 3);
-    uint64_t id;
-    kvc_run_t *out;
-    size_t n;
-    uint16_t fl = 0;
-    assert_int_equal(kvc_wire_parse_pull(b.p, b.len, &id, &fl, &out, &n), KVC_OK);
-    assert_int_equal(fl, KVC_PULL_RNDV);
-    assert_int_equal(id, 42);
-    assert_int_equal(n, 3);
-    assert_memory_equal(out, runs, sizeof(runs));
-    free(out);
+    kvc_wire_pull_t pl = {.xfer_id = 42,
+                          .flags = KVC_PULL_RNDV,
+                          .xfer_token = {1, 2},
+                          .pub_token = {3, 4},
+                          .request_id = {(const uint8_t *)"req:1", 5},
+                          .runs = runs,
+                          .n = 3};
+    kvc_wire_encode_pull(&b, &pl);
+    kvc_wire_pull_t out;
+    assert_int_equal(kvc_wire_parse_pull(b.p, b.len, &out), KVC_OK);
+    assert_int_equal(out.flags, KVC_PULL_RNDV);
+    assert_int_equal(out.xfer_id, 42);
+    assert_int_equal(out.n, 3);
+    assert_memory_equal(out.xfer_token, pl.xfer_token, KVC_TOKEN_LEN);
+    assert_memory_equal(out.pub_token, pl.pub_token, KVC_TOKEN_LEN);
+    assert_int_equal(out.request_id.len, 5);
+    assert_memory_equal(out.request_id.p, "req:1", 5);
+    assert_memory_equal(out.runs, runs, sizeof(runs));
+    free(out.runs);
     for (size_t k = 0; k < b.len; k++)
-        assert_int_equal(kvc_wire_parse_pull(b.p, k, &id, &fl, &out, &n), KVC_ERR_PROTOCOL);
+        assert_int_equal(kvc_wire_parse_pull(b.p, k, &out), KVC_ERR_PROTOCOL);
+    kvc_buf_cleanup(&b);
+    /* an empty request id is refused */
+    pl.request_id.len = 0;
+    kvc_wire_encode_pull(&b, &pl);
+    assert_int_equal(kvc_wire_parse_pull(b.p, b.len, &out), KVC_ERR_PROTOCOL);
     kvc_buf_cleanup(&b);
 
-    kvc_wire_data_hdr_t h = {7, 3, -5, 100, 8}, g;
+    kvc_wire_data_hdr_t h = {7, 3, -5, 100, 8, {9, 9, 9}}, g;
     uint8_t raw[KVC_WIRE_DATA_HDR_LEN];
     kvc_wire_encode_data_hdr(raw, &h);
     assert_int_equal(kvc_wire_parse_data_hdr(raw, sizeof(raw), &g), KVC_OK);
@@ -171,8 +195,13 @@ static void test_pull_and_data(void **state) {
 static void check_notify(const char *txt, kvc_status_t want, const char *id, uint32_t tp) {
     kvc_span_t s;
     uint32_t t = 99;
-    assert_int_equal(kvc_wire_parse_notify((const uint8_t *)txt, strlen(txt), &s, &t), want);
+    const uint8_t *tok = NULL;
+    uint8_t msg[256];
+    memset(msg, 0x5a, KVC_TOKEN_LEN);
+    memcpy(msg + KVC_TOKEN_LEN, txt, strlen(txt));
+    assert_int_equal(kvc_wire_parse_notify(msg, KVC_TOKEN_LEN + strlen(txt), &tok, &s, &t), want);
     if (want != KVC_OK) return;
+    assert_ptr_equal(tok, msg);
     assert_int_equal(s.len, strlen(id));
     assert_memory_equal(s.p, id, s.len);
     assert_int_equal(t, tp);
@@ -190,9 +219,18 @@ static void test_notify(void **state) {
     check_notify("bad\nid:1", KVC_ERR_PROTOCOL, "", 0); /* not printable */
     check_notify("", KVC_ERR_PROTOCOL, "", 0);
     kvc_buf_t b = {0};
-    kvc_wire_encode_notify(&b, "r:1:2", 4);
-    assert_int_equal(b.len, 7);
-    assert_memory_equal(b.p, "r:1:2:4", 7);
+    static const uint8_t tok[KVC_TOKEN_LEN] = {7};
+    kvc_wire_encode_notify(&b, tok, "r:1:2", 4);
+    assert_int_equal(b.len, KVC_TOKEN_LEN + 7);
+    assert_memory_equal(b.p, tok, KVC_TOKEN_LEN);
+    assert_memory_equal(b.p + KVC_TOKEN_LEN, "r:1:2:4", 7);
+    /* a notification without its token is malformed */
+    kvc_span_t s;
+    uint32_t t;
+    const uint8_t *tk;
+    assert_int_equal(kvc_wire_parse_notify(b.p, KVC_TOKEN_LEN, &tk, &s, &t), KVC_ERR_PROTOCOL);
+    assert_int_equal(kvc_wire_parse_notify((const uint8_t *)"r:1", 3, &tk, &s, &t),
+                     KVC_ERR_PROTOCOL);
     kvc_buf_cleanup(&b);
 }
 
@@ -220,11 +258,16 @@ static void test_coalesce(void **state) {
 
 static void test_params_json(void **state) {
     uint64_t blocks[] = {0, 5, 9007199254740991ull};
-    char *js = kvc_params_to_json("eng\"1", "req:with:colons", "10.0.0.1", 5600, blocks, 3, 4);
+    uint8_t tok[KVC_TOKEN_LEN];
+    for (size_t i = 0; i < KVC_TOKEN_LEN; i++)
+        tok[i] = (uint8_t)(0xf0 + i);
+    char *js = kvc_params_to_json("eng\"1", "req:with:colons", "10.0.0.1", 5600, blocks, 3, 4, tok);
     assert_non_null(js);
+    assert_non_null(strstr(js, "\"remote_kv_token\":\"f0f1f2f3f4f5f6f7f8f9fafbfcfdfeff\""));
     kvc_remote_t r;
     char err[200];
     assert_int_equal(kvc_params_parse_json(js, &r, err, sizeof(err)), KVC_OK);
+    assert_memory_equal(r.token, tok, KVC_TOKEN_LEN);
     assert_string_equal(r.engine_id, "eng\"1");
     assert_string_equal(r.request_id, "req:with:colons");
     assert_string_equal(r.host, "10.0.0.1");
@@ -240,7 +283,8 @@ static void test_params_json(void **state) {
     /* what a proxy forwards: extra keys, per-group block lists */
     const char *fwd = "{\"remote_block_ids\":[[4,5],[6]],\"remote_engine_id\":\"e\","
                       "\"remote_request_id\":\"r\",\"remote_host\":\"h\",\"remote_port\":1,"
-                      "\"remote_num_tokens\":33,\"do_remote_prefill\":true}";
+                      "\"remote_num_tokens\":33,\"do_remote_prefill\":true,"
+                      "\"remote_kv_token\":\"00112233445566778899AABBCCDDEEFF\"}";
     assert_int_equal(kvc_params_parse_json(fwd, &r, err, sizeof(err)), KVC_OK);
     assert_int_equal(r.num_blocks, 2);
     assert_int_equal(r.block_ids[1], 5);
@@ -264,10 +308,121 @@ static void test_params_json(void **state) {
         "\"remote_host\":\"h\",\"remote_port\":5}",
         "{\"remote_block_ids\":[1],\"remote_engine_id\":\"e\",\"remote_host\":\"h\","
         "\"remote_port\":5}",
+        /* token missing, short, not hex, not a string */
+        "{\"remote_block_ids\":[1],\"remote_engine_id\":\"e\",\"remote_request_id\":\"r\","
+        "\"remote_host\":\"h\",\"remote_port\":5}",
+        "{\"remote_block_ids\":[1],\"remote_engine_id\":\"e\",\"remote_request_id\":\"r\","
+        "\"remote_host\":\"h\",\"remote_port\":5,\"remote_kv_token\":\"0011\"}",
+        "{\"remote_block_ids\":[1],\"remote_engine_id\":\"e\",\"remote_request_id\":\"r\","
+        "\"remote_host\":\"h\",\"remote_port\":5,"
+        "\"remote_kv_token\":\"0011223344556677889900112233445g\"}",
+        "{\"remote_block_ids\":[1],\"remote_engine_id\":\"e\",\"remote_request_id\":\"r\","
+        "\"remote_host\":\"h\",\"remote_port\":5,\"remote_kv_token\":7}",
     };
     for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++)
         assert_int_equal(kvc_params_parse_json(bad[i], &r, err, sizeof(err)),
                          KVC_ERR_INVALID_PARAM);
+}
+
+static void test_auth_messages(void **state) {
+    kvc_buf_t b = {0};
+    uint8_t mac[KVC_MAC_LEN];
+    memset(mac, 0x33, sizeof(mac));
+    kvc_wire_encode_auth(&b, KVC_WIRE_VERSION, KVC_PROTO_PUSH, mac);
+    kvc_wire_hdr_t h;
+    assert_int_equal(kvc_wire_parse_hdr(b.p, b.len, KVC_WIRE_MAX_HELLO, &h), KVC_OK);
+    assert_int_equal(h.type, KVC_MSG_AUTH);
+    uint8_t proto;
+    const uint8_t *m;
+    assert_int_equal(kvc_wire_parse_auth(b.p + KVC_WIRE_HDR_LEN, h.body_len, &proto, &m), KVC_OK);
+    assert_int_equal(proto, KVC_PROTO_PUSH);
+    assert_memory_equal(m, mac, KVC_MAC_LEN);
+    assert_int_equal(kvc_wire_parse_auth(b.p + KVC_WIRE_HDR_LEN, h.body_len - 1, &proto, &m),
+                     KVC_ERR_PROTOCOL);
+    b.p[KVC_WIRE_HDR_LEN] = 9; /* no such protocol */
+    assert_int_equal(kvc_wire_parse_auth(b.p + KVC_WIRE_HDR_LEN, h.body_len, &proto, &m),
+                     KVC_ERR_PROTOCOL);
+    kvc_buf_cleanup(&b);
+
+    kvc_wire_encode_error(&b, KVC_WIRE_VERSION, KVC_ERR_AUTH, "authentication failed");
+    assert_int_equal(kvc_wire_parse_hdr(b.p, b.len, KVC_WIRE_MAX_HELLO, &h), KVC_OK);
+    assert_int_equal(h.type, KVC_MSG_ERROR);
+    int32_t st;
+    kvc_span_t msg;
+    assert_int_equal(kvc_wire_parse_error(b.p + KVC_WIRE_HDR_LEN, h.body_len, &st, &msg), KVC_OK);
+    assert_int_equal(st, KVC_ERR_AUTH);
+    assert_int_equal(msg.len, strlen("authentication failed"));
+    for (size_t n = 0; n < h.body_len; n++)
+        assert_int_equal(kvc_wire_parse_error(b.p + KVC_WIRE_HDR_LEN, n, &st, &msg),
+                         KVC_ERR_PROTOCOL);
+    kvc_buf_cleanup(&b);
+}
+
+static void test_macs(void **state) {
+    struct kvc_agent x, y, none;
+    memset(&x, 0, sizeof(x));
+    memset(&y, 0, sizeof(y));
+    memset(&none, 0, sizeof(none));
+    x.secret = (uint8_t *)"cluster-secret-1";
+    x.secret_len = 16;
+    y.secret = (uint8_t *)"cluster-secret-2";
+    y.secret_len = 16;
+    uint8_t nc[KVC_NONCE_LEN] = {1}, np[KVC_NONCE_LEN] = {2};
+    kvc_span_t c = {(const uint8_t *)"D", 1}, p = {(const uint8_t *)"P", 1};
+    uint8_t m1[KVC_MAC_LEN], m2[KVC_MAC_LEN], m3[KVC_MAC_LEN];
+    kvc_mac_consumer(&x, nc, np, 0, c, p, m1);
+    kvc_mac_consumer(&x, nc, np, 0, c, p, m2);
+    assert_true(kvc_mac_equal(m1, m2, KVC_MAC_LEN)); /* deterministic */
+    kvc_mac_consumer(&y, nc, np, 0, c, p, m3);
+    assert_false(kvc_mac_equal(m1, m3, KVC_MAC_LEN)); /* another secret */
+    kvc_mac_consumer(&none, nc, np, 0, c, p, m3);
+    assert_false(kvc_mac_equal(m1, m3, KVC_MAC_LEN)); /* no secret */
+    np[5] ^= 1;
+    kvc_mac_consumer(&x, nc, np, 0, c, p, m3);
+    assert_false(kvc_mac_equal(m1, m3, KVC_MAC_LEN)); /* other nonce: no replay */
+    np[5] ^= 1;
+    kvc_mac_consumer(&x, nc, np, 1, c, p, m3);
+    assert_false(kvc_mac_equal(m1, m3, KVC_MAC_LEN)); /* protocol is bound */
+    /* the producer MAC covers the body and differs from the consumer's */
+    uint8_t body[40] = {0};
+    kvc_mac_producer(&x, nc, np, body, sizeof(body), m2);
+    assert_false(kvc_mac_equal(m1, m2, KVC_MAC_LEN));
+    body[39] = 1;
+    kvc_mac_producer(&x, nc, np, body, sizeof(body), m3);
+    assert_false(kvc_mac_equal(m2, m3, KVC_MAC_LEN));
+}
+
+static void test_tokens_and_membership(void **state) {
+    uint8_t t[KVC_TOKEN_LEN], u[KVC_TOKEN_LEN];
+    char hex[2 * KVC_TOKEN_LEN + 1];
+    assert_int_equal(kvc_random(t, sizeof(t)), KVC_OK);
+    kvc_token_hex(t, hex);
+    assert_int_equal(strlen(hex), 32);
+    assert_int_equal(kvc_token_parse(hex, u), KVC_OK);
+    assert_memory_equal(t, u, KVC_TOKEN_LEN);
+    assert_int_equal(kvc_token_parse(NULL, u), KVC_ERR_INVALID_PARAM);
+    assert_int_equal(kvc_token_parse("", u), KVC_ERR_INVALID_PARAM);
+    hex[31] = 'x';
+    assert_int_equal(kvc_token_parse(hex, u), KVC_ERR_INVALID_PARAM);
+
+    uint64_t sorted[] = {3, 4, 5, 9, 20, 21};
+    kvc_pub_t p;
+    memset(&p, 0, sizeof(p));
+    p.sorted = sorted;
+    p.n = 6;
+    assert_true(kvc_pub_has_run(&p, 3, 3));
+    assert_true(kvc_pub_has_run(&p, 4, 2));
+    assert_true(kvc_pub_has_run(&p, 9, 1));
+    assert_true(kvc_pub_has_run(&p, 20, 2));
+    assert_false(kvc_pub_has_run(&p, 3, 4)); /* 6 is not published */
+    assert_false(kvc_pub_has_run(&p, 0, 1));
+    assert_false(kvc_pub_has_run(&p, 8, 2));
+    assert_false(kvc_pub_has_run(&p, 21, 2));
+    assert_false(kvc_pub_has_run(&p, 22, 1));
+    assert_false(kvc_pub_has_run(&p, 3, 0));
+    assert_false(kvc_pub_has_run(&p, 3, UINT64_MAX));
+    p.n = 0;
+    assert_false(kvc_pub_has_run(&p, 3, 1));
 }
 
 int main(void) {
@@ -279,6 +434,9 @@ int main(void) {
         cmocka_unit_test(test_notify),
         cmocka_unit_test(test_coalesce),
         cmocka_unit_test(test_params_json),
+        cmocka_unit_test(test_auth_messages),
+        cmocka_unit_test(test_macs),
+        cmocka_unit_test(test_tokens_and_membership),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
