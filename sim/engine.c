@@ -1,4 +1,4 @@
-#include "engine.h"
+#include "engine_int.h"
 
 #include <cjson/cJSON.h>
 #include <errno.h>
@@ -20,64 +20,6 @@
 #include "log.h"
 #include "request.h"
 #include "util.h"
-
-typedef enum { EP_COMPLETIONS, EP_CHAT } sim_ep;
-typedef enum { SR_QUEUED, SR_FETCHING, SR_PREFILL_WAIT, SR_GENERATING } sim_state;
-
-typedef struct sim_engine sim_engine;
-
-typedef struct sim_req {
-    sim_engine *e;               /* borrowed */
-    px_conn *conn;               /* borrowed: NULL once the client left */
-    struct sim_req *qnext;       /* in the wait queue */
-    struct sim_req *prev, *next; /* in e->reqs */
-    sim_ep ep;
-    sim_mode mode;
-    sim_state state;
-    char xrid[129];
-    char internal_id[160];
-    char resp_id[160];
-    uint32_t *tok; /* owned */
-    size_t ntok;
-    uint64_t prompt_hash;
-    size_t nblocks;
-    uint64_t *blocks; /* owned: local block ids while held */
-    int holds_blocks;
-    int max_tokens;
-    int stream;
-    int include_usage;
-    uint64_t seed;
-    cJSON *kvp; /* owned: the decode request's kv_transfer_params */
-    int fetching;
-    int orphan;          /* client left during a fetch: free on its event */
-    struct event *timer; /* owned */
-    size_t emitted;
-    px_buf text; /* owned: non-streamed output */
-    long created;
-    uint64_t t_fetch0;
-} sim_req;
-
-struct sim_engine {
-    const sim_config *cfg;
-    struct event_base *base;
-    struct evconnlistener *lev;
-    px_conn_list conns;
-    px_conn_cfg conn_cfg;
-    kvc_agent_t *agent;
-    struct event *kv_ev;
-    uint64_t *free_blocks;
-    size_t nfree;
-    sim_req *qhead, *qtail;
-    size_t nqueued;
-    size_t nrunning;
-    sim_req *reqs;
-    uint64_t model_hash;
-    char model_json[300]; /* the model name as a JSON string literal */
-    /* counters for /metrics */
-    uint64_t requests_total, blocks_published, blocks_released, blocks_expired, unknown_notify,
-        fetch_failures, corrupt_blocks, fetches, bytes_fetched, fetch_ns, invalid_kvp,
-        queue_rejects;
-};
 
 static void pump_queue(sim_engine *e);
 static void start_generation(sim_req *r);
@@ -539,31 +481,16 @@ static void kvc_log(void *arg, kvc_log_level_t level, const char *msg) {
     PX_LOG(l, "component=kvconnector msg=\"%s\"", msg);
 }
 
-/* ---------------------------------------------------------- completions -- */
+/* ---------------------------------------------------------- admission -- */
 
-static void handle_completion(sim_engine *e, px_conn *c, sim_ep ep, const px_http_head *h,
-                              px_buf *body) {
+void sim_submit(sim_engine *e, px_conn *c, sim_ep ep, const char *xrid, sim_parsed *parsed) {
     char msg[256];
-    const px_http_header *xh = px_http_find(h, "x-request-id");
-    char xrid[129];
-    if (xh && xh->value_len > 0 && xh->value_len <= 128) {
-        memcpy(xrid, xh->value, xh->value_len);
-        xrid[xh->value_len] = '\0';
-    } else {
-        px_uuid4(xrid);
-    }
-    sim_parsed pr;
-    int status = sim_parse_request(ep == EP_CHAT, body->data, body->len, e->cfg->model, &pr, msg,
-                                   sizeof msg);
-    if (status) {
-        px_conn_reply_error(c, status, xrid, NULL, msg);
-        return;
-    }
+    sim_parsed pr = *parsed;
     sim_req *r = px_xcalloc(1, sizeof *r);
     r->e = e;
     r->ep = ep;
     px_buf_init(&r->text);
-    memcpy(r->xrid, xrid, sizeof xrid);
+    snprintf(r->xrid, sizeof r->xrid, "%s", xrid);
     r->tok = pr.tok;
     r->ntok = pr.ntok;
     r->created = (long)time(NULL);
@@ -628,109 +555,6 @@ static void handle_completion(sim_engine *e, px_conn *c, sim_ep ep, const px_htt
     e->nqueued++;
 }
 
-/* ------------------------------------------------------------- routing -- */
-
-static void reply_metrics(sim_engine *e, px_conn *c) {
-    px_buf b;
-    px_buf_init(&b);
-    const sim_config *cfg = e->cfg;
-    double usage = cfg->num_blocks ? 1.0 - (double)e->nfree / (double)cfg->num_blocks : 0;
-#define GAUGE(name, help, fmt, v)                                                                  \
-    px_buf_printf(&b, "# HELP %s %s\n# TYPE %s gauge\n%s{model_name=%s} " fmt "\n", name, help,    \
-                  name, name, e->model_json, v)
-#define COUNTER(name, help, v)                                                                     \
-    px_buf_printf(&b, "# HELP %s %s\n# TYPE %s counter\n%s %llu\n", name, help, name, name,        \
-                  (unsigned long long)(v))
-    GAUGE("vllm:num_requests_running", "Requests being processed.", "%zu", e->nrunning);
-    GAUGE("vllm:num_requests_waiting", "Requests waiting for KV blocks.", "%zu", e->nqueued);
-    GAUGE("vllm:kv_cache_usage_perc", "Fraction of KV blocks in use (1 = 100%).", "%.6f", usage);
-    px_buf_printf(&b,
-                  "# HELP vllm:cache_config_info KV cache configuration.\n"
-                  "# TYPE vllm:cache_config_info gauge\n"
-                  "vllm:cache_config_info{block_size=\"%u\",num_gpu_blocks=\"%llu\"} 1\n",
-                  cfg->block_tokens, (unsigned long long)cfg->num_blocks);
-    COUNTER("engine_sim_requests_total", "Completion requests received.", e->requests_total);
-    COUNTER("engine_sim_kv_blocks_published_total", "KV blocks published by prefill.",
-            e->blocks_published);
-    COUNTER("engine_sim_kv_blocks_released_by_consumer_total",
-            "Published KV blocks released by the consumer's notification.", e->blocks_released);
-    COUNTER("engine_sim_kv_blocks_expired_total", "Published KV blocks freed by expiry.",
-            e->blocks_expired);
-    COUNTER("engine_sim_kv_unknown_notifications_total",
-            "Notifications for unknown or expired request ids.", e->unknown_notify);
-    COUNTER("engine_sim_kv_fetch_failures_total", "KV fetches that failed.", e->fetch_failures);
-    COUNTER("engine_sim_kv_corrupt_blocks_total", "Fetched KV pieces whose bytes were wrong.",
-            e->corrupt_blocks);
-    COUNTER("engine_sim_kv_fetches_total", "KV fetches completed.", e->fetches);
-    COUNTER("engine_sim_kv_bytes_fetched_total", "Bytes moved by completed KV fetches.",
-            e->bytes_fetched);
-    px_buf_printf(&b,
-                  "# HELP engine_sim_kv_fetch_seconds_total Time spent in completed KV fetches.\n"
-                  "# TYPE engine_sim_kv_fetch_seconds_total counter\n"
-                  "engine_sim_kv_fetch_seconds_total %.9f\n",
-                  (double)e->fetch_ns / 1e9);
-    COUNTER("engine_sim_invalid_kv_transfer_params_total",
-            "Decode requests whose kv_transfer_params were unusable.", e->invalid_kvp);
-    COUNTER("engine_sim_queue_rejections_total", "Requests refused with 503: queue full.",
-            e->queue_rejects);
-    GAUGE("engine_sim_kv_blocks_free", "Free KV blocks.", "%zu", e->nfree);
-#undef GAUGE
-#undef COUNTER
-    px_conn_reply(c, 200, "text/plain; version=0.0.4; charset=utf-8", NULL, NULL, b.data, b.len);
-    px_buf_cleanup(&b);
-}
-
-static void dispatch(void *ctx, px_conn *c, const px_http_head *h, px_buf *body) {
-    sim_engine *e = ctx;
-    int is_get = h->method_len == 3 && !memcmp(h->method, "GET", 3);
-    int is_post = h->method_len == 4 && !memcmp(h->method, "POST", 4);
-    if (px_http_path_is(h, "/v1/completions") || px_http_path_is(h, "/v1/chat/completions")) {
-        if (!is_post) {
-            px_conn_reply_error(c, 405, NULL, "Allow: POST\r\n", "method not allowed");
-            return;
-        }
-        handle_completion(
-            e, c, px_http_path_is(h, "/v1/chat/completions") ? EP_CHAT : EP_COMPLETIONS, h, body);
-        return;
-    }
-    if (!is_get && (px_http_path_is(h, "/health") || px_http_path_is(h, "/metrics") ||
-                    px_http_path_is(h, "/v1/models"))) {
-        px_conn_reply_error(c, 405, NULL, "Allow: GET\r\n", "method not allowed");
-        return;
-    }
-    if (px_http_path_is(h, "/health")) {
-        px_conn_reply(c, 200, "application/json", NULL, NULL, "{}", 2);
-    } else if (px_http_path_is(h, "/metrics")) {
-        reply_metrics(e, c);
-    } else if (px_http_path_is(h, "/v1/models")) {
-        px_buf b;
-        px_buf_init(&b);
-        px_buf_printf(&b,
-                      "{\"object\":\"list\",\"data\":[{\"id\":%s,\"object\":\"model\",\"created\":"
-                      "%ld,\"owned_by\":\"engine-sim\",\"root\":%s,\"max_model_len\":%llu}]}",
-                      e->model_json, (long)time(NULL), e->model_json,
-                      (unsigned long long)(e->cfg->num_blocks * e->cfg->block_tokens));
-        px_conn_reply(c, 200, "application/json", NULL, NULL, b.data, b.len);
-        px_buf_cleanup(&b);
-    } else {
-        px_conn_reply_error(c, 404, NULL, NULL, "not found");
-    }
-}
-
-/* --------------------------------------------------------------- setup -- */
-
-static void on_accept(struct evconnlistener *lev, evutil_socket_t fd, struct sockaddr *sa,
-                      int salen, void *arg) {
-    sim_engine *e = arg;
-    px_conn_accept(e->base, fd, &e->conn_cfg, &e->conns);
-}
-
-static void on_signal(evutil_socket_t sig, short what, void *arg) {
-    sim_engine *e = arg;
-    PX_LOG(PX_LOG_INFO, "msg=\"stopping\" signal=%d", (int)sig);
-    event_base_loopbreak(e->base);
-}
-
 /* The secret file's bytes, trailing newline stripped; NULL with a message. */
 static char *read_secret(const char *path, size_t *len) {
     FILE *f = fopen(path, "rb");
@@ -753,7 +577,7 @@ static char *read_secret(const char *path, size_t *len) {
     return buf;
 }
 
-static int setup_agent(sim_engine *e) {
+int sim_engine_setup_agent(sim_engine *e) {
     const sim_config *cfg = e->cfg;
     kvc_agent_params_t ap = {
         .field_mask = KVC_AGENT_FIELD_ENGINE_ID | KVC_AGENT_FIELD_LISTEN_HOST |
@@ -803,76 +627,7 @@ static int setup_agent(sim_engine *e) {
     return 0;
 }
 
-static int setup_listener(sim_engine *e) {
-    struct addrinfo hints = {0}, *res = NULL;
-    char ps[16];
-    hints.ai_family = AF_UNSPEC;
-    hints.ai_socktype = SOCK_STREAM;
-    hints.ai_flags = AI_PASSIVE;
-    snprintf(ps, sizeof ps, "%d", e->cfg->port);
-    if (getaddrinfo(e->cfg->host, ps, &hints, &res) != 0) {
-        fprintf(stderr, "engine-sim: cannot resolve --host %s\n", e->cfg->host);
-        return -1;
-    }
-    e->lev =
-        evconnlistener_new_bind(e->base, on_accept, e, LEV_OPT_CLOSE_ON_FREE | LEV_OPT_REUSEABLE,
-                                1024, res->ai_addr, (int)res->ai_addrlen);
-    freeaddrinfo(res);
-    if (!e->lev) {
-        fprintf(stderr, "engine-sim: cannot listen on %s:%d\n", e->cfg->host, e->cfg->port);
-        return -1;
-    }
-    return 0;
-}
-
-int sim_engine_run(const sim_config *cfg) {
-    sim_engine *e = px_xcalloc(1, sizeof *e);
-    int rc = 1;
-    e->cfg = cfg;
-    e->model_hash = kvsim_hash(cfg->model, strlen(cfg->model), 0x5eed);
-    {
-        px_buf b;
-        px_buf_init(&b);
-        px_buf_append_json_str(&b, cfg->model, strlen(cfg->model));
-        snprintf(e->model_json, sizeof e->model_json, "%s", b.data);
-        px_buf_cleanup(&b);
-    }
-    e->free_blocks = px_xmalloc(cfg->num_blocks * sizeof *e->free_blocks);
-    /* Hand out low ids first: popping from the end of a descending stack. */
-    for (uint64_t i = 0; i < cfg->num_blocks; i++)
-        e->free_blocks[i] = cfg->num_blocks - 1 - i;
-    e->nfree = cfg->num_blocks;
-    e->base = event_base_new();
-    e->conn_cfg = (px_conn_cfg){.max_body_bytes = 64 << 20,
-                                .header_timeout = 30,
-                                .keepalive_timeout = 75,
-                                .dispatch = dispatch,
-                                .ctx = e};
-    struct event *sigint = evsignal_new(e->base, SIGINT, on_signal, e);
-    struct event *sigterm = evsignal_new(e->base, SIGTERM, on_signal, e);
-    event_add(sigint, NULL);
-    event_add(sigterm, NULL);
-    if (setup_agent(e) < 0 || setup_listener(e) < 0) goto out;
-    uint16_t kvport = 0;
-    kvc_agent_get_port(e->agent, &kvport);
-    PX_LOG(PX_LOG_INFO,
-           "msg=\"engine-sim ready\" role=%s addr=%s:%d model=%s engine_id=%s kv=%s:%u "
-           "num_blocks=%llu block_tokens=%u layers=%u block_bytes=%u",
-           cfg->role, cfg->host, cfg->port, cfg->model, cfg->engine_id, cfg->kv_host, kvport,
-           (unsigned long long)cfg->num_blocks, cfg->block_tokens, cfg->layers, cfg->block_bytes);
-    event_base_dispatch(e->base);
-    rc = 0;
-out:
-    px_conn_list_close_all(&e->conns);
+void sim_engine_free_reqs(sim_engine *e) {
     while (e->reqs)
         req_free(e->reqs);
-    if (e->lev) evconnlistener_free(e->lev);
-    if (e->kv_ev) event_free(e->kv_ev);
-    kvc_agent_destroy(e->agent);
-    event_free(sigint);
-    event_free(sigterm);
-    event_base_free(e->base);
-    free(e->free_blocks);
-    free(e);
-    return rc;
 }

@@ -1,0 +1,86 @@
+/* engine-sim's internals, shared by the engine (engine.c: KV block pool,
+ * KV transfers, request states, token generation) and its HTTP front
+ * (front.c: routes, request parsing, /metrics, the listener). */
+#ifndef SIM_ENGINE_INT_H
+#define SIM_ENGINE_INT_H
+
+#include <cjson/cJSON.h>
+#include <event2/event.h>
+#include <event2/listener.h>
+#include <kvconnector.h>
+#include <stdint.h>
+
+#include "conn.h"
+#include "engine.h"
+#include "request.h"
+#include "util.h"
+
+typedef enum { EP_COMPLETIONS, EP_CHAT } sim_ep;
+typedef enum { SR_QUEUED, SR_FETCHING, SR_PREFILL_WAIT, SR_GENERATING } sim_state;
+
+typedef struct sim_engine sim_engine;
+
+typedef struct sim_req {
+    sim_engine *e;               /* borrowed */
+    px_conn *conn;               /* borrowed: NULL once the client left */
+    struct sim_req *qnext;       /* in the wait queue */
+    struct sim_req *prev, *next; /* in e->reqs */
+    sim_ep ep;
+    sim_mode mode;
+    sim_state state;
+    char xrid[129];
+    char internal_id[160];
+    char resp_id[160];
+    uint32_t *tok; /* owned */
+    size_t ntok;
+    uint64_t prompt_hash;
+    size_t nblocks;
+    uint64_t *blocks; /* owned: local block ids while held */
+    int holds_blocks;
+    int max_tokens;
+    int stream;
+    int include_usage;
+    uint64_t seed;
+    cJSON *kvp; /* owned: the decode request's kv_transfer_params */
+    int fetching;
+    int orphan;          /* client left during a fetch: free on its event */
+    struct event *timer; /* owned */
+    size_t emitted;
+    px_buf text; /* owned: non-streamed output */
+    long created;
+    uint64_t t_fetch0;
+} sim_req;
+
+struct sim_engine {
+    const sim_config *cfg;
+    struct event_base *base;
+    struct evconnlistener *lev;
+    px_conn_list conns;
+    px_conn_cfg conn_cfg;
+    kvc_agent_t *agent;
+    struct event *kv_ev;
+    uint64_t *free_blocks;
+    size_t nfree;
+    sim_req *qhead, *qtail;
+    size_t nqueued;
+    size_t nrunning;
+    sim_req *reqs;
+    uint64_t model_hash;
+    char model_json[300]; /* the model name as a JSON string literal */
+    /* counters for /metrics */
+    uint64_t requests_total, blocks_published, blocks_released, blocks_expired, unknown_notify,
+        fetch_failures, corrupt_blocks, fetches, bytes_fetched, fetch_ns, invalid_kvp,
+        queue_rejects;
+};
+
+/* Admits a parsed completion request on connection c: queues it for KV
+ * blocks or starts it; answers c itself on refusal. `pr`'s owned parts
+ * move into the request. */
+void sim_submit(sim_engine *e, px_conn *c, sim_ep ep, const char *xrid, sim_parsed *pr);
+
+/* The KV agent and its regions; 0, or -1 with a message on stderr. */
+int sim_engine_setup_agent(sim_engine *e);
+/* Frees every request (the loop has stopped). */
+void sim_engine_free_reqs(sim_engine *e);
+
+#endif
