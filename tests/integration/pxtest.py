@@ -30,6 +30,11 @@ What it gives a test:
 * ``http_request``: ``http.client`` for ordinary cases.
 * ``PxTestCase``: unittest base class wiring the above together and cleaning up.
 
+With ``PX_MOCK_TLS=1`` in the environment every mock backend speaks HTTPS
+(a throw-away CA made with the openssl CLI) and ``proxy_args`` names them as
+``https://`` URLs with ``--upstream-ca``: the same upstream tests then run
+through pdproxy's https transport instead of its own http client.
+
 Every loop here is bounded by a deadline and an iteration count.
 """
 
@@ -49,6 +54,41 @@ import time
 import unittest
 
 HOST = "127.0.0.1"
+MOCK_TLS = os.environ.get("PX_MOCK_TLS") == "1"
+try:
+    from ssl import SSLError as _SSLError
+except ImportError:  # no ssl module: PX_MOCK_TLS cannot be used anyway
+    class _SSLError(OSError):
+        pass
+_TLS = {}
+
+
+def mock_tls():
+    """(server SSLContext, CA file) for PX_MOCK_TLS, made once per process."""
+    if "ctx" not in _TLS:
+        import atexit
+        import shutil
+        import ssl
+        d = tempfile.mkdtemp(prefix="pxtest-tls-")
+        atexit.register(shutil.rmtree, d, True)
+
+        def run(args):
+            subprocess.run(["openssl"] + args, cwd=d, check=True, capture_output=True,
+                           timeout=60)
+        run(["req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
+             "-nodes", "-keyout", "ca.key", "-out", "ca.pem", "-days", "2",
+             "-subj", "/CN=pxtest throw-away CA", "-addext", "basicConstraints=critical,CA:TRUE",
+             "-addext", "keyUsage=critical,keyCertSign,cRLSign"])
+        with open(os.path.join(d, "leaf.ext"), "w") as f:
+            f.write("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
+        run(["req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
+             "-keyout", "leaf.key", "-out", "leaf.csr", "-subj", "/CN=127.0.0.1"])
+        run(["x509", "-req", "-in", "leaf.csr", "-CA", "ca.pem", "-CAkey", "ca.key",
+             "-CAcreateserial", "-days", "2", "-out", "leaf.pem", "-extfile", "leaf.ext"])
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        ctx.load_cert_chain(os.path.join(d, "leaf.pem"), os.path.join(d, "leaf.key"))
+        _TLS["ctx"], _TLS["ca"] = ctx, os.path.join(d, "ca.pem")
+    return _TLS["ctx"], _TLS["ca"]
 BIN_DIR = os.environ.get("PX_BIN_DIR") or os.path.join(
     os.path.dirname(os.path.abspath(__file__)), "..", "..", "build", "bin")
 PDPROXY = os.path.join(BIN_DIR, "pdproxy")
@@ -451,6 +491,7 @@ class MockConn:
         self.bytes_sent = 0  # response bytes written (headers + body), updated per send()
         self.send_log = []  # (monotonic time, cumulative bytes_sent) after each piece
         self.requests = []
+        self.stash = bytearray()  # TLS: bytes read while watching for a close
 
     def mark_peer_closed(self):
         if self.t_closed is None:
@@ -591,17 +632,22 @@ class MockBackend:
     def _recv(self, conn, deadline=None):
         """recv() that notices the peer going away and our own stop."""
         sock = conn.sock
+        if conn.stash:
+            data, conn.stash = bytes(conn.stash), bytearray()
+            return data
         for _ in range(MAX_LOOP):
             if self._stop.is_set():
                 raise _Stop()
             try:
-                r, _, _ = select.select([sock], [], [], 0.05)
+                # TLS may hold decrypted bytes that select() cannot see.
+                pend = sock.pending() if hasattr(sock, "pending") else 0
+                r = [sock] if pend else select.select([sock], [], [], 0.05)[0]
             except (OSError, ValueError):
                 raise _Stop()
             if r:
                 try:
                     data = sock.recv(256 * 1024)
-                except (ConnectionResetError, ConnectionAbortedError):
+                except (ConnectionResetError, ConnectionAbortedError, _SSLError):
                     conn.mark_peer_closed()
                     raise _PeerGone()
                 except OSError:
@@ -731,7 +777,7 @@ class MockBackend:
                 continue
             try:
                 n = conn.sock.send(view[sent_total:sent_total + 256 * 1024])
-            except (BrokenPipeError, ConnectionResetError, ConnectionAbortedError):
+            except (BrokenPipeError, ConnectionResetError, ConnectionAbortedError, _SSLError):
                 conn.mark_peer_closed()
                 raise _PeerGone()
             sent_total += n
@@ -754,8 +800,13 @@ class MockBackend:
                 raise _Stop()
             if r:
                 try:
-                    data = conn.sock.recv(1, socket.MSG_PEEK)
-                except (ConnectionResetError, ConnectionAbortedError):
+                    if hasattr(conn.sock, "pending"):
+                        # TLS cannot peek: what arrives is kept for _recv.
+                        data = conn.sock.recv(64 * 1024)
+                        conn.stash += data
+                    else:
+                        data = conn.sock.recv(1, socket.MSG_PEEK)
+                except (ConnectionResetError, ConnectionAbortedError, _SSLError):
                     conn.mark_peer_closed()
                     return True
                 except OSError:
@@ -778,6 +829,14 @@ class MockBackend:
 
     def _serve(self, conn):
         buf = bytearray()
+        if MOCK_TLS and not getattr(self, "ctx", None):
+            try:
+                conn.sock.settimeout(5.0)
+                conn.sock = mock_tls()[0].wrap_socket(conn.sock, server_side=True)
+                conn.sock.settimeout(None)
+            except OSError:
+                conn.mark_peer_closed()
+                return
         try:
             for _ in range(MAX_LOOP):
                 req = self._read_request(conn, buf)
@@ -1462,6 +1521,11 @@ class PxTestCase(unittest.TestCase):
         args = []
         ph, pp = split(prefill)
         dh, dp = split(decode)
+        if MOCK_TLS:
+            for flag, hosts, ports in (("--prefill", ph, pp), ("--decode", dh, dp)):
+                for h, p in zip(hosts, ports):
+                    args += [flag, "https://%s:%s" % (h, p)]
+            return args + ["--upstream-ca", mock_tls()[1]] + list(extra)
         if ph:
             args += ["--prefiller-hosts"] + ph + ["--prefiller-ports"] + pp
         if dh:
