@@ -1,6 +1,5 @@
 /* pdproxy: prefill/decode disaggregation proxy. Everything lives in the
  * proxy library; this only wires configuration to the server. */
-#include <curl/curl.h>
 #include <signal.h>
 #include <stdio.h>
 #include <sys/resource.h>
@@ -30,23 +29,17 @@ int main(int argc, char **argv) {
         rl.rlim_cur = rl.rlim_max;
         setrlimit(RLIMIT_NOFILE, &rl);
     }
-    if (curl_global_init(CURL_GLOBAL_DEFAULT) != CURLE_OK) {
-        fprintf(stderr, "pdproxy: curl_global_init failed\n");
-        px_config_cleanup(&cfg);
-        return 1;
-    }
+    /* libcurl is loaded (and initialised) on the first https:// request. */
     px_server *s = px_server_create(&cfg, err, sizeof err);
     if (!s) {
         /* Like a bad flag: what was asked cannot be served (the port is
          * taken, a file is missing). */
         fprintf(stderr, "pdproxy: %s\n", err);
-        curl_global_cleanup();
         px_config_cleanup(&cfg);
         return 2;
     }
     int rc = px_server_run(s);
     px_server_destroy(s);
-    curl_global_cleanup();
     px_config_cleanup(&cfg);
     return rc;
 }

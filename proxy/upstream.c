@@ -1,13 +1,13 @@
 #include "upstream.h"
 
 #include <arpa/inet.h>
-#include <curl/curl.h>
 #include <poll.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "client.h"
+#include "curlx.h"
 #include "log.h"
 #include "util.h"
 
@@ -68,9 +68,11 @@ static void release_easy(px_uploop *l, CURL *e) {
 
 static void free_up(px_upstream *u) {
     unlink_up(u);
-    curl_slist_free_all(u->connect_to);
-    curl_slist_free_all(u->hdrs);
-    if (u->easy) release_easy(u->loop, u->easy);
+    if (u->easy) { /* https only: an http transfer never loads libcurl */
+        curl_slist_free_all(u->connect_to);
+        curl_slist_free_all(u->hdrs);
+        release_easy(u->loop, u->easy);
+    }
     free(u);
 }
 
@@ -179,6 +181,7 @@ static int timer_cb(CURLM *multi, long timeout_ms, void *userp) {
 /* The curl side, on the first https:// request. */
 static int curl_side(px_uploop *l) {
     if (l->multi) return 0;
+    if (!px_curl()) return -1;
     l->multi = curl_multi_init();
     if (!l->multi) return -1;
     l->timer = evtimer_new(l->base, on_timer, l);
