@@ -91,18 +91,52 @@ kubectl version --client 2>/dev/null | head -1 | sed 's/^/   /' || true
 mkdir -p "$work/k8s"
 overlays=(base)
 for o in "$deploy"/k8s/overlays/*/; do overlays+=("overlays/$(basename "$o")"); done
-[ ${#overlays[@]} -ge 3 ] || die "expected overlays sim and vllm under deploy/k8s/overlays"
+[ ${#overlays[@]} -ge 4 ] || die "expected overlays sim, vllm and vllm-rdma under deploy/k8s/overlays"
+# Components are rendered inside the overlays that list them and in these
+# compositions, built in a copy of deploy/k8s (kustomize refuses absolute
+# paths): overlay + components, each as a user would write it.
+cp -r "$deploy/k8s" "$work/k8s-src"
+compose() {  # name overlay component...
+    local name=$1 ov=$2; shift 2
+    mkdir -p "$work/k8s-src/compose/$name"
+    { echo "namespace: pdproxy"; echo "resources:"; echo "  - ../../overlays/$ov"
+      echo "components:"; for c in "$@"; do echo "  - ../../components/$c"; done
+    } >"$work/k8s-src/compose/$name/kustomization.yaml"
+    overlays+=("compose/$name")
+}
+compose sim-monitoring sim monitoring
+compose vllm-monitoring vllm monitoring
+compose vllm-rdma-multus vllm-rdma rdma-multus monitoring
+for c in "$deploy"/k8s/components/*/; do
+    c=$(basename "$c")
+    grep -rqs -- "components/$c\$" "$work/k8s-src/overlays" "$work/k8s-src/compose" ||
+        die "component $c is rendered by no overlay or composition in deploy/check.sh"
+done
 for o in "${overlays[@]}"; do
     out=$work/k8s/$(echo "$o" | tr / _).yaml
-    if ! timeout 60 kubectl kustomize "$deploy/k8s/$o" >"$out" 2>"$out.err"; then
+    if ! timeout 60 kubectl kustomize "$work/k8s-src/$o" >"$out" 2>"$out.err"; then
         cat "$out.err" >&2; die "kubectl kustomize deploy/k8s/$o failed"
     fi
-    grep -v "'bases' is deprecated" "$out.err" >&2 || true
+    cat "$out.err" >&2
     echo "   rendered deploy/k8s/$o: $(grep -c '^kind:' "$out") objects"
 done
 
+section "kubernetes: images point at a registry with the documented command"
+# deploy/README.md documents one sed over `kubectl kustomize` that points
+# every image at the operator's registry; run that very expression.
+rewrite=$(sed -n 's/^ *| sed -E "\(s#(image: .*#\)" .*/\1/p' "$deploy/README.md" | head -1)
+[ -n "$rewrite" ] || die "deploy/README.md: no '| sed -E \"s#(image: ...\"' registry command found"
+for f in "$work"/k8s/*.yaml; do
+    n=$(grep -c '^ *image: ' "$f" || true)
+    [ "$n" -gt 0 ] || die "$f: no image"
+    REGISTRY=mirror.test.invalid/team
+    bad=$(sed -E "${rewrite//'$REGISTRY'/$REGISTRY}" "$f" | grep '^ *image: ' | grep -v "image: $REGISTRY/" || true)
+    [ -z "$bad" ] || die "$(basename "$f"): the README's sed leaves images elsewhere: $bad"
+done
+echo "   every image of every rendering moves to \$REGISTRY/... with: sed -E \"$rewrite\""
+
 section "kubernetes: objects line up"
-"$PY" - "$work" "$bin/pdproxy" "$COMING_FLAGS" "${overlays[@]}" <<'PY'
+DEPLOY_README=$deploy/README.md "$PY" - "$work" "$bin/pdproxy" "$COMING_FLAGS" "${overlays[@]}" <<'PY'
 import json, os, re, subprocess, sys, yaml
 
 work, pdproxy, coming = sys.argv[1], sys.argv[2], sys.argv[3].split()
@@ -527,6 +561,311 @@ for ov in overlays:
         sel = (pdb["spec"].get("selector") or {}).get("matchLabels") or {}
         if not any(d["metadata"].get("namespace") == ns and all(d["spec"]["template"]["metadata"]["labels"].get(a) == b for a, b in sel.items()) for d in deps):
             err("%s PodDisruptionBudget/%s" % (ov, n), "selector matches no Deployment's pods")
+
+    # ---- selectors, evaluated as the API server does
+    def sel_match(sel, labels):
+        if sel is None:
+            return False
+        for k, v in (sel.get("matchLabels") or {}).items():
+            if labels.get(k) != v:
+                return False
+        for e in sel.get("matchExpressions") or []:
+            k, op, vals = e.get("key"), e.get("operator"), e.get("values") or []
+            if op == "In" and labels.get(k) not in vals: return False
+            if op == "NotIn" and k in labels and labels[k] in vals: return False
+            if op == "Exists" and k not in labels: return False
+            if op == "DoesNotExist" and k in labels: return False
+            if op not in ("In", "NotIn", "Exists", "DoesNotExist"):
+                err(ov, "selector operator %r" % op)
+        return True
+    def pod_labels(d):
+        return (d["spec"]["template"].get("metadata") or {}).get("labels") or {}
+    def pods_of(sel, ns):
+        return [d for d in deps if d["metadata"].get("namespace") == ns and sel_match(sel, pod_labels(d))]
+    def cports(d):
+        return [p for c in d["spec"]["template"]["spec"]["containers"] for p in c.get("ports") or []]
+    def role_of(d):
+        names = {kind_of(c) for c in d["spec"]["template"]["spec"]["containers"]}
+        return "proxy" if "pdproxy" in names else "engine" if names & {"engine-sim", "vllm"} else "other"
+    NP_FIELDS = {"spec": {"podSelector", "policyTypes", "ingress", "egress"}, "rule": {"from", "to", "ports"},
+                 "peer": {"podSelector", "namespaceSelector", "ipBlock"}, "port": {"port", "protocol", "endPort"}}
+    netpols = [d for (k, _, _), d in objs.items() if k == "NetworkPolicy"]
+    for np in netpols:
+        w = "%s NetworkPolicy/%s" % (ov, np["metadata"]["name"])
+        ns = np["metadata"].get("namespace")
+        spec = np.get("spec") or {}
+        for f in set(spec) - NP_FIELDS["spec"]:
+            err(w, "unknown field %r in spec" % f)
+        sel = spec.get("podSelector")
+        if sel is None:
+            err(w, "no podSelector")
+            continue
+        targets = pods_of(sel, ns)
+        if sel and not targets:
+            err(w, "podSelector %s matches no Deployment's pods" % sel)
+        for rule in spec.get("ingress") or []:
+            for f in set(rule) - NP_FIELDS["rule"]:
+                err(w, "unknown field %r in an ingress rule" % f)
+            for peer in rule.get("from") or []:
+                for f in set(peer) - NP_FIELDS["peer"]:
+                    err(w, "unknown field %r in a peer" % f)
+                if "podSelector" in peer and "namespaceSelector" not in peer and peer["podSelector"] \
+                        and not pods_of(peer["podSelector"], ns):
+                    err(w, "from.podSelector %s matches no Deployment's pods" % peer["podSelector"])
+            for pp in rule.get("ports") or []:
+                for f in set(pp) - NP_FIELDS["port"]:
+                    err(w, "unknown field %r in a port" % f)
+                if isinstance(pp.get("port"), str):
+                    for d in targets:
+                        if not any(p.get("name") == pp["port"] for p in cports(d)):
+                            err(w, "port %r is no named port of Deployment/%s" % (pp["port"], d["metadata"]["name"]))
+        total_checks[0] += 1
+
+    def allowed(src_labels, src_ns, dst, port):
+        """May a pod (src_labels in namespace src_ns) open TCP `port` on dst's pods?"""
+        ns = dst["metadata"].get("namespace")
+        pols = [p for p in netpols if p["metadata"].get("namespace") == ns
+                and "Ingress" in ((p["spec"].get("policyTypes")) or ["Ingress"])
+                and sel_match(p["spec"].get("podSelector"), pod_labels(dst))]
+        if not pols:
+            return True
+        ns_labels = {"kubernetes.io/metadata.name": src_ns}
+        for p in pols:
+            for rule in p["spec"].get("ingress") or []:
+                peers = rule.get("from")
+                def peer_ok(peer):
+                    if "ipBlock" in peer:
+                        return False
+                    if "namespaceSelector" in peer:
+                        if not sel_match(peer["namespaceSelector"], ns_labels):
+                            return False
+                    elif src_ns != ns:
+                        return False
+                    return "podSelector" not in peer or sel_match(peer["podSelector"], src_labels)
+                if peers and not any(peer_ok(x) for x in peers):
+                    continue
+                ports = rule.get("ports")
+                def port_ok(pp):
+                    if (pp.get("protocol") or "TCP") != "TCP":
+                        return False
+                    want = pp.get("port")
+                    if want is None:
+                        return True
+                    if isinstance(want, str):
+                        return any(x.get("name") == want and x["containerPort"] == port for x in cports(dst))
+                    return want <= port <= pp.get("endPort", want)
+                if ports and not any(port_ok(x) for x in ports):
+                    continue
+                return True
+        return False
+
+    if netpols:
+        proxies = [d for d in deps if role_of(d) == "proxy"]
+        engines = [d for d in deps if role_of(d) == "engine"]
+        outsider = ({"app": "anything"}, "default")
+        monitoring = ({"app.kubernetes.io/name": "prometheus"}, "monitoring")
+        def expect(src, dst, port, want, what):
+            total_checks[0] += 1
+            if allowed(src[0], src[1], dst, port) != want:
+                err("%s NetworkPolicies" % ov, "%s: %s port %d of Deployment/%s"
+                    % (what, "should reach" if want else "must not reach", port, dst["metadata"]["name"]))
+        for d in deps:
+            metrics_port = port_of(d["spec"]["template"]["spec"]["containers"][0], "http")
+            expect(monitoring, d, metrics_port, True, "Prometheus in namespace monitoring")
+        for d in proxies:
+            expect(outsider, d, port_of(d["spec"]["template"]["spec"]["containers"][0], "http"), True,
+                   "a client from another namespace")
+        for e in engines:
+            http = port_of(e["spec"]["template"]["spec"]["containers"][0], "http")
+            side = [p["containerPort"] for p in cports(e) if p.get("name") != "http"]
+            if not side:
+                err("%s Deployment/%s" % (ov, e["metadata"]["name"]), "no side-channel containerPort")
+            for px_ in proxies:
+                expect((pod_labels(px_), px_["metadata"]["namespace"]), e, http, True, "pdproxy")
+                for sp in side:
+                    expect((pod_labels(px_), px_["metadata"]["namespace"]), e, sp, False, "pdproxy")
+            expect(outsider, e, http, False, "a pod in another namespace")
+            for sp in side + [40000]:  # 40000: one of UCX's ephemeral TCP ports
+                expect(outsider, e, sp, False, "a pod in another namespace")
+                expect(monitoring, e, sp, False, "Prometheus")
+                for e2 in engines:
+                    if role_of(e2) == "engine" and kind_of(e2["spec"]["template"]["spec"]["containers"][0]) == \
+                            kind_of(e["spec"]["template"]["spec"]["containers"][0]):
+                        expect((pod_labels(e2), e2["metadata"]["namespace"]), e, sp, True,
+                               "engine Deployment/%s" % e2["metadata"]["name"])
+    elif ov != "base" or deps:
+        err(ov, "no NetworkPolicy rendered (SECURITY.md relies on them for the engines' ports)")
+
+    # ---- PodDisruptionBudgets, HorizontalPodAutoscalers
+    for (k, ns, n), pdb in objs.items():
+        if k == "PodDisruptionBudget" and pdb["spec"].get("unhealthyPodEvictionPolicy") != "AlwaysAllow":
+            err("%s PodDisruptionBudget/%s" % (ov, n), "unhealthyPodEvictionPolicy must be AlwaysAllow "
+                "(else a node drain blocks while the pods are unhealthy)")
+    for (k, ns, n), hpa in objs.items():
+        if k != "HorizontalPodAutoscaler":
+            continue
+        w = "%s HorizontalPodAutoscaler/%s" % (ov, n)
+        ref = hpa["spec"].get("scaleTargetRef") or {}
+        dep = get(ref.get("kind"), ns, ref.get("name"))
+        if dep is None or ref.get("kind") != "Deployment":
+            err(w, "scaleTargetRef %s names no rendered Deployment" % ref)
+            continue
+        if "replicas" in dep["spec"]:
+            err(w, "Deployment/%s sets replicas, which every kubectl apply would reset under the autoscaler" % ref["name"])
+        if (hpa["spec"].get("minReplicas") or 1) < 2:
+            err(w, "minReplicas < 2: the PodDisruptionBudget and rollouts need two")
+        for mt in hpa["spec"].get("metrics") or []:
+            r = (mt.get("resource") or {})
+            if r.get("name") == "cpu" and (r.get("target") or {}).get("type") == "Utilization":
+                for c in dep["spec"]["template"]["spec"]["containers"]:
+                    if "cpu" not in ((c.get("resources") or {}).get("requests") or {}):
+                        err(w, "CPU utilization needs a CPU request on container %s" % c["name"])
+        total_checks[0] += 1
+    if any(role_of(d) == "proxy" for d in deps) and not any(k == "HorizontalPodAutoscaler" for (k, _, _) in objs):
+        err(ov, "no HorizontalPodAutoscaler for pdproxy")
+
+    # ---- GPU Deployments: rollouts and start-up, model cache, RDMA
+    for dep in deps:
+        w = "%s Deployment/%s" % (ov, dep["metadata"]["name"])
+        pod = dep["spec"]["template"]["spec"]
+        gpu = any("nvidia.com/gpu" in ((c.get("resources") or {}).get("limits") or {}) for c in pod["containers"])
+        if not gpu:
+            continue
+        ru = ((dep["spec"].get("strategy") or {}).get("rollingUpdate")) or {}
+        if str(ru.get("maxSurge", "25%")) not in ("0", "0%"):
+            err(w, "GPU Deployment rolls with maxSurge %r: needs a spare GPU per rollout (use 0)" % ru.get("maxSurge", "25%"))
+        for c in pod["containers"]:
+            sp = c.get("startupProbe") or {}
+            budget = (sp.get("initialDelaySeconds") or 0) + (sp.get("failureThreshold") or 3) * (sp.get("periodSeconds") or 10)
+            pds = dep["spec"].get("progressDeadlineSeconds", 600)
+            if pds < budget + 300:
+                err(w, "progressDeadlineSeconds %s < the startup probe's %s s + 300 s (image pull, readiness)" % (pds, budget))
+            mounts = {m["name"]: m for m in c.get("volumeMounts") or []}
+            cache = [m for m in mounts.values() if "huggingface" in m.get("mountPath", "")]
+            if not cache:
+                err(w, "no model cache mounted at ~/.cache/huggingface")
+            for m in cache:
+                vol = next((v for v in pod.get("volumes") or [] if v["name"] == m["name"]), {})
+                claim = (vol.get("persistentVolumeClaim") or {}).get("claimName")
+                pvc = get("PersistentVolumeClaim", dep["metadata"].get("namespace"), claim)
+                if pvc is None:
+                    err(w, "model cache %s is not a rendered PersistentVolumeClaim (weights would download again on every restart)" % m["name"])
+                    continue
+                size = ((pvc["spec"].get("resources") or {}).get("requests") or {}).get("storage")
+                want = ((cms.get((pvc["metadata"].get("namespace"), "vllm-config")) or {}).get("data") or {}).get("MODEL_CACHE_SIZE")
+                if want and size != want:
+                    err(w, "PVC %s requests %s, vllm-config says MODEL_CACHE_SIZE=%s" % (claim, size, want))
+                if (dep["spec"].get("replicas") or 1) > 1 or len([d for d in deps if "vllm" in d["metadata"]["name"]]) > 1:
+                    if "ReadWriteMany" not in (pvc["spec"].get("accessModes") or []):
+                        err(w, "PVC %s is shared by several pods but not ReadWriteMany" % claim)
+            envs = {e["name"]: e.get("value") for e in c.get("env") or []}
+            tls = (envs.get("UCX_TLS") or "").split(",")
+            res = c.get("resources") or {}
+            rdma_req = {k: v for k, v in (res.get("requests") or {}).items() if k.startswith("rdma/")}
+            rdma_lim = {k: v for k, v in (res.get("limits") or {}).items() if k.startswith("rdma/")}
+            caps = ((c.get("securityContext") or {}).get("capabilities") or {}).get("add") or []
+            if set(caps) - {"IPC_LOCK"}:
+                err(w, "capabilities added beyond IPC_LOCK: %s" % caps)
+            rdma = bool({"rc", "rc_x", "rc_v", "dc", "dc_x", "ud", "ib"} & set(tls))
+            if not envs.get("UCX_TLS"):
+                err(w, "UCX_TLS not set: say which transport the KV takes")
+            if rdma:
+                if not rdma_lim or rdma_req != rdma_lim:
+                    err(w, "UCX_TLS %s is RDMA but the container requests no rdma/* device (equal requests and limits)" % envs["UCX_TLS"])
+                if "IPC_LOCK" not in caps:
+                    err(w, "RDMA needs capability IPC_LOCK to pin memory")
+                if envs.get("UCX_NET_DEVICES") in (None, "all"):
+                    err(w, "RDMA: UCX_NET_DEVICES should name the HCA port (mlx5_0:1), not %r" % envs.get("UCX_NET_DEVICES"))
+                if "tcp" in tls:
+                    err(w, "RDMA variant lists tcp in UCX_TLS: a missing device would fall back silently")
+                shm = next((v for v in pod.get("volumes") or [] if v["name"] in mounts and mounts[v["name"]].get("mountPath") == "/dev/shm"), None)
+                if not shm or (shm.get("emptyDir") or {}).get("medium") != "Memory":
+                    err(w, "RDMA: /dev/shm must be a memory-backed emptyDir")
+            else:
+                if rdma_lim or rdma_req or caps:
+                    err(w, "TCP variant (UCX_TLS %s) requests RDMA devices or capabilities" % envs.get("UCX_TLS"))
+            if "rdma" in ov and not rdma:
+                err(w, "overlay %s renders a vLLM without RDMA transports (UCX_TLS %s)" % (ov, envs.get("UCX_TLS")))
+            multus = ((dep["spec"]["template"].get("metadata") or {}).get("annotations") or {}).get("k8s.v1.cni.cncf.io/networks")
+            if "multus" in ov and not multus:
+                err(w, "composition %s: no Multus networks annotation" % ov)
+            total_checks[0] += 1
+
+    # ---- Secrets the operator creates, mounted read-only
+    readme = open(os.environ["DEPLOY_README"]).read()
+    for dep in deps:
+        w = "%s Deployment/%s" % (ov, dep["metadata"]["name"])
+        pod = dep["spec"]["template"]["spec"]
+        for v in pod.get("volumes") or []:
+            sec = v.get("secret")
+            if not sec:
+                continue
+            name = sec.get("secretName")
+            if not get("Secret", dep["metadata"].get("namespace"), name) and not sec.get("optional") \
+                    and "kubectl -n pdproxy create secret generic %s" % name not in readme:
+                err(w, "Secret %s is not rendered and deploy/README.md does not say how to create it" % name)
+            for c in pod["containers"]:
+                for m in c.get("volumeMounts") or []:
+                    if m["name"] == v["name"] and not m.get("readOnly"):
+                        err(w, "Secret volume %s mounted writable in %s" % (v["name"], c["name"]))
+        for c in pod["containers"]:
+            if kind_of(c) != "engine-sim":
+                continue
+            envs = {e["name"]: e.get("value") for e in c.get("env") or []}
+            f = envs.get("KVC_SECRET_FILE")
+            if not f:
+                err(w, "engine-sim without KVC_SECRET_FILE (the KV side channel's shared secret)")
+                continue
+            ok = False
+            for m in c.get("volumeMounts") or []:
+                vol = next((v for v in pod.get("volumes") or [] if v["name"] == m["name"]), {})
+                if vol.get("secret") and m.get("readOnly") and f.startswith(m["mountPath"].rstrip("/") + "/"):
+                    key = f[len(m["mountPath"].rstrip("/")) + 1:]
+                    items = vol["secret"].get("items")
+                    ok = items is None or any(i.get("path") == key for i in items)
+            if not ok:
+                err(w, "KVC_SECRET_FILE %s is no file of a read-only Secret mount" % f)
+            total_checks[0] += 1
+
+    # ---- Prometheus Operator monitors
+    for (k, ns, n), mon in objs.items():
+        if k not in ("ServiceMonitor", "PodMonitor"):
+            continue
+        w = "%s %s/%s" % (ov, k, n)
+        sel = mon["spec"].get("selector") or {}
+        if k == "ServiceMonitor":
+            matched = [s for s in svcs if s["metadata"].get("namespace") == ns and sel_match(sel, s["metadata"].get("labels") or {})]
+            if len(matched) != 1:
+                err(w, "selector %s matches %d Services, want 1" % (sel, len(matched)))
+            for ep in mon["spec"].get("endpoints") or []:
+                for s in matched:
+                    if ep.get("port") not in [p.get("name") for p in s["spec"].get("ports") or []]:
+                        err(w, "endpoint port %r is no port name of Service/%s" % (ep.get("port"), s["metadata"]["name"]))
+                if ep.get("path", "/metrics") != "/metrics":
+                    err(w, "scrapes %s, not /metrics" % ep.get("path"))
+        else:
+            matched = pods_of(sel, ns)
+            if not matched:
+                err(w, "selector %s matches no Deployment's pods" % sel)
+            for ep in mon["spec"].get("podMetricsEndpoints") or []:
+                for d in matched:
+                    if ep.get("port") not in [p.get("name") for p in cports(d)]:
+                        err(w, "port %r is no named port of Deployment/%s" % (ep.get("port"), d["metadata"]["name"]))
+                if ep.get("path", "/metrics") != "/metrics":
+                    err(w, "scrapes %s, not /metrics" % ep.get("path"))
+        total_checks[0] += 1
+    if any(k in ("ServiceMonitor", "PodMonitor") for (k, _, _) in objs):
+        scraped = set()
+        for (k, ns, n), mon in objs.items():
+            if k == "PodMonitor":
+                scraped |= {d["metadata"]["name"] for d in pods_of(mon["spec"].get("selector") or {}, ns)}
+            if k == "ServiceMonitor":
+                for s in svcs:
+                    if sel_match(mon["spec"].get("selector") or {}, s["metadata"].get("labels") or {}):
+                        scraped |= {d["metadata"]["name"] for d in pods_of({"matchLabels": s["spec"].get("selector") or {}}, ns)}
+        for d in deps:
+            if d["metadata"]["name"] not in scraped:
+                err(ov, "no ServiceMonitor/PodMonitor scrapes Deployment/%s" % d["metadata"]["name"])
 
     # ---- the ConfigMap's values through pdproxy's own parser
     for (ns, n), cm in cms.items():
