@@ -952,6 +952,7 @@ ALLOWED = {
     "pdproxy_backend_inflight", "pdproxy_kv_transfer_params_missing_total",
     "pdproxy_remote_request_id_missing_total", "pdproxy_client_disconnects_total", "pdproxy_retries_total",
     "process_resident_memory_bytes", "process_open_fds", "process_cpu_seconds_total",
+    "pdproxy_build_info", "process_start_time_seconds",
 }
 HISTOGRAMS = {"pdproxy_request_duration_seconds", "pdproxy_time_to_first_byte_seconds",
               "pdproxy_prefill_duration_seconds"}
@@ -1034,6 +1035,18 @@ for path in sys.argv[1:]:
                     for grp in re.findall(r"\b(?:by|without)\s*\(([^)]*)\)", expr):
                         labels.update(l.strip() for l in grp.split(",") if l.strip())
                     label_uses.setdefault(ms.pop(), set()).update(labels - TARGET_LABELS)
+                # Ratios of pdproxy_requests_total by code count API requests
+                # only: probes and scrapes (/ready's 503 while draining,
+                # /metrics) are not client traffic.
+                if re.search(r'code\s*=~?\s*"[45]', expr):
+                    for sel in re.findall(r"pdproxy_requests_total(\{[^}]*\})?", expr):
+                        if not re.search(r'endpoint\s*=~\s*"/v1/', sel or ""):
+                            errors.append("%s: panel %r: error ratio over pdproxy_requests_total%s counts "
+                                          "non-API paths (add endpoint=~\"/v1/.*\")" % (path, p.get("title"), sel))
+                # Time to first byte means something only per kind of answer.
+                if "pdproxy_time_to_first_byte_seconds" in expr and "stream" not in expr:
+                    errors.append("%s: panel %r mixes streamed and whole answers' time to first byte "
+                                  "(group or filter by stream): %s" % (path, p.get("title"), expr))
                 for m in metrics_of(expr):
                     used.add(re.sub(r"_(bucket|sum|count)$", "", m) if re.sub(r"_(bucket|sum|count)$", "", m) in HISTOGRAMS else m)
                     if not allowed(m):

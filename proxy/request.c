@@ -4,6 +4,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 
 #include "json.h"
 #include "log.h"
@@ -68,6 +69,7 @@ struct px_req {
     int paused;
     int counted; /* holds one of the server's in-flight slots */
     int released_via_decode;
+    int streamed; /* decode answered text/event-stream: 1, else 0 */
     uint64_t t0, t_prefill, t_first;
     uint64_t prefill_deadline; /* --prefill-timeout covers every attempt; 0: none */
     struct event *idle_timer;  /* owned: --decode-idle-timeout */
@@ -121,14 +123,19 @@ static void finish_log(px_req *r, int status, const char *outcome) {
     px_metrics *m = &r->w->metrics;
     px_metrics_count(m, ep_metric[r->ep], status);
     px_hist_observe(&m->duration, secs(r->t0, now));
-    if (r->t_first) px_hist_observe(&m->ttfb, secs(r->t0, r->t_first));
-    PX_LOG(PX_LOG_INFO,
-           "req=%s msg=\"request\" endpoint=%s prefill=%s decode=%s status=%d prefill_ms=%.2f "
-           "ttfb_ms=%.2f total_ms=%.2f bytes_out=%zu outcome=%s trace_id=%s",
-           r->lid, ep_paths[r->ep], r->pname[0] ? r->pname : "-", r->dname[0] ? r->dname : "-",
-           status, r->t_prefill ? secs(r->t0, r->t_prefill) * 1e3 : -1.0,
-           r->t_first ? secs(r->t0, r->t_first) * 1e3 : -1.0, secs(r->t0, now) * 1e3, r->bytes_out,
-           outcome, r->trace_id);
+    if (r->t_first) px_hist_observe(&m->ttfb[r->streamed], secs(r->t0, r->t_first));
+    px_access a = {.req = r->lid,
+                   .endpoint = ep_paths[r->ep],
+                   .prefill = r->pname[0] ? r->pname : NULL,
+                   .decode = r->dname[0] ? r->dname : NULL,
+                   .status = status,
+                   .prefill_ms = r->t_prefill ? secs(r->t0, r->t_prefill) * 1e3 : -1.0,
+                   .ttfb_ms = r->t_first ? secs(r->t0, r->t_first) * 1e3 : -1.0,
+                   .total_ms = secs(r->t0, now) * 1e3,
+                   .bytes_out = r->bytes_out,
+                   .outcome = outcome,
+                   .trace_id = r->trace_id};
+    px_log_access(&a);
 }
 
 /* Printable ASCII (space included), at most 128 bytes. Log lines carry it
@@ -149,10 +156,13 @@ void px_req_log_refused(const px_http_head *h, const char *endpoint, int status)
         id[xid->value_len] = '\0';
         px_log_value(id, lid, sizeof lid);
     }
-    PX_LOG(PX_LOG_INFO,
-           "req=%s msg=\"request\" endpoint=%s prefill=- decode=- status=%d prefill_ms=-1.00 "
-           "ttfb_ms=-1.00 total_ms=0.00 bytes_out=0 outcome=refused trace_id=-",
-           lid, endpoint, status);
+    px_access a = {.req = lid,
+                   .endpoint = endpoint,
+                   .status = status,
+                   .prefill_ms = -1,
+                   .ttfb_ms = -1,
+                   .outcome = "refused"};
+    px_log_access(&a);
 }
 
 static void req_end(px_req *r, int status, const char *outcome) {
@@ -341,6 +351,7 @@ static void decode_headers(void *arg, int status, const char *ctype) {
     touch_idle(r);
     if (r->state == RS_RELEASING) return;
     r->t_first = px_now_ns();
+    r->streamed = ctype && !strncasecmp(ctype, "text/event-stream", 17);
     set_state(r, RS_STREAM);
     if (r->conn) px_conn_stream_start(r->conn, status, ctype, r->id, NULL);
 }
