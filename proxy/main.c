@@ -7,6 +7,7 @@
 
 #include "config.h"
 #include "log.h"
+#include "otlp.h"
 #include "server.h"
 
 extern char **environ;
@@ -35,15 +36,23 @@ int main(int argc, char **argv) {
         px_config_cleanup(&cfg);
         return 1;
     }
+    if (px_otlp_start(err, sizeof err) < 0) {
+        fprintf(stderr, "pdproxy: %s\n", err);
+        curl_global_cleanup();
+        px_config_cleanup(&cfg);
+        return 2;
+    }
     px_server *s = px_server_create(&cfg, err, sizeof err);
     if (!s) {
         fprintf(stderr, "pdproxy: %s\n", err);
+        px_otlp_stop();
         curl_global_cleanup();
         px_config_cleanup(&cfg);
         return 1;
     }
     int rc = px_server_run(s);
     px_server_destroy(s);
+    px_otlp_stop(); /* exports what the last requests left, within its timeout */
     curl_global_cleanup();
     px_config_cleanup(&cfg);
     return rc;

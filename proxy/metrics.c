@@ -9,6 +9,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "otlp.h"
 #include "route.h"
 #include "server.h"
 
@@ -275,6 +276,19 @@ void px_metrics_render(px_server *s, px_buf *o) {
                   "# TYPE pdproxy_inflight_requests gauge\npdproxy_inflight_requests %llu\n",
                   inflight);
     render_backends(o, s);
+    px_otlp_stats ts;
+    px_otlp_get_stats(&ts);
+    counter(o, "pdproxy_trace_spans_exported_total",
+            "Spans the OTLP collector accepted (0 when export is off).", ts.exported);
+    px_buf_printf(o,
+                  "# HELP pdproxy_trace_spans_dropped_total Spans not exported: queue_full (the "
+                  "collector is slower than the traffic), export_failed (it refused or did not "
+                  "answer).\n# TYPE pdproxy_trace_spans_dropped_total counter\n"
+                  "pdproxy_trace_spans_dropped_total{reason=\"queue_full\"} %llu\n"
+                  "pdproxy_trace_spans_dropped_total{reason=\"export_failed\"} %llu\n"
+                  "# HELP pdproxy_trace_spans_queued Spans waiting for export.\n"
+                  "# TYPE pdproxy_trace_spans_queued gauge\npdproxy_trace_spans_queued %llu\n",
+                  ts.dropped_full, ts.dropped_error, ts.queued);
     px_buf_appends(o, "# HELP pdproxy_build_info The running build: version and source commit.\n"
                       "# TYPE pdproxy_build_info gauge\n");
     px_buf_printf(o, "pdproxy_build_info{version=\"%s\",commit=\"%s\"} 1\n", PDPROXY_VERSION,

@@ -8,6 +8,7 @@
 
 #include "json.h"
 #include "log.h"
+#include "otlp.h"
 #include "rewrite.h"
 
 /* Largest prefill answer kept; a prefill answers one token, so anything near
@@ -44,18 +45,20 @@ struct px_req {
     char lid[300]; /* id as a logfmt value */
     char trace_id[33];
     char trace_flags[3];
-    px_buf body;                    /* owned: the client's body */
-    px_buf pbody;                   /* owned: the prefill request's body */
-    px_buf dbody;                   /* owned: the decode request's body */
-    px_buf presp;                   /* owned: the prefill's answer */
-    px_buf url;                     /* owned */
-    struct curl_slist *hdrs_p;      /* owned: headers of the prefill request */
-    struct curl_slist *hdrs_d;      /* owned: headers of the decode request */
-    px_upstream *up;                /* owned: the transfer in flight */
-    px_backend *pb;                 /* owned reference while a prefill is in flight */
-    px_backend *db;                 /* owned reference while a decode is in flight */
-    char pname[128], dname[128];    /* the backends' names, for logs after release */
-    px_backend *tried_p[MAX_TRIES]; /* identity only, never dereferenced */
+    char parent_span[17];                       /* the client's span id; "" when the trace is new */
+    char span_root[17], span_p[17], span_d[17]; /* this request's spans (otlp.h) */
+    px_buf body;                                /* owned: the client's body */
+    px_buf pbody;                               /* owned: the prefill request's body */
+    px_buf dbody;                               /* owned: the decode request's body */
+    px_buf presp;                               /* owned: the prefill's answer */
+    px_buf url;                                 /* owned */
+    struct curl_slist *hdrs_p;                  /* owned: headers of the prefill request */
+    struct curl_slist *hdrs_d;                  /* owned: headers of the decode request */
+    px_upstream *up;                            /* owned: the transfer in flight */
+    px_backend *pb;                             /* owned reference while a prefill is in flight */
+    px_backend *db;                             /* owned reference while a decode is in flight */
+    char pname[128], dname[128];                /* the backends' names, for logs after release */
+    px_backend *tried_p[MAX_TRIES];             /* identity only, never dereferenced */
     size_t ntried_p;
     px_backend *tried_d[MAX_TRIES];
     size_t ntried_d;
@@ -71,9 +74,10 @@ struct px_req {
     int released_via_decode;
     int streamed; /* decode answered text/event-stream: 1, else 0 */
     uint64_t t0, t_prefill, t_first;
-    uint64_t prefill_deadline; /* --prefill-timeout covers every attempt; 0: none */
-    struct event *idle_timer;  /* owned: --decode-idle-timeout */
-    struct event *grace_timer; /* owned: a prefill whose client left may still answer */
+    uint64_t t_pstart, t_dstart; /* first prefill / decode attempt sent */
+    uint64_t prefill_deadline;   /* --prefill-timeout covers every attempt; 0: none */
+    struct event *idle_timer;    /* owned: --decode-idle-timeout */
+    struct event *grace_timer;   /* owned: a prefill whose client left may still answer */
     size_t bytes_out;
 };
 
@@ -136,6 +140,34 @@ static void finish_log(px_req *r, int status, const char *outcome) {
                    .outcome = outcome,
                    .trace_id = r->trace_id};
     px_log_access(&a);
+    if (px_otlp_enabled()) {
+        px_otlp_req q = {.trace_id = r->trace_id,
+                         .flags = r->trace_flags,
+                         .parent_span = r->parent_span[0] ? r->parent_span : NULL,
+                         .span_root = r->span_root,
+                         .span_prefill = r->span_p,
+                         .span_decode = r->span_d,
+                         .method = r->ep == PX_EP_MODELS ? "GET" : "POST",
+                         .route = ep_paths[r->ep],
+                         .request_id = r->id,
+                         .outcome = outcome,
+                         .status = status,
+                         .t_start = r->t0,
+                         .t_end = now,
+                         .prefill = r->pname[0] ? r->pname : NULL,
+                         .prefill_status = r->pstatus,
+                         .prefill_attempts = (int)r->ntried_p,
+                         .t_prefill_start = r->t_pstart,
+                         .t_prefill_end = r->t_prefill,
+                         .decode = r->dname[0] ? r->dname : NULL,
+                         .decode_status = r->dstatus,
+                         .decode_attempts = (int)r->ntried_d,
+                         .streamed = r->streamed,
+                         .t_decode_start = r->t_dstart,
+                         .presp = r->presp.data,
+                         .presp_len = r->presp.len};
+        px_otlp_submit(&q);
+    }
 }
 
 /* Printable ASCII (space included), at most 128 bytes. Log lines carry it
@@ -249,19 +281,23 @@ void px_trace_new(char trace[33]) {
     trace[32] = '\0';
 }
 
-/* A child span of the request's trace: same trace id and flags, a new
- * parent id, for each upstream request. */
-static void trace_child(const char *trace, const char *flags, char out[56]) {
+/* A new span id: 16 hex digits, never all zero. */
+static void span_new(char sp[17]) {
     static const char hex[] = "0123456789abcdef";
     uint64_t span = px_rand64() | 1;
-    char sp[17];
     for (int i = 0; i < 16; i++)
         sp[i] = hex[(span >> (60 - 4 * i)) & 15];
     sp[16] = '\0';
-    snprintf(out, 56, "00-%s-%s-%s", trace, sp, flags);
 }
 
-static struct curl_slist *headers_for(px_req *r, const px_http_head *h, int traced) {
+/* A child span of the request's trace: same trace id and flags, the span
+ * of the upstream leg (prefill or decode) as parent id. */
+static void trace_child(const char *trace, const char *span, const char *flags, char out[56]) {
+    snprintf(out, 56, "00-%s-%s-%s", trace, span, flags);
+}
+
+static struct curl_slist *headers_for(px_req *r, const px_http_head *h, int traced,
+                                      const char *span) {
     char line[300];
     struct curl_slist *l = NULL;
     if (r->ep != PX_EP_MODELS) l = curl_slist_append(l, "Content-Type: application/json");
@@ -277,7 +313,7 @@ static struct curl_slist *headers_for(px_req *r, const px_http_head *h, int trac
         l = curl_slist_append(l, b.data);
     }
     char child[56];
-    trace_child(r->trace_id, r->trace_flags, child);
+    trace_child(r->trace_id, span, r->trace_flags, child);
     snprintf(line, sizeof line, "traceparent: %s", child);
     l = curl_slist_append(l, line);
     /* tracestate belongs to the client's trace: dropped when that was
@@ -448,6 +484,7 @@ static void start_decode(px_req *r) {
         return;
     }
     snprintf(r->dname, sizeof r->dname, "%s", r->db->name);
+    if (!r->t_dstart) r->t_dstart = px_now_ns();
     if (r->ntried_d < MAX_TRIES) r->tried_d[r->ntried_d++] = r->db;
     if (r->state != RS_RELEASING) set_state(r, RS_DECODE);
     if (start_upstream(r, r->db, ep_paths[r->ep], r->ep == PX_EP_MODELS ? NULL : &r->dbody,
@@ -607,6 +644,7 @@ static void start_prefill(px_req *r) {
         return;
     }
     snprintf(r->pname, sizeof r->pname, "%s", r->pb->name);
+    if (!r->t_pstart) r->t_pstart = px_now_ns();
     if (r->ntried_p < MAX_TRIES) r->tried_p[r->ntried_p++] = r->pb;
     set_state(r, RS_PREFILL);
     long ptimeout = 0;
@@ -732,9 +770,15 @@ void px_req_start(px_worker *w, px_conn *c, px_endpoint ep, const px_http_head *
     if (!traced) {
         px_trace_new(r->trace_id);
         memcpy(r->trace_flags, "01", 3);
+    } else {
+        memcpy(r->parent_span, tp->value + 36, 16);
     }
-    r->hdrs_p = headers_for(r, h, traced);
-    r->hdrs_d = headers_for(r, h, traced);
+    px_otlp_sample(r->trace_id, traced ? r->trace_flags : NULL, r->trace_flags);
+    span_new(r->span_root);
+    span_new(r->span_p);
+    span_new(r->span_d);
+    r->hdrs_p = headers_for(r, h, traced, r->span_p);
+    r->hdrs_d = headers_for(r, h, traced, r->span_d);
 
     long max = r->s->cfg->max_inflight;
     long now = atomic_fetch_add(&r->s->inflight, 1) + 1;
