@@ -1082,8 +1082,13 @@ build_pkgs=$(arg_list BUILD_PACKAGES)
 runtime_pkgs=$(arg_list RUNTIME_PACKAGES)
 [ -n "$build_pkgs" ] || die "Dockerfile: no ARG BUILD_PACKAGES=\"...\" line"
 [ -n "$runtime_pkgs" ] || die "Dockerfile: no ARG RUNTIME_PACKAGES=\"...\" line"
-grep -q '^FROM debian:bookworm AS build' "$df" || die "Dockerfile: build stage must be FROM debian:bookworm AS build"
-grep -q '^FROM debian:bookworm-slim' "$df" || die "Dockerfile: runtime stage must be FROM debian:bookworm-slim"
+# Base images are build arguments, defaulting to Debian bookworm's public ones.
+grep -q '^ARG BUILD_BASE=debian:bookworm$' "$df" || die "Dockerfile: ARG BUILD_BASE=debian:bookworm missing (before the first FROM)"
+grep -q '^ARG RUNTIME_BASE=debian:bookworm-slim$' "$df" || die "Dockerfile: ARG RUNTIME_BASE=debian:bookworm-slim missing"
+grep -q '^FROM ${BUILD_BASE} AS build$' "$df" || die "Dockerfile: build stage must be FROM \${BUILD_BASE} AS build"
+grep -q '^FROM ${RUNTIME_BASE} AS runtime$' "$df" || die "Dockerfile: runtime stage must be FROM \${RUNTIME_BASE} AS runtime"
+[ "$(grep -n '^ARG BUILD_BASE=' "$df" | cut -d: -f1)" -lt "$(grep -n '^FROM ' "$df" | head -1 | cut -d: -f1)" ] ||
+    die "Dockerfile: ARG BUILD_BASE must come before the first FROM to be usable there"
 grep -Eq '^USER +[1-9][0-9]*' "$df" || die "Dockerfile: USER must be a numeric non-root uid"
 grep -Eq '^EXPOSE +8000' "$df" || die "Dockerfile: EXPOSE 8000 missing"
 grep -q '^HEALTHCHECK' "$df" || die "Dockerfile: HEALTHCHECK missing"
