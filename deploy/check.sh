@@ -1,15 +1,20 @@
 #!/usr/bin/env bash
 # CI check of deploy/ (registered as the CTest test integration.deploy).
 #
-#   1. Kubernetes: renders base and every overlay with `kubectl kustomize` and
-#      checks the objects line up: probes on ports and paths that exist,
+#   1. Kubernetes: renders base, every overlay and compositions with the
+#      components with `kubectl kustomize`, runs the README's registry sed,
+#      and checks the objects line up: NetworkPolicies evaluated over the
+#      rendered pods, HPA, PDB, GPU rollouts, RDMA, model cache, monitors,
+#      Secrets; probes on ports and paths that exist,
 #      Service selectors and targetPorts, headless Services that pdproxy's
 #      PDPROXY_PREFILL / PDPROXY_DECODE URLs name, preStop and grace period
 #      against the drain settings, security contexts, resources, every
 #      PDPROXY_* key a real pdproxy flag (and the values accepted by
 #      `pdproxy --print-config`), engine-sim args accepted by engine-sim,
 #      vLLM's NixlConnector settings; then validates every object against
-#      Kubernetes' OpenAPI schemas (npm kubernetes-models, when node is here).
+#      Kubernetes' OpenAPI schemas and the Prometheus Operator CRDs' (npm
+#      kubernetes-models, @kubernetes-models/prometheus-operator, when node
+#      is here).
 #   2. Grafana: deploy/dashboards/*.json parse, panels are well formed and
 #      every PromQL expression uses only pdproxy's, vLLM's or engine-sim's
 #      metrics.
