@@ -44,6 +44,8 @@ static struct {
     int on;
     char url[1024];
     char service[128];
+    int nres; /* OTEL_RESOURCE_ATTRIBUTES, service.name left out */
+    char res_key[16][64], res_val[16][128];
     struct curl_slist *headers; /* owned */
     long timeout_ms;
     size_t cap, batch;
@@ -114,6 +116,58 @@ static int parse_sampler(char *err, size_t n) {
     return 0;
 }
 
+/* Percent-decodes src into dst (cap bytes, NUL-terminated). */
+static void pct_decode(const char *src, char *dst, size_t cap) {
+    size_t o = 0;
+    for (const char *p = src; *p && o + 1 < cap; p++) {
+        unsigned x;
+        if (*p == '%' && sscanf(p + 1, "%2x", &x) == 1) {
+            dst[o++] = (char)x;
+            p += 2;
+        } else {
+            dst[o++] = *p;
+        }
+    }
+    dst[o] = '\0';
+}
+
+/* OTEL_RESOURCE_ATTRIBUTES: "k=v,k2=v2", values percent-decoded; at most
+ * 16 attributes. service.name there is used when OTEL_SERVICE_NAME is not
+ * set. */
+static int parse_resource(char *err, size_t n) {
+    const char *r = env("OTEL_RESOURCE_ATTRIBUTES");
+    if (!r) return 0;
+    char *copy = px_xstrdup(r), *save = NULL;
+    int rc = 0;
+    for (char *kv = strtok_r(copy, ",", &save); kv; kv = strtok_r(NULL, ",", &save)) {
+        while (*kv == ' ')
+            kv++;
+        char *eq = strchr(kv, '=');
+        if (!eq || eq == kv || (size_t)(eq - kv) >= sizeof X.res_key[0]) {
+            snprintf(err, n, "OTEL_RESOURCE_ATTRIBUTES: %s is not key=value", kv);
+            rc = -1;
+            break;
+        }
+        *eq = '\0';
+        char val[128];
+        pct_decode(eq + 1, val, sizeof val);
+        if (!strcmp(kv, "service.name")) {
+            if (!env("OTEL_SERVICE_NAME")) snprintf(X.service, sizeof X.service, "%s", val);
+            continue;
+        }
+        if (X.nres == 16) {
+            snprintf(err, n, "OTEL_RESOURCE_ATTRIBUTES: more than 16 attributes");
+            rc = -1;
+            break;
+        }
+        snprintf(X.res_key[X.nres], sizeof X.res_key[0], "%s", kv);
+        snprintf(X.res_val[X.nres], sizeof X.res_val[0], "%s", val);
+        X.nres++;
+    }
+    free(copy);
+    return rc;
+}
+
 /* "k=v,k2=v2" (values percent-decoded, as the specification asks). */
 static int parse_headers(char *err, size_t n) {
     const char *h = env("OTEL_EXPORTER_OTLP_TRACES_HEADERS");
@@ -131,17 +185,7 @@ static int parse_headers(char *err, size_t n) {
         }
         *eq = '\0';
         char line[512], val[384];
-        size_t o = 0;
-        for (const char *p = eq + 1; *p && o + 1 < sizeof val; p++) {
-            unsigned x;
-            if (*p == '%' && sscanf(p + 1, "%2x", &x) == 1) {
-                val[o++] = (char)x;
-                p += 2;
-            } else {
-                val[o++] = *p;
-            }
-        }
-        val[o] = '\0';
+        pct_decode(eq + 1, val, sizeof val);
         while (*kv == ' ')
             kv++;
         snprintf(line, sizeof line, "%s: %s", kv, val);
@@ -197,7 +241,7 @@ int px_otlp_start(char *err, size_t errlen) {
         env_long("OTEL_BSP_MAX_EXPORT_BATCH_SIZE", 512, 1, 1 << 20, &batch, err, errlen) ||
         env_long("OTEL_BSP_SCHEDULE_DELAY", 5000, 1, 3600000, &delay, err, errlen) ||
         env_long("OTEL_EXPORTER_OTLP_TIMEOUT", 10000, 1, 3600000, &timeout, err, errlen) ||
-        parse_sampler(err, errlen) || parse_headers(err, errlen)) {
+        parse_sampler(err, errlen) || parse_resource(err, errlen) || parse_headers(err, errlen)) {
         curl_slist_free_all(X.headers);
         X.headers = NULL;
         return -1;
@@ -422,11 +466,20 @@ static void serialize(px_buf *b, const span *spans, size_t n) {
     px_buf_appends(b, "{\"resourceSpans\":[{\"resource\":{\"attributes\":["
                       "{\"key\":\"service.name\",\"value\":{\"stringValue\":");
     px_buf_append_json_str(b, X.service, strlen(X.service));
+    px_buf_printf(b, "}},{\"key\":\"service.version\",\"value\":{\"stringValue\":\"%s\"}}",
+                  PDPROXY_VERSION);
+    for (int i = 0; i < X.nres; i++) {
+        px_buf_appends(b, ",{\"key\":");
+        px_buf_append_json_str(b, X.res_key[i], strlen(X.res_key[i]));
+        px_buf_appends(b, ",\"value\":{\"stringValue\":");
+        px_buf_append_json_str(b, X.res_val[i], strlen(X.res_val[i]));
+        px_buf_appends(b, "}}");
+    }
     px_buf_printf(b,
-                  "}},{\"key\":\"service.version\",\"value\":{\"stringValue\":\"%s\"}}]},"
+                  "]},"
                   "\"scopeSpans\":[{\"scope\":{\"name\":\"pdproxy\",\"version\":\"%s\"},"
                   "\"spans\":[",
-                  PDPROXY_VERSION, PDPROXY_VERSION);
+                  PDPROXY_VERSION);
     for (size_t i = 0; i < n; i++) {
         if (i) px_buf_append(b, ",", 1);
         put_span(b, &spans[i]);

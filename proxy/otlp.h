@@ -11,6 +11,7 @@
  *   OTEL_EXPORTER_OTLP_HEADERS          "k=v,k2=v2" added to each export
  *   OTEL_EXPORTER_OTLP_TIMEOUT          ms per export request (10000)
  *   OTEL_SERVICE_NAME                   resource service.name ("pdproxy")
+ *   OTEL_RESOURCE_ATTRIBUTES            "k=v,..." more resource attributes
  *   OTEL_TRACES_SAMPLER[_ARG]           always_on, always_off, traceidratio,
  *                                       parentbased_* (default
  *                                       parentbased_always_on)

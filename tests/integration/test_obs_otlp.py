@@ -282,7 +282,8 @@ class OtlpTest(PxTestCase):
 
     def test_request_spans_nest_engines_under_the_proxy(self):
         rcv = self.receiver()
-        px = self.start(rcv)
+        px = self.start(rcv, OTEL_RESOURCE_ATTRIBUTES="k8s.pod.name=px-1,"
+                        "deployment.environment=test%20env,service.name=ignored")
         t_before = time.time_ns()
         r = raw_exchange(px.port, "POST", "/v1/completions", completion_body(),
                          headers=[("traceparent", "00-%s-%s-01" % (TRACE, SPAN)),
@@ -328,6 +329,8 @@ class OtlpTest(PxTestCase):
                         [(x["name"], x["t0"], x["t1"]) for x in (root, p, d)])
         res = rcv.spans[0][0]
         self.assertEqual(res.get("service.name"), "pdproxy-test")
+        self.assertEqual(res.get("k8s.pod.name"), "px-1")
+        self.assertEqual(res.get("deployment.environment"), "test env")
 
     def test_new_trace_streamed_and_decode_only(self):
         rcv = self.receiver()
