@@ -151,6 +151,15 @@ if [ "$otlp" = 1 ]; then
     awk '{ rps[$1" "$2]=$3 } END { for (i = 1; i <= 3; i++) { c = (i == 1) ? 1 : (i == 2) ? 16 : 64
         printf "c=%-3d tracing on/off req/s = %.3f\n", c, rps["pdproxy+otlp " c] / rps["pdproxy " c] } }' "$work/results"
     curl -sf "http://127.0.0.1:$Y/metrics" | grep -E '^pdproxy_trace_spans' | sed 's/^/  /'
+    # CPU per request (the export thread included) resists a busy machine
+    # better than req/s does.
+    for pp in "pdproxy $X" "pdproxy+otlp $Y"; do
+        set -- $pp
+        curl -sf "http://127.0.0.1:$2/metrics" | awk -v n="$1" '
+            /^pdproxy_requests_total\{endpoint="\/v1\/completions"/ { r += $2 }
+            /^process_cpu_seconds_total/ { c = $2 }
+            END { printf "%-13s %.1f us CPU per request (%d requests)\n", n, c * 1e6 / r, r }'
+    done
 fi
 echo "pdproxy RSS: idle $((rss_idle / 1024)).$(( (rss_idle % 1024) * 10 / 1024 )) MiB, peak under load $((rss_peak / 1024)).$(( (rss_peak % 1024) * 10 / 1024 )) MiB"
 if [ -s "$work/logs/pdproxy.err" ]; then echo "pdproxy stderr (last lines):"; tail -5 "$work/logs/pdproxy.err"; fi

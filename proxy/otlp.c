@@ -384,7 +384,10 @@ void px_otlp_submit(const px_otlp_req *q) {
     long long tokens;
     int kvp;
     from_prefill_answer(q, rrid, &tokens, &kvp);
-    const char *decision = q->prefill && q->decode ? "prefill_decode"
+    /* What the proxy decided: a prefill was chosen (whatever came of it),
+     * decode alone (no prefill could serve), or neither (/v1/models, or
+     * refused before any backend). */
+    const char *decision = q->prefill ? "prefill_decode"
                            : q->decode && q->route && strcmp(q->route, "/v1/models") ? "decode_only"
                                                                                      : "none";
     span sp[3];

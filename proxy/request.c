@@ -45,20 +45,18 @@ struct px_req {
     char lid[300]; /* id as a logfmt value */
     char trace_id[33];
     char trace_flags[3];
-    char parent_span[17];                       /* the client's span id; "" when the trace is new */
-    char span_root[17], span_p[17], span_d[17]; /* this request's spans (otlp.h) */
-    px_buf body;                                /* owned: the client's body */
-    px_buf pbody;                               /* owned: the prefill request's body */
-    px_buf dbody;                               /* owned: the decode request's body */
-    px_buf presp;                               /* owned: the prefill's answer */
-    px_buf url;                                 /* owned */
-    struct curl_slist *hdrs_p;                  /* owned: headers of the prefill request */
-    struct curl_slist *hdrs_d;                  /* owned: headers of the decode request */
-    px_upstream *up;                            /* owned: the transfer in flight */
-    px_backend *pb;                             /* owned reference while a prefill is in flight */
-    px_backend *db;                             /* owned reference while a decode is in flight */
-    char pname[128], dname[128];                /* the backends' names, for logs after release */
-    px_backend *tried_p[MAX_TRIES];             /* identity only, never dereferenced */
+    px_buf body;                    /* owned: the client's body */
+    px_buf pbody;                   /* owned: the prefill request's body */
+    px_buf dbody;                   /* owned: the decode request's body */
+    px_buf presp;                   /* owned: the prefill's answer */
+    px_buf url;                     /* owned */
+    struct curl_slist *hdrs_p;      /* owned: headers of the prefill request */
+    struct curl_slist *hdrs_d;      /* owned: headers of the decode request */
+    px_upstream *up;                /* owned: the transfer in flight */
+    px_backend *pb;                 /* owned reference while a prefill is in flight */
+    px_backend *db;                 /* owned reference while a decode is in flight */
+    char pname[128], dname[128];    /* the backends' names, for logs after release */
+    px_backend *tried_p[MAX_TRIES]; /* identity only, never dereferenced */
     size_t ntried_p;
     px_backend *tried_d[MAX_TRIES];
     size_t ntried_d;
@@ -72,13 +70,19 @@ struct px_req {
     int paused;
     int counted; /* holds one of the server's in-flight slots */
     int released_via_decode;
-    int streamed; /* decode answered text/event-stream: 1, else 0 */
     uint64_t t0, t_prefill, t_first;
-    uint64_t t_pstart, t_dstart; /* first prefill / decode attempt sent */
-    uint64_t prefill_deadline;   /* --prefill-timeout covers every attempt; 0: none */
-    struct event *idle_timer;    /* owned: --decode-idle-timeout */
-    struct event *grace_timer;   /* owned: a prefill whose client left may still answer */
+    uint64_t prefill_deadline; /* --prefill-timeout covers every attempt; 0: none */
+    struct event *idle_timer;  /* owned: --decode-idle-timeout */
+    struct event *grace_timer; /* owned: a prefill whose client left may still answer */
     size_t bytes_out;
+
+    /* Tracing (otlp.h): the client's span id ("" when the trace is new),
+     * this request's spans, and when its first prefill and decode attempts
+     * left. */
+    char parent_span[17];
+    char span_root[17], span_p[17], span_d[17];
+    uint64_t t_pstart, t_dstart;
+    int streamed; /* decode answered text/event-stream: 1, else 0 */
 };
 
 static void start_prefill(px_req *r);
@@ -121,6 +125,36 @@ static double secs(uint64_t from, uint64_t to) {
     return from && to ? (double)(to - from) / 1e9 : -1;
 }
 
+/* The request's spans for trace export (otlp.h). */
+static void submit_spans(px_req *r, int status, const char *outcome, uint64_t now) {
+    px_otlp_req q = {.trace_id = r->trace_id,
+                     .flags = r->trace_flags,
+                     .parent_span = r->parent_span[0] ? r->parent_span : NULL,
+                     .span_root = r->span_root,
+                     .span_prefill = r->span_p,
+                     .span_decode = r->span_d,
+                     .method = r->ep == PX_EP_MODELS ? "GET" : "POST",
+                     .route = ep_paths[r->ep],
+                     .request_id = r->id,
+                     .outcome = outcome,
+                     .status = status,
+                     .t_start = r->t0,
+                     .t_end = now,
+                     .prefill = r->pname[0] ? r->pname : NULL,
+                     .prefill_status = r->pstatus,
+                     .prefill_attempts = (int)r->ntried_p,
+                     .t_prefill_start = r->t_pstart,
+                     .t_prefill_end = r->t_prefill,
+                     .decode = r->dname[0] ? r->dname : NULL,
+                     .decode_status = r->dstatus,
+                     .decode_attempts = (int)r->ntried_d,
+                     .streamed = r->streamed,
+                     .t_decode_start = r->t_dstart,
+                     .presp = r->presp.data,
+                     .presp_len = r->presp.len};
+    px_otlp_submit(&q);
+}
+
 /* The access log line and the request metrics, once per request. */
 static void finish_log(px_req *r, int status, const char *outcome) {
     uint64_t now = px_now_ns();
@@ -140,34 +174,7 @@ static void finish_log(px_req *r, int status, const char *outcome) {
                    .outcome = outcome,
                    .trace_id = r->trace_id};
     px_log_access(&a);
-    if (px_otlp_enabled()) {
-        px_otlp_req q = {.trace_id = r->trace_id,
-                         .flags = r->trace_flags,
-                         .parent_span = r->parent_span[0] ? r->parent_span : NULL,
-                         .span_root = r->span_root,
-                         .span_prefill = r->span_p,
-                         .span_decode = r->span_d,
-                         .method = r->ep == PX_EP_MODELS ? "GET" : "POST",
-                         .route = ep_paths[r->ep],
-                         .request_id = r->id,
-                         .outcome = outcome,
-                         .status = status,
-                         .t_start = r->t0,
-                         .t_end = now,
-                         .prefill = r->pname[0] ? r->pname : NULL,
-                         .prefill_status = r->pstatus,
-                         .prefill_attempts = (int)r->ntried_p,
-                         .t_prefill_start = r->t_pstart,
-                         .t_prefill_end = r->t_prefill,
-                         .decode = r->dname[0] ? r->dname : NULL,
-                         .decode_status = r->dstatus,
-                         .decode_attempts = (int)r->ntried_d,
-                         .streamed = r->streamed,
-                         .t_decode_start = r->t_dstart,
-                         .presp = r->presp.data,
-                         .presp_len = r->presp.len};
-        px_otlp_submit(&q);
-    }
+    if (px_otlp_enabled()) submit_spans(r, status, outcome, now);
 }
 
 /* Printable ASCII (space included), at most 128 bytes. Log lines carry it
