@@ -304,12 +304,19 @@ void px_otlp_sample(const char trace_id[33], const char *parent_flags, char flag
 
 /* ---------- building spans ---------- */
 
+/* Copies at most cap-1 bytes of src and a NUL. */
+static void copy(char *dst, const char *src, size_t cap) {
+    size_t n = strnlen(src, cap - 1);
+    memcpy(dst, src, n);
+    dst[n] = '\0';
+}
+
 static void add_str(span *s, const char *k, const char *v) {
     if (!v || s->nattrs >= MAX_ATTRS) return;
     attr *a = &s->attrs[s->nattrs++];
     a->key = k;
     a->type = A_STR;
-    snprintf(a->s, sizeof a->s, "%s", v);
+    copy(a->s, v, sizeof a->s);
 }
 
 static void add_int(span *s, const char *k, long long v) {
@@ -335,26 +342,37 @@ static void from_prefill_answer(const px_otlp_req *q, char rrid[ATTR_LEN], long 
     *tokens = -1;
     *kvp = 0;
     if (!q->presp || !q->presp_len) return;
-    px_json_member m, k;
-    if (px_json_find(q->presp, q->presp_len, "kv_transfer_params", &m) &&
-        m.type == PX_JSON_OBJECT) {
+    /* One pass over the top level (the last of duplicate keys wins, as in
+     * px_json_find); this runs on the worker thread. */
+    px_json_iter it;
+    px_json_member cur, kv = {0}, usage = {0}, k;
+    if (px_json_iter_init(&it, q->presp, q->presp_len) < 0) return;
+    int r;
+    while ((r = px_json_iter_next(&it, &cur)) == 1) {
+        if (px_json_str_eq(cur.key, cur.key_len, "kv_transfer_params"))
+            kv = cur;
+        else if (px_json_str_eq(cur.key, cur.key_len, "usage"))
+            usage = cur;
+    }
+    if (r < 0) return;
+    if (kv.val && kv.type == PX_JSON_OBJECT) {
         *kvp = 1;
-        if (px_json_find(m.val, m.val_len, "remote_request_id", &k) && k.type == PX_JSON_STRING &&
+        if (px_json_find(kv.val, kv.val_len, "remote_request_id", &k) && k.type == PX_JSON_STRING &&
             px_json_str_decode(k.val + 1, k.val_len - 2, rrid, ATTR_LEN) < 0)
             rrid[0] = '\0';
     }
-    if (px_json_find(q->presp, q->presp_len, "usage", &m) && m.type == PX_JSON_OBJECT &&
-        px_json_find(m.val, m.val_len, "prompt_tokens", &k) && k.type == PX_JSON_NUMBER)
+    if (usage.val && usage.type == PX_JSON_OBJECT &&
+        px_json_find(usage.val, usage.val_len, "prompt_tokens", &k) && k.type == PX_JSON_NUMBER)
         *tokens = strtoll(k.val, NULL, 10);
 }
 
 static void span_init(span *s, const px_otlp_req *q, const char *id, const char *parent,
                       const char *name, int kind, uint64_t start, uint64_t end, int64_t off) {
     memset(s, 0, offsetof(span, attrs));
-    snprintf(s->trace_id, sizeof s->trace_id, "%s", q->trace_id);
-    snprintf(s->span_id, sizeof s->span_id, "%s", id);
-    snprintf(s->parent_id, sizeof s->parent_id, "%s", parent ? parent : "");
-    snprintf(s->name, sizeof s->name, "%s", name);
+    copy(s->trace_id, q->trace_id, sizeof s->trace_id);
+    copy(s->span_id, id, sizeof s->span_id);
+    copy(s->parent_id, parent ? parent : "", sizeof s->parent_id);
+    copy(s->name, name, sizeof s->name);
     s->kind = kind;
     s->start_ns = (uint64_t)((int64_t)start + off);
     s->end_ns = (uint64_t)((int64_t)(end >= start ? end : start) + off);
@@ -439,33 +457,82 @@ void px_otlp_submit(const px_otlp_req *q) {
 
 /* ---------- export ---------- */
 
+/* Appends v in decimal; printf costs more than the rest of a span. */
+static void put_u64(px_buf *b, unsigned long long v) {
+    char d[24];
+    int i = sizeof d;
+    do {
+        d[--i] = (char)('0' + v % 10);
+        v /= 10;
+    } while (v);
+    px_buf_append(b, d + i, sizeof d - (size_t)i);
+}
+
+static void put_i64(px_buf *b, long long v) {
+    if (v < 0) {
+        px_buf_append(b, "-", 1);
+        put_u64(b, 0ull - (unsigned long long)v);
+    } else {
+        put_u64(b, (unsigned long long)v);
+    }
+}
+
+/* A JSON string; most values need no escape and go in one append. */
+static void put_str(px_buf *b, const char *v) {
+    size_t n = strlen(v), i = 0;
+    while (i < n && (unsigned char)v[i] >= 0x20 && v[i] != '"' && v[i] != '\\')
+        i++;
+    if (i < n) {
+        px_buf_append_json_str(b, v, n);
+        return;
+    }
+    px_buf_reserve(b, n + 2);
+    px_buf_append(b, "\"", 1);
+    px_buf_append(b, v, n);
+    px_buf_append(b, "\"", 1);
+}
+
 static void put_span(px_buf *b, const span *s) {
-    px_buf_printf(b, "{\"traceId\":\"%s\",\"spanId\":\"%s\",", s->trace_id, s->span_id);
-    if (s->parent_id[0]) px_buf_printf(b, "\"parentSpanId\":\"%s\",", s->parent_id);
-    px_buf_appends(b, "\"name\":");
-    px_buf_append_json_str(b, s->name, strlen(s->name));
-    px_buf_printf(b,
-                  ",\"kind\":%d,\"startTimeUnixNano\":\"%llu\",\"endTimeUnixNano\":\"%llu\","
-                  "\"attributes\":[",
-                  s->kind, (unsigned long long)s->start_ns, (unsigned long long)s->end_ns);
+    px_buf_appends(b, "{\"traceId\":\"");
+    px_buf_append(b, s->trace_id, 32);
+    px_buf_appends(b, "\",\"spanId\":\"");
+    px_buf_append(b, s->span_id, 16);
+    if (s->parent_id[0]) {
+        px_buf_appends(b, "\",\"parentSpanId\":\"");
+        px_buf_append(b, s->parent_id, 16);
+    }
+    px_buf_appends(b, "\",\"name\":");
+    put_str(b, s->name);
+    px_buf_appends(b, s->kind == 2 ? ",\"kind\":2" : ",\"kind\":3");
+    px_buf_appends(b, ",\"startTimeUnixNano\":\"");
+    put_u64(b, s->start_ns);
+    px_buf_appends(b, "\",\"endTimeUnixNano\":\"");
+    put_u64(b, s->end_ns);
+    px_buf_appends(b, "\",\"attributes\":[");
     for (int i = 0; i < s->nattrs; i++) {
         const attr *a = &s->attrs[i];
-        px_buf_printf(b, "%s{\"key\":\"%s\",\"value\":{", i ? "," : "", a->key);
+        /* Keys are this file's literals: no escaping needed. */
+        px_buf_appends(b, i ? ",{\"key\":\"" : "{\"key\":\"");
+        px_buf_appends(b, a->key);
         if (a->type == A_STR) {
-            px_buf_appends(b, "\"stringValue\":");
-            px_buf_append_json_str(b, a->s, strlen(a->s));
+            px_buf_appends(b, "\",\"value\":{\"stringValue\":");
+            put_str(b, a->s);
+            px_buf_appends(b, "}}");
         } else if (a->type == A_INT) {
-            px_buf_printf(b, "\"intValue\":\"%lld\"", a->i);
+            px_buf_appends(b, "\",\"value\":{\"intValue\":\"");
+            put_i64(b, a->i);
+            px_buf_appends(b, "\"}}");
         } else {
-            px_buf_printf(b, "\"boolValue\":%s", a->i ? "true" : "false");
+            px_buf_appends(b, a->i ? "\",\"value\":{\"boolValue\":true}}"
+                                   : "\",\"value\":{\"boolValue\":false}}");
         }
-        px_buf_appends(b, "}}");
     }
-    px_buf_printf(b, "],\"status\":{\"code\":%d}}", s->error ? 2 : 0);
+    px_buf_appends(b, s->error ? "],\"status\":{\"code\":2}}" : "],\"status\":{\"code\":0}}");
 }
 
 static void serialize(px_buf *b, const span *spans, size_t n) {
     px_buf_reset(b);
+    px_buf_reserve(b, 512 + n * 1200);
     px_buf_appends(b, "{\"resourceSpans\":[{\"resource\":{\"attributes\":["
                       "{\"key\":\"service.name\",\"value\":{\"stringValue\":");
     px_buf_append_json_str(b, X.service, strlen(X.service));
