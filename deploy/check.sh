@@ -958,6 +958,7 @@ ALLOWED = {
     "pdproxy_remote_request_id_missing_total", "pdproxy_client_disconnects_total", "pdproxy_retries_total",
     "process_resident_memory_bytes", "process_open_fds", "process_cpu_seconds_total",
     "pdproxy_build_info", "process_start_time_seconds",
+    "pdproxy_trace_spans_exported_total", "pdproxy_trace_spans_dropped_total",
 }
 HISTOGRAMS = {"pdproxy_request_duration_seconds", "pdproxy_time_to_first_byte_seconds",
               "pdproxy_prefill_duration_seconds"}
