@@ -78,6 +78,13 @@ section() { echo "== $* ($(( $(date +%s) - t0 )) s)"; }
 command -v kubectl >/dev/null ||
     die "kubectl not found: install Debian's kubernetes-client (deploy/local/install-deps.sh)"
 kubectl kustomize --help >/dev/null 2>&1 || die "this kubectl has no 'kustomize' subcommand"
+# components/ and replacements need kustomize 4.1 or later (kubectl 1.22 or
+# later); Debian bookworm's kubernetes-client (1.20) bundles kustomize 2.0.3.
+kver=$(kubectl version --client 2>/dev/null | sed -n 's/^Kustomize Version: v\([0-9]*\)\.\([0-9]*\).*/\1 \2/p')
+read -r kmaj kmin <<<"${kver:-0 0}"
+if [ "$kmaj" -lt 4 ] || { [ "$kmaj" -eq 4 ] && [ "$kmin" -lt 1 ]; }; then
+    die "kubectl's kustomize is ${kver:-older than v4} (need v4.1 or later, i.e. kubectl 1.22 or later, for components/ and replacements); install a current kubectl (Kubernetes' own apt repository, pkgs.k8s.io)"
+fi
 PY=
 for p in python3 /usr/bin/python3; do
     if command -v "$p" >/dev/null && "$p" -c 'import yaml' 2>/dev/null; then PY=$p; break; fi
