@@ -30,7 +30,7 @@
 # Binaries: $PX_BIN_DIR (CTest), else build-deploy/bin, else build/bin.
 # DEPLOY_CHECK_PREFIX=DIR skips the image build and checks DIR/bin instead
 # (for iterating on this script; CI never sets it).
-# Needs kubectl (Debian: kubernetes-client), python3 with yaml (python3-yaml),
+# Needs kubectl 1.22 or later (its kustomize renders components), python3 with yaml (python3-yaml),
 # wrk, dpkg, ldd, curl: deploy/local/install-deps.sh installs them.
 # Loopback only; every wait is bounded.  Exits non-zero on the first failing
 # section, after printing every problem found in it.
