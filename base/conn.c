@@ -323,7 +323,8 @@ void px_conn_reply_error(px_conn *c, int status, const char *req_id, const char 
     px_buf_init(&b);
     px_buf_appends(&b, "{\"error\":{\"message\":");
     px_buf_append_json_str(&b, msg, strlen(msg));
-    px_buf_printf(&b, ",\"type\":\"%s\",\"code\":%d}}", px_error_type(status), status);
+    px_buf_printf(&b, ",\"type\":\"%s\",\"param\":null,\"code\":%d}}", px_error_type(status),
+                  status);
     px_conn_reply(c, status, "application/json", req_id, extra, b.data, b.len);
     px_buf_cleanup(&b);
 }

@@ -8,8 +8,50 @@
 px_log_level_t px_log_threshold = PX_LOG_INFO;
 int px_log_json = 0;
 
+/* Keys whose values are identifiers: strings in JSON even when they are
+ * made of digits (a request id "12345" is not a number). */
+static int string_key(const char *k, size_t n) {
+    static const char *const keys[] = {"req",     "trace_id", "id",     "name",
+                                       "backend", "prefill",  "decode", "ts"};
+    for (size_t i = 0; i < sizeof keys / sizeof keys[0]; i++)
+        if (strlen(keys[i]) == n && !memcmp(keys[i], k, n)) return 1;
+    return 0;
+}
+
+/* A JSON number, as RFC 8259 spells it (so "1e3" yes, "0x10", "01", "1."
+ * and "inf" no). */
+static int json_number(const char *s, size_t n) {
+    size_t i = 0;
+    if (i < n && s[i] == '-') i++;
+    if (i >= n) return 0;
+    if (s[i] == '0') {
+        i++;
+    } else if (s[i] >= '1' && s[i] <= '9') {
+        while (i < n && s[i] >= '0' && s[i] <= '9')
+            i++;
+    } else {
+        return 0;
+    }
+    if (i < n && s[i] == '.') {
+        size_t d = ++i;
+        while (i < n && s[i] >= '0' && s[i] <= '9')
+            i++;
+        if (i == d) return 0;
+    }
+    if (i < n && (s[i] == 'e' || s[i] == 'E')) {
+        i++;
+        if (i < n && (s[i] == '+' || s[i] == '-')) i++;
+        size_t d = i;
+        while (i < n && s[i] >= '0' && s[i] <= '9')
+            i++;
+        if (i == d) return 0;
+    }
+    return i == n;
+}
+
 /* Rewrites a logfmt line (key=value, key="quoted \" value") as a JSON
- * object, so every log line has one source of truth for its fields. */
+ * object, so every log line has one source of truth for its fields. Quoted
+ * values are strings; bare ones are numbers when they read as one. */
 static size_t logfmt_to_json(const char *in, size_t n, char *out, size_t cap) {
     size_t o = 0;
 #define PUT(c)                                                                                     \
@@ -34,6 +76,18 @@ static size_t logfmt_to_json(const char *in, size_t n, char *out, size_t cap) {
             PUT(in[k] == '"' ? '_' : in[k]);
         PUT('"');
         PUT(':');
+        if (i < n && in[i] == '=' && i + 1 < n && in[i + 1] != '"' &&
+            !string_key(in + ks, ke - ks)) {
+            size_t vs = i + 1, ve = vs;
+            while (ve < n && in[ve] != ' ')
+                ve++;
+            if (json_number(in + vs, ve - vs)) {
+                for (size_t k = vs; k < ve; k++)
+                    PUT(in[k]);
+                i = ve;
+                continue;
+            }
+        }
         PUT('"');
         if (i < n && in[i] == '=') {
             i++;
@@ -132,4 +186,26 @@ void px_log_write(px_log_level_t lvl, const char *fmt, ...) {
     line[len++] = '\n';
     /* One write per line so lines from several threads never interleave. */
     fwrite(line, 1, len, stderr);
+}
+
+void px_log_access(const px_access *a) {
+    if (PX_LOG_INFO < px_log_threshold) return;
+    char line[1024], v1[300], v2[300];
+    size_t o = 0;
+#define ADD(...)                                                                                   \
+    do {                                                                                           \
+        int k_ = snprintf(line + o, sizeof line - o, __VA_ARGS__);                                 \
+        if (k_ > 0) o = o + (size_t)k_ < sizeof line ? o + (size_t)k_ : sizeof line - 1;           \
+    } while (0)
+    ADD("req=%s msg=\"request\" endpoint=%s", a->req, a->endpoint);
+    if (a->prefill) ADD(" prefill=%s", px_log_value(a->prefill, v1, sizeof v1));
+    if (a->decode) ADD(" decode=%s", px_log_value(a->decode, v2, sizeof v2));
+    ADD(" status=%d", a->status);
+    if (a->prefill_ms >= 0) ADD(" prefill_ms=%.2f", a->prefill_ms);
+    if (a->ttfb_ms >= 0) ADD(" ttfb_ms=%.2f", a->ttfb_ms);
+    ADD(" total_ms=%.2f bytes_out=%zu outcome=%s", a->total_ms < 0 ? 0 : a->total_ms, a->bytes_out,
+        a->outcome);
+    if (a->trace_id && a->trace_id[0]) ADD(" trace_id=%s", a->trace_id);
+#undef ADD
+    px_log_write(PX_LOG_INFO, "%s", line);
 }

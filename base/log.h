@@ -1,4 +1,7 @@
-/* Leveled logging to stderr, one logfmt line per event. */
+/* Leveled logging to stderr, one logfmt line per event, or one JSON object
+ * per line (--log-format json): there, bare values that are numbers become
+ * JSON numbers (except for keys that name identifiers, such as req), and
+ * everything else a string. */
 #ifndef PX_LOG_H
 #define PX_LOG_H
 
@@ -24,6 +27,25 @@ int px_log_level_parse(const char *s);
 const char *px_log_value(const char *s, char *out, size_t cap);
 
 void px_log_write(px_log_level_t lvl, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+
+/* One request's access-log line. What is not known is left out of the line
+ * rather than written as a placeholder: NULL strings, negative times. */
+typedef struct px_access {
+    const char *req;      /* borrowed: the request id, already a logfmt value */
+    const char *endpoint; /* borrowed */
+    const char *prefill;  /* borrowed: backend name; NULL: none was chosen */
+    const char *decode;   /* borrowed: backend name; NULL: none was chosen */
+    int status;
+    double prefill_ms; /* < 0: no prefill answered */
+    double ttfb_ms;    /* < 0: no byte of an answer from decode */
+    double total_ms;
+    size_t bytes_out;
+    const char *outcome;  /* borrowed */
+    const char *trace_id; /* borrowed; NULL: none */
+} px_access;
+
+/* Writes the access line at level info (checked first). */
+void px_log_access(const px_access *a);
 
 /* Checks the level before any formatting happens. `fmt` continues the line
  * after "ts=… level=…", in key=value form, e.g. PX_LOG(PX_LOG_WARN,

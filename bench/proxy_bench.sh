@@ -11,6 +11,9 @@
 #   SYSCALLS=1: also count pdproxy's system calls per request (strace -c) at 1
 #   and 64 connections; PROFILE=1: also a perf profile at 64 connections;
 #   SSE=1: also 256 concurrent streams of 200 events, pdproxy beside nginx.
+# OTLP=1 adds (d): a second pdproxy exporting every request's spans
+# (OTEL_TRACES_SAMPLER=traceidratio, ratio 1.0) to an nginx that answers
+# /v1/traces with 200, measured right after (b): the cost of tracing.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 build=${1:-$root/build}
@@ -31,8 +34,9 @@ cleanup() {
 trap cleanup EXIT INT TERM
 
 free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
-P=$(free_port); D=$(free_port); N=$(free_port); X=$(free_port)
 S=$(free_port); NS=$(free_port); XS=$(free_port)
+P=$(free_port); D=$(free_port); N=$(free_port); X=$(free_port); O=$(free_port); Y=$(free_port)
+otlp=${OTLP:-0}
 
 pbody='{"id":"cmpl-bench","object":"text_completion","created":1,"model":"bench","choices":[{"index":0,"text":" a","finish_reason":"length"}],"usage":{"prompt_tokens":9,"completion_tokens":1,"total_tokens":10},"kv_transfer_params":{"do_remote_prefill":true,"do_remote_decode":false,"remote_block_ids":[1,2,3],"remote_engine_id":"p0","remote_request_id":"cmpl-bench-0-deadbeef","remote_host":"127.0.0.1","remote_port":5600,"tp_size":1}}'
 # SSE=1: a decode mock answering 200 events of ~120 bytes each, as fast as it
@@ -63,6 +67,9 @@ http {
   server { listen 127.0.0.1:$D; location / { default_type application/json; return 200 '$dbody'; } }
   server { listen 127.0.0.1:$S; root $work/sse; location / { default_type text/event-stream;
            error_page 405 =200 /events.txt; try_files /events.txt =404; } }
+  # An OTLP/HTTP collector that accepts everything (reads and drops the body).
+  server { listen 127.0.0.1:$O; client_max_body_size 64m;
+           location /v1/traces { default_type application/json; return 200 '{}'; } }
 }
 CONF
 cat > "$work/onehop.conf" <<CONF
@@ -104,6 +111,15 @@ nginx -c "$work/onehop.conf" -g 'daemon off;' & pids+=($!)
     --prefiller-hosts 127.0.0.1 --prefiller-ports "$P" \
     --decoder-hosts 127.0.0.1 --decoder-ports "$D" 2>"$work/logs/pdproxy.err" & ppid=$!
 pids+=($ppid)
+ports="$P $D $N $X"
+if [ "$otlp" = 1 ]; then
+    OTEL_EXPORTER_OTLP_ENDPOINT=http://127.0.0.1:$O OTEL_SERVICE_NAME=pdproxy-bench \
+    OTEL_TRACES_SAMPLER=traceidratio OTEL_TRACES_SAMPLER_ARG=1.0 \
+        "$pdproxy" --port "$Y" --threads "$pthreads" --log-level warn \
+        --prefiller-hosts 127.0.0.1 --prefiller-ports "$P" \
+        --decoder-hosts 127.0.0.1 --decoder-ports "$D" 2>"$work/logs/pdproxy-otlp.err" & pids+=($!)
+    ports="$ports $Y"
+fi
 
 wait_port() {
     for _ in $(seq 1 100); do
@@ -112,7 +128,7 @@ wait_port() {
     done
     echo "port $1 never opened" >&2; exit 1
 }
-for p in $P $D $N $X; do wait_port "$p"; done
+for p in $ports; do wait_port "$p"; done
 curl -sf -X POST "http://127.0.0.1:$X/v1/completions" -d '{"prompt":"x"}' >/dev/null
 
 rss_kb() { awk '/VmRSS/{print $2}' "/proc/$1/status"; }
@@ -143,6 +159,7 @@ for c in 1 16 64; do
         sleep 0.5
     done
     wait "$runpid"
+    [ "$otlp" = 1 ] && run pdproxy+otlp "http://127.0.0.1:$Y" "$c"
     run nginx1hop "http://127.0.0.1:$N" "$c"
 done
 
@@ -214,5 +231,19 @@ awk '
         p50["pdproxy " c] - p50["direct " c]
     }
   }' "$work/results"
+if [ "$otlp" = 1 ]; then
+    awk '{ rps[$1" "$2]=$3 } END { for (i = 1; i <= 3; i++) { c = (i == 1) ? 1 : (i == 2) ? 16 : 64
+        printf "c=%-3d tracing on/off req/s = %.3f\n", c, rps["pdproxy+otlp " c] / rps["pdproxy " c] } }' "$work/results"
+    curl -sf "http://127.0.0.1:$Y/metrics" | grep -E '^pdproxy_trace_spans' | sed 's/^/  /'
+    # CPU per request (the export thread included) resists a busy machine
+    # better than req/s does.
+    for pp in "pdproxy $X" "pdproxy+otlp $Y"; do
+        set -- $pp
+        curl -sf "http://127.0.0.1:$2/metrics" | awk -v n="$1" '
+            /^pdproxy_requests_total\{endpoint="\/v1\/completions"/ { r += $2 }
+            /^process_cpu_seconds_total/ { c = $2 }
+            END { printf "%-13s %.1f us CPU per request (%d requests)\n", n, c * 1e6 / r, r }'
+    done
+fi
 echo "pdproxy RSS: idle $((rss_idle / 1024)).$(( (rss_idle % 1024) * 10 / 1024 )) MiB, peak under load $((rss_peak / 1024)).$(( (rss_peak % 1024) * 10 / 1024 )) MiB"
 if [ -s "$work/logs/pdproxy.err" ]; then echo "pdproxy stderr (last lines):"; tail -5 "$work/logs/pdproxy.err"; fi

@@ -1,15 +1,20 @@
 #!/usr/bin/env bash
 # CI check of deploy/ (registered as the CTest test integration.deploy).
 #
-#   1. Kubernetes: renders base and every overlay with `kubectl kustomize` and
-#      checks the objects line up: probes on ports and paths that exist,
+#   1. Kubernetes: renders base, every overlay and compositions with the
+#      components with `kubectl kustomize`, runs the README's registry sed,
+#      and checks the objects line up: NetworkPolicies evaluated over the
+#      rendered pods, HPA, PDB, GPU rollouts, RDMA, model cache, monitors,
+#      Secrets; probes on ports and paths that exist,
 #      Service selectors and targetPorts, headless Services that pdproxy's
 #      PDPROXY_PREFILL / PDPROXY_DECODE URLs name, preStop and grace period
 #      against the drain settings, security contexts, resources, every
 #      PDPROXY_* key a real pdproxy flag (and the values accepted by
 #      `pdproxy --print-config`), engine-sim args accepted by engine-sim,
 #      vLLM's NixlConnector settings; then validates every object against
-#      Kubernetes' OpenAPI schemas (npm kubernetes-models, when node is here).
+#      Kubernetes' OpenAPI schemas and the Prometheus Operator CRDs' (npm
+#      kubernetes-models, @kubernetes-models/prometheus-operator, when node
+#      is here).
 #   2. Grafana: deploy/dashboards/*.json parse, panels are well formed and
 #      every PromQL expression uses only pdproxy's, vLLM's or engine-sim's
 #      metrics.
@@ -25,7 +30,7 @@
 # Binaries: $PX_BIN_DIR (CTest), else build-deploy/bin, else build/bin.
 # DEPLOY_CHECK_PREFIX=DIR skips the image build and checks DIR/bin instead
 # (for iterating on this script; CI never sets it).
-# Needs kubectl (Debian: kubernetes-client), python3 with yaml (python3-yaml),
+# Needs kubectl 1.22 or later (its kustomize renders components), python3 with yaml (python3-yaml),
 # wrk, dpkg, ldd, curl: deploy/local/install-deps.sh installs them.
 # Loopback only; every wait is bounded.  Exits non-zero on the first failing
 # section, after printing every problem found in it.
@@ -73,6 +78,13 @@ section() { echo "== $* ($(( $(date +%s) - t0 )) s)"; }
 command -v kubectl >/dev/null ||
     die "kubectl not found: install Debian's kubernetes-client (deploy/local/install-deps.sh)"
 kubectl kustomize --help >/dev/null 2>&1 || die "this kubectl has no 'kustomize' subcommand"
+# components/ and replacements need kustomize 4.1 or later (kubectl 1.22 or
+# later); Debian bookworm's kubernetes-client (1.20) bundles kustomize 2.0.3.
+kver=$(kubectl version --client 2>/dev/null | sed -n 's/^Kustomize Version: v\([0-9]*\)\.\([0-9]*\).*/\1 \2/p')
+read -r kmaj kmin <<<"${kver:-0 0}"
+if [ "$kmaj" -lt 4 ] || { [ "$kmaj" -eq 4 ] && [ "$kmin" -lt 1 ]; }; then
+    die "kubectl's kustomize is ${kver:-older than v4} (need v4.1 or later, i.e. kubectl 1.22 or later, for components/ and replacements); install a current kubectl (Kubernetes' own apt repository, pkgs.k8s.io)"
+fi
 PY=
 for p in python3 /usr/bin/python3; do
     if command -v "$p" >/dev/null && "$p" -c 'import yaml' 2>/dev/null; then PY=$p; break; fi
@@ -91,18 +103,52 @@ kubectl version --client 2>/dev/null | head -1 | sed 's/^/   /' || true
 mkdir -p "$work/k8s"
 overlays=(base)
 for o in "$deploy"/k8s/overlays/*/; do overlays+=("overlays/$(basename "$o")"); done
-[ ${#overlays[@]} -ge 3 ] || die "expected overlays sim and vllm under deploy/k8s/overlays"
+[ ${#overlays[@]} -ge 4 ] || die "expected overlays sim, vllm and vllm-rdma under deploy/k8s/overlays"
+# Components are rendered inside the overlays that list them and in these
+# compositions, built in a copy of deploy/k8s (kustomize refuses absolute
+# paths): overlay + components, each as a user would write it.
+cp -r "$deploy/k8s" "$work/k8s-src"
+compose() {  # name overlay component...
+    local name=$1 ov=$2; shift 2
+    mkdir -p "$work/k8s-src/compose/$name"
+    { echo "namespace: pdproxy"; echo "resources:"; echo "  - ../../overlays/$ov"
+      echo "components:"; for c in "$@"; do echo "  - ../../components/$c"; done
+    } >"$work/k8s-src/compose/$name/kustomization.yaml"
+    overlays+=("compose/$name")
+}
+compose sim-monitoring sim monitoring
+compose vllm-monitoring vllm monitoring
+compose vllm-rdma-multus vllm-rdma rdma-multus monitoring
+for c in "$deploy"/k8s/components/*/; do
+    c=$(basename "$c")
+    grep -rqs -- "components/$c\$" "$work/k8s-src/overlays" "$work/k8s-src/compose" ||
+        die "component $c is rendered by no overlay or composition in deploy/check.sh"
+done
 for o in "${overlays[@]}"; do
     out=$work/k8s/$(echo "$o" | tr / _).yaml
-    if ! timeout 60 kubectl kustomize "$deploy/k8s/$o" >"$out" 2>"$out.err"; then
+    if ! timeout 60 kubectl kustomize "$work/k8s-src/$o" >"$out" 2>"$out.err"; then
         cat "$out.err" >&2; die "kubectl kustomize deploy/k8s/$o failed"
     fi
-    grep -v "'bases' is deprecated" "$out.err" >&2 || true
+    cat "$out.err" >&2
     echo "   rendered deploy/k8s/$o: $(grep -c '^kind:' "$out") objects"
 done
 
+section "kubernetes: images point at a registry with the documented command"
+# deploy/README.md documents one sed over `kubectl kustomize` that points
+# every image at the operator's registry; run that very expression.
+rewrite=$(sed -n 's/^ *| sed -E "\(s#(image: .*#\)" .*/\1/p' "$deploy/README.md" | head -1)
+[ -n "$rewrite" ] || die "deploy/README.md: no '| sed -E \"s#(image: ...\"' registry command found"
+for f in "$work"/k8s/*.yaml; do
+    n=$(grep -c '^ *image: ' "$f" || true)
+    [ "$n" -gt 0 ] || die "$f: no image"
+    REGISTRY=mirror.test.invalid/team
+    bad=$(sed -E "${rewrite//'$REGISTRY'/$REGISTRY}" "$f" | grep '^ *image: ' | grep -v "image: $REGISTRY/" || true)
+    [ -z "$bad" ] || die "$(basename "$f"): the README's sed leaves images elsewhere: $bad"
+done
+echo "   every image of every rendering moves to \$REGISTRY/... with: sed -E \"$rewrite\""
+
 section "kubernetes: objects line up"
-"$PY" - "$work" "$bin/pdproxy" "$COMING_FLAGS" "${overlays[@]}" <<'PY'
+DEPLOY_README=$deploy/README.md "$PY" - "$work" "$bin/pdproxy" "$COMING_FLAGS" "${overlays[@]}" <<'PY'
 import json, os, re, subprocess, sys, yaml
 
 work, pdproxy, coming = sys.argv[1], sys.argv[2], sys.argv[3].split()
@@ -528,6 +574,311 @@ for ov in overlays:
         if not any(d["metadata"].get("namespace") == ns and all(d["spec"]["template"]["metadata"]["labels"].get(a) == b for a, b in sel.items()) for d in deps):
             err("%s PodDisruptionBudget/%s" % (ov, n), "selector matches no Deployment's pods")
 
+    # ---- selectors, evaluated as the API server does
+    def sel_match(sel, labels):
+        if sel is None:
+            return False
+        for k, v in (sel.get("matchLabels") or {}).items():
+            if labels.get(k) != v:
+                return False
+        for e in sel.get("matchExpressions") or []:
+            k, op, vals = e.get("key"), e.get("operator"), e.get("values") or []
+            if op == "In" and labels.get(k) not in vals: return False
+            if op == "NotIn" and k in labels and labels[k] in vals: return False
+            if op == "Exists" and k not in labels: return False
+            if op == "DoesNotExist" and k in labels: return False
+            if op not in ("In", "NotIn", "Exists", "DoesNotExist"):
+                err(ov, "selector operator %r" % op)
+        return True
+    def pod_labels(d):
+        return (d["spec"]["template"].get("metadata") or {}).get("labels") or {}
+    def pods_of(sel, ns):
+        return [d for d in deps if d["metadata"].get("namespace") == ns and sel_match(sel, pod_labels(d))]
+    def cports(d):
+        return [p for c in d["spec"]["template"]["spec"]["containers"] for p in c.get("ports") or []]
+    def role_of(d):
+        names = {kind_of(c) for c in d["spec"]["template"]["spec"]["containers"]}
+        return "proxy" if "pdproxy" in names else "engine" if names & {"engine-sim", "vllm"} else "other"
+    NP_FIELDS = {"spec": {"podSelector", "policyTypes", "ingress", "egress"}, "rule": {"from", "to", "ports"},
+                 "peer": {"podSelector", "namespaceSelector", "ipBlock"}, "port": {"port", "protocol", "endPort"}}
+    netpols = [d for (k, _, _), d in objs.items() if k == "NetworkPolicy"]
+    for np in netpols:
+        w = "%s NetworkPolicy/%s" % (ov, np["metadata"]["name"])
+        ns = np["metadata"].get("namespace")
+        spec = np.get("spec") or {}
+        for f in set(spec) - NP_FIELDS["spec"]:
+            err(w, "unknown field %r in spec" % f)
+        sel = spec.get("podSelector")
+        if sel is None:
+            err(w, "no podSelector")
+            continue
+        targets = pods_of(sel, ns)
+        if sel and not targets:
+            err(w, "podSelector %s matches no Deployment's pods" % sel)
+        for rule in spec.get("ingress") or []:
+            for f in set(rule) - NP_FIELDS["rule"]:
+                err(w, "unknown field %r in an ingress rule" % f)
+            for peer in rule.get("from") or []:
+                for f in set(peer) - NP_FIELDS["peer"]:
+                    err(w, "unknown field %r in a peer" % f)
+                if "podSelector" in peer and "namespaceSelector" not in peer and peer["podSelector"] \
+                        and not pods_of(peer["podSelector"], ns):
+                    err(w, "from.podSelector %s matches no Deployment's pods" % peer["podSelector"])
+            for pp in rule.get("ports") or []:
+                for f in set(pp) - NP_FIELDS["port"]:
+                    err(w, "unknown field %r in a port" % f)
+                if isinstance(pp.get("port"), str):
+                    for d in targets:
+                        if not any(p.get("name") == pp["port"] for p in cports(d)):
+                            err(w, "port %r is no named port of Deployment/%s" % (pp["port"], d["metadata"]["name"]))
+        total_checks[0] += 1
+
+    def allowed(src_labels, src_ns, dst, port):
+        """May a pod (src_labels in namespace src_ns) open TCP `port` on dst's pods?"""
+        ns = dst["metadata"].get("namespace")
+        pols = [p for p in netpols if p["metadata"].get("namespace") == ns
+                and "Ingress" in ((p["spec"].get("policyTypes")) or ["Ingress"])
+                and sel_match(p["spec"].get("podSelector"), pod_labels(dst))]
+        if not pols:
+            return True
+        ns_labels = {"kubernetes.io/metadata.name": src_ns}
+        for p in pols:
+            for rule in p["spec"].get("ingress") or []:
+                peers = rule.get("from")
+                def peer_ok(peer):
+                    if "ipBlock" in peer:
+                        return False
+                    if "namespaceSelector" in peer:
+                        if not sel_match(peer["namespaceSelector"], ns_labels):
+                            return False
+                    elif src_ns != ns:
+                        return False
+                    return "podSelector" not in peer or sel_match(peer["podSelector"], src_labels)
+                if peers and not any(peer_ok(x) for x in peers):
+                    continue
+                ports = rule.get("ports")
+                def port_ok(pp):
+                    if (pp.get("protocol") or "TCP") != "TCP":
+                        return False
+                    want = pp.get("port")
+                    if want is None:
+                        return True
+                    if isinstance(want, str):
+                        return any(x.get("name") == want and x["containerPort"] == port for x in cports(dst))
+                    return want <= port <= pp.get("endPort", want)
+                if ports and not any(port_ok(x) for x in ports):
+                    continue
+                return True
+        return False
+
+    if netpols:
+        proxies = [d for d in deps if role_of(d) == "proxy"]
+        engines = [d for d in deps if role_of(d) == "engine"]
+        outsider = ({"app": "anything"}, "default")
+        monitoring = ({"app.kubernetes.io/name": "prometheus"}, "monitoring")
+        def expect(src, dst, port, want, what):
+            total_checks[0] += 1
+            if allowed(src[0], src[1], dst, port) != want:
+                err("%s NetworkPolicies" % ov, "%s: %s port %d of Deployment/%s"
+                    % (what, "should reach" if want else "must not reach", port, dst["metadata"]["name"]))
+        for d in deps:
+            metrics_port = port_of(d["spec"]["template"]["spec"]["containers"][0], "http")
+            expect(monitoring, d, metrics_port, True, "Prometheus in namespace monitoring")
+        for d in proxies:
+            expect(outsider, d, port_of(d["spec"]["template"]["spec"]["containers"][0], "http"), True,
+                   "a client from another namespace")
+        for e in engines:
+            http = port_of(e["spec"]["template"]["spec"]["containers"][0], "http")
+            side = [p["containerPort"] for p in cports(e) if p.get("name") != "http"]
+            if not side:
+                err("%s Deployment/%s" % (ov, e["metadata"]["name"]), "no side-channel containerPort")
+            for px_ in proxies:
+                expect((pod_labels(px_), px_["metadata"]["namespace"]), e, http, True, "pdproxy")
+                for sp in side:
+                    expect((pod_labels(px_), px_["metadata"]["namespace"]), e, sp, False, "pdproxy")
+            expect(outsider, e, http, False, "a pod in another namespace")
+            for sp in side + [40000]:  # 40000: one of UCX's ephemeral TCP ports
+                expect(outsider, e, sp, False, "a pod in another namespace")
+                expect(monitoring, e, sp, False, "Prometheus")
+                for e2 in engines:
+                    if role_of(e2) == "engine" and kind_of(e2["spec"]["template"]["spec"]["containers"][0]) == \
+                            kind_of(e["spec"]["template"]["spec"]["containers"][0]):
+                        expect((pod_labels(e2), e2["metadata"]["namespace"]), e, sp, True,
+                               "engine Deployment/%s" % e2["metadata"]["name"])
+    elif ov != "base" or deps:
+        err(ov, "no NetworkPolicy rendered (SECURITY.md relies on them for the engines' ports)")
+
+    # ---- PodDisruptionBudgets, HorizontalPodAutoscalers
+    for (k, ns, n), pdb in objs.items():
+        if k == "PodDisruptionBudget" and pdb["spec"].get("unhealthyPodEvictionPolicy") != "AlwaysAllow":
+            err("%s PodDisruptionBudget/%s" % (ov, n), "unhealthyPodEvictionPolicy must be AlwaysAllow "
+                "(else a node drain blocks while the pods are unhealthy)")
+    for (k, ns, n), hpa in objs.items():
+        if k != "HorizontalPodAutoscaler":
+            continue
+        w = "%s HorizontalPodAutoscaler/%s" % (ov, n)
+        ref = hpa["spec"].get("scaleTargetRef") or {}
+        dep = get(ref.get("kind"), ns, ref.get("name"))
+        if dep is None or ref.get("kind") != "Deployment":
+            err(w, "scaleTargetRef %s names no rendered Deployment" % ref)
+            continue
+        if "replicas" in dep["spec"]:
+            err(w, "Deployment/%s sets replicas, which every kubectl apply would reset under the autoscaler" % ref["name"])
+        if (hpa["spec"].get("minReplicas") or 1) < 2:
+            err(w, "minReplicas < 2: the PodDisruptionBudget and rollouts need two")
+        for mt in hpa["spec"].get("metrics") or []:
+            r = (mt.get("resource") or {})
+            if r.get("name") == "cpu" and (r.get("target") or {}).get("type") == "Utilization":
+                for c in dep["spec"]["template"]["spec"]["containers"]:
+                    if "cpu" not in ((c.get("resources") or {}).get("requests") or {}):
+                        err(w, "CPU utilization needs a CPU request on container %s" % c["name"])
+        total_checks[0] += 1
+    if any(role_of(d) == "proxy" for d in deps) and not any(k == "HorizontalPodAutoscaler" for (k, _, _) in objs):
+        err(ov, "no HorizontalPodAutoscaler for pdproxy")
+
+    # ---- GPU Deployments: rollouts and start-up, model cache, RDMA
+    for dep in deps:
+        w = "%s Deployment/%s" % (ov, dep["metadata"]["name"])
+        pod = dep["spec"]["template"]["spec"]
+        gpu = any("nvidia.com/gpu" in ((c.get("resources") or {}).get("limits") or {}) for c in pod["containers"])
+        if not gpu:
+            continue
+        ru = ((dep["spec"].get("strategy") or {}).get("rollingUpdate")) or {}
+        if str(ru.get("maxSurge", "25%")) not in ("0", "0%"):
+            err(w, "GPU Deployment rolls with maxSurge %r: needs a spare GPU per rollout (use 0)" % ru.get("maxSurge", "25%"))
+        for c in pod["containers"]:
+            sp = c.get("startupProbe") or {}
+            budget = (sp.get("initialDelaySeconds") or 0) + (sp.get("failureThreshold") or 3) * (sp.get("periodSeconds") or 10)
+            pds = dep["spec"].get("progressDeadlineSeconds", 600)
+            if pds < budget + 300:
+                err(w, "progressDeadlineSeconds %s < the startup probe's %s s + 300 s (image pull, readiness)" % (pds, budget))
+            mounts = {m["name"]: m for m in c.get("volumeMounts") or []}
+            cache = [m for m in mounts.values() if "huggingface" in m.get("mountPath", "")]
+            if not cache:
+                err(w, "no model cache mounted at ~/.cache/huggingface")
+            for m in cache:
+                vol = next((v for v in pod.get("volumes") or [] if v["name"] == m["name"]), {})
+                claim = (vol.get("persistentVolumeClaim") or {}).get("claimName")
+                pvc = get("PersistentVolumeClaim", dep["metadata"].get("namespace"), claim)
+                if pvc is None:
+                    err(w, "model cache %s is not a rendered PersistentVolumeClaim (weights would download again on every restart)" % m["name"])
+                    continue
+                size = ((pvc["spec"].get("resources") or {}).get("requests") or {}).get("storage")
+                want = ((cms.get((pvc["metadata"].get("namespace"), "vllm-config")) or {}).get("data") or {}).get("MODEL_CACHE_SIZE")
+                if want and size != want:
+                    err(w, "PVC %s requests %s, vllm-config says MODEL_CACHE_SIZE=%s" % (claim, size, want))
+                if (dep["spec"].get("replicas") or 1) > 1 or len([d for d in deps if "vllm" in d["metadata"]["name"]]) > 1:
+                    if "ReadWriteMany" not in (pvc["spec"].get("accessModes") or []):
+                        err(w, "PVC %s is shared by several pods but not ReadWriteMany" % claim)
+            envs = {e["name"]: e.get("value") for e in c.get("env") or []}
+            tls = (envs.get("UCX_TLS") or "").split(",")
+            res = c.get("resources") or {}
+            rdma_req = {k: v for k, v in (res.get("requests") or {}).items() if k.startswith("rdma/")}
+            rdma_lim = {k: v for k, v in (res.get("limits") or {}).items() if k.startswith("rdma/")}
+            caps = ((c.get("securityContext") or {}).get("capabilities") or {}).get("add") or []
+            if set(caps) - {"IPC_LOCK"}:
+                err(w, "capabilities added beyond IPC_LOCK: %s" % caps)
+            rdma = bool({"rc", "rc_x", "rc_v", "dc", "dc_x", "ud", "ib"} & set(tls))
+            if not envs.get("UCX_TLS"):
+                err(w, "UCX_TLS not set: say which transport the KV takes")
+            if rdma:
+                if not rdma_lim or rdma_req != rdma_lim:
+                    err(w, "UCX_TLS %s is RDMA but the container requests no rdma/* device (equal requests and limits)" % envs["UCX_TLS"])
+                if "IPC_LOCK" not in caps:
+                    err(w, "RDMA needs capability IPC_LOCK to pin memory")
+                if envs.get("UCX_NET_DEVICES") in (None, "all"):
+                    err(w, "RDMA: UCX_NET_DEVICES should name the HCA port (mlx5_0:1), not %r" % envs.get("UCX_NET_DEVICES"))
+                if "tcp" in tls:
+                    err(w, "RDMA variant lists tcp in UCX_TLS: a missing device would fall back silently")
+                shm = next((v for v in pod.get("volumes") or [] if v["name"] in mounts and mounts[v["name"]].get("mountPath") == "/dev/shm"), None)
+                if not shm or (shm.get("emptyDir") or {}).get("medium") != "Memory":
+                    err(w, "RDMA: /dev/shm must be a memory-backed emptyDir")
+            else:
+                if rdma_lim or rdma_req or caps:
+                    err(w, "TCP variant (UCX_TLS %s) requests RDMA devices or capabilities" % envs.get("UCX_TLS"))
+            if "rdma" in ov and not rdma:
+                err(w, "overlay %s renders a vLLM without RDMA transports (UCX_TLS %s)" % (ov, envs.get("UCX_TLS")))
+            multus = ((dep["spec"]["template"].get("metadata") or {}).get("annotations") or {}).get("k8s.v1.cni.cncf.io/networks")
+            if "multus" in ov and not multus:
+                err(w, "composition %s: no Multus networks annotation" % ov)
+            total_checks[0] += 1
+
+    # ---- Secrets the operator creates, mounted read-only
+    readme = open(os.environ["DEPLOY_README"]).read()
+    for dep in deps:
+        w = "%s Deployment/%s" % (ov, dep["metadata"]["name"])
+        pod = dep["spec"]["template"]["spec"]
+        for v in pod.get("volumes") or []:
+            sec = v.get("secret")
+            if not sec:
+                continue
+            name = sec.get("secretName")
+            if not get("Secret", dep["metadata"].get("namespace"), name) and not sec.get("optional") \
+                    and "kubectl -n pdproxy create secret generic %s" % name not in readme:
+                err(w, "Secret %s is not rendered and deploy/README.md does not say how to create it" % name)
+            for c in pod["containers"]:
+                for m in c.get("volumeMounts") or []:
+                    if m["name"] == v["name"] and not m.get("readOnly"):
+                        err(w, "Secret volume %s mounted writable in %s" % (v["name"], c["name"]))
+        for c in pod["containers"]:
+            if kind_of(c) != "engine-sim":
+                continue
+            envs = {e["name"]: e.get("value") for e in c.get("env") or []}
+            f = envs.get("KVC_SECRET_FILE")
+            if not f:
+                err(w, "engine-sim without KVC_SECRET_FILE (the KV side channel's shared secret)")
+                continue
+            ok = False
+            for m in c.get("volumeMounts") or []:
+                vol = next((v for v in pod.get("volumes") or [] if v["name"] == m["name"]), {})
+                if vol.get("secret") and m.get("readOnly") and f.startswith(m["mountPath"].rstrip("/") + "/"):
+                    key = f[len(m["mountPath"].rstrip("/")) + 1:]
+                    items = vol["secret"].get("items")
+                    ok = items is None or any(i.get("path") == key for i in items)
+            if not ok:
+                err(w, "KVC_SECRET_FILE %s is no file of a read-only Secret mount" % f)
+            total_checks[0] += 1
+
+    # ---- Prometheus Operator monitors
+    for (k, ns, n), mon in objs.items():
+        if k not in ("ServiceMonitor", "PodMonitor"):
+            continue
+        w = "%s %s/%s" % (ov, k, n)
+        sel = mon["spec"].get("selector") or {}
+        if k == "ServiceMonitor":
+            matched = [s for s in svcs if s["metadata"].get("namespace") == ns and sel_match(sel, s["metadata"].get("labels") or {})]
+            if len(matched) != 1:
+                err(w, "selector %s matches %d Services, want 1" % (sel, len(matched)))
+            for ep in mon["spec"].get("endpoints") or []:
+                for s in matched:
+                    if ep.get("port") not in [p.get("name") for p in s["spec"].get("ports") or []]:
+                        err(w, "endpoint port %r is no port name of Service/%s" % (ep.get("port"), s["metadata"]["name"]))
+                if ep.get("path", "/metrics") != "/metrics":
+                    err(w, "scrapes %s, not /metrics" % ep.get("path"))
+        else:
+            matched = pods_of(sel, ns)
+            if not matched:
+                err(w, "selector %s matches no Deployment's pods" % sel)
+            for ep in mon["spec"].get("podMetricsEndpoints") or []:
+                for d in matched:
+                    if ep.get("port") not in [p.get("name") for p in cports(d)]:
+                        err(w, "port %r is no named port of Deployment/%s" % (ep.get("port"), d["metadata"]["name"]))
+                if ep.get("path", "/metrics") != "/metrics":
+                    err(w, "scrapes %s, not /metrics" % ep.get("path"))
+        total_checks[0] += 1
+    if any(k in ("ServiceMonitor", "PodMonitor") for (k, _, _) in objs):
+        scraped = set()
+        for (k, ns, n), mon in objs.items():
+            if k == "PodMonitor":
+                scraped |= {d["metadata"]["name"] for d in pods_of(mon["spec"].get("selector") or {}, ns)}
+            if k == "ServiceMonitor":
+                for s in svcs:
+                    if sel_match(mon["spec"].get("selector") or {}, s["metadata"].get("labels") or {}):
+                        scraped |= {d["metadata"]["name"] for d in pods_of({"matchLabels": s["spec"].get("selector") or {}}, ns)}
+        for d in deps:
+            if d["metadata"]["name"] not in scraped:
+                err(ov, "no ServiceMonitor/PodMonitor scrapes Deployment/%s" % d["metadata"]["name"])
+
     # ---- the ConfigMap's values through pdproxy's own parser
     for (ns, n), cm in cms.items():
         data = cm.get("data") or {}
@@ -613,6 +964,8 @@ ALLOWED = {
     "pdproxy_backend_inflight", "pdproxy_kv_transfer_params_missing_total",
     "pdproxy_remote_request_id_missing_total", "pdproxy_client_disconnects_total", "pdproxy_retries_total",
     "process_resident_memory_bytes", "process_open_fds", "process_cpu_seconds_total",
+    "pdproxy_build_info", "process_start_time_seconds",
+    "pdproxy_trace_spans_exported_total", "pdproxy_trace_spans_dropped_total",
 }
 HISTOGRAMS = {"pdproxy_request_duration_seconds", "pdproxy_time_to_first_byte_seconds",
               "pdproxy_prefill_duration_seconds"}
@@ -695,6 +1048,18 @@ for path in sys.argv[1:]:
                     for grp in re.findall(r"\b(?:by|without)\s*\(([^)]*)\)", expr):
                         labels.update(l.strip() for l in grp.split(",") if l.strip())
                     label_uses.setdefault(ms.pop(), set()).update(labels - TARGET_LABELS)
+                # Ratios of pdproxy_requests_total by code count API requests
+                # only: probes and scrapes (/ready's 503 while draining,
+                # /metrics) are not client traffic.
+                if re.search(r'code\s*=~?\s*"[45]', expr):
+                    for sel in re.findall(r"pdproxy_requests_total(\{[^}]*\})?", expr):
+                        if not re.search(r'endpoint\s*=~\s*"/v1/', sel or ""):
+                            errors.append("%s: panel %r: error ratio over pdproxy_requests_total%s counts "
+                                          "non-API paths (add endpoint=~\"/v1/.*\")" % (path, p.get("title"), sel))
+                # Time to first byte means something only per kind of answer.
+                if "pdproxy_time_to_first_byte_seconds" in expr and "stream" not in expr:
+                    errors.append("%s: panel %r mixes streamed and whole answers' time to first byte "
+                                  "(group or filter by stream): %s" % (path, p.get("title"), expr))
                 for m in metrics_of(expr):
                     used.add(re.sub(r"_(bucket|sum|count)$", "", m) if re.sub(r"_(bucket|sum|count)$", "", m) in HISTOGRAMS else m)
                     if not allowed(m):
@@ -730,8 +1095,13 @@ build_pkgs=$(arg_list BUILD_PACKAGES)
 runtime_pkgs=$(arg_list RUNTIME_PACKAGES)
 [ -n "$build_pkgs" ] || die "Dockerfile: no ARG BUILD_PACKAGES=\"...\" line"
 [ -n "$runtime_pkgs" ] || die "Dockerfile: no ARG RUNTIME_PACKAGES=\"...\" line"
-grep -q '^FROM debian:bookworm AS build' "$df" || die "Dockerfile: build stage must be FROM debian:bookworm AS build"
-grep -q '^FROM debian:bookworm-slim' "$df" || die "Dockerfile: runtime stage must be FROM debian:bookworm-slim"
+# Base images are build arguments, defaulting to Debian bookworm's public ones.
+grep -q '^ARG BUILD_BASE=debian:bookworm$' "$df" || die "Dockerfile: ARG BUILD_BASE=debian:bookworm missing (before the first FROM)"
+grep -q '^ARG RUNTIME_BASE=debian:bookworm-slim$' "$df" || die "Dockerfile: ARG RUNTIME_BASE=debian:bookworm-slim missing"
+grep -q '^FROM ${BUILD_BASE} AS build$' "$df" || die "Dockerfile: build stage must be FROM \${BUILD_BASE} AS build"
+grep -q '^FROM ${RUNTIME_BASE} AS runtime$' "$df" || die "Dockerfile: runtime stage must be FROM \${RUNTIME_BASE} AS runtime"
+[ "$(grep -n '^ARG BUILD_BASE=' "$df" | cut -d: -f1)" -lt "$(grep -n '^FROM ' "$df" | head -1 | cut -d: -f1)" ] ||
+    die "Dockerfile: ARG BUILD_BASE must come before the first FROM to be usable there"
 grep -Eq '^USER +[1-9][0-9]*' "$df" || die "Dockerfile: USER must be a numeric non-root uid"
 grep -Eq '^EXPOSE +8000' "$df" || die "Dockerfile: EXPOSE 8000 missing"
 grep -q '^HEALTHCHECK' "$df" || die "Dockerfile: HEALTHCHECK missing"

@@ -6,6 +6,7 @@
 
 #include "config.h"
 #include "log.h"
+#include "otlp.h"
 #include "server.h"
 
 extern char **environ;
@@ -29,17 +30,25 @@ int main(int argc, char **argv) {
         rl.rlim_cur = rl.rlim_max;
         setrlimit(RLIMIT_NOFILE, &rl);
     }
-    /* libcurl is loaded (and initialised) on the first https:// request. */
+    /* libcurl is loaded (and initialised) on the first https:// request or
+     * trace export. */
+    if (px_otlp_start(err, sizeof err) < 0) {
+        fprintf(stderr, "pdproxy: %s\n", err);
+        px_config_cleanup(&cfg);
+        return 2;
+    }
     px_server *s = px_server_create(&cfg, err, sizeof err);
     if (!s) {
         /* Like a bad flag: what was asked cannot be served (the port is
          * taken, a file is missing). */
         fprintf(stderr, "pdproxy: %s\n", err);
+        px_otlp_stop();
         px_config_cleanup(&cfg);
         return 2;
     }
     int rc = px_server_run(s);
     px_server_destroy(s);
+    px_otlp_stop(); /* exports what the last requests left, within its timeout */
     px_config_cleanup(&cfg);
     return rc;
 }

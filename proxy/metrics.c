@@ -10,6 +10,7 @@
 #include <unistd.h>
 
 #include "discovery.h"
+#include "otlp.h"
 #include "route.h"
 #include "server.h"
 
@@ -42,7 +43,8 @@ static unsigned long long ld(const atomic_ullong *c) {
     return atomic_load_explicit(c, memory_order_relaxed);
 }
 
-static void render_hist(px_buf *o, px_server *s, const char *name, const char *help,
+/* One histogram series, every worker's summed; `label` (`k="v"`) or NULL. */
+static void hist_series(px_buf *o, px_server *s, const char *name, const char *label,
                         size_t offset) {
     unsigned long long b[PX_HIST_BUCKETS] = {0}, count = 0, sum = 0;
     for (int w = 0; w < s->nworkers; w++) {
@@ -52,14 +54,25 @@ static void render_hist(px_buf *o, px_server *s, const char *name, const char *h
         count += ld(&h->count);
         sum += ld(&h->sum_us);
     }
-    px_buf_printf(o, "# HELP %s %s\n# TYPE %s histogram\n", name, help, name);
+    const char *sep = label ? "," : "";
+    label = label ? label : "";
     unsigned long long cum = 0;
     for (int i = 0; i < PX_HIST_BUCKETS; i++) {
         cum += b[i];
-        px_buf_printf(o, "%s_bucket{le=\"%g\"} %llu\n", name, bounds[i], cum);
+        px_buf_printf(o, "%s_bucket{%s%sle=\"%g\"} %llu\n", name, label, sep, bounds[i], cum);
     }
-    px_buf_printf(o, "%s_bucket{le=\"+Inf\"} %llu\n%s_sum %.6f\n%s_count %llu\n", name, count, name,
-                  (double)sum / 1e6, name, count);
+    px_buf_printf(o, "%s_bucket{%s%sle=\"+Inf\"} %llu\n", name, label, sep, count);
+    if (label[0])
+        px_buf_printf(o, "%s_sum{%s} %.6f\n%s_count{%s} %llu\n", name, label, (double)sum / 1e6,
+                      name, label, count);
+    else
+        px_buf_printf(o, "%s_sum %.6f\n%s_count %llu\n", name, (double)sum / 1e6, name, count);
+}
+
+static void render_hist(px_buf *o, px_server *s, const char *name, const char *help,
+                        size_t offset) {
+    px_buf_printf(o, "# HELP %s %s\n# TYPE %s histogram\n", name, help, name);
+    hist_series(o, s, name, NULL, offset);
 }
 
 /* Sums one counter (at `offset` in px_metrics) over every worker. */
@@ -130,6 +143,40 @@ static void render_backends(px_buf *o, px_server *s) {
     }
 }
 
+/* Start of this process in seconds since the epoch: its start in clock
+ * ticks after boot (/proc/self/stat, field 22) plus the boot time. */
+static double start_time(void) {
+    static double cached;
+    if (cached > 0) return cached;
+    char buf[1024];
+    FILE *f = fopen("/proc/self/stat", "r");
+    if (!f) return 0;
+    size_t n = fread(buf, 1, sizeof buf - 1, f);
+    fclose(f);
+    buf[n] = '\0';
+    /* Fields after the command name, which may hold spaces and ')'. */
+    char *p = strrchr(buf, ')');
+    if (!p) return 0;
+    unsigned long long ticks = 0;
+    int field = 2;
+    for (char *tok = strtok(p + 1, " "); tok; tok = strtok(NULL, " "))
+        if (++field == 22) {
+            ticks = strtoull(tok, NULL, 10);
+            break;
+        }
+    unsigned long long btime = 0;
+    f = fopen("/proc/stat", "r");
+    if (!f) return 0;
+    char line[256];
+    while (fgets(line, sizeof line, f))
+        if (sscanf(line, "btime %llu", &btime) == 1) break;
+    fclose(f);
+    long hz = sysconf(_SC_CLK_TCK);
+    if (!btime || hz <= 0) return 0;
+    cached = (double)btime + (double)ticks / (double)hz;
+    return cached;
+}
+
 static void render_process(px_buf *o) {
     long page = sysconf(_SC_PAGESIZE);
     unsigned long vsz = 0, rss = 0;
@@ -168,9 +215,13 @@ static void render_process(px_buf *o) {
                   "process_max_fds %llu\n"
                   "# HELP process_cpu_seconds_total Total user and system CPU time in seconds.\n"
                   "# TYPE process_cpu_seconds_total counter\n"
-                  "process_cpu_seconds_total %.3f\n",
+                  "process_cpu_seconds_total %.3f\n"
+                  "# HELP process_start_time_seconds Start time of the process since the Unix "
+                  "epoch in seconds.\n"
+                  "# TYPE process_start_time_seconds gauge\n"
+                  "process_start_time_seconds %.2f\n",
                   rss * (unsigned long)page, vsz * (unsigned long)page, fds,
-                  (unsigned long long)rl.rlim_cur, cpu);
+                  (unsigned long long)rl.rlim_cur, cpu, start_time());
 }
 
 /* Limits that hold memory and connections, and what routing did when every
@@ -228,9 +279,17 @@ void px_metrics_render(px_server *s, px_buf *o) {
     render_hist(o, s, "pdproxy_request_duration_seconds",
                 "Time from a request's arrival to the end of its answer.",
                 offsetof(px_metrics, duration));
-    render_hist(o, s, "pdproxy_time_to_first_byte_seconds",
-                "Time from a request's arrival to the first byte of decode's answer.",
-                offsetof(px_metrics, ttfb));
+    /* Split by stream: for a streamed answer the first byte is the first
+     * token; for a whole answer it is nearly the end, and mixing the two
+     * would make neither readable. */
+    px_buf_appends(o, "# HELP pdproxy_time_to_first_byte_seconds Time from a request's arrival "
+                      "to the first byte of decode's answer; stream=\"true\": streamed (SSE) "
+                      "answers, where it is the time to first token.\n"
+                      "# TYPE pdproxy_time_to_first_byte_seconds histogram\n");
+    hist_series(o, s, "pdproxy_time_to_first_byte_seconds", "stream=\"false\"",
+                offsetof(px_metrics, ttfb[0]));
+    hist_series(o, s, "pdproxy_time_to_first_byte_seconds", "stream=\"true\"",
+                offsetof(px_metrics, ttfb[1]));
     render_hist(o, s, "pdproxy_prefill_duration_seconds",
                 "Time the prefill request took, retries included.", offsetof(px_metrics, prefill));
     counter(o, "pdproxy_kv_transfer_params_missing_total",
@@ -258,6 +317,23 @@ void px_metrics_render(px_server *s, px_buf *o) {
                   "# TYPE pdproxy_inflight_requests gauge\npdproxy_inflight_requests %llu\n",
                   inflight);
     render_backends(o, s);
+    px_otlp_stats ts;
+    px_otlp_get_stats(&ts);
+    counter(o, "pdproxy_trace_spans_exported_total",
+            "Spans the OTLP collector accepted (0 when export is off).", ts.exported);
+    px_buf_printf(o,
+                  "# HELP pdproxy_trace_spans_dropped_total Spans not exported: queue_full (the "
+                  "collector is slower than the traffic), export_failed (it refused or did not "
+                  "answer).\n# TYPE pdproxy_trace_spans_dropped_total counter\n"
+                  "pdproxy_trace_spans_dropped_total{reason=\"queue_full\"} %llu\n"
+                  "pdproxy_trace_spans_dropped_total{reason=\"export_failed\"} %llu\n"
+                  "# HELP pdproxy_trace_spans_queued Spans waiting for export.\n"
+                  "# TYPE pdproxy_trace_spans_queued gauge\npdproxy_trace_spans_queued %llu\n",
+                  ts.dropped_full, ts.dropped_error, ts.queued);
+    px_buf_appends(o, "# HELP pdproxy_build_info The running build: version and source commit.\n"
+                      "# TYPE pdproxy_build_info gauge\n");
+    px_buf_printf(o, "pdproxy_build_info{version=\"%s\",commit=\"%s\"} 1\n", PDPROXY_VERSION,
+                  PDPROXY_COMMIT);
     render_process(o);
     render_limits(o, s);
 }

@@ -34,7 +34,7 @@ typedef struct px_hist {
 typedef struct px_metrics {
     atomic_ullong requests[PX_MEP_COUNT][500]; /* by endpoint and status - 100 */
     px_hist duration;
-    px_hist ttfb;
+    px_hist ttfb[2]; /* by stream label: [0] answered as a whole, [1] streamed (SSE) */
     px_hist prefill;
     atomic_ullong kvp_missing;
     atomic_ullong rrid_missing;

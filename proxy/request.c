@@ -4,9 +4,11 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 
 #include "json.h"
 #include "log.h"
+#include "otlp.h"
 #include "rewrite.h"
 
 /* Largest prefill answer kept; a prefill answers one token, so anything near
@@ -77,6 +79,14 @@ struct px_req {
     struct event *grace_timer; /* owned: a prefill whose client left may still answer */
     size_t bytes_out;
     int64_t held; /* bytes of the bodies above counted in the server's memory budget */
+
+    /* Tracing (otlp.h): the client's span id ("" when the trace is new),
+     * this request's spans, and when its first prefill and decode attempts
+     * left. */
+    char parent_span[17];
+    char span_root[17], span_p[17], span_d[17];
+    uint64_t t_pstart, t_dstart;
+    int streamed; /* decode answered text/event-stream: 1, else 0 */
 };
 
 static void start_prefill(px_req *r);
@@ -139,20 +149,56 @@ static double secs(uint64_t from, uint64_t to) {
     return from && to ? (double)(to - from) / 1e9 : -1;
 }
 
+/* The request's spans for trace export (otlp.h). */
+static void submit_spans(px_req *r, int status, const char *outcome, uint64_t now) {
+    px_otlp_req q = {.trace_id = r->trace_id,
+                     .flags = r->trace_flags,
+                     .parent_span = r->parent_span[0] ? r->parent_span : NULL,
+                     .span_root = r->span_root,
+                     .span_prefill = r->span_p,
+                     .span_decode = r->span_d,
+                     .method = r->ep == PX_EP_MODELS ? "GET" : "POST",
+                     .route = ep_paths[r->ep],
+                     .request_id = r->id,
+                     .outcome = outcome,
+                     .status = status,
+                     .t_start = r->t0,
+                     .t_end = now,
+                     .prefill = r->pname[0] ? r->pname : NULL,
+                     .prefill_status = r->pstatus,
+                     .prefill_attempts = (int)r->ntried_p,
+                     .t_prefill_start = r->t_pstart,
+                     .t_prefill_end = r->t_prefill,
+                     .decode = r->dname[0] ? r->dname : NULL,
+                     .decode_status = r->dstatus,
+                     .decode_attempts = (int)r->ntried_d,
+                     .streamed = r->streamed,
+                     .t_decode_start = r->t_dstart,
+                     .presp = r->presp.data,
+                     .presp_len = r->presp.len};
+    px_otlp_submit(&q);
+}
+
 /* The access log line and the request metrics, once per request. */
 static void finish_log(px_req *r, int status, const char *outcome) {
     uint64_t now = px_now_ns();
     px_metrics *m = &r->w->metrics;
     px_metrics_count(m, ep_metric[r->ep], status);
     px_hist_observe(&m->duration, secs(r->t0, now));
-    if (r->t_first) px_hist_observe(&m->ttfb, secs(r->t0, r->t_first));
-    PX_LOG(PX_LOG_INFO,
-           "req=%s msg=\"request\" endpoint=%s prefill=%s decode=%s status=%d prefill_ms=%.2f "
-           "ttfb_ms=%.2f total_ms=%.2f bytes_out=%zu outcome=%s trace_id=%s",
-           r->lid, ep_paths[r->ep], r->pname[0] ? r->pname : "-", r->dname[0] ? r->dname : "-",
-           status, r->t_prefill ? secs(r->t0, r->t_prefill) * 1e3 : -1.0,
-           r->t_first ? secs(r->t0, r->t_first) * 1e3 : -1.0, secs(r->t0, now) * 1e3, r->bytes_out,
-           outcome, r->trace_id);
+    if (r->t_first) px_hist_observe(&m->ttfb[r->streamed], secs(r->t0, r->t_first));
+    px_access a = {.req = r->lid,
+                   .endpoint = ep_paths[r->ep],
+                   .prefill = r->pname[0] ? r->pname : NULL,
+                   .decode = r->dname[0] ? r->dname : NULL,
+                   .status = status,
+                   .prefill_ms = r->t_prefill ? secs(r->t0, r->t_prefill) * 1e3 : -1.0,
+                   .ttfb_ms = r->t_first ? secs(r->t0, r->t_first) * 1e3 : -1.0,
+                   .total_ms = secs(r->t0, now) * 1e3,
+                   .bytes_out = r->bytes_out,
+                   .outcome = outcome,
+                   .trace_id = r->trace_id};
+    px_log_access(&a);
+    if (px_otlp_enabled()) submit_spans(r, status, outcome, now);
 }
 
 /* Visible ASCII without quote or backslash, at most 128 bytes (README,
@@ -176,10 +222,13 @@ void px_req_log_refused(const px_http_head *h, const char *endpoint, int status)
         id[xid->value_len] = '\0';
         px_log_value(id, lid, sizeof lid);
     }
-    PX_LOG(PX_LOG_INFO,
-           "req=%s msg=\"request\" endpoint=%s prefill=- decode=- status=%d prefill_ms=-1.00 "
-           "ttfb_ms=-1.00 total_ms=0.00 bytes_out=0 outcome=refused trace_id=-",
-           lid, endpoint, status);
+    px_access a = {.req = lid,
+                   .endpoint = endpoint,
+                   .status = status,
+                   .prefill_ms = -1,
+                   .ttfb_ms = -1,
+                   .outcome = "refused"};
+    px_log_access(&a);
 }
 
 static void req_end(px_req *r, int status, const char *outcome) {
@@ -264,21 +313,24 @@ void px_trace_new(char trace[33]) {
     trace[32] = '\0';
 }
 
-/* A child span of the request's trace: same trace id and flags, a new
- * parent id, for each upstream request. */
-static void trace_child(const char *trace, const char *flags, char out[56]) {
+/* A new span id: 16 hex digits, never all zero. */
+static void span_new(char sp[17]) {
     static const char hex[] = "0123456789abcdef";
     uint64_t span = px_rand64() | 1;
-    char sp[17];
     for (int i = 0; i < 16; i++)
         sp[i] = hex[(span >> (60 - 4 * i)) & 15];
     sp[16] = '\0';
-    snprintf(out, 56, "00-%s-%s-%s", trace, sp, flags);
+}
+
+/* A child span of the request's trace: same trace id and flags, the span
+ * of the upstream leg (prefill or decode) as parent id. */
+static void trace_child(const char *trace, const char *span, const char *flags, char out[56]) {
+    snprintf(out, 56, "00-%s-%s-%s", trace, span, flags);
 }
 
 /* The header lines both upstream requests carry ("Name: value\r\n" each);
  * Host and the body's framing are the transport's. */
-static void headers_for(px_req *r, const px_http_head *h, int traced, px_buf *l) {
+static void headers_for(px_req *r, const px_http_head *h, int traced, const char *span, px_buf *l) {
     if (r->ep != PX_EP_MODELS) px_buf_appends(l, "Content-Type: application/json\r\n");
     px_buf_printf(l, "X-Request-Id: %s\r\n", r->id);
     const px_http_header *auth = px_http_find(h, "authorization");
@@ -288,7 +340,7 @@ static void headers_for(px_req *r, const px_http_head *h, int traced, px_buf *l)
         px_buf_printf(l, "Authorization: %.*s\r\n", (int)auth->value_len, auth->value);
     }
     char child[56];
-    trace_child(r->trace_id, r->trace_flags, child);
+    trace_child(r->trace_id, span, r->trace_flags, child);
     px_buf_printf(l, "traceparent: %s\r\n", child);
     /* tracestate belongs to the client's trace: dropped when that was
      * unusable and a new trace started. */
@@ -351,6 +403,7 @@ static void decode_headers(void *arg, int status, const char *ctype) {
     touch_idle(r);
     if (r->state == RS_RELEASING) return;
     r->t_first = px_now_ns();
+    r->streamed = ctype && !strncasecmp(ctype, "text/event-stream", 17);
     set_state(r, RS_STREAM);
     if (r->conn) px_conn_stream_start(r->conn, status, ctype, r->id, NULL);
 }
@@ -447,6 +500,7 @@ static void start_decode(px_req *r) {
         return;
     }
     snprintf(r->dname, sizeof r->dname, "%s", r->db->name);
+    if (!r->t_dstart) r->t_dstart = px_now_ns();
     if (r->ntried_d < MAX_TRIES) r->tried_d[r->ntried_d++] = r->db;
     if (r->state != RS_RELEASING) set_state(r, RS_DECODE);
     if (start_upstream(r, &r->s->decode, r->db, ep_paths[r->ep],
@@ -516,7 +570,9 @@ static void proceed_to_decode(px_req *r) {
      * copy of the request is held, not three. */
     px_buf_cleanup(&r->body);
     px_buf_cleanup(&r->pbody);
-    px_buf_cleanup(&r->presp);
+    /* Prefill's answer stays only for the trace (its remote_request_id and
+     * usage go into the spans). */
+    if (!px_otlp_enabled()) px_buf_cleanup(&r->presp);
     r->key = NULL;
     account(r);
     start_decode(r);
@@ -616,6 +672,7 @@ static void start_prefill(px_req *r) {
         return;
     }
     snprintf(r->pname, sizeof r->pname, "%s", r->pb->name);
+    if (!r->t_pstart) r->t_pstart = px_now_ns();
     if (r->ntried_p < MAX_TRIES) r->tried_p[r->ntried_p++] = r->pb;
     set_state(r, RS_PREFILL);
     long ptimeout = 0;
@@ -741,9 +798,15 @@ void px_req_start(px_worker *w, px_conn *c, px_endpoint ep, const px_http_head *
     if (!traced) {
         px_trace_new(r->trace_id);
         memcpy(r->trace_flags, "01", 3);
+    } else {
+        memcpy(r->parent_span, tp->value + 36, 16);
     }
-    headers_for(r, h, traced, &r->hdrs_p);
-    headers_for(r, h, traced, &r->hdrs_d);
+    px_otlp_sample(r->trace_id, traced ? r->trace_flags : NULL, r->trace_flags);
+    span_new(r->span_root);
+    span_new(r->span_p);
+    span_new(r->span_d);
+    headers_for(r, h, traced, r->span_p, &r->hdrs_p);
+    headers_for(r, h, traced, r->span_d, &r->hdrs_d);
 
     long max = r->s->cfg->max_inflight;
     long now = atomic_fetch_add(&r->s->inflight, 1) + 1;

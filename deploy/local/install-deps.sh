@@ -12,6 +12,9 @@ PKGS=(
   python3-yaml   # deploy/check.sh parses the rendered Kubernetes manifests
   # deploy/check.sh renders them with `kubectl kustomize`: Debian's kubectl,
   # unless one is installed already (its /usr/bin/kubectl would clash).
+  # Debian bookworm's (1.20) is too old for the manifests' components and
+  # replacements (kubectl 1.22 or later): check.sh says so and fails; install
+  # kubectl from Kubernetes' apt repository (pkgs.k8s.io) there.
   $(command -v kubectl >/dev/null 2>&1 || echo kubernetes-client)
 )
 

@@ -1595,6 +1595,10 @@ class PxTestCase(unittest.TestCase):
         self.assertIsInstance(err.get("message"), str, "%s error.message %r" % (where, err))
         self.assertTrue(err["message"], "%s empty error.message" % where)
         self.assertIsInstance(err.get("type"), str, "%s error.type %r" % (where, err))
+        # OpenAI's shape: `param` is always there, null when no parameter
+        # is at fault (the proxy never names one).
+        self.assertIn("param", err, "%s error without param: %r" % (where, err))
+        self.assertIsNone(err["param"], "%s error.param %r" % (where, err))
         code = err.get("code")
         self.assertTrue(isinstance(code, int) and not isinstance(code, bool),
                         "%s error.code %r" % (where, code))

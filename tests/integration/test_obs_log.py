@@ -17,8 +17,11 @@ from pxtest import (PxTestCase, RawClient, Respond, Stream, Hang, closed_port,  
                     completion_body, chat_body, decode_handler, http_request, prefill_handler,
                     raw_exchange, run_pdproxy, sse_events, strict_json, wait_until)
 
-ACCESS_FIELDS = ("req", "endpoint", "prefill", "decode", "status", "prefill_ms", "ttfb_ms",
-                 "total_ms", "bytes_out", "outcome")
+# In every access line.  prefill, decode, prefill_ms, ttfb_ms and trace_id
+# are there when known and absent when not (a request refused before any
+# backend has no prefill and no first byte).
+ACCESS_FIELDS = ("req", "endpoint", "status", "total_ms", "bytes_out", "outcome")
+OK_FIELDS = ACCESS_FIELDS + ("prefill", "decode", "prefill_ms", "ttfb_ms", "trace_id")
 
 
 class LogfmtError(AssertionError):
@@ -149,8 +152,8 @@ class LogTestBase(PxTestCase):
         self.assertEqual(len(mine), 1, "access lines for %s: %r" % (rid, mine))
         return mine[0]
 
-    def check_fields(self, rec, where=""):
-        for f in ACCESS_FIELDS:
+    def check_fields(self, rec, where="", fields=ACCESS_FIELDS):
+        for f in fields:
             self.assertIn(f, rec, "%s field %r missing in %r" % (where, f, rec))
 
 
@@ -177,7 +180,7 @@ class AccessLogTest(LogTestBase):
         self.assertEqual(r.status, 200, r)
         self.assertEqual(r.body, body)
         rec = self.one_line(self.wait_access(px, ["obs-log-1"]), "obs-log-1")
-        self.check_fields(rec)
+        self.check_fields(rec, fields=OK_FIELDS)
         self.assertEqual(rec["endpoint"], "/v1/completions")
         self.assertEqual(rec["prefill"], "127.0.0.1:%d" % P.port)
         self.assertEqual(rec["decode"], "127.0.0.1:%d" % D.port)
@@ -324,7 +327,7 @@ class AccessLogTest(LogTestBase):
         recs = self.wait_access(px, ids, fmt="json")
         for rid in ids:
             rec = self.one_line(recs, rid)
-            self.check_fields(rec, rid)
+            self.check_fields(rec, rid, fields=OK_FIELDS)
             self.assertEqual(num(rec["status"]), 200, rec)
             self.assertEqual(rec["outcome"], "ok", rec)
             self.assertEqual(rec["prefill"], "127.0.0.1:%d" % P.port, rec)
@@ -336,6 +339,68 @@ class AccessLogTest(LogTestBase):
                         "no warn line for the dead decode")
         self.stop(px)
         self.records(px, "json")  # every line, the last ones included, is JSON
+
+    def unknowns_absent(self, rec, where):
+        for f in ("prefill", "decode", "prefill_ms", "ttfb_ms"):
+            self.assertNotIn(f, rec, "%s: %s is unknown, so absent: %r" % (where, f, rec))
+        for k, v in rec.items():
+            self.assertNotIn(v, (-1, -1.0, "-1", "-1.00", "-", ""),
+                             "%s: %s=%r stands for 'none'" % (where, k, v))
+
+    def test_json_values_typed_and_absent_when_unknown(self):
+        """--log-format json: numbers are JSON numbers, text is strings, and
+        what is not known (no prefill, no first byte) is absent rather than
+        -1 or "-"."""
+        P = self.mock(prefill_handler(), "P")
+        D = self.mock(decode_handler(), "D")
+        px = self.start_proxy([P], [D], extra=["--drain-delay", "0", "--log-format", "json"])
+        r = http_request(px.port, "POST", "/v1/completions", completion_body(),
+                         headers={"X-Request-Id": "typed-ok"})
+        self.assertEqual(r.status, 200, r)
+        r = raw_exchange(px.port, "POST", "/v1/completions", "{bad json",
+                         headers=[("X-Request-Id", "typed-400")])
+        self.assertEqual(r.status, 400, r)
+        r = raw_exchange(px.port, "GET", "/v1/completions", None,
+                         headers=[("X-Request-Id", "typed-405")])
+        self.assertEqual(r.status, 405, r)
+        recs = self.wait_access(px, ["typed-ok", "typed-400"], fmt="json")
+        ok = self.one_line(recs, "typed-ok")
+        self.check_fields(ok, "ok", fields=OK_FIELDS)
+        for f in ("status", "bytes_out"):
+            self.assertIs(type(ok[f]), int, "%s=%r" % (f, ok[f]))
+        for f in ("prefill_ms", "ttfb_ms", "total_ms"):
+            self.assertIn(type(ok[f]), (int, float), "%s=%r" % (f, ok[f]))
+            self.assertGreaterEqual(ok[f], 0)
+        for f in ("req", "endpoint", "prefill", "decode", "outcome", "trace_id", "level", "ts",
+                  "msg"):
+            self.assertIs(type(ok[f]), str, "%s=%r" % (f, ok[f]))
+        self.assertRegex(ok["trace_id"], r"^[0-9a-f]{32}$")
+        self.assertEqual(ok["status"], 200)
+        bad = self.one_line(recs, "typed-400")
+        self.check_fields(bad, "400")
+        self.assertEqual(bad["status"], 400)
+        self.assertIn(type(bad["total_ms"]), (int, float))
+        self.unknowns_absent(bad, "400")
+        refused = [rec for rec in self.access(px, "json") if rec.get("status") == 405]
+        self.assertEqual(len(refused), 1, self.access(px, "json"))
+        self.unknowns_absent(refused[0], "405")
+        # A request id made of digits stays a string.
+        r = http_request(px.port, "POST", "/v1/completions", completion_body(),
+                         headers={"X-Request-Id": "12345"})
+        self.assertEqual(r.status, 200, r)
+        rec = self.one_line(self.wait_access(px, ["12345"], fmt="json"), "12345")
+        self.assertEqual(rec["req"], "12345")
+
+    def test_logfmt_absent_when_unknown(self):
+        P = self.mock(prefill_handler(), "P")
+        D = self.mock(decode_handler(), "D")
+        px = self.start_proxy([P], [D], extra=["--drain-delay", "0"])
+        r = raw_exchange(px.port, "POST", "/v1/completions", "{bad json",
+                         headers=[("X-Request-Id", "absent-400")])
+        self.assertEqual(r.status, 400, r)
+        rec = self.one_line(self.wait_access(px, ["absent-400"]), "absent-400")
+        self.check_fields(rec, "400")
+        self.unknowns_absent(rec, "400")
 
     def test_request_id_with_equals_signs_keeps_logfmt_valid(self):
         # Base64 request ids end in '='; the id must come back intact.

@@ -18,7 +18,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import pxtest  # noqa: E402
 from pxtest import (PxTestCase, RawClient, Respond, Stream, Hang, closed_port,  # noqa: E402
                     completion_body, chat_body, decode_handler, default_p_kv, http_request,
-                    prefill_handler, wait_until)
+                    prefill_handler, sse_events, wait_until)
 
 # --------------------------------------------------------------------------
 # A strict parser of the text exposition format, version 0.0.4
@@ -373,6 +373,14 @@ class MetricsTest(PxTestCase):
         v = exp.get(name, **labels)
         return 0.0 if v is None else v
 
+    def total(self, exp, name, **labels):
+        """Sum of the samples of `name` whose labels include `labels`."""
+        want = set(labels.items())
+        return sum(v for lab, v in exp.samples(name) if want <= set(lab.items()))
+
+    def delta_all(self, before, after, name, **labels):
+        return self.total(after, name, **labels) - self.total(before, name, **labels)
+
     def wait_metric(self, proxy, pred, timeout=5.0):
         """Scrape until pred(exp) is true; returns the last scrape."""
         box = {}
@@ -504,9 +512,10 @@ class MetricsTest(PxTestCase):
         self.assertEqual(delta("pdproxy_requests_total", endpoint="/v1/chat/completions",
                                code="200"), n_chat)
         for h in HIST:
-            self.assertEqual(delta(h + "_count"), len(results), h)
-            self.assertEqual(delta(h + "_bucket", le="+Inf"), len(results), h)
-            self.assertGreater(delta(h + "_sum"), 0, h)
+            self.assertEqual(self.delta_all(before, after, h + "_count"), len(results), h)
+            self.assertEqual(self.delta_all(before, after, h + "_bucket", le="+Inf"),
+                             len(results), h)
+            self.assertGreater(self.delta_all(before, after, h + "_sum"), 0, h)
         for role, m in (("prefill", P), ("decode", D)):
             self.assertEqual(delta("pdproxy_upstream_requests_total", role=role, backend=be(m),
                                    outcome="ok"), len(results), role)
@@ -570,14 +579,73 @@ class MetricsTest(PxTestCase):
         for h, low in (("pdproxy_prefill_duration_seconds", 0.3),
                        ("pdproxy_time_to_first_byte_seconds", 0.6),
                        ("pdproxy_request_duration_seconds", 0.6)):
-            d_small = (self.val(after, h + "_bucket", le="0.25") -
-                       self.val(before, h + "_bucket", le="0.25"))
-            d_count = self.val(after, h + "_count") - self.val(before, h + "_count")
-            d_sum = self.val(after, h + "_sum") - self.val(before, h + "_sum")
+            d_small = self.delta_all(before, after, h + "_bucket", le="0.25")
+            d_count = self.delta_all(before, after, h + "_count")
+            d_sum = self.delta_all(before, after, h + "_sum")
             self.assertEqual(d_count, 1, h)
             self.assertEqual(d_small, 0, "%s: a >= %.1f s observation counted in le=0.25" % (h, low))
             self.assertGreaterEqual(d_sum, low - 0.02, h)
             self.assertLess(d_sum, low + 5, h)
+
+    def test_ttfb_split_by_stream(self):
+        """Time to first byte means time to first token only for streamed
+        answers: the two kinds are told apart by a `stream` label, so a
+        non-streamed request (its first byte is its whole answer) never
+        lands among the streamed ones."""
+        events = sse_events(["a", "bb"])
+
+        def d(req):
+            if req.json().get("stream"):
+                return Stream(200, [("Content-Type", "text/event-stream")],
+                              [(0, e) for e in events])
+            return Respond(200, [("Content-Type", "application/json")], b'{"x":1}', delay=0.3)
+        P = self.mock(prefill_handler(), "P")
+        D = self.mock(d, "D")
+        px = self.start(P, D, threads=2)
+        h = "pdproxy_time_to_first_byte_seconds"
+        e0 = self.scrape(px)
+        for stream in (True, False, True):
+            r = http_request(px.port, "POST", "/v1/completions", completion_body(stream=stream))
+            self.assertEqual(r.status, 200, r)
+        e1 = self.scrape(px, e0)
+        labelsets = {frozenset(lab) for lab, _ in e1.samples(h + "_count")}
+        self.assertEqual(labelsets, {frozenset({"stream"})}, "label sets of %s_count" % h)
+        self.assertEqual(self.delta_all(e0, e1, h + "_count", stream="true"), 2)
+        self.assertEqual(self.delta_all(e0, e1, h + "_count", stream="false"), 1)
+        # The slow non-streamed answer (0.3 s) is not among the streamed ones.
+        self.assertEqual(self.delta_all(e0, e1, h + "_bucket", stream="true", le="0.25"), 2)
+        self.assertEqual(self.delta_all(e0, e1, h + "_bucket", stream="false", le="0.25"), 0)
+        for lab, _ in e1.samples(h + "_bucket"):
+            self.assertIn(lab["stream"], ("true", "false"), lab)
+
+    def test_build_and_process_info(self):
+        """pdproxy_build_info{version,commit} 1, process_start_time_seconds
+        (Unix time), resident memory and open fds: what Prometheus's client
+        libraries expose and dashboards expect."""
+        P = self.mock(prefill_handler(), "P")
+        D = self.mock(decode_handler(), "D")
+        t_before = time.time()
+        px = self.start(P, D, threads=1)
+        e = self.scrape(px)
+        self.assertEqual(e.families.get("pdproxy_build_info", {}).get("type"), "gauge",
+                         "pdproxy_build_info family")
+        infos = e.samples("pdproxy_build_info")
+        self.assertEqual(len(infos), 1, infos)
+        lab, v = infos[0]
+        self.assertEqual(v, 1.0)
+        self.assertEqual(set(lab), {"version", "commit"}, lab)
+        out = pxtest.run_pdproxy(["--version"]).stdout
+        self.assertIn(lab["version"], out, "version label vs pdproxy --version")
+        self.assertTrue(re.fullmatch(r"[0-9a-f]{7,40}|unknown", lab["commit"]), lab)
+        self.assertEqual(e.families.get("process_start_time_seconds", {}).get("type"), "gauge")
+        start = e.get("process_start_time_seconds")
+        self.assertIsNotNone(start, "process_start_time_seconds")
+        # Started after t_before (clock granularity of /proc: 1/100 s).
+        self.assertTrue(t_before - 1 <= start <= time.time(), (t_before, start))
+        self.assertGreater(e.get("process_resident_memory_bytes") or 0, 1 << 20)
+        self.assertGreater(e.get("process_open_fds") or 0, 3)
+        self.assertGreater(e.get("process_max_fds") or 0, 0)
+        self.assertEqual(self.scrape(px, e).get("process_start_time_seconds"), start)
 
     def test_missing_params_counters(self):
         kv_no_rid = default_p_kv("x")

@@ -1,5 +1,6 @@
 // Validates rendered Kubernetes objects against the API's OpenAPI schemas
-// (npm kubernetes-models: generated from Kubernetes' own OpenAPI spec,
+// (npm kubernetes-models: generated from Kubernetes' own OpenAPI spec, and
+// @kubernetes-models/prometheus-operator from the Prometheus Operator's CRDs;
 // validated with ajv; no cluster needed).  Catches wrong types, missing
 // required fields and bad enum values; unknown fields are not reported.
 //
@@ -15,7 +16,10 @@ for (const file of process.argv.slice(2)) {
     const [group, version] = d.apiVersion.includes("/") ? d.apiVersion.split("/") : ["", d.apiVersion];
     let Cls;
     try {
-      const mod = await import(`kubernetes-models/${group ? group + "/" : ""}${version}/${d.kind}`);
+      // The Prometheus Operator's CRDs (ServiceMonitor, PodMonitor) come
+      // from their own package, generated from the CRDs' OpenAPI schemas.
+      const pkg = group === "monitoring.coreos.com" ? "@kubernetes-models/prometheus-operator" : "kubernetes-models";
+      const mod = await import(`${pkg}/${group ? group + "/" : ""}${version}/${d.kind}`);
       Cls = mod[d.kind];
       if (!Cls) throw new Error("module has no export " + d.kind);
     } catch (e) {
