@@ -129,6 +129,8 @@ wait_port() {
     echo "port $1 never opened" >&2; exit 1
 }
 for p in $ports; do wait_port "$p"; done
+# nginx one hop's worker, for its CPU per request.
+ngw=$(pgrep -f "nginx: worker process" -P "$(cat "$work/onehop.pid")" | head -1)
 curl -sf -X POST "http://127.0.0.1:$X/v1/completions" -d '{"prompt":"x"}' >/dev/null
 
 rss_kb() { awk '/VmRSS/{print $2}' "/proc/$1/status"; }
@@ -137,22 +139,29 @@ rss_peak=$rss_idle
 
 # wrk's latency table: "50%  123.00us"; normalise to milliseconds.
 to_ms() { awk '{v=$1; if (v ~ /us$/) {sub(/us/,"",v); v/=1000} else if (v ~ /ms$/) {sub(/ms/,"",v)} else if (v ~ /s$/) {sub(/s/,"",v); v*=1000}; printf "%.3f", v}'; }
-run() { # name url conns
-    local out
+# CPU seconds (user + system) a process has used, from /proc/<pid>/stat.
+cpu_s() { awk '{printf "%.2f", ($14 + $15) / 100}' "/proc/$1/stat"; }
+run() { # name url conns [pid whose CPU per request to report]
+    local out c0=0 cpu="" n
+    [ -n "${4:-}" ] && c0=$(cpu_s "$4")
     out=$(wrk -t1 -c"$3" -d"${duration}s" --latency -s "$root/bench/wrk/completion.lua" "$2/v1/completions")
+    if [ -n "${4:-}" ]; then
+        n=$(awk '/requests in/{print $1}' <<<"$out")
+        cpu=$(awk -v a="$c0" -v b="$(cpu_s "$4")" -v n="$n" 'BEGIN{printf "CPU %.1f us/req", (b - a) * 1e6 / n}')
+    fi
     local rps p50 p99 errs
     rps=$(awk '/Requests\/sec/{print $2}' <<<"$out")
     p50=$(awk '$1=="50%"{print $2}' <<<"$out" | to_ms)
     p99=$(awk '$1=="99%"{print $2}' <<<"$out" | to_ms)
     errs=$(awk '/Non-2xx|Socket errors/{print}' <<<"$out" | tr '\n' ' ')
-    printf "%-8s c=%-3s %10s req/s  p50 %8s ms  p99 %8s ms  %s\n" "$1" "$3" "$rps" "$p50" "$p99" "$errs"
-    echo "$1 $3 $rps $p50 $p99" >> "$work/results"
+    printf "%-8s c=%-3s %10s req/s  p50 %8s ms  p99 %8s ms  %s %s\n" "$1" "$3" "$rps" "$p50" "$p99" "$cpu" "$errs"
+    echo "$1 $3 $rps $p50 $p99 ${cpu:+$(awk '{print $2}' <<<"$cpu")}" >> "$work/results"
 }
 
 echo "pdproxy bench: wrk -t1 -d${duration}s, pdproxy --threads $pthreads, nginx one-hop worker_processes $pthreads"
 for c in 1 16 64; do
     run direct "http://127.0.0.1:$D" "$c"
-    run pdproxy "http://127.0.0.1:$X" "$c" &
+    run pdproxy "http://127.0.0.1:$X" "$c" "$ppid" &
     runpid=$!
     while kill -0 "$runpid" 2>/dev/null; do
         r=$(rss_kb "$ppid"); [ "$r" -gt "$rss_peak" ] && rss_peak=$r
@@ -160,7 +169,7 @@ for c in 1 16 64; do
     done
     wait "$runpid"
     [ "$otlp" = 1 ] && run pdproxy+otlp "http://127.0.0.1:$Y" "$c"
-    run nginx1hop "http://127.0.0.1:$N" "$c"
+    run nginx1hop "http://127.0.0.1:$N" "$c" "$ngw"
 done
 
 if [ -n "${SSE:-}" ]; then
@@ -172,8 +181,6 @@ if [ -n "${SSE:-}" ]; then
         --decoder-hosts 127.0.0.1 --decoder-ports "$S" 2>>"$work/logs/pdproxy.err" & spid=$!
     pids+=($spid)
     wait_port "$XS"; wait_port "$NS"
-    ngw=$(pgrep -f "nginx: worker process" -P "$(cat "$work/onehop.pid")" | head -1)
-    cpu_s() { awk '{printf "%.2f", ($14 + $15) / 100}' "/proc/$1/stat"; }
     stream() { # name url pid
         local c0 out rps mbs c1
         c0=$(cpu_s "$3")
@@ -222,13 +229,13 @@ fi
 
 echo
 awk '
-  { rps[$1" "$2]=$3; p50[$1" "$2]=$4 }
+  { rps[$1" "$2]=$3; p50[$1" "$2]=$4; cpu[$1" "$2]=$6 }
   END {
     for (i = 1; i <= 3; i++) {
       c = (i == 1) ? 1 : (i == 2) ? 16 : 64
-      printf "c=%-3d pdproxy/nginx1hop req/s = %.2f   pdproxy/direct req/s = %.2f   p50 pdproxy - direct = %.3f ms\n",
+      printf "c=%-3d pdproxy/nginx1hop req/s = %.2f   pdproxy/direct req/s = %.2f   p50 pdproxy - direct = %.3f ms   CPU/req pdproxy/nginx1hop = %.2f\n",
         c, rps["pdproxy " c] / rps["nginx1hop " c], rps["pdproxy " c] / rps["direct " c],
-        p50["pdproxy " c] - p50["direct " c]
+        p50["pdproxy " c] - p50["direct " c], cpu["nginx1hop " c] ? cpu["pdproxy " c] / cpu["nginx1hop " c] : 0
     }
   }' "$work/results"
 if [ "$otlp" = 1 ]; then

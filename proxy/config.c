@@ -153,6 +153,13 @@ static int check_list_item(const opt *o, const char *v, char *err, size_t errlen
         snprintf(err, errlen, "--%s '%s': empty value", o->name, v);
         return -1;
     }
+    /* A URL in a toy host flag would become a backend named "http" that
+     * never answers: say what was meant instead. */
+    if (o->max == 0 && (strstr(v, "://") || strchr(v, '/'))) {
+        snprintf(err, errlen, "--%s '%s': a host name or address, not a URL (use --%s %s)",
+                 o->name, v, strncmp(o->name, "prefill", 7) ? "decode" : "prefill", v);
+        return -1;
+    }
     if (o->max > 0) {
         char *end;
         errno = 0;

@@ -21,6 +21,8 @@ struct px_uploop {
     px_upstream *live;   /* transfers in flight, for destroy */
     CURL *idle[64];      /* owned: easy handles kept for reuse */
     int nidle;
+    int nhttps;               /* https transfers in flight */
+    struct event *idle_close; /* owned, or NULL: drops curl's idle connections */
 };
 
 struct px_upstream {
@@ -66,12 +68,21 @@ static void release_easy(px_uploop *l, CURL *e) {
         curl_easy_cleanup(e);
 }
 
+/* Idle https connections go after this, like the http client's (below
+ * uvicorn's 5 s keep-alive): libcurl keeps them until its next transfer. */
+#define HTTPS_IDLE_CLOSE_S 4
+
 static void free_up(px_upstream *u) {
+    px_uploop *l = u->loop;
     unlink_up(u);
     if (u->easy) { /* https only: an http transfer never loads libcurl */
         curl_slist_free_all(u->connect_to);
         curl_slist_free_all(u->hdrs);
-        release_easy(u->loop, u->easy);
+        release_easy(l, u->easy);
+        if (--l->nhttps == 0 && l->idle_close) {
+            struct timeval tv = {HTTPS_IDLE_CLOSE_S, 0};
+            evtimer_add(l->idle_close, &tv);
+        }
     }
     free(u);
 }
@@ -178,10 +189,22 @@ static int timer_cb(CURLM *multi, long timeout_ms, void *userp) {
     return 0;
 }
 
+/* No https transfer for HTTPS_IDLE_CLOSE_S: the multi handle goes, and
+ * with it every connection it kept; the next https request makes another. */
+static void on_idle_close(evutil_socket_t fd, short what, void *arg) {
+    px_uploop *l = arg;
+    if (l->nhttps || !l->multi) return;
+    curl_multi_cleanup(l->multi); /* its sockets' watches go through sock_cb */
+    l->multi = NULL;
+    event_free(l->timer);
+    l->timer = NULL;
+}
+
 /* The curl side, on the first https:// request. */
 static int curl_side(px_uploop *l) {
     if (l->multi) return 0;
     if (!px_curl()) return -1;
+    if (!l->idle_close) l->idle_close = evtimer_new(l->base, on_idle_close, l);
     l->multi = curl_multi_init();
     if (!l->multi) return -1;
     l->timer = evtimer_new(l->base, on_timer, l);
@@ -215,6 +238,7 @@ void px_uploop_destroy(px_uploop *l) {
         curl_easy_cleanup(l->idle[--l->nidle]);
     if (l->multi) curl_multi_cleanup(l->multi);
     if (l->timer) event_free(l->timer);
+    if (l->idle_close) event_free(l->idle_close);
     px_client_destroy(l->client);
     px_buf_cleanup(&l->head);
     free(l);
@@ -355,6 +379,8 @@ static px_upstream *start_https(px_uploop *l, px_backend *b, const char *path, c
         free(u);
         return NULL;
     }
+    l->nhttps++;
+    evtimer_del(l->idle_close);
     u->next = l->live;
     if (l->live) l->live->prev = u;
     l->live = u;

@@ -232,12 +232,22 @@ class InvalidValuesTest(ProdCase):
         (["--fallback-decode-only=maybe"], {}, "--fallback-decode-only", "maybe"),
         (["--log-format", "xml"], {}, "--log-format", "xml"),
         (["--prefiller-ports", "80", "0"], {}, "--prefiller-ports", "0"),
+        # A URL given to a toy host flag (issue 16): an error with a hint.
+        (["--prefiller-hosts", "http://127.0.0.1"], {}, "--prefiller-hosts", "http://127.0.0.1"),
+        (["--decoder-host", "d.example/v1"], {}, "--decoder-hosts", "d.example/v1"),
+        ([], {"PDPROXY_PREFILLER_HOSTS": "https://p.example"}, "--prefiller-hosts",
+         "https://p.example"),
         ([], {"PDPROXY_PREFILL_POLICY": "fastest"}, "--prefill-policy", "fastest"),
         ([], {"PDPROXY_MAX_INFLIGHT": "lots"}, "--max-inflight", "lots"),
         ([], {"PDPROXY_FALLBACK_DECODE_ONLY": "2"}, "--fallback-decode-only", "2"),
         ([], {"PDPROXY_DECODE": "http://ok.example:1 gopher://x:2"}, "--decode", "gopher://x:2"),
         ([], {"PDPROXY_DRAIN_TIMEOUT": "-3"}, "--drain-timeout", "-3"),
     ]
+
+    def test_url_in_toy_host_flag_names_the_url_flag(self):
+        p = run_pdproxy(["--prefiller-hosts", "http://127.0.0.1", "--print-config"])
+        self.assertEqual(p.returncode, 2, p.stderr)
+        self.assertIn("use --prefill http://127.0.0.1", p.stderr)
 
     def test_invalid_values_exit_2(self):
         for args, env, flag, value in self.CASES:
