@@ -171,20 +171,25 @@ def main():
                     stats["legit_lost"] += 1
                     stats["lost_why"][why] = stats["lost_why"].get(why, 0) + 1
 
-    def nonreader(i):
+    def hold(i, head, filler, total, piece, rcvbuf, count):
+        """Connects, sends `head`, then `filler` bytes toward `total` as fast
+        as pdproxy takes them, and holds the connection unread for a while:
+        a non-reading pipeliner, or a body that stalls."""
         for _ in range(100000):
             if now() >= end:
                 return
             try:
                 s = socket.socket()
-                s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+                if rcvbuf:
+                    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
                 s.connect((HOST, port))
+                s.sendall(head)
                 s.setblocking(False)
-                data = b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n" * 20000
                 sent, t_end = 0, min(end, now() + 8)
-                while sent < len(data) and now() < t_end:
+                while sent < total and now() < t_end:
                     try:
-                        sent += s.send(data[sent:sent + 65536])
+                        off = sent % len(filler)  # the stream stays whole requests
+                        sent += s.send(filler[off:off + min(piece, total - sent)])
                     except BlockingIOError:
                         time.sleep(0.05)
                     except OSError:
@@ -192,33 +197,18 @@ def main():
                 while now() < t_end:
                     time.sleep(0.1)
                 s.close()
-                bump("nonreaders")
+                bump(count)
             except OSError:
                 time.sleep(0.1)
 
+    def nonreader(i):
+        req = b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n"
+        hold(i, b"", req * 2000, len(req) * 20000, len(req) * 2000, 4096, "nonreaders")
+
     def staller(i):
-        for _ in range(100000):
-            if now() >= end:
-                return
-            try:
-                s = socket.create_connection((HOST, port), 2)
-                s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
-                          b"application/json\r\nContent-Length: %d\r\n\r\n" % (4 * MiB))
-                s.setblocking(False)
-                sent, t_end = 0, min(end, now() + 6)
-                while sent < 3 * MiB and now() < t_end:
-                    try:
-                        sent += s.send(b" " * 65536)
-                    except BlockingIOError:
-                        time.sleep(0.05)
-                    except OSError:
-                        break
-                while now() < t_end:
-                    time.sleep(0.1)
-                s.close()
-                bump("stallers")
-            except OSError:
-                time.sleep(0.1)
+        head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                b"application/json\r\nContent-Length: %d\r\n\r\n" % (4 * MiB))
+        hold(i, head, b" " * 65536, 3 * MiB, 65536, 0, "stallers")
 
     def leaver(i):
         rng = random.Random(100 + i)

@@ -35,14 +35,7 @@ import pxtest  # noqa: E402
 from prodtest import ProdCase, connect_refused, errmsg, metric, prom  # noqa: E402
 from pxtest import (HOST, MAX_LOOP, PDPROXY, Hang, Proxy, ProxyStartError, RawClient,  # noqa: E402
                     Respond, Stream, free_port, http_request, now, wait_until)
-
-
-def rss_bytes(pid):
-    with open("/proc/%d/status" % pid) as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    return 0
+from test_proxy_stream import rss_bytes  # noqa: E402
 
 
 def has_conn_from(pid, client_port):
