@@ -224,7 +224,7 @@ if [ -n "${PROFILE:-}" ]; then
     wrk -t1 -c64 -d4s -s "$root/bench/wrk/completion.lua" "http://127.0.0.1:$X/v1/completions" >/dev/null
     wait "$prof" || true
     echo; echo "pdproxy profile at c=64 (self time, top entries):"
-    perf report -q -i "$work/perf.data" --no-children --sort dso,symbol 2>/dev/null | grep -v '^$' | head -25
+    perf report -q -g none -i "$work/perf.data" --no-children --sort dso,symbol 2>/dev/null | grep -v "^$" | head -40
 fi
 
 echo
