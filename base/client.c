@@ -86,6 +86,7 @@ struct px_creq {
     int paused;
     int keep_alive;
     int eof;
+    int rerr; /* the connection failed (reset), not closed cleanly */
     int upload_done;
     int abort_after_upload;
     int resent;
@@ -240,7 +241,7 @@ static void finish(px_creq *q, px_cresult r, const char *why) {
     int sent = r == PX_CR_OK || request_sent(q);
     if (c) {
         c->q = NULL;
-        if (r == PX_CR_OK && q->keep_alive && !evbuffer_get_length(c->in) &&
+        if (r == PX_CR_OK && q->keep_alive && !q->eof && !evbuffer_get_length(c->in) &&
             !evbuffer_get_length(c->out)) {
             to_idle(c);
         } else {
@@ -344,6 +345,7 @@ static void fail(px_creq *q, px_cresult r, const char *why) {
         q->cn = NULL;
         q->resent = 1;
         q->eof = 0;
+        q->rerr = 0;
         q->searched = 0;
         if (connect_new(q) == 0) return;
         r = PX_CR_CONNECT;
@@ -364,9 +366,12 @@ static void flush(cconn *c) {
             set_writing(c, 0);
             if (q) {
                 /* A reset on write: process() decides (the one resend when
-                 * nothing left, else a failure). */
+                 * nothing left, else a failure) from the loop, never from
+                 * inside px_creq_start, whose caller has no handle yet. */
                 q->eof = 1;
-                process(q);
+                q->rerr = 1;
+                set_reading(c, 0);
+                event_active(q->resume_ev, EV_TIMEOUT, 0);
             } else {
                 conn_free(c);
             }
@@ -478,6 +483,7 @@ static void on_readable(evutil_socket_t fd, short what, void *arg) {
     }
     set_reading(c, 0);
     q->eof = 1; /* what is buffered is still the response's */
+    q->rerr = n < 0;
     process(q);
 }
 
@@ -598,7 +604,7 @@ static void process(px_creq *q) {
         if (q->mode == BM_LENGTH) q->left -= (int64_t)dn;
     }
     if (q->eof) {
-        if (q->mode == BM_CLOSE)
+        if (q->mode == BM_CLOSE && !q->rerr)
             finish(q, PX_CR_OK, "");
         else
             fail(q, PX_CR_RESET, "closed before the response body was complete");
@@ -680,8 +686,8 @@ px_creq *px_creq_start(px_client *cl, const struct sockaddr *sa, socklen_t salen
         evtimer_del(c->timer);
         list_push(&cl->busy, c);
         q->connected = 1;
-        attach(q, c);
         arm_total(q);
+        attach(q, c);
         return q;
     }
     if (connect_new(q) < 0) {

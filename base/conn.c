@@ -460,6 +460,7 @@ static void read_head(px_conn *c) {
     if (!c->got_bytes) {
         /* A new request starts: the header deadline replaces the idle one. */
         c->got_bytes = 1;
+        c->idle_due = 0;
         arm_timer(c, 1);
     }
     /* Search only what is new (and the 3 bytes before it): a head trickled

@@ -425,6 +425,22 @@ static int decode_data(void *arg, const char *p, size_t n) {
     return 0;
 }
 
+/* Decode has the request and its kv_transfer_params; it drops the request
+ * now that the client left, and tells prefill to free the blocks. Ends r. */
+static void released_via_decode(px_req *r) {
+    px_upstream_cancel(r->up); /* NULL once it ended */
+    r->up = NULL;
+    if (r->idle_timer) evtimer_del(r->idle_timer);
+    px_backend_done(&r->s->decode, r->db, PX_OUT_CANCELLED);
+    r->db = NULL;
+    px_m_inc(&r->w->metrics.stranded_released);
+    PX_LOG(PX_LOG_INFO,
+           "req=%s msg=\"client left after prefill: decode was given the request and "
+           "aborted so prefill frees its blocks\" decode=%s",
+           r->lid, r->dname);
+    req_end(r, 499, "client_disconnected");
+}
+
 static void decode_done(void *arg, px_up_result rc, const char *errbuf, int connected) {
     px_req *r = arg;
     r->up = NULL; /* freed by the upstream module when this returns */
@@ -432,16 +448,7 @@ static void decode_done(void *arg, px_up_result rc, const char *errbuf, int conn
     px_outcome o = outcome_of(rc, r->dstatus);
     const char *why = errbuf[0] ? errbuf : px_up_result_str(rc);
     if (r->state == RS_RELEASING && connected) {
-        /* Decode has the request and its kv_transfer_params; it drops the
-         * request now that we left, and tells prefill to free the blocks. */
-        px_backend_done(&r->s->decode, r->db, PX_OUT_CANCELLED);
-        r->db = NULL;
-        px_m_inc(&r->w->metrics.stranded_released);
-        PX_LOG(PX_LOG_INFO,
-               "req=%s msg=\"client left after prefill: decode was given the request and "
-               "aborted so prefill frees its blocks\" decode=%s",
-               r->lid, r->dname);
-        req_end(r, 499, "client_disconnected");
+        released_via_decode(r);
         return;
     }
     attempt_done(&r->s->decode, r->db, r->tried_d, r->ntried_d, o);
@@ -510,8 +517,9 @@ static void start_decode(px_req *r) {
         return;
     }
     touch_idle(r);
-    /* Releasing: the body only has to reach decode. */
-    if (r->state == RS_RELEASING) px_upstream_abort_after_upload(r->up);
+    /* Releasing: the body only has to reach decode (it may have already:
+     * our client writes at once, and a nearby decode acknowledges fast). */
+    if (r->state == RS_RELEASING && px_upstream_abort_after_upload(r->up)) released_via_decode(r);
 }
 
 /* ---------- prefill ---------- */
@@ -529,6 +537,7 @@ static int prefill_data(void *arg, const char *p, size_t n) {
         return -1;
     }
     px_buf_append(&r->presp, p, n);
+    account(r); /* held memory, counted as it arrives */
     return 0;
 }
 

@@ -451,9 +451,12 @@ static void backend_done(px_pool *p, px_backend *b, px_outcome o, int count_fail
         atomic_store(&b->fails, 0);
         /* A success after probation ends the backoff escalation. */
         if (!p->cfg.active_checks) atomic_store(&b->ejections, 0);
-        /* It answered (panic routing sent it a request): back at once. */
+        /* It answered (panic routing sent it a request): back at once,
+         * unless its own health check says otherwise (a straggler that
+         * started before the checks ejected it proves nothing). */
         int expected = 0;
-        if (atomic_compare_exchange_strong(&b->healthy, &expected, 1)) {
+        if (!atomic_load(&b->check_failing) &&
+            atomic_compare_exchange_strong(&b->healthy, &expected, 1)) {
             atomic_store(&b->ejections, 0);
             PX_LOG(PX_LOG_INFO,
                    "msg=\"backend readmitted after a successful request\" role=%s backend=%s",
