@@ -93,24 +93,6 @@ struct px_creq {
     size_t searched;
 };
 
-const char *px_cresult_str(px_cresult r) {
-    switch (r) {
-    case PX_CR_OK:
-        return "ok";
-    case PX_CR_CONNECT:
-        return "could not connect";
-    case PX_CR_TIMEOUT:
-        return "timed out";
-    case PX_CR_RESET:
-        return "connection closed before the response was complete";
-    case PX_CR_PROTOCOL:
-        return "malformed response";
-    case PX_CR_ABORTED:
-        return "aborted";
-    }
-    return "unknown";
-}
-
 static struct timeval tv_of(double s) {
     struct timeval tv = {(time_t)s, (suseconds_t)((s - (double)(time_t)s) * 1e6)};
     return tv;

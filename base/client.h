@@ -38,8 +38,6 @@ typedef enum {
     PX_CR_ABORTED,  /* on_data said stop, or the upload finished with abort_after_upload */
 } px_cresult;
 
-const char *px_cresult_str(px_cresult r);
-
 typedef struct px_client_cfg {
     int max_idle_per_host; /* idle connections kept per backend address (0: 64) */
     double idle_close_s;   /* an idle connection is closed after this (0: 4 s, below

@@ -121,7 +121,7 @@ static void start_check(px_health *h, px_pool *pool, px_backend *b, check_kind k
     c->next = h->live;
     if (h->live) h->live->prev = c;
     h->live = c;
-    c->up = px_upstream_start(h->loop, pool, b, "GET", c->url.data, NULL, 0, &h->s->health_hdrs, &o,
+    c->up = px_upstream_start(h->loop, b, "GET", c->url.data, NULL, 0, &h->s->health_hdrs, &o,
                               &check_cbs, c);
     if (!c->up) check_free(c);
 }

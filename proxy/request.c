@@ -349,9 +349,9 @@ static void headers_for(px_req *r, const px_http_head *h, int traced, const char
         px_buf_printf(l, "tracestate: %.*s\r\n", (int)ts->value_len, ts->value);
 }
 
-static int start_upstream(px_req *r, px_pool *pool, px_backend *b, const char *path,
-                          const px_buf *body, const px_buf *hdrs, const px_upstream_cbs *cbs,
-                          long total_ms, long idle_s) {
+static int start_upstream(px_req *r, px_backend *b, const char *path, const px_buf *body,
+                          const px_buf *hdrs, const px_upstream_cbs *cbs, long total_ms,
+                          long idle_s) {
     const px_config *cfg = r->s->cfg;
     px_upstream_opts o = {
         .connect_timeout_ms = (long)(cfg->connect_timeout * 1000),
@@ -361,8 +361,8 @@ static int start_upstream(px_req *r, px_pool *pool, px_backend *b, const char *p
         .insecure = cfg->upstream_insecure,
         .track_upload = body && cbs != NULL && b == r->db,
     };
-    r->up = px_upstream_start(r->w->up, pool, b, body ? "POST" : "GET", path,
-                              body ? body->data : NULL, body ? body->len : 0, hdrs, &o, cbs, r);
+    r->up = px_upstream_start(r->w->up, b, body ? "POST" : "GET", path, body ? body->data : NULL,
+                              body ? body->len : 0, hdrs, &o, cbs, r);
     return r->up ? 0 : -1;
 }
 
@@ -510,9 +510,8 @@ static void start_decode(px_req *r) {
     if (!r->t_dstart) r->t_dstart = px_now_ns();
     if (r->ntried_d < MAX_TRIES) r->tried_d[r->ntried_d++] = r->db;
     if (r->state != RS_RELEASING) set_state(r, RS_DECODE);
-    if (start_upstream(r, &r->s->decode, r->db, ep_paths[r->ep],
-                       r->ep == PX_EP_MODELS ? NULL : &r->dbody, &r->hdrs_d, &decode_cbs, 0,
-                       0) < 0) {
+    if (start_upstream(r, r->db, ep_paths[r->ep], r->ep == PX_EP_MODELS ? NULL : &r->dbody,
+                       &r->hdrs_d, &decode_cbs, 0, 0) < 0) {
         req_fail(r, 502, NULL, "decode %s: cannot start the request", r->dname);
         return;
     }
@@ -696,8 +695,8 @@ static void start_prefill(px_req *r) {
         }
         ptimeout = (long)((r->prefill_deadline - now) / 1000000);
     }
-    if (start_upstream(r, &r->s->prefill, r->pb, ep_paths[r->ep], &r->pbody, &r->hdrs_p,
-                       &prefill_cbs, ptimeout, 0) < 0)
+    if (start_upstream(r, r->pb, ep_paths[r->ep], &r->pbody, &r->hdrs_p, &prefill_cbs, ptimeout,
+                       0) < 0)
         req_fail(r, 502, NULL, "prefill %s: cannot start the request", r->pname);
 }
 

@@ -60,14 +60,6 @@ void px_backend_release(px_backend *b) {
     free(b);
 }
 
-int px_backend_addr(px_pool *p, px_backend *b, struct sockaddr_storage *out, socklen_t *len) {
-    (void)p; /* immutable once made: no lock needed */
-    if (!b->addrlen) return -1;
-    memcpy(out, &b->addr, b->addrlen);
-    *len = b->addrlen;
-    return 0;
-}
-
 /* An address for host:port: a literal as is; a name (the toy flags' hosts,
  * "localhost" most often) through the system resolver once, IPv4 first as
  * engines usually listen there. 0 on success. */

@@ -44,8 +44,8 @@ typedef struct px_backend {
     char *src;        /* owned: the configured URL this backend came from */
     char *authority;  /* owned: "host:port" of the URL, sent as Host */
     int https;
-    /* http://: where to connect. Set once when the backend is made; read
-     * with px_backend_addr. */
+    /* http://: where to connect. Set once when the backend is made, then
+     * read without a lock. */
     struct sockaddr_storage addr;
     socklen_t addrlen; /* 0: the name did not resolve */
     uint64_t key_hash; /* of name: the place on the consistent-hash ring */
@@ -137,10 +137,6 @@ void px_backend_check(px_pool *p, px_backend *b, int ok);
 /* A snapshot of the members with a reference on each; release each with
  * px_backend_release() and free the array. */
 px_backend **px_pool_members(px_pool *p, size_t *n);
-
-/* The address to connect to for an http:// backend: 0, or -1 when its name
- * could not be resolved. */
-int px_backend_addr(px_pool *p, px_backend *b, struct sockaddr_storage *out, socklen_t *len);
 
 /* Number of members, and of healthy ones. */
 void px_pool_counts(px_pool *p, size_t *n, size_t *healthy);

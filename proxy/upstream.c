@@ -424,13 +424,10 @@ static void h_done(void *arg, px_cresult r, const char *why, int sent) {
 
 static const px_creq_cbs h_cbs = {h_head, h_data, h_done};
 
-static px_upstream *start_http(px_uploop *l, px_pool *pool, px_backend *b, const char *method,
-                               const char *path, const char *body, size_t len,
-                               const px_buf *headers, const px_upstream_opts *o,
-                               const px_upstream_cbs *cbs, void *arg) {
-    struct sockaddr_storage sa;
-    socklen_t salen;
-    if (px_backend_addr(pool, b, &sa, &salen) < 0) return NULL;
+static px_upstream *start_http(px_uploop *l, px_backend *b, const char *method, const char *path,
+                               const char *body, size_t len, const px_buf *headers,
+                               const px_upstream_opts *o, const px_upstream_cbs *cbs, void *arg) {
+    if (!b->addrlen) return NULL; /* its name did not resolve */
     px_buf *hd = &l->head;
     px_buf_reset(hd);
     px_buf_printf(hd, "%s %s HTTP/1.1\r\nHost: %s\r\n", method, path, b->authority);
@@ -447,8 +444,8 @@ static px_upstream *start_http(px_uploop *l, px_pool *pool, px_backend *b, const
     u->loop = l;
     u->cbs = *cbs;
     u->arg = arg;
-    u->q = px_creq_start(l->client, (struct sockaddr *)&sa, salen, hd->data, hd->len, body,
-                         body ? len : 0, &co, &h_cbs, u);
+    u->q = px_creq_start(l->client, (struct sockaddr *)&b->addr, b->addrlen, hd->data, hd->len,
+                         body, body ? len : 0, &co, &h_cbs, u);
     if (!u->q) {
         free(u);
         return NULL;
@@ -457,12 +454,11 @@ static px_upstream *start_http(px_uploop *l, px_pool *pool, px_backend *b, const
     return u;
 }
 
-px_upstream *px_upstream_start(px_uploop *l, px_pool *pool, px_backend *b, const char *method,
-                               const char *path, const char *body, size_t len,
-                               const px_buf *headers, const px_upstream_opts *o,
-                               const px_upstream_cbs *cbs, void *arg) {
+px_upstream *px_upstream_start(px_uploop *l, px_backend *b, const char *method, const char *path,
+                               const char *body, size_t len, const px_buf *headers,
+                               const px_upstream_opts *o, const px_upstream_cbs *cbs, void *arg) {
     if (b->https) return start_https(l, b, path, body, len, headers, o, cbs, arg);
-    return start_http(l, pool, b, method, path, body, len, headers, o, cbs, arg);
+    return start_http(l, b, method, path, body, len, headers, o, cbs, arg);
 }
 
 void px_upstream_resume(px_upstream *u) {

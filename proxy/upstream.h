@@ -59,10 +59,9 @@ typedef struct px_upstream_opts {
  * body[0..len) and `headers` ("Name: value\r\n" lines, without Host,
  * Content-Length or framing) both borrowed until on_done. Returns NULL when
  * the transfer cannot even start; nothing is called back then. */
-px_upstream *px_upstream_start(px_uploop *l, px_pool *pool, px_backend *b, const char *method,
-                               const char *path, const char *body, size_t len,
-                               const px_buf *headers, const px_upstream_opts *o,
-                               const px_upstream_cbs *cbs, void *arg);
+px_upstream *px_upstream_start(px_uploop *l, px_backend *b, const char *method, const char *path,
+                               const char *body, size_t len, const px_buf *headers,
+                               const px_upstream_opts *o, const px_upstream_cbs *cbs, void *arg);
 
 /* Whether the backend has started answering: its response head arrived, or
  * bytes of it wait unread on the connection. */
