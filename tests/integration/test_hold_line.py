@@ -181,7 +181,9 @@ class BodyBudgetTest(ProdCase):
             c.send(head + b" " * int(1.5 * self.MiB))
             stalled.append(c)
         # Let pdproxy read what was sent before the third body arrives.
-        time.sleep(0.5)
+        self.assertTrue(wait_until(
+            lambda: metric(prom(px.port), "pdproxy_buffered_bytes") >= 3 * self.MiB, 5.0, 0.05),
+            "the stalled bodies never reached pdproxy")
         body = json.dumps({"model": "m", "prompt": "x" * (2 * self.MiB)}).encode()
         c = RawClient(px.port)
         send_for(c.sock, RawClient.build("POST", "/v1/completions", body), 3.0)
@@ -379,8 +381,10 @@ class PortInUseTest(ProdCase):
         second.spawn()
         self._proxies.append(second)
         self.addCleanup(self._stop_proxy, second)
-        time.sleep(0.5)
-        self.assertTrue(second.alive(), second.stderr())
+        # Started: it holds a listening socket on the shared port.
+        listens = wait_until(lambda: not second.alive() or bool(
+            pxtest.listening_inodes(px.port) & pxtest.socket_inodes(second.proc.pid)), 5.0, 0.02)
+        self.assertTrue(second.alive() and listens, second.stderr())
 
 
 class FramingTest(ProdCase):
