@@ -10,6 +10,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
+#include <sys/uio.h>
 
 #include "log.h"
 
@@ -23,6 +24,8 @@ struct px_conn {
     const px_conn_cfg *cfg;  /* borrowed */
     px_conn_list *list;      /* borrowed */
     struct bufferevent *bev; /* owned */
+    struct event *rd;        /* owned, plain sockets only: our own read event */
+    int reading;             /* rd is added */
     struct event *timer;     /* owned: idle / header timeout */
     struct event *resume;    /* owned: reads pipelined bytes on the next turn */
     struct event *flush;     /* owned: writes what was queued, once per loop turn */
@@ -56,6 +59,25 @@ struct px_conn {
 };
 
 static void conn_process(px_conn *c);
+
+/* Reading on or off. A plain socket is read by our own event rather than
+ * the bufferevent's, which asks the kernel how much is waiting (an ioctl)
+ * before every read; TLS goes through the bufferevent. */
+static void set_reading(px_conn *c, int on) {
+    if (c->tls) {
+        if (on)
+            bufferevent_enable(c->bev, EV_READ);
+        else
+            bufferevent_disable(c->bev, EV_READ);
+        return;
+    }
+    if (on == c->reading) return;
+    c->reading = on;
+    if (on)
+        event_add(c->rd, NULL);
+    else
+        event_del(c->rd);
+}
 
 /* ---------- the shared budget ---------- */
 
@@ -104,6 +126,7 @@ static void conn_free_cb(evutil_socket_t fd, short what, void *arg) {
     conn_unlink(c);
     px_budget_add(c->cfg->shared, -(c->body_held + c->out_held));
     if (c->counted) atomic_fetch_sub_explicit(&c->cfg->shared->conns, 1, memory_order_relaxed);
+    if (c->rd) event_free(c->rd);
     bufferevent_free(c->bev);
     event_free(c->timer);
     event_free(c->resume);
@@ -124,6 +147,7 @@ static void conn_close(px_conn *c) {
         cbs->on_gone(c->xarg);
     }
     c->state = CS_CLOSING;
+    set_reading(c, 0);
     bufferevent_disable(c->bev, EV_READ | EV_WRITE);
     bufferevent_setcb(c->bev, NULL, NULL, NULL, NULL);
     evtimer_del(c->timer);
@@ -167,7 +191,7 @@ static int output_progress(px_conn *c) {
     }
     if (c->out_blocked && left <= PX_CONN_LOW_WATER) {
         c->out_blocked = 0;
-        bufferevent_enable(c->bev, EV_READ);
+        set_reading(c, 1);
         if (evbuffer_get_length(in)) event_active(c->resume, EV_TIMEOUT, 0);
     }
     if (c->idle_due && !left && c->state == CS_HEAD && !c->got_bytes && !c->out_blocked) {
@@ -218,7 +242,7 @@ static void on_flush(evutil_socket_t fd, short what, void *arg) {
 /* Closes once what is queued has been written to the client. */
 static void close_after_flush(px_conn *c) {
     c->state = CS_CLOSING;
-    bufferevent_disable(c->bev, EV_READ);
+    set_reading(c, 0);
     bufferevent_setwatermark(c->bev, EV_WRITE, 0, 0);
     if (evbuffer_get_length(bufferevent_get_output(c->bev)) == 0) {
         conn_close(c);
@@ -250,10 +274,10 @@ static void exchange_done(px_conn *c) {
     size_t pending = px_conn_pending(c);
     if (pending > PX_CONN_HIGH_WATER || (pending && budget_spent(c->cfg->shared))) {
         c->out_blocked = 1;
-        bufferevent_disable(c->bev, EV_READ);
+        set_reading(c, 0);
         return;
     }
-    bufferevent_enable(c->bev, EV_READ);
+    set_reading(c, 1);
     /* A pipelined request may already be buffered: read it on the next loop
      * turn, not from inside the request that is ending now. */
     if (evbuffer_get_length(bufferevent_get_input(c->bev))) event_active(c->resume, EV_TIMEOUT, 0);
@@ -358,7 +382,7 @@ static void refuse(px_conn *c, const char *msg) {
     px_budget_add(c->cfg->shared, -c->body_held);
     c->body_held = 0;
     c->state = CS_LINGER;
-    bufferevent_enable(c->bev, EV_READ);
+    set_reading(c, 1);
     evtimer_del(c->timer);
     if (c->tls) close_after_flush(c);
 }
@@ -392,13 +416,62 @@ void px_conn_stream_start(px_conn *c, int status, const char *ctype, const char 
     write_head(c, status, ctype, req_id, -1, extra);
 }
 
+/* Appends what a write left of [p, p + n) after `*done` bytes of it went. */
+static void append_rest(struct evbuffer *out, const char *p, size_t n, size_t *done) {
+    size_t skip = *done < n ? *done : n;
+    *done -= skip;
+    if (skip < n) evbuffer_add(out, p + skip, n - skip);
+}
+
+/* A large piece is written from the caller's memory at once, after what is
+ * queued and in the same writev, rather than copied into the queue first:
+ * a body relayed in big reads then costs no copy and no fresh buffer. What
+ * the socket does not take is queued. A failed write is left for the flush
+ * to find, since closing here would end the caller's exchange inside its
+ * own call. Returns 0 when the piece should simply be queued. */
+static int write_through(px_conn *c, const char *hp, size_t hn, const char *p, size_t n, int crlf) {
+    struct evbuffer *out = bufferevent_get_output(c->bev);
+    struct evbuffer_iovec qv[4];
+    /* With a negative length, peek stops at the vector's end: the queue
+     * must fit in it whole, or the piece would overtake its tail. */
+    int nq = evbuffer_peek(out, -1, NULL, qv, 4);
+    struct iovec iov[7];
+    int k = 0;
+    size_t queued_len = 0;
+    for (int i = 0; i < nq; i++) {
+        iov[k].iov_base = qv[i].iov_base;
+        iov[k++].iov_len = qv[i].iov_len;
+        queued_len += qv[i].iov_len;
+    }
+    if (queued_len != evbuffer_get_length(out)) return 0;
+    if (hn) iov[k++] = (struct iovec){(void *)hp, hn};
+    iov[k++] = (struct iovec){(void *)p, n};
+    if (crlf) iov[k++] = (struct iovec){"\r\n", 2};
+    ssize_t w = writev(bufferevent_getfd(c->bev), iov, k);
+    size_t done = w > 0 ? (size_t)w : 0;
+    size_t from_queue = done < queued_len ? done : queued_len;
+    if (from_queue) {
+        evbuffer_unfreeze(out, 1);
+        evbuffer_drain(out, from_queue);
+        evbuffer_freeze(out, 1);
+    }
+    done -= from_queue;
+    append_rest(out, hp, hn, &done);
+    append_rest(out, p, n, &done);
+    if (crlf) append_rest(out, "\r\n", 2, &done);
+    return 1;
+}
+
+/* Pieces at least this large are written through (see write_through). */
+#define WRITE_THROUGH_MIN 8192
+
 void px_conn_stream_write(px_conn *c, const char *p, size_t n) {
     if (!n || c->no_body) return;
     struct evbuffer *out = bufferevent_get_output(c->bev);
+    /* The chunk's size line, data and CRLF: one add each, no printf. */
+    char hex[24];
+    int k = (int)sizeof hex;
     if (c->chunked_out) {
-        /* The chunk's size line, data and CRLF: one add each, no printf. */
-        char hex[24];
-        int k = (int)sizeof hex;
         hex[--k] = '\n';
         hex[--k] = '\r';
         size_t v = n;
@@ -406,12 +479,16 @@ void px_conn_stream_write(px_conn *c, const char *p, size_t n) {
             hex[--k] = "0123456789abcdef"[v & 15];
             v >>= 4;
         } while (v);
-        evbuffer_add(out, hex + k, sizeof hex - (size_t)k);
-        evbuffer_add(out, p, n);
-        evbuffer_add(out, "\r\n", 2);
-    } else {
-        evbuffer_add(out, p, n);
     }
+    size_t hn = sizeof hex - (size_t)k;
+    if (n >= WRITE_THROUGH_MIN && !c->tls && !c->closed &&
+        write_through(c, hex + k, hn, p, n, c->chunked_out)) {
+        queued(c); /* the flush accounts for what is left, and writes it */
+        return;
+    }
+    if (hn) evbuffer_add(out, hex + k, hn);
+    evbuffer_add(out, p, n);
+    if (c->chunked_out) evbuffer_add(out, "\r\n", 2);
     queued(c);
 }
 
@@ -586,7 +663,7 @@ static void on_read(struct bufferevent *bev, void *arg) {
         /* Pipelined bytes wait until the current exchange ends; stop reading
          * (and so stop noticing a close) only if a client floods us. */
         if (evbuffer_get_length(bufferevent_get_input(bev)) > PX_HTTP_MAX_HEAD_BYTES * 4)
-            bufferevent_disable(bev, EV_READ);
+            set_reading(c, 0);
         return;
     }
     if (c->state == CS_LINGER) {
@@ -595,6 +672,31 @@ static void on_read(struct bufferevent *bev, void *arg) {
     }
     if (c->state == CS_CLOSING || c->out_blocked) return;
     conn_process(c);
+}
+
+/* A plain socket is readable: one read into a scratch buffer, then only
+ * the bytes that came are copied into the input (a reserve of the
+ * input's own would allocate a large chunk per read). */
+static void on_sock_read(evutil_socket_t fd, short what, void *arg) {
+    static _Thread_local char scratch[16384];
+    px_conn *c = arg;
+    ssize_t n = recv(fd, scratch, sizeof scratch, 0);
+    if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) return;
+    if (n <= 0) {
+        conn_close(c); /* the client closed, or the connection broke */
+        return;
+    }
+    /* A socket bufferevent keeps its input's end frozen except while it
+     * reads itself; we read in its stead here. */
+    struct evbuffer *in = bufferevent_get_input(c->bev);
+    evbuffer_unfreeze(in, 0);
+    int added = evbuffer_add(in, scratch, (size_t)n);
+    evbuffer_freeze(in, 0);
+    if (added < 0) {
+        conn_close(c); /* out of memory */
+        return;
+    }
+    on_read(c->bev, c);
 }
 
 static void on_write(struct bufferevent *bev, void *arg) {
@@ -673,12 +775,14 @@ px_conn *px_conn_accept(struct event_base *base, evutil_socket_t fd, const px_co
     c->resume = event_new(base, -1, 0, on_resume, c);
     c->flush = event_new(base, -1, 0, on_flush, c);
     c->tls = cfg->tls != NULL;
+    if (!c->tls && c->bev) c->rd = event_new(base, fd, EV_READ | EV_PERSIST, on_sock_read, c);
     if (c->bev && cfg->send_timeout > 0) {
         double s = cfg->send_timeout;
         struct timeval wt = {(time_t)s, (suseconds_t)((s - (double)(time_t)s) * 1e6)};
         bufferevent_set_timeouts(c->bev, NULL, &wt);
     }
-    if (!c->bev || !c->timer || !c->resume || !c->flush) {
+    if (!c->bev || !c->timer || !c->resume || !c->flush || (!c->tls && !c->rd)) {
+        if (c->rd) event_free(c->rd);
         if (c->bev)
             bufferevent_free(c->bev);
         else
@@ -703,9 +807,9 @@ px_conn *px_conn_accept(struct event_base *base, evutil_socket_t fd, const px_co
         bufferevent_enable(c->bev, EV_READ | EV_WRITE);
     } else {
         /* Writes go out from on_flush; the write event only when the socket
-         * is full. */
-        bufferevent_enable(c->bev, EV_READ);
-        bufferevent_disable(c->bev, EV_WRITE);
+         * is full. Reads come through our own event. */
+        bufferevent_disable(c->bev, EV_READ | EV_WRITE);
+        set_reading(c, 1);
     }
     arm_timer(c, 1);
     px_conn_shared *sh = cfg->shared;
