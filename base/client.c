@@ -34,7 +34,10 @@ struct px_client {
     cconn *busy;          /* owned: connections with an exchange */
     size_t nidle;         /* all hosts */
     px_http_head scratch; /* the response head being read (one at a time per loop) */
+    char *rbuf;           /* owned: RBUF_BYTES, what one read brings (one read at a time) */
 };
+
+#define RBUF_BYTES (64 * 1024)
 
 /* A connection is a socket with two events of its own, not a bufferevent:
  * reads go straight into the input buffer (no FIONREAD per read), writes
@@ -58,6 +61,7 @@ struct cconn {
     int reused; /* served an exchange before the current one */
     uint64_t idle_since_ns;
     px_creq *q; /* the exchange in flight, or NULL when idle */
+    int *freed; /* set to 1 when freed, while a read lends cl->rbuf to `in` */
 };
 
 struct px_creq {
@@ -117,6 +121,7 @@ static void list_push(cconn **head, cconn *c) {
 }
 
 static void conn_free(cconn *c) {
+    if (c->freed) *c->freed = 1;
     if (c->idle) {
         list_unlink(&c->h->idle, c);
         c->h->nidle--;
@@ -431,23 +436,41 @@ static void on_resume(evutil_socket_t fd, short what, void *arg) {
     process(arg);
 }
 
-/* One read straight into the input buffer. */
+/* One read. With nothing pending, the bytes land in the client's read
+ * buffer, which the input borrows while they are processed (no chunk
+ * allocated per read, no copy of a body that is passed on at once); what
+ * is left unconsumed is copied before the next read. Otherwise the read
+ * goes straight into the input. */
 static void on_readable(evutil_socket_t fd, short what, void *arg) {
     cconn *c = arg;
     px_creq *q = c->q;
     if (c->connecting) return; /* the write event tells */
+    int borrowed = q && evbuffer_get_length(c->in) == 0;
     struct evbuffer_iovec v[2];
-    int nv = evbuffer_reserve_space(c->in, 64 * 1024, v, 2);
-    ssize_t n = nv > 0 ? readv(fd, (struct iovec *)v, nv) : -1;
+    int nv = 0;
+    ssize_t n;
+    if (borrowed) {
+        n = recv(fd, c->cl->rbuf, RBUF_BYTES, 0);
+    } else {
+        nv = evbuffer_reserve_space(c->in, RBUF_BYTES, v, 2);
+        n = nv > 0 ? readv(fd, (struct iovec *)v, nv) : -1;
+    }
     if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) return;
     if (n > 0) {
-        size_t left = (size_t)n;
-        for (int i = 0; i < nv; i++) {
-            size_t take = left < v[i].iov_len ? left : v[i].iov_len;
-            v[i].iov_len = take;
-            left -= take;
+        if (borrowed) {
+            if (evbuffer_add_reference(c->in, c->cl->rbuf, (size_t)n, NULL, NULL) < 0) {
+                fail(q, PX_CR_RESET, "out of memory reading the response");
+                return;
+            }
+        } else {
+            size_t left = (size_t)n;
+            for (int i = 0; i < nv; i++) {
+                size_t take = left < v[i].iov_len ? left : v[i].iov_len;
+                v[i].iov_len = take;
+                left -= take;
+            }
+            evbuffer_commit_space(c->in, v, nv);
         }
-        evbuffer_commit_space(c->in, v, nv);
         if (!q) {
             conn_free(c); /* bytes nobody asked for: not reusable */
             return;
@@ -456,7 +479,29 @@ static void on_readable(evutil_socket_t fd, short what, void *arg) {
             struct timeval tv = tv_of(q->o.idle_timeout);
             evtimer_add(q->idle_ev, &tv);
         }
+        if (!borrowed) {
+            process(q);
+            return;
+        }
+        int freed = 0;
+        c->freed = &freed;
         process(q);
+        if (freed) return;
+        c->freed = NULL;
+        size_t rest = evbuffer_get_length(c->in);
+        if (rest) {
+            /* Paused, or a partial head: keep an own copy, then let go of
+             * the borrowed bytes. */
+            const unsigned char *p = evbuffer_pullup(c->in, (ev_ssize_t)rest);
+            if (!p || evbuffer_add(c->in, p, rest) < 0) {
+                if (c->q)
+                    fail(c->q, PX_CR_RESET, "out of memory reading the response");
+                else
+                    conn_free(c);
+                return;
+            }
+            evbuffer_drain(c->in, rest);
+        }
         return;
     }
     if (!q) {
@@ -613,6 +658,7 @@ px_client *px_client_create(struct event_base *base, const px_client_cfg *cfg) {
     c->base = base;
     c->max_idle = cfg && cfg->max_idle_per_host > 0 ? cfg->max_idle_per_host : 64;
     c->idle_close_s = cfg && cfg->idle_close_s > 0 ? cfg->idle_close_s : 4.0;
+    c->rbuf = px_xmalloc(RBUF_BYTES);
     return c;
 }
 
@@ -633,6 +679,7 @@ void px_client_destroy(px_client *c) {
         c->hosts = h->next;
         free(h);
     }
+    free(c->rbuf);
     free(c);
 }
 
