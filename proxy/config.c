@@ -61,6 +61,10 @@ static const opt opts[] = {
      "seconds a client has to send a complete request (408 beyond)", NULL},
     {"keepalive-timeout", NULL, CT_SECONDS, OFF(keepalive_timeout), "75", 0.001, 86400,
      "seconds an idle client connection is kept open", NULL},
+    {"upstream-keepalive", NULL, CT_INT, OFF(upstream_keepalive), "256", 1, 65536,
+     "idle keep-alive connections kept per backend address and worker thread (idle ones "
+     "close after 4 s, before the backends' own keep-alive timeouts)",
+     NULL},
     {"send-timeout", NULL, CT_SECONDS, OFF(send_timeout), "30", 0, 86400,
      "seconds a client may read none of the output queued for it before it is closed (0: no "
      "limit)",

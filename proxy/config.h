@@ -30,6 +30,7 @@ typedef struct px_config {
     double decode_idle_timeout; /* seconds without a byte from decode, 0: none */
     double client_header_timeout;
     double keepalive_timeout;
+    int64_t upstream_keepalive; /* idle upstream connections kept per backend and worker */
     int64_t max_inflight; /* 0: unlimited */
     double send_timeout;  /* seconds a client may read nothing of its output, 0: none */
     int64_t max_buffered_bytes; /* bodies held + output queued, all connections; 0: none */

@@ -167,7 +167,7 @@ px_health *px_health_start(px_server *s, struct event_base *base) {
     px_health *h = px_xcalloc(1, sizeof *h);
     h->s = s;
     h->base = base;
-    h->loop = px_uploop_create(base);
+    h->loop = px_uploop_create(base, 4);
     if (!h->loop) {
         free(h);
         return NULL;

@@ -494,7 +494,7 @@ px_server *px_server_create(const px_config *cfg, char *err, size_t errlen) {
             snprintf(err, errlen, "cannot create a listener");
             goto err;
         }
-        w->up = px_uploop_create(w->base);
+        w->up = px_uploop_create(w->base, (int)cfg->upstream_keepalive);
         w->wake_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
         if (!w->up || w->wake_fd < 0) {
             snprintf(err, errlen, "cannot create the upstream loop");

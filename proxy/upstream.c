@@ -222,11 +222,12 @@ static int curl_side(px_uploop *l) {
     return 0;
 }
 
-px_uploop *px_uploop_create(struct event_base *base) {
+px_uploop *px_uploop_create(struct event_base *base, int max_idle) {
     px_uploop *l = px_xcalloc(1, sizeof *l);
     l->base = base;
     px_buf_init(&l->head);
-    l->client = px_client_create(base, NULL);
+    px_client_cfg ccfg = {.max_idle_per_host = max_idle};
+    l->client = px_client_create(base, &ccfg);
     return l;
 }
 

@@ -25,8 +25,9 @@ typedef enum {
     PX_UP_ABORTED, /* on_data said stop, or aborted after the upload */
 } px_up_result;
 
-/* Creates the upstream state of one event loop. NULL on failure. */
-px_uploop *px_uploop_create(struct event_base *base);
+/* Creates the upstream state of one event loop, keeping at most `max_idle`
+ * idle connections per backend address. NULL on failure. */
+px_uploop *px_uploop_create(struct event_base *base, int max_idle);
 /* Cancels every transfer still running (their on_done is NOT called). */
 void px_uploop_destroy(px_uploop *l);
 

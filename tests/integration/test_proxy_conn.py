@@ -21,6 +21,12 @@ def echo_decode(req):
     return Respond(200, [("Content-Type", "application/json")], body)
 
 
+def slow_echo_decode(req):
+    r = echo_decode(req)
+    r.delay = 0.3
+    return r
+
+
 class KeepAliveTest(PxTestCase):
     def setUp(self):
         super().setUp()
@@ -46,6 +52,53 @@ class KeepAliveTest(PxTestCase):
         d_conns = set(self.D.conn_ids())
         self.assertLess(len(p_conns), n, "no upstream reuse towards P: conns %r" % self.P.conn_ids())
         self.assertLess(len(d_conns), n, "no upstream reuse towards D: conns %r" % self.D.conn_ids())
+
+    def burst(self, px, n):
+        """n requests at once, each on its own client connection."""
+        results = []
+
+        def one(i):
+            results.append(http_request(px.port, "POST", "/v1/completions",
+                                        pxtest.completion_body(prompt="burst-%d" % i)).status)
+
+        ts = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join(10)
+        self.assertEqual(results, [200] * n)
+
+    def closed_by_proxy(self, mock):
+        """Connections that carried requests and pdproxy closed."""
+        ids = set(mock.conn_ids())
+        return sum(1 for c in mock.conns if c.id in ids and c.closed_by_peer)
+
+    def test_upstream_keepalive_caps_idle_connections(self):
+        # D holds every answer a moment, so the burst needs one upstream
+        # connection per request; afterwards pdproxy keeps two idle and
+        # closes the rest at once.
+        self.D.set_handler(slow_echo_decode)
+        px = self.start_proxy([self.P], [self.D], threads=1,
+                              extra=["--upstream-keepalive", "2"])
+        self.burst(px, 6)
+        self.assertEqual(len(set(self.D.conn_ids())), 6, "expected one D connection per request")
+        self.assertTrue(pxtest.wait_until(lambda: self.closed_by_proxy(self.D) == 4, 3.0),
+                        "pdproxy closed %d of 6 D connections, expected 4" %
+                        self.closed_by_proxy(self.D))
+        # The two kept serve the next requests: no new connection.
+        for i in range(2):
+            self.assertEqual(http_request(px.port, "POST", "/v1/completions",
+                                          pxtest.completion_body(prompt="again")).status, 200)
+        self.assertEqual(len(set(self.D.conn_ids())), 6,
+                         "the idle connections kept were not reused")
+
+    def test_upstream_keepalive_default_keeps_a_burst(self):
+        self.D.set_handler(slow_echo_decode)
+        px = self.start_proxy([self.P], [self.D], threads=1)
+        self.burst(px, 6)
+        time.sleep(0.5)
+        self.assertEqual(self.closed_by_proxy(self.D), 0,
+                         "idle upstream connections closed below the default cap")
 
     def test_upstream_reuse_after_streams(self):
         events = pxtest.sse_events(["x", "y"])
