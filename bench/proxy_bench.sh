@@ -10,7 +10,9 @@
 #   bench/proxy_bench.sh [build-dir]     (DURATION=10 THREADS=1 by default)
 #   SYSCALLS=1: also count pdproxy's system calls per request (strace -c) at 1
 #   and 64 connections; PROFILE=1: also a perf profile at 64 connections;
-#   SSE=1: also 256 concurrent streams of 200 events, pdproxy beside nginx.
+#   SSE=1: also 256 concurrent streams of 200 events, pdproxy beside nginx
+#   (with PROFILE=1, profiled too). CONNS="64" runs only the listed
+#   connection counts.
 # OTLP=1 adds (d): a second pdproxy exporting every request's spans
 # (OTEL_TRACES_SAMPLER=traceidratio, ratio 1.0) to an nginx that answers
 # /v1/traces with 200, measured right after (b): the cost of tracing.
@@ -159,7 +161,7 @@ run() { # name url conns [pid whose CPU per request to report]
 }
 
 echo "pdproxy bench: wrk -t1 -d${duration}s, pdproxy --threads $pthreads, nginx one-hop worker_processes $pthreads"
-for c in 1 16 64; do
+for c in ${CONNS:-1 16 64}; do
     run direct "http://127.0.0.1:$D" "$c"
     run pdproxy "http://127.0.0.1:$X" "$c" "$ppid" &
     runpid=$!
@@ -194,7 +196,16 @@ if [ -n "${SSE:-}" ]; then
     }
     echo
     echo "streaming (SSE=1): 256 streams x 200 events, wrk -t1 ${duration}s"
+    if [ -n "${PROFILE:-}" ]; then
+        perf record -q -e cpu-clock -F 2000 -g -p "$spid" -o "$work/perf.sse" -- sleep 4 &
+        prof=$!
+    fi
     stream pdproxy "http://127.0.0.1:$XS" "$spid"
+    if [ -n "${PROFILE:-}" ]; then
+        wait "$prof" || true
+        echo "pdproxy profile while streaming (self time, top entries):"
+        perf report -q -g none -i "$work/perf.sse" --no-children --sort dso,symbol 2>/dev/null | grep -v "^$" | head -30; [ -n "${PERF_KEEP:-}" ] && cp "$work/perf.sse" "$PERF_KEEP"
+    fi
     stream nginx1hop "http://127.0.0.1:$NS" "$ngw"
     awk '{ ev[$1]=$2 } END { printf "pdproxy/nginx1hop events/s = %.2f\n", ev["pdproxy"] / ev["nginx1hop"] }' "$work/sse.results"
 fi
@@ -203,6 +214,11 @@ if [ -n "${SYSCALLS:-}" ]; then
     # a fixed-length wrk run; requests from pdproxy's own counter.
     reqs() { curl -s "http://127.0.0.1:$X/metrics" |
         awk '/^pdproxy_requests_total\{endpoint="\/v1\/completions",code="200"\}/{print $2}'; }
+    per_req() { # requests strace-output
+        awk -v n="$1" '$NF ~ /^[a-z_0-9]+$/ && $4 ~ /^[0-9]+$/ && $NF != "total" {
+            printf "  %-14s %6.2f\n", $NF, $4 / n; t += $4 }
+            END { printf "  %-14s %6.2f\n", "total", t / n }' "$2"
+    }
     echo
     for c in 1 64; do
         before=$(reqs)
@@ -212,9 +228,15 @@ if [ -n "${SYSCALLS:-}" ]; then
         kill -INT "$spid"; wait "$spid" 2>/dev/null || true
         n=$(( $(reqs) - before ))
         echo "syscalls per request at c=$c ($n requests under strace):"
-        awk -v n="$n" '$NF ~ /^[a-z_0-9]+$/ && $4 ~ /^[0-9]+$/ && $NF != "total" {
-            printf "  %-14s %6.2f\n", $NF, $4 / n; t += $4 }
-            END { printf "  %-14s %6.2f\n", "total", t / n }' "$work/strace.$c"
+        per_req "$n" "$work/strace.$c"
+        # The same for nginx's one hop worker, side by side.
+        strace -c -f -p "$ngw" -o "$work/strace.ngx.$c" & spid=$!
+        sleep 0.5
+        n=$(wrk -t1 -c"$c" -d3s -s "$root/bench/wrk/completion.lua" "http://127.0.0.1:$N/v1/completions" |
+            awk '/requests in/{print $1}')
+        kill -INT "$spid"; wait "$spid" 2>/dev/null || true
+        echo "nginx one hop, syscalls per request at c=$c ($n requests under strace):"
+        per_req "$n" "$work/strace.ngx.$c"
     done
 fi
 if [ -n "${PROFILE:-}" ]; then
@@ -233,6 +255,7 @@ awk '
   END {
     for (i = 1; i <= 3; i++) {
       c = (i == 1) ? 1 : (i == 2) ? 16 : 64
+      if (!rps["nginx1hop " c] || !rps["direct " c]) continue
       printf "c=%-3d pdproxy/nginx1hop req/s = %.2f   pdproxy/direct req/s = %.2f   p50 pdproxy - direct = %.3f ms   CPU/req pdproxy/nginx1hop = %.2f\n",
         c, rps["pdproxy " c] / rps["nginx1hop " c], rps["pdproxy " c] / rps["direct " c],
         p50["pdproxy " c] - p50["direct " c], cpu["nginx1hop " c] ? cpu["pdproxy " c] / cpu["nginx1hop " c] : 0
