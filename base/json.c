@@ -1,5 +1,6 @@
 #include "json.h"
 
+#include <stdint.h>
 #include <stdio.h>
 #include <string.h>
 
@@ -55,12 +56,32 @@ static int utf8_len(const unsigned char *p, const unsigned char *end) {
     return n;
 }
 
+/* Whether none of 8 bytes ends, escapes or breaks a string: no '"', no
+ * '\\', no control character, nothing outside ASCII (those take the
+ * byte-wise path). Each test is nonzero iff some byte matches. */
+static int plain8(const char *p) {
+    uint64_t v;
+    memcpy(&v, p, 8);
+    const uint64_t ones = 0x0101010101010101ull, high = 0x8080808080808080ull;
+    uint64_t q = v ^ (ones * '"'), b = v ^ (ones * '\\');
+    uint64_t special = (v & high) | ((v - ones * 0x20) & ~v & high) | ((q - ones) & ~q & high) |
+                       ((b - ones) & ~b & high);
+    return special == 0;
+}
+
 /* p points just past the opening quote; returns a pointer past the closing one. */
 static const char *scan_string(scan *sc, const char *p) {
     const char *end = sc->end;
     while (p < end) {
+        while (end - p >= 8 && plain8(p))
+            p += 8;
+        if (p >= end) break;
         unsigned char c = (unsigned char)*p;
         if (c == '"') return p + 1;
+        if (c >= 0x20 && c < 0x80 && c != '\\') {
+            p++;
+            continue;
+        }
         if (c == '\\') {
             if (++p >= end) break;
             switch (*p) {

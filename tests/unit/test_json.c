@@ -37,6 +37,45 @@ static void test_invalid_documents(void **state)
     }
 }
 
+/* Strings are scanned 8 bytes at a time while they are plain ASCII: a
+ * special byte at every offset of a long string, in every position of the
+ * 8-byte window, must still be seen. */
+static void test_long_strings_every_offset(void **state)
+{
+    const struct {
+        const char *ins;
+        px_json_type want;
+    } cases[] = {
+        {"\"", PX_JSON_INVALID},          /* ends the string early: trailing bytes */
+        {"\\n", PX_JSON_STRING},         /* an escape */
+        {"\\q", PX_JSON_INVALID},        /* a bad escape */
+        {"\n", PX_JSON_INVALID},          /* a control character */
+        {"\x1f", PX_JSON_INVALID},
+        {"\x7f", PX_JSON_STRING},         /* DEL is allowed */
+        {"\xc3\xa9", PX_JSON_STRING},    /* UTF-8 */
+        {"\xc3", PX_JSON_INVALID},        /* truncated UTF-8 */
+        {"\xff", PX_JSON_INVALID},
+    };
+    char doc[64];
+    for (size_t k = 0; k < sizeof cases / sizeof *cases; k++)
+        for (size_t at = 0; at <= 24; at++) {
+            size_t n = 0;
+            doc[n++] = '"';
+            for (size_t i = 0; i < at; i++)
+                doc[n++] = (char)('a' + i % 26);
+            size_t m = strlen(cases[k].ins);
+            memcpy(doc + n, cases[k].ins, m);
+            n += m;
+            for (size_t i = 0; i < 17; i++)
+                doc[n++] = 'z';
+            doc[n++] = '"';
+            char err[128];
+            px_json_type got = px_json_validate(doc, n, err, sizeof err);
+            if (got != cases[k].want)
+                fail_msg("case %zu at offset %zu: got %d, want %d", k, at, got, cases[k].want);
+        }
+}
+
 static void test_depth_limit(void **state)
 {
     size_t n = 10000;
@@ -108,6 +147,7 @@ int main(void)
         cmocka_unit_test(test_valid_documents),   cmocka_unit_test(test_invalid_documents),
         cmocka_unit_test(test_depth_limit),       cmocka_unit_test(test_iterate_members),
         cmocka_unit_test(test_key_escapes),       cmocka_unit_test(test_find_last_duplicate),
+        cmocka_unit_test(test_long_strings_every_offset),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
