@@ -2,7 +2,8 @@
 
 #include <errno.h>
 #include <event2/buffer.h>
-#include <linux/sockios.h> /* SIOCOUTQ */
+#include <event2/event_struct.h> /* events embedded in a request: no allocation each */
+#include <linux/sockios.h>       /* SIOCOUTQ */
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <stdlib.h>
@@ -75,10 +76,11 @@ struct px_creq {
     px_creq_opts o;
     px_creq_cbs cbs;
     void *arg;
-    struct event *timer;     /* owned: connect, then total timeout */
-    struct event *resume_ev; /* owned: reads on after a pause, on the next loop turn */
-    struct event *idle_ev;   /* owned: opts.idle_timeout without a byte */
-    struct event *acked_ev;  /* owned: abort_after_upload waits for the peer's ACKs */
+    struct event *timer;     /* connect, then total timeout */
+    struct event *resume_ev; /* reads on after a pause, on the next loop turn */
+    struct event *idle_ev;   /* opts.idle_timeout without a byte */
+    struct event *acked_ev;  /* abort_after_upload waits for the peer's ACKs */
+    struct event evs[4];     /* the four above live here: assigned, not allocated */
     uint64_t t_start_ns;
     int connected;
     int answering;
@@ -204,10 +206,8 @@ static void process(px_creq *q);
 static void fail(px_creq *q, px_cresult r, const char *why);
 
 static void creq_free(px_creq *q) {
-    event_free(q->timer);
-    event_free(q->resume_ev);
-    event_free(q->idle_ev);
-    event_free(q->acked_ev);
+    for (int i = 0; i < 4; i++)
+        event_del(&q->evs[i]);
     px_buf_cleanup(&q->head);
     free(q);
 }
@@ -305,6 +305,22 @@ static void flush(cconn *c);
 static int attach(px_creq *q, cconn *c) {
     q->cn = c;
     c->q = q;
+    if (!c->connecting && evbuffer_get_length(c->out) == 0) {
+        /* Written at once from the request's own memory; only what the
+         * socket does not take is queued. A failed write is queued whole
+         * and left to flush(), which meets the error again and handles
+         * it as always. */
+        set_reading(c, 1);
+        struct iovec iov[2] = {{q->head.data, q->head.len}, {(void *)q->body, q->body_len}};
+        ssize_t w = writev(c->fd, iov, q->body_len ? 2 : 1);
+        size_t done = w > 0 ? (size_t)w : 0;
+        if (done < q->head.len) evbuffer_add(c->out, q->head.data + done, q->head.len - done);
+        size_t bdone = done > q->head.len ? done - q->head.len : 0;
+        if (bdone < q->body_len)
+            evbuffer_add_reference(c->out, q->body + bdone, q->body_len - bdone, NULL, NULL);
+        flush(c);
+        return 0;
+    }
     evbuffer_add(c->out, q->head.data, q->head.len);
     if (q->body_len) evbuffer_add_reference(c->out, q->body, q->body_len, NULL, NULL);
     set_reading(c, 1);
@@ -699,10 +715,14 @@ px_creq *px_creq_start(px_client *cl, const struct sockaddr *sa, socklen_t salen
     q->cbs = *cbs;
     q->arg = arg;
     q->t_start_ns = px_now_ns();
-    q->timer = evtimer_new(cl->base, on_timer, q);
-    q->resume_ev = event_new(cl->base, -1, 0, on_resume, q);
-    q->idle_ev = evtimer_new(cl->base, on_idle_timeout, q);
-    q->acked_ev = evtimer_new(cl->base, on_acked_poll, q);
+    q->timer = &q->evs[0];
+    q->resume_ev = &q->evs[1];
+    q->idle_ev = &q->evs[2];
+    q->acked_ev = &q->evs[3];
+    evtimer_assign(q->timer, cl->base, on_timer, q);
+    event_assign(q->resume_ev, cl->base, -1, 0, on_resume, q);
+    evtimer_assign(q->idle_ev, cl->base, on_idle_timeout, q);
+    evtimer_assign(q->acked_ev, cl->base, on_acked_poll, q);
     host *h = q->h;
     while (h->idle && !usable(h->idle))
         conn_free(h->idle);
