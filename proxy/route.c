@@ -397,7 +397,9 @@ px_backend *px_pool_pick(px_pool *p, const px_pick *k, size_t *nmembers) {
     px_backend *b = NULL;
     pthread_mutex_lock(&p->mu);
     if (nmembers) *nmembers = p->n;
-    size_t *cand = px_xmalloc((p->n ? p->n : 1) * sizeof *cand), nc = 0;
+    /* Candidates on the stack for any usual pool; a heap array beyond. */
+    size_t local[64], nc = 0;
+    size_t *cand = p->n <= 64 ? local : px_xmalloc(p->n * sizeof *cand);
     for (int pass = 0; pass < 2 && nc == 0; pass++)
         for (size_t i = 0; i < p->n; i++)
             if ((pass == 1 || !excluded(k, p->b[i])) && eligible(p, p->b[i], now)) cand[nc++] = i;
@@ -417,7 +419,7 @@ px_backend *px_pool_pick(px_pool *p, const px_pick *k, size_t *nmembers) {
         atomic_fetch_add(&b->inflight, 1);
     }
     pthread_mutex_unlock(&p->mu);
-    free(cand);
+    if (cand != local) free(cand);
     return b;
 }
 
