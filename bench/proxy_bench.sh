@@ -12,7 +12,8 @@
 #   and 64 connections; PROFILE=1: also a perf profile at 64 connections;
 #   SSE=1: also 256 concurrent streams of 200 events, pdproxy beside nginx
 #   (with PROFILE=1, profiled too). CONNS="64" runs only the listed
-#   connection counts.
+#   connection counts. ALLOCS=1: heap allocations per request (a counting
+#   allocator, bench/alloc_count.c, preloaded into a third pdproxy).
 # OTLP=1 adds (d): a second pdproxy exporting every request's spans
 # (OTEL_TRACES_SAMPLER=traceidratio, ratio 1.0) to an nginx that answers
 # /v1/traces with 200, measured right after (b): the cost of tracing.
@@ -237,6 +238,30 @@ if [ -n "${SYSCALLS:-}" ]; then
         kill -INT "$spid"; wait "$spid" 2>/dev/null || true
         echo "nginx one hop, syscalls per request at c=$c ($n requests under strace):"
         per_req "$n" "$work/strace.ngx.$c"
+    done
+fi
+if [ -n "${ALLOCS:-}" ]; then
+    # Heap allocations per request: a third pdproxy with a counting
+    # allocator preloaded, read before and after a fixed wrk run.
+    cc -O2 -shared -fPIC -o "$work/alloc_count.so" "$root/bench/alloc_count.c"
+    A=$(free_port)
+    ALLOC_COUNT_OUT=$work/allocs LD_PRELOAD=$work/alloc_count.so \
+        "$pdproxy" --port "$A" --threads "$pthreads" --log-level warn \
+        --prefiller-hosts 127.0.0.1 --prefiller-ports "$P" \
+        --decoder-hosts 127.0.0.1 --decoder-ports "$D" 2>>"$work/logs/pdproxy.err" & apid=$!
+    pids+=($apid)
+    wait_port "$A"
+    echo
+    for c in 1 64; do
+        wrk -t1 -c"$c" -d1s -s "$root/bench/wrk/completion.lua" "http://127.0.0.1:$A/v1/completions" >/dev/null
+        : > "$work/allocs"
+        kill -USR2 "$apid"; sleep 0.2
+        n=$(wrk -t1 -c"$c" -d3s -s "$root/bench/wrk/completion.lua" "http://127.0.0.1:$A/v1/completions" |
+            awk '/requests in/{print $1}')
+        kill -USR2 "$apid"; sleep 0.2
+        awk -v n="$n" -v c="$c" 'NR == 1 { m = $1; k = $2; r = $3 } NR == 2 {
+            printf "allocations per request at c=%d (%d requests): malloc %.2f calloc %.2f realloc %.2f\n",
+                c, n, ($1 - m) / n, ($2 - k) / n, ($3 - r) / n }' "$work/allocs"
     done
 fi
 if [ -n "${PROFILE:-}" ]; then
