@@ -95,7 +95,8 @@ static kvc_status_t region_init(kvc_agent_t *a, kvc_region_t *r, const kvc_regio
         KVC_LOG(a, KVC_LOG_ERROR, "CUDA region at %p: %s", p->base, kvc_cuda_last_error(a->cuda));
         return st;
     }
-    if (a->cuda_native) {
+    const char *force = getenv("KVC_CUDA_STAGED"); /* operations and the GPU check */
+    if (a->cuda_native && !(force && *force && strcmp(force, "0"))) {
         st = map(a, r, p->base, p->len, false, UCS_MEMORY_TYPE_CUDA);
         if (st == KVC_OK) a->cuda_direct = true;
         return st;

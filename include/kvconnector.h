@@ -107,6 +107,8 @@
  * KVC_LOG_LEVEL=error|warn|info|debug (default log level);
  * KVC_PROTO=auto|get|push (consumer protocol, overrides the parameter);
  * KVC_PUSH_CHUNK_KB (largest pushed message, default 4096; tuning);
+ * KVC_CUDA_STAGED=1 (stage CUDA regions through host mirrors even when UCX
+ * could register device memory; for comparisons and troubleshooting);
  * KVC_TEST_WIRE_VERSION (tests only: speak another handshake version);
  * KVC_SECRET_FILE (path of a file holding the cluster secret, trailing
  * newline stripped) or KVC_SECRET (the secret itself, for tests): read by

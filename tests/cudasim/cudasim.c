@@ -23,7 +23,7 @@
 
 #define MAX_DEV 8
 
-typedef enum { OP_COPY, OP_COPY2D, OP_RECORD, OP_WAIT, OP_HOSTFN } op_kind_t;
+typedef enum { OP_COPY, OP_COPY2D, OP_RECORD, OP_WAIT, OP_HOSTFN, OP_MEMSET } op_kind_t;
 
 typedef struct op {
     struct op *next;
@@ -175,6 +175,9 @@ static void exec(cudaStream_t s, op_t *o, int depth) {
         break;
     case OP_HOSTFN:
         o->fn(o->arg);
+        break;
+    case OP_MEMSET:
+        memset(o->dst, (int)o->dpitch, o->width);
         break;
     }
 }
@@ -709,5 +712,60 @@ cudaError_t cudaLaunchHostFunc(cudaStream_t stream, cudaHostFn_t fn, void *arg) 
     o->fn = fn;
     o->arg = arg;
     enqueue(resolve(stream), o);
+    LEAVE(cudaSuccess);
+}
+
+cudaError_t cudaMallocHost(void **p, size_t size) {
+    ENTER("cudaMallocHost", NULL);
+    alloc_t *a = calloc(1, sizeof(*a));
+    if (!p || !a || !(a->p = malloc(size ? size : 1))) {
+        free(a);
+        LEAVE(p ? cudaErrorMemoryAllocation : cudaErrorInvalidValue);
+    }
+    a->len = size;
+    a->next = pinned;
+    pinned = a;
+    *p = a->p;
+    LEAVE(cudaSuccess);
+}
+
+cudaError_t cudaFreeHost(void *p) {
+    ENTER("cudaFreeHost", NULL);
+    for (alloc_t **pp = &pinned; *pp; pp = &(*pp)->next)
+        if ((*pp)->p == p) {
+            alloc_t *a = *pp;
+            *pp = a->next;
+            free(a->p);
+            free(a);
+            LEAVE(cudaSuccess);
+        }
+    LEAVE(cudaErrorInvalidValue);
+}
+
+/* Synchronous: the legacy default stream of the current device runs first,
+ * then the copy. */
+cudaError_t cudaMemcpy(void *dst, const void *src, size_t count, enum cudaMemcpyKind kind) {
+    ENTER("cudaMemcpy", NULL);
+    cudaStream_t s = &default_streams[cur_dev];
+    cudaError_t e = copy_check(dst, src, count, count, kind, s);
+    if (e != cudaSuccess) LEAVE(e);
+    drain(s);
+    memmove(dst, src, count);
+    bytes_copied += count;
+    LEAVE(take_async(s));
+}
+
+/* Queued on the legacy default stream, like an asynchronous kernel. */
+cudaError_t cudaMemset(void *p, int value, size_t count) {
+    ENTER("cudaMemset", NULL);
+    cudaStream_t s = &default_streams[cur_dev];
+    if (!side_ok(p, count, true, s->device)) LEAVE(cudaErrorInvalidValue);
+    op_t *o = calloc(1, sizeof(*o));
+    if (!o) LEAVE(cudaErrorMemoryAllocation);
+    o->kind = OP_MEMSET;
+    o->dst = p;
+    o->dpitch = (size_t)(unsigned char)value;
+    o->width = count;
+    enqueue(s, o);
     LEAVE(cudaSuccess);
 }
