@@ -73,10 +73,16 @@ static kvc_status_t dev_enter(kvc_cuda_t *c, int dev, int *saved) {
     return KVC_OK;
 }
 
-static void dev_leave(int saved) {
-    int cur = -1;
-    if (cudaGetDevice(&cur) != cudaSuccess || cur != saved) cudaSetDevice(saved);
-    (void)cudaGetLastError();
+/* Makes the caller's device current again; a failure to do so is reported
+ * unless an earlier failure (st) is. */
+static kvc_status_t dev_leave(kvc_cuda_t *c, int saved, kvc_status_t st) {
+    cudaError_t ce = cudaSetDevice(saved);
+    if (ce == cudaSuccess) return st;
+    if (st != KVC_OK) {
+        (void)cudaGetLastError();
+        return st;
+    }
+    return cfail(c, ce, "cudaSetDevice (restoring the caller's device)");
 }
 
 kvc_status_t kvc_cuda_create(kvc_cuda_t **out, char *err, size_t errlen) {
@@ -133,8 +139,7 @@ err_stream:
     cudaStreamDestroy(d.stream);
     (void)cudaGetLastError();
 out:
-    dev_leave(saved);
-    return st;
+    return dev_leave(c, saved, st);
 }
 
 kvc_status_t kvc_cuda_region_device(kvc_cuda_t *c, const void *base, size_t len, int hint,
@@ -194,8 +199,8 @@ kvc_status_t kvc_cuda_wait_for(kvc_cuda_t *c, void *event, void *stream) {
         kvc_status_t st = dev_enter(c, c->devs[0].device, &saved);
         if (st != KVC_OK) return st;
         ce = cudaEventRecord(c->devs[0].user, (cudaStream_t)stream);
-        dev_leave(saved);
-        if (ce != cudaSuccess) return cfail(c, ce, "cudaEventRecord on the caller's stream");
+        if (ce != cudaSuccess) st = cfail(c, ce, "cudaEventRecord on the caller's stream");
+        if ((st = dev_leave(c, saved, st)) != KVC_OK) return st;
         ev = c->devs[0].user;
     }
     if (!ev) return KVC_OK;
@@ -239,8 +244,7 @@ kvc_status_t kvc_cuda_copy_runs(kvc_cuda_t *c, int dev, void *dev_base, void *ho
         }
         d->queued = true;
     }
-    dev_leave(saved);
-    return st;
+    return dev_leave(c, saved, st);
 }
 
 kvc_status_t kvc_cuda_sync(kvc_cuda_t *c) {
@@ -300,6 +304,10 @@ void kvc_cuda_drain(kvc_cuda_t *c) {
         if (ce != cudaSuccess) cfail(c, ce, "cudaStreamSynchronize");
         d->queued = d->recorded = false;
     }
+}
+
+int kvc_cuda_devices(const kvc_cuda_t *c) {
+    return c ? c->ndev : 0;
 }
 
 void kvc_cuda_destroy(kvc_cuda_t *c) {

@@ -54,3 +54,7 @@ bool kvc_cuda_idle(kvc_cuda_t *c, kvc_status_t *st) {
 }
 
 void kvc_cuda_drain(kvc_cuda_t *c) {}
+
+int kvc_cuda_devices(const kvc_cuda_t *c) {
+    return 0;
+}

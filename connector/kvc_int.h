@@ -264,6 +264,8 @@ KVC_HIDDEN kvc_status_t kvc_cuda_order_before(kvc_cuda_t *c, void *stream);
 KVC_HIDDEN bool kvc_cuda_idle(kvc_cuda_t *c, kvc_status_t *st);
 /* After a failure: waits for everything queued; errors cleared. */
 KVC_HIDDEN void kvc_cuda_drain(kvc_cuda_t *c);
+/* Devices that hold regions. */
+KVC_HIDDEN int kvc_cuda_devices(const kvc_cuda_t *c);
 
 /* ------------------------------------------------------------ path.c -- */
 

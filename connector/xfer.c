@@ -203,7 +203,14 @@ static void xfer_free(kvc_xfer_t *x) {
 static kvc_status_t stage_in(kvc_agent_t *a, kvc_xfer_t *x) {
     kvc_crun_t *runs = NULL;
     size_t nruns = 0;
-    kvc_status_t st = kvc_cuda_plan(x->local, x->n, kvc_staged_block_len(a), &runs, &nruns);
+    kvc_status_t st = KVC_OK;
+    /* The engine may still have work queued that reads these blocks' old
+     * contents (a finished request's last kernels): the copies that
+     * overwrite them wait for it.  One device only (an event must be
+     * recorded on the stream's own device). */
+    if (x->cuda_stream && kvc_cuda_devices(a->cuda) == 1)
+        st = kvc_cuda_wait_for(a->cuda, NULL, x->cuda_stream);
+    if (st == KVC_OK) st = kvc_cuda_plan(x->local, x->n, kvc_staged_block_len(a), &runs, &nruns);
     for (size_t r = 0; r < a->n_regions && st == KVC_OK; r++) {
         kvc_region_t *rg = &a->regions[r];
         if (!rg->staged) continue;

@@ -71,8 +71,12 @@
  *    (KVC_FETCH_FIELD_CUDA_STREAM).  FETCH_DONE is then reported as soon as
  *    the last host-to-device copy is queued and that stream has been made to
  *    wait for it (no host sync); work the engine queues on that stream after
- *    the event sees the blocks.  Without it the connector synchronises its
- *    copies (one host sync per device per fetch) before FETCH_DONE.
+ *    the event sees the blocks.  With regions on one device the copies also
+ *    wait for the work queued on that stream before the data arrived (which
+ *    may still read the blocks' previous contents); with several devices the
+ *    engine must not hand a fetch blocks its queued work still reads.
+ *    Without the stream the connector synchronises its copies (one host sync
+ *    per device per fetch) before FETCH_DONE.
  * FETCH_FAILED is reported only after every copy the connector queued has
  * finished: nothing is written into local blocks after the failure event.
  * A failed CUDA call is cleared from CUDA's last error (cudaGetLastError) so

@@ -266,43 +266,51 @@ static void test_roundtrip_push_threaded(void **state) {
 
 /* Single-device agents: publish ordered by the engine's stream itself, and
  * the consumer's completion ordered before the engine's stream with no host
- * sync; a second fetch into the same blocks right after lands correctly. */
+ * sync.  The engine reads the blocks on its stream right after each
+ * FETCH_DONE without synchronising, and a second fetch into the same local
+ * blocks follows at once: its data must not reach the mirror before the
+ * first fetch's copies ran. */
 static void test_stream_ordering(void **state) {
     cudasim_reset(2, false);
     side_t P, D;
     side_init(&P, "ord-P", 1, KVC_PROTO_AUTO);
     side_init(&D, "ord-D", 1, KVC_PROTO_AUTO);
-    assert_int_equal(cudaSetDevice(CALLER_DEV), cudaSuccess);
     cudaStream_t pes, des; /* the engines' streams, on the regions' device 0 */
     assert_int_equal(cudaSetDevice(0), cudaSuccess);
     assert_int_equal(cudaStreamCreateWithFlags(&pes, cudaStreamNonBlocking), cudaSuccess);
     assert_int_equal(cudaStreamCreateWithFlags(&des, cudaStreamNonBlocking), cudaSuccess);
     assert_int_equal(cudaSetDevice(CALLER_DEV), cudaSuccess);
-    uint8_t *seen = malloc(NB * BL);
-    assert_non_null(seen);
+    uint8_t *seen[3];
+    read_t rd[3];
+    fill_t f[3];
     for (int gen = 1; gen <= 2; gen++) {
-        fill_t f = {.gen = gen};
-        memcpy(f.dev, P.dev, sizeof(f.dev));
+        f[gen] = (fill_t){.gen = gen};
+        memcpy(f[gen].dev, P.dev, sizeof(f[gen].dev));
         char id[16];
         snprintf(id, sizeof(id), "o:%d", gen);
-        char *json = publish_after_kernel(&P, &f, pes, true, id);
+        char *json = publish_after_kernel(&P, &f[gen], pes, true, id);
         unsigned long sy = cudasim_calls("cudaStreamSynchronize");
         start_fetch(&D, json, LOC, NX, des);
         kvc_free(json);
         assert_int_equal(run_fetch(&P, &D, NULL, NULL, 0, NULL), KVC_OK);
         assert_int_equal(cudasim_calls("cudaStreamSynchronize") - sy, 0); /* no host sync */
         /* The engine's next "kernel" on its stream reads region 3. */
-        read_t rd = {.dev = D.dev[3], .out = seen, .len = NB * BL};
-        assert_int_equal(cudaLaunchHostFunc(des, read_fn, &rd), cudaSuccess);
-        assert_int_equal(cudaStreamSynchronize(des), cudaSuccess);
+        seen[gen] = malloc(NB * BL);
+        assert_non_null(seen[gen]);
+        rd[gen] = (read_t){.dev = D.dev[3], .out = seen[gen], .len = NB * BL};
+        assert_int_equal(cudaLaunchHostFunc(des, read_fn, &rd[gen]), cudaSuccess);
+    }
+    assert_int_equal(cudaStreamSynchronize(des), cudaSuccess);
+    for (int gen = 1; gen <= 2; gen++) {
         for (size_t k = 0; k < NX; k++)
             for (size_t i = 0; i < BL; i++)
-                if (seen[LOC[k] * BL + i] != pat(gen, 3, REM[k], i))
-                    fail_msg("gen %d: the engine's stream read block %llu before it landed", gen,
-                             (unsigned long long)LOC[k]);
-        check_blocks(&D, gen, REM, LOC, NX);
+                if (seen[gen][LOC[k] * BL + i] != pat(gen, 3, REM[k], i))
+                    fail_msg("gen %d: the engine's stream saw block %llu byte %zu = %u, want %u",
+                             gen, (unsigned long long)LOC[k], i, seen[gen][LOC[k] * BL + i],
+                             pat(gen, 3, REM[k], i));
+        free(seen[gen]);
     }
-    free(seen);
+    check_blocks(&D, 2, REM, LOC, NX);
     assert_int_equal(cudaStreamDestroy(pes), cudaSuccess);
     assert_int_equal(cudaStreamDestroy(des), cudaSuccess);
     side_cleanup(&D);
