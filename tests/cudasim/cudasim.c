@@ -45,6 +45,7 @@ struct CUstream_st {
     op_t *head, *tail;
     size_t n;
     cudaError_t err; /* asynchronous error, reported at the next sync */
+    bool held;       /* eager mode: runs only when a sync forces it */
 };
 
 struct CUevent_st {
@@ -83,7 +84,7 @@ static struct {
 static int nstreams_live;
 static unsigned long long bytes_copied;
 static pthread_t worker;
-static bool worker_on, worker_stop;
+static bool worker_on, worker_stop, eager;
 static _Thread_local int cur_dev;
 static _Thread_local cudaError_t last_err;
 
@@ -137,6 +138,8 @@ static cudaStream_t resolve(cudaStream_t s) {
     return s ? s : &default_streams[cur_dev];
 }
 
+static void pump(void);
+
 static void enqueue(cudaStream_t s, op_t *o) {
     o->next = NULL;
     if (s->tail)
@@ -145,6 +148,7 @@ static void enqueue(cudaStream_t s, op_t *o) {
         s->head = o;
     s->tail = o;
     s->n++;
+    if (eager) pump();
 }
 
 static bool run_one(cudaStream_t s, int depth);
@@ -197,6 +201,28 @@ static bool run_one(cudaStream_t s, int depth) {
     s->n--;
     free(o);
     return true;
+}
+
+/* Eager mode: every stream that is not held runs what it can without
+ * waiting: an event wait whose event is not complete stops that stream. */
+static void pump(void) {
+    static bool pumping;
+    if (pumping) return; /* an op that enqueues (none today) must not recurse */
+    pumping = true;
+    for (bool progress = true; progress;) {
+        progress = false;
+        for (int d = -1; d < MAX_DEV; d++) {
+            for (cudaStream_t s = d < 0 ? streams : &default_streams[d]; s;
+                 s = d < 0 ? s->next_all : NULL) {
+                while (!s->held && s->head &&
+                       (s->head->kind != OP_WAIT || s->head->ev->done_gen >= s->head->gen)) {
+                    run_one(s, 0);
+                    progress = true;
+                }
+            }
+        }
+    }
+    pumping = false;
 }
 
 static void drain(cudaStream_t s) {
@@ -257,6 +283,9 @@ void cudasim_reset(int devices, bool threaded) {
     for (int d = 0; d < MAX_DEV; d++)
         discard(&default_streams[d]);
     ndev = devices < 0 ? 0 : devices > MAX_DEV ? MAX_DEV : devices;
+    eager = false;
+    for (cudaStream_t s = streams; s; s = s->next_all)
+        s->held = false;
     memset(faults, 0, sizeof(faults));
     memset(counts, 0, sizeof(counts));
     bytes_copied = 0;
@@ -267,6 +296,20 @@ void cudasim_reset(int devices, bool threaded) {
     cur_dev = 0;
     last_err = cudaSuccess;
     if (threaded && pthread_create(&worker, NULL, worker_main, NULL) == 0) worker_on = true;
+}
+
+void cudasim_set_eager(bool on) {
+    pthread_mutex_lock(&mu);
+    eager = on;
+    if (eager) pump();
+    pthread_mutex_unlock(&mu);
+}
+
+void cudasim_hold(cudaStream_t s, bool hold) {
+    pthread_mutex_lock(&mu);
+    s->held = hold;
+    if (eager) pump();
+    pthread_mutex_unlock(&mu);
 }
 
 void cudasim_fail(const char *fn, unsigned nth, cudaError_t err) {

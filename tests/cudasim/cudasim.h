@@ -14,8 +14,14 @@
  * execution mode.  lazy (threaded false): queued work runs only when the host synchronises (stream
  * or event sync, one op per event query), so a missing synchronisation leaves the work undone,
  * deterministically.  threaded: a background thread also runs queued work
- * in order, a little later. */
+ * in order, a little later.  Also ends eager mode and releases held streams. */
 void cudasim_reset(int devices, bool threaded);
+/* Eager mode: work runs as soon as it is queued and nothing it waits for is
+ * pending, except on held streams, which run only when a synchronisation
+ * needs them (an engine's slow kernels).  Shows copies that overwrite memory
+ * the engine still reads because they wait for nothing. */
+void cudasim_set_eager(bool on);
+void cudasim_hold(cudaStream_t s, bool hold);
 /* The nth next call (1 = the next) of runtime function `fn` fails at once
  * with err. */
 void cudasim_fail(const char *fn, unsigned nth, cudaError_t err);

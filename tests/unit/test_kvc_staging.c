@@ -317,6 +317,59 @@ static void test_stream_ordering(void **state) {
     side_cleanup(&P);
 }
 
+/* Eager stand-in, the engine's stream slow (held): the copies of a second
+ * fetch into the same local blocks must wait for the engine's read of the
+ * first fetch, queued on its stream before, instead of overwriting the
+ * blocks under it. */
+static void test_fetch_waits_for_engine_reads(void **state) {
+    cudasim_reset(2, false);
+    cudasim_set_eager(true);
+    side_t P, D;
+    side_init(&P, "eager-P", 1, KVC_PROTO_AUTO);
+    side_init(&D, "eager-D", 1, KVC_PROTO_AUTO);
+    cudaStream_t pes, des;
+    assert_int_equal(cudaSetDevice(0), cudaSuccess);
+    assert_int_equal(cudaStreamCreateWithFlags(&pes, cudaStreamNonBlocking), cudaSuccess);
+    assert_int_equal(cudaStreamCreateWithFlags(&des, cudaStreamNonBlocking), cudaSuccess);
+    assert_int_equal(cudaSetDevice(CALLER_DEV), cudaSuccess);
+    cudasim_hold(des, true);
+    uint8_t *seen[3];
+    read_t rd[3];
+    fill_t f[3];
+    for (int gen = 1; gen <= 2; gen++) {
+        f[gen] = (fill_t){.gen = gen};
+        memcpy(f[gen].dev, P.dev, sizeof(f[gen].dev));
+        char id[16];
+        snprintf(id, sizeof(id), "e:%d", gen);
+        char *json = publish_after_kernel(&P, &f[gen], pes, true, id);
+        start_fetch(&D, json, LOC, NX, des);
+        kvc_free(json);
+        assert_int_equal(run_fetch(&P, &D, NULL, NULL, 0, NULL), KVC_OK);
+        seen[gen] = malloc(NB * BL);
+        assert_non_null(seen[gen]);
+        rd[gen] = (read_t){.dev = D.dev[0], .out = seen[gen], .len = NB * BL};
+        assert_int_equal(cudaLaunchHostFunc(des, read_fn, &rd[gen]), cudaSuccess);
+    }
+    assert_int_equal(cudaStreamSynchronize(des), cudaSuccess);
+    for (int gen = 1; gen <= 2; gen++) {
+        for (size_t k = 0; k < NX; k++)
+            for (size_t i = 0; i < BL; i++)
+                if (seen[gen][LOC[k] * BL + i] != pat(gen, 0, REM[k], i))
+                    fail_msg("gen %d: the engine read block %llu byte %zu = %u, want %u (the "
+                             "next fetch overwrote it first?)",
+                             gen, (unsigned long long)LOC[k], i, seen[gen][LOC[k] * BL + i],
+                             pat(gen, 0, REM[k], i));
+        free(seen[gen]);
+    }
+    check_blocks(&D, 2, REM, LOC, NX);
+    cudasim_hold(des, false);
+    assert_int_equal(cudaStreamDestroy(pes), cudaSuccess);
+    assert_int_equal(cudaStreamDestroy(des), cudaSuccess);
+    side_cleanup(&D);
+    side_cleanup(&P);
+    cudasim_reset(2, false);
+}
+
 /* A copy that fails to queue halfway through a fetch: FETCH_FAILED with the
  * CUDA error's name, and nothing still queued when the event arrives. */
 static void fetch_failure(bool async) {
@@ -461,6 +514,7 @@ int main(void) {
         cmocka_unit_test(test_roundtrip_get_threaded),
         cmocka_unit_test(test_roundtrip_push_threaded),
         cmocka_unit_test(test_stream_ordering),
+        cmocka_unit_test(test_fetch_waits_for_engine_reads),
         cmocka_unit_test(test_fetch_copy_fails),
         cmocka_unit_test(test_fetch_copy_fails_async),
         cmocka_unit_test(test_publish_failure),
