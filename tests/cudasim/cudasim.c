@@ -88,7 +88,7 @@ static bool worker_on, worker_stop, eager;
 static _Thread_local int cur_dev;
 static _Thread_local cudaError_t last_err;
 
-/* ------------------------------------------------------------ helpers -- */
+/* ---------------------------------------------------------- internals -- */
 
 static cudaError_t set_err(cudaError_t e) {
     if (e != cudaSuccess && e != cudaErrorNotReady) last_err = e;
