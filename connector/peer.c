@@ -837,6 +837,14 @@ static void handshake_done(kvc_agent_t *a, kvc_peer_t *p, const uint8_t *body, s
         p->rr[i].mem_type = hs.regions[i].mem_type;
         if (hs.regions[i].rkey.len == 0) continue; /* push only: no rkeys were sent */
         ucs_status_t us = ucp_ep_rkey_unpack(p->ep, hs.regions[i].rkey.p, &p->rr[i].rkey);
+        if (us != UCS_OK && hs.regions[i].mem_type == KVC_MEM_CUDA) {
+            /* Device memory this UCX cannot reach (no CUDA support here): no
+             * one-sided reads, the producer pushes (path.c). */
+            KVC_LOG(a, KVC_LOG_DEBUG, "rkey %u from %.*s (device memory) not usable here: %s", i,
+                    eid_len, eid, ucs_status_string(us));
+            p->rr[i].rkey = NULL;
+            continue;
+        }
         if (us != UCS_OK) {
             p->rr[i].rkey = NULL;
             peer_fail(a, p, KVC_ERR_PROTOCOL, "rkey %u from %.*s: %s", i, eid_len, eid,
