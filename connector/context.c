@@ -65,6 +65,8 @@ const char *kvc_status_str(kvc_status_t st) {
         return "KVC_ERR_AUTH";
     case KVC_ERR_DENIED:
         return "KVC_ERR_DENIED";
+    case KVC_ERR_CUDA:
+        return "KVC_ERR_CUDA";
     }
     return "KVC_ERR_UNKNOWN";
 }
@@ -184,8 +186,7 @@ kvc_status_t kvc_agent_next_event(kvc_agent_t *a, kvc_event_t *ev) {
 }
 
 kvc_status_t kvc_agent_stat(const kvc_agent_t *a, kvc_stat_t which, uint64_t *value) {
-    if (!a || !value || (int)which < 0 || which > KVC_STAT_PEER_ERRORS)
-        return KVC_ERR_INVALID_PARAM;
+    if (!a || !value || (int)which < 0 || which > KVC_STAT_CUDA_SYNCS) return KVC_ERR_INVALID_PARAM;
     if (which == KVC_STAT_PUBLISHED_NOW)
         *value = a->pubs.count;
     else if (which == KVC_STAT_AUTHENTICATED)
@@ -326,14 +327,26 @@ static kvc_status_t ucx_init(kvc_agent_t *a) {
     pp.features = UCP_FEATURE_AM | UCP_FEATURE_WAKEUP;
     if (a->proto == KVC_PROTO_GET) pp.features |= UCP_FEATURE_RMA;
     us = ucp_init(&pp, cfg, &a->ctx);
-    ucp_config_release(cfg);
-    if (us != UCS_OK) goto err_status;
+    if (us != UCS_OK) goto err_cfg;
 
     ucp_context_attr_t ca;
     memset(&ca, 0, sizeof(ca));
     ca.field_mask = UCP_ATTR_FIELD_MEMORY_TYPES;
     if (ucp_context_query(a->ctx, &ca) == UCS_OK)
         a->cuda_native = (ca.memory_types & UCS_BIT(UCS_MEMORY_TYPE_CUDA)) != 0;
+    /* A UCX with CUDA support (a GPU host): device memory is registered
+     * directly and read one-sided where cuda_ipc or RDMA reaches it (path.c),
+     * which needs RMA.  SECURITY.md: on such hosts, UCX's emulated RMA over
+     * tcp/shared memory is enabled too. */
+    if (a->cuda_native && a->proto == KVC_PROTO_AUTO && !(pp.features & UCP_FEATURE_RMA)) {
+        ucp_cleanup(a->ctx);
+        pp.features |= UCP_FEATURE_RMA;
+        us = ucp_init(&pp, cfg, &a->ctx);
+        if (us != UCS_OK) goto err_cfg;
+    }
+    a->rma = (pp.features & UCP_FEATURE_RMA) != 0;
+    ucp_config_release(cfg);
+    cfg = NULL;
 
     ucp_worker_params_t wp;
     memset(&wp, 0, sizeof(wp));
@@ -352,6 +365,10 @@ err_worker:
     a->worker = NULL;
 err_ctx:
     ucp_cleanup(a->ctx);
+    a->ctx = NULL;
+    goto err_status;
+err_cfg:
+    ucp_config_release(cfg);
     a->ctx = NULL;
 err_status:
     KVC_LOG(a, KVC_LOG_ERROR, "UCX init failed: %s", ucs_status_string(us));
@@ -460,8 +477,8 @@ kvc_status_t kvc_agent_create(const kvc_agent_params_t *p, kvc_agent_t **out) {
     if ((st = fds_init(a)) != KVC_OK) goto err_fds;
     if ((st = kvc_listen_open(a)) != KVC_OK) goto err_fds;
     if ((st = kvc_mem_build_handshake(a)) != KVC_OK) goto err_fds;
-    KVC_LOG(a, KVC_LOG_INFO, "agent up side_channel=%s:%u proto=%d cuda_native=%d", a->listen_host,
-            a->port, (int)a->proto, (int)a->cuda_native);
+    KVC_LOG(a, KVC_LOG_INFO, "agent up side_channel=%s:%u proto=%d cuda_native=%d rma=%d",
+            a->listen_host, a->port, (int)a->proto, (int)a->cuda_native, (int)a->rma);
     kvc_wake(a); /* first progress arms the worker */
     *out = a;
     return KVC_OK;

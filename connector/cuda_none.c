@@ -1,4 +1,5 @@
-/* Build without CUDA: every CUDA entry point reports it is unavailable. */
+/* Build without CUDA: every CUDA entry point reports it is unavailable.  The
+ * copy planner is pure and shared (it lives here and in cuda.c alike). */
 #include "kvc_int.h"
 
 #include <stdio.h>
@@ -7,12 +8,21 @@ bool kvc_cuda_built(void) {
     return false;
 }
 
-kvc_status_t kvc_cuda_create(int device, kvc_cuda_t **out, char *err, size_t errlen) {
+const char *kvc_cuda_last_error(const kvc_cuda_t *c) {
+    return "built without CUDA";
+}
+
+kvc_status_t kvc_cuda_create(kvc_cuda_t **out, char *err, size_t errlen) {
     snprintf(err, errlen, "built without CUDA");
     return KVC_ERR_UNSUPPORTED;
 }
 
 void kvc_cuda_destroy(kvc_cuda_t *c) {}
+
+kvc_status_t kvc_cuda_region_device(kvc_cuda_t *c, const void *base, size_t len, int hint,
+                                    int *dev) {
+    return KVC_ERR_UNSUPPORTED;
+}
 
 kvc_status_t kvc_cuda_host_register(kvc_cuda_t *c, void *p, size_t len) {
     return KVC_ERR_UNSUPPORTED;
@@ -20,11 +30,31 @@ kvc_status_t kvc_cuda_host_register(kvc_cuda_t *c, void *p, size_t len) {
 
 void kvc_cuda_host_unregister(kvc_cuda_t *c, void *p) {}
 
-kvc_status_t kvc_cuda_copy_blocks(kvc_cuda_t *c, void *dev, void *host, size_t block_len,
-                                  const uint64_t *ids, size_t n, bool to_device) {
+kvc_status_t kvc_cuda_wait_for(kvc_cuda_t *c, void *event, void *stream) {
+    return KVC_ERR_UNSUPPORTED;
+}
+
+kvc_status_t kvc_cuda_copy_runs(kvc_cuda_t *c, int dev, void *dev_base, void *host_base,
+                                size_t block_len, const kvc_crun_t *runs, size_t nruns,
+                                bool to_device) {
     return KVC_ERR_UNSUPPORTED;
 }
 
 kvc_status_t kvc_cuda_sync(kvc_cuda_t *c) {
     return KVC_ERR_UNSUPPORTED;
+}
+
+kvc_status_t kvc_cuda_order_before(kvc_cuda_t *c, void *stream) {
+    return KVC_ERR_UNSUPPORTED;
+}
+
+bool kvc_cuda_idle(kvc_cuda_t *c, kvc_status_t *st) {
+    *st = KVC_OK;
+    return true;
+}
+
+void kvc_cuda_drain(kvc_cuda_t *c) {}
+
+int kvc_cuda_devices(const kvc_cuda_t *c) {
+    return 0;
 }

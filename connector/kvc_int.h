@@ -217,20 +217,80 @@ KVC_HIDDEN kvc_status_t kvc_secret_init(kvc_agent_t *a, const kvc_agent_params_t
 /* Rate-limited warning: at most a few lines per second per kind. */
 KVC_HIDDEN bool kvc_log_ratelimit(kvc_agent_t *a, int kind);
 
-/* ------------------------------------------------------------ cuda.c -- */
+/* ------------------------------------------------ cuda.c / copyplan.c -- */
 
+/* One staging copy: `count` runs of `len` blocks, the first at block
+ * `start`, each `stride` blocks after the previous (count 1: stride 0). */
+typedef struct {
+    uint64_t start, len, stride, count;
+} kvc_crun_t;
+/* The copies for block ids `ids` (any order, repeats allowed) of a region
+ * with block_len: maximal runs of consecutive ids, equal runs at a constant
+ * stride folded into one.  *out malloc'ed (NULL when n == 0). */
+KVC_HIDDEN kvc_status_t kvc_cuda_plan(const uint64_t *ids, size_t n, size_t block_len,
+                                      kvc_crun_t **out, size_t *nout);
+
+/* The CUDA layer (cuda.c; cuda_none.c without CUDA).  Every function keeps
+ * the caller's current device; failures clear CUDA's last error and leave a
+ * message naming the CUDA error in kvc_cuda_last_error(). */
 typedef struct kvc_cuda kvc_cuda_t;
 KVC_HIDDEN bool kvc_cuda_built(void);
-/* KVC_ERR_NO_DEVICE when no usable device. */
-KVC_HIDDEN kvc_status_t kvc_cuda_create(int device, kvc_cuda_t **out, char *err, size_t errlen);
+KVC_HIDDEN const char *kvc_cuda_last_error(const kvc_cuda_t *c);
+/* KVC_ERR_NO_DEVICE (reason in err) when no usable device. */
+KVC_HIDDEN kvc_status_t kvc_cuda_create(kvc_cuda_t **out, char *err, size_t errlen);
+/* Waits for every queued copy, then frees streams and events. */
 KVC_HIDDEN void kvc_cuda_destroy(kvc_cuda_t *c);
+/* The device owning [base, base+len) (cudaPointerGetAttributes); hint >= 0
+ * must match it.  Creates that device's stream.  KVC_ERR_INVALID_PARAM: not
+ * device memory, not one allocation, or another device than the hint. */
+KVC_HIDDEN kvc_status_t kvc_cuda_region_device(kvc_cuda_t *c, const void *base, size_t len,
+                                               int hint, int *dev);
 KVC_HIDDEN kvc_status_t kvc_cuda_host_register(kvc_cuda_t *c, void *p, size_t len);
 KVC_HIDDEN void kvc_cuda_host_unregister(kvc_cuda_t *c, void *p);
-/* Queues copies of whole blocks (to_device: host→device, else device→host),
- * runs index blocks of both sides by the same id (r.local used). */
-KVC_HIDDEN kvc_status_t kvc_cuda_copy_blocks(kvc_cuda_t *c, void *dev, void *host, size_t block_len,
-                                             const uint64_t *ids, size_t n, bool to_device);
+/* Every device stream waits for the caller's event, or for the work queued
+ * so far on the caller's stream (one device only).  Both NULL: no-op. */
+KVC_HIDDEN kvc_status_t kvc_cuda_wait_for(kvc_cuda_t *c, void *event, void *stream);
+/* Queues the planned copies of one region on its device's stream. */
+KVC_HIDDEN kvc_status_t kvc_cuda_copy_runs(kvc_cuda_t *c, int dev, void *dev_base, void *host_base,
+                                           size_t block_len, const kvc_crun_t *runs, size_t nruns,
+                                           bool to_device);
+/* One host sync per device with queued work; every device is synced even
+ * when one fails. */
 KVC_HIDDEN kvc_status_t kvc_cuda_sync(kvc_cuda_t *c);
+/* No host sync: `stream` (a cudaStream_t) waits for all queued work. */
+KVC_HIDDEN kvc_status_t kvc_cuda_order_before(kvc_cuda_t *c, void *stream);
+/* True when nothing queued is still running (event queries, non-blocking);
+ * false with *st set on a failure. */
+KVC_HIDDEN bool kvc_cuda_idle(kvc_cuda_t *c, kvc_status_t *st);
+/* After a failure: waits for everything queued; errors cleared. */
+KVC_HIDDEN void kvc_cuda_drain(kvc_cuda_t *c);
+/* Devices that hold regions. */
+KVC_HIDDEN int kvc_cuda_devices(const kvc_cuda_t *c);
+
+/* ------------------------------------------------------------ path.c -- */
+
+/* KVC_TRANSPORT_* bits of a comma-separated list of UCX transport names. */
+KVC_HIDDEN uint32_t kvc_transport_bits(const char *names);
+
+typedef struct {
+    kvc_proto_t want;    /* the agent's proto (AUTO, GET, PUSH) */
+    bool keys;           /* the producer sent rkeys */
+    bool mapped;         /* every remote region is mapped here (shared memory) */
+    bool rma;            /* this agent's UCX context has the RMA feature */
+    bool local_dev;      /* a local region is registered as device memory */
+    bool remote_dev;     /* a remote region is device memory */
+    uint32_t transports; /* KVC_TRANSPORT_* of the endpoint */
+} kvc_path_in_t;
+
+typedef struct {
+    kvc_proto_t proto; /* GET or PUSH */
+    bool mapped_copy;  /* GET as memcpy through the shared-memory mapping */
+    const char *why;   /* static text, for the log */
+} kvc_path_t;
+
+/* Pure.  KVC_ERR_UNSUPPORTED (why set) when the wanted protocol cannot be
+ * served: a get of device memory without a cuda_ipc or RDMA transport. */
+KVC_HIDDEN kvc_status_t kvc_choose_path(const kvc_path_in_t *in, kvc_path_t *out);
 
 /* ------------------------------------------------------- agent types -- */
 
@@ -247,6 +307,7 @@ typedef struct {
 typedef struct {
     void *base;     /* host-visible memory UCX reads/writes (pool, user memory or mirror) */
     void *dev_base; /* CUDA staged: the device memory; else NULL */
+    int cuda_dev;   /* CUDA regions: the device that owns the memory */
     size_t len, block_len;
     kvc_mem_type_t mem_type;
     bool pool, staged, unpinned;
@@ -309,6 +370,7 @@ struct kvc_agent {
     ucp_context_h ctx;
     ucp_worker_h worker;
     bool cuda_native; /* UCX can register CUDA memory */
+    bool rma;         /* the UCX context has UCP_FEATURE_RMA */
     ucp_address_t *worker_addr;
     size_t worker_addr_len;
 
@@ -321,7 +383,9 @@ struct kvc_agent {
     kvc_region_t *regions;   /* owned */
     kvc_buf_t hs_msg;        /* prebuilt handshake reply (MAC appended per consumer) */
     kvc_buf_t hs_msg_nokeys; /* the same without rkeys (push consumers) */
-    kvc_cuda_t *cuda;        /* owned; staged CUDA regions only */
+    kvc_cuda_t *cuda;        /* owned; agents with CUDA regions only */
+    size_t n_staged;         /* regions staged through a host mirror */
+    bool cuda_direct;        /* a region is registered as device memory */
 
     kvc_pubtab_t pubs;
     kvc_sconn_t *sconns;
@@ -334,7 +398,7 @@ struct kvc_agent {
     size_t push_chunk;      /* largest DATA message (bytes, whole blocks) */
 
     kvc_evnode_t *evq_head, *evq_tail, *ev_cur;
-    uint64_t stats[KVC_STAT_PEER_ERRORS + 1];
+    uint64_t stats[KVC_STAT_CUDA_SYNCS + 1];
     bool destroying;
 };
 
@@ -361,6 +425,8 @@ KVC_HIDDEN void kvc_ep_del(kvc_agent_t *a, int fd);
 /* ---------------------------------------------------------- mem.c -- */
 KVC_HIDDEN void kvc_mem_cleanup(kvc_agent_t *a);
 KVC_HIDDEN kvc_status_t kvc_mem_build_handshake(kvc_agent_t *a);
+/* The largest block_len of the staged regions (plans are made for it). */
+KVC_HIDDEN size_t kvc_staged_block_len(const kvc_agent_t *a);
 
 /* --------------------------------------------------------- peer.c -- */
 KVC_HIDDEN kvc_status_t kvc_listen_open(kvc_agent_t *a);
@@ -389,6 +455,7 @@ struct kvc_peer_region {
     uint64_t base, len, block_len;
     ucp_rkey_h rkey;
     const uint8_t *mapped; /* the region mapped here (shared memory), or NULL */
+    uint8_t mem_type;      /* kvc_mem_type_t as the producer registered it */
 };
 typedef enum { PEER_CONNECTING, PEER_HELLO, PEER_AUTH, PEER_READY, PEER_DEAD } kvc_peer_state_t;
 struct kvc_peer {
@@ -413,7 +480,8 @@ struct kvc_peer {
     uint32_t n_regions;
     struct kvc_peer_region *rr; /* owned */
     kvc_proto_t proto;
-    bool shm; /* every remote region is mapped here (ucp_rkey_ptr) */
+    bool shm;            /* every remote region is mapped here (ucp_rkey_ptr) */
+    uint32_t transports; /* KVC_TRANSPORT_* of the endpoint (0: not collected) */
     int refs;
     kvc_status_t fail_status;
     char fail_msg[320];

@@ -14,6 +14,8 @@ static void region_cleanup(kvc_agent_t *a, kvc_region_t *r) {
 }
 
 void kvc_mem_cleanup(kvc_agent_t *a) {
+    /* Copies still queued read or write the mirrors: they end first. */
+    kvc_cuda_drain(a->cuda);
     for (size_t i = 0; i < a->n_regions; i++)
         region_cleanup(a, &a->regions[i]);
     free(a->regions);
@@ -78,25 +80,37 @@ static kvc_status_t region_init(kvc_agent_t *a, kvc_region_t *r, const kvc_regio
         KVC_LOG(a, KVC_LOG_ERROR, "CUDA region but libkvconnector was built without CUDA");
         return KVC_ERR_UNSUPPORTED;
     }
-    if (a->cuda_native) return map(a, r, p->base, p->len, false, UCS_MEMORY_TYPE_CUDA);
-    /* No CUDA transport in UCX: a pinned host mirror in shared memory carries
-     * the bytes; cudaMemcpyAsync moves them between mirror and device. */
     if (!a->cuda) {
         char err[256];
-        int dev = (p->field_mask & KVC_REGION_FIELD_CUDA_DEVICE) ? p->cuda_device : 0;
-        kvc_status_t st = kvc_cuda_create(dev, &a->cuda, err, sizeof(err));
+        kvc_status_t st = kvc_cuda_create(&a->cuda, err, sizeof(err));
         if (st != KVC_OK) {
-            KVC_LOG(a, KVC_LOG_ERROR, "CUDA staging unavailable: %s", err);
+            KVC_LOG(a, KVC_LOG_ERROR, "CUDA unavailable: %s", err);
             return st;
         }
     }
-    kvc_status_t st = map(a, r, NULL, p->len, true, UCS_MEMORY_TYPE_HOST);
+    /* The device comes from the pointer; cuda_device, when given, must agree. */
+    int hint = (p->field_mask & KVC_REGION_FIELD_CUDA_DEVICE) ? p->cuda_device : -1;
+    kvc_status_t st = kvc_cuda_region_device(a->cuda, p->base, p->len, hint, &r->cuda_dev);
+    if (st != KVC_OK) {
+        KVC_LOG(a, KVC_LOG_ERROR, "CUDA region at %p: %s", p->base, kvc_cuda_last_error(a->cuda));
+        return st;
+    }
+    const char *force = getenv("KVC_CUDA_STAGED"); /* operations and the GPU check */
+    if (a->cuda_native && !(force && *force && strcmp(force, "0"))) {
+        st = map(a, r, p->base, p->len, false, UCS_MEMORY_TYPE_CUDA);
+        if (st == KVC_OK) a->cuda_direct = true;
+        return st;
+    }
+    /* No CUDA memory support in UCX: a pinned host mirror in shared memory
+     * carries the bytes; cudaMemcpyAsync moves them between mirror and
+     * device on the device's own stream. */
+    st = map(a, r, NULL, p->len, true, UCS_MEMORY_TYPE_HOST);
     if (st != KVC_OK) return st;
     /* Pinning makes the copies asynchronous and fast; without it they still
      * work (pageable), so a refusal is only worth a warning. */
     if (kvc_cuda_host_register(a->cuda, r->base, r->len) != KVC_OK) {
-        KVC_LOG(a, KVC_LOG_WARN, "cudaHostRegister of the %zu-byte mirror failed: copies unpinned",
-                r->len);
+        KVC_LOG(a, KVC_LOG_WARN, "%zu-byte mirror not pinned, copies will be slower: %s", r->len,
+                kvc_cuda_last_error(a->cuda));
         r->unpinned = true;
     }
     r->staged = true;
@@ -129,6 +143,12 @@ kvc_status_t kvc_agent_register_regions(kvc_agent_t *a, uint64_t num_blocks,
     a->regions = regs;
     a->n_regions = n;
     a->num_blocks = num_blocks;
+    for (size_t i = 0; i < n; i++) {
+        a->n_staged += regs[i].staged;
+        if (regs[i].mem_type == KVC_MEM_CUDA)
+            a->stats[regs[i].staged ? KVC_STAT_CUDA_STAGED_REGIONS
+                                    : KVC_STAT_CUDA_DIRECT_REGIONS]++;
+    }
     if ((st = kvc_mem_build_handshake(a)) != KVC_OK) goto err_built;
     KVC_LOG(a, KVC_LOG_INFO, "registered regions=%zu num_blocks=%llu block_len0=%zu pool=%d", n,
             (unsigned long long)num_blocks, regs[0].block_len, (int)regs[0].pool);
@@ -138,13 +158,23 @@ err_built:
     a->regions = NULL;
     a->n_regions = 0;
     a->num_blocks = 0;
+    a->n_staged = 0;
+    a->stats[KVC_STAT_CUDA_STAGED_REGIONS] = a->stats[KVC_STAT_CUDA_DIRECT_REGIONS] = 0;
     done = n;
 err_regions:
     for (size_t i = 0; i <= done && i < n; i++)
         region_cleanup(a, &regs[i]);
     free(regs);
+    a->cuda_direct = false;
     kvc_mem_build_handshake(a);
     return st;
+}
+
+size_t kvc_staged_block_len(const kvc_agent_t *a) {
+    size_t m = 0;
+    for (size_t i = 0; i < a->n_regions; i++)
+        if (a->regions[i].staged && a->regions[i].block_len > m) m = a->regions[i].block_len;
+    return m;
 }
 
 kvc_status_t kvc_region_base(const kvc_agent_t *a, size_t idx, void **base) {

@@ -1,8 +1,8 @@
 /* kv_transfer_params: the JSON object a producer returns (DESIGN.md §1.1)
  * and the consumer's reading of it, with the publication's token
  * ("remote_kv_token", 32 hex digits).  Unknown keys are ignored; block ids may
- * be a flat list or, as newer engines send, a list of per-group lists (the
- * first group is used). */
+ * be a flat list or, as newer engines send, a list of per-group lists (one
+ * group only: hybrid models with several groups are refused, INCOMPATIBLE). */
 #include "kvc_int.h"
 
 #include <cjson/cJSON.h>
@@ -110,8 +110,22 @@ kvc_status_t kvc_params_parse_json(const char *json, kvc_remote_t *r, char *err,
     if (get_uint(cJSON_GetObjectItemCaseSensitive(o, "tp_size"), UINT32_MAX, &v))
         t.tp_size = (uint32_t)v;
     const cJSON *ids = cJSON_GetObjectItemCaseSensitive(o, "remote_block_ids");
-    if (cJSON_IsArray(ids) && cJSON_IsArray(cJSON_GetArrayItem(ids, 0)))
-        ids = cJSON_GetArrayItem(ids, 0); /* per-group ids: first group */
+    if (cJSON_IsArray(ids) && cJSON_IsArray(cJSON_GetArrayItem(ids, 0))) {
+        /* Per-group ids.  A hybrid model (several KV-cache groups: full and
+         * sliding-window attention, mamba state...) has a block list per
+         * group over other regions; fetching only the first group would hand
+         * the engine a half-filled cache.  Refused until supported. */
+        int groups = cJSON_GetArraySize(ids);
+        if (groups != 1) {
+            st = KVC_ERR_INCOMPATIBLE;
+            snprintf(err, errlen,
+                     "remote_block_ids has %d KV-cache groups (hybrid model); only one group is "
+                     "supported",
+                     groups);
+            goto err_fields;
+        }
+        ids = cJSON_GetArrayItem(ids, 0);
+    }
     if (!cJSON_IsArray(ids)) {
         snprintf(err, errlen, "remote_block_ids missing or not a list");
         goto err_fields;

@@ -300,10 +300,12 @@ static void on_auth(kvc_agent_t *a, kvc_sconn_t *c, const uint8_t *body, size_t 
         return;
     }
     /* rkeys only for a consumer that may read one-sided: it asked for GET,
-     * or AUTO with every region a pool (mappable on one host). */
+     * or AUTO with every region a pool (mappable on one host) or device
+     * memory registered directly (cuda_ipc, RDMA: path.c decides). */
     bool pools = a->n_regions > 0;
     for (size_t i = 0; i < a->n_regions; i++)
-        pools &= a->regions[i].pool;
+        pools &= a->regions[i].pool ||
+                 (a->regions[i].mem_type == KVC_MEM_CUDA && !a->regions[i].staged && a->rma);
     bool rkeys = proto == KVC_PROTO_GET || (proto == KVC_PROTO_AUTO && pools);
     const kvc_buf_t *hs = rkeys ? &a->hs_msg : &a->hs_msg_nokeys;
     size_t start = c->out.len;
@@ -640,36 +642,13 @@ out:
     return KVC_OK;
 }
 
-static kvc_proto_t choose_proto(kvc_agent_t *a, kvc_peer_t *p) {
-    bool shm = p->n_regions > 0, keys = p->n_regions > 0;
-    for (uint32_t i = 0; i < p->n_regions; i++)
-        keys &= p->rr[i].rkey != NULL;
-    shm &= keys;
-    for (uint32_t i = 0; i < p->n_regions && shm; i++) {
-        void *ptr = NULL;
-        shm = ucp_rkey_ptr(p->rr[i].rkey, p->rr[i].base, &ptr) == UCS_OK && ptr;
-        p->rr[i].mapped = shm ? ptr : NULL;
-    }
-    p->shm = shm;
-    if (!keys) return KVC_PROTO_PUSH; /* the producer sent no rkeys */
-    if (a->proto != KVC_PROTO_AUTO) return a->proto;
-    /* AUTO runs without UCX's RMA feature (context.c): one-sided only
-     * through the mapping, into host memory. */
-    for (size_t r = 0; r < a->n_regions; r++)
-        shm &= a->regions[r].mem_type == KVC_MEM_HOST || a->regions[r].staged;
-    /* A mapping of every remote region means shared memory on this host:
-     * reads are one-sided memcpy through UCX's mapping (xfer.c), whatever
-     * lanes the endpoint uses.  Otherwise (tcp, registered memory) a get is
-     * emulated by the producer's handler and slow on tcp; a producer push is
-     * what the transport does well.  With RDMA, set KVC_PROTO=get. */
-    return shm ? KVC_PROTO_GET : KVC_PROTO_PUSH;
-}
-
-/* Logs which UCX transports the endpoint's lanes use ("tcp", "posix", ...):
- * tests check that the sm configuration really moves data over shared memory. */
-static void log_transports(kvc_agent_t *a, kvc_peer_t *p) {
-    char *text = NULL, names[256] = "";
+/* The UCX transports the endpoint's lanes use ("tcp,posix", ...) into names:
+ * the path choice needs them, and tests check that the sm configuration
+ * really moves data over shared memory. */
+static void ep_transports(kvc_peer_t *p, char names[256]) {
+    char *text = NULL;
     size_t tlen = 0, nl = 0;
+    names[0] = 0;
     FILE *f = open_memstream(&text, &tlen);
     if (!f) return;
     ucp_ep_print_info(p->ep, f);
@@ -694,12 +673,59 @@ static void log_transports(kvc_agent_t *a, kvc_peer_t *p) {
         char padded[260];
         snprintf(padded, sizeof(padded), ",%s,", names);
         if (strstr(padded, tok)) continue;
-        if (nl + k + 2 >= sizeof(names)) break;
-        nl += (size_t)snprintf(names + nl, sizeof(names) - nl, "%s%.*s", nl ? "," : "", (int)k, tl);
+        if (nl + k + 2 >= 256) break;
+        nl += (size_t)snprintf(names + nl, 256 - nl, "%s%.*s", nl ? "," : "", (int)k, tl);
     }
     if (getenv("KVC_DUMP_EP")) fprintf(stderr, "%s\n", text);
     free(text);
-    KVC_LOG(a, KVC_LOG_DEBUG, "peer %s:%u transports=%s", p->host, p->port, names[0] ? names : "?");
+}
+
+/* Maps the remote regions here when they are shared memory on this host,
+ * then picks GET or PUSH (path.c).  False (peer failed) when the wanted
+ * protocol cannot serve these memory types. */
+static bool choose_path(kvc_agent_t *a, kvc_peer_t *p) {
+    kvc_path_in_t in = {.want = a->proto, .rma = a->rma, .local_dev = a->cuda_direct};
+    in.keys = p->n_regions > 0;
+    for (uint32_t i = 0; i < p->n_regions; i++) {
+        in.keys &= p->rr[i].rkey != NULL;
+        in.remote_dev |= p->rr[i].mem_type == KVC_MEM_CUDA;
+    }
+    in.mapped = in.keys && !in.remote_dev;
+    for (uint32_t i = 0; i < p->n_regions && in.mapped; i++) {
+        void *ptr = NULL;
+        in.mapped = ucp_rkey_ptr(p->rr[i].rkey, p->rr[i].base, &ptr) == UCS_OK && ptr;
+        p->rr[i].mapped = in.mapped ? ptr : NULL;
+    }
+    p->shm = in.mapped;
+    /* ucp_ep_print_info takes milliseconds: only where the choice needs the
+     * transports (device memory on either side) or someone reads the log. */
+    char names[256] = "";
+    if (in.local_dev || in.remote_dev || a->n_staged || a->log_level >= KVC_LOG_DEBUG) {
+        ep_transports(p, names);
+        p->transports = kvc_transport_bits(names);
+        a->stats[KVC_STAT_TRANSPORTS] |= p->transports;
+    }
+    in.transports = p->transports;
+    kvc_path_t path;
+    kvc_status_t st = kvc_choose_path(&in, &path);
+    KVC_LOG(a, KVC_LOG_DEBUG,
+            "peer %s:%u transports=%s path=%s (%s) local_memory=%s remote_memory=%s", p->host,
+            p->port, names[0] ? names : "?", path.proto == KVC_PROTO_GET ? "get" : "push", path.why,
+            a->cuda_direct ? "cuda-direct"
+            : a->n_staged  ? "cuda-staged"
+                           : "host",
+            in.remote_dev ? "cuda" : "host");
+    if (st != KVC_OK) {
+        peer_fail(a, p, st, "engine %s at %s:%u: %s (transports %s)", p->engine_id, p->host,
+                  p->port, path.why, names[0] ? names : "?");
+        return false;
+    }
+    p->proto = path.proto;
+    /* The mapping is used only for host memory; a get of device memory goes
+     * through UCX. */
+    p->shm = path.mapped_copy;
+    a->stats[path.proto == KVC_PROTO_GET ? KVC_STAT_PEERS_GET : KVC_STAT_PEERS_PUSH]++;
+    return true;
 }
 
 static kvc_status_t ep_create(kvc_agent_t *a, kvc_peer_t *p, const kvc_span_t *addr) {
@@ -772,6 +798,12 @@ static void handshake_done(kvc_agent_t *a, kvc_peer_t *p, const uint8_t *body, s
         goto out;
     }
     for (uint32_t i = 0; i < hs.n_regions; i++) {
+        if (hs.regions[i].mem_type != KVC_MEM_HOST && hs.regions[i].mem_type != KVC_MEM_CUDA) {
+            peer_fail(a, p, KVC_ERR_INCOMPATIBLE,
+                      "region %u of %.*s has memory type %u, which this agent cannot read", i,
+                      eid_len, eid, hs.regions[i].mem_type);
+            goto out;
+        }
         if (hs.regions[i].block_len != a->regions[i].block_len) {
             peer_fail(a, p, KVC_ERR_INCOMPATIBLE,
                       "block_len mismatch in region %u: local %s=%zu, remote %.*s=%llu", i,
@@ -802,8 +834,17 @@ static void handshake_done(kvc_agent_t *a, kvc_peer_t *p, const uint8_t *body, s
         p->rr[i].base = hs.regions[i].base;
         p->rr[i].len = hs.regions[i].len;
         p->rr[i].block_len = hs.regions[i].block_len;
+        p->rr[i].mem_type = hs.regions[i].mem_type;
         if (hs.regions[i].rkey.len == 0) continue; /* push only: no rkeys were sent */
         ucs_status_t us = ucp_ep_rkey_unpack(p->ep, hs.regions[i].rkey.p, &p->rr[i].rkey);
+        if (us != UCS_OK && hs.regions[i].mem_type == KVC_MEM_CUDA) {
+            /* Device memory this UCX cannot reach (no CUDA support here): no
+             * one-sided reads, the producer pushes (path.c). */
+            KVC_LOG(a, KVC_LOG_DEBUG, "rkey %u from %.*s (device memory) not usable here: %s", i,
+                    eid_len, eid, ucs_status_string(us));
+            p->rr[i].rkey = NULL;
+            continue;
+        }
         if (us != UCS_OK) {
             p->rr[i].rkey = NULL;
             peer_fail(a, p, KVC_ERR_PROTOCOL, "rkey %u from %.*s: %s", i, eid_len, eid,
@@ -811,8 +852,7 @@ static void handshake_done(kvc_agent_t *a, kvc_peer_t *p, const uint8_t *body, s
             goto out;
         }
     }
-    p->proto = choose_proto(a, p);
-    if (a->log_level >= KVC_LOG_DEBUG) log_transports(a, p); /* ucp_ep_print_info: ms */
+    if (!choose_path(a, p)) goto out;
     p->state = PEER_READY;
     peer_close_socket(a, p);
     a->stats[KVC_STAT_HANDSHAKES]++;

@@ -117,6 +117,42 @@ bool kvc_pub_has_run(const kvc_pub_t *p, uint64_t start, uint64_t count) {
     return want - start == count;
 }
 
+/* CUDA regions: the blocks must be captured before any consumer can read
+ * them, i.e. before the params leave kvc_publish.  The private streams wait
+ * for the engine's event or stream (never a sync of the engine's own
+ * stream), staged regions are copied to their mirrors, and one host sync per
+ * device ends it.  On failure nothing stays queued. */
+static kvc_status_t capture(kvc_agent_t *a, const kvc_publish_params_t *params, const uint64_t *ids,
+                            size_t n) {
+    uint64_t m = params ? params->field_mask : 0;
+    void *ev = (m & KVC_PUBLISH_FIELD_CUDA_EVENT) ? params->cuda_event : NULL;
+    void *stream = (m & KVC_PUBLISH_FIELD_CUDA_STREAM) ? params->cuda_stream : NULL;
+    if (!ev && !stream && !a->n_staged) return KVC_OK; /* direct, caller-ordered */
+    kvc_crun_t *runs = NULL;
+    size_t nruns = 0;
+    kvc_status_t st = kvc_cuda_wait_for(a->cuda, ev, stream);
+    if (st == KVC_OK && a->n_staged)
+        st = kvc_cuda_plan(ids, n, kvc_staged_block_len(a), &runs, &nruns);
+    for (size_t r = 0; r < a->n_regions && st == KVC_OK; r++) {
+        kvc_region_t *rg = &a->regions[r];
+        if (!rg->staged) continue;
+        st = kvc_cuda_copy_runs(a->cuda, rg->cuda_dev, rg->dev_base, rg->base, rg->block_len, runs,
+                                nruns, false);
+        if (st == KVC_OK) a->stats[KVC_STAT_CUDA_COPIES] += nruns;
+    }
+    free(runs);
+    if (st == KVC_OK) {
+        st = kvc_cuda_sync(a->cuda);
+        a->stats[KVC_STAT_CUDA_SYNCS]++;
+    }
+    if (st != KVC_OK) {
+        kvc_cuda_drain(a->cuda);
+        KVC_LOG(a, KVC_LOG_ERROR, "publish: capturing CUDA blocks failed: %s (%s)",
+                kvc_cuda_last_error(a->cuda), kvc_status_str(st));
+    }
+    return st;
+}
+
 kvc_status_t kvc_publish(kvc_agent_t *a, const char *request_id, const uint64_t *block_ids,
                          size_t n, const kvc_publish_params_t *params, char **json_out) {
     if (!a || !request_id || !json_out || (n && !block_ids)) return KVC_ERR_INVALID_PARAM;
@@ -154,16 +190,7 @@ kvc_status_t kvc_publish(kvc_agent_t *a, const char *request_id, const uint64_t 
     char *json = kvc_params_to_json(a->engine_id, request_id, a->adv_host, a->port, block_ids, n,
                                     a->tp_size, p->token);
     if (!json) goto err_pub;
-    /* Staged CUDA regions: the bytes must be in the host mirror before any
-     * consumer can read them, i.e. before the params leave this function. */
-    for (size_t r = 0; r < a->n_regions && n; r++) {
-        kvc_region_t *rg = &a->regions[r];
-        if (!rg->staged) continue;
-        st = kvc_cuda_copy_blocks(a->cuda, rg->dev_base, rg->base, rg->block_len, block_ids, n,
-                                  false);
-        if (st == KVC_OK) st = kvc_cuda_sync(a->cuda);
-        if (st != KVC_OK) goto err_json;
-    }
+    if (a->cuda && n && (st = capture(a, params, block_ids, n)) != KVC_OK) goto err_json;
     kvc_pubtab_insert(&a->pubs, p);
     a->stats[KVC_STAT_PUBLISHED]++;
     kvc_wake(a); /* re-arm the timer with this deadline */

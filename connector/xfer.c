@@ -64,6 +64,7 @@ struct kvc_xfer {
     uint8_t *bits;                     /* owned: n * n_regions bits, set as DATA lands */
     uint64_t bits_set, chunks_got, end_chunks;
     bool end_seen;
+    void *cuda_stream; /* borrowed: the engine's stream that waits for the staging copies */
 };
 
 /* Producer side: headers of one PULL's DATA sends, freed with the last send. */
@@ -157,6 +158,8 @@ static bool track(kvc_xfer_t *x, ucs_status_ptr_t r, const char *what) {
 
 static void xfer_finish(kvc_agent_t *a, kvc_xfer_t *x, kvc_status_t st, const char *msg) {
     if (x->finished) return;
+    /* No staging copy may land after FETCH_FAILED: wait for all of them. */
+    if (st != KVC_OK) kvc_cuda_drain(a->cuda);
     x->finished = true;
     x->state = X_DONE;
     if (st == KVC_OK) {
@@ -194,15 +197,42 @@ static void xfer_free(kvc_xfer_t *x) {
 
 /* ------------------------------------------------------------- consumer -- */
 
-static void start_notify(kvc_agent_t *a, kvc_xfer_t *x) {
-    for (size_t r = 0; r < a->n_regions && x->n; r++) {
+/* Staged regions: mirror -> device for the fetched blocks, all regions and
+ * devices queued first, then one host sync per device, or none when the
+ * engine gave a stream to order after the copies. */
+static kvc_status_t stage_in(kvc_agent_t *a, kvc_xfer_t *x) {
+    kvc_crun_t *runs = NULL;
+    size_t nruns = 0;
+    kvc_status_t st = KVC_OK;
+    /* The engine may still have work queued that reads these blocks' old
+     * contents (a finished request's last kernels): the copies that
+     * overwrite them wait for it.  One device only (an event must be
+     * recorded on the stream's own device). */
+    if (x->cuda_stream && kvc_cuda_devices(a->cuda) == 1)
+        st = kvc_cuda_wait_for(a->cuda, NULL, x->cuda_stream);
+    if (st == KVC_OK) st = kvc_cuda_plan(x->local, x->n, kvc_staged_block_len(a), &runs, &nruns);
+    for (size_t r = 0; r < a->n_regions && st == KVC_OK; r++) {
         kvc_region_t *rg = &a->regions[r];
         if (!rg->staged) continue;
-        kvc_status_t st = kvc_cuda_copy_blocks(a->cuda, rg->dev_base, rg->base, rg->block_len,
-                                               x->local, x->n, true);
-        if (st == KVC_OK) st = kvc_cuda_sync(a->cuda);
+        st = kvc_cuda_copy_runs(a->cuda, rg->cuda_dev, rg->dev_base, rg->base, rg->block_len, runs,
+                                nruns, true);
+        if (st == KVC_OK) a->stats[KVC_STAT_CUDA_COPIES] += nruns;
+    }
+    free(runs);
+    if (st != KVC_OK) return st;
+    if (x->cuda_stream) return kvc_cuda_order_before(a->cuda, x->cuda_stream);
+    a->stats[KVC_STAT_CUDA_SYNCS]++;
+    return kvc_cuda_sync(a->cuda);
+}
+
+static void start_notify(kvc_agent_t *a, kvc_xfer_t *x) {
+    if (a->n_staged && x->n) {
+        kvc_status_t st = stage_in(a, x);
         if (st != KVC_OK) {
-            xfer_finish(a, x, st, "staging host->device copy failed");
+            char m[400];
+            snprintf(m, sizeof(m), "staging host->device copy failed: %s",
+                     kvc_cuda_last_error(a->cuda));
+            xfer_finish(a, x, st, m); /* drains what was queued */
             return;
         }
     }
@@ -372,6 +402,22 @@ static void advance(kvc_agent_t *a, kvc_xfer_t *x, uint64_t now, uint64_t *next)
             return;
         }
         if (!kvc_peer_ready(x->peer)) return;
+        /* Host->device copies of earlier fetches, ordered on the engine's
+         * stream, may still read the mirror: new data lands there only after
+         * they ran (polled, never a host wait). */
+        kvc_status_t cst;
+        if (a->n_staged && !kvc_cuda_idle(a->cuda, &cst)) {
+            if (cst != KVC_OK) {
+                char m[400];
+                snprintf(m, sizeof(m), "staging copies of an earlier fetch failed: %s",
+                         kvc_cuda_last_error(a->cuda));
+                xfer_finish(a, x, cst, m);
+                return;
+            }
+            uint64_t poll = now + 100000; /* 0.1 ms */
+            if (poll < *next) *next = poll;
+            return;
+        }
         start_data(a, x, now);
         if (x->finished) return;
     }
@@ -560,6 +606,7 @@ kvc_status_t kvc_fetch(kvc_agent_t *a, const kvc_fetch_params_t *p, uint64_t *xf
     kvc_peer_ref(x->peer);
     x->id = a->next_xfer_id++;
     x->user_data = (p->field_mask & KVC_FETCH_FIELD_USER_DATA) ? p->user_data : 0;
+    x->cuda_stream = (p->field_mask & KVC_FETCH_FIELD_CUDA_STREAM) ? p->cuda_stream : NULL;
     x->state = X_WAIT_PEER;
     x->next = a->xfers;
     a->xfers = x;
@@ -625,7 +672,7 @@ static ucs_status_t data_cb(void *arg, const void *header, size_t hlen, void *da
     kvc_wake(a);
     if (h.status != 0) {
         kvc_status_t st =
-            h.status < 0 && h.status >= KVC_ERR_DENIED ? (kvc_status_t)h.status : KVC_ERR_PROTOCOL;
+            h.status < 0 && h.status >= KVC_ERR_CUDA ? (kvc_status_t)h.status : KVC_ERR_PROTOCOL;
         op_error(x, st, "producer refused the fetch", kvc_status_str(st));
         return rndv ? UCS_ERR_CANCELED : UCS_OK;
     }

@@ -52,6 +52,38 @@
  * a loop that does not call kvc_agent_progress() spins.  Timers (expiry,
  * timeouts) are part of the fd; no separate timer event is needed.
  *
+ * CUDA ordering contract
+ * ----------------------
+ * The connector never synchronises the engine's streams or devices, and it
+ * leaves the calling thread's current device as it found it.  Its own copies
+ * run on private non-blocking streams, one per device that holds a region
+ * (the device is read from the pointer, cudaPointerGetAttributes), so they
+ * are ordered after the engine's work only through what the engine passes:
+ *  - kvc_publish: a cudaEvent_t recorded after the kernels that wrote the
+ *    blocks (KVC_PUBLISH_FIELD_CUDA_EVENT), or the cudaStream_t they ran on
+ *    (KVC_PUBLISH_FIELD_CUDA_STREAM, regions on one device only).  The
+ *    connector's streams wait on it (cudaStreamWaitEvent); kvc_publish
+ *    returns once the blocks are captured (staged: copied to the host
+ *    mirror; direct: the writes are complete), without the engine having to
+ *    synchronise.  Without either field the caller guarantees that its writes
+ *    to the blocks are complete (e.g. it synchronised its stream).
+ *  - kvc_fetch: a cudaStream_t that will read the blocks
+ *    (KVC_FETCH_FIELD_CUDA_STREAM).  FETCH_DONE is then reported as soon as
+ *    the last host-to-device copy is queued and that stream has been made to
+ *    wait for it (no host sync); work the engine queues on that stream after
+ *    the event sees the blocks.  With regions on one device the copies also
+ *    wait for the work queued on that stream before the data arrived (which
+ *    may still read the blocks' previous contents); with several devices the
+ *    engine must not hand a fetch blocks its queued work still reads.
+ *    Without the stream the connector synchronises its copies (one host sync
+ *    per device per fetch) before FETCH_DONE.
+ * FETCH_FAILED is reported only after every copy the connector queued has
+ * finished: nothing is written into local blocks after the failure event.
+ * A failed CUDA call is cleared from CUDA's last error (cudaGetLastError) so
+ * that it does not resurface in the engine, and is reported as
+ * KVC_ERR_CUDA (or KVC_ERR_NO_MEMORY / KVC_ERR_NO_DEVICE) with the CUDA
+ * error name in the message.
+ *
  * How bytes move
  * --------------
  * Per producer, after the handshake: if the producer's regions are mapped on
@@ -61,12 +93,26 @@
  * (rendezvous for large ones) straight into the local blocks.  UCX's tcp
  * transport has no native get, so this is also the fast path there.
  *
+ * CUDA regions are registered with UCX as device memory ("direct") when UCX
+ * reports CUDA memory support (ucp_context_query, memory types); otherwise
+ * they are staged through a pinned host mirror.  Per producer, the consumer
+ * reads device memory one-sided only when the endpoint has a transport that
+ * reaches it (cuda_ipc on one host, an RDMA transport across hosts);
+ * otherwise the producer pushes.  A get forced with KVC_PROTO=get over a
+ * transport without such a lane fails the fetch with KVC_ERR_UNSUPPORTED
+ * instead of letting UCX emulate it with a host memcpy into device memory.
+ * The choice and the transports are counted in the stats
+ * (KVC_STAT_CUDA_DIRECT_REGIONS .. KVC_STAT_TRANSPORTS) and logged at debug
+ * level ("peer ... transports=... path=...").
+ *
  * Environment
  * -----------
  * UCX_* (UCX_TLS, UCX_NET_DEVICES, ...) as UCX documents them;
  * KVC_LOG_LEVEL=error|warn|info|debug (default log level);
  * KVC_PROTO=auto|get|push (consumer protocol, overrides the parameter);
  * KVC_PUSH_CHUNK_KB (largest pushed message, default 4096; tuning);
+ * KVC_CUDA_STAGED=1 (stage CUDA regions through host mirrors even when UCX
+ * could register device memory; for comparisons and troubleshooting);
  * KVC_TEST_WIRE_VERSION (tests only: speak another handshake version);
  * KVC_SECRET_FILE (path of a file holding the cluster secret, trailing
  * newline stripped) or KVC_SECRET (the secret itself, for tests): read by
@@ -131,6 +177,8 @@ typedef enum {
                                     (different secret, or a secret on one side only) */
     KVC_ERR_DENIED = -18,      /**< producer refused a pull: unknown publication or wrong
                                     token (see kvc_publish) */
+    KVC_ERR_CUDA = -19,        /**< a CUDA runtime call failed; the message (log line, event)
+                                    names the CUDA error (e.g. cudaErrorIllegalAddress) */
 } kvc_status_t;
 
 /** Static string naming `st` ("KVC_ERR_UNREACHABLE" style); never NULL. */
@@ -301,6 +349,8 @@ enum {
     KVC_PUBLISH_FIELD_EXPIRY = 1u << 0,
     KVC_PUBLISH_FIELD_USER_DATA = 1u << 1,
     KVC_PUBLISH_FIELD_CONSUMERS = 1u << 2,
+    KVC_PUBLISH_FIELD_CUDA_EVENT = 1u << 3,
+    KVC_PUBLISH_FIELD_CUDA_STREAM = 1u << 4,
 };
 
 typedef struct {
@@ -312,6 +362,12 @@ typedef struct {
                              TP is larger).  Default 0: taken from the first
                              notification, "<id>:<consumer tp>", as
                              max(1, consumer_tp / this agent's tp_size). */
+    void *cuda_event;   /**< cudaEvent_t, borrowed for the call: recorded by the
+                             engine after its writes to the blocks; the copies
+                             wait for it.  See "CUDA ordering contract". */
+    void *cuda_stream;  /**< cudaStream_t, borrowed for the call: the stream whose
+                             queued work wrote the blocks (regions on one device
+                             only; else pass an event) */
 } kvc_publish_params_t;
 
 /**
@@ -323,10 +379,13 @@ typedef struct {
  *    "remote_request_id":"<request_id>","remote_host":"...",
  *    "remote_port":N,"tp_size":N,"remote_kv_token":"<32 hex digits>"}
  * The token is random per publication: only a consumer that was handed these
- * params can pull the blocks or release them.  `params` may be NULL.  For staged CUDA regions the
- * blocks are copied to the host mirror before this returns. KVC_OK; KVC_ERR_INVALID_PARAM
- * (empty/non-printable id, block id out of range; nothing is touched); KVC_ERR_EXISTS (id already
- * published); KVC_ERR_STATE (no regions); KVC_ERR_NO_MEMORY.
+ * params can pull the blocks or release them.  `params` may be NULL.  For CUDA regions the
+ * blocks are captured before this returns (staged: copied to the host mirror, after the
+ * engine's event or stream; see "CUDA ordering contract"). KVC_OK; KVC_ERR_INVALID_PARAM
+ * (empty/non-printable id, block id out of range, a CUDA stream with regions on several
+ * devices; nothing is published); KVC_ERR_EXISTS (id already published); KVC_ERR_STATE (no
+ * regions); KVC_ERR_NO_MEMORY; KVC_ERR_CUDA (a copy or wait failed; nothing is published, no
+ * copy is left queued).
  */
 KVC_API kvc_status_t kvc_publish(kvc_agent_t *a, const char *request_id, const uint64_t *block_ids,
                                  size_t n, const kvc_publish_params_t *params, char **json_out);
@@ -342,6 +401,7 @@ enum {
     KVC_FETCH_FIELD_REMOTE = 1u << 1, /**< the remote_* fields below */
     KVC_FETCH_FIELD_LOCAL_BLOCKS = 1u << 2,
     KVC_FETCH_FIELD_USER_DATA = 1u << 3,
+    KVC_FETCH_FIELD_CUDA_STREAM = 1u << 4,
 };
 
 typedef struct {
@@ -363,6 +423,10 @@ typedef struct {
     uint64_t user_data; /**< echoed in the fetch's event */
     /** With KVC_FETCH_FIELD_REMOTE: remote_kv_token (32 hex digits), borrowed. */
     const char *remote_kv_token;
+    /** cudaStream_t (KVC_FETCH_FIELD_CUDA_STREAM), borrowed until the fetch's event:
+     * the engine's stream that reads the fetched blocks; made to wait for the
+     * staging copies instead of a host sync.  See "CUDA ordering contract". */
+    void *cuda_stream;
 } kvc_fetch_params_t;
 
 /**
@@ -371,9 +435,10 @@ typedef struct {
  * first).  The local regions must not be touched by the engine until then.
  * KVC_ERR_INVALID_PARAM: missing keys (remote_kv_token included), local
  * block id out of range or repeated, more local than remote blocks (nothing
- * touched, no event); KVC_ERR_STATE (no
- * regions); KVC_ERR_NO_MEMORY.  Remote block ids out of the producer's range
- * fail the fetch (event, KVC_ERR_INVALID_PARAM) before any data moves.
+ * touched, no event); KVC_ERR_INCOMPATIBLE (remote_block_ids lists more
+ * than one KV-cache group, as hybrid models send: not supported yet; a list
+ * holding one group is accepted); KVC_ERR_STATE (no regions); KVC_ERR_NO_MEMORY.  Remote block ids
+ * out of the producer's range fail the fetch (event, KVC_ERR_INVALID_PARAM) before any data moves.
  * Failure statuses of the event include KVC_ERR_AUTH, KVC_ERR_VERSION
  * (handshake), KVC_ERR_DENIED (the producer does not know this publication
  * or token), KVC_ERR_PROTOCOL (data outside the requested blocks, a block
@@ -420,15 +485,36 @@ typedef enum {
     KVC_STAT_FETCH_DONE = 4,
     KVC_STAT_FETCH_FAILED = 5,
     KVC_STAT_BYTES_FETCHED = 6,
-    KVC_STAT_HANDSHAKES = 7,    /**< handshakes done by this consumer */
-    KVC_STAT_PUBLISHED_NOW = 8, /**< requests currently published */
-    KVC_STAT_AUTHENTICATED = 9, /**< 1 if a cluster secret is configured, else 0 */
-    KVC_STAT_AUTH_FAILED = 10,  /**< side-channel peers refused (authentication) */
-    KVC_STAT_DENIED = 11,       /**< pulls/notifications with an unknown publication
-                                     or a wrong token (producer), refused */
-    KVC_STAT_PEER_ERRORS = 12,  /**< malformed, oversized or too slow side-channel
-                                     peers closed, handshakes over limits refused */
+    KVC_STAT_HANDSHAKES = 7,           /**< handshakes done by this consumer */
+    KVC_STAT_PUBLISHED_NOW = 8,        /**< requests currently published */
+    KVC_STAT_AUTHENTICATED = 9,        /**< 1 if a cluster secret is configured, else 0 */
+    KVC_STAT_AUTH_FAILED = 10,         /**< side-channel peers refused (authentication) */
+    KVC_STAT_DENIED = 11,              /**< pulls/notifications with an unknown publication
+                                            or a wrong token (producer), refused */
+    KVC_STAT_PEER_ERRORS = 12,         /**< malformed, oversized or too slow side-channel
+                                            peers closed, handshakes over limits refused */
+    KVC_STAT_CUDA_DIRECT_REGIONS = 13, /**< CUDA regions registered with UCX as device memory */
+    KVC_STAT_CUDA_STAGED_REGIONS = 14, /**< CUDA regions staged through a pinned host mirror */
+    KVC_STAT_PEERS_GET = 15,           /**< producers this consumer reads one-sided (get) */
+    KVC_STAT_PEERS_PUSH = 16,          /**< producers that push to this consumer */
+    KVC_STAT_TRANSPORTS = 17,          /**< KVC_TRANSPORT_* bits of the UCX transports seen on
+                                            endpoints to producers (collected when the agent has
+                                            CUDA regions or logs at debug level) */
+    KVC_STAT_CUDA_COPIES = 18,         /**< staging copy calls issued (cudaMemcpyAsync or
+                                            cudaMemcpy2DAsync, one per coalesced series) */
+    KVC_STAT_CUDA_SYNCS = 19,          /**< host synchronisations of staging streams */
 } kvc_stat_t;
+
+/** Bits of KVC_STAT_TRANSPORTS.  Values are stable. */
+enum {
+    KVC_TRANSPORT_TCP = 1u << 0,
+    KVC_TRANSPORT_SHM = 1u << 1,       /**< posix, sysv, xpmem, cma, knem */
+    KVC_TRANSPORT_CUDA_IPC = 1u << 2,  /**< GPU to GPU on one host */
+    KVC_TRANSPORT_RDMA = 1u << 3,      /**< rc, dc, ud (verbs, mlx5) */
+    KVC_TRANSPORT_CUDA_COPY = 1u << 4, /**< host-device copies inside UCX */
+    KVC_TRANSPORT_GDR_COPY = 1u << 5,
+    KVC_TRANSPORT_OTHER = 1u << 6,
+};
 
 /** Reads one counter.  KVC_OK or KVC_ERR_INVALID_PARAM (unknown stat). */
 KVC_API kvc_status_t kvc_agent_stat(const kvc_agent_t *a, kvc_stat_t which, uint64_t *value);

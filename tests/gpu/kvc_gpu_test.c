@@ -1,129 +1,608 @@
-/* CUDA end-to-end check of libkvconnector: a producer and a consumer agent
- * (one process, two agents, both driven here) move blocks between CUDA
- * regions.  Without UCX CUDA support the bytes are staged through pinned host
- * mirrors (device->host at publish, host->device before FETCH_DONE).
- * Exit 0: pass; 77: skipped (no usable CUDA device); 1: failure. */
+/* GPU check of libkvconnector (run by tests/gpu/run_gpu_tests.sh): a real
+ * CUDA device, a producer and a consumer in two processes, device memory on
+ * both sides.
+ *
+ *   kvc_gpu_test probe-device                 exit 0 with a device, 77 without
+ *   kvc_gpu_test baseline [opts]              cudaMemcpy GB/s, 2 MiB copies:
+ *                                             device-to-device, pinned host-to-device
+ *   kvc_gpu_test staging [opts]               the connector's staging copies
+ *                                             (mirror -> device) for the fetch's
+ *                                             blocks, GB/s
+ *   kvc_gpu_test producer --params F [opts]   fill, publish, serve until released
+ *   kvc_gpu_test consumer --params F [opts]   fetch, check every byte, GB/s
+ * opts: --regions N --blocks N --block-kb N --fetch N (blocks fetched, in runs
+ * of up to 64) --probe (the producer's blocks are written by copies queued
+ * behind a slow stream operation and published with that stream, no host
+ * sync; the consumer orders its completion before its own stream and reads
+ * through it) --kill PIDFILE (consumer: SIGKILL the producer as soon as the
+ * handshake is done, mid-fetch; the producer writes its pid to PARAMS.pid).
+ *
+ * Every result is one line starting with "RESULT " (key=value pairs) on
+ * stdout; exit status 0 only when the check passed. */
+#include "kvc_int.h" /* staging mode: the connector's own copy plan and copies */
 #include "kvconnector.h"
 
 #include <cuda_runtime_api.h>
+#include <errno.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
+#include <unistd.h>
 
-#define NREG 4
-#define NBLOCKS 256
-#define BLOCK (64 << 10)
+#define CK(x)                                                                                      \
+    do {                                                                                           \
+        cudaError_t e_ = (x);                                                                      \
+        if (e_ != cudaSuccess) {                                                                   \
+            fprintf(stderr, "%s:%d: %s: %s (%s)\n", __FILE__, __LINE__, #x, cudaGetErrorName(e_),  \
+                    cudaGetErrorString(e_));                                                       \
+            exit(1);                                                                               \
+        }                                                                                          \
+    } while (0)
 
-static uint8_t pat(int r, uint64_t b, size_t i) {
-    return (uint8_t)(r * 131 + b * 7 + i * 13 + (i >> 9));
+#define MAX_REG 256
+#define RUN 64 /* blocks per fetched run: 2 MiB with 32 KiB blocks */
+
+typedef struct {
+    int regions;
+    uint64_t blocks;
+    size_t block;
+    size_t fetch;
+    const char *params, *kill_pidfile;
+    bool probe;
+} opts_t;
+
+static double now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + ts.tv_nsec / 1e9;
 }
 
-static kvc_agent_t *agent(const char *name, void **dev) {
-    kvc_agent_params_t ap = {.field_mask = KVC_AGENT_FIELD_ENGINE_ID, .engine_id = name};
-    kvc_agent_t *a;
-    if (kvc_agent_create(&ap, &a) != KVC_OK) return NULL;
-    kvc_region_params_t rp[NREG];
-    memset(rp, 0, sizeof(rp));
-    for (int r = 0; r < NREG; r++) {
-        rp[r].field_mask = KVC_REGION_FIELD_BASE | KVC_REGION_FIELD_MEM_TYPE;
-        rp[r].base = dev[r];
-        rp[r].len = (size_t)NBLOCKS * BLOCK;
-        rp[r].mem_type = KVC_MEM_CUDA;
+/* Every 8-byte word names its generation, region, block and index: a block
+ * landing in the wrong place, or a stale one, is caught.  The top nibble is
+ * the generation (1 or 2), never the consumer's 0x5A fill. */
+static uint64_t pat(int gen, int r, uint64_t b, size_t w) {
+    return ((uint64_t)gen << 60) | ((uint64_t)r << 44) | (b << 16) | (uint64_t)(w & 0xffff);
+}
+
+static void fill_region(uint64_t *host, int gen, int r, uint64_t nblocks, size_t block) {
+    size_t words = block / 8;
+    for (uint64_t b = 0; b < nblocks; b++)
+        for (size_t w = 0; w < words; w++)
+            host[b * words + w] = pat(gen, r, b, w);
+}
+
+/* The fetched blocks: runs of up to RUN blocks at run-aligned slots picked
+ * by a fixed pseudo-random order (scattered, deterministic).  Local block
+ * of remote b: shifted by half the cache plus three runs, so runs stay runs
+ * but land elsewhere. */
+static uint64_t *pick_blocks(const opts_t *o, size_t *n) {
+    uint64_t slots = o->blocks / RUN;
+    size_t runs = (o->fetch + RUN - 1) / RUN;
+    if (slots == 0 || runs > slots) return NULL;
+    uint64_t *ids = malloc(o->fetch * sizeof(*ids));
+    uint8_t *used = calloc(slots, 1);
+    if (!ids || !used) exit(1);
+    uint64_t x = 0x2545F4914F6CDD1Dull;
+    size_t k = 0;
+    for (size_t i = 0; i < runs; i++) {
+        uint64_t s;
+        do {
+            x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+            s = x % slots;
+        } while (used[s]);
+        used[s] = 1;
+        for (uint64_t j = 0; j < RUN && k < o->fetch; j++)
+            ids[k++] = s * RUN + j;
     }
-    kvc_status_t st = kvc_agent_register_regions(a, NBLOCKS, rp, NREG);
+    free(used);
+    *n = k;
+    return ids;
+}
+
+static uint64_t local_of(const opts_t *o, uint64_t remote) {
+    return (remote + o->blocks / 2 + 3 * RUN) % o->blocks;
+}
+
+static kvc_agent_t *agent(const char *name) {
+    kvc_agent_params_t ap = {.field_mask = KVC_AGENT_FIELD_ENGINE_ID | KVC_AGENT_FIELD_XFER_TIMEOUT,
+                             .engine_id = name,
+                             .xfer_timeout_ms = 30000};
+    kvc_agent_t *a;
+    kvc_status_t st = kvc_agent_create(&ap, &a);
     if (st != KVC_OK) {
-        fprintf(stderr, "register CUDA regions: %s\n", kvc_status_str(st));
-        kvc_agent_destroy(a);
-        return NULL;
+        fprintf(stderr, "kvc_agent_create: %s\n", kvc_status_str(st));
+        exit(1);
     }
     return a;
 }
 
-int main(void) {
-    int n = 0;
-    cudaError_t ce = cudaGetDeviceCount(&n);
-    if (ce != cudaSuccess || n == 0) {
-        printf("SKIP: no CUDA device (%s)\n",
-               ce == cudaSuccess ? "count 0" : cudaGetErrorString(ce));
-        return 77;
+static void register_regions(kvc_agent_t *a, void **dev, const opts_t *o) {
+    kvc_region_params_t *rp = calloc((size_t)o->regions, sizeof(*rp));
+    if (!rp) exit(1);
+    int d = 0;
+    CK(cudaGetDevice(&d));
+    for (int r = 0; r < o->regions; r++)
+        rp[r] =
+            (kvc_region_params_t){.field_mask = KVC_REGION_FIELD_BASE | KVC_REGION_FIELD_MEM_TYPE |
+                                                KVC_REGION_FIELD_CUDA_DEVICE,
+                                  .len = o->blocks * o->block,
+                                  .base = dev[r],
+                                  .mem_type = KVC_MEM_CUDA,
+                                  .cuda_device = d};
+    kvc_status_t st = kvc_agent_register_regions(a, o->blocks, rp, (size_t)o->regions);
+    free(rp);
+    if (st != KVC_OK) {
+        fprintf(stderr, "register CUDA regions: %s\n", kvc_status_str(st));
+        exit(1);
     }
-    size_t len = (size_t)NBLOCKS * BLOCK;
-    uint8_t *host = malloc(len);
-    void *pdev[NREG], *ddev[NREG];
-    for (int r = 0; r < NREG; r++) {
-        if (cudaMalloc(&pdev[r], len) != cudaSuccess || cudaMalloc(&ddev[r], len) != cudaSuccess) {
-            fprintf(stderr, "cudaMalloc failed\n");
+}
+
+static uint64_t kstat(kvc_agent_t *a, kvc_stat_t s) {
+    uint64_t v = 0;
+    kvc_agent_stat(a, s, &v);
+    return v;
+}
+
+static void transports_text(uint64_t bits, char *out, size_t len) {
+    static const char *names[] = {"tcp",       "shm",      "cuda_ipc", "rdma",
+                                  "cuda_copy", "gdr_copy", "other"};
+    size_t k = 0;
+    out[0] = 0;
+    for (int i = 0; i < 7; i++)
+        if (bits & (1u << i))
+            k += (size_t)snprintf(out + k, len - k, "%s%s", k ? "+" : "", names[i]);
+    if (!k) snprintf(out, len, "none");
+}
+
+/* ------------------------------------------------------------- baseline -- */
+
+static double bw(void *dst, const void *src, size_t total, size_t chunk, enum cudaMemcpyKind kind,
+                 cudaStream_t s) {
+    double best = 0;
+    for (int rep = 0; rep < 4; rep++) { /* the first is a warm-up */
+        double t0 = now_s();
+        for (size_t off = 0; off + chunk <= total; off += chunk)
+            CK(cudaMemcpyAsync((char *)dst + off, (const char *)src + off, chunk, kind, s));
+        CK(cudaStreamSynchronize(s));
+        double g = total / (now_s() - t0) / 1e9;
+        if (rep && g > best) best = g;
+    }
+    return best;
+}
+
+/* 1 GiB of 2 MiB copies (less when the cache given is smaller). */
+static int run_baseline(const opts_t *o) {
+    size_t total = (size_t)1 << 30, chunk = (size_t)2 << 20;
+    if ((size_t)o->regions * o->blocks * o->block < total)
+        total = ((size_t)o->regions * o->blocks * o->block + chunk - 1) / chunk * chunk;
+    void *a, *b, *h;
+    cudaStream_t s;
+    CK(cudaMalloc(&a, total));
+    CK(cudaMalloc(&b, total));
+    CK(cudaMallocHost(&h, total));
+    CK(cudaMemset(a, 1, total));
+    memset(h, 2, total);
+    CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    double d2d = bw(b, a, total, chunk, cudaMemcpyDeviceToDevice, s);
+    double h2d = bw(b, h, total, chunk, cudaMemcpyHostToDevice, s);
+    printf("RESULT baseline d2d_gbps=%.1f h2d_pinned_gbps=%.1f chunk_mib=2\n", d2d, h2d);
+    CK(cudaStreamDestroy(s));
+    CK(cudaFreeHost(h));
+    CK(cudaFree(a));
+    CK(cudaFree(b));
+    return 0;
+}
+
+/* -------------------------------------------------------------- staging -- */
+
+/* The connector's staging copies alone: the fetch's blocks, planned by the
+ * connector (kvc_cuda_plan), copied mirror -> device on its per-device stream
+ * (kvc_cuda_copy_runs), one sync: what a staged fetch adds after the bytes
+ * reach the host mirror. */
+static int run_staging(const opts_t *o) {
+    size_t len = o->blocks * o->block, n;
+    uint64_t *rem = pick_blocks(o, &n);
+    if (!rem) return 1;
+    char err[256];
+    kvc_cuda_t *c;
+    if (kvc_cuda_create(&c, err, sizeof(err)) != KVC_OK) {
+        fprintf(stderr, "%s\n", err);
+        return 1;
+    }
+    void **dev = calloc((size_t)o->regions, sizeof(void *));
+    void **mir = calloc((size_t)o->regions, sizeof(void *));
+    int *rdev = calloc((size_t)o->regions, sizeof(int));
+    if (!dev || !mir || !rdev) return 1;
+    for (int r = 0; r < o->regions; r++) {
+        CK(cudaMalloc(&dev[r], len));
+        if (!(mir[r] = aligned_alloc(4096, (len + 4095) / 4096 * 4096))) return 1;
+        memset(mir[r], r, len);
+        if (kvc_cuda_region_device(c, dev[r], len, -1, &rdev[r]) != KVC_OK ||
+            kvc_cuda_host_register(c, mir[r], len) != KVC_OK) {
+            fprintf(stderr, "staging setup: %s\n", kvc_cuda_last_error(c));
             return 1;
         }
-        for (uint64_t b = 0; b < NBLOCKS; b++)
-            for (size_t i = 0; i < BLOCK; i++)
-                host[b * BLOCK + i] = pat(r, b, i);
-        cudaMemcpy(pdev[r], host, len, cudaMemcpyHostToDevice);
-        cudaMemset(ddev[r], 0, len);
     }
-    kvc_agent_t *P = agent("gpu-P", pdev), *D = agent("gpu-D", ddev);
-    if (!P || !D) return 1;
+    kvc_crun_t *runs;
+    size_t nruns;
+    if (kvc_cuda_plan(rem, n, o->block, &runs, &nruns) != KVC_OK) return 1;
+    double best = 0;
+    for (int rep = 0; rep < 4; rep++) {
+        double t0 = now_s();
+        for (int r = 0; r < o->regions; r++)
+            if (kvc_cuda_copy_runs(c, rdev[r], dev[r], mir[r], o->block, runs, nruns, true) !=
+                KVC_OK) {
+                fprintf(stderr, "staging copy: %s\n", kvc_cuda_last_error(c));
+                return 1;
+            }
+        if (kvc_cuda_sync(c) != KVC_OK) {
+            fprintf(stderr, "staging sync: %s\n", kvc_cuda_last_error(c));
+            return 1;
+        }
+        double g = (double)n * o->block * o->regions / (now_s() - t0) / 1e9;
+        if (rep && g > best) best = g;
+    }
+    printf("RESULT staging h2d_gbps=%.1f copies_per_region=%zu blocks=%zu regions=%d\n", best,
+           nruns, n, o->regions);
+    free(runs);
+    for (int r = 0; r < o->regions; r++) {
+        kvc_cuda_host_unregister(c, mir[r]);
+        free(mir[r]);
+        CK(cudaFree(dev[r]));
+    }
+    kvc_cuda_destroy(c);
+    free(dev);
+    free(mir);
+    free(rdev);
+    free(rem);
+    return 0;
+}
 
-    uint64_t remote[64], local[64];
-    for (int i = 0; i < 64; i++) {
-        remote[i] = (uint64_t)(i < 32 ? 10 + i : 200 - i); /* a run, then descending ids */
-        local[i] = (uint64_t)(100 + i);
+/* ------------------------------------------------------------- producer -- */
+
+static void slow_op(void *arg) {
+    (void)arg; /* a host function must not call CUDA */
+    struct timespec ts = {0, 300 * 1000000L};
+    nanosleep(&ts, NULL);
+}
+
+static int run_producer(const opts_t *o) {
+    size_t len = o->blocks * o->block, n;
+    uint64_t *rem = pick_blocks(o, &n);
+    if (!rem) return 1;
+    kvc_agent_t *a = agent("gpu-P");
+    void **dev = calloc((size_t)o->regions, sizeof(void *));
+    uint64_t *host;
+    if (!dev) return 1;
+    CK(cudaMallocHost((void **)&host, len));
+    for (int r = 0; r < o->regions; r++) {
+        CK(cudaMalloc(&dev[r], len));
+        fill_region(host, 1, r, o->blocks, o->block);
+        CK(cudaMemcpy(dev[r], host, len, cudaMemcpyHostToDevice));
     }
-    char *json;
-    kvc_status_t st = kvc_publish(P, "gpu-req:1", remote, 64, NULL, &json);
+    register_regions(a, dev, o);
+    /* A one-block publication first: the consumer's warm-up fetch, so that
+     * the timed fetch does not include the handshake. */
+    char *warm;
+    kvc_status_t st = kvc_publish(a, "gpu-warm", rem, 1, NULL, &warm);
     if (st != KVC_OK) {
         fprintf(stderr, "publish: %s\n", kvc_status_str(st));
         return 1;
     }
+    kvc_publish_params_t pp = {0};
+    cudaStream_t es = NULL;
+    uint64_t **gen2 = NULL;
+    if (o->probe) {
+        /* The engine's stream: a slow operation, then the copies that write
+         * generation 2 into the published blocks; publish right away. */
+        CK(cudaStreamCreateWithFlags(&es, cudaStreamNonBlocking));
+        CK(cudaLaunchHostFunc(es, slow_op, NULL));
+        gen2 = calloc((size_t)o->regions, sizeof(*gen2));
+        size_t words = o->block / 8;
+        for (int r = 0; r < o->regions; r++) {
+            CK(cudaMallocHost((void **)&gen2[r], n * o->block));
+            for (size_t k = 0; k < n; k++)
+                for (size_t w = 0; w < words; w++)
+                    gen2[r][k * words + w] = pat(2, r, rem[k], w);
+            for (size_t k = 0; k < n; k++)
+                CK(cudaMemcpyAsync((char *)dev[r] + rem[k] * o->block, gen2[r] + k * words,
+                                   o->block, cudaMemcpyHostToDevice, es));
+        }
+        pp.field_mask = KVC_PUBLISH_FIELD_CUDA_STREAM;
+        pp.cuda_stream = es;
+    }
+    char *json;
+    st = kvc_publish(a, "gpu-req-1", rem, n, &pp, &json);
+    if (st != KVC_OK) {
+        fprintf(stderr, "publish: %s\n", kvc_status_str(st));
+        return 1;
+    }
+    char tmp[4096];
+    snprintf(tmp, sizeof(tmp), "%s.pid", o->params); /* for the consumer's --kill */
+    FILE *f = fopen(tmp, "w");
+    if (!f || fprintf(f, "%d\n", (int)getpid()) < 0 || fclose(f)) {
+        fprintf(stderr, "writing %s: %s\n", tmp, strerror(errno));
+        return 1;
+    }
+    snprintf(tmp, sizeof(tmp), "%s.tmp", o->params);
+    f = fopen(tmp, "w");
+    if (!f || fprintf(f, "%s\n%s\n", warm, json) < 0 || fclose(f) || rename(tmp, o->params)) {
+        fprintf(stderr, "writing %s: %s\n", o->params, strerror(errno));
+        return 1;
+    }
+    kvc_free(warm);
+    kvc_free(json);
+    int released = 0; /* the main publication released (the warm-up may not be) */
+    double until = now_s() + 240;
+    while (!released && now_s() < until) {
+        kvc_agent_wait(a, 100);
+        kvc_event_t ev;
+        while (kvc_agent_next_event(a, &ev) == KVC_OK)
+            released |= ev.type == KVC_EV_RELEASED && !strcmp(ev.request_id, "gpu-req-1");
+    }
+    /* Keep serving a moment, as an engine would: the consumer's notification
+     * send completes only while this endpoint is alive. */
+    for (double end = now_s() + 1.0; released && now_s() < end;)
+        kvc_agent_wait(a, 50);
+    printf("RESULT producer released=%d direct_regions=%llu staged_regions=%llu\n", released,
+           (unsigned long long)kstat(a, KVC_STAT_CUDA_DIRECT_REGIONS),
+           (unsigned long long)kstat(a, KVC_STAT_CUDA_STAGED_REGIONS));
+    kvc_agent_destroy(a);
+    if (es) CK(cudaStreamDestroy(es));
+    for (int r = 0; r < o->regions; r++) {
+        CK(cudaFree(dev[r]));
+        if (gen2) CK(cudaFreeHost(gen2[r]));
+    }
+    CK(cudaFreeHost(host));
+    free(gen2);
+    free(dev);
+    free(rem);
+    return released ? 0 : 1;
+}
+
+/* ------------------------------------------------------------- consumer -- */
+
+/* remote_block_ids from the producer's kv_transfer_params (flat list). */
+static size_t parse_ids(const char *json, uint64_t *ids, size_t max) {
+    const char *p = strstr(json, "\"remote_block_ids\":[");
+    size_t n = 0;
+    if (!p) return 0;
+    p += strlen("\"remote_block_ids\":[");
+    while (*p && *p != ']' && n < max) {
+        char *e;
+        ids[n++] = strtoull(p, &e, 10);
+        p = *e == ',' ? e + 1 : e;
+    }
+    return n;
+}
+
+static char *read_params(const char *path) {
+    for (int i = 0; i < 2400; i++) { /* up to 120 s for the producer's fill */
+        FILE *f = fopen(path, "r");
+        if (f) {
+            static char buf[1 << 20];
+            size_t k = fread(buf, 1, sizeof(buf) - 1, f);
+            fclose(f);
+            buf[k] = 0;
+            if (k) return buf;
+        }
+        struct timespec ts = {0, 50 * 1000000L};
+        nanosleep(&ts, NULL);
+    }
+    return NULL;
+}
+
+static int run_consumer(const opts_t *o) {
+    size_t len = o->blocks * o->block, words = o->block / 8;
+    kvc_agent_t *a = agent("gpu-D");
+    void **dev = calloc((size_t)o->regions, sizeof(void *));
+    uint64_t *host;
+    if (!dev) return 1;
+    CK(cudaMallocHost((void **)&host, len));
+    for (int r = 0; r < o->regions; r++) {
+        CK(cudaMalloc(&dev[r], len));
+        CK(cudaMemset(dev[r], 0x5A, len));
+    }
+    CK(cudaDeviceSynchronize());
+    register_regions(a, dev, o);
+    char *warm = read_params(o->params), *json = warm ? strchr(warm, '\n') : NULL;
+    if (!json) {
+        fprintf(stderr, "no kv_transfer_params in %s\n", o->params);
+        return 1;
+    }
+    *json++ = 0; /* line 1: the warm-up publication, line 2: the fetch's */
+    uint64_t *rem = malloc(o->blocks * sizeof(*rem)), *loc = malloc(o->blocks * sizeof(*loc));
+    uint8_t *want = calloc(o->blocks, 1);
+    if (!rem || !loc || !want) return 1;
+    size_t n = parse_ids(json, rem, o->blocks);
+    for (size_t k = 0; k < n; k++) {
+        loc[k] = local_of(o, rem[k]);
+        want[loc[k]] = 1;
+    }
+    cudaStream_t ds = NULL;
     kvc_fetch_params_t fp = {.field_mask = KVC_FETCH_FIELD_JSON | KVC_FETCH_FIELD_LOCAL_BLOCKS,
                              .kv_transfer_params_json = json,
-                             .local_block_ids = local,
-                             .num_local_blocks = 64};
+                             .local_block_ids = loc,
+                             .num_local_blocks = n};
+    if (o->probe) {
+        CK(cudaStreamCreateWithFlags(&ds, cudaStreamNonBlocking));
+        fp.field_mask |= KVC_FETCH_FIELD_CUDA_STREAM;
+        fp.cuda_stream = ds;
+    }
     uint64_t xid;
-    if ((st = kvc_fetch(D, &fp, &xid)) != KVC_INPROGRESS) {
+    kvc_status_t st;
+    if (!o->kill_pidfile) {
+        /* Warm-up: one block into the first local block, handshake done. */
+        kvc_fetch_params_t wp = fp;
+        wp.kv_transfer_params_json = warm;
+        wp.num_local_blocks = 1;
+        if ((st = kvc_fetch(a, &wp, &xid)) != KVC_INPROGRESS) {
+            fprintf(stderr, "warm-up fetch: %s\n", kvc_status_str(st));
+            return 1;
+        }
+        int wgot = 0;
+        for (double end = now_s() + 60; !wgot && now_s() < end;) {
+            kvc_agent_wait(a, 100);
+            kvc_event_t wev;
+            while (kvc_agent_next_event(a, &wev) == KVC_OK)
+                wgot = wev.type == KVC_EV_FETCH_DONE ? 1 : wev.type == KVC_EV_FETCH_FAILED ? 2 : 0;
+        }
+        if (wgot != 1) {
+            printf("RESULT fetch outcome=warm-up-failed\n");
+            return 1;
+        }
+    }
+    double t0 = now_s();
+    st = kvc_fetch(a, &fp, &xid);
+    if (st != KVC_INPROGRESS) {
         fprintf(stderr, "fetch: %s\n", kvc_status_str(st));
         return 1;
     }
-    kvc_free(json);
-    int done = 0, released = 0;
-    for (int spin = 0; spin < 200000 && !(done && released); spin++) {
-        kvc_agent_progress(P);
-        kvc_agent_progress(D);
-        kvc_event_t ev;
-        while (kvc_agent_next_event(D, &ev) == KVC_OK) {
-            if (ev.type == KVC_EV_FETCH_FAILED) {
-                fprintf(stderr, "fetch failed: %s %s\n", kvc_status_str(ev.status), ev.message);
-                return 1;
-            }
-            done |= ev.type == KVC_EV_FETCH_DONE;
+    bool killed = false;
+    kvc_event_t ev;
+    int got = 0;
+    char msg[512] = "";
+    double until = now_s() + 120;
+    while (!got && now_s() < until) {
+        kvc_agent_wait(a, o->kill_pidfile && !killed ? 0 : 100);
+        if (o->kill_pidfile && !killed && kstat(a, KVC_STAT_HANDSHAKES) > 0) {
+            FILE *f = fopen(o->kill_pidfile, "r");
+            int pid = 0;
+            if (f && fscanf(f, "%d", &pid) == 1 && pid > 1) kill(pid, SIGKILL);
+            if (f) fclose(f);
+            killed = true;
         }
-        while (kvc_agent_next_event(P, &ev) == KVC_OK)
-            released |= ev.type == KVC_EV_RELEASED;
+        while (!got && kvc_agent_next_event(a, &ev) == KVC_OK) {
+            got = ev.type == KVC_EV_FETCH_DONE ? 1 : ev.type == KVC_EV_FETCH_FAILED ? 2 : 0;
+            st = ev.status;
+            if (ev.message) snprintf(msg, sizeof(msg), "%s", ev.message);
+        }
     }
-    if (!done || !released) {
-        fprintf(stderr, "timed out: done=%d released=%d\n", done, released);
-        return 1;
+    double secs = now_s() - t0;
+    char tl[128];
+    transports_text(kstat(a, KVC_STAT_TRANSPORTS), tl, sizeof(tl));
+    const char *path = kstat(a, KVC_STAT_PEERS_GET) ? "get" : "push";
+    const char *mem = kstat(a, KVC_STAT_CUDA_DIRECT_REGIONS) ? "direct" : "staged";
+    if (o->kill_pidfile) {
+        /* Killed mid-fetch: a clear failure within the timeouts (or, if the
+         * bytes were all there before the kill took effect, correct bytes). */
+        printf("RESULT kill outcome=%s status=%s seconds=%.2f message=\"%s\"\n",
+               got == 2   ? "failed"
+               : got == 1 ? "done"
+                          : "hung",
+               kvc_status_str(st), secs, msg);
+    } else if (got != 1) {
+        printf("RESULT fetch outcome=%s status=%s message=\"%s\"\n", got ? "failed" : "hung",
+               kvc_status_str(st), msg);
     }
-    int bad = 0;
-    for (int r = 0; r < NREG && !bad; r++) {
-        cudaMemcpy(host, ddev[r], len, cudaMemcpyDeviceToHost);
-        for (int k = 0; k < 64 && !bad; k++)
-            for (size_t i = 0; i < BLOCK; i++)
-                if (host[local[k] * BLOCK + i] != pat(r, remote[k], i)) {
-                    fprintf(stderr, "mismatch region %d local block %llu byte %zu\n", r,
-                            (unsigned long long)local[k], i);
-                    bad = 1;
-                    break;
-                }
+    int rc = o->kill_pidfile ? got == 0 : got != 1;
+    uint64_t bad = 0;
+    if (got == 1) {
+        /* Every byte: fetched blocks hold the producer's, untouched blocks the
+         * 0x5A fill.  With --probe the engine's stream reads them, after the
+         * completion and without any other sync. */
+        uint64_t fill = 0x5A5A5A5A5A5A5A5Aull;
+        int gen = o->probe ? 2 : 1;
+        for (int r = 0; r < o->regions; r++) {
+            if (ds) {
+                CK(cudaMemcpyAsync(host, dev[r], len, cudaMemcpyDeviceToHost, ds));
+                CK(cudaStreamSynchronize(ds));
+            } else {
+                CK(cudaMemcpy(host, dev[r], len, cudaMemcpyDeviceToHost));
+            }
+            for (size_t k = 0; k < n; k++)
+                for (size_t w = 0; w < words; w++)
+                    if (host[loc[k] * words + w] != pat(gen, r, rem[k], w) && bad++ < 5)
+                        fprintf(stderr,
+                                "region %d local block %llu word %zu: %016llx, want %016llx\n", r,
+                                (unsigned long long)loc[k], w,
+                                (unsigned long long)host[loc[k] * words + w],
+                                (unsigned long long)pat(gen, r, rem[k], w));
+            for (uint64_t b = 0; b < o->blocks; b++) {
+                if (want[b]) continue;
+                for (size_t w = 0; w < words; w++)
+                    if (host[b * words + w] != fill && bad++ < 5)
+                        fprintf(stderr, "region %d untouched block %llu written\n", r,
+                                (unsigned long long)b);
+            }
+        }
+        double bytes = (double)n * o->block * o->regions;
+        printf("RESULT fetch outcome=done bad_words=%llu blocks=%zu regions=%d bytes=%.0f "
+               "seconds=%.3f gbps=%.1f path=%s memory=%s transports=%s copies=%llu syncs=%llu\n",
+               (unsigned long long)bad, n, o->regions, bytes, secs, bytes / secs / 1e9, path, mem,
+               tl, (unsigned long long)kstat(a, KVC_STAT_CUDA_COPIES),
+               (unsigned long long)kstat(a, KVC_STAT_CUDA_SYNCS));
+        if (bad) rc = 1;
     }
-    kvc_agent_destroy(D);
-    kvc_agent_destroy(P);
-    for (int r = 0; r < NREG; r++) {
-        cudaFree(pdev[r]);
-        cudaFree(ddev[r]);
+    kvc_agent_destroy(a);
+    if (ds) CK(cudaStreamDestroy(ds));
+    for (int r = 0; r < o->regions; r++)
+        CK(cudaFree(dev[r]));
+    CK(cudaFreeHost(host));
+    free(dev);
+    free(rem);
+    free(loc);
+    free(want);
+    return rc;
+}
+
+int main(int argc, char **argv) {
+    opts_t o = {.regions = 64, .blocks = 4096, .block = 32 << 10, .fetch = 2048};
+    if (argc < 2) {
+        fprintf(stderr, "usage: %s probe-device|baseline|staging|producer|consumer [opts]\n",
+                argv[0]);
+        return 2;
     }
-    free(host);
-    printf("%s: 64 blocks x %d regions x %d KiB, device->device via %s\n", bad ? "FAIL" : "PASS",
-           NREG, BLOCK >> 10, getenv("UCX_TLS") ? getenv("UCX_TLS") : "default UCX_TLS");
-    return bad;
+    for (int i = 2; i < argc; i++) {
+        const char *k = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
+        if (!strcmp(k, "--probe")) {
+            o.probe = true;
+            continue;
+        }
+        if (!v) {
+            fprintf(stderr, "%s needs a value\n", k);
+            return 2;
+        }
+        i++;
+        if (!strcmp(k, "--regions"))
+            o.regions = atoi(v);
+        else if (!strcmp(k, "--blocks"))
+            o.blocks = strtoull(v, NULL, 10);
+        else if (!strcmp(k, "--block-kb"))
+            o.block = strtoull(v, NULL, 10) << 10;
+        else if (!strcmp(k, "--fetch"))
+            o.fetch = strtoull(v, NULL, 10);
+        else if (!strcmp(k, "--params"))
+            o.params = v;
+        else if (!strcmp(k, "--kill"))
+            o.kill_pidfile = v;
+        else {
+            fprintf(stderr, "unknown option %s\n", k);
+            return 2;
+        }
+    }
+    if (o.regions < 1 || o.regions > MAX_REG || o.blocks < RUN || o.block < 8 || o.block % 8 ||
+        o.fetch == 0 || o.fetch > o.blocks / 2) {
+        fprintf(stderr, "bad sizes\n");
+        return 2;
+    }
+    int n = 0;
+    cudaError_t ce = cudaGetDeviceCount(&n);
+    if (ce != cudaSuccess || n == 0) {
+        printf("RESULT device none (%s)\n", ce == cudaSuccess ? "count 0" : cudaGetErrorName(ce));
+        return 77;
+    }
+    if (!strcmp(argv[1], "probe-device")) return 0;
+    if (!strcmp(argv[1], "baseline")) return run_baseline(&o);
+    if (!strcmp(argv[1], "staging")) return run_staging(&o);
+    if ((!strcmp(argv[1], "producer") || !strcmp(argv[1], "consumer")) && !o.params) {
+        fprintf(stderr, "--params FILE is required\n");
+        return 2;
+    }
+    if (!strcmp(argv[1], "producer")) return run_producer(&o);
+    if (!strcmp(argv[1], "consumer")) return run_consumer(&o);
+    fprintf(stderr, "unknown mode %s\n", argv[1]);
+    return 2;
 }

@@ -23,11 +23,28 @@ if(TARGET kvconnector)
     LABELS integration TIMEOUT 300 ENVIRONMENT "${PX_TEST_ENV}")
 endif()
 
-# CUDA end to end (tests/gpu): label gpu, skipped (code 77) without a device.
-if(TARGET kvconnector AND PDPROXY_WITH_CUDA)
+# The GPU check (tests/gpu/run_gpu_tests.sh builds and runs kvc_gpu_test):
+# label gpu, skipped (code 77) where nvidia-smi sees no GPU.  kvc_gpu_test
+# also times the connector's own staging copies, hence the static library and
+# its internal header.
+if(TARGET kvconnector_static AND PDPROXY_WITH_CUDA)
   add_executable(kvc_gpu_test ${PROJECT_SOURCE_DIR}/tests/gpu/kvc_gpu_test.c)
-  target_link_libraries(kvc_gpu_test PRIVATE kvconnector CUDA::cudart)
-  add_test(NAME gpu.kvc_cuda COMMAND kvc_gpu_test)
-  set_tests_properties(gpu.kvc_cuda PROPERTIES LABELS gpu SKIP_RETURN_CODE 77 TIMEOUT 180
-                       ENVIRONMENT "UCX_TLS=sm,tcp,self")
+  target_include_directories(kvc_gpu_test PRIVATE ${PROJECT_SOURCE_DIR}/connector)
+  target_link_libraries(kvc_gpu_test PRIVATE kvconnector_static CUDA::cudart)
+  add_test(NAME gpu.kvc_cuda
+           COMMAND ${PROJECT_SOURCE_DIR}/tests/gpu/run_gpu_tests.sh ${CMAKE_BINARY_DIR})
+  set_tests_properties(gpu.kvc_cuda PROPERTIES LABELS gpu SKIP_RETURN_CODE 77 TIMEOUT 600)
+endif()
+
+# The same program built against the asynchronous CUDA stand-in
+# (tests/cudasim, kvc_cudasim from tests/unit/connector.cmake): the GPU
+# check's flow (two processes, staged path, stream-order probe, producer
+# killed mid-fetch) runs here on CPUs, with small sizes and no bandwidth
+# thresholds.
+if(TARGET kvconnector_static)
+  add_executable(kvc_gpu_test_standin ${PROJECT_SOURCE_DIR}/tests/gpu/kvc_gpu_test.c)
+  target_link_libraries(kvc_gpu_test_standin PRIVATE kvc_cudasim)
+  add_test(NAME integration.kvc_gpu_standin
+           COMMAND ${PROJECT_SOURCE_DIR}/tests/gpu/run_gpu_tests.sh --standin ${CMAKE_BINARY_DIR})
+  set_tests_properties(integration.kvc_gpu_standin PROPERTIES LABELS integration TIMEOUT 300)
 endif()

@@ -454,6 +454,10 @@ static void serve_handshake(int fd, const void *waddr, size_t wlen) {
         regs[r].base = 0x100000 * (r + 1);
         regs[r].block_len = block_len;
         regs[r].len = block_len * nblocks;
+        /* "cudamem": device memory the consumer cannot read one-sided (it
+         * must be pushed); "memtype": a memory type nobody knows. */
+        if (!strcmp(mode, "cudamem")) regs[r].mem_type = KVC_MEM_CUDA;
+        if (!strcmp(mode, "memtype")) regs[r].mem_type = 7;
     }
     kvc_wire_hs_t hs = {.engine_id = {(const uint8_t *)"P-hostile", 9},
                         .layout = {(const uint8_t *)"NHD", 3},

@@ -1,9 +1,10 @@
 # libkvconnector unit tests: wire formats (pure), agent bookkeeping (a real
-# agent on loopback, no peer), and the CUDA staging flow against a fake CUDA
-# layer (kvc_fakecuda: the core sources plus the fake in the test file; tests
-# only).  They reach internal functions through connector/kvc_int.h.
+# agent on loopback, no peer), the CUDA path against an asynchronous CUDA
+# stand-in (kvc_cudasim: the core sources, connector/cuda.c and
+# tests/cudasim; tests only), and the pure path/copy-plan choices.  They
+# reach internal functions through connector/kvc_int.h.
 if(TARGET kvconnector_static)
-  foreach(m kvc_wire kvc_agent)
+  foreach(m kvc_wire kvc_agent kvc_path)
     px_unit_test(${m} kvconnector_static)
     if(TARGET test_${m})
       target_include_directories(test_${m} PRIVATE ${PROJECT_SOURCE_DIR}/connector)
@@ -13,9 +14,15 @@ if(TARGET kvconnector_static)
   # The libevent recipe of kvconnector.h, driving a producer and a consumer.
   px_unit_test(kvc_event kvconnector PkgConfig::LIBEVENT)
 
-  add_library(kvc_fakecuda STATIC EXCLUDE_FROM_ALL ${KVC_CORE_SOURCES})
-  target_include_directories(kvc_fakecuda PUBLIC ${PROJECT_SOURCE_DIR}/include
-                                                 ${PROJECT_SOURCE_DIR}/connector)
-  target_link_libraries(kvc_fakecuda PUBLIC PkgConfig::UCX PkgConfig::CJSON PkgConfig::OPENSSL m)
-  px_unit_test(kvc_staging kvc_fakecuda)
+  # The CUDA path: connector/cuda.c itself, built against the asynchronous
+  # CUDA stand-in in tests/cudasim (its cuda_runtime_api.h comes first on the
+  # include path), so the real staging code runs here without a GPU.
+  add_library(kvc_cudasim STATIC EXCLUDE_FROM_ALL ${KVC_CORE_SOURCES}
+              ${PROJECT_SOURCE_DIR}/connector/cuda.c ${PROJECT_SOURCE_DIR}/tests/cudasim/cudasim.c)
+  target_include_directories(kvc_cudasim BEFORE PUBLIC ${PROJECT_SOURCE_DIR}/tests/cudasim)
+  target_include_directories(kvc_cudasim PUBLIC ${PROJECT_SOURCE_DIR}/include
+                                                ${PROJECT_SOURCE_DIR}/connector)
+  target_link_libraries(kvc_cudasim PUBLIC PkgConfig::UCX PkgConfig::CJSON PkgConfig::OPENSSL
+                                           Threads::Threads m)
+  px_unit_test(kvc_staging kvc_cudasim)
 endif()

@@ -1,9 +1,17 @@
-/* Unit test: the CUDA staging flow of libkvconnector without a GPU.  The CUDA
- * layer (cuda.c's interface) is replaced here by a fake whose "device"
- * memory is host memory and whose copies are memcpy, counted; the library is
- * linked from its core sources (kvc_fakecuda, tests only).  Checks that the
- * producer stages device->mirror at publish, that the consumer copies
- * mirror->device before FETCH_DONE, only for the fetched blocks. */
+/* Unit test: libkvconnector's CUDA path (connector/cuda.c, the real code)
+ * against the asynchronous CUDA stand-in (tests/cudasim): no GPU needed.
+ * Work queued on a stream runs only when someone synchronises (lazy mode) or
+ * a little later on another thread (threaded mode), so a missing stream
+ * wait or sync shows up as wrong bytes or work still queued.
+ *
+ * Two agents in this process, a producer P and a consumer D, each with four
+ * CUDA regions, two on device 0 and two on device 1, move blocks over UCX on
+ * loopback (shared-memory get and producer push).  Checked: publish is
+ * ordered after the engine's event/stream, the consumer's completion before
+ * the engine's stream, bytes of fetched and untouched blocks, the caller's
+ * current device after every call, CUDA's last error left clear, copies
+ * batched (2D copies, one sync per device per fetch), copies drained before
+ * FETCH_FAILED, failures named with the CUDA error. */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -11,126 +19,507 @@
 /* cmocka needs the headers above first */
 #include <cmocka.h>
 
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "cudasim.h"
 #include "kvc_int.h"
 
-/* ------------------------------------------------------------ fake CUDA -- */
-struct kvc_cuda {
-    int device;
-};
-static size_t copies_d2h, copies_h2d, syncs;
+#define NB 64
+#define BL 4096
+#define NREG 4
+#define CALLER_DEV 1 /* the engine's current device during kvc_ calls */
 
-bool kvc_cuda_built(void) {
-    return true;
-}
-kvc_status_t kvc_cuda_create(int device, kvc_cuda_t **out, char *err, size_t errlen) {
-    kvc_cuda_t *c = calloc(1, sizeof(*c));
-    if (!c) return KVC_ERR_NO_MEMORY;
-    c->device = device;
-    *out = c;
-    return KVC_OK;
-}
-void kvc_cuda_destroy(kvc_cuda_t *c) {
-    free(c);
-}
-kvc_status_t kvc_cuda_host_register(kvc_cuda_t *c, void *p, size_t len) {
-    return KVC_OK;
-}
-void kvc_cuda_host_unregister(kvc_cuda_t *c, void *p) {}
-kvc_status_t kvc_cuda_copy_blocks(kvc_cuda_t *c, void *dev, void *host, size_t block_len,
-                                  const uint64_t *ids, size_t n, bool to_device) {
-    for (size_t i = 0; i < n; i++) {
-        uint8_t *d = (uint8_t *)dev + ids[i] * block_len, *h = (uint8_t *)host + ids[i] * block_len;
-        if (to_device) {
-            memcpy(d, h, block_len);
-            copies_h2d++;
-        } else {
-            memcpy(h, d, block_len);
-            copies_d2h++;
-        }
-    }
-    return KVC_OK;
-}
-kvc_status_t kvc_cuda_sync(kvc_cuda_t *c) {
-    syncs++;
-    return KVC_OK;
+static uint8_t pat(int gen, int r, uint64_t b, size_t i) {
+    return (uint8_t)(gen * 29 + r * 131 + b * 7 + i * 13 + (i >> 9));
 }
 
-/* ----------------------------------------------------------------- test -- */
-#define NB 32
-#define BL 8192
+/* ------------------------------------------------------ engine "kernels" -- */
 
-static kvc_agent_t *mk(const char *name, uint8_t *dev[2]) {
-    kvc_agent_params_t ap = {.field_mask = KVC_AGENT_FIELD_ENGINE_ID, .engine_id = name};
+typedef struct {
+    uint8_t *dev[NREG];
+    int gen;
+} fill_t;
+
+/* Runs on the engine's stream: writes every block of every region. */
+static void fill_fn(void *arg) {
+    fill_t *f = arg;
+    for (int r = 0; r < NREG; r++)
+        for (uint64_t b = 0; b < NB; b++)
+            for (size_t i = 0; i < BL; i++)
+                f->dev[r][b * BL + i] = pat(f->gen, r, b, i);
+}
+
+typedef struct {
+    uint8_t *dev;
+    uint8_t *out;
+    size_t len;
+} read_t;
+
+/* Runs on the engine's stream: what a kernel reading the blocks would see. */
+static void read_fn(void *arg) {
+    read_t *rd = arg;
+    memcpy(rd->out, rd->dev, rd->len);
+}
+
+/* ----------------------------------------------------------- fixtures -- */
+
+typedef struct {
     kvc_agent_t *a;
-    assert_int_equal(kvc_agent_create(&ap, &a), KVC_OK);
-    kvc_region_params_t rp[2];
-    for (int r = 0; r < 2; r++) {
-        rp[r] =
-            (kvc_region_params_t){.field_mask = KVC_REGION_FIELD_BASE | KVC_REGION_FIELD_MEM_TYPE,
-                                  .len = NB * BL,
-                                  .base = dev[r],
-                                  .mem_type = KVC_MEM_CUDA};
-    }
-    assert_int_equal(kvc_agent_register_regions(a, NB, rp, 2), KVC_OK);
-    void *b;
-    assert_int_equal(kvc_region_base(a, 1, &b), KVC_OK);
-    assert_ptr_equal(b, dev[1]); /* the "device" base, not the mirror */
-    return a;
+    uint8_t *dev[NREG];
+} side_t;
+
+static void dev_check(void) {
+    int d = -1;
+    assert_int_equal(cudaGetDevice(&d), cudaSuccess);
+    assert_int_equal(d, CALLER_DEV);
+    assert_int_equal(cudaPeekAtLastError(), cudaSuccess);
 }
 
-static void test_staged_roundtrip(void **state) {
-    uint8_t *pd[2], *dd[2];
-    for (int r = 0; r < 2; r++) {
-        pd[r] = malloc(NB * BL);
-        dd[r] = calloc(1, NB * BL);
-        for (size_t i = 0; i < NB * BL; i++)
-            pd[r][i] = (uint8_t)(i * 7 + r * 3 + i / BL);
+static void side_init(side_t *s, const char *name, int ndev, kvc_proto_t proto) {
+    kvc_agent_params_t ap = {.field_mask = KVC_AGENT_FIELD_ENGINE_ID | KVC_AGENT_FIELD_PROTO,
+                             .engine_id = name,
+                             .proto = proto};
+    assert_int_equal(kvc_agent_create(&ap, &s->a), KVC_OK);
+    kvc_region_params_t rp[NREG];
+    for (int r = 0; r < NREG; r++) {
+        int dev = ndev > 1 ? r / 2 : 0; /* regions 0,1 on device 0; 2,3 on device 1 */
+        assert_int_equal(cudaSetDevice(dev), cudaSuccess);
+        assert_int_equal(cudaMalloc((void **)&s->dev[r], NB * BL), cudaSuccess);
+        rp[r] =
+            (kvc_region_params_t){.field_mask = KVC_REGION_FIELD_BASE | KVC_REGION_FIELD_MEM_TYPE |
+                                                KVC_REGION_FIELD_CUDA_DEVICE,
+                                  .len = NB * BL,
+                                  .base = s->dev[r],
+                                  .mem_type = KVC_MEM_CUDA,
+                                  .cuda_device = dev};
     }
-    kvc_agent_t *P = mk("stage-P", pd), *D = mk("stage-D", dd);
-    uint64_t rem[] = {4, 5, 6, 20}, loc[] = {0, 1, 2, 31};
-    char *json;
-    assert_int_equal(kvc_publish(P, "s:1", rem, 4, NULL, &json), KVC_OK);
-    assert_int_equal(copies_d2h, 8); /* 4 blocks x 2 regions, before publish returned */
-    assert_true(syncs >= 1);
+    assert_int_equal(cudaSetDevice(CALLER_DEV < ndev ? CALLER_DEV : 0), cudaSuccess);
+    assert_int_equal(kvc_agent_register_regions(s->a, NB, rp, NREG), KVC_OK);
+    void *b;
+    assert_int_equal(kvc_region_base(s->a, 1, &b), KVC_OK);
+    assert_ptr_equal(b, s->dev[1]); /* the device base, not the mirror */
+    uint64_t v;
+    assert_int_equal(kvc_agent_stat(s->a, KVC_STAT_CUDA_STAGED_REGIONS, &v), KVC_OK);
+    assert_int_equal(v, NREG);
+}
+
+static void side_cleanup(side_t *s) {
+    kvc_agent_destroy(s->a);
+    for (int r = 0; r < NREG; r++)
+        assert_int_equal(cudaFree(s->dev[r]), cudaSuccess);
+}
+
+/* Drives both agents until D reports the fetch and P the release (bounded
+ * in turns and time).  Returns the fetch's event status; *msg its text. */
+static kvc_status_t run_fetch(side_t *P, side_t *D, kvc_status_t *out_st, char *msg, size_t len,
+                              size_t *pending_at_event) {
+    int done = 0, released = 0;
+    kvc_status_t st = KVC_OK;
+    uint64_t t0 = kvc_now_ns();
+    for (long turn = 0; !(done && (released || st != KVC_OK)); turn++) {
+        assert_true(turn < 2000000 && kvc_now_ns() - t0 < 20000000000ull);
+        kvc_agent_progress(P->a);
+        dev_check();
+        kvc_agent_progress(D->a);
+        dev_check();
+        kvc_event_t ev;
+        while (kvc_agent_next_event(D->a, &ev) == KVC_OK) {
+            assert_true(ev.type == KVC_EV_FETCH_DONE || ev.type == KVC_EV_FETCH_FAILED);
+            st = ev.status;
+            if (msg) snprintf(msg, len, "%s", ev.message ? ev.message : "");
+            if (pending_at_event) *pending_at_event = cudasim_pending();
+            done = 1;
+        }
+        while (kvc_agent_next_event(P->a, &ev) == KVC_OK)
+            released |= ev.type == KVC_EV_RELEASED;
+    }
+    if (out_st) *out_st = st;
+    return st;
+}
+
+static void start_fetch(side_t *D, const char *json, const uint64_t *loc, size_t n, void *stream) {
     kvc_fetch_params_t fp = {.field_mask = KVC_FETCH_FIELD_JSON | KVC_FETCH_FIELD_LOCAL_BLOCKS,
                              .kv_transfer_params_json = json,
                              .local_block_ids = loc,
-                             .num_local_blocks = 4};
+                             .num_local_blocks = n};
+    if (stream) {
+        fp.field_mask |= KVC_FETCH_FIELD_CUDA_STREAM;
+        fp.cuda_stream = stream;
+    }
     uint64_t xid;
-    assert_int_equal(kvc_fetch(D, &fp, &xid), KVC_INPROGRESS);
-    kvc_free(json);
-    int done = 0, released = 0;
-    uint64_t t0 = kvc_now_ns();
-    while (!(done && released)) {
-        assert_true(kvc_now_ns() - t0 < 10000000000ull);
-        kvc_agent_progress(P);
-        kvc_agent_progress(D);
-        kvc_event_t ev;
-        while (kvc_agent_next_event(D, &ev) == KVC_OK) {
-            assert_int_equal(ev.type, KVC_EV_FETCH_DONE);
-            assert_int_equal(copies_h2d, 8); /* device filled before completion */
-            done = 1;
+    assert_int_equal(kvc_fetch(D->a, &fp, &xid), KVC_INPROGRESS);
+    dev_check();
+}
+
+/* Remote blocks 4..7 and 30..33 and 50; local: three runs of four at a stride
+ * of ten, then one block: one 2D copy and one 1D copy per region. */
+static const uint64_t REM[] = {4, 5, 6, 7, 30, 31, 32, 33, 50, 51, 52, 53, 60};
+static const uint64_t LOC[] = {0, 1, 2, 3, 10, 11, 12, 13, 20, 21, 22, 23, 40};
+#define NX (sizeof(LOC) / sizeof(LOC[0]))
+
+static void check_blocks(side_t *D, int gen, const uint64_t *rem, const uint64_t *loc, size_t n) {
+    for (int r = 0; r < NREG; r++) {
+        for (size_t k = 0; k < n; k++)
+            for (size_t i = 0; i < BL; i++)
+                if (D->dev[r][loc[k] * BL + i] != pat(gen, r, rem[k], i))
+                    fail_msg("region %d local block %llu byte %zu: %u, want %u", r,
+                             (unsigned long long)loc[k], i, D->dev[r][loc[k] * BL + i],
+                             pat(gen, r, rem[k], i));
+        /* Untouched blocks keep what cudaMalloc left there. */
+        for (uint64_t b = 0; b < NB; b++) {
+            bool fetched = false;
+            for (size_t k = 0; k < n; k++)
+                fetched |= loc[k] == b;
+            if (fetched) continue;
+            for (size_t i = 0; i < BL; i++)
+                if (D->dev[r][b * BL + i] != 0xA5)
+                    fail_msg("untouched block %llu of region %d written", (unsigned long long)b, r);
         }
-        while (kvc_agent_next_event(P, &ev) == KVC_OK)
-            released |= ev.type == KVC_EV_RELEASED;
-    }
-    for (int r = 0; r < 2; r++) {
-        for (int k = 0; k < 4; k++)
-            assert_memory_equal(dd[r] + loc[k] * BL, pd[r] + rem[k] * BL, BL);
-        assert_int_equal(dd[r][10 * BL], 0); /* untouched block */
-    }
-    kvc_agent_destroy(D);
-    kvc_agent_destroy(P);
-    for (int r = 0; r < 2; r++) {
-        free(pd[r]);
-        free(dd[r]);
     }
 }
 
+/* The engine writes the producer's blocks with a "kernel" still queued on
+ * its stream, records an event and publishes right away, no host sync. */
+static char *publish_after_kernel(side_t *P, fill_t *f, cudaStream_t es, bool by_stream,
+                                  const char *id) {
+    cudaEvent_t ev = NULL;
+    assert_int_equal(cudaLaunchHostFunc(es, fill_fn, f), cudaSuccess);
+    kvc_publish_params_t pp = {0};
+    if (by_stream) {
+        pp.field_mask = KVC_PUBLISH_FIELD_CUDA_STREAM;
+        pp.cuda_stream = es;
+    } else {
+        assert_int_equal(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming), cudaSuccess);
+        assert_int_equal(cudaEventRecord(ev, es), cudaSuccess);
+        pp.field_mask = KVC_PUBLISH_FIELD_CUDA_EVENT;
+        pp.cuda_event = ev;
+    }
+    char *json;
+    assert_int_equal(kvc_publish(P->a, id, REM, NX, &pp, &json), KVC_OK);
+    dev_check();
+    if (ev) assert_int_equal(cudaEventDestroy(ev), cudaSuccess);
+    return json;
+}
+
+/* ---------------------------------------------------------------- tests -- */
+
+static void roundtrip(bool threaded, kvc_proto_t proto) {
+    cudasim_reset(2, threaded);
+    side_t P, D;
+    int s0 = cudasim_streams_live(); /* 0 unless an earlier test failed midway */
+    side_init(&P, "stage-P", 2, proto);
+    side_init(&D, "stage-D", 2, proto);
+    assert_int_equal(cudaSetDevice(CALLER_DEV), cudaSuccess);
+    assert_int_equal(cudasim_streams_live() - s0, 4); /* one per device per agent */
+    cudaStream_t es;
+    assert_int_equal(cudaStreamCreateWithFlags(&es, cudaStreamNonBlocking), cudaSuccess);
+    fill_t f = {.gen = 1};
+    memcpy(f.dev, P.dev, sizeof(f.dev));
+    char *json = publish_after_kernel(&P, &f, es, false, "s:1");
+
+    unsigned long m1 = cudasim_calls("cudaMemcpyAsync"), m2 = cudasim_calls("cudaMemcpy2DAsync"),
+                  sy = cudasim_calls("cudaStreamSynchronize");
+    start_fetch(&D, json, LOC, NX, NULL);
+    kvc_free(json);
+    size_t pending = 99;
+    assert_int_equal(run_fetch(&P, &D, NULL, NULL, 0, &pending), KVC_OK);
+    assert_int_equal(pending, 0); /* every copy ran before FETCH_DONE */
+    check_blocks(&D, 1, REM, LOC, NX);
+    /* One 2D and one 1D copy per region, one sync per device. */
+    assert_int_equal(cudasim_calls("cudaMemcpy2DAsync") - m2, NREG);
+    assert_int_equal(cudasim_calls("cudaMemcpyAsync") - m1, NREG);
+    assert_int_equal(cudasim_calls("cudaStreamSynchronize") - sy, 2);
+    uint64_t v;
+    assert_int_equal(kvc_agent_stat(D.a, KVC_STAT_CUDA_SYNCS, &v), KVC_OK);
+    assert_int_equal(v, 1);
+    assert_int_equal(kvc_agent_stat(D.a, KVC_STAT_CUDA_COPIES, &v), KVC_OK);
+    assert_int_equal(v, 2 * NREG);
+    assert_int_equal(
+        kvc_agent_stat(D.a, proto == KVC_PROTO_PUSH ? KVC_STAT_PEERS_PUSH : KVC_STAT_PEERS_GET, &v),
+        KVC_OK);
+    assert_int_equal(v, 1);
+    assert_int_equal(kvc_agent_stat(D.a, KVC_STAT_TRANSPORTS, &v), KVC_OK);
+    assert_true(v & KVC_TRANSPORT_TCP);
+
+    assert_int_equal(cudaStreamDestroy(es), cudaSuccess);
+    side_cleanup(&D);
+    side_cleanup(&P);
+    assert_int_equal(cudasim_streams_live(), s0);
+    assert_int_equal(cudasim_pending(), 0);
+    cudasim_reset(2, false);
+}
+
+static void test_roundtrip_get_lazy(void **state) {
+    roundtrip(false, KVC_PROTO_AUTO);
+}
+static void test_roundtrip_push_lazy(void **state) {
+    roundtrip(false, KVC_PROTO_PUSH);
+}
+static void test_roundtrip_get_threaded(void **state) {
+    roundtrip(true, KVC_PROTO_AUTO);
+}
+static void test_roundtrip_push_threaded(void **state) {
+    roundtrip(true, KVC_PROTO_PUSH);
+}
+
+/* Single-device agents: publish ordered by the engine's stream itself, and
+ * the consumer's completion ordered before the engine's stream with no host
+ * sync.  The engine reads the blocks on its stream right after each
+ * FETCH_DONE without synchronising, and a second fetch into the same local
+ * blocks follows at once: its data must not reach the mirror before the
+ * first fetch's copies ran. */
+static void test_stream_ordering(void **state) {
+    cudasim_reset(2, false);
+    side_t P, D;
+    side_init(&P, "ord-P", 1, KVC_PROTO_AUTO);
+    side_init(&D, "ord-D", 1, KVC_PROTO_AUTO);
+    cudaStream_t pes, des; /* the engines' streams, on the regions' device 0 */
+    assert_int_equal(cudaSetDevice(0), cudaSuccess);
+    assert_int_equal(cudaStreamCreateWithFlags(&pes, cudaStreamNonBlocking), cudaSuccess);
+    assert_int_equal(cudaStreamCreateWithFlags(&des, cudaStreamNonBlocking), cudaSuccess);
+    assert_int_equal(cudaSetDevice(CALLER_DEV), cudaSuccess);
+    uint8_t *seen[3];
+    read_t rd[3];
+    fill_t f[3];
+    for (int gen = 1; gen <= 2; gen++) {
+        f[gen] = (fill_t){.gen = gen};
+        memcpy(f[gen].dev, P.dev, sizeof(f[gen].dev));
+        char id[16];
+        snprintf(id, sizeof(id), "o:%d", gen);
+        char *json = publish_after_kernel(&P, &f[gen], pes, true, id);
+        unsigned long sy = cudasim_calls("cudaStreamSynchronize");
+        start_fetch(&D, json, LOC, NX, des);
+        kvc_free(json);
+        assert_int_equal(run_fetch(&P, &D, NULL, NULL, 0, NULL), KVC_OK);
+        assert_int_equal(cudasim_calls("cudaStreamSynchronize") - sy, 0); /* no host sync */
+        /* The engine's next "kernel" on its stream reads region 3. */
+        seen[gen] = malloc(NB * BL);
+        assert_non_null(seen[gen]);
+        rd[gen] = (read_t){.dev = D.dev[3], .out = seen[gen], .len = NB * BL};
+        assert_int_equal(cudaLaunchHostFunc(des, read_fn, &rd[gen]), cudaSuccess);
+    }
+    assert_int_equal(cudaStreamSynchronize(des), cudaSuccess);
+    for (int gen = 1; gen <= 2; gen++) {
+        for (size_t k = 0; k < NX; k++)
+            for (size_t i = 0; i < BL; i++)
+                if (seen[gen][LOC[k] * BL + i] != pat(gen, 3, REM[k], i))
+                    fail_msg("gen %d: the engine's stream saw block %llu byte %zu = %u, want %u",
+                             gen, (unsigned long long)LOC[k], i, seen[gen][LOC[k] * BL + i],
+                             pat(gen, 3, REM[k], i));
+        free(seen[gen]);
+    }
+    check_blocks(&D, 2, REM, LOC, NX);
+    assert_int_equal(cudaStreamDestroy(pes), cudaSuccess);
+    assert_int_equal(cudaStreamDestroy(des), cudaSuccess);
+    side_cleanup(&D);
+    side_cleanup(&P);
+}
+
+/* Eager stand-in, the engine's stream slow (held): the copies of a second
+ * fetch into the same local blocks must wait for the engine's read of the
+ * first fetch, queued on its stream before, instead of overwriting the
+ * blocks under it. */
+static void test_fetch_waits_for_engine_reads(void **state) {
+    cudasim_reset(2, false);
+    cudasim_set_eager(true);
+    side_t P, D;
+    side_init(&P, "eager-P", 1, KVC_PROTO_AUTO);
+    side_init(&D, "eager-D", 1, KVC_PROTO_AUTO);
+    cudaStream_t pes, des;
+    assert_int_equal(cudaSetDevice(0), cudaSuccess);
+    assert_int_equal(cudaStreamCreateWithFlags(&pes, cudaStreamNonBlocking), cudaSuccess);
+    assert_int_equal(cudaStreamCreateWithFlags(&des, cudaStreamNonBlocking), cudaSuccess);
+    assert_int_equal(cudaSetDevice(CALLER_DEV), cudaSuccess);
+    cudasim_hold(des, true);
+    uint8_t *seen[3];
+    read_t rd[3];
+    fill_t f[3];
+    for (int gen = 1; gen <= 2; gen++) {
+        f[gen] = (fill_t){.gen = gen};
+        memcpy(f[gen].dev, P.dev, sizeof(f[gen].dev));
+        char id[16];
+        snprintf(id, sizeof(id), "e:%d", gen);
+        char *json = publish_after_kernel(&P, &f[gen], pes, true, id);
+        start_fetch(&D, json, LOC, NX, des);
+        kvc_free(json);
+        assert_int_equal(run_fetch(&P, &D, NULL, NULL, 0, NULL), KVC_OK);
+        seen[gen] = malloc(NB * BL);
+        assert_non_null(seen[gen]);
+        rd[gen] = (read_t){.dev = D.dev[0], .out = seen[gen], .len = NB * BL};
+        assert_int_equal(cudaLaunchHostFunc(des, read_fn, &rd[gen]), cudaSuccess);
+    }
+    assert_int_equal(cudaStreamSynchronize(des), cudaSuccess);
+    for (int gen = 1; gen <= 2; gen++) {
+        for (size_t k = 0; k < NX; k++)
+            for (size_t i = 0; i < BL; i++)
+                if (seen[gen][LOC[k] * BL + i] != pat(gen, 0, REM[k], i))
+                    fail_msg("gen %d: the engine read block %llu byte %zu = %u, want %u (the "
+                             "next fetch overwrote it first?)",
+                             gen, (unsigned long long)LOC[k], i, seen[gen][LOC[k] * BL + i],
+                             pat(gen, 0, REM[k], i));
+        free(seen[gen]);
+    }
+    check_blocks(&D, 2, REM, LOC, NX);
+    cudasim_hold(des, false);
+    assert_int_equal(cudaStreamDestroy(pes), cudaSuccess);
+    assert_int_equal(cudaStreamDestroy(des), cudaSuccess);
+    side_cleanup(&D);
+    side_cleanup(&P);
+    cudasim_reset(2, false);
+}
+
+/* A copy that fails to queue halfway through a fetch: FETCH_FAILED with the
+ * CUDA error's name, and nothing still queued when the event arrives. */
+static void fetch_failure(bool async) {
+    cudasim_reset(2, false);
+    side_t P, D;
+    side_init(&P, "fail-P", 2, KVC_PROTO_AUTO);
+    side_init(&D, "fail-D", 2, KVC_PROTO_AUTO);
+    assert_int_equal(cudaSetDevice(CALLER_DEV), cudaSuccess);
+    cudaStream_t es;
+    assert_int_equal(cudaStreamCreateWithFlags(&es, cudaStreamNonBlocking), cudaSuccess);
+    fill_t f = {.gen = 3};
+    memcpy(f.dev, P.dev, sizeof(f.dev));
+    char *json = publish_after_kernel(&P, &f, es, false, "f:1");
+    /* The third 2D copy is region 2, on device 1, after both of device 0. */
+    if (async)
+        cudasim_fail_async("cudaMemcpy2DAsync", 3, cudaErrorLaunchFailure);
+    else
+        cudasim_fail("cudaMemcpy2DAsync", 3, cudaErrorIllegalAddress);
+    start_fetch(&D, json, LOC, NX, NULL);
+    kvc_free(json);
+    char msg[512];
+    size_t pending = 99;
+    kvc_status_t st;
+    run_fetch(&P, &D, &st, msg, sizeof(msg), &pending);
+    assert_int_equal(st, KVC_ERR_CUDA);
+    assert_non_null(strstr(msg, async ? "cudaErrorLaunchFailure" : "cudaErrorIllegalAddress"));
+    assert_int_equal(pending, 0); /* queued copies finished before FETCH_FAILED */
+    assert_int_equal(cudaPeekAtLastError(), cudaSuccess);
+    uint64_t v;
+    assert_int_equal(kvc_agent_stat(D.a, KVC_STAT_FETCH_FAILED, &v), KVC_OK);
+    assert_int_equal(v, 1);
+    assert_int_equal(cudaStreamDestroy(es), cudaSuccess);
+    side_cleanup(&D);
+    side_cleanup(&P);
+}
+
+static void test_fetch_copy_fails(void **state) {
+    fetch_failure(false);
+}
+static void test_fetch_copy_fails_async(void **state) {
+    fetch_failure(true);
+}
+
+/* A publish whose capture fails publishes nothing and leaves nothing queued. */
+static void test_publish_failure(void **state) {
+    cudasim_reset(2, false);
+    side_t P;
+    side_init(&P, "pfail-P", 2, KVC_PROTO_AUTO);
+    assert_int_equal(cudaSetDevice(CALLER_DEV), cudaSuccess);
+    cudasim_fail("cudaMemcpyAsync", 2, cudaErrorInvalidValue);
+    char *json = NULL;
+    assert_int_equal(kvc_publish(P.a, "p:1", REM, NX, NULL, &json), KVC_ERR_CUDA);
+    assert_null(json);
+    dev_check();
+    assert_int_equal(cudasim_pending(), 0);
+    uint64_t v;
+    assert_int_equal(kvc_agent_stat(P.a, KVC_STAT_PUBLISHED_NOW, &v), KVC_OK);
+    assert_int_equal(v, 0);
+    /* A stream to wait on needs regions on one device. */
+    cudaStream_t es;
+    assert_int_equal(cudaStreamCreateWithFlags(&es, cudaStreamNonBlocking), cudaSuccess);
+    kvc_publish_params_t pp = {.field_mask = KVC_PUBLISH_FIELD_CUDA_STREAM, .cuda_stream = es};
+    assert_int_equal(kvc_publish(P.a, "p:2", REM, NX, &pp, &json), KVC_ERR_INVALID_PARAM);
+    dev_check();
+    /* The same publish with no fault works. */
+    assert_int_equal(kvc_publish(P.a, "p:1", REM, NX, NULL, &json), KVC_OK);
+    kvc_free(json);
+    dev_check();
+    assert_int_equal(cudaStreamDestroy(es), cudaSuccess);
+    side_cleanup(&P);
+}
+
+/* Registration: the device comes from the pointer; a disagreeing
+ * cuda_device, host memory called CUDA, or no device at all are refused
+ * with a clear status and CUDA's last error left clear. */
+static void test_register_checks(void **state) {
+    cudasim_reset(2, false);
+    kvc_agent_params_t ap = {.field_mask = KVC_AGENT_FIELD_ENGINE_ID, .engine_id = "reg"};
+    kvc_agent_t *a;
+    void *d1;
+    assert_int_equal(cudaSetDevice(1), cudaSuccess);
+    assert_int_equal(cudaMalloc(&d1, NB * BL), cudaSuccess);
+    assert_int_equal(cudaSetDevice(0), cudaSuccess);
+    kvc_region_params_t rp = {.field_mask = KVC_REGION_FIELD_BASE | KVC_REGION_FIELD_MEM_TYPE |
+                                            KVC_REGION_FIELD_CUDA_DEVICE,
+                              .len = NB * BL,
+                              .base = d1,
+                              .mem_type = KVC_MEM_CUDA,
+                              .cuda_device = 0};
+    assert_int_equal(kvc_agent_create(&ap, &a), KVC_OK);
+    assert_int_equal(kvc_agent_register_regions(a, NB, &rp, 1), KVC_ERR_INVALID_PARAM);
+    int d = -1;
+    assert_int_equal(cudaGetDevice(&d), cudaSuccess);
+    assert_int_equal(d, 0);
+    uint8_t *host = malloc(NB * BL);
+    rp.base = host;
+    rp.cuda_device = 1;
+    assert_int_equal(kvc_agent_register_regions(a, NB, &rp, 1), KVC_ERR_INVALID_PARAM);
+    rp.base = (uint8_t *)d1 + BL; /* runs past the end of the allocation */
+    assert_int_equal(kvc_agent_register_regions(a, NB, &rp, 1), KVC_ERR_INVALID_PARAM);
+    rp.base = d1;
+    assert_int_equal(kvc_agent_register_regions(a, NB, &rp, 1), KVC_OK); /* device 1 agrees */
+    assert_int_equal(cudaGetDevice(&d), cudaSuccess);
+    assert_int_equal(d, 0);
+    assert_int_equal(cudaPeekAtLastError(), cudaSuccess);
+    kvc_agent_destroy(a);
+
+    cudasim_reset(0, false); /* no driver: every call fails with error 35 */
+    assert_int_equal(kvc_agent_create(&ap, &a), KVC_OK);
+    assert_int_equal(kvc_agent_register_regions(a, NB, &rp, 1), KVC_ERR_NO_DEVICE);
+    assert_int_equal(cudaPeekAtLastError(), cudaSuccess);
+    kvc_agent_destroy(a);
+    cudasim_reset(2, false);
+    assert_int_equal(cudaFree(d1), cudaSuccess);
+    free(host);
+}
+
+/* Hybrid models: kv_transfer_params with several KV-cache groups are refused
+ * before anything moves. */
+static void test_hybrid_groups(void **state) {
+    cudasim_reset(2, false);
+    side_t D;
+    side_init(&D, "hyb-D", 2, KVC_PROTO_AUTO);
+    uint64_t loc[] = {1, 2};
+    kvc_fetch_params_t fp = {
+        .field_mask = KVC_FETCH_FIELD_JSON | KVC_FETCH_FIELD_LOCAL_BLOCKS,
+        .kv_transfer_params_json =
+            "{\"remote_block_ids\":[[4,5],[6,7]],\"remote_engine_id\":\"e\","
+            "\"remote_request_id\":\"r\",\"remote_host\":\"127.0.0.1\",\"remote_port\":9,"
+            "\"remote_kv_token\":\"00112233445566778899aabbccddeeff\"}",
+        .local_block_ids = loc,
+        .num_local_blocks = 2};
+    uint64_t xid;
+    assert_int_equal(kvc_fetch(D.a, &fp, &xid), KVC_ERR_INCOMPATIBLE);
+    side_cleanup(&D);
+}
+
 int main(void) {
-    const struct CMUnitTest tests[] = {cmocka_unit_test(test_staged_roundtrip)};
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_roundtrip_get_lazy),
+        cmocka_unit_test(test_roundtrip_push_lazy),
+        cmocka_unit_test(test_roundtrip_get_threaded),
+        cmocka_unit_test(test_roundtrip_push_threaded),
+        cmocka_unit_test(test_stream_ordering),
+        cmocka_unit_test(test_fetch_waits_for_engine_reads),
+        cmocka_unit_test(test_fetch_copy_fails),
+        cmocka_unit_test(test_fetch_copy_fails_async),
+        cmocka_unit_test(test_publish_failure),
+        cmocka_unit_test(test_register_checks),
+        cmocka_unit_test(test_hybrid_groups),
+    };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -280,8 +280,8 @@ static void test_params_json(void **state) {
     assert_non_null(strstr(js, "\"do_remote_decode\":false"));
     kvc_free(js);
 
-    /* what a proxy forwards: extra keys, per-group block lists */
-    const char *fwd = "{\"remote_block_ids\":[[4,5],[6]],\"remote_engine_id\":\"e\","
+    /* what a proxy forwards: extra keys, per-group block lists (one group) */
+    const char *fwd = "{\"remote_block_ids\":[[4,5]],\"remote_engine_id\":\"e\","
                       "\"remote_request_id\":\"r\",\"remote_host\":\"h\",\"remote_port\":1,"
                       "\"remote_num_tokens\":33,\"do_remote_prefill\":true,"
                       "\"remote_kv_token\":\"00112233445566778899AABBCCDDEEFF\"}";
@@ -290,6 +290,12 @@ static void test_params_json(void **state) {
     assert_int_equal(r.block_ids[1], 5);
     assert_int_equal(r.tp_size, 1);
     kvc_remote_cleanup(&r);
+    /* A hybrid model's several KV-cache groups: refused, not half-fetched. */
+    const char *hyb = "{\"remote_block_ids\":[[4,5],[6]],\"remote_engine_id\":\"e\","
+                      "\"remote_request_id\":\"r\",\"remote_host\":\"h\",\"remote_port\":1,"
+                      "\"remote_kv_token\":\"00112233445566778899AABBCCDDEEFF\"}";
+    assert_int_equal(kvc_params_parse_json(hyb, &r, err, sizeof(err)), KVC_ERR_INCOMPATIBLE);
+    assert_non_null(strstr(err, "2 KV-cache groups"));
 
     const char *bad[] = {
         "",

@@ -1,0 +1,814 @@
+/* CUDA stand-in: the runtime functions libkvconnector calls, asynchronous.
+ *
+ * "Device" memory is host memory handed out by cudaMalloc and remembered
+ * with its device.  Each stream is a FIFO of operations (copies, event
+ * records, event waits, host functions) that run later, in order: at a
+ * synchronisation point, one per event query, or on a background thread
+ * (threaded mode).  Events and cross-stream waits are honoured; the current
+ * device is per thread; the last error is per thread and cleared by
+ * cudaGetLastError.  One rule is stricter than CUDA, on purpose: a copy that
+ * touches device memory must be issued on a stream of the device that owns
+ * that memory, so staging on the wrong device fails here. */
+#ifndef _GNU_SOURCE
+#define _GNU_SOURCE /* nanosleep */
+#endif
+#include "cudasim.h"
+
+#include <pthread.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#define MAX_DEV 8
+
+typedef enum { OP_COPY, OP_COPY2D, OP_RECORD, OP_WAIT, OP_HOSTFN, OP_MEMSET } op_kind_t;
+
+typedef struct op {
+    struct op *next;
+    op_kind_t kind;
+    void *dst;
+    const void *src;
+    size_t dpitch, spitch, width, height;
+    cudaEvent_t ev;
+    unsigned long gen;
+    cudaStream_t wstream; /* OP_WAIT: the stream that records ev's generation */
+    cudaHostFn_t fn;
+    void *arg;
+    cudaError_t fail; /* injected: fails when it runs */
+} op_t;
+
+struct CUstream_st {
+    struct CUstream_st *next_all;
+    int device;
+    op_t *head, *tail;
+    size_t n;
+    cudaError_t err; /* asynchronous error, reported at the next sync */
+    bool held;       /* eager mode: runs only when a sync forces it */
+};
+
+struct CUevent_st {
+    int device;
+    unsigned long gen, done_gen;
+    cudaStream_t stream; /* of the latest record */
+};
+
+typedef struct alloc {
+    struct alloc *next;
+    uint8_t *p;
+    size_t len;
+    int device;
+} alloc_t;
+
+typedef struct {
+    const char *fn;
+    unsigned nth;
+    cudaError_t err;
+    bool async;
+} fault_t;
+
+#define MAX_FAULTS 16
+#define MAX_FNS 64
+
+static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
+static int ndev = 2;
+static struct CUstream_st default_streams[MAX_DEV];
+static cudaStream_t streams;
+static alloc_t *allocs, *pinned;
+static fault_t faults[MAX_FAULTS];
+static struct {
+    const char *fn;
+    unsigned long n;
+} counts[MAX_FNS];
+static int nstreams_live;
+static unsigned long long bytes_copied;
+static pthread_t worker;
+static bool worker_on, worker_stop, eager;
+static _Thread_local int cur_dev;
+static _Thread_local cudaError_t last_err;
+
+/* ---------------------------------------------------------- internals -- */
+
+static cudaError_t set_err(cudaError_t e) {
+    if (e != cudaSuccess && e != cudaErrorNotReady) last_err = e;
+    return e;
+}
+
+/* Counts the call and applies a pending fault.  Returns the error to fail
+ * with now, or cudaSuccess; *async_fail gets an error to attach to the op. */
+static cudaError_t enter(const char *fn, cudaError_t *async_fail) {
+    int i;
+    for (i = 0; i < MAX_FNS && counts[i].fn; i++)
+        if (!strcmp(counts[i].fn, fn)) break;
+    if (i < MAX_FNS) {
+        counts[i].fn = fn;
+        counts[i].n++;
+    }
+    if (async_fail) *async_fail = cudaSuccess;
+    for (int k = 0; k < MAX_FAULTS; k++) {
+        fault_t *f = &faults[k];
+        if (!f->fn || strcmp(f->fn, fn)) continue;
+        if (--f->nth > 0) continue;
+        cudaError_t e = f->err;
+        bool async = f->async;
+        f->fn = NULL;
+        if (async && async_fail) {
+            *async_fail = e;
+            return cudaSuccess;
+        }
+        return e;
+    }
+    if (ndev == 0) return cudaErrorInsufficientDriver;
+    return cudaSuccess;
+}
+
+static alloc_t *find_alloc(alloc_t *list, const void *p, size_t len) {
+    const uint8_t *q = p;
+    for (alloc_t *a = list; a; a = a->next)
+        if (q >= a->p && q < a->p + a->len) return (size_t)(a->p + a->len - q) >= len ? a : NULL;
+    return NULL;
+}
+
+static bool is_device_ptr(const void *p) {
+    return find_alloc(allocs, p, 1) != NULL;
+}
+
+static cudaStream_t resolve(cudaStream_t s) {
+    return s ? s : &default_streams[cur_dev];
+}
+
+static void pump(void);
+
+static void enqueue(cudaStream_t s, op_t *o) {
+    o->next = NULL;
+    if (s->tail)
+        s->tail->next = o;
+    else
+        s->head = o;
+    s->tail = o;
+    s->n++;
+    if (eager) pump();
+}
+
+static bool run_one(cudaStream_t s, int depth);
+
+static void exec(cudaStream_t s, op_t *o, int depth) {
+    if (o->fail != cudaSuccess) {
+        if (s->err == cudaSuccess) s->err = o->fail;
+        return;
+    }
+    switch (o->kind) {
+    case OP_COPY:
+        memmove(o->dst, o->src, o->width);
+        bytes_copied += o->width;
+        break;
+    case OP_COPY2D:
+        for (size_t r = 0; r < o->height; r++)
+            memmove((uint8_t *)o->dst + r * o->dpitch, (const uint8_t *)o->src + r * o->spitch,
+                    o->width);
+        bytes_copied += o->width * o->height;
+        break;
+    case OP_RECORD:
+        if (o->ev->done_gen < o->gen) o->ev->done_gen = o->gen;
+        break;
+    case OP_WAIT:
+        /* Work on the other stream up to the awaited record runs first. */
+        while (o->ev->done_gen < o->gen && run_one(o->wstream, depth + 1))
+            ;
+        break;
+    case OP_HOSTFN:
+        o->fn(o->arg);
+        break;
+    case OP_MEMSET:
+        memset(o->dst, (int)o->dpitch, o->width);
+        break;
+    }
+}
+
+static bool run_one(cudaStream_t s, int depth) {
+    if (depth > 64) {
+        fprintf(stderr, "cudasim: cyclic stream waits (a deadlock on a real GPU)\n");
+        abort();
+    }
+    op_t *o = s->head;
+    if (!o) return false;
+    /* Executed before it leaves the queue, so that a wait inside it sees a
+     * consistent picture; then popped. */
+    exec(s, o, depth);
+    s->head = o->next;
+    if (!s->head) s->tail = NULL;
+    s->n--;
+    free(o);
+    return true;
+}
+
+/* Eager mode: every stream that is not held runs what it can without
+ * waiting: an event wait whose event is not complete stops that stream. */
+static void pump(void) {
+    static bool pumping;
+    if (pumping) return; /* an op that enqueues (none today) must not recurse */
+    pumping = true;
+    for (bool progress = true; progress;) {
+        progress = false;
+        for (int d = -1; d < MAX_DEV; d++) {
+            for (cudaStream_t s = d < 0 ? streams : &default_streams[d]; s;
+                 s = d < 0 ? s->next_all : NULL) {
+                while (!s->held && s->head &&
+                       (s->head->kind != OP_WAIT || s->head->ev->done_gen >= s->head->gen)) {
+                    run_one(s, 0);
+                    progress = true;
+                }
+            }
+        }
+    }
+    pumping = false;
+}
+
+static void drain(cudaStream_t s) {
+    while (run_one(s, 0))
+        ;
+}
+
+static void discard(cudaStream_t s) {
+    while (s->head) {
+        op_t *o = s->head;
+        s->head = o->next;
+        free(o);
+    }
+    s->tail = NULL;
+    s->n = 0;
+    s->err = cudaSuccess;
+}
+
+static cudaError_t take_async(cudaStream_t s) {
+    cudaError_t e = s->err;
+    s->err = cudaSuccess;
+    return e;
+}
+
+static void *worker_main(void *arg) {
+    (void)arg;
+    for (;;) {
+        struct timespec ts = {0, 50000};
+        nanosleep(&ts, NULL);
+        pthread_mutex_lock(&mu);
+        if (worker_stop) {
+            pthread_mutex_unlock(&mu);
+            return NULL;
+        }
+        for (cudaStream_t s = streams; s; s = s->next_all)
+            run_one(s, 0);
+        for (int d = 0; d < MAX_DEV; d++)
+            run_one(&default_streams[d], 0);
+        pthread_mutex_unlock(&mu);
+    }
+}
+
+/* ----------------------------------------------------------- controls -- */
+
+void cudasim_reset(int devices, bool threaded) {
+    if (worker_on) {
+        pthread_mutex_lock(&mu);
+        worker_stop = true;
+        pthread_mutex_unlock(&mu);
+        pthread_join(worker, NULL);
+        worker_on = false;
+    }
+    pthread_mutex_lock(&mu);
+    /* Work a failed test left queued is dropped, never run: what it points
+     * to may be gone. */
+    for (cudaStream_t s = streams; s; s = s->next_all)
+        discard(s);
+    for (int d = 0; d < MAX_DEV; d++)
+        discard(&default_streams[d]);
+    ndev = devices < 0 ? 0 : devices > MAX_DEV ? MAX_DEV : devices;
+    eager = false;
+    for (cudaStream_t s = streams; s; s = s->next_all)
+        s->held = false;
+    memset(faults, 0, sizeof(faults));
+    memset(counts, 0, sizeof(counts));
+    bytes_copied = 0;
+    for (int d = 0; d < MAX_DEV; d++)
+        default_streams[d].device = d;
+    worker_stop = false;
+    pthread_mutex_unlock(&mu);
+    cur_dev = 0;
+    last_err = cudaSuccess;
+    if (threaded && pthread_create(&worker, NULL, worker_main, NULL) == 0) worker_on = true;
+}
+
+void cudasim_set_eager(bool on) {
+    pthread_mutex_lock(&mu);
+    eager = on;
+    if (eager) pump();
+    pthread_mutex_unlock(&mu);
+}
+
+void cudasim_hold(cudaStream_t s, bool hold) {
+    pthread_mutex_lock(&mu);
+    s->held = hold;
+    if (eager) pump();
+    pthread_mutex_unlock(&mu);
+}
+
+void cudasim_fail(const char *fn, unsigned nth, cudaError_t err) {
+    pthread_mutex_lock(&mu);
+    for (int k = 0; k < MAX_FAULTS; k++)
+        if (!faults[k].fn) {
+            faults[k] = (fault_t){fn, nth ? nth : 1, err, false};
+            break;
+        }
+    pthread_mutex_unlock(&mu);
+}
+
+void cudasim_fail_async(const char *fn, unsigned nth, cudaError_t err) {
+    pthread_mutex_lock(&mu);
+    for (int k = 0; k < MAX_FAULTS; k++)
+        if (!faults[k].fn) {
+            faults[k] = (fault_t){fn, nth ? nth : 1, err, true};
+            break;
+        }
+    pthread_mutex_unlock(&mu);
+}
+
+unsigned long cudasim_calls(const char *fn) {
+    unsigned long n = 0;
+    pthread_mutex_lock(&mu);
+    for (int i = 0; i < MAX_FNS && counts[i].fn; i++)
+        if (!strcmp(counts[i].fn, fn)) n = counts[i].n;
+    pthread_mutex_unlock(&mu);
+    return n;
+}
+
+size_t cudasim_pending(void) {
+    size_t n = 0;
+    pthread_mutex_lock(&mu);
+    for (cudaStream_t s = streams; s; s = s->next_all)
+        n += s->n;
+    for (int d = 0; d < MAX_DEV; d++)
+        n += default_streams[d].n;
+    pthread_mutex_unlock(&mu);
+    return n;
+}
+
+int cudasim_streams_live(void) {
+    pthread_mutex_lock(&mu);
+    int n = nstreams_live;
+    pthread_mutex_unlock(&mu);
+    return n;
+}
+
+unsigned long long cudasim_bytes_copied(void) {
+    pthread_mutex_lock(&mu);
+    unsigned long long n = bytes_copied;
+    pthread_mutex_unlock(&mu);
+    return n;
+}
+
+/* ------------------------------------------------------------ runtime -- */
+
+#define ENTER(name, afail)                                                                         \
+    pthread_mutex_lock(&mu);                                                                       \
+    cudaError_t e_ = enter(name, afail);                                                           \
+    if (e_ != cudaSuccess) {                                                                       \
+        pthread_mutex_unlock(&mu);                                                                 \
+        return set_err(e_);                                                                        \
+    }
+
+#define LEAVE(e)                                                                                   \
+    do {                                                                                           \
+        cudaError_t r_ = (e);                                                                      \
+        pthread_mutex_unlock(&mu);                                                                 \
+        return set_err(r_);                                                                        \
+    } while (0)
+
+cudaError_t cudaGetDeviceCount(int *count) {
+    ENTER("cudaGetDeviceCount", NULL);
+    if (!count) LEAVE(cudaErrorInvalidValue);
+    *count = ndev;
+    LEAVE(cudaSuccess);
+}
+
+cudaError_t cudaGetDevice(int *device) {
+    ENTER("cudaGetDevice", NULL);
+    if (!device) LEAVE(cudaErrorInvalidValue);
+    *device = cur_dev;
+    LEAVE(cudaSuccess);
+}
+
+cudaError_t cudaSetDevice(int device) {
+    ENTER("cudaSetDevice", NULL);
+    if (device < 0 || device >= ndev) LEAVE(cudaErrorInvalidDevice);
+    cur_dev = device;
+    LEAVE(cudaSuccess);
+}
+
+cudaError_t cudaGetLastError(void) {
+    cudaError_t e = last_err;
+    last_err = cudaSuccess;
+    return e;
+}
+
+cudaError_t cudaPeekAtLastError(void) {
+    return last_err;
+}
+
+const char *cudaGetErrorName(cudaError_t e) {
+    switch (e) {
+    case cudaSuccess:
+        return "cudaSuccess";
+    case cudaErrorInvalidValue:
+        return "cudaErrorInvalidValue";
+    case cudaErrorMemoryAllocation:
+        return "cudaErrorMemoryAllocation";
+    case cudaErrorInitializationError:
+        return "cudaErrorInitializationError";
+    case cudaErrorInsufficientDriver:
+        return "cudaErrorInsufficientDriver";
+    case cudaErrorNoDevice:
+        return "cudaErrorNoDevice";
+    case cudaErrorInvalidDevice:
+        return "cudaErrorInvalidDevice";
+    case cudaErrorInvalidResourceHandle:
+        return "cudaErrorInvalidResourceHandle";
+    case cudaErrorNotReady:
+        return "cudaErrorNotReady";
+    case cudaErrorIllegalAddress:
+        return "cudaErrorIllegalAddress";
+    case cudaErrorLaunchFailure:
+        return "cudaErrorLaunchFailure";
+    default:
+        return "cudaErrorUnknown";
+    }
+}
+
+const char *cudaGetErrorString(cudaError_t e) {
+    switch (e) {
+    case cudaSuccess:
+        return "no error";
+    case cudaErrorInvalidValue:
+        return "invalid argument";
+    case cudaErrorMemoryAllocation:
+        return "out of memory";
+    case cudaErrorInsufficientDriver:
+        return "CUDA driver version is insufficient for CUDA runtime version";
+    case cudaErrorNoDevice:
+        return "no CUDA-capable device is detected";
+    case cudaErrorInvalidDevice:
+        return "invalid device ordinal";
+    case cudaErrorInvalidResourceHandle:
+        return "invalid resource handle";
+    case cudaErrorNotReady:
+        return "device not ready";
+    case cudaErrorIllegalAddress:
+        return "an illegal memory access was encountered";
+    case cudaErrorLaunchFailure:
+        return "unspecified launch failure";
+    default:
+        return "unknown error";
+    }
+}
+
+cudaError_t cudaMalloc(void **p, size_t size) {
+    ENTER("cudaMalloc", NULL);
+    alloc_t *a = calloc(1, sizeof(*a));
+    if (!p || !a || !(a->p = malloc(size ? size : 1))) {
+        free(a);
+        LEAVE(p ? cudaErrorMemoryAllocation : cudaErrorInvalidValue);
+    }
+    /* Fresh device memory holds garbage, not zeros. */
+    memset(a->p, 0xA5, size);
+    a->len = size;
+    a->device = cur_dev;
+    a->next = allocs;
+    allocs = a;
+    *p = a->p;
+    LEAVE(cudaSuccess);
+}
+
+cudaError_t cudaFree(void *p) {
+    ENTER("cudaFree", NULL);
+    if (!p) LEAVE(cudaSuccess);
+    for (alloc_t **pp = &allocs; *pp; pp = &(*pp)->next)
+        if ((*pp)->p == p) {
+            alloc_t *a = *pp;
+            *pp = a->next;
+            free(a->p);
+            free(a);
+            LEAVE(cudaSuccess);
+        }
+    LEAVE(cudaErrorInvalidValue);
+}
+
+cudaError_t cudaHostRegister(void *p, size_t size, unsigned int flags) {
+    (void)flags;
+    ENTER("cudaHostRegister", NULL);
+    if (!p || !size || is_device_ptr(p) || find_alloc(pinned, p, 1)) LEAVE(cudaErrorInvalidValue);
+    alloc_t *a = calloc(1, sizeof(*a));
+    if (!a) LEAVE(cudaErrorMemoryAllocation);
+    a->p = p;
+    a->len = size;
+    a->next = pinned;
+    pinned = a;
+    LEAVE(cudaSuccess);
+}
+
+cudaError_t cudaHostUnregister(void *p) {
+    ENTER("cudaHostUnregister", NULL);
+    for (alloc_t **pp = &pinned; *pp; pp = &(*pp)->next)
+        if ((*pp)->p == p) {
+            alloc_t *a = *pp;
+            *pp = a->next;
+            free(a);
+            LEAVE(cudaSuccess);
+        }
+    LEAVE(cudaErrorInvalidValue);
+}
+
+cudaError_t cudaPointerGetAttributes(struct cudaPointerAttributes *at, const void *p) {
+    ENTER("cudaPointerGetAttributes", NULL);
+    if (!at) LEAVE(cudaErrorInvalidValue);
+    memset(at, 0, sizeof(*at));
+    alloc_t *a = find_alloc(allocs, p, 1);
+    if (a) {
+        at->type = cudaMemoryTypeDevice;
+        at->device = a->device;
+        at->devicePointer = (void *)p;
+    } else if (find_alloc(pinned, p, 1)) {
+        at->type = cudaMemoryTypeHost;
+        at->device = cur_dev;
+        at->hostPointer = (void *)p;
+        at->devicePointer = (void *)p;
+    } else {
+        at->type = cudaMemoryTypeUnregistered; /* CUDA 11+: success, unregistered */
+        at->device = -2;
+    }
+    LEAVE(cudaSuccess);
+}
+
+cudaError_t cudaStreamCreateWithFlags(cudaStream_t *ps, unsigned int flags) {
+    (void)flags;
+    ENTER("cudaStreamCreateWithFlags", NULL);
+    cudaStream_t s = calloc(1, sizeof(*s));
+    if (!ps || !s) {
+        free(s);
+        LEAVE(cudaErrorInvalidValue);
+    }
+    s->device = cur_dev;
+    s->next_all = streams;
+    streams = s;
+    nstreams_live++;
+    *ps = s;
+    LEAVE(cudaSuccess);
+}
+
+cudaError_t cudaStreamDestroy(cudaStream_t s) {
+    ENTER("cudaStreamDestroy", NULL);
+    if (!s) LEAVE(cudaErrorInvalidResourceHandle);
+    for (cudaStream_t *pp = &streams; *pp; pp = &(*pp)->next_all)
+        if (*pp == s) {
+            /* CUDA lets queued work finish after the destroy call. */
+            drain(s);
+            *pp = s->next_all;
+            free(s);
+            nstreams_live--;
+            LEAVE(cudaSuccess);
+        }
+    LEAVE(cudaErrorInvalidResourceHandle);
+}
+
+cudaError_t cudaStreamSynchronize(cudaStream_t s) {
+    ENTER("cudaStreamSynchronize", NULL);
+    s = resolve(s);
+    drain(s);
+    LEAVE(take_async(s));
+}
+
+cudaError_t cudaDeviceSynchronize(void) {
+    ENTER("cudaDeviceSynchronize", NULL);
+    cudaError_t e = cudaSuccess, e2;
+    for (cudaStream_t s = streams; s; s = s->next_all)
+        if (s->device == cur_dev) {
+            drain(s);
+            if ((e2 = take_async(s)) != cudaSuccess) e = e2;
+        }
+    drain(&default_streams[cur_dev]);
+    if ((e2 = take_async(&default_streams[cur_dev])) != cudaSuccess) e = e2;
+    LEAVE(e);
+}
+
+cudaError_t cudaStreamWaitEvent(cudaStream_t s, cudaEvent_t ev, unsigned int flags) {
+    ENTER("cudaStreamWaitEvent", NULL);
+    if (!ev || flags) LEAVE(cudaErrorInvalidValue);
+    s = resolve(s);
+    if (ev->gen == 0 || ev->done_gen >= ev->gen) LEAVE(cudaSuccess); /* nothing to wait for */
+    op_t *o = calloc(1, sizeof(*o));
+    if (!o) LEAVE(cudaErrorMemoryAllocation);
+    o->kind = OP_WAIT;
+    o->ev = ev;
+    o->gen = ev->gen;
+    o->wstream = ev->stream;
+    enqueue(s, o);
+    LEAVE(cudaSuccess);
+}
+
+cudaError_t cudaEventCreateWithFlags(cudaEvent_t *pe, unsigned int flags) {
+    (void)flags;
+    ENTER("cudaEventCreateWithFlags", NULL);
+    cudaEvent_t ev = calloc(1, sizeof(*ev));
+    if (!pe || !ev) {
+        free(ev);
+        LEAVE(cudaErrorInvalidValue);
+    }
+    ev->device = cur_dev;
+    *pe = ev;
+    LEAVE(cudaSuccess);
+}
+
+cudaError_t cudaEventDestroy(cudaEvent_t ev) {
+    ENTER("cudaEventDestroy", NULL);
+    if (!ev) LEAVE(cudaErrorInvalidResourceHandle);
+    /* Ops still referring to it must run first (CUDA defers the release). */
+    if (ev->done_gen < ev->gen && ev->stream) drain(ev->stream);
+    for (cudaStream_t s = streams; s; s = s->next_all)
+        for (op_t *o = s->head; o; o = o->next)
+            if (o->ev == ev) {
+                drain(s); /* frees o */
+                break;
+            }
+    free(ev);
+    LEAVE(cudaSuccess);
+}
+
+cudaError_t cudaEventRecord(cudaEvent_t ev, cudaStream_t s) {
+    ENTER("cudaEventRecord", NULL);
+    if (!ev) LEAVE(cudaErrorInvalidResourceHandle);
+    s = resolve(s);
+    if (s->device != ev->device) LEAVE(cudaErrorInvalidResourceHandle); /* same device rule */
+    op_t *o = calloc(1, sizeof(*o));
+    if (!o) LEAVE(cudaErrorMemoryAllocation);
+    o->kind = OP_RECORD;
+    o->ev = ev;
+    o->gen = ++ev->gen;
+    ev->stream = s;
+    enqueue(s, o);
+    LEAVE(cudaSuccess);
+}
+
+cudaError_t cudaEventQuery(cudaEvent_t ev) {
+    ENTER("cudaEventQuery", NULL);
+    if (!ev) LEAVE(cudaErrorInvalidResourceHandle);
+    if (ev->done_gen < ev->gen) run_one(ev->stream, 0); /* a query lets one op run */
+    LEAVE(ev->done_gen >= ev->gen ? cudaSuccess : cudaErrorNotReady);
+}
+
+cudaError_t cudaEventSynchronize(cudaEvent_t ev) {
+    ENTER("cudaEventSynchronize", NULL);
+    if (!ev) LEAVE(cudaErrorInvalidResourceHandle);
+    while (ev->done_gen < ev->gen && run_one(ev->stream, 0))
+        ;
+    LEAVE(cudaSuccess);
+}
+
+/* Checks one side of a copy: device memory of the stream's device, entirely
+ * inside one allocation, or host memory. */
+static bool side_ok(const void *p, size_t len, bool device, int dev) {
+    alloc_t *a = find_alloc(allocs, p, 1);
+    if (!device) return a == NULL;
+    return a && a->device == dev && find_alloc(allocs, p, len) == a;
+}
+
+static cudaError_t copy_check(void *dst, const void *src, size_t dlen, size_t slen,
+                              enum cudaMemcpyKind kind, cudaStream_t s) {
+    bool dd, sd;
+    switch (kind) {
+    case cudaMemcpyHostToDevice:
+        dd = true, sd = false;
+        break;
+    case cudaMemcpyDeviceToHost:
+        dd = false, sd = true;
+        break;
+    case cudaMemcpyDeviceToDevice:
+        dd = sd = true;
+        break;
+    case cudaMemcpyDefault:
+        dd = is_device_ptr(dst), sd = is_device_ptr(src);
+        break;
+    default:
+        return cudaErrorInvalidValue;
+    }
+    if (!dst || !src || !side_ok(dst, dlen, dd, s->device) || !side_ok(src, slen, sd, s->device))
+        return cudaErrorInvalidValue;
+    return cudaSuccess;
+}
+
+cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t count, enum cudaMemcpyKind kind,
+                            cudaStream_t stream) {
+    cudaError_t af;
+    ENTER("cudaMemcpyAsync", &af);
+    cudaStream_t s = resolve(stream);
+    cudaError_t e = copy_check(dst, src, count, count, kind, s);
+    if (e != cudaSuccess) LEAVE(e);
+    op_t *o = calloc(1, sizeof(*o));
+    if (!o) LEAVE(cudaErrorMemoryAllocation);
+    o->kind = OP_COPY;
+    o->dst = dst;
+    o->src = src;
+    o->width = count;
+    o->fail = af;
+    enqueue(s, o);
+    LEAVE(cudaSuccess);
+}
+
+cudaError_t cudaMemcpy2DAsync(void *dst, size_t dpitch, const void *src, size_t spitch,
+                              size_t width, size_t height, enum cudaMemcpyKind kind,
+                              cudaStream_t stream) {
+    cudaError_t af;
+    ENTER("cudaMemcpy2DAsync", &af);
+    cudaStream_t s = resolve(stream);
+    if (width > dpitch || width > spitch) LEAVE(cudaErrorInvalidValue);
+    size_t dlen = height ? (height - 1) * dpitch + width : 0;
+    size_t slen = height ? (height - 1) * spitch + width : 0;
+    cudaError_t e = copy_check(dst, src, dlen, slen, kind, s);
+    if (e != cudaSuccess) LEAVE(e);
+    op_t *o = calloc(1, sizeof(*o));
+    if (!o) LEAVE(cudaErrorMemoryAllocation);
+    o->kind = OP_COPY2D;
+    o->dst = dst;
+    o->src = src;
+    o->dpitch = dpitch;
+    o->spitch = spitch;
+    o->width = width;
+    o->height = height;
+    o->fail = af;
+    enqueue(s, o);
+    LEAVE(cudaSuccess);
+}
+
+cudaError_t cudaLaunchHostFunc(cudaStream_t stream, cudaHostFn_t fn, void *arg) {
+    ENTER("cudaLaunchHostFunc", NULL);
+    if (!fn) LEAVE(cudaErrorInvalidValue);
+    op_t *o = calloc(1, sizeof(*o));
+    if (!o) LEAVE(cudaErrorMemoryAllocation);
+    o->kind = OP_HOSTFN;
+    o->fn = fn;
+    o->arg = arg;
+    enqueue(resolve(stream), o);
+    LEAVE(cudaSuccess);
+}
+
+cudaError_t cudaMallocHost(void **p, size_t size) {
+    ENTER("cudaMallocHost", NULL);
+    alloc_t *a = calloc(1, sizeof(*a));
+    if (!p || !a || !(a->p = malloc(size ? size : 1))) {
+        free(a);
+        LEAVE(p ? cudaErrorMemoryAllocation : cudaErrorInvalidValue);
+    }
+    a->len = size;
+    a->next = pinned;
+    pinned = a;
+    *p = a->p;
+    LEAVE(cudaSuccess);
+}
+
+cudaError_t cudaFreeHost(void *p) {
+    ENTER("cudaFreeHost", NULL);
+    for (alloc_t **pp = &pinned; *pp; pp = &(*pp)->next)
+        if ((*pp)->p == p) {
+            alloc_t *a = *pp;
+            *pp = a->next;
+            free(a->p);
+            free(a);
+            LEAVE(cudaSuccess);
+        }
+    LEAVE(cudaErrorInvalidValue);
+}
+
+/* Synchronous: the legacy default stream of the current device runs first,
+ * then the copy. */
+cudaError_t cudaMemcpy(void *dst, const void *src, size_t count, enum cudaMemcpyKind kind) {
+    ENTER("cudaMemcpy", NULL);
+    cudaStream_t s = &default_streams[cur_dev];
+    cudaError_t e = copy_check(dst, src, count, count, kind, s);
+    if (e != cudaSuccess) LEAVE(e);
+    drain(s);
+    memmove(dst, src, count);
+    bytes_copied += count;
+    LEAVE(take_async(s));
+}
+
+/* Queued on the legacy default stream, like an asynchronous kernel. */
+cudaError_t cudaMemset(void *p, int value, size_t count) {
+    ENTER("cudaMemset", NULL);
+    cudaStream_t s = &default_streams[cur_dev];
+    if (!side_ok(p, count, true, s->device)) LEAVE(cudaErrorInvalidValue);
+    op_t *o = calloc(1, sizeof(*o));
+    if (!o) LEAVE(cudaErrorMemoryAllocation);
+    o->kind = OP_MEMSET;
+    o->dst = p;
+    o->dpitch = (size_t)(unsigned char)value;
+    o->width = count;
+    enqueue(s, o);
+    LEAVE(cudaSuccess);
+}

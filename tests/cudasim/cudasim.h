@@ -1,0 +1,41 @@
+/* Controls of the CUDA stand-in (tests only): device count, execution mode,
+ * fault injection and counters.  The runtime functions themselves are in
+ * cuda_runtime_api.h beside this file. */
+#ifndef CUDASIM_H
+#define CUDASIM_H
+
+#include "cuda_runtime_api.h"
+
+#include <stdbool.h>
+#include <stddef.h>
+
+/* Forgets counters, pending faults and queued work (dropped, not run); sets the number of devices
+ * (0: every call answers cudaErrorInsufficientDriver, as on a machine without a driver) and the
+ * execution mode.  lazy (threaded false): queued work runs only when the host synchronises (stream
+ * or event sync, one op per event query), so a missing synchronisation leaves the work undone,
+ * deterministically.  threaded: a background thread also runs queued work
+ * in order, a little later.  Also ends eager mode and releases held streams. */
+void cudasim_reset(int devices, bool threaded);
+/* Eager mode: work runs as soon as it is queued and nothing it waits for is
+ * pending, except on held streams, which run only when a synchronisation
+ * needs them (an engine's slow kernels).  Shows copies that overwrite memory
+ * the engine still reads because they wait for nothing. */
+void cudasim_set_eager(bool on);
+void cudasim_hold(cudaStream_t s, bool hold);
+/* The nth next call (1 = the next) of runtime function `fn` fails at once
+ * with err. */
+void cudasim_fail(const char *fn, unsigned nth, cudaError_t err);
+/* The nth next call of `fn` (a copy) is queued fine but fails when it runs:
+ * the stream reports err at its next synchronisation, like an asynchronous
+ * CUDA fault. */
+void cudasim_fail_async(const char *fn, unsigned nth, cudaError_t err);
+/* Calls of runtime function `fn` since the last reset. */
+unsigned long cudasim_calls(const char *fn);
+/* Operations queued on all streams and not yet run. */
+size_t cudasim_pending(void);
+/* Streams created and not destroyed. */
+int cudasim_streams_live(void);
+/* Bytes copied by operations that ran (all kinds). */
+unsigned long long cudasim_bytes_copied(void);
+
+#endif
