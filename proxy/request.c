@@ -956,10 +956,13 @@ void px_req_start(px_worker *w, px_conn *c, px_endpoint ep, const px_http_head *
     /* A prefill without a decode to hand its blocks to would strand them
      * until they expire: refuse before starting one. */
     if (!px_pool_usable(&r->ps->decode)) {
+        size_t nd;
+        px_pool_counts(&r->ps->decode, &nd, NULL);
         req_fail(r, 503, "Retry-After: 1\r\n",
-                 "no decode backend can take the request%s%s%s; no prefill was started",
-                 r->g->named ? " (pool '" : "", r->g->named ? r->ps->name : "",
-                 r->g->named ? "')" : "");
+                 "no decode backend can take the request (%s%s%s%s); no prefill was started",
+                 nd ? "every decode backend is ejected or drained" : "no decode backend",
+                 r->g->named ? " in pool '" : "", r->g->named ? r->ps->name : "",
+                 r->g->named ? "'" : "");
         return;
     }
     /* The client's body is held already (the connection counted it); the
