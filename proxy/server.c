@@ -77,6 +77,8 @@ static void role_json(px_buf *b, const char *role, px_pool *p) {
 static void reply_ready(px_server *s, px_metrics *m, px_conn *c) {
     px_gen *g = px_server_gen(s);
     int draining = atomic_load(&s->draining);
+    /* The sidecar's prefills come with the requests: decode alone decides. */
+    int decode_alone = s->cfg->fallback_decode_only || s->cfg->prefiller_from_header;
     size_t ph = 0, pn = 0, dh = 0, dn = 0;
     int all = 1;
     const char *first_why = NULL;
@@ -91,7 +93,7 @@ static void reply_ready(px_server *s, px_metrics *m, px_conn *c) {
         px_pool_counts(&p->decode, &n, &h);
         dn += n, dh += h;
         const char *why;
-        int ok = px_pset_ready(p, s->cfg->fallback_decode_only, &why);
+        int ok = px_pset_ready(p, decode_alone, &why);
         if (!ok && !first_why) first_why = why;
         all &= ok;
         if (i) px_buf_appends(&pools, ",");
@@ -103,7 +105,7 @@ static void reply_ready(px_server *s, px_metrics *m, px_conn *c) {
         role_json(&pools, "decode", &p->decode);
         px_buf_appends(&pools, ",\"missing\":[");
         int first = 1;
-        if (!px_pool_usable(&p->prefill) && !s->cfg->fallback_decode_only) {
+        if (!px_pool_usable(&p->prefill) && !decode_alone) {
             px_buf_appends(&pools, "\"prefill\"");
             first = 0;
         }
