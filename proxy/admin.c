@@ -19,12 +19,12 @@
     "changes made through the admin API last until the next reload from the --config file"
 
 struct px_admin {
-    px_server *s;                /* borrowed */
-    struct evconnlistener *lev;  /* owned */
-    px_conn_list conns;          /* owned */
+    px_server *s;               /* borrowed */
+    struct evconnlistener *lev; /* owned */
+    px_conn_list conns;         /* owned */
     px_conn_cfg ccfg;
-    unsigned char token[32];     /* SHA-256 of the token */
-    char who[32];                /* "token:<8 hex>": names the token in logs, not its value */
+    unsigned char token[32]; /* SHA-256 of the token */
+    char who[32];            /* "token:<8 hex>": names the token in logs, not its value */
 };
 
 /* ---------- helpers ---------- */
@@ -34,7 +34,8 @@ static void reply(px_conn *c, int status, px_buf *b) {
 }
 
 static void reply_err(px_conn *c, int status, const char *msg) {
-    px_conn_reply_error(c, status, NULL, status == 401 ? "WWW-Authenticate: Bearer\r\n" : NULL, msg);
+    px_conn_reply_error(c, status, NULL, status == 401 ? "WWW-Authenticate: Bearer\r\n" : NULL,
+                        msg);
 }
 
 static int authorized(px_admin *a, const px_http_head *h) {
@@ -152,8 +153,8 @@ static void change_backend(px_admin *a, px_conn *c, const px_buf *body, int add)
     json_str(&b, op.pool);
     px_buf_printf(&b, ",\"role\":\"%s\",\"url\":", role);
     json_str(&b, url);
-    px_buf_printf(&b, ",\"generation\":%llu,\"note\":\"%s\"}",
-                  (unsigned long long)a->s->gen->id, ADMIN_NOTE);
+    px_buf_printf(&b, ",\"generation\":%llu,\"note\":\"%s\"}", (unsigned long long)a->s->gen->id,
+                  ADMIN_NOTE);
     reply(c, add ? 201 : 200, &b);
     px_buf_cleanup(&b);
 out:
@@ -168,8 +169,9 @@ static void drain(px_admin *a, px_conn *c, const px_buf *body, int on) {
     char *id = str_member(body, "backend"), *url = str_member(body, "url"),
          *pool = str_member(body, "pool"), *role = str_member(body, "role");
     if (!id && !url) {
-        reply_err(c, 400, "expected a JSON object {\"backend\": \"host:port\"} or {\"url\": ...}, "
-                          "with optional \"pool\" and \"role\"");
+        reply_err(c, 400,
+                  "expected a JSON object {\"backend\": \"host:port\"} or {\"url\": ...}, "
+                  "with optional \"pool\" and \"role\"");
         goto out;
     }
     px_gen *g = px_server_gen(a->s);
@@ -189,10 +191,11 @@ static void drain(px_admin *a, px_conn *c, const px_buf *body, int on) {
             for (size_t j = 0; j < n; j++) {
                 if ((id && !strcmp(id, m[j]->name)) || (url && !strcmp(url, m[j]->src))) {
                     atomic_store(&m[j]->drained, on);
-                    PX_LOG(PX_LOG_INFO, "msg=\"admin: backend %s\" who=%s pool=\"%s\" role=%s "
-                                        "backend=%s inflight=%d",
-                           on ? "drained" : "undrained", a->who, g->ps[i].name, p->role,
-                           m[j]->name, atomic_load(&m[j]->inflight));
+                    PX_LOG(PX_LOG_INFO,
+                           "msg=\"admin: backend %s\" who=%s pool=\"%s\" role=%s "
+                           "backend=%s inflight=%d",
+                           on ? "drained" : "undrained", a->who, g->ps[i].name, p->role, m[j]->name,
+                           atomic_load(&m[j]->inflight));
                     if (hits++) px_buf_appends(&b, ",");
                     backend_json(&b, &g->ps[i], p->role, m[j]);
                 }
@@ -277,8 +280,9 @@ static void dispatch(void *ctx, px_conn *c, const px_http_head *h, px_buf *body)
         snprintf(path, sizeof path, "%.*s", (int)(n < 190 ? n : 190), p);
         PX_LOG(PX_LOG_WARN, "msg=\"admin call refused: missing or wrong token\" path=%s",
                px_log_value(path, q, sizeof q));
-        reply_err(c, 401, "invalid or missing admin token: send Authorization: Bearer <token of "
-                          "--admin-token-file>");
+        reply_err(c, 401,
+                  "invalid or missing admin token: send Authorization: Bearer <token of "
+                  "--admin-token-file>");
         return;
     }
     int get = method_is(h, "GET"), post = method_is(h, "POST"), del = method_is(h, "DELETE");
@@ -307,9 +311,10 @@ static void dispatch(void *ctx, px_conn *c, const px_http_head *h, px_buf *body)
         else
             px_conn_reply_error(c, 405, NULL, "Allow: POST\r\n", "method not allowed: use POST");
     } else {
-        reply_err(c, 404, "not found: the admin API serves /admin/backends, "
-                          "/admin/backends/drain, /admin/backends/undrain, /admin/config and "
-                          "/admin/reload");
+        reply_err(c, 404,
+                  "not found: the admin API serves /admin/backends, "
+                  "/admin/backends/drain, /admin/backends/undrain, /admin/config and "
+                  "/admin/reload");
     }
 }
 
@@ -339,8 +344,8 @@ static int read_token(px_admin *a, const char *path, char *err, size_t errlen) {
         return -1;
     }
     SHA256((const unsigned char *)buf, n, a->token);
-    snprintf(a->who, sizeof a->who, "token:%02x%02x%02x%02x", a->token[0], a->token[1],
-             a->token[2], a->token[3]);
+    snprintf(a->who, sizeof a->who, "token:%02x%02x%02x%02x", a->token[0], a->token[1], a->token[2],
+             a->token[3]);
     return 0;
 }
 
@@ -366,10 +371,10 @@ int px_admin_start(px_server *s, char *err, size_t errlen) {
         free(a);
         return -1;
     }
-    a->lev = evconnlistener_new_bind(s->ctl_base, on_accept, a,
-                                     LEV_OPT_CLOSE_ON_FREE | LEV_OPT_REUSEABLE |
-                                         LEV_OPT_CLOSE_ON_EXEC,
-                                     128, res->ai_addr, (int)res->ai_addrlen);
+    a->lev =
+        evconnlistener_new_bind(s->ctl_base, on_accept, a,
+                                LEV_OPT_CLOSE_ON_FREE | LEV_OPT_REUSEABLE | LEV_OPT_CLOSE_ON_EXEC,
+                                128, res->ai_addr, (int)res->ai_addrlen);
     freeaddrinfo(res);
     if (!a->lev) {
         snprintf(err, errlen, "cannot listen on %s:%d (--admin-port): %s", cfg->admin_host,

@@ -89,8 +89,7 @@ static const opt opts[] = {
      "seconds a client may read none of the output queued for it before it is closed (0: no "
      "limit)",
      NULL},
-    {"max-buffered-bytes", NULL, CT_INT, OFF(max_buffered_bytes), "268435456", 0,
-     1099511627776.0,
+    {"max-buffered-bytes", NULL, CT_INT, OFF(max_buffered_bytes), "268435456", 0, 1099511627776.0,
      "process-wide budget for request bodies held and responses queued; new bodies beyond it "
      "get 503 with Retry-After (0: no budget)",
      NULL},
@@ -348,7 +347,6 @@ int px_config_pool_for(const px_config *c, const char *model, size_t n) {
     return -1;
 }
 
-
 /* Checks one element of a list against the option's bounds. */
 static int check_list_item(const opt *o, const char *v, char *err, size_t errlen) {
     if (!*v) {
@@ -358,8 +356,8 @@ static int check_list_item(const opt *o, const char *v, char *err, size_t errlen
     /* A URL in a toy host flag would become a backend named "http" that
      * never answers: say what was meant instead. */
     if (o->max == 0 && (strstr(v, "://") || strchr(v, '/'))) {
-        snprintf(err, errlen, "--%s '%s': a host name or address, not a URL (use --%s %s)",
-                 o->name, v, strncmp(o->name, "prefill", 7) ? "decode" : "prefill", v);
+        snprintf(err, errlen, "--%s '%s': a host name or address, not a URL (use --%s %s)", o->name,
+                 v, strncmp(o->name, "prefill", 7) ? "decode" : "prefill", v);
         return -1;
     }
     if (o->max > 0) {
@@ -503,8 +501,8 @@ static int set_value(px_config *c, const opt *o, const char *v, char *err, size_
         return split_list(o, field, v, check_word, err, errlen);
     case CT_POOL:
         if (!*v) return 0; /* the default: no pool */
-        snprintf(err, errlen, "--%s '%s': pools are given as flags or in the --config file", o->name,
-                 v);
+        snprintf(err, errlen, "--%s '%s': pools are given as flags or in the --config file",
+                 o->name, v);
         return -1;
     case CT_LIST: {
         px_strlist *l = field;
@@ -527,7 +525,6 @@ static const opt *find_opt(const char *name, size_t n) {
     }
     return NULL;
 }
-
 
 static int in_choices(const char *choices, const char *v) {
     size_t n = strlen(v);
@@ -570,7 +567,8 @@ static void ykey(const yaml_node_t *k, char *buf, size_t n) {
 /* A setting's text: a scalar as is, a sequence of scalars joined by spaces
  * (the lists' text form). Returns NULL with the error set otherwise. */
 static char *yvalue(yctx *y, const char *key, yaml_node_t *v) {
-    if (v->type == YAML_SCALAR_NODE) return px_xstrndup((char *)v->data.scalar.value, v->data.scalar.length);
+    if (v->type == YAML_SCALAR_NODE)
+        return px_xstrndup((char *)v->data.scalar.value, v->data.scalar.length);
     if (v->type == YAML_SEQUENCE_NODE) {
         px_buf b;
         px_buf_init(&b);
@@ -578,7 +576,8 @@ static char *yvalue(yctx *y, const char *key, yaml_node_t *v) {
         for (yaml_node_item_t *it = v->data.sequence.items.start; it < v->data.sequence.items.top;
              it++) {
             yaml_node_t *e = yaml_document_get_node(&y->doc, *it);
-            if (!e || e->type != YAML_SCALAR_NODE || memchr(e->data.scalar.value, ' ', e->data.scalar.length) ||
+            if (!e || e->type != YAML_SCALAR_NODE ||
+                memchr(e->data.scalar.value, ' ', e->data.scalar.length) ||
                 memchr(e->data.scalar.value, ',', e->data.scalar.length)) {
                 snprintf(y->err, y->errlen, "%s:%zu: key '%s': list items must be plain values",
                          y->path, e ? yline(e) : yline(v), key);
@@ -620,8 +619,10 @@ static int ylist(yctx *y, const char *key, yaml_node_t *v, px_strlist *l, const 
 
 static int ypool(yctx *y, px_config *c, yaml_node_t *m) {
     if (m->type != YAML_MAPPING_NODE) {
-        snprintf(y->err, y->errlen, "%s:%zu: key 'pools': each pool is a mapping (name, models, "
-                 "prefill, decode)", y->path, yline(m));
+        snprintf(y->err, y->errlen,
+                 "%s:%zu: key 'pools': each pool is a mapping (name, models, "
+                 "prefill, decode)",
+                 y->path, yline(m));
         return -1;
     }
     px_pool_spec *p = pool_new(c, "", 0);
@@ -633,14 +634,14 @@ static int ypool(yctx *y, px_config *c, yaml_node_t *m) {
         char key[64];
         ykey(k, key, sizeof key);
         if (!strcmp(key, "prefill") || !strcmp(key, "decode")) {
-            if (ylist(y, key, v, key[0] == 'p' ? &p->prefill : &p->decode, find_opt(key, strlen(key))) < 0)
+            if (ylist(y, key, v, key[0] == 'p' ? &p->prefill : &p->decode,
+                      find_opt(key, strlen(key))) < 0)
                 return -1;
         } else if (!strcmp(key, "models")) {
             char *t = yvalue(y, key, v);
             if (!t) return -1;
             char e[400];
-            int rc = split_list(find_opt("pool", 4), &p->models, t, check_model, e,
-                                sizeof e);
+            int rc = split_list(find_opt("pool", 4), &p->models, t, check_model, e, sizeof e);
             free(t);
             if (rc < 0) {
                 yerr_from(y, "models", yline(v), e);
@@ -654,7 +655,9 @@ static int ypool(yctx *y, px_config *c, yaml_node_t *m) {
                 return -1;
             }
             char *t = px_xstrndup((char *)v->data.scalar.value, v->data.scalar.length);
-            char **field = key[0] == 'n' ? &p->name : key[0] == 'p' ? &p->prefill_policy : &p->decode_policy;
+            char **field = key[0] == 'n'   ? &p->name
+                           : key[0] == 'p' ? &p->prefill_policy
+                                           : &p->decode_policy;
             if (key[0] != 'n' && !in_choices(PX_POLICIES, t)) {
                 snprintf(y->err, y->errlen, "%s:%zu: key '%s': '%s' is none of %s", y->path,
                          yline(v), key, t, PX_POLICIES);
@@ -731,8 +734,9 @@ static int load_file(px_config *c, const char *path, char *err, size_t errlen) {
         const opt *o = find_opt(key, strlen(key));
         if (!o || o->type == CT_POOL || !strcmp(o->name, "config") ||
             !strcmp(o->name, "print-config")) {
-            snprintf(err, errlen, "%s:%zu: unknown key '%s' (keys are the flags' names, see --help)",
-                     path, yline(k), key);
+            snprintf(err, errlen,
+                     "%s:%zu: unknown key '%s' (keys are the flags' names, see --help)", path,
+                     yline(k), key);
             goto out;
         }
         char *t = yvalue(&y, key, v);
@@ -823,9 +827,10 @@ static int validate_pools(px_config *c, char *err, size_t errlen) {
     if (!c->npools) return 0;
     if (c->prefill_urls.n || c->decode_urls.n || px_config_is_set(c, "prefiller-hosts") ||
         px_config_is_set(c, "decoder-hosts")) {
-        snprintf(err, errlen, "backends outside any pool (--prefill/--decode before the first "
-                              "--pool, or the toy host lists) cannot be combined with pools: "
-                              "give every backend inside a pool");
+        snprintf(err, errlen,
+                 "backends outside any pool (--prefill/--decode before the first "
+                 "--pool, or the toy host lists) cannot be combined with pools: "
+                 "give every backend inside a pool");
         return -1;
     }
     for (size_t i = 0; i < c->npools; i++) {
@@ -1013,13 +1018,15 @@ px_config_result px_config_load(px_config *c, int argc, char **argv, char **envp
     }
     if (validate_pools(c, err, errlen) < 0) return PX_CONFIG_ERROR;
     if (c->admin_port && !c->admin_token_file[0]) {
-        snprintf(err, errlen, "--admin-port needs --admin-token-file: every admin call is "
-                              "authenticated with its token");
+        snprintf(err, errlen,
+                 "--admin-port needs --admin-token-file: every admin call is "
+                 "authenticated with its token");
         return PX_CONFIG_ERROR;
     }
     if (c->prefiller_from_header && !c->prefiller_allowlist.n) {
-        snprintf(err, errlen, "--prefiller-from-header needs --prefiller-allowlist: the hosts "
-                              "x-prefiller-host-port may name");
+        snprintf(err, errlen,
+                 "--prefiller-from-header needs --prefiller-allowlist: the hosts "
+                 "x-prefiller-host-port may name");
         return PX_CONFIG_ERROR;
     }
     if (c->print_config) {
@@ -1038,8 +1045,7 @@ void px_config_cleanup(px_config *c) {
         if (opts[i].type == CT_STR || opts[i].type == CT_ENUM || opts[i].type == CT_SECRET) {
             free(*(char **)field);
             *(char **)field = NULL;
-        } else if (opts[i].type == CT_LIST || opts[i].type == CT_URLS ||
-                   opts[i].type == CT_WORDS) {
+        } else if (opts[i].type == CT_LIST || opts[i].type == CT_URLS || opts[i].type == CT_WORDS) {
             px_strlist_clear(field);
         }
     }
@@ -1089,8 +1095,7 @@ void px_config_dump(const px_config *c, FILE *out) {
         }
         if (o->type == CT_SECRET) {
             /* A comment: a masked value must not read back as the key. */
-            fprintf(out, "# %s: %s\n", o->name,
-                    (*(char *const *)field)[0] ? "(set)" : "(not set)");
+            fprintf(out, "# %s: %s\n", o->name, (*(char *const *)field)[0] ? "(set)" : "(not set)");
             continue;
         }
         fprintf(out, "%s: ", o->name);

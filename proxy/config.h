@@ -23,9 +23,9 @@ typedef struct px_pool_spec {
     px_strlist decode;      /* backend URLs */
     px_strlist prefill_toy; /* effective specs only: toy-form URLs, resolved once */
     px_strlist decode_toy;
-    char *prefill_policy;   /* owned; "": the global --prefill-policy */
-    char *decode_policy;    /* owned; "": the global --decode-policy */
-    size_t line;            /* where the file defined it (0: a flag) */
+    char *prefill_policy; /* owned; "": the global --prefill-policy */
+    char *decode_policy;  /* owned; "": the global --decode-policy */
+    size_t line;          /* where the file defined it (0: a flag) */
 } px_pool_spec;
 
 typedef struct px_config {
@@ -47,12 +47,12 @@ typedef struct px_config {
     double decode_idle_timeout; /* seconds without a byte from decode, 0: none */
     double client_header_timeout;
     double keepalive_timeout;
-    int64_t max_inflight; /* 0: unlimited */
-    double send_timeout;  /* seconds a client may read nothing of its output, 0: none */
+    int64_t max_inflight;       /* 0: unlimited */
+    double send_timeout;        /* seconds a client may read nothing of its output, 0: none */
     int64_t max_buffered_bytes; /* bodies held + output queued, all connections; 0: none */
     int64_t max_connections;    /* 0: unlimited */
     int reuse_port;
-    char *metrics_host; /* "": --host */
+    char *metrics_host;   /* "": --host */
     int64_t metrics_port; /* 0: /metrics on --port */
     int metrics_auth;     /* /metrics needs the API key */
     /* Health and failover. */
@@ -93,7 +93,7 @@ typedef struct px_config {
     /* Sidecar mode: the prefill named by the request's header. */
     int prefiller_from_header;
     px_strlist prefiller_allowlist; /* CIDRs and host names */
-    unsigned char set[96]; /* set[i]: option i was given by flag or environment */
+    unsigned char set[96];          /* set[i]: option i was given by flag or environment */
 } px_config;
 
 typedef enum { PX_CONFIG_RUN = 0, PX_CONFIG_EXIT_OK = 1, PX_CONFIG_ERROR = -1 } px_config_result;

@@ -176,8 +176,8 @@ px_discovery *px_discovery_start(px_gen *g, const px_pool_spec *specs, px_gen *o
     for (size_t i = 0; i < g->nps; i++)
         if (add_role(d, i, &g->ps[i].prefill, &specs[i].prefill, &specs[i].prefill_toy, err,
                      errlen) < 0 ||
-            add_role(d, i, &g->ps[i].decode, &specs[i].decode, &specs[i].decode_toy, err,
-                     errlen) < 0) {
+            add_role(d, i, &g->ps[i].decode, &specs[i].decode, &specs[i].decode_toy, err, errlen) <
+                0) {
             d->old = NULL;
             px_discovery_stop(d);
             return NULL;

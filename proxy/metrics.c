@@ -131,7 +131,7 @@ static void render_backends(px_buf *o, px_server *s) {
             label_value(o, m[r][i]->name);
             px_buf_printf(o, "\"} %d\n",
                           atomic_load(&m[r][i]->healthy) && !atomic_load(&m[r][i]->drained) ? 1
-                                                                                              : 0);
+                                                                                            : 0);
         }
     px_buf_appends(o, "# HELP pdproxy_backend_inflight Requests in flight to a backend.\n"
                       "# TYPE pdproxy_backend_inflight gauge\n");

@@ -678,8 +678,8 @@ static void start_prefill(px_req *r) {
     if (!r->pb) {
         if (r->s->cfg->fallback_decode_only || r->no_prefill) {
             if (r->no_prefill)
-                PX_LOG(PX_LOG_DEBUG,
-                       "req=%s msg=\"no x-prefiller-host-port: decode alone\"", r->lid);
+                PX_LOG(PX_LOG_DEBUG, "req=%s msg=\"no x-prefiller-host-port: decode alone\"",
+                       r->lid);
             else
                 PX_LOG(PX_LOG_WARN,
                        "req=%s msg=\"no healthy prefill: sending the request to decode alone\" "

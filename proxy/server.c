@@ -109,7 +109,8 @@ static void reply_ready(px_server *s, px_metrics *m, px_conn *c) {
             px_buf_appends(&pools, "\"prefill\"");
             first = 0;
         }
-        if (!px_pool_usable(&p->decode)) px_buf_appends(&pools, first ? "\"decode\"" : ",\"decode\"");
+        if (!px_pool_usable(&p->decode))
+            px_buf_appends(&pools, first ? "\"decode\"" : ",\"decode\"");
         px_buf_appends(&pools, "]");
         if (why) {
             px_buf_appends(&pools, ",\"reason\":");
@@ -163,7 +164,8 @@ static void reply_models(px_server *s, px_metrics *m, px_conn *c, const char *id
             if (listed++) px_buf_appends(&b, ",");
             px_buf_appends(&b, "{\"id\":");
             px_buf_append_json_str(&b, mo, strlen(mo));
-            px_buf_appends(&b, ",\"object\":\"model\",\"created\":0,\"owned_by\":\"pdproxy\",\"root\":");
+            px_buf_appends(
+                &b, ",\"object\":\"model\",\"created\":0,\"owned_by\":\"pdproxy\",\"root\":");
             px_buf_append_json_str(&b, mo, strlen(mo));
             px_buf_appends(&b, ",\"pool\":");
             px_buf_append_json_str(&b, g->ps[i].name, strlen(g->ps[i].name));
@@ -647,11 +649,11 @@ static px_gen *gen_build(px_server *s, const px_config *cfg, const px_pool_spec 
         p->name = px_xstrdup(specs[i].name);
         for (size_t j = 0; j < specs[i].models.n; j++)
             px_strlist_push(&p->models, specs[i].models.v[j]);
-        pc.policy = (px_policy)px_policy_parse(
-            specs[i].prefill_policy[0] ? specs[i].prefill_policy : cfg->prefill_policy);
+        pc.policy = (px_policy)px_policy_parse(specs[i].prefill_policy[0] ? specs[i].prefill_policy
+                                                                          : cfg->prefill_policy);
         px_pool_init(&p->prefill, "prefill", &pc);
-        pc.policy = (px_policy)px_policy_parse(
-            specs[i].decode_policy[0] ? specs[i].decode_policy : cfg->decode_policy);
+        pc.policy = (px_policy)px_policy_parse(specs[i].decode_policy[0] ? specs[i].decode_policy
+                                                                         : cfg->decode_policy);
         px_pool_init(&p->decode, "decode", &pc);
     }
     g->disc = px_discovery_start(g, specs, old, cfg->dns_refresh, s->ctl_base, wait, err, errlen);
@@ -733,7 +735,8 @@ static int apply_op(px_pool_spec *v, size_t n, const px_api_op *op, char *err, s
     int at = list_find(l, op->url), tat = list_find(toy, op->url);
     if (op->add) {
         if (at >= 0 || tat >= 0) {
-            snprintf(err, errlen, "%s is a %s backend of pool '%s' already", op->url, role, p->name);
+            snprintf(err, errlen, "%s is a %s backend of pool '%s' already", op->url, role,
+                     p->name);
             return -3;
         }
         px_strlist_push(l, op->url);
@@ -802,8 +805,7 @@ int px_server_reload(px_server *s, int from_file, const px_api_op *op, char *err
         }
         return rc;
     }
-    if (from_file)
-        /* The admin API's drains last until the next reload from the file. */
+    if (from_file) /* The admin API's drains last until the next reload from the file. */
         for (size_t i = 0; i < g->nps; i++)
             for (int r = 0; r < 2; r++) {
                 size_t k;
@@ -846,8 +848,11 @@ int px_server_reload(px_server *s, int from_file, const px_api_op *op, char *err
                                         .url = px_xstrdup(op->url)};
     }
     PX_LOG(PX_LOG_INFO, "msg=\"configuration swapped\" generation=%llu source=%s pools=%zu ms=%.3f",
-           (unsigned long long)g->id, from_file ? "file" : op ? "admin_api" : "current", g->nps,
-           (double)(px_now_ns() - t0) / 1e6);
+           (unsigned long long)g->id,
+           from_file ? "file"
+           : op      ? "admin_api"
+                     : "current",
+           g->nps, (double)(px_now_ns() - t0) / 1e6);
     return 0;
 }
 
@@ -982,8 +987,9 @@ static void on_sighup(evutil_socket_t sig, short what, void *arg) {
     }
     char err[512], q[1100];
     if (px_server_reload(k->s, 1, NULL, err, sizeof err) < 0)
-        PX_LOG(PX_LOG_ERROR, "msg=\"reload on SIGHUP failed; the running configuration stays\" "
-                             "error=%s",
+        PX_LOG(PX_LOG_ERROR,
+               "msg=\"reload on SIGHUP failed; the running configuration stays\" "
+               "error=%s",
                px_log_value(err, q, sizeof q));
 }
 
@@ -1040,8 +1046,8 @@ int px_server_run(px_server *s) {
     PX_LOG(PX_LOG_INFO,
            "msg=\"listening\" addr=%s:%lld tls=%s threads=%d pools=%zu prefill=%zu decode=%zu "
            "prefill_policy=%s decode_policy=%s",
-           s->cfg->host, (long long)s->cfg->port, s->tls ? "on" : "off", s->nworkers,
-           s->gen->nps, pn, dn, s->cfg->prefill_policy, s->cfg->decode_policy);
+           s->cfg->host, (long long)s->cfg->port, s->tls ? "on" : "off", s->nworkers, s->gen->nps,
+           pn, dn, s->cfg->prefill_policy, s->cfg->decode_policy);
     event_base_dispatch(k.base);
     px_health_stop(h);
     for (int i = 0; i < s->nworkers; i++)

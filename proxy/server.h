@@ -32,10 +32,10 @@ typedef struct px_pset {
  * them the backends no newer generation kept. */
 typedef struct px_gen {
     atomic_int refs;
-    uint64_t id;    /* 1 for the configuration the server started with */
-    px_pset *ps;    /* owned array */
+    uint64_t id; /* 1 for the configuration the server started with */
+    px_pset *ps; /* owned array */
     size_t nps;
-    int named;      /* pools are named: requests route by their model */
+    int named;                 /* pools are named: requests route by their model */
     struct px_discovery *disc; /* control thread only */
 } px_gen;
 
@@ -72,7 +72,7 @@ typedef struct px_worker {
 } px_worker;
 
 struct px_server {
-    const px_config *cfg; /* borrowed: outlives the server; listeners, limits, timeouts */
+    const px_config *cfg;   /* borrowed: outlives the server; listeners, limits, timeouts */
     pthread_mutex_t gen_mu; /* guards gen */
     px_gen *gen;            /* owned reference: the generation new requests use */
     uint64_t last_gen;      /* control thread */
@@ -80,27 +80,27 @@ struct px_server {
      * again, the file's last good settings and the admin API's changes
      * since (control thread). */
     int argc;
-    char **argv; /* borrowed: main's */
-    char **envp; /* borrowed: main's */
-    px_config *file_cfg;     /* owned: the last reload's, or NULL: cfg */
-    struct px_api_op *ops;   /* owned: admin API changes since the last file reload */
+    char **argv;           /* borrowed: main's */
+    char **envp;           /* borrowed: main's */
+    px_config *file_cfg;   /* owned: the last reload's, or NULL: cfg */
+    struct px_api_op *ops; /* owned: admin API changes since the last file reload */
     size_t nops;
-    struct px_discovery *retired; /* owned: the previous generation's, freed next reload */
-    struct px_admin *admin;       /* owned, or NULL */
-    char *upstream_auth;            /* owned: "Authorization: Bearer …" line, or NULL */
-    int upstream_auth_forced;       /* --upstream-api-key: always, over the client's */
-    px_buf health_hdrs;             /* owned: header lines of health checks and scrapes */
-    unsigned char (*api_keys)[32];  /* owned: SHA-256 of each accepted key */
+    struct px_discovery *retired;  /* owned: the previous generation's, freed next reload */
+    struct px_admin *admin;        /* owned, or NULL */
+    char *upstream_auth;           /* owned: "Authorization: Bearer …" line, or NULL */
+    int upstream_auth_forced;      /* --upstream-api-key: always, over the client's */
+    px_buf health_hdrs;            /* owned: header lines of health checks and scrapes */
+    unsigned char (*api_keys)[32]; /* owned: SHA-256 of each accepted key */
     size_t napi_keys;
     SSL_CTX *tls;              /* owned, or NULL */
     struct px_discovery *disc; /* owned */
     px_worker *workers;        /* owned array */
     int nworkers;
-    atomic_long inflight; /* P/D requests in flight, all workers */
-    px_conn_shared shared;        /* memory budget and connection cap, all workers */
-    struct event_base *ctl_base;  /* owned: the control loop (signals, DNS, health) */
-    struct evconnlistener *mlev;  /* owned: --metrics-port listener, or NULL */
-    px_conn_list mconns;          /* owned: its connections (control thread) */
+    atomic_long inflight;        /* P/D requests in flight, all workers */
+    px_conn_shared shared;       /* memory budget and connection cap, all workers */
+    struct event_base *ctl_base; /* owned: the control loop (signals, DNS, health) */
+    struct evconnlistener *mlev; /* owned: --metrics-port listener, or NULL */
+    px_conn_list mconns;         /* owned: its connections (control thread) */
     px_conn_cfg mconn_cfg;
     atomic_int draining;
     atomic_int workers_running;
@@ -115,10 +115,10 @@ void px_server_set_args(px_server *s, int argc, char **argv, char **envp);
 
 /* A change the admin API made to the backends. */
 typedef struct px_api_op {
-    int add;       /* 1: add, 0: remove */
-    int prefill;   /* role */
-    char *pool;    /* owned: pool name ("" the unnamed one) */
-    char *url;     /* owned */
+    int add;     /* 1: add, 0: remove */
+    int prefill; /* role */
+    char *pool;  /* owned: pool name ("" the unnamed one) */
+    char *url;   /* owned */
 } px_api_op;
 
 /* Builds and swaps in a new generation, on the control thread. from_file:
