@@ -1051,6 +1051,63 @@ void px_config_cleanup(px_config *c) {
     }
 }
 
+/* One setting's value as text, for comparisons. */
+static void value_text(const px_config *c, const opt *o, FILE *f) {
+    const void *field = (const char *)c + o->off;
+    switch (o->type) {
+    case CT_STR:
+    case CT_ENUM:
+    case CT_SECRET:
+        fputs(*(char *const *)field, f);
+        break;
+    case CT_INT:
+        fprintf(f, "%lld", (long long)*(const int64_t *)field);
+        break;
+    case CT_SECONDS:
+        fprintf(f, "%.17g", *(const double *)field);
+        break;
+    case CT_FLAG:
+        fputc(*(const int *)field ? '1' : '0', f);
+        break;
+    case CT_LIST:
+    case CT_URLS:
+    case CT_WORDS:
+        for (size_t j = 0; j < ((const px_strlist *)field)->n; j++)
+            fprintf(f, "%s\n", ((const px_strlist *)field)->v[j]);
+        break;
+    case CT_POOL:
+        break;
+    }
+}
+
+void px_config_changed(const px_config *a, const px_config *b, const char *const *skip, char *out,
+                       size_t cap) {
+    size_t len = 0;
+    out[0] = '\0';
+    for (size_t i = 0; i < NOPTS; i++) {
+        const opt *o = &opts[i];
+        int skipped = o->type == CT_POOL;
+        for (const char *const *k = skip; *k && !skipped; k++)
+            skipped = !strcmp(*k, o->name);
+        if (skipped) continue;
+        char *ta = NULL, *tb = NULL;
+        size_t la = 0, lb = 0;
+        FILE *fa = open_memstream(&ta, &la), *fb = open_memstream(&tb, &lb);
+        if (fa) {
+            value_text(a, o, fa);
+            fclose(fa);
+        }
+        if (fb) {
+            value_text(b, o, fb);
+            fclose(fb);
+        }
+        if (ta && tb && strcmp(ta, tb) && len + strlen(o->name) + 2 < cap)
+            len += (size_t)snprintf(out + len, cap - len, "%s%s", len ? "," : "", o->name);
+        free(ta);
+        free(tb);
+    }
+}
+
 int px_config_is_set(const px_config *c, const char *name) {
     const opt *o = find_opt(name, strlen(name));
     return o ? c->set[o - opts] : 0;

@@ -23,6 +23,7 @@ typedef struct dns_entry {
     int port;
     struct evdns_getaddrinfo_request *req; /* in flight, or NULL (control thread) */
     atomic_int unresolved;                 /* the last try failed, or none finished yet */
+    int cancelled;                         /* req was cancelled: its callback is due */
 } dns_entry;
 
 struct px_discovery {
@@ -228,7 +229,16 @@ void px_discovery_retire(px_discovery *d) {
     if (d->timer) event_free(d->timer);
     d->timer = NULL;
     for (size_t i = 0; i < d->n; i++)
-        if (d->e[i].req) evdns_getaddrinfo_cancel(d->e[i].req); /* calls back with CANCEL */
+        if (d->e[i].req && !d->e[i].cancelled) {
+            d->e[i].cancelled = 1;
+            evdns_getaddrinfo_cancel(d->e[i].req); /* calls back with CANCEL */
+        }
+}
+
+int px_discovery_idle(const px_discovery *d) {
+    for (size_t i = 0; d && i < d->n; i++)
+        if (d->e[i].req) return 0;
+    return 1;
 }
 
 void px_discovery_stop(px_discovery *d) {
@@ -237,7 +247,9 @@ void px_discovery_stop(px_discovery *d) {
     int cancelled = 0;
     for (size_t i = 0; i < d->n; i++)
         if (d->e[i].req) {
-            evdns_getaddrinfo_cancel(d->e[i].req); /* calls back with CANCEL */
+            if (!d->e[i].cancelled)
+                evdns_getaddrinfo_cancel(d->e[i].req); /* calls back with CANCEL */
+            d->e[i].cancelled = 1;
             cancelled = 1;
         }
     /* A cancelled lookup is freed by evdns's deferred callbacks: let them

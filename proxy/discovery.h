@@ -34,6 +34,9 @@ px_discovery *px_discovery_start(struct px_gen *g, const struct px_pool_spec *sp
  * (callable from its callbacks); px_discovery_stop() frees it later, on a
  * later loop turn. */
 void px_discovery_retire(px_discovery *d);
+/* Whether no lookup of d awaits its callback: a retired discovery may then
+ * be stopped from inside the loop. */
+int px_discovery_idle(const px_discovery *d);
 /* Cancels resolutions in flight and frees. NULL is a no-op. */
 void px_discovery_stop(px_discovery *d);
 

@@ -784,6 +784,20 @@ int px_server_reload(px_server *s, int from_file, const px_api_op *op, char *err
             free(nc);
             return -1;
         }
+        /* What a generation is made of; the rest is read at start. */
+        static const char *const reloadable[] = {
+            "config",        "prefiller-hosts",    "prefiller-ports",
+            "decoder-hosts", "decoder-ports",      "prefill",
+            "decode",        "dns-refresh",        "unhealthy-after",
+            "healthy-after", "prefill-policy",     "decode-policy",
+            "prefix-bytes",  "prefix-load-factor", NULL};
+        char changed[512];
+        px_config_changed(px_server_config(s), nc, reloadable, changed, sizeof changed);
+        if (changed[0])
+            PX_LOG(PX_LOG_WARN,
+                   "msg=\"reload: these settings changed but take effect at restart only\" "
+                   "settings=%s",
+                   changed);
         base = nc;
     }
     size_t n;
@@ -821,11 +835,19 @@ int px_server_reload(px_server *s, int from_file, const px_api_op *op, char *err
     g->id = ++s->last_gen;
     s->gen = g;
     pthread_mutex_unlock(&s->gen_mu);
-    /* The replaced discovery may have lookups whose cancellation calls back
-     * on a later turn of this loop: it is freed at the next reload. */
-    px_discovery_stop(s->retired);
+    /* A replaced discovery may have lookups whose cancellation calls back on
+     * a later turn of this loop: it is freed by a later reload, once idle. */
+    size_t keep = 0;
+    for (size_t i = 0; i < s->nretired; i++) {
+        if (px_discovery_idle(s->retired[i]))
+            px_discovery_stop(s->retired[i]);
+        else
+            s->retired[keep++] = s->retired[i];
+    }
+    s->nretired = keep;
     px_discovery_retire(old->disc);
-    s->retired = old->disc;
+    s->retired = px_xrealloc(s->retired, (s->nretired + 1) * sizeof *s->retired);
+    s->retired[s->nretired++] = old->disc;
     old->disc = NULL;
     log_changes(old, g);
     px_gen_release(old); /* requests on it keep it until they end */
@@ -1072,7 +1094,9 @@ void px_server_destroy(px_server *s) {
         s->gen->disc = NULL;
         px_gen_release(s->gen);
     }
-    px_discovery_stop(s->retired);
+    for (size_t i = 0; i < s->nretired; i++)
+        px_discovery_stop(s->retired[i]);
+    free(s->retired);
     if (s->file_cfg) {
         px_config_cleanup(s->file_cfg);
         free(s->file_cfg);

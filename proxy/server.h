@@ -85,7 +85,9 @@ struct px_server {
     px_config *file_cfg;   /* owned: the last reload's, or NULL: cfg */
     struct px_api_op *ops; /* owned: admin API changes since the last file reload */
     size_t nops;
-    struct px_discovery *retired;  /* owned: the previous generation's, freed next reload */
+    struct px_discovery **retired; /* owned: replaced generations' discoveries whose
+                                       cancelled lookups may still call back */
+    size_t nretired;
     struct px_admin *admin;        /* owned, or NULL */
     char *upstream_auth;           /* owned: "Authorization: Bearer …" line, or NULL */
     int upstream_auth_forced;      /* --upstream-api-key: always, over the client's */

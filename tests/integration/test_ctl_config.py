@@ -161,6 +161,34 @@ class ReloadTest(ProdCase):
         self.assertEqual(out["r"].status, 200)
         self.assertIn(b"from-old", bytes(out["r"].body))
 
+    def test_rapid_reloads_with_backend_names(self):
+        """Names are resolved by the generation's discovery; a reload retires
+        it with lookups possibly in flight. Bursts of SIGHUP must neither
+        crash nor leave a stale generation."""
+        P = self.mock(pxtest.prefill_handler(), name="P")
+        D = self.mock(pxtest.decode_handler(), name="D")
+        names = ("name", ["name"], ["http://localhost:%d" % P.port],
+                 ["http://localhost:%d" % D.port])
+        px = self.start_with_file(pools_yaml([("m", ["m"], [P], [D]), names]))
+        gen = 1
+        for burst in range(5):
+            write_yaml(self.file, pools_yaml([("m", ["m"], [P], [D]), names],
+                                             extra="prefill-retries: %d" % burst))
+            for _ in range(3):
+                sighup(px)
+            # Signals sent together may be delivered as one.
+            deadline = now() + 10
+            for _ in range(MAX_LOOP):
+                g = json.loads(bytes(http_request(px.port, "GET", "/ready").body))["generation"]
+                if g > gen or now() > deadline:
+                    break
+                pxtest.time.sleep(0.01)
+            self.assertGreater(g, gen)
+            gen = g
+        self.assertTrue(px.alive())
+        self.assertEqual(self.post(px).status, 200)
+        self.assertIn("take effect at restart only\" settings=prefill-retries", px.stderr())
+
     def test_sighup_without_file_is_ignored(self):
         P = self.mock(pxtest.prefill_handler(), name="P")
         D = self.mock(pxtest.decode_handler(), name="D")
