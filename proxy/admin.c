@@ -27,7 +27,7 @@ struct px_admin {
     char who[32];            /* "token:<8 hex>": names the token in logs, not its value */
 };
 
-/* ---------- helpers ---------- */
+/* ---------- replies and request bodies ---------- */
 
 static void reply(px_conn *c, int status, px_buf *b) {
     px_conn_reply(c, status, "application/json", NULL, NULL, b->data, b->len);

@@ -1,4 +1,4 @@
-"""Helpers of the control-plane tests: config files, admin calls, polling
+"""Shared code of the control-plane tests: config files, admin calls, polling
 /ready for a generation."""
 
 import json
