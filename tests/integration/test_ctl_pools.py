@@ -69,6 +69,8 @@ class PoolsTest(ProdCase):
         r = http_request(px.port, "GET", "/v1/models/beta-chat")
         self.assertEqual(r.status, 200)
         self.assertEqual(json.loads(bytes(r.body))["id"], "beta-chat")
+        r = http_request(px.port, "GET", "/v1/models/beta%2Dchat")
+        self.assertEqual(json.loads(bytes(r.body))["id"], "beta-chat")
         r = http_request(px.port, "GET", "/v1/models/nope")
         self.assertEqual(r.status, 404)
         self.assertEqual(json.loads(bytes(r.body))["error"]["code"], "model_not_found")
