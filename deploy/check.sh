@@ -119,6 +119,7 @@ compose() {  # name overlay component...
 compose sim-monitoring sim monitoring
 compose vllm-monitoring vllm monitoring
 compose vllm-rdma-multus vllm-rdma rdma-multus monitoring
+compose sim-config-file sim config-file
 for c in "$deploy"/k8s/components/*/; do
     c=$(basename "$c")
     grep -rqs -- "components/$c\$" "$work/k8s-src/overlays" "$work/k8s-src/compose" ||
@@ -132,6 +133,28 @@ for o in "${overlays[@]}"; do
     cat "$out.err" >&2
     echo "   rendered deploy/k8s/$o: $(grep -c '^kind:' "$out") objects"
 done
+
+section "kubernetes: the decode-pod sidecar (deploy/k8s/sidecar)"
+# Not an overlay of base/ (no proxy Deployment of its own): rendered on its
+# own, its pdproxy arguments must be accepted by pdproxy and turn the
+# sidecar mode on with an allowlist and a loopback decode.
+timeout 60 kubectl kustomize "$work/k8s-src/sidecar" >"$work/k8s/sidecar.yaml" ||
+    die "kubectl kustomize deploy/k8s/sidecar failed"
+mapfile -t sidecar_args < <("$PY" - "$work/k8s/sidecar.yaml" <<'PY'
+import sys, yaml
+for d in yaml.safe_load_all(open(sys.argv[1])):
+    if d and d.get("kind") == "Deployment":
+        for c in d["spec"]["template"]["spec"]["containers"]:
+            if c["image"].split(":")[0].split("/")[-1] == "pdproxy" and "command" not in c:
+                for a in c.get("args", []):
+                    print(a)
+PY
+)
+[ ${#sidecar_args[@]} -gt 0 ] || die "deploy/k8s/sidecar: no pdproxy container with args"
+sc=$("$bin/pdproxy" "${sidecar_args[@]}" --print-config) || die "deploy/k8s/sidecar: pdproxy refuses its args"
+grep -q '^prefiller-from-header: true$' <<<"$sc" || die "deploy/k8s/sidecar: --prefiller-from-header is off"
+grep -q '^decode: \["http://127.0.0.1:' <<<"$sc" || die "deploy/k8s/sidecar: decode is not the local engine"
+echo "   sidecar: pdproxy accepts ${#sidecar_args[@]} arguments; header mode on, decode on loopback"
 
 section "kubernetes: images point at a registry with the documented command"
 # deploy/README.md documents one sed over `kubectl kustomize` that points

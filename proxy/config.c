@@ -1,17 +1,31 @@
 #include "config.h"
 
+#include <arpa/inet.h>
 #include <ctype.h>
 #include <errno.h>
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
+#include <yaml.h>
 
 #include "log.h"
 #include "util.h"
 
 #define PX_POLICIES "round_robin|least_inflight|power_of_two|prefix_affinity|load_aware"
 
-typedef enum { CT_STR, CT_INT, CT_SECONDS, CT_LIST, CT_URLS, CT_FLAG, CT_ENUM, CT_SECRET } ctype_t;
+typedef enum {
+    CT_STR,
+    CT_INT,
+    CT_SECONDS,
+    CT_LIST,
+    CT_URLS,
+    CT_FLAG,
+    CT_ENUM,
+    CT_SECRET,
+    CT_POOL,  /* --pool: starts a pool; flag and file only */
+    CT_WORDS, /* a list that may be empty */
+} ctype_t;
 
 typedef struct opt {
     const char *name;  /* long flag without dashes */
@@ -27,6 +41,11 @@ typedef struct opt {
 #define OFF(f) offsetof(px_config, f)
 
 static const opt opts[] = {
+    {"config", NULL, CT_STR, OFF(config_file), "", 0, 0,
+     "YAML file of settings, keys named as the flags (pools: a list of name, models, prefill, "
+     "decode, prefill-policy, decode-policy); the environment and flags win over it; SIGHUP "
+     "and POST /admin/reload read it again",
+     NULL},
     {"host", NULL, CT_STR, OFF(host), "127.0.0.1", 0, 0, "address to listen on", NULL},
     {"port", NULL, CT_INT, OFF(port), "8000", 1, 65535, "port to listen on", NULL},
     {"prefiller-hosts", "prefiller-host", CT_LIST, OFF(prefiller_hosts), "localhost", 0, 0,
@@ -43,6 +62,11 @@ static const opt opts[] = {
      NULL},
     {"decode", NULL, CT_URLS, OFF(decode_urls), "", 0, 0,
      "decode backend URL, repeatable, as --prefill", NULL},
+    {"pool", NULL, CT_POOL, 0, "", 0, 0,
+     "starts a model pool NAME[=MODEL,MODEL...] (models default to NAME): the --prefill and "
+     "--decode after it are its backends, and requests whose body names one of its models go "
+     "to it (flag and file only; without any pool one unnamed pool serves every model)",
+     NULL},
     {"dns-refresh", NULL, CT_SECONDS, OFF(dns_refresh), "10", 0.1, 86400,
      "seconds between DNS re-resolutions of backend names", NULL},
     {"threads", NULL, CT_INT, OFF(threads), "0", 0, 1024,
@@ -69,8 +93,7 @@ static const opt opts[] = {
      "seconds a client may read none of the output queued for it before it is closed (0: no "
      "limit)",
      NULL},
-    {"max-buffered-bytes", NULL, CT_INT, OFF(max_buffered_bytes), "268435456", 0,
-     1099511627776.0,
+    {"max-buffered-bytes", NULL, CT_INT, OFF(max_buffered_bytes), "268435456", 0, 1099511627776.0,
      "process-wide budget for request bodies held and responses queued; new bodies beyond it "
      "get 503 with Retry-After (0: no budget)",
      NULL},
@@ -132,13 +155,25 @@ static const opt opts[] = {
      "debug|info|warn|error"},
     {"log-format", NULL, CT_ENUM, OFF(log_format), "logfmt", 0, 0, "log line format",
      "logfmt|json"},
+    {"admin-host", NULL, CT_STR, OFF(admin_host), "127.0.0.1", 0, 0,
+     "address of the admin API listener", NULL},
+    {"admin-port", NULL, CT_INT, OFF(admin_port), "0", 0, 65535,
+     "serve the admin API (/admin/...) on this port (0: off); needs --admin-token-file", NULL},
+    {"admin-token-file", NULL, CT_STR, OFF(admin_token_file), "", 0, 0,
+     "file holding the admin API's bearer token (never the client API key)", NULL},
+    {"prefiller-from-header", NULL, CT_FLAG, OFF(prefiller_from_header), "false", 0, 0,
+     "sidecar mode: prefill on the instance named by the request's x-prefiller-host-port "
+     "header when its host is in --prefiller-allowlist (400 otherwise)",
+     NULL},
+    {"prefiller-allowlist", NULL, CT_WORDS, OFF(prefiller_allowlist), "", 0, 0,
+     "CIDRs and host names x-prefiller-host-port may name (comma or space separated)", NULL},
     {"print-config", NULL, CT_FLAG, OFF(print_config), "false", 0, 0,
-     "print the effective configuration and exit", NULL},
+     "print the effective configuration as YAML (a --config file) and exit", NULL},
 };
 #define NOPTS (sizeof opts / sizeof *opts)
 _Static_assert(NOPTS <= sizeof(((px_config *)0)->set), "grow px_config.set");
 
-static void list_clear(px_strlist *l) {
+void px_strlist_clear(px_strlist *l) {
     for (size_t i = 0; i < l->n; i++)
         free(l->v[i]);
     free(l->v);
@@ -150,6 +185,171 @@ static void list_push(px_strlist *l, const char *s, size_t n) {
     l->v = px_xrealloc(l->v, (l->n + 1) * sizeof *l->v);
     l->v[l->n++] = px_xstrndup(s, n);
 }
+void px_strlist_push(px_strlist *l, const char *s) {
+    list_push(l, s, strlen(s));
+}
+
+static void list_copy(px_strlist *to, const px_strlist *from) {
+    for (size_t i = 0; i < from->n; i++)
+        px_strlist_push(to, from->v[i]);
+}
+
+/* ---------- allowlists ---------- */
+
+/* Parses "addr/bits" (or a bare address: every bit). */
+static int cidr_parse(const char *s, int *fam, unsigned char a[16], int *bits) {
+    char buf[64];
+    const char *slash = strchr(s, '/');
+    size_t n = slash ? (size_t)(slash - s) : strlen(s);
+    if (n >= sizeof buf) return -1;
+    memcpy(buf, s, n);
+    buf[n] = '\0';
+    if (inet_pton(AF_INET, buf, a) == 1)
+        *fam = AF_INET, *bits = 32;
+    else if (inet_pton(AF_INET6, buf, a) == 1)
+        *fam = AF_INET6, *bits = 128;
+    else
+        return -1;
+    if (slash) {
+        char *end;
+        long b = strtol(slash + 1, &end, 10);
+        if (*end || end == slash + 1 || b < 0 || b > *bits) return -1;
+        *bits = (int)b;
+    }
+    return 0;
+}
+
+static int is_host_name(const char *s) {
+    if (!*s || strlen(s) > 253) return 0;
+    for (const char *p = s; *p; p++)
+        if (!isalnum((unsigned char)*p) && *p != '-' && *p != '.') return 0;
+    return 1;
+}
+
+int px_host_allowed(const px_strlist *allow, const char *host) {
+    unsigned char h[16];
+    int hfam = 0;
+    if (inet_pton(AF_INET, host, h) == 1)
+        hfam = AF_INET;
+    else if (inet_pton(AF_INET6, host, h) == 1)
+        hfam = AF_INET6;
+    for (size_t i = 0; i < allow->n; i++) {
+        unsigned char a[16];
+        int fam, bits;
+        if (cidr_parse(allow->v[i], &fam, a, &bits) == 0) {
+            if (fam != hfam) continue;
+            size_t full = (size_t)bits / 8;
+            int rest = bits % 8;
+            if (memcmp(a, h, full)) continue;
+            if (rest && ((a[full] ^ h[full]) & (0xff << (8 - rest)) & 0xff)) continue;
+            return 1;
+        }
+        if (!hfam && !strcasecmp(allow->v[i], host)) return 1;
+    }
+    return 0;
+}
+
+static int check_word(const opt *o, const char *v, char *err, size_t errlen) {
+    int fam, bits;
+    unsigned char a[16];
+    if (cidr_parse(v, &fam, a, &bits) == 0 || (!strchr(v, '/') && is_host_name(v))) return 0;
+    snprintf(err, errlen, "--%s '%s': not a CIDR, an address or a host name", o->name, v);
+    return -1;
+}
+
+/* ---------- pools ---------- */
+
+static void spec_free(px_pool_spec *p) {
+    free(p->name);
+    free(p->prefill_policy);
+    free(p->decode_policy);
+    px_strlist_clear(&p->models);
+    px_strlist_clear(&p->prefill);
+    px_strlist_clear(&p->decode);
+    px_strlist_clear(&p->prefill_toy);
+    px_strlist_clear(&p->decode_toy);
+}
+
+void px_pool_specs_free(px_pool_spec *v, size_t n) {
+    for (size_t i = 0; v && i < n; i++)
+        spec_free(&v[i]);
+    free(v);
+}
+
+px_pool_spec *px_pool_specs_copy(const px_pool_spec *v, size_t n) {
+    px_pool_spec *o = px_xcalloc(n ? n : 1, sizeof *o);
+    for (size_t i = 0; i < n; i++) {
+        o[i].name = px_xstrdup(v[i].name);
+        o[i].prefill_policy = px_xstrdup(v[i].prefill_policy ? v[i].prefill_policy : "");
+        o[i].decode_policy = px_xstrdup(v[i].decode_policy ? v[i].decode_policy : "");
+        o[i].line = v[i].line;
+        list_copy(&o[i].models, &v[i].models);
+        list_copy(&o[i].prefill, &v[i].prefill);
+        list_copy(&o[i].decode, &v[i].decode);
+        list_copy(&o[i].prefill_toy, &v[i].prefill_toy);
+        list_copy(&o[i].decode_toy, &v[i].decode_toy);
+    }
+    return o;
+}
+
+static px_pool_spec *pool_new(px_config *c, const char *v, size_t len) {
+    c->pools = px_xrealloc(c->pools, (c->npools + 1) * sizeof *c->pools);
+    px_pool_spec *p = &c->pools[c->npools++];
+    memset(p, 0, sizeof *p);
+    const char *eq = memchr(v, '=', len);
+    p->name = px_xstrndup(v, eq ? (size_t)(eq - v) : len);
+    p->prefill_policy = px_xstrdup("");
+    p->decode_policy = px_xstrdup("");
+    for (const char *m = eq ? eq + 1 : NULL; m && m < v + len;) {
+        size_t l = strcspn(m, ", ");
+        if (m + l > v + len) l = (size_t)(v + len - m);
+        if (l) list_push(&p->models, m, l);
+        m += l + 1;
+    }
+    return p;
+}
+
+static void toy_urls(px_strlist *out, const px_strlist *hosts, const px_strlist *ports) {
+    for (size_t i = 0; i < hosts->n && i < ports->n; i++) {
+        const char *h = hosts->v[i];
+        int v6 = strchr(h, ':') != NULL && h[0] != '[';
+        char u[600];
+        snprintf(u, sizeof u, "http://%s%s%s:%s", v6 ? "[" : "", h, v6 ? "]" : "", ports->v[i]);
+        px_strlist_push(out, u);
+    }
+}
+
+/* The toy lists count when given, or when no URL is (their defaults). */
+static int toy_in_effect(const px_config *c, int prefill) {
+    if (c->npools) return 0;
+    return prefill ? !c->prefill_urls.n || px_config_is_set(c, "prefiller-hosts")
+                   : !c->decode_urls.n || px_config_is_set(c, "decoder-hosts");
+}
+
+px_pool_spec *px_config_effective_pools(const px_config *c, size_t *n) {
+    if (c->npools) {
+        *n = c->npools;
+        return px_pool_specs_copy(c->pools, c->npools);
+    }
+    px_pool_spec *p = px_xcalloc(1, sizeof *p);
+    p->name = px_xstrdup("");
+    p->prefill_policy = px_xstrdup("");
+    p->decode_policy = px_xstrdup("");
+    if (toy_in_effect(c, 1)) toy_urls(&p->prefill_toy, &c->prefiller_hosts, &c->prefiller_ports);
+    if (toy_in_effect(c, 0)) toy_urls(&p->decode_toy, &c->decoder_hosts, &c->decoder_ports);
+    list_copy(&p->prefill, &c->prefill_urls);
+    list_copy(&p->decode, &c->decode_urls);
+    *n = 1;
+    return p;
+}
+
+int px_config_pool_for(const px_config *c, const char *model, size_t n) {
+    for (size_t i = 0; i < c->npools; i++)
+        for (size_t j = 0; j < c->pools[i].models.n; j++)
+            if (strlen(c->pools[i].models.v[j]) == n && !memcmp(c->pools[i].models.v[j], model, n))
+                return (int)i;
+    return -1;
+}
 
 /* Checks one element of a list against the option's bounds. */
 static int check_list_item(const opt *o, const char *v, char *err, size_t errlen) {
@@ -160,8 +360,8 @@ static int check_list_item(const opt *o, const char *v, char *err, size_t errlen
     /* A URL in a toy host flag would become a backend named "http" that
      * never answers: say what was meant instead. */
     if (o->max == 0 && (strstr(v, "://") || strchr(v, '/'))) {
-        snprintf(err, errlen, "--%s '%s': a host name or address, not a URL (use --%s %s)",
-                 o->name, v, strncmp(o->name, "prefill", 7) ? "decode" : "prefill", v);
+        snprintf(err, errlen, "--%s '%s': a host name or address, not a URL (use --%s %s)", o->name,
+                 v, strncmp(o->name, "prefill", 7) ? "decode" : "prefill", v);
         return -1;
     }
     if (o->max > 0) {
@@ -211,7 +411,7 @@ static int check_url(const opt *o, const char *v, char *err, size_t errlen) {
 static int split_list(const opt *o, px_strlist *l, const char *v,
                       int (*check)(const opt *, const char *, char *, size_t), char *err,
                       size_t errlen) {
-    list_clear(l);
+    px_strlist_clear(l);
     const char *p = v;
     while (*p) {
         while (*p == ',' || *p == ' ')
@@ -301,6 +501,13 @@ static int set_value(px_config *c, const opt *o, const char *v, char *err, size_
             return -1;
         }
         return 0;
+    case CT_WORDS:
+        return split_list(o, field, v, check_word, err, errlen);
+    case CT_POOL:
+        if (!*v) return 0; /* the default: no pool */
+        snprintf(err, errlen, "--%s '%s': pools are given as flags or in the --config file",
+                 o->name, v);
+        return -1;
     case CT_LIST: {
         px_strlist *l = field;
         if (split_list(o, l, v, check_list_item, err, errlen) < 0) return -1;
@@ -323,6 +530,244 @@ static const opt *find_opt(const char *name, size_t n) {
     return NULL;
 }
 
+static int in_choices(const char *choices, const char *v) {
+    size_t n = strlen(v);
+    for (const char *p = choices; p && *p;) {
+        const char *e = strchr(p, '|');
+        size_t l = e ? (size_t)(e - p) : strlen(p);
+        if (l == n && !strncmp(p, v, n)) return 1;
+        p = e ? e + 1 : NULL;
+    }
+    return 0;
+}
+
+static int check_model(const opt *o, const char *v, char *err, size_t errlen) {
+    (void)o, (void)err, (void)errlen, (void)v;
+    return 0; /* split_list drops empty items; any other name is a model's */
+}
+
+/* ---------- the YAML file ---------- */
+
+typedef struct yctx {
+    yaml_document_t doc;
+    const char *path;
+    char *err;
+    size_t errlen;
+} yctx;
+
+static size_t yline(const yaml_node_t *n) {
+    return n->start_mark.line + 1;
+}
+
+/* The file's spelling of a key: flags' names, '_' read as '-'. */
+static void ykey(const yaml_node_t *k, char *buf, size_t n) {
+    size_t l = k->data.scalar.length < n - 1 ? k->data.scalar.length : n - 1;
+    memcpy(buf, k->data.scalar.value, l);
+    buf[l] = '\0';
+    for (char *p = buf; *p; p++)
+        if (*p == '_') *p = '-';
+}
+
+/* A setting's text: a scalar as is, a sequence of scalars joined by spaces
+ * (the lists' text form). Returns NULL with the error set otherwise. */
+static char *yvalue(yctx *y, const char *key, yaml_node_t *v) {
+    if (v->type == YAML_SCALAR_NODE)
+        return px_xstrndup((char *)v->data.scalar.value, v->data.scalar.length);
+    if (v->type == YAML_SEQUENCE_NODE) {
+        px_buf b;
+        px_buf_init(&b);
+        px_buf_appends(&b, "");
+        for (yaml_node_item_t *it = v->data.sequence.items.start; it < v->data.sequence.items.top;
+             it++) {
+            yaml_node_t *e = yaml_document_get_node(&y->doc, *it);
+            if (!e || e->type != YAML_SCALAR_NODE ||
+                memchr(e->data.scalar.value, ' ', e->data.scalar.length) ||
+                memchr(e->data.scalar.value, ',', e->data.scalar.length)) {
+                snprintf(y->err, y->errlen, "%s:%zu: key '%s': list items must be plain values",
+                         y->path, e ? yline(e) : yline(v), key);
+                px_buf_cleanup(&b);
+                return NULL;
+            }
+            if (b.len) px_buf_appends(&b, " ");
+            px_buf_append(&b, (char *)e->data.scalar.value, e->data.scalar.length);
+        }
+        return b.data;
+    }
+    snprintf(y->err, y->errlen, "%s:%zu: key '%s': expected a value or a list", y->path, yline(v),
+             key);
+    return NULL;
+}
+
+/* set_value's message names the flag ("--port 'x': ..."); in the file the
+ * key and line say more. */
+static void yerr_from(yctx *y, const char *key, size_t line, const char *msg) {
+    char m[512];
+    snprintf(m, sizeof m, "%s", msg);
+    const char *r = m;
+    if (!strncmp(r, "--", 2)) {
+        const char *sp = strchr(r, ' ');
+        if (sp) r = sp + 1;
+    }
+    snprintf(y->err, y->errlen, "%s:%zu: key '%s': %s", y->path, line, key, r);
+}
+
+static int ylist(yctx *y, const char *key, yaml_node_t *v, px_strlist *l, const opt *chk) {
+    char *t = yvalue(y, key, v);
+    if (!t) return -1;
+    char e[400];
+    int rc = split_list(chk, l, t, check_url, e, sizeof e);
+    free(t);
+    if (rc < 0) yerr_from(y, key, yline(v), e);
+    return rc;
+}
+
+static int ypool(yctx *y, px_config *c, yaml_node_t *m) {
+    if (m->type != YAML_MAPPING_NODE) {
+        snprintf(y->err, y->errlen,
+                 "%s:%zu: key 'pools': each pool is a mapping (name, models, "
+                 "prefill, decode)",
+                 y->path, yline(m));
+        return -1;
+    }
+    px_pool_spec *p = pool_new(c, "", 0);
+    p->line = yline(m);
+    for (yaml_node_pair_t *pr = m->data.mapping.pairs.start; pr < m->data.mapping.pairs.top; pr++) {
+        yaml_node_t *k = yaml_document_get_node(&y->doc, pr->key);
+        yaml_node_t *v = yaml_document_get_node(&y->doc, pr->value);
+        if (!k || !v || k->type != YAML_SCALAR_NODE) continue;
+        char key[64];
+        ykey(k, key, sizeof key);
+        if (!strcmp(key, "prefill") || !strcmp(key, "decode")) {
+            if (ylist(y, key, v, key[0] == 'p' ? &p->prefill : &p->decode,
+                      find_opt(key, strlen(key))) < 0)
+                return -1;
+        } else if (!strcmp(key, "models")) {
+            char *t = yvalue(y, key, v);
+            if (!t) return -1;
+            char e[400];
+            int rc = split_list(find_opt("pool", 4), &p->models, t, check_model, e, sizeof e);
+            free(t);
+            if (rc < 0) {
+                yerr_from(y, "models", yline(v), e);
+                return -1;
+            }
+        } else if (!strcmp(key, "name") || !strcmp(key, "prefill-policy") ||
+                   !strcmp(key, "decode-policy")) {
+            if (v->type != YAML_SCALAR_NODE) {
+                snprintf(y->err, y->errlen, "%s:%zu: key '%s': expected a value", y->path, yline(v),
+                         key);
+                return -1;
+            }
+            char *t = px_xstrndup((char *)v->data.scalar.value, v->data.scalar.length);
+            char **field = key[0] == 'n'   ? &p->name
+                           : key[0] == 'p' ? &p->prefill_policy
+                                           : &p->decode_policy;
+            if (key[0] != 'n' && !in_choices(PX_POLICIES, t)) {
+                snprintf(y->err, y->errlen, "%s:%zu: key '%s': '%s' is none of %s", y->path,
+                         yline(v), key, t, PX_POLICIES);
+                free(t);
+                return -1;
+            }
+            free(*field);
+            *field = t;
+        } else {
+            snprintf(y->err, y->errlen,
+                     "%s:%zu: unknown key '%s' in a pool (name, models, prefill, decode, "
+                     "prefill-policy, decode-policy)",
+                     y->path, yline(k), key);
+            return -1;
+        }
+    }
+    return 0;
+}
+
+/* Applies the file's settings, each marked as given. */
+static int load_file(px_config *c, const char *path, char *err, size_t errlen) {
+    FILE *f = fopen(path, "rb");
+    if (!f) {
+        snprintf(err, errlen, "--config '%s': %s", path, strerror(errno));
+        return -1;
+    }
+    yaml_parser_t parser;
+    yctx y = {.path = path, .err = err, .errlen = errlen};
+    yaml_parser_initialize(&parser);
+    yaml_parser_set_input_file(&parser, f);
+    int rc = -1;
+    if (!yaml_parser_load(&parser, &y.doc)) {
+        snprintf(err, errlen, "%s:%zu: %s%s%s", path, parser.problem_mark.line + 1,
+                 parser.problem ? parser.problem : "malformed YAML", parser.context ? " " : "",
+                 parser.context ? parser.context : "");
+        yaml_parser_delete(&parser);
+        fclose(f);
+        return -1;
+    }
+    yaml_node_t *root = yaml_document_get_root_node(&y.doc);
+    if (!root) {
+        rc = 0; /* an empty file: nothing set */
+        goto out;
+    }
+    if (root->type != YAML_MAPPING_NODE) {
+        snprintf(err, errlen, "%s:%zu: expected a mapping of settings (key: value)", path,
+                 yline(root));
+        goto out;
+    }
+    for (yaml_node_pair_t *pr = root->data.mapping.pairs.start; pr < root->data.mapping.pairs.top;
+         pr++) {
+        yaml_node_t *k = yaml_document_get_node(&y.doc, pr->key);
+        yaml_node_t *v = yaml_document_get_node(&y.doc, pr->value);
+        if (!k || !v) continue;
+        if (k->type != YAML_SCALAR_NODE) {
+            snprintf(err, errlen, "%s:%zu: keys are plain names", path, yline(k));
+            goto out;
+        }
+        char key[64];
+        ykey(k, key, sizeof key);
+        if (!strcmp(key, "pools")) {
+            if (v->type != YAML_SEQUENCE_NODE) {
+                snprintf(err, errlen, "%s:%zu: key 'pools': expected a list of pools", path,
+                         yline(v));
+                goto out;
+            }
+            for (yaml_node_item_t *it = v->data.sequence.items.start;
+                 it < v->data.sequence.items.top; it++) {
+                yaml_node_t *m = yaml_document_get_node(&y.doc, *it);
+                if (m && ypool(&y, c, m) < 0) goto out;
+            }
+            continue;
+        }
+        const opt *o = find_opt(key, strlen(key));
+        if (!o || o->type == CT_POOL || !strcmp(o->name, "config") ||
+            !strcmp(o->name, "print-config")) {
+            snprintf(err, errlen,
+                     "%s:%zu: unknown key '%s' (keys are the flags' names, see --help)", path,
+                     yline(k), key);
+            goto out;
+        }
+        char *t = yvalue(&y, key, v);
+        if (!t) goto out;
+        /* "~" and an empty value: the setting's empty text. */
+        if (v->type == YAML_SCALAR_NODE && v->data.scalar.style == YAML_PLAIN_SCALAR_STYLE &&
+            (!strcmp(t, "~") || !strcmp(t, "null"))) {
+            free(t);
+            t = px_xstrdup("");
+        }
+        char e[400];
+        int bad = set_value(c, o, t, e, sizeof e) < 0;
+        free(t);
+        if (bad) {
+            yerr_from(&y, key, yline(v), e);
+            goto out;
+        }
+        c->set[o - opts] = 1;
+    }
+    rc = 0;
+out:
+    yaml_document_delete(&y.doc);
+    yaml_parser_delete(&parser);
+    fclose(f);
+    return rc;
+}
+
 static void usage(FILE *out) {
     fprintf(out,
             "Usage: pdproxy [options]\n"
@@ -332,6 +777,8 @@ static void usage(FILE *out) {
         const opt *o = &opts[i];
         char names[96];
         const char *arg = o->type == CT_LIST      ? " V [V...]"
+                          : o->type == CT_WORDS   ? " LIST"
+                          : o->type == CT_POOL    ? " NAME[=MODELS]"
                           : o->type == CT_URLS    ? " URL"
                           : o->type == CT_ENUM    ? " CHOICE"
                           : o->type == CT_FLAG    ? ""
@@ -367,7 +814,7 @@ static void markdown(FILE *out) {
         fprintf(out, " | `%s` | %s%s%s | %s", env, o->def[0] ? "`" : "", o->def,
                 o->def[0] ? "`" : "", o->help);
         if (o->type == CT_ENUM) fprintf(out, ": `%s`", o->choices);
-        if (o->type == CT_URLS) fprintf(out, " (repeatable)");
+        if (o->type == CT_URLS || o->type == CT_POOL) fprintf(out, " (repeatable)");
         if (o->type == CT_LIST) fprintf(out, " (one or more values)");
         fprintf(out, " |\n");
     }
@@ -380,12 +827,64 @@ static void env_name(const opt *o, char *buf, size_t n) {
     buf[j] = '\0';
 }
 
+static int validate_pools(px_config *c, char *err, size_t errlen) {
+    if (!c->npools) return 0;
+    if (c->prefill_urls.n || c->decode_urls.n || px_config_is_set(c, "prefiller-hosts") ||
+        px_config_is_set(c, "decoder-hosts")) {
+        snprintf(err, errlen,
+                 "backends outside any pool (--prefill/--decode before the first "
+                 "--pool, or the toy host lists) cannot be combined with pools: "
+                 "give every backend inside a pool");
+        return -1;
+    }
+    for (size_t i = 0; i < c->npools; i++) {
+        px_pool_spec *p = &c->pools[i];
+        char where[300];
+        if (p->line)
+            snprintf(where, sizeof where, "%s:%zu: pool '%s'", c->config_file, p->line, p->name);
+        else
+            snprintf(where, sizeof where, "--pool '%s'", p->name);
+        if (!p->name[0]) {
+            snprintf(err, errlen, "%s: a pool needs a name", where);
+            return -1;
+        }
+        for (size_t j = 0; j < i; j++)
+            if (!strcmp(c->pools[j].name, p->name)) {
+                snprintf(err, errlen, "%s: two pools have this name", where);
+                return -1;
+            }
+        if (!p->models.n) px_strlist_push(&p->models, p->name);
+        for (size_t m = 0; m < p->models.n; m++) {
+            const char *mo = p->models.v[m];
+            int at = px_config_pool_for(c, mo, strlen(mo));
+            if (at >= 0 && (size_t)at < i) {
+                snprintf(err, errlen, "%s: model '%s' is served by pool '%s' already", where, mo,
+                         c->pools[at].name);
+                return -1;
+            }
+        }
+    }
+    return 0;
+}
+
 px_config_result px_config_load(px_config *c, int argc, char **argv, char **envp, FILE *out,
                                 char *err, size_t errlen) {
     memset(c, 0, sizeof *c);
     err[0] = '\0';
     for (size_t i = 0; i < NOPTS; i++)
         if (set_value(c, &opts[i], opts[i].def, err, errlen) < 0) return PX_CONFIG_ERROR;
+
+    /* The file first, so that the environment and flags win over it. */
+    const char *file = NULL;
+    for (char **e = envp; e && *e; e++)
+        if (!strncmp(*e, "PDPROXY_CONFIG=", 15)) file = *e + 15;
+    for (int i = 1; i < argc; i++) {
+        if (!strcmp(argv[i], "--config") && i + 1 < argc)
+            file = argv[++i];
+        else if (!strncmp(argv[i], "--config=", 9))
+            file = argv[i] + 9;
+    }
+    if (file && *file && load_file(c, file, err, errlen) < 0) return PX_CONFIG_ERROR;
 
     for (size_t i = 0; envp && i < NOPTS; i++) {
         char name[96];
@@ -404,6 +903,7 @@ px_config_result px_config_load(px_config *c, int argc, char **argv, char **envp
     }
 
     unsigned char seen_urls[NOPTS] = {0};
+    px_pool_spec *cur = NULL; /* the pool the --prefill/--decode flags go to */
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
@@ -434,9 +934,33 @@ px_config_result px_config_load(px_config *c, int argc, char **argv, char **envp
             *(int *)((char *)c + o->off) = 1;
             continue;
         }
+        if (o->type == CT_POOL) {
+            const char *v = eq ? eq + 1 : (i + 1 < argc ? argv[++i] : NULL);
+            if (!v || !*v || *v == '=') {
+                snprintf(err, errlen, "--%s: missing pool name", o->name);
+                return PX_CONFIG_ERROR;
+            }
+            if (!cur) { /* the command line's pools replace the file's */
+                px_pool_specs_free(c->pools, c->npools);
+                c->pools = NULL;
+                c->npools = 0;
+            }
+            cur = pool_new(c, v, strlen(v));
+            continue;
+        }
+        if (o->type == CT_URLS && cur) {
+            const char *v = eq ? eq + 1 : (i + 1 < argc ? argv[++i] : NULL);
+            if (!v) {
+                snprintf(err, errlen, "--%s: missing value", o->name);
+                return PX_CONFIG_ERROR;
+            }
+            if (check_url(o, v, err, errlen) < 0) return PX_CONFIG_ERROR;
+            px_strlist_push(o->off == OFF(prefill_urls) ? &cur->prefill : &cur->decode, v);
+            continue;
+        }
         if (o->type == CT_URLS) {
             px_strlist *l = (px_strlist *)((char *)c + o->off);
-            if (!seen_urls[o - opts]) list_clear(l); /* the command line replaces the env */
+            if (!seen_urls[o - opts]) px_strlist_clear(l); /* the command line replaces the env */
             seen_urls[o - opts] = 1;
             const char *v = eq ? eq + 1 : (i + 1 < argc ? argv[++i] : NULL);
             if (!v) {
@@ -450,7 +974,7 @@ px_config_result px_config_load(px_config *c, int argc, char **argv, char **envp
         if (o->type == CT_LIST) {
             /* nargs='+' as in the toy proxy: values until the next flag. */
             px_strlist *l = (px_strlist *)((char *)c + o->off);
-            list_clear(l);
+            px_strlist_clear(l);
             if (eq) {
                 if (set_value(c, o, eq + 1, err, errlen) < 0) return PX_CONFIG_ERROR;
                 continue;
@@ -496,6 +1020,19 @@ px_config_result px_config_load(px_config *c, int argc, char **argv, char **envp
                  c->decoder_hosts.n, c->decoder_ports.n);
         return PX_CONFIG_ERROR;
     }
+    if (validate_pools(c, err, errlen) < 0) return PX_CONFIG_ERROR;
+    if (c->admin_port && !c->admin_token_file[0]) {
+        snprintf(err, errlen,
+                 "--admin-port needs --admin-token-file: every admin call is "
+                 "authenticated with its token");
+        return PX_CONFIG_ERROR;
+    }
+    if (c->prefiller_from_header && !c->prefiller_allowlist.n) {
+        snprintf(err, errlen,
+                 "--prefiller-from-header needs --prefiller-allowlist: the hosts "
+                 "x-prefiller-host-port may name");
+        return PX_CONFIG_ERROR;
+    }
     if (c->print_config) {
         px_config_dump(c, out);
         return PX_CONFIG_EXIT_OK;
@@ -504,14 +1041,74 @@ px_config_result px_config_load(px_config *c, int argc, char **argv, char **envp
 }
 
 void px_config_cleanup(px_config *c) {
+    px_pool_specs_free(c->pools, c->npools);
+    c->pools = NULL;
+    c->npools = 0;
     for (size_t i = 0; i < NOPTS; i++) {
         void *field = (char *)c + opts[i].off;
         if (opts[i].type == CT_STR || opts[i].type == CT_ENUM || opts[i].type == CT_SECRET) {
             free(*(char **)field);
             *(char **)field = NULL;
-        } else if (opts[i].type == CT_LIST || opts[i].type == CT_URLS) {
-            list_clear(field);
+        } else if (opts[i].type == CT_LIST || opts[i].type == CT_URLS || opts[i].type == CT_WORDS) {
+            px_strlist_clear(field);
         }
+    }
+}
+
+/* One setting's value as text, for comparisons. */
+static void value_text(const px_config *c, const opt *o, FILE *f) {
+    const void *field = (const char *)c + o->off;
+    switch (o->type) {
+    case CT_STR:
+    case CT_ENUM:
+    case CT_SECRET:
+        fputs(*(char *const *)field, f);
+        break;
+    case CT_INT:
+        fprintf(f, "%lld", (long long)*(const int64_t *)field);
+        break;
+    case CT_SECONDS:
+        fprintf(f, "%.17g", *(const double *)field);
+        break;
+    case CT_FLAG:
+        fputc(*(const int *)field ? '1' : '0', f);
+        break;
+    case CT_LIST:
+    case CT_URLS:
+    case CT_WORDS:
+        for (size_t j = 0; j < ((const px_strlist *)field)->n; j++)
+            fprintf(f, "%s\n", ((const px_strlist *)field)->v[j]);
+        break;
+    case CT_POOL:
+        break;
+    }
+}
+
+void px_config_changed(const px_config *a, const px_config *b, const char *const *skip, char *out,
+                       size_t cap) {
+    size_t len = 0;
+    out[0] = '\0';
+    for (size_t i = 0; i < NOPTS; i++) {
+        const opt *o = &opts[i];
+        int skipped = o->type == CT_POOL;
+        for (const char *const *k = skip; *k && !skipped; k++)
+            skipped = !strcmp(*k, o->name);
+        if (skipped) continue;
+        char *ta = NULL, *tb = NULL;
+        size_t la = 0, lb = 0;
+        FILE *fa = open_memstream(&ta, &la), *fb = open_memstream(&tb, &lb);
+        if (fa) {
+            value_text(a, o, fa);
+            fclose(fa);
+        }
+        if (fb) {
+            value_text(b, o, fb);
+            fclose(fb);
+        }
+        if (ta && tb && strcmp(ta, tb) && len + strlen(o->name) + 2 < cap)
+            len += (size_t)snprintf(out + len, cap - len, "%s%s", len ? "," : "", o->name);
+        free(ta);
+        free(tb);
     }
 }
 
@@ -520,37 +1117,99 @@ int px_config_is_set(const px_config *c, const char *name) {
     return o ? c->set[o - opts] : 0;
 }
 
+static void yaml_str(FILE *out, const char *v) {
+    fputc('"', out);
+    for (const unsigned char *p = (const unsigned char *)v; *p; p++) {
+        if (*p == '"' || *p == '\\')
+            fprintf(out, "\\%c", *p);
+        else if (*p < 0x20)
+            fprintf(out, "\\x%02x", *p);
+        else
+            fputc(*p, out);
+    }
+    fputc('"', out);
+}
+
+static void yaml_list(FILE *out, const px_strlist *l) {
+    fputc('[', out);
+    for (size_t j = 0; j < l->n; j++) {
+        if (j) fputs(", ", out);
+        yaml_str(out, l->v[j]);
+    }
+    fputc(']', out);
+}
+
 void px_config_dump(const px_config *c, FILE *out) {
+    fprintf(out, "# pdproxy %s: the effective configuration (file, environment, flags)\n",
+            PDPROXY_VERSION);
     for (size_t i = 0; i < NOPTS; i++) {
         const opt *o = &opts[i];
         const void *field = (const char *)c + o->off;
-        if (o->type == CT_FLAG && !strcmp(o->name, "print-config")) continue;
-        fprintf(out, "%s = ", o->name);
+        if (o->type == CT_POOL || !strcmp(o->name, "print-config") || !strcmp(o->name, "config"))
+            continue;
+        /* Toy lists shown only when they make backends: read back, a
+         * shown list counts as given. */
+        if (!strcmp(o->name, "prefiller-hosts") || !strcmp(o->name, "prefiller-ports")) {
+            if (!toy_in_effect(c, 1)) continue;
+        } else if (!strcmp(o->name, "decoder-hosts") || !strcmp(o->name, "decoder-ports")) {
+            if (!toy_in_effect(c, 0)) continue;
+        }
+        if (o->type == CT_SECRET) {
+            /* A comment: a masked value must not read back as the key. */
+            fprintf(out, "# %s: %s\n", o->name, (*(char *const *)field)[0] ? "(set)" : "(not set)");
+            continue;
+        }
+        fprintf(out, "%s: ", o->name);
         switch (o->type) {
         case CT_STR:
         case CT_ENUM:
-            fprintf(out, "%s", *(char *const *)field);
-            break;
-        case CT_SECRET:
-            fprintf(out, "%s", (*(char *const *)field)[0] ? "(set)" : "");
+            yaml_str(out, *(char *const *)field);
             break;
         case CT_INT:
             fprintf(out, "%lld", (long long)*(const int64_t *)field);
             break;
         case CT_SECONDS:
-            fprintf(out, "%g", *(const double *)field);
+            fprintf(out, "%.15g", *(const double *)field);
             break;
         case CT_FLAG:
             fprintf(out, "%s", *(const int *)field ? "true" : "false");
             break;
         case CT_LIST:
-        case CT_URLS: {
-            const px_strlist *l = field;
-            for (size_t j = 0; j < l->n; j++)
-                fprintf(out, "%s%s", j ? " " : "", l->v[j]);
+        case CT_URLS:
+        case CT_WORDS:
+            yaml_list(out, field);
+            break;
+        case CT_SECRET:
+        case CT_POOL:
             break;
         }
-        }
         fputc('\n', out);
+    }
+    if (!c->npools) {
+        fprintf(out, "pools: []\n");
+        return;
+    }
+    fprintf(out, "pools:\n");
+    for (size_t i = 0; i < c->npools; i++) {
+        const px_pool_spec *p = &c->pools[i];
+        fprintf(out, "  - name: ");
+        yaml_str(out, p->name);
+        fprintf(out, "\n    models: ");
+        yaml_list(out, &p->models);
+        fprintf(out, "\n    prefill: ");
+        yaml_list(out, &p->prefill);
+        fprintf(out, "\n    decode: ");
+        yaml_list(out, &p->decode);
+        fputc('\n', out);
+        if (p->prefill_policy[0]) {
+            fprintf(out, "    prefill-policy: ");
+            yaml_str(out, p->prefill_policy);
+            fputc('\n', out);
+        }
+        if (p->decode_policy[0]) {
+            fprintf(out, "    decode-policy: ");
+            yaml_str(out, p->decode_policy);
+            fputc('\n', out);
+        }
     }
 }

@@ -12,7 +12,24 @@ typedef struct px_strlist {
     size_t n;
 } px_strlist;
 
+/* One model pool: the models it serves and its own backends. The config's
+ * top-level backends (toy flags, --prefill/--decode outside any pool) form
+ * the unnamed pool that serves every model; it exists only when no named
+ * pool is configured. */
+typedef struct px_pool_spec {
+    char *name;             /* owned */
+    px_strlist models;      /* models routed here; empty: the pool's name */
+    px_strlist prefill;     /* backend URLs */
+    px_strlist decode;      /* backend URLs */
+    px_strlist prefill_toy; /* effective specs only: toy-form URLs, resolved once */
+    px_strlist decode_toy;
+    char *prefill_policy; /* owned; "": the global --prefill-policy */
+    char *decode_policy;  /* owned; "": the global --decode-policy */
+    size_t line;          /* where the file defined it (0: a flag) */
+} px_pool_spec;
+
 typedef struct px_config {
+    char *config_file; /* --config: YAML, below the environment and flags */
     char *host;
     int64_t port;
     /* Backends: the toy proxy's parallel host/port lists, and URLs. */
@@ -31,12 +48,12 @@ typedef struct px_config {
     double client_header_timeout;
     double keepalive_timeout;
     int64_t upstream_keepalive; /* idle upstream connections kept per backend and worker */
-    int64_t max_inflight; /* 0: unlimited */
-    double send_timeout;  /* seconds a client may read nothing of its output, 0: none */
+    int64_t max_inflight;       /* 0: unlimited */
+    double send_timeout;        /* seconds a client may read nothing of its output, 0: none */
     int64_t max_buffered_bytes; /* bodies held + output queued, all connections; 0: none */
     int64_t max_connections;    /* 0: unlimited */
     int reuse_port;
-    char *metrics_host; /* "": --host */
+    char *metrics_host;   /* "": --host */
     int64_t metrics_port; /* 0: /metrics on --port */
     int metrics_auth;     /* /metrics needs the API key */
     /* Health and failover. */
@@ -67,12 +84,23 @@ typedef struct px_config {
     char *log_level;
     char *log_format;
     int print_config;
-    unsigned char set[64]; /* set[i]: option i was given by flag or environment */
+    /* Model pools (--pool, or pools: in the file); none: the unnamed pool. */
+    px_pool_spec *pools; /* owned array */
+    size_t npools;
+    /* Admin API. */
+    char *admin_host;
+    int64_t admin_port; /* 0: off */
+    char *admin_token_file;
+    /* Sidecar mode: the prefill named by the request's header. */
+    int prefiller_from_header;
+    px_strlist prefiller_allowlist; /* CIDRs and host names */
+    unsigned char set[96];          /* set[i]: option i was given by flag or environment */
 } px_config;
 
 typedef enum { PX_CONFIG_RUN = 0, PX_CONFIG_EXIT_OK = 1, PX_CONFIG_ERROR = -1 } px_config_result;
 
-/* Fills c from defaults, then PDPROXY_* variables of `envp`, then argv.
+/* Fills c from defaults, then the --config file (YAML; --config or
+ * PDPROXY_CONFIG names it), then PDPROXY_* variables of `envp`, then argv.
  * --help and --version print to `out` and return PX_CONFIG_EXIT_OK. On a bad
  * flag or value returns PX_CONFIG_ERROR with "--flag 'value': reason" in err.
  * c must be released with px_config_cleanup() whatever the result. */
@@ -84,8 +112,31 @@ void px_config_cleanup(px_config *c);
 /* Whether the option named `name` was given explicitly (flag or env). */
 int px_config_is_set(const px_config *c, const char *name);
 
-/* Writes the effective configuration, one "name = value" line per setting
- * (secrets masked). */
+/* Writes the effective configuration as YAML that --config reads back to
+ * the same settings; secrets appear only as comments saying they are set. */
 void px_config_dump(const px_config *c, FILE *out);
+
+/* The pools requests are routed to: the named ones, or else the unnamed
+ * pool of the top-level backends. Deep copies; free with
+ * px_pool_specs_free(). */
+px_pool_spec *px_config_effective_pools(const px_config *c, size_t *n);
+px_pool_spec *px_pool_specs_copy(const px_pool_spec *v, size_t n);
+void px_pool_specs_free(px_pool_spec *v, size_t n);
+void px_strlist_push(px_strlist *l, const char *s);
+void px_strlist_clear(px_strlist *l);
+
+/* Whether `host` (a name or an address literal, without port or brackets)
+ * is in the allowlist of CIDRs and host names (names compare without case,
+ * never resolved). */
+int px_host_allowed(const px_strlist *allow, const char *host);
+
+/* Writes to out the comma-separated names of the settings whose values
+ * differ between a and b, except those named in `skip` (NULL-terminated)
+ * and the pools. */
+void px_config_changed(const px_config *a, const px_config *b, const char *const *skip, char *out,
+                       size_t cap);
+
+/* Index of pool spec serving `model` (n bytes), or -1. */
+int px_config_pool_for(const px_config *c, const char *model, size_t n);
 
 #endif

@@ -23,10 +23,12 @@ typedef struct dns_entry {
     int port;
     struct evdns_getaddrinfo_request *req; /* in flight, or NULL (control thread) */
     atomic_int unresolved;                 /* the last try failed, or none finished yet */
+    int cancelled;                         /* req was cancelled: its callback is due */
 } dns_entry;
 
 struct px_discovery {
-    px_server *s;            /* borrowed */
+    px_gen *g;               /* borrowed: the generation whose pools this fills */
+    px_gen *old;             /* borrowed, while starting: the generation it replaces */
     struct event_base *base; /* borrowed: the control loop */
     struct evdns_base *dns;  /* owned, NULL when no backend is a name */
     dns_entry *e;            /* owned */
@@ -114,17 +116,33 @@ static void on_timer(evutil_socket_t fd, short what, void *arg) {
     refresh(arg);
 }
 
-static int add_url(px_discovery *d, px_pool *pool, const char *url, char *err, size_t errlen) {
+/* The pool of the previous generation that `pool` continues, or NULL. */
+static px_pool *old_pool(px_discovery *d, size_t i, const px_pool *pool) {
+    if (!d->old) return NULL;
+    const px_pset *np = &d->g->ps[i];
+    for (size_t j = 0; j < d->old->nps; j++)
+        if (!strcmp(d->old->ps[j].name, np->name))
+            return pool == &np->prefill ? &d->old->ps[j].prefill : &d->old->ps[j].decode;
+    return NULL;
+}
+
+static int add_url(px_discovery *d, size_t pi, px_pool *pool, const char *url, int toy, char *err,
+                   size_t errlen) {
     char host[256];
     int port, https;
     if (px_url_split(url, host, sizeof host, &port, &https) < 0) {
         snprintf(err, errlen, "malformed %s backend URL '%s'", pool->role, url);
         return -1;
     }
-    if (is_ip_literal(host)) {
-        px_pool_add(pool, url, NULL);
+    px_pool *prev = old_pool(d, pi, pool);
+    /* Toy-style hosts are single backends: the upstream client resolves
+     * them per connection. */
+    if (toy || is_ip_literal(host)) {
+        if (!px_pool_adopt(pool, prev, url)) px_pool_add(pool, url, NULL);
         return 0;
     }
+    /* A name: its addresses so far stay members until DNS says otherwise. */
+    px_pool_adopt(pool, prev, url);
     d->e = px_xrealloc(d->e, (d->n + 1) * sizeof *d->e);
     dns_entry *e = &d->e[d->n++];
     memset(e, 0, sizeof *e);
@@ -136,25 +154,12 @@ static int add_url(px_discovery *d, px_pool *pool, const char *url, char *err, s
     return 0;
 }
 
-static int add_role(px_discovery *d, px_pool *pool, const px_strlist *urls, const char *toy_name,
-                    const px_strlist *hosts, const px_strlist *ports, char *err, size_t errlen) {
-    const px_config *cfg = d->s->cfg;
-    /* The toy lists count when given, or when no URL is (their defaults). */
-    if (!urls->n || px_config_is_set(cfg, toy_name)) {
-        for (size_t i = 0; i < hosts->n; i++) {
-            const char *h = hosts->v[i];
-            int v6 = strchr(h, ':') != NULL && h[0] != '[';
-            px_buf u;
-            px_buf_init(&u);
-            px_buf_printf(&u, "http://%s%s%s:%s", v6 ? "[" : "", h, v6 ? "]" : "", ports->v[i]);
-            /* Toy-style hosts are single backends: the upstream client
-             * resolves them per connection. */
-            px_pool_add(pool, u.data, NULL);
-            px_buf_cleanup(&u);
-        }
-    }
+static int add_role(px_discovery *d, size_t pi, px_pool *pool, const px_strlist *urls,
+                    const px_strlist *toy, char *err, size_t errlen) {
+    for (size_t i = 0; i < toy->n; i++)
+        if (add_url(d, pi, pool, toy->v[i], 1, err, errlen) < 0) return -1;
     for (size_t i = 0; i < urls->n; i++)
-        if (add_url(d, pool, urls->v[i], err, errlen) < 0) return -1;
+        if (add_url(d, pi, pool, urls->v[i], 0, err, errlen) < 0) return -1;
     return 0;
 }
 
@@ -162,18 +167,25 @@ static void on_startup_deadline(evutil_socket_t fd, short what, void *arg) {
     *(int *)arg = 1;
 }
 
-px_discovery *px_discovery_start(px_server *s, struct event_base *base, char *err, size_t errlen) {
+px_discovery *px_discovery_start(px_gen *g, const px_pool_spec *specs, px_gen *old,
+                                 double dns_refresh, struct event_base *base, int wait, char *err,
+                                 size_t errlen) {
     px_discovery *d = px_xcalloc(1, sizeof *d);
-    d->s = s;
+    d->g = g;
+    d->old = old;
     d->base = base;
-    const px_config *c = s->cfg;
-    if (add_role(d, &s->prefill, &c->prefill_urls, "prefiller-hosts", &c->prefiller_hosts,
-                 &c->prefiller_ports, err, errlen) < 0 ||
-        add_role(d, &s->decode, &c->decode_urls, "decoder-hosts", &c->decoder_hosts,
-                 &c->decoder_ports, err, errlen) < 0) {
-        px_discovery_stop(d);
-        return NULL;
-    }
+    for (size_t i = 0; i < g->nps; i++)
+        if (add_role(d, i, &g->ps[i].prefill, &specs[i].prefill, &specs[i].prefill_toy, err,
+                     errlen) < 0 ||
+            add_role(d, i, &g->ps[i].decode, &specs[i].decode, &specs[i].decode_toy, err, errlen) <
+                0) {
+            d->old = NULL;
+            px_discovery_stop(d);
+            return NULL;
+        }
+    /* The failure counter goes on across reloads (a Prometheus counter). */
+    if (old && old->disc) atomic_init(&d->failures, px_discovery_failures(old->disc));
+    d->old = NULL; /* only while the pools are filled */
     for (size_t i = 0; i < d->n; i++)
         d->e[i].d = d;
     if (!d->n) return d;
@@ -189,12 +201,13 @@ px_discovery *px_discovery_start(px_server *s, struct event_base *base, char *er
      * and caches answer such names badly. */
     evdns_base_set_option(d->dns, "randomize-case:", "0");
     d->timer = event_new(base, -1, EV_PERSIST, on_timer, d);
-    double r = c->dns_refresh;
+    double r = dns_refresh;
     struct timeval tv = {(time_t)r, (suseconds_t)((r - (double)(time_t)r) * 1e6)};
     event_add(d->timer, &tv);
     refresh(d);
     /* Give the first answers a moment, so that the pools are filled when
      * the listeners open; a silent server costs at most this second. */
+    if (!wait) return d;
     int late = 0;
     struct event *deadline = evtimer_new(base, on_startup_deadline, &late);
     struct timeval one = {1, 0};
@@ -211,13 +224,32 @@ px_discovery *px_discovery_start(px_server *s, struct event_base *base, char *er
     return d;
 }
 
+void px_discovery_retire(px_discovery *d) {
+    if (!d) return;
+    if (d->timer) event_free(d->timer);
+    d->timer = NULL;
+    for (size_t i = 0; i < d->n; i++)
+        if (d->e[i].req && !d->e[i].cancelled) {
+            d->e[i].cancelled = 1;
+            evdns_getaddrinfo_cancel(d->e[i].req); /* calls back with CANCEL */
+        }
+}
+
+int px_discovery_idle(const px_discovery *d) {
+    for (size_t i = 0; d && i < d->n; i++)
+        if (d->e[i].req) return 0;
+    return 1;
+}
+
 void px_discovery_stop(px_discovery *d) {
     if (!d) return;
     if (d->timer) event_free(d->timer);
     int cancelled = 0;
     for (size_t i = 0; i < d->n; i++)
         if (d->e[i].req) {
-            evdns_getaddrinfo_cancel(d->e[i].req); /* calls back with CANCEL */
+            if (!d->e[i].cancelled)
+                evdns_getaddrinfo_cancel(d->e[i].req); /* calls back with CANCEL */
+            d->e[i].cancelled = 1;
             cancelled = 1;
         }
     /* A cancelled lookup is freed by evdns's deferred callbacks: let them

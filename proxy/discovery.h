@@ -15,15 +15,28 @@
 
 #include "util.h"
 
-struct px_server;
+struct px_gen;
+struct px_pool_spec;
 typedef struct px_discovery px_discovery;
 
-/* Fills the server's pools: IP literals and toy-style hosts at once; names
- * are resolved on `base` (borrowed: the control loop, which must outlive
- * discovery), waiting at most a second for the first answers. NULL with err
- * on a malformed URL or when the resolver cannot be set up. */
-px_discovery *px_discovery_start(struct px_server *s, struct event_base *base, char *err,
-                                 size_t errlen);
+/* Fills the generation's pools from `specs` (one per pool, in g's order):
+ * IP literals and toy-style hosts at once; names are resolved on `base`
+ * (borrowed: the control loop, which must outlive discovery), every
+ * dns_refresh seconds. Backends of `old` (the generation replaced, or NULL)
+ * made for a URL that stays are kept, with their health and counters.
+ * wait: block up to a second for the first answers (at start, never from a
+ * callback of `base`). NULL with err on a malformed URL or when the
+ * resolver cannot be set up. */
+px_discovery *px_discovery_start(struct px_gen *g, const struct px_pool_spec *specs,
+                                 struct px_gen *old, double dns_refresh, struct event_base *base,
+                                 int wait, char *err, size_t errlen);
+/* Stops refreshing and cancels what is in flight without running the loop
+ * (callable from its callbacks); px_discovery_stop() frees it later, on a
+ * later loop turn. */
+void px_discovery_retire(px_discovery *d);
+/* Whether no lookup of d awaits its callback: a retired discovery may then
+ * be stopped from inside the loop. */
+int px_discovery_idle(const px_discovery *d);
 /* Cancels resolutions in flight and frees. NULL is a no-op. */
 void px_discovery_stop(px_discovery *d);
 

@@ -14,7 +14,8 @@ typedef enum { K_HEALTH, K_SCRAPE } check_kind;
 
 typedef struct check {
     struct px_health *h;
-    px_pool *pool; /* borrowed: the server's */
+    px_gen *g;     /* owned reference: the generation of pool */
+    px_pool *pool; /* borrowed: g's */
     px_backend *b; /* owned reference */
     check_kind kind;
     int status;
@@ -46,6 +47,7 @@ static void check_free(check *c) {
     else
         c->b->scrape_busy = 0;
     px_backend_release(c->b);
+    px_gen_release(c->g);
     px_buf_cleanup(&c->body);
     px_buf_cleanup(&c->url);
     free(c);
@@ -97,10 +99,12 @@ static void on_done(void *arg, px_up_result rc, const char *errbuf, int connecte
 
 static const px_upstream_cbs check_cbs = {on_headers, on_data, on_done};
 
-static void start_check(px_health *h, px_pool *pool, px_backend *b, check_kind kind) {
+static void start_check(px_health *h, px_gen *g, px_pool *pool, px_backend *b, check_kind kind) {
     const px_config *cfg = h->s->cfg;
     check *c = px_xcalloc(1, sizeof *c);
     c->h = h;
+    c->g = g;
+    atomic_fetch_add(&g->refs, 1);
     c->pool = pool;
     c->b = b; /* takes the caller's reference */
     c->kind = kind;
@@ -126,20 +130,25 @@ static void start_check(px_health *h, px_pool *pool, px_backend *b, check_kind k
     if (!c->up) check_free(c);
 }
 
+/* Control thread: the generation swaps happen here, so h->s->gen is
+ * stable. A backend kept by a reload is checked once, in its newest pool. */
 static void sweep(px_health *h, check_kind kind) {
-    px_pool *pools[2] = {&h->s->prefill, &h->s->decode};
-    for (int r = 0; r < 2; r++) {
-        if (kind == K_SCRAPE && pools[r]->cfg.policy != PX_POLICY_LOAD_AWARE) continue;
-        size_t n;
-        px_backend **m = px_pool_members(pools[r], &n);
-        for (size_t i = 0; i < n; i++) {
-            int busy = kind == K_HEALTH ? m[i]->check_busy : m[i]->scrape_busy;
-            if (busy)
-                px_backend_release(m[i]);
-            else
-                start_check(h, pools[r], m[i], kind);
+    px_gen *g = h->s->gen;
+    for (size_t p = 0; p < g->nps; p++) {
+        px_pool *pools[2] = {&g->ps[p].prefill, &g->ps[p].decode};
+        for (int r = 0; r < 2; r++) {
+            if (kind == K_SCRAPE && pools[r]->cfg.policy != PX_POLICY_LOAD_AWARE) continue;
+            size_t n;
+            px_backend **m = px_pool_members(pools[r], &n);
+            for (size_t i = 0; i < n; i++) {
+                int busy = kind == K_HEALTH ? m[i]->check_busy : m[i]->scrape_busy;
+                if (busy)
+                    px_backend_release(m[i]);
+                else
+                    start_check(h, g, pools[r], m[i], kind);
+            }
+            free(m);
         }
-        free(m);
     }
 }
 
@@ -161,8 +170,8 @@ static struct event *every(px_health *h, double seconds, event_callback_fn fn) {
 
 px_health *px_health_start(px_server *s, struct event_base *base) {
     const px_config *cfg = s->cfg;
-    int scrape = s->prefill.cfg.policy == PX_POLICY_LOAD_AWARE ||
-                 s->decode.cfg.policy == PX_POLICY_LOAD_AWARE;
+    /* Scrapes run whenever load_aware may be chosen, by a reload too. */
+    int scrape = 1;
     if (cfg->health_interval <= 0 && !scrape) return NULL;
     px_health *h = px_xcalloc(1, sizeof *h);
     h->s = s;

@@ -46,6 +46,7 @@ int main(int argc, char **argv) {
         px_config_cleanup(&cfg);
         return 2;
     }
+    px_server_set_args(s, argc, argv, environ); /* SIGHUP merges them over the file again */
     int rc = px_server_run(s);
     px_server_destroy(s);
     px_otlp_stop(); /* exports what the last requests left, within its timeout */

@@ -101,46 +101,84 @@ static void label_value(px_buf *o, const char *v) {
     }
 }
 
+/* The pool label, when the pools are named (the unnamed pool's metrics
+ * keep the labels they always had). */
+static void pool_label(px_buf *o, const px_gen *g, size_t p) {
+    if (!g->named) return;
+    px_buf_appends(o, "pool=\"");
+    label_value(o, g->ps[p].name);
+    px_buf_appends(o, "\",");
+}
+
 static void render_backends(px_buf *o, px_server *s) {
-    px_pool *pools[2] = {&s->prefill, &s->decode};
-    size_t n[2];
-    px_backend **m[2];
-    for (int r = 0; r < 2; r++)
+    px_gen *g = px_server_gen(s);
+    size_t np = 2 * g->nps;
+    px_pool **pools = px_xcalloc(np ? np : 1, sizeof *pools);
+    size_t *n = px_xcalloc(np ? np : 1, sizeof *n);
+    px_backend ***m = px_xcalloc(np ? np : 1, sizeof *m);
+    for (size_t r = 0; r < np; r++) {
+        pools[r] = r % 2 ? &g->ps[r / 2].decode : &g->ps[r / 2].prefill;
         m[r] = px_pool_members(pools[r], &n[r]);
+    }
 
     px_buf_appends(o, "# HELP pdproxy_backend_up Whether a backend receives traffic (1) or is "
                       "ejected (0).\n# TYPE pdproxy_backend_up gauge\n");
-    for (int r = 0; r < 2; r++)
+    for (size_t r = 0; r < np; r++)
         for (size_t i = 0; i < n[r]; i++) {
-            px_buf_printf(o, "pdproxy_backend_up{role=\"%s\",backend=\"", pools[r]->role);
+            px_buf_appends(o, "pdproxy_backend_up{");
+            pool_label(o, g, r / 2);
+            px_buf_printf(o, "role=\"%s\",backend=\"", pools[r]->role);
             label_value(o, m[r][i]->name);
-            px_buf_printf(o, "\"} %d\n", atomic_load(&m[r][i]->healthy) ? 1 : 0);
+            px_buf_printf(o, "\"} %d\n",
+                          atomic_load(&m[r][i]->healthy) && !atomic_load(&m[r][i]->drained) ? 1
+                                                                                            : 0);
         }
     px_buf_appends(o, "# HELP pdproxy_backend_inflight Requests in flight to a backend.\n"
                       "# TYPE pdproxy_backend_inflight gauge\n");
-    for (int r = 0; r < 2; r++)
+    for (size_t r = 0; r < np; r++)
         for (size_t i = 0; i < n[r]; i++) {
-            px_buf_printf(o, "pdproxy_backend_inflight{role=\"%s\",backend=\"", pools[r]->role);
+            px_buf_appends(o, "pdproxy_backend_inflight{");
+            pool_label(o, g, r / 2);
+            px_buf_printf(o, "role=\"%s\",backend=\"", pools[r]->role);
             label_value(o, m[r][i]->name);
             px_buf_printf(o, "\"} %d\n", atomic_load(&m[r][i]->inflight));
         }
     px_buf_appends(o, "# HELP pdproxy_upstream_requests_total Requests sent to backends, by "
                       "outcome.\n# TYPE pdproxy_upstream_requests_total counter\n");
-    for (int r = 0; r < 2; r++)
+    for (size_t r = 0; r < np; r++)
         for (size_t i = 0; i < n[r]; i++)
             for (int k = 0; k < PX_OUT_COUNT; k++) {
                 unsigned long long v = ld(&m[r][i]->outcomes[k]);
                 if (!v && k != PX_OUT_OK) continue;
-                px_buf_printf(o, "pdproxy_upstream_requests_total{role=\"%s\",backend=\"",
-                              pools[r]->role);
+                px_buf_appends(o, "pdproxy_upstream_requests_total{");
+                pool_label(o, g, r / 2);
+                px_buf_printf(o, "role=\"%s\",backend=\"", pools[r]->role);
                 label_value(o, m[r][i]->name);
                 px_buf_printf(o, "\",outcome=\"%s\"} %llu\n", px_outcome_name((px_outcome)k), v);
             }
-    for (int r = 0; r < 2; r++) {
+    px_buf_appends(o, "# HELP pdproxy_panic_routed_total Requests routed to an ejected backend "
+                      "because every backend of the role was ejected for request failures.\n"
+                      "# TYPE pdproxy_panic_routed_total counter\n");
+    for (size_t r = 0; r < np; r++) {
+        px_buf_appends(o, "pdproxy_panic_routed_total{");
+        pool_label(o, g, r / 2);
+        px_buf_printf(o, "role=\"%s\"} %llu\n", pools[r]->role,
+                      (unsigned long long)atomic_load(&pools[r]->panic_routed));
+    }
+    px_buf_printf(o,
+                  "# HELP pdproxy_config_generation Configuration generation serving new "
+                  "requests (1 at start, one more per reload).\n"
+                  "# TYPE pdproxy_config_generation gauge\npdproxy_config_generation %llu\n",
+                  (unsigned long long)g->id);
+    for (size_t r = 0; r < np; r++) {
         for (size_t i = 0; i < n[r]; i++)
             px_backend_release(m[r][i]);
         free(m[r]);
     }
+    free(m);
+    free(n);
+    free(pools);
+    px_gen_release(g);
 }
 
 /* Start of this process in seconds since the epoch: its start in clock
@@ -247,21 +285,14 @@ static void render_limits(px_buf *o, px_server *s) {
     counter(o, "pdproxy_send_timeouts_total",
             "Client connections closed because the client read nothing for --send-timeout.",
             (unsigned long long)atomic_load(&sh->send_timeouts));
-    px_buf_appends(o, "# HELP pdproxy_panic_routed_total Requests routed to an ejected backend "
-                      "because every backend of the role was ejected for request failures.\n"
-                      "# TYPE pdproxy_panic_routed_total counter\n");
-    px_buf_printf(o, "pdproxy_panic_routed_total{role=\"prefill\"} %llu\n",
-                  (unsigned long long)atomic_load(&s->prefill.panic_routed));
-    px_buf_printf(o, "pdproxy_panic_routed_total{role=\"decode\"} %llu\n",
-                  (unsigned long long)atomic_load(&s->decode.panic_routed));
     counter(o, "pdproxy_dns_resolution_failures_total",
             "Resolutions of backend names that failed (the last addresses are kept).",
-            (unsigned long long)px_discovery_failures(s->disc));
+            (unsigned long long)px_server_dns_failures(s));
     px_buf_printf(o,
                   "# HELP pdproxy_backend_names_unresolved Backend names whose last resolution "
                   "failed.\n# TYPE pdproxy_backend_names_unresolved gauge\n"
                   "pdproxy_backend_names_unresolved %zu\n",
-                  px_discovery_unresolved(s->disc));
+                  px_server_dns_unresolved(s));
 }
 
 void px_metrics_render(px_server *s, px_buf *o) {

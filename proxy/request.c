@@ -42,6 +42,10 @@ struct px_req {
     px_req *prev, *next; /* in w->reqs */
     px_worker *w;        /* borrowed: the worker this request runs on */
     px_server *s;        /* borrowed */
+    px_gen *g;           /* owned reference: the configuration this request runs on */
+    px_pset *ps;         /* borrowed from g: the pool of the request's model */
+    px_backend *hb;      /* owned reference: the prefill named by the request's header */
+    int no_prefill;      /* sidecar mode without the header: decode alone */
     px_conn *conn;       /* borrowed: NULL once the exchange ended or the client left */
     req_state state;
     px_endpoint ep;
@@ -122,12 +126,14 @@ static void req_free(px_req *r) {
     if (r->next) r->next->prev = r->prev;
     r->w->nreqs--;
     px_upstream_cancel(r->up);
-    px_backend_done(&r->s->prefill, r->pb, PX_OUT_CANCELLED);
-    px_backend_done(&r->s->decode, r->db, PX_OUT_CANCELLED);
+    px_backend_done(&r->ps->prefill, r->pb, PX_OUT_CANCELLED);
+    px_backend_done(&r->ps->decode, r->db, PX_OUT_CANCELLED);
     if (r->retry_timer) event_free(r->retry_timer);
     if (r->idle_timer) event_free(r->idle_timer);
     if (r->grace_timer) event_free(r->grace_timer);
     if (r->counted) atomic_fetch_sub(&r->s->inflight, 1);
+    px_backend_release(r->hb);
+    px_gen_release(r->g);
     px_budget_add(&r->s->shared, -r->held);
     px_buf_cleanup(&r->body);
     px_buf_cleanup(&r->pbody);
@@ -375,7 +381,7 @@ static void on_idle_timer(evutil_socket_t fd, short what, void *arg) {
     px_req *r = arg;
     px_upstream_cancel(r->up);
     r->up = NULL;
-    px_backend_done(&r->s->decode, r->db, PX_OUT_TIMEOUT);
+    px_backend_done(&r->ps->decode, r->db, PX_OUT_TIMEOUT);
     r->db = NULL;
     if (r->state == RS_RELEASING) {
         req_end(r, 499, "client_disconnected");
@@ -431,7 +437,7 @@ static void released_via_decode(px_req *r) {
     px_upstream_cancel(r->up); /* NULL once it ended */
     r->up = NULL;
     if (r->idle_timer) evtimer_del(r->idle_timer);
-    px_backend_done(&r->s->decode, r->db, PX_OUT_CANCELLED);
+    px_backend_done(&r->ps->decode, r->db, PX_OUT_CANCELLED);
     r->db = NULL;
     px_m_inc(&r->w->metrics.stranded_released);
     PX_LOG(PX_LOG_INFO,
@@ -451,7 +457,7 @@ static void decode_done(void *arg, px_up_result rc, const char *errbuf, int conn
         released_via_decode(r);
         return;
     }
-    attempt_done(&r->s->decode, r->db, r->tried_d, r->ntried_d, o);
+    attempt_done(&r->ps->decode, r->db, r->tried_d, r->ntried_d, o);
     r->db = NULL;
     if (rc == PX_UP_OK) {
         if (r->conn) {
@@ -469,7 +475,7 @@ static void decode_done(void *arg, px_up_result rc, const char *errbuf, int conn
     /* Resend only what decode never saw: it may have read prefill's blocks
      * once the request reached it. */
     size_t ndecode;
-    px_pool_counts(&r->s->decode, &ndecode, NULL);
+    px_pool_counts(&r->ps->decode, &ndecode, NULL);
     if (!connected && r->ntried_d < MAX_TRIES && r->ntried_d < ndecode) {
         PX_LOG(PX_LOG_WARN,
                "req=%s msg=\"decode unreachable, trying another\" decode=%s error=\"%s\"", r->lid,
@@ -492,7 +498,7 @@ static const px_upstream_cbs decode_cbs = {decode_headers, decode_data, decode_d
 static void start_decode(px_req *r) {
     px_pick k = {.exclude = r->tried_d, .nexclude = r->ntried_d};
     size_t n;
-    r->db = px_pool_pick(&r->s->decode, &k, &n);
+    r->db = px_pool_pick(&r->ps->decode, &k, &n);
     if (!r->db) {
         if (r->state == RS_RELEASING) {
             PX_LOG(PX_LOG_WARN,
@@ -597,7 +603,7 @@ static void prefill_done(void *arg, px_up_result rc, const char *errbuf, int con
     if (r->grace_timer) evtimer_del(r->grace_timer); /* it answered in time */
     px_outcome o = outcome_of(rc, r->pstatus);
     if (r->too_big) o = PX_OUT_SERVER_ERR;
-    attempt_done(&r->s->prefill, r->pb, r->tried_p, r->ntried_p, o);
+    attempt_done(&r->ps->prefill, r->pb, r->tried_p, r->ntried_p, o);
     r->pb = NULL;
     const char *why = errbuf[0] ? errbuf : px_up_result_str(rc);
 
@@ -661,14 +667,24 @@ static const px_upstream_cbs prefill_cbs = {prefill_headers, prefill_data, prefi
 static void start_prefill(px_req *r) {
     px_pick k = {
         .key = r->key, .key_len = r->key_len, .exclude = r->tried_p, .nexclude = r->ntried_p};
-    size_t n;
-    r->pb = px_pool_pick(&r->s->prefill, &k, &n);
+    size_t n = 0;
+    if (r->hb) { /* sidecar: the prefill the header named */
+        r->pb = r->hb;
+        atomic_fetch_add(&r->pb->refs, 1);
+        atomic_fetch_add(&r->pb->inflight, 1);
+    } else if (!r->no_prefill) {
+        r->pb = px_pool_pick(&r->ps->prefill, &k, &n);
+    }
     if (!r->pb) {
-        if (r->s->cfg->fallback_decode_only) {
-            PX_LOG(PX_LOG_WARN,
-                   "req=%s msg=\"no healthy prefill: sending the request to decode alone\" "
-                   "prefill_backends=%zu",
-                   r->lid, n);
+        if (r->s->cfg->fallback_decode_only || r->no_prefill) {
+            if (r->no_prefill)
+                PX_LOG(PX_LOG_DEBUG, "req=%s msg=\"no x-prefiller-host-port: decode alone\"",
+                       r->lid);
+            else
+                PX_LOG(PX_LOG_WARN,
+                       "req=%s msg=\"no healthy prefill: sending the request to decode alone\" "
+                       "prefill_backends=%zu",
+                       r->lid, n);
             px_buf_reset(&r->dbody);
             px_rewrite_decode(r->body.data, r->body.len, NULL, 0, &r->dbody);
             account(r);
@@ -687,7 +703,7 @@ static void start_prefill(px_req *r) {
     if (r->prefill_deadline) {
         uint64_t now = px_now_ns();
         if (now + 1000000 >= r->prefill_deadline) {
-            px_backend_done(&r->s->prefill, r->pb, PX_OUT_CANCELLED);
+            px_backend_done(&r->ps->prefill, r->pb, PX_OUT_CANCELLED);
             r->pb = NULL;
             req_fail(r, 504, NULL, "prefill did not answer within --prefill-timeout %gs",
                      r->s->cfg->prefill_timeout);
@@ -762,7 +778,101 @@ static void find_key(px_req *r) {
     if (!px_json_find(r->body.data, r->body.len, name, &m)) return;
     r->key = m.val;
     r->key_len =
-        m.val_len < r->s->prefill.cfg.prefix_bytes ? m.val_len : r->s->prefill.cfg.prefix_bytes;
+        m.val_len < r->ps->prefill.cfg.prefix_bytes ? m.val_len : r->ps->prefill.cfg.prefix_bytes;
+}
+
+/* Named pools: the body's model chooses the pool; an unknown one gets
+ * OpenAI's 404 model_not_found. Returns -1 when r has ended. */
+static int choose_pool(px_req *r) {
+    if (!r->g->named) return 0;
+    px_json_member m;
+    char model[512];
+    long n = -1;
+    if (px_json_find(r->body.data, r->body.len, "model", &m) && m.val_len >= 2 && m.val[0] == '"')
+        n = px_json_str_decode(m.val + 1, m.val_len - 2, model, sizeof model);
+    if (n < 0) {
+        req_fail(r, 400, NULL, "the request names no model (a string \"model\" member)");
+        return -1;
+    }
+    r->ps = px_gen_find(r->g, model, (size_t)n);
+    if (r->ps) return 0;
+    r->ps = &r->g->ps[0];
+    px_buf b, msg;
+    px_buf_init(&b);
+    px_buf_init(&msg);
+    px_buf_printf(&msg, "The model `%.*s` does not exist.", (int)(n > 200 ? 200 : n), model);
+    px_buf_appends(&b, "{\"error\":{\"message\":");
+    px_buf_append_json_str(&b, msg.data, msg.len);
+    px_buf_appends(&b, ",\"type\":\"invalid_request_error\",\"param\":\"model\","
+                       "\"code\":\"model_not_found\"}}");
+    char q[600];
+    PX_LOG(PX_LOG_INFO, "req=%s msg=\"unknown model\" model=%s status=404", r->lid,
+           px_log_value(model, q, sizeof q));
+    if (r->conn) px_conn_reply(r->conn, 404, "application/json", r->id, NULL, b.data, b.len);
+    r->conn = NULL;
+    px_buf_cleanup(&b);
+    px_buf_cleanup(&msg);
+    req_end(r, 404, "model_not_found");
+    return -1;
+}
+
+/* --prefiller-from-header (llm-d's routing sidecar): x-prefiller-host-port
+ * names the prefill, host:port; of several (header lines, or one line of
+ * comma-separated values) the first counts; without it, decode alone. Its
+ * host must be in --prefiller-allowlist, or the request is refused before
+ * any backend sees it. Returns -1 when r has ended. */
+static int sidecar_prefill(px_req *r, const px_http_head *h) {
+    if (!r->s->cfg->prefiller_from_header) return 0;
+    const px_http_header *x = px_http_find(h, "x-prefiller-host-port");
+    const char *v = x ? x->value : "";
+    size_t n = x ? x->value_len : 0;
+    size_t l = 0;
+    while (l < n && v[l] == ' ')
+        v++, n--;
+    while (l < n && v[l] != ',')
+        l++;
+    while (l && v[l - 1] == ' ')
+        l--;
+    if (!l) {
+        r->no_prefill = 1;
+        return 0;
+    }
+    char hp[300], host[260];
+    int port = 0;
+    char url[320];
+    if (l >= sizeof hp) goto bad;
+    memcpy(hp, v, l);
+    hp[l] = '\0';
+    snprintf(url, sizeof url, "http://%s", hp);
+    int https;
+    if (!strrchr(hp, ':') || (hp[0] == '[' && !strstr(hp, "]:")) ||
+        px_url_split(url, host, sizeof host, &port, &https) < 0 || port < 1)
+        goto bad;
+    if (!px_host_allowed(&r->s->cfg->prefiller_allowlist, host)) {
+        char q[700];
+        PX_LOG(PX_LOG_WARN,
+               "req=%s msg=\"x-prefiller-host-port outside --prefiller-allowlist: refused\" "
+               "target=%s",
+               r->lid, px_log_value(hp, q, sizeof q));
+        req_fail(r, 400, NULL, "x-prefiller-host-port '%s' is not an allowed prefill target", hp);
+        return -1;
+    }
+    /* A configured prefill of that address keeps its health and counters. */
+    size_t nm;
+    px_backend **m = px_pool_members(&r->ps->prefill, &nm);
+    for (size_t i = 0; i < nm; i++) {
+        if (!r->hb && !strcmp(m[i]->name, hp))
+            r->hb = m[i];
+        else
+            px_backend_release(m[i]);
+    }
+    free(m);
+    if (!r->hb) r->hb = px_backend_create(url);
+    if (!r->hb) goto bad;
+    return 0;
+bad:
+    req_fail(r, 400, NULL, "x-prefiller-host-port must be host:port");
+    return -1;
 }
 
 void px_req_start(px_worker *w, px_conn *c, px_endpoint ep, const px_http_head *h, px_buf *body) {
@@ -773,6 +883,8 @@ void px_req_start(px_worker *w, px_conn *c, px_endpoint ep, const px_http_head *
     w->reqs = r;
     w->nreqs++;
     r->s = w->srv;
+    r->g = px_server_gen(r->s);
+    r->ps = &r->g->ps[0];
     r->conn = c;
     r->ep = ep;
     r->state = RS_NEW;
@@ -840,6 +952,19 @@ void px_req_start(px_worker *w, px_conn *c, px_endpoint ep, const px_http_head *
         req_fail(r, 400, NULL, "request body must be a JSON object");
         return;
     }
+    if (choose_pool(r) < 0 || sidecar_prefill(r, h) < 0) return;
+    /* A prefill without a decode to hand its blocks to would strand them
+     * until they expire: refuse before starting one. */
+    if (!px_pool_usable(&r->ps->decode)) {
+        size_t nd;
+        px_pool_counts(&r->ps->decode, &nd, NULL);
+        req_fail(r, 503, "Retry-After: 1\r\n",
+                 "no decode backend can take the request (%s%s%s%s); no prefill was started",
+                 nd ? "every decode backend is ejected or drained" : "no decode backend",
+                 r->g->named ? " in pool '" : "", r->g->named ? r->ps->name : "",
+                 r->g->named ? "'" : "");
+        return;
+    }
     /* The client's body is held already (the connection counted it); the
      * prefill copy needs room in the budget too. */
     account(r);
@@ -853,7 +978,7 @@ void px_req_start(px_worker *w, px_conn *c, px_endpoint ep, const px_http_head *
     r->held += (int64_t)r->body.len + 512;
     px_rewrite_prefill(r->body.data, r->body.len, &r->pbody);
     account(r);
-    if (r->s->prefill.cfg.policy == PX_POLICY_PREFIX_AFFINITY) find_key(r);
+    if (r->ps->prefill.cfg.policy == PX_POLICY_PREFIX_AFFINITY) find_key(r);
     if (r->s->cfg->prefill_timeout > 0)
         r->prefill_deadline = r->t0 + (uint64_t)(r->s->cfg->prefill_timeout * 1e9);
     start_prefill(r);

@@ -191,7 +191,7 @@ static void add_member(px_pool *p, px_backend *b) {
     p->b[p->n++] = b;
 }
 
-px_backend *px_pool_add(px_pool *p, const char *url, const char *connect_ip) {
+static px_backend *backend_make(const char *role, const char *url, const char *connect_ip) {
     char host[256];
     int port, https;
     if (px_url_split(url, host, sizeof host, &port, &https) < 0) return NULL;
@@ -220,16 +220,47 @@ px_backend *px_pool_add(px_pool *p, const char *url, const char *connect_ip) {
         PX_LOG(PX_LOG_WARN,
                "msg=\"cannot resolve backend host; requests to it fail until restarted (use "
                "--prefill/--decode URLs for names that DNS should follow)\" role=%s backend=%s",
-               p->role, name.data);
+               role, name.data);
     }
     px_buf_cleanup(&u);
     px_buf_cleanup(&name);
     px_buf_cleanup(&pin);
+    return b;
+}
+
+px_backend *px_backend_create(const char *url) {
+    return backend_make("prefill", url, NULL);
+}
+
+px_backend *px_pool_add(px_pool *p, const char *url, const char *connect_ip) {
+    px_backend *b = backend_make(p->role, url, connect_ip);
+    if (!b) return NULL;
     pthread_mutex_lock(&p->mu);
     add_member(p, b);
     rebuild_ring(p);
     pthread_mutex_unlock(&p->mu);
     return b;
+}
+
+size_t px_pool_adopt(px_pool *p, px_pool *from, const char *src) {
+    if (!from) return 0;
+    size_t n;
+    px_backend **m = px_pool_members(from, &n), **keep = px_xmalloc((n ? n : 1) * sizeof *keep);
+    size_t k = 0;
+    for (size_t i = 0; i < n; i++) {
+        if (!strcmp(m[i]->src, src))
+            keep[k++] = m[i]; /* the snapshot's reference becomes the pool's */
+        else
+            px_backend_release(m[i]);
+    }
+    free(m);
+    pthread_mutex_lock(&p->mu);
+    for (size_t i = 0; i < k; i++)
+        add_member(p, keep[i]);
+    if (k) rebuild_ring(p);
+    pthread_mutex_unlock(&p->mu);
+    free(keep);
+    return k;
 }
 
 size_t px_pool_sync_addrs(px_pool *p, const char *url, const char *host, int port, char **ips,
@@ -289,6 +320,7 @@ size_t px_pool_sync_addrs(px_pool *p, const char *url, const char *host, int por
 
 /* Under p->mu: may b take a request now? */
 static int eligible(px_pool *p, px_backend *b, uint64_t now) {
+    if (atomic_load(&b->drained)) return 0;
     if (atomic_load(&b->healthy)) return 1;
     if (p->cfg.active_checks) return 0;
     /* No active checks: after its backoff an ejected backend gets one try. */
@@ -409,7 +441,8 @@ px_backend *px_pool_pick(px_pool *p, const px_pick *k, size_t *nmembers) {
          * untried ones first, as above. */
         for (int pass = 0; pass < 2 && nc == 0; pass++)
             for (size_t i = 0; i < p->n; i++)
-                if ((pass == 1 || !excluded(k, p->b[i])) && !atomic_load(&p->b[i]->check_failing))
+                if ((pass == 1 || !excluded(k, p->b[i])) && !atomic_load(&p->b[i]->check_failing) &&
+                    !atomic_load(&p->b[i]->drained))
                     cand[nc++] = i;
         if (nc) atomic_fetch_add_explicit(&p->panic_routed, 1, memory_order_relaxed);
     }
@@ -521,7 +554,7 @@ size_t px_pool_usable(px_pool *p) {
     if (h) return h;
     pthread_mutex_lock(&p->mu);
     for (size_t i = 0; i < p->n; i++)
-        panic += !atomic_load(&p->b[i]->check_failing);
+        panic += !atomic_load(&p->b[i]->check_failing) && !atomic_load(&p->b[i]->drained);
     pthread_mutex_unlock(&p->mu);
     return panic;
 }
@@ -530,7 +563,7 @@ void px_pool_counts(px_pool *p, size_t *n, size_t *healthy) {
     pthread_mutex_lock(&p->mu);
     size_t h = 0;
     for (size_t i = 0; i < p->n; i++)
-        h += atomic_load(&p->b[i]->healthy) != 0;
+        h += atomic_load(&p->b[i]->healthy) && !atomic_load(&p->b[i]->drained);
     if (n) *n = p->n;
     if (healthy) *healthy = h;
     pthread_mutex_unlock(&p->mu);

@@ -57,6 +57,7 @@ typedef struct px_backend {
     atomic_int ejections;        /* times ejected, for the passive backoff */
     atomic_int check_failing;    /* its last active health check failed */
     atomic_int ejected_by_check; /* the current ejection came from health checks */
+    atomic_int drained;          /* admin API: takes no new request */
     atomic_ullong readmit_ns;    /* without active checks: when an ejected backend is tried again */
     /* load_aware: the engine's own figures, scraped from /metrics. */
     atomic_int load_known;
@@ -99,6 +100,15 @@ void px_pool_cleanup(px_pool *p);
  * the connection to that address while requests keep the URL's host name.
  * The pool takes the new backend's only reference. */
 px_backend *px_pool_add(px_pool *p, const char *url, const char *connect_ip);
+
+/* Adds to p every member of `from` (NULL: none) that was made for `src`
+ * (the configured URL), with their health and counters: a reload keeps the
+ * backends it keeps. Returns how many. */
+size_t px_pool_adopt(px_pool *p, px_pool *from, const char *src);
+
+/* A backend outside any pool (the sidecar's prefill named by a request),
+ * with one reference for the caller. NULL when the URL is malformed. */
+px_backend *px_backend_create(const char *url);
 
 /* Replaces the members that were added for `url` by one per address in
  * `ips` (DNS discovery). Existing backends for a kept address stay, with

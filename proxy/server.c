@@ -14,6 +14,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include "admin.h"
 #include "discovery.h"
 #include "health.h"
 #include "http.h"
@@ -44,31 +45,148 @@ static void reply_json(px_metrics *m, px_conn *c, px_metric_endpoint ep, int sta
     px_conn_reply(c, status, "application/json", NULL, NULL, json, n);
 }
 
-static void reply_ready(px_server *s, px_metrics *m, px_conn *c) {
-    size_t pn, ph, dn, dh;
-    px_pool_counts(&s->prefill, &pn, &ph);
-    px_pool_counts(&s->decode, &dn, &dh);
-    int draining = atomic_load(&s->draining);
+int px_pset_ready(const px_pset *cp, int fallback_decode_only, const char **why) {
+    px_pset *p = (px_pset *)cp; /* the pools' locks */
+    size_t pn, dn;
+    px_pool_counts(&p->prefill, &pn, NULL);
+    px_pool_counts(&p->decode, &dn, NULL);
     /* Backends ejected for failed requests still take traffic when all of
      * their role are (panic routing): readiness follows what can serve. */
-    size_t du = dh ? dh : px_pool_usable(&s->decode), pu = ph ? ph : px_pool_usable(&s->prefill);
-    const char *reason = draining  ? "draining"
-                         : dh == 0 ? (dn ? "every decode backend is ejected" : "no decode backend")
-                         : ph == 0 && !s->cfg->fallback_decode_only
-                             ? (pn ? "every prefill backend is ejected" : "no prefill backend")
-                             : NULL;
-    (void)pu;
-    int ready = !draining && du > 0;
+    if (!px_pool_usable(&p->decode)) {
+        *why = dn ? "every decode backend is ejected or drained" : "no decode backend";
+        return 0;
+    }
+    if (!fallback_decode_only && !px_pool_usable(&p->prefill)) {
+        *why = pn ? "every prefill backend is ejected or drained" : "no prefill backend";
+        return 0;
+    }
+    *why = NULL;
+    return 1;
+}
+
+static void role_json(px_buf *b, const char *role, px_pool *p) {
+    size_t n, h;
+    px_pool_counts(p, &n, &h);
+    px_buf_printf(b, "\"%s\":{\"healthy\":%zu,\"usable\":%zu,\"total\":%zu}", role, h,
+                  px_pool_usable(p), n);
+}
+
+/* 200 when every pool has a prefill and a decode backend that can take a
+ * request (decode alone with --fallback-decode-only); the JSON says, per
+ * pool and role, what is missing. */
+static void reply_ready(px_server *s, px_metrics *m, px_conn *c) {
+    px_gen *g = px_server_gen(s);
+    int draining = atomic_load(&s->draining);
+    /* The sidecar's prefills come with the requests: decode alone decides. */
+    int decode_alone = s->cfg->fallback_decode_only || s->cfg->prefiller_from_header;
+    size_t ph = 0, pn = 0, dh = 0, dn = 0;
+    int all = 1;
+    const char *first_why = NULL;
+    px_buf pools;
+    px_buf_init(&pools);
+    px_buf_appends(&pools, "[");
+    for (size_t i = 0; i < g->nps; i++) {
+        px_pset *p = &g->ps[i];
+        size_t n, h;
+        px_pool_counts(&p->prefill, &n, &h);
+        pn += n, ph += h;
+        px_pool_counts(&p->decode, &n, &h);
+        dn += n, dh += h;
+        const char *why;
+        int ok = px_pset_ready(p, decode_alone, &why);
+        if (!ok && !first_why) first_why = why;
+        all &= ok;
+        if (i) px_buf_appends(&pools, ",");
+        px_buf_appends(&pools, "{\"name\":");
+        px_buf_append_json_str(&pools, p->name, strlen(p->name));
+        px_buf_printf(&pools, ",\"ready\":%s,", ok ? "true" : "false");
+        role_json(&pools, "prefill", &p->prefill);
+        px_buf_appends(&pools, ",");
+        role_json(&pools, "decode", &p->decode);
+        px_buf_appends(&pools, ",\"missing\":[");
+        int first = 1;
+        if (!px_pool_usable(&p->prefill) && !decode_alone) {
+            px_buf_appends(&pools, "\"prefill\"");
+            first = 0;
+        }
+        if (!px_pool_usable(&p->decode))
+            px_buf_appends(&pools, first ? "\"decode\"" : ",\"decode\"");
+        px_buf_appends(&pools, "]");
+        if (why) {
+            px_buf_appends(&pools, ",\"reason\":");
+            px_buf_append_json_str(&pools, why, strlen(why));
+        }
+        px_buf_appends(&pools, "}");
+    }
+    px_buf_appends(&pools, "]");
+    int ready = !draining && all && g->nps > 0;
+    const char *reason = draining ? "draining" : first_why;
     px_buf b;
     px_buf_init(&b);
     px_buf_printf(&b,
-                  "{\"status\":\"%s\",\"draining\":%s,\"prefill\":{\"healthy\":%zu,\"total\":%zu},"
-                  "\"decode\":{\"healthy\":%zu,\"total\":%zu}",
-                  ready ? "ready" : "not ready", draining ? "true" : "false", ph, pn, dh, dn);
-    if (reason) px_buf_printf(&b, ",\"reason\":\"%s\"", reason);
-    px_discovery_ready_json(s->disc, &b);
+                  "{\"status\":\"%s\",\"draining\":%s,\"generation\":%llu,"
+                  "\"prefill\":{\"healthy\":%zu,\"total\":%zu},"
+                  "\"decode\":{\"healthy\":%zu,\"total\":%zu},\"pools\":",
+                  ready ? "ready" : "not ready", draining ? "true" : "false",
+                  (unsigned long long)g->id, ph, pn, dh, dn);
+    px_buf_append(&b, pools.data, pools.len);
+    if (reason) {
+        px_buf_appends(&b, ",\"reason\":");
+        px_buf_append_json_str(&b, reason, strlen(reason));
+    }
+    pthread_mutex_lock(&s->gen_mu);
+    px_discovery_ready_json(s->gen->disc, &b);
+    pthread_mutex_unlock(&s->gen_mu);
     px_buf_appends(&b, "}");
     reply_json(m, c, PX_MEP_READY, ready ? 200 : 503, b.data, b.len);
+    px_buf_cleanup(&b);
+    px_buf_cleanup(&pools);
+    px_gen_release(g);
+}
+
+/* Named pools: /v1/models lists their models (each once, in the order
+ * configured) and /v1/models/{id} answers from that list. id: NULL for the
+ * list. */
+static void reply_models(px_server *s, px_metrics *m, px_conn *c, const char *id, size_t idlen) {
+    px_gen *g = px_server_gen(s);
+    px_buf b;
+    px_buf_init(&b);
+    int found = 0;
+    if (!id) px_buf_appends(&b, "{\"object\":\"list\",\"data\":[");
+    size_t listed = 0;
+    for (size_t i = 0; i < g->nps; i++)
+        for (size_t j = 0; j < g->ps[i].models.n; j++) {
+            const char *mo = g->ps[i].models.v[j];
+            if (id) {
+                if (found || strlen(mo) != idlen || memcmp(mo, id, idlen)) continue;
+                found = 1;
+            }
+            if (listed++) px_buf_appends(&b, ",");
+            px_buf_appends(&b, "{\"id\":");
+            px_buf_append_json_str(&b, mo, strlen(mo));
+            px_buf_appends(
+                &b, ",\"object\":\"model\",\"created\":0,\"owned_by\":\"pdproxy\",\"root\":");
+            px_buf_append_json_str(&b, mo, strlen(mo));
+            px_buf_appends(&b, ",\"pool\":");
+            px_buf_append_json_str(&b, g->ps[i].name, strlen(g->ps[i].name));
+            px_buf_appends(&b, "}");
+        }
+    if (!id) px_buf_appends(&b, "]}");
+    px_gen_release(g);
+    if (id && !found) {
+        px_buf_reset(&b);
+        px_buf_appends(&b, "{\"error\":{\"message\":");
+        px_buf mm;
+        px_buf_init(&mm);
+        px_buf_printf(&mm, "The model '%.*s' does not exist", (int)(idlen > 200 ? 200 : idlen), id);
+        px_buf_append_json_str(&b, mm.data, mm.len);
+        px_buf_cleanup(&mm);
+        px_buf_appends(&b, ",\"type\":\"invalid_request_error\",\"param\":\"model\","
+                           "\"code\":\"model_not_found\"}}");
+        reply_json(m, c, PX_MEP_MODELS, 404, b.data, b.len);
+    } else {
+        reply_json(m, c, PX_MEP_MODELS, 200, b.data, b.len);
+    }
     px_buf_cleanup(&b);
 }
 
@@ -120,9 +238,16 @@ static int serve_local(px_server *s, px_metrics *m, px_conn *c, const px_http_he
     } else if (health) {
         reply_json(m, c, PX_MEP_HEALTH, 200, "{\"status\":\"ok\"}", 15);
     } else {
-        size_t pn, dn;
-        px_pool_counts(&s->prefill, &pn, NULL);
-        px_pool_counts(&s->decode, &dn, NULL);
+        size_t pn = 0, dn = 0;
+        px_gen *g = px_server_gen(s);
+        for (size_t i = 0; i < g->nps; i++) {
+            size_t n;
+            px_pool_counts(&g->ps[i].prefill, &n, NULL);
+            pn += n;
+            px_pool_counts(&g->ps[i].decode, &n, NULL);
+            dn += n;
+        }
+        px_gen_release(g);
         char json[160];
         int n = snprintf(json, sizeof json,
                          "{\"status\":\"ok\",\"prefill_instances\":%zu,\"decode_instances\":%zu}",
@@ -137,6 +262,20 @@ static int serve_local(px_server *s, px_metrics *m, px_conn *c, const px_http_he
 static void dispatch_metrics(void *ctx, px_conn *c, const px_http_head *h, px_buf *body) {
     px_server *s = ctx;
     if (!serve_local(s, NULL, c, h, 1)) not_found(c, h);
+}
+
+static int hexval(char c) {
+    return c >= '0' && c <= '9'   ? c - '0'
+           : c >= 'a' && c <= 'f' ? c - 'a' + 10
+           : c >= 'A' && c <= 'F' ? c - 'A' + 10
+                                  : -1;
+}
+
+static int models_local(px_server *s) {
+    px_gen *g = px_server_gen(s);
+    int named = g->named;
+    px_gen_release(g);
+    return named;
 }
 
 static void dispatch(void *ctx, px_conn *c, const px_http_head *h, px_buf *body) {
@@ -170,11 +309,44 @@ static void dispatch(void *ctx, px_conn *c, const px_http_head *h, px_buf *body)
                                 "invalid or missing API key: send Authorization: Bearer <key>");
             return;
         }
+        if (models && models_local(s)) {
+            reply_models(s, &w->metrics, c, NULL, 0);
+            return;
+        }
         px_req_start(w, c,
                      completions ? PX_EP_COMPLETIONS
                      : chat      ? PX_EP_CHAT
                                  : PX_EP_MODELS,
                      h, body);
+        return;
+    }
+    const char *path;
+    size_t plen;
+    px_http_path(h, &path, &plen);
+    if (plen > 11 && !memcmp(path, "/v1/models/", 11) && models_local(s)) {
+        if (!is_get) {
+            px_metrics_count(&w->metrics, PX_MEP_MODELS, 405);
+            px_conn_reply_error(c, 405, NULL, "Allow: GET\r\n", "method not allowed: use GET");
+        } else if (!authorized(s, h)) {
+            px_metrics_count(&w->metrics, PX_MEP_MODELS, 401);
+            px_conn_reply_error(c, 401, NULL, "WWW-Authenticate: Bearer\r\n",
+                                "invalid or missing API key: send Authorization: Bearer <key>");
+        } else {
+            /* Ids may hold '/' as is or as %2F (meta-llama%2FLlama-3.1-8B). */
+            char id[512];
+            size_t n = 0;
+            for (size_t i = 11; i < plen && n + 1 < sizeof id; i++) {
+                int hi, lo;
+                if (path[i] == '%' && i + 2 < plen && (hi = hexval(path[i + 1])) >= 0 &&
+                    (lo = hexval(path[i + 2])) >= 0) {
+                    id[n++] = (char)(hi << 4 | lo);
+                    i += 2;
+                } else {
+                    id[n++] = path[i];
+                }
+            }
+            reply_models(s, &w->metrics, c, id, n);
+        }
         return;
     }
     if (serve_local(s, &w->metrics, c, h, s->cfg->metrics_port == 0)) return;
@@ -428,20 +600,314 @@ static int setup_metrics_listener(px_server *s, char *err, size_t errlen) {
     return 0;
 }
 
-px_server *px_server_create(const px_config *cfg, char *err, size_t errlen) {
-    px_server *s = px_xcalloc(1, sizeof *s);
-    s->cfg = cfg;
+/* ---------- generations ---------- */
+
+px_gen *px_server_gen(px_server *s) {
+    pthread_mutex_lock(&s->gen_mu);
+    px_gen *g = s->gen;
+    atomic_fetch_add(&g->refs, 1);
+    pthread_mutex_unlock(&s->gen_mu);
+    return g;
+}
+
+/* Without discovery (detached by the control thread before): may run on
+ * any thread. */
+static void gen_free(px_gen *g) {
+    for (size_t i = 0; i < g->nps; i++) {
+        free(g->ps[i].name);
+        px_strlist_clear(&g->ps[i].models);
+        px_pool_cleanup(&g->ps[i].prefill);
+        px_pool_cleanup(&g->ps[i].decode);
+    }
+    free(g->ps);
+    free(g);
+}
+
+void px_gen_release(px_gen *g) {
+    if (g && atomic_fetch_sub(&g->refs, 1) == 1) gen_free(g);
+}
+
+px_pset *px_gen_find(px_gen *g, const char *model, size_t n) {
+    if (!g->named) return g->nps ? &g->ps[0] : NULL;
+    for (size_t i = 0; i < g->nps; i++)
+        for (size_t j = 0; j < g->ps[i].models.n; j++)
+            if (strlen(g->ps[i].models.v[j]) == n && !memcmp(g->ps[i].models.v[j], model, n))
+                return &g->ps[i];
+    return NULL;
+}
+
+uint64_t px_server_dns_failures(px_server *s) {
+    pthread_mutex_lock(&s->gen_mu);
+    uint64_t n = px_discovery_failures(s->gen->disc);
+    pthread_mutex_unlock(&s->gen_mu);
+    return n;
+}
+
+size_t px_server_dns_unresolved(px_server *s) {
+    pthread_mutex_lock(&s->gen_mu);
+    size_t n = px_discovery_unresolved(s->gen->disc);
+    pthread_mutex_unlock(&s->gen_mu);
+    return n;
+}
+
+static px_gen *gen_build(px_server *s, const px_config *cfg, const px_pool_spec *specs, size_t n,
+                         px_gen *old, int wait, char *err, size_t errlen) {
+    px_gen *g = px_xcalloc(1, sizeof *g);
+    atomic_init(&g->refs, 1);
+    g->named = cfg->npools > 0;
+    g->nps = n;
+    g->ps = px_xcalloc(n ? n : 1, sizeof *g->ps);
     px_pool_cfg pc = {
         .unhealthy_after = (int)cfg->unhealthy_after,
         .healthy_after = (int)cfg->healthy_after,
-        .active_checks = cfg->health_interval > 0,
+        .active_checks = s->cfg->health_interval > 0, /* the checker's, set at start */
         .prefix_bytes = (size_t)cfg->prefix_bytes,
         .load_factor = cfg->prefix_load_factor,
     };
-    pc.policy = (px_policy)px_policy_parse(cfg->prefill_policy);
-    px_pool_init(&s->prefill, "prefill", &pc);
-    pc.policy = (px_policy)px_policy_parse(cfg->decode_policy);
-    px_pool_init(&s->decode, "decode", &pc);
+    for (size_t i = 0; i < n; i++) {
+        px_pset *p = &g->ps[i];
+        p->name = px_xstrdup(specs[i].name);
+        for (size_t j = 0; j < specs[i].models.n; j++)
+            px_strlist_push(&p->models, specs[i].models.v[j]);
+        pc.policy = (px_policy)px_policy_parse(specs[i].prefill_policy[0] ? specs[i].prefill_policy
+                                                                          : cfg->prefill_policy);
+        px_pool_init(&p->prefill, "prefill", &pc);
+        pc.policy = (px_policy)px_policy_parse(specs[i].decode_policy[0] ? specs[i].decode_policy
+                                                                         : cfg->decode_policy);
+        px_pool_init(&p->decode, "decode", &pc);
+    }
+    g->disc = px_discovery_start(g, specs, old, cfg->dns_refresh, s->ctl_base, wait, err, errlen);
+    if (!g->disc) {
+        gen_free(g);
+        return NULL;
+    }
+    return g;
+}
+
+static px_pool *pset_pool(px_pset *p, int prefill) {
+    return prefill ? &p->prefill : &p->decode;
+}
+
+/* Logs what a swap changed: backends that joined, and those that left
+ * (their connections close once their last request is done). */
+static void log_changes(px_gen *old, px_gen *g) {
+    for (int side = 0; side < 2; side++) {
+        px_gen *a = side ? old : g, *b = side ? g : old;
+        for (size_t i = 0; i < a->nps; i++)
+            for (int r = 0; r < 2; r++) {
+                size_t n;
+                px_backend **m = px_pool_members(pset_pool(&a->ps[i], r), &n);
+                px_pool *other = NULL;
+                for (size_t j = 0; j < b->nps && !other; j++)
+                    if (!strcmp(b->ps[j].name, a->ps[i].name)) other = pset_pool(&b->ps[j], r);
+                size_t on = 0;
+                px_backend **om = other ? px_pool_members(other, &on) : NULL;
+                for (size_t k = 0; k < n; k++) {
+                    int kept = 0;
+                    for (size_t l = 0; l < on && !kept; l++)
+                        kept = om[l] == m[k];
+                    if (!kept)
+                        PX_LOG(PX_LOG_INFO, "msg=\"%s\" pool=\"%s\" role=%s backend=%s inflight=%d",
+                               side ? "backend removed by reload; its connections close after "
+                                      "its last request"
+                                    : "backend added by reload",
+                               a->ps[i].name, r ? "prefill" : "decode", m[k]->name,
+                               atomic_load(&m[k]->inflight));
+                }
+                for (size_t k = 0; k < n; k++)
+                    px_backend_release(m[k]);
+                for (size_t l = 0; l < on; l++)
+                    px_backend_release(om[l]);
+                free(m);
+                free(om);
+            }
+    }
+}
+
+static px_pool_spec *spec_named(px_pool_spec *v, size_t n, const char *name) {
+    for (size_t i = 0; i < n; i++)
+        if (!strcmp(v[i].name, name)) return &v[i];
+    return NULL;
+}
+
+static int list_find(const px_strlist *l, const char *s) {
+    for (size_t i = 0; i < l->n; i++)
+        if (!strcmp(l->v[i], s)) return (int)i;
+    return -1;
+}
+
+static void list_remove(px_strlist *l, size_t i) {
+    free(l->v[i]);
+    memmove(&l->v[i], &l->v[i + 1], (l->n - i - 1) * sizeof *l->v);
+    l->n--;
+}
+
+/* Returns 0, -2 (no such pool or backend) or -3 (already there). */
+static int apply_op(px_pool_spec *v, size_t n, const px_api_op *op, char *err, size_t errlen) {
+    px_pool_spec *p = spec_named(v, n, op->pool);
+    const char *role = op->prefill ? "prefill" : "decode";
+    if (!p) {
+        snprintf(err, errlen, "no pool named '%s'", op->pool);
+        return -2;
+    }
+    px_strlist *l = op->prefill ? &p->prefill : &p->decode;
+    px_strlist *toy = op->prefill ? &p->prefill_toy : &p->decode_toy;
+    int at = list_find(l, op->url), tat = list_find(toy, op->url);
+    if (op->add) {
+        if (at >= 0 || tat >= 0) {
+            snprintf(err, errlen, "%s is a %s backend of pool '%s' already", op->url, role,
+                     p->name);
+            return -3;
+        }
+        px_strlist_push(l, op->url);
+        return 0;
+    }
+    if (at < 0 && tat < 0) {
+        snprintf(err, errlen, "%s is not a %s backend of pool '%s'", op->url, role, p->name);
+        return -2;
+    }
+    if (at >= 0)
+        list_remove(l, (size_t)at);
+    else
+        list_remove(toy, (size_t)tat);
+    return 0;
+}
+
+const px_config *px_server_config(px_server *s) {
+    return s->file_cfg ? s->file_cfg : s->cfg;
+}
+
+static void op_free(px_api_op *o) {
+    free(o->pool);
+    free(o->url);
+}
+
+int px_server_reload(px_server *s, int from_file, const px_api_op *op, char *err, size_t errlen) {
+    uint64_t t0 = px_now_ns();
+    px_config *nc = NULL;
+    const px_config *base = px_server_config(s);
+    if (from_file) {
+        if (!base->config_file[0]) {
+            snprintf(err, errlen, "no --config file to reload");
+            return -1;
+        }
+        nc = px_xcalloc(1, sizeof *nc);
+        FILE *devnull = fopen("/dev/null", "w");
+        char *fallback[] = {"pdproxy", "--config", base->config_file, NULL};
+        px_config_result r =
+            s->argv ? px_config_load(nc, s->argc, s->argv, s->envp, devnull, err, errlen)
+                    : px_config_load(nc, 3, fallback, NULL, devnull, err, errlen);
+        if (devnull) fclose(devnull);
+        if (r != PX_CONFIG_RUN) {
+            if (r != PX_CONFIG_ERROR) snprintf(err, errlen, "the settings do not describe a run");
+            px_config_cleanup(nc);
+            free(nc);
+            return -1;
+        }
+        /* What a generation is made of; the rest is read at start. */
+        static const char *const reloadable[] = {
+            "config",        "prefiller-hosts",    "prefiller-ports",
+            "decoder-hosts", "decoder-ports",      "prefill",
+            "decode",        "dns-refresh",        "unhealthy-after",
+            "healthy-after", "prefill-policy",     "decode-policy",
+            "prefix-bytes",  "prefix-load-factor", NULL};
+        char changed[512];
+        px_config_changed(px_server_config(s), nc, reloadable, changed, sizeof changed);
+        if (changed[0])
+            PX_LOG(PX_LOG_WARN,
+                   "msg=\"reload: these settings changed but take effect at restart only\" "
+                   "settings=%s",
+                   changed);
+        base = nc;
+    }
+    size_t n;
+    px_pool_spec *specs = px_config_effective_pools(base, &n);
+    int rc = 0;
+    for (size_t i = 0; !from_file && i < s->nops && rc == 0; i++)
+        rc = apply_op(specs, n, &s->ops[i], err, errlen);
+    if (rc == 0 && op) rc = apply_op(specs, n, op, err, errlen);
+    px_gen *g = NULL;
+    if (rc == 0) {
+        g = gen_build(s, base, specs, n, s->gen, 0, err, errlen);
+        if (!g) rc = -1;
+    }
+    px_pool_specs_free(specs, n);
+    if (rc < 0) {
+        if (nc) {
+            px_config_cleanup(nc);
+            free(nc);
+        }
+        return rc;
+    }
+    if (from_file) /* The admin API's drains last until the next reload from the file. */
+        for (size_t i = 0; i < g->nps; i++)
+            for (int r = 0; r < 2; r++) {
+                size_t k;
+                px_backend **m = px_pool_members(pset_pool(&g->ps[i], r), &k);
+                for (size_t j = 0; j < k; j++) {
+                    atomic_store(&m[j]->drained, 0);
+                    px_backend_release(m[j]);
+                }
+                free(m);
+            }
+    pthread_mutex_lock(&s->gen_mu);
+    px_gen *old = s->gen;
+    g->id = ++s->last_gen;
+    s->gen = g;
+    pthread_mutex_unlock(&s->gen_mu);
+    /* A replaced discovery may have lookups whose cancellation calls back on
+     * a later turn of this loop: it is freed by a later reload, once idle. */
+    size_t keep = 0;
+    for (size_t i = 0; i < s->nretired; i++) {
+        if (px_discovery_idle(s->retired[i]))
+            px_discovery_stop(s->retired[i]);
+        else
+            s->retired[keep++] = s->retired[i];
+    }
+    s->nretired = keep;
+    px_discovery_retire(old->disc);
+    s->retired = px_xrealloc(s->retired, (s->nretired + 1) * sizeof *s->retired);
+    s->retired[s->nretired++] = old->disc;
+    old->disc = NULL;
+    log_changes(old, g);
+    px_gen_release(old); /* requests on it keep it until they end */
+    if (from_file) {
+        if (s->file_cfg) {
+            px_config_cleanup(s->file_cfg);
+            free(s->file_cfg);
+        }
+        s->file_cfg = nc;
+        for (size_t i = 0; i < s->nops; i++)
+            op_free(&s->ops[i]);
+        free(s->ops);
+        s->ops = NULL;
+        s->nops = 0;
+    } else if (op) {
+        s->ops = px_xrealloc(s->ops, (s->nops + 1) * sizeof *s->ops);
+        s->ops[s->nops++] = (px_api_op){.add = op->add,
+                                        .prefill = op->prefill,
+                                        .pool = px_xstrdup(op->pool),
+                                        .url = px_xstrdup(op->url)};
+    }
+    PX_LOG(PX_LOG_INFO, "msg=\"configuration swapped\" generation=%llu source=%s pools=%zu ms=%.3f",
+           (unsigned long long)g->id,
+           from_file ? "file"
+           : op      ? "admin_api"
+                     : "current",
+           g->nps, (double)(px_now_ns() - t0) / 1e6);
+    return 0;
+}
+
+void px_server_set_args(px_server *s, int argc, char **argv, char **envp) {
+    s->argc = argc;
+    s->argv = argv;
+    s->envp = envp;
+}
+
+px_server *px_server_create(const px_config *cfg, char *err, size_t errlen) {
+    px_server *s = px_xcalloc(1, sizeof *s);
+    s->cfg = cfg;
+    pthread_mutex_init(&s->gen_mu, NULL);
     setup_upstream_auth(s);
     long ncpu = sysconf(_SC_NPROCESSORS_ONLN);
     s->nworkers = cfg->threads > 0 ? (int)cfg->threads : (ncpu > 0 ? (int)ncpu : 1);
@@ -459,8 +925,13 @@ px_server *px_server_create(const px_config *cfg, char *err, size_t errlen) {
     if (!cfg->reuse_port && port_free(cfg->host, (int)cfg->port, "--port", err, errlen) < 0)
         goto err;
     if (setup_metrics_listener(s, err, errlen) < 0) goto err;
-    s->disc = px_discovery_start(s, s->ctl_base, err, errlen);
-    if (!s->disc) goto err;
+    size_t nspecs;
+    px_pool_spec *specs = px_config_effective_pools(cfg, &nspecs);
+    s->gen = gen_build(s, cfg, specs, nspecs, NULL, 1, err, errlen);
+    px_pool_specs_free(specs, nspecs);
+    if (!s->gen) goto err;
+    s->gen->id = s->last_gen = 1;
+    if (px_admin_start(s, err, errlen) < 0) goto err;
     for (int i = 0; i < s->nworkers; i++) {
         px_worker *w = &s->workers[i];
         w->srv = s;
@@ -547,11 +1018,21 @@ static void on_exit_poll(evutil_socket_t fd, short what, void *arg) {
     if (atomic_load(&k->s->workers_running) == 0) event_base_loopbreak(k->base);
 }
 
-/* Reserved for reloading a configuration file; until then it must not do
- * what the default action does (kill the process mid-stream). */
+/* Reads the --config file again; on any error the running configuration
+ * stays and the log says what is wrong (file, line, key). */
 static void on_sighup(evutil_socket_t sig, short what, void *arg) {
-    PX_LOG(PX_LOG_INFO, "msg=\"SIGHUP received: nothing to reload (no configuration file); "
-                        "ignored\"");
+    control *k = arg;
+    if (!px_server_config(k->s)->config_file[0]) {
+        PX_LOG(PX_LOG_INFO, "msg=\"SIGHUP received: nothing to reload (no --config file); "
+                            "ignored\"");
+        return;
+    }
+    char err[512], q[1100];
+    if (px_server_reload(k->s, 1, NULL, err, sizeof err) < 0)
+        PX_LOG(PX_LOG_ERROR,
+               "msg=\"reload on SIGHUP failed; the running configuration stays\" "
+               "error=%s",
+               px_log_value(err, q, sizeof q));
 }
 
 static void on_signal(evutil_socket_t sig, short what, void *arg) {
@@ -596,14 +1077,19 @@ int px_server_run(px_server *s) {
         pthread_create(&s->workers[i].thread, NULL, worker_main, &s->workers[i]);
     pthread_sigmask(SIG_SETMASK, &old, NULL);
     px_health *h = px_health_start(s, k.base);
-    size_t pn, dn;
-    px_pool_counts(&s->prefill, &pn, NULL);
-    px_pool_counts(&s->decode, &dn, NULL);
+    size_t pn = 0, dn = 0;
+    for (size_t i = 0; i < s->gen->nps; i++) {
+        size_t n;
+        px_pool_counts(&s->gen->ps[i].prefill, &n, NULL);
+        pn += n;
+        px_pool_counts(&s->gen->ps[i].decode, &n, NULL);
+        dn += n;
+    }
     PX_LOG(PX_LOG_INFO,
-           "msg=\"listening\" addr=%s:%lld tls=%s threads=%d prefill=%zu decode=%zu "
+           "msg=\"listening\" addr=%s:%lld tls=%s threads=%d pools=%zu prefill=%zu decode=%zu "
            "prefill_policy=%s decode_policy=%s",
-           s->cfg->host, (long long)s->cfg->port, s->tls ? "on" : "off", s->nworkers, pn, dn,
-           s->cfg->prefill_policy, s->cfg->decode_policy);
+           s->cfg->host, (long long)s->cfg->port, s->tls ? "on" : "off", s->nworkers, s->gen->nps,
+           pn, dn, s->cfg->prefill_policy, s->cfg->decode_policy);
     event_base_dispatch(k.base);
     px_health_stop(h);
     for (int i = 0; i < s->nworkers; i++)
@@ -622,15 +1108,29 @@ void px_server_destroy(px_server *s) {
     for (int i = 0; i < s->nworkers; i++)
         worker_cleanup(&s->workers[i]);
     free(s->workers);
-    px_discovery_stop(s->disc);
+    px_admin_stop(s->admin);
+    if (s->gen) {
+        px_discovery_stop(s->gen->disc);
+        s->gen->disc = NULL;
+        px_gen_release(s->gen);
+    }
+    for (size_t i = 0; i < s->nretired; i++)
+        px_discovery_stop(s->retired[i]);
+    free(s->retired);
+    if (s->file_cfg) {
+        px_config_cleanup(s->file_cfg);
+        free(s->file_cfg);
+    }
+    for (size_t i = 0; i < s->nops; i++)
+        op_free(&s->ops[i]);
+    free(s->ops);
     px_conn_list_close_all(&s->mconns);
     if (s->mlev) evconnlistener_free(s->mlev);
     if (s->ctl_base) event_base_free(s->ctl_base);
-    px_pool_cleanup(&s->prefill);
-    px_pool_cleanup(&s->decode);
     free(s->upstream_auth);
     px_buf_cleanup(&s->health_hdrs);
     free(s->api_keys);
     if (s->tls) SSL_CTX_free(s->tls);
+    pthread_mutex_destroy(&s->gen_mu);
     free(s);
 }

@@ -5,7 +5,7 @@ set -euo pipefail
 
 PKGS=(
   build-essential cmake pkg-config git ca-certificates
-  libevent-dev libcurl4-openssl-dev libcjson-dev libssl-dev libucx-dev ucx-utils libcmocka-dev
+  libevent-dev libcurl4-openssl-dev libcjson-dev libyaml-dev libssl-dev libucx-dev ucx-utils libcmocka-dev
   python3 curl openssl
   nginx-light wrk
   clang libclang-rt-dev

@@ -4,7 +4,9 @@
 #include <stdint.h>
 #include <cmocka.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "config.h"
 
@@ -103,12 +105,157 @@ static void test_help_and_version(void **state)
     px_config_cleanup(&c);
 }
 
+
+/* Writes text to a fresh temporary file; returns its path (static buffer). */
+static const char *yaml_file(const char *text)
+{
+    static char path[64];
+    snprintf(path, sizeof path, "/tmp/test_config_XXXXXX");
+    int fd = mkstemp(path);
+    assert_true(fd >= 0);
+    FILE *f = fdopen(fd, "w");
+    fputs(text, f);
+    fclose(f);
+    return path;
+}
+
+static void test_yaml_file_below_env_and_flags(void **state)
+{
+    const char *f = yaml_file("port: 7100\nmax_inflight: 5\nprefill-policy: least_inflight\n"
+                              "decode:\n  - http://127.0.0.1:9\n  - http://127.0.0.1:10\n"
+                              "prefiller-allowlist: [10.0.0.0/8, p.example]\n");
+    char *envp[] = {"PDPROXY_MAX_INFLIGHT=6", NULL};
+    char *argv[] = {"pdproxy", "--config", (char *)f, "--port", "7101", NULL};
+    char err[256];
+    px_config c;
+    assert_int_equal(load(&c, argv, envp, err), PX_CONFIG_RUN);
+    assert_int_equal(c.port, 7101);          /* flag over file */
+    assert_int_equal(c.max_inflight, 6);     /* environment over file */
+    assert_string_equal(c.prefill_policy, "least_inflight");
+    assert_int_equal(c.decode_urls.n, 2);
+    assert_string_equal(c.decode_urls.v[1], "http://127.0.0.1:10");
+    assert_int_equal(c.prefiller_allowlist.n, 2);
+    assert_true(px_config_is_set(&c, "decode"));
+    assert_false(px_config_is_set(&c, "threads"));
+    px_config_cleanup(&c);
+    unlink(f);
+}
+
+static void test_yaml_errors_name_line_and_key(void **state)
+{
+    static const struct {
+        const char *text, *want;
+    } cases[] = {
+        {"port: 80\nthreads: many\n", ":2: key 'threads': 'many': not an integer"},
+        {"# c\n\nbogus: 1\n", ":3: unknown key 'bogus'"},
+        {"port: [1\n", ":2:"},
+        {"pools:\n  - name: a\n    decode: http://x:1\n    weight: 3\n", ":4: unknown key 'weight'"},
+        {"pools: 3\n", ":1: key 'pools'"},
+        {"print-config: true\n", "unknown key 'print-config'"},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) {
+        const char *f = yaml_file(cases[i].text);
+        char *argv[] = {"pdproxy", "--config", (char *)f, NULL};
+        char err[256];
+        px_config c;
+        assert_int_equal(load(&c, argv, NULL, err), PX_CONFIG_ERROR);
+        assert_non_null(strstr(err, f));
+        if (!strstr(err, cases[i].want)) fail_msg("case %zu: '%s' lacks '%s'", i, err, cases[i].want);
+        px_config_cleanup(&c);
+        unlink(f);
+    }
+}
+
+static void test_pools_from_flags_and_lookup(void **state)
+{
+    char *argv[] = {"pdproxy", "--pool", "a=m1,m2", "--prefill", "http://127.0.0.1:1",
+                    "--decode", "http://127.0.0.1:2", "--pool", "b", "--decode",
+                    "http://127.0.0.1:3", NULL};
+    char err[256];
+    px_config c;
+    assert_int_equal(load(&c, argv, NULL, err), PX_CONFIG_RUN);
+    assert_int_equal(c.npools, 2);
+    assert_int_equal(c.pools[0].models.n, 2);
+    assert_string_equal(c.pools[1].models.v[0], "b"); /* the name by default */
+    assert_int_equal(c.prefill_urls.n, 0);
+    assert_int_equal(px_config_pool_for(&c, "m2", 2), 0);
+    assert_int_equal(px_config_pool_for(&c, "b", 1), 1);
+    assert_int_equal(px_config_pool_for(&c, "m", 1), -1);
+    size_t n;
+    px_pool_spec *v = px_config_effective_pools(&c, &n);
+    assert_int_equal(n, 2);
+    assert_string_equal(v[1].decode.v[0], "http://127.0.0.1:3");
+    px_pool_specs_free(v, n);
+    px_config_cleanup(&c);
+    /* Without pools: one unnamed pool of the toy lists and the URLs. */
+    char *a2[] = {"pdproxy", "--decode", "http://127.0.0.1:4", NULL};
+    assert_int_equal(load(&c, a2, NULL, err), PX_CONFIG_RUN);
+    v = px_config_effective_pools(&c, &n);
+    assert_int_equal(n, 1);
+    assert_string_equal(v[0].name, "");
+    assert_int_equal(v[0].prefill_toy.n, 1); /* the toy default localhost:8100 */
+    assert_int_equal(v[0].decode_toy.n, 0);  /* replaced by the URL */
+    px_pool_specs_free(v, n);
+    px_config_cleanup(&c);
+}
+
+static void test_print_config_round_trip(void **state)
+{
+    char *argv[] = {"pdproxy", "--pool", "a=x,y", "--decode", "http://127.0.0.1:2",
+                    "--connect-timeout", "0.125", "--host", "we\"ird\\host", NULL};
+    char err[256];
+    px_config c;
+    assert_int_equal(load(&c, argv, NULL, err), PX_CONFIG_RUN);
+    char *t1 = NULL, *t2 = NULL;
+    size_t l1 = 0, l2 = 0;
+    FILE *m = open_memstream(&t1, &l1);
+    px_config_dump(&c, m);
+    fclose(m);
+    px_config_cleanup(&c);
+    const char *f = yaml_file(t1);
+    char *a2[] = {"pdproxy", "--config", (char *)f, NULL};
+    assert_int_equal(load(&c, a2, NULL, err), PX_CONFIG_RUN);
+    assert_string_equal(c.host, "we\"ird\\host");
+    m = open_memstream(&t2, &l2);
+    px_config_dump(&c, m);
+    fclose(m);
+    assert_string_equal(t1, t2);
+    px_config_cleanup(&c);
+    unlink(f);
+    free(t1);
+    free(t2);
+}
+
+static void test_allowlist(void **state)
+{
+    char *v[] = {"10.0.0.0/8", "192.168.1.7", "Prefill.Example", "fd00::/16"};
+    px_strlist l = {v, 4};
+    assert_true(px_host_allowed(&l, "10.2.3.4"));
+    assert_false(px_host_allowed(&l, "11.0.0.1"));
+    assert_true(px_host_allowed(&l, "192.168.1.7"));
+    assert_false(px_host_allowed(&l, "192.168.1.8"));
+    assert_true(px_host_allowed(&l, "prefill.example"));
+    assert_false(px_host_allowed(&l, "prefill.example.evil"));
+    assert_true(px_host_allowed(&l, "fd00::1"));
+    assert_false(px_host_allowed(&l, "fe80::1"));
+    assert_false(px_host_allowed(&l, "::ffff:10.0.0.1")); /* v4-mapped is not v4 */
+    char *w[] = {"10.1.2.0/23"};
+    px_strlist l2 = {w, 1};
+    assert_true(px_host_allowed(&l2, "10.1.3.255"));
+    assert_false(px_host_allowed(&l2, "10.1.4.0"));
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_toy_defaults),        cmocka_unit_test(test_lists_and_aliases),
         cmocka_unit_test(test_env_then_flags),      cmocka_unit_test(test_errors_name_flag_and_value),
         cmocka_unit_test(test_help_and_version),
+        cmocka_unit_test(test_yaml_file_below_env_and_flags),
+        cmocka_unit_test(test_yaml_errors_name_line_and_key),
+        cmocka_unit_test(test_pools_from_flags_and_lookup),
+        cmocka_unit_test(test_print_config_round_trip),
+        cmocka_unit_test(test_allowlist),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

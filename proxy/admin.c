@@ -1,0 +1,404 @@
+#include "admin.h"
+
+#include <errno.h>
+#include <event2/listener.h>
+#include <netdb.h>
+#include <openssl/crypto.h>
+#include <openssl/sha.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "conn.h"
+#include "http.h"
+#include "json.h"
+#include "log.h"
+#include "server.h"
+
+#define ADMIN_NOTE                                                                                 \
+    "changes made through the admin API last until the next reload from the --config file"
+
+struct px_admin {
+    px_server *s;               /* borrowed */
+    struct evconnlistener *lev; /* owned */
+    px_conn_list conns;         /* owned */
+    px_conn_cfg ccfg;
+    unsigned char token[32]; /* SHA-256 of the token */
+    char who[32];            /* "token:<8 hex>": names the token in logs, not its value */
+};
+
+/* ---------- replies and request bodies ---------- */
+
+static void reply(px_conn *c, int status, px_buf *b) {
+    px_conn_reply(c, status, "application/json", NULL, NULL, b->data, b->len);
+}
+
+static void reply_err(px_conn *c, int status, const char *msg) {
+    px_conn_reply_error(c, status, NULL, status == 401 ? "WWW-Authenticate: Bearer\r\n" : NULL,
+                        msg);
+}
+
+static int authorized(px_admin *a, const px_http_head *h) {
+    const px_http_header *v = px_http_find(h, "authorization");
+    if (!v || v->value_len < 8 || !px_http_token_eq(v->value, 6, "bearer") || v->value[6] != ' ')
+        return 0;
+    unsigned char d[32];
+    SHA256((const unsigned char *)v->value + 7, v->value_len - 7, d);
+    return CRYPTO_memcmp(d, a->token, 32) == 0;
+}
+
+/* A string member of the JSON object body, decoded; NULL when absent or
+ * not a string. */
+static char *str_member(const px_buf *body, const char *key) {
+    px_json_member m;
+    if (!body->len || !px_json_find(body->data, body->len, key, &m)) return NULL;
+    if (m.val_len < 2 || m.val[0] != '"') return NULL;
+    char *out = px_xmalloc(m.val_len);
+    if (px_json_str_decode(m.val + 1, m.val_len - 2, out, m.val_len) < 0) {
+        free(out);
+        return NULL;
+    }
+    return out;
+}
+
+static void json_str(px_buf *b, const char *s) {
+    px_buf_append_json_str(b, s, strlen(s));
+}
+
+static int method_is(const px_http_head *h, const char *m) {
+    return h->method_len == strlen(m) && !memcmp(h->method, m, h->method_len);
+}
+
+/* ---------- calls ---------- */
+
+static void backend_json(px_buf *b, const px_pset *p, const char *role, const px_backend *be) {
+    px_buf_appends(b, "{\"pool\":");
+    json_str(b, p->name);
+    px_buf_printf(b, ",\"role\":\"%s\",\"backend\":", role);
+    json_str(b, be->name);
+    px_buf_appends(b, ",\"url\":");
+    json_str(b, be->src);
+    int healthy = atomic_load(&be->healthy), drained = atomic_load(&be->drained);
+    px_buf_printf(b,
+                  ",\"healthy\":%s,\"ejected\":%s,\"ejected_by_check\":%s,\"ejections\":%d,"
+                  "\"drained\":%s,\"inflight\":%d,\"consecutive_failures\":%d,\"requests\":{",
+                  healthy ? "true" : "false", healthy ? "false" : "true",
+                  !healthy && atomic_load(&be->ejected_by_check) ? "true" : "false",
+                  atomic_load(&be->ejections), drained ? "true" : "false",
+                  atomic_load(&be->inflight), atomic_load(&be->fails));
+    for (int k = 0; k < PX_OUT_COUNT; k++)
+        px_buf_printf(b, "%s\"%s\":%llu", k ? "," : "", px_outcome_name((px_outcome)k),
+                      (unsigned long long)atomic_load(&((px_backend *)be)->outcomes[k]));
+    px_buf_appends(b, "}}");
+}
+
+static void list_backends(px_admin *a, px_conn *c) {
+    px_gen *g = px_server_gen(a->s);
+    px_buf b;
+    px_buf_init(&b);
+    px_buf_printf(&b, "{\"generation\":%llu,\"backends\":[", (unsigned long long)g->id);
+    int first = 1;
+    for (size_t i = 0; i < g->nps; i++)
+        for (int r = 0; r < 2; r++) {
+            px_pool *pool = r ? &g->ps[i].decode : &g->ps[i].prefill;
+            size_t n;
+            px_backend **m = px_pool_members(pool, &n);
+            for (size_t j = 0; j < n; j++) {
+                if (!first) px_buf_appends(&b, ",");
+                first = 0;
+                backend_json(&b, &g->ps[i], pool->role, m[j]);
+                px_backend_release(m[j]);
+            }
+            free(m);
+        }
+    px_buf_printf(&b, "],\"api_changes\":%zu,\"note\":\"%s\"}", a->s->nops, ADMIN_NOTE);
+    px_gen_release(g);
+    reply(c, 200, &b);
+    px_buf_cleanup(&b);
+}
+
+/* POST (add) and DELETE (remove) /admin/backends. */
+static void change_backend(px_admin *a, px_conn *c, const px_buf *body, int add) {
+    char *pool = str_member(body, "pool"), *role = str_member(body, "role"),
+         *url = str_member(body, "url");
+    char err[512];
+    if (!role || !url || (strcmp(role, "prefill") && strcmp(role, "decode"))) {
+        reply_err(c, 400,
+                  "expected a JSON object {\"role\": \"prefill\"|\"decode\", \"url\": "
+                  "\"http://host:port\", \"pool\": name (omit for the unnamed pool)}");
+        goto out;
+    }
+    /* The URL is checked as the flags check it. */
+    char *argv[] = {"pdproxy", "--prefill", url, NULL};
+    px_config tmp;
+    FILE *devnull = fopen("/dev/null", "w");
+    px_config_result r = px_config_load(&tmp, 3, argv, NULL, devnull, err, sizeof err);
+    if (devnull) fclose(devnull);
+    px_config_cleanup(&tmp);
+    if (r != PX_CONFIG_RUN) {
+        reply_err(c, 400, err);
+        goto out;
+    }
+    px_api_op op = {.add = add, .prefill = role[0] == 'p', .pool = pool ? pool : "", .url = url};
+    int rc = px_server_reload(a->s, 0, &op, err, sizeof err);
+    if (rc < 0) {
+        reply_err(c, rc == -2 ? 404 : rc == -3 ? 409 : 400, err);
+        goto out;
+    }
+    PX_LOG(PX_LOG_INFO, "msg=\"admin: backend %s\" who=%s pool=\"%s\" role=%s url=\"%s\"",
+           add ? "added" : "removed (drains: requests on it finish)", a->who, op.pool, role, url);
+    px_buf b;
+    px_buf_init(&b);
+    px_buf_printf(&b, "{\"status\":\"%s\",\"pool\":", add ? "added" : "removed");
+    json_str(&b, op.pool);
+    px_buf_printf(&b, ",\"role\":\"%s\",\"url\":", role);
+    json_str(&b, url);
+    px_buf_printf(&b, ",\"generation\":%llu,\"note\":\"%s\"}", (unsigned long long)a->s->gen->id,
+                  ADMIN_NOTE);
+    reply(c, add ? 201 : 200, &b);
+    px_buf_cleanup(&b);
+out:
+    free(pool);
+    free(role);
+    free(url);
+}
+
+/* POST /admin/backends/drain and /undrain: {"backend": "host:port" or
+ * "url": configured URL, optional "pool", "role"}. */
+static void drain(px_admin *a, px_conn *c, const px_buf *body, int on) {
+    char *id = str_member(body, "backend"), *url = str_member(body, "url"),
+         *pool = str_member(body, "pool"), *role = str_member(body, "role");
+    if (!id && !url) {
+        reply_err(c, 400,
+                  "expected a JSON object {\"backend\": \"host:port\"} or {\"url\": ...}, "
+                  "with optional \"pool\" and \"role\"");
+        goto out;
+    }
+    px_gen *g = px_server_gen(a->s);
+    px_buf b;
+    px_buf_init(&b);
+    px_buf_appends(&b, "{\"status\":");
+    px_buf_appends(&b, on ? "\"drained\"" : "\"undrained\"");
+    px_buf_appends(&b, ",\"backends\":[");
+    size_t hits = 0;
+    for (size_t i = 0; i < g->nps; i++) {
+        if (pool && strcmp(pool, g->ps[i].name)) continue;
+        for (int r = 0; r < 2; r++) {
+            px_pool *p = r ? &g->ps[i].decode : &g->ps[i].prefill;
+            if (role && strcmp(role, p->role)) continue;
+            size_t n;
+            px_backend **m = px_pool_members(p, &n);
+            for (size_t j = 0; j < n; j++) {
+                if ((id && !strcmp(id, m[j]->name)) || (url && !strcmp(url, m[j]->src))) {
+                    atomic_store(&m[j]->drained, on);
+                    PX_LOG(PX_LOG_INFO,
+                           "msg=\"admin: backend %s\" who=%s pool=\"%s\" role=%s "
+                           "backend=%s inflight=%d",
+                           on ? "drained" : "undrained", a->who, g->ps[i].name, p->role, m[j]->name,
+                           atomic_load(&m[j]->inflight));
+                    if (hits++) px_buf_appends(&b, ",");
+                    backend_json(&b, &g->ps[i], p->role, m[j]);
+                }
+                px_backend_release(m[j]);
+            }
+            free(m);
+        }
+    }
+    px_gen_release(g);
+    px_buf_printf(&b, "],\"note\":\"%s\"}", ADMIN_NOTE);
+    if (!hits)
+        reply_err(c, 404, "no backend matches");
+    else
+        reply(c, 200, &b);
+    px_buf_cleanup(&b);
+out:
+    free(id);
+    free(url);
+    free(pool);
+    free(role);
+}
+
+static void show_config(px_admin *a, px_conn *c) {
+    const px_config *cfg = px_server_config(a->s);
+    char *text = NULL;
+    size_t len = 0;
+    FILE *f = open_memstream(&text, &len);
+    if (f) {
+        px_config_dump(cfg, f);
+        fclose(f);
+    }
+    px_buf b;
+    px_buf_init(&b);
+    px_buf_printf(&b, "{\"generation\":%llu,\"config_file\":", (unsigned long long)a->s->gen->id);
+    json_str(&b, cfg->config_file);
+    px_buf_appends(&b, ",\"api_changes\":[");
+    for (size_t i = 0; i < a->s->nops; i++) {
+        const px_api_op *o = &a->s->ops[i];
+        px_buf_printf(&b, "%s{\"op\":\"%s\",\"role\":\"%s\",\"pool\":", i ? "," : "",
+                      o->add ? "add" : "remove", o->prefill ? "prefill" : "decode");
+        json_str(&b, o->pool);
+        px_buf_appends(&b, ",\"url\":");
+        json_str(&b, o->url);
+        px_buf_appends(&b, "}");
+    }
+    px_buf_printf(&b, "],\"note\":\"%s\",\"yaml\":", ADMIN_NOTE);
+    px_buf_append_json_str(&b, text ? text : "", text ? len : 0);
+    px_buf_appends(&b, "}");
+    free(text);
+    reply(c, 200, &b);
+    px_buf_cleanup(&b);
+}
+
+static void reload(px_admin *a, px_conn *c) {
+    char err[512], q[1100];
+    uint64_t t0 = px_now_ns();
+    if (px_server_reload(a->s, 1, NULL, err, sizeof err) < 0) {
+        PX_LOG(PX_LOG_ERROR,
+               "msg=\"admin: reload failed; the running configuration stays\" who=%s error=%s",
+               a->who, px_log_value(err, q, sizeof q));
+        reply_err(c, 400, err);
+        return;
+    }
+    PX_LOG(PX_LOG_INFO, "msg=\"admin: reloaded from file\" who=%s generation=%llu", a->who,
+           (unsigned long long)a->s->gen->id);
+    px_buf b;
+    px_buf_init(&b);
+    px_buf_printf(&b, "{\"status\":\"reloaded\",\"generation\":%llu,\"ms\":%.3f}",
+                  (unsigned long long)a->s->gen->id, (double)(px_now_ns() - t0) / 1e6);
+    reply(c, 200, &b);
+    px_buf_cleanup(&b);
+}
+
+static void dispatch(void *ctx, px_conn *c, const px_http_head *h, px_buf *body) {
+    px_admin *a = ctx;
+    if (!authorized(a, h)) {
+        char q[300];
+        const char *p;
+        size_t n;
+        px_http_path(h, &p, &n);
+        char path[200];
+        snprintf(path, sizeof path, "%.*s", (int)(n < 190 ? n : 190), p);
+        PX_LOG(PX_LOG_WARN, "msg=\"admin call refused: missing or wrong token\" path=%s",
+               px_log_value(path, q, sizeof q));
+        reply_err(c, 401,
+                  "invalid or missing admin token: send Authorization: Bearer <token of "
+                  "--admin-token-file>");
+        return;
+    }
+    int get = method_is(h, "GET"), post = method_is(h, "POST"), del = method_is(h, "DELETE");
+    if (px_http_path_is(h, "/admin/backends")) {
+        if (get)
+            list_backends(a, c);
+        else if (post || del)
+            change_backend(a, c, body, post);
+        else
+            px_conn_reply_error(c, 405, NULL, "Allow: GET, POST, DELETE\r\n",
+                                "method not allowed: use GET, POST or DELETE");
+    } else if (px_http_path_is(h, "/admin/backends/drain") ||
+               px_http_path_is(h, "/admin/backends/undrain")) {
+        if (post)
+            drain(a, c, body, px_http_path_is(h, "/admin/backends/drain"));
+        else
+            px_conn_reply_error(c, 405, NULL, "Allow: POST\r\n", "method not allowed: use POST");
+    } else if (px_http_path_is(h, "/admin/config")) {
+        if (get)
+            show_config(a, c);
+        else
+            px_conn_reply_error(c, 405, NULL, "Allow: GET\r\n", "method not allowed: use GET");
+    } else if (px_http_path_is(h, "/admin/reload")) {
+        if (post)
+            reload(a, c);
+        else
+            px_conn_reply_error(c, 405, NULL, "Allow: POST\r\n", "method not allowed: use POST");
+    } else {
+        reply_err(c, 404,
+                  "not found: the admin API serves /admin/backends, "
+                  "/admin/backends/drain, /admin/backends/undrain, /admin/config and "
+                  "/admin/reload");
+    }
+}
+
+/* ---------- setup ---------- */
+
+static void on_accept(struct evconnlistener *lev, evutil_socket_t fd, struct sockaddr *sa,
+                      int salen, void *arg) {
+    px_admin *a = arg;
+    px_conn_accept(evconnlistener_get_base(lev), fd, &a->ccfg, &a->conns);
+}
+
+static int read_token(px_admin *a, const char *path, char *err, size_t errlen) {
+    FILE *f = fopen(path, "r");
+    if (!f) {
+        snprintf(err, errlen, "--admin-token-file '%s': %s", path, strerror(errno));
+        return -1;
+    }
+    char buf[1024];
+    size_t n = fread(buf, 1, sizeof buf - 1, f);
+    fclose(f);
+    buf[n] = '\0';
+    while (n && (buf[n - 1] == '\n' || buf[n - 1] == '\r' || buf[n - 1] == ' '))
+        buf[--n] = '\0';
+    if (n < 16 || strpbrk(buf, "\n\r \t")) {
+        snprintf(err, errlen,
+                 "--admin-token-file '%s': expected one token of at least 16 characters", path);
+        return -1;
+    }
+    SHA256((const unsigned char *)buf, n, a->token);
+    snprintf(a->who, sizeof a->who, "token:%02x%02x%02x%02x", a->token[0], a->token[1], a->token[2],
+             a->token[3]);
+    return 0;
+}
+
+int px_admin_start(px_server *s, char *err, size_t errlen) {
+    const px_config *cfg = s->cfg;
+    if (!cfg->admin_port) return 0;
+    px_admin *a = px_xcalloc(1, sizeof *a);
+    a->s = s;
+    if (read_token(a, cfg->admin_token_file, err, errlen) < 0) {
+        free(a);
+        return -1;
+    }
+    struct addrinfo hints = {0}, *res = NULL;
+    hints.ai_family = AF_UNSPEC;
+    hints.ai_socktype = SOCK_STREAM;
+    hints.ai_flags = AI_PASSIVE;
+    char ps[16];
+    snprintf(ps, sizeof ps, "%d", (int)cfg->admin_port);
+    int rc = getaddrinfo(cfg->admin_host, ps, &hints, &res);
+    if (rc) {
+        snprintf(err, errlen, "cannot resolve --admin-host '%s': %s", cfg->admin_host,
+                 gai_strerror(rc));
+        free(a);
+        return -1;
+    }
+    a->lev =
+        evconnlistener_new_bind(s->ctl_base, on_accept, a,
+                                LEV_OPT_CLOSE_ON_FREE | LEV_OPT_REUSEABLE | LEV_OPT_CLOSE_ON_EXEC,
+                                128, res->ai_addr, (int)res->ai_addrlen);
+    freeaddrinfo(res);
+    if (!a->lev) {
+        snprintf(err, errlen, "cannot listen on %s:%d (--admin-port): %s", cfg->admin_host,
+                 (int)cfg->admin_port, strerror(errno));
+        free(a);
+        return -1;
+    }
+    a->ccfg = (px_conn_cfg){
+        .max_body_bytes = 65536,
+        .header_timeout = cfg->client_header_timeout,
+        .keepalive_timeout = cfg->keepalive_timeout,
+        .send_timeout = cfg->send_timeout,
+        .dispatch = dispatch,
+        .ctx = a,
+    };
+    s->admin = a;
+    PX_LOG(PX_LOG_INFO, "msg=\"admin API listening\" addr=%s:%d", cfg->admin_host,
+           (int)cfg->admin_port);
+    return 0;
+}
+
+void px_admin_stop(px_admin *a) {
+    if (!a) return;
+    px_conn_list_close_all(&a->conns);
+    if (a->lev) evconnlistener_free(a->lev);
+    free(a);
+}

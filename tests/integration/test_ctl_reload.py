@@ -1,0 +1,75 @@
+#!/usr/bin/env python3
+"""Reloads under load: clients send requests without pause while the file
+is rewritten and SIGHUP sent 50 times, adding and removing prefill and
+decode backends. Every request must succeed: a swap is atomic, requests in
+flight finish on the configuration they started with, and a removed backend
+is not used by requests started after the swap."""
+
+import os
+import sys
+import threading
+import unittest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import pxtest  # noqa: E402
+from ctltest import pools_yaml, sighup, tmpdir, wait_generation, write_yaml  # noqa: E402
+from prodtest import ProdCase  # noqa: E402
+from pxtest import http_request, now  # noqa: E402
+
+RELOADS = 50
+CLIENTS = 4
+MAX_REQUESTS = 5000  # per client: bounds the loop whatever the machine's speed
+MAX_SECONDS = 120.0
+
+
+class ReloadUnderLoadTest(ProdCase):
+    def test_50_reloads_under_load_fail_no_request(self):
+        P = [self.mock(pxtest.prefill_handler(), name="P%d" % i) for i in range(3)]
+        D = [self.mock(pxtest.decode_handler(), name="D%d" % i) for i in range(3)]
+        d = tmpdir(self)
+        f = os.path.join(d, "pdproxy.yaml")
+
+        def layout(i):
+            # Every reload changes both roles: a backend leaves, another joins.
+            return pools_yaml([("m", ["m"], [P[i % 3], P[(i + 1) % 3]], [D[(i + 2) % 3]]),
+                               ("n", ["n"], [P[(i + 2) % 3]], [D[i % 3], D[(i + 1) % 3]])])
+
+        write_yaml(f, layout(0))
+        px = self.start(args=["--config", f])
+        stop = threading.Event()
+        results = [[] for _ in range(CLIENTS)]
+        t_end = now() + MAX_SECONDS
+
+        def client(k):
+            for j in range(MAX_REQUESTS):
+                if stop.is_set() or now() > t_end:
+                    return
+                body = pxtest.completion_body(model="m" if (j + k) % 2 else "n")
+                try:
+                    r = http_request(px.port, "POST", "/v1/completions", body, timeout=20)
+                    results[k].append(r.status)
+                except Exception as e:  # counted as a failure below
+                    results[k].append(repr(e))
+
+        ts = [threading.Thread(target=client, args=(k,), daemon=True) for k in range(CLIENTS)]
+        for t in ts:
+            t.start()
+        for i in range(1, RELOADS + 1):
+            write_yaml(f, layout(i))
+            sighup(px)
+            wait_generation(self, px, i + 1, timeout=20)
+        stop.set()
+        for t in ts:
+            t.join(30)
+        self.assertFalse(any(t.is_alive() for t in ts))
+        flat = [s for r in results for s in r]
+        failed = [s for s in flat if s != 200]
+        self.assertGreater(len(flat), RELOADS, "too few requests overlapped the reloads")
+        self.assertEqual(failed[:10], [], "%d of %d requests failed during %d reloads"
+                         % (len(failed), len(flat), RELOADS))
+        self.assertEqual(px.stderr().count("configuration swapped"), RELOADS)
+        print("requests=%d failed=%d reloads=%d" % (len(flat), len(failed), RELOADS))
+
+
+if __name__ == "__main__":
+    unittest.main(verbosity=2)
