@@ -34,6 +34,7 @@ SAMPLES = {
     "decode-idle-timeout": ("45", None),
     "client-header-timeout": ("4", None),
     "keepalive-timeout": ("9", None),
+    "upstream-keepalive": ("17", None),
     "send-timeout": ("11", None),
     "max-buffered-bytes": ("1048576", None),
     "max-connections": ("64", None),
