@@ -26,6 +26,8 @@ typedef struct sim_config {
     const char *kv_secret_file; /* cluster secret for the KV side channel; NULL:
                                    the connector reads KVC_SECRET_FILE / KVC_SECRET */
     uint32_t tp_size;           /* this engine's tensor-parallel size (1) */
+    uint32_t prefill_us_per_token; /* compute time of one prompt token, microseconds (0):
+                                      prompts are computed one at a time, like one GPU */
 } sim_config;
 
 /* Runs the engine until SIGINT/SIGTERM. Returns the process exit status. */
