@@ -65,8 +65,7 @@ static const opt opts[] = {
      "seconds a client may read none of the output queued for it before it is closed (0: no "
      "limit)",
      NULL},
-    {"max-buffered-bytes", NULL, CT_INT, OFF(max_buffered_bytes), "268435456", 0,
-     1099511627776.0,
+    {"max-buffered-bytes", NULL, CT_INT, OFF(max_buffered_bytes), "268435456", 0, 1099511627776.0,
      "process-wide budget for request bodies held and responses queued; new bodies beyond it "
      "get 503 with Retry-After (0: no budget)",
      NULL},
@@ -108,6 +107,21 @@ static const opt opts[] = {
      "prefix_affinity: an instance takes at most this times the mean in-flight load", NULL},
     {"metrics-interval", NULL, CT_SECONDS, OFF(metrics_interval), "2", 0.05, 3600,
      "load_aware: seconds between scrapes of each engine's /metrics", NULL},
+    /* Per-request decisions: conditional disaggregation and usage. */
+    {"disagg-min-tokens", NULL, CT_INT, OFF(disagg_min_tokens), "0", 0, 100000000,
+     "send a request straight to decode when its estimated uncached prompt is shorter than this "
+     "many tokens (0: always disaggregate)",
+     NULL},
+    {"disagg-bytes-per-token", NULL, CT_SECONDS, OFF(disagg_bytes_per_token), "4", 0.5, 64,
+     "prompt bytes (as the JSON body spells them) per token in the prompt length estimate", NULL},
+    {"disagg-index-blocks", NULL, CT_INT, OFF(disagg_index_blocks), "65536", 1, 16777216,
+     "entries of each worker's LRU index of prompt prefixes recently sent to each decode "
+     "instance (one entry per 128 prompt bytes)",
+     NULL},
+    {"usage-from", NULL, CT_ENUM, OFF(usage_from), "prefill", 0, 0,
+     "whose prompt_tokens_details.cached_tokens a disaggregated answer's usage reports: "
+     "prefill's (what was computed from cache) or decode's (as the engine says)",
+     "prefill|decode"},
     {"drain-delay", NULL, CT_SECONDS, OFF(drain_delay), "5", 0, 3600,
      "on SIGTERM, seconds /ready answers 503 before new connections stop", NULL},
     {"drain-timeout", NULL, CT_SECONDS, OFF(drain_timeout), "60", 0, 86400,
@@ -156,8 +170,8 @@ static int check_list_item(const opt *o, const char *v, char *err, size_t errlen
     /* A URL in a toy host flag would become a backend named "http" that
      * never answers: say what was meant instead. */
     if (o->max == 0 && (strstr(v, "://") || strchr(v, '/'))) {
-        snprintf(err, errlen, "--%s '%s': a host name or address, not a URL (use --%s %s)",
-                 o->name, v, strncmp(o->name, "prefill", 7) ? "decode" : "prefill", v);
+        snprintf(err, errlen, "--%s '%s': a host name or address, not a URL (use --%s %s)", o->name,
+                 v, strncmp(o->name, "prefill", 7) ? "decode" : "prefill", v);
         return -1;
     }
     if (o->max > 0) {
