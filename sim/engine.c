@@ -68,21 +68,38 @@ static void compute_blocks(sim_req *r) {
 
 /* Like vLLM's prefix caching: only whole blocks count, and never the whole
  * prompt (its last token is always computed). Returns the cached tokens. */
+static sim_pcache_entry *cache_find(sim_engine *e, uint64_t ph) {
+    sim_pcache_entry *set = &e->pcache[(ph & e->pcache_mask) * SIM_PCACHE_WAYS];
+    for (int i = 0; i < SIM_PCACHE_WAYS; i++)
+        if (set[i].hash == ph) return &set[i];
+    return NULL;
+}
+
 static size_t cache_lookup(sim_engine *e, const sim_req *r) {
     size_t bt = e->cfg->block_tokens, full = (r->ntok - 1) / bt, b = 0;
     for (; b < full; b++) {
-        uint64_t ph = kvsim_prefix_hash(e->model_hash, r->tok, r->ntok, bt, b);
-        if (e->pcache[ph & e->pcache_mask] != ph) break;
+        sim_pcache_entry *x =
+            cache_find(e, kvsim_prefix_hash(e->model_hash, r->tok, r->ntok, bt, b));
+        if (!x) break;
+        x->used = ++e->pcache_clock;
     }
     return b * bt;
 }
 
-/* Lists the prompt's whole blocks as cached. */
+/* Lists the prompt's whole blocks as cached, each replacing the least
+ * recently used entry of its set. */
 static void cache_insert(sim_engine *e, const sim_req *r) {
     size_t bt = e->cfg->block_tokens;
     for (size_t b = 0; b < r->ntok / bt; b++) {
         uint64_t ph = kvsim_prefix_hash(e->model_hash, r->tok, r->ntok, bt, b);
-        e->pcache[ph & e->pcache_mask] = ph;
+        sim_pcache_entry *x = cache_find(e, ph);
+        if (!x) {
+            x = &e->pcache[(ph & e->pcache_mask) * SIM_PCACHE_WAYS];
+            for (int i = 1; i < SIM_PCACHE_WAYS; i++)
+                if (x[i].used < x->used) x = &x[i];
+            x->hash = ph;
+        }
+        x->used = ++e->pcache_clock;
     }
 }
 

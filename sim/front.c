@@ -186,11 +186,12 @@ int sim_engine_run(const sim_config *cfg) {
     for (uint64_t i = 0; i < cfg->num_blocks; i++)
         e->free_blocks[i] = cfg->num_blocks - 1 - i;
     e->nfree = cfg->num_blocks;
-    size_t slots = 1;
-    while (slots < 2 * cfg->num_blocks)
-        slots <<= 1;
-    e->pcache = px_xcalloc(slots, sizeof *e->pcache);
-    e->pcache_mask = slots - 1;
+    /* About one entry per KV block, as an engine's prefix cache holds. */
+    size_t sets = 1;
+    while (sets * SIM_PCACHE_WAYS < cfg->num_blocks)
+        sets <<= 1;
+    e->pcache = px_xcalloc(sets * SIM_PCACHE_WAYS, sizeof *e->pcache);
+    e->pcache_mask = sets - 1;
     e->base = event_base_new();
     e->conn_cfg = (px_conn_cfg){.max_body_bytes = 64 << 20,
                                 .header_timeout = 30,
