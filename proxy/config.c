@@ -96,7 +96,9 @@ static const opt opts[] = {
     {"prefill-retries", NULL, CT_INT, OFF(prefill_retries), "2", 0, 100,
      "retries of a prefill refused, reset or answering 5xx, each on another instance", NULL},
     {"fallback-decode-only", NULL, CT_FLAG, OFF(fallback_decode_only), "false", 0, 0,
-     "when no prefill is healthy, send requests to decode alone (else 503)", NULL},
+     "send a request to decode alone when no prefill is healthy (else 503) or when its prefill "
+     "failed with 5xx or a connection error, retries spent (else 502)",
+     NULL},
     {"prefill-policy", NULL, CT_ENUM, OFF(prefill_policy), "round_robin", 0, 0,
      "how to choose a prefill instance", PX_POLICIES},
     {"decode-policy", NULL, CT_ENUM, OFF(decode_policy), "round_robin", 0, 0,
