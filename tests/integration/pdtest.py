@@ -1,4 +1,4 @@
-"""pdtest: helpers for the per-request decision tests (conditional
+"""pdtest: what is shared by the per-request decision tests (conditional
 disaggregation, decode-only fallback, the endpoints passed to decode, usage
 across the two legs) on top of pxtest, prodtest and e2e (Python 3 stdlib).
 
@@ -16,7 +16,7 @@ from pxtest import PxTestCase, wait_until  # noqa: E402
 
 
 class PdCase(PxTestCase):
-    """PxTestCase with access-log, metrics and engine-sim helpers."""
+    """PxTestCase with access-log, metrics and engine-sim conveniences."""
 
     def access(self, px):
         """Access-log records (logfmt lines with total_ms), in order."""
