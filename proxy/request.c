@@ -1185,6 +1185,7 @@ void px_req_start(px_worker *w, px_conn *c, px_endpoint ep, const px_http_head *
         }
         r->dbody = r->body;
         px_buf_init(&r->body);
+        account(r);
         start_decode(r);
         return;
     }
