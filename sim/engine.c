@@ -94,9 +94,10 @@ static void cache_insert(sim_engine *e, const sim_req *r) {
         uint64_t ph = kvsim_prefix_hash(e->model_hash, r->tok, r->ntok, bt, b);
         sim_pcache_entry *x = cache_find(e, ph);
         if (!x) {
-            x = &e->pcache[(ph & e->pcache_mask) * SIM_PCACHE_WAYS];
+            sim_pcache_entry *set = &e->pcache[(ph & e->pcache_mask) * SIM_PCACHE_WAYS];
+            x = set;
             for (int i = 1; i < SIM_PCACHE_WAYS; i++)
-                if (x[i].used < x->used) x = &x[i];
+                if (set[i].used < x->used) x = &set[i];
             x->hash = ph;
         }
         x->used = ++e->pcache_clock;
