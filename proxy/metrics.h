@@ -28,12 +28,12 @@ typedef enum { PX_PHASE_PREFILL = 0, PX_PHASE_DECODE, PX_PHASE_STREAM, PX_PHASE_
 
 /* How a request is served, and why (pdproxy_disagg_decisions_total). */
 typedef enum {
-    PX_DEC_ALWAYS = 0,      /* disaggregated: --disagg-min-tokens 0 */
-    PX_DEC_LONG_PROMPT,     /* disaggregated: uncached estimate at or over the threshold */
-    PX_DEC_SHORT_PROMPT,    /* decode_only: the whole prompt is under the threshold */
-    PX_DEC_CACHED_PREFIX,   /* decode_only: what decode lacks of it is under the threshold */
-    PX_DEC_NO_PREFILL,      /* decode_only: no prefill can take it (--fallback-decode-only) */
-    PX_DEC_ENDPOINT,        /* decode_only: the engine takes no kv_transfer_params there */
+    PX_DEC_ALWAYS = 0,    /* disaggregated: --disagg-min-tokens 0 */
+    PX_DEC_LONG_PROMPT,   /* disaggregated: uncached estimate at or over the threshold */
+    PX_DEC_SHORT_PROMPT,  /* decode_only: the whole prompt is under the threshold */
+    PX_DEC_CACHED_PREFIX, /* decode_only: what decode lacks of it is under the threshold */
+    PX_DEC_NO_PREFILL,    /* decode_only: no prefill can take it (--fallback-decode-only) */
+    PX_DEC_ENDPOINT,      /* decode_only: the engine takes no kv_transfer_params there */
     PX_DEC_COUNT
 } px_decision;
 

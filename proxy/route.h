@@ -151,7 +151,6 @@ int px_url_split(const char *url, char *host, size_t hostcap, int *port, int *ht
 /* Hashes bytes (FNV-1a, 64 bit): stable across processes and replicas. */
 uint64_t px_hash64(const void *p, size_t n);
 
-
 /* ---------- the prefix index of conditional disaggregation ----------
  *
  * Which prompt prefixes a decode instance has served recently, so the proxy
