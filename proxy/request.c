@@ -528,17 +528,23 @@ static void write_fixed(px_req *r, const char *p, size_t n) {
     client_write(r, v + vl, (size_t)(p + n - (v + vl)));
 }
 
+/* The length of the first complete SSE event in b[0..n) (through the
+ * blank line that ends it: LF LF or CRLF CRLF), or 0. */
+static size_t event_len(const char *b, size_t n) {
+    const char *lf = n ? memmem(b, n, "\n\n", 2) : NULL;
+    const char *crlf = n ? memmem(b, n, "\r\n\r\n", 4) : NULL;
+    if (lf && (!crlf || lf < crlf + 2)) return (size_t)(lf - b) + 2;
+    if (crlf) return (size_t)(crlf - b) + 4;
+    return 0;
+}
+
 /* Passes on every complete SSE event held in ubuf (fixed), keeping a
  * partial one; with `all`, the rest too, as it is. */
 static void flush_events(px_req *r, int all) {
-    size_t at = 0;
-    for (;;) {
-        const char *b = r->ubuf.data + at;
-        size_t left = r->ubuf.len - at;
-        const char *e = left ? memmem(b, left, "\n\n", 2) : NULL;
-        if (!e) break;
-        size_t n = (size_t)(e - b) + 2;
-        write_fixed(r, b, n);
+    size_t at = 0, n;
+    if (!r->ubuf.data) return;
+    while ((n = event_len(r->ubuf.data + at, r->ubuf.len - at)) > 0) {
+        write_fixed(r, r->ubuf.data + at, n);
         at += n;
     }
     if (all && at < r->ubuf.len) {

@@ -94,6 +94,13 @@ class UsageBytesTest(PdCase):
             self.assertEqual(r.header("content-type"), "text/event-stream")
             self.assertEqual(r.body, want, mode)
 
+    def test_stream_with_crlf_events(self):
+        stream = b"".join(e.replace(b"\n\n", b"\r\n\r\n") for e in D_EVENTS)
+        px = self.start(lambda req: Stream(200, [("Content-Type", "text/event-stream")],
+                                           [(0.0, p) for p in split_bytes(stream, [3, 100, 1])]))
+        r = http_request(px.port, "POST", "/v1/chat/completions", pxtest.chat_body(stream=True))
+        self.assertEqual(r.body, stream.replace(b'"cached_tokens":99', b'"cached_tokens":7'))
+
     def test_prefill_without_details_leaves_decode_bytes(self):
         def p(req):
             doc = {"choices": [], "usage": {"prompt_tokens": 1},
