@@ -369,11 +369,11 @@ static void trace_child(const char *trace, const char *span, const char *flags, 
     snprintf(out, 56, "00-%s-%s-%s", trace, span, flags);
 }
 
-/* The header lines both upstream requests carry ("Name: value\r\n" each);
- * Host and the body's framing are the transport's. */
 /* Client headers a passed-through request does not carry as they are: the
  * connection's own (hop by hop, RFC 9110 §7.6.1), framing and Host (the
- * transport's), and those the proxy sets itself. */
+ * transport's), those the proxy sets itself, and Accept-Encoding (of the
+ * answer's headers only Content-Type comes back: a compressed body would
+ * reach the client without its Content-Encoding). */
 static int own_header(const px_http_header *x) {
     static const char *const names[] = {"host",
                                         "content-length",
@@ -389,7 +389,8 @@ static int own_header(const px_http_header *x) {
                                         "authorization",
                                         "x-request-id",
                                         "traceparent",
-                                        "tracestate"};
+                                        "tracestate",
+                                        "accept-encoding"};
     for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
         if (px_http_token_eq(x->name, x->name_len, names[i])) return 1;
     return 0;
@@ -399,6 +400,8 @@ static int passthrough(const px_req *r) {
     return r->ep == PX_EP_PASSTHROUGH || r->ep == PX_EP_RESPONSES;
 }
 
+/* The header lines both upstream requests carry ("Name: value\r\n" each);
+ * Host and the body's framing are the transport's. */
 static void headers_for(px_req *r, const px_http_head *h, int traced, const char *span, px_buf *l) {
     if (passthrough(r)) {
         for (size_t i = 0; i < h->nheaders; i++)

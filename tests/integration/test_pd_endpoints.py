@@ -50,7 +50,10 @@ class PassThroughTest(PdCase):
                 r = http_request(px.port, "POST", path, body,
                                  headers=rid_headers(rid, {"Content-Type": "text/x-odd; q=1",
                                                            "X-Custom": "v a l",
-                                                           "Accept": "*/*"}))
+                                                           "Accept": "*/*",
+                                                           "Accept-Encoding": "gzip",
+                                                           "Connection": "keep-alive, X-Custom2",
+                                                           "Traceparent": "garbage"}))
                 self.assertEqual(r.status, 201, (path, r.body))
                 self.assertEqual(r.body, b"\x00raw\xffbytes")
                 self.assertEqual(r.header("content-type"), "application/x-custom")
@@ -64,6 +67,12 @@ class PassThroughTest(PdCase):
                 self.assertEqual(got.header("accept"), "*/*")
                 self.assertEqual(got.header("x-request-id"), rid)
                 self.assertEqual(len(got.header_all("content-type")), 1)
+                # Only Content-Type of decode's headers comes back: no
+                # compressed answers; the connection's own stay here.
+                self.assertIsNone(got.header("accept-encoding"))
+                self.assertNotEqual(got.header("connection") or "", "keep-alive, X-Custom2")
+                self.assertNotEqual(got.header("traceparent"), "garbage")
+                self.assertEqual(len(got.header_all("traceparent")), 1)
                 n += 1
         self.assertEqual(len(self.P.requests), 0, "prefill must not see passed-through requests")
         self.assertEqual(self.metric(px, "pdproxy_requests_total", endpoint="passthrough",
