@@ -206,6 +206,12 @@ void px_log_access(const px_access *a) {
     ADD(" total_ms=%.2f bytes_out=%zu outcome=%s", a->total_ms < 0 ? 0 : a->total_ms, a->bytes_out,
         a->outcome);
     if (a->trace_id && a->trace_id[0]) ADD(" trace_id=%s", a->trace_id);
+    if (a->decision) ADD(" decision=%s", a->decision);
+    if (a->decision_reason) ADD(" decision_reason=%s", a->decision_reason);
+    if (a->fallback) ADD(" fallback=%s", a->fallback);
+    if (a->estimated)
+        ADD(" prompt_tokens_est=%ld uncached_tokens_est=%ld", a->prompt_tokens_est,
+            a->uncached_tokens_est);
 #undef ADD
     px_log_write(PX_LOG_INFO, "%s", line);
 }

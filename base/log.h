@@ -42,6 +42,15 @@ typedef struct px_access {
     size_t bytes_out;
     const char *outcome;  /* borrowed */
     const char *trace_id; /* borrowed; NULL: none */
+    /* How the request was served: "disaggregated" or "decode_only", why,
+     * and the decode-only fallback taken after prefill failed (NULL:
+     * left out of the line). */
+    const char *decision;
+    const char *decision_reason;
+    const char *fallback;
+    int estimated; /* the two estimates below are set */
+    long prompt_tokens_est;
+    long uncached_tokens_est;
 } px_access;
 
 /* Writes the access line at level info (checked first). */

@@ -124,7 +124,9 @@ static const opt opts[] = {
     {"prefill-retries", NULL, CT_INT, OFF(prefill_retries), "2", 0, 100,
      "retries of a prefill refused, reset or answering 5xx, each on another instance", NULL},
     {"fallback-decode-only", NULL, CT_FLAG, OFF(fallback_decode_only), "false", 0, 0,
-     "when no prefill is healthy, send requests to decode alone (else 503)", NULL},
+     "send a request to decode alone when no prefill is healthy (else 503) or when its prefill "
+     "failed with 5xx or a connection error, retries spent (else 502)",
+     NULL},
     {"prefill-policy", NULL, CT_ENUM, OFF(prefill_policy), "round_robin", 0, 0,
      "how to choose a prefill instance", PX_POLICIES},
     {"decode-policy", NULL, CT_ENUM, OFF(decode_policy), "round_robin", 0, 0,
@@ -135,6 +137,21 @@ static const opt opts[] = {
      "prefix_affinity: an instance takes at most this times the mean in-flight load", NULL},
     {"metrics-interval", NULL, CT_SECONDS, OFF(metrics_interval), "2", 0.05, 3600,
      "load_aware: seconds between scrapes of each engine's /metrics", NULL},
+    /* Per-request decisions: conditional disaggregation and usage. */
+    {"disagg-min-tokens", NULL, CT_INT, OFF(disagg_min_tokens), "0", 0, 100000000,
+     "send a request straight to decode when its estimated uncached prompt is shorter than this "
+     "many tokens (0: always disaggregate)",
+     NULL},
+    {"disagg-bytes-per-token", NULL, CT_SECONDS, OFF(disagg_bytes_per_token), "4", 0.5, 64,
+     "prompt bytes (as the JSON body spells them) per token in the prompt length estimate", NULL},
+    {"disagg-index-blocks", NULL, CT_INT, OFF(disagg_index_blocks), "65536", 1, 16777216,
+     "entries of each worker's LRU index of prompt prefixes recently sent to each decode "
+     "instance (one entry per 128 prompt bytes)",
+     NULL},
+    {"usage-from", NULL, CT_ENUM, OFF(usage_from), "prefill", 0, 0,
+     "whose prompt_tokens_details.cached_tokens a disaggregated answer's usage reports: "
+     "prefill's (what was computed from cache) or decode's (as the engine says)",
+     "prefill|decode"},
     {"drain-delay", NULL, CT_SECONDS, OFF(drain_delay), "5", 0, 3600,
      "on SIGTERM, seconds /ready answers 503 before new connections stop", NULL},
     {"drain-timeout", NULL, CT_SECONDS, OFF(drain_timeout), "60", 0, 86400,

@@ -69,6 +69,11 @@ typedef struct px_config {
     int64_t prefix_bytes;
     double prefix_load_factor;
     double metrics_interval;
+    /* Per-request decisions. */
+    int64_t disagg_min_tokens;     /* 0: always disaggregate */
+    double disagg_bytes_per_token; /* prompt bytes per estimated token */
+    int64_t disagg_index_blocks;   /* per worker */
+    char *usage_from;              /* "prefill" | "decode" */
     /* Shutdown. */
     double drain_delay;
     double drain_timeout;

@@ -19,7 +19,25 @@ static const double bounds[PX_HIST_BUCKETS] = {0.001, 0.0025, 0.005, 0.01, 0.025
 static const char *const ep_names[PX_MEP_COUNT] = {"/v1/completions", "/v1/chat/completions",
                                                    "/v1/models",      "/healthcheck",
                                                    "/health",         "/ready",
-                                                   "/metrics",        "other"};
+                                                   "/metrics",        "other",
+                                                   "/v1/messages",    "/v1/responses",
+                                                   "passthrough"};
+static const char *const dec_reasons[PX_DEC_COUNT] = {
+    "always", "long_prompt", "short_prompt", "cached_prefix", "no_healthy_prefill", "endpoint"};
+static const char *const fb_names[PX_FB_COUNT] = {"no_healthy_prefill", "prefill_5xx",
+                                                  "prefill_connection_error"};
+
+const char *px_decision_name(px_decision d) {
+    return d <= PX_DEC_LONG_PROMPT ? "disaggregated" : "decode_only";
+}
+
+const char *px_decision_reason(px_decision d) {
+    return dec_reasons[d];
+}
+
+const char *px_fallback_name(px_fallback f) {
+    return fb_names[f];
+}
 static const char *const phase_names[PX_PHASE_COUNT] = {"prefill", "decode", "stream"};
 
 void px_metrics_count(px_metrics *m, px_metric_endpoint ep, int status) {
@@ -342,6 +360,21 @@ void px_metrics_render(px_server *s, px_buf *o) {
             "Requests whose client left after prefill answered: decode was sent the request and "
             "aborted so that prefill frees the blocks at once.",
             SUM(stranded_released));
+    px_buf_appends(o, "# HELP pdproxy_disagg_decisions_total Requests by how they were sent: "
+                      "disaggregated (prefill then decode) or decode_only, and why.\n"
+                      "# TYPE pdproxy_disagg_decisions_total counter\n");
+    for (int d = 0; d < PX_DEC_COUNT; d++)
+        px_buf_printf(
+            o, "pdproxy_disagg_decisions_total{decision=\"%s\",reason=\"%s\"} %llu\n",
+            px_decision_name((px_decision)d), dec_reasons[d],
+            sum_at(s, offsetof(px_metrics, decisions) + (size_t)d * sizeof(atomic_ullong)));
+    px_buf_appends(o, "# HELP pdproxy_decode_only_fallbacks_total Requests sent to decode alone "
+                      "(--fallback-decode-only) because prefill could not serve them.\n"
+                      "# TYPE pdproxy_decode_only_fallbacks_total counter\n");
+    for (int f = 0; f < PX_FB_COUNT; f++)
+        px_buf_printf(
+            o, "pdproxy_decode_only_fallbacks_total{reason=\"%s\"} %llu\n", fb_names[f],
+            sum_at(s, offsetof(px_metrics, fallbacks) + (size_t)f * sizeof(atomic_ullong)));
     unsigned long long inflight = (unsigned long long)atomic_load(&s->inflight);
     px_buf_printf(o,
                   "# HELP pdproxy_inflight_requests Client requests in flight.\n"

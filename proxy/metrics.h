@@ -18,10 +18,36 @@ typedef enum {
     PX_MEP_READY,
     PX_MEP_METRICS,
     PX_MEP_OTHER,
+    PX_MEP_MESSAGES,
+    PX_MEP_RESPONSES,
+    PX_MEP_PASSTHROUGH, /* every other engine endpoint, passed to decode */
     PX_MEP_COUNT
 } px_metric_endpoint;
 
 typedef enum { PX_PHASE_PREFILL = 0, PX_PHASE_DECODE, PX_PHASE_STREAM, PX_PHASE_COUNT } px_phase;
+
+/* How a request is served, and why (pdproxy_disagg_decisions_total). */
+typedef enum {
+    PX_DEC_ALWAYS = 0,    /* disaggregated: --disagg-min-tokens 0 */
+    PX_DEC_LONG_PROMPT,   /* disaggregated: uncached estimate at or over the threshold */
+    PX_DEC_SHORT_PROMPT,  /* decode_only: the whole prompt is under the threshold */
+    PX_DEC_CACHED_PREFIX, /* decode_only: what decode lacks of it is under the threshold */
+    PX_DEC_NO_PREFILL,    /* decode_only: no prefill can take it (--fallback-decode-only) */
+    PX_DEC_ENDPOINT,      /* decode_only: the engine takes no kv_transfer_params there */
+    PX_DEC_COUNT
+} px_decision;
+
+/* Why a request fell back to decode alone (pdproxy_decode_only_fallbacks_total). */
+typedef enum {
+    PX_FB_NO_PREFILL = 0, /* no healthy prefill */
+    PX_FB_PREFILL_5XX,    /* prefill answered 5xx, retries spent */
+    PX_FB_PREFILL_CONN,   /* prefill refused or reset before answering, retries spent */
+    PX_FB_COUNT
+} px_fallback;
+
+const char *px_decision_name(px_decision d);   /* "disaggregated" | "decode_only" */
+const char *px_decision_reason(px_decision d); /* the reason label */
+const char *px_fallback_name(px_fallback f);
 
 #define PX_HIST_BUCKETS 16
 
@@ -41,6 +67,8 @@ typedef struct px_metrics {
     atomic_ullong disconnects[PX_PHASE_COUNT];
     atomic_ullong retries[2]; /* prefill, decode */
     atomic_ullong stranded_released;
+    atomic_ullong decisions[PX_DEC_COUNT];
+    atomic_ullong fallbacks[PX_FB_COUNT];
 } px_metrics;
 
 /* Single-writer increment: only the owning thread calls these. */

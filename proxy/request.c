@@ -35,8 +35,14 @@ typedef enum {
 
 static const char *const state_names[] = {"new",    "prefill",   "retry_wait", "decode",
                                           "stream", "releasing", "done",       "closing"};
-static const char *const ep_paths[] = {"/v1/completions", "/v1/chat/completions", "/v1/models"};
-static const px_metric_endpoint ep_metric[] = {PX_MEP_COMPLETIONS, PX_MEP_CHAT, PX_MEP_MODELS};
+static const char *const ep_paths[] = {"/v1/completions", "/v1/chat/completions", "/v1/models",
+                                       "/v1/messages",    "/v1/responses",        NULL};
+static const px_metric_endpoint ep_metric[] = {PX_MEP_COMPLETIONS, PX_MEP_CHAT,
+                                               PX_MEP_MODELS,      PX_MEP_MESSAGES,
+                                               PX_MEP_RESPONSES,   PX_MEP_PASSTHROUGH};
+/* A decode answer whose usage is rewritten is held whole (JSON) or an
+ * event at a time (SSE); past this, it passes through untouched. */
+#define USAGE_MAX_HOLD (8 * 1024 * 1024)
 
 struct px_req {
     px_req *prev, *next; /* in w->reqs */
@@ -91,6 +97,27 @@ struct px_req {
     char span_root[17], span_p[17], span_d[17];
     uint64_t t_pstart, t_dstart;
     int streamed; /* decode answered text/event-stream: 1, else 0 */
+
+    /* What goes to decode: the client's method and target (passed-through
+     * endpoints), and whether decode gets prefill's kv_transfer_params. */
+    char method[16];
+    char *target;    /* owned: path and query sent to decode; NULL: ep_paths */
+    char lpath[300]; /* the path as a logfmt value, for the access line */
+    int disagg;      /* decode's body carries prefill's kv_transfer_params */
+    int decided;     /* decision below is set */
+    px_decision decision;
+    int fell_back; /* fallback below is set */
+    px_fallback fallback;
+    int estimated; /* est_tokens, est_uncached are set */
+    long est_tokens, est_uncached;
+    uint64_t *phash; /* owned: the prompt's prefix hashes (px_pindex_hashes) */
+    size_t nphash;
+
+    /* --usage-from prefill: prefill's cached_tokens (number text) put into
+     * decode's usage; ubuf holds decode bytes not yet passed on. */
+    char p_cached[24];
+    int fix_usage; /* 0: pass decode's bytes as they come */
+    px_buf ubuf;   /* owned */
 };
 
 static void start_prefill(px_req *r);
@@ -113,7 +140,7 @@ static void attempt_done(px_pool *p, px_backend *b, px_backend *const *tried, si
 
 /* Brings the memory budget's count of this request's bodies up to date. */
 static void account(px_req *r) {
-    int64_t now = (int64_t)(r->body.len + r->pbody.len + r->dbody.len + r->presp.len);
+    int64_t now = (int64_t)(r->body.len + r->pbody.len + r->dbody.len + r->presp.len + r->ubuf.len);
     px_budget_add(&r->s->shared, now - r->held);
     r->held = now;
 }
@@ -141,6 +168,9 @@ static void req_free(px_req *r) {
     px_buf_cleanup(&r->presp);
     px_buf_cleanup(&r->hdrs_p);
     px_buf_cleanup(&r->hdrs_d);
+    px_buf_cleanup(&r->ubuf);
+    free(r->target);
+    free(r->phash);
     free(r);
 }
 
@@ -163,8 +193,8 @@ static void submit_spans(px_req *r, int status, const char *outcome, uint64_t no
                      .span_root = r->span_root,
                      .span_prefill = r->span_p,
                      .span_decode = r->span_d,
-                     .method = r->ep == PX_EP_MODELS ? "GET" : "POST",
-                     .route = ep_paths[r->ep],
+                     .method = r->method,
+                     .route = ep_paths[r->ep] ? ep_paths[r->ep] : "passthrough",
                      .request_id = r->id,
                      .outcome = outcome,
                      .status = status,
@@ -193,7 +223,7 @@ static void finish_log(px_req *r, int status, const char *outcome) {
     px_hist_observe(&m->duration, secs(r->t0, now));
     if (r->t_first) px_hist_observe(&m->ttfb[r->streamed], secs(r->t0, r->t_first));
     px_access a = {.req = r->lid,
-                   .endpoint = ep_paths[r->ep],
+                   .endpoint = r->lpath,
                    .prefill = r->pname[0] ? r->pname : NULL,
                    .decode = r->dname[0] ? r->dname : NULL,
                    .status = status,
@@ -202,7 +232,18 @@ static void finish_log(px_req *r, int status, const char *outcome) {
                    .total_ms = secs(r->t0, now) * 1e3,
                    .bytes_out = r->bytes_out,
                    .outcome = outcome,
-                   .trace_id = r->trace_id};
+                   .trace_id = r->trace_id,
+                   /* A fallback overrides the decision made before prefill failed. */
+                   .decision = r->fell_back ? "decode_only"
+                               : r->decided ? px_decision_name(r->decision)
+                                            : NULL,
+                   .decision_reason = r->fell_back ? px_fallback_name(r->fallback)
+                                      : r->decided ? px_decision_reason(r->decision)
+                                                   : NULL,
+                   .fallback = r->fell_back ? px_fallback_name(r->fallback) : NULL,
+                   .estimated = r->estimated,
+                   .prompt_tokens_est = r->est_tokens,
+                   .uncached_tokens_est = r->est_uncached};
     px_log_access(&a);
     if (px_otlp_enabled()) submit_spans(r, status, outcome, now);
 }
@@ -334,10 +375,48 @@ static void trace_child(const char *trace, const char *span, const char *flags, 
     snprintf(out, 56, "00-%s-%s-%s", trace, span, flags);
 }
 
+/* Client headers a passed-through request does not carry as they are: the
+ * connection's own (hop by hop, RFC 9110 §7.6.1), framing and Host (the
+ * transport's), those the proxy sets itself, and Accept-Encoding (of the
+ * answer's headers only Content-Type comes back: a compressed body would
+ * reach the client without its Content-Encoding). */
+static int own_header(const px_http_header *x) {
+    static const char *const names[] = {"host",
+                                        "content-length",
+                                        "transfer-encoding",
+                                        "connection",
+                                        "keep-alive",
+                                        "proxy-connection",
+                                        "proxy-authorization",
+                                        "te",
+                                        "trailer",
+                                        "upgrade",
+                                        "expect",
+                                        "authorization",
+                                        "x-request-id",
+                                        "traceparent",
+                                        "tracestate",
+                                        "accept-encoding"};
+    for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
+        if (px_http_token_eq(x->name, x->name_len, names[i])) return 1;
+    return 0;
+}
+
+static int passthrough(const px_req *r) {
+    return r->ep == PX_EP_PASSTHROUGH || r->ep == PX_EP_RESPONSES;
+}
+
 /* The header lines both upstream requests carry ("Name: value\r\n" each);
  * Host and the body's framing are the transport's. */
 static void headers_for(px_req *r, const px_http_head *h, int traced, const char *span, px_buf *l) {
-    if (r->ep != PX_EP_MODELS) px_buf_appends(l, "Content-Type: application/json\r\n");
+    if (passthrough(r)) {
+        for (size_t i = 0; i < h->nheaders; i++)
+            if (!own_header(&h->headers[i]))
+                px_buf_printf(l, "%.*s: %.*s\r\n", (int)h->headers[i].name_len, h->headers[i].name,
+                              (int)h->headers[i].value_len, h->headers[i].value);
+    } else if (r->ep != PX_EP_MODELS) {
+        px_buf_appends(l, "Content-Type: application/json\r\n");
+    }
     px_buf_printf(l, "X-Request-Id: %s\r\n", r->id);
     const px_http_header *auth = px_http_find(h, "authorization");
     if (r->s->upstream_auth_forced || !auth) {
@@ -355,9 +434,9 @@ static void headers_for(px_req *r, const px_http_head *h, int traced, const char
         px_buf_printf(l, "tracestate: %.*s\r\n", (int)ts->value_len, ts->value);
 }
 
-static int start_upstream(px_req *r, px_backend *b, const char *path, const px_buf *body,
-                          const px_buf *hdrs, const px_upstream_cbs *cbs, long total_ms,
-                          long idle_s) {
+static int start_upstream(px_req *r, px_backend *b, const char *method, const char *path,
+                          const px_buf *body, const px_buf *hdrs, const px_upstream_cbs *cbs,
+                          long total_ms, long idle_s) {
     const px_config *cfg = r->s->cfg;
     px_upstream_opts o = {
         .connect_timeout_ms = (long)(cfg->connect_timeout * 1000),
@@ -367,7 +446,7 @@ static int start_upstream(px_req *r, px_backend *b, const char *path, const px_b
         .insecure = cfg->upstream_insecure,
         .track_upload = body && cbs != NULL && b == r->db,
     };
-    r->up = px_upstream_start(r->w->up, b, body ? "POST" : "GET", path, body ? body->data : NULL,
+    r->up = px_upstream_start(r->w->up, b, method, path, body ? body->data : NULL,
                               body ? body->len : 0, hdrs, &o, cbs, r);
     return r->up ? 0 : -1;
 }
@@ -403,6 +482,98 @@ static void touch_idle(px_req *r) {
     evtimer_add(r->idle_timer, &tv);
 }
 
+/* ---------- usage (--usage-from) ---------- */
+
+/* The number text of usage.prompt_tokens_details.cached_tokens in the JSON
+ * object json[0..n): 1 with its span, else 0. */
+static int cached_tokens_span(const char *json, size_t n, const char **v, size_t *vl) {
+    px_json_member u, d, c;
+    if (!px_json_find(json, n, "usage", &u) || u.type != PX_JSON_OBJECT) return 0;
+    if (!px_json_find(u.val, u.val_len, "prompt_tokens_details", &d) || d.type != PX_JSON_OBJECT)
+        return 0;
+    if (!px_json_find(d.val, d.val_len, "cached_tokens", &c) || c.type != PX_JSON_NUMBER) return 0;
+    *v = c.val;
+    *vl = c.val_len;
+    return 1;
+}
+
+/* Writes p[0..n) to the client. */
+static void client_write(px_req *r, const char *p, size_t n) {
+    if (!r->conn || !n) return;
+    px_conn_stream_write(r->conn, p, n);
+    r->bytes_out += n;
+}
+
+/* Writes p[0..n), a JSON document or one SSE event, with prefill's
+ * cached_tokens in place of decode's; every other byte as it is. */
+static void write_fixed(px_req *r, const char *p, size_t n) {
+    const char *json = p, *end = p + n, *v;
+    size_t vl;
+    if (r->streamed) {
+        /* The event's data line that carries the usage. */
+        const char *k = memmem(p, n, "\"cached_tokens\"", 15);
+        if (!k) {
+            client_write(r, p, n);
+            return;
+        }
+        json = k;
+        while (json > p && json[-1] != '\n')
+            json--;
+        end = memchr(json, '\n', (size_t)(p + n - json));
+        if (!end) end = p + n;
+        if ((size_t)(end - json) < 5 || memcmp(json, "data:", 5) != 0) {
+            client_write(r, p, n);
+            return;
+        }
+        json += 5;
+        if (end > json && end[-1] == '\r') end--;
+    }
+    if (!cached_tokens_span(json, (size_t)(end - json), &v, &vl)) {
+        client_write(r, p, n);
+        return;
+    }
+    client_write(r, p, (size_t)(v - p));
+    client_write(r, r->p_cached, strlen(r->p_cached));
+    client_write(r, v + vl, (size_t)(p + n - (v + vl)));
+}
+
+/* The length of the first complete SSE event in b[0..n) (through the
+ * blank line that ends it: LF LF or CRLF CRLF), or 0. */
+static size_t event_len(const char *b, size_t n) {
+    const char *lf = n ? memmem(b, n, "\n\n", 2) : NULL;
+    const char *crlf = n ? memmem(b, n, "\r\n\r\n", 4) : NULL;
+    if (lf && (!crlf || lf < crlf + 2)) return (size_t)(lf - b) + 2;
+    if (crlf) return (size_t)(crlf - b) + 4;
+    return 0;
+}
+
+/* Passes on every complete SSE event held in ubuf (fixed), keeping a
+ * partial one; with `all`, the rest too, as it is. */
+static void flush_events(px_req *r, int all) {
+    size_t at = 0, n;
+    if (!r->ubuf.data) return;
+    while ((n = event_len(r->ubuf.data + at, r->ubuf.len - at)) > 0) {
+        write_fixed(r, r->ubuf.data + at, n);
+        at += n;
+    }
+    if (all && at < r->ubuf.len) {
+        client_write(r, r->ubuf.data + at, r->ubuf.len - at);
+        at = r->ubuf.len;
+    }
+    if (at) {
+        memmove(r->ubuf.data, r->ubuf.data + at, r->ubuf.len - at);
+        r->ubuf.len -= at;
+    }
+}
+
+/* Gives up rewriting: what is held goes out as it is. */
+static void usage_passthrough(px_req *r) {
+    client_write(r, r->ubuf.data, r->ubuf.len);
+    px_buf_cleanup(&r->ubuf);
+    r->fix_usage = 0;
+    account(r);
+}
+
 static void decode_headers(void *arg, int status, const char *ctype) {
     px_req *r = arg;
     r->dstatus = status;
@@ -410,6 +581,9 @@ static void decode_headers(void *arg, int status, const char *ctype) {
     if (r->state == RS_RELEASING) return;
     r->t_first = px_now_ns();
     r->streamed = ctype && !strncasecmp(ctype, "text/event-stream", 17);
+    int json = ctype && !strncasecmp(ctype, "application/json", 16);
+    r->fix_usage = r->disagg && r->p_cached[0] && status == 200 && (r->streamed || json) &&
+                   !strcmp(r->s->cfg->usage_from, "prefill");
     set_state(r, RS_STREAM);
     if (r->conn) px_conn_stream_start(r->conn, status, ctype, r->id, NULL);
 }
@@ -418,6 +592,21 @@ static int decode_data(void *arg, const char *p, size_t n) {
     px_req *r = arg;
     if (!r->conn) return -1;
     touch_idle(r);
+    if (r->fix_usage) {
+        if (px_conn_pending(r->conn) >= PX_CONN_HIGH_WATER) {
+            if (!r->paused) touch_idle(r);
+            r->paused = 1;
+            return 1;
+        }
+        if (r->ubuf.len + n > USAGE_MAX_HOLD) {
+            usage_passthrough(r);
+        } else {
+            px_buf_append(&r->ubuf, p, n);
+            if (r->streamed) flush_events(r, 0);
+            account(r);
+            return 0;
+        }
+    }
     if (px_conn_pending(r->conn) >= PX_CONN_HIGH_WATER) {
         /* Paused on the client: the same timeout now bounds how long the
          * client may leave its queue full, so a reader that stopped reading
@@ -459,6 +648,17 @@ static void decode_done(void *arg, px_up_result rc, const char *errbuf, int conn
     }
     attempt_done(&r->ps->decode, r->db, r->tried_d, r->ntried_d, o);
     r->db = NULL;
+    if (r->fix_usage) {
+        /* The answer is complete (or cut): what is held goes out, fixed
+         * when it is whole. */
+        if (rc == PX_UP_OK && !r->streamed)
+            write_fixed(r, r->ubuf.data ? r->ubuf.data : "", r->ubuf.len);
+        else
+            flush_events(r, 1);
+        px_buf_cleanup(&r->ubuf);
+        r->fix_usage = 0;
+        account(r);
+    }
     if (rc == PX_UP_OK) {
         if (r->conn) {
             px_conn_stream_end(r->conn);
@@ -497,8 +697,9 @@ static const px_upstream_cbs decode_cbs = {decode_headers, decode_data, decode_d
  * /v1/models, a GET. */
 static void start_decode(px_req *r) {
     px_pick k = {.exclude = r->tried_d, .nexclude = r->ntried_d};
-    size_t n;
-    r->db = px_pool_pick(&r->ps->decode, &k, &n);
+    size_t n = 0;
+    /* Conditional disaggregation chose the decode before prefill. */
+    if (!r->db) r->db = px_pool_pick(&r->ps->decode, &k, &n);
     if (!r->db) {
         if (r->state == RS_RELEASING) {
             PX_LOG(PX_LOG_WARN,
@@ -516,8 +717,14 @@ static void start_decode(px_req *r) {
     if (!r->t_dstart) r->t_dstart = px_now_ns();
     if (r->ntried_d < MAX_TRIES) r->tried_d[r->ntried_d++] = r->db;
     if (r->state != RS_RELEASING) set_state(r, RS_DECODE);
-    if (start_upstream(r, r->db, ep_paths[r->ep], r->ep == PX_EP_MODELS ? NULL : &r->dbody,
-                       &r->hdrs_d, &decode_cbs, 0, 0) < 0) {
+    /* This decode will hold the prompt's prefix in its cache. */
+    if (r->phash && r->w->pindex) px_pindex_add(r->w->pindex, r->db->key_hash, r->phash, r->nphash);
+    /* A GET (or a DELETE) without a body is sent without one. */
+    int bodyless =
+        r->ep == PX_EP_MODELS ||
+        (r->dbody.len == 0 && (!strcmp(r->method, "GET") || !strcmp(r->method, "DELETE")));
+    if (start_upstream(r, r->db, r->method, r->target ? r->target : ep_paths[r->ep],
+                       bodyless ? NULL : &r->dbody, &r->hdrs_d, &decode_cbs, 0, 0) < 0) {
         req_fail(r, 502, NULL, "decode %s: cannot start the request", r->dname);
         return;
     }
@@ -580,6 +787,15 @@ static void proceed_to_decode(px_req *r) {
     }
     px_buf_reset(&r->dbody);
     px_rewrite_decode(r->body.data, r->body.len, kvp, kvp_len, &r->dbody);
+    r->disagg = kvp != NULL;
+    /* Prefill's cached_tokens, for --usage-from prefill. */
+    const char *cv;
+    size_t cvl;
+    if (r->presp.data && cached_tokens_span(r->presp.data, r->presp.len, &cv, &cvl) &&
+        cvl < sizeof r->p_cached) {
+        memcpy(r->p_cached, cv, cvl);
+        r->p_cached[cvl] = '\0';
+    }
     /* From here on only the decode body is needed (retries resend it): one
      * copy of the request is held, not three. */
     px_buf_cleanup(&r->body);
@@ -590,6 +806,24 @@ static void proceed_to_decode(px_req *r) {
     r->key = NULL;
     account(r);
     start_decode(r);
+}
+
+/* Sends the client's request to decode alone (no kv_transfer_params:
+ * decode computes the prefill itself). */
+static void decode_only(px_req *r) {
+    px_buf_reset(&r->dbody);
+    px_rewrite_decode(r->body.data, r->body.len, NULL, 0, &r->dbody);
+    r->disagg = 0;
+    account(r);
+    start_decode(r);
+}
+
+/* --fallback-decode-only: prefill could not serve the request. */
+static void fall_back(px_req *r, px_fallback why) {
+    r->fell_back = 1;
+    r->fallback = why;
+    px_m_inc(&r->w->metrics.fallbacks[why]);
+    decode_only(r);
 }
 
 static void on_retry_timer(evutil_socket_t fd, short what, void *arg) {
@@ -636,6 +870,22 @@ static void prefill_done(void *arg, px_up_result rc, const char *errbuf, int con
     }
     r->t_prefill = px_now_ns();
     px_hist_observe(&r->w->metrics.prefill, secs(r->t0, r->t_prefill));
+    /* Retries spent on a prefill that failed (5xx, refused, reset): with
+     * --fallback-decode-only decode computes the prefill itself. Never
+     * after a 4xx (the client's error, returned below as it is), nor after
+     * a timeout (the prefill may still be working). */
+    int failed_5xx = rc == PX_UP_OK && r->pstatus >= 500 && r->pstatus < 600;
+    int failed_conn = rc == PX_UP_CONNECT || rc == PX_UP_RESET;
+    if ((failed_5xx || failed_conn) && !r->too_big && r->s->cfg->fallback_decode_only) {
+        PX_LOG(PX_LOG_WARN,
+               "req=%s msg=\"prefill failed: sending the request to decode alone\" prefill=%s "
+               "status=%d error=\"%s\"",
+               r->lid, r->pname, r->pstatus, rc ? why : "");
+        px_buf_reset(&r->presp);
+        account(r);
+        fall_back(r, failed_5xx ? PX_FB_PREFILL_5XX : PX_FB_PREFILL_CONN);
+        return;
+    }
     if (rc != PX_UP_OK) {
         if (r->too_big)
             req_fail(r, 502, NULL, "prefill %s answer exceeds %d bytes", r->pname,
@@ -676,19 +926,17 @@ static void start_prefill(px_req *r) {
         r->pb = px_pool_pick(&r->ps->prefill, &k, &n);
     }
     if (!r->pb) {
-        if (r->s->cfg->fallback_decode_only || r->no_prefill) {
-            if (r->no_prefill)
-                PX_LOG(PX_LOG_DEBUG, "req=%s msg=\"no x-prefiller-host-port: decode alone\"",
-                       r->lid);
-            else
-                PX_LOG(PX_LOG_WARN,
-                       "req=%s msg=\"no healthy prefill: sending the request to decode alone\" "
-                       "prefill_backends=%zu",
-                       r->lid, n);
-            px_buf_reset(&r->dbody);
-            px_rewrite_decode(r->body.data, r->body.len, NULL, 0, &r->dbody);
-            account(r);
-            start_decode(r);
+        if (r->no_prefill) {
+            PX_LOG(PX_LOG_DEBUG, "req=%s msg=\"no x-prefiller-host-port: decode alone\"", r->lid);
+            decode_only(r);
+            return;
+        }
+        if (r->s->cfg->fallback_decode_only) {
+            PX_LOG(PX_LOG_WARN,
+                   "req=%s msg=\"no healthy prefill: sending the request to decode alone\" "
+                   "prefill_backends=%zu",
+                   r->lid, n);
+            fall_back(r, PX_FB_NO_PREFILL);
             return;
         }
         req_fail(r, 503, "Retry-After: 1\r\n", "no healthy prefill backend (%zu configured%s)", n,
@@ -711,8 +959,8 @@ static void start_prefill(px_req *r) {
         }
         ptimeout = (long)((r->prefill_deadline - now) / 1000000);
     }
-    if (start_upstream(r, r->pb, ep_paths[r->ep], &r->pbody, &r->hdrs_p, &prefill_cbs, ptimeout,
-                       0) < 0)
+    if (start_upstream(r, r->pb, "POST", ep_paths[r->ep], &r->pbody, &r->hdrs_p, &prefill_cbs,
+                       ptimeout, 0) < 0)
         req_fail(r, 502, NULL, "prefill %s: cannot start the request", r->pname);
 }
 
@@ -746,8 +994,7 @@ static void client_gone(void *arg) {
         evtimer_add(r->grace_timer, &tv);
         return;
     }
-    if (r->state == RS_DECODE && r->up && r->ep != PX_EP_MODELS &&
-        !px_upstream_abort_after_upload(r->up)) {
+    if (r->state == RS_DECODE && r->up && r->disagg && !px_upstream_abort_after_upload(r->up)) {
         /* Decode has not received the request yet: let the body reach it,
          * then abort, so that decode tells prefill to free the blocks. */
         set_state(r, RS_RELEASING);
@@ -774,7 +1021,7 @@ static const px_exchange_cbs client_cbs = {client_gone, client_drained};
  * in every replica). */
 static void find_key(px_req *r) {
     px_json_member m;
-    const char *name = r->ep == PX_EP_CHAT ? "messages" : "prompt";
+    const char *name = r->ep == PX_EP_COMPLETIONS ? "prompt" : "messages";
     if (!px_json_find(r->body.data, r->body.len, name, &m)) return;
     r->key = m.val;
     r->key_len =
@@ -875,6 +1122,97 @@ bad:
     return -1;
 }
 
+/* ---------- conditional disaggregation ---------- */
+
+/* Tokens of a prompt given as token ids ([1,2,3]): exact. -1 when the
+ * value is anything else (text, a batch of prompts). */
+static long token_ids(const char *v, size_t n) {
+    size_t i = 1;
+    if (!n || v[0] != '[') return -1;
+    while (i < n && (v[i] == ' ' || v[i] == '\n' || v[i] == '\t' || v[i] == '\r'))
+        i++;
+    if (i >= n || !(v[i] == '-' || (v[i] >= '0' && v[i] <= '9'))) return -1;
+    long k = 1;
+    for (; i < n; i++) {
+        if (v[i] == '[' || v[i] == '{' || v[i] == '"') return -1;
+        k += v[i] == ',';
+    }
+    return k;
+}
+
+/* Estimates the prompt's length and how much of it the decode this
+ * request will use lacks, and decides: decode alone when that is under
+ * --disagg-min-tokens. The estimate is the prompt's bytes as the body
+ * spells them (the prompt, or the messages with their JSON around the
+ * text, standing in for the chat template's tokens) over
+ * --disagg-bytes-per-token; the cached part is what the worker's prefix
+ * index lists for the decode, in whole PX_PINDEX_BLOCK_BYTES pieces.
+ * Returns 1 to disaggregate. */
+static int decide(px_req *r) {
+    const px_config *cfg = r->s->cfg;
+    if (cfg->disagg_min_tokens <= 0) {
+        r->decision = PX_DEC_ALWAYS;
+        return 1;
+    }
+    px_json_member m, sys;
+    const char *name = r->ep == PX_EP_COMPLETIONS ? "prompt" : "messages";
+    const char *p = "";
+    size_t n = 0;
+    if (px_json_find(r->body.data, r->body.len, name, &m)) {
+        p = m.val;
+        n = m.val_len;
+    }
+    double bpt = cfg->disagg_bytes_per_token;
+    long ids = r->ep == PX_EP_COMPLETIONS ? token_ids(p, n) : -1;
+    double total = ids >= 0 ? (double)ids : (double)n / bpt;
+    /* Anthropic's system prompt is a member of its own. */
+    if (r->ep == PX_EP_MESSAGES && px_json_find(r->body.data, r->body.len, "system", &sys))
+        total += (double)sys.val_len / bpt;
+
+    /* The decode is chosen now, so that its cache can count. */
+    px_pick k = {.key = r->key, .key_len = r->key_len};
+    size_t nd;
+    r->db = px_pool_pick(&r->ps->decode, &k, &nd);
+    size_t matched = 0;
+    if (n >= PX_PINDEX_BLOCK_BYTES) {
+        if (!r->w->pindex) r->w->pindex = px_pindex_create((size_t)cfg->disagg_index_blocks);
+        size_t max = n / PX_PINDEX_BLOCK_BYTES;
+        if (max > PX_PINDEX_MAX_BLOCKS) max = PX_PINDEX_MAX_BLOCKS;
+        r->phash = px_xmalloc(max * sizeof *r->phash);
+        r->nphash = px_pindex_hashes(p, n, r->phash, max);
+        if (r->db) matched = px_pindex_match(r->w->pindex, r->db->key_hash, r->phash, r->nphash);
+    }
+    double cached = n ? total * (double)(matched * PX_PINDEX_BLOCK_BYTES) / (double)n : 0;
+    r->estimated = 1;
+    r->est_tokens = (long)(total + 0.5);
+    r->est_uncached = (long)(total - cached + 0.5);
+    if (r->est_uncached >= cfg->disagg_min_tokens) {
+        r->decision = PX_DEC_LONG_PROMPT;
+        return 1;
+    }
+    r->decision =
+        r->est_tokens < cfg->disagg_min_tokens ? PX_DEC_SHORT_PROMPT : PX_DEC_CACHED_PREFIX;
+    return 0;
+}
+
+int px_req_passthrough_path(const char *path, size_t len) {
+    static const char *const exact[] = {"/tokenize", "/detokenize", "/pooling",  "/score",
+                                        "/rerank",   "/classify",   "/v2/rerank"};
+    if (len > 4 && !memcmp(path, "/v1/", 4)) return 1;
+    for (size_t i = 0; i < sizeof exact / sizeof exact[0]; i++)
+        if (strlen(exact[i]) == len && !memcmp(path, exact[i], len)) return 1;
+    return 0;
+}
+
+void px_req_announce(void) {
+    /* vLLM's ResponsesRequest has no kv_transfer_params (and its answer
+     * returns none): a prefill there would compute blocks nobody fetches. */
+    PX_LOG(PX_LOG_INFO, "msg=\"/v1/responses is served by decode alone: vLLM accepts no "
+                        "kv_transfer_params there\" endpoint=/v1/responses decision=decode_only");
+    PX_LOG(PX_LOG_INFO, "msg=\"/v1/messages is disaggregated like chat: vLLM accepts "
+                        "kv_transfer_params there\" endpoint=/v1/messages decision=disaggregated");
+}
+
 void px_req_start(px_worker *w, px_conn *c, px_endpoint ep, const px_http_head *h, px_buf *body) {
     px_req *r = px_xcalloc(1, sizeof *r);
     r->w = w;
@@ -896,6 +1234,25 @@ void px_req_start(px_worker *w, px_conn *c, px_endpoint ep, const px_http_head *
     px_buf_init(&r->presp);
     px_buf_init(&r->hdrs_p);
     px_buf_init(&r->hdrs_d);
+    px_buf_init(&r->ubuf);
+    snprintf(r->method, sizeof r->method, "%s",
+             ep == PX_EP_MODELS                                 ? "GET"
+             : ep == PX_EP_PASSTHROUGH || ep == PX_EP_RESPONSES ? ""
+                                                                : "POST");
+    if (!r->method[0]) snprintf(r->method, sizeof r->method, "%.*s", (int)h->method_len, h->method);
+    if (ep == PX_EP_PASSTHROUGH || ep == PX_EP_RESPONSES) {
+        /* The path and query as the client sent them (an absolute-form
+         * target loses its scheme and authority). */
+        const char *path;
+        size_t plen;
+        px_http_path(h, &path, &plen);
+        r->target = px_xstrndup(path, (size_t)(h->target + h->target_len - path));
+        char pbuf[256];
+        snprintf(pbuf, sizeof pbuf, "%.*s", (int)(plen < 200 ? plen : 200), path);
+        px_log_value(pbuf, r->lpath, sizeof r->lpath);
+    } else {
+        snprintf(r->lpath, sizeof r->lpath, "%s", ep_paths[ep]);
+    }
 
     const px_http_header *xid = px_http_find(h, "x-request-id");
     if (xid && valid_request_id(xid->value, xid->value_len)) {
@@ -941,6 +1298,19 @@ void px_req_start(px_worker *w, px_conn *c, px_endpoint ep, const px_http_head *
         start_decode(r);
         return;
     }
+    if (ep == PX_EP_PASSTHROUGH || ep == PX_EP_RESPONSES) {
+        /* The client's bytes, unchanged. */
+        if (ep == PX_EP_RESPONSES) {
+            r->decided = 1;
+            r->decision = PX_DEC_ENDPOINT;
+            px_m_inc(&w->metrics.decisions[PX_DEC_ENDPOINT]);
+        }
+        r->dbody = r->body;
+        px_buf_init(&r->body);
+        account(r);
+        start_decode(r);
+        return;
+    }
     char err[128];
     px_json_type t =
         px_json_validate(r->body.data ? r->body.data : "", r->body.len, err, sizeof err);
@@ -976,9 +1346,28 @@ void px_req_start(px_worker *w, px_conn *c, px_endpoint ep, const px_http_head *
         return;
     }
     r->held += (int64_t)r->body.len + 512;
+    if (r->ps->prefill.cfg.policy == PX_POLICY_PREFIX_AFFINITY) find_key(r);
+    r->decided = 1;
+    int disagg = decide(r);
+    if (disagg && !r->hb && !r->no_prefill && r->s->cfg->fallback_decode_only &&
+        px_pool_usable(&r->ps->prefill) == 0) {
+        disagg = 0;
+        r->decision = PX_DEC_NO_PREFILL;
+    }
+    px_m_inc(&w->metrics.decisions[r->decision]);
+    if (!disagg) {
+        if (r->decision == PX_DEC_NO_PREFILL) {
+            PX_LOG(PX_LOG_WARN,
+                   "req=%s msg=\"no healthy prefill: sending the request to decode alone\"",
+                   r->lid);
+            fall_back(r, PX_FB_NO_PREFILL);
+        } else {
+            decode_only(r);
+        }
+        return;
+    }
     px_rewrite_prefill(r->body.data, r->body.len, &r->pbody);
     account(r);
-    if (r->ps->prefill.cfg.policy == PX_POLICY_PREFIX_AFFINITY) find_key(r);
     if (r->s->cfg->prefill_timeout > 0)
         r->prefill_deadline = r->t0 + (uint64_t)(r->s->cfg->prefill_timeout * 1e9);
     start_prefill(r);
@@ -994,4 +1383,6 @@ void px_req_free_all(px_worker *w) {
         finish_log(r, 499, "stopped");
         req_free(r);
     }
+    px_pindex_destroy(w->pindex);
+    w->pindex = NULL;
 }

@@ -12,13 +12,31 @@
 
 typedef struct px_req px_req;
 
-typedef enum { PX_EP_COMPLETIONS = 0, PX_EP_CHAT = 1, PX_EP_MODELS = 2 } px_endpoint;
+typedef enum {
+    PX_EP_COMPLETIONS = 0,
+    PX_EP_CHAT = 1,
+    PX_EP_MODELS = 2,
+    PX_EP_MESSAGES = 3,    /* Anthropic Messages: P/D, as chat */
+    PX_EP_RESPONSES = 4,   /* passed to decode alone: vLLM takes no kv_transfer_params there */
+    PX_EP_PASSTHROUGH = 5, /* any other engine endpoint: passed to decode unchanged */
+} px_endpoint;
+
+/* Whether a request for this path (without its query) is one of the
+ * engine endpoints passed through to decode: everything under /v1/ but the
+ * P/D ones, and vLLM's /tokenize, /detokenize, /pooling, /score, /rerank,
+ * /classify, /v2/rerank. */
+int px_req_passthrough_path(const char *path, size_t len);
 
 /* Starts the flow for a parsed client request (for PX_EP_MODELS: a GET
- * answered by a healthy decode). `body` is moved into the request. The
- * request replies on `c` when done and binds itself to the exchange to hear
- * of disconnects and drains. */
+ * answered by a healthy decode; PX_EP_RESPONSES and PX_EP_PASSTHROUGH: the
+ * client's method, target, headers and body to a decode). `body` is moved
+ * into the request. The request replies on `c` when done and binds itself
+ * to the exchange to hear of disconnects and drains. */
 void px_req_start(px_worker *w, px_conn *c, px_endpoint ep, const px_http_head *h, px_buf *body);
+
+/* Logs at start-up how the endpoints whose P/D support depends on the
+ * engine are served. */
+void px_req_announce(void);
 
 /* Frees every request of the worker (its loop has stopped): transfers are
  * cancelled, backend references dropped. */

@@ -350,6 +350,44 @@ static void dispatch(void *ctx, px_conn *c, const px_http_head *h, px_buf *body)
         return;
     }
     if (serve_local(s, &w->metrics, c, h, s->cfg->metrics_port == 0)) return;
+    /* The engine's other endpoints: /v1/messages disaggregated, the rest
+     * (vLLM's /v1/responses included) passed to a decode as they are. */
+    if (px_req_passthrough_path(path, plen)) {
+        int messages = px_http_path_is(h, "/v1/messages"),
+            responses = px_http_path_is(h, "/v1/responses");
+        px_metric_endpoint mep = messages    ? PX_MEP_MESSAGES
+                                 : responses ? PX_MEP_RESPONSES
+                                             : PX_MEP_PASSTHROUGH;
+        const char *epname = messages    ? "/v1/messages"
+                             : responses ? "/v1/responses"
+                                         : "passthrough";
+        int known = is_get || is_post ||
+                    (h->method_len == 6 && (!memcmp(h->method, "DELETE", 6))) ||
+                    (h->method_len == 3 && !memcmp(h->method, "PUT", 3)) ||
+                    (h->method_len == 5 && !memcmp(h->method, "PATCH", 5));
+        if (messages ? !is_post : !known) {
+            px_metrics_count(&w->metrics, mep, 405);
+            px_req_log_refused(h, epname, 405);
+            px_conn_reply_error(c, 405, NULL,
+                                messages ? "Allow: POST\r\n"
+                                         : "Allow: GET, POST, PUT, PATCH, DELETE\r\n",
+                                "method not allowed");
+            return;
+        }
+        if (!authorized(s, h)) {
+            px_metrics_count(&w->metrics, mep, 401);
+            px_req_log_refused(h, epname, 401);
+            px_conn_reply_error(c, 401, NULL, "WWW-Authenticate: Bearer\r\n",
+                                "invalid or missing API key: send Authorization: Bearer <key>");
+            return;
+        }
+        px_req_start(w, c,
+                     messages    ? PX_EP_MESSAGES
+                     : responses ? PX_EP_RESPONSES
+                                 : PX_EP_PASSTHROUGH,
+                     h, body);
+        return;
+    }
     px_metrics_count(&w->metrics, PX_MEP_OTHER, 404);
     px_req_log_refused(h, "other", 404);
     not_found(c, h);
@@ -1090,6 +1128,7 @@ int px_server_run(px_server *s) {
            "prefill_policy=%s decode_policy=%s",
            s->cfg->host, (long long)s->cfg->port, s->tls ? "on" : "off", s->nworkers, s->gen->nps,
            pn, dn, s->cfg->prefill_policy, s->cfg->decode_policy);
+    px_req_announce();
     event_base_dispatch(k.base);
     px_health_stop(h);
     for (int i = 0; i < s->nworkers; i++)

@@ -67,6 +67,7 @@ typedef struct px_worker {
     px_conn_cfg conn_cfg;
     px_metrics metrics;  /* written by this thread only */
     struct px_req *reqs; /* owned: requests alive, some without a client */
+    px_pindex *pindex;   /* owned: --disagg-min-tokens' prefix index; NULL until used */
     size_t nreqs;
     pthread_t thread;
 } px_worker;

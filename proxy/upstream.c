@@ -296,9 +296,9 @@ static int xferinfo_cb(void *arg, curl_off_t dltotal, curl_off_t dlnow, curl_off
     return u->upload_done && u->abort_after_upload;
 }
 
-static px_upstream *start_https(px_uploop *l, px_backend *b, const char *path, const char *body,
-                                size_t len, const px_buf *headers, const px_upstream_opts *o,
-                                const px_upstream_cbs *cbs, void *arg) {
+static px_upstream *start_https(px_uploop *l, px_backend *b, const char *method, const char *path,
+                                const char *body, size_t len, const px_buf *headers,
+                                const px_upstream_opts *o, const px_upstream_cbs *cbs, void *arg) {
     if (curl_side(l) < 0) return NULL;
     px_upstream *u = px_xcalloc(1, sizeof *u);
     u->loop = l;
@@ -346,6 +346,10 @@ static px_upstream *start_https(px_uploop *l, px_backend *b, const char *path, c
         curl_easy_setopt(e, CURLOPT_READFUNCTION, NULL);
         curl_easy_setopt(e, CURLOPT_SEEKFUNCTION, NULL);
     }
+    /* Methods other than POST with a body and GET without (passed-through
+     * endpoints); reset every time, a reused handle keeps the last one. */
+    int plain = body ? !strcmp(method, "POST") : !strcmp(method, "GET");
+    curl_easy_setopt(e, CURLOPT_CUSTOMREQUEST, plain ? NULL : method);
     curl_easy_setopt(e, CURLOPT_HTTPHEADER, u->hdrs);
     curl_easy_setopt(e, CURLOPT_HTTP_VERSION, (long)CURL_HTTP_VERSION_1_1);
     curl_easy_setopt(e, CURLOPT_NOSIGNAL, 1L);
@@ -458,7 +462,7 @@ static px_upstream *start_http(px_uploop *l, px_backend *b, const char *method, 
 px_upstream *px_upstream_start(px_uploop *l, px_backend *b, const char *method, const char *path,
                                const char *body, size_t len, const px_buf *headers,
                                const px_upstream_opts *o, const px_upstream_cbs *cbs, void *arg) {
-    if (b->https) return start_https(l, b, path, body, len, headers, o, cbs, arg);
+    if (b->https) return start_https(l, b, method, path, body, len, headers, o, cbs, arg);
     return start_http(l, b, method, path, body, len, headers, o, cbs, arg);
 }
 

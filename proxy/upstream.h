@@ -55,7 +55,9 @@ typedef struct px_upstream_opts {
     int track_upload;      /* report when the body has been sent (px_upstream_abort_after_upload) */
 } px_upstream_opts;
 
-/* Starts `method` ("POST" with a body, "GET" without) of `path` on backend
+/* Starts `method` (usually "POST" with a body, "GET" without; any token
+ * for passed-through endpoints, a body sent when one is given) of `path`
+ * (with its query, if any) on backend
  * b (borrowed: the caller holds a reference until on_done), with
  * body[0..len) and `headers` ("Name: value\r\n" lines, without Host,
  * Content-Length or framing) both borrowed until on_done. Returns NULL when

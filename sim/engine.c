@@ -64,6 +64,66 @@ static void compute_blocks(sim_req *r) {
     }
 }
 
+/* ------------------------------------------------------ prefix cache -- */
+
+/* Like vLLM's prefix caching: only whole blocks count, and never the whole
+ * prompt (its last token is always computed). Returns the cached tokens. */
+static sim_pcache_entry *cache_find(sim_engine *e, uint64_t ph) {
+    sim_pcache_entry *set = &e->pcache[(ph & e->pcache_mask) * SIM_PCACHE_WAYS];
+    for (int i = 0; i < SIM_PCACHE_WAYS; i++)
+        if (set[i].hash == ph) return &set[i];
+    return NULL;
+}
+
+static size_t cache_lookup(sim_engine *e, const sim_req *r) {
+    size_t bt = e->cfg->block_tokens, full = (r->ntok - 1) / bt, b = 0;
+    for (; b < full; b++) {
+        sim_pcache_entry *x =
+            cache_find(e, kvsim_prefix_hash(e->model_hash, r->tok, r->ntok, bt, b));
+        if (!x) break;
+        x->used = ++e->pcache_clock;
+    }
+    return b * bt;
+}
+
+/* Lists the prompt's whole blocks as cached, each replacing the least
+ * recently used entry of its set. */
+static void cache_insert(sim_engine *e, const sim_req *r) {
+    size_t bt = e->cfg->block_tokens;
+    for (size_t b = 0; b < r->ntok / bt; b++) {
+        uint64_t ph = kvsim_prefix_hash(e->model_hash, r->tok, r->ntok, bt, b);
+        sim_pcache_entry *x = cache_find(e, ph);
+        if (!x) {
+            sim_pcache_entry *set = &e->pcache[(ph & e->pcache_mask) * SIM_PCACHE_WAYS];
+            x = set;
+            for (int i = 1; i < SIM_PCACHE_WAYS; i++)
+                if (set[i].used < x->used) x = &set[i];
+            x->hash = ph;
+        }
+        x->used = ++e->pcache_clock;
+    }
+}
+
+/* Queues the computation of `tokens` prompt tokens behind every prompt
+ * queued before (one engine computes one prompt at a time) and returns
+ * the microseconds until it is done. */
+static uint64_t compute(sim_engine *e, size_t tokens) {
+    uint64_t now = px_now_ns();
+    uint64_t start = e->busy_until_ns > now ? e->busy_until_ns : now;
+    e->busy_until_ns = start + (uint64_t)tokens * e->cfg->prefill_us_per_token * 1000u;
+    e->tokens_computed += tokens;
+    return (e->busy_until_ns - now) / 1000u;
+}
+
+/* A prompt this engine computes itself: its cached prefix is skipped. */
+static void compute_prompt(sim_req *r) {
+    sim_engine *e = r->e;
+    r->cached = cache_lookup(e, r);
+    e->tokens_cached += r->cached;
+    r->compute_us = compute(e, r->ntok - r->cached);
+    cache_insert(e, r);
+}
+
 /* Returns the number of (block, region) pieces whose bytes are wrong. */
 static uint64_t verify_blocks(sim_req *r) {
     sim_engine *e = r->e;
@@ -167,10 +227,13 @@ static const px_exchange_cbs client_cbs = {on_client_gone, NULL};
 
 /* ---------------------------------------------------------- responses -- */
 
+/* As vLLM with --enable-prompt-tokens-details: under P/D, decode counts
+ * the prompt it received from prefill as cached (all but its last token). */
 static void append_usage(px_buf *b, sim_req *r) {
-    px_buf_printf(
-        b, "\"usage\":{\"prompt_tokens\":%zu,\"completion_tokens\":%zu,\"total_tokens\":%zu}",
-        r->ntok, r->emitted, r->ntok + r->emitted);
+    px_buf_printf(b,
+                  "\"usage\":{\"prompt_tokens\":%zu,\"completion_tokens\":%zu,\"total_tokens\":%zu,"
+                  "\"prompt_tokens_details\":{\"cached_tokens\":%zu}}",
+                  r->ntok, r->emitted, r->ntok + r->emitted, r->cached);
 }
 
 static void chunk_head(px_buf *b, sim_req *r) {
@@ -221,6 +284,11 @@ static void reply_json(sim_req *r, const char *text, size_t tlen, const char *fi
 
 static void schedule(sim_req *r, uint32_t ms) {
     struct timeval tv = {ms / 1000, (ms % 1000) * 1000};
+    evtimer_add(r->timer, &tv);
+}
+
+static void schedule_us(sim_req *r, uint64_t us) {
+    struct timeval tv = {(time_t)(us / 1000000), (suseconds_t)(us % 1000000)};
     evtimer_add(r->timer, &tv);
 }
 
@@ -292,7 +360,7 @@ static void start_generation(sim_req *r) {
     r->state = SR_GENERATING;
     if (r->stream) px_conn_stream_start(r->conn, 200, "text/event-stream", r->xrid, NULL);
     event_assign(r->timer, r->e->base, -1, 0, emit_tokens, r);
-    schedule(r, r->e->cfg->ttft_ms);
+    schedule_us(r, r->compute_us + (uint64_t)r->e->cfg->ttft_ms * 1000u);
 }
 
 /* --------------------------------------------------------------- modes -- */
@@ -321,6 +389,7 @@ static void prefill_reply(evutil_socket_t fd, short what, void *arg) {
 
 static void start_local(sim_req *r) {
     compute_blocks(r);
+    compute_prompt(r);
     start_generation(r);
 }
 
@@ -374,9 +443,10 @@ static void start_req(sim_req *r) {
     switch (r->mode) {
     case SIM_MODE_PREFILL:
         compute_blocks(r);
+        compute_prompt(r);
         r->state = SR_PREFILL_WAIT;
         event_assign(r->timer, r->e->base, -1, 0, prefill_reply, r);
-        schedule(r, r->e->cfg->ttft_ms);
+        schedule_us(r, r->compute_us + (uint64_t)r->e->cfg->ttft_ms * 1000u);
         break;
     case SIM_MODE_DECODE:
         start_decode(r);
@@ -435,6 +505,13 @@ static void on_fetch_event(sim_engine *e, const kvc_event_t *ev) {
             req_error(r, 500, msg);
             return;
         }
+        /* vLLM's scheduler counts the received prompt as computed tokens
+         * (all but the last, which decode computes) and reports them as
+         * cached; the blocks enter decode's prefix cache. */
+        r->cached = r->ntok - 1;
+        e->tokens_cached += r->cached;
+        r->compute_us = compute(e, 1);
+        cache_insert(e, r);
         start_generation(r);
     } else {
         start_local(r);

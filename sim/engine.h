@@ -20,12 +20,14 @@ typedef struct sim_config {
     uint32_t ttft_ms;
     uint32_t itl_ms;
     const char *engine_id;
-    uint32_t max_queue;         /* requests waiting for KV blocks; 503 beyond */
-    uint32_t kv_expiry_ms;      /* published blocks expire after this */
-    int log_level;              /* 0 debug, 1 info, 2 warn, 3 error */
-    const char *kv_secret_file; /* cluster secret for the KV side channel; NULL:
-                                   the connector reads KVC_SECRET_FILE / KVC_SECRET */
-    uint32_t tp_size;           /* this engine's tensor-parallel size (1) */
+    uint32_t max_queue;            /* requests waiting for KV blocks; 503 beyond */
+    uint32_t kv_expiry_ms;         /* published blocks expire after this */
+    int log_level;                 /* 0 debug, 1 info, 2 warn, 3 error */
+    const char *kv_secret_file;    /* cluster secret for the KV side channel; NULL:
+                                      the connector reads KVC_SECRET_FILE / KVC_SECRET */
+    uint32_t tp_size;              /* this engine's tensor-parallel size (1) */
+    uint32_t prefill_us_per_token; /* compute time of one prompt token, microseconds (0):
+                                      prompts are computed one at a time, like one GPU */
 } sim_config;
 
 /* Runs the engine until SIGINT/SIGTERM. Returns the process exit status. */

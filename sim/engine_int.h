@@ -20,6 +20,12 @@ typedef enum { SR_QUEUED, SR_FETCHING, SR_PREFILL_WAIT, SR_GENERATING } sim_stat
 
 typedef struct sim_engine sim_engine;
 
+#define SIM_PCACHE_WAYS 4
+typedef struct sim_pcache_entry {
+    uint64_t hash;
+    uint64_t used; /* 0: empty */
+} sim_pcache_entry;
+
 typedef struct sim_req {
     sim_engine *e;               /* borrowed */
     px_conn *conn;               /* borrowed: NULL once the client left */
@@ -49,6 +55,8 @@ typedef struct sim_req {
     px_buf text; /* owned: non-streamed output */
     long created;
     uint64_t t_fetch0;
+    size_t cached;       /* prompt tokens reported as cached (usage) */
+    uint64_t compute_us; /* time until its prompt is computed, before time to first token */
 } sim_req;
 
 struct sim_engine {
@@ -68,6 +76,13 @@ struct sim_engine {
     uint64_t model_hash;
     char model_json[300]; /* the model name as a JSON string literal */
     /* counters for /metrics */
+    /* The prefix cache: prefix hashes of full blocks computed or received,
+     * in sets of SIM_PCACHE_WAYS entries, least recently used replaced. */
+    sim_pcache_entry *pcache; /* owned: (pcache_mask + 1) sets */
+    size_t pcache_mask;
+    uint64_t pcache_clock;
+    uint64_t busy_until_ns; /* the compute queue: when the last prompt queued is done */
+    uint64_t tokens_computed, tokens_cached;
     uint64_t requests_total, blocks_published, blocks_released, blocks_expired, unknown_notify,
         fetch_failures, corrupt_blocks, fetches, bytes_fetched, fetch_ns, invalid_kvp,
         queue_rejects;

@@ -81,6 +81,12 @@ static void reply_metrics(sim_engine *e, px_conn *c) {
                   (double)e->fetch_ns / 1e9);
     COUNTER("engine_sim_invalid_kv_transfer_params_total",
             "Decode requests whose kv_transfer_params were unusable.", e->invalid_kvp);
+    COUNTER("engine_sim_prompt_tokens_computed_total",
+            "Prompt tokens this engine computed (cached prefixes and received KV excluded).",
+            e->tokens_computed);
+    COUNTER("engine_sim_prompt_tokens_cached_total",
+            "Prompt tokens reported as cached: prefix cache hits and KV received from prefill.",
+            e->tokens_cached);
     COUNTER("engine_sim_queue_rejections_total", "Requests refused with 503: queue full.",
             e->queue_rejects);
     GAUGE("engine_sim_kv_blocks_free", "Free KV blocks.", "%zu", e->nfree);
@@ -180,6 +186,12 @@ int sim_engine_run(const sim_config *cfg) {
     for (uint64_t i = 0; i < cfg->num_blocks; i++)
         e->free_blocks[i] = cfg->num_blocks - 1 - i;
     e->nfree = cfg->num_blocks;
+    /* About one entry per KV block, as an engine's prefix cache holds. */
+    size_t sets = 1;
+    while (sets * SIM_PCACHE_WAYS < cfg->num_blocks)
+        sets <<= 1;
+    e->pcache = px_xcalloc(sets * SIM_PCACHE_WAYS, sizeof *e->pcache);
+    e->pcache_mask = sets - 1;
     e->base = event_base_new();
     e->conn_cfg = (px_conn_cfg){.max_body_bytes = 64 << 20,
                                 .header_timeout = 30,
@@ -210,6 +222,7 @@ out:
     event_free(sigterm);
     event_base_free(e->base);
     free(e->free_blocks);
+    free(e->pcache);
     free(e);
     return rc;
 }

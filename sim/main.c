@@ -37,6 +37,8 @@ static void usage(FILE *out) {
         "                              KVC_SECRET_FILE, else KVC_SECRET, else none (warned)\n"
         "  --tp-size N                 tensor-parallel size of this engine; a decode with a\n"
         "                              larger TP than its prefill notifies once per rank (1)\n"
+        "  --prefill-us-per-token N    compute time of one prompt token, us; prompts are\n"
+        "                              computed one at a time, cached prefixes skipped (0)\n"
         "  --log-level L               debug|info|warn|error (info)\n"
         "  --help, --version\n");
 }
@@ -54,13 +56,17 @@ static long num(const char *flag, const char *v, long min, long max) {
 
 int main(int argc, char **argv) {
     static const struct option opts[] = {
-        {"role", 1, 0, 'r'},           {"host", 1, 0, 'H'},         {"port", 1, 0, 'p'},
-        {"model", 1, 0, 'm'},          {"kv-host", 1, 0, 'K'},      {"kv-port", 1, 0, 'k'},
-        {"num-blocks", 1, 0, 'n'},     {"block-tokens", 1, 0, 't'}, {"layers", 1, 0, 'l'},
-        {"block-bytes", 1, 0, 'b'},    {"ttft-ms", 1, 0, 'f'},      {"itl-ms", 1, 0, 'i'},
-        {"engine-id", 1, 0, 'e'},      {"max-queue", 1, 0, 'q'},    {"kv-expiry-ms", 1, 0, 'x'},
-        {"kv-secret-file", 1, 0, 'S'}, {"tp-size", 1, 0, 'T'},      {"log-level", 1, 0, 'L'},
-        {"help", 0, 0, 'h'},           {"version", 0, 0, 'V'},      {0, 0, 0, 0}};
+        {"role", 1, 0, 'r'},         {"host", 1, 0, 'H'},
+        {"port", 1, 0, 'p'},         {"model", 1, 0, 'm'},
+        {"kv-host", 1, 0, 'K'},      {"kv-port", 1, 0, 'k'},
+        {"num-blocks", 1, 0, 'n'},   {"block-tokens", 1, 0, 't'},
+        {"layers", 1, 0, 'l'},       {"block-bytes", 1, 0, 'b'},
+        {"ttft-ms", 1, 0, 'f'},      {"itl-ms", 1, 0, 'i'},
+        {"engine-id", 1, 0, 'e'},    {"max-queue", 1, 0, 'q'},
+        {"kv-expiry-ms", 1, 0, 'x'}, {"kv-secret-file", 1, 0, 'S'},
+        {"tp-size", 1, 0, 'T'},      {"prefill-us-per-token", 1, 0, 'U'},
+        {"log-level", 1, 0, 'L'},    {"help", 0, 0, 'h'},
+        {"version", 0, 0, 'V'},      {0, 0, 0, 0}};
     sim_config c = {.role = "both",
                     .host = "127.0.0.1",
                     .port = 8100,
@@ -134,6 +140,9 @@ int main(int argc, char **argv) {
             break;
         case 'S':
             c.kv_secret_file = optarg;
+            break;
+        case 'U':
+            c.prefill_us_per_token = (uint32_t)num("prefill-us-per-token", optarg, 0, 1000000);
             break;
         case 'T':
             c.tp_size = (uint32_t)num("tp-size", optarg, 1, 1024);

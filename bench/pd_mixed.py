@@ -1,0 +1,237 @@
+#!/usr/bin/env python3
+"""Mixed workload through pdproxy and an engine-sim P/D pair on loopback:
+mean time to first token and prefill load with --disagg-min-tokens 0
+(always disaggregate) against a tuned threshold.
+
+Half the prompts are ~100 tokens, half ~4k tokens; of the long ones half
+share one of a few documents (a shared prefix) and differ in the question at
+the end. engine-sim computes prompts one at a time per engine at
+--prefill-us-per-token (cached prefixes and received KV skipped), so where a
+prompt is prefilled shows in time to first token.
+
+    bench/pd_mixed.py [--requests 120] [--concurrency 8] [--tuned 512]
+                      [--us-per-token 50] [--bin build/bin]
+
+Python 3 standard library only; everything on 127.0.0.1; bounded in count
+and time (each request 60 s, the whole run --deadline seconds)."""
+
+import argparse
+import http.client
+import json
+import os
+import random
+import re
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+HOST = "127.0.0.1"
+WORDS = ("the quick brown fox jumps over a lazy dog while seven wizards quietly examine "
+         "ancient manuscripts about distributed inference caching and scheduling engineers "
+         "measure latency carefully before they decide").split()
+BYTES_PER_TOKEN = 6.3  # engine-sim's tokenizer on this prose (tests/integration/test_pd_disagg.py)
+
+
+def free_port():
+    s = socket.socket()
+    s.bind((HOST, 0))
+    p = s.getsockname()[1]
+    s.close()
+    return p
+
+
+def text(ntokens, rng):
+    return " ".join(rng.choice(WORDS) for _ in range(ntokens))
+
+
+def workload(n, seed):
+    rng = random.Random(seed)
+    docs = [text(3900, random.Random(seed * 100 + i)) for i in range(3)]
+    out = []
+    for i in range(n):
+        if i % 2 == 0:
+            out.append(("short", text(95, rng) + " ?"))
+        elif i % 4 == 1:
+            out.append(("shared", rng.choice(docs) + " question " + text(60, rng) + " ?"))
+        else:
+            out.append(("long", text(4000, rng) + " ?"))
+    rng.shuffle(out)
+    return out
+
+
+class Proc:
+    def __init__(self, argv):
+        fd, self.log = tempfile.mkstemp(prefix="pd_mixed-", suffix=".log")
+        os.close(fd)
+        env = dict(os.environ, UCX_TLS=os.environ.get("UCX_TLS", "tcp,self"))
+        with open(self.log, "wb") as f:
+            self.p = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT,
+                                      stdin=subprocess.DEVNULL, env=env)
+
+    def stop(self):
+        if self.p.poll() is None:
+            self.p.terminate()
+            try:
+                self.p.wait(10)
+            except subprocess.TimeoutExpired:
+                self.p.kill()
+                self.p.wait(10)
+        os.unlink(self.log)
+
+
+def wait_http(port, path, timeout=15):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            c = http.client.HTTPConnection(HOST, port, timeout=1)
+            c.request("GET", path)
+            ok = c.getresponse().status == 200
+            c.close()
+            if ok:
+                return
+        except OSError:
+            pass
+        time.sleep(0.05)
+    raise RuntimeError("port %d not ready" % port)
+
+
+def metrics(port):
+    c = http.client.HTTPConnection(HOST, port, timeout=5)
+    c.request("GET", "/metrics")
+    body = c.getresponse().read().decode()
+    c.close()
+    out = {}
+    for line in body.splitlines():
+        if line and not line.startswith("#"):
+            k, v = line.rsplit(" ", 1)
+            out[k] = out.get(k, 0) + float(v)
+    return out
+
+
+def one(port, prompt, timeout):
+    """Streams one chat request; returns time to the first content token."""
+    body = json.dumps({"model": "sim-model", "max_tokens": 16, "stream": True,
+                       "messages": [{"role": "user", "content": prompt}]})
+    t0 = time.monotonic()
+    c = http.client.HTTPConnection(HOST, port, timeout=timeout)
+    c.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
+    r = c.getresponse()
+    if r.status != 200:
+        raise RuntimeError("status %d: %r" % (r.status, r.read()[:200]))
+    ttft = None
+    buf = b""
+    while True:
+        chunk = r.read1(65536) if hasattr(r, "read1") else r.read(4096)
+        if not chunk:
+            break
+        buf += chunk
+        if ttft is None and b'"content":"' in buf.replace(b'"content":""', b""):
+            ttft = time.monotonic() - t0
+    c.close()
+    if b"[DONE]" not in buf:
+        raise RuntimeError("stream without [DONE]")
+    return ttft if ttft is not None else time.monotonic() - t0
+
+
+def run(args, threshold, reqs):
+    sim = os.path.join(args.bin, "engine-sim")
+    common = ["--num-blocks", "16384", "--block-bytes", "1024", "--layers", "2",
+              "--prefill-us-per-token", str(args.us_per_token), "--itl-ms", "5",
+              "--log-level", "warn"]
+    pp, dp, xp = free_port(), free_port(), free_port()
+    procs = [Proc([sim, "--role", "prefill", "--port", str(pp)] + common),
+             Proc([sim, "--role", "decode", "--port", str(dp)] + common)]
+    try:
+        wait_http(pp, "/health")
+        wait_http(dp, "/health")
+        procs.append(Proc([os.path.join(args.bin, "pdproxy"), "--port", str(xp), "--threads", "1",
+                           "--log-level", "warn", "--prefiller-hosts", HOST, "--prefiller-ports",
+                           str(pp), "--decoder-hosts", HOST, "--decoder-ports", str(dp),
+                           "--disagg-min-tokens", str(threshold),
+                           "--disagg-bytes-per-token", str(BYTES_PER_TOKEN)]))
+        wait_http(xp, "/healthcheck")
+        results, errors = [], []
+        lock = threading.Lock()
+        it = iter(reqs)
+        deadline = time.monotonic() + args.deadline
+
+        def worker():
+            while time.monotonic() < deadline:
+                with lock:
+                    nxt = next(it, None)
+                if nxt is None:
+                    return
+                kind, prompt = nxt
+                try:
+                    t = one(xp, prompt, 60)
+                    with lock:
+                        results.append((kind, t))
+                except Exception as e:  # noqa: BLE001 (counted and reported)
+                    with lock:
+                        errors.append(str(e))
+
+        t0 = time.monotonic()
+        ths = [threading.Thread(target=worker) for _ in range(args.concurrency)]
+        for t in ths:
+            t.start()
+        for t in ths:
+            t.join()
+        wall = time.monotonic() - t0
+        pm, dm, xm = metrics(pp), metrics(dp), metrics(xp)
+        dec = {k: v for k, v in xm.items() if k.startswith("pdproxy_disagg_decisions_total") and v}
+        return results, errors, wall, pm, dm, dec
+    finally:
+        for p in reversed(procs):
+            p.stop()
+
+
+def mean(xs):
+    return sum(xs) / len(xs) if xs else float("nan")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--requests", type=int, default=120)
+    ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--tuned", type=int, default=512)
+    ap.add_argument("--us-per-token", type=int, default=50)
+    ap.add_argument("--deadline", type=float, default=600)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--bin", default=os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                                  "..", "build", "bin"))
+    args = ap.parse_args()
+    reqs = workload(args.requests, args.seed)
+    print("workload: %d streamed chat requests, concurrency %d, %d us per prompt token, "
+          "%.1f bytes per token" % (len(reqs), args.concurrency, args.us_per_token,
+                                    BYTES_PER_TOKEN))
+    rows = []
+    for threshold in (0, args.tuned):
+        res, errs, wall, pm, dm, dec = run(args, threshold, reqs)
+        by = {k: [t for kk, t in res if kk == k] for k in ("short", "shared", "long")}
+        rows.append((threshold, mean([t for _, t in res]), {k: mean(v) for k, v in by.items()},
+                     pm.get("engine_sim_requests_total", 0),
+                     pm.get("engine_sim_prompt_tokens_computed_total", 0),
+                     dm.get("engine_sim_prompt_tokens_computed_total", 0), wall, len(res),
+                     len(errs), dec))
+        if errs:
+            print("errors with threshold %d: %s" % (threshold, errs[:3]), file=sys.stderr)
+    print("\n| --disagg-min-tokens | mean TTFT ms | short | shared prefix | long | "
+          "prefill requests | prefill tokens computed | decode tokens computed | wall s | "
+          "ok | errors |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for th, m, by, preq, ptok, dtok, wall, ok, nerr, _ in rows:
+        print("| %d | %.1f | %.1f | %.1f | %.1f | %d | %d | %d | %.1f | %d | %d |"
+              % (th, m * 1e3, by["short"] * 1e3, by["shared"] * 1e3, by["long"] * 1e3, preq,
+                 ptok, dtok, wall, ok, nerr))
+    for th, *_, dec in rows:
+        print("decisions with %d: %s" % (th, ", ".join(
+            "%s=%d" % (re.sub(r"^pdproxy_disagg_decisions_total", "", k), v)
+            for k, v in sorted(dec.items()))))
+    return 1 if any(r[8] for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
