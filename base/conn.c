@@ -285,26 +285,73 @@ static void exchange_done(px_conn *c) {
 
 /* ---------- responses ---------- */
 
+/* A response head is assembled here and added to the output at once (no
+ * printf, one add for a usual head). */
+typedef struct head_buf {
+    struct evbuffer *out;
+    size_t n;
+    char b[512];
+} head_buf;
+
+static void hb_put(head_buf *h, const char *p, size_t n) {
+    if (h->n + n > sizeof h->b) {
+        evbuffer_add(h->out, h->b, h->n);
+        h->n = 0;
+        if (n > sizeof h->b) {
+            evbuffer_add(h->out, p, n);
+            return;
+        }
+    }
+    memcpy(h->b + h->n, p, n);
+    h->n += n;
+}
+
+static void hb_puts(head_buf *h, const char *s) {
+    hb_put(h, s, strlen(s));
+}
+
+static void hb_u64(head_buf *h, uint64_t v) {
+    char d[20];
+    char *s = px_u64_dec(d + sizeof d, v);
+    hb_put(h, s, (size_t)(d + sizeof d - s));
+}
+
 static void write_head(px_conn *c, int status, const char *ctype, const char *req_id,
                        int64_t content_length, const char *extra) {
     if (c->cfg->draining) c->keep_alive = 0;
-    struct evbuffer *out = bufferevent_get_output(c->bev);
-    evbuffer_add_printf(out, "HTTP/1.%d %d %s\r\n", c->minor, status, px_http_reason(status));
-    if (ctype) evbuffer_add_printf(out, "Content-Type: %s\r\n", ctype);
-    if (req_id) evbuffer_add_printf(out, "X-Request-Id: %s\r\n", req_id);
-    if (extra) evbuffer_add(out, extra, strlen(extra));
+    head_buf h = {.out = bufferevent_get_output(c->bev)};
+    hb_put(&h, c->minor ? "HTTP/1.1 " : "HTTP/1.0 ", 9);
+    hb_u64(&h, (uint64_t)(status >= 0 ? status : 0));
+    hb_put(&h, " ", 1);
+    hb_puts(&h, px_http_reason(status));
+    hb_put(&h, "\r\n", 2);
+    if (ctype) {
+        hb_put(&h, "Content-Type: ", 14);
+        hb_puts(&h, ctype);
+        hb_put(&h, "\r\n", 2);
+    }
+    if (req_id) {
+        hb_put(&h, "X-Request-Id: ", 14);
+        hb_puts(&h, req_id);
+        hb_put(&h, "\r\n", 2);
+    }
+    if (extra) hb_puts(&h, extra);
     int bodiless_status = status == 204 || status == 304 || (status >= 100 && status < 200);
-    if (bodiless_status)
-        ; /* RFC 9112 §6.3: no framing header, no body */
-    else if (content_length >= 0)
-        evbuffer_add_printf(out, "Content-Length: %lld\r\n", (long long)content_length);
-    else if (c->chunked_out)
-        evbuffer_add(out, "Transfer-Encoding: chunked\r\n", 28);
+    if (bodiless_status) {
+        /* RFC 9112 §6.3: no framing header, no body */
+    } else if (content_length >= 0) {
+        hb_put(&h, "Content-Length: ", 16);
+        hb_u64(&h, (uint64_t)content_length);
+        hb_put(&h, "\r\n", 2);
+    } else if (c->chunked_out) {
+        hb_put(&h, "Transfer-Encoding: chunked\r\n", 28);
+    }
     if (!c->keep_alive)
-        evbuffer_add(out, "Connection: close\r\n", 19);
+        hb_put(&h, "Connection: close\r\n", 19);
     else if (c->minor == 0)
-        evbuffer_add(out, "Connection: keep-alive\r\n", 24);
-    evbuffer_add(out, "\r\n", 2);
+        hb_put(&h, "Connection: keep-alive\r\n", 24);
+    hb_put(&h, "\r\n", 2);
+    evbuffer_add(h.out, h.b, h.n);
     queued(c);
 }
 

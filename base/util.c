@@ -67,6 +67,20 @@ void px_buf_reserve(px_buf *b, size_t extra) {
     b->cap = cap;
 }
 
+char *px_u64_dec(char *end, uint64_t v) {
+    do {
+        *--end = (char)('0' + v % 10);
+        v /= 10;
+    } while (v);
+    return end;
+}
+
+void px_buf_append_u64(px_buf *b, uint64_t v) {
+    char d[20];
+    char *s = px_u64_dec(d + sizeof d, v);
+    px_buf_append(b, s, (size_t)(d + sizeof d - s));
+}
+
 void px_buf_append(px_buf *b, const void *p, size_t n) {
     px_buf_reserve(b, n);
     if (n) memcpy(b->data + b->len, p, n);

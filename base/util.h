@@ -27,6 +27,11 @@ void px_buf_cleanup(px_buf *b);
 void px_buf_reserve(px_buf *b, size_t extra);
 void px_buf_append(px_buf *b, const void *p, size_t n);
 void px_buf_appends(px_buf *b, const char *s);
+/* Appends v in decimal (no printf: headers are built per request). */
+void px_buf_append_u64(px_buf *b, uint64_t v);
+/* Writes v in decimal ending at `end` (exclusive); returns where it starts.
+ * `end` must have 20 bytes before it. */
+char *px_u64_dec(char *end, uint64_t v);
 void px_buf_printf(px_buf *b, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 void px_buf_reset(px_buf *b);
 

@@ -372,7 +372,14 @@ static void span_new(char sp[17]) {
 /* A child span of the request's trace: same trace id and flags, the span
  * of the upstream leg (prefill or decode) as parent id. */
 static void trace_child(const char *trace, const char *span, const char *flags, char out[56]) {
-    snprintf(out, 56, "00-%s-%s-%s", trace, span, flags);
+    /* 00-<32 hex>-<16 hex>-<2 hex>: fixed widths, copied in place. */
+    memcpy(out, "00-", 3);
+    memcpy(out + 3, trace, 32);
+    out[35] = '-';
+    memcpy(out + 36, span, 16);
+    out[52] = '-';
+    memcpy(out + 53, flags, 2);
+    out[55] = '\0';
 }
 
 /* Client headers a passed-through request does not carry as they are: the
@@ -417,16 +424,26 @@ static void headers_for(px_req *r, const px_http_head *h, int traced, const char
     } else if (r->ep != PX_EP_MODELS) {
         px_buf_appends(l, "Content-Type: application/json\r\n");
     }
-    px_buf_printf(l, "X-Request-Id: %s\r\n", r->id);
+    /* Appended piece by piece, no printf: built twice per request. */
+    px_buf_appends(l, "X-Request-Id: ");
+    px_buf_appends(l, r->id);
+    px_buf_append(l, "\r\n", 2);
     const px_http_header *auth = px_http_find(h, "authorization");
     if (r->s->upstream_auth_forced || !auth) {
-        if (r->s->upstream_auth) px_buf_printf(l, "%s\r\n", r->s->upstream_auth);
+        if (r->s->upstream_auth) {
+            px_buf_appends(l, r->s->upstream_auth);
+            px_buf_append(l, "\r\n", 2);
+        }
     } else {
-        px_buf_printf(l, "Authorization: %.*s\r\n", (int)auth->value_len, auth->value);
+        px_buf_appends(l, "Authorization: ");
+        px_buf_append(l, auth->value, auth->value_len);
+        px_buf_append(l, "\r\n", 2);
     }
     char child[56];
     trace_child(r->trace_id, span, r->trace_flags, child);
-    px_buf_printf(l, "traceparent: %s\r\n", child);
+    px_buf_appends(l, "traceparent: ");
+    px_buf_appends(l, child);
+    px_buf_append(l, "\r\n", 2);
     /* tracestate belongs to the client's trace: dropped when that was
      * unusable and a new trace started. */
     const px_http_header *ts = traced ? px_http_find(h, "tracestate") : NULL;

@@ -435,8 +435,17 @@ static px_upstream *start_http(px_uploop *l, px_backend *b, const char *method, 
     if (!b->addrlen) return NULL; /* its name did not resolve */
     px_buf *hd = &l->head;
     px_buf_reset(hd);
-    px_buf_printf(hd, "%s %s HTTP/1.1\r\nHost: %s\r\n", method, path, b->authority);
-    if (body) px_buf_printf(hd, "Content-Length: %zu\r\n", len);
+    px_buf_appends(hd, method);
+    px_buf_append(hd, " ", 1);
+    px_buf_appends(hd, path);
+    px_buf_append(hd, " HTTP/1.1\r\nHost: ", 17);
+    px_buf_appends(hd, b->authority);
+    px_buf_append(hd, "\r\n", 2);
+    if (body) {
+        px_buf_append(hd, "Content-Length: ", 16);
+        px_buf_append_u64(hd, len);
+        px_buf_append(hd, "\r\n", 2);
+    }
     if (headers) px_buf_append(hd, headers->data, headers->len);
     px_buf_append(hd, "\r\n", 2);
     px_creq_opts co = {
