@@ -1,5 +1,6 @@
 #include "request.h"
 
+#include <arpa/inet.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -1131,7 +1132,20 @@ static int sidecar_prefill(px_req *r, const px_http_head *h) {
             px_backend_release(m[i]);
     }
     free(m);
-    if (!r->hb) r->hb = px_backend_create(url);
+    if (!r->hb) {
+        /* A name would be resolved here, blocking this worker's loop on
+         * DNS: only an address (what an endpoint picker sends: the pod's)
+         * or a configured prefill is taken. */
+        unsigned char a[sizeof(struct in6_addr)];
+        if (inet_pton(AF_INET, host, a) != 1 && inet_pton(AF_INET6, host, a) != 1) {
+            req_fail(r, 400, NULL,
+                     "x-prefiller-host-port '%s': give the prefill's IP address (names are "
+                     "taken only for prefills configured with --prefill)",
+                     hp);
+            return -1;
+        }
+        r->hb = px_backend_create(url);
+    }
     if (!r->hb) goto bad;
     return 0;
 bad:

@@ -52,6 +52,17 @@ class SidecarTest(ProdCase):
         self.assertEqual(len(self.D.requests), 1)
         self.assertIn("kv_transfer_params", self.D.requests[0].json())
 
+    def test_allowed_name_not_resolved_on_the_request_path(self):
+        # An allowed host name that is not a configured prefill would need
+        # DNS on the worker's loop: refused, reaching no backend.
+        P = self.mock(pxtest.prefill_handler(), name="P")
+        px = self.sidecar(allow="127.0.0.1/32,localhost")
+        r = self.post(px, headers={"x-prefiller-host-port": "localhost:%d" % P.port})
+        self.assertEqual(r.status, 400, r.body)
+        self.assertIn("IP address", errmsg(r))
+        for m in (P, self.Pcfg, self.D):
+            self.assertEqual(len(m.requests), 0, "a refused request reached a backend")
+
     def test_several_prefillers_first_counts(self):
         P1 = self.mock(pxtest.prefill_handler(), name="P1")
         P2 = self.mock(pxtest.prefill_handler(), name="P2")
