@@ -24,6 +24,7 @@ typedef struct host {
     socklen_t salen;
     cconn *idle; /* most recently used first */
     int nidle;
+    int retired; /* no longer a backend: connections close after their exchange */
     struct host *next;
 } host;
 
@@ -160,7 +161,10 @@ static void set_writing(cconn *c, int on) {
 
 static host *host_for(px_client *cl, const struct sockaddr *sa, socklen_t salen) {
     for (host *h = cl->hosts; h; h = h->next)
-        if (h->salen == salen && !memcmp(&h->sa, sa, salen)) return h;
+        if (h->salen == salen && !memcmp(&h->sa, sa, salen)) {
+            h->retired = 0; /* a backend again */
+            return h;
+        }
     host *h = px_xcalloc(1, sizeof *h);
     memcpy(&h->sa, sa, salen);
     h->salen = salen;
@@ -228,8 +232,8 @@ static void finish(px_creq *q, px_cresult r, const char *why) {
     int sent = r == PX_CR_OK || request_sent(q);
     if (c) {
         c->q = NULL;
-        if (r == PX_CR_OK && q->keep_alive && !q->eof && !evbuffer_get_length(c->in) &&
-            !evbuffer_get_length(c->out)) {
+        if (r == PX_CR_OK && q->keep_alive && !q->eof && !c->h->retired &&
+            !evbuffer_get_length(c->in) && !evbuffer_get_length(c->out)) {
             to_idle(c);
         } else {
             conn_free(c);
@@ -676,6 +680,17 @@ px_client *px_client_create(struct event_base *base, const px_client_cfg *cfg) {
     c->idle_close_s = cfg && cfg->idle_close_s > 0 ? cfg->idle_close_s : 4.0;
     c->rbuf = px_xmalloc(RBUF_BYTES);
     return c;
+}
+
+void px_client_retire(px_client *cl,
+                      int (*keep)(void *ctx, const struct sockaddr *sa, socklen_t salen),
+                      void *ctx) {
+    for (host *h = cl->hosts; h; h = h->next) {
+        if (keep(ctx, (const struct sockaddr *)&h->sa, h->salen)) continue;
+        h->retired = 1;
+        while (h->idle)
+            conn_free(h->idle);
+    }
 }
 
 void px_client_destroy(px_client *c) {

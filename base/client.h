@@ -71,6 +71,13 @@ px_client *px_client_create(struct event_base *base, const px_client_cfg *cfg);
  * NULL is a no-op. */
 void px_client_destroy(px_client *c);
 
+/* After the backends changed: for every address `keep` says no to, idle
+ * connections close now and busy ones once their exchange ends (a request
+ * for the address later makes it a backend again). */
+void px_client_retire(px_client *cl,
+                      int (*keep)(void *ctx, const struct sockaddr *sa, socklen_t salen),
+                      void *ctx);
+
 /* Sends `head` (request line and header fields through the blank line,
  * copied) and body[0..len) (borrowed: valid until on_done) to the backend at
  * `sa` (copied), over an idle connection of that address when one is kept.

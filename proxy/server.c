@@ -463,6 +463,24 @@ static void on_drain_poll(evutil_socket_t fd, short what, void *arg) {
     if (w->conns.n == 0 && w->nreqs == 0) event_base_loopbreak(w->base);
 }
 
+/* Whether an address belongs to a backend of generation `ctx`. */
+static int is_backend_addr(void *ctx, const struct sockaddr *sa, socklen_t salen) {
+    px_gen *g = ctx;
+    int found = 0;
+    for (size_t i = 0; i < g->nps && !found; i++)
+        for (int role = 0; role < 2 && !found; role++) {
+            px_pool *p = role ? &g->ps[i].decode : &g->ps[i].prefill;
+            size_t n;
+            px_backend **m = px_pool_members(p, &n);
+            for (size_t j = 0; j < n; j++) {
+                if (!found && m[j]->addrlen == salen && !memcmp(&m[j]->addr, sa, salen)) found = 1;
+                px_backend_release(m[j]);
+            }
+            free(m);
+        }
+    return found;
+}
+
 static void on_wake(evutil_socket_t fd, short what, void *arg) {
     px_worker *w = arg;
     uint64_t v;
@@ -471,6 +489,13 @@ static void on_wake(evutil_socket_t fd, short what, void *arg) {
     if (cmd & PX_CMD_STOP) {
         event_base_loopbreak(w->base);
         return;
+    }
+    if (cmd & PX_CMD_RETIRE) {
+        /* The backends changed: connections to those gone close after
+         * their last request. */
+        px_gen *g = px_server_gen(w->srv);
+        px_uploop_retire(w->up, is_backend_addr, g);
+        px_gen_release(g);
     }
     if ((cmd & PX_CMD_DRAIN) && w->lev) {
         /* Stop accepting, answer what is in flight with Connection: close,
@@ -909,6 +934,7 @@ int px_server_reload(px_server *s, int from_file, const px_api_op *op, char *err
     old->disc = NULL;
     log_changes(old, g);
     px_gen_release(old); /* requests on it keep it until they end */
+    post_cmd(s, PX_CMD_RETIRE);
     if (from_file) {
         if (s->file_cfg) {
             px_config_cleanup(s->file_cfg);

@@ -51,7 +51,7 @@ px_pset *px_gen_find(px_gen *g, const char *model, size_t n);
 int px_pset_ready(const px_pset *p, int fallback_decode_only, const char **why);
 
 /* Commands the control thread posts to workers. */
-enum { PX_CMD_DRAIN = 1, PX_CMD_STOP = 2 };
+enum { PX_CMD_DRAIN = 1, PX_CMD_STOP = 2, PX_CMD_RETIRE = 4 };
 
 typedef struct px_worker {
     px_server *srv; /* borrowed: outlives the worker */

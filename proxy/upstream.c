@@ -231,6 +231,12 @@ px_uploop *px_uploop_create(struct event_base *base, int max_idle) {
     return l;
 }
 
+void px_uploop_retire(px_uploop *l,
+                      int (*keep)(void *ctx, const struct sockaddr *sa, socklen_t salen),
+                      void *ctx) {
+    px_client_retire(l->client, keep, ctx);
+}
+
 void px_uploop_destroy(px_uploop *l) {
     if (!l) return;
     while (l->live)

@@ -30,6 +30,11 @@ typedef enum {
 px_uploop *px_uploop_create(struct event_base *base, int max_idle);
 /* Cancels every transfer still running (their on_done is NOT called). */
 void px_uploop_destroy(px_uploop *l);
+/* After the backends changed: plain-http connections to addresses `keep`
+ * says no to close (idle ones now, busy ones after their exchange). */
+void px_uploop_retire(px_uploop *l,
+                      int (*keep)(void *ctx, const struct sockaddr *sa, socklen_t salen),
+                      void *ctx);
 
 typedef struct px_upstream_cbs {
     /* The final response head arrived (1xx skipped); content_type is NULL

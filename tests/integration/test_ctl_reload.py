@@ -71,5 +71,37 @@ class ReloadUnderLoadTest(ProdCase):
         print("requests=%d failed=%d reloads=%d" % (len(flat), len(failed), RELOADS))
 
 
+class RemovedBackendTest(ProdCase):
+    def test_connections_to_a_removed_backend_close_after_its_last_request(self):
+        # pdproxy keeps idle upstream connections for 4 s; a backend removed
+        # by a reload must not keep its connections that long.
+        P = self.mock(pxtest.prefill_handler(), name="P")
+        D1 = self.mock(pxtest.decode_handler(), name="D1")
+        D2 = self.mock(pxtest.decode_handler(), name="D2")
+        d = tmpdir(self)
+        f = os.path.join(d, "pdproxy.yaml")
+        write_yaml(f, pools_yaml([("m", ["m"], [P], [D1])]))
+        px = self.start(args=["--config", f, "--threads", "1"])
+        r = http_request(px.port, "POST", "/v1/completions", pxtest.completion_body(model="m"))
+        self.assertEqual(r.status, 200)
+        used = set(D1.conn_ids())
+        self.assertEqual(len(used), 1)
+        conn = [c for c in D1.conns if c.id in used][0]
+        self.assertFalse(conn.closed.is_set(), "closed before the reload")
+        t0 = now()
+        write_yaml(f, pools_yaml([("m", ["m"], [P], [D2])]))
+        sighup(px)
+        wait_generation(self, px, 2)
+        self.assertTrue(conn.closed.wait(2.0), "the removed decode's idle connection stayed open")
+        self.assertTrue(conn.closed_by_peer)
+        self.assertLess(conn.t_closed - t0, 2.0)
+        # The prefill stayed: its connection is still kept.
+        pconn = [c for c in P.conns if c.id in set(P.conn_ids())][0]
+        self.assertFalse(pconn.closed.is_set(), "a kept backend's connection was closed")
+        r = http_request(px.port, "POST", "/v1/completions", pxtest.completion_body(model="m"))
+        self.assertEqual(r.status, 200)
+        self.assertEqual(len(D2.requests), 1)
+
+
 if __name__ == "__main__":
     unittest.main(verbosity=2)
