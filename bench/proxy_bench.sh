@@ -14,6 +14,7 @@
 #   (with PROFILE=1, profiled too). CONNS="64" runs only the listed
 #   connection counts. ALLOCS=1: heap allocations per request (a counting
 #   allocator, bench/alloc_count.c, preloaded into a third pdproxy).
+# HTTPS=1 adds pdproxy and nginx one hop reaching the same mocks over TLS.
 # OTLP=1 adds (d): a second pdproxy exporting every request's spans
 # (OTEL_TRACES_SAMPLER=traceidratio, ratio 1.0) to an nginx that answers
 # /v1/traces with 200, measured right after (b): the cost of tracing.
@@ -40,6 +41,8 @@ free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",
 S=$(free_port); NS=$(free_port); XS=$(free_port)
 P=$(free_port); D=$(free_port); N=$(free_port); X=$(free_port); O=$(free_port); Y=$(free_port)
 otlp=${OTLP:-0}
+https=${HTTPS:-0}
+TP=$(free_port); TD=$(free_port); TN=$(free_port); TX=$(free_port)
 
 pbody='{"id":"cmpl-bench","object":"text_completion","created":1,"model":"bench","choices":[{"index":0,"text":" a","finish_reason":"length"}],"usage":{"prompt_tokens":9,"completion_tokens":1,"total_tokens":10},"kv_transfer_params":{"do_remote_prefill":true,"do_remote_decode":false,"remote_block_ids":[1,2,3],"remote_engine_id":"p0","remote_request_id":"cmpl-bench-0-deadbeef","remote_host":"127.0.0.1","remote_port":5600,"tp_size":1}}'
 # SSE=1: a decode mock answering 200 events of ~120 bytes each, as fast as it
@@ -56,6 +59,17 @@ with open(sys.argv[1], "w") as f:
 dbody='{"id":"cmpl-bench","object":"text_completion","created":1,"model":"bench","choices":[{"index":0,"text":" jumps over the lazy dog again and again","finish_reason":"length"}],"usage":{"prompt_tokens":9,"completion_tokens":16,"total_tokens":25}}'
 
 mkdir -p "$work/logs"
+# HTTPS=1: the same mock engines behind TLS (a self-signed certificate),
+# reached by pdproxy (libcurl) and by nginx one hop (proxy_ssl).
+tls_servers=""
+if [ "$https" = 1 ]; then
+    openssl req -x509 -newkey rsa:2048 -nodes -days 1 -subj /CN=127.0.0.1 \
+        -addext subjectAltName=IP:127.0.0.1 -keyout "$work/key.pem" -out "$work/cert.pem" 2>/dev/null
+    tls_servers="server { listen 127.0.0.1:$TP ssl; ssl_certificate $work/cert.pem; ssl_certificate_key $work/key.pem;
+           location / { default_type application/json; return 200 '$pbody'; } }
+  server { listen 127.0.0.1:$TD ssl; ssl_certificate $work/cert.pem; ssl_certificate_key $work/key.pem;
+           location / { default_type application/json; return 200 '$dbody'; } }"
+fi
 cat > "$work/backends.conf" <<CONF
 user root;
 worker_processes 1;
@@ -70,11 +84,19 @@ http {
   server { listen 127.0.0.1:$D; location / { default_type application/json; return 200 '$dbody'; } }
   server { listen 127.0.0.1:$S; root $work/sse; location / { default_type text/event-stream;
            error_page 405 =200 /events.txt; try_files /events.txt =404; } }
+  $tls_servers
   # An OTLP/HTTP collector that accepts everything (reads and drops the body).
   server { listen 127.0.0.1:$O; client_max_body_size 64m;
            location /v1/traces { default_type application/json; return 200 '{}'; } }
 }
 CONF
+tls_onehop=""
+if [ "$https" = 1 ]; then
+    tls_onehop="upstream tmock { server 127.0.0.1:$TD; keepalive 128; }
+  server { listen 127.0.0.1:$TN;
+    location / { proxy_pass https://tmock; proxy_http_version 1.1; proxy_set_header Connection \"\";
+                 proxy_ssl_session_reuse on; proxy_buffering off; } }"
+fi
 cat > "$work/onehop.conf" <<CONF
 user root;
 worker_processes $pthreads;
@@ -106,6 +128,7 @@ http {
       proxy_buffering off;
     }
   }
+  $tls_onehop
 }
 CONF
 nginx -c "$work/backends.conf" -g 'daemon off;' & pids+=($!)
@@ -115,6 +138,13 @@ nginx -c "$work/onehop.conf" -g 'daemon off;' & pids+=($!)
     --decoder-hosts 127.0.0.1 --decoder-ports "$D" 2>"$work/logs/pdproxy.err" & ppid=$!
 pids+=($ppid)
 ports="$P $D $N $X"
+if [ "$https" = 1 ]; then
+    "$pdproxy" --port "$TX" --threads "$pthreads" --log-level warn --upstream-insecure \
+        --prefill "https://127.0.0.1:$TP" --decode "https://127.0.0.1:$TD" \
+        2>"$work/logs/pdproxy-https.err" & tpid=$!
+    pids+=($tpid)
+    ports="$ports $TP $TD $TN $TX"
+fi
 if [ "$otlp" = 1 ]; then
     OTEL_EXPORTER_OTLP_ENDPOINT=http://127.0.0.1:$O OTEL_SERVICE_NAME=pdproxy-bench \
     OTEL_TRACES_SAMPLER=traceidratio OTEL_TRACES_SAMPLER_ARG=1.0 \
@@ -173,6 +203,10 @@ for c in ${CONNS:-1 16 64}; do
     wait "$runpid"
     [ "$otlp" = 1 ] && run pdproxy+otlp "http://127.0.0.1:$Y" "$c"
     run nginx1hop "http://127.0.0.1:$N" "$c" "$ngw"
+    if [ "$https" = 1 ]; then
+        run pdproxy-tls "http://127.0.0.1:$TX" "$c" "$tpid"
+        run nginx1hop-tls "http://127.0.0.1:$TN" "$c" "$ngw"
+    fi
 done
 
 if [ -n "${SSE:-}" ]; then
@@ -286,6 +320,13 @@ awk '
         p50["pdproxy " c] - p50["direct " c], cpu["nginx1hop " c] ? cpu["pdproxy " c] / cpu["nginx1hop " c] : 0
     }
   }' "$work/results"
+if [ "$https" = 1 ]; then
+    awk '{ rps[$1" "$2]=$3; cpu[$1" "$2]=$6 } END { for (i = 1; i <= 3; i++) { c = (i == 1) ? 1 : (i == 2) ? 16 : 64
+        if (!rps["nginx1hop-tls " c]) continue
+        printf "c=%-3d https upstreams: pdproxy/nginx1hop req/s = %.2f   CPU/req pdproxy/nginx1hop = %.2f\n",
+            c, rps["pdproxy-tls " c] / rps["nginx1hop-tls " c],
+            cpu["nginx1hop-tls " c] ? cpu["pdproxy-tls " c] / cpu["nginx1hop-tls " c] : 0 } }' "$work/results"
+fi
 if [ "$otlp" = 1 ]; then
     awk '{ rps[$1" "$2]=$3 } END { for (i = 1; i <= 3; i++) { c = (i == 1) ? 1 : (i == 2) ? 16 : 64
         printf "c=%-3d tracing on/off req/s = %.3f\n", c, rps["pdproxy+otlp " c] / rps["pdproxy " c] } }' "$work/results"
