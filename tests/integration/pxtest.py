@@ -168,6 +168,23 @@ def hdr_all(headers, name):
     return [v for k, v in headers if k.lower() == name]
 
 
+def sanitized(pid):
+    """Whether process `pid` runs with AddressSanitizer."""
+    try:
+        with open("/proc/%d/maps" % pid) as f:
+            return "libasan" in f.read()
+    except OSError:
+        return False
+
+
+def slack(pid):
+    """How much longer than usual a bound on a latency may be for process
+    `pid`: three times under AddressSanitizer, which slows every request
+    and runs beside other tests. The bounds are there to catch a hang or a
+    stall behind other clients, not to measure speed."""
+    return 3.0 if sanitized(pid) else 1.0
+
+
 def wait_until(pred, timeout, interval=0.005):
     """Poll pred() until true or timeout; returns the last value of pred()."""
     deadline = now() + timeout

@@ -24,15 +24,6 @@ def rss_bytes(pid):
     return 0
 
 
-def sanitized(pid):
-    """Whether process `pid` runs with AddressSanitizer."""
-    try:
-        with open("/proc/%d/maps" % pid) as f:
-            return "libasan" in f.read()
-    except OSError:
-        return False
-
-
 class StreamTest(PxTestCase):
     def setUp(self):
         super().setUp()
@@ -164,7 +155,7 @@ class StreamTest(PxTestCase):
         self.assertLess(s2[0], TOTAL * 3 // 4, "D nearly done, no backpressure: " + report)
         # ~1 MiB buffered per stream, plus curl's buffer and allocator slack;
         # AddressSanitizer's quarantine keeps freed buffers resident.
-        rss_bound = (32 if sanitized(px.proc.pid) else 8) * MiB
+        rss_bound = (32 if pxtest.sanitized(px.proc.pid) else 8) * MiB
         self.assertLess(rss2 - rss0, rss_bound, "pdproxy RSS grew by %.1f MiB while stalled"
                         % ((rss2 - rss0) / MiB))
 
