@@ -38,6 +38,16 @@ static int authorized(px_server *s, const px_http_head *h) {
     return ok;
 }
 
+/* The 401 for a request without a valid key: counted (when `m`), logged
+ * (when `epname`) and answered. */
+static void reply_unauthorized(px_metrics *m, px_metric_endpoint mep, px_conn *c,
+                               const px_http_head *h, const char *epname) {
+    if (m) px_metrics_count(m, mep, 401);
+    if (epname) px_req_log_refused(h, epname, 401);
+    px_conn_reply_error(c, 401, NULL, "WWW-Authenticate: Bearer\r\n",
+                        "invalid or missing API key: send Authorization: Bearer <key>");
+}
+
 /* m: the worker's metrics, or NULL on the control thread's listener. */
 static void reply_json(px_metrics *m, px_conn *c, px_metric_endpoint ep, int status,
                        const char *json, size_t n) {
@@ -220,9 +230,7 @@ static int serve_local(px_server *s, px_metrics *m, px_conn *c, const px_http_he
         return 1;
     }
     if (metrics && s->cfg->metrics_auth && !authorized(s, h)) {
-        if (m) px_metrics_count(m, mep, 401);
-        px_conn_reply_error(c, 401, NULL, "WWW-Authenticate: Bearer\r\n",
-                            "invalid or missing API key: send Authorization: Bearer <key>");
+        reply_unauthorized(m, mep, c, h, NULL);
         return 1;
     }
     if (ready) {
@@ -303,10 +311,7 @@ static void dispatch(void *ctx, px_conn *c, const px_http_head *h, px_buf *body)
             return;
         }
         if (!authorized(s, h)) {
-            px_metrics_count(&w->metrics, mep, 401);
-            px_req_log_refused(h, epname, 401);
-            px_conn_reply_error(c, 401, NULL, "WWW-Authenticate: Bearer\r\n",
-                                "invalid or missing API key: send Authorization: Bearer <key>");
+            reply_unauthorized(&w->metrics, mep, c, h, epname);
             return;
         }
         if (models && models_local(s)) {
@@ -328,9 +333,7 @@ static void dispatch(void *ctx, px_conn *c, const px_http_head *h, px_buf *body)
             px_metrics_count(&w->metrics, PX_MEP_MODELS, 405);
             px_conn_reply_error(c, 405, NULL, "Allow: GET\r\n", "method not allowed: use GET");
         } else if (!authorized(s, h)) {
-            px_metrics_count(&w->metrics, PX_MEP_MODELS, 401);
-            px_conn_reply_error(c, 401, NULL, "WWW-Authenticate: Bearer\r\n",
-                                "invalid or missing API key: send Authorization: Bearer <key>");
+            reply_unauthorized(&w->metrics, PX_MEP_MODELS, c, h, NULL);
         } else {
             /* Ids may hold '/' as is or as %2F (meta-llama%2FLlama-3.1-8B). */
             char id[512];
@@ -375,10 +378,7 @@ static void dispatch(void *ctx, px_conn *c, const px_http_head *h, px_buf *body)
             return;
         }
         if (!authorized(s, h)) {
-            px_metrics_count(&w->metrics, mep, 401);
-            px_req_log_refused(h, epname, 401);
-            px_conn_reply_error(c, 401, NULL, "WWW-Authenticate: Bearer\r\n",
-                                "invalid or missing API key: send Authorization: Bearer <key>");
+            reply_unauthorized(&w->metrics, mep, c, h, epname);
             return;
         }
         px_req_start(w, c,
