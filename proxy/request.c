@@ -11,6 +11,7 @@
 #include "log.h"
 #include "otlp.h"
 #include "rewrite.h"
+#include "trace.h"
 
 /* Largest prefill answer kept; a prefill answers one token, so anything near
  * this is a broken engine, not a big request. */
@@ -285,6 +286,15 @@ static void req_end(px_req *r, int status, const char *outcome) {
     req_free(r);
 }
 
+/* Every path on which the client is gone and nothing is left to do for it:
+ * logged as 499, then freed, which cancels what is in flight (closing its
+ * upstream connection). */
+static void req_abandon(px_req *r) {
+    finish_log(r, 499, "client_disconnected");
+    set_state(r, RS_CLOSING);
+    req_free(r);
+}
+
 /* Ends a request that failed: logs, answers once in OpenAI error JSON when
  * nothing was sent yet (else cuts the stream), and frees it. */
 static void req_fail(px_req *r, int status, const char *extra, const char *fmt, ...)
@@ -324,64 +334,7 @@ static px_outcome outcome_of(px_up_result rc, int status) {
     }
 }
 
-/* ---------- headers and tracing ---------- */
-
-static int lowhex(const char *s, size_t n, int nonzero) {
-    int nz = 0;
-    for (size_t i = 0; i < n; i++) {
-        char c = s[i];
-        if (!((c >= '0' && c <= '9') || (c >= 'a' && c <= 'f'))) return 0;
-        nz |= c != '0';
-    }
-    return !nonzero || nz;
-}
-
-int px_trace_parse(const char *tp, size_t n, char trace[33], char flags[3]) {
-    /* version "-" trace-id "-" parent-id "-" flags (W3C Trace Context):
-     * version 00 is exactly 55 characters; later versions may append
-     * "-..." fields, which a version-00 reader ignores; ff is invalid. */
-    if (!tp || n < 55 || tp[2] != '-' || tp[35] != '-' || tp[52] != '-') return 0;
-    if (!lowhex(tp, 2, 0) || !memcmp(tp, "ff", 2)) return 0;
-    if (!memcmp(tp, "00", 2) ? n != 55 : (n > 55 && tp[55] != '-')) return 0;
-    if (!lowhex(tp + 3, 32, 1) || !lowhex(tp + 36, 16, 1) || !lowhex(tp + 53, 2, 0)) return 0;
-    memcpy(trace, tp + 3, 32);
-    trace[32] = '\0';
-    memcpy(flags, tp + 53, 2);
-    flags[2] = '\0';
-    return 1;
-}
-
-void px_trace_new(char trace[33]) {
-    static const char hex[] = "0123456789abcdef";
-    uint64_t a = px_rand64() | 1, b = px_rand64();
-    for (int i = 0; i < 16; i++) {
-        trace[i] = hex[(a >> (60 - 4 * i)) & 15];
-        trace[16 + i] = hex[(b >> (60 - 4 * i)) & 15];
-    }
-    trace[32] = '\0';
-}
-
-/* A new span id: 16 hex digits, never all zero. */
-static void span_new(char sp[17]) {
-    static const char hex[] = "0123456789abcdef";
-    uint64_t span = px_rand64() | 1;
-    for (int i = 0; i < 16; i++)
-        sp[i] = hex[(span >> (60 - 4 * i)) & 15];
-    sp[16] = '\0';
-}
-
-/* A child span of the request's trace: same trace id and flags, the span
- * of the upstream leg (prefill or decode) as parent id. */
-static void trace_child(const char *trace, const char *span, const char *flags, char out[56]) {
-    /* 00-<32 hex>-<16 hex>-<2 hex>: fixed widths, copied in place. */
-    memcpy(out, "00-", 3);
-    memcpy(out + 3, trace, 32);
-    out[35] = '-';
-    memcpy(out + 36, span, 16);
-    out[52] = '-';
-    memcpy(out + 53, flags, 2);
-    out[55] = '\0';
-}
+/* ---------- headers ---------- */
 
 /* Client headers a passed-through request does not carry as they are: the
  * connection's own (hop by hop, RFC 9110 §7.6.1), framing and Host (the
@@ -441,7 +394,7 @@ static void headers_for(px_req *r, const px_http_head *h, int traced, const char
         px_buf_append(l, "\r\n", 2);
     }
     char child[56];
-    trace_child(r->trace_id, span, r->trace_flags, child);
+    px_trace_child(r->trace_id, span, r->trace_flags, child);
     px_buf_appends(l, "traceparent: ");
     px_buf_appends(l, child);
     px_buf_append(l, "\r\n", 2);
@@ -481,7 +434,7 @@ static void on_idle_timer(evutil_socket_t fd, short what, void *arg) {
     px_backend_done(&r->ps->decode, r->db, PX_OUT_TIMEOUT);
     r->db = NULL;
     if (r->state == RS_RELEASING) {
-        req_end(r, 499, "client_disconnected");
+        req_abandon(r);
         return;
     }
     if (r->paused)
@@ -651,7 +604,7 @@ static void released_via_decode(px_req *r) {
            "req=%s msg=\"client left after prefill: decode was given the request and "
            "aborted so prefill frees its blocks\" decode=%s",
            r->lid, r->dname);
-    req_end(r, 499, "client_disconnected");
+    req_abandon(r);
 }
 
 static void decode_done(void *arg, px_up_result rc, const char *errbuf, int connected) {
@@ -703,7 +656,7 @@ static void decode_done(void *arg, px_up_result rc, const char *errbuf, int conn
         return;
     }
     if (r->state == RS_RELEASING) {
-        req_end(r, 499, "client_disconnected");
+        req_abandon(r);
         return;
     }
     req_fail(r, px_upstream_status_for(rc), NULL, "decode %s: %s", r->dname, why);
@@ -724,7 +677,7 @@ static void start_decode(px_req *r) {
                    "req=%s msg=\"client left after prefill and no decode can take "
                    "the request: prefill's blocks stay until they expire\"",
                    r->lid);
-            req_end(r, 499, "client_disconnected");
+            req_abandon(r);
             return;
         }
         req_fail(r, 503, "Retry-After: 1\r\n", "no healthy decode backend (%zu configured%s)", n,
@@ -779,7 +732,7 @@ static void proceed_to_decode(px_req *r) {
                                             &kvp_len, err, sizeof err);
     if (ks == PX_KVP_BAD_RESPONSE) {
         if (r->state == RS_RELEASING) {
-            req_end(r, 499, "client_disconnected");
+            req_abandon(r);
             return;
         }
         req_fail(r, 502, NULL, "prefill %s returned an invalid answer: %s", r->pname, err);
@@ -793,7 +746,7 @@ static void proceed_to_decode(px_req *r) {
                r->lid, r->pname);
         kvp = NULL;
         if (r->state == RS_RELEASING) { /* nothing to release */
-            req_end(r, 499, "client_disconnected");
+            req_abandon(r);
             return;
         }
     } else if (ks == PX_KVP_NO_REQUEST_ID) {
@@ -864,7 +817,7 @@ static void prefill_done(void *arg, px_up_result rc, const char *errbuf, int con
             proceed_to_decode(r);
             return;
         }
-        req_end(r, 499, "client_disconnected");
+        req_abandon(r);
         return;
     }
     /* Refused, reset or 5xx: another prefill, after a jittered pause. */
@@ -986,10 +939,7 @@ static void start_prefill(px_req *r) {
 
 /* The client left during prefill and prefill did not answer in its grace. */
 static void on_grace_timer(evutil_socket_t fd, short what, void *arg) {
-    px_req *r = arg;
-    finish_log(r, 499, "client_disconnected");
-    set_state(r, RS_CLOSING);
-    req_free(r); /* cancels prefill, closing its connection */
+    req_abandon(arg);
 }
 
 static void client_gone(void *arg) {
@@ -1018,9 +968,7 @@ static void client_gone(void *arg) {
         set_state(r, RS_RELEASING);
         return;
     }
-    set_state(r, RS_CLOSING);
-    finish_log(r, 499, "client_disconnected");
-    req_free(r); /* cancels the transfer in flight, closing its connection */
+    req_abandon(r);
 }
 
 static void client_drained(void *arg) {
@@ -1310,9 +1258,9 @@ void px_req_start(px_worker *w, px_conn *c, px_endpoint ep, const px_http_head *
         memcpy(r->parent_span, tp->value + 36, 16);
     }
     px_otlp_sample(r->trace_id, traced ? r->trace_flags : NULL, r->trace_flags);
-    span_new(r->span_root);
-    span_new(r->span_p);
-    span_new(r->span_d);
+    px_trace_span_new(r->span_root);
+    px_trace_span_new(r->span_p);
+    px_trace_span_new(r->span_d);
     headers_for(r, h, traced, r->span_p, &r->hdrs_p);
     headers_for(r, h, traced, r->span_d, &r->hdrs_d);
 

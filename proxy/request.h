@@ -46,10 +46,4 @@ void px_req_free_all(px_worker *w);
  * 405): one line per request, whatever its fate. */
 void px_req_log_refused(const px_http_head *h, const char *endpoint, int status);
 
-/* Parses a W3C traceparent value; returns 1 with its trace id and flags, 0
- * when it is not valid (then a new trace starts). */
-int px_trace_parse(const char *tp, size_t n, char trace[33], char flags[3]);
-/* A fresh random trace id (32 lowercase hex digits). */
-void px_trace_new(char trace[33]);
-
 #endif
