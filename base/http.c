@@ -52,6 +52,22 @@ const px_http_header *px_http_find(const px_http_head *h, const char *name) {
     return NULL;
 }
 
+int px_http_request_id(const px_http_head *h, char out[129]) {
+    const px_http_header *x = px_http_find(h, "x-request-id");
+    int ok = x && x->value_len > 0 && x->value_len <= 128;
+    for (size_t i = 0; ok && i < x->value_len; i++) {
+        unsigned char c = (unsigned char)x->value[i];
+        ok = c > 0x20 && c <= 0x7e && c != '"' && c != '\\';
+    }
+    if (!ok) {
+        px_uuid4(out);
+        return 0;
+    }
+    memcpy(out, x->value, x->value_len);
+    out[x->value_len] = '\0';
+    return 1;
+}
+
 /* Calls fn for each comma-separated, trimmed element of a header value. */
 static int has_token(const char *v, size_t n, const char *tok) {
     size_t i = 0;

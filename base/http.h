@@ -57,6 +57,11 @@ int px_http_path_is(const px_http_head *h, const char *path);
 
 /* First header named `name` (case-insensitive), or NULL. */
 const px_http_header *px_http_find(const px_http_head *h, const char *name);
+/* The request's id: the client's X-Request-Id when it is usable (1 to 128
+ * bytes of visible ASCII without '"' or '\\': engines put it into their own
+ * ids and log lines), copied to `out` with 1 returned; otherwise a fresh
+ * UUIDv4 in `out` and 0. */
+int px_http_request_id(const px_http_head *h, char out[129]);
 
 int px_http_token_eq(const char *s, size_t n, const char *lit); /* case-insensitive */
 

@@ -250,27 +250,9 @@ static void finish_log(px_req *r, int status, const char *outcome) {
     if (px_otlp_enabled()) submit_spans(r, status, outcome, now);
 }
 
-/* Visible ASCII without quote or backslash, at most 128 bytes (README,
- * SECURITY.md): engines put it into their own ids and log lines. Anything
- * else is replaced by a UUIDv4. */
-static int valid_request_id(const char *v, size_t n) {
-    if (n == 0 || n > 128) return 0;
-    for (size_t i = 0; i < n; i++) {
-        unsigned char c = (unsigned char)v[i];
-        if (c <= 0x20 || c > 0x7e || c == '"' || c == '\\') return 0;
-    }
-    return 1;
-}
-
 void px_req_log_refused(const px_http_head *h, const char *endpoint, int status) {
-    char lid[300] = "-";
-    const px_http_header *xid = px_http_find(h, "x-request-id");
-    if (xid && valid_request_id(xid->value, xid->value_len)) {
-        char id[129];
-        memcpy(id, xid->value, xid->value_len);
-        id[xid->value_len] = '\0';
-        px_log_value(id, lid, sizeof lid);
-    }
+    char lid[300] = "-", id[129];
+    if (px_http_request_id(h, id)) px_log_value(id, lid, sizeof lid);
     px_access a = {.req = lid,
                    .endpoint = endpoint,
                    .status = status,
@@ -1233,13 +1215,7 @@ void px_req_start(px_worker *w, px_conn *c, px_endpoint ep, const px_http_head *
         snprintf(r->lpath, sizeof r->lpath, "%s", ep_paths[ep]);
     }
 
-    const px_http_header *xid = px_http_find(h, "x-request-id");
-    if (xid && valid_request_id(xid->value, xid->value_len)) {
-        memcpy(r->id, xid->value, xid->value_len);
-        r->id[xid->value_len] = '\0';
-    } else {
-        px_uuid4(r->id);
-    }
+    px_http_request_id(h, r->id);
     px_log_value(r->id, r->lid, sizeof r->lid);
     /* One trace for the request: the client's when it sent exactly one
      * valid traceparent, else a new one; P and D get child spans of it. */

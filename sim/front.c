@@ -20,14 +20,8 @@
 static void handle_completion(sim_engine *e, px_conn *c, sim_ep ep, const px_http_head *h,
                               px_buf *body) {
     char msg[256];
-    const px_http_header *xh = px_http_find(h, "x-request-id");
     char xrid[129];
-    if (xh && xh->value_len > 0 && xh->value_len <= 128) {
-        memcpy(xrid, xh->value, xh->value_len);
-        xrid[xh->value_len] = '\0';
-    } else {
-        px_uuid4(xrid);
-    }
+    px_http_request_id(h, xrid);
     sim_parsed pr;
     int status = sim_parse_request(ep == EP_CHAT, body->data, body->len, e->cfg->model, &pr, msg,
                                    sizeof msg);

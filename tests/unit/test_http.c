@@ -3,6 +3,7 @@
 #include <stddef.h>
 #include <stdint.h>
 #include <cmocka.h>
+#include <stdio.h>
 #include <string.h>
 
 #include "http.h"
@@ -187,6 +188,44 @@ static void test_chunked_decoder(void **state)
     px_buf_cleanup(&out);
 }
 
+static void test_request_id(void **state)
+{
+    static const struct {
+        const char *head;
+        int taken;
+    } cases[] = {
+        {"GET / HTTP/1.1\r\nHost: x\r\nX-Request-Id: req-42\r\n\r\n", 1},
+        {"GET / HTTP/1.1\r\nHost: x\r\nx-request-id: a/b:c~1\r\n\r\n", 1},
+        {"GET / HTTP/1.1\r\nHost: x\r\n\r\n", 0},
+        {"GET / HTTP/1.1\r\nHost: x\r\nX-Request-Id: has space\r\n\r\n", 0},
+        {"GET / HTTP/1.1\r\nHost: x\r\nX-Request-Id: q\"uote\r\n\r\n", 0},
+        {"GET / HTTP/1.1\r\nHost: x\r\nX-Request-Id: back\\slash\r\n\r\n", 0},
+        {"GET / HTTP/1.1\r\nHost: x\r\nX-Request-Id: caf\xc3\xa9\r\n\r\n", 0},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) {
+        px_http_head h;
+        const char *why = NULL;
+        assert_int_equal(parse(cases[i].head, &h, &why), 0);
+        char id[129];
+        assert_int_equal(px_http_request_id(&h, id), cases[i].taken);
+        if (cases[i].taken)
+            assert_non_null(strstr(cases[i].head, id));
+        else
+            assert_int_equal(strlen(id), 36); /* a UUIDv4 */
+    }
+    /* 128 bytes are taken, 129 are not. */
+    char head[400], id[129];
+    for (int len = 128; len <= 129; len++) {
+        int n = snprintf(head, sizeof head, "GET / HTTP/1.1\r\nHost: x\r\nX-Request-Id: ");
+        memset(head + n, 'a', (size_t)len);
+        strcpy(head + n + len, "\r\n\r\n");
+        px_http_head h;
+        const char *why = NULL;
+        assert_int_equal(parse(head, &h, &why), 0);
+        assert_int_equal(px_http_request_id(&h, id), len == 128);
+    }
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -198,6 +237,7 @@ int main(void)
         cmocka_unit_test(test_chunked_spans_point_into_input),
         cmocka_unit_test(test_too_many_headers),
         cmocka_unit_test(test_chunked_decoder),
+        cmocka_unit_test(test_request_id),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
