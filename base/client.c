@@ -83,6 +83,7 @@ struct px_creq {
     struct event *acked_ev;  /* abort_after_upload waits for the peer's ACKs */
     struct event evs[4];     /* the four above live here: assigned, not allocated */
     uint64_t t_start_ns;
+    uint64_t last_read_ns; /* opts.idle_timeout counts from here */
     int connected;
     int answering;
     int head_done;
@@ -448,8 +449,21 @@ static void on_acked_poll(evutil_socket_t fd, short what, void *arg) {
     evtimer_add(q->acked_ev, &tv);
 }
 
+/* opts.idle_timeout: armed once; a read only notes the time, and the
+ * timer waits out the rest when it fires after activity. */
+static void arm_idle(px_creq *q, double s) {
+    struct timeval tv = tv_of(s > 0.001 ? s : 0.001);
+    evtimer_add(q->idle_ev, &tv);
+}
+
 static void on_idle_timeout(evutil_socket_t fd, short what, void *arg) {
-    fail(arg, PX_CR_TIMEOUT, "no byte from the backend within the idle timeout");
+    px_creq *q = arg;
+    double idle = (double)(px_now_ns() - q->last_read_ns) / 1e9;
+    if (idle < q->o.idle_timeout) {
+        arm_idle(q, q->o.idle_timeout - idle);
+        return;
+    }
+    fail(q, PX_CR_TIMEOUT, "no byte from the backend within the idle timeout");
 }
 
 static void on_resume(evutil_socket_t fd, short what, void *arg) {
@@ -495,10 +509,7 @@ static void on_readable(evutil_socket_t fd, short what, void *arg) {
             conn_free(c); /* bytes nobody asked for: not reusable */
             return;
         }
-        if (q->o.idle_timeout > 0) {
-            struct timeval tv = tv_of(q->o.idle_timeout);
-            evtimer_add(q->idle_ev, &tv);
-        }
+        if (q->o.idle_timeout > 0) q->last_read_ns = px_now_ns();
         if (!borrowed) {
             process(q);
             return;
@@ -738,6 +749,10 @@ px_creq *px_creq_start(px_client *cl, const struct sockaddr *sa, socklen_t salen
     event_assign(q->resume_ev, cl->base, -1, 0, on_resume, q);
     evtimer_assign(q->idle_ev, cl->base, on_idle_timeout, q);
     evtimer_assign(q->acked_ev, cl->base, on_acked_poll, q);
+    if (q->o.idle_timeout > 0) { /* on a reused connection as on a new one */
+        q->last_read_ns = q->t_start_ns;
+        arm_idle(q, q->o.idle_timeout);
+    }
     host *h = q->h;
     while (h->idle && !usable(h->idle))
         conn_free(h->idle);
@@ -757,10 +772,6 @@ px_creq *px_creq_start(px_client *cl, const struct sockaddr *sa, socklen_t salen
     if (connect_new(q) < 0) {
         creq_free(q);
         return NULL;
-    }
-    if (q->o.idle_timeout > 0) {
-        struct timeval tv = tv_of(q->o.idle_timeout);
-        evtimer_add(q->idle_ev, &tv);
     }
     return q;
 }

@@ -88,6 +88,7 @@ struct px_req {
     uint64_t t0, t_prefill, t_first;
     uint64_t prefill_deadline; /* --prefill-timeout covers every attempt; 0: none */
     struct event *idle_timer;  /* owned: --decode-idle-timeout */
+    uint64_t idle_since_ns;    /* the last byte (or start) the idle timer counts from */
     struct event *grace_timer; /* owned: a prefill whose client left may still answer */
     size_t bytes_out;
     int64_t held; /* bytes of the bodies above counted in the server's memory budget */
@@ -406,11 +407,24 @@ static int start_upstream(px_req *r, px_backend *b, const char *method, const ch
 
 /* ---------- decode ---------- */
 
+static void arm_idle(px_req *r, uint64_t ns) {
+    struct timeval tv = {(time_t)(ns / 1000000000ull), (suseconds_t)(ns % 1000000000ull / 1000)};
+    evtimer_add(r->idle_timer, &tv);
+}
+
 /* --decode-idle-timeout: no byte from decode for that long ends the request.
- * Our own timer, re-armed on every byte, since curl's low-speed check
- * averages over several seconds. */
+ * Our own timer, since curl's low-speed check averages over several seconds.
+ * A byte only notes the time; the timer, armed once, looks when it fires
+ * and waits out the rest if there was activity meanwhile (no timer-heap
+ * work per read). */
 static void on_idle_timer(evutil_socket_t fd, short what, void *arg) {
     px_req *r = arg;
+    uint64_t limit = (uint64_t)(r->s->cfg->decode_idle_timeout * 1e9),
+             idle = px_now_ns() - r->idle_since_ns;
+    if (idle < limit) {
+        arm_idle(r, limit - idle);
+        return;
+    }
     px_upstream_cancel(r->up);
     r->up = NULL;
     px_backend_done(&r->ps->decode, r->db, PX_OUT_TIMEOUT);
@@ -430,9 +444,9 @@ static void on_idle_timer(evutil_socket_t fd, short what, void *arg) {
 static void touch_idle(px_req *r) {
     double s = r->s->cfg->decode_idle_timeout;
     if (s <= 0) return;
+    r->idle_since_ns = px_now_ns();
     if (!r->idle_timer) r->idle_timer = evtimer_new(r->w->base, on_idle_timer, r);
-    struct timeval tv = {(time_t)s, (suseconds_t)((s - (double)(time_t)s) * 1e6)};
-    evtimer_add(r->idle_timer, &tv);
+    if (!evtimer_pending(r->idle_timer, NULL)) arm_idle(r, (uint64_t)(s * 1e9));
 }
 
 /* ---------- usage (--usage-from) ---------- */

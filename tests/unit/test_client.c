@@ -2,7 +2,8 @@
  * blocking sockets): keep-alive reuse, the one resend on a stale reused
  * connection, no resend once the backend read the request, chunked bodies
  * with pause and resume, bodiless responses, refused connections. */
-/* clang-format off: cmocka needs these first, in this order */
+/* cmocka needs these first, in this order. */
+/* clang-format off */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -373,6 +374,59 @@ static void test_smuggling_shaped_response_refused(void **state) {
     event_base_free(base);
 }
 
+/* The backend answers the first request, then reads the second on the same
+ * connection and says nothing: the idle timeout ends it there too (it is
+ * armed on a reused connection as on a new one), and a trickle of bytes
+ * within the timeout keeps a third alive. */
+static void script_answer_then_silent(server *s) {
+    int fd = srv_accept(s, 3000);
+    if (srv_read_request(s, fd)) srv_send(fd, OK_KEEP);
+    if (srv_read_request(s, fd)) srv_wait_step(s, 1); /* silent until the client gave up */
+    close(fd);
+    int fd2 = srv_accept(s, 3000);
+    if (fd2 >= 0 && srv_read_request(s, fd2)) {
+        /* 5 body bytes 300 ms apart: 1.5 s in all, each gap well inside
+         * the 1 s idle timeout. */
+        srv_send(fd2, "HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\n");
+        for (int i = 0; i < 5; i++) {
+            usleep(300000);
+            srv_send(fd2, "x");
+        }
+    }
+    if (fd2 >= 0) close(fd2);
+}
+
+static void test_idle_timeout_on_reused_connection(void **state) {
+    struct event_base *base = event_base_new();
+    px_client *c = px_client_create(base, NULL);
+    server s;
+    srv_start(&s, script_answer_then_silent);
+    /* The total timeout is far beyond the test's patience: only the idle
+     * timeout can end the silent request in time. */
+    px_creq_opts o = {.connect_timeout = 2, .total_timeout = 60, .idle_timeout = 1.0};
+    result r1, r2, r3;
+    memset(&r1, 0, sizeof r1);
+    px_creq *q = px_creq_start(c, (struct sockaddr *)&s.addr, sizeof s.addr, REQ, sizeof REQ - 1,
+                               "{}", 2, &o, &cbs, &r1);
+    run_until_done(base, &r1, q);
+    assert_int_equal(r1.r, PX_CR_OK);
+    memset(&r2, 0, sizeof r2);
+    q = px_creq_start(c, (struct sockaddr *)&s.addr, sizeof s.addr, REQ, sizeof REQ - 1, "{}", 2,
+                      &o, &cbs, &r2);
+    run_until_done(base, &r2, q);
+    assert_int_equal(r2.r, PX_CR_TIMEOUT);
+    srv_set_step(&s, 1);
+    memset(&r3, 0, sizeof r3);
+    q = px_creq_start(c, (struct sockaddr *)&s.addr, sizeof s.addr, REQ, sizeof REQ - 1, "{}", 2,
+                      &o, &cbs, &r3);
+    run_until_done(base, &r3, q);
+    assert_int_equal(r3.r, PX_CR_OK);
+    assert_memory_equal(r3.body, "xxxxx", 5);
+    srv_join(&s);
+    px_client_destroy(c);
+    event_base_free(base);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_keep_alive_reuse),
@@ -381,6 +435,7 @@ int main(void) {
         cmocka_unit_test(test_chunked_pause_resume_and_bodiless),
         cmocka_unit_test(test_refused_is_connect_error_not_sent),
         cmocka_unit_test(test_smuggling_shaped_response_refused),
+        cmocka_unit_test(test_idle_timeout_on_reused_connection),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
