@@ -16,6 +16,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import pxtest  # noqa: E402
@@ -211,12 +212,16 @@ class SlowlorisTest(HostileCase):
 # --------------------------------------------------------------------------
 
 
-def hold_idle_main(port, n):
+def hold_idle_main(port, n, pid):
     """Runs in a child process (so the mocks' select() in the test process
     never sees a descriptor above 1024): opens n idle connections to pdproxy
     and answers commands on stdin, one line each: `check` (how many idle
     connections were closed or got bytes), `probe K` (send GET /health on K
-    of them, how many got 200), `close`."""
+    of them, how many got 200), `close`. Connections are opened no faster
+    than pdproxy (process `pid`) accepts them: on a loaded machine the
+    kernel's accept queue (4096) would overflow, and a connection whose
+    final ACK was dropped there is never accepted, though the client thinks
+    it is open."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     need = n + 200
     if hard != resource.RLIM_INFINITY and hard < need:
@@ -256,6 +261,10 @@ def hold_idle_main(port, n):
                         return
                     left.discard(s)
                     sel.modify(s, selectors.EVENT_READ)
+        for _ in range(MAX_LOOP):
+            if accepted_conns(pid, port) >= len(socks) - 1000 or now() >= deadline:
+                break
+            time.sleep(0.02)
     print("opened %d %.2f" % (len(socks), now() - t0), flush=True)
     for line in sys.stdin:
         cmd = line.split()
@@ -294,7 +303,8 @@ class IdleConnectionsTest(HostileCase):
 
     def holder(self, port):
         p = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--hold-idle",
-                              str(port), str(self.N)], stdin=subprocess.PIPE,
+                              str(port), str(self.N), str(self.px.proc.pid)],
+                             stdin=subprocess.PIPE,
                              stdout=subprocess.PIPE, text=True, bufsize=1)
 
         def stop():
@@ -857,7 +867,7 @@ class HopByHopTest(HostileCase):
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 4 and sys.argv[1] == "--hold-idle":
-        hold_idle_main(int(sys.argv[2]), int(sys.argv[3]))
+    if len(sys.argv) == 5 and sys.argv[1] == "--hold-idle":
+        hold_idle_main(int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]))
     else:
         pxtest.main()
