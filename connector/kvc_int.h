@@ -8,6 +8,7 @@
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <sys/socket.h>
 #include <ucp/api/ucp.h>
 
 #define KVC_HIDDEN __attribute__((visibility("hidden")))
@@ -442,10 +443,19 @@ KVC_HIDDEN kvc_status_t kvc_mem_build_handshake(kvc_agent_t *a);
 /* The largest block_len of the staged regions (plans are made for it). */
 KVC_HIDDEN size_t kvc_staged_block_len(const kvc_agent_t *a);
 
-/* --------------------------------------------------------- peer.c -- */
+/* ------------------------------------------------------- listen.c -- */
 KVC_HIDDEN kvc_status_t kvc_listen_open(kvc_agent_t *a);
 KVC_HIDDEN void kvc_listen_accept(kvc_agent_t *a);
 KVC_HIDDEN void kvc_sconn_io(kvc_agent_t *a, kvc_sconn_t *c, uint32_t events);
+KVC_HIDDEN void kvc_sconns_timers(kvc_agent_t *a, uint64_t now, uint64_t *next);
+KVC_HIDDEN void kvc_sconns_destroy(kvc_agent_t *a);
+KVC_HIDDEN void kvc_sconns_reap(kvc_agent_t *a);
+/* getaddrinfo() for a TCP address; passive: for bind().  KVC_ERR_INVALID_PARAM
+ * when it does not resolve. */
+KVC_HIDDEN kvc_status_t kvc_resolve(const char *host, uint16_t port, struct sockaddr_storage *ss,
+                                    socklen_t *sl, bool passive);
+
+/* --------------------------------------------------------- peer.c -- */
 KVC_HIDDEN void kvc_peer_io(kvc_agent_t *a, kvc_peer_t *p, uint32_t events);
 /* Finds or starts a handshake with host:port.  KVC_ERR_NO_MEMORY only. */
 KVC_HIDDEN kvc_status_t kvc_peer_get(kvc_agent_t *a, const char *host, uint16_t port,
@@ -460,9 +470,6 @@ KVC_HIDDEN void kvc_peers_reap(kvc_agent_t *a);
  * UCX requests still in flight (no late writes into local blocks). */
 KVC_HIDDEN void kvc_peer_abort(kvc_agent_t *a, kvc_peer_t *p, kvc_status_t st, const char *msg);
 KVC_HIDDEN void kvc_peers_destroy(kvc_agent_t *a);
-KVC_HIDDEN void kvc_sconns_timers(kvc_agent_t *a, uint64_t now, uint64_t *next);
-KVC_HIDDEN void kvc_sconns_destroy(kvc_agent_t *a);
-KVC_HIDDEN void kvc_sconns_reap(kvc_agent_t *a);
 
 /* peer internals used by xfer.c */
 struct kvc_peer_region {
