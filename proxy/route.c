@@ -7,6 +7,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "hash.h"
 #include "log.h"
 #include "util.h"
 
@@ -29,16 +30,6 @@ const char *px_policy_name(px_policy p) {
 
 const char *px_outcome_name(px_outcome o) {
     return outcome_names[o];
-}
-
-uint64_t px_hash64(const void *p, size_t n) {
-    const unsigned char *s = p;
-    uint64_t h = 0xcbf29ce484222325ull;
-    for (size_t i = 0; i < n; i++) {
-        h ^= s[i];
-        h *= 0x100000001b3ull;
-    }
-    return h;
 }
 
 static uint64_t mix64(uint64_t x) {
@@ -179,7 +170,7 @@ static px_backend *backend_new(const char *url, const char *name, const char *co
     b->name = px_xstrdup(name);
     b->connect_to = connect_to ? px_xstrdup(connect_to) : NULL;
     b->src = px_xstrdup(src);
-    b->key_hash = px_hash64(name, strlen(name));
+    b->key_hash = px_hash64(name, strlen(name), 0);
     atomic_init(&b->refs, 1);
     atomic_init(&b->healthy, 1);
     return b;
@@ -399,7 +390,7 @@ static size_t choose(px_pool *p, const px_pick *k, const size_t *cand, size_t nc
         unsigned char *is_cand = px_xcalloc(p->n, 1);
         for (size_t j = 0; j < nc; j++)
             is_cand[cand[j]] = 1;
-        uint64_t h = mix64(px_hash64(k->key, k->key_len)) & ~0xffffull;
+        uint64_t h = mix64(px_hash64(k->key, k->key_len, 0)) & ~0xffffull;
         size_t lo = 0, hi = p->nring;
         while (lo < hi) {
             size_t mid = (lo + hi) / 2;

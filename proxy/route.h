@@ -158,7 +158,4 @@ size_t px_pool_usable(px_pool *p);
  * Returns 0, or -1 when malformed. */
 int px_url_split(const char *url, char *host, size_t hostcap, int *port, int *https);
 
-/* Hashes bytes (FNV-1a, 64 bit): stable across processes and replicas. */
-uint64_t px_hash64(const void *p, size_t n);
-
 #endif
