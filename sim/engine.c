@@ -18,6 +18,7 @@
 #include "hash.h"
 #include "http.h"
 #include "kvsim.h"
+#include "list.h"
 #include "log.h"
 #include "request.h"
 #include "util.h"
@@ -88,11 +89,7 @@ static uint64_t verify_blocks(sim_req *r) {
 static void req_free(sim_req *r) {
     sim_engine *e = r->e;
     release_req_blocks(r);
-    if (r->prev)
-        r->prev->next = r->next;
-    else
-        e->reqs = r->next;
-    if (r->next) r->next->prev = r->prev;
+    PX_LIST_UNLINK(e->reqs, r);
     if (r->timer) event_free(r->timer);
     cJSON_Delete(r->kvp);
     free(r->tok);
@@ -495,9 +492,7 @@ void sim_submit(sim_engine *e, px_conn *c, sim_ep ep, const char *xrid, sim_pars
     r->tok = pr.tok;
     r->ntok = pr.ntok;
     r->created = (long)time(NULL);
-    r->next = e->reqs;
-    if (e->reqs) e->reqs->prev = r;
-    e->reqs = r;
+    PX_LIST_PUSH(e->reqs, r);
     r->timer = evtimer_new(e->base, emit_tokens, r);
     r->max_tokens = pr.max_tokens;
     r->stream = pr.stream;
