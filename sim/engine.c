@@ -20,7 +20,7 @@
 #include "kvsim.h"
 #include "list.h"
 #include "log.h"
-#include "request.h"
+#include "sim_request.h"
 #include "util.h"
 
 static void pump_queue(sim_engine *e);
