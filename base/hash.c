@@ -1,6 +1,6 @@
 #include "hash.h"
 
-uint64_t px_hash64(const void *p, size_t n, uint64_t seed) {
+uint64_t px_hash64_seed(const void *p, size_t n, uint64_t seed) {
     const unsigned char *s = p;
     uint64_t h = 0xcbf29ce484222325ull ^ seed;
     for (size_t i = 0; i < n; i++) {

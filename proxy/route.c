@@ -170,7 +170,7 @@ static px_backend *backend_new(const char *url, const char *name, const char *co
     b->name = px_xstrdup(name);
     b->connect_to = connect_to ? px_xstrdup(connect_to) : NULL;
     b->src = px_xstrdup(src);
-    b->key_hash = px_hash64(name, strlen(name), 0);
+    b->key_hash = px_hash64(name, strlen(name));
     atomic_init(&b->refs, 1);
     atomic_init(&b->healthy, 1);
     return b;
@@ -390,7 +390,7 @@ static size_t choose(px_pool *p, const px_pick *k, const size_t *cand, size_t nc
         unsigned char *is_cand = px_xcalloc(p->n, 1);
         for (size_t j = 0; j < nc; j++)
             is_cand[cand[j]] = 1;
-        uint64_t h = mix64(px_hash64(k->key, k->key_len, 0)) & ~0xffffull;
+        uint64_t h = mix64(px_hash64(k->key, k->key_len)) & ~0xffffull;
         size_t lo = 0, hi = p->nring;
         while (lo < hi) {
             size_t mid = (lo + hi) / 2;

@@ -11,6 +11,8 @@
 #include <stdint.h>
 #include <sys/socket.h>
 
+#include "hash.h" /* px_hash64: routing keys and the ring */
+
 typedef enum {
     PX_POLICY_ROUND_ROBIN = 0,
     PX_POLICY_LEAST_INFLIGHT,

@@ -498,7 +498,7 @@ void sim_submit(sim_engine *e, px_conn *c, sim_ep ep, const char *xrid, sim_pars
     r->stream = pr.stream;
     r->include_usage = pr.include_usage;
     r->seed = pr.seed;
-    r->prompt_hash = px_hash64(r->tok, r->ntok * sizeof *r->tok, e->model_hash);
+    r->prompt_hash = px_hash64_seed(r->tok, r->ntok * sizeof *r->tok, e->model_hash);
     snprintf(r->internal_id, sizeof r->internal_id, "cmpl-%s-%08x", xrid,
              (unsigned)(px_rand64() & 0xffffffffu));
     snprintf(r->resp_id, sizeof r->resp_id, "%s-%s", ep == EP_CHAT ? "chatcmpl" : "cmpl", xrid);

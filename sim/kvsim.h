@@ -2,7 +2,7 @@
  * block contents that are a pure function of the prompt, and generated text.
  * Same inputs, same bytes, in any process: decode can verify what it
  * received from prefill, and disaggregated output equals local output.
- * Every function builds on base/'s px_hash64(). */
+ * Every function builds on base/'s px_hash64_seed(). */
 #ifndef SIM_KVSIM_H
 #define SIM_KVSIM_H
 
