@@ -25,55 +25,31 @@ if [ -z "$objs" ]; then
     exit 2
 fi
 
+tmp=$(mktemp)
+trap 'rm -f "$tmp"' EXIT
 for o in $objs; do
     f=$(basename "$o" .o)
     nm "$o" | awk -v f="$f" '
         NF == 3 && $2 ~ /^[TDBR]$/ { print "def", f, $3 }
         NF == 2 && $1 == "U" { print "use", f, $2 }'
-done | awk -v only_circles="$only_circles" '
-$1 == "def" { owner[$3] = $2; file[$2] = 1; next }
-$1 == "use" { file[$2] = 1; uses[++nu] = $2 SUBSEP $3 }
-function visit(v,    i, j, n, w, list, c, size, m) {
-    idx[v] = low[v] = counter++
-    stack[++sp] = v; onstack[v] = 1
-    n = split(out[v], list, " ")
-    for (i = 1; i <= n; i++) {
-        w = list[i]
-        if (!(w in idx)) { visit(w); if (low[w] < low[v]) low[v] = low[w] }
-        else if (onstack[w] && idx[w] < low[v]) low[v] = idx[w]
-    }
-    if (low[v] == idx[v]) {
-        size = 0
-        do { w = stack[sp--]; onstack[w] = 0; m[++size] = w } while (w != v)
-        if (size < 2) return
-        for (i = 2; i <= size; i++)
-            for (j = i; j > 1 && m[j - 1] > m[j]; j--) { w = m[j]; m[j] = m[j - 1]; m[j - 1] = w }
-        c = ""
-        for (i = 1; i <= size; i++) c = c " " m[i]
-        circles[++ncircles] = c
-        if (size > 2) wide++
-    }
-}
+done | awk '
+$1 == "def" { owner[$3] = $2; next }
+$1 == "use" { uses[++nu] = $2 SUBSEP $3 }
 END {
     for (u = 1; u <= nu; u++) {
         split(uses[u], p, SUBSEP)
-        a = p[1]; s = p[2]
-        if (!(s in owner) || owner[s] == a) continue
-        b = owner[s]
-        if (!((a, b) in adj)) { adj[a, b] = 1; out[a] = out[a] " " b }
+        if ((p[2] in owner) && owner[p[2]] != p[1]) print p[1], owner[p[2]]
     }
-    if (!only_circles) {
-        for (a in file) {
-            n = split(out[a], list, " ")
-            for (i = 1; i <= n; i++) print a " -> " list[i] | "sort"
-        }
-        close("sort")
-        print ""
-    }
-    counter = 0; sp = 0; ncircles = 0; wide = 0
-    for (v in file) if (!(v in idx)) visit(v)
-    print "# circles: " ncircles " (wider than two files: " wide ")"
-    for (i = 1; i <= ncircles; i++) print "circle:" circles[i] | "sort"
-    close("sort")
-    exit (wide > 0)
-}'
+}' | sort -u > "$tmp"
+
+if [ "$only_circles" = 0 ]; then
+    awk '{ print $1 " -> " $2 }' "$tmp"
+    echo
+fi
+
+circles=$(awk -f tools/cycles.awk "$tmp" | sed 's/^cycle:/circle:/')
+n=$(echo "$circles" | grep -c '^circle:' || true)
+wide=$(echo "$circles" | awk 'NF > 3' | grep -c . || true)
+echo "# circles: $n (wider than two files: $wide)"
+[ "$n" = 0 ] || echo "$circles"
+[ "$wide" = 0 ]

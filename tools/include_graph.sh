@@ -50,7 +50,8 @@ if [ "$only_cycles" = 0 ]; then
     echo "# modules: x -> y when x.c or x.h includes y.h"
 fi
 
-echo "$edges" | awk -v only_cycles="$only_cycles" '
+# The same folded to modules.
+modules=$(echo "$edges" | awk '
 function base(p) { sub(/\.[ch]$/, "", p); return p }
 # x_int.h, private to x.c and its neighbours, belongs to module x.
 function module(p,    m) {
@@ -62,45 +63,20 @@ NF == 2 {
     from[++ne] = $1; to[ne] = $2
     if ($1 ~ /\.c$/) hasc[base($1)] = 1
 }
-# Tarjan: strongly connected components of the module graph.
-function visit(v,    i, j, n, w, list, c, size, m) {
-    idx[v] = low[v] = counter++
-    stack[++sp] = v; onstack[v] = 1
-    n = split(out[v], list, " ")
-    for (i = 1; i <= n; i++) {
-        w = list[i]
-        if (!(w in idx)) { visit(w); if (low[w] < low[v]) low[v] = low[w] }
-        else if (onstack[w] && idx[w] < low[v]) low[v] = idx[w]
-    }
-    if (low[v] == idx[v]) {
-        size = 0
-        do { w = stack[sp--]; onstack[w] = 0; m[++size] = w } while (w != v)
-        if (size < 2) return
-        for (i = 2; i <= size; i++)   # members in name order, for stable output
-            for (j = i; j > 1 && m[j - 1] > m[j]; j--) { w = m[j]; m[j] = m[j - 1]; m[j - 1] = w }
-        c = ""
-        for (i = 1; i <= size; i++) c = c " " m[i]
-        cycles[++ncycles] = c
-    }
-}
 END {
     for (e = 1; e <= ne; e++) {
         a = module(from[e]); b = module(to[e])
-        node[a] = 1; node[b] = 1
-        if (a != b && !((a, b) in adj)) { adj[a, b] = 1; out[a] = out[a] " " b }
+        if (a != b) print a, b
     }
-    if (!only_cycles) {
-        for (a in node) {
-            n = split(out[a], list, " ")
-            for (i = 1; i <= n; i++) print a " -> " list[i] | "sort"
-        }
-        close("sort")
-        print ""
-    }
-    counter = 0; sp = 0; ncycles = 0
-    for (v in node) if (!(v in idx)) visit(v)
-    print "# cycles: " ncycles
-    for (i = 1; i <= ncycles; i++) print "cycle:" cycles[i] | "sort"
-    close("sort")
-    exit (ncycles > 0)
-}'
+}' | sort -u)
+
+if [ "$only_cycles" = 0 ]; then
+    echo "$modules" | awk 'NF == 2 { print $1 " -> " $2 }'
+    echo
+fi
+
+cycles=$(echo "$modules" | awk -f tools/cycles.awk)
+n=$(echo "$cycles" | grep -c '^cycle:' || true)
+echo "# cycles: $n"
+[ "$n" = 0 ] || echo "$cycles"
+[ "$n" = 0 ]
