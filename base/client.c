@@ -12,6 +12,8 @@
 #include <sys/uio.h>
 #include <unistd.h>
 
+#include "list.h"
+
 #define MAX_RESP_HEAD (64 * 1024)
 
 typedef enum { BM_NONE, BM_LENGTH, BM_CHUNKED, BM_CLOSE } body_mode;
@@ -106,32 +108,16 @@ static struct timeval tv_of(double s) {
     return tv;
 }
 
-/* ---------- connection lists ---------- */
-
-static void list_unlink(cconn **head, cconn *c) {
-    if (c->prev)
-        c->prev->next = c->next;
-    else
-        *head = c->next;
-    if (c->next) c->next->prev = c->prev;
-    c->prev = c->next = NULL;
-}
-
-static void list_push(cconn **head, cconn *c) {
-    c->prev = NULL;
-    c->next = *head;
-    if (*head) (*head)->prev = c;
-    *head = c;
-}
+/* ---------- connection lifetime ---------- */
 
 static void conn_free(cconn *c) {
     if (c->freed) *c->freed = 1;
     if (c->idle) {
-        list_unlink(&c->h->idle, c);
+        PX_LIST_UNLINK(c->h->idle, c);
         c->h->nidle--;
         c->cl->nidle--;
     } else {
-        list_unlink(&c->cl->busy, c);
+        PX_LIST_UNLINK(c->cl->busy, c);
     }
     event_free(c->rev);
     event_free(c->wev);
@@ -182,7 +168,7 @@ static void on_idle_timer(evutil_socket_t fd, short what, void *arg) {
 
 static void to_idle(cconn *c) {
     px_client *cl = c->cl;
-    list_unlink(&cl->busy, c);
+    PX_LIST_UNLINK(cl->busy, c);
     c->idle = 1;
     c->reused = 1;
     c->idle_since_ns = px_now_ns();
@@ -192,7 +178,7 @@ static void to_idle(cconn *c) {
     set_reading(c, 1);
     struct timeval tv = tv_of(cl->idle_close_s);
     evtimer_add(c->timer, &tv);
-    list_push(&c->h->idle, c);
+    PX_LIST_PUSH(c->h->idle, c);
     c->h->nidle++;
     cl->nidle++;
     if (c->h->nidle > cl->max_idle) {
@@ -276,7 +262,7 @@ static int connect_new(px_creq *q) {
         free(c);
         return -1;
     }
-    list_push(&cl->busy, c);
+    PX_LIST_PUSH(cl->busy, c);
     q->connected = 0;
     struct timeval tv = tv_of(q->o.connect_timeout > 0 ? q->o.connect_timeout : 5.0);
     evtimer_add(q->timer, &tv);
@@ -758,12 +744,12 @@ px_creq *px_creq_start(px_client *cl, const struct sockaddr *sa, socklen_t salen
         conn_free(h->idle);
     if (h->idle) {
         cconn *c = h->idle;
-        list_unlink(&h->idle, c);
+        PX_LIST_UNLINK(h->idle, c);
         h->nidle--;
         cl->nidle--;
         c->idle = 0;
         evtimer_del(c->timer);
-        list_push(&cl->busy, c);
+        PX_LIST_PUSH(cl->busy, c);
         q->connected = 1;
         arm_total(q);
         attach(q, c);

@@ -12,6 +12,7 @@
 #include <sys/socket.h>
 #include <sys/uio.h>
 
+#include "list.h"
 #include "log.h"
 
 /* CS_LINGER: a refusal was queued while the client may still be sending;
@@ -113,11 +114,7 @@ static void account_output(px_conn *c) {
 /* ---------- connection lifetime ---------- */
 
 static void conn_unlink(px_conn *c) {
-    if (c->prev)
-        c->prev->next = c->next;
-    else
-        c->list->head = c->next;
-    if (c->next) c->next->prev = c->prev;
+    PX_LIST_UNLINK(c->list->head, c);
     c->list->n--;
 }
 
@@ -840,9 +837,7 @@ px_conn *px_conn_accept(struct event_base *base, evutil_socket_t fd, const px_co
         free(c);
         return NULL;
     }
-    c->next = list->head;
-    if (list->head) list->head->prev = c;
-    list->head = c;
+    PX_LIST_PUSH(list->head, c);
     list->n++;
     px_buf_init(&c->body);
     c->state = CS_HEAD;

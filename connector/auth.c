@@ -1,6 +1,7 @@
 /* Cluster authentication of the side channel: the shared secret, nonces and
  * tokens (OpenSSL RAND_bytes), the two handshake MACs (HMAC-SHA-256) and
- * their constant-time comparison.  peer.c runs the exchange. */
+ * their constant-time comparison.  listen.c (producer) and peer.c
+ * (consumer) run the exchange. */
 #include "kvc_int.h"
 
 #include <errno.h>

@@ -8,11 +8,14 @@
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <sys/socket.h>
 #include <ucp/api/ucp.h>
 
 #define KVC_HIDDEN __attribute__((visibility("hidden")))
 
 /* ------------------------------------------------------------ wire.c -- */
+KVC_HIDDEN char *kvc_strdup(const char *s);
+KVC_HIDDEN char *kvc_strndup(const char *s, size_t n);
 
 /* Side-channel messages: 12-byte header (magic, version, type, body length),
  * then a body.  Integers little-endian.  See wire.c for the body layouts.
@@ -402,7 +405,7 @@ struct kvc_agent {
     bool destroying;
 };
 
-/* ------------------------------------------------------ context.c -- */
+/* --------------------------------------------------------- loop.c -- */
 KVC_HIDDEN void kvc_log(kvc_agent_t *a, kvc_log_level_t lvl, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
 #define KVC_LOG(a, lvl, ...)                                                                       \
@@ -411,8 +414,6 @@ KVC_HIDDEN void kvc_log(kvc_agent_t *a, kvc_log_level_t lvl, const char *fmt, ..
     } while (0)
 KVC_HIDDEN uint64_t kvc_now_ns(void);
 KVC_HIDDEN void kvc_wake(kvc_agent_t *a);
-KVC_HIDDEN char *kvc_strdup(const char *s);
-KVC_HIDDEN char *kvc_strndup(const char *s, size_t n);
 /* Queues an event; copies strings and blocks.  Drops it silently when out of
  * memory or when the agent is being destroyed (logged). */
 KVC_HIDDEN void kvc_event_push(kvc_agent_t *a, kvc_event_type_t type, kvc_status_t st,
@@ -421,6 +422,20 @@ KVC_HIDDEN void kvc_event_push(kvc_agent_t *a, kvc_event_type_t type, kvc_status
 KVC_HIDDEN kvc_status_t kvc_ep_add(kvc_agent_t *a, int fd, uint32_t events, kvc_pollent_t *pe);
 KVC_HIDDEN kvc_status_t kvc_ep_mod(kvc_agent_t *a, int fd, uint32_t events, kvc_pollent_t *pe);
 KVC_HIDDEN void kvc_ep_del(kvc_agent_t *a, int fd);
+/* Log callback and level from the params (KVC_AGENT_FIELD_LOG*) or the
+ * defaults: stderr, KVC_LOG_LEVEL. */
+KVC_HIDDEN void kvc_log_init(kvc_agent_t *a, const kvc_agent_params_t *p);
+/* Frees the event last handed out by kvc_agent_next_event(). */
+KVC_HIDDEN void kvc_event_release(kvc_agent_t *a);
+/* The epoll set with the UCX, timer and wake fds in it (a->ucx_efd first).
+ * KVC_ERR_IO; kvc_loop_close() cleans up either way. */
+KVC_HIDDEN kvc_status_t kvc_loop_open(kvc_agent_t *a);
+/* Closes the loop's fds and frees every queued event. */
+KVC_HIDDEN void kvc_loop_close(kvc_agent_t *a);
+/* Arms the timerfd for monotonic time `next` (ns); UINT64_MAX disarms. */
+KVC_HIDDEN void kvc_timer_arm(kvc_agent_t *a, uint64_t next);
+KVC_HIDDEN void kvc_timer_drain(kvc_agent_t *a);
+KVC_HIDDEN void kvc_wake_drain(kvc_agent_t *a);
 
 /* ---------------------------------------------------------- mem.c -- */
 KVC_HIDDEN void kvc_mem_cleanup(kvc_agent_t *a);
@@ -428,10 +443,19 @@ KVC_HIDDEN kvc_status_t kvc_mem_build_handshake(kvc_agent_t *a);
 /* The largest block_len of the staged regions (plans are made for it). */
 KVC_HIDDEN size_t kvc_staged_block_len(const kvc_agent_t *a);
 
-/* --------------------------------------------------------- peer.c -- */
+/* ------------------------------------------------------- listen.c -- */
 KVC_HIDDEN kvc_status_t kvc_listen_open(kvc_agent_t *a);
 KVC_HIDDEN void kvc_listen_accept(kvc_agent_t *a);
 KVC_HIDDEN void kvc_sconn_io(kvc_agent_t *a, kvc_sconn_t *c, uint32_t events);
+KVC_HIDDEN void kvc_sconns_timers(kvc_agent_t *a, uint64_t now, uint64_t *next);
+KVC_HIDDEN void kvc_sconns_destroy(kvc_agent_t *a);
+KVC_HIDDEN void kvc_sconns_reap(kvc_agent_t *a);
+/* getaddrinfo() for a TCP address; passive: for bind().  KVC_ERR_INVALID_PARAM
+ * when it does not resolve. */
+KVC_HIDDEN kvc_status_t kvc_resolve(const char *host, uint16_t port, struct sockaddr_storage *ss,
+                                    socklen_t *sl, bool passive);
+
+/* --------------------------------------------------------- peer.c -- */
 KVC_HIDDEN void kvc_peer_io(kvc_agent_t *a, kvc_peer_t *p, uint32_t events);
 /* Finds or starts a handshake with host:port.  KVC_ERR_NO_MEMORY only. */
 KVC_HIDDEN kvc_status_t kvc_peer_get(kvc_agent_t *a, const char *host, uint16_t port,
@@ -446,9 +470,6 @@ KVC_HIDDEN void kvc_peers_reap(kvc_agent_t *a);
  * UCX requests still in flight (no late writes into local blocks). */
 KVC_HIDDEN void kvc_peer_abort(kvc_agent_t *a, kvc_peer_t *p, kvc_status_t st, const char *msg);
 KVC_HIDDEN void kvc_peers_destroy(kvc_agent_t *a);
-KVC_HIDDEN void kvc_sconns_timers(kvc_agent_t *a, uint64_t now, uint64_t *next);
-KVC_HIDDEN void kvc_sconns_destroy(kvc_agent_t *a);
-KVC_HIDDEN void kvc_sconns_reap(kvc_agent_t *a);
 
 /* peer internals used by xfer.c */
 struct kvc_peer_region {

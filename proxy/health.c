@@ -3,6 +3,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "list.h"
 #include "log.h"
 #include "route.h"
 #include "server.h"
@@ -37,11 +38,7 @@ struct px_health {
 
 static void check_free(check *c) {
     px_health *h = c->h;
-    if (c->prev)
-        c->prev->next = c->next;
-    else
-        h->live = c->next;
-    if (c->next) c->next->prev = c->prev;
+    PX_LIST_UNLINK(h->live, c);
     if (c->kind == K_HEALTH)
         c->b->check_busy = 0;
     else
@@ -122,9 +119,7 @@ static void start_check(px_health *h, px_gen *g, px_pool *pool, px_backend *b, c
         b->check_busy = 1;
     else
         b->scrape_busy = 1;
-    c->next = h->live;
-    if (h->live) h->live->prev = c;
-    h->live = c;
+    PX_LIST_PUSH(h->live, c);
     c->up = px_upstream_start(h->loop, b, "GET", c->url.data, NULL, 0, &h->s->health_hdrs, &o,
                               &check_cbs, c);
     if (!c->up) check_free(c);

@@ -7,6 +7,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "hash.h"
 #include "log.h"
 #include "util.h"
 
@@ -29,16 +30,6 @@ const char *px_policy_name(px_policy p) {
 
 const char *px_outcome_name(px_outcome o) {
     return outcome_names[o];
-}
-
-uint64_t px_hash64(const void *p, size_t n) {
-    const unsigned char *s = p;
-    uint64_t h = 0xcbf29ce484222325ull;
-    for (size_t i = 0; i < n; i++) {
-        h ^= s[i];
-        h *= 0x100000001b3ull;
-    }
-    return h;
 }
 
 static uint64_t mix64(uint64_t x) {

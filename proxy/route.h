@@ -11,6 +11,8 @@
 #include <stdint.h>
 #include <sys/socket.h>
 
+#include "hash.h" /* px_hash64: routing keys and the ring */
+
 typedef enum {
     PX_POLICY_ROUND_ROBIN = 0,
     PX_POLICY_LEAST_INFLIGHT,
@@ -157,9 +159,6 @@ size_t px_pool_usable(px_pool *p);
 /* Splits "http[s]://host[:port][/]" (host may be a bracketed IPv6 literal).
  * Returns 0, or -1 when malformed. */
 int px_url_split(const char *url, char *host, size_t hostcap, int *port, int *https);
-
-/* Hashes bytes (FNV-1a, 64 bit): stable across processes and replicas. */
-uint64_t px_hash64(const void *p, size_t n);
 
 /* ---------- the prefix index of conditional disaggregation ----------
  *

@@ -15,10 +15,12 @@
 #include <unistd.h>
 
 #include "conn.h"
+#include "hash.h"
 #include "http.h"
 #include "kvsim.h"
+#include "list.h"
 #include "log.h"
-#include "request.h"
+#include "sim_request.h"
 #include "util.h"
 
 static void pump_queue(sim_engine *e);
@@ -147,11 +149,7 @@ static uint64_t verify_blocks(sim_req *r) {
 static void req_free(sim_req *r) {
     sim_engine *e = r->e;
     release_req_blocks(r);
-    if (r->prev)
-        r->prev->next = r->next;
-    else
-        e->reqs = r->next;
-    if (r->next) r->next->prev = r->prev;
+    PX_LIST_UNLINK(e->reqs, r);
     if (r->timer) event_free(r->timer);
     cJSON_Delete(r->kvp);
     free(r->tok);
@@ -571,15 +569,13 @@ void sim_submit(sim_engine *e, px_conn *c, sim_ep ep, const char *xrid, sim_pars
     r->tok = pr.tok;
     r->ntok = pr.ntok;
     r->created = (long)time(NULL);
-    r->next = e->reqs;
-    if (e->reqs) e->reqs->prev = r;
-    e->reqs = r;
+    PX_LIST_PUSH(e->reqs, r);
     r->timer = evtimer_new(e->base, emit_tokens, r);
     r->max_tokens = pr.max_tokens;
     r->stream = pr.stream;
     r->include_usage = pr.include_usage;
     r->seed = pr.seed;
-    r->prompt_hash = kvsim_hash(r->tok, r->ntok * sizeof *r->tok, e->model_hash);
+    r->prompt_hash = px_hash64_seed(r->tok, r->ntok * sizeof *r->tok, e->model_hash);
     snprintf(r->internal_id, sizeof r->internal_id, "cmpl-%s-%08x", xrid,
              (unsigned)(px_rand64() & 0xffffffffu));
     snprintf(r->resp_id, sizeof r->resp_id, "%s-%s", ep == EP_CHAT ? "chatcmpl" : "cmpl", xrid);

@@ -12,7 +12,7 @@
 
 #include "conn.h"
 #include "engine.h"
-#include "request.h"
+#include "sim_request.h"
 #include "util.h"
 
 typedef enum { EP_COMPLETIONS, EP_CHAT } sim_ep;

@@ -11,6 +11,7 @@
 #include <time.h>
 
 #include "engine_int.h"
+#include "hash.h"
 #include "http.h"
 #include "kvsim.h"
 #include "log.h"
@@ -167,7 +168,7 @@ int sim_engine_run(const sim_config *cfg) {
     sim_engine *e = px_xcalloc(1, sizeof *e);
     int rc = 1;
     e->cfg = cfg;
-    e->model_hash = kvsim_hash(cfg->model, strlen(cfg->model), 0x5eed);
+    e->model_hash = px_hash64_seed(cfg->model, strlen(cfg->model), 0x5eed);
     {
         px_buf b;
         px_buf_init(&b);

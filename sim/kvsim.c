@@ -1,18 +1,10 @@
 #include "kvsim.h"
 
+#include "hash.h"
+
 #include <ctype.h>
 #include <stdlib.h>
 #include <string.h>
-
-uint64_t kvsim_hash(const void *p, size_t n, uint64_t seed) {
-    const unsigned char *s = p;
-    uint64_t h = 0xcbf29ce484222325ull ^ seed;
-    for (size_t i = 0; i < n; i++) {
-        h ^= s[i];
-        h *= 0x100000001b3ull;
-    }
-    return h;
-}
 
 static uint64_t mix(uint64_t x) {
     x ^= x >> 30;
@@ -46,7 +38,7 @@ size_t kvsim_tokenize(const char *text, size_t len, uint32_t **ids, size_t n) {
             v = realloc(v, cap * sizeof *v);
             if (!v) abort();
         }
-        v[n++] = (uint32_t)(kvsim_hash(text + s, i - s, 0) % 32000) + 1;
+        v[n++] = (uint32_t)(px_hash64_seed(text + s, i - s, 0) % 32000) + 1;
     }
     *ids = v;
     return n;
@@ -56,7 +48,7 @@ uint64_t kvsim_prefix_hash(uint64_t model_hash, const uint32_t *ids, size_t ntok
                            size_t block_tokens, size_t b) {
     size_t end = (b + 1) * block_tokens;
     if (end > ntok) end = ntok;
-    return kvsim_hash(ids, end * sizeof *ids, model_hash);
+    return px_hash64_seed(ids, end * sizeof *ids, model_hash);
 }
 
 void kvsim_fill_block(uint64_t prefix_hash, uint32_t layer, uint32_t kv, void *out, size_t len) {

@@ -1,7 +1,8 @@
 /* engine-sim's stand-ins for a model: a deterministic tokenizer, KV-cache
  * block contents that are a pure function of the prompt, and generated text.
  * Same inputs, same bytes, in any process: decode can verify what it
- * received from prefill, and disaggregated output equals local output. */
+ * received from prefill, and disaggregated output equals local output.
+ * Every function builds on base/'s px_hash64_seed(). */
 #ifndef SIM_KVSIM_H
 #define SIM_KVSIM_H
 
@@ -12,9 +13,6 @@
  * non-space characters) and appends their ids to *ids (realloc'd).
  * Returns the new count. */
 size_t kvsim_tokenize(const char *text, size_t len, uint32_t **ids, size_t n);
-
-/* 64-bit FNV-1a over bytes, the hash every other function builds on. */
-uint64_t kvsim_hash(const void *p, size_t n, uint64_t seed);
 
 /* Hash of the prefix of `ids` that ends with block `b` (block_tokens per
  * block; the last block may be partial). */

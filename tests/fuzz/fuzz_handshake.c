@@ -1,6 +1,6 @@
 /* libFuzzer target: the side-channel messages libkvconnector parses from the
  * network — header, HELLO and CHALLENGE, AUTH, ERROR, HANDSHAKE — exactly as
- * peer.c feeds them, and the check of the handshake's MAC.  The input is
+ * listen.c and peer.c feed them, and the check of the handshake's MAC.  The input is
  * copied into an exact-size heap buffer so any overread trips ASan.  Seeds:
  * messages captured from real handshakes (tests/integration/kvc_hostile.c,
  * KVC_CAPTURE_DIR). */

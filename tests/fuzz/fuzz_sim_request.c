@@ -1,4 +1,4 @@
-/* libFuzzer target: engine-sim's request parsing (sim/request.c, cJSON),
+/* libFuzzer target: engine-sim's request parsing (sim/sim_request.c, cJSON),
  * alone and behind the proxy's rewrites.
  *
  * Input: first byte: bit 0 picks /v1/chat/completions over /v1/completions;
@@ -14,8 +14,8 @@
 
 #include "fuzz_common.h"
 #include "json.h"
-#include "request.h"
 #include "rewrite.h"
+#include "sim_request.h"
 
 #define MODEL "fuzz-model"
 

@@ -1,4 +1,4 @@
-/* What the connector's parsers and auth.c need from context.c, for fuzz
+/* What the connector's parsers and auth.c need from loop.c, for fuzz
  * targets that link only the pure sources. */
 #include <time.h>
 

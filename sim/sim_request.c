@@ -1,4 +1,4 @@
-#include "request.h"
+#include "sim_request.h"
 
 #include <stdio.h>
 #include <stdlib.h>

@@ -1,0 +1,425 @@
+/* The producer side of the side channel: a TCP listener that authenticates
+ * each consumer (HELLO, CHALLENGE, AUTH: HMAC-SHA-256 over both nonces with
+ * the cluster secret) and only then answers with this agent's handshake
+ * (worker address, region table, rkeys when the consumer will read
+ * one-sided), itself MACed.  The consumer side is peer.c.
+ *
+ * The producer never connects back to an address a consumer claims: it
+ * answers pulls on the endpoint the consumer opened (UCX reply endpoint).
+ * A malformed, oversized or slow side-channel client is closed on its own;
+ * handshakes in progress are bounded per source address and in all, and the
+ * oldest client that has not even sent a HELLO gives way to a new one. */
+#include "kvc_int.h"
+
+#include <arpa/inet.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/epoll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#define SCONN_IN_CAP (KVC_WIRE_HDR_LEN + KVC_WIRE_MAX_HELLO)
+
+/* Producer side of one side-channel connection. */
+typedef enum { SC_HELLO, SC_AUTH, SC_CLOSING } kvc_sc_state_t;
+
+struct kvc_sconn {
+    kvc_sconn_t *next;
+    kvc_pollent_t pe;
+    int fd;
+    kvc_sc_state_t state;
+    uint8_t *in; /* owned, SCONN_IN_CAP bytes */
+    size_t in_len;
+    kvc_buf_t out;
+    size_t out_off;
+    uint64_t deadline_ns, accepted_ns;
+    char addr[64]; /* the client's address, for limits and logs */
+    uint8_t nonce_c[KVC_NONCE_LEN], nonce_p[KVC_NONCE_LEN];
+    char *cons_id; /* owned: the consumer's engine id from its HELLO */
+    bool dead;     /* closed; freed by kvc_sconns_reap (events may still name it) */
+};
+
+kvc_status_t kvc_resolve(const char *host, uint16_t port, struct sockaddr_storage *ss,
+                         socklen_t *sl, bool passive) {
+    struct addrinfo hints, *res = NULL;
+    memset(&hints, 0, sizeof(hints));
+    hints.ai_family = AF_UNSPEC;
+    hints.ai_socktype = SOCK_STREAM;
+    hints.ai_flags = passive ? AI_PASSIVE : 0;
+    char ps[8];
+    snprintf(ps, sizeof(ps), "%u", port);
+    if (getaddrinfo(host, ps, &hints, &res) || !res) return KVC_ERR_INVALID_PARAM;
+    memcpy(ss, res->ai_addr, res->ai_addrlen);
+    *sl = res->ai_addrlen;
+    freeaddrinfo(res);
+    return KVC_OK;
+}
+
+/* ------------------------------------------------------------- listener -- */
+
+kvc_status_t kvc_listen_open(kvc_agent_t *a) {
+    struct sockaddr_storage ss;
+    socklen_t sl;
+    if (kvc_resolve(a->listen_host, a->port, &ss, &sl, true) != KVC_OK) {
+        KVC_LOG(a, KVC_LOG_ERROR, "side channel: cannot resolve listen host %s", a->listen_host);
+        return KVC_ERR_INVALID_PARAM;
+    }
+    int fd = socket(ss.ss_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+    if (fd < 0) goto err_log;
+    int one = 1;
+    setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+    if (bind(fd, (struct sockaddr *)&ss, sl) || listen(fd, 128)) goto err_close;
+    sl = sizeof(ss);
+    if (getsockname(fd, (struct sockaddr *)&ss, &sl)) goto err_close;
+    a->port = ntohs(ss.ss_family == AF_INET6 ? ((struct sockaddr_in6 *)&ss)->sin6_port
+                                             : ((struct sockaddr_in *)&ss)->sin_port);
+    a->listen_fd = fd;
+    a->pe_listen = (kvc_pollent_t){PE_LISTEN, a};
+    if (kvc_ep_add(a, fd, EPOLLIN, &a->pe_listen) != KVC_OK) goto err_unset;
+    return KVC_OK;
+
+err_unset:
+    a->listen_fd = -1;
+err_close:
+    close(fd);
+err_log:
+    KVC_LOG(a, KVC_LOG_ERROR, "side channel: listen on %s:%u: %s", a->listen_host, a->port,
+            strerror(errno));
+    return KVC_ERR_IO;
+}
+
+/* Closes c at once; its memory goes at the end of this progress call, since
+ * the epoll batch being handled may still hold events for it (a connection
+ * evicted by another's accept). */
+static void sconn_close(kvc_agent_t *a, kvc_sconn_t *c) {
+    kvc_sconn_t **pp = &a->sconns;
+    while (*pp && *pp != c)
+        pp = &(*pp)->next;
+    if (*pp) *pp = c->next;
+    kvc_ep_del(a, c->fd);
+    close(c->fd);
+    c->fd = -1;
+    free(c->in);
+    c->in = NULL;
+    free(c->cons_id);
+    c->cons_id = NULL;
+    kvc_buf_cleanup(&c->out);
+    c->dead = true;
+    c->next = a->sconns_dead;
+    a->sconns_dead = c;
+}
+
+void kvc_sconns_reap(kvc_agent_t *a) {
+    while (a->sconns_dead) {
+        kvc_sconn_t *c = a->sconns_dead;
+        a->sconns_dead = c->next;
+        free(c);
+    }
+}
+
+/* Closes a misbehaving client: counted, logged (rate-limited). */
+static void sconn_drop(kvc_agent_t *a, kvc_sconn_t *c, const char *why) {
+    a->stats[KVC_STAT_PEER_ERRORS]++;
+    if (kvc_log_ratelimit(a, KVC_RL_PEER))
+        KVC_LOG(a, KVC_LOG_WARN, "side channel: %s from %s, closing", why, c->addr);
+    sconn_close(a, c);
+}
+
+static void addr_text(const struct sockaddr_storage *ss, char *out, size_t n) {
+    const void *ip = ss->ss_family == AF_INET6
+                         ? (const void *)&((const struct sockaddr_in6 *)ss)->sin6_addr
+                         : (const void *)&((const struct sockaddr_in *)ss)->sin_addr;
+    if (!inet_ntop(ss->ss_family, ip, out, (socklen_t)n)) snprintf(out, n, "?");
+}
+
+/* Makes room for one more handshake from `addr`: true if there is room, or
+ * if the oldest client that has not completed a HELLO (of that address when the
+ * per-address limit is what is hit) was closed for it. */
+static bool sconn_make_room(kvc_agent_t *a, const char *addr) {
+    size_t total = 0, same = 0;
+    uint32_t per = a->max_handshakes / 4 < 4 ? 4 : a->max_handshakes / 4;
+    for (kvc_sconn_t *o = a->sconns; o; o = o->next) {
+        total++;
+        same += !strcmp(o->addr, addr);
+    }
+    bool by_addr = same >= per;
+    if (total < a->max_handshakes && !by_addr) return true;
+    kvc_sconn_t *victim = NULL;
+    for (kvc_sconn_t *o = a->sconns; o; o = o->next)
+        if (o->state == SC_HELLO && (!by_addr || !strcmp(o->addr, addr)) &&
+            (!victim || o->accepted_ns < victim->accepted_ns))
+            victim = o;
+    if (!victim) return false;
+    sconn_drop(a, victim, "idle handshake evicted for a new one");
+    return true;
+}
+
+void kvc_listen_accept(kvc_agent_t *a) {
+    for (int i = 0; i < 64; i++) {
+        struct sockaddr_storage ss;
+        socklen_t sl = sizeof(ss);
+        int fd = accept4(a->listen_fd, (struct sockaddr *)&ss, &sl, SOCK_NONBLOCK | SOCK_CLOEXEC);
+        if (fd < 0) {
+            if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)
+                KVC_LOG(a, KVC_LOG_WARN, "side channel: accept: %s", strerror(errno));
+            return;
+        }
+        char addr[64];
+        addr_text(&ss, addr, sizeof(addr));
+        if (!sconn_make_room(a, addr)) {
+            close(fd);
+            a->stats[KVC_STAT_PEER_ERRORS]++;
+            if (kvc_log_ratelimit(a, KVC_RL_PEER))
+                KVC_LOG(a, KVC_LOG_WARN,
+                        "side channel: too many handshakes in progress, "
+                        "refusing %s",
+                        addr);
+            continue;
+        }
+        kvc_sconn_t *c = calloc(1, sizeof(*c));
+        if (!c || !(c->in = malloc(SCONN_IN_CAP))) {
+            free(c);
+            close(fd);
+            KVC_LOG(a, KVC_LOG_ERROR, "side channel: out of memory, connection dropped");
+            continue;
+        }
+        c->fd = fd;
+        c->pe = (kvc_pollent_t){PE_SCONN, c};
+        c->state = SC_HELLO;
+        memcpy(c->addr, addr, sizeof(addr));
+        c->accepted_ns = kvc_now_ns();
+        c->deadline_ns = c->accepted_ns + (uint64_t)a->connect_timeout_ms * 1000000ull;
+        if (kvc_ep_add(a, fd, EPOLLIN | EPOLLRDHUP, &c->pe) != KVC_OK) {
+            free(c->in);
+            free(c);
+            close(fd);
+            continue;
+        }
+        c->next = a->sconns;
+        a->sconns = c;
+    }
+}
+
+/* Sends what is queued.  Closes the connection when it is done with
+ * (SC_CLOSING, all written) or broken; false if c was freed. */
+static bool sconn_flush(kvc_agent_t *a, kvc_sconn_t *c) {
+    while (c->out_off < c->out.len) {
+        ssize_t n = send(c->fd, c->out.p + c->out_off, c->out.len - c->out_off, MSG_NOSIGNAL);
+        if (n > 0) {
+            c->out_off += (size_t)n;
+            continue;
+        }
+        if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) {
+            /* A closing connection is not read any more: input from it must
+             * not keep the level-triggered fd readable. */
+            uint32_t in = c->state == SC_CLOSING ? 0 : EPOLLIN | EPOLLRDHUP;
+            kvc_ep_mod(a, c->fd, in | EPOLLOUT, &c->pe);
+            return true;
+        }
+        sconn_close(a, c); /* the consumer went away */
+        return false;
+    }
+    kvc_buf_cleanup(&c->out);
+    c->out_off = 0;
+    if (c->state == SC_CLOSING) {
+        sconn_close(a, c);
+        return false;
+    }
+    kvc_ep_mod(a, c->fd, EPOLLIN | EPOLLRDHUP, &c->pe);
+    return true;
+}
+
+/* Queues an ERROR for the consumer and closes after it. */
+static void sconn_refuse(kvc_agent_t *a, kvc_sconn_t *c, kvc_status_t st, const char *msg) {
+    kvc_buf_cleanup(&c->out);
+    c->out_off = 0;
+    kvc_wire_encode_error(&c->out, a->wire_version, st, msg);
+    c->state = SC_CLOSING;
+}
+
+static void on_hello(kvc_agent_t *a, kvc_sconn_t *c, const uint8_t *body, size_t len) {
+    kvc_wire_hello_t h;
+    if (kvc_wire_parse_hello(body, len, &h) != KVC_OK) {
+        sconn_drop(a, c, "malformed hello");
+        return;
+    }
+    bool has = (h.flags & KVC_HFLAG_SECRET) != 0;
+    if (has != (a->secret != NULL)) {
+        a->stats[KVC_STAT_AUTH_FAILED]++;
+        if (kvc_log_ratelimit(a, KVC_RL_AUTH))
+            KVC_LOG(a, KVC_LOG_WARN,
+                    "side channel: authentication failed for engine %.*s from %s: %s",
+                    (int)h.engine_id.len, (const char *)h.engine_id.p, c->addr,
+                    has ? "it has a cluster secret, this producer has none"
+                        : "it has no cluster secret, this producer requires one");
+        sconn_refuse(a, c, KVC_ERR_AUTH,
+                     has ? "authentication failed: the producer has no cluster secret"
+                         : "authentication failed: the producer requires a cluster secret");
+        return;
+    }
+    memcpy(c->nonce_c, h.nonce, KVC_NONCE_LEN);
+    if (!(c->cons_id = kvc_strndup((const char *)h.engine_id.p, h.engine_id.len)) ||
+        kvc_random(c->nonce_p, KVC_NONCE_LEN) != KVC_OK) {
+        sconn_close(a, c);
+        return;
+    }
+    KVC_LOG(a, KVC_LOG_DEBUG, "side channel: hello from engine %s at %s", c->cons_id, c->addr);
+    kvc_wire_encode_hello(&c->out, a->wire_version, KVC_MSG_CHALLENGE, a->engine_id,
+                          a->secret ? KVC_HFLAG_SECRET : 0, c->nonce_p);
+    c->state = SC_AUTH;
+}
+
+static void on_auth(kvc_agent_t *a, kvc_sconn_t *c, const uint8_t *body, size_t len) {
+    uint8_t proto;
+    const uint8_t *mac;
+    if (kvc_wire_parse_auth(body, len, &proto, &mac) != KVC_OK) {
+        sconn_drop(a, c, "malformed auth");
+        return;
+    }
+    uint8_t want[KVC_MAC_LEN];
+    kvc_span_t cid = {(const uint8_t *)c->cons_id, strlen(c->cons_id)};
+    kvc_span_t pid = {(const uint8_t *)a->engine_id, strlen(a->engine_id)};
+    kvc_mac_consumer(a, c->nonce_c, c->nonce_p, proto, cid, pid, want);
+    if (!kvc_mac_equal(want, mac, KVC_MAC_LEN)) {
+        a->stats[KVC_STAT_AUTH_FAILED]++;
+        if (kvc_log_ratelimit(a, KVC_RL_AUTH))
+            KVC_LOG(a, KVC_LOG_WARN,
+                    "side channel: authentication failed for engine %s from %s: wrong MAC "
+                    "(different cluster secret)",
+                    c->cons_id, c->addr);
+        sconn_refuse(a, c, KVC_ERR_AUTH, "authentication failed: different cluster secret");
+        return;
+    }
+    /* rkeys only for a consumer that may read one-sided: it asked for GET,
+     * or AUTO with every region a pool (mappable on one host) or device
+     * memory registered directly (cuda_ipc, RDMA: path.c decides). */
+    bool pools = a->n_regions > 0;
+    for (size_t i = 0; i < a->n_regions; i++)
+        pools &= a->regions[i].pool ||
+                 (a->regions[i].mem_type == KVC_MEM_CUDA && !a->regions[i].staged && a->rma);
+    bool rkeys = proto == KVC_PROTO_GET || (proto == KVC_PROTO_AUTO && pools);
+    const kvc_buf_t *hs = rkeys ? &a->hs_msg : &a->hs_msg_nokeys;
+    size_t start = c->out.len;
+    kvc_buf_put(&c->out, hs->p, hs->len);
+    uint8_t m[KVC_MAC_LEN];
+    if (!c->out.failed)
+        kvc_mac_producer(a, c->nonce_c, c->nonce_p, c->out.p + start + KVC_WIRE_HDR_LEN,
+                         hs->len - KVC_WIRE_HDR_LEN, m);
+    kvc_buf_put(&c->out, m, KVC_MAC_LEN);
+    kvc_wire_end_msg(&c->out, start);
+    if (c->out.failed) {
+        sconn_close(a, c);
+        return;
+    }
+    KVC_LOG(a, KVC_LOG_DEBUG, "side channel: engine %s at %s authenticated, rkeys=%d", c->cons_id,
+            c->addr, (int)rkeys);
+    c->state = SC_CLOSING;
+}
+
+static bool sconn_alive(kvc_agent_t *a, kvc_sconn_t *c) {
+    for (kvc_sconn_t *o = a->sconns; o; o = o->next)
+        if (o == c) return true;
+    return false;
+}
+
+void kvc_sconn_io(kvc_agent_t *a, kvc_sconn_t *c, uint32_t events) {
+    if (c->dead) return;
+    if (c->out.len && !sconn_flush(a, c)) return;
+    if (c->state == SC_CLOSING) {
+        /* Waiting for the reply to drain; a consumer that hangs up is closed. */
+        if (events & (EPOLLERR | EPOLLHUP)) sconn_close(a, c);
+        return;
+    }
+    bool eof = false;
+    while (c->in_len < SCONN_IN_CAP) {
+        ssize_t n = read(c->fd, c->in + c->in_len, SCONN_IN_CAP - c->in_len);
+        if (n > 0) {
+            c->in_len += (size_t)n;
+            continue;
+        }
+        if (n < 0 && errno == EINTR) continue;
+        if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) break;
+        eof = true;
+        break;
+    }
+    kvc_wire_hdr_t h;
+    kvc_status_t st = kvc_wire_parse_hdr(c->in, c->in_len, KVC_WIRE_MAX_HELLO, &h);
+    if (st == KVC_AGAIN) {
+        if (!eof) return;
+        if (c->in_len || c->state != SC_HELLO)
+            sconn_drop(a, c, "connection closed mid-handshake");
+        else
+            sconn_close(a, c); /* a port probe */
+        return;
+    }
+    if (st != KVC_OK) {
+        sconn_drop(a, c, "malformed hello or oversized message");
+        return;
+    }
+    if (h.version != a->wire_version) {
+        /* Distinct from an auth failure: the consumer reports both versions. */
+        a->stats[KVC_STAT_PEER_ERRORS]++;
+        if (kvc_log_ratelimit(a, KVC_RL_PEER))
+            KVC_LOG(a, KVC_LOG_WARN,
+                    "side channel: hello wire version %u from %s, ours %u: version mismatch",
+                    h.version, c->addr, a->wire_version);
+        char m[96];
+        snprintf(m, sizeof(m), "side channel version mismatch: producer speaks %u, hello was %u",
+                 a->wire_version, h.version);
+        sconn_refuse(a, c, KVC_ERR_VERSION, m);
+        sconn_flush(a, c);
+        return;
+    }
+    uint16_t want_type = c->state == SC_HELLO ? KVC_MSG_HELLO : KVC_MSG_AUTH;
+    if (h.type != want_type) {
+        sconn_drop(a, c, "malformed hello (unexpected message type)");
+        return;
+    }
+    size_t full = KVC_WIRE_HDR_LEN + h.body_len;
+    if (c->in_len < full) {
+        if (eof) sconn_drop(a, c, "truncated message");
+        return; /* the rest comes later (the deadline bounds the wait) */
+    }
+    if (c->in_len > full) {
+        /* Each message waits for the answer to the previous one: more bytes
+         * are a client that does not follow the protocol. */
+        sconn_drop(a, c, "malformed hello (bytes ahead of the protocol)");
+        return;
+    }
+    if (c->state == SC_HELLO)
+        on_hello(a, c, c->in + KVC_WIRE_HDR_LEN, h.body_len);
+    else
+        on_auth(a, c, c->in + KVC_WIRE_HDR_LEN, h.body_len);
+    if (!sconn_alive(a, c)) return; /* on_* closed it */
+    c->in_len = 0;
+    if (eof && c->state != SC_CLOSING) {
+        sconn_drop(a, c, "connection closed mid-handshake");
+        return;
+    }
+    sconn_flush(a, c);
+}
+
+void kvc_sconns_timers(kvc_agent_t *a, uint64_t now, uint64_t *next) {
+    kvc_sconn_t *c = a->sconns;
+    while (c) {
+        kvc_sconn_t *nx = c->next;
+        if (now >= c->deadline_ns) {
+            sconn_drop(a, c, "client too slow");
+        } else if (c->deadline_ns < *next) {
+            *next = c->deadline_ns;
+        }
+        c = nx;
+    }
+}
+
+void kvc_sconns_destroy(kvc_agent_t *a) {
+    while (a->sconns)
+        sconn_close(a, a->sconns);
+    kvc_sconns_reap(a);
+}
