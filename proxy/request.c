@@ -8,6 +8,7 @@
 #include <strings.h>
 
 #include "json.h"
+#include "list.h"
 #include "log.h"
 #include "otlp.h"
 #include "rewrite.h"
@@ -149,11 +150,7 @@ static void account(px_req *r) {
 }
 
 static void req_free(px_req *r) {
-    if (r->prev)
-        r->prev->next = r->next;
-    else
-        r->w->reqs = r->next;
-    if (r->next) r->next->prev = r->prev;
+    PX_LIST_UNLINK(r->w->reqs, r);
     r->w->nreqs--;
     px_upstream_cancel(r->up);
     px_backend_done(&r->ps->prefill, r->pb, PX_OUT_CANCELLED);
@@ -1191,9 +1188,7 @@ void px_req_announce(void) {
 void px_req_start(px_worker *w, px_conn *c, px_endpoint ep, const px_http_head *h, px_buf *body) {
     px_req *r = px_xcalloc(1, sizeof *r);
     r->w = w;
-    r->next = w->reqs;
-    if (w->reqs) w->reqs->prev = r;
-    w->reqs = r;
+    PX_LIST_PUSH(w->reqs, r);
     w->nreqs++;
     r->s = w->srv;
     r->g = px_server_gen(r->s);
