@@ -14,20 +14,9 @@ n1=${N1:-200} n2=${N2:-1200}
 for t in valgrind nginx python3; do
     command -v $t >/dev/null || { echo "needs $t" >&2; exit 1; }
 done
-work=$(mktemp -d)
-pids=()
-cleanup() {
-    for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
-    wait 2>/dev/null || true
-    rm -rf "$work"
-}
-trap cleanup EXIT INT TERM
-fp() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
-wait_port() {
-    for _ in $(seq 1 600); do (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null && return 0; sleep 0.1; done
-    echo "port $1 never opened" >&2; exit 1
-}
-P=$(fp); D=$(fp); O=$(fp)
+# shellcheck source=bench/lib.sh
+. "$root/bench/lib.sh"
+P=$(free_port); D=$(free_port); O=$(free_port)
 pbody='{"id":"cmpl-bench","object":"text_completion","created":1,"model":"bench","choices":[{"index":0,"text":" a","finish_reason":"length"}],"usage":{"prompt_tokens":9,"completion_tokens":1,"total_tokens":10},"kv_transfer_params":{"do_remote_prefill":true,"do_remote_decode":false,"remote_block_ids":[1,2,3],"remote_engine_id":"p0","remote_request_id":"cmpl-bench-0-deadbeef","remote_host":"127.0.0.1","remote_port":5600,"tp_size":1}}'
 dbody='{"id":"cmpl-bench","object":"text_completion","created":1,"model":"bench","choices":[{"index":0,"text":" jumps over the lazy dog","finish_reason":"length"}]}'
 mkdir -p "$work/logs"
@@ -43,18 +32,18 @@ http {
 }
 CONF
 nginx -c "$work/nginx.conf" -g 'daemon off;' & pids+=($!)
-for p in $P $D $O; do wait_port "$p"; done
+for p in $P $D $O; do wait_port "$p" 60; done
 
 instructions() { # on|off N -> total instructions of one pdproxy run
     local X envs=() vp
-    X=$(fp)
+    X=$(free_port)
     [ "$1" = on ] && envs=(OTEL_EXPORTER_OTLP_ENDPOINT="http://127.0.0.1:$O"
                            OTEL_TRACES_SAMPLER=traceidratio OTEL_TRACES_SAMPLER_ARG=1.0)
     env ${envs[@]+"${envs[@]}"} valgrind --tool=callgrind --callgrind-out-file="$work/cg.$1.$2" \
         "$pdproxy" --port "$X" --threads 1 --log-level warn \
         --prefill "http://127.0.0.1:$P" --decode "http://127.0.0.1:$D" 2>"$work/logs/vg.$1.$2" &
     vp=$!
-    wait_port "$X"
+    wait_port "$X" 60
     python3 - "$X" "$2" <<'PY'
 import http.client, sys
 c = http.client.HTTPConnection("127.0.0.1", int(sys.argv[1]), timeout=60)

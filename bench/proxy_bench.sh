@@ -28,16 +28,8 @@ pthreads=${THREADS:-1}
 command -v wrk >/dev/null && command -v nginx >/dev/null || {
     echo "needs wrk and nginx (deploy/local/install-deps.sh)" >&2; exit 1; }
 
-work=$(mktemp -d)
-pids=()
-cleanup() {
-    for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
-    wait 2>/dev/null || true
-    rm -rf "$work"
-}
-trap cleanup EXIT INT TERM
-
-free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+# shellcheck source=bench/lib.sh
+. "$root/bench/lib.sh"
 S=$(free_port); NS=$(free_port); XS=$(free_port)
 P=$(free_port); D=$(free_port); N=$(free_port); X=$(free_port); O=$(free_port); Y=$(free_port)
 otlp=${OTLP:-0}
@@ -154,13 +146,6 @@ if [ "$otlp" = 1 ]; then
     ports="$ports $Y"
 fi
 
-wait_port() {
-    for _ in $(seq 1 100); do
-        (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null && return 0
-        sleep 0.05
-    done
-    echo "port $1 never opened" >&2; exit 1
-}
 for p in $ports; do wait_port "$p"; done
 # nginx one hop's worker, for its CPU per request.
 ngw=$(pgrep -f "nginx: worker process" -P "$(cat "$work/onehop.pid")" | head -1)

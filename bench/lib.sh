@@ -1,0 +1,23 @@
+# Shared by the benchmark scripts (sourced): a work directory removed on
+# exit, background processes (append their pids to `pids`) stopped on exit,
+# free loopback ports, and waiting for a port to accept connections.
+work=$(mktemp -d)
+pids=()
+bench_cleanup() {
+    for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
+    wait 2>/dev/null || true
+    rm -rf "$work"
+}
+trap bench_cleanup EXIT INT TERM
+
+free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+
+# wait_port PORT [SECONDS]: exits the script when nothing listens in time.
+wait_port() {
+    local tries=$(( ${2:-5} * 20 ))
+    for _ in $(seq 1 "$tries"); do
+        (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null && return 0
+        sleep 0.05
+    done
+    echo "port $1 never opened" >&2; exit 1
+}
