@@ -81,6 +81,29 @@ void px_buf_append_u64(px_buf *b, uint64_t v) {
     px_buf_append(b, s, (size_t)(d + sizeof d - s));
 }
 
+static int hexval(char c) {
+    return c >= '0' && c <= '9'   ? c - '0'
+           : c >= 'a' && c <= 'f' ? c - 'a' + 10
+           : c >= 'A' && c <= 'F' ? c - 'A' + 10
+                                  : -1;
+}
+
+size_t px_pct_decode(const char *src, size_t n, char *dst, size_t cap) {
+    size_t o = 0;
+    for (size_t i = 0; i < n && o + 1 < cap; i++) {
+        int hi, lo;
+        if (src[i] == '%' && i + 2 < n && (hi = hexval(src[i + 1])) >= 0 &&
+            (lo = hexval(src[i + 2])) >= 0) {
+            dst[o++] = (char)(hi << 4 | lo);
+            i += 2;
+        } else {
+            dst[o++] = src[i];
+        }
+    }
+    if (cap) dst[o] = '\0';
+    return o;
+}
+
 void px_buf_append(px_buf *b, const void *p, size_t n) {
     px_buf_reserve(b, n);
     if (n) memcpy(b->data + b->len, p, n);

@@ -29,6 +29,10 @@ void px_buf_append(px_buf *b, const void *p, size_t n);
 void px_buf_appends(px_buf *b, const char *s);
 /* Appends v in decimal (no printf: headers are built per request). */
 void px_buf_append_u64(px_buf *b, uint64_t v);
+/* Percent-decodes src[0..n) into dst (cap bytes, NUL-terminated, cut to
+ * fit); a '%' not followed by two hex digits stays as it is. Returns the
+ * decoded length. */
+size_t px_pct_decode(const char *src, size_t n, char *dst, size_t cap);
 /* Writes v in decimal ending at `end` (exclusive); returns where it starts.
  * `end` must have 20 bytes before it. */
 char *px_u64_dec(char *end, uint64_t v);

@@ -116,21 +116,6 @@ static int parse_sampler(char *err, size_t n) {
     return 0;
 }
 
-/* Percent-decodes src into dst (cap bytes, NUL-terminated). */
-static void pct_decode(const char *src, char *dst, size_t cap) {
-    size_t o = 0;
-    for (const char *p = src; *p && o + 1 < cap; p++) {
-        unsigned x;
-        if (*p == '%' && sscanf(p + 1, "%2x", &x) == 1) {
-            dst[o++] = (char)x;
-            p += 2;
-        } else {
-            dst[o++] = *p;
-        }
-    }
-    dst[o] = '\0';
-}
-
 /* OTEL_RESOURCE_ATTRIBUTES: "k=v,k2=v2", values percent-decoded; at most
  * 16 attributes. service.name there is used when OTEL_SERVICE_NAME is not
  * set. */
@@ -150,7 +135,7 @@ static int parse_resource(char *err, size_t n) {
         }
         *eq = '\0';
         char val[128];
-        pct_decode(eq + 1, val, sizeof val);
+        px_pct_decode(eq + 1, strlen(eq + 1), val, sizeof val);
         if (!strcmp(kv, "service.name")) {
             if (!env("OTEL_SERVICE_NAME")) snprintf(X.service, sizeof X.service, "%s", val);
             continue;
@@ -185,7 +170,7 @@ static int parse_headers(char *err, size_t n) {
         }
         *eq = '\0';
         char line[512], val[384];
-        pct_decode(eq + 1, val, sizeof val);
+        px_pct_decode(eq + 1, strlen(eq + 1), val, sizeof val);
         while (*kv == ' ')
             kv++;
         snprintf(line, sizeof line, "%s: %s", kv, val);

@@ -272,13 +272,6 @@ static void dispatch_metrics(void *ctx, px_conn *c, const px_http_head *h, px_bu
     if (!serve_local(s, NULL, c, h, 1)) not_found(c, h);
 }
 
-static int hexval(char c) {
-    return c >= '0' && c <= '9'   ? c - '0'
-           : c >= 'a' && c <= 'f' ? c - 'a' + 10
-           : c >= 'A' && c <= 'F' ? c - 'A' + 10
-                                  : -1;
-}
-
 static int models_local(px_server *s) {
     px_gen *g = px_server_gen(s);
     int named = g->named;
@@ -337,17 +330,7 @@ static void dispatch(void *ctx, px_conn *c, const px_http_head *h, px_buf *body)
         } else {
             /* Ids may hold '/' as is or as %2F (meta-llama%2FLlama-3.1-8B). */
             char id[512];
-            size_t n = 0;
-            for (size_t i = 11; i < plen && n + 1 < sizeof id; i++) {
-                int hi, lo;
-                if (path[i] == '%' && i + 2 < plen && (hi = hexval(path[i + 1])) >= 0 &&
-                    (lo = hexval(path[i + 2])) >= 0) {
-                    id[n++] = (char)(hi << 4 | lo);
-                    i += 2;
-                } else {
-                    id[n++] = path[i];
-                }
-            }
+            size_t n = px_pct_decode(path + 11, plen - 11, id, sizeof id);
             reply_models(s, &w->metrics, c, id, n);
         }
         return;
