@@ -38,6 +38,15 @@ static int authorized(px_server *s, const px_http_head *h) {
     return ok;
 }
 
+/* The 405 for a method the route does not take: counted, logged (when
+ * `epname`) and answered with its Allow header. */
+static void reply_method(px_metrics *m, px_metric_endpoint mep, px_conn *c, const px_http_head *h,
+                         const char *epname, const char *allow, const char *msg) {
+    px_metrics_count(m, mep, 405);
+    if (epname) px_req_log_refused(h, epname, 405);
+    px_conn_reply_error(c, 405, NULL, allow, msg);
+}
+
 /* The 401 for a request without a valid key: counted (when `m`), logged
  * (when `epname`) and answered. */
 static void reply_unauthorized(px_metrics *m, px_metric_endpoint mep, px_conn *c,
@@ -296,11 +305,9 @@ static void dispatch(void *ctx, px_conn *c, const px_http_head *h, px_buf *body)
                              : chat      ? "/v1/chat/completions"
                                          : "/v1/models";
         if (models ? !is_get : !is_post) {
-            px_metrics_count(&w->metrics, mep, 405);
-            px_req_log_refused(h, epname, 405);
-            px_conn_reply_error(c, 405, NULL, models ? "Allow: GET\r\n" : "Allow: POST\r\n",
-                                models ? "method not allowed: use GET"
-                                       : "method not allowed: use POST");
+            reply_method(&w->metrics, mep, c, h, epname,
+                         models ? "Allow: GET\r\n" : "Allow: POST\r\n",
+                         models ? "method not allowed: use GET" : "method not allowed: use POST");
             return;
         }
         if (!authorized(s, h)) {
@@ -323,8 +330,8 @@ static void dispatch(void *ctx, px_conn *c, const px_http_head *h, px_buf *body)
     px_http_path(h, &path, &plen);
     if (plen > 11 && !memcmp(path, "/v1/models/", 11) && models_local(s)) {
         if (!is_get) {
-            px_metrics_count(&w->metrics, PX_MEP_MODELS, 405);
-            px_conn_reply_error(c, 405, NULL, "Allow: GET\r\n", "method not allowed: use GET");
+            reply_method(&w->metrics, PX_MEP_MODELS, c, h, NULL, "Allow: GET\r\n",
+                         "method not allowed: use GET");
         } else if (!authorized(s, h)) {
             reply_unauthorized(&w->metrics, PX_MEP_MODELS, c, h, NULL);
         } else {
@@ -352,12 +359,9 @@ static void dispatch(void *ctx, px_conn *c, const px_http_head *h, px_buf *body)
                     (h->method_len == 3 && !memcmp(h->method, "PUT", 3)) ||
                     (h->method_len == 5 && !memcmp(h->method, "PATCH", 5));
         if (messages ? !is_post : !known) {
-            px_metrics_count(&w->metrics, mep, 405);
-            px_req_log_refused(h, epname, 405);
-            px_conn_reply_error(c, 405, NULL,
-                                messages ? "Allow: POST\r\n"
-                                         : "Allow: GET, POST, PUT, PATCH, DELETE\r\n",
-                                "method not allowed");
+            reply_method(&w->metrics, mep, c, h, epname,
+                         messages ? "Allow: POST\r\n" : "Allow: GET, POST, PUT, PATCH, DELETE\r\n",
+                         "method not allowed");
             return;
         }
         if (!authorized(s, h)) {
