@@ -165,9 +165,6 @@ static struct event *every(px_health *h, double seconds, event_callback_fn fn) {
 
 px_health *px_health_start(px_server *s, struct event_base *base) {
     const px_config *cfg = s->cfg;
-    /* Scrapes run whenever load_aware may be chosen, by a reload too. */
-    int scrape = 1;
-    if (cfg->health_interval <= 0 && !scrape) return NULL;
     px_health *h = px_xcalloc(1, sizeof *h);
     h->s = s;
     h->base = base;
@@ -177,7 +174,8 @@ px_health *px_health_start(px_server *s, struct event_base *base) {
         return NULL;
     }
     if (cfg->health_interval > 0) h->check_timer = every(h, cfg->health_interval, on_check_timer);
-    if (scrape) h->scrape_timer = every(h, cfg->metrics_interval, on_scrape_timer);
+    /* Scrapes run always: a reload may choose load_aware at any time. */
+    h->scrape_timer = every(h, cfg->metrics_interval, on_scrape_timer);
     return h;
 }
 

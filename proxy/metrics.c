@@ -1,6 +1,7 @@
 #include "metrics.h"
 
 #include <dirent.h>
+#include <pthread.h>
 #include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -200,37 +201,43 @@ static void render_backends(px_buf *o, px_server *s) {
 }
 
 /* Start of this process in seconds since the epoch: its start in clock
- * ticks after boot (/proc/self/stat, field 22) plus the boot time. */
-static double start_time(void) {
-    static double cached;
-    if (cached > 0) return cached;
+ * ticks after boot (/proc/self/stat, field 22) plus the boot time. Read
+ * once (workers render /metrics at the same time). */
+static double start_s;
+
+static void read_start_time(void) {
     char buf[1024];
     FILE *f = fopen("/proc/self/stat", "r");
-    if (!f) return 0;
+    if (!f) return;
     size_t n = fread(buf, 1, sizeof buf - 1, f);
     fclose(f);
     buf[n] = '\0';
     /* Fields after the command name, which may hold spaces and ')'. */
     char *p = strrchr(buf, ')');
-    if (!p) return 0;
+    if (!p) return;
     unsigned long long ticks = 0;
     int field = 2;
-    for (char *tok = strtok(p + 1, " "); tok; tok = strtok(NULL, " "))
+    char *save = NULL;
+    for (char *tok = strtok_r(p + 1, " ", &save); tok; tok = strtok_r(NULL, " ", &save))
         if (++field == 22) {
             ticks = strtoull(tok, NULL, 10);
             break;
         }
     unsigned long long btime = 0;
     f = fopen("/proc/stat", "r");
-    if (!f) return 0;
+    if (!f) return;
     char line[256];
     while (fgets(line, sizeof line, f))
         if (sscanf(line, "btime %llu", &btime) == 1) break;
     fclose(f);
     long hz = sysconf(_SC_CLK_TCK);
-    if (!btime || hz <= 0) return 0;
-    cached = (double)btime + (double)ticks / (double)hz;
-    return cached;
+    if (btime && hz > 0) start_s = (double)btime + (double)ticks / (double)hz;
+}
+
+static double start_time(void) {
+    static pthread_once_t once = PTHREAD_ONCE_INIT;
+    pthread_once(&once, read_start_time);
+    return start_s;
 }
 
 static void render_process(px_buf *o) {
