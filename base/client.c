@@ -79,11 +79,11 @@ struct px_creq {
     px_creq_opts o;
     px_creq_cbs cbs;
     void *arg;
-    struct event *timer;     /* connect, then total timeout */
-    struct event *resume_ev; /* reads on after a pause, on the next loop turn */
-    struct event *idle_ev;   /* opts.idle_timeout without a byte */
-    struct event *acked_ev;  /* abort_after_upload waits for the peer's ACKs */
-    struct event evs[4];     /* the four above live here: assigned, not allocated */
+    /* Embedded (assigned, not allocated: none costs a malloc per request). */
+    struct event timer;     /* connect, then total timeout */
+    struct event resume_ev; /* reads on after a pause, on the next loop turn */
+    struct event idle_ev;   /* opts.idle_timeout without a byte */
+    struct event acked_ev;  /* abort_after_upload waits for the peer's ACKs */
     uint64_t t_start_ns;
     uint64_t last_read_ns; /* opts.idle_timeout counts from here */
     int connected;
@@ -197,8 +197,10 @@ static void process(px_creq *q);
 static void fail(px_creq *q, px_cresult r, const char *why);
 
 static void creq_free(px_creq *q) {
-    for (int i = 0; i < 4; i++)
-        event_del(&q->evs[i]);
+    event_del(&q->timer);
+    event_del(&q->resume_ev);
+    event_del(&q->idle_ev);
+    event_del(&q->acked_ev);
     px_buf_cleanup(&q->head);
     free(q);
 }
@@ -265,7 +267,7 @@ static int connect_new(px_creq *q) {
     PX_LIST_PUSH(cl->busy, c);
     q->connected = 0;
     struct timeval tv = tv_of(q->o.connect_timeout > 0 ? q->o.connect_timeout : 5.0);
-    evtimer_add(q->timer, &tv);
+    evtimer_add(&q->timer, &tv);
     int r = connect(fd, (struct sockaddr *)&q->h->sa, q->h->salen);
     /* Refused at once (loopback) is reported from the loop like a late
      * failure, never from inside px_creq_start: the write event tells. */
@@ -282,12 +284,12 @@ static int connect_new(px_creq *q) {
 
 static void arm_total(px_creq *q) {
     if (q->o.total_timeout <= 0) {
-        evtimer_del(q->timer);
+        evtimer_del(&q->timer);
         return;
     }
     double left = q->o.total_timeout - (double)(px_now_ns() - q->t_start_ns) / 1e9;
     struct timeval tv = tv_of(left > 0.001 ? left : 0.001);
-    evtimer_add(q->timer, &tv);
+    evtimer_add(&q->timer, &tv);
 }
 
 static void flush(cconn *c);
@@ -365,7 +367,7 @@ static void flush(cconn *c) {
                 q->eof = 1;
                 q->rerr = 1;
                 set_reading(c, 0);
-                event_active(q->resume_ev, EV_TIMEOUT, 0);
+                event_active(&q->resume_ev, EV_TIMEOUT, 0);
             } else {
                 conn_free(c);
             }
@@ -380,7 +382,7 @@ static void flush(cconn *c) {
          * a rare path, taken when a client leaves mid-upload). */
         if (q->abort_after_upload) {
             struct timeval now = {0, 0};
-            evtimer_add(q->acked_ev, &now);
+            evtimer_add(&q->acked_ev, &now);
         }
     }
 }
@@ -432,14 +434,14 @@ static void on_acked_poll(evutil_socket_t fd, short what, void *arg) {
         return;
     }
     struct timeval tv = {0, 5000};
-    evtimer_add(q->acked_ev, &tv);
+    evtimer_add(&q->acked_ev, &tv);
 }
 
 /* opts.idle_timeout: armed once; a read only notes the time, and the
  * timer waits out the rest when it fires after activity. */
 static void arm_idle(px_creq *q, double s) {
     struct timeval tv = tv_of(s > 0.001 ? s : 0.001);
-    evtimer_add(q->idle_ev, &tv);
+    evtimer_add(&q->idle_ev, &tv);
 }
 
 static void on_idle_timeout(evutil_socket_t fd, short what, void *arg) {
@@ -727,14 +729,10 @@ px_creq *px_creq_start(px_client *cl, const struct sockaddr *sa, socklen_t salen
     q->cbs = *cbs;
     q->arg = arg;
     q->t_start_ns = px_now_ns();
-    q->timer = &q->evs[0];
-    q->resume_ev = &q->evs[1];
-    q->idle_ev = &q->evs[2];
-    q->acked_ev = &q->evs[3];
-    evtimer_assign(q->timer, cl->base, on_timer, q);
-    event_assign(q->resume_ev, cl->base, -1, 0, on_resume, q);
-    evtimer_assign(q->idle_ev, cl->base, on_idle_timeout, q);
-    evtimer_assign(q->acked_ev, cl->base, on_acked_poll, q);
+    evtimer_assign(&q->timer, cl->base, on_timer, q);
+    event_assign(&q->resume_ev, cl->base, -1, 0, on_resume, q);
+    evtimer_assign(&q->idle_ev, cl->base, on_idle_timeout, q);
+    evtimer_assign(&q->acked_ev, cl->base, on_acked_poll, q);
     if (q->o.idle_timeout > 0) { /* on a reused connection as on a new one */
         q->last_read_ns = q->t_start_ns;
         arm_idle(q, q->o.idle_timeout);
@@ -771,7 +769,7 @@ int px_creq_abort_after_upload(px_creq *q) {
     q->abort_after_upload = 1;
     if (q->upload_done) {
         struct timeval soon = {0, 5000};
-        evtimer_add(q->acked_ev, &soon);
+        evtimer_add(&q->acked_ev, &soon);
     }
     return 0;
 }
@@ -782,7 +780,7 @@ void px_creq_resume(px_creq *q) {
     if (q->cn && !q->eof) set_reading(q->cn, 1);
     /* On the next loop turn: the caller may be inside its own callbacks, and
      * what is delivered may end the exchange. */
-    event_active(q->resume_ev, EV_TIMEOUT, 0);
+    event_active(&q->resume_ev, EV_TIMEOUT, 0);
 }
 
 void px_creq_cancel(px_creq *q) {
