@@ -352,9 +352,12 @@ static int passthrough(const px_req *r) {
 static void headers_for(px_req *r, const px_http_head *h, int traced, const char *span, px_buf *l) {
     if (passthrough(r)) {
         for (size_t i = 0; i < h->nheaders; i++)
-            if (!own_header(&h->headers[i]))
-                px_buf_printf(l, "%.*s: %.*s\r\n", (int)h->headers[i].name_len, h->headers[i].name,
-                              (int)h->headers[i].value_len, h->headers[i].value);
+            if (!own_header(&h->headers[i])) {
+                px_buf_append(l, h->headers[i].name, h->headers[i].name_len);
+                px_buf_append(l, ": ", 2);
+                px_buf_append(l, h->headers[i].value, h->headers[i].value_len);
+                px_buf_append(l, "\r\n", 2);
+            }
     } else if (r->ep != PX_EP_MODELS) {
         px_buf_appends(l, "Content-Type: application/json\r\n");
     }
@@ -752,11 +755,12 @@ static void proceed_to_decode(px_req *r) {
     px_buf_reset(&r->dbody);
     px_rewrite_decode(r->body.data, r->body.len, kvp, kvp_len, &r->dbody);
     r->disagg = kvp != NULL;
-    /* Prefill's cached_tokens, for --usage-from prefill. */
+    /* Prefill's cached_tokens, for --usage-from prefill (only then: three
+     * searches of prefill's answer). */
     const char *cv;
     size_t cvl;
-    if (r->presp.data && cached_tokens_span(r->presp.data, r->presp.len, &cv, &cvl) &&
-        cvl < sizeof r->p_cached) {
+    if (r->presp.data && !strcmp(r->s->cfg->usage_from, "prefill") &&
+        cached_tokens_span(r->presp.data, r->presp.len, &cv, &cvl) && cvl < sizeof r->p_cached) {
         memcpy(r->p_cached, cv, cvl);
         r->p_cached[cvl] = '\0';
     }
@@ -1246,7 +1250,8 @@ void px_req_start(px_worker *w, px_conn *c, px_endpoint ep, const px_http_head *
     px_trace_span_new(r->span_root);
     px_trace_span_new(r->span_p);
     px_trace_span_new(r->span_d);
-    headers_for(r, h, traced, r->span_p, &r->hdrs_p);
+    /* Only the P/D endpoints ever reach a prefill. */
+    if (!passthrough(r) && r->ep != PX_EP_MODELS) headers_for(r, h, traced, r->span_p, &r->hdrs_p);
     headers_for(r, h, traced, r->span_d, &r->hdrs_d);
 
     long max = r->s->cfg->max_inflight;

@@ -598,10 +598,6 @@ void px_pindex_destroy(px_pindex *x) {
     free(x);
 }
 
-size_t px_pindex_size(const px_pindex *x) {
-    return x->n;
-}
-
 size_t px_pindex_hashes(const void *p, size_t n, uint64_t *out, size_t max) {
     const unsigned char *s = p;
     uint64_t h = 0;

@@ -191,7 +191,5 @@ size_t px_pindex_match(px_pindex *x, uint64_t backend_key, const uint64_t *hashe
 /* Lists hashes[0..n) for the backend (most recent), evicting the least
  * recently used entries beyond the capacity. */
 void px_pindex_add(px_pindex *x, uint64_t backend_key, const uint64_t *hashes, size_t n);
-/* Entries held now. */
-size_t px_pindex_size(const px_pindex *x);
 
 #endif
