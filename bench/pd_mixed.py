@@ -21,26 +21,18 @@ import json
 import os
 import random
 import re
-import socket
-import subprocess
 import sys
-import tempfile
 import threading
 import time
 
-HOST = "127.0.0.1"
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                "tests", "integration"))
+from e2e import HOST, Proc, free_port, wait_http  # noqa: E402
+
 WORDS = ("the quick brown fox jumps over a lazy dog while seven wizards quietly examine "
          "ancient manuscripts about distributed inference caching and scheduling engineers "
          "measure latency carefully before they decide").split()
 BYTES_PER_TOKEN = 6.3  # engine-sim's tokenizer on this prose (tests/integration/test_pd_disagg.py)
-
-
-def free_port():
-    s = socket.socket()
-    s.bind((HOST, 0))
-    p = s.getsockname()[1]
-    s.close()
-    return p
 
 
 def text(ntokens, rng):
@@ -60,42 +52,6 @@ def workload(n, seed):
             out.append(("long", text(4000, rng) + " ?"))
     rng.shuffle(out)
     return out
-
-
-class Proc:
-    def __init__(self, argv):
-        fd, self.log = tempfile.mkstemp(prefix="pd_mixed-", suffix=".log")
-        os.close(fd)
-        env = dict(os.environ, UCX_TLS=os.environ.get("UCX_TLS", "tcp,self"))
-        with open(self.log, "wb") as f:
-            self.p = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT,
-                                      stdin=subprocess.DEVNULL, env=env)
-
-    def stop(self):
-        if self.p.poll() is None:
-            self.p.terminate()
-            try:
-                self.p.wait(10)
-            except subprocess.TimeoutExpired:
-                self.p.kill()
-                self.p.wait(10)
-        os.unlink(self.log)
-
-
-def wait_http(port, path, timeout=15):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            c = http.client.HTTPConnection(HOST, port, timeout=1)
-            c.request("GET", path)
-            ok = c.getresponse().status == 200
-            c.close()
-            if ok:
-                return
-        except OSError:
-            pass
-        time.sleep(0.05)
-    raise RuntimeError("port %d not ready" % port)
 
 
 def metrics(port):
@@ -142,17 +98,17 @@ def run(args, threshold, reqs):
               "--prefill-us-per-token", str(args.us_per_token), "--itl-ms", "5",
               "--log-level", "warn"]
     pp, dp, xp = free_port(), free_port(), free_port()
-    procs = [Proc([sim, "--role", "prefill", "--port", str(pp)] + common),
-             Proc([sim, "--role", "decode", "--port", str(dp)] + common)]
+    procs = [Proc("prefill", [sim, "--role", "prefill", "--port", str(pp)] + common),
+             Proc("decode", [sim, "--role", "decode", "--port", str(dp)] + common)]
     try:
-        wait_http(pp, "/health")
-        wait_http(dp, "/health")
-        procs.append(Proc([os.path.join(args.bin, "pdproxy"), "--port", str(xp), "--threads", "1",
+        wait_http(pp, "/health", proc=procs[0])
+        wait_http(dp, "/health", proc=procs[1])
+        procs.append(Proc("pdproxy", [os.path.join(args.bin, "pdproxy"), "--port", str(xp), "--threads", "1",
                            "--log-level", "warn", "--prefiller-hosts", HOST, "--prefiller-ports",
                            str(pp), "--decoder-hosts", HOST, "--decoder-ports", str(dp),
                            "--disagg-min-tokens", str(threshold),
                            "--disagg-bytes-per-token", str(BYTES_PER_TOKEN)]))
-        wait_http(xp, "/healthcheck")
+        wait_http(xp, "/healthcheck", proc=procs[2])
         results, errors = [], []
         lock = threading.Lock()
         it = iter(reqs)
@@ -186,6 +142,7 @@ def run(args, threshold, reqs):
     finally:
         for p in reversed(procs):
             p.stop()
+            os.unlink(p.log_path)
 
 
 def mean(xs):

@@ -20,7 +20,6 @@ import json
 import os
 import re
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -28,30 +27,10 @@ import tempfile
 import time
 import urllib.request
 
-HOST = "127.0.0.1"
-
-
-def free_port():
-    s = socket.socket()
-    s.bind((HOST, 0))
-    p = s.getsockname()[1]
-    s.close()
-    return p
-
-
-def wait_http(port, path, proc, timeout=20.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError("process exited: %s" % proc.args)
-        try:
-            with urllib.request.urlopen("http://%s:%d%s" % (HOST, port, path), timeout=1) as r:
-                if r.status == 200:
-                    return
-        except Exception:
-            pass
-        time.sleep(0.05)
-    raise RuntimeError("port %d not ready" % port)
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "tests", "integration"))
+from e2e import HOST, Proc, free_port, wait_http  # noqa: E402
+from prodtest import metric, prom  # noqa: E402
 
 
 def generation(port):
@@ -78,7 +57,7 @@ def main():
     ap.add_argument("--seconds", type=int, default=20)
     ap.add_argument("--connections", type=int, default=16)
     a = ap.parse_args()
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = ROOT
     bindir = os.path.join(a.build, "bin")
     tmp = tempfile.mkdtemp(prefix="reload-bench-")
     procs = []
@@ -87,12 +66,11 @@ def main():
         for role, n in (("prefill", 3), ("decode", 3)):
             for _ in range(n):
                 port = free_port()
-                p = subprocess.Popen([os.path.join(bindir, "engine-sim"), "--role", role,
-                                      "--port", str(port), "--num-blocks", "4096",
-                                      "--log-level", "warn"],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                p = Proc("engine-sim-%s-%d" % (role, port),
+                         [os.path.join(bindir, "engine-sim"), "--role", role, "--port", str(port),
+                          "--num-blocks", "4096", "--log-level", "warn"])
                 procs.append(p)
-                wait_http(port, "/health", p)
+                wait_http(port, "/health", timeout=20, proc=p)
                 engines[role].append("http://%s:%d" % (HOST, port))
         cfg = os.path.join(tmp, "pdproxy.yaml")
 
@@ -106,18 +84,17 @@ def main():
 
         layout(0)
         port = free_port()
-        log = open(os.path.join(tmp, "pdproxy.log"), "w+")
-        px = subprocess.Popen([os.path.join(bindir, "pdproxy"), "--config", cfg, "--port",
-                               str(port), "--threads", "2", "--drain-delay", "0",
-                               "--log-level", "info"], stdout=log, stderr=log)
+        px = Proc("pdproxy", [os.path.join(bindir, "pdproxy"), "--config", cfg, "--port",
+                              str(port), "--threads", "2", "--drain-delay", "0",
+                              "--log-level", "info"])
         procs.append(px)
-        wait_http(port, "/ready", px)
+        wait_http(port, "/ready", timeout=20, proc=px)
         gen = [generation(port)]
 
         def reload_once(i):
             layout(i)
             t0 = time.monotonic()
-            os.kill(px.pid, signal.SIGHUP)
+            os.kill(px.proc.pid, signal.SIGHUP)
             want = gen[0] + 1
             while generation(port) != want:
                 if time.monotonic() - t0 > 30:
@@ -131,7 +108,10 @@ def main():
                                 "-s", os.path.join(root, "deploy/wrk/completions.lua"),
                                 "http://%s:%d" % (HOST, port)],
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        time.sleep(1.0)
+        # The reloads start once wrk's requests arrive.
+        deadline = time.monotonic() + 10
+        while not metric(prom(port), "pdproxy_requests_total") and time.monotonic() < deadline:
+            time.sleep(0.02)
         pause = max(0.0, (a.seconds - 3.0) / a.reloads)
         seen = []
         for i in range(1, a.reloads + 1):
@@ -152,32 +132,25 @@ def main():
         # 2 and 3: reloads without load.
         for i in range(a.reloads + 1, a.reloads + 21):  # warm-up
             reload_once(i)
-        before = rss_kib(px.pid)
+        before = rss_kib(px.proc.pid)
         for i in range(a.count):
             seen.append(reload_once(a.reloads + 21 + i))
-        after = rss_kib(px.pid)
-        log.flush()
-        log.seek(0)
-        swap = [float(m) for m in re.findall(r'configuration swapped".* ms=([0-9.]+)', log.read())]
+        after = rss_kib(px.proc.pid)
+        swap = [float(m) for m in re.findall(r'configuration swapped".* ms=([0-9.]+)', px.log())]
         q = statistics.quantiles(swap, n=100)
         print("reloads=%d swap_ms p50=%.3f p99=%.3f max=%.3f; SIGHUP-to-/ready ms p50=%.2f "
               "max=%.2f" % (len(swap), q[49], q[98], max(swap), statistics.median(seen),
                             max(seen)))
         print("rss_kib before=%d after %d reloads=%d (delta %+d)" % (before, a.count, after,
                                                                    after - before))
-        if px.poll() is not None:
-            print("pdproxy exited with %s" % px.returncode)
+        if not px.alive():
+            print("pdproxy exited with %s" % px.proc.returncode)
             return 1
         return 0 if failed == 0 else 1
     finally:
         for p in procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGINT)
-        for p in procs:
-            try:
-                p.wait(10)
-            except subprocess.TimeoutExpired:
-                p.kill()
+            p.stop()
+            os.unlink(p.log_path)
 
 
 if __name__ == "__main__":
