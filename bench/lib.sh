@@ -21,3 +21,21 @@ wait_port() {
     done
     echo "port $1 never opened" >&2; exit 1
 }
+
+# wait_traced PID: until a tracer (strace -p) is attached to PID, at most 5 s.
+wait_traced() {
+    for _ in $(seq 1 100); do
+        [ "$(awk '/^TracerPid:/{print $2}' "/proc/$1/status" 2>/dev/null)" != 0 ] && return 0
+        sleep 0.05
+    done
+    echo "no tracer attached to $1" >&2; exit 1
+}
+
+# wait_lines FILE N: until FILE has N lines, at most 5 s.
+wait_lines() {
+    for _ in $(seq 1 100); do
+        [ "$(wc -l < "$1" 2>/dev/null || echo 0)" -ge "$2" ] && return 0
+        sleep 0.05
+    done
+    echo "$1 never reached $2 lines" >&2; exit 1
+}

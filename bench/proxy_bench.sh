@@ -243,7 +243,7 @@ if [ -n "${SYSCALLS:-}" ]; then
     for c in 1 64; do
         before=$(reqs)
         strace -c -f -p "$ppid" -o "$work/strace.$c" & spid=$!
-        sleep 0.5
+        wait_traced "$ppid"
         wrk -t1 -c"$c" -d3s -s "$root/bench/wrk/completion.lua" "http://127.0.0.1:$X/v1/completions" >/dev/null
         kill -INT "$spid"; wait "$spid" 2>/dev/null || true
         n=$(( $(reqs) - before ))
@@ -251,7 +251,7 @@ if [ -n "${SYSCALLS:-}" ]; then
         per_req "$n" "$work/strace.$c"
         # The same for nginx's one hop worker, side by side.
         strace -c -f -p "$ngw" -o "$work/strace.ngx.$c" & spid=$!
-        sleep 0.5
+        wait_traced "$ngw"
         n=$(wrk -t1 -c"$c" -d3s -s "$root/bench/wrk/completion.lua" "http://127.0.0.1:$N/v1/completions" |
             awk '/requests in/{print $1}')
         kill -INT "$spid"; wait "$spid" 2>/dev/null || true
@@ -274,10 +274,10 @@ if [ -n "${ALLOCS:-}" ]; then
     for c in 1 64; do
         wrk -t1 -c"$c" -d1s -s "$root/bench/wrk/completion.lua" "http://127.0.0.1:$A/v1/completions" >/dev/null
         : > "$work/allocs"
-        kill -USR2 "$apid"; sleep 0.2
+        kill -USR2 "$apid"; wait_lines "$work/allocs" 1
         n=$(wrk -t1 -c"$c" -d3s -s "$root/bench/wrk/completion.lua" "http://127.0.0.1:$A/v1/completions" |
             awk '/requests in/{print $1}')
-        kill -USR2 "$apid"; sleep 0.2
+        kill -USR2 "$apid"; wait_lines "$work/allocs" 2
         awk -v n="$n" -v c="$c" 'NR == 1 { m = $1; k = $2; r = $3 } NR == 2 {
             printf "allocations per request at c=%d (%d requests): malloc %.2f calloc %.2f realloc %.2f\n",
                 c, n, ($1 - m) / n, ($2 - k) / n, ($3 - r) / n }' "$work/allocs"
