@@ -91,6 +91,20 @@ static void test_errors_name_flag_and_value(void **state)
     char *a6[] = {"pdproxy", "--log-level", "loud", NULL};
     assert_int_equal(load(&c, a6, NULL, err), PX_CONFIG_ERROR);
     px_config_cleanup(&c);
+    /* A URL where a toy host flag wants a host; a pool without a name;
+     * sidecar mode without an allowlist. */
+    char *a7[] = {"pdproxy", "--prefiller-hosts", "http://p:8100", NULL};
+    assert_int_equal(load(&c, a7, NULL, err), PX_CONFIG_ERROR);
+    assert_non_null(strstr(err, "not a URL"));
+    px_config_cleanup(&c);
+    char *a8[] = {"pdproxy", "--pool", "", "--decode", "http://d:1", NULL};
+    assert_int_equal(load(&c, a8, NULL, err), PX_CONFIG_ERROR);
+    assert_non_null(strstr(err, "missing pool name"));
+    px_config_cleanup(&c);
+    char *a9[] = {"pdproxy", "--prefiller-from-header", NULL};
+    assert_int_equal(load(&c, a9, NULL, err), PX_CONFIG_ERROR);
+    assert_non_null(strstr(err, "--prefiller-allowlist"));
+    px_config_cleanup(&c);
 }
 
 static void test_help_and_version(void **state)
@@ -152,6 +166,13 @@ static void test_yaml_errors_name_line_and_key(void **state)
         {"pools:\n  - name: a\n    decode: http://x:1\n    weight: 3\n", ":4: unknown key 'weight'"},
         {"pools: 3\n", ":1: key 'pools'"},
         {"print-config: true\n", "unknown key 'print-config'"},
+        {"prefill:\n  - [http://x:1]\n", ":2: key 'prefill': list items must be plain values"},
+        {"port:\n  a: 1\n", "key 'port': expected a value or a list"},
+        {"pools:\n  - http://x:1\n", ":2: key 'pools': each pool is a mapping"},
+        {"pools:\n  - name: a\n    decode: http://x:1\n    prefill-policy: dice\n",
+         ":4: key 'prefill-policy': 'dice' is none of"},
+        {"[a]: 1\n", ":1: keys are plain names"},
+        {"pools:\n  - decode: http://x:1\n", "a pool needs a name"},
     };
     for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) {
         const char *f = yaml_file(cases[i].text);
