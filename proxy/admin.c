@@ -358,13 +358,8 @@ int px_admin_start(px_server *s, char *err, size_t errlen) {
         free(a);
         return -1;
     }
-    struct addrinfo hints = {0}, *res = NULL;
-    hints.ai_family = AF_UNSPEC;
-    hints.ai_socktype = SOCK_STREAM;
-    hints.ai_flags = AI_PASSIVE;
-    char ps[16];
-    snprintf(ps, sizeof ps, "%d", (int)cfg->admin_port);
-    int rc = getaddrinfo(cfg->admin_host, ps, &hints, &res);
+    struct addrinfo *res = NULL;
+    int rc = px_listen_addrs(cfg->admin_host, (int)cfg->admin_port, &res);
     if (rc) {
         snprintf(err, errlen, "cannot resolve --admin-host '%s': %s", cfg->admin_host,
                  gai_strerror(rc));

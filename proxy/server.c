@@ -382,11 +382,7 @@ static void dispatch(void *ctx, px_conn *c, const px_http_head *h, px_buf *body)
 
 /* ---------- workers ---------- */
 
-/* Whether host:port is served already: a bind without SO_REUSEPORT fails
- * then, whoever holds it (another pdproxy with SO_REUSEPORT included).
- * Returns 0 when it is free, -1 with a message otherwise. */
-/* The addresses to listen on for host:port (getaddrinfo's result). */
-static int listen_addrs(const char *host, int port, struct addrinfo **res) {
+int px_listen_addrs(const char *host, int port, struct addrinfo **res) {
     struct addrinfo hints = {0};
     char ps[16];
     hints.ai_family = AF_UNSPEC;
@@ -396,9 +392,12 @@ static int listen_addrs(const char *host, int port, struct addrinfo **res) {
     return getaddrinfo(host, ps, &hints, res);
 }
 
+/* Whether host:port is served already: a bind without SO_REUSEPORT fails
+ * then, whoever holds it (another pdproxy with SO_REUSEPORT included).
+ * Returns 0 when it is free, -1 with a message otherwise. */
 static int port_free(const char *host, int port, const char *flag, char *err, size_t errlen) {
     struct addrinfo *res = NULL;
-    if (listen_addrs(host, port, &res)) return 0; /* make_listener says why */
+    if (px_listen_addrs(host, port, &res)) return 0; /* make_listener says why */
     int rc = 0;
     for (struct addrinfo *ai = res; ai && rc == 0; ai = ai->ai_next) {
         int fd = socket(ai->ai_family, ai->ai_socktype | SOCK_CLOEXEC, 0);
@@ -421,7 +420,7 @@ static int port_free(const char *host, int port, const char *flag, char *err, si
 
 static int make_listener(const char *host, int port, int reuse_port, char *err, size_t errlen) {
     struct addrinfo *res = NULL;
-    int rc = listen_addrs(host, port, &res);
+    int rc = px_listen_addrs(host, port, &res);
     if (rc) {
         snprintf(err, errlen, "cannot resolve --host '%s': %s", host, gai_strerror(rc));
         return -1;

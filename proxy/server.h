@@ -41,6 +41,10 @@ typedef struct px_gen {
 
 /* The current generation, with a reference taken. Any thread. */
 px_gen *px_server_gen(px_server *s);
+/* The addresses to listen on for host:port (getaddrinfo's result and
+ * return value). */
+struct addrinfo;
+int px_listen_addrs(const char *host, int port, struct addrinfo **res);
 /* Drops a reference; the last frees the generation. NULL is a no-op. */
 void px_gen_release(px_gen *g);
 /* The pool serving `model` (n bytes): the unnamed pool serves all; NULL
