@@ -11,6 +11,11 @@
  * table (no flooding resistance). */
 uint64_t px_hash64_seed(const void *p, size_t n, uint64_t seed);
 
+/* Continues a hash over more bytes: px_hash64_more(px_hash64_seed(a, n,
+ * seed), b, m) equals the hash of a's n bytes followed by b's m, so the
+ * hashes of a growing prefix cost one pass in all. */
+uint64_t px_hash64_more(uint64_t h, const void *p, size_t n);
+
 /* Plain FNV-1a: seed 0. */
 static inline uint64_t px_hash64(const void *p, size_t n) {
     return px_hash64_seed(p, n, 0);

@@ -55,10 +55,21 @@ static unsigned char *block_addr(sim_engine *e, uint32_t region, uint64_t block)
     return (unsigned char *)base + block * e->cfg->block_bytes;
 }
 
+/* Block b's prefix hash (one pass over the prompt for all its blocks). */
+static uint64_t prefix_hash(sim_req *r, size_t b) {
+    if (!r->ph) {
+        size_t bt = r->e->cfg->block_tokens, n = (r->ntok + bt - 1) / bt;
+        if (n < r->nblocks) n = r->nblocks;
+        r->ph = px_xmalloc((n ? n : 1) * sizeof *r->ph);
+        kvsim_prefix_hashes(r->e->model_hash, r->tok, r->ntok, bt, r->ph, n);
+    }
+    return r->ph[b];
+}
+
 static void compute_blocks(sim_req *r) {
     sim_engine *e = r->e;
     for (size_t b = 0; b < r->nblocks; b++) {
-        uint64_t ph = kvsim_prefix_hash(e->model_hash, r->tok, r->ntok, e->cfg->block_tokens, b);
+        uint64_t ph = prefix_hash(r, b);
         for (uint32_t l = 0; l < e->cfg->layers; l++)
             for (uint32_t kv = 0; kv < 2; kv++)
                 kvsim_fill_block(ph, l, kv, block_addr(e, l * 2 + kv, r->blocks[b]),
@@ -77,11 +88,10 @@ static sim_pcache_entry *cache_find(sim_engine *e, uint64_t ph) {
     return NULL;
 }
 
-static size_t cache_lookup(sim_engine *e, const sim_req *r) {
+static size_t cache_lookup(sim_engine *e, sim_req *r) {
     size_t bt = e->cfg->block_tokens, full = (r->ntok - 1) / bt, b = 0;
     for (; b < full; b++) {
-        sim_pcache_entry *x =
-            cache_find(e, kvsim_prefix_hash(e->model_hash, r->tok, r->ntok, bt, b));
+        sim_pcache_entry *x = cache_find(e, prefix_hash(r, b));
         if (!x) break;
         x->used = ++e->pcache_clock;
     }
@@ -90,10 +100,10 @@ static size_t cache_lookup(sim_engine *e, const sim_req *r) {
 
 /* Lists the prompt's whole blocks as cached, each replacing the least
  * recently used entry of its set. */
-static void cache_insert(sim_engine *e, const sim_req *r) {
+static void cache_insert(sim_engine *e, sim_req *r) {
     size_t bt = e->cfg->block_tokens;
     for (size_t b = 0; b < r->ntok / bt; b++) {
-        uint64_t ph = kvsim_prefix_hash(e->model_hash, r->tok, r->ntok, bt, b);
+        uint64_t ph = prefix_hash(r, b);
         sim_pcache_entry *x = cache_find(e, ph);
         if (!x) {
             sim_pcache_entry *set = &e->pcache[(ph & e->pcache_mask) * SIM_PCACHE_WAYS];
@@ -132,7 +142,7 @@ static uint64_t verify_blocks(sim_req *r) {
     unsigned char *want = px_xmalloc(e->cfg->block_bytes);
     uint64_t bad = 0;
     for (size_t b = 0; b < r->nblocks; b++) {
-        uint64_t ph = kvsim_prefix_hash(e->model_hash, r->tok, r->ntok, e->cfg->block_tokens, b);
+        uint64_t ph = prefix_hash(r, b);
         for (uint32_t l = 0; l < e->cfg->layers; l++)
             for (uint32_t kv = 0; kv < 2; kv++) {
                 kvsim_fill_block(ph, l, kv, want, e->cfg->block_bytes);
@@ -154,6 +164,7 @@ static void req_free(sim_req *r) {
     cJSON_Delete(r->kvp);
     free(r->tok);
     free(r->blocks);
+    free(r->ph);
     px_buf_cleanup(&r->text);
     free(r);
 }

@@ -42,6 +42,7 @@ typedef struct sim_req {
     uint64_t prompt_hash;
     size_t nblocks;
     uint64_t *blocks; /* owned: local block ids while held */
+    uint64_t *ph;     /* owned: each block's prefix hash, computed on first use */
     int holds_blocks;
     int max_tokens;
     int stream;

@@ -44,11 +44,17 @@ size_t kvsim_tokenize(const char *text, size_t len, uint32_t **ids, size_t n) {
     return n;
 }
 
-uint64_t kvsim_prefix_hash(uint64_t model_hash, const uint32_t *ids, size_t ntok,
-                           size_t block_tokens, size_t b) {
-    size_t end = (b + 1) * block_tokens;
-    if (end > ntok) end = ntok;
-    return px_hash64_seed(ids, end * sizeof *ids, model_hash);
+void kvsim_prefix_hashes(uint64_t model_hash, const uint32_t *ids, size_t ntok, size_t block_tokens,
+                         uint64_t *out, size_t nblocks) {
+    uint64_t h = px_hash64_seed(ids, 0, model_hash);
+    size_t done = 0;
+    for (size_t b = 0; b < nblocks; b++) {
+        size_t end = (b + 1) * block_tokens;
+        if (end > ntok) end = ntok;
+        h = px_hash64_more(h, ids + done, (end - done) * sizeof *ids);
+        done = end;
+        out[b] = h;
+    }
 }
 
 void kvsim_fill_block(uint64_t prefix_hash, uint32_t layer, uint32_t kv, void *out, size_t len) {

@@ -14,10 +14,12 @@
  * Returns the new count. */
 size_t kvsim_tokenize(const char *text, size_t len, uint32_t **ids, size_t n);
 
-/* Hash of the prefix of `ids` that ends with block `b` (block_tokens per
- * block; the last block may be partial). */
-uint64_t kvsim_prefix_hash(uint64_t model_hash, const uint32_t *ids, size_t ntok,
-                           size_t block_tokens, size_t b);
+/* out[b], for each block b < nblocks: the hash of the prefix of `ids`
+ * that ends with block b (block_tokens per block; the last block may be
+ * partial, blocks past the end hash the whole prompt). One pass over the
+ * tokens for all of them. */
+void kvsim_prefix_hashes(uint64_t model_hash, const uint32_t *ids, size_t ntok, size_t block_tokens,
+                         uint64_t *out, size_t nblocks);
 
 /* Fills out[0..len) with the bytes of block `b` for (layer, kv: 0=K, 1=V),
  * given the block's prefix hash. */

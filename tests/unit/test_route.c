@@ -98,6 +98,8 @@ static void test_hash_seeded(void **state) {
     assert_true(px_hash64("", 0) == 0xcbf29ce484222325ull);
     assert_true(px_hash64("a", 1) == 0xaf63dc4c8601ec8cull);
     assert_true(px_hash64("foobar", 6) == 0x85944171f73967e8ull);
+    /* A prefix hash continued is the hash of the whole. */
+    assert_true(px_hash64_more(px_hash64("foo", 3), "bar", 3) == px_hash64("foobar", 6));
     assert_true(px_hash64_seed("foobar", 6, 0) == px_hash64("foobar", 6));
     assert_true(px_hash64_seed("a", 1, 1) != px_hash64("a", 1));
     assert_true(px_hash64_seed("", 0, 0x5eed) == (0xcbf29ce484222325ull ^ 0x5eed));
