@@ -1,8 +1,6 @@
 #include "admin.h"
 
 #include <errno.h>
-#include <event2/listener.h>
-#include <netdb.h>
 #include <openssl/crypto.h>
 #include <openssl/sha.h>
 #include <stdlib.h>
@@ -12,16 +10,16 @@
 #include "conn.h"
 #include "http.h"
 #include "json.h"
+#include "listen.h"
 #include "log.h"
-#include "server.h"
 
 #define ADMIN_NOTE                                                                                 \
     "changes made through the admin API last until the next reload from the --config file"
 
 struct px_admin {
-    px_server *s;               /* borrowed */
-    struct evconnlistener *lev; /* owned */
-    px_conn_list conns;         /* owned */
+    px_admin_host h;
+    px_listener *lev;   /* owned */
+    px_conn_list conns; /* owned */
     px_conn_cfg ccfg;
     unsigned char token[32]; /* SHA-256 of the token */
     char who[32];            /* "token:<8 hex>": names the token in logs, not its value */
@@ -93,7 +91,7 @@ static void backend_json(px_buf *b, const px_pset *p, const char *role, const px
 }
 
 static void list_backends(px_admin *a, px_conn *c) {
-    px_gen *g = px_server_gen(a->s);
+    px_gen *g = px_ctx_gen(a->h.ctx);
     px_buf b;
     px_buf_init(&b);
     px_buf_printf(&b, "{\"generation\":%llu,\"backends\":[", (unsigned long long)g->id);
@@ -111,7 +109,9 @@ static void list_backends(px_admin *a, px_conn *c) {
             }
             free(m);
         }
-    px_buf_printf(&b, "],\"api_changes\":%zu,\"note\":\"%s\"}", a->s->nops, ADMIN_NOTE);
+    size_t nops;
+    a->h.changes(a->h.arg, &nops);
+    px_buf_printf(&b, "],\"api_changes\":%zu,\"note\":\"%s\"}", nops, ADMIN_NOTE);
     px_gen_release(g);
     reply(c, 200, &b);
     px_buf_cleanup(&b);
@@ -140,7 +140,7 @@ static void change_backend(px_admin *a, px_conn *c, const px_buf *body, int add)
         goto out;
     }
     px_api_op op = {.add = add, .prefill = role[0] == 'p', .pool = pool ? pool : "", .url = url};
-    int rc = px_server_reload(a->s, 0, &op, err, sizeof err);
+    int rc = a->h.reload(a->h.arg, 0, &op, err, sizeof err);
     if (rc < 0) {
         reply_err(c, rc == -2 ? 404 : rc == -3 ? 409 : 400, err);
         goto out;
@@ -153,8 +153,8 @@ static void change_backend(px_admin *a, px_conn *c, const px_buf *body, int add)
     json_str(&b, op.pool);
     px_buf_printf(&b, ",\"role\":\"%s\",\"url\":", role);
     json_str(&b, url);
-    px_buf_printf(&b, ",\"generation\":%llu,\"note\":\"%s\"}", (unsigned long long)a->s->gen->id,
-                  ADMIN_NOTE);
+    px_buf_printf(&b, ",\"generation\":%llu,\"note\":\"%s\"}",
+                  (unsigned long long)a->h.ctx->gen->id, ADMIN_NOTE);
     reply(c, add ? 201 : 200, &b);
     px_buf_cleanup(&b);
 out:
@@ -174,7 +174,7 @@ static void drain(px_admin *a, px_conn *c, const px_buf *body, int on) {
                   "with optional \"pool\" and \"role\"");
         goto out;
     }
-    px_gen *g = px_server_gen(a->s);
+    px_gen *g = px_ctx_gen(a->h.ctx);
     px_buf b;
     px_buf_init(&b);
     px_buf_appends(&b, "{\"status\":");
@@ -219,7 +219,7 @@ out:
 }
 
 static void show_config(px_admin *a, px_conn *c) {
-    const px_config *cfg = px_server_config(a->s);
+    const px_config *cfg = a->h.config(a->h.arg);
     char *text = NULL;
     size_t len = 0;
     FILE *f = open_memstream(&text, &len);
@@ -229,11 +229,14 @@ static void show_config(px_admin *a, px_conn *c) {
     }
     px_buf b;
     px_buf_init(&b);
-    px_buf_printf(&b, "{\"generation\":%llu,\"config_file\":", (unsigned long long)a->s->gen->id);
+    px_buf_printf(&b,
+                  "{\"generation\":%llu,\"config_file\":", (unsigned long long)a->h.ctx->gen->id);
     json_str(&b, cfg->config_file);
     px_buf_appends(&b, ",\"api_changes\":[");
-    for (size_t i = 0; i < a->s->nops; i++) {
-        const px_api_op *o = &a->s->ops[i];
+    size_t nops;
+    const px_api_op *ops = a->h.changes(a->h.arg, &nops);
+    for (size_t i = 0; i < nops; i++) {
+        const px_api_op *o = &ops[i];
         px_buf_printf(&b, "%s{\"op\":\"%s\",\"role\":\"%s\",\"pool\":", i ? "," : "",
                       o->add ? "add" : "remove", o->prefill ? "prefill" : "decode");
         json_str(&b, o->pool);
@@ -252,7 +255,7 @@ static void show_config(px_admin *a, px_conn *c) {
 static void reload(px_admin *a, px_conn *c) {
     char err[512], q[1100];
     uint64_t t0 = px_now_ns();
-    if (px_server_reload(a->s, 1, NULL, err, sizeof err) < 0) {
+    if (a->h.reload(a->h.arg, 1, NULL, err, sizeof err) < 0) {
         PX_LOG(PX_LOG_ERROR,
                "msg=\"admin: reload failed; the running configuration stays\" who=%s error=%s",
                a->who, px_log_value(err, q, sizeof q));
@@ -260,11 +263,11 @@ static void reload(px_admin *a, px_conn *c) {
         return;
     }
     PX_LOG(PX_LOG_INFO, "msg=\"admin: reloaded from file\" who=%s generation=%llu", a->who,
-           (unsigned long long)a->s->gen->id);
+           (unsigned long long)a->h.ctx->gen->id);
     px_buf b;
     px_buf_init(&b);
     px_buf_printf(&b, "{\"status\":\"reloaded\",\"generation\":%llu,\"ms\":%.3f}",
-                  (unsigned long long)a->s->gen->id, (double)(px_now_ns() - t0) / 1e6);
+                  (unsigned long long)a->h.ctx->gen->id, (double)(px_now_ns() - t0) / 1e6);
     reply(c, 200, &b);
     px_buf_cleanup(&b);
 }
@@ -320,12 +323,6 @@ static void dispatch(void *ctx, px_conn *c, const px_http_head *h, px_buf *body)
 
 /* ---------- setup ---------- */
 
-static void on_accept(struct evconnlistener *lev, evutil_socket_t fd, struct sockaddr *sa,
-                      int salen, void *arg) {
-    px_admin *a = arg;
-    px_conn_accept(evconnlistener_get_base(lev), fd, &a->ccfg, &a->conns);
-}
-
 static int read_token(px_admin *a, const char *path, char *err, size_t errlen) {
     FILE *f = fopen(path, "r");
     if (!f) {
@@ -349,31 +346,13 @@ static int read_token(px_admin *a, const char *path, char *err, size_t errlen) {
     return 0;
 }
 
-int px_admin_start(px_server *s, char *err, size_t errlen) {
-    const px_config *cfg = s->cfg;
+int px_admin_start(const px_admin_host *host, const px_config *cfg, px_admin **out, char *err,
+                   size_t errlen) {
+    *out = NULL;
     if (!cfg->admin_port) return 0;
     px_admin *a = px_xcalloc(1, sizeof *a);
-    a->s = s;
+    a->h = *host;
     if (read_token(a, cfg->admin_token_file, err, errlen) < 0) {
-        free(a);
-        return -1;
-    }
-    struct addrinfo *res = NULL;
-    int rc = px_listen_addrs(cfg->admin_host, (int)cfg->admin_port, &res);
-    if (rc) {
-        snprintf(err, errlen, "cannot resolve --admin-host '%s': %s", cfg->admin_host,
-                 gai_strerror(rc));
-        free(a);
-        return -1;
-    }
-    a->lev =
-        evconnlistener_new_bind(s->ctl_base, on_accept, a,
-                                LEV_OPT_CLOSE_ON_FREE | LEV_OPT_REUSEABLE | LEV_OPT_CLOSE_ON_EXEC,
-                                128, res->ai_addr, (int)res->ai_addrlen);
-    freeaddrinfo(res);
-    if (!a->lev) {
-        snprintf(err, errlen, "cannot listen on %s:%d (--admin-port): %s", cfg->admin_host,
-                 (int)cfg->admin_port, strerror(errno));
         free(a);
         return -1;
     }
@@ -385,7 +364,13 @@ int px_admin_start(px_server *s, char *err, size_t errlen) {
         .dispatch = dispatch,
         .ctx = a,
     };
-    s->admin = a;
+    a->lev = px_listen(host->base, cfg->admin_host, (int)cfg->admin_port, 0, "--admin-port",
+                       &a->ccfg, &a->conns, err, errlen);
+    if (!a->lev) {
+        free(a);
+        return -1;
+    }
+    *out = a;
     PX_LOG(PX_LOG_INFO, "msg=\"admin API listening\" addr=%s:%d", cfg->admin_host,
            (int)cfg->admin_port);
     return 0;
@@ -394,6 +379,6 @@ int px_admin_start(px_server *s, char *err, size_t errlen) {
 void px_admin_stop(px_admin *a) {
     if (!a) return;
     px_conn_list_close_all(&a->conns);
-    if (a->lev) evconnlistener_free(a->lev);
+    px_listener_free(a->lev);
     free(a);
 }

@@ -7,14 +7,45 @@
 #ifndef PX_ADMIN_H
 #define PX_ADMIN_H
 
+#include <event2/event.h>
 #include <stddef.h>
 
-struct px_server;
+#include "config.h"
+#include "ctx.h"
+
 typedef struct px_admin px_admin;
 
-/* With --admin-port: reads the token and listens, setting s->admin. 0, or
- * -1 with err (unreadable or empty token file, port taken). */
-int px_admin_start(struct px_server *s, char *err, size_t errlen);
+/* A change the admin API made to the backends. */
+typedef struct px_api_op {
+    int add;     /* 1: add, 0: remove */
+    int prefill; /* role */
+    char *pool;  /* owned: pool name ("" the unnamed one) */
+    char *url;   /* owned */
+} px_api_op;
+
+/* What the admin API acts on: the running proxy's context, and the control
+ * plane that swaps configurations (server.c), reached through these calls
+ * only. All on the control thread. */
+typedef struct px_admin_host {
+    px_ctx *ctx;             /* borrowed: the current generation */
+    struct event_base *base; /* borrowed: the control loop, where the listener runs */
+    void *arg;               /* passed to the calls */
+    /* Builds and swaps in a new generation: from_file reads the --config
+     * file again (dropping the API's changes), else `op` is applied to the
+     * current settings. 0, or -1 / -2 (no such pool or backend) / -3
+     * (already there) with err; on error nothing changes. */
+    int (*reload)(void *arg, int from_file, const px_api_op *op, char *err, size_t errlen);
+    /* The settings the current generation was built from. */
+    const px_config *(*config)(void *arg);
+    /* The API's changes since the last reload from the file. */
+    const px_api_op *(*changes)(void *arg, size_t *n);
+} px_admin_host;
+
+/* With cfg's --admin-port: reads the token and listens. 0 with *out set
+ * (NULL without --admin-port), or -1 with err (unreadable or short token
+ * file, port taken). `host` is copied. */
+int px_admin_start(const px_admin_host *host, const px_config *cfg, px_admin **out, char *err,
+                   size_t errlen);
 /* Closes the listener and its connections. NULL is a no-op. */
 void px_admin_stop(px_admin *a);
 

@@ -9,9 +9,9 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "ctx.h"
 #include "log.h"
 #include "route.h"
-#include "server.h"
 
 #define HOSTS_FILE "/etc/hosts"
 

@@ -3,10 +3,10 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "ctx.h"
 #include "list.h"
 #include "log.h"
 #include "route.h"
-#include "server.h"
 #include "upstream.h"
 
 #define SCRAPE_MAX (4 * 1024 * 1024)
@@ -28,7 +28,7 @@ typedef struct check {
 } check;
 
 struct px_health {
-    px_server *s;
+    px_ctx *s;
     struct event_base *base;
     px_uploop *loop;
     struct event *check_timer;
@@ -163,7 +163,7 @@ static struct event *every(px_health *h, double seconds, event_callback_fn fn) {
     return ev;
 }
 
-px_health *px_health_start(px_server *s, struct event_base *base) {
+px_health *px_health_start(px_ctx *s, struct event_base *base) {
     const px_config *cfg = s->cfg;
     px_health *h = px_xcalloc(1, sizeof *h);
     h->s = s;

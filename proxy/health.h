@@ -6,12 +6,12 @@
 #include <event2/event.h>
 #include <stddef.h>
 
-struct px_server;
+struct px_ctx;
 typedef struct px_health px_health;
 
 /* Starts the timers on `base`. Returns NULL when nothing is to be done
  * (checks disabled and no load_aware pool). */
-px_health *px_health_start(struct px_server *s, struct event_base *base);
+px_health *px_health_start(struct px_ctx *s, struct event_base *base);
 /* Cancels checks in flight and frees. NULL is a no-op. */
 void px_health_stop(px_health *h);
 

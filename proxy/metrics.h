@@ -1,6 +1,6 @@
-/* Prometheus metrics. Each worker thread owns a px_metrics and is its only
+/* Prometheus counters. Each worker thread owns a px_metrics and is its only
  * writer (plain relaxed stores, no lock, no shared cache line on the request
- * path); a scrape sums every worker's at read time. */
+ * path); a scrape (scrape.c) sums every worker's at read time. */
 #ifndef PX_METRICS_H
 #define PX_METRICS_H
 
@@ -50,6 +50,8 @@ const char *px_decision_reason(px_decision d); /* the reason label */
 const char *px_fallback_name(px_fallback f);
 
 #define PX_HIST_BUCKETS 16
+/* Upper bounds of the histogram buckets, in seconds. */
+extern const double px_hist_bounds[PX_HIST_BUCKETS];
 
 typedef struct px_hist {
     atomic_ullong bucket[PX_HIST_BUCKETS]; /* non-cumulative counts per upper bound */
@@ -79,10 +81,5 @@ static inline void px_m_inc(atomic_ullong *c) {
 
 void px_metrics_count(px_metrics *m, px_metric_endpoint ep, int status);
 void px_hist_observe(px_hist *h, double seconds);
-
-struct px_server;
-/* Writes the whole exposition (text format 0.0.4): every worker's counters
- * summed, backend gauges, process metrics. */
-void px_metrics_render(struct px_server *s, px_buf *out);
 
 #endif

@@ -49,8 +49,8 @@ static const px_metric_endpoint ep_metric[] = {PX_MEP_COMPLETIONS, PX_MEP_CHAT,
 
 struct px_req {
     px_req *prev, *next; /* in w->reqs */
-    px_worker *w;        /* borrowed: the worker this request runs on */
-    px_server *s;        /* borrowed */
+    px_wctx *w;        /* borrowed: the worker this request runs on */
+    px_ctx *s;        /* borrowed */
     px_gen *g;           /* owned reference: the configuration this request runs on */
     px_pset *ps;         /* borrowed from g: the pool of the request's model */
     px_backend *hb;      /* owned reference: the prefill named by the request's header */
@@ -1189,13 +1189,13 @@ void px_req_announce(void) {
                         "kv_transfer_params there\" endpoint=/v1/messages decision=disaggregated");
 }
 
-void px_req_start(px_worker *w, px_conn *c, px_endpoint ep, const px_http_head *h, px_buf *body) {
+void px_req_start(px_wctx *w, px_conn *c, px_endpoint ep, const px_http_head *h, px_buf *body) {
     px_req *r = px_xcalloc(1, sizeof *r);
     r->w = w;
     PX_LIST_PUSH(w->reqs, r);
     w->nreqs++;
-    r->s = w->srv;
-    r->g = px_server_gen(r->s);
+    r->s = w->s;
+    r->g = px_ctx_gen(r->s);
     r->ps = &r->g->ps[0];
     r->conn = c;
     r->ep = ep;
@@ -1342,7 +1342,7 @@ void px_req_start(px_worker *w, px_conn *c, px_endpoint ep, const px_http_head *
     start_prefill(r);
 }
 
-void px_req_free_all(px_worker *w) {
+void px_req_free_all(px_wctx *w) {
     while (w->reqs) {
         px_req *r = w->reqs;
         if (r->conn) {

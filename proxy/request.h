@@ -6,8 +6,8 @@
 #ifndef PX_REQUEST_H
 #define PX_REQUEST_H
 
+#include "ctx.h"
 #include "http.h"
-#include "server.h"
 #include "util.h"
 
 typedef struct px_req px_req;
@@ -32,7 +32,7 @@ int px_req_passthrough_path(const char *path, size_t len);
  * client's method, target, headers and body to a decode). `body` is moved
  * into the request. The request replies on `c` when done and binds itself
  * to the exchange to hear of disconnects and drains. */
-void px_req_start(px_worker *w, px_conn *c, px_endpoint ep, const px_http_head *h, px_buf *body);
+void px_req_start(px_wctx *w, px_conn *c, px_endpoint ep, const px_http_head *h, px_buf *body);
 
 /* Logs at start-up how the endpoints whose P/D support depends on the
  * engine are served. */
@@ -40,7 +40,7 @@ void px_req_announce(void);
 
 /* Frees every request of the worker (its loop has stopped): transfers are
  * cancelled, backend references dropped. */
-void px_req_free_all(px_worker *w);
+void px_req_free_all(px_wctx *w);
 
 /* The access line of an API request refused before the flow started (401,
  * 405): one line per request, whatever its fate. */

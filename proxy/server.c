@@ -1,12 +1,8 @@
 #include "server.h"
 
 #include <errno.h>
-#include <event2/listener.h>
-#include <netdb.h>
-#include <netinet/in.h>
-#include <openssl/crypto.h>
 #include <openssl/err.h>
-#include <openssl/sha.h>
+#include <openssl/ssl.h>
 #include <signal.h>
 #include <stdlib.h>
 #include <string.h>
@@ -15,28 +11,60 @@
 #include <unistd.h>
 
 #include "admin.h"
+#include "ctx.h"
 #include "discovery.h"
 #include "health.h"
 #include "http.h"
+#include "listen.h"
 #include "log.h"
 #include "request.h"
+#include "scrape.h"
+
+/* Commands the control thread posts to workers. */
+enum { PX_CMD_DRAIN = 1, PX_CMD_STOP = 2, PX_CMD_RETIRE = 4 };
+
+/* A worker thread: its loop, listener and client connections; what its
+ * requests see of it is wc. */
+typedef struct px_worker {
+    px_wctx wc;
+    px_server *srv;           /* borrowed: outlives the worker */
+    px_listener *lev;         /* owned; NULL once draining */
+    struct event *wake;       /* owned: commands from the control thread */
+    int wake_fd;              /* owned eventfd */
+    atomic_int cmd;           /* PX_CMD_* bits */
+    struct event *drain_poll; /* owned: while draining, exits when idle */
+    px_conn_list conns;       /* owned: open client connections */
+    px_conn_cfg conn_cfg;
+    pthread_t thread;
+} px_worker;
+
+struct px_server {
+    px_ctx ctx;        /* what requests, health, metrics and the admin API see */
+    uint64_t last_gen; /* control thread */
+    /* Reloading: the command line and environment to merge over the file
+     * again, the file's last good settings and the admin API's changes
+     * since (control thread). */
+    int argc;
+    char **argv;         /* borrowed: main's */
+    char **envp;         /* borrowed: main's */
+    px_config *file_cfg; /* owned: the last reload's, or NULL: ctx.cfg */
+    px_api_op *ops;      /* owned: admin API changes since the last file reload */
+    size_t nops;
+    struct px_discovery **retired; /* owned: replaced generations' discoveries whose
+                                       cancelled lookups may still call back */
+    size_t nretired;
+    px_admin *admin;    /* owned, or NULL */
+    SSL_CTX *tls;       /* owned, or NULL */
+    px_worker *workers; /* owned array */
+    int nworkers;
+    struct event_base *ctl_base; /* owned: the control loop (signals, DNS, health) */
+    px_listener *mlev;           /* owned: --metrics-port listener, or NULL */
+    px_conn_list mconns;         /* owned: its connections (control thread) */
+    px_conn_cfg mconn_cfg;
+    atomic_int workers_running;
+};
 
 /* ---------- routing ---------- */
-
-/* With --api-key: Bearer <key>, compared in constant time (of the digests,
- * so neither the key's length nor its bytes leak through timing). */
-static int authorized(px_server *s, const px_http_head *h) {
-    if (!s->napi_keys) return 1;
-    const px_http_header *a = px_http_find(h, "authorization");
-    if (!a || a->value_len < 7 || !px_http_token_eq(a->value, 6, "bearer") || a->value[6] != ' ')
-        return 0;
-    unsigned char d[32];
-    SHA256((const unsigned char *)a->value + 7, a->value_len - 7, d);
-    int ok = 0;
-    for (size_t i = 0; i < s->napi_keys; i++)
-        ok |= CRYPTO_memcmp(d, s->api_keys[i], 32) == 0;
-    return ok;
-}
 
 /* The 405 for a method the route does not take: counted, logged (when
  * `epname`) and answered with its Allow header. */
@@ -64,25 +92,6 @@ static void reply_json(px_metrics *m, px_conn *c, px_metric_endpoint ep, int sta
     px_conn_reply(c, status, "application/json", NULL, NULL, json, n);
 }
 
-int px_pset_ready(const px_pset *cp, int fallback_decode_only, const char **why) {
-    px_pset *p = (px_pset *)cp; /* the pools' locks */
-    size_t pn, dn;
-    px_pool_counts(&p->prefill, &pn, NULL);
-    px_pool_counts(&p->decode, &dn, NULL);
-    /* Backends ejected for failed requests still take traffic when all of
-     * their role are (panic routing): readiness follows what can serve. */
-    if (!px_pool_usable(&p->decode)) {
-        *why = dn ? "every decode backend is ejected or drained" : "no decode backend";
-        return 0;
-    }
-    if (!fallback_decode_only && !px_pool_usable(&p->prefill)) {
-        *why = pn ? "every prefill backend is ejected or drained" : "no prefill backend";
-        return 0;
-    }
-    *why = NULL;
-    return 1;
-}
-
 static void role_json(px_buf *b, const char *role, px_pool *p) {
     size_t n, h;
     px_pool_counts(p, &n, &h);
@@ -94,10 +103,10 @@ static void role_json(px_buf *b, const char *role, px_pool *p) {
  * request (decode alone with --fallback-decode-only); the JSON says, per
  * pool and role, what is missing. */
 static void reply_ready(px_server *s, px_metrics *m, px_conn *c) {
-    px_gen *g = px_server_gen(s);
-    int draining = atomic_load(&s->draining);
+    px_gen *g = px_ctx_gen(&s->ctx);
+    int draining = atomic_load(&s->ctx.draining);
     /* The sidecar's prefills come with the requests: decode alone decides. */
-    int decode_alone = s->cfg->fallback_decode_only || s->cfg->prefiller_from_header;
+    int decode_alone = s->ctx.cfg->fallback_decode_only || s->ctx.cfg->prefiller_from_header;
     size_t ph = 0, pn = 0, dh = 0, dn = 0;
     int all = 1;
     const char *first_why = NULL;
@@ -153,9 +162,9 @@ static void reply_ready(px_server *s, px_metrics *m, px_conn *c) {
         px_buf_appends(&b, ",\"reason\":");
         px_buf_append_json_str(&b, reason, strlen(reason));
     }
-    pthread_mutex_lock(&s->gen_mu);
-    px_discovery_ready_json(s->gen->disc, &b);
-    pthread_mutex_unlock(&s->gen_mu);
+    pthread_mutex_lock(&s->ctx.gen_mu);
+    px_discovery_ready_json(s->ctx.gen->disc, &b);
+    pthread_mutex_unlock(&s->ctx.gen_mu);
     px_buf_appends(&b, "}");
     reply_json(m, c, PX_MEP_READY, ready ? 200 : 503, b.data, b.len);
     px_buf_cleanup(&b);
@@ -167,7 +176,7 @@ static void reply_ready(px_server *s, px_metrics *m, px_conn *c) {
  * configured) and /v1/models/{id} answers from that list. id: NULL for the
  * list. */
 static void reply_models(px_server *s, px_metrics *m, px_conn *c, const char *id, size_t idlen) {
-    px_gen *g = px_server_gen(s);
+    px_gen *g = px_ctx_gen(&s->ctx);
     px_buf b;
     px_buf_init(&b);
     int found = 0;
@@ -238,7 +247,7 @@ static int serve_local(px_server *s, px_metrics *m, px_conn *c, const px_http_he
         px_conn_reply_error(c, 405, NULL, "Allow: GET, HEAD\r\n", "method not allowed: use GET");
         return 1;
     }
-    if (metrics && s->cfg->metrics_auth && !authorized(s, h)) {
+    if (metrics && s->ctx.cfg->metrics_auth && !px_ctx_authorized(&s->ctx, h)) {
         reply_unauthorized(m, mep, c, h, NULL);
         return 1;
     }
@@ -248,7 +257,7 @@ static int serve_local(px_server *s, px_metrics *m, px_conn *c, const px_http_he
         if (m) px_metrics_count(m, PX_MEP_METRICS, 200);
         px_buf b;
         px_buf_init(&b);
-        px_metrics_render(s, &b);
+        px_scrape_render(&s->ctx, &b);
         px_conn_reply(c, 200, "text/plain; version=0.0.4; charset=utf-8", NULL, NULL, b.data,
                       b.len);
         px_buf_cleanup(&b);
@@ -256,7 +265,7 @@ static int serve_local(px_server *s, px_metrics *m, px_conn *c, const px_http_he
         reply_json(m, c, PX_MEP_HEALTH, 200, "{\"status\":\"ok\"}", 15);
     } else {
         size_t pn = 0, dn = 0;
-        px_gen *g = px_server_gen(s);
+        px_gen *g = px_ctx_gen(&s->ctx);
         for (size_t i = 0; i < g->nps; i++) {
             size_t n;
             px_pool_counts(&g->ps[i].prefill, &n, NULL);
@@ -282,7 +291,7 @@ static void dispatch_metrics(void *ctx, px_conn *c, const px_http_head *h, px_bu
 }
 
 static int models_local(px_server *s) {
-    px_gen *g = px_server_gen(s);
+    px_gen *g = px_ctx_gen(&s->ctx);
     int named = g->named;
     px_gen_release(g);
     return named;
@@ -305,20 +314,20 @@ static void dispatch(void *ctx, px_conn *c, const px_http_head *h, px_buf *body)
                              : chat      ? "/v1/chat/completions"
                                          : "/v1/models";
         if (models ? !is_get : !is_post) {
-            reply_method(&w->metrics, mep, c, h, epname,
+            reply_method(&w->wc.metrics, mep, c, h, epname,
                          models ? "Allow: GET\r\n" : "Allow: POST\r\n",
                          models ? "method not allowed: use GET" : "method not allowed: use POST");
             return;
         }
-        if (!authorized(s, h)) {
-            reply_unauthorized(&w->metrics, mep, c, h, epname);
+        if (!px_ctx_authorized(&s->ctx, h)) {
+            reply_unauthorized(&w->wc.metrics, mep, c, h, epname);
             return;
         }
         if (models && models_local(s)) {
-            reply_models(s, &w->metrics, c, NULL, 0);
+            reply_models(s, &w->wc.metrics, c, NULL, 0);
             return;
         }
-        px_req_start(w, c,
+        px_req_start(&w->wc, c,
                      completions ? PX_EP_COMPLETIONS
                      : chat      ? PX_EP_CHAT
                                  : PX_EP_MODELS,
@@ -330,19 +339,19 @@ static void dispatch(void *ctx, px_conn *c, const px_http_head *h, px_buf *body)
     px_http_path(h, &path, &plen);
     if (plen > 11 && !memcmp(path, "/v1/models/", 11) && models_local(s)) {
         if (!is_get) {
-            reply_method(&w->metrics, PX_MEP_MODELS, c, h, NULL, "Allow: GET\r\n",
+            reply_method(&w->wc.metrics, PX_MEP_MODELS, c, h, NULL, "Allow: GET\r\n",
                          "method not allowed: use GET");
-        } else if (!authorized(s, h)) {
-            reply_unauthorized(&w->metrics, PX_MEP_MODELS, c, h, NULL);
+        } else if (!px_ctx_authorized(&s->ctx, h)) {
+            reply_unauthorized(&w->wc.metrics, PX_MEP_MODELS, c, h, NULL);
         } else {
             /* Ids may hold '/' as is or as %2F (meta-llama%2FLlama-3.1-8B). */
             char id[512];
             size_t n = px_pct_decode(path + 11, plen - 11, id, sizeof id);
-            reply_models(s, &w->metrics, c, id, n);
+            reply_models(s, &w->wc.metrics, c, id, n);
         }
         return;
     }
-    if (serve_local(s, &w->metrics, c, h, s->cfg->metrics_port == 0)) return;
+    if (serve_local(s, &w->wc.metrics, c, h, s->ctx.cfg->metrics_port == 0)) return;
     /* The engine's other endpoints: /v1/messages disaggregated, the rest
      * (vLLM's /v1/responses included) passed to a decode as they are. */
     if (px_req_passthrough_path(path, plen)) {
@@ -359,94 +368,33 @@ static void dispatch(void *ctx, px_conn *c, const px_http_head *h, px_buf *body)
                     (h->method_len == 3 && !memcmp(h->method, "PUT", 3)) ||
                     (h->method_len == 5 && !memcmp(h->method, "PATCH", 5));
         if (messages ? !is_post : !known) {
-            reply_method(&w->metrics, mep, c, h, epname,
+            reply_method(&w->wc.metrics, mep, c, h, epname,
                          messages ? "Allow: POST\r\n" : "Allow: GET, POST, PUT, PATCH, DELETE\r\n",
                          "method not allowed");
             return;
         }
-        if (!authorized(s, h)) {
-            reply_unauthorized(&w->metrics, mep, c, h, epname);
+        if (!px_ctx_authorized(&s->ctx, h)) {
+            reply_unauthorized(&w->wc.metrics, mep, c, h, epname);
             return;
         }
-        px_req_start(w, c,
+        px_req_start(&w->wc, c,
                      messages    ? PX_EP_MESSAGES
                      : responses ? PX_EP_RESPONSES
                                  : PX_EP_PASSTHROUGH,
                      h, body);
         return;
     }
-    px_metrics_count(&w->metrics, PX_MEP_OTHER, 404);
+    px_metrics_count(&w->wc.metrics, PX_MEP_OTHER, 404);
     px_req_log_refused(h, "other", 404);
     not_found(c, h);
 }
 
 /* ---------- workers ---------- */
 
-int px_listen_addrs(const char *host, int port, struct addrinfo **res) {
-    struct addrinfo hints = {0};
-    char ps[16];
-    hints.ai_family = AF_UNSPEC;
-    hints.ai_socktype = SOCK_STREAM;
-    hints.ai_flags = AI_PASSIVE;
-    snprintf(ps, sizeof ps, "%d", port);
-    return getaddrinfo(host, ps, &hints, res);
-}
-
-/* Whether host:port is served already: a bind without SO_REUSEPORT fails
- * then, whoever holds it (another pdproxy with SO_REUSEPORT included).
- * Returns 0 when it is free, -1 with a message otherwise. */
-static int port_free(const char *host, int port, const char *flag, char *err, size_t errlen) {
-    struct addrinfo *res = NULL;
-    if (px_listen_addrs(host, port, &res)) return 0; /* make_listener says why */
-    int rc = 0;
-    for (struct addrinfo *ai = res; ai && rc == 0; ai = ai->ai_next) {
-        int fd = socket(ai->ai_family, ai->ai_socktype | SOCK_CLOEXEC, 0);
-        if (fd < 0) continue;
-        int one = 1;
-        setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
-        if (bind(fd, ai->ai_addr, ai->ai_addrlen) < 0 && errno == EADDRINUSE) {
-            snprintf(err, errlen,
-                     "cannot listen on %s:%d: address already in use by another process "
-                     "(%s; --reuse-port shares it on purpose)",
-                     host, port, flag);
-            rc = -1;
-        }
-        close(fd);
-        break; /* the first address is the one make_listener binds */
-    }
-    freeaddrinfo(res);
-    return rc;
-}
-
-static int make_listener(const char *host, int port, int reuse_port, char *err, size_t errlen) {
-    struct addrinfo *res = NULL;
-    int rc = px_listen_addrs(host, port, &res);
-    if (rc) {
-        snprintf(err, errlen, "cannot resolve --host '%s': %s", host, gai_strerror(rc));
-        return -1;
-    }
-    int fd = -1;
-    for (struct addrinfo *ai = res; ai; ai = ai->ai_next) {
-        fd = socket(ai->ai_family, ai->ai_socktype | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
-        if (fd < 0) continue;
-        int one = 1;
-        setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
-        /* Each worker has a listener of its own on the port: the kernel
-         * spreads connections across them. */
-        if (reuse_port) setsockopt(fd, SOL_SOCKET, SO_REUSEPORT, &one, sizeof one);
-        if (bind(fd, ai->ai_addr, ai->ai_addrlen) == 0 && listen(fd, 4096) == 0) break;
-        snprintf(err, errlen, "cannot listen on %s:%d: %s", host, port, strerror(errno));
-        close(fd);
-        fd = -1;
-    }
-    freeaddrinfo(res);
-    return fd;
-}
-
 static void on_drain_poll(evutil_socket_t fd, short what, void *arg) {
     px_worker *w = arg;
     /* Requests whose client left may still be releasing prefill's blocks. */
-    if (w->conns.n == 0 && w->nreqs == 0) event_base_loopbreak(w->base);
+    if (w->conns.n == 0 && w->wc.nreqs == 0) event_base_loopbreak(w->wc.base);
 }
 
 /* Whether an address belongs to a backend of generation `ctx`. */
@@ -473,25 +421,25 @@ static void on_wake(evutil_socket_t fd, short what, void *arg) {
     if (read(fd, &v, sizeof v) < 0 && errno != EAGAIN) return;
     int cmd = atomic_exchange(&w->cmd, 0);
     if (cmd & PX_CMD_STOP) {
-        event_base_loopbreak(w->base);
+        event_base_loopbreak(w->wc.base);
         return;
     }
     if (cmd & PX_CMD_RETIRE) {
         /* The backends changed: connections to those gone close after
          * their last request. */
-        px_gen *g = px_server_gen(w->srv);
-        px_uploop_retire(w->up, is_backend_addr, g);
+        px_gen *g = px_ctx_gen(&w->srv->ctx);
+        px_uploop_retire(w->wc.up, is_backend_addr, g);
         px_gen_release(g);
     }
     if ((cmd & PX_CMD_DRAIN) && w->lev) {
         /* Stop accepting, answer what is in flight with Connection: close,
          * and leave once no connection is left. */
-        evconnlistener_free(w->lev);
+        px_listener_free(w->lev);
         w->lev = NULL;
         w->conn_cfg.draining = 1;
         px_conn_list_close_idle(&w->conns);
         struct timeval tv = {0, 50000};
-        w->drain_poll = event_new(w->base, -1, EV_PERSIST, on_drain_poll, w);
+        w->drain_poll = event_new(w->wc.base, -1, EV_PERSIST, on_drain_poll, w);
         event_add(w->drain_poll, &tv);
         on_drain_poll(-1, 0, w);
     }
@@ -499,49 +447,20 @@ static void on_wake(evutil_socket_t fd, short what, void *arg) {
 
 static void *worker_main(void *arg) {
     px_worker *w = arg;
-    event_base_dispatch(w->base);
+    event_base_dispatch(w->wc.base);
     atomic_fetch_sub(&w->srv->workers_running, 1);
     return NULL;
 }
 
-static void on_accept(struct evconnlistener *lev, evutil_socket_t fd, struct sockaddr *sa,
-                      int salen, void *arg) {
-    px_worker *w = arg;
-    px_conn_accept(w->base, fd, &w->conn_cfg, &w->conns);
-}
-
-static void on_maccept(struct evconnlistener *lev, evutil_socket_t fd, struct sockaddr *sa,
-                       int salen, void *arg) {
-    px_server *s = arg;
-    px_conn_accept(s->ctl_base, fd, &s->mconn_cfg, &s->mconns);
-}
-
-static void on_accept_resume(evutil_socket_t fd, short what, void *arg) {
-    px_worker *w = arg;
-    if (w->lev) evconnlistener_enable(w->lev);
-}
-
-/* Out of descriptors (EMFILE) and the like: pause accepting for 100 ms
- * rather than spin on a listener that stays readable. */
-static void on_accept_error(struct evconnlistener *lev, void *arg) {
-    px_worker *w = arg;
-    int err = EVUTIL_SOCKET_ERROR();
-    PX_LOG(PX_LOG_WARN, "msg=\"accept failed; pausing the listener\" error=\"%s\"",
-           evutil_socket_error_to_string(err));
-    evconnlistener_disable(lev);
-    struct timeval tv = {0, 100000};
-    event_base_once(w->base, -1, EV_TIMEOUT, on_accept_resume, w, &tv);
-}
-
 static void worker_cleanup(px_worker *w) {
     px_conn_list_close_all(&w->conns);
-    px_req_free_all(w);
-    if (w->lev) evconnlistener_free(w->lev);
+    px_req_free_all(&w->wc);
+    px_listener_free(w->lev);
     if (w->drain_poll) event_free(w->drain_poll);
-    px_uploop_destroy(w->up);
+    px_uploop_destroy(w->wc.up);
     if (w->wake) event_free(w->wake);
     if (w->wake_fd >= 0) close(w->wake_fd);
-    if (w->base) event_base_free(w->base);
+    if (w->wc.base) event_base_free(w->wc.base);
 }
 
 static void post_cmd(px_server *s, int cmd) {
@@ -554,40 +473,8 @@ static void post_cmd(px_server *s, int cmd) {
 
 /* ---------- setup ---------- */
 
-static void add_api_key(px_server *s, const char *k, size_t n) {
-    while (n && (k[n - 1] == '\r' || k[n - 1] == ' ' || k[n - 1] == '\t'))
-        n--;
-    while (n && (*k == ' ' || *k == '\t'))
-        k++, n--;
-    if (!n || *k == '#') return;
-    s->api_keys = px_xrealloc(s->api_keys, (s->napi_keys + 1) * sizeof *s->api_keys);
-    SHA256((const unsigned char *)k, n, s->api_keys[s->napi_keys++]);
-}
-
-static int load_api_keys(px_server *s, char *err, size_t errlen) {
-    const px_config *c = s->cfg;
-    if (c->api_key[0]) add_api_key(s, c->api_key, strlen(c->api_key));
-    if (!c->api_key_file[0]) return 0;
-    FILE *f = fopen(c->api_key_file, "r");
-    if (!f) {
-        snprintf(err, errlen, "--api-key-file '%s': %s", c->api_key_file, strerror(errno));
-        return -1;
-    }
-    char *line = NULL;
-    size_t cap = 0, before = s->napi_keys;
-    while (getline(&line, &cap, f) >= 0)
-        add_api_key(s, line, strcspn(line, "\n"));
-    free(line);
-    fclose(f);
-    if (s->napi_keys == before) {
-        snprintf(err, errlen, "--api-key-file '%s': no key in the file", c->api_key_file);
-        return -1;
-    }
-    return 0;
-}
-
 static int setup_tls(px_server *s, char *err, size_t errlen) {
-    const px_config *c = s->cfg;
+    const px_config *c = s->ctx.cfg;
     if (!c->tls_cert[0]) return 0;
     s->tls = SSL_CTX_new(TLS_server_method());
     if (!s->tls) goto fail;
@@ -610,34 +497,14 @@ fail:
     return -1;
 }
 
-static void setup_upstream_auth(px_server *s) {
-    const px_config *c = s->cfg;
-    const char *key = c->upstream_api_key[0] ? c->upstream_api_key : getenv("OPENAI_API_KEY");
-    s->upstream_auth_forced = c->upstream_api_key[0] != 0;
-    if (key && *key) {
-        px_buf b;
-        px_buf_init(&b);
-        px_buf_printf(&b, "Authorization: Bearer %s", key);
-        s->upstream_auth = b.data;
-        px_buf_printf(&s->health_hdrs, "%s\r\n", s->upstream_auth);
-    }
-}
-
 /* --metrics-port: /metrics, /health and /ready on a listener of their own,
  * served by the control thread (so a busy worker does not delay a scrape). */
 static int setup_metrics_listener(px_server *s, char *err, size_t errlen) {
-    const px_config *cfg = s->cfg;
+    const px_config *cfg = s->ctx.cfg;
     if (!cfg->metrics_port) return 0;
     const char *host = cfg->metrics_host[0] ? cfg->metrics_host : cfg->host;
-    if (port_free(host, (int)cfg->metrics_port, "--metrics-port", err, errlen) < 0) return -1;
-    int fd = make_listener(host, (int)cfg->metrics_port, 0, err, errlen);
-    if (fd < 0) return -1;
-    s->mlev = evconnlistener_new(s->ctl_base, on_maccept, s, LEV_OPT_CLOSE_ON_FREE, -1, fd);
-    if (!s->mlev) {
-        close(fd);
-        snprintf(err, errlen, "cannot create the metrics listener");
+    if (px_listen_port_free(host, (int)cfg->metrics_port, "--metrics-port", err, errlen) < 0)
         return -1;
-    }
     s->mconn_cfg = (px_conn_cfg){
         .max_body_bytes = 65536,
         .header_timeout = cfg->client_header_timeout,
@@ -646,58 +513,12 @@ static int setup_metrics_listener(px_server *s, char *err, size_t errlen) {
         .dispatch = dispatch_metrics,
         .ctx = s,
     };
-    return 0;
+    s->mlev = px_listen(s->ctl_base, host, (int)cfg->metrics_port, 0, "--metrics-port",
+                        &s->mconn_cfg, &s->mconns, err, errlen);
+    return s->mlev ? 0 : -1;
 }
 
 /* ---------- generations ---------- */
-
-px_gen *px_server_gen(px_server *s) {
-    pthread_mutex_lock(&s->gen_mu);
-    px_gen *g = s->gen;
-    atomic_fetch_add(&g->refs, 1);
-    pthread_mutex_unlock(&s->gen_mu);
-    return g;
-}
-
-/* Without discovery (detached by the control thread before): may run on
- * any thread. */
-static void gen_free(px_gen *g) {
-    for (size_t i = 0; i < g->nps; i++) {
-        free(g->ps[i].name);
-        px_strlist_clear(&g->ps[i].models);
-        px_pool_cleanup(&g->ps[i].prefill);
-        px_pool_cleanup(&g->ps[i].decode);
-    }
-    free(g->ps);
-    free(g);
-}
-
-void px_gen_release(px_gen *g) {
-    if (g && atomic_fetch_sub(&g->refs, 1) == 1) gen_free(g);
-}
-
-px_pset *px_gen_find(px_gen *g, const char *model, size_t n) {
-    if (!g->named) return g->nps ? &g->ps[0] : NULL;
-    for (size_t i = 0; i < g->nps; i++)
-        for (size_t j = 0; j < g->ps[i].models.n; j++)
-            if (strlen(g->ps[i].models.v[j]) == n && !memcmp(g->ps[i].models.v[j], model, n))
-                return &g->ps[i];
-    return NULL;
-}
-
-uint64_t px_server_dns_failures(px_server *s) {
-    pthread_mutex_lock(&s->gen_mu);
-    uint64_t n = px_discovery_failures(s->gen->disc);
-    pthread_mutex_unlock(&s->gen_mu);
-    return n;
-}
-
-size_t px_server_dns_unresolved(px_server *s) {
-    pthread_mutex_lock(&s->gen_mu);
-    size_t n = px_discovery_unresolved(s->gen->disc);
-    pthread_mutex_unlock(&s->gen_mu);
-    return n;
-}
 
 static px_gen *gen_build(px_server *s, const px_config *cfg, const px_pool_spec *specs, size_t n,
                          px_gen *old, int wait, char *err, size_t errlen) {
@@ -709,7 +530,7 @@ static px_gen *gen_build(px_server *s, const px_config *cfg, const px_pool_spec 
     px_pool_cfg pc = {
         .unhealthy_after = (int)cfg->unhealthy_after,
         .healthy_after = (int)cfg->healthy_after,
-        .active_checks = s->cfg->health_interval > 0, /* the checker's, set at start */
+        .active_checks = s->ctx.cfg->health_interval > 0, /* the checker's, set at start */
         .prefix_bytes = (size_t)cfg->prefix_bytes,
         .load_factor = cfg->prefix_load_factor,
     };
@@ -727,7 +548,7 @@ static px_gen *gen_build(px_server *s, const px_config *cfg, const px_pool_spec 
     }
     g->disc = px_discovery_start(g, specs, old, cfg->dns_refresh, s->ctl_base, wait, err, errlen);
     if (!g->disc) {
-        gen_free(g);
+        px_gen_release(g);
         return NULL;
     }
     return g;
@@ -822,8 +643,8 @@ static int apply_op(px_pool_spec *v, size_t n, const px_api_op *op, char *err, s
     return 0;
 }
 
-const px_config *px_server_config(px_server *s) {
-    return s->file_cfg ? s->file_cfg : s->cfg;
+static const px_config *server_config(px_server *s) {
+    return s->file_cfg ? s->file_cfg : s->ctx.cfg;
 }
 
 static void op_free(px_api_op *o) {
@@ -831,10 +652,10 @@ static void op_free(px_api_op *o) {
     free(o->url);
 }
 
-int px_server_reload(px_server *s, int from_file, const px_api_op *op, char *err, size_t errlen) {
+static int reload(px_server *s, int from_file, const px_api_op *op, char *err, size_t errlen) {
     uint64_t t0 = px_now_ns();
     px_config *nc = NULL;
-    const px_config *base = px_server_config(s);
+    const px_config *base = server_config(s);
     if (from_file) {
         if (!base->config_file[0]) {
             snprintf(err, errlen, "no --config file to reload");
@@ -861,7 +682,7 @@ int px_server_reload(px_server *s, int from_file, const px_api_op *op, char *err
             "healthy-after", "prefill-policy",     "decode-policy",
             "prefix-bytes",  "prefix-load-factor", NULL};
         char changed[512];
-        px_config_changed(px_server_config(s), nc, reloadable, changed, sizeof changed);
+        px_config_changed(server_config(s), nc, reloadable, changed, sizeof changed);
         if (changed[0])
             PX_LOG(PX_LOG_WARN,
                    "msg=\"reload: these settings changed but take effect at restart only\" "
@@ -877,7 +698,7 @@ int px_server_reload(px_server *s, int from_file, const px_api_op *op, char *err
     if (rc == 0 && op) rc = apply_op(specs, n, op, err, errlen);
     px_gen *g = NULL;
     if (rc == 0) {
-        g = gen_build(s, base, specs, n, s->gen, 0, err, errlen);
+        g = gen_build(s, base, specs, n, s->ctx.gen, 0, err, errlen);
         if (!g) rc = -1;
     }
     px_pool_specs_free(specs, n);
@@ -899,11 +720,11 @@ int px_server_reload(px_server *s, int from_file, const px_api_op *op, char *err
                 }
                 free(m);
             }
-    pthread_mutex_lock(&s->gen_mu);
-    px_gen *old = s->gen;
+    pthread_mutex_lock(&s->ctx.gen_mu);
+    px_gen *old = s->ctx.gen;
     g->id = ++s->last_gen;
-    s->gen = g;
-    pthread_mutex_unlock(&s->gen_mu);
+    s->ctx.gen = g;
+    pthread_mutex_unlock(&s->ctx.gen_mu);
     /* A replaced discovery may have lookups whose cancellation calls back on
      * a later turn of this loop: it is freed by a later reload, once idle. */
     size_t keep = 0;
@@ -948,6 +769,21 @@ int px_server_reload(px_server *s, int from_file, const px_api_op *op, char *err
     return 0;
 }
 
+/* The admin API's view of the control plane (admin.h). */
+static int admin_reload(void *arg, int from_file, const px_api_op *op, char *err, size_t errlen) {
+    return reload(arg, from_file, op, err, errlen);
+}
+
+static const px_config *admin_config(void *arg) {
+    return server_config(arg);
+}
+
+static const px_api_op *admin_changes(void *arg, size_t *n) {
+    px_server *s = arg;
+    *n = s->nops;
+    return s->ops;
+}
+
 void px_server_set_args(px_server *s, int argc, char **argv, char **envp) {
     s->argc = argc;
     s->argv = argv;
@@ -956,72 +792,74 @@ void px_server_set_args(px_server *s, int argc, char **argv, char **envp) {
 
 px_server *px_server_create(const px_config *cfg, char *err, size_t errlen) {
     px_server *s = px_xcalloc(1, sizeof *s);
-    s->cfg = cfg;
-    pthread_mutex_init(&s->gen_mu, NULL);
-    setup_upstream_auth(s);
     long ncpu = sysconf(_SC_NPROCESSORS_ONLN);
     s->nworkers = cfg->threads > 0 ? (int)cfg->threads : (ncpu > 0 ? (int)ncpu : 1);
     s->workers = px_xcalloc((size_t)s->nworkers, sizeof *s->workers);
-    for (int i = 0; i < s->nworkers; i++)
+    s->ctx.workers = px_xcalloc((size_t)s->nworkers, sizeof *s->ctx.workers);
+    s->ctx.nworkers = s->nworkers;
+    for (int i = 0; i < s->nworkers; i++) {
         s->workers[i].wake_fd = -1;
-    s->shared.max_buffered = cfg->max_buffered_bytes;
-    s->shared.max_conns = (long)cfg->max_connections;
-    if (load_api_keys(s, err, errlen) < 0 || setup_tls(s, err, errlen) < 0) goto err;
+        s->workers[i].wc.s = &s->ctx;
+        s->ctx.workers[i] = &s->workers[i].wc;
+    }
+    if (px_ctx_init(&s->ctx, cfg, err, errlen) < 0 || setup_tls(s, err, errlen) < 0) goto err;
     s->ctl_base = event_base_new();
     if (!s->ctl_base) {
         snprintf(err, errlen, "cannot create an event loop");
         goto err;
     }
-    if (!cfg->reuse_port && port_free(cfg->host, (int)cfg->port, "--port", err, errlen) < 0)
+    if (!cfg->reuse_port &&
+        px_listen_port_free(cfg->host, (int)cfg->port, "--port", err, errlen) < 0)
         goto err;
     if (setup_metrics_listener(s, err, errlen) < 0) goto err;
     size_t nspecs;
     px_pool_spec *specs = px_config_effective_pools(cfg, &nspecs);
-    s->gen = gen_build(s, cfg, specs, nspecs, NULL, 1, err, errlen);
+    s->ctx.gen = gen_build(s, cfg, specs, nspecs, NULL, 1, err, errlen);
     px_pool_specs_free(specs, nspecs);
-    if (!s->gen) goto err;
-    s->gen->id = s->last_gen = 1;
-    if (px_admin_start(s, err, errlen) < 0) goto err;
+    if (!s->ctx.gen) goto err;
+    s->ctx.gen->id = s->last_gen = 1;
+    px_admin_host ah = {.ctx = &s->ctx,
+                        .base = s->ctl_base,
+                        .arg = s,
+                        .reload = admin_reload,
+                        .config = admin_config,
+                        .changes = admin_changes};
+    if (px_admin_start(&ah, cfg, &s->admin, err, errlen) < 0) goto err;
     for (int i = 0; i < s->nworkers; i++) {
         px_worker *w = &s->workers[i];
         w->srv = s;
-        w->index = i;
+        w->wc.index = i;
         w->conn_cfg = (px_conn_cfg){
             .max_body_bytes = cfg->max_body_bytes,
             .header_timeout = cfg->client_header_timeout,
             .keepalive_timeout = cfg->keepalive_timeout,
             .send_timeout = cfg->send_timeout,
-            .shared = &s->shared,
+            .shared = &s->ctx.shared,
             .dispatch = dispatch,
             .ctx = w,
             .tls = s->tls,
         };
         struct event_config *ec = event_config_new();
         event_config_set_flag(ec, EVENT_BASE_FLAG_NOLOCK);
-        w->base = event_base_new_with_config(ec);
+        w->wc.base = event_base_new_with_config(ec);
         event_config_free(ec);
-        if (!w->base) {
+        if (!w->wc.base) {
             snprintf(err, errlen, "cannot create an event loop");
             goto err;
         }
         /* Without --reuse-port the workers still share the port among
-         * themselves: port_free() checked that no one else serves it. */
-        int fd = make_listener(cfg->host, (int)cfg->port, 1, err, errlen);
-        if (fd < 0) goto err;
-        w->lev = evconnlistener_new(w->base, on_accept, w, LEV_OPT_CLOSE_ON_FREE, -1, fd);
-        if (w->lev) evconnlistener_set_error_cb(w->lev, on_accept_error);
-        if (!w->lev) {
-            close(fd);
-            snprintf(err, errlen, "cannot create a listener");
-            goto err;
-        }
-        w->up = px_uploop_create(w->base, (int)cfg->upstream_keepalive);
+         * themselves: px_listen_port_free() checked that no one else serves
+         * it. */
+        w->lev = px_listen(w->wc.base, cfg->host, (int)cfg->port, 1, "--port", &w->conn_cfg,
+                           &w->conns, err, errlen);
+        if (!w->lev) goto err;
+        w->wc.up = px_uploop_create(w->wc.base, (int)cfg->upstream_keepalive);
         w->wake_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
-        if (!w->up || w->wake_fd < 0) {
+        if (!w->wc.up || w->wake_fd < 0) {
             snprintf(err, errlen, "cannot create the upstream loop");
             goto err;
         }
-        w->wake = event_new(w->base, w->wake_fd, EV_READ | EV_PERSIST, on_wake, w);
+        w->wake = event_new(w->wc.base, w->wake_fd, EV_READ | EV_PERSIST, on_wake, w);
         event_add(w->wake, NULL);
     }
     return s;
@@ -1051,13 +889,13 @@ static void on_drain_timer(evutil_socket_t fd, short what, void *arg) {
         PX_LOG(PX_LOG_INFO,
                "msg=\"drain: no new connections; waiting for requests in flight\" "
                "timeout_s=%g inflight=%ld",
-               k->s->cfg->drain_timeout, atomic_load(&k->s->inflight));
+               k->s->ctx.cfg->drain_timeout, atomic_load(&k->s->ctx.inflight));
         k->phase = 2;
         post_cmd(k->s, PX_CMD_DRAIN);
-        arm(k->drain_timer, k->s->cfg->drain_timeout);
+        arm(k->drain_timer, k->s->ctx.cfg->drain_timeout);
     } else if (k->phase == 2) {
         PX_LOG(PX_LOG_WARN, "msg=\"drain timeout: closing what is left\" inflight=%ld",
-               atomic_load(&k->s->inflight));
+               atomic_load(&k->s->ctx.inflight));
         k->phase = 3;
         post_cmd(k->s, PX_CMD_STOP);
     }
@@ -1072,13 +910,13 @@ static void on_exit_poll(evutil_socket_t fd, short what, void *arg) {
  * stays and the log says what is wrong (file, line, key). */
 static void on_sighup(evutil_socket_t sig, short what, void *arg) {
     control *k = arg;
-    if (!px_server_config(k->s)->config_file[0]) {
+    if (!server_config(k->s)->config_file[0]) {
         PX_LOG(PX_LOG_INFO, "msg=\"SIGHUP received: nothing to reload (no --config file); "
                             "ignored\"");
         return;
     }
     char err[512], q[1100];
-    if (px_server_reload(k->s, 1, NULL, err, sizeof err) < 0)
+    if (reload(k->s, 1, NULL, err, sizeof err) < 0)
         PX_LOG(PX_LOG_ERROR,
                "msg=\"reload on SIGHUP failed; the running configuration stays\" "
                "error=%s",
@@ -1091,14 +929,14 @@ static void on_signal(evutil_socket_t sig, short what, void *arg) {
         /* Readiness turns 503 at once; load balancers get drain-delay to
          * notice before the listeners close. */
         PX_LOG(PX_LOG_INFO, "msg=\"SIGTERM: draining\" drain_delay_s=%g drain_timeout_s=%g",
-               k->s->cfg->drain_delay, k->s->cfg->drain_timeout);
-        atomic_store(&k->s->draining, 1);
+               k->s->ctx.cfg->drain_delay, k->s->ctx.cfg->drain_timeout);
+        atomic_store(&k->s->ctx.draining, 1);
         k->phase = 1;
-        arm(k->drain_timer, k->s->cfg->drain_delay);
+        arm(k->drain_timer, k->s->ctx.cfg->drain_delay);
         return;
     }
     PX_LOG(PX_LOG_INFO, "msg=\"stopping now\" signal=%d", (int)sig);
-    atomic_store(&k->s->draining, 1);
+    atomic_store(&k->s->ctx.draining, 1);
     k->phase = 3;
     post_cmd(k->s, PX_CMD_STOP);
 }
@@ -1126,20 +964,20 @@ int px_server_run(px_server *s) {
     for (int i = 0; i < s->nworkers; i++)
         pthread_create(&s->workers[i].thread, NULL, worker_main, &s->workers[i]);
     pthread_sigmask(SIG_SETMASK, &old, NULL);
-    px_health *h = px_health_start(s, k.base);
+    px_health *h = px_health_start(&s->ctx, k.base);
     size_t pn = 0, dn = 0;
-    for (size_t i = 0; i < s->gen->nps; i++) {
+    for (size_t i = 0; i < s->ctx.gen->nps; i++) {
         size_t n;
-        px_pool_counts(&s->gen->ps[i].prefill, &n, NULL);
+        px_pool_counts(&s->ctx.gen->ps[i].prefill, &n, NULL);
         pn += n;
-        px_pool_counts(&s->gen->ps[i].decode, &n, NULL);
+        px_pool_counts(&s->ctx.gen->ps[i].decode, &n, NULL);
         dn += n;
     }
     PX_LOG(PX_LOG_INFO,
            "msg=\"listening\" addr=%s:%lld tls=%s threads=%d pools=%zu prefill=%zu decode=%zu "
            "prefill_policy=%s decode_policy=%s",
-           s->cfg->host, (long long)s->cfg->port, s->tls ? "on" : "off", s->nworkers, s->gen->nps,
-           pn, dn, s->cfg->prefill_policy, s->cfg->decode_policy);
+           s->ctx.cfg->host, (long long)s->ctx.cfg->port, s->tls ? "on" : "off", s->nworkers,
+           s->ctx.gen->nps, pn, dn, s->ctx.cfg->prefill_policy, s->ctx.cfg->decode_policy);
     px_req_announce();
     event_base_dispatch(k.base);
     px_health_stop(h);
@@ -1160,10 +998,10 @@ void px_server_destroy(px_server *s) {
         worker_cleanup(&s->workers[i]);
     free(s->workers);
     px_admin_stop(s->admin);
-    if (s->gen) {
-        px_discovery_stop(s->gen->disc);
-        s->gen->disc = NULL;
-        px_gen_release(s->gen);
+    if (s->ctx.gen) {
+        px_discovery_stop(s->ctx.gen->disc);
+        s->ctx.gen->disc = NULL;
+        px_gen_release(s->ctx.gen);
     }
     for (size_t i = 0; i < s->nretired; i++)
         px_discovery_stop(s->retired[i]);
@@ -1176,12 +1014,9 @@ void px_server_destroy(px_server *s) {
         op_free(&s->ops[i]);
     free(s->ops);
     px_conn_list_close_all(&s->mconns);
-    if (s->mlev) evconnlistener_free(s->mlev);
+    px_listener_free(s->mlev);
     if (s->ctl_base) event_base_free(s->ctl_base);
-    free(s->upstream_auth);
-    px_buf_cleanup(&s->health_hdrs);
-    free(s->api_keys);
     if (s->tls) SSL_CTX_free(s->tls);
-    pthread_mutex_destroy(&s->gen_mu);
+    px_ctx_cleanup(&s->ctx);
     free(s);
 }

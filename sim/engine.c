@@ -3,9 +3,7 @@
 #include <cjson/cJSON.h>
 #include <errno.h>
 #include <event2/event.h>
-#include <event2/listener.h>
 #include <kvconnector.h>
-#include <netdb.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>

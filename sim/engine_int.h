@@ -6,12 +6,12 @@
 
 #include <cjson/cJSON.h>
 #include <event2/event.h>
-#include <event2/listener.h>
 #include <kvconnector.h>
 #include <stdint.h>
 
 #include "conn.h"
 #include "engine.h"
+#include "listen.h"
 #include "sim_request.h"
 #include "util.h"
 
@@ -63,7 +63,7 @@ typedef struct sim_req {
 struct sim_engine {
     const sim_config *cfg;
     struct event_base *base;
-    struct evconnlistener *lev;
+    px_listener *lev; /* owned */
     px_conn_list conns;
     px_conn_cfg conn_cfg;
     kvc_agent_t *agent;

@@ -2,7 +2,6 @@
  * vLLM's names, the listener and the run loop. The engine itself (blocks,
  * KV transfers, generation) is engine.c. */
 #include <errno.h>
-#include <netdb.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -14,6 +13,7 @@
 #include "hash.h"
 #include "http.h"
 #include "kvsim.h"
+#include "listen.h"
 #include "log.h"
 
 /* ---------------------------------------------------------- completions -- */
@@ -130,12 +130,6 @@ static void dispatch(void *ctx, px_conn *c, const px_http_head *h, px_buf *body)
 
 /* --------------------------------------------------------------- setup -- */
 
-static void on_accept(struct evconnlistener *lev, evutil_socket_t fd, struct sockaddr *sa,
-                      int salen, void *arg) {
-    sim_engine *e = arg;
-    px_conn_accept(e->base, fd, &e->conn_cfg, &e->conns);
-}
-
 static void on_signal(evutil_socket_t sig, short what, void *arg) {
     sim_engine *e = arg;
     PX_LOG(PX_LOG_INFO, "msg=\"stopping\" signal=%d", (int)sig);
@@ -143,25 +137,11 @@ static void on_signal(evutil_socket_t sig, short what, void *arg) {
 }
 
 static int setup_listener(sim_engine *e) {
-    struct addrinfo hints = {0}, *res = NULL;
-    char ps[16];
-    hints.ai_family = AF_UNSPEC;
-    hints.ai_socktype = SOCK_STREAM;
-    hints.ai_flags = AI_PASSIVE;
-    snprintf(ps, sizeof ps, "%d", e->cfg->port);
-    if (getaddrinfo(e->cfg->host, ps, &hints, &res) != 0) {
-        fprintf(stderr, "engine-sim: cannot resolve --host %s\n", e->cfg->host);
-        return -1;
-    }
-    e->lev =
-        evconnlistener_new_bind(e->base, on_accept, e, LEV_OPT_CLOSE_ON_FREE | LEV_OPT_REUSEABLE,
-                                1024, res->ai_addr, (int)res->ai_addrlen);
-    freeaddrinfo(res);
-    if (!e->lev) {
-        fprintf(stderr, "engine-sim: cannot listen on %s:%d\n", e->cfg->host, e->cfg->port);
-        return -1;
-    }
-    return 0;
+    char err[256];
+    e->lev = px_listen(e->base, e->cfg->host, e->cfg->port, 0, "--port", &e->conn_cfg, &e->conns,
+                       err, sizeof err);
+    if (!e->lev) fprintf(stderr, "engine-sim: %s\n", err);
+    return e->lev ? 0 : -1;
 }
 
 int sim_engine_run(const sim_config *cfg) {
@@ -210,7 +190,7 @@ int sim_engine_run(const sim_config *cfg) {
 out:
     px_conn_list_close_all(&e->conns);
     sim_engine_free_reqs(e);
-    if (e->lev) evconnlistener_free(e->lev);
+    px_listener_free(e->lev);
     if (e->kv_ev) event_free(e->kv_ev);
     kvc_agent_destroy(e->agent);
     event_free(sigint);

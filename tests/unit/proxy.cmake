@@ -4,3 +4,5 @@ foreach(m json rewrite http config log route trace)
 endforeach()
 # base/client.c against a scripted server thread on 127.0.0.1.
 px_unit_test(client pxbase)
+# base/listen.c: listeners serving through px_conn, their errors, the EMFILE pause.
+px_unit_test(listen pxbase)

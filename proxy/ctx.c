@@ -1,0 +1,137 @@
+#include "ctx.h"
+
+#include <errno.h>
+#include <openssl/crypto.h>
+#include <openssl/sha.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* ---------- generations ---------- */
+
+void px_gen_release(px_gen *g) {
+    if (!g || atomic_fetch_sub(&g->refs, 1) != 1) return;
+    for (size_t i = 0; i < g->nps; i++) {
+        free(g->ps[i].name);
+        px_strlist_clear(&g->ps[i].models);
+        px_pool_cleanup(&g->ps[i].prefill);
+        px_pool_cleanup(&g->ps[i].decode);
+    }
+    free(g->ps);
+    free(g);
+}
+
+px_pset *px_gen_find(px_gen *g, const char *model, size_t n) {
+    if (!g->named) return g->nps ? &g->ps[0] : NULL;
+    for (size_t i = 0; i < g->nps; i++)
+        for (size_t j = 0; j < g->ps[i].models.n; j++)
+            if (strlen(g->ps[i].models.v[j]) == n && !memcmp(g->ps[i].models.v[j], model, n))
+                return &g->ps[i];
+    return NULL;
+}
+
+int px_pset_ready(const px_pset *cp, int fallback_decode_only, const char **why) {
+    px_pset *p = (px_pset *)cp; /* the pools' locks */
+    size_t pn, dn;
+    px_pool_counts(&p->prefill, &pn, NULL);
+    px_pool_counts(&p->decode, &dn, NULL);
+    /* Backends ejected for failed requests still take traffic when all of
+     * their role are (panic routing): readiness follows what can serve. */
+    if (!px_pool_usable(&p->decode)) {
+        *why = dn ? "every decode backend is ejected or drained" : "no decode backend";
+        return 0;
+    }
+    if (!fallback_decode_only && !px_pool_usable(&p->prefill)) {
+        *why = pn ? "every prefill backend is ejected or drained" : "no prefill backend";
+        return 0;
+    }
+    *why = NULL;
+    return 1;
+}
+
+px_gen *px_ctx_gen(px_ctx *c) {
+    pthread_mutex_lock(&c->gen_mu);
+    px_gen *g = c->gen;
+    atomic_fetch_add(&g->refs, 1);
+    pthread_mutex_unlock(&c->gen_mu);
+    return g;
+}
+
+/* ---------- credentials ---------- */
+
+/* With --api-key: Bearer <key>, compared in constant time (of the digests,
+ * so neither the key's length nor its bytes leak through timing). */
+int px_ctx_authorized(const px_ctx *c, const px_http_head *h) {
+    if (!c->napi_keys) return 1;
+    const px_http_header *a = px_http_find(h, "authorization");
+    if (!a || a->value_len < 7 || !px_http_token_eq(a->value, 6, "bearer") || a->value[6] != ' ')
+        return 0;
+    unsigned char d[32];
+    SHA256((const unsigned char *)a->value + 7, a->value_len - 7, d);
+    int ok = 0;
+    for (size_t i = 0; i < c->napi_keys; i++)
+        ok |= CRYPTO_memcmp(d, c->api_keys[i], 32) == 0;
+    return ok;
+}
+
+static void add_api_key(px_ctx *c, const char *k, size_t n) {
+    while (n && (k[n - 1] == '\r' || k[n - 1] == ' ' || k[n - 1] == '\t'))
+        n--;
+    while (n && (*k == ' ' || *k == '\t'))
+        k++, n--;
+    if (!n || *k == '#') return;
+    c->api_keys = px_xrealloc(c->api_keys, (c->napi_keys + 1) * sizeof *c->api_keys);
+    SHA256((const unsigned char *)k, n, c->api_keys[c->napi_keys++]);
+}
+
+static int load_api_keys(px_ctx *c, const px_config *cfg, char *err, size_t errlen) {
+    if (cfg->api_key[0]) add_api_key(c, cfg->api_key, strlen(cfg->api_key));
+    if (!cfg->api_key_file[0]) return 0;
+    FILE *f = fopen(cfg->api_key_file, "r");
+    if (!f) {
+        snprintf(err, errlen, "--api-key-file '%s': %s", cfg->api_key_file, strerror(errno));
+        return -1;
+    }
+    char *line = NULL;
+    size_t cap = 0, before = c->napi_keys;
+    while (getline(&line, &cap, f) >= 0)
+        add_api_key(c, line, strcspn(line, "\n"));
+    free(line);
+    fclose(f);
+    if (c->napi_keys == before) {
+        snprintf(err, errlen, "--api-key-file '%s': no key in the file", cfg->api_key_file);
+        return -1;
+    }
+    return 0;
+}
+
+/* What the proxy sends upstream: --upstream-api-key always, else the
+ * environment's OPENAI_API_KEY when the client sent none (request.c). */
+static void setup_upstream_auth(px_ctx *c, const px_config *cfg) {
+    const char *key = cfg->upstream_api_key[0] ? cfg->upstream_api_key : getenv("OPENAI_API_KEY");
+    c->upstream_auth_forced = cfg->upstream_api_key[0] != 0;
+    if (key && *key) {
+        px_buf b;
+        px_buf_init(&b);
+        px_buf_printf(&b, "Authorization: Bearer %s", key);
+        c->upstream_auth = b.data;
+        px_buf_printf(&c->health_hdrs, "%s\r\n", c->upstream_auth);
+    }
+}
+
+int px_ctx_init(px_ctx *c, const px_config *cfg, char *err, size_t errlen) {
+    c->cfg = cfg;
+    pthread_mutex_init(&c->gen_mu, NULL);
+    c->shared.max_buffered = cfg->max_buffered_bytes;
+    c->shared.max_conns = (long)cfg->max_connections;
+    setup_upstream_auth(c, cfg);
+    return load_api_keys(c, cfg, err, errlen);
+}
+
+void px_ctx_cleanup(px_ctx *c) {
+    free(c->upstream_auth);
+    px_buf_cleanup(&c->health_hdrs);
+    free(c->api_keys);
+    free(c->workers);
+    pthread_mutex_destroy(&c->gen_mu);
+}

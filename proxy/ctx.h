@@ -1,0 +1,98 @@
+/* What requests, health checks, discovery, metrics and the admin API see of
+ * the running proxy: the settings, the current generation of pools, the
+ * credentials and the shared limits (px_ctx), and per worker thread its
+ * loop, upstream connections, counters and requests (px_wctx). server.c
+ * owns and fills them; the threads, listeners and signals stay inside it. */
+#ifndef PX_CTX_H
+#define PX_CTX_H
+
+#include <event2/event.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "config.h"
+#include "conn.h"
+#include "http.h"
+#include "metrics.h"
+#include "route.h"
+#include "upstream.h"
+
+struct px_discovery;
+struct px_req;
+
+/* One model pool at run time: its prefill and decode backends. */
+typedef struct px_pset {
+    char *name;        /* owned; "": the unnamed pool, which serves every model */
+    px_strlist models; /* owned */
+    px_pool prefill;
+    px_pool decode;
+} px_pset;
+
+/* A generation: the pools built from one configuration. Requests hold a
+ * reference to the generation they started on and finish on it whatever
+ * reloads happen meanwhile; the last reference frees its pools, and with
+ * them the backends no newer generation kept. */
+typedef struct px_gen {
+    atomic_int refs;
+    uint64_t id; /* 1 for the configuration the server started with */
+    px_pset *ps; /* owned array */
+    size_t nps;
+    int named;                 /* pools are named: requests route by their model */
+    struct px_discovery *disc; /* control thread only */
+} px_gen;
+
+/* Drops a reference; the last frees the generation (its discovery must
+ * have been detached). NULL is a no-op. */
+void px_gen_release(px_gen *g);
+/* The pool serving `model` (n bytes): the unnamed pool serves all; NULL
+ * when the pools are named and none serves it. */
+px_pset *px_gen_find(px_gen *g, const char *model, size_t n);
+/* Whether the pool can take a request now, and when not, why (static
+ * text). */
+int px_pset_ready(const px_pset *p, int fallback_decode_only, const char **why);
+
+typedef struct px_wctx px_wctx;
+
+/* What every worker shares. */
+typedef struct px_ctx {
+    const px_config *cfg;     /* borrowed: the settings at start; listeners, limits, timeouts */
+    pthread_mutex_t gen_mu;   /* guards gen, and gen->disc while read */
+    px_gen *gen;              /* owned reference: the generation new requests use */
+    char *upstream_auth;      /* owned: "Authorization: Bearer …" line, or NULL */
+    int upstream_auth_forced; /* --upstream-api-key: always, over the client's */
+    px_buf health_hdrs;       /* owned: header lines of health checks and scrapes */
+    unsigned char (*api_keys)[32]; /* owned: SHA-256 of each accepted client key */
+    size_t napi_keys;
+    atomic_long inflight;  /* P/D requests in flight, all workers */
+    px_conn_shared shared; /* memory budget and connection cap, all workers */
+    atomic_int draining;   /* SIGTERM: readiness says no */
+    px_wctx **workers;     /* owned array of borrowed pointers: each worker's context */
+    int nworkers;
+} px_ctx;
+
+/* What one worker thread owns for its requests; only that thread touches
+ * it (the metrics are read by scrapes on any thread). */
+struct px_wctx {
+    px_ctx *s; /* borrowed: outlives the worker */
+    int index;
+    struct event_base *base; /* borrowed: the worker's loop */
+    px_uploop *up;           /* owned: upstream connections */
+    px_metrics metrics;      /* written by this thread only */
+    struct px_req *reqs;     /* owned: requests alive, some without a client */
+    size_t nreqs;
+    px_pindex *pindex; /* owned: --disagg-min-tokens' prefix index; NULL until used */
+};
+
+/* Sets up the credentials from cfg: the client keys of --api-key and
+ * --api-key-file, the upstream Authorization line. 0, or -1 with err. */
+int px_ctx_init(px_ctx *c, const px_config *cfg, char *err, size_t errlen);
+void px_ctx_cleanup(px_ctx *c);
+/* The current generation, with a reference taken. Any thread. */
+px_gen *px_ctx_gen(px_ctx *c);
+/* Whether a client request carries an accepted key (Bearer), or no key is
+ * configured. Compared in constant time. */
+int px_ctx_authorized(const px_ctx *c, const px_http_head *h);
+
+#endif

@@ -1,0 +1,377 @@
+#include "scrape.h"
+
+#include <dirent.h>
+#include <pthread.h>
+#include <stddef.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/resource.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "discovery.h"
+#include "otlp.h"
+
+static const char *const ep_names[PX_MEP_COUNT] = {"/v1/completions", "/v1/chat/completions",
+                                                   "/v1/models",      "/healthcheck",
+                                                   "/health",         "/ready",
+                                                   "/metrics",        "other",
+                                                   "/v1/messages",    "/v1/responses",
+                                                   "passthrough"};
+static const char *const phase_names[PX_PHASE_COUNT] = {"prefill", "decode", "stream"};
+
+static unsigned long long ld(const atomic_ullong *c) {
+    return atomic_load_explicit(c, memory_order_relaxed);
+}
+
+/* One histogram series, every worker's summed; `label` (`k="v"`) or NULL. */
+static void hist_series(px_buf *o, px_ctx *s, const char *name, const char *label, size_t offset) {
+    unsigned long long b[PX_HIST_BUCKETS] = {0}, count = 0, sum = 0;
+    for (int w = 0; w < s->nworkers; w++) {
+        const px_hist *h = (const px_hist *)((const char *)&s->workers[w]->metrics + offset);
+        for (int i = 0; i < PX_HIST_BUCKETS; i++)
+            b[i] += ld(&h->bucket[i]);
+        count += ld(&h->count);
+        sum += ld(&h->sum_us);
+    }
+    const char *sep = label ? "," : "";
+    label = label ? label : "";
+    unsigned long long cum = 0;
+    for (int i = 0; i < PX_HIST_BUCKETS; i++) {
+        cum += b[i];
+        px_buf_printf(o, "%s_bucket{%s%sle=\"%g\"} %llu\n", name, label, sep, px_hist_bounds[i],
+                      cum);
+    }
+    px_buf_printf(o, "%s_bucket{%s%sle=\"+Inf\"} %llu\n", name, label, sep, count);
+    if (label[0])
+        px_buf_printf(o, "%s_sum{%s} %.6f\n%s_count{%s} %llu\n", name, label, (double)sum / 1e6,
+                      name, label, count);
+    else
+        px_buf_printf(o, "%s_sum %.6f\n%s_count %llu\n", name, (double)sum / 1e6, name, count);
+}
+
+static void render_hist(px_buf *o, px_ctx *s, const char *name, const char *help, size_t offset) {
+    px_buf_printf(o, "# HELP %s %s\n# TYPE %s histogram\n", name, help, name);
+    hist_series(o, s, name, NULL, offset);
+}
+
+/* Sums one counter (at `offset` in px_metrics) over every worker. */
+static unsigned long long sum_at(px_ctx *s, size_t offset) {
+    unsigned long long t = 0;
+    for (int w = 0; w < s->nworkers; w++)
+        t += ld((const atomic_ullong *)((const char *)&s->workers[w]->metrics + offset));
+    return t;
+}
+
+#define SUM(field) sum_at(s, offsetof(px_metrics, field))
+
+static void counter(px_buf *o, const char *name, const char *help, unsigned long long v) {
+    px_buf_printf(o, "# HELP %s %s\n# TYPE %s counter\n%s %llu\n", name, help, name, name, v);
+}
+
+/* Label values are backend names and fixed words: escape what the format asks. */
+static void label_value(px_buf *o, const char *v) {
+    for (; *v; v++) {
+        if (*v == '\\' || *v == '"') px_buf_append(o, "\\", 1);
+        if (*v == '\n') {
+            px_buf_appends(o, "\\n");
+            continue;
+        }
+        px_buf_append(o, v, 1);
+    }
+}
+
+/* The pool label, when the pools are named (the unnamed pool's metrics
+ * keep the labels they always had). */
+static void pool_label(px_buf *o, const px_gen *g, size_t p) {
+    if (!g->named) return;
+    px_buf_appends(o, "pool=\"");
+    label_value(o, g->ps[p].name);
+    px_buf_appends(o, "\",");
+}
+
+static void render_backends(px_buf *o, px_ctx *s) {
+    px_gen *g = px_ctx_gen(s);
+    size_t np = 2 * g->nps;
+    px_pool **pools = px_xcalloc(np ? np : 1, sizeof *pools);
+    size_t *n = px_xcalloc(np ? np : 1, sizeof *n);
+    px_backend ***m = px_xcalloc(np ? np : 1, sizeof *m);
+    for (size_t r = 0; r < np; r++) {
+        pools[r] = r % 2 ? &g->ps[r / 2].decode : &g->ps[r / 2].prefill;
+        m[r] = px_pool_members(pools[r], &n[r]);
+    }
+
+    px_buf_appends(o, "# HELP pdproxy_backend_up Whether a backend receives traffic (1) or is "
+                      "ejected (0).\n# TYPE pdproxy_backend_up gauge\n");
+    for (size_t r = 0; r < np; r++)
+        for (size_t i = 0; i < n[r]; i++) {
+            px_buf_appends(o, "pdproxy_backend_up{");
+            pool_label(o, g, r / 2);
+            px_buf_printf(o, "role=\"%s\",backend=\"", pools[r]->role);
+            label_value(o, m[r][i]->name);
+            px_buf_printf(o, "\"} %d\n",
+                          atomic_load(&m[r][i]->healthy) && !atomic_load(&m[r][i]->drained) ? 1
+                                                                                            : 0);
+        }
+    px_buf_appends(o, "# HELP pdproxy_backend_inflight Requests in flight to a backend.\n"
+                      "# TYPE pdproxy_backend_inflight gauge\n");
+    for (size_t r = 0; r < np; r++)
+        for (size_t i = 0; i < n[r]; i++) {
+            px_buf_appends(o, "pdproxy_backend_inflight{");
+            pool_label(o, g, r / 2);
+            px_buf_printf(o, "role=\"%s\",backend=\"", pools[r]->role);
+            label_value(o, m[r][i]->name);
+            px_buf_printf(o, "\"} %d\n", atomic_load(&m[r][i]->inflight));
+        }
+    px_buf_appends(o, "# HELP pdproxy_upstream_requests_total Requests sent to backends, by "
+                      "outcome.\n# TYPE pdproxy_upstream_requests_total counter\n");
+    for (size_t r = 0; r < np; r++)
+        for (size_t i = 0; i < n[r]; i++)
+            for (int k = 0; k < PX_OUT_COUNT; k++) {
+                unsigned long long v = ld(&m[r][i]->outcomes[k]);
+                if (!v && k != PX_OUT_OK) continue;
+                px_buf_appends(o, "pdproxy_upstream_requests_total{");
+                pool_label(o, g, r / 2);
+                px_buf_printf(o, "role=\"%s\",backend=\"", pools[r]->role);
+                label_value(o, m[r][i]->name);
+                px_buf_printf(o, "\",outcome=\"%s\"} %llu\n", px_outcome_name((px_outcome)k), v);
+            }
+    px_buf_appends(o, "# HELP pdproxy_panic_routed_total Requests routed to an ejected backend "
+                      "because every backend of the role was ejected for request failures.\n"
+                      "# TYPE pdproxy_panic_routed_total counter\n");
+    for (size_t r = 0; r < np; r++) {
+        px_buf_appends(o, "pdproxy_panic_routed_total{");
+        pool_label(o, g, r / 2);
+        px_buf_printf(o, "role=\"%s\"} %llu\n", pools[r]->role,
+                      (unsigned long long)atomic_load(&pools[r]->panic_routed));
+    }
+    px_buf_printf(o,
+                  "# HELP pdproxy_config_generation Configuration generation serving new "
+                  "requests (1 at start, one more per reload).\n"
+                  "# TYPE pdproxy_config_generation gauge\npdproxy_config_generation %llu\n",
+                  (unsigned long long)g->id);
+    for (size_t r = 0; r < np; r++) {
+        for (size_t i = 0; i < n[r]; i++)
+            px_backend_release(m[r][i]);
+        free(m[r]);
+    }
+    free(m);
+    free(n);
+    free(pools);
+    px_gen_release(g);
+}
+
+/* Start of this process in seconds since the epoch: its start in clock
+ * ticks after boot (/proc/self/stat, field 22) plus the boot time. Read
+ * once (workers render /metrics at the same time). */
+static double start_s;
+
+static void read_start_time(void) {
+    char buf[1024];
+    FILE *f = fopen("/proc/self/stat", "r");
+    if (!f) return;
+    size_t n = fread(buf, 1, sizeof buf - 1, f);
+    fclose(f);
+    buf[n] = '\0';
+    /* Fields after the command name, which may hold spaces and ')'. */
+    char *p = strrchr(buf, ')');
+    if (!p) return;
+    unsigned long long ticks = 0;
+    int field = 2;
+    char *save = NULL;
+    for (char *tok = strtok_r(p + 1, " ", &save); tok; tok = strtok_r(NULL, " ", &save))
+        if (++field == 22) {
+            ticks = strtoull(tok, NULL, 10);
+            break;
+        }
+    unsigned long long btime = 0;
+    f = fopen("/proc/stat", "r");
+    if (!f) return;
+    char line[256];
+    while (fgets(line, sizeof line, f))
+        if (sscanf(line, "btime %llu", &btime) == 1) break;
+    fclose(f);
+    long hz = sysconf(_SC_CLK_TCK);
+    if (btime && hz > 0) start_s = (double)btime + (double)ticks / (double)hz;
+}
+
+static double start_time(void) {
+    static pthread_once_t once = PTHREAD_ONCE_INIT;
+    pthread_once(&once, read_start_time);
+    return start_s;
+}
+
+static void render_process(px_buf *o) {
+    long page = sysconf(_SC_PAGESIZE);
+    unsigned long vsz = 0, rss = 0;
+    FILE *f = fopen("/proc/self/statm", "r");
+    if (f) {
+        if (fscanf(f, "%lu %lu", &vsz, &rss) != 2) vsz = rss = 0;
+        fclose(f);
+    }
+    int fds = 0;
+    DIR *d = opendir("/proc/self/fd");
+    if (d) {
+        struct dirent *e;
+        while ((e = readdir(d)))
+            if (e->d_name[0] != '.') fds++;
+        closedir(d);
+        fds--; /* the directory's own fd */
+    }
+    struct rusage ru;
+    getrusage(RUSAGE_SELF, &ru);
+    double cpu = (double)ru.ru_utime.tv_sec + (double)ru.ru_utime.tv_usec / 1e6 +
+                 (double)ru.ru_stime.tv_sec + (double)ru.ru_stime.tv_usec / 1e6;
+    struct rlimit rl;
+    getrlimit(RLIMIT_NOFILE, &rl);
+    px_buf_printf(o,
+                  "# HELP process_resident_memory_bytes Resident memory size in bytes.\n"
+                  "# TYPE process_resident_memory_bytes gauge\n"
+                  "process_resident_memory_bytes %lu\n"
+                  "# HELP process_virtual_memory_bytes Virtual memory size in bytes.\n"
+                  "# TYPE process_virtual_memory_bytes gauge\n"
+                  "process_virtual_memory_bytes %lu\n"
+                  "# HELP process_open_fds Number of open file descriptors.\n"
+                  "# TYPE process_open_fds gauge\n"
+                  "process_open_fds %d\n"
+                  "# HELP process_max_fds Maximum number of open file descriptors.\n"
+                  "# TYPE process_max_fds gauge\n"
+                  "process_max_fds %llu\n"
+                  "# HELP process_cpu_seconds_total Total user and system CPU time in seconds.\n"
+                  "# TYPE process_cpu_seconds_total counter\n"
+                  "process_cpu_seconds_total %.3f\n"
+                  "# HELP process_start_time_seconds Start time of the process since the Unix "
+                  "epoch in seconds.\n"
+                  "# TYPE process_start_time_seconds gauge\n"
+                  "process_start_time_seconds %.2f\n",
+                  rss * (unsigned long)page, vsz * (unsigned long)page, fds,
+                  (unsigned long long)rl.rlim_cur, cpu, start_time());
+}
+
+/* Limits that hold memory and connections, and what routing did when every
+ * backend of a role was out. */
+static void render_limits(px_buf *o, px_ctx *s) {
+    px_conn_shared *sh = &s->shared;
+    pthread_mutex_lock(&s->gen_mu);
+    uint64_t failures = px_discovery_failures(s->gen->disc);
+    size_t unresolved = px_discovery_unresolved(s->gen->disc);
+    pthread_mutex_unlock(&s->gen_mu);
+    px_buf_printf(o,
+                  "# HELP pdproxy_buffered_bytes Request bodies held and client output queued, "
+                  "in bytes (bounded by --max-buffered-bytes).\n"
+                  "# TYPE pdproxy_buffered_bytes gauge\npdproxy_buffered_bytes %lld\n"
+                  "# HELP pdproxy_buffered_bytes_limit The --max-buffered-bytes budget (0: none).\n"
+                  "# TYPE pdproxy_buffered_bytes_limit gauge\npdproxy_buffered_bytes_limit %lld\n"
+                  "# HELP pdproxy_client_connections Client connections open.\n"
+                  "# TYPE pdproxy_client_connections gauge\npdproxy_client_connections %ld\n",
+                  (long long)atomic_load(&sh->buffered), (long long)sh->max_buffered,
+                  (long)atomic_load(&sh->conns));
+    counter(o, "pdproxy_buffer_budget_rejected_total",
+            "Request bodies refused with 503 because --max-buffered-bytes was spent.",
+            (unsigned long long)atomic_load(&sh->budget_rejected));
+    counter(o, "pdproxy_connections_refused_total",
+            "Connections answered 503 and closed past --max-connections.",
+            (unsigned long long)atomic_load(&sh->conns_refused));
+    counter(o, "pdproxy_send_timeouts_total",
+            "Client connections closed because the client read nothing for --send-timeout.",
+            (unsigned long long)atomic_load(&sh->send_timeouts));
+    counter(o, "pdproxy_dns_resolution_failures_total",
+            "Resolutions of backend names that failed (the last addresses are kept).",
+            (unsigned long long)failures);
+    px_buf_printf(o,
+                  "# HELP pdproxy_backend_names_unresolved Backend names whose last resolution "
+                  "failed.\n# TYPE pdproxy_backend_names_unresolved gauge\n"
+                  "pdproxy_backend_names_unresolved %zu\n",
+                  unresolved);
+}
+
+void px_scrape_render(px_ctx *s, px_buf *o) {
+    px_buf_appends(o, "# HELP pdproxy_requests_total Client requests answered, by endpoint and "
+                      "status code.\n# TYPE pdproxy_requests_total counter\n");
+    for (int e = 0; e < PX_MEP_COUNT; e++)
+        for (int c = 0; c < 500; c++) {
+            unsigned long long v = 0;
+            for (int w = 0; w < s->nworkers; w++)
+                v += ld(&s->workers[w]->metrics.requests[e][c]);
+            if (v)
+                px_buf_printf(o, "pdproxy_requests_total{endpoint=\"%s\",code=\"%d\"} %llu\n",
+                              ep_names[e], c + 100, v);
+        }
+    render_hist(o, s, "pdproxy_request_duration_seconds",
+                "Time from a request's arrival to the end of its answer.",
+                offsetof(px_metrics, duration));
+    /* Split by stream: for a streamed answer the first byte is the first
+     * token; for a whole answer it is nearly the end, and mixing the two
+     * would make neither readable. */
+    px_buf_appends(o, "# HELP pdproxy_time_to_first_byte_seconds Time from a request's arrival "
+                      "to the first byte of decode's answer; stream=\"true\": streamed (SSE) "
+                      "answers, where it is the time to first token.\n"
+                      "# TYPE pdproxy_time_to_first_byte_seconds histogram\n");
+    hist_series(o, s, "pdproxy_time_to_first_byte_seconds", "stream=\"false\"",
+                offsetof(px_metrics, ttfb[0]));
+    hist_series(o, s, "pdproxy_time_to_first_byte_seconds", "stream=\"true\"",
+                offsetof(px_metrics, ttfb[1]));
+    render_hist(o, s, "pdproxy_prefill_duration_seconds",
+                "Time the prefill request took, retries included.", offsetof(px_metrics, prefill));
+    counter(o, "pdproxy_kv_transfer_params_missing_total",
+            "Prefill answers without kv_transfer_params (decode recomputed the prefill).",
+            SUM(kvp_missing));
+    counter(o, "pdproxy_remote_request_id_missing_total",
+            "kv_transfer_params without remote_request_id (decode cannot release the blocks).",
+            SUM(rrid_missing));
+    px_buf_appends(o, "# HELP pdproxy_client_disconnects_total Clients that left before their "
+                      "answer ended, by phase.\n# TYPE pdproxy_client_disconnects_total counter\n");
+    for (int p = 0; p < PX_PHASE_COUNT; p++)
+        px_buf_printf(o, "pdproxy_client_disconnects_total{phase=\"%s\"} %llu\n", phase_names[p],
+                      SUM(disconnects[p]));
+    px_buf_appends(o, "# HELP pdproxy_retries_total Upstream requests retried on another "
+                      "instance.\n# TYPE pdproxy_retries_total counter\n");
+    px_buf_printf(o, "pdproxy_retries_total{role=\"prefill\"} %llu\n", SUM(retries[0]));
+    px_buf_printf(o, "pdproxy_retries_total{role=\"decode\"} %llu\n", SUM(retries[1]));
+    counter(o, "pdproxy_stranded_blocks_released_total",
+            "Requests whose client left after prefill answered: decode was sent the request and "
+            "aborted so that prefill frees the blocks at once.",
+            SUM(stranded_released));
+    px_buf_appends(o, "# HELP pdproxy_disagg_decisions_total Requests by how they were sent: "
+                      "disaggregated (prefill then decode) or decode_only, and why.\n"
+                      "# TYPE pdproxy_disagg_decisions_total counter\n");
+    for (int d = 0; d < PX_DEC_COUNT; d++)
+        px_buf_printf(
+            o, "pdproxy_disagg_decisions_total{decision=\"%s\",reason=\"%s\"} %llu\n",
+            px_decision_name((px_decision)d), px_decision_reason((px_decision)d),
+            sum_at(s, offsetof(px_metrics, decisions) + (size_t)d * sizeof(atomic_ullong)));
+    px_buf_appends(o, "# HELP pdproxy_decode_only_fallbacks_total Requests sent to decode alone "
+                      "(--fallback-decode-only) because prefill could not serve them.\n"
+                      "# TYPE pdproxy_decode_only_fallbacks_total counter\n");
+    for (int f = 0; f < PX_FB_COUNT; f++)
+        px_buf_printf(
+            o, "pdproxy_decode_only_fallbacks_total{reason=\"%s\"} %llu\n",
+            px_fallback_name((px_fallback)f),
+            sum_at(s, offsetof(px_metrics, fallbacks) + (size_t)f * sizeof(atomic_ullong)));
+    unsigned long long inflight = (unsigned long long)atomic_load(&s->inflight);
+    px_buf_printf(o,
+                  "# HELP pdproxy_inflight_requests Client requests in flight.\n"
+                  "# TYPE pdproxy_inflight_requests gauge\npdproxy_inflight_requests %llu\n",
+                  inflight);
+    render_backends(o, s);
+    px_otlp_stats ts;
+    px_otlp_get_stats(&ts);
+    counter(o, "pdproxy_trace_spans_exported_total",
+            "Spans the OTLP collector accepted (0 when export is off).", ts.exported);
+    px_buf_printf(o,
+                  "# HELP pdproxy_trace_spans_dropped_total Spans not exported: queue_full (the "
+                  "collector is slower than the traffic), export_failed (it refused or did not "
+                  "answer).\n# TYPE pdproxy_trace_spans_dropped_total counter\n"
+                  "pdproxy_trace_spans_dropped_total{reason=\"queue_full\"} %llu\n"
+                  "pdproxy_trace_spans_dropped_total{reason=\"export_failed\"} %llu\n"
+                  "# HELP pdproxy_trace_spans_queued Spans waiting for export.\n"
+                  "# TYPE pdproxy_trace_spans_queued gauge\npdproxy_trace_spans_queued %llu\n",
+                  ts.dropped_full, ts.dropped_error, ts.queued);
+    px_buf_appends(o, "# HELP pdproxy_build_info The running build: version and source commit.\n"
+                      "# TYPE pdproxy_build_info gauge\n");
+    px_buf_printf(o, "pdproxy_build_info{version=\"%s\",commit=\"%s\"} 1\n", PDPROXY_VERSION,
+                  PDPROXY_COMMIT);
+    render_process(o);
+    render_limits(o, s);
+}
