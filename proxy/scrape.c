@@ -91,6 +91,17 @@ static void pool_label(px_buf *o, const px_gen *g, size_t p) {
     px_buf_appends(o, "\",");
 }
 
+/* Starts a backend's sample: name{pool="…",role="…",backend="…", left open
+ * after the backend's closing quote for more labels or the value. */
+static void backend_series(px_buf *o, const char *name, const px_gen *g, size_t pool,
+                           const char *role, const char *backend) {
+    px_buf_appends(o, name);
+    px_buf_appends(o, "{");
+    pool_label(o, g, pool);
+    px_buf_printf(o, "role=\"%s\",backend=\"", role);
+    label_value(o, backend);
+}
+
 static void render_backends(px_buf *o, px_ctx *s) {
     px_gen *g = px_ctx_gen(s);
     size_t np = 2 * g->nps;
@@ -106,10 +117,7 @@ static void render_backends(px_buf *o, px_ctx *s) {
                       "ejected (0).\n# TYPE pdproxy_backend_up gauge\n");
     for (size_t r = 0; r < np; r++)
         for (size_t i = 0; i < n[r]; i++) {
-            px_buf_appends(o, "pdproxy_backend_up{");
-            pool_label(o, g, r / 2);
-            px_buf_printf(o, "role=\"%s\",backend=\"", pools[r]->role);
-            label_value(o, m[r][i]->name);
+            backend_series(o, "pdproxy_backend_up", g, r / 2, pools[r]->role, m[r][i]->name);
             px_buf_printf(o, "\"} %d\n",
                           atomic_load(&m[r][i]->healthy) && !atomic_load(&m[r][i]->drained) ? 1
                                                                                             : 0);
@@ -118,10 +126,7 @@ static void render_backends(px_buf *o, px_ctx *s) {
                       "# TYPE pdproxy_backend_inflight gauge\n");
     for (size_t r = 0; r < np; r++)
         for (size_t i = 0; i < n[r]; i++) {
-            px_buf_appends(o, "pdproxy_backend_inflight{");
-            pool_label(o, g, r / 2);
-            px_buf_printf(o, "role=\"%s\",backend=\"", pools[r]->role);
-            label_value(o, m[r][i]->name);
+            backend_series(o, "pdproxy_backend_inflight", g, r / 2, pools[r]->role, m[r][i]->name);
             px_buf_printf(o, "\"} %d\n", atomic_load(&m[r][i]->inflight));
         }
     px_buf_appends(o, "# HELP pdproxy_upstream_requests_total Requests sent to backends, by "
@@ -131,10 +136,8 @@ static void render_backends(px_buf *o, px_ctx *s) {
             for (int k = 0; k < PX_OUT_COUNT; k++) {
                 unsigned long long v = ld(&m[r][i]->outcomes[k]);
                 if (!v && k != PX_OUT_OK) continue;
-                px_buf_appends(o, "pdproxy_upstream_requests_total{");
-                pool_label(o, g, r / 2);
-                px_buf_printf(o, "role=\"%s\",backend=\"", pools[r]->role);
-                label_value(o, m[r][i]->name);
+                backend_series(o, "pdproxy_upstream_requests_total", g, r / 2, pools[r]->role,
+                               m[r][i]->name);
                 px_buf_printf(o, "\",outcome=\"%s\"} %llu\n", px_outcome_name((px_outcome)k), v);
             }
     px_buf_appends(o, "# HELP pdproxy_panic_routed_total Requests routed to an ejected backend "

@@ -84,29 +84,48 @@ static void run_until(struct event_base *base, client *k, int ms) {
     }
 }
 
-static void test_serves(void **state) {
-    struct event_base *base = event_base_new();
-    px_conn_cfg cfg = {.max_body_bytes = 1024,
-                       .header_timeout = 5,
-                       .keepalive_timeout = 5,
-                       .send_timeout = 5,
-                       .dispatch = dispatch};
-    px_conn_list list = {0};
+/* A loop with a listener on a free port of 127.0.0.1. */
+typedef struct fixture {
+    struct event_base *base;
+    px_conn_cfg cfg;
+    px_conn_list list;
+    px_listener *l;
+    int port;
+} fixture;
+
+static void fixture_start(fixture *f) {
+    memset(f, 0, sizeof *f);
+    f->base = event_base_new();
+    f->cfg = (px_conn_cfg){.max_body_bytes = 1024,
+                           .header_timeout = 5,
+                           .keepalive_timeout = 5,
+                           .send_timeout = 5,
+                           .dispatch = dispatch};
     char err[256] = "";
-    int port = free_port();
-    px_listener *l = px_listen(base, "127.0.0.1", port, 0, "--port", &cfg, &list, err, sizeof err);
-    assert_non_null(l);
+    f->port = free_port();
+    f->l =
+        px_listen(f->base, "127.0.0.1", f->port, 0, "--port", &f->cfg, &f->list, err, sizeof err);
+    assert_non_null(f->l);
+}
+
+static void fixture_stop(fixture *f) {
+    px_conn_list_close_all(&f->list);
+    px_listener_free(f->l);
+    event_base_free(f->base);
+}
+
+static void test_serves(void **state) {
+    fixture f;
+    fixture_start(&f);
     client k = {.fd = socket(AF_INET, SOCK_STREAM, 0)};
-    assert_int_equal(connect_to(k.fd, port), 0);
+    assert_int_equal(connect_to(k.fd, f.port), 0);
     pthread_create(&k.thread, NULL, client_main, &k);
-    run_until(base, &k, 5000);
+    run_until(f.base, &k, 5000);
     pthread_join(k.thread, NULL);
     assert_int_equal(atomic_load(&k.done), 1);
     assert_non_null(strstr(k.answer, "HTTP/1.1 200"));
     close(k.fd);
-    px_conn_list_close_all(&list);
-    px_listener_free(l);
-    event_base_free(base);
+    fixture_stop(&f);
 }
 
 static void test_errors_name_the_setting(void **state) {
@@ -144,17 +163,8 @@ static void test_errors_name_the_setting(void **state) {
 /* Out of descriptors, a connection waits in the backlog; once descriptors
  * are free again the paused listener takes it and it is served. */
 static void test_pauses_and_resumes_when_out_of_descriptors(void **state) {
-    struct event_base *base = event_base_new();
-    px_conn_cfg cfg = {.max_body_bytes = 1024,
-                       .header_timeout = 5,
-                       .keepalive_timeout = 5,
-                       .send_timeout = 5,
-                       .dispatch = dispatch};
-    px_conn_list list = {0};
-    char err[256] = "";
-    int port = free_port();
-    px_listener *l = px_listen(base, "127.0.0.1", port, 0, "--port", &cfg, &list, err, sizeof err);
-    assert_non_null(l);
+    fixture f;
+    fixture_start(&f);
     client k = {.fd = socket(AF_INET, SOCK_STREAM, 0)};
 
     struct rlimit old, low;
@@ -169,20 +179,18 @@ static void test_pauses_and_resumes_when_out_of_descriptors(void **state) {
         fds[nfds++] = fd;
     }
     assert_true(nfds < 256); /* the table is full */
-    assert_int_equal(connect_to(k.fd, port), 0);
+    assert_int_equal(connect_to(k.fd, f.port), 0);
     pthread_create(&k.thread, NULL, client_main, &k);
-    run_until(base, &k, 300);
+    run_until(f.base, &k, 300);
     assert_int_equal(atomic_load(&k.done), 0); /* not served: no descriptor to accept it */
     for (int i = 0; i < nfds; i++)
         close(fds[i]);
     setrlimit(RLIMIT_NOFILE, &old);
-    run_until(base, &k, 5000);
+    run_until(f.base, &k, 5000);
     pthread_join(k.thread, NULL);
     assert_int_equal(atomic_load(&k.done), 1);
     close(k.fd);
-    px_conn_list_close_all(&list);
-    px_listener_free(l);
-    event_base_free(base);
+    fixture_stop(&f);
 }
 
 int main(void) {
