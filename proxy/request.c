@@ -7,6 +7,7 @@
 #include <string.h>
 #include <strings.h>
 
+#include "access.h"
 #include "json.h"
 #include "list.h"
 #include "log.h"
@@ -244,7 +245,7 @@ static void finish_log(px_req *r, int status, const char *outcome) {
                    .estimated = r->estimated,
                    .prompt_tokens_est = r->est_tokens,
                    .uncached_tokens_est = r->est_uncached};
-    px_log_access(&a);
+    px_access_write(&a);
     if (px_otlp_enabled()) submit_spans(r, status, outcome, now);
 }
 
@@ -257,7 +258,7 @@ void px_req_log_refused(const px_http_head *h, const char *endpoint, int status)
                    .prefill_ms = -1,
                    .ttfb_ms = -1,
                    .outcome = "refused"};
-    px_log_access(&a);
+    px_access_write(&a);
 }
 
 static void req_end(px_req *r, int status, const char *outcome) {
