@@ -7,6 +7,8 @@
 #include <string.h>
 #include <strings.h>
 
+#include <event2/event_struct.h> /* free_ev is embedded */
+
 #include "access.h"
 #include "json.h"
 #include "list.h"
@@ -33,12 +35,11 @@ typedef enum {
     RS_DECODE,
     RS_STREAM,
     RS_RELEASING,
-    RS_DONE,
-    RS_CLOSING
+    RS_DONE /* finished: waits for its free on the next loop turn */
 } req_state;
 
 static const char *const state_names[] = {"new",    "prefill",   "retry_wait", "decode",
-                                          "stream", "releasing", "done",       "closing"};
+                                          "stream", "releasing", "done"};
 static const char *const ep_paths[] = {"/v1/completions", "/v1/chat/completions", "/v1/models",
                                        "/v1/messages",    "/v1/responses",        NULL};
 static const px_metric_endpoint ep_metric[] = {PX_MEP_COMPLETIONS, PX_MEP_CHAT,
@@ -92,6 +93,7 @@ struct px_req {
     struct event *idle_timer;  /* owned: --decode-idle-timeout */
     uint64_t idle_since_ns;    /* the last byte (or start) the idle timer counts from */
     struct event *grace_timer; /* owned: a prefill whose client left may still answer */
+    struct event free_ev;      /* frees the request on the loop turn after it finished */
     size_t bytes_out;
     int64_t held; /* bytes of the bodies above counted in the server's memory budget */
 
@@ -147,7 +149,10 @@ static void on_grace_timer(evutil_socket_t fd, short what, void *arg);
 static void req_fail(px_req *r, int status, const char *extra, const char *fmt, ...)
     __attribute__((format(printf, 4, 5)));
 static void req_abandon(px_req *r);
-static void req_end(px_req *r, int status, const char *outcome);
+static void req_finish(px_req *r, int status, const char *outcome, const char *extra,
+                       const char *msg);
+static void on_free(evutil_socket_t fd, short what, void *arg);
+static void write_access(const px_req *r, int status, const char *outcome, uint64_t now);
 static void finish_log(px_req *r, int status, const char *outcome);
 static void submit_spans(px_req *r, int status, const char *outcome, uint64_t now);
 static void req_free(px_req *r);
@@ -497,7 +502,7 @@ static int choose_pool(px_req *r) {
     r->conn = NULL;
     px_buf_cleanup(&b);
     px_buf_cleanup(&msg);
-    req_end(r, 404, "model_not_found");
+    req_finish(r, 404, "model_not_found", NULL, NULL);
     return -1;
 }
 
@@ -697,8 +702,6 @@ static void start_prefill(px_req *r) {
     if (r->prefill_deadline) {
         uint64_t now = px_now_ns();
         if (now + 1000000 >= r->prefill_deadline) {
-            px_backend_done(&r->ps->prefill, r->pb, PX_OUT_CANCELLED);
-            r->pb = NULL;
             req_fail(r, 504, NULL, "prefill did not answer within --prefill-timeout %gs",
                      r->s->cfg->prefill_timeout);
             return;
@@ -799,7 +802,7 @@ static void prefill_done(void *arg, px_up_result rc, const char *errbuf, int con
             px_conn_reply(r->conn, r->pstatus, r->pctype, r->id, NULL, r->presp.data, r->presp.len);
             r->conn = NULL;
         }
-        req_end(r, r->pstatus, "prefill_rejected");
+        req_finish(r, r->pstatus, "prefill_rejected", NULL, NULL);
         return;
     }
     if (r->pstatus < 200 || r->pstatus >= 300) {
@@ -1006,7 +1009,7 @@ static void decode_done(void *arg, px_up_result rc, const char *errbuf, int conn
             px_conn_stream_end(r->conn);
             r->conn = NULL;
         }
-        req_end(r, r->dstatus, "ok");
+        req_finish(r, r->dstatus, "ok", NULL, NULL);
         return;
     }
     if (r->state == RS_STREAM) {
@@ -1221,11 +1224,6 @@ static void on_grace_timer(evutil_socket_t fd, short what, void *arg) {
 /* Decode has the request and its kv_transfer_params; it drops the request
  * now that the client left, and tells prefill to free the blocks. Ends r. */
 static void released_via_decode(px_req *r) {
-    px_upstream_cancel(r->up); /* NULL once it ended */
-    r->up = NULL;
-    if (r->idle_timer) evtimer_del(r->idle_timer);
-    px_backend_done(&r->ps->decode, r->db, PX_OUT_CANCELLED);
-    r->db = NULL;
     px_m_inc(&r->w->metrics.stranded_released);
     PX_LOG(PX_LOG_INFO,
            "req=%s msg=\"client left after prefill: decode was given the request and "
@@ -1236,50 +1234,79 @@ static void released_via_decode(px_req *r) {
 
 /* ---------- the end: log, answer, free ---------- */
 
-/* Ends a request that failed: logs, answers once in OpenAI error JSON when
- * nothing was sent yet (else cuts the stream), and frees it. */
+/* Ends a request that failed: logs the message and answers it (req_finish). */
 static void req_fail(px_req *r, int status, const char *extra, const char *fmt, ...) {
     char msg[512];
     va_list ap;
     va_start(ap, fmt);
     vsnprintf(msg, sizeof msg, fmt, ap);
     va_end(ap);
-    char qmsg[1100];
-    PX_LOG(status >= 500 ? PX_LOG_WARN : PX_LOG_INFO, "req=%s msg=%s status=%d state=%s", r->lid,
-           px_log_value(msg, qmsg, sizeof qmsg), status, state_names[r->state]);
-    int streaming = r->state == RS_STREAM;
+    req_finish(r, status, r->state == RS_STREAM ? "stream_failed" : "error", extra, msg);
+}
+
+/* Every path on which the client is gone and nothing is left to do for it. */
+static void req_abandon(px_req *r) {
+    req_finish(r, 499, "client_disconnected", NULL, NULL);
+}
+
+/* The one exit (pgbouncer's disconnect_client). With `msg`, the failure is
+ * logged and, when the client has been sent nothing yet, answered in
+ * OpenAI error JSON (`extra`: more header lines, or NULL); a client still
+ * attached otherwise has its stream cut (callers that answered themselves
+ * dropped r->conn first). Then the access line and the metrics, once; then
+ * everything that could call back is let go (the transfer cancelled,
+ * backends handed back, timers stopped), and r is freed on the next loop
+ * turn: the caller may be inside one of r's callbacks. */
+static void req_finish(px_req *r, int status, const char *outcome, const char *extra,
+                       const char *msg) {
+    if (r->state == RS_DONE) return;
+    if (msg) {
+        char qmsg[1100];
+        PX_LOG(status >= 500 ? PX_LOG_WARN : PX_LOG_INFO, "req=%s msg=%s status=%d state=%s",
+               r->lid, px_log_value(msg, qmsg, sizeof qmsg), status, state_names[r->state]);
+    }
     if (r->conn) {
-        if (streaming)
-            px_conn_abort(r->conn);
-        else
+        if (msg && r->state != RS_STREAM)
             px_conn_reply_error(r->conn, status, r->id, extra, msg);
+        else
+            px_conn_abort(r->conn);
         r->conn = NULL;
     }
-    req_end(r, status, streaming ? "stream_failed" : "error");
-}
-
-/* Every path on which the client is gone and nothing is left to do for it:
- * logged as 499, then freed, which cancels what is in flight (closing its
- * upstream connection). */
-static void req_abandon(px_req *r) {
-    finish_log(r, 499, "client_disconnected");
-    set_state(r, RS_CLOSING);
-    req_free(r);
-}
-
-static void req_end(px_req *r, int status, const char *outcome) {
     finish_log(r, status, outcome);
     set_state(r, RS_DONE);
-    req_free(r);
+    px_upstream_cancel(r->up);
+    r->up = NULL;
+    px_backend_done(&r->ps->prefill, r->pb, PX_OUT_CANCELLED);
+    r->pb = NULL;
+    px_backend_done(&r->ps->decode, r->db, PX_OUT_CANCELLED);
+    r->db = NULL;
+    if (r->retry_timer) evtimer_del(r->retry_timer);
+    if (r->idle_timer) evtimer_del(r->idle_timer);
+    if (r->grace_timer) evtimer_del(r->grace_timer);
+    if (r->counted) atomic_fetch_sub(&r->s->inflight, 1);
+    r->counted = 0;
+    event_assign(&r->free_ev, r->w->base, -1, 0, on_free, r);
+    event_active(&r->free_ev, EV_TIMEOUT, 0);
 }
 
-/* The access log line and the request metrics, once per request. */
+static void on_free(evutil_socket_t fd, short what, void *arg) {
+    req_free(arg);
+}
+
+/* The metrics and the access line of a request, once per request. */
 static void finish_log(px_req *r, int status, const char *outcome) {
     uint64_t now = px_now_ns();
     px_metrics *m = &r->w->metrics;
     px_metrics_count(m, ep_metric[r->ep], status);
     px_hist_observe(&m->duration, secs(r->t0, now));
     if (r->t_first) px_hist_observe(&m->ttfb[r->streamed], secs(r->t0, r->t_first));
+    write_access(r, status, outcome, now);
+    if (px_otlp_enabled()) submit_spans(r, status, outcome, now);
+}
+
+/* The one access-line writer: what r does not know yet (no backend, no
+ * answer, no decision) is left out of the line. */
+static void write_access(const px_req *r, int status, const char *outcome, uint64_t now) {
     px_access a = {.req = r->lid,
                    .endpoint = r->lpath,
                    .prefill = r->pname[0] ? r->pname : NULL,
@@ -1303,7 +1330,6 @@ static void finish_log(px_req *r, int status, const char *outcome) {
                    .prompt_tokens_est = r->est_tokens,
                    .uncached_tokens_est = r->est_uncached};
     px_access_write(&a);
-    if (px_otlp_enabled()) submit_spans(r, status, outcome, now);
 }
 
 /* The request's spans for trace export (otlp.h). */
@@ -1336,28 +1362,24 @@ static void submit_spans(px_req *r, int status, const char *outcome, uint64_t no
     px_otlp_submit(&q);
 }
 
+/* A refused request is a view of a request that knows only its id and path. */
 void px_req_log_refused(const px_http_head *h, const char *endpoint, int status) {
-    char lid[300] = "-", id[129];
-    if (px_http_request_id(h, id)) px_log_value(id, lid, sizeof lid);
-    px_access a = {.req = lid,
-                   .endpoint = endpoint,
-                   .status = status,
-                   .prefill_ms = -1,
-                   .ttfb_ms = -1,
-                   .outcome = "refused"};
-    px_access_write(&a);
+    px_req v = {0};
+    char id[129];
+    snprintf(v.lid, sizeof v.lid, "-");
+    if (px_http_request_id(h, id)) px_log_value(id, v.lid, sizeof v.lid);
+    snprintf(v.lpath, sizeof v.lpath, "%s", endpoint);
+    write_access(&v, status, "refused", px_now_ns());
 }
 
+/* Releases all r owns; r has finished (req_finish), so nothing calls back. */
 static void req_free(px_req *r) {
     PX_LIST_UNLINK(r->w->reqs, r);
     r->w->nreqs--;
-    px_upstream_cancel(r->up);
-    px_backend_done(&r->ps->prefill, r->pb, PX_OUT_CANCELLED);
-    px_backend_done(&r->ps->decode, r->db, PX_OUT_CANCELLED);
+    if (event_initialized(&r->free_ev)) event_del(&r->free_ev);
     if (r->retry_timer) event_free(r->retry_timer);
     if (r->idle_timer) event_free(r->idle_timer);
     if (r->grace_timer) event_free(r->grace_timer);
-    if (r->counted) atomic_fetch_sub(&r->s->inflight, 1);
     px_backend_release(r->hb);
     px_gen_release(r->g);
     px_budget_add(&r->s->shared, -r->held);
@@ -1378,11 +1400,8 @@ static void req_free(px_req *r) {
 void px_req_free_all(px_worker *w) {
     while (w->reqs) {
         px_req *r = w->reqs;
-        if (r->conn) {
-            px_conn_abort(r->conn);
-            r->conn = NULL;
-        }
-        finish_log(r, 499, "stopped");
+        /* Finished ones wait for a loop turn that will not come. */
+        req_finish(r, 499, "stopped", NULL, NULL);
         req_free(r);
     }
     px_pindex_destroy(w->pindex);
