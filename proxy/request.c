@@ -49,6 +49,14 @@ static const px_metric_endpoint ep_metric[] = {PX_MEP_COMPLETIONS, PX_MEP_CHAT,
  * event at a time (SSE); past this, it passes through untouched. */
 #define USAGE_MAX_HOLD (8 * 1024 * 1024)
 
+/* A decode's callbacks: the transfer's, and what ends a decode idle past
+ * --decode-idle-timeout (its transfer already cancelled). The normal path
+ * and the release each have one. */
+typedef struct decode_table {
+    px_upstream_cbs up;
+    void (*idle)(px_req *r);
+} decode_table;
+
 struct px_req {
     px_req *prev, *next; /* in w->reqs */
     px_worker *w;        /* borrowed: the worker this request runs on */
@@ -73,6 +81,7 @@ struct px_req {
     px_upstream *up;                /* owned: the transfer in flight */
     px_backend *pb;                 /* owned reference while a prefill is in flight */
     px_backend *db;                 /* owned reference while a decode is in flight */
+    const decode_table *dtbl;       /* the callbacks of the decode in flight */
     char pname[128], dname[128];    /* the backends' names, for logs after release */
     px_backend *tried_p[MAX_TRIES]; /* identity only, never dereferenced */
     size_t ntried_p;
@@ -135,14 +144,22 @@ static void find_key(px_req *r);
 static int decide(px_req *r);
 static void start_prefill(px_req *r);
 static void proceed_to_decode(px_req *r);
+static px_kvp_status decode_body(px_req *r, char *err, size_t errlen);
 static void decode_only(px_req *r);
 static void fall_back(px_req *r, px_fallback why);
 static void start_decode(px_req *r);
+static px_backend *pick_decode(px_req *r, size_t *n);
+static int send_decode(px_req *r, const decode_table *tbl);
+static int decode_retry(px_req *r, int connected, const char *why);
 static void touch_idle(px_req *r);
 static int cached_tokens_span(const char *json, size_t n, const char **v, size_t *vl);
 static void write_fixed(px_req *r, const char *p, size_t n);
 static void flush_events(px_req *r, int all);
 static void usage_passthrough(px_req *r);
+static void release_prefill(px_req *r);
+static void release_decode(px_req *r);
+static void release_through_decode(px_req *r);
+static void start_release(px_req *r);
 static void released_via_decode(px_req *r);
 static void on_retry_timer(evutil_socket_t fd, short what, void *arg);
 static void on_grace_timer(evutil_socket_t fd, short what, void *arg);
@@ -157,7 +174,8 @@ static void finish_log(px_req *r, int status, const char *outcome);
 static void submit_spans(px_req *r, int status, const char *outcome, uint64_t now);
 static void req_free(px_req *r);
 static const px_exchange_cbs client_cbs;
-static const px_upstream_cbs prefill_cbs, decode_cbs;
+static const px_upstream_cbs prefill_cbs, release_prefill_cbs;
+static const decode_table decode_tbl, release_tbl;
 
 /* ---------- helpers ---------- */
 
@@ -730,25 +748,23 @@ static int prefill_data(void *arg, const char *p, size_t n) {
     return 0;
 }
 
-static void prefill_done(void *arg, px_up_result rc, const char *errbuf, int connected) {
-    px_req *r = arg;
+/* A prefill attempt ended: its answer is counted, its backend handed back.
+ * Returns how the attempt went. */
+static px_outcome prefill_ended(px_req *r, px_up_result rc) {
     r->up = NULL;
-    account(r);                                      /* the prefill's answer */
-    if (r->grace_timer) evtimer_del(r->grace_timer); /* it answered in time */
+    account(r); /* the prefill's answer */
     px_outcome o = outcome_of(rc, r->pstatus);
     if (r->too_big) o = PX_OUT_SERVER_ERR;
     attempt_done(&r->ps->prefill, r->pb, r->tried_p, r->ntried_p, o);
     r->pb = NULL;
+    return o;
+}
+
+static void prefill_done(void *arg, px_up_result rc, const char *errbuf, int connected) {
+    px_req *r = arg;
+    px_outcome o = prefill_ended(r, rc);
     const char *why = errbuf[0] ? errbuf : px_up_result_str(rc);
 
-    if (r->state == RS_RELEASING) {
-        if (rc == PX_UP_OK && r->pstatus >= 200 && r->pstatus < 300) {
-            proceed_to_decode(r);
-            return;
-        }
-        req_abandon(r);
-        return;
-    }
     /* Refused, reset or 5xx: another prefill, after a jittered pause. */
     int retryable = o == PX_OUT_CONNECT_ERR || o == PX_OUT_RESET || o == PX_OUT_SERVER_ERR;
     if (retryable && !r->too_big && (int64_t)(r->ntried_p) <= r->s->cfg->prefill_retries &&
@@ -819,19 +835,23 @@ static void on_retry_timer(evutil_socket_t fd, short what, void *arg) {
 }
 
 static void proceed_to_decode(px_req *r) {
-    const char *kvp = NULL;
-    size_t kvp_len = 0;
     char err[128];
-    px_kvp_status ks = px_extract_kv_params(r->presp.data ? r->presp.data : "", r->presp.len, &kvp,
-                                            &kvp_len, err, sizeof err);
-    if (ks == PX_KVP_BAD_RESPONSE) {
-        if (r->state == RS_RELEASING) {
-            req_abandon(r);
-            return;
-        }
+    if (decode_body(r, err, sizeof err) == PX_KVP_BAD_RESPONSE) {
         req_fail(r, 502, NULL, "prefill %s returned an invalid answer: %s", r->pname, err);
         return;
     }
+    start_decode(r);
+}
+
+/* Builds decode's body from the client's and prefill's kv_transfer_params.
+ * Returns what prefill's answer held; for PX_KVP_BAD_RESPONSE nothing is
+ * built and err says why. */
+static px_kvp_status decode_body(px_req *r, char *err, size_t errlen) {
+    const char *kvp = NULL;
+    size_t kvp_len = 0;
+    px_kvp_status ks = px_extract_kv_params(r->presp.data ? r->presp.data : "", r->presp.len, &kvp,
+                                            &kvp_len, err, errlen);
+    if (ks == PX_KVP_BAD_RESPONSE) return ks;
     if (ks == PX_KVP_MISSING) {
         px_m_inc(&r->w->metrics.kvp_missing);
         PX_LOG(PX_LOG_WARN,
@@ -839,10 +859,6 @@ static void proceed_to_decode(px_req *r) {
                "prefill\" prefill=%s",
                r->lid, r->pname);
         kvp = NULL;
-        if (r->state == RS_RELEASING) { /* nothing to release */
-            req_abandon(r);
-            return;
-        }
     } else if (ks == PX_KVP_NO_REQUEST_ID) {
         px_m_inc(&r->w->metrics.rrid_missing);
         PX_LOG(PX_LOG_WARN,
@@ -871,7 +887,7 @@ static void proceed_to_decode(px_req *r) {
     if (!px_otlp_enabled()) px_buf_cleanup(&r->presp);
     r->key = NULL;
     account(r);
-    start_decode(r);
+    return ks;
 }
 
 /* Sends the client's request to decode alone (no kv_transfer_params:
@@ -897,49 +913,53 @@ static void fall_back(px_req *r, px_fallback why) {
 /* Picks a decode and sends it r->dbody (built by the caller) or, for
  * /v1/models, a GET. */
 static void start_decode(px_req *r) {
-    px_pick k = {.exclude = r->tried_d, .nexclude = r->ntried_d};
-    size_t n = 0;
-    /* Conditional disaggregation chose the decode before prefill. */
-    if (!r->db) r->db = px_pool_pick(&r->ps->decode, &k, &n);
-    if (!r->db) {
-        if (r->state == RS_RELEASING) {
-            PX_LOG(PX_LOG_WARN,
-                   "req=%s msg=\"client left after prefill and no decode can take "
-                   "the request: prefill's blocks stay until they expire\"",
-                   r->lid);
-            req_abandon(r);
-            return;
-        }
+    size_t n;
+    if (!pick_decode(r, &n)) {
         req_fail(r, 503, "Retry-After: 1\r\n", "no healthy decode backend (%zu configured%s)", n,
                  n ? ", all ejected" : "");
         return;
     }
+    set_state(r, RS_DECODE);
+    send_decode(r, &decode_tbl);
+}
+
+/* Takes the decode of the next attempt: NULL when none can (*n: how many
+ * are configured). */
+static px_backend *pick_decode(px_req *r, size_t *n) {
+    px_pick k = {.exclude = r->tried_d, .nexclude = r->ntried_d};
+    *n = 0;
+    /* Conditional disaggregation chose the decode before prefill. */
+    if (!r->db) r->db = px_pool_pick(&r->ps->decode, &k, n);
+    if (!r->db) return NULL;
     snprintf(r->dname, sizeof r->dname, "%s", r->db->name);
     if (!r->t_dstart) r->t_dstart = px_now_ns();
     if (r->ntried_d < MAX_TRIES) r->tried_d[r->ntried_d++] = r->db;
-    if (r->state != RS_RELEASING) set_state(r, RS_DECODE);
+    return r->db;
+}
+
+/* Sends the decode request to r->db, with the callbacks of `tbl`. Returns
+ * -1 when it could not start (r has ended). */
+static int send_decode(px_req *r, const decode_table *tbl) {
     /* This decode will hold the prompt's prefix in its cache. */
     if (r->phash && r->w->pindex) px_pindex_add(r->w->pindex, r->db->key_hash, r->phash, r->nphash);
     /* A GET (or a DELETE) without a body is sent without one. */
     int bodyless =
         r->ep == PX_EP_MODELS ||
         (r->dbody.len == 0 && (!strcmp(r->method, "GET") || !strcmp(r->method, "DELETE")));
+    r->dtbl = tbl;
     if (start_upstream(r, r->db, r->method, r->target ? r->target : ep_paths[r->ep],
-                       bodyless ? NULL : &r->dbody, &r->hdrs_d, &decode_cbs, 0, 0) < 0) {
+                       bodyless ? NULL : &r->dbody, &r->hdrs_d, &tbl->up, 0, 0) < 0) {
         req_fail(r, 502, NULL, "decode %s: cannot start the request", r->dname);
-        return;
+        return -1;
     }
     touch_idle(r);
-    /* Releasing: the body only has to reach decode (it may have already:
-     * our client writes at once, and a nearby decode acknowledges fast). */
-    if (r->state == RS_RELEASING && px_upstream_abort_after_upload(r->up)) released_via_decode(r);
+    return 0;
 }
 
 static void decode_headers(void *arg, int status, const char *ctype) {
     px_req *r = arg;
     r->dstatus = status;
     touch_idle(r);
-    if (r->state == RS_RELEASING) return;
     r->t_first = px_now_ns();
     r->streamed = ctype && !strncasecmp(ctype, "text/event-stream", 17);
     int json = ctype && !strncasecmp(ctype, "application/json", 16);
@@ -987,10 +1007,6 @@ static void decode_done(void *arg, px_up_result rc, const char *errbuf, int conn
     if (r->idle_timer) evtimer_del(r->idle_timer);
     px_outcome o = outcome_of(rc, r->dstatus);
     const char *why = errbuf[0] ? errbuf : px_up_result_str(rc);
-    if (r->state == RS_RELEASING && connected) {
-        released_via_decode(r);
-        return;
-    }
     attempt_done(&r->ps->decode, r->db, r->tried_d, r->ntried_d, o);
     r->db = NULL;
     if (r->fix_usage) {
@@ -1017,26 +1033,37 @@ static void decode_done(void *arg, px_up_result rc, const char *errbuf, int conn
                  r->bytes_out, why);
         return;
     }
-    /* Resend only what decode never saw: it may have read prefill's blocks
-     * once the request reached it. */
-    size_t ndecode;
-    px_pool_counts(&r->ps->decode, &ndecode, NULL);
-    if (!connected && r->ntried_d < MAX_TRIES && r->ntried_d < ndecode) {
-        PX_LOG(PX_LOG_WARN,
-               "req=%s msg=\"decode unreachable, trying another\" decode=%s error=\"%s\"", r->lid,
-               r->dname, why);
-        px_m_inc(&r->w->metrics.retries[1]);
+    if (decode_retry(r, connected, why)) {
         start_decode(r);
-        return;
-    }
-    if (r->state == RS_RELEASING) {
-        req_abandon(r);
         return;
     }
     req_fail(r, px_upstream_status_for(rc), NULL, "decode %s: %s", r->dname, why);
 }
 
-static const px_upstream_cbs decode_cbs = {decode_headers, decode_data, decode_done};
+/* Whether a failed decode attempt goes to another decode: only what decode
+ * never saw is resent (once the request reached it, it may have read
+ * prefill's blocks). */
+static int decode_retry(px_req *r, int connected, const char *why) {
+    size_t ndecode;
+    px_pool_counts(&r->ps->decode, &ndecode, NULL);
+    if (connected || r->ntried_d >= MAX_TRIES || r->ntried_d >= ndecode) return 0;
+    PX_LOG(PX_LOG_WARN, "req=%s msg=\"decode unreachable, trying another\" decode=%s error=\"%s\"",
+           r->lid, r->dname, why);
+    px_m_inc(&r->w->metrics.retries[1]);
+    return 1;
+}
+
+/* A decode idle past --decode-idle-timeout with the client there. */
+static void decode_idle(px_req *r) {
+    if (r->paused)
+        req_fail(r, 504, NULL, "client read nothing for --decode-idle-timeout %gs",
+                 r->s->cfg->decode_idle_timeout);
+    else
+        req_fail(r, 504, NULL, "decode %s sent nothing for --decode-idle-timeout %gs", r->dname,
+                 r->s->cfg->decode_idle_timeout);
+}
+
+static const decode_table decode_tbl = {{decode_headers, decode_data, decode_done}, decode_idle};
 
 static void arm_idle(px_req *r, uint64_t ns) {
     struct timeval tv = {(time_t)(ns / 1000000000ull), (suseconds_t)(ns % 1000000000ull / 1000)};
@@ -1060,16 +1087,7 @@ static void on_idle_timer(evutil_socket_t fd, short what, void *arg) {
     r->up = NULL;
     px_backend_done(&r->ps->decode, r->db, PX_OUT_TIMEOUT);
     r->db = NULL;
-    if (r->state == RS_RELEASING) {
-        req_abandon(r);
-        return;
-    }
-    if (r->paused)
-        req_fail(r, 504, NULL, "client read nothing for --decode-idle-timeout %gs",
-                 r->s->cfg->decode_idle_timeout);
-    else
-        req_fail(r, 504, NULL, "decode %s sent nothing for --decode-idle-timeout %gs", r->dname,
-                 r->s->cfg->decode_idle_timeout);
+    r->dtbl->idle(r);
 }
 
 static void touch_idle(px_req *r) {
@@ -1182,22 +1200,11 @@ static void client_gone(void *arg) {
                                              : PX_PHASE_PREFILL;
     px_m_inc(&r->w->metrics.disconnects[phase]);
     if (r->state == RS_PREFILL && r->up) {
-        /* Prefill publishes its blocks just before its answer leaves: a
-         * client leaving near that moment would strand them if we cut the
-         * connection. So prefill gets a short grace (well inside the 100 ms
-         * in which a cancelled upstream must close) to answer; an answer
-         * goes on to the release through decode, silence is cut. */
-        set_state(r, RS_RELEASING);
-        long us = px_upstream_answering(r->up) ? PREFILL_ANSWER_GRACE_US : PREFILL_GRACE_US;
-        if (!r->grace_timer) r->grace_timer = evtimer_new(r->w->base, on_grace_timer, r);
-        struct timeval tv = {us / 1000000, us % 1000000};
-        evtimer_add(r->grace_timer, &tv);
+        release_prefill(r);
         return;
     }
     if (r->state == RS_DECODE && r->up && r->disagg && !px_upstream_abort_after_upload(r->up)) {
-        /* Decode has not received the request yet: let the body reach it,
-         * then abort, so that decode tells prefill to free the blocks. */
-        set_state(r, RS_RELEASING);
+        release_decode(r);
         return;
     }
     req_abandon(r);
@@ -1216,10 +1223,111 @@ static const px_exchange_cbs client_cbs = {client_gone, client_drained};
 
 /* ---------- releasing: the client left, prefill's blocks are let go ---------- */
 
-/* The client left during prefill and prefill did not answer in its grace. */
+/* A request whose client left keeps running only to let prefill's blocks go:
+ * a prefill in flight is let answer, then decode is sent the request and
+ * aborted once it has it, so that it tells prefill to free the blocks
+ * (vLLM's stranded-blocks release). Its callbacks are these tables; the
+ * normal path's know nothing of it. */
+
+/* The client left during prefill. Prefill publishes its blocks just before
+ * its answer leaves: a client leaving near that moment would strand them if
+ * we cut the connection. So prefill gets a short grace (well inside the
+ * 100 ms in which a cancelled upstream must close) to answer; an answer
+ * goes on to the release through decode, silence is cut. */
+static void release_prefill(px_req *r) {
+    set_state(r, RS_RELEASING);
+    px_upstream_set_cbs(r->up, &release_prefill_cbs);
+    long us = px_upstream_answering(r->up) ? PREFILL_ANSWER_GRACE_US : PREFILL_GRACE_US;
+    if (!r->grace_timer) r->grace_timer = evtimer_new(r->w->base, on_grace_timer, r);
+    struct timeval tv = {us / 1000000, us % 1000000};
+    evtimer_add(r->grace_timer, &tv);
+}
+
+/* The client left before decode received the request (abort after upload is
+ * armed): the body is let reach decode, then the transfer is aborted. */
+static void release_decode(px_req *r) {
+    set_state(r, RS_RELEASING);
+    r->dtbl = &release_tbl;
+    px_upstream_set_cbs(r->up, &release_tbl.up);
+}
+
+/* Prefill did not answer in its grace. */
 static void on_grace_timer(evutil_socket_t fd, short what, void *arg) {
     req_abandon(arg);
 }
+
+static void release_prefill_done(void *arg, px_up_result rc, const char *errbuf, int connected) {
+    px_req *r = arg;
+    if (r->grace_timer) evtimer_del(r->grace_timer); /* it answered in time */
+    prefill_ended(r, rc);
+    if (rc == PX_UP_OK && r->pstatus >= 200 && r->pstatus < 300)
+        release_through_decode(r);
+    else
+        req_abandon(r);
+}
+
+static const px_upstream_cbs release_prefill_cbs = {prefill_headers, prefill_data,
+                                                    release_prefill_done};
+
+/* Prefill answered: without kv_transfer_params in its answer there is
+ * nothing to release. */
+static void release_through_decode(px_req *r) {
+    char err[128];
+    px_kvp_status ks = decode_body(r, err, sizeof err);
+    if (ks == PX_KVP_BAD_RESPONSE || ks == PX_KVP_MISSING) {
+        req_abandon(r);
+        return;
+    }
+    start_release(r);
+}
+
+static void start_release(px_req *r) {
+    size_t n;
+    if (!pick_decode(r, &n)) {
+        PX_LOG(PX_LOG_WARN,
+               "req=%s msg=\"client left after prefill and no decode can take "
+               "the request: prefill's blocks stay until they expire\"",
+               r->lid);
+        req_abandon(r);
+        return;
+    }
+    if (send_decode(r, &release_tbl) < 0) return;
+    /* The body only has to reach decode (it may have already: our client
+     * writes at once, and a nearby decode acknowledges fast). */
+    if (px_upstream_abort_after_upload(r->up)) released_via_decode(r);
+}
+
+static void release_headers(void *arg, int status, const char *ctype) {
+    px_req *r = arg;
+    r->dstatus = status;
+    touch_idle(r);
+}
+
+/* Decode's answer is nobody's: its first byte ends the transfer. */
+static int release_data(void *arg, const char *p, size_t n) {
+    return -1;
+}
+
+static void release_done(void *arg, px_up_result rc, const char *errbuf, int connected) {
+    px_req *r = arg;
+    r->up = NULL; /* freed by the upstream module when this returns */
+    if (r->idle_timer) evtimer_del(r->idle_timer);
+    if (connected) {
+        released_via_decode(r);
+        return;
+    }
+    attempt_done(&r->ps->decode, r->db, r->tried_d, r->ntried_d, outcome_of(rc, r->dstatus));
+    r->db = NULL;
+    if (decode_retry(r, connected, errbuf[0] ? errbuf : px_up_result_str(rc))) {
+        start_release(r);
+        return;
+    }
+    req_abandon(r);
+}
+
+/* An idle release decode: nobody to answer. */
+static const decode_table release_tbl = {{release_headers, release_data, release_done},
+                                         req_abandon};
 
 /* Decode has the request and its kv_transfer_params; it drops the request
  * now that the client left, and tells prefill to free the blocks. Ends r. */
