@@ -7,6 +7,9 @@
 #include <string.h>
 #include <strings.h>
 
+#include <event2/event_struct.h> /* free_ev is embedded */
+
+#include "access.h"
 #include "json.h"
 #include "list.h"
 #include "log.h"
@@ -32,12 +35,11 @@ typedef enum {
     RS_DECODE,
     RS_STREAM,
     RS_RELEASING,
-    RS_DONE,
-    RS_CLOSING
+    RS_DONE /* finished: waits for its free on the next loop turn */
 } req_state;
 
 static const char *const state_names[] = {"new",    "prefill",   "retry_wait", "decode",
-                                          "stream", "releasing", "done",       "closing"};
+                                          "stream", "releasing", "done"};
 static const char *const ep_paths[] = {"/v1/completions", "/v1/chat/completions", "/v1/models",
                                        "/v1/messages",    "/v1/responses",        NULL};
 static const px_metric_endpoint ep_metric[] = {PX_MEP_COMPLETIONS, PX_MEP_CHAT,
@@ -47,10 +49,18 @@ static const px_metric_endpoint ep_metric[] = {PX_MEP_COMPLETIONS, PX_MEP_CHAT,
  * event at a time (SSE); past this, it passes through untouched. */
 #define USAGE_MAX_HOLD (8 * 1024 * 1024)
 
+/* A decode's callbacks: the transfer's, and what ends a decode idle past
+ * --decode-idle-timeout (its transfer already cancelled). The normal path
+ * and the release each have one. */
+typedef struct decode_table {
+    px_upstream_cbs up;
+    void (*idle)(px_req *r);
+} decode_table;
+
 struct px_req {
     px_req *prev, *next; /* in w->reqs */
-    px_wctx *w;        /* borrowed: the worker this request runs on */
-    px_ctx *s;        /* borrowed */
+    px_wctx *w;          /* borrowed: the worker this request runs on */
+    px_ctx *s;           /* borrowed */
     px_gen *g;           /* owned reference: the configuration this request runs on */
     px_pset *ps;         /* borrowed from g: the pool of the request's model */
     px_backend *hb;      /* owned reference: the prefill named by the request's header */
@@ -71,6 +81,7 @@ struct px_req {
     px_upstream *up;                /* owned: the transfer in flight */
     px_backend *pb;                 /* owned reference while a prefill is in flight */
     px_backend *db;                 /* owned reference while a decode is in flight */
+    const decode_table *dtbl;       /* the callbacks of the decode in flight */
     char pname[128], dname[128];    /* the backends' names, for logs after release */
     px_backend *tried_p[MAX_TRIES]; /* identity only, never dereferenced */
     size_t ntried_p;
@@ -91,6 +102,7 @@ struct px_req {
     struct event *idle_timer;  /* owned: --decode-idle-timeout */
     uint64_t idle_since_ns;    /* the last byte (or start) the idle timer counts from */
     struct event *grace_timer; /* owned: a prefill whose client left may still answer */
+    struct event free_ev;      /* frees the request on the loop turn after it finished */
     size_t bytes_out;
     int64_t held; /* bytes of the bodies above counted in the server's memory budget */
 
@@ -124,8 +136,48 @@ struct px_req {
     px_buf ubuf;   /* owned */
 };
 
+/* The flow, top-down: each section below calls into later ones. */
+static void headers_for(px_req *r, const px_http_head *h, int traced, const char *span, px_buf *l);
+static int choose_pool(px_req *r);
+static int sidecar_prefill(px_req *r, const px_http_head *h);
+static void find_key(px_req *r);
+static int decide(px_req *r);
 static void start_prefill(px_req *r);
+static void proceed_to_decode(px_req *r);
+static px_kvp_status decode_body(px_req *r, char *err, size_t errlen);
+static void decode_only(px_req *r);
+static void fall_back(px_req *r, px_fallback why);
 static void start_decode(px_req *r);
+static px_backend *pick_decode(px_req *r, size_t *n);
+static int send_decode(px_req *r, const decode_table *tbl);
+static int decode_retry(px_req *r, int connected, const char *why);
+static void touch_idle(px_req *r);
+static int cached_tokens_span(const char *json, size_t n, const char **v, size_t *vl);
+static void write_fixed(px_req *r, const char *p, size_t n);
+static void flush_events(px_req *r, int all);
+static void usage_passthrough(px_req *r);
+static void release_prefill(px_req *r);
+static void release_decode(px_req *r);
+static void release_through_decode(px_req *r);
+static void start_release(px_req *r);
+static void released_via_decode(px_req *r);
+static void on_retry_timer(evutil_socket_t fd, short what, void *arg);
+static void on_grace_timer(evutil_socket_t fd, short what, void *arg);
+static void req_fail(px_req *r, int status, const char *extra, const char *fmt, ...)
+    __attribute__((format(printf, 4, 5)));
+static void req_abandon(px_req *r);
+static void req_finish(px_req *r, int status, const char *outcome, const char *extra,
+                       const char *msg);
+static void on_free(evutil_socket_t fd, short what, void *arg);
+static void write_access(const px_req *r, int status, const char *outcome, uint64_t now);
+static void finish_log(px_req *r, int status, const char *outcome);
+static void submit_spans(px_req *r, int status, const char *outcome, uint64_t now);
+static void req_free(px_req *r);
+static const px_exchange_cbs client_cbs;
+static const px_upstream_cbs prefill_cbs, release_prefill_cbs;
+static const decode_table decode_tbl, release_tbl;
+
+/* ---------- helpers ---------- */
 
 /* Hands a backend back after an attempt. A request's attempts on the same
  * backend (retries with one instance configured) are one failure toward
@@ -140,38 +192,11 @@ static void attempt_done(px_pool *p, px_backend *b, px_backend *const *tried, si
     px_backend_done(p, b, o);
 }
 
-/* ---------- lifetime ---------- */
-
 /* Brings the memory budget's count of this request's bodies up to date. */
 static void account(px_req *r) {
     int64_t now = (int64_t)(r->body.len + r->pbody.len + r->dbody.len + r->presp.len + r->ubuf.len);
     px_budget_add(&r->s->shared, now - r->held);
     r->held = now;
-}
-
-static void req_free(px_req *r) {
-    PX_LIST_UNLINK(r->w->reqs, r);
-    r->w->nreqs--;
-    px_upstream_cancel(r->up);
-    px_backend_done(&r->ps->prefill, r->pb, PX_OUT_CANCELLED);
-    px_backend_done(&r->ps->decode, r->db, PX_OUT_CANCELLED);
-    if (r->retry_timer) event_free(r->retry_timer);
-    if (r->idle_timer) event_free(r->idle_timer);
-    if (r->grace_timer) event_free(r->grace_timer);
-    if (r->counted) atomic_fetch_sub(&r->s->inflight, 1);
-    px_backend_release(r->hb);
-    px_gen_release(r->g);
-    px_budget_add(&r->s->shared, -r->held);
-    px_buf_cleanup(&r->body);
-    px_buf_cleanup(&r->pbody);
-    px_buf_cleanup(&r->dbody);
-    px_buf_cleanup(&r->presp);
-    px_buf_cleanup(&r->hdrs_p);
-    px_buf_cleanup(&r->hdrs_d);
-    px_buf_cleanup(&r->ubuf);
-    free(r->target);
-    free(r->phash);
-    free(r);
 }
 
 /* The one place a request changes state. */
@@ -183,120 +208,6 @@ static void set_state(px_req *r, req_state st) {
 
 static double secs(uint64_t from, uint64_t to) {
     return from && to ? (double)(to - from) / 1e9 : -1;
-}
-
-/* The request's spans for trace export (otlp.h). */
-static void submit_spans(px_req *r, int status, const char *outcome, uint64_t now) {
-    px_otlp_req q = {.trace_id = r->trace_id,
-                     .flags = r->trace_flags,
-                     .parent_span = r->parent_span[0] ? r->parent_span : NULL,
-                     .span_root = r->span_root,
-                     .span_prefill = r->span_p,
-                     .span_decode = r->span_d,
-                     .method = r->method,
-                     .route = ep_paths[r->ep] ? ep_paths[r->ep] : "passthrough",
-                     .request_id = r->id,
-                     .outcome = outcome,
-                     .status = status,
-                     .t_start = r->t0,
-                     .t_end = now,
-                     .prefill = r->pname[0] ? r->pname : NULL,
-                     .prefill_status = r->pstatus,
-                     .prefill_attempts = (int)r->ntried_p,
-                     .t_prefill_start = r->t_pstart,
-                     .t_prefill_end = r->t_prefill,
-                     .decode = r->dname[0] ? r->dname : NULL,
-                     .decode_status = r->dstatus,
-                     .decode_attempts = (int)r->ntried_d,
-                     .streamed = r->streamed,
-                     .t_decode_start = r->t_dstart,
-                     .presp = r->presp.data,
-                     .presp_len = r->presp.len};
-    px_otlp_submit(&q);
-}
-
-/* The access log line and the request metrics, once per request. */
-static void finish_log(px_req *r, int status, const char *outcome) {
-    uint64_t now = px_now_ns();
-    px_metrics *m = &r->w->metrics;
-    px_metrics_count(m, ep_metric[r->ep], status);
-    px_hist_observe(&m->duration, secs(r->t0, now));
-    if (r->t_first) px_hist_observe(&m->ttfb[r->streamed], secs(r->t0, r->t_first));
-    px_access a = {.req = r->lid,
-                   .endpoint = r->lpath,
-                   .prefill = r->pname[0] ? r->pname : NULL,
-                   .decode = r->dname[0] ? r->dname : NULL,
-                   .status = status,
-                   .prefill_ms = r->t_prefill ? secs(r->t0, r->t_prefill) * 1e3 : -1.0,
-                   .ttfb_ms = r->t_first ? secs(r->t0, r->t_first) * 1e3 : -1.0,
-                   .total_ms = secs(r->t0, now) * 1e3,
-                   .bytes_out = r->bytes_out,
-                   .outcome = outcome,
-                   .trace_id = r->trace_id,
-                   /* A fallback overrides the decision made before prefill failed. */
-                   .decision = r->fell_back ? "decode_only"
-                               : r->decided ? px_decision_name(r->decision)
-                                            : NULL,
-                   .decision_reason = r->fell_back ? px_fallback_name(r->fallback)
-                                      : r->decided ? px_decision_reason(r->decision)
-                                                   : NULL,
-                   .fallback = r->fell_back ? px_fallback_name(r->fallback) : NULL,
-                   .estimated = r->estimated,
-                   .prompt_tokens_est = r->est_tokens,
-                   .uncached_tokens_est = r->est_uncached};
-    px_log_access(&a);
-    if (px_otlp_enabled()) submit_spans(r, status, outcome, now);
-}
-
-void px_req_log_refused(const px_http_head *h, const char *endpoint, int status) {
-    char lid[300] = "-", id[129];
-    if (px_http_request_id(h, id)) px_log_value(id, lid, sizeof lid);
-    px_access a = {.req = lid,
-                   .endpoint = endpoint,
-                   .status = status,
-                   .prefill_ms = -1,
-                   .ttfb_ms = -1,
-                   .outcome = "refused"};
-    px_log_access(&a);
-}
-
-static void req_end(px_req *r, int status, const char *outcome) {
-    finish_log(r, status, outcome);
-    set_state(r, RS_DONE);
-    req_free(r);
-}
-
-/* Every path on which the client is gone and nothing is left to do for it:
- * logged as 499, then freed, which cancels what is in flight (closing its
- * upstream connection). */
-static void req_abandon(px_req *r) {
-    finish_log(r, 499, "client_disconnected");
-    set_state(r, RS_CLOSING);
-    req_free(r);
-}
-
-/* Ends a request that failed: logs, answers once in OpenAI error JSON when
- * nothing was sent yet (else cuts the stream), and frees it. */
-static void req_fail(px_req *r, int status, const char *extra, const char *fmt, ...)
-    __attribute__((format(printf, 4, 5)));
-static void req_fail(px_req *r, int status, const char *extra, const char *fmt, ...) {
-    char msg[512];
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(msg, sizeof msg, fmt, ap);
-    va_end(ap);
-    char qmsg[1100];
-    PX_LOG(status >= 500 ? PX_LOG_WARN : PX_LOG_INFO, "req=%s msg=%s status=%d state=%s", r->lid,
-           px_log_value(msg, qmsg, sizeof qmsg), status, state_names[r->state]);
-    int streaming = r->state == RS_STREAM;
-    if (r->conn) {
-        if (streaming)
-            px_conn_abort(r->conn);
-        else
-            px_conn_reply_error(r->conn, status, r->id, extra, msg);
-        r->conn = NULL;
-    }
-    req_end(r, status, streaming ? "stream_failed" : "error");
 }
 
 static px_outcome outcome_of(px_up_result rc, int status) {
@@ -314,78 +225,8 @@ static px_outcome outcome_of(px_up_result rc, int status) {
     }
 }
 
-/* ---------- headers ---------- */
-
-/* Client headers a passed-through request does not carry as they are: the
- * connection's own (hop by hop, RFC 9110 §7.6.1), framing and Host (the
- * transport's), those the proxy sets itself, and Accept-Encoding (of the
- * answer's headers only Content-Type comes back: a compressed body would
- * reach the client without its Content-Encoding). */
-static int own_header(const px_http_header *x) {
-    static const char *const names[] = {"host",
-                                        "content-length",
-                                        "transfer-encoding",
-                                        "connection",
-                                        "keep-alive",
-                                        "proxy-connection",
-                                        "proxy-authorization",
-                                        "te",
-                                        "trailer",
-                                        "upgrade",
-                                        "expect",
-                                        "authorization",
-                                        "x-request-id",
-                                        "traceparent",
-                                        "tracestate",
-                                        "accept-encoding"};
-    for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
-        if (px_http_token_eq(x->name, x->name_len, names[i])) return 1;
-    return 0;
-}
-
 static int passthrough(const px_req *r) {
     return r->ep == PX_EP_PASSTHROUGH || r->ep == PX_EP_RESPONSES;
-}
-
-/* The header lines both upstream requests carry ("Name: value\r\n" each);
- * Host and the body's framing are the transport's. */
-static void headers_for(px_req *r, const px_http_head *h, int traced, const char *span, px_buf *l) {
-    if (passthrough(r)) {
-        for (size_t i = 0; i < h->nheaders; i++)
-            if (!own_header(&h->headers[i])) {
-                px_buf_append(l, h->headers[i].name, h->headers[i].name_len);
-                px_buf_append(l, ": ", 2);
-                px_buf_append(l, h->headers[i].value, h->headers[i].value_len);
-                px_buf_append(l, "\r\n", 2);
-            }
-    } else if (r->ep != PX_EP_MODELS) {
-        px_buf_appends(l, "Content-Type: application/json\r\n");
-    }
-    /* Appended piece by piece, no printf: built twice per request. */
-    px_buf_appends(l, "X-Request-Id: ");
-    px_buf_appends(l, r->id);
-    px_buf_append(l, "\r\n", 2);
-    const px_http_header *auth = px_http_find(h, "authorization");
-    if (r->s->upstream_auth_forced || !auth) {
-        if (r->s->upstream_auth) {
-            px_buf_appends(l, r->s->upstream_auth);
-            px_buf_append(l, "\r\n", 2);
-        }
-    } else {
-        px_buf_appends(l, "Authorization: ");
-        px_buf_append(l, auth->value, auth->value_len);
-        px_buf_append(l, "\r\n", 2);
-    }
-    char child[56];
-    px_trace_child(r->trace_id, span, r->trace_flags, child);
-    px_buf_appends(l, "traceparent: ");
-    px_buf_appends(l, child);
-    px_buf_append(l, "\r\n", 2);
-    /* tracestate belongs to the client's trace: dropped when that was
-     * unusable and a new trace started. */
-    const px_http_header *ts = traced ? px_http_find(h, "tracestate") : NULL;
-    if (ts && ts->value_len <= 512)
-        px_buf_printf(l, "tracestate: %.*s\r\n", (int)ts->value_len, ts->value);
 }
 
 static int start_upstream(px_req *r, px_backend *b, const char *method, const char *path,
@@ -405,771 +246,7 @@ static int start_upstream(px_req *r, px_backend *b, const char *method, const ch
     return r->up ? 0 : -1;
 }
 
-/* ---------- decode ---------- */
-
-static void arm_idle(px_req *r, uint64_t ns) {
-    struct timeval tv = {(time_t)(ns / 1000000000ull), (suseconds_t)(ns % 1000000000ull / 1000)};
-    evtimer_add(r->idle_timer, &tv);
-}
-
-/* --decode-idle-timeout: no byte from decode for that long ends the request.
- * Our own timer, since curl's low-speed check averages over several seconds.
- * A byte only notes the time; the timer, armed once, looks when it fires
- * and waits out the rest if there was activity meanwhile (no timer-heap
- * work per read). */
-static void on_idle_timer(evutil_socket_t fd, short what, void *arg) {
-    px_req *r = arg;
-    uint64_t limit = (uint64_t)(r->s->cfg->decode_idle_timeout * 1e9),
-             idle = px_now_ns() - r->idle_since_ns;
-    if (idle < limit) {
-        arm_idle(r, limit - idle);
-        return;
-    }
-    px_upstream_cancel(r->up);
-    r->up = NULL;
-    px_backend_done(&r->ps->decode, r->db, PX_OUT_TIMEOUT);
-    r->db = NULL;
-    if (r->state == RS_RELEASING) {
-        req_abandon(r);
-        return;
-    }
-    if (r->paused)
-        req_fail(r, 504, NULL, "client read nothing for --decode-idle-timeout %gs",
-                 r->s->cfg->decode_idle_timeout);
-    else
-        req_fail(r, 504, NULL, "decode %s sent nothing for --decode-idle-timeout %gs", r->dname,
-                 r->s->cfg->decode_idle_timeout);
-}
-
-static void touch_idle(px_req *r) {
-    double s = r->s->cfg->decode_idle_timeout;
-    if (s <= 0) return;
-    r->idle_since_ns = px_now_ns();
-    if (!r->idle_timer) r->idle_timer = evtimer_new(r->w->base, on_idle_timer, r);
-    if (!evtimer_pending(r->idle_timer, NULL)) arm_idle(r, (uint64_t)(s * 1e9));
-}
-
-/* ---------- usage (--usage-from) ---------- */
-
-/* The number text of usage.prompt_tokens_details.cached_tokens in the JSON
- * object json[0..n): 1 with its span, else 0. */
-static int cached_tokens_span(const char *json, size_t n, const char **v, size_t *vl) {
-    px_json_member u, d, c;
-    if (!px_json_find(json, n, "usage", &u) || u.type != PX_JSON_OBJECT) return 0;
-    if (!px_json_find(u.val, u.val_len, "prompt_tokens_details", &d) || d.type != PX_JSON_OBJECT)
-        return 0;
-    if (!px_json_find(d.val, d.val_len, "cached_tokens", &c) || c.type != PX_JSON_NUMBER) return 0;
-    *v = c.val;
-    *vl = c.val_len;
-    return 1;
-}
-
-/* Writes p[0..n) to the client. */
-static void client_write(px_req *r, const char *p, size_t n) {
-    if (!r->conn || !n) return;
-    px_conn_stream_write(r->conn, p, n);
-    r->bytes_out += n;
-}
-
-/* Writes p[0..n), a JSON document or one SSE event, with prefill's
- * cached_tokens in place of decode's; every other byte as it is. */
-static void write_fixed(px_req *r, const char *p, size_t n) {
-    const char *json = p, *end = p + n, *v;
-    size_t vl;
-    if (r->streamed) {
-        /* The event's data line that carries the usage. */
-        const char *k = memmem(p, n, "\"cached_tokens\"", 15);
-        if (!k) {
-            client_write(r, p, n);
-            return;
-        }
-        json = k;
-        while (json > p && json[-1] != '\n')
-            json--;
-        end = memchr(json, '\n', (size_t)(p + n - json));
-        if (!end) end = p + n;
-        if ((size_t)(end - json) < 5 || memcmp(json, "data:", 5) != 0) {
-            client_write(r, p, n);
-            return;
-        }
-        json += 5;
-        if (end > json && end[-1] == '\r') end--;
-    }
-    if (!cached_tokens_span(json, (size_t)(end - json), &v, &vl)) {
-        client_write(r, p, n);
-        return;
-    }
-    client_write(r, p, (size_t)(v - p));
-    client_write(r, r->p_cached, strlen(r->p_cached));
-    client_write(r, v + vl, (size_t)(p + n - (v + vl)));
-}
-
-/* The length of the first complete SSE event in b[0..n) (through the
- * blank line that ends it: LF LF or CRLF CRLF), or 0. */
-static size_t event_len(const char *b, size_t n) {
-    const char *lf = n ? memmem(b, n, "\n\n", 2) : NULL;
-    const char *crlf = n ? memmem(b, n, "\r\n\r\n", 4) : NULL;
-    if (lf && (!crlf || lf < crlf + 2)) return (size_t)(lf - b) + 2;
-    if (crlf) return (size_t)(crlf - b) + 4;
-    return 0;
-}
-
-/* Passes on every complete SSE event held in ubuf (fixed), keeping a
- * partial one; with `all`, the rest too, as it is. */
-static void flush_events(px_req *r, int all) {
-    size_t at = 0, n;
-    if (!r->ubuf.data) return;
-    while ((n = event_len(r->ubuf.data + at, r->ubuf.len - at)) > 0) {
-        write_fixed(r, r->ubuf.data + at, n);
-        at += n;
-    }
-    if (all && at < r->ubuf.len) {
-        client_write(r, r->ubuf.data + at, r->ubuf.len - at);
-        at = r->ubuf.len;
-    }
-    if (at) {
-        memmove(r->ubuf.data, r->ubuf.data + at, r->ubuf.len - at);
-        r->ubuf.len -= at;
-    }
-}
-
-/* Gives up rewriting: what is held goes out as it is. */
-static void usage_passthrough(px_req *r) {
-    client_write(r, r->ubuf.data, r->ubuf.len);
-    px_buf_cleanup(&r->ubuf);
-    r->fix_usage = 0;
-    account(r);
-}
-
-static void decode_headers(void *arg, int status, const char *ctype) {
-    px_req *r = arg;
-    r->dstatus = status;
-    touch_idle(r);
-    if (r->state == RS_RELEASING) return;
-    r->t_first = px_now_ns();
-    r->streamed = ctype && !strncasecmp(ctype, "text/event-stream", 17);
-    int json = ctype && !strncasecmp(ctype, "application/json", 16);
-    r->fix_usage = r->disagg && r->p_cached[0] && status == 200 && (r->streamed || json) &&
-                   !strcmp(r->s->cfg->usage_from, "prefill");
-    set_state(r, RS_STREAM);
-    if (r->conn) px_conn_stream_start(r->conn, status, ctype, r->id, NULL);
-}
-
-static int decode_data(void *arg, const char *p, size_t n) {
-    px_req *r = arg;
-    if (!r->conn) return -1;
-    touch_idle(r);
-    if (r->fix_usage) {
-        if (px_conn_pending(r->conn) >= PX_CONN_HIGH_WATER) {
-            if (!r->paused) touch_idle(r);
-            r->paused = 1;
-            return 1;
-        }
-        if (r->ubuf.len + n > USAGE_MAX_HOLD) {
-            usage_passthrough(r);
-        } else {
-            px_buf_append(&r->ubuf, p, n);
-            if (r->streamed) flush_events(r, 0);
-            account(r);
-            return 0;
-        }
-    }
-    if (px_conn_pending(r->conn) >= PX_CONN_HIGH_WATER) {
-        /* Paused on the client: the same timeout now bounds how long the
-         * client may leave its queue full, so a reader that stopped reading
-         * does not hold a decode forever. */
-        if (!r->paused) touch_idle(r);
-        r->paused = 1;
-        return 1;
-    }
-    px_conn_stream_write(r->conn, p, n);
-    r->bytes_out += n;
-    return 0;
-}
-
-/* Decode has the request and its kv_transfer_params; it drops the request
- * now that the client left, and tells prefill to free the blocks. Ends r. */
-static void released_via_decode(px_req *r) {
-    px_upstream_cancel(r->up); /* NULL once it ended */
-    r->up = NULL;
-    if (r->idle_timer) evtimer_del(r->idle_timer);
-    px_backend_done(&r->ps->decode, r->db, PX_OUT_CANCELLED);
-    r->db = NULL;
-    px_m_inc(&r->w->metrics.stranded_released);
-    PX_LOG(PX_LOG_INFO,
-           "req=%s msg=\"client left after prefill: decode was given the request and "
-           "aborted so prefill frees its blocks\" decode=%s",
-           r->lid, r->dname);
-    req_abandon(r);
-}
-
-static void decode_done(void *arg, px_up_result rc, const char *errbuf, int connected) {
-    px_req *r = arg;
-    r->up = NULL; /* freed by the upstream module when this returns */
-    if (r->idle_timer) evtimer_del(r->idle_timer);
-    px_outcome o = outcome_of(rc, r->dstatus);
-    const char *why = errbuf[0] ? errbuf : px_up_result_str(rc);
-    if (r->state == RS_RELEASING && connected) {
-        released_via_decode(r);
-        return;
-    }
-    attempt_done(&r->ps->decode, r->db, r->tried_d, r->ntried_d, o);
-    r->db = NULL;
-    if (r->fix_usage) {
-        /* The answer is complete (or cut): what is held goes out, fixed
-         * when it is whole. */
-        if (rc == PX_UP_OK && !r->streamed)
-            write_fixed(r, r->ubuf.data ? r->ubuf.data : "", r->ubuf.len);
-        else
-            flush_events(r, 1);
-        px_buf_cleanup(&r->ubuf);
-        r->fix_usage = 0;
-        account(r);
-    }
-    if (rc == PX_UP_OK) {
-        if (r->conn) {
-            px_conn_stream_end(r->conn);
-            r->conn = NULL;
-        }
-        req_end(r, r->dstatus, "ok");
-        return;
-    }
-    if (r->state == RS_STREAM) {
-        req_fail(r, r->dstatus, NULL, "decode %s failed mid-stream after %zu bytes: %s", r->dname,
-                 r->bytes_out, why);
-        return;
-    }
-    /* Resend only what decode never saw: it may have read prefill's blocks
-     * once the request reached it. */
-    size_t ndecode;
-    px_pool_counts(&r->ps->decode, &ndecode, NULL);
-    if (!connected && r->ntried_d < MAX_TRIES && r->ntried_d < ndecode) {
-        PX_LOG(PX_LOG_WARN,
-               "req=%s msg=\"decode unreachable, trying another\" decode=%s error=\"%s\"", r->lid,
-               r->dname, why);
-        px_m_inc(&r->w->metrics.retries[1]);
-        start_decode(r);
-        return;
-    }
-    if (r->state == RS_RELEASING) {
-        req_abandon(r);
-        return;
-    }
-    req_fail(r, px_upstream_status_for(rc), NULL, "decode %s: %s", r->dname, why);
-}
-
-static const px_upstream_cbs decode_cbs = {decode_headers, decode_data, decode_done};
-
-/* Picks a decode and sends it r->dbody (built by the caller) or, for
- * /v1/models, a GET. */
-static void start_decode(px_req *r) {
-    px_pick k = {.exclude = r->tried_d, .nexclude = r->ntried_d};
-    size_t n = 0;
-    /* Conditional disaggregation chose the decode before prefill. */
-    if (!r->db) r->db = px_pool_pick(&r->ps->decode, &k, &n);
-    if (!r->db) {
-        if (r->state == RS_RELEASING) {
-            PX_LOG(PX_LOG_WARN,
-                   "req=%s msg=\"client left after prefill and no decode can take "
-                   "the request: prefill's blocks stay until they expire\"",
-                   r->lid);
-            req_abandon(r);
-            return;
-        }
-        req_fail(r, 503, "Retry-After: 1\r\n", "no healthy decode backend (%zu configured%s)", n,
-                 n ? ", all ejected" : "");
-        return;
-    }
-    snprintf(r->dname, sizeof r->dname, "%s", r->db->name);
-    if (!r->t_dstart) r->t_dstart = px_now_ns();
-    if (r->ntried_d < MAX_TRIES) r->tried_d[r->ntried_d++] = r->db;
-    if (r->state != RS_RELEASING) set_state(r, RS_DECODE);
-    /* This decode will hold the prompt's prefix in its cache. */
-    if (r->phash && r->w->pindex) px_pindex_add(r->w->pindex, r->db->key_hash, r->phash, r->nphash);
-    /* A GET (or a DELETE) without a body is sent without one. */
-    int bodyless =
-        r->ep == PX_EP_MODELS ||
-        (r->dbody.len == 0 && (!strcmp(r->method, "GET") || !strcmp(r->method, "DELETE")));
-    if (start_upstream(r, r->db, r->method, r->target ? r->target : ep_paths[r->ep],
-                       bodyless ? NULL : &r->dbody, &r->hdrs_d, &decode_cbs, 0, 0) < 0) {
-        req_fail(r, 502, NULL, "decode %s: cannot start the request", r->dname);
-        return;
-    }
-    touch_idle(r);
-    /* Releasing: the body only has to reach decode (it may have already:
-     * our client writes at once, and a nearby decode acknowledges fast). */
-    if (r->state == RS_RELEASING && px_upstream_abort_after_upload(r->up)) released_via_decode(r);
-}
-
-/* ---------- prefill ---------- */
-
-static void prefill_headers(void *arg, int status, const char *ctype) {
-    px_req *r = arg;
-    r->pstatus = status;
-    snprintf(r->pctype, sizeof r->pctype, "%s", ctype ? ctype : "application/json");
-}
-
-static int prefill_data(void *arg, const char *p, size_t n) {
-    px_req *r = arg;
-    if (r->presp.len + n > PREFILL_MAX_ANSWER) {
-        r->too_big = 1;
-        return -1;
-    }
-    px_buf_append(&r->presp, p, n);
-    account(r); /* held memory, counted as it arrives */
-    return 0;
-}
-
-static void proceed_to_decode(px_req *r) {
-    const char *kvp = NULL;
-    size_t kvp_len = 0;
-    char err[128];
-    px_kvp_status ks = px_extract_kv_params(r->presp.data ? r->presp.data : "", r->presp.len, &kvp,
-                                            &kvp_len, err, sizeof err);
-    if (ks == PX_KVP_BAD_RESPONSE) {
-        if (r->state == RS_RELEASING) {
-            req_abandon(r);
-            return;
-        }
-        req_fail(r, 502, NULL, "prefill %s returned an invalid answer: %s", r->pname, err);
-        return;
-    }
-    if (ks == PX_KVP_MISSING) {
-        px_m_inc(&r->w->metrics.kvp_missing);
-        PX_LOG(PX_LOG_WARN,
-               "req=%s msg=\"prefill answer has no kv_transfer_params; decode will recompute the "
-               "prefill\" prefill=%s",
-               r->lid, r->pname);
-        kvp = NULL;
-        if (r->state == RS_RELEASING) { /* nothing to release */
-            req_abandon(r);
-            return;
-        }
-    } else if (ks == PX_KVP_NO_REQUEST_ID) {
-        px_m_inc(&r->w->metrics.rrid_missing);
-        PX_LOG(PX_LOG_WARN,
-               "req=%s msg=\"kv_transfer_params lack remote_request_id; decode cannot release "
-               "prefill's blocks\" prefill=%s",
-               r->lid, r->pname);
-    }
-    px_buf_reset(&r->dbody);
-    px_rewrite_decode(r->body.data, r->body.len, kvp, kvp_len, &r->dbody);
-    r->disagg = kvp != NULL;
-    /* Prefill's cached_tokens, for --usage-from prefill (only then: three
-     * searches of prefill's answer). */
-    const char *cv;
-    size_t cvl;
-    if (r->presp.data && !strcmp(r->s->cfg->usage_from, "prefill") &&
-        cached_tokens_span(r->presp.data, r->presp.len, &cv, &cvl) && cvl < sizeof r->p_cached) {
-        memcpy(r->p_cached, cv, cvl);
-        r->p_cached[cvl] = '\0';
-    }
-    /* From here on only the decode body is needed (retries resend it): one
-     * copy of the request is held, not three. */
-    px_buf_cleanup(&r->body);
-    px_buf_cleanup(&r->pbody);
-    /* Prefill's answer stays only for the trace (its remote_request_id and
-     * usage go into the spans). */
-    if (!px_otlp_enabled()) px_buf_cleanup(&r->presp);
-    r->key = NULL;
-    account(r);
-    start_decode(r);
-}
-
-/* Sends the client's request to decode alone (no kv_transfer_params:
- * decode computes the prefill itself). */
-static void decode_only(px_req *r) {
-    px_buf_reset(&r->dbody);
-    px_rewrite_decode(r->body.data, r->body.len, NULL, 0, &r->dbody);
-    r->disagg = 0;
-    account(r);
-    start_decode(r);
-}
-
-/* --fallback-decode-only: prefill could not serve the request. */
-static void fall_back(px_req *r, px_fallback why) {
-    r->fell_back = 1;
-    r->fallback = why;
-    px_m_inc(&r->w->metrics.fallbacks[why]);
-    decode_only(r);
-}
-
-static void on_retry_timer(evutil_socket_t fd, short what, void *arg) {
-    start_prefill(arg);
-}
-
-static void prefill_done(void *arg, px_up_result rc, const char *errbuf, int connected) {
-    px_req *r = arg;
-    r->up = NULL;
-    account(r);                                      /* the prefill's answer */
-    if (r->grace_timer) evtimer_del(r->grace_timer); /* it answered in time */
-    px_outcome o = outcome_of(rc, r->pstatus);
-    if (r->too_big) o = PX_OUT_SERVER_ERR;
-    attempt_done(&r->ps->prefill, r->pb, r->tried_p, r->ntried_p, o);
-    r->pb = NULL;
-    const char *why = errbuf[0] ? errbuf : px_up_result_str(rc);
-
-    if (r->state == RS_RELEASING) {
-        if (rc == PX_UP_OK && r->pstatus >= 200 && r->pstatus < 300) {
-            proceed_to_decode(r);
-            return;
-        }
-        req_abandon(r);
-        return;
-    }
-    /* Refused, reset or 5xx: another prefill, after a jittered pause. */
-    int retryable = o == PX_OUT_CONNECT_ERR || o == PX_OUT_RESET || o == PX_OUT_SERVER_ERR;
-    if (retryable && !r->too_big && (int64_t)(r->ntried_p) <= r->s->cfg->prefill_retries &&
-        r->ntried_p < MAX_TRIES) {
-        PX_LOG(PX_LOG_WARN,
-               "req=%s msg=\"prefill failed, retrying on another instance\" prefill=%s attempt=%zu "
-               "error=\"%s\" status=%d",
-               r->lid, r->pname, r->ntried_p, rc ? why : "", r->pstatus);
-        px_m_inc(&r->w->metrics.retries[0]);
-        px_buf_reset(&r->presp);
-        r->pstatus = 0;
-        set_state(r, RS_RETRY_WAIT);
-        uint64_t base_us = 10000u << (r->ntried_p < 6 ? r->ntried_p - 1 : 5);
-        uint64_t us = base_us / 2 + px_rand64() % base_us;
-        struct timeval tv = {(time_t)(us / 1000000), (suseconds_t)(us % 1000000)};
-        if (!r->retry_timer) r->retry_timer = evtimer_new(r->w->base, on_retry_timer, r);
-        evtimer_add(r->retry_timer, &tv);
-        return;
-    }
-    r->t_prefill = px_now_ns();
-    px_hist_observe(&r->w->metrics.prefill, secs(r->t0, r->t_prefill));
-    /* Retries spent on a prefill that failed (5xx, refused, reset): with
-     * --fallback-decode-only decode computes the prefill itself. Never
-     * after a 4xx (the client's error, returned below as it is), nor after
-     * a timeout (the prefill may still be working). */
-    int failed_5xx = rc == PX_UP_OK && r->pstatus >= 500 && r->pstatus < 600;
-    int failed_conn = rc == PX_UP_CONNECT || rc == PX_UP_RESET;
-    if ((failed_5xx || failed_conn) && !r->too_big && r->s->cfg->fallback_decode_only) {
-        PX_LOG(PX_LOG_WARN,
-               "req=%s msg=\"prefill failed: sending the request to decode alone\" prefill=%s "
-               "status=%d error=\"%s\"",
-               r->lid, r->pname, r->pstatus, rc ? why : "");
-        px_buf_reset(&r->presp);
-        account(r);
-        fall_back(r, failed_5xx ? PX_FB_PREFILL_5XX : PX_FB_PREFILL_CONN);
-        return;
-    }
-    if (rc != PX_UP_OK) {
-        if (r->too_big)
-            req_fail(r, 502, NULL, "prefill %s answer exceeds %d bytes", r->pname,
-                     PREFILL_MAX_ANSWER);
-        else
-            req_fail(r, px_upstream_status_for(rc), NULL, "prefill %s: %s", r->pname, why);
-        return;
-    }
-    if (r->pstatus >= 400 && r->pstatus < 500) {
-        /* The client's fault: its status and the engine's words, as they are. */
-        PX_LOG(PX_LOG_INFO, "req=%s msg=\"prefill rejected the request\" prefill=%s status=%d",
-               r->lid, r->pname, r->pstatus);
-        if (r->conn) {
-            px_conn_reply(r->conn, r->pstatus, r->pctype, r->id, NULL, r->presp.data, r->presp.len);
-            r->conn = NULL;
-        }
-        req_end(r, r->pstatus, "prefill_rejected");
-        return;
-    }
-    if (r->pstatus < 200 || r->pstatus >= 300) {
-        req_fail(r, 502, NULL, "prefill %s answered HTTP %d", r->pname, r->pstatus);
-        return;
-    }
-    proceed_to_decode(r);
-}
-
-static const px_upstream_cbs prefill_cbs = {prefill_headers, prefill_data, prefill_done};
-
-static void start_prefill(px_req *r) {
-    px_pick k = {
-        .key = r->key, .key_len = r->key_len, .exclude = r->tried_p, .nexclude = r->ntried_p};
-    size_t n = 0;
-    if (r->hb) { /* sidecar: the prefill the header named */
-        r->pb = r->hb;
-        atomic_fetch_add(&r->pb->refs, 1);
-        atomic_fetch_add(&r->pb->inflight, 1);
-    } else if (!r->no_prefill) {
-        r->pb = px_pool_pick(&r->ps->prefill, &k, &n);
-    }
-    if (!r->pb) {
-        if (r->no_prefill) {
-            PX_LOG(PX_LOG_DEBUG, "req=%s msg=\"no x-prefiller-host-port: decode alone\"", r->lid);
-            decode_only(r);
-            return;
-        }
-        if (r->s->cfg->fallback_decode_only) {
-            PX_LOG(PX_LOG_WARN,
-                   "req=%s msg=\"no healthy prefill: sending the request to decode alone\" "
-                   "prefill_backends=%zu",
-                   r->lid, n);
-            fall_back(r, PX_FB_NO_PREFILL);
-            return;
-        }
-        req_fail(r, 503, "Retry-After: 1\r\n", "no healthy prefill backend (%zu configured%s)", n,
-                 n ? ", all ejected" : "");
-        return;
-    }
-    snprintf(r->pname, sizeof r->pname, "%s", r->pb->name);
-    if (!r->t_pstart) r->t_pstart = px_now_ns();
-    if (r->ntried_p < MAX_TRIES) r->tried_p[r->ntried_p++] = r->pb;
-    set_state(r, RS_PREFILL);
-    long ptimeout = 0;
-    if (r->prefill_deadline) {
-        uint64_t now = px_now_ns();
-        if (now + 1000000 >= r->prefill_deadline) {
-            px_backend_done(&r->ps->prefill, r->pb, PX_OUT_CANCELLED);
-            r->pb = NULL;
-            req_fail(r, 504, NULL, "prefill did not answer within --prefill-timeout %gs",
-                     r->s->cfg->prefill_timeout);
-            return;
-        }
-        ptimeout = (long)((r->prefill_deadline - now) / 1000000);
-    }
-    if (start_upstream(r, r->pb, "POST", ep_paths[r->ep], &r->pbody, &r->hdrs_p, &prefill_cbs,
-                       ptimeout, 0) < 0)
-        req_fail(r, 502, NULL, "prefill %s: cannot start the request", r->pname);
-}
-
-/* ---------- the client ---------- */
-
-/* The client left during prefill and prefill did not answer in its grace. */
-static void on_grace_timer(evutil_socket_t fd, short what, void *arg) {
-    req_abandon(arg);
-}
-
-static void client_gone(void *arg) {
-    px_req *r = arg;
-    r->conn = NULL;
-    px_phase phase = r->state == RS_STREAM   ? PX_PHASE_STREAM
-                     : r->state == RS_DECODE ? PX_PHASE_DECODE
-                                             : PX_PHASE_PREFILL;
-    px_m_inc(&r->w->metrics.disconnects[phase]);
-    if (r->state == RS_PREFILL && r->up) {
-        /* Prefill publishes its blocks just before its answer leaves: a
-         * client leaving near that moment would strand them if we cut the
-         * connection. So prefill gets a short grace (well inside the 100 ms
-         * in which a cancelled upstream must close) to answer; an answer
-         * goes on to the release through decode, silence is cut. */
-        set_state(r, RS_RELEASING);
-        long us = px_upstream_answering(r->up) ? PREFILL_ANSWER_GRACE_US : PREFILL_GRACE_US;
-        if (!r->grace_timer) r->grace_timer = evtimer_new(r->w->base, on_grace_timer, r);
-        struct timeval tv = {us / 1000000, us % 1000000};
-        evtimer_add(r->grace_timer, &tv);
-        return;
-    }
-    if (r->state == RS_DECODE && r->up && r->disagg && !px_upstream_abort_after_upload(r->up)) {
-        /* Decode has not received the request yet: let the body reach it,
-         * then abort, so that decode tells prefill to free the blocks. */
-        set_state(r, RS_RELEASING);
-        return;
-    }
-    req_abandon(r);
-}
-
-static void client_drained(void *arg) {
-    px_req *r = arg;
-    if (r->paused && r->up) {
-        r->paused = 0;
-        touch_idle(r);
-        px_upstream_resume(r->up);
-    }
-}
-
-static const px_exchange_cbs client_cbs = {client_gone, client_drained};
-
-/* The bytes prefix_affinity hashes: the start of the prompt, or of the
- * messages, as the client spelled them (identical requests, identical keys,
- * in every replica). */
-static void find_key(px_req *r) {
-    px_json_member m;
-    const char *name = r->ep == PX_EP_COMPLETIONS ? "prompt" : "messages";
-    if (!px_json_find(r->body.data, r->body.len, name, &m)) return;
-    r->key = m.val;
-    r->key_len =
-        m.val_len < r->ps->prefill.cfg.prefix_bytes ? m.val_len : r->ps->prefill.cfg.prefix_bytes;
-}
-
-/* Named pools: the body's model chooses the pool; an unknown one gets
- * OpenAI's 404 model_not_found. Returns -1 when r has ended. */
-static int choose_pool(px_req *r) {
-    if (!r->g->named) return 0;
-    px_json_member m;
-    char model[512];
-    long n = -1;
-    if (px_json_find(r->body.data, r->body.len, "model", &m) && m.val_len >= 2 && m.val[0] == '"')
-        n = px_json_str_decode(m.val + 1, m.val_len - 2, model, sizeof model);
-    if (n < 0) {
-        req_fail(r, 400, NULL, "the request names no model (a string \"model\" member)");
-        return -1;
-    }
-    r->ps = px_gen_find(r->g, model, (size_t)n);
-    if (r->ps) return 0;
-    r->ps = &r->g->ps[0];
-    px_buf b, msg;
-    px_buf_init(&b);
-    px_buf_init(&msg);
-    px_buf_printf(&msg, "The model `%.*s` does not exist.", (int)(n > 200 ? 200 : n), model);
-    px_buf_appends(&b, "{\"error\":{\"message\":");
-    px_buf_append_json_str(&b, msg.data, msg.len);
-    px_buf_appends(&b, ",\"type\":\"invalid_request_error\",\"param\":\"model\","
-                       "\"code\":\"model_not_found\"}}");
-    char q[600];
-    PX_LOG(PX_LOG_INFO, "req=%s msg=\"unknown model\" model=%s status=404", r->lid,
-           px_log_value(model, q, sizeof q));
-    if (r->conn) px_conn_reply(r->conn, 404, "application/json", r->id, NULL, b.data, b.len);
-    r->conn = NULL;
-    px_buf_cleanup(&b);
-    px_buf_cleanup(&msg);
-    req_end(r, 404, "model_not_found");
-    return -1;
-}
-
-/* --prefiller-from-header (llm-d's routing sidecar): x-prefiller-host-port
- * names the prefill, host:port; of several (header lines, or one line of
- * comma-separated values) the first counts; without it, decode alone. Its
- * host must be in --prefiller-allowlist, or the request is refused before
- * any backend sees it. Returns -1 when r has ended. */
-static int sidecar_prefill(px_req *r, const px_http_head *h) {
-    if (!r->s->cfg->prefiller_from_header) return 0;
-    const px_http_header *x = px_http_find(h, "x-prefiller-host-port");
-    const char *v = x ? x->value : "";
-    size_t n = x ? x->value_len : 0;
-    size_t l = 0;
-    while (l < n && v[l] == ' ')
-        v++, n--;
-    while (l < n && v[l] != ',')
-        l++;
-    while (l && v[l - 1] == ' ')
-        l--;
-    if (!l) {
-        r->no_prefill = 1;
-        return 0;
-    }
-    char hp[300], host[260];
-    int port = 0;
-    char url[320];
-    if (l >= sizeof hp) goto bad;
-    memcpy(hp, v, l);
-    hp[l] = '\0';
-    snprintf(url, sizeof url, "http://%s", hp);
-    int https;
-    if (!strrchr(hp, ':') || (hp[0] == '[' && !strstr(hp, "]:")) ||
-        px_url_split(url, host, sizeof host, &port, &https) < 0 || port < 1)
-        goto bad;
-    if (!px_host_allowed(&r->s->cfg->prefiller_allowlist, host)) {
-        char q[700];
-        PX_LOG(PX_LOG_WARN,
-               "req=%s msg=\"x-prefiller-host-port outside --prefiller-allowlist: refused\" "
-               "target=%s",
-               r->lid, px_log_value(hp, q, sizeof q));
-        req_fail(r, 400, NULL, "x-prefiller-host-port '%s' is not an allowed prefill target", hp);
-        return -1;
-    }
-    /* A configured prefill of that address keeps its health and counters. */
-    size_t nm;
-    px_backend **m = px_pool_members(&r->ps->prefill, &nm);
-    for (size_t i = 0; i < nm; i++) {
-        if (!r->hb && !strcmp(m[i]->name, hp))
-            r->hb = m[i];
-        else
-            px_backend_release(m[i]);
-    }
-    free(m);
-    if (!r->hb) {
-        /* A name would be resolved here, blocking this worker's loop on
-         * DNS: only an address (what an endpoint picker sends: the pod's)
-         * or a configured prefill is taken. */
-        unsigned char a[sizeof(struct in6_addr)];
-        if (inet_pton(AF_INET, host, a) != 1 && inet_pton(AF_INET6, host, a) != 1) {
-            req_fail(r, 400, NULL,
-                     "x-prefiller-host-port '%s': give the prefill's IP address (names are "
-                     "taken only for prefills configured with --prefill)",
-                     hp);
-            return -1;
-        }
-        r->hb = px_backend_create(url);
-    }
-    if (!r->hb) goto bad;
-    return 0;
-bad:
-    req_fail(r, 400, NULL, "x-prefiller-host-port must be host:port");
-    return -1;
-}
-
-/* ---------- conditional disaggregation ---------- */
-
-/* Tokens of a prompt given as token ids ([1,2,3]): exact. -1 when the
- * value is anything else (text, a batch of prompts). */
-static long token_ids(const char *v, size_t n) {
-    size_t i = 1;
-    if (!n || v[0] != '[') return -1;
-    while (i < n && (v[i] == ' ' || v[i] == '\n' || v[i] == '\t' || v[i] == '\r'))
-        i++;
-    if (i >= n || !(v[i] == '-' || (v[i] >= '0' && v[i] <= '9'))) return -1;
-    long k = 1;
-    for (; i < n; i++) {
-        if (v[i] == '[' || v[i] == '{' || v[i] == '"') return -1;
-        k += v[i] == ',';
-    }
-    return k;
-}
-
-/* Estimates the prompt's length and how much of it the decode this
- * request will use lacks, and decides: decode alone when that is under
- * --disagg-min-tokens. The estimate is the prompt's bytes as the body
- * spells them (the prompt, or the messages with their JSON around the
- * text, standing in for the chat template's tokens) over
- * --disagg-bytes-per-token; the cached part is what the worker's prefix
- * index lists for the decode, in whole PX_PINDEX_BLOCK_BYTES pieces.
- * Returns 1 to disaggregate. */
-static int decide(px_req *r) {
-    const px_config *cfg = r->s->cfg;
-    if (cfg->disagg_min_tokens <= 0) {
-        r->decision = PX_DEC_ALWAYS;
-        return 1;
-    }
-    px_json_member m, sys;
-    const char *name = r->ep == PX_EP_COMPLETIONS ? "prompt" : "messages";
-    const char *p = "";
-    size_t n = 0;
-    if (px_json_find(r->body.data, r->body.len, name, &m)) {
-        p = m.val;
-        n = m.val_len;
-    }
-    double bpt = cfg->disagg_bytes_per_token;
-    long ids = r->ep == PX_EP_COMPLETIONS ? token_ids(p, n) : -1;
-    double total = ids >= 0 ? (double)ids : (double)n / bpt;
-    /* Anthropic's system prompt is a member of its own. */
-    if (r->ep == PX_EP_MESSAGES && px_json_find(r->body.data, r->body.len, "system", &sys))
-        total += (double)sys.val_len / bpt;
-
-    /* The decode is chosen now, so that its cache can count. */
-    px_pick k = {.key = r->key, .key_len = r->key_len};
-    size_t nd;
-    r->db = px_pool_pick(&r->ps->decode, &k, &nd);
-    size_t matched = 0;
-    if (n >= PX_PINDEX_BLOCK_BYTES) {
-        if (!r->w->pindex) r->w->pindex = px_pindex_create((size_t)cfg->disagg_index_blocks);
-        size_t max = n / PX_PINDEX_BLOCK_BYTES;
-        if (max > PX_PINDEX_MAX_BLOCKS) max = PX_PINDEX_MAX_BLOCKS;
-        r->phash = px_xmalloc(max * sizeof *r->phash);
-        r->nphash = px_pindex_hashes(p, n, r->phash, max);
-        if (r->db) matched = px_pindex_match(r->w->pindex, r->db->key_hash, r->phash, r->nphash);
-    }
-    double cached = n ? total * (double)(matched * PX_PINDEX_BLOCK_BYTES) / (double)n : 0;
-    r->estimated = 1;
-    r->est_tokens = (long)(total + 0.5);
-    r->est_uncached = (long)(total - cached + 0.5);
-    if (r->est_uncached >= cfg->disagg_min_tokens) {
-        r->decision = PX_DEC_LONG_PROMPT;
-        return 1;
-    }
-    r->decision =
-        r->est_tokens < cfg->disagg_min_tokens ? PX_DEC_SHORT_PROMPT : PX_DEC_CACHED_PREFIX;
-    return 0;
-}
+/* ---------- entry: parse, choose the pool, find the key, decide ---------- */
 
 int px_req_passthrough_path(const char *path, size_t len) {
     static const char *const exact[] = {"/tokenize", "/detokenize", "/pooling",  "/score",
@@ -1342,14 +419,1097 @@ void px_req_start(px_wctx *w, px_conn *c, px_endpoint ep, const px_http_head *h,
     start_prefill(r);
 }
 
+/* ---------- headers ---------- */
+
+/* Client headers a passed-through request does not carry as they are: the
+ * connection's own (hop by hop, RFC 9110 §7.6.1), framing and Host (the
+ * transport's), those the proxy sets itself, and Accept-Encoding (of the
+ * answer's headers only Content-Type comes back: a compressed body would
+ * reach the client without its Content-Encoding). */
+static int own_header(const px_http_header *x) {
+    static const char *const names[] = {"host",
+                                        "content-length",
+                                        "transfer-encoding",
+                                        "connection",
+                                        "keep-alive",
+                                        "proxy-connection",
+                                        "proxy-authorization",
+                                        "te",
+                                        "trailer",
+                                        "upgrade",
+                                        "expect",
+                                        "authorization",
+                                        "x-request-id",
+                                        "traceparent",
+                                        "tracestate",
+                                        "accept-encoding"};
+    for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
+        if (px_http_token_eq(x->name, x->name_len, names[i])) return 1;
+    return 0;
+}
+
+/* The header lines both upstream requests carry ("Name: value\r\n" each);
+ * Host and the body's framing are the transport's. */
+static void headers_for(px_req *r, const px_http_head *h, int traced, const char *span, px_buf *l) {
+    if (passthrough(r)) {
+        for (size_t i = 0; i < h->nheaders; i++)
+            if (!own_header(&h->headers[i])) {
+                px_buf_append(l, h->headers[i].name, h->headers[i].name_len);
+                px_buf_append(l, ": ", 2);
+                px_buf_append(l, h->headers[i].value, h->headers[i].value_len);
+                px_buf_append(l, "\r\n", 2);
+            }
+    } else if (r->ep != PX_EP_MODELS) {
+        px_buf_appends(l, "Content-Type: application/json\r\n");
+    }
+    /* Appended piece by piece, no printf: built twice per request. */
+    px_buf_appends(l, "X-Request-Id: ");
+    px_buf_appends(l, r->id);
+    px_buf_append(l, "\r\n", 2);
+    const px_http_header *auth = px_http_find(h, "authorization");
+    if (r->s->upstream_auth_forced || !auth) {
+        if (r->s->upstream_auth) {
+            px_buf_appends(l, r->s->upstream_auth);
+            px_buf_append(l, "\r\n", 2);
+        }
+    } else {
+        px_buf_appends(l, "Authorization: ");
+        px_buf_append(l, auth->value, auth->value_len);
+        px_buf_append(l, "\r\n", 2);
+    }
+    char child[56];
+    px_trace_child(r->trace_id, span, r->trace_flags, child);
+    px_buf_appends(l, "traceparent: ");
+    px_buf_appends(l, child);
+    px_buf_append(l, "\r\n", 2);
+    /* tracestate belongs to the client's trace: dropped when that was
+     * unusable and a new trace started. */
+    const px_http_header *ts = traced ? px_http_find(h, "tracestate") : NULL;
+    if (ts && ts->value_len <= 512)
+        px_buf_printf(l, "tracestate: %.*s\r\n", (int)ts->value_len, ts->value);
+}
+
+/* Named pools: the body's model chooses the pool; an unknown one gets
+ * OpenAI's 404 model_not_found. Returns -1 when r has ended. */
+static int choose_pool(px_req *r) {
+    if (!r->g->named) return 0;
+    px_json_member m;
+    char model[512];
+    long n = -1;
+    if (px_json_find(r->body.data, r->body.len, "model", &m) && m.val_len >= 2 && m.val[0] == '"')
+        n = px_json_str_decode(m.val + 1, m.val_len - 2, model, sizeof model);
+    if (n < 0) {
+        req_fail(r, 400, NULL, "the request names no model (a string \"model\" member)");
+        return -1;
+    }
+    r->ps = px_gen_find(r->g, model, (size_t)n);
+    if (r->ps) return 0;
+    r->ps = &r->g->ps[0];
+    px_buf b, msg;
+    px_buf_init(&b);
+    px_buf_init(&msg);
+    px_buf_printf(&msg, "The model `%.*s` does not exist.", (int)(n > 200 ? 200 : n), model);
+    px_buf_appends(&b, "{\"error\":{\"message\":");
+    px_buf_append_json_str(&b, msg.data, msg.len);
+    px_buf_appends(&b, ",\"type\":\"invalid_request_error\",\"param\":\"model\","
+                       "\"code\":\"model_not_found\"}}");
+    char q[600];
+    PX_LOG(PX_LOG_INFO, "req=%s msg=\"unknown model\" model=%s status=404", r->lid,
+           px_log_value(model, q, sizeof q));
+    if (r->conn) px_conn_reply(r->conn, 404, "application/json", r->id, NULL, b.data, b.len);
+    r->conn = NULL;
+    px_buf_cleanup(&b);
+    px_buf_cleanup(&msg);
+    req_finish(r, 404, "model_not_found", NULL, NULL);
+    return -1;
+}
+
+/* --prefiller-from-header (llm-d's routing sidecar): x-prefiller-host-port
+ * names the prefill, host:port; of several (header lines, or one line of
+ * comma-separated values) the first counts; without it, decode alone. Its
+ * host must be in --prefiller-allowlist, or the request is refused before
+ * any backend sees it. Returns -1 when r has ended. */
+static int sidecar_prefill(px_req *r, const px_http_head *h) {
+    if (!r->s->cfg->prefiller_from_header) return 0;
+    const px_http_header *x = px_http_find(h, "x-prefiller-host-port");
+    const char *v = x ? x->value : "";
+    size_t n = x ? x->value_len : 0;
+    size_t l = 0;
+    while (l < n && v[l] == ' ')
+        v++, n--;
+    while (l < n && v[l] != ',')
+        l++;
+    while (l && v[l - 1] == ' ')
+        l--;
+    if (!l) {
+        r->no_prefill = 1;
+        return 0;
+    }
+    char hp[300], host[260];
+    int port = 0;
+    char url[320];
+    if (l >= sizeof hp) goto bad;
+    memcpy(hp, v, l);
+    hp[l] = '\0';
+    snprintf(url, sizeof url, "http://%s", hp);
+    int https;
+    if (!strrchr(hp, ':') || (hp[0] == '[' && !strstr(hp, "]:")) ||
+        px_url_split(url, host, sizeof host, &port, &https) < 0 || port < 1)
+        goto bad;
+    if (!px_host_allowed(&r->s->cfg->prefiller_allowlist, host)) {
+        char q[700];
+        PX_LOG(PX_LOG_WARN,
+               "req=%s msg=\"x-prefiller-host-port outside --prefiller-allowlist: refused\" "
+               "target=%s",
+               r->lid, px_log_value(hp, q, sizeof q));
+        req_fail(r, 400, NULL, "x-prefiller-host-port '%s' is not an allowed prefill target", hp);
+        return -1;
+    }
+    /* A configured prefill of that address keeps its health and counters. */
+    size_t nm;
+    px_backend **m = px_pool_members(&r->ps->prefill, &nm);
+    for (size_t i = 0; i < nm; i++) {
+        if (!r->hb && !strcmp(m[i]->name, hp))
+            r->hb = m[i];
+        else
+            px_backend_release(m[i]);
+    }
+    free(m);
+    if (!r->hb) {
+        /* A name would be resolved here, blocking this worker's loop on
+         * DNS: only an address (what an endpoint picker sends: the pod's)
+         * or a configured prefill is taken. */
+        unsigned char a[sizeof(struct in6_addr)];
+        if (inet_pton(AF_INET, host, a) != 1 && inet_pton(AF_INET6, host, a) != 1) {
+            req_fail(r, 400, NULL,
+                     "x-prefiller-host-port '%s': give the prefill's IP address (names are "
+                     "taken only for prefills configured with --prefill)",
+                     hp);
+            return -1;
+        }
+        r->hb = px_backend_create(url);
+    }
+    if (!r->hb) goto bad;
+    return 0;
+bad:
+    req_fail(r, 400, NULL, "x-prefiller-host-port must be host:port");
+    return -1;
+}
+
+/* The bytes prefix_affinity hashes: the start of the prompt, or of the
+ * messages, as the client spelled them (identical requests, identical keys,
+ * in every replica). */
+static void find_key(px_req *r) {
+    px_json_member m;
+    const char *name = r->ep == PX_EP_COMPLETIONS ? "prompt" : "messages";
+    if (!px_json_find(r->body.data, r->body.len, name, &m)) return;
+    r->key = m.val;
+    r->key_len =
+        m.val_len < r->ps->prefill.cfg.prefix_bytes ? m.val_len : r->ps->prefill.cfg.prefix_bytes;
+}
+
+/* ---------- conditional disaggregation ---------- */
+
+/* Tokens of a prompt given as token ids ([1,2,3]): exact. -1 when the
+ * value is anything else (text, a batch of prompts). */
+static long token_ids(const char *v, size_t n) {
+    size_t i = 1;
+    if (!n || v[0] != '[') return -1;
+    while (i < n && (v[i] == ' ' || v[i] == '\n' || v[i] == '\t' || v[i] == '\r'))
+        i++;
+    if (i >= n || !(v[i] == '-' || (v[i] >= '0' && v[i] <= '9'))) return -1;
+    long k = 1;
+    for (; i < n; i++) {
+        if (v[i] == '[' || v[i] == '{' || v[i] == '"') return -1;
+        k += v[i] == ',';
+    }
+    return k;
+}
+
+/* Estimates the prompt's length and how much of it the decode this
+ * request will use lacks, and decides: decode alone when that is under
+ * --disagg-min-tokens. The estimate is the prompt's bytes as the body
+ * spells them (the prompt, or the messages with their JSON around the
+ * text, standing in for the chat template's tokens) over
+ * --disagg-bytes-per-token; the cached part is what the worker's prefix
+ * index lists for the decode, in whole PX_PINDEX_BLOCK_BYTES pieces.
+ * Returns 1 to disaggregate. */
+static int decide(px_req *r) {
+    const px_config *cfg = r->s->cfg;
+    if (cfg->disagg_min_tokens <= 0) {
+        r->decision = PX_DEC_ALWAYS;
+        return 1;
+    }
+    px_json_member m, sys;
+    const char *name = r->ep == PX_EP_COMPLETIONS ? "prompt" : "messages";
+    const char *p = "";
+    size_t n = 0;
+    if (px_json_find(r->body.data, r->body.len, name, &m)) {
+        p = m.val;
+        n = m.val_len;
+    }
+    double bpt = cfg->disagg_bytes_per_token;
+    long ids = r->ep == PX_EP_COMPLETIONS ? token_ids(p, n) : -1;
+    double total = ids >= 0 ? (double)ids : (double)n / bpt;
+    /* Anthropic's system prompt is a member of its own. */
+    if (r->ep == PX_EP_MESSAGES && px_json_find(r->body.data, r->body.len, "system", &sys))
+        total += (double)sys.val_len / bpt;
+
+    /* The decode is chosen now, so that its cache can count. */
+    px_pick k = {.key = r->key, .key_len = r->key_len};
+    size_t nd;
+    r->db = px_pool_pick(&r->ps->decode, &k, &nd);
+    size_t matched = 0;
+    if (n >= PX_PINDEX_BLOCK_BYTES) {
+        if (!r->w->pindex) r->w->pindex = px_pindex_create((size_t)cfg->disagg_index_blocks);
+        size_t max = n / PX_PINDEX_BLOCK_BYTES;
+        if (max > PX_PINDEX_MAX_BLOCKS) max = PX_PINDEX_MAX_BLOCKS;
+        r->phash = px_xmalloc(max * sizeof *r->phash);
+        r->nphash = px_pindex_hashes(p, n, r->phash, max);
+        if (r->db) matched = px_pindex_match(r->w->pindex, r->db->key_hash, r->phash, r->nphash);
+    }
+    double cached = n ? total * (double)(matched * PX_PINDEX_BLOCK_BYTES) / (double)n : 0;
+    r->estimated = 1;
+    r->est_tokens = (long)(total + 0.5);
+    r->est_uncached = (long)(total - cached + 0.5);
+    if (r->est_uncached >= cfg->disagg_min_tokens) {
+        r->decision = PX_DEC_LONG_PROMPT;
+        return 1;
+    }
+    r->decision =
+        r->est_tokens < cfg->disagg_min_tokens ? PX_DEC_SHORT_PROMPT : PX_DEC_CACHED_PREFIX;
+    return 0;
+}
+
+/* ---------- prefill ---------- */
+
+static void start_prefill(px_req *r) {
+    px_pick k = {
+        .key = r->key, .key_len = r->key_len, .exclude = r->tried_p, .nexclude = r->ntried_p};
+    size_t n = 0;
+    if (r->hb) { /* sidecar: the prefill the header named */
+        r->pb = r->hb;
+        atomic_fetch_add(&r->pb->refs, 1);
+        atomic_fetch_add(&r->pb->inflight, 1);
+    } else if (!r->no_prefill) {
+        r->pb = px_pool_pick(&r->ps->prefill, &k, &n);
+    }
+    if (!r->pb) {
+        if (r->no_prefill) {
+            PX_LOG(PX_LOG_DEBUG, "req=%s msg=\"no x-prefiller-host-port: decode alone\"", r->lid);
+            decode_only(r);
+            return;
+        }
+        if (r->s->cfg->fallback_decode_only) {
+            PX_LOG(PX_LOG_WARN,
+                   "req=%s msg=\"no healthy prefill: sending the request to decode alone\" "
+                   "prefill_backends=%zu",
+                   r->lid, n);
+            fall_back(r, PX_FB_NO_PREFILL);
+            return;
+        }
+        req_fail(r, 503, "Retry-After: 1\r\n", "no healthy prefill backend (%zu configured%s)", n,
+                 n ? ", all ejected" : "");
+        return;
+    }
+    snprintf(r->pname, sizeof r->pname, "%s", r->pb->name);
+    if (!r->t_pstart) r->t_pstart = px_now_ns();
+    if (r->ntried_p < MAX_TRIES) r->tried_p[r->ntried_p++] = r->pb;
+    set_state(r, RS_PREFILL);
+    long ptimeout = 0;
+    if (r->prefill_deadline) {
+        uint64_t now = px_now_ns();
+        if (now + 1000000 >= r->prefill_deadline) {
+            req_fail(r, 504, NULL, "prefill did not answer within --prefill-timeout %gs",
+                     r->s->cfg->prefill_timeout);
+            return;
+        }
+        ptimeout = (long)((r->prefill_deadline - now) / 1000000);
+    }
+    if (start_upstream(r, r->pb, "POST", ep_paths[r->ep], &r->pbody, &r->hdrs_p, &prefill_cbs,
+                       ptimeout, 0) < 0)
+        req_fail(r, 502, NULL, "prefill %s: cannot start the request", r->pname);
+}
+
+static void prefill_headers(void *arg, int status, const char *ctype) {
+    px_req *r = arg;
+    r->pstatus = status;
+    snprintf(r->pctype, sizeof r->pctype, "%s", ctype ? ctype : "application/json");
+}
+
+static int prefill_data(void *arg, const char *p, size_t n) {
+    px_req *r = arg;
+    if (r->presp.len + n > PREFILL_MAX_ANSWER) {
+        r->too_big = 1;
+        return -1;
+    }
+    px_buf_append(&r->presp, p, n);
+    account(r); /* held memory, counted as it arrives */
+    return 0;
+}
+
+/* A prefill attempt ended: its answer is counted, its backend handed back.
+ * Returns how the attempt went. */
+static px_outcome prefill_ended(px_req *r, px_up_result rc) {
+    r->up = NULL;
+    account(r); /* the prefill's answer */
+    px_outcome o = outcome_of(rc, r->pstatus);
+    if (r->too_big) o = PX_OUT_SERVER_ERR;
+    attempt_done(&r->ps->prefill, r->pb, r->tried_p, r->ntried_p, o);
+    r->pb = NULL;
+    return o;
+}
+
+static void prefill_done(void *arg, px_up_result rc, const char *errbuf, int connected) {
+    px_req *r = arg;
+    px_outcome o = prefill_ended(r, rc);
+    const char *why = errbuf[0] ? errbuf : px_up_result_str(rc);
+
+    /* Refused, reset or 5xx: another prefill, after a jittered pause. */
+    int retryable = o == PX_OUT_CONNECT_ERR || o == PX_OUT_RESET || o == PX_OUT_SERVER_ERR;
+    if (retryable && !r->too_big && (int64_t)(r->ntried_p) <= r->s->cfg->prefill_retries &&
+        r->ntried_p < MAX_TRIES) {
+        PX_LOG(PX_LOG_WARN,
+               "req=%s msg=\"prefill failed, retrying on another instance\" prefill=%s attempt=%zu "
+               "error=\"%s\" status=%d",
+               r->lid, r->pname, r->ntried_p, rc ? why : "", r->pstatus);
+        px_m_inc(&r->w->metrics.retries[0]);
+        px_buf_reset(&r->presp);
+        r->pstatus = 0;
+        set_state(r, RS_RETRY_WAIT);
+        uint64_t base_us = 10000u << (r->ntried_p < 6 ? r->ntried_p - 1 : 5);
+        uint64_t us = base_us / 2 + px_rand64() % base_us;
+        struct timeval tv = {(time_t)(us / 1000000), (suseconds_t)(us % 1000000)};
+        if (!r->retry_timer) r->retry_timer = evtimer_new(r->w->base, on_retry_timer, r);
+        evtimer_add(r->retry_timer, &tv);
+        return;
+    }
+    r->t_prefill = px_now_ns();
+    px_hist_observe(&r->w->metrics.prefill, secs(r->t0, r->t_prefill));
+    /* Retries spent on a prefill that failed (5xx, refused, reset): with
+     * --fallback-decode-only decode computes the prefill itself. Never
+     * after a 4xx (the client's error, returned below as it is), nor after
+     * a timeout (the prefill may still be working). */
+    int failed_5xx = rc == PX_UP_OK && r->pstatus >= 500 && r->pstatus < 600;
+    int failed_conn = rc == PX_UP_CONNECT || rc == PX_UP_RESET;
+    if ((failed_5xx || failed_conn) && !r->too_big && r->s->cfg->fallback_decode_only) {
+        PX_LOG(PX_LOG_WARN,
+               "req=%s msg=\"prefill failed: sending the request to decode alone\" prefill=%s "
+               "status=%d error=\"%s\"",
+               r->lid, r->pname, r->pstatus, rc ? why : "");
+        px_buf_reset(&r->presp);
+        account(r);
+        fall_back(r, failed_5xx ? PX_FB_PREFILL_5XX : PX_FB_PREFILL_CONN);
+        return;
+    }
+    if (rc != PX_UP_OK) {
+        if (r->too_big)
+            req_fail(r, 502, NULL, "prefill %s answer exceeds %d bytes", r->pname,
+                     PREFILL_MAX_ANSWER);
+        else
+            req_fail(r, px_upstream_status_for(rc), NULL, "prefill %s: %s", r->pname, why);
+        return;
+    }
+    if (r->pstatus >= 400 && r->pstatus < 500) {
+        /* The client's fault: its status and the engine's words, as they are. */
+        PX_LOG(PX_LOG_INFO, "req=%s msg=\"prefill rejected the request\" prefill=%s status=%d",
+               r->lid, r->pname, r->pstatus);
+        if (r->conn) {
+            px_conn_reply(r->conn, r->pstatus, r->pctype, r->id, NULL, r->presp.data, r->presp.len);
+            r->conn = NULL;
+        }
+        req_finish(r, r->pstatus, "prefill_rejected", NULL, NULL);
+        return;
+    }
+    if (r->pstatus < 200 || r->pstatus >= 300) {
+        req_fail(r, 502, NULL, "prefill %s answered HTTP %d", r->pname, r->pstatus);
+        return;
+    }
+    proceed_to_decode(r);
+}
+
+static const px_upstream_cbs prefill_cbs = {prefill_headers, prefill_data, prefill_done};
+
+static void on_retry_timer(evutil_socket_t fd, short what, void *arg) {
+    start_prefill(arg);
+}
+
+static void proceed_to_decode(px_req *r) {
+    char err[128];
+    if (decode_body(r, err, sizeof err) == PX_KVP_BAD_RESPONSE) {
+        req_fail(r, 502, NULL, "prefill %s returned an invalid answer: %s", r->pname, err);
+        return;
+    }
+    start_decode(r);
+}
+
+/* Builds decode's body from the client's and prefill's kv_transfer_params.
+ * Returns what prefill's answer held; for PX_KVP_BAD_RESPONSE nothing is
+ * built and err says why. */
+static px_kvp_status decode_body(px_req *r, char *err, size_t errlen) {
+    const char *kvp = NULL;
+    size_t kvp_len = 0;
+    px_kvp_status ks = px_extract_kv_params(r->presp.data ? r->presp.data : "", r->presp.len, &kvp,
+                                            &kvp_len, err, errlen);
+    if (ks == PX_KVP_BAD_RESPONSE) return ks;
+    if (ks == PX_KVP_MISSING) {
+        px_m_inc(&r->w->metrics.kvp_missing);
+        PX_LOG(PX_LOG_WARN,
+               "req=%s msg=\"prefill answer has no kv_transfer_params; decode will recompute the "
+               "prefill\" prefill=%s",
+               r->lid, r->pname);
+        kvp = NULL;
+    } else if (ks == PX_KVP_NO_REQUEST_ID) {
+        px_m_inc(&r->w->metrics.rrid_missing);
+        PX_LOG(PX_LOG_WARN,
+               "req=%s msg=\"kv_transfer_params lack remote_request_id; decode cannot release "
+               "prefill's blocks\" prefill=%s",
+               r->lid, r->pname);
+    }
+    px_buf_reset(&r->dbody);
+    px_rewrite_decode(r->body.data, r->body.len, kvp, kvp_len, &r->dbody);
+    r->disagg = kvp != NULL;
+    /* Prefill's cached_tokens, for --usage-from prefill (only then: three
+     * searches of prefill's answer). */
+    const char *cv;
+    size_t cvl;
+    if (r->presp.data && !strcmp(r->s->cfg->usage_from, "prefill") &&
+        cached_tokens_span(r->presp.data, r->presp.len, &cv, &cvl) && cvl < sizeof r->p_cached) {
+        memcpy(r->p_cached, cv, cvl);
+        r->p_cached[cvl] = '\0';
+    }
+    /* From here on only the decode body is needed (retries resend it): one
+     * copy of the request is held, not three. */
+    px_buf_cleanup(&r->body);
+    px_buf_cleanup(&r->pbody);
+    /* Prefill's answer stays only for the trace (its remote_request_id and
+     * usage go into the spans). */
+    if (!px_otlp_enabled()) px_buf_cleanup(&r->presp);
+    r->key = NULL;
+    account(r);
+    return ks;
+}
+
+/* Sends the client's request to decode alone (no kv_transfer_params:
+ * decode computes the prefill itself). */
+static void decode_only(px_req *r) {
+    px_buf_reset(&r->dbody);
+    px_rewrite_decode(r->body.data, r->body.len, NULL, 0, &r->dbody);
+    r->disagg = 0;
+    account(r);
+    start_decode(r);
+}
+
+/* --fallback-decode-only: prefill could not serve the request. */
+static void fall_back(px_req *r, px_fallback why) {
+    r->fell_back = 1;
+    r->fallback = why;
+    px_m_inc(&r->w->metrics.fallbacks[why]);
+    decode_only(r);
+}
+
+/* ---------- decode ---------- */
+
+/* Picks a decode and sends it r->dbody (built by the caller) or, for
+ * /v1/models, a GET. */
+static void start_decode(px_req *r) {
+    size_t n;
+    if (!pick_decode(r, &n)) {
+        req_fail(r, 503, "Retry-After: 1\r\n", "no healthy decode backend (%zu configured%s)", n,
+                 n ? ", all ejected" : "");
+        return;
+    }
+    set_state(r, RS_DECODE);
+    send_decode(r, &decode_tbl);
+}
+
+/* Takes the decode of the next attempt: NULL when none can (*n: how many
+ * are configured). */
+static px_backend *pick_decode(px_req *r, size_t *n) {
+    px_pick k = {.exclude = r->tried_d, .nexclude = r->ntried_d};
+    *n = 0;
+    /* Conditional disaggregation chose the decode before prefill. */
+    if (!r->db) r->db = px_pool_pick(&r->ps->decode, &k, n);
+    if (!r->db) return NULL;
+    snprintf(r->dname, sizeof r->dname, "%s", r->db->name);
+    if (!r->t_dstart) r->t_dstart = px_now_ns();
+    if (r->ntried_d < MAX_TRIES) r->tried_d[r->ntried_d++] = r->db;
+    return r->db;
+}
+
+/* Sends the decode request to r->db, with the callbacks of `tbl`. Returns
+ * -1 when it could not start (r has ended). */
+static int send_decode(px_req *r, const decode_table *tbl) {
+    /* This decode will hold the prompt's prefix in its cache. */
+    if (r->phash && r->w->pindex) px_pindex_add(r->w->pindex, r->db->key_hash, r->phash, r->nphash);
+    /* A GET (or a DELETE) without a body is sent without one. */
+    int bodyless =
+        r->ep == PX_EP_MODELS ||
+        (r->dbody.len == 0 && (!strcmp(r->method, "GET") || !strcmp(r->method, "DELETE")));
+    r->dtbl = tbl;
+    if (start_upstream(r, r->db, r->method, r->target ? r->target : ep_paths[r->ep],
+                       bodyless ? NULL : &r->dbody, &r->hdrs_d, &tbl->up, 0, 0) < 0) {
+        req_fail(r, 502, NULL, "decode %s: cannot start the request", r->dname);
+        return -1;
+    }
+    touch_idle(r);
+    return 0;
+}
+
+static void decode_headers(void *arg, int status, const char *ctype) {
+    px_req *r = arg;
+    r->dstatus = status;
+    touch_idle(r);
+    r->t_first = px_now_ns();
+    r->streamed = ctype && !strncasecmp(ctype, "text/event-stream", 17);
+    int json = ctype && !strncasecmp(ctype, "application/json", 16);
+    r->fix_usage = r->disagg && r->p_cached[0] && status == 200 && (r->streamed || json) &&
+                   !strcmp(r->s->cfg->usage_from, "prefill");
+    set_state(r, RS_STREAM);
+    if (r->conn) px_conn_stream_start(r->conn, status, ctype, r->id, NULL);
+}
+
+static int decode_data(void *arg, const char *p, size_t n) {
+    px_req *r = arg;
+    if (!r->conn) return -1;
+    touch_idle(r);
+    if (r->fix_usage) {
+        if (px_conn_pending(r->conn) >= PX_CONN_HIGH_WATER) {
+            if (!r->paused) touch_idle(r);
+            r->paused = 1;
+            return 1;
+        }
+        if (r->ubuf.len + n > USAGE_MAX_HOLD) {
+            usage_passthrough(r);
+        } else {
+            px_buf_append(&r->ubuf, p, n);
+            if (r->streamed) flush_events(r, 0);
+            account(r);
+            return 0;
+        }
+    }
+    if (px_conn_pending(r->conn) >= PX_CONN_HIGH_WATER) {
+        /* Paused on the client: the same timeout now bounds how long the
+         * client may leave its queue full, so a reader that stopped reading
+         * does not hold a decode forever. */
+        if (!r->paused) touch_idle(r);
+        r->paused = 1;
+        return 1;
+    }
+    px_conn_stream_write(r->conn, p, n);
+    r->bytes_out += n;
+    return 0;
+}
+
+static void decode_done(void *arg, px_up_result rc, const char *errbuf, int connected) {
+    px_req *r = arg;
+    r->up = NULL; /* freed by the upstream module when this returns */
+    if (r->idle_timer) evtimer_del(r->idle_timer);
+    px_outcome o = outcome_of(rc, r->dstatus);
+    const char *why = errbuf[0] ? errbuf : px_up_result_str(rc);
+    attempt_done(&r->ps->decode, r->db, r->tried_d, r->ntried_d, o);
+    r->db = NULL;
+    if (r->fix_usage) {
+        /* The answer is complete (or cut): what is held goes out, fixed
+         * when it is whole. */
+        if (rc == PX_UP_OK && !r->streamed)
+            write_fixed(r, r->ubuf.data ? r->ubuf.data : "", r->ubuf.len);
+        else
+            flush_events(r, 1);
+        px_buf_cleanup(&r->ubuf);
+        r->fix_usage = 0;
+        account(r);
+    }
+    if (rc == PX_UP_OK) {
+        if (r->conn) {
+            px_conn_stream_end(r->conn);
+            r->conn = NULL;
+        }
+        req_finish(r, r->dstatus, "ok", NULL, NULL);
+        return;
+    }
+    if (r->state == RS_STREAM) {
+        req_fail(r, r->dstatus, NULL, "decode %s failed mid-stream after %zu bytes: %s", r->dname,
+                 r->bytes_out, why);
+        return;
+    }
+    if (decode_retry(r, connected, why)) {
+        start_decode(r);
+        return;
+    }
+    req_fail(r, px_upstream_status_for(rc), NULL, "decode %s: %s", r->dname, why);
+}
+
+/* Whether a failed decode attempt goes to another decode: only what decode
+ * never saw is resent (once the request reached it, it may have read
+ * prefill's blocks). */
+static int decode_retry(px_req *r, int connected, const char *why) {
+    size_t ndecode;
+    px_pool_counts(&r->ps->decode, &ndecode, NULL);
+    if (connected || r->ntried_d >= MAX_TRIES || r->ntried_d >= ndecode) return 0;
+    PX_LOG(PX_LOG_WARN, "req=%s msg=\"decode unreachable, trying another\" decode=%s error=\"%s\"",
+           r->lid, r->dname, why);
+    px_m_inc(&r->w->metrics.retries[1]);
+    return 1;
+}
+
+/* A decode idle past --decode-idle-timeout with the client there. */
+static void decode_idle(px_req *r) {
+    if (r->paused)
+        req_fail(r, 504, NULL, "client read nothing for --decode-idle-timeout %gs",
+                 r->s->cfg->decode_idle_timeout);
+    else
+        req_fail(r, 504, NULL, "decode %s sent nothing for --decode-idle-timeout %gs", r->dname,
+                 r->s->cfg->decode_idle_timeout);
+}
+
+static const decode_table decode_tbl = {{decode_headers, decode_data, decode_done}, decode_idle};
+
+static void arm_idle(px_req *r, uint64_t ns) {
+    struct timeval tv = {(time_t)(ns / 1000000000ull), (suseconds_t)(ns % 1000000000ull / 1000)};
+    evtimer_add(r->idle_timer, &tv);
+}
+
+/* --decode-idle-timeout: no byte from decode for that long ends the request.
+ * Our own timer, since curl's low-speed check averages over several seconds.
+ * A byte only notes the time; the timer, armed once, looks when it fires
+ * and waits out the rest if there was activity meanwhile (no timer-heap
+ * work per read). */
+static void on_idle_timer(evutil_socket_t fd, short what, void *arg) {
+    px_req *r = arg;
+    uint64_t limit = (uint64_t)(r->s->cfg->decode_idle_timeout * 1e9),
+             idle = px_now_ns() - r->idle_since_ns;
+    if (idle < limit) {
+        arm_idle(r, limit - idle);
+        return;
+    }
+    px_upstream_cancel(r->up);
+    r->up = NULL;
+    px_backend_done(&r->ps->decode, r->db, PX_OUT_TIMEOUT);
+    r->db = NULL;
+    r->dtbl->idle(r);
+}
+
+static void touch_idle(px_req *r) {
+    double s = r->s->cfg->decode_idle_timeout;
+    if (s <= 0) return;
+    r->idle_since_ns = px_now_ns();
+    if (!r->idle_timer) r->idle_timer = evtimer_new(r->w->base, on_idle_timer, r);
+    if (!evtimer_pending(r->idle_timer, NULL)) arm_idle(r, (uint64_t)(s * 1e9));
+}
+
+/* ---------- usage (--usage-from) ---------- */
+
+/* The number text of usage.prompt_tokens_details.cached_tokens in the JSON
+ * object json[0..n): 1 with its span, else 0. */
+static int cached_tokens_span(const char *json, size_t n, const char **v, size_t *vl) {
+    px_json_member u, d, c;
+    if (!px_json_find(json, n, "usage", &u) || u.type != PX_JSON_OBJECT) return 0;
+    if (!px_json_find(u.val, u.val_len, "prompt_tokens_details", &d) || d.type != PX_JSON_OBJECT)
+        return 0;
+    if (!px_json_find(d.val, d.val_len, "cached_tokens", &c) || c.type != PX_JSON_NUMBER) return 0;
+    *v = c.val;
+    *vl = c.val_len;
+    return 1;
+}
+
+/* Writes p[0..n) to the client. */
+static void client_write(px_req *r, const char *p, size_t n) {
+    if (!r->conn || !n) return;
+    px_conn_stream_write(r->conn, p, n);
+    r->bytes_out += n;
+}
+
+/* Writes p[0..n), a JSON document or one SSE event, with prefill's
+ * cached_tokens in place of decode's; every other byte as it is. */
+static void write_fixed(px_req *r, const char *p, size_t n) {
+    const char *json = p, *end = p + n, *v;
+    size_t vl;
+    if (r->streamed) {
+        /* The event's data line that carries the usage. */
+        const char *k = memmem(p, n, "\"cached_tokens\"", 15);
+        if (!k) {
+            client_write(r, p, n);
+            return;
+        }
+        json = k;
+        while (json > p && json[-1] != '\n')
+            json--;
+        end = memchr(json, '\n', (size_t)(p + n - json));
+        if (!end) end = p + n;
+        if ((size_t)(end - json) < 5 || memcmp(json, "data:", 5) != 0) {
+            client_write(r, p, n);
+            return;
+        }
+        json += 5;
+        if (end > json && end[-1] == '\r') end--;
+    }
+    if (!cached_tokens_span(json, (size_t)(end - json), &v, &vl)) {
+        client_write(r, p, n);
+        return;
+    }
+    client_write(r, p, (size_t)(v - p));
+    client_write(r, r->p_cached, strlen(r->p_cached));
+    client_write(r, v + vl, (size_t)(p + n - (v + vl)));
+}
+
+/* The length of the first complete SSE event in b[0..n) (through the
+ * blank line that ends it: LF LF or CRLF CRLF), or 0. */
+static size_t event_len(const char *b, size_t n) {
+    const char *lf = n ? memmem(b, n, "\n\n", 2) : NULL;
+    const char *crlf = n ? memmem(b, n, "\r\n\r\n", 4) : NULL;
+    if (lf && (!crlf || lf < crlf + 2)) return (size_t)(lf - b) + 2;
+    if (crlf) return (size_t)(crlf - b) + 4;
+    return 0;
+}
+
+/* Passes on every complete SSE event held in ubuf (fixed), keeping a
+ * partial one; with `all`, the rest too, as it is. */
+static void flush_events(px_req *r, int all) {
+    size_t at = 0, n;
+    if (!r->ubuf.data) return;
+    while ((n = event_len(r->ubuf.data + at, r->ubuf.len - at)) > 0) {
+        write_fixed(r, r->ubuf.data + at, n);
+        at += n;
+    }
+    if (all && at < r->ubuf.len) {
+        client_write(r, r->ubuf.data + at, r->ubuf.len - at);
+        at = r->ubuf.len;
+    }
+    if (at) {
+        memmove(r->ubuf.data, r->ubuf.data + at, r->ubuf.len - at);
+        r->ubuf.len -= at;
+    }
+}
+
+/* Gives up rewriting: what is held goes out as it is. */
+static void usage_passthrough(px_req *r) {
+    client_write(r, r->ubuf.data, r->ubuf.len);
+    px_buf_cleanup(&r->ubuf);
+    r->fix_usage = 0;
+    account(r);
+}
+
+/* ---------- the client ---------- */
+
+static void client_gone(void *arg) {
+    px_req *r = arg;
+    r->conn = NULL;
+    px_phase phase = r->state == RS_STREAM   ? PX_PHASE_STREAM
+                     : r->state == RS_DECODE ? PX_PHASE_DECODE
+                                             : PX_PHASE_PREFILL;
+    px_m_inc(&r->w->metrics.disconnects[phase]);
+    if (r->state == RS_PREFILL && r->up) {
+        release_prefill(r);
+        return;
+    }
+    if (r->state == RS_DECODE && r->up && r->disagg && !px_upstream_abort_after_upload(r->up)) {
+        release_decode(r);
+        return;
+    }
+    req_abandon(r);
+}
+
+static void client_drained(void *arg) {
+    px_req *r = arg;
+    if (r->paused && r->up) {
+        r->paused = 0;
+        touch_idle(r);
+        px_upstream_resume(r->up);
+    }
+}
+
+static const px_exchange_cbs client_cbs = {client_gone, client_drained};
+
+/* ---------- releasing: the client left, prefill's blocks are let go ---------- */
+
+/* A request whose client left keeps running only to let prefill's blocks go:
+ * a prefill in flight is let answer, then decode is sent the request and
+ * aborted once it has it, so that it tells prefill to free the blocks
+ * (vLLM's stranded-blocks release). Its callbacks are these tables; the
+ * normal path's know nothing of it. */
+
+/* The client left during prefill. Prefill publishes its blocks just before
+ * its answer leaves: a client leaving near that moment would strand them if
+ * we cut the connection. So prefill gets a short grace (well inside the
+ * 100 ms in which a cancelled upstream must close) to answer; an answer
+ * goes on to the release through decode, silence is cut. */
+static void release_prefill(px_req *r) {
+    set_state(r, RS_RELEASING);
+    px_upstream_set_cbs(r->up, &release_prefill_cbs);
+    long us = px_upstream_answering(r->up) ? PREFILL_ANSWER_GRACE_US : PREFILL_GRACE_US;
+    if (!r->grace_timer) r->grace_timer = evtimer_new(r->w->base, on_grace_timer, r);
+    struct timeval tv = {us / 1000000, us % 1000000};
+    evtimer_add(r->grace_timer, &tv);
+}
+
+/* The client left before decode received the request (abort after upload is
+ * armed): the body is let reach decode, then the transfer is aborted. */
+static void release_decode(px_req *r) {
+    set_state(r, RS_RELEASING);
+    r->dtbl = &release_tbl;
+    px_upstream_set_cbs(r->up, &release_tbl.up);
+}
+
+/* Prefill did not answer in its grace. */
+static void on_grace_timer(evutil_socket_t fd, short what, void *arg) {
+    req_abandon(arg);
+}
+
+static void release_prefill_done(void *arg, px_up_result rc, const char *errbuf, int connected) {
+    px_req *r = arg;
+    if (r->grace_timer) evtimer_del(r->grace_timer); /* it answered in time */
+    prefill_ended(r, rc);
+    if (rc == PX_UP_OK && r->pstatus >= 200 && r->pstatus < 300)
+        release_through_decode(r);
+    else
+        req_abandon(r);
+}
+
+static const px_upstream_cbs release_prefill_cbs = {prefill_headers, prefill_data,
+                                                    release_prefill_done};
+
+/* Prefill answered: without kv_transfer_params in its answer there is
+ * nothing to release. */
+static void release_through_decode(px_req *r) {
+    char err[128];
+    px_kvp_status ks = decode_body(r, err, sizeof err);
+    if (ks == PX_KVP_BAD_RESPONSE || ks == PX_KVP_MISSING) {
+        req_abandon(r);
+        return;
+    }
+    start_release(r);
+}
+
+static void start_release(px_req *r) {
+    size_t n;
+    if (!pick_decode(r, &n)) {
+        PX_LOG(PX_LOG_WARN,
+               "req=%s msg=\"client left after prefill and no decode can take "
+               "the request: prefill's blocks stay until they expire\"",
+               r->lid);
+        req_abandon(r);
+        return;
+    }
+    if (send_decode(r, &release_tbl) < 0) return;
+    /* The body only has to reach decode (it may have already: our client
+     * writes at once, and a nearby decode acknowledges fast). */
+    if (px_upstream_abort_after_upload(r->up)) released_via_decode(r);
+}
+
+static void release_headers(void *arg, int status, const char *ctype) {
+    px_req *r = arg;
+    r->dstatus = status;
+    touch_idle(r);
+}
+
+/* Decode's answer is nobody's: its first byte ends the transfer. */
+static int release_data(void *arg, const char *p, size_t n) {
+    return -1;
+}
+
+static void release_done(void *arg, px_up_result rc, const char *errbuf, int connected) {
+    px_req *r = arg;
+    r->up = NULL; /* freed by the upstream module when this returns */
+    if (r->idle_timer) evtimer_del(r->idle_timer);
+    if (connected) {
+        released_via_decode(r);
+        return;
+    }
+    attempt_done(&r->ps->decode, r->db, r->tried_d, r->ntried_d, outcome_of(rc, r->dstatus));
+    r->db = NULL;
+    if (decode_retry(r, connected, errbuf[0] ? errbuf : px_up_result_str(rc))) {
+        start_release(r);
+        return;
+    }
+    req_abandon(r);
+}
+
+/* An idle release decode: nobody to answer. */
+static const decode_table release_tbl = {{release_headers, release_data, release_done},
+                                         req_abandon};
+
+/* Decode has the request and its kv_transfer_params; it drops the request
+ * now that the client left, and tells prefill to free the blocks. Ends r. */
+static void released_via_decode(px_req *r) {
+    px_m_inc(&r->w->metrics.stranded_released);
+    PX_LOG(PX_LOG_INFO,
+           "req=%s msg=\"client left after prefill: decode was given the request and "
+           "aborted so prefill frees its blocks\" decode=%s",
+           r->lid, r->dname);
+    req_abandon(r);
+}
+
+/* ---------- the end: log, answer, free ---------- */
+
+/* Ends a request that failed: logs the message and answers it (req_finish). */
+static void req_fail(px_req *r, int status, const char *extra, const char *fmt, ...) {
+    char msg[512];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof msg, fmt, ap);
+    va_end(ap);
+    req_finish(r, status, r->state == RS_STREAM ? "stream_failed" : "error", extra, msg);
+}
+
+/* Every path on which the client is gone and nothing is left to do for it. */
+static void req_abandon(px_req *r) {
+    req_finish(r, 499, "client_disconnected", NULL, NULL);
+}
+
+/* The one exit (pgbouncer's disconnect_client). With `msg`, the failure is
+ * logged and, when the client has been sent nothing yet, answered in
+ * OpenAI error JSON (`extra`: more header lines, or NULL); a client still
+ * attached otherwise has its stream cut (callers that answered themselves
+ * dropped r->conn first). Then the access line and the metrics, once; then
+ * everything that could call back is let go (the transfer cancelled,
+ * backends handed back, timers stopped), and r is freed on the next loop
+ * turn: the caller may be inside one of r's callbacks. */
+static void req_finish(px_req *r, int status, const char *outcome, const char *extra,
+                       const char *msg) {
+    if (r->state == RS_DONE) return;
+    if (msg) {
+        char qmsg[1100];
+        PX_LOG(status >= 500 ? PX_LOG_WARN : PX_LOG_INFO, "req=%s msg=%s status=%d state=%s",
+               r->lid, px_log_value(msg, qmsg, sizeof qmsg), status, state_names[r->state]);
+    }
+    if (r->conn) {
+        if (msg && r->state != RS_STREAM)
+            px_conn_reply_error(r->conn, status, r->id, extra, msg);
+        else
+            px_conn_abort(r->conn);
+        r->conn = NULL;
+    }
+    finish_log(r, status, outcome);
+    set_state(r, RS_DONE);
+    px_upstream_cancel(r->up);
+    r->up = NULL;
+    px_backend_done(&r->ps->prefill, r->pb, PX_OUT_CANCELLED);
+    r->pb = NULL;
+    px_backend_done(&r->ps->decode, r->db, PX_OUT_CANCELLED);
+    r->db = NULL;
+    if (r->retry_timer) evtimer_del(r->retry_timer);
+    if (r->idle_timer) evtimer_del(r->idle_timer);
+    if (r->grace_timer) evtimer_del(r->grace_timer);
+    if (r->counted) atomic_fetch_sub(&r->s->inflight, 1);
+    r->counted = 0;
+    event_assign(&r->free_ev, r->w->base, -1, 0, on_free, r);
+    event_active(&r->free_ev, EV_TIMEOUT, 0);
+}
+
+static void on_free(evutil_socket_t fd, short what, void *arg) {
+    req_free(arg);
+}
+
+/* The metrics and the access line of a request, once per request. */
+static void finish_log(px_req *r, int status, const char *outcome) {
+    uint64_t now = px_now_ns();
+    px_metrics *m = &r->w->metrics;
+    px_metrics_count(m, ep_metric[r->ep], status);
+    px_hist_observe(&m->duration, secs(r->t0, now));
+    if (r->t_first) px_hist_observe(&m->ttfb[r->streamed], secs(r->t0, r->t_first));
+    write_access(r, status, outcome, now);
+    if (px_otlp_enabled()) submit_spans(r, status, outcome, now);
+}
+
+/* The one access-line writer: what r does not know yet (no backend, no
+ * answer, no decision) is left out of the line. */
+static void write_access(const px_req *r, int status, const char *outcome, uint64_t now) {
+    px_access a = {.req = r->lid,
+                   .endpoint = r->lpath,
+                   .prefill = r->pname[0] ? r->pname : NULL,
+                   .decode = r->dname[0] ? r->dname : NULL,
+                   .status = status,
+                   .prefill_ms = r->t_prefill ? secs(r->t0, r->t_prefill) * 1e3 : -1.0,
+                   .ttfb_ms = r->t_first ? secs(r->t0, r->t_first) * 1e3 : -1.0,
+                   .total_ms = secs(r->t0, now) * 1e3,
+                   .bytes_out = r->bytes_out,
+                   .outcome = outcome,
+                   .trace_id = r->trace_id,
+                   /* A fallback overrides the decision made before prefill failed. */
+                   .decision = r->fell_back ? "decode_only"
+                               : r->decided ? px_decision_name(r->decision)
+                                            : NULL,
+                   .decision_reason = r->fell_back ? px_fallback_name(r->fallback)
+                                      : r->decided ? px_decision_reason(r->decision)
+                                                   : NULL,
+                   .fallback = r->fell_back ? px_fallback_name(r->fallback) : NULL,
+                   .estimated = r->estimated,
+                   .prompt_tokens_est = r->est_tokens,
+                   .uncached_tokens_est = r->est_uncached};
+    px_access_write(&a);
+}
+
+/* The request's spans for trace export (otlp.h). */
+static void submit_spans(px_req *r, int status, const char *outcome, uint64_t now) {
+    px_otlp_req q = {.trace_id = r->trace_id,
+                     .flags = r->trace_flags,
+                     .parent_span = r->parent_span[0] ? r->parent_span : NULL,
+                     .span_root = r->span_root,
+                     .span_prefill = r->span_p,
+                     .span_decode = r->span_d,
+                     .method = r->method,
+                     .route = ep_paths[r->ep] ? ep_paths[r->ep] : "passthrough",
+                     .request_id = r->id,
+                     .outcome = outcome,
+                     .status = status,
+                     .t_start = r->t0,
+                     .t_end = now,
+                     .prefill = r->pname[0] ? r->pname : NULL,
+                     .prefill_status = r->pstatus,
+                     .prefill_attempts = (int)r->ntried_p,
+                     .t_prefill_start = r->t_pstart,
+                     .t_prefill_end = r->t_prefill,
+                     .decode = r->dname[0] ? r->dname : NULL,
+                     .decode_status = r->dstatus,
+                     .decode_attempts = (int)r->ntried_d,
+                     .streamed = r->streamed,
+                     .t_decode_start = r->t_dstart,
+                     .presp = r->presp.data,
+                     .presp_len = r->presp.len};
+    px_otlp_submit(&q);
+}
+
+/* A refused request is a view of a request that knows only its id and path. */
+void px_req_log_refused(const px_http_head *h, const char *endpoint, int status) {
+    px_req v = {0};
+    char id[129];
+    snprintf(v.lid, sizeof v.lid, "-");
+    if (px_http_request_id(h, id)) px_log_value(id, v.lid, sizeof v.lid);
+    snprintf(v.lpath, sizeof v.lpath, "%s", endpoint);
+    write_access(&v, status, "refused", px_now_ns());
+}
+
+/* Releases all r owns; r has finished (req_finish), so nothing calls back. */
+static void req_free(px_req *r) {
+    PX_LIST_UNLINK(r->w->reqs, r);
+    r->w->nreqs--;
+    if (event_initialized(&r->free_ev)) event_del(&r->free_ev);
+    if (r->retry_timer) event_free(r->retry_timer);
+    if (r->idle_timer) event_free(r->idle_timer);
+    if (r->grace_timer) event_free(r->grace_timer);
+    px_backend_release(r->hb);
+    px_gen_release(r->g);
+    px_budget_add(&r->s->shared, -r->held);
+    px_buf_cleanup(&r->body);
+    px_buf_cleanup(&r->pbody);
+    px_buf_cleanup(&r->dbody);
+    px_buf_cleanup(&r->presp);
+    px_buf_cleanup(&r->hdrs_p);
+    px_buf_cleanup(&r->hdrs_d);
+    px_buf_cleanup(&r->ubuf);
+    free(r->target);
+    free(r->phash);
+    free(r);
+}
+
+/* ---------- worker shutdown ---------- */
+
 void px_req_free_all(px_wctx *w) {
     while (w->reqs) {
         px_req *r = w->reqs;
-        if (r->conn) {
-            px_conn_abort(r->conn);
-            r->conn = NULL;
-        }
-        finish_log(r, 499, "stopped");
+        /* Finished ones wait for a loop turn that will not come. */
+        req_finish(r, 499, "stopped", NULL, NULL);
         req_free(r);
     }
     px_pindex_destroy(w->pindex);

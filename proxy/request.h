@@ -1,8 +1,10 @@
 /* One client request through the P/D flow, as a state machine:
- * NEW → PREFILL → DECODE → STREAM → DONE, with CLOSING from any state and
- * RELEASING when the client left after prefill answered (decode is sent the
- * request and aborted, so that prefill frees the blocks at once). A px_req
- * owns everything of its request; req_free() releases all. */
+ * NEW → PREFILL → DECODE → STREAM → DONE, with DONE reachable from any state
+ * through the one exit (req_finish: logs, answers once, frees on the next
+ * loop turn) and RELEASING when the client left while prefill may hold
+ * blocks for it (prefill is let answer, then decode is sent the request and
+ * aborted, so that prefill frees the blocks at once). A px_req owns
+ * everything of its request; req_free() releases all. */
 #ifndef PX_REQUEST_H
 #define PX_REQUEST_H
 

@@ -481,6 +481,10 @@ px_upstream *px_upstream_start(px_uploop *l, px_backend *b, const char *method, 
     return start_http(l, b, method, path, body, len, headers, o, cbs, arg);
 }
 
+void px_upstream_set_cbs(px_upstream *u, const px_upstream_cbs *cbs) {
+    u->cbs = *cbs;
+}
+
 void px_upstream_resume(px_upstream *u) {
     if (u->q) {
         px_creq_resume(u->q);

@@ -80,6 +80,10 @@ int px_upstream_answering(px_upstream *u);
  * when that has already happened: the caller may cancel at once. */
 int px_upstream_abort_after_upload(px_upstream *u);
 
+/* Replaces the callbacks of a transfer in flight (its arg stays); the next
+ * callback is the new table's. */
+void px_upstream_set_cbs(px_upstream *u, const px_upstream_cbs *cbs);
+
 /* Resumes a transfer paused by on_data returning 1. Not from inside its own
  * callbacks. Delivered bytes may arrive in on_data before this returns. */
 void px_upstream_resume(px_upstream *u);

@@ -1,0 +1,36 @@
+/* The access log: one line per client request, whatever its fate, in the
+ * log's format (log.h). */
+#ifndef PX_ACCESS_H
+#define PX_ACCESS_H
+
+#include <stddef.h>
+
+/* One request's access-log line. What is not known is left out of the line
+ * rather than written as a placeholder: NULL strings, negative times. */
+typedef struct px_access {
+    const char *req;      /* borrowed: the request id, already a logfmt value */
+    const char *endpoint; /* borrowed */
+    const char *prefill;  /* borrowed: backend name; NULL: none was chosen */
+    const char *decode;   /* borrowed: backend name; NULL: none was chosen */
+    int status;
+    double prefill_ms; /* < 0: no prefill answered */
+    double ttfb_ms;    /* < 0: no byte of an answer from decode */
+    double total_ms;
+    size_t bytes_out;
+    const char *outcome;  /* borrowed */
+    const char *trace_id; /* borrowed; NULL: none */
+    /* How the request was served: "disaggregated" or "decode_only", why,
+     * and the decode-only fallback taken after prefill failed (NULL:
+     * left out of the line). */
+    const char *decision;
+    const char *decision_reason;
+    const char *fallback;
+    int estimated; /* the two estimates below are set */
+    long prompt_tokens_est;
+    long uncached_tokens_est;
+} px_access;
+
+/* Writes the access line at level info (checked first). */
+void px_access_write(const px_access *a);
+
+#endif
