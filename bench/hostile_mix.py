@@ -30,9 +30,12 @@ sys.path.insert(0, os.path.join(ROOT, "tests", "integration"))
 BUILD = sys.argv[1] if len(sys.argv) > 1 else os.path.join(ROOT, "build")
 os.environ.setdefault("PX_BIN_DIR", os.path.join(BUILD, "bin"))
 
-import pxtest  # noqa: E402
-from prodtest import metric, parse_prom  # noqa: E402
-from pxtest import HOST, MockBackend, Respond, Stream, free_port, http_request, now  # noqa: E402
+from pdharness.client import RawClient, http_request
+from pdharness.mocks import (MockBackend, Respond, Stream, completion_body, decode_handler,
+                             prefill_handler, sse_events)
+from pdharness.net import HOST, now
+from pdharness.procs import start_pdproxy
+from pdharness.prom import metric, prom
 
 DURATION = min(300.0, float(os.environ.get("DURATION", "60")))
 LEGIT = int(os.environ.get("LEGIT", "4"))
@@ -56,7 +59,7 @@ class Burst:
 
     def __init__(self):
         self.on = False
-        self.ok = pxtest.prefill_handler()
+        self.ok = prefill_handler()
 
     def __call__(self, req):
         if self.on:
@@ -68,8 +71,8 @@ def decode(req):
     doc = req.json()
     if doc.get("stream"):
         return Stream(200, [("Content-Type", "text/event-stream")],
-                      [(0, e) for e in pxtest.sse_events(["a", "b", "c"])])
-    return pxtest.decode_handler()(req)
+                      [(0, e) for e in sse_events(["a", "b", "c"])])
+    return decode_handler()(req)
 
 
 def stalling_dns(stop):
@@ -101,10 +104,9 @@ def main():
     end = now() + DURATION
     burst = Burst()
     P0 = MockBackend(burst, name="P0")
-    P1 = MockBackend(pxtest.prefill_handler(), name="P1")
+    P1 = MockBackend(prefill_handler(), name="P1")
     D = MockBackend(decode, name="D")
-    port = free_port()
-    args = ["--host", HOST, "--port", str(port), "--threads", "2", "--log-level", "info",
+    args = ["--threads", "2", "--log-level", "info",
             "--drain-delay", "0", "--health-interval", "1",
             "--prefill", "http://%s:%d" % (HOST, P0.port),
             "--prefill", "http://%s:%d" % (HOST, P1.port),
@@ -130,15 +132,13 @@ def main():
                   'mount --bind "$0" /etc/hosts && mount --bind "$1" /etc/resolv.conf && '
                   'shift && exec "$@"'] + tmp
         args += ["--prefill", "http://stalled.hostile-mix:%d" % P1.port]
-    log = tempfile.NamedTemporaryFile(prefix="hostile-mix-", suffix=".log", delete=False)
-    proc = subprocess.Popen(prefix + [pxtest.PDPROXY] + args, stdin=subprocess.DEVNULL,
-                            stdout=subprocess.DEVNULL, stderr=log)
-    for _ in range(500):
-        try:
-            socket.create_connection((HOST, port), 0.2).close()
-            break
-        except OSError:
-            time.sleep(0.01)
+    spawned = []
+    px = start_pdproxy(lambda p: ["--host", HOST, "--port", str(p)] + args, spawned.append,
+                       prefix=prefix)
+    for other in spawned[:-1]:  # tries on a port taken meanwhile
+        other.stop()
+        other.remove_logs()
+    port, proc = px.port, px.proc
     pid = proc.pid
     rss0 = rss(pid)
     peak = [rss0]
@@ -156,8 +156,8 @@ def main():
             if now() >= end:
                 return
             stream = rng.random() < 0.5
-            body = pxtest.completion_body(prompt="legit %d %s" % (i, "x" * rng.randint(10, 4000)),
-                                          stream=stream)
+            body = completion_body(prompt="legit %d %s" % (i, "x" * rng.randint(10, 4000)),
+                                   stream=stream)
             try:
                 r = http_request(port, "POST", "/v1/completions", body, timeout=20)
                 ok = r.status == 200 and (not stream or b"[DONE]" in r.body)
@@ -216,8 +216,8 @@ def main():
             if now() >= end:
                 return
             try:
-                c = pxtest.RawClient(port, timeout=5)
-                c.request("POST", "/v1/completions", pxtest.completion_body(stream=True))
+                c = RawClient(port, timeout=5)
+                c.request("POST", "/v1/completions", completion_body(stream=True))
                 time.sleep(rng.uniform(0, 0.05))
                 c.close(rst=rng.random() < 0.5)
                 bump("leavers")
@@ -254,7 +254,7 @@ def main():
     for t in threads[:-1]:
         t.join(max(0.0, end - now() + 30))
     time.sleep(1)
-    samples = parse_prom(http_request(port, "GET", "/metrics").body.decode())
+    samples = prom(port)
     rss_end = rss(pid)
     stop.set()
     proc.send_signal(signal.SIGINT)
@@ -262,12 +262,12 @@ def main():
         proc.wait(5)
     except subprocess.TimeoutExpired:
         proc.kill()
-    log.close()
-    text = open(log.name, errors="replace").read()
+    text = px.stderr()
     ejections = len(re.findall(r'msg="backend ejected"', text))
     for m in (P0, P1, D):
         m.stop()
-    for p in tmp + [log.name]:
+    px.remove_logs()
+    for p in tmp:
         os.unlink(p)
 
     def g(name, **labels):

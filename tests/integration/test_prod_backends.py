@@ -9,16 +9,15 @@ moves the names between mocks listening on 127.0.0.2..127.0.0.5."""
 import os
 import shutil
 import subprocess
-import sys
 import tempfile
 import time
 import unittest
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import pxtest  # noqa: E402
-from prodtest import HostMock, ProdCase, metric, prom  # noqa: E402
-from pxtest import (HOST, MAX_LOOP, PDPROXY, Proxy, ProxyStartError, free_port,  # noqa: E402
-                    http_request, now)
+from pdharness.client import http_request
+from pdharness.mocks import PREFILL_KV, HostMock, decode_handler, prefill_handler
+from pdharness.net import HOST, MAX_LOOP, now
+from pdharness.prod import ProdCase
+from pdharness.prom import prom
 
 NS_SCRIPT = 'mount --bind "$0" /etc/hosts && exec "$@"'
 
@@ -28,23 +27,6 @@ def healthcheck(port):
     assert r.status == 200, r
     d = r.json()
     return d["prefill_instances"], d["decode_instances"]
-
-
-class NsProxy(Proxy):
-    """pdproxy in its own mount namespace, /etc/hosts replaced by `hosts`.
-    unshare and sh exec, so the pid is pdproxy's own."""
-
-    def __init__(self, args, hosts, **kw):
-        super().__init__(args, **kw)
-        self.hosts = hosts
-
-    def spawn(self):
-        cmd = ["unshare", "-m", "sh", "-c", NS_SCRIPT, self.hosts, PDPROXY] + self.args
-        with open(self.stderr_path, "wb") as err, open(self.stdout_path, "wb") as out:
-            self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out,
-                                                stderr=err, env=self.clean_env(self.extra_env))
-        self.t_spawn = now()
-        return self
 
 
 def ns_usable():
@@ -86,8 +68,8 @@ def same_port_mocks(hosts, handler_for, name):
 
 class UrlBackendsTest(ProdCase):
     def test_prefill_and_decode_urls_repeatable(self):
-        P = [self.mock(pxtest.prefill_handler(), name="P%d" % i) for i in range(2)]
-        D = [self.mock(pxtest.decode_handler(), name="D%d" % i) for i in range(2)]
+        P = [self.mock(prefill_handler(), name="P%d" % i) for i in range(2)]
+        D = [self.mock(decode_handler(), name="D%d" % i) for i in range(2)]
         args = []
         for m in P:
             args += ["--prefill", "http://127.0.0.1:%d" % m.port]
@@ -102,15 +84,15 @@ class UrlBackendsTest(ProdCase):
         self.assertEqual([len(m.requests) for m in P], [4, 4], "round robin over the --prefill URLs")
         self.assertEqual([len(m.requests) for m in D], [4, 4], "round robin over the --decode URLs")
         for m in P:
-            self.assertEqual(m.requests[0].json()["kv_transfer_params"], pxtest.PREFILL_KV)
+            self.assertEqual(m.requests[0].json()["kv_transfer_params"], PREFILL_KV)
             self.assertEqual(m.requests[0].path, "/v1/completions")
         for m in D:
             self.assertEqual(m.requests[0].path, "/v1/completions")
             self.assertTrue(m.requests[0].json()["kv_transfer_params"]["do_remote_prefill"])
 
     def test_toy_flags_several_instances(self):
-        P = [self.mock(pxtest.prefill_handler(), name="P%d" % i) for i in range(3)]
-        D = [self.mock(pxtest.decode_handler(), name="D%d" % i) for i in range(2)]
+        P = [self.mock(prefill_handler(), name="P%d" % i) for i in range(3)]
+        D = [self.mock(decode_handler(), name="D%d" % i) for i in range(2)]
         px = self.start(P, D)
         self.assertEqual(healthcheck(px.port), (3, 2))
         for i in range(6):
@@ -119,8 +101,8 @@ class UrlBackendsTest(ProdCase):
         self.assertEqual([len(m.requests) for m in D], [3, 3])
 
     def test_toy_flags_and_urls_together(self):
-        P = [self.mock(pxtest.prefill_handler(), name="P%d" % i) for i in range(2)]
-        D = self.mock(pxtest.decode_handler(), name="D")
+        P = [self.mock(prefill_handler(), name="P%d" % i) for i in range(2)]
+        D = self.mock(decode_handler(), name="D")
         px = self.start(args=["--prefiller-hosts", HOST, "--prefiller-ports", str(P[0].port),
                               "--prefill", "http://127.0.0.1:%d" % P[1].port,
                               "--decode", "http://127.0.0.1:%d" % D.port])
@@ -152,27 +134,9 @@ class DnsDiscoveryTest(ProdCase):
             os.fsync(f.fileno())
 
     def start_ns(self, args):
-        last = None
-        for _ in range(3):
-            port = free_port()
-            a = ["--host", HOST, "--port", str(port), "--threads", "2", "--drain-delay", "0",
-                 "--health-interval", "0"] + args
-            p = NsProxy(a, self.hosts, port=port)
-            p.spawn()
-            self._proxies.append(p)
-            self.addCleanup(self._stop_proxy, p)
-            try:
-                p.wait_ready()
-            except ProxyStartError as e:
-                last = e
-                if "in use" not in p.stderr().lower():
-                    raise
-                continue
-            if p.owns_port():
-                return p
-            p._expected_exit = True
-            p.stop()
-        raise last
+        """pdproxy in its own mount namespace, /etc/hosts replaced by self.hosts."""
+        return self.start_proxy(args=["--drain-delay", "0", "--health-interval", "0"] + args,
+                                prefix=["unshare", "-m", "sh", "-c", NS_SCRIPT, self.hosts])
 
     def track(self, mocks):
         for m in mocks:
@@ -202,9 +166,9 @@ class DnsDiscoveryTest(ProdCase):
 
     def test_names_re_resolved_every_dns_refresh(self):
         P = self.track(same_port_mocks(["127.0.0.2", "127.0.0.3"],
-                                       lambda h: pxtest.prefill_handler(), "P"))
+                                       lambda h: prefill_handler(), "P"))
         D = self.track(same_port_mocks(["127.0.0.4", "127.0.0.5"],
-                                       lambda h: pxtest.decode_handler(), "D"))
+                                       lambda h: decode_handler(), "D"))
         pport = P["127.0.0.2"].port
         dport = D["127.0.0.4"].port
         self.write_hosts(["127.0.0.2 pnode.pdproxy-test", "127.0.0.4 dnode.pdproxy-test"])
@@ -248,8 +212,8 @@ class DnsDiscoveryTest(ProdCase):
 
     def test_unresolvable_refresh_keeps_backends(self):
         """A name that stops resolving must not empty the pool (a DNS hiccup)."""
-        P = self.track(same_port_mocks(["127.0.0.2"], lambda h: pxtest.prefill_handler(), "P"))
-        D = self.track(same_port_mocks(["127.0.0.4"], lambda h: pxtest.decode_handler(), "D"))
+        P = self.track(same_port_mocks(["127.0.0.2"], lambda h: prefill_handler(), "P"))
+        D = self.track(same_port_mocks(["127.0.0.4"], lambda h: decode_handler(), "D"))
         self.write_hosts(["127.0.0.2 pnode.pdproxy-test", "127.0.0.4 dnode.pdproxy-test"])
         self.px = px = self.start_ns(["--prefill", "http://pnode.pdproxy-test:%d"
                                       % P["127.0.0.2"].port,
