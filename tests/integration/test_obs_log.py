@@ -89,20 +89,10 @@ class LogTestBase(PxTestCase):
             self.assertIn(f, rec, "%s field %r missing in %r" % (where, f, rec))
 
 
-def slow_p(delay):
-    h = prefill_handler()
-
-    def f(req):
-        r = h(req)
-        r.delay = delay
-        return r
-    return f
-
-
 class AccessLogTest(LogTestBase):
 
     def test_logfmt_fields_and_timings(self):
-        P = self.mock(slow_p(0.2), "P")
+        P = self.mock(prefill_handler(delay=0.2), "P")
         body = b'{"id":"cmpl-d","choices":[{"index":0,"text":"hello there"}]}'
         D = self.mock(lambda r: Respond(200, [("Content-Type", "application/json")], body,
                                         delay=0.1), "D")

@@ -17,20 +17,9 @@ from pdharness.prod import ProdCase
 from pdharness.prom import metric, prom
 
 
-def delayed_prefill(delay):
-    inner = prefill_handler()
-
-    def h(req):
-        r = inner(req)
-        r.delay = delay
-        return r
-
-    return h
-
-
 class MaxInflightTest(ProdCase):
     def test_beyond_max_inflight_503_with_retry_after(self):
-        P = self.mock(delayed_prefill(1.5), name="P")
+        P = self.mock(prefill_handler(delay=1.5), name="P")
         D = self.mock(decode_handler(), name="D")
         px = self.start([P], [D], ["--max-inflight", "2"])
         held = []
@@ -112,7 +101,7 @@ class PrefillTimeoutTest(ProdCase):
                         "(prefill attempts: %r)" % (took, [len(m.requests) for m in Ps]))
 
     def test_prefill_under_timeout_succeeds(self):
-        P = self.mock(delayed_prefill(0.5), name="P")
+        P = self.mock(prefill_handler(delay=0.5), name="P")
         D = self.mock(decode_handler(), name="D")
         px = self.start([P], [D], ["--prefill-timeout", "2"])
         self.assertEqual(self.post(px).status, 200)

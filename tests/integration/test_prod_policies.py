@@ -13,17 +13,6 @@ from pdharness.net import MAX_LOOP, now
 from pdharness.prod import ProdCase
 
 
-def slow_prefill(delay):
-    inner = prefill_handler()
-
-    def h(req):
-        r = inner(req)
-        r.delay = delay
-        return r
-
-    return h
-
-
 def prompt_body(prefix, suffix, **kw):
     return completion_body(prompt=prefix + suffix, **kw)
 
@@ -57,7 +46,7 @@ class LoadPoliciesTest(ProdCase):
 
     def run_load(self, policy, role):
         if role == "prefill":
-            slow = self.mock(slow_prefill(0.6), name="Pslow")
+            slow = self.mock(prefill_handler(delay=0.6), name="Pslow")
             fast = self.mock(prefill_handler(), name="Pfast")
             D = self.mock(decode_handler(), name="D")
             px = self.start([slow, fast], [D], ["--prefill-policy", policy])
@@ -162,7 +151,7 @@ class PrefixAffinityTest(ProdCase):
 
     def concurrent_same_prefix(self, factor, n):
         for m in self.P:
-            m.set_handler(slow_prefill(1.5))
+            m.set_handler(prefill_handler(delay=1.5))
         px = self.start(self.P, [self.D], ["--prefill-policy", "prefix_affinity",
                                            "--prefix-bytes", "32",
                                            "--prefix-load-factor", str(factor)])

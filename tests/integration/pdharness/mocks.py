@@ -662,9 +662,10 @@ def default_p_kv(req_id="req", n=1):
     }
 
 
-def prefill_handler(kv=None, raw_body=None, status=200, content_type="application/json"):
+def prefill_handler(kv=None, raw_body=None, status=200, content_type="application/json",
+                    delay=0.0):
     """Handler for a mock P: a completion with kv_transfer_params (default
-    shape, or `kv`; or the literal bytes `raw_body`)."""
+    shape, or `kv`; or the literal bytes `raw_body`), `delay` seconds late."""
 
     def h(req):
         if raw_body is not None:
@@ -676,7 +677,7 @@ def prefill_handler(kv=None, raw_body=None, status=200, content_type="applicatio
                    "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4},
                    "kv_transfer_params": kv if kv is not None else default_p_kv(rid)}
             body = json.dumps(doc).encode("utf-8")
-        return Respond(status, [("Content-Type", content_type)], body)
+        return Respond(status, [("Content-Type", content_type)], body, delay=delay)
 
     return h
 
