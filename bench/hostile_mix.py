@@ -34,7 +34,7 @@ from pdharness.client import RawClient, http_request
 from pdharness.mocks import (MockBackend, Respond, Stream, completion_body, decode_handler,
                              prefill_handler, sse_events)
 from pdharness.net import HOST, now
-from pdharness.procs import start_pdproxy
+from pdharness.procs import rss_bytes, start_pdproxy
 from pdharness.prom import metric, prom
 
 DURATION = min(300.0, float(os.environ.get("DURATION", "60")))
@@ -45,13 +45,9 @@ MiB = 1 << 20
 
 def rss(pid):
     try:
-        with open("/proc/%d/status" % pid) as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
+        return rss_bytes(pid)
+    except OSError:  # gone
+        return 0
 
 
 class Burst:

@@ -30,7 +30,7 @@ import urllib.request
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tests", "integration"))
 from pdharness.net import HOST
-from pdharness.procs import start_proc
+from pdharness.procs import rss_bytes, start_proc
 from pdharness.prom import metric, prom
 
 
@@ -40,14 +40,6 @@ def generation(port):
             return json.loads(r.read())["generation"]
     except urllib.error.HTTPError as e:
         return json.loads(e.read())["generation"]
-
-
-def rss_kib(pid):
-    with open("/proc/%d/status" % pid) as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1])
-    return -1
 
 
 def main():
@@ -132,10 +124,10 @@ def main():
         # 2 and 3: reloads without load.
         for i in range(a.reloads + 1, a.reloads + 21):  # warm-up
             reload_once(i)
-        before = rss_kib(px.proc.pid)
+        before = rss_bytes(px.proc.pid) // 1024
         for i in range(a.count):
             seen.append(reload_once(a.reloads + 21 + i))
-        after = rss_kib(px.proc.pid)
+        after = rss_bytes(px.proc.pid) // 1024
         swap = [float(m) for m in re.findall(r'configuration swapped".* ms=([0-9.]+)', px.log())]
         q = statistics.quantiles(swap, n=100)
         print("reloads=%d swap_ms p50=%.3f p99=%.3f max=%.3f; SIGHUP-to-/ready ms p50=%.2f "
