@@ -7,13 +7,11 @@ reads it again, keeping the running configuration when it is wrong."""
 import json
 import os
 import threading
-import time
 import unittest
 
-from pdharness.client import http_request
-from pdharness.ctl import pools_yaml, sighup, tmpdir, wait_generation, write_yaml
+from pdharness.ctl import pools_yaml, ready, sighup, tmpdir, wait_generation, write_yaml
 from pdharness.mocks import Respond, completion_body, decode_handler, prefill_handler
-from pdharness.net import MAX_LOOP, now
+from pdharness.net import wait_until, wait_value
 from pdharness.procs import run_pdproxy
 from pdharness.prod import ProdCase
 
@@ -124,11 +122,7 @@ class ReloadTest(ProdCase):
         write_yaml(self.file, "pools:\n  - name: m\n    decode: [http://127.0.0.1:1]\n"
                               "max-inflight: lots\n")
         sighup(px)
-        deadline = now() + 10
-        for _ in range(MAX_LOOP):
-            if "reload on SIGHUP failed" in px.stderr() or now() > deadline:
-                break
-            time.sleep(0.02)
+        wait_until(lambda: "reload on SIGHUP failed" in px.stderr(), 10, 0.02)
         err = px.stderr()
         self.assertIn("reload on SIGHUP failed", err)
         self.assertIn(self.file + ":4: key 'max-inflight'", err)
@@ -178,12 +172,7 @@ class ReloadTest(ProdCase):
             for _ in range(3):
                 sighup(px)
             # Signals sent together may be delivered as one.
-            deadline = now() + 10
-            for _ in range(MAX_LOOP):
-                g = json.loads(bytes(http_request(px.port, "GET", "/ready").body))["generation"]
-                if g > gen or now() > deadline:
-                    break
-                time.sleep(0.01)
+            g = wait_value(lambda: ready(px)[1]["generation"], lambda g: g > gen, 10, 0.01)
             self.assertGreater(g, gen)
             gen = g
         self.assertTrue(px.alive())
@@ -195,11 +184,7 @@ class ReloadTest(ProdCase):
         D = self.mock(decode_handler(), name="D")
         px = self.start([P], [D])
         sighup(px)
-        deadline = now() + 10
-        for _ in range(MAX_LOOP):
-            if "nothing to reload" in px.stderr() or now() > deadline:
-                break
-            time.sleep(0.02)
+        wait_until(lambda: "nothing to reload" in px.stderr(), 10, 0.02)
         self.assertIn("nothing to reload", px.stderr())
         self.assertEqual(self.post(px).status, 200)
 

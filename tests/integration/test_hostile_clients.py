@@ -16,7 +16,6 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 
 from pdharness.case import main
 from pdharness.client import RawClient, http_request, strict_json
@@ -263,10 +262,8 @@ def hold_idle_main(port, n, pid):
                         return
                     left.discard(s)
                     sel.modify(s, selectors.EVENT_READ)
-        for _ in range(MAX_LOOP):
-            if accepted_conns(pid, port) >= len(socks) - 1000 or now() >= deadline:
-                break
-            time.sleep(0.02)
+        wait_until(lambda: accepted_conns(pid, port) >= len(socks) - 1000,
+                   deadline - now(), 0.02)
     print("opened %d %.2f" % (len(socks), now() - t0), flush=True)
     for line in sys.stdin:
         cmd = line.split()

@@ -15,7 +15,7 @@ import unittest
 
 from pdharness.client import http_request
 from pdharness.mocks import PREFILL_KV, HostMock, decode_handler, prefill_handler
-from pdharness.net import HOST, MAX_LOOP, now
+from pdharness.net import HOST, now, wait_value
 from pdharness.prod import ProdCase
 from pdharness.prom import prom
 
@@ -146,13 +146,7 @@ class DnsDiscoveryTest(ProdCase):
 
     def wait_counts(self, px, want, limit):
         t0 = now()
-        deadline = t0 + limit
-        got = None
-        for _ in range(MAX_LOOP):
-            got = healthcheck(px.port)
-            if got == want or now() >= deadline:
-                break
-            time.sleep(0.02)
+        got = wait_value(lambda: healthcheck(px.port), lambda got: got == want, limit)
         self.assertEqual(got, want, "/healthcheck instance counts %.1fs after rewriting "
                          "/etc/hosts (--dns-refresh %g)" % (now() - t0, self.REFRESH))
         return now() - t0
@@ -198,13 +192,10 @@ class DnsDiscoveryTest(ProdCase):
         t = self.wait_counts(px, (1, 1), 2 * self.REFRESH + 0.5)
         # Counts can settle on the prefill side first: wait for the decode
         # side to move too, still within the bound.
-        deadline = now() + max(0.1, 2 * self.REFRESH + 0.5 - t)
-        for _ in range(MAX_LOOP):
-            dl = {l["backend"] for n, l, v in prom(px.port)
-                  if n == "pdproxy_backend_up" and l.get("role") == "decode"}
-            if dl == {"127.0.0.5:%d" % dport} or now() >= deadline:
-                break
-            time.sleep(0.02)
+        dl = wait_value(lambda: {l["backend"] for n, l, v in prom(px.port)
+                                 if n == "pdproxy_backend_up" and l.get("role") == "decode"},
+                        lambda dl: dl == {"127.0.0.5:%d" % dport},
+                        max(0.1, 2 * self.REFRESH + 0.5 - t))
         self.assertEqual(dl, {"127.0.0.5:%d" % dport}, "decode backends after the name moved")
         got = self.new_requests(P, D, 4)
         self.assertEqual(got, {"127.0.0.2": 0, "127.0.0.3": 4, "127.0.0.4": 0, "127.0.0.5": 4})

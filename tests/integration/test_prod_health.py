@@ -12,7 +12,7 @@ import unittest
 from pdharness.client import errmsg, http_request
 from pdharness.mocks import (CloseBeforeHeaders, Hang, Reset, Respond, decode_handler,
                              default_probe_handler, prefill_handler)
-from pdharness.net import MAX_LOOP, closed_port, now
+from pdharness.net import closed_port, now, wait_value
 from pdharness.prod import ProdCase
 from pdharness.prom import metric, prom
 
@@ -70,15 +70,9 @@ class ActiveHealthTest(ProdCase):
     def watch_until(self, px, role, mock, want, timeout, on_first):
         """Polls pdproxy_backend_up every 10 ms; calls on_first() at the
         first poll that sees `want` (before anything else can change)."""
-        deadline = now() + timeout
-        last = None
-        for _ in range(MAX_LOOP):
-            last = self.up(px, role, mock)
-            if last == want:
-                return on_first()
-            if now() >= deadline:
-                break
-            time.sleep(0.01)
+        last = wait_value(lambda: self.up(px, role, mock), lambda v: v == want, timeout, 0.01)
+        if last == want:
+            return on_first()
         self.fail("pdproxy_backend_up{role=%s,backend=%s} stayed %r, wanted %r"
                   % (role, self.bname(mock), last, want))
 

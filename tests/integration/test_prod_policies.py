@@ -9,7 +9,7 @@ import unittest
 
 from pdharness.mocks import (Respond, chat_body, completion_body, decode_handler,
                              engine_metrics_handler, prefill_handler)
-from pdharness.net import MAX_LOOP, now
+from pdharness.net import wait_until
 from pdharness.prod import ProdCase
 
 
@@ -188,13 +188,8 @@ class LoadAwareTest(ProdCase):
             return sum(1 for r in list(m.probes) if r.path.startswith("/metrics"))
 
         base = {id(m): scrapes(m) for m in mocks}
-        deadline = now() + timeout
-        for _ in range(MAX_LOOP):
-            if all(scrapes(m) - base[id(m)] >= n for m in mocks):
-                return
-            if now() >= deadline:
-                break
-            time.sleep(0.02)
+        if wait_until(lambda: all(scrapes(m) - base[id(m)] >= n for m in mocks), timeout, 0.02):
+            return
         self.fail("pdproxy did not scrape /metrics of every engine %d times in %.1fs "
                   "(--metrics-interval %g)" % (n, timeout, self.INTERVAL))
 

@@ -18,7 +18,7 @@ import unittest
 from pdharness.case import case_failed
 from pdharness.client import RawClient
 from pdharness.cluster import ClusterCase
-from pdharness.net import HOST, MAX_LOOP, now
+from pdharness.net import HOST, MAX_LOOP, now, wait_value
 from pdharness.procs import start_engine_sim, start_sim_proxy
 from pdharness.prom import metric, prom
 
@@ -121,12 +121,8 @@ class StrandedBlocksTest(LoggedCase):
         self.assertEqual(n_left, 20)
 
         # pdproxy finishes every request (those of clients that left too).
-        deadline = now() + 10
-        for _ in range(MAX_LOOP):
-            pm = prom(px.port)
-            if metric(pm, "pdproxy_inflight_requests") == 0 or now() >= deadline:
-                break
-            time.sleep(0.05)
+        pm = wait_value(lambda: prom(px.port),
+                        lambda pm: metric(pm, "pdproxy_inflight_requests") == 0, 10, 0.05)
         self.assertEqual(metric(pm, "pdproxy_inflight_requests"), 0, where)
         t_quiet = now()
 
@@ -308,14 +304,13 @@ class HandOverWindowTest(LoggedCase):
         the consumer, well before they could expire; then, after the expiry,
         checks that none expired."""
         expiry = HANDOVER_EXPIRY_MS / 1000.0
-        deadline = now() + expiry * 0.8
-        for _ in range(MAX_LOOP):
+
+        def counts():
             em = prom(p.port)
-            pub = metric(em, "engine_sim_kv_blocks_published_total")
-            rel = metric(em, "engine_sim_kv_blocks_released_by_consumer_total")
-            if (pub and pub == rel) or now() >= deadline:
-                break
-            time.sleep(0.05)
+            return (metric(em, "engine_sim_kv_blocks_published_total"),
+                    metric(em, "engine_sim_kv_blocks_released_by_consumer_total"))
+
+        pub, rel = wait_value(counts, lambda pr: pr[0] and pr[0] == pr[1], expiry * 0.8, 0.05)
         self.assertGreater(pub, 0, where)
         self.assertEqual(rel, pub, "%s: %d of %d published blocks not released by the consumer "
                          "%.1fs into a %d ms expiry" % (where, pub - rel, pub, expiry * 0.8,

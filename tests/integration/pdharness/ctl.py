@@ -7,7 +7,7 @@ import signal
 import tempfile
 
 from pdharness.client import http_request
-from pdharness.net import HOST, wait_until
+from pdharness.net import HOST, wait_value
 
 
 def url(m):
@@ -49,16 +49,11 @@ def ready(px):
 
 
 def wait_generation(case, px, gen, timeout=10.0):
-    seen = {}
-
-    def at_gen():
-        _, seen["doc"] = ready(px)
-        return seen["doc"].get("generation") == gen
-
-    if wait_until(at_gen, timeout, 0.02):
-        return seen["doc"]
+    doc = wait_value(lambda: ready(px)[1], lambda d: d.get("generation") == gen, timeout)
+    if doc.get("generation") == gen:
+        return doc
     case.fail("generation stayed %r, wanted %r; stderr:\n%s"
-              % (seen["doc"].get("generation"), gen, px.stderr()[-3000:]))
+              % (doc.get("generation"), gen, px.stderr()[-3000:]))
 
 
 def sighup(px):

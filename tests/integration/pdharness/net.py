@@ -1,8 +1,9 @@
 """Loopback networking for the tests: ports, bounded waits, /proc/net.
 
 * ``free_port`` / ``closed_port``: a 127.0.0.1 port nobody listens on.
-* ``wait_until`` (poll a predicate, return its last value), ``wait_for``
-  (poll, raise on timeout), ``wait_http`` (poll a GET until 200),
+* ``wait_until`` (poll a predicate, return its last value), ``wait_value``
+  (poll a value until it is done, return the last one), ``wait_for`` (poll,
+  raise on timeout), ``wait_http`` (poll a GET until 200),
   ``connect_refused``: every wait in the harness is one of these.
 * ``listening_inodes``, ``socket_inodes``, ``tcp_queues``: /proc/net views.
 * ``Blackhole``: a port where connect() neither succeeds nor is refused.
@@ -52,18 +53,26 @@ def wait_until(pred, timeout, interval=0.005):
     return pred()
 
 
-def wait_for(pred, timeout, what, interval=0.05):
-    """Poll pred() -> (ok, last) until ok; returns last, or raises
-    AssertionError naming `what` and the last value on timeout."""
+def wait_value(fn, done, timeout, interval=0.02):
+    """Poll v = fn() until done(v) or timeout; returns the last v (for the
+    caller's assertion, which then names what it saw)."""
     seen = [None]
 
     def check():
-        ok, seen[0] = pred()
-        return ok
+        seen[0] = fn()
+        return done(seen[0])
 
-    if wait_until(check, timeout, interval):
-        return seen[0]
-    raise AssertionError("timed out waiting for %s (last: %r)" % (what, seen[0]))
+    wait_until(check, timeout, interval)
+    return seen[0]
+
+
+def wait_for(pred, timeout, what, interval=0.05):
+    """Poll pred() -> (ok, last) until ok; returns last, or raises
+    AssertionError naming `what` and the last value on timeout."""
+    ok, last = wait_value(pred, lambda r: r[0], timeout, interval)
+    if ok:
+        return last
+    raise AssertionError("timed out waiting for %s (last: %r)" % (what, last))
 
 
 def wait_http(port, path="/health", timeout=15.0, proc=None):

@@ -11,7 +11,7 @@ import threading
 from pdharness.case import PxTestCase
 from pdharness.client import http_request
 from pdharness.mocks import completion_body
-from pdharness.net import HOST, now, wait_until
+from pdharness.net import HOST, now, wait_value
 from pdharness.prom import metric, prom
 
 
@@ -39,16 +39,11 @@ class ProdCase(PxTestCase):
 
     def wait_up(self, px, role, mock, want, timeout):
         """Poll pdproxy_backend_up until it equals `want`; returns the time it did."""
-        seen = {}
-
-        def at_want():
-            seen["v"] = self.up(px, role, mock)
-            return seen["v"] == want
-
-        if wait_until(at_want, timeout, 0.02):
+        last = wait_value(lambda: self.up(px, role, mock), lambda v: v == want, timeout)
+        if last == want:
             return now()
         self.fail("pdproxy_backend_up{role=%s,backend=%s} stayed %r, wanted %r after %.1fs"
-                  % (role, self.bname(mock), seen["v"], want, timeout))
+                  % (role, self.bname(mock), last, want, timeout))
 
     def post(self, px, body=None, path="/v1/completions", headers=None, timeout=10.0):
         return http_request(px.port, "POST", path, body or completion_body(),
