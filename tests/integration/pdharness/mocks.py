@@ -49,7 +49,7 @@ def mock_tls():
         import atexit
         import shutil
         import ssl
-        d = tempfile.mkdtemp(prefix="pxtest-tls-")
+        d = tempfile.mkdtemp(prefix="pdharness-tls-")
         atexit.register(shutil.rmtree, d, True)
 
         def run(args):
@@ -57,7 +57,7 @@ def mock_tls():
                            timeout=60)
         run(["req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
              "-nodes", "-keyout", "ca.key", "-out", "ca.pem", "-days", "2",
-             "-subj", "/CN=pxtest throw-away CA", "-addext", "basicConstraints=critical,CA:TRUE",
+             "-subj", "/CN=pdharness throw-away CA", "-addext", "basicConstraints=critical,CA:TRUE",
              "-addext", "keyUsage=critical,keyCertSign,cRLSign"])
         with open(os.path.join(d, "leaf.ext"), "w") as f:
             f.write("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
