@@ -16,9 +16,6 @@ from pdharness.mocks import MOCK_TLS, MockBackend, mock_tls
 from pdharness.net import HOST, Blackhole, wait_until
 from pdharness.procs import PDPROXY, SANITIZER_RE, WARN_RE, start_pdproxy
 
-# --------------------------------------------------------------------------
-# unittest base
-
 
 def case_failed(tc):
     """Whether test case `tc` has recorded a failure or error so far (usable
