@@ -16,7 +16,7 @@ import time
 import unittest
 
 from pdharness.case import case_failed
-from pdharness.client import RawClient
+from pdharness.client import RawClient, run_concurrently
 from pdharness.cluster import ClusterCase
 from pdharness.net import HOST, MAX_LOOP, now, wait_value
 from pdharness.procs import start_engine_sim, start_sim_proxy
@@ -66,8 +66,6 @@ class StrandedBlocksTest(LoggedCase):
             delay = {"prefill": rnd.uniform(0.0, 0.025), "after": rnd.uniform(0.025, 0.09)}.get(m)
             plan.append((m, prompt, stream, delay))
 
-        outcomes = [None] * N
-
         def one(i):
             m, prompt, stream, delay = plan[i]
             body = {"model": "sim-model", "prompt": prompt, "max_tokens": 24, "stream": stream}
@@ -94,26 +92,9 @@ class StrandedBlocksTest(LoggedCase):
                 c.close()
 
         # Eight clients at a time.
-        lock = threading.Lock()
-        todo = list(range(N))
-
-        def worker():
-            for _ in range(N):
-                with lock:
-                    if not todo:
-                        return
-                    i = todo.pop(0)
-                try:
-                    outcomes[i] = one(i)
-                except Exception as e:  # reported below
-                    outcomes[i] = ("bad", repr(e))
-
-        ts = [threading.Thread(target=worker, daemon=True) for _ in range(WORKERS)]
-        for t in ts:
-            t.start()
-        for t in ts:
-            t.join(60)
-        self.assertFalse(any(t.is_alive() for t in ts), "clients still running after 60 s")
+        outcomes, done = run_concurrently(one, N, WORKERS, 60)
+        self.assertTrue(done, "clients still running after 60 s")
+        outcomes = [("bad", repr(o)) if isinstance(o, Exception) else o for o in outcomes]
         bad = [(i, plan[i][0], o[1]) for i, o in enumerate(outcomes) if o[0] != "ok" and
                o[0] != "left"]
         self.assertEqual(bad, [], where)

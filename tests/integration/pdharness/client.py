@@ -9,6 +9,7 @@
 * ``post_json`` and ``answer_text``: a completion request and the text of
   its answer, JSON or SSE.
 * ``strict_json``, ``hdr_get``, ``hdr_all``, ``errmsg``: reading answers.
+* ``run_concurrently``: many clients at once on a bounded pool of threads.
 
 Every loop is bounded by a deadline and an iteration count."""
 
@@ -17,6 +18,7 @@ import json
 import re
 import socket
 import struct
+import threading
 import time
 
 from pdharness.net import HOST, IO_TIMEOUT, MAX_LOOP, now
@@ -506,3 +508,31 @@ def answer_text(path, raw, stream):
     if not done:
         raise AssertionError("SSE stream without data: [DONE]")
     return "".join(text)
+
+
+def run_concurrently(fn, n, workers=None, timeout=30.0):
+    """Runs fn(i) for i in range(n) on `workers` threads (default n), waiting
+    at most `timeout` seconds for them; returns (the results in order, an
+    exception returned as it is; whether every thread finished)."""
+    results = [None] * n
+    idx = list(range(n))
+    lock = threading.Lock()
+
+    def run():
+        for _ in range(n):
+            with lock:
+                if not idx:
+                    return
+                i = idx.pop(0)
+            try:
+                results[i] = fn(i)
+            except Exception as e:  # reported by the caller
+                results[i] = e
+
+    ts = [threading.Thread(target=run, daemon=True) for _ in range(workers or n)]
+    for t in ts:
+        t.start()
+    deadline = now() + timeout
+    for t in ts:
+        t.join(max(0.0, deadline - now()))
+    return results, not any(t.is_alive() for t in ts)

@@ -6,10 +6,8 @@ poll a backend's health gauge, and send many requests concurrently.
 
 Every loop is bounded by a deadline and a count."""
 
-import threading
-
 from pdharness.case import PxTestCase
-from pdharness.client import http_request
+from pdharness.client import http_request, run_concurrently
 from pdharness.mocks import completion_body
 from pdharness.net import HOST, now, wait_value
 from pdharness.prom import metric, prom
@@ -52,27 +50,6 @@ class ProdCase(PxTestCase):
     def concurrent(self, fn, n, workers=None, timeout=30.0):
         """Runs fn(i) for i in range(n) on `workers` threads (default n);
         returns the results in order (an exception is returned as it is)."""
-        results = [None] * n
-        idx = list(range(n))
-        lock = threading.Lock()
-
-        def run():
-            for _ in range(n):
-                with lock:
-                    if not idx:
-                        return
-                    i = idx.pop(0)
-                try:
-                    results[i] = fn(i)
-                except Exception as e:  # reported by the caller
-                    results[i] = e
-
-        ts = [threading.Thread(target=run, daemon=True) for _ in range(workers or n)]
-        for t in ts:
-            t.start()
-        deadline = now() + timeout
-        for t in ts:
-            t.join(max(0.0, deadline - now()))
-        self.assertFalse(any(t.is_alive() for t in ts), "client threads still running after %.0fs"
-                         % timeout)
+        results, done = run_concurrently(fn, n, workers, timeout)
+        self.assertTrue(done, "client threads still running after %.0fs" % timeout)
         return results
