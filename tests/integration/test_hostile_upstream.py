@@ -22,7 +22,7 @@ from pdharness.case import main
 from pdharness.client import RawClient, http_request, strict_json
 from pdharness.mocks import (CloseBeforeHeaders, Hang, Reset, Respond, Stream, completion_body,
                              decode_handler, default_p_kv, prefill_handler, sse_events)
-from pdharness.net import HOST, MAX_LOOP, now, wait_until
+from pdharness.net import HOST, MAX_LOOP, Listener, now, wait_until
 from pdharness.prod import ProdCase
 from pdharness.prom import metric, prom
 
@@ -30,31 +30,16 @@ SSE = ("Content-Type", "text/event-stream")
 JSONCT = ("Content-Type", "application/json")
 
 
-class Silent:
+class Silent(Listener):
     """A backend that accepts connections and never reads or writes a byte."""
 
     def __init__(self):
-        self.lsock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self.lsock.bind((HOST, 0))
-        self.lsock.listen(64)
-        self.port = self.lsock.getsockname()[1]
+        super().__init__(backlog=64, name="silent")
         self.socks = []
-        self._stop = threading.Event()
-        self._t = threading.Thread(target=self._accept, daemon=True)
-        self._t.start()
+        self.start_accepting()
 
-    def _accept(self):
-        self.lsock.settimeout(0.05)
-        for _ in range(MAX_LOOP):
-            if self._stop.is_set():
-                return
-            try:
-                s, _ = self.lsock.accept()
-            except socket.timeout:
-                continue
-            except OSError:
-                return
-            self.socks.append(s)
+    def accepted(self, sock):
+        self.socks.append(sock)
 
     def all_closed_by_peer(self, timeout):
         """Drains every accepted connection: True when pdproxy closed each
@@ -76,9 +61,7 @@ class Silent:
         return True
 
     def close(self):
-        self._stop.set()
-        self._t.join(2)
-        self.lsock.close()
+        self.stop_accepting()
         for s in self.socks:
             s.close()
 

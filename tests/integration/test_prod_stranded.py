@@ -18,7 +18,7 @@ import unittest
 from pdharness.case import case_failed
 from pdharness.client import RawClient, run_concurrently
 from pdharness.cluster import ClusterCase
-from pdharness.net import HOST, MAX_LOOP, now, wait_value
+from pdharness.net import HOST, MAX_LOOP, Listener, now, wait_value
 from pdharness.procs import start_engine_sim, start_sim_proxy
 from pdharness.prom import metric, prom
 
@@ -147,7 +147,7 @@ class StrandedBlocksTest(LoggedCase):
 
 
 
-class Relay:
+class Relay(Listener):
     """A TCP relay on 127.0.0.1 in front of an engine, one thread pair per
     connection, with two ways to stretch the hand-over windows:
 
@@ -167,45 +167,26 @@ class Relay:
         self.answer_partial = threading.Event()
         self.up_eof = threading.Event()
         self.up_bytes = 0
-        self.lsock = socket.socket()
-        self.lsock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        if up_piece:
-            # A small receive buffer so that slow reading slows the sender,
-            # set before the connection exists: shrinking it on an accepted
-            # socket that already advertised a larger window (the sender may
-            # have written at once) stalls the flow unpredictably.
-            self.lsock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16384)
-        self.lsock.bind((HOST, 0))
-        self.lsock.listen(16)
-        self.lsock.settimeout(0.1)
-        self.port = self.lsock.getsockname()[1]
-        self.stop = threading.Event()
+        # With up_piece, a small receive buffer so that slow reading slows
+        # the sender.
+        super().__init__(backlog=16, rcvbuf=16384 if up_piece else None, name="relay")
         self.socks = []
-        threading.Thread(target=self._accept, daemon=True).start()
+        self.start_accepting()
 
     def close(self):
-        self.stop.set()
-        for s in [self.lsock] + self.socks:
+        self.stop_accepting(join=0)
+        for s in self.socks:
             try:
                 s.close()
             except OSError:
                 pass
 
-    def _accept(self):
-        for _ in range(MAX_LOOP):
-            if self.stop.is_set():
-                return
-            try:
-                a, _ = self.lsock.accept()
-            except socket.timeout:
-                continue
-            except OSError:
-                return
-            b = socket.create_connection((HOST, self.target), timeout=5)
-            b.settimeout(None)
-            self.socks += [a, b]
-            threading.Thread(target=self._up, args=(a, b), daemon=True).start()
-            threading.Thread(target=self._down, args=(b, a), daemon=True).start()
+    def accepted(self, a):
+        b = socket.create_connection((HOST, self.target), timeout=5)
+        b.settimeout(None)
+        self.socks += [a, b]
+        threading.Thread(target=self._up, args=(a, b), daemon=True).start()
+        threading.Thread(target=self._down, args=(b, a), daemon=True).start()
 
     def _up(self, src, dst):
         for _ in range(MAX_LOOP):

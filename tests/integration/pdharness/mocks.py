@@ -32,7 +32,7 @@ import threading
 import time
 
 from pdharness.client import Message, hdr_all, hdr_get
-from pdharness.net import HOST, IO_TIMEOUT, MAX_LOOP, now
+from pdharness.net import HOST, IO_TIMEOUT, MAX_LOOP, Listener, now
 
 MOCK_TLS = os.environ.get("PX_MOCK_TLS") == "1"
 try:
@@ -231,7 +231,7 @@ class _Stop(Exception):
     pass
 
 
-class MockBackend:
+class MockBackend(Listener):
     """HTTP/1.1 mock engine on 127.0.0.1:<port>.
 
     handler(req: MockRequest) -> action. The default handler answers 200 with
@@ -252,16 +252,9 @@ class MockBackend:
         self.errors = []  # exceptions raised by handlers (test bugs) or protocol errors
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
-        self._stop = threading.Event()
-        self.lsock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self.lsock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.lsock.bind((host, port))
-        self.lsock.listen(128)
-        self.port = self.lsock.getsockname()[1]
-        self._threads = []
-        t = threading.Thread(target=self._accept_loop, name="%s-accept" % name, daemon=True)
-        t.start()
-        self._threads.append(t)
+        Listener.__init__(self, host, port, backlog=128, name=name)
+        self._threads = [self.accept_thread]
+        self.start_accepting()
 
     # -- public
 
@@ -324,25 +317,15 @@ class MockBackend:
 
     # -- internals
 
-    def _accept_loop(self):
-        for _ in range(MAX_LOOP):
-            if self._stop.is_set():
-                return
-            try:
-                r, _, _ = select.select([self.lsock], [], [], 0.1)
-                if not r:
-                    continue
-                sock, _ = self.lsock.accept()
-            except OSError:
-                return
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            with self._lock:
-                conn = MockConn(len(self.conns), sock, self)
-                self.conns.append(conn)
-            t = threading.Thread(target=self._serve, args=(conn,),
-                                 name="%s-conn%d" % (self.name, conn.id), daemon=True)
-            t.start()
-            self._threads.append(t)
+    def accepted(self, sock):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        with self._lock:
+            conn = MockConn(len(self.conns), sock, self)
+            self.conns.append(conn)
+        t = threading.Thread(target=self._serve, args=(conn,),
+                             name="%s-conn%d" % (self.name, conn.id), daemon=True)
+        t.start()
+        self._threads.append(t)
 
     def _recv(self, conn, deadline=None):
         """recv() that notices the peer going away and our own stop."""

@@ -6,6 +6,8 @@
   raise on timeout), ``wait_http`` (poll a GET until 200),
   ``connect_refused``: every wait in the harness is one of these.
 * ``listening_inodes``, ``socket_inodes``, ``tcp_queues``: /proc/net views.
+* ``Listener``: a listening socket whose thread hands each accepted
+  connection to ``accepted()``; the mocks and the tests' own servers.
 * ``Blackhole``: a port where connect() neither succeeds nor is refused.
 
 Every loop is bounded by a deadline and an iteration count."""
@@ -14,6 +16,7 @@ import http.client
 import os
 import select
 import socket
+import threading
 import time
 
 HOST = "127.0.0.1"
@@ -166,6 +169,57 @@ def socket_inodes(pid):
 
 # --------------------------------------------------------------------------
 # Blackhole
+
+
+class Listener:
+    """A TCP listener on host:port (port 0: any) whose accept thread, once
+    start_accepting() is called, hands every connection to accepted(sock)
+    until stop_accepting()."""
+
+    def __init__(self, host=HOST, port=0, backlog=128, rcvbuf=None, name="listener"):
+        self.lsock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.lsock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if rcvbuf:
+            # Set before any connection exists: shrinking it on an accepted
+            # socket that already advertised a larger window (the sender may
+            # have written at once) stalls the flow unpredictably.
+            self.lsock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+        self.lsock.bind((host, port))
+        self.lsock.listen(backlog)
+        self.port = self.lsock.getsockname()[1]
+        self._stop = threading.Event()
+        self.accept_thread = threading.Thread(target=self._accept_loop, name="%s-accept" % name,
+                                              daemon=True)
+
+    def accepted(self, sock):
+        raise NotImplementedError
+
+    def start_accepting(self):
+        self.accept_thread.start()
+        return self
+
+    def stop_accepting(self, join=2.0):
+        """Stops the accept thread (waiting up to `join` s) and closes the listener."""
+        self._stop.set()
+        if self.accept_thread.is_alive():
+            self.accept_thread.join(join)
+        try:
+            self.lsock.close()
+        except OSError:
+            pass
+
+    def _accept_loop(self):
+        for _ in range(MAX_LOOP):
+            if self._stop.is_set():
+                return
+            try:
+                r, _, _ = select.select([self.lsock], [], [], 0.1)
+                if not r:
+                    continue
+                sock, _ = self.lsock.accept()
+            except OSError:
+                return
+            self.accepted(sock)
 
 
 class Blackhole:
