@@ -16,7 +16,6 @@ import json
 import os
 import random
 import re
-import shutil
 import signal
 import socket
 import subprocess
@@ -35,11 +34,11 @@ from pdharness.mocks import (MockBackend, Respond, Stream, completion_body, deco
                              prefill_handler, sse_events)
 from pdharness.net import HOST, now
 from pdharness.procs import rss_bytes, start_pdproxy
+from pdharness.namespace import STALL_DNS, StallingDns, mount_prefix, unshare_usable
 from pdharness.prom import metric, prom
 
 DURATION = min(300.0, float(os.environ.get("DURATION", "60")))
 LEGIT = int(os.environ.get("LEGIT", "4"))
-STALL_DNS = "127.0.0.98"
 MiB = 1 << 20
 
 
@@ -71,30 +70,6 @@ def decode(req):
     return decode_handler()(req)
 
 
-def stalling_dns(stop):
-    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    s.bind((STALL_DNS, 53))
-    s.settimeout(0.2)
-
-    def run():
-        while not stop.is_set():
-            try:
-                s.recvfrom(4096)
-            except socket.timeout:
-                pass
-            except OSError:
-                return
-        s.close()
-
-    threading.Thread(target=run, daemon=True).start()
-
-
-def can_unshare():
-    if os.geteuid() != 0 or not shutil.which("unshare"):
-        return False
-    return subprocess.run(["unshare", "-m", "true"], capture_output=True).returncode == 0
-
-
 def main():
     stop = threading.Event()
     end = now() + DURATION
@@ -111,10 +86,10 @@ def main():
             "--keepalive-timeout", "5", "--client-header-timeout", "10",
             "--max-connections", "2000", "--dns-refresh", "2"]
     prefix, tmp = [], []
-    dns = can_unshare()
+    dns = unshare_usable()
     if dns:
         try:
-            stalling_dns(stop)
+            stalling = StallingDns()
         except OSError as e:
             print("no stalling DNS server (%s): DNS part skipped" % e)
             dns = False
@@ -124,9 +99,7 @@ def main():
             os.write(fd, text.encode())
             os.close(fd)
             tmp.append(path)
-        prefix = ["unshare", "-m", "sh", "-c",
-                  'mount --bind "$0" /etc/hosts && mount --bind "$1" /etc/resolv.conf && '
-                  'shift && exec "$@"'] + tmp
+        prefix = mount_prefix(*tmp)
         args += ["--prefill", "http://stalled.hostile-mix:%d" % P1.port]
     spawned = []
     px = start_pdproxy(lambda p: ["--host", HOST, "--port", str(p)] + args, spawned.append,
@@ -253,6 +226,8 @@ def main():
     samples = prom(port)
     rss_end = rss(pid)
     stop.set()
+    if dns:
+        stalling.close()
     proc.send_signal(signal.SIGINT)
     try:
         proc.wait(5)

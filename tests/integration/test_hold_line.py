@@ -20,7 +20,6 @@
 
 import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -35,6 +34,7 @@ from pdharness.mocks import (Hang, Respond, Stream, completion_body, decode_hand
                              prefill_handler, sse_events)
 from pdharness.net import (HOST, MAX_LOOP, connect_refused, free_port, listening_inodes, now,
                            socket_inodes, wait_until)
+from pdharness.namespace import STALL_DNS, StallingDns, mount_prefix, unshare_usable
 from pdharness.procs import PDPROXY, Proxy, ProxyStartError, rss_bytes
 from pdharness.prod import ProdCase
 from pdharness.prom import metric, prom
@@ -468,53 +468,7 @@ class RequestIdAndHostTest(ProdCase):
         c.close()
 
 
-NS_SCRIPT = ('mount --bind "$0" /etc/hosts && mount --bind "$1" /etc/resolv.conf && '
-             'shift && exec "$@"')
-STALL_DNS = "127.0.0.98"
-
-
-def ns_usable():
-    if os.geteuid() != 0 or not shutil.which("unshare"):
-        return False
-    try:
-        p = subprocess.run(["unshare", "-m", "true"], capture_output=True, timeout=5)
-        return p.returncode == 0
-    except (OSError, subprocess.TimeoutExpired):
-        return False
-
-
-class StallingDns:
-    """A UDP "name server" on STALL_DNS:53 that reads queries and never
-    answers."""
-
-    def __init__(self):
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        self.sock.bind((STALL_DNS, 53))
-        self.sock.settimeout(0.2)
-        self.queries = 0
-        self.stop = False
-        self.t = threading.Thread(target=self.run, daemon=True)
-        self.t.start()
-
-    def run(self):
-        for _ in range(MAX_LOOP):
-            if self.stop:
-                return
-            try:
-                self.sock.recvfrom(4096)
-                self.queries += 1
-            except socket.timeout:
-                pass
-            except OSError:
-                return
-
-    def close(self):
-        self.stop = True
-        self.t.join(2)
-        self.sock.close()
-
-
-@unittest.skipUnless(ns_usable(), "needs root and unshare -m")
+@unittest.skipUnless(unshare_usable(), "needs root and unshare -m")
 class AsyncDnsTest(ProdCase):
     """Item 9: names were resolved with a blocking resolver."""
 
@@ -540,7 +494,7 @@ class AsyncDnsTest(ProdCase):
                 "--decode", "http://%s:%d" % (HOST, D.port), "--dns-refresh", "0.5"]
         try:
             px = self.start_proxy(args=args, ready_timeout=3.0,
-                                  prefix=["unshare", "-m", "sh", "-c", NS_SCRIPT] + files)
+                                  prefix=mount_prefix(*files))
         except ProxyStartError as e:
             self.fail("a DNS server that never answers delayed start-up: %s" % e)
         self.assertTrue(wait_until(lambda: dns.queries > 0, 3.0), "no query reached the server")

@@ -15,12 +15,10 @@ import unittest
 
 from pdharness.client import http_request
 from pdharness.mocks import PREFILL_KV, HostMock, decode_handler, prefill_handler
+from pdharness.namespace import mount_prefix
 from pdharness.net import HOST, now, wait_value
 from pdharness.prod import ProdCase
 from pdharness.prom import prom
-
-NS_SCRIPT = 'mount --bind "$0" /etc/hosts && exec "$@"'
-
 
 def healthcheck(port):
     r = http_request(port, "GET", "/healthcheck")
@@ -37,8 +35,8 @@ def ns_usable():
     os.write(fd, b"127.0.0.2 probe.pdproxy-test\n")
     os.close(fd)
     try:
-        p = subprocess.run(["unshare", "-m", "sh", "-c", NS_SCRIPT, path, "getent", "hosts",
-                            "probe.pdproxy-test"], capture_output=True, timeout=10)
+        p = subprocess.run(mount_prefix(path) + ["getent", "hosts", "probe.pdproxy-test"],
+                           capture_output=True, timeout=10)
         if p.returncode != 0 or b"127.0.0.2" not in p.stdout:
             return False, ("unshare -m / mount --bind over /etc/hosts not permitted: rc=%d %s"
                            % (p.returncode, p.stderr.decode(errors="replace").strip()))
@@ -136,7 +134,7 @@ class DnsDiscoveryTest(ProdCase):
     def start_ns(self, args):
         """pdproxy in its own mount namespace, /etc/hosts replaced by self.hosts."""
         return self.start_proxy(args=["--drain-delay", "0", "--health-interval", "0"] + args,
-                                prefix=["unshare", "-m", "sh", "-c", NS_SCRIPT, self.hosts])
+                                prefix=mount_prefix(self.hosts))
 
     def track(self, mocks):
         for m in mocks:

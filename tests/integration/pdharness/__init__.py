@@ -11,6 +11,8 @@ Modules, by what they own:
 * ``client``: RawClient, http_request, reading JSON and SSE answers.
 * ``prom``: the Prometheus text parser and metric lookup.
 * ``logs``: the logfmt parser.
+* ``namespace``: pdproxy in a mount namespace with the test's /etc/hosts and
+  resolv.conf, and a name server that never answers.
 * ``case``: PxTestCase; ``prod``: ProdCase; ``pd``: PdCase; ``ctl``: the
   control-plane helpers; ``cluster``: ClusterCase (engine-sim end to end);
   ``connector``: the connector's test peers and wire helpers.
