@@ -425,25 +425,27 @@ class MockBackend(Listener):
             self._cond.notify_all()
         return req
 
+    def _crlf(self, conn, buf):
+        """Index of the first CRLF in buf (a bytearray), read from conn into
+        buf until there is one."""
+        for _ in range(MAX_LOOP):
+            i = buf.find(b"\r\n")
+            if i >= 0:
+                return i
+            buf += self._recv(conn)
+        return buf.find(b"\r\n")
+
     def _read_chunked(self, conn, buf):
         body = bytearray()
         for _ in range(MAX_LOOP):
-            for _ in range(MAX_LOOP):
-                i = buf.find(b"\r\n")
-                if i >= 0:
-                    break
-                buf += self._recv(conn)
+            i = self._crlf(conn, buf)
             size_txt = bytes(buf[:i]).split(b";")[0].strip()
             size = int(size_txt, 16)
             del buf[:i + 2]
             if size == 0:
                 # trailers until an empty line
                 for _ in range(MAX_LOOP):
-                    for _ in range(MAX_LOOP):
-                        j = buf.find(b"\r\n")
-                        if j >= 0:
-                            break
-                        buf += self._recv(conn)
+                    j = self._crlf(conn, buf)
                     line = bytes(buf[:j])
                     del buf[:j + 2]
                     if not line:
