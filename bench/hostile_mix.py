@@ -16,7 +16,6 @@ import json
 import os
 import random
 import re
-import shutil
 import signal
 import socket
 import subprocess
@@ -30,25 +29,24 @@ sys.path.insert(0, os.path.join(ROOT, "tests", "integration"))
 BUILD = sys.argv[1] if len(sys.argv) > 1 else os.path.join(ROOT, "build")
 os.environ.setdefault("PX_BIN_DIR", os.path.join(BUILD, "bin"))
 
-import pxtest  # noqa: E402
-from prodtest import metric, parse_prom  # noqa: E402
-from pxtest import HOST, MockBackend, Respond, Stream, free_port, http_request, now  # noqa: E402
+from pdharness.client import RawClient, http_request
+from pdharness.mocks import (MockBackend, Respond, Stream, completion_body, decode_handler,
+                             prefill_handler, sse_events)
+from pdharness.net import HOST, now
+from pdharness.procs import rss_bytes, start_pdproxy
+from pdharness.namespace import STALL_DNS, StallingDns, mount_prefix, unshare_usable
+from pdharness.prom import metric, prom
 
 DURATION = min(300.0, float(os.environ.get("DURATION", "60")))
 LEGIT = int(os.environ.get("LEGIT", "4"))
-STALL_DNS = "127.0.0.98"
 MiB = 1 << 20
 
 
 def rss(pid):
     try:
-        with open("/proc/%d/status" % pid) as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
+        return rss_bytes(pid)
+    except OSError:  # gone
+        return 0
 
 
 class Burst:
@@ -56,7 +54,7 @@ class Burst:
 
     def __init__(self):
         self.on = False
-        self.ok = pxtest.prefill_handler()
+        self.ok = prefill_handler()
 
     def __call__(self, req):
         if self.on:
@@ -68,32 +66,8 @@ def decode(req):
     doc = req.json()
     if doc.get("stream"):
         return Stream(200, [("Content-Type", "text/event-stream")],
-                      [(0, e) for e in pxtest.sse_events(["a", "b", "c"])])
-    return pxtest.decode_handler()(req)
-
-
-def stalling_dns(stop):
-    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    s.bind((STALL_DNS, 53))
-    s.settimeout(0.2)
-
-    def run():
-        while not stop.is_set():
-            try:
-                s.recvfrom(4096)
-            except socket.timeout:
-                pass
-            except OSError:
-                return
-        s.close()
-
-    threading.Thread(target=run, daemon=True).start()
-
-
-def can_unshare():
-    if os.geteuid() != 0 or not shutil.which("unshare"):
-        return False
-    return subprocess.run(["unshare", "-m", "true"], capture_output=True).returncode == 0
+                      [(0, e) for e in sse_events(["a", "b", "c"])])
+    return decode_handler()(req)
 
 
 def main():
@@ -101,10 +75,9 @@ def main():
     end = now() + DURATION
     burst = Burst()
     P0 = MockBackend(burst, name="P0")
-    P1 = MockBackend(pxtest.prefill_handler(), name="P1")
+    P1 = MockBackend(prefill_handler(), name="P1")
     D = MockBackend(decode, name="D")
-    port = free_port()
-    args = ["--host", HOST, "--port", str(port), "--threads", "2", "--log-level", "info",
+    args = ["--threads", "2", "--log-level", "info",
             "--drain-delay", "0", "--health-interval", "1",
             "--prefill", "http://%s:%d" % (HOST, P0.port),
             "--prefill", "http://%s:%d" % (HOST, P1.port),
@@ -113,10 +86,10 @@ def main():
             "--keepalive-timeout", "5", "--client-header-timeout", "10",
             "--max-connections", "2000", "--dns-refresh", "2"]
     prefix, tmp = [], []
-    dns = can_unshare()
+    dns = unshare_usable()
     if dns:
         try:
-            stalling_dns(stop)
+            stalling = StallingDns()
         except OSError as e:
             print("no stalling DNS server (%s): DNS part skipped" % e)
             dns = False
@@ -126,19 +99,15 @@ def main():
             os.write(fd, text.encode())
             os.close(fd)
             tmp.append(path)
-        prefix = ["unshare", "-m", "sh", "-c",
-                  'mount --bind "$0" /etc/hosts && mount --bind "$1" /etc/resolv.conf && '
-                  'shift && exec "$@"'] + tmp
+        prefix = mount_prefix(*tmp)
         args += ["--prefill", "http://stalled.hostile-mix:%d" % P1.port]
-    log = tempfile.NamedTemporaryFile(prefix="hostile-mix-", suffix=".log", delete=False)
-    proc = subprocess.Popen(prefix + [pxtest.PDPROXY] + args, stdin=subprocess.DEVNULL,
-                            stdout=subprocess.DEVNULL, stderr=log)
-    for _ in range(500):
-        try:
-            socket.create_connection((HOST, port), 0.2).close()
-            break
-        except OSError:
-            time.sleep(0.01)
+    spawned = []
+    px = start_pdproxy(lambda p: ["--host", HOST, "--port", str(p)] + args, spawned.append,
+                       prefix=prefix)
+    for other in spawned[:-1]:  # tries on a port taken meanwhile
+        other.stop()
+        other.remove_logs()
+    port, proc = px.port, px.proc
     pid = proc.pid
     rss0 = rss(pid)
     peak = [rss0]
@@ -156,8 +125,8 @@ def main():
             if now() >= end:
                 return
             stream = rng.random() < 0.5
-            body = pxtest.completion_body(prompt="legit %d %s" % (i, "x" * rng.randint(10, 4000)),
-                                          stream=stream)
+            body = completion_body(prompt="legit %d %s" % (i, "x" * rng.randint(10, 4000)),
+                                   stream=stream)
             try:
                 r = http_request(port, "POST", "/v1/completions", body, timeout=20)
                 ok = r.status == 200 and (not stream or b"[DONE]" in r.body)
@@ -216,8 +185,8 @@ def main():
             if now() >= end:
                 return
             try:
-                c = pxtest.RawClient(port, timeout=5)
-                c.request("POST", "/v1/completions", pxtest.completion_body(stream=True))
+                c = RawClient(port, timeout=5)
+                c.request("POST", "/v1/completions", completion_body(stream=True))
                 time.sleep(rng.uniform(0, 0.05))
                 c.close(rst=rng.random() < 0.5)
                 bump("leavers")
@@ -254,20 +223,22 @@ def main():
     for t in threads[:-1]:
         t.join(max(0.0, end - now() + 30))
     time.sleep(1)
-    samples = parse_prom(http_request(port, "GET", "/metrics").body.decode())
+    samples = prom(port)
     rss_end = rss(pid)
     stop.set()
+    if dns:
+        stalling.close()
     proc.send_signal(signal.SIGINT)
     try:
         proc.wait(5)
     except subprocess.TimeoutExpired:
         proc.kill()
-    log.close()
-    text = open(log.name, errors="replace").read()
+    text = px.stderr()
     ejections = len(re.findall(r'msg="backend ejected"', text))
     for m in (P0, P1, D):
         m.stop()
-    for p in tmp + [log.name]:
+    px.remove_logs()
+    for p in tmp:
         os.unlink(p)
 
     def g(name, **labels):

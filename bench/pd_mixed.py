@@ -27,7 +27,9 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                 "tests", "integration"))
-from e2e import HOST, Proc, free_port, wait_http  # noqa: E402
+from pdharness.net import HOST
+from pdharness.procs import start_proc
+from pdharness.prom import prom
 
 WORDS = ("the quick brown fox jumps over a lazy dog while seven wizards quietly examine "
          "ancient manuscripts about distributed inference caching and scheduling engineers "
@@ -55,15 +57,13 @@ def workload(n, seed):
 
 
 def metrics(port):
-    c = http.client.HTTPConnection(HOST, port, timeout=5)
-    c.request("GET", "/metrics")
-    body = c.getresponse().read().decode()
-    c.close()
+    """{name: value} for samples without labels, {name{labels}: value} for
+    the others (the sum of equal keys)."""
     out = {}
-    for line in body.splitlines():
-        if line and not line.startswith("#"):
-            k, v = line.rsplit(" ", 1)
-            out[k] = out.get(k, 0) + float(v)
+    for name, labels, v in prom(port):
+        if labels:
+            name += "{%s}" % ",".join('%s="%s"' % kv for kv in labels.items())
+        out[name] = out.get(name, 0) + v
     return out
 
 
@@ -97,18 +97,19 @@ def run(args, threshold, reqs):
     common = ["--num-blocks", "16384", "--block-bytes", "1024", "--layers", "2",
               "--prefill-us-per-token", str(args.us_per_token), "--itl-ms", "5",
               "--log-level", "warn"]
-    pp, dp, xp = free_port(), free_port(), free_port()
-    procs = [Proc("prefill", [sim, "--role", "prefill", "--port", str(pp)] + common),
-             Proc("decode", [sim, "--role", "decode", "--port", str(dp)] + common)]
+    procs = []
     try:
-        wait_http(pp, "/health", proc=procs[0])
-        wait_http(dp, "/health", proc=procs[1])
-        procs.append(Proc("pdproxy", [os.path.join(args.bin, "pdproxy"), "--port", str(xp), "--threads", "1",
-                           "--log-level", "warn", "--prefiller-hosts", HOST, "--prefiller-ports",
-                           str(pp), "--decoder-hosts", HOST, "--decoder-ports", str(dp),
-                           "--disagg-min-tokens", str(threshold),
-                           "--disagg-bytes-per-token", str(BYTES_PER_TOKEN)]))
-        wait_http(xp, "/healthcheck", proc=procs[2])
+        pp = start_proc("prefill", lambda port: [sim, "--role", "prefill", "--port", str(port)]
+                        + common, "/health", track=procs.append).port
+        dp = start_proc("decode", lambda port: [sim, "--role", "decode", "--port", str(port)]
+                        + common, "/health", track=procs.append).port
+        xp = start_proc("pdproxy", lambda port: [
+            os.path.join(args.bin, "pdproxy"), "--port", str(port), "--threads", "1",
+            "--log-level", "warn", "--prefiller-hosts", HOST, "--prefiller-ports", str(pp),
+            "--decoder-hosts", HOST, "--decoder-ports", str(dp),
+            "--disagg-min-tokens", str(threshold),
+            "--disagg-bytes-per-token", str(BYTES_PER_TOKEN)], "/healthcheck",
+            track=procs.append).port
         results, errors = [], []
         lock = threading.Lock()
         it = iter(reqs)

@@ -29,8 +29,9 @@ import urllib.request
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tests", "integration"))
-from e2e import HOST, Proc, free_port, wait_http  # noqa: E402
-from prodtest import metric, prom  # noqa: E402
+from pdharness.net import HOST
+from pdharness.procs import rss_bytes, start_proc
+from pdharness.prom import metric, prom
 
 
 def generation(port):
@@ -39,14 +40,6 @@ def generation(port):
             return json.loads(r.read())["generation"]
     except urllib.error.HTTPError as e:
         return json.loads(e.read())["generation"]
-
-
-def rss_kib(pid):
-    with open("/proc/%d/status" % pid) as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1])
-    return -1
 
 
 def main():
@@ -65,13 +58,12 @@ def main():
         engines = {"prefill": [], "decode": []}
         for role, n in (("prefill", 3), ("decode", 3)):
             for _ in range(n):
-                port = free_port()
-                p = Proc("engine-sim-%s-%d" % (role, port),
-                         [os.path.join(bindir, "engine-sim"), "--role", role, "--port", str(port),
-                          "--num-blocks", "4096", "--log-level", "warn"])
-                procs.append(p)
-                wait_http(port, "/health", timeout=20, proc=p)
-                engines[role].append("http://%s:%d" % (HOST, port))
+                p = start_proc("engine-sim-%s" % role,
+                               lambda port: [os.path.join(bindir, "engine-sim"), "--role", role,
+                                             "--port", str(port), "--num-blocks", "4096",
+                                             "--log-level", "warn"],
+                               "/health", timeout=20, track=procs.append)
+                engines[role].append("http://%s:%d" % (HOST, p.port))
         cfg = os.path.join(tmp, "pdproxy.yaml")
 
         def layout(i):
@@ -83,12 +75,12 @@ def main():
             os.replace(cfg + ".tmp", cfg)
 
         layout(0)
-        port = free_port()
-        px = Proc("pdproxy", [os.path.join(bindir, "pdproxy"), "--config", cfg, "--port",
-                              str(port), "--threads", "2", "--drain-delay", "0",
-                              "--log-level", "info"])
-        procs.append(px)
-        wait_http(port, "/ready", timeout=20, proc=px)
+        px = start_proc("pdproxy",
+                        lambda port: [os.path.join(bindir, "pdproxy"), "--config", cfg, "--port",
+                                      str(port), "--threads", "2", "--drain-delay", "0",
+                                      "--log-level", "info"],
+                        "/ready", timeout=20, track=procs.append)
+        port = px.port
         gen = [generation(port)]
 
         def reload_once(i):
@@ -132,10 +124,10 @@ def main():
         # 2 and 3: reloads without load.
         for i in range(a.reloads + 1, a.reloads + 21):  # warm-up
             reload_once(i)
-        before = rss_kib(px.proc.pid)
+        before = rss_bytes(px.proc.pid) // 1024
         for i in range(a.count):
             seen.append(reload_once(a.reloads + 21 + i))
-        after = rss_kib(px.proc.pid)
+        after = rss_bytes(px.proc.pid) // 1024
         swap = [float(m) for m in re.findall(r'configuration swapped".* ms=([0-9.]+)', px.log())]
         q = statistics.quantiles(swap, n=100)
         print("reloads=%d swap_ms p50=%.3f p99=%.3f max=%.3f; SIGHUP-to-/ready ms p50=%.2f "

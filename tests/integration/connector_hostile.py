@@ -18,8 +18,7 @@ import subprocess
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import connector_test as ct  # noqa: E402  (Peer, producer, consumer, ...)
+from pdharness import connector as kvc
 
 HOSTILE = os.path.join(os.environ.get("PX_BIN_DIR", "build/bin"), "kvc_hostile")
 SECRET = "hostile-test-cluster-secret"
@@ -44,11 +43,11 @@ def long_fetch(P, D, req, n=48):
     """Starts a legitimate fetch of n blocks; returns a checker to call later."""
     remote = list(range(0, n))
     local = list(range(64 - n, 64))
-    x = ct.fetch(D, local, ct.publish(P, req, remote))
+    x = kvc.fetch(D, local, kvc.publish(P, req, remote))
 
     def check():
         D.event("FETCH_DONE", xfer=x)
-        assert D.cmd("verify 7 %s %s" % (ct.ids(remote), ct.ids(local)), "VERIFY") == "VERIFY ok"
+        assert D.cmd("verify 7 %s %s" % (kvc.ids(remote), kvc.ids(local)), "VERIFY") == "VERIFY ok"
         P.event("RELEASED", req=req)
     return check
 
@@ -57,18 +56,18 @@ def long_fetch(P, D, req, n=48):
 
 def case_auth(P, D):
     # Right secret: works, and both sides say they are authenticated.
-    ct.roundtrip(P, D, "auth-ok", [1, 2], [3, 4])
+    kvc.roundtrip(P, D, "auth-ok", [1, 2], [3, 4])
     assert stats(P)["authenticated"] == 1 and stats(D)["authenticated"] == 1
     # Wrong secret, no secret on the consumer, no secret on the producer:
     # KVC_ERR_AUTH on the consumer, counted on the producer, never a
     # version error; nothing written, nothing released.
     for name, env, who in (("D-wrong", {"KVC_SECRET": "not-the-secret"}, P),
                            ("D-none", {"KVC_SECRET": ""}, P)):
-        E = ct.consumer(name, env=env)
+        E = kvc.consumer(name, env=env)
         try:
             before = stats(P)["auth_failed"]
-            params = ct.publish(P, "a-" + name, [5, 6])
-            ct.fetch(E, [5, 6], params)
+            params = kvc.publish(P, "a-" + name, [5, 6])
+            kvc.fetch(E, [5, 6], params)
             ev = E.event("FETCH_FAILED")
             assert "KVC_ERR_AUTH" in ev and "KVC_ERR_VERSION" not in ev, ev
             assert E.cmd("zero 5,6", "ZERO") == "ZERO yes"
@@ -76,10 +75,10 @@ def case_auth(P, D):
             assert stats(P)["published_now"] >= 1  # not released
         finally:
             E.close()
-    Q = ct.producer("P-none", env={"KVC_SECRET": ""})
+    Q = kvc.producer("P-none", env={"KVC_SECRET": ""})
     try:
         assert stats(Q)["authenticated"] == 0
-        ct.fetch(D, [7], ct.publish(Q, "a-open", [7]))
+        kvc.fetch(D, [7], kvc.publish(Q, "a-open", [7]))
         ev = D.event("FETCH_FAILED")
         assert "KVC_ERR_AUTH" in ev and "no cluster secret" in ev, ev
         with open(Q.errpath) as f:
@@ -87,28 +86,28 @@ def case_auth(P, D):
     finally:
         Q.close()
     # Without a secret on both sides it still works (warned, authenticated=0).
-    Q = ct.producer("P-open", env={"KVC_SECRET": ""})
-    E = ct.consumer("D-open", env={"KVC_SECRET": ""})
+    Q = kvc.producer("P-open", env={"KVC_SECRET": ""})
+    E = kvc.consumer("D-open", env={"KVC_SECRET": ""})
     try:
-        ct.roundtrip(Q, E, "open", [8], [8])
+        kvc.roundtrip(Q, E, "open", [8], [8])
         assert stats(E)["authenticated"] == 0
     finally:
         Q.close()
         E.close()
-    ct.roundtrip(P, D, "auth-after", [9], [9])
+    kvc.roundtrip(P, D, "auth-after", [9], [9])
 
 
 def case_invented_id(P, D):
     check = long_fetch(P, D, "legit-1")
-    real = json.loads(ct.publish(P, "real", [10, 11]))
+    real = json.loads(kvc.publish(P, "real", [10, 11]))
     # kvc_hostile: a pull for an id never published, with a real token.
     out = hostile("consumer", P.port, "pull", "never-published", real["remote_kv_token"],
                   "10:0:2")
     assert out.startswith("PULL data=0 refused=KVC_ERR_DENIED "), out
     # The library as the attacker: a fetch with an invented id.
     bad = dict(real, remote_request_id="invented-id")
-    x = ct.fetch(D, [2, 3], json.dumps(bad))
-    if ct.MODE == "tcp":  # push: the producer refuses
+    x = kvc.fetch(D, [2, 3], json.dumps(bad))
+    if kvc.MODE == "tcp":  # push: the producer refuses
         ev = D.event("FETCH_FAILED", xfer=x)
         assert "KVC_ERR_DENIED" in ev, ev
         assert D.cmd("zero 2,3", "ZERO") == "ZERO yes"
@@ -121,7 +120,7 @@ def case_invented_id(P, D):
 
 def case_wrong_token(P, D):
     check = long_fetch(P, D, "legit-2")
-    real = json.loads(ct.publish(P, "tok", [12, 13]))
+    real = json.loads(kvc.publish(P, "tok", [12, 13]))
     wrong = ("0" if real["remote_kv_token"][0] != "0" else "1") + real["remote_kv_token"][1:]
     out = hostile("consumer", P.port, "pull", "tok", wrong, "12:0:2")
     assert out.startswith("PULL data=0 refused=KVC_ERR_DENIED "), out
@@ -131,12 +130,12 @@ def case_wrong_token(P, D):
     deadline = time.monotonic() + 5
     while stats(P)["denied"] < before["denied"] + 1:
         assert time.monotonic() < deadline, "wrong-token notification not counted"
-        ct.pump([P], 0.05)
+        kvc.pump([P], 0.05)
     st = stats(P)
     assert st["released"] == before["released"] and st["published_now"] >= 1, st
     assert not any("RELEASED" in e and "req=tok " in e for e in P.events)
     # The right token still works afterwards: the real consumer is not hurt.
-    x = ct.fetch(D, [6, 7], json.dumps(real))
+    x = kvc.fetch(D, [6, 7], json.dumps(real))
     D.event("FETCH_DONE", xfer=x)
     assert D.cmd("verify 7 12,13 6,7", "VERIFY") == "VERIFY ok"
     P.event("RELEASED", req="tok")
@@ -146,7 +145,7 @@ def case_wrong_token(P, D):
 def case_pull_beyond(P, D):
     # A valid token may not stretch to blocks outside its publication, nor to
     # the whole cache: the pull is refused as a whole.
-    real = json.loads(ct.publish(P, "small", [14, 15]))
+    real = json.loads(kvc.publish(P, "small", [14, 15]))
     tok = real["remote_kv_token"]
     for runs in ("14:0:3", "0:0:64", "14:0:2,14:2:2", "13:0:1"):
         out = hostile("consumer", P.port, "pull", "small", tok, runs)
@@ -158,7 +157,7 @@ def case_pull_beyond(P, D):
     # pulls per publication in all), then refused.
     out = hostile("consumer", P.port, "pull", "small", tok, "14:0:2", 20)
     assert out == "PULL data=14 refused=KVC_ERR_DENIED refusals=13 ends=7 rkeys=0", out
-    ct.roundtrip(P, D, "after-beyond", [16], [16])
+    kvc.roundtrip(P, D, "after-beyond", [16], [16])
 
 
 def case_put(P, D):
@@ -172,7 +171,7 @@ def case_put(P, D):
     get = hostile("consumer", P.port, "get", 1, 50)
     assert P.p.poll() is None
     intact = P.cmd("verify 7 5 5", "VERIFY") == "VERIFY ok"
-    if ct.MODE == "tcp":
+    if kvc.MODE == "tcp":
         assert intact, "producer block overwritten: " + out
         assert "status=Success" not in out and "status=Success" not in get, (out, get)
     else:
@@ -184,18 +183,18 @@ def case_put(P, D):
                        text=True, timeout=15, env=dict(os.environ, KVC_SECRET="wrong"))
     assert "ERR refused by the producer" in r.stdout, r.stdout
     assert P.cmd("verify 7 5 5", "VERIFY") == "VERIFY ok"
-    print("  %s: %s | %s" % (ct.MODE, out, get), flush=True)
+    print("  %s: %s | %s" % (kvc.MODE, out, get), flush=True)
 
 
 def case_mutated_hello(P, D):
     # 1000 HELLOs (and AUTHs) with bytes changed, appended or cut: the
     # producer closes each bad one, stays up and keeps serving.
     rnd = random.Random(12)
-    base = ct.hdr(ct.WIRE, 1, 0)
+    base = kvc.hdr(kvc.WIRE, 1, 0)
     check = long_fetch(P, D, "legit-4")
     for i in range(1000):
-        body = bytearray(ct.hello_body("D-mut", 1, bytes(rnd.getrandbits(8) for _ in range(32))))
-        msg = bytearray(ct.hdr(ct.WIRE, 1, len(body)) + body)
+        body = bytearray(kvc.hello_body("D-mut", 1, bytes(rnd.getrandbits(8) for _ in range(32))))
+        msg = bytearray(kvc.hdr(kvc.WIRE, 1, len(body)) + body)
         k = rnd.randrange(4)
         if k == 0:
             for _ in range(rnd.randrange(1, 4)):
@@ -217,8 +216,8 @@ def case_mutated_hello(P, D):
                     if not c:
                         break
                     got += c
-                if got[:4] == ct.MAGIC and int.from_bytes(got[6:8], "little") == 3:
-                    s.sendall(ct.hdr(ct.WIRE, 4, 33) + bytes([2]) + os.urandom(32))
+                if got[:4] == kvc.MAGIC and int.from_bytes(got[6:8], "little") == 3:
+                    s.sendall(kvc.hdr(kvc.WIRE, 4, 33) + bytes([2]) + os.urandom(32))
             s.settimeout(5)
             while s.recv(65536):  # until the producer closes
                 pass
@@ -228,7 +227,7 @@ def case_mutated_hello(P, D):
             s.close()
         if i % 250 == 249:
             assert P.p.poll() is None
-            ct.roundtrip(P, D, "mut-%d" % i, [i % 16], [i % 16])
+            kvc.roundtrip(P, D, "mut-%d" % i, [i % 16], [i % 16])
     check()
     st = stats(P)
     assert st["auth_failed"] >= 1 and st["peer_errors"] >= 100, st
@@ -238,23 +237,23 @@ def case_mutated_hello(P, D):
 def case_slow_handshakes(P, D):
     # 300 connections that never finish a HELLO (more than the 256 handshake
     # slots): a new consumer still handshakes at once, the old ones go on.
-    K = ct.producer("P-slow", "--connect-timeout-ms", "20000")
+    K = kvc.producer("P-slow", "--connect-timeout-ms", "20000")
     socks = []
     try:
-        ct.roundtrip(K, D, "slow-warm", [1], [1])
+        kvc.roundtrip(K, D, "slow-warm", [1], [1])
         for i in range(300):
             s = socket.create_connection(("127.0.0.1", K.port), timeout=5)
             if i % 2:
-                s.sendall(ct.hdr(ct.WIRE, 1, 40)[:5])  # a header begun, never finished
+                s.sendall(kvc.hdr(kvc.WIRE, 1, 40)[:5])  # a header begun, never finished
             socks.append(s)
-        E = ct.consumer("D-new")
+        E = kvc.consumer("D-new")
         try:
             t0 = time.monotonic()
-            ct.roundtrip(K, E, "slow-new", [2, 3], [2, 3])
+            kvc.roundtrip(K, E, "slow-new", [2, 3], [2, 3])
             assert time.monotonic() - t0 < 5
         finally:
             E.close()
-        ct.roundtrip(K, D, "slow-old", [4], [4])
+        kvc.roundtrip(K, D, "slow-old", [4], [4])
         assert stats(K)["peer_errors"] >= 300 - 64
     finally:
         for s in socks:
@@ -283,8 +282,8 @@ def case_hostile_producer(P, D):
     # A producer that pushes wrongly: the consumer fails the fetch with a
     # clear status, writes nothing it did not ask for, and a legitimate fetch
     # from another producer at the same time is unaffected.
-    E = ct.Peer("D-victim", "--regions", "2", "--blocks", "64", "--block-len", "4096",
-                "--xfer-timeout-ms", "1500", *ct.MEM)
+    E = kvc.Peer("D-victim", "--regions", "2", "--blocks", "64", "--block-len", "4096",
+                 "--xfer-timeout-ms", "1500", *kvc.MEM)
     E.cmd("clear", "OK")
     try:
         want = {"ok": "FETCH_DONE", "dup": "sent twice", "outside": "outside the requested",
@@ -297,7 +296,7 @@ def case_hostile_producer(P, D):
             hp, port = hostile_producer(mode)
             try:
                 check = long_fetch(P, D, "legit-hp-" + mode, n=32)
-                ct.fetch(E, [1, 2, 3], evil_params(port, "r-" + mode, [1, 2, 3]))
+                kvc.fetch(E, [1, 2, 3], evil_params(port, "r-" + mode, [1, 2, 3]))
                 ev = E.event(("FETCH_DONE", "FETCH_FAILED"), timeout=10)
                 assert expect in ev, (mode, ev)
                 if mode in ("ok", "cudamem"):
@@ -305,7 +304,7 @@ def case_hostile_producer(P, D):
                 else:
                     assert "FETCH_FAILED" in ev and "status=KVC_ERR_" in ev, ev
                 # Blocks nobody asked for stay untouched, whatever was pushed.
-                assert E.cmd("zero %s" % ct.ids(range(4, 64)), "ZERO") == "ZERO yes", mode
+                assert E.cmd("zero %s" % kvc.ids(range(4, 64)), "ZERO") == "ZERO yes", mode
                 if mode == "stray":  # nothing with a wrong token was written
                     assert E.cmd("zero 1,2,3", "ZERO") == "ZERO yes"
                 check()
@@ -324,41 +323,10 @@ CASES = [case_auth, case_invented_id, case_wrong_token, case_pull_beyond, case_p
 
 
 def main():
-    args = sys.argv[1:]
-    if args[:1] == ["--mode"]:
-        ct.MODE = args[1]
-        args = args[2:]
-    ct.MEM = ["--user-mem"] if ct.MODE == "tcp" else []
-    os.environ["UCX_TLS"] = {"tcp": "tcp,self", "sm": "sm,tcp,self"}[ct.MODE]
-    os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+    args = kvc.set_mode(sys.argv[1:])
     os.environ["KVC_SECRET"] = SECRET
     os.environ.pop("KVC_SECRET_FILE", None)
-    cases = [c for c in CASES if not args or c.__name__[5:] in args]
-    failed = 0
-    for c in cases:
-        t0 = time.monotonic()
-        P = ct.producer()
-        D = ct.consumer()
-        try:
-            c(P, D)
-            assert P.p.poll() is None and D.p.poll() is None
-            P.close()
-            D.close()
-            print("ok   %-20s %.2fs" % (c.__name__[5:], time.monotonic() - t0), flush=True)
-        except Exception as e:
-            if os.environ.get("KVC_TEST_TRACE"):
-                import traceback
-                traceback.print_exc()
-            failed += 1
-            print("FAIL %-20s %s" % (c.__name__[5:], e), flush=True)
-            for x in (P, D):
-                try:
-                    x.kill()
-                    x.close(check=False)
-                except Exception:
-                    pass
-    print("%d/%d passed (UCX_TLS=%s)" % (len(cases) - failed, len(cases), os.environ["UCX_TLS"]))
-    return 1 if failed else 0
+    return kvc.run_cases(CASES, args, check_alive=True)
 
 
 if __name__ == "__main__":

@@ -8,12 +8,15 @@ the proxy would."""
 import json
 import os
 import re
-import sys
+import subprocess
 import tempfile
 import unittest
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import e2e  # noqa: E402
+from pdharness.client import post_json
+from pdharness.cluster import ClusterCase
+from pdharness.net import free_port, wait_for
+from pdharness.procs import BIN_DIR, ENGINE_SIM, Proc, start_engine_sim
+from pdharness.prom import prom_values
 
 PROMPT = "a b c d e f g h i j k l m n o p q r"  # 2 blocks of 16 tokens
 
@@ -25,7 +28,7 @@ def secret_file(text):
     return path
 
 
-class SimSecurityTest(e2e.ClusterCase):
+class SimSecurityTest(ClusterCase):
     def setUp(self):
         super().setUp()
         self.files = []
@@ -41,27 +44,27 @@ class SimSecurityTest(e2e.ClusterCase):
         return self.files[-1]
 
     def pd(self, p_extra, d_extra, p_env=None, d_env=None):
-        p = self.start(e2e.engine("prefill", p_extra, env=dict(self.env, **(p_env or {}))))
-        d = self.start(e2e.engine("decode", d_extra, env=dict(self.env, **(d_env or {}))))
+        p = self.start(start_engine_sim("prefill", p_extra, env=dict(self.env, **(p_env or {}))))
+        d = self.start(start_engine_sim("decode", d_extra, env=dict(self.env, **(d_env or {}))))
         return p, d
 
     def request(self, p, d, rid):
-        st, _, raw = e2e.post(p.port, "/v1/completions", {
+        st, _, raw = post_json(p.port, "/v1/completions", {
             "prompt": PROMPT, "max_tokens": 1, "stream": False,
             "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False}},
             headers={"X-Request-Id": rid})
         self.assertEqual(st, 200, raw)
         kvp = json.loads(raw)["kv_transfer_params"]
         self.assertRegex(kvp["remote_kv_token"], r"^[0-9a-f]{32}$")
-        st, _, raw = e2e.post(d.port, "/v1/completions", {
+        st, _, raw = post_json(d.port, "/v1/completions", {
             "prompt": PROMPT, "max_tokens": 3, "kv_transfer_params": kvp},
             headers={"X-Request-Id": rid})
         self.assertEqual(st, 200, raw)
         return kvp
 
     def released(self, p, n):
-        e2e.wait_for(lambda: (e2e.metrics(p.port)["engine_sim_kv_blocks_released_by_consumer_total"]
-                              == n, None), 10, "%d blocks released by notification" % n)
+        wait_for(lambda: (prom_values(p.port)["engine_sim_kv_blocks_released_by_consumer_total"]
+                          == n, None), 10, "%d blocks released by notification" % n)
 
     def test_secret_file_both_sides(self):
         f = self.secret("cluster-secret-A")
@@ -69,7 +72,7 @@ class SimSecurityTest(e2e.ClusterCase):
         kvp = self.request(p, d, "req-s1")
         self.released(p, 2)
         self.assertIn("kv fetch done", d.log())
-        self.assertEqual(e2e.metrics(d.port)["engine_sim_kv_fetch_failures_total"], 0)
+        self.assertEqual(prom_values(d.port)["engine_sim_kv_fetch_failures_total"], 0)
         self.assertNotIn("NOT authenticated", p.log() + d.log())
         # Two publications never share a token.
         kvp2 = self.request(p, d, "req-s2")
@@ -80,16 +83,16 @@ class SimSecurityTest(e2e.ClusterCase):
         p, d = self.pd(["--kv-secret-file", self.secret("secret-one")],
                        ["--kv-secret-file", self.secret("secret-two")])
         self.request(p, d, "req-m1")  # still answered: decode recomputes
-        self.assertEqual(e2e.metrics(d.port)["engine_sim_kv_fetch_failures_total"], 1)
+        self.assertEqual(prom_values(d.port)["engine_sim_kv_fetch_failures_total"], 1)
         self.assertIn("KVC_ERR_AUTH", d.log())
         self.assertRegex(p.log(), re.compile("authentication failed", re.I))
-        self.assertEqual(e2e.metrics(p.port)["engine_sim_kv_blocks_released_by_consumer_total"], 0)
+        self.assertEqual(prom_values(p.port)["engine_sim_kv_blocks_released_by_consumer_total"], 0)
 
     def test_bad_secret_file_refuses_to_start(self):
         for path in ("/nonexistent/kvc-secret", self.secret("")):
-            port = e2e.free_port()
-            proc = e2e.Proc("engine-sim-bad", [e2e.ENGINE_SIM, "--port", str(port),
-                                                "--kv-secret-file", path], env=self.env)
+            port = free_port()
+            proc = Proc("engine-sim-bad", [ENGINE_SIM, "--port", str(port),
+                                           "--kv-secret-file", path], env=self.env)
             self.assertNotEqual(proc.proc.wait(timeout=10), 0)
             self.assertIn("--kv-secret-file", proc.log())
             os.unlink(proc.log_path)
@@ -100,7 +103,7 @@ class SimSecurityTest(e2e.ClusterCase):
                        ["--kv-secret-file", f, "--tp-size", "2"])
         self.request(p, d, "req-t12")
         self.released(p, 2)  # after both decode ranks' notifications
-        m = e2e.metrics(p.port)
+        m = prom_values(p.port)
         self.assertEqual(m["engine_sim_kv_unknown_notifications_total"], 0)
         self.assertEqual(m["engine_sim_kv_blocks_expired_total"], 0)
 
@@ -111,30 +114,30 @@ class SimSecurityTest(e2e.ClusterCase):
         kvp = self.request(p, d, "req-t21")
         self.assertEqual(kvp["tp_size"], 2)
         self.released(p, 2)
-        self.assertEqual(e2e.metrics(p.port)["engine_sim_kv_unknown_notifications_total"], 0)
+        self.assertEqual(prom_values(p.port)["engine_sim_kv_unknown_notifications_total"], 0)
 
     def test_tp_fan_in_waits(self):
         # One notification from a TP-2 decode rank whose sibling never
         # notifies: the blocks stay pinned until expiry, never freed by the
         # first notification alone.
         f = self.secret("tp-secret")
-        p = self.start(e2e.engine("prefill", ["--kv-secret-file", f, "--kv-expiry-ms", "1500"],
-                                  env=self.env))
-        st, _, raw = e2e.post(p.port, "/v1/completions", {
+        p = self.start(start_engine_sim("prefill", ["--kv-secret-file", f,
+                                                    "--kv-expiry-ms", "1500"], env=self.env))
+        st, _, raw = post_json(p.port, "/v1/completions", {
             "prompt": PROMPT, "max_tokens": 1, "stream": False,
             "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False}},
             headers={"X-Request-Id": "req-fan"})
         self.assertEqual(st, 200, raw)
         kvp = json.loads(raw)["kv_transfer_params"]
-        hostile = os.path.join(e2e.BIN, "kvc_hostile")
-        r = e2e.subprocess.run([hostile, "consumer", str(kvp["remote_port"]), "notify",
-                                kvp["remote_request_id"], kvp["remote_kv_token"], "2"],
-                               capture_output=True, text=True, timeout=20,
-                               env=dict(os.environ, UCX_TLS="tcp,self", KVC_SECRET="tp-secret"))
+        hostile = os.path.join(BIN_DIR, "kvc_hostile")
+        r = subprocess.run([hostile, "consumer", str(kvp["remote_port"]), "notify",
+                            kvp["remote_request_id"], kvp["remote_kv_token"], "2"],
+                           capture_output=True, text=True, timeout=20,
+                           env=dict(os.environ, UCX_TLS="tcp,self", KVC_SECRET="tp-secret"))
         self.assertIn("NOTIFY sent", r.stdout, r.stderr)
-        e2e.wait_for(lambda: (e2e.metrics(p.port)["engine_sim_kv_blocks_expired_total"] == 2,
-                              None), 10, "expiry")
-        m = e2e.metrics(p.port)
+        wait_for(lambda: (prom_values(p.port)["engine_sim_kv_blocks_expired_total"] == 2,
+                          None), 10, "expiry")
+        m = prom_values(p.port)
         self.assertEqual(m["engine_sim_kv_blocks_released_by_consumer_total"], 0)
         self.assertEqual(m["engine_sim_kv_unknown_notifications_total"], 0)
 

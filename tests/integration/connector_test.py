@@ -14,193 +14,13 @@ import random
 import select
 import signal
 import socket
-import subprocess
 import sys
 import time
 
-BIN = os.path.join(os.environ.get("PX_BIN_DIR", "build/bin"), "kvc_testpeer")
-WAIT = 20.0  # generous bound for any single expected line
-
-
-class Peer:
-    def __init__(self, engine, *args, env=None):
-        e = dict(os.environ)
-        e.setdefault("KVC_LOG_LEVEL", "debug")
-        e.setdefault("UCX_LOG_FILE", "/dev/stderr")  # UCX logs to stdout by default
-        e.update(env or {})
-        self.engine = engine
-        self.errpath = "/tmp/kvc_test_%d_%s.err" % (os.getpid(), engine)
-        self.err = open(self.errpath, "w+")
-        self.p = subprocess.Popen([BIN, "--engine", engine] + list(args), stdin=subprocess.PIPE,
-                                  stdout=subprocess.PIPE, stderr=self.err, env=e)
-        self.buf = b""
-        self.events = []
-        line = self.expect("READY")
-        self.port = int(line.split("port=")[1])
-
-    def send(self, cmd):
-        self.p.stdin.write((cmd + "\n").encode())
-        self.p.stdin.flush()
-
-    def readline(self, deadline):
-        while b"\n" not in self.buf:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise AssertionError("%s: timed out; stderr:\n%s" % (self.engine, self.stderr()))
-            r, _, _ = select.select([self.p.stdout], [], [], left)
-            if r:
-                chunk = os.read(self.p.stdout.fileno(), 65536)
-                if not chunk:
-                    raise AssertionError("%s: exited rc=%s; stderr:\n%s"
-                                         % (self.engine, self.p.poll(), self.stderr()))
-                self.buf += chunk
-        line, self.buf = self.buf.split(b"\n", 1)
-        line = line.decode()
-        if line.startswith("[") and " UCX " in line:  # a UCX log line, not ours
-            return self.readline(deadline)
-        return line
-
-    def expect(self, prefix, timeout=WAIT):
-        deadline = time.monotonic() + timeout
-        while True:
-            line = self.readline(deadline)
-            if line.startswith("EVENT ") and not prefix.startswith("EVENT"):
-                self.events.append(line)
-                continue
-            if line.startswith(prefix):
-                return line
-            if line.startswith("EVENT"):
-                self.events.append(line)
-                continue
-            raise AssertionError("%s: expected %r, got %r" % (self.engine, prefix, line))
-
-    def take_events(self):
-        """Files the complete lines already read; only events may be pending."""
-        while b"\n" in self.buf:
-            line, self.buf = self.buf.split(b"\n", 1)
-            line = line.decode()
-            if line.startswith("[") and " UCX " in line:
-                continue
-            if not line.startswith("EVENT "):
-                raise AssertionError("%s: unexpected %r" % (self.engine, line))
-            self.events.append(line)
-
-    def count(self, kind):
-        return sum(1 for e in self.events if e.split()[1] == kind)
-
-    def event(self, kind, timeout=WAIT, **match):
-        """Next event of `kind` (a name or a tuple of names); earlier unmatched
-        events are kept."""
-        kinds = (kind,) if isinstance(kind, str) else kind
-        deadline = time.monotonic() + timeout
-        while True:
-            for i, ev in enumerate(self.events):
-                if ev.split()[1] in kinds and all(("%s=%s" % kv) in ev for kv in match.items()):
-                    return self.events.pop(i)
-            line = self.readline(deadline)
-            if line.startswith("EVENT "):
-                self.events.append(line)
-
-    def cmd(self, cmd, prefix):
-        self.send(cmd)
-        return self.expect(prefix)
-
-    def stat(self):
-        line = self.cmd("stat", "STAT")
-        return dict(kv.split("=") for kv in line.split()[1:])
-
-    def stderr(self):
-        self.err.flush()
-        with open(self.errpath) as f:
-            return f.read()[-4000:]
-
-    def close(self, check=True):
-        if self.p.poll() is None:
-            try:
-                self.send("quit")
-                self.p.stdin.close()
-            except BrokenPipeError:
-                pass
-            try:
-                rc = self.p.wait(timeout=WAIT)
-            except subprocess.TimeoutExpired:
-                self.p.kill()
-                raise AssertionError("%s: did not exit on quit" % self.engine)
-            if check and rc != 0:
-                raise AssertionError("%s: exit code %d; stderr:\n%s" % (self.engine, rc, self.stderr()))
-        self.err.close()
-        os.unlink(self.errpath)
-
-    def kill(self):
-        self.p.kill()
-        self.p.wait()
-
-
-def pump(peers, timeout):
-    """Reads whatever the peers have written (waiting up to `timeout` for the
-    first byte) into their buffers and files complete EVENT lines, so that no
-    peer ever blocks on a full stdout while the test waits on another one."""
-    r, _, _ = select.select([x.p.stdout for x in peers], [], [], max(timeout, 0))
-    for x in peers:
-        if x.p.stdout in r:
-            chunk = os.read(x.p.stdout.fileno(), 1 << 20)
-            if not chunk:
-                raise AssertionError("%s: exited rc=%s; stderr:\n%s"
-                                     % (x.engine, x.p.poll(), x.stderr()))
-            x.buf += chunk
-        x.take_events()
-
-
-def pipelined(peer, cmds, prefix, others=(), batch=32):
-    """Sends `cmds` `batch` at a time (a batch of answers fits a pipe), returns
-    the answer lines in order; keeps `others` drained meanwhile."""
-    out = []
-    for i in range(0, len(cmds), batch):
-        peer.send("\n".join(cmds[i:i + batch]))
-        for _ in cmds[i:i + batch]:
-            out.append(peer.expect(prefix))
-        if others:
-            pump(others, 0)
-    return out
-
-
-def ids(v):
-    return ",".join(str(x) for x in v) if v else "-"
-
-
-MODE = "tcp"
-MEM = []  # extra producer args
-
-
-def producer(name="P", *args, env=None):
-    p = Peer(name, "--regions", "2", "--blocks", "64", "--block-len", "4096", *(MEM + list(args)), env=env)
-    p.cmd("fill 7", "OK")
-    return p
-
-
-def consumer(name="D", *args, env=None):
-    d = Peer(name, "--regions", "2", "--blocks", "64", "--block-len", "4096", *(MEM + list(args)), env=env)
-    d.cmd("clear", "OK")
-    return d
-
-
-def publish(p, req, blocks, expiry=None):
-    line = p.cmd("publish %s %s%s" % (req, ids(blocks), " %d" % expiry if expiry else ""),
-                 "PUBLISHED")
-    return line.split(" ", 1)[1]
-
-
-def fetch(d, local, params):
-    line = d.cmd("fetch %s %s" % (ids(local), params), "")
-    assert line.startswith("FETCHING"), line
-    return line.split()[1]
-
-
-def roundtrip(K, C, req, remote, local, seed=7):
-    x = fetch(C, local, publish(K, req, remote))
-    C.event("FETCH_DONE", xfer=x)
-    assert C.cmd("verify %d %s %s" % (seed, ids(remote), ids(local)), "VERIFY") == "VERIFY ok"
-    K.event("RELEASED", req=req)
+from pdharness import connector as kvc
+from pdharness.connector import (WIRE, Peer, consumer, fetch, hdr, hello_body, ids, pipelined,
+                                 producer, publish, pump, roundtrip)
+from pdharness.net import closed_port
 
 
 # --------------------------------------------------------------- cases --
@@ -225,14 +45,14 @@ def case_roundtrip(P, D):
     D.event("FETCH_DONE")
     P.event("RELEASED", req="second")
     assert D.stat()["handshakes"] == "1"
-    want = {"tcp": "proto=push", "sm": "proto=get"}[MODE]
+    want = {"tcp": "proto=push", "sm": "proto=get"}[kvc.MODE]
     err = D.stderr()
     assert want in err, "expected %s in consumer log:\n%s" % (want, err)
     # What UCX really used: with sm the producer's pool is mapped into the
     # consumer (ucp_rkey_ptr works, gets are memcpy); with tcp only, nothing
     # is mapped and every lane is tcp.
     tl = [l for l in err.splitlines() if "transports=" in l][0]
-    if MODE == "sm":
+    if kvc.MODE == "sm":
         assert "remote_memory=shared-mapped" in err, err
     else:
         assert "remote_memory=remote" in err and "transports=tcp" in tl, tl
@@ -313,7 +133,7 @@ def case_version_mismatch(P, D):
 
 def case_layout_mismatch(P, D):
     P2 = producer("P-hnd", "--layout", "HND")
-    P3 = Peer("P-geom", "--regions", "2", "--blocks", "32", "--block-len", "8192", *MEM)
+    P3 = Peer("P-geom", "--regions", "2", "--blocks", "32", "--block-len", "8192", *kvc.MEM)
     try:
         fetch(D, [1], publish(P2, "l", [1]))
         ev = D.event("FETCH_FAILED")
@@ -327,10 +147,7 @@ def case_layout_mismatch(P, D):
 
 
 def case_unreachable(P, D):
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()  # nothing listens there now
+    port = closed_port()  # nothing listens there
     params = json.loads(publish(P, "u", [1]))
     params["remote_port"] = port
     t0 = time.monotonic()
@@ -364,14 +181,14 @@ def case_killed_peer(P, D):
         never = publish(K, "k3", [7])  # published, never fetched before the kill
         K.p.send_signal(signal.SIGSTOP)  # a peer that hangs, then dies
         x = fetch(D, [2, 3, 4], params)
-        if MODE == "tcp":
+        if kvc.MODE == "tcp":
             # Push protocol: nothing can arrive while the producer is stopped.
             time.sleep(0.2)  # not a readiness wait: gives a stuck fetch the chance to show
             assert not any("FETCH_" in e for e in D.events), D.events
         K.kill()
         # tcp: the fetch fails when the endpoint does.  sm: the read is one-sided
         # through the mapping and may well have completed before the kill.
-        ev = D.event(("FETCH_FAILED",) if MODE == "tcp" else ("FETCH_DONE", "FETCH_FAILED"),
+        ev = D.event(("FETCH_FAILED",) if kvc.MODE == "tcp" else ("FETCH_DONE", "FETCH_FAILED"),
                      timeout=10, xfer=x)
         # The dead producer's fetches fail; the agent keeps serving others.
         fetch(D, [5], params)
@@ -477,7 +294,7 @@ def case_killed_consumer(P, D):
     # Deterministic variant: the producer has to push (registered memory) and
     # is stopped while the consumer asks and dies, so no notification can
     # come: the blocks expire, and only they.
-    K = producer("P-kc", *([] if "--user-mem" in MEM else ["--user-mem"]))
+    K = producer("P-kc", *([] if "--user-mem" in kvc.MEM else ["--user-mem"]))
     D2 = consumer("D-dies-2")
     try:
         roundtrip(K, D2, "warm", [1], [1])  # handshake done: the fetch below only pulls
@@ -513,22 +330,6 @@ def case_many(P, D):
     for i in range(200):
         P.event("RELEASED", req="m%d" % i)
 
-
-# Side-channel wire format (connector/wire.c): u32 magic "KVCH", u16 version,
-# u16 type (1 HELLO), u32 body length; HELLO body: str16 engine id, u8 flags,
-# 32-byte nonce.
-MAGIC = b"KVCH"
-WIRE = 2
-
-
-def hdr(version, typ, body_len):
-    return MAGIC + version.to_bytes(2, "little") + typ.to_bytes(2, "little") + \
-        body_len.to_bytes(4, "little")
-
-
-def hello_body(engine, flags=1, nonce=b"\x00" * 32):
-    e = engine.encode()
-    return len(e).to_bytes(2, "little") + e + bytes([flags]) + nonce
 
 
 def garbage(kind, rnd):
@@ -712,12 +513,12 @@ def case_many_consumers(P, D):
     # every request released by its notification.  Bounded: 120 s in all.
     deadline = time.monotonic() + 120
     geo = ("--regions", "2", "--blocks", "1024", "--block-len", "4096")
-    K = Peer("P-1k", *(geo + tuple(MEM)))
+    K = Peer("P-1k", *(geo + tuple(kvc.MEM)))
     Ds = []
     try:
         K.cmd("fill 11", "OK")
         for c in range(4):
-            Ds.append(Peer("D-1k-%d" % c, *(geo + tuple(MEM))))
+            Ds.append(Peer("D-1k-%d" % c, *(geo + tuple(kvc.MEM))))
             Ds[-1].cmd("clear", "OK")
         N = 1000
         reqs = []  # (consumer, name, remote, local)
@@ -787,40 +588,9 @@ CASES = [case_roundtrip, case_colon_id, case_tail, case_zero_blocks, case_expiry
 
 
 def main():
-    global MODE, MEM
-    args = sys.argv[1:]
-    if args[:1] == ["--mode"]:
-        MODE = args[1]
-        args = args[2:]
-    MEM = ["--user-mem"] if MODE == "tcp" else []
-    os.environ["UCX_TLS"] = {"tcp": "tcp,self", "sm": "sm,tcp,self"}[MODE]
-    os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+    args = kvc.set_mode(sys.argv[1:])
     os.environ.setdefault("KVC_SECRET", "integration-test-cluster-secret")
-    cases = [c for c in CASES if not args or c.__name__[5:] in args]
-    failed = 0
-    for c in cases:
-        t0 = time.monotonic()
-        P = producer()
-        D = consumer()
-        try:
-            c(P, D)
-            P.close()
-            D.close()
-            print("ok   %-20s %.2fs" % (c.__name__[5:], time.monotonic() - t0), flush=True)
-        except Exception as e:  # report and go on with the other cases
-            if os.environ.get("KVC_TEST_TRACE"):
-                import traceback
-                traceback.print_exc()
-            failed += 1
-            print("FAIL %-20s %s" % (c.__name__[5:], e), flush=True)
-            for x in (P, D):
-                try:
-                    x.kill()
-                    x.close(check=False)
-                except Exception:
-                    pass
-    print("%d/%d passed (UCX_TLS=%s)" % (len(cases) - failed, len(cases), os.environ["UCX_TLS"]))
-    return 1 if failed else 0
+    return kvc.run_cases(CASES, args)
 
 
 if __name__ == "__main__":

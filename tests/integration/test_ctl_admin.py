@@ -5,14 +5,14 @@ removed, drained and undrained; the configuration shown; the file reloaded.
 Changes made through it last until the next reload from the file."""
 
 import os
-import sys
 import unittest
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import pxtest  # noqa: E402
-from ctltest import admin, free_port, pools_yaml, tmpdir, token_file, url, write_yaml  # noqa: E402
-from prodtest import ProdCase  # noqa: E402
-from pxtest import http_request, run_pdproxy  # noqa: E402
+from pdharness.client import http_request
+from pdharness.ctl import admin, pools_yaml, tmpdir, token_file, url, write_yaml
+from pdharness.mocks import decode_handler, prefill_handler
+from pdharness.net import free_port
+from pdharness.procs import ProxyStartError, run_pdproxy
+from pdharness.prod import ProdCase
 
 
 class AdminTest(ProdCase):
@@ -29,7 +29,7 @@ class AdminTest(ProdCase):
             try:
                 return self.start(args=["--config", self.file, "--admin-port", str(self.aport),
                                         "--admin-token-file", self.tokpath] + list(extra))
-            except pxtest.ProxyStartError as e:
+            except ProxyStartError as e:
                 if "admin" not in str(e):
                     raise
         raise AssertionError("no free admin port")
@@ -38,8 +38,8 @@ class AdminTest(ProdCase):
         return admin(self.aport, method, path, body, self.token if token is True else token)
 
     def test_every_call_needs_the_admin_token(self):
-        P = self.mock(pxtest.prefill_handler(), name="P")
-        D = self.mock(pxtest.decode_handler(), name="D")
+        P = self.mock(prefill_handler(), name="P")
+        D = self.mock(decode_handler(), name="D")
         px = self.start_admin([("m", ["m"], [P], [D])], extra=["--api-key", "client-key-1"])
         for method, path in (("GET", "/admin/backends"), ("POST", "/admin/reload"),
                              ("GET", "/admin/config"), ("DELETE", "/admin/backends"),
@@ -72,9 +72,9 @@ class AdminTest(ProdCase):
         self.assertIn("at least 16 characters", p.stderr)
 
     def test_list_add_remove_backends(self):
-        P = self.mock(pxtest.prefill_handler(), name="P")
-        D1 = self.mock(pxtest.decode_handler(), name="D1")
-        D2 = self.mock(pxtest.decode_handler(), name="D2")
+        P = self.mock(prefill_handler(), name="P")
+        D1 = self.mock(decode_handler(), name="D1")
+        D2 = self.mock(decode_handler(), name="D2")
         px = self.start_admin([("m", ["m"], [P], [D1])])
         st, doc = self.call("GET", "/admin/backends")
         self.assertEqual(st, 200)
@@ -124,9 +124,9 @@ class AdminTest(ProdCase):
         self.assertEqual(len(D1.requests), 1, "the file's backend is back after a reload")
 
     def test_drain_and_undrain(self):
-        P = self.mock(pxtest.prefill_handler(), name="P")
-        D1 = self.mock(pxtest.decode_handler(), name="D1")
-        D2 = self.mock(pxtest.decode_handler(), name="D2")
+        P = self.mock(prefill_handler(), name="P")
+        D1 = self.mock(decode_handler(), name="D1")
+        D2 = self.mock(decode_handler(), name="D2")
         px = self.start_admin([("m", ["m"], [P], [D1, D2])])
         st, doc = self.call("POST", "/admin/backends/drain", {"backend": self.bname(D1)})
         self.assertEqual(st, 200, doc)
@@ -151,8 +151,8 @@ class AdminTest(ProdCase):
         self.assertEqual(len(P.requests), n)
 
     def test_reload_with_a_bad_file_says_why(self):
-        P = self.mock(pxtest.prefill_handler(), name="P")
-        D = self.mock(pxtest.decode_handler(), name="D")
+        P = self.mock(prefill_handler(), name="P")
+        D = self.mock(decode_handler(), name="D")
         px = self.start_admin([("m", ["m"], [P], [D])])
         write_yaml(self.file, "pools:\n  - name: m\n    decode: [http://127.0.0.1:1]\n"
                               "  - oops\n")

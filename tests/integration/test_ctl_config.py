@@ -6,15 +6,14 @@ reads it again, keeping the running configuration when it is wrong."""
 
 import json
 import os
-import sys
 import threading
 import unittest
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import pxtest  # noqa: E402
-from ctltest import pools_yaml, sighup, tmpdir, url, wait_generation, write_yaml  # noqa: E402
-from prodtest import ProdCase  # noqa: E402
-from pxtest import MAX_LOOP, Respond, http_request, now, run_pdproxy  # noqa: E402
+from pdharness.ctl import pools_yaml, ready, sighup, tmpdir, wait_generation, write_yaml
+from pdharness.mocks import Respond, completion_body, decode_handler, prefill_handler
+from pdharness.net import wait_until, wait_value
+from pdharness.procs import run_pdproxy
+from pdharness.prod import ProdCase
 
 
 class FileTest(ProdCase):
@@ -101,15 +100,15 @@ class ReloadTest(ProdCase):
         return self.start(args=["--config", self.file] + list(extra))
 
     def test_sighup_swaps_backends(self):
-        P = self.mock(pxtest.prefill_handler(), name="P")
-        D1 = self.mock(pxtest.decode_handler(), name="D1")
-        D2 = self.mock(pxtest.decode_handler(), name="D2")
+        P = self.mock(prefill_handler(), name="P")
+        D1 = self.mock(decode_handler(), name="D1")
+        D2 = self.mock(decode_handler(), name="D2")
         px = self.start_with_file(pools_yaml([("m", ["m"], [P], [D1])]))
         self.assertEqual(self.post(px).status, 200)
         write_yaml(self.file, pools_yaml([("m", ["m", "m2"], [P], [D2])]))
         sighup(px)
         wait_generation(self, px, 2)
-        for body in (pxtest.completion_body(), pxtest.completion_body(model="m2")):
+        for body in (completion_body(), completion_body(model="m2")):
             self.assertEqual(self.post(px, body).status, 200)
         self.assertEqual(len(D1.requests), 1)
         self.assertEqual(len(D2.requests), 2)
@@ -117,17 +116,13 @@ class ReloadTest(ProdCase):
         self.assertIn("backend removed by reload", px.stderr())
 
     def test_bad_reload_keeps_running_config(self):
-        P = self.mock(pxtest.prefill_handler(), name="P")
-        D = self.mock(pxtest.decode_handler(), name="D")
+        P = self.mock(prefill_handler(), name="P")
+        D = self.mock(decode_handler(), name="D")
         px = self.start_with_file(pools_yaml([("m", ["m"], [P], [D])]))
         write_yaml(self.file, "pools:\n  - name: m\n    decode: [http://127.0.0.1:1]\n"
                               "max-inflight: lots\n")
         sighup(px)
-        deadline = now() + 10
-        for _ in range(MAX_LOOP):
-            if "reload on SIGHUP failed" in px.stderr() or now() > deadline:
-                break
-            pxtest.time.sleep(0.02)
+        wait_until(lambda: "reload on SIGHUP failed" in px.stderr(), 10, 0.02)
         err = px.stderr()
         self.assertIn("reload on SIGHUP failed", err)
         self.assertIn(self.file + ":4: key 'max-inflight'", err)
@@ -136,7 +131,7 @@ class ReloadTest(ProdCase):
         self.assertEqual(len(D.requests), 1, "the running configuration was not kept")
 
     def test_inflight_request_finishes_on_its_config(self):
-        P = self.mock(pxtest.prefill_handler(), name="P")
+        P = self.mock(prefill_handler(), name="P")
         gate = threading.Event()
 
         def slow_decode(req):
@@ -145,7 +140,7 @@ class ReloadTest(ProdCase):
                            b'{"id":"old","choices":[{"text":"from-old"}]}')
 
         D1 = self.mock(slow_decode, name="D1")
-        D2 = self.mock(pxtest.decode_handler(), name="D2")
+        D2 = self.mock(decode_handler(), name="D2")
         px = self.start_with_file(pools_yaml([("m", ["m"], [P], [D1])]))
         out = {}
         t = threading.Thread(target=lambda: out.update(r=self.post(px, timeout=20)), daemon=True)
@@ -165,8 +160,8 @@ class ReloadTest(ProdCase):
         """Names are resolved by the generation's discovery; a reload retires
         it with lookups possibly in flight. Bursts of SIGHUP must neither
         crash nor leave a stale generation."""
-        P = self.mock(pxtest.prefill_handler(), name="P")
-        D = self.mock(pxtest.decode_handler(), name="D")
+        P = self.mock(prefill_handler(), name="P")
+        D = self.mock(decode_handler(), name="D")
         names = ("name", ["name"], ["http://localhost:%d" % P.port],
                  ["http://localhost:%d" % D.port])
         px = self.start_with_file(pools_yaml([("m", ["m"], [P], [D]), names]))
@@ -177,12 +172,7 @@ class ReloadTest(ProdCase):
             for _ in range(3):
                 sighup(px)
             # Signals sent together may be delivered as one.
-            deadline = now() + 10
-            for _ in range(MAX_LOOP):
-                g = json.loads(bytes(http_request(px.port, "GET", "/ready").body))["generation"]
-                if g > gen or now() > deadline:
-                    break
-                pxtest.time.sleep(0.01)
+            g = wait_value(lambda: ready(px)[1]["generation"], lambda g: g > gen, 10, 0.01)
             self.assertGreater(g, gen)
             gen = g
         self.assertTrue(px.alive())
@@ -190,15 +180,11 @@ class ReloadTest(ProdCase):
         self.assertIn("take effect at restart only\" settings=prefill-retries", px.stderr())
 
     def test_sighup_without_file_is_ignored(self):
-        P = self.mock(pxtest.prefill_handler(), name="P")
-        D = self.mock(pxtest.decode_handler(), name="D")
+        P = self.mock(prefill_handler(), name="P")
+        D = self.mock(decode_handler(), name="D")
         px = self.start([P], [D])
         sighup(px)
-        deadline = now() + 10
-        for _ in range(MAX_LOOP):
-            if "nothing to reload" in px.stderr() or now() > deadline:
-                break
-            pxtest.time.sleep(0.02)
+        wait_until(lambda: "nothing to reload" in px.stderr(), 10, 0.02)
         self.assertIn("nothing to reload", px.stderr())
         self.assertEqual(self.post(px).status, 200)
 

@@ -7,23 +7,23 @@ per pool and role what is missing; no prefill starts when no decode can take
 the request."""
 
 import json
-import os
-import sys
 import unittest
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import pxtest  # noqa: E402
-from ctltest import url  # noqa: E402
-from prodtest import ProdCase, errmsg, metric, prom  # noqa: E402
-from pxtest import closed_port, http_request, run_pdproxy, wait_until  # noqa: E402
+from pdharness.client import errmsg, http_request
+from pdharness.ctl import url
+from pdharness.mocks import completion_body, decode_handler, prefill_handler
+from pdharness.net import closed_port, wait_until
+from pdharness.procs import run_pdproxy
+from pdharness.prod import ProdCase
+from pdharness.prom import metric, prom
 
 
 class PoolsTest(ProdCase):
     def two_pools(self, extra=()):
-        self.PA = self.mock(pxtest.prefill_handler(), name="PA")
-        self.DA = self.mock(pxtest.decode_handler(), name="DA")
-        self.PB = self.mock(pxtest.prefill_handler(), name="PB")
-        self.DB = self.mock(pxtest.decode_handler(), name="DB")
+        self.PA = self.mock(prefill_handler(), name="PA")
+        self.DA = self.mock(decode_handler(), name="DA")
+        self.PB = self.mock(prefill_handler(), name="PB")
+        self.DB = self.mock(decode_handler(), name="DB")
         args = ["--pool", "alpha", "--prefill", url(self.PA), "--decode", url(self.DA),
                 "--pool", "beta=beta,beta-chat", "--prefill", url(self.PB), "--decode",
                 url(self.DB)] + list(extra)
@@ -31,11 +31,11 @@ class PoolsTest(ProdCase):
 
     def test_requests_route_by_model(self):
         px = self.two_pools()
-        r = self.post(px, pxtest.completion_body(model="beta-chat"))
+        r = self.post(px, completion_body(model="beta-chat"))
         self.assertEqual(r.status, 200, r.body)
-        r = self.post(px, pxtest.completion_body(model="alpha"))
+        r = self.post(px, completion_body(model="alpha"))
         self.assertEqual(r.status, 200, r.body)
-        r = self.post(px, pxtest.completion_body(model="beta"))
+        r = self.post(px, completion_body(model="beta"))
         self.assertEqual(r.status, 200, r.body)
         self.assertEqual(len(self.PA.requests), 1)
         self.assertEqual(len(self.DA.requests), 1)
@@ -47,7 +47,7 @@ class PoolsTest(ProdCase):
 
     def test_unknown_model_404_model_not_found(self):
         px = self.two_pools()
-        r = self.post(px, pxtest.completion_body(model="gamma"))
+        r = self.post(px, completion_body(model="gamma"))
         self.assertEqual(r.status, 404, r.body)
         err = json.loads(bytes(r.body))["error"]
         self.assertEqual(err["code"], "model_not_found")
@@ -87,7 +87,7 @@ class PoolsTest(ProdCase):
 
     def test_metrics_carry_pool_label(self):
         px = self.two_pools()
-        self.assertEqual(self.post(px, pxtest.completion_body(model="alpha")).status, 200)
+        self.assertEqual(self.post(px, completion_body(model="alpha")).status, 200)
         s = prom(px.port)
         self.assertEqual(metric(s, "pdproxy_backend_up", pool="alpha", role="prefill",
                                 backend=self.bname(self.PA)), 1)
@@ -97,19 +97,19 @@ class PoolsTest(ProdCase):
                                 role="decode", backend=self.bname(self.DA), outcome="ok"), 1)
 
     def test_unnamed_pool_serves_every_model(self):
-        P = self.mock(pxtest.prefill_handler(), name="P")
-        D = self.mock(pxtest.decode_handler(), name="D")
+        P = self.mock(prefill_handler(), name="P")
+        D = self.mock(decode_handler(), name="D")
         px = self.start([P], [D])
         for m in ("x", "y"):
-            self.assertEqual(self.post(px, pxtest.completion_body(model=m)).status, 200)
+            self.assertEqual(self.post(px, completion_body(model=m)).status, 200)
         self.assertEqual(len(D.requests), 2)
 
 
 class ReadyTest(ProdCase):
     def test_ready_names_the_pool_and_role_missing(self):
-        PA = self.mock(pxtest.prefill_handler(), name="PA")
-        DA = self.mock(pxtest.decode_handler(), name="DA")
-        PB = self.mock(pxtest.prefill_handler(), name="PB")
+        PA = self.mock(prefill_handler(), name="PA")
+        DA = self.mock(decode_handler(), name="DA")
+        PB = self.mock(prefill_handler(), name="PB")
         px = self.start(args=["--pool", "a", "--prefill", url(PA), "--decode", url(DA),
                               "--pool", "b", "--prefill", url(PB)])
         r = http_request(px.port, "GET", "/ready")
@@ -121,14 +121,14 @@ class ReadyTest(ProdCase):
         self.assertEqual(pools["b"]["missing"], ["decode"])
         self.assertEqual(pools["b"]["decode"]["total"], 0)
         # Pool b's requests: 503 at once, its prefill never asked.
-        r = self.post(px, pxtest.completion_body(model="b"))
+        r = self.post(px, completion_body(model="b"))
         self.assertEqual(r.status, 503, r.body)
         self.assertIn("no decode backend", errmsg(r))
         self.assertEqual(len(PB.requests), 0, "a prefill started with no decode to take it")
-        self.assertEqual(self.post(px, pxtest.completion_body(model="a")).status, 200)
+        self.assertEqual(self.post(px, completion_body(model="a")).status, 200)
 
     def test_ready_needs_prefill_unless_fallback(self):
-        D = self.mock(pxtest.decode_handler(), name="D")
+        D = self.mock(decode_handler(), name="D")
         dead = "http://127.0.0.1:%d" % closed_port()
         base = ["--pool", "a", "--prefill", dead, "--decode", url(D), "--unhealthy-after", "1"]
         px = self.start(args=base, health_interval="0.1")
@@ -145,7 +145,7 @@ class ReadyTest(ProdCase):
         self.assertEqual(r.status, 200, r.body)
 
     def test_no_usable_decode_503_before_prefill(self):
-        P = self.mock(pxtest.prefill_handler(), name="P")
+        P = self.mock(prefill_handler(), name="P")
         dead = "http://127.0.0.1:%d" % closed_port()
         px = self.start(args=["--prefill", url(P), "--decode", dead, "--unhealthy-after", "1"],
                         health_interval="0.1")

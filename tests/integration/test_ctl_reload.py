@@ -6,15 +6,14 @@ flight finish on the configuration they started with, and a removed backend
 is not used by requests started after the swap."""
 
 import os
-import sys
 import threading
 import unittest
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import pxtest  # noqa: E402
-from ctltest import pools_yaml, sighup, tmpdir, wait_generation, write_yaml  # noqa: E402
-from prodtest import ProdCase  # noqa: E402
-from pxtest import http_request, now  # noqa: E402
+from pdharness.client import http_request
+from pdharness.ctl import pools_yaml, sighup, tmpdir, wait_generation, write_yaml
+from pdharness.mocks import completion_body, decode_handler, prefill_handler
+from pdharness.net import now
+from pdharness.prod import ProdCase
 
 RELOADS = 50
 CLIENTS = 4
@@ -24,8 +23,8 @@ MAX_SECONDS = 120.0
 
 class ReloadUnderLoadTest(ProdCase):
     def test_50_reloads_under_load_fail_no_request(self):
-        P = [self.mock(pxtest.prefill_handler(), name="P%d" % i) for i in range(3)]
-        D = [self.mock(pxtest.decode_handler(), name="D%d" % i) for i in range(3)]
+        P = [self.mock(prefill_handler(), name="P%d" % i) for i in range(3)]
+        D = [self.mock(decode_handler(), name="D%d" % i) for i in range(3)]
         d = tmpdir(self)
         f = os.path.join(d, "pdproxy.yaml")
 
@@ -44,7 +43,7 @@ class ReloadUnderLoadTest(ProdCase):
             for j in range(MAX_REQUESTS):
                 if stop.is_set() or now() > t_end:
                     return
-                body = pxtest.completion_body(model="m" if (j + k) % 2 else "n")
+                body = completion_body(model="m" if (j + k) % 2 else "n")
                 try:
                     r = http_request(px.port, "POST", "/v1/completions", body, timeout=20)
                     results[k].append(r.status)
@@ -75,14 +74,14 @@ class RemovedBackendTest(ProdCase):
     def test_connections_to_a_removed_backend_close_after_its_last_request(self):
         # pdproxy keeps idle upstream connections for 4 s; a backend removed
         # by a reload must not keep its connections that long.
-        P = self.mock(pxtest.prefill_handler(), name="P")
-        D1 = self.mock(pxtest.decode_handler(), name="D1")
-        D2 = self.mock(pxtest.decode_handler(), name="D2")
+        P = self.mock(prefill_handler(), name="P")
+        D1 = self.mock(decode_handler(), name="D1")
+        D2 = self.mock(decode_handler(), name="D2")
         d = tmpdir(self)
         f = os.path.join(d, "pdproxy.yaml")
         write_yaml(f, pools_yaml([("m", ["m"], [P], [D1])]))
         px = self.start(args=["--config", f, "--threads", "1"])
-        r = http_request(px.port, "POST", "/v1/completions", pxtest.completion_body(model="m"))
+        r = http_request(px.port, "POST", "/v1/completions", completion_body(model="m"))
         self.assertEqual(r.status, 200)
         used = set(D1.conn_ids())
         self.assertEqual(len(used), 1)
@@ -98,7 +97,7 @@ class RemovedBackendTest(ProdCase):
         # The prefill stayed: its connection is still kept.
         pconn = [c for c in P.conns if c.id in set(P.conn_ids())][0]
         self.assertFalse(pconn.closed.is_set(), "a kept backend's connection was closed")
-        r = http_request(px.port, "POST", "/v1/completions", pxtest.completion_body(model="m"))
+        r = http_request(px.port, "POST", "/v1/completions", completion_body(model="m"))
         self.assertEqual(r.status, 200)
         self.assertEqual(len(D2.requests), 1)
 

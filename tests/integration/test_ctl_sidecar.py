@@ -5,22 +5,20 @@ host is in --prefiller-allowlist; without the header, decode alone. A header
 outside the allowlist is refused with 400 and reaches no backend."""
 
 import json
-import os
-import sys
 import unittest
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import pxtest  # noqa: E402
-from ctltest import url  # noqa: E402
-from prodtest import ProdCase, errmsg  # noqa: E402
-from pxtest import run_pdproxy  # noqa: E402
+from pdharness.client import errmsg
+from pdharness.ctl import url
+from pdharness.mocks import decode_handler, prefill_handler
+from pdharness.procs import run_pdproxy
+from pdharness.prod import ProdCase
 
 
 class SidecarTest(ProdCase):
     def sidecar(self, allow="127.0.0.1/32"):
-        self.D = self.mock(pxtest.decode_handler(), name="D")
+        self.D = self.mock(decode_handler(), name="D")
         # A configured prefill that the header mode must not fall back to.
-        self.Pcfg = self.mock(pxtest.prefill_handler(), name="Pcfg")
+        self.Pcfg = self.mock(prefill_handler(), name="Pcfg")
         return self.start(args=["--prefill", url(self.Pcfg), "--decode", url(self.D),
                                 "--prefiller-from-header", "--prefiller-allowlist", allow])
 
@@ -28,7 +26,7 @@ class SidecarTest(ProdCase):
         return "127.0.0.1:%d" % m.port
 
     def test_header_outside_allowlist_refused_before_any_backend(self):
-        P = self.mock(pxtest.prefill_handler(), name="P")
+        P = self.mock(prefill_handler(), name="P")
         px = self.sidecar(allow="10.0.0.0/8,prefill.example")
         for value in (self.hp(P), "169.254.169.254:80", "localhost:%d" % P.port,
                       "[::1]:%d" % P.port):
@@ -43,7 +41,7 @@ class SidecarTest(ProdCase):
         self.assertIn("outside --prefiller-allowlist", px.stderr())
 
     def test_header_in_allowlist_prefills_there(self):
-        P = self.mock(pxtest.prefill_handler(), name="P")
+        P = self.mock(prefill_handler(), name="P")
         px = self.sidecar()
         r = self.post(px, headers={"x-prefiller-host-port": self.hp(P)})
         self.assertEqual(r.status, 200, r.body)
@@ -55,7 +53,7 @@ class SidecarTest(ProdCase):
     def test_allowed_name_not_resolved_on_the_request_path(self):
         # An allowed host name that is not a configured prefill would need
         # DNS on the worker's loop: refused, reaching no backend.
-        P = self.mock(pxtest.prefill_handler(), name="P")
+        P = self.mock(prefill_handler(), name="P")
         px = self.sidecar(allow="127.0.0.1/32,localhost")
         r = self.post(px, headers={"x-prefiller-host-port": "localhost:%d" % P.port})
         self.assertEqual(r.status, 400, r.body)
@@ -64,8 +62,8 @@ class SidecarTest(ProdCase):
             self.assertEqual(len(m.requests), 0, "a refused request reached a backend")
 
     def test_several_prefillers_first_counts(self):
-        P1 = self.mock(pxtest.prefill_handler(), name="P1")
-        P2 = self.mock(pxtest.prefill_handler(), name="P2")
+        P1 = self.mock(prefill_handler(), name="P1")
+        P2 = self.mock(prefill_handler(), name="P2")
         px = self.sidecar()
         r = self.post(px, headers={"x-prefiller-host-port": "%s, %s" % (self.hp(P1),
                                                                         self.hp(P2))})
@@ -90,9 +88,9 @@ class SidecarTest(ProdCase):
         self.assertEqual(len(self.D.requests), 0)
 
     def test_header_ignored_without_the_flag(self):
-        P = self.mock(pxtest.prefill_handler(), name="P")
-        Pcfg = self.mock(pxtest.prefill_handler(), name="Pcfg")
-        D = self.mock(pxtest.decode_handler(), name="D")
+        P = self.mock(prefill_handler(), name="P")
+        Pcfg = self.mock(prefill_handler(), name="Pcfg")
+        D = self.mock(decode_handler(), name="D")
         px = self.start([Pcfg], [D])
         self.assertEqual(self.post(px, headers={"x-prefiller-host-port": self.hp(P)}).status, 200)
         self.assertEqual((len(P.requests), len(Pcfg.requests)), (0, 1))

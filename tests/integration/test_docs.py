@@ -4,14 +4,14 @@ import os
 import subprocess
 import unittest
 
-import e2e
+from pdharness.procs import PDPROXY
 
 ROOT = os.environ.get("PX_SOURCE_DIR") or os.path.join(os.path.dirname(__file__), "..", "..")
 
 
 class DocsTest(unittest.TestCase):
     def test_readme_flags_table_matches_the_binary(self):
-        out = subprocess.run([e2e.PDPROXY, "--help-markdown"], capture_output=True, text=True,
+        out = subprocess.run([PDPROXY, "--help-markdown"], capture_output=True, text=True,
                              timeout=10)
         self.assertEqual(out.returncode, 0, out.stderr)
         with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
@@ -23,7 +23,7 @@ class DocsTest(unittest.TestCase):
                          "README.md's flags table is stale: paste `pdproxy --help-markdown`")
 
     def test_every_flag_in_help_is_documented(self):
-        out = subprocess.run([e2e.PDPROXY, "--help"], capture_output=True, text=True, timeout=10)
+        out = subprocess.run([PDPROXY, "--help"], capture_output=True, text=True, timeout=10)
         with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
             readme = f.read()
         for line in out.stdout.splitlines():

@@ -9,7 +9,11 @@ import threading
 import time
 import unittest
 
-import e2e
+from pdharness.client import post_json
+from pdharness.cluster import ClusterCase
+from pdharness.net import HOST, wait_for
+from pdharness.procs import start_engine_sim, start_sim_proxy
+from pdharness.prom import prom_values
 
 
 class DroppingRelay:
@@ -28,7 +32,7 @@ class DroppingRelay:
             def do_POST(self):
                 n = int(self.headers.get("Content-Length", 0))
                 body = self.rfile.read(n)
-                c = http.client.HTTPConnection(e2e.HOST, target, timeout=30)
+                c = http.client.HTTPConnection(HOST, target, timeout=30)
                 c.request("POST", self.path, body=body, headers={
                     "Content-Type": "application/json",
                     "X-Request-Id": self.headers.get("X-Request-Id", "")})
@@ -43,7 +47,7 @@ class DroppingRelay:
                 self.end_headers()
                 self.wfile.write(out)
 
-        self.server = http.server.ThreadingHTTPServer((e2e.HOST, 0), Handler)
+        self.server = http.server.ThreadingHTTPServer((HOST, 0), Handler)
         self.port = self.server.server_address[1]
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
         self.thread.start()
@@ -53,41 +57,41 @@ class DroppingRelay:
         self.server.server_close()
 
 
-class LostRequestIdTest(e2e.ClusterCase):
+class LostRequestIdTest(ClusterCase):
     def test_without_remote_request_id_blocks_expire_instead_of_release(self):
-        p = self.start(e2e.engine("prefill", ["--kv-expiry-ms", "1500"]))
-        d = self.start(e2e.engine("decode"))
+        p = self.start(start_engine_sim("prefill", ["--kv-expiry-ms", "1500"]))
+        d = self.start(start_engine_sim("decode"))
         relay = DroppingRelay(p.port)
         self.addCleanup(relay.close)
-        px = self.start(e2e.proxy([relay.port], [d.port]))
+        px = self.start(start_sim_proxy([relay.port], [d.port]))
         n = 10
         for i in range(n):
-            st, _, raw = e2e.post(px.port, "/v1/completions",
-                                  {"prompt": "lost ids %d " % i + "x " * 40, "max_tokens": 4})
+            st, _, raw = post_json(px.port, "/v1/completions",
+                                   {"prompt": "lost ids %d " % i + "x " * 40, "max_tokens": 4})
             self.assertEqual(st, 200, raw)
         # Decode could not use the params: it recomputed, and never notified.
-        dm = e2e.metrics(d.port)
+        dm = prom_values(d.port)
         self.assertEqual(dm["engine_sim_invalid_kv_transfer_params_total"], n)
         self.assertEqual(dm["engine_sim_kv_fetches_total"], 0)
         # pdproxy warned about every one of them.
         self.assertEqual(px.log().count("remote_request_id"), n)
 
         def expired():
-            m = e2e.metrics(p.port)
+            m = prom_values(p.port)
             return (m["engine_sim_kv_blocks_published_total"] > 0 and
                     m["engine_sim_kv_blocks_expired_total"] ==
                     m["engine_sim_kv_blocks_published_total"]), m
-        m = e2e.wait_for(expired, 15, "prefill blocks to expire")
+        m = wait_for(expired, 15, "prefill blocks to expire")
         self.assertEqual(m["engine_sim_kv_blocks_released_by_consumer_total"], 0)
         self.assertIn("Releasing expired KV blocks", p.log())
 
 
-class KilledPrefillTest(e2e.ClusterCase):
+class KilledPrefillTest(ClusterCase):
     def test_killed_prefill_hangs_no_request_and_survivors_serve(self):
-        p1 = self.start(e2e.engine("prefill", ["--ttft-ms", "20"]))
-        p2 = self.start(e2e.engine("prefill", ["--ttft-ms", "20"]))
-        d = self.start(e2e.engine("decode", ["--itl-ms", "5"]))
-        px = self.start(e2e.proxy([p1.port, p2.port], [d.port], ["--connect-timeout", "1"]))
+        p1 = self.start(start_engine_sim("prefill", ["--ttft-ms", "20"]))
+        p2 = self.start(start_engine_sim("prefill", ["--ttft-ms", "20"]))
+        d = self.start(start_engine_sim("decode", ["--itl-ms", "5"]))
+        px = self.start(start_sim_proxy([p1.port, p2.port], [d.port], ["--connect-timeout", "1"]))
         results = []
         lock = threading.Lock()
         stop_at = time.monotonic() + 4.0
@@ -97,7 +101,7 @@ class KilledPrefillTest(e2e.ClusterCase):
             while time.monotonic() < stop_at and i < 400:
                 i += 1
                 t0 = time.monotonic()
-                st, hdrs, raw = e2e.post(px.port, "/v1/chat/completions", {
+                st, hdrs, raw = post_json(px.port, "/v1/chat/completions", {
                     "messages": [{"role": "user", "content": "client %d request %d " % (k, i) * 20}],
                     "max_tokens": 8, "stream": bool(i % 2)}, timeout=30)
                 with lock:
@@ -124,8 +128,8 @@ class KilledPrefillTest(e2e.ClusterCase):
         self.assertTrue(any(r[2] == 200 for r in after), "survivors keep serving")
         self.assertTrue(d.alive() and p2.alive() and px.alive())
         # The surviving prefill's blocks were all released.
-        e2e.wait_for(lambda: (e2e.metrics(p2.port)["vllm:kv_cache_usage_perc"] == 0, None), 10,
-                     "surviving prefill's blocks released")
+        wait_for(lambda: (prom_values(p2.port)["vllm:kv_cache_usage_perc"] == 0, None), 10,
+                 "surviving prefill's blocks released")
 
 
 if __name__ == "__main__":

@@ -7,7 +7,11 @@ import random
 import threading
 import unittest
 
-import e2e
+from pdharness.client import answer_text, post_json
+from pdharness.cluster import ClusterCase
+from pdharness.net import wait_for
+from pdharness.procs import start_engine_sim, start_sim_proxy
+from pdharness.prom import prom_values
 
 WORDS = ("alpha beta gamma delta kv cache block prefill decode token stream proxy "
          "engine layer head value key tensor memory route fast slow").split()
@@ -36,12 +40,12 @@ def make_request(rng, i):
     return path, body, stream
 
 
-class MixedLoadTest(e2e.ClusterCase):
+class MixedLoadTest(ClusterCase):
     def test_200_mixed_requests_match_local_and_release_every_block(self):
-        ps = [self.start(e2e.engine("prefill")) for _ in range(2)]
-        ds = [self.start(e2e.engine("decode")) for _ in range(2)]
-        ref = self.start(e2e.engine("both"))
-        px = self.start(e2e.proxy([p.port for p in ps], [d.port for d in ds]))
+        ps = [self.start(start_engine_sim("prefill")) for _ in range(2)]
+        ds = [self.start(start_engine_sim("decode")) for _ in range(2)]
+        ref = self.start(start_engine_sim("both"))
+        px = self.start(start_sim_proxy([p.port for p in ps], [d.port for d in ds]))
 
         rng = random.Random(20261202)
         reqs = [make_request(rng, i) for i in range(200)]
@@ -50,16 +54,16 @@ class MixedLoadTest(e2e.ClusterCase):
 
         def run(req):
             path, body, stream = req
-            st, hdrs, raw = e2e.post(px.port, path, body, stream)
+            st, hdrs, raw = post_json(px.port, path, body, stream)
             if st != 200:
                 with lock:
                     failures.append((path, st, raw[:300]))
                 return
             if stream:
                 assert hdrs.get("Content-Type", "").startswith("text/event-stream"), hdrs
-            got = e2e.answer_text(path, raw, stream)
-            st2, _, raw2 = e2e.post(ref.port, path, dict(body, stream=False))
-            want = e2e.answer_text(path, raw2, False)
+            got = answer_text(path, raw, stream)
+            st2, _, raw2 = post_json(ref.port, path, dict(body, stream=False))
+            want = answer_text(path, raw2, False)
             if got != want:
                 with lock:
                     failures.append((path, "text differs", got, want))
@@ -71,19 +75,19 @@ class MixedLoadTest(e2e.ClusterCase):
 
         # Every published block is released by its consumer's notification.
         def released():
-            ms = [e2e.metrics(p.port) for p in ps]
+            ms = [prom_values(p.port) for p in ps]
             pub = sum(m["engine_sim_kv_blocks_published_total"] for m in ms)
             rel = sum(m["engine_sim_kv_blocks_released_by_consumer_total"] for m in ms)
             return pub > 0 and pub == rel, (pub, rel)
-        pub, rel = e2e.wait_for(released, 20, "prefill blocks released")
+        pub, rel = wait_for(released, 20, "prefill blocks released")
         for p in ps:
-            m = e2e.metrics(p.port)
+            m = prom_values(p.port)
             self.assertEqual(m["engine_sim_kv_blocks_expired_total"], 0)
             self.assertEqual(m["engine_sim_kv_unknown_notifications_total"], 0)
             self.assertEqual(m["vllm:kv_cache_usage_perc"], 0)
         fetches = 0
         for d in ds:
-            m = e2e.metrics(d.port)
+            m = prom_values(d.port)
             self.assertEqual(m["engine_sim_kv_corrupt_blocks_total"], 0)
             self.assertEqual(m["engine_sim_kv_fetch_failures_total"], 0)
             self.assertEqual(m["engine_sim_invalid_kv_transfer_params_total"], 0)
@@ -92,12 +96,12 @@ class MixedLoadTest(e2e.ClusterCase):
         self.assertEqual(fetches, len(reqs), "every request's blocks were fetched by decode")
 
 
-class SingleRequestTest(e2e.ClusterCase):
+class SingleRequestTest(ClusterCase):
     def test_ids_differ_and_decode_notifies_by_remote_request_id(self):
-        p = self.start(e2e.engine("prefill"))
-        d = self.start(e2e.engine("decode"))
+        p = self.start(start_engine_sim("prefill"))
+        d = self.start(start_engine_sim("decode"))
         # Ask prefill directly, as the proxy would, to see its internal id.
-        st, _, raw = e2e.post(p.port, "/v1/completions", {
+        st, _, raw = post_json(p.port, "/v1/completions", {
             "prompt": "a b c d e f g h i j k l m n o p q r", "max_tokens": 1, "stream": False,
             "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False}},
             headers={"X-Request-Id": "req-42"})
@@ -105,12 +109,12 @@ class SingleRequestTest(e2e.ClusterCase):
         kvp = json.loads(raw)["kv_transfer_params"]
         self.assertTrue(kvp["remote_request_id"].startswith("cmpl-req-42-"))
         self.assertEqual(len(kvp["remote_block_ids"]), 2)
-        st, _, raw = e2e.post(d.port, "/v1/completions", {
+        st, _, raw = post_json(d.port, "/v1/completions", {
             "prompt": "a b c d e f g h i j k l m n o p q r", "max_tokens": 3,
             "kv_transfer_params": kvp}, headers={"X-Request-Id": "req-42"})
         self.assertEqual(st, 200, raw)
-        e2e.wait_for(lambda: (e2e.metrics(p.port)["engine_sim_kv_blocks_released_by_consumer_total"]
-                              == 2, None), 10, "release by notification")
+        wait_for(lambda: (prom_values(p.port)["engine_sim_kv_blocks_released_by_consumer_total"]
+                          == 2, None), 10, "release by notification")
         self.assertIn("kv fetch done", d.log())
 
 

@@ -8,7 +8,10 @@ import subprocess
 import sys
 import unittest
 
-import e2e
+from pdharness.client import answer_text, post_json
+from pdharness.cluster import ClusterCase
+from pdharness.procs import start_engine_sim, start_sim_proxy
+from pdharness.prom import prom_values
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SDK_DIR = os.path.join(os.environ.get("PX_BUILD_DIR", "/tmp"), "npm-openai")
@@ -33,29 +36,29 @@ def install_sdk():
     return None
 
 
-class OpenAISDKTest(e2e.ClusterCase):
+class OpenAISDKTest(ClusterCase):
     def test_official_node_sdk_through_pdproxy(self):
-        p = self.start(e2e.engine("prefill"))
-        d = self.start(e2e.engine("decode", ["--itl-ms", "2"]))
-        ref = self.start(e2e.engine("both"))
-        px = self.start(e2e.proxy([p.port], [d.port]))
+        p = self.start(start_engine_sim("prefill"))
+        d = self.start(start_engine_sim("decode", ["--itl-ms", "2"]))
+        ref = self.start(start_engine_sim("both"))
+        px = self.start(start_sim_proxy([p.port], [d.port]))
         out = subprocess.run(["node", os.path.join(HERE, "openai_client.mjs"),
                               os.path.join(SDK_DIR, "node_modules", "openai"),
                               "http://127.0.0.1:%d/v1" % px.port, "sim-model"],
                              capture_output=True, text=True, timeout=60)
         self.assertEqual(out.returncode, 0, out.stderr)
         got = json.loads(out.stdout.strip().splitlines()[-1])
-        _, _, raw = e2e.post(ref.port, "/v1/completions", {
+        _, _, raw = post_json(ref.port, "/v1/completions", {
             "model": "sim-model", "max_tokens": 12,
             "prompt": "The official SDK asks for a completion through the proxy"})
-        self.assertEqual(got["completion"], e2e.answer_text("/v1/completions", raw, False))
-        _, _, raw = e2e.post(ref.port, "/v1/chat/completions", {
+        self.assertEqual(got["completion"], answer_text("/v1/completions", raw, False))
+        _, _, raw = post_json(ref.port, "/v1/chat/completions", {
             "model": "sim-model", "max_tokens": 10,
             "messages": [{"role": "user",
                           "content": "Stream me a chat answer through pdproxy, please."}]})
-        self.assertEqual(got["chat"], e2e.answer_text("/v1/chat/completions", raw, False))
+        self.assertEqual(got["chat"], answer_text("/v1/chat/completions", raw, False))
         self.assertEqual(got["usage"]["completion_tokens"], 10)
-        self.assertEqual(e2e.metrics(d.port)["engine_sim_kv_fetches_total"], 2)
+        self.assertEqual(prom_values(d.port)["engine_sim_kv_fetches_total"], 2)
 
 
 if __name__ == "__main__":

@@ -20,28 +20,30 @@
 
 import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
-import sys
 import tempfile
 import threading
 import time
 import unittest
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import pxtest  # noqa: E402
-from prodtest import ProdCase, connect_refused, errmsg, metric, prom  # noqa: E402
-from pxtest import (HOST, MAX_LOOP, PDPROXY, Hang, Proxy, ProxyStartError, RawClient,  # noqa: E402
-                    Respond, Stream, free_port, http_request, now, wait_until)
-from test_proxy_stream import rss_bytes  # noqa: E402
+from pdharness.case import main
+from pdharness.client import RawClient, errmsg, http_request
+from pdharness.mocks import (Hang, Respond, Stream, completion_body, decode_handler,
+                             prefill_handler, sse_events)
+from pdharness.net import (HOST, MAX_LOOP, connect_refused, free_port, listening_inodes, now,
+                           socket_inodes, wait_until)
+from pdharness.namespace import STALL_DNS, StallingDns, mount_prefix, unshare_usable
+from pdharness.procs import PDPROXY, Proxy, ProxyStartError, rss_bytes
+from pdharness.prod import ProdCase
+from pdharness.prom import metric, prom
 
 
 def has_conn_from(pid, client_port):
     """Whether process `pid` still holds a TCP socket whose peer is
     127.0.0.1:client_port."""
-    mine = pxtest.socket_inodes(pid)
+    mine = socket_inodes(pid)
     with open("/proc/net/tcp") as f:
         next(f)
         for line in f:
@@ -77,8 +79,8 @@ class NonReadingClientTest(ProdCase):
     nothing became 1.24 GB of RSS."""
 
     def pd(self, extra=()):
-        P = self.mock(pxtest.prefill_handler(), name="P")
-        D = self.mock(pxtest.decode_handler(), name="D")
+        P = self.mock(prefill_handler(), name="P")
+        D = self.mock(decode_handler(), name="D")
         return self.start([P], [D], list(extra), threads=1)
 
     def test_pipelined_metrics_to_non_reader_bounded(self):
@@ -134,8 +136,8 @@ class NonReadingClientTest(ProdCase):
         c.close()
 
     def test_metrics_behind_api_key(self):
-        P = self.mock(pxtest.prefill_handler(), name="P")
-        D = self.mock(pxtest.decode_handler(), name="D")
+        P = self.mock(prefill_handler(), name="P")
+        D = self.mock(decode_handler(), name="D")
         px = self.start([P], [D], ["--api-key", "sekret", "--metrics-auth"])
         r = http_request(px.port, "GET", "/metrics")
         self.assertErrorJson(r, 401)
@@ -145,8 +147,8 @@ class NonReadingClientTest(ProdCase):
         self.assertEqual(http_request(px.port, "GET", "/health").status, 200)
 
     def test_metrics_on_own_listener(self):
-        P = self.mock(pxtest.prefill_handler(), name="P")
-        D = self.mock(pxtest.decode_handler(), name="D")
+        P = self.mock(prefill_handler(), name="P")
+        D = self.mock(decode_handler(), name="D")
         mport = free_port()
         px = self.start([P], [D], ["--metrics-host", HOST, "--metrics-port", str(mport)])
         self.assertTrue(wait_until(lambda: not connect_refused(mport), 3.0))
@@ -156,7 +158,7 @@ class NonReadingClientTest(ProdCase):
         self.assertEqual(r.status, 200)
         self.assertIn(b"pdproxy_requests_total", r.body)
         self.assertEqual(http_request(mport, "GET", "/ready").status, 200)
-        r = http_request(mport, "POST", "/v1/completions", pxtest.completion_body())
+        r = http_request(mport, "POST", "/v1/completions", completion_body())
         self.assertErrorJson(r, 404)
         self.assertEqual(P.requests, [])
 
@@ -168,8 +170,8 @@ class BodyBudgetTest(ProdCase):
     MiB = 1 << 20
 
     def test_stalled_bodies_then_503(self):
-        P = self.mock(pxtest.prefill_handler(), name="P")
-        D = self.mock(pxtest.decode_handler(), name="D")
+        P = self.mock(prefill_handler(), name="P")
+        D = self.mock(decode_handler(), name="D")
         px = self.start([P], [D], ["--max-buffered-bytes", str(4 * self.MiB)])
         # Announced lengths that fit are admitted; the budget is taken as
         # the bytes arrive.
@@ -203,7 +205,7 @@ class BodyBudgetTest(ProdCase):
 
     def test_bodies_waiting_on_hung_prefill_bounded(self):
         P = self.mock(lambda req: Hang(20.0), name="P")
-        D = self.mock(pxtest.decode_handler(), name="D")
+        D = self.mock(decode_handler(), name="D")
         px = self.start([P], [D], ["--max-buffered-bytes", str(8 * self.MiB)])
         body = {"model": "m", "prompt": "z" * (3 * self.MiB)}
         first = RawClient(px.port)
@@ -217,8 +219,8 @@ class BodyBudgetTest(ProdCase):
                                    3.0))
 
     def test_max_connections(self):
-        P = self.mock(pxtest.prefill_handler(), name="P")
-        D = self.mock(pxtest.decode_handler(), name="D")
+        P = self.mock(prefill_handler(), name="P")
+        D = self.mock(decode_handler(), name="D")
         mport = free_port()
         px = self.start([P], [D], ["--max-connections", "4", "--metrics-host", HOST,
                                    "--metrics-port", str(mport)], threads=1)
@@ -256,7 +258,7 @@ class NoSelfInflictedOutageTest(ProdCase):
     def flaky(self, fails):
         left = [fails]
         lock = threading.Lock()
-        ok = pxtest.prefill_handler()
+        ok = prefill_handler()
 
         def h(req):
             with lock:
@@ -272,7 +274,7 @@ class NoSelfInflictedOutageTest(ProdCase):
         # Defaults: --unhealthy-after 3, --prefill-retries 2: one request and
         # its two retries on the only prefill are one failure, not three.
         P = self.mock(self.flaky(3), name="P")
-        D = self.mock(pxtest.decode_handler(), name="D")
+        D = self.mock(decode_handler(), name="D")
         px = self.start([P], [D])
         r = self.post(px)
         self.assertEqual(r.status, 502, r)
@@ -283,7 +285,7 @@ class NoSelfInflictedOutageTest(ProdCase):
 
     def test_lone_ejected_prefill_still_routed_and_readmitted(self):
         P = self.mock(self.flaky(1), name="P")
-        D = self.mock(pxtest.decode_handler(), name="D")
+        D = self.mock(decode_handler(), name="D")
         px = self.start([P], [D], ["--unhealthy-after", "1", "--prefill-retries", "0"])
         self.assertEqual(self.post(px).status, 502)
         self.assertEqual(self.up(px, "prefill", P), 0, "ejected after one failure")
@@ -297,9 +299,9 @@ class NoSelfInflictedOutageTest(ProdCase):
     def test_health_checked_down_backend_still_refused(self):
         # What an engine's own /health says is believed: no panic routing to
         # a backend failing its checks (it is loading, or broken).
-        P = self.mock(pxtest.prefill_handler(), name="P")
+        P = self.mock(prefill_handler(), name="P")
         P.probe_handler = lambda req: Respond(503, [], b"")
-        D = self.mock(pxtest.decode_handler(), name="D")
+        D = self.mock(decode_handler(), name="D")
         px = self.start([P], [D], ["--health-interval", "0.1", "--unhealthy-after", "1"],
                         health_interval=None)
         self.wait_up(px, "prefill", P, 0, 3.0)
@@ -314,10 +316,10 @@ class LeaveAfterPrefillHeadTest(ProdCase):
     def test_prefill_cancelled_when_client_leaves_after_its_head(self):
         P = self.mock(lambda req: Stream(200, [("Content-Type", "application/json")],
                                          [(20.0, b"{}")], framing="length", length=2), name="P")
-        D = self.mock(pxtest.decode_handler(), name="D")
+        D = self.mock(decode_handler(), name="D")
         px = self.start([P], [D], ["--max-inflight", "1"])
         c = RawClient(px.port)
-        c.request("POST", "/v1/completions", pxtest.completion_body())
+        c.request("POST", "/v1/completions", completion_body())
         P.wait_requests(1, timeout=5)
         conn = P.requests[0].conn
         self.assertTrue(wait_until(lambda: conn.bytes_sent > 0, 3.0), "mock sent no head")
@@ -331,7 +333,7 @@ class LeaveAfterPrefillHeadTest(ProdCase):
         self.assertLess(t - t0, 3.0)
         self.assertTrue(wait_until(
             lambda: metric(prom(px.port), "pdproxy_inflight_requests") == 0, 2.0))
-        P.set_handler(pxtest.prefill_handler())
+        P.set_handler(prefill_handler())
         self.assertEqual(self.post(px).status, 200, "the in-flight slot was not returned")
 
 
@@ -339,13 +341,13 @@ class SighupTest(ProdCase):
     """Item 5: SIGHUP killed pdproxy mid-stream."""
 
     def test_sighup_logged_and_ignored(self):
-        events = pxtest.sse_events(["a", "b", "c", "d"])
-        P = self.mock(pxtest.prefill_handler(), name="P")
+        events = sse_events(["a", "b", "c", "d"])
+        P = self.mock(prefill_handler(), name="P")
         D = self.mock(lambda req: Stream(200, [("Content-Type", "text/event-stream")],
                                          [(0.3, e) for e in events]), name="D")
         px = self.start([P], [D])
         c = RawClient(px.port)
-        c.request("POST", "/v1/completions", pxtest.completion_body(stream=True))
+        c.request("POST", "/v1/completions", completion_body(stream=True))
         sent = []
 
         def hup(resp):
@@ -367,8 +369,8 @@ class PortInUseTest(ProdCase):
     """Item 6: a second pdproxy shared the port through SO_REUSEPORT."""
 
     def test_second_instance_refused(self):
-        P = self.mock(pxtest.prefill_handler(), name="P")
-        D = self.mock(pxtest.decode_handler(), name="D")
+        P = self.mock(prefill_handler(), name="P")
+        D = self.mock(decode_handler(), name="D")
         px = self.start([P], [D])
         p = subprocess.run([PDPROXY, "--host", HOST, "--port", str(px.port), "--threads", "2"]
                            + self.proxy_args([P], [D]), stdin=subprocess.DEVNULL,
@@ -378,17 +380,14 @@ class PortInUseTest(ProdCase):
         self.assertTrue(px.owns_port(), "the first instance lost its port")
 
     def test_reuse_port_opt_in(self):
-        P = self.mock(pxtest.prefill_handler(), name="P")
-        D = self.mock(pxtest.decode_handler(), name="D")
+        P = self.mock(prefill_handler(), name="P")
+        D = self.mock(decode_handler(), name="D")
         px = self.start([P], [D], ["--reuse-port"])
-        second = Proxy(["--host", HOST, "--port", str(px.port), "--reuse-port"]
-                       + self.proxy_args([P], [D]), port=px.port)
-        second.spawn()
-        self._proxies.append(second)
-        self.addCleanup(self._stop_proxy, second)
+        second = self.track_proxy(Proxy(["--host", HOST, "--port", str(px.port), "--reuse-port"]
+                                        + self.proxy_args([P], [D]), port=px.port).spawn())
         # Started: it holds a listening socket on the shared port.
         listens = wait_until(lambda: not second.alive() or bool(
-            pxtest.listening_inodes(px.port) & pxtest.socket_inodes(second.proc.pid)), 5.0, 0.02)
+            listening_inodes(px.port) & socket_inodes(second.proc.pid)), 5.0, 0.02)
         self.assertTrue(second.alive() and listens, second.stderr())
 
 
@@ -396,8 +395,8 @@ class FramingTest(ProdCase):
     """Item 7: HEAD answered with a body; a decode 204 relayed chunked."""
 
     def test_head_has_no_body(self):
-        P = self.mock(pxtest.prefill_handler(), name="P")
-        D = self.mock(pxtest.decode_handler(), name="D")
+        P = self.mock(prefill_handler(), name="P")
+        D = self.mock(decode_handler(), name="D")
         px = self.start([P], [D])
         for path, want in (("/health", 200), ("/metrics", 200), ("/v1/completions", 405),
                            ("/nowhere", 404)):
@@ -412,11 +411,11 @@ class FramingTest(ProdCase):
                 self.assertEqual(r2.json(), {"status": "ok"})
 
     def test_decode_204_has_no_body_framing(self):
-        P = self.mock(pxtest.prefill_handler(), name="P")
+        P = self.mock(prefill_handler(), name="P")
         D = self.mock(lambda req: Respond(204, [], b""), name="D")
         px = self.start([P], [D])
         c = RawClient(px.port)
-        c.send(RawClient.build("POST", "/v1/completions", pxtest.completion_body())
+        c.send(RawClient.build("POST", "/v1/completions", completion_body())
                + RawClient.build("GET", "/health"))
         r1 = c.read_response()
         self.assertEqual(r1.status, 204)
@@ -430,8 +429,8 @@ class RequestIdAndHostTest(ProdCase):
     """Item 8."""
 
     def test_request_id_with_space_quote_backslash_replaced(self):
-        P = self.mock(pxtest.prefill_handler(), name="P")
-        D = self.mock(pxtest.decode_handler(), name="D")
+        P = self.mock(prefill_handler(), name="P")
+        D = self.mock(decode_handler(), name="D")
         px = self.start([P], [D])
         for bad in ('a b"c\\d', "a b", 'q"q', "back\\slash"):
             with self.subTest(bad=bad):
@@ -445,8 +444,8 @@ class RequestIdAndHostTest(ProdCase):
         self.assertEqual(r.header("x-request-id"), "ok-id_1.2:3/x")
 
     def test_host_required_once(self):
-        P = self.mock(pxtest.prefill_handler(), name="P")
-        D = self.mock(pxtest.decode_handler(), name="D")
+        P = self.mock(prefill_handler(), name="P")
+        D = self.mock(decode_handler(), name="D")
         px = self.start([P], [D])
         for name, raw in (
                 ("no Host", b"GET /health HTTP/1.1\r\n\r\n"),
@@ -469,53 +468,7 @@ class RequestIdAndHostTest(ProdCase):
         c.close()
 
 
-NS_SCRIPT = ('mount --bind "$0" /etc/hosts && mount --bind "$1" /etc/resolv.conf && '
-             'shift && exec "$@"')
-STALL_DNS = "127.0.0.98"
-
-
-def ns_usable():
-    if os.geteuid() != 0 or not shutil.which("unshare"):
-        return False
-    try:
-        p = subprocess.run(["unshare", "-m", "true"], capture_output=True, timeout=5)
-        return p.returncode == 0
-    except (OSError, subprocess.TimeoutExpired):
-        return False
-
-
-class StallingDns:
-    """A UDP "name server" on STALL_DNS:53 that reads queries and never
-    answers."""
-
-    def __init__(self):
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        self.sock.bind((STALL_DNS, 53))
-        self.sock.settimeout(0.2)
-        self.queries = 0
-        self.stop = False
-        self.t = threading.Thread(target=self.run, daemon=True)
-        self.t.start()
-
-    def run(self):
-        for _ in range(MAX_LOOP):
-            if self.stop:
-                return
-            try:
-                self.sock.recvfrom(4096)
-                self.queries += 1
-            except socket.timeout:
-                pass
-            except OSError:
-                return
-
-    def close(self):
-        self.stop = True
-        self.t.join(2)
-        self.sock.close()
-
-
-@unittest.skipUnless(ns_usable(), "needs root and unshare -m")
+@unittest.skipUnless(unshare_usable(), "needs root and unshare -m")
 class AsyncDnsTest(ProdCase):
     """Item 9: names were resolved with a blocking resolver."""
 
@@ -533,24 +486,15 @@ class AsyncDnsTest(ProdCase):
             os.close(fd)
             files.append(path)
             self.addCleanup(os.unlink, path)
-        P = self.mock(pxtest.prefill_handler(), name="P")
-        D = self.mock(pxtest.decode_handler(), name="D")
-        port = free_port()
-        args = ["--host", HOST, "--port", str(port), "--threads", "2", "--health-interval", "0",
+        P = self.mock(prefill_handler(), name="P")
+        D = self.mock(decode_handler(), name="D")
+        args = ["--health-interval", "0",
                 "--prefiller-hosts", HOST, "--prefiller-ports", str(P.port),
                 "--prefill", "http://stalled.pdproxy-test:%d" % P.port,
                 "--decode", "http://%s:%d" % (HOST, D.port), "--dns-refresh", "0.5"]
-        px = Proxy(args, port=port, ready_timeout=3.0)
-        px.cmd_prefix = ["unshare", "-m", "sh", "-c", NS_SCRIPT] + files
-        cmd = px.cmd_prefix + [PDPROXY] + args
-        with open(px.stderr_path, "wb") as err, open(px.stdout_path, "wb") as out:
-            px.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=err,
-                                       env=Proxy.clean_env())
-        px.t_spawn = now()
-        self._proxies.append(px)
-        self.addCleanup(self._stop_proxy, px)
         try:
-            px.wait_ready()
+            px = self.start_proxy(args=args, ready_timeout=3.0,
+                                  prefix=mount_prefix(*files))
         except ProxyStartError as e:
             self.fail("a DNS server that never answers delayed start-up: %s" % e)
         self.assertTrue(wait_until(lambda: dns.queries > 0, 3.0), "no query reached the server")
@@ -565,4 +509,4 @@ class AsyncDnsTest(ProdCase):
 
 
 if __name__ == "__main__":
-    pxtest.main()
+    main()

@@ -16,12 +16,13 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import pxtest  # noqa: E402
-from prodtest import ProdCase  # noqa: E402
-from pxtest import HOST, MAX_LOOP, RawClient, Respond, Stream, http_request, now  # noqa: E402
+from pdharness.case import main
+from pdharness.client import RawClient, http_request, strict_json
+from pdharness.mocks import Respond, Stream, chat_body, completion_body, prefill_handler, sse_events
+from pdharness.net import HOST, MAX_LOOP, now, socket_inodes, wait_until
+from pdharness.procs import slack
+from pdharness.prod import ProdCase
 
 MARK = "SMUGGLED"
 
@@ -39,7 +40,7 @@ def echo_decode(req):
     text = "echo:%s:%s:%s" % (req.path, req.header("x-request-id"), prompt)
     if doc.get("stream"):
         return Stream(200, [("Content-Type", "text/event-stream")],
-                      [(0, e) for e in pxtest.sse_events([text, "!"])])
+                      [(0, e) for e in sse_events([text, "!"])])
     body = {"id": "cmpl", "object": "text_completion",
             "choices": [{"index": 0, "text": text, "finish_reason": "stop"}]}
     return Respond(200, [("Content-Type", "application/json")], json.dumps(body).encode())
@@ -55,7 +56,7 @@ def pdproxy_fds(pid):
 def accepted_conns(pid, port):
     """Established client connections to `port` that process `pid` has
     accepted (sockets still in the accept queue have no inode yet)."""
-    mine = pxtest.socket_inodes(pid)
+    mine = socket_inodes(pid)
     n = 0
     with open("/proc/net/tcp") as f:
         next(f)
@@ -69,7 +70,7 @@ def accepted_conns(pid, port):
 
 class HostileCase(ProdCase):
     def pd(self, extra=(), d_handler=echo_decode):
-        self.P = self.mock(pxtest.prefill_handler(), name="P")
+        self.P = self.mock(prefill_handler(), name="P")
         self.D = self.mock(d_handler, name="D")
         self.px = self.start([self.P], [self.D], list(extra))
         return self.px
@@ -77,7 +78,7 @@ class HostileCase(ProdCase):
     def still_serves(self, prompt="after"):
         self.assertTrue(self.px.alive(), "pdproxy died")
         r = http_request(self.px.port, "POST", "/v1/completions",
-                         pxtest.completion_body(prompt=prompt))
+                         completion_body(prompt=prompt))
         self.assertEqual(r.status, 200, r.body[:300])
         return r
 
@@ -157,10 +158,10 @@ class SlowlorisTest(HostileCase):
         took = st["t_ans"] - st["t_first"]
         self.assertTrue(data.startswith(b"HTTP/1.1 408 "), "%s: got %r" % (what, data[:200]))
         head, _, body = data.partition(b"\r\n\r\n")
-        doc = pxtest.strict_json(body)
+        doc = strict_json(body)
         self.assertEqual(doc["error"]["code"], 408, what)
         self.assertGreaterEqual(took, 0.9, "%s: 408 after %.2fs, before the timeout" % (what, took))
-        k = pxtest.slack(self.px.proc.pid)
+        k = slack(self.px.proc.pid)
         self.assertLess(took, 2.5 * k, "%s: 408 only after %.2fs (--client-header-timeout 1)"
                         % (what, took))
         self.assertIsNotNone(st["t_eof"], "%s: connection not closed after the 408" % what)
@@ -182,9 +183,9 @@ class SlowlorisTest(HostileCase):
             "st", self.drip(socks, {}, 0.3, 6.0)), daemon=True)
         t.start()
         t0 = now()
-        r = http_request(px.port, "POST", "/v1/completions", pxtest.completion_body(), timeout=5)
+        r = http_request(px.port, "POST", "/v1/completions", completion_body(), timeout=5)
         self.assertEqual(r.status, 200, r.body[:200])
-        self.assertLess(now() - t0, 1.0 * pxtest.slack(px.proc.pid),
+        self.assertLess(now() - t0, 1.0 * slack(px.proc.pid),
                         "a normal request waited %.2fs behind slowloris clients"
                         % (now() - t0))
         t.join(10)
@@ -199,7 +200,7 @@ class SlowlorisTest(HostileCase):
         px = self.pd(["--client-header-timeout", "1"])
         c = RawClient(px.port)
         self.addCleanup(c.close)
-        c.request("POST", "/v1/completions", pxtest.completion_body())
+        c.request("POST", "/v1/completions", completion_body())
         r = c.read_response(timeout=5)
         self.assertEqual(r.status, 200)
         self.assertIsNone(r.header("connection"))
@@ -261,10 +262,8 @@ def hold_idle_main(port, n, pid):
                         return
                     left.discard(s)
                     sel.modify(s, selectors.EVENT_READ)
-        for _ in range(MAX_LOOP):
-            if accepted_conns(pid, port) >= len(socks) - 1000 or now() >= deadline:
-                break
-            time.sleep(0.02)
+        wait_until(lambda: accepted_conns(pid, port) >= len(socks) - 1000,
+                   deadline - now(), 0.02)
     print("opened %d %.2f" % (len(socks), now() - t0), flush=True)
     for line in sys.stdin:
         cmd = line.split()
@@ -342,7 +341,7 @@ class IdleConnectionsTest(HostileCase):
             self.skipTest(line[5:])
         self.assertTrue(line.startswith("opened %d " % self.N), line)
         # pdproxy has really accepted them all (not just the kernel's queue).
-        held = pxtest.wait_until(lambda: accepted_conns(pid, px.port) >= self.N, 30.0, 0.1)
+        held = wait_until(lambda: accepted_conns(pid, px.port) >= self.N, 30.0, 0.1)
         self.assertTrue(held, "pdproxy accepted %d of %d connections after %.1fs (%d fds)"
                         % (accepted_conns(pid, px.port), self.N, now() - t0, pdproxy_fds(pid)))
         # Normal requests still succeed, promptly.
@@ -350,16 +349,16 @@ class IdleConnectionsTest(HostileCase):
         for i in range(20):
             t1 = now()
             r = http_request(px.port, "POST", "/v1/completions",
-                             pxtest.completion_body(prompt="busy-%d" % i), timeout=10)
+                             completion_body(prompt="busy-%d" % i), timeout=10)
             worst = max(worst, now() - t1)
             self.assertEqual(r.status, 200, "request %d with %d idle connections: %r"
                              % (i, self.N, r.body[:200]))
             self.assertIn(b"busy-%d" % i, r.body)
-        self.assertLess(worst, 2.0 * pxtest.slack(pid),
+        self.assertLess(worst, 2.0 * slack(pid),
                         "a request took %.2fs with %d idle connections" % (worst, self.N))
         res = self.concurrent(lambda i: http_request(
             px.port, "POST", "/v1/chat/completions",
-            pxtest.chat_body(messages=[{"role": "user", "content": "c%d" % i}]),
+            chat_body(messages=[{"role": "user", "content": "c%d" % i}]),
             timeout=10).status, 16, timeout=20)
         self.assertEqual(res, [200] * 16)
         for path in ("/health", "/healthcheck", "/metrics"):
@@ -371,7 +370,7 @@ class IdleConnectionsTest(HostileCase):
         self.assertEqual(self.ask(h, "probe 10"), "probe 10")
         self.assertEqual(self.ask(h, "close"), "closed")
         # pdproxy lets go of them all.
-        back = pxtest.wait_until(lambda: pdproxy_fds(pid) <= base_fds + 50, 30.0, 0.05)
+        back = wait_until(lambda: pdproxy_fds(pid) <= base_fds + 50, 30.0, 0.05)
         self.assertTrue(back, "pdproxy still holds %d fds (baseline %d) after the clients left"
                         % (pdproxy_fds(pid), base_fds))
         self.still_serves()
@@ -382,13 +381,13 @@ class IdleConnectionsTest(HostileCase):
 
 
 def smuggled_request(n):
-    body = json.dumps(pxtest.completion_body(prompt="%s-%d" % (MARK, n))).encode()
+    body = json.dumps(completion_body(prompt="%s-%d" % (MARK, n))).encode()
     return (b"POST /v1/completions?%s HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
             b"Content-Length: %d\r\n\r\n" % (MARK.encode(), len(body)) + body)
 
 
 def good_body(prompt="front"):
-    return json.dumps(pxtest.completion_body(prompt=prompt)).encode()
+    return json.dumps(completion_body(prompt=prompt)).encode()
 
 
 def smuggling_shapes():
@@ -651,7 +650,7 @@ class PipeliningTest(HostileCase):
             rid = "pipe-%d" % i
             if kind == 0:
                 out += RawClient.build("POST", "/v1/completions",
-                                       pxtest.completion_body(prompt="p%d" % i),
+                                       completion_body(prompt="p%d" % i),
                                        [("X-Request-Id", rid)])
                 exp.append((200, rid, "echo:/v1/completions:%s:p%d" % (rid, i)))
             elif kind == 1:
@@ -659,7 +658,7 @@ class PipeliningTest(HostileCase):
                 exp.append((200, None, '"status"'))
             elif kind == 2:
                 out += RawClient.build("POST", "/v1/chat/completions",
-                                       pxtest.chat_body(stream=True, messages=[
+                                       chat_body(stream=True, messages=[
                                            {"role": "user", "content": "c%d" % i}]),
                                        [("X-Request-Id", rid)])
                 exp.append((200, rid, "echo:/v1/chat/completions:%s:c%d" % (rid, i)))
@@ -731,7 +730,7 @@ class PipeliningTest(HostileCase):
         """Good, good, CL+TE, good: two answers, a 400, close; the fourth
         request is never read, so it never reaches an engine."""
         px = self.pd()
-        a = RawClient.build("POST", "/v1/completions", pxtest.completion_body(prompt="one"),
+        a = RawClient.build("POST", "/v1/completions", completion_body(prompt="one"),
                             [("X-Request-Id", "ok-1")])
         b = RawClient.build("GET", "/healthcheck")
         bad = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n"
@@ -752,7 +751,7 @@ class PipeliningTest(HostileCase):
         """A pipelined request with Connection: close ends the connection:
         what follows it is never read."""
         px = self.pd()
-        a = RawClient.build("POST", "/v1/completions", pxtest.completion_body(prompt="one"),
+        a = RawClient.build("POST", "/v1/completions", completion_body(prompt="one"),
                             [("X-Request-Id", "cc-1"), ("Connection", "close")])
         c = RawClient(px.port)
         self.addCleanup(c.close)
@@ -819,11 +818,11 @@ class HopByHopTest(HostileCase):
         px = self.pd()
         cases = [
             ("completions chunked", "POST", "/v1/completions",
-             pxtest.completion_body(prompt="hop1"), True),
+             completion_body(prompt="hop1"), True),
             ("chat length", "POST", "/v1/chat/completions",
-             pxtest.chat_body(messages=[{"role": "user", "content": "hop2"}]), False),
+             chat_body(messages=[{"role": "user", "content": "hop2"}]), False),
             ("stream", "POST", "/v1/completions",
-             pxtest.completion_body(prompt="hop3", stream=True), True),
+             completion_body(prompt="hop3", stream=True), True),
             ("models", "GET", "/v1/models", None, False),
         ]
         for what, method, path, body, chunked in cases:
@@ -856,7 +855,7 @@ class HopByHopTest(HostileCase):
         c = RawClient(px.port)
         self.addCleanup(c.close)
         for i in range(2):
-            c.request("POST", "/v1/completions", pxtest.completion_body(prompt="r%d" % i))
+            c.request("POST", "/v1/completions", completion_body(prompt="r%d" % i))
             r = c.read_response(timeout=5)
             self.assertEqual(r.status, 200)
             self.assertTrue(r.complete)
@@ -870,4 +869,4 @@ if __name__ == "__main__":
     if len(sys.argv) == 5 and sys.argv[1] == "--hold-idle":
         hold_idle_main(int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]))
     else:
-        pxtest.main()
+        main()

@@ -18,41 +18,28 @@ import sys
 import tempfile
 import threading
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import pxtest  # noqa: E402
-from prodtest import ProdCase, metric, prom  # noqa: E402
-from pxtest import (HOST, MAX_LOOP, CloseBeforeHeaders, Hang, RawClient,  # noqa: E402
-                    Reset, Respond, Stream, http_request, now)
+from pdharness.case import main
+from pdharness.client import RawClient, http_request, strict_json
+from pdharness.mocks import (CloseBeforeHeaders, Hang, Reset, Respond, Stream, completion_body,
+                             decode_handler, default_p_kv, prefill_handler, sse_events)
+from pdharness.net import HOST, MAX_LOOP, Listener, now, wait_until
+from pdharness.prod import ProdCase
+from pdharness.prom import metric, prom
 
 SSE = ("Content-Type", "text/event-stream")
 JSONCT = ("Content-Type", "application/json")
 
 
-class Silent:
+class Silent(Listener):
     """A backend that accepts connections and never reads or writes a byte."""
 
     def __init__(self):
-        self.lsock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self.lsock.bind((HOST, 0))
-        self.lsock.listen(64)
-        self.port = self.lsock.getsockname()[1]
+        super().__init__(backlog=64, name="silent")
         self.socks = []
-        self._stop = threading.Event()
-        self._t = threading.Thread(target=self._accept, daemon=True)
-        self._t.start()
+        self.start_accepting()
 
-    def _accept(self):
-        self.lsock.settimeout(0.05)
-        for _ in range(MAX_LOOP):
-            if self._stop.is_set():
-                return
-            try:
-                s, _ = self.lsock.accept()
-            except socket.timeout:
-                continue
-            except OSError:
-                return
-            self.socks.append(s)
+    def accepted(self, sock):
+        self.socks.append(sock)
 
     def all_closed_by_peer(self, timeout):
         """Drains every accepted connection: True when pdproxy closed each
@@ -74,9 +61,7 @@ class Silent:
         return True
 
     def close(self):
-        self._stop.set()
-        self._t.join(2)
-        self.lsock.close()
+        self.stop_accepting()
         for s in self.socks:
             s.close()
 
@@ -136,11 +121,11 @@ class NeverAnswersTest(UpstreamCase):
 
     def test_prefill_never_reads(self):
         P = self.silent()
-        D = self.mock(pxtest.decode_handler(), name="D")
+        D = self.mock(decode_handler(), name="D")
         px = self.start([P.port], [D], ["--prefill-timeout", "1", "--prefill-retries", "0"])
-        for what, body in (("small", pxtest.completion_body()),
-                           ("8 MiB, upload stalls", pxtest.completion_body(prompt=self.BIG)),
-                           ("stream", pxtest.completion_body(stream=True))):
+        for what, body in (("small", completion_body()),
+                           ("8 MiB, upload stalls", completion_body(prompt=self.BIG)),
+                           ("stream", completion_body(stream=True))):
             with self.subTest(body=what):
                 self.timed_504(px, body, "silent prefill, " + what)
         self.assertEqual(D.requests, [], "decode called without a prefill answer")
@@ -149,9 +134,9 @@ class NeverAnswersTest(UpstreamCase):
 
     def test_prefill_reads_never_answers(self):
         P = self.mock(lambda req: Hang(15.0), name="P")
-        D = self.mock(pxtest.decode_handler(), name="D")
+        D = self.mock(decode_handler(), name="D")
         px = self.start([P], [D], ["--prefill-timeout", "1", "--prefill-retries", "0"])
-        self.timed_504(px, pxtest.completion_body(stream=True), "hanging prefill, stream")
+        self.timed_504(px, completion_body(stream=True), "hanging prefill, stream")
         self.assertEqual(D.requests, [])
         self.assertIsNotNone(P.requests[0].conn.wait_closed(2.0),
                              "pdproxy left the timed-out prefill open")
@@ -160,19 +145,19 @@ class NeverAnswersTest(UpstreamCase):
         """Headers of a 200, then silence: the prefill timeout covers the body."""
         P = self.mock(lambda req: Stream(200, [JSONCT], [(15.0, b"{}")], framing="length",
                                          length=2), name="P")
-        D = self.mock(pxtest.decode_handler(), name="D")
+        D = self.mock(decode_handler(), name="D")
         px = self.start([P], [D], ["--prefill-timeout", "1", "--prefill-retries", "0"])
-        self.timed_504(px, pxtest.completion_body(), "prefill head then silence")
+        self.timed_504(px, completion_body(), "prefill head then silence")
         self.assertEqual(D.requests, [])
         self.assertIsNotNone(P.requests[0].conn.wait_closed(2.0))
 
     def test_decode_never_reads(self):
-        P = self.mock(pxtest.prefill_handler(), name="P")
+        P = self.mock(prefill_handler(), name="P")
         D = self.silent()
         px = self.start([P], [D.port], ["--decode-idle-timeout", "1", "--prefill-timeout", "10"])
-        for what, body in (("small", pxtest.completion_body()),
-                           ("stream", pxtest.completion_body(stream=True)),
-                           ("8 MiB, upload stalls", pxtest.completion_body(prompt=self.BIG))):
+        for what, body in (("small", completion_body()),
+                           ("stream", completion_body(stream=True)),
+                           ("8 MiB, upload stalls", completion_body(prompt=self.BIG))):
             with self.subTest(body=what):
                 # The decode idle timeout runs from the end of prefill's answer.
                 self.timed_504(px, body, "silent decode, " + what,
@@ -181,10 +166,10 @@ class NeverAnswersTest(UpstreamCase):
         self.assertEqual(metric(prom(px.port), "pdproxy_inflight_requests"), 0)
 
     def test_decode_reads_never_answers(self):
-        P = self.mock(pxtest.prefill_handler(), name="P")
+        P = self.mock(prefill_handler(), name="P")
         D = self.mock(lambda req: Hang(15.0), name="D")
         px = self.start([P], [D], ["--decode-idle-timeout", "1"])
-        self.timed_504(px, pxtest.completion_body(stream=True), "hanging decode, stream")
+        self.timed_504(px, completion_body(stream=True), "hanging decode, stream")
         self.assertIsNotNone(D.requests[0].conn.wait_closed(2.0),
                              "pdproxy left the timed-out decode open")
 
@@ -195,16 +180,16 @@ class NeverAnswersTest(UpstreamCase):
 class MidEventTest(UpstreamCase):
     """Decode stops in the middle of an SSE event."""
 
-    EV = pxtest.sse_events(["alpha", "beta", "gamma"])
+    EV = sse_events(["alpha", "beta", "gamma"])
     HALF = EV[1][:len(EV[1]) // 2]
 
     def run_case(self, stream, extra=(), what=""):
-        P = self.mock(pxtest.prefill_handler(), name="P")
+        P = self.mock(prefill_handler(), name="P")
         D = self.mock(lambda req: stream, name="D")
         px = self.start([P], [D], list(extra))
         c = RawClient(px.port)
         self.addCleanup(c.close)
-        c.request("POST", "/v1/completions", pxtest.completion_body(stream=True))
+        c.request("POST", "/v1/completions", completion_body(stream=True))
         r = c.read_response(timeout=8)
         self.assertCutStream(r, self.EV[0] + self.HALF, what)
         self.assertIsNotNone(D.requests[0].conn.wait_closed(3.0), what)
@@ -212,7 +197,7 @@ class MidEventTest(UpstreamCase):
         D.set_handler(lambda req: Stream(200, [SSE], [(0, e) for e in self.EV]))
         c2 = RawClient(px.port)
         self.addCleanup(c2.close)
-        c2.request("POST", "/v1/completions", pxtest.completion_body(stream=True))
+        c2.request("POST", "/v1/completions", completion_body(stream=True))
         r2 = c2.read_response(timeout=5)
         self.assertChunkedComplete(r2, what + ", next request")
         self.assertEqual(bytes(r2.body), b"".join(self.EV))
@@ -274,7 +259,7 @@ class MalformedChunkedTest(UpstreamCase):
         c = RawClient(px.port)
         self.addCleanup(c.close)
         t0 = now()
-        c.request("POST", "/v1/completions", pxtest.completion_body(stream=stream))
+        c.request("POST", "/v1/completions", completion_body(stream=stream))
         r = c.read_response(timeout=8)
         took = now() - t0
         self.assertFalse(r.timed_out, "%s: no end: %r" % (name, r))
@@ -289,26 +274,26 @@ class MalformedChunkedTest(UpstreamCase):
                          "client" % name)
 
     def test_malformed_chunked_from_decode(self):
-        P = self.mock(pxtest.prefill_handler(), name="P")
-        D = self.mock(pxtest.decode_handler(), name="D")
+        P = self.mock(prefill_handler(), name="P")
+        D = self.mock(decode_handler(), name="D")
         px = self.start([P], [D], ["--decode-idle-timeout", "5", "--unhealthy-after", "1000"])
         for name, raw, good in self.SHAPES:
             for stream in (False, True):
                 with self.subTest(shape=name, stream=stream):
                     self.one(px, D, name, raw, good, stream)
-        D.set_handler(pxtest.decode_handler())
-        r = http_request(px.port, "POST", "/v1/completions", pxtest.completion_body())
+        D.set_handler(decode_handler())
+        r = http_request(px.port, "POST", "/v1/completions", completion_body())
         self.assertEqual(r.status, 200, r.body)
         self.assertEqual(metric(prom(px.port), "pdproxy_inflight_requests"), 0)
 
     def test_malformed_chunked_from_prefill_502(self):
         """Prefill's answer is read whole: broken framing there is a 502."""
-        P = self.mock(pxtest.prefill_handler(), name="P")
-        D = self.mock(pxtest.decode_handler(), name="D")
+        P = self.mock(prefill_handler(), name="P")
+        D = self.mock(decode_handler(), name="D")
         px = self.start([P], [D], ["--prefill-timeout", "5", "--prefill-retries", "0",
                                    "--unhealthy-after", "1000"])
         doc = json.dumps({"choices": [{"text": "x"}],
-                          "kv_transfer_params": pxtest.default_p_kv()}).encode()
+                          "kv_transfer_params": default_p_kv()}).encode()
         for name, raw in (("bad hex", b"zz\r\n" + doc + b"\r\n0\r\n\r\n"),
                           ("missing CRLF", b"%x\r\n" % (len(doc) - 3) + doc + b"\r\n0\r\n\r\n"),
                           ("overflow", b"f" * 40 + b"\r\n" + doc + b"\r\n0\r\n\r\n")):
@@ -316,7 +301,7 @@ class MalformedChunkedTest(UpstreamCase):
                 P.set_handler(lambda req, raw=raw: Respond(
                     200, [JSONCT, ("Transfer-Encoding", "chunked")], raw, raw_framing=True))
                 t0 = now()
-                r = http_request(px.port, "POST", "/v1/completions", pxtest.completion_body())
+                r = http_request(px.port, "POST", "/v1/completions", completion_body())
                 self.assertErrorJson(r, 502, name)
                 self.assertLess(now() - t0, 3.0, name)
         self.assertEqual(D.requests, [])
@@ -327,8 +312,8 @@ class MalformedChunkedTest(UpstreamCase):
 
 class PrefillGarbageTest(UpstreamCase):
     def test_prefill_200_not_json_502(self):
-        P = self.mock(pxtest.prefill_handler(), name="P")
-        D = self.mock(pxtest.decode_handler(), name="D")
+        P = self.mock(prefill_handler(), name="P")
+        D = self.mock(decode_handler(), name="D")
         px = self.start([P], [D], ["--unhealthy-after", "1000"])
         bodies = [
             ("text", b"hello, world", "text/plain", "length"),
@@ -347,20 +332,20 @@ class PrefillGarbageTest(UpstreamCase):
                     200, [("Content-Type", ct)], body, framing=framing))
                 for stream in (False, True):
                     r = http_request(px.port, "POST", "/v1/completions",
-                                     pxtest.completion_body(stream=stream))
+                                     completion_body(stream=stream))
                     self.assertErrorJson(r, 502, "%s, stream=%s" % (name, stream))
         self.assertEqual(D.requests, [], "decode called after a garbage prefill answer")
-        P.set_handler(pxtest.prefill_handler())
+        P.set_handler(prefill_handler())
         self.assertEqual(http_request(px.port, "POST", "/v1/completions",
-                                      pxtest.completion_body()).status, 200)
+                                      completion_body()).status, 200)
 
     def test_prefill_50mib_answer_502_memory_bounded(self):
         pad = b"p" * (50 * 1024 * 1024)
-        kv = json.dumps(pxtest.default_p_kv()).encode()
+        kv = json.dumps(default_p_kv()).encode()
         # Valid JSON: its size is the only thing wrong with it.
         huge = b'{"choices":[{"text":"x"}],"kv_transfer_params":' + kv + b',"pad":"' + pad + b'"}'
-        P = self.mock(pxtest.prefill_handler(), name="P")
-        D = self.mock(pxtest.decode_handler(), name="D")
+        P = self.mock(prefill_handler(), name="P")
+        D = self.mock(decode_handler(), name="D")
         # Under AddressSanitizer, freed memory sits in a quarantine (256 MiB by
         # default) instead of being reused, so the peak RSS would sum every
         # buffer ever freed. Without the quarantine it measures what pdproxy
@@ -371,7 +356,7 @@ class PrefillGarbageTest(UpstreamCase):
         pid = px.proc.pid
         for i in range(3):  # warm up: threads, curl handles, buffers
             self.assertEqual(http_request(px.port, "POST", "/v1/completions",
-                                          pxtest.completion_body()).status, 200)
+                                          completion_body()).status, 200)
         base = proc_status(pid)
         peak_hwm = base["VmHWM"]
         for framing in ("length", "chunked", "close"):
@@ -380,7 +365,7 @@ class PrefillGarbageTest(UpstreamCase):
                                                                    framing=framing))
                 n_d = len(D.requests)
                 t0 = now()
-                r = http_request(px.port, "POST", "/v1/completions", pxtest.completion_body(),
+                r = http_request(px.port, "POST", "/v1/completions", completion_body(),
                                  timeout=30)
                 self.assertErrorJson(r, 502, "50 MiB prefill answer, %s" % framing)
                 self.assertLess(now() - t0, 10.0)
@@ -391,9 +376,9 @@ class PrefillGarbageTest(UpstreamCase):
                 self.assertLess(grew, 20.0, "pdproxy's peak RSS grew %.1f MiB over %.1f MiB on a "
                                 "50 MiB prefill answer (%s)" % (grew, base["VmRSS"] / 1024.0,
                                                                 framing))
-        P.set_handler(pxtest.prefill_handler())
+        P.set_handler(prefill_handler())
         self.assertEqual(http_request(px.port, "POST", "/v1/completions",
-                                      pxtest.completion_body()).status, 200)
+                                      completion_body()).status, 200)
         sys.stderr.write("\n[50MiB] RSS %.1f MiB before, peak %.1f MiB, now %.1f MiB\n"
                          % (base["VmRSS"] / 1024.0, peak_hwm / 1024.0,
                             proc_status(pid)["VmRSS"] / 1024.0))
@@ -409,25 +394,25 @@ class NoSilentResendTest(UpstreamCase):
 
     def check(self, role, failing, what):
         n = {"i": 0}
-        normal = pxtest.prefill_handler() if role == "prefill" else pxtest.decode_handler()
+        normal = prefill_handler() if role == "prefill" else decode_handler()
 
         def h(req):
             n["i"] += 1
             return failing() if n["i"] == 2 else normal(req)
         if role == "prefill":
             P = M = self.mock(h, name="P")
-            D = self.mock(pxtest.decode_handler(), name="D")
+            D = self.mock(decode_handler(), name="D")
         else:
-            P = self.mock(pxtest.prefill_handler(), name="P")
+            P = self.mock(prefill_handler(), name="P")
             D = M = self.mock(h, name="D")
         # One worker thread: one pool of upstream connections, so the second
         # request reuses the first one's connection.
         px = self.start([P], [D], ["--unhealthy-after", "1000", "--prefill-retries", "0"],
                         threads=1)
-        r1 = http_request(px.port, "POST", "/v1/completions", pxtest.completion_body(),
+        r1 = http_request(px.port, "POST", "/v1/completions", completion_body(),
                           headers={"X-Request-Id": "first-ok"})
         self.assertEqual(r1.status, 200, r1.body)
-        r2 = http_request(px.port, "POST", "/v1/completions", pxtest.completion_body(),
+        r2 = http_request(px.port, "POST", "/v1/completions", completion_body(),
                           headers={"X-Request-Id": "second-fails"})
         got = [(q.header("x-request-id"), q.conn_id) for q in M.requests]
         self.assertEqual(got[0], ("first-ok", 0))
@@ -485,7 +470,7 @@ end
 
 D_JSON = json.dumps({"id": "cmpl-d", "object": "text_completion",
                      "choices": [{"index": 0, "text": "fine", "finish_reason": "stop"}]}).encode()
-D_SSE = pxtest.sse_events(["fi", "ne"])
+D_SSE = sse_events(["fi", "ne"])
 
 
 def split_stale(body, status):
@@ -589,7 +574,7 @@ class RandomResetLoadTest(UpstreamCase):
         wrk = shutil.which("wrk")
         if not wrk:
             self.skipTest("wrk not installed (Debian package wrk; deploy/local/install-deps.sh)")
-        P = self.mock(pxtest.prefill_handler(), name="P")
+        P = self.mock(prefill_handler(), name="P")
         handler, counts = self.flaky_decode(7)
         D = self.mock(handler, name="D")
         px = self.start([P], [D], ["--decode-idle-timeout", "4", "--prefill-timeout", "4",
@@ -603,9 +588,9 @@ class RandomResetLoadTest(UpstreamCase):
             f.write(WRK_LUA)
         outp = os.path.join(tmp, "responses")
         env = dict(os.environ, HOSTILE_WRK_OUT=outp,
-                   HOSTILE_BODY_PLAIN=json.dumps(pxtest.completion_body(prompt="load")),
-                   HOSTILE_BODY_STREAM=json.dumps(pxtest.completion_body(prompt="load",
-                                                                         stream=True)))
+                   HOSTILE_BODY_PLAIN=json.dumps(completion_body(prompt="load")),
+                   HOSTILE_BODY_STREAM=json.dumps(completion_body(prompt="load",
+                                                                  stream=True)))
         cmd = [wrk, "-t1", "-c16", "-d%ds" % self.DURATION, "--timeout", "10s", "-s", lua,
                "http://%s:%d/v1/completions" % (HOST, px.port)]
         p = subprocess.run(cmd, env=env, capture_output=True, text=True,
@@ -649,7 +634,7 @@ class RandomResetLoadTest(UpstreamCase):
             if st == 200:
                 continue
             try:
-                doc = pxtest.strict_json(final)
+                doc = strict_json(final)
                 ok = (ct.split(";")[0].strip() == "application/json"
                       and isinstance(doc.get("error"), dict)
                       and doc["error"].get("code") == st
@@ -668,18 +653,18 @@ class RandomResetLoadTest(UpstreamCase):
         self.assertGreater(by_status.get(502, 0), 0, "no 502 seen: did decode reset at all? %r"
                            % counts)
         # Afterwards: alive, healthy, nothing left in flight, no leaked sockets.
-        D.set_handler(pxtest.decode_handler())
+        D.set_handler(decode_handler())
         self.assertEqual(http_request(px.port, "GET", "/health").status, 200)
-        r = http_request(px.port, "POST", "/v1/completions", pxtest.completion_body())
+        r = http_request(px.port, "POST", "/v1/completions", completion_body())
         self.assertEqual(r.status, 200, r.body)
-        self.assertTrue(pxtest.wait_until(
+        self.assertTrue(wait_until(
             lambda: metric(prom(px.port), "pdproxy_inflight_requests") == 0, 5.0, 0.05),
             "requests still in flight after the load ended")
-        fds = pxtest.wait_until(lambda: len(os.listdir("/proc/%d/fd" % pid)) <= base_fds + 40,
-                                10.0, 0.05)
+        fds = wait_until(lambda: len(os.listdir("/proc/%d/fd" % pid)) <= base_fds + 40,
+                         10.0, 0.05)
         self.assertTrue(fds, "pdproxy holds %d fds after the load, %d before"
                         % (len(os.listdir("/proc/%d/fd" % pid)), base_fds))
 
 
 if __name__ == "__main__":
-    pxtest.main()
+    main()

@@ -6,14 +6,13 @@ health, readiness and metrics endpoints are exempt. What P and D receive:
 --upstream-api-key, else the client's Authorization, else $OPENAI_API_KEY."""
 
 import os
-import sys
 import tempfile
-import unittest
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import pxtest  # noqa: E402
-from pxtest import (PxTestCase, completion_body, chat_body, decode_handler,  # noqa: E402
-                    http_request, prefill_handler, raw_exchange)
+from pdharness.case import PxTestCase, main
+from pdharness.client import RawClient, http_request, raw_exchange
+from pdharness.mocks import chat_body, completion_body, decode_handler, prefill_handler
+from pdharness.net import HOST, free_port
+from pdharness.procs import run_pdproxy
 
 KEY = "sk-pdproxy-Front-Key-0123456789"
 KEYS_IN_FILE = ["sk-file-alpha-111", "sk-file-beta-222", "sk-file-gamma-333"]
@@ -89,7 +88,7 @@ class AuthTest(PxTestCase):
         self.assertEqual((r.header("www-authenticate") or "").split(" ")[0].lower(), "bearer",
                          "401 without WWW-Authenticate: Bearer (RFC 9110 11.6.1)")
         # The connection stays usable for a keyed request afterwards.
-        c = pxtest.RawClient(px.port)
+        c = RawClient(px.port)
         try:
             c.request("POST", "/v1/completions", completion_body())
             r1 = c.read_response()
@@ -123,8 +122,8 @@ class AuthTest(PxTestCase):
         self.check_keys(px, KEYS_IN_FILE[:2], [KEYS_IN_FILE[2], ""])
 
     def test_api_key_file_missing_refused_at_start(self):
-        p = pxtest.run_pdproxy(["--api-key-file", "/nonexistent/pdproxy-keys", "--host",
-                                pxtest.HOST, "--port", str(pxtest.free_port())], timeout=10)
+        p = run_pdproxy(["--api-key-file", "/nonexistent/pdproxy-keys", "--host",
+                         HOST, "--port", str(free_port())], timeout=10)
         self.assertNotEqual(p.returncode, 0, "pdproxy started without its key file")
         self.assertIn("api-key-file", p.stderr)
 
@@ -206,4 +205,4 @@ class UpstreamAuthTest(PxTestCase):
 
 
 if __name__ == "__main__":
-    pxtest.main()
+    main()

@@ -5,91 +5,23 @@ prefill / first byte / total milliseconds, bytes out and outcome; --log-level;
 no Authorization value or API key ever in stderr or in --print-config."""
 
 import os
-import re
-import sys
 import tempfile
 import threading
 import unittest
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import pxtest  # noqa: E402
-from pxtest import (PxTestCase, RawClient, Respond, Stream, Hang, closed_port,  # noqa: E402
-                    completion_body, chat_body, decode_handler, http_request, prefill_handler,
-                    raw_exchange, run_pdproxy, sse_events, strict_json, wait_until)
+from pdharness.case import PxTestCase, main
+from pdharness.client import RawClient, http_request, raw_exchange, strict_json
+from pdharness.logs import LogfmtError, parse_logfmt
+from pdharness.mocks import (Hang, Respond, Stream, chat_body, completion_body, decode_handler,
+                             prefill_handler, sse_events)
+from pdharness.net import closed_port, wait_until
+from pdharness.procs import run_pdproxy
 
 # In every access line.  prefill, decode, prefill_ms, ttfb_ms and trace_id
 # are there when known and absent when not (a request refused before any
 # backend has no prefill and no first byte).
 ACCESS_FIELDS = ("req", "endpoint", "status", "total_ms", "bytes_out", "outcome")
 OK_FIELDS = ACCESS_FIELDS + ("prefill", "decode", "prefill_ms", "ttfb_ms", "trace_id")
-
-
-class LogfmtError(AssertionError):
-    pass
-
-
-def parse_logfmt(line):
-    """Strict logfmt as go-logfmt reads it: key=value pairs separated by
-    blanks; keys without '=', '"' or blanks; bare values without '=', '"' or
-    blanks; quoted values with \\" \\\\ \\n \\t \\r escapes. Duplicate keys
-    are an error (a log reader would keep only one of them)."""
-    out = {}
-    i, n = 0, len(line)
-    for _ in range(n + 1):
-        while i < n and line[i] == " ":
-            i += 1
-        if i >= n:
-            return out
-        m = re.compile(r'[^\s="]+').match(line, i)
-        if not m:
-            raise LogfmtError("bad key at column %d of %r" % (i, line))
-        key = m.group(0)
-        i = m.end()
-        if key in out:
-            raise LogfmtError("duplicate key %r in %r" % (key, line))
-        if i >= n or line[i] == " ":
-            out[key] = True
-            continue
-        if line[i] != "=":
-            raise LogfmtError("unexpected %r after key %r in %r" % (line[i], key, line))
-        i += 1
-        if i < n and line[i] == '"':
-            i += 1
-            val = []
-            for _ in range(n + 1):
-                if i >= n:
-                    raise LogfmtError("unterminated quoted value in %r" % line)
-                c = line[i]
-                if c == "\\":  # go-logfmt unquotes as JSON strings
-                    e = line[i + 1] if i + 1 < n else ""
-                    if e == "u" and re.match(r"[0-9a-fA-F]{4}", line[i + 2:i + 6]):
-                        val.append(chr(int(line[i + 2:i + 6], 16)))
-                        i += 6
-                        continue
-                    if not e or e not in '"\\/bfnrt':
-                        raise LogfmtError("bad escape in %r" % line)
-                    val.append({'"': '"', "\\": "\\", "/": "/", "b": "\b", "f": "\f", "n": "\n",
-                                "r": "\r", "t": "\t"}[e])
-                    i += 2
-                    continue
-                if c == '"':
-                    i += 1
-                    break
-                if ord(c) < 0x20:
-                    raise LogfmtError("control character in %r" % line)
-                val.append(c)
-                i += 1
-            if i < n and line[i] != " ":
-                raise LogfmtError("blank expected after a quoted value in %r" % line)
-            out[key] = "".join(val)
-            continue
-        m = re.compile(r'[^\s]*').match(line, i)
-        val = m.group(0)
-        if "=" in val or '"' in val:
-            raise LogfmtError("unquoted value with '=' or '\"' (%r) in %r" % (val, line))
-        out[key] = val
-        i = m.end()
-    raise LogfmtError("unparsable %r" % line)
 
 
 def num(v):
@@ -157,20 +89,10 @@ class LogTestBase(PxTestCase):
             self.assertIn(f, rec, "%s field %r missing in %r" % (where, f, rec))
 
 
-def slow_p(delay):
-    h = prefill_handler()
-
-    def f(req):
-        r = h(req)
-        r.delay = delay
-        return r
-    return f
-
-
 class AccessLogTest(LogTestBase):
 
     def test_logfmt_fields_and_timings(self):
-        P = self.mock(slow_p(0.2), "P")
+        P = self.mock(prefill_handler(delay=0.2), "P")
         body = b'{"id":"cmpl-d","choices":[{"index":0,"text":"hello there"}]}'
         D = self.mock(lambda r: Respond(200, [("Content-Type", "application/json")], body,
                                         delay=0.1), "D")
@@ -577,4 +499,4 @@ class SecretTest(LogTestBase):
 
 
 if __name__ == "__main__":
-    pxtest.main()
+    main()

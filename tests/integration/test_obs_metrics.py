@@ -9,16 +9,16 @@ backend_up after an ejection, and the process metrics."""
 import math
 import os
 import re
-import sys
 import threading
 import time
 import unittest
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import pxtest  # noqa: E402
-from pxtest import (PxTestCase, RawClient, Respond, Stream, Hang, closed_port,  # noqa: E402
-                    completion_body, chat_body, decode_handler, default_p_kv, http_request,
-                    prefill_handler, sse_events, wait_until)
+from pdharness.case import PxTestCase, main
+from pdharness.client import RawClient, http_request
+from pdharness.mocks import (Hang, Respond, Stream, chat_body, completion_body, decode_handler,
+                             default_p_kv, prefill_handler, sse_events)
+from pdharness.net import closed_port, wait_until
+from pdharness.procs import run_pdproxy
 
 # --------------------------------------------------------------------------
 # A strict parser of the text exposition format, version 0.0.4
@@ -634,7 +634,7 @@ class MetricsTest(PxTestCase):
         lab, v = infos[0]
         self.assertEqual(v, 1.0)
         self.assertEqual(set(lab), {"version", "commit"}, lab)
-        out = pxtest.run_pdproxy(["--version"]).stdout
+        out = run_pdproxy(["--version"]).stdout
         self.assertIn(lab["version"], out, "version label vs pdproxy --version")
         self.assertTrue(re.fullmatch(r"[0-9a-f]{7,40}|unknown", lab["commit"]), lab)
         self.assertEqual(e.families.get("process_start_time_seconds", {}).get("type"), "gauge")
@@ -802,4 +802,4 @@ class MetricsTest(PxTestCase):
 
 
 if __name__ == "__main__":
-    pxtest.main()
+    main()

@@ -10,18 +10,17 @@ unbounded memory."""
 
 import http.server
 import json
-import os
 import re
-import sys
 import threading
 import time
 import unittest
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import pxtest  # noqa: E402
-from pxtest import (PxTestCase, Stream, completion_body, decode_handler,  # noqa: E402
-                    default_p_kv, http_request, prefill_handler, raw_exchange, sse_events,
-                    wait_until)
+from pdharness.case import PxTestCase, main
+from pdharness.client import http_request, raw_exchange
+from pdharness.mocks import (Stream, completion_body, decode_handler, default_p_kv, prefill_handler,
+                             sse_events)
+from pdharness.net import closed_port, wait_until
+from pdharness.procs import run_pdproxy
 
 TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
 SPAN = "00f067aa0ba902b7"
@@ -355,7 +354,7 @@ class OtlpTest(PxTestCase):
 
     def test_no_prefill_is_an_error_span(self):
         rcv = self.receiver()
-        dead = pxtest.closed_port()
+        dead = closed_port()
         D = self.mock(decode_handler(), "D")
         px = self.start_proxy([dead], [D], extra=["--drain-delay", "0", "--prefill-retries",
                                                   "0"], env=self.otel_env(rcv))
@@ -452,11 +451,11 @@ class OtlpTest(PxTestCase):
                      ("OTEL_BSP_MAX_QUEUE_SIZE", "0")):
             env = {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:4318",
                    "OTEL_TRACES_SAMPLER": "traceidratio", k: v}
-            p = pxtest.run_pdproxy(["--prefill", "http://127.0.0.1:1", "--decode",
-                                    "http://127.0.0.1:2", "--port", "1"], env=env)
+            p = run_pdproxy(["--prefill", "http://127.0.0.1:1", "--decode",
+                             "http://127.0.0.1:2", "--port", "1"], env=env)
             self.assertEqual(p.returncode, 2, (k, v, p.stderr))
             self.assertIn(k, p.stderr, (k, v))
 
 
 if __name__ == "__main__":
-    pxtest.main()
+    main()

@@ -11,17 +11,17 @@ import shutil
 import socket
 import ssl
 import subprocess
-import sys
 import tempfile
 import threading
 import unittest
 import warnings
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import pxtest  # noqa: E402
-from pxtest import (HOST, IO_TIMEOUT, MockBackend, PxTestCase, Respond, Stream,  # noqa: E402
-                    completion_body, chat_body, decode_handler, prefill_handler, sse_events,
-                    strict_json)
+from pdharness.case import PxTestCase, main
+from pdharness.client import http_request
+from pdharness.mocks import (MockBackend, Respond, Stream, chat_body, completion_body,
+                             prefill_handler, sse_events)
+from pdharness.net import HOST, IO_TIMEOUT, free_port
+from pdharness.procs import run_pdproxy
 
 CERTS = {}
 
@@ -300,8 +300,8 @@ class TlsFrontTest(PxTestCase):
     def test_bad_key_refused_at_start(self):
         cert, _ = CERTS["server"]
         _, other_key = CERTS["wronghost"]
-        p = pxtest.run_pdproxy(["--tls-cert", cert, "--tls-key", other_key, "--host", HOST,
-                                "--port", str(pxtest.free_port()), "--health-interval", "0"],
+        p = run_pdproxy(["--tls-cert", cert, "--tls-key", other_key, "--host", HOST,
+                         "--port", str(free_port()), "--health-interval", "0"],
                                timeout=10)
         self.assertNotEqual(p.returncode, 0, "pdproxy started with a key that is not the cert's")
         self.assertIn("tls-key", p.stderr)
@@ -323,7 +323,7 @@ class TlsUpstreamTest(PxTestCase):
         return self.start_proxy(args=args)
 
     def post(self, px, body=None):
-        return pxtest.http_request(px.port, "POST", "/v1/completions", body or completion_body())
+        return http_request(px.port, "POST", "/v1/completions", body or completion_body())
 
     def test_verified_with_upstream_ca(self):
         P, D = self.tls_mocks()
@@ -338,7 +338,7 @@ class TlsUpstreamTest(PxTestCase):
         self.assertGreater(P.handshakes_ok, 0)
         # Health checks go over TLS too, verified the same way.
         self.assertGreaterEqual(P.wait_probes(1, 5), 1, "no health check reached the https P")
-        r = pxtest.http_request(px.port, "GET", "/ready")
+        r = http_request(px.port, "GET", "/ready")
         self.assertEqual(r.status, 200, r)
         # Streaming from an https D.
         r = self.post(px, completion_body(stream=True))
@@ -384,4 +384,4 @@ class TlsUpstreamTest(PxTestCase):
 
 
 if __name__ == "__main__":
-    pxtest.main()
+    main()

@@ -4,15 +4,11 @@ as child spans of the same trace (same trace id and flags, a new parent id
 each); a fresh one is generated when it is absent or invalid (the cases of the
 W3C trace-context test suite), shared by P and D; tracestate passes through."""
 
-import os
 import re
-import sys
-import unittest
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import pxtest  # noqa: E402
-from pxtest import (PxTestCase, Respond, completion_body, chat_body, decode_handler,  # noqa: E402
-                    prefill_handler, raw_exchange, wait_until)
+from pdharness.case import PxTestCase, main
+from pdharness.client import raw_exchange
+from pdharness.mocks import chat_body, completion_body, decode_handler, prefill_handler
 
 TP_RE = re.compile(r"^00-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})$")
 TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
@@ -195,4 +191,4 @@ class TraceTest(PxTestCase):
 
 
 if __name__ == "__main__":
-    pxtest.main()
+    main()

@@ -7,23 +7,23 @@ to the worker's LRU prefix index) is measured against engine-sim's token
 counts; decisions are counted and logged."""
 
 import json
-import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import pxtest  # noqa: E402
-from pdtest import PdCase, prose, rid_headers  # noqa: E402
-from pxtest import http_request  # noqa: E402
+from pdharness.case import main
+from pdharness.client import http_request
+from pdharness.mocks import completion_body, decode_handler, default_p_kv, prefill_handler
+from pdharness.net import closed_port
+from pdharness.pd import PdCase, prose, rid_headers
 
-KV = pxtest.default_p_kv("x")
+KV = default_p_kv("x")
 
 
 class DecisionTest(PdCase):
     """Against mocks: which path each request takes, and why."""
 
     def start(self, ndecode=1, extra=(), minimum=100):
-        self.P = self.mock(pxtest.prefill_handler(kv=KV), name="P")
-        self.Ds = [self.mock(pxtest.decode_handler(), name="D%d" % i) for i in range(ndecode)]
+        self.P = self.mock(prefill_handler(kv=KV), name="P")
+        self.Ds = [self.mock(decode_handler(), name="D%d" % i) for i in range(ndecode)]
         # One worker: one prefix index, so the test knows what it holds.
         return self.start_proxy([self.P], self.Ds, threads=1,
                                 extra=["--disagg-min-tokens", str(minimum),
@@ -149,8 +149,8 @@ class DecisionTest(PdCase):
             self.check("again-%d" % cap, rec, body, decision, reason)
 
     def test_default_always_disaggregates(self):
-        self.P = self.mock(pxtest.prefill_handler(kv=KV), name="P")
-        self.Ds = [self.mock(pxtest.decode_handler(), name="D")]
+        self.P = self.mock(prefill_handler(kv=KV), name="P")
+        self.Ds = [self.mock(decode_handler(), name="D")]
         px = self.start_proxy([self.P], self.Ds)
         body, rec = self.send(px, "tiny", "hi")
         self.check("tiny", rec, body, "disaggregated", "always")
@@ -165,10 +165,10 @@ class DecisionTest(PdCase):
         self.check("s", rec, body, "decode_only", "short_prompt")
 
     def test_no_decode_for_a_short_prompt(self):
-        P = self.mock(pxtest.prefill_handler(kv=KV), name="P")
-        px = self.start_proxy([P], [pxtest.closed_port()],
+        P = self.mock(prefill_handler(kv=KV), name="P")
+        px = self.start_proxy([P], [closed_port()],
                               extra=["--disagg-min-tokens", "100", "--health-interval", "0"])
-        r = http_request(px.port, "POST", "/v1/completions", pxtest.completion_body())
+        r = http_request(px.port, "POST", "/v1/completions", completion_body())
         self.assertErrorJson(r, 502)
         self.assertEqual(len(P.requests), 0)
 
@@ -260,4 +260,4 @@ class SimCacheTest(PdCase):
 
 
 if __name__ == "__main__":
-    pxtest.main()
+    main()

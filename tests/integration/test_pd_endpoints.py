@@ -7,13 +7,13 @@ headers, body; status, Content-Type, streamed bytes), with the API's auth,
 metrics and access log; unknown paths stay 404."""
 
 import json
-import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import pxtest  # noqa: E402
-from pdtest import PdCase, rid_headers  # noqa: E402
-from pxtest import PREFILL_KV, RawClient, Respond, Stream, http_request  # noqa: E402
+from pdharness.case import main
+from pdharness.client import RawClient, http_request
+from pdharness.mocks import (PREFILL_KV, Respond, Stream, decode_handler, default_p_kv,
+                             prefill_handler)
+from pdharness.net import closed_port
+from pdharness.pd import PdCase, rid_headers
 
 SSE = [b'data: {"type":"response.created","seq":0}\n\n',
        b'data: {"type":"response.output_text.delta","delta":"h\xc3\xa9"}\n\n',
@@ -28,7 +28,7 @@ class PassThroughTest(PdCase):
 
     def setUp(self):
         super().setUp()
-        self.P = self.mock(pxtest.prefill_handler(), name="P")
+        self.P = self.mock(prefill_handler(), name="P")
 
     def start(self, decode_handler, extra=()):
         self.D = self.mock(decode_handler, name="D")
@@ -120,7 +120,7 @@ class PassThroughTest(PdCase):
 
     def test_decode_unreachable_is_an_openai_error(self):
         self.D = None
-        px = self.start_proxy([self.P], [pxtest.closed_port()])
+        px = self.start_proxy([self.P], [closed_port()])
         r = http_request(px.port, "POST", "/tokenize", b'{"prompt":"x"}')
         self.assertErrorJson(r, 502)
 
@@ -164,7 +164,7 @@ class ResponsesTest(PdCase):
     """vLLM's /v1/responses takes no kv_transfer_params: decode alone."""
 
     def test_responses_go_to_decode_alone(self):
-        P = self.mock(pxtest.prefill_handler(), name="P")
+        P = self.mock(prefill_handler(), name="P")
         D = self.mock(lambda req: (
             Stream(200, [("Content-Type", "text/event-stream")], [(0.0, c) for c in SSE])
             if b'"stream":true' in req.body else
@@ -198,8 +198,8 @@ class MessagesTest(PdCase):
     """vLLM's /v1/messages takes and returns kv_transfer_params: P/D as chat."""
 
     def test_messages_disaggregated(self):
-        kv = dict(pxtest.default_p_kv("m1"), remote_num_tokens=18446744073709551615)
-        P = self.mock(pxtest.prefill_handler(kv=kv), name="P")
+        kv = dict(default_p_kv("m1"), remote_num_tokens=18446744073709551615)
+        P = self.mock(prefill_handler(kv=kv), name="P")
         answers = {False: Respond(200, [("Content-Type", "application/json")],
                                   b'{"type":"message","content":[]}'),
                    True: Stream(200, [("Content-Type", "text/event-stream")],
@@ -234,7 +234,7 @@ class MessagesTest(PdCase):
     def test_messages_prefill_4xx_returned(self):
         err = b'{"type":"error","error":{"type":"invalid_request_error","message":"bad"}}'
         P = self.mock(lambda req: Respond(400, [("Content-Type", "application/json")], err))
-        D = self.mock(pxtest.decode_handler())
+        D = self.mock(decode_handler())
         px = self.start_proxy([P], [D])
         r = http_request(px.port, "POST", "/v1/messages",
                          {"model": "m", "max_tokens": 1, "messages": []})
@@ -244,4 +244,4 @@ class MessagesTest(PdCase):
 
 
 if __name__ == "__main__":
-    pxtest.main()
+    main()

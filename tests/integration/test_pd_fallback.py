@@ -5,13 +5,12 @@ answer, retries spent, sends the request to decode without
 kv_transfer_params; never after a prefill 4xx; without the flag the client
 gets the error as before. Counted by reason, named in the access line."""
 
-import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import pxtest  # noqa: E402
-from pdtest import PdCase, rid_headers  # noqa: E402
-from pxtest import Reset, Respond, http_request  # noqa: E402
+from pdharness.case import main
+from pdharness.client import http_request
+from pdharness.mocks import Reset, Respond, Stream, chat_body, decode_handler, sse_events
+from pdharness.net import closed_port
+from pdharness.pd import PdCase, rid_headers
 
 CLIENT = {"model": "m", "prompt": "hello there", "max_tokens": 7, "stream": False,
           "kv_transfer_params": {"remote_host": "10.0.0.1"}}
@@ -25,7 +24,7 @@ class FallbackTest(PdCase):
 
     def run_case(self, prefill, reason, retries=1, fallback=True, nprefill=2):
         Ps = [self.mock(prefill, name="P%d" % i) for i in range(nprefill)]
-        D = self.mock(pxtest.decode_handler(), name="D")
+        D = self.mock(decode_handler(), name="D")
         extra = ["--prefill-retries", str(retries)] + (["--fallback-decode-only"] if fallback
                                                         else [])
         px = self.start_proxy(Ps, [D], extra=extra)
@@ -60,8 +59,8 @@ class FallbackTest(PdCase):
         self.check_fallback(px, Ps, D, r, "prefill_connection_error", attempts=3)
 
     def test_prefill_refused_falls_back(self):
-        D = self.mock(pxtest.decode_handler(), name="D")
-        px = self.start_proxy([pxtest.closed_port()], [D],
+        D = self.mock(decode_handler(), name="D")
+        px = self.start_proxy([closed_port()], [D],
                               extra=["--prefill-retries", "1", "--fallback-decode-only",
                                      "--health-interval", "0"])
         r = http_request(px.port, "POST", "/v1/completions", CLIENT, headers=rid_headers("f1"))
@@ -69,16 +68,16 @@ class FallbackTest(PdCase):
 
     def test_streamed_fallback(self):
         P = self.mock(p5xx, name="P")
-        D = self.mock(lambda req: pxtest.Stream(200, [("Content-Type", "text/event-stream")],
-                                                [(0.0, e) for e in pxtest.sse_events(["a", "b"])]),
+        D = self.mock(lambda req: Stream(200, [("Content-Type", "text/event-stream")],
+                                         [(0.0, e) for e in sse_events(["a", "b"])]),
                       name="D")
         px = self.start_proxy([P], [D], extra=["--prefill-retries", "0",
                                                "--fallback-decode-only"])
         r = http_request(px.port, "POST", "/v1/chat/completions",
-                         pxtest.chat_body(stream=True), headers=rid_headers("s1"))
+                         chat_body(stream=True), headers=rid_headers("s1"))
         self.assertEqual(r.status, 200)
         self.assertEqual(r.header("content-type"), "text/event-stream")
-        self.assertEqual(r.body, b"".join(pxtest.sse_events(["a", "b"])))
+        self.assertEqual(r.body, b"".join(sse_events(["a", "b"])))
         self.assertNotIn("kv_transfer_params", D.requests[0].json())
         self.assertEqual(self.access_for(px, "s1")["fallback"], "prefill_5xx")
 
@@ -102,11 +101,11 @@ class FallbackTest(PdCase):
 
     def test_decode_failure_after_fallback_is_an_error(self):
         P = self.mock(p5xx, name="P")
-        px = self.start_proxy([P], [pxtest.closed_port()],
+        px = self.start_proxy([P], [closed_port()],
                               extra=["--prefill-retries", "0", "--fallback-decode-only"])
         r = http_request(px.port, "POST", "/v1/completions", CLIENT)
         self.assertErrorJson(r, 502)
 
 
 if __name__ == "__main__":
-    pxtest.main()
+    main()

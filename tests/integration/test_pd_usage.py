@@ -7,13 +7,11 @@ the usage chunk of a stream, every other byte untouched; --usage-from decode
 passes decode's figure. Requests decode served alone are never touched."""
 
 import json
-import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import pxtest  # noqa: E402
-from pdtest import PdCase, prose, rid_headers  # noqa: E402
-from pxtest import Respond, Stream, http_request  # noqa: E402
+from pdharness.case import main
+from pdharness.client import http_request
+from pdharness.mocks import Respond, Stream, chat_body, completion_body, default_p_kv
+from pdharness.pd import PdCase, prose, rid_headers
 
 
 def prefill_with_cached(n):
@@ -21,7 +19,7 @@ def prefill_with_cached(n):
         doc = {"id": "cmpl-p", "object": "text_completion", "choices": [],
                "usage": {"prompt_tokens": 100, "completion_tokens": 1, "total_tokens": 101,
                          "prompt_tokens_details": {"cached_tokens": n}},
-               "kv_transfer_params": pxtest.default_p_kv("u")}
+               "kv_transfer_params": default_p_kv("u")}
         return Respond(200, [("Content-Type", "application/json")], json.dumps(doc).encode())
     return h
 
@@ -60,7 +58,7 @@ class UsageBytesTest(PdCase):
 
     def test_json_body_default_prefill(self):
         px = self.start(lambda req: Respond(200, [("Content-Type", "application/json")], D_JSON))
-        r = http_request(px.port, "POST", "/v1/completions", pxtest.completion_body())
+        r = http_request(px.port, "POST", "/v1/completions", completion_body())
         self.assertEqual(r.status, 200)
         want = D_JSON.replace(b'"cached_tokens" : 99', b'"cached_tokens" : 7')
         self.assertNotEqual(want, D_JSON)
@@ -69,14 +67,14 @@ class UsageBytesTest(PdCase):
     def test_json_body_mode_decode(self):
         px = self.start(lambda req: Respond(200, [("Content-Type", "application/json")], D_JSON),
                         mode="decode")
-        r = http_request(px.port, "POST", "/v1/completions", pxtest.completion_body())
+        r = http_request(px.port, "POST", "/v1/completions", completion_body())
         self.assertEqual(r.body, D_JSON)
 
     def test_json_body_chunked_in_pieces(self):
         data = D_JSON
         px = self.start(lambda req: Stream(200, [("Content-Type", "application/json")],
                                            [(0.0, p) for p in split_bytes(data, [1, 50, 170, 3])]))
-        r = http_request(px.port, "POST", "/v1/completions", pxtest.completion_body())
+        r = http_request(px.port, "POST", "/v1/completions", completion_body())
         self.assertEqual(r.body, D_JSON.replace(b'"cached_tokens" : 99', b'"cached_tokens" : 7'))
 
     def test_stream_usage_chunk(self):
@@ -88,8 +86,8 @@ class UsageBytesTest(PdCase):
                                                 split_bytes(stream, [10, 90, 2, 1, 1, 60])]),
                             mode=mode, cached=12345)
             r = http_request(px.port, "POST", "/v1/chat/completions",
-                             pxtest.chat_body(stream=True,
-                                              stream_options={"include_usage": True}))
+                             chat_body(stream=True,
+                                       stream_options={"include_usage": True}))
             self.assertEqual(r.status, 200)
             self.assertEqual(r.header("content-type"), "text/event-stream")
             self.assertEqual(r.body, want, mode)
@@ -98,25 +96,25 @@ class UsageBytesTest(PdCase):
         stream = b"".join(e.replace(b"\n\n", b"\r\n\r\n") for e in D_EVENTS)
         px = self.start(lambda req: Stream(200, [("Content-Type", "text/event-stream")],
                                            [(0.0, p) for p in split_bytes(stream, [3, 100, 1])]))
-        r = http_request(px.port, "POST", "/v1/chat/completions", pxtest.chat_body(stream=True))
+        r = http_request(px.port, "POST", "/v1/chat/completions", chat_body(stream=True))
         self.assertEqual(r.body, stream.replace(b'"cached_tokens":99', b'"cached_tokens":7'))
 
     def test_prefill_without_details_leaves_decode_bytes(self):
         def p(req):
             doc = {"choices": [], "usage": {"prompt_tokens": 1},
-                   "kv_transfer_params": pxtest.default_p_kv("u")}
+                   "kv_transfer_params": default_p_kv("u")}
             return Respond(200, [("Content-Type", "application/json")], json.dumps(doc).encode())
         self.P = self.mock(p, name="P")
         self.D = self.mock(lambda req: Respond(200, [("Content-Type", "application/json")],
                                                D_JSON), name="D")
         px = self.start_proxy([self.P], [self.D])
-        r = http_request(px.port, "POST", "/v1/completions", pxtest.completion_body())
+        r = http_request(px.port, "POST", "/v1/completions", completion_body())
         self.assertEqual(r.body, D_JSON)
 
     def test_decode_error_bodies_untouched(self):
         err = b'{"error":{"message":"x"},"usage":{"prompt_tokens_details":{"cached_tokens":99}}}'
         px = self.start(lambda req: Respond(500, [("Content-Type", "application/json")], err))
-        r = http_request(px.port, "POST", "/v1/completions", pxtest.completion_body())
+        r = http_request(px.port, "POST", "/v1/completions", completion_body())
         self.assertEqual((r.status, r.body), (500, err))
 
     def test_decode_only_requests_untouched(self):
@@ -124,7 +122,7 @@ class UsageBytesTest(PdCase):
         self.D = self.mock(lambda req: Respond(200, [("Content-Type", "application/json")],
                                                D_JSON), name="D")
         px = self.start_proxy([self.P], [self.D], extra=["--disagg-min-tokens", "1000000"])
-        r = http_request(px.port, "POST", "/v1/completions", pxtest.completion_body())
+        r = http_request(px.port, "POST", "/v1/completions", completion_body())
         self.assertEqual(r.body, D_JSON)
         self.assertEqual(len(self.P.requests), 0)
 
@@ -186,4 +184,4 @@ class UsageSimTest(PdCase):
 
 
 if __name__ == "__main__":
-    pxtest.main()
+    main()

@@ -9,42 +9,22 @@ moves the names between mocks listening on 127.0.0.2..127.0.0.5."""
 import os
 import shutil
 import subprocess
-import sys
 import tempfile
 import time
 import unittest
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import pxtest  # noqa: E402
-from prodtest import HostMock, ProdCase, metric, prom  # noqa: E402
-from pxtest import (HOST, MAX_LOOP, PDPROXY, Proxy, ProxyStartError, free_port,  # noqa: E402
-                    http_request, now)
-
-NS_SCRIPT = 'mount --bind "$0" /etc/hosts && exec "$@"'
-
+from pdharness.client import http_request
+from pdharness.mocks import PREFILL_KV, HostMock, decode_handler, prefill_handler
+from pdharness.namespace import mount_prefix
+from pdharness.net import HOST, now, wait_value
+from pdharness.prod import ProdCase
+from pdharness.prom import prom
 
 def healthcheck(port):
     r = http_request(port, "GET", "/healthcheck")
     assert r.status == 200, r
     d = r.json()
     return d["prefill_instances"], d["decode_instances"]
-
-
-class NsProxy(Proxy):
-    """pdproxy in its own mount namespace, /etc/hosts replaced by `hosts`.
-    unshare and sh exec, so the pid is pdproxy's own."""
-
-    def __init__(self, args, hosts, **kw):
-        super().__init__(args, **kw)
-        self.hosts = hosts
-
-    def spawn(self):
-        cmd = ["unshare", "-m", "sh", "-c", NS_SCRIPT, self.hosts, PDPROXY] + self.args
-        with open(self.stderr_path, "wb") as err, open(self.stdout_path, "wb") as out:
-            self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out,
-                                                stderr=err, env=self.clean_env(self.extra_env))
-        self.t_spawn = now()
-        return self
 
 
 def ns_usable():
@@ -55,8 +35,8 @@ def ns_usable():
     os.write(fd, b"127.0.0.2 probe.pdproxy-test\n")
     os.close(fd)
     try:
-        p = subprocess.run(["unshare", "-m", "sh", "-c", NS_SCRIPT, path, "getent", "hosts",
-                            "probe.pdproxy-test"], capture_output=True, timeout=10)
+        p = subprocess.run(mount_prefix(path) + ["getent", "hosts", "probe.pdproxy-test"],
+                           capture_output=True, timeout=10)
         if p.returncode != 0 or b"127.0.0.2" not in p.stdout:
             return False, ("unshare -m / mount --bind over /etc/hosts not permitted: rc=%d %s"
                            % (p.returncode, p.stderr.decode(errors="replace").strip()))
@@ -86,8 +66,8 @@ def same_port_mocks(hosts, handler_for, name):
 
 class UrlBackendsTest(ProdCase):
     def test_prefill_and_decode_urls_repeatable(self):
-        P = [self.mock(pxtest.prefill_handler(), name="P%d" % i) for i in range(2)]
-        D = [self.mock(pxtest.decode_handler(), name="D%d" % i) for i in range(2)]
+        P = [self.mock(prefill_handler(), name="P%d" % i) for i in range(2)]
+        D = [self.mock(decode_handler(), name="D%d" % i) for i in range(2)]
         args = []
         for m in P:
             args += ["--prefill", "http://127.0.0.1:%d" % m.port]
@@ -102,15 +82,15 @@ class UrlBackendsTest(ProdCase):
         self.assertEqual([len(m.requests) for m in P], [4, 4], "round robin over the --prefill URLs")
         self.assertEqual([len(m.requests) for m in D], [4, 4], "round robin over the --decode URLs")
         for m in P:
-            self.assertEqual(m.requests[0].json()["kv_transfer_params"], pxtest.PREFILL_KV)
+            self.assertEqual(m.requests[0].json()["kv_transfer_params"], PREFILL_KV)
             self.assertEqual(m.requests[0].path, "/v1/completions")
         for m in D:
             self.assertEqual(m.requests[0].path, "/v1/completions")
             self.assertTrue(m.requests[0].json()["kv_transfer_params"]["do_remote_prefill"])
 
     def test_toy_flags_several_instances(self):
-        P = [self.mock(pxtest.prefill_handler(), name="P%d" % i) for i in range(3)]
-        D = [self.mock(pxtest.decode_handler(), name="D%d" % i) for i in range(2)]
+        P = [self.mock(prefill_handler(), name="P%d" % i) for i in range(3)]
+        D = [self.mock(decode_handler(), name="D%d" % i) for i in range(2)]
         px = self.start(P, D)
         self.assertEqual(healthcheck(px.port), (3, 2))
         for i in range(6):
@@ -119,8 +99,8 @@ class UrlBackendsTest(ProdCase):
         self.assertEqual([len(m.requests) for m in D], [3, 3])
 
     def test_toy_flags_and_urls_together(self):
-        P = [self.mock(pxtest.prefill_handler(), name="P%d" % i) for i in range(2)]
-        D = self.mock(pxtest.decode_handler(), name="D")
+        P = [self.mock(prefill_handler(), name="P%d" % i) for i in range(2)]
+        D = self.mock(decode_handler(), name="D")
         px = self.start(args=["--prefiller-hosts", HOST, "--prefiller-ports", str(P[0].port),
                               "--prefill", "http://127.0.0.1:%d" % P[1].port,
                               "--decode", "http://127.0.0.1:%d" % D.port])
@@ -152,27 +132,9 @@ class DnsDiscoveryTest(ProdCase):
             os.fsync(f.fileno())
 
     def start_ns(self, args):
-        last = None
-        for _ in range(3):
-            port = free_port()
-            a = ["--host", HOST, "--port", str(port), "--threads", "2", "--drain-delay", "0",
-                 "--health-interval", "0"] + args
-            p = NsProxy(a, self.hosts, port=port)
-            p.spawn()
-            self._proxies.append(p)
-            self.addCleanup(self._stop_proxy, p)
-            try:
-                p.wait_ready()
-            except ProxyStartError as e:
-                last = e
-                if "in use" not in p.stderr().lower():
-                    raise
-                continue
-            if p.owns_port():
-                return p
-            p._expected_exit = True
-            p.stop()
-        raise last
+        """pdproxy in its own mount namespace, /etc/hosts replaced by self.hosts."""
+        return self.start_proxy(args=["--drain-delay", "0", "--health-interval", "0"] + args,
+                                prefix=mount_prefix(self.hosts))
 
     def track(self, mocks):
         for m in mocks:
@@ -182,13 +144,7 @@ class DnsDiscoveryTest(ProdCase):
 
     def wait_counts(self, px, want, limit):
         t0 = now()
-        deadline = t0 + limit
-        got = None
-        for _ in range(MAX_LOOP):
-            got = healthcheck(px.port)
-            if got == want or now() >= deadline:
-                break
-            time.sleep(0.02)
+        got = wait_value(lambda: healthcheck(px.port), lambda got: got == want, limit)
         self.assertEqual(got, want, "/healthcheck instance counts %.1fs after rewriting "
                          "/etc/hosts (--dns-refresh %g)" % (now() - t0, self.REFRESH))
         return now() - t0
@@ -202,9 +158,9 @@ class DnsDiscoveryTest(ProdCase):
 
     def test_names_re_resolved_every_dns_refresh(self):
         P = self.track(same_port_mocks(["127.0.0.2", "127.0.0.3"],
-                                       lambda h: pxtest.prefill_handler(), "P"))
+                                       lambda h: prefill_handler(), "P"))
         D = self.track(same_port_mocks(["127.0.0.4", "127.0.0.5"],
-                                       lambda h: pxtest.decode_handler(), "D"))
+                                       lambda h: decode_handler(), "D"))
         pport = P["127.0.0.2"].port
         dport = D["127.0.0.4"].port
         self.write_hosts(["127.0.0.2 pnode.pdproxy-test", "127.0.0.4 dnode.pdproxy-test"])
@@ -234,13 +190,10 @@ class DnsDiscoveryTest(ProdCase):
         t = self.wait_counts(px, (1, 1), 2 * self.REFRESH + 0.5)
         # Counts can settle on the prefill side first: wait for the decode
         # side to move too, still within the bound.
-        deadline = now() + max(0.1, 2 * self.REFRESH + 0.5 - t)
-        for _ in range(MAX_LOOP):
-            dl = {l["backend"] for n, l, v in prom(px.port)
-                  if n == "pdproxy_backend_up" and l.get("role") == "decode"}
-            if dl == {"127.0.0.5:%d" % dport} or now() >= deadline:
-                break
-            time.sleep(0.02)
+        dl = wait_value(lambda: {l["backend"] for n, l, v in prom(px.port)
+                                 if n == "pdproxy_backend_up" and l.get("role") == "decode"},
+                        lambda dl: dl == {"127.0.0.5:%d" % dport},
+                        max(0.1, 2 * self.REFRESH + 0.5 - t))
         self.assertEqual(dl, {"127.0.0.5:%d" % dport}, "decode backends after the name moved")
         got = self.new_requests(P, D, 4)
         self.assertEqual(got, {"127.0.0.2": 0, "127.0.0.3": 4, "127.0.0.4": 0, "127.0.0.5": 4})
@@ -248,8 +201,8 @@ class DnsDiscoveryTest(ProdCase):
 
     def test_unresolvable_refresh_keeps_backends(self):
         """A name that stops resolving must not empty the pool (a DNS hiccup)."""
-        P = self.track(same_port_mocks(["127.0.0.2"], lambda h: pxtest.prefill_handler(), "P"))
-        D = self.track(same_port_mocks(["127.0.0.4"], lambda h: pxtest.decode_handler(), "D"))
+        P = self.track(same_port_mocks(["127.0.0.2"], lambda h: prefill_handler(), "P"))
+        D = self.track(same_port_mocks(["127.0.0.4"], lambda h: decode_handler(), "D"))
         self.write_hosts(["127.0.0.2 pnode.pdproxy-test", "127.0.0.4 dnode.pdproxy-test"])
         self.px = px = self.start_ns(["--prefill", "http://pnode.pdproxy-test:%d"
                                       % P["127.0.0.2"].port,

@@ -4,15 +4,14 @@ win), --print-config dumps the effective values with secrets masked, and an
 invalid value (flag or environment) exits 2 naming the flag, the value and
 the reason."""
 
-import os
 import re
-import sys
 import unittest
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import pxtest  # noqa: E402
-from prodtest import ProdCase, errmsg  # noqa: E402
-from pxtest import Respond, free_port, http_request, run_pdproxy  # noqa: E402
+from pdharness.client import http_request
+from pdharness.mocks import Respond, decode_handler, prefill_handler
+from pdharness.net import free_port
+from pdharness.procs import run_pdproxy
+from pdharness.prod import ProdCase
 
 # A valid, non-default value for each option, as the environment gives it,
 # and how --print-config must show it (None: the same text).
@@ -182,8 +181,8 @@ class EnvironmentRuntimeTest(ProdCase):
     integer and secret options all taken from PDPROXY_*."""
 
     def test_env_only_configuration_is_used(self):
-        P = [self.mock(pxtest.prefill_handler(), name="P%d" % i) for i in range(2)]
-        D = self.mock(pxtest.decode_handler(), name="D")
+        P = [self.mock(prefill_handler(), name="P%d" % i) for i in range(2)]
+        D = self.mock(decode_handler(), name="D")
         env = {
             "PDPROXY_PREFILL": "http://127.0.0.1:%d,http://127.0.0.1:%d" % (P[0].port, P[1].port),
             "PDPROXY_DECODE": "http://127.0.0.1:%d" % D.port,
@@ -216,8 +215,8 @@ class EnvironmentRuntimeTest(ProdCase):
         self.assertEqual([len(m.requests) for m in P], [2, 2])
 
     def test_toy_lists_from_env(self):
-        P = [self.mock(pxtest.prefill_handler(), name="P%d" % i) for i in range(2)]
-        D = self.mock(pxtest.decode_handler(), name="D")
+        P = [self.mock(prefill_handler(), name="P%d" % i) for i in range(2)]
+        D = self.mock(decode_handler(), name="D")
         env = {"PDPROXY_PREFILLER_HOSTS": "127.0.0.1 127.0.0.1",
                "PDPROXY_PREFILLER_PORTS": "%d,%d" % (P[0].port, P[1].port),
                "PDPROXY_DECODER_HOSTS": "127.0.0.1",
@@ -229,8 +228,8 @@ class EnvironmentRuntimeTest(ProdCase):
         self.assertEqual([len(m.requests) for m in P], [2, 2])
 
     def test_port_flag_wins_over_env(self):
-        P = self.mock(pxtest.prefill_handler(), name="P")
-        D = self.mock(pxtest.decode_handler(), name="D")
+        P = self.mock(prefill_handler(), name="P")
+        D = self.mock(decode_handler(), name="D")
         other = free_port()
         px = self.start([P], [D], env={"PDPROXY_PORT": str(other)})
         self.assertEqual(http_request(px.port, "GET", "/health").status, 200)

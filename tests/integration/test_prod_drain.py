@@ -4,25 +4,23 @@ connections are still taken during --drain-delay and refused after it,
 streams in flight finish (up to --drain-timeout), then pdproxy exits 0.
 SIGINT stops at once, also with status 0."""
 
-import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 import unittest
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import pxtest  # noqa: E402
-from prodtest import ProdCase, connect_refused  # noqa: E402
-from pxtest import MAX_LOOP, RawClient, Stream, http_request, now, wait_until  # noqa: E402
+from pdharness.client import RawClient, http_request
+from pdharness.mocks import Stream, completion_body, decode_handler, prefill_handler, sse_events
+from pdharness.net import connect_refused, now, wait_until
+from pdharness.prod import ProdCase
 
 N_EVENTS = 10
 GAP = 0.2  # the long stream lasts about 2 s
 
 
 def d_handler(events, gap):
-    fast = pxtest.decode_handler()
+    fast = decode_handler()
 
     def h(req):
         if (req.header("x-request-id") or "").startswith("long"):
@@ -38,7 +36,7 @@ class StreamReader:
 
     def __init__(self, port, rid, timeout=20):
         self.c = RawClient(port, timeout=timeout)
-        self.c.request("POST", "/v1/completions", pxtest.completion_body(stream=True),
+        self.c.request("POST", "/v1/completions", completion_body(stream=True),
                        [("X-Request-Id", rid)])
         self.resp = None
         self.progress = [0]
@@ -61,8 +59,8 @@ class StreamReader:
 class DrainTest(ProdCase):
     def setUp(self):
         super().setUp()
-        self.events = pxtest.sse_events(["tok%d " % i for i in range(N_EVENTS - 1)])
-        self.P = self.mock(pxtest.prefill_handler(), name="P")
+        self.events = sse_events(["tok%d " % i for i in range(N_EVENTS - 1)])
+        self.P = self.mock(prefill_handler(), name="P")
         self.D = self.mock(d_handler(self.events, GAP), name="D")
 
     def wait_exit(self, px, timeout):
@@ -121,7 +119,7 @@ class DrainTest(ProdCase):
         px = self.start([self.P], [self.D], ["--drain-delay", "0.5"], drain_delay=None)
         # An idle keep-alive connection must not hold the drain up.
         c = RawClient(px.port)
-        c.request("POST", "/v1/completions", pxtest.completion_body())
+        c.request("POST", "/v1/completions", completion_body())
         self.assertEqual(c.read_response(timeout=5).status, 200)
         px._expected_exit = True
         t0 = now()

@@ -4,14 +4,11 @@ one healthy decode and not draining), GET /v1/models answered by a healthy
 decode with its status and body, GET /healthcheck (toy shape)."""
 
 import json
-import os
-import sys
 import unittest
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import pxtest  # noqa: E402
-from prodtest import ProdCase, errmsg  # noqa: E402
-from pxtest import Respond, http_request  # noqa: E402
+from pdharness.client import errmsg, http_request
+from pdharness.mocks import Respond, decode_handler, default_probe_handler, prefill_handler
+from pdharness.prod import ProdCase
 
 MODELS = {"object": "list", "data": [{"id": "meta-llama/Llama-3.1-8B-Instruct",
                                       "object": "model", "created": 1, "owned_by": "vllm",
@@ -24,7 +21,7 @@ def models_handler(status=200, body=None, ctype="application/json"):
     def h(req):
         if req.path == "/v1/models":
             return Respond(status, [("Content-Type", ctype), ("X-Engine", "yes")], data)
-        return pxtest.decode_handler()(req)
+        return decode_handler()(req)
 
     return h
 
@@ -37,8 +34,8 @@ class EndpointsTest(ProdCase):
     ACTIVE = ["--health-interval", "0.1", "--unhealthy-after", "1", "--healthy-after", "1"]
 
     def test_health_is_liveness(self):
-        P = self.mock(pxtest.prefill_handler(), name="P")
-        D = self.mock(pxtest.decode_handler(), name="D")
+        P = self.mock(prefill_handler(), name="P")
+        D = self.mock(decode_handler(), name="D")
         failing_health(P)
         failing_health(D)
         px = self.start([P], [D], self.ACTIVE, health_interval=None)
@@ -49,9 +46,9 @@ class EndpointsTest(ProdCase):
         self.assertEqual((r.header("content-type") or "").split(";")[0], "application/json")
 
     def test_ready_200_with_a_healthy_decode(self):
-        P = self.mock(pxtest.prefill_handler(), name="P")
-        D0 = self.mock(pxtest.decode_handler(), name="D0")
-        D1 = self.mock(pxtest.decode_handler(), name="D1")
+        P = self.mock(prefill_handler(), name="P")
+        D0 = self.mock(decode_handler(), name="D0")
+        D1 = self.mock(decode_handler(), name="D1")
         failing_health(D0)
         px = self.start([P], [D0, D1], self.ACTIVE, health_interval=None)
         self.wait_up(px, "decode", D0, 0, 3.0)
@@ -64,8 +61,8 @@ class EndpointsTest(ProdCase):
         self.assertEqual(doc["prefill"], {"healthy": 1, "total": 1})
 
     def test_ready_503_without_healthy_decode_then_back(self):
-        P = self.mock(pxtest.prefill_handler(), name="P")
-        D = self.mock(pxtest.decode_handler(), name="D")
+        P = self.mock(prefill_handler(), name="P")
+        D = self.mock(decode_handler(), name="D")
         failing_health(D)
         px = self.start([P], [D], self.ACTIVE, health_interval=None)
         self.wait_up(px, "decode", D, 0, 3.0)
@@ -73,12 +70,12 @@ class EndpointsTest(ProdCase):
         self.assertEqual(r.status, 503, r)
         self.assertEqual((r.header("content-type") or "").split(";")[0], "application/json")
         self.assertEqual(r.json()["status"], "not ready")
-        D.probe_handler = pxtest.default_probe_handler
+        D.probe_handler = default_probe_handler
         self.wait_up(px, "decode", D, 1, 3.0)
         self.assertEqual(http_request(px.port, "GET", "/ready").status, 200)
 
     def test_models_from_a_healthy_decode(self):
-        P = self.mock(pxtest.prefill_handler(), name="P")
+        P = self.mock(prefill_handler(), name="P")
         D0 = self.mock(models_handler(body=b'{"object":"list","data":[{"id":"wrong"}]}'),
                        name="D0")
         D1 = self.mock(models_handler(), name="D1")
@@ -100,7 +97,7 @@ class EndpointsTest(ProdCase):
         self.assertEqual(P.requests, [], "/v1/models never goes to prefill")
 
     def test_models_status_and_body_proxied(self):
-        P = self.mock(pxtest.prefill_handler(), name="P")
+        P = self.mock(prefill_handler(), name="P")
         body = b'{"error":{"message":"invalid api key","type":"auth","code":401}}'
         D = self.mock(models_handler(status=401, body=body), name="D")
         px = self.start([P], [D])
@@ -109,7 +106,7 @@ class EndpointsTest(ProdCase):
         self.assertEqual(r.body, body)
 
     def test_models_503_without_healthy_decode(self):
-        P = self.mock(pxtest.prefill_handler(), name="P")
+        P = self.mock(prefill_handler(), name="P")
         D = self.mock(models_handler(), name="D")
         failing_health(D)
         px = self.start([P], [D], self.ACTIVE, health_interval=None)
@@ -120,8 +117,8 @@ class EndpointsTest(ProdCase):
         self.assertEqual(D.requests, [])
 
     def test_healthcheck_toy_shape(self):
-        P = [self.mock(pxtest.prefill_handler(), name="P%d" % i) for i in range(3)]
-        D = [self.mock(pxtest.decode_handler(), name="D%d" % i) for i in range(2)]
+        P = [self.mock(prefill_handler(), name="P%d" % i) for i in range(3)]
+        D = [self.mock(decode_handler(), name="D%d" % i) for i in range(2)]
         px = self.start(P, D)
         r = http_request(px.port, "GET", "/healthcheck")
         self.assertEqual(r.status, 200)
@@ -129,8 +126,8 @@ class EndpointsTest(ProdCase):
                                     "decode_instances": 2})
 
     def test_probe_endpoints_get_only(self):
-        P = self.mock(pxtest.prefill_handler(), name="P")
-        D = self.mock(pxtest.decode_handler(), name="D")
+        P = self.mock(prefill_handler(), name="P")
+        D = self.mock(decode_handler(), name="D")
         px = self.start([P], [D])
         for path in ("/health", "/ready", "/metrics", "/v1/models"):
             with self.subTest(path=path):

@@ -10,15 +10,15 @@
   kv_transfer_params; without the flag, 503."""
 
 import json
-import os
-import sys
 import unittest
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import pxtest  # noqa: E402
-from prodtest import ProdCase, errmsg, metric, prom, request_ids  # noqa: E402
-from pxtest import (CloseBeforeHeaders, RawClient, Reset, Respond, Stream,  # noqa: E402
-                    http_request)
+from pdharness.client import RawClient, errmsg, http_request
+from pdharness.mocks import (PREFILL_KV, CloseBeforeHeaders, MockBackend, Reset, Respond, Stream,
+                             chat_body, completion_body, decode_handler, default_p_kv,
+                             prefill_handler, request_ids, sse_events)
+from pdharness.net import closed_port
+from pdharness.prod import ProdCase
+from pdharness.prom import metric, prom
 
 NO_EJECT = ["--unhealthy-after", "1000"]
 
@@ -35,8 +35,8 @@ def p503(req):
 class PrefillFailoverTest(ProdCase):
     def check_failover(self, bad, kind):
         """bad: a MockBackend or a closed port standing for the failing P."""
-        P1 = self.mock(pxtest.prefill_handler(kv=pxtest.default_p_kv("good", 7)), name="Pgood")
-        D = self.mock(pxtest.decode_handler(), name="D")
+        P1 = self.mock(prefill_handler(kv=default_p_kv("good", 7)), name="Pgood")
+        D = self.mock(decode_handler(), name="D")
         px = self.start([bad, P1], [D], NO_EJECT + ["--prefill-retries", "2"])
         ids = ["%s-%d" % (kind, i) for i in range(4)]
         for rid in ids:
@@ -52,20 +52,20 @@ class PrefillFailoverTest(ProdCase):
         # round-robin cursor moves past the instance that answered, so every
         # request may try the bad one first: not ejected here.)
         samples = prom(px.port)
-        bad_name = self.bname(bad) if isinstance(bad, pxtest.MockBackend) else "127.0.0.1:%d" % bad
+        bad_name = self.bname(bad) if isinstance(bad, MockBackend) else "127.0.0.1:%d" % bad
         attempts = sum(metric(samples, "pdproxy_upstream_requests_total", role="prefill",
                               backend=bad_name, outcome=o) or 0
                        for o in ("connect_error", "reset", "server_error"))
         self.assertGreaterEqual(attempts, 2, "round robin tried the bad prefill")
         self.assertEqual(metric(samples, "pdproxy_retries_total", role="prefill"), attempts)
-        if isinstance(bad, pxtest.MockBackend):
+        if isinstance(bad, MockBackend):
             self.assertEqual(len(bad.requests), attempts)
             for req in bad.requests:
                 self.assertIn(req.header("x-request-id"), ids)
-                self.assertEqual(req.json()["kv_transfer_params"], pxtest.PREFILL_KV)
+                self.assertEqual(req.json()["kv_transfer_params"], PREFILL_KV)
 
     def test_prefill_refused_retried_on_another(self):
-        self.check_failover(pxtest.closed_port(), "refused")
+        self.check_failover(closed_port(), "refused")
 
     def test_prefill_reset_retried_on_another(self):
         self.check_failover(self.mock(lambda req: Reset(), name="Preset"), "reset")
@@ -80,7 +80,7 @@ class PrefillFailoverTest(ProdCase):
         for retries in (0, 1, 2, 3):
             with self.subTest(retries=retries):
                 Ps = [self.mock(p503, name="P%d_%d" % (retries, i)) for i in range(5)]
-                D = self.mock(pxtest.decode_handler(), name="D%d" % retries)
+                D = self.mock(decode_handler(), name="D%d" % retries)
                 px = self.start(Ps, [D], NO_EJECT + ["--prefill-retries", str(retries)])
                 r = self.post(px, headers={"X-Request-Id": "bounded-%d" % retries})
                 self.assertErrorJson(r, 502)
@@ -96,7 +96,7 @@ class PrefillFailoverTest(ProdCase):
     def test_prefill_retries_back_off(self):
         """Retries are spaced by a (jittered) backoff, not fired at once."""
         Ps = [self.mock(p503, name="P%d" % i) for i in range(4)]
-        D = self.mock(pxtest.decode_handler(), name="D")
+        D = self.mock(decode_handler(), name="D")
         px = self.start(Ps, [D], NO_EJECT + ["--prefill-retries", "3"])
         self.assertErrorJson(self.post(px), 502)
         starts = sorted(r.t_start for m in Ps for r in m.requests)
@@ -111,8 +111,8 @@ class PrefillFailoverTest(ProdCase):
     def test_prefill_4xx_not_retried(self):
         P0 = self.mock(lambda req: Respond(400, [("Content-Type", "application/json")],
                                            b'{"error":{"message":"prompt too long"}}'), name="P0")
-        P1 = self.mock(pxtest.prefill_handler(), name="P1")
-        D = self.mock(pxtest.decode_handler(), name="D")
+        P1 = self.mock(prefill_handler(), name="P1")
+        D = self.mock(decode_handler(), name="D")
         px = self.start([P0, P1], [D], NO_EJECT)
         r = self.post(px)
         self.assertEqual(r.status, 400)
@@ -122,9 +122,9 @@ class PrefillFailoverTest(ProdCase):
 
 class DecodeFailoverTest(ProdCase):
     def test_decode_refused_tries_another(self):
-        P = self.mock(pxtest.prefill_handler(), name="P")
-        D1 = self.mock(pxtest.decode_handler(), name="D1")
-        dead = pxtest.closed_port()
+        P = self.mock(prefill_handler(), name="P")
+        D1 = self.mock(decode_handler(), name="D1")
+        dead = closed_port()
         px = self.start([P], [dead, D1], NO_EJECT)
         ids = ["dref-%d" % i for i in range(4)]
         for rid in ids:
@@ -139,16 +139,16 @@ class DecodeFailoverTest(ProdCase):
         self.assertEqual(metric(samples, "pdproxy_retries_total", role="decode"), attempts)
 
     def check_never_resent(self, bad_action, expect_status):
-        P = self.mock(pxtest.prefill_handler(), name="P")
+        P = self.mock(prefill_handler(), name="P")
         Dbad = self.mock(lambda req: bad_action(), name="Dbad")
-        Dok = self.mock(pxtest.decode_handler(), name="Dok")
+        Dok = self.mock(decode_handler(), name="Dok")
         px = self.start([P], [Dbad, Dok], NO_EJECT)
         results = {}
         for i in range(6):
             rid = "once-%d" % i
             c = RawClient(px.port)
             try:
-                c.request("POST", "/v1/completions", pxtest.completion_body(),
+                c.request("POST", "/v1/completions", completion_body(),
                           [("X-Request-Id", rid)])
                 results[rid] = c.read_response(timeout=10)
             finally:
@@ -182,14 +182,14 @@ class DecodeFailoverTest(ProdCase):
     def test_decode_answered_then_died_not_resent(self):
         self.check_never_resent(
             lambda: Stream(200, [("Content-Type", "text/event-stream")],
-                           [(0, pxtest.sse_events(["a"], done=False)[0])], end="reset"), 200)
+                           [(0, sse_events(["a"], done=False)[0])], end="reset"), 200)
 
 
 class FallbackTest(ProdCase):
     def start_all_p_ejected(self, fallback):
-        P = self.mock(pxtest.prefill_handler(), name="P")
+        P = self.mock(prefill_handler(), name="P")
         P.probe_handler = lambda req: Respond(503, [], b"")
-        D = self.mock(pxtest.decode_handler(), name="D")
+        D = self.mock(decode_handler(), name="D")
         extra = ["--health-interval", "0.1", "--unhealthy-after", "1"]
         if fallback:
             extra.append("--fallback-decode-only")
@@ -199,9 +199,9 @@ class FallbackTest(ProdCase):
 
     def test_fallback_sends_decode_alone_without_kv_params(self):
         P, D, px = self.start_all_p_ejected(True)
-        cases = [("/v1/completions", pxtest.completion_body(stream=False)),
-                 ("/v1/chat/completions", pxtest.chat_body()),
-                 ("/v1/completions", pxtest.completion_body(
+        cases = [("/v1/completions", completion_body(stream=False)),
+                 ("/v1/chat/completions", chat_body()),
+                 ("/v1/completions", completion_body(
                      kv_transfer_params={"do_remote_prefill": True, "remote_host": "10.9.9.9",
                                          "remote_port": 1, "remote_request_id": "client"}))]
         for i, (path, body) in enumerate(cases):
@@ -224,11 +224,11 @@ class FallbackTest(ProdCase):
 
     def test_fallback_streams(self):
         P, D, px = self.start_all_p_ejected(True)
-        events = pxtest.sse_events(["x", "y"])
+        events = sse_events(["x", "y"])
         D.set_handler(lambda req: Stream(200, [("Content-Type", "text/event-stream")],
                                          [(0, e) for e in events]))
         c = RawClient(px.port)
-        c.request("POST", "/v1/completions", pxtest.completion_body(stream=True))
+        c.request("POST", "/v1/completions", completion_body(stream=True))
         resp = c.read_response(timeout=10)
         c.close()
         self.assertEqual(resp.status, 200)

@@ -5,16 +5,16 @@
 5xx, never on 4xx; what /ready and the errors say when a role has no backend
 left."""
 
-import os
-import sys
 import threading
 import time
 import unittest
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import pxtest  # noqa: E402
-from prodtest import ProdCase, errmsg, metric, prom  # noqa: E402
-from pxtest import MAX_LOOP, CloseBeforeHeaders, Reset, Respond, http_request, now  # noqa: E402
+from pdharness.client import errmsg, http_request
+from pdharness.mocks import (CloseBeforeHeaders, Hang, Reset, Respond, decode_handler,
+                             default_probe_handler, prefill_handler)
+from pdharness.net import closed_port, now, wait_value
+from pdharness.prod import ProdCase
+from pdharness.prom import metric, prom
 
 
 class ScriptedHealth:
@@ -29,7 +29,7 @@ class ScriptedHealth:
 
     def __call__(self, req):
         if req.path.startswith("/metrics"):
-            return pxtest.default_probe_handler(req)
+            return default_probe_handler(req)
         with self.lock:
             st = self.status
             self.answered.append((now(), st))
@@ -70,22 +70,16 @@ class ActiveHealthTest(ProdCase):
     def watch_until(self, px, role, mock, want, timeout, on_first):
         """Polls pdproxy_backend_up every 10 ms; calls on_first() at the
         first poll that sees `want` (before anything else can change)."""
-        deadline = now() + timeout
-        last = None
-        for _ in range(MAX_LOOP):
-            last = self.up(px, role, mock)
-            if last == want:
-                return on_first()
-            if now() >= deadline:
-                break
-            time.sleep(0.01)
+        last = wait_value(lambda: self.up(px, role, mock), lambda v: v == want, timeout, 0.01)
+        if last == want:
+            return on_first()
         self.fail("pdproxy_backend_up{role=%s,backend=%s} stayed %r, wanted %r"
                   % (role, self.bname(mock), last, want))
 
     def test_prefill_ejected_after_unhealthy_after_then_readmitted(self):
-        P0 = self.mock(pxtest.prefill_handler(), name="P0")
-        P1 = self.mock(pxtest.prefill_handler(), name="P1")
-        D = self.mock(pxtest.decode_handler(), name="D")
+        P0 = self.mock(prefill_handler(), name="P0")
+        P1 = self.mock(prefill_handler(), name="P1")
+        D = self.mock(decode_handler(), name="D")
         h1 = with_health(P1, 200)
         px = self.start([P0, P1], [D], self.active_flags(3, 2), health_interval=None)
         self.assertEqual(P1.wait_probes(2, 5.0) >= 2, True, "no active checks reached P1")
@@ -116,9 +110,9 @@ class ActiveHealthTest(ProdCase):
         self.assertGreaterEqual(len(P1.requests) - n1, 2, "a readmitted prefill gets traffic")
 
     def test_decode_ejected_by_health_check_gets_no_traffic(self):
-        P = self.mock(pxtest.prefill_handler(), name="P")
-        D0 = self.mock(pxtest.decode_handler(), name="D0")
-        D1 = self.mock(pxtest.decode_handler(), name="D1")
+        P = self.mock(prefill_handler(), name="P")
+        D0 = self.mock(decode_handler(), name="D0")
+        D1 = self.mock(decode_handler(), name="D1")
         h = with_health(D1, 500)
         px = self.start([P], [D0, D1], self.active_flags(2, 2), health_interval=None)
         run = self.watch_until(px, "decode", D1, 0, 3.0, lambda: h.tail_run(500))
@@ -130,17 +124,17 @@ class ActiveHealthTest(ProdCase):
         self.assertEqual(len(D0.requests) - n0, 6)
 
     def test_health_check_timeout_counts_as_failure(self):
-        P0 = self.mock(pxtest.prefill_handler(), name="P0")
-        P1 = self.mock(pxtest.prefill_handler(), name="P1")
-        D = self.mock(pxtest.decode_handler(), name="D")
-        P1.probe_handler = lambda req: pxtest.Hang(5.0)
+        P0 = self.mock(prefill_handler(), name="P0")
+        P1 = self.mock(prefill_handler(), name="P1")
+        D = self.mock(decode_handler(), name="D")
+        P1.probe_handler = lambda req: Hang(5.0)
         px = self.start([P0, P1], [D], ["--health-interval", "0.2", "--health-timeout", "0.2",
                                         "--unhealthy-after", "2"], health_interval=None)
         self.wait_up(px, "prefill", P1, 0, 4.0)
 
     def test_every_prefill_ejected_error_and_ready_say_so(self):
-        P = self.mock(pxtest.prefill_handler(), name="P")
-        D = self.mock(pxtest.decode_handler(), name="D")
+        P = self.mock(prefill_handler(), name="P")
+        D = self.mock(decode_handler(), name="D")
         with_health(P, 503)
         px = self.start([P], [D], self.active_flags(1, 2), health_interval=None)
         self.wait_up(px, "prefill", P, 0, 3.0)
@@ -159,9 +153,9 @@ class ActiveHealthTest(ProdCase):
         self.assertIn("ejected", doc.get("reason", ""), doc)
 
     def test_every_decode_ejected_ready_503_and_error_say_so(self):
-        P = self.mock(pxtest.prefill_handler(), name="P")
-        D0 = self.mock(pxtest.decode_handler(), name="D0")
-        D1 = self.mock(pxtest.decode_handler(), name="D1")
+        P = self.mock(prefill_handler(), name="P")
+        D0 = self.mock(decode_handler(), name="D0")
+        D1 = self.mock(decode_handler(), name="D1")
         with_health(D0, 503)
         with_health(D1, 503)
         px = self.start([P], [D0, D1], self.active_flags(1, 2), health_interval=None)
@@ -195,8 +189,8 @@ class PassiveHealthTest(ProdCase):
 
     def check_prefill_ejection(self, bad_handler, outcome):
         P0 = self.mock(bad_handler, name="Pbad")
-        P1 = self.mock(pxtest.prefill_handler(), name="Pgood")
-        D = self.mock(pxtest.decode_handler(), name="D")
+        P1 = self.mock(prefill_handler(), name="Pgood")
+        D = self.mock(decode_handler(), name="D")
         px = self.start([P0, P1], [D], self.flags(2))
         seen = 0
         for i in range(6):
@@ -220,9 +214,9 @@ class PassiveHealthTest(ProdCase):
         self.check_prefill_ejection(lambda req: Reset(), "reset")
 
     def test_prefill_connect_error_ejects(self):
-        P1 = self.mock(pxtest.prefill_handler(), name="Pgood")
-        D = self.mock(pxtest.decode_handler(), name="D")
-        dead = pxtest.closed_port()
+        P1 = self.mock(prefill_handler(), name="Pgood")
+        D = self.mock(decode_handler(), name="D")
+        dead = closed_port()
         px = self.start([dead, P1], [D], self.flags(2))
 
         def dead_up():
@@ -246,9 +240,9 @@ class PassiveHealthTest(ProdCase):
         self.assertEqual(metric(prom(px.port), "pdproxy_retries_total", role="prefill"), retries)
 
     def test_decode_5xx_ejects(self):
-        P = self.mock(pxtest.prefill_handler(), name="P")
-        D0 = self.mock(pxtest.decode_handler(status=500), name="D0")
-        D1 = self.mock(pxtest.decode_handler(), name="D1")
+        P = self.mock(prefill_handler(), name="P")
+        D0 = self.mock(decode_handler(status=500), name="D0")
+        D1 = self.mock(decode_handler(), name="D1")
         px = self.start([P], [D0, D1], self.flags(2))
         statuses = []
         for i in range(6):
@@ -262,9 +256,9 @@ class PassiveHealthTest(ProdCase):
         self.assertEqual(len(D0.requests), 2, "an ejected decode received requests")
 
     def test_decode_closing_before_headers_ejects(self):
-        P = self.mock(pxtest.prefill_handler(), name="P")
+        P = self.mock(prefill_handler(), name="P")
         D0 = self.mock(lambda req: CloseBeforeHeaders(), name="D0")
-        D1 = self.mock(pxtest.decode_handler(), name="D1")
+        D1 = self.mock(decode_handler(), name="D1")
         px = self.start([P], [D0, D1], self.flags(2))
         for i in range(6):
             r = self.post(px)
@@ -278,7 +272,7 @@ class PassiveHealthTest(ProdCase):
     def test_4xx_never_eject(self):
         P = self.mock(lambda req: Respond(400, [("Content-Type", "application/json")],
                                           b'{"error":{"message":"bad prompt"}}'), name="P")
-        D = self.mock(pxtest.decode_handler(), name="D")
+        D = self.mock(decode_handler(), name="D")
         px = self.start([P], [D], self.flags(2))
         for i in range(25):
             r = self.post(px)
@@ -289,8 +283,8 @@ class PassiveHealthTest(ProdCase):
         self.assertEqual(D.requests, [])
 
     def test_decode_4xx_never_eject(self):
-        P = self.mock(pxtest.prefill_handler(), name="P")
-        D = self.mock(pxtest.decode_handler(status=422), name="D")
+        P = self.mock(prefill_handler(), name="P")
+        D = self.mock(decode_handler(status=422), name="D")
         px = self.start([P], [D], self.flags(2))
         for i in range(15):
             self.assertEqual(self.post(px).status, 422)
@@ -303,7 +297,7 @@ class PassiveHealthTest(ProdCase):
         seq = iter([503, 400, 503, 400, 503, 400, 503, 400])
         P = self.mock(lambda req: Respond(next(seq), [("Content-Type", "application/json")],
                                           b'{"error":{"message":"x"}}'), name="P")
-        D = self.mock(pxtest.decode_handler(), name="D")
+        D = self.mock(decode_handler(), name="D")
         px = self.start([P], [D], ["--unhealthy-after", "2", "--prefill-retries", "0"])
         for i in range(8):
             self.post(px)

@@ -4,35 +4,23 @@
 fails the request or cuts the stream), --client-header-timeout (408 for a
 client that sends its request too slowly)."""
 
-import os
 import socket
-import sys
 import threading
 import time
 import unittest
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import pxtest  # noqa: E402
-from prodtest import ProdCase, metric, prom  # noqa: E402
-from pxtest import (HOST, MAX_LOOP, Hang, RawClient, Respond, Stream, http_request,  # noqa: E402
-                    now, strict_json)
-
-
-def delayed_prefill(delay):
-    inner = pxtest.prefill_handler()
-
-    def h(req):
-        r = inner(req)
-        r.delay = delay
-        return r
-
-    return h
+from pdharness.client import RawClient, http_request, strict_json
+from pdharness.mocks import (Hang, Respond, Stream, completion_body, decode_handler,
+                             prefill_handler, sse_events)
+from pdharness.net import HOST, MAX_LOOP, now
+from pdharness.prod import ProdCase
+from pdharness.prom import metric, prom
 
 
 class MaxInflightTest(ProdCase):
     def test_beyond_max_inflight_503_with_retry_after(self):
-        P = self.mock(delayed_prefill(1.5), name="P")
-        D = self.mock(pxtest.decode_handler(), name="D")
+        P = self.mock(prefill_handler(delay=1.5), name="P")
+        D = self.mock(decode_handler(), name="D")
         px = self.start([P], [D], ["--max-inflight", "2"])
         held = []
         ts = [threading.Thread(target=lambda: held.append(self.post(px, timeout=10).status),
@@ -60,14 +48,14 @@ class MaxInflightTest(ProdCase):
         self.assertEqual(metric(prom(px.port), "pdproxy_inflight_requests"), 0)
 
     def test_max_inflight_counts_streams_until_they_end(self):
-        P = self.mock(pxtest.prefill_handler(), name="P")
-        ev = pxtest.sse_events(["a", "b", "c"])
+        P = self.mock(prefill_handler(), name="P")
+        ev = sse_events(["a", "b", "c"])
         D = self.mock(lambda req: Stream(200, [("Content-Type", "text/event-stream")],
                                          [(0.0, ev[0]), (1.0, ev[1]), (0.0, ev[2]),
                                           (0.0, ev[3])]), name="D")
         px = self.start([P], [D], ["--max-inflight", "1"])
         c = RawClient(px.port)
-        c.request("POST", "/v1/completions", pxtest.completion_body(stream=True))
+        c.request("POST", "/v1/completions", completion_body(stream=True))
         got = {}
         t = threading.Thread(target=lambda: got.setdefault("r", c.read_response(timeout=10)),
                              daemon=True)
@@ -84,7 +72,7 @@ class MaxInflightTest(ProdCase):
 class PrefillTimeoutTest(ProdCase):
     def test_prefill_timeout_504(self):
         P = self.mock(lambda req: Hang(10.0), name="P")
-        D = self.mock(pxtest.decode_handler(), name="D")
+        D = self.mock(decode_handler(), name="D")
         px = self.start([P], [D], ["--prefill-timeout", "1"])
         t0 = now()
         r = self.post(px, timeout=10)
@@ -102,7 +90,7 @@ class PrefillTimeoutTest(ProdCase):
         Ps = [self.mock(lambda req: Respond(500, [], b"", delay=0.7), name="P0"),
               self.mock(lambda req: Respond(500, [], b"", delay=0.7), name="P1"),
               self.mock(lambda req: Hang(10.0), name="P2")]
-        D = self.mock(pxtest.decode_handler(), name="D")
+        D = self.mock(decode_handler(), name="D")
         px = self.start(Ps, [D], ["--prefill-timeout", "1", "--prefill-retries", "2",
                                   "--unhealthy-after", "100"])
         t0 = now()
@@ -113,21 +101,21 @@ class PrefillTimeoutTest(ProdCase):
                         "(prefill attempts: %r)" % (took, [len(m.requests) for m in Ps]))
 
     def test_prefill_under_timeout_succeeds(self):
-        P = self.mock(delayed_prefill(0.5), name="P")
-        D = self.mock(pxtest.decode_handler(), name="D")
+        P = self.mock(prefill_handler(delay=0.5), name="P")
+        D = self.mock(decode_handler(), name="D")
         px = self.start([P], [D], ["--prefill-timeout", "2"])
         self.assertEqual(self.post(px).status, 200)
 
 
 class DecodeIdleTimeoutTest(ProdCase):
     def test_stall_after_headers_cuts_stream(self):
-        P = self.mock(pxtest.prefill_handler(), name="P")
-        ev = pxtest.sse_events(["one", "two"])
+        P = self.mock(prefill_handler(), name="P")
+        ev = sse_events(["one", "two"])
         D = self.mock(lambda req: Stream(200, [("Content-Type", "text/event-stream")],
                                          [(0, ev[0]), (8.0, ev[1]), (0, ev[2])]), name="D")
         px = self.start([P], [D], ["--decode-idle-timeout", "1"])
         c = RawClient(px.port)
-        c.request("POST", "/v1/completions", pxtest.completion_body(stream=True))
+        c.request("POST", "/v1/completions", completion_body(stream=True))
         r = c.read_response(timeout=8)
         c.close()
         self.assertEqual(r.status, 200)
@@ -143,7 +131,7 @@ class DecodeIdleTimeoutTest(ProdCase):
                              "pdproxy left the stalled decode open")
 
     def test_stall_before_headers_504(self):
-        P = self.mock(pxtest.prefill_handler(), name="P")
+        P = self.mock(prefill_handler(), name="P")
         D = self.mock(lambda req: Hang(10.0), name="D")
         px = self.start([P], [D], ["--decode-idle-timeout", "1"])
         t0 = now()
@@ -154,13 +142,13 @@ class DecodeIdleTimeoutTest(ProdCase):
         self.assertGreaterEqual(took, 0.9, took)
 
     def test_slow_but_steady_stream_completes(self):
-        P = self.mock(pxtest.prefill_handler(), name="P")
-        ev = pxtest.sse_events(["t%d" % i for i in range(6)])
+        P = self.mock(prefill_handler(), name="P")
+        ev = sse_events(["t%d" % i for i in range(6)])
         D = self.mock(lambda req: Stream(200, [("Content-Type", "text/event-stream")],
                                          [(0.4, e) for e in ev]), name="D")
         px = self.start([P], [D], ["--decode-idle-timeout", "1"])
         c = RawClient(px.port)
-        c.request("POST", "/v1/completions", pxtest.completion_body(stream=True))
+        c.request("POST", "/v1/completions", completion_body(stream=True))
         r = c.read_response(timeout=10)
         c.close()
         self.assertTrue(r.complete, "a stream with 0.4 s gaps was cut (--decode-idle-timeout 1): "
@@ -224,8 +212,8 @@ class ClientHeaderTimeoutTest(ProdCase):
                         % (what, took))
 
     def test_slowloris_headers_408(self):
-        P = self.mock(pxtest.prefill_handler(), name="P")
-        D = self.mock(pxtest.decode_handler(), name="D")
+        P = self.mock(prefill_handler(), name="P")
+        D = self.mock(decode_handler(), name="D")
         px = self.start([P], [D], ["--client-header-timeout", "1"])
         head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                 + b"".join(b"X-Pad-%d: %s\r\n" % (i, b"a" * 10) for i in range(40)))
@@ -237,8 +225,8 @@ class ClientHeaderTimeoutTest(ProdCase):
         self.assertEqual(P.requests, [])
 
     def test_slow_body_408(self):
-        P = self.mock(pxtest.prefill_handler(), name="P")
-        D = self.mock(pxtest.decode_handler(), name="D")
+        P = self.mock(prefill_handler(), name="P")
+        D = self.mock(decode_handler(), name="D")
         px = self.start([P], [D], ["--client-header-timeout", "1"])
         body = b'{"model":"m","prompt":"' + b"x" * 60 + b'"}'
         head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
@@ -249,12 +237,12 @@ class ClientHeaderTimeoutTest(ProdCase):
         self.assertEqual(P.requests, [])
 
     def test_prompt_request_not_affected(self):
-        P = self.mock(pxtest.prefill_handler(), name="P")
-        D = self.mock(pxtest.decode_handler(), name="D")
+        P = self.mock(prefill_handler(), name="P")
+        D = self.mock(decode_handler(), name="D")
         px = self.start([P], [D], ["--client-header-timeout", "1"])
         c = RawClient(px.port)
         for i in range(3):
-            c.request("POST", "/v1/completions", pxtest.completion_body())
+            c.request("POST", "/v1/completions", completion_body())
             self.assertEqual(c.read_response(timeout=5).status, 200)
             time.sleep(0.6)  # idle between requests on a keep-alive connection
         c.close()

@@ -4,38 +4,23 @@
 prefix_affinity (with its bounded-load cap --prefix-load-factor) and
 load_aware (engines' /metrics scraped every --metrics-interval)."""
 
-import collections
-import os
-import sys
-import threading
 import time
 import unittest
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import pxtest  # noqa: E402
-from prodtest import ProdCase, engine_metrics_handler, metric, prom  # noqa: E402
-from pxtest import MAX_LOOP, Respond, Stream, now  # noqa: E402
-
-
-def slow_prefill(delay):
-    inner = pxtest.prefill_handler()
-
-    def h(req):
-        r = inner(req)
-        r.delay = delay
-        return r
-
-    return h
+from pdharness.mocks import (Respond, chat_body, completion_body, decode_handler,
+                             engine_metrics_handler, prefill_handler)
+from pdharness.net import wait_until
+from pdharness.prod import ProdCase
 
 
 def prompt_body(prefix, suffix, **kw):
-    return pxtest.completion_body(prompt=prefix + suffix, **kw)
+    return completion_body(prompt=prefix + suffix, **kw)
 
 
 class RoundRobinTest(ProdCase):
     def test_round_robin_cycles_both_roles(self):
-        P = [self.mock(pxtest.prefill_handler(), name="P%d" % i) for i in range(3)]
-        D = [self.mock(pxtest.decode_handler(), name="D%d" % i) for i in range(2)]
+        P = [self.mock(prefill_handler(), name="P%d" % i) for i in range(3)]
+        D = [self.mock(decode_handler(), name="D%d" % i) for i in range(2)]
         px = self.start(P, D, ["--prefill-policy", "round_robin", "--decode-policy",
                                "round_robin"])
         order_p, order_d = [], []
@@ -61,18 +46,18 @@ class LoadPoliciesTest(ProdCase):
 
     def run_load(self, policy, role):
         if role == "prefill":
-            slow = self.mock(slow_prefill(0.6), name="Pslow")
-            fast = self.mock(pxtest.prefill_handler(), name="Pfast")
-            D = self.mock(pxtest.decode_handler(), name="D")
+            slow = self.mock(prefill_handler(delay=0.6), name="Pslow")
+            fast = self.mock(prefill_handler(), name="Pfast")
+            D = self.mock(decode_handler(), name="D")
             px = self.start([slow, fast], [D], ["--prefill-policy", policy])
         else:
-            P = self.mock(pxtest.prefill_handler(), name="P")
+            P = self.mock(prefill_handler(), name="P")
 
             def slow_d(req):
                 return Respond(200, [("Content-Type", "application/json")], b'{"x":1}', delay=0.6)
 
             slow = self.mock(slow_d, name="Dslow")
-            fast = self.mock(pxtest.decode_handler(), name="Dfast")
+            fast = self.mock(decode_handler(), name="Dfast")
             px = self.start([P], [slow, fast], ["--decode-policy", policy])
         res = self.concurrent(lambda i: self.post(px).status, self.N, workers=4, timeout=40)
         self.assertEqual(res, [200] * self.N)
@@ -97,8 +82,8 @@ class LoadPoliciesTest(ProdCase):
         self.assertGreaterEqual(s, self.N // 2 - 2)
 
     def test_power_of_two_spreads_idle_traffic(self):
-        P = [self.mock(pxtest.prefill_handler(), name="P%d" % i) for i in range(3)]
-        D = self.mock(pxtest.decode_handler(), name="D")
+        P = [self.mock(prefill_handler(), name="P%d" % i) for i in range(3)]
+        D = self.mock(decode_handler(), name="D")
         px = self.start(P, [D], ["--prefill-policy", "power_of_two"])
         for i in range(30):
             self.assertEqual(self.post(px).status, 200)
@@ -111,8 +96,8 @@ class LoadPoliciesTest(ProdCase):
 class PrefixAffinityTest(ProdCase):
     def setUp(self):
         super().setUp()
-        self.P = [self.mock(pxtest.prefill_handler(), name="P%d" % i) for i in range(4)]
-        self.D = self.mock(pxtest.decode_handler(), name="D")
+        self.P = [self.mock(prefill_handler(), name="P%d" % i) for i in range(4)]
+        self.D = self.mock(decode_handler(), name="D")
 
     def where(self, rid):
         hits = [i for i, m in enumerate(self.P)
@@ -146,7 +131,7 @@ class PrefixAffinityTest(ProdCase):
         homes = set()
         for j in range(6):
             rid = "chat-%d" % j
-            body = pxtest.chat_body(messages=[system, {"role": "user", "content": "q%d" % j}])
+            body = chat_body(messages=[system, {"role": "user", "content": "q%d" % j}])
             self.assertEqual(self.post(px, body, path="/v1/chat/completions",
                                        headers={"X-Request-Id": rid}).status, 200)
             homes.add(self.where(rid))
@@ -166,7 +151,7 @@ class PrefixAffinityTest(ProdCase):
 
     def concurrent_same_prefix(self, factor, n):
         for m in self.P:
-            m.set_handler(slow_prefill(1.5))
+            m.set_handler(prefill_handler(delay=1.5))
         px = self.start(self.P, [self.D], ["--prefill-policy", "prefix_affinity",
                                            "--prefix-bytes", "32",
                                            "--prefix-load-factor", str(factor)])
@@ -203,25 +188,20 @@ class LoadAwareTest(ProdCase):
             return sum(1 for r in list(m.probes) if r.path.startswith("/metrics"))
 
         base = {id(m): scrapes(m) for m in mocks}
-        deadline = now() + timeout
-        for _ in range(MAX_LOOP):
-            if all(scrapes(m) - base[id(m)] >= n for m in mocks):
-                return
-            if now() >= deadline:
-                break
-            time.sleep(0.02)
+        if wait_until(lambda: all(scrapes(m) - base[id(m)] >= n for m in mocks), timeout, 0.02):
+            return
         self.fail("pdproxy did not scrape /metrics of every engine %d times in %.1fs "
                   "(--metrics-interval %g)" % (n, timeout, self.INTERVAL))
 
     def run_role(self, role):
         st = [{"waiting": 40, "running": 8}, {"waiting": 0, "running": 0}]
         if role == "prefill":
-            B = [self.mock(pxtest.prefill_handler(), name="P%d" % i) for i in range(2)]
-            other = self.mock(pxtest.decode_handler(), name="D")
+            B = [self.mock(prefill_handler(), name="P%d" % i) for i in range(2)]
+            other = self.mock(decode_handler(), name="D")
             args = (B, [other])
         else:
-            B = [self.mock(pxtest.decode_handler(), name="D%d" % i) for i in range(2)]
-            other = self.mock(pxtest.prefill_handler(), name="P")
+            B = [self.mock(decode_handler(), name="D%d" % i) for i in range(2)]
+            other = self.mock(prefill_handler(), name="P")
             args = ([other], B)
         for m, s in zip(B, st):
             m.probe_handler = engine_metrics_handler(s)
@@ -249,8 +229,8 @@ class LoadAwareTest(ProdCase):
         self.run_role("decode")
 
     def test_kv_cache_usage_counts(self):
-        B = [self.mock(pxtest.prefill_handler(), name="P%d" % i) for i in range(2)]
-        D = self.mock(pxtest.decode_handler(), name="D")
+        B = [self.mock(prefill_handler(), name="P%d" % i) for i in range(2)]
+        D = self.mock(decode_handler(), name="D")
         st = [{"kv": "0.95"}, {"kv": "0.05"}]
         for m, s in zip(B, st):
             m.probe_handler = engine_metrics_handler(s)
@@ -262,8 +242,8 @@ class LoadAwareTest(ProdCase):
         self.assertEqual([len(m.requests) for m in B], [0, 6])
 
     def test_no_scrapes_without_load_aware(self):
-        B = [self.mock(pxtest.prefill_handler(), name="P%d" % i) for i in range(2)]
-        D = self.mock(pxtest.decode_handler(), name="D")
+        B = [self.mock(prefill_handler(), name="P%d" % i) for i in range(2)]
+        D = self.mock(decode_handler(), name="D")
         self.start(B, [D], ["--metrics-interval", "0.05"])
         time.sleep(0.5)
         self.assertEqual([r.path for m in B + [D] for r in m.probes if "metrics" in r.path], [])

@@ -15,11 +15,12 @@ import threading
 import time
 import unittest
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import e2e  # noqa: E402
-import pxtest  # noqa: E402
-from prodtest import metric, parse_prom  # noqa: E402
-from pxtest import MAX_LOOP, RawClient, http_request, now  # noqa: E402
+from pdharness.case import case_failed
+from pdharness.client import RawClient, run_concurrently
+from pdharness.cluster import ClusterCase
+from pdharness.net import HOST, MAX_LOOP, Listener, now, wait_value
+from pdharness.procs import start_engine_sim, start_sim_proxy
+from pdharness.prom import metric, prom
 
 EXPIRY_MS = 3000
 N = 60
@@ -29,17 +30,11 @@ WORDS = ("alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu 
          "rho sigma tau upsilon phi chi psi omega").split()
 
 
-def prom_of(port):
-    r = http_request(port, "GET", "/metrics")
-    assert r.status == 200, r
-    return parse_prom(r.body.decode())
-
-
-class LoggedCase(e2e.ClusterCase):
+class LoggedCase(ClusterCase):
     def tearDown(self):
         # Show the processes' last log lines when a test here failed, before
         # ClusterCase removes the logs.
-        if pxtest._test_failed(self):
+        if case_failed(self):
             for p in self.procs:
                 try:
                     lines = [l for l in p.log().splitlines() if "level=info req=" not in l
@@ -55,10 +50,10 @@ class StrandedBlocksTest(LoggedCase):
         seed = int(os.environ.get("PX_TEST_SEED") or random.SystemRandom().randrange(1 << 30))
         rnd = random.Random(seed)
         where = "seed=%d (PX_TEST_SEED to replay)" % seed
-        ps = [self.start(e2e.engine("prefill", ENGINE_FLAGS)) for _ in range(2)]
-        d = self.start(e2e.engine("decode", ENGINE_FLAGS))
-        px = self.start(e2e.proxy([p.port for p in ps], [d.port],
-                                  ["--health-interval", "0", "--log-level", "info"]))
+        ps = [self.start(start_engine_sim("prefill", ENGINE_FLAGS)) for _ in range(2)]
+        d = self.start(start_engine_sim("decode", ENGINE_FLAGS))
+        px = self.start(start_sim_proxy([p.port for p in ps], [d.port],
+                                        ["--health-interval", "0", "--log-level", "info"]))
 
         # A third leave: 7 during prefill (P's TTFT is 30 ms), 7 around the
         # hand-over to decode, 6 mid-stream; the others read their answer.
@@ -70,8 +65,6 @@ class StrandedBlocksTest(LoggedCase):
             stream = m == "stream" or rnd.random() < 0.5
             delay = {"prefill": rnd.uniform(0.0, 0.025), "after": rnd.uniform(0.025, 0.09)}.get(m)
             plan.append((m, prompt, stream, delay))
-
-        outcomes = [None] * N
 
         def one(i):
             m, prompt, stream, delay = plan[i]
@@ -99,26 +92,9 @@ class StrandedBlocksTest(LoggedCase):
                 c.close()
 
         # Eight clients at a time.
-        lock = threading.Lock()
-        todo = list(range(N))
-
-        def worker():
-            for _ in range(N):
-                with lock:
-                    if not todo:
-                        return
-                    i = todo.pop(0)
-                try:
-                    outcomes[i] = one(i)
-                except Exception as e:  # reported below
-                    outcomes[i] = ("bad", repr(e))
-
-        ts = [threading.Thread(target=worker, daemon=True) for _ in range(WORKERS)]
-        for t in ts:
-            t.start()
-        for t in ts:
-            t.join(60)
-        self.assertFalse(any(t.is_alive() for t in ts), "clients still running after 60 s")
+        outcomes, done = run_concurrently(one, N, WORKERS, 60)
+        self.assertTrue(done, "clients still running after 60 s")
+        outcomes = [("bad", repr(o)) if isinstance(o, Exception) else o for o in outcomes]
         bad = [(i, plan[i][0], o[1]) for i, o in enumerate(outcomes) if o[0] != "ok" and
                o[0] != "left"]
         self.assertEqual(bad, [], where)
@@ -126,12 +102,8 @@ class StrandedBlocksTest(LoggedCase):
         self.assertEqual(n_left, 20)
 
         # pdproxy finishes every request (those of clients that left too).
-        deadline = now() + 10
-        for _ in range(MAX_LOOP):
-            pm = prom_of(px.port)
-            if metric(pm, "pdproxy_inflight_requests") == 0 or now() >= deadline:
-                break
-            time.sleep(0.05)
+        pm = wait_value(lambda: prom(px.port),
+                        lambda pm: metric(pm, "pdproxy_inflight_requests") == 0, 10, 0.05)
         self.assertEqual(metric(pm, "pdproxy_inflight_requests"), 0, where)
         t_quiet = now()
 
@@ -139,7 +111,7 @@ class StrandedBlocksTest(LoggedCase):
         time.sleep(EXPIRY_MS / 1000.0 + 1.0)
         total_pub = 0
         for p in ps:
-            em = prom_of(p.port)
+            em = prom(p.port)
             pub = metric(em, "engine_sim_kv_blocks_published_total")
             rel = metric(em, "engine_sim_kv_blocks_released_by_consumer_total")
             exp = metric(em, "engine_sim_kv_blocks_expired_total")
@@ -150,10 +122,10 @@ class StrandedBlocksTest(LoggedCase):
             self.assertEqual(pub, rel, "prefill %d: published %d, released by the consumer %d; %s"
                              % (p.port, pub, rel, where))
         self.assertGreater(total_pub, 0)
-        dm = prom_of(d.port)
+        dm = prom(d.port)
         self.assertEqual(metric(dm, "engine_sim_kv_corrupt_blocks_total"), 0)
 
-        pm = prom_of(px.port)
+        pm = prom(px.port)
         phases = {ph: metric(pm, "pdproxy_client_disconnects_total", phase=ph)
                   for ph in ("prefill", "decode", "stream")}
         disconnects = sum(phases.values())
@@ -175,7 +147,7 @@ class StrandedBlocksTest(LoggedCase):
 
 
 
-class Relay:
+class Relay(Listener):
     """A TCP relay on 127.0.0.1 in front of an engine, one thread pair per
     connection, with two ways to stretch the hand-over windows:
 
@@ -195,45 +167,26 @@ class Relay:
         self.answer_partial = threading.Event()
         self.up_eof = threading.Event()
         self.up_bytes = 0
-        self.lsock = socket.socket()
-        self.lsock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        if up_piece:
-            # A small receive buffer so that slow reading slows the sender,
-            # set before the connection exists: shrinking it on an accepted
-            # socket that already advertised a larger window (the sender may
-            # have written at once) stalls the flow unpredictably.
-            self.lsock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16384)
-        self.lsock.bind((e2e.HOST, 0))
-        self.lsock.listen(16)
-        self.lsock.settimeout(0.1)
-        self.port = self.lsock.getsockname()[1]
-        self.stop = threading.Event()
+        # With up_piece, a small receive buffer so that slow reading slows
+        # the sender.
+        super().__init__(backlog=16, rcvbuf=16384 if up_piece else None, name="relay")
         self.socks = []
-        threading.Thread(target=self._accept, daemon=True).start()
+        self.start_accepting()
 
     def close(self):
-        self.stop.set()
-        for s in [self.lsock] + self.socks:
+        self.stop_accepting(join=0)
+        for s in self.socks:
             try:
                 s.close()
             except OSError:
                 pass
 
-    def _accept(self):
-        for _ in range(MAX_LOOP):
-            if self.stop.is_set():
-                return
-            try:
-                a, _ = self.lsock.accept()
-            except socket.timeout:
-                continue
-            except OSError:
-                return
-            b = socket.create_connection((e2e.HOST, self.target), timeout=5)
-            b.settimeout(None)
-            self.socks += [a, b]
-            threading.Thread(target=self._up, args=(a, b), daemon=True).start()
-            threading.Thread(target=self._down, args=(b, a), daemon=True).start()
+    def accepted(self, a):
+        b = socket.create_connection((HOST, self.target), timeout=5)
+        b.settimeout(None)
+        self.socks += [a, b]
+        threading.Thread(target=self._up, args=(a, b), daemon=True).start()
+        threading.Thread(target=self._down, args=(b, a), daemon=True).start()
 
     def _up(self, src, dst):
         for _ in range(MAX_LOOP):
@@ -313,27 +266,26 @@ class HandOverWindowTest(LoggedCase):
         the consumer, well before they could expire; then, after the expiry,
         checks that none expired."""
         expiry = HANDOVER_EXPIRY_MS / 1000.0
-        deadline = now() + expiry * 0.8
-        for _ in range(MAX_LOOP):
-            em = prom_of(p.port)
-            pub = metric(em, "engine_sim_kv_blocks_published_total")
-            rel = metric(em, "engine_sim_kv_blocks_released_by_consumer_total")
-            if (pub and pub == rel) or now() >= deadline:
-                break
-            time.sleep(0.05)
+
+        def counts():
+            em = prom(p.port)
+            return (metric(em, "engine_sim_kv_blocks_published_total"),
+                    metric(em, "engine_sim_kv_blocks_released_by_consumer_total"))
+
+        pub, rel = wait_value(counts, lambda pr: pr[0] and pr[0] == pr[1], expiry * 0.8, 0.05)
         self.assertGreater(pub, 0, where)
         self.assertEqual(rel, pub, "%s: %d of %d published blocks not released by the consumer "
                          "%.1fs into a %d ms expiry" % (where, pub - rel, pub, expiry * 0.8,
                                                         HANDOVER_EXPIRY_MS))
         time.sleep(expiry * 0.2 + 0.5)
-        self.assertEqual(metric(prom_of(p.port), "engine_sim_kv_blocks_expired_total"), 0, where)
+        self.assertEqual(metric(prom(p.port), "engine_sim_kv_blocks_expired_total"), 0, where)
 
     def test_client_leaves_while_request_uploads_to_decode(self):
-        p = self.start(e2e.engine("prefill", HANDOVER_FLAGS))
-        d = self.start(e2e.engine("decode", HANDOVER_FLAGS))
+        p = self.start(start_engine_sim("prefill", HANDOVER_FLAGS))
+        d = self.start(start_engine_sim("decode", HANDOVER_FLAGS))
         relay = Relay(d.port, up_piece=65536, up_gap=0.01)  # ~6 MB/s toward decode
         self.addCleanup(relay.close)
-        px = self.start(e2e.proxy([p.port], [relay.port], ["--health-interval", "0"]))
+        px = self.start(start_sim_proxy([p.port], [relay.port], ["--health-interval", "0"]))
         body = {"model": "sim-model", "prompt": "the hand over window " * 20, "max_tokens": 8,
                 "stream": True, "user": "u" * (3 << 20)}
         c = RawClient(px.port, timeout=30)
@@ -343,7 +295,7 @@ class HandOverWindowTest(LoggedCase):
         self.assertLess(relay.up_bytes, 3 << 20, "upload finished before the client left")
         c.close()  # prefill answered, decode has not received the request yet
         self.released_without_expiry(p, "client left during the upload to decode")
-        pm = prom_of(px.port)
+        pm = prom(px.port)
         self.assertEqual(metric(pm, "pdproxy_stranded_blocks_released_total"), 1)
         self.assertEqual(metric(pm, "pdproxy_client_disconnects_total", phase="decode"), 1)
         self.assertGreaterEqual(relay.up_bytes, 3 << 20, "decode was not sent the whole request")
@@ -351,11 +303,11 @@ class HandOverWindowTest(LoggedCase):
     def test_client_leaves_while_prefill_answer_in_flight(self):
         """P has answered (its blocks are published) but the last byte of
         its answer is still on the way when the client leaves."""
-        p = self.start(e2e.engine("prefill", HANDOVER_FLAGS))
-        d = self.start(e2e.engine("decode", HANDOVER_FLAGS))
+        p = self.start(start_engine_sim("prefill", HANDOVER_FLAGS))
+        d = self.start(start_engine_sim("decode", HANDOVER_FLAGS))
         relay = Relay(p.port, hold_last_s=0.5)
         self.addCleanup(relay.close)
-        px = self.start(e2e.proxy([relay.port], [d.port], ["--health-interval", "0"]))
+        px = self.start(start_sim_proxy([relay.port], [d.port], ["--health-interval", "0"]))
         body = {"model": "sim-model", "prompt": "an answer split in two " * 20, "max_tokens": 8,
                 "stream": True}
         c = RawClient(px.port, timeout=30)

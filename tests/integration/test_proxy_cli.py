@@ -3,14 +3,14 @@
 bad values (exit 2), startup time, /healthcheck."""
 
 import json
-import os
 import re
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import pxtest  # noqa: E402
-from pxtest import HOST, PxTestCase, http_request, run_pdproxy  # noqa: E402
+from pdharness.case import PxTestCase, main
+from pdharness.client import http_request
+from pdharness.mocks import completion_body, decode_handler, prefill_handler
+from pdharness.net import HOST, free_port
+from pdharness.procs import WARN_RE, run_pdproxy, start_pdproxy
 
 TOY_FLAGS = ["--host", "--port", "--prefiller-hosts", "--prefiller-host", "--prefiller-ports",
              "--prefiller-port", "--decoder-hosts", "--decoder-host", "--decoder-ports",
@@ -33,7 +33,7 @@ class CliTest(PxTestCase):
         self.assertRegex(p.stdout.strip().splitlines()[0], r"^pdproxy \d+\.\d+\.\d+\S*$")
 
     def _expect_usage_error(self, args, must_name=None):
-        p = run_pdproxy(["--port", str(pxtest.free_port())] + args, timeout=5.0)
+        p = run_pdproxy(["--port", str(free_port())] + args, timeout=5.0)
         self.assertEqual(p.returncode, 2, "args %r: rc=%s stderr=%r" % (args, p.returncode, p.stderr))
         self.assertTrue(p.stderr.strip(), "args %r: no message on stderr" % (args,))
         if must_name:
@@ -99,18 +99,18 @@ class CliTest(PxTestCase):
         self.assertEqual(r.json(), {"status": "ok", "prefill_instances": 1, "decode_instances": 1})
 
     def test_singular_toy_aliases(self):
-        P = self.mock(pxtest.prefill_handler(), name="P")
-        D = self.mock(pxtest.decode_handler(), name="D")
+        P = self.mock(prefill_handler(), name="P")
+        D = self.mock(decode_handler(), name="D")
         p = self.start_proxy(args=["--prefiller-host", HOST, "--prefiller-port", str(P.port),
                                    "--decoder-host", HOST, "--decoder-port", str(D.port)])
-        r = http_request(p.port, "POST", "/v1/completions", pxtest.completion_body())
+        r = http_request(p.port, "POST", "/v1/completions", completion_body())
         self.assertEqual(r.status, 200, r.body)
         self.assertEqual(len(P.requests), 1)
         self.assertEqual(len(D.requests), 1)
 
     def test_list_flags_take_several_values(self):
-        ps = [self.mock(pxtest.prefill_handler(), name="p%d" % i) for i in range(2)]
-        ds = [self.mock(pxtest.decode_handler(), name="d%d" % i) for i in range(2)]
+        ps = [self.mock(prefill_handler(), name="p%d" % i) for i in range(2)]
+        ds = [self.mock(decode_handler(), name="d%d" % i) for i in range(2)]
         p = self.start_proxy(threads=1, args=[
             "--prefiller-hosts", HOST, "localhost", "--prefiller-ports", str(ps[0].port),
             str(ps[1].port), "--decoder-hosts", HOST, HOST, "--decoder-ports", str(ds[0].port),
@@ -119,42 +119,35 @@ class CliTest(PxTestCase):
         self.assertEqual(r.json()["prefill_instances"], 2)
         self.assertEqual(r.json()["decode_instances"], 2)
         for _ in range(2):
-            r = http_request(p.port, "POST", "/v1/completions", pxtest.completion_body())
+            r = http_request(p.port, "POST", "/v1/completions", completion_body())
             self.assertEqual(r.status, 200, r.body)
         self.assertEqual([len(m.requests) for m in ps + ds], [1, 1, 1, 1])
 
     def test_env_vars(self):
-        P = self.mock(pxtest.prefill_handler(), name="P")
-        D = self.mock(pxtest.decode_handler(), name="D")
-        for _ in range(3):
-            port = pxtest.free_port()
-            env = {"PDPROXY_HOST": HOST, "PDPROXY_PORT": str(port),
-                   "PDPROXY_PREFILLER_HOSTS": HOST, "PDPROXY_PREFILLER_PORTS": str(P.port),
-                   "PDPROXY_DECODER_HOSTS": HOST, "PDPROXY_DECODER_PORTS": str(D.port),
-                   "PDPROXY_MAX_BODY_BYTES": "200", "PDPROXY_THREADS": "1"}
-            proxy = pxtest.Proxy([], env=env, port=port)
-            proxy.spawn()
-            self._proxies.append(proxy)
-            self.addCleanup(self._stop_proxy, proxy)
-            proxy.wait_ready()
-            if proxy.owns_port():
-                break
-            proxy._expected_exit = True
-            proxy.stop()
+        P = self.mock(prefill_handler(), name="P")
+        D = self.mock(decode_handler(), name="D")
+        proxy = start_pdproxy(
+            lambda port: [], self.track_proxy,
+            make_env=lambda port: {
+                "PDPROXY_HOST": HOST, "PDPROXY_PORT": str(port),
+                "PDPROXY_PREFILLER_HOSTS": HOST, "PDPROXY_PREFILLER_PORTS": str(P.port),
+                "PDPROXY_DECODER_HOSTS": HOST, "PDPROXY_DECODER_PORTS": str(D.port),
+                "PDPROXY_MAX_BODY_BYTES": "200", "PDPROXY_THREADS": "1"})
+        port = proxy.port
         self.assertTrue(proxy.owns_port(), "no port of our own")
-        r = http_request(port, "POST", "/v1/completions", pxtest.completion_body())
+        r = http_request(port, "POST", "/v1/completions", completion_body())
         self.assertEqual(r.status, 200, r.body)
         self.assertEqual((len(P.requests), len(D.requests)), (1, 1))
-        r = http_request(port, "POST", "/v1/completions", pxtest.completion_body(prompt="x" * 300))
+        r = http_request(port, "POST", "/v1/completions", completion_body(prompt="x" * 300))
         self.assertErrorJson(r, 413)
         self.assertEqual(len(P.requests), 1)
 
     def _kv_warning_run(self, level):
         doc = {"choices": [{"text": "x"}]}  # no kv_transfer_params: a warning
-        P = self.mock(pxtest.prefill_handler(raw_body=json.dumps(doc).encode()), name="P")
-        D = self.mock(pxtest.decode_handler(), name="D")
+        P = self.mock(prefill_handler(raw_body=json.dumps(doc).encode()), name="P")
+        D = self.mock(decode_handler(), name="D")
         px = self.start_proxy([P], [D], extra=["--log-level", level])
-        r = http_request(px.port, "POST", "/v1/completions", pxtest.completion_body())
+        r = http_request(px.port, "POST", "/v1/completions", completion_body())
         self.assertEqual(r.status, 200, r.body)
         self.assertEqual(len(D.requests), 1)
         return px
@@ -168,15 +161,15 @@ class CliTest(PxTestCase):
     def test_log_level_error_drops_warnings(self):
         px = self._kv_warning_run("error")
         time.sleep(0.2)  # a warning, if any, would be written by now
-        lines = [l for l in px.stderr().splitlines() if pxtest.WARN_RE.search(l)
+        lines = [l for l in px.stderr().splitlines() if WARN_RE.search(l)
                  or re.search(r"(?i)\binfo\b", l)]
         self.assertEqual(lines, [], "warn/info lines at --log-level error")
 
     def test_env_bad_value_exit_2(self):
-        p = run_pdproxy(["--port", str(pxtest.free_port())], env={"PDPROXY_THREADS": "lots"})
+        p = run_pdproxy(["--port", str(free_port())], env={"PDPROXY_THREADS": "lots"})
         self.assertEqual(p.returncode, 2, p.stderr)
         self.assertIn("THREADS", p.stderr.upper())
 
 
 if __name__ == "__main__":
-    pxtest.main()
+    main()

@@ -5,13 +5,14 @@ goes away."""
 
 import json
 import os
-import sys
 import threading
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import pxtest  # noqa: E402
-from pxtest import Hang, PxTestCase, RawClient, Respond, Stream, http_request, strict_json  # noqa: E402
+from pdharness.case import PxTestCase, main
+from pdharness.client import RawClient, http_request, raw_exchange, strict_json
+from pdharness.mocks import (Hang, Respond, Stream, chat_body, completion_body, decode_handler,
+                             prefill_handler, sse_events)
+from pdharness.net import wait_until
 
 
 def echo_decode(req):
@@ -30,7 +31,7 @@ def slow_echo_decode(req):
 class KeepAliveTest(PxTestCase):
     def setUp(self):
         super().setUp()
-        self.P = self.mock(pxtest.prefill_handler(), name="P")
+        self.P = self.mock(prefill_handler(), name="P")
         self.D = self.mock(echo_decode, name="D")
 
     def test_client_keepalive_and_upstream_reuse(self):
@@ -39,7 +40,7 @@ class KeepAliveTest(PxTestCase):
         self.addCleanup(c.close)
         n = 6
         for i in range(n):
-            c.request("POST", "/v1/completions", pxtest.completion_body(prompt="ka-%d" % i))
+            c.request("POST", "/v1/completions", completion_body(prompt="ka-%d" % i))
             r = c.read_response(timeout=5)
             self.assertEqual(r.status, 200, r)
             self.assertTrue(r.complete, r)
@@ -59,7 +60,7 @@ class KeepAliveTest(PxTestCase):
 
         def one(i):
             results.append(http_request(px.port, "POST", "/v1/completions",
-                                        pxtest.completion_body(prompt="burst-%d" % i)).status)
+                                        completion_body(prompt="burst-%d" % i)).status)
 
         ts = [threading.Thread(target=one, args=(i,)) for i in range(n)]
         for t in ts:
@@ -82,13 +83,13 @@ class KeepAliveTest(PxTestCase):
                               extra=["--upstream-keepalive", "2"])
         self.burst(px, 6)
         self.assertEqual(len(set(self.D.conn_ids())), 6, "expected one D connection per request")
-        self.assertTrue(pxtest.wait_until(lambda: self.closed_by_proxy(self.D) == 4, 3.0),
+        self.assertTrue(wait_until(lambda: self.closed_by_proxy(self.D) == 4, 3.0),
                         "pdproxy closed %d of 6 D connections, expected 4" %
                         self.closed_by_proxy(self.D))
         # The two kept serve the next requests: no new connection.
         for i in range(2):
             self.assertEqual(http_request(px.port, "POST", "/v1/completions",
-                                          pxtest.completion_body(prompt="again")).status, 200)
+                                          completion_body(prompt="again")).status, 200)
         self.assertEqual(len(set(self.D.conn_ids())), 6,
                          "the idle connections kept were not reused")
 
@@ -101,15 +102,15 @@ class KeepAliveTest(PxTestCase):
                          "idle upstream connections closed below the default cap")
 
     def test_upstream_reuse_after_streams(self):
-        events = pxtest.sse_events(["x", "y"])
+        events = sse_events(["x", "y"])
         self.D.set_handler(lambda req: Stream(200, [("Content-Type", "text/event-stream")],
                                               [(0, e) for e in events]))
         px = self.start_proxy([self.P], [self.D], threads=1)
         n = 5
         for i in range(n):
             # A fresh client connection each time: reuse is pdproxy's doing.
-            r = pxtest.raw_exchange(px.port, "POST", "/v1/completions",
-                                    pxtest.completion_body(stream=True))
+            r = raw_exchange(px.port, "POST", "/v1/completions",
+                             completion_body(stream=True))
             self.assertEqual(r.status, 200)
             self.assertTrue(r.complete, r)
             self.assertEqual(bytes(r.body), b"".join(events))
@@ -117,7 +118,7 @@ class KeepAliveTest(PxTestCase):
         self.assertLess(len(set(self.P.conn_ids())), n, "P conns %r" % self.P.conn_ids())
 
     def test_keepalive_across_streams(self):
-        events = pxtest.sse_events(["s1", "s2"])
+        events = sse_events(["s1", "s2"])
         px = self.start_proxy([self.P], [self.D], threads=1)
         c = RawClient(px.port)
         self.addCleanup(c.close)
@@ -127,7 +128,7 @@ class KeepAliveTest(PxTestCase):
             else:
                 self.D.set_handler(lambda req: Stream(200, [("Content-Type", "text/event-stream")],
                                                       [(0.01, e) for e in events]))
-            c.request("POST", "/v1/completions", pxtest.completion_body(prompt="m%d" % i,
+            c.request("POST", "/v1/completions", completion_body(prompt="m%d" % i,
                                                                          stream=not i % 2))
             r = c.read_response(timeout=5)
             self.assertEqual(r.status, 200, r)
@@ -143,7 +144,7 @@ class KeepAliveTest(PxTestCase):
         # Engines close idle keep-alive connections (uvicorn: after 5 s). A
         # pooled connection the backend has closed must not fail a request.
         def p(req):
-            a = pxtest.prefill_handler()(req)
+            a = prefill_handler()(req)
             a.then_close = True
             return a
 
@@ -157,12 +158,12 @@ class KeepAliveTest(PxTestCase):
         px = self.start_proxy([self.P], [self.D], threads=1)
         for i in range(4):
             r = http_request(px.port, "POST", "/v1/completions",
-                             pxtest.completion_body(prompt="idle-%d" % i))
+                             completion_body(prompt="idle-%d" % i))
             self.assertEqual(r.status, 200, "request %d: %r" % (i, r.body))
             self.assertEqual(r.json(), {"choices": [{"text": "echo:idle-%d" % i}]})
             # Let the FINs arrive before the next request.
-            pxtest.wait_until(lambda: all(r.conn.closed.is_set()
-                                          for r in self.P.requests + self.D.requests), 1.0)
+            wait_until(lambda: all(r.conn.closed.is_set()
+                                   for r in self.P.requests + self.D.requests), 1.0)
 
     def test_keepalive_mixed_paths_and_errors(self):
         px = self.start_proxy([self.P], [self.D], threads=1)
@@ -177,7 +178,7 @@ class KeepAliveTest(PxTestCase):
         self.assertTrue(r.complete)
         if r.eof:
             return  # closing after an error is allowed
-        c.request("POST", "/v1/chat/completions", pxtest.chat_body(prompt="z"))
+        c.request("POST", "/v1/chat/completions", chat_body(prompt="z"))
         r = c.read_response()
         self.assertEqual(r.status, 200, r)
 
@@ -195,7 +196,7 @@ class KeepAliveTest(PxTestCase):
         px = self.start_proxy([self.P], [self.D])
         c = RawClient(px.port)
         self.addCleanup(c.close)
-        c.request("POST", "/v1/completions", pxtest.completion_body(prompt="old"),
+        c.request("POST", "/v1/completions", completion_body(prompt="old"),
                   version="HTTP/1.0")
         r = c.read_response(timeout=5)
         self.assertEqual(r.status, 200, r)
@@ -207,7 +208,7 @@ class KeepAliveTest(PxTestCase):
 class ThreadsTest(PxTestCase):
 
     def test_parallel_clients_threads_4(self):
-        ps = [self.mock(pxtest.prefill_handler(), name="p%d" % i) for i in range(2)]
+        ps = [self.mock(prefill_handler(), name="p%d" % i) for i in range(2)]
         ds = [self.mock(echo_decode, name="d%d" % i) for i in range(2)]
         px = self.start_proxy(ps, ds, threads=4)
         n_clients, n_each = 24, 3
@@ -220,7 +221,7 @@ class ThreadsTest(PxTestCase):
                 for j in range(n_each):
                     prompt = "c%d-r%d" % (k, j)
                     r = http_request(px.port, "POST", "/v1/completions",
-                                     pxtest.completion_body(prompt=prompt), timeout=20)
+                                     completion_body(prompt=prompt), timeout=20)
                     ok = (r.status == 200 and r.json() == {"choices": [{"text": "echo:" + prompt}]})
                     with lock:
                         ids.append(r.header("x-request-id"))
@@ -243,8 +244,8 @@ class ThreadsTest(PxTestCase):
         self.assertEqual(len(set(ids)), total, "request ids not unique")
 
     def test_parallel_streams_threads_4(self):
-        P = self.mock(pxtest.prefill_handler(), name="P")
-        events = pxtest.sse_events(["a", "b", "c"])
+        P = self.mock(prefill_handler(), name="P")
+        events = sse_events(["a", "b", "c"])
         D = self.mock(lambda req: Stream(200, [("Content-Type", "text/event-stream")],
                                          [(0.05, e) for e in events]), name="D")
         px = self.start_proxy([P], [D], threads=4)
@@ -253,8 +254,8 @@ class ThreadsTest(PxTestCase):
 
         def client():
             try:
-                r = pxtest.raw_exchange(px.port, "POST", "/v1/completions",
-                                        pxtest.completion_body(stream=True), timeout=20)
+                r = raw_exchange(px.port, "POST", "/v1/completions",
+                                 completion_body(stream=True), timeout=20)
                 ok = r.status == 200 and r.complete and bytes(r.body) == b"".join(events)
             except Exception as e:
                 ok = repr(e)
@@ -288,31 +289,31 @@ def listeners_on(port):
 class ListenerTest(PxTestCase):
 
     def test_one_reuseport_listener_per_thread(self):
-        P = self.mock(pxtest.prefill_handler(), name="P")
-        D = self.mock(pxtest.decode_handler(), name="D")
+        P = self.mock(prefill_handler(), name="P")
+        D = self.mock(decode_handler(), name="D")
         px = self.start_proxy([P], [D], threads=3)
-        self.assertEqual(pxtest.wait_until(lambda: listeners_on(px.port) == 3, 2.0) and 3,
+        self.assertEqual(wait_until(lambda: listeners_on(px.port) == 3, 2.0) and 3,
                          3, "listeners on %d: %d" % (px.port, listeners_on(px.port)))
 
     def test_default_threads_cpu_count(self):
-        P = self.mock(pxtest.prefill_handler(), name="P")
-        D = self.mock(pxtest.decode_handler(), name="D")
+        P = self.mock(prefill_handler(), name="P")
+        D = self.mock(decode_handler(), name="D")
         px = self.start_proxy([P], [D], threads=None)
         ncpu = len(os.sched_getaffinity(0))
-        pxtest.wait_until(lambda: listeners_on(px.port) >= ncpu, 2.0)
+        wait_until(lambda: listeners_on(px.port) >= ncpu, 2.0)
         self.assertIn(listeners_on(px.port), (ncpu, os.cpu_count()))
 
 
 class ClientBehaviourTest(PxTestCase):
     def setUp(self):
         super().setUp()
-        self.P = self.mock(pxtest.prefill_handler(), name="P")
+        self.P = self.mock(prefill_handler(), name="P")
         self.D = self.mock(echo_decode, name="D")
 
     def test_expect_100_continue(self):
         # curl sends "Expect: 100-continue" before large bodies.
         px = self.start_proxy([self.P], [self.D])
-        body = json.dumps(pxtest.completion_body(prompt="e" * 2_000_000)).encode()
+        body = json.dumps(completion_body(prompt="e" * 2_000_000)).encode()
         c = RawClient(px.port)
         self.addCleanup(c.close)
         c.send(RawClient.build("POST", "/v1/completions", None,
@@ -338,14 +339,14 @@ class ClientBehaviourTest(PxTestCase):
         c.close()
         time.sleep(0.3)
         self.assertEqual(self.P.requests, [])
-        r = http_request(px.port, "POST", "/v1/completions", pxtest.completion_body())
+        r = http_request(px.port, "POST", "/v1/completions", completion_body())
         self.assertEqual(r.status, 200, r.body)
 
     def test_connection_close_honoured(self):
         px = self.start_proxy([self.P], [self.D])
         c = RawClient(px.port)
         self.addCleanup(c.close)
-        c.request("POST", "/v1/completions", pxtest.completion_body(prompt="bye"),
+        c.request("POST", "/v1/completions", completion_body(prompt="bye"),
                   headers=[("Connection", "close")])
         r = c.read_response(timeout=5)
         self.assertEqual(r.status, 200, r)
@@ -359,13 +360,13 @@ class ChurnTest(PxTestCase):
         # Clients that leave while sending, during P, during D's headers,
         # mid-stream, and clients that stay, all at once. pdproxy must keep
         # serving (under ASan this also looks for use-after-free).
-        events = pxtest.sse_events(["t%d" % i for i in range(20)])
+        events = sse_events(["t%d" % i for i in range(20)])
 
         def p(req):
             prompt = strict_json(req.body)["prompt"]
             if prompt.startswith("hang-p"):
                 return Hang(max_s=5)
-            return pxtest.prefill_handler()(req)
+            return prefill_handler()(req)
 
         def d(req):
             prompt = strict_json(req.body)["prompt"]
@@ -384,7 +385,7 @@ class ChurnTest(PxTestCase):
             try:
                 c = RawClient(px.port, timeout=10)
                 prompt = "%s-%d" % (kind, k)
-                body = json.dumps(pxtest.completion_body(prompt=prompt, stream=True)).encode()
+                body = json.dumps(completion_body(prompt=prompt, stream=True)).encode()
                 if kind == "partial":
                     c.send(RawClient.build("POST", "/v1/completions", body)[:-5])
                     time.sleep(0.05)
@@ -416,8 +417,8 @@ class ChurnTest(PxTestCase):
             t.join(timeout=30)
         self.assertEqual(errors, [])
         self.assertTrue(px.alive())
-        r = pxtest.raw_exchange(px.port, "POST", "/v1/completions",
-                                pxtest.completion_body(prompt="after", stream=True))
+        r = raw_exchange(px.port, "POST", "/v1/completions",
+                         completion_body(prompt="after", stream=True))
         self.assertEqual(r.status, 200)
         self.assertTrue(r.complete)
         # Every upstream connection of a departed client has been closed.
@@ -432,12 +433,12 @@ class CancelPrefillTest(PxTestCase):
     def setUp(self):
         super().setUp()
         self.P = self.mock(lambda req: Hang(max_s=10), name="P")
-        self.D = self.mock(pxtest.decode_handler(), name="D")
+        self.D = self.mock(decode_handler(), name="D")
 
     def _cancel_during_p(self, rst):
         px = self.start_proxy([self.P], [self.D])
         c = RawClient(px.port)
-        c.request("POST", "/v1/completions", pxtest.completion_body())
+        c.request("POST", "/v1/completions", completion_body())
         reqs = self.P.wait_requests(1, timeout=5)
         self.assertEqual(len(reqs), 1, "P never got the request")
         pconn = reqs[0].conn
@@ -450,8 +451,8 @@ class CancelPrefillTest(PxTestCase):
         time.sleep(0.3)  # give a wrong D request time to show up
         self.assertEqual(self.D.requests, [])
         # pdproxy still serves.
-        self.P.set_handler(pxtest.prefill_handler())
-        r = http_request(px.port, "POST", "/v1/completions", pxtest.completion_body())
+        self.P.set_handler(prefill_handler())
+        r = http_request(px.port, "POST", "/v1/completions", completion_body())
         self.assertEqual(r.status, 200, r.body)
 
     def test_client_close_cancels_p(self):
@@ -465,12 +466,12 @@ class CancelPrefillTest(PxTestCase):
         # D must not be called for a client that is gone.
         def slow_p(req):
             time.sleep(0.4)
-            return pxtest.prefill_handler()(req)
+            return prefill_handler()(req)
 
         self.P.set_handler(slow_p)
         px = self.start_proxy([self.P], [self.D])
         c = RawClient(px.port)
-        c.request("POST", "/v1/completions", pxtest.completion_body())
+        c.request("POST", "/v1/completions", completion_body())
         self.assertEqual(len(self.P.wait_requests(1, timeout=5)), 1)
         c.close()
         time.sleep(0.8)
@@ -478,4 +479,4 @@ class CancelPrefillTest(PxTestCase):
 
 
 if __name__ == "__main__":
-    pxtest.main()
+    main()

@@ -2,16 +2,15 @@
 """Errors: OpenAI-style JSON for client mistakes (400/404/405/413), P's 4xx
 passed through, upstream failures (502/504), D failing mid-stream."""
 
-import os
 import re
-import sys
 import threading
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import pxtest  # noqa: E402
-from pxtest import (CloseBeforeHeaders, PxTestCase, RawClient, Reset, Respond, Stream,  # noqa: E402
-                    http_request, raw_exchange)
+from pdharness.case import PxTestCase, main
+from pdharness.client import RawClient, http_request, raw_exchange
+from pdharness.mocks import (CloseBeforeHeaders, Reset, Respond, Stream, completion_body,
+                             decode_handler, prefill_handler, sse_events)
+from pdharness.net import closed_port, wait_until
 
 FAIL_RE = re.compile(r"(?i)fail|error|abort|reset|closed")
 
@@ -19,8 +18,8 @@ FAIL_RE = re.compile(r"(?i)fail|error|abort|reset|closed")
 class ClientErrorTest(PxTestCase):
     def setUp(self):
         super().setUp()
-        self.P = self.mock(pxtest.prefill_handler(), name="P")
-        self.D = self.mock(pxtest.decode_handler(), name="D")
+        self.P = self.mock(prefill_handler(), name="P")
+        self.D = self.mock(decode_handler(), name="D")
 
     def test_body_not_json_400(self):
         px = self.start_proxy([self.P], [self.D])
@@ -84,8 +83,8 @@ class ClientErrorTest(PxTestCase):
 class DefaultBodyLimitTest(PxTestCase):
 
     def test_default_limit_32mib(self):
-        P = self.mock(pxtest.prefill_handler(), name="P")
-        D = self.mock(pxtest.decode_handler(), name="D")
+        P = self.mock(prefill_handler(), name="P")
+        D = self.mock(decode_handler(), name="D")
         px = self.start_proxy([P], [D])
         limit = 32 * 1024 * 1024
         body = b'{"prompt":"' + b"z" * (limit + 1 - 13) + b'"}'
@@ -113,8 +112,8 @@ class DefaultBodyLimitTest(PxTestCase):
 class PrefillErrorTest(PxTestCase):
     def setUp(self):
         super().setUp()
-        self.P = self.mock(pxtest.prefill_handler(), name="P")
-        self.D = self.mock(pxtest.decode_handler(), name="D")
+        self.P = self.mock(prefill_handler(), name="P")
+        self.D = self.mock(decode_handler(), name="D")
 
     def test_p_4xx_passed_through(self):
         px = self.start_proxy([self.P], [self.D])
@@ -124,7 +123,7 @@ class PrefillErrorTest(PxTestCase):
             self.P.set_handler(lambda req, s=status, b=body: Respond(
                 s, [("Content-Type", "application/json")], b))
             with self.subTest(status=status):
-                r = raw_exchange(px.port, "POST", "/v1/completions", pxtest.completion_body())
+                r = raw_exchange(px.port, "POST", "/v1/completions", completion_body())
                 self.assertEqual(r.status, status)
                 self.assertTrue(r.complete, r)
                 self.assertEqual(bytes(r.body), body)
@@ -138,7 +137,7 @@ class PrefillErrorTest(PxTestCase):
             self.P.set_handler(handler)
         px = self.start_proxy([p_port or self.P], [self.D])
         for i in range(n):
-            r = http_request(px.port, "POST", "/v1/completions", pxtest.completion_body())
+            r = http_request(px.port, "POST", "/v1/completions", completion_body())
             if i == 0:
                 self.assertErrorJson(r, 502)
             else:
@@ -152,12 +151,12 @@ class PrefillErrorTest(PxTestCase):
     def test_error_carries_request_id_and_is_logged(self):
         self.P.set_handler(lambda req: Respond(500, [("Content-Type", "text/plain")], b"boom"))
         px = self.start_proxy([self.P], [self.D])
-        r = http_request(px.port, "POST", "/v1/completions", pxtest.completion_body(),
+        r = http_request(px.port, "POST", "/v1/completions", completion_body(),
                          {"X-Request-Id": "err-id-4242"})
         self.assertErrorJson(r, 502)
         self.assertEqual(self.P.requests[0].header("x-request-id"), "err-id-4242")
         self.assertEqual(r.header("x-request-id"), "err-id-4242")
-        lines = pxtest.wait_until(
+        lines = wait_until(
             lambda: [l for l in px.stderr().splitlines() if "err-id-4242" in l], 2.0)
         self.assertTrue(lines, "error not logged with the request id:\n" + px.stderr())
 
@@ -173,15 +172,15 @@ class PrefillErrorTest(PxTestCase):
         px = self.start_proxy([self.P], [self.D])
         self.P.wait_probes(1, timeout=0.5)
         self.P.stop()
-        r = http_request(px.port, "POST", "/v1/completions", pxtest.completion_body())
+        r = http_request(px.port, "POST", "/v1/completions", completion_body())
         self.assertErrorJson(r, 502)
         self.assertEqual(self.D.requests, [])
 
     def test_p_refused_from_start(self):
         # Never up: 502 (connect refused), or 503 if a startup health check
         # has already ejected it.
-        px = self.start_proxy([pxtest.closed_port()], [self.D])
-        r = http_request(px.port, "POST", "/v1/completions", pxtest.completion_body())
+        px = self.start_proxy([closed_port()], [self.D])
+        r = http_request(px.port, "POST", "/v1/completions", completion_body())
         self.assertIn(r.status, (502, 503), r.body)
         self.assertErrorJson(r, r.status)
         self.assertEqual(self.D.requests, [])
@@ -198,7 +197,7 @@ class PrefillErrorTest(PxTestCase):
             self.skipTest("cannot make a blackhole listener on this host")
         px = self.start_proxy([bh.port], [self.D], extra=["--connect-timeout", "0.3"])
         t0 = time.monotonic()
-        r = http_request(px.port, "POST", "/v1/completions", pxtest.completion_body())
+        r = http_request(px.port, "POST", "/v1/completions", completion_body())
         dt = time.monotonic() - t0
         self.assertErrorJson(r, 504)
         self.assertGreaterEqual(dt, 0.25, "answered before the connect timeout")
@@ -211,13 +210,13 @@ class SlowUpstreamTest(PxTestCase):
     def test_connect_timeout_is_not_a_request_timeout(self):
         # --connect-timeout bounds connect() only: a P that thinks for 0.6 s
         # and a D that streams for 0.8 s are fine.
-        events = pxtest.sse_events(["slow%d" % i for i in range(3)])
+        events = sse_events(["slow%d" % i for i in range(3)])
         P = self.mock(lambda req: Respond(200, [("Content-Type", "application/json")],
-                                          pxtest.prefill_handler()(req).body, delay=0.6), name="P")
+                                          prefill_handler()(req).body, delay=0.6), name="P")
         D = self.mock(lambda req: Stream(200, [("Content-Type", "text/event-stream")],
                                          [(0.2, e) for e in events]), name="D")
         px = self.start_proxy([P], [D], extra=["--connect-timeout", "0.3"])
-        r = raw_exchange(px.port, "POST", "/v1/completions", pxtest.completion_body(stream=True))
+        r = raw_exchange(px.port, "POST", "/v1/completions", completion_body(stream=True))
         self.assertEqual(r.status, 200, r.body)
         self.assertChunkedComplete(r)
         self.assertEqual(bytes(r.body), b"".join(events))
@@ -226,15 +225,15 @@ class SlowUpstreamTest(PxTestCase):
 class DecodeErrorTest(PxTestCase):
     def setUp(self):
         super().setUp()
-        self.P = self.mock(pxtest.prefill_handler(), name="P")
-        self.D = self.mock(pxtest.decode_handler(), name="D")
+        self.P = self.mock(prefill_handler(), name="P")
+        self.D = self.mock(decode_handler(), name="D")
 
     def _expect(self, status, handler=None, d_port=None, n=2):
         if handler is not None:
             self.D.set_handler(handler)
         px = self.start_proxy([self.P], [d_port or self.D])
         for i in range(n):
-            r = http_request(px.port, "POST", "/v1/completions", pxtest.completion_body())
+            r = http_request(px.port, "POST", "/v1/completions", completion_body())
             if i == 0:
                 self.assertErrorJson(r, status)
                 self.assertEqual(len(self.P.requests), 1)
@@ -247,13 +246,13 @@ class DecodeErrorTest(PxTestCase):
         px = self.start_proxy([self.P], [self.D])
         self.D.wait_probes(1, timeout=0.5)
         self.D.stop()
-        r = http_request(px.port, "POST", "/v1/completions", pxtest.completion_body())
+        r = http_request(px.port, "POST", "/v1/completions", completion_body())
         self.assertErrorJson(r, 502)
         self.assertEqual(len(self.P.requests), 1)
 
     def test_d_refused_from_start(self):
-        px = self.start_proxy([self.P], [pxtest.closed_port()])
-        r = http_request(px.port, "POST", "/v1/completions", pxtest.completion_body())
+        px = self.start_proxy([self.P], [closed_port()])
+        r = http_request(px.port, "POST", "/v1/completions", completion_body())
         self.assertIn(r.status, (502, 503), r.body)
         self.assertErrorJson(r, r.status)
 
@@ -269,14 +268,14 @@ class DecodeErrorTest(PxTestCase):
             self.skipTest("cannot make a blackhole listener on this host")
         px = self.start_proxy([self.P], [bh.port], extra=["--connect-timeout", "0.3"])
         t0 = time.monotonic()
-        r = http_request(px.port, "POST", "/v1/completions", pxtest.completion_body())
+        r = http_request(px.port, "POST", "/v1/completions", completion_body())
         dt = time.monotonic() - t0
         self.assertErrorJson(r, 504)
         self.assertGreaterEqual(dt, 0.25)
         self.assertLess(dt, 2.5, "connect timeout 0.3 s took %.2fs" % dt)
 
     def _mid_stream(self, end, framing):
-        events = pxtest.sse_events(["a", "b", "c"], done=False)
+        events = sse_events(["a", "b", "c"], done=False)
         self.D.set_handler(lambda req: Stream(
             200, [("Content-Type", "text/event-stream")], [(0.02, e) for e in events],
             framing=framing, end=end,
@@ -284,7 +283,7 @@ class DecodeErrorTest(PxTestCase):
         px = self.start_proxy([self.P], [self.D])
         c = RawClient(px.port)
         self.addCleanup(c.close)
-        c.request("POST", "/v1/completions", pxtest.completion_body(stream=True))
+        c.request("POST", "/v1/completions", completion_body(stream=True))
         r = c.read_response(timeout=5.0)
         self.assertFalse(r.timed_out, "proxy neither finished nor closed the stream: %r" % r)
         self.assertEqual(r.status, 200)
@@ -293,8 +292,8 @@ class DecodeErrorTest(PxTestCase):
         self.assertTrue(r.eof, "connection must be closed after a failed stream")
         self.assertEqual(bytes(r.body), b"".join(events), "bytes before the failure must arrive")
         rid = self.D.requests[0].header("x-request-id")
-        lines = pxtest.wait_until(lambda: [l for l in px.stderr().splitlines()
-                                           if rid in l and FAIL_RE.search(l)], 2.0)
+        lines = wait_until(lambda: [l for l in px.stderr().splitlines()
+                                    if rid in l and FAIL_RE.search(l)], 2.0)
         self.assertTrue(lines, "failure not logged with req id %s:\n%s" % (rid, px.stderr()))
         return px
 
@@ -309,4 +308,4 @@ class DecodeErrorTest(PxTestCase):
 
 
 if __name__ == "__main__":
-    pxtest.main()
+    main()

@@ -5,13 +5,13 @@ of D's answer, round robin, missing kv_transfer_params warnings."""
 
 import copy
 import json
-import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import pxtest  # noqa: E402
-from pxtest import (PREFILL_KV, UUID4_RE, PxTestCase, RawClient, Respond, http_request,  # noqa: E402
-                    raw_exchange, strict_json)
+from pdharness.case import PxTestCase, main
+from pdharness.client import (UUID4_RE, DuplicateKeyError, RawClient, http_request, raw_exchange,
+                              strict_json)
+from pdharness.mocks import (PREFILL_KV, Respond, chat_body, completion_body, decode_handler,
+                             default_p_kv, prefill_handler)
+from pdharness.procs import WARN_RE
 
 BIG1 = 18446744073709551615  # 2^64 - 1
 BIG2 = 9007199254740993  # 2^53 + 1: not representable as a double
@@ -83,8 +83,8 @@ RICH_CLIENT = {
 class FlowBase(PxTestCase):
     def setUp(self):
         super().setUp()
-        self.P = self.mock(pxtest.prefill_handler(), name="P")
-        self.D = self.mock(pxtest.decode_handler(), name="D")
+        self.P = self.mock(prefill_handler(), name="P")
+        self.D = self.mock(decode_handler(), name="D")
 
     def proxy(self, **kw):
         return self.start_proxy([self.P], [self.D], **kw)
@@ -116,10 +116,10 @@ class PrefillRewriteTest(FlowBase):
         self.assertNotIn(b"min_tokens", preq.body)
 
     def test_chat_completions_rewrite_with_max_completion_tokens(self):
-        body = pxtest.chat_body(max_completion_tokens=300, min_completion_tokens=7, min_tokens=3,
-                                stream=True, stream_options={"include_usage": True},
-                                tools=[{"type": "function", "function": {"name": "f",
-                                                                         "parameters": {}}}])
+        body = chat_body(max_completion_tokens=300, min_completion_tokens=7, min_tokens=3,
+                         stream=True, stream_options={"include_usage": True},
+                         tools=[{"type": "function", "function": {"name": "f",
+                                                                  "parameters": {}}}])
         preq = self._check_p("/v1/chat/completions", body)
         self.assertEqual(preq.json()["max_completion_tokens"], 1)
         self.assertNotIn("min_completion_tokens", preq.json())
@@ -128,7 +128,7 @@ class PrefillRewriteTest(FlowBase):
         # vLLM (FastAPI) rejects a body whose Content-Type is not JSON; curl's
         # default for a POST body is application/x-www-form-urlencoded.
         px = self.proxy()
-        r = http_request(px.port, "POST", "/v1/completions", pxtest.completion_body(),
+        r = http_request(px.port, "POST", "/v1/completions", completion_body(),
                          {"Content-Type": "text/plain"})
         self.assertEqual(r.status, 200, r.body)
         for req in (self.P.requests[0], self.D.requests[0]):
@@ -145,11 +145,11 @@ class PrefillRewriteTest(FlowBase):
         self.assertEqual(preq.json()["max_tokens"], 1)
 
     def test_stream_false_stays_false(self):
-        self._check_p("/v1/completions", pxtest.completion_body(stream=False))
+        self._check_p("/v1/completions", completion_body(stream=False))
 
     def test_client_kv_transfer_params_replaced_for_p(self):
-        body = pxtest.completion_body(kv_transfer_params={"do_remote_prefill": True,
-                                                          "remote_host": "evil", "x": 1})
+        body = completion_body(kv_transfer_params={"do_remote_prefill": True,
+                                                   "remote_host": "evil", "x": 1})
         preq = self._check_p("/v1/completions", body)
         self.assertNotIn(b"evil", preq.body)
 
@@ -171,14 +171,14 @@ class PrefillRewriteTest(FlowBase):
             self.assertNotIn(b"evil", req.body, "client kv_transfer_params leaked to %r" % req)
         try:
             p = self.P.requests[0].json()
-        except pxtest.DuplicateKeyError as e:
+        except DuplicateKeyError as e:
             self.fail("%s in the body sent to P: %r" % (e, self.P.requests[0].body))
         self.assertEqual((p["max_tokens"], p["stream"]), (1, False))
         # D gets the client's body as the client wrote it; whatever way an
         # engine reads duplicates (last wins in Python), kv_transfer_params is P's.
         rid = self.P.requests[0].header("x-request-id")
         d = json.loads(self.D.requests[0].body)
-        self.assertEqual(d["kv_transfer_params"], pxtest.default_p_kv(rid))
+        self.assertEqual(d["kv_transfer_params"], default_p_kv(rid))
 
     def test_escaped_key_names(self):
         # "max_tok\u0065ns" *is* max_tokens, "kv_transfer_p\u0061rams" *is*
@@ -193,7 +193,7 @@ class PrefillRewriteTest(FlowBase):
         self.assertEqual(r.status, 200, r.body)
         try:
             p = self.P.requests[0].json()
-        except pxtest.DuplicateKeyError as e:
+        except DuplicateKeyError as e:
             self.fail("%s in the body sent to P: %r" % (e, self.P.requests[0].body))
         self.assertEqual((p["max_tokens"], p["stream"]), (1, False), self.P.requests[0].body)
         self.assertEqual(p["kv_transfer_params"], PREFILL_KV, self.P.requests[0].body)
@@ -201,7 +201,7 @@ class PrefillRewriteTest(FlowBase):
             self.assertNotIn(b"evil", req.body, "client kv_transfer_params leaked to %r" % req)
 
     def test_max_completion_tokens_null_still_set(self):
-        body = pxtest.chat_body(max_completion_tokens=None)
+        body = chat_body(max_completion_tokens=None)
         preq = self._check_p("/v1/chat/completions", body)
         self.assertEqual(preq.json()["max_completion_tokens"], 1)
 
@@ -219,7 +219,7 @@ class PrefillRewriteTest(FlowBase):
         px = self.proxy()
         for framing in ("chunked", "close", "length"):
             with self.subTest(framing=framing):
-                kv = pxtest.default_p_kv(framing)
+                kv = default_p_kv(framing)
 
                 def h(req, framing=framing, kv=kv):
                     doc = {"choices": [{"text": "x"}], "kv_transfer_params": kv}
@@ -227,7 +227,7 @@ class PrefillRewriteTest(FlowBase):
                                    json.dumps(doc).encode(), framing=framing)
 
                 self.P.set_handler(h)
-                r = http_request(px.port, "POST", "/v1/completions", pxtest.completion_body())
+                r = http_request(px.port, "POST", "/v1/completions", completion_body())
                 self.assertEqual(r.status, 200, r.body)
                 self.assertEqual(self.D.requests[-1].json()["kv_transfer_params"], kv)
 
@@ -241,11 +241,11 @@ class PrefillRewriteTest(FlowBase):
         self.assertEqual(self.P.requests[0].json(), p_request_expected(RICH_CLIENT))
         rid = self.P.requests[0].header("x-request-id")
         self.assertEqual(self.D.requests[0].json(),
-                         d_request_expected(RICH_CLIENT, pxtest.default_p_kv(rid)))
+                         d_request_expected(RICH_CLIENT, default_p_kv(rid)))
 
     def test_large_body_passes(self):
         # 2 MiB prompt, well under the default 32 MiB limit.
-        body = pxtest.completion_body(prompt="y" * (2 * 1024 * 1024))
+        body = completion_body(prompt="y" * (2 * 1024 * 1024))
         px = self.proxy()
         r = http_request(px.port, "POST", "/v1/completions", body)
         self.assertEqual(r.status, 200, r.body[:200])
@@ -256,7 +256,7 @@ class PrefillRewriteTest(FlowBase):
 class DecodeBodyTest(FlowBase):
 
     def test_kv_params_verbatim_to_d(self):
-        self.P.set_handler(pxtest.prefill_handler(raw_body=P_ANSWER_RAW))
+        self.P.set_handler(prefill_handler(raw_body=P_ANSWER_RAW))
         px = self.proxy()
         r = http_request(px.port, "POST", "/v1/completions", RICH_CLIENT)
         self.assertEqual(r.status, 200, r.body)
@@ -279,24 +279,24 @@ class DecodeBodyTest(FlowBase):
         self.assertIsInstance(kv["tp_size"], int)
         self.assertEqual(kv["remote_block_ids"], [[1, 2, 3], [4, 5], []])
         # A complete answer from P draws no warning.
-        spurious = [l for l in px.stderr().splitlines() if pxtest.WARN_RE.search(l) and
+        spurious = [l for l in px.stderr().splitlines() if WARN_RE.search(l) and
                     ("kv_transfer_params" in l or "remote_request_id" in l)]
         self.assertEqual(spurious, [])
 
     def test_large_kv_params_verbatim(self):
-        kv = pxtest.default_p_kv("big")
+        kv = default_p_kv("big")
         kv["remote_block_ids"] = list(range(200000))
         kv["remote_block_ids_by_layer"] = [[i, i * 2 ** 60] for i in range(2000)]
-        self.P.set_handler(pxtest.prefill_handler(kv=kv))
+        self.P.set_handler(prefill_handler(kv=kv))
         px = self.proxy()
-        r = http_request(px.port, "POST", "/v1/completions", pxtest.completion_body())
+        r = http_request(px.port, "POST", "/v1/completions", completion_body())
         self.assertEqual(r.status, 200, r.body)
         self.assertEqual(self.D.requests[0].json()["kv_transfer_params"], kv)
 
     def test_chat_completions_d_body(self):
-        self.P.set_handler(pxtest.prefill_handler(raw_body=P_ANSWER_RAW))
+        self.P.set_handler(prefill_handler(raw_body=P_ANSWER_RAW))
         px = self.proxy()
-        body = pxtest.chat_body(stream=False, max_completion_tokens=99, min_tokens=2)
+        body = chat_body(stream=False, max_completion_tokens=99, min_tokens=2)
         r = http_request(px.port, "POST", "/v1/chat/completions", body)
         self.assertEqual(r.status, 200, r.body)
         dreq = self.D.requests[0]
@@ -305,11 +305,11 @@ class DecodeBodyTest(FlowBase):
         self.assertEqual(dreq.json(), d_request_expected(body, P_KV))
 
     def test_client_kv_params_never_reach_d(self):
-        p_kv = pxtest.default_p_kv("x")
-        self.P.set_handler(pxtest.prefill_handler(kv=p_kv))
+        p_kv = default_p_kv("x")
+        self.P.set_handler(prefill_handler(kv=p_kv))
         px = self.proxy()
-        body = pxtest.completion_body(kv_transfer_params={"remote_host": "client-evil",
-                                                          "remote_block_ids": [666]})
+        body = completion_body(kv_transfer_params={"remote_host": "client-evil",
+                                                   "remote_block_ids": [666]})
         r = http_request(px.port, "POST", "/v1/completions", body)
         self.assertEqual(r.status, 200, r.body)
         for req in self.P.requests + self.D.requests:
@@ -321,9 +321,9 @@ class DecodeBodyTest(FlowBase):
     def test_no_kv_params_from_p_still_decodes(self):
         doc = {"id": "cmpl-p", "object": "text_completion",
                "choices": [{"index": 0, "text": "x", "finish_reason": "length"}]}
-        self.P.set_handler(pxtest.prefill_handler(raw_body=json.dumps(doc).encode()))
+        self.P.set_handler(prefill_handler(raw_body=json.dumps(doc).encode()))
         px = self.proxy()
-        body = pxtest.completion_body(kv_transfer_params={"remote_host": "client-evil"})
+        body = completion_body(kv_transfer_params={"remote_host": "client-evil"})
         since = len(px.stderr())
         r = http_request(px.port, "POST", "/v1/completions", body)
         self.assertEqual(r.status, 200, r.body)
@@ -336,12 +336,12 @@ class DecodeBodyTest(FlowBase):
         self.assertWarned(px, "kv_transfer_params", since)
 
     def test_kv_params_without_remote_request_id_warns(self):
-        kv = pxtest.default_p_kv("x")
+        kv = default_p_kv("x")
         del kv["remote_request_id"]
-        self.P.set_handler(pxtest.prefill_handler(kv=kv))
+        self.P.set_handler(prefill_handler(kv=kv))
         px = self.proxy()
         since = len(px.stderr())
-        r = http_request(px.port, "POST", "/v1/completions", pxtest.completion_body())
+        r = http_request(px.port, "POST", "/v1/completions", completion_body())
         self.assertEqual(r.status, 200, r.body)
         self.assertEqual(self.D.requests[0].json()["kv_transfer_params"], kv)
         self.assertWarned(px, "remote_request_id", since)
@@ -362,7 +362,7 @@ class RequestIdTest(FlowBase):
 
     def test_generated_uuid4_same_on_p_d_and_client(self):
         px = self.proxy()
-        r = http_request(px.port, "POST", "/v1/completions", pxtest.completion_body())
+        r = http_request(px.port, "POST", "/v1/completions", completion_body())
         self.assertEqual(r.status, 200)
         rid = self._ids(r)
         self.assertRegex(rid, UUID4_RE)
@@ -371,7 +371,7 @@ class RequestIdTest(FlowBase):
         px = self.proxy()
         ids = set()
         for _ in range(5):
-            r = http_request(px.port, "POST", "/v1/completions", pxtest.completion_body())
+            r = http_request(px.port, "POST", "/v1/completions", completion_body())
             self.assertEqual(r.status, 200)
             ids.add(self._ids(r))
         self.assertEqual(len(ids), 5)
@@ -380,7 +380,7 @@ class RequestIdTest(FlowBase):
         px = self.proxy()
         for rid in ("my-req-123", "A" * 128, "abc_DEF.ghi:~!@#$%^&*()[]{}<>?/|'=+`,;"):
             with self.subTest(rid=rid):
-                r = raw_exchange(px.port, "POST", "/v1/completions", pxtest.completion_body(),
+                r = raw_exchange(px.port, "POST", "/v1/completions", completion_body(),
                                  headers=[("X-Request-Id", rid)])
                 self.assertEqual(r.status, 200, r.body)
                 self.assertEqual(self._ids(r), rid)
@@ -390,7 +390,7 @@ class RequestIdTest(FlowBase):
             200, [("Content-Type", "application/json"), ("X-Request-Id", "d-internal-id")],
             b'{"choices":[]}'))
         px = self.proxy()
-        r = raw_exchange(px.port, "POST", "/v1/completions", pxtest.completion_body(),
+        r = raw_exchange(px.port, "POST", "/v1/completions", completion_body(),
                          headers=[("X-Request-Id", "client-id-77")])
         self.assertEqual(r.status, 200, r.body)
         self.assertEqual(r.header_all("x-request-id"), ["client-id-77"])
@@ -402,7 +402,7 @@ class RequestIdTest(FlowBase):
         px = self.proxy()
         for rid in ('say-"hi"', "back\\slash", "with space"):
             with self.subTest(rid=rid):
-                r = raw_exchange(px.port, "POST", "/v1/completions", pxtest.completion_body(),
+                r = raw_exchange(px.port, "POST", "/v1/completions", completion_body(),
                                  headers=[("X-Request-Id", rid)])
                 self.assertEqual(r.status, 200, r.body)
                 got = self._ids(r)
@@ -411,7 +411,7 @@ class RequestIdTest(FlowBase):
 
     def test_client_id_header_name_case_insensitive(self):
         px = self.proxy()
-        r = raw_exchange(px.port, "POST", "/v1/completions", pxtest.completion_body(),
+        r = raw_exchange(px.port, "POST", "/v1/completions", completion_body(),
                          headers=[("x-request-id", "lower-case-name-1")])
         self.assertEqual(r.status, 200, r.body)
         self.assertEqual(self._ids(r), "lower-case-name-1")
@@ -421,7 +421,7 @@ class RequestIdTest(FlowBase):
         bad = ["B" * 129, "caf\xc3\xa9-id", "a\tb"]
         for rid in bad:
             with self.subTest(rid=rid):
-                r = raw_exchange(px.port, "POST", "/v1/completions", pxtest.completion_body(),
+                r = raw_exchange(px.port, "POST", "/v1/completions", completion_body(),
                                  headers=[("X-Request-Id", rid)])
                 self.assertEqual(r.status, 200, r.body)
                 got = self._ids(r)
@@ -432,7 +432,7 @@ class RequestIdTest(FlowBase):
         # may reject the request (400, JSON) or replace the id; the bad id
         # must never reach P or D.
         px = self.proxy()
-        r = raw_exchange(px.port, "POST", "/v1/completions", pxtest.completion_body(),
+        r = raw_exchange(px.port, "POST", "/v1/completions", completion_body(),
                          headers=[("X-Request-Id", "a\x01b")])
         if r.status == 400:
             self.assertErrorJson(r, 400)
@@ -443,7 +443,7 @@ class RequestIdTest(FlowBase):
 
     def test_empty_client_id_replaced(self):
         px = self.proxy()
-        r = raw_exchange(px.port, "POST", "/v1/completions", pxtest.completion_body(),
+        r = raw_exchange(px.port, "POST", "/v1/completions", completion_body(),
                          headers=[("X-Request-Id", "")])
         self.assertEqual(r.status, 200, r.body)
         self.assertRegex(self._ids(r), UUID4_RE)
@@ -452,11 +452,11 @@ class RequestIdTest(FlowBase):
 class AuthTest(PxTestCase):
 
     def _run(self, env=None, client_auth=None):
-        P = self.mock(pxtest.prefill_handler(), name="P")
-        D = self.mock(pxtest.decode_handler(), name="D")
+        P = self.mock(prefill_handler(), name="P")
+        D = self.mock(decode_handler(), name="D")
         px = self.start_proxy([P], [D], env=env)
         headers = {"Authorization": client_auth} if client_auth else {}
-        r = http_request(px.port, "POST", "/v1/completions", pxtest.completion_body(), headers)
+        r = http_request(px.port, "POST", "/v1/completions", completion_body(), headers)
         self.assertEqual(r.status, 200, r.body)
         return P.requests[0].header_all("authorization"), D.requests[0].header_all("authorization")
 
@@ -486,10 +486,10 @@ class ResponsePassThroughTest(FlowBase):
     def test_json_body_byte_identical_and_chunked(self):
         body = ('{ "id" : "cmpl-d",\n\t"choices":[{"text":"Grüße \\u00e9 世界","index":0}],'
                 '"big":18446744073709551615,"f":1.0E-7 }').encode("utf-8")
-        self.D.set_handler(pxtest.decode_handler(body=body,
-                                                 content_type="application/json; charset=utf-8"))
+        self.D.set_handler(decode_handler(body=body,
+                                          content_type="application/json; charset=utf-8"))
         px = self.proxy()
-        r = raw_exchange(px.port, "POST", "/v1/completions", pxtest.completion_body())
+        r = raw_exchange(px.port, "POST", "/v1/completions", completion_body())
         self.assertEqual(r.status, 200)
         self.assertEqual(r.header("content-type"), "application/json; charset=utf-8")
         self.assertChunkedComplete(r)
@@ -498,9 +498,9 @@ class ResponsePassThroughTest(FlowBase):
     def test_large_body_byte_identical(self):
         import random
         body = random.Random(7).randbytes(300_000)
-        self.D.set_handler(pxtest.decode_handler(body=body, content_type="application/octet-stream"))
+        self.D.set_handler(decode_handler(body=body, content_type="application/octet-stream"))
         px = self.proxy()
-        r = raw_exchange(px.port, "POST", "/v1/completions", pxtest.completion_body())
+        r = raw_exchange(px.port, "POST", "/v1/completions", completion_body())
         self.assertEqual(r.status, 200)
         self.assertTrue(r.complete, r)
         self.assertEqual(r.header("content-type"), "application/octet-stream")
@@ -514,9 +514,9 @@ class ResponsePassThroughTest(FlowBase):
         px = self.proxy()
         for framing in ("length", "chunked"):
             with self.subTest(framing=framing):
-                self.D.set_handler(pxtest.decode_handler(
+                self.D.set_handler(decode_handler(
                     body=body, content_type="application/octet-stream", framing=framing))
-                r = raw_exchange(px.port, "POST", "/v1/completions", pxtest.completion_body(),
+                r = raw_exchange(px.port, "POST", "/v1/completions", completion_body(),
                                  timeout=10)
                 self.assertEqual(r.status, 200)
                 self.assertFalse(r.timed_out, "stuck after %d of %d bytes" % (len(r.body),
@@ -529,8 +529,8 @@ class ResponsePassThroughTest(FlowBase):
         px = self.proxy()
         for framing in ("chunked", "close", "length"):
             with self.subTest(framing=framing):
-                self.D.set_handler(pxtest.decode_handler(body=body, framing=framing))
-                r = raw_exchange(px.port, "POST", "/v1/completions", pxtest.completion_body())
+                self.D.set_handler(decode_handler(body=body, framing=framing))
+                r = raw_exchange(px.port, "POST", "/v1/completions", completion_body())
                 self.assertEqual(r.status, 200)
                 self.assertTrue(r.complete, r)
                 self.assertEqual(bytes(r.body), body)
@@ -541,18 +541,18 @@ class ResponsePassThroughTest(FlowBase):
             with self.subTest(status=status):
                 body = ('{"error":{"message":"d says %d","type":"X","code":%d}}' % (
                     status, status)).encode()
-                self.D.set_handler(pxtest.decode_handler(body=body, status=status,
-                                                         content_type="application/json"))
-                r = raw_exchange(px.port, "POST", "/v1/completions", pxtest.completion_body())
+                self.D.set_handler(decode_handler(body=body, status=status,
+                                                  content_type="application/json"))
+                r = raw_exchange(px.port, "POST", "/v1/completions", completion_body())
                 self.assertEqual(r.status, status)
                 self.assertEqual(bytes(r.body), body)
                 self.assertEqual(r.header("content-type"), "application/json")
 
     def test_d_content_type_kept(self):
-        self.D.set_handler(pxtest.decode_handler(body=b"plain text\n",
-                                                 content_type="text/plain; charset=iso-8859-1"))
+        self.D.set_handler(decode_handler(body=b"plain text\n",
+                                          content_type="text/plain; charset=iso-8859-1"))
         px = self.proxy()
-        r = http_request(px.port, "POST", "/v1/completions", pxtest.completion_body())
+        r = http_request(px.port, "POST", "/v1/completions", completion_body())
         self.assertEqual(r.header("content-type"), "text/plain; charset=iso-8859-1")
         self.assertEqual(r.body, b"plain text\n")
 
@@ -560,11 +560,11 @@ class ResponsePassThroughTest(FlowBase):
 class RoundRobinTest(PxTestCase):
 
     def _run(self, n_p, n_d, n_req, threads):
-        ps = [self.mock(pxtest.prefill_handler(), name="p%d" % i) for i in range(n_p)]
-        ds = [self.mock(pxtest.decode_handler(), name="d%d" % i) for i in range(n_d)]
+        ps = [self.mock(prefill_handler(), name="p%d" % i) for i in range(n_p)]
+        ds = [self.mock(decode_handler(), name="d%d" % i) for i in range(n_d)]
         px = self.start_proxy(ps, ds, threads=threads)
         for i in range(n_req):
-            r = http_request(px.port, "POST", "/v1/completions", pxtest.completion_body(
+            r = http_request(px.port, "POST", "/v1/completions", completion_body(
                 prompt="req-%d" % i))
             self.assertEqual(r.status, 200, r.body)
 
@@ -593,4 +593,4 @@ class RoundRobinTest(PxTestCase):
 
 
 if __name__ == "__main__":
-    pxtest.main()
+    main()

@@ -6,22 +6,20 @@ requests work, malformed ones get a 4xx and never reach P, and pdproxy
 keeps serving."""
 
 import json
-import os
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import pxtest  # noqa: E402
-from pxtest import PxTestCase, RawClient, http_request  # noqa: E402
+from pdharness.case import PxTestCase, main
+from pdharness.client import RawClient, http_request
+from pdharness.mocks import completion_body, decode_handler, prefill_handler
 
-BODY = json.dumps(pxtest.completion_body(prompt="split")).encode()
+BODY = json.dumps(completion_body(prompt="split")).encode()
 
 
 class HttpFrontTest(PxTestCase):
     def setUp(self):
         super().setUp()
-        self.P = self.mock(pxtest.prefill_handler(), name="P")
-        self.D = self.mock(pxtest.decode_handler(), name="D")
+        self.P = self.mock(prefill_handler(), name="P")
+        self.D = self.mock(decode_handler(), name="D")
         self.px = self.start_proxy([self.P], [self.D])
 
     def _raw(self, data, pieces=None, gap=0.0, timeout=5.0):
@@ -40,7 +38,7 @@ class HttpFrontTest(PxTestCase):
 
     def _still_serves(self):
         self.assertTrue(self.px.alive())
-        r = http_request(self.px.port, "POST", "/v1/completions", pxtest.completion_body())
+        r = http_request(self.px.port, "POST", "/v1/completions", completion_body())
         self.assertEqual(r.status, 200, r.body)
 
     def _assert_ok(self, r):
@@ -145,4 +143,4 @@ class HttpFrontTest(PxTestCase):
 
 
 if __name__ == "__main__":
-    pxtest.main()
+    main()

@@ -3,14 +3,12 @@
 ("remote_kv_token", 32 hex digits) reaches decode byte for byte through the
 proxy: without it decode cannot pull the blocks nor release them."""
 
-import json
-import os
 import re
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import pxtest  # noqa: E402
-from pxtest import PxTestCase, http_request  # noqa: E402
+from pdharness.case import PxTestCase, main
+from pdharness.client import http_request
+from pdharness.mocks import (chat_body, completion_body, decode_handler, default_p_kv,
+                             prefill_handler)
 
 TOKEN = "0f1e2d3c4b5a69788796a5b4c3d2e1f0"
 
@@ -18,11 +16,11 @@ TOKEN = "0f1e2d3c4b5a69788796a5b4c3d2e1f0"
 class KvTokenTest(PxTestCase):
     def setUp(self):
         super().setUp()
-        kv = pxtest.default_p_kv("tok")
+        kv = default_p_kv("tok")
         kv["remote_kv_token"] = TOKEN
         self.kv = kv
-        self.P = self.mock(pxtest.prefill_handler(kv=kv), name="P")
-        self.D = self.mock(pxtest.decode_handler(), name="D")
+        self.P = self.mock(prefill_handler(kv=kv), name="P")
+        self.D = self.mock(decode_handler(), name="D")
 
     def _one(self, path, body):
         px = self.start_proxy([self.P], [self.D])
@@ -39,14 +37,14 @@ class KvTokenTest(PxTestCase):
         return px
 
     def test_token_survives_completions(self):
-        self._one("/v1/completions", pxtest.completion_body())
+        self._one("/v1/completions", completion_body())
 
     def test_token_survives_chat_completions(self):
-        self._one("/v1/chat/completions", pxtest.chat_body(stream=False))
+        self._one("/v1/chat/completions", chat_body(stream=False))
 
     def test_client_supplied_token_never_reaches_d(self):
         # A client cannot plant its own token: D sees P's.
-        body = pxtest.completion_body()
+        body = completion_body()
         body["kv_transfer_params"] = {"remote_kv_token": "ff" * 16, "remote_request_id": "x"}
         self._one("/v1/completions", body)
         self.assertNotIn(b"ff" * 16, self.D.requests[0].body)
@@ -54,4 +52,4 @@ class KvTokenTest(PxTestCase):
 
 
 if __name__ == "__main__":
-    pxtest.main()
+    main()

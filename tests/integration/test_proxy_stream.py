@@ -4,34 +4,27 @@ Content-Type, chunked framing, backpressure on a slow client, cancelling D
 when the client goes away mid-stream."""
 
 import hashlib
-import os
 import struct
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import pxtest  # noqa: E402
-from pxtest import PxTestCase, RawClient, Stream, http_request  # noqa: E402
+from pdharness.case import PxTestCase, main
+from pdharness.client import RawClient, http_request
+from pdharness.mocks import (Hang, Stream, chat_body, completion_body, decode_handler,
+                             prefill_handler, sse_events)
+from pdharness.net import tcp_queues
+from pdharness.procs import rss_bytes, sanitized
 
 MiB = 1 << 20
-
-
-def rss_bytes(pid):
-    with open("/proc/%d/status" % pid) as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    return 0
 
 
 class StreamTest(PxTestCase):
     def setUp(self):
         super().setUp()
-        self.P = self.mock(pxtest.prefill_handler(), name="P")
+        self.P = self.mock(prefill_handler(), name="P")
         self.D = self.mock(name="D")
 
     def _sse(self, path, body, gap=0.3, content_type="text/event-stream"):
-        events = pxtest.sse_events(["Hello", " world", "!"])  # 3 events + [DONE]
+        events = sse_events(["Hello", " world", "!"])  # 3 events + [DONE]
         self.D.set_handler(lambda req: Stream(
             200, [("Content-Type", content_type), ("Cache-Control", "no-cache")],
             [(0, events[0])] + [(gap, e) for e in events[1:]]))
@@ -64,22 +57,22 @@ class StreamTest(PxTestCase):
         return r
 
     def test_sse_completions_unbuffered(self):
-        self._sse("/v1/completions", pxtest.completion_body(stream=True))
+        self._sse("/v1/completions", completion_body(stream=True))
 
     def test_sse_chat_unbuffered(self):
-        self._sse("/v1/chat/completions", pxtest.chat_body(stream=True),
+        self._sse("/v1/chat/completions", chat_body(stream=True),
                   content_type="text/event-stream; charset=utf-8")
 
     def test_first_event_before_d_finishes(self):
         # D sends one event then stays silent for 1 s: the client must have
         # the event long before D's stream ends.
-        ev = pxtest.sse_events(["first"], done=False)[0]
+        ev = sse_events(["first"], done=False)[0]
         self.D.set_handler(lambda req: Stream(200, [("Content-Type", "text/event-stream")],
                                               [(0, ev), (1.0, b"data: [DONE]\n\n")]))
         px = self.start_proxy([self.P], [self.D])
         c = RawClient(px.port)
         self.addCleanup(c.close)
-        c.request("POST", "/v1/completions", pxtest.completion_body(stream=True))
+        c.request("POST", "/v1/completions", completion_body(stream=True))
         t0 = time.monotonic()
         r = c.read_response(timeout=0.6, until=lambda r: len(r.body) >= len(ev))
         self.assertTrue(r.stopped_early, "first event not received within 0.6 s: %r" % r)
@@ -87,13 +80,13 @@ class StreamTest(PxTestCase):
         self.assertLess(time.monotonic() - t0, 0.6)
 
     def test_stream_from_close_delimited_d(self):
-        events = pxtest.sse_events(["a", "b"])
+        events = sse_events(["a", "b"])
         self.D.set_handler(lambda req: Stream(200, [("Content-Type", "text/event-stream")],
                                               [(0.05, e) for e in events], framing="close"))
         px = self.start_proxy([self.P], [self.D])
         c = RawClient(px.port)
         self.addCleanup(c.close)
-        c.request("POST", "/v1/completions", pxtest.completion_body(stream=True))
+        c.request("POST", "/v1/completions", completion_body(stream=True))
         r = c.read_response(timeout=5)
         self.assertChunkedComplete(r)
         self.assertEqual(bytes(r.body), b"".join(events))
@@ -124,14 +117,14 @@ class StreamTest(PxTestCase):
         # first upstream request loads once (libcurl and TLS for https
         # backends), not only the idle process.
         self.assertEqual(http_request(px.port, "POST", "/v1/completions",
-                                      pxtest.completion_body()).status, 200)
+                                      completion_body()).status, 200)
         self.D.set_handler(lambda req: Stream(200, [("Content-Type", "application/octet-stream")],
                                               chunks(), framing="length", length=TOTAL,
                                               sndbuf=128 * 1024))
         rss0 = rss_bytes(px.proc.pid)
         c = RawClient(px.port, rcvbuf=64 * 1024, timeout=60)
         self.addCleanup(c.close)
-        c.request("POST", "/v1/completions", pxtest.completion_body())
+        c.request("POST", "/v1/completions", completion_body())
         self.D.wait_requests(2, timeout=5)
         dconn = self.D.requests[1].conn
         cport = c.sock.getsockname()[1]
@@ -139,10 +132,10 @@ class StreamTest(PxTestCase):
         def in_pdproxy():
             """(bytes D wrote, bytes in kernel queues, bytes held by pdproxy)."""
             sent = dconn.bytes_sent
-            d_tx, _ = pxtest.tcp_queues(dconn.local_port, dconn.peer_port)
-            _, pd_rx = pxtest.tcp_queues(dconn.peer_port, dconn.local_port)
-            pc_tx, _ = pxtest.tcp_queues(px.port, cport)
-            _, c_rx = pxtest.tcp_queues(cport, px.port)
+            d_tx, _ = tcp_queues(dconn.local_port, dconn.peer_port)
+            _, pd_rx = tcp_queues(dconn.peer_port, dconn.local_port)
+            pc_tx, _ = tcp_queues(px.port, cport)
+            _, c_rx = tcp_queues(cport, px.port)
             kernel = d_tx + pd_rx + pc_tx + c_rx
             return sent, kernel, sent - kernel
 
@@ -160,7 +153,7 @@ class StreamTest(PxTestCase):
         self.assertLess(s2[0], TOTAL * 3 // 4, "D nearly done, no backpressure: " + report)
         # ~1 MiB buffered per stream, plus curl's buffer and allocator slack;
         # AddressSanitizer's quarantine keeps freed buffers resident.
-        rss_bound = (32 if pxtest.sanitized(px.proc.pid) else 8) * MiB
+        rss_bound = (32 if sanitized(px.proc.pid) else 8) * MiB
         self.assertLess(rss2 - rss0, rss_bound, "pdproxy RSS grew by %.1f MiB while stalled"
                         % ((rss2 - rss0) / MiB))
 
@@ -180,16 +173,16 @@ class StreamTest(PxTestCase):
 class CancelStreamTest(PxTestCase):
     def setUp(self):
         super().setUp()
-        self.P = self.mock(pxtest.prefill_handler(), name="P")
+        self.P = self.mock(prefill_handler(), name="P")
         self.D = self.mock(name="D")
 
     def _cancel_mid_stream(self, rst):
-        events = pxtest.sse_events(["tok%d" % i for i in range(500)], done=True)
+        events = sse_events(["tok%d" % i for i in range(500)], done=True)
         self.D.set_handler(lambda req: Stream(200, [("Content-Type", "text/event-stream")],
                                               [(0.02, e) for e in events]))
         px = self.start_proxy([self.P], [self.D])
         c = RawClient(px.port)
-        c.request("POST", "/v1/completions", pxtest.completion_body(stream=True))
+        c.request("POST", "/v1/completions", completion_body(stream=True))
         r = c.read_response(timeout=5, until=lambda r: len(r.body) >= len(events[0]) * 2)
         self.assertTrue(r.stopped_early, "stream did not start: %r" % r)
         dconn = self.D.requests[0].conn
@@ -201,16 +194,16 @@ class CancelStreamTest(PxTestCase):
         self.assertLessEqual(t_closed - t0, 0.3, "D closed %.0f ms after the client left"
                              % ((t_closed - t0) * 1000))
         # pdproxy still serves.
-        self.D.set_handler(pxtest.decode_handler())
-        r = http_request(px.port, "POST", "/v1/completions", pxtest.completion_body())
+        self.D.set_handler(decode_handler())
+        r = http_request(px.port, "POST", "/v1/completions", completion_body())
         self.assertEqual(r.status, 200, r.body)
 
     def test_client_close_while_d_silent(self):
         # D accepted the request but has sent nothing yet.
-        self.D.set_handler(lambda req: pxtest.Hang(max_s=10))
+        self.D.set_handler(lambda req: Hang(max_s=10))
         px = self.start_proxy([self.P], [self.D])
         c = RawClient(px.port)
-        c.request("POST", "/v1/completions", pxtest.completion_body(stream=True))
+        c.request("POST", "/v1/completions", completion_body(stream=True))
         self.assertEqual(len(self.D.wait_requests(1, timeout=5)), 1)
         dconn = self.D.requests[0].conn
         t0 = c.close()
@@ -229,7 +222,7 @@ class CancelStreamTest(PxTestCase):
             sndbuf=128 * 1024))
         px = self.start_proxy([self.P], [self.D])
         c = RawClient(px.port, rcvbuf=64 * 1024)
-        c.request("POST", "/v1/completions", pxtest.completion_body())
+        c.request("POST", "/v1/completions", completion_body())
         self.assertEqual(len(self.D.wait_requests(1, timeout=5)), 1)
         dconn = self.D.requests[0].conn
         # Wait until D is stalled (nothing more written for 200 ms).
@@ -256,4 +249,4 @@ class CancelStreamTest(PxTestCase):
 
 
 if __name__ == "__main__":
-    pxtest.main()
+    main()

@@ -1,18 +1,16 @@
-"""pdtest: what is shared by the per-request decision tests (conditional
+"""PdCase: what is shared by the per-request decision tests (conditional
 disaggregation, decode-only fallback, the endpoints passed to decode, usage
-across the two legs) on top of pxtest, prodtest and e2e (Python 3 stdlib).
+across the two legs): access-log records, metrics, engine-sim.
 
 Every wait is bounded by a deadline."""
 
 import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import e2e  # noqa: E402
-import prodtest  # noqa: E402
-import pxtest  # noqa: E402
-import test_obs_log as obslog  # noqa: E402  (its parser only; no tests imported by name)
-from pxtest import PxTestCase, wait_until  # noqa: E402
+from pdharness.case import PxTestCase
+from pdharness.logs import parse_logfmt
+from pdharness.net import wait_until
+from pdharness.procs import start_engine_sim
+from pdharness.prom import metric, prom, prom_values
 
 
 class PdCase(PxTestCase):
@@ -23,7 +21,7 @@ class PdCase(PxTestCase):
         out = []
         for line in px.stderr().splitlines():
             if "total_ms=" in line and 'msg="request"' in line:
-                out.append(obslog.parse_logfmt(line))
+                out.append(parse_logfmt(line))
         return out
 
     def access_for(self, px, rid, timeout=5.0):
@@ -34,12 +32,12 @@ class PdCase(PxTestCase):
         return mine[0]
 
     def metric(self, px, name, **labels):
-        return prodtest.metric(prodtest.prom(px.port), name, **labels)
+        return metric(prom(px.port), name, **labels)
 
     def engine(self, role, extra=()):
         """An engine-sim on a free port, stopped (and required to exit
         cleanly) at the end of the test."""
-        p = e2e.engine(role, extra)
+        p = start_engine_sim(role, extra)
         self.addCleanup(self._stop_engine, p)
         return p
 
@@ -55,7 +53,7 @@ class PdCase(PxTestCase):
 
     @staticmethod
     def engine_metric(port, name):
-        return e2e.metrics(port).get(name)
+        return prom_values(port).get(name)
 
 
 def rid_headers(rid, extra=None):

@@ -1,13 +1,13 @@
-"""Shared code of the control-plane tests: config files, admin calls, polling
+"""The control-plane tests' helpers: config files, admin calls, polling
 /ready for a generation."""
 
 import json
 import os
 import signal
 import tempfile
-import time
 
-from pxtest import HOST, MAX_LOOP, free_port, http_request, now
+from pdharness.client import http_request
+from pdharness.net import HOST, wait_value
 
 
 def url(m):
@@ -49,17 +49,11 @@ def ready(px):
 
 
 def wait_generation(case, px, gen, timeout=10.0):
-    deadline = now() + timeout
-    last = None
-    for _ in range(MAX_LOOP):
-        _, doc = ready(px)
-        last = doc.get("generation")
-        if last == gen:
-            return doc
-        if now() >= deadline:
-            break
-        time.sleep(0.02)
-    case.fail("generation stayed %r, wanted %r; stderr:\n%s" % (last, gen, px.stderr()[-3000:]))
+    doc = wait_value(lambda: ready(px)[1], lambda d: d.get("generation") == gen, timeout)
+    if doc.get("generation") == gen:
+        return doc
+    case.fail("generation stayed %r, wanted %r; stderr:\n%s"
+              % (doc.get("generation"), gen, px.stderr()[-3000:]))
 
 
 def sighup(px):
@@ -84,6 +78,3 @@ def token_file(case, d, token="admin-token-0123456789abcdef"):
         f.write(token + "\n")
     return path, token
 
-
-__all__ = ["url", "write_yaml", "pools_yaml", "tmpdir", "ready", "wait_generation", "sighup",
-           "admin", "token_file", "free_port"]
