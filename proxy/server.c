@@ -297,48 +297,82 @@ static int models_local(px_server *s) {
     return named;
 }
 
+/* The engine API's routes: what each takes, how it is counted and logged. */
+enum { M_GET = 1, M_POST = 2, M_OTHER = 4 }; /* M_OTHER: PUT, PATCH, DELETE */
+
+typedef struct api_route {
+    const char *path; /* exact; NULL: every other passed-through path */
+    px_endpoint ep;
+    px_metric_endpoint mep;
+    const char *name; /* the access line's endpoint */
+    int methods;      /* M_* */
+    const char *allow;
+    const char *wrong_method;
+} api_route;
+
+static const api_route api_routes[] = {
+    {"/v1/completions", PX_EP_COMPLETIONS, PX_MEP_COMPLETIONS, "/v1/completions", M_POST,
+     "Allow: POST\r\n", "method not allowed: use POST"},
+    {"/v1/chat/completions", PX_EP_CHAT, PX_MEP_CHAT, "/v1/chat/completions", M_POST,
+     "Allow: POST\r\n", "method not allowed: use POST"},
+    {"/v1/models", PX_EP_MODELS, PX_MEP_MODELS, "/v1/models", M_GET, "Allow: GET\r\n",
+     "method not allowed: use GET"},
+    /* The engine's other endpoints: /v1/messages disaggregated, the rest
+     * (vLLM's /v1/responses included) passed to a decode as they are. */
+    {"/v1/messages", PX_EP_MESSAGES, PX_MEP_MESSAGES, "/v1/messages", M_POST, "Allow: POST\r\n",
+     "method not allowed"},
+    {"/v1/responses", PX_EP_RESPONSES, PX_MEP_RESPONSES, "/v1/responses", M_GET | M_POST | M_OTHER,
+     "Allow: GET, POST, PUT, PATCH, DELETE\r\n", "method not allowed"},
+    {NULL, PX_EP_PASSTHROUGH, PX_MEP_PASSTHROUGH, "passthrough", M_GET | M_POST | M_OTHER,
+     "Allow: GET, POST, PUT, PATCH, DELETE\r\n", "method not allowed"},
+};
+
+static int method_of(const px_http_head *h) {
+    static const struct {
+        const char *name;
+        size_t len;
+        int bit;
+    } m[] = {{"GET", 3, M_GET},
+             {"POST", 4, M_POST},
+             {"PUT", 3, M_OTHER},
+             {"PATCH", 5, M_OTHER},
+             {"DELETE", 6, M_OTHER}};
+    for (size_t i = 0; i < sizeof m / sizeof m[0]; i++)
+        if (h->method_len == m[i].len && !memcmp(h->method, m[i].name, m[i].len)) return m[i].bit;
+    return 0;
+}
+
+/* Checks the method and the key, then serves the route: a request flow,
+ * or /v1/models from the named pools. */
+static void serve_api(px_worker *w, const api_route *rt, px_conn *c, const px_http_head *h,
+                      px_buf *body) {
+    px_server *s = w->srv;
+    px_metrics *m = &w->wc.metrics;
+    if (!(method_of(h) & rt->methods)) {
+        reply_method(m, rt->mep, c, h, rt->name, rt->allow, rt->wrong_method);
+    } else if (!px_ctx_authorized(&s->ctx, h)) {
+        reply_unauthorized(m, rt->mep, c, h, rt->name);
+    } else if (rt->ep == PX_EP_MODELS && models_local(s)) {
+        reply_models(s, m, c, NULL, 0);
+    } else {
+        px_req_start(&w->wc, c, rt->ep, h, body);
+    }
+}
+
 static void dispatch(void *ctx, px_conn *c, const px_http_head *h, px_buf *body) {
     px_worker *w = ctx;
     px_server *s = w->srv;
-    int is_get = h->method_len == 3 && memcmp(h->method, "GET", 3) == 0;
-    int is_post = h->method_len == 4 && memcmp(h->method, "POST", 4) == 0;
-    int completions = px_http_path_is(h, "/v1/completions"),
-        chat = px_http_path_is(h, "/v1/chat/completions");
-    int models = px_http_path_is(h, "/v1/models");
-
-    if (completions || chat || models) {
-        px_metric_endpoint mep = completions ? PX_MEP_COMPLETIONS
-                                 : chat      ? PX_MEP_CHAT
-                                             : PX_MEP_MODELS;
-        const char *epname = completions ? "/v1/completions"
-                             : chat      ? "/v1/chat/completions"
-                                         : "/v1/models";
-        if (models ? !is_get : !is_post) {
-            reply_method(&w->wc.metrics, mep, c, h, epname,
-                         models ? "Allow: GET\r\n" : "Allow: POST\r\n",
-                         models ? "method not allowed: use GET" : "method not allowed: use POST");
+    size_t nroutes = sizeof api_routes / sizeof api_routes[0];
+    for (size_t i = 0; i + 1 < nroutes; i++)
+        if (px_http_path_is(h, api_routes[i].path)) {
+            serve_api(w, &api_routes[i], c, h, body);
             return;
         }
-        if (!px_ctx_authorized(&s->ctx, h)) {
-            reply_unauthorized(&w->wc.metrics, mep, c, h, epname);
-            return;
-        }
-        if (models && models_local(s)) {
-            reply_models(s, &w->wc.metrics, c, NULL, 0);
-            return;
-        }
-        px_req_start(&w->wc, c,
-                     completions ? PX_EP_COMPLETIONS
-                     : chat      ? PX_EP_CHAT
-                                 : PX_EP_MODELS,
-                     h, body);
-        return;
-    }
     const char *path;
     size_t plen;
     px_http_path(h, &path, &plen);
     if (plen > 11 && !memcmp(path, "/v1/models/", 11) && models_local(s)) {
-        if (!is_get) {
+        if (method_of(h) != M_GET) {
             reply_method(&w->wc.metrics, PX_MEP_MODELS, c, h, NULL, "Allow: GET\r\n",
                          "method not allowed: use GET");
         } else if (!px_ctx_authorized(&s->ctx, h)) {
@@ -352,36 +386,8 @@ static void dispatch(void *ctx, px_conn *c, const px_http_head *h, px_buf *body)
         return;
     }
     if (serve_local(s, &w->wc.metrics, c, h, s->ctx.cfg->metrics_port == 0)) return;
-    /* The engine's other endpoints: /v1/messages disaggregated, the rest
-     * (vLLM's /v1/responses included) passed to a decode as they are. */
     if (px_req_passthrough_path(path, plen)) {
-        int messages = px_http_path_is(h, "/v1/messages"),
-            responses = px_http_path_is(h, "/v1/responses");
-        px_metric_endpoint mep = messages    ? PX_MEP_MESSAGES
-                                 : responses ? PX_MEP_RESPONSES
-                                             : PX_MEP_PASSTHROUGH;
-        const char *epname = messages    ? "/v1/messages"
-                             : responses ? "/v1/responses"
-                                         : "passthrough";
-        int known = is_get || is_post ||
-                    (h->method_len == 6 && (!memcmp(h->method, "DELETE", 6))) ||
-                    (h->method_len == 3 && !memcmp(h->method, "PUT", 3)) ||
-                    (h->method_len == 5 && !memcmp(h->method, "PATCH", 5));
-        if (messages ? !is_post : !known) {
-            reply_method(&w->wc.metrics, mep, c, h, epname,
-                         messages ? "Allow: POST\r\n" : "Allow: GET, POST, PUT, PATCH, DELETE\r\n",
-                         "method not allowed");
-            return;
-        }
-        if (!px_ctx_authorized(&s->ctx, h)) {
-            reply_unauthorized(&w->wc.metrics, mep, c, h, epname);
-            return;
-        }
-        px_req_start(&w->wc, c,
-                     messages    ? PX_EP_MESSAGES
-                     : responses ? PX_EP_RESPONSES
-                                 : PX_EP_PASSTHROUGH,
-                     h, body);
+        serve_api(w, &api_routes[nroutes - 1], c, h, body);
         return;
     }
     px_metrics_count(&w->wc.metrics, PX_MEP_OTHER, 404);
