@@ -405,6 +405,20 @@ struct kvc_agent {
     bool destroying;
 };
 
+/* Sets the handler of the UCX active messages `id` on a's worker: whole
+ * messages only, with `a` as the handler's argument. */
+static inline kvc_status_t kvc_set_am_handler(kvc_agent_t *a, unsigned id,
+                                              ucp_am_recv_callback_t cb) {
+    ucp_am_handler_param_t hp = {
+        .field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_FLAGS |
+                      UCP_AM_HANDLER_PARAM_FIELD_CB | UCP_AM_HANDLER_PARAM_FIELD_ARG,
+        .id = id,
+        .flags = UCP_AM_FLAG_WHOLE_MSG,
+        .cb = cb,
+        .arg = a};
+    return ucp_worker_set_am_recv_handler(a->worker, &hp) == UCS_OK ? KVC_OK : KVC_ERR_TRANSPORT;
+}
+
 /* --------------------------------------------------------- loop.c -- */
 KVC_HIDDEN void kvc_log(kvc_agent_t *a, kvc_log_level_t lvl, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));

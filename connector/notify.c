@@ -70,15 +70,7 @@ static ucs_status_t notify_cb(void *arg, const void *header, size_t hlen, void *
 }
 
 kvc_status_t kvc_notify_register_am(kvc_agent_t *a) {
-    ucp_am_handler_param_t hp;
-    memset(&hp, 0, sizeof(hp));
-    hp.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_FLAGS |
-                    UCP_AM_HANDLER_PARAM_FIELD_CB | UCP_AM_HANDLER_PARAM_FIELD_ARG;
-    hp.id = KVC_AM_NOTIFY;
-    hp.flags = UCP_AM_FLAG_WHOLE_MSG;
-    hp.cb = notify_cb;
-    hp.arg = a;
-    return ucp_worker_set_am_recv_handler(a->worker, &hp) == UCS_OK ? KVC_OK : KVC_ERR_TRANSPORT;
+    return kvc_set_am_handler(a, KVC_AM_NOTIFY, notify_cb);
 }
 
 kvc_status_t kvc_notify_send(kvc_agent_t *a, ucp_ep_h ep, const kvc_buf_t *msg,

@@ -921,17 +921,6 @@ static ucs_status_t pull_cb(void *arg, const void *header, size_t hlen, void *da
 }
 
 kvc_status_t kvc_xfer_register_am(kvc_agent_t *a) {
-    ucp_am_handler_param_t hp;
-    memset(&hp, 0, sizeof(hp));
-    hp.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_FLAGS |
-                    UCP_AM_HANDLER_PARAM_FIELD_CB | UCP_AM_HANDLER_PARAM_FIELD_ARG;
-    hp.flags = UCP_AM_FLAG_WHOLE_MSG;
-    hp.arg = a;
-    hp.id = KVC_AM_PULL;
-    hp.cb = pull_cb;
-    if (ucp_worker_set_am_recv_handler(a->worker, &hp) != UCS_OK) return KVC_ERR_TRANSPORT;
-    hp.id = KVC_AM_DATA;
-    hp.cb = data_cb;
-    if (ucp_worker_set_am_recv_handler(a->worker, &hp) != UCS_OK) return KVC_ERR_TRANSPORT;
-    return KVC_OK;
+    kvc_status_t st = kvc_set_am_handler(a, KVC_AM_PULL, pull_cb);
+    return st != KVC_OK ? st : kvc_set_am_handler(a, KVC_AM_DATA, data_cb);
 }
