@@ -32,15 +32,6 @@ const char *px_outcome_name(px_outcome o) {
     return outcome_names[o];
 }
 
-static uint64_t mix64(uint64_t x) {
-    x ^= x >> 33;
-    x *= 0xff51afd7ed558ccdull;
-    x ^= x >> 33;
-    x *= 0xc4ceb9fe1a85ec53ull;
-    x ^= x >> 33;
-    return x;
-}
-
 void px_backend_release(px_backend *b) {
     if (!b || atomic_fetch_sub(&b->refs, 1) != 1) return;
     free(b->name);
@@ -159,7 +150,7 @@ static void rebuild_ring(px_pool *p) {
     for (size_t i = 0; i < p->n && i < 0xffff; i++)
         for (uint64_t v = 0; v < RING_POINTS; v++)
             p->ring[p->nring++] =
-                (mix64(p->b[i]->key_hash + v * 0x9e3779b97f4a7c15ull) & ~0xffffull) | i;
+                (px_mix64(p->b[i]->key_hash + v * 0x9e3779b97f4a7c15ull) & ~0xffffull) | i;
     qsort(p->ring, p->nring, sizeof *p->ring, cmp_u64);
 }
 
@@ -390,7 +381,7 @@ static size_t choose(px_pool *p, const px_pick *k, const size_t *cand, size_t nc
         unsigned char *is_cand = px_xcalloc(p->n, 1);
         for (size_t j = 0; j < nc; j++)
             is_cand[cand[j]] = 1;
-        uint64_t h = mix64(px_hash64(k->key, k->key_len)) & ~0xffffull;
+        uint64_t h = px_mix64(px_hash64(k->key, k->key_len)) & ~0xffffull;
         size_t lo = 0, hi = p->nring;
         while (lo < hi) {
             size_t mid = (lo + hi) / 2;
@@ -603,15 +594,15 @@ size_t px_pindex_hashes(const void *p, size_t n, uint64_t *out, size_t max) {
     uint64_t h = 0;
     size_t k = 0;
     for (; k < max && (k + 1) * PX_PINDEX_BLOCK_BYTES <= n; k++) {
-        h = mix64(h * 0x9e3779b97f4a7c15ull ^
-                  px_hash64(s + k * PX_PINDEX_BLOCK_BYTES, PX_PINDEX_BLOCK_BYTES));
+        h = px_mix64(h * 0x9e3779b97f4a7c15ull ^
+                     px_hash64(s + k * PX_PINDEX_BLOCK_BYTES, PX_PINDEX_BLOCK_BYTES));
         out[k] = h;
     }
     return k;
 }
 
 static uint64_t pix_key(uint64_t backend_key, uint64_t h) {
-    uint64_t k = mix64(backend_key ^ mix64(h));
+    uint64_t k = px_mix64(backend_key ^ px_mix64(h));
     return k ? k : 1;
 }
 

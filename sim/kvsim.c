@@ -6,15 +6,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-static uint64_t mix(uint64_t x) {
-    x ^= x >> 30;
-    x *= 0xbf58476d1ce4e5b9ull;
-    x ^= x >> 27;
-    x *= 0x94d049bb133111ebull;
-    x ^= x >> 31;
-    return x;
-}
-
 size_t kvsim_tokenize(const char *text, size_t len, uint32_t **ids, size_t n) {
     size_t cap = n + len / 2 + 4;
     uint32_t *v = realloc(*ids, cap * sizeof *v);
@@ -58,17 +49,17 @@ void kvsim_prefix_hashes(uint64_t model_hash, const uint32_t *ids, size_t ntok, 
 }
 
 void kvsim_fill_block(uint64_t prefix_hash, uint32_t layer, uint32_t kv, void *out, size_t len) {
-    uint64_t x = mix(prefix_hash ^ ((uint64_t)layer << 32) ^ ((uint64_t)kv << 62));
+    uint64_t x = px_mix64(prefix_hash ^ ((uint64_t)layer << 32) ^ ((uint64_t)kv << 62));
     unsigned char *p = out;
     size_t i = 0;
     for (; i + 8 <= len; i += 8) {
         x += 0x9e3779b97f4a7c15ull;
-        uint64_t w = mix(x);
+        uint64_t w = px_mix64(x);
         memcpy(p + i, &w, 8);
     }
     if (i < len) {
         x += 0x9e3779b97f4a7c15ull;
-        uint64_t w = mix(x);
+        uint64_t w = px_mix64(x);
         memcpy(p + i, &w, len - i);
     }
 }
@@ -83,7 +74,7 @@ static const char *const words[] = {
     "fast",  "on",     "GPUs",    "or",      "CPUs",   "alike",   "today",   "."};
 
 size_t kvsim_word(uint64_t prompt_hash, uint64_t seed, size_t i, char *out) {
-    uint64_t x = mix(prompt_hash ^ mix(seed + 0x1234) ^ mix((uint64_t)i + 1));
+    uint64_t x = px_mix64(prompt_hash ^ px_mix64(seed + 0x1234) ^ px_mix64((uint64_t)i + 1));
     const char *w = words[x % (sizeof words / sizeof *words)];
     size_t n = strlen(w);
     out[0] = ' ';
