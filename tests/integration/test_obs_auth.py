@@ -18,7 +18,8 @@ KEY = "sk-pdproxy-Front-Key-0123456789"
 KEYS_IN_FILE = ["sk-file-alpha-111", "sk-file-beta-222", "sk-file-gamma-333"]
 
 
-class AuthTest(PxTestCase):
+class OnePairCase(PxTestCase):
+    """A mock prefill P and decode D; start() runs pdproxy in front of them."""
 
     def setUp(self):
         super().setUp()
@@ -28,6 +29,9 @@ class AuthTest(PxTestCase):
     def start(self, extra=(), env=None):
         return self.start_proxy([self.P], [self.D], extra=["--drain-delay", "0"] + list(extra),
                                 env=env)
+
+
+class AuthTest(OnePairCase):
 
     def post(self, px, auth=None, path="/v1/completions", raw_auth=None):
         hs = []
@@ -149,16 +153,7 @@ class AuthTest(PxTestCase):
         self.assertAccepted(px, "no key configured, one sent", auth="whatever")
 
 
-class UpstreamAuthTest(PxTestCase):
-
-    def setUp(self):
-        super().setUp()
-        self.P = self.mock(prefill_handler(), "P")
-        self.D = self.mock(decode_handler(), "D")
-
-    def start(self, extra=(), env=None):
-        return self.start_proxy([self.P], [self.D], extra=["--drain-delay", "0"] + list(extra),
-                                env=env)
+class UpstreamAuthTest(OnePairCase):
 
     def sent(self, px, client_auth=None):
         n = len(self.P.requests)
