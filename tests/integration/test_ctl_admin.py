@@ -99,7 +99,14 @@ class AdminTest(ProdCase):
         self.assertEqual(len(D2.requests), 3)
         self.assertIn("admin: backend added", px.stderr())
         self.assertIn("who=token:", px.stderr())
-        # Errors: unknown pool 404, duplicate 409, bad URL and body 400.
+        # Errors: a backend the pool does not have 404 (nothing changes),
+        # unknown pool 404, duplicate 409, bad URL and body 400.
+        st, doc = self.call("DELETE", "/admin/backends", {"pool": "m", "role": "decode",
+                                                          "url": url(D1)})
+        self.assertEqual(st, 404, doc)
+        self.assertIn("is not a decode backend", doc["error"]["message"])
+        self.assertEqual(self.post(px).status, 200)
+        self.assertEqual(len(D2.requests), 4)
         st, doc = self.call("POST", "/admin/backends", {"pool": "zz", "role": "decode",
                                                         "url": url(D1)})
         self.assertEqual(st, 404, doc)

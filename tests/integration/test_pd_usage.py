@@ -77,6 +77,23 @@ class UsageBytesTest(PdCase):
         r = http_request(px.port, "POST", "/v1/completions", completion_body())
         self.assertEqual(r.body, D_JSON.replace(b'"cached_tokens" : 99', b'"cached_tokens" : 7'))
 
+    def test_answer_larger_than_the_hold_passes_unchanged(self):
+        # The usage sits at the end of a whole JSON answer; past 8 MiB held
+        # pdproxy stops waiting for it and passes every byte on as it came.
+        big = (b'{"id":"c","choices":[{"text":"' + b"x" * (9 << 20) + b'","index":0}],'
+               b'"usage":{"prompt_tokens":100,"prompt_tokens_details":{"cached_tokens":99}}}')
+        pieces = [big[i:i + (256 << 10)] for i in range(0, len(big), 256 << 10)]
+        px = self.start(lambda req: Stream(200, [("Content-Type", "application/json")],
+                                           [(0.0, p) for p in pieces]))
+        r = http_request(px.port, "POST", "/v1/completions", completion_body())
+        self.assertEqual(r.status, 200)
+        self.assertEqual(len(r.body), len(big))
+        self.assertEqual(r.body, big)
+        # The next request is rewritten as usual: nothing stuck.
+        self.D.handler = lambda req: Respond(200, [("Content-Type", "application/json")], D_JSON)
+        r = http_request(px.port, "POST", "/v1/completions", completion_body())
+        self.assertEqual(r.body, D_JSON.replace(b'"cached_tokens" : 99', b'"cached_tokens" : 7'))
+
     def test_stream_usage_chunk(self):
         stream = b"".join(D_EVENTS)
         for mode, want in ((None, stream.replace(b'"cached_tokens":99', b'"cached_tokens":12345')),
