@@ -180,6 +180,31 @@ static void check_blocks(side_t *D, int gen, const uint64_t *rem, const uint64_t
     }
 }
 
+/* Queues the engine's read of one region on its stream `es` (a host function
+ * standing in for a kernel); the bytes land in the returned buffer when the
+ * stream runs it. */
+static uint8_t *engine_read(cudaStream_t es, uint8_t *dev, read_t *rd) {
+    uint8_t *out = malloc(NB * BL);
+    assert_non_null(out);
+    *rd = (read_t){.dev = dev, .out = out, .len = NB * BL};
+    assert_int_equal(cudaLaunchHostFunc(es, read_fn, rd), cudaSuccess);
+    return out;
+}
+
+/* What the engine's read of region r saw after fetch `gen`: the fetched
+ * blocks of that generation, not older ones nor half-landed ones. Frees
+ * `seen`. */
+static void check_seen(uint8_t *seen, int gen, int r) {
+    for (size_t k = 0; k < NX; k++)
+        for (size_t i = 0; i < BL; i++)
+            if (seen[LOC[k] * BL + i] != pat(gen, r, REM[k], i))
+                fail_msg("gen %d: the engine's stream read block %llu byte %zu = %u, want %u "
+                         "(landed late, or overwritten by the next fetch first?)",
+                         gen, (unsigned long long)LOC[k], i, seen[LOC[k] * BL + i],
+                         pat(gen, r, REM[k], i));
+    free(seen);
+}
+
 /* The engine writes the producer's blocks with a "kernel" still queued on
  * its stream, records an event and publishes right away, no host sync. */
 static char *publish_after_kernel(side_t *P, fill_t *f, cudaStream_t es, bool by_stream,
@@ -295,21 +320,11 @@ static void test_stream_ordering(void **state) {
         assert_int_equal(run_fetch(&P, &D, NULL, NULL, 0, NULL), KVC_OK);
         assert_int_equal(cudasim_calls("cudaStreamSynchronize") - sy, 0); /* no host sync */
         /* The engine's next "kernel" on its stream reads region 3. */
-        seen[gen] = malloc(NB * BL);
-        assert_non_null(seen[gen]);
-        rd[gen] = (read_t){.dev = D.dev[3], .out = seen[gen], .len = NB * BL};
-        assert_int_equal(cudaLaunchHostFunc(des, read_fn, &rd[gen]), cudaSuccess);
+        seen[gen] = engine_read(des, D.dev[3], &rd[gen]);
     }
     assert_int_equal(cudaStreamSynchronize(des), cudaSuccess);
-    for (int gen = 1; gen <= 2; gen++) {
-        for (size_t k = 0; k < NX; k++)
-            for (size_t i = 0; i < BL; i++)
-                if (seen[gen][LOC[k] * BL + i] != pat(gen, 3, REM[k], i))
-                    fail_msg("gen %d: the engine's stream saw block %llu byte %zu = %u, want %u",
-                             gen, (unsigned long long)LOC[k], i, seen[gen][LOC[k] * BL + i],
-                             pat(gen, 3, REM[k], i));
-        free(seen[gen]);
-    }
+    for (int gen = 1; gen <= 2; gen++)
+        check_seen(seen[gen], gen, 3);
     check_blocks(&D, 2, REM, LOC, NX);
     assert_int_equal(cudaStreamDestroy(pes), cudaSuccess);
     assert_int_equal(cudaStreamDestroy(des), cudaSuccess);
@@ -345,22 +360,11 @@ static void test_fetch_waits_for_engine_reads(void **state) {
         start_fetch(&D, json, LOC, NX, des);
         kvc_free(json);
         assert_int_equal(run_fetch(&P, &D, NULL, NULL, 0, NULL), KVC_OK);
-        seen[gen] = malloc(NB * BL);
-        assert_non_null(seen[gen]);
-        rd[gen] = (read_t){.dev = D.dev[0], .out = seen[gen], .len = NB * BL};
-        assert_int_equal(cudaLaunchHostFunc(des, read_fn, &rd[gen]), cudaSuccess);
+        seen[gen] = engine_read(des, D.dev[0], &rd[gen]);
     }
     assert_int_equal(cudaStreamSynchronize(des), cudaSuccess);
-    for (int gen = 1; gen <= 2; gen++) {
-        for (size_t k = 0; k < NX; k++)
-            for (size_t i = 0; i < BL; i++)
-                if (seen[gen][LOC[k] * BL + i] != pat(gen, 0, REM[k], i))
-                    fail_msg("gen %d: the engine read block %llu byte %zu = %u, want %u (the "
-                             "next fetch overwrote it first?)",
-                             gen, (unsigned long long)LOC[k], i, seen[gen][LOC[k] * BL + i],
-                             pat(gen, 0, REM[k], i));
-        free(seen[gen]);
-    }
+    for (int gen = 1; gen <= 2; gen++)
+        check_seen(seen[gen], gen, 0);
     check_blocks(&D, 2, REM, LOC, NX);
     cudasim_hold(des, false);
     assert_int_equal(cudaStreamDestroy(pes), cudaSuccess);
