@@ -8,19 +8,11 @@ if(TARGET kvconnector)
   target_include_directories(kvc_hostile PRIVATE ${PROJECT_SOURCE_DIR}/connector)
   target_link_libraries(kvc_hostile PRIVATE kvconnector_static)
   foreach(mode tcp sm)
-    add_test(NAME integration.kvc_${mode}
-             COMMAND ${PYTHON3} ${CMAKE_CURRENT_SOURCE_DIR}/integration/connector_test.py --mode ${mode})
-    set_tests_properties(integration.kvc_${mode} PROPERTIES
-      LABELS integration TIMEOUT 300 ENVIRONMENT "${PX_TEST_ENV}")
-    add_test(NAME integration.kvc_hostile_${mode}
-             COMMAND ${PYTHON3} ${CMAKE_CURRENT_SOURCE_DIR}/integration/connector_hostile.py --mode ${mode})
-    set_tests_properties(integration.kvc_hostile_${mode} PROPERTIES
-      LABELS integration TIMEOUT 300 ENVIRONMENT "${PX_TEST_ENV}")
+    px_py_test(kvc_${mode} SCRIPT connector_test.py ARGS --mode ${mode})
+    px_py_test(kvc_hostile_${mode} SCRIPT connector_hostile.py ARGS --mode ${mode})
   endforeach()
   # engine-sim with a secret file, tokens and heterogeneous TP.
-  add_test(NAME integration.kvc_sim COMMAND ${PYTHON3} ${CMAKE_CURRENT_SOURCE_DIR}/integration/connector_sim.py)
-  set_tests_properties(integration.kvc_sim PROPERTIES
-    LABELS integration TIMEOUT 300 ENVIRONMENT "${PX_TEST_ENV}")
+  px_py_test(kvc_sim SCRIPT connector_sim.py)
 endif()
 
 # The GPU check (tests/gpu/run_gpu_tests.sh builds and runs kvc_gpu_test):
