@@ -67,7 +67,6 @@ typedef struct px_ctx {
     size_t napi_keys;
     atomic_long inflight;  /* P/D requests in flight, all workers */
     px_conn_shared shared; /* memory budget and connection cap, all workers */
-    atomic_int draining;   /* SIGTERM: readiness says no */
     px_wctx **workers;     /* owned array of borrowed pointers: each worker's context */
     int nworkers;
 } px_ctx;
@@ -75,8 +74,7 @@ typedef struct px_ctx {
 /* What one worker thread owns for its requests; only that thread touches
  * it (the metrics are read by scrapes on any thread). */
 struct px_wctx {
-    px_ctx *s; /* borrowed: outlives the worker */
-    int index;
+    px_ctx *s;               /* borrowed: outlives the worker */
     struct event_base *base; /* borrowed: the worker's loop */
     px_uploop *up;           /* owned: upstream connections */
     px_metrics metrics;      /* written by this thread only */

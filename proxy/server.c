@@ -61,6 +61,7 @@ struct px_server {
     px_listener *mlev;           /* owned: --metrics-port listener, or NULL */
     px_conn_list mconns;         /* owned: its connections (control thread) */
     px_conn_cfg mconn_cfg;
+    atomic_int draining; /* SIGTERM: readiness says no */
     atomic_int workers_running;
 };
 
@@ -104,7 +105,7 @@ static void role_json(px_buf *b, const char *role, px_pool *p) {
  * pool and role, what is missing. */
 static void reply_ready(px_server *s, px_metrics *m, px_conn *c) {
     px_gen *g = px_ctx_gen(&s->ctx);
-    int draining = atomic_load(&s->ctx.draining);
+    int draining = atomic_load(&s->draining);
     /* The sidecar's prefills come with the requests: decode alone decides. */
     int decode_alone = s->ctx.cfg->fallback_decode_only || s->ctx.cfg->prefiller_from_header;
     size_t ph = 0, pn = 0, dh = 0, dn = 0;
@@ -834,7 +835,6 @@ px_server *px_server_create(const px_config *cfg, char *err, size_t errlen) {
     for (int i = 0; i < s->nworkers; i++) {
         px_worker *w = &s->workers[i];
         w->srv = s;
-        w->wc.index = i;
         w->conn_cfg = (px_conn_cfg){
             .max_body_bytes = cfg->max_body_bytes,
             .header_timeout = cfg->client_header_timeout,
@@ -936,13 +936,13 @@ static void on_signal(evutil_socket_t sig, short what, void *arg) {
          * notice before the listeners close. */
         PX_LOG(PX_LOG_INFO, "msg=\"SIGTERM: draining\" drain_delay_s=%g drain_timeout_s=%g",
                k->s->ctx.cfg->drain_delay, k->s->ctx.cfg->drain_timeout);
-        atomic_store(&k->s->ctx.draining, 1);
+        atomic_store(&k->s->draining, 1);
         k->phase = 1;
         arm(k->drain_timer, k->s->ctx.cfg->drain_delay);
         return;
     }
     PX_LOG(PX_LOG_INFO, "msg=\"stopping now\" signal=%d", (int)sig);
-    atomic_store(&k->s->ctx.draining, 1);
+    atomic_store(&k->s->draining, 1);
     k->phase = 3;
     post_cmd(k->s, PX_CMD_STOP);
 }
