@@ -74,16 +74,15 @@ static void test_regions(void **state) {
     kvc_region_params_t cuda = {
         .field_mask = KVC_REGION_FIELD_MEM_TYPE, .len = 4096, .mem_type = KVC_MEM_CUDA};
     assert_int_equal(kvc_agent_register_regions(a, 16, &cuda, 1), KVC_ERR_INVALID_PARAM);
-    /* A CUDA region here: no device (driver missing) or a CPU-only build. */
+    /* Host memory declared as CUDA: refused, whatever the machine: no device
+     * (driver missing), a CPU-only build, or, with a GPU, memory that
+     * cudaPointerGetAttributes does not place on a device. */
     static uint8_t fake_dev[4096];
     cuda.field_mask |= KVC_REGION_FIELD_BASE;
     cuda.base = fake_dev;
     kvc_status_t cst = kvc_agent_register_regions(a, 16, &cuda, 1);
-    assert_true(cst == KVC_ERR_NO_DEVICE || cst == KVC_ERR_UNSUPPORTED || cst == KVC_OK);
-    if (cst == KVC_OK) { /* a machine with a GPU: undo by recreating the agent */
-        kvc_agent_destroy(a);
-        a = mk_agent(0);
-    }
+    assert_true(cst == KVC_ERR_NO_DEVICE || cst == KVC_ERR_UNSUPPORTED ||
+                cst == KVC_ERR_INVALID_PARAM);
     char *json = NULL;
     uint64_t b0 = 0;
     assert_int_equal(kvc_publish(a, "r", &b0, 1, NULL, &json), KVC_ERR_STATE);
