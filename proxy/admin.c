@@ -1,7 +1,6 @@
 #include "admin.h"
 
 #include <errno.h>
-#include <openssl/crypto.h>
 #include <openssl/sha.h>
 #include <stdlib.h>
 #include <string.h>
@@ -34,15 +33,6 @@ static void reply(px_conn *c, int status, px_buf *b) {
 static void reply_err(px_conn *c, int status, const char *msg) {
     px_conn_reply_error(c, status, NULL, status == 401 ? "WWW-Authenticate: Bearer\r\n" : NULL,
                         msg);
-}
-
-static int authorized(px_admin *a, const px_http_head *h) {
-    const px_http_header *v = px_http_find(h, "authorization");
-    if (!v || v->value_len < 8 || !px_http_token_eq(v->value, 6, "bearer") || v->value[6] != ' ')
-        return 0;
-    unsigned char d[32];
-    SHA256((const unsigned char *)v->value + 7, v->value_len - 7, d);
-    return CRYPTO_memcmp(d, a->token, 32) == 0;
 }
 
 /* A string member of the JSON object body, decoded; NULL when absent or
@@ -274,7 +264,7 @@ static void reload(px_admin *a, px_conn *c) {
 
 static void dispatch(void *ctx, px_conn *c, const px_http_head *h, px_buf *body) {
     px_admin *a = ctx;
-    if (!authorized(a, h)) {
+    if (!px_bearer_matches(h, (const unsigned char(*)[32]) & a->token, 1)) {
         char q[300];
         const char *p;
         size_t n;

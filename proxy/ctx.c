@@ -59,19 +59,21 @@ px_gen *px_ctx_gen(px_ctx *c) {
 
 /* ---------- credentials ---------- */
 
-/* With --api-key: Bearer <key>, compared in constant time (of the digests,
- * so neither the key's length nor its bytes leak through timing). */
-int px_ctx_authorized(const px_ctx *c, const px_http_head *h) {
-    if (!c->napi_keys) return 1;
+int px_bearer_matches(const px_http_head *h, const unsigned char (*keys)[32], size_t n) {
     const px_http_header *a = px_http_find(h, "authorization");
     if (!a || a->value_len < 7 || !px_http_token_eq(a->value, 6, "bearer") || a->value[6] != ' ')
         return 0;
     unsigned char d[32];
     SHA256((const unsigned char *)a->value + 7, a->value_len - 7, d);
     int ok = 0;
-    for (size_t i = 0; i < c->napi_keys; i++)
-        ok |= CRYPTO_memcmp(d, c->api_keys[i], 32) == 0;
+    for (size_t i = 0; i < n; i++)
+        ok |= CRYPTO_memcmp(d, keys[i], 32) == 0;
     return ok;
+}
+
+int px_ctx_authorized(const px_ctx *c, const px_http_head *h) {
+    return !c->napi_keys ||
+           px_bearer_matches(h, (const unsigned char(*)[32])c->api_keys, c->napi_keys);
 }
 
 static void add_api_key(px_ctx *c, const char *k, size_t n) {

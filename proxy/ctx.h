@@ -89,8 +89,12 @@ int px_ctx_init(px_ctx *c, const px_config *cfg, char *err, size_t errlen);
 void px_ctx_cleanup(px_ctx *c);
 /* The current generation, with a reference taken. Any thread. */
 px_gen *px_ctx_gen(px_ctx *c);
-/* Whether a client request carries an accepted key (Bearer), or no key is
- * configured. Compared in constant time. */
+/* Whether the request's Authorization is "Bearer <key>" with a key whose
+ * SHA-256 is one of the n digests. Compared in constant time (of the
+ * digests, so neither the key's length nor its bytes leak through timing). */
+int px_bearer_matches(const px_http_head *h, const unsigned char (*keys)[32], size_t n);
+/* Whether a client request carries an accepted key (--api-key,
+ * --api-key-file), or no key is configured. */
 int px_ctx_authorized(const px_ctx *c, const px_http_head *h);
 
 #endif
