@@ -293,7 +293,7 @@ void px_pool_specs_free(px_pool_spec *v, size_t n) {
     free(v);
 }
 
-px_pool_spec *px_pool_specs_copy(const px_pool_spec *v, size_t n) {
+static px_pool_spec *specs_copy(const px_pool_spec *v, size_t n) {
     px_pool_spec *o = px_xcalloc(n ? n : 1, sizeof *o);
     for (size_t i = 0; i < n; i++) {
         o[i].name = px_xstrdup(v[i].name);
@@ -346,7 +346,7 @@ static int toy_in_effect(const px_config *c, int prefill) {
 px_pool_spec *px_config_effective_pools(const px_config *c, size_t *n) {
     if (c->npools) {
         *n = c->npools;
-        return px_pool_specs_copy(c->pools, c->npools);
+        return specs_copy(c->pools, c->npools);
     }
     px_pool_spec *p = px_xcalloc(1, sizeof *p);
     p->name = px_xstrdup("");

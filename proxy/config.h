@@ -125,7 +125,6 @@ void px_config_dump(const px_config *c, FILE *out);
  * pool of the top-level backends. Deep copies; free with
  * px_pool_specs_free(). */
 px_pool_spec *px_config_effective_pools(const px_config *c, size_t *n);
-px_pool_spec *px_pool_specs_copy(const px_pool_spec *v, size_t n);
 void px_pool_specs_free(px_pool_spec *v, size_t n);
 void px_strlist_push(px_strlist *l, const char *s);
 void px_strlist_clear(px_strlist *l);
