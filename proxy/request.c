@@ -231,12 +231,11 @@ static int passthrough(const px_req *r) {
 
 static int start_upstream(px_req *r, px_backend *b, const char *method, const char *path,
                           const px_buf *body, const px_buf *hdrs, const px_upstream_cbs *cbs,
-                          long total_ms, long idle_s) {
+                          long total_ms) {
     const px_config *cfg = r->s->cfg;
     px_upstream_opts o = {
         .connect_timeout_ms = (long)(cfg->connect_timeout * 1000),
         .total_timeout_ms = total_ms,
-        .idle_timeout_s = idle_s,
         .ca_file = cfg->upstream_ca,
         .insecure = cfg->upstream_insecure,
         .track_upload = body && cbs != NULL && b == r->db,
@@ -371,12 +370,10 @@ void px_req_start(px_wctx *w, px_conn *c, px_endpoint ep, const px_http_head *h,
     if (choose_pool(r) < 0 || sidecar_prefill(r, h) < 0) return;
     /* A prefill without a decode to hand its blocks to would strand them
      * until they expire: refuse before starting one. */
-    if (!px_pool_usable(&r->ps->decode)) {
-        size_t nd;
-        px_pool_counts(&r->ps->decode, &nd, NULL);
+    const char *why;
+    if (!px_pset_ready(r->ps, 1, &why)) { /* 1: decode's side alone */
         req_fail(r, 503, "Retry-After: 1\r\n",
-                 "no decode backend can take the request (%s%s%s%s); no prefill was started",
-                 nd ? "every decode backend is ejected or drained" : "no decode backend",
+                 "no decode backend can take the request (%s%s%s%s); no prefill was started", why,
                  r->g->named ? " in pool '" : "", r->g->named ? r->ps->name : "",
                  r->g->named ? "'" : "");
         return;
@@ -505,23 +502,28 @@ static int choose_pool(px_req *r) {
     r->ps = px_gen_find(r->g, model, (size_t)n);
     if (r->ps) return 0;
     r->ps = &r->g->ps[0];
-    px_buf b, msg;
+    px_buf b;
     px_buf_init(&b);
-    px_buf_init(&msg);
-    px_buf_printf(&msg, "The model `%.*s` does not exist.", (int)(n > 200 ? 200 : n), model);
-    px_buf_appends(&b, "{\"error\":{\"message\":");
-    px_buf_append_json_str(&b, msg.data, msg.len);
-    px_buf_appends(&b, ",\"type\":\"invalid_request_error\",\"param\":\"model\","
-                       "\"code\":\"model_not_found\"}}");
+    px_req_model_not_found(&b, model, (size_t)n);
     char q[600];
     PX_LOG(PX_LOG_INFO, "req=%s msg=\"unknown model\" model=%s status=404", r->lid,
            px_log_value(model, q, sizeof q));
     if (r->conn) px_conn_reply(r->conn, 404, "application/json", r->id, NULL, b.data, b.len);
     r->conn = NULL;
     px_buf_cleanup(&b);
-    px_buf_cleanup(&msg);
     req_finish(r, 404, "model_not_found", NULL, NULL);
     return -1;
+}
+
+void px_req_model_not_found(px_buf *b, const char *model, size_t n) {
+    px_buf msg;
+    px_buf_init(&msg);
+    px_buf_printf(&msg, "The model `%.*s` does not exist.", (int)(n > 200 ? 200 : n), model);
+    px_buf_appends(b, "{\"error\":{\"message\":");
+    px_buf_append_json_str(b, msg.data, msg.len);
+    px_buf_appends(b, ",\"type\":\"invalid_request_error\",\"param\":\"model\","
+                      "\"code\":\"model_not_found\"}}");
+    px_buf_cleanup(&msg);
 }
 
 /* --prefiller-from-header (llm-d's routing sidecar): x-prefiller-host-port
@@ -727,7 +729,7 @@ static void start_prefill(px_req *r) {
         ptimeout = (long)((r->prefill_deadline - now) / 1000000);
     }
     if (start_upstream(r, r->pb, "POST", ep_paths[r->ep], &r->pbody, &r->hdrs_p, &prefill_cbs,
-                       ptimeout, 0) < 0)
+                       ptimeout) < 0)
         req_fail(r, 502, NULL, "prefill %s: cannot start the request", r->pname);
 }
 
@@ -948,7 +950,7 @@ static int send_decode(px_req *r, const decode_table *tbl) {
         (r->dbody.len == 0 && (!strcmp(r->method, "GET") || !strcmp(r->method, "DELETE")));
     r->dtbl = tbl;
     if (start_upstream(r, r->db, r->method, r->target ? r->target : ep_paths[r->ep],
-                       bodyless ? NULL : &r->dbody, &r->hdrs_d, &tbl->up, 0, 0) < 0) {
+                       bodyless ? NULL : &r->dbody, &r->hdrs_d, &tbl->up, 0) < 0) {
         req_fail(r, 502, NULL, "decode %s: cannot start the request", r->dname);
         return -1;
     }
@@ -969,32 +971,31 @@ static void decode_headers(void *arg, int status, const char *ctype) {
     if (r->conn) px_conn_stream_start(r->conn, status, ctype, r->id, NULL);
 }
 
+/* Whether the client's queue is at its high-water mark: decode is paused
+ * (the caller returns 1) until the client drains it. The decode idle
+ * timeout, armed already, now bounds how long the client may leave its
+ * queue full, so a reader that stopped reading does not hold a decode
+ * forever. */
+static int client_full(px_req *r) {
+    if (px_conn_pending(r->conn) < PX_CONN_HIGH_WATER) return 0;
+    r->paused = 1;
+    return 1;
+}
+
 static int decode_data(void *arg, const char *p, size_t n) {
     px_req *r = arg;
     if (!r->conn) return -1;
     touch_idle(r);
+    if (client_full(r)) return 1;
     if (r->fix_usage) {
-        if (px_conn_pending(r->conn) >= PX_CONN_HIGH_WATER) {
-            if (!r->paused) touch_idle(r);
-            r->paused = 1;
-            return 1;
-        }
-        if (r->ubuf.len + n > USAGE_MAX_HOLD) {
-            usage_passthrough(r);
-        } else {
+        if (r->ubuf.len + n <= USAGE_MAX_HOLD) {
             px_buf_append(&r->ubuf, p, n);
             if (r->streamed) flush_events(r, 0);
             account(r);
             return 0;
         }
-    }
-    if (px_conn_pending(r->conn) >= PX_CONN_HIGH_WATER) {
-        /* Paused on the client: the same timeout now bounds how long the
-         * client may leave its queue full, so a reader that stopped reading
-         * does not hold a decode forever. */
-        if (!r->paused) touch_idle(r);
-        r->paused = 1;
-        return 1;
+        usage_passthrough(r); /* what was held goes first */
+        if (client_full(r)) return 1;
     }
     px_conn_stream_write(r->conn, p, n);
     r->bytes_out += n;

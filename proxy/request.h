@@ -44,6 +44,10 @@ void px_req_announce(void);
  * cancelled, backend references dropped. */
 void px_req_free_all(px_wctx *w);
 
+/* OpenAI's 404 body for a model no pool serves (n bytes of its name), as
+ * vLLM words it. */
+void px_req_model_not_found(px_buf *b, const char *model, size_t n);
+
 /* The access line of an API request refused before the flow started (401,
  * 405): one line per request, whatever its fate. */
 void px_req_log_refused(const px_http_head *h, const char *endpoint, int status);

@@ -204,14 +204,7 @@ static void reply_models(px_server *s, px_metrics *m, px_conn *c, const char *id
     px_gen_release(g);
     if (id && !found) {
         px_buf_reset(&b);
-        px_buf_appends(&b, "{\"error\":{\"message\":");
-        px_buf mm;
-        px_buf_init(&mm);
-        px_buf_printf(&mm, "The model '%.*s' does not exist", (int)(idlen > 200 ? 200 : idlen), id);
-        px_buf_append_json_str(&b, mm.data, mm.len);
-        px_buf_cleanup(&mm);
-        px_buf_appends(&b, ",\"type\":\"invalid_request_error\",\"param\":\"model\","
-                           "\"code\":\"model_not_found\"}}");
+        px_req_model_not_found(&b, id, idlen);
         reply_json(m, c, PX_MEP_MODELS, 404, b.data, b.len);
     } else {
         reply_json(m, c, PX_MEP_MODELS, 200, b.data, b.len);
