@@ -1,5 +1,5 @@
 /* Build without CUDA: every CUDA entry point reports it is unavailable.  The
- * copy planner is pure and shared (it lives here and in cuda.c alike). */
+ * copy planner is pure and shared by both builds (copyplan.c). */
 #include "kvc_int.h"
 
 #include <stdio.h>

@@ -454,8 +454,11 @@ KVC_HIDDEN void kvc_wake_drain(kvc_agent_t *a);
 /* ---------------------------------------------------------- mem.c -- */
 KVC_HIDDEN void kvc_mem_cleanup(kvc_agent_t *a);
 KVC_HIDDEN kvc_status_t kvc_mem_build_handshake(kvc_agent_t *a);
-/* The largest block_len of the staged regions (plans are made for it). */
-KVC_HIDDEN size_t kvc_staged_block_len(const kvc_agent_t *a);
+/* Queues the copies of blocks `ids` of every staged region between its
+ * host mirror and its device memory (to_device: mirror to device) on the
+ * connector's streams, coalesced into runs; waits for none of them. */
+KVC_HIDDEN kvc_status_t kvc_stage_copy(kvc_agent_t *a, const uint64_t *ids, size_t n,
+                                       bool to_device);
 
 /* ------------------------------------------------------- listen.c -- */
 KVC_HIDDEN kvc_status_t kvc_listen_open(kvc_agent_t *a);

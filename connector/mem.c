@@ -170,11 +170,27 @@ err_regions:
     return st;
 }
 
-size_t kvc_staged_block_len(const kvc_agent_t *a) {
+/* The largest block_len of the staged regions (plans are made for it). */
+static size_t staged_block_len(const kvc_agent_t *a) {
     size_t m = 0;
     for (size_t i = 0; i < a->n_regions; i++)
         if (a->regions[i].staged && a->regions[i].block_len > m) m = a->regions[i].block_len;
     return m;
+}
+
+kvc_status_t kvc_stage_copy(kvc_agent_t *a, const uint64_t *ids, size_t n, bool to_device) {
+    kvc_crun_t *runs = NULL;
+    size_t nruns = 0;
+    kvc_status_t st = kvc_cuda_plan(ids, n, staged_block_len(a), &runs, &nruns);
+    for (size_t r = 0; r < a->n_regions && st == KVC_OK; r++) {
+        kvc_region_t *rg = &a->regions[r];
+        if (!rg->staged) continue;
+        st = kvc_cuda_copy_runs(a->cuda, rg->cuda_dev, rg->dev_base, rg->base, rg->block_len, runs,
+                                nruns, to_device);
+        if (st == KVC_OK) a->stats[KVC_STAT_CUDA_COPIES] += nruns;
+    }
+    free(runs);
+    return st;
 }
 
 kvc_status_t kvc_region_base(const kvc_agent_t *a, size_t idx, void **base) {

@@ -286,7 +286,6 @@ static bool choose_path(kvc_agent_t *a, kvc_peer_t *p) {
         in.mapped = ucp_rkey_ptr(p->rr[i].rkey, p->rr[i].base, &ptr) == UCS_OK && ptr;
         p->rr[i].mapped = in.mapped ? ptr : NULL;
     }
-    p->shm = in.mapped;
     /* ucp_ep_print_info takes milliseconds: only where the choice needs the
      * transports (device memory on either side) or someone reads the log. */
     char names[256] = "";

@@ -128,19 +128,8 @@ static kvc_status_t capture(kvc_agent_t *a, const kvc_publish_params_t *params, 
     void *ev = (m & KVC_PUBLISH_FIELD_CUDA_EVENT) ? params->cuda_event : NULL;
     void *stream = (m & KVC_PUBLISH_FIELD_CUDA_STREAM) ? params->cuda_stream : NULL;
     if (!ev && !stream && !a->n_staged) return KVC_OK; /* direct, caller-ordered */
-    kvc_crun_t *runs = NULL;
-    size_t nruns = 0;
     kvc_status_t st = kvc_cuda_wait_for(a->cuda, ev, stream);
-    if (st == KVC_OK && a->n_staged)
-        st = kvc_cuda_plan(ids, n, kvc_staged_block_len(a), &runs, &nruns);
-    for (size_t r = 0; r < a->n_regions && st == KVC_OK; r++) {
-        kvc_region_t *rg = &a->regions[r];
-        if (!rg->staged) continue;
-        st = kvc_cuda_copy_runs(a->cuda, rg->cuda_dev, rg->dev_base, rg->base, rg->block_len, runs,
-                                nruns, false);
-        if (st == KVC_OK) a->stats[KVC_STAT_CUDA_COPIES] += nruns;
-    }
-    free(runs);
+    if (st == KVC_OK && a->n_staged) st = kvc_stage_copy(a, ids, n, false);
     if (st == KVC_OK) {
         st = kvc_cuda_sync(a->cuda);
         a->stats[KVC_STAT_CUDA_SYNCS]++;

@@ -201,8 +201,6 @@ static void xfer_free(kvc_xfer_t *x) {
  * devices queued first, then one host sync per device, or none when the
  * engine gave a stream to order after the copies. */
 static kvc_status_t stage_in(kvc_agent_t *a, kvc_xfer_t *x) {
-    kvc_crun_t *runs = NULL;
-    size_t nruns = 0;
     kvc_status_t st = KVC_OK;
     /* The engine may still have work queued that reads these blocks' old
      * contents (a finished request's last kernels): the copies that
@@ -210,15 +208,7 @@ static kvc_status_t stage_in(kvc_agent_t *a, kvc_xfer_t *x) {
      * recorded on the stream's own device). */
     if (x->cuda_stream && kvc_cuda_devices(a->cuda) == 1)
         st = kvc_cuda_wait_for(a->cuda, NULL, x->cuda_stream);
-    if (st == KVC_OK) st = kvc_cuda_plan(x->local, x->n, kvc_staged_block_len(a), &runs, &nruns);
-    for (size_t r = 0; r < a->n_regions && st == KVC_OK; r++) {
-        kvc_region_t *rg = &a->regions[r];
-        if (!rg->staged) continue;
-        st = kvc_cuda_copy_runs(a->cuda, rg->cuda_dev, rg->dev_base, rg->base, rg->block_len, runs,
-                                nruns, true);
-        if (st == KVC_OK) a->stats[KVC_STAT_CUDA_COPIES] += nruns;
-    }
-    free(runs);
+    if (st == KVC_OK) st = kvc_stage_copy(a, x->local, x->n, true);
     if (st != KVC_OK) return st;
     if (x->cuda_stream) return kvc_cuda_order_before(a->cuda, x->cuda_stream);
     a->stats[KVC_STAT_CUDA_SYNCS]++;
