@@ -82,7 +82,6 @@ static struct {
     unsigned long n;
 } counts[MAX_FNS];
 static int nstreams_live;
-static unsigned long long bytes_copied;
 static pthread_t worker;
 static bool worker_on, worker_stop, eager;
 static _Thread_local int cur_dev;
@@ -161,13 +160,11 @@ static void exec(cudaStream_t s, op_t *o, int depth) {
     switch (o->kind) {
     case OP_COPY:
         memmove(o->dst, o->src, o->width);
-        bytes_copied += o->width;
         break;
     case OP_COPY2D:
         for (size_t r = 0; r < o->height; r++)
             memmove((uint8_t *)o->dst + r * o->dpitch, (const uint8_t *)o->src + r * o->spitch,
                     o->width);
-        bytes_copied += o->width * o->height;
         break;
     case OP_RECORD:
         if (o->ev->done_gen < o->gen) o->ev->done_gen = o->gen;
@@ -288,7 +285,6 @@ void cudasim_reset(int devices, bool threaded) {
         s->held = false;
     memset(faults, 0, sizeof(faults));
     memset(counts, 0, sizeof(counts));
-    bytes_copied = 0;
     for (int d = 0; d < MAX_DEV; d++)
         default_streams[d].device = d;
     worker_stop = false;
@@ -355,13 +351,6 @@ size_t cudasim_pending(void) {
 int cudasim_streams_live(void) {
     pthread_mutex_lock(&mu);
     int n = nstreams_live;
-    pthread_mutex_unlock(&mu);
-    return n;
-}
-
-unsigned long long cudasim_bytes_copied(void) {
-    pthread_mutex_lock(&mu);
-    unsigned long long n = bytes_copied;
     pthread_mutex_unlock(&mu);
     return n;
 }
@@ -794,7 +783,6 @@ cudaError_t cudaMemcpy(void *dst, const void *src, size_t count, enum cudaMemcpy
     if (e != cudaSuccess) LEAVE(e);
     drain(s);
     memmove(dst, src, count);
-    bytes_copied += count;
     LEAVE(take_async(s));
 }
 

@@ -35,7 +35,5 @@ unsigned long cudasim_calls(const char *fn);
 size_t cudasim_pending(void);
 /* Streams created and not destroyed. */
 int cudasim_streams_live(void);
-/* Bytes copied by operations that ran (all kinds). */
-unsigned long long cudasim_bytes_copied(void);
 
 #endif
