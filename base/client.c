@@ -20,23 +20,27 @@ typedef enum { BM_NONE, BM_LENGTH, BM_CHUNKED, BM_CLOSE } body_mode;
 
 typedef struct cconn cconn;
 
-/* The idle connections to one backend address. */
+/* One backend address and its idle connections. It lives while a request
+ * or a connection (idle or busy) refers to it, so addresses that come and
+ * go (DNS discovery, reloads) leave nothing behind. */
 typedef struct host {
     struct sockaddr_storage sa;
     socklen_t salen;
     cconn *idle; /* most recently used first */
     int nidle;
+    int refs;    /* requests and connections that point here */
     int retired; /* no longer a backend: connections close after their exchange */
-    struct host *next;
+    struct host *prev, *next;
 } host;
 
 struct px_client {
     struct event_base *base; /* borrowed */
     int max_idle;
     double idle_close_s;
-    host *hosts;          /* owned */
-    cconn *busy;          /* owned: connections with an exchange */
-    size_t nidle;         /* all hosts */
+    host *hosts;  /* owned */
+    cconn *busy;  /* owned: connections with an exchange */
+    size_t nidle; /* all hosts */
+    size_t nhosts;
     px_http_head scratch; /* the response head being read (one at a time per loop) */
     char *rbuf;           /* owned: RBUF_BYTES, what one read brings (one read at a time) */
 };
@@ -110,6 +114,13 @@ static struct timeval tv_of(double s) {
 
 /* ---------- connection lifetime ---------- */
 
+static void host_unref(px_client *cl, host *h) {
+    if (--h->refs > 0) return;
+    PX_LIST_UNLINK(cl->hosts, h);
+    cl->nhosts--;
+    free(h);
+}
+
 static void conn_free(cconn *c) {
     if (c->freed) *c->freed = 1;
     if (c->idle) {
@@ -119,6 +130,7 @@ static void conn_free(cconn *c) {
     } else {
         PX_LIST_UNLINK(c->cl->busy, c);
     }
+    host_unref(c->cl, c->h);
     event_free(c->rev);
     event_free(c->wev);
     evbuffer_free(c->in);
@@ -146,17 +158,20 @@ static void set_writing(cconn *c, int on) {
         event_del(c->wev);
 }
 
+/* The host of an address, with a reference taken for the caller. */
 static host *host_for(px_client *cl, const struct sockaddr *sa, socklen_t salen) {
     for (host *h = cl->hosts; h; h = h->next)
         if (h->salen == salen && !memcmp(&h->sa, sa, salen)) {
             h->retired = 0; /* a backend again */
+            h->refs++;
             return h;
         }
     host *h = px_xcalloc(1, sizeof *h);
     memcpy(&h->sa, sa, salen);
     h->salen = salen;
-    h->next = cl->hosts;
-    cl->hosts = h;
+    h->refs = 1;
+    PX_LIST_PUSH(cl->hosts, h);
+    cl->nhosts++;
     return h;
 }
 
@@ -197,6 +212,7 @@ static void process(px_creq *q);
 static void fail(px_creq *q, px_cresult r, const char *why);
 
 static void creq_free(px_creq *q) {
+    host_unref(q->cl, q->h);
     event_del(&q->timer);
     event_del(&q->resume_ev);
     event_del(&q->idle_ev);
@@ -247,7 +263,6 @@ static int connect_new(px_creq *q) {
     setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
     cconn *c = px_xcalloc(1, sizeof *c);
     c->cl = cl;
-    c->h = q->h;
     c->fd = fd;
     c->rev = event_new(cl->base, fd, EV_READ | EV_PERSIST, on_readable, c);
     c->wev = event_new(cl->base, fd, EV_WRITE | EV_PERSIST, on_writable, c);
@@ -264,6 +279,8 @@ static int connect_new(px_creq *q) {
         free(c);
         return -1;
     }
+    c->h = q->h;
+    c->h->refs++;
     PX_LIST_PUSH(cl->busy, c);
     q->connected = 0;
     struct timeval tv = tv_of(q->o.connect_timeout > 0 ? q->o.connect_timeout : 5.0);
@@ -684,11 +701,17 @@ px_client *px_client_create(struct event_base *base, const px_client_cfg *cfg) {
 void px_client_retire(px_client *cl,
                       int (*keep)(void *ctx, const struct sockaddr *sa, socklen_t salen),
                       void *ctx) {
-    for (host *h = cl->hosts; h; h = h->next) {
-        if (keep(ctx, (const struct sockaddr *)&h->sa, h->salen)) continue;
-        h->retired = 1;
-        while (h->idle)
-            conn_free(h->idle);
+    host *h = cl->hosts;
+    while (h) {
+        host *next = h->next;
+        if (!keep(ctx, (const struct sockaddr *)&h->sa, h->salen)) {
+            h->retired = 1;
+            h->refs++; /* held while its idle connections go */
+            while (h->idle)
+                conn_free(h->idle);
+            host_unref(cl, h);
+        }
+        h = next;
     }
 }
 
@@ -702,12 +725,15 @@ void px_client_destroy(px_client *c) {
         }
         conn_free(k);
     }
+    /* What is left is held by idle connections only: the owner cancelled
+     * its requests first. */
     while (c->hosts) {
         host *h = c->hosts;
+        h->refs++;
         while (h->idle)
             conn_free(h->idle);
-        c->hosts = h->next;
-        free(h);
+        h->refs = 1;
+        host_unref(c, h);
     }
     free(c->rbuf);
     free(c);
@@ -790,6 +816,10 @@ void px_creq_cancel(px_creq *q) {
         conn_free(q->cn);
     }
     creq_free(q);
+}
+
+size_t px_client_hosts(const px_client *c) {
+    return c->nhosts;
 }
 
 size_t px_client_idle(const px_client *c) {

@@ -100,5 +100,7 @@ void px_creq_cancel(px_creq *q);
 
 /* Connections kept idle now, all addresses (for tests and metrics). */
 size_t px_client_idle(const px_client *c);
+/* Backend addresses a request or a connection refers to now (for tests). */
+size_t px_client_hosts(const px_client *c);
 
 #endif

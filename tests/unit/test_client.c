@@ -427,6 +427,52 @@ static void test_idle_timeout_on_reused_connection(void **state) {
     event_base_free(base);
 }
 
+static int keep_none(void *ctx, const struct sockaddr *sa, socklen_t salen) {
+    return 0;
+}
+
+/* An address is remembered only while a request or a connection refers to
+ * it: backends that come and go (DNS, reloads) leave nothing behind, and
+ * the per-request lookup stays short. */
+static void test_hosts_go_with_their_connections(void **state) {
+    struct event_base *base = event_base_new();
+    px_client *c = px_client_create(base, NULL);
+    server s;
+    srv_start(&s, script_two_on_one);
+    result r;
+    px_creq *q = start(c, &s, &r);
+    assert_int_equal(px_client_hosts(c), 1);
+    run_until_done(base, &r, q);
+    assert_int_equal(r.r, PX_CR_OK);
+    assert_int_equal(px_client_idle(c), 1);
+    assert_int_equal(px_client_hosts(c), 1); /* its idle connection holds it */
+    px_client_retire(c, keep_none, NULL);
+    assert_int_equal(px_client_idle(c), 0);
+    assert_int_equal(px_client_hosts(c), 0);
+    srv_join(&s);
+    /* A refused address: gone once its request ended. */
+    server dead;
+    memset(&dead, 0, sizeof dead);
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    dead.addr.sin_family = AF_INET;
+    dead.addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    bind(fd, (struct sockaddr *)&dead.addr, sizeof dead.addr);
+    socklen_t len = sizeof dead.addr;
+    getsockname(fd, (struct sockaddr *)&dead.addr, &len);
+    close(fd);
+    q = start(c, &dead, &r);
+    run_until_done(base, &r, q);
+    assert_int_equal(r.r, PX_CR_CONNECT);
+    assert_int_equal(px_client_hosts(c), 0);
+    /* A cancelled request lets go of its address too. */
+    q = start(c, &dead, &r);
+    assert_int_equal(px_client_hosts(c), 1);
+    px_creq_cancel(q);
+    assert_int_equal(px_client_hosts(c), 0);
+    px_client_destroy(c);
+    event_base_free(base);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_keep_alive_reuse),
@@ -436,6 +482,7 @@ int main(void) {
         cmocka_unit_test(test_refused_is_connect_error_not_sent),
         cmocka_unit_test(test_smuggling_shaped_response_refused),
         cmocka_unit_test(test_idle_timeout_on_reused_connection),
+        cmocka_unit_test(test_hosts_go_with_their_connections),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
