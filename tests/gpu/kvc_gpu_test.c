@@ -364,20 +364,6 @@ static int run_producer(const opts_t *o) {
 
 /* ------------------------------------------------------------- consumer -- */
 
-/* remote_block_ids from the producer's kv_transfer_params (flat list). */
-static size_t parse_ids(const char *json, uint64_t *ids, size_t max) {
-    const char *p = strstr(json, "\"remote_block_ids\":[");
-    size_t n = 0;
-    if (!p) return 0;
-    p += strlen("\"remote_block_ids\":[");
-    while (*p && *p != ']' && n < max) {
-        char *e;
-        ids[n++] = strtoull(p, &e, 10);
-        p = *e == ',' ? e + 1 : e;
-    }
-    return n;
-}
-
 static char *read_params(const char *path) {
     for (int i = 0; i < 2400; i++) { /* up to 120 s for the producer's fill */
         FILE *f = fopen(path, "r");
@@ -416,7 +402,18 @@ static int run_consumer(const opts_t *o) {
     uint64_t *rem = malloc(o->blocks * sizeof(*rem)), *loc = malloc(o->blocks * sizeof(*loc));
     uint8_t *want = calloc(o->blocks, 1);
     if (!rem || !loc || !want) return 1;
-    size_t n = parse_ids(json, rem, o->blocks);
+    kvc_remote_t pr;
+    char perr[256] = "";
+    memset(&pr, 0, sizeof(pr));
+    if (kvc_params_parse_json(json, &pr, perr, sizeof(perr)) != KVC_OK ||
+        pr.num_blocks > o->blocks) {
+        fprintf(stderr, "bad kv_transfer_params in %s: %s\n", o->params, perr);
+        kvc_remote_cleanup(&pr);
+        return 1;
+    }
+    size_t n = pr.num_blocks;
+    memcpy(rem, pr.block_ids, n * sizeof(*rem));
+    kvc_remote_cleanup(&pr);
     for (size_t k = 0; k < n; k++) {
         loc[k] = local_of(o, rem[k]);
         want[loc[k]] = 1;
