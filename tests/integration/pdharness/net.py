@@ -98,6 +98,19 @@ def wait_http(port, path="/health", timeout=15.0, proc=None):
         raise RuntimeError("port %d not ready after %.0fs" % (port, timeout))
 
 
+def port_accepts(port, host=HOST, timeout=0.5):
+    """True when connect() to host:port succeeds right now."""
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    s.settimeout(timeout)
+    try:
+        s.connect((host, port))
+        return True
+    except OSError:
+        return False
+    finally:
+        s.close()
+
+
 def connect_refused(port, host=HOST, timeout=1.0):
     """True when connect() to host:port is refused right now."""
     s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)

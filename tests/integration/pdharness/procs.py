@@ -21,12 +21,10 @@ Every loop is bounded by a deadline and an iteration count."""
 import os
 import re
 import signal
-import socket
 import subprocess
 import tempfile
-import time
 
-from pdharness.net import HOST, MAX_LOOP, free_port, listening_inodes, now, socket_inodes, \
+from pdharness.net import HOST, free_port, listening_inodes, now, port_accepts, socket_inodes, \
     wait_http, wait_until
 
 BIN_DIR = os.environ.get("PX_BIN_DIR") or os.path.join(
@@ -111,26 +109,17 @@ class Proxy:
 
     def wait_ready(self):
         """Poll connect() until the port accepts, the process exits, or timeout."""
-        deadline = self.t_spawn + self.ready_timeout
-        for _ in range(MAX_LOOP):
+        def accepting():
             if self.proc.poll() is not None:
                 raise ProxyStartError("pdproxy exited with %s before listening; stderr:\n%s"
                                       % (self.proc.returncode, self.stderr()))
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.settimeout(0.5)
-            try:
-                s.connect((HOST, self.port))
-                self.ready_after = now() - self.t_spawn
-                return self
-            except OSError:
-                pass
-            finally:
-                s.close()
-            if now() >= deadline:
-                break
-            time.sleep(0.005)
-        raise ProxyStartError("pdproxy not listening on %d after %.1fs; stderr:\n%s"
-                              % (self.port, self.ready_timeout, self.stderr()))
+            return port_accepts(self.port)
+
+        if not wait_until(accepting, max(0.0, self.t_spawn + self.ready_timeout - now())):
+            raise ProxyStartError("pdproxy not listening on %d after %.1fs; stderr:\n%s"
+                                  % (self.port, self.ready_timeout, self.stderr()))
+        self.ready_after = now() - self.t_spawn
+        return self
 
     def alive(self):
         return self.proc is not None and self.proc.poll() is None
