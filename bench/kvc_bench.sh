@@ -14,7 +14,8 @@ export UCX_WARN_UNUSED_ENV_VARS=n
 # The authenticated side channel, as deployed (KVC_SECRET= measures without).
 export KVC_SECRET=${KVC_SECRET-kvc-bench-secret}
 
-free_port() { python3 -c 'import socket;s=socket.socket();s.bind(("127.0.0.1",0));print(s.getsockname()[1])'; }
+# shellcheck source=bench/lib.sh
+source "$(dirname "$0")/lib.sh" # free_port
 
 # Waits until a socket listens on port $1 (bounded).  Reads /proc/net/tcp*
 # instead of connecting: ucx_perftest's server takes exactly one connection.

@@ -17,17 +17,10 @@ conns=${CONNS:-16}
 expiry_ms=${EXPIRY_MS:-10000}
 [ -x "$bin/pdproxy" ] && [ -x "$bin/engine-sim" ] || { echo "build first ($bin)" >&2; exit 1; }
 
-work=$(mktemp -d)
-pids=()
-cleanup() {
-    for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
-    [ -n "${p2:-}" ] && kill "$p2" 2>/dev/null || true
-    wait 2>/dev/null || true
-    rm -rf "$work"
-}
-trap cleanup EXIT INT TERM
-
-free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+# shellcheck source=bench/lib.sh
+source "$root/bench/lib.sh"
+# The flapping prefill is restarted under new pids: stopped on exit as well.
+trap '[ -n "${p2:-}" ] && kill "$p2" 2>/dev/null; bench_cleanup' EXIT INT TERM
 P1=$(free_port); P2=$(free_port); D1=$(free_port); D2=$(free_port); X=$(free_port)
 sim() { "$bin/engine-sim" --port "$1" --ttft-ms 20 --itl-ms 5 --kv-expiry-ms "$expiry_ms" \
         --num-blocks 4096 2>>"$work/sim-$1.log" & }
