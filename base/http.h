@@ -64,6 +64,13 @@ const px_http_header *px_http_find(const px_http_head *h, const char *name);
 int px_http_request_id(const px_http_head *h, char out[129]);
 
 int px_http_token_eq(const char *s, size_t n, const char *lit); /* case-insensitive */
+/* Whether a header belongs to the connection it came on, not to the
+ * message: hop by hop (RFC 9110 §7.6.1: Connection, Keep-Alive,
+ * Proxy-Connection, Proxy-Authorization, TE, Trailer, Upgrade) or the
+ * message's framing on that connection (Host, Content-Length,
+ * Transfer-Encoding, Expect). A proxy forwarding a message sets these
+ * itself. */
+int px_http_hop_by_hop(const px_http_header *x);
 
 /* Incremental decoder of a chunked body (requests and responses). */
 typedef struct px_chunked {

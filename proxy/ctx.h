@@ -21,6 +21,7 @@
 
 struct px_discovery;
 struct px_req;
+struct px_pindex;
 
 /* One model pool at run time: its prefill and decode backends. */
 typedef struct px_pset {
@@ -80,7 +81,7 @@ struct px_wctx {
     px_metrics metrics;      /* written by this thread only */
     struct px_req *reqs;     /* owned: requests alive, some without a client */
     size_t nreqs;
-    px_pindex *pindex; /* owned: --disagg-min-tokens' prefix index; NULL until used */
+    struct px_pindex *pindex; /* owned: --disagg-min-tokens' prefix index; NULL until used */
 };
 
 /* Sets up the credentials from cfg: the client keys of --api-key and

@@ -19,7 +19,7 @@ const char *px_fallback_name(px_fallback f) {
     return fb_names[f];
 }
 
-void px_metrics_count(px_metrics *m, px_metric_endpoint ep, int status) {
+void px_metrics_count(px_metrics *m, px_endpoint ep, int status) {
     if (status < 100 || status > 599) status = 599;
     px_m_inc(&m->requests[ep][status - 100]);
 }

@@ -7,22 +7,8 @@
 #include <stdatomic.h>
 #include <stdint.h>
 
+#include "endpoint.h"
 #include "util.h"
-
-typedef enum {
-    PX_MEP_COMPLETIONS = 0,
-    PX_MEP_CHAT,
-    PX_MEP_MODELS,
-    PX_MEP_HEALTHCHECK,
-    PX_MEP_HEALTH,
-    PX_MEP_READY,
-    PX_MEP_METRICS,
-    PX_MEP_OTHER,
-    PX_MEP_MESSAGES,
-    PX_MEP_RESPONSES,
-    PX_MEP_PASSTHROUGH, /* every other engine endpoint, passed to decode */
-    PX_MEP_COUNT
-} px_metric_endpoint;
 
 typedef enum { PX_PHASE_PREFILL = 0, PX_PHASE_DECODE, PX_PHASE_STREAM, PX_PHASE_COUNT } px_phase;
 
@@ -60,7 +46,7 @@ typedef struct px_hist {
 } px_hist;
 
 typedef struct px_metrics {
-    atomic_ullong requests[PX_MEP_COUNT][500]; /* by endpoint and status - 100 */
+    atomic_ullong requests[PX_EP_COUNT][500]; /* by endpoint and status - 100 */
     px_hist duration;
     px_hist ttfb[2]; /* by stream label: [0] answered as a whole, [1] streamed (SSE) */
     px_hist prefill;
@@ -79,7 +65,7 @@ static inline void px_m_inc(atomic_ullong *c) {
                           memory_order_relaxed);
 }
 
-void px_metrics_count(px_metrics *m, px_metric_endpoint ep, int status);
+void px_metrics_count(px_metrics *m, px_endpoint ep, int status);
 void px_hist_observe(px_hist *h, double seconds);
 
 #endif

@@ -10,12 +10,14 @@
 #include <event2/event_struct.h> /* free_ev is embedded */
 
 #include "access.h"
+#include "disagg.h"
 #include "json.h"
 #include "list.h"
 #include "log.h"
 #include "otlp.h"
 #include "rewrite.h"
 #include "trace.h"
+#include "usage.h"
 
 /* Largest prefill answer kept; a prefill answers one token, so anything near
  * this is a broken engine, not a big request. */
@@ -40,11 +42,6 @@ typedef enum {
 
 static const char *const state_names[] = {"new",    "prefill",   "retry_wait", "decode",
                                           "stream", "releasing", "done"};
-static const char *const ep_paths[] = {"/v1/completions", "/v1/chat/completions", "/v1/models",
-                                       "/v1/messages",    "/v1/responses",        NULL};
-static const px_metric_endpoint ep_metric[] = {PX_MEP_COMPLETIONS, PX_MEP_CHAT,
-                                               PX_MEP_MODELS,      PX_MEP_MESSAGES,
-                                               PX_MEP_RESPONSES,   PX_MEP_PASSTHROUGH};
 /* A decode answer whose usage is rewritten is held whole (JSON) or an
  * event at a time (SSE); past this, it passes through untouched. */
 #define USAGE_MAX_HOLD (8 * 1024 * 1024)
@@ -96,7 +93,6 @@ struct px_req {
     int too_big;
     int paused;
     int counted; /* holds one of the server's in-flight slots */
-    int released_via_decode;
     uint64_t t0, t_prefill, t_first;
     uint64_t prefill_deadline; /* --prefill-timeout covers every attempt; 0: none */
     struct event *idle_timer;  /* owned: --decode-idle-timeout */
@@ -117,30 +113,26 @@ struct px_req {
     /* What goes to decode: the client's method and target (passed-through
      * endpoints), and whether decode gets prefill's kv_transfer_params. */
     char method[16];
-    char *target;    /* owned: path and query sent to decode; NULL: ep_paths */
+    char *target;    /* owned: path and query sent to decode; NULL: the endpoint's path */
     char lpath[300]; /* the path as a logfmt value, for the access line */
     int disagg;      /* decode's body carries prefill's kv_transfer_params */
     int decided;     /* decision below is set */
     px_decision decision;
     int fell_back; /* fallback below is set */
     px_fallback fallback;
-    int estimated; /* est_tokens, est_uncached are set */
-    long est_tokens, est_uncached;
-    uint64_t *phash; /* owned: the prompt's prefix hashes (px_pindex_hashes) */
-    size_t nphash;
+    px_disagg dis; /* its hash owned: conditional disaggregation's estimate */
 
     /* --usage-from prefill: prefill's cached_tokens (number text) put into
-     * decode's usage; ubuf holds decode bytes not yet passed on. */
+     * decode's usage by the filter (inactive: decode's bytes pass as they
+     * come). */
     char p_cached[24];
-    int fix_usage; /* 0: pass decode's bytes as they come */
-    px_buf ubuf;   /* owned */
+    px_usage usage; /* owned */
 };
 
 /* The flow, top-down: each section below calls into later ones. */
 static void headers_for(px_req *r, const px_http_head *h, int traced, const char *span, px_buf *l);
 static int choose_pool(px_req *r);
 static int sidecar_prefill(px_req *r, const px_http_head *h);
-static void find_key(px_req *r);
 static int decide(px_req *r);
 static void start_prefill(px_req *r);
 static void proceed_to_decode(px_req *r);
@@ -152,10 +144,6 @@ static px_backend *pick_decode(px_req *r, size_t *n);
 static int send_decode(px_req *r, const decode_table *tbl);
 static int decode_retry(px_req *r, int connected, const char *why);
 static void touch_idle(px_req *r);
-static int cached_tokens_span(const char *json, size_t n, const char **v, size_t *vl);
-static void write_fixed(px_req *r, const char *p, size_t n);
-static void flush_events(px_req *r, int all);
-static void usage_passthrough(px_req *r);
 static void release_prefill(px_req *r);
 static void release_decode(px_req *r);
 static void release_through_decode(px_req *r);
@@ -176,6 +164,7 @@ static void req_free(px_req *r);
 static const px_exchange_cbs client_cbs;
 static const px_upstream_cbs prefill_cbs, release_prefill_cbs;
 static const decode_table decode_tbl, release_tbl;
+static void usage_out(void *arg, const char *p, size_t n);
 
 /* ---------- helpers ---------- */
 
@@ -194,7 +183,8 @@ static void attempt_done(px_pool *p, px_backend *b, px_backend *const *tried, si
 
 /* Brings the memory budget's count of this request's bodies up to date. */
 static void account(px_req *r) {
-    int64_t now = (int64_t)(r->body.len + r->pbody.len + r->dbody.len + r->presp.len + r->ubuf.len);
+    int64_t now = (int64_t)(r->body.len + r->pbody.len + r->dbody.len + r->presp.len +
+                          px_usage_held(&r->usage));
     px_budget_add(&r->s->shared, now - r->held);
     r->held = now;
 }
@@ -225,10 +215,6 @@ static px_outcome outcome_of(px_up_result rc, int status) {
     }
 }
 
-static int passthrough(const px_req *r) {
-    return r->ep == PX_EP_PASSTHROUGH || r->ep == PX_EP_RESPONSES;
-}
-
 static int start_upstream(px_req *r, px_backend *b, const char *method, const char *path,
                           const px_buf *body, const px_buf *hdrs, const px_upstream_cbs *cbs,
                           long total_ms) {
@@ -246,15 +232,6 @@ static int start_upstream(px_req *r, px_backend *b, const char *method, const ch
 }
 
 /* ---------- entry: parse, choose the pool, find the key, decide ---------- */
-
-int px_req_passthrough_path(const char *path, size_t len) {
-    static const char *const exact[] = {"/tokenize", "/detokenize", "/pooling",  "/score",
-                                        "/rerank",   "/classify",   "/v2/rerank"};
-    if (len > 4 && !memcmp(path, "/v1/", 4)) return 1;
-    for (size_t i = 0; i < sizeof exact / sizeof exact[0]; i++)
-        if (strlen(exact[i]) == len && !memcmp(path, exact[i], len)) return 1;
-    return 0;
-}
 
 void px_req_announce(void) {
     /* vLLM's ResponsesRequest has no kv_transfer_params (and its answer
@@ -284,7 +261,6 @@ void px_req_start(px_wctx *w, px_conn *c, px_endpoint ep, const px_http_head *h,
     px_buf_init(&r->presp);
     px_buf_init(&r->hdrs_p);
     px_buf_init(&r->hdrs_d);
-    px_buf_init(&r->ubuf);
     snprintf(r->method, sizeof r->method, "%s",
              ep == PX_EP_MODELS                                 ? "GET"
              : ep == PX_EP_PASSTHROUGH || ep == PX_EP_RESPONSES ? ""
@@ -301,7 +277,7 @@ void px_req_start(px_wctx *w, px_conn *c, px_endpoint ep, const px_http_head *h,
         snprintf(pbuf, sizeof pbuf, "%.*s", (int)(plen < 200 ? plen : 200), path);
         px_log_value(pbuf, r->lpath, sizeof r->lpath);
     } else {
-        snprintf(r->lpath, sizeof r->lpath, "%s", ep_paths[ep]);
+        snprintf(r->lpath, sizeof r->lpath, "%s", px_endpoints[ep].path);
     }
 
     px_http_request_id(h, r->id);
@@ -327,7 +303,7 @@ void px_req_start(px_wctx *w, px_conn *c, px_endpoint ep, const px_http_head *h,
     px_trace_span_new(r->span_p);
     px_trace_span_new(r->span_d);
     /* Only the P/D endpoints ever reach a prefill. */
-    if (!passthrough(r) && r->ep != PX_EP_MODELS) headers_for(r, h, traced, r->span_p, &r->hdrs_p);
+    if (!px_endpoint_passthrough(r->ep) && r->ep != PX_EP_MODELS) headers_for(r, h, traced, r->span_p, &r->hdrs_p);
     headers_for(r, h, traced, r->span_d, &r->hdrs_d);
 
     long max = r->s->cfg->max_inflight;
@@ -389,7 +365,9 @@ void px_req_start(px_wctx *w, px_conn *c, px_endpoint ep, const px_http_head *h,
         return;
     }
     r->held += (int64_t)r->body.len + 512;
-    if (r->ps->prefill.cfg.policy == PX_POLICY_PREFIX_AFFINITY) find_key(r);
+    if (r->ps->prefill.cfg.policy == PX_POLICY_PREFIX_AFFINITY)
+        px_disagg_key(r->ep, r->body.data, r->body.len, r->ps->prefill.cfg.prefix_bytes, &r->key,
+                      &r->key_len);
     r->decided = 1;
     int disagg = decide(r);
     if (disagg && !r->hb && !r->no_prefill && r->s->cfg->fallback_decode_only &&
@@ -418,28 +396,15 @@ void px_req_start(px_wctx *w, px_conn *c, px_endpoint ep, const px_http_head *h,
 
 /* ---------- headers ---------- */
 
-/* Client headers a passed-through request does not carry as they are: the
- * connection's own (hop by hop, RFC 9110 §7.6.1), framing and Host (the
- * transport's), those the proxy sets itself, and Accept-Encoding (of the
- * answer's headers only Content-Type comes back: a compressed body would
- * reach the client without its Content-Encoding). */
+/* Client headers a passed-through request does not carry as they are:
+ * the connection's own (px_http_hop_by_hop), those the proxy sets itself,
+ * and Accept-Encoding (of the answer's headers only Content-Type comes
+ * back: a compressed body would reach the client without its
+ * Content-Encoding). */
 static int own_header(const px_http_header *x) {
-    static const char *const names[] = {"host",
-                                        "content-length",
-                                        "transfer-encoding",
-                                        "connection",
-                                        "keep-alive",
-                                        "proxy-connection",
-                                        "proxy-authorization",
-                                        "te",
-                                        "trailer",
-                                        "upgrade",
-                                        "expect",
-                                        "authorization",
-                                        "x-request-id",
-                                        "traceparent",
-                                        "tracestate",
-                                        "accept-encoding"};
+    static const char *const names[] = {"authorization", "x-request-id", "traceparent",
+                                        "tracestate", "accept-encoding"};
+    if (px_http_hop_by_hop(x)) return 1;
     for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
         if (px_http_token_eq(x->name, x->name_len, names[i])) return 1;
     return 0;
@@ -448,7 +413,7 @@ static int own_header(const px_http_header *x) {
 /* The header lines both upstream requests carry ("Name: value\r\n" each);
  * Host and the body's framing are the transport's. */
 static void headers_for(px_req *r, const px_http_head *h, int traced, const char *span, px_buf *l) {
-    if (passthrough(r)) {
+    if (px_endpoint_passthrough(r->ep)) {
         for (size_t i = 0; i < h->nheaders; i++)
             if (!own_header(&h->headers[i])) {
                 px_buf_append(l, h->headers[i].name, h->headers[i].name_len);
@@ -598,89 +563,22 @@ bad:
     return -1;
 }
 
-/* The bytes prefix_affinity hashes: the start of the prompt, or of the
- * messages, as the client spelled them (identical requests, identical keys,
- * in every replica). */
-static void find_key(px_req *r) {
-    px_json_member m;
-    const char *name = r->ep == PX_EP_COMPLETIONS ? "prompt" : "messages";
-    if (!px_json_find(r->body.data, r->body.len, name, &m)) return;
-    r->key = m.val;
-    r->key_len =
-        m.val_len < r->ps->prefill.cfg.prefix_bytes ? m.val_len : r->ps->prefill.cfg.prefix_bytes;
-}
-
 /* ---------- conditional disaggregation ---------- */
 
-/* Tokens of a prompt given as token ids ([1,2,3]): exact. -1 when the
- * value is anything else (text, a batch of prompts). */
-static long token_ids(const char *v, size_t n) {
-    size_t i = 1;
-    if (!n || v[0] != '[') return -1;
-    while (i < n && (v[i] == ' ' || v[i] == '\n' || v[i] == '\t' || v[i] == '\r'))
-        i++;
-    if (i >= n || !(v[i] == '-' || (v[i] >= '0' && v[i] <= '9'))) return -1;
-    long k = 1;
-    for (; i < n; i++) {
-        if (v[i] == '[' || v[i] == '{' || v[i] == '"') return -1;
-        k += v[i] == ',';
-    }
-    return k;
-}
-
-/* Estimates the prompt's length and how much of it the decode this
- * request will use lacks, and decides: decode alone when that is under
- * --disagg-min-tokens. The estimate is the prompt's bytes as the body
- * spells them (the prompt, or the messages with their JSON around the
- * text, standing in for the chat template's tokens) over
- * --disagg-bytes-per-token; the cached part is what the worker's prefix
- * index lists for the decode, in whole PX_PINDEX_BLOCK_BYTES pieces.
- * Returns 1 to disaggregate. */
+/* Decides whether r goes through a prefill (disagg.c), the decode chosen
+ * first so that its cache can count. Returns 1 to disaggregate. */
 static int decide(px_req *r) {
     const px_config *cfg = r->s->cfg;
-    if (cfg->disagg_min_tokens <= 0) {
-        r->decision = PX_DEC_ALWAYS;
-        return 1;
-    }
-    px_json_member m, sys;
-    const char *name = r->ep == PX_EP_COMPLETIONS ? "prompt" : "messages";
-    const char *p = "";
-    size_t n = 0;
-    if (px_json_find(r->body.data, r->body.len, name, &m)) {
-        p = m.val;
-        n = m.val_len;
-    }
-    double bpt = cfg->disagg_bytes_per_token;
-    long ids = r->ep == PX_EP_COMPLETIONS ? token_ids(p, n) : -1;
-    double total = ids >= 0 ? (double)ids : (double)n / bpt;
-    /* Anthropic's system prompt is a member of its own. */
-    if (r->ep == PX_EP_MESSAGES && px_json_find(r->body.data, r->body.len, "system", &sys))
-        total += (double)sys.val_len / bpt;
-
-    /* The decode is chosen now, so that its cache can count. */
-    px_pick k = {.key = r->key, .key_len = r->key_len};
-    size_t nd;
-    r->db = px_pool_pick(&r->ps->decode, &k, &nd);
-    size_t matched = 0;
-    if (n >= PX_PINDEX_BLOCK_BYTES) {
+    if (cfg->disagg_min_tokens > 0) {
+        px_pick k = {.key = r->key, .key_len = r->key_len};
+        size_t nd;
+        r->db = px_pool_pick(&r->ps->decode, &k, &nd);
         if (!r->w->pindex) r->w->pindex = px_pindex_create((size_t)cfg->disagg_index_blocks);
-        size_t max = n / PX_PINDEX_BLOCK_BYTES;
-        if (max > PX_PINDEX_MAX_BLOCKS) max = PX_PINDEX_MAX_BLOCKS;
-        r->phash = px_xmalloc(max * sizeof *r->phash);
-        r->nphash = px_pindex_hashes(p, n, r->phash, max);
-        if (r->db) matched = px_pindex_match(r->w->pindex, r->db->key_hash, r->phash, r->nphash);
     }
-    double cached = n ? total * (double)(matched * PX_PINDEX_BLOCK_BYTES) / (double)n : 0;
-    r->estimated = 1;
-    r->est_tokens = (long)(total + 0.5);
-    r->est_uncached = (long)(total - cached + 0.5);
-    if (r->est_uncached >= cfg->disagg_min_tokens) {
-        r->decision = PX_DEC_LONG_PROMPT;
-        return 1;
-    }
-    r->decision =
-        r->est_tokens < cfg->disagg_min_tokens ? PX_DEC_SHORT_PROMPT : PX_DEC_CACHED_PREFIX;
-    return 0;
+    px_disagg_decide(cfg, r->ep, r->body.data, r->body.len, r->w->pindex,
+                     r->db ? &r->db->key_hash : NULL, &r->dis);
+    r->decision = r->dis.decision;
+    return r->dis.disagg;
 }
 
 /* ---------- prefill ---------- */
@@ -728,7 +626,7 @@ static void start_prefill(px_req *r) {
         }
         ptimeout = (long)((r->prefill_deadline - now) / 1000000);
     }
-    if (start_upstream(r, r->pb, "POST", ep_paths[r->ep], &r->pbody, &r->hdrs_p, &prefill_cbs,
+    if (start_upstream(r, r->pb, "POST", px_endpoints[r->ep].path, &r->pbody, &r->hdrs_p, &prefill_cbs,
                        ptimeout) < 0)
         req_fail(r, 502, NULL, "prefill %s: cannot start the request", r->pname);
 }
@@ -873,13 +771,8 @@ static px_kvp_status decode_body(px_req *r, char *err, size_t errlen) {
     r->disagg = kvp != NULL;
     /* Prefill's cached_tokens, for --usage-from prefill (only then: three
      * searches of prefill's answer). */
-    const char *cv;
-    size_t cvl;
-    if (r->presp.data && !strcmp(r->s->cfg->usage_from, "prefill") &&
-        cached_tokens_span(r->presp.data, r->presp.len, &cv, &cvl) && cvl < sizeof r->p_cached) {
-        memcpy(r->p_cached, cv, cvl);
-        r->p_cached[cvl] = '\0';
-    }
+    if (r->presp.data && !strcmp(r->s->cfg->usage_from, "prefill"))
+        px_usage_cached_tokens(r->presp.data, r->presp.len, r->p_cached);
     /* From here on only the decode body is needed (retries resend it): one
      * copy of the request is held, not three. */
     px_buf_cleanup(&r->body);
@@ -943,13 +836,14 @@ static px_backend *pick_decode(px_req *r, size_t *n) {
  * -1 when it could not start (r has ended). */
 static int send_decode(px_req *r, const decode_table *tbl) {
     /* This decode will hold the prompt's prefix in its cache. */
-    if (r->phash && r->w->pindex) px_pindex_add(r->w->pindex, r->db->key_hash, r->phash, r->nphash);
+    if (r->dis.hash && r->w->pindex)
+        px_pindex_add(r->w->pindex, r->db->key_hash, r->dis.hash, r->dis.nhash);
     /* A GET (or a DELETE) without a body is sent without one. */
     int bodyless =
         r->ep == PX_EP_MODELS ||
         (r->dbody.len == 0 && (!strcmp(r->method, "GET") || !strcmp(r->method, "DELETE")));
     r->dtbl = tbl;
-    if (start_upstream(r, r->db, r->method, r->target ? r->target : ep_paths[r->ep],
+    if (start_upstream(r, r->db, r->method, r->target ? r->target : px_endpoints[r->ep].path,
                        bodyless ? NULL : &r->dbody, &r->hdrs_d, &tbl->up, 0) < 0) {
         req_fail(r, 502, NULL, "decode %s: cannot start the request", r->dname);
         return -1;
@@ -965,8 +859,9 @@ static void decode_headers(void *arg, int status, const char *ctype) {
     r->t_first = px_now_ns();
     r->streamed = ctype && !strncasecmp(ctype, "text/event-stream", 17);
     int json = ctype && !strncasecmp(ctype, "application/json", 16);
-    r->fix_usage = r->disagg && r->p_cached[0] && status == 200 && (r->streamed || json) &&
-                   !strcmp(r->s->cfg->usage_from, "prefill");
+    if (r->disagg && r->p_cached[0] && status == 200 && (r->streamed || json) &&
+        !strcmp(r->s->cfg->usage_from, "prefill"))
+        px_usage_init(&r->usage, r->p_cached, r->streamed, USAGE_MAX_HOLD, usage_out, r);
     set_state(r, RS_STREAM);
     if (r->conn) px_conn_stream_start(r->conn, status, ctype, r->id, NULL);
 }
@@ -987,14 +882,11 @@ static int decode_data(void *arg, const char *p, size_t n) {
     if (!r->conn) return -1;
     touch_idle(r);
     if (client_full(r)) return 1;
-    if (r->fix_usage) {
-        if (r->ubuf.len + n <= USAGE_MAX_HOLD) {
-            px_buf_append(&r->ubuf, p, n);
-            if (r->streamed) flush_events(r, 0);
-            account(r);
-            return 0;
-        }
-        usage_passthrough(r); /* what was held goes first */
+    if (r->usage.active) {
+        /* Held, or given up on: then what was held went first. */
+        int held = px_usage_feed(&r->usage, p, n) == 0;
+        account(r);
+        if (held) return 0;
         if (client_full(r)) return 1;
     }
     px_conn_stream_write(r->conn, p, n);
@@ -1010,15 +902,10 @@ static void decode_done(void *arg, px_up_result rc, const char *errbuf, int conn
     const char *why = errbuf[0] ? errbuf : px_up_result_str(rc);
     attempt_done(&r->ps->decode, r->db, r->tried_d, r->ntried_d, o);
     r->db = NULL;
-    if (r->fix_usage) {
+    if (r->usage.active) {
         /* The answer is complete (or cut): what is held goes out, fixed
          * when it is whole. */
-        if (rc == PX_UP_OK && !r->streamed)
-            write_fixed(r, r->ubuf.data ? r->ubuf.data : "", r->ubuf.len);
-        else
-            flush_events(r, 1);
-        px_buf_cleanup(&r->ubuf);
-        r->fix_usage = 0;
+        px_usage_end(&r->usage, rc == PX_UP_OK);
         account(r);
     }
     if (rc == PX_UP_OK) {
@@ -1101,94 +988,12 @@ static void touch_idle(px_req *r) {
 
 /* ---------- usage (--usage-from) ---------- */
 
-/* The number text of usage.prompt_tokens_details.cached_tokens in the JSON
- * object json[0..n): 1 with its span, else 0. */
-static int cached_tokens_span(const char *json, size_t n, const char **v, size_t *vl) {
-    px_json_member u, d, c;
-    if (!px_json_find(json, n, "usage", &u) || u.type != PX_JSON_OBJECT) return 0;
-    if (!px_json_find(u.val, u.val_len, "prompt_tokens_details", &d) || d.type != PX_JSON_OBJECT)
-        return 0;
-    if (!px_json_find(d.val, d.val_len, "cached_tokens", &c) || c.type != PX_JSON_NUMBER) return 0;
-    *v = c.val;
-    *vl = c.val_len;
-    return 1;
-}
-
-/* Writes p[0..n) to the client. */
-static void client_write(px_req *r, const char *p, size_t n) {
+/* The usage filter's output: to the client, counted. */
+static void usage_out(void *arg, const char *p, size_t n) {
+    px_req *r = arg;
     if (!r->conn || !n) return;
     px_conn_stream_write(r->conn, p, n);
     r->bytes_out += n;
-}
-
-/* Writes p[0..n), a JSON document or one SSE event, with prefill's
- * cached_tokens in place of decode's; every other byte as it is. */
-static void write_fixed(px_req *r, const char *p, size_t n) {
-    const char *json = p, *end = p + n, *v;
-    size_t vl;
-    if (r->streamed) {
-        /* The event's data line that carries the usage. */
-        const char *k = memmem(p, n, "\"cached_tokens\"", 15);
-        if (!k) {
-            client_write(r, p, n);
-            return;
-        }
-        json = k;
-        while (json > p && json[-1] != '\n')
-            json--;
-        end = memchr(json, '\n', (size_t)(p + n - json));
-        if (!end) end = p + n;
-        if ((size_t)(end - json) < 5 || memcmp(json, "data:", 5) != 0) {
-            client_write(r, p, n);
-            return;
-        }
-        json += 5;
-        if (end > json && end[-1] == '\r') end--;
-    }
-    if (!cached_tokens_span(json, (size_t)(end - json), &v, &vl)) {
-        client_write(r, p, n);
-        return;
-    }
-    client_write(r, p, (size_t)(v - p));
-    client_write(r, r->p_cached, strlen(r->p_cached));
-    client_write(r, v + vl, (size_t)(p + n - (v + vl)));
-}
-
-/* The length of the first complete SSE event in b[0..n) (through the
- * blank line that ends it: LF LF or CRLF CRLF), or 0. */
-static size_t event_len(const char *b, size_t n) {
-    const char *lf = n ? memmem(b, n, "\n\n", 2) : NULL;
-    const char *crlf = n ? memmem(b, n, "\r\n\r\n", 4) : NULL;
-    if (lf && (!crlf || lf < crlf + 2)) return (size_t)(lf - b) + 2;
-    if (crlf) return (size_t)(crlf - b) + 4;
-    return 0;
-}
-
-/* Passes on every complete SSE event held in ubuf (fixed), keeping a
- * partial one; with `all`, the rest too, as it is. */
-static void flush_events(px_req *r, int all) {
-    size_t at = 0, n;
-    if (!r->ubuf.data) return;
-    while ((n = event_len(r->ubuf.data + at, r->ubuf.len - at)) > 0) {
-        write_fixed(r, r->ubuf.data + at, n);
-        at += n;
-    }
-    if (all && at < r->ubuf.len) {
-        client_write(r, r->ubuf.data + at, r->ubuf.len - at);
-        at = r->ubuf.len;
-    }
-    if (at) {
-        memmove(r->ubuf.data, r->ubuf.data + at, r->ubuf.len - at);
-        r->ubuf.len -= at;
-    }
-}
-
-/* Gives up rewriting: what is held goes out as it is. */
-static void usage_passthrough(px_req *r) {
-    client_write(r, r->ubuf.data, r->ubuf.len);
-    px_buf_cleanup(&r->ubuf);
-    r->fix_usage = 0;
-    account(r);
 }
 
 /* ---------- the client ---------- */
@@ -1406,7 +1211,7 @@ static void on_free(evutil_socket_t fd, short what, void *arg) {
 static void finish_log(px_req *r, int status, const char *outcome) {
     uint64_t now = px_now_ns();
     px_metrics *m = &r->w->metrics;
-    px_metrics_count(m, ep_metric[r->ep], status);
+    px_metrics_count(m, r->ep, status);
     px_hist_observe(&m->duration, secs(r->t0, now));
     if (r->t_first) px_hist_observe(&m->ttfb[r->streamed], secs(r->t0, r->t_first));
     write_access(r, status, outcome, now);
@@ -1435,9 +1240,9 @@ static void write_access(const px_req *r, int status, const char *outcome, uint6
                                       : r->decided ? px_decision_reason(r->decision)
                                                    : NULL,
                    .fallback = r->fell_back ? px_fallback_name(r->fallback) : NULL,
-                   .estimated = r->estimated,
-                   .prompt_tokens_est = r->est_tokens,
-                   .uncached_tokens_est = r->est_uncached};
+                   .estimated = r->dis.estimated,
+                   .prompt_tokens_est = r->dis.tokens,
+                   .uncached_tokens_est = r->dis.uncached};
     px_access_write(&a);
 }
 
@@ -1450,7 +1255,7 @@ static void submit_spans(px_req *r, int status, const char *outcome, uint64_t no
                      .span_prefill = r->span_p,
                      .span_decode = r->span_d,
                      .method = r->method,
-                     .route = ep_paths[r->ep] ? ep_paths[r->ep] : "passthrough",
+                     .route = px_endpoints[r->ep].path ? px_endpoints[r->ep].path : "passthrough",
                      .request_id = r->id,
                      .outcome = outcome,
                      .status = status,
@@ -1498,9 +1303,9 @@ static void req_free(px_req *r) {
     px_buf_cleanup(&r->presp);
     px_buf_cleanup(&r->hdrs_p);
     px_buf_cleanup(&r->hdrs_d);
-    px_buf_cleanup(&r->ubuf);
+    px_usage_cleanup(&r->usage);
     free(r->target);
-    free(r->phash);
+    free(r->dis.hash);
     free(r);
 }
 

@@ -9,25 +9,11 @@
 #define PX_REQUEST_H
 
 #include "ctx.h"
+#include "endpoint.h"
 #include "http.h"
 #include "util.h"
 
 typedef struct px_req px_req;
-
-typedef enum {
-    PX_EP_COMPLETIONS = 0,
-    PX_EP_CHAT = 1,
-    PX_EP_MODELS = 2,
-    PX_EP_MESSAGES = 3,    /* Anthropic Messages: P/D, as chat */
-    PX_EP_RESPONSES = 4,   /* passed to decode alone: vLLM takes no kv_transfer_params there */
-    PX_EP_PASSTHROUGH = 5, /* any other engine endpoint: passed to decode unchanged */
-} px_endpoint;
-
-/* Whether a request for this path (without its query) is one of the
- * engine endpoints passed through to decode: everything under /v1/ but the
- * P/D ones, and vLLM's /tokenize, /detokenize, /pooling, /score, /rerank,
- * /classify, /v2/rerank. */
-int px_req_passthrough_path(const char *path, size_t len);
 
 /* Starts the flow for a parsed client request (for PX_EP_MODELS: a GET
  * answered by a healthy decode; PX_EP_RESPONSES and PX_EP_PASSTHROUGH: the

@@ -13,12 +13,6 @@
 #include "discovery.h"
 #include "otlp.h"
 
-static const char *const ep_names[PX_MEP_COUNT] = {"/v1/completions", "/v1/chat/completions",
-                                                   "/v1/models",      "/healthcheck",
-                                                   "/health",         "/ready",
-                                                   "/metrics",        "other",
-                                                   "/v1/messages",    "/v1/responses",
-                                                   "passthrough"};
 static const char *const phase_names[PX_PHASE_COUNT] = {"prefill", "decode", "stream"};
 
 static unsigned long long ld(const atomic_ullong *c) {
@@ -292,14 +286,14 @@ static void render_limits(px_buf *o, px_ctx *s) {
 void px_scrape_render(px_ctx *s, px_buf *o) {
     px_buf_appends(o, "# HELP pdproxy_requests_total Client requests answered, by endpoint and "
                       "status code.\n# TYPE pdproxy_requests_total counter\n");
-    for (int e = 0; e < PX_MEP_COUNT; e++)
+    for (int e = 0; e < PX_EP_COUNT; e++)
         for (int c = 0; c < 500; c++) {
             unsigned long long v = 0;
             for (int w = 0; w < s->nworkers; w++)
                 v += ld(&s->workers[w]->metrics.requests[e][c]);
             if (v)
                 px_buf_printf(o, "pdproxy_requests_total{endpoint=\"%s\",code=\"%d\"} %llu\n",
-                              ep_names[e], c + 100, v);
+                              px_endpoints[e].name, c + 100, v);
         }
     render_hist(o, s, "pdproxy_request_duration_seconds",
                 "Time from a request's arrival to the end of its answer.",

@@ -69,7 +69,7 @@ struct px_server {
 
 /* The 405 for a method the route does not take: counted, logged (when
  * `epname`) and answered with its Allow header. */
-static void reply_method(px_metrics *m, px_metric_endpoint mep, px_conn *c, const px_http_head *h,
+static void reply_method(px_metrics *m, px_endpoint mep, px_conn *c, const px_http_head *h,
                          const char *epname, const char *allow, const char *msg) {
     px_metrics_count(m, mep, 405);
     if (epname) px_req_log_refused(h, epname, 405);
@@ -78,7 +78,7 @@ static void reply_method(px_metrics *m, px_metric_endpoint mep, px_conn *c, cons
 
 /* The 401 for a request without a valid key: counted (when `m`), logged
  * (when `epname`) and answered. */
-static void reply_unauthorized(px_metrics *m, px_metric_endpoint mep, px_conn *c,
+static void reply_unauthorized(px_metrics *m, px_endpoint mep, px_conn *c,
                                const px_http_head *h, const char *epname) {
     if (m) px_metrics_count(m, mep, 401);
     if (epname) px_req_log_refused(h, epname, 401);
@@ -87,7 +87,7 @@ static void reply_unauthorized(px_metrics *m, px_metric_endpoint mep, px_conn *c
 }
 
 /* m: the worker's metrics, or NULL on the control thread's listener. */
-static void reply_json(px_metrics *m, px_conn *c, px_metric_endpoint ep, int status,
+static void reply_json(px_metrics *m, px_conn *c, px_endpoint ep, int status,
                        const char *json, size_t n) {
     if (m) px_metrics_count(m, ep, status);
     px_conn_reply(c, status, "application/json", NULL, NULL, json, n);
@@ -167,7 +167,7 @@ static void reply_ready(px_server *s, px_metrics *m, px_conn *c) {
     px_discovery_ready_json(s->ctx.gen->disc, &b);
     pthread_mutex_unlock(&s->ctx.gen_mu);
     px_buf_appends(&b, "}");
-    reply_json(m, c, PX_MEP_READY, ready ? 200 : 503, b.data, b.len);
+    reply_json(m, c, PX_EP_READY, ready ? 200 : 503, b.data, b.len);
     px_buf_cleanup(&b);
     px_buf_cleanup(&pools);
     px_gen_release(g);
@@ -205,9 +205,9 @@ static void reply_models(px_server *s, px_metrics *m, px_conn *c, const char *id
     if (id && !found) {
         px_buf_reset(&b);
         px_req_model_not_found(&b, id, idlen);
-        reply_json(m, c, PX_MEP_MODELS, 404, b.data, b.len);
+        reply_json(m, c, PX_EP_MODELS, 404, b.data, b.len);
     } else {
-        reply_json(m, c, PX_MEP_MODELS, 200, b.data, b.len);
+        reply_json(m, c, PX_EP_MODELS, 200, b.data, b.len);
     }
     px_buf_cleanup(&b);
 }
@@ -232,10 +232,10 @@ static int serve_local(px_server *s, px_metrics *m, px_conn *c, const px_http_he
     int ready = px_http_path_is(h, "/ready"), metrics = px_http_path_is(h, "/metrics");
     if (metrics && !metrics_here) return 0;
     if (!(healthcheck || health || ready || metrics)) return 0;
-    px_metric_endpoint mep = healthcheck ? PX_MEP_HEALTHCHECK
-                             : health    ? PX_MEP_HEALTH
-                             : ready     ? PX_MEP_READY
-                                         : PX_MEP_METRICS;
+    px_endpoint mep = healthcheck ? PX_EP_HEALTHCHECK
+                             : health    ? PX_EP_HEALTH
+                             : ready     ? PX_EP_READY
+                                         : PX_EP_METRICS;
     if (!is_get) {
         if (m) px_metrics_count(m, mep, 405);
         px_conn_reply_error(c, 405, NULL, "Allow: GET, HEAD\r\n", "method not allowed: use GET");
@@ -248,7 +248,7 @@ static int serve_local(px_server *s, px_metrics *m, px_conn *c, const px_http_he
     if (ready) {
         reply_ready(s, m, c);
     } else if (metrics) {
-        if (m) px_metrics_count(m, PX_MEP_METRICS, 200);
+        if (m) px_metrics_count(m, PX_EP_METRICS, 200);
         px_buf b;
         px_buf_init(&b);
         px_scrape_render(&s->ctx, &b);
@@ -256,7 +256,7 @@ static int serve_local(px_server *s, px_metrics *m, px_conn *c, const px_http_he
                       b.len);
         px_buf_cleanup(&b);
     } else if (health) {
-        reply_json(m, c, PX_MEP_HEALTH, 200, "{\"status\":\"ok\"}", 15);
+        reply_json(m, c, PX_EP_HEALTH, 200, "{\"status\":\"ok\"}", 15);
     } else {
         size_t pn = 0, dn = 0;
         px_gen *g = px_ctx_gen(&s->ctx);
@@ -272,7 +272,7 @@ static int serve_local(px_server *s, px_metrics *m, px_conn *c, const px_http_he
         int n = snprintf(json, sizeof json,
                          "{\"status\":\"ok\",\"prefill_instances\":%zu,\"decode_instances\":%zu}",
                          pn, dn);
-        reply_json(m, c, PX_MEP_HEALTHCHECK, 200, json, (size_t)n);
+        reply_json(m, c, PX_EP_HEALTHCHECK, 200, json, (size_t)n);
     }
     return 1;
 }
@@ -297,7 +297,7 @@ enum { M_GET = 1, M_POST = 2, M_OTHER = 4 }; /* M_OTHER: PUT, PATCH, DELETE */
 typedef struct api_route {
     const char *path; /* exact; NULL: every other passed-through path */
     px_endpoint ep;
-    px_metric_endpoint mep;
+    px_endpoint mep;
     const char *name; /* the access line's endpoint */
     int methods;      /* M_* */
     const char *allow;
@@ -305,19 +305,19 @@ typedef struct api_route {
 } api_route;
 
 static const api_route api_routes[] = {
-    {"/v1/completions", PX_EP_COMPLETIONS, PX_MEP_COMPLETIONS, "/v1/completions", M_POST,
+    {"/v1/completions", PX_EP_COMPLETIONS, PX_EP_COMPLETIONS, "/v1/completions", M_POST,
      "Allow: POST\r\n", "method not allowed: use POST"},
-    {"/v1/chat/completions", PX_EP_CHAT, PX_MEP_CHAT, "/v1/chat/completions", M_POST,
+    {"/v1/chat/completions", PX_EP_CHAT, PX_EP_CHAT, "/v1/chat/completions", M_POST,
      "Allow: POST\r\n", "method not allowed: use POST"},
-    {"/v1/models", PX_EP_MODELS, PX_MEP_MODELS, "/v1/models", M_GET, "Allow: GET\r\n",
+    {"/v1/models", PX_EP_MODELS, PX_EP_MODELS, "/v1/models", M_GET, "Allow: GET\r\n",
      "method not allowed: use GET"},
     /* The engine's other endpoints: /v1/messages disaggregated, the rest
      * (vLLM's /v1/responses included) passed to a decode as they are. */
-    {"/v1/messages", PX_EP_MESSAGES, PX_MEP_MESSAGES, "/v1/messages", M_POST, "Allow: POST\r\n",
+    {"/v1/messages", PX_EP_MESSAGES, PX_EP_MESSAGES, "/v1/messages", M_POST, "Allow: POST\r\n",
      "method not allowed"},
-    {"/v1/responses", PX_EP_RESPONSES, PX_MEP_RESPONSES, "/v1/responses", M_GET | M_POST | M_OTHER,
+    {"/v1/responses", PX_EP_RESPONSES, PX_EP_RESPONSES, "/v1/responses", M_GET | M_POST | M_OTHER,
      "Allow: GET, POST, PUT, PATCH, DELETE\r\n", "method not allowed"},
-    {NULL, PX_EP_PASSTHROUGH, PX_MEP_PASSTHROUGH, "passthrough", M_GET | M_POST | M_OTHER,
+    {NULL, PX_EP_PASSTHROUGH, PX_EP_PASSTHROUGH, "passthrough", M_GET | M_POST | M_OTHER,
      "Allow: GET, POST, PUT, PATCH, DELETE\r\n", "method not allowed"},
 };
 
@@ -367,10 +367,10 @@ static void dispatch(void *ctx, px_conn *c, const px_http_head *h, px_buf *body)
     px_http_path(h, &path, &plen);
     if (plen > 11 && !memcmp(path, "/v1/models/", 11) && models_local(s)) {
         if (method_of(h) != M_GET) {
-            reply_method(&w->wc.metrics, PX_MEP_MODELS, c, h, NULL, "Allow: GET\r\n",
+            reply_method(&w->wc.metrics, PX_EP_MODELS, c, h, NULL, "Allow: GET\r\n",
                          "method not allowed: use GET");
         } else if (!px_ctx_authorized(&s->ctx, h)) {
-            reply_unauthorized(&w->wc.metrics, PX_MEP_MODELS, c, h, NULL);
+            reply_unauthorized(&w->wc.metrics, PX_EP_MODELS, c, h, NULL);
         } else {
             /* Ids may hold '/' as is or as %2F (meta-llama%2FLlama-3.1-8B). */
             char id[512];
@@ -380,11 +380,11 @@ static void dispatch(void *ctx, px_conn *c, const px_http_head *h, px_buf *body)
         return;
     }
     if (serve_local(s, &w->wc.metrics, c, h, s->ctx.cfg->metrics_port == 0)) return;
-    if (px_req_passthrough_path(path, plen)) {
+    if (px_endpoint_passthrough_path(path, plen)) {
         serve_api(w, &api_routes[nroutes - 1], c, h, body);
         return;
     }
-    px_metrics_count(&w->wc.metrics, PX_MEP_OTHER, 404);
+    px_metrics_count(&w->wc.metrics, PX_EP_OTHER, 404);
     px_req_log_refused(h, "other", 404);
     not_found(c, h);
 }

@@ -4,18 +4,25 @@
 #
 #   tools/call_graph.sh [OBJDIR]     default: build/connector/CMakeFiles/kvc_objs.dir
 #   tools/call_graph.sh --circles [OBJDIR]
+#   tools/call_graph.sh --no-circles [OBJDIR]
 #
 # A file calls into another when its object leaves a symbol undefined that
 # the other defines (nm).  Build first; any CMake object directory works,
 # e.g. build/proxy/CMakeFiles/pxcore.dir.  A circle of two (x.c and y.c
 # calling each other) is a close pair; a wider one means the files do not
-# stack in layers.  Exits 1 when a circle has more than two files.
+# stack in layers.  Exits 1 when a circle has more than two files; with
+# --no-circles, when there is any circle at all.
 set -eu
 
 cd "$(dirname "$0")/.."
 only_circles=0
+max_size=2
 if [ "${1:-}" = "--circles" ]; then
     only_circles=1
+    shift
+elif [ "${1:-}" = "--no-circles" ]; then
+    only_circles=1
+    max_size=1
     shift
 fi
 dir=${1:-build/connector/CMakeFiles/kvc_objs.dir}
@@ -49,7 +56,7 @@ fi
 
 circles=$(awk -f tools/cycles.awk "$tmp" | sed 's/^cycle:/circle:/')
 n=$(echo "$circles" | grep -c '^circle:' || true)
-wide=$(echo "$circles" | awk 'NF > 3' | grep -c . || true)
-echo "# circles: $n (wider than two files: $wide)"
+wide=$(echo "$circles" | awk -v m="$max_size" 'NF > m + 1' | grep -c . || true)
+echo "# circles: $n (wider than $max_size file(s): $wide)"
 [ "$n" = 0 ] || echo "$circles"
 [ "$wide" = 0 ]

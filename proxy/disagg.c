@@ -1,0 +1,207 @@
+#include "disagg.h"
+
+#include <stdlib.h>
+
+#include "hash.h"
+#include "json.h"
+
+/* ---------- the decision ---------- */
+
+/* The member holding the prompt. */
+static const char *prompt_member(px_endpoint ep) {
+    return ep == PX_EP_COMPLETIONS ? "prompt" : "messages";
+}
+
+/* Tokens of a prompt given as token ids ([1,2,3]): exact. -1 when the
+ * value is anything else (text, a batch of prompts). */
+static long token_ids(const char *v, size_t n) {
+    size_t i = 1;
+    if (!n || v[0] != '[') return -1;
+    while (i < n && (v[i] == ' ' || v[i] == '\n' || v[i] == '\t' || v[i] == '\r'))
+        i++;
+    if (i >= n || !(v[i] == '-' || (v[i] >= '0' && v[i] <= '9'))) return -1;
+    long k = 1;
+    for (; i < n; i++) {
+        if (v[i] == '[' || v[i] == '{' || v[i] == '"') return -1;
+        k += v[i] == ',';
+    }
+    return k;
+}
+
+/* The prompt's length in tokens: exact for token ids, else estimated from
+ * its bytes. */
+static double prompt_tokens(const px_config *cfg, px_endpoint ep, const char *body, size_t len,
+                            const char *p, size_t n) {
+    double bpt = cfg->disagg_bytes_per_token;
+    long ids = ep == PX_EP_COMPLETIONS ? token_ids(p, n) : -1;
+    double total = ids >= 0 ? (double)ids : (double)n / bpt;
+    /* Anthropic's system prompt is a member of its own. */
+    px_json_member sys;
+    if (ep == PX_EP_MESSAGES && px_json_find(body, len, "system", &sys))
+        total += (double)sys.val_len / bpt;
+    return total;
+}
+
+/* How many of the prompt's `total` tokens the decode holds, by the share
+ * of its bytes the prefix index lists for it. An index that knows tokens
+ * (the engines' KV events) answers this exactly instead. */
+static double cached_tokens(px_pindex *index, const uint64_t *decode_key, const char *p, size_t n,
+                            double total, px_disagg *out) {
+    if (n < PX_PINDEX_BLOCK_BYTES || !index) return 0;
+    size_t max = n / PX_PINDEX_BLOCK_BYTES;
+    if (max > PX_PINDEX_MAX_BLOCKS) max = PX_PINDEX_MAX_BLOCKS;
+    out->hash = px_xmalloc(max * sizeof *out->hash);
+    out->nhash = px_pindex_hashes(p, n, out->hash, max);
+    if (!decode_key) return 0;
+    size_t matched = px_pindex_match(index, *decode_key, out->hash, out->nhash);
+    return total * (double)(matched * PX_PINDEX_BLOCK_BYTES) / (double)n;
+}
+
+void px_disagg_decide(const px_config *cfg, px_endpoint ep, const char *body, size_t len,
+                      px_pindex *index, const uint64_t *decode_key, px_disagg *out) {
+    *out = (px_disagg){.decision = PX_DEC_ALWAYS, .disagg = 1};
+    if (cfg->disagg_min_tokens <= 0) return;
+    px_json_member m;
+    const char *p = "";
+    size_t n = 0;
+    if (px_json_find(body, len, prompt_member(ep), &m)) {
+        p = m.val;
+        n = m.val_len;
+    }
+    double total = prompt_tokens(cfg, ep, body, len, p, n);
+    double cached = cached_tokens(index, decode_key, p, n, total, out);
+    out->estimated = 1;
+    out->tokens = (long)(total + 0.5);
+    out->uncached = (long)(total - cached + 0.5);
+    if (out->uncached >= cfg->disagg_min_tokens) {
+        out->decision = PX_DEC_LONG_PROMPT;
+        return;
+    }
+    out->disagg = 0;
+    out->decision =
+        out->tokens < cfg->disagg_min_tokens ? PX_DEC_SHORT_PROMPT : PX_DEC_CACHED_PREFIX;
+}
+
+int px_disagg_key(px_endpoint ep, const char *body, size_t len, size_t max, const char **key,
+                  size_t *key_len) {
+    px_json_member m;
+    if (!px_json_find(body, len, prompt_member(ep), &m)) return 0;
+    *key = m.val;
+    *key_len = m.val_len < max ? m.val_len : max;
+    return 1;
+}
+
+/* ---------- prefix index ---------- */
+
+/* Entries live in one array; `lru` threads them from most (head) to least
+ * (tail) recently used, and each bucket of the hash table is a singly
+ * linked chain through `chain`. Index 0 is the list's sentinel, so links
+ * are 32-bit indexes and 0 means "none". */
+typedef struct pix_entry {
+    uint64_t key;
+    uint32_t prev, next; /* LRU list */
+    uint32_t chain;      /* next entry in the same bucket */
+} pix_entry;
+
+struct px_pindex {
+    pix_entry *e; /* owned: [0] is the sentinel */
+    uint32_t *bucket;
+    size_t cap, n, nbuckets;
+};
+
+px_pindex *px_pindex_create(size_t capacity) {
+    if (capacity < 1) capacity = 1;
+    if (capacity > 0x7fffffff) capacity = 0x7fffffff;
+    px_pindex *x = px_xcalloc(1, sizeof *x);
+    x->cap = capacity;
+    x->e = px_xcalloc(capacity + 1, sizeof *x->e);
+    x->nbuckets = 1;
+    while (x->nbuckets < capacity)
+        x->nbuckets <<= 1;
+    x->bucket = px_xcalloc(x->nbuckets, sizeof *x->bucket);
+    return x;
+}
+
+void px_pindex_destroy(px_pindex *x) {
+    if (!x) return;
+    free(x->e);
+    free(x->bucket);
+    free(x);
+}
+
+size_t px_pindex_hashes(const void *p, size_t n, uint64_t *out, size_t max) {
+    const unsigned char *s = p;
+    uint64_t h = 0;
+    size_t k = 0;
+    for (; k < max && (k + 1) * PX_PINDEX_BLOCK_BYTES <= n; k++) {
+        h = px_mix64(h * 0x9e3779b97f4a7c15ull ^
+                     px_hash64(s + k * PX_PINDEX_BLOCK_BYTES, PX_PINDEX_BLOCK_BYTES));
+        out[k] = h;
+    }
+    return k;
+}
+
+static uint64_t pix_key(uint64_t backend_key, uint64_t h) {
+    uint64_t k = px_mix64(backend_key ^ px_mix64(h));
+    return k ? k : 1;
+}
+
+static uint32_t *pix_slot(px_pindex *x, uint64_t key) {
+    return &x->bucket[key & (x->nbuckets - 1)];
+}
+
+static void pix_unlink(px_pindex *x, uint32_t i) {
+    x->e[x->e[i].prev].next = x->e[i].next;
+    x->e[x->e[i].next].prev = x->e[i].prev;
+}
+
+static void pix_push_front(px_pindex *x, uint32_t i) {
+    x->e[i].prev = 0;
+    x->e[i].next = x->e[0].next;
+    x->e[x->e[0].next].prev = i;
+    x->e[0].next = i;
+}
+
+static uint32_t pix_find(px_pindex *x, uint64_t key) {
+    for (uint32_t i = *pix_slot(x, key); i; i = x->e[i].chain)
+        if (x->e[i].key == key) return i;
+    return 0;
+}
+
+size_t px_pindex_match(px_pindex *x, uint64_t backend_key, const uint64_t *hashes, size_t n) {
+    size_t k = 0;
+    for (; k < n; k++) {
+        uint32_t i = pix_find(x, pix_key(backend_key, hashes[k]));
+        if (!i) break;
+        pix_unlink(x, i);
+        pix_push_front(x, i);
+    }
+    return k;
+}
+
+void px_pindex_add(px_pindex *x, uint64_t backend_key, const uint64_t *hashes, size_t n) {
+    for (size_t k = 0; k < n; k++) {
+        uint64_t key = pix_key(backend_key, hashes[k]);
+        uint32_t i = pix_find(x, key);
+        if (i) {
+            pix_unlink(x, i);
+        } else {
+            if (x->n < x->cap) {
+                i = (uint32_t)++x->n;
+            } else {
+                /* Evict the least recently used: off the list and its chain. */
+                i = x->e[0].prev;
+                pix_unlink(x, i);
+                uint32_t *pp = pix_slot(x, x->e[i].key);
+                while (*pp != i)
+                    pp = &x->e[*pp].chain;
+                *pp = x->e[i].chain;
+            }
+            x->e[i].key = key;
+            uint32_t *slot = pix_slot(x, key);
+            x->e[i].chain = *slot;
+            *slot = i;
+        }
+        pix_push_front(x, i);
+    }
+}

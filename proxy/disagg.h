@@ -1,0 +1,79 @@
+/* Conditional disaggregation: whether a request goes through a prefill
+ * or to decode alone, decided from its body before any backend sees it.
+ * Pure but for the prefix index, which belongs to the calling worker. */
+#ifndef PX_DISAGG_H
+#define PX_DISAGG_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "config.h"
+#include "endpoint.h"
+#include "metrics.h"
+
+/* ---------- the prefix index ----------
+ *
+ * Which prompt prefixes a decode instance has served recently, so the proxy
+ * can tell how much of a new prompt that instance probably holds in its
+ * prefix cache. A prompt's bytes are cut into PX_PINDEX_BLOCK_BYTES pieces
+ * and each piece gets a chained hash (px_hash64 of the piece, mixed with the
+ * hash of everything before it), so a hash stands for a whole prefix. The
+ * index keeps (backend, prefix hash) entries up to a fixed capacity and
+ * evicts the least recently used. It is approximate: an engine may have
+ * evicted what the index still lists, and the index forgets what other
+ * proxies' workers sent. One index per worker thread: no locks. */
+#define PX_PINDEX_BLOCK_BYTES 128
+/* Most blocks of one prompt that are hashed (512 KiB); the rest counts as
+ * uncached. */
+#define PX_PINDEX_MAX_BLOCKS 4096
+
+typedef struct px_pindex px_pindex;
+
+/* An index of at most `capacity` entries (>= 1). Never NULL. */
+px_pindex *px_pindex_create(size_t capacity);
+/* NULL is a no-op. */
+void px_pindex_destroy(px_pindex *x);
+/* Writes the chained hashes of the whole blocks of p[0..n) to out (at most
+ * max) and returns how many. A trailing partial block is not hashed. */
+size_t px_pindex_hashes(const void *p, size_t n, uint64_t *out, size_t max);
+/* How many of hashes[0..n), from the first, backend `backend_key` (its
+ * key_hash) is listed with; the entries found become the most recent. */
+size_t px_pindex_match(px_pindex *x, uint64_t backend_key, const uint64_t *hashes, size_t n);
+/* Lists hashes[0..n) for the backend (most recent), evicting the least
+ * recently used entries beyond the capacity. */
+void px_pindex_add(px_pindex *x, uint64_t backend_key, const uint64_t *hashes, size_t n);
+
+/* ---------- the decision ---------- */
+
+typedef struct px_disagg {
+    px_decision decision;
+    int disagg;     /* 1: prefill, then decode; 0: decode alone */
+    int estimated;  /* tokens and uncached are set */
+    long tokens;    /* the prompt's length in tokens */
+    long uncached;  /* how much of it the decode lacks */
+    uint64_t *hash; /* owned by the caller (free): the prompt's prefix hashes, to list
+                     * for the decode once it has the request (px_pindex_add); or NULL */
+    size_t nhash;
+} px_disagg;
+
+/* Decides for a request to `ep` with the JSON object body[0..len): decode
+ * alone when what the decode lacks of the prompt is under
+ * --disagg-min-tokens (always disaggregated when that is 0). The prompt's
+ * tokens are exact for a prompt of token ids, else its bytes as the body
+ * spells them (the prompt, or the messages with their JSON around the
+ * text, standing in for the chat template's tokens) over
+ * --disagg-bytes-per-token. The cached part is what `index` lists for the
+ * decode whose key_hash is *decode_key, in whole PX_PINDEX_BLOCK_BYTES
+ * pieces. `index` NULL or `decode_key` NULL (no decode chosen): nothing
+ * counts as cached. */
+void px_disagg_decide(const px_config *cfg, px_endpoint ep, const char *body, size_t len,
+                      px_pindex *index, const uint64_t *decode_key, px_disagg *out);
+
+/* The bytes prefix_affinity hashes: the first `max` bytes of the prompt, or
+ * of the messages, as the client spelled them (identical requests,
+ * identical keys, in every replica). Returns 1 with the span in body, or
+ * 0 when the body has neither. */
+int px_disagg_key(px_endpoint ep, const char *body, size_t len, size_t max, const char **key,
+                  size_t *key_len);
+
+#endif
