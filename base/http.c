@@ -429,10 +429,17 @@ const char *px_http_reason(int status) {
 }
 
 int px_http_hop_by_hop(const px_http_header *x) {
-    static const char *const names[] = {"host",       "content-length",      "transfer-encoding",
-                                        "connection", "keep-alive",          "proxy-connection",
-                                        "expect",     "proxy-authorization", "te",
-                                        "trailer",    "upgrade"};
+    static const char *const names[] = {"host",
+                                        "content-length",
+                                        "transfer-encoding",
+                                        "connection",
+                                        "keep-alive",
+                                        "proxy-connection",
+                                        "expect",
+                                        "proxy-authorization",
+                                        "te",
+                                        "trailer",
+                                        "upgrade"};
     for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
         if (px_http_token_eq(x->name, x->name_len, names[i])) return 1;
     return 0;

@@ -346,14 +346,7 @@ int px_admin_start(const px_admin_host *host, const px_config *cfg, px_admin **o
         free(a);
         return -1;
     }
-    a->ccfg = (px_conn_cfg){
-        .max_body_bytes = 65536,
-        .header_timeout = cfg->client_header_timeout,
-        .keepalive_timeout = cfg->keepalive_timeout,
-        .send_timeout = cfg->send_timeout,
-        .dispatch = dispatch,
-        .ctx = a,
-    };
+    a->ccfg = px_ctx_control_conn_cfg(cfg, dispatch, a);
     a->lev = px_listen(host->base, cfg->admin_host, (int)cfg->admin_port, 0, "--admin-port",
                        &a->ccfg, &a->conns, err, errlen);
     if (!a->lev) {

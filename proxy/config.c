@@ -36,7 +36,12 @@ typedef struct opt {
     double min, max; /* bounds for numbers */
     const char *help;
     const char *choices; /* CT_ENUM: "a|b|c" */
+    int reloads;         /* RELOADS: a reload applies it (it makes the generation of pools);
+                          * AT_START: read at start only */
 } opt;
+
+#define RELOADS 1
+#define AT_START 0
 
 #define OFF(f) offsetof(px_config, f)
 
@@ -45,147 +50,159 @@ static const opt opts[] = {
      "YAML file of settings, keys named as the flags (pools: a list of name, models, prefill, "
      "decode, prefill-policy, decode-policy); the environment and flags win over it; SIGHUP "
      "and POST /admin/reload read it again",
-     NULL},
-    {"host", NULL, CT_STR, OFF(host), "127.0.0.1", 0, 0, "address to listen on", NULL},
-    {"port", NULL, CT_INT, OFF(port), "8000", 1, 65535, "port to listen on", NULL},
+     NULL, RELOADS},
+    {"host", NULL, CT_STR, OFF(host), "127.0.0.1", 0, 0, "address to listen on", NULL, AT_START},
+    {"port", NULL, CT_INT, OFF(port), "8000", 1, 65535, "port to listen on", NULL, AT_START},
     {"prefiller-hosts", "prefiller-host", CT_LIST, OFF(prefiller_hosts), "localhost", 0, 0,
-     "prefill instance hosts (one or more; toy-proxy form)", NULL},
+     "prefill instance hosts (one or more; toy-proxy form)", NULL, RELOADS},
     {"prefiller-ports", "prefiller-port", CT_LIST, OFF(prefiller_ports), "8100", 1, 65535,
-     "prefill instance ports, one per host", NULL},
+     "prefill instance ports, one per host", NULL, RELOADS},
     {"decoder-hosts", "decoder-host", CT_LIST, OFF(decoder_hosts), "localhost", 0, 0,
-     "decode instance hosts (one or more; toy-proxy form)", NULL},
+     "decode instance hosts (one or more; toy-proxy form)", NULL, RELOADS},
     {"decoder-ports", "decoder-port", CT_LIST, OFF(decoder_ports), "8200", 1, 65535,
-     "decode instance ports, one per host", NULL},
+     "decode instance ports, one per host", NULL, RELOADS},
     {"prefill", NULL, CT_URLS, OFF(prefill_urls), "", 0, 0,
      "prefill backend URL http[s]://host:port, repeatable; a host name is re-resolved every "
      "--dns-refresh and each address is a backend (replaces the toy flags' defaults)",
-     NULL},
+     NULL, RELOADS},
     {"decode", NULL, CT_URLS, OFF(decode_urls), "", 0, 0,
-     "decode backend URL, repeatable, as --prefill", NULL},
+     "decode backend URL, repeatable, as --prefill", NULL, RELOADS},
     {"pool", NULL, CT_POOL, 0, "", 0, 0,
      "starts a model pool NAME[=MODEL,MODEL...] (models default to NAME): the --prefill and "
      "--decode after it are its backends, and requests whose body names one of its models go "
      "to it (flag and file only; without any pool one unnamed pool serves every model)",
-     NULL},
+     NULL, RELOADS},
     {"dns-refresh", NULL, CT_SECONDS, OFF(dns_refresh), "10", 0.1, 86400,
-     "seconds between DNS re-resolutions of backend names", NULL},
+     "seconds between DNS re-resolutions of backend names", NULL, RELOADS},
     {"threads", NULL, CT_INT, OFF(threads), "0", 0, 1024,
-     "worker threads, each with its own event loop (0: one per CPU)", NULL},
+     "worker threads, each with its own event loop (0: one per CPU)", NULL, AT_START},
     {"max-body-bytes", NULL, CT_INT, OFF(max_body_bytes), "33554432", 1, 1099511627776.0,
-     "largest request body accepted (413 beyond)", NULL},
+     "largest request body accepted (413 beyond)", NULL, AT_START},
     {"max-inflight", NULL, CT_INT, OFF(max_inflight), "0", 0, 100000000,
-     "most requests in flight at once; beyond, 503 with Retry-After (0: unlimited)", NULL},
+     "most requests in flight at once; beyond, 503 with Retry-After (0: unlimited)", NULL,
+     AT_START},
     {"connect-timeout", NULL, CT_SECONDS, OFF(connect_timeout), "5", 0.001, 3600,
-     "seconds to wait for an upstream TCP connection (504 beyond)", NULL},
+     "seconds to wait for an upstream TCP connection (504 beyond)", NULL, AT_START},
     {"prefill-timeout", NULL, CT_SECONDS, OFF(prefill_timeout), "600", 0, 86400,
-     "seconds a prefill request may take in all (504 beyond; 0: no limit)", NULL},
+     "seconds a prefill request may take in all (504 beyond; 0: no limit)", NULL, AT_START},
     {"decode-idle-timeout", NULL, CT_SECONDS, OFF(decode_idle_timeout), "600", 0, 86400,
-     "seconds without a byte from decode before the request is failed (0: no limit)", NULL},
+     "seconds without a byte from decode before the request is failed (0: no limit)", NULL,
+     AT_START},
     {"client-header-timeout", NULL, CT_SECONDS, OFF(client_header_timeout), "30", 0.001, 3600,
-     "seconds a client has to send a complete request (408 beyond)", NULL},
+     "seconds a client has to send a complete request (408 beyond)", NULL, AT_START},
     {"keepalive-timeout", NULL, CT_SECONDS, OFF(keepalive_timeout), "75", 0.001, 86400,
-     "seconds an idle client connection is kept open", NULL},
+     "seconds an idle client connection is kept open", NULL, AT_START},
     {"upstream-keepalive", NULL, CT_INT, OFF(upstream_keepalive), "256", 1, 65536,
      "idle keep-alive connections kept per backend address and worker thread (idle ones "
      "close after 4 s, before the backends' own keep-alive timeouts)",
-     NULL},
+     NULL, AT_START},
     {"send-timeout", NULL, CT_SECONDS, OFF(send_timeout), "30", 0, 86400,
      "seconds a client may read none of the output queued for it before it is closed (0: no "
      "limit)",
-     NULL},
+     NULL, AT_START},
     {"max-buffered-bytes", NULL, CT_INT, OFF(max_buffered_bytes), "268435456", 0, 1099511627776.0,
      "process-wide budget for request bodies held and responses queued; new bodies beyond it "
      "get 503 with Retry-After (0: no budget)",
-     NULL},
+     NULL, AT_START},
     {"max-connections", NULL, CT_INT, OFF(max_connections), "0", 0, 100000000,
      "most client connections open at once; past it a connection is answered 503 and closed "
      "(0: no limit but the descriptor limit)",
-     NULL},
+     NULL, AT_START},
     {"reuse-port", NULL, CT_FLAG, OFF(reuse_port), "false", 0, 0,
      "share the port with other processes (SO_REUSEPORT); without it a port already served is "
      "an error",
-     NULL},
+     NULL, AT_START},
     {"metrics-host", NULL, CT_STR, OFF(metrics_host), "", 0, 0,
-     "address of the separate metrics listener (default: --host)", NULL},
+     "address of the separate metrics listener (default: --host)", NULL, AT_START},
     {"metrics-port", NULL, CT_INT, OFF(metrics_port), "0", 0, 65535,
      "serve /metrics (with /health and /ready) on this port only, not on --port (0: on --port)",
-     NULL},
+     NULL, AT_START},
     {"metrics-auth", NULL, CT_FLAG, OFF(metrics_auth), "false", 0, 0,
      "/metrics on --port requires the API key like the API (probes /health, /ready stay open)",
-     NULL},
+     NULL, AT_START},
     {"health-interval", NULL, CT_SECONDS, OFF(health_interval), "5", 0, 3600,
-     "seconds between active health checks, GET /health (0: none)", NULL},
+     "seconds between active health checks, GET /health (0: none)", NULL, AT_START},
     {"health-timeout", NULL, CT_SECONDS, OFF(health_timeout), "2", 0.001, 600,
-     "seconds a health check may take", NULL},
+     "seconds a health check may take", NULL, AT_START},
     {"unhealthy-after", NULL, CT_INT, OFF(unhealthy_after), "3", 1, 1000,
-     "consecutive failures (checks, connect errors, resets, 5xx) that eject a backend", NULL},
+     "consecutive failures (checks, connect errors, resets, 5xx) that eject a backend", NULL,
+     RELOADS},
     {"healthy-after", NULL, CT_INT, OFF(healthy_after), "2", 1, 1000,
-     "consecutive successful checks that readmit an ejected backend", NULL},
+     "consecutive successful checks that readmit an ejected backend", NULL, RELOADS},
     {"prefill-retries", NULL, CT_INT, OFF(prefill_retries), "2", 0, 100,
-     "retries of a prefill refused, reset or answering 5xx, each on another instance", NULL},
+     "retries of a prefill refused, reset or answering 5xx, each on another instance", NULL,
+     AT_START},
     {"fallback-decode-only", NULL, CT_FLAG, OFF(fallback_decode_only), "false", 0, 0,
      "send a request to decode alone when no prefill is healthy (else 503) or when its prefill "
      "failed with 5xx or a connection error, retries spent (else 502)",
-     NULL},
+     NULL, AT_START},
     {"prefill-policy", NULL, CT_ENUM, OFF(prefill_policy), "round_robin", 0, 0,
-     "how to choose a prefill instance", PX_POLICIES},
+     "how to choose a prefill instance", PX_POLICIES, RELOADS},
     {"decode-policy", NULL, CT_ENUM, OFF(decode_policy), "round_robin", 0, 0,
-     "how to choose a decode instance", PX_POLICIES},
+     "how to choose a decode instance", PX_POLICIES, RELOADS},
     {"prefix-bytes", NULL, CT_INT, OFF(prefix_bytes), "256", 1, 1048576,
-     "prefix_affinity: bytes of the prompt (or first chat messages) that are hashed", NULL},
+     "prefix_affinity: bytes of the prompt (or first chat messages) that are hashed", NULL,
+     RELOADS},
     {"prefix-load-factor", NULL, CT_SECONDS, OFF(prefix_load_factor), "1.25", 1, 100,
-     "prefix_affinity: an instance takes at most this times the mean in-flight load", NULL},
+     "prefix_affinity: an instance takes at most this times the mean in-flight load", NULL,
+     RELOADS},
     {"metrics-interval", NULL, CT_SECONDS, OFF(metrics_interval), "2", 0.05, 3600,
-     "load_aware: seconds between scrapes of each engine's /metrics", NULL},
+     "load_aware: seconds between scrapes of each engine's /metrics", NULL, AT_START},
     /* Per-request decisions: conditional disaggregation and usage. */
     {"disagg-min-tokens", NULL, CT_INT, OFF(disagg_min_tokens), "0", 0, 100000000,
      "send a request straight to decode when its estimated uncached prompt is shorter than this "
      "many tokens (0: always disaggregate)",
-     NULL},
+     NULL, AT_START},
     {"disagg-bytes-per-token", NULL, CT_SECONDS, OFF(disagg_bytes_per_token), "4", 0.5, 64,
-     "prompt bytes (as the JSON body spells them) per token in the prompt length estimate", NULL},
+     "prompt bytes (as the JSON body spells them) per token in the prompt length estimate", NULL,
+     AT_START},
     {"disagg-index-blocks", NULL, CT_INT, OFF(disagg_index_blocks), "65536", 1, 16777216,
      "entries of each worker's LRU index of prompt prefixes recently sent to each decode "
      "instance (one entry per 128 prompt bytes)",
-     NULL},
+     NULL, AT_START},
     {"usage-from", NULL, CT_ENUM, OFF(usage_from), "prefill", 0, 0,
      "whose prompt_tokens_details.cached_tokens a disaggregated answer's usage reports: "
      "prefill's (what was computed from cache) or decode's (as the engine says)",
-     "prefill|decode"},
+     "prefill|decode", AT_START},
     {"drain-delay", NULL, CT_SECONDS, OFF(drain_delay), "5", 0, 3600,
-     "on SIGTERM, seconds /ready answers 503 before new connections stop", NULL},
+     "on SIGTERM, seconds /ready answers 503 before new connections stop", NULL, AT_START},
     {"drain-timeout", NULL, CT_SECONDS, OFF(drain_timeout), "60", 0, 86400,
-     "on SIGTERM, seconds in-flight requests get to finish", NULL},
-    {"tls-cert", NULL, CT_STR, OFF(tls_cert), "", 0, 0, "PEM certificate chain: serve HTTPS", NULL},
-    {"tls-key", NULL, CT_STR, OFF(tls_key), "", 0, 0, "PEM private key for --tls-cert", NULL},
+     "on SIGTERM, seconds in-flight requests get to finish", NULL, AT_START},
+    {"tls-cert", NULL, CT_STR, OFF(tls_cert), "", 0, 0, "PEM certificate chain: serve HTTPS", NULL,
+     AT_START},
+    {"tls-key", NULL, CT_STR, OFF(tls_key), "", 0, 0, "PEM private key for --tls-cert", NULL,
+     AT_START},
     {"upstream-ca", NULL, CT_STR, OFF(upstream_ca), "", 0, 0,
-     "PEM CA bundle to verify https:// backends (default: the system store)", NULL},
+     "PEM CA bundle to verify https:// backends (default: the system store)", NULL, AT_START},
     {"upstream-insecure", NULL, CT_FLAG, OFF(upstream_insecure), "false", 0, 0,
-     "do not verify https:// backends' certificates", NULL},
+     "do not verify https:// backends' certificates", NULL, AT_START},
     {"api-key", NULL, CT_SECRET, OFF(api_key), "", 0, 0,
-     "clients must send Authorization: Bearer <key> (401 otherwise)", NULL},
+     "clients must send Authorization: Bearer <key> (401 otherwise)", NULL, AT_START},
     {"api-key-file", NULL, CT_STR, OFF(api_key_file), "", 0, 0,
-     "file of accepted API keys, one per line", NULL},
+     "file of accepted API keys, one per line", NULL, AT_START},
     {"upstream-api-key", NULL, CT_SECRET, OFF(upstream_api_key), "", 0, 0,
-     "key sent to engines as Bearer (else the client's Authorization, else $OPENAI_API_KEY)", NULL},
+     "key sent to engines as Bearer (else the client's Authorization, else $OPENAI_API_KEY)", NULL,
+     AT_START},
     {"log-level", NULL, CT_ENUM, OFF(log_level), "info", 0, 0, "log verbosity",
-     "debug|info|warn|error"},
-    {"log-format", NULL, CT_ENUM, OFF(log_format), "logfmt", 0, 0, "log line format",
-     "logfmt|json"},
+     "debug|info|warn|error", AT_START},
+    {"log-format", NULL, CT_ENUM, OFF(log_format), "logfmt", 0, 0, "log line format", "logfmt|json",
+     AT_START},
     {"admin-host", NULL, CT_STR, OFF(admin_host), "127.0.0.1", 0, 0,
-     "address of the admin API listener", NULL},
+     "address of the admin API listener", NULL, AT_START},
     {"admin-port", NULL, CT_INT, OFF(admin_port), "0", 0, 65535,
-     "serve the admin API (/admin/...) on this port (0: off); needs --admin-token-file", NULL},
+     "serve the admin API (/admin/...) on this port (0: off); needs --admin-token-file", NULL,
+     AT_START},
     {"admin-token-file", NULL, CT_STR, OFF(admin_token_file), "", 0, 0,
-     "file holding the admin API's bearer token (never the client API key)", NULL},
+     "file holding the admin API's bearer token (never the client API key)", NULL, AT_START},
     {"prefiller-from-header", NULL, CT_FLAG, OFF(prefiller_from_header), "false", 0, 0,
      "sidecar mode: prefill on the instance named by the request's x-prefiller-host-port "
      "header when its host is in --prefiller-allowlist (400 otherwise)",
-     NULL},
+     NULL, AT_START},
     {"prefiller-allowlist", NULL, CT_WORDS, OFF(prefiller_allowlist), "", 0, 0,
-     "CIDRs and host names x-prefiller-host-port may name (comma or space separated)", NULL},
+     "CIDRs and host names x-prefiller-host-port may name (comma or space separated)", NULL,
+     AT_START},
     {"print-config", NULL, CT_FLAG, OFF(print_config), "false", 0, 0,
-     "print the effective configuration as YAML (a --config file) and exit", NULL},
+     "print the effective configuration as YAML (a --config file) and exit", NULL, AT_START},
 };
 #define NOPTS (sizeof opts / sizeof *opts)
 _Static_assert(NOPTS <= sizeof(((px_config *)0)->set), "grow px_config.set");
@@ -1101,15 +1118,12 @@ static void value_text(const px_config *c, const opt *o, FILE *f) {
     }
 }
 
-void px_config_changed(const px_config *a, const px_config *b, const char *const *skip, char *out,
-                       size_t cap) {
+void px_config_changed(const px_config *a, const px_config *b, char *out, size_t cap) {
     size_t len = 0;
     out[0] = '\0';
     for (size_t i = 0; i < NOPTS; i++) {
         const opt *o = &opts[i];
-        int skipped = o->type == CT_POOL;
-        for (const char *const *k = skip; *k && !skipped; k++)
-            skipped = !strcmp(*k, o->name);
+        int skipped = o->type == CT_POOL || o->reloads;
         if (skipped) continue;
         char *ta = NULL, *tb = NULL;
         size_t la = 0, lb = 0;

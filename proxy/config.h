@@ -135,10 +135,9 @@ void px_strlist_clear(px_strlist *l);
 int px_host_allowed(const px_strlist *allow, const char *host);
 
 /* Writes to out the comma-separated names of the settings whose values
- * differ between a and b, except those named in `skip` (NULL-terminated)
- * and the pools. */
-void px_config_changed(const px_config *a, const px_config *b, const char *const *skip, char *out,
-                       size_t cap);
+ * differ between a and b and that a reload does not apply (the option
+ * table's reload column says which it does; the pools it always does). */
+void px_config_changed(const px_config *a, const px_config *b, char *out, size_t cap);
 
 /* Index of pool spec serving `model` (n bytes), or -1. */
 int px_config_pool_for(const px_config *c, const char *model, size_t n);

@@ -137,3 +137,17 @@ void px_ctx_cleanup(px_ctx *c) {
     free(c->workers);
     pthread_mutex_destroy(&c->gen_mu);
 }
+
+px_conn_cfg px_ctx_control_conn_cfg(const px_config *cfg,
+                                    void (*dispatch)(void *arg, px_conn *c, const px_http_head *h,
+                                                     px_buf *body),
+                                    void *arg) {
+    return (px_conn_cfg){
+        .max_body_bytes = 65536,
+        .header_timeout = cfg->client_header_timeout,
+        .keepalive_timeout = cfg->keepalive_timeout,
+        .send_timeout = cfg->send_timeout,
+        .dispatch = dispatch,
+        .ctx = arg,
+    };
+}

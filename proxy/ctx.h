@@ -67,6 +67,7 @@ typedef struct px_ctx {
     unsigned char (*api_keys)[32]; /* owned: SHA-256 of each accepted client key */
     size_t napi_keys;
     atomic_long inflight;  /* P/D requests in flight, all workers */
+    atomic_int draining;   /* SIGTERM: readiness says no */
     px_conn_shared shared; /* memory budget and connection cap, all workers */
     px_wctx **workers;     /* owned array of borrowed pointers: each worker's context */
     int nworkers;
@@ -75,7 +76,7 @@ typedef struct px_ctx {
 /* What one worker thread owns for its requests; only that thread touches
  * it (the metrics are read by scrapes on any thread). */
 struct px_wctx {
-    px_ctx *s;               /* borrowed: outlives the worker */
+    px_ctx *ctx;             /* borrowed: outlives the worker */
     struct event_base *base; /* borrowed: the worker's loop */
     px_uploop *up;           /* owned: upstream connections */
     px_metrics metrics;      /* written by this thread only */
@@ -83,6 +84,14 @@ struct px_wctx {
     size_t nreqs;
     struct px_pindex *pindex; /* owned: --disagg-min-tokens' prefix index; NULL until used */
 };
+
+/* The connection settings of a listener on the control thread (metrics,
+ * admin API): small bodies, cfg's client timeouts, and `dispatch` with
+ * `arg`. */
+px_conn_cfg px_ctx_control_conn_cfg(const px_config *cfg,
+                                    void (*dispatch)(void *arg, px_conn *c, const px_http_head *h,
+                                                     px_buf *body),
+                                    void *arg);
 
 /* Sets up the credentials from cfg: the client keys of --api-key and
  * --api-key-file, the upstream Authorization line. 0, or -1 with err. */

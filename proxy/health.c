@@ -28,7 +28,7 @@ typedef struct check {
 } check;
 
 struct px_health {
-    px_ctx *s;
+    px_ctx *ctx;
     struct event_base *base;
     px_uploop *loop;
     struct event *check_timer;
@@ -97,7 +97,7 @@ static void on_done(void *arg, px_up_result rc, const char *errbuf, int connecte
 static const px_upstream_cbs check_cbs = {on_headers, on_data, on_done};
 
 static void start_check(px_health *h, px_gen *g, px_pool *pool, px_backend *b, check_kind kind) {
-    const px_config *cfg = h->s->cfg;
+    const px_config *cfg = h->ctx->cfg;
     check *c = px_xcalloc(1, sizeof *c);
     c->h = h;
     c->g = g;
@@ -120,15 +120,15 @@ static void start_check(px_health *h, px_gen *g, px_pool *pool, px_backend *b, c
     else
         b->scrape_busy = 1;
     PX_LIST_PUSH(h->live, c);
-    c->up = px_upstream_start(h->loop, b, "GET", c->url.data, NULL, 0, &h->s->health_hdrs, &o,
+    c->up = px_upstream_start(h->loop, b, "GET", c->url.data, NULL, 0, &h->ctx->health_hdrs, &o,
                               &check_cbs, c);
     if (!c->up) check_free(c);
 }
 
-/* Control thread: the generation swaps happen here, so h->s->gen is
+/* Control thread: the generation swaps happen here, so h->ctx->gen is
  * stable. A backend kept by a reload is checked once, in its newest pool. */
 static void sweep(px_health *h, check_kind kind) {
-    px_gen *g = h->s->gen;
+    px_gen *g = h->ctx->gen;
     for (size_t p = 0; p < g->nps; p++) {
         px_pool *pools[2] = {&g->ps[p].prefill, &g->ps[p].decode};
         for (int r = 0; r < 2; r++) {
@@ -163,10 +163,10 @@ static struct event *every(px_health *h, double seconds, event_callback_fn fn) {
     return ev;
 }
 
-px_health *px_health_start(px_ctx *s, struct event_base *base) {
-    const px_config *cfg = s->cfg;
+px_health *px_health_start(px_ctx *ctx, struct event_base *base) {
+    const px_config *cfg = ctx->cfg;
     px_health *h = px_xcalloc(1, sizeof *h);
-    h->s = s;
+    h->ctx = ctx;
     h->base = base;
     h->loop = px_uploop_create(base, 4);
     if (!h->loop) {

@@ -11,7 +11,7 @@ typedef struct px_health px_health;
 
 /* Starts the timers on `base`. Returns NULL when nothing is to be done
  * (checks disabled and no load_aware pool). */
-px_health *px_health_start(struct px_ctx *s, struct event_base *base);
+px_health *px_health_start(struct px_ctx *ctx, struct event_base *base);
 /* Cancels checks in flight and frees. NULL is a no-op. */
 void px_health_stop(px_health *h);
 

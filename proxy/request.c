@@ -57,7 +57,7 @@ typedef struct decode_table {
 struct px_req {
     px_req *prev, *next; /* in w->reqs */
     px_wctx *w;          /* borrowed: the worker this request runs on */
-    px_ctx *s;           /* borrowed */
+    px_ctx *ctx;         /* borrowed */
     px_gen *g;           /* owned reference: the configuration this request runs on */
     px_pset *ps;         /* borrowed from g: the pool of the request's model */
     px_backend *hb;      /* owned reference: the prefill named by the request's header */
@@ -184,8 +184,8 @@ static void attempt_done(px_pool *p, px_backend *b, px_backend *const *tried, si
 /* Brings the memory budget's count of this request's bodies up to date. */
 static void account(px_req *r) {
     int64_t now = (int64_t)(r->body.len + r->pbody.len + r->dbody.len + r->presp.len +
-                          px_usage_held(&r->usage));
-    px_budget_add(&r->s->shared, now - r->held);
+                            px_usage_held(&r->usage));
+    px_budget_add(&r->ctx->shared, now - r->held);
     r->held = now;
 }
 
@@ -218,7 +218,7 @@ static px_outcome outcome_of(px_up_result rc, int status) {
 static int start_upstream(px_req *r, px_backend *b, const char *method, const char *path,
                           const px_buf *body, const px_buf *hdrs, const px_upstream_cbs *cbs,
                           long total_ms) {
-    const px_config *cfg = r->s->cfg;
+    const px_config *cfg = r->ctx->cfg;
     px_upstream_opts o = {
         .connect_timeout_ms = (long)(cfg->connect_timeout * 1000),
         .total_timeout_ms = total_ms,
@@ -247,8 +247,8 @@ void px_req_start(px_wctx *w, px_conn *c, px_endpoint ep, const px_http_head *h,
     r->w = w;
     PX_LIST_PUSH(w->reqs, r);
     w->nreqs++;
-    r->s = w->s;
-    r->g = px_ctx_gen(r->s);
+    r->ctx = w->ctx;
+    r->g = px_ctx_gen(r->ctx);
     r->ps = &r->g->ps[0];
     r->conn = c;
     r->ep = ep;
@@ -303,11 +303,12 @@ void px_req_start(px_wctx *w, px_conn *c, px_endpoint ep, const px_http_head *h,
     px_trace_span_new(r->span_p);
     px_trace_span_new(r->span_d);
     /* Only the P/D endpoints ever reach a prefill. */
-    if (!px_endpoint_passthrough(r->ep) && r->ep != PX_EP_MODELS) headers_for(r, h, traced, r->span_p, &r->hdrs_p);
+    if (!px_endpoint_passthrough(r->ep) && r->ep != PX_EP_MODELS)
+        headers_for(r, h, traced, r->span_p, &r->hdrs_p);
     headers_for(r, h, traced, r->span_d, &r->hdrs_d);
 
-    long max = r->s->cfg->max_inflight;
-    long now = atomic_fetch_add(&r->s->inflight, 1) + 1;
+    long max = r->ctx->cfg->max_inflight;
+    long now = atomic_fetch_add(&r->ctx->inflight, 1) + 1;
     r->counted = 1;
     if (max > 0 && now > max) {
         req_fail(r, 503, "Retry-After: 1\r\n", "too many requests in flight (--max-inflight %ld)",
@@ -357,8 +358,8 @@ void px_req_start(px_wctx *w, px_conn *c, px_endpoint ep, const px_http_head *h,
     /* The client's body is held already (the connection counted it); the
      * prefill copy needs room in the budget too. */
     account(r);
-    if (!px_budget_try(&r->s->shared, (int64_t)r->body.len + 512)) {
-        atomic_fetch_add_explicit(&r->s->shared.budget_rejected, 1, memory_order_relaxed);
+    if (!px_budget_try(&r->ctx->shared, (int64_t)r->body.len + 512)) {
+        atomic_fetch_add_explicit(&r->ctx->shared.budget_rejected, 1, memory_order_relaxed);
         req_fail(r, 503, "Retry-After: 1\r\n",
                  "request refused: the proxy's memory budget for buffered bodies "
                  "(--max-buffered-bytes) is spent; retry later");
@@ -370,7 +371,7 @@ void px_req_start(px_wctx *w, px_conn *c, px_endpoint ep, const px_http_head *h,
                       &r->key_len);
     r->decided = 1;
     int disagg = decide(r);
-    if (disagg && !r->hb && !r->no_prefill && r->s->cfg->fallback_decode_only &&
+    if (disagg && !r->hb && !r->no_prefill && r->ctx->cfg->fallback_decode_only &&
         px_pool_usable(&r->ps->prefill) == 0) {
         disagg = 0;
         r->decision = PX_DEC_NO_PREFILL;
@@ -389,8 +390,8 @@ void px_req_start(px_wctx *w, px_conn *c, px_endpoint ep, const px_http_head *h,
     }
     px_rewrite_prefill(r->body.data, r->body.len, &r->pbody);
     account(r);
-    if (r->s->cfg->prefill_timeout > 0)
-        r->prefill_deadline = r->t0 + (uint64_t)(r->s->cfg->prefill_timeout * 1e9);
+    if (r->ctx->cfg->prefill_timeout > 0)
+        r->prefill_deadline = r->t0 + (uint64_t)(r->ctx->cfg->prefill_timeout * 1e9);
     start_prefill(r);
 }
 
@@ -429,9 +430,9 @@ static void headers_for(px_req *r, const px_http_head *h, int traced, const char
     px_buf_appends(l, r->id);
     px_buf_append(l, "\r\n", 2);
     const px_http_header *auth = px_http_find(h, "authorization");
-    if (r->s->upstream_auth_forced || !auth) {
-        if (r->s->upstream_auth) {
-            px_buf_appends(l, r->s->upstream_auth);
+    if (r->ctx->upstream_auth_forced || !auth) {
+        if (r->ctx->upstream_auth) {
+            px_buf_appends(l, r->ctx->upstream_auth);
             px_buf_append(l, "\r\n", 2);
         }
     } else {
@@ -497,7 +498,7 @@ void px_req_model_not_found(px_buf *b, const char *model, size_t n) {
  * host must be in --prefiller-allowlist, or the request is refused before
  * any backend sees it. Returns -1 when r has ended. */
 static int sidecar_prefill(px_req *r, const px_http_head *h) {
-    if (!r->s->cfg->prefiller_from_header) return 0;
+    if (!r->ctx->cfg->prefiller_from_header) return 0;
     const px_http_header *x = px_http_find(h, "x-prefiller-host-port");
     const char *v = x ? x->value : "";
     size_t n = x ? x->value_len : 0;
@@ -523,7 +524,7 @@ static int sidecar_prefill(px_req *r, const px_http_head *h) {
     if (!strrchr(hp, ':') || (hp[0] == '[' && !strstr(hp, "]:")) ||
         px_url_split(url, host, sizeof host, &port, &https) < 0 || port < 1)
         goto bad;
-    if (!px_host_allowed(&r->s->cfg->prefiller_allowlist, host)) {
+    if (!px_host_allowed(&r->ctx->cfg->prefiller_allowlist, host)) {
         char q[700];
         PX_LOG(PX_LOG_WARN,
                "req=%s msg=\"x-prefiller-host-port outside --prefiller-allowlist: refused\" "
@@ -568,7 +569,7 @@ bad:
 /* Decides whether r goes through a prefill (disagg.c), the decode chosen
  * first so that its cache can count. Returns 1 to disaggregate. */
 static int decide(px_req *r) {
-    const px_config *cfg = r->s->cfg;
+    const px_config *cfg = r->ctx->cfg;
     if (cfg->disagg_min_tokens > 0) {
         px_pick k = {.key = r->key, .key_len = r->key_len};
         size_t nd;
@@ -600,7 +601,7 @@ static void start_prefill(px_req *r) {
             decode_only(r);
             return;
         }
-        if (r->s->cfg->fallback_decode_only) {
+        if (r->ctx->cfg->fallback_decode_only) {
             PX_LOG(PX_LOG_WARN,
                    "req=%s msg=\"no healthy prefill: sending the request to decode alone\" "
                    "prefill_backends=%zu",
@@ -621,13 +622,13 @@ static void start_prefill(px_req *r) {
         uint64_t now = px_now_ns();
         if (now + 1000000 >= r->prefill_deadline) {
             req_fail(r, 504, NULL, "prefill did not answer within --prefill-timeout %gs",
-                     r->s->cfg->prefill_timeout);
+                     r->ctx->cfg->prefill_timeout);
             return;
         }
         ptimeout = (long)((r->prefill_deadline - now) / 1000000);
     }
-    if (start_upstream(r, r->pb, "POST", px_endpoints[r->ep].path, &r->pbody, &r->hdrs_p, &prefill_cbs,
-                       ptimeout) < 0)
+    if (start_upstream(r, r->pb, "POST", px_endpoints[r->ep].path, &r->pbody, &r->hdrs_p,
+                       &prefill_cbs, ptimeout) < 0)
         req_fail(r, 502, NULL, "prefill %s: cannot start the request", r->pname);
 }
 
@@ -667,7 +668,7 @@ static void prefill_done(void *arg, px_up_result rc, const char *errbuf, int con
 
     /* Refused, reset or 5xx: another prefill, after a jittered pause. */
     int retryable = o == PX_OUT_CONNECT_ERR || o == PX_OUT_RESET || o == PX_OUT_SERVER_ERR;
-    if (retryable && !r->too_big && (int64_t)(r->ntried_p) <= r->s->cfg->prefill_retries &&
+    if (retryable && !r->too_big && (int64_t)(r->ntried_p) <= r->ctx->cfg->prefill_retries &&
         r->ntried_p < MAX_TRIES) {
         PX_LOG(PX_LOG_WARN,
                "req=%s msg=\"prefill failed, retrying on another instance\" prefill=%s attempt=%zu "
@@ -692,7 +693,7 @@ static void prefill_done(void *arg, px_up_result rc, const char *errbuf, int con
      * a timeout (the prefill may still be working). */
     int failed_5xx = rc == PX_UP_OK && r->pstatus >= 500 && r->pstatus < 600;
     int failed_conn = rc == PX_UP_CONNECT || rc == PX_UP_RESET;
-    if ((failed_5xx || failed_conn) && !r->too_big && r->s->cfg->fallback_decode_only) {
+    if ((failed_5xx || failed_conn) && !r->too_big && r->ctx->cfg->fallback_decode_only) {
         PX_LOG(PX_LOG_WARN,
                "req=%s msg=\"prefill failed: sending the request to decode alone\" prefill=%s "
                "status=%d error=\"%s\"",
@@ -771,7 +772,7 @@ static px_kvp_status decode_body(px_req *r, char *err, size_t errlen) {
     r->disagg = kvp != NULL;
     /* Prefill's cached_tokens, for --usage-from prefill (only then: three
      * searches of prefill's answer). */
-    if (r->presp.data && !strcmp(r->s->cfg->usage_from, "prefill"))
+    if (r->presp.data && !strcmp(r->ctx->cfg->usage_from, "prefill"))
         px_usage_cached_tokens(r->presp.data, r->presp.len, r->p_cached);
     /* From here on only the decode body is needed (retries resend it): one
      * copy of the request is held, not three. */
@@ -860,7 +861,7 @@ static void decode_headers(void *arg, int status, const char *ctype) {
     r->streamed = ctype && !strncasecmp(ctype, "text/event-stream", 17);
     int json = ctype && !strncasecmp(ctype, "application/json", 16);
     if (r->disagg && r->p_cached[0] && status == 200 && (r->streamed || json) &&
-        !strcmp(r->s->cfg->usage_from, "prefill"))
+        !strcmp(r->ctx->cfg->usage_from, "prefill"))
         px_usage_init(&r->usage, r->p_cached, r->streamed, USAGE_MAX_HOLD, usage_out, r);
     set_state(r, RS_STREAM);
     if (r->conn) px_conn_stream_start(r->conn, status, ctype, r->id, NULL);
@@ -945,10 +946,10 @@ static int decode_retry(px_req *r, int connected, const char *why) {
 static void decode_idle(px_req *r) {
     if (r->paused)
         req_fail(r, 504, NULL, "client read nothing for --decode-idle-timeout %gs",
-                 r->s->cfg->decode_idle_timeout);
+                 r->ctx->cfg->decode_idle_timeout);
     else
         req_fail(r, 504, NULL, "decode %s sent nothing for --decode-idle-timeout %gs", r->dname,
-                 r->s->cfg->decode_idle_timeout);
+                 r->ctx->cfg->decode_idle_timeout);
 }
 
 static const decode_table decode_tbl = {{decode_headers, decode_data, decode_done}, decode_idle};
@@ -965,7 +966,7 @@ static void arm_idle(px_req *r, uint64_t ns) {
  * work per read). */
 static void on_idle_timer(evutil_socket_t fd, short what, void *arg) {
     px_req *r = arg;
-    uint64_t limit = (uint64_t)(r->s->cfg->decode_idle_timeout * 1e9),
+    uint64_t limit = (uint64_t)(r->ctx->cfg->decode_idle_timeout * 1e9),
              idle = px_now_ns() - r->idle_since_ns;
     if (idle < limit) {
         arm_idle(r, limit - idle);
@@ -979,7 +980,7 @@ static void on_idle_timer(evutil_socket_t fd, short what, void *arg) {
 }
 
 static void touch_idle(px_req *r) {
-    double s = r->s->cfg->decode_idle_timeout;
+    double s = r->ctx->cfg->decode_idle_timeout;
     if (s <= 0) return;
     r->idle_since_ns = px_now_ns();
     if (!r->idle_timer) r->idle_timer = evtimer_new(r->w->base, on_idle_timer, r);
@@ -1197,7 +1198,7 @@ static void req_finish(px_req *r, int status, const char *outcome, const char *e
     if (r->retry_timer) evtimer_del(r->retry_timer);
     if (r->idle_timer) evtimer_del(r->idle_timer);
     if (r->grace_timer) evtimer_del(r->grace_timer);
-    if (r->counted) atomic_fetch_sub(&r->s->inflight, 1);
+    if (r->counted) atomic_fetch_sub(&r->ctx->inflight, 1);
     r->counted = 0;
     event_assign(&r->free_ev, r->w->base, -1, 0, on_free, r);
     event_active(&r->free_ev, EV_TIMEOUT, 0);
@@ -1296,7 +1297,7 @@ static void req_free(px_req *r) {
     if (r->grace_timer) event_free(r->grace_timer);
     px_backend_release(r->hb);
     px_gen_release(r->g);
-    px_budget_add(&r->s->shared, -r->held);
+    px_budget_add(&r->ctx->shared, -r->held);
     px_buf_cleanup(&r->body);
     px_buf_cleanup(&r->pbody);
     px_buf_cleanup(&r->dbody);

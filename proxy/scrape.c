@@ -20,10 +20,11 @@ static unsigned long long ld(const atomic_ullong *c) {
 }
 
 /* One histogram series, every worker's summed; `label` (`k="v"`) or NULL. */
-static void hist_series(px_buf *o, px_ctx *s, const char *name, const char *label, size_t offset) {
+static void hist_series(px_buf *o, px_ctx *ctx, const char *name, const char *label,
+                        size_t offset) {
     unsigned long long b[PX_HIST_BUCKETS] = {0}, count = 0, sum = 0;
-    for (int w = 0; w < s->nworkers; w++) {
-        const px_hist *h = (const px_hist *)((const char *)&s->workers[w]->metrics + offset);
+    for (int w = 0; w < ctx->nworkers; w++) {
+        const px_hist *h = (const px_hist *)((const char *)&ctx->workers[w]->metrics + offset);
         for (int i = 0; i < PX_HIST_BUCKETS; i++)
             b[i] += ld(&h->bucket[i]);
         count += ld(&h->count);
@@ -45,20 +46,20 @@ static void hist_series(px_buf *o, px_ctx *s, const char *name, const char *labe
         px_buf_printf(o, "%s_sum %.6f\n%s_count %llu\n", name, (double)sum / 1e6, name, count);
 }
 
-static void render_hist(px_buf *o, px_ctx *s, const char *name, const char *help, size_t offset) {
+static void render_hist(px_buf *o, px_ctx *ctx, const char *name, const char *help, size_t offset) {
     px_buf_printf(o, "# HELP %s %s\n# TYPE %s histogram\n", name, help, name);
-    hist_series(o, s, name, NULL, offset);
+    hist_series(o, ctx, name, NULL, offset);
 }
 
 /* Sums one counter (at `offset` in px_metrics) over every worker. */
-static unsigned long long sum_at(px_ctx *s, size_t offset) {
+static unsigned long long sum_at(px_ctx *ctx, size_t offset) {
     unsigned long long t = 0;
-    for (int w = 0; w < s->nworkers; w++)
-        t += ld((const atomic_ullong *)((const char *)&s->workers[w]->metrics + offset));
+    for (int w = 0; w < ctx->nworkers; w++)
+        t += ld((const atomic_ullong *)((const char *)&ctx->workers[w]->metrics + offset));
     return t;
 }
 
-#define SUM(field) sum_at(s, offsetof(px_metrics, field))
+#define SUM(field) sum_at(ctx, offsetof(px_metrics, field))
 
 static void counter(px_buf *o, const char *name, const char *help, unsigned long long v) {
     px_buf_printf(o, "# HELP %s %s\n# TYPE %s counter\n%s %llu\n", name, help, name, name, v);
@@ -96,8 +97,8 @@ static void backend_series(px_buf *o, const char *name, const px_gen *g, size_t 
     label_value(o, backend);
 }
 
-static void render_backends(px_buf *o, px_ctx *s) {
-    px_gen *g = px_ctx_gen(s);
+static void render_backends(px_buf *o, px_ctx *ctx) {
+    px_gen *g = px_ctx_gen(ctx);
     size_t np = 2 * g->nps;
     px_pool **pools = px_xcalloc(np ? np : 1, sizeof *pools);
     size_t *n = px_xcalloc(np ? np : 1, sizeof *n);
@@ -248,12 +249,12 @@ static void render_process(px_buf *o) {
 
 /* Limits that hold memory and connections, and what routing did when every
  * backend of a role was out. */
-static void render_limits(px_buf *o, px_ctx *s) {
-    px_conn_shared *sh = &s->shared;
-    pthread_mutex_lock(&s->gen_mu);
-    uint64_t failures = px_discovery_failures(s->gen->disc);
-    size_t unresolved = px_discovery_unresolved(s->gen->disc);
-    pthread_mutex_unlock(&s->gen_mu);
+static void render_limits(px_buf *o, px_ctx *ctx) {
+    px_conn_shared *sh = &ctx->shared;
+    pthread_mutex_lock(&ctx->gen_mu);
+    uint64_t failures = px_discovery_failures(ctx->gen->disc);
+    size_t unresolved = px_discovery_unresolved(ctx->gen->disc);
+    pthread_mutex_unlock(&ctx->gen_mu);
     px_buf_printf(o,
                   "# HELP pdproxy_buffered_bytes Request bodies held and client output queued, "
                   "in bytes (bounded by --max-buffered-bytes).\n"
@@ -283,19 +284,19 @@ static void render_limits(px_buf *o, px_ctx *s) {
                   unresolved);
 }
 
-void px_scrape_render(px_ctx *s, px_buf *o) {
+void px_scrape_render(px_ctx *ctx, px_buf *o) {
     px_buf_appends(o, "# HELP pdproxy_requests_total Client requests answered, by endpoint and "
                       "status code.\n# TYPE pdproxy_requests_total counter\n");
     for (int e = 0; e < PX_EP_COUNT; e++)
         for (int c = 0; c < 500; c++) {
             unsigned long long v = 0;
-            for (int w = 0; w < s->nworkers; w++)
-                v += ld(&s->workers[w]->metrics.requests[e][c]);
+            for (int w = 0; w < ctx->nworkers; w++)
+                v += ld(&ctx->workers[w]->metrics.requests[e][c]);
             if (v)
                 px_buf_printf(o, "pdproxy_requests_total{endpoint=\"%s\",code=\"%d\"} %llu\n",
                               px_endpoints[e].name, c + 100, v);
         }
-    render_hist(o, s, "pdproxy_request_duration_seconds",
+    render_hist(o, ctx, "pdproxy_request_duration_seconds",
                 "Time from a request's arrival to the end of its answer.",
                 offsetof(px_metrics, duration));
     /* Split by stream: for a streamed answer the first byte is the first
@@ -305,11 +306,11 @@ void px_scrape_render(px_ctx *s, px_buf *o) {
                       "to the first byte of decode's answer; stream=\"true\": streamed (SSE) "
                       "answers, where it is the time to first token.\n"
                       "# TYPE pdproxy_time_to_first_byte_seconds histogram\n");
-    hist_series(o, s, "pdproxy_time_to_first_byte_seconds", "stream=\"false\"",
+    hist_series(o, ctx, "pdproxy_time_to_first_byte_seconds", "stream=\"false\"",
                 offsetof(px_metrics, ttfb[0]));
-    hist_series(o, s, "pdproxy_time_to_first_byte_seconds", "stream=\"true\"",
+    hist_series(o, ctx, "pdproxy_time_to_first_byte_seconds", "stream=\"true\"",
                 offsetof(px_metrics, ttfb[1]));
-    render_hist(o, s, "pdproxy_prefill_duration_seconds",
+    render_hist(o, ctx, "pdproxy_prefill_duration_seconds",
                 "Time the prefill request took, retries included.", offsetof(px_metrics, prefill));
     counter(o, "pdproxy_kv_transfer_params_missing_total",
             "Prefill answers without kv_transfer_params (decode recomputed the prefill).",
@@ -337,7 +338,7 @@ void px_scrape_render(px_ctx *s, px_buf *o) {
         px_buf_printf(
             o, "pdproxy_disagg_decisions_total{decision=\"%s\",reason=\"%s\"} %llu\n",
             px_decision_name((px_decision)d), px_decision_reason((px_decision)d),
-            sum_at(s, offsetof(px_metrics, decisions) + (size_t)d * sizeof(atomic_ullong)));
+            sum_at(ctx, offsetof(px_metrics, decisions) + (size_t)d * sizeof(atomic_ullong)));
     px_buf_appends(o, "# HELP pdproxy_decode_only_fallbacks_total Requests sent to decode alone "
                       "(--fallback-decode-only) because prefill could not serve them.\n"
                       "# TYPE pdproxy_decode_only_fallbacks_total counter\n");
@@ -345,13 +346,13 @@ void px_scrape_render(px_ctx *s, px_buf *o) {
         px_buf_printf(
             o, "pdproxy_decode_only_fallbacks_total{reason=\"%s\"} %llu\n",
             px_fallback_name((px_fallback)f),
-            sum_at(s, offsetof(px_metrics, fallbacks) + (size_t)f * sizeof(atomic_ullong)));
-    unsigned long long inflight = (unsigned long long)atomic_load(&s->inflight);
+            sum_at(ctx, offsetof(px_metrics, fallbacks) + (size_t)f * sizeof(atomic_ullong)));
+    unsigned long long inflight = (unsigned long long)atomic_load(&ctx->inflight);
     px_buf_printf(o,
                   "# HELP pdproxy_inflight_requests Client requests in flight.\n"
                   "# TYPE pdproxy_inflight_requests gauge\npdproxy_inflight_requests %llu\n",
                   inflight);
-    render_backends(o, s);
+    render_backends(o, ctx);
     px_otlp_stats ts;
     px_otlp_get_stats(&ts);
     counter(o, "pdproxy_trace_spans_exported_total",
@@ -370,5 +371,5 @@ void px_scrape_render(px_ctx *s, px_buf *o) {
     px_buf_printf(o, "pdproxy_build_info{version=\"%s\",commit=\"%s\"} 1\n", PDPROXY_VERSION,
                   PDPROXY_COMMIT);
     render_process(o);
-    render_limits(o, s);
+    render_limits(o, ctx);
 }

@@ -7,6 +7,6 @@
 #include "ctx.h"
 #include "util.h"
 
-void px_scrape_render(px_ctx *s, px_buf *out);
+void px_scrape_render(px_ctx *ctx, px_buf *out);
 
 #endif
