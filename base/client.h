@@ -1,4 +1,4 @@
-/* An HTTP/1.1 client for plain http:// upstreams on libevent bufferevents:
+/* An HTTP/1.1 client for plain http:// upstreams on libevent (sockets with events of their own):
  * per-loop keep-alive pools keyed by backend address, TCP_NODELAY, connect,
  * total and idle timeouts, the response head parsed with base/http's strict
  * parser, the body handed to the caller as it arrives (spans of the input,

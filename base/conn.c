@@ -551,10 +551,6 @@ void px_conn_abort(px_conn *c) {
     close_after_flush(c);
 }
 
-const px_conn_cfg *px_conn_config(const px_conn *c) {
-    return c->cfg;
-}
-
 size_t px_conn_pending(const px_conn *c) {
     return evbuffer_get_length(bufferevent_get_output(c->bev));
 }

@@ -102,8 +102,6 @@ void px_conn_stream_end(px_conn *c);
 void px_conn_abort(px_conn *c);
 /* Bytes queued for the client and not yet written to its socket. */
 size_t px_conn_pending(const px_conn *c);
-/* The configuration the connection was accepted with (borrowed). */
-const px_conn_cfg *px_conn_config(const px_conn *c);
 
 /* The OpenAI error "type" for a status. */
 const char *px_error_type(int status);

@@ -63,7 +63,7 @@ typedef struct px_ctx {
     px_gen *gen;              /* owned reference: the generation new requests use */
     char *upstream_auth;      /* owned: "Authorization: Bearer …" line, or NULL */
     int upstream_auth_forced; /* --upstream-api-key: always, over the client's */
-    px_buf health_hdrs;       /* owned: header lines of health checks and scrapes */
+    px_buf health_hdrs;       /* owned: header lines of health checks and load probes */
     unsigned char (*api_keys)[32]; /* owned: SHA-256 of each accepted client key */
     size_t napi_keys;
     atomic_long inflight;  /* P/D requests in flight, all workers */

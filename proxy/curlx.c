@@ -60,7 +60,3 @@ const px_curl_api *px_curl(void) {
     pthread_once(&once, load);
     return atomic_load(&ok) ? &api : NULL;
 }
-
-int px_curl_loaded(void) {
-    return atomic_load(&ok);
-}

@@ -35,9 +35,6 @@ typedef struct px_curl_api {
  * table, or NULL (with one error logged) when libcurl cannot be loaded. */
 const px_curl_api *px_curl(void);
 
-/* Whether px_curl() has loaded libcurl already (for tests and /metrics). */
-int px_curl_loaded(void);
-
 /* curl.h maps these three to themselves to count their arguments. */
 #undef curl_easy_setopt
 #undef curl_easy_getinfo

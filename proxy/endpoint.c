@@ -5,7 +5,7 @@
 #define ANY_METHOD (PX_M_GET | PX_M_POST | PX_M_OTHER)
 #define ALLOW_ANY "Allow: GET, POST, PUT, PATCH, DELETE\r\n"
 #define LOCAL(p)                                                                                   \
-    { p, p, PX_M_GET | PX_M_HEAD, "Allow: GET, HEAD\r\n", "method not allowed: use GET" }
+    { p, p, PX_M_GET | PX_M_HEAD, "Allow: GET, HEAD\r\n", "method not allowed: use GET", 1 }
 
 const px_endpoint_def px_endpoints[PX_EP_COUNT] = {
     [PX_EP_COMPLETIONS] = {"/v1/completions", "/v1/completions", PX_M_POST, "Allow: POST\r\n",

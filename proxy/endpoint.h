@@ -33,6 +33,7 @@ typedef struct px_endpoint_def {
     int methods;              /* PX_M_* it takes */
     const char *allow;        /* the 405's header line */
     const char *wrong_method; /* the 405's message */
+    int own;                  /* the proxy answers it itself (health, readiness, metrics) */
 } px_endpoint_def;
 
 /* Indexed by px_endpoint. */

@@ -9,9 +9,9 @@
 #include "route.h"
 #include "upstream.h"
 
-#define SCRAPE_MAX (4 * 1024 * 1024)
+#define PROBE_MAX (4 * 1024 * 1024)
 
-typedef enum { K_HEALTH, K_SCRAPE } check_kind;
+typedef enum { K_HEALTH, K_LOAD_PROBE } check_kind;
 
 typedef struct check {
     struct px_health *h;
@@ -32,7 +32,7 @@ struct px_health {
     struct event_base *base;
     px_uploop *loop;
     struct event *check_timer;
-    struct event *scrape_timer;
+    struct event *probe_timer;
     check *live;
 };
 
@@ -42,7 +42,7 @@ static void check_free(check *c) {
     if (c->kind == K_HEALTH)
         c->b->check_busy = 0;
     else
-        c->b->scrape_busy = 0;
+        c->b->probe_busy = 0;
     px_backend_release(c->b);
     px_gen_release(c->g);
     px_buf_cleanup(&c->body);
@@ -57,7 +57,7 @@ static void on_headers(void *arg, int status, const char *ct) {
 static int on_data(void *arg, const char *p, size_t n) {
     check *c = arg;
     if (c->kind == K_HEALTH) return 0; /* the status is the answer */
-    if (c->body.len + n > SCRAPE_MAX) {
+    if (c->body.len + n > PROBE_MAX) {
         c->too_big = 1;
         return -1;
     }
@@ -118,7 +118,7 @@ static void start_check(px_health *h, px_gen *g, px_pool *pool, px_backend *b, c
     if (kind == K_HEALTH)
         b->check_busy = 1;
     else
-        b->scrape_busy = 1;
+        b->probe_busy = 1;
     PX_LIST_PUSH(h->live, c);
     c->up = px_upstream_start(h->loop, b, "GET", c->url.data, NULL, 0, &h->ctx->health_hdrs, &o,
                               &check_cbs, c);
@@ -132,11 +132,11 @@ static void sweep(px_health *h, check_kind kind) {
     for (size_t p = 0; p < g->nps; p++) {
         px_pool *pools[2] = {&g->ps[p].prefill, &g->ps[p].decode};
         for (int r = 0; r < 2; r++) {
-            if (kind == K_SCRAPE && pools[r]->cfg.policy != PX_POLICY_LOAD_AWARE) continue;
+            if (kind == K_LOAD_PROBE && pools[r]->cfg.policy != PX_POLICY_LOAD_AWARE) continue;
             size_t n;
             px_backend **m = px_pool_members(pools[r], &n);
             for (size_t i = 0; i < n; i++) {
-                int busy = kind == K_HEALTH ? m[i]->check_busy : m[i]->scrape_busy;
+                int busy = kind == K_HEALTH ? m[i]->check_busy : m[i]->probe_busy;
                 if (busy)
                     px_backend_release(m[i]);
                 else
@@ -151,8 +151,8 @@ static void on_check_timer(evutil_socket_t fd, short what, void *arg) {
     sweep(arg, K_HEALTH);
 }
 
-static void on_scrape_timer(evutil_socket_t fd, short what, void *arg) {
-    sweep(arg, K_SCRAPE);
+static void on_probe_timer(evutil_socket_t fd, short what, void *arg) {
+    sweep(arg, K_LOAD_PROBE);
 }
 
 static struct event *every(px_health *h, double seconds, event_callback_fn fn) {
@@ -174,15 +174,15 @@ px_health *px_health_start(px_ctx *ctx, struct event_base *base) {
         return NULL;
     }
     if (cfg->health_interval > 0) h->check_timer = every(h, cfg->health_interval, on_check_timer);
-    /* Scrapes run always: a reload may choose load_aware at any time. */
-    h->scrape_timer = every(h, cfg->metrics_interval, on_scrape_timer);
+    /* Load probes run always: a reload may choose load_aware at any time. */
+    h->probe_timer = every(h, cfg->metrics_interval, on_probe_timer);
     return h;
 }
 
 void px_health_stop(px_health *h) {
     if (!h) return;
     if (h->check_timer) event_free(h->check_timer);
-    if (h->scrape_timer) event_free(h->scrape_timer);
+    if (h->probe_timer) event_free(h->probe_timer);
     for (check *c = h->live; c; c = c->next) {
         px_upstream_cancel(c->up);
         c->up = NULL;

@@ -1,5 +1,6 @@
-/* Active health checks (GET /health) and, for load_aware routing, scrapes of
- * each engine's /metrics. Both run on the control thread's event loop. */
+/* Active checks of the engines, on the control thread's event loop: health
+ * checks (GET /health) and, for load_aware routing, load probes (GET of each
+ * engine's /metrics, read for its queue and KV-cache figures). */
 #ifndef PX_HEALTH_H
 #define PX_HEALTH_H
 

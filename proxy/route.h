@@ -61,14 +61,14 @@ typedef struct px_backend {
     atomic_int ejected_by_check; /* the current ejection came from health checks */
     atomic_int drained;          /* admin API: takes no new request */
     atomic_ullong readmit_ns;    /* without active checks: when an ejected backend is tried again */
-    /* load_aware: the engine's own figures, scraped from /metrics. */
+    /* load_aware: the engine's own figures, read by load probes of its /metrics. */
     atomic_int load_known;
     atomic_int waiting;
     atomic_int running;
     atomic_int kv_usage_milli;
     atomic_ullong outcomes[PX_OUT_COUNT]; /* upstream requests by outcome */
     int check_busy;                       /* control thread only: a health check is in flight */
-    int scrape_busy;                      /* control thread only: a /metrics scrape is in flight */
+    int probe_busy; /* control thread only: a load probe (GET /metrics) is in flight */
 } px_backend;
 
 /* Drops a reference; the last one frees the backend. NULL is a no-op. */

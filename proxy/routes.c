@@ -169,8 +169,8 @@ static void not_found(px_conn *c, const px_http_head *h) {
 static int serve_local(px_ctx *ctx, px_metrics *m, px_conn *c, const px_http_head *h,
                        int metrics_here) {
     px_endpoint ep = PX_EP_OTHER;
-    for (px_endpoint e = PX_EP_HEALTHCHECK; e <= PX_EP_METRICS; e++)
-        if (px_http_path_is(h, px_endpoints[e].path)) ep = e;
+    for (px_endpoint e = 0; e < PX_EP_COUNT; e++)
+        if (px_endpoints[e].own && px_http_path_is(h, px_endpoints[e].path)) ep = e;
     if (ep == PX_EP_OTHER || (ep == PX_EP_METRICS && !metrics_here)) return 0;
     const px_endpoint_def *d = &px_endpoints[ep];
     if (!(px_endpoint_method(h) & d->methods)) {
@@ -227,11 +227,6 @@ static int models_local(px_ctx *ctx) {
     return named;
 }
 
-/* The engine API's endpoints, matched by exact path; every other
- * passed-through path is PX_EP_PASSTHROUGH. */
-static const px_endpoint api_routes[] = {PX_EP_COMPLETIONS, PX_EP_CHAT, PX_EP_MODELS,
-                                         PX_EP_MESSAGES, PX_EP_RESPONSES};
-
 /* Checks the method and the key, then serves the endpoint: a request
  * flow, or /v1/models from the named pools. */
 static void serve_api(px_wctx *w, px_endpoint ep, px_conn *c, const px_http_head *h, px_buf *body) {
@@ -266,9 +261,10 @@ static void serve_model(px_wctx *w, px_conn *c, const px_http_head *h, const cha
 
 void px_routes_dispatch(void *arg, px_conn *c, const px_http_head *h, px_buf *body) {
     px_wctx *w = arg;
-    for (size_t i = 0; i < sizeof api_routes / sizeof api_routes[0]; i++)
-        if (px_http_path_is(h, px_endpoints[api_routes[i]].path)) {
-            serve_api(w, api_routes[i], c, h, body);
+    for (px_endpoint e = 0; e < PX_EP_COUNT; e++)
+        if (px_endpoints[e].path && !px_endpoints[e].own &&
+            px_http_path_is(h, px_endpoints[e].path)) {
+            serve_api(w, e, c, h, body);
             return;
         }
     const char *path;
