@@ -109,9 +109,14 @@ static void start_check(px_health *h, px_gen *g, px_pool *pool, px_backend *b, c
     px_buf_init(&c->url);
     px_buf_appends(&c->url, kind == K_HEALTH ? "/health" : "/metrics");
     double t = kind == K_HEALTH ? cfg->health_timeout : cfg->metrics_interval;
-    px_upstream_opts o = {
-        .connect_timeout_ms = (long)(t * 1000) > 0 ? (long)(t * 1000) : 1,
-        .total_timeout_ms = (long)(t * 1000) > 0 ? (long)(t * 1000) : 1,
+    if (t < 0.001) t = 0.001; /* a check always has a limit */
+    px_upstream_req q = {
+        .backend = b,
+        .method = "GET",
+        .path = c->url.data,
+        .headers = &h->ctx->health_hdrs,
+        .connect_timeout = t,
+        .total_timeout = t,
         .ca_file = cfg->upstream_ca,
         .insecure = cfg->upstream_insecure,
     };
@@ -120,8 +125,7 @@ static void start_check(px_health *h, px_gen *g, px_pool *pool, px_backend *b, c
     else
         b->probe_busy = 1;
     PX_LIST_PUSH(h->live, c);
-    c->up = px_upstream_start(h->loop, b, "GET", c->url.data, NULL, 0, &h->ctx->health_hdrs, &o,
-                              &check_cbs, c);
+    c->up = px_upstream_start(h->loop, &q, &check_cbs, c);
     if (!c->up) check_free(c);
 }
 

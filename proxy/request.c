@@ -215,19 +215,25 @@ static px_outcome outcome_of(px_up_result rc, int status) {
     }
 }
 
+/* total: seconds for the whole exchange, 0: no limit. */
 static int start_upstream(px_req *r, px_backend *b, const char *method, const char *path,
                           const px_buf *body, const px_buf *hdrs, const px_upstream_cbs *cbs,
-                          long total_ms) {
+                          double total) {
     const px_config *cfg = r->ctx->cfg;
-    px_upstream_opts o = {
-        .connect_timeout_ms = (long)(cfg->connect_timeout * 1000),
-        .total_timeout_ms = total_ms,
+    px_upstream_req q = {
+        .backend = b,
+        .method = method,
+        .path = path,
+        .body = body ? body->data : NULL,
+        .len = body ? body->len : 0,
+        .headers = hdrs,
+        .connect_timeout = cfg->connect_timeout,
+        .total_timeout = total,
         .ca_file = cfg->upstream_ca,
         .insecure = cfg->upstream_insecure,
         .track_upload = body && cbs != NULL && b == r->db,
     };
-    r->up = px_upstream_start(r->w->up, b, method, path, body ? body->data : NULL,
-                              body ? body->len : 0, hdrs, &o, cbs, r);
+    r->up = px_upstream_start(r->w->up, &q, cbs, r);
     return r->up ? 0 : -1;
 }
 
@@ -590,8 +596,7 @@ static void start_prefill(px_req *r) {
     size_t n = 0;
     if (r->hb) { /* sidecar: the prefill the header named */
         r->pb = r->hb;
-        atomic_fetch_add(&r->pb->refs, 1);
-        atomic_fetch_add(&r->pb->inflight, 1);
+        px_backend_take(r->pb);
     } else if (!r->no_prefill) {
         r->pb = px_pool_pick(&r->ps->prefill, &k, &n);
     }
@@ -617,7 +622,7 @@ static void start_prefill(px_req *r) {
     if (!r->t_pstart) r->t_pstart = px_now_ns();
     if (r->ntried_p < MAX_TRIES) r->tried_p[r->ntried_p++] = r->pb;
     set_state(r, RS_PREFILL);
-    long ptimeout = 0;
+    double ptimeout = 0;
     if (r->prefill_deadline) {
         uint64_t now = px_now_ns();
         if (now + 1000000 >= r->prefill_deadline) {
@@ -625,7 +630,7 @@ static void start_prefill(px_req *r) {
                      r->ctx->cfg->prefill_timeout);
             return;
         }
-        ptimeout = (long)((r->prefill_deadline - now) / 1000000);
+        ptimeout = (double)(r->prefill_deadline - now) / 1e9;
     }
     if (start_upstream(r, r->pb, "POST", px_endpoints[r->ep].path, &r->pbody, &r->hdrs_p,
                        &prefill_cbs, ptimeout) < 0)

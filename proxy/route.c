@@ -36,7 +36,6 @@ void px_backend_release(px_backend *b) {
     if (!b || atomic_fetch_sub(&b->refs, 1) != 1) return;
     free(b->name);
     free(b->url);
-    free(b->connect_to);
     free(b->src);
     free(b->authority);
     free(b);
@@ -154,12 +153,10 @@ static void rebuild_ring(px_pool *p) {
     qsort(p->ring, p->nring, sizeof *p->ring, cmp_u64);
 }
 
-static px_backend *backend_new(const char *url, const char *name, const char *connect_to,
-                               const char *src) {
+static px_backend *backend_new(const char *url, const char *name, const char *src) {
     px_backend *b = px_xcalloc(1, sizeof *b);
     b->url = px_xstrdup(url);
     b->name = px_xstrdup(name);
-    b->connect_to = connect_to ? px_xstrdup(connect_to) : NULL;
     b->src = px_xstrdup(src);
     b->key_hash = px_hash64(name, strlen(name));
     atomic_init(&b->refs, 1);
@@ -179,22 +176,20 @@ static px_backend *backend_make(const char *role, const char *url, const char *c
     if (px_url_split(url, host, sizeof host, &port, &https) < 0) return NULL;
     const char *hp = strstr(url, "://") + 3;
     size_t hl = strcspn(hp, "/");
-    px_buf name, pin, u;
+    px_buf name, u;
     px_buf_init(&name);
-    px_buf_init(&pin);
     px_buf_init(&u);
     px_buf_append(&u, url, (size_t)(hp - url) + hl); /* without a trailing slash */
     if (connect_ip) {
         /* The address is the backend's identity; the URL keeps the host name
-         * for Host, SNI and certificate checks. */
+         * for Host, SNI and certificate checks (upstream.c pins https
+         * transfers to the address the name stands for). */
         int v6 = strchr(connect_ip, ':') != NULL;
         px_buf_printf(&name, "%s%s%s:%d", v6 ? "[" : "", connect_ip, v6 ? "]" : "", port);
-        px_buf_printf(&pin, "%s:%d:%s%s%s:%d", host, port, v6 ? "[" : "", connect_ip, v6 ? "]" : "",
-                      port);
     } else {
         px_buf_append(&name, hp, hl);
     }
-    px_backend *b = backend_new(u.data, name.data, connect_ip ? pin.data : NULL, url);
+    px_backend *b = backend_new(u.data, name.data, url);
     b->authority = px_xstrndup(hp, hl);
     b->https = https;
     if (!https && resolve_addr(connect_ip ? connect_ip : host, port, &b->addr, &b->addrlen) < 0) {
@@ -206,7 +201,6 @@ static px_backend *backend_make(const char *role, const char *url, const char *c
     }
     px_buf_cleanup(&u);
     px_buf_cleanup(&name);
-    px_buf_cleanup(&pin);
     return b;
 }
 
@@ -488,6 +482,11 @@ static void backend_done(px_pool *p, px_backend *b, px_outcome o, int count_fail
 
 void px_backend_done(px_pool *p, px_backend *b, px_outcome o) {
     backend_done(p, b, o, 1);
+}
+
+void px_backend_take(px_backend *b) {
+    atomic_fetch_add(&b->refs, 1);
+    atomic_fetch_add(&b->inflight, 1);
 }
 
 void px_backend_done_repeat(px_pool *p, px_backend *b, px_outcome o) {

@@ -40,11 +40,10 @@ typedef enum {
 const char *px_outcome_name(px_outcome o);
 
 typedef struct px_backend {
-    char *name;       /* owned: "host:port" as shown in logs and metrics */
-    char *url;        /* owned: "http[s]://host:port" */
-    char *connect_to; /* owned: curl CONNECT_TO pin "host:port:ip:port", or NULL */
-    char *src;        /* owned: the configured URL this backend came from */
-    char *authority;  /* owned: "host:port" of the URL, sent as Host */
+    char *name;      /* owned: "host:port" as shown in logs and metrics */
+    char *url;       /* owned: "http[s]://host:port" */
+    char *src;       /* owned: the configured URL this backend came from */
+    char *authority; /* owned: "host:port" of the URL, sent as Host */
     int https;
     /* http://: where to connect. Set once when the backend is made, then
      * read without a lock. */
@@ -138,6 +137,10 @@ px_backend *px_pool_pick(px_pool *p, const px_pick *k, size_t *nmembers);
 /* Ends one request on b: lowers in-flight, counts the outcome, feeds passive
  * health, drops the reference. A success readmits an ejected backend. */
 void px_backend_done(px_pool *p, px_backend *b, px_outcome o);
+/* Takes b for a request as px_pool_pick would (a reference and an
+ * in-flight count), for a backend the request named itself (sidecar mode);
+ * hand it back with px_backend_done(). */
+void px_backend_take(px_backend *b);
 /* The same, but a failure is not counted toward --unhealthy-after: for a
  * retry of one request on a backend that already failed it (one request's
  * retries are one failure). */

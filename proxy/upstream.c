@@ -302,9 +302,32 @@ static int xferinfo_cb(void *arg, curl_off_t dltotal, curl_off_t dlnow, curl_off
     return u->upload_done && u->abort_after_upload;
 }
 
-static px_upstream *start_https(px_uploop *l, px_backend *b, const char *method, const char *path,
-                                const char *body, size_t len, const px_buf *headers,
-                                const px_upstream_opts *o, const px_upstream_cbs *cbs, void *arg) {
+/* Seconds as curl's milliseconds (0: none, or curl's default). */
+static long ms(double s) {
+    return s > 0 ? (long)(s * 1000) : 0L;
+}
+
+/* A backend that is one address of its URL's name (DNS discovery) is
+ * reached at that address: curl is pinned to it (CONNECT_TO
+ * "host:port:address:port"), the URL keeps the name for Host, SNI and the
+ * certificate check. Such a backend is named by its address; any other by
+ * its URL's authority. */
+static struct curl_slist *connect_pin(const px_backend *b) {
+    char host[256], pin[600];
+    int port, https;
+    if (!strcmp(b->name, b->authority) ||
+        px_url_split(b->url, host, sizeof host, &port, &https) < 0)
+        return NULL;
+    snprintf(pin, sizeof pin, "%s:%d:%s", host, port, b->name);
+    return curl_slist_append(NULL, pin);
+}
+
+static px_upstream *start_https(px_uploop *l, const px_upstream_req *q, const px_upstream_cbs *cbs,
+                                void *arg) {
+    px_backend *b = q->backend;
+    const char *method = q->method, *path = q->path, *body = q->body;
+    size_t len = q->len;
+    const px_buf *headers = q->headers;
     if (curl_side(l) < 0) return NULL;
     px_upstream *u = px_xcalloc(1, sizeof *u);
     u->loop = l;
@@ -366,20 +389,22 @@ static px_upstream *start_https(px_uploop *l, px_backend *b, const char *method,
     curl_easy_setopt(e, CURLOPT_HEADERDATA, u);
     curl_easy_setopt(e, CURLOPT_WRITEFUNCTION, write_cb);
     curl_easy_setopt(e, CURLOPT_WRITEDATA, u);
-    curl_easy_setopt(e, CURLOPT_CONNECTTIMEOUT_MS, o->connect_timeout_ms);
+    curl_easy_setopt(e, CURLOPT_CONNECTTIMEOUT_MS, ms(q->connect_timeout));
     /* Set every option each time: a reused handle keeps the last ones. */
-    curl_easy_setopt(e, CURLOPT_TIMEOUT_MS, o->total_timeout_ms > 0 ? o->total_timeout_ms : 0L);
-    curl_easy_setopt(e, CURLOPT_LOW_SPEED_LIMIT, o->idle_timeout_s > 0 ? 1L : 0L);
-    curl_easy_setopt(e, CURLOPT_LOW_SPEED_TIME, o->idle_timeout_s > 0 ? o->idle_timeout_s : 0L);
+    curl_easy_setopt(e, CURLOPT_TIMEOUT_MS, ms(q->total_timeout));
+    /* The low-speed check counts whole seconds: at least one. */
+    long idle_s = q->idle_timeout > 0 ? (q->idle_timeout < 1 ? 1L : (long)q->idle_timeout) : 0L;
+    curl_easy_setopt(e, CURLOPT_LOW_SPEED_LIMIT, idle_s > 0 ? 1L : 0L);
+    curl_easy_setopt(e, CURLOPT_LOW_SPEED_TIME, idle_s);
     /* Engines are reached directly; never through a proxy from the environment. */
     curl_easy_setopt(e, CURLOPT_PROXY, "");
-    curl_easy_setopt(e, CURLOPT_CAINFO, o->ca_file && o->ca_file[0] ? o->ca_file : NULL);
-    curl_easy_setopt(e, CURLOPT_SSL_VERIFYPEER, o->insecure ? 0L : 1L);
-    curl_easy_setopt(e, CURLOPT_SSL_VERIFYHOST, o->insecure ? 0L : 2L);
-    u->connect_to = b->connect_to ? curl_slist_append(NULL, b->connect_to) : NULL;
+    curl_easy_setopt(e, CURLOPT_CAINFO, q->ca_file && q->ca_file[0] ? q->ca_file : NULL);
+    curl_easy_setopt(e, CURLOPT_SSL_VERIFYPEER, q->insecure ? 0L : 1L);
+    curl_easy_setopt(e, CURLOPT_SSL_VERIFYHOST, q->insecure ? 0L : 2L);
+    u->connect_to = connect_pin(b);
     curl_easy_setopt(e, CURLOPT_CONNECT_TO, u->connect_to);
-    curl_easy_setopt(e, CURLOPT_NOPROGRESS, o->track_upload ? 0L : 1L);
-    curl_easy_setopt(e, CURLOPT_XFERINFOFUNCTION, o->track_upload ? xferinfo_cb : NULL);
+    curl_easy_setopt(e, CURLOPT_NOPROGRESS, q->track_upload ? 0L : 1L);
+    curl_easy_setopt(e, CURLOPT_XFERINFOFUNCTION, q->track_upload ? xferinfo_cb : NULL);
     curl_easy_setopt(e, CURLOPT_XFERINFODATA, u);
     /* Only http and https upstreams; no redirects followed. */
     curl_easy_setopt(e, CURLOPT_PROTOCOLS_STR, "http,https");
@@ -435,9 +460,12 @@ static void h_done(void *arg, px_cresult r, const char *why, int sent) {
 
 static const px_creq_cbs h_cbs = {h_head, h_data, h_done};
 
-static px_upstream *start_http(px_uploop *l, px_backend *b, const char *method, const char *path,
-                               const char *body, size_t len, const px_buf *headers,
-                               const px_upstream_opts *o, const px_upstream_cbs *cbs, void *arg) {
+static px_upstream *start_http(px_uploop *l, const px_upstream_req *q, const px_upstream_cbs *cbs,
+                               void *arg) {
+    px_backend *b = q->backend;
+    const char *method = q->method, *path = q->path, *body = q->body;
+    size_t len = q->len;
+    const px_buf *headers = q->headers;
     if (!b->addrlen) return NULL; /* its name did not resolve */
     px_buf *hd = &l->head;
     px_buf_reset(hd);
@@ -455,10 +483,10 @@ static px_upstream *start_http(px_uploop *l, px_backend *b, const char *method, 
     if (headers) px_buf_append(hd, headers->data, headers->len);
     px_buf_append(hd, "\r\n", 2);
     px_creq_opts co = {
-        .connect_timeout = (double)o->connect_timeout_ms / 1e3,
-        .total_timeout = (double)o->total_timeout_ms / 1e3,
-        .idle_timeout = (double)o->idle_timeout_s,
-        .track_upload = o->track_upload,
+        .connect_timeout = q->connect_timeout,
+        .total_timeout = q->total_timeout,
+        .idle_timeout = q->idle_timeout,
+        .track_upload = q->track_upload,
     };
     px_upstream *u = px_xcalloc(1, sizeof *u);
     u->loop = l;
@@ -474,11 +502,10 @@ static px_upstream *start_http(px_uploop *l, px_backend *b, const char *method, 
     return u;
 }
 
-px_upstream *px_upstream_start(px_uploop *l, px_backend *b, const char *method, const char *path,
-                               const char *body, size_t len, const px_buf *headers,
-                               const px_upstream_opts *o, const px_upstream_cbs *cbs, void *arg) {
-    if (b->https) return start_https(l, b, method, path, body, len, headers, o, cbs, arg);
-    return start_http(l, b, method, path, body, len, headers, o, cbs, arg);
+px_upstream *px_upstream_start(px_uploop *l, const px_upstream_req *q, const px_upstream_cbs *cbs,
+                               void *arg) {
+    if (q->backend->https) return start_https(l, q, cbs, arg);
+    return start_http(l, q, cbs, arg);
 }
 
 void px_upstream_set_cbs(px_upstream *u, const px_upstream_cbs *cbs) {

@@ -51,25 +51,30 @@ typedef struct px_upstream_cbs {
     void (*on_done)(void *arg, px_up_result r, const char *why, int connected);
 } px_upstream_cbs;
 
-typedef struct px_upstream_opts {
-    long connect_timeout_ms;
-    long total_timeout_ms; /* 0: none */
-    long idle_timeout_s;   /* abort when no byte arrives for this long; 0: none */
-    const char *ca_file;   /* https: CA bundle; NULL: the system store */
-    int insecure;          /* https: skip certificate verification */
-    int track_upload;      /* report when the body has been sent (px_upstream_abort_after_upload) */
-} px_upstream_opts;
+/* One upstream request: what goes where, and its limits. Every pointer is
+ * borrowed until on_done (or until px_upstream_start returns NULL). Times
+ * are in seconds, as in the configuration; 0: none. */
+typedef struct px_upstream_req {
+    px_backend *backend;   /* the caller holds a reference until on_done */
+    const char *method;    /* usually "POST" with a body, "GET" without; any token for
+                              passed-through endpoints, a body sent when one is given */
+    const char *path;      /* with its query, if any */
+    const char *body;      /* NULL: no body */
+    size_t len;            /* of body */
+    const px_buf *headers; /* "Name: value\r\n" lines, without Host, Content-Length or
+                              framing; or NULL */
+    double connect_timeout;
+    double total_timeout;
+    double idle_timeout; /* abort when no byte arrives for this long */
+    const char *ca_file; /* https: CA bundle; NULL or "": the system store */
+    int insecure;        /* https: skip certificate verification */
+    int track_upload;    /* report when the body has been sent (px_upstream_abort_after_upload) */
+} px_upstream_req;
 
-/* Starts `method` (usually "POST" with a body, "GET" without; any token
- * for passed-through endpoints, a body sent when one is given) of `path`
- * (with its query, if any) on backend
- * b (borrowed: the caller holds a reference until on_done), with
- * body[0..len) and `headers` ("Name: value\r\n" lines, without Host,
- * Content-Length or framing) both borrowed until on_done. Returns NULL when
- * the transfer cannot even start; nothing is called back then. */
-px_upstream *px_upstream_start(px_uploop *l, px_backend *b, const char *method, const char *path,
-                               const char *body, size_t len, const px_buf *headers,
-                               const px_upstream_opts *o, const px_upstream_cbs *cbs, void *arg);
+/* Starts the request `q` describes. Returns NULL when the transfer cannot
+ * even start; nothing is called back then. */
+px_upstream *px_upstream_start(px_uploop *l, const px_upstream_req *q, const px_upstream_cbs *cbs,
+                               void *arg);
 
 /* Whether the backend has started answering: its response head arrived, or
  * bytes of it wait unread on the connection. */

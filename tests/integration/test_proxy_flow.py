@@ -557,6 +557,24 @@ class ResponsePassThroughTest(FlowBase):
         self.assertEqual(r.body, b"plain text\n")
 
 
+class HostNameTest(PxTestCase):
+    """Backends named by a host name: each address the name resolves to is a
+    backend, reached at that address while the request keeps the name (Host;
+    with https://, SNI and the certificate check as well)."""
+
+    def test_backends_by_name(self):
+        P = self.mock(prefill_handler(), name="P")
+        D = self.mock(decode_handler(), name="D")
+        px = self.start_proxy([("localhost", P.port)], [("localhost", D.port)])
+        for i in range(3):
+            r = http_request(px.port, "POST", "/v1/completions",
+                             completion_body(prompt="by-name-%d" % i))
+            self.assertEqual(r.status, 200, r.body)
+        for m in (P, D):
+            self.assertTrue(m.requests)
+            self.assertEqual(m.requests[-1].header("host"), "localhost:%d" % m.port)
+
+
 class RoundRobinTest(PxTestCase):
 
     def _run(self, n_p, n_d, n_req, threads):
