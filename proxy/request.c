@@ -248,7 +248,10 @@ void px_req_announce(void) {
                         "kv_transfer_params there\" endpoint=/v1/messages decision=disaggregated");
 }
 
-void px_req_start(px_wctx *w, px_conn *c, px_endpoint ep, const px_http_head *h, px_buf *body) {
+/* A request for `ep` on worker w, owning the client's body (moved out of
+ * `body`), with its method and the path decode is sent. */
+static px_req *req_new(px_wctx *w, px_conn *c, px_endpoint ep, const px_http_head *h,
+                       px_buf *body) {
     px_req *r = px_xcalloc(1, sizeof *r);
     r->w = w;
     PX_LIST_PUSH(w->reqs, r);
@@ -267,14 +270,10 @@ void px_req_start(px_wctx *w, px_conn *c, px_endpoint ep, const px_http_head *h,
     px_buf_init(&r->presp);
     px_buf_init(&r->hdrs_p);
     px_buf_init(&r->hdrs_d);
-    snprintf(r->method, sizeof r->method, "%s",
-             ep == PX_EP_MODELS                                 ? "GET"
-             : ep == PX_EP_PASSTHROUGH || ep == PX_EP_RESPONSES ? ""
-                                                                : "POST");
-    if (!r->method[0]) snprintf(r->method, sizeof r->method, "%.*s", (int)h->method_len, h->method);
-    if (ep == PX_EP_PASSTHROUGH || ep == PX_EP_RESPONSES) {
-        /* The path and query as the client sent them (an absolute-form
-         * target loses its scheme and authority). */
+    if (px_endpoint_passthrough(ep)) {
+        /* The client's method, path and query as it sent them (an
+         * absolute-form target loses its scheme and authority). */
+        snprintf(r->method, sizeof r->method, "%.*s", (int)h->method_len, h->method);
         const char *path;
         size_t plen;
         px_http_path(h, &path, &plen);
@@ -283,13 +282,18 @@ void px_req_start(px_wctx *w, px_conn *c, px_endpoint ep, const px_http_head *h,
         snprintf(pbuf, sizeof pbuf, "%.*s", (int)(plen < 200 ? plen : 200), path);
         px_log_value(pbuf, r->lpath, sizeof r->lpath);
     } else {
+        snprintf(r->method, sizeof r->method, "%s", ep == PX_EP_MODELS ? "GET" : "POST");
         snprintf(r->lpath, sizeof r->lpath, "%s", px_endpoints[ep].path);
     }
-
     px_http_request_id(h, r->id);
     px_log_value(r->id, r->lid, sizeof r->lid);
-    /* One trace for the request: the client's when it sent exactly one
-     * valid traceparent, else a new one; P and D get child spans of it. */
+    return r;
+}
+
+/* One trace for the request: the client's when it sent exactly one valid
+ * traceparent, else a new one; P and D get child spans of it, in the
+ * header lines built here. */
+static void trace_and_headers(px_req *r, const px_http_head *h) {
     const px_http_header *tp = NULL;
     int ntp = 0;
     for (size_t i = 0; i < h->nheaders; i++)
@@ -312,45 +316,50 @@ void px_req_start(px_wctx *w, px_conn *c, px_endpoint ep, const px_http_head *h,
     if (!px_endpoint_passthrough(r->ep) && r->ep != PX_EP_MODELS)
         headers_for(r, h, traced, r->span_p, &r->hdrs_p);
     headers_for(r, h, traced, r->span_d, &r->hdrs_d);
+}
 
+/* Takes one of --max-inflight's slots. Returns -1 when r has ended. */
+static int admit(px_req *r) {
     long max = r->ctx->cfg->max_inflight;
     long now = atomic_fetch_add(&r->ctx->inflight, 1) + 1;
     r->counted = 1;
     if (max > 0 && now > max) {
         req_fail(r, 503, "Retry-After: 1\r\n", "too many requests in flight (--max-inflight %ld)",
                  max);
-        return;
+        return -1;
     }
-    px_conn_bind(c, &client_cbs, r);
-    if (ep == PX_EP_MODELS) {
-        start_decode(r);
-        return;
+    return 0;
+}
+
+/* The client's bytes, unchanged, to a decode. */
+static void start_passthrough(px_req *r) {
+    if (r->ep == PX_EP_RESPONSES) {
+        r->decided = 1;
+        r->decision = PX_DEC_ENDPOINT;
+        px_m_inc(&r->w->metrics.decisions[PX_DEC_ENDPOINT]);
     }
-    if (ep == PX_EP_PASSTHROUGH || ep == PX_EP_RESPONSES) {
-        /* The client's bytes, unchanged. */
-        if (ep == PX_EP_RESPONSES) {
-            r->decided = 1;
-            r->decision = PX_DEC_ENDPOINT;
-            px_m_inc(&w->metrics.decisions[PX_DEC_ENDPOINT]);
-        }
-        r->dbody = r->body;
-        px_buf_init(&r->body);
-        account(r);
-        start_decode(r);
-        return;
-    }
+    r->dbody = r->body;
+    px_buf_init(&r->body);
+    account(r);
+    start_decode(r);
+}
+
+/* The checks before any backend sees a P/D request: a JSON object body, a
+ * pool serving its model, the sidecar's prefill, a decode that can take
+ * it, room in the memory budget. Returns -1 when r has ended. */
+static int check_pd(px_req *r, const px_http_head *h) {
     char err[128];
     px_json_type t =
         px_json_validate(r->body.data ? r->body.data : "", r->body.len, err, sizeof err);
     if (t == PX_JSON_INVALID) {
         req_fail(r, 400, NULL, "request body is not valid JSON: %s", err);
-        return;
+        return -1;
     }
     if (t != PX_JSON_OBJECT) {
         req_fail(r, 400, NULL, "request body must be a JSON object");
-        return;
+        return -1;
     }
-    if (choose_pool(r) < 0 || sidecar_prefill(r, h) < 0) return;
+    if (choose_pool(r) < 0 || sidecar_prefill(r, h) < 0) return -1;
     /* A prefill without a decode to hand its blocks to would strand them
      * until they expire: refuse before starting one. */
     const char *why;
@@ -359,7 +368,7 @@ void px_req_start(px_wctx *w, px_conn *c, px_endpoint ep, const px_http_head *h,
                  "no decode backend can take the request (%s%s%s%s); no prefill was started", why,
                  r->g->named ? " in pool '" : "", r->g->named ? r->ps->name : "",
                  r->g->named ? "'" : "");
-        return;
+        return -1;
     }
     /* The client's body is held already (the connection counted it); the
      * prefill copy needs room in the budget too. */
@@ -369,9 +378,15 @@ void px_req_start(px_wctx *w, px_conn *c, px_endpoint ep, const px_http_head *h,
         req_fail(r, 503, "Retry-After: 1\r\n",
                  "request refused: the proxy's memory budget for buffered bodies "
                  "(--max-buffered-bytes) is spent; retry later");
-        return;
+        return -1;
     }
     r->held += (int64_t)r->body.len + 512;
+    return 0;
+}
+
+/* A P/D request: decided, then a prefill or decode alone. */
+static void start_pd(px_req *r, const px_http_head *h) {
+    if (check_pd(r, h) < 0) return;
     if (r->ps->prefill.cfg.policy == PX_POLICY_PREFIX_AFFINITY)
         px_disagg_key(r->ep, r->body.data, r->body.len, r->ps->prefill.cfg.prefix_bytes, &r->key,
                       &r->key_len);
@@ -382,7 +397,7 @@ void px_req_start(px_wctx *w, px_conn *c, px_endpoint ep, const px_http_head *h,
         disagg = 0;
         r->decision = PX_DEC_NO_PREFILL;
     }
-    px_m_inc(&w->metrics.decisions[r->decision]);
+    px_m_inc(&r->w->metrics.decisions[r->decision]);
     if (!disagg) {
         if (r->decision == PX_DEC_NO_PREFILL) {
             PX_LOG(PX_LOG_WARN,
@@ -399,6 +414,19 @@ void px_req_start(px_wctx *w, px_conn *c, px_endpoint ep, const px_http_head *h,
     if (r->ctx->cfg->prefill_timeout > 0)
         r->prefill_deadline = r->t0 + (uint64_t)(r->ctx->cfg->prefill_timeout * 1e9);
     start_prefill(r);
+}
+
+void px_req_start(px_wctx *w, px_conn *c, px_endpoint ep, const px_http_head *h, px_buf *body) {
+    px_req *r = req_new(w, c, ep, h, body);
+    trace_and_headers(r, h);
+    if (admit(r) < 0) return;
+    px_conn_bind(c, &client_cbs, r);
+    if (ep == PX_EP_MODELS)
+        start_decode(r);
+    else if (px_endpoint_passthrough(ep))
+        start_passthrough(r);
+    else
+        start_pd(r, h);
 }
 
 /* ---------- headers ---------- */
