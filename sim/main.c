@@ -1,5 +1,7 @@
-/* engine-sim: flags → sim_config → engine. */
+/* engine-sim: flags → sim_config → engine. One table drives the flags and
+ * --help. */
 #include <getopt.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -8,65 +10,143 @@
 #include "engine.h"
 #include "log.h"
 
+typedef enum { O_STR, O_INT, O_U32, O_U64, O_ROLE, O_LEVEL } otype;
+
+typedef struct sim_opt {
+    const char *name; /* long flag without dashes */
+    otype type;
+    size_t off;       /* into sim_config */
+    long min, max;    /* bounds for numbers */
+    const char *arg;  /* the value's name in --help */
+    const char *help; /* lines after the first are indented under it */
+} sim_opt;
+
+#define OFF(f) offsetof(sim_config, f)
+
+static const sim_opt opts[] = {
+    {"role", O_ROLE, OFF(role), 0, 0, "prefill|decode|both",
+     "informational; every role serves every request (both)"},
+    {"host", O_STR, OFF(host), 0, 0, "ADDR", "HTTP listen address (127.0.0.1)"},
+    {"port", O_INT, OFF(port), 1, 65535, "N", "HTTP port (8100)"},
+    {"model", O_STR, OFF(model), 0, 0, "NAME", "served model name (sim-model)"},
+    {"kv-host", O_STR, OFF(kv_host), 0, 0, "ADDR",
+     "KV side-channel address, bound and advertised (127.0.0.1)"},
+    {"kv-port", O_INT, OFF(kv_port), 0, 65535, "N", "KV side-channel port, 0 = any free port (0)"},
+    {"num-blocks", O_U64, OFF(num_blocks), 1, 1L << 24, "N", "KV pool size in blocks (1024)"},
+    {"block-tokens", O_U32, OFF(block_tokens), 1, 4096, "N", "tokens per KV block (16)"},
+    {"layers", O_U32, OFF(layers), 1, 512, "N", "layers; each has a K and a V region (2)"},
+    {"block-bytes", O_U32, OFF(block_bytes), 8, 64L << 20, "N",
+     "bytes per block per region (4096)"},
+    {"ttft-ms", O_U32, OFF(ttft_ms), 0, 3600000, "N", "time to first token, ms (0)"},
+    {"itl-ms", O_U32, OFF(itl_ms), 0, 3600000, "N", "inter-token latency, ms (0)"},
+    {"engine-id", O_STR, OFF(engine_id), 0, 0, "ID", "KV engine id (sim-<role>-<port>)"},
+    {"max-queue", O_U32, OFF(max_queue), 0, 1000000, "N",
+     "requests that may wait for free KV blocks; when the\n"
+     "pool is full and the queue too, 503 + Retry-After (256)"},
+    {"kv-expiry-ms", O_U32, OFF(kv_expiry_ms), 1, 86400000, "N",
+     "published blocks not claimed in time are freed (480000)"},
+    {"kv-secret-file", O_STR, OFF(kv_secret_file), 0, 0, "PATH",
+     "cluster secret authenticating the KV side channel (file\n"
+     "content, trailing newline stripped); default: env\n"
+     "KVC_SECRET_FILE, else KVC_SECRET, else none (warned)"},
+    {"tp-size", O_U32, OFF(tp_size), 1, 1024, "N",
+     "tensor-parallel size of this engine; a decode with a\n"
+     "larger TP than its prefill notifies once per rank (1)"},
+    {"prefill-us-per-token", O_U32, OFF(prefill_us_per_token), 0, 1000000, "N",
+     "compute time of one prompt token, us; prompts are\n"
+     "computed one at a time, cached prefixes skipped (0)"},
+    {"log-level", O_LEVEL, OFF(log_level), 0, 0, "L", "debug|info|warn|error (info)"},
+};
+#define NOPTS (sizeof opts / sizeof opts[0])
+enum { OPT_HELP = NOPTS, OPT_VERSION };
+
 static void usage(FILE *out) {
-    fprintf(
-        out,
-        "Usage: engine-sim [options]\n"
-        "An OpenAI-compatible engine that behaves like one vLLM instance of a P/D pair:\n"
-        "prefill computes KV blocks (bytes derived from the prompt) and publishes them\n"
-        "with libkvconnector; decode fetches them over UCX, verifies every byte, notifies\n"
-        "prefill by remote_request_id, and generates deterministic text.\n\n"
-        "  --role prefill|decode|both  informational; every role serves every request (both)\n"
-        "  --host ADDR                 HTTP listen address (127.0.0.1)\n"
-        "  --port N                    HTTP port (8100)\n"
-        "  --model NAME                served model name (sim-model)\n"
-        "  --kv-host ADDR              KV side-channel address, bound and advertised (127.0.0.1)\n"
-        "  --kv-port N                 KV side-channel port, 0 = any free port (0)\n"
-        "  --num-blocks N              KV pool size in blocks (1024)\n"
-        "  --block-tokens N            tokens per KV block (16)\n"
-        "  --layers N                  layers; each has a K and a V region (2)\n"
-        "  --block-bytes N             bytes per block per region (4096)\n"
-        "  --ttft-ms N                 time to first token, ms (0)\n"
-        "  --itl-ms N                  inter-token latency, ms (0)\n"
-        "  --engine-id ID              KV engine id (sim-<role>-<port>)\n"
-        "  --max-queue N               requests that may wait for free KV blocks; when the\n"
-        "                              pool is full and the queue too, 503 + Retry-After (256)\n"
-        "  --kv-expiry-ms N            published blocks not claimed in time are freed (480000)\n"
-        "  --kv-secret-file PATH       cluster secret authenticating the KV side channel (file\n"
-        "                              content, trailing newline stripped); default: env\n"
-        "                              KVC_SECRET_FILE, else KVC_SECRET, else none (warned)\n"
-        "  --tp-size N                 tensor-parallel size of this engine; a decode with a\n"
-        "                              larger TP than its prefill notifies once per rank (1)\n"
-        "  --prefill-us-per-token N    compute time of one prompt token, us; prompts are\n"
-        "                              computed one at a time, cached prefixes skipped (0)\n"
-        "  --log-level L               debug|info|warn|error (info)\n"
-        "  --help, --version\n");
+    fputs("Usage: engine-sim [options]\n"
+          "An OpenAI-compatible engine that behaves like one vLLM instance of a P/D pair:\n"
+          "prefill computes KV blocks (bytes derived from the prompt) and publishes them\n"
+          "with libkvconnector; decode fetches them over UCX, verifies every byte, notifies\n"
+          "prefill by remote_request_id, and generates deterministic text.\n\n",
+          out);
+    for (size_t i = 0; i < NOPTS; i++) {
+        char flag[64];
+        snprintf(flag, sizeof flag, "--%s %s", opts[i].name, opts[i].arg);
+        fprintf(out, "  %-28s", flag);
+        for (const char *p = opts[i].help; *p; p++) {
+            fputc(*p, out);
+            if (*p == '\n') fprintf(out, "%30s", "");
+        }
+        fputc('\n', out);
+    }
+    fputs("  --help, --version\n", out);
 }
 
-static long num(const char *flag, const char *v, long min, long max) {
-    char *end;
-    long x = strtol(v, &end, 10);
-    if (!*v || *end || x < min || x > max) {
-        fprintf(stderr, "engine-sim: --%s '%s': expected an integer in %ld..%ld\n", flag, v, min,
-                max);
-        exit(2);
+/* Sets the option's field from v; exits 2 with the flag, the value and
+ * the reason when v does not fit. */
+static void set_opt(sim_config *c, const sim_opt *o, const char *v) {
+    void *field = (char *)c + o->off;
+    if (o->type == O_STR) {
+        *(const char **)field = v;
+    } else if (o->type == O_ROLE) {
+        if (strcmp(v, "prefill") && strcmp(v, "decode") && strcmp(v, "both")) {
+            fprintf(stderr, "engine-sim: --role '%s': expected prefill, decode or both\n", v);
+            exit(2);
+        }
+        *(const char **)field = v;
+    } else if (o->type == O_LEVEL) {
+        int l = px_log_level_parse(v);
+        if (l < 0) {
+            fprintf(stderr, "engine-sim: --log-level '%s': expected debug|info|warn|error\n", v);
+            exit(2);
+        }
+        *(int *)field = l;
+    } else {
+        char *end;
+        long x = strtol(v, &end, 10);
+        if (!*v || *end || x < o->min || x > o->max) {
+            fprintf(stderr, "engine-sim: --%s '%s': expected an integer in %ld..%ld\n", o->name, v,
+                    o->min, o->max);
+            exit(2);
+        }
+        if (o->type == O_INT)
+            *(int *)field = (int)x;
+        else if (o->type == O_U32)
+            *(uint32_t *)field = (uint32_t)x;
+        else
+            *(uint64_t *)field = (uint64_t)x;
     }
-    return x;
+}
+
+/* Parses the flags into c. Returns -1 to go on, else the exit status. */
+static int parse_flags(sim_config *c, int argc, char **argv) {
+    struct option lo[NOPTS + 3];
+    for (size_t i = 0; i < NOPTS; i++)
+        lo[i] = (struct option){opts[i].name, required_argument, NULL, (int)i};
+    lo[NOPTS] = (struct option){"help", no_argument, NULL, OPT_HELP};
+    lo[NOPTS + 1] = (struct option){"version", no_argument, NULL, OPT_VERSION};
+    lo[NOPTS + 2] = (struct option){NULL, 0, NULL, 0};
+    int o;
+    while ((o = getopt_long(argc, argv, "h", lo, NULL)) != -1) {
+        if (o >= 0 && o < (int)NOPTS) {
+            set_opt(c, &opts[o], optarg);
+        } else if (o == OPT_HELP || o == 'h') {
+            usage(stdout);
+            return 0;
+        } else if (o == OPT_VERSION) {
+            printf("engine-sim %s\n", PDPROXY_VERSION);
+            return 0;
+        } else {
+            usage(stderr);
+            return 2;
+        }
+    }
+    if (optind < argc) {
+        fprintf(stderr, "engine-sim: unexpected argument '%s'\n", argv[optind]);
+        return 2;
+    }
+    return -1;
 }
 
 int main(int argc, char **argv) {
-    static const struct option opts[] = {
-        {"role", 1, 0, 'r'},         {"host", 1, 0, 'H'},
-        {"port", 1, 0, 'p'},         {"model", 1, 0, 'm'},
-        {"kv-host", 1, 0, 'K'},      {"kv-port", 1, 0, 'k'},
-        {"num-blocks", 1, 0, 'n'},   {"block-tokens", 1, 0, 't'},
-        {"layers", 1, 0, 'l'},       {"block-bytes", 1, 0, 'b'},
-        {"ttft-ms", 1, 0, 'f'},      {"itl-ms", 1, 0, 'i'},
-        {"engine-id", 1, 0, 'e'},    {"max-queue", 1, 0, 'q'},
-        {"kv-expiry-ms", 1, 0, 'x'}, {"kv-secret-file", 1, 0, 'S'},
-        {"tp-size", 1, 0, 'T'},      {"prefill-us-per-token", 1, 0, 'U'},
-        {"log-level", 1, 0, 'L'},    {"help", 0, 0, 'h'},
-        {"version", 0, 0, 'V'},      {0, 0, 0, 0}};
     sim_config c = {.role = "both",
                     .host = "127.0.0.1",
                     .port = 8100,
@@ -85,91 +165,8 @@ int main(int argc, char **argv) {
                     .log_level = 1,
                     .kv_secret_file = NULL,
                     .tp_size = 1};
-    int o;
-    while ((o = getopt_long(argc, argv, "h", opts, NULL)) != -1) {
-        switch (o) {
-        case 'r':
-            if (strcmp(optarg, "prefill") && strcmp(optarg, "decode") && strcmp(optarg, "both")) {
-                fprintf(stderr, "engine-sim: --role '%s': expected prefill, decode or both\n",
-                        optarg);
-                return 2;
-            }
-            c.role = optarg;
-            break;
-        case 'H':
-            c.host = optarg;
-            break;
-        case 'p':
-            c.port = (int)num("port", optarg, 1, 65535);
-            break;
-        case 'm':
-            c.model = optarg;
-            break;
-        case 'K':
-            c.kv_host = optarg;
-            break;
-        case 'k':
-            c.kv_port = (int)num("kv-port", optarg, 0, 65535);
-            break;
-        case 'n':
-            c.num_blocks = (uint64_t)num("num-blocks", optarg, 1, 1L << 24);
-            break;
-        case 't':
-            c.block_tokens = (uint32_t)num("block-tokens", optarg, 1, 4096);
-            break;
-        case 'l':
-            c.layers = (uint32_t)num("layers", optarg, 1, 512);
-            break;
-        case 'b':
-            c.block_bytes = (uint32_t)num("block-bytes", optarg, 8, 64L << 20);
-            break;
-        case 'f':
-            c.ttft_ms = (uint32_t)num("ttft-ms", optarg, 0, 3600000);
-            break;
-        case 'i':
-            c.itl_ms = (uint32_t)num("itl-ms", optarg, 0, 3600000);
-            break;
-        case 'e':
-            c.engine_id = optarg;
-            break;
-        case 'q':
-            c.max_queue = (uint32_t)num("max-queue", optarg, 0, 1000000);
-            break;
-        case 'x':
-            c.kv_expiry_ms = (uint32_t)num("kv-expiry-ms", optarg, 1, 86400000);
-            break;
-        case 'S':
-            c.kv_secret_file = optarg;
-            break;
-        case 'U':
-            c.prefill_us_per_token = (uint32_t)num("prefill-us-per-token", optarg, 0, 1000000);
-            break;
-        case 'T':
-            c.tp_size = (uint32_t)num("tp-size", optarg, 1, 1024);
-            break;
-        case 'L':
-            c.log_level = px_log_level_parse(optarg);
-            if (c.log_level < 0) {
-                fprintf(stderr, "engine-sim: --log-level '%s': expected debug|info|warn|error\n",
-                        optarg);
-                return 2;
-            }
-            break;
-        case 'h':
-            usage(stdout);
-            return 0;
-        case 'V':
-            printf("engine-sim %s\n", PDPROXY_VERSION);
-            return 0;
-        default:
-            usage(stderr);
-            return 2;
-        }
-    }
-    if (optind < argc) {
-        fprintf(stderr, "engine-sim: unexpected argument '%s'\n", argv[optind]);
-        return 2;
-    }
+    int rc = parse_flags(&c, argc, argv);
+    if (rc >= 0) return rc;
     uint64_t pool = c.num_blocks * c.block_bytes;
     if (pool > (16ull << 30)) {
         fprintf(stderr,
