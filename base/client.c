@@ -557,22 +557,13 @@ static int read_head(px_creq *q, struct evbuffer *in) {
         size_t len = evbuffer_get_length(in);
         if (!len) return 0;
         q->answering = 1;
-        struct evbuffer_ptr start, end;
-        size_t limit = len < MAX_RESP_HEAD + 4 ? len : MAX_RESP_HEAD + 4;
-        size_t from = q->searched > 3 ? q->searched - 3 : 0;
-        evbuffer_ptr_set(in, &start, from, EVBUFFER_PTR_SET);
-        evbuffer_ptr_set(in, &end, limit, EVBUFFER_PTR_SET);
-        struct evbuffer_ptr pos = evbuffer_search_range(in, "\r\n\r\n", 4, &start, &end);
-        if (pos.pos < 0) {
-            q->searched = limit;
-            if (len >= MAX_RESP_HEAD + 4) {
-                fail(q, PX_CR_PROTOCOL, "response head too large");
-                return -1;
-            }
-            return 0;
+        long end = px_http_head_end(in, MAX_RESP_HEAD, &q->searched);
+        if (end < 0) {
+            fail(q, PX_CR_PROTOCOL, "response head too large");
+            return -1;
         }
-        q->searched = 0;
-        size_t hlen = (size_t)pos.pos + 4;
+        if (end == 0) return 0;
+        size_t hlen = (size_t)end;
         /* Header spans point into this copy while on_head runs. */
         char *buf = (char *)evbuffer_pullup(in, (ev_ssize_t)hlen);
         px_http_head *h = &q->cl->scratch;

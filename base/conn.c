@@ -573,28 +573,16 @@ static void dispatch(px_conn *c) {
 
 static void read_head(px_conn *c) {
     struct evbuffer *in = bufferevent_get_input(c->bev);
-    size_t len = evbuffer_get_length(in);
     if (!c->got_bytes) {
         /* A new request starts: the header deadline replaces the idle one. */
         c->got_bytes = 1;
         c->idle_due = 0;
         arm_timer(c, 1);
     }
-    /* Search only what is new (and the 3 bytes before it): a head trickled
-     * in byte by byte would otherwise cost a search of everything per byte. */
-    struct evbuffer_ptr start, end;
-    size_t limit = len < PX_HTTP_MAX_HEAD_BYTES + 4 ? len : PX_HTTP_MAX_HEAD_BYTES + 4;
-    size_t from = c->searched > 3 ? c->searched - 3 : 0;
-    evbuffer_ptr_set(in, &start, from, EVBUFFER_PTR_SET);
-    evbuffer_ptr_set(in, &end, limit, EVBUFFER_PTR_SET);
-    struct evbuffer_ptr pos = evbuffer_search_range(in, "\r\n\r\n", 4, &start, &end);
-    if (pos.pos < 0) {
-        c->searched = limit;
-        if (len >= PX_HTTP_MAX_HEAD_BYTES + 4) reject(c, 431, "request header block too large");
-        return;
-    }
-    c->searched = 0;
-    size_t hlen = (size_t)pos.pos + 4;
+    long end = px_http_head_end(in, PX_HTTP_MAX_HEAD_BYTES, &c->searched);
+    if (end < 0) reject(c, 431, "request header block too large");
+    if (end <= 0) return;
+    size_t hlen = (size_t)end;
     c->headbuf = px_xmalloc(hlen);
     evbuffer_remove(in, c->headbuf, hlen);
     const char *why = NULL;

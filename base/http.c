@@ -2,6 +2,8 @@
 
 #include <string.h>
 
+#include <event2/buffer.h>
+
 static int is_tchar(unsigned char c) {
     if ((c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9')) return 1;
     return c && strchr("!#$%&'*+-.^_`|~", c) != NULL;
@@ -443,4 +445,20 @@ int px_http_hop_by_hop(const px_http_header *x) {
     for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
         if (px_http_token_eq(x->name, x->name_len, names[i])) return 1;
     return 0;
+}
+
+long px_http_head_end(struct evbuffer *in, size_t max, size_t *searched) {
+    size_t len = evbuffer_get_length(in);
+    struct evbuffer_ptr start, end;
+    size_t limit = len < max + 4 ? len : max + 4;
+    size_t from = *searched > 3 ? *searched - 3 : 0;
+    evbuffer_ptr_set(in, &start, from, EVBUFFER_PTR_SET);
+    evbuffer_ptr_set(in, &end, limit, EVBUFFER_PTR_SET);
+    struct evbuffer_ptr pos = evbuffer_search_range(in, "\r\n\r\n", 4, &start, &end);
+    if (pos.pos < 0) {
+        *searched = limit;
+        return len >= max + 4 ? -1 : 0;
+    }
+    *searched = 0;
+    return (long)pos.pos + 4;
 }

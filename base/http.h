@@ -72,6 +72,17 @@ int px_http_token_eq(const char *s, size_t n, const char *lit); /* case-insensit
  * itself. */
 int px_http_hop_by_hop(const px_http_header *x);
 
+struct evbuffer;
+
+/* Where the head at the start of `in` ends: its length through the blank
+ * line ("\r\n\r\n"), 0 when it has not all arrived, or -1 when the first
+ * max + 4 bytes hold no end (the head is too large). Only what is new since
+ * the last call (and the 3 bytes before it) is searched: *searched keeps
+ * that between calls (start at 0; back to 0 once the end is found), so a
+ * head trickled in byte by byte does not cost a search of all of it per
+ * byte. */
+long px_http_head_end(struct evbuffer *in, size_t max, size_t *searched);
+
 /* Incremental decoder of a chunked body (requests and responses). */
 typedef struct px_chunked {
     int state;
