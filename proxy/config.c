@@ -147,7 +147,7 @@ static const opt opts[] = {
      "prefix_affinity: an instance takes at most this times the mean in-flight load", NULL,
      RELOADS},
     {"metrics-interval", NULL, CT_SECONDS, OFF(metrics_interval), "2", 0.05, 3600,
-     "load_aware: seconds between scrapes of each engine's /metrics", NULL, AT_START},
+     "load_aware: seconds between load probes of each engine's /metrics", NULL, AT_START},
     /* Per-request decisions: conditional disaggregation and usage. */
     {"disagg-min-tokens", NULL, CT_INT, OFF(disagg_min_tokens), "0", 0, 100000000,
      "send a request straight to decode when its estimated uncached prompt is shorter than this "
