@@ -1,4 +1,4 @@
-#include "client.h"
+#include "base/client.h"
 
 #include <errno.h>
 #include <event2/buffer.h>
@@ -12,7 +12,7 @@
 #include <sys/uio.h>
 #include <unistd.h>
 
-#include "list.h"
+#include "base/list.h"
 
 #define MAX_RESP_HEAD (64 * 1024)
 

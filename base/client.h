@@ -22,8 +22,8 @@
 #include <stdint.h>
 #include <sys/socket.h>
 
-#include "http.h"
-#include "util.h"
+#include "base/http.h"
+#include "base/util.h"
 
 typedef struct px_client px_client;
 typedef struct px_creq px_creq;

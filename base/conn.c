@@ -1,4 +1,4 @@
-#include "conn.h"
+#include "base/conn.h"
 
 #include <errno.h>
 #include <event2/buffer.h>
@@ -12,8 +12,8 @@
 #include <sys/socket.h>
 #include <sys/uio.h>
 
-#include "list.h"
-#include "log.h"
+#include "base/list.h"
+#include "base/log.h"
 
 /* CS_LINGER: a refusal was queued while the client may still be sending;
  * its bytes are read and dropped until it closes (or a short timer), so the

@@ -10,8 +10,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "http.h"
-#include "util.h"
+#include "base/http.h"
+#include "base/util.h"
 
 typedef struct px_conn px_conn;
 

@@ -1,4 +1,4 @@
-#include "hash.h"
+#include "base/hash.h"
 
 uint64_t px_hash64_seed(const void *p, size_t n, uint64_t seed) {
     return px_hash64_more(0xcbf29ce484222325ull ^ seed, p, n);

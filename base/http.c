@@ -1,4 +1,4 @@
-#include "http.h"
+#include "base/http.h"
 
 #include <string.h>
 

@@ -8,7 +8,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "util.h"
+#include "base/util.h"
 
 #define PX_HTTP_MAX_HEADERS 100
 #define PX_HTTP_MAX_HEAD_BYTES (64 * 1024)

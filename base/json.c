@@ -1,4 +1,4 @@
-#include "json.h"
+#include "base/json.h"
 
 #include <stdint.h>
 #include <stdio.h>

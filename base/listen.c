@@ -1,4 +1,4 @@
-#include "listen.h"
+#include "base/listen.h"
 
 #include <errno.h>
 #include <event2/listener.h>
@@ -9,8 +9,8 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
-#include "log.h"
-#include "util.h"
+#include "base/log.h"
+#include "base/util.h"
 
 struct px_listener {
     struct evconnlistener *lev; /* owned */

@@ -7,7 +7,7 @@
 #include <event2/event.h>
 #include <stddef.h>
 
-#include "conn.h"
+#include "base/conn.h"
 
 typedef struct px_listener px_listener;
 

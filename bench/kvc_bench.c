@@ -13,7 +13,7 @@
  * GB/s figures use the median iteration (this box is shared and noisy); the
  * memcpy baseline runs right before each row's fetches.
  * Output: one "key=value" line per measurement (grep-friendly). */
-#include "kvconnector.h"
+#include "include/kvconnector.h"
 
 #include <arpa/inet.h>
 #include <errno.h>

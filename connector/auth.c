@@ -2,7 +2,7 @@
  * tokens (OpenSSL RAND_bytes), the two handshake MACs (HMAC-SHA-256) and
  * their constant-time comparison.  listen.c (producer) and peer.c
  * (consumer) run the exchange. */
-#include "kvc_int.h"
+#include "connector/kvc_int.h"
 
 #include <errno.h>
 #include <fcntl.h>

@@ -2,7 +2,7 @@
  * the other files' I/O and timers) and counters.  The pieces every file
  * calls back into (log, clock, event queue, wake-up, poll set) are in
  * loop.c, so that calls run one way: context.c -> the rest -> loop.c. */
-#include "kvc_int.h"
+#include "connector/kvc_int.h"
 
 #include <openssl/crypto.h>
 

@@ -2,7 +2,7 @@
  * block ids of a publish or fetch become as few copies as the layout
  * allows, one cudaMemcpyAsync per run of consecutive blocks, or one
  * cudaMemcpy2DAsync per series of equal runs at a constant stride. */
-#include "kvc_int.h"
+#include "connector/kvc_int.h"
 
 #include <stdlib.h>
 #include <string.h>

@@ -10,7 +10,7 @@
  *    the CUDA error name goes into the message (kvc_cuda_last_error);
  *  - copies are queued on the stream of the device that owns the memory,
  *    never on the current device's. */
-#include "kvc_int.h"
+#include "connector/kvc_int.h"
 
 #include <cuda_runtime_api.h>
 #include <stdio.h>

@@ -1,6 +1,6 @@
 /* Build without CUDA: every CUDA entry point reports it is unavailable.  The
  * copy planner is pure and shared by both builds (copyplan.c). */
-#include "kvc_int.h"
+#include "connector/kvc_int.h"
 
 #include <stdio.h>
 

@@ -1,7 +1,7 @@
 /* Expiry of published requests: a list sorted by deadline (usually appended
  * at the tail, since most requests use the agent's expiry_ms), swept on each
  * progress; the head's deadline feeds the agent's timer. */
-#include "kvc_int.h"
+#include "connector/kvc_int.h"
 
 void kvc_expiry_insert(kvc_pubtab_t *t, kvc_pub_t *p) {
     kvc_pub_t *at = t->etail;

@@ -2,7 +2,7 @@
 #ifndef KVC_INT_H
 #define KVC_INT_H
 
-#include "kvconnector.h"
+#include "include/kvconnector.h"
 
 #include <stdarg.h>
 #include <stdbool.h>

@@ -9,7 +9,7 @@
  * A malformed, oversized or slow side-channel client is closed on its own;
  * handshakes in progress are bounded per source address and in all, and the
  * oldest client that has not even sent a HELLO gives way to a new one. */
-#include "kvc_int.h"
+#include "connector/kvc_int.h"
 
 #include <arpa/inet.h>
 #include <errno.h>

@@ -3,7 +3,7 @@
  * status text and kvc_free, the clock, logging, the event queue, the wake-up
  * eventfd, the timerfd and the epoll set behind the agent's fd.  Calls
  * nothing else of the connector but wire.c's kvc_strdup. */
-#include "kvc_int.h"
+#include "connector/kvc_int.h"
 
 #include <stdio.h>
 #include <stdlib.h>

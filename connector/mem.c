@@ -1,7 +1,7 @@
 /* KV regions: registration of caller memory, connector-allocated host pools
  * (ucp_mem_map ALLOCATE: shared memory, so same-host gets are one-sided),
  * CUDA staging mirrors, packed rkeys, and the handshake reply built from them. */
-#include "kvc_int.h"
+#include "connector/kvc_int.h"
 
 #include <stdlib.h>
 #include <string.h>

@@ -4,7 +4,7 @@
  * once the expected number of consumers has notified (heterogeneous TP), or
  * logs and counts an unknown or already-expired id.  A wrong token is never
  * acted on: counted (KVC_STAT_DENIED) and logged, rate-limited. */
-#include "kvc_int.h"
+#include "connector/kvc_int.h"
 
 #include <string.h>
 

@@ -3,7 +3,7 @@
  * ("remote_kv_token", 32 hex digits).  Unknown keys are ignored; block ids may
  * be a flat list or, as newer engines send, a list of per-group lists (one
  * group only: hybrid models with several groups are refused, INCOMPATIBLE). */
-#include "kvc_int.h"
+#include "connector/kvc_int.h"
 
 #include <cjson/cJSON.h>
 #include <math.h>

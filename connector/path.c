@@ -4,7 +4,7 @@
  * transport (GPUDirect) across hosts.  Over anything else UCX would emulate
  * a get with a host memcpy, which on device memory is a crash, so the
  * producer pushes instead, and a forced get is refused with a clear status. */
-#include "kvc_int.h"
+#include "connector/kvc_int.h"
 
 #include <string.h>
 

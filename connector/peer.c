@@ -3,7 +3,7 @@
  * rkeys.  A peer whose endpoint fails is dropped from the cache, so the next
  * fetch handshakes again (remote restart).  The producer's listener is
  * listen.c. */
-#include "kvc_int.h"
+#include "connector/kvc_int.h"
 
 #include <arpa/inet.h>
 #include <errno.h>

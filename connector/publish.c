@@ -1,7 +1,7 @@
 /* Producer bookkeeping: the table of published requests (hash by request id)
  * and kvc_publish / kvc_unpublish.  Release by notification is in notify.c,
  * by time in expiry.c. */
-#include "kvc_int.h"
+#include "connector/kvc_int.h"
 
 #include <stdlib.h>
 #include <string.h>

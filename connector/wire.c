@@ -23,7 +23,7 @@
  * NOTIFY (AM data): pub_token[16], "<request id>:<tp>"
  * Everything a parser reads is bounds-checked against the input length;
  * counts are checked against the bytes that remain before any allocation. */
-#include "kvc_int.h"
+#include "connector/kvc_int.h"
 
 #include <stdlib.h>
 #include <string.h>

@@ -25,7 +25,7 @@
  *
  * A fetch struct lives until its event is queued AND every UCX request that
  * points to it has completed (outstanding == 0). */
-#include "kvc_int.h"
+#include "connector/kvc_int.h"
 
 #include <stdio.h>
 #include <stdlib.h>

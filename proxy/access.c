@@ -1,8 +1,8 @@
-#include "access.h"
+#include "proxy/access.h"
 
 #include <stdio.h>
 
-#include "log.h"
+#include "base/log.h"
 
 void px_access_write(const px_access *a) {
     if (PX_LOG_INFO < px_log_threshold) return;

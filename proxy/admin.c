@@ -1,4 +1,4 @@
-#include "admin.h"
+#include "proxy/admin.h"
 
 #include <errno.h>
 #include <openssl/sha.h>
@@ -6,11 +6,11 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "conn.h"
-#include "http.h"
-#include "json.h"
-#include "listen.h"
-#include "log.h"
+#include "base/conn.h"
+#include "base/http.h"
+#include "base/json.h"
+#include "base/listen.h"
+#include "base/log.h"
 
 #define ADMIN_NOTE                                                                                 \
     "changes made through the admin API last until the next reload from the --config file"

@@ -10,8 +10,8 @@
 #include <event2/event.h>
 #include <stddef.h>
 
-#include "config.h"
-#include "ctx.h"
+#include "proxy/config.h"
+#include "proxy/ctx.h"
 
 typedef struct px_admin px_admin;
 

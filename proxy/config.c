@@ -1,4 +1,4 @@
-#include "config.h"
+#include "proxy/config.h"
 
 #include <arpa/inet.h>
 #include <ctype.h>
@@ -9,8 +9,8 @@
 #include <strings.h>
 #include <yaml.h>
 
-#include "log.h"
-#include "util.h"
+#include "base/log.h"
+#include "base/util.h"
 
 #define PX_POLICIES "round_robin|least_inflight|power_of_two|prefix_affinity|load_aware"
 

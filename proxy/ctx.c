@@ -1,4 +1,4 @@
-#include "ctx.h"
+#include "proxy/ctx.h"
 
 #include <errno.h>
 #include <openssl/crypto.h>

@@ -12,12 +12,12 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "config.h"
-#include "conn.h"
-#include "http.h"
-#include "metrics.h"
-#include "route.h"
-#include "upstream.h"
+#include "base/conn.h"
+#include "base/http.h"
+#include "proxy/config.h"
+#include "proxy/metrics.h"
+#include "proxy/route.h"
+#include "proxy/upstream.h"
 
 struct px_discovery;
 struct px_req;

@@ -1,4 +1,4 @@
-#include "curlx.h"
+#include "proxy/curlx.h"
 
 #include <dlfcn.h>
 #include <pthread.h>
@@ -6,7 +6,7 @@
 
 #include <string.h>
 
-#include "log.h"
+#include "base/log.h"
 
 static px_curl_api api;
 static pthread_once_t once = PTHREAD_ONCE_INIT;

@@ -1,9 +1,9 @@
-#include "disagg.h"
+#include "proxy/disagg.h"
 
 #include <stdlib.h>
 
-#include "hash.h"
-#include "json.h"
+#include "base/hash.h"
+#include "base/json.h"
 
 /* ---------- the decision ---------- */
 

@@ -7,9 +7,9 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "config.h"
-#include "endpoint.h"
-#include "metrics.h"
+#include "proxy/config.h"
+#include "proxy/endpoint.h"
+#include "proxy/metrics.h"
 
 /* ---------- the prefix index ----------
  *

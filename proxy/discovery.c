@@ -1,4 +1,4 @@
-#include "discovery.h"
+#include "proxy/discovery.h"
 
 #include <arpa/inet.h>
 #include <event2/dns.h>
@@ -9,9 +9,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "ctx.h"
-#include "log.h"
-#include "route.h"
+#include "base/log.h"
+#include "proxy/ctx.h"
+#include "proxy/route.h"
 
 #define HOSTS_FILE "/etc/hosts"
 

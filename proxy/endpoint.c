@@ -1,4 +1,4 @@
-#include "endpoint.h"
+#include "proxy/endpoint.h"
 
 #include <string.h>
 

@@ -7,7 +7,7 @@
 
 #include <stddef.h>
 
-#include "http.h"
+#include "base/http.h"
 
 typedef enum {
     PX_EP_COMPLETIONS = 0,

@@ -1,13 +1,13 @@
-#include "health.h"
+#include "proxy/health.h"
 
 #include <stdlib.h>
 #include <string.h>
 
-#include "ctx.h"
-#include "list.h"
-#include "log.h"
-#include "route.h"
-#include "upstream.h"
+#include "base/list.h"
+#include "base/log.h"
+#include "proxy/ctx.h"
+#include "proxy/route.h"
+#include "proxy/upstream.h"
 
 #define PROBE_MAX (4 * 1024 * 1024)
 

@@ -4,10 +4,10 @@
 #include <stdio.h>
 #include <sys/resource.h>
 
-#include "config.h"
-#include "log.h"
-#include "otlp.h"
-#include "server.h"
+#include "base/log.h"
+#include "proxy/config.h"
+#include "proxy/otlp.h"
+#include "proxy/server.h"
 
 extern char **environ;
 

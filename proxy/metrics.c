@@ -1,4 +1,4 @@
-#include "metrics.h"
+#include "proxy/metrics.h"
 
 const double px_hist_bounds[PX_HIST_BUCKETS] = {0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
                                                 0.5,   1,      2.5,   5,    10,    30,   60,  300};

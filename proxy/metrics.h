@@ -7,8 +7,8 @@
 #include <stdatomic.h>
 #include <stdint.h>
 
-#include "endpoint.h"
-#include "util.h"
+#include "base/util.h"
+#include "proxy/endpoint.h"
 
 typedef enum { PX_PHASE_PREFILL = 0, PX_PHASE_DECODE, PX_PHASE_STREAM, PX_PHASE_COUNT } px_phase;
 

@@ -1,6 +1,6 @@
-#include "otlp.h"
+#include "proxy/otlp.h"
 
-#include "curlx.h"
+#include "proxy/curlx.h"
 #include <errno.h>
 #include <pthread.h>
 #include <stdatomic.h>
@@ -11,9 +11,9 @@
 #include <strings.h>
 #include <time.h>
 
-#include "json.h"
-#include "log.h"
-#include "util.h"
+#include "base/json.h"
+#include "base/log.h"
+#include "base/util.h"
 
 #define MAX_ATTRS 12
 #define ATTR_LEN 136

@@ -1,11 +1,11 @@
-#include "reload.h"
+#include "proxy/reload.h"
 
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
-#include "discovery.h"
-#include "log.h"
+#include "base/log.h"
+#include "proxy/discovery.h"
 
 /* ---------- build ---------- */
 

@@ -12,9 +12,9 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "admin.h"
-#include "config.h"
-#include "ctx.h"
+#include "proxy/admin.h"
+#include "proxy/config.h"
+#include "proxy/ctx.h"
 
 typedef struct px_reloader {
     px_ctx *ctx;             /* borrowed: whose generation is swapped */

@@ -1,4 +1,4 @@
-#include "request.h"
+#include "proxy/request.h"
 
 #include <arpa/inet.h>
 #include <stdarg.h>
@@ -9,15 +9,15 @@
 
 #include <event2/event_struct.h> /* free_ev is embedded */
 
-#include "access.h"
-#include "disagg.h"
-#include "json.h"
-#include "list.h"
-#include "log.h"
-#include "otlp.h"
-#include "rewrite.h"
-#include "trace.h"
-#include "usage.h"
+#include "base/json.h"
+#include "base/list.h"
+#include "base/log.h"
+#include "proxy/access.h"
+#include "proxy/disagg.h"
+#include "proxy/otlp.h"
+#include "proxy/rewrite.h"
+#include "proxy/trace.h"
+#include "proxy/usage.h"
 
 /* Largest prefill answer kept; a prefill answers one token, so anything near
  * this is a broken engine, not a big request. */

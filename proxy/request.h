@@ -8,10 +8,10 @@
 #ifndef PX_REQUEST_H
 #define PX_REQUEST_H
 
-#include "ctx.h"
-#include "endpoint.h"
-#include "http.h"
-#include "util.h"
+#include "base/http.h"
+#include "base/util.h"
+#include "proxy/ctx.h"
+#include "proxy/endpoint.h"
 
 typedef struct px_req px_req;
 

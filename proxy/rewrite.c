@@ -1,8 +1,8 @@
-#include "rewrite.h"
+#include "proxy/rewrite.h"
 
 #include <stdio.h>
 
-#include "json.h"
+#include "base/json.h"
 
 /* Keys the prefill request must not carry from the client. */
 static const char *const prefill_drop[] = {

@@ -6,7 +6,7 @@
 
 #include <stddef.h>
 
-#include "util.h"
+#include "base/util.h"
 
 /* The kv_transfer_params the proxy sends to prefill. */
 #define PX_PREFILL_KV_PARAMS                                                                       \

@@ -1,4 +1,4 @@
-#include "route.h"
+#include "proxy/route.h"
 
 #include <arpa/inet.h>
 #include <netdb.h>
@@ -7,9 +7,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "hash.h"
-#include "log.h"
-#include "util.h"
+#include "base/hash.h"
+#include "base/log.h"
+#include "base/util.h"
 
 #define RING_POINTS 64 /* virtual nodes per backend */
 

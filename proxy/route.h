@@ -11,7 +11,7 @@
 #include <stdint.h>
 #include <sys/socket.h>
 
-#include "hash.h" /* px_hash64: routing keys and the ring */
+#include "base/hash.h" /* px_hash64: routing keys and the ring */
 
 typedef enum {
     PX_POLICY_ROUND_ROBIN = 0,

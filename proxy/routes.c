@@ -1,13 +1,13 @@
-#include "routes.h"
+#include "proxy/routes.h"
 
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
-#include "discovery.h"
-#include "endpoint.h"
-#include "request.h"
-#include "scrape.h"
+#include "proxy/discovery.h"
+#include "proxy/endpoint.h"
+#include "proxy/request.h"
+#include "proxy/scrape.h"
 
 /* The 405 for a method the route does not take: counted, logged (when
  * `epname`) and answered with its Allow header. */

@@ -6,9 +6,9 @@
 #ifndef PX_ROUTES_H
 #define PX_ROUTES_H
 
-#include "conn.h"
-#include "ctx.h"
-#include "http.h"
+#include "base/conn.h"
+#include "base/http.h"
+#include "proxy/ctx.h"
 
 /* A worker's listener: `wctx` is the worker's px_wctx. */
 void px_routes_dispatch(void *wctx, px_conn *c, const px_http_head *h, px_buf *body);

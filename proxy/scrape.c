@@ -1,4 +1,4 @@
-#include "scrape.h"
+#include "proxy/scrape.h"
 
 #include <dirent.h>
 #include <pthread.h>
@@ -10,8 +10,8 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "discovery.h"
-#include "otlp.h"
+#include "proxy/discovery.h"
+#include "proxy/otlp.h"
 
 static const char *const phase_names[PX_PHASE_COUNT] = {"prefill", "decode", "stream"};
 

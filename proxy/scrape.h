@@ -4,8 +4,8 @@
 #ifndef PX_SCRAPE_H
 #define PX_SCRAPE_H
 
-#include "ctx.h"
-#include "util.h"
+#include "base/util.h"
+#include "proxy/ctx.h"
 
 void px_scrape_render(px_ctx *ctx, px_buf *out);
 

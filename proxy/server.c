@@ -1,4 +1,4 @@
-#include "server.h"
+#include "proxy/server.h"
 
 #include <errno.h>
 #include <openssl/err.h>
@@ -10,16 +10,16 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
-#include "admin.h"
-#include "ctx.h"
-#include "discovery.h"
-#include "health.h"
-#include "http.h"
-#include "listen.h"
-#include "log.h"
-#include "reload.h"
-#include "request.h"
-#include "routes.h"
+#include "base/http.h"
+#include "base/listen.h"
+#include "base/log.h"
+#include "proxy/admin.h"
+#include "proxy/ctx.h"
+#include "proxy/discovery.h"
+#include "proxy/health.h"
+#include "proxy/reload.h"
+#include "proxy/request.h"
+#include "proxy/routes.h"
 
 /* Commands the control thread posts to workers. */
 enum { PX_CMD_DRAIN = 1, PX_CMD_STOP = 2, PX_CMD_RETIRE = 4 };

@@ -7,7 +7,7 @@
 
 #include <stddef.h>
 
-#include "config.h"
+#include "proxy/config.h"
 
 typedef struct px_server px_server;
 

@@ -1,12 +1,12 @@
 /* W3C Trace Context (traceparent) for the upstream legs: parsing the
  * client's header, new trace and span ids, the child header each leg
  * carries. */
-#include "trace.h"
+#include "proxy/trace.h"
 
 #include <stdint.h>
 #include <string.h>
 
-#include "util.h"
+#include "base/util.h"
 
 static int lowhex(const char *s, size_t n, int nonzero) {
     int nz = 0;

@@ -1,4 +1,4 @@
-#include "upstream.h"
+#include "proxy/upstream.h"
 
 #include <arpa/inet.h>
 #include <poll.h>
@@ -6,10 +6,10 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "client.h"
-#include "curlx.h"
-#include "log.h"
-#include "util.h"
+#include "base/client.h"
+#include "base/log.h"
+#include "base/util.h"
+#include "proxy/curlx.h"
 
 struct px_uploop {
     struct event_base *base; /* borrowed */

@@ -10,8 +10,8 @@
 #include <event2/event.h>
 #include <stddef.h>
 
-#include "route.h"
-#include "util.h"
+#include "base/util.h"
+#include "proxy/route.h"
 
 typedef struct px_uploop px_uploop;
 typedef struct px_upstream px_upstream;

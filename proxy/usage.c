@@ -1,9 +1,9 @@
-#include "usage.h"
+#include "proxy/usage.h"
 
 #include <stdio.h>
 #include <string.h>
 
-#include "json.h"
+#include "base/json.h"
 
 /* The number text of usage.prompt_tokens_details.cached_tokens in the JSON
  * object json[0..n): 1 with its span, else 0. */

@@ -10,7 +10,7 @@
 
 #include <stddef.h>
 
-#include "util.h"
+#include "base/util.h"
 
 /* Receives the filter's output, n > 0 bytes at a time. */
 typedef void (*px_usage_out)(void *arg, const char *p, size_t n);

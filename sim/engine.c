@@ -1,9 +1,8 @@
-#include "engine_int.h"
+#include "sim/engine_int.h"
 
 #include <cjson/cJSON.h>
 #include <errno.h>
 #include <event2/event.h>
-#include <kvconnector.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -12,14 +11,15 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "conn.h"
-#include "hash.h"
-#include "http.h"
-#include "kvsim.h"
-#include "list.h"
-#include "log.h"
-#include "sim_request.h"
-#include "util.h"
+#include "base/conn.h"
+#include "base/hash.h"
+#include "base/http.h"
+#include "base/list.h"
+#include "base/log.h"
+#include "base/util.h"
+#include "include/kvconnector.h"
+#include "sim/kvsim.h"
+#include "sim/sim_request.h"
 
 static void pump_queue(sim_engine *e);
 static void start_generation(sim_req *r);

@@ -6,14 +6,14 @@
 
 #include <cjson/cJSON.h>
 #include <event2/event.h>
-#include <kvconnector.h>
 #include <stdint.h>
 
-#include "conn.h"
-#include "engine.h"
-#include "listen.h"
-#include "sim_request.h"
-#include "util.h"
+#include "base/conn.h"
+#include "base/listen.h"
+#include "base/util.h"
+#include "include/kvconnector.h"
+#include "sim/engine.h"
+#include "sim/sim_request.h"
 
 typedef enum { EP_COMPLETIONS, EP_CHAT } sim_ep;
 typedef enum { SR_QUEUED, SR_FETCHING, SR_PREFILL_WAIT, SR_GENERATING } sim_state;

@@ -9,12 +9,12 @@
 #include <sys/socket.h>
 #include <time.h>
 
-#include "engine_int.h"
-#include "hash.h"
-#include "http.h"
-#include "kvsim.h"
-#include "listen.h"
-#include "log.h"
+#include "base/hash.h"
+#include "base/http.h"
+#include "base/listen.h"
+#include "base/log.h"
+#include "sim/engine_int.h"
+#include "sim/kvsim.h"
 
 /* ---------------------------------------------------------- completions -- */
 

@@ -1,6 +1,6 @@
-#include "kvsim.h"
+#include "sim/kvsim.h"
 
-#include "hash.h"
+#include "base/hash.h"
 
 #include <ctype.h>
 #include <stdlib.h>

@@ -7,8 +7,8 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "engine.h"
-#include "log.h"
+#include "base/log.h"
+#include "sim/engine.h"
 
 typedef enum { O_STR, O_INT, O_U32, O_U64, O_ROLE, O_LEVEL } otype;
 

@@ -1,11 +1,11 @@
-#include "sim_request.h"
+#include "sim/sim_request.h"
 
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
-#include "kvsim.h"
-#include "util.h"
+#include "base/util.h"
+#include "sim/kvsim.h"
 
 /* Appends the prompt's text (completions) or rendered messages (chat).
  * Returns NULL or an error message. */

@@ -3,13 +3,19 @@
 #
 #   tools/include_graph.sh            files, modules and cycles
 #   tools/include_graph.sh --cycles   only the cycles
+#   tools/include_graph.sh --layers   only the quoted includes that do not
+#                                     name their layer
 #
-# Exits 1 when there is a cycle.
+# Exits 1 when there is a cycle (--layers: such an include).
 #
-# Only `#include "..."` counts: a name is looked up next to the including
-# file, then in base/, include/, connector/, proxy/, sim/ (the build's
-# include directories).  Files are those git tracks (every .c and .h below
-# the top when run outside a checkout).
+# Only `#include "..."` counts.  The include root is the top of the
+# project, the only include directory of the build: a quoted include names
+# the file's layer and path from there ("base/conn.h", "proxy/route.h",
+# "connector/kvc_int.h", "include/kvconnector.h", "sim/engine.h",
+# "tests/cudasim/cudasim.h").  System headers and stand-ins for them
+# (tests/cudasim's cuda_runtime_api.h) are included with <...>.  Files are
+# those git tracks (every .c and .h below the top when run outside a
+# checkout).
 #
 # A module is a .c file with its .h (proxy/route.c + proxy/route.h).  Module
 # x uses module y when x.c or x.h includes y.h.  A cycle is a set of two or
@@ -20,7 +26,9 @@ set -eu
 
 cd "$(dirname "$0")/.."
 only_cycles=0
+only_layers=0
 [ "${1:-}" = "--cycles" ] && only_cycles=1
+[ "${1:-}" = "--layers" ] && only_layers=1
 
 if git rev-parse --is-inside-work-tree >/dev/null 2>&1; then
     files=$(git ls-files '*.c' '*.h')
@@ -28,20 +36,31 @@ else
     files=$(find . -name '*.c' -o -name '*.h' | sed 's|^\./||' | sort)
 fi
 
-# "includer included" pairs, resolved to paths.
-edges=$(for f in $files; do
-    dir=$(dirname "$f")
+# "includer included" pairs; an include that names no file from the top
+# of the project, or no layer directory, is "includer !name".
+pairs=$(for f in $files; do
     grep -h '^[[:space:]]*#[[:space:]]*include[[:space:]]*"' "$f" |
         sed 's/^[^"]*"\([^"]*\)".*/\1/' |
         while read -r name; do
-            for d in "$dir" base include connector proxy sim; do
-                if [ -f "$d/$name" ]; then
-                    printf '%s %s\n' "$f" "$(echo "$d/$name" | sed 's|^\./||')"
-                    break
-                fi
-            done
+            case "$name" in
+            base/* | connector/* | include/* | proxy/* | sim/* | tests/* | bench/* | tools/*)
+                if [ -f "$name" ]; then
+                    printf '%s %s\n' "$f" "$name"
+                    continue
+                fi ;;
+            esac
+            printf '%s !%s\n' "$f" "$name"
         done
 done | sort -u)
+unlayered=$(echo "$pairs" | awk '$2 ~ /^!/ { print $1 ": #include \"" substr($2, 2) "\"" }')
+if [ "$only_layers" = 1 ]; then
+    n=$(echo "$unlayered" | grep -c . || true)
+    echo "# includes without their layer: $n"
+    [ "$n" = 0 ] || echo "$unlayered"
+    [ "$n" = 0 ]
+    exit
+fi
+edges=$(echo "$pairs" | awk '$2 !~ /^!/')
 
 if [ "$only_cycles" = 0 ]; then
     echo "# files: includer -> included"

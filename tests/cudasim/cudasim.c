@@ -12,7 +12,7 @@
 #ifndef _GNU_SOURCE
 #define _GNU_SOURCE /* nanosleep */
 #endif
-#include "cudasim.h"
+#include "tests/cudasim/cudasim.h"
 
 #include <pthread.h>
 #include <stdint.h>

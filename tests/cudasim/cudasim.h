@@ -4,7 +4,7 @@
 #ifndef CUDASIM_H
 #define CUDASIM_H
 
-#include "cuda_runtime_api.h"
+#include "tests/cudasim/cuda_runtime_api.h"
 
 #include <stdbool.h>
 #include <stddef.h>

@@ -10,8 +10,7 @@ foreach(t fuzz_handshake fuzz_kvc_notify)
                       ${PROJECT_SOURCE_DIR}/connector/params.c
                       ${PROJECT_SOURCE_DIR}/connector/auth.c
                       ${CMAKE_CURRENT_SOURCE_DIR}/fuzz/kvc_fuzz_stubs.c)
-  target_include_directories(${t} PRIVATE ${PROJECT_SOURCE_DIR}/include
-                                          ${PROJECT_SOURCE_DIR}/connector)
+  target_include_directories(${t} PRIVATE ${PROJECT_SOURCE_DIR})
   target_compile_options(${t} PRIVATE ${KVC_FUZZ_FLAGS})
   target_link_options(${t} PRIVATE ${KVC_FUZZ_FLAGS})
   target_link_libraries(${t} PRIVATE PkgConfig::UCX PkgConfig::CJSON PkgConfig::OPENSSL m)

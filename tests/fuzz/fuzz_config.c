@@ -8,8 +8,8 @@
  * result, so LeakSanitizer sees every allocation the loader makes. */
 #include <string.h>
 
-#include "config.h"
-#include "fuzz_common.h"
+#include "proxy/config.h"
+#include "tests/fuzz/fuzz_common.h"
 
 #define MAX_PARTS 64
 

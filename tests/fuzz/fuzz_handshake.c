@@ -7,7 +7,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "kvc_int.h"
+#include "connector/kvc_int.h"
 
 static void body(uint16_t type, const uint8_t *b, size_t len) {
     switch (type) {

@@ -6,8 +6,8 @@
  * a chunked body, decoded once in one piece and once in random splits. */
 #include <string.h>
 
-#include "fuzz_common.h"
-#include "http.h"
+#include "base/http.h"
+#include "tests/fuzz/fuzz_common.h"
 
 static int64_t cl_value(const px_http_header *hd) {
     int64_t x = 0;

@@ -8,8 +8,8 @@
  * decoder on the whole input. */
 #include <string.h>
 
-#include "fuzz_common.h"
-#include "http.h"
+#include "base/http.h"
+#include "tests/fuzz/fuzz_common.h"
 
 static void check_head(const char *buf, size_t n) {
     px_http_head h;

@@ -8,8 +8,8 @@
  * comparison agrees with decoding the key. */
 #include <string.h>
 
-#include "fuzz_common.h"
-#include "json.h"
+#include "base/json.h"
+#include "tests/fuzz/fuzz_common.h"
 
 /* Decodes a validated key and checks px_json_str_eq and px_json_find
  * against the decoded text. */

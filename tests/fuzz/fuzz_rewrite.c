@@ -17,9 +17,9 @@
  *   - extracted kv_transfer_params lie inside the answer and are an object. */
 #include <string.h>
 
-#include "fuzz_common.h"
-#include "json.h"
-#include "rewrite.h"
+#include "base/json.h"
+#include "proxy/rewrite.h"
+#include "tests/fuzz/fuzz_common.h"
 
 static const char *const dropped[] = {
     "kv_transfer_params",    "stream",     "stream_options",       "max_tokens",

@@ -12,10 +12,10 @@
  * it in prefill mode, not streaming, with max_tokens 1. */
 #include <string.h>
 
-#include "fuzz_common.h"
-#include "json.h"
-#include "rewrite.h"
-#include "sim_request.h"
+#include "base/json.h"
+#include "proxy/rewrite.h"
+#include "sim/sim_request.h"
+#include "tests/fuzz/fuzz_common.h"
 
 #define MODEL "fuzz-model"
 

@@ -2,7 +2,7 @@
  * targets that link only the pure sources. */
 #include <time.h>
 
-#include "kvc_int.h"
+#include "connector/kvc_int.h"
 
 uint64_t kvc_now_ns(void) {
     struct timespec ts;

@@ -19,8 +19,8 @@
  *
  * Every result is one line starting with "RESULT " (key=value pairs) on
  * stdout; exit status 0 only when the check passed. */
-#include "kvc_int.h" /* staging mode: the connector's own copy plan and copies */
-#include "kvconnector.h"
+#include "connector/kvc_int.h" /* staging mode: the connector's own copy plan and copies */
+#include "include/kvconnector.h"
 
 #include <cuda_runtime_api.h>
 #include <errno.h>

@@ -5,7 +5,6 @@ if(TARGET kvconnector)
   target_link_libraries(kvc_testpeer PRIVATE kvconnector)
   # A hostile peer that speaks the wire by hand (library internals; tests only).
   add_executable(kvc_hostile ${CMAKE_CURRENT_SOURCE_DIR}/integration/kvc_hostile.c)
-  target_include_directories(kvc_hostile PRIVATE ${PROJECT_SOURCE_DIR}/connector)
   target_link_libraries(kvc_hostile PRIVATE kvconnector_static)
   foreach(mode tcp sm)
     px_py_test(kvc_${mode} SCRIPT connector_test.py ARGS --mode ${mode})
@@ -21,7 +20,6 @@ endif()
 # its internal header.
 if(TARGET kvconnector_static AND PDPROXY_WITH_CUDA)
   add_executable(kvc_gpu_test ${PROJECT_SOURCE_DIR}/tests/gpu/kvc_gpu_test.c)
-  target_include_directories(kvc_gpu_test PRIVATE ${PROJECT_SOURCE_DIR}/connector)
   target_link_libraries(kvc_gpu_test PRIVATE kvconnector_static CUDA::cudart)
   add_test(NAME gpu.kvc_cuda
            COMMAND ${PROJECT_SOURCE_DIR}/tests/gpu/run_gpu_tests.sh ${CMAKE_BINARY_DIR})

@@ -19,7 +19,7 @@
  *   quit                           -> exits 0 (agent destroyed, in-flight cancelled)
  * IDS are comma-separated block ids, "-" for none.  Events:
  *   "EVENT <TYPE> status=<S> xfer=<X> req=<R> n=<N> bytes=<B> msg=<M>" */
-#include "kvconnector.h"
+#include "include/kvconnector.h"
 
 #include <errno.h>
 #include <poll.h>

@@ -33,7 +33,7 @@
  * sends or receives is also written there, one file each (seeds for the fuzz
  * corpora: side-channel messages whole; active messages as the kvc_notify
  * target reads them, a selector byte then the bytes). */
-#include "kvc_int.h"
+#include "connector/kvc_int.h"
 
 #include <arpa/inet.h>
 #include <errno.h>

@@ -6,9 +6,6 @@
 if(TARGET kvconnector_static)
   foreach(m kvc_wire kvc_agent kvc_path)
     px_unit_test(${m} kvconnector_static)
-    if(TARGET test_${m})
-      target_include_directories(test_${m} PRIVATE ${PROJECT_SOURCE_DIR}/connector)
-    endif()
   endforeach()
 
   # The libevent recipe of kvconnector.h, driving a producer and a consumer.
@@ -20,8 +17,7 @@ if(TARGET kvconnector_static)
   add_library(kvc_cudasim STATIC EXCLUDE_FROM_ALL ${KVC_CORE_SOURCES}
               ${PROJECT_SOURCE_DIR}/connector/cuda.c ${PROJECT_SOURCE_DIR}/tests/cudasim/cudasim.c)
   target_include_directories(kvc_cudasim BEFORE PUBLIC ${PROJECT_SOURCE_DIR}/tests/cudasim)
-  target_include_directories(kvc_cudasim PUBLIC ${PROJECT_SOURCE_DIR}/include
-                                                ${PROJECT_SOURCE_DIR}/connector)
+  target_include_directories(kvc_cudasim PUBLIC ${PROJECT_SOURCE_DIR})
   target_link_libraries(kvc_cudasim PUBLIC PkgConfig::UCX PkgConfig::CJSON PkgConfig::OPENSSL
                                            Threads::Threads m)
   px_unit_test(kvc_staging kvc_cudasim)

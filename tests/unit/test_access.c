@@ -6,8 +6,8 @@
 #include <stdint.h>
 #include <cmocka.h>
 // clang-format on
-#include "access.h"
-#include "stderr_capture.h"
+#include "proxy/access.h"
+#include "tests/unit/stderr_capture.h"
 
 static void refused_line(void) {
     px_access a = {.req = "r1",

@@ -22,7 +22,7 @@
 #include <sys/time.h>
 #include <unistd.h>
 
-#include "client.h"
+#include "base/client.h"
 
 /* ---------- the scripted server ---------- */
 

@@ -8,7 +8,7 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "config.h"
+#include "proxy/config.h"
 
 static px_config_result load(px_config *c, char **argv, char **envp, char *err)
 {

@@ -6,7 +6,7 @@
 #include <stdio.h>
 #include <string.h>
 
-#include "http.h"
+#include "base/http.h"
 
 static int parse(const char *s, px_http_head *h, const char **why)
 {

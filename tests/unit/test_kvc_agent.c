@@ -12,7 +12,7 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "kvc_int.h"
+#include "connector/kvc_int.h"
 
 static int log_lines;
 static void quiet_log(void *arg, kvc_log_level_t level, const char *msg) {

@@ -13,7 +13,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "kvconnector.h"
+#include "include/kvconnector.h"
 
 typedef struct {
     struct event_base *base;

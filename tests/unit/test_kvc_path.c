@@ -11,7 +11,7 @@
 
 #include <stdlib.h>
 
-#include "kvc_int.h"
+#include "connector/kvc_int.h"
 
 static void plan(const uint64_t *ids, size_t n, size_t bl, kvc_crun_t **r, size_t *nr) {
     assert_int_equal(kvc_cuda_plan(ids, n, bl, r, nr), KVC_OK);

@@ -23,8 +23,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "cudasim.h"
-#include "kvc_int.h"
+#include "connector/kvc_int.h"
+#include "tests/cudasim/cudasim.h"
 
 #define NB 64
 #define BL 4096

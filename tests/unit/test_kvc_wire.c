@@ -11,7 +11,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "kvc_int.h"
+#include "connector/kvc_int.h"
 
 static void encode_sample(kvc_buf_t *b, uint16_t version, uint32_t nreg, uint64_t nblocks) {
     static const uint8_t rkey[] = {1, 2, 3, 4, 5};

@@ -24,7 +24,7 @@
 #include <sys/time.h>
 #include <unistd.h>
 
-#include "listen.h"
+#include "base/listen.h"
 
 static void dispatch(void *ctx, px_conn *c, const px_http_head *h, px_buf *body) {
     px_conn_reply(c, 200, "text/plain", NULL, NULL, "ok", 2);

@@ -6,8 +6,8 @@
 #include <stdint.h>
 #include <cmocka.h>
 // clang-format on
-#include "log.h"
-#include "stderr_capture.h"
+#include "base/log.h"
+#include "tests/unit/stderr_capture.h"
 
 static void typed_line(void) {
     px_log_json = 1;

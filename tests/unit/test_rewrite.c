@@ -5,7 +5,7 @@
 #include <cmocka.h>
 #include <string.h>
 
-#include "rewrite.h"
+#include "proxy/rewrite.h"
 
 static void check_prefill(const char *in, const char *want)
 {

@@ -13,8 +13,8 @@
 #include <stdio.h>
 #include <string.h>
 
-#include "hash.h"
-#include "route.h"
+#include "base/hash.h"
+#include "proxy/route.h"
 
 #define NB 4
 

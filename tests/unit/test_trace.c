@@ -11,7 +11,7 @@
 
 #include <string.h>
 
-#include "trace.h"
+#include "proxy/trace.h"
 
 #define TRACE "4bf92f3577b34da6a3ce929d0e0e4736"
 #define SPAN "00f067aa0ba902b7"

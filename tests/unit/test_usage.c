@@ -6,7 +6,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "usage.h"
+#include "proxy/usage.h"
 
 /* The filter's output, collected. */
 static void collect(void *arg, const char *p, size_t n)
