@@ -463,24 +463,21 @@ static const px_creq_cbs h_cbs = {h_head, h_data, h_done};
 static px_upstream *start_http(px_uploop *l, const px_upstream_req *q, const px_upstream_cbs *cbs,
                                void *arg) {
     px_backend *b = q->backend;
-    const char *method = q->method, *path = q->path, *body = q->body;
-    size_t len = q->len;
-    const px_buf *headers = q->headers;
     if (!b->addrlen) return NULL; /* its name did not resolve */
     px_buf *hd = &l->head;
     px_buf_reset(hd);
-    px_buf_appends(hd, method);
+    px_buf_appends(hd, q->method);
     px_buf_append(hd, " ", 1);
-    px_buf_appends(hd, path);
+    px_buf_appends(hd, q->path);
     px_buf_append(hd, " HTTP/1.1\r\nHost: ", 17);
     px_buf_appends(hd, b->authority);
     px_buf_append(hd, "\r\n", 2);
-    if (body) {
+    if (q->body) {
         px_buf_append(hd, "Content-Length: ", 16);
-        px_buf_append_u64(hd, len);
+        px_buf_append_u64(hd, q->len);
         px_buf_append(hd, "\r\n", 2);
     }
-    if (headers) px_buf_append(hd, headers->data, headers->len);
+    if (q->headers) px_buf_append(hd, q->headers->data, q->headers->len);
     px_buf_append(hd, "\r\n", 2);
     px_creq_opts co = {
         .connect_timeout = q->connect_timeout,
@@ -493,7 +490,7 @@ static px_upstream *start_http(px_uploop *l, const px_upstream_req *q, const px_
     u->cbs = *cbs;
     u->arg = arg;
     u->q = px_creq_start(l->client, (struct sockaddr *)&b->addr, b->addrlen, hd->data, hd->len,
-                         body, body ? len : 0, &co, &h_cbs, u);
+                         q->body, q->body ? q->len : 0, &co, &h_cbs, u);
     if (!u->q) {
         free(u);
         return NULL;
