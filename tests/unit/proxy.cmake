@@ -1,5 +1,5 @@
 # Unit tests of the proxy's pure modules.
-foreach(m json rewrite http config log route trace access usage)
+foreach(m json rewrite http config log route trace access usage disagg)
   px_unit_test(${m} pxcore)
 endforeach()
 # base/client.c against a scripted server thread on 127.0.0.1.
