@@ -57,6 +57,7 @@ fi
 circles=$(awk -f tools/cycles.awk "$tmp" | sed 's/^cycle:/circle:/')
 n=$(echo "$circles" | grep -c '^circle:' || true)
 wide=$(echo "$circles" | awk -v m="$max_size" 'NF > m + 1' | grep -c . || true)
-echo "# circles: $n (wider than $max_size file(s): $wide)"
+[ "$max_size" = 2 ] && what="wider than two files" || what="of any size"
+echo "# circles: $n ($what: $wide)"
 [ "$n" = 0 ] || echo "$circles"
 [ "$wide" = 0 ]
