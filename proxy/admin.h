@@ -24,7 +24,7 @@ typedef struct px_api_op {
 } px_api_op;
 
 /* What the admin API acts on: the running proxy's context, and the control
- * plane that swaps configurations (server.c), reached through these calls
+ * plane that swaps configurations (reload.c), reached through these calls
  * only. All on the control thread. */
 typedef struct px_admin_host {
     px_ctx *ctx;             /* borrowed: the current generation */

@@ -2,7 +2,8 @@
  * the running proxy: the settings, the current generation of pools, the
  * credentials and the shared limits (px_ctx), and per worker thread its
  * loop, upstream connections, counters and requests (px_wctx). server.c
- * owns and fills them; the threads, listeners and signals stay inside it. */
+ * owns and fills them (reload.c swaps the generation); the threads,
+ * listeners and signals stay inside it. */
 #ifndef PX_CTX_H
 #define PX_CTX_H
 

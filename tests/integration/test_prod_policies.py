@@ -2,7 +2,7 @@
 """Issue 5 item 5, routing policies per role (--prefill-policy /
 --decode-policy): round_robin, least_inflight, power_of_two,
 prefix_affinity (with its bounded-load cap --prefix-load-factor) and
-load_aware (engines' /metrics scraped every --metrics-interval)."""
+load_aware (engines' /metrics read by load probes every --metrics-interval)."""
 
 import time
 import unittest
@@ -183,14 +183,14 @@ class PrefixAffinityTest(ProdCase):
 class LoadAwareTest(ProdCase):
     INTERVAL = 0.2
 
-    def wait_scrapes(self, mocks, n, timeout=5.0):
-        def scrapes(m):
+    def wait_load_probes(self, mocks, n, timeout=5.0):
+        def probes(m):
             return sum(1 for r in list(m.probes) if r.path.startswith("/metrics"))
 
-        base = {id(m): scrapes(m) for m in mocks}
-        if wait_until(lambda: all(scrapes(m) - base[id(m)] >= n for m in mocks), timeout, 0.02):
+        base = {id(m): probes(m) for m in mocks}
+        if wait_until(lambda: all(probes(m) - base[id(m)] >= n for m in mocks), timeout, 0.02):
             return
-        self.fail("pdproxy did not scrape /metrics of every engine %d times in %.1fs "
+        self.fail("pdproxy did not probe /metrics of every engine %d times in %.1fs "
                   "(--metrics-interval %g)" % (n, timeout, self.INTERVAL))
 
     def run_role(self, role):
@@ -207,15 +207,15 @@ class LoadAwareTest(ProdCase):
             m.probe_handler = engine_metrics_handler(s)
         px = self.start(*args, extra=["--%s-policy" % role, "load_aware",
                                       "--metrics-interval", str(self.INTERVAL)])
-        self.wait_scrapes(B, 2)
+        self.wait_load_probes(B, 2)
         for i in range(10):
             self.assertEqual(self.post(px).status, 200)
         self.assertEqual([len(m.requests) for m in B], [0, 10],
                          "load_aware sent traffic to the engine reporting 40 waiting")
-        # The load moves: after the next scrapes so does the traffic.
+        # The load moves: after the next load probes so does the traffic.
         st[0].update(waiting=0, running=0)
         st[1].update(waiting=40, running=8)
-        self.wait_scrapes(B, 2)
+        self.wait_load_probes(B, 2)
         for i in range(10):
             self.assertEqual(self.post(px).status, 200)
         self.assertEqual([len(m.requests) for m in B], [10, 10],
@@ -236,7 +236,7 @@ class LoadAwareTest(ProdCase):
             m.probe_handler = engine_metrics_handler(s)
         px = self.start(B, [D], ["--prefill-policy", "load_aware",
                                  "--metrics-interval", str(self.INTERVAL)])
-        self.wait_scrapes(B, 2)
+        self.wait_load_probes(B, 2)
         for i in range(6):
             self.assertEqual(self.post(px).status, 200)
         self.assertEqual([len(m.requests) for m in B], [0, 6])
