@@ -332,7 +332,7 @@ struct kvc_pub {
     uint8_t token[KVC_TOKEN_LEN];
     uint32_t consumers; /* notifications needed; 0: from the first one */
     uint32_t notified;  /* matching notifications so far */
-    uint32_t pulls;     /* pulls served (bounded, xfer.c) */
+    uint32_t pulls;     /* pulls served (bounded, push.c) */
 };
 
 typedef struct {
@@ -397,7 +397,7 @@ struct kvc_agent {
     kvc_xfer_t *xfers;        /* active and finishing fetches */
     uint64_t next_xfer_id;
     uint64_t push_inflight; /* producer-side sends in flight */
-    uint64_t push_bytes;    /* bytes those sends reference (bounded, xfer.c) */
+    uint64_t push_bytes;    /* bytes those sends reference (bounded, push.c) */
     size_t push_chunk;      /* largest DATA message (bytes, whole blocks) */
 
     kvc_evnode_t *evq_head, *evq_tail, *ev_cur;
@@ -483,8 +483,9 @@ KVC_HIDDEN bool kvc_peer_ready(const kvc_peer_t *p);
 KVC_HIDDEN bool kvc_peer_dead(const kvc_peer_t *p, kvc_status_t *st, const char **msg);
 KVC_HIDDEN void kvc_peers_timers(kvc_agent_t *a, uint64_t now, uint64_t *next);
 KVC_HIDDEN void kvc_peers_reap(kvc_agent_t *a);
-/* Fails every fetch on the peer and closes its endpoint, which cancels the
- * UCX requests still in flight (no late writes into local blocks). */
+/* Marks the peer dead (every fetch on it fails on its next advance) and
+ * closes its endpoint, which cancels the UCX requests still in flight (no
+ * late writes into local blocks). */
 KVC_HIDDEN void kvc_peer_abort(kvc_agent_t *a, kvc_peer_t *p, kvc_status_t st, const char *msg);
 KVC_HIDDEN void kvc_peers_destroy(kvc_agent_t *a);
 
@@ -525,12 +526,17 @@ struct kvc_peer {
     char fail_msg[320];
 };
 
+/* UCX active message ids of the data path (PULL: consumer -> producer,
+ * DATA: producer -> consumer; NOTIFY is notify.c's). */
+enum { KVC_AM_PULL = 21, KVC_AM_DATA = 22 };
+
 /* --------------------------------------------------------- xfer.c -- */
 KVC_HIDDEN kvc_status_t kvc_xfer_register_am(kvc_agent_t *a);
 KVC_HIDDEN void kvc_xfers_advance(kvc_agent_t *a, uint64_t now, uint64_t *next);
 KVC_HIDDEN void kvc_xfers_destroy(kvc_agent_t *a);
-KVC_HIDDEN void kvc_xfers_fail_peer(kvc_agent_t *a, kvc_peer_t *p, kvc_status_t st,
-                                    const char *msg);
+
+/* --------------------------------------------------------- push.c -- */
+KVC_HIDDEN kvc_status_t kvc_push_register_am(kvc_agent_t *a);
 
 /* ------------------------------------------------------- notify.c -- */
 KVC_HIDDEN kvc_status_t kvc_notify_register_am(kvc_agent_t *a);
@@ -539,7 +545,7 @@ KVC_HIDDEN void kvc_notify_handle(kvc_agent_t *a, const uint8_t *p, size_t len);
 KVC_HIDDEN kvc_status_t kvc_notify_send(kvc_agent_t *a, ucp_ep_h ep, const kvc_buf_t *msg,
                                         ucp_send_nbx_callback_t cb, void *arg, void **req);
 
-/* -------------------------------------------------- publish.c / expiry.c -- */
+/* -------------------------------------------------------- publish.c -- */
 KVC_HIDDEN kvc_status_t kvc_pubtab_init(kvc_pubtab_t *t);
 KVC_HIDDEN void kvc_pubtab_cleanup(kvc_pubtab_t *t);
 KVC_HIDDEN kvc_pub_t *kvc_pubtab_find(kvc_pubtab_t *t, const char *id, size_t len);
@@ -548,8 +554,6 @@ KVC_HIDDEN void kvc_pubtab_remove(kvc_pubtab_t *t, kvc_pub_t *p);
 KVC_HIDDEN void kvc_pub_free(kvc_pub_t *p);
 /* True when every block of [start, start+count) is published in p. */
 KVC_HIDDEN bool kvc_pub_has_run(const kvc_pub_t *p, uint64_t start, uint64_t count);
-KVC_HIDDEN void kvc_expiry_insert(kvc_pubtab_t *t, kvc_pub_t *p);
-KVC_HIDDEN void kvc_expiry_remove(kvc_pubtab_t *t, kvc_pub_t *p);
 KVC_HIDDEN void kvc_expiry_run(kvc_agent_t *a, uint64_t now, uint64_t *next);
 
 #endif

@@ -1,6 +1,10 @@
-/* Producer bookkeeping: the table of published requests (hash by request id)
- * and kvc_publish / kvc_unpublish.  Release by notification is in notify.c,
- * by time in expiry.c. */
+/* Producer bookkeeping: the table of published requests (hash by request id),
+ * kvc_publish / kvc_unpublish, and expiry.  Release by notification is in
+ * notify.c.
+ *
+ * Expiry: a list sorted by deadline (usually appended at the tail, since
+ * most requests use the agent's expiry_ms), swept on each progress; the
+ * head's deadline feeds the agent's timer. */
 #include "kvc_int.h"
 
 #include <stdlib.h>
@@ -69,13 +73,41 @@ static void grow(kvc_pubtab_t *t) {
     t->nbuckets = nb;
 }
 
+static void expiry_insert(kvc_pubtab_t *t, kvc_pub_t *p) {
+    kvc_pub_t *at = t->etail;
+    while (at && at->deadline_ns > p->deadline_ns)
+        at = at->eprev;
+    p->eprev = at;
+    p->enext = at ? at->enext : t->ehead;
+    if (p->enext)
+        p->enext->eprev = p;
+    else
+        t->etail = p;
+    if (at)
+        at->enext = p;
+    else
+        t->ehead = p;
+}
+
+static void expiry_remove(kvc_pubtab_t *t, kvc_pub_t *p) {
+    if (p->eprev)
+        p->eprev->enext = p->enext;
+    else
+        t->ehead = p->enext;
+    if (p->enext)
+        p->enext->eprev = p->eprev;
+    else
+        t->etail = p->eprev;
+    p->eprev = p->enext = NULL;
+}
+
 void kvc_pubtab_insert(kvc_pubtab_t *t, kvc_pub_t *p) {
     if (t->count >= t->nbuckets) grow(t);
     size_t k = hash(p->id, strlen(p->id)) % t->nbuckets;
     p->hnext = t->buckets[k];
     t->buckets[k] = p;
     t->count++;
-    kvc_expiry_insert(t, p);
+    expiry_insert(t, p);
 }
 
 void kvc_pubtab_remove(kvc_pubtab_t *t, kvc_pub_t *p) {
@@ -87,7 +119,7 @@ void kvc_pubtab_remove(kvc_pubtab_t *t, kvc_pub_t *p) {
         t->count--;
     }
     p->hnext = NULL;
-    kvc_expiry_remove(t, p);
+    expiry_remove(t, p);
 }
 
 static int cmp_u64(const void *x, const void *y) {
@@ -201,4 +233,18 @@ kvc_status_t kvc_unpublish(kvc_agent_t *a, const char *request_id) {
     kvc_pubtab_remove(&a->pubs, p);
     kvc_pub_free(p);
     return KVC_OK;
+}
+
+void kvc_expiry_run(kvc_agent_t *a, uint64_t now, uint64_t *next) {
+    kvc_pub_t *p;
+    while ((p = a->pubs.ehead) && p->deadline_ns <= now) {
+        kvc_pubtab_remove(&a->pubs, p);
+        a->stats[KVC_STAT_EXPIRED]++;
+        KVC_LOG(a, KVC_LOG_WARN, "Releasing expired KV blocks for request req=%s blocks=%zu", p->id,
+                p->n);
+        kvc_event_push(a, KVC_EV_EXPIRED, KVC_ERR_TIMED_OUT, 0, p->user_data, p->id, p->blocks,
+                       p->n, 0, "not claimed before expiry");
+        kvc_pub_free(p);
+    }
+    if (p && p->deadline_ns < *next) *next = p->deadline_ns;
 }

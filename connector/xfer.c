@@ -1,4 +1,4 @@
-/* Fetches (consumer) and pushes (producer side of a fetch).
+/* Fetches: the consumer side of a transfer (the producer's push is push.c).
  *
  * A fetch goes WAIT_PEER -> DATA -> [FLUSH] -> NOTIFY -> done, one step per
  * progress call, never from inside a UCX callback: callbacks only count
@@ -14,7 +14,7 @@
  *        (run, region) whose header names the local destination and echoes
  *        the transfer token, then an END saying how many it sent; large ones
  *        arrive as rendezvous and are received straight into the local
- *        region.  This is the fast path over UCX's tcp transport, whose get
+ *        region (push.c serves it).  This is the fast path over UCX's tcp transport, whose get
  *        is emulated by the target.
  *
  * Checked transfers: the consumer keeps one bit per (region, block) of the
@@ -30,8 +30,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-
-enum { KVC_AM_PULL = 21, KVC_AM_DATA = 22 };
 
 typedef enum { X_WAIT_PEER, X_DATA, X_FLUSH, X_NOTIFY, X_DONE } xstate_t;
 
@@ -66,27 +64,6 @@ struct kvc_xfer {
     bool end_seen;
     void *cuda_stream; /* borrowed: the engine's stream that waits for the staging copies */
 };
-
-/* Producer side: headers of one PULL's DATA sends, freed with the last send. */
-typedef struct {
-    kvc_agent_t *a;
-    size_t refs;
-    uint64_t bytes; /* counted in a->push_bytes until the job ends */
-    uint8_t (*hdr)[KVC_WIRE_DATA_HDR_LEN];
-} push_job_t;
-
-/* Pulls one publication may be served: enough for every TP rank of the
- * decode side, not an amplifier for a peer that repeats its pull. */
-#define PULLS_PER_PUB_MIN 8
-/* Bytes all pushes in flight may reference; beyond, pulls are refused
- * (one is always served, however large). */
-#define MAX_PUSH_BYTES (4ull << 30)
-
-static void job_free(push_job_t *j) {
-    j->a->push_bytes -= j->bytes;
-    free(j->hdr);
-    free(j);
-}
 
 static kvc_status_t ucs_to_kvc(ucs_status_t us) {
     switch (us) {
@@ -176,11 +153,6 @@ static void xfer_finish(kvc_agent_t *a, kvc_xfer_t *x, kvc_status_t st, const ch
         kvc_event_push(a, KVC_EV_FETCH_FAILED, st, x->id, x->user_data, x->req_id, x->local, x->n,
                        0, msg);
     }
-}
-
-void kvc_xfers_fail_peer(kvc_agent_t *a, kvc_peer_t *p, kvc_status_t st, const char *msg) {
-    for (kvc_xfer_t *x = a->xfers; x; x = x->next)
-        if (x->peer == p && !x->finished) xfer_finish(a, x, st, msg);
 }
 
 static void xfer_free(kvc_xfer_t *x) {
@@ -386,11 +358,13 @@ static bool direct_copy(kvc_agent_t *a, kvc_xfer_t *x) {
 static void advance(kvc_agent_t *a, kvc_xfer_t *x, uint64_t now, uint64_t *next) {
     kvc_status_t pst;
     const char *pmsg;
+    /* A dead peer fails its fetches here, in every state (peer.c only marks
+     * it: it may die inside a UCX callback). */
+    if (kvc_peer_dead(x->peer, &pst, &pmsg)) {
+        xfer_finish(a, x, pst, pmsg);
+        return;
+    }
     if (x->state == X_WAIT_PEER) {
-        if (kvc_peer_dead(x->peer, &pst, &pmsg)) {
-            xfer_finish(a, x, pst, pmsg);
-            return;
-        }
         if (!kvc_peer_ready(x->peer)) return;
         /* Host->device copies of earlier fetches, ordered on the engine's
          * stream, may still read the mirror: new data lands there only after
@@ -718,199 +692,6 @@ static ucs_status_t data_cb(void *arg, const void *header, size_t hlen, void *da
     return UCS_INPROGRESS;
 }
 
-/* ------------------------------------------------------------- producer -- */
-
-static void push_cb(void *req, ucs_status_t us, void *ud) {
-    push_job_t *j = ud;
-    if (us != UCS_OK && us != UCS_ERR_CANCELED)
-        KVC_LOG(j->a, KVC_LOG_WARN, "push: send failed: %s", ucs_status_string(us));
-    j->a->push_inflight--;
-    if (--j->refs == 0) job_free(j);
-    ucp_request_free(req);
-}
-
-/* Sends one header-only DATA message (a refusal, or the END of a pull). */
-static void push_hdr_only(kvc_agent_t *a, ucp_ep_h ep, const kvc_wire_data_hdr_t *h) {
-    /* The header must live until completion (UCX 1.13), so it goes in a job. */
-    push_job_t *j = calloc(1, sizeof(*j));
-    if (!j || !(j->hdr = calloc(1, KVC_WIRE_DATA_HDR_LEN))) {
-        free(j);
-        return;
-    }
-    j->a = a;
-    kvc_wire_encode_data_hdr(j->hdr[0], h);
-    ucp_request_param_t rp;
-    memset(&rp, 0, sizeof(rp));
-    rp.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
-    rp.cb.send = push_cb;
-    rp.user_data = j;
-    j->refs = 1;
-    ucs_status_ptr_t r =
-        ucp_am_send_nbx(ep, KVC_AM_DATA, j->hdr[0], KVC_WIRE_DATA_HDR_LEN, NULL, 0, &rp);
-    if (UCS_PTR_IS_PTR(r)) {
-        a->push_inflight++;
-        return;
-    }
-    free(j->hdr);
-    free(j);
-}
-
-static void push_refuse(kvc_agent_t *a, ucp_ep_h ep, const kvc_wire_pull_t *pl, kvc_status_t st) {
-    kvc_wire_data_hdr_t h = {pl->xfer_id, 0, (int32_t)st, 0, 0, {0}};
-    memcpy(h.token, pl->xfer_token, KVC_TOKEN_LEN);
-    push_hdr_only(a, ep, &h);
-}
-
-/* A pull that names no live publication, or presents its token wrongly, or
- * asks for blocks it does not hold: refused, counted, logged (rate-limited). */
-static void pull_deny(kvc_agent_t *a, ucp_ep_h ep, const kvc_wire_pull_t *pl, const char *why) {
-    a->stats[KVC_STAT_DENIED]++;
-    if (kvc_log_ratelimit(a, KVC_RL_DENIED))
-        KVC_LOG(a, KVC_LOG_WARN, "push: pull for req=%.*s refused: %s", (int)pl->request_id.len,
-                (const char *)pl->request_id.p, why);
-    push_refuse(a, ep, pl, KVC_ERR_DENIED);
-}
-
-static ucs_status_t pull_cb(void *arg, const void *header, size_t hlen, void *data, size_t len,
-                            const ucp_am_recv_param_t *param) {
-    kvc_agent_t *a = arg;
-    if (a->destroying) return UCS_OK;
-    if (!(param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) || !param->reply_ep ||
-        (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV)) {
-        if (kvc_log_ratelimit(a, KVC_RL_DENIED))
-            KVC_LOG(a, KVC_LOG_WARN, "push: pull request without reply endpoint, dropped");
-        return (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) ? UCS_ERR_INVALID_PARAM : UCS_OK;
-    }
-    ucp_ep_h ep = param->reply_ep;
-    kvc_wire_pull_t pl;
-    kvc_status_t st = kvc_wire_parse_pull(data, len, &pl);
-    if (st != KVC_OK) {
-        a->stats[KVC_STAT_DENIED]++;
-        if (kvc_log_ratelimit(a, KVC_RL_DENIED))
-            KVC_LOG(a, KVC_LOG_WARN, "push: malformed pull request (%zu bytes), dropped", len);
-        return UCS_OK;
-    }
-    kvc_run_t *runs = pl.runs;
-    size_t n = pl.n;
-    kvc_pub_t *pub = kvc_pubtab_find(&a->pubs, (const char *)pl.request_id.p, pl.request_id.len);
-    if (!pub || !kvc_mac_equal(pub->token, pl.pub_token, KVC_TOKEN_LEN)) {
-        pull_deny(a, ep, &pl, pub ? "wrong token" : "unknown or expired publication");
-        free(runs);
-        return UCS_OK;
-    }
-    /* Only blocks of this publication, and no more of them than it holds:
-     * that bounds what one pull can make this producer send. */
-    uint64_t total = 0;
-    for (size_t i = 0; i < n; i++) {
-        total += runs[i].count;
-        if (runs[i].count == 0 || runs[i].remote >= a->num_blocks ||
-            runs[i].count > a->num_blocks - runs[i].remote || total > pub->n ||
-            !kvc_pub_has_run(pub, runs[i].remote, runs[i].count)) {
-            char m[160];
-            snprintf(m, sizeof(m), "blocks [%llu,+%llu) are not all part of the publication",
-                     (unsigned long long)runs[i].remote, (unsigned long long)runs[i].count);
-            pull_deny(a, ep, &pl, m);
-            free(runs);
-            return UCS_OK;
-        }
-    }
-    uint32_t max_pulls =
-        pub->consumers * 2 > PULLS_PER_PUB_MIN ? pub->consumers * 2 : PULLS_PER_PUB_MIN;
-    if (pub->pulls >= max_pulls) {
-        pull_deny(a, ep, &pl, "pulled too many times already");
-        free(runs);
-        return UCS_OK;
-    }
-    uint64_t bytes = 0;
-    for (size_t r = 0; r < a->n_regions; r++)
-        bytes += total * a->regions[r].block_len;
-    if (a->push_bytes && bytes > MAX_PUSH_BYTES - a->push_bytes) {
-        a->stats[KVC_STAT_DENIED]++;
-        if (kvc_log_ratelimit(a, KVC_RL_DENIED))
-            KVC_LOG(a, KVC_LOG_WARN, "push: pull for req=%s refused: %llu bytes already in flight",
-                    pub->id, (unsigned long long)a->push_bytes);
-        push_refuse(a, ep, &pl, KVC_ERR_DENIED);
-        free(runs);
-        return UCS_OK;
-    }
-    pub->pulls++;
-    uint64_t xid = pl.xfer_id;
-    uint16_t flags = pl.flags;
-    /* Large runs go as several messages: one huge rendezvous over tcp is
-     * slower than a stream of a few MiB each. */
-    size_t nsend = 0;
-    for (size_t i = 0; i < n; i++)
-        for (size_t r = 0; r < a->n_regions; r++) {
-            uint64_t per = a->push_chunk / a->regions[r].block_len;
-            if (per == 0) per = 1;
-            nsend += (size_t)((runs[i].count + per - 1) / per);
-        }
-    if (nsend == 0) {
-        free(runs);
-        return UCS_OK;
-    }
-    push_job_t *j = calloc(1, sizeof(*j));
-    if (!j || !(j->hdr = calloc(nsend, KVC_WIRE_DATA_HDR_LEN))) {
-        free(j);
-        free(runs);
-        push_refuse(a, ep, &pl, KVC_ERR_NO_MEMORY);
-        return UCS_OK;
-    }
-    j->a = a;
-    j->refs = 1; /* held while issuing */
-    j->bytes = bytes;
-    a->push_bytes += bytes;
-    ucp_request_param_t rp;
-    memset(&rp, 0, sizeof(rp));
-    rp.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
-    rp.cb.send = push_cb;
-    rp.user_data = j;
-    if (flags & KVC_PULL_RNDV) {
-        rp.op_attr_mask |= UCP_OP_ATTR_FIELD_FLAGS;
-        rp.flags = UCP_AM_SEND_FLAG_RNDV;
-    }
-    size_t k = 0;
-    bool failed = false;
-    for (size_t i = 0; i < n && !failed; i++) {
-        for (size_t r = 0; r < a->n_regions && !failed; r++) {
-            kvc_region_t *rg = &a->regions[r];
-            uint64_t per = a->push_chunk / rg->block_len;
-            if (per == 0) per = 1;
-            for (uint64_t off = 0; off < runs[i].count; off += per, k++) {
-                uint64_t cnt = runs[i].count - off < per ? runs[i].count - off : per;
-                kvc_wire_data_hdr_t h = {xid, (uint32_t)r, 0, runs[i].local + off, cnt, {0}};
-                memcpy(h.token, pl.xfer_token, KVC_TOKEN_LEN);
-                kvc_wire_encode_data_hdr(j->hdr[k], &h);
-                const uint8_t *src =
-                    (const uint8_t *)rg->base + (runs[i].remote + off) * rg->block_len;
-                j->refs++;
-                a->push_inflight++;
-                ucs_status_ptr_t s =
-                    ucp_am_send_nbx(ep, KVC_AM_DATA, j->hdr[k], KVC_WIRE_DATA_HDR_LEN, src,
-                                    cnt * rg->block_len, &rp);
-                if (UCS_PTR_IS_PTR(s)) continue;
-                j->refs--;
-                a->push_inflight--;
-                if (UCS_PTR_IS_ERR(s)) {
-                    KVC_LOG(a, KVC_LOG_WARN, "push: send for fetch %llu failed: %s",
-                            (unsigned long long)xid, ucs_status_string(UCS_PTR_STATUS(s)));
-                    failed = true; /* the consumer's endpoint error or timeout ends its fetch */
-                    break;
-                }
-            }
-        }
-    }
-    if (!failed) {
-        kvc_wire_data_hdr_t end = {xid, KVC_DATA_END, 0, 0, k, {0}};
-        memcpy(end.token, pl.xfer_token, KVC_TOKEN_LEN);
-        push_hdr_only(a, ep, &end);
-    }
-    if (--j->refs == 0) job_free(j);
-    free(runs);
-    return UCS_OK;
-}
-
 kvc_status_t kvc_xfer_register_am(kvc_agent_t *a) {
-    kvc_status_t st = kvc_set_am_handler(a, KVC_AM_PULL, pull_cb);
-    return st != KVC_OK ? st : kvc_set_am_handler(a, KVC_AM_DATA, data_cb);
+    return kvc_set_am_handler(a, KVC_AM_DATA, data_cb);
 }

@@ -4,15 +4,22 @@
 #
 #   tools/call_graph.sh [OBJDIR]     default: build/connector/CMakeFiles/kvc_objs.dir
 #   tools/call_graph.sh --circles [OBJDIR]
+#   tools/call_graph.sh --strict --circles [OBJDIR]
 #
 # A file calls into another when its object leaves a symbol undefined that
 # the other defines (nm).  Build first; any CMake object directory works,
 # e.g. build/proxy/CMakeFiles/pxcore.dir.  A circle of two (x.c and y.c
 # calling each other) is a close pair; a wider one means the files do not
-# stack in layers.  Exits 1 when a circle has more than two files.
+# stack in layers.  Exits 1 when a circle has more than two files; with
+# --strict, when there is any circle at all.
 set -eu
 
 cd "$(dirname "$0")/.."
+strict=0
+if [ "${1:-}" = "--strict" ]; then
+    strict=1
+    shift
+fi
 only_circles=0
 if [ "${1:-}" = "--circles" ]; then
     only_circles=1
@@ -53,3 +60,4 @@ wide=$(echo "$circles" | awk 'NF > 3' | grep -c . || true)
 echo "# circles: $n (wider than two files: $wide)"
 [ "$n" = 0 ] || echo "$circles"
 [ "$wide" = 0 ]
+[ "$strict" = 0 ] || [ "$n" = 0 ]
