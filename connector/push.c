@@ -1,7 +1,15 @@
-/* Pushes: the producer side of a fetch over PUSH.  A PULL active message
- * names a publication, its token and the runs wanted; the producer checks
- * them (pull_check) and answers with DATA messages read straight from the
- * published blocks, then an END (pull_issue).  The consumer side is xfer.c. */
+/* Pushes: the producer side of a fetch.  A PULL active message names a
+ * publication, its token and the runs wanted; the producer checks them
+ * (pull_check) and answers with DATA messages read straight from the
+ * published blocks, then an END (pull_issue).  A push job counts as a reader
+ * of its publication until its last send completes: a release waits for it
+ * (publish.c), so the engine never gets blocks back that a send still reads.
+ *
+ * One-sided reads (GET) ask the producer's word around the read: a HOLD pull
+ * is checked like any pull and answered with an END (confirmed, the blocks
+ * are held for this fetch until its transfer deadline) or a refusal; the
+ * UNHOLD pull after the read is answered with an END only if the hold was
+ * intact.  The consumer side is xfer.c. */
 #include "kvc_int.h"
 
 #include <stdio.h>
@@ -11,6 +19,7 @@
 /* Producer side: headers of one PULL's DATA sends, freed with the last send. */
 typedef struct {
     kvc_agent_t *a;
+    kvc_pub_t *pub; /* the publication its sends read (a reader of it), or NULL */
     size_t refs;
     uint64_t bytes; /* counted in a->push_bytes until the job ends */
     uint8_t (*hdr)[KVC_WIRE_DATA_HDR_LEN];
@@ -22,8 +31,12 @@ typedef struct {
 /* Bytes all pushes in flight may reference; beyond, pulls are refused
  * (one is always served, however large). */
 #define MAX_PUSH_BYTES (4ull << 30)
+/* Consumers per publication the pull bound scales to (TP ratios are far
+ * smaller; this only keeps the arithmetic bounded). */
+#define MAX_RANKS 65536u
 
 static void job_free(push_job_t *j) {
+    if (j->pub) kvc_pub_push_end(j->a, j->pub); /* may hand the blocks back */
     j->a->push_bytes -= j->bytes;
     free(j->hdr);
     free(j);
@@ -107,13 +120,18 @@ static kvc_pub_t *pull_check(kvc_agent_t *a, ucp_ep_h ep, const kvc_wire_pull_t 
             return NULL;
         }
     }
-    uint32_t max_pulls =
-        pub->consumers * 2 > PULLS_PER_PUB_MIN ? pub->consumers * 2 : PULLS_PER_PUB_MIN;
+    /* Every rank of a larger decode TP pulls before the first one notifies:
+     * the ranks the pull says there are, or the count the engine gave. */
+    uint32_t ranks = pl->tp > a->tp_size ? pl->tp / a->tp_size : 1;
+    if (ranks > MAX_RANKS) ranks = MAX_RANKS;
+    if (pub->consumers > ranks) ranks = pub->consumers > MAX_RANKS ? MAX_RANKS : pub->consumers;
+    uint32_t max_pulls = ranks * 2 > PULLS_PER_PUB_MIN ? ranks * 2 : PULLS_PER_PUB_MIN;
     if (pub->pulls >= max_pulls) {
         pull_deny(a, ep, pl, "pulled too many times already");
         return NULL;
     }
     *bytes = 0;
+    if (pl->flags & KVC_PULL_HOLD) return pub; /* nothing is sent */
     for (size_t r = 0; r < a->n_regions; r++)
         *bytes += total * a->regions[r].block_len;
     if (a->push_bytes && *bytes > MAX_PUSH_BYTES - a->push_bytes) {
@@ -150,6 +168,8 @@ static void pull_issue(kvc_agent_t *a, ucp_ep_h ep, const kvc_wire_pull_t *pl, k
     j->a = a;
     j->refs = 1; /* held while issuing */
     j->bytes = bytes;
+    j->pub = pub;
+    kvc_pub_push_begin(pub);
     a->push_bytes += bytes;
     ucp_request_param_t rp;
     memset(&rp, 0, sizeof(rp));
@@ -200,6 +220,32 @@ static void pull_issue(kvc_agent_t *a, ucp_ep_h ep, const kvc_wire_pull_t *pl, k
     if (--j->refs == 0) job_free(j);
 }
 
+/* Confirms a one-sided read of a checked publication: its blocks are held
+ * for this fetch until the transfer deadline. */
+static void pull_hold(kvc_agent_t *a, ucp_ep_h ep, const kvc_wire_pull_t *pl, kvc_pub_t *pub) {
+    uint64_t deadline = kvc_now_ns() + (uint64_t)a->xfer_timeout_ms * 1000000ull;
+    if (kvc_pub_hold(a, pub, pl->xfer_id, pl->xfer_token, deadline) != KVC_OK) {
+        push_refuse(a, ep, pl, KVC_ERR_NO_MEMORY);
+        return;
+    }
+    pub->pulls++;
+    kvc_wire_data_hdr_t end = {pl->xfer_id, KVC_DATA_END, 0, 0, 0, {0}};
+    memcpy(end.token, pl->xfer_token, KVC_TOKEN_LEN);
+    push_hdr_only(a, ep, &end);
+}
+
+/* The read ended: an END if its hold was intact, else a refusal. */
+static void pull_unhold(kvc_agent_t *a, ucp_ep_h ep, const kvc_wire_pull_t *pl) {
+    if (kvc_pub_unhold(a, (const char *)pl->request_id.p, pl->request_id.len, pl->xfer_id,
+                       pl->xfer_token) != KVC_OK) {
+        pull_deny(a, ep, pl, "no intact hold for this read (released or too late)");
+        return;
+    }
+    kvc_wire_data_hdr_t end = {pl->xfer_id, KVC_DATA_END, 0, 0, 0, {0}};
+    memcpy(end.token, pl->xfer_token, KVC_TOKEN_LEN);
+    push_hdr_only(a, ep, &end);
+}
+
 static ucs_status_t pull_cb(void *arg, const void *header, size_t hlen, void *data, size_t len,
                             const ucp_am_recv_param_t *param) {
     kvc_agent_t *a = arg;
@@ -218,8 +264,15 @@ static ucs_status_t pull_cb(void *arg, const void *header, size_t hlen, void *da
         return UCS_OK;
     }
     uint64_t bytes = 0;
-    kvc_pub_t *pub = pull_check(a, param->reply_ep, &pl, &bytes);
-    if (pub) pull_issue(a, param->reply_ep, &pl, pub, bytes);
+    if (pl.flags & KVC_PULL_UNHOLD)
+        pull_unhold(a, param->reply_ep, &pl);
+    else {
+        kvc_pub_t *pub = pull_check(a, param->reply_ep, &pl, &bytes);
+        if (pub && (pl.flags & KVC_PULL_HOLD))
+            pull_hold(a, param->reply_ep, &pl, pub);
+        else if (pub)
+            pull_issue(a, param->reply_ep, &pl, pub, bytes);
+    }
     free(pl.runs);
     return UCS_OK;
 }
