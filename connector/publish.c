@@ -293,8 +293,27 @@ void kvc_pub_push_end(kvc_agent_t *a, kvc_pub_t *p) {
     drained(a, p);
 }
 
+/* Holds past their deadline break: a consumer that went quiet does not keep
+ * the blocks forever (its read, if it ever ends, is told it failed).  Swept
+ * on released publications each progress, and on a live one when it takes
+ * a new hold (the pull bound caps how many it can take). */
+static void holds_sweep(kvc_agent_t *a, kvc_pub_t *p, uint64_t now, uint64_t *next) {
+    for (size_t i = 0; i < p->nholds;) {
+        if (p->holds[i].deadline_ns <= now) {
+            KVC_LOG(a, KVC_LOG_WARN, "req=%s: read by fetch %llu not ended in time, hold broken",
+                    p->id, (unsigned long long)p->holds[i].xfer_id);
+            p->holds[i] = p->holds[--p->nholds];
+            continue;
+        }
+        if (p->holds[i].deadline_ns < *next) *next = p->holds[i].deadline_ns;
+        i++;
+    }
+}
+
 kvc_status_t kvc_pub_hold(kvc_agent_t *a, kvc_pub_t *p, uint64_t xfer_id,
                           const uint8_t token[KVC_TOKEN_LEN], uint64_t deadline_ns) {
+    uint64_t ignored = UINT64_MAX;
+    holds_sweep(a, p, kvc_now_ns(), &ignored);
     if (p->nholds == p->holds_cap) {
         size_t cap = p->holds_cap ? p->holds_cap * 2 : 4;
         kvc_hold_t *h = realloc(p->holds, cap * sizeof(*h));
@@ -332,22 +351,6 @@ kvc_status_t kvc_pub_unhold(kvc_agent_t *a, const char *id, size_t len, uint64_t
     return KVC_ERR_DENIED;
 }
 
-/* Holds past their deadline break: a consumer that went quiet does not keep
- * the blocks forever (its read, if it ever ends, is told it failed).  Live
- * publications drop them too, so that they do not pile up. */
-static void holds_sweep(kvc_agent_t *a, kvc_pub_t *p, uint64_t now, uint64_t *next) {
-    for (size_t i = 0; i < p->nholds;) {
-        if (p->holds[i].deadline_ns <= now) {
-            KVC_LOG(a, KVC_LOG_WARN, "req=%s: read by fetch %llu not ended in time, hold broken",
-                    p->id, (unsigned long long)p->holds[i].xfer_id);
-            p->holds[i] = p->holds[--p->nholds];
-            continue;
-        }
-        if (p->holds[i].deadline_ns < *next) *next = p->holds[i].deadline_ns;
-        i++;
-    }
-}
-
 void kvc_expiry_run(kvc_agent_t *a, uint64_t now, uint64_t *next) {
     kvc_pub_t *p;
     while ((p = a->pubs.ehead) && p->deadline_ns <= now) {
@@ -357,8 +360,6 @@ void kvc_expiry_run(kvc_agent_t *a, uint64_t now, uint64_t *next) {
         kvc_pub_release(a, p, KVC_EV_EXPIRED, KVC_ERR_TIMED_OUT, "not claimed before expiry");
     }
     if (p && p->deadline_ns < *next) *next = p->deadline_ns;
-    for (p = a->pubs.ehead; p; p = p->enext)
-        if (p->nholds) holds_sweep(a, p, now, next);
     kvc_pub_t **pp = &a->pubs.draining;
     while ((p = *pp)) {
         holds_sweep(a, p, now, next);
