@@ -249,6 +249,7 @@ kvc_status_t kvc_agent_create(const kvc_agent_params_t *p, kvc_agent_t **out) {
 
     if ((st = ucx_init(a)) != KVC_OK) goto err_agent;
     if ((st = kvc_xfer_register_am(a)) != KVC_OK) goto err_ucx;
+    if ((st = kvc_push_register_am(a)) != KVC_OK) goto err_ucx;
     if ((st = kvc_notify_register_am(a)) != KVC_OK) goto err_ucx;
     if ((st = kvc_loop_open(a)) != KVC_OK) goto err_fds;
     if ((st = kvc_listen_open(a)) != KVC_OK) goto err_fds;

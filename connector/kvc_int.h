@@ -19,9 +19,12 @@ KVC_HIDDEN char *kvc_strndup(const char *s, size_t n);
 
 /* Side-channel messages: 12-byte header (magic, version, type, body length),
  * then a body.  Integers little-endian.  See wire.c for the body layouts.
- * Version 2: authenticated handshake, tokens on pulls and notifications. */
+ * Version 2: authenticated handshake, tokens on pulls and notifications.
+ * Version 3: one-sided reads bracketed by HOLD/UNHOLD pulls; the consumer's
+ * TP size in every pull; a producer that cannot serve a GET consumer says
+ * so in an ERROR (KVC_ERR_UNSUPPORTED) instead of handing out rkeys. */
 #define KVC_WIRE_MAGIC 0x4843564bu /* "KVCH" on the wire */
-#define KVC_WIRE_VERSION 2
+#define KVC_WIRE_VERSION 3
 #define KVC_WIRE_HDR_LEN 12
 #define KVC_WIRE_MAX_BODY (64u << 20)
 #define KVC_WIRE_MAX_HELLO 8192u /* HELLO and AUTH bodies */
@@ -104,6 +107,7 @@ typedef struct {
 typedef struct {
     uint64_t xfer_id;
     uint16_t flags;
+    uint32_t tp; /* the consumer's TP size (fan-in: how many ranks may pull) */
     uint8_t xfer_token[KVC_TOKEN_LEN];
     uint8_t pub_token[KVC_TOKEN_LEN];
     kvc_span_t request_id;
@@ -153,10 +157,15 @@ KVC_HIDDEN kvc_status_t kvc_wire_parse_handshake(const uint8_t *body, size_t len
                                                  kvc_wire_hs_t *hs);
 KVC_HIDDEN void kvc_wire_hs_cleanup(kvc_wire_hs_t *hs);
 
-/* KVC_PULL_RNDV: the consumer can only take rendezvous DATA (device memory). */
-enum { KVC_PULL_RNDV = 1u << 0 };
+/* KVC_PULL_RNDV: the consumer can only take rendezvous DATA (device memory).
+ * KVC_PULL_HOLD: a one-sided read is about to start: confirm the publication
+ * and hold its blocks for it (no DATA; an END or a refusal answers).
+ * KVC_PULL_UNHOLD: that read ended: was the hold intact all along?  (END:
+ * yes; a DENIED refusal: no, the read may have seen reused blocks.) */
+enum { KVC_PULL_RNDV = 1u << 0, KVC_PULL_HOLD = 1u << 1, KVC_PULL_UNHOLD = 1u << 2 };
 /* PULL: u16 version, u16 flags, u32 n_runs, u64 xfer_id, xfer_token[16],
- * pub_token[16], str16 request_id, n_runs * {u64 remote, u64 local, u64 count}. */
+ * pub_token[16], u32 consumer tp, str16 request_id,
+ * n_runs * {u64 remote, u64 local, u64 count}. */
 KVC_HIDDEN void kvc_wire_encode_pull(kvc_buf_t *b, const kvc_wire_pull_t *pl);
 /* On KVC_OK pl->runs is malloc'ed (caller frees), request_id borrows p. */
 KVC_HIDDEN kvc_status_t kvc_wire_parse_pull(const uint8_t *p, size_t len, kvc_wire_pull_t *pl);
@@ -319,6 +328,13 @@ typedef struct {
     size_t rkey_len;
 } kvc_region_t;
 
+/* A confirmed one-sided read of a publication (KVC_PULL_HOLD). */
+typedef struct {
+    uint64_t xfer_id;
+    uint8_t token[KVC_TOKEN_LEN]; /* the fetch's transfer token */
+    uint64_t deadline_ns;         /* past it the hold is broken */
+} kvc_hold_t;
+
 typedef struct kvc_pub kvc_pub_t;
 struct kvc_pub {
     kvc_pub_t *hnext;         /* hash chain */
@@ -332,13 +348,25 @@ struct kvc_pub {
     uint8_t token[KVC_TOKEN_LEN];
     uint32_t consumers; /* notifications needed; 0: from the first one */
     uint32_t notified;  /* matching notifications so far */
-    uint32_t pulls;     /* pulls served (bounded, xfer.c) */
+    uint32_t pulls;     /* pulls served (bounded, push.c) */
+    /* Readers: while any is left, the blocks are not handed back. */
+    uint32_t pushes;   /* push jobs sending from the blocks (push.c) */
+    kvc_hold_t *holds; /* owned: confirmed one-sided reads */
+    size_t nholds, holds_cap;
+    /* Released (out of the table) while readers were left: on the draining
+     * list until the last one ends, then its event goes to the engine. */
+    bool released;
+    kvc_event_type_t rel_type;
+    kvc_status_t rel_status;
+    const char *rel_msg; /* static text or NULL */
+    kvc_pub_t *dnext;    /* draining list */
 };
 
 typedef struct {
     kvc_pub_t **buckets; /* owned */
     size_t nbuckets, count;
     kvc_pub_t *ehead, *etail;
+    kvc_pub_t *draining; /* released, waiting for their readers */
 } kvc_pubtab_t;
 
 typedef struct kvc_sconn kvc_sconn_t;
@@ -397,7 +425,7 @@ struct kvc_agent {
     kvc_xfer_t *xfers;        /* active and finishing fetches */
     uint64_t next_xfer_id;
     uint64_t push_inflight; /* producer-side sends in flight */
-    uint64_t push_bytes;    /* bytes those sends reference (bounded, xfer.c) */
+    uint64_t push_bytes;    /* bytes those sends reference (bounded, push.c) */
     size_t push_chunk;      /* largest DATA message (bytes, whole blocks) */
 
     kvc_evnode_t *evq_head, *evq_tail, *ev_cur;
@@ -483,8 +511,9 @@ KVC_HIDDEN bool kvc_peer_ready(const kvc_peer_t *p);
 KVC_HIDDEN bool kvc_peer_dead(const kvc_peer_t *p, kvc_status_t *st, const char **msg);
 KVC_HIDDEN void kvc_peers_timers(kvc_agent_t *a, uint64_t now, uint64_t *next);
 KVC_HIDDEN void kvc_peers_reap(kvc_agent_t *a);
-/* Fails every fetch on the peer and closes its endpoint, which cancels the
- * UCX requests still in flight (no late writes into local blocks). */
+/* Marks the peer dead (every fetch on it fails on its next advance) and
+ * closes its endpoint, which cancels the UCX requests still in flight (no
+ * late writes into local blocks). */
 KVC_HIDDEN void kvc_peer_abort(kvc_agent_t *a, kvc_peer_t *p, kvc_status_t st, const char *msg);
 KVC_HIDDEN void kvc_peers_destroy(kvc_agent_t *a);
 
@@ -525,12 +554,17 @@ struct kvc_peer {
     char fail_msg[320];
 };
 
+/* UCX active message ids of the data path (PULL: consumer -> producer,
+ * DATA: producer -> consumer; NOTIFY is notify.c's). */
+enum { KVC_AM_PULL = 21, KVC_AM_DATA = 22 };
+
 /* --------------------------------------------------------- xfer.c -- */
 KVC_HIDDEN kvc_status_t kvc_xfer_register_am(kvc_agent_t *a);
 KVC_HIDDEN void kvc_xfers_advance(kvc_agent_t *a, uint64_t now, uint64_t *next);
 KVC_HIDDEN void kvc_xfers_destroy(kvc_agent_t *a);
-KVC_HIDDEN void kvc_xfers_fail_peer(kvc_agent_t *a, kvc_peer_t *p, kvc_status_t st,
-                                    const char *msg);
+
+/* --------------------------------------------------------- push.c -- */
+KVC_HIDDEN kvc_status_t kvc_push_register_am(kvc_agent_t *a);
 
 /* ------------------------------------------------------- notify.c -- */
 KVC_HIDDEN kvc_status_t kvc_notify_register_am(kvc_agent_t *a);
@@ -539,7 +573,7 @@ KVC_HIDDEN void kvc_notify_handle(kvc_agent_t *a, const uint8_t *p, size_t len);
 KVC_HIDDEN kvc_status_t kvc_notify_send(kvc_agent_t *a, ucp_ep_h ep, const kvc_buf_t *msg,
                                         ucp_send_nbx_callback_t cb, void *arg, void **req);
 
-/* -------------------------------------------------- publish.c / expiry.c -- */
+/* -------------------------------------------------------- publish.c -- */
 KVC_HIDDEN kvc_status_t kvc_pubtab_init(kvc_pubtab_t *t);
 KVC_HIDDEN void kvc_pubtab_cleanup(kvc_pubtab_t *t);
 KVC_HIDDEN kvc_pub_t *kvc_pubtab_find(kvc_pubtab_t *t, const char *id, size_t len);
@@ -548,8 +582,24 @@ KVC_HIDDEN void kvc_pubtab_remove(kvc_pubtab_t *t, kvc_pub_t *p);
 KVC_HIDDEN void kvc_pub_free(kvc_pub_t *p);
 /* True when every block of [start, start+count) is published in p. */
 KVC_HIDDEN bool kvc_pub_has_run(const kvc_pub_t *p, uint64_t start, uint64_t count);
-KVC_HIDDEN void kvc_expiry_insert(kvc_pubtab_t *t, kvc_pub_t *p);
-KVC_HIDDEN void kvc_expiry_remove(kvc_pubtab_t *t, kvc_pub_t *p);
+/* Expiry, and holds past their deadline on released publications. */
 KVC_HIDDEN void kvc_expiry_run(kvc_agent_t *a, uint64_t now, uint64_t *next);
+/* Takes p out of the table and hands its blocks back to the engine with
+ * event `type` (0: none) as soon as no push or confirmed read uses them:
+ * now, or when the last one ends.  p may be freed. */
+KVC_HIDDEN void kvc_pub_release(kvc_agent_t *a, kvc_pub_t *p, kvc_event_type_t type,
+                                kvc_status_t st, const char *msg);
+/* A push job starts / ends sending from p's blocks. */
+KVC_HIDDEN void kvc_pub_push_begin(kvc_pub_t *p);
+KVC_HIDDEN void kvc_pub_push_end(kvc_agent_t *a, kvc_pub_t *p);
+/* A confirmed one-sided read of live publication p by fetch (xfer_id,
+ * token) until deadline_ns.  KVC_OK or KVC_ERR_NO_MEMORY. */
+KVC_HIDDEN kvc_status_t kvc_pub_hold(kvc_agent_t *a, kvc_pub_t *p, uint64_t xfer_id,
+                                     const uint8_t token[KVC_TOKEN_LEN], uint64_t deadline_ns);
+/* Ends that read: KVC_OK when its hold was intact (the blocks were not
+ * handed back meanwhile), else KVC_ERR_DENIED.  The publication may have
+ * been released meanwhile (then it may be freed now). */
+KVC_HIDDEN kvc_status_t kvc_pub_unhold(kvc_agent_t *a, const char *id, size_t len, uint64_t xfer_id,
+                                       const uint8_t token[KVC_TOKEN_LEN]);
 
 #endif

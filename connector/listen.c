@@ -296,6 +296,18 @@ static void on_auth(kvc_agent_t *a, kvc_sconn_t *c, const uint8_t *body, size_t 
         sconn_refuse(a, c, KVC_ERR_AUTH, "authentication failed: different cluster secret");
         return;
     }
+    /* A consumer that insists on one-sided reads of memory this producer
+     * cannot serve that way (neither a pool nor RMA in its UCX context) would
+     * wait for gets that never complete: it is told so at once instead. */
+    bool all_pools = a->n_regions > 0;
+    for (size_t i = 0; i < a->n_regions; i++)
+        all_pools &= a->regions[i].pool;
+    if (proto == KVC_PROTO_GET && !a->rma && !all_pools) {
+        sconn_refuse(a, c, KVC_ERR_UNSUPPORTED,
+                     "this producer serves no one-sided GET (its regions are not connector "
+                     "pools and its UCX context has no RMA): use proto auto or push");
+        return;
+    }
     /* rkeys only for a consumer that may read one-sided: it asked for GET,
      * or AUTO with every region a pool (mappable on one host) or device
      * memory registered directly (cuda_ipc, RDMA: path.c decides). */

@@ -48,13 +48,11 @@ void kvc_notify_handle(kvc_agent_t *a, const uint8_t *p, size_t len) {
                 pub->consumers);
         return;
     }
-    kvc_pubtab_remove(&a->pubs, pub);
     a->stats[KVC_STAT_RELEASED]++;
     KVC_LOG(a, KVC_LOG_DEBUG, "notify: released req=%s blocks=%zu consumer_tp=%u consumers=%u",
             pub->id, pub->n, tp, pub->consumers);
-    kvc_event_push(a, KVC_EV_RELEASED, KVC_OK, 0, pub->user_data, pub->id, pub->blocks, pub->n, 0,
-                   NULL);
-    kvc_pub_free(pub);
+    /* RELEASED goes out once no push or confirmed read uses the blocks. */
+    kvc_pub_release(a, pub, KVC_EV_RELEASED, KVC_OK, NULL);
 }
 
 static ucs_status_t notify_cb(void *arg, const void *header, size_t hlen, void *data, size_t len,

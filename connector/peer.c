@@ -61,8 +61,9 @@ static void peer_close_socket(kvc_agent_t *a, kvc_peer_t *p) {
     kvc_buf_cleanup(&p->out);
 }
 
-/* Marks the peer dead and fails the fetches that depend on it.  May run from
- * a UCX callback: it does not call UCX; reap closes the endpoint later. */
+/* Marks the peer dead; the fetches that depend on it fail on their next
+ * advance (xfer.c).  May run from a UCX callback: it does not call UCX;
+ * reap closes the endpoint later. */
 static void peer_fail(kvc_agent_t *a, kvc_peer_t *p, kvc_status_t st, const char *fmt, ...)
     __attribute__((format(printf, 4, 5)));
 static void peer_fail(kvc_agent_t *a, kvc_peer_t *p, kvc_status_t st, const char *fmt, ...) {
@@ -77,7 +78,6 @@ static void peer_fail(kvc_agent_t *a, kvc_peer_t *p, kvc_status_t st, const char
     peer_close_socket(a, p);
     KVC_LOG(a, KVC_LOG_WARN, "peer %s:%u: %s (%s)", p->host, p->port, p->fail_msg,
             kvc_status_str(st));
-    kvc_xfers_fail_peer(a, p, st, p->fail_msg);
     kvc_wake(a);
 }
 
@@ -492,9 +492,10 @@ static void on_error(kvc_agent_t *a, kvc_peer_t *p, const uint8_t *body, size_t 
         peer_fail(a, p, KVC_ERR_PROTOCOL, "malformed error message from %s:%u", p->host, p->port);
         return;
     }
-    kvc_status_t st = code == KVC_ERR_AUTH      ? KVC_ERR_AUTH
-                      : code == KVC_ERR_VERSION ? KVC_ERR_VERSION
-                                                : KVC_ERR_PROTOCOL;
+    kvc_status_t st = code == KVC_ERR_AUTH          ? KVC_ERR_AUTH
+                      : code == KVC_ERR_VERSION     ? KVC_ERR_VERSION
+                      : code == KVC_ERR_UNSUPPORTED ? KVC_ERR_UNSUPPORTED
+                                                    : KVC_ERR_PROTOCOL;
     if (st == KVC_ERR_AUTH) a->stats[KVC_STAT_AUTH_FAILED]++;
     peer_fail(a, p, st, "producer %s:%u refused the handshake: %.*s", p->host, p->port, (int)m.len,
               (const char *)m.p);

@@ -1,6 +1,10 @@
-/* Producer bookkeeping: the table of published requests (hash by request id)
- * and kvc_publish / kvc_unpublish.  Release by notification is in notify.c,
- * by time in expiry.c. */
+/* Producer bookkeeping: the table of published requests (hash by request id),
+ * kvc_publish / kvc_unpublish, and expiry.  Release by notification is in
+ * notify.c.
+ *
+ * Expiry: a list sorted by deadline (usually appended at the tail, since
+ * most requests use the agent's expiry_ms), swept on each progress; the
+ * head's deadline feeds the agent's timer. */
 #include "connector/kvc_int.h"
 
 #include <stdlib.h>
@@ -25,6 +29,7 @@ kvc_status_t kvc_pubtab_init(kvc_pubtab_t *t) {
 
 void kvc_pub_free(kvc_pub_t *p) {
     if (!p) return;
+    free(p->holds);
     free(p->id);
     free(p->blocks);
     free(p->sorted);
@@ -32,6 +37,11 @@ void kvc_pub_free(kvc_pub_t *p) {
 }
 
 void kvc_pubtab_cleanup(kvc_pubtab_t *t) {
+    while (t->draining) {
+        kvc_pub_t *p = t->draining;
+        t->draining = p->dnext;
+        kvc_pub_free(p);
+    }
     for (size_t i = 0; t->buckets && i < t->nbuckets; i++) {
         kvc_pub_t *p = t->buckets[i];
         while (p) {
@@ -69,13 +79,41 @@ static void grow(kvc_pubtab_t *t) {
     t->nbuckets = nb;
 }
 
+static void expiry_insert(kvc_pubtab_t *t, kvc_pub_t *p) {
+    kvc_pub_t *at = t->etail;
+    while (at && at->deadline_ns > p->deadline_ns)
+        at = at->eprev;
+    p->eprev = at;
+    p->enext = at ? at->enext : t->ehead;
+    if (p->enext)
+        p->enext->eprev = p;
+    else
+        t->etail = p;
+    if (at)
+        at->enext = p;
+    else
+        t->ehead = p;
+}
+
+static void expiry_remove(kvc_pubtab_t *t, kvc_pub_t *p) {
+    if (p->eprev)
+        p->eprev->enext = p->enext;
+    else
+        t->ehead = p->enext;
+    if (p->enext)
+        p->enext->eprev = p->eprev;
+    else
+        t->etail = p->eprev;
+    p->eprev = p->enext = NULL;
+}
+
 void kvc_pubtab_insert(kvc_pubtab_t *t, kvc_pub_t *p) {
     if (t->count >= t->nbuckets) grow(t);
     size_t k = hash(p->id, strlen(p->id)) % t->nbuckets;
     p->hnext = t->buckets[k];
     t->buckets[k] = p;
     t->count++;
-    kvc_expiry_insert(t, p);
+    expiry_insert(t, p);
 }
 
 void kvc_pubtab_remove(kvc_pubtab_t *t, kvc_pub_t *p) {
@@ -87,7 +125,7 @@ void kvc_pubtab_remove(kvc_pubtab_t *t, kvc_pub_t *p) {
         t->count--;
     }
     p->hnext = NULL;
-    kvc_expiry_remove(t, p);
+    expiry_remove(t, p);
 }
 
 static int cmp_u64(const void *x, const void *y) {
@@ -198,7 +236,138 @@ kvc_status_t kvc_unpublish(kvc_agent_t *a, const char *request_id) {
     if (!a || !request_id) return KVC_ERR_INVALID_PARAM;
     kvc_pub_t *p = kvc_pubtab_find(&a->pubs, request_id, strlen(request_id));
     if (!p) return KVC_ERR_NOT_FOUND;
-    kvc_pubtab_remove(&a->pubs, p);
+    if (p->pushes == 0 && p->nholds == 0) {
+        kvc_pubtab_remove(&a->pubs, p);
+        kvc_pub_free(p);
+        return KVC_OK;
+    }
+    KVC_LOG(a, KVC_LOG_DEBUG, "unpublish req=%s: blocks back once %u pushes and %zu reads end",
+            p->id, p->pushes, p->nholds);
+    kvc_pub_release(a, p, KVC_EV_RELEASED, KVC_ERR_CANCELED, "unpublished");
+    return KVC_INPROGRESS;
+}
+
+/* ------------------------------------------------------------- readers -- */
+
+static void hand_back(kvc_agent_t *a, kvc_pub_t *p) {
+    if (p->rel_type)
+        kvc_event_push(a, p->rel_type, p->rel_status, 0, p->user_data, p->id, p->blocks, p->n, 0,
+                       p->rel_msg);
     kvc_pub_free(p);
+}
+
+/* A released publication whose last reader ended: off the draining list,
+ * blocks back to the engine. */
+static void drained(kvc_agent_t *a, kvc_pub_t *p) {
+    if (!p->released || p->pushes || p->nholds) return;
+    kvc_pub_t **pp = &a->pubs.draining;
+    while (*pp && *pp != p)
+        pp = &(*pp)->dnext;
+    if (*pp) *pp = p->dnext;
+    KVC_LOG(a, KVC_LOG_DEBUG, "req=%s: last reader ended, blocks handed back", p->id);
+    hand_back(a, p);
+}
+
+void kvc_pub_release(kvc_agent_t *a, kvc_pub_t *p, kvc_event_type_t type, kvc_status_t st,
+                     const char *msg) {
+    kvc_pubtab_remove(&a->pubs, p);
+    p->rel_type = type;
+    p->rel_status = st;
+    p->rel_msg = msg;
+    if (p->pushes == 0 && p->nholds == 0) {
+        hand_back(a, p);
+        return;
+    }
+    p->released = true;
+    p->dnext = a->pubs.draining;
+    a->pubs.draining = p;
+    kvc_wake(a); /* the timer takes the holds' deadlines */
+}
+
+void kvc_pub_push_begin(kvc_pub_t *p) {
+    p->pushes++;
+}
+
+void kvc_pub_push_end(kvc_agent_t *a, kvc_pub_t *p) {
+    p->pushes--;
+    drained(a, p);
+}
+
+/* Holds past their deadline break: a consumer that went quiet does not keep
+ * the blocks forever (its read, if it ever ends, is told it failed).  Swept
+ * on released publications each progress, and on a live one when it takes
+ * a new hold (the pull bound caps how many it can take). */
+static void holds_sweep(kvc_agent_t *a, kvc_pub_t *p, uint64_t now, uint64_t *next) {
+    for (size_t i = 0; i < p->nholds;) {
+        if (p->holds[i].deadline_ns <= now) {
+            KVC_LOG(a, KVC_LOG_WARN, "req=%s: read by fetch %llu not ended in time, hold broken",
+                    p->id, (unsigned long long)p->holds[i].xfer_id);
+            p->holds[i] = p->holds[--p->nholds];
+            continue;
+        }
+        if (p->holds[i].deadline_ns < *next) *next = p->holds[i].deadline_ns;
+        i++;
+    }
+}
+
+kvc_status_t kvc_pub_hold(kvc_agent_t *a, kvc_pub_t *p, uint64_t xfer_id,
+                          const uint8_t token[KVC_TOKEN_LEN], uint64_t deadline_ns) {
+    uint64_t ignored = UINT64_MAX;
+    holds_sweep(a, p, kvc_now_ns(), &ignored);
+    if (p->nholds == p->holds_cap) {
+        size_t cap = p->holds_cap ? p->holds_cap * 2 : 4;
+        kvc_hold_t *h = realloc(p->holds, cap * sizeof(*h));
+        if (!h) return KVC_ERR_NO_MEMORY;
+        p->holds = h;
+        p->holds_cap = cap;
+    }
+    kvc_hold_t *h = &p->holds[p->nholds++];
+    h->xfer_id = xfer_id;
+    memcpy(h->token, token, KVC_TOKEN_LEN);
+    h->deadline_ns = deadline_ns;
+    kvc_wake(a);
     return KVC_OK;
+}
+
+static bool take_hold(kvc_pub_t *p, uint64_t xfer_id, const uint8_t token[KVC_TOKEN_LEN]) {
+    for (size_t i = 0; i < p->nholds; i++)
+        if (p->holds[i].xfer_id == xfer_id &&
+            kvc_mac_equal(p->holds[i].token, token, KVC_TOKEN_LEN)) {
+            p->holds[i] = p->holds[--p->nholds];
+            return true;
+        }
+    return false;
+}
+
+kvc_status_t kvc_pub_unhold(kvc_agent_t *a, const char *id, size_t len, uint64_t xfer_id,
+                            const uint8_t token[KVC_TOKEN_LEN]) {
+    kvc_pub_t *p = kvc_pubtab_find(&a->pubs, id, len);
+    if (p && take_hold(p, xfer_id, token)) return KVC_OK;
+    for (p = a->pubs.draining; p; p = p->dnext)
+        if (strlen(p->id) == len && !memcmp(p->id, id, len) && take_hold(p, xfer_id, token)) {
+            drained(a, p);
+            return KVC_OK;
+        }
+    return KVC_ERR_DENIED;
+}
+
+void kvc_expiry_run(kvc_agent_t *a, uint64_t now, uint64_t *next) {
+    kvc_pub_t *p;
+    while ((p = a->pubs.ehead) && p->deadline_ns <= now) {
+        a->stats[KVC_STAT_EXPIRED]++;
+        KVC_LOG(a, KVC_LOG_WARN, "Releasing expired KV blocks for request req=%s blocks=%zu", p->id,
+                p->n);
+        kvc_pub_release(a, p, KVC_EV_EXPIRED, KVC_ERR_TIMED_OUT, "not claimed before expiry");
+    }
+    if (p && p->deadline_ns < *next) *next = p->deadline_ns;
+    kvc_pub_t **pp = &a->pubs.draining;
+    while ((p = *pp)) {
+        holds_sweep(a, p, now, next);
+        if (p->pushes == 0 && p->nholds == 0) {
+            *pp = p->dnext;
+            hand_back(a, p);
+            continue;
+        }
+        pp = &p->dnext;
+    }
 }

@@ -3,7 +3,8 @@
  * and unit tests exercise exactly what the agent runs.
  *
  * Header (12 bytes): u32 magic "KVCH", u16 version, u16 type, u32 body_len.
- * Side channel, in order (version 2):
+ * Side channel, in order (version 3; 2 had the same side channel but
+ * another PULL):
  *  C->P HELLO:     str16 engine_id, u8 flags (KVC_HFLAG_*), nonce_c[32]
  *  P->C CHALLENGE: str16 engine_id, u8 flags, nonce_p[32]
  *  C->P AUTH:      u8 proto, mac_c[32]
@@ -16,8 +17,8 @@
  *                  HANDSHAKE; the producer closes after it)
  * The MACs are computed in auth.c.
  * PULL (AM data): u16 version, u16 flags (KVC_PULL_*), u32 n_runs, u64 xfer_id,
- *                 xfer_token[16], pub_token[16], str16 request_id,
- *                 n_runs * { u64 remote, u64 local, u64 count }
+ *                 xfer_token[16], pub_token[16], u32 consumer tp (version 3),
+ *                 str16 request_id, n_runs * { u64 remote, u64 local, u64 count }
  * DATA header (AM header): u64 xfer_id, u32 region, i32 status,
  *                 u64 local_start, u64 count, xfer_token[16]
  * NOTIFY (AM data): pub_token[16], "<request id>:<tp>"
@@ -337,6 +338,7 @@ void kvc_wire_encode_pull(kvc_buf_t *b, const kvc_wire_pull_t *pl) {
     kvc_buf_u64(b, pl->xfer_id);
     kvc_buf_put(b, pl->xfer_token, KVC_TOKEN_LEN);
     kvc_buf_put(b, pl->pub_token, KVC_TOKEN_LEN);
+    kvc_buf_u32(b, pl->tp);
     put_str16(b, pl->request_id.p, pl->request_id.len);
     for (size_t i = 0; i < pl->n; i++) {
         kvc_buf_u64(b, pl->runs[i].remote);
@@ -355,6 +357,7 @@ kvc_status_t kvc_wire_parse_pull(const uint8_t *p, size_t len, kvc_wire_pull_t *
     t.xfer_id = rd_uint(&r, 8);
     kvc_span_t xt = rd_span(&r, KVC_TOKEN_LEN);
     kvc_span_t pt = rd_span(&r, KVC_TOKEN_LEN);
+    t.tp = (uint32_t)rd_uint(&r, 4);
     t.request_id = rd_str16(&r);
     if (r.bad || ver != KVC_WIRE_VERSION || t.request_id.len == 0 ||
         !kvc_printable((const char *)t.request_id.p, t.request_id.len) ||

@@ -1,12 +1,19 @@
-/* Fetches (consumer) and pushes (producer side of a fetch).
+/* Fetches: the consumer side of a transfer (the producer's push is push.c).
  *
- * A fetch goes WAIT_PEER -> DATA -> [FLUSH] -> NOTIFY -> done, one step per
- * progress call, never from inside a UCX callback: callbacks only count
- * completions and record errors; kvc_xfers_advance() moves the state.
+ * A fetch goes WAIT_PEER -> [CONFIRM] -> DATA -> [FLUSH -> CHECK] -> NOTIFY
+ * -> done, one step per progress call, never from inside a UCX callback:
+ * callbacks only count completions and record errors; kvc_xfers_advance()
+ * moves the state.
  *
  * DATA uses one of two protocols, chosen per peer (peer.c: choose_proto):
- *  GET:  one ucp_get_nbx per (coalesced run, region).  One-sided on shared
- *        memory pools and on RDMA.
+ *  GET:  one ucp_get_nbx per (coalesced run, region), or a memcpy through
+ *        the mapping of a shared-memory pool.  One-sided, so bracketed by
+ *        the producer's word: a HOLD pull (CONFIRM) must be answered with an
+ *        END before the first byte is read — the publication is live, the
+ *        token right, the blocks its own, and they are held for this fetch —
+ *        and an UNHOLD pull after the last byte landed (CHECK) must be
+ *        answered with an END too: the hold was intact for the whole read.
+ *        A refusal at either point fails the fetch (DENIED).
  *  PUSH: one PULL active message listing the runs, naming the publication
  *        (remote_request_id + its token) and carrying a random transfer
  *        token; the producer checks that every run is part of that
@@ -14,7 +21,7 @@
  *        (run, region) whose header names the local destination and echoes
  *        the transfer token, then an END saying how many it sent; large ones
  *        arrive as rendezvous and are received straight into the local
- *        region.  This is the fast path over UCX's tcp transport, whose get
+ *        region (push.c serves it).  This is the fast path over UCX's tcp transport, whose get
  *        is emulated by the target.
  *
  * Checked transfers: the consumer keeps one bit per (region, block) of the
@@ -22,6 +29,11 @@
  * blocks, or for a block already received, fails the fetch before a byte is
  * written; an END after which blocks are still missing fails it too (short
  * transfer).  Completion is every bit set, never a byte count.
+ *
+ * A failed fetch reports FETCH_FAILED only once every UCX request of it has
+ * completed or been cancelled (outstanding == 0): nothing lands in local
+ * blocks after the event.  Requests that do not end within FAIL_GRACE_NS are
+ * cancelled by closing the peer's endpoint.
  *
  * A fetch struct lives until its event is queued AND every UCX request that
  * points to it has completed (outstanding == 0). */
@@ -31,9 +43,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-enum { KVC_AM_PULL = 21, KVC_AM_DATA = 22 };
+typedef enum { X_WAIT_PEER, X_CONFIRM, X_DATA, X_FLUSH, X_CHECK, X_NOTIFY, X_DONE } xstate_t;
 
-typedef enum { X_WAIT_PEER, X_DATA, X_FLUSH, X_NOTIFY, X_DONE } xstate_t;
+#define FAIL_GRACE_NS 2000000000ull
 
 struct kvc_xfer {
     kvc_xfer_t *next;
@@ -49,7 +61,13 @@ struct kvc_xfer {
     bool direct;             /* GET through the shared-memory mapping */
     size_t cur_run, cur_reg; /* direct copy cursor */
     xstate_t state;
-    bool finished;   /* event queued */
+    bool finished;     /* outcome decided (no more data taken) */
+    bool fail_pending; /* FETCH_FAILED waits for outstanding == 0 */
+    bool fail_aborted; /* the peer was aborted to cancel what is in flight */
+    uint64_t fail_deadline_ns;
+    kvc_status_t fail_status;
+    char fail_msg[256];
+    bool word;       /* CONFIRM/CHECK: the producer answered with an END */
     int outstanding; /* UCX requests whose user_data is this fetch */
     bool op_failed;
     kvc_status_t op_status;
@@ -66,27 +84,6 @@ struct kvc_xfer {
     bool end_seen;
     void *cuda_stream; /* borrowed: the engine's stream that waits for the staging copies */
 };
-
-/* Producer side: headers of one PULL's DATA sends, freed with the last send. */
-typedef struct {
-    kvc_agent_t *a;
-    size_t refs;
-    uint64_t bytes; /* counted in a->push_bytes until the job ends */
-    uint8_t (*hdr)[KVC_WIRE_DATA_HDR_LEN];
-} push_job_t;
-
-/* Pulls one publication may be served: enough for every TP rank of the
- * decode side, not an amplifier for a peer that repeats its pull. */
-#define PULLS_PER_PUB_MIN 8
-/* Bytes all pushes in flight may reference; beyond, pulls are refused
- * (one is always served, however large). */
-#define MAX_PUSH_BYTES (4ull << 30)
-
-static void job_free(push_job_t *j) {
-    j->a->push_bytes -= j->bytes;
-    free(j->hdr);
-    free(j);
-}
 
 static kvc_status_t ucs_to_kvc(ucs_status_t us) {
     switch (us) {
@@ -156,12 +153,31 @@ static bool track(kvc_xfer_t *x, ucs_status_ptr_t r, const char *what) {
     return true;
 }
 
+static void emit_failed(kvc_agent_t *a, kvc_xfer_t *x, kvc_status_t st, const char *msg) {
+    x->fail_pending = false;
+    a->stats[KVC_STAT_FETCH_FAILED]++;
+    KVC_LOG(a, KVC_LOG_WARN, "fetch %llu req=%s failed: %s (%s)", (unsigned long long)x->id,
+            x->req_id, msg, kvc_status_str(st));
+    kvc_event_push(a, KVC_EV_FETCH_FAILED, st, x->id, x->user_data, x->req_id, x->local, x->n, 0,
+                   msg);
+}
+
 static void xfer_finish(kvc_agent_t *a, kvc_xfer_t *x, kvc_status_t st, const char *msg) {
     if (x->finished) return;
     /* No staging copy may land after FETCH_FAILED: wait for all of them. */
     if (st != KVC_OK) kvc_cuda_drain(a->cuda);
     x->finished = true;
     x->state = X_DONE;
+    if (st != KVC_OK && x->outstanding > 0) {
+        /* Receives or gets in flight may still write local blocks: the
+         * event waits for them (kvc_xfers_advance). */
+        x->fail_pending = true;
+        x->fail_status = st;
+        snprintf(x->fail_msg, sizeof(x->fail_msg), "%s", msg);
+        x->fail_deadline_ns = kvc_now_ns() + FAIL_GRACE_NS;
+        kvc_wake(a);
+        return;
+    }
     if (st == KVC_OK) {
         a->stats[KVC_STAT_FETCH_DONE]++;
         a->stats[KVC_STAT_BYTES_FETCHED] += x->bytes_expected;
@@ -170,17 +186,8 @@ static void xfer_finish(kvc_agent_t *a, kvc_xfer_t *x, kvc_status_t st, const ch
         kvc_event_push(a, KVC_EV_FETCH_DONE, KVC_OK, x->id, x->user_data, x->req_id, x->local, x->n,
                        x->bytes_expected, NULL);
     } else {
-        a->stats[KVC_STAT_FETCH_FAILED]++;
-        KVC_LOG(a, KVC_LOG_WARN, "fetch %llu req=%s failed: %s (%s)", (unsigned long long)x->id,
-                x->req_id, msg, kvc_status_str(st));
-        kvc_event_push(a, KVC_EV_FETCH_FAILED, st, x->id, x->user_data, x->req_id, x->local, x->n,
-                       0, msg);
+        emit_failed(a, x, st, msg);
     }
-}
-
-void kvc_xfers_fail_peer(kvc_agent_t *a, kvc_peer_t *p, kvc_status_t st, const char *msg) {
-    for (kvc_xfer_t *x = a->xfers; x; x = x->next)
-        if (x->peer == p && !x->finished) xfer_finish(a, x, st, msg);
 }
 
 static void xfer_free(kvc_xfer_t *x) {
@@ -278,6 +285,34 @@ static uint64_t run_pos(const kvc_xfer_t *x, uint64_t start, uint64_t count) {
     return r->remote + (start - r->local);
 }
 
+/* Sends this fetch's PULL with `flags` (x->pull must not be in flight). */
+static void send_pull(kvc_agent_t *a, kvc_xfer_t *x, uint16_t flags) {
+    kvc_wire_pull_t pl = {.xfer_id = x->id,
+                          .flags = flags,
+                          .tp = a->tp_size,
+                          .request_id = {(const uint8_t *)x->req_id, strlen(x->req_id)},
+                          .runs = x->runs,
+                          .n = x->nruns};
+    memcpy(pl.xfer_token, x->xfer_token, KVC_TOKEN_LEN);
+    memcpy(pl.pub_token, x->pub_token, KVC_TOKEN_LEN);
+    kvc_buf_cleanup(&x->pull);
+    kvc_wire_encode_pull(&x->pull, &pl);
+    if (x->pull.failed) {
+        xfer_finish(a, x, KVC_ERR_NO_MEMORY, "out of memory");
+        return;
+    }
+    ucp_request_param_t rp;
+    memset(&rp, 0, sizeof(rp));
+    rp.op_attr_mask =
+        UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
+    rp.user_data = x;
+    rp.cb.send = send_cb;
+    rp.flags = UCP_AM_SEND_FLAG_REPLY | UCP_AM_SEND_FLAG_EAGER;
+    x->word = false;
+    track(x, ucp_am_send_nbx(x->peer->ep, KVC_AM_PULL, NULL, 0, x->pull.p, x->pull.len, &rp),
+          "pull");
+}
+
 static void start_data(kvc_agent_t *a, kvc_xfer_t *x, uint64_t now) {
     kvc_peer_t *p = x->peer;
     for (size_t i = 0; i < x->n; i++) {
@@ -306,31 +341,10 @@ static void start_data(kvc_agent_t *a, kvc_xfer_t *x, uint64_t now) {
         xfer_finish(a, x, KVC_ERR_NO_MEMORY, "out of memory");
         return;
     }
-
-    bool local_host = true;
-    for (size_t r = 0; r < a->n_regions; r++)
-        local_host &= a->regions[r].mem_type == KVC_MEM_HOST || a->regions[r].staged;
-    if (x->proto == KVC_PROTO_GET && p->shm && local_host) {
-        x->direct = true; /* copied in slices by advance() */
-        return;
-    }
-    ucp_request_param_t rp;
-    memset(&rp, 0, sizeof(rp));
-    rp.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
-    rp.user_data = x;
     if (x->proto == KVC_PROTO_GET) {
-        rp.cb.send = get_cb;
-        for (size_t i = 0; i < x->nruns; i++) {
-            const kvc_run_t *run = &x->runs[i];
-            for (size_t r = 0; r < a->n_regions; r++) {
-                size_t bl = a->regions[r].block_len;
-                uint8_t *dst = (uint8_t *)a->regions[r].base + run->local * bl;
-                uint64_t src = p->rr[r].base + run->remote * bl;
-                if (!track(x, ucp_get_nbx(p->ep, dst, run->count * bl, src, p->rr[r].rkey, &rp),
-                           "get"))
-                    return;
-            }
-        }
+        /* Not a byte is read before the producer holds the blocks for us. */
+        x->state = X_CONFIRM;
+        send_pull(a, x, KVC_PULL_HOLD);
         return;
     }
     /* Device memory cannot take an eager copy in the handler: ask for
@@ -338,22 +352,41 @@ static void start_data(kvc_agent_t *a, kvc_xfer_t *x, uint64_t now) {
     uint16_t flags = 0;
     for (size_t r = 0; r < a->n_regions; r++)
         if (a->regions[r].mem_type == KVC_MEM_CUDA && !a->regions[r].staged) flags |= KVC_PULL_RNDV;
-    kvc_wire_pull_t pl = {.xfer_id = x->id,
-                          .flags = flags,
-                          .request_id = {(const uint8_t *)x->req_id, strlen(x->req_id)},
-                          .runs = x->runs,
-                          .n = x->nruns};
-    memcpy(pl.xfer_token, x->xfer_token, KVC_TOKEN_LEN);
-    memcpy(pl.pub_token, x->pub_token, KVC_TOKEN_LEN);
-    kvc_wire_encode_pull(&x->pull, &pl);
-    if (x->pull.failed) {
-        xfer_finish(a, x, KVC_ERR_NO_MEMORY, "out of memory");
+    send_pull(a, x, flags);
+}
+
+/* GET, once the producer confirmed: the one-sided reads. */
+static void start_reads(kvc_agent_t *a, kvc_xfer_t *x) {
+    kvc_peer_t *p = x->peer;
+    x->state = X_DATA;
+    bool local_host = true;
+    for (size_t r = 0; r < a->n_regions; r++)
+        local_host &= a->regions[r].mem_type == KVC_MEM_HOST || a->regions[r].staged;
+    if (p->shm && local_host) {
+        x->direct = true; /* copied in slices by advance() */
         return;
     }
-    rp.cb.send = send_cb;
-    rp.op_attr_mask |= UCP_OP_ATTR_FIELD_FLAGS;
-    rp.flags = UCP_AM_SEND_FLAG_REPLY | UCP_AM_SEND_FLAG_EAGER;
-    track(x, ucp_am_send_nbx(p->ep, KVC_AM_PULL, NULL, 0, x->pull.p, x->pull.len, &rp), "pull");
+    ucp_request_param_t rp;
+    memset(&rp, 0, sizeof(rp));
+    rp.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+    rp.user_data = x;
+    rp.cb.send = get_cb;
+    for (size_t i = 0; i < x->nruns; i++) {
+        const kvc_run_t *run = &x->runs[i];
+        for (size_t r = 0; r < a->n_regions; r++) {
+            size_t bl = a->regions[r].block_len;
+            uint8_t *dst = (uint8_t *)a->regions[r].base + run->local * bl;
+            uint64_t src = p->rr[r].base + run->remote * bl;
+            if (!track(x, ucp_get_nbx(p->ep, dst, run->count * bl, src, p->rr[r].rkey, &rp), "get"))
+                return;
+        }
+    }
+}
+
+/* GET, after the last byte landed: was the hold intact all along? */
+static void start_check(kvc_agent_t *a, kvc_xfer_t *x) {
+    x->state = X_CHECK;
+    send_pull(a, x, KVC_PULL_UNHOLD);
 }
 
 /* One-sided read through UCX's mapping of the producer's pool (ucp_rkey_ptr):
@@ -383,14 +416,34 @@ static bool direct_copy(kvc_agent_t *a, kvc_xfer_t *x) {
     return true;
 }
 
+/* True (fetch failed) when the data phase ran past its deadline; else the
+ * deadline feeds the timer. */
+static bool stalled(kvc_agent_t *a, kvc_xfer_t *x, uint64_t now, uint64_t *next) {
+    if (now < x->deadline_ns) {
+        if (x->deadline_ns < *next) *next = x->deadline_ns;
+        return false;
+    }
+    char m[160];
+    snprintf(m, sizeof(m), "data not complete after %u ms (%llu of %llu bytes)", a->xfer_timeout_ms,
+             (unsigned long long)x->bytes_got, (unsigned long long)x->bytes_expected);
+    /* A peer that stalls a fetch this long is treated as broken: closing its
+     * endpoint cancels what is still in flight, so nothing lands in local
+     * blocks after the failure event. */
+    kvc_peer_abort(a, x->peer, KVC_ERR_TIMED_OUT, m);
+    xfer_finish(a, x, KVC_ERR_TIMED_OUT, m);
+    return true;
+}
+
 static void advance(kvc_agent_t *a, kvc_xfer_t *x, uint64_t now, uint64_t *next) {
     kvc_status_t pst;
     const char *pmsg;
+    /* A dead peer fails its fetches here, in every state (peer.c only marks
+     * it: it may die inside a UCX callback). */
+    if (kvc_peer_dead(x->peer, &pst, &pmsg)) {
+        xfer_finish(a, x, pst, pmsg);
+        return;
+    }
     if (x->state == X_WAIT_PEER) {
-        if (kvc_peer_dead(x->peer, &pst, &pmsg)) {
-            xfer_finish(a, x, pst, pmsg);
-            return;
-        }
         if (!kvc_peer_ready(x->peer)) return;
         /* Host->device copies of earlier fetches, ordered on the engine's
          * stream, may still read the mirror: new data lands there only after
@@ -415,8 +468,22 @@ static void advance(kvc_agent_t *a, kvc_xfer_t *x, uint64_t now, uint64_t *next)
         xfer_finish(a, x, x->op_status, x->op_msg);
         return;
     }
+    if (x->state == X_CONFIRM || x->state == X_CHECK) {
+        if (!x->word || x->outstanding) { /* the producer's END, and our PULL sent */
+            stalled(a, x, now, next);
+            return;
+        }
+        if (x->state == X_CONFIRM) {
+            start_reads(a, x);
+            if (x->op_failed) xfer_finish(a, x, x->op_status, x->op_msg);
+            if (x->finished || !x->direct) return;
+        } else {
+            start_notify(a, x);
+            return;
+        }
+    }
     if (x->state == X_DATA && x->direct) {
-        if (direct_copy(a, x)) start_notify(a, x);
+        if (direct_copy(a, x)) start_check(a, x);
         return;
     }
     if (x->state == X_DATA) {
@@ -433,19 +500,7 @@ static void advance(kvc_agent_t *a, kvc_xfer_t *x, uint64_t now, uint64_t *next)
             return;
         }
         if (!landed) {
-            if (now >= x->deadline_ns) {
-                char m[160];
-                snprintf(m, sizeof(m), "data not complete after %u ms (%llu of %llu bytes)",
-                         a->xfer_timeout_ms, (unsigned long long)x->bytes_got,
-                         (unsigned long long)x->bytes_expected);
-                /* A peer that stalls a fetch this long is treated as broken:
-                 * closing its endpoint cancels what is still in flight, so
-                 * nothing lands in local blocks after the failure event. */
-                kvc_peer_abort(a, x->peer, KVC_ERR_TIMED_OUT, m);
-                xfer_finish(a, x, KVC_ERR_TIMED_OUT, m);
-                return;
-            }
-            if (x->deadline_ns < *next) *next = x->deadline_ns;
+            stalled(a, x, now, next);
             return;
         }
         if (x->proto == KVC_PROTO_GET && x->n) {
@@ -462,7 +517,7 @@ static void advance(kvc_agent_t *a, kvc_xfer_t *x, uint64_t now, uint64_t *next)
         }
     }
     if (x->state == X_FLUSH && x->outstanding == 0) {
-        start_notify(a, x);
+        start_check(a, x);
         return;
     }
     if (x->state == X_NOTIFY && x->outstanding == 0) xfer_finish(a, x, KVC_OK, NULL);
@@ -473,7 +528,17 @@ void kvc_xfers_advance(kvc_agent_t *a, uint64_t now, uint64_t *next) {
     while (*pp) {
         kvc_xfer_t *x = *pp;
         if (!x->finished) advance(a, x, now, next);
-        if (x->finished && x->outstanding == 0) {
+        if (x->fail_pending && x->outstanding == 0) emit_failed(a, x, x->fail_status, x->fail_msg);
+        if (x->fail_pending && !x->fail_aborted) {
+            if (now >= x->fail_deadline_ns) {
+                /* Closing the endpoint cancels what is still in flight. */
+                x->fail_aborted = true;
+                kvc_peer_abort(a, x->peer, x->fail_status, x->fail_msg);
+            } else if (x->fail_deadline_ns < *next) {
+                *next = x->fail_deadline_ns;
+            }
+        }
+        if (x->finished && !x->fail_pending && x->outstanding == 0) {
             *pp = x->next;
             kvc_peer_unref(a, x->peer);
             xfer_free(x);
@@ -644,7 +709,7 @@ static ucs_status_t data_cb(void *arg, const void *header, size_t hlen, void *da
         return rndv ? UCS_ERR_INVALID_PARAM : UCS_OK;
     }
     kvc_xfer_t *x = find_xfer(a, h.xfer_id);
-    if (!x || x->state != X_DATA) {
+    if (!x || (x->state != X_DATA && x->state != X_CONFIRM && x->state != X_CHECK)) {
         KVC_LOG(a, KVC_LOG_DEBUG, "push: data for finished fetch %llu dropped",
                 (unsigned long long)h.xfer_id);
         return rndv ? UCS_ERR_CANCELED : UCS_OK;
@@ -666,9 +731,18 @@ static ucs_status_t data_cb(void *arg, const void *header, size_t hlen, void *da
         op_error(x, st, "producer refused the fetch", kvc_status_str(st));
         return rndv ? UCS_ERR_CANCELED : UCS_OK;
     }
+    bool one_sided = x->proto == KVC_PROTO_GET;
     if (h.region == KVC_DATA_END) {
-        x->end_seen = true;
-        x->end_chunks = h.count;
+        if (x->state == X_CONFIRM || x->state == X_CHECK)
+            x->word = true; /* the producer's word on a one-sided read */
+        else if (!one_sided) {
+            x->end_seen = true;
+            x->end_chunks = h.count;
+        }
+        return rndv ? UCS_ERR_INVALID_PARAM : UCS_OK;
+    }
+    if (one_sided) {
+        data_reject(a, x, "data pushed to a one-sided read", h.local_start, h.count);
         return rndv ? UCS_ERR_INVALID_PARAM : UCS_OK;
     }
     if (h.region >= a->n_regions || h.count == 0 || h.local_start >= a->num_blocks ||
@@ -718,199 +792,6 @@ static ucs_status_t data_cb(void *arg, const void *header, size_t hlen, void *da
     return UCS_INPROGRESS;
 }
 
-/* ------------------------------------------------------------- producer -- */
-
-static void push_cb(void *req, ucs_status_t us, void *ud) {
-    push_job_t *j = ud;
-    if (us != UCS_OK && us != UCS_ERR_CANCELED)
-        KVC_LOG(j->a, KVC_LOG_WARN, "push: send failed: %s", ucs_status_string(us));
-    j->a->push_inflight--;
-    if (--j->refs == 0) job_free(j);
-    ucp_request_free(req);
-}
-
-/* Sends one header-only DATA message (a refusal, or the END of a pull). */
-static void push_hdr_only(kvc_agent_t *a, ucp_ep_h ep, const kvc_wire_data_hdr_t *h) {
-    /* The header must live until completion (UCX 1.13), so it goes in a job. */
-    push_job_t *j = calloc(1, sizeof(*j));
-    if (!j || !(j->hdr = calloc(1, KVC_WIRE_DATA_HDR_LEN))) {
-        free(j);
-        return;
-    }
-    j->a = a;
-    kvc_wire_encode_data_hdr(j->hdr[0], h);
-    ucp_request_param_t rp;
-    memset(&rp, 0, sizeof(rp));
-    rp.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
-    rp.cb.send = push_cb;
-    rp.user_data = j;
-    j->refs = 1;
-    ucs_status_ptr_t r =
-        ucp_am_send_nbx(ep, KVC_AM_DATA, j->hdr[0], KVC_WIRE_DATA_HDR_LEN, NULL, 0, &rp);
-    if (UCS_PTR_IS_PTR(r)) {
-        a->push_inflight++;
-        return;
-    }
-    free(j->hdr);
-    free(j);
-}
-
-static void push_refuse(kvc_agent_t *a, ucp_ep_h ep, const kvc_wire_pull_t *pl, kvc_status_t st) {
-    kvc_wire_data_hdr_t h = {pl->xfer_id, 0, (int32_t)st, 0, 0, {0}};
-    memcpy(h.token, pl->xfer_token, KVC_TOKEN_LEN);
-    push_hdr_only(a, ep, &h);
-}
-
-/* A pull that names no live publication, or presents its token wrongly, or
- * asks for blocks it does not hold: refused, counted, logged (rate-limited). */
-static void pull_deny(kvc_agent_t *a, ucp_ep_h ep, const kvc_wire_pull_t *pl, const char *why) {
-    a->stats[KVC_STAT_DENIED]++;
-    if (kvc_log_ratelimit(a, KVC_RL_DENIED))
-        KVC_LOG(a, KVC_LOG_WARN, "push: pull for req=%.*s refused: %s", (int)pl->request_id.len,
-                (const char *)pl->request_id.p, why);
-    push_refuse(a, ep, pl, KVC_ERR_DENIED);
-}
-
-static ucs_status_t pull_cb(void *arg, const void *header, size_t hlen, void *data, size_t len,
-                            const ucp_am_recv_param_t *param) {
-    kvc_agent_t *a = arg;
-    if (a->destroying) return UCS_OK;
-    if (!(param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) || !param->reply_ep ||
-        (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV)) {
-        if (kvc_log_ratelimit(a, KVC_RL_DENIED))
-            KVC_LOG(a, KVC_LOG_WARN, "push: pull request without reply endpoint, dropped");
-        return (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) ? UCS_ERR_INVALID_PARAM : UCS_OK;
-    }
-    ucp_ep_h ep = param->reply_ep;
-    kvc_wire_pull_t pl;
-    kvc_status_t st = kvc_wire_parse_pull(data, len, &pl);
-    if (st != KVC_OK) {
-        a->stats[KVC_STAT_DENIED]++;
-        if (kvc_log_ratelimit(a, KVC_RL_DENIED))
-            KVC_LOG(a, KVC_LOG_WARN, "push: malformed pull request (%zu bytes), dropped", len);
-        return UCS_OK;
-    }
-    kvc_run_t *runs = pl.runs;
-    size_t n = pl.n;
-    kvc_pub_t *pub = kvc_pubtab_find(&a->pubs, (const char *)pl.request_id.p, pl.request_id.len);
-    if (!pub || !kvc_mac_equal(pub->token, pl.pub_token, KVC_TOKEN_LEN)) {
-        pull_deny(a, ep, &pl, pub ? "wrong token" : "unknown or expired publication");
-        free(runs);
-        return UCS_OK;
-    }
-    /* Only blocks of this publication, and no more of them than it holds:
-     * that bounds what one pull can make this producer send. */
-    uint64_t total = 0;
-    for (size_t i = 0; i < n; i++) {
-        total += runs[i].count;
-        if (runs[i].count == 0 || runs[i].remote >= a->num_blocks ||
-            runs[i].count > a->num_blocks - runs[i].remote || total > pub->n ||
-            !kvc_pub_has_run(pub, runs[i].remote, runs[i].count)) {
-            char m[160];
-            snprintf(m, sizeof(m), "blocks [%llu,+%llu) are not all part of the publication",
-                     (unsigned long long)runs[i].remote, (unsigned long long)runs[i].count);
-            pull_deny(a, ep, &pl, m);
-            free(runs);
-            return UCS_OK;
-        }
-    }
-    uint32_t max_pulls =
-        pub->consumers * 2 > PULLS_PER_PUB_MIN ? pub->consumers * 2 : PULLS_PER_PUB_MIN;
-    if (pub->pulls >= max_pulls) {
-        pull_deny(a, ep, &pl, "pulled too many times already");
-        free(runs);
-        return UCS_OK;
-    }
-    uint64_t bytes = 0;
-    for (size_t r = 0; r < a->n_regions; r++)
-        bytes += total * a->regions[r].block_len;
-    if (a->push_bytes && bytes > MAX_PUSH_BYTES - a->push_bytes) {
-        a->stats[KVC_STAT_DENIED]++;
-        if (kvc_log_ratelimit(a, KVC_RL_DENIED))
-            KVC_LOG(a, KVC_LOG_WARN, "push: pull for req=%s refused: %llu bytes already in flight",
-                    pub->id, (unsigned long long)a->push_bytes);
-        push_refuse(a, ep, &pl, KVC_ERR_DENIED);
-        free(runs);
-        return UCS_OK;
-    }
-    pub->pulls++;
-    uint64_t xid = pl.xfer_id;
-    uint16_t flags = pl.flags;
-    /* Large runs go as several messages: one huge rendezvous over tcp is
-     * slower than a stream of a few MiB each. */
-    size_t nsend = 0;
-    for (size_t i = 0; i < n; i++)
-        for (size_t r = 0; r < a->n_regions; r++) {
-            uint64_t per = a->push_chunk / a->regions[r].block_len;
-            if (per == 0) per = 1;
-            nsend += (size_t)((runs[i].count + per - 1) / per);
-        }
-    if (nsend == 0) {
-        free(runs);
-        return UCS_OK;
-    }
-    push_job_t *j = calloc(1, sizeof(*j));
-    if (!j || !(j->hdr = calloc(nsend, KVC_WIRE_DATA_HDR_LEN))) {
-        free(j);
-        free(runs);
-        push_refuse(a, ep, &pl, KVC_ERR_NO_MEMORY);
-        return UCS_OK;
-    }
-    j->a = a;
-    j->refs = 1; /* held while issuing */
-    j->bytes = bytes;
-    a->push_bytes += bytes;
-    ucp_request_param_t rp;
-    memset(&rp, 0, sizeof(rp));
-    rp.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
-    rp.cb.send = push_cb;
-    rp.user_data = j;
-    if (flags & KVC_PULL_RNDV) {
-        rp.op_attr_mask |= UCP_OP_ATTR_FIELD_FLAGS;
-        rp.flags = UCP_AM_SEND_FLAG_RNDV;
-    }
-    size_t k = 0;
-    bool failed = false;
-    for (size_t i = 0; i < n && !failed; i++) {
-        for (size_t r = 0; r < a->n_regions && !failed; r++) {
-            kvc_region_t *rg = &a->regions[r];
-            uint64_t per = a->push_chunk / rg->block_len;
-            if (per == 0) per = 1;
-            for (uint64_t off = 0; off < runs[i].count; off += per, k++) {
-                uint64_t cnt = runs[i].count - off < per ? runs[i].count - off : per;
-                kvc_wire_data_hdr_t h = {xid, (uint32_t)r, 0, runs[i].local + off, cnt, {0}};
-                memcpy(h.token, pl.xfer_token, KVC_TOKEN_LEN);
-                kvc_wire_encode_data_hdr(j->hdr[k], &h);
-                const uint8_t *src =
-                    (const uint8_t *)rg->base + (runs[i].remote + off) * rg->block_len;
-                j->refs++;
-                a->push_inflight++;
-                ucs_status_ptr_t s =
-                    ucp_am_send_nbx(ep, KVC_AM_DATA, j->hdr[k], KVC_WIRE_DATA_HDR_LEN, src,
-                                    cnt * rg->block_len, &rp);
-                if (UCS_PTR_IS_PTR(s)) continue;
-                j->refs--;
-                a->push_inflight--;
-                if (UCS_PTR_IS_ERR(s)) {
-                    KVC_LOG(a, KVC_LOG_WARN, "push: send for fetch %llu failed: %s",
-                            (unsigned long long)xid, ucs_status_string(UCS_PTR_STATUS(s)));
-                    failed = true; /* the consumer's endpoint error or timeout ends its fetch */
-                    break;
-                }
-            }
-        }
-    }
-    if (!failed) {
-        kvc_wire_data_hdr_t end = {xid, KVC_DATA_END, 0, 0, k, {0}};
-        memcpy(end.token, pl.xfer_token, KVC_TOKEN_LEN);
-        push_hdr_only(a, ep, &end);
-    }
-    if (--j->refs == 0) job_free(j);
-    free(runs);
-    return UCS_OK;
-}
-
 kvc_status_t kvc_xfer_register_am(kvc_agent_t *a) {
-    kvc_status_t st = kvc_set_am_handler(a, KVC_AM_PULL, pull_cb);
-    return st != KVC_OK ? st : kvc_set_am_handler(a, KVC_AM_DATA, data_cb);
+    return kvc_set_am_handler(a, KVC_AM_DATA, data_cb);
 }

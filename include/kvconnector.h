@@ -14,13 +14,20 @@
  * kv_transfer_params JSON text.  The blocks are released (KVC_EV_RELEASED)
  * when the consumer's notification "<remote_request_id>:<tp>" arrives, or
  * when they expire (KVC_EV_EXPIRED).  The engine must not reuse the blocks of
- * a published request before one of these two events.
+ * a published request before one of these two events.  Either event waits
+ * until no push and no confirmed one-sided read of the publication uses the
+ * blocks any more (see "How bytes move").
  *
  * Consumer: kvc_fetch() handshakes with the producer (once per producer
  * instance, cached), reads every remote block into the matching local block
  * (contiguous runs coalesced), then notifies the producer.  The outcome is one
- * KVC_EV_FETCH_DONE or KVC_EV_FETCH_FAILED event.  After FETCH_FAILED, no local
- * block of that fetch holds valid data (some may have been partly written).
+ * KVC_EV_FETCH_DONE or KVC_EV_FETCH_FAILED event.  FETCH_DONE: every byte of
+ * every fetched block is the producer's KV of that publication, read while
+ * the producer held the blocks for this fetch.  After FETCH_FAILED, no local
+ * block of that fetch holds valid data (some may have been partly written),
+ * and nothing of that fetch is written into local blocks any more: the event
+ * comes only after every receive and read of the fetch completed or was
+ * cancelled.
  *
  * Threading contract
  * ------------------
@@ -93,6 +100,16 @@
  * (rendezvous for large ones) straight into the local blocks.  UCX's tcp
  * transport has no native get, so this is also the fast path there.
  *
+ * One-sided reads are bracketed by the producer's word: before the first
+ * byte the consumer asks the producer to confirm the publication (id, token,
+ * blocks: the checks of a push) and to hold its blocks for this fetch; after
+ * the last byte it asks whether the hold stayed intact.  A refusal at either
+ * point fails the fetch with KVC_ERR_DENIED.  A hold lasts at most the
+ * producer's xfer_timeout_ms; a release (notification, expiry, unpublish)
+ * waits for the holds and for the pushes in flight before its event.  Each
+ * bracket costs one round trip on the UCX endpoint before and one after the
+ * data.
+ *
  * CUDA regions are registered with UCX as device memory ("direct") when UCX
  * reports CUDA memory support (ucp_context_query, memory types); otherwise
  * they are staged through a pinned host mirror.  Per producer, the consumer
@@ -127,7 +144,9 @@
  * publication carries a random 128-bit token (kv_transfer_params key
  * "remote_kv_token"); pulls and notifications must present it.  Memory is
  * registered without remote write access.  With one-sided gets (shared
- * memory, RDMA) an authenticated peer can read any registered memory.
+ * memory, RDMA) an authenticated peer can read any registered memory: the
+ * bracket above protects honest consumers from stale blocks, not the
+ * producer from a hostile reader.
  *
  * Conventions: functions return kvc_status_t; out-parameters are written
  * only on success (KVC_OK, or KVC_INPROGRESS for kvc_fetch); "borrowed"
@@ -175,8 +194,9 @@ typedef enum {
     KVC_ERR_STATE = -16,       /**< call not valid now (e.g. regions not registered) */
     KVC_ERR_AUTH = -17,        /**< side channel: the peer failed cluster authentication
                                     (different secret, or a secret on one side only) */
-    KVC_ERR_DENIED = -18,      /**< producer refused a pull: unknown publication or wrong
-                                    token (see kvc_publish) */
+    KVC_ERR_DENIED = -18,      /**< producer refused a pull or a one-sided read: unknown,
+                                    expired or released publication, or wrong token
+                                    (see kvc_publish) */
     KVC_ERR_CUDA = -19,        /**< a CUDA runtime call failed; the message (log line, event)
                                     names the CUDA error (e.g. cudaErrorIllegalAddress) */
 } kvc_status_t;
@@ -210,7 +230,10 @@ typedef struct kvc_agent kvc_agent_t; /* opaque */
  * transport does fast (its emulated get is slow).  GET enables UCX's RMA
  * feature for the whole agent: use it only with RDMA hardware, since UCX's
  * emulated RMA (tcp, shared memory) lets any authenticated peer write this
- * agent's memory (SECURITY.md). */
+ * agent's memory (SECURITY.md).  A GET consumer of a producer that cannot
+ * serve one-sided reads (no connector pool, no RMA in its UCX context) is
+ * refused at the handshake: its fetches fail at once with
+ * KVC_ERR_UNSUPPORTED. */
 typedef enum {
     KVC_PROTO_AUTO = 0,
     KVC_PROTO_GET = 1,
@@ -361,7 +384,11 @@ typedef struct {
                              (heterogeneous TP: decode_tp / prefill_tp when decode
                              TP is larger).  Default 0: taken from the first
                              notification, "<id>:<consumer tp>", as
-                             max(1, consumer_tp / this agent's tp_size). */
+                             max(1, consumer_tp / this agent's tp_size).
+                             Pulls served per publication: at least 8, and
+                             twice this count or the fan-in each pull states
+                             (the consumer's TP size), so any TP ratio works
+                             without it. */
     void *cuda_event;   /**< cudaEvent_t, borrowed for the call: recorded by the
                              engine after its writes to the blocks; the copies
                              wait for it.  See "CUDA ordering contract". */
@@ -390,8 +417,12 @@ typedef struct {
 KVC_API kvc_status_t kvc_publish(kvc_agent_t *a, const char *request_id, const uint64_t *block_ids,
                                  size_t n, const kvc_publish_params_t *params, char **json_out);
 
-/** Releases a published request early, without an event (e.g. the engine
- * aborted it).  KVC_OK or KVC_ERR_NOT_FOUND. */
+/** Releases a published request early (e.g. the engine aborted it).
+ * KVC_OK: released now, no event.  KVC_INPROGRESS: pushes or confirmed
+ * one-sided reads still use the blocks; they are withdrawn from consumers at
+ * once and handed back with a KVC_EV_RELEASED event (status KVC_ERR_CANCELED)
+ * when the last of those ends (a read at most the agent's xfer_timeout_ms).
+ * KVC_ERR_NOT_FOUND: not published (or already released). */
 KVC_API kvc_status_t kvc_unpublish(kvc_agent_t *a, const char *request_id);
 
 /* ------------------------------------------------------------- consumer -- */
@@ -441,9 +472,15 @@ typedef struct {
  * out of the producer's range fail the fetch (event, KVC_ERR_INVALID_PARAM) before any data moves.
  * Failure statuses of the event include KVC_ERR_AUTH, KVC_ERR_VERSION
  * (handshake), KVC_ERR_DENIED (the producer does not know this publication
- * or token), KVC_ERR_PROTOCOL (data outside the requested blocks, a block
+ * or token, on every path, one-sided reads included, or released it before
+ * a one-sided read ended), KVC_ERR_UNSUPPORTED (GET forced against a
+ * producer that cannot serve it, or device memory without a lane that
+ * reaches it), KVC_ERR_PROTOCOL (data outside the requested blocks, a block
  * sent twice, a short transfer: the fetch fails, blocks not asked for are
- * never written).
+ * never written).  The failure event comes only after every receive and
+ * read of the fetch completed or was cancelled (those still running 2 s
+ * after the failure are cancelled by closing the endpoint to that producer,
+ * which fails its other fetches too).
  */
 KVC_API kvc_status_t kvc_fetch(kvc_agent_t *a, const kvc_fetch_params_t *params, uint64_t *xfer_id);
 
@@ -452,8 +489,11 @@ KVC_API kvc_status_t kvc_fetch(kvc_agent_t *a, const kvc_fetch_params_t *params,
 typedef enum {
     KVC_EV_FETCH_DONE = 1,     /**< consumer: all blocks landed, producer notified */
     KVC_EV_FETCH_FAILED = 2,   /**< consumer: status says why; message has details */
-    KVC_EV_RELEASED = 3,       /**< producer: consumer notified; blocks are free */
-    KVC_EV_EXPIRED = 4,        /**< producer: not claimed in time; blocks are free */
+    KVC_EV_RELEASED = 3,       /**< producer: consumers notified (or kvc_unpublish
+                                    answered KVC_INPROGRESS: status KVC_ERR_CANCELED);
+                                    no push or read uses the blocks: they are free */
+    KVC_EV_EXPIRED = 4,        /**< producer: not claimed in time; no push or read
+                                    uses the blocks: they are free */
     KVC_EV_UNKNOWN_NOTIFY = 5, /**< producer: notification for an unknown id */
 } kvc_event_type_t;
 

@@ -125,7 +125,7 @@ def case_version_mismatch(P, D):
         params = publish(P2, "v", [1])
         fetch(D, [1], params)
         ev = D.event("FETCH_FAILED")
-        assert "KVC_ERR_VERSION" in ev and "99" in ev and "speaks 2" in ev, ev
+        assert "KVC_ERR_VERSION" in ev and "99" in ev and "speaks 3" in ev, ev
         assert "KVC_ERR_AUTH" not in ev, ev
     finally:
         P2.close()

@@ -157,6 +157,7 @@ static void test_pull_and_data(void **state) {
     kvc_buf_t b = {0};
     kvc_wire_pull_t pl = {.xfer_id = 42,
                           .flags = KVC_PULL_RNDV,
+                          .tp = 16,
                           .xfer_token = {1, 2},
                           .pub_token = {3, 4},
                           .request_id = {(const uint8_t *)"req:1", 5},
@@ -166,6 +167,7 @@ static void test_pull_and_data(void **state) {
     kvc_wire_pull_t out;
     assert_int_equal(kvc_wire_parse_pull(b.p, b.len, &out), KVC_OK);
     assert_int_equal(out.flags, KVC_PULL_RNDV);
+    assert_int_equal(out.tp, 16);
     assert_int_equal(out.xfer_id, 42);
     assert_int_equal(out.n, 3);
     assert_memory_equal(out.xfer_token, pl.xfer_token, KVC_TOKEN_LEN);
@@ -176,6 +178,9 @@ static void test_pull_and_data(void **state) {
     free(out.runs);
     for (size_t k = 0; k < b.len; k++)
         assert_int_equal(kvc_wire_parse_pull(b.p, k, &out), KVC_ERR_PROTOCOL);
+    /* a pull of the previous version (no tp) is refused */
+    b.p[0] = KVC_WIRE_VERSION - 1;
+    assert_int_equal(kvc_wire_parse_pull(b.p, b.len, &out), KVC_ERR_PROTOCOL);
     kvc_buf_cleanup(&b);
     /* an empty request id is refused */
     pl.request_id.len = 0;

@@ -1,0 +1,282 @@
+/* Pushes: the producer side of a fetch.  A PULL active message names a
+ * publication, its token and the runs wanted; the producer checks them
+ * (pull_check) and answers with DATA messages read straight from the
+ * published blocks, then an END (pull_issue).  A push job counts as a reader
+ * of its publication until its last send completes: a release waits for it
+ * (publish.c), so the engine never gets blocks back that a send still reads.
+ *
+ * One-sided reads (GET) ask the producer's word around the read: a HOLD pull
+ * is checked like any pull and answered with an END (confirmed, the blocks
+ * are held for this fetch until its transfer deadline) or a refusal; the
+ * UNHOLD pull after the read is answered with an END only if the hold was
+ * intact.  The consumer side is xfer.c. */
+#include "connector/kvc_int.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* Producer side: headers of one PULL's DATA sends, freed with the last send. */
+typedef struct {
+    kvc_agent_t *a;
+    kvc_pub_t *pub; /* the publication its sends read (a reader of it), or NULL */
+    size_t refs;
+    uint64_t bytes; /* counted in a->push_bytes until the job ends */
+    uint8_t (*hdr)[KVC_WIRE_DATA_HDR_LEN];
+} push_job_t;
+
+/* Pulls one publication may be served: enough for every TP rank of the
+ * decode side, not an amplifier for a peer that repeats its pull. */
+#define PULLS_PER_PUB_MIN 8
+/* Bytes all pushes in flight may reference; beyond, pulls are refused
+ * (one is always served, however large). */
+#define MAX_PUSH_BYTES (4ull << 30)
+/* Consumers per publication the pull bound scales to (TP ratios are far
+ * smaller; this only keeps the arithmetic bounded). */
+#define MAX_RANKS 65536u
+
+static void job_free(push_job_t *j) {
+    if (j->pub) kvc_pub_push_end(j->a, j->pub); /* may hand the blocks back */
+    j->a->push_bytes -= j->bytes;
+    free(j->hdr);
+    free(j);
+}
+
+static void push_cb(void *req, ucs_status_t us, void *ud) {
+    push_job_t *j = ud;
+    if (us != UCS_OK && us != UCS_ERR_CANCELED)
+        KVC_LOG(j->a, KVC_LOG_WARN, "push: send failed: %s", ucs_status_string(us));
+    j->a->push_inflight--;
+    if (--j->refs == 0) job_free(j);
+    ucp_request_free(req);
+}
+
+/* Sends one header-only DATA message (a refusal, or the END of a pull). */
+static void push_hdr_only(kvc_agent_t *a, ucp_ep_h ep, const kvc_wire_data_hdr_t *h) {
+    /* The header must live until completion (UCX 1.13), so it goes in a job. */
+    push_job_t *j = calloc(1, sizeof(*j));
+    if (!j || !(j->hdr = calloc(1, KVC_WIRE_DATA_HDR_LEN))) {
+        free(j);
+        return;
+    }
+    j->a = a;
+    kvc_wire_encode_data_hdr(j->hdr[0], h);
+    ucp_request_param_t rp;
+    memset(&rp, 0, sizeof(rp));
+    rp.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+    rp.cb.send = push_cb;
+    rp.user_data = j;
+    j->refs = 1;
+    ucs_status_ptr_t r =
+        ucp_am_send_nbx(ep, KVC_AM_DATA, j->hdr[0], KVC_WIRE_DATA_HDR_LEN, NULL, 0, &rp);
+    if (UCS_PTR_IS_PTR(r)) {
+        a->push_inflight++;
+        return;
+    }
+    free(j->hdr);
+    free(j);
+}
+
+static void push_refuse(kvc_agent_t *a, ucp_ep_h ep, const kvc_wire_pull_t *pl, kvc_status_t st) {
+    kvc_wire_data_hdr_t h = {pl->xfer_id, 0, (int32_t)st, 0, 0, {0}};
+    memcpy(h.token, pl->xfer_token, KVC_TOKEN_LEN);
+    push_hdr_only(a, ep, &h);
+}
+
+/* A pull that names no live publication, or presents its token wrongly, or
+ * asks for blocks it does not hold: refused, counted, logged (rate-limited). */
+static void pull_deny(kvc_agent_t *a, ucp_ep_h ep, const kvc_wire_pull_t *pl, const char *why) {
+    a->stats[KVC_STAT_DENIED]++;
+    if (kvc_log_ratelimit(a, KVC_RL_DENIED))
+        KVC_LOG(a, KVC_LOG_WARN, "push: pull for req=%.*s refused: %s", (int)pl->request_id.len,
+                (const char *)pl->request_id.p, why);
+    push_refuse(a, ep, pl, KVC_ERR_DENIED);
+}
+
+/* Whether one well-formed pull may be served: a live publication, its token,
+ * only its blocks and no more of them than it holds, within the pulls per
+ * publication and the bytes in flight.  Refuses it (DENIED, counted, logged)
+ * and returns NULL otherwise; *bytes: what serving it sends. */
+static kvc_pub_t *pull_check(kvc_agent_t *a, ucp_ep_h ep, const kvc_wire_pull_t *pl,
+                             uint64_t *bytes) {
+    kvc_pub_t *pub = kvc_pubtab_find(&a->pubs, (const char *)pl->request_id.p, pl->request_id.len);
+    if (!pub || !kvc_mac_equal(pub->token, pl->pub_token, KVC_TOKEN_LEN)) {
+        pull_deny(a, ep, pl, pub ? "wrong token" : "unknown or expired publication");
+        return NULL;
+    }
+    /* Only blocks of this publication, and no more of them than it holds:
+     * that bounds what one pull can make this producer send. */
+    uint64_t total = 0;
+    for (size_t i = 0; i < pl->n; i++) {
+        const kvc_run_t *run = &pl->runs[i];
+        total += run->count;
+        if (run->count == 0 || run->remote >= a->num_blocks ||
+            run->count > a->num_blocks - run->remote || total > pub->n ||
+            !kvc_pub_has_run(pub, run->remote, run->count)) {
+            char m[160];
+            snprintf(m, sizeof(m), "blocks [%llu,+%llu) are not all part of the publication",
+                     (unsigned long long)run->remote, (unsigned long long)run->count);
+            pull_deny(a, ep, pl, m);
+            return NULL;
+        }
+    }
+    /* Every rank of a larger decode TP pulls before the first one notifies:
+     * the ranks the pull says there are, or the count the engine gave. */
+    uint32_t ranks = pl->tp > a->tp_size ? pl->tp / a->tp_size : 1;
+    if (ranks > MAX_RANKS) ranks = MAX_RANKS;
+    if (pub->consumers > ranks) ranks = pub->consumers > MAX_RANKS ? MAX_RANKS : pub->consumers;
+    uint32_t max_pulls = ranks * 2 > PULLS_PER_PUB_MIN ? ranks * 2 : PULLS_PER_PUB_MIN;
+    if (pub->pulls >= max_pulls) {
+        pull_deny(a, ep, pl, "pulled too many times already");
+        return NULL;
+    }
+    *bytes = 0;
+    if (pl->flags & KVC_PULL_HOLD) return pub; /* nothing is sent */
+    for (size_t r = 0; r < a->n_regions; r++)
+        *bytes += total * a->regions[r].block_len;
+    if (a->push_bytes && *bytes > MAX_PUSH_BYTES - a->push_bytes) {
+        a->stats[KVC_STAT_DENIED]++;
+        if (kvc_log_ratelimit(a, KVC_RL_DENIED))
+            KVC_LOG(a, KVC_LOG_WARN, "push: pull for req=%s refused: %llu bytes already in flight",
+                    pub->id, (unsigned long long)a->push_bytes);
+        push_refuse(a, ep, pl, KVC_ERR_DENIED);
+        return NULL;
+    }
+    return pub;
+}
+
+/* Serves a checked pull: one DATA send per chunk of every (run, region),
+ * then the END.  Large runs go as several messages: one huge rendezvous
+ * over tcp is slower than a stream of a few MiB each. */
+static void pull_issue(kvc_agent_t *a, ucp_ep_h ep, const kvc_wire_pull_t *pl, kvc_pub_t *pub,
+                       uint64_t bytes) {
+    pub->pulls++;
+    size_t nsend = 0;
+    for (size_t i = 0; i < pl->n; i++)
+        for (size_t r = 0; r < a->n_regions; r++) {
+            uint64_t per = a->push_chunk / a->regions[r].block_len;
+            if (per == 0) per = 1;
+            nsend += (size_t)((pl->runs[i].count + per - 1) / per);
+        }
+    if (nsend == 0) return;
+    push_job_t *j = calloc(1, sizeof(*j));
+    if (!j || !(j->hdr = calloc(nsend, KVC_WIRE_DATA_HDR_LEN))) {
+        free(j);
+        push_refuse(a, ep, pl, KVC_ERR_NO_MEMORY);
+        return;
+    }
+    j->a = a;
+    j->refs = 1; /* held while issuing */
+    j->bytes = bytes;
+    j->pub = pub;
+    kvc_pub_push_begin(pub);
+    a->push_bytes += bytes;
+    ucp_request_param_t rp;
+    memset(&rp, 0, sizeof(rp));
+    rp.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+    rp.cb.send = push_cb;
+    rp.user_data = j;
+    if (pl->flags & KVC_PULL_RNDV) {
+        rp.op_attr_mask |= UCP_OP_ATTR_FIELD_FLAGS;
+        rp.flags = UCP_AM_SEND_FLAG_RNDV;
+    }
+    size_t k = 0;
+    bool failed = false;
+    for (size_t i = 0; i < pl->n && !failed; i++) {
+        const kvc_run_t *run = &pl->runs[i];
+        for (size_t r = 0; r < a->n_regions && !failed; r++) {
+            kvc_region_t *rg = &a->regions[r];
+            uint64_t per = a->push_chunk / rg->block_len;
+            if (per == 0) per = 1;
+            for (uint64_t off = 0; off < run->count; off += per, k++) {
+                uint64_t cnt = run->count - off < per ? run->count - off : per;
+                kvc_wire_data_hdr_t h = {pl->xfer_id, (uint32_t)r, 0, run->local + off, cnt, {0}};
+                memcpy(h.token, pl->xfer_token, KVC_TOKEN_LEN);
+                kvc_wire_encode_data_hdr(j->hdr[k], &h);
+                const uint8_t *src =
+                    (const uint8_t *)rg->base + (run->remote + off) * rg->block_len;
+                j->refs++;
+                a->push_inflight++;
+                ucs_status_ptr_t s =
+                    ucp_am_send_nbx(ep, KVC_AM_DATA, j->hdr[k], KVC_WIRE_DATA_HDR_LEN, src,
+                                    cnt * rg->block_len, &rp);
+                if (UCS_PTR_IS_PTR(s)) continue;
+                j->refs--;
+                a->push_inflight--;
+                if (UCS_PTR_IS_ERR(s)) {
+                    KVC_LOG(a, KVC_LOG_WARN, "push: send for fetch %llu failed: %s",
+                            (unsigned long long)pl->xfer_id, ucs_status_string(UCS_PTR_STATUS(s)));
+                    failed = true; /* the consumer's endpoint error or timeout ends its fetch */
+                    break;
+                }
+            }
+        }
+    }
+    if (!failed) {
+        kvc_wire_data_hdr_t end = {pl->xfer_id, KVC_DATA_END, 0, 0, k, {0}};
+        memcpy(end.token, pl->xfer_token, KVC_TOKEN_LEN);
+        push_hdr_only(a, ep, &end);
+    }
+    if (--j->refs == 0) job_free(j);
+}
+
+/* Confirms a one-sided read of a checked publication: its blocks are held
+ * for this fetch until the transfer deadline. */
+static void pull_hold(kvc_agent_t *a, ucp_ep_h ep, const kvc_wire_pull_t *pl, kvc_pub_t *pub) {
+    uint64_t deadline = kvc_now_ns() + (uint64_t)a->xfer_timeout_ms * 1000000ull;
+    if (kvc_pub_hold(a, pub, pl->xfer_id, pl->xfer_token, deadline) != KVC_OK) {
+        push_refuse(a, ep, pl, KVC_ERR_NO_MEMORY);
+        return;
+    }
+    pub->pulls++;
+    kvc_wire_data_hdr_t end = {pl->xfer_id, KVC_DATA_END, 0, 0, 0, {0}};
+    memcpy(end.token, pl->xfer_token, KVC_TOKEN_LEN);
+    push_hdr_only(a, ep, &end);
+}
+
+/* The read ended: an END if its hold was intact, else a refusal. */
+static void pull_unhold(kvc_agent_t *a, ucp_ep_h ep, const kvc_wire_pull_t *pl) {
+    if (kvc_pub_unhold(a, (const char *)pl->request_id.p, pl->request_id.len, pl->xfer_id,
+                       pl->xfer_token) != KVC_OK) {
+        pull_deny(a, ep, pl, "no intact hold for this read (released or too late)");
+        return;
+    }
+    kvc_wire_data_hdr_t end = {pl->xfer_id, KVC_DATA_END, 0, 0, 0, {0}};
+    memcpy(end.token, pl->xfer_token, KVC_TOKEN_LEN);
+    push_hdr_only(a, ep, &end);
+}
+
+static ucs_status_t pull_cb(void *arg, const void *header, size_t hlen, void *data, size_t len,
+                            const ucp_am_recv_param_t *param) {
+    kvc_agent_t *a = arg;
+    if (a->destroying) return UCS_OK;
+    if (!(param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) || !param->reply_ep ||
+        (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV)) {
+        if (kvc_log_ratelimit(a, KVC_RL_DENIED))
+            KVC_LOG(a, KVC_LOG_WARN, "push: pull request without reply endpoint, dropped");
+        return (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) ? UCS_ERR_INVALID_PARAM : UCS_OK;
+    }
+    kvc_wire_pull_t pl;
+    if (kvc_wire_parse_pull(data, len, &pl) != KVC_OK) {
+        a->stats[KVC_STAT_DENIED]++;
+        if (kvc_log_ratelimit(a, KVC_RL_DENIED))
+            KVC_LOG(a, KVC_LOG_WARN, "push: malformed pull request (%zu bytes), dropped", len);
+        return UCS_OK;
+    }
+    uint64_t bytes = 0;
+    if (pl.flags & KVC_PULL_UNHOLD)
+        pull_unhold(a, param->reply_ep, &pl);
+    else {
+        kvc_pub_t *pub = pull_check(a, param->reply_ep, &pl, &bytes);
+        if (pub && (pl.flags & KVC_PULL_HOLD))
+            pull_hold(a, param->reply_ep, &pl, pub);
+        else if (pub)
+            pull_issue(a, param->reply_ep, &pl, pub, bytes);
+    }
+    free(pl.runs);
+    return UCS_OK;
+}
+
+kvc_status_t kvc_push_register_am(kvc_agent_t *a) {
+    return kvc_set_am_handler(a, KVC_AM_PULL, pull_cb);
+}
