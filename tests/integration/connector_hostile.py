@@ -16,6 +16,7 @@ import random
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 from pdharness import connector as kvc
@@ -50,6 +51,75 @@ def long_fetch(P, D, req, n=48):
         assert D.cmd("verify 7 %s %s" % (kvc.ids(remote), kvc.ids(local)), "VERIFY") == "VERIFY ok"
         P.event("RELEASED", req=req)
     return check
+
+
+class Relay:
+    """A man in the middle of the side channel that does not know the secret:
+    it forwards every connection to the producer on 127.0.0.1 and records
+    what it saw in both directions.  With tamper, it flips one byte of the
+    producer's second message (the first one after AUTH)."""
+
+    def __init__(self, port, tamper=False):
+        self.port_to, self.tamper = port, tamper
+        self.seen = bytearray()
+        self.lock = threading.Lock()
+        self.ls = socket.socket()
+        self.ls.bind(("127.0.0.1", 0))
+        self.ls.listen(16)
+        self.port = self.ls.getsockname()[1]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self):
+        while True:
+            try:
+                c, _ = self.ls.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._pipe, args=(c,), daemon=True).start()
+
+    def _pipe(self, c):
+        import select
+        u = socket.create_connection(("127.0.0.1", self.port_to), timeout=5)
+        p2c = bytearray()  # what the producer sent on this connection
+        flipped = False
+        try:
+            end = time.monotonic() + 20
+            while time.monotonic() < end:
+                r, _, _ = select.select([c, u], [], [], 0.2)
+                for s in r:
+                    d = s.recv(65536)
+                    if not d:
+                        return
+                    with self.lock:
+                        self.seen += d
+                    if s is u:
+                        d = bytearray(d)
+                        if self.tamper and not flipped:
+                            start = len(p2c)
+                            p2c += d
+                            if len(p2c) >= 12:
+                                first = 12 + int.from_bytes(p2c[8:12], "little")
+                                at = first + 12 + 40  # inside the second message's body
+                                if start <= at < len(p2c):
+                                    d[at - start] ^= 0x01
+                                    flipped = True
+                        c.sendall(bytes(d))
+                    else:
+                        u.sendall(d)
+        except OSError:
+            pass
+        finally:
+            c.close()
+            u.close()
+
+    def close(self):
+        self.ls.close()
+
+
+def via(params, port):
+    p = json.loads(params)
+    p["remote_port"] = port
+    return json.dumps(p)
 
 
 # ------------------------------------------------------------------ cases --
@@ -261,6 +331,41 @@ def case_slow_handshakes(P, D):
         K.close()
 
 
+def case_relay(P, D):
+    # A relay without the secret passes a consumer's handshake through: the
+    # fetch works, but what authentication unlocks (the producer's worker
+    # address, its rkeys) is not in the bytes the relay saw, and one byte
+    # changed after AUTH fails the handshake (the consumer closes it).
+    R = Relay(P.port)
+    T = Relay(P.port, tamper=True)
+    try:
+        x = kvc.fetch(D, [1, 2], via(kvc.publish(P, "relay-ok", [1, 2]), R.port))
+        D.event("FETCH_DONE", xfer=x)
+        assert D.cmd("verify 7 1,2 1,2", "VERIFY") == "VERIFY ok"
+        P.event("RELEASED", req="relay-ok")
+        out = hostile("consumer", R.port, "keys")
+        assert out.startswith("KEYS addr="), out
+        kv = dict(f.split("=", 1) for f in out.split()[1:])
+        addr = bytes.fromhex(kv["addr"])
+        rkeys = [bytes.fromhex(k) for k in kv["rkeys"].split(",") if k]
+        assert len(addr) >= 16 and (rkeys or kvc.MODE == "tcp"), out
+        with R.lock:
+            seen = bytes(R.seen)
+        leaked = [i for i in range(0, len(addr) - 15) if addr[i:i + 16] in seen]
+        assert not leaked, "worker address bytes in the relayed stream at %s" % leaked[:4]
+        for k in rkeys:
+            assert k[:16] not in seen and k not in seen, "rkey bytes in the relayed stream"
+        x = kvc.fetch(D, [3], via(kvc.publish(P, "relay-bad", [3]), T.port))
+        ev = D.event("FETCH_FAILED", xfer=x)
+        assert "KVC_ERR_AUTH" in ev, ev
+        assert D.cmd("zero 3", "ZERO") == "ZERO yes"
+        assert stats(P)["published_now"] == 1  # not released
+        kvc.roundtrip(P, D, "relay-after", [4], [4])
+    finally:
+        R.close()
+        T.close()
+
+
 def hostile_producer(mode):
     p = subprocess.Popen([HOSTILE, "producer", mode, "2", "64", "4096", "7"],
                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -319,7 +424,7 @@ def case_hostile_producer(P, D):
 
 
 CASES = [case_auth, case_invented_id, case_wrong_token, case_pull_beyond, case_put,
-         case_mutated_hello, case_slow_handshakes, case_hostile_producer]
+         case_mutated_hello, case_slow_handshakes, case_hostile_producer, case_relay]
 
 
 def main():

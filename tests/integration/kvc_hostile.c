@@ -21,6 +21,10 @@
  *          none> refusals=<n> ends=<n> rkeys=<regions with a key>"
  *   kvc_hostile consumer PORT notify REQ TOKEN TP
  *       -> "NOTIFY sent"
+ *   kvc_hostile consumer PORT keys
+ *       authenticates asking for one-sided reads and prints what the
+ *       handshake unlocked, hex, for a relay test to look for in the bytes
+ *       it saw -> "KEYS addr=<worker address> rkeys=<rkey>,<rkey>,..."
  *   kvc_hostile producer MODE REGIONS BLOCKS BLOCK_LEN SEED
  *       a producer whose pushes misbehave: MODE is ok (well-behaved, data
  *       is the test peer's pattern for SEED), dup (first message twice, last
@@ -221,7 +225,9 @@ static int consumer(int argc, char **argv) {
     if (h.type != KVC_MSG_CHALLENGE) die("no challenge");
     kvc_wire_hello_t ch;
     if (kvc_wire_parse_hello(body, h.body_len, &ch) != KVC_OK) die("bad challenge");
-    uint8_t proto = !strcmp(cmd, "put") || !strcmp(cmd, "get") ? KVC_PROTO_GET : KVC_PROTO_PUSH;
+    uint8_t proto = !strcmp(cmd, "put") || !strcmp(cmd, "get") || !strcmp(cmd, "keys")
+                        ? KVC_PROTO_GET
+                        : KVC_PROTO_PUSH;
     uint8_t mac[KVC_MAC_LEN];
     kvc_mac_consumer(&fake, nc, ch.nonce, proto, (kvc_span_t){(const uint8_t *)"D-hostile", 9},
                      ch.engine_id, mac);
@@ -235,6 +241,20 @@ static int consumer(int argc, char **argv) {
     kvc_wire_hs_t hs;
     if (h.type != KVC_MSG_HANDSHAKE || kvc_wire_parse_handshake(body, h.body_len, &hs) != KVC_OK)
         die("bad handshake");
+    if (!strcmp(cmd, "keys")) {
+        printf("KEYS addr=");
+        for (size_t i = 0; i < hs.worker_addr.len; i++)
+            printf("%02x", hs.worker_addr.p[i]);
+        printf(" rkeys=");
+        for (uint32_t r = 0; r < hs.n_regions; r++) {
+            for (size_t i = 0; i < hs.regions[r].rkey.len; i++)
+                printf("%02x", hs.regions[r].rkey.p[i]);
+            printf("%s", r + 1 < hs.n_regions ? "," : "");
+        }
+        printf("\n");
+        fflush(stdout);
+        _exit(0);
+    }
     ucp_ep_params_t ep = {.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS,
                           .address = (const ucp_address_t *)hs.worker_addr.p};
     ucp_ep_h e;
