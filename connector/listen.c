@@ -1,8 +1,10 @@
 /* The producer side of the side channel: a TCP listener that authenticates
  * each consumer (HELLO, CHALLENGE, AUTH: HMAC-SHA-256 over both nonces with
  * the cluster secret) and only then answers with this agent's handshake
- * (worker address, region table, rkeys when the consumer will read
- * one-sided), itself MACed.  The consumer side is peer.c.
+ * (worker address, region table, rkeys when the consumer can read
+ * one-sided), itself MACed, sealed with a key derived from the secret and
+ * both nonces (auth.c), so that a relay learns none of it.  The consumer
+ * side is peer.c.
  *
  * The producer never connects back to an address a consumer claims: it
  * answers pulls on the endpoint the consumer opened (UCX reply endpoint).
@@ -17,6 +19,7 @@
 #include <netdb.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
+#include <openssl/crypto.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -40,7 +43,9 @@ struct kvc_sconn {
     size_t out_off;
     uint64_t deadline_ns, accepted_ns;
     char addr[64]; /* the client's address, for limits and logs */
+    bool same_host; /* the client connected from this host (loopback or our own address) */
     uint8_t nonce_c[KVC_NONCE_LEN], nonce_p[KVC_NONCE_LEN];
+    kvc_chan_t chan; /* after AUTH */
     char *cons_id; /* owned: the consumer's engine id from its HELLO */
     bool dead;     /* closed; freed by kvc_sconns_reap (events may still name it) */
 };
@@ -110,6 +115,7 @@ static void sconn_close(kvc_agent_t *a, kvc_sconn_t *c) {
     free(c->cons_id);
     c->cons_id = NULL;
     kvc_buf_cleanup(&c->out);
+    kvc_chan_cleanup(&c->chan);
     c->dead = true;
     c->next = a->sconns_dead;
     a->sconns_dead = c;
@@ -136,6 +142,29 @@ static void addr_text(const struct sockaddr_storage *ss, char *out, size_t n) {
                          ? (const void *)&((const struct sockaddr_in6 *)ss)->sin6_addr
                          : (const void *)&((const struct sockaddr_in *)ss)->sin_addr;
     if (!inet_ntop(ss->ss_family, ip, out, (socklen_t)n)) snprintf(out, n, "?");
+}
+
+/* Whether a client is on this host: it came over loopback, or from the very
+ * address it reached us on.  Only then can it map a shared-memory pool or
+ * open a cuda_ipc handle, so only then is it sent rkeys for them. */
+static bool same_host(int fd, const struct sockaddr_storage *peer) {
+    struct sockaddr_storage me;
+    socklen_t ml = sizeof(me);
+    if (peer->ss_family == AF_INET) {
+        const struct sockaddr_in *p4 = (const struct sockaddr_in *)peer;
+        if ((ntohl(p4->sin_addr.s_addr) >> 24) == 127) return true;
+        if (getsockname(fd, (struct sockaddr *)&me, &ml) || me.ss_family != AF_INET) return false;
+        return p4->sin_addr.s_addr == ((const struct sockaddr_in *)&me)->sin_addr.s_addr;
+    }
+    if (peer->ss_family == AF_INET6) {
+        const struct sockaddr_in6 *p6 = (const struct sockaddr_in6 *)peer;
+        if (IN6_IS_ADDR_LOOPBACK(&p6->sin6_addr)) return true;
+        if (IN6_IS_ADDR_V4MAPPED(&p6->sin6_addr) && p6->sin6_addr.s6_addr[12] == 127) return true;
+        if (getsockname(fd, (struct sockaddr *)&me, &ml) || me.ss_family != AF_INET6) return false;
+        return !memcmp(&p6->sin6_addr, &((const struct sockaddr_in6 *)&me)->sin6_addr,
+                       sizeof(p6->sin6_addr));
+    }
+    return false;
 }
 
 /* Makes room for one more handshake from `addr`: true if there is room, or
@@ -193,6 +222,7 @@ void kvc_listen_accept(kvc_agent_t *a) {
         c->pe = (kvc_pollent_t){PE_SCONN, c};
         c->state = SC_HELLO;
         memcpy(c->addr, addr, sizeof(addr));
+        c->same_host = same_host(fd, &ss);
         c->accepted_ns = kvc_now_ns();
         c->deadline_ns = c->accepted_ns + (uint64_t)a->connect_timeout_ms * 1000000ull;
         if (kvc_ep_add(a, fd, EPOLLIN | EPOLLRDHUP, &c->pe) != KVC_OK) {
@@ -296,27 +326,38 @@ static void on_auth(kvc_agent_t *a, kvc_sconn_t *c, const uint8_t *body, size_t 
         sconn_refuse(a, c, KVC_ERR_AUTH, "authentication failed: different cluster secret");
         return;
     }
-    /* rkeys only for a consumer that may read one-sided: it asked for GET,
-     * or AUTO with every region a pool (mappable on one host) or device
-     * memory registered directly (cuda_ipc, RDMA: path.c decides). */
-    bool pools = a->n_regions > 0;
+    /* rkeys only for a consumer that can use them: on this host when every
+     * region is a shared-memory pool or device memory registered directly
+     * (mapped here, cuda_ipc); on another host only for a consumer that
+     * asked for gets from a producer with UCX's RMA (RDMA), never for an
+     * automatic one.  path.c picks push for everyone else. */
+    bool local = a->n_regions > 0;
     for (size_t i = 0; i < a->n_regions; i++)
-        pools &= a->regions[i].pool ||
+        local &= a->regions[i].pool ||
                  (a->regions[i].mem_type == KVC_MEM_CUDA && !a->regions[i].staged && a->rma);
-    bool rkeys = proto == KVC_PROTO_GET || (proto == KVC_PROTO_AUTO && pools);
+    local &= c->same_host;
+    bool rkeys = (proto == KVC_PROTO_AUTO && local) ||
+                 (proto == KVC_PROTO_GET && (local || a->rma));
     const kvc_buf_t *hs = rkeys ? &a->hs_msg : &a->hs_msg_nokeys;
-    size_t start = c->out.len;
-    kvc_buf_put(&c->out, hs->p, hs->len);
+    /* The reply, MACed as in version 2, then sealed: a relay that passed the
+     * exchange through learns neither the worker address nor the rkeys. */
+    kvc_buf_t plain = {0};
+    kvc_buf_put(&plain, hs->p, hs->len);
     uint8_t m[KVC_MAC_LEN];
-    if (!c->out.failed)
-        kvc_mac_producer(a, c->nonce_c, c->nonce_p, c->out.p + start + KVC_WIRE_HDR_LEN,
+    if (!plain.failed)
+        kvc_mac_producer(a, c->nonce_c, c->nonce_p, plain.p + KVC_WIRE_HDR_LEN,
                          hs->len - KVC_WIRE_HDR_LEN, m);
-    kvc_buf_put(&c->out, m, KVC_MAC_LEN);
-    kvc_wire_end_msg(&c->out, start);
-    if (c->out.failed) {
-        sconn_close(a, c);
+    kvc_buf_put(&plain, m, KVC_MAC_LEN);
+    kvc_wire_end_msg(&plain, 0);
+    if (plain.failed || kvc_chan_init(&c->chan, a, c->nonce_c, c->nonce_p, mac, true) != KVC_OK ||
+        kvc_chan_seal(&c->chan, &c->out, a->wire_version, plain.p, plain.len) != KVC_OK) {
+        if (plain.p) OPENSSL_cleanse(plain.p, plain.len);
+        kvc_buf_cleanup(&plain);
+        sconn_drop(a, c, "cannot seal the handshake (out of memory or OpenSSL)");
         return;
     }
+    OPENSSL_cleanse(plain.p, plain.len);
+    kvc_buf_cleanup(&plain);
     KVC_LOG(a, KVC_LOG_DEBUG, "side channel: engine %s at %s authenticated, rkeys=%d", c->cons_id,
             c->addr, (int)rkeys);
     c->state = SC_CLOSING;

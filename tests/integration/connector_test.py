@@ -120,15 +120,17 @@ def case_out_of_range(P, D):
 
 
 def case_version_mismatch(P, D):
-    P2 = producer("P-v99", env={"KVC_TEST_WIRE_VERSION": "99"})
-    try:
-        params = publish(P2, "v", [1])
-        fetch(D, [1], params)
-        ev = D.event("FETCH_FAILED")
-        assert "KVC_ERR_VERSION" in ev and "99" in ev and "speaks 2" in ev, ev
-        assert "KVC_ERR_AUTH" not in ev, ev
-    finally:
-        P2.close()
+    # 99: a future version; 2: the version before the sealed handshake.
+    for v in ("99", "2"):
+        P2 = producer("P-v" + v, env={"KVC_TEST_WIRE_VERSION": v})
+        try:
+            params = publish(P2, "v", [1])
+            fetch(D, [1], params)
+            ev = D.event("FETCH_FAILED")
+            assert "KVC_ERR_VERSION" in ev and "speaks " + v in ev and "speaks 3" in ev, ev
+            assert "KVC_ERR_AUTH" not in ev, ev
+        finally:
+            P2.close()
 
 
 def case_layout_mismatch(P, D):

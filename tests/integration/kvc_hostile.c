@@ -123,8 +123,9 @@ static kvc_wire_hdr_t read_msg(int fd, uint8_t **body) {
     if (!m) die("oom");
     memcpy(m, h, sizeof(h));
     xread(fd, m + KVC_WIRE_HDR_LEN, hdr.body_len);
-    static const char *names[] = {"msg", "hello", "handshake", "challenge", "auth", "error"};
-    capture(names[hdr.type <= 5 ? hdr.type : 0], -1, m, KVC_WIRE_HDR_LEN + hdr.body_len);
+    static const char *names[] = {"msg",  "hello", "handshake", "challenge",
+                                  "auth", "error", "sealed"};
+    capture(names[hdr.type <= 6 ? hdr.type : 0], -1, m, KVC_WIRE_HDR_LEN + hdr.body_len);
     *body = malloc(hdr.body_len + 1);
     if (!*body) die("oom");
     memcpy(*body, m + KVC_WIRE_HDR_LEN, hdr.body_len);
@@ -235,12 +236,35 @@ static int consumer(int argc, char **argv) {
     xwrite(fd, b.p, b.len);
     capture("auth", -1, b.p, b.len);
     kvc_buf_cleanup(&b);
+    kvc_chan_t ch_keys; /* before the challenge's nonce goes with its body */
+    if (kvc_chan_init(&ch_keys, &fake, nc, ch.nonce, mac, false) != KVC_OK) die("keys");
     free(body);
     h = read_msg(fd, &body);
     if (h.type == KVC_MSG_ERROR) die("refused by the producer");
+    if (h.type != KVC_MSG_SEALED) die("no sealed handshake");
+    /* the whole SEALED message again (read_msg split off its header) */
+    uint8_t *rec = malloc(KVC_WIRE_HDR_LEN + h.body_len), *inner;
+    size_t ilen;
+    if (!rec) die("oom");
+    kvc_buf_u32(&b, KVC_WIRE_MAGIC);
+    kvc_buf_u16(&b, h.version);
+    kvc_buf_u16(&b, h.type);
+    kvc_buf_u32(&b, h.body_len);
+    memcpy(rec, b.p, KVC_WIRE_HDR_LEN);
+    memcpy(rec + KVC_WIRE_HDR_LEN, body, h.body_len);
+    kvc_buf_cleanup(&b);
+    if (kvc_chan_open(&ch_keys, rec, KVC_WIRE_HDR_LEN + h.body_len, &inner, &ilen) != KVC_OK)
+        die("sealed handshake does not open");
+    capture("handshake", -1, inner, ilen);
+    free(rec);
+    free(body);
+    kvc_wire_hdr_t ih;
+    if (kvc_wire_parse_hdr(inner, ilen, KVC_WIRE_MAX_BODY, &ih) != KVC_OK ||
+        ih.type != KVC_MSG_HANDSHAKE || ilen != KVC_WIRE_HDR_LEN + (size_t)ih.body_len)
+        die("sealed message is not a handshake");
+    body = inner + KVC_WIRE_HDR_LEN;
     kvc_wire_hs_t hs;
-    if (h.type != KVC_MSG_HANDSHAKE || kvc_wire_parse_handshake(body, h.body_len, &hs) != KVC_OK)
-        die("bad handshake");
+    if (kvc_wire_parse_handshake(body, ih.body_len, &hs) != KVC_OK) die("bad handshake");
     if (!strcmp(cmd, "keys")) {
         printf("KEYS addr=");
         for (size_t i = 0; i < hs.worker_addr.len; i++)
@@ -448,7 +472,8 @@ static ucs_status_t on_notify(void *arg, const void *header, size_t hlen, void *
 
 /* Serves one side-channel client, blocking (consumers under test answer at
  * once): HELLO, CHALLENGE, AUTH (not even checked: this producer is the
- * hostile one), HANDSHAKE without rkeys, MACed so the consumer accepts it. */
+ * hostile one), HANDSHAKE without rkeys, MACed and sealed so the consumer
+ * accepts it. */
 static void serve_handshake(int fd, const void *waddr, size_t wlen) {
     struct timeval tv = {.tv_sec = 3};
     setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
@@ -467,6 +492,12 @@ static void serve_handshake(int fd, const void *waddr, size_t wlen) {
     xwrite(fd, b.p, b.len);
     kvc_buf_cleanup(&b);
     h = read_msg(fd, &body);
+    uint8_t proto_c;
+    const uint8_t *mac_c;
+    if (h.type != KVC_MSG_AUTH || kvc_wire_parse_auth(body, h.body_len, &proto_c, &mac_c) != KVC_OK)
+        die("bad auth");
+    kvc_chan_t keys;
+    if (kvc_chan_init(&keys, &fake, nc, np, mac_c, true) != KVC_OK) die("keys");
     free(body);
     kvc_wire_region_t regs[64];
     memset(regs, 0, sizeof(regs));
@@ -491,7 +522,10 @@ static void serve_handshake(int fd, const void *waddr, size_t wlen) {
     kvc_mac_producer(&fake, nc, np, b.p + KVC_WIRE_HDR_LEN, b.len - KVC_WIRE_HDR_LEN, mac);
     kvc_buf_put(&b, mac, sizeof(mac));
     kvc_wire_end_msg(&b, 0);
-    xwrite(fd, b.p, b.len);
+    kvc_buf_t sealed = {0};
+    if (kvc_chan_seal(&keys, &sealed, KVC_WIRE_VERSION, b.p, b.len) != KVC_OK) die("seal");
+    xwrite(fd, sealed.p, sealed.len);
+    kvc_buf_cleanup(&sealed);
     kvc_buf_cleanup(&b);
 }
 
