@@ -122,6 +122,76 @@ def via(params, port):
     return json.dumps(p)
 
 
+def challenged(port, src):
+    """A connection from src that sends a HELLO, reads its CHALLENGE and then
+    says nothing more; None if the producer did not answer it."""
+    s = socket.socket()
+    try:
+        s.settimeout(5)
+        s.bind((src, 0))
+        s.connect(("127.0.0.1", port))
+        s.sendall(kvc.hdr(kvc.WIRE, 1, 41) + kvc.hello_body("D-idle", 1, os.urandom(32)))
+        got = b""
+        while len(got) < 12 or len(got) < 12 + int.from_bytes(got[8:12], "little"):
+            c = s.recv(4096)
+            if not c:
+                s.close()
+                return None
+            got += c
+        return s if int.from_bytes(got[6:8], "little") == 3 else None
+    except OSError:
+        s.close()
+        return None
+
+
+def honest_handshake(port, src="127.0.0.1"):
+    """A consumer with the secret, by hand: True when the producer answers
+    its AUTH with the handshake (sealed), False when it is refused or closed."""
+    import hmac
+    s = socket.socket()
+    try:
+        s.settimeout(5)
+        s.bind((src, 0))
+        s.connect(("127.0.0.1", port))
+        nc = os.urandom(32)
+        s.sendall(kvc.hdr(kvc.WIRE, 1, 43) + kvc.hello_body("D-honest", 1, nc))
+
+        def msg():
+            got = b""
+            while len(got) < 12 or len(got) < 12 + int.from_bytes(got[8:12], "little"):
+                c = s.recv(65536)
+                if not c:
+                    return None, b""
+                got += c
+            return int.from_bytes(got[6:8], "little"), got[12:]
+        t, body = msg()
+        if t != 3:
+            return False
+        n = int.from_bytes(body[:2], "little")
+        pid, np_ = body[2:2 + n], body[3 + n:35 + n]
+        cid = b"D-honest"
+        mac = hmac.new(SECRET.encode(), b"kvc2 consumer\0" + nc + np_ + bytes([2]) +
+                       len(cid).to_bytes(2, "little") + cid + n.to_bytes(2, "little") + pid,
+                       "sha256").digest()
+        s.sendall(kvc.hdr(kvc.WIRE, 4, 33) + bytes([2]) + mac)
+        t, _ = msg()
+        return t in (2, 6)  # the handshake, in clear (version 2) or sealed
+    except OSError:
+        return False
+    finally:
+        s.close()
+
+
+def still_open(s):
+    s.setblocking(False)
+    try:
+        return s.recv(1, socket.MSG_PEEK) != b""
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+
+
 # ------------------------------------------------------------------ cases --
 
 def case_auth(P, D):
@@ -366,6 +436,44 @@ def case_relay(P, D):
         T.close()
 
 
+def case_handshake_flood(P, D):
+    # Connections without the secret that take a CHALLENGE and never answer,
+    # from 4 source addresses, more than a quarter of the 256 slots each and
+    # refilled as they go: honest handshakes from another address all
+    # succeed, and no address holds more than its quarter at a time.
+    K = kvc.producer("P-flood", "--connect-timeout-ms", "20000")
+    held = {x: [] for x in range(2, 6)}
+    try:
+        kvc.roundtrip(K, D, "flood-warm", [1], [1])
+        for x in held:
+            for _ in range(80):
+                s = challenged(K.port, "127.0.0.%d" % x)
+                if s:
+                    held[x].append(s)
+        ok = 0
+        for i in range(40):
+            ok += honest_handshake(K.port)
+            for x in held:
+                s = challenged(K.port, "127.0.0.%d" % x)
+                if s:
+                    held[x].append(s)
+        assert ok == 40, "%d of 40 honest handshakes succeeded" % ok
+        for x, socks in held.items():
+            n = sum(still_open(s) for s in socks)
+            assert n <= 64, "127.0.0.%d holds %d handshake slots" % (x, n)
+        E = kvc.consumer("D-flood")
+        try:
+            kvc.roundtrip(K, E, "flood-new", [2, 3], [2, 3])
+        finally:
+            E.close()
+        assert stats(K)["peer_errors"] >= 100
+    finally:
+        for socks in held.values():
+            for s in socks:
+                s.close()
+        K.close()
+
+
 def hostile_producer(mode):
     p = subprocess.Popen([HOSTILE, "producer", mode, "2", "64", "4096", "7"],
                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -424,7 +532,8 @@ def case_hostile_producer(P, D):
 
 
 CASES = [case_auth, case_invented_id, case_wrong_token, case_pull_beyond, case_put,
-         case_mutated_hello, case_slow_handshakes, case_hostile_producer, case_relay]
+         case_mutated_hello, case_slow_handshakes, case_hostile_producer, case_relay,
+         case_handshake_flood]
 
 
 def main():
