@@ -9,8 +9,9 @@
  * The producer never connects back to an address a consumer claims: it
  * answers pulls on the endpoint the consumer opened (UCX reply endpoint).
  * A malformed, oversized or slow side-channel client is closed on its own;
- * handshakes in progress are bounded per source address and in all, and the
- * oldest client that has not even sent a HELLO gives way to a new one. */
+ * handshakes in progress are bounded per source address and in all, and an
+ * unauthenticated client of the address holding the most slots gives way to
+ * a new one (sconn_make_room). */
 #include "kvc_int.h"
 
 #include <arpa/inet.h>
@@ -167,9 +168,22 @@ static bool same_host(int fd, const struct sockaddr_storage *peer) {
     return false;
 }
 
-/* Makes room for one more handshake from `addr`: true if there is room, or
- * if the oldest client that has not completed a HELLO (of that address when the
- * per-address limit is what is hit) was closed for it. */
+static size_t addr_count(const kvc_agent_t *a, const char *addr) {
+    size_t n = 0;
+    for (const kvc_sconn_t *o = a->sconns; o; o = o->next)
+        n += !strcmp(o->addr, addr);
+    return n;
+}
+
+/* Makes room for one more handshake from `addr`; false: refuse it.
+ * Every address may hold a quarter of the slots, whatever the state of its
+ * connections.  A connection that has not authenticated (no HELLO yet, or a
+ * CHALLENGE it has not answered) gives way: over the per-address limit, the
+ * one of that address with the earliest deadline; when the table is full,
+ * the one with the earliest deadline among the addresses that hold the most
+ * slots, so an address with fewer connections than another never loses one
+ * to a flood.  Authenticated connections (sending their handshake) are only
+ * closed by their deadline.  O(n^2) in the worst case, only when full. */
 static bool sconn_make_room(kvc_agent_t *a, const char *addr) {
     size_t total = 0, same = 0;
     uint32_t per = a->max_handshakes / 4 < 4 ? 4 : a->max_handshakes / 4;
@@ -180,12 +194,23 @@ static bool sconn_make_room(kvc_agent_t *a, const char *addr) {
     bool by_addr = same >= per;
     if (total < a->max_handshakes && !by_addr) return true;
     kvc_sconn_t *victim = NULL;
-    for (kvc_sconn_t *o = a->sconns; o; o = o->next)
-        if (o->state == SC_HELLO && (!by_addr || !strcmp(o->addr, addr)) &&
-            (!victim || o->accepted_ns < victim->accepted_ns))
+    size_t vcount = 0;
+    for (kvc_sconn_t *o = a->sconns; o; o = o->next) {
+        if (o->state == SC_CLOSING) continue;
+        if (by_addr) {
+            if (strcmp(o->addr, addr)) continue;
+            if (!victim || o->deadline_ns < victim->deadline_ns) victim = o;
+            continue;
+        }
+        size_t n = victim && !strcmp(o->addr, victim->addr) ? vcount : addr_count(a, o->addr);
+        if (!victim || n > vcount || (n == vcount && o->deadline_ns < victim->deadline_ns)) {
             victim = o;
-    if (!victim) return false;
-    sconn_drop(a, victim, "idle handshake evicted for a new one");
+            vcount = n;
+        }
+    }
+    /* Never evict for a newcomer whose address would then hold more. */
+    if (!victim || (!by_addr && vcount <= same)) return false;
+    sconn_drop(a, victim, "unauthenticated handshake evicted for a new one");
     return true;
 }
 
