@@ -376,6 +376,16 @@ typedef struct {
     kvc_pub_t *ehead, *etail;
 } kvc_pubtab_t;
 
+/* A publication that ended (released or expired), remembered so that a
+ * late notification with its token is told apart from an invented one
+ * (notify.c).  A fixed ring: memory does not grow with notifications. */
+#define KVC_NOTIFY_GONE 1024
+typedef struct {
+    uint64_t id_hash;
+    uint8_t token[KVC_TOKEN_LEN];
+    bool used; /* its one KVC_EV_UNKNOWN_NOTIFY was raised */
+} kvc_gone_t;
+
 typedef struct kvc_sconn kvc_sconn_t;
 typedef struct kvc_peer kvc_peer_t;
 typedef struct kvc_xfer kvc_xfer_t;
@@ -426,6 +436,8 @@ struct kvc_agent {
     bool cuda_direct;        /* a region is registered as device memory */
 
     kvc_pubtab_t pubs;
+    kvc_gone_t gone[KVC_NOTIFY_GONE]; /* ring, notify.c */
+    size_t gone_next;
     kvc_sconn_t *sconns;
     kvc_sconn_t *sconns_dead; /* closed, freed at the end of progress */
     kvc_peer_t *peers;        /* cache of handshaken/connecting producers */
@@ -570,6 +582,8 @@ KVC_HIDDEN void kvc_xfers_fail_peer(kvc_agent_t *a, kvc_peer_t *p, kvc_status_t 
 
 /* ------------------------------------------------------- notify.c -- */
 KVC_HIDDEN kvc_status_t kvc_notify_register_am(kvc_agent_t *a);
+/* Remembers that p ended (released, expired), for late notifications. */
+KVC_HIDDEN void kvc_notify_remember(kvc_agent_t *a, const kvc_pub_t *p);
 /* Handles one notification's bytes (producer side). */
 KVC_HIDDEN void kvc_notify_handle(kvc_agent_t *a, const uint8_t *p, size_t len);
 KVC_HIDDEN kvc_status_t kvc_notify_send(kvc_agent_t *a, ucp_ep_h ep, const kvc_buf_t *msg,

@@ -1,14 +1,45 @@
 /* Notifications: the consumer tells the producer "<remote_request_id>:<tp>"
  * with the publication's token (an active message on the endpoint the data
  * used, after the data landed); the producer releases the request's blocks
- * once the expected number of consumers has notified (heterogeneous TP), or
- * logs and counts an unknown or already-expired id.  A wrong token is never
- * acted on: counted (KVC_STAT_DENIED) and logged, rate-limited. */
+ * once the expected number of consumers has notified (heterogeneous TP).
+ * A notification for a publication that ended (released or expired) is
+ * recognised by its token among the last KVC_NOTIFY_GONE that ended and
+ * raises one KVC_EV_UNKNOWN_NOTIFY.  Anything else (an id never published
+ * or forgotten, a wrong token) is never acted on: counted (KVC_STAT_DENIED)
+ * and logged, at most ten lines a second, with no event and no memory kept,
+ * so a flood of them costs the producer nothing that grows. */
 #include "kvc_int.h"
 
 #include <string.h>
 
 enum { KVC_AM_NOTIFY = 23 };
+
+/* Longest part of a request id a log line shows. */
+#define LOG_ID_MAX 128
+
+static uint64_t id_hash(const char *id, size_t len) {
+    uint64_t h = 1469598103934665603ull; /* FNV-1a: the token is what proves anything */
+    for (size_t i = 0; i < len; i++)
+        h = (h ^ (uint8_t)id[i]) * 1099511628211ull;
+    return h;
+}
+
+void kvc_notify_remember(kvc_agent_t *a, const kvc_pub_t *p) {
+    kvc_gone_t *g = &a->gone[a->gone_next++ % KVC_NOTIFY_GONE];
+    g->id_hash = id_hash(p->id, strlen(p->id));
+    memcpy(g->token, p->token, KVC_TOKEN_LEN);
+    g->used = false;
+}
+
+/* The ended publication this notification names with its token, or NULL. */
+static kvc_gone_t *gone_find(kvc_agent_t *a, kvc_span_t id, const uint8_t *token) {
+    uint64_t h = id_hash((const char *)id.p, id.len);
+    size_t n = a->gone_next < KVC_NOTIFY_GONE ? a->gone_next : KVC_NOTIFY_GONE;
+    for (size_t i = 0; i < n; i++)
+        if (a->gone[i].id_hash == h && kvc_mac_equal(a->gone[i].token, token, KVC_TOKEN_LEN))
+            return &a->gone[i];
+    return NULL;
+}
 
 void kvc_notify_handle(kvc_agent_t *a, const uint8_t *p, size_t len) {
     kvc_span_t id;
@@ -21,21 +52,37 @@ void kvc_notify_handle(kvc_agent_t *a, const uint8_t *p, size_t len) {
         return;
     }
     kvc_pub_t *pub = kvc_pubtab_find(&a->pubs, (const char *)id.p, id.len);
+    int shown = id.len > LOG_ID_MAX ? LOG_ID_MAX : (int)id.len;
     if (!pub) {
         a->stats[KVC_STAT_UNKNOWN_NOTIFY]++;
+        kvc_gone_t *g = gone_find(a, id, token);
+        if (!g) {
+            a->stats[KVC_STAT_DENIED]++;
+            if (kvc_log_ratelimit(a, KVC_RL_DENIED))
+                KVC_LOG(a, KVC_LOG_WARN,
+                        "notify: unknown request id req=%.*s%s without a token of this producer, "
+                        "refused",
+                        shown, (const char *)id.p, shown < (int)id.len ? "..." : "");
+            return;
+        }
+        if (kvc_log_ratelimit(a, KVC_RL_DENIED))
+            KVC_LOG(a, KVC_LOG_WARN,
+                    "notify: late notification for req=%.*s%s (released or expired)", shown,
+                    (const char *)id.p, shown < (int)id.len ? "..." : "");
+        if (g->used) return;
+        g->used = true;
         char *rid = kvc_strndup((const char *)id.p, id.len);
-        KVC_LOG(a, KVC_LOG_WARN, "notify: unrecognized request id req=%.*s (unknown or expired)",
-                (int)id.len, (const char *)id.p);
         if (rid)
             kvc_event_push(a, KVC_EV_UNKNOWN_NOTIFY, KVC_ERR_NOT_FOUND, 0, 0, rid, NULL, 0, 0,
-                           "notification for an unknown or expired request id");
+                           "notification for a released or expired request id");
         kvc_free(rid);
         return;
     }
     if (!kvc_mac_equal(token, pub->token, KVC_TOKEN_LEN)) {
         a->stats[KVC_STAT_DENIED]++;
         if (kvc_log_ratelimit(a, KVC_RL_DENIED))
-            KVC_LOG(a, KVC_LOG_WARN, "notify: wrong token for req=%s, ignored", pub->id);
+            KVC_LOG(a, KVC_LOG_WARN, "notify: wrong token for req=%.*s%s, ignored", shown,
+                    pub->id, shown < (int)id.len ? "..." : "");
         return;
     }
     if (pub->consumers == 0) {
@@ -54,6 +101,7 @@ void kvc_notify_handle(kvc_agent_t *a, const uint8_t *p, size_t len) {
             pub->id, pub->n, tp, pub->consumers);
     kvc_event_push(a, KVC_EV_RELEASED, KVC_OK, 0, pub->user_data, pub->id, pub->blocks, pub->n, 0,
                    NULL);
+    kvc_notify_remember(a, pub);
     kvc_pub_free(pub);
 }
 

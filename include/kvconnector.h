@@ -454,7 +454,11 @@ typedef enum {
     KVC_EV_FETCH_FAILED = 2,   /**< consumer: status says why; message has details */
     KVC_EV_RELEASED = 3,       /**< producer: consumer notified; blocks are free */
     KVC_EV_EXPIRED = 4,        /**< producer: not claimed in time; blocks are free */
-    KVC_EV_UNKNOWN_NOTIFY = 5, /**< producer: notification for an unknown id */
+    KVC_EV_UNKNOWN_NOTIFY = 5, /**< producer: a late notification, with its token,
+                                    for a publication that was already released or
+                                    expired (one event each, among the last 1024
+                                    that ended); other notifications for unknown
+                                    ids are refused (KVC_STAT_DENIED), no event */
 } kvc_event_type_t;
 
 typedef struct {
@@ -481,7 +485,7 @@ typedef enum {
     KVC_STAT_PUBLISHED = 0,
     KVC_STAT_RELEASED = 1,
     KVC_STAT_EXPIRED = 2,
-    KVC_STAT_UNKNOWN_NOTIFY = 3,
+    KVC_STAT_UNKNOWN_NOTIFY = 3,       /**< notifications for ids not published now */
     KVC_STAT_FETCH_DONE = 4,
     KVC_STAT_FETCH_FAILED = 5,
     KVC_STAT_BYTES_FETCHED = 6,

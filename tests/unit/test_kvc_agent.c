@@ -212,6 +212,8 @@ static void test_expiry(void **state) {
     assert_int_equal(kvc_publish(a, "slow", ids, 1, NULL, &json), KVC_OK);
     kvc_free(json);
     assert_int_equal(kvc_publish(a, "fast", ids, 1, &fast, &json), KVC_OK);
+    uint8_t tok[KVC_TOKEN_LEN];
+    token_of(json, tok);
     kvc_free(json);
     /* The agent's fd (timerfd inside) wakes us; bounded loop, no sleeps. */
     kvc_event_t ev;
@@ -224,10 +226,14 @@ static void test_expiry(void **state) {
     assert_true(kvc_now_ns() - t0 >= 20000000ull);
     assert_int_equal(ev.type, KVC_EV_EXPIRED);
     assert_string_equal(ev.request_id, "fast");
-    uint8_t tok[KVC_TOKEN_LEN] = {0};
-    notify(a, tok, "fast:1"); /* late: unrecognized */
+    uint8_t zero[KVC_TOKEN_LEN] = {0};
+    notify(a, zero, "fast:1"); /* late, but not with its token: refused, no event */
+    assert_int_equal(kvc_agent_next_event(a, &ev), KVC_AGAIN);
+    notify(a, tok, "fast:1"); /* late, with its token: one event */
     assert_int_equal(kvc_agent_next_event(a, &ev), KVC_OK);
     assert_int_equal(ev.type, KVC_EV_UNKNOWN_NOTIFY);
+    notify(a, tok, "fast:1");
+    assert_int_equal(kvc_agent_next_event(a, &ev), KVC_AGAIN);
     uint64_t v;
     kvc_agent_stat(a, KVC_STAT_PUBLISHED_NOW, &v);
     assert_int_equal(v, 1);
