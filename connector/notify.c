@@ -110,7 +110,10 @@ static ucs_status_t notify_cb(void *arg, const void *header, size_t hlen, void *
     kvc_agent_t *a = arg;
     if (a->destroying) return UCS_OK;
     if (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) {
-        KVC_LOG(a, KVC_LOG_WARN, "notify: oversized notification (%zu bytes) refused", len);
+        /* Refused (the sender's request fails): a notification is small. */
+        a->stats[KVC_STAT_DENIED]++;
+        if (kvc_log_ratelimit(a, KVC_RL_DENIED))
+            KVC_LOG(a, KVC_LOG_WARN, "notify: oversized notification (%zu bytes) refused", len);
         return UCS_ERR_MESSAGE_TRUNCATED;
     }
     kvc_notify_handle(a, data, len);

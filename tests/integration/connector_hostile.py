@@ -474,6 +474,33 @@ def case_handshake_flood(P, D):
         K.close()
 
 
+def case_raw_peer_leaves(P, D):
+    # Raw UCX peers (the worker address from an authenticated handshake) that
+    # send active messages the producer refuses or ignores, or ask for
+    # rendezvous data they never take, and leave without closing anything,
+    # in order, or before their endpoint is even wired up: the producer
+    # keeps serving and its kvc_agent_destroy exits cleanly.
+    K = kvc.producer("P-raw")
+    try:
+        real = json.loads(kvc.publish(K, "raw-real", [10, 11]))
+        tok = real["remote_kv_token"]
+        for args, env in ((("raw", 23, 100000, "rndv"), {}), (("raw", 21, 100000, "rndv"), {}),
+                          (("raw", 22, 64, "eager"), {}), (("raw", 99, 64, "eager"), {}),
+                          (("raw", 23, 64, "eager"), {"KVC_HOSTILE_CLOSE": "1"}),
+                          (("raw", 23, 64, "eager"), {"KVC_HOSTILE_FAST": "1"}),
+                          (("raw", 23, 64, "eager"), {"KVC_HOSTILE_ERR_PEER": "1"}),
+                          (("pull", "raw-real", tok, "10:0:2", 4), {"KVC_HOSTILE_LEAVE": "1"})):
+            e = dict(os.environ, **env)
+            r = subprocess.run([HOSTILE, "consumer", str(K.port)] + [str(a) for a in args],
+                               capture_output=True, text=True, timeout=15, env=e)
+            assert r.returncode == 0 and "ERR " not in r.stdout, (args, r.stdout, r.stderr[-500:])
+            kvc.pump([K], 0.1)
+            assert K.p.poll() is None, (args, K.stderr())
+        kvc.roundtrip(K, D, "raw-after", [1], [1])
+    finally:
+        K.close()  # checks the exit status: 0, no UCX assertion
+
+
 def hostile_producer(mode):
     p = subprocess.Popen([HOSTILE, "producer", mode, "2", "64", "4096", "7"],
                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -533,7 +560,7 @@ def case_hostile_producer(P, D):
 
 CASES = [case_auth, case_invented_id, case_wrong_token, case_pull_beyond, case_put,
          case_mutated_hello, case_slow_handshakes, case_hostile_producer, case_relay,
-         case_handshake_flood]
+         case_handshake_flood, case_raw_peer_leaves]
 
 
 def main():

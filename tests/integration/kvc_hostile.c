@@ -19,8 +19,14 @@
  *       up to 3 s for an END or a refusal of each
  *       -> "PULL data=<DATA messages with bytes> refused=<first refusal or
  *          none> refusals=<n> ends=<n> rkeys=<regions with a key>"
+ *       With KVC_HOSTILE_LEAVE set it asks for rendezvous data, never takes
+ *       it, and leaves after 300 ms without closing anything.
  *   kvc_hostile consumer PORT notify REQ TOKEN TP
  *       -> "NOTIFY sent"
+ *   kvc_hostile consumer PORT raw AM_ID BYTES [rndv]
+ *       a raw UCX peer: one active message AM_ID of BYTES zero bytes (eager,
+ *       or rendezvous), then it leaves without closing its endpoint
+ *       -> "RAW status=<UCX status of the send>"
  *   kvc_hostile consumer PORT keys
  *       authenticates asking for one-sided reads and prints what the
  *       handshake unlocked, hex, for a relay test to look for in the bytes
@@ -179,6 +185,8 @@ static ucs_status_t on_data(void *arg, const void *header, size_t hlen, void *da
         ends++;
     else
         data_msgs++;
+    if ((param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) && getenv("KVC_HOSTILE_LEAVE"))
+        return UCS_INPROGRESS; /* holds the data unread; the process leaves soon */
     if (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) {
         /* Take it (into scratch) so that the sender is not left hanging. */
         void *scratch = malloc(len ? len : 1);
@@ -281,6 +289,10 @@ static int consumer(int argc, char **argv) {
     }
     ucp_ep_params_t ep = {.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS,
                           .address = (const ucp_address_t *)hs.worker_addr.p};
+    if (getenv("KVC_HOSTILE_ERR_PEER")) { /* as the library's own endpoints */
+        ep.field_mask |= UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE;
+        ep.err_mode = UCP_ERR_HANDLING_MODE_PEER;
+    }
     ucp_ep_h e;
     if (ucp_ep_create(worker, &ep, &e) != UCS_OK) die("ep");
 
@@ -337,6 +349,8 @@ static int consumer(int argc, char **argv) {
         pl.runs = runs;
         pl.n = n;
         int repeat = argc >= 8 ? atoi(argv[7]) : 1;
+        bool leave = getenv("KVC_HOSTILE_LEAVE") != NULL;
+        if (leave) pl.flags |= KVC_PULL_RNDV;
         for (int i = 0; i < repeat; i++) {
             pl.xfer_id = (uint64_t)i + 1;
             kvc_buf_cleanup(&b);
@@ -346,8 +360,8 @@ static int consumer(int argc, char **argv) {
                                       .flags = UCP_AM_SEND_FLAG_REPLY};
             progress_until(ucp_am_send_nbx(e, AM_PULL, NULL, 0, b.p, b.len, &rp));
         }
-        uint64_t end = kvc_now_ns() + 3000000000ull;
-        while (refusals + ends < repeat && kvc_now_ns() < end)
+        uint64_t end = kvc_now_ns() + (leave ? 300000000ull : 3000000000ull);
+        while ((leave || refusals + ends < repeat) && kvc_now_ns() < end)
             ucp_worker_progress(worker);
         progress_for_ms(50); /* stragglers */
         int keys = 0;
@@ -357,6 +371,31 @@ static int consumer(int argc, char **argv) {
                refused ? kvc_status_str((kvc_status_t)refused) : "none", refusals, ends, keys);
         fflush(stdout);
         _exit(0); /* a one-shot tool: no orderly UCX teardown */
+    }
+    if (!strcmp(cmd, "raw") && argc >= 6) {
+        size_t n = strtoull(argv[5], NULL, 10);
+        uint8_t *m = calloc(1, n ? n : 1);
+        if (!m) die("oom");
+        ucp_request_param_t rp = {.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS,
+                                  .flags = argc >= 7 && !strcmp(argv[6], "rndv")
+                                               ? UCP_AM_SEND_FLAG_RNDV
+                                               : UCP_AM_SEND_FLAG_EAGER};
+        ucs_status_ptr_t q = ucp_am_send_nbx(e, (unsigned)atoi(argv[4]), NULL, 0, m, n, &rp);
+        if (getenv("KVC_HOSTILE_FAST")) { /* gone before wireup completes */
+            ucp_worker_progress(worker);
+            _exit(0);
+        }
+        ucs_status_t st = wait_req(q);
+        progress_for_ms(100);
+        printf("RAW status=%s\n", ucs_status_string(st));
+        fflush(stdout);
+        if (getenv("KVC_HOSTILE_CLOSE")) { /* leaves in order instead */
+            ucp_request_param_t cp = {0};
+            wait_req(ucp_ep_close_nbx(e, &cp));
+            ucp_worker_destroy(worker);
+            ucp_cleanup(ctx);
+        }
+        _exit(0); /* leaves: no endpoint close, no UCX teardown */
     }
     if (!strcmp(cmd, "notify") && argc >= 7) {
         uint8_t tok[KVC_TOKEN_LEN];
