@@ -122,7 +122,9 @@
  * ----------------------
  * Peers authenticate each other on the side channel with a shared cluster
  * secret (HMAC-SHA-256 challenge-response, nonces from both sides) before any
- * worker address or rkey leaves the producer.  Without a secret the agent
+ * worker address or rkey leaves the producer, and those then travel sealed
+ * (AES-256-GCM, keys from the secret and both nonces); what goes through UCX
+ * afterwards is not encrypted (SECURITY.md).  Without a secret the agent
  * works, logs a warning once and reports KVC_STAT_AUTHENTICATED = 0.  Each
  * publication carries a random 128-bit token (kv_transfer_params key
  * "remote_kv_token"); pulls and notifications must present it.  Memory is
@@ -174,7 +176,8 @@ typedef enum {
     KVC_ERR_NO_DEVICE = -15,   /**< CUDA built in but no usable device */
     KVC_ERR_STATE = -16,       /**< call not valid now (e.g. regions not registered) */
     KVC_ERR_AUTH = -17,        /**< side channel: the peer failed cluster authentication
-                                    (different secret, or a secret on one side only) */
+                                    (different secret, or a secret on one side only), or
+                                    the sealed handshake was changed in transit */
     KVC_ERR_DENIED = -18,      /**< producer refused a pull: unknown publication or wrong
                                     token (see kvc_publish) */
     KVC_ERR_CUDA = -19,        /**< a CUDA runtime call failed; the message (log line, event)
