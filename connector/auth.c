@@ -70,7 +70,8 @@ bool kvc_mac_equal(const uint8_t *x, const uint8_t *y, size_t n) {
 }
 
 kvc_status_t kvc_chan_init(kvc_chan_t *ch, const kvc_agent_t *a, const uint8_t *nonce_c,
-                           const uint8_t *nonce_p, const uint8_t mac_c[KVC_MAC_LEN], bool producer) {
+                           const uint8_t *nonce_p, const uint8_t mac_c[KVC_MAC_LEN],
+                           bool producer) {
     static const char label[] = "kvc3 channel";
     /* HKDF refuses empty key material: an agent without a secret (whose
      * channel protects nothing, as documented) uses a fixed one. */
@@ -86,7 +87,8 @@ kvc_status_t kvc_chan_init(kvc_chan_t *ch, const kvc_agent_t *a, const uint8_t *
     size_t ikm_len = a->secret_len ? a->secret_len : sizeof(nokey) - 1;
     memset(ch, 0, sizeof(*ch));
     EVP_PKEY_CTX *pc = EVP_PKEY_CTX_new_id(EVP_PKEY_HKDF, NULL);
-    bool ok = pc && EVP_PKEY_derive_init(pc) > 0 && EVP_PKEY_CTX_set_hkdf_md(pc, EVP_sha256()) > 0 &&
+    bool ok = pc && EVP_PKEY_derive_init(pc) > 0 &&
+              EVP_PKEY_CTX_set_hkdf_md(pc, EVP_sha256()) > 0 &&
               EVP_PKEY_CTX_set1_hkdf_salt(pc, salt, (int)sizeof(salt)) > 0 &&
               EVP_PKEY_CTX_set1_hkdf_key(pc, ikm, (int)ikm_len) > 0 &&
               EVP_PKEY_CTX_add1_hkdf_info(pc, info, (int)sizeof(info)) > 0 &&
@@ -137,13 +139,13 @@ kvc_status_t kvc_chan_seal(kvc_chan_t *ch, kvc_buf_t *out, uint16_t version, con
     chan_iv(ch->seq_tx, iv);
     int n = 0, fin = 0;
     EVP_CIPHER_CTX *cx = EVP_CIPHER_CTX_new();
-    bool ok = cx && len <= INT32_MAX &&
-              EVP_EncryptInit_ex(cx, EVP_aes_256_gcm(), NULL, ch->tx, iv) == 1 &&
-              EVP_EncryptUpdate(cx, NULL, &n, out->p + start, KVC_WIRE_HDR_LEN) == 1 &&
-              EVP_EncryptUpdate(cx, out->p + body, &n, msg, (int)len) == 1 && (size_t)n == len &&
-              EVP_EncryptFinal_ex(cx, out->p + body + n, &fin) == 1 && fin == 0 &&
-              EVP_CIPHER_CTX_ctrl(cx, EVP_CTRL_GCM_GET_TAG, KVC_CHAN_TAG_LEN,
-                                  out->p + body + len) == 1;
+    bool ok =
+        cx && len <= INT32_MAX &&
+        EVP_EncryptInit_ex(cx, EVP_aes_256_gcm(), NULL, ch->tx, iv) == 1 &&
+        EVP_EncryptUpdate(cx, NULL, &n, out->p + start, KVC_WIRE_HDR_LEN) == 1 &&
+        EVP_EncryptUpdate(cx, out->p + body, &n, msg, (int)len) == 1 && (size_t)n == len &&
+        EVP_EncryptFinal_ex(cx, out->p + body + n, &fin) == 1 && fin == 0 &&
+        EVP_CIPHER_CTX_ctrl(cx, EVP_CTRL_GCM_GET_TAG, KVC_CHAN_TAG_LEN, out->p + body + len) == 1;
     EVP_CIPHER_CTX_free(cx);
     if (!ok) {
         out->failed = true;

@@ -234,9 +234,9 @@ typedef struct {
 } kvc_chan_t;
 /* producer: tx is the producer-to-consumer key.  KVC_ERR_IO if OpenSSL
  * fails (ch not ready). */
-KVC_HIDDEN kvc_status_t kvc_chan_init(kvc_chan_t *ch, const kvc_agent_t *a,
-                                      const uint8_t *nonce_c, const uint8_t *nonce_p,
-                                      const uint8_t mac_c[KVC_MAC_LEN], bool producer);
+KVC_HIDDEN kvc_status_t kvc_chan_init(kvc_chan_t *ch, const kvc_agent_t *a, const uint8_t *nonce_c,
+                                      const uint8_t *nonce_p, const uint8_t mac_c[KVC_MAC_LEN],
+                                      bool producer);
 /* Wipes the keys. */
 KVC_HIDDEN void kvc_chan_cleanup(kvc_chan_t *ch);
 /* Appends the SEALED message carrying `msg` (one whole inner message) to

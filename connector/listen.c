@@ -43,12 +43,12 @@ struct kvc_sconn {
     kvc_buf_t out;
     size_t out_off;
     uint64_t deadline_ns, accepted_ns;
-    char addr[64]; /* the client's address, for limits and logs */
+    char addr[64];  /* the client's address, for limits and logs */
     bool same_host; /* the client connected from this host (loopback or our own address) */
     uint8_t nonce_c[KVC_NONCE_LEN], nonce_p[KVC_NONCE_LEN];
     kvc_chan_t chan; /* after AUTH */
-    char *cons_id; /* owned: the consumer's engine id from its HELLO */
-    bool dead;     /* closed; freed by kvc_sconns_reap (events may still name it) */
+    char *cons_id;   /* owned: the consumer's engine id from its HELLO */
+    bool dead;       /* closed; freed by kvc_sconns_reap (events may still name it) */
 };
 
 kvc_status_t kvc_resolve(const char *host, uint16_t port, struct sockaddr_storage *ss,
@@ -361,8 +361,8 @@ static void on_auth(kvc_agent_t *a, kvc_sconn_t *c, const uint8_t *body, size_t 
         local &= a->regions[i].pool ||
                  (a->regions[i].mem_type == KVC_MEM_CUDA && !a->regions[i].staged && a->rma);
     local &= c->same_host;
-    bool rkeys = (proto == KVC_PROTO_AUTO && local) ||
-                 (proto == KVC_PROTO_GET && (local || a->rma));
+    bool rkeys =
+        (proto == KVC_PROTO_AUTO && local) || (proto == KVC_PROTO_GET && (local || a->rma));
     const kvc_buf_t *hs = rkeys ? &a->hs_msg : &a->hs_msg_nokeys;
     /* The reply, MACed as in version 2, then sealed: a relay that passed the
      * exchange through learns neither the worker address nor the rkeys. */

@@ -81,8 +81,8 @@ void kvc_notify_handle(kvc_agent_t *a, const uint8_t *p, size_t len) {
     if (!kvc_mac_equal(token, pub->token, KVC_TOKEN_LEN)) {
         a->stats[KVC_STAT_DENIED]++;
         if (kvc_log_ratelimit(a, KVC_RL_DENIED))
-            KVC_LOG(a, KVC_LOG_WARN, "notify: wrong token for req=%.*s%s, ignored", shown,
-                    pub->id, shown < (int)id.len ? "..." : "");
+            KVC_LOG(a, KVC_LOG_WARN, "notify: wrong token for req=%.*s%s, ignored", shown, pub->id,
+                    shown < (int)id.len ? "..." : "");
         return;
     }
     if (pub->consumers == 0) {

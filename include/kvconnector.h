@@ -488,7 +488,7 @@ typedef enum {
     KVC_STAT_PUBLISHED = 0,
     KVC_STAT_RELEASED = 1,
     KVC_STAT_EXPIRED = 2,
-    KVC_STAT_UNKNOWN_NOTIFY = 3,       /**< notifications for ids not published now */
+    KVC_STAT_UNKNOWN_NOTIFY = 3, /**< notifications for ids not published now */
     KVC_STAT_FETCH_DONE = 4,
     KVC_STAT_FETCH_FAILED = 5,
     KVC_STAT_BYTES_FETCHED = 6,

@@ -48,7 +48,8 @@ static void seal_roundtrip(const uint8_t *d, size_t len) {
     }
     uint8_t *msg = NULL;
     size_t n = 0;
-    if (kvc_chan_open(&c, b.p, b.len, &msg, &n) != KVC_OK || n != len || (len && memcmp(msg, d, len)))
+    if (kvc_chan_open(&c, b.p, b.len, &msg, &n) != KVC_OK || n != len ||
+        (len && memcmp(msg, d, len)))
         abort();
     free(msg);
     size_t at = len ? d[0] % b.len : b.len - 1;
@@ -117,10 +118,11 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     memcpy(buf, data, size);
     chans_init();
     kvc_wire_hdr_t h;
-    if (kvc_wire_parse_hdr(buf, size, KVC_WIRE_MAX_BODY, &h) == KVC_OK && h.type == KVC_MSG_SEALED &&
-        size >= KVC_WIRE_HDR_LEN + (size_t)h.body_len)
+    if (kvc_wire_parse_hdr(buf, size, KVC_WIRE_MAX_BODY, &h) == KVC_OK &&
+        h.type == KVC_MSG_SEALED && size >= KVC_WIRE_HDR_LEN + (size_t)h.body_len)
         sealed_in(buf, KVC_WIRE_HDR_LEN + (size_t)h.body_len);
-    if (size >= KVC_WIRE_HDR_LEN && size <= 65536) seal_roundtrip(buf, size); /* a message or more */
+    if (size >= KVC_WIRE_HDR_LEN && size <= 65536)
+        seal_roundtrip(buf, size); /* a message or more */
     if (kvc_wire_parse_hdr(buf, size, KVC_WIRE_MAX_BODY, &h) == KVC_OK &&
         size >= KVC_WIRE_HDR_LEN + (size_t)h.body_len) {
         /* the body alone, in its own exact-size buffer */
