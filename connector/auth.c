@@ -189,6 +189,29 @@ kvc_status_t kvc_chan_open(kvc_chan_t *ch, const uint8_t *rec, size_t rec_len, u
     return KVC_OK;
 }
 
+static uint64_t id_hash(const char *id, size_t len) {
+    uint64_t h = 1469598103934665603ull; /* FNV-1a: the token is what proves anything */
+    for (size_t i = 0; i < len; i++)
+        h = (h ^ (uint8_t)id[i]) * 1099511628211ull;
+    return h;
+}
+
+void kvc_token_remember(kvc_agent_t *a, const char *id, const uint8_t *token) {
+    kvc_gone_t *g = &a->gone[a->gone_next++ % KVC_NOTIFY_GONE];
+    g->id_hash = id_hash(id, strlen(id));
+    memcpy(g->token, token, KVC_TOKEN_LEN);
+    g->used = false;
+}
+
+kvc_gone_t *kvc_token_recall(kvc_agent_t *a, kvc_span_t id, const uint8_t *token) {
+    uint64_t h = id_hash((const char *)id.p, id.len);
+    size_t n = a->gone_next < KVC_NOTIFY_GONE ? a->gone_next : KVC_NOTIFY_GONE;
+    for (size_t i = 0; i < n; i++)
+        if (a->gone[i].id_hash == h && kvc_mac_equal(a->gone[i].token, token, KVC_TOKEN_LEN))
+            return &a->gone[i];
+    return NULL;
+}
+
 /* Reads a secret file: at most KVC_MAX_SECRET bytes, trailing newline
  * (and CR) stripped. */
 static kvc_status_t read_secret_file(kvc_agent_t *a, const char *path) {

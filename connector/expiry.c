@@ -40,7 +40,7 @@ void kvc_expiry_run(kvc_agent_t *a, uint64_t now, uint64_t *next) {
                 p->n);
         kvc_event_push(a, KVC_EV_EXPIRED, KVC_ERR_TIMED_OUT, 0, p->user_data, p->id, p->blocks,
                        p->n, 0, "not claimed before expiry");
-        kvc_notify_remember(a, p);
+        kvc_token_remember(a, p->id, p->token);
         kvc_pub_free(p);
     }
     if (p && p->deadline_ns < *next) *next = p->deadline_ns;

@@ -250,6 +250,22 @@ KVC_HIDDEN kvc_status_t kvc_chan_seal(kvc_chan_t *ch, kvc_buf_t *out, uint16_t v
  * or too short.  KVC_ERR_NO_MEMORY. */
 KVC_HIDDEN kvc_status_t kvc_chan_open(kvc_chan_t *ch, const uint8_t *rec, size_t rec_len,
                                       uint8_t **msg, size_t *len);
+/* A publication that ended (released or expired), remembered so that a
+ * late notification with its token is told apart from an invented one
+ * (auth.c keeps them, notify.c asks).  A fixed ring: memory does not grow with notifications. */
+#define KVC_NOTIFY_GONE 1024
+typedef struct {
+    uint64_t id_hash;
+    uint8_t token[KVC_TOKEN_LEN];
+    bool used; /* its one KVC_EV_UNKNOWN_NOTIFY was raised */
+} kvc_gone_t;
+
+/* Remembers the token of a publication that ended (released, expired) in
+ * a->gone, for late notifications (notify.c). */
+KVC_HIDDEN void kvc_token_remember(kvc_agent_t *a, const char *id, const uint8_t *token);
+/* The remembered publication with that id and token (constant-time token
+ * compare), or NULL. */
+KVC_HIDDEN kvc_gone_t *kvc_token_recall(kvc_agent_t *a, kvc_span_t id, const uint8_t *token);
 /* Fills a->secret from the params or KVC_SECRET_FILE / KVC_SECRET. */
 KVC_HIDDEN kvc_status_t kvc_secret_init(kvc_agent_t *a, const kvc_agent_params_t *p);
 /* Rate-limited warning: at most a few lines per second per kind. */
@@ -375,16 +391,6 @@ typedef struct {
     size_t nbuckets, count;
     kvc_pub_t *ehead, *etail;
 } kvc_pubtab_t;
-
-/* A publication that ended (released or expired), remembered so that a
- * late notification with its token is told apart from an invented one
- * (notify.c).  A fixed ring: memory does not grow with notifications. */
-#define KVC_NOTIFY_GONE 1024
-typedef struct {
-    uint64_t id_hash;
-    uint8_t token[KVC_TOKEN_LEN];
-    bool used; /* its one KVC_EV_UNKNOWN_NOTIFY was raised */
-} kvc_gone_t;
 
 typedef struct kvc_sconn kvc_sconn_t;
 typedef struct kvc_peer kvc_peer_t;
@@ -582,8 +588,6 @@ KVC_HIDDEN void kvc_xfers_fail_peer(kvc_agent_t *a, kvc_peer_t *p, kvc_status_t 
 
 /* ------------------------------------------------------- notify.c -- */
 KVC_HIDDEN kvc_status_t kvc_notify_register_am(kvc_agent_t *a);
-/* Remembers that p ended (released, expired), for late notifications. */
-KVC_HIDDEN void kvc_notify_remember(kvc_agent_t *a, const kvc_pub_t *p);
 /* Handles one notification's bytes (producer side). */
 KVC_HIDDEN void kvc_notify_handle(kvc_agent_t *a, const uint8_t *p, size_t len);
 KVC_HIDDEN kvc_status_t kvc_notify_send(kvc_agent_t *a, ucp_ep_h ep, const kvc_buf_t *msg,

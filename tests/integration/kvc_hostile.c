@@ -27,6 +27,11 @@
  *       a raw UCX peer: one active message AM_ID of BYTES zero bytes (eager,
  *       or rendezvous), then it leaves without closing its endpoint
  *       -> "RAW status=<UCX status of the send>"
+ *       KVC_HOSTILE_CLOSE: it leaves in order (endpoint closed, worker
+ *       destroyed); KVC_HOSTILE_FAST: it leaves before the send or UCX's
+ *       wire-up completed (UCX 1.13 may then abort the producer: SECURITY.md)
+ * With KVC_HOSTILE_ERR_PEER its endpoint asks for peer-failure handling, as
+ * the library's own endpoints do.
  *   kvc_hostile consumer PORT keys
  *       authenticates asking for one-sided reads and prints what the
  *       handshake unlocked, hex, for a relay test to look for in the bytes
