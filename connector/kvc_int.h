@@ -20,9 +20,10 @@ KVC_HIDDEN char *kvc_strndup(const char *s, size_t n);
 /* Side-channel messages: 12-byte header (magic, version, type, body length),
  * then a body.  Integers little-endian.  See wire.c for the body layouts.
  * Version 2: authenticated handshake, tokens on pulls and notifications.
- * Version 3: one-sided reads bracketed by HOLD/UNHOLD pulls; the consumer's
- * TP size in every pull; a producer that cannot serve a GET consumer says
- * so in an ERROR (KVC_ERR_UNSUPPORTED) instead of handing out rkeys. */
+ * Version 3: after AUTH, messages travel sealed (KVC_MSG_SEALED, auth.c);
+ * one-sided reads bracketed by HOLD/UNHOLD pulls; the consumer's TP size in
+ * every pull; a producer that cannot serve a GET consumer says so in an
+ * ERROR (KVC_ERR_UNSUPPORTED) instead of handing out rkeys. */
 #define KVC_WIRE_MAGIC 0x4843564bu /* "KVCH" on the wire */
 #define KVC_WIRE_VERSION 3
 #define KVC_WIRE_HDR_LEN 12
@@ -44,6 +45,7 @@ enum {
     KVC_MSG_CHALLENGE = 3, /* producer -> consumer */
     KVC_MSG_AUTH = 4,      /* consumer -> producer */
     KVC_MSG_ERROR = 5,     /* producer -> consumer, then close */
+    KVC_MSG_SEALED = 6,    /* either way after AUTH: one message, encrypted (auth.c) */
 };
 
 /* HELLO/CHALLENGE flags. */
@@ -224,6 +226,55 @@ KVC_HIDDEN void kvc_mac_producer(const kvc_agent_t *a, const uint8_t *nonce_c,
                                  uint8_t out[KVC_MAC_LEN]);
 /* Constant time. */
 KVC_HIDDEN bool kvc_mac_equal(const uint8_t *x, const uint8_t *y, size_t n);
+/* The side channel after AUTH.  Both sides derive two keys (one per
+ * direction) with HKDF-SHA-256: key material the secret, salt
+ * nonce_c | nonce_p, info "kvc3 channel" | mac_c (the consumer's AUTH MAC,
+ * which binds both engine ids and the protocol).  Each message is sealed
+ * with AES-256-GCM under its direction's key; the nonce is 4 zero bytes and
+ * the direction's message count (u64 LE), so no nonce repeats under a key;
+ * the outer header is the associated data.  A SEALED body is the whole inner
+ * message (header and body) encrypted, then the 16-byte tag. */
+#define KVC_CHAN_KEY_LEN 32
+#define KVC_CHAN_TAG_LEN 16
+typedef struct {
+    uint8_t tx[KVC_CHAN_KEY_LEN], rx[KVC_CHAN_KEY_LEN];
+    uint64_t seq_tx, seq_rx;
+    bool ready;
+} kvc_chan_t;
+/* producer: tx is the producer-to-consumer key.  KVC_ERR_IO if OpenSSL
+ * fails (ch not ready). */
+KVC_HIDDEN kvc_status_t kvc_chan_init(kvc_chan_t *ch, const kvc_agent_t *a, const uint8_t *nonce_c,
+                                      const uint8_t *nonce_p, const uint8_t mac_c[KVC_MAC_LEN],
+                                      bool producer);
+/* Wipes the keys. */
+KVC_HIDDEN void kvc_chan_cleanup(kvc_chan_t *ch);
+/* Appends the SEALED message carrying `msg` (one whole inner message) to
+ * out.  KVC_ERR_IO (out->failed set) on failure. */
+KVC_HIDDEN kvc_status_t kvc_chan_seal(kvc_chan_t *ch, kvc_buf_t *out, uint16_t version,
+                                      const uint8_t *msg, size_t len);
+/* Opens one whole SEALED message `rec` (header included).  KVC_OK: *msg
+ * (malloc'ed, the caller cleanses and frees it) holds the inner message.
+ * KVC_ERR_AUTH: the tag does not verify (changed in transit, another key):
+ * the caller closes the connection.  KVC_ERR_PROTOCOL: not a SEALED message
+ * or too short.  KVC_ERR_NO_MEMORY. */
+KVC_HIDDEN kvc_status_t kvc_chan_open(kvc_chan_t *ch, const uint8_t *rec, size_t rec_len,
+                                      uint8_t **msg, size_t *len);
+/* A publication that ended (released or expired), remembered so that a
+ * late notification with its token is told apart from an invented one
+ * (auth.c keeps them, notify.c asks).  A fixed ring: memory does not grow with notifications. */
+#define KVC_NOTIFY_GONE 1024
+typedef struct {
+    uint64_t id_hash;
+    uint8_t token[KVC_TOKEN_LEN];
+    bool used; /* its one KVC_EV_UNKNOWN_NOTIFY was raised */
+} kvc_gone_t;
+
+/* Remembers the token of a publication that ended (released, expired) in
+ * a->gone, for late notifications (notify.c). */
+KVC_HIDDEN void kvc_token_remember(kvc_agent_t *a, const char *id, const uint8_t *token);
+/* The remembered publication with that id and token (constant-time token
+ * compare), or NULL. */
+KVC_HIDDEN kvc_gone_t *kvc_token_recall(kvc_agent_t *a, kvc_span_t id, const uint8_t *token);
 /* Fills a->secret from the params or KVC_SECRET_FILE / KVC_SECRET. */
 KVC_HIDDEN kvc_status_t kvc_secret_init(kvc_agent_t *a, const kvc_agent_params_t *p);
 /* Rate-limited warning: at most a few lines per second per kind. */
@@ -419,6 +470,8 @@ struct kvc_agent {
     bool cuda_direct;        /* a region is registered as device memory */
 
     kvc_pubtab_t pubs;
+    kvc_gone_t gone[KVC_NOTIFY_GONE]; /* ring, notify.c */
+    size_t gone_next;
     kvc_sconn_t *sconns;
     kvc_sconn_t *sconns_dead; /* closed, freed at the end of progress */
     kvc_peer_t *peers;        /* cache of handshaken/connecting producers */
@@ -544,6 +597,7 @@ struct kvc_peer {
     void *close_req; /* ucp_ep_close_nbx in progress */
     uint64_t nonce, num_blocks;
     uint8_t nonce_c[KVC_NONCE_LEN], nonce_p[KVC_NONCE_LEN];
+    kvc_chan_t chan; /* keys of the sealed channel, from AUTH on */
     uint32_t n_regions;
     struct kvc_peer_region *rr; /* owned */
     kvc_proto_t proto;

@@ -1,14 +1,17 @@
 /* The producer side of the side channel: a TCP listener that authenticates
  * each consumer (HELLO, CHALLENGE, AUTH: HMAC-SHA-256 over both nonces with
  * the cluster secret) and only then answers with this agent's handshake
- * (worker address, region table, rkeys when the consumer will read
- * one-sided), itself MACed.  The consumer side is peer.c.
+ * (worker address, region table, rkeys when the consumer can read
+ * one-sided), itself MACed, sealed with a key derived from the secret and
+ * both nonces (auth.c), so that a relay learns none of it.  The consumer
+ * side is peer.c.
  *
  * The producer never connects back to an address a consumer claims: it
  * answers pulls on the endpoint the consumer opened (UCX reply endpoint).
  * A malformed, oversized or slow side-channel client is closed on its own;
- * handshakes in progress are bounded per source address and in all, and the
- * oldest client that has not even sent a HELLO gives way to a new one. */
+ * handshakes in progress are bounded per source address and in all, and an
+ * unauthenticated client of the address holding the most slots gives way to
+ * a new one (sconn_make_room). */
 #include "connector/kvc_int.h"
 
 #include <arpa/inet.h>
@@ -17,6 +20,7 @@
 #include <netdb.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
+#include <openssl/crypto.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -39,10 +43,12 @@ struct kvc_sconn {
     kvc_buf_t out;
     size_t out_off;
     uint64_t deadline_ns, accepted_ns;
-    char addr[64]; /* the client's address, for limits and logs */
+    char addr[64];  /* the client's address, for limits and logs */
+    bool same_host; /* the client connected from this host (loopback or our own address) */
     uint8_t nonce_c[KVC_NONCE_LEN], nonce_p[KVC_NONCE_LEN];
-    char *cons_id; /* owned: the consumer's engine id from its HELLO */
-    bool dead;     /* closed; freed by kvc_sconns_reap (events may still name it) */
+    kvc_chan_t chan; /* after AUTH */
+    char *cons_id;   /* owned: the consumer's engine id from its HELLO */
+    bool dead;       /* closed; freed by kvc_sconns_reap (events may still name it) */
 };
 
 kvc_status_t kvc_resolve(const char *host, uint16_t port, struct sockaddr_storage *ss,
@@ -110,6 +116,7 @@ static void sconn_close(kvc_agent_t *a, kvc_sconn_t *c) {
     free(c->cons_id);
     c->cons_id = NULL;
     kvc_buf_cleanup(&c->out);
+    kvc_chan_cleanup(&c->chan);
     c->dead = true;
     c->next = a->sconns_dead;
     a->sconns_dead = c;
@@ -138,9 +145,45 @@ static void addr_text(const struct sockaddr_storage *ss, char *out, size_t n) {
     if (!inet_ntop(ss->ss_family, ip, out, (socklen_t)n)) snprintf(out, n, "?");
 }
 
-/* Makes room for one more handshake from `addr`: true if there is room, or
- * if the oldest client that has not completed a HELLO (of that address when the
- * per-address limit is what is hit) was closed for it. */
+/* Whether a client is on this host: it came over loopback, or from the very
+ * address it reached us on.  Only then can it map a shared-memory pool or
+ * open a cuda_ipc handle, so only then is it sent rkeys for them. */
+static bool same_host(int fd, const struct sockaddr_storage *peer) {
+    struct sockaddr_storage me;
+    socklen_t ml = sizeof(me);
+    if (peer->ss_family == AF_INET) {
+        const struct sockaddr_in *p4 = (const struct sockaddr_in *)peer;
+        if ((ntohl(p4->sin_addr.s_addr) >> 24) == 127) return true;
+        if (getsockname(fd, (struct sockaddr *)&me, &ml) || me.ss_family != AF_INET) return false;
+        return p4->sin_addr.s_addr == ((const struct sockaddr_in *)&me)->sin_addr.s_addr;
+    }
+    if (peer->ss_family == AF_INET6) {
+        const struct sockaddr_in6 *p6 = (const struct sockaddr_in6 *)peer;
+        if (IN6_IS_ADDR_LOOPBACK(&p6->sin6_addr)) return true;
+        if (IN6_IS_ADDR_V4MAPPED(&p6->sin6_addr) && p6->sin6_addr.s6_addr[12] == 127) return true;
+        if (getsockname(fd, (struct sockaddr *)&me, &ml) || me.ss_family != AF_INET6) return false;
+        return !memcmp(&p6->sin6_addr, &((const struct sockaddr_in6 *)&me)->sin6_addr,
+                       sizeof(p6->sin6_addr));
+    }
+    return false;
+}
+
+static size_t addr_count(const kvc_agent_t *a, const char *addr) {
+    size_t n = 0;
+    for (const kvc_sconn_t *o = a->sconns; o; o = o->next)
+        n += !strcmp(o->addr, addr);
+    return n;
+}
+
+/* Makes room for one more handshake from `addr`; false: refuse it.
+ * Every address may hold a quarter of the slots, whatever the state of its
+ * connections.  A connection that has not authenticated (no HELLO yet, or a
+ * CHALLENGE it has not answered) gives way: over the per-address limit, the
+ * one of that address with the earliest deadline; when the table is full,
+ * the one with the earliest deadline among the addresses that hold the most
+ * slots, so an address with fewer connections than another never loses one
+ * to a flood.  Authenticated connections (sending their handshake) are only
+ * closed by their deadline.  O(n^2) in the worst case, only when full. */
 static bool sconn_make_room(kvc_agent_t *a, const char *addr) {
     size_t total = 0, same = 0;
     uint32_t per = a->max_handshakes / 4 < 4 ? 4 : a->max_handshakes / 4;
@@ -151,12 +194,23 @@ static bool sconn_make_room(kvc_agent_t *a, const char *addr) {
     bool by_addr = same >= per;
     if (total < a->max_handshakes && !by_addr) return true;
     kvc_sconn_t *victim = NULL;
-    for (kvc_sconn_t *o = a->sconns; o; o = o->next)
-        if (o->state == SC_HELLO && (!by_addr || !strcmp(o->addr, addr)) &&
-            (!victim || o->accepted_ns < victim->accepted_ns))
+    size_t vcount = 0;
+    for (kvc_sconn_t *o = a->sconns; o; o = o->next) {
+        if (o->state == SC_CLOSING) continue;
+        if (by_addr) {
+            if (strcmp(o->addr, addr)) continue;
+            if (!victim || o->deadline_ns < victim->deadline_ns) victim = o;
+            continue;
+        }
+        size_t n = victim && !strcmp(o->addr, victim->addr) ? vcount : addr_count(a, o->addr);
+        if (!victim || n > vcount || (n == vcount && o->deadline_ns < victim->deadline_ns)) {
             victim = o;
-    if (!victim) return false;
-    sconn_drop(a, victim, "idle handshake evicted for a new one");
+            vcount = n;
+        }
+    }
+    /* Never evict for a newcomer whose address would then hold more. */
+    if (!victim || (!by_addr && vcount <= same)) return false;
+    sconn_drop(a, victim, "unauthenticated handshake evicted for a new one");
     return true;
 }
 
@@ -193,6 +247,7 @@ void kvc_listen_accept(kvc_agent_t *a) {
         c->pe = (kvc_pollent_t){PE_SCONN, c};
         c->state = SC_HELLO;
         memcpy(c->addr, addr, sizeof(addr));
+        c->same_host = same_host(fd, &ss);
         c->accepted_ns = kvc_now_ns();
         c->deadline_ns = c->accepted_ns + (uint64_t)a->connect_timeout_ms * 1000000ull;
         if (kvc_ep_add(a, fd, EPOLLIN | EPOLLRDHUP, &c->pe) != KVC_OK) {
@@ -296,39 +351,48 @@ static void on_auth(kvc_agent_t *a, kvc_sconn_t *c, const uint8_t *body, size_t 
         sconn_refuse(a, c, KVC_ERR_AUTH, "authentication failed: different cluster secret");
         return;
     }
-    /* A consumer that insists on one-sided reads of memory this producer
-     * cannot serve that way (neither a pool nor RMA in its UCX context) would
-     * wait for gets that never complete: it is told so at once instead. */
-    bool all_pools = a->n_regions > 0;
+    /* rkeys only for a consumer that can use them: on this host when every
+     * region is a shared-memory pool or device memory registered directly
+     * (mapped here, cuda_ipc); on another host only for a consumer that
+     * asked for gets from a producer with UCX's RMA (RDMA), never for an
+     * automatic one.  path.c picks push for everyone else. */
+    bool local = a->n_regions > 0;
     for (size_t i = 0; i < a->n_regions; i++)
-        all_pools &= a->regions[i].pool;
-    if (proto == KVC_PROTO_GET && !a->rma && !all_pools) {
-        sconn_refuse(a, c, KVC_ERR_UNSUPPORTED,
-                     "this producer serves no one-sided GET (its regions are not connector "
-                     "pools and its UCX context has no RMA): use proto auto or push");
-        return;
-    }
-    /* rkeys only for a consumer that may read one-sided: it asked for GET,
-     * or AUTO with every region a pool (mappable on one host) or device
-     * memory registered directly (cuda_ipc, RDMA: path.c decides). */
-    bool pools = a->n_regions > 0;
-    for (size_t i = 0; i < a->n_regions; i++)
-        pools &= a->regions[i].pool ||
+        local &= a->regions[i].pool ||
                  (a->regions[i].mem_type == KVC_MEM_CUDA && !a->regions[i].staged && a->rma);
-    bool rkeys = proto == KVC_PROTO_GET || (proto == KVC_PROTO_AUTO && pools);
-    const kvc_buf_t *hs = rkeys ? &a->hs_msg : &a->hs_msg_nokeys;
-    size_t start = c->out.len;
-    kvc_buf_put(&c->out, hs->p, hs->len);
-    uint8_t m[KVC_MAC_LEN];
-    if (!c->out.failed)
-        kvc_mac_producer(a, c->nonce_c, c->nonce_p, c->out.p + start + KVC_WIRE_HDR_LEN,
-                         hs->len - KVC_WIRE_HDR_LEN, m);
-    kvc_buf_put(&c->out, m, KVC_MAC_LEN);
-    kvc_wire_end_msg(&c->out, start);
-    if (c->out.failed) {
-        sconn_close(a, c);
+    local &= c->same_host;
+    bool rkeys =
+        (proto == KVC_PROTO_AUTO && local) || (proto == KVC_PROTO_GET && (local || a->rma));
+    /* A consumer that insists on one-sided reads it would not be given keys
+     * for (no pool or direct region it can map here, no RMA for another
+     * host) would wait for gets that never complete: it is told so at once. */
+    if (proto == KVC_PROTO_GET && !rkeys) {
+        sconn_refuse(a, c, KVC_ERR_UNSUPPORTED,
+                     "this producer serves this consumer no one-sided GET (its regions are not "
+                     "connector pools on this host and its UCX context has no RMA): use proto "
+                     "auto or push");
         return;
     }
+    const kvc_buf_t *hs = rkeys ? &a->hs_msg : &a->hs_msg_nokeys;
+    /* The reply, MACed as in version 2, then sealed: a relay that passed the
+     * exchange through learns neither the worker address nor the rkeys. */
+    kvc_buf_t plain = {0};
+    kvc_buf_put(&plain, hs->p, hs->len);
+    uint8_t m[KVC_MAC_LEN];
+    if (!plain.failed)
+        kvc_mac_producer(a, c->nonce_c, c->nonce_p, plain.p + KVC_WIRE_HDR_LEN,
+                         hs->len - KVC_WIRE_HDR_LEN, m);
+    kvc_buf_put(&plain, m, KVC_MAC_LEN);
+    kvc_wire_end_msg(&plain, 0);
+    if (plain.failed || kvc_chan_init(&c->chan, a, c->nonce_c, c->nonce_p, mac, true) != KVC_OK ||
+        kvc_chan_seal(&c->chan, &c->out, a->wire_version, plain.p, plain.len) != KVC_OK) {
+        if (plain.p) OPENSSL_cleanse(plain.p, plain.len);
+        kvc_buf_cleanup(&plain);
+        sconn_drop(a, c, "cannot seal the handshake (out of memory or OpenSSL)");
+        return;
+    }
+    OPENSSL_cleanse(plain.p, plain.len);
+    kvc_buf_cleanup(&plain);
     KVC_LOG(a, KVC_LOG_DEBUG, "side channel: engine %s at %s authenticated, rkeys=%d", c->cons_id,
             c->addr, (int)rkeys);
     c->state = SC_CLOSING;

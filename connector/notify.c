@@ -1,14 +1,21 @@
 /* Notifications: the consumer tells the producer "<remote_request_id>:<tp>"
  * with the publication's token (an active message on the endpoint the data
  * used, after the data landed); the producer releases the request's blocks
- * once the expected number of consumers has notified (heterogeneous TP), or
- * logs and counts an unknown or already-expired id.  A wrong token is never
- * acted on: counted (KVC_STAT_DENIED) and logged, rate-limited. */
+ * once the expected number of consumers has notified (heterogeneous TP).
+ * A notification for a publication that ended (released or expired) is
+ * recognised by its token among the last KVC_NOTIFY_GONE that ended and
+ * raises one KVC_EV_UNKNOWN_NOTIFY.  Anything else (an id never published
+ * or forgotten, a wrong token) is never acted on: counted (KVC_STAT_DENIED)
+ * and logged, at most ten lines a second, with no event and no memory kept,
+ * so a flood of them costs the producer nothing that grows. */
 #include "connector/kvc_int.h"
 
 #include <string.h>
 
 enum { KVC_AM_NOTIFY = 23 };
+
+/* Longest part of a request id a log line shows. */
+#define LOG_ID_MAX 128
 
 void kvc_notify_handle(kvc_agent_t *a, const uint8_t *p, size_t len) {
     kvc_span_t id;
@@ -21,21 +28,37 @@ void kvc_notify_handle(kvc_agent_t *a, const uint8_t *p, size_t len) {
         return;
     }
     kvc_pub_t *pub = kvc_pubtab_find(&a->pubs, (const char *)id.p, id.len);
+    int shown = id.len > LOG_ID_MAX ? LOG_ID_MAX : (int)id.len;
     if (!pub) {
         a->stats[KVC_STAT_UNKNOWN_NOTIFY]++;
+        kvc_gone_t *g = kvc_token_recall(a, id, token);
+        if (!g) {
+            a->stats[KVC_STAT_DENIED]++;
+            if (kvc_log_ratelimit(a, KVC_RL_DENIED))
+                KVC_LOG(a, KVC_LOG_WARN,
+                        "notify: unknown request id req=%.*s%s without a token of this producer, "
+                        "refused",
+                        shown, (const char *)id.p, shown < (int)id.len ? "..." : "");
+            return;
+        }
+        if (kvc_log_ratelimit(a, KVC_RL_DENIED))
+            KVC_LOG(a, KVC_LOG_WARN,
+                    "notify: late notification for req=%.*s%s (released or expired)", shown,
+                    (const char *)id.p, shown < (int)id.len ? "..." : "");
+        if (g->used) return;
+        g->used = true;
         char *rid = kvc_strndup((const char *)id.p, id.len);
-        KVC_LOG(a, KVC_LOG_WARN, "notify: unrecognized request id req=%.*s (unknown or expired)",
-                (int)id.len, (const char *)id.p);
         if (rid)
             kvc_event_push(a, KVC_EV_UNKNOWN_NOTIFY, KVC_ERR_NOT_FOUND, 0, 0, rid, NULL, 0, 0,
-                           "notification for an unknown or expired request id");
+                           "notification for a released or expired request id");
         kvc_free(rid);
         return;
     }
     if (!kvc_mac_equal(token, pub->token, KVC_TOKEN_LEN)) {
         a->stats[KVC_STAT_DENIED]++;
         if (kvc_log_ratelimit(a, KVC_RL_DENIED))
-            KVC_LOG(a, KVC_LOG_WARN, "notify: wrong token for req=%s, ignored", pub->id);
+            KVC_LOG(a, KVC_LOG_WARN, "notify: wrong token for req=%.*s%s, ignored", shown, pub->id,
+                    shown < (int)id.len ? "..." : "");
         return;
     }
     if (pub->consumers == 0) {
@@ -60,7 +83,10 @@ static ucs_status_t notify_cb(void *arg, const void *header, size_t hlen, void *
     kvc_agent_t *a = arg;
     if (a->destroying) return UCS_OK;
     if (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) {
-        KVC_LOG(a, KVC_LOG_WARN, "notify: oversized notification (%zu bytes) refused", len);
+        /* Refused (the sender's request fails): a notification is small. */
+        a->stats[KVC_STAT_DENIED]++;
+        if (kvc_log_ratelimit(a, KVC_RL_DENIED))
+            KVC_LOG(a, KVC_LOG_WARN, "notify: oversized notification (%zu bytes) refused", len);
         return UCS_ERR_MESSAGE_TRUNCATED;
     }
     kvc_notify_handle(a, data, len);

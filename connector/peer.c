@@ -10,6 +10,7 @@
 #include <fcntl.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
+#include <openssl/crypto.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -59,6 +60,7 @@ static void peer_close_socket(kvc_agent_t *a, kvc_peer_t *p) {
     p->in = NULL;
     p->in_len = p->in_cap = 0;
     kvc_buf_cleanup(&p->out);
+    kvc_chan_cleanup(&p->chan);
 }
 
 /* Marks the peer dead; the fetches that depend on it fail on their next
@@ -480,8 +482,44 @@ static void on_challenge(kvc_agent_t *a, kvc_peer_t *p, const uint8_t *body, siz
         peer_fail(a, p, KVC_ERR_NO_MEMORY, "out of memory");
         return;
     }
+    if (kvc_chan_init(&p->chan, a, p->nonce_c, p->nonce_p, mac, false) != KVC_OK) {
+        peer_fail(a, p, KVC_ERR_IO, "cannot derive the side channel's keys (OpenSSL)");
+        return;
+    }
     p->state = PEER_AUTH;
     kvc_ep_mod(a, p->fd, EPOLLOUT | EPOLLIN | EPOLLRDHUP, &p->pe);
+}
+
+/* The producer's answer to AUTH, sealed: opened, then the handshake inside.
+ * A tag that does not verify means the bytes were changed on the way (or
+ * the producer holds another secret): the connection is closed. */
+static void on_sealed(kvc_agent_t *a, kvc_peer_t *p, const uint8_t *rec, size_t len) {
+    uint8_t *msg = NULL;
+    size_t mlen = 0;
+    kvc_status_t st = kvc_chan_open(&p->chan, rec, len, &msg, &mlen);
+    if (st == KVC_ERR_AUTH) {
+        a->stats[KVC_STAT_AUTH_FAILED]++;
+        peer_fail(a, p, KVC_ERR_AUTH,
+                  "authentication failed: the sealed handshake from %s:%u does not verify "
+                  "(changed in transit, or a different cluster secret); connection closed",
+                  p->host, p->port);
+        return;
+    }
+    if (st != KVC_OK) {
+        peer_fail(a, p, st == KVC_ERR_NO_MEMORY ? st : KVC_ERR_PROTOCOL,
+                  "cannot open the sealed handshake from %s:%u", p->host, p->port);
+        return;
+    }
+    kvc_wire_hdr_t h;
+    if (kvc_wire_parse_hdr(msg, mlen, KVC_WIRE_MAX_BODY, &h) != KVC_OK ||
+        h.version != a->wire_version || h.type != KVC_MSG_HANDSHAKE ||
+        mlen != KVC_WIRE_HDR_LEN + (size_t)h.body_len)
+        peer_fail(a, p, KVC_ERR_PROTOCOL, "the sealed message from %s:%u is not a handshake",
+                  p->host, p->port);
+    else
+        handshake_done(a, p, msg + KVC_WIRE_HDR_LEN, h.body_len);
+    OPENSSL_cleanse(msg, mlen);
+    free(msg);
 }
 
 /* The producer's ERROR: it refused us and closes. */
@@ -557,7 +595,8 @@ void kvc_peer_io(kvc_agent_t *a, kvc_peer_t *p, uint32_t events) {
                           a->engine_id, a->wire_version, p->host, p->port, h.version);
                 return;
             }
-            uint16_t expect = p->state == PEER_HELLO ? KVC_MSG_CHALLENGE : KVC_MSG_HANDSHAKE;
+            /* After AUTH only a sealed message (or a refusal) may come. */
+            uint16_t expect = p->state == PEER_HELLO ? KVC_MSG_CHALLENGE : KVC_MSG_SEALED;
             if (h.type != expect && h.type != KVC_MSG_ERROR) {
                 peer_fail(a, p, KVC_ERR_PROTOCOL, "unexpected message type %u from %s:%u", h.type,
                           p->host, p->port);
@@ -570,8 +609,8 @@ void kvc_peer_io(kvc_agent_t *a, kvc_peer_t *p, uint32_t events) {
                     on_error(a, p, body, h.body_len);
                     return;
                 }
-                if (h.type == KVC_MSG_HANDSHAKE) {
-                    handshake_done(a, p, body, h.body_len);
+                if (h.type == KVC_MSG_SEALED) {
+                    on_sealed(a, p, p->in, want);
                     return;
                 }
                 if (p->in_len != want) {

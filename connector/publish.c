@@ -271,6 +271,7 @@ static void drained(kvc_agent_t *a, kvc_pub_t *p) {
 void kvc_pub_release(kvc_agent_t *a, kvc_pub_t *p, kvc_event_type_t type, kvc_status_t st,
                      const char *msg) {
     kvc_pubtab_remove(&a->pubs, p);
+    kvc_token_remember(a, p->id, p->token); /* a late notification is told apart */
     p->rel_type = type;
     p->rel_status = st;
     p->rel_msg = msg;

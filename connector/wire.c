@@ -3,19 +3,24 @@
  * and unit tests exercise exactly what the agent runs.
  *
  * Header (12 bytes): u32 magic "KVCH", u16 version, u16 type, u32 body_len.
- * Side channel, in order (version 3; 2 had the same side channel but
- * another PULL):
+ * Side channel, in order (version 3; version 2 sent the HANDSHAKE in clear
+ * and had another PULL):
  *  C->P HELLO:     str16 engine_id, u8 flags (KVC_HFLAG_*), nonce_c[32]
  *  P->C CHALLENGE: str16 engine_id, u8 flags, nonce_p[32]
  *  C->P AUTH:      u8 proto, mac_c[32]
- *  P->C HANDSHAKE: str16 engine_id, u64 instance nonce, str16 layout,
+ *  P->C SEALED:    AES-256-GCM(the HANDSHAKE message below, whole: header
+ *                  and body), tag[16]; the SEALED header is the associated
+ *                  data (keys and nonces: auth.c)
+ *  inside it
+ *       HANDSHAKE: str16 engine_id, u64 instance nonce, str16 layout,
  *                  u32 tp_size, blob32 worker_address, u64 num_blocks,
  *                  u32 n_regions, n_regions * { u64 base, u64 len,
  *                  u64 block_len, u8 mem_type, u8 flags, blob32 rkey },
  *                  mac_p[32] (over everything before it)
  *  P->C ERROR:     i32 status, str16 message  (instead of CHALLENGE or
- *                  HANDSHAKE; the producer closes after it)
- * The MACs are computed in auth.c.
+ *                  SEALED, in clear; the producer closes after it)
+ * The MACs are computed in auth.c.  Version 2 sent the HANDSHAKE in clear;
+ * a peer speaking it is refused with both versions named.
  * PULL (AM data): u16 version, u16 flags (KVC_PULL_*), u32 n_runs, u64 xfer_id,
  *                 xfer_token[16], pub_token[16], u32 consumer tp (version 3),
  *                 str16 request_id, n_runs * { u64 remote, u64 local, u64 count }

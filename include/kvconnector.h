@@ -139,7 +139,9 @@
  * ----------------------
  * Peers authenticate each other on the side channel with a shared cluster
  * secret (HMAC-SHA-256 challenge-response, nonces from both sides) before any
- * worker address or rkey leaves the producer.  Without a secret the agent
+ * worker address or rkey leaves the producer, and those then travel sealed
+ * (AES-256-GCM, keys from the secret and both nonces); what goes through UCX
+ * afterwards is not encrypted (SECURITY.md).  Without a secret the agent
  * works, logs a warning once and reports KVC_STAT_AUTHENTICATED = 0.  Each
  * publication carries a random 128-bit token (kv_transfer_params key
  * "remote_kv_token"); pulls and notifications must present it.  Memory is
@@ -193,7 +195,8 @@ typedef enum {
     KVC_ERR_NO_DEVICE = -15,   /**< CUDA built in but no usable device */
     KVC_ERR_STATE = -16,       /**< call not valid now (e.g. regions not registered) */
     KVC_ERR_AUTH = -17,        /**< side channel: the peer failed cluster authentication
-                                    (different secret, or a secret on one side only) */
+                                    (different secret, or a secret on one side only), or
+                                    the sealed handshake was changed in transit */
     KVC_ERR_DENIED = -18,      /**< producer refused a pull or a one-sided read: unknown,
                                     expired or released publication, or wrong token
                                     (see kvc_publish) */
@@ -494,7 +497,11 @@ typedef enum {
                                     no push or read uses the blocks: they are free */
     KVC_EV_EXPIRED = 4,        /**< producer: not claimed in time; no push or read
                                     uses the blocks: they are free */
-    KVC_EV_UNKNOWN_NOTIFY = 5, /**< producer: notification for an unknown id */
+    KVC_EV_UNKNOWN_NOTIFY = 5, /**< producer: a late notification, with its token,
+                                    for a publication that was already released or
+                                    expired (one event each, among the last 1024
+                                    that ended); other notifications for unknown
+                                    ids are refused (KVC_STAT_DENIED), no event */
 } kvc_event_type_t;
 
 typedef struct {
@@ -521,7 +528,7 @@ typedef enum {
     KVC_STAT_PUBLISHED = 0,
     KVC_STAT_RELEASED = 1,
     KVC_STAT_EXPIRED = 2,
-    KVC_STAT_UNKNOWN_NOTIFY = 3,
+    KVC_STAT_UNKNOWN_NOTIFY = 3, /**< notifications for ids not published now */
     KVC_STAT_FETCH_DONE = 4,
     KVC_STAT_FETCH_FAILED = 5,
     KVC_STAT_BYTES_FETCHED = 6,

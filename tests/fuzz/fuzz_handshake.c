@@ -1,6 +1,9 @@
 /* libFuzzer target: the side-channel messages libkvconnector parses from the
- * network — header, HELLO and CHALLENGE, AUTH, ERROR, HANDSHAKE — exactly as
- * listen.c and peer.c feed them, and the check of the handshake's MAC.  The input is
+ * network — header, HELLO and CHALLENGE, AUTH, ERROR, HANDSHAKE, SEALED —
+ * exactly as listen.c and peer.c feed them, the check of the handshake's MAC,
+ * and the sealed channel: a SEALED message from the network never opens
+ * without its key, and any input sealed opens to itself and to nothing once
+ * a byte is changed.  The input is
  * copied into an exact-size heap buffer so any overread trips ASan.  Seeds:
  * messages captured from real handshakes (tests/integration/kvc_hostile.c,
  * KVC_CAPTURE_DIR). */
@@ -8,6 +11,52 @@
 #include <string.h>
 
 #include "connector/kvc_int.h"
+
+/* Both ends of one channel, keyed once (fixed secret, nonces and MAC). */
+static kvc_chan_t chan_p, chan_c;
+
+static void chans_init(void) {
+    static bool done;
+    static struct kvc_agent a;
+    static const uint8_t nc[KVC_NONCE_LEN] = {1}, np[KVC_NONCE_LEN] = {2}, m[KVC_MAC_LEN] = {3};
+    if (done) return;
+    a.secret = (uint8_t *)"fuzz";
+    a.secret_len = 4;
+    if (kvc_chan_init(&chan_p, &a, nc, np, m, true) != KVC_OK ||
+        kvc_chan_init(&chan_c, &a, nc, np, m, false) != KVC_OK)
+        abort();
+    done = true;
+}
+
+/* A whole SEALED message from the network: opened as peer.c does. */
+static void sealed_in(const uint8_t *rec, size_t len) {
+    kvc_chan_t c = chan_c;
+    uint8_t *msg = NULL;
+    size_t n = 0;
+    if (kvc_chan_open(&c, rec, len, &msg, &n) == KVC_OK) free(msg); /* a forged tag: unlikely */
+}
+
+/* Seal the input (at least a header long, as every inner message is) as
+ * producer, open it as consumer: the same bytes; one
+ * bit changed anywhere: refused. */
+static void seal_roundtrip(const uint8_t *d, size_t len) {
+    kvc_chan_t p = chan_p, c = chan_c, c2 = chan_c;
+    kvc_buf_t b = {0};
+    if (kvc_chan_seal(&p, &b, KVC_WIRE_VERSION, d, len) != KVC_OK) {
+        kvc_buf_cleanup(&b);
+        return;
+    }
+    uint8_t *msg = NULL;
+    size_t n = 0;
+    if (kvc_chan_open(&c, b.p, b.len, &msg, &n) != KVC_OK || n != len ||
+        (len && memcmp(msg, d, len)))
+        abort();
+    free(msg);
+    size_t at = len ? d[0] % b.len : b.len - 1;
+    b.p[at] ^= 0x20;
+    if (kvc_chan_open(&c2, b.p, b.len, &msg, &n) == KVC_OK) abort();
+    kvc_buf_cleanup(&b);
+}
 
 static void body(uint16_t type, const uint8_t *b, size_t len) {
     switch (type) {
@@ -67,7 +116,13 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     uint8_t *buf = malloc(size ? size : 1);
     if (!buf) return 0;
     memcpy(buf, data, size);
+    chans_init();
     kvc_wire_hdr_t h;
+    if (kvc_wire_parse_hdr(buf, size, KVC_WIRE_MAX_BODY, &h) == KVC_OK &&
+        h.type == KVC_MSG_SEALED && size >= KVC_WIRE_HDR_LEN + (size_t)h.body_len)
+        sealed_in(buf, KVC_WIRE_HDR_LEN + (size_t)h.body_len);
+    if (size >= KVC_WIRE_HDR_LEN && size <= 65536)
+        seal_roundtrip(buf, size); /* a message or more */
     if (kvc_wire_parse_hdr(buf, size, KVC_WIRE_MAX_BODY, &h) == KVC_OK &&
         size >= KVC_WIRE_HDR_LEN + (size_t)h.body_len) {
         /* the body alone, in its own exact-size buffer */

@@ -19,8 +19,23 @@
  *       up to 3 s for an END or a refusal of each
  *       -> "PULL data=<DATA messages with bytes> refused=<first refusal or
  *          none> refusals=<n> ends=<n> rkeys=<regions with a key>"
+ *       With KVC_HOSTILE_LEAVE set it asks for rendezvous data, never takes
+ *       it, and leaves after 300 ms without closing anything.
  *   kvc_hostile consumer PORT notify REQ TOKEN TP
  *       -> "NOTIFY sent"
+ *   kvc_hostile consumer PORT raw AM_ID BYTES [rndv]
+ *       a raw UCX peer: one active message AM_ID of BYTES zero bytes (eager,
+ *       or rendezvous), then it leaves without closing its endpoint
+ *       -> "RAW status=<UCX status of the send>"
+ *       KVC_HOSTILE_CLOSE: it leaves in order (endpoint closed, worker
+ *       destroyed); KVC_HOSTILE_FAST: it leaves before the send or UCX's
+ *       wire-up completed (UCX 1.13 may then abort the producer: SECURITY.md)
+ * With KVC_HOSTILE_ERR_PEER its endpoint asks for peer-failure handling, as
+ * the library's own endpoints do.
+ *   kvc_hostile consumer PORT keys
+ *       authenticates asking for one-sided reads and prints what the
+ *       handshake unlocked, hex, for a relay test to look for in the bytes
+ *       it saw -> "KEYS addr=<worker address> rkeys=<rkey>,<rkey>,..."
  *   kvc_hostile producer MODE REGIONS BLOCKS BLOCK_LEN SEED
  *       a producer whose pushes misbehave: MODE is ok (well-behaved, data
  *       is the test peer's pattern for SEED), dup (first message twice, last
@@ -119,8 +134,9 @@ static kvc_wire_hdr_t read_msg(int fd, uint8_t **body) {
     if (!m) die("oom");
     memcpy(m, h, sizeof(h));
     xread(fd, m + KVC_WIRE_HDR_LEN, hdr.body_len);
-    static const char *names[] = {"msg", "hello", "handshake", "challenge", "auth", "error"};
-    capture(names[hdr.type <= 5 ? hdr.type : 0], -1, m, KVC_WIRE_HDR_LEN + hdr.body_len);
+    static const char *names[] = {"msg",  "hello", "handshake", "challenge",
+                                  "auth", "error", "sealed"};
+    capture(names[hdr.type <= 6 ? hdr.type : 0], -1, m, KVC_WIRE_HDR_LEN + hdr.body_len);
     *body = malloc(hdr.body_len + 1);
     if (!*body) die("oom");
     memcpy(*body, m + KVC_WIRE_HDR_LEN, hdr.body_len);
@@ -174,6 +190,8 @@ static ucs_status_t on_data(void *arg, const void *header, size_t hlen, void *da
         ends++;
     else
         data_msgs++;
+    if ((param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) && getenv("KVC_HOSTILE_LEAVE"))
+        return UCS_INPROGRESS; /* holds the data unread; the process leaves soon */
     if (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) {
         /* Take it (into scratch) so that the sender is not left hanging. */
         void *scratch = malloc(len ? len : 1);
@@ -221,7 +239,11 @@ static int consumer(int argc, char **argv) {
     if (h.type != KVC_MSG_CHALLENGE) die("no challenge");
     kvc_wire_hello_t ch;
     if (kvc_wire_parse_hello(body, h.body_len, &ch) != KVC_OK) die("bad challenge");
-    uint8_t proto = !strcmp(cmd, "put") || !strcmp(cmd, "get") ? KVC_PROTO_GET : KVC_PROTO_PUSH;
+    /* "keys" asks as an automatic consumer does: it is given rkeys where
+     * one-sided reads serve it, and is not refused where they cannot. */
+    uint8_t proto = !strcmp(cmd, "put") || !strcmp(cmd, "get") ? KVC_PROTO_GET
+                    : !strcmp(cmd, "keys")                    ? KVC_PROTO_AUTO
+                                                              : KVC_PROTO_PUSH;
     uint8_t mac[KVC_MAC_LEN];
     kvc_mac_consumer(&fake, nc, ch.nonce, proto, (kvc_span_t){(const uint8_t *)"D-hostile", 9},
                      ch.engine_id, mac);
@@ -229,14 +251,55 @@ static int consumer(int argc, char **argv) {
     xwrite(fd, b.p, b.len);
     capture("auth", -1, b.p, b.len);
     kvc_buf_cleanup(&b);
+    kvc_chan_t ch_keys; /* before the challenge's nonce goes with its body */
+    if (kvc_chan_init(&ch_keys, &fake, nc, ch.nonce, mac, false) != KVC_OK) die("keys");
     free(body);
     h = read_msg(fd, &body);
     if (h.type == KVC_MSG_ERROR) die("refused by the producer");
+    if (h.type != KVC_MSG_SEALED) die("no sealed handshake");
+    /* the whole SEALED message again (read_msg split off its header) */
+    uint8_t *rec = malloc(KVC_WIRE_HDR_LEN + h.body_len), *inner;
+    size_t ilen;
+    if (!rec) die("oom");
+    kvc_buf_u32(&b, KVC_WIRE_MAGIC);
+    kvc_buf_u16(&b, h.version);
+    kvc_buf_u16(&b, h.type);
+    kvc_buf_u32(&b, h.body_len);
+    memcpy(rec, b.p, KVC_WIRE_HDR_LEN);
+    memcpy(rec + KVC_WIRE_HDR_LEN, body, h.body_len);
+    kvc_buf_cleanup(&b);
+    if (kvc_chan_open(&ch_keys, rec, KVC_WIRE_HDR_LEN + h.body_len, &inner, &ilen) != KVC_OK)
+        die("sealed handshake does not open");
+    capture("handshake", -1, inner, ilen);
+    free(rec);
+    free(body);
+    kvc_wire_hdr_t ih;
+    if (kvc_wire_parse_hdr(inner, ilen, KVC_WIRE_MAX_BODY, &ih) != KVC_OK ||
+        ih.type != KVC_MSG_HANDSHAKE || ilen != KVC_WIRE_HDR_LEN + (size_t)ih.body_len)
+        die("sealed message is not a handshake");
+    body = inner + KVC_WIRE_HDR_LEN;
     kvc_wire_hs_t hs;
-    if (h.type != KVC_MSG_HANDSHAKE || kvc_wire_parse_handshake(body, h.body_len, &hs) != KVC_OK)
-        die("bad handshake");
+    if (kvc_wire_parse_handshake(body, ih.body_len, &hs) != KVC_OK) die("bad handshake");
+    if (!strcmp(cmd, "keys")) {
+        printf("KEYS addr=");
+        for (size_t i = 0; i < hs.worker_addr.len; i++)
+            printf("%02x", hs.worker_addr.p[i]);
+        printf(" rkeys=");
+        for (uint32_t r = 0; r < hs.n_regions; r++) {
+            for (size_t i = 0; i < hs.regions[r].rkey.len; i++)
+                printf("%02x", hs.regions[r].rkey.p[i]);
+            printf("%s", r + 1 < hs.n_regions ? "," : "");
+        }
+        printf("\n");
+        fflush(stdout);
+        _exit(0);
+    }
     ucp_ep_params_t ep = {.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS,
                           .address = (const ucp_address_t *)hs.worker_addr.p};
+    if (getenv("KVC_HOSTILE_ERR_PEER")) { /* as the library's own endpoints */
+        ep.field_mask |= UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE;
+        ep.err_mode = UCP_ERR_HANDLING_MODE_PEER;
+    }
     ucp_ep_h e;
     if (ucp_ep_create(worker, &ep, &e) != UCS_OK) die("ep");
 
@@ -293,6 +356,8 @@ static int consumer(int argc, char **argv) {
         pl.runs = runs;
         pl.n = n;
         int repeat = argc >= 8 ? atoi(argv[7]) : 1;
+        bool leave = getenv("KVC_HOSTILE_LEAVE") != NULL;
+        if (leave) pl.flags |= KVC_PULL_RNDV;
         for (int i = 0; i < repeat; i++) {
             pl.xfer_id = (uint64_t)i + 1;
             kvc_buf_cleanup(&b);
@@ -302,8 +367,8 @@ static int consumer(int argc, char **argv) {
                                       .flags = UCP_AM_SEND_FLAG_REPLY};
             progress_until(ucp_am_send_nbx(e, AM_PULL, NULL, 0, b.p, b.len, &rp));
         }
-        uint64_t end = kvc_now_ns() + 3000000000ull;
-        while (refusals + ends < repeat && kvc_now_ns() < end)
+        uint64_t end = kvc_now_ns() + (leave ? 300000000ull : 3000000000ull);
+        while ((leave || refusals + ends < repeat) && kvc_now_ns() < end)
             ucp_worker_progress(worker);
         progress_for_ms(50); /* stragglers */
         int keys = 0;
@@ -313,6 +378,31 @@ static int consumer(int argc, char **argv) {
                refused ? kvc_status_str((kvc_status_t)refused) : "none", refusals, ends, keys);
         fflush(stdout);
         _exit(0); /* a one-shot tool: no orderly UCX teardown */
+    }
+    if (!strcmp(cmd, "raw") && argc >= 6) {
+        size_t n = strtoull(argv[5], NULL, 10);
+        uint8_t *m = calloc(1, n ? n : 1);
+        if (!m) die("oom");
+        ucp_request_param_t rp = {.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS,
+                                  .flags = argc >= 7 && !strcmp(argv[6], "rndv")
+                                               ? UCP_AM_SEND_FLAG_RNDV
+                                               : UCP_AM_SEND_FLAG_EAGER};
+        ucs_status_ptr_t q = ucp_am_send_nbx(e, (unsigned)atoi(argv[4]), NULL, 0, m, n, &rp);
+        if (getenv("KVC_HOSTILE_FAST")) { /* gone before wireup completes */
+            ucp_worker_progress(worker);
+            _exit(0);
+        }
+        ucs_status_t st = wait_req(q);
+        progress_for_ms(100);
+        printf("RAW status=%s\n", ucs_status_string(st));
+        fflush(stdout);
+        if (getenv("KVC_HOSTILE_CLOSE")) { /* leaves in order instead */
+            ucp_request_param_t cp = {0};
+            wait_req(ucp_ep_close_nbx(e, &cp));
+            ucp_worker_destroy(worker);
+            ucp_cleanup(ctx);
+        }
+        _exit(0); /* leaves: no endpoint close, no UCX teardown */
     }
     if (!strcmp(cmd, "notify") && argc >= 7) {
         uint8_t tok[KVC_TOKEN_LEN];
@@ -428,7 +518,8 @@ static ucs_status_t on_notify(void *arg, const void *header, size_t hlen, void *
 
 /* Serves one side-channel client, blocking (consumers under test answer at
  * once): HELLO, CHALLENGE, AUTH (not even checked: this producer is the
- * hostile one), HANDSHAKE without rkeys, MACed so the consumer accepts it. */
+ * hostile one), HANDSHAKE without rkeys, MACed and sealed so the consumer
+ * accepts it. */
 static void serve_handshake(int fd, const void *waddr, size_t wlen) {
     struct timeval tv = {.tv_sec = 3};
     setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
@@ -447,6 +538,12 @@ static void serve_handshake(int fd, const void *waddr, size_t wlen) {
     xwrite(fd, b.p, b.len);
     kvc_buf_cleanup(&b);
     h = read_msg(fd, &body);
+    uint8_t proto_c;
+    const uint8_t *mac_c;
+    if (h.type != KVC_MSG_AUTH || kvc_wire_parse_auth(body, h.body_len, &proto_c, &mac_c) != KVC_OK)
+        die("bad auth");
+    kvc_chan_t keys;
+    if (kvc_chan_init(&keys, &fake, nc, np, mac_c, true) != KVC_OK) die("keys");
     free(body);
     kvc_wire_region_t regs[64];
     memset(regs, 0, sizeof(regs));
@@ -471,7 +568,10 @@ static void serve_handshake(int fd, const void *waddr, size_t wlen) {
     kvc_mac_producer(&fake, nc, np, b.p + KVC_WIRE_HDR_LEN, b.len - KVC_WIRE_HDR_LEN, mac);
     kvc_buf_put(&b, mac, sizeof(mac));
     kvc_wire_end_msg(&b, 0);
-    xwrite(fd, b.p, b.len);
+    kvc_buf_t sealed = {0};
+    if (kvc_chan_seal(&keys, &sealed, KVC_WIRE_VERSION, b.p, b.len) != KVC_OK) die("seal");
+    xwrite(fd, sealed.p, sealed.len);
+    kvc_buf_cleanup(&sealed);
     kvc_buf_cleanup(&b);
 }
 

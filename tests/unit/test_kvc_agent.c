@@ -212,6 +212,8 @@ static void test_expiry(void **state) {
     assert_int_equal(kvc_publish(a, "slow", ids, 1, NULL, &json), KVC_OK);
     kvc_free(json);
     assert_int_equal(kvc_publish(a, "fast", ids, 1, &fast, &json), KVC_OK);
+    uint8_t tok[KVC_TOKEN_LEN];
+    token_of(json, tok);
     kvc_free(json);
     /* The agent's fd (timerfd inside) wakes us; bounded loop, no sleeps. */
     kvc_event_t ev;
@@ -224,15 +226,76 @@ static void test_expiry(void **state) {
     assert_true(kvc_now_ns() - t0 >= 20000000ull);
     assert_int_equal(ev.type, KVC_EV_EXPIRED);
     assert_string_equal(ev.request_id, "fast");
-    uint8_t tok[KVC_TOKEN_LEN] = {0};
-    notify(a, tok, "fast:1"); /* late: unrecognized */
+    uint8_t zero[KVC_TOKEN_LEN] = {0};
+    notify(a, zero, "fast:1"); /* late, but not with its token: refused, no event */
+    assert_int_equal(kvc_agent_next_event(a, &ev), KVC_AGAIN);
+    notify(a, tok, "fast:1"); /* late, with its token: one event */
     assert_int_equal(kvc_agent_next_event(a, &ev), KVC_OK);
     assert_int_equal(ev.type, KVC_EV_UNKNOWN_NOTIFY);
+    notify(a, tok, "fast:1");
+    assert_int_equal(kvc_agent_next_event(a, &ev), KVC_AGAIN);
     uint64_t v;
     kvc_agent_stat(a, KVC_STAT_PUBLISHED_NOW, &v);
     assert_int_equal(v, 1);
     kvc_agent_stat(a, KVC_STAT_EXPIRED, &v);
     assert_int_equal(v, 1);
+    kvc_agent_destroy(a);
+}
+
+static long rss_kib(void) {
+    char buf[512] = {0};
+    int fd = open("/proc/self/status", O_RDONLY);
+    if (fd < 0) return -1;
+    ssize_t n = read(fd, buf, sizeof(buf) - 1);
+    close(fd);
+    char *l = n > 0 ? strstr(buf, "VmRSS:") : NULL;
+    return l ? strtol(l + 6, NULL, 10) : -1;
+}
+
+/* 20,000 notifications for ids never published, 1 KB each, without a token
+ * this producer issued: refused and counted, logged at most ten lines a
+ * second, no event, and the producer's memory does not grow with them. */
+static void test_unknown_notify_flood(void **state) {
+    kvc_agent_t *a = mk_agent(0);
+    regions(a);
+    uint64_t ids[] = {1};
+    char *json;
+    assert_int_equal(kvc_publish(a, "real", ids, 1, NULL, &json), KVC_OK);
+    uint8_t tok[KVC_TOKEN_LEN];
+    token_of(json, tok);
+    kvc_free(json);
+    enum { N = 20000, IDLEN = 1000 };
+    static uint8_t msg[KVC_TOKEN_LEN + IDLEN + 16];
+    memset(msg, 0, KVC_TOKEN_LEN);
+    memset(msg + KVC_TOKEN_LEN, 'x', IDLEN);
+    long rss0 = rss_kib();
+    int lines0 = log_lines;
+    uint64_t t0 = kvc_now_ns();
+    for (int i = 0; i < N; i++) {
+        /* every other one carries the token of another publication */
+        memcpy(msg, i % 2 ? tok : (const uint8_t[KVC_TOKEN_LEN]){0}, KVC_TOKEN_LEN);
+        int k = snprintf((char *)msg + KVC_TOKEN_LEN, 16, "%d", i);
+        msg[KVC_TOKEN_LEN + k] = 'x';
+        memcpy(msg + KVC_TOKEN_LEN + IDLEN, ":1", 2);
+        kvc_notify_handle(a, msg, KVC_TOKEN_LEN + IDLEN + 2);
+    }
+    double secs = (double)(kvc_now_ns() - t0) / 1e9;
+    long grew = rss_kib() - rss0;
+    int lines = log_lines - lines0;
+    kvc_event_t ev;
+    int events = 0;
+    while (kvc_agent_next_event(a, &ev) == KVC_OK)
+        events++;
+    uint64_t v;
+    kvc_agent_stat(a, KVC_STAT_UNKNOWN_NOTIFY, &v);
+    assert_int_equal(v, N);
+    kvc_agent_stat(a, KVC_STAT_DENIED, &v);
+    assert_int_equal(v, N);
+    kvc_agent_stat(a, KVC_STAT_PUBLISHED_NOW, &v);
+    assert_int_equal(v, 1);
+    assert_int_equal(events, 0);
+    assert_true(lines <= 10 * ((int)secs + 2)); /* ten a second, per kind */
+    assert_true(grew < 2048);
     kvc_agent_destroy(a);
 }
 
@@ -392,7 +455,7 @@ int main(void) {
         cmocka_unit_test(test_publish),       cmocka_unit_test(test_notify_release),
         cmocka_unit_test(test_tp_fan_in),     cmocka_unit_test(test_secret),
         cmocka_unit_test(test_expiry),        cmocka_unit_test(test_fetch_params),
-        cmocka_unit_test(test_status_str),
+        cmocka_unit_test(test_status_str),    cmocka_unit_test(test_unknown_notify_flood),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
