@@ -6,7 +6,13 @@
  * synchronisation point, one per event query, or on a background thread
  * (threaded mode).  Events and cross-stream waits are honoured; the current
  * device is per thread; the last error is per thread and cleared by
- * cudaGetLastError.  One rule is stricter than CUDA, on purpose: a copy that
+ * cudaGetLastError.  Default streams as CUDA has them: handle 0 and
+ * cudaStreamLegacy name the legacy default stream of the current device,
+ * which is implicitly ordered with every blocking stream of that device (work
+ * queued on it waits for what they queued before, and theirs waits for it);
+ * cudaStreamPerThread names the calling thread's own default stream, a
+ * blocking stream.  Streams created cudaStreamNonBlocking take no part in
+ * that implicit ordering.  One rule is stricter than CUDA, on purpose: a copy that
  * touches device memory must be issued on a stream of the device that owns
  * that memory, so staging on the wrong device fails here. */
 #ifndef _GNU_SOURCE
@@ -37,6 +43,7 @@ typedef struct op {
     cudaHostFn_t fn;
     void *arg;
     cudaError_t fail; /* injected: fails when it runs */
+    bool own_ev;      /* OP_WAIT: an implicit barrier's event, freed with the op */
 } op_t;
 
 struct CUstream_st {
@@ -46,6 +53,8 @@ struct CUstream_st {
     size_t n;
     cudaError_t err; /* asynchronous error, reported at the next sync */
     bool held;       /* eager mode: runs only when a sync forces it */
+    bool blocking;   /* created without cudaStreamNonBlocking (or a per-thread default) */
+    bool legacy;     /* a device's legacy default stream */
 };
 
 struct CUevent_st {
@@ -86,6 +95,7 @@ static pthread_t worker;
 static bool worker_on, worker_stop, eager;
 static _Thread_local int cur_dev;
 static _Thread_local cudaError_t last_err;
+static _Thread_local cudaStream_t per_thread[MAX_DEV]; /* cudaStreamPerThread, made on first use */
 
 /* ---------------------------------------------------------- internals -- */
 
@@ -133,13 +143,27 @@ static bool is_device_ptr(const void *p) {
     return find_alloc(allocs, p, 1) != NULL;
 }
 
+/* The stream a handle names: 0 and cudaStreamLegacy the current device's
+ * legacy default stream, cudaStreamPerThread this thread's default stream
+ * on the current device (NULL if it cannot be made). */
 static cudaStream_t resolve(cudaStream_t s) {
-    return s ? s : &default_streams[cur_dev];
+    if (s == NULL || s == cudaStreamLegacy) return &default_streams[cur_dev];
+    if (s != cudaStreamPerThread) return s;
+    if (!per_thread[cur_dev]) {
+        cudaStream_t p = calloc(1, sizeof(*p));
+        if (!p) return NULL;
+        p->device = cur_dev;
+        p->blocking = true;
+        p->next_all = streams;
+        streams = p;
+        per_thread[cur_dev] = p;
+    }
+    return per_thread[cur_dev];
 }
 
 static void pump(void);
 
-static void enqueue(cudaStream_t s, op_t *o) {
+static void append(cudaStream_t s, op_t *o) {
     o->next = NULL;
     if (s->tail)
         s->tail->next = o;
@@ -147,6 +171,42 @@ static void enqueue(cudaStream_t s, op_t *o) {
         s->head = o;
     s->tail = o;
     s->n++;
+}
+
+/* s waits for everything queued on `on` so far: an implicit event recorded
+ * at the end of `on`, waited for on s.  Out of memory: no barrier (tests
+ * would show the missing order, never hide it). */
+static void barrier(cudaStream_t s, cudaStream_t on) {
+    if (!on->tail) return;
+    cudaEvent_t ev = calloc(1, sizeof(*ev));
+    op_t *rec = calloc(1, sizeof(*rec)), *w = calloc(1, sizeof(*w));
+    if (!ev || !rec || !w) {
+        free(ev);
+        free(rec);
+        free(w);
+        return;
+    }
+    ev->device = on->device;
+    ev->stream = on;
+    *rec = (op_t){.kind = OP_RECORD, .ev = ev, .gen = ++ev->gen};
+    append(on, rec);
+    *w = (op_t){.kind = OP_WAIT, .ev = ev, .gen = ev->gen, .wstream = on, .own_ev = true};
+    append(s, w);
+}
+
+/* The legacy default stream's implicit ordering with blocking streams. */
+static void implicit_order(cudaStream_t s) {
+    if (s->legacy) {
+        for (cudaStream_t b = streams; b; b = b->next_all)
+            if (b->blocking && b->device == s->device) barrier(s, b);
+    } else if (s->blocking) {
+        barrier(s, &default_streams[s->device]);
+    }
+}
+
+static void enqueue(cudaStream_t s, op_t *o) {
+    implicit_order(s);
+    append(s, o);
     if (eager) pump();
 }
 
@@ -196,6 +256,7 @@ static bool run_one(cudaStream_t s, int depth) {
     s->head = o->next;
     if (!s->head) s->tail = NULL;
     s->n--;
+    if (o->own_ev) free(o->ev); /* its record ran: the wait saw it */
     free(o);
     return true;
 }
@@ -231,6 +292,9 @@ static void discard(cudaStream_t s) {
     while (s->head) {
         op_t *o = s->head;
         s->head = o->next;
+        /* A discarded record op never dereferences its event, so an implicit
+         * event can go with its wait. */
+        if (o->own_ev) free(o->ev);
         free(o);
     }
     s->tail = NULL;
@@ -285,8 +349,10 @@ void cudasim_reset(int devices, bool threaded) {
         s->held = false;
     memset(faults, 0, sizeof(faults));
     memset(counts, 0, sizeof(counts));
-    for (int d = 0; d < MAX_DEV; d++)
+    for (int d = 0; d < MAX_DEV; d++) {
         default_streams[d].device = d;
+        default_streams[d].legacy = true;
+    }
     worker_stop = false;
     pthread_mutex_unlock(&mu);
     cur_dev = 0;
@@ -303,7 +369,8 @@ void cudasim_set_eager(bool on) {
 
 void cudasim_hold(cudaStream_t s, bool hold) {
     pthread_mutex_lock(&mu);
-    s->held = hold;
+    s = resolve(s);
+    if (s) s->held = hold;
     if (eager) pump();
     pthread_mutex_unlock(&mu);
 }
@@ -537,7 +604,6 @@ cudaError_t cudaPointerGetAttributes(struct cudaPointerAttributes *at, const voi
 }
 
 cudaError_t cudaStreamCreateWithFlags(cudaStream_t *ps, unsigned int flags) {
-    (void)flags;
     ENTER("cudaStreamCreateWithFlags", NULL);
     cudaStream_t s = calloc(1, sizeof(*s));
     if (!ps || !s) {
@@ -545,6 +611,7 @@ cudaError_t cudaStreamCreateWithFlags(cudaStream_t *ps, unsigned int flags) {
         LEAVE(cudaErrorInvalidValue);
     }
     s->device = cur_dev;
+    s->blocking = !(flags & cudaStreamNonBlocking);
     s->next_all = streams;
     streams = s;
     nstreams_live++;
@@ -554,7 +621,8 @@ cudaError_t cudaStreamCreateWithFlags(cudaStream_t *ps, unsigned int flags) {
 
 cudaError_t cudaStreamDestroy(cudaStream_t s) {
     ENTER("cudaStreamDestroy", NULL);
-    if (!s) LEAVE(cudaErrorInvalidResourceHandle);
+    if (!s || s == cudaStreamLegacy || s == cudaStreamPerThread)
+        LEAVE(cudaErrorInvalidResourceHandle);
     for (cudaStream_t *pp = &streams; *pp; pp = &(*pp)->next_all)
         if (*pp == s) {
             /* CUDA lets queued work finish after the destroy call. */
@@ -569,7 +637,7 @@ cudaError_t cudaStreamDestroy(cudaStream_t s) {
 
 cudaError_t cudaStreamSynchronize(cudaStream_t s) {
     ENTER("cudaStreamSynchronize", NULL);
-    s = resolve(s);
+    if (!(s = resolve(s))) LEAVE(cudaErrorMemoryAllocation);
     drain(s);
     LEAVE(take_async(s));
 }
@@ -590,7 +658,7 @@ cudaError_t cudaDeviceSynchronize(void) {
 cudaError_t cudaStreamWaitEvent(cudaStream_t s, cudaEvent_t ev, unsigned int flags) {
     ENTER("cudaStreamWaitEvent", NULL);
     if (!ev || flags) LEAVE(cudaErrorInvalidValue);
-    s = resolve(s);
+    if (!(s = resolve(s))) LEAVE(cudaErrorMemoryAllocation);
     if (ev->gen == 0 || ev->done_gen >= ev->gen) LEAVE(cudaSuccess); /* nothing to wait for */
     op_t *o = calloc(1, sizeof(*o));
     if (!o) LEAVE(cudaErrorMemoryAllocation);
@@ -633,7 +701,7 @@ cudaError_t cudaEventDestroy(cudaEvent_t ev) {
 cudaError_t cudaEventRecord(cudaEvent_t ev, cudaStream_t s) {
     ENTER("cudaEventRecord", NULL);
     if (!ev) LEAVE(cudaErrorInvalidResourceHandle);
-    s = resolve(s);
+    if (!(s = resolve(s))) LEAVE(cudaErrorMemoryAllocation);
     if (s->device != ev->device) LEAVE(cudaErrorInvalidResourceHandle); /* same device rule */
     op_t *o = calloc(1, sizeof(*o));
     if (!o) LEAVE(cudaErrorMemoryAllocation);
@@ -697,6 +765,7 @@ cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t count, enum cudaM
     cudaError_t af;
     ENTER("cudaMemcpyAsync", &af);
     cudaStream_t s = resolve(stream);
+    if (!s) LEAVE(cudaErrorMemoryAllocation);
     cudaError_t e = copy_check(dst, src, count, count, kind, s);
     if (e != cudaSuccess) LEAVE(e);
     op_t *o = calloc(1, sizeof(*o));
@@ -716,6 +785,7 @@ cudaError_t cudaMemcpy2DAsync(void *dst, size_t dpitch, const void *src, size_t 
     cudaError_t af;
     ENTER("cudaMemcpy2DAsync", &af);
     cudaStream_t s = resolve(stream);
+    if (!s) LEAVE(cudaErrorMemoryAllocation);
     if (width > dpitch || width > spitch) LEAVE(cudaErrorInvalidValue);
     size_t dlen = height ? (height - 1) * dpitch + width : 0;
     size_t slen = height ? (height - 1) * spitch + width : 0;
@@ -743,7 +813,12 @@ cudaError_t cudaLaunchHostFunc(cudaStream_t stream, cudaHostFn_t fn, void *arg) 
     o->kind = OP_HOSTFN;
     o->fn = fn;
     o->arg = arg;
-    enqueue(resolve(stream), o);
+    cudaStream_t s = resolve(stream);
+    if (!s) {
+        free(o);
+        LEAVE(cudaErrorMemoryAllocation);
+    }
+    enqueue(s, o);
     LEAVE(cudaSuccess);
 }
 
@@ -781,6 +856,7 @@ cudaError_t cudaMemcpy(void *dst, const void *src, size_t count, enum cudaMemcpy
     cudaStream_t s = &default_streams[cur_dev];
     cudaError_t e = copy_check(dst, src, count, count, kind, s);
     if (e != cudaSuccess) LEAVE(e);
+    implicit_order(s);
     drain(s);
     memmove(dst, src, count);
     LEAVE(take_async(s));

@@ -139,18 +139,30 @@ static kvc_status_t run_fetch(side_t *P, side_t *D, kvc_status_t *out_st, char *
     return st;
 }
 
-static void start_fetch(side_t *D, const char *json, const uint64_t *loc, size_t n, void *stream) {
+/* A fetch; with_stream: the CUDA stream field is set, to `stream` (which may
+ * be 0, the legacy default stream). */
+static void fetch_with(side_t *D, const char *json, const uint64_t *loc, size_t n,
+                       bool with_stream, void *stream) {
     kvc_fetch_params_t fp = {.field_mask = KVC_FETCH_FIELD_JSON | KVC_FETCH_FIELD_LOCAL_BLOCKS,
                              .kv_transfer_params_json = json,
                              .local_block_ids = loc,
                              .num_local_blocks = n};
-    if (stream) {
+    if (with_stream) {
         fp.field_mask |= KVC_FETCH_FIELD_CUDA_STREAM;
         fp.cuda_stream = stream;
     }
     uint64_t xid;
     assert_int_equal(kvc_fetch(D->a, &fp, &xid), KVC_INPROGRESS);
     dev_check();
+}
+
+static void start_fetch(side_t *D, const char *json, const uint64_t *loc, size_t n, void *stream) {
+    fetch_with(D, json, loc, n, stream != NULL, stream);
+}
+
+static void start_fetch_stream(side_t *D, const char *json, const uint64_t *loc, size_t n,
+                               void *stream) {
+    fetch_with(D, json, loc, n, true, stream);
 }
 
 /* Remote blocks 4..7 and 30..33 and 50; local: three runs of four at a stride
@@ -374,6 +386,61 @@ static void test_fetch_waits_for_engine_reads(void **state) {
     cudasim_reset(2, false);
 }
 
+/* The engine's default stream is a stream: handle 0 (the legacy default
+ * stream, what torch.cuda.current_stream().cuda_stream gives unless a side
+ * stream is used) and cudaStreamPerThread, passed with the field set.  The
+ * engine's "kernel" writes P's blocks on that stream and publishes without a
+ * host sync; D's engine reads its blocks on that stream after FETCH_DONE,
+ * and a second fetch into the same local blocks follows at once.  Lazy
+ * stand-in: nothing on the engine's stream runs unless something waits for
+ * it, so a connector that reads 0 as "no stream" captures stale blocks and
+ * overwrites blocks the engine has not read yet. */
+static void default_stream(cudaStream_t handle) {
+    cudasim_reset(2, false);
+    side_t P, D;
+    side_init(&P, "dflt-P", 1, KVC_PROTO_AUTO);
+    side_init(&D, "dflt-D", 1, KVC_PROTO_AUTO);
+    uint8_t *seen[3];
+    read_t rd[3];
+    fill_t f[3];
+    for (int gen = 1; gen <= 2; gen++) {
+        f[gen] = (fill_t){.gen = gen};
+        memcpy(f[gen].dev, P.dev, sizeof(f[gen].dev));
+        /* The engine's kernels run on its device's default stream. */
+        assert_int_equal(cudaSetDevice(0), cudaSuccess);
+        assert_int_equal(cudaLaunchHostFunc(handle, fill_fn, &f[gen]), cudaSuccess);
+        assert_int_equal(cudaSetDevice(CALLER_DEV), cudaSuccess);
+        kvc_publish_params_t pp = {.field_mask = KVC_PUBLISH_FIELD_CUDA_STREAM,
+                                   .cuda_stream = handle};
+        char id[16], *json;
+        snprintf(id, sizeof(id), "d:%d", gen);
+        assert_int_equal(kvc_publish(P.a, id, REM, NX, &pp, &json), KVC_OK);
+        dev_check();
+        start_fetch_stream(&D, json, LOC, NX, handle);
+        kvc_free(json);
+        assert_int_equal(run_fetch(&P, &D, NULL, NULL, 0, NULL), KVC_OK);
+        assert_int_equal(cudaSetDevice(0), cudaSuccess);
+        seen[gen] = engine_read(handle, D.dev[2], &rd[gen]);
+        assert_int_equal(cudaSetDevice(CALLER_DEV), cudaSuccess);
+    }
+    assert_int_equal(cudaSetDevice(0), cudaSuccess);
+    assert_int_equal(cudaStreamSynchronize(handle), cudaSuccess);
+    assert_int_equal(cudaSetDevice(CALLER_DEV), cudaSuccess);
+    for (int gen = 1; gen <= 2; gen++)
+        check_seen(seen[gen], gen, 2);
+    check_blocks(&D, 2, REM, LOC, NX);
+    side_cleanup(&D);
+    side_cleanup(&P);
+    assert_int_equal(cudasim_pending(), 0);
+}
+
+static void test_legacy_default_stream(void **state) {
+    default_stream(NULL);
+}
+static void test_per_thread_default_stream(void **state) {
+    default_stream(cudaStreamPerThread);
+}
+
 /* A copy that fails to queue halfway through a fetch: FETCH_FAILED with the
  * CUDA error's name, and nothing still queued when the event arrives. */
 static void fetch_failure(bool async) {
@@ -519,6 +586,8 @@ int main(void) {
         cmocka_unit_test(test_roundtrip_push_threaded),
         cmocka_unit_test(test_stream_ordering),
         cmocka_unit_test(test_fetch_waits_for_engine_reads),
+        cmocka_unit_test(test_legacy_default_stream),
+        cmocka_unit_test(test_per_thread_default_stream),
         cmocka_unit_test(test_fetch_copy_fails),
         cmocka_unit_test(test_fetch_copy_fails_async),
         cmocka_unit_test(test_publish_failure),
