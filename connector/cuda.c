@@ -25,6 +25,7 @@ typedef struct {
     cudaEvent_t done;    /* recorded after queued work when no host sync is done */
     cudaEvent_t user;    /* records the caller's stream (single-device agents) */
     bool queued;         /* work queued since the last sync or record */
+    bool copies;         /* of which copies (a wait alone reads no staging memory) */
     bool recorded;       /* `done` recorded, maybe not complete yet */
 } cdev_t;
 
@@ -182,12 +183,28 @@ void kvc_cuda_host_unregister(kvc_cuda_t *c, void *p) {
     if (ce != cudaSuccess) cfail(c, ce, "cudaHostUnregister");
 }
 
-kvc_status_t kvc_cuda_wait_for(kvc_cuda_t *c, void *event, void *stream) {
+/* The default-stream handles name a stream relative to the caller: 0 and
+ * cudaStreamLegacy the legacy default stream of the current device,
+ * cudaStreamPerThread the calling thread's default stream on it.  0 is sent
+ * as cudaStreamLegacy, which means the same whichever default-stream mode the
+ * engine was compiled with (the legacy stream is ordered with per-thread
+ * ones). */
+static cudaStream_t engine_stream(void *stream) {
+    return stream ? (cudaStream_t)stream : cudaStreamLegacy;
+}
+
+static bool default_stream(void *stream) {
+    return !stream || (cudaStream_t)stream == cudaStreamLegacy ||
+           (cudaStream_t)stream == cudaStreamPerThread;
+}
+
+kvc_status_t kvc_cuda_wait_for(kvc_cuda_t *c, void *event, bool has_stream, void *stream) {
     cudaEvent_t ev = event;
     cudaError_t ce;
-    if (!ev && stream) {
+    if (!ev && has_stream) {
         /* An event must be recorded on its own device's stream: with one
-         * device that is the device of the regions. */
+         * device that is the device of the regions, which is also the device
+         * a default-stream handle is taken on. */
         if (c->ndev != 1) {
             snprintf(c->err, sizeof(c->err),
                      "a CUDA stream to wait on needs regions on one device (%d devices): pass an "
@@ -198,7 +215,7 @@ kvc_status_t kvc_cuda_wait_for(kvc_cuda_t *c, void *event, void *stream) {
         int saved;
         kvc_status_t st = dev_enter(c, c->devs[0].device, &saved);
         if (st != KVC_OK) return st;
-        ce = cudaEventRecord(c->devs[0].user, (cudaStream_t)stream);
+        ce = cudaEventRecord(c->devs[0].user, engine_stream(stream));
         if (ce != cudaSuccess) st = cfail(c, ce, "cudaEventRecord on the caller's stream");
         if ((st = dev_leave(c, saved, st)) != KVC_OK) return st;
         ev = c->devs[0].user;
@@ -242,7 +259,7 @@ kvc_status_t kvc_cuda_copy_runs(kvc_cuda_t *c, int dev, void *dev_base, void *ho
             st = cfail(c, ce, r->count == 1 ? "cudaMemcpyAsync" : "cudaMemcpy2DAsync");
             break;
         }
-        d->queued = true;
+        d->queued = d->copies = true;
     }
     return dev_leave(c, saved, st);
 }
@@ -255,7 +272,7 @@ kvc_status_t kvc_cuda_sync(kvc_cuda_t *c) {
         /* Every device is synchronised even after one failed: nothing may
          * stay queued behind a reported failure. */
         cudaError_t ce = cudaStreamSynchronize(d->stream);
-        d->queued = false;
+        d->queued = d->copies = false;
         if (ce != cudaSuccess) {
             kvc_status_t st = cfail(c, ce, "cudaStreamSynchronize");
             if (first == KVC_OK) first = st;
@@ -265,15 +282,33 @@ kvc_status_t kvc_cuda_sync(kvc_cuda_t *c) {
 }
 
 kvc_status_t kvc_cuda_order_before(kvc_cuda_t *c, void *stream) {
+    /* cudaStreamPerThread names the stream of the thread that makes the
+     * call, and this runs on whichever thread progresses the agent: the
+     * copies are waited for on the host instead. */
+    if ((cudaStream_t)stream == cudaStreamPerThread) return kvc_cuda_sync(c);
     for (int i = 0; i < c->ndev; i++) {
         cdev_t *d = &c->devs[i];
         if (!d->queued) continue;
         cudaError_t ce = cudaEventRecord(d->done, d->stream);
         if (ce != cudaSuccess) return cfail(c, ce, "cudaEventRecord");
-        d->queued = false;
+        d->queued = d->copies = false;
         d->recorded = true;
-        if ((ce = cudaStreamWaitEvent((cudaStream_t)stream, d->done, 0)) != cudaSuccess)
-            return cfail(c, ce, "cudaStreamWaitEvent on the caller's stream");
+        if (!default_stream(stream)) {
+            if ((ce = cudaStreamWaitEvent((cudaStream_t)stream, d->done, 0)) != cudaSuccess)
+                return cfail(c, ce, "cudaStreamWaitEvent on the caller's stream");
+            continue;
+        }
+        /* The legacy default stream is per device: the one of every device
+         * that holds regions waits (the engine's reads run on its own). */
+        for (int k = 0; k < c->ndev; k++) {
+            int saved;
+            kvc_status_t st = dev_enter(c, c->devs[k].device, &saved);
+            if (st != KVC_OK) return st;
+            ce = cudaStreamWaitEvent(cudaStreamLegacy, d->done, 0);
+            if (ce != cudaSuccess)
+                st = cfail(c, ce, "cudaStreamWaitEvent on the legacy default stream");
+            if ((st = dev_leave(c, saved, st)) != KVC_OK) return st;
+        }
     }
     return KVC_OK;
 }
@@ -282,7 +317,7 @@ bool kvc_cuda_idle(kvc_cuda_t *c, kvc_status_t *st) {
     *st = KVC_OK;
     for (int i = 0; i < c->ndev; i++) {
         cdev_t *d = &c->devs[i];
-        if (d->queued) return false;
+        if (d->copies) return false;
         if (!d->recorded) continue;
         cudaError_t ce = cudaEventQuery(d->done);
         if (ce == cudaErrorNotReady) return false; /* not an error: nothing to clear */
@@ -302,7 +337,7 @@ void kvc_cuda_drain(kvc_cuda_t *c) {
         if (!d->queued && !d->recorded) continue;
         cudaError_t ce = cudaStreamSynchronize(d->stream);
         if (ce != cudaSuccess) cfail(c, ce, "cudaStreamSynchronize");
-        d->queued = d->recorded = false;
+        d->queued = d->copies = d->recorded = false;
     }
 }
 

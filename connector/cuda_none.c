@@ -30,7 +30,7 @@ kvc_status_t kvc_cuda_host_register(kvc_cuda_t *c, void *p, size_t len) {
 
 void kvc_cuda_host_unregister(kvc_cuda_t *c, void *p) {}
 
-kvc_status_t kvc_cuda_wait_for(kvc_cuda_t *c, void *event, void *stream) {
+kvc_status_t kvc_cuda_wait_for(kvc_cuda_t *c, void *event, bool has_stream, void *stream) {
     return KVC_ERR_UNSUPPORTED;
 }
 

@@ -251,8 +251,12 @@ KVC_HIDDEN kvc_status_t kvc_cuda_region_device(kvc_cuda_t *c, const void *base, 
 KVC_HIDDEN kvc_status_t kvc_cuda_host_register(kvc_cuda_t *c, void *p, size_t len);
 KVC_HIDDEN void kvc_cuda_host_unregister(kvc_cuda_t *c, void *p);
 /* Every device stream waits for the caller's event, or for the work queued
- * so far on the caller's stream (one device only).  Both NULL: no-op. */
-KVC_HIDDEN kvc_status_t kvc_cuda_wait_for(kvc_cuda_t *c, void *event, void *stream);
+ * so far on the caller's stream (has_stream; one device only).  A stream
+ * that is given is a stream, 0 included: 0 and cudaStreamLegacy are the
+ * legacy default stream and cudaStreamPerThread the calling thread's default
+ * stream, both on the regions' device.  No event and no stream: no-op. */
+KVC_HIDDEN kvc_status_t kvc_cuda_wait_for(kvc_cuda_t *c, void *event, bool has_stream,
+                                          void *stream);
 /* Queues the planned copies of one region on its device's stream. */
 KVC_HIDDEN kvc_status_t kvc_cuda_copy_runs(kvc_cuda_t *c, int dev, void *dev_base, void *host_base,
                                            size_t block_len, const kvc_crun_t *runs, size_t nruns,
@@ -260,7 +264,9 @@ KVC_HIDDEN kvc_status_t kvc_cuda_copy_runs(kvc_cuda_t *c, int dev, void *dev_bas
 /* One host sync per device with queued work; every device is synced even
  * when one fails. */
 KVC_HIDDEN kvc_status_t kvc_cuda_sync(kvc_cuda_t *c);
-/* No host sync: `stream` (a cudaStream_t) waits for all queued work. */
+/* No host sync: `stream` (a cudaStream_t, 0 included: the legacy default
+ * stream of every device with regions) waits for all queued work.
+ * cudaStreamPerThread cannot be named from the progress thread: host sync. */
 KVC_HIDDEN kvc_status_t kvc_cuda_order_before(kvc_cuda_t *c, void *stream);
 /* True when nothing queued is still running (event queries, non-blocking);
  * false with *st set on a failure. */

@@ -126,9 +126,12 @@ static kvc_status_t capture(kvc_agent_t *a, const kvc_publish_params_t *params, 
                             size_t n) {
     uint64_t m = params ? params->field_mask : 0;
     void *ev = (m & KVC_PUBLISH_FIELD_CUDA_EVENT) ? params->cuda_event : NULL;
-    void *stream = (m & KVC_PUBLISH_FIELD_CUDA_STREAM) ? params->cuda_stream : NULL;
-    if (!ev && !stream && !a->n_staged) return KVC_OK; /* direct, caller-ordered */
-    kvc_status_t st = kvc_cuda_wait_for(a->cuda, ev, stream);
+    /* A stream that is given is a stream, 0 (the legacy default stream)
+     * included; only an unset field means none. */
+    bool has_stream = !ev && (m & KVC_PUBLISH_FIELD_CUDA_STREAM);
+    void *stream = has_stream ? params->cuda_stream : NULL;
+    if (!ev && !has_stream && !a->n_staged) return KVC_OK; /* direct, caller-ordered */
+    kvc_status_t st = kvc_cuda_wait_for(a->cuda, ev, has_stream, stream);
     if (st == KVC_OK && a->n_staged) st = kvc_stage_copy(a, ids, n, false);
     if (st == KVC_OK) {
         st = kvc_cuda_sync(a->cuda);

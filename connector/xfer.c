@@ -65,6 +65,7 @@ struct kvc_xfer {
     uint64_t bits_set, chunks_got, end_chunks;
     bool end_seen;
     void *cuda_stream; /* borrowed: the engine's stream that waits for the staging copies */
+    bool has_stream;   /* cuda_stream was given: 0 is the legacy default stream */
 };
 
 /* Producer side: headers of one PULL's DATA sends, freed with the last send. */
@@ -201,16 +202,9 @@ static void xfer_free(kvc_xfer_t *x) {
  * devices queued first, then one host sync per device, or none when the
  * engine gave a stream to order after the copies. */
 static kvc_status_t stage_in(kvc_agent_t *a, kvc_xfer_t *x) {
-    kvc_status_t st = KVC_OK;
-    /* The engine may still have work queued that reads these blocks' old
-     * contents (a finished request's last kernels): the copies that
-     * overwrite them wait for it.  One device only (an event must be
-     * recorded on the stream's own device). */
-    if (x->cuda_stream && kvc_cuda_devices(a->cuda) == 1)
-        st = kvc_cuda_wait_for(a->cuda, NULL, x->cuda_stream);
-    if (st == KVC_OK) st = kvc_stage_copy(a, x->local, x->n, true);
+    kvc_status_t st = kvc_stage_copy(a, x->local, x->n, true);
     if (st != KVC_OK) return st;
-    if (x->cuda_stream) return kvc_cuda_order_before(a->cuda, x->cuda_stream);
+    if (x->has_stream) return kvc_cuda_order_before(a->cuda, x->cuda_stream);
     a->stats[KVC_STAT_CUDA_SYNCS]++;
     return kvc_cuda_sync(a->cuda);
 }
@@ -592,11 +586,23 @@ kvc_status_t kvc_fetch(kvc_agent_t *a, const kvc_fetch_params_t *p, uint64_t *xf
         memcpy(x->remote, r.block_ids + (r.num_blocks - nl), nl * sizeof(uint64_t));
         memcpy(x->local, lids, nl * sizeof(uint64_t));
     }
+    x->has_stream = (p->field_mask & KVC_FETCH_FIELD_CUDA_STREAM) != 0;
+    x->cuda_stream = x->has_stream ? p->cuda_stream : NULL;
+    /* The engine may still have work queued that reads these blocks' old
+     * contents (a finished request's last kernels): the copies that
+     * overwrite them wait for it.  Taken here, on the engine's thread, so
+     * that cudaStreamPerThread is its stream.  One device only (an event
+     * must be recorded on the stream's own device). */
+    if (x->has_stream && a->n_staged && kvc_cuda_devices(a->cuda) == 1 &&
+        (st = kvc_cuda_wait_for(a->cuda, NULL, true, x->cuda_stream)) != KVC_OK) {
+        KVC_LOG(a, KVC_LOG_WARN, "fetch req=%s: waiting for the engine's stream failed: %s",
+                x->req_id, kvc_cuda_last_error(a->cuda));
+        goto err_xfer;
+    }
     if ((st = kvc_peer_get(a, r.host, r.port, r.engine_id, &x->peer)) != KVC_OK) goto err_xfer;
     kvc_peer_ref(x->peer);
     x->id = a->next_xfer_id++;
     x->user_data = (p->field_mask & KVC_FETCH_FIELD_USER_DATA) ? p->user_data : 0;
-    x->cuda_stream = (p->field_mask & KVC_FETCH_FIELD_CUDA_STREAM) ? p->cuda_stream : NULL;
     x->state = X_WAIT_PEER;
     x->next = a->xfers;
     a->xfers = x;

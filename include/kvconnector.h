@@ -77,6 +77,16 @@
  *    engine must not hand a fetch blocks its queued work still reads.
  *    Without the stream the connector synchronises its copies (one host sync
  *    per device per fetch) before FETCH_DONE.
+ *  - Default streams.  A stream field that is set names a stream, 0
+ *    included: 0 (what torch.cuda.current_stream().cuda_stream gives on the
+ *    default stream) and cudaStreamLegacy are the legacy default stream of
+ *    the regions' device, cudaStreamPerThread the calling thread's default
+ *    stream; only an unset field means "no stream".  The work on a
+ *    kvc_fetch stream that the copies wait for is taken at the kvc_fetch
+ *    call, on the caller's thread.  Since the per-thread default stream can
+ *    only be named by its own thread, FETCH_DONE for a fetch given
+ *    cudaStreamPerThread comes after a host sync of the copies (made on the
+ *    progress thread), not through a stream wait.
  * FETCH_FAILED is reported only after every copy the connector queued has
  * finished: nothing is written into local blocks after the failure event.
  * A failed CUDA call is cleared from CUDA's last error (cudaGetLastError) so
@@ -367,7 +377,9 @@ typedef struct {
                              wait for it.  See "CUDA ordering contract". */
     void *cuda_stream;  /**< cudaStream_t, borrowed for the call: the stream whose
                              queued work wrote the blocks (regions on one device
-                             only; else pass an event) */
+                             only; else pass an event).  0 is the legacy default
+                             stream: the field mask, not the value, says whether a
+                             stream is given. */
 } kvc_publish_params_t;
 
 /**
@@ -425,7 +437,9 @@ typedef struct {
     const char *remote_kv_token;
     /** cudaStream_t (KVC_FETCH_FIELD_CUDA_STREAM), borrowed until the fetch's event:
      * the engine's stream that reads the fetched blocks; made to wait for the
-     * staging copies instead of a host sync.  See "CUDA ordering contract". */
+     * staging copies instead of a host sync.  0 is the legacy default stream
+     * (the field mask says whether a stream is given).  See "CUDA ordering
+     * contract". */
     void *cuda_stream;
 } kvc_fetch_params_t;
 
