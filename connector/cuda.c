@@ -1,5 +1,5 @@
 /* CUDA side of libkvconnector: per-device streams for the staged copies
- * between device regions and their pinned host mirrors, ordering against the
+ * between device regions and the pinned staging pool, ordering against the
  * engine's stream or event, and the device of each region.
  *
  * Rules every function here keeps:
@@ -27,6 +27,7 @@ typedef struct {
     bool queued;         /* work queued since the last sync or record */
     bool copies;         /* of which copies (a wait alone reads no staging memory) */
     bool recorded;       /* `done` recorded, maybe not complete yet */
+    bool slot_copies;    /* staging-pool copies queued (stage.c polls their events) */
 } cdev_t;
 
 struct kvc_cuda {
@@ -264,6 +265,56 @@ kvc_status_t kvc_cuda_copy_runs(kvc_cuda_t *c, int dev, void *dev_base, void *ho
     return dev_leave(c, saved, st);
 }
 
+kvc_status_t kvc_cuda_copy_event(kvc_cuda_t *c, int dev, void *dst, const void *src, size_t len,
+                                 bool to_device, void **ev, int *ev_dev) {
+    cdev_t *d = find_dev(c, dev);
+    if (!d) {
+        snprintf(c->err, sizeof(c->err), "CUDA device %d has no stream", dev);
+        return KVC_ERR_STATE;
+    }
+    int saved;
+    kvc_status_t st = dev_enter(c, dev, &saved);
+    if (st != KVC_OK) return st;
+    cudaError_t ce;
+    /* An event is recorded on a stream of its own device. */
+    if (*ev && *ev_dev != dev) {
+        cudaEventDestroy((cudaEvent_t)*ev);
+        *ev = NULL;
+    }
+    if (!*ev) {
+        cudaEvent_t e;
+        if ((ce = cudaEventCreateWithFlags(&e, cudaEventDisableTiming)) != cudaSuccess) {
+            st = cfail(c, ce, "cudaEventCreateWithFlags");
+            return dev_leave(c, saved, st);
+        }
+        *ev = e;
+        *ev_dev = dev;
+    }
+    ce = cudaMemcpyAsync(dst, src, len, to_device ? cudaMemcpyHostToDevice : cudaMemcpyDeviceToHost,
+                         d->stream);
+    if (ce != cudaSuccess) {
+        st = cfail(c, ce, "cudaMemcpyAsync");
+        return dev_leave(c, saved, st);
+    }
+    d->slot_copies = true;
+    if ((ce = cudaEventRecord((cudaEvent_t)*ev, d->stream)) != cudaSuccess)
+        st = cfail(c, ce, "cudaEventRecord");
+    return dev_leave(c, saved, st);
+}
+
+int kvc_cuda_event_poll(kvc_cuda_t *c, void *ev, kvc_status_t *st) {
+    cudaError_t ce = cudaEventQuery((cudaEvent_t)ev);
+    if (ce == cudaErrorNotReady) return 0; /* not an error: nothing to clear */
+    if (ce == cudaSuccess) return 1;
+    *st = cfail(c, ce, "cudaEventQuery");
+    return -1;
+}
+
+void kvc_cuda_event_destroy(kvc_cuda_t *c, void *ev) {
+    cudaError_t ce = cudaEventDestroy((cudaEvent_t)ev);
+    if (ce != cudaSuccess) cfail(c, ce, "cudaEventDestroy");
+}
+
 kvc_status_t kvc_cuda_sync(kvc_cuda_t *c) {
     kvc_status_t first = KVC_OK;
     for (int i = 0; i < c->ndev; i++) {
@@ -334,10 +385,10 @@ void kvc_cuda_drain(kvc_cuda_t *c) {
     if (!c) return;
     for (int i = 0; i < c->ndev; i++) {
         cdev_t *d = &c->devs[i];
-        if (!d->queued && !d->recorded) continue;
+        if (!d->queued && !d->recorded && !d->slot_copies) continue;
         cudaError_t ce = cudaStreamSynchronize(d->stream);
         if (ce != cudaSuccess) cfail(c, ce, "cudaStreamSynchronize");
-        d->queued = d->copies = d->recorded = false;
+        d->queued = d->copies = d->recorded = d->slot_copies = false;
     }
 }
 

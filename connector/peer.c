@@ -274,7 +274,10 @@ static void ep_transports(kvc_peer_t *p, char names[256]) {
  * then picks GET or PUSH (path.c).  False (peer failed) when the wanted
  * protocol cannot serve these memory types. */
 static bool choose_path(kvc_agent_t *a, kvc_peer_t *p) {
-    kvc_path_in_t in = {.want = a->proto, .rma = a->rma, .local_dev = a->cuda_direct};
+    kvc_path_in_t in = {.want = a->proto,
+                        .rma = a->rma,
+                        .local_dev = a->cuda_direct,
+                        .local_staged = a->n_staged > 0};
     in.keys = p->n_regions > 0;
     for (uint32_t i = 0; i < p->n_regions; i++) {
         in.keys &= p->rr[i].rkey != NULL;

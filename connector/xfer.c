@@ -31,8 +31,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-enum { KVC_AM_PULL = 21, KVC_AM_DATA = 22 };
-
 typedef enum { X_WAIT_PEER, X_DATA, X_FLUSH, X_NOTIFY, X_DONE } xstate_t;
 
 struct kvc_xfer {
@@ -66,6 +64,7 @@ struct kvc_xfer {
     bool end_seen;
     void *cuda_stream; /* borrowed: the engine's stream that waits for the staging copies */
     bool has_stream;   /* cuda_stream was given: 0 is the legacy default stream */
+    kvc_stage_ref_t sref; /* staged chunks in flight (stage.c) */
 };
 
 /* Producer side: headers of one PULL's DATA sends, freed with the last send. */
@@ -113,6 +112,7 @@ static kvc_status_t ucs_to_kvc(ucs_status_t us) {
 static void op_error(kvc_xfer_t *x, kvc_status_t st, const char *what, const char *detail) {
     if (x->op_failed) return;
     x->op_failed = true;
+    x->sref.dead = true;
     x->op_status = st;
     snprintf(x->op_msg, sizeof(x->op_msg), "%s: %s", what, detail);
 }
@@ -162,6 +162,7 @@ static void xfer_finish(kvc_agent_t *a, kvc_xfer_t *x, kvc_status_t st, const ch
     /* No staging copy may land after FETCH_FAILED: wait for all of them. */
     if (st != KVC_OK) kvc_cuda_drain(a->cuda);
     x->finished = true;
+    x->sref.dead = true;
     x->state = X_DONE;
     if (st == KVC_OK) {
         a->stats[KVC_STAT_FETCH_DONE]++;
@@ -198,28 +199,9 @@ static void xfer_free(kvc_xfer_t *x) {
 
 /* ------------------------------------------------------------- consumer -- */
 
-/* Staged regions: mirror -> device for the fetched blocks, all regions and
- * devices queued first, then one host sync per device, or none when the
- * engine gave a stream to order after the copies. */
-static kvc_status_t stage_in(kvc_agent_t *a, kvc_xfer_t *x) {
-    kvc_status_t st = kvc_stage_copy(a, x->local, x->n, true);
-    if (st != KVC_OK) return st;
-    if (x->has_stream) return kvc_cuda_order_before(a->cuda, x->cuda_stream);
-    a->stats[KVC_STAT_CUDA_SYNCS]++;
-    return kvc_cuda_sync(a->cuda);
-}
-
 static void start_notify(kvc_agent_t *a, kvc_xfer_t *x) {
-    if (a->n_staged && x->n) {
-        kvc_status_t st = stage_in(a, x);
-        if (st != KVC_OK) {
-            char m[400];
-            snprintf(m, sizeof(m), "staging host->device copy failed: %s",
-                     kvc_cuda_last_error(a->cuda));
-            xfer_finish(a, x, st, m); /* drains what was queued */
-            return;
-        }
-    }
+    /* Staged regions: every chunk's pool -> device copy completed before
+     * its hold was released (stage.c), so the bytes are on the device. */
     kvc_wire_encode_notify(&x->notify, x->pub_token, x->req_id, a->tp_size);
     if (x->notify.failed) {
         xfer_finish(a, x, KVC_ERR_NO_MEMORY, "out of memory");
@@ -303,7 +285,7 @@ static void start_data(kvc_agent_t *a, kvc_xfer_t *x, uint64_t now) {
 
     bool local_host = true;
     for (size_t r = 0; r < a->n_regions; r++)
-        local_host &= a->regions[r].mem_type == KVC_MEM_HOST || a->regions[r].staged;
+        local_host &= a->regions[r].mem_type == KVC_MEM_HOST;
     if (x->proto == KVC_PROTO_GET && p->shm && local_host) {
         x->direct = true; /* copied in slices by advance() */
         return;
@@ -328,10 +310,11 @@ static void start_data(kvc_agent_t *a, kvc_xfer_t *x, uint64_t now) {
         return;
     }
     /* Device memory cannot take an eager copy in the handler: ask for
-     * rendezvous only, which UCX receives straight into device memory. */
+     * rendezvous only, which UCX receives straight into device memory, or
+     * (staged) into a pool slot when one is free (stage.c). */
     uint16_t flags = 0;
     for (size_t r = 0; r < a->n_regions; r++)
-        if (a->regions[r].mem_type == KVC_MEM_CUDA && !a->regions[r].staged) flags |= KVC_PULL_RNDV;
+        if (a->regions[r].mem_type == KVC_MEM_CUDA) flags |= KVC_PULL_RNDV;
     kvc_wire_pull_t pl = {.xfer_id = x->id,
                           .flags = flags,
                           .request_id = {(const uint8_t *)x->req_id, strlen(x->req_id)},
@@ -405,6 +388,7 @@ static void advance(kvc_agent_t *a, kvc_xfer_t *x, uint64_t now, uint64_t *next)
         start_data(a, x, now);
         if (x->finished) return;
     }
+    if (x->sref.st != KVC_OK) op_error(x, x->sref.st, "staged chunk", x->sref.msg);
     if (x->op_failed) {
         xfer_finish(a, x, x->op_status, x->op_msg);
         return;
@@ -414,9 +398,11 @@ static void advance(kvc_agent_t *a, kvc_xfer_t *x, uint64_t now, uint64_t *next)
         return;
     }
     if (x->state == X_DATA) {
-        bool landed = x->outstanding == 0 && (x->proto == KVC_PROTO_GET || x->n == 0 ||
+        bool landed = x->outstanding == 0 && x->sref.holds == 0 &&
+                      (x->proto == KVC_PROTO_GET || x->n == 0 ||
                                               x->bits_set == (uint64_t)x->n * a->n_regions);
-        if (!landed && x->outstanding == 0 && x->end_seen && x->chunks_got >= x->end_chunks) {
+        if (!landed && x->outstanding == 0 && x->sref.holds == 0 && x->end_seen &&
+            x->chunks_got >= x->end_chunks) {
             char m[200];
             snprintf(m, sizeof(m),
                      "short transfer: the producer ended after %llu messages with %llu of %llu "
@@ -467,7 +453,7 @@ void kvc_xfers_advance(kvc_agent_t *a, uint64_t now, uint64_t *next) {
     while (*pp) {
         kvc_xfer_t *x = *pp;
         if (!x->finished) advance(a, x, now, next);
-        if (x->finished && x->outstanding == 0) {
+        if (x->finished && x->outstanding == 0 && x->sref.holds == 0) {
             *pp = x->next;
             kvc_peer_unref(a, x->peer);
             xfer_free(x);
@@ -698,7 +684,7 @@ static ucs_status_t data_cb(void *arg, const void *header, size_t hlen, void *da
         }
     kvc_region_t *rg = &a->regions[h.region];
     uint8_t *dst = (uint8_t *)rg->base + h.local_start * rg->block_len;
-    if (!rndv && rg->mem_type == KVC_MEM_CUDA && !rg->staged) {
+    if (!rndv && rg->mem_type == KVC_MEM_CUDA) {
         op_error(x, KVC_ERR_PROTOCOL, "push", "eager data for device memory (asked rendezvous)");
         return UCS_OK;
     }
@@ -706,6 +692,7 @@ static ucs_status_t data_cb(void *arg, const void *header, size_t hlen, void *da
         x->bits[(bit0 + i) / 8] |= (uint8_t)(1u << ((bit0 + i) % 8));
     x->bits_set += h.count;
     x->chunks_got++;
+    if (rg->staged) return kvc_stage_recv(a, &x->sref, h.region, h.local_start, data, len);
     if (!rndv) {
         memcpy(dst, data, len);
         x->bytes_got += len;
@@ -840,6 +827,10 @@ static ucs_status_t pull_cb(void *arg, const void *header, size_t hlen, void *da
         return UCS_OK;
     }
     pub->pulls++;
+    if (a->n_staged) { /* through the pinned pool, copies pipelined (stage.c) */
+        kvc_stage_push(a, ep, &pl, runs, n);
+        return UCS_OK;
+    }
     uint64_t xid = pl.xfer_id;
     uint16_t flags = pl.flags;
     /* Large runs go as several messages: one huge rendezvous over tcp is

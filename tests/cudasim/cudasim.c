@@ -59,6 +59,7 @@ struct CUstream_st {
 
 struct CUevent_st {
     int device;
+    cudaError_t err; /* an asynchronous error of its stream before the record ran */
     unsigned long gen, done_gen;
     cudaStream_t stream; /* of the latest record */
 };
@@ -91,6 +92,7 @@ static struct {
     unsigned long n;
 } counts[MAX_FNS];
 static int nstreams_live;
+static size_t pinned_now, pinned_peak;
 static pthread_t worker;
 static bool worker_on, worker_stop, eager;
 static _Thread_local int cur_dev;
@@ -228,6 +230,7 @@ static void exec(cudaStream_t s, op_t *o, int depth) {
         break;
     case OP_RECORD:
         if (o->ev->done_gen < o->gen) o->ev->done_gen = o->gen;
+        o->ev->err = s->err; /* CUDA's errors are sticky: a query after it reports it */
         break;
     case OP_WAIT:
         /* Work on the other stream up to the awaited record runs first. */
@@ -349,6 +352,7 @@ void cudasim_reset(int devices, bool threaded) {
         s->held = false;
     memset(faults, 0, sizeof(faults));
     memset(counts, 0, sizeof(counts));
+    pinned_peak = pinned_now;
     for (int d = 0; d < MAX_DEV; d++) {
         default_streams[d].device = d;
         default_streams[d].legacy = true;
@@ -411,6 +415,25 @@ size_t cudasim_pending(void) {
         n += s->n;
     for (int d = 0; d < MAX_DEV; d++)
         n += default_streams[d].n;
+    pthread_mutex_unlock(&mu);
+    return n;
+}
+
+static void pinned_add(size_t n) {
+    pinned_now += n;
+    if (pinned_now > pinned_peak) pinned_peak = pinned_now;
+}
+
+size_t cudasim_pinned_bytes(void) {
+    pthread_mutex_lock(&mu);
+    size_t n = pinned_now;
+    pthread_mutex_unlock(&mu);
+    return n;
+}
+
+size_t cudasim_pinned_peak(void) {
+    pthread_mutex_lock(&mu);
+    size_t n = pinned_peak;
     pthread_mutex_unlock(&mu);
     return n;
 }
@@ -567,6 +590,7 @@ cudaError_t cudaHostRegister(void *p, size_t size, unsigned int flags) {
     a->len = size;
     a->next = pinned;
     pinned = a;
+    pinned_add(size);
     LEAVE(cudaSuccess);
 }
 
@@ -576,6 +600,7 @@ cudaError_t cudaHostUnregister(void *p) {
         if ((*pp)->p == p) {
             alloc_t *a = *pp;
             *pp = a->next;
+            pinned_now -= a->len;
             free(a);
             LEAVE(cudaSuccess);
         }
@@ -717,7 +742,7 @@ cudaError_t cudaEventQuery(cudaEvent_t ev) {
     ENTER("cudaEventQuery", NULL);
     if (!ev) LEAVE(cudaErrorInvalidResourceHandle);
     if (ev->done_gen < ev->gen) run_one(ev->stream, 0); /* a query lets one op run */
-    LEAVE(ev->done_gen >= ev->gen ? cudaSuccess : cudaErrorNotReady);
+    LEAVE(ev->done_gen >= ev->gen ? ev->err : cudaErrorNotReady);
 }
 
 cudaError_t cudaEventSynchronize(cudaEvent_t ev) {
@@ -832,6 +857,7 @@ cudaError_t cudaMallocHost(void **p, size_t size) {
     a->len = size;
     a->next = pinned;
     pinned = a;
+    pinned_add(size);
     *p = a->p;
     LEAVE(cudaSuccess);
 }
@@ -842,6 +868,7 @@ cudaError_t cudaFreeHost(void *p) {
         if ((*pp)->p == p) {
             alloc_t *a = *pp;
             *pp = a->next;
+            pinned_now -= a->len;
             free(a->p);
             free(a);
             LEAVE(cudaSuccess);

@@ -35,5 +35,9 @@ unsigned long cudasim_calls(const char *fn);
 size_t cudasim_pending(void);
 /* Streams created and not destroyed. */
 int cudasim_streams_live(void);
+/* Pinned host bytes (cudaHostRegister, cudaMallocHost): now, and the most
+ * at any time since the last reset. */
+size_t cudasim_pinned_bytes(void);
+size_t cudasim_pinned_peak(void);
 
 #endif
