@@ -66,6 +66,16 @@ static kvc_status_t map(kvc_agent_t *a, kvc_region_t *r, void *addr, size_t len,
     return KVC_OK;
 }
 
+/* UCX registered the region as device memory (ucp_mem_query's memory type;
+ * an older UCX that cannot say is believed). */
+static bool registered_as_cuda(const kvc_region_t *r) {
+    ucp_mem_attr_t ma;
+    memset(&ma, 0, sizeof(ma));
+    ma.field_mask = UCP_MEM_ATTR_FIELD_MEM_TYPE;
+    if (ucp_mem_query(r->memh, &ma) != UCS_OK) return true;
+    return ma.mem_type == UCS_MEMORY_TYPE_CUDA || ma.mem_type == UCS_MEMORY_TYPE_CUDA_MANAGED;
+}
+
 static kvc_status_t region_init(kvc_agent_t *a, kvc_region_t *r, const kvc_region_params_t *p,
                                 uint64_t num_blocks) {
     bool has_base = (p->field_mask & KVC_REGION_FIELD_BASE) && p->base;
@@ -99,8 +109,22 @@ static kvc_status_t region_init(kvc_agent_t *a, kvc_region_t *r, const kvc_regio
     const char *force = getenv("KVC_CUDA_STAGED"); /* operations and the GPU check */
     if (a->cuda_native && !(force && *force && strcmp(force, "0"))) {
         st = map(a, r, p->base, p->len, false, UCS_MEMORY_TYPE_CUDA);
-        if (st == KVC_OK) a->cuda_direct = true;
-        return st;
+        if (st == KVC_OK && registered_as_cuda(r)) {
+            a->cuda_direct = true;
+            return st;
+        }
+        /* UCX says it supports CUDA memory but did not register this region
+         * as such (no transport's memory domain took it: a VMM or IPC-less
+         * allocation, a GPU the CUDA transports do not serve): staged. */
+        KVC_LOG(a, KVC_LOG_WARN,
+                "UCX could not register the CUDA region at %p (%zu bytes) as device memory (%s): "
+                "staged through the pinned pool instead",
+                p->base, p->len, st == KVC_OK ? "registered as another memory type" : kvc_status_str(st));
+        if (r->rkey_buf) ucp_rkey_buffer_release(r->rkey_buf);
+        if (r->memh) ucp_mem_unmap(a->ctx, r->memh);
+        r->rkey_buf = NULL;
+        r->memh = NULL;
+        r->rkey_len = 0;
     }
     /* No CUDA memory support in UCX: nothing is registered with UCX and no
      * host copy of the region is kept; every transfer goes through the

@@ -656,6 +656,33 @@ static void test_register_checks(void **state) {
     free(host);
 }
 
+/* A UCX that says it supports CUDA memory but cannot register a region
+ * (here: UCX without CUDA, told otherwise): the region is staged through the
+ * pool instead of failing the registration, and blocks still move. */
+static void test_direct_falls_back_to_staged(void **state) {
+    cudasim_reset(2, false);
+    kvc_agent_params_t ap = {.field_mask = KVC_AGENT_FIELD_ENGINE_ID, .engine_id = "fb"};
+    kvc_agent_t *a;
+    void *d0;
+    assert_int_equal(cudaSetDevice(0), cudaSuccess);
+    assert_int_equal(cudaMalloc(&d0, NB * BL), cudaSuccess);
+    kvc_region_params_t rp = {.field_mask = KVC_REGION_FIELD_BASE | KVC_REGION_FIELD_MEM_TYPE,
+                              .len = NB * BL,
+                              .base = d0,
+                              .mem_type = KVC_MEM_CUDA};
+    assert_int_equal(kvc_agent_create(&ap, &a), KVC_OK);
+    a->cuda_native = true; /* what ucp_context_query would say on a GPU host */
+    assert_int_equal(kvc_agent_register_regions(a, NB, &rp, 1), KVC_OK);
+    uint64_t v;
+    assert_int_equal(kvc_agent_stat(a, KVC_STAT_CUDA_STAGED_REGIONS, &v), KVC_OK);
+    assert_int_equal(v, 1);
+    assert_int_equal(kvc_agent_stat(a, KVC_STAT_CUDA_DIRECT_REGIONS, &v), KVC_OK);
+    assert_int_equal(v, 0);
+    assert_int_equal(cudaPeekAtLastError(), cudaSuccess);
+    kvc_agent_destroy(a);
+    assert_int_equal(cudaFree(d0), cudaSuccess);
+}
+
 /* Hybrid models: kv_transfer_params with several KV-cache groups are refused
  * before anything moves. */
 static void test_hybrid_groups(void **state) {
@@ -691,6 +718,7 @@ int main(void) {
         cmocka_unit_test(test_fetch_copy_fails_async),
         cmocka_unit_test(test_publish_failure),
         cmocka_unit_test(test_register_checks),
+        cmocka_unit_test(test_direct_falls_back_to_staged),
         cmocka_unit_test(test_hybrid_groups),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
