@@ -69,6 +69,18 @@ typedef void (*cudaHostFn_t)(void *userData);
 #define cudaHostRegisterDefault 0x00
 #define cudaHostRegisterPortable 0x01
 
+enum cudaDriverEntryPointQueryResult {
+    cudaDriverEntryPointSuccess = 0,
+    cudaDriverEntryPointSymbolNotFound = 1,
+    cudaDriverEntryPointVersionNotSufficent = 2,
+};
+#define cudaEnableDefault 0x0
+
+/* Hands out the stand-in's own driver functions; only cuPointerGetAttribute
+ * (RANGE_START_ADDR, RANGE_SIZE) is there. */
+cudaError_t cudaGetDriverEntryPointByVersion(const char *symbol, void **funcPtr,
+                                             unsigned int cudaVersion, unsigned long long flags,
+                                             enum cudaDriverEntryPointQueryResult *driverStatus);
 cudaError_t cudaGetDeviceCount(int *count);
 cudaError_t cudaGetDevice(int *device);
 cudaError_t cudaSetDevice(int device);

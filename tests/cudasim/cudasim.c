@@ -69,6 +69,8 @@ typedef struct alloc {
     uint8_t *p;
     size_t len;
     int device;
+    struct alloc *tail; /* cudasim_split: the allocation carved from this one's memory */
+    bool borrowed;      /* its memory belongs to the allocation it was split from */
 } alloc_t;
 
 typedef struct {
@@ -566,18 +568,76 @@ cudaError_t cudaMalloc(void **p, size_t size) {
     LEAVE(cudaSuccess);
 }
 
+static void forget(alloc_t *a) {
+    for (alloc_t **pp = &allocs; *pp; pp = &(*pp)->next)
+        if (*pp == a) {
+            *pp = a->next;
+            break;
+        }
+    for (alloc_t *o = allocs; o; o = o->next)
+        if (o->tail == a) o->tail = NULL;
+}
+
 cudaError_t cudaFree(void *p) {
     ENTER("cudaFree", NULL);
     if (!p) LEAVE(cudaSuccess);
-    for (alloc_t **pp = &allocs; *pp; pp = &(*pp)->next)
-        if ((*pp)->p == p) {
-            alloc_t *a = *pp;
-            *pp = a->next;
-            free(a->p);
+    for (alloc_t *a = allocs; a; a = a->next)
+        if (a->p == p) {
+            forget(a);
+            if (a->tail) {
+                forget(a->tail);
+                free(a->tail);
+            }
+            if (!a->borrowed) free(a->p);
             free(a);
             LEAVE(cudaSuccess);
         }
     LEAVE(cudaErrorInvalidValue);
+}
+
+void cudasim_split(void *p, size_t at) {
+    pthread_mutex_lock(&mu);
+    alloc_t *a = find_alloc(allocs, p, 1), *b = calloc(1, sizeof(*b));
+    if (a && b && at > 0 && at < a->len && !a->tail) {
+        *b = (alloc_t){.next = allocs, .p = a->p + at, .len = a->len - at, .device = a->device,
+                       .borrowed = true};
+        allocs = b;
+        a->len = at;
+        a->tail = b;
+    } else {
+        free(b);
+    }
+    pthread_mutex_unlock(&mu);
+}
+
+/* cuPointerGetAttribute as the driver answers for the two range attributes
+ * (CU_POINTER_ATTRIBUTE_RANGE_START_ADDR 11, RANGE_SIZE 12). */
+static int sim_cu_pointer_get_attribute(void *data, int attr, unsigned long long ptr) {
+    pthread_mutex_lock(&mu);
+    alloc_t *a = find_alloc(allocs, (const void *)(uintptr_t)ptr, 1);
+    int r = 1; /* CUDA_ERROR_INVALID_VALUE */
+    if (a && attr == 11) {
+        *(unsigned long long *)data = (unsigned long long)(uintptr_t)a->p;
+        r = 0;
+    } else if (a && attr == 12) {
+        *(size_t *)data = a->len;
+        r = 0;
+    }
+    pthread_mutex_unlock(&mu);
+    return r;
+}
+
+cudaError_t cudaGetDriverEntryPointByVersion(const char *symbol, void **fn, unsigned int version,
+                                             unsigned long long flags,
+                                             enum cudaDriverEntryPointQueryResult *status) {
+    (void)version;
+    (void)flags;
+    ENTER("cudaGetDriverEntryPointByVersion", NULL);
+    if (!symbol || !fn) LEAVE(cudaErrorInvalidValue);
+    bool found = !strcmp(symbol, "cuPointerGetAttribute");
+    *fn = found ? (void *)sim_cu_pointer_get_attribute : NULL;
+    if (status) *status = found ? cudaDriverEntryPointSuccess : cudaDriverEntryPointSymbolNotFound;
+    LEAVE(cudaSuccess);
 }
 
 cudaError_t cudaHostRegister(void *p, size_t size, unsigned int flags) {

@@ -29,6 +29,10 @@ void cudasim_fail(const char *fn, unsigned nth, cudaError_t err);
  * the stream reports err at its next synchronisation, like an asynchronous
  * CUDA fault. */
 void cudasim_fail_async(const char *fn, unsigned nth, cudaError_t err);
+/* Splits the cudaMalloc allocation that holds p at offset `at`: two
+ * allocations side by side afterwards, as the driver may hand out (freeing
+ * the first frees both's memory; the second is then forgotten too). */
+void cudasim_split(void *p, size_t at);
 /* Calls of runtime function `fn` since the last reset. */
 unsigned long cudasim_calls(const char *fn);
 /* Operations queued on all streams and not yet run. */

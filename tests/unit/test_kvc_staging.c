@@ -639,6 +639,16 @@ static void test_register_checks(void **state) {
     assert_int_equal(kvc_agent_register_regions(a, NB, &rp, 1), KVC_ERR_INVALID_PARAM);
     rp.base = (uint8_t *)d1 + BL; /* runs past the end of the allocation */
     assert_int_equal(kvc_agent_register_regions(a, NB, &rp, 1), KVC_ERR_INVALID_PARAM);
+    /* Two allocations side by side on one device: both ends are device
+     * memory of device 1, yet the region is not one allocation. */
+    void *two;
+    assert_int_equal(cudaSetDevice(1), cudaSuccess);
+    assert_int_equal(cudaMalloc(&two, 2 * NB * BL), cudaSuccess);
+    assert_int_equal(cudaSetDevice(0), cudaSuccess);
+    cudasim_split(two, NB * BL);
+    rp.base = (uint8_t *)two + NB * BL / 2;
+    assert_int_equal(kvc_agent_register_regions(a, NB, &rp, 1), KVC_ERR_INVALID_PARAM);
+    assert_int_equal(cudaFree(two), cudaSuccess);
     rp.base = d1;
     assert_int_equal(kvc_agent_register_regions(a, NB, &rp, 1), KVC_OK); /* device 1 agrees */
     assert_int_equal(cudaGetDevice(&d), cudaSuccess);
