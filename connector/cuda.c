@@ -144,6 +144,39 @@ out:
     return dev_leave(c, saved, st);
 }
 
+/* The driver's cuPointerGetAttribute, reached through the runtime so that
+ * libkvconnector does not link libcuda; NULL when the driver lacks it.  The
+ * attribute values and the signature are the driver API's (cuda.h). */
+typedef int (*cu_ptr_attr_fn)(void *data, int attribute, unsigned long long ptr);
+#define CU_PTR_RANGE_START 11 /* CU_POINTER_ATTRIBUTE_RANGE_START_ADDR */
+#define CU_PTR_RANGE_SIZE 12  /* CU_POINTER_ATTRIBUTE_RANGE_SIZE */
+
+static cu_ptr_attr_fn ptr_attr_fn(void) {
+    void *fn = NULL;
+    enum cudaDriverEntryPointQueryResult q = cudaDriverEntryPointSymbolNotFound;
+    cudaError_t ce = cudaGetDriverEntryPointByVersion("cuPointerGetAttribute", &fn, 12000,
+                                                      cudaEnableDefault, &q);
+    if (ce != cudaSuccess || q != cudaDriverEntryPointSuccess) {
+        (void)cudaGetLastError();
+        return NULL;
+    }
+    return (cu_ptr_attr_fn)fn;
+}
+
+/* [base, base+len) inside the one allocation that holds base (the driver's
+ * address range of base).  Without the driver function: true (the two-end
+ * check of the caller stands alone). */
+static bool one_allocation(const void *base, size_t len) {
+    cu_ptr_attr_fn fn = ptr_attr_fn();
+    if (!fn) return true;
+    unsigned long long start = 0;
+    size_t size = 0;
+    unsigned long long p = (unsigned long long)(uintptr_t)base;
+    if (fn(&start, CU_PTR_RANGE_START, p) != 0 || fn(&size, CU_PTR_RANGE_SIZE, p) != 0)
+        return false;
+    return p >= start && p - start <= size && len <= size - (p - start);
+}
+
 kvc_status_t kvc_cuda_region_device(kvc_cuda_t *c, const void *base, size_t len, int hint,
                                     int *dev) {
     struct cudaPointerAttributes at, end;
@@ -158,7 +191,7 @@ kvc_status_t kvc_cuda_region_device(kvc_cuda_t *c, const void *base, size_t len,
     }
     ce = cudaPointerGetAttributes(&end, (const char *)base + len - 1);
     if (ce != cudaSuccess) return cfail(c, ce, "cudaPointerGetAttributes");
-    if (end.type != at.type || end.device != at.device) {
+    if (end.type != at.type || end.device != at.device || !one_allocation(base, len)) {
         snprintf(c->err, sizeof(c->err),
                  "region at %p (%zu bytes) does not lie in one allocation of device %d", base, len,
                  at.device);
