@@ -85,7 +85,11 @@ typedef struct {
 
 static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
 static int ndev = 2;
-static struct CUstream_st default_streams[MAX_DEV];
+/* Each device's legacy default stream, valid before any cudasim_reset (a
+ * program that never calls it, like kvc_gpu_test_standin). */
+#define LEGACY(d) {.device = (d), .legacy = true}
+static struct CUstream_st default_streams[MAX_DEV] = {LEGACY(0), LEGACY(1), LEGACY(2), LEGACY(3),
+                                                      LEGACY(4), LEGACY(5), LEGACY(6), LEGACY(7)};
 static cudaStream_t streams;
 static alloc_t *allocs, *pinned;
 static fault_t faults[MAX_FAULTS];
