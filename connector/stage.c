@@ -60,6 +60,8 @@ typedef struct {
 struct sjob {
     sjob_t *next;
     ucp_ep_h ep; /* borrowed: the worker's reply endpoint of the consumer */
+    char *pub_id; /* owned: the publication pulled */
+    uint8_t pub_token[KVC_TOKEN_LEN];
     uint64_t xid;
     uint8_t token[KVC_TOKEN_LEN];
     uint16_t flags;
@@ -181,6 +183,15 @@ static void pend_drop(kvc_agent_t *a, pend_t *p, kvc_status_t st, const char *wh
 void kvc_stage_cleanup(kvc_agent_t *a) {
     kvc_stage_t *s = a->stage;
     if (!s) return;
+    /* Receives into slots end before the slots go (the endpoints are
+     * closed by now, so they complete as cancelled; bounded). */
+    uint64_t until = kvc_now_ns() + 2000000000ull;
+    for (bool busy = true; busy && kvc_now_ns() < until;) {
+        busy = false;
+        for (size_t i = 0; i < s->nslots && !busy; i++)
+            busy = s->slots[i].state == S_RECV;
+        if (busy) ucp_worker_progress(a->worker);
+    }
     /* Copies still queued read or write the slots: they end first. */
     kvc_cuda_drain(a->cuda);
     while (s->pend) {
@@ -192,6 +203,7 @@ void kvc_stage_cleanup(kvc_agent_t *a) {
         sjob_t *j = s->jobs;
         s->jobs = j->next;
         free(j->runs);
+        free(j->pub_id);
         free(j);
     }
     for (size_t i = 0; i < s->nslots; i++)
@@ -271,7 +283,9 @@ static void job_hdr(kvc_agent_t *a, sjob_t *j, uint32_t region, int32_t status, 
 void kvc_stage_push(kvc_agent_t *a, ucp_ep_h ep, const kvc_wire_pull_t *pl, kvc_run_t *runs,
                     size_t n) {
     sjob_t *j = calloc(1, sizeof(*j));
-    if (!j || !a->stage) {
+    if (j) j->pub_id = kvc_strndup((const char *)pl->request_id.p, pl->request_id.len);
+    if (!j || !j->pub_id || !a->stage) {
+        if (j) free(j->pub_id);
         free(j);
         free(runs);
         kvc_wire_data_hdr_t h = {pl->xfer_id, 0, (int32_t)KVC_ERR_NO_MEMORY, 0, 0, {0}};
@@ -280,6 +294,7 @@ void kvc_stage_push(kvc_agent_t *a, ucp_ep_h ep, const kvc_wire_pull_t *pl, kvc_
         return;
     }
     j->ep = ep;
+    memcpy(j->pub_token, pl->pub_token, KVC_TOKEN_LEN);
     j->xid = pl->xfer_id;
     memcpy(j->token, pl->xfer_token, KVC_TOKEN_LEN);
     j->flags = pl->flags;
@@ -293,11 +308,28 @@ void kvc_stage_push(kvc_agent_t *a, ucp_ep_h ep, const kvc_wire_pull_t *pl, kvc_
     kvc_wake(a);
 }
 
+/* The job's publication is still published (not unpublished, expired or
+ * released): its blocks still hold its KV.  Checked before a chunk is read
+ * from the device and again once it is in the slot, before it is sent: an
+ * engine reuses blocks only after the publication is gone, so a chunk that
+ * passes the second check was read before any reuse. */
+static bool job_live(kvc_agent_t *a, sjob_t *j) {
+    kvc_pub_t *p = kvc_pubtab_find(&a->pubs, j->pub_id, strlen(j->pub_id));
+    if (p && kvc_mac_equal(p->token, j->pub_token, KVC_TOKEN_LEN)) return true;
+    if (!j->failed) {
+        j->failed = true;
+        j->fail_st = KVC_ERR_DENIED;
+        KVC_LOG(a, KVC_LOG_WARN, "push (staged) req=%s: publication gone mid-transfer, refused",
+                j->pub_id);
+    }
+    return false;
+}
+
 /* Starts the job's next messages while slots are free.  False when the
  * cursor is at the end. */
 static bool job_start(kvc_agent_t *a, sjob_t *j) {
     kvc_stage_t *s = a->stage;
-    while (!j->failed && j->ri < j->n) {
+    while (!j->failed && j->ri < j->n && job_live(a, j)) {
         kvc_run_t *run = &j->runs[j->ri];
         kvc_region_t *rg = &a->regions[j->rg];
         uint64_t per = (rg->staged ? s->slot_bytes : a->push_chunk) / rg->block_len;
@@ -463,7 +495,7 @@ void kvc_stage_progress(kvc_agent_t *a, uint64_t now, uint64_t *next) {
                 break;
             }
             j->inflight--;
-            if (r < 0 || j->failed) {
+            if (r < 0 || j->failed || !job_live(a, j)) {
                 if (r < 0) {
                     KVC_LOG(a, KVC_LOG_WARN, "push (staged): device->pool copy: %s",
                             kvc_cuda_last_error(a->cuda));
@@ -519,6 +551,7 @@ void kvc_stage_progress(kvc_agent_t *a, uint64_t now, uint64_t *next) {
         *pp = j->next;
         if (s->jobs_tail == j) s->jobs_tail = prev;
         free(j->runs);
+        free(j->pub_id);
         free(j);
     }
     for (size_t i = 0; i < s->nslots && !pending; i++)

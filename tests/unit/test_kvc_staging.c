@@ -507,6 +507,55 @@ static void test_pool_bounded(void **state) {
     assert_int_equal(cudasim_pending(), 0);
 }
 
+/* The engine aborts a request (kvc_unpublish) while a staged push of it is
+ * halfway through the pool: the push stops, the fetch fails (DENIED) instead
+ * of completing with blocks the engine may already be reusing. */
+static void test_unpublish_stops_staged_push(void **state) {
+    cudasim_reset(2, false);
+    setenv("KVC_PUSH_CHUNK_KB", "16", 1);
+    pool_bytes = 32 << 10; /* two 16 KiB slots: 64 chunks take turns */
+    side_t P, D;
+    side_init(&P, "unpub-P", 2, KVC_PROTO_AUTO);
+    side_init(&D, "unpub-D", 2, KVC_PROTO_AUTO);
+    pool_bytes = 0;
+    unsetenv("KVC_PUSH_CHUNK_KB");
+    assert_int_equal(cudaSetDevice(CALLER_DEV), cudaSuccess);
+    uint64_t all[NB];
+    for (uint64_t b = 0; b < NB; b++)
+        all[b] = b;
+    char *json;
+    assert_int_equal(kvc_publish(P.a, "unpub:1", all, NB, NULL, &json), KVC_OK);
+    start_fetch(&D, json, all, NB, NULL);
+    kvc_free(json);
+    bool unpublished = false;
+    int got = 0;
+    kvc_status_t st = KVC_OK;
+    uint64_t t0 = kvc_now_ns();
+    for (long turn = 0; !got; turn++) {
+        assert_true(turn < 2000000 && kvc_now_ns() - t0 < 20000000000ull);
+        kvc_agent_progress(P.a);
+        kvc_agent_progress(D.a);
+        uint64_t copies = 0;
+        assert_int_equal(kvc_agent_stat(D.a, KVC_STAT_CUDA_COPIES, &copies), KVC_OK);
+        if (!unpublished && copies >= 2) {
+            assert_int_equal(kvc_unpublish(P.a, "unpub:1"), KVC_OK);
+            unpublished = true;
+        }
+        kvc_event_t ev;
+        while (kvc_agent_next_event(D.a, &ev) == KVC_OK) {
+            got = ev.type == KVC_EV_FETCH_DONE ? 1 : ev.type == KVC_EV_FETCH_FAILED ? 2 : 0;
+            st = ev.status;
+        }
+        while (kvc_agent_next_event(P.a, &ev) == KVC_OK)
+            ;
+    }
+    assert_true(unpublished);
+    assert_int_equal(got, 2);
+    assert_int_equal(st, KVC_ERR_DENIED);
+    side_cleanup(&D);
+    side_cleanup(&P);
+}
+
 /* A copy that fails to queue halfway through a fetch: FETCH_FAILED with the
  * CUDA error's name, and nothing still queued when the event arrives. */
 static void fetch_failure(bool async) {
@@ -724,6 +773,7 @@ int main(void) {
         cmocka_unit_test(test_legacy_default_stream),
         cmocka_unit_test(test_per_thread_default_stream),
         cmocka_unit_test(test_pool_bounded),
+        cmocka_unit_test(test_unpublish_stops_staged_push),
         cmocka_unit_test(test_fetch_copy_fails),
         cmocka_unit_test(test_fetch_copy_fails_async),
         cmocka_unit_test(test_publish_failure),
