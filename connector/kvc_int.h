@@ -568,7 +568,6 @@ struct kvc_peer {
     char fail_msg[320];
 };
 
-
 /* --------------------------------------------------------- xfer.c -- */
 KVC_HIDDEN kvc_status_t kvc_xfer_register_am(kvc_agent_t *a);
 KVC_HIDDEN void kvc_xfers_advance(kvc_agent_t *a, uint64_t now, uint64_t *next);

@@ -119,7 +119,8 @@ static kvc_status_t region_init(kvc_agent_t *a, kvc_region_t *r, const kvc_regio
         KVC_LOG(a, KVC_LOG_WARN,
                 "UCX could not register the CUDA region at %p (%zu bytes) as device memory (%s): "
                 "staged through the pinned pool instead",
-                p->base, p->len, st == KVC_OK ? "registered as another memory type" : kvc_status_str(st));
+                p->base, p->len,
+                st == KVC_OK ? "registered as another memory type" : kvc_status_str(st));
         if (r->rkey_buf) ucp_rkey_buffer_release(r->rkey_buf);
         if (r->memh) ucp_mem_unmap(a->ctx, r->memh);
         r->rkey_buf = NULL;

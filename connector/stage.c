@@ -39,12 +39,12 @@ typedef struct {
     slot_state_t state;
     void *ev; /* cudaEvent_t, owned; made on ev_dev */
     int ev_dev;
-    sjob_t *job;   /* producer: the job the slot is sending for */
+    sjob_t *job;     /* producer: the job the slot is sending for */
     uint32_t region; /* producer: the chunk's region and first local block */
     uint64_t local;
     kvc_stage_ref_t *x; /* consumer: the fetch, held until the slot's copy is complete */
-    int dev;       /* consumer: device of the destination */
-    void *dst;     /* consumer: device address of the chunk */
+    int dev;            /* consumer: device of the destination */
+    void *dst;          /* consumer: device address of the chunk */
     size_t len;
     kvc_status_t fail; /* consumer: the receive failed */
 } slot_t;
@@ -59,7 +59,7 @@ typedef struct {
 
 struct sjob {
     sjob_t *next;
-    ucp_ep_h ep; /* borrowed: the worker's reply endpoint of the consumer */
+    ucp_ep_h ep;  /* borrowed: the worker's reply endpoint of the consumer */
     char *pub_id; /* owned: the publication pulled */
     uint8_t pub_token[KVC_TOKEN_LEN];
     uint64_t xid;
@@ -268,8 +268,8 @@ static void send_msg(kvc_agent_t *a, ucp_ep_h ep, sjob_t *j, slot_t *slot,
     a->push_inflight++;
     if (j) j->inflight++;
     if (slot) slot->state = S_SEND;
-    ucs_status_ptr_t r = ucp_am_send_nbx(ep, KVC_AM_DATA, c->hdr, KVC_WIRE_DATA_HDR_LEN, data,
-                                         data ? len : 0, &rp);
+    ucs_status_ptr_t r =
+        ucp_am_send_nbx(ep, KVC_AM_DATA, c->hdr, KVC_WIRE_DATA_HDR_LEN, data, data ? len : 0, &rp);
     if (UCS_PTR_IS_PTR(r)) return;
     send_done(NULL, UCS_PTR_STATUS(r), c);
 }
@@ -380,16 +380,25 @@ static bool job_start(kvc_agent_t *a, sjob_t *j) {
 static void recv_done(void *req, ucs_status_t us, size_t length, void *ud) {
     slot_t *sl = ud;
     (void)length;
-    sl->fail = us == UCS_OK ? KVC_OK : us == UCS_ERR_CANCELED ? KVC_ERR_CANCELED : KVC_ERR_TRANSPORT;
+    sl->fail = us == UCS_OK             ? KVC_OK
+               : us == UCS_ERR_CANCELED ? KVC_ERR_CANCELED
+                                        : KVC_ERR_TRANSPORT;
     sl->state = S_RECVD;
     kvc_wake(sl->a);
     if (req) ucp_request_free(req);
 }
 
-static void recv_start(kvc_agent_t *a, slot_t *sl, kvc_stage_ref_t *x, void *data, size_t len, int dev,
-                       void *dst) {
-    *sl = (slot_t){.p = sl->p, .a = a, .ev = sl->ev, .ev_dev = sl->ev_dev, .state = S_RECV,
-                   .x = x, .dev = dev, .dst = dst, .len = len};
+static void recv_start(kvc_agent_t *a, slot_t *sl, kvc_stage_ref_t *x, void *data, size_t len,
+                       int dev, void *dst) {
+    *sl = (slot_t){.p = sl->p,
+                   .a = a,
+                   .ev = sl->ev,
+                   .ev_dev = sl->ev_dev,
+                   .state = S_RECV,
+                   .x = x,
+                   .dev = dev,
+                   .dst = dst,
+                   .len = len};
     ucp_request_param_t rp;
     memset(&rp, 0, sizeof(rp));
     rp.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
@@ -453,7 +462,7 @@ void kvc_stage_progress(kvc_agent_t *a, uint64_t now, uint64_t *next) {
             if (sl->fail != KVC_OK || !ref_live(sl->x)) {
                 /* The fetch failed meanwhile: its bytes never reach the device. */
                 ref_release(a, sl->x, sl->fail != KVC_OK ? sl->fail : KVC_ERR_CANCELED,
-                                 "staged receive");
+                            "staged receive");
                 sl->state = S_FREE;
                 break;
             }
@@ -507,8 +516,8 @@ void kvc_stage_progress(kvc_agent_t *a, uint64_t now, uint64_t *next) {
                 sl->state = S_FREE;
                 break;
             }
-            kvc_wire_data_hdr_t h = {j->xid, sl->region, 0, sl->local,
-                                     sl->len / a->regions[sl->region].block_len, {0}};
+            kvc_wire_data_hdr_t h = {
+                j->xid, sl->region, 0, sl->local, sl->len / a->regions[sl->region].block_len, {0}};
             memcpy(h.token, j->token, KVC_TOKEN_LEN);
             send_msg(a, j->ep, j, sl, &h, sl->p, sl->len);
             break;

@@ -62,8 +62,8 @@ struct kvc_xfer {
     uint8_t *bits;                     /* owned: n * n_regions bits, set as DATA lands */
     uint64_t bits_set, chunks_got, end_chunks;
     bool end_seen;
-    void *cuda_stream; /* borrowed: the engine's stream that waits for the staging copies */
-    bool has_stream;   /* cuda_stream was given: 0 is the legacy default stream */
+    void *cuda_stream;    /* borrowed: the engine's stream that waits for the staging copies */
+    bool has_stream;      /* cuda_stream was given: 0 is the legacy default stream */
     kvc_stage_ref_t sref; /* staged chunks in flight (stage.c) */
 };
 
@@ -400,7 +400,7 @@ static void advance(kvc_agent_t *a, kvc_xfer_t *x, uint64_t now, uint64_t *next)
     if (x->state == X_DATA) {
         bool landed = x->outstanding == 0 && x->sref.holds == 0 &&
                       (x->proto == KVC_PROTO_GET || x->n == 0 ||
-                                              x->bits_set == (uint64_t)x->n * a->n_regions);
+                       x->bits_set == (uint64_t)x->n * a->n_regions);
         if (!landed && x->outstanding == 0 && x->sref.holds == 0 && x->end_seen &&
             x->chunks_got >= x->end_chunks) {
             char m[200];

@@ -66,8 +66,8 @@
  *    returns at once, without a host sync (the device-to-pool copies of a
  *    pull are queued behind that wait); direct: it returns once the writes
  *    are complete (a host sync of the wait, since UCX reads device memory
- *    outside any stream).  The engine never has to synchronise.  Without either field the caller guarantees that its writes
- *    to the blocks are complete (e.g. it synchronised its stream).
+ *    outside any stream).  The engine never has to synchronise.  Without either field the caller
+ * guarantees that its writes to the blocks are complete (e.g. it synchronised its stream).
  *  - kvc_fetch: a cudaStream_t that will read the blocks
  *    (KVC_FETCH_FIELD_CUDA_STREAM).  Staged regions: FETCH_DONE comes once
  *    every pool-to-device copy has completed (their events are polled, no
@@ -277,8 +277,8 @@ typedef struct {
                                       default: env KVC_SECRET_FILE, else KVC_SECRET,
                                       else none (unauthenticated, warned once) */
     size_t secret_len;
-    uint32_t max_handshakes; /**< side-channel handshakes served at once (each
-                                  address: a quarter of it, at least 4); 256 */
+    uint32_t max_handshakes;   /**< side-channel handshakes served at once (each
+                                    address: a quarter of it, at least 4); 256 */
     size_t staging_pool_bytes; /**< pinned host memory through which CUDA regions
                                     are staged when UCX cannot register device
                                     memory (KVC_AGENT_FIELD_STAGING_POOL);
@@ -527,8 +527,8 @@ typedef enum {
     KVC_STAT_TRANSPORTS = 17,          /**< KVC_TRANSPORT_* bits of the UCX transports seen on
                                             endpoints to producers (collected when the agent has
                                             CUDA regions or logs at debug level) */
-    KVC_STAT_CUDA_COPIES = 18,         /**< staging copy calls issued (cudaMemcpyAsync or
-                                            cudaMemcpy2DAsync, one per coalesced series) */
+    KVC_STAT_CUDA_COPIES = 18,         /**< staging copies issued (one cudaMemcpyAsync per
+                                            pushed message, through a pool slot) */
     KVC_STAT_CUDA_SYNCS = 19,          /**< host synchronisations of staging streams */
 } kvc_stat_t;
 

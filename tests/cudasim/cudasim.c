@@ -87,7 +87,8 @@ static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
 static int ndev = 2;
 /* Each device's legacy default stream, valid before any cudasim_reset (a
  * program that never calls it, like kvc_gpu_test_standin). */
-#define LEGACY(d) {.device = (d), .legacy = true}
+#define LEGACY(d)                                                                                  \
+    { .device = (d), .legacy = true }
 static struct CUstream_st default_streams[MAX_DEV] = {LEGACY(0), LEGACY(1), LEGACY(2), LEGACY(3),
                                                       LEGACY(4), LEGACY(5), LEGACY(6), LEGACY(7)};
 static cudaStream_t streams;
@@ -603,7 +604,10 @@ void cudasim_split(void *p, size_t at) {
     pthread_mutex_lock(&mu);
     alloc_t *a = find_alloc(allocs, p, 1), *b = calloc(1, sizeof(*b));
     if (a && b && at > 0 && at < a->len && !a->tail) {
-        *b = (alloc_t){.next = allocs, .p = a->p + at, .len = a->len - at, .device = a->device,
+        *b = (alloc_t){.next = allocs,
+                       .p = a->p + at,
+                       .len = a->len - at,
+                       .device = a->device,
                        .borrowed = true};
         allocs = b;
         a->len = at;

@@ -117,8 +117,8 @@ static uint64_t local_of(const opts_t *o, uint64_t remote) {
 }
 
 static kvc_agent_t *agent(const char *name, uint32_t tp) {
-    kvc_agent_params_t ap = {.field_mask = KVC_AGENT_FIELD_ENGINE_ID | KVC_AGENT_FIELD_XFER_TIMEOUT |
-                                           KVC_AGENT_FIELD_TP_SIZE,
+    kvc_agent_params_t ap = {.field_mask = KVC_AGENT_FIELD_ENGINE_ID |
+                                           KVC_AGENT_FIELD_XFER_TIMEOUT | KVC_AGENT_FIELD_TP_SIZE,
                              .engine_id = name,
                              .xfer_timeout_ms = 30000,
                              .tp_size = tp ? tp : 1};

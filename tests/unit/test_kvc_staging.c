@@ -147,8 +147,8 @@ static kvc_status_t run_fetch(side_t *P, side_t *D, kvc_status_t *out_st, char *
 
 /* A fetch; with_stream: the CUDA stream field is set, to `stream` (which may
  * be 0, the legacy default stream). */
-static void fetch_with(side_t *D, const char *json, const uint64_t *loc, size_t n,
-                       bool with_stream, void *stream) {
+static void fetch_with(side_t *D, const char *json, const uint64_t *loc, size_t n, bool with_stream,
+                       void *stream) {
     kvc_fetch_params_t fp = {.field_mask = KVC_FETCH_FIELD_JSON | KVC_FETCH_FIELD_LOCAL_BLOCKS,
                              .kv_transfer_params_json = json,
                              .local_block_ids = loc,
