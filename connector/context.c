@@ -70,6 +70,7 @@ kvc_status_t kvc_agent_progress(kvc_agent_t *a) {
     uint64_t now = kvc_now_ns(), next = UINT64_MAX;
     kvc_peers_timers(a, now, &next);
     kvc_sconns_timers(a, now, &next);
+    kvc_stage_progress(a, now, &next);
     kvc_xfers_advance(a, now, &next);
     kvc_expiry_run(a, now, &next);
     kvc_peers_reap(a);
@@ -222,6 +223,12 @@ kvc_status_t kvc_agent_create(const kvc_agent_params_t *p, kvc_agent_t **out) {
         a->nonce = kvc_now_ns() ^ ((uint64_t)getpid() << 32);
     a->next_xfer_id = 1;
     a->push_chunk = 4u << 20;
+    a->stage_pool_bytes = (m & KVC_AGENT_FIELD_STAGING_POOL) && p->staging_pool_bytes
+                              ? p->staging_pool_bytes
+                              : KVC_STAGE_POOL_DEFAULT;
+    const char *sp = getenv("KVC_STAGING_POOL_MB"); /* operations: overrides the parameter */
+    if (sp && *sp && strtoull(sp, NULL, 10) > 0)
+        a->stage_pool_bytes = (size_t)strtoull(sp, NULL, 10) << 20;
     const char *pc = getenv("KVC_PUSH_CHUNK_KB"); /* tuning knob for benchmarks */
     if (pc && *pc && strtoul(pc, NULL, 10) > 0) a->push_chunk = strtoul(pc, NULL, 10) << 10;
 

@@ -1,5 +1,5 @@
 /* CUDA side of libkvconnector: per-device streams for the staged copies
- * between device regions and their pinned host mirrors, ordering against the
+ * between device regions and the pinned staging pool, ordering against the
  * engine's stream or event, and the device of each region.
  *
  * Rules every function here keeps:
@@ -25,7 +25,9 @@ typedef struct {
     cudaEvent_t done;    /* recorded after queued work when no host sync is done */
     cudaEvent_t user;    /* records the caller's stream (single-device agents) */
     bool queued;         /* work queued since the last sync or record */
+    bool copies;         /* of which copies (a wait alone reads no staging memory) */
     bool recorded;       /* `done` recorded, maybe not complete yet */
+    bool slot_copies;    /* staging-pool copies queued (stage.c polls their events) */
 } cdev_t;
 
 struct kvc_cuda {
@@ -142,6 +144,39 @@ out:
     return dev_leave(c, saved, st);
 }
 
+/* The driver's cuPointerGetAttribute, reached through the runtime so that
+ * libkvconnector does not link libcuda; NULL when the driver lacks it.  The
+ * attribute values and the signature are the driver API's (cuda.h). */
+typedef int (*cu_ptr_attr_fn)(void *data, int attribute, unsigned long long ptr);
+#define CU_PTR_RANGE_START 11 /* CU_POINTER_ATTRIBUTE_RANGE_START_ADDR */
+#define CU_PTR_RANGE_SIZE 12  /* CU_POINTER_ATTRIBUTE_RANGE_SIZE */
+
+static cu_ptr_attr_fn ptr_attr_fn(void) {
+    void *fn = NULL;
+    enum cudaDriverEntryPointQueryResult q = cudaDriverEntryPointSymbolNotFound;
+    cudaError_t ce = cudaGetDriverEntryPointByVersion("cuPointerGetAttribute", &fn, 12000,
+                                                      cudaEnableDefault, &q);
+    if (ce != cudaSuccess || q != cudaDriverEntryPointSuccess) {
+        (void)cudaGetLastError();
+        return NULL;
+    }
+    return (cu_ptr_attr_fn)fn;
+}
+
+/* [base, base+len) inside the one allocation that holds base (the driver's
+ * address range of base).  Without the driver function: true (the two-end
+ * check of the caller stands alone). */
+static bool one_allocation(const void *base, size_t len) {
+    cu_ptr_attr_fn fn = ptr_attr_fn();
+    if (!fn) return true;
+    unsigned long long start = 0;
+    size_t size = 0;
+    unsigned long long p = (unsigned long long)(uintptr_t)base;
+    if (fn(&start, CU_PTR_RANGE_START, p) != 0 || fn(&size, CU_PTR_RANGE_SIZE, p) != 0)
+        return false;
+    return p >= start && p - start <= size && len <= size - (p - start);
+}
+
 kvc_status_t kvc_cuda_region_device(kvc_cuda_t *c, const void *base, size_t len, int hint,
                                     int *dev) {
     struct cudaPointerAttributes at, end;
@@ -156,7 +191,7 @@ kvc_status_t kvc_cuda_region_device(kvc_cuda_t *c, const void *base, size_t len,
     }
     ce = cudaPointerGetAttributes(&end, (const char *)base + len - 1);
     if (ce != cudaSuccess) return cfail(c, ce, "cudaPointerGetAttributes");
-    if (end.type != at.type || end.device != at.device) {
+    if (end.type != at.type || end.device != at.device || !one_allocation(base, len)) {
         snprintf(c->err, sizeof(c->err),
                  "region at %p (%zu bytes) does not lie in one allocation of device %d", base, len,
                  at.device);
@@ -182,12 +217,28 @@ void kvc_cuda_host_unregister(kvc_cuda_t *c, void *p) {
     if (ce != cudaSuccess) cfail(c, ce, "cudaHostUnregister");
 }
 
-kvc_status_t kvc_cuda_wait_for(kvc_cuda_t *c, void *event, void *stream) {
+/* The default-stream handles name a stream relative to the caller: 0 and
+ * cudaStreamLegacy the legacy default stream of the current device,
+ * cudaStreamPerThread the calling thread's default stream on it.  0 is sent
+ * as cudaStreamLegacy, which means the same whichever default-stream mode the
+ * engine was compiled with (the legacy stream is ordered with per-thread
+ * ones). */
+static cudaStream_t engine_stream(void *stream) {
+    return stream ? (cudaStream_t)stream : cudaStreamLegacy;
+}
+
+static bool default_stream(void *stream) {
+    return !stream || (cudaStream_t)stream == cudaStreamLegacy ||
+           (cudaStream_t)stream == cudaStreamPerThread;
+}
+
+kvc_status_t kvc_cuda_wait_for(kvc_cuda_t *c, void *event, bool has_stream, void *stream) {
     cudaEvent_t ev = event;
     cudaError_t ce;
-    if (!ev && stream) {
+    if (!ev && has_stream) {
         /* An event must be recorded on its own device's stream: with one
-         * device that is the device of the regions. */
+         * device that is the device of the regions, which is also the device
+         * a default-stream handle is taken on. */
         if (c->ndev != 1) {
             snprintf(c->err, sizeof(c->err),
                      "a CUDA stream to wait on needs regions on one device (%d devices): pass an "
@@ -198,7 +249,7 @@ kvc_status_t kvc_cuda_wait_for(kvc_cuda_t *c, void *event, void *stream) {
         int saved;
         kvc_status_t st = dev_enter(c, c->devs[0].device, &saved);
         if (st != KVC_OK) return st;
-        ce = cudaEventRecord(c->devs[0].user, (cudaStream_t)stream);
+        ce = cudaEventRecord(c->devs[0].user, engine_stream(stream));
         if (ce != cudaSuccess) st = cfail(c, ce, "cudaEventRecord on the caller's stream");
         if ((st = dev_leave(c, saved, st)) != KVC_OK) return st;
         ev = c->devs[0].user;
@@ -242,9 +293,59 @@ kvc_status_t kvc_cuda_copy_runs(kvc_cuda_t *c, int dev, void *dev_base, void *ho
             st = cfail(c, ce, r->count == 1 ? "cudaMemcpyAsync" : "cudaMemcpy2DAsync");
             break;
         }
-        d->queued = true;
+        d->queued = d->copies = true;
     }
     return dev_leave(c, saved, st);
+}
+
+kvc_status_t kvc_cuda_copy_event(kvc_cuda_t *c, int dev, void *dst, const void *src, size_t len,
+                                 bool to_device, void **ev, int *ev_dev) {
+    cdev_t *d = find_dev(c, dev);
+    if (!d) {
+        snprintf(c->err, sizeof(c->err), "CUDA device %d has no stream", dev);
+        return KVC_ERR_STATE;
+    }
+    int saved;
+    kvc_status_t st = dev_enter(c, dev, &saved);
+    if (st != KVC_OK) return st;
+    cudaError_t ce;
+    /* An event is recorded on a stream of its own device. */
+    if (*ev && *ev_dev != dev) {
+        cudaEventDestroy((cudaEvent_t)*ev);
+        *ev = NULL;
+    }
+    if (!*ev) {
+        cudaEvent_t e;
+        if ((ce = cudaEventCreateWithFlags(&e, cudaEventDisableTiming)) != cudaSuccess) {
+            st = cfail(c, ce, "cudaEventCreateWithFlags");
+            return dev_leave(c, saved, st);
+        }
+        *ev = e;
+        *ev_dev = dev;
+    }
+    ce = cudaMemcpyAsync(dst, src, len, to_device ? cudaMemcpyHostToDevice : cudaMemcpyDeviceToHost,
+                         d->stream);
+    if (ce != cudaSuccess) {
+        st = cfail(c, ce, "cudaMemcpyAsync");
+        return dev_leave(c, saved, st);
+    }
+    d->slot_copies = true;
+    if ((ce = cudaEventRecord((cudaEvent_t)*ev, d->stream)) != cudaSuccess)
+        st = cfail(c, ce, "cudaEventRecord");
+    return dev_leave(c, saved, st);
+}
+
+int kvc_cuda_event_poll(kvc_cuda_t *c, void *ev, kvc_status_t *st) {
+    cudaError_t ce = cudaEventQuery((cudaEvent_t)ev);
+    if (ce == cudaErrorNotReady) return 0; /* not an error: nothing to clear */
+    if (ce == cudaSuccess) return 1;
+    *st = cfail(c, ce, "cudaEventQuery");
+    return -1;
+}
+
+void kvc_cuda_event_destroy(kvc_cuda_t *c, void *ev) {
+    cudaError_t ce = cudaEventDestroy((cudaEvent_t)ev);
+    if (ce != cudaSuccess) cfail(c, ce, "cudaEventDestroy");
 }
 
 kvc_status_t kvc_cuda_sync(kvc_cuda_t *c) {
@@ -255,7 +356,7 @@ kvc_status_t kvc_cuda_sync(kvc_cuda_t *c) {
         /* Every device is synchronised even after one failed: nothing may
          * stay queued behind a reported failure. */
         cudaError_t ce = cudaStreamSynchronize(d->stream);
-        d->queued = false;
+        d->queued = d->copies = false;
         if (ce != cudaSuccess) {
             kvc_status_t st = cfail(c, ce, "cudaStreamSynchronize");
             if (first == KVC_OK) first = st;
@@ -265,15 +366,33 @@ kvc_status_t kvc_cuda_sync(kvc_cuda_t *c) {
 }
 
 kvc_status_t kvc_cuda_order_before(kvc_cuda_t *c, void *stream) {
+    /* cudaStreamPerThread names the stream of the thread that makes the
+     * call, and this runs on whichever thread progresses the agent: the
+     * copies are waited for on the host instead. */
+    if ((cudaStream_t)stream == cudaStreamPerThread) return kvc_cuda_sync(c);
     for (int i = 0; i < c->ndev; i++) {
         cdev_t *d = &c->devs[i];
         if (!d->queued) continue;
         cudaError_t ce = cudaEventRecord(d->done, d->stream);
         if (ce != cudaSuccess) return cfail(c, ce, "cudaEventRecord");
-        d->queued = false;
+        d->queued = d->copies = false;
         d->recorded = true;
-        if ((ce = cudaStreamWaitEvent((cudaStream_t)stream, d->done, 0)) != cudaSuccess)
-            return cfail(c, ce, "cudaStreamWaitEvent on the caller's stream");
+        if (!default_stream(stream)) {
+            if ((ce = cudaStreamWaitEvent((cudaStream_t)stream, d->done, 0)) != cudaSuccess)
+                return cfail(c, ce, "cudaStreamWaitEvent on the caller's stream");
+            continue;
+        }
+        /* The legacy default stream is per device: the one of every device
+         * that holds regions waits (the engine's reads run on its own). */
+        for (int k = 0; k < c->ndev; k++) {
+            int saved;
+            kvc_status_t st = dev_enter(c, c->devs[k].device, &saved);
+            if (st != KVC_OK) return st;
+            ce = cudaStreamWaitEvent(cudaStreamLegacy, d->done, 0);
+            if (ce != cudaSuccess)
+                st = cfail(c, ce, "cudaStreamWaitEvent on the legacy default stream");
+            if ((st = dev_leave(c, saved, st)) != KVC_OK) return st;
+        }
     }
     return KVC_OK;
 }
@@ -282,7 +401,7 @@ bool kvc_cuda_idle(kvc_cuda_t *c, kvc_status_t *st) {
     *st = KVC_OK;
     for (int i = 0; i < c->ndev; i++) {
         cdev_t *d = &c->devs[i];
-        if (d->queued) return false;
+        if (d->copies) return false;
         if (!d->recorded) continue;
         cudaError_t ce = cudaEventQuery(d->done);
         if (ce == cudaErrorNotReady) return false; /* not an error: nothing to clear */
@@ -299,10 +418,10 @@ void kvc_cuda_drain(kvc_cuda_t *c) {
     if (!c) return;
     for (int i = 0; i < c->ndev; i++) {
         cdev_t *d = &c->devs[i];
-        if (!d->queued && !d->recorded) continue;
+        if (!d->queued && !d->recorded && !d->slot_copies) continue;
         cudaError_t ce = cudaStreamSynchronize(d->stream);
         if (ce != cudaSuccess) cfail(c, ce, "cudaStreamSynchronize");
-        d->queued = d->recorded = false;
+        d->queued = d->copies = d->recorded = d->slot_copies = false;
     }
 }
 

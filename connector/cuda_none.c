@@ -30,7 +30,7 @@ kvc_status_t kvc_cuda_host_register(kvc_cuda_t *c, void *p, size_t len) {
 
 void kvc_cuda_host_unregister(kvc_cuda_t *c, void *p) {}
 
-kvc_status_t kvc_cuda_wait_for(kvc_cuda_t *c, void *event, void *stream) {
+kvc_status_t kvc_cuda_wait_for(kvc_cuda_t *c, void *event, bool has_stream, void *stream) {
     return KVC_ERR_UNSUPPORTED;
 }
 
@@ -39,6 +39,18 @@ kvc_status_t kvc_cuda_copy_runs(kvc_cuda_t *c, int dev, void *dev_base, void *ho
                                 bool to_device) {
     return KVC_ERR_UNSUPPORTED;
 }
+
+kvc_status_t kvc_cuda_copy_event(kvc_cuda_t *c, int dev, void *dst, const void *src, size_t len,
+                                 bool to_device, void **ev, int *ev_dev) {
+    return KVC_ERR_UNSUPPORTED;
+}
+
+int kvc_cuda_event_poll(kvc_cuda_t *c, void *ev, kvc_status_t *st) {
+    *st = KVC_ERR_UNSUPPORTED;
+    return -1;
+}
+
+void kvc_cuda_event_destroy(kvc_cuda_t *c, void *ev) {}
 
 kvc_status_t kvc_cuda_sync(kvc_cuda_t *c) {
     return KVC_ERR_UNSUPPORTED;

@@ -311,16 +311,30 @@ KVC_HIDDEN kvc_status_t kvc_cuda_region_device(kvc_cuda_t *c, const void *base, 
 KVC_HIDDEN kvc_status_t kvc_cuda_host_register(kvc_cuda_t *c, void *p, size_t len);
 KVC_HIDDEN void kvc_cuda_host_unregister(kvc_cuda_t *c, void *p);
 /* Every device stream waits for the caller's event, or for the work queued
- * so far on the caller's stream (one device only).  Both NULL: no-op. */
-KVC_HIDDEN kvc_status_t kvc_cuda_wait_for(kvc_cuda_t *c, void *event, void *stream);
+ * so far on the caller's stream (has_stream; one device only).  A stream
+ * that is given is a stream, 0 included: 0 and cudaStreamLegacy are the
+ * legacy default stream and cudaStreamPerThread the calling thread's default
+ * stream, both on the regions' device.  No event and no stream: no-op. */
+KVC_HIDDEN kvc_status_t kvc_cuda_wait_for(kvc_cuda_t *c, void *event, bool has_stream,
+                                          void *stream);
 /* Queues the planned copies of one region on its device's stream. */
 KVC_HIDDEN kvc_status_t kvc_cuda_copy_runs(kvc_cuda_t *c, int dev, void *dev_base, void *host_base,
                                            size_t block_len, const kvc_crun_t *runs, size_t nruns,
                                            bool to_device);
+/* Staging pool (stage.c): queues one copy of len bytes on dev's stream and
+ * records *ev after it (created, or re-created on dev, as needed; owned by
+ * the caller, kvc_cuda_event_destroy). */
+KVC_HIDDEN kvc_status_t kvc_cuda_copy_event(kvc_cuda_t *c, int dev, void *dst, const void *src,
+                                            size_t len, bool to_device, void **ev, int *ev_dev);
+/* 1: the event's work is complete; 0: not yet; -1: it failed (*st set). */
+KVC_HIDDEN int kvc_cuda_event_poll(kvc_cuda_t *c, void *ev, kvc_status_t *st);
+KVC_HIDDEN void kvc_cuda_event_destroy(kvc_cuda_t *c, void *ev);
 /* One host sync per device with queued work; every device is synced even
  * when one fails. */
 KVC_HIDDEN kvc_status_t kvc_cuda_sync(kvc_cuda_t *c);
-/* No host sync: `stream` (a cudaStream_t) waits for all queued work. */
+/* No host sync: `stream` (a cudaStream_t, 0 included: the legacy default
+ * stream of every device with regions) waits for all queued work.
+ * cudaStreamPerThread cannot be named from the progress thread: host sync. */
 KVC_HIDDEN kvc_status_t kvc_cuda_order_before(kvc_cuda_t *c, void *stream);
 /* True when nothing queued is still running (event queries, non-blocking);
  * false with *st set on a failure. */
@@ -341,6 +355,7 @@ typedef struct {
     bool mapped;         /* every remote region is mapped here (shared memory) */
     bool rma;            /* this agent's UCX context has the RMA feature */
     bool local_dev;      /* a local region is registered as device memory */
+    bool local_staged;   /* a local region is staged through the pinned pool */
     bool remote_dev;     /* a remote region is device memory */
     uint32_t transports; /* KVC_TRANSPORT_* of the endpoint */
 } kvc_path_in_t;
@@ -368,7 +383,7 @@ typedef struct {
 } kvc_pollent_t;
 
 typedef struct {
-    void *base;     /* host-visible memory UCX reads/writes (pool, user memory or mirror) */
+    void *base;     /* host-visible memory UCX reads/writes (pool, user memory); staged: NULL */
     void *dev_base; /* CUDA staged: the device memory; else NULL */
     int cuda_dev;   /* CUDA regions: the device that owns the memory */
     size_t len, block_len;
@@ -424,6 +439,7 @@ typedef struct kvc_sconn kvc_sconn_t;
 typedef struct kvc_peer kvc_peer_t;
 typedef struct kvc_xfer kvc_xfer_t;
 typedef struct kvc_evnode kvc_evnode_t;
+typedef struct kvc_stage kvc_stage_t;
 
 struct kvc_evnode {
     kvc_evnode_t *next;
@@ -466,7 +482,9 @@ struct kvc_agent {
     kvc_buf_t hs_msg;        /* prebuilt handshake reply (MAC appended per consumer) */
     kvc_buf_t hs_msg_nokeys; /* the same without rkeys (push consumers) */
     kvc_cuda_t *cuda;        /* owned; agents with CUDA regions only */
-    size_t n_staged;         /* regions staged through a host mirror */
+    size_t n_staged;         /* regions staged through the pinned pool */
+    size_t stage_pool_bytes; /* the pool's size setting */
+    struct kvc_stage *stage; /* owned; agents with staged regions only */
     bool cuda_direct;        /* a region is registered as device memory */
 
     kvc_pubtab_t pubs;
@@ -532,14 +550,37 @@ KVC_HIDDEN void kvc_timer_arm(kvc_agent_t *a, uint64_t next);
 KVC_HIDDEN void kvc_timer_drain(kvc_agent_t *a);
 KVC_HIDDEN void kvc_wake_drain(kvc_agent_t *a);
 
+/* ---------------------------------------------------------- stage.c -- */
+#define KVC_STAGE_POOL_DEFAULT ((size_t)256 << 20)
+/* The bounded pinned pool that staged regions go through (stage.c has the
+ * design).  Init after the regions are registered; cleanup before they go. */
+KVC_HIDDEN kvc_status_t kvc_stage_init(kvc_agent_t *a);
+KVC_HIDDEN void kvc_stage_cleanup(kvc_agent_t *a);
+KVC_HIDDEN size_t kvc_stage_pool_bytes(const kvc_agent_t *a);
+KVC_HIDDEN void kvc_stage_progress(kvc_agent_t *a, uint64_t now, uint64_t *next);
+/* Producer: serves a checked pull through the pool; takes `runs`. */
+KVC_HIDDEN void kvc_stage_push(kvc_agent_t *a, ucp_ep_h ep, const kvc_wire_pull_t *pl,
+                               kvc_run_t *runs, size_t n);
+/* A fetch's account of its staged chunks, embedded in the fetch (xfer.c)
+ * and kept by stage.c: the fetch has not landed while holds > 0, and fails
+ * with st (message msg) once a chunk failed.  xfer.c sets dead when the
+ * fetch fails or finishes: its chunks still to come are dropped before
+ * they reach the device. */
+typedef struct {
+    uint32_t holds;
+    bool dead;
+    kvc_status_t st;
+    char msg[200];
+} kvc_stage_ref_t;
+/* Consumer: a checked rendezvous DATA message for staged region `region`
+ * of the fetch whose account is `ref`; the return value is the AM
+ * handler's.  The fetch must outlive its holds. */
+KVC_HIDDEN ucs_status_t kvc_stage_recv(kvc_agent_t *a, kvc_stage_ref_t *ref, size_t region,
+                                       uint64_t local_start, void *data, size_t len);
+
 /* ---------------------------------------------------------- mem.c -- */
 KVC_HIDDEN void kvc_mem_cleanup(kvc_agent_t *a);
 KVC_HIDDEN kvc_status_t kvc_mem_build_handshake(kvc_agent_t *a);
-/* Queues the copies of blocks `ids` of every staged region between its
- * host mirror and its device memory (to_device: mirror to device) on the
- * connector's streams, coalesced into runs; waits for none of them. */
-KVC_HIDDEN kvc_status_t kvc_stage_copy(kvc_agent_t *a, const uint64_t *ids, size_t n,
-                                       bool to_device);
 
 /* ------------------------------------------------------- listen.c -- */
 KVC_HIDDEN kvc_status_t kvc_listen_open(kvc_agent_t *a);

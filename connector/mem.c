@@ -1,6 +1,7 @@
 /* KV regions: registration of caller memory, connector-allocated host pools
  * (ucp_mem_map ALLOCATE: shared memory, so same-host gets are one-sided),
- * CUDA staging mirrors, packed rkeys, and the handshake reply built from them. */
+ * CUDA regions (direct, or staged through the pinned pool of stage.c),
+ * packed rkeys, and the handshake reply built from them. */
 #include "connector/kvc_int.h"
 
 #include <stdlib.h>
@@ -8,13 +9,13 @@
 
 static void region_cleanup(kvc_agent_t *a, kvc_region_t *r) {
     if (r->rkey_buf) ucp_rkey_buffer_release(r->rkey_buf);
-    if (r->staged && !r->unpinned && a->cuda) kvc_cuda_host_unregister(a->cuda, r->base);
     if (r->memh) ucp_mem_unmap(a->ctx, r->memh);
     memset(r, 0, sizeof(*r));
 }
 
 void kvc_mem_cleanup(kvc_agent_t *a) {
-    /* Copies still queued read or write the mirrors: they end first. */
+    /* Copies still queued read or write the pool: they end first. */
+    kvc_stage_cleanup(a);
     kvc_cuda_drain(a->cuda);
     for (size_t i = 0; i < a->n_regions; i++)
         region_cleanup(a, &a->regions[i]);
@@ -65,6 +66,16 @@ static kvc_status_t map(kvc_agent_t *a, kvc_region_t *r, void *addr, size_t len,
     return KVC_OK;
 }
 
+/* UCX registered the region as device memory (ucp_mem_query's memory type;
+ * an older UCX that cannot say is believed). */
+static bool registered_as_cuda(const kvc_region_t *r) {
+    ucp_mem_attr_t ma;
+    memset(&ma, 0, sizeof(ma));
+    ma.field_mask = UCP_MEM_ATTR_FIELD_MEM_TYPE;
+    if (ucp_mem_query(r->memh, &ma) != UCS_OK) return true;
+    return ma.mem_type == UCS_MEMORY_TYPE_CUDA || ma.mem_type == UCS_MEMORY_TYPE_CUDA_MANAGED;
+}
+
 static kvc_status_t region_init(kvc_agent_t *a, kvc_region_t *r, const kvc_region_params_t *p,
                                 uint64_t num_blocks) {
     bool has_base = (p->field_mask & KVC_REGION_FIELD_BASE) && p->base;
@@ -98,24 +109,31 @@ static kvc_status_t region_init(kvc_agent_t *a, kvc_region_t *r, const kvc_regio
     const char *force = getenv("KVC_CUDA_STAGED"); /* operations and the GPU check */
     if (a->cuda_native && !(force && *force && strcmp(force, "0"))) {
         st = map(a, r, p->base, p->len, false, UCS_MEMORY_TYPE_CUDA);
-        if (st == KVC_OK) a->cuda_direct = true;
-        return st;
+        if (st == KVC_OK && registered_as_cuda(r)) {
+            a->cuda_direct = true;
+            return st;
+        }
+        /* UCX says it supports CUDA memory but did not register this region
+         * as such (no transport's memory domain took it: a VMM or IPC-less
+         * allocation, a GPU the CUDA transports do not serve): staged. */
+        KVC_LOG(a, KVC_LOG_WARN,
+                "UCX could not register the CUDA region at %p (%zu bytes) as device memory (%s): "
+                "staged through the pinned pool instead",
+                p->base, p->len,
+                st == KVC_OK ? "registered as another memory type" : kvc_status_str(st));
+        if (r->rkey_buf) ucp_rkey_buffer_release(r->rkey_buf);
+        if (r->memh) ucp_mem_unmap(a->ctx, r->memh);
+        r->rkey_buf = NULL;
+        r->memh = NULL;
+        r->rkey_len = 0;
     }
-    /* No CUDA memory support in UCX: a pinned host mirror in shared memory
-     * carries the bytes; cudaMemcpyAsync moves them between mirror and
-     * device on the device's own stream. */
-    st = map(a, r, NULL, p->len, true, UCS_MEMORY_TYPE_HOST);
-    if (st != KVC_OK) return st;
-    /* Pinning makes the copies asynchronous and fast; without it they still
-     * work (pageable), so a refusal is only worth a warning. */
-    if (kvc_cuda_host_register(a->cuda, r->base, r->len) != KVC_OK) {
-        KVC_LOG(a, KVC_LOG_WARN, "%zu-byte mirror not pinned, copies will be slower: %s", r->len,
-                kvc_cuda_last_error(a->cuda));
-        r->unpinned = true;
-    }
+    /* No CUDA memory support in UCX: nothing is registered with UCX and no
+     * host copy of the region is kept; every transfer goes through the
+     * agent's bounded pinned pool (stage.c), and consumers are pushed to
+     * (the handshake carries no rkey for this region). */
     r->staged = true;
-    r->pool = true;
     r->dev_base = p->base;
+    r->base = NULL;
     return KVC_OK;
 }
 
@@ -149,12 +167,14 @@ kvc_status_t kvc_agent_register_regions(kvc_agent_t *a, uint64_t num_blocks,
             a->stats[regs[i].staged ? KVC_STAT_CUDA_STAGED_REGIONS
                                     : KVC_STAT_CUDA_DIRECT_REGIONS]++;
     }
+    if (a->n_staged && (st = kvc_stage_init(a)) != KVC_OK) goto err_built;
     if ((st = kvc_mem_build_handshake(a)) != KVC_OK) goto err_built;
     KVC_LOG(a, KVC_LOG_INFO, "registered regions=%zu num_blocks=%llu block_len0=%zu pool=%d", n,
             (unsigned long long)num_blocks, regs[0].block_len, (int)regs[0].pool);
     return KVC_OK;
 
 err_built:
+    kvc_stage_cleanup(a);
     a->regions = NULL;
     a->n_regions = 0;
     a->num_blocks = 0;
@@ -167,29 +187,6 @@ err_regions:
     free(regs);
     a->cuda_direct = false;
     kvc_mem_build_handshake(a);
-    return st;
-}
-
-/* The largest block_len of the staged regions (plans are made for it). */
-static size_t staged_block_len(const kvc_agent_t *a) {
-    size_t m = 0;
-    for (size_t i = 0; i < a->n_regions; i++)
-        if (a->regions[i].staged && a->regions[i].block_len > m) m = a->regions[i].block_len;
-    return m;
-}
-
-kvc_status_t kvc_stage_copy(kvc_agent_t *a, const uint64_t *ids, size_t n, bool to_device) {
-    kvc_crun_t *runs = NULL;
-    size_t nruns = 0;
-    kvc_status_t st = kvc_cuda_plan(ids, n, staged_block_len(a), &runs, &nruns);
-    for (size_t r = 0; r < a->n_regions && st == KVC_OK; r++) {
-        kvc_region_t *rg = &a->regions[r];
-        if (!rg->staged) continue;
-        st = kvc_cuda_copy_runs(a->cuda, rg->cuda_dev, rg->dev_base, rg->base, rg->block_len, runs,
-                                nruns, to_device);
-        if (st == KVC_OK) a->stats[KVC_STAT_CUDA_COPIES] += nruns;
-    }
-    free(runs);
     return st;
 }
 
@@ -220,7 +217,7 @@ static kvc_status_t build_one(kvc_agent_t *a, bool rkeys, kvc_buf_t *out) {
         wr[i].base = (uint64_t)(uintptr_t)r->base;
         wr[i].len = r->len;
         wr[i].block_len = r->block_len;
-        /* Consumers see host memory for staged regions: the mirror. */
+        /* Staged regions: no address or rkey a consumer could read (push). */
         wr[i].mem_type = (uint8_t)(r->staged ? KVC_MEM_HOST : r->mem_type);
         wr[i].flags =
             (uint8_t)((r->pool ? KVC_RFLAG_POOL : 0) | (r->staged ? KVC_RFLAG_STAGED : 0));

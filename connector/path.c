@@ -43,9 +43,14 @@ uint32_t kvc_transport_bits(const char *names) {
 kvc_status_t kvc_choose_path(const kvc_path_in_t *in, kvc_path_t *out) {
     bool dev = in->local_dev || in->remote_dev;
     bool reach_dev = (in->transports & (KVC_TRANSPORT_CUDA_IPC | KVC_TRANSPORT_RDMA)) != 0;
-    /* The mapping is of host memory: a pool or a staged mirror. */
+    /* The mapping is of host memory: a connector-allocated pool. */
     bool mapped = in->mapped && !dev;
     *out = (kvc_path_t){KVC_PROTO_PUSH, false, "producer push"};
+    if (in->local_staged) {
+        /* No local address UCX could write but the pool's slots. */
+        out->why = "push: local regions staged through the pinned pool";
+        return KVC_OK;
+    }
     if (!in->keys) {
         out->why = "push: the producer sent no rkeys";
         return KVC_OK;

@@ -234,13 +234,43 @@ out:
     return KVC_OK;
 }
 
+/* Appends transport name tl (k bytes) to the comma-separated names (of
+ * *nl bytes) unless it is there already. */
+static void add_name(char names[256], size_t *nl, const char *tl, size_t k) {
+    if (k == 0 || k > 32) return;
+    char tok[40], padded[260];
+    snprintf(tok, sizeof(tok), ",%.*s,", (int)k, tl);
+    snprintf(padded, sizeof(padded), ",%s,", names);
+    if (strstr(padded, tok) || *nl + k + 2 >= 256) return;
+    *nl += (size_t)snprintf(names + *nl, 256 - *nl, "%s%.*s", *nl ? "," : "", (int)k, tl);
+}
+
 /* The UCX transports the endpoint's lanes use ("tcp,posix", ...) into names:
  * the path choice needs them, and tests check that the sm configuration
- * really moves data over shared memory. */
+ * really moves data over shared memory.  From ucp_ep_query where UCX has it
+ * (1.14 on); UCX 1.13 has no API for it, and there the lanes are read from
+ * ucp_ep_print_info's text. */
 static void ep_transports(kvc_peer_t *p, char names[256]) {
-    char *text = NULL;
-    size_t tlen = 0, nl = 0;
+    size_t nl = 0;
     names[0] = 0;
+#if UCP_API_VERSION >= UCP_VERSION(1, 14)
+    ucp_transport_entry_t ents[32];
+    ucp_ep_attr_t ea;
+    memset(&ea, 0, sizeof(ea));
+    memset(ents, 0, sizeof(ents));
+    ea.field_mask = UCP_EP_ATTR_FIELD_TRANSPORTS;
+    ea.transports.entries = ents;
+    ea.transports.num_entries = sizeof(ents) / sizeof(ents[0]);
+    ea.transports.entry_size = sizeof(ents[0]);
+    if (ucp_ep_query(p->ep, &ea) == UCS_OK) {
+        for (unsigned i = 0; i < ea.transports.num_entries && i < 32; i++)
+            if (ents[i].transport_name)
+                add_name(names, &nl, ents[i].transport_name, strlen(ents[i].transport_name));
+        return;
+    }
+#endif
+    char *text = NULL;
+    size_t tlen = 0;
     FILE *f = open_memstream(&text, &tlen);
     if (!f) return;
     ucp_ep_print_info(p->ep, f);
@@ -258,15 +288,7 @@ static void ep_transports(kvc_peer_t *p, char names[256]) {
         char *tl = c + 1, *e = tl;
         while (*e && *e != '/' && *e != ' ' && *e != '\n')
             e++;
-        size_t k = (size_t)(e - tl);
-        if (k == 0 || k > 32) continue;
-        char tok[40];
-        snprintf(tok, sizeof(tok), ",%.*s,", (int)k, tl);
-        char padded[260];
-        snprintf(padded, sizeof(padded), ",%s,", names);
-        if (strstr(padded, tok)) continue;
-        if (nl + k + 2 >= 256) break;
-        nl += (size_t)snprintf(names + nl, 256 - nl, "%s%.*s", nl ? "," : "", (int)k, tl);
+        add_name(names, &nl, tl, (size_t)(e - tl));
     }
     if (getenv("KVC_DUMP_EP")) fprintf(stderr, "%s\n", text);
     free(text);
@@ -276,7 +298,10 @@ static void ep_transports(kvc_peer_t *p, char names[256]) {
  * then picks GET or PUSH (path.c).  False (peer failed) when the wanted
  * protocol cannot serve these memory types. */
 static bool choose_path(kvc_agent_t *a, kvc_peer_t *p) {
-    kvc_path_in_t in = {.want = a->proto, .rma = a->rma, .local_dev = a->cuda_direct};
+    kvc_path_in_t in = {.want = a->proto,
+                        .rma = a->rma,
+                        .local_dev = a->cuda_direct,
+                        .local_staged = a->n_staged > 0};
     in.keys = p->n_regions > 0;
     for (uint32_t i = 0; i < p->n_regions; i++) {
         in.keys &= p->rr[i].rkey != NULL;

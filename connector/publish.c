@@ -156,19 +156,22 @@ bool kvc_pub_has_run(const kvc_pub_t *p, uint64_t start, uint64_t count) {
 }
 
 /* CUDA regions: the blocks must be captured before any consumer can read
- * them, i.e. before the params leave kvc_publish.  The private streams wait
- * for the engine's event or stream (never a sync of the engine's own
- * stream), staged regions are copied to their mirrors, and one host sync per
- * device ends it.  On failure nothing stays queued. */
-static kvc_status_t capture(kvc_agent_t *a, const kvc_publish_params_t *params, const uint64_t *ids,
-                            size_t n) {
+ * them.  The private streams wait for the engine's event or stream (never a
+ * sync of the engine's own stream).  Staged regions need nothing more: their
+ * device -> pool copies are queued on those streams when a pull is served,
+ * behind this wait, so kvc_publish returns without a host sync.  Regions
+ * registered directly are read by UCX outside any stream, so a host sync
+ * of that wait ends the capture.  On failure nothing stays queued. */
+static kvc_status_t capture(kvc_agent_t *a, const kvc_publish_params_t *params) {
     uint64_t m = params ? params->field_mask : 0;
     void *ev = (m & KVC_PUBLISH_FIELD_CUDA_EVENT) ? params->cuda_event : NULL;
-    void *stream = (m & KVC_PUBLISH_FIELD_CUDA_STREAM) ? params->cuda_stream : NULL;
-    if (!ev && !stream && !a->n_staged) return KVC_OK; /* direct, caller-ordered */
-    kvc_status_t st = kvc_cuda_wait_for(a->cuda, ev, stream);
-    if (st == KVC_OK && a->n_staged) st = kvc_stage_copy(a, ids, n, false);
-    if (st == KVC_OK) {
+    /* A stream that is given is a stream, 0 (the legacy default stream)
+     * included; only an unset field means none. */
+    bool has_stream = !ev && (m & KVC_PUBLISH_FIELD_CUDA_STREAM);
+    void *stream = has_stream ? params->cuda_stream : NULL;
+    if (!ev && !has_stream) return KVC_OK; /* caller-ordered */
+    kvc_status_t st = kvc_cuda_wait_for(a->cuda, ev, has_stream, stream);
+    if (st == KVC_OK && a->cuda_direct) {
         st = kvc_cuda_sync(a->cuda);
         a->stats[KVC_STAT_CUDA_SYNCS]++;
     }
@@ -217,7 +220,7 @@ kvc_status_t kvc_publish(kvc_agent_t *a, const char *request_id, const uint64_t 
     char *json = kvc_params_to_json(a->engine_id, request_id, a->adv_host, a->port, block_ids, n,
                                     a->tp_size, p->token);
     if (!json) goto err_pub;
-    if (a->cuda && n && (st = capture(a, params, block_ids, n)) != KVC_OK) goto err_json;
+    if (a->cuda && n && (st = capture(a, params)) != KVC_OK) goto err_json;
     kvc_pubtab_insert(&a->pubs, p);
     a->stats[KVC_STAT_PUBLISHED]++;
     kvc_wake(a); /* re-arm the timer with this deadline */

@@ -270,7 +270,11 @@ static ucs_status_t pull_cb(void *arg, const void *header, size_t hlen, void *da
         kvc_pub_t *pub = pull_check(a, param->reply_ep, &pl, &bytes);
         if (pub && (pl.flags & KVC_PULL_HOLD))
             pull_hold(a, param->reply_ep, &pl, pub);
-        else if (pub)
+        else if (pub && a->n_staged) { /* through the pinned pool, pipelined (stage.c) */
+            pub->pulls++;
+            kvc_stage_push(a, param->reply_ep, &pl, pl.runs, pl.n);
+            pl.runs = NULL; /* the staged job owns them now */
+        } else if (pub)
             pull_issue(a, param->reply_ep, &pl, pub, bytes);
     }
     free(pl.runs);

@@ -82,7 +82,9 @@ struct kvc_xfer {
     uint8_t *bits;                     /* owned: n * n_regions bits, set as DATA lands */
     uint64_t bits_set, chunks_got, end_chunks;
     bool end_seen;
-    void *cuda_stream; /* borrowed: the engine's stream that waits for the staging copies */
+    void *cuda_stream;    /* borrowed: the engine's stream that waits for the staging copies */
+    bool has_stream;      /* cuda_stream was given: 0 is the legacy default stream */
+    kvc_stage_ref_t sref; /* staged chunks in flight (stage.c) */
 };
 
 static kvc_status_t ucs_to_kvc(ucs_status_t us) {
@@ -109,6 +111,7 @@ static kvc_status_t ucs_to_kvc(ucs_status_t us) {
 static void op_error(kvc_xfer_t *x, kvc_status_t st, const char *what, const char *detail) {
     if (x->op_failed) return;
     x->op_failed = true;
+    x->sref.dead = true;
     x->op_status = st;
     snprintf(x->op_msg, sizeof(x->op_msg), "%s: %s", what, detail);
 }
@@ -167,6 +170,7 @@ static void xfer_finish(kvc_agent_t *a, kvc_xfer_t *x, kvc_status_t st, const ch
     /* No staging copy may land after FETCH_FAILED: wait for all of them. */
     if (st != KVC_OK) kvc_cuda_drain(a->cuda);
     x->finished = true;
+    x->sref.dead = true;
     x->state = X_DONE;
     if (st != KVC_OK && x->outstanding > 0) {
         /* Receives or gets in flight may still write local blocks: the
@@ -204,35 +208,9 @@ static void xfer_free(kvc_xfer_t *x) {
 
 /* ------------------------------------------------------------- consumer -- */
 
-/* Staged regions: mirror -> device for the fetched blocks, all regions and
- * devices queued first, then one host sync per device, or none when the
- * engine gave a stream to order after the copies. */
-static kvc_status_t stage_in(kvc_agent_t *a, kvc_xfer_t *x) {
-    kvc_status_t st = KVC_OK;
-    /* The engine may still have work queued that reads these blocks' old
-     * contents (a finished request's last kernels): the copies that
-     * overwrite them wait for it.  One device only (an event must be
-     * recorded on the stream's own device). */
-    if (x->cuda_stream && kvc_cuda_devices(a->cuda) == 1)
-        st = kvc_cuda_wait_for(a->cuda, NULL, x->cuda_stream);
-    if (st == KVC_OK) st = kvc_stage_copy(a, x->local, x->n, true);
-    if (st != KVC_OK) return st;
-    if (x->cuda_stream) return kvc_cuda_order_before(a->cuda, x->cuda_stream);
-    a->stats[KVC_STAT_CUDA_SYNCS]++;
-    return kvc_cuda_sync(a->cuda);
-}
-
 static void start_notify(kvc_agent_t *a, kvc_xfer_t *x) {
-    if (a->n_staged && x->n) {
-        kvc_status_t st = stage_in(a, x);
-        if (st != KVC_OK) {
-            char m[400];
-            snprintf(m, sizeof(m), "staging host->device copy failed: %s",
-                     kvc_cuda_last_error(a->cuda));
-            xfer_finish(a, x, st, m); /* drains what was queued */
-            return;
-        }
-    }
+    /* Staged regions: every chunk's pool -> device copy completed before
+     * its hold was released (stage.c), so the bytes are on the device. */
     kvc_wire_encode_notify(&x->notify, x->pub_token, x->req_id, a->tp_size);
     if (x->notify.failed) {
         xfer_finish(a, x, KVC_ERR_NO_MEMORY, "out of memory");
@@ -348,10 +326,11 @@ static void start_data(kvc_agent_t *a, kvc_xfer_t *x, uint64_t now) {
         return;
     }
     /* Device memory cannot take an eager copy in the handler: ask for
-     * rendezvous only, which UCX receives straight into device memory. */
+     * rendezvous only, which UCX receives straight into device memory, or
+     * (staged) into a pool slot when one is free (stage.c). */
     uint16_t flags = 0;
     for (size_t r = 0; r < a->n_regions; r++)
-        if (a->regions[r].mem_type == KVC_MEM_CUDA && !a->regions[r].staged) flags |= KVC_PULL_RNDV;
+        if (a->regions[r].mem_type == KVC_MEM_CUDA) flags |= KVC_PULL_RNDV;
     send_pull(a, x, flags);
 }
 
@@ -361,7 +340,7 @@ static void start_reads(kvc_agent_t *a, kvc_xfer_t *x) {
     x->state = X_DATA;
     bool local_host = true;
     for (size_t r = 0; r < a->n_regions; r++)
-        local_host &= a->regions[r].mem_type == KVC_MEM_HOST || a->regions[r].staged;
+        local_host &= a->regions[r].mem_type == KVC_MEM_HOST;
     if (p->shm && local_host) {
         x->direct = true; /* copied in slices by advance() */
         return;
@@ -464,6 +443,7 @@ static void advance(kvc_agent_t *a, kvc_xfer_t *x, uint64_t now, uint64_t *next)
         start_data(a, x, now);
         if (x->finished) return;
     }
+    if (x->sref.st != KVC_OK) op_error(x, x->sref.st, "staged chunk", x->sref.msg);
     if (x->op_failed) {
         xfer_finish(a, x, x->op_status, x->op_msg);
         return;
@@ -487,9 +467,11 @@ static void advance(kvc_agent_t *a, kvc_xfer_t *x, uint64_t now, uint64_t *next)
         return;
     }
     if (x->state == X_DATA) {
-        bool landed = x->outstanding == 0 && (x->proto == KVC_PROTO_GET || x->n == 0 ||
-                                              x->bits_set == (uint64_t)x->n * a->n_regions);
-        if (!landed && x->outstanding == 0 && x->end_seen && x->chunks_got >= x->end_chunks) {
+        bool landed = x->outstanding == 0 && x->sref.holds == 0 &&
+                      (x->proto == KVC_PROTO_GET || x->n == 0 ||
+                       x->bits_set == (uint64_t)x->n * a->n_regions);
+        if (!landed && x->outstanding == 0 && x->sref.holds == 0 && x->end_seen &&
+            x->chunks_got >= x->end_chunks) {
             char m[200];
             snprintf(m, sizeof(m),
                      "short transfer: the producer ended after %llu messages with %llu of %llu "
@@ -528,7 +510,8 @@ void kvc_xfers_advance(kvc_agent_t *a, uint64_t now, uint64_t *next) {
     while (*pp) {
         kvc_xfer_t *x = *pp;
         if (!x->finished) advance(a, x, now, next);
-        if (x->fail_pending && x->outstanding == 0) emit_failed(a, x, x->fail_status, x->fail_msg);
+        if (x->fail_pending && x->outstanding == 0 && x->sref.holds == 0)
+            emit_failed(a, x, x->fail_status, x->fail_msg);
         if (x->fail_pending && !x->fail_aborted) {
             if (now >= x->fail_deadline_ns) {
                 /* Closing the endpoint cancels what is still in flight. */
@@ -538,7 +521,7 @@ void kvc_xfers_advance(kvc_agent_t *a, uint64_t now, uint64_t *next) {
                 *next = x->fail_deadline_ns;
             }
         }
-        if (x->finished && !x->fail_pending && x->outstanding == 0) {
+        if (x->finished && !x->fail_pending && x->outstanding == 0 && x->sref.holds == 0) {
             *pp = x->next;
             kvc_peer_unref(a, x->peer);
             xfer_free(x);
@@ -657,11 +640,23 @@ kvc_status_t kvc_fetch(kvc_agent_t *a, const kvc_fetch_params_t *p, uint64_t *xf
         memcpy(x->remote, r.block_ids + (r.num_blocks - nl), nl * sizeof(uint64_t));
         memcpy(x->local, lids, nl * sizeof(uint64_t));
     }
+    x->has_stream = (p->field_mask & KVC_FETCH_FIELD_CUDA_STREAM) != 0;
+    x->cuda_stream = x->has_stream ? p->cuda_stream : NULL;
+    /* The engine may still have work queued that reads these blocks' old
+     * contents (a finished request's last kernels): the copies that
+     * overwrite them wait for it.  Taken here, on the engine's thread, so
+     * that cudaStreamPerThread is its stream.  One device only (an event
+     * must be recorded on the stream's own device). */
+    if (x->has_stream && a->n_staged && kvc_cuda_devices(a->cuda) == 1 &&
+        (st = kvc_cuda_wait_for(a->cuda, NULL, true, x->cuda_stream)) != KVC_OK) {
+        KVC_LOG(a, KVC_LOG_WARN, "fetch req=%s: waiting for the engine's stream failed: %s",
+                x->req_id, kvc_cuda_last_error(a->cuda));
+        goto err_xfer;
+    }
     if ((st = kvc_peer_get(a, r.host, r.port, r.engine_id, &x->peer)) != KVC_OK) goto err_xfer;
     kvc_peer_ref(x->peer);
     x->id = a->next_xfer_id++;
     x->user_data = (p->field_mask & KVC_FETCH_FIELD_USER_DATA) ? p->user_data : 0;
-    x->cuda_stream = (p->field_mask & KVC_FETCH_FIELD_CUDA_STREAM) ? p->cuda_stream : NULL;
     x->state = X_WAIT_PEER;
     x->next = a->xfers;
     a->xfers = x;
@@ -766,7 +761,7 @@ static ucs_status_t data_cb(void *arg, const void *header, size_t hlen, void *da
         }
     kvc_region_t *rg = &a->regions[h.region];
     uint8_t *dst = (uint8_t *)rg->base + h.local_start * rg->block_len;
-    if (!rndv && rg->mem_type == KVC_MEM_CUDA && !rg->staged) {
+    if (!rndv && rg->mem_type == KVC_MEM_CUDA) {
         op_error(x, KVC_ERR_PROTOCOL, "push", "eager data for device memory (asked rendezvous)");
         return UCS_OK;
     }
@@ -774,6 +769,7 @@ static ucs_status_t data_cb(void *arg, const void *header, size_t hlen, void *da
         x->bits[(bit0 + i) / 8] |= (uint8_t)(1u << ((bit0 + i) % 8));
     x->bits_set += h.count;
     x->chunks_got++;
+    if (rg->staged) return kvc_stage_recv(a, &x->sref, h.region, h.local_start, data, len);
     if (!rndv) {
         memcpy(dst, data, len);
         x->bytes_got += len;

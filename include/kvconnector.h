@@ -69,21 +69,31 @@
  *  - kvc_publish: a cudaEvent_t recorded after the kernels that wrote the
  *    blocks (KVC_PUBLISH_FIELD_CUDA_EVENT), or the cudaStream_t they ran on
  *    (KVC_PUBLISH_FIELD_CUDA_STREAM, regions on one device only).  The
- *    connector's streams wait on it (cudaStreamWaitEvent); kvc_publish
- *    returns once the blocks are captured (staged: copied to the host
- *    mirror; direct: the writes are complete), without the engine having to
- *    synchronise.  Without either field the caller guarantees that its writes
- *    to the blocks are complete (e.g. it synchronised its stream).
+ *    connector's streams wait on it (cudaStreamWaitEvent).  Staged: kvc_publish
+ *    returns at once, without a host sync (the device-to-pool copies of a
+ *    pull are queued behind that wait); direct: it returns once the writes
+ *    are complete (a host sync of the wait, since UCX reads device memory
+ *    outside any stream).  The engine never has to synchronise.  Without either field the caller
+ * guarantees that its writes to the blocks are complete (e.g. it synchronised its stream).
  *  - kvc_fetch: a cudaStream_t that will read the blocks
- *    (KVC_FETCH_FIELD_CUDA_STREAM).  FETCH_DONE is then reported as soon as
- *    the last host-to-device copy is queued and that stream has been made to
- *    wait for it (no host sync); work the engine queues on that stream after
- *    the event sees the blocks.  With regions on one device the copies also
+ *    (KVC_FETCH_FIELD_CUDA_STREAM).  Staged regions: FETCH_DONE comes once
+ *    every pool-to-device copy has completed (their events are polled, no
+ *    host sync), so any later work sees the blocks.  With regions on one device the copies also
  *    wait for the work queued on that stream before the data arrived (which
  *    may still read the blocks' previous contents); with several devices the
  *    engine must not hand a fetch blocks its queued work still reads.
  *    Without the stream the connector synchronises its copies (one host sync
  *    per device per fetch) before FETCH_DONE.
+ *  - Default streams.  A stream field that is set names a stream, 0
+ *    included: 0 (what torch.cuda.current_stream().cuda_stream gives on the
+ *    default stream) and cudaStreamLegacy are the legacy default stream of
+ *    the regions' device, cudaStreamPerThread the calling thread's default
+ *    stream; only an unset field means "no stream".  The work on a
+ *    kvc_fetch stream that the copies wait for is taken at the kvc_fetch
+ *    call, on the caller's thread.  Since the per-thread default stream can
+ *    only be named by its own thread, FETCH_DONE for a fetch given
+ *    cudaStreamPerThread comes after a host sync of the copies (made on the
+ *    progress thread), not through a stream wait.
  * FETCH_FAILED is reported only after every copy the connector queued has
  * finished: nothing is written into local blocks after the failure event.
  * A failed CUDA call is cleared from CUDA's last error (cudaGetLastError) so
@@ -112,7 +122,11 @@
  *
  * CUDA regions are registered with UCX as device memory ("direct") when UCX
  * reports CUDA memory support (ucp_context_query, memory types); otherwise
- * they are staged through a pinned host mirror.  Per producer, the consumer
+ * they are staged: nothing of them is registered with UCX, the producer
+ * pushes (device -> pinned pool slot -> wire, copies and sends pipelined)
+ * and the consumer receives each chunk into a slot, then slot -> device.
+ * The pool is bounded (staging_pool_bytes, 256 MiB by default), whatever
+ * the size of the regions.  Per producer, the consumer
  * reads device memory one-sided only when the endpoint has a transport that
  * reaches it (cuda_ipc on one host, an RDMA transport across hosts);
  * otherwise the producer pushes.  A get forced with KVC_PROTO=get over a
@@ -128,7 +142,8 @@
  * KVC_LOG_LEVEL=error|warn|info|debug (default log level);
  * KVC_PROTO=auto|get|push (consumer protocol, overrides the parameter);
  * KVC_PUSH_CHUNK_KB (largest pushed message, default 4096; tuning);
- * KVC_CUDA_STAGED=1 (stage CUDA regions through host mirrors even when UCX
+ * KVC_STAGING_POOL_MB (staging pool size, overrides staging_pool_bytes);
+ * KVC_CUDA_STAGED=1 (stage CUDA regions through the pool even when UCX
  * could register device memory; for comparisons and troubleshooting);
  * KVC_TEST_WIRE_VERSION (tests only: speak another handshake version);
  * KVC_SECRET_FILE (path of a file holding the cluster secret, trailing
@@ -258,6 +273,7 @@ enum {
     KVC_AGENT_FIELD_LOG_LEVEL = 1u << 11,
     KVC_AGENT_FIELD_SECRET = 1u << 12,
     KVC_AGENT_FIELD_MAX_HANDSHAKES = 1u << 13,
+    KVC_AGENT_FIELD_STAGING_POOL = 1u << 14,
 };
 
 /** Agent parameters.  Only fields named in field_mask are read; others take
@@ -287,8 +303,15 @@ typedef struct {
                                       default: env KVC_SECRET_FILE, else KVC_SECRET,
                                       else none (unauthenticated, warned once) */
     size_t secret_len;
-    uint32_t max_handshakes; /**< side-channel handshakes served at once (each
-                                  address: a quarter of it, at least 4); 256 */
+    uint32_t max_handshakes;   /**< side-channel handshakes served at once (each
+                                    address: a quarter of it, at least 4); 256 */
+    size_t staging_pool_bytes; /**< pinned host memory through which CUDA regions
+                                    are staged when UCX cannot register device
+                                    memory (KVC_AGENT_FIELD_STAGING_POOL);
+                                    256 MiB.  Split into slots of one pushed
+                                    message (KVC_PUSH_CHUNK_KB, 4 MiB, or one
+                                    block when larger); at least two slots.
+                                    The env KVC_STAGING_POOL_MB overrides it. */
 } kvc_agent_params_t;
 
 /**
@@ -356,7 +379,7 @@ typedef struct {
 /**
  * Registers the KV regions, once per agent, before publish or fetch.
  * CUDA regions are registered with UCX directly when UCX supports CUDA
- * memory, otherwise staged through a pinned host mirror.
+ * memory, otherwise staged through the agent's bounded pinned pool.
  * KVC_OK; KVC_ERR_INVALID_PARAM (n == 0, len not a multiple of num_blocks);
  * KVC_ERR_STATE (already registered); KVC_ERR_UNSUPPORTED (CUDA without CUDA
  * build); KVC_ERR_NO_DEVICE; KVC_ERR_TRANSPORT; KVC_ERR_NO_MEMORY.
@@ -397,7 +420,9 @@ typedef struct {
                              wait for it.  See "CUDA ordering contract". */
     void *cuda_stream;  /**< cudaStream_t, borrowed for the call: the stream whose
                              queued work wrote the blocks (regions on one device
-                             only; else pass an event) */
+                             only; else pass an event).  0 is the legacy default
+                             stream: the field mask, not the value, says whether a
+                             stream is given. */
 } kvc_publish_params_t;
 
 /**
@@ -410,8 +435,8 @@ typedef struct {
  *    "remote_port":N,"tp_size":N,"remote_kv_token":"<32 hex digits>"}
  * The token is random per publication: only a consumer that was handed these
  * params can pull the blocks or release them.  `params` may be NULL.  For CUDA regions the
- * blocks are captured before this returns (staged: copied to the host mirror, after the
- * engine's event or stream; see "CUDA ordering contract"). KVC_OK; KVC_ERR_INVALID_PARAM
+ * connector's streams are made to wait for the engine's event or stream before this returns
+ * (staged: no host sync; see "CUDA ordering contract"). KVC_OK; KVC_ERR_INVALID_PARAM
  * (empty/non-printable id, block id out of range, a CUDA stream with regions on several
  * devices; nothing is published); KVC_ERR_EXISTS (id already published); KVC_ERR_STATE (no
  * regions); KVC_ERR_NO_MEMORY; KVC_ERR_CUDA (a copy or wait failed; nothing is published, no
@@ -459,7 +484,9 @@ typedef struct {
     const char *remote_kv_token;
     /** cudaStream_t (KVC_FETCH_FIELD_CUDA_STREAM), borrowed until the fetch's event:
      * the engine's stream that reads the fetched blocks; made to wait for the
-     * staging copies instead of a host sync.  See "CUDA ordering contract". */
+     * staging copies instead of a host sync.  0 is the legacy default stream
+     * (the field mask says whether a stream is given).  See "CUDA ordering
+     * contract". */
     void *cuda_stream;
 } kvc_fetch_params_t;
 
@@ -541,14 +568,14 @@ typedef enum {
     KVC_STAT_PEER_ERRORS = 12,         /**< malformed, oversized or too slow side-channel
                                             peers closed, handshakes over limits refused */
     KVC_STAT_CUDA_DIRECT_REGIONS = 13, /**< CUDA regions registered with UCX as device memory */
-    KVC_STAT_CUDA_STAGED_REGIONS = 14, /**< CUDA regions staged through a pinned host mirror */
+    KVC_STAT_CUDA_STAGED_REGIONS = 14, /**< CUDA regions staged through the pinned pool */
     KVC_STAT_PEERS_GET = 15,           /**< producers this consumer reads one-sided (get) */
     KVC_STAT_PEERS_PUSH = 16,          /**< producers that push to this consumer */
     KVC_STAT_TRANSPORTS = 17,          /**< KVC_TRANSPORT_* bits of the UCX transports seen on
                                             endpoints to producers (collected when the agent has
                                             CUDA regions or logs at debug level) */
-    KVC_STAT_CUDA_COPIES = 18,         /**< staging copy calls issued (cudaMemcpyAsync or
-                                            cudaMemcpy2DAsync, one per coalesced series) */
+    KVC_STAT_CUDA_COPIES = 18,         /**< staging copies issued (one cudaMemcpyAsync per
+                                            pushed message, through a pool slot) */
     KVC_STAT_CUDA_SYNCS = 19,          /**< host synchronisations of staging streams */
 } kvc_stat_t;
 

@@ -6,7 +6,13 @@
  * synchronisation point, one per event query, or on a background thread
  * (threaded mode).  Events and cross-stream waits are honoured; the current
  * device is per thread; the last error is per thread and cleared by
- * cudaGetLastError.  One rule is stricter than CUDA, on purpose: a copy that
+ * cudaGetLastError.  Default streams as CUDA has them: handle 0 and
+ * cudaStreamLegacy name the legacy default stream of the current device,
+ * which is implicitly ordered with every blocking stream of that device (work
+ * queued on it waits for what they queued before, and theirs waits for it);
+ * cudaStreamPerThread names the calling thread's own default stream, a
+ * blocking stream.  Streams created cudaStreamNonBlocking take no part in
+ * that implicit ordering.  One rule is stricter than CUDA, on purpose: a copy that
  * touches device memory must be issued on a stream of the device that owns
  * that memory, so staging on the wrong device fails here. */
 #ifndef _GNU_SOURCE
@@ -37,6 +43,7 @@ typedef struct op {
     cudaHostFn_t fn;
     void *arg;
     cudaError_t fail; /* injected: fails when it runs */
+    bool own_ev;      /* OP_WAIT: an implicit barrier's event, freed with the op */
 } op_t;
 
 struct CUstream_st {
@@ -46,10 +53,13 @@ struct CUstream_st {
     size_t n;
     cudaError_t err; /* asynchronous error, reported at the next sync */
     bool held;       /* eager mode: runs only when a sync forces it */
+    bool blocking;   /* created without cudaStreamNonBlocking (or a per-thread default) */
+    bool legacy;     /* a device's legacy default stream */
 };
 
 struct CUevent_st {
     int device;
+    cudaError_t err; /* an asynchronous error of its stream before the record ran */
     unsigned long gen, done_gen;
     cudaStream_t stream; /* of the latest record */
 };
@@ -59,6 +69,8 @@ typedef struct alloc {
     uint8_t *p;
     size_t len;
     int device;
+    struct alloc *tail; /* cudasim_split: the allocation carved from this one's memory */
+    bool borrowed;      /* its memory belongs to the allocation it was split from */
 } alloc_t;
 
 typedef struct {
@@ -73,7 +85,12 @@ typedef struct {
 
 static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
 static int ndev = 2;
-static struct CUstream_st default_streams[MAX_DEV];
+/* Each device's legacy default stream, valid before any cudasim_reset (a
+ * program that never calls it, like kvc_gpu_test_standin). */
+#define LEGACY(d)                                                                                  \
+    { .device = (d), .legacy = true }
+static struct CUstream_st default_streams[MAX_DEV] = {LEGACY(0), LEGACY(1), LEGACY(2), LEGACY(3),
+                                                      LEGACY(4), LEGACY(5), LEGACY(6), LEGACY(7)};
 static cudaStream_t streams;
 static alloc_t *allocs, *pinned;
 static fault_t faults[MAX_FAULTS];
@@ -82,10 +99,12 @@ static struct {
     unsigned long n;
 } counts[MAX_FNS];
 static int nstreams_live;
+static size_t pinned_now, pinned_peak;
 static pthread_t worker;
 static bool worker_on, worker_stop, eager;
 static _Thread_local int cur_dev;
 static _Thread_local cudaError_t last_err;
+static _Thread_local cudaStream_t per_thread[MAX_DEV]; /* cudaStreamPerThread, made on first use */
 
 /* ---------------------------------------------------------- internals -- */
 
@@ -133,13 +152,27 @@ static bool is_device_ptr(const void *p) {
     return find_alloc(allocs, p, 1) != NULL;
 }
 
+/* The stream a handle names: 0 and cudaStreamLegacy the current device's
+ * legacy default stream, cudaStreamPerThread this thread's default stream
+ * on the current device (NULL if it cannot be made). */
 static cudaStream_t resolve(cudaStream_t s) {
-    return s ? s : &default_streams[cur_dev];
+    if (s == NULL || s == cudaStreamLegacy) return &default_streams[cur_dev];
+    if (s != cudaStreamPerThread) return s;
+    if (!per_thread[cur_dev]) {
+        cudaStream_t p = calloc(1, sizeof(*p));
+        if (!p) return NULL;
+        p->device = cur_dev;
+        p->blocking = true;
+        p->next_all = streams;
+        streams = p;
+        per_thread[cur_dev] = p;
+    }
+    return per_thread[cur_dev];
 }
 
 static void pump(void);
 
-static void enqueue(cudaStream_t s, op_t *o) {
+static void append(cudaStream_t s, op_t *o) {
     o->next = NULL;
     if (s->tail)
         s->tail->next = o;
@@ -147,6 +180,42 @@ static void enqueue(cudaStream_t s, op_t *o) {
         s->head = o;
     s->tail = o;
     s->n++;
+}
+
+/* s waits for everything queued on `on` so far: an implicit event recorded
+ * at the end of `on`, waited for on s.  Out of memory: no barrier (tests
+ * would show the missing order, never hide it). */
+static void barrier(cudaStream_t s, cudaStream_t on) {
+    if (!on->tail) return;
+    cudaEvent_t ev = calloc(1, sizeof(*ev));
+    op_t *rec = calloc(1, sizeof(*rec)), *w = calloc(1, sizeof(*w));
+    if (!ev || !rec || !w) {
+        free(ev);
+        free(rec);
+        free(w);
+        return;
+    }
+    ev->device = on->device;
+    ev->stream = on;
+    *rec = (op_t){.kind = OP_RECORD, .ev = ev, .gen = ++ev->gen};
+    append(on, rec);
+    *w = (op_t){.kind = OP_WAIT, .ev = ev, .gen = ev->gen, .wstream = on, .own_ev = true};
+    append(s, w);
+}
+
+/* The legacy default stream's implicit ordering with blocking streams. */
+static void implicit_order(cudaStream_t s) {
+    if (s->legacy) {
+        for (cudaStream_t b = streams; b; b = b->next_all)
+            if (b->blocking && b->device == s->device) barrier(s, b);
+    } else if (s->blocking) {
+        barrier(s, &default_streams[s->device]);
+    }
+}
+
+static void enqueue(cudaStream_t s, op_t *o) {
+    implicit_order(s);
+    append(s, o);
     if (eager) pump();
 }
 
@@ -168,6 +237,7 @@ static void exec(cudaStream_t s, op_t *o, int depth) {
         break;
     case OP_RECORD:
         if (o->ev->done_gen < o->gen) o->ev->done_gen = o->gen;
+        o->ev->err = s->err; /* CUDA's errors are sticky: a query after it reports it */
         break;
     case OP_WAIT:
         /* Work on the other stream up to the awaited record runs first. */
@@ -196,6 +266,7 @@ static bool run_one(cudaStream_t s, int depth) {
     s->head = o->next;
     if (!s->head) s->tail = NULL;
     s->n--;
+    if (o->own_ev) free(o->ev); /* its record ran: the wait saw it */
     free(o);
     return true;
 }
@@ -231,6 +302,9 @@ static void discard(cudaStream_t s) {
     while (s->head) {
         op_t *o = s->head;
         s->head = o->next;
+        /* A discarded record op never dereferences its event, so an implicit
+         * event can go with its wait. */
+        if (o->own_ev) free(o->ev);
         free(o);
     }
     s->tail = NULL;
@@ -285,8 +359,11 @@ void cudasim_reset(int devices, bool threaded) {
         s->held = false;
     memset(faults, 0, sizeof(faults));
     memset(counts, 0, sizeof(counts));
-    for (int d = 0; d < MAX_DEV; d++)
+    pinned_peak = pinned_now;
+    for (int d = 0; d < MAX_DEV; d++) {
         default_streams[d].device = d;
+        default_streams[d].legacy = true;
+    }
     worker_stop = false;
     pthread_mutex_unlock(&mu);
     cur_dev = 0;
@@ -303,7 +380,8 @@ void cudasim_set_eager(bool on) {
 
 void cudasim_hold(cudaStream_t s, bool hold) {
     pthread_mutex_lock(&mu);
-    s->held = hold;
+    s = resolve(s);
+    if (s) s->held = hold;
     if (eager) pump();
     pthread_mutex_unlock(&mu);
 }
@@ -344,6 +422,25 @@ size_t cudasim_pending(void) {
         n += s->n;
     for (int d = 0; d < MAX_DEV; d++)
         n += default_streams[d].n;
+    pthread_mutex_unlock(&mu);
+    return n;
+}
+
+static void pinned_add(size_t n) {
+    pinned_now += n;
+    if (pinned_now > pinned_peak) pinned_peak = pinned_now;
+}
+
+size_t cudasim_pinned_bytes(void) {
+    pthread_mutex_lock(&mu);
+    size_t n = pinned_now;
+    pthread_mutex_unlock(&mu);
+    return n;
+}
+
+size_t cudasim_pinned_peak(void) {
+    pthread_mutex_lock(&mu);
+    size_t n = pinned_peak;
     pthread_mutex_unlock(&mu);
     return n;
 }
@@ -476,18 +573,79 @@ cudaError_t cudaMalloc(void **p, size_t size) {
     LEAVE(cudaSuccess);
 }
 
+static void forget(alloc_t *a) {
+    for (alloc_t **pp = &allocs; *pp; pp = &(*pp)->next)
+        if (*pp == a) {
+            *pp = a->next;
+            break;
+        }
+    for (alloc_t *o = allocs; o; o = o->next)
+        if (o->tail == a) o->tail = NULL;
+}
+
 cudaError_t cudaFree(void *p) {
     ENTER("cudaFree", NULL);
     if (!p) LEAVE(cudaSuccess);
-    for (alloc_t **pp = &allocs; *pp; pp = &(*pp)->next)
-        if ((*pp)->p == p) {
-            alloc_t *a = *pp;
-            *pp = a->next;
-            free(a->p);
+    for (alloc_t *a = allocs; a; a = a->next)
+        if (a->p == p) {
+            forget(a);
+            if (a->tail) {
+                forget(a->tail);
+                free(a->tail);
+            }
+            if (!a->borrowed) free(a->p);
             free(a);
             LEAVE(cudaSuccess);
         }
     LEAVE(cudaErrorInvalidValue);
+}
+
+void cudasim_split(void *p, size_t at) {
+    pthread_mutex_lock(&mu);
+    alloc_t *a = find_alloc(allocs, p, 1), *b = calloc(1, sizeof(*b));
+    if (a && b && at > 0 && at < a->len && !a->tail) {
+        *b = (alloc_t){.next = allocs,
+                       .p = a->p + at,
+                       .len = a->len - at,
+                       .device = a->device,
+                       .borrowed = true};
+        allocs = b;
+        a->len = at;
+        a->tail = b;
+    } else {
+        free(b);
+    }
+    pthread_mutex_unlock(&mu);
+}
+
+/* cuPointerGetAttribute as the driver answers for the two range attributes
+ * (CU_POINTER_ATTRIBUTE_RANGE_START_ADDR 11, RANGE_SIZE 12). */
+static int sim_cu_pointer_get_attribute(void *data, int attr, unsigned long long ptr) {
+    pthread_mutex_lock(&mu);
+    alloc_t *a = find_alloc(allocs, (const void *)(uintptr_t)ptr, 1);
+    int r = 1; /* CUDA_ERROR_INVALID_VALUE */
+    if (a && attr == 11) {
+        *(unsigned long long *)data = (unsigned long long)(uintptr_t)a->p;
+        r = 0;
+    } else if (a && attr == 12) {
+        *(size_t *)data = a->len;
+        r = 0;
+    }
+    pthread_mutex_unlock(&mu);
+    return r;
+}
+
+cudaError_t cudaGetDriverEntryPointByVersion(const char *symbol, void **fn, unsigned int version,
+                                             unsigned long long flags,
+                                             enum cudaDriverEntryPointQueryResult *status) {
+    (void)version;
+    (void)flags;
+    ENTER("cudaGetDriverEntryPointByVersion", NULL);
+    if (!symbol || !fn) LEAVE(cudaErrorInvalidValue);
+    bool found = !strcmp(symbol, "cuPointerGetAttribute");
+    *fn = found ? (void *)sim_cu_pointer_get_attribute : NULL;
+    if (status) *status = found ? cudaDriverEntryPointSuccess : cudaDriverEntryPointSymbolNotFound;
+    LEAVE(cudaSuccess);
 }
 
 cudaError_t cudaHostRegister(void *p, size_t size, unsigned int flags) {
@@ -500,6 +658,7 @@ cudaError_t cudaHostRegister(void *p, size_t size, unsigned int flags) {
     a->len = size;
     a->next = pinned;
     pinned = a;
+    pinned_add(size);
     LEAVE(cudaSuccess);
 }
 
@@ -509,6 +668,7 @@ cudaError_t cudaHostUnregister(void *p) {
         if ((*pp)->p == p) {
             alloc_t *a = *pp;
             *pp = a->next;
+            pinned_now -= a->len;
             free(a);
             LEAVE(cudaSuccess);
         }
@@ -537,7 +697,6 @@ cudaError_t cudaPointerGetAttributes(struct cudaPointerAttributes *at, const voi
 }
 
 cudaError_t cudaStreamCreateWithFlags(cudaStream_t *ps, unsigned int flags) {
-    (void)flags;
     ENTER("cudaStreamCreateWithFlags", NULL);
     cudaStream_t s = calloc(1, sizeof(*s));
     if (!ps || !s) {
@@ -545,6 +704,7 @@ cudaError_t cudaStreamCreateWithFlags(cudaStream_t *ps, unsigned int flags) {
         LEAVE(cudaErrorInvalidValue);
     }
     s->device = cur_dev;
+    s->blocking = !(flags & cudaStreamNonBlocking);
     s->next_all = streams;
     streams = s;
     nstreams_live++;
@@ -554,7 +714,8 @@ cudaError_t cudaStreamCreateWithFlags(cudaStream_t *ps, unsigned int flags) {
 
 cudaError_t cudaStreamDestroy(cudaStream_t s) {
     ENTER("cudaStreamDestroy", NULL);
-    if (!s) LEAVE(cudaErrorInvalidResourceHandle);
+    if (!s || s == cudaStreamLegacy || s == cudaStreamPerThread)
+        LEAVE(cudaErrorInvalidResourceHandle);
     for (cudaStream_t *pp = &streams; *pp; pp = &(*pp)->next_all)
         if (*pp == s) {
             /* CUDA lets queued work finish after the destroy call. */
@@ -569,7 +730,7 @@ cudaError_t cudaStreamDestroy(cudaStream_t s) {
 
 cudaError_t cudaStreamSynchronize(cudaStream_t s) {
     ENTER("cudaStreamSynchronize", NULL);
-    s = resolve(s);
+    if (!(s = resolve(s))) LEAVE(cudaErrorMemoryAllocation);
     drain(s);
     LEAVE(take_async(s));
 }
@@ -590,7 +751,7 @@ cudaError_t cudaDeviceSynchronize(void) {
 cudaError_t cudaStreamWaitEvent(cudaStream_t s, cudaEvent_t ev, unsigned int flags) {
     ENTER("cudaStreamWaitEvent", NULL);
     if (!ev || flags) LEAVE(cudaErrorInvalidValue);
-    s = resolve(s);
+    if (!(s = resolve(s))) LEAVE(cudaErrorMemoryAllocation);
     if (ev->gen == 0 || ev->done_gen >= ev->gen) LEAVE(cudaSuccess); /* nothing to wait for */
     op_t *o = calloc(1, sizeof(*o));
     if (!o) LEAVE(cudaErrorMemoryAllocation);
@@ -633,7 +794,7 @@ cudaError_t cudaEventDestroy(cudaEvent_t ev) {
 cudaError_t cudaEventRecord(cudaEvent_t ev, cudaStream_t s) {
     ENTER("cudaEventRecord", NULL);
     if (!ev) LEAVE(cudaErrorInvalidResourceHandle);
-    s = resolve(s);
+    if (!(s = resolve(s))) LEAVE(cudaErrorMemoryAllocation);
     if (s->device != ev->device) LEAVE(cudaErrorInvalidResourceHandle); /* same device rule */
     op_t *o = calloc(1, sizeof(*o));
     if (!o) LEAVE(cudaErrorMemoryAllocation);
@@ -649,7 +810,7 @@ cudaError_t cudaEventQuery(cudaEvent_t ev) {
     ENTER("cudaEventQuery", NULL);
     if (!ev) LEAVE(cudaErrorInvalidResourceHandle);
     if (ev->done_gen < ev->gen) run_one(ev->stream, 0); /* a query lets one op run */
-    LEAVE(ev->done_gen >= ev->gen ? cudaSuccess : cudaErrorNotReady);
+    LEAVE(ev->done_gen >= ev->gen ? ev->err : cudaErrorNotReady);
 }
 
 cudaError_t cudaEventSynchronize(cudaEvent_t ev) {
@@ -697,6 +858,7 @@ cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t count, enum cudaM
     cudaError_t af;
     ENTER("cudaMemcpyAsync", &af);
     cudaStream_t s = resolve(stream);
+    if (!s) LEAVE(cudaErrorMemoryAllocation);
     cudaError_t e = copy_check(dst, src, count, count, kind, s);
     if (e != cudaSuccess) LEAVE(e);
     op_t *o = calloc(1, sizeof(*o));
@@ -716,6 +878,7 @@ cudaError_t cudaMemcpy2DAsync(void *dst, size_t dpitch, const void *src, size_t 
     cudaError_t af;
     ENTER("cudaMemcpy2DAsync", &af);
     cudaStream_t s = resolve(stream);
+    if (!s) LEAVE(cudaErrorMemoryAllocation);
     if (width > dpitch || width > spitch) LEAVE(cudaErrorInvalidValue);
     size_t dlen = height ? (height - 1) * dpitch + width : 0;
     size_t slen = height ? (height - 1) * spitch + width : 0;
@@ -743,7 +906,12 @@ cudaError_t cudaLaunchHostFunc(cudaStream_t stream, cudaHostFn_t fn, void *arg) 
     o->kind = OP_HOSTFN;
     o->fn = fn;
     o->arg = arg;
-    enqueue(resolve(stream), o);
+    cudaStream_t s = resolve(stream);
+    if (!s) {
+        free(o);
+        LEAVE(cudaErrorMemoryAllocation);
+    }
+    enqueue(s, o);
     LEAVE(cudaSuccess);
 }
 
@@ -757,6 +925,7 @@ cudaError_t cudaMallocHost(void **p, size_t size) {
     a->len = size;
     a->next = pinned;
     pinned = a;
+    pinned_add(size);
     *p = a->p;
     LEAVE(cudaSuccess);
 }
@@ -767,6 +936,7 @@ cudaError_t cudaFreeHost(void *p) {
         if ((*pp)->p == p) {
             alloc_t *a = *pp;
             *pp = a->next;
+            pinned_now -= a->len;
             free(a->p);
             free(a);
             LEAVE(cudaSuccess);
@@ -781,6 +951,7 @@ cudaError_t cudaMemcpy(void *dst, const void *src, size_t count, enum cudaMemcpy
     cudaStream_t s = &default_streams[cur_dev];
     cudaError_t e = copy_check(dst, src, count, count, kind, s);
     if (e != cudaSuccess) LEAVE(e);
+    implicit_order(s);
     drain(s);
     memmove(dst, src, count);
     LEAVE(take_async(s));

@@ -29,11 +29,19 @@ void cudasim_fail(const char *fn, unsigned nth, cudaError_t err);
  * the stream reports err at its next synchronisation, like an asynchronous
  * CUDA fault. */
 void cudasim_fail_async(const char *fn, unsigned nth, cudaError_t err);
+/* Splits the cudaMalloc allocation that holds p at offset `at`: two
+ * allocations side by side afterwards, as the driver may hand out (freeing
+ * the first frees both's memory; the second is then forgotten too). */
+void cudasim_split(void *p, size_t at);
 /* Calls of runtime function `fn` since the last reset. */
 unsigned long cudasim_calls(const char *fn);
 /* Operations queued on all streams and not yet run. */
 size_t cudasim_pending(void);
 /* Streams created and not destroyed. */
 int cudasim_streams_live(void);
+/* Pinned host bytes (cudaHostRegister, cudaMallocHost): now, and the most
+ * at any time since the last reset. */
+size_t cudasim_pinned_bytes(void);
+size_t cudasim_pinned_peak(void);
 
 #endif

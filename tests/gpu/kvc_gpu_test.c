@@ -6,8 +6,9 @@
  *   kvc_gpu_test baseline [opts]              cudaMemcpy GB/s, 2 MiB copies:
  *                                             device-to-device, pinned host-to-device
  *   kvc_gpu_test staging [opts]               the connector's staging copies
- *                                             (mirror -> device) for the fetch's
- *                                             blocks, GB/s
+ *                                             (pinned pool slots -> device, the
+ *                                             fetch's blocks in pushed-message
+ *                                             chunks, events polled), GB/s
  *   kvc_gpu_test producer --params F [opts]   fill, publish, serve until released
  *   kvc_gpu_test consumer --params F [opts]   fetch, check every byte, GB/s
  * opts: --regions N --blocks N --block-kb N --fetch N (blocks fetched, in runs
@@ -15,7 +16,15 @@
  * behind a slow stream operation and published with that stream, no host
  * sync; the consumer orders its completion before its own stream and reads
  * through it) --kill PIDFILE (consumer: SIGKILL the producer as soon as the
- * handshake is done, mid-fetch; the producer writes its pid to PARAMS.pid).
+ * handshake is done, mid-fetch; the producer writes its pid to PARAMS.pid)
+ * --default-stream (with --probe: the engine's stream is the legacy default
+ * stream, passed as 0 with the stream field set) --device N (the CUDA device
+ * of this process) --expiry-ms N (producer: the publication expires after N
+ * ms; it counts as released when it does) --unpublish-ms N (producer: the
+ * engine aborts the request, kvc_unpublish, after N ms) --delay-ms N
+ * (consumer: waits N ms after the warm-up before fetching) --expect failed
+ * (consumer: the check passes only if the fetch FAILS) --tp N (consumer:
+ * this engine's TP size; N decode ranks fetch one prefill rank's blocks).
  *
  * Every result is one line starting with "RESULT " (key=value pairs) on
  * stdout; exit status 0 only when the check passed. */
@@ -50,7 +59,9 @@ typedef struct {
     size_t block;
     size_t fetch;
     const char *params, *kill_pidfile;
-    bool probe;
+    bool probe, default_stream, expect_fail;
+    int device;
+    uint32_t expiry_ms, unpublish_ms, delay_ms, tp;
 } opts_t;
 
 static double now_s(void) {
@@ -105,10 +116,12 @@ static uint64_t local_of(const opts_t *o, uint64_t remote) {
     return (remote + o->blocks / 2 + 3 * RUN) % o->blocks;
 }
 
-static kvc_agent_t *agent(const char *name) {
-    kvc_agent_params_t ap = {.field_mask = KVC_AGENT_FIELD_ENGINE_ID | KVC_AGENT_FIELD_XFER_TIMEOUT,
+static kvc_agent_t *agent(const char *name, uint32_t tp) {
+    kvc_agent_params_t ap = {.field_mask = KVC_AGENT_FIELD_ENGINE_ID |
+                                           KVC_AGENT_FIELD_XFER_TIMEOUT | KVC_AGENT_FIELD_TP_SIZE,
                              .engine_id = name,
-                             .xfer_timeout_ms = 30000};
+                             .xfer_timeout_ms = 30000,
+                             .tp_size = tp ? tp : 1};
     kvc_agent_t *a;
     kvc_status_t st = kvc_agent_create(&ap, &a);
     if (st != KVC_OK) {
@@ -197,10 +210,13 @@ static int run_baseline(const opts_t *o) {
 
 /* -------------------------------------------------------------- staging -- */
 
-/* The connector's staging copies alone: the fetch's blocks, planned by the
- * connector (kvc_cuda_plan), copied mirror -> device on its per-device stream
- * (kvc_cuda_copy_runs), one sync: what a staged fetch adds after the bytes
- * reach the host mirror. */
+/* The connector's staging copies alone, as a staged fetch makes them: the
+ * fetched blocks in pushed-message chunks (KVC_PUSH_CHUNK_KB, 4 MiB),
+ * each copied from a slot of a pinned 256 MiB pool to the device on the
+ * connector's per-device stream with the slot's event recorded after it
+ * (kvc_cuda_copy_event), a slot reused once its event is complete (polled,
+ * as the connector's progress does).  What the consumer side of the staged
+ * path can move at most. */
 static int run_staging(const opts_t *o) {
     size_t len = o->blocks * o->block, n;
     uint64_t *rem = pick_blocks(o, &n);
@@ -211,51 +227,88 @@ static int run_staging(const opts_t *o) {
         fprintf(stderr, "%s\n", err);
         return 1;
     }
+    size_t slot = (size_t)4 << 20, nslots = 64;
+    if (slot < o->block) slot = o->block;
+    size_t per = slot / o->block; /* blocks per chunk */
     void **dev = calloc((size_t)o->regions, sizeof(void *));
-    void **mir = calloc((size_t)o->regions, sizeof(void *));
     int *rdev = calloc((size_t)o->regions, sizeof(int));
-    if (!dev || !mir || !rdev) return 1;
+    void **ev = calloc(nslots, sizeof(void *));
+    int *evdev = calloc(nslots, sizeof(int));
+    bool *busy = calloc(nslots, sizeof(bool));
+    uint8_t *pool = aligned_alloc(4096, slot * nslots);
+    if (!dev || !rdev || !ev || !evdev || !busy || !pool) return 1;
+    memset(pool, 7, slot * nslots);
+    if (kvc_cuda_host_register(c, pool, slot * nslots) != KVC_OK) {
+        fprintf(stderr, "staging pool: %s\n", kvc_cuda_last_error(c));
+        return 1;
+    }
     for (int r = 0; r < o->regions; r++) {
         CK(cudaMalloc(&dev[r], len));
-        if (!(mir[r] = aligned_alloc(4096, (len + 4095) / 4096 * 4096))) return 1;
-        memset(mir[r], r, len);
-        if (kvc_cuda_region_device(c, dev[r], len, -1, &rdev[r]) != KVC_OK ||
-            kvc_cuda_host_register(c, mir[r], len) != KVC_OK) {
+        if (kvc_cuda_region_device(c, dev[r], len, -1, &rdev[r]) != KVC_OK) {
             fprintf(stderr, "staging setup: %s\n", kvc_cuda_last_error(c));
             return 1;
         }
     }
-    kvc_crun_t *runs;
-    size_t nruns;
-    if (kvc_cuda_plan(rem, n, o->block, &runs, &nruns) != KVC_OK) return 1;
     double best = 0;
+    size_t copies = 0;
     for (int rep = 0; rep < 4; rep++) {
         double t0 = now_s();
+        size_t k = 0;
+        copies = 0;
         for (int r = 0; r < o->regions; r++)
-            if (kvc_cuda_copy_runs(c, rdev[r], dev[r], mir[r], o->block, runs, nruns, true) !=
-                KVC_OK) {
-                fprintf(stderr, "staging copy: %s\n", kvc_cuda_last_error(c));
-                return 1;
+            for (size_t i = 0; i < n;) {
+                size_t cnt = 1; /* a chunk: consecutive ids, at most `per` */
+                while (i + cnt < n && cnt < per && rem[i + cnt] == rem[i] + cnt)
+                    cnt++;
+                size_t sl = k++ % nslots;
+                kvc_status_t st = KVC_OK;
+                while (busy[sl]) {
+                    int q = kvc_cuda_event_poll(c, ev[sl], &st);
+                    if (q < 0) {
+                        fprintf(stderr, "staging copy: %s\n", kvc_cuda_last_error(c));
+                        return 1;
+                    }
+                    busy[sl] = q == 0;
+                }
+                if (kvc_cuda_copy_event(c, rdev[r], (char *)dev[r] + rem[i] * o->block,
+                                        pool + sl * slot, cnt * o->block, true, &ev[sl],
+                                        &evdev[sl]) != KVC_OK) {
+                    fprintf(stderr, "staging copy: %s\n", kvc_cuda_last_error(c));
+                    return 1;
+                }
+                busy[sl] = true;
+                copies++;
+                i += cnt;
             }
-        if (kvc_cuda_sync(c) != KVC_OK) {
-            fprintf(stderr, "staging sync: %s\n", kvc_cuda_last_error(c));
-            return 1;
+        for (size_t sl = 0; sl < nslots; sl++) {
+            kvc_status_t st = KVC_OK;
+            while (busy[sl]) {
+                int q = kvc_cuda_event_poll(c, ev[sl], &st);
+                if (q < 0) {
+                    fprintf(stderr, "staging copy: %s\n", kvc_cuda_last_error(c));
+                    return 1;
+                }
+                busy[sl] = q == 0;
+            }
         }
         double g = (double)n * o->block * o->regions / (now_s() - t0) / 1e9;
         if (rep && g > best) best = g;
     }
-    printf("RESULT staging h2d_gbps=%.1f copies_per_region=%zu blocks=%zu regions=%d\n", best,
-           nruns, n, o->regions);
-    free(runs);
-    for (int r = 0; r < o->regions; r++) {
-        kvc_cuda_host_unregister(c, mir[r]);
-        free(mir[r]);
+    printf("RESULT staging h2d_gbps=%.1f copies_per_region=%zu blocks=%zu regions=%d "
+           "slot_kib=%zu slots=%zu\n",
+           best, copies / (size_t)o->regions, n, o->regions, slot >> 10, nslots);
+    for (size_t sl = 0; sl < nslots; sl++)
+        if (ev[sl]) kvc_cuda_event_destroy(c, ev[sl]);
+    kvc_cuda_host_unregister(c, pool);
+    for (int r = 0; r < o->regions; r++)
         CK(cudaFree(dev[r]));
-    }
     kvc_cuda_destroy(c);
+    free(pool);
     free(dev);
-    free(mir);
     free(rdev);
+    free(ev);
+    free(evdev);
+    free(busy);
     free(rem);
     return 0;
 }
@@ -272,7 +325,7 @@ static int run_producer(const opts_t *o) {
     size_t len = o->blocks * o->block, n;
     uint64_t *rem = pick_blocks(o, &n);
     if (!rem) return 1;
-    kvc_agent_t *a = agent("gpu-P");
+    kvc_agent_t *a = agent("gpu-P", 1);
     void **dev = calloc((size_t)o->regions, sizeof(void *));
     uint64_t *host;
     if (!dev) return 1;
@@ -297,8 +350,8 @@ static int run_producer(const opts_t *o) {
     if (o->probe) {
         /* The engine's stream: a slow operation, then the copies that write
          * generation 2 into the published blocks; publish right away. */
-        CK(cudaStreamCreateWithFlags(&es, cudaStreamNonBlocking));
-        CK(cudaLaunchHostFunc(es, slow_op, NULL));
+        if (!o->default_stream) CK(cudaStreamCreateWithFlags(&es, cudaStreamNonBlocking));
+        CK(cudaLaunchHostFunc(es, slow_op, NULL)); /* es 0: the legacy default stream */
         gen2 = calloc((size_t)o->regions, sizeof(*gen2));
         size_t words = o->block / 8;
         for (int r = 0; r < o->regions; r++) {
@@ -310,8 +363,12 @@ static int run_producer(const opts_t *o) {
                 CK(cudaMemcpyAsync((char *)dev[r] + rem[k] * o->block, gen2[r] + k * words,
                                    o->block, cudaMemcpyHostToDevice, es));
         }
-        pp.field_mask = KVC_PUBLISH_FIELD_CUDA_STREAM;
+        pp.field_mask = KVC_PUBLISH_FIELD_CUDA_STREAM; /* set: 0 is a stream too */
         pp.cuda_stream = es;
+    }
+    if (o->expiry_ms) {
+        pp.field_mask |= KVC_PUBLISH_FIELD_EXPIRY;
+        pp.expiry_ms = o->expiry_ms;
     }
     char *json;
     st = kvc_publish(a, "gpu-req-1", rem, n, &pp, &json);
@@ -335,13 +392,31 @@ static int run_producer(const opts_t *o) {
     kvc_free(warm);
     kvc_free(json);
     int released = 0; /* the main publication released (the warm-up may not be) */
-    double until = now_s() + 240;
+    double until = now_s() + 240, t_pub = now_s();
+    bool unpublished = false, expired = false;
     while (!released && now_s() < until) {
-        kvc_agent_wait(a, 100);
+        kvc_agent_wait(a, 20);
+        if (o->unpublish_ms && !unpublished && now_s() - t_pub >= o->unpublish_ms / 1e3) {
+            /* The engine aborts the request: its blocks go back at once. */
+            if (kvc_unpublish(a, "gpu-req-1") != KVC_OK) {
+                fprintf(stderr, "unpublish: not found\n");
+                return 1;
+            }
+            unpublished = true;
+            until = now_s() + 4; /* serve (and refuse) the late consumer a while */
+        }
         kvc_event_t ev;
-        while (kvc_agent_next_event(a, &ev) == KVC_OK)
-            released |= ev.type == KVC_EV_RELEASED && !strcmp(ev.request_id, "gpu-req-1");
+        while (kvc_agent_next_event(a, &ev) == KVC_OK) {
+            if (strcmp(ev.request_id ? ev.request_id : "", "gpu-req-1")) continue;
+            released |= ev.type == KVC_EV_RELEASED;
+            if (o->expiry_ms && ev.type == KVC_EV_EXPIRED && !expired) {
+                expired = true;
+                until = now_s() + 4; /* the same for a consumer that comes too late */
+            }
+        }
     }
+    /* Nothing left to release after an expiry or an abort. */
+    if ((expired || unpublished) && !released) released = 1;
     /* Keep serving a moment, as an engine would: the consumer's notification
      * send completes only while this endpoint is alive. */
     for (double end = now_s() + 1.0; released && now_s() < end;)
@@ -382,7 +457,7 @@ static char *read_params(const char *path) {
 
 static int run_consumer(const opts_t *o) {
     size_t len = o->blocks * o->block, words = o->block / 8;
-    kvc_agent_t *a = agent("gpu-D");
+    kvc_agent_t *a = agent("gpu-D", o->tp);
     void **dev = calloc((size_t)o->regions, sizeof(void *));
     uint64_t *host;
     if (!dev) return 1;
@@ -423,9 +498,10 @@ static int run_consumer(const opts_t *o) {
                              .kv_transfer_params_json = json,
                              .local_block_ids = loc,
                              .num_local_blocks = n};
+    bool use_stream = o->probe;
     if (o->probe) {
-        CK(cudaStreamCreateWithFlags(&ds, cudaStreamNonBlocking));
-        fp.field_mask |= KVC_FETCH_FIELD_CUDA_STREAM;
+        if (!o->default_stream) CK(cudaStreamCreateWithFlags(&ds, cudaStreamNonBlocking));
+        fp.field_mask |= KVC_FETCH_FIELD_CUDA_STREAM; /* ds 0: the legacy default stream */
         fp.cuda_stream = ds;
     }
     uint64_t xid;
@@ -451,6 +527,8 @@ static int run_consumer(const opts_t *o) {
             return 1;
         }
     }
+    for (double end = now_s() + o->delay_ms / 1e3; now_s() < end;)
+        kvc_agent_wait(a, 10); /* progressed meanwhile, as an engine does */
     double t0 = now_s();
     st = kvc_fetch(a, &fp, &xid);
     if (st != KVC_INPROGRESS) {
@@ -491,10 +569,10 @@ static int run_consumer(const opts_t *o) {
                           : "hung",
                kvc_status_str(st), secs, msg);
     } else if (got != 1) {
-        printf("RESULT fetch outcome=%s status=%s message=\"%s\"\n", got ? "failed" : "hung",
-               kvc_status_str(st), msg);
+        printf("RESULT fetch outcome=%s status=%s seconds=%.2f message=\"%s\"\n",
+               got ? "failed" : "hung", kvc_status_str(st), secs, msg);
     }
-    int rc = o->kill_pidfile ? got == 0 : got != 1;
+    int rc = o->kill_pidfile ? got == 0 : o->expect_fail ? got != 2 : got != 1;
     uint64_t bad = 0;
     if (got == 1) {
         /* Every byte: fetched blocks hold the producer's, untouched blocks the
@@ -503,7 +581,7 @@ static int run_consumer(const opts_t *o) {
         uint64_t fill = 0x5A5A5A5A5A5A5A5Aull;
         int gen = o->probe ? 2 : 1;
         for (int r = 0; r < o->regions; r++) {
-            if (ds) {
+            if (use_stream) {
                 CK(cudaMemcpyAsync(host, dev[r], len, cudaMemcpyDeviceToHost, ds));
                 CK(cudaStreamSynchronize(ds));
             } else {
@@ -531,7 +609,7 @@ static int run_consumer(const opts_t *o) {
                (unsigned long long)bad, n, o->regions, bytes, secs, bytes / secs / 1e9, path, mem,
                tl, (unsigned long long)kstat(a, KVC_STAT_CUDA_COPIES),
                (unsigned long long)kstat(a, KVC_STAT_CUDA_SYNCS));
-        if (bad) rc = 1;
+        if (bad || o->expect_fail) rc = 1; /* a fetch that had to fail succeeded */
     }
     kvc_agent_destroy(a);
     if (ds) CK(cudaStreamDestroy(ds));
@@ -558,6 +636,10 @@ int main(int argc, char **argv) {
             o.probe = true;
             continue;
         }
+        if (!strcmp(k, "--default-stream")) {
+            o.default_stream = true;
+            continue;
+        }
         if (!v) {
             fprintf(stderr, "%s needs a value\n", k);
             return 2;
@@ -575,6 +657,18 @@ int main(int argc, char **argv) {
             o.params = v;
         else if (!strcmp(k, "--kill"))
             o.kill_pidfile = v;
+        else if (!strcmp(k, "--device"))
+            o.device = atoi(v);
+        else if (!strcmp(k, "--expiry-ms"))
+            o.expiry_ms = (uint32_t)strtoul(v, NULL, 10);
+        else if (!strcmp(k, "--unpublish-ms"))
+            o.unpublish_ms = (uint32_t)strtoul(v, NULL, 10);
+        else if (!strcmp(k, "--delay-ms"))
+            o.delay_ms = (uint32_t)strtoul(v, NULL, 10);
+        else if (!strcmp(k, "--tp"))
+            o.tp = (uint32_t)strtoul(v, NULL, 10);
+        else if (!strcmp(k, "--expect"))
+            o.expect_fail = !strcmp(v, "failed");
         else {
             fprintf(stderr, "unknown option %s\n", k);
             return 2;
@@ -591,7 +685,15 @@ int main(int argc, char **argv) {
         printf("RESULT device none (%s)\n", ce == cudaSuccess ? "count 0" : cudaGetErrorName(ce));
         return 77;
     }
-    if (!strcmp(argv[1], "probe-device")) return 0;
+    if (o.device < 0 || o.device >= n) {
+        printf("RESULT device missing (device %d of %d)\n", o.device, n);
+        return 77;
+    }
+    CK(cudaSetDevice(o.device));
+    if (!strcmp(argv[1], "probe-device")) {
+        printf("RESULT device count=%d\n", n);
+        return 0;
+    }
     if (!strcmp(argv[1], "baseline")) return run_baseline(&o);
     if (!strcmp(argv[1], "staging")) return run_staging(&o);
     if ((!strcmp(argv[1], "producer") || !strcmp(argv[1], "consumer")) && !o.params) {

@@ -77,10 +77,16 @@ static void dev_check(void) {
     assert_int_equal(cudaPeekAtLastError(), cudaSuccess);
 }
 
+static size_t pool_bytes; /* nonzero: the agents' staging_pool_bytes */
+
 static void side_init(side_t *s, const char *name, int ndev, kvc_proto_t proto) {
     kvc_agent_params_t ap = {.field_mask = KVC_AGENT_FIELD_ENGINE_ID | KVC_AGENT_FIELD_PROTO,
                              .engine_id = name,
                              .proto = proto};
+    if (pool_bytes) {
+        ap.field_mask |= KVC_AGENT_FIELD_STAGING_POOL;
+        ap.staging_pool_bytes = pool_bytes;
+    }
     assert_int_equal(kvc_agent_create(&ap, &s->a), KVC_OK);
     kvc_region_params_t rp[NREG];
     for (int r = 0; r < NREG; r++) {
@@ -139,12 +145,15 @@ static kvc_status_t run_fetch(side_t *P, side_t *D, kvc_status_t *out_st, char *
     return st;
 }
 
-static void start_fetch(side_t *D, const char *json, const uint64_t *loc, size_t n, void *stream) {
+/* A fetch; with_stream: the CUDA stream field is set, to `stream` (which may
+ * be 0, the legacy default stream). */
+static void fetch_with(side_t *D, const char *json, const uint64_t *loc, size_t n, bool with_stream,
+                       void *stream) {
     kvc_fetch_params_t fp = {.field_mask = KVC_FETCH_FIELD_JSON | KVC_FETCH_FIELD_LOCAL_BLOCKS,
                              .kv_transfer_params_json = json,
                              .local_block_ids = loc,
                              .num_local_blocks = n};
-    if (stream) {
+    if (with_stream) {
         fp.field_mask |= KVC_FETCH_FIELD_CUDA_STREAM;
         fp.cuda_stream = stream;
     }
@@ -153,11 +162,21 @@ static void start_fetch(side_t *D, const char *json, const uint64_t *loc, size_t
     dev_check();
 }
 
+static void start_fetch(side_t *D, const char *json, const uint64_t *loc, size_t n, void *stream) {
+    fetch_with(D, json, loc, n, stream != NULL, stream);
+}
+
+static void start_fetch_stream(side_t *D, const char *json, const uint64_t *loc, size_t n,
+                               void *stream) {
+    fetch_with(D, json, loc, n, true, stream);
+}
+
 /* Remote blocks 4..7 and 30..33 and 50; local: three runs of four at a stride
  * of ten, then one block: one 2D copy and one 1D copy per region. */
 static const uint64_t REM[] = {4, 5, 6, 7, 30, 31, 32, 33, 50, 51, 52, 53, 60};
 static const uint64_t LOC[] = {0, 1, 2, 3, 10, 11, 12, 13, 20, 21, 22, 23, 40};
 #define NX (sizeof(LOC) / sizeof(LOC[0]))
+#define NRUNS 4 /* runs of consecutive (remote, local) pairs above */
 
 static void check_blocks(side_t *D, int gen, const uint64_t *rem, const uint64_t *loc, size_t n) {
     for (int r = 0; r < NREG; r++) {
@@ -252,18 +271,24 @@ static void roundtrip(bool threaded, kvc_proto_t proto) {
     assert_int_equal(run_fetch(&P, &D, NULL, NULL, 0, &pending), KVC_OK);
     assert_int_equal(pending, 0); /* every copy ran before FETCH_DONE */
     check_blocks(&D, 1, REM, LOC, NX);
-    /* One 2D and one 1D copy per region, one sync per device. */
-    assert_int_equal(cudasim_calls("cudaMemcpy2DAsync") - m2, NREG);
-    assert_int_equal(cudasim_calls("cudaMemcpyAsync") - m1, NREG);
-    assert_int_equal(cudasim_calls("cudaStreamSynchronize") - sy, 2);
+    /* Through the pools: one device->pool copy per pushed message on P, one
+     * pool->device copy per message on D (four runs per region here), and
+     * no host sync on either side. */
+    assert_int_equal(cudasim_calls("cudaMemcpy2DAsync") - m2, 0);
+    assert_int_equal(cudasim_calls("cudaMemcpyAsync") - m1, 2 * NRUNS * NREG);
+    assert_int_equal(cudasim_calls("cudaStreamSynchronize") - sy, 0);
     uint64_t v;
     assert_int_equal(kvc_agent_stat(D.a, KVC_STAT_CUDA_SYNCS, &v), KVC_OK);
-    assert_int_equal(v, 1);
+    assert_int_equal(v, 0);
+    assert_int_equal(kvc_agent_stat(P.a, KVC_STAT_CUDA_SYNCS, &v), KVC_OK);
+    assert_int_equal(v, 0); /* kvc_publish did not wait on the host either */
     assert_int_equal(kvc_agent_stat(D.a, KVC_STAT_CUDA_COPIES, &v), KVC_OK);
-    assert_int_equal(v, 2 * NREG);
-    assert_int_equal(
-        kvc_agent_stat(D.a, proto == KVC_PROTO_PUSH ? KVC_STAT_PEERS_PUSH : KVC_STAT_PEERS_GET, &v),
-        KVC_OK);
+    assert_int_equal(v, NRUNS * NREG);
+    assert_int_equal(kvc_agent_stat(P.a, KVC_STAT_CUDA_COPIES, &v), KVC_OK);
+    assert_int_equal(v, NRUNS * NREG);
+    /* Staged regions are pushed, whatever the consumer asked for. */
+    (void)proto;
+    assert_int_equal(kvc_agent_stat(D.a, KVC_STAT_PEERS_PUSH, &v), KVC_OK);
     assert_int_equal(v, 1);
     assert_int_equal(kvc_agent_stat(D.a, KVC_STAT_TRANSPORTS, &v), KVC_OK);
     assert_true(v & KVC_TRANSPORT_TCP);
@@ -374,6 +399,163 @@ static void test_fetch_waits_for_engine_reads(void **state) {
     cudasim_reset(2, false);
 }
 
+/* The engine's default stream is a stream: handle 0 (the legacy default
+ * stream, what torch.cuda.current_stream().cuda_stream gives unless a side
+ * stream is used) and cudaStreamPerThread, passed with the field set.  The
+ * engine's "kernel" writes P's blocks on that stream and publishes without a
+ * host sync; D's engine reads its blocks on that stream after FETCH_DONE,
+ * and a second fetch into the same local blocks follows at once.  Lazy
+ * stand-in: nothing on the engine's stream runs unless something waits for
+ * it, so a connector that reads 0 as "no stream" captures stale blocks and
+ * overwrites blocks the engine has not read yet. */
+static void default_stream(cudaStream_t handle) {
+    cudasim_reset(2, false);
+    side_t P, D;
+    side_init(&P, "dflt-P", 1, KVC_PROTO_AUTO);
+    side_init(&D, "dflt-D", 1, KVC_PROTO_AUTO);
+    uint8_t *seen[3];
+    read_t rd[3];
+    fill_t f[3];
+    for (int gen = 1; gen <= 2; gen++) {
+        f[gen] = (fill_t){.gen = gen};
+        memcpy(f[gen].dev, P.dev, sizeof(f[gen].dev));
+        /* The engine's kernels run on its device's default stream. */
+        assert_int_equal(cudaSetDevice(0), cudaSuccess);
+        assert_int_equal(cudaLaunchHostFunc(handle, fill_fn, &f[gen]), cudaSuccess);
+        assert_int_equal(cudaSetDevice(CALLER_DEV), cudaSuccess);
+        kvc_publish_params_t pp = {.field_mask = KVC_PUBLISH_FIELD_CUDA_STREAM,
+                                   .cuda_stream = handle};
+        char id[16], *json;
+        snprintf(id, sizeof(id), "d:%d", gen);
+        assert_int_equal(kvc_publish(P.a, id, REM, NX, &pp, &json), KVC_OK);
+        dev_check();
+        start_fetch_stream(&D, json, LOC, NX, handle);
+        kvc_free(json);
+        assert_int_equal(run_fetch(&P, &D, NULL, NULL, 0, NULL), KVC_OK);
+        assert_int_equal(cudaSetDevice(0), cudaSuccess);
+        seen[gen] = engine_read(handle, D.dev[2], &rd[gen]);
+        assert_int_equal(cudaSetDevice(CALLER_DEV), cudaSuccess);
+    }
+    assert_int_equal(cudaSetDevice(0), cudaSuccess);
+    assert_int_equal(cudaStreamSynchronize(handle), cudaSuccess);
+    assert_int_equal(cudaSetDevice(CALLER_DEV), cudaSuccess);
+    for (int gen = 1; gen <= 2; gen++)
+        check_seen(seen[gen], gen, 2);
+    check_blocks(&D, 2, REM, LOC, NX);
+    side_cleanup(&D);
+    side_cleanup(&P);
+    assert_int_equal(cudasim_pending(), 0);
+}
+
+static void test_legacy_default_stream(void **state) {
+    default_stream(NULL);
+}
+static void test_per_thread_default_stream(void **state) {
+    default_stream(cudaStreamPerThread);
+}
+
+/* The staging memory is a bounded pool, not a copy of the regions: two
+ * agents with 1 MiB of CUDA regions each and 64 KiB pools (16 KiB slots)
+ * move every block of every region, 16 times the pool, in chunks that take
+ * turns in the slots, and no more than the two pools is ever pinned. */
+static void test_pool_bounded(void **state) {
+    cudasim_reset(2, false);
+    setenv("KVC_PUSH_CHUNK_KB", "16", 1);
+    pool_bytes = 64 << 10;
+    size_t pinned0 = cudasim_pinned_bytes();
+    side_t P, D;
+    side_init(&P, "pool-P", 2, KVC_PROTO_AUTO);
+    side_init(&D, "pool-D", 2, KVC_PROTO_AUTO);
+    pool_bytes = 0;
+    unsetenv("KVC_PUSH_CHUNK_KB");
+    assert_int_equal(cudaSetDevice(CALLER_DEV), cudaSuccess);
+    cudaStream_t es;
+    assert_int_equal(cudaStreamCreateWithFlags(&es, cudaStreamNonBlocking), cudaSuccess);
+    fill_t f = {.gen = 5};
+    memcpy(f.dev, P.dev, sizeof(f.dev));
+    assert_int_equal(cudaLaunchHostFunc(es, fill_fn, &f), cudaSuccess);
+    cudaEvent_t ev;
+    assert_int_equal(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming), cudaSuccess);
+    assert_int_equal(cudaEventRecord(ev, es), cudaSuccess);
+    uint64_t all[NB];
+    for (uint64_t b = 0; b < NB; b++)
+        all[b] = b;
+    kvc_publish_params_t pp = {.field_mask = KVC_PUBLISH_FIELD_CUDA_EVENT, .cuda_event = ev};
+    char *json;
+    assert_int_equal(kvc_publish(P.a, "pool:1", all, NB, &pp, &json), KVC_OK);
+    assert_int_equal(cudaEventDestroy(ev), cudaSuccess);
+    start_fetch(&D, json, all, NB, NULL);
+    kvc_free(json);
+    assert_int_equal(run_fetch(&P, &D, NULL, NULL, 0, NULL), KVC_OK);
+    for (int r = 0; r < NREG; r++)
+        for (uint64_t b = 0; b < NB; b++)
+            for (size_t i = 0; i < BL; i++)
+                if (D.dev[r][b * BL + i] != pat(5, r, b, i))
+                    fail_msg("region %d block %llu byte %zu", r, (unsigned long long)b, i);
+    size_t regions = (size_t)NREG * NB * BL, peak = cudasim_pinned_peak() - pinned0;
+    printf("staging: regions %zu bytes per agent, pinned peak %zu bytes for two agents "
+           "(a full mirror: %zu)\n",
+           regions, peak, 2 * regions);
+    assert_true(peak <= 2 * (size_t)(64 << 10));
+    uint64_t v;
+    assert_int_equal(kvc_agent_stat(D.a, KVC_STAT_CUDA_COPIES, &v), KVC_OK);
+    assert_int_equal(v, NREG * NB * BL / (16 << 10)); /* one copy per 16 KiB message */
+    assert_int_equal(cudaStreamDestroy(es), cudaSuccess);
+    side_cleanup(&D);
+    side_cleanup(&P);
+    assert_int_equal(cudasim_pinned_bytes(), pinned0);
+    assert_int_equal(cudasim_pending(), 0);
+}
+
+/* The engine aborts a request (kvc_unpublish) while a staged push of it is
+ * halfway through the pool: the push stops, the fetch fails (DENIED) instead
+ * of completing with blocks the engine may already be reusing. */
+static void test_unpublish_stops_staged_push(void **state) {
+    cudasim_reset(2, false);
+    setenv("KVC_PUSH_CHUNK_KB", "16", 1);
+    pool_bytes = 32 << 10; /* two 16 KiB slots: 64 chunks take turns */
+    side_t P, D;
+    side_init(&P, "unpub-P", 2, KVC_PROTO_AUTO);
+    side_init(&D, "unpub-D", 2, KVC_PROTO_AUTO);
+    pool_bytes = 0;
+    unsetenv("KVC_PUSH_CHUNK_KB");
+    assert_int_equal(cudaSetDevice(CALLER_DEV), cudaSuccess);
+    uint64_t all[NB];
+    for (uint64_t b = 0; b < NB; b++)
+        all[b] = b;
+    char *json;
+    assert_int_equal(kvc_publish(P.a, "unpub:1", all, NB, NULL, &json), KVC_OK);
+    start_fetch(&D, json, all, NB, NULL);
+    kvc_free(json);
+    bool unpublished = false;
+    int got = 0;
+    kvc_status_t st = KVC_OK;
+    uint64_t t0 = kvc_now_ns();
+    for (long turn = 0; !got; turn++) {
+        assert_true(turn < 2000000 && kvc_now_ns() - t0 < 20000000000ull);
+        kvc_agent_progress(P.a);
+        kvc_agent_progress(D.a);
+        uint64_t copies = 0;
+        assert_int_equal(kvc_agent_stat(D.a, KVC_STAT_CUDA_COPIES, &copies), KVC_OK);
+        if (!unpublished && copies >= 2) {
+            assert_int_equal(kvc_unpublish(P.a, "unpub:1"), KVC_OK);
+            unpublished = true;
+        }
+        kvc_event_t ev;
+        while (kvc_agent_next_event(D.a, &ev) == KVC_OK) {
+            got = ev.type == KVC_EV_FETCH_DONE ? 1 : ev.type == KVC_EV_FETCH_FAILED ? 2 : 0;
+            st = ev.status;
+        }
+        while (kvc_agent_next_event(P.a, &ev) == KVC_OK)
+            ;
+    }
+    assert_true(unpublished);
+    assert_int_equal(got, 2);
+    assert_int_equal(st, KVC_ERR_DENIED);
+    side_cleanup(&D);
+    side_cleanup(&P);
+}
+
 /* A copy that fails to queue halfway through a fetch: FETCH_FAILED with the
  * CUDA error's name, and nothing still queued when the event arrives. */
 static void fetch_failure(bool async) {
@@ -387,21 +569,43 @@ static void fetch_failure(bool async) {
     fill_t f = {.gen = 3};
     memcpy(f.dev, P.dev, sizeof(f.dev));
     char *json = publish_after_kernel(&P, &f, es, false, "f:1");
-    /* The third 2D copy is region 2, on device 1, after both of device 0. */
+    /* P queues its NRUNS * NREG device->pool copies as soon as the pull
+     * arrives (its pool has slots for all); D's third pool->device copy
+     * comes after them. */
+    unsigned nth = NRUNS * NREG + 3;
     if (async)
-        cudasim_fail_async("cudaMemcpy2DAsync", 3, cudaErrorLaunchFailure);
+        cudasim_fail_async("cudaMemcpyAsync", nth, cudaErrorLaunchFailure);
     else
-        cudasim_fail("cudaMemcpy2DAsync", 3, cudaErrorIllegalAddress);
+        cudasim_fail("cudaMemcpyAsync", nth, cudaErrorIllegalAddress);
     start_fetch(&D, json, LOC, NX, NULL);
     kvc_free(json);
     char msg[512];
-    size_t pending = 99;
     kvc_status_t st;
-    run_fetch(&P, &D, &st, msg, sizeof(msg), &pending);
+    run_fetch(&P, &D, &st, msg, sizeof(msg), NULL);
     assert_int_equal(st, KVC_ERR_CUDA);
     assert_non_null(strstr(msg, async ? "cudaErrorLaunchFailure" : "cudaErrorIllegalAddress"));
-    assert_int_equal(pending, 0); /* queued copies finished before FETCH_FAILED */
     assert_int_equal(cudaPeekAtLastError(), cudaSuccess);
+    /* Nothing lands in D's blocks after FETCH_FAILED: what they hold now is
+     * what they hold once both agents ran everything still in flight. */
+    uint8_t *snap[NREG];
+    for (int r = 0; r < NREG; r++) {
+        assert_non_null(snap[r] = malloc(NB * BL));
+        memcpy(snap[r], D.dev[r], NB * BL);
+    }
+    for (int turn = 0; turn < 2000; turn++) {
+        kvc_agent_progress(P.a);
+        kvc_agent_progress(D.a);
+    }
+    for (int d = 0; d < 2; d++) {
+        assert_int_equal(cudaSetDevice(d), cudaSuccess);
+        (void)cudaDeviceSynchronize();
+        (void)cudaGetLastError();
+    }
+    assert_int_equal(cudaSetDevice(CALLER_DEV), cudaSuccess);
+    for (int r = 0; r < NREG; r++) {
+        assert_memory_equal(snap[r], D.dev[r], NB * BL);
+        free(snap[r]);
+    }
     uint64_t v;
     assert_int_equal(kvc_agent_stat(D.a, KVC_STAT_FETCH_FAILED, &v), KVC_OK);
     assert_int_equal(v, 1);
@@ -417,15 +621,25 @@ static void test_fetch_copy_fails_async(void **state) {
     fetch_failure(true);
 }
 
-/* A publish whose capture fails publishes nothing and leaves nothing queued. */
+/* A publish whose capture fails (the wait on the engine's event, on the
+ * second device) publishes nothing and leaves nothing queued. */
 static void test_publish_failure(void **state) {
     cudasim_reset(2, false);
     side_t P;
     side_init(&P, "pfail-P", 2, KVC_PROTO_AUTO);
     assert_int_equal(cudaSetDevice(CALLER_DEV), cudaSuccess);
-    cudasim_fail("cudaMemcpyAsync", 2, cudaErrorInvalidValue);
+    cudaEvent_t ev;
+    assert_int_equal(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming), cudaSuccess);
+    cudaStream_t ks;
+    assert_int_equal(cudaStreamCreateWithFlags(&ks, cudaStreamNonBlocking), cudaSuccess);
+    assert_int_equal(cudaEventRecord(ev, ks), cudaSuccess);
+    kvc_publish_params_t ep = {.field_mask = KVC_PUBLISH_FIELD_CUDA_EVENT, .cuda_event = ev};
+    cudasim_fail("cudaStreamWaitEvent", 2, cudaErrorInvalidValue);
     char *json = NULL;
-    assert_int_equal(kvc_publish(P.a, "p:1", REM, NX, NULL, &json), KVC_ERR_CUDA);
+    assert_int_equal(kvc_publish(P.a, "p:1", REM, NX, &ep, &json), KVC_ERR_CUDA);
+    assert_int_equal(cudaStreamSynchronize(ks), cudaSuccess);
+    assert_int_equal(cudaEventDestroy(ev), cudaSuccess);
+    assert_int_equal(cudaStreamDestroy(ks), cudaSuccess);
     assert_null(json);
     dev_check();
     assert_int_equal(cudasim_pending(), 0);
@@ -474,6 +688,16 @@ static void test_register_checks(void **state) {
     assert_int_equal(kvc_agent_register_regions(a, NB, &rp, 1), KVC_ERR_INVALID_PARAM);
     rp.base = (uint8_t *)d1 + BL; /* runs past the end of the allocation */
     assert_int_equal(kvc_agent_register_regions(a, NB, &rp, 1), KVC_ERR_INVALID_PARAM);
+    /* Two allocations side by side on one device: both ends are device
+     * memory of device 1, yet the region is not one allocation. */
+    void *two;
+    assert_int_equal(cudaSetDevice(1), cudaSuccess);
+    assert_int_equal(cudaMalloc(&two, 2 * NB * BL), cudaSuccess);
+    assert_int_equal(cudaSetDevice(0), cudaSuccess);
+    cudasim_split(two, NB * BL);
+    rp.base = (uint8_t *)two + NB * BL / 2;
+    assert_int_equal(kvc_agent_register_regions(a, NB, &rp, 1), KVC_ERR_INVALID_PARAM);
+    assert_int_equal(cudaFree(two), cudaSuccess);
     rp.base = d1;
     assert_int_equal(kvc_agent_register_regions(a, NB, &rp, 1), KVC_OK); /* device 1 agrees */
     assert_int_equal(cudaGetDevice(&d), cudaSuccess);
@@ -489,6 +713,33 @@ static void test_register_checks(void **state) {
     cudasim_reset(2, false);
     assert_int_equal(cudaFree(d1), cudaSuccess);
     free(host);
+}
+
+/* A UCX that says it supports CUDA memory but cannot register a region
+ * (here: UCX without CUDA, told otherwise): the region is staged through the
+ * pool instead of failing the registration, and blocks still move. */
+static void test_direct_falls_back_to_staged(void **state) {
+    cudasim_reset(2, false);
+    kvc_agent_params_t ap = {.field_mask = KVC_AGENT_FIELD_ENGINE_ID, .engine_id = "fb"};
+    kvc_agent_t *a;
+    void *d0;
+    assert_int_equal(cudaSetDevice(0), cudaSuccess);
+    assert_int_equal(cudaMalloc(&d0, NB * BL), cudaSuccess);
+    kvc_region_params_t rp = {.field_mask = KVC_REGION_FIELD_BASE | KVC_REGION_FIELD_MEM_TYPE,
+                              .len = NB * BL,
+                              .base = d0,
+                              .mem_type = KVC_MEM_CUDA};
+    assert_int_equal(kvc_agent_create(&ap, &a), KVC_OK);
+    a->cuda_native = true; /* what ucp_context_query would say on a GPU host */
+    assert_int_equal(kvc_agent_register_regions(a, NB, &rp, 1), KVC_OK);
+    uint64_t v;
+    assert_int_equal(kvc_agent_stat(a, KVC_STAT_CUDA_STAGED_REGIONS, &v), KVC_OK);
+    assert_int_equal(v, 1);
+    assert_int_equal(kvc_agent_stat(a, KVC_STAT_CUDA_DIRECT_REGIONS, &v), KVC_OK);
+    assert_int_equal(v, 0);
+    assert_int_equal(cudaPeekAtLastError(), cudaSuccess);
+    kvc_agent_destroy(a);
+    assert_int_equal(cudaFree(d0), cudaSuccess);
 }
 
 /* Hybrid models: kv_transfer_params with several KV-cache groups are refused
@@ -519,10 +770,15 @@ int main(void) {
         cmocka_unit_test(test_roundtrip_push_threaded),
         cmocka_unit_test(test_stream_ordering),
         cmocka_unit_test(test_fetch_waits_for_engine_reads),
+        cmocka_unit_test(test_legacy_default_stream),
+        cmocka_unit_test(test_per_thread_default_stream),
+        cmocka_unit_test(test_pool_bounded),
+        cmocka_unit_test(test_unpublish_stops_staged_push),
         cmocka_unit_test(test_fetch_copy_fails),
         cmocka_unit_test(test_fetch_copy_fails_async),
         cmocka_unit_test(test_publish_failure),
         cmocka_unit_test(test_register_checks),
+        cmocka_unit_test(test_direct_falls_back_to_staged),
         cmocka_unit_test(test_hybrid_groups),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
