@@ -1,0 +1,284 @@
+#!/usr/bin/env python3
+"""Issue 30, "hold the line, third round": one test class per observation.
+
+H1. No spelling of a P/D path smuggles a client's kv_transfer_params: the
+    request target is normalised once (percent-decoding of unreserved
+    characters and '/', dot segments, duplicate and trailing slashes),
+    routed and forwarded normalised; and every JSON body the proxy forwards,
+    on every route, loses the client's kv_transfer_params.
+H2. A backend's bytes beyond the response it was asked for are never handed
+    to a later request, on the prefill and on the decode leg.
+M0. One header forwarding rule (an allow-list) for every route."""
+
+import json
+import threading
+import time
+
+from pdharness.case import main
+from pdharness.client import RawClient, http_request
+from pdharness.mocks import Respond, completion_body, decode_handler, prefill_handler
+from pdharness.prod import ProdCase
+
+EVIL = {"do_remote_prefill": True, "remote_host": "169.254.169.254", "remote_port": 80,
+        "remote_engine_id": "evil", "remote_block_ids": [1], "remote_request_id": "evil"}
+JSONCT = ("Content-Type", "application/json")
+
+
+def has_evil(req):
+    return b"169.254.169.254" in req.body
+
+
+class PathSpellingTest(ProdCase):
+    """H1: /v1/chat%2Fcompletions, /v1/chat/%63ompletions, /v1/%63ompletions,
+    /v1//chat/completions and /v1/chat/completions/ reached decode with the
+    client's kv_transfer_params intact."""
+
+    SPELLINGS = {
+        "/v1/chat%2Fcompletions": "/v1/chat/completions",
+        "/v1/chat%2fcompletions": "/v1/chat/completions",
+        "/v1/chat/%63ompletions": "/v1/chat/completions",
+        "/v1/%63ompletions": "/v1/completions",
+        "/v1//chat/completions": "/v1/chat/completions",
+        "//v1/chat/completions": "/v1/chat/completions",
+        "/v1/chat/completions/": "/v1/chat/completions",
+        "/v1/./chat/completions": "/v1/chat/completions",
+        "/v1/x/../chat/completions": "/v1/chat/completions",
+        "/v1/chat/%2E%2E/chat/completions": "/v1/chat/completions",
+        "/v2/../v1/completions?x=1": "/v1/completions",
+        "http://h/v1//completions": "/v1/completions",
+    }
+
+    def test_spellings_are_routed_normalised_and_stripped(self):
+        p = self.mock(prefill_handler(), "p")
+        d = self.mock(decode_handler(), "d")
+        px = self.start([p], [d])
+        for spelling, canon in self.SPELLINGS.items():
+            before_p, before_d = len(p.requests), len(d.requests)
+            c = RawClient(px.port)
+            try:
+                c.request("POST", spelling, completion_body(kv_transfer_params=EVIL))
+                r = c.read_response()
+            finally:
+                c.close()
+            self.assertEqual(r.status, 200, "%s: %r" % (spelling, r.body[:300]))
+            self.assertEqual(len(p.requests), before_p + 1, "%s: not disaggregated" % spelling)
+            dr = d.requests[before_d]
+            self.assertEqual(dr.path.split("?")[0], canon, spelling)
+            for req in (p.requests[before_p], dr):
+                self.assertFalse(has_evil(req), "%s: client kv_transfer_params reached %s"
+                                 % (spelling, req.path))
+
+    def test_bad_percent_encoding_refused(self):
+        d = self.mock(decode_handler(), "d")
+        px = self.start([], [d])
+        for bad in ("/v1/chat%2", "/v1/chat%zzcompletions", "/v1/%"):
+            c = RawClient(px.port)
+            try:
+                c.request("POST", bad, completion_body())
+                r = c.read_response()
+            finally:
+                c.close()
+            self.assertEqual(r.status, 400, bad)
+            self.assertEqual(json.loads(r.body)["error"]["code"], 400)
+        self.assertEqual(len(d.requests), 0)
+
+    def test_other_escapes_kept_encoded(self):
+        """Escapes of reserved characters stay escaped, so an engine that
+        decodes once sees what the proxy routed on."""
+        d = self.mock(decode_handler(), "d")
+        px = self.start([], [d])
+        c = RawClient(px.port)
+        try:
+            c.request("POST", "/v1/a%3fb%2563", {"x": 1})
+            r = c.read_response()
+        finally:
+            c.close()
+        self.assertEqual(r.status, 200)
+        self.assertEqual(d.requests[-1].path, "/v1/a%3Fb%2563")
+
+
+class EveryRouteStripsTest(ProdCase):
+    """H1, defence in depth: the client's kv_transfer_params reaches no
+    backend on any route, passthrough included."""
+
+    ROUTES = ["/v1/completions", "/v1/chat/completions", "/v1/messages", "/v1/responses",
+              "/v1/embeddings", "/tokenize", "/detokenize", "/pooling", "/v1/score",
+              "/v1/audio/transcriptions", "/v1/chat/completions/render"]
+
+    def test_every_route(self):
+        p = self.mock(prefill_handler(), "p")
+        d = self.mock(decode_handler(), "d")
+        px = self.start([p], [d])
+        for path in self.ROUTES:
+            for body in (completion_body(kv_transfer_params=EVIL),
+                         {"kv_transfer_\\u0070arams": 1, "model": "m", "prompt": "x"}):
+                raw = json.dumps(body).replace("\\\\u", "\\u")
+                r = http_request(px.port, "POST", path, raw)
+                self.assertEqual(r.status, 200, "%s: %r" % (path, r.body[:300]))
+        for req in p.requests + d.requests:
+            self.assertFalse(has_evil(req), "kv_transfer_params reached %s" % req.path)
+            if req.method == "POST" and req.body[:1] == b"{":
+                doc = json.loads(req.body)
+                kv = doc.get("kv_transfer_params")
+                self.assertTrue(kv is None or kv.get("remote_request_id") != "evil", req.path)
+                self.assertNotIn(1, [kv] if kv is not None else [], req.path)
+
+    def test_non_json_passthrough_body_unchanged(self):
+        d = self.mock(decode_handler(), "d")
+        px = self.start([], [d])
+        body = b"--b\r\nContent-Disposition: form-data; name=\"f\"\r\n\r\nx\r\n--b--\r\n"
+        r = http_request(px.port, "POST", "/v1/audio/transcriptions", body,
+                         {"Content-Type": "multipart/form-data; boundary=b"})
+        self.assertEqual(r.status, 200)
+        self.assertEqual(d.requests[-1].body, body)
+        self.assertEqual(d.requests[-1].header("content-type"), "multipart/form-data; boundary=b")
+
+
+class ExtraResponseTest(ProdCase):
+    """H2: a backend that sends one response more than asked for poisoned the
+    keep-alive connection: later requests got another request's answer."""
+
+    N = 40
+
+    @staticmethod
+    def stray(status=200, body=b'{"stolen":true}'):
+        return (b"HTTP/1.1 %d OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"
+                % (status, len(body)) + body)
+
+    def extra_after(self, req, data, delay):
+        """Writes `data` on req's connection `delay` seconds after the answer."""
+        def late():
+            time.sleep(delay)  # the stray answer must come after the real one
+            try:
+                req.conn.sock.sendall(data)
+            except OSError:
+                pass
+        threading.Thread(target=late, daemon=True).start()
+
+    def decode_extra(self, mode):
+        def h(req):
+            rid = req.header("x-request-id") or ""
+            body = json.dumps({"id": rid, "choices": [{"index": 0, "text": rid}]}).encode()
+            if mode == "same":
+                return Respond(200, [JSONCT, ("Content-Length", str(len(body)))],
+                               body + self.stray(), raw_framing=True)
+            self.extra_after(req, self.stray(), 0.002)
+            return Respond(200, [JSONCT], body)
+        return h
+
+    def prefill_extra(self, mode):
+        base = prefill_handler()
+
+        def h(req):
+            a = base(req)
+            evil = prefill_handler(kv=dict(EVIL, remote_host="127.0.0.1"))(req)
+            extra = (b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n" % len(evil.body) + evil.body)
+            if mode == "same":
+                return Respond(200, [JSONCT, ("Content-Length", str(len(a.body)))],
+                               a.body + extra, raw_framing=True)
+            self.extra_after(req, extra, 0.002)
+            return a
+        return h
+
+    def check_decode(self, mode, concurrent):
+        d = self.mock(self.decode_extra(mode), "d")
+        px = self.start([], [d])
+
+        def one(i):
+            rid = "req-%s-%d" % (mode, i)
+            r = http_request(px.port, "POST", "/v1/embeddings", {"input": "x"},
+                             {"X-Request-Id": rid})
+            return r.status, r.body
+
+        results = self.concurrent(one, self.N, workers=8) if concurrent else \
+            [one(i) for i in range(self.N)]
+        for i, res in enumerate(results):
+            self.assertNotIsInstance(res, Exception)
+            st, body = res
+            rid = "req-%s-%d" % (mode, i)
+            self.assertFalse(b"stolen" in body, "request %d got another answer: %r" % (i, body))
+            if st == 200:
+                self.assertEqual(json.loads(body)["id"], rid)
+
+    def check_prefill(self, mode, concurrent):
+        p = self.mock(self.prefill_extra(mode), "p")
+        d = self.mock(decode_handler(), "d")
+        px = self.start([p], [d])
+
+        def one(i):
+            r = http_request(px.port, "POST", "/v1/completions", completion_body(),
+                             {"X-Request-Id": "req-%s-%d" % (mode, i)})
+            return r.status
+
+        if concurrent:
+            self.concurrent(one, self.N, workers=8)
+        else:
+            for i in range(self.N):
+                one(i)
+        self.assertGreater(len(d.requests), 0)
+        for req in d.requests:
+            kv = json.loads(req.body).get("kv_transfer_params")
+            rid = req.header("x-request-id")
+            self.assertIsNotNone(kv, rid)
+            self.assertEqual(kv["remote_request_id"], "%s-a1b2c3" % rid,
+                             "decode of %s got another request's kv_transfer_params" % rid)
+
+    def test_decode_same_segment_sequential(self):
+        self.check_decode("same", False)
+
+    def test_decode_late_sequential(self):
+        self.check_decode("late", False)
+
+    def test_decode_late_concurrent(self):
+        self.check_decode("late", True)
+
+    def test_prefill_same_segment_sequential(self):
+        self.check_prefill("same", False)
+
+    def test_prefill_late_sequential(self):
+        self.check_prefill("late", False)
+
+    def test_prefill_late_concurrent(self):
+        self.check_prefill("late", True)
+
+
+class HeaderAllowListTest(ProdCase):
+    """M0: passthrough routes forwarded Cookie, X-Forwarded-For,
+    x-prefiller-host-port, arbitrary X- headers and headers named in
+    Connection."""
+
+    ROUTES = [("POST", "/v1/completions"), ("POST", "/v1/chat/completions"),
+              ("POST", "/v1/messages"), ("POST", "/v1/responses"), ("GET", "/v1/responses/x"),
+              ("POST", "/v1/embeddings"), ("POST", "/tokenize"), ("GET", "/v1/models"),
+              ("DELETE", "/v1/files/x")]
+    BAD = [("Cookie", "s=1"), ("X-Forwarded-For", "10.0.0.1"),
+           ("x-prefiller-host-port", "169.254.169.254:80"), ("X-Evil", "1"),
+           ("Connection", "keep-alive, X-Hop"), ("X-Hop", "1"), ("Forwarded", "for=x"),
+           ("Proxy-Authorization", "Basic x"), ("Accept-Encoding", "gzip")]
+
+    def test_every_route(self):
+        p = self.mock(prefill_handler(), "p")
+        d = self.mock(decode_handler(), "d")
+        px = self.start([p], [d])
+        for method, path in self.ROUTES:
+            body = completion_body() if method == "POST" else None
+            c = RawClient(px.port)
+            try:
+                c.request(method, path, body, self.BAD + [("Accept", "application/json")])
+                r = c.read_response(method=method)
+            finally:
+                c.close()
+            self.assertEqual(r.status, 200, "%s %s: %r" % (method, path, r.body[:300]))
+        self.assertGreater(len(d.requests), len(self.ROUTES) - 1)
+        for req in p.requests + d.requests:
+            names = {k.lower() for k, _ in req.headers}
+            for k, _ in self.BAD:
+                if k.lower() == "connection":
+                    continue
+                self.assertNotIn(k.lower(), names, "%s %s" % (req.method, req.path))
+            self.assertEqual(req.header("x-prefiller-host-port"), None)
+
+
+if __name__ == "__main__":
+    main()
