@@ -674,14 +674,13 @@ static void process(px_creq *q) {
     }
 }
 
-/* An idle connection the backend may have closed since the loop last
- * looked: one idle for a while (a backend's keep-alive timeout, a restart)
- * is checked with a peek, so a request does not walk into a closed
- * connection. One in steady use is not: the loop sees a close at once. */
-#define PEEK_AFTER_IDLE_NS 50000000ull
-
+/* Whether an idle connection may carry the next request. It is peeked at
+ * every time, not only after a while idle: a backend that closed it, or
+ * that sent bytes nobody asked for (a second answer, an answer before the
+ * request) since the loop last looked, makes it unusable. Such bytes must
+ * never be read as the next request's answer: they could be another
+ * request's, with another user's kv_transfer_params. */
 static int usable(cconn *c) {
-    if (px_now_ns() - c->idle_since_ns < PEEK_AFTER_IDLE_NS) return 1;
     char b;
     ssize_t r = recv(c->fd, &b, 1, MSG_PEEK | MSG_DONTWAIT);
     return r < 0 && (errno == EAGAIN || errno == EWOULDBLOCK);
