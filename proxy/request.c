@@ -350,6 +350,19 @@ void px_req_start(px_wctx *w, px_conn *c, px_endpoint ep, const px_http_head *h,
             r->decision = PX_DEC_ENDPOINT;
             px_m_inc(&w->metrics.decisions[PX_DEC_ENDPOINT]);
         }
+        px_buf clean;
+        px_buf_init(&clean);
+        int st = px_rewrite_forwarded(r->body.data ? r->body.data : "", r->body.len, &clean);
+        if (st > 0) {
+            px_buf t = r->body;
+            r->body = clean;
+            clean = t;
+        }
+        px_buf_cleanup(&clean);
+        if (st < 0) {
+            req_fail(r, 400, NULL, "request body is not valid JSON");
+            return;
+        }
         r->dbody = r->body;
         px_buf_init(&r->body);
         account(r);
@@ -418,39 +431,12 @@ void px_req_start(px_wctx *w, px_conn *c, px_endpoint ep, const px_http_head *h,
 
 /* ---------- headers ---------- */
 
-/* Client headers a passed-through request does not carry as they are: the
- * connection's own (hop by hop, RFC 9110 §7.6.1), framing and Host (the
- * transport's), those the proxy sets itself, and Accept-Encoding (of the
- * answer's headers only Content-Type comes back: a compressed body would
- * reach the client without its Content-Encoding). */
-static int own_header(const px_http_header *x) {
-    static const char *const names[] = {"host",
-                                        "content-length",
-                                        "transfer-encoding",
-                                        "connection",
-                                        "keep-alive",
-                                        "proxy-connection",
-                                        "proxy-authorization",
-                                        "te",
-                                        "trailer",
-                                        "upgrade",
-                                        "expect",
-                                        "authorization",
-                                        "x-request-id",
-                                        "traceparent",
-                                        "tracestate",
-                                        "accept-encoding"};
-    for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
-        if (px_http_token_eq(x->name, x->name_len, names[i])) return 1;
-    return 0;
-}
-
 /* The header lines both upstream requests carry ("Name: value\r\n" each);
  * Host and the body's framing are the transport's. */
 static void headers_for(px_req *r, const px_http_head *h, int traced, const char *span, px_buf *l) {
     if (passthrough(r)) {
         for (size_t i = 0; i < h->nheaders; i++)
-            if (!own_header(&h->headers[i])) {
+            if (px_http_forwarded_header(&h->headers[i])) {
                 px_buf_append(l, h->headers[i].name, h->headers[i].name_len);
                 px_buf_append(l, ": ", 2);
                 px_buf_append(l, h->headers[i].value, h->headers[i].value_len);

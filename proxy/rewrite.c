@@ -72,6 +72,27 @@ int px_rewrite_decode(const char *body, size_t n, const char *kvp, size_t kvp_le
     return 0;
 }
 
+int px_rewrite_forwarded(const char *body, size_t n, px_buf *out) {
+    size_t i = 0;
+    while (i < n && (body[i] == ' ' || body[i] == '\t' || body[i] == '\r' || body[i] == '\n'))
+        i++;
+    if (i == n || body[i] != '{') return 0;
+    char err[8];
+    if (px_json_validate(body, n, err, sizeof err) != PX_JSON_OBJECT) return -1;
+    unsigned saw;
+    size_t start = out->len;
+    if (copy_members(body, n, prefill_drop, 1, out, &saw) < 0) return -1;
+    if (!saw) {
+        out->len = start;
+        return 0;
+    }
+    if (out->len - start > 1)
+        out->data[out->len - 1] = '}'; /* replace the trailing comma */
+    else
+        px_buf_append(out, "}", 1);
+    return 1;
+}
+
 px_kvp_status px_extract_kv_params(const char *resp, size_t n, const char **kvp, size_t *kvp_len,
                                    char *err, size_t errlen) {
     if (px_json_validate(resp, n, err, errlen) != PX_JSON_OBJECT) {

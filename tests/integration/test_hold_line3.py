@@ -12,11 +12,10 @@ M0. One header forwarding rule (an allow-list) for every route."""
 
 import json
 import threading
-import time
 
 from pdharness.case import main
 from pdharness.client import RawClient, http_request
-from pdharness.mocks import Respond, completion_body, decode_handler, prefill_handler
+from pdharness.mocks import Hang, Respond, completion_body, decode_handler, prefill_handler
 from pdharness.prod import ProdCase
 
 EVIL = {"do_remote_prefill": True, "remote_host": "169.254.169.254", "remote_port": 80,
@@ -136,7 +135,12 @@ class EveryRouteStripsTest(ProdCase):
 
 class ExtraResponseTest(ProdCase):
     """H2: a backend that sends one response more than asked for poisoned the
-    keep-alive connection: later requests got another request's answer."""
+    keep-alive connection: later requests got another request's answer.
+    Covered: a stray answer behind the real one (one write), with clients in
+    sequence and concurrent, and one in a write of its own that arrives
+    while the connection is idle. A stray answer that arrives after the
+    next request was written on the connection cannot be told from that
+    request's answer (HTTP/1.1 has no correlation): not tested."""
 
     N = 40
 
@@ -145,15 +149,20 @@ class ExtraResponseTest(ProdCase):
         return (b"HTTP/1.1 %d OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"
                 % (status, len(body)) + body)
 
-    def extra_after(self, req, data, delay):
-        """Writes `data` on req's connection `delay` seconds after the answer."""
-        def late():
-            time.sleep(delay)  # the stray answer must come after the real one
-            try:
-                req.conn.sock.sendall(data)
-            except OSError:
-                pass
-        threading.Thread(target=late, daemon=True).start()
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.strays = threading.Semaphore(0)
+
+    def answer_then_stray(self, req, status, body, stray):
+        """Writes the answer and then, in a write of its own, a stray answer;
+        then waits for pdproxy to close the connection (it must not send
+        another request on it)."""
+        head = b"HTTP/1.1 %d OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n" \
+            % (status, len(body))
+        req.conn.sock.sendall(head + body)
+        req.conn.sock.sendall(stray)
+        self.strays.release()
+        return Hang(max_s=10.0)
 
     def decode_extra(self, mode):
         def h(req):
@@ -162,8 +171,7 @@ class ExtraResponseTest(ProdCase):
             if mode == "same":
                 return Respond(200, [JSONCT, ("Content-Length", str(len(body)))],
                                body + self.stray(), raw_framing=True)
-            self.extra_after(req, self.stray(), 0.002)
-            return Respond(200, [JSONCT], body)
+            return self.answer_then_stray(req, 200, body, self.stray())
         return h
 
     def prefill_extra(self, mode):
@@ -177,9 +185,15 @@ class ExtraResponseTest(ProdCase):
             if mode == "same":
                 return Respond(200, [JSONCT, ("Content-Length", str(len(a.body)))],
                                a.body + extra, raw_framing=True)
-            self.extra_after(req, extra, 0.002)
-            return a
+            return self.answer_then_stray(req, 200, a.body, extra)
         return h
+
+    def sequential(self, one, i, mode):
+        """One request after the stray answer of the one before was sent."""
+        res = one(i)
+        if mode == "late":
+            self.assertTrue(self.strays.acquire(timeout=10), "the mock sent no stray answer")
+        return res
 
     def check_decode(self, mode, concurrent):
         d = self.mock(self.decode_extra(mode), "d")
@@ -192,14 +206,15 @@ class ExtraResponseTest(ProdCase):
             return r.status, r.body
 
         results = self.concurrent(one, self.N, workers=8) if concurrent else \
-            [one(i) for i in range(self.N)]
+            [self.sequential(one, i, mode) for i in range(self.N)]
+        bad = []
         for i, res in enumerate(results):
             self.assertNotIsInstance(res, Exception)
             st, body = res
             rid = "req-%s-%d" % (mode, i)
-            self.assertFalse(b"stolen" in body, "request %d got another answer: %r" % (i, body))
-            if st == 200:
-                self.assertEqual(json.loads(body)["id"], rid)
+            if b"stolen" in body or (st == 200 and json.loads(body)["id"] != rid):
+                bad.append(i)
+        self.assertEqual(bad, [], "%d of %d requests got another answer" % (len(bad), self.N))
 
     def check_prefill(self, mode, concurrent):
         p = self.mock(self.prefill_extra(mode), "p")
@@ -215,14 +230,16 @@ class ExtraResponseTest(ProdCase):
             self.concurrent(one, self.N, workers=8)
         else:
             for i in range(self.N):
-                one(i)
+                self.sequential(one, i, mode)
         self.assertGreater(len(d.requests), 0)
+        bad = []
         for req in d.requests:
-            kv = json.loads(req.body).get("kv_transfer_params")
+            kv = json.loads(req.body).get("kv_transfer_params") or {}
             rid = req.header("x-request-id")
-            self.assertIsNotNone(kv, rid)
-            self.assertEqual(kv["remote_request_id"], "%s-a1b2c3" % rid,
-                             "decode of %s got another request's kv_transfer_params" % rid)
+            if kv.get("remote_request_id") != "%s-a1b2c3" % rid:
+                bad.append(rid)
+        self.assertEqual(bad, [], "%d of %d decodes got another request's kv_transfer_params"
+                         % (len(bad), len(d.requests)))
 
     def test_decode_same_segment_sequential(self):
         self.check_decode("same", False)
@@ -230,8 +247,8 @@ class ExtraResponseTest(ProdCase):
     def test_decode_late_sequential(self):
         self.check_decode("late", False)
 
-    def test_decode_late_concurrent(self):
-        self.check_decode("late", True)
+    def test_decode_same_segment_concurrent(self):
+        self.check_decode("same", True)
 
     def test_prefill_same_segment_sequential(self):
         self.check_prefill("same", False)
@@ -239,8 +256,8 @@ class ExtraResponseTest(ProdCase):
     def test_prefill_late_sequential(self):
         self.check_prefill("late", False)
 
-    def test_prefill_late_concurrent(self):
-        self.check_prefill("late", True)
+    def test_prefill_same_segment_concurrent(self):
+        self.check_prefill("same", True)
 
 
 class HeaderAllowListTest(ProdCase):
