@@ -8,12 +8,22 @@ H1. No spelling of a P/D path smuggles a client's kv_transfer_params: the
     on every route, loses the client's kv_transfer_params.
 H2. A backend's bytes beyond the response it was asked for are never handed
     to a later request, on the prefill and on the decode leg.
-M0. One header forwarding rule (an allow-list) for every route."""
+M0. One header forwarding rule (an allow-list) for every route.
+M1. The proxy's own listen address is refused as a backend (start, reload,
+    admin API); a Via hop marker stops loops through other proxies (508).
+M2. A reload that empties a pool is refused, the running configuration
+    stays; toy defaults never apply behind a configuration file."""
 
 import json
 import threading
+import time
+
+import os
 
 from pdharness.case import main
+from pdharness.ctl import admin, pools_yaml, tmpdir, token_file, url, wait_generation, write_yaml
+from pdharness.net import HOST, free_port
+from pdharness.procs import Proxy, ProxyStartError, run_pdproxy
 from pdharness.client import RawClient, http_request
 from pdharness.mocks import Hang, Respond, completion_body, decode_handler, prefill_handler
 from pdharness.prod import ProdCase
@@ -295,6 +305,129 @@ class HeaderAllowListTest(ProdCase):
                     continue
                 self.assertNotIn(k.lower(), names, "%s %s" % (req.method, req.path))
             self.assertEqual(req.header("x-prefiller-host-port"), None)
+
+
+class AdminCase(ProdCase):
+    def setUp(self):
+        super().setUp()
+        self.dir = tmpdir(self)
+        self.tokpath, self.token = token_file(self, self.dir)
+        self.file = os.path.join(self.dir, "pdproxy.yaml")
+
+    def start_admin(self, text, extra=()):
+        write_yaml(self.file, text)
+        for _ in range(3):
+            self.aport = free_port()
+            try:
+                return self.start(args=["--config", self.file, "--admin-port", str(self.aport),
+                                        "--admin-token-file", self.tokpath] + list(extra))
+            except ProxyStartError as e:
+                if "admin" not in str(e):
+                    raise
+        raise AssertionError("no free admin port")
+
+    def call(self, method, path, body=None):
+        return admin(self.aport, method, path, body, self.token)
+
+
+class SelfLoopTest(AdminCase):
+    """M1/M5: a backend that is the proxy itself was accepted, and each
+    request looped until its total timeout (2,040 requests in flight)."""
+
+    def test_own_address_refused_at_start(self):
+        port = free_port()
+        for spelling in ("http://127.0.0.1:%d", "http://localhost:%d", "http://127.0.0.1:%d/",
+                         "http://[::ffff:127.0.0.1]:%d", "http://0.0.0.0:%d"):
+            for role in ("--prefill", "--decode"):
+                p = run_pdproxy(["--host", "0.0.0.0", "--port", str(port), role,
+                                 spelling % port])
+                self.assertEqual(p.returncode, 2, (spelling, role, p.stderr))
+                self.assertIn("this proxy's own listen address", p.stderr)
+
+    def test_own_address_refused_by_reload_and_admin(self):
+        P = self.mock(prefill_handler(), "p")
+        D = self.mock(decode_handler(), "d")
+        px = self.start_admin(pools_yaml([("m", ["m"], [P], [D])]))
+        me = "http://%s:%d" % (HOST, px.port)
+        st, doc = self.call("POST", "/admin/backends", {"role": "prefill", "url": me, "pool": "m"})
+        self.assertEqual(st, 400, doc)
+        self.assertIn("own listen address", doc["error"]["message"])
+        write_yaml(self.file, pools_yaml([("m", ["m"], [P, me], [D])]))
+        st, doc = self.call("POST", "/admin/reload")
+        self.assertEqual(st, 400, doc)
+        self.assertIn("own listen address", doc["error"]["message"])
+        self.assertEqual(self.post(px, completion_body(model="m")).status, 200)
+        self.assertEqual(len(P.requests), 1)
+
+    def test_loop_through_another_proxy_gets_508(self):
+        pa, pb = free_port(), free_port()
+        procs = []
+        for me, other in ((pa, pb), (pb, pa)):
+            p = Proxy(["--host", HOST, "--port", str(me), "--threads", "2",
+                       "--health-interval", "0", "--decode", "http://%s:%d" % (HOST, other),
+                       "--prefill", "http://%s:%d" % (HOST, other)], port=me)
+            p.spawn()
+            self.track_proxy(p)
+            procs.append(p)
+        for p in procs:
+            p.wait_ready()
+        t0 = time.monotonic()
+        r = http_request(pa, "POST", "/v1/embeddings", {"input": "x"}, timeout=20)
+        self.assertEqual(r.status, 508, r.body)
+        self.assertEqual(json.loads(r.body)["error"]["code"], 508)
+        r = http_request(pa, "POST", "/v1/completions", completion_body(), timeout=20)
+        self.assertEqual(r.status, 508, r.body)
+        self.assertLess(time.monotonic() - t0, 10)
+
+    def test_via_sent_upstream(self):
+        d = self.mock(decode_handler(), "d")
+        px = self.start([], [d])
+        r = http_request(px.port, "POST", "/v1/embeddings", {"input": "x"},
+                         {"Via": "1.1 front"})
+        self.assertEqual(r.status, 200)
+        via = d.requests[-1].header("via")
+        self.assertTrue(via.startswith("1.1 front, 1.1 pdproxy-"), via)
+
+
+class EmptyPoolReloadTest(AdminCase):
+    """M2: an empty or comment-only file was accepted on reload and fell
+    back to the toy defaults (localhost:8100/8200): every request a 502."""
+
+    def test_empty_and_comment_only_reload_refused(self):
+        P = self.mock(prefill_handler(), "p")
+        D = self.mock(decode_handler(), "d")
+        px = self.start_admin(pools_yaml([("m", ["m"], [P], [D])]))
+        for text in ("", "# nothing here\n", "pools:\n  - name: m\n    models: [m]\n"
+                     "    prefill: []\n    decode: [%s]\n" % url(D),
+                     "prefill: [%s]\n" % url(P)):
+            write_yaml(self.file, text)
+            st, doc = self.call("POST", "/admin/reload")
+            self.assertEqual(st, 400, (text, doc))
+            self.assertIn("no ", doc["error"]["message"])
+            self.assertEqual(self.post(px, completion_body(model="m")).status, 200, text)
+        st, doc = self.call("DELETE", "/admin/backends", {"role": "decode", "url": url(D),
+                                                          "pool": "m"})
+        self.assertEqual(st, 400, doc)
+        self.assertEqual(self.post(px, completion_body(model="m")).status, 200)
+
+    def test_allow_empty_pools_setting(self):
+        P = self.mock(prefill_handler(), "p")
+        D = self.mock(decode_handler(), "d")
+        px = self.start_admin(pools_yaml([("m", ["m"], [P], [D])]), extra=["--allow-empty-pools"])
+        write_yaml(self.file, "# emptied on purpose\n")
+        st, doc = self.call("POST", "/admin/reload")
+        self.assertEqual(st, 200, doc)
+        r = self.post(px, completion_body(model="m"))
+        self.assertEqual(r.status, 503, r.body)
+
+    def test_no_toy_default_behind_a_file(self):
+        D = self.mock(decode_handler(), "d")
+        d = tmpdir(self)
+        f = os.path.join(d, "c.yaml")
+        write_yaml(f, "decode: [%s]\n" % url(D))
+        p = run_pdproxy(["--config", f, "--port", str(free_port())])
+        self.assertEqual(p.returncode, 2, p.stderr)
+        self.assertIn("no prefill backend", p.stderr)
 
 
 if __name__ == "__main__":
