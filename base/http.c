@@ -1,6 +1,8 @@
 #include "http.h"
 
+#include <stdio.h>
 #include <string.h>
+#include <unistd.h>
 
 static int is_tchar(unsigned char c) {
     if ((c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9')) return 1;
@@ -134,6 +136,47 @@ int px_http_path_is(const px_http_head *h, const char *path) {
 int px_http_forwarded_header(const px_http_header *x) {
     return px_http_token_eq(x->name, x->name_len, "content-type") ||
            px_http_token_eq(x->name, x->name_len, "accept");
+}
+
+const char *px_http_via_marker(void) {
+    static char marker[32];
+    if (!marker[0]) {
+        unsigned char r[8] = {0};
+        FILE *f = fopen("/dev/urandom", "rb");
+        if (!f || fread(r, 1, sizeof r, f) != sizeof r) {
+            uint64_t t = px_now_ns() ^ (uint64_t)getpid() << 32;
+            memcpy(r, &t, sizeof r);
+        }
+        if (f) fclose(f);
+        snprintf(marker, sizeof marker, "1.1 pdproxy-%02x%02x%02x%02x%02x%02x%02x%02x", r[0],
+                 r[1], r[2], r[3], r[4], r[5], r[6], r[7]);
+    }
+    return marker;
+}
+
+int px_http_via_count(const px_http_head *h) {
+    const char *m = px_http_via_marker() + 4; /* "pdproxy-..." */
+    size_t ml = strlen(m);
+    int n = 0;
+    for (size_t i = 0; i < h->nheaders; i++) {
+        const px_http_header *x = &h->headers[i];
+        if (!px_http_token_eq(x->name, x->name_len, "via")) continue;
+        for (size_t j = 0; j + ml <= x->value_len; j++)
+            if (!memcmp(x->value + j, m, ml)) n++;
+    }
+    return n;
+}
+
+void px_http_via_append(const px_http_head *h, px_buf *out) {
+    px_buf_appends(out, "Via: ");
+    for (size_t i = 0; i < h->nheaders; i++) {
+        const px_http_header *x = &h->headers[i];
+        if (!px_http_token_eq(x->name, x->name_len, "via") || !x->value_len) continue;
+        px_buf_append(out, x->value, x->value_len);
+        px_buf_appends(out, ", ");
+    }
+    px_buf_appends(out, px_http_via_marker());
+    px_buf_appends(out, "\r\n");
 }
 
 const px_http_header *px_http_find(const px_http_head *h, const char *name) {
@@ -514,6 +557,8 @@ const char *px_http_reason(int status) {
         return "Gateway Timeout";
     case 505:
         return "HTTP Version Not Supported";
+    case 508:
+        return "Loop Detected";
     default:
         return "Unknown";
     }

@@ -84,6 +84,18 @@ int px_http_request_id(const px_http_head *h, char out[129]);
  * Connection names, x-prefiller-host-port, Via) stays here. */
 int px_http_forwarded_header(const px_http_header *x);
 
+/* The Via hop marker (RFC 9110 §7.6.3) of this process: "1.1 pdproxy-"
+ * and 16 random hex digits, drawn on the first call (make it before
+ * threads start). */
+const char *px_http_via_marker(void);
+
+/* How many times the request's Via fields name this process's marker. */
+int px_http_via_count(const px_http_head *h);
+
+/* Appends "Via: <the request's Via values>, <marker>\r\n" (values joined
+ * with ", " in order; just the marker when there are none). */
+void px_http_via_append(const px_http_head *h, px_buf *out);
+
 int px_http_token_eq(const char *s, size_t n, const char *lit); /* case-insensitive */
 
 /* Incremental decoder of a chunked body (requests and responses). */

@@ -338,6 +338,13 @@ void px_req_start(px_wctx *w, px_conn *c, px_endpoint ep, const px_http_head *h,
                  max);
         return;
     }
+    if (px_http_via_count(h) > r->s->cfg->loop_limit) {
+        req_fail(r, 508, NULL,
+                 "loop detected: the request passed through this proxy %d times already "
+                 "(--loop-limit %lld); a backend leads back to it",
+                 px_http_via_count(h), (long long)r->s->cfg->loop_limit);
+        return;
+    }
     px_conn_bind(c, &client_cbs, r);
     if (ep == PX_EP_MODELS) {
         start_decode(r);
@@ -445,6 +452,7 @@ static void headers_for(px_req *r, const px_http_head *h, int traced, const char
     } else if (r->ep != PX_EP_MODELS) {
         px_buf_appends(l, "Content-Type: application/json\r\n");
     }
+    px_http_via_append(h, l); /* loops through proxies end in 508 (px_req_start) */
     /* Appended piece by piece, no printf: built twice per request. */
     px_buf_appends(l, "X-Request-Id: ");
     px_buf_appends(l, r->id);
@@ -810,7 +818,9 @@ static void prefill_done(void *arg, px_up_result rc, const char *errbuf, int con
         return;
     }
     if (r->pstatus < 200 || r->pstatus >= 300) {
-        req_fail(r, 502, NULL, "prefill %s answered HTTP %d", r->pname, r->pstatus);
+        /* 508: a loop through proxies, reported as one to the client. */
+        req_fail(r, r->pstatus == 508 ? 508 : 502, NULL, "prefill %s answered HTTP %d", r->pname,
+                 r->pstatus);
         return;
     }
     proceed_to_decode(r);

@@ -696,6 +696,7 @@ static int reload(px_server *s, int from_file, const px_api_op *op, char *err, s
     for (size_t i = 0; !from_file && i < s->nops && rc == 0; i++)
         rc = apply_op(specs, n, &s->ops[i], err, errlen);
     if (rc == 0 && op) rc = apply_op(specs, n, op, err, errlen);
+    if (rc == 0) rc = px_config_check_pools(base, specs, n, 1, err, errlen);
     px_gen *g = NULL;
     if (rc == 0) {
         g = gen_build(s, base, specs, n, s->ctx.gen, 0, err, errlen);
@@ -792,6 +793,7 @@ void px_server_set_args(px_server *s, int argc, char **argv, char **envp) {
 
 px_server *px_server_create(const px_config *cfg, char *err, size_t errlen) {
     px_server *s = px_xcalloc(1, sizeof *s);
+    px_http_via_marker(); /* drawn before the workers start */
     long ncpu = sysconf(_SC_NPROCESSORS_ONLN);
     s->nworkers = cfg->threads > 0 ? (int)cfg->threads : (ncpu > 0 ? (int)ncpu : 1);
     s->workers = px_xcalloc((size_t)s->nworkers, sizeof *s->workers);
@@ -814,7 +816,8 @@ px_server *px_server_create(const px_config *cfg, char *err, size_t errlen) {
     if (setup_metrics_listener(s, err, errlen) < 0) goto err;
     size_t nspecs;
     px_pool_spec *specs = px_config_effective_pools(cfg, &nspecs);
-    s->ctx.gen = gen_build(s, cfg, specs, nspecs, NULL, 1, err, errlen);
+    if (px_config_check_pools(cfg, specs, nspecs, 0, err, errlen) == 0)
+        s->ctx.gen = gen_build(s, cfg, specs, nspecs, NULL, 1, err, errlen);
     px_pool_specs_free(specs, nspecs);
     if (!s->ctx.gen) goto err;
     s->ctx.gen->id = s->last_gen = 1;

@@ -425,10 +425,12 @@ class EmptyPoolReloadTest(AdminCase):
         d = tmpdir(self)
         f = os.path.join(d, "c.yaml")
         write_yaml(f, "decode: [%s]\n" % url(D))
-        p = run_pdproxy(["--config", f, "--port", str(free_port())])
-        self.assertEqual(p.returncode, 2, p.stderr)
-        self.assertIn("no prefill backend", p.stderr)
-
+        px = self.start(args=["--config", f])
+        r = http_request(px.port, "GET", "/ready")
+        self.assertEqual(r.status, 503)
+        doc = json.loads(bytes(r.body))
+        self.assertEqual(doc["pools"][0]["missing"], ["prefill"], doc)
+        self.assertEqual(doc["pools"][0]["prefill"]["total"], 0, doc)
 
 if __name__ == "__main__":
     main()
