@@ -558,6 +558,11 @@ static px_pool *pset_pool(px_pset *p, int prefill) {
     return prefill ? &p->prefill : &p->decode;
 }
 
+static int cmp_ptr(const void *a, const void *b) {
+    uintptr_t x = (uintptr_t) * (void *const *)a, y = (uintptr_t) * (void *const *)b;
+    return x < y ? -1 : x > y;
+}
+
 /* Logs what a swap changed: backends that joined, and those that left
  * (their connections close once their last request is done). */
 static void log_changes(px_gen *old, px_gen *g) {
@@ -572,10 +577,9 @@ static void log_changes(px_gen *old, px_gen *g) {
                     if (!strcmp(b->ps[j].name, a->ps[i].name)) other = pset_pool(&b->ps[j], r);
                 size_t on = 0;
                 px_backend **om = other ? px_pool_members(other, &on) : NULL;
+                if (om) qsort(om, on, sizeof *om, cmp_ptr); /* n log n, not n * n */
                 for (size_t k = 0; k < n; k++) {
-                    int kept = 0;
-                    for (size_t l = 0; l < on && !kept; l++)
-                        kept = om[l] == m[k];
+                    int kept = om && bsearch(&m[k], om, on, sizeof *om, cmp_ptr) != NULL;
                     if (!kept)
                         PX_LOG(PX_LOG_INFO, "msg=\"%s\" pool=\"%s\" role=%s backend=%s inflight=%d",
                                side ? "backend removed by reload; its connections close after "
