@@ -3,7 +3,10 @@
 #include <arpa/inet.h>
 #include <ctype.h>
 #include <errno.h>
+#include <fcntl.h>
 #include <ifaddrs.h>
+#include <sys/stat.h>
+#include <unistd.h>
 #include <netinet/in.h>
 #include <math.h>
 #include <stdlib.h>
@@ -837,23 +840,84 @@ static int ypool(yctx *y, px_config *c, yaml_node_t *m) {
 }
 
 /* Applies the file's settings, each marked as given. */
-static int load_file(px_config *c, const char *path, char *err, size_t errlen) {
-    FILE *f = fopen(path, "rb");
-    if (!f) {
+/* Reads the whole --config file, refusing at once what would cost too
+ * much: anything but a regular file (a FIFO would block the control
+ * thread), more than PX_CONFIG_MAX_BYTES, or nesting deeper than
+ * PX_CONFIG_MAX_DEPTH (checked on libyaml's events, before any document
+ * is built). Returns the bytes (owned) or NULL with err set. */
+static char *read_config(const char *path, size_t *len, char *err, size_t errlen) {
+    int fd = open(path, O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+    struct stat st;
+    if (fd < 0 || fstat(fd, &st) < 0) {
         snprintf(err, errlen, "--config '%s': %s", path, strerror(errno));
-        return -1;
+        if (fd >= 0) close(fd);
+        return NULL;
     }
+    if (!S_ISREG(st.st_mode) || st.st_size > PX_CONFIG_MAX_BYTES) {
+        if (!S_ISREG(st.st_mode))
+            snprintf(err, errlen, "--config '%s': not a regular file", path);
+        else
+            snprintf(err, errlen, "--config '%s': larger than %d bytes", path,
+                     PX_CONFIG_MAX_BYTES);
+        close(fd);
+        return NULL;
+    }
+    char *buf = px_xmalloc((size_t)st.st_size + 1);
+    size_t n = 0;
+    while (n < (size_t)st.st_size) {
+        ssize_t r = read(fd, buf + n, (size_t)st.st_size - n);
+        if (r < 0 && errno == EINTR) continue;
+        if (r <= 0) break; /* a file that shrank: parse what was read */
+        n += (size_t)r;
+    }
+    close(fd);
+    yaml_parser_t parser;
+    yaml_parser_initialize(&parser);
+    yaml_parser_set_input_string(&parser, (const unsigned char *)buf, n);
+    int depth = 0, ok = 1;
+    for (;;) {
+        yaml_event_t ev;
+        if (!yaml_parser_parse(&parser, &ev)) break; /* the load below reports it */
+        yaml_event_type_t t = ev.type;
+        size_t line = ev.start_mark.line + 1;
+        yaml_event_delete(&ev);
+        if (t == YAML_SEQUENCE_START_EVENT || t == YAML_MAPPING_START_EVENT) {
+            if (++depth > PX_CONFIG_MAX_DEPTH) {
+                snprintf(err, errlen, "%s:%zu: nested deeper than %d levels", path, line,
+                         PX_CONFIG_MAX_DEPTH);
+                ok = 0;
+                break;
+            }
+        } else if (t == YAML_SEQUENCE_END_EVENT || t == YAML_MAPPING_END_EVENT) {
+            depth--;
+        } else if (t == YAML_STREAM_END_EVENT) {
+            break;
+        }
+    }
+    yaml_parser_delete(&parser);
+    if (!ok) {
+        free(buf);
+        return NULL;
+    }
+    *len = n;
+    return buf;
+}
+
+static int load_file(px_config *c, const char *path, char *err, size_t errlen) {
+    size_t len;
+    char *text = read_config(path, &len, err, errlen);
+    if (!text) return -1;
     yaml_parser_t parser;
     yctx y = {.path = path, .err = err, .errlen = errlen};
     yaml_parser_initialize(&parser);
-    yaml_parser_set_input_file(&parser, f);
+    yaml_parser_set_input_string(&parser, (const unsigned char *)text, len);
     int rc = -1;
     if (!yaml_parser_load(&parser, &y.doc)) {
         snprintf(err, errlen, "%s:%zu: %s%s%s", path, parser.problem_mark.line + 1,
                  parser.problem ? parser.problem : "malformed YAML", parser.context ? " " : "",
                  parser.context ? parser.context : "");
         yaml_parser_delete(&parser);
-        fclose(f);
+        free(text);
         return -1;
     }
     yaml_node_t *root = yaml_document_get_root_node(&y.doc);
@@ -919,7 +983,7 @@ static int load_file(px_config *c, const char *path, char *err, size_t errlen) {
 out:
     yaml_document_delete(&y.doc);
     yaml_parser_delete(&parser);
-    fclose(f);
+    free(text);
     return rc;
 }
 

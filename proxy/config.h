@@ -125,6 +125,11 @@ int px_config_check_pools(const px_config *c, const px_pool_spec *v, size_t n, i
  * other than localhost are not resolved here: the Via marker catches those. */
 int px_config_url_is_self(const px_config *c, const char *url);
 
+/* What a --config file may cost (fixed; README "Configuration file"):
+ * larger files and deeper nesting are refused before a document is built. */
+#define PX_CONFIG_MAX_BYTES (16 * 1024 * 1024)
+#define PX_CONFIG_MAX_DEPTH 16
+
 typedef enum { PX_CONFIG_RUN = 0, PX_CONFIG_EXIT_OK = 1, PX_CONFIG_ERROR = -1 } px_config_result;
 
 /* Fills c from defaults, then the --config file (YAML; --config or

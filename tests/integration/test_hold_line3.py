@@ -12,7 +12,9 @@ M0. One header forwarding rule (an allow-list) for every route.
 M1. The proxy's own listen address is refused as a backend (start, reload,
     admin API); a Via hop marker stops loops through other proxies (508).
 M2. A reload that empties a pool is refused, the running configuration
-    stays; toy defaults never apply behind a configuration file."""
+    stays; toy defaults never apply behind a configuration file.
+M4. Config files are bounded (16 MiB, 16 levels of nesting) and refused at
+    once; a FIFO is refused instead of blocking the control thread."""
 
 import json
 import threading
@@ -431,6 +433,50 @@ class EmptyPoolReloadTest(AdminCase):
         doc = json.loads(bytes(r.body))
         self.assertEqual(doc["pools"][0]["missing"], ["prefill"], doc)
         self.assertEqual(doc["pools"][0]["prefill"]["total"], 0, doc)
+
+class ConfigCostTest(AdminCase):
+    """M4: a 100k-deep flow nesting took ~20 s and 42 MiB to refuse; a FIFO
+    as the config path blocked forever."""
+
+    def run_with(self, text=None, fifo=False):
+        f = os.path.join(self.dir, "x.yaml")
+        if fifo:
+            os.mkfifo(f)
+        else:
+            with open(f, "w") as fh:
+                fh.write(text)
+        t0 = time.monotonic()
+        p = run_pdproxy(["--config", f, "--port", str(free_port())], timeout=10)
+        return p, time.monotonic() - t0
+
+    def test_deep_nesting_refused_fast(self):
+        for text in ("prefill: " + "[" * 100000, "a:\n" + "".join(
+                "%s- x:\n" % ("  " * i) for i in range(40))):
+            p, took = self.run_with(text)
+            self.assertEqual(p.returncode, 2, p.stderr)
+            self.assertIn("nested deeper than 16 levels", p.stderr)
+            self.assertLess(took, 3)
+
+    def test_large_file_refused(self):
+        p, took = self.run_with("#" * (16 * 1024 * 1024 + 1))
+        self.assertEqual(p.returncode, 2, p.stderr)
+        self.assertIn("larger than", p.stderr)
+
+    def test_fifo_refused(self):
+        p, took = self.run_with(fifo=True)
+        self.assertEqual(p.returncode, 2, p.stderr)
+        self.assertIn("not a regular file", p.stderr)
+
+    def test_deep_reload_refused_running_config_stays(self):
+        P = self.mock(prefill_handler(), "p")
+        D = self.mock(decode_handler(), "d")
+        px = self.start_admin(pools_yaml([("m", ["m"], [P], [D])]))
+        write_yaml(self.file, "pools: " + "[" * 100000)
+        st, doc = self.call("POST", "/admin/reload")
+        self.assertEqual(st, 400, doc)
+        self.assertIn("nested deeper", doc["error"]["message"])
+        self.assertEqual(self.post(px, completion_body(model="m")).status, 200)
+
 
 if __name__ == "__main__":
     main()
