@@ -14,7 +14,9 @@ M1. The proxy's own listen address is refused as a backend (start, reload,
 M2. A reload that empties a pool is refused, the running configuration
     stays; toy defaults never apply behind a configuration file.
 M4. Config files are bounded (16 MiB, 16 levels of nesting) and refused at
-    once; a FIFO is refused instead of blocking the control thread."""
+    once; a FIFO is refused instead of blocking the control thread.
+M6. The disaggregation estimate counts what the engine renders besides the
+    prompt: tools, functions, documents, chat_template, prompt_embeds."""
 
 import json
 import threading
@@ -27,7 +29,7 @@ from pdharness.ctl import admin, pools_yaml, tmpdir, token_file, url, wait_gener
 from pdharness.net import HOST, free_port
 from pdharness.procs import Proxy, ProxyStartError, run_pdproxy
 from pdharness.client import RawClient, http_request
-from pdharness.mocks import Hang, Respond, completion_body, decode_handler, prefill_handler
+from pdharness.mocks import Hang, Respond, chat_body, completion_body, decode_handler, prefill_handler
 from pdharness.prod import ProdCase
 
 EVIL = {"do_remote_prefill": True, "remote_host": "169.254.169.254", "remote_port": 80,
@@ -476,6 +478,36 @@ class ConfigCostTest(AdminCase):
         self.assertEqual(st, 400, doc)
         self.assertIn("nested deeper", doc["error"]["message"])
         self.assertEqual(self.post(px, completion_body(model="m")).status, 200)
+
+
+class EstimateTest(ProdCase):
+    """M6: "hi" plus 200 KB of tools was estimated at 8 tokens and sent to
+    decode alone, which then ran the long prefill."""
+
+    def test_rendered_members_counted(self):
+        p = self.mock(prefill_handler(), "p")
+        d = self.mock(decode_handler(), "d")
+        px = self.start([p], [d], extra=["--disagg-min-tokens", "1000"])
+        tool = {"type": "function", "function": {"name": "f", "description": "x" * 2000,
+                                                 "parameters": {"type": "object"}}}
+        big = "y" * 20000
+        cases = [("/v1/chat/completions", chat_body(tools=[tool] * 100)),
+                 ("/v1/chat/completions", chat_body(functions=[tool["function"]] * 100)),
+                 ("/v1/chat/completions", chat_body(documents=[{"text": big}])),
+                 ("/v1/chat/completions", chat_body(chat_template=big)),
+                 ("/v1/messages", chat_body(tools=[tool] * 100)),
+                 ("/v1/completions", completion_body(prompt="", prompt_embeds=big))]
+        for path, body in cases:
+            before = len(p.requests)
+            r = http_request(px.port, "POST", path, body)
+            self.assertEqual(r.status, 200, (path, r.body))
+            self.assertEqual(len(p.requests), before + 1,
+                             "%s %s: sent to decode alone" % (path, sorted(body)))
+        # A short prompt alone still goes to decode alone.
+        before = len(p.requests)
+        self.assertEqual(http_request(px.port, "POST", "/v1/chat/completions",
+                                      chat_body()).status, 200)
+        self.assertEqual(len(p.requests), before)
 
 
 if __name__ == "__main__":
