@@ -650,6 +650,7 @@ static int decide(px_req *r) {
     /* Anthropic's system prompt is a member of its own. */
     if (r->ep == PX_EP_MESSAGES && px_json_find(r->body.data, r->body.len, "system", &sys))
         total += (double)sys.val_len / bpt;
+    total += (double)px_rewrite_rendered_bytes(r->body.data, r->body.len) / bpt;
 
     /* The decode is chosen now, so that its cache can count. */
     px_pick k = {.key = r->key, .key_len = r->key_len};

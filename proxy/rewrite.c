@@ -93,6 +93,22 @@ int px_rewrite_forwarded(const char *body, size_t n, px_buf *out) {
     return 1;
 }
 
+size_t px_rewrite_rendered_bytes(const char *body, size_t n) {
+    static const char *const rendered[] = {"tools", "functions", "documents", "chat_template",
+                                           "prompt_embeds"};
+    px_json_iter it;
+    px_json_member m;
+    size_t total = 0;
+    if (px_json_iter_init(&it, body, n) < 0) return 0;
+    while (px_json_iter_next(&it, &m) == 1)
+        for (size_t i = 0; i < sizeof rendered / sizeof *rendered; i++)
+            if (px_json_str_eq(m.key, m.key_len, rendered[i])) {
+                if (m.type != PX_JSON_NULL) total += m.val_len;
+                break;
+            }
+    return total;
+}
+
 px_kvp_status px_extract_kv_params(const char *resp, size_t n, const char **kvp, size_t *kvp_len,
                                    char *err, size_t errlen) {
     if (px_json_validate(resp, n, err, errlen) != PX_JSON_OBJECT) {
