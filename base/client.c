@@ -15,6 +15,8 @@
 #include "list.h"
 
 #define MAX_RESP_HEAD (64 * 1024)
+/* 1xx answers skipped before a response: more is a broken or hostile backend. */
+#define MAX_INFORMATIONAL 32
 
 typedef enum { BM_NONE, BM_LENGTH, BM_CHUNKED, BM_CLOSE } body_mode;
 
@@ -105,6 +107,7 @@ struct px_creq {
     int abort_after_upload;
     int resent;
     size_t searched;
+    int n_informational; /* 1xx heads skipped so far */
 };
 
 static struct timeval tv_of(double s) {
@@ -564,6 +567,13 @@ static int read_head(px_creq *q, struct evbuffer *in) {
         evbuffer_ptr_set(in, &end, limit, EVBUFFER_PTR_SET);
         struct evbuffer_ptr pos = evbuffer_search_range(in, "\r\n\r\n", 4, &start, &end);
         if (pos.pos < 0) {
+            /* A head ended by bare LFs never gets its CRLFCRLF: fail now
+             * rather than at the idle timeout. */
+            struct evbuffer_ptr lf = evbuffer_search_range(in, "\n\n", 2, &start, &end);
+            if (lf.pos >= 0) {
+                fail(q, PX_CR_PROTOCOL, "bare LF in the response head");
+                return -1;
+            }
             q->searched = limit;
             if (len >= MAX_RESP_HEAD + 4) {
                 fail(q, PX_CR_PROTOCOL, "response head too large");
@@ -581,7 +591,15 @@ static int read_head(px_creq *q, struct evbuffer *in) {
             fail(q, PX_CR_PROTOCOL, why ? why : "malformed response head");
             return -1;
         }
+        if (h->status == 101) { /* never asked for: the connection is no longer HTTP */
+            fail(q, PX_CR_PROTOCOL, "101 Switching Protocols, but no upgrade was asked for");
+            return -1;
+        }
         if (h->status >= 100 && h->status < 200) { /* 100 Continue and the like */
+            if (++q->n_informational > MAX_INFORMATIONAL) {
+                fail(q, PX_CR_PROTOCOL, "too many 1xx answers before the response");
+                return -1;
+            }
             evbuffer_drain(in, hlen);
             continue;
         }

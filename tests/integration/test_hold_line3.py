@@ -16,7 +16,8 @@ M2. A reload that empties a pool is refused, the running configuration
 M4. Config files are bounded (16 MiB, 16 levels of nesting) and refused at
     once; a FIFO is refused instead of blocking the control thread.
 M6. The disaggregation estimate counts what the engine renders besides the
-    prompt: tools, functions, documents, chat_template, prompt_embeds."""
+    prompt: tools, functions, documents, chat_template, prompt_embeds.
+Low items: one class each below."""
 
 import json
 import threading
@@ -508,6 +509,36 @@ class EstimateTest(ProdCase):
         self.assertEqual(http_request(px.port, "POST", "/v1/chat/completions",
                                       chat_body()).status, 200)
         self.assertEqual(len(p.requests), before)
+
+
+class BrokenHeadTest(ProdCase):
+    """Low: bare-LF heads and 101 answers waited for the whole idle timeout
+    instead of failing fast; an endless stream of 1xx used a core until the
+    idle timeout."""
+
+    def raw_then_hang(self, raw):
+        def h(req):
+            try:
+                req.conn.sock.sendall(raw)
+            except OSError:
+                pass
+            return Hang(max_s=10.0)
+        return h
+
+    def test_fail_fast(self):
+        cases = {
+            "101": b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: h2c\r\nConnection: Upgrade\r\n\r\n",
+            "bare LF": b"HTTP/1.1 200 OK\nContent-Type: application/json\nContent-Length: 2\n\n{}",
+            "endless 1xx": b"HTTP/1.1 100 Continue\r\n\r\n" * 20000,
+        }
+        for name, raw in cases.items():
+            d = self.mock(self.raw_then_hang(raw), "d-" + name.replace(" ", ""))
+            px = self.start([], [d], extra=["--decode-idle-timeout", "30"])
+            t0 = time.monotonic()
+            r = http_request(px.port, "POST", "/v1/embeddings", {"input": "x"}, timeout=20)
+            took = time.monotonic() - t0
+            self.assertEqual(r.status, 502, (name, r.body))
+            self.assertLess(took, 3, name)
 
 
 if __name__ == "__main__":
