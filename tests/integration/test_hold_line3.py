@@ -541,5 +541,36 @@ class BrokenHeadTest(ProdCase):
             self.assertLess(took, 3, name)
 
 
+class AdminTokenTest(AdminCase):
+    """Low: the admin token was truncated past 1023 bytes, NUL bytes and
+    /dev/zero were accepted as tokens, refused calls logged without a rate
+    limit."""
+
+    def refused_start(self, path):
+        p = run_pdproxy(["--port", str(free_port()), "--admin-port", str(free_port()),
+                         "--admin-token-file", path, "--decode", "http://127.0.0.1:9"])
+        self.assertEqual(p.returncode, 2, p.stderr)
+        self.assertIn("--admin-token-file", p.stderr)
+
+    def test_bad_tokens_refused(self):
+        for i, data in enumerate((b"a" * 1100, b"abcdefgh\x00ijklmnopq", b"abcdefghijklmno\x7f")):
+            f = os.path.join(self.dir, "t%d" % i)
+            with open(f, "wb") as fh:
+                fh.write(data)
+            self.refused_start(f)
+        self.refused_start("/dev/zero")
+
+    def test_refused_calls_logged_with_a_rate_limit(self):
+        P = self.mock(prefill_handler(), "p")
+        D = self.mock(decode_handler(), "d")
+        px = self.start_admin(pools_yaml([("m", ["m"], [P], [D])]))
+        for _ in range(200):
+            st, _ = admin(self.aport, "GET", "/admin/backends", None, "wrong-token-wrong")
+            self.assertEqual(st, 401)
+        n = px.stderr().count("admin call refused")
+        self.assertGreaterEqual(n, 1)
+        self.assertLess(n, 20, "every refused call logged")
+
+
 if __name__ == "__main__":
     main()
