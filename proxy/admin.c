@@ -116,7 +116,9 @@ static void change_backend(px_admin *a, px_conn *c, const px_buf *body, int add)
     char *pool = str_member(body, "pool"), *role = str_member(body, "role"),
          *url = str_member(body, "url");
     char err[512];
-    if (!role || !url || (strcmp(role, "prefill") && strcmp(role, "decode"))) {
+    px_json_member pm;
+    int pool_bad = body->len && px_json_find(body->data, body->len, "pool", &pm) && !pool;
+    if (!role || !url || pool_bad || (strcmp(role, "prefill") && strcmp(role, "decode"))) {
         reply_err(c, 400,
                   "expected a JSON object {\"role\": \"prefill\"|\"decode\", \"url\": "
                   "\"http://host:port\", \"pool\": name (omit for the unnamed pool)}");

@@ -461,6 +461,59 @@ int px_config_url_is_self(const px_config *c, const char *url) {
            reaches(host, port, c->admin_host, (long)c->admin_port);
 }
 
+/* "scheme host port" of a URL with its spelling undone; 0, or -1. */
+static int url_canon(const char *url, char *out, size_t outlen) {
+    int tls;
+    if (!strncasecmp(url, "http://", 7))
+        tls = 0;
+    else if (!strncasecmp(url, "https://", 8))
+        tls = 1;
+    else
+        return -1;
+    const char *h = url + (tls ? 8 : 7), *rest;
+    char host[256];
+    size_t n;
+    if (*h == '[') {
+        const char *e = strchr(h, ']');
+        if (!e || (size_t)(e - h - 1) >= sizeof host) return -1;
+        n = (size_t)(e - h - 1);
+        memcpy(host, h + 1, n);
+        rest = e + 1;
+    } else {
+        n = strcspn(h, ":/");
+        if (n >= sizeof host) return -1;
+        memcpy(host, h, n);
+        rest = h + n;
+    }
+    host[n] = '\0';
+    for (size_t i = 0; i < n; i++)
+        host[i] = (char)tolower((unsigned char)host[i]);
+    long port = *rest == ':' ? strtol(rest + 1, NULL, 10) : (tls ? 443 : 80);
+    struct in_addr a4;
+    unsigned char a[16];
+    char lit[INET6_ADDRSTRLEN];
+    if (!strcmp(host, "localhost")) {
+        snprintf(host, sizeof host, "127.0.0.1");
+    } else if (inet_aton(host, &a4)) { /* 127.1, 0x7f.1 and the like */
+        inet_ntop(AF_INET, &a4, lit, sizeof lit);
+        snprintf(host, sizeof host, "%s", lit);
+    } else {
+        int len = literal_addr(host, a);
+        if (len) {
+            inet_ntop(len == 4 ? AF_INET : AF_INET6, a, lit, sizeof lit);
+            snprintf(host, sizeof host, "%s", lit);
+        }
+    }
+    snprintf(out, outlen, "%d %s %ld", tls, host, port);
+    return 0;
+}
+
+int px_config_url_same(const char *a, const char *b) {
+    char ca[300], cb[300];
+    if (url_canon(a, ca, sizeof ca) < 0 || url_canon(b, cb, sizeof cb) < 0) return !strcmp(a, b);
+    return !strcmp(ca, cb);
+}
+
 static int check_list_self(const px_config *c, const px_pool_spec *p, const px_strlist *l,
                            const char *role, char *err, size_t errlen) {
     for (size_t i = 0; i < l->n; i++)

@@ -130,6 +130,11 @@ int px_config_url_is_self(const px_config *c, const char *url);
 #define PX_CONFIG_MAX_BYTES (16 * 1024 * 1024)
 #define PX_CONFIG_MAX_DEPTH 16
 
+/* Whether two backend URLs name the same backend: scheme, host and port
+ * compared after spelling is undone (case, a trailing '/', the default
+ * port, 127.1 for 127.0.0.1, v4-mapped v6, localhost for 127.0.0.1). */
+int px_config_url_same(const char *a, const char *b);
+
 typedef enum { PX_CONFIG_RUN = 0, PX_CONFIG_EXIT_OK = 1, PX_CONFIG_ERROR = -1 } px_config_result;
 
 /* Fills c from defaults, then the --config file (YAML; --config or

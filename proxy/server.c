@@ -606,7 +606,7 @@ static px_pool_spec *spec_named(px_pool_spec *v, size_t n, const char *name) {
 
 static int list_find(const px_strlist *l, const char *s) {
     for (size_t i = 0; i < l->n; i++)
-        if (!strcmp(l->v[i], s)) return (int)i;
+        if (px_config_url_same(l->v[i], s)) return (int)i; /* one backend, one spelling */
     return -1;
 }
 

@@ -572,5 +572,29 @@ class AdminTokenTest(AdminCase):
         self.assertLess(n, 20, "every refused call logged")
 
 
+class AdminSpellingTest(AdminCase):
+    """Low: the admin API added one backend under several spellings
+    (trailing '/', localhost, 127.1); {"pool":5} silently meant the unnamed
+    pool."""
+
+    def test_one_backend_one_spelling(self):
+        P = self.mock(prefill_handler(), "p")
+        D = self.mock(decode_handler(), "d")
+        px = self.start_admin(pools_yaml([("m", ["m"], [P], [D])]))
+        for u in ("http://127.0.0.1:%d/" % P.port, "http://127.1:%d" % P.port,
+                  "http://localhost:%d" % P.port, "HTTP://127.0.0.1:%d" % P.port,
+                  "http://[::ffff:127.0.0.1]:%d" % P.port):
+            st, doc = self.call("POST", "/admin/backends", {"role": "prefill", "url": u,
+                                                            "pool": "m"})
+            self.assertIn(st, (400, 409), (u, doc))
+        st, doc = self.call("GET", "/admin/backends")
+        self.assertEqual(len([b for b in doc["backends"] if b["role"] == "prefill"]), 1, doc)
+        for bad in (5, None, ["m"], {"x": 1}):
+            st, doc = self.call("POST", "/admin/backends", {"role": "prefill", "pool": bad,
+                                                            "url": "http://127.0.0.1:9"})
+            self.assertEqual(st, 400, (bad, doc))
+        self.assertEqual(self.post(px, completion_body(model="m")).status, 200)
+
+
 if __name__ == "__main__":
     main()
