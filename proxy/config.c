@@ -508,7 +508,30 @@ static int url_canon(const char *url, char *out, size_t outlen) {
     return 0;
 }
 
+/* http[s]://a.b.c.d:port in its one spelling (no leading zeros, explicit
+ * port, nothing after): two such URLs are the same backend exactly when
+ * they are the same string, which spares the admin API's checks over
+ * thousands of backends the canonicalisation. */
+static int plain_url(const char *u) {
+    const char *p = !strncmp(u, "http://", 7) ? u + 7 : !strncmp(u, "https://", 8) ? u + 8 : NULL;
+    if (!p) return 0;
+    for (int part = 0; part < 5; part++) {
+        if (*p < '0' || *p > '9' || (*p == '0' && p[1] >= '0' && p[1] <= '9')) return 0;
+        long v = 0;
+        int digits = 0;
+        while (*p >= '0' && *p <= '9' && digits < 6) {
+            v = v * 10 + (*p++ - '0');
+            digits++;
+        }
+        if (part < 4 && v > 255) return 0;
+        if (part == 4) return !*p && v >= 1 && v <= 65535;
+        if (*p++ != (part < 3 ? '.' : ':')) return 0;
+    }
+    return 0;
+}
+
 int px_config_url_same(const char *a, const char *b) {
+    if (plain_url(a) && plain_url(b)) return !strcmp(a, b);
     char ca[300], cb[300];
     if (url_canon(a, ca, sizeof ca) < 0 || url_canon(b, cb, sizeof cb) < 0) return !strcmp(a, b);
     return !strcmp(ca, cb);
