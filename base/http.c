@@ -362,7 +362,7 @@ int px_http_parse_response(const char *buf, size_t n, px_http_head *h, const cha
         if (*p < '0' || *p > '9') return *why = "malformed status code", 502;
         st = st * 10 + (*p - '0');
     }
-    if (st < 100) return *why = "malformed status code", 502;
+    if (st < 100 || st > 599) return *why = "status code outside 100-599", 502;
     if (*p == ' ') {
         while (p < end && *p != '\r' && *p != '\n') {
             unsigned char c = (unsigned char)*p;

@@ -342,7 +342,11 @@ static void serve_api(px_worker *w, const api_route *rt, px_conn *c, const px_ht
                       px_buf *body) {
     px_server *s = w->srv;
     px_metrics *m = &w->wc.metrics;
-    if (!(method_of(h) & rt->methods)) {
+    int meth = method_of(h);
+    if (!meth && rt->ep == PX_EP_MODELS && h->method_len == 4 && !memcmp(h->method, "HEAD", 4) &&
+        models_local(s))
+        meth = M_GET; /* answered here like GET, without the body */
+    if (!(meth & rt->methods)) {
         reply_method(m, rt->mep, c, h, rt->name, rt->allow, rt->wrong_method);
     } else if (!px_ctx_authorized(&s->ctx, h)) {
         reply_unauthorized(m, rt->mep, c, h, rt->name);

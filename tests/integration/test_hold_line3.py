@@ -596,5 +596,32 @@ class AdminSpellingTest(AdminCase):
         self.assertEqual(self.post(px, completion_body(model="m")).status, 200)
 
 
+class MisleadingAnswersTest(AdminCase):
+    """Low: status 600/999 relayed; HEAD on /v1/models with named pools got
+    405; sidecar mode health-checked a toy default prefill nobody set."""
+
+    def test_status_beyond_599_is_502(self):
+        for st in (600, 999):
+            d = self.mock(lambda req, st=st: Respond(st, [JSONCT], b"{}"), "d%d" % st)
+            px = self.start([], [d])
+            r = http_request(px.port, "POST", "/v1/embeddings", {"input": "x"})
+            self.assertEqual(r.status, 502, (st, r.body))
+
+    def test_head_models_with_named_pools(self):
+        P = self.mock(prefill_handler(), "p")
+        D = self.mock(decode_handler(), "d")
+        px = self.start_admin(pools_yaml([("m", ["m"], [P], [D])]))
+        r = http_request(px.port, "HEAD", "/v1/models")
+        self.assertEqual(r.status, 200)
+        self.assertEqual(r.body, b"")
+
+    def test_sidecar_checks_no_toy_prefill(self):
+        D = self.mock(decode_handler(), "d")
+        px = self.start(args=["--prefiller-from-header", "--prefiller-allowlist", "127.0.0.1",
+                              "--decode", url(D)])
+        r = http_request(px.port, "GET", "/healthcheck")
+        self.assertEqual(json.loads(r.body)["prefill_instances"], 0, r.body)
+
+
 if __name__ == "__main__":
     main()
