@@ -487,8 +487,14 @@ static int choose_pool(px_req *r) {
     px_json_member m;
     char model[512];
     long n = -1;
-    if (px_json_find(r->body.data, r->body.len, "model", &m) && m.val_len >= 2 && m.val[0] == '"')
-        n = px_json_str_decode(m.val + 1, m.val_len - 2, model, sizeof model);
+    int str = px_json_find(r->body.data, r->body.len, "model", &m) && m.val_len >= 2 &&
+              m.val[0] == '"';
+    if (str) n = px_json_str_decode(m.val + 1, m.val_len - 2, model, sizeof model);
+    if (n < 0 && str && m.val_len >= sizeof model) {
+        req_fail(r, 400, NULL, "the request's model name is longer than %zu bytes: no pool "
+                 "serves it", sizeof model - 1);
+        return -1;
+    }
     if (n < 0) {
         req_fail(r, 400, NULL, "the request names no model (a string \"model\" member)");
         return -1;
@@ -706,7 +712,7 @@ static void start_prefill(px_req *r) {
             return;
         }
         req_fail(r, 503, "Retry-After: 1\r\n", "no healthy prefill backend (%zu configured%s)", n,
-                 n ? ", all ejected" : "");
+                 px_pool_unusable_why(&r->ps->prefill));
         return;
     }
     snprintf(r->pname, sizeof r->pname, "%s", r->pb->name);
@@ -766,10 +772,13 @@ static void prefill_done(void *arg, px_up_result rc, const char *errbuf, int con
     int retryable = o == PX_OUT_CONNECT_ERR || o == PX_OUT_RESET || o == PX_OUT_SERVER_ERR;
     if (retryable && !r->too_big && (int64_t)(r->ntried_p) <= r->s->cfg->prefill_retries &&
         r->ntried_p < MAX_TRIES) {
+        size_t np = 0;
+        if (!r->hb) px_pool_counts(&r->ps->prefill, &np, NULL);
         PX_LOG(PX_LOG_WARN,
-               "req=%s msg=\"prefill failed, retrying on another instance\" prefill=%s attempt=%zu "
+               "req=%s msg=\"prefill failed, retrying%s\" prefill=%s attempt=%zu "
                "error=\"%s\" status=%d",
-               r->lid, r->pname, r->ntried_p, rc ? why : "", r->pstatus);
+               r->lid, np > 1 ? " on another instance" : " on the same instance (the only one)",
+               r->pname, r->ntried_p, rc ? why : "", r->pstatus);
         px_m_inc(&r->w->metrics.retries[0]);
         px_buf_reset(&r->presp);
         r->pstatus = 0;
@@ -915,7 +924,7 @@ static void start_decode(px_req *r) {
     size_t n;
     if (!pick_decode(r, &n)) {
         req_fail(r, 503, "Retry-After: 1\r\n", "no healthy decode backend (%zu configured%s)", n,
-                 n ? ", all ejected" : "");
+                 px_pool_unusable_why(&r->ps->decode));
         return;
     }
     set_state(r, RS_DECODE);

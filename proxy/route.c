@@ -572,6 +572,17 @@ size_t px_pool_usable(px_pool *p) {
     return panic;
 }
 
+const char *px_pool_unusable_why(px_pool *p) {
+    size_t drained = 0, n;
+    pthread_mutex_lock(&p->mu);
+    n = p->n;
+    for (size_t i = 0; i < n; i++)
+        drained += atomic_load(&p->b[i]->drained) != 0;
+    pthread_mutex_unlock(&p->mu);
+    if (!n) return "";
+    return drained == n ? ", all drained" : drained ? ", all ejected or drained" : ", all ejected";
+}
+
 void px_pool_counts(px_pool *p, size_t *n, size_t *healthy) {
     pthread_mutex_lock(&p->mu);
     size_t h = 0;

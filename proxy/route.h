@@ -165,6 +165,11 @@ void px_backend_check(px_pool *p, px_backend *b, int ok);
 px_backend **px_pool_members(px_pool *p, size_t *n);
 
 /* Number of members, and of healthy ones. */
+/* Why a pool with members has none usable, for error messages:
+ * ", all ejected", ", all drained" or ", all ejected or drained"; "" when
+ * it has no member. */
+const char *px_pool_unusable_why(px_pool *p);
+
 void px_pool_counts(px_pool *p, size_t *n, size_t *healthy);
 /* Members a request could be routed to now: the healthy ones or, when
  * none is, those panic routing would use. */

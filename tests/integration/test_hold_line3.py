@@ -623,5 +623,42 @@ class MisleadingAnswersTest(AdminCase):
         self.assertEqual(json.loads(r.body)["prefill_instances"], 0, r.body)
 
 
+class HonestMessagesTest(AdminCase):
+    """Low: a 512+ byte model name got "names no model"; a drained prefill
+    was reported as "ejected"; with one prefill, "retrying on another
+    instance" resent to the same one."""
+
+    def test_long_model_name(self):
+        P = self.mock(prefill_handler(), "p")
+        D = self.mock(decode_handler(), "d")
+        px = self.start_admin(pools_yaml([("m", ["m"], [P], [D])]))
+        r = self.post(px, completion_body(model="x" * 600))
+        self.assertIn(r.status, (400, 404))
+        msg = json.loads(r.body)["error"]["message"]
+        self.assertNotIn("names no model", msg)
+        self.assertIn("longer than", msg)
+
+    def test_drained_prefill_not_called_ejected(self):
+        P = self.mock(prefill_handler(), "p")
+        D = self.mock(decode_handler(), "d")
+        px = self.start_admin(pools_yaml([("m", ["m"], [P], [D])]))
+        st, doc = self.call("POST", "/admin/backends/drain", {"url": url(P), "role": "prefill",
+                                                              "pool": "m"})
+        self.assertEqual(st, 200, doc)
+        r = self.post(px, completion_body(model="m"))
+        self.assertEqual(r.status, 503, r.body)
+        msg = json.loads(r.body)["error"]["message"]
+        self.assertIn("drained", msg)
+
+    def test_one_prefill_retry_message(self):
+        P = self.mock(lambda req: Respond(500, [JSONCT], b"{}"), "p")
+        D = self.mock(decode_handler(), "d")
+        px = self.start([P], [D])
+        r = self.post(px, completion_body())
+        self.assertEqual(r.status, 502)
+        self.assertIn("prefill failed, retrying", px.stderr())
+        self.assertNotIn("another instance", px.stderr())
+
+
 if __name__ == "__main__":
     main()
