@@ -20,17 +20,18 @@ M6. The disaggregation estimate counts what the engine renders besides the
 Low items: one class each below."""
 
 import json
+import os
+import signal
 import threading
 import time
 
-import os
-
 from pdharness.case import main
-from pdharness.ctl import admin, pools_yaml, tmpdir, token_file, url, wait_generation, write_yaml
+from pdharness.client import RawClient, http_request
+from pdharness.ctl import admin, pools_yaml, tmpdir, token_file, url, write_yaml
+from pdharness.mocks import (Hang, Respond, chat_body, completion_body, decode_handler,
+                             prefill_handler)
 from pdharness.net import HOST, free_port
 from pdharness.procs import Proxy, ProxyStartError, run_pdproxy
-from pdharness.client import RawClient, http_request
-from pdharness.mocks import Hang, Respond, chat_body, completion_body, decode_handler, prefill_handler
 from pdharness.prod import ProdCase
 
 EVIL = {"do_remote_prefill": True, "remote_host": "169.254.169.254", "remote_port": 80,
@@ -658,6 +659,28 @@ class HonestMessagesTest(AdminCase):
         self.assertEqual(r.status, 502)
         self.assertIn("prefill failed, retrying", px.stderr())
         self.assertNotIn("another instance", px.stderr())
+
+
+class OtlpExitTest(ProdCase):
+    """Low: with a black-hole OTLP collector exit took twice the export
+    timeout (README: at most the export timeout)."""
+
+    def test_exit_within_export_timeout(self):
+        col = self.mock(lambda req: Hang(max_s=30.0), "collector")
+        p = self.mock(prefill_handler(), "p")
+        d = self.mock(decode_handler(), "d")
+        px = self.start([p], [d], env={
+            "OTEL_EXPORTER_OTLP_ENDPOINT": "http://%s:%d" % (HOST, col.port),
+            "OTEL_EXPORTER_OTLP_TIMEOUT": "2000", "OTEL_BSP_SCHEDULE_DELAY": "10",
+            "OTEL_BSP_MAX_EXPORT_BATCH_SIZE": "1"})
+        for _ in range(3):
+            self.assertEqual(self.post(px).status, 200)
+        col.wait_requests(1, timeout=5)  # an export is in flight, hanging
+        t0 = time.monotonic()
+        px._expected_exit = True
+        px.proc.send_signal(signal.SIGTERM)
+        px.proc.wait(30)
+        self.assertLess(time.monotonic() - t0, 3.0, "exit waited past the export timeout")
 
 
 if __name__ == "__main__":
