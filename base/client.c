@@ -15,6 +15,8 @@
 #include "base/list.h"
 
 #define MAX_RESP_HEAD (64 * 1024)
+/* 1xx answers skipped before a response: more is a broken or hostile backend. */
+#define MAX_INFORMATIONAL 32
 
 typedef enum { BM_NONE, BM_LENGTH, BM_CHUNKED, BM_CLOSE } body_mode;
 
@@ -105,6 +107,7 @@ struct px_creq {
     int abort_after_upload;
     int resent;
     size_t searched;
+    int n_informational; /* 1xx heads skipped so far */
 };
 
 static struct timeval tv_of(double s) {
@@ -562,7 +565,16 @@ static int read_head(px_creq *q, struct evbuffer *in) {
             fail(q, PX_CR_PROTOCOL, "response head too large");
             return -1;
         }
-        if (end == 0) return 0;
+        if (end == 0) {
+            /* A head ended by bare LFs never gets its CRLFCRLF: fail now
+             * rather than at the idle timeout. */
+            struct evbuffer_ptr lf = evbuffer_search(in, "\n\n", 2, NULL);
+            if (lf.pos >= 0) {
+                fail(q, PX_CR_PROTOCOL, "bare LF in the response head");
+                return -1;
+            }
+            return 0;
+        }
         size_t hlen = (size_t)end;
         /* Header spans point into this copy while on_head runs. */
         char *buf = (char *)evbuffer_pullup(in, (ev_ssize_t)hlen);
@@ -572,7 +584,15 @@ static int read_head(px_creq *q, struct evbuffer *in) {
             fail(q, PX_CR_PROTOCOL, why ? why : "malformed response head");
             return -1;
         }
+        if (h->status == 101) { /* never asked for: the connection is no longer HTTP */
+            fail(q, PX_CR_PROTOCOL, "101 Switching Protocols, but no upgrade was asked for");
+            return -1;
+        }
         if (h->status >= 100 && h->status < 200) { /* 100 Continue and the like */
+            if (++q->n_informational > MAX_INFORMATIONAL) {
+                fail(q, PX_CR_PROTOCOL, "too many 1xx answers before the response");
+                return -1;
+            }
             evbuffer_drain(in, hlen);
             continue;
         }
@@ -665,14 +685,13 @@ static void process(px_creq *q) {
     }
 }
 
-/* An idle connection the backend may have closed since the loop last
- * looked: one idle for a while (a backend's keep-alive timeout, a restart)
- * is checked with a peek, so a request does not walk into a closed
- * connection. One in steady use is not: the loop sees a close at once. */
-#define PEEK_AFTER_IDLE_NS 50000000ull
-
+/* Whether an idle connection may carry the next request. It is peeked at
+ * every time, not only after a while idle: a backend that closed it, or
+ * that sent bytes nobody asked for (a second answer, an answer before the
+ * request) since the loop last looked, makes it unusable. Such bytes must
+ * never be read as the next request's answer: they could be another
+ * request's, with another user's kv_transfer_params. */
 static int usable(cconn *c) {
-    if (px_now_ns() - c->idle_since_ns < PEEK_AFTER_IDLE_NS) return 1;
     char b;
     ssize_t r = recv(c->fd, &b, 1, MSG_PEEK | MSG_DONTWAIT);
     return r < 0 && (errno == EAGAIN || errno == EWOULDBLOCK);

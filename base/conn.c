@@ -587,6 +587,8 @@ static void read_head(px_conn *c) {
     evbuffer_remove(in, c->headbuf, hlen);
     const char *why = NULL;
     int st = px_http_parse_head(c->headbuf, hlen, &c->head, &why);
+    /* Routed and forwarded as the engines will read it (SECURITY.md). */
+    if (!st) st = px_http_normalize_target(c->headbuf, &c->head, &why);
     if (st) {
         c->minor = 1;
         reject(c, st, why);

@@ -1,6 +1,8 @@
 #include "base/http.h"
 
+#include <stdio.h>
 #include <string.h>
+#include <unistd.h>
 
 #include <event2/buffer.h>
 
@@ -40,11 +42,143 @@ void px_http_path(const px_http_head *h, const char **path, size_t *len) {
     *len = n ? n : 1;
 }
 
+static int hexval(unsigned char c) {
+    if (c >= '0' && c <= '9') return c - '0';
+    if (c >= 'a' && c <= 'f') return c - 'a' + 10;
+    if (c >= 'A' && c <= 'F') return c - 'A' + 10;
+    return -1;
+}
+
+static int is_unreserved(unsigned char c) {
+    return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
+           c == '-' || c == '.' || c == '_' || c == '~';
+}
+
+/* Resolves dot and empty segments of p[0..n) in place; returns the new
+ * length (at least 1: "/"). Each step writes no more than it has read. */
+static size_t squash_segments(char *p, size_t n) {
+    size_t w = 0, i = 0;
+    while (i < n) {
+        while (i < n && p[i] == '/')
+            i++;
+        size_t s = i;
+        while (i < n && p[i] != '/')
+            i++;
+        size_t len = i - s;
+        if (len == 0 || (len == 1 && p[s] == '.')) continue;
+        if (len == 2 && p[s] == '.' && p[s + 1] == '.') {
+            while (w > 0 && p[w - 1] != '/')
+                w--;
+            if (w > 0) w--; /* the '/' before the dropped segment */
+            continue;
+        }
+        p[w++] = '/';
+        memmove(p + w, p + s, len);
+        w += len;
+    }
+    if (w == 0) p[w++] = '/';
+    return w;
+}
+
+int px_http_normalize_target(char *buf, px_http_head *h, const char **why) {
+    char *t = buf + (h->target - buf);
+    size_t n = h->target_len, from = 0;
+    if (n > 7 && px_http_token_eq(t, 7, "http://"))
+        from = 7;
+    else if (n > 8 && px_http_token_eq(t, 8, "https://"))
+        from = 8;
+    if (from) {
+        while (from < n && t[from] != '/' && t[from] != '?')
+            from++;
+    } else if (!n || t[0] != '/') {
+        return 0;
+    }
+    /* The path is t[from..pend), the query t[pend..n). Decoding writes at
+     * w <= r, so it runs in place. */
+    size_t pend = from;
+    while (pend < n && t[pend] != '?')
+        pend++;
+    size_t w = 0;
+    if (from == pend || t[from] != '/') t[w++] = '/'; /* from >= 7 here: room */
+    for (size_t r = from; r < pend;) {
+        unsigned char c = (unsigned char)t[r];
+        if (c != '%') {
+            t[w++] = (char)c;
+            r++;
+            continue;
+        }
+        int hi = r + 2 < pend ? hexval((unsigned char)t[r + 1]) : -1;
+        int lo = hi >= 0 ? hexval((unsigned char)t[r + 2]) : -1;
+        if (lo < 0) return *why = "malformed percent-encoding in the request target", 400;
+        unsigned char v = (unsigned char)(hi * 16 + lo);
+        if (is_unreserved(v) || v == '/') {
+            t[w++] = (char)v;
+        } else {
+            static const char hex[] = "0123456789ABCDEF";
+            t[w++] = '%';
+            t[w++] = hex[v >> 4];
+            t[w++] = hex[v & 15];
+        }
+        r += 3;
+    }
+    w = squash_segments(t, w);
+    memmove(t + w, t + pend, n - pend);
+    h->target = t;
+    h->target_len = w + (n - pend);
+    return 0;
+}
+
 int px_http_path_is(const px_http_head *h, const char *path) {
     const char *p;
     size_t n;
     px_http_path(h, &p, &n);
     return strlen(path) == n && memcmp(p, path, n) == 0;
+}
+
+int px_http_forwarded_header(const px_http_header *x) {
+    return px_http_token_eq(x->name, x->name_len, "content-type") ||
+           px_http_token_eq(x->name, x->name_len, "accept");
+}
+
+const char *px_http_via_marker(void) {
+    static char marker[32];
+    if (!marker[0]) {
+        unsigned char r[8] = {0};
+        FILE *f = fopen("/dev/urandom", "rb");
+        if (!f || fread(r, 1, sizeof r, f) != sizeof r) {
+            uint64_t t = px_now_ns() ^ (uint64_t)getpid() << 32;
+            memcpy(r, &t, sizeof r);
+        }
+        if (f) fclose(f);
+        snprintf(marker, sizeof marker, "1.1 pdproxy-%02x%02x%02x%02x%02x%02x%02x%02x", r[0],
+                 r[1], r[2], r[3], r[4], r[5], r[6], r[7]);
+    }
+    return marker;
+}
+
+int px_http_via_count(const px_http_head *h) {
+    const char *m = px_http_via_marker() + 4; /* "pdproxy-..." */
+    size_t ml = strlen(m);
+    int n = 0;
+    for (size_t i = 0; i < h->nheaders; i++) {
+        const px_http_header *x = &h->headers[i];
+        if (!px_http_token_eq(x->name, x->name_len, "via")) continue;
+        for (size_t j = 0; j + ml <= x->value_len; j++)
+            if (!memcmp(x->value + j, m, ml)) n++;
+    }
+    return n;
+}
+
+void px_http_via_append(const px_http_head *h, px_buf *out) {
+    px_buf_appends(out, "Via: ");
+    for (size_t i = 0; i < h->nheaders; i++) {
+        const px_http_header *x = &h->headers[i];
+        if (!px_http_token_eq(x->name, x->name_len, "via") || !x->value_len) continue;
+        px_buf_append(out, x->value, x->value_len);
+        px_buf_appends(out, ", ");
+    }
+    px_buf_appends(out, px_http_via_marker());
+    px_buf_appends(out, "\r\n");
 }
 
 const px_http_header *px_http_find(const px_http_head *h, const char *name) {
@@ -230,7 +364,7 @@ int px_http_parse_response(const char *buf, size_t n, px_http_head *h, const cha
         if (*p < '0' || *p > '9') return *why = "malformed status code", 502;
         st = st * 10 + (*p - '0');
     }
-    if (st < 100) return *why = "malformed status code", 502;
+    if (st < 100 || st > 599) return *why = "status code outside 100-599", 502;
     if (*p == ' ') {
         while (p < end && *p != '\r' && *p != '\n') {
             unsigned char c = (unsigned char)*p;
@@ -425,6 +559,8 @@ const char *px_http_reason(int status) {
         return "Gateway Timeout";
     case 505:
         return "HTTP Version Not Supported";
+    case 508:
+        return "Loop Detected";
     default:
         return "Unknown";
     }

@@ -48,6 +48,18 @@ int px_http_parse_head(const char *buf, size_t n, px_http_head *h, const char **
  * length nor chunked: until close). Returns 0, or 502 with *why. */
 int px_http_parse_response(const char *buf, size_t n, px_http_head *h, const char **why);
 
+/* Normalises a parsed request's target in place (buf is the buffer the
+ * head was parsed from; h->target points into it), the way the engines'
+ * frameworks read it before routing (uvicorn percent-decodes the whole
+ * path, '/' included, and Starlette routes on that): escapes of unreserved
+ * characters and of '/' are decoded, other escapes are kept with upper-case
+ * hex (so an engine decoding once sees what the proxy routed on), dot
+ * segments are resolved (never above the root), and empty segments (a
+ * doubled or trailing '/') are dropped. An absolute-form target becomes its
+ * origin form; the query is kept as sent; "*" and authority forms are left
+ * alone. Returns 0, or 400 with *why set for a malformed escape. */
+int px_http_normalize_target(char *buf, px_http_head *h, const char **why);
+
 /* The request's path: the target without its query, and without scheme and
  * authority when the client sent the absolute form (http://host/path). */
 void px_http_path(const px_http_head *h, const char **path, size_t *len);
@@ -62,6 +74,27 @@ const px_http_header *px_http_find(const px_http_head *h, const char *name);
  * ids and log lines), copied to `out` with 1 returned; otherwise a fresh
  * UUIDv4 in `out` and 0. */
 int px_http_request_id(const px_http_head *h, char out[129]);
+
+/* The one rule for the client's own header fields on a route passed through
+ * to an engine: only Content-Type (a multipart body needs its boundary) and
+ * Accept are forwarded. The P/D routes send none of them (the proxy writes
+ * their Content-Type). On every route the proxy adds X-Request-Id,
+ * Authorization, traceparent and tracestate itself; everything else the
+ * client sent (cookies, X-Forwarded-*, hop-by-hop fields and the fields
+ * Connection names, x-prefiller-host-port, Via) stays here. */
+int px_http_forwarded_header(const px_http_header *x);
+
+/* The Via hop marker (RFC 9110 §7.6.3) of this process: "1.1 pdproxy-"
+ * and 16 random hex digits, drawn on the first call (make it before
+ * threads start). */
+const char *px_http_via_marker(void);
+
+/* How many times the request's Via fields name this process's marker. */
+int px_http_via_count(const px_http_head *h);
+
+/* Appends "Via: <the request's Via values>, <marker>\r\n" (values joined
+ * with ", " in order; just the marker when there are none). */
+void px_http_via_append(const px_http_head *h, px_buf *out);
 
 int px_http_token_eq(const char *s, size_t n, const char *lit); /* case-insensitive */
 /* Whether a header belongs to the connection it came on, not to the

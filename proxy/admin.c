@@ -1,7 +1,9 @@
 #include "proxy/admin.h"
 
 #include <errno.h>
+#include <fcntl.h>
 #include <openssl/sha.h>
+#include <sys/stat.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
@@ -22,6 +24,8 @@ struct px_admin {
     px_conn_cfg ccfg;
     unsigned char token[32]; /* SHA-256 of the token */
     char who[32];            /* "token:<8 hex>": names the token in logs, not its value */
+    uint64_t refused_log_ns; /* when a refused call was last logged */
+    unsigned long refused_quiet; /* refused calls not logged since */
 };
 
 /* ---------- replies and request bodies ---------- */
@@ -112,7 +116,9 @@ static void change_backend(px_admin *a, px_conn *c, const px_buf *body, int add)
     char *pool = str_member(body, "pool"), *role = str_member(body, "role"),
          *url = str_member(body, "url");
     char err[512];
-    if (!role || !url || (strcmp(role, "prefill") && strcmp(role, "decode"))) {
+    px_json_member pm;
+    int pool_bad = body->len && px_json_find(body->data, body->len, "pool", &pm) && !pool;
+    if (!role || !url || pool_bad || (strcmp(role, "prefill") && strcmp(role, "decode"))) {
         reply_err(c, 400,
                   "expected a JSON object {\"role\": \"prefill\"|\"decode\", \"url\": "
                   "\"http://host:port\", \"pool\": name (omit for the unnamed pool)}");
@@ -271,8 +277,18 @@ static void dispatch(void *ctx, px_conn *c, const px_http_head *h, px_buf *body)
         px_http_path(h, &p, &n);
         char path[200];
         snprintf(path, sizeof path, "%.*s", (int)(n < 190 ? n : 190), p);
-        PX_LOG(PX_LOG_WARN, "msg=\"admin call refused: missing or wrong token\" path=%s",
-               px_log_value(path, q, sizeof q));
+        /* At most one line a second: a token guesser must not flood the log. */
+        uint64_t now = px_now_ns();
+        if (now - a->refused_log_ns >= 1000000000ull) {
+            PX_LOG(PX_LOG_WARN,
+                   "msg=\"admin call refused: missing or wrong token\" path=%s "
+                   "refused_not_logged=%lu",
+                   px_log_value(path, q, sizeof q), a->refused_quiet);
+            a->refused_log_ns = now;
+            a->refused_quiet = 0;
+        } else {
+            a->refused_quiet++;
+        }
         reply_err(c, 401,
                   "invalid or missing admin token: send Authorization: Bearer <token of "
                   "--admin-token-file>");
@@ -313,21 +329,40 @@ static void dispatch(void *ctx, px_conn *c, const px_http_head *h, px_buf *body)
 
 /* ---------- setup ---------- */
 
+/* The token: one line of 16 to 1023 visible ASCII characters in a regular
+ * file (a longer one was cut silently, a device like /dev/zero read as a
+ * token of NULs). */
 static int read_token(px_admin *a, const char *path, char *err, size_t errlen) {
-    FILE *f = fopen(path, "r");
-    if (!f) {
-        snprintf(err, errlen, "--admin-token-file '%s': %s", path, strerror(errno));
+    int fd = open(path, O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+    struct stat st;
+    if (fd < 0 || fstat(fd, &st) < 0 || !S_ISREG(st.st_mode)) {
+        snprintf(err, errlen, "--admin-token-file '%s': %s", path,
+                 fd < 0 ? strerror(errno) : "not a regular file");
+        if (fd >= 0) close(fd);
         return -1;
     }
-    char buf[1024];
-    size_t n = fread(buf, 1, sizeof buf - 1, f);
-    fclose(f);
+    char buf[1026];
+    size_t n = 0;
+    for (ssize_t r; n < sizeof buf - 1; n += (size_t)r) {
+        r = read(fd, buf + n, sizeof buf - 1 - n);
+        if (r < 0 && errno == EINTR) {
+            r = 0;
+            continue;
+        }
+        if (r <= 0) break;
+    }
+    close(fd);
     buf[n] = '\0';
     while (n && (buf[n - 1] == '\n' || buf[n - 1] == '\r' || buf[n - 1] == ' '))
         buf[--n] = '\0';
-    if (n < 16 || strpbrk(buf, "\n\r \t")) {
+    int visible = n >= 16 && n <= 1023;
+    for (size_t i = 0; visible && i < n; i++)
+        visible = buf[i] > 0x20 && buf[i] < 0x7f;
+    if (!visible) {
         snprintf(err, errlen,
-                 "--admin-token-file '%s': expected one token of at least 16 characters", path);
+                 "--admin-token-file '%s': expected one token of 16 to 1023 visible ASCII "
+                 "characters",
+                 path);
         return -1;
     }
     SHA256((const unsigned char *)buf, n, a->token);

@@ -3,6 +3,11 @@
 #include <arpa/inet.h>
 #include <ctype.h>
 #include <errno.h>
+#include <fcntl.h>
+#include <ifaddrs.h>
+#include <sys/stat.h>
+#include <unistd.h>
+#include <netinet/in.h>
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -201,6 +206,14 @@ static const opt opts[] = {
     {"prefiller-allowlist", NULL, CT_WORDS, OFF(prefiller_allowlist), "", 0, 0,
      "CIDRs and host names x-prefiller-host-port may name (comma or space separated)", NULL,
      AT_START},
+    {"allow-empty-pools", NULL, CT_FLAG, OFF(allow_empty_pools), "false", 0, 0,
+     "accept a reload or admin API change that leaves a pool without a prefill or decode "
+     "backend; without it such a change is refused and the running configuration stays",
+     NULL, AT_START},
+    {"loop-limit", NULL, CT_INT, OFF(loop_limit), "1", 0, 100,
+     "answer 508 Loop Detected to a request whose Via already names this proxy more than this "
+     "many times (every request to a backend carries this proxy's Via marker)",
+     NULL, AT_START},
     {"print-config", NULL, CT_FLAG, OFF(print_config), "false", 0, 0,
      "print the effective configuration as YAML (a --config file) and exit", NULL, AT_START},
 };
@@ -356,8 +369,12 @@ static void toy_urls(px_strlist *out, const px_strlist *hosts, const px_strlist 
 /* The toy lists count when given, or when no URL is (their defaults). */
 static int toy_in_effect(const px_config *c, int prefill) {
     if (c->npools) return 0;
-    return prefill ? !c->prefill_urls.n || px_config_is_set(c, "prefiller-hosts")
-                   : !c->decode_urls.n || px_config_is_set(c, "decoder-hosts");
+    /* Behind a --config file the toy defaults never apply unasked: a file
+     * emptied by a bad deploy must not turn into localhost:8100/8200. */
+    if (prefill)
+        return px_config_is_set(c, "prefiller-hosts") ||
+               (!c->prefill_urls.n && !c->config_file[0] && !c->prefiller_from_header);
+    return px_config_is_set(c, "decoder-hosts") || (!c->decode_urls.n && !c->config_file[0]);
 }
 
 px_pool_spec *px_config_effective_pools(const px_config *c, size_t *n) {
@@ -375,6 +392,206 @@ px_pool_spec *px_config_effective_pools(const px_config *c, size_t *n) {
     list_copy(&p->decode, &c->decode_urls);
     *n = 1;
     return p;
+}
+
+/* The literal address of a host, v4-mapped v6 as v4. 4 or 16 bytes in a,
+ * the length returned; 0 when not a literal. */
+static int literal_addr(const char *host, unsigned char a[16]) {
+    if (inet_pton(AF_INET, host, a) == 1) return 4;
+    if (inet_pton(AF_INET6, host, a) != 1) return 0;
+    static const unsigned char mapped[12] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0xff, 0xff};
+    if (!memcmp(a, mapped, 12)) {
+        memmove(a, a + 12, 4);
+        return 4;
+    }
+    return 16;
+}
+
+static int addr_loopback(const unsigned char *a, int len) {
+    static const unsigned char lo6[16] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1};
+    return len == 4 ? a[0] == 127 : !memcmp(a, lo6, 16);
+}
+
+static int addr_any(const unsigned char *a, int len) {
+    static const unsigned char zero[16];
+    return !memcmp(a, zero, (size_t)len);
+}
+
+static int addr_local_iface(const unsigned char *a, int len) {
+    struct ifaddrs *ifs, *i;
+    int found = 0;
+    if (getifaddrs(&ifs) < 0) return 0;
+    for (i = ifs; i && !found; i = i->ifa_next) {
+        if (!i->ifa_addr) continue;
+        if (len == 4 && i->ifa_addr->sa_family == AF_INET)
+            found = !memcmp(&((struct sockaddr_in *)i->ifa_addr)->sin_addr, a, 4);
+        else if (len == 16 && i->ifa_addr->sa_family == AF_INET6)
+            found = !memcmp(&((struct sockaddr_in6 *)i->ifa_addr)->sin6_addr, a, 16);
+    }
+    freeifaddrs(ifs);
+    return found;
+}
+
+/* Whether host:port reaches a listener of ours on `lhost`:`lport`. */
+static int reaches(const char *host, long port, const char *lhost, long lport) {
+    if (!lport || port != lport) return 0;
+    if (!strcasecmp(host, lhost)) return 1;
+    unsigned char a[16], l[16];
+    int alen = !strcasecmp(host, "localhost") ? (inet_pton(AF_INET, "127.0.0.1", a), 4)
+                                               : literal_addr(host, a);
+    if (!alen) return 0;
+    int llen = !strcasecmp(lhost, "localhost") ? (inet_pton(AF_INET, "127.0.0.1", l), 4)
+                                                : literal_addr(lhost, l);
+    if (!llen) return 0;
+    if (addr_any(l, llen)) /* every address of this host */
+        return addr_loopback(a, alen) || addr_any(a, alen) || addr_local_iface(a, alen);
+    if (alen == llen && !memcmp(a, l, (size_t)alen)) return 1;
+    /* 0.0.0.0 and :: as a destination are this host. */
+    return addr_any(a, alen) && (addr_loopback(l, llen) || addr_local_iface(l, llen));
+}
+
+int px_config_url_is_self(const px_config *c, const char *url) {
+    int tls = !strncmp(url, "https://", 8);
+    const char *h = url + (tls ? 8 : !strncmp(url, "http://", 7) ? 7 : 0);
+    char host[256];
+    size_t n;
+    long port = tls ? 443 : 80;
+    const char *rest;
+    if (*h == '[') {
+        const char *e = strchr(h, ']');
+        if (!e) return 0;
+        n = (size_t)(e - h - 1);
+        if (n >= sizeof host) return 0;
+        memcpy(host, h + 1, n);
+        rest = e + 1;
+    } else {
+        n = strcspn(h, ":/");
+        if (n >= sizeof host) return 0;
+        memcpy(host, h, n);
+        rest = h + n;
+    }
+    host[n] = '\0';
+    if (*rest == ':') port = strtol(rest + 1, NULL, 10);
+    const char *mhost = c->metrics_host && c->metrics_host[0] ? c->metrics_host : c->host;
+    return reaches(host, port, c->host, (long)c->port) ||
+           reaches(host, port, mhost, (long)c->metrics_port) ||
+           reaches(host, port, c->admin_host, (long)c->admin_port);
+}
+
+/* "scheme host port" of a URL with its spelling undone; 0, or -1. */
+static int url_canon(const char *url, char *out, size_t outlen) {
+    int tls;
+    if (!strncasecmp(url, "http://", 7))
+        tls = 0;
+    else if (!strncasecmp(url, "https://", 8))
+        tls = 1;
+    else
+        return -1;
+    const char *h = url + (tls ? 8 : 7), *rest;
+    char host[256];
+    size_t n;
+    if (*h == '[') {
+        const char *e = strchr(h, ']');
+        if (!e || (size_t)(e - h - 1) >= sizeof host) return -1;
+        n = (size_t)(e - h - 1);
+        memcpy(host, h + 1, n);
+        rest = e + 1;
+    } else {
+        n = strcspn(h, ":/");
+        if (n >= sizeof host) return -1;
+        memcpy(host, h, n);
+        rest = h + n;
+    }
+    host[n] = '\0';
+    for (size_t i = 0; i < n; i++)
+        host[i] = (char)tolower((unsigned char)host[i]);
+    long port = *rest == ':' ? strtol(rest + 1, NULL, 10) : (tls ? 443 : 80);
+    struct in_addr a4;
+    unsigned char a[16];
+    char lit[INET6_ADDRSTRLEN];
+    if (!strcmp(host, "localhost")) {
+        snprintf(host, sizeof host, "127.0.0.1");
+    } else if (inet_aton(host, &a4)) { /* 127.1, 0x7f.1 and the like */
+        inet_ntop(AF_INET, &a4, lit, sizeof lit);
+        snprintf(host, sizeof host, "%s", lit);
+    } else {
+        int len = literal_addr(host, a);
+        if (len) {
+            inet_ntop(len == 4 ? AF_INET : AF_INET6, a, lit, sizeof lit);
+            snprintf(host, sizeof host, "%s", lit);
+        }
+    }
+    snprintf(out, outlen, "%d %s %ld", tls, host, port);
+    return 0;
+}
+
+/* http[s]://a.b.c.d:port in its one spelling (no leading zeros, explicit
+ * port, nothing after): two such URLs are the same backend exactly when
+ * they are the same string, which spares the admin API's checks over
+ * thousands of backends the canonicalisation. */
+static int plain_url(const char *u) {
+    const char *p = !strncmp(u, "http://", 7) ? u + 7 : !strncmp(u, "https://", 8) ? u + 8 : NULL;
+    if (!p) return 0;
+    for (int part = 0; part < 5; part++) {
+        if (*p < '0' || *p > '9' || (*p == '0' && p[1] >= '0' && p[1] <= '9')) return 0;
+        long v = 0;
+        int digits = 0;
+        while (*p >= '0' && *p <= '9' && digits < 6) {
+            v = v * 10 + (*p++ - '0');
+            digits++;
+        }
+        if (part < 4 && v > 255) return 0;
+        if (part == 4) return !*p && v >= 1 && v <= 65535;
+        if (*p++ != (part < 3 ? '.' : ':')) return 0;
+    }
+    return 0;
+}
+
+int px_config_url_same(const char *a, const char *b) {
+    if (plain_url(a) && plain_url(b)) return !strcmp(a, b);
+    char ca[300], cb[300];
+    if (url_canon(a, ca, sizeof ca) < 0 || url_canon(b, cb, sizeof cb) < 0) return !strcmp(a, b);
+    return !strcmp(ca, cb);
+}
+
+static int check_list_self(const px_config *c, const px_pool_spec *p, const px_strlist *l,
+                           const char *role, char *err, size_t errlen) {
+    for (size_t i = 0; i < l->n; i++)
+        if (px_config_url_is_self(c, l->v[i])) {
+            snprintf(err, errlen,
+                     "%s%s%s%s backend %s is this proxy's own listen address (--host %s "
+                     "--port %lld): every request would loop through it",
+                     p->name[0] ? "pool '" : "", p->name, p->name[0] ? "': " : "", role, l->v[i],
+                     c->host, (long long)c->port);
+            return -1;
+        }
+    return 0;
+}
+
+int px_config_check_pools(const px_config *c, const px_pool_spec *v, size_t n, int reloading,
+                          char *err, size_t errlen) {
+    for (size_t i = 0; i < n; i++) {
+        const px_pool_spec *p = &v[i];
+        if (check_list_self(c, p, &p->prefill, "prefill", err, errlen) < 0 ||
+            check_list_self(c, p, &p->prefill_toy, "prefill", err, errlen) < 0 ||
+            check_list_self(c, p, &p->decode, "decode", err, errlen) < 0 ||
+            check_list_self(c, p, &p->decode_toy, "decode", err, errlen) < 0)
+            return -1;
+        if (!reloading || c->allow_empty_pools) continue;
+        int need_p = !c->fallback_decode_only && !c->prefiller_from_header;
+        const char *missing = !p->decode.n && !p->decode_toy.n                 ? "decode"
+                              : need_p && !p->prefill.n && !p->prefill_toy.n ? "prefill"
+                                                                             : NULL;
+        if (missing) {
+            snprintf(err, errlen,
+                     "%s%s%s has no %s backend: refused (--allow-empty-pools accepts it; "
+                     "the running configuration stays)",
+                     p->name[0] ? "pool '" : "the configuration", p->name, p->name[0] ? "'" : "",
+                     missing);
+            return -1;
+        }
+    }
+    return 0;
 }
 
 int px_config_pool_for(const px_config *c, const char *model, size_t n) {
@@ -716,23 +933,84 @@ static int ypool(yctx *y, px_config *c, yaml_node_t *m) {
 }
 
 /* Applies the file's settings, each marked as given. */
-static int load_file(px_config *c, const char *path, char *err, size_t errlen) {
-    FILE *f = fopen(path, "rb");
-    if (!f) {
+/* Reads the whole --config file, refusing at once what would cost too
+ * much: anything but a regular file (a FIFO would block the control
+ * thread), more than PX_CONFIG_MAX_BYTES, or nesting deeper than
+ * PX_CONFIG_MAX_DEPTH (checked on libyaml's events, before any document
+ * is built). Returns the bytes (owned) or NULL with err set. */
+static char *read_config(const char *path, size_t *len, char *err, size_t errlen) {
+    int fd = open(path, O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+    struct stat st;
+    if (fd < 0 || fstat(fd, &st) < 0) {
         snprintf(err, errlen, "--config '%s': %s", path, strerror(errno));
-        return -1;
+        if (fd >= 0) close(fd);
+        return NULL;
     }
+    if (!S_ISREG(st.st_mode) || st.st_size > PX_CONFIG_MAX_BYTES) {
+        if (!S_ISREG(st.st_mode))
+            snprintf(err, errlen, "--config '%s': not a regular file", path);
+        else
+            snprintf(err, errlen, "--config '%s': larger than %d bytes", path,
+                     PX_CONFIG_MAX_BYTES);
+        close(fd);
+        return NULL;
+    }
+    char *buf = px_xmalloc((size_t)st.st_size + 1);
+    size_t n = 0;
+    while (n < (size_t)st.st_size) {
+        ssize_t r = read(fd, buf + n, (size_t)st.st_size - n);
+        if (r < 0 && errno == EINTR) continue;
+        if (r <= 0) break; /* a file that shrank: parse what was read */
+        n += (size_t)r;
+    }
+    close(fd);
+    yaml_parser_t parser;
+    yaml_parser_initialize(&parser);
+    yaml_parser_set_input_string(&parser, (const unsigned char *)buf, n);
+    int depth = 0, ok = 1;
+    for (;;) {
+        yaml_event_t ev;
+        if (!yaml_parser_parse(&parser, &ev)) break; /* the load below reports it */
+        yaml_event_type_t t = ev.type;
+        size_t line = ev.start_mark.line + 1;
+        yaml_event_delete(&ev);
+        if (t == YAML_SEQUENCE_START_EVENT || t == YAML_MAPPING_START_EVENT) {
+            if (++depth > PX_CONFIG_MAX_DEPTH) {
+                snprintf(err, errlen, "%s:%zu: nested deeper than %d levels", path, line,
+                         PX_CONFIG_MAX_DEPTH);
+                ok = 0;
+                break;
+            }
+        } else if (t == YAML_SEQUENCE_END_EVENT || t == YAML_MAPPING_END_EVENT) {
+            depth--;
+        } else if (t == YAML_STREAM_END_EVENT) {
+            break;
+        }
+    }
+    yaml_parser_delete(&parser);
+    if (!ok) {
+        free(buf);
+        return NULL;
+    }
+    *len = n;
+    return buf;
+}
+
+static int load_file(px_config *c, const char *path, char *err, size_t errlen) {
+    size_t len;
+    char *text = read_config(path, &len, err, errlen);
+    if (!text) return -1;
     yaml_parser_t parser;
     yctx y = {.path = path, .err = err, .errlen = errlen};
     yaml_parser_initialize(&parser);
-    yaml_parser_set_input_file(&parser, f);
+    yaml_parser_set_input_string(&parser, (const unsigned char *)text, len);
     int rc = -1;
     if (!yaml_parser_load(&parser, &y.doc)) {
         snprintf(err, errlen, "%s:%zu: %s%s%s", path, parser.problem_mark.line + 1,
                  parser.problem ? parser.problem : "malformed YAML", parser.context ? " " : "",
                  parser.context ? parser.context : "");
         yaml_parser_delete(&parser);
-        fclose(f);
+        free(text);
         return -1;
     }
     yaml_node_t *root = yaml_document_get_root_node(&y.doc);
@@ -798,7 +1076,7 @@ static int load_file(px_config *c, const char *path, char *err, size_t errlen) {
 out:
     yaml_document_delete(&y.doc);
     yaml_parser_delete(&parser);
-    fclose(f);
+    free(text);
     return rc;
 }
 

@@ -99,8 +99,41 @@ typedef struct px_config {
     /* Sidecar mode: the prefill named by the request's header. */
     int prefiller_from_header;
     px_strlist prefiller_allowlist; /* CIDRs and host names */
+    /* Issue 30: a reload may leave a pool without backends only when
+     * allowed; a request carrying this proxy's Via marker more than
+     * loop_limit times is refused (508). */
+    int allow_empty_pools;
+    int64_t loop_limit;
     unsigned char set[96];          /* set[i]: option i was given by flag or environment */
 } px_config;
+
+/* Checks backend lists before they become a generation (at start, on
+ * reload and for each admin API change): no URL may name one of this
+ * proxy's own listen addresses (requests would loop through it), and, when
+ * `reloading` and unless --allow-empty-pools, every pool keeps a decode
+ * backend and a prefill backend (not needed with --fallback-decode-only or
+ * --prefiller-from-header): a reload must not take away what runs. At
+ * start an incomplete pool is allowed and /ready says what it misses.
+ * Returns 0, or -1 with the reason in err. */
+int px_config_check_pools(const px_config *c, const px_pool_spec *v, size_t n, int reloading,
+                          char *err, size_t errlen);
+
+/* Whether `url` (http[s]://host[:port]) names one of c's listen addresses:
+ * the port of --port, --metrics-port or --admin-port on a literal address
+ * this host answers on (loopback, 0.0.0.0, or an interface's address when
+ * listening on every address), or the listen host as written. Host names
+ * other than localhost are not resolved here: the Via marker catches those. */
+int px_config_url_is_self(const px_config *c, const char *url);
+
+/* What a --config file may cost (fixed; README "Configuration file"):
+ * larger files and deeper nesting are refused before a document is built. */
+#define PX_CONFIG_MAX_BYTES (16 * 1024 * 1024)
+#define PX_CONFIG_MAX_DEPTH 16
+
+/* Whether two backend URLs name the same backend: scheme, host and port
+ * compared after spelling is undone (case, a trailing '/', the default
+ * port, 127.1 for 127.0.0.1, v4-mapped v6, localhost for 127.0.0.1). */
+int px_config_url_same(const char *a, const char *b);
 
 typedef enum { PX_CONFIG_RUN = 0, PX_CONFIG_EXIT_OK = 1, PX_CONFIG_ERROR = -1 } px_config_result;
 

@@ -4,6 +4,7 @@
 
 #include "base/hash.h"
 #include "base/json.h"
+#include "proxy/rewrite.h"
 
 /* ---------- the decision ---------- */
 
@@ -39,6 +40,9 @@ static double prompt_tokens(const px_config *cfg, px_endpoint ep, const char *bo
     px_json_member sys;
     if (ep == PX_EP_MESSAGES && px_json_find(body, len, "system", &sys))
         total += (double)sys.val_len / bpt;
+    /* What else the engine renders into the prompt: tools, documents, a
+     * chat template, embeddings. */
+    total += (double)px_rewrite_rendered_bytes(body, len) / bpt;
     return total;
 }
 

@@ -59,6 +59,13 @@ static struct {
     size_t head, len;
     int stop;
     uint64_t stop_deadline; /* px_now_ns(): past it, stop exporting what is left */
+    /* Read by the transfer's progress callback without the lock: stopping
+     * cuts an export in flight at the deadline, so exit waits at most the
+     * export timeout in all (it waited for the export in flight, then a
+     * whole timeout more for the last batch). */
+    atomic_int stopping;
+    atomic_ullong deadline_ns;
+    size_t answer_bytes; /* of the collector's answer to the export in flight */
     pthread_t th;
     atomic_ullong exported, dropped_full, dropped_error;
 } X = {.mu = PTHREAD_MUTEX_INITIALIZER, .cv = PTHREAD_COND_INITIALIZER};
@@ -240,6 +247,8 @@ int px_otlp_start(char *err, size_t errlen) {
     X.delay_ms = delay;
     X.timeout_ms = timeout;
     X.q = px_xcalloc(X.cap, sizeof *X.q);
+    X.stop = 0;
+    atomic_store(&X.stopping, 0);
     X.on = 1;
     if (pthread_create(&X.th, NULL, export_main, NULL)) {
         snprintf(err, errlen, "cannot start the trace export thread");
@@ -546,10 +555,21 @@ static void serialize(px_buf *b, const span *spans, size_t n) {
     px_buf_appends(b, "]}]}]}");
 }
 
+/* The collector's answer is not read, only counted: past 64 KiB the
+ * transfer is cut (a collector sending an endless body kept the exporter
+ * busy until the timeout). */
+#define ANSWER_MAX (64 * 1024)
+
 static size_t discard(char *p, size_t size, size_t n, void *arg) {
     (void)p;
     (void)arg;
-    return size * n;
+    X.answer_bytes += size * n;
+    return X.answer_bytes > ANSWER_MAX ? 0 : size * n;
+}
+
+static int progress(void *arg, curl_off_t dt, curl_off_t dn, curl_off_t ut, curl_off_t un) {
+    (void)arg, (void)dt, (void)dn, (void)ut, (void)un;
+    return atomic_load(&X.stopping) && px_now_ns() >= atomic_load(&X.deadline_ns);
 }
 
 /* POSTs one batch; the collector's answer decides whether it counts as
@@ -558,9 +578,21 @@ static size_t discard(char *p, size_t size, size_t n, void *arg) {
 static void post(CURL *c, px_buf *b, size_t n) {
     curl_easy_setopt(c, CURLOPT_POSTFIELDS, b->data);
     curl_easy_setopt(c, CURLOPT_POSTFIELDSIZE_LARGE, (curl_off_t)b->len);
+    long timeout = X.timeout_ms;
+    if (atomic_load(&X.stopping)) { /* what is left of the exit's budget */
+        uint64_t now = px_now_ns(), end = atomic_load(&X.deadline_ns);
+        if (now >= end) {
+            atomic_fetch_add(&X.dropped_error, n);
+            return;
+        }
+        timeout = (long)((end - now) / 1000000u) + 1;
+    }
+    curl_easy_setopt(c, CURLOPT_TIMEOUT_MS, timeout);
+    X.answer_bytes = 0;
     CURLcode rc = curl_easy_perform(c);
     long code = 0;
     curl_easy_getinfo(c, CURLINFO_RESPONSE_CODE, &code);
+    if (rc == CURLE_WRITE_ERROR && X.answer_bytes > ANSWER_MAX) rc = CURLE_OK; /* cut by us */
     if (rc == CURLE_OK && code >= 200 && code < 300) {
         atomic_fetch_add(&X.exported, n);
         return;
@@ -582,6 +614,8 @@ static void *export_main(void *arg) {
     curl_easy_setopt(c, CURLOPT_CONNECTTIMEOUT_MS, X.timeout_ms);
     curl_easy_setopt(c, CURLOPT_NOSIGNAL, 1L);
     curl_easy_setopt(c, CURLOPT_WRITEFUNCTION, discard);
+    curl_easy_setopt(c, CURLOPT_XFERINFOFUNCTION, progress);
+    curl_easy_setopt(c, CURLOPT_NOPROGRESS, 0L);
     span *batch = px_xcalloc(X.batch, sizeof *batch);
     px_buf b;
     px_buf_init(&b);
@@ -626,6 +660,8 @@ void px_otlp_stop(void) {
     pthread_mutex_lock(&X.mu);
     X.stop = 1;
     X.stop_deadline = px_now_ns() + (uint64_t)X.timeout_ms * 1000000u;
+    atomic_store(&X.deadline_ns, X.stop_deadline);
+    atomic_store(&X.stopping, 1);
     pthread_cond_signal(&X.cv);
     pthread_mutex_unlock(&X.mu);
     pthread_join(X.th, NULL);

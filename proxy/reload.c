@@ -87,7 +87,7 @@ static px_pool_spec *spec_named(px_pool_spec *v, size_t n, const char *name) {
 
 static int list_find(const px_strlist *l, const char *s) {
     for (size_t i = 0; i < l->n; i++)
-        if (!strcmp(l->v[i], s)) return (int)i;
+        if (px_config_url_same(l->v[i], s)) return (int)i; /* one backend, one spelling */
     return -1;
 }
 
@@ -138,6 +138,7 @@ static px_gen *build_with_ops(px_reloader *rl, const px_config *cfg, int keep_op
     for (size_t i = 0; keep_ops && i < rl->nops && *rc == 0; i++)
         *rc = apply_op(specs, n, &rl->ops[i], err, errlen);
     if (*rc == 0 && op) *rc = apply_op(specs, n, op, err, errlen);
+    if (*rc == 0) *rc = px_config_check_pools(cfg, specs, n, 1, err, errlen);
     px_gen *g = NULL;
     if (*rc == 0) {
         g = build(rl, cfg, specs, n, rl->ctx->gen, 0, err, errlen);
@@ -179,6 +180,11 @@ static px_gen *swap(px_reloader *rl, px_gen *g) {
 
 /* Logs what a swap changed: backends that joined, and those that left
  * (their connections close once their last request is done). */
+static int cmp_ptr(const void *a, const void *b) {
+    uintptr_t x = (uintptr_t) * (void *const *)a, y = (uintptr_t) * (void *const *)b;
+    return x < y ? -1 : x > y;
+}
+
 static void diff(px_gen *old, px_gen *g) {
     for (int side = 0; side < 2; side++) {
         px_gen *a = side ? old : g, *b = side ? g : old;
@@ -191,10 +197,9 @@ static void diff(px_gen *old, px_gen *g) {
                     if (!strcmp(b->ps[j].name, a->ps[i].name)) other = pset_pool(&b->ps[j], r);
                 size_t on = 0;
                 px_backend **om = other ? px_pool_members(other, &on) : NULL;
+                if (om) qsort(om, on, sizeof *om, cmp_ptr); /* n log n, not n * n */
                 for (size_t k = 0; k < n; k++) {
-                    int kept = 0;
-                    for (size_t l = 0; l < on && !kept; l++)
-                        kept = om[l] == m[k];
+                    int kept = om && bsearch(&m[k], om, on, sizeof *om, cmp_ptr) != NULL;
                     if (!kept)
                         PX_LOG(PX_LOG_INFO, "msg=\"%s\" pool=\"%s\" role=%s backend=%s inflight=%d",
                                side ? "backend removed by reload; its connections close after "
@@ -267,7 +272,8 @@ static void remember(px_reloader *rl, px_config *nc, const px_api_op *op) {
 int px_reload_start(px_reloader *rl, char *err, size_t errlen) {
     size_t n;
     px_pool_spec *specs = px_config_effective_pools(rl->ctx->cfg, &n);
-    rl->ctx->gen = build(rl, rl->ctx->cfg, specs, n, NULL, 1, err, errlen);
+    if (px_config_check_pools(rl->ctx->cfg, specs, n, 0, err, errlen) == 0)
+        rl->ctx->gen = build(rl, rl->ctx->cfg, specs, n, NULL, 1, err, errlen);
     px_pool_specs_free(specs, n);
     if (!rl->ctx->gen) return -1;
     rl->ctx->gen->id = rl->last_gen = 1;

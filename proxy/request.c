@@ -331,12 +331,26 @@ static int admit(px_req *r) {
     return 0;
 }
 
-/* The client's bytes, unchanged, to a decode. */
+/* The client's bytes to a decode, with the keys the proxy owns taken out of
+ * a JSON object body (kv_transfer_params: SECURITY.md). */
 static void start_passthrough(px_req *r) {
     if (r->ep == PX_EP_RESPONSES) {
         r->decided = 1;
         r->decision = PX_DEC_ENDPOINT;
         px_m_inc(&r->w->metrics.decisions[PX_DEC_ENDPOINT]);
+    }
+    px_buf clean;
+    px_buf_init(&clean);
+    int st = px_rewrite_forwarded(r->body.data ? r->body.data : "", r->body.len, &clean);
+    if (st > 0) {
+        px_buf t = r->body;
+        r->body = clean;
+        clean = t;
+    }
+    px_buf_cleanup(&clean);
+    if (st < 0) {
+        req_fail(r, 400, NULL, "request body is not valid JSON");
+        return;
     }
     r->dbody = r->body;
     px_buf_init(&r->body);
@@ -420,6 +434,13 @@ void px_req_start(px_wctx *w, px_conn *c, px_endpoint ep, const px_http_head *h,
     px_req *r = req_new(w, c, ep, h, body);
     trace_and_headers(r, h);
     if (admit(r) < 0) return;
+    if (px_http_via_count(h) > r->ctx->cfg->loop_limit) {
+        req_fail(r, 508, NULL,
+                 "loop detected: the request passed through this proxy %d times already "
+                 "(--loop-limit %lld); a backend leads back to it",
+                 px_http_via_count(h), (long long)r->ctx->cfg->loop_limit);
+        return;
+    }
     px_conn_bind(c, &client_cbs, r);
     if (ep == PX_EP_MODELS)
         start_decode(r);
@@ -431,26 +452,12 @@ void px_req_start(px_wctx *w, px_conn *c, px_endpoint ep, const px_http_head *h,
 
 /* ---------- headers ---------- */
 
-/* Client headers a passed-through request does not carry as they are:
- * the connection's own (px_http_hop_by_hop), those the proxy sets itself,
- * and Accept-Encoding (of the answer's headers only Content-Type comes
- * back: a compressed body would reach the client without its
- * Content-Encoding). */
-static int own_header(const px_http_header *x) {
-    static const char *const names[] = {"authorization", "x-request-id", "traceparent",
-                                        "tracestate", "accept-encoding"};
-    if (px_http_hop_by_hop(x)) return 1;
-    for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
-        if (px_http_token_eq(x->name, x->name_len, names[i])) return 1;
-    return 0;
-}
-
 /* The header lines both upstream requests carry ("Name: value\r\n" each);
  * Host and the body's framing are the transport's. */
 static void headers_for(px_req *r, const px_http_head *h, int traced, const char *span, px_buf *l) {
     if (px_endpoint_passthrough(r->ep)) {
         for (size_t i = 0; i < h->nheaders; i++)
-            if (!own_header(&h->headers[i])) {
+            if (px_http_forwarded_header(&h->headers[i])) {
                 px_buf_append(l, h->headers[i].name, h->headers[i].name_len);
                 px_buf_append(l, ": ", 2);
                 px_buf_append(l, h->headers[i].value, h->headers[i].value_len);
@@ -459,6 +466,7 @@ static void headers_for(px_req *r, const px_http_head *h, int traced, const char
     } else if (r->ep != PX_EP_MODELS) {
         px_buf_appends(l, "Content-Type: application/json\r\n");
     }
+    px_http_via_append(h, l); /* loops through proxies end in 508 (px_req_start) */
     /* Appended piece by piece, no printf: built twice per request. */
     px_buf_appends(l, "X-Request-Id: ");
     px_buf_appends(l, r->id);
@@ -493,8 +501,14 @@ static int choose_pool(px_req *r) {
     px_json_member m;
     char model[512];
     long n = -1;
-    if (px_json_find(r->body.data, r->body.len, "model", &m) && m.val_len >= 2 && m.val[0] == '"')
-        n = px_json_str_decode(m.val + 1, m.val_len - 2, model, sizeof model);
+    int str = px_json_find(r->body.data, r->body.len, "model", &m) && m.val_len >= 2 &&
+              m.val[0] == '"';
+    if (str) n = px_json_str_decode(m.val + 1, m.val_len - 2, model, sizeof model);
+    if (n < 0 && str && m.val_len >= sizeof model) {
+        req_fail(r, 400, NULL, "the request's model name is longer than %zu bytes: no pool "
+                 "serves it", sizeof model - 1);
+        return -1;
+    }
     if (n < 0) {
         req_fail(r, 400, NULL, "the request names no model (a string \"model\" member)");
         return -1;
@@ -643,7 +657,7 @@ static void start_prefill(px_req *r) {
             return;
         }
         req_fail(r, 503, "Retry-After: 1\r\n", "no healthy prefill backend (%zu configured%s)", n,
-                 n ? ", all ejected" : "");
+                 px_pool_unusable_why(&r->ps->prefill));
         return;
     }
     snprintf(r->pname, sizeof r->pname, "%s", r->pb->name);
@@ -703,10 +717,13 @@ static void prefill_done(void *arg, px_up_result rc, const char *errbuf, int con
     int retryable = o == PX_OUT_CONNECT_ERR || o == PX_OUT_RESET || o == PX_OUT_SERVER_ERR;
     if (retryable && !r->too_big && (int64_t)(r->ntried_p) <= r->ctx->cfg->prefill_retries &&
         r->ntried_p < MAX_TRIES) {
+        size_t np = 0;
+        if (!r->hb) px_pool_counts(&r->ps->prefill, &np, NULL);
         PX_LOG(PX_LOG_WARN,
-               "req=%s msg=\"prefill failed, retrying on another instance\" prefill=%s attempt=%zu "
+               "req=%s msg=\"prefill failed, retrying%s\" prefill=%s attempt=%zu "
                "error=\"%s\" status=%d",
-               r->lid, r->pname, r->ntried_p, rc ? why : "", r->pstatus);
+               r->lid, np > 1 ? " on another instance" : " on the same instance (the only one)",
+               r->pname, r->ntried_p, rc ? why : "", r->pstatus);
         px_m_inc(&r->w->metrics.retries[0]);
         px_buf_reset(&r->presp);
         r->pstatus = 0;
@@ -756,7 +773,9 @@ static void prefill_done(void *arg, px_up_result rc, const char *errbuf, int con
         return;
     }
     if (r->pstatus < 200 || r->pstatus >= 300) {
-        req_fail(r, 502, NULL, "prefill %s answered HTTP %d", r->pname, r->pstatus);
+        /* 508: a loop through proxies, reported as one to the client. */
+        req_fail(r, r->pstatus == 508 ? 508 : 502, NULL, "prefill %s answered HTTP %d", r->pname,
+                 r->pstatus);
         return;
     }
     proceed_to_decode(r);
@@ -845,7 +864,7 @@ static void start_decode(px_req *r) {
     size_t n;
     if (!pick_decode(r, &n)) {
         req_fail(r, 503, "Retry-After: 1\r\n", "no healthy decode backend (%zu configured%s)", n,
-                 n ? ", all ejected" : "");
+                 px_pool_unusable_why(&r->ps->decode));
         return;
     }
     set_state(r, RS_DECODE);

@@ -72,6 +72,43 @@ int px_rewrite_decode(const char *body, size_t n, const char *kvp, size_t kvp_le
     return 0;
 }
 
+int px_rewrite_forwarded(const char *body, size_t n, px_buf *out) {
+    size_t i = 0;
+    while (i < n && (body[i] == ' ' || body[i] == '\t' || body[i] == '\r' || body[i] == '\n'))
+        i++;
+    if (i == n || body[i] != '{') return 0;
+    char err[8];
+    if (px_json_validate(body, n, err, sizeof err) != PX_JSON_OBJECT) return -1;
+    unsigned saw;
+    size_t start = out->len;
+    if (copy_members(body, n, prefill_drop, 1, out, &saw) < 0) return -1;
+    if (!saw) {
+        out->len = start;
+        return 0;
+    }
+    if (out->len - start > 1)
+        out->data[out->len - 1] = '}'; /* replace the trailing comma */
+    else
+        px_buf_append(out, "}", 1);
+    return 1;
+}
+
+size_t px_rewrite_rendered_bytes(const char *body, size_t n) {
+    static const char *const rendered[] = {"tools", "functions", "documents", "chat_template",
+                                           "prompt_embeds"};
+    px_json_iter it;
+    px_json_member m;
+    size_t total = 0;
+    if (px_json_iter_init(&it, body, n) < 0) return 0;
+    while (px_json_iter_next(&it, &m) == 1)
+        for (size_t i = 0; i < sizeof rendered / sizeof *rendered; i++)
+            if (px_json_str_eq(m.key, m.key_len, rendered[i])) {
+                if (m.type != PX_JSON_NULL) total += m.val_len;
+                break;
+            }
+    return total;
+}
+
 px_kvp_status px_extract_kv_params(const char *resp, size_t n, const char **kvp, size_t *kvp_len,
                                    char *err, size_t errlen) {
     if (px_json_validate(resp, n, err, errlen) != PX_JSON_OBJECT) {

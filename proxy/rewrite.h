@@ -27,6 +27,24 @@ int px_rewrite_prefill(const char *body, size_t n, px_buf *out);
  * not an object. */
 int px_rewrite_decode(const char *body, size_t n, const char *kvp, size_t kvp_len, px_buf *out);
 
+/* The body of a request passed through to an engine as it is, except
+ * that members whose key decodes to a key the proxy owns
+ * (kv_transfer_params) are removed, however spelled (defence in depth: an
+ * engine route the proxy does not know may still read them). Returns 0 when
+ * the body is to go unchanged (not a JSON object text, or nothing to
+ * remove), 1 when `out` holds the body to send instead, -1 when the body
+ * looks like a JSON object ('{' first) but is not valid JSON: the engine
+ * might read it more leniently than the proxy, so it is refused. */
+int px_rewrite_forwarded(const char *body, size_t n, px_buf *out);
+
+/* Bytes of the members of a request body (a validated JSON object) that an
+ * engine renders into the prompt besides the prompt or messages
+ * themselves: tools, functions, documents, chat_template and
+ * prompt_embeds (however their keys are spelled). The disaggregation
+ * estimate adds them; missed, a short question with a long tool list is
+ * sent to decode alone, which then runs the long prefill. */
+size_t px_rewrite_rendered_bytes(const char *body, size_t n);
+
 typedef enum {
     PX_KVP_OK = 0,            /* an object with remote_request_id */
     PX_KVP_MISSING = 1,       /* absent, null or not an object */

@@ -166,7 +166,10 @@ static px_backend *backend_new(const char *url, const char *name, const char *sr
 
 /* Under p->mu. */
 static void add_member(px_pool *p, px_backend *b) {
-    p->b = px_xrealloc(p->b, (p->n + 1) * sizeof *p->b);
+    if (p->n == p->cap) {
+        p->cap = p->cap ? p->cap * 2 : 8;
+        p->b = px_xrealloc(p->b, p->cap * sizeof *p->b);
+    }
     p->b[p->n++] = b;
 }
 
@@ -213,30 +216,62 @@ px_backend *px_pool_add(px_pool *p, const char *url, const char *connect_ip) {
     if (!b) return NULL;
     pthread_mutex_lock(&p->mu);
     add_member(p, b);
-    rebuild_ring(p);
     pthread_mutex_unlock(&p->mu);
     return b;
 }
 
-size_t px_pool_adopt(px_pool *p, px_pool *from, const char *src) {
-    if (!from) return 0;
-    size_t n;
-    px_backend **m = px_pool_members(from, &n), **keep = px_xmalloc((n ? n : 1) * sizeof *keep);
-    size_t k = 0;
-    for (size_t i = 0; i < n; i++) {
-        if (!strcmp(m[i]->src, src))
-            keep[k++] = m[i]; /* the snapshot's reference becomes the pool's */
-        else
-            px_backend_release(m[i]);
-    }
-    free(m);
+void px_pool_seal(px_pool *p) {
     pthread_mutex_lock(&p->mu);
-    for (size_t i = 0; i < k; i++)
-        add_member(p, keep[i]);
-    if (k) rebuild_ring(p);
+    if (p->cfg.policy == PX_POLICY_PREFIX_AFFINITY) rebuild_ring(p);
     pthread_mutex_unlock(&p->mu);
-    free(keep);
+}
+
+struct px_adopt_index {
+    px_backend **m;      /* references, sorted by src */
+    unsigned char *took; /* took[i]: m[i]'s reference went to a pool */
+    size_t n;
+};
+
+static int cmp_src(const void *a, const void *b) {
+    return strcmp((*(px_backend *const *)a)->src, (*(px_backend *const *)b)->src);
+}
+
+px_adopt_index *px_adopt_index_create(px_pool *from) {
+    px_adopt_index *x = px_xcalloc(1, sizeof *x);
+    if (from) x->m = px_pool_members(from, &x->n);
+    x->took = px_xcalloc(x->n ? x->n : 1, 1);
+    qsort(x->m, x->n, sizeof *x->m, cmp_src);
+    return x;
+}
+
+size_t px_pool_adopt_indexed(px_pool *p, px_adopt_index *x, const char *src) {
+    size_t lo = 0, hi = x->n;
+    while (lo < hi) { /* the first member whose src is not below `src` */
+        size_t mid = lo + (hi - lo) / 2;
+        if (strcmp(x->m[mid]->src, src) < 0)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    size_t k = 0;
+    pthread_mutex_lock(&p->mu);
+    for (size_t i = lo; i < x->n && !strcmp(x->m[i]->src, src); i++)
+        if (!x->took[i]) {
+            add_member(p, x->m[i]); /* the index's reference becomes the pool's */
+            x->took[i] = 1;
+            k++;
+        }
+    pthread_mutex_unlock(&p->mu);
     return k;
+}
+
+void px_adopt_index_destroy(px_adopt_index *x) {
+    if (!x) return;
+    for (size_t i = 0; i < x->n; i++)
+        if (!x->took[i]) px_backend_release(x->m[i]);
+    free(x->m);
+    free(x->took);
+    free(x);
 }
 
 size_t px_pool_sync_addrs(px_pool *p, const char *url, const char *host, int port, char **ips,
@@ -283,11 +318,7 @@ size_t px_pool_sync_addrs(px_pool *p, const char *url, const char *host, int por
             changed++;
         }
     }
-    if (changed) {
-        pthread_mutex_lock(&p->mu);
-        rebuild_ring(p);
-        pthread_mutex_unlock(&p->mu);
-    }
+    if (changed) px_pool_seal(p);
     for (size_t i = 0; i < nips; i++)
         free(names[i]);
     free(names);
@@ -538,6 +569,17 @@ size_t px_pool_usable(px_pool *p) {
         panic += !atomic_load(&p->b[i]->check_failing) && !atomic_load(&p->b[i]->drained);
     pthread_mutex_unlock(&p->mu);
     return panic;
+}
+
+const char *px_pool_unusable_why(px_pool *p) {
+    size_t drained = 0, n;
+    pthread_mutex_lock(&p->mu);
+    n = p->n;
+    for (size_t i = 0; i < n; i++)
+        drained += atomic_load(&p->b[i]->drained) != 0;
+    pthread_mutex_unlock(&p->mu);
+    if (!n) return "";
+    return drained == n ? ", all drained" : drained ? ", all ejected or drained" : ", all ejected";
 }
 
 void px_pool_counts(px_pool *p, size_t *n, size_t *healthy) {

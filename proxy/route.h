@@ -88,6 +88,7 @@ typedef struct px_pool {
     pthread_mutex_t mu; /* guards the member list, cursor and ring */
     px_backend **b;     /* owned references */
     size_t n;
+    size_t cap; /* of b */
     size_t rr;
     uint64_t *ring; /* prefix_affinity: sorted (point << 16 | member index) */
     size_t nring;
@@ -102,10 +103,23 @@ void px_pool_cleanup(px_pool *p);
  * The pool takes the new backend's only reference. */
 px_backend *px_pool_add(px_pool *p, const char *url, const char *connect_ip);
 
-/* Adds to p every member of `from` (NULL: none) that was made for `src`
- * (the configured URL), with their health and counters: a reload keeps the
- * backends it keeps. Returns how many. */
-size_t px_pool_adopt(px_pool *p, px_pool *from, const char *src);
+/* A reload keeps the backends it keeps, with their health and counters:
+ * the previous pool's members indexed by the URL (`src`) they were made
+ * for, so that n backends are adopted in O(n log n) rather than one scan
+ * of the old pool per URL. The index holds a reference to each member
+ * until a pool adopts it or the index is destroyed. */
+typedef struct px_adopt_index px_adopt_index;
+px_adopt_index *px_adopt_index_create(px_pool *from); /* from NULL: an empty index */
+/* Adds to p the members of the index made for `src` that no pool adopted
+ * yet. Returns how many. */
+size_t px_pool_adopt_indexed(px_pool *p, px_adopt_index *x, const char *src);
+void px_adopt_index_destroy(px_adopt_index *x);
+
+/* Adding members (px_pool_add, px_pool_adopt*) leaves the prefix_affinity
+ * ring as it was: call this once after a batch of additions, before the
+ * pool serves (a ring rebuilt per addition made start-up and reloads
+ * quadratic). Pools of other policies build no ring. */
+void px_pool_seal(px_pool *p);
 
 /* A backend outside any pool (the sidecar's prefill named by a request),
  * with one reference for the caller. NULL when the URL is malformed. */
@@ -154,6 +168,11 @@ void px_backend_check(px_pool *p, px_backend *b, int ok);
 px_backend **px_pool_members(px_pool *p, size_t *n);
 
 /* Number of members, and of healthy ones. */
+/* Why a pool with members has none usable, for error messages:
+ * ", all ejected", ", all drained" or ", all ejected or drained"; "" when
+ * it has no member. */
+const char *px_pool_unusable_why(px_pool *p);
+
 void px_pool_counts(px_pool *p, size_t *n, size_t *healthy);
 /* Members a request could be routed to now: the healthy ones or, when
  * none is, those panic routing would use. */

@@ -232,7 +232,10 @@ static int models_local(px_ctx *ctx) {
 static void serve_api(px_wctx *w, px_endpoint ep, px_conn *c, const px_http_head *h, px_buf *body) {
     const px_endpoint_def *d = &px_endpoints[ep];
     px_metrics *m = &w->metrics;
-    if (!(px_endpoint_method(h) & d->methods)) {
+    int meth = px_endpoint_method(h);
+    if (meth == PX_M_HEAD && ep == PX_EP_MODELS && models_local(w->ctx))
+        meth = PX_M_GET; /* answered here like GET, without the body */
+    if (!(meth & d->methods)) {
         reply_method(m, ep, c, h, d->name, d->allow, d->wrong_method);
     } else if (!px_ctx_authorized(w->ctx, h)) {
         reply_unauthorized(m, ep, c, h, d->name);

@@ -189,6 +189,7 @@ void px_server_set_args(px_server *s, int argc, char **argv, char **envp) {
 
 px_server *px_server_create(const px_config *cfg, char *err, size_t errlen) {
     px_server *s = px_xcalloc(1, sizeof *s);
+    px_http_via_marker(); /* drawn before the workers start */
     long ncpu = sysconf(_SC_NPROCESSORS_ONLN);
     s->nworkers = cfg->threads > 0 ? (int)cfg->threads : (ncpu > 0 ? (int)ncpu : 1);
     s->workers = px_xcalloc((size_t)s->nworkers, sizeof *s->workers);

@@ -1,9 +1,11 @@
-/* libFuzzer target: the proxy's HTTP/1.1 request-head parser and chunked
- * body decoder (base/http.c), the first code every client byte meets.
+/* libFuzzer target: the proxy's HTTP/1.1 request-head parser, its target
+ * normalisation and chunked body decoder (base/http.c), the first code
+ * every client byte meets.
  *
  * Input: bytes up to and including the first CRLFCRLF are the head (when
  * there is none, CRLFCRLF is appended to the whole input); what follows is
  * a chunked body, decoded once in one piece and once in random splits. */
+#include <stdlib.h>
 #include <string.h>
 
 #include "base/http.h"
@@ -16,7 +18,61 @@ static int64_t cl_value(const px_http_header *hd) {
     return x;
 }
 
+static int is_unreserved_or_slash(int c) {
+    return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
+           c == '-' || c == '.' || c == '_' || c == '~' || c == '/';
+}
+
+static int hexval(char c);
+
+/* The normalised path is what the engines route on once they decode it:
+ * no escape of an unreserved character or '/' is left, no empty, "." or
+ * ".." segment, and normalising again changes nothing. */
+static void check_normalized(const char *buf, size_t n) {
+    char *w = malloc(n ? n : 1), *again;
+    memcpy(w, buf, n);
+    px_http_head h;
+    const char *why = NULL;
+    if (px_http_parse_head(w, n, &h, &why) || px_http_normalize_target(w, &h, &why)) {
+        free(w);
+        return;
+    }
+    FZ_CHECK(fz_inside(h.target, h.target_len, w, n));
+    const char *t = h.target;
+    size_t plen = 0;
+    while (plen < h.target_len && t[plen] != '?')
+        plen++;
+    if (t[0] == '/') {
+        for (size_t i = 0; i < plen; i++) {
+            if (t[i] == '%') {
+                FZ_CHECK(i + 2 < plen && hexval(t[i + 1]) >= 0 && hexval(t[i + 2]) >= 0);
+                FZ_CHECK(!is_unreserved_or_slash(hexval(t[i + 1]) * 16 + hexval(t[i + 2])));
+            }
+            if (t[i] == '/' && i + 1 < plen) FZ_CHECK(t[i + 1] != '/');
+        }
+        FZ_CHECK(plen == 1 || t[plen - 1] != '/');
+        for (size_t i = 0; i < plen; i++)
+            if (t[i] == '/') {
+                size_t e = i + 1;
+                while (e < plen && t[e] != '/')
+                    e++;
+                FZ_CHECK(!(e - i - 1 == 1 && t[i + 1] == '.'));
+                FZ_CHECK(!(e - i - 1 == 2 && t[i + 1] == '.' && t[i + 2] == '.'));
+            }
+        /* Idempotent. */
+        size_t tl = h.target_len;
+        again = malloc(tl + 1);
+        memcpy(again, t, tl);
+        h.target = again;
+        FZ_CHECK(px_http_normalize_target(again, &h, &why) == 0);
+        FZ_CHECK(h.target_len == tl && !memcmp(h.target, t, tl));
+        free(again);
+    }
+    free(w);
+}
+
 static void check_head(const char *buf, size_t n) {
+    check_normalized(buf, n);
     px_http_head h;
     const char *why = NULL;
     int st = px_http_parse_head(buf, n, &h, &why);

@@ -7,3 +7,7 @@ endforeach()
 
 # Issue 18: bounded memory, no self-inflicted outage, every exit cancels.
 px_py_test(hold_line)
+
+# Issue 30: path spellings, stray upstream bytes, one header rule, self-loops,
+# reloads that empty a pool, control-plane scale.
+px_py_test(hold_line3)

@@ -69,7 +69,7 @@ class AdminTest(ProdCase):
         p = run_pdproxy(["--admin-port", str(free_port()), "--admin-token-file", short,
                          "--port", str(free_port())])
         self.assertEqual(p.returncode, 2)
-        self.assertIn("at least 16 characters", p.stderr)
+        self.assertIn("16 to 1023 visible ASCII characters", p.stderr)
 
     def test_list_add_remove_backends(self):
         P = self.mock(prefill_handler(), name="P")

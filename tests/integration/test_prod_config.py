@@ -71,6 +71,8 @@ SAMPLES = {
     "admin-port": ("9465", None),
     "admin-token-file": ("/nonexistent/token", None),
     "prefiller-from-header": ("true", None),
+    "allow-empty-pools": ("true", None),
+    "loop-limit": ("3", None),
     "prefiller-allowlist": ("10.0.0.0/8, prefill.example", "10.0.0.0/8 prefill.example"),
 }
 # Options that --print-config shows in another form: the file itself, and

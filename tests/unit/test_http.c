@@ -226,6 +226,40 @@ static void test_request_id(void **state)
     }
 }
 
+static void norm(const char *target, int want_st, const char *want)
+{
+    char buf[512];
+    snprintf(buf, sizeof buf, "GET %s HTTP/1.1\r\nHost: a\r\n\r\n", target);
+    px_http_head h;
+    const char *why = NULL;
+    assert_int_equal(px_http_parse_head(buf, strlen(buf), &h, &why), 0);
+    assert_int_equal(px_http_normalize_target(buf, &h, &why), want_st);
+    if (!want_st) {
+        assert_int_equal(h.target_len, strlen(want));
+        assert_memory_equal(h.target, want, h.target_len);
+    }
+}
+
+static void test_normalize_target(void **state)
+{
+    norm("/v1/chat%2Fcompletions", 0, "/v1/chat/completions");
+    norm("/v1/chat/%63ompletions", 0, "/v1/chat/completions");
+    norm("/v1//chat///completions/", 0, "/v1/chat/completions");
+    norm("/v1/./x/../chat/completions", 0, "/v1/chat/completions");
+    norm("/../../v1/%2e%2E/v1/completions", 0, "/v1/completions");
+    norm("/v1/a%3fb%2563?q=%2F/./", 0, "/v1/a%3Fb%2563?q=%2F/./");
+    norm("http://h:1/v1//completions?x", 0, "/v1/completions?x");
+    norm("http://h?x=1", 0, "/?x=1");
+    norm("http://h", 0, "/");
+    norm("/", 0, "/");
+    norm("//", 0, "/");
+    norm("/..", 0, "/");
+    norm("*", 0, "*");
+    norm("/v1/%2", 400, NULL);
+    norm("/v1/%zz", 400, NULL);
+    norm("/%", 400, NULL);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -238,6 +272,7 @@ int main(void)
         cmocka_unit_test(test_too_many_headers),
         cmocka_unit_test(test_chunked_decoder),
         cmocka_unit_test(test_request_id),
+        cmocka_unit_test(test_normalize_target),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

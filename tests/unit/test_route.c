@@ -39,6 +39,7 @@ static void fixture_init(fixture *f, px_policy policy, size_t n, int active_chec
         f->b[i] = px_pool_add(&f->pool, url, NULL);
         assert_non_null(f->b[i]);
     }
+    px_pool_seal(&f->pool);
 }
 
 static void fixture_cleanup(fixture *f) {

@@ -1,0 +1,202 @@
+#!/usr/bin/env python3
+"""Control-plane scale figures for pdproxy with thousands of backends
+(issue 30, item 3), on loopback:
+
+  1. start: N backends (half prefill, half decode, literal 127.x.y.z
+     addresses) in a --config file; seconds from spawn until the port
+     accepts, and the "listening" line;
+  2. reload: SIGHUP with a file that swaps 10 % of the backends; the swap
+     time pdproxy logs (ms=) and SIGHUP to /ready's new generation;
+  3. admin API: one add and one remove at N backends, round trip and the
+     logged swap time;
+  4. health checks: with --health-interval (default 5 s) against one
+     engine-sim on 0.0.0.0 that every 127.x.y.z backend reaches, pdproxy's
+     CPU use over --seconds, as a share of one core;
+  5. SIGTERM while a file of --big backends loads: seconds to exit.
+
+  python3 bench/control_plane.py [--build build] [--n 10000] [--big 100000]
+                                 [--seconds 20] [--skip-health]
+"""
+
+import argparse
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "tests", "integration"))
+from pdharness.net import HOST, free_port, port_accepts, wait_until  # noqa: E402
+
+
+def addr(i):
+    return "127.%d.%d.%d" % (1 + (i >> 16) % 250, (i >> 8) & 255, i & 255)
+
+
+def write_file(path, n, port, shift=0, extra=""):
+    half = n // 2
+    pre = ["http://%s:%d" % (addr(i + shift), port) for i in range(half)]
+    dec = ["http://%s:%d" % (addr(i + shift + 500000), port) for i in range(n - half)]
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.write(extra)
+        f.write("prefill:\n" + "".join("  - %s\n" % u for u in pre))
+        f.write("decode:\n" + "".join("  - %s\n" % u for u in dec))
+    os.replace(tmp, path)
+
+
+def get(port, path, method="GET", body=None, token=None):
+    req = urllib.request.Request("http://%s:%d%s" % (HOST, port, path), method=method,
+                                 data=json.dumps(body).encode() if body is not None else None)
+    if token:
+        req.add_header("Authorization", "Bearer " + token)
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def generation(port):
+    return json.loads(get(port, "/ready")[1])["generation"]
+
+
+def swaps(log):
+    with open(log) as f:
+        return [float(m) for m in re.findall(r'configuration swapped.*? ms=([0-9.]+)', f.read())]
+
+
+def cpu_s(pid):
+    with open("/proc/%d/stat" % pid) as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--build", default=os.path.join(ROOT, "build"))
+    ap.add_argument("--n", type=int, default=10000)
+    ap.add_argument("--big", type=int, default=100000)
+    ap.add_argument("--seconds", type=float, default=20)
+    ap.add_argument("--skip-health", action="store_true")
+    a = ap.parse_args()
+    pdproxy = os.path.join(a.build, "bin", "pdproxy")
+    sim = os.path.join(a.build, "bin", "engine-sim")
+    d = tempfile.mkdtemp(prefix="pdproxy-cp-")
+    cfg, log = os.path.join(d, "c.yaml"), os.path.join(d, "pdproxy.log")
+    tok = os.path.join(d, "token")
+    with open(tok, "w") as f:
+        f.write("control-plane-bench-token\n")
+    engine = None
+    procs = []
+    try:
+        eport = free_port()
+        if not a.skip_health:
+            engine = subprocess.Popen([sim, "--role", "decode", "--host", "0.0.0.0", "--port",
+                                       str(eport)], stdout=subprocess.DEVNULL,
+                                      stderr=subprocess.DEVNULL)
+            procs.append(engine)
+            wait_until(lambda: port_accepts(eport), 10)
+        write_file(cfg, a.n, eport)
+        port, aport = free_port(), free_port()
+        argv = [pdproxy, "--config", cfg, "--host", HOST, "--port", str(port), "--threads", "2",
+                "--health-interval", "0", "--admin-port", str(aport), "--admin-token-file", tok]
+        t0 = time.monotonic()
+        px = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=open(log, "w"))
+        procs.append(px)
+        ok = wait_until(lambda: port_accepts(port) or px.poll() is not None, 600)
+        t_start = time.monotonic() - t0
+        if not ok or px.poll() is not None:
+            print("pdproxy did not start; log:\n" + open(log).read()[-2000:])
+            return 1
+        print("start n=%d: %.3f s to listening" % (a.n, t_start))
+
+        # Reload: 10 % of the backends change.
+        times = []
+        for i in range(5):
+            write_file(cfg, a.n, eport, shift=(i + 1) * (a.n // 10))
+            g = generation(port)
+            t0 = time.monotonic()
+            px.send_signal(signal.SIGHUP)
+            wait_until(lambda: generation(port) == g + 1, 120)
+            times.append(time.monotonic() - t0)
+        sw = swaps(log)
+        print("reload n=%d: swap ms (logged) %s; SIGHUP to new generation s %s"
+              % (a.n, " ".join("%.1f" % x for x in sw[-5:]),
+                 " ".join("%.3f" % x for x in times)))
+
+        # Admin API: one add, one remove.
+        token = "control-plane-bench-token"
+        adds = []
+        for i in range(5):
+            u = "http://%s:%d" % (addr(900000 + i), eport)
+            t0 = time.monotonic()
+            st, body = get(aport, "/admin/backends", "POST", {"role": "prefill", "url": u}, token)
+            adds.append((time.monotonic() - t0, st))
+        rems = []
+        for i in range(5):
+            u = "http://%s:%d" % (addr(900000 + i), eport)
+            t0 = time.monotonic()
+            st, body = get(aport, "/admin/backends", "DELETE", {"role": "prefill", "url": u},
+                           token)
+            rems.append((time.monotonic() - t0, st))
+        sw = swaps(log)
+        print("admin n=%d: add round trips ms %s, remove ms %s; swaps logged ms %s"
+              % (a.n, " ".join("%.1f(%d)" % (t * 1e3, s) for t, s in adds),
+                 " ".join("%.1f(%d)" % (t * 1e3, s) for t, s in rems),
+                 " ".join("%.2f" % x for x in sw[-10:])))
+        px.send_signal(signal.SIGTERM)
+        px.wait(60)
+
+        if not a.skip_health:
+            write_file(cfg, a.n, eport)
+            port = free_port()
+            argv = [pdproxy, "--config", cfg, "--host", HOST, "--port", str(port), "--threads",
+                    "2", "--health-interval", "5"]
+            px = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=open(log, "w"))
+            procs.append(px)
+            wait_until(lambda: port_accepts(port) or px.poll() is not None, 600)
+            # One round of checks first, then measure.
+            time.sleep(6)  # bench pacing, not a readiness wait
+            c0, t0 = cpu_s(px.pid), time.monotonic()
+            time.sleep(a.seconds)  # the measurement window
+            c1, t1 = cpu_s(px.pid), time.monotonic()
+            print("health n=%d interval=5s: pdproxy CPU %.1f %% of one core over %.0f s"
+                  % (a.n, 100 * (c1 - c0) / (t1 - t0), t1 - t0))
+            px.send_signal(signal.SIGTERM)
+            px.wait(60)
+
+        # SIGTERM during a long load.
+        write_file(cfg, a.big, 9)
+        port = free_port()
+        argv = [pdproxy, "--config", cfg, "--host", HOST, "--port", str(port), "--threads", "2",
+                "--health-interval", "0", "--drain-delay", "0"]
+        px = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=open(log, "w"))
+        procs.append(px)
+        time.sleep(0.3)  # let the load begin
+        t0 = time.monotonic()
+        px.send_signal(signal.SIGTERM)
+        try:
+            px.wait(120)
+            print("SIGTERM while loading %d backends: exited in %.3f s (status %s)"
+                  % (a.big, time.monotonic() - t0, px.returncode))
+        except subprocess.TimeoutExpired:
+            print("SIGTERM while loading %d backends: still running after 120 s" % a.big)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        for f in os.listdir(d):
+            os.unlink(os.path.join(d, f))
+        os.rmdir(d)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
