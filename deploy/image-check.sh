@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # Builds deploy/Dockerfile into a real OCI image with buildah and runs it:
 # `pdproxy --version`, the HEALTHCHECK script, and engine-sim prefill +
 # decode + pdproxy inside the image answering one streamed request on

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* pdproxy's settings. One static table (config.c) drives the command-line
  * flags, the PDPROXY_* environment variables, --help and --print-config. */
 #ifndef PX_CONFIG_H

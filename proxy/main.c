@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* pdproxy: prefill/decode disaggregation proxy. Everything lives in the
  * proxy library; this only wires configuration to the server. */
 #include <signal.h>

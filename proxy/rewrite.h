@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The JSON edits of the P/D flow (DESIGN.md §1.1), as pure functions over
  * byte spans: every value the client or the prefill sent is copied as the
  * exact bytes it arrived in. */

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """README.md's flags table is generated from pdproxy's config table: this
 keeps the two in step (regenerate with `pdproxy --help-markdown`)."""
 import os
