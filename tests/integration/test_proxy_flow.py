@@ -40,7 +40,7 @@ P_KV = strict_json(P_KV_RAW)
 
 
 def p_request_expected(client_body):
-    """The P body DESIGN.md §1.1 prescribes for a given client body."""
+    """The P body docs/ARCHITECTURE.md §1 prescribes for a given client body."""
     exp = copy.deepcopy(client_body)
     for k in ("stream_options", "min_tokens", "min_completion_tokens"):
         exp.pop(k, None)
