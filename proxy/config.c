@@ -59,7 +59,8 @@ static const opt opts[] = {
      "decode instance ports, one per host", NULL},
     {"prefill", NULL, CT_URLS, OFF(prefill_urls), "", 0, 0,
      "prefill backend URL http[s]://host:port, repeatable; a host name is re-resolved every "
-     "--dns-refresh and each address is a backend (replaces the toy flags' defaults)",
+     "--dns-refresh and each address is a backend (with any --prefill or --decode, the toy "
+     "flags' defaults apply to neither role)",
      NULL},
     {"decode", NULL, CT_URLS, OFF(decode_urls), "", 0, 0,
      "decode backend URL, repeatable, as --prefill", NULL},
@@ -337,11 +338,20 @@ static void toy_urls(px_strlist *out, const px_strlist *hosts, const px_strlist 
     }
 }
 
-/* The toy lists count when given, or when no URL is (their defaults). */
+/* The toy lists count when given. Their defaults (localhost:8100 and
+ * localhost:8200) apply only when no backend of either role is given any
+ * other way: beside --prefill/--decode URLs or a file's backends, a default
+ * would be a phantom backend that gets ejected and shows as an outage (the
+ * sidecar passes --decode alone). The toy flags alone keep the toy proxy's
+ * defaults for the role they do not name. */
 static int toy_in_effect(const px_config *c, int prefill) {
     if (c->npools) return 0;
-    return prefill ? !c->prefill_urls.n || px_config_is_set(c, "prefiller-hosts")
-                   : !c->decode_urls.n || px_config_is_set(c, "decoder-hosts");
+    int given = prefill ? px_config_is_set(c, "prefiller-hosts") ||
+                              px_config_is_set(c, "prefiller-ports")
+                        : px_config_is_set(c, "decoder-hosts") ||
+                              px_config_is_set(c, "decoder-ports");
+    if (given) return 1;
+    return !c->prefill_urls.n && !c->decode_urls.n;
 }
 
 px_pool_spec *px_config_effective_pools(const px_config *c, size_t *n) {

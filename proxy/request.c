@@ -393,6 +393,10 @@ void px_req_start(px_wctx *w, px_conn *c, px_endpoint ep, const px_http_head *h,
     if (r->ps->prefill.cfg.policy == PX_POLICY_PREFIX_AFFINITY) find_key(r);
     r->decided = 1;
     int disagg = decide(r);
+    if (r->no_prefill) { /* sidecar without the header: decode alone, said so */
+        disagg = 0;
+        r->decision = PX_DEC_NO_HEADER;
+    }
     if (disagg && !r->hb && !r->no_prefill && r->s->cfg->fallback_decode_only &&
         px_pool_usable(&r->ps->prefill) == 0) {
         disagg = 0;
