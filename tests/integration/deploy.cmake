@@ -11,3 +11,11 @@ set_tests_properties(integration.deploy PROPERTIES LABELS "integration;deploy" T
 # identifier (tools/spdx.sh --check, the script that --fix adds it with).
 px_py_test(license TIMEOUT 120)
 set_tests_properties(integration.license PROPERTIES LABELS "integration;deploy")
+
+# Debian packages (cpack -G DEB), installed with dpkg -i and used: the
+# installed pdproxy, its man page and unit, and programs built against the
+# installed libkvconnector with pkg-config and find_package.  Root only
+# (a throwaway CI machine); skipped (77) elsewhere.
+add_test(NAME integration.packages COMMAND sh ${CMAKE_CURRENT_SOURCE_DIR}/integration/test_packages.sh)
+set_tests_properties(integration.packages PROPERTIES LABELS "integration;deploy" TIMEOUT 300
+                     SKIP_RETURN_CODE 77 ENVIRONMENT "${PX_TEST_ENV}" RUN_SERIAL TRUE)
