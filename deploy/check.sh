@@ -184,7 +184,9 @@ def err(where, msg):
 def help_flags(path):
     flags = set()
     for line in open(path, encoding="utf-8", errors="replace"):
-        m = re.match(r"^\s+(--[a-z0-9][a-z0-9-]*(?:/--[a-z0-9][a-z0-9-]*)*)", line)
+        # A flag opens its line with two spaces (pdproxy's wrapped descriptions
+        # are indented further); aliases follow "/" (engine-sim) or "also" (pdproxy).
+        m = re.match(r"^  (--[a-z0-9][a-z0-9-]*(?:/--[a-z0-9][a-z0-9-]*)*)", line)
         if m:
             flags.update(f[2:] for f in m.group(1).split("/"))
         # engine-sim's help also lists "--help, --version" on one line
@@ -1131,6 +1133,38 @@ grep -Eq '^EXPOSE +8000' "$df" || die "Dockerfile: EXPOSE 8000 missing"
 grep -q '^HEALTHCHECK' "$df" || die "Dockerfile: HEALTHCHECK missing"
 grep -q '^ENTRYPOINT \["pdproxy"\]' "$df" || die "Dockerfile: ENTRYPOINT [\"pdproxy\"] missing"
 grep -q 'build-steps.sh build ' "$df" || die "Dockerfile: the build stage must run build-steps.sh build"
+# No parser directive: `# syntax=` makes BuildKit fetch a frontend image from a
+# registry, and nothing here needs one.
+! grep -qi '^# *syntax *=' "$df" || die "Dockerfile: drop the '# syntax=' directive (it needs a registry at build time)"
+# OCI labels: source, version (CMake's), revision, licenses (LICENSE's).
+for l in source version revision licenses; do
+    grep -q "org.opencontainers.image.$l=" "$df" || die "Dockerfile: LABEL org.opencontainers.image.$l missing"
+done
+grep -q 'org.opencontainers.image.licenses="Apache-2.0"' "$df" && grep -q 'Apache License' "$root/LICENSE" &&
+    grep -q 'Version 2.0, January 2004' "$root/LICENSE" ||
+    die "Dockerfile: org.opencontainers.image.licenses must be LICENSE's Apache-2.0"
+cmake_version=$(sed -n 's/^project(pdproxy VERSION \([0-9.]*\).*/\1/p' "$root/CMakeLists.txt")
+grep -q "^ARG VERSION=$cmake_version\$" "$df" || die "Dockerfile: ARG VERSION is not CMakeLists.txt's $cmake_version"
+# The documented reload (`kubectl exec POD -- kill -HUP 1`) needs a kill
+# binary: procps ships /bin/kill; the slim base has none.
+if grep -rq 'kill -HUP 1' "$deploy/README.md" "$root/README.md"; then
+    case " $runtime_pkgs " in *" procps "*) ;; *) die "Dockerfile: the docs reload with 'kill -HUP 1' but RUNTIME_PACKAGES has no procps (/bin/kill)" ;; esac
+fi
+# .dockerignore at the context's root keeps build directories out of the
+# upload, and excludes no COPY source.
+di=$root/.dockerignore
+[ -f "$di" ] || die ".dockerignore missing at the repository root (the build context)"
+for want in 'build*/' '.git/'; do
+    grep -qxF "$want" "$di" || die ".dockerignore does not exclude $want"
+done
+while read -r src; do
+    while read -r pat; do
+        case "$pat" in ''|'#'*) continue ;; esac
+        pat=${pat%/}
+        # shellcheck disable=SC2254
+        case "$src" in $pat|$pat/*) die ".dockerignore pattern $pat excludes COPY source $src" ;; esac
+    done <"$di"
+done < <(awk '/^COPY / && !/--from=/ { for (i = 2; i < NF; i++) print $i }' "$df")
 # every COPY source from the context exists
 while read -r src; do
     [ -e "$root/$src" ] || die "Dockerfile: COPY source $src does not exist"
@@ -1163,6 +1197,11 @@ while read -r src dst; do
     mkdir -p "$(dirname "$ctx/$dst")"
     cp -a "$root/$src" "$ctx/$dst"
 done < <(awk '/^FROM /{stage=($0 ~ / AS build$/)} stage && /^COPY / && !/--from=/ && NF == 3 {print $2, $3}' "$df")
+# What .dockerignore keeps out of the context is not in the image either.
+while read -r pat; do
+    case "$pat" in ''|'#'*|'**'*|'build*/'|'.git/') continue ;; esac
+    rm -rf "${ctx:?}/${pat%/}"
+done <"$root/.dockerignore"
 [ -f "$ctx/CMakeLists.txt" ] || die "Dockerfile: the build stage does not COPY CMakeLists.txt into its WORKDIR"
 prefix_dir=$work/image/opt/pdproxy
 if [ -n "${DEPLOY_CHECK_PREFIX:-}" ]; then
