@@ -59,8 +59,8 @@ def main():
              ".SH OPTIONS"]
     rows = 0
     for line in md.splitlines():
-        if line.startswith("#"):
-            lines += [".SS " + roff(line.lstrip("#").strip())]
+        if line.startswith("**") and line.rstrip().endswith("**"):
+            lines += [".SS " + roff(line.strip().strip("*"))]
             continue
         if not line.startswith("| `--"):
             continue

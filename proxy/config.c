@@ -796,55 +796,225 @@ out:
     return rc;
 }
 
-static void usage(FILE *out) {
-    fprintf(out,
-            "Usage: pdproxy [options]\n"
-            "Prefill/decode disaggregation proxy for OpenAI-compatible engines.\n\n"
-            "Options (each also as environment variable PDPROXY_<NAME>, e.g. PDPROXY_PORT):\n");
-    for (size_t i = 0; i < NOPTS; i++) {
-        const opt *o = &opts[i];
-        char names[96];
-        const char *arg = o->type == CT_LIST      ? " V [V...]"
-                          : o->type == CT_WORDS   ? " LIST"
-                          : o->type == CT_POOL    ? " NAME[=MODELS]"
-                          : o->type == CT_URLS    ? " URL"
-                          : o->type == CT_ENUM    ? " CHOICE"
-                          : o->type == CT_FLAG    ? ""
-                          : o->type == CT_SECONDS ? " SECONDS"
-                          : o->type == CT_INT     ? " N"
-                                                  : " VALUE";
-        if (o->alias)
-            snprintf(names, sizeof names, "--%s/--%s%s", o->name, o->alias, arg);
-        else
-            snprintf(names, sizeof names, "--%s%s", o->name, arg);
-        if (o->type == CT_ENUM)
-            fprintf(out, "  %-44s %s: %s (default: %s)\n", names, o->help, o->choices, o->def);
-        else if (!o->def[0])
-            fprintf(out, "  %-44s %s\n", names, o->help);
-        else
-            fprintf(out, "  %-44s %s (default: %s)\n", names, o->help, o->def);
+/* --help and --help-markdown group the flags by topic; each flag's group
+ * and the name of its value (metavar) are here, beside the table above so
+ * that its entries stay as they are. A flag missing here is listed under
+ * "Other" (a test fails on that). */
+static const char *const groups[] = {"Backends",
+                                     "Routing",
+                                     "Conditional disaggregation and usage",
+                                     "Health and failover",
+                                     "Listening and client limits",
+                                     "Upstream connections",
+                                     "Security",
+                                     "Sidecar mode (llm-d)",
+                                     "Metrics and logs",
+                                     "Operations",
+                                     "Other"};
+#define NGROUPS (sizeof groups / sizeof *groups)
+static const struct {
+    const char *name;
+    unsigned char group; /* index in groups[] */
+    const char *metavar; /* NULL: by type */
+} opt_meta[] = {
+    {"prefiller-hosts", 0, "HOST [HOST...]"},
+    {"prefiller-ports", 0, "PORT [PORT...]"},
+    {"decoder-hosts", 0, "HOST [HOST...]"},
+    {"decoder-ports", 0, "PORT [PORT...]"},
+    {"prefill", 0, NULL},
+    {"decode", 0, NULL},
+    {"pool", 0, NULL},
+    {"dns-refresh", 0, NULL},
+    {"prefill-policy", 1, "POLICY"},
+    {"decode-policy", 1, "POLICY"},
+    {"prefix-bytes", 1, "BYTES"},
+    {"prefix-load-factor", 1, "FACTOR"},
+    {"metrics-interval", 1, NULL},
+    {"disagg-min-tokens", 2, "TOKENS"},
+    {"disagg-bytes-per-token", 2, "BYTES"},
+    {"disagg-index-blocks", 2, NULL},
+    {"usage-from", 2, "ROLE"},
+    {"health-interval", 3, NULL},
+    {"health-timeout", 3, NULL},
+    {"unhealthy-after", 3, NULL},
+    {"healthy-after", 3, NULL},
+    {"prefill-retries", 3, NULL},
+    {"fallback-decode-only", 3, NULL},
+    {"host", 4, "ADDRESS"},
+    {"port", 4, "PORT"},
+    {"threads", 4, NULL},
+    {"reuse-port", 4, NULL},
+    {"max-body-bytes", 4, "BYTES"},
+    {"max-inflight", 4, NULL},
+    {"max-buffered-bytes", 4, "BYTES"},
+    {"max-connections", 4, NULL},
+    {"client-header-timeout", 4, NULL},
+    {"keepalive-timeout", 4, NULL},
+    {"send-timeout", 4, NULL},
+    {"connect-timeout", 5, NULL},
+    {"prefill-timeout", 5, NULL},
+    {"decode-idle-timeout", 5, NULL},
+    {"upstream-keepalive", 5, NULL},
+    {"upstream-ca", 5, "FILE"},
+    {"upstream-insecure", 5, NULL},
+    {"upstream-api-key", 5, "KEY"},
+    {"tls-cert", 6, "FILE"},
+    {"tls-key", 6, "FILE"},
+    {"api-key", 6, "KEY"},
+    {"api-key-file", 6, "FILE"},
+    {"metrics-auth", 6, NULL},
+    {"prefiller-from-header", 7, NULL},
+    {"prefiller-allowlist", 7, "CIDRS"},
+    {"metrics-host", 8, "ADDRESS"},
+    {"metrics-port", 8, "PORT"},
+    {"log-level", 8, "LEVEL"},
+    {"log-format", 8, "FORMAT"},
+    {"access-log", 8, NULL},
+    {"config", 9, "FILE"},
+    {"print-config", 9, NULL},
+    {"drain-delay", 9, NULL},
+    {"drain-timeout", 9, NULL},
+    {"admin-host", 9, "ADDRESS"},
+    {"admin-port", 9, "PORT"},
+    {"admin-token-file", 9, "FILE"},
+};
+
+static unsigned opt_group(const opt *o) {
+    for (size_t i = 0; i < sizeof opt_meta / sizeof *opt_meta; i++)
+        if (!strcmp(opt_meta[i].name, o->name)) return opt_meta[i].group;
+    return (unsigned)NGROUPS - 1;
+}
+
+static const char *opt_metavar(const opt *o) {
+    for (size_t i = 0; i < sizeof opt_meta / sizeof *opt_meta; i++)
+        if (!strcmp(opt_meta[i].name, o->name) && opt_meta[i].metavar) return opt_meta[i].metavar;
+    switch (o->type) {
+    case CT_LIST: return "V [V...]";
+    case CT_WORDS: return "LIST";
+    case CT_POOL: return "NAME[=MODELS]";
+    case CT_URLS: return "URL";
+    case CT_ENUM: return "CHOICE";
+    case CT_FLAG: return "";
+    case CT_SECONDS: return "SECONDS";
+    case CT_INT: return "N";
+    default: return "VALUE";
     }
-    fprintf(out, "  %-44s %s\n  %-44s %s\n", "--help", "show this help and exit", "--version",
-            "show the version and exit");
+}
+
+/* Writes `text` from column `col`, wrapped at 80 columns, continuation
+ * lines indented to `indent`. */
+static void wrap(FILE *out, const char *text, int col, int indent) {
+    const int width = 80;
+    const char *p = text;
+    while (*p) {
+        while (*p == ' ')
+            p++;
+        size_t n = strcspn(p, " ");
+        if (!n) break;
+        if (col > indent && col + 1 + (int)n > width) {
+            fprintf(out, "\n%*s", indent, "");
+            col = indent;
+        } else if (col > indent) {
+            fputc(' ', out);
+            col++;
+        }
+        fprintf(out, "%.*s", (int)n, p);
+        col += (int)n;
+        p += n;
+    }
+    fputc('\n', out);
+}
+
+static void usage(FILE *out) {
+    fprintf(out, "Usage: pdproxy [OPTION]...\n"
+                 "Prefill/decode disaggregation proxy for OpenAI-compatible engines.\n\n");
+    wrap(out,
+         "Every option is also read from the environment as PDPROXY_<NAME> (dashes become "
+         "underscores: PDPROXY_PORT=8000) and, but --config, as a key of the --config file; "
+         "flags win over the environment, which wins over the file.",
+         0, 0);
+    const int col = 30; /* where descriptions start */
+    for (unsigned g = 0; g < NGROUPS; g++) {
+        int any = 0;
+        for (size_t i = 0; i < NOPTS; i++) {
+            const opt *o = &opts[i];
+            if (opt_group(o) != g) continue;
+            if (!any) fprintf(out, "\n%s:\n", groups[g]);
+            any = 1;
+            char names[128], text[1024];
+            const char *mv = opt_metavar(o);
+            int n = snprintf(names, sizeof names, "  --%s%s%s", o->name, *mv ? " " : "", mv);
+            if (o->type == CT_ENUM) {
+                /* a|b|c as "a, b, c": wrap points */
+                char ch[256];
+                size_t k = 0;
+                for (const char *q = o->choices; *q && k + 3 < sizeof ch; q++) {
+                    if (*q == '|') {
+                        ch[k++] = ',';
+                        ch[k++] = ' ';
+                    } else {
+                        ch[k++] = *q;
+                    }
+                }
+                ch[k] = '\0';
+                snprintf(text, sizeof text, "%s: %s (default: %s)", o->help, ch, o->def);
+            }
+            else if (!o->def[0] || o->type == CT_FLAG)
+                snprintf(text, sizeof text, "%s", o->help);
+            else
+                snprintf(text, sizeof text, "%s (default: %s)", o->help, o->def);
+            if (o->alias) {
+                size_t l = strlen(text);
+                snprintf(text + l, sizeof text - l, "; also --%s", o->alias);
+            }
+            fputs(names, out);
+            if (n + 2 <= col) {
+                fprintf(out, "%*s", col - n, "");
+                wrap(out, text, col, col);
+            } else {
+                fprintf(out, "\n%*s", col, "");
+                wrap(out, text, col, col);
+            }
+        }
+    }
+    fprintf(out, "\nInformation:\n");
+    fprintf(out, "  %-28s%s\n", "-h, --help", "show this help and exit");
+    fprintf(out, "  %-28s%s\n", "--help-markdown", "the options as Markdown tables");
+    fprintf(out, "  %-28s%s\n", "-V, --version", "show the version, commit and build options");
 }
 
 static void env_name(const opt *o, char *buf, size_t n);
 
-/* The flags table of README.md, from the same table as --help. */
+/* The flags tables of README.md (and pdproxy(1)), one per group, from the
+ * same table as --help. */
 static void markdown(FILE *out) {
-    fprintf(out, "| flag | environment | default | meaning |\n|---|---|---|---|\n");
-    for (size_t i = 0; i < NOPTS; i++) {
-        const opt *o = &opts[i];
-        char env[96];
-        env_name(o, env, sizeof env);
-        fprintf(out, "| `--%s`", o->name);
-        if (o->alias) fprintf(out, " / `--%s`", o->alias);
-        fprintf(out, " | `%s` | %s%s%s | %s", env, o->def[0] ? "`" : "", o->def,
-                o->def[0] ? "`" : "", o->help);
-        if (o->type == CT_ENUM) fprintf(out, ": `%s`", o->choices);
-        if (o->type == CT_URLS || o->type == CT_POOL) fprintf(out, " (repeatable)");
-        if (o->type == CT_LIST) fprintf(out, " (one or more values)");
-        fprintf(out, " |\n");
+    for (unsigned g = 0; g < NGROUPS; g++) {
+        int any = 0;
+        for (size_t i = 0; i < NOPTS; i++) {
+            const opt *o = &opts[i];
+            if (opt_group(o) != g) continue;
+            if (!any)
+                fprintf(out, "%s**%s**\n\n| flag | environment | default | meaning |\n"
+                             "|---|---|---|---|\n",
+                        g ? "\n" : "", groups[g]);
+            any = 1;
+            char env[96];
+            env_name(o, env, sizeof env);
+            const char *mv = opt_metavar(o);
+            fprintf(out, "| `--%s`%s%s", o->name, *mv ? " " : "", mv);
+            if (o->alias) fprintf(out, " / `--%s`", o->alias);
+            /* Pools are given as flags or in the file: PDPROXY_POOL is refused. */
+            if (o->type == CT_POOL)
+                fprintf(out, " | (none: flag and file only)");
+            else
+                fprintf(out, " | `%s`", env);
+            fprintf(out, " | %s%s%s | %s", o->def[0] ? "`" : "", o->def, o->def[0] ? "`" : "",
+                    o->help);
+            if (o->type == CT_ENUM) fprintf(out, ": `%s`", o->choices);
+            if (o->type == CT_URLS || o->type == CT_POOL) fprintf(out, " (repeatable)");
+            if (o->type == CT_LIST) fprintf(out, " (one or more values)");
+            fprintf(out, " |\n");
+        }
     }
 }
 
@@ -942,8 +1112,8 @@ px_config_result px_config_load(px_config *c, int argc, char **argv, char **envp
             markdown(out);
             return PX_CONFIG_EXIT_OK;
         }
-        if (!strcmp(a, "--version")) {
-            fprintf(out, "pdproxy %s\n", PDPROXY_VERSION);
+        if (!strcmp(a, "--version") || !strcmp(a, "-V")) {
+            px_version_print(out);
             return PX_CONFIG_EXIT_OK;
         }
         if (strncmp(a, "--", 2) != 0) {

@@ -121,6 +121,9 @@ int px_config_is_set(const px_config *c, const char *name);
 /* Writes the effective configuration as YAML that --config reads back to
  * the same settings; secrets appear only as comments saying they are set. */
 void px_config_dump(const px_config *c, FILE *out);
+/* pdproxy --version / -V: the version, the source commit and the build
+ * options (TLS library, libevent, CUDA and UCX of libkvconnector); version.c. */
+void px_version_print(FILE *out);
 
 /* The pools requests are routed to: the named ones, or else the unnamed
  * pool of the top-level backends. Deep copies; free with

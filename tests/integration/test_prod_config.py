@@ -106,8 +106,10 @@ def parse_dump(text):
 
 def help_flags():
     p = run_pdproxy(["--help"])
-    return sorted(set(re.findall(r"^\s+--([a-z][a-z0-9-]*)", p.stdout, re.M)) -
-                  {"help", "version", "print-config"})
+    # Flags open their line with two spaces; wrapped descriptions are indented
+    # further and may start with a flag they mention.
+    return sorted(set(re.findall(r"^  --([a-z][a-z0-9-]*)", p.stdout, re.M)) -
+                  {"help", "help-markdown", "version", "print-config"})
 
 
 class PrintConfigTest(ProdCase):
