@@ -84,6 +84,7 @@ struct px_req {
     px_backend *db;                 /* owned reference while a decode is in flight */
     const decode_table *dtbl;       /* the callbacks of the decode in flight */
     char pname[128], dname[128];    /* the backends' names, for logs after release */
+    unsigned char p_https, d_https; /* their schemes, for the spans' url.full */
     px_backend *tried_p[MAX_TRIES]; /* identity only, never dereferenced */
     size_t ntried_p;
     px_backend *tried_d[MAX_TRIES];
@@ -720,6 +721,7 @@ static void start_prefill(px_req *r) {
         return;
     }
     snprintf(r->pname, sizeof r->pname, "%s", r->pb->name);
+    r->p_https = (unsigned char)r->pb->https;
     if (!r->t_pstart) r->t_pstart = px_now_ns();
     if (r->ntried_p < MAX_TRIES) r->tried_p[r->ntried_p++] = r->pb;
     set_state(r, RS_PREFILL);
@@ -939,6 +941,7 @@ static px_backend *pick_decode(px_req *r, size_t *n) {
     if (!r->db) r->db = px_pool_pick(&r->ps->decode, &k, n);
     if (!r->db) return NULL;
     snprintf(r->dname, sizeof r->dname, "%s", r->db->name);
+    r->d_https = (unsigned char)r->db->https;
     if (!r->t_dstart) r->t_dstart = px_now_ns();
     if (r->ntried_d < MAX_TRIES) r->tried_d[r->ntried_d++] = r->db;
     return r->db;
@@ -1448,6 +1451,16 @@ static void write_access(const px_req *r, int status, const char *outcome, uint6
 
 /* The request's spans for trace export (otlp.h). */
 static void submit_spans(px_req *r, int status, const char *outcome, uint64_t now) {
+    /* url.path: the client's path without its query (passed-through
+     * requests), else the endpoint's; the model for the GenAI attributes. */
+    const char *path = r->target ? r->target : ep_paths[r->ep] ? ep_paths[r->ep] : "";
+    size_t plen = strcspn(path, "?");
+    static const char *const ops[] = {"text_completion", "chat", NULL, "chat", "chat", NULL};
+    const char *op = r->ep <= PX_EP_PASSTHROUGH ? ops[r->ep] : NULL;
+    px_json_member mm;
+    const px_buf *body = r->body.len ? &r->body : &r->dbody;
+    int has_model = op && body->data && px_json_find(body->data, body->len, "model", &mm) &&
+                    mm.type == PX_JSON_STRING && mm.val_len >= 2;
     px_otlp_req q = {.trace_id = r->trace_id,
                      .flags = r->trace_flags,
                      .parent_span = r->parent_span[0] ? r->parent_span : NULL,
@@ -1472,7 +1485,16 @@ static void submit_spans(px_req *r, int status, const char *outcome, uint64_t no
                      .streamed = r->streamed,
                      .t_decode_start = r->t_dstart,
                      .presp = r->presp.data,
-                     .presp_len = r->presp.len};
+                     .presp_len = r->presp.len,
+                     .scheme = r->s->cfg->tls_cert && r->s->cfg->tls_cert[0] ? "https" : "http",
+                     .path = path,
+                     .path_len = plen,
+                     .templated = ep_paths[r->ep] != NULL && r->ep != PX_EP_PASSTHROUGH,
+                     .prefill_https = r->p_https,
+                     .decode_https = r->d_https,
+                     .operation = op,
+                     .model = has_model ? mm.val + 1 : NULL,
+                     .model_len = has_model ? mm.val_len - 2 : 0};
     px_otlp_submit(&q);
 }
 
