@@ -174,6 +174,10 @@ static const opt opts[] = {
      "debug|info|warn|error"},
     {"log-format", NULL, CT_ENUM, OFF(log_format), "logfmt", 0, 0, "log line format",
      "logfmt|json"},
+    {"access-log", NULL, CT_FLAG, OFF(access_log), "true", 0, 0,
+     "one access line per request, at level info whatever --log-level says (false: none; "
+     "--log-level warn keeps access lines and drops other info lines)",
+     NULL},
     {"admin-host", NULL, CT_STR, OFF(admin_host), "127.0.0.1", 0, 0,
      "address of the admin API listener", NULL},
     {"admin-port", NULL, CT_INT, OFF(admin_port), "0", 0, 65535,

@@ -89,6 +89,7 @@ typedef struct px_config {
     /* Logging. */
     char *log_level;
     char *log_format;
+    int access_log; /* access lines on (independent of log_level) */
     int print_config;
     /* Model pools (--pool, or pools: in the file); none: the unnamed pool. */
     px_pool_spec *pools; /* owned array */

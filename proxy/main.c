@@ -5,6 +5,7 @@
 #include <stdio.h>
 #include <sys/resource.h>
 
+#include "access.h"
 #include "config.h"
 #include "log.h"
 #include "otlp.h"
@@ -23,6 +24,7 @@ int main(int argc, char **argv) {
     }
     px_log_threshold = (px_log_level_t)px_log_level_parse(cfg.log_level);
     px_log_json = cfg.log_format[0] == 'j';
+    px_access_enabled = cfg.access_log;
     signal(SIGPIPE, SIG_IGN);
     /* Every client and upstream connection is a descriptor: take all the
      * kernel allows rather than the 1024 a shell usually starts with. */

@@ -119,6 +119,7 @@ struct px_req {
     /* What goes to decode: the client's method and target (passed-through
      * endpoints), and whether decode gets prefill's kv_transfer_params. */
     char method[16];
+    char client[48]; /* the client's IP address, for the access line */
     char *target;    /* owned: path and query sent to decode; NULL: ep_paths */
     char lpath[300]; /* the path as a logfmt value, for the access line */
     int disagg;      /* decode's body carries prefill's kv_transfer_params */
@@ -276,6 +277,7 @@ void px_req_start(px_wctx *w, px_conn *c, px_endpoint ep, const px_http_head *h,
     r->g = px_ctx_gen(r->s);
     r->ps = &r->g->ps[0];
     r->conn = c;
+    px_conn_peer(c, r->client, sizeof r->client);
     r->ep = ep;
     r->state = RS_NEW;
     r->t0 = px_now_ns();
@@ -1384,7 +1386,7 @@ static void req_finish(px_req *r, int status, const char *outcome, const char *e
     }
     if (r->conn) {
         if (msg && r->state != RS_STREAM)
-            px_conn_reply_error(r->conn, status, r->id, extra, msg);
+            r->bytes_out += px_conn_reply_error(r->conn, status, r->id, extra, msg);
         else
             px_conn_abort(r->conn);
         r->conn = NULL;
@@ -1425,6 +1427,8 @@ static void finish_log(px_req *r, int status, const char *outcome) {
  * answer, no decision) is left out of the line. */
 static void write_access(const px_req *r, int status, const char *outcome, uint64_t now) {
     px_access a = {.req = r->lid,
+                   .client = r->client,
+                   .method = r->method,
                    .endpoint = r->lpath,
                    .prefill = r->pname[0] ? r->pname : NULL,
                    .decode = r->dname[0] ? r->dname : NULL,
@@ -1498,13 +1502,20 @@ static void submit_spans(px_req *r, int status, const char *outcome, uint64_t no
     px_otlp_submit(&q);
 }
 
-/* A refused request is a view of a request that knows only its id and path. */
-void px_req_log_refused(const px_http_head *h, const char *endpoint, int status) {
+/* A refused request is a view of a request that knows only its id, path,
+ * method and client. Its id is the client's X-Request-Id or a fresh one,
+ * echoed in the answer as for every other request. */
+void px_req_refuse(px_conn *c, const px_http_head *h, const char *endpoint, int status,
+                   const char *extra, const char *msg) {
     px_req v = {0};
-    char id[129];
-    snprintf(v.lid, sizeof v.lid, "-");
-    if (px_http_request_id(h, id)) px_log_value(id, v.lid, sizeof v.lid);
+    char id[129], m[20];
+    if (!px_http_request_id(h, id)) px_uuid4(id);
+    px_log_value(id, v.lid, sizeof v.lid);
     snprintf(v.lpath, sizeof v.lpath, "%s", endpoint);
+    snprintf(m, sizeof m, "%.*s", (int)(h->method_len < 16 ? h->method_len : 16), h->method);
+    px_log_value(m, v.method, sizeof v.method);
+    px_conn_peer(c, v.client, sizeof v.client);
+    v.bytes_out = px_conn_reply_error(c, status, id, extra, msg);
     write_access(&v, status, "refused", px_now_ns());
 }
 

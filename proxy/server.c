@@ -73,8 +73,10 @@ struct px_server {
 static void reply_method(px_metrics *m, px_metric_endpoint mep, px_conn *c, const px_http_head *h,
                          const char *epname, const char *allow, const char *msg) {
     px_metrics_count(m, mep, 405);
-    if (epname) px_req_log_refused(h, epname, 405);
-    px_conn_reply_error(c, 405, NULL, allow, msg);
+    if (epname)
+        px_req_refuse(c, h, epname, 405, allow, msg);
+    else
+        px_conn_reply_error(c, 405, NULL, allow, msg);
 }
 
 /* The 401 for a request without a valid key: counted (when `m`), logged
@@ -82,9 +84,11 @@ static void reply_method(px_metrics *m, px_metric_endpoint mep, px_conn *c, cons
 static void reply_unauthorized(px_metrics *m, px_metric_endpoint mep, px_conn *c,
                                const px_http_head *h, const char *epname) {
     if (m) px_metrics_count(m, mep, 401);
-    if (epname) px_req_log_refused(h, epname, 401);
-    px_conn_reply_error(c, 401, NULL, "WWW-Authenticate: Bearer\r\n",
-                        "invalid or missing API key: send Authorization: Bearer <key>");
+    static const char msg[] = "invalid or missing API key: send Authorization: Bearer <key>";
+    if (epname)
+        px_req_refuse(c, h, epname, 401, "WWW-Authenticate: Bearer\r\n", msg);
+    else
+        px_conn_reply_error(c, 401, NULL, "WWW-Authenticate: Bearer\r\n", msg);
 }
 
 /* m: the worker's metrics, or NULL on the control thread's listener. */
@@ -213,12 +217,16 @@ static void reply_models(px_server *s, px_metrics *m, px_conn *c, const char *id
     px_buf_cleanup(&b);
 }
 
-static void not_found(px_conn *c, const px_http_head *h) {
+/* `logged`: an API listener's 404, written to the access log with its id. */
+static void not_found(px_conn *c, const px_http_head *h, int logged) {
     px_buf m;
     px_buf_init(&m);
     px_buf_printf(&m, "not found: %.*s %.*s", (int)(h->method_len > 16 ? 16 : h->method_len),
                   h->method, (int)(h->target_len > 200 ? 200 : h->target_len), h->target);
-    px_conn_reply_error(c, 404, NULL, NULL, m.data);
+    if (logged)
+        px_req_refuse(c, h, "other", 404, NULL, m.data);
+    else
+        px_conn_reply_error(c, 404, NULL, NULL, m.data);
     px_buf_cleanup(&m);
 }
 
@@ -282,7 +290,7 @@ static int serve_local(px_server *s, px_metrics *m, px_conn *c, const px_http_he
  * endpoints. */
 static void dispatch_metrics(void *ctx, px_conn *c, const px_http_head *h, px_buf *body) {
     px_server *s = ctx;
-    if (!serve_local(s, NULL, c, h, 1)) not_found(c, h);
+    if (!serve_local(s, NULL, c, h, 1)) not_found(c, h, 0);
 }
 
 static int models_local(px_server *s) {
@@ -386,8 +394,7 @@ static void dispatch(void *ctx, px_conn *c, const px_http_head *h, px_buf *body)
         return;
     }
     px_metrics_count(&w->wc.metrics, PX_MEP_OTHER, 404);
-    px_req_log_refused(h, "other", 404);
-    not_found(c, h);
+    not_found(c, h, 1);
 }
 
 /* ---------- workers ---------- */
@@ -974,7 +981,8 @@ int px_server_run(px_server *s) {
         dn += n;
     }
     PX_LOG(PX_LOG_INFO,
-           "msg=\"listening\" addr=%s:%lld tls=%s threads=%d pools=%zu prefill=%zu decode=%zu "
+           "msg=\"listening\" addr=%s:%lld tls=%s threads=%d pools=%zu prefill_backends=%zu "
+           "decode_backends=%zu "
            "prefill_policy=%s decode_policy=%s",
            s->ctx.cfg->host, (long long)s->ctx.cfg->port, s->tls ? "on" : "off", s->nworkers,
            s->ctx.gen->nps, pn, dn, s->ctx.cfg->prefill_policy, s->ctx.cfg->decode_policy);

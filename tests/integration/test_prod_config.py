@@ -68,6 +68,7 @@ SAMPLES = {
     "upstream-api-key": ("env-secret-two", "(set)"),
     "log-level": ("debug", None),
     "log-format": ("json", None),
+    "access-log": ("false", None),
     "admin-host": ("127.0.0.2", None),
     "admin-port": ("9465", None),
     "admin-token-file": ("/nonexistent/token", None),
