@@ -984,19 +984,13 @@ out_names = sys.argv.pop(1)
 all_used = set()
 label_uses = {}   # metric -> labels the dashboard groups or filters it by
 TARGET_LABELS = {"instance", "job", "namespace", "pod", "le", "__name__"}  # added by Prometheus, or histogram buckets
-ALLOWED = {
-    "pdproxy_requests_total", "pdproxy_request_duration_seconds", "pdproxy_time_to_first_byte_seconds",
-    "pdproxy_prefill_duration_seconds", "pdproxy_upstream_requests_total", "pdproxy_backend_up",
-    "pdproxy_backend_inflight", "pdproxy_kv_transfer_params_missing_total",
-    "pdproxy_remote_request_id_missing_total", "pdproxy_client_disconnects_total", "pdproxy_retries_total",
-    "process_resident_memory_bytes", "process_open_fds", "process_cpu_seconds_total",
-    "pdproxy_build_info", "process_start_time_seconds",
-    "pdproxy_trace_spans_exported_total", "pdproxy_trace_spans_dropped_total",
-}
+# pdproxy's and the process metrics are checked against a live /metrics page
+# below (section 5: each one the dashboard uses must be exposed, and each one
+# exposed must have a panel), not against a list kept here.
 HISTOGRAMS = {"pdproxy_request_duration_seconds", "pdproxy_time_to_first_byte_seconds",
               "pdproxy_prefill_duration_seconds"}
-REQUIRED = ALLOWED | {"vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
-                      "engine_sim_kv_blocks_expired_total"}
+REQUIRED = {"vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+            "engine_sim_kv_blocks_expired_total"}
 WORDS = {"sum", "min", "max", "avg", "count", "stddev", "stdvar", "topk", "bottomk", "quantile",
          "count_values", "group", "by", "without", "on", "ignoring", "group_left", "group_right",
          "bool", "and", "or", "unless", "offset", "inf", "nan", "le", "atan2"}
@@ -1020,7 +1014,7 @@ def metrics_of(expr):
     return out
 
 def allowed(name):
-    if name in ALLOWED or name.startswith("vllm:") or name.startswith("engine_sim_"):
+    if name.startswith(("pdproxy_", "process_", "vllm:", "engine_sim_")):
         return True
     for h in HISTOGRAMS:
         if name in (h + "_bucket", h + "_sum", h + "_count"):
@@ -1433,10 +1427,24 @@ for m, labels in sorted(label_uses.items()):
         if l not in labels_seen.get(m, set()):
             errors.append("the dashboard groups or filters %s by label %r, which its live samples do not carry (they have: %s)"
                           % (m, l, ", ".join(sorted(labels_seen.get(m, []))) or "no labels"))
+# Every metric family pdproxy exposes has a panel: the list comes from the
+# live page (its # TYPE lines), so a new metric without a panel fails here.
+nfam = 0
+if px is not None:
+    fams = set()
+    for line in open(px_path, errors="replace"):
+        m = re.match(r"#\s*TYPE\s+(\S+)\s", line)
+        if m:
+            fams.add(m.group(1))
+    nfam = len(fams)
+    for f in sorted(fams - set(used)):
+        errors.append("pdproxy's /metrics exposes %s, which no dashboard panel shows "
+                      "(deploy/dashboards/pdproxy.json)" % f)
 if errors:
     for e in errors:
         print("deploy/check: FAIL: " + e, file=sys.stderr)
     sys.exit(1)
+print("   %d metric families on pdproxy's live /metrics, each with a panel" % nfam)
 print("   %d label uses checked against live samples" % nlabels)
 print("   %d of the dashboard's %d metrics found in live /metrics pages%s"
       % (checked, len(used), "" if px is not None else " (engines only)"))
