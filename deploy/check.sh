@@ -119,6 +119,7 @@ compose() {  # name overlay component...
 }
 compose sim-monitoring sim monitoring
 compose vllm-monitoring vllm monitoring
+compose vllm-keda vllm monitoring keda
 compose vllm-rdma-multus vllm-rdma rdma-multus monitoring
 compose sim-config-file sim config-file
 for c in "$deploy"/k8s/components/*/; do
@@ -261,6 +262,7 @@ FIELDS = {
 def unknown_fields(kind, obj):
     return sorted(set(obj or {}) - FIELDS[kind])
 total_checks = [0]
+alert_metrics = set()   # metrics the PrometheusRule alerts use (checked live later)
 
 for ov in overlays:
     path = os.path.join(work, "k8s", ov.replace("/", "_") + ".yaml")
@@ -557,6 +559,10 @@ for ov in overlays:
                     ktc = json.loads(am.get("kv-transfer-config") or "")
                     if ktc.get("kv_connector") != "NixlConnector" or ktc.get("kv_role") != "kv_both":
                         err(cw, "--kv-transfer-config must name NixlConnector with kv_role kv_both: %s" % ktc)
+                    # What a failed KV load does is a decision to state, not
+                    # a default to rely on (it changed in vLLM's PR #34896).
+                    if ktc.get("kv_load_failure_policy") not in ("fail", "recompute"):
+                        err(cw, "--kv-transfer-config must state kv_load_failure_policy (fail or recompute): %s" % ktc)
                 except ValueError:
                     err(cw, "--kv-transfer-config is not JSON: %r" % am.get("kv-transfer-config"))
                 if not is_pod_ip("VLLM_NIXL_SIDE_CHANNEL_HOST"):
@@ -566,6 +572,30 @@ for ov in overlays:
                     err(cw, "VLLM_NIXL_SIDE_CHANNEL_PORT %r is no containerPort" % v)
                 if env_value("UCX_NET_DEVICES")[0] is None:
                     err(cw, "UCX_NET_DEVICES not set")
+                # Shutdown: vLLM aborts requests in flight on SIGTERM unless
+                # --shutdown-timeout is set (default 0 since v0.18); a preStop
+                # sleep lets pdproxy drop the pod first, and the grace period
+                # covers both.
+                try:
+                    sdt = float(am.get("shutdown-timeout") or 0)
+                except ValueError:
+                    sdt = 0
+                if sdt <= 0:
+                    err(cw, "needs --shutdown-timeout=N > 0 (vLLM's default 0 aborts requests in flight on SIGTERM)")
+                pre = ((c.get("lifecycle") or {}).get("preStop")) or {}
+                vsleep = None
+                if "sleep" in pre:
+                    vsleep = float(pre["sleep"].get("seconds", 0))
+                elif "exec" in pre:
+                    cmd = pre["exec"].get("command") or []
+                    if cmd and cmd[0] in ("sleep", "/bin/sleep", "/usr/bin/sleep") and len(cmd) == 2:
+                        vsleep = float(cmd[1])
+                if vsleep is None or vsleep < 10:
+                    err(cw, "needs a preStop sleep of at least 10 s (pdproxy re-resolves backends every PDPROXY_DNS_REFRESH, 10 s)")
+                vgrace = pod.get("terminationGracePeriodSeconds", 30)
+                if vgrace < (vsleep or 0) + sdt + 5:
+                    err(w, "terminationGracePeriodSeconds %s < preStop %g + --shutdown-timeout %g + 5 s margin"
+                        % (vgrace, vsleep or 0, sdt))
                 if str(lim.get("nvidia.com/gpu", "0")) in ("0", "") or str(req.get("nvidia.com/gpu", lim.get("nvidia.com/gpu"))) != str(lim.get("nvidia.com/gpu")):
                     err(cw, "needs nvidia.com/gpu in limits (and equal requests)")
                 if role and role not in name:
@@ -905,6 +935,65 @@ for ov in overlays:
             if d["metadata"]["name"] not in scraped:
                 err(ov, "no ServiceMonitor/PodMonitor scrapes Deployment/%s" % d["metadata"]["name"])
 
+    # ---- KEDA ScaledObjects (components/keda): each scales a rendered
+    # Deployment that sets no replicas of its own, on its own pool's
+    # vllm:num_requests_waiting from Prometheus.
+    for (k, ns, n), so in objs.items():
+        if k != "ScaledObject":
+            continue
+        w = "%s ScaledObject/%s" % (ov, n)
+        ref = so["spec"].get("scaleTargetRef") or {}
+        target = [d for d in deps if d["metadata"]["name"] == ref.get("name") and d["metadata"].get("namespace") == ns]
+        if ref.get("kind", "Deployment") != "Deployment" or not target:
+            err(w, "scaleTargetRef %s names no rendered Deployment" % ref)
+        elif "replicas" in target[0]["spec"]:
+            err(w, "Deployment/%s sets replicas, which kubectl apply would reset under the autoscaler" % ref.get("name"))
+        if not (1 <= int(so["spec"].get("minReplicaCount", 0)) <= int(so["spec"].get("maxReplicaCount", 100))):
+            err(w, "needs 1 <= minReplicaCount <= maxReplicaCount (a pool scaled to 0 cannot serve)")
+        for t in so["spec"].get("triggers") or []:
+            md = t.get("metadata") or {}
+            q = md.get("query", "")
+            if t.get("type") != "prometheus" or "vllm:num_requests_waiting" not in q:
+                err(w, "trigger must be prometheus on vllm:num_requests_waiting: %s" % t)
+            m = re.search(r'pod=~"([^"]*)"', q)
+            if not m or not re.fullmatch(m.group(1), ref.get("name", "") + "-abc12-xyz34"):
+                err(w, "query %r does not select the pods of Deployment/%s" % (q, ref.get("name")))
+            try:
+                float(md.get("threshold", ""))
+            except ValueError:
+                err(w, "threshold %r is not a number" % md.get("threshold"))
+        total_checks[0] += 1
+
+    # ---- PrometheusRule alerts: the ones the guide promises, each with an
+    # expression, a severity and a summary; their metrics are checked
+    # against live /metrics pages later (alert-metrics.txt).
+    want_alerts = {"PdproxyNoReadyPrefill", "PdproxyNoReadyDecode", "PdproxyHighErrorRatio",
+                   "PdproxyHighTimeToFirstByte", "PdproxyKVBlocksStranded", "PdproxyPanicRouting",
+                   "PdproxyDNSFailures"}
+    for (k, ns, n), pr in objs.items():
+        if k != "PrometheusRule":
+            continue
+        w = "%s PrometheusRule/%s" % (ov, n)
+        seen_alerts = set()
+        for g in pr["spec"].get("groups") or []:
+            for r in g.get("rules") or []:
+                a = r.get("alert")
+                if not a:
+                    continue
+                seen_alerts.add(a)
+                expr = r.get("expr", "")
+                if not expr or expr.count("(") != expr.count(")"):
+                    err(w, "alert %s: empty or unbalanced expr %r" % (a, expr))
+                if (r.get("labels") or {}).get("severity") not in ("critical", "warning", "info"):
+                    err(w, "alert %s: severity label missing" % a)
+                if not (r.get("annotations") or {}).get("summary"):
+                    err(w, "alert %s: no summary annotation" % a)
+                for mname in re.findall(r"\b((?:pdproxy|engine_sim|process)_[a-z0-9_]+|vllm:[a-z0-9_:]+)", expr):
+                    alert_metrics.add(re.sub(r"_bucket$", "", mname))
+        for a in sorted(want_alerts - seen_alerts):
+            err(w, "no alert %s" % a)
+        total_checks[0] += 1
+
     # ---- the ConfigMap's values through pdproxy's own parser
     for (ns, n), cm in cms.items():
         data = cm.get("data") or {}
@@ -939,6 +1028,9 @@ for ov in overlays:
 
     print("   %s: %d objects (%s)" % (ov, len(objs), ", ".join(sorted("%s/%s" % (k, n) for (k, _, n) in objs))))
 
+open(os.path.join(work, "alert-metrics.txt"), "w").write("".join(m + "\n" for m in sorted(alert_metrics)))
+if not alert_metrics:
+    err("components/monitoring", "no PrometheusRule alert rendered anywhere")
 if errors:
     for e in errors:
         print("deploy/check: FAIL: " + e, file=sys.stderr)
@@ -1427,6 +1519,20 @@ for m, labels in sorted(label_uses.items()):
         if l not in labels_seen.get(m, set()):
             errors.append("the dashboard groups or filters %s by label %r, which its live samples do not carry (they have: %s)"
                           % (m, l, ", ".join(sorted(labels_seen.get(m, []))) or "no labels"))
+# Every metric the alerts (components/monitoring/alerts.yaml) use is exposed
+# by pdproxy or engine-sim: an alert on a misspelt metric never fires.
+amp = os.path.join(work, "alert-metrics.txt")
+nalert = 0
+if not os.path.exists(amp):
+    errors.append("no alert-metrics.txt from the kubernetes section")
+else:
+    for m in [l.strip() for l in open(amp) if l.strip()]:
+        nalert += 1
+        if m.startswith(("vllm:", "engine_sim_")):
+            if m not in engine:
+                errors.append("an alert uses %s, which engine-sim's /metrics does not expose" % m)
+        elif px is not None and m not in px and m + "_bucket" not in px:
+            errors.append("an alert uses %s, which pdproxy's /metrics does not expose" % m)
 # Every metric family pdproxy exposes has a panel: the list comes from the
 # live page (its # TYPE lines), so a new metric without a panel fails here.
 nfam = 0
@@ -1444,7 +1550,7 @@ if errors:
     for e in errors:
         print("deploy/check: FAIL: " + e, file=sys.stderr)
     sys.exit(1)
-print("   %d metric families on pdproxy's live /metrics, each with a panel" % nfam)
+print("   %d metric families on pdproxy's live /metrics, each with a panel; %d alert metrics exposed" % (nfam, nalert))
 print("   %d label uses checked against live samples" % nlabels)
 print("   %d of the dashboard's %d metrics found in live /metrics pages%s"
       % (checked, len(used), "" if px is not None else " (engines only)"))
