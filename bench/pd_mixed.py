@@ -106,7 +106,7 @@ def run(args, threshold, reqs):
                         + common, "/health", track=procs.append).port
         xp = start_proc("pdproxy", lambda port: [
             os.path.join(args.bin, "pdproxy"), "--port", str(port), "--threads", "1",
-            "--log-level", "warn", "--prefiller-hosts", HOST, "--prefiller-ports", str(pp),
+            "--log-level", "warn", "--access-log=false", "--prefiller-hosts", HOST, "--prefiller-ports", str(pp),
             "--decoder-hosts", HOST, "--decoder-ports", str(dp),
             "--disagg-min-tokens", str(threshold),
             "--disagg-bytes-per-token", str(BYTES_PER_TOKEN)], "/healthcheck",
