@@ -1,4 +1,3 @@
-/* SPDX-License-Identifier: Apache-2.0 */
 /* An HTTP/1.1 client for plain http:// upstreams on libevent bufferevents:
  * per-loop keep-alive pools keyed by backend address, TCP_NODELAY, connect,
  * total and idle timeouts, the response head parsed with base/http's strict

@@ -1,4 +1,3 @@
-/* SPDX-License-Identifier: Apache-2.0 */
 /* HTTP/1.1 server connections on libevent bufferevents: reading requests
  * (heads, Content-Length and chunked bodies, pipelining, timeouts) and
  * writing responses (whole, or streamed with backpressure). Used by the

@@ -1,4 +1,3 @@
-/* SPDX-License-Identifier: Apache-2.0 */
 #include "hash.h"
 
 uint64_t px_hash64_seed(const void *p, size_t n, uint64_t seed) {

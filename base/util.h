@@ -1,4 +1,3 @@
-/* SPDX-License-Identifier: Apache-2.0 */
 /* Small shared helpers: checked allocation, growable byte buffers, ids. */
 #ifndef PX_UTIL_H
 #define PX_UTIL_H

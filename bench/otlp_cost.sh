@@ -1,5 +1,4 @@
 #!/usr/bin/env bash
-# SPDX-License-Identifier: Apache-2.0
 # What trace export costs pdproxy, in instructions per request (valgrind
 # callgrind): a figure that a busy or shared machine does not blur, unlike
 # req/s.  pdproxy runs under callgrind with export off, then on (sampler 1.0,

@@ -1,5 +1,4 @@
 #!/usr/bin/env python3
-# SPDX-License-Identifier: Apache-2.0
 """Mixed workload through pdproxy and an engine-sim P/D pair on loopback:
 mean time to first token and prefill load with --disagg-min-tokens 0
 (always disaggregate) against a tuned threshold.

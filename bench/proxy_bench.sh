@@ -1,5 +1,4 @@
 #!/usr/bin/env bash
-# SPDX-License-Identifier: Apache-2.0
 # Benchmark: pdproxy's cost per request, side by side in one run.
 #
 #   (a) wrk straight at a mock decode engine (nginx returning a canned answer)

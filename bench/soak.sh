@@ -1,5 +1,4 @@
 #!/usr/bin/env bash
-# SPDX-License-Identifier: Apache-2.0
 # Soak benchmark: wrk through pdproxy to engine-sims for DURATION seconds
 # (default 300) while a second client population disconnects at random points
 # and one prefill instance is killed and restarted every FLAP seconds.

@@ -1,4 +1,3 @@
-/* SPDX-License-Identifier: Apache-2.0 */
 /* CUDA side of libkvconnector: per-device streams for the staged copies
  * between device regions and their pinned host mirrors, ordering against the
  * engine's stream or event, and the device of each region.

@@ -1,4 +1,3 @@
-/* SPDX-License-Identifier: Apache-2.0 */
 /* Expiry of published requests: a list sorted by deadline (usually appended
  * at the tail, since most requests use the agent's expiry_ms), swept on each
  * progress; the head's deadline feeds the agent's timer. */

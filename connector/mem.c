@@ -1,4 +1,3 @@
-/* SPDX-License-Identifier: Apache-2.0 */
 /* KV regions: registration of caller memory, connector-allocated host pools
  * (ucp_mem_map ALLOCATE: shared memory, so same-host gets are one-sided),
  * CUDA staging mirrors, packed rkeys, and the handshake reply built from them. */

@@ -1,4 +1,3 @@
-/* SPDX-License-Identifier: Apache-2.0 */
 /* Producer bookkeeping: the table of published requests (hash by request id)
  * and kvc_publish / kvc_unpublish.  Release by notification is in notify.c,
  * by time in expiry.c. */

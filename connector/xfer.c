@@ -1,4 +1,3 @@
-/* SPDX-License-Identifier: Apache-2.0 */
 /* Fetches (consumer) and pushes (producer side of a fetch).
  *
  * A fetch goes WAIT_PEER -> DATA -> [FLUSH] -> NOTIFY -> done, one step per

@@ -1,5 +1,4 @@
 #!/usr/bin/env bash
-# SPDX-License-Identifier: Apache-2.0
 # CI check of deploy/ (registered as the CTest test integration.deploy).
 #
 #   1. Kubernetes: renders base, every overlay and compositions with the

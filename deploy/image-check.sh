@@ -1,5 +1,4 @@
 #!/usr/bin/env bash
-# SPDX-License-Identifier: Apache-2.0
 # Builds deploy/Dockerfile into a real image with buildah (Docker format, so
 # the HEALTHCHECK stays), checks its HEALTHCHECK, OCI labels and kill, and
 # runs it: `pdproxy --version`, the HEALTHCHECK script, and engine-sim prefill +

@@ -1,4 +1,3 @@
-/* SPDX-License-Identifier: Apache-2.0 */
 /*
  * libkvconnector — move KV-cache blocks from a prefill engine (producer, "P")
  * to a decode engine (consumer, "D") over UCX.  See docs/ARCHITECTURE.md §3.

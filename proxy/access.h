@@ -1,4 +1,3 @@
-/* SPDX-License-Identifier: Apache-2.0 */
 /* The access log: one line per client request, whatever its fate, in the
  * log's format (log.h). */
 #ifndef PX_ACCESS_H

@@ -1,4 +1,3 @@
-/* SPDX-License-Identifier: Apache-2.0 */
 /* pdproxy's settings. One static table (config.c) drives the command-line
  * flags, the PDPROXY_* environment variables, --help and --print-config. */
 #ifndef PX_CONFIG_H

@@ -1,4 +1,3 @@
-/* SPDX-License-Identifier: Apache-2.0 */
 /* Active health checks (GET /health) and, for load_aware routing, scrapes of
  * each engine's /metrics. Both run on the control thread's event loop. */
 #ifndef PX_HEALTH_H

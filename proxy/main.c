@@ -1,4 +1,3 @@
-/* SPDX-License-Identifier: Apache-2.0 */
 /* pdproxy: prefill/decode disaggregation proxy. Everything lives in the
  * proxy library; this only wires configuration to the server. */
 #include <signal.h>

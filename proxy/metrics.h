@@ -1,4 +1,3 @@
-/* SPDX-License-Identifier: Apache-2.0 */
 /* Prometheus counters. Each worker thread owns a px_metrics and is its only
  * writer (plain relaxed stores, no lock, no shared cache line on the request
  * path); a scrape (scrape.c) sums every worker's at read time. */

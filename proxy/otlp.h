@@ -1,4 +1,3 @@
-/* SPDX-License-Identifier: Apache-2.0 */
 /* Trace export over OTLP/HTTP with the JSON encoding: one server span per
  * request and a client span for each of its prefill and decode legs, whose
  * ids are the ones sent to the engines in `traceparent`, so the engines'

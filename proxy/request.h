@@ -1,4 +1,3 @@
-/* SPDX-License-Identifier: Apache-2.0 */
 /* One client request through the P/D flow, as a state machine:
  * NEW → PREFILL → DECODE → STREAM → DONE, with DONE reachable from any state
  * through the one exit (req_finish: logs, answers once, frees on the next

@@ -1,4 +1,3 @@
-/* SPDX-License-Identifier: Apache-2.0 */
 #include "route.h"
 
 #include <arpa/inet.h>

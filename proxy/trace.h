@@ -1,4 +1,3 @@
-/* SPDX-License-Identifier: Apache-2.0 */
 /* W3C Trace Context: the traceparent header of the upstream legs. */
 #ifndef PX_TRACE_H
 #define PX_TRACE_H

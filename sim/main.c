@@ -1,4 +1,3 @@
-/* SPDX-License-Identifier: Apache-2.0 */
 /* engine-sim: flags → sim_config → engine. */
 #include <getopt.h>
 #include <stdio.h>

@@ -1,4 +1,3 @@
--- SPDX-License-Identifier: Apache-2.0
 -- POST a small non-streamed completion; used by bench/proxy_bench.sh.
 wrk.method = "POST"
 wrk.headers["Content-Type"] = "application/json"

@@ -1,5 +1,4 @@
 #!/usr/bin/env bash
-# SPDX-License-Identifier: Apache-2.0
 # The local demo: installs what is missing, builds, starts one prefill and one
 # decode engine-sim plus pdproxy on loopback, sends a streamed chat request
 # through the proxy, prints the answer as it streams and the KV transfer

@@ -1,4 +1,3 @@
-/* SPDX-License-Identifier: Apache-2.0 */
 /* libFuzzer target: the side-channel messages libkvconnector parses from the
  * network — header, HELLO and CHALLENGE, AUTH, ERROR, HANDSHAKE — exactly as
  * listen.c and peer.c feed them, and the check of the handshake's MAC.  The input is

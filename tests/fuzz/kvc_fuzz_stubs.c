@@ -1,4 +1,3 @@
-/* SPDX-License-Identifier: Apache-2.0 */
 /* What the connector's parsers and auth.c need from loop.c, for fuzz
  * targets that link only the pure sources. */
 #include <time.h>

@@ -1,4 +1,3 @@
-# SPDX-License-Identifier: Apache-2.0
 # deploy/: Kubernetes manifests rendered and cross-checked, Grafana dashboard,
 # the Dockerfile's build steps run into a scratch prefix (no Docker engine),
 # and the wrk scripts run against engine-sim + pdproxy on loopback.

@@ -1,5 +1,4 @@
 #!/usr/bin/env python3
-# SPDX-License-Identifier: Apache-2.0
 """Sidecar mode for llm-d: with --prefiller-from-header the prefill is the
 instance x-prefiller-host-port names (of several, the first), only when its
 host is in --prefiller-allowlist; without the header, decode alone. A header

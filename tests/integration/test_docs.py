@@ -1,4 +1,3 @@
-# SPDX-License-Identifier: Apache-2.0
 """The docs are true: README.md's flags table is generated from pdproxy's
 config table (regenerate with `pdproxy --help-markdown`) and kept in step,
 --help is grouped and fits 80 columns, --version says what was built, no

@@ -1,5 +1,4 @@
 #!/usr/bin/env python3
-# SPDX-License-Identifier: Apache-2.0
 """The access log (issue 6 item 2): one line per request on stderr, in logfmt
 (the default) or JSON, with request id, endpoint, P and D backends, status,
 prefill / first byte / total milliseconds, bytes out and outcome; --log-level;

@@ -1,5 +1,4 @@
 #!/usr/bin/env python3
-# SPDX-License-Identifier: Apache-2.0
 """Trace export (issue 16 item 5): OTLP/HTTP with the JSON encoding to a
 local receiver that checks every payload against the OTLP JSON shape. One
 server span per request with a client span for each of its prefill and decode

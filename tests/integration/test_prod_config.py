@@ -1,5 +1,4 @@
 #!/usr/bin/env python3
-# SPDX-License-Identifier: Apache-2.0
 """Issue 5 item 9, configuration: every flag also as PDPROXY_<NAME> (flags
 win), --print-config dumps the effective values with secrets masked, and an
 invalid value (flag or environment) exits 2 naming the flag, the value and

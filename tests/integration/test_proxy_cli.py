@@ -1,5 +1,4 @@
 #!/usr/bin/env python3
-# SPDX-License-Identifier: Apache-2.0
 """pdproxy command line: toy-proxy flags, lists, env vars, --help/--version,
 bad values (exit 2), startup time, /healthcheck."""
 

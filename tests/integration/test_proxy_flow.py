@@ -1,5 +1,4 @@
 #!/usr/bin/env python3
-# SPDX-License-Identifier: Apache-2.0
 """The prefill -> decode flow: the P request's rewrite, the D request's body
 (P's kv_transfer_params verbatim), X-Request-Id, Authorization, pass-through
 of D's answer, round robin, missing kv_transfer_params warnings."""

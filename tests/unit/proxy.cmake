@@ -1,4 +1,3 @@
-# SPDX-License-Identifier: Apache-2.0
 # Unit tests of the proxy's pure modules.
 foreach(m json rewrite http config log route trace access)
   px_unit_test(${m} pxcore)

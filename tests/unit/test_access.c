@@ -1,4 +1,3 @@
-/* SPDX-License-Identifier: Apache-2.0 */
 /* cmocka.h needs these first. */
 // clang-format off
 #include <setjmp.h>

@@ -1,4 +1,3 @@
-// SPDX-License-Identifier: Apache-2.0
 // Validates rendered Kubernetes objects against the API's OpenAPI schemas
 // (npm kubernetes-models: generated from Kubernetes' own OpenAPI spec, and
 // @kubernetes-models/prometheus-operator from the Prometheus Operator's CRDs,

@@ -1,4 +1,3 @@
-# SPDX-License-Identifier: Apache-2.0
 """Mock upstreams: a raw-socket HTTP/1.1 server standing in for a prefill or
 decode engine, and the canned answers of one.
 

@@ -1,4 +1,3 @@
-# SPDX-License-Identifier: Apache-2.0
 """The processes under test: pdproxy, engine-sim, and how they are started,
 checked and stopped.
 
