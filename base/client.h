@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* An HTTP/1.1 client for plain http:// upstreams on libevent (sockets with events of their own):
  * per-loop keep-alive pools keyed by backend address, TCP_NODELAY, connect,
  * total and idle timeouts, the response head parsed with base/http's strict

@@ -1,9 +1,11 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 #include "base/conn.h"
 
 #include <errno.h>
 #include <event2/buffer.h>
 #include <event2/bufferevent.h>
 #include <event2/bufferevent_ssl.h>
+#include <arpa/inet.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <openssl/ssl.h>
@@ -385,8 +387,8 @@ const char *px_error_type(int status) {
     }
 }
 
-void px_conn_reply_error(px_conn *c, int status, const char *req_id, const char *extra,
-                         const char *msg) {
+size_t px_conn_reply_error(px_conn *c, int status, const char *req_id, const char *extra,
+                           const char *msg) {
     px_buf b;
     px_buf_init(&b);
     px_buf_appends(&b, "{\"error\":{\"message\":");
@@ -394,7 +396,9 @@ void px_conn_reply_error(px_conn *c, int status, const char *req_id, const char 
     px_buf_printf(&b, ",\"type\":\"%s\",\"param\":null,\"code\":%d}}", px_error_type(status),
                   status);
     px_conn_reply(c, status, "application/json", req_id, extra, b.data, b.len);
+    size_t n = b.len;
     px_buf_cleanup(&b);
+    return n;
 }
 
 /* Closes once the client has stopped sending (or after a short while):
@@ -549,6 +553,18 @@ void px_conn_abort(px_conn *c) {
     c->xcbs = NULL;
     c->streaming = 0;
     close_after_flush(c);
+}
+
+void px_conn_peer(const px_conn *c, char *out, size_t n) {
+    struct sockaddr_storage ss;
+    socklen_t sl = sizeof ss;
+    evutil_socket_t fd = bufferevent_getfd(c->bev);
+    if (n) out[0] = '\0';
+    if (fd < 0 || getpeername(fd, (struct sockaddr *)&ss, &sl) != 0) return;
+    if (ss.ss_family == AF_INET)
+        inet_ntop(AF_INET, &((struct sockaddr_in *)&ss)->sin_addr, out, (socklen_t)n);
+    else if (ss.ss_family == AF_INET6)
+        inet_ntop(AF_INET6, &((struct sockaddr_in6 *)&ss)->sin6_addr, out, (socklen_t)n);
 }
 
 size_t px_conn_pending(const px_conn *c) {

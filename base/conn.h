@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* HTTP/1.1 server connections on libevent bufferevents: reading requests
  * (heads, Content-Length and chunked bodies, pipelining, timeouts) and
  * writing responses (whole, or streamed with backpressure). Used by the
@@ -88,9 +89,10 @@ void px_conn_bind(px_conn *c, const px_exchange_cbs *cbs, void *arg);
  * lines ("Name: value\r\n"...) or is NULL. */
 void px_conn_reply(px_conn *c, int status, const char *ctype, const char *req_id, const char *extra,
                    const char *body, size_t n);
-/* An OpenAI-style error: {"error":{"message","type","code"}}. */
-void px_conn_reply_error(px_conn *c, int status, const char *req_id, const char *extra,
-                         const char *msg);
+/* An OpenAI-style error: {"error":{"message","type","code"}}. Returns the
+ * body's bytes (for the access line's bytes_out). */
+size_t px_conn_reply_error(px_conn *c, int status, const char *req_id, const char *extra,
+                           const char *msg);
 /* Starts a streamed response (chunked for HTTP/1.1 clients, close-delimited
  * for HTTP/1.0). */
 void px_conn_stream_start(px_conn *c, int status, const char *ctype, const char *req_id,
@@ -102,6 +104,9 @@ void px_conn_stream_end(px_conn *c);
 void px_conn_abort(px_conn *c);
 /* Bytes queued for the client and not yet written to its socket. */
 size_t px_conn_pending(const px_conn *c);
+/* The client's IP address as text (IPv4 or IPv6, no port) into out; "" when
+ * the socket has none (a Unix socket, or it is gone). */
+void px_conn_peer(const px_conn *c, char *out, size_t n);
 
 /* The OpenAI error "type" for a status. */
 const char *px_error_type(int status);

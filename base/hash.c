@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 #include "base/hash.h"
 
 uint64_t px_hash64_seed(const void *p, size_t n, uint64_t seed) {

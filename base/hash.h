@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The one 64-bit hash, and the one bit mixer, proxy/ and sim/ share. */
 #ifndef PX_HASH_H
 #define PX_HASH_H

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* HTTP/1.1 request parsing (RFC 9112), pure and incremental where bodies
  * are concerned. It is strict where leniency enables request smuggling:
  * Content-Length with Transfer-Encoding, conflicting lengths, obs-folded

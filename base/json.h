@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* A strict, allocation-free JSON scanner (RFC 8259) that works on byte spans.
  *
  * pdproxy never re-serialises the JSON it forwards: values travel as the

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Intrusive doubly linked lists: any struct with `prev` and `next` pointers
  * to its own type, reached from a head pointer that is NULL when the list is
  * empty.  Walk with `for (x = head; x; x = x->next)`; to unlink while

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Listening sockets for HTTP servers: resolve, bind, listen, and hand each
  * accepted connection to px_conn_accept(). The proxy's workers, its metrics
  * and admin listeners and engine-sim all listen through here. */

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Leveled logging to stderr, one logfmt line per event, or one JSON object
  * per line (--log-format json): there, bare values that are numbers become
  * JSON numbers (except for keys that name identifiers, such as req), and

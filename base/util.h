@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Small shared helpers: checked allocation, growable byte buffers, ids. */
 #ifndef PX_UTIL_H
 #define PX_UTIL_H

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Counts heap allocations of a process: an LD_PRELOAD library for the
  * benchmark (bench/proxy_bench.sh ALLOCS=1). Each malloc, calloc and realloc
  * is counted; the totals are written to the file named by ALLOC_COUNT_OUT

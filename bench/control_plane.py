@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
 """Control-plane scale figures for pdproxy with thousands of backends
 (issue 30, item 3), on loopback:
 

@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
 """Hostile mix: legitimate clients through pdproxy while, at the same time,
 clients pipeline requests and never read, send bodies and stall, leave at
 random points, a prefill answers 5xx in bursts, and (as root, with

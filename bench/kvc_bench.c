@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* kvc_bench: libkvconnector bandwidth and latency on one host.
  *
  * Forks a producer process; the parent is the consumer.  For each block size

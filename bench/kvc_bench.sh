@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # Connector benchmark: kvc_bench over tcp and over shared memory, each next to
 # ucx_perftest ucp_get (and ucp_am_bw, what the push protocol uses) at the
 # same sizes and UCX_TLS, in one run.  Not a test.

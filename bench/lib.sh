@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 # Shared by the benchmark scripts (sourced): a work directory removed on
 # exit, background processes (append their pids to `pids`) stopped on exit,
 # free loopback ports, and waiting for a port to accept connections.

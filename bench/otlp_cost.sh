@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # What trace export costs pdproxy, in instructions per request (valgrind
 # callgrind): a figure that a busy or shared machine does not blur, unlike
 # req/s.  pdproxy runs under callgrind with export off, then on (sampler 1.0,
@@ -40,7 +41,7 @@ instructions() { # on|off N -> total instructions of one pdproxy run
     [ "$1" = on ] && envs=(OTEL_EXPORTER_OTLP_ENDPOINT="http://127.0.0.1:$O"
                            OTEL_TRACES_SAMPLER=traceidratio OTEL_TRACES_SAMPLER_ARG=1.0)
     env ${envs[@]+"${envs[@]}"} valgrind --tool=callgrind --callgrind-out-file="$work/cg.$1.$2" \
-        "$pdproxy" --port "$X" --threads 1 --log-level warn \
+        "$pdproxy" --port "$X" --threads 1 --log-level warn --access-log=false \
         --prefill "http://127.0.0.1:$P" --decode "http://127.0.0.1:$D" 2>"$work/logs/vg.$1.$2" &
     vp=$!
     wait_port "$X" 60

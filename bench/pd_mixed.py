@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
 """Mixed workload through pdproxy and an engine-sim P/D pair on loopback:
 mean time to first token and prefill load with --disagg-min-tokens 0
 (always disaggregate) against a tuned threshold.
@@ -105,7 +106,7 @@ def run(args, threshold, reqs):
                         + common, "/health", track=procs.append).port
         xp = start_proc("pdproxy", lambda port: [
             os.path.join(args.bin, "pdproxy"), "--port", str(port), "--threads", "1",
-            "--log-level", "warn", "--prefiller-hosts", HOST, "--prefiller-ports", str(pp),
+            "--log-level", "warn", "--access-log=false", "--prefiller-hosts", HOST, "--prefiller-ports", str(pp),
             "--decoder-hosts", HOST, "--decoder-ports", str(dp),
             "--disagg-min-tokens", str(threshold),
             "--disagg-bytes-per-token", str(BYTES_PER_TOKEN)], "/healthcheck",

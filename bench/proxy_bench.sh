@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # Benchmark: pdproxy's cost per request, side by side in one run.
 #
 #   (a) wrk straight at a mock decode engine (nginx returning a canned answer)
@@ -125,13 +126,13 @@ http {
 CONF
 nginx -c "$work/backends.conf" -g 'daemon off;' & pids+=($!)
 nginx -c "$work/onehop.conf" -g 'daemon off;' & pids+=($!)
-"$pdproxy" --port "$X" --threads "$pthreads" --log-level warn \
+"$pdproxy" --port "$X" --threads "$pthreads" --log-level warn --access-log=false \
     --prefiller-hosts 127.0.0.1 --prefiller-ports "$P" \
     --decoder-hosts 127.0.0.1 --decoder-ports "$D" 2>"$work/logs/pdproxy.err" & ppid=$!
 pids+=($ppid)
 ports="$P $D $N $X"
 if [ "$https" = 1 ]; then
-    "$pdproxy" --port "$TX" --threads "$pthreads" --log-level warn --upstream-insecure \
+    "$pdproxy" --port "$TX" --threads "$pthreads" --log-level warn --access-log=false --upstream-insecure \
         --prefill "https://127.0.0.1:$TP" --decode "https://127.0.0.1:$TD" \
         2>"$work/logs/pdproxy-https.err" & tpid=$!
     pids+=($tpid)
@@ -140,7 +141,7 @@ fi
 if [ "$otlp" = 1 ]; then
     OTEL_EXPORTER_OTLP_ENDPOINT=http://127.0.0.1:$O OTEL_SERVICE_NAME=pdproxy-bench \
     OTEL_TRACES_SAMPLER=traceidratio OTEL_TRACES_SAMPLER_ARG=1.0 \
-        "$pdproxy" --port "$Y" --threads "$pthreads" --log-level warn \
+        "$pdproxy" --port "$Y" --threads "$pthreads" --log-level warn --access-log=false \
         --prefiller-hosts 127.0.0.1 --prefiller-ports "$P" \
         --decoder-hosts 127.0.0.1 --decoder-ports "$D" 2>"$work/logs/pdproxy-otlp.err" & pids+=($!)
     ports="$ports $Y"
@@ -198,7 +199,7 @@ if [ -n "${SSE:-}" ]; then
     # Streaming: 256 concurrent client streams of 200 events each, through
     # pdproxy (prefill, then the SSE decode) and through nginx one hop with
     # proxy_buffering off, on the same mock. CPU from /proc/<pid>/stat.
-    "$pdproxy" --port "$XS" --threads "$pthreads" --log-level warn \
+    "$pdproxy" --port "$XS" --threads "$pthreads" --log-level warn --access-log=false \
         --prefiller-hosts 127.0.0.1 --prefiller-ports "$P" \
         --decoder-hosts 127.0.0.1 --decoder-ports "$S" 2>>"$work/logs/pdproxy.err" & spid=$!
     pids+=($spid)
@@ -265,7 +266,7 @@ if [ -n "${ALLOCS:-}" ]; then
     cc -O2 -shared -fPIC -o "$work/alloc_count.so" "$root/bench/alloc_count.c"
     A=$(free_port)
     ALLOC_COUNT_OUT=$work/allocs LD_PRELOAD=$work/alloc_count.so \
-        "$pdproxy" --port "$A" --threads "$pthreads" --log-level warn \
+        "$pdproxy" --port "$A" --threads "$pthreads" --log-level warn --access-log=false \
         --prefiller-hosts 127.0.0.1 --prefiller-ports "$P" \
         --decoder-hosts 127.0.0.1 --decoder-ports "$D" 2>>"$work/logs/pdproxy.err" & apid=$!
     pids+=($apid)

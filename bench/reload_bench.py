@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
 """Reload figures for pdproxy's --config file, on loopback with engine-sim
 P/D pairs:
 

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # Soak benchmark: wrk through pdproxy to engine-sims for DURATION seconds
 # (default 300) while a second client population disconnects at random points
 # and one prefill instance is killed and restarted every FLAP seconds.
@@ -28,7 +29,7 @@ sim "$P1"; pids+=($!)
 sim "$P2"; p2=$!
 sim "$D1"; pids+=($!)
 sim "$D2"; pids+=($!)
-"$bin/pdproxy" --port "$X" --threads 2 --log-level warn --drain-delay 0 \
+"$bin/pdproxy" --port "$X" --threads 2 --log-level warn --access-log=false --drain-delay 0 \
     --health-interval 1 --unhealthy-after 2 --healthy-after 1 --connect-timeout 1 \
     --prefill "http://127.0.0.1:$P1" --prefill "http://127.0.0.1:$P2" \
     --decode "http://127.0.0.1:$D1" --decode "http://127.0.0.1:$D2" 2>"$work/pdproxy.log" &

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Cluster authentication of the side channel: the shared secret, nonces and
  * tokens (OpenSSL RAND_bytes), the two handshake MACs (HMAC-SHA-256) and
  * their constant-time comparison, and the sealed channel that follows AUTH

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The agent: UCX context and worker, create/destroy, progress (which drives
  * the other files' I/O and timers) and counters.  The pieces every file
  * calls back into (log, clock, event queue, wake-up, poll set) are in

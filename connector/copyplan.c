@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Copy planning for CUDA staging (pure, built with or without CUDA): the
  * block ids of a publish or fetch become as few copies as the layout
  * allows, one cudaMemcpyAsync per run of consecutive blocks, or one

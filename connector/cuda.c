@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* CUDA side of libkvconnector: per-device streams for the staged copies
  * between device regions and the pinned staging pool, ordering against the
  * engine's stream or event, and the device of each region.

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Build without CUDA: every CUDA entry point reports it is unavailable.  The
  * copy planner is pure and shared by both builds (copyplan.c). */
 #include "connector/kvc_int.h"

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Internal declarations shared by the connector's files.  Not installed. */
 #ifndef KVC_INT_H
 #define KVC_INT_H

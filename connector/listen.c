@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The producer side of the side channel: a TCP listener that authenticates
  * each consumer (HELLO, CHALLENGE, AUTH: HMAC-SHA-256 over both nonces with
  * the cluster secret) and only then answers with this agent's handshake

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* What every connector file calls back into, kept apart from the agent so
  * that calls run one way (context.c -> peer.c, xfer.c, ... -> loop.c): the
  * status text and kvc_free, the clock, logging, the event queue, the wake-up

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* KV regions: registration of caller memory, connector-allocated host pools
  * (ucp_mem_map ALLOCATE: shared memory, so same-host gets are one-sided),
  * CUDA regions (direct, or staged through the pinned pool of stage.c),

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Notifications: the consumer tells the producer "<remote_request_id>:<tp>"
  * with the publication's token (an active message on the endpoint the data
  * used, after the data landed); the producer releases the request's blocks

@@ -1,4 +1,5 @@
-/* kv_transfer_params: the JSON object a producer returns (DESIGN.md §1.1)
+/* SPDX-License-Identifier: Apache-2.0 */
+/* kv_transfer_params: the JSON object a producer returns (docs/ARCHITECTURE.md §1)
  * and the consumer's reading of it, with the publication's token
  * ("remote_kv_token", 32 hex digits).  Unknown keys are ignored; block ids may
  * be a flat list or, as newer engines send, a list of per-group lists (one

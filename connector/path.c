@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Which way a consumer reads a producer's blocks (pure; peer.c applies it
  * after the handshake).  Device memory is read one-sided only over a
  * transport that reaches it: cuda_ipc between GPUs of one host, or an RDMA

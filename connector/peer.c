@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The consumer side of the side channel: the cache of producers ("peers"):
  * connect, authenticate, compatibility checks, UCX endpoint and unpacked
  * rkeys.  A peer whose endpoint fails is dropped from the cache, so the next

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Producer bookkeeping: the table of published requests (hash by request id),
  * kvc_publish / kvc_unpublish, and expiry.  Release by notification is in
  * notify.c.

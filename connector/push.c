@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Pushes: the producer side of a fetch.  A PULL active message names a
  * publication, its token and the runs wanted; the producer checks them
  * (pull_check) and answers with DATA messages read straight from the

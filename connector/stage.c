@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* CUDA staging through a bounded pinned pool.
  *
  * Without CUDA memory support in UCX, device regions are not mirrored in

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Wire formats: side-channel handshake, pull requests, data headers and
  * notifications.  Pure functions (no I/O, no UCX calls) so that the fuzzers
  * and unit tests exercise exactly what the agent runs.

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Fetches: the consumer side of a transfer (the producer's push is push.c).
  *
  * A fetch goes WAIT_PEER -> [CONFIRM] -> DATA -> [FLUSH -> CHECK] -> NOTIFY

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # CI check of deploy/ (registered as the CTest test integration.deploy).
 #
 #   1. Kubernetes: renders base, every overlay and compositions with the
@@ -118,6 +119,7 @@ compose() {  # name overlay component...
 }
 compose sim-monitoring sim monitoring
 compose vllm-monitoring vllm monitoring
+compose vllm-keda vllm monitoring keda
 compose vllm-rdma-multus vllm-rdma rdma-multus monitoring
 compose sim-config-file sim config-file
 for c in "$deploy"/k8s/components/*/; do
@@ -183,7 +185,9 @@ def err(where, msg):
 def help_flags(path):
     flags = set()
     for line in open(path, encoding="utf-8", errors="replace"):
-        m = re.match(r"^\s+(--[a-z0-9][a-z0-9-]*(?:/--[a-z0-9][a-z0-9-]*)*)", line)
+        # A flag opens its line with two spaces (pdproxy's wrapped descriptions
+        # are indented further); aliases follow "/" (engine-sim) or "also" (pdproxy).
+        m = re.match(r"^  (--[a-z0-9][a-z0-9-]*(?:/--[a-z0-9][a-z0-9-]*)*)", line)
         if m:
             flags.update(f[2:] for f in m.group(1).split("/"))
         # engine-sim's help also lists "--help, --version" on one line
@@ -258,6 +262,7 @@ FIELDS = {
 def unknown_fields(kind, obj):
     return sorted(set(obj or {}) - FIELDS[kind])
 total_checks = [0]
+alert_metrics = set()   # metrics the PrometheusRule alerts use (checked live later)
 
 for ov in overlays:
     path = os.path.join(work, "k8s", ov.replace("/", "_") + ".yaml")
@@ -554,6 +559,10 @@ for ov in overlays:
                     ktc = json.loads(am.get("kv-transfer-config") or "")
                     if ktc.get("kv_connector") != "NixlConnector" or ktc.get("kv_role") != "kv_both":
                         err(cw, "--kv-transfer-config must name NixlConnector with kv_role kv_both: %s" % ktc)
+                    # What a failed KV load does is a decision to state, not
+                    # a default to rely on (it changed in vLLM's PR #34896).
+                    if ktc.get("kv_load_failure_policy") not in ("fail", "recompute"):
+                        err(cw, "--kv-transfer-config must state kv_load_failure_policy (fail or recompute): %s" % ktc)
                 except ValueError:
                     err(cw, "--kv-transfer-config is not JSON: %r" % am.get("kv-transfer-config"))
                 if not is_pod_ip("VLLM_NIXL_SIDE_CHANNEL_HOST"):
@@ -563,6 +572,30 @@ for ov in overlays:
                     err(cw, "VLLM_NIXL_SIDE_CHANNEL_PORT %r is no containerPort" % v)
                 if env_value("UCX_NET_DEVICES")[0] is None:
                     err(cw, "UCX_NET_DEVICES not set")
+                # Shutdown: vLLM aborts requests in flight on SIGTERM unless
+                # --shutdown-timeout is set (default 0 since v0.18); a preStop
+                # sleep lets pdproxy drop the pod first, and the grace period
+                # covers both.
+                try:
+                    sdt = float(am.get("shutdown-timeout") or 0)
+                except ValueError:
+                    sdt = 0
+                if sdt <= 0:
+                    err(cw, "needs --shutdown-timeout=N > 0 (vLLM's default 0 aborts requests in flight on SIGTERM)")
+                pre = ((c.get("lifecycle") or {}).get("preStop")) or {}
+                vsleep = None
+                if "sleep" in pre:
+                    vsleep = float(pre["sleep"].get("seconds", 0))
+                elif "exec" in pre:
+                    cmd = pre["exec"].get("command") or []
+                    if cmd and cmd[0] in ("sleep", "/bin/sleep", "/usr/bin/sleep") and len(cmd) == 2:
+                        vsleep = float(cmd[1])
+                if vsleep is None or vsleep < 10:
+                    err(cw, "needs a preStop sleep of at least 10 s (pdproxy re-resolves backends every PDPROXY_DNS_REFRESH, 10 s)")
+                vgrace = pod.get("terminationGracePeriodSeconds", 30)
+                if vgrace < (vsleep or 0) + sdt + 5:
+                    err(w, "terminationGracePeriodSeconds %s < preStop %g + --shutdown-timeout %g + 5 s margin"
+                        % (vgrace, vsleep or 0, sdt))
                 if str(lim.get("nvidia.com/gpu", "0")) in ("0", "") or str(req.get("nvidia.com/gpu", lim.get("nvidia.com/gpu"))) != str(lim.get("nvidia.com/gpu")):
                     err(cw, "needs nvidia.com/gpu in limits (and equal requests)")
                 if role and role not in name:
@@ -902,6 +935,65 @@ for ov in overlays:
             if d["metadata"]["name"] not in scraped:
                 err(ov, "no ServiceMonitor/PodMonitor scrapes Deployment/%s" % d["metadata"]["name"])
 
+    # ---- KEDA ScaledObjects (components/keda): each scales a rendered
+    # Deployment that sets no replicas of its own, on its own pool's
+    # vllm:num_requests_waiting from Prometheus.
+    for (k, ns, n), so in objs.items():
+        if k != "ScaledObject":
+            continue
+        w = "%s ScaledObject/%s" % (ov, n)
+        ref = so["spec"].get("scaleTargetRef") or {}
+        target = [d for d in deps if d["metadata"]["name"] == ref.get("name") and d["metadata"].get("namespace") == ns]
+        if ref.get("kind", "Deployment") != "Deployment" or not target:
+            err(w, "scaleTargetRef %s names no rendered Deployment" % ref)
+        elif "replicas" in target[0]["spec"]:
+            err(w, "Deployment/%s sets replicas, which kubectl apply would reset under the autoscaler" % ref.get("name"))
+        if not (1 <= int(so["spec"].get("minReplicaCount", 0)) <= int(so["spec"].get("maxReplicaCount", 100))):
+            err(w, "needs 1 <= minReplicaCount <= maxReplicaCount (a pool scaled to 0 cannot serve)")
+        for t in so["spec"].get("triggers") or []:
+            md = t.get("metadata") or {}
+            q = md.get("query", "")
+            if t.get("type") != "prometheus" or "vllm:num_requests_waiting" not in q:
+                err(w, "trigger must be prometheus on vllm:num_requests_waiting: %s" % t)
+            m = re.search(r'pod=~"([^"]*)"', q)
+            if not m or not re.fullmatch(m.group(1), ref.get("name", "") + "-abc12-xyz34"):
+                err(w, "query %r does not select the pods of Deployment/%s" % (q, ref.get("name")))
+            try:
+                float(md.get("threshold", ""))
+            except ValueError:
+                err(w, "threshold %r is not a number" % md.get("threshold"))
+        total_checks[0] += 1
+
+    # ---- PrometheusRule alerts: the ones the guide promises, each with an
+    # expression, a severity and a summary; their metrics are checked
+    # against live /metrics pages later (alert-metrics.txt).
+    want_alerts = {"PdproxyNoReadyPrefill", "PdproxyNoReadyDecode", "PdproxyHighErrorRatio",
+                   "PdproxyHighTimeToFirstByte", "PdproxyKVBlocksStranded", "PdproxyPanicRouting",
+                   "PdproxyDNSFailures"}
+    for (k, ns, n), pr in objs.items():
+        if k != "PrometheusRule":
+            continue
+        w = "%s PrometheusRule/%s" % (ov, n)
+        seen_alerts = set()
+        for g in pr["spec"].get("groups") or []:
+            for r in g.get("rules") or []:
+                a = r.get("alert")
+                if not a:
+                    continue
+                seen_alerts.add(a)
+                expr = r.get("expr", "")
+                if not expr or expr.count("(") != expr.count(")"):
+                    err(w, "alert %s: empty or unbalanced expr %r" % (a, expr))
+                if (r.get("labels") or {}).get("severity") not in ("critical", "warning", "info"):
+                    err(w, "alert %s: severity label missing" % a)
+                if not (r.get("annotations") or {}).get("summary"):
+                    err(w, "alert %s: no summary annotation" % a)
+                for mname in re.findall(r"\b((?:pdproxy|engine_sim|process)_[a-z0-9_]+|vllm:[a-z0-9_:]+)", expr):
+                    alert_metrics.add(re.sub(r"_bucket$", "", mname))
+        for a in sorted(want_alerts - seen_alerts):
+            err(w, "no alert %s" % a)
+        total_checks[0] += 1
+
     # ---- the ConfigMap's values through pdproxy's own parser
     for (ns, n), cm in cms.items():
         data = cm.get("data") or {}
@@ -936,6 +1028,9 @@ for ov in overlays:
 
     print("   %s: %d objects (%s)" % (ov, len(objs), ", ".join(sorted("%s/%s" % (k, n) for (k, _, n) in objs))))
 
+open(os.path.join(work, "alert-metrics.txt"), "w").write("".join(m + "\n" for m in sorted(alert_metrics)))
+if not alert_metrics:
+    err("components/monitoring", "no PrometheusRule alert rendered anywhere")
 if errors:
     for e in errors:
         print("deploy/check: FAIL: " + e, file=sys.stderr)
@@ -981,19 +1076,13 @@ out_names = sys.argv.pop(1)
 all_used = set()
 label_uses = {}   # metric -> labels the dashboard groups or filters it by
 TARGET_LABELS = {"instance", "job", "namespace", "pod", "le", "__name__"}  # added by Prometheus, or histogram buckets
-ALLOWED = {
-    "pdproxy_requests_total", "pdproxy_request_duration_seconds", "pdproxy_time_to_first_byte_seconds",
-    "pdproxy_prefill_duration_seconds", "pdproxy_upstream_requests_total", "pdproxy_backend_up",
-    "pdproxy_backend_inflight", "pdproxy_kv_transfer_params_missing_total",
-    "pdproxy_remote_request_id_missing_total", "pdproxy_client_disconnects_total", "pdproxy_retries_total",
-    "process_resident_memory_bytes", "process_open_fds", "process_cpu_seconds_total",
-    "pdproxy_build_info", "process_start_time_seconds",
-    "pdproxy_trace_spans_exported_total", "pdproxy_trace_spans_dropped_total",
-}
+# pdproxy's and the process metrics are checked against a live /metrics page
+# below (section 5: each one the dashboard uses must be exposed, and each one
+# exposed must have a panel), not against a list kept here.
 HISTOGRAMS = {"pdproxy_request_duration_seconds", "pdproxy_time_to_first_byte_seconds",
               "pdproxy_prefill_duration_seconds"}
-REQUIRED = ALLOWED | {"vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
-                      "engine_sim_kv_blocks_expired_total"}
+REQUIRED = {"vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+            "engine_sim_kv_blocks_expired_total"}
 WORDS = {"sum", "min", "max", "avg", "count", "stddev", "stdvar", "topk", "bottomk", "quantile",
          "count_values", "group", "by", "without", "on", "ignoring", "group_left", "group_right",
          "bool", "and", "or", "unless", "offset", "inf", "nan", "le", "atan2"}
@@ -1017,7 +1106,7 @@ def metrics_of(expr):
     return out
 
 def allowed(name):
-    if name in ALLOWED or name.startswith("vllm:") or name.startswith("engine_sim_"):
+    if name.startswith(("pdproxy_", "process_", "vllm:", "engine_sim_")):
         return True
     for h in HISTOGRAMS:
         if name in (h + "_bucket", h + "_sum", h + "_count"):
@@ -1130,6 +1219,38 @@ grep -Eq '^EXPOSE +8000' "$df" || die "Dockerfile: EXPOSE 8000 missing"
 grep -q '^HEALTHCHECK' "$df" || die "Dockerfile: HEALTHCHECK missing"
 grep -q '^ENTRYPOINT \["pdproxy"\]' "$df" || die "Dockerfile: ENTRYPOINT [\"pdproxy\"] missing"
 grep -q 'build-steps.sh build ' "$df" || die "Dockerfile: the build stage must run build-steps.sh build"
+# No parser directive: `# syntax=` makes BuildKit fetch a frontend image from a
+# registry, and nothing here needs one.
+! grep -qi '^# *syntax *=' "$df" || die "Dockerfile: drop the '# syntax=' directive (it needs a registry at build time)"
+# OCI labels: source, version (CMake's), revision, licenses (LICENSE's).
+for l in source version revision licenses; do
+    grep -q "org.opencontainers.image.$l=" "$df" || die "Dockerfile: LABEL org.opencontainers.image.$l missing"
+done
+grep -q 'org.opencontainers.image.licenses="Apache-2.0"' "$df" && grep -q 'Apache License' "$root/LICENSE" &&
+    grep -q 'Version 2.0, January 2004' "$root/LICENSE" ||
+    die "Dockerfile: org.opencontainers.image.licenses must be LICENSE's Apache-2.0"
+cmake_version=$(sed -n 's/^project(pdproxy VERSION \([0-9.]*\).*/\1/p' "$root/CMakeLists.txt")
+grep -q "^ARG VERSION=$cmake_version\$" "$df" || die "Dockerfile: ARG VERSION is not CMakeLists.txt's $cmake_version"
+# The documented reload (`kubectl exec POD -- kill -HUP 1`) needs a kill
+# binary: procps ships /bin/kill; the slim base has none.
+if grep -rq 'kill -HUP 1' "$deploy/README.md" "$root/README.md"; then
+    case " $runtime_pkgs " in *" procps "*) ;; *) die "Dockerfile: the docs reload with 'kill -HUP 1' but RUNTIME_PACKAGES has no procps (/bin/kill)" ;; esac
+fi
+# .dockerignore at the context's root keeps build directories out of the
+# upload, and excludes no COPY source.
+di=$root/.dockerignore
+[ -f "$di" ] || die ".dockerignore missing at the repository root (the build context)"
+for want in 'build*/' '.git/'; do
+    grep -qxF "$want" "$di" || die ".dockerignore does not exclude $want"
+done
+while read -r src; do
+    while read -r pat; do
+        case "$pat" in ''|'#'*) continue ;; esac
+        pat=${pat%/}
+        # shellcheck disable=SC2254
+        case "$src" in $pat|$pat/*) die ".dockerignore pattern $pat excludes COPY source $src" ;; esac
+    done <"$di"
+done < <(awk '/^COPY / && !/--from=/ { for (i = 2; i < NF; i++) print $i }' "$df")
 # every COPY source from the context exists
 while read -r src; do
     [ -e "$root/$src" ] || die "Dockerfile: COPY source $src does not exist"
@@ -1162,6 +1283,11 @@ while read -r src dst; do
     mkdir -p "$(dirname "$ctx/$dst")"
     cp -a "$root/$src" "$ctx/$dst"
 done < <(awk '/^FROM /{stage=($0 ~ / AS build$/)} stage && /^COPY / && !/--from=/ && NF == 3 {print $2, $3}' "$df")
+# What .dockerignore keeps out of the context is not in the image either.
+while read -r pat; do
+    case "$pat" in ''|'#'*|'**'*|'build*/'|'.git/') continue ;; esac
+    rm -rf "${ctx:?}/${pat%/}"
+done <"$root/.dockerignore"
 [ -f "$ctx/CMakeLists.txt" ] || die "Dockerfile: the build stage does not COPY CMakeLists.txt into its WORKDIR"
 prefix_dir=$work/image/opt/pdproxy
 if [ -n "${DEPLOY_CHECK_PREFIX:-}" ]; then
@@ -1393,10 +1519,38 @@ for m, labels in sorted(label_uses.items()):
         if l not in labels_seen.get(m, set()):
             errors.append("the dashboard groups or filters %s by label %r, which its live samples do not carry (they have: %s)"
                           % (m, l, ", ".join(sorted(labels_seen.get(m, []))) or "no labels"))
+# Every metric the alerts (components/monitoring/alerts.yaml) use is exposed
+# by pdproxy or engine-sim: an alert on a misspelt metric never fires.
+amp = os.path.join(work, "alert-metrics.txt")
+nalert = 0
+if not os.path.exists(amp):
+    errors.append("no alert-metrics.txt from the kubernetes section")
+else:
+    for m in [l.strip() for l in open(amp) if l.strip()]:
+        nalert += 1
+        if m.startswith(("vllm:", "engine_sim_")):
+            if m not in engine:
+                errors.append("an alert uses %s, which engine-sim's /metrics does not expose" % m)
+        elif px is not None and m not in px and m + "_bucket" not in px:
+            errors.append("an alert uses %s, which pdproxy's /metrics does not expose" % m)
+# Every metric family pdproxy exposes has a panel: the list comes from the
+# live page (its # TYPE lines), so a new metric without a panel fails here.
+nfam = 0
+if px is not None:
+    fams = set()
+    for line in open(px_path, errors="replace"):
+        m = re.match(r"#\s*TYPE\s+(\S+)\s", line)
+        if m:
+            fams.add(m.group(1))
+    nfam = len(fams)
+    for f in sorted(fams - set(used)):
+        errors.append("pdproxy's /metrics exposes %s, which no dashboard panel shows "
+                      "(deploy/dashboards/pdproxy.json)" % f)
 if errors:
     for e in errors:
         print("deploy/check: FAIL: " + e, file=sys.stderr)
     sys.exit(1)
+print("   %d metric families on pdproxy's live /metrics, each with a panel; %d alert metrics exposed" % (nfam, nalert))
 print("   %d label uses checked against live samples" % nlabels)
 print("   %d of the dashboard's %d metrics found in live /metrics pages%s"
       % (checked, len(used), "" if px is not None else " (engines only)"))

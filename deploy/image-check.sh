@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# Builds deploy/Dockerfile into a real OCI image with buildah and runs it:
-# `pdproxy --version`, the HEALTHCHECK script, and engine-sim prefill +
+# SPDX-License-Identifier: Apache-2.0
+# Builds deploy/Dockerfile into a real image with buildah (Docker format, so
+# the HEALTHCHECK stays), checks its HEALTHCHECK, OCI labels and kill, and
+# runs it: `pdproxy --version`, the HEALTHCHECK script, and engine-sim prefill +
 # decode + pdproxy inside the image answering one streamed request on
 # loopback.  Prints the image's size and what is in it.
 #
@@ -75,10 +77,17 @@ else
     echo "   $build_base ($(bh images --format '{{.Size}}' "$build_base" | head -1))"
 fi
 
-section "buildah bud --isolation chroot -f deploy/Dockerfile"
+section "buildah bud --format docker --isolation chroot -f deploy/Dockerfile"
+# Docker format: the OCI image format has no HEALTHCHECK (buildah drops it).
+version=$(sed -n 's/^project(pdproxy VERSION \([0-9.]*\).*/\1/p' "$root/CMakeLists.txt")
+revision=$(git -C "$root" rev-parse HEAD 2>/dev/null || echo unknown)
+source_url=$(git -C "$root" remote get-url origin 2>/dev/null || true)
+case "$source_url" in https://*) ;; *) source_url=https://example.com/pdproxy ;; esac
 if ! timeout 1200 env JOBS="${JOBS:-2}" buildah --root "$work/storage" --runroot "$work/run" \
-        --storage-driver vfs bud --isolation chroot --layers=false \
+        --storage-driver vfs bud --format docker --isolation chroot --layers=false \
         --build-arg BUILD_BASE="$build_base" --build-arg RUNTIME_BASE="$runtime_base" \
+        --build-arg VERSION="$version" --build-arg REVISION="$revision" \
+        --build-arg SOURCE_URL="$source_url" \
         -f "$root/deploy/Dockerfile" -t "$tag" "$root" >"$work/bud.log" 2>&1; then
     tail -40 "$work/bud.log" >&2; die "image build failed (log: $work/bud.log)"
 fi
@@ -90,11 +99,26 @@ brun() { timeout 60 buildah --root "$work/storage" --runroot "$work/run" --stora
     run --isolation chroot "$@"; }
 user=$(bh inspect --format '{{.OCIv1.Config.User}}' "$ctr")
 [ "$user" = "10001:10001" ] || die "image user is '$user', want 10001:10001"
+# The configuration the image carries: the HEALTHCHECK (lost in OCI format)
+# and the OCI labels.
+hc=$(bh inspect --type image --format '{{if .Docker.Config.Healthcheck}}{{.Docker.Config.Healthcheck.Test}}{{end}}' "$tag")
+case "$hc" in *pdproxy-healthcheck*) echo "   HEALTHCHECK: $hc" ;; *) die "the image has no HEALTHCHECK (got '$hc')" ;; esac
+for l in source version revision licenses; do
+    v=$(bh inspect --type image --format "{{index .OCIv1.Config.Labels \"org.opencontainers.image.$l\"}}" "$tag")
+    [ -n "$v" ] || die "label org.opencontainers.image.$l missing"
+    echo "   org.opencontainers.image.$l=$v"
+done
+[ "$(bh inspect --type image --format '{{index .OCIv1.Config.Labels "org.opencontainers.image.version"}}' "$tag")" = "$version" ] ||
+    die "org.opencontainers.image.version is not $version"
+[ "$(bh inspect --type image --format '{{index .OCIv1.Config.Labels "org.opencontainers.image.licenses"}}' "$tag")" = Apache-2.0 ] ||
+    die "org.opencontainers.image.licenses is not Apache-2.0"
 v=$(brun "$ctr" -- pdproxy --version) || die "pdproxy --version failed in the image"
 echo "   pdproxy --version: $v"
 case "$v" in "pdproxy "[0-9]*) ;; *) die "unexpected pdproxy --version: $v" ;; esac
 v=$(brun "$ctr" -- engine-sim --version) || die "engine-sim --version failed in the image"
 echo "   engine-sim --version: $v"
+# `kubectl exec POD -- kill -HUP 1` (the documented reload) execs /bin/kill.
+[ "$(brun "$ctr" -- kill -l HUP)" = 1 ] || die "no kill in the image (kubectl exec ... -- kill -HUP 1)"
 free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 P=$(free_port); D=$(free_port); X=$(free_port); K=$(free_port)
 # One script inside the image (as its user, uid 10001): the P/D pair and

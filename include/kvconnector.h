@@ -1,6 +1,7 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /*
  * libkvconnector — move KV-cache blocks from a prefill engine (producer, "P")
- * to a decode engine (consumer, "D") over UCX.  See DESIGN.md §4.
+ * to a decode engine (consumer, "D") over UCX.  See docs/ARCHITECTURE.md §3.
  *
  * Model
  * -----

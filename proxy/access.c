@@ -1,11 +1,14 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 #include "proxy/access.h"
 
 #include <stdio.h>
 
 #include "base/log.h"
 
+int px_access_enabled = 1;
+
 void px_access_write(const px_access *a) {
-    if (PX_LOG_INFO < px_log_threshold) return;
+    if (!px_access_enabled) return;
     char line[1024], v1[300], v2[300];
     size_t o = 0;
 #define ADD(...)                                                                                   \
@@ -13,7 +16,10 @@ void px_access_write(const px_access *a) {
         int k_ = snprintf(line + o, sizeof line - o, __VA_ARGS__);                                 \
         if (k_ > 0) o = o + (size_t)k_ < sizeof line ? o + (size_t)k_ : sizeof line - 1;           \
     } while (0)
-    ADD("req=%s msg=\"request\" endpoint=%s", a->req, a->endpoint);
+    ADD("req=%s msg=\"request\"", a->req);
+    if (a->method && a->method[0]) ADD(" method=%s", a->method);
+    ADD(" endpoint=%s", a->endpoint);
+    if (a->client && a->client[0]) ADD(" client=%s", a->client);
     if (a->prefill) ADD(" prefill=%s", px_log_value(a->prefill, v1, sizeof v1));
     if (a->decode) ADD(" decode=%s", px_log_value(a->decode, v2, sizeof v2));
     ADD(" status=%d", a->status);

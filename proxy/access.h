@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The access log: one line per client request, whatever its fate, in the
  * log's format (log.h). */
 #ifndef PX_ACCESS_H
@@ -9,6 +10,8 @@
  * rather than written as a placeholder: NULL strings, negative times. */
 typedef struct px_access {
     const char *req;      /* borrowed: the request id, already a logfmt value */
+    const char *client;   /* borrowed: the client's IP address; NULL or "": unknown */
+    const char *method;   /* borrowed: the request's method, already a logfmt value */
     const char *endpoint; /* borrowed */
     const char *prefill;  /* borrowed: backend name; NULL: none was chosen */
     const char *decode;   /* borrowed: backend name; NULL: none was chosen */
@@ -30,7 +33,9 @@ typedef struct px_access {
     long uncached_tokens_est;
 } px_access;
 
-/* Writes the access line at level info (checked first). */
+/* Writes the access line, at level info but whatever --log-level says:
+ * --access-log (px_access_enabled) turns access lines on and off on its own. */
 void px_access_write(const px_access *a);
+extern int px_access_enabled; /* 1 (the default): access lines are written */
 
 #endif

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The admin API: a listener of its own (--admin-host, --admin-port) on the
  * control thread, every call authenticated with the token of
  * --admin-token-file (never the client API key). It lists the backends,

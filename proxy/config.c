@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 #include "proxy/config.h"
 
 #include <arpa/inet.h>
@@ -68,7 +69,8 @@ static const opt opts[] = {
      "decode instance ports, one per host", NULL, RELOADS},
     {"prefill", NULL, CT_URLS, OFF(prefill_urls), "", 0, 0,
      "prefill backend URL http[s]://host:port, repeatable; a host name is re-resolved every "
-     "--dns-refresh and each address is a backend (replaces the toy flags' defaults)",
+     "--dns-refresh and each address is a backend (with any --prefill or --decode, the toy "
+     "flags' defaults apply to neither role)",
      NULL, RELOADS},
     {"decode", NULL, CT_URLS, OFF(decode_urls), "", 0, 0,
      "decode backend URL, repeatable, as --prefill", NULL, RELOADS},
@@ -192,6 +194,10 @@ static const opt opts[] = {
      "debug|info|warn|error", AT_START},
     {"log-format", NULL, CT_ENUM, OFF(log_format), "logfmt", 0, 0, "log line format", "logfmt|json",
      AT_START},
+    {"access-log", NULL, CT_FLAG, OFF(access_log), "true", 0, 0,
+     "one access line per request, at level info whatever --log-level says (false: none; "
+     "--log-level warn keeps access lines and drops other info lines)",
+     NULL, AT_START},
     {"admin-host", NULL, CT_STR, OFF(admin_host), "127.0.0.1", 0, 0,
      "address of the admin API listener", NULL, AT_START},
     {"admin-port", NULL, CT_INT, OFF(admin_port), "0", 0, 65535,
@@ -366,15 +372,24 @@ static void toy_urls(px_strlist *out, const px_strlist *hosts, const px_strlist 
     }
 }
 
-/* The toy lists count when given, or when no URL is (their defaults). */
+/* The toy lists count when given. Their defaults (localhost:8100 and
+ * localhost:8200) apply only when no backend of either role is given any
+ * other way: beside --prefill/--decode URLs or a file's backends, a default
+ * would be a phantom backend that gets ejected and shows as an outage (the
+ * sidecar passes --decode alone). The toy flags alone keep the toy proxy's
+ * defaults for the role they do not name. */
 static int toy_in_effect(const px_config *c, int prefill) {
     if (c->npools) return 0;
+    int given = prefill ? px_config_is_set(c, "prefiller-hosts") ||
+                              px_config_is_set(c, "prefiller-ports")
+                        : px_config_is_set(c, "decoder-hosts") ||
+                              px_config_is_set(c, "decoder-ports");
+    if (given) return 1;
     /* Behind a --config file the toy defaults never apply unasked: a file
-     * emptied by a bad deploy must not turn into localhost:8100/8200. */
-    if (prefill)
-        return px_config_is_set(c, "prefiller-hosts") ||
-               (!c->prefill_urls.n && !c->config_file[0] && !c->prefiller_from_header);
-    return px_config_is_set(c, "decoder-hosts") || (!c->decode_urls.n && !c->config_file[0]);
+     * emptied by a bad deploy must not turn into localhost:8100/8200; nor
+     * does a sidecar, whose prefills come with the requests, get one. */
+    if (c->config_file[0] || (prefill && c->prefiller_from_header)) return 0;
+    return !c->prefill_urls.n && !c->decode_urls.n;
 }
 
 px_pool_spec *px_config_effective_pools(const px_config *c, size_t *n) {
@@ -1080,55 +1095,227 @@ out:
     return rc;
 }
 
-static void usage(FILE *out) {
-    fprintf(out,
-            "Usage: pdproxy [options]\n"
-            "Prefill/decode disaggregation proxy for OpenAI-compatible engines.\n\n"
-            "Options (each also as environment variable PDPROXY_<NAME>, e.g. PDPROXY_PORT):\n");
-    for (size_t i = 0; i < NOPTS; i++) {
-        const opt *o = &opts[i];
-        char names[96];
-        const char *arg = o->type == CT_LIST      ? " V [V...]"
-                          : o->type == CT_WORDS   ? " LIST"
-                          : o->type == CT_POOL    ? " NAME[=MODELS]"
-                          : o->type == CT_URLS    ? " URL"
-                          : o->type == CT_ENUM    ? " CHOICE"
-                          : o->type == CT_FLAG    ? ""
-                          : o->type == CT_SECONDS ? " SECONDS"
-                          : o->type == CT_INT     ? " N"
-                                                  : " VALUE";
-        if (o->alias)
-            snprintf(names, sizeof names, "--%s/--%s%s", o->name, o->alias, arg);
-        else
-            snprintf(names, sizeof names, "--%s%s", o->name, arg);
-        if (o->type == CT_ENUM)
-            fprintf(out, "  %-44s %s: %s (default: %s)\n", names, o->help, o->choices, o->def);
-        else if (!o->def[0])
-            fprintf(out, "  %-44s %s\n", names, o->help);
-        else
-            fprintf(out, "  %-44s %s (default: %s)\n", names, o->help, o->def);
+/* --help and --help-markdown group the flags by topic; each flag's group
+ * and the name of its value (metavar) are here, beside the table above so
+ * that its entries stay as they are. A flag missing here is listed under
+ * "Other" (a test fails on that). */
+static const char *const groups[] = {"Backends",
+                                     "Routing",
+                                     "Conditional disaggregation and usage",
+                                     "Health and failover",
+                                     "Listening and client limits",
+                                     "Upstream connections",
+                                     "Security",
+                                     "Sidecar mode (llm-d)",
+                                     "Metrics and logs",
+                                     "Operations",
+                                     "Other"};
+#define NGROUPS (sizeof groups / sizeof *groups)
+static const struct {
+    const char *name;
+    unsigned char group; /* index in groups[] */
+    const char *metavar; /* NULL: by type */
+} opt_meta[] = {
+    {"prefiller-hosts", 0, "HOST [HOST...]"},
+    {"prefiller-ports", 0, "PORT [PORT...]"},
+    {"decoder-hosts", 0, "HOST [HOST...]"},
+    {"decoder-ports", 0, "PORT [PORT...]"},
+    {"prefill", 0, NULL},
+    {"decode", 0, NULL},
+    {"pool", 0, NULL},
+    {"dns-refresh", 0, NULL},
+    {"prefill-policy", 1, "POLICY"},
+    {"decode-policy", 1, "POLICY"},
+    {"prefix-bytes", 1, "BYTES"},
+    {"prefix-load-factor", 1, "FACTOR"},
+    {"metrics-interval", 1, NULL},
+    {"disagg-min-tokens", 2, "TOKENS"},
+    {"disagg-bytes-per-token", 2, "BYTES"},
+    {"disagg-index-blocks", 2, NULL},
+    {"usage-from", 2, "ROLE"},
+    {"health-interval", 3, NULL},
+    {"health-timeout", 3, NULL},
+    {"unhealthy-after", 3, NULL},
+    {"healthy-after", 3, NULL},
+    {"prefill-retries", 3, NULL},
+    {"fallback-decode-only", 3, NULL},
+    {"host", 4, "ADDRESS"},
+    {"port", 4, "PORT"},
+    {"threads", 4, NULL},
+    {"reuse-port", 4, NULL},
+    {"max-body-bytes", 4, "BYTES"},
+    {"max-inflight", 4, NULL},
+    {"max-buffered-bytes", 4, "BYTES"},
+    {"max-connections", 4, NULL},
+    {"client-header-timeout", 4, NULL},
+    {"keepalive-timeout", 4, NULL},
+    {"send-timeout", 4, NULL},
+    {"connect-timeout", 5, NULL},
+    {"prefill-timeout", 5, NULL},
+    {"decode-idle-timeout", 5, NULL},
+    {"upstream-keepalive", 5, NULL},
+    {"upstream-ca", 5, "FILE"},
+    {"upstream-insecure", 5, NULL},
+    {"upstream-api-key", 5, "KEY"},
+    {"tls-cert", 6, "FILE"},
+    {"tls-key", 6, "FILE"},
+    {"api-key", 6, "KEY"},
+    {"api-key-file", 6, "FILE"},
+    {"metrics-auth", 6, NULL},
+    {"prefiller-from-header", 7, NULL},
+    {"prefiller-allowlist", 7, "CIDRS"},
+    {"loop-limit", 6, NULL},
+    {"metrics-host", 8, "ADDRESS"},
+    {"metrics-port", 8, "PORT"},
+    {"log-level", 8, "LEVEL"},
+    {"log-format", 8, "FORMAT"},
+    {"access-log", 8, NULL},
+    {"config", 9, "FILE"},
+    {"print-config", 9, NULL},
+    {"drain-delay", 9, NULL},
+    {"drain-timeout", 9, NULL},
+    {"admin-host", 9, "ADDRESS"},
+    {"admin-port", 9, "PORT"},
+    {"admin-token-file", 9, "FILE"},
+    {"allow-empty-pools", 9, NULL},
+};
+
+static unsigned opt_group(const opt *o) {
+    for (size_t i = 0; i < sizeof opt_meta / sizeof *opt_meta; i++)
+        if (!strcmp(opt_meta[i].name, o->name)) return opt_meta[i].group;
+    return (unsigned)NGROUPS - 1;
+}
+
+static const char *opt_metavar(const opt *o) {
+    for (size_t i = 0; i < sizeof opt_meta / sizeof *opt_meta; i++)
+        if (!strcmp(opt_meta[i].name, o->name) && opt_meta[i].metavar) return opt_meta[i].metavar;
+    switch (o->type) {
+    case CT_LIST: return "V [V...]";
+    case CT_WORDS: return "LIST";
+    case CT_POOL: return "NAME[=MODELS]";
+    case CT_URLS: return "URL";
+    case CT_ENUM: return "CHOICE";
+    case CT_FLAG: return "";
+    case CT_SECONDS: return "SECONDS";
+    case CT_INT: return "N";
+    default: return "VALUE";
     }
-    fprintf(out, "  %-44s %s\n  %-44s %s\n", "--help", "show this help and exit", "--version",
-            "show the version and exit");
+}
+
+/* Writes `text` from column `col`, wrapped at 80 columns, continuation
+ * lines indented to `indent`. */
+static void wrap(FILE *out, const char *text, int col, int indent) {
+    const int width = 80;
+    const char *p = text;
+    while (*p) {
+        while (*p == ' ')
+            p++;
+        size_t n = strcspn(p, " ");
+        if (!n) break;
+        if (col > indent && col + 1 + (int)n > width) {
+            fprintf(out, "\n%*s", indent, "");
+            col = indent;
+        } else if (col > indent) {
+            fputc(' ', out);
+            col++;
+        }
+        fprintf(out, "%.*s", (int)n, p);
+        col += (int)n;
+        p += n;
+    }
+    fputc('\n', out);
+}
+
+static void usage(FILE *out) {
+    fprintf(out, "Usage: pdproxy [OPTION]...\n"
+                 "Prefill/decode disaggregation proxy for OpenAI-compatible engines.\n\n");
+    wrap(out,
+         "Every option is also read from the environment as PDPROXY_<NAME> (dashes become "
+         "underscores: PDPROXY_PORT=8000) and, but --config, as a key of the --config file; "
+         "flags win over the environment, which wins over the file.",
+         0, 0);
+    const int col = 30; /* where descriptions start */
+    for (unsigned g = 0; g < NGROUPS; g++) {
+        int any = 0;
+        for (size_t i = 0; i < NOPTS; i++) {
+            const opt *o = &opts[i];
+            if (opt_group(o) != g) continue;
+            if (!any) fprintf(out, "\n%s:\n", groups[g]);
+            any = 1;
+            char names[128], text[1024];
+            const char *mv = opt_metavar(o);
+            int n = snprintf(names, sizeof names, "  --%s%s%s", o->name, *mv ? " " : "", mv);
+            if (o->type == CT_ENUM) {
+                /* a|b|c as "a, b, c": wrap points */
+                char ch[256];
+                size_t k = 0;
+                for (const char *q = o->choices; *q && k + 3 < sizeof ch; q++) {
+                    if (*q == '|') {
+                        ch[k++] = ',';
+                        ch[k++] = ' ';
+                    } else {
+                        ch[k++] = *q;
+                    }
+                }
+                ch[k] = '\0';
+                snprintf(text, sizeof text, "%s: %s (default: %s)", o->help, ch, o->def);
+            }
+            else if (!o->def[0] || o->type == CT_FLAG)
+                snprintf(text, sizeof text, "%s", o->help);
+            else
+                snprintf(text, sizeof text, "%s (default: %s)", o->help, o->def);
+            if (o->alias) {
+                size_t l = strlen(text);
+                snprintf(text + l, sizeof text - l, "; also --%s", o->alias);
+            }
+            fputs(names, out);
+            if (n + 2 <= col) {
+                fprintf(out, "%*s", col - n, "");
+                wrap(out, text, col, col);
+            } else {
+                fprintf(out, "\n%*s", col, "");
+                wrap(out, text, col, col);
+            }
+        }
+    }
+    fprintf(out, "\nInformation:\n");
+    fprintf(out, "  %-28s%s\n", "-h, --help", "show this help and exit");
+    fprintf(out, "  %-28s%s\n", "--help-markdown", "the options as Markdown tables");
+    fprintf(out, "  %-28s%s\n", "-V, --version", "show the version, commit and build options");
 }
 
 static void env_name(const opt *o, char *buf, size_t n);
 
-/* The flags table of README.md, from the same table as --help. */
+/* The flags tables of README.md (and pdproxy(1)), one per group, from the
+ * same table as --help. */
 static void markdown(FILE *out) {
-    fprintf(out, "| flag | environment | default | meaning |\n|---|---|---|---|\n");
-    for (size_t i = 0; i < NOPTS; i++) {
-        const opt *o = &opts[i];
-        char env[96];
-        env_name(o, env, sizeof env);
-        fprintf(out, "| `--%s`", o->name);
-        if (o->alias) fprintf(out, " / `--%s`", o->alias);
-        fprintf(out, " | `%s` | %s%s%s | %s", env, o->def[0] ? "`" : "", o->def,
-                o->def[0] ? "`" : "", o->help);
-        if (o->type == CT_ENUM) fprintf(out, ": `%s`", o->choices);
-        if (o->type == CT_URLS || o->type == CT_POOL) fprintf(out, " (repeatable)");
-        if (o->type == CT_LIST) fprintf(out, " (one or more values)");
-        fprintf(out, " |\n");
+    for (unsigned g = 0; g < NGROUPS; g++) {
+        int any = 0;
+        for (size_t i = 0; i < NOPTS; i++) {
+            const opt *o = &opts[i];
+            if (opt_group(o) != g) continue;
+            if (!any)
+                fprintf(out, "%s**%s**\n\n| flag | environment | default | meaning |\n"
+                             "|---|---|---|---|\n",
+                        g ? "\n" : "", groups[g]);
+            any = 1;
+            char env[96];
+            env_name(o, env, sizeof env);
+            const char *mv = opt_metavar(o);
+            fprintf(out, "| `--%s`%s%s", o->name, *mv ? " " : "", mv);
+            if (o->alias) fprintf(out, " / `--%s`", o->alias);
+            /* Pools are given as flags or in the file: PDPROXY_POOL is refused. */
+            if (o->type == CT_POOL)
+                fprintf(out, " | (none: flag and file only)");
+            else
+                fprintf(out, " | `%s`", env);
+            fprintf(out, " | %s%s%s | %s", o->def[0] ? "`" : "", o->def, o->def[0] ? "`" : "",
+                    o->help);
+            if (o->type == CT_ENUM) fprintf(out, ": `%s`", o->choices);
+            if (o->type == CT_URLS || o->type == CT_POOL) fprintf(out, " (repeatable)");
+            if (o->type == CT_LIST) fprintf(out, " (one or more values)");
+            fprintf(out, " |\n");
+        }
     }
 }
 
@@ -1221,8 +1408,8 @@ static int informational(const char *a, FILE *out) {
         usage(out);
     else if (!strcmp(a, "--help-markdown"))
         markdown(out);
-    else if (!strcmp(a, "--version"))
-        fprintf(out, "pdproxy %s\n", PDPROXY_VERSION);
+    else if (!strcmp(a, "--version") || !strcmp(a, "-V"))
+        px_version_print(out);
     else
         return 0;
     return 1;

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* pdproxy's settings. One static table (config.c) drives the command-line
  * flags, the PDPROXY_* environment variables, --help and --print-config. */
 #ifndef PX_CONFIG_H
@@ -88,6 +89,7 @@ typedef struct px_config {
     /* Logging. */
     char *log_level;
     char *log_format;
+    int access_log; /* access lines on (independent of log_level) */
     int print_config;
     /* Model pools (--pool, or pools: in the file); none: the unnamed pool. */
     px_pool_spec *pools; /* owned array */
@@ -153,6 +155,9 @@ int px_config_is_set(const px_config *c, const char *name);
 /* Writes the effective configuration as YAML that --config reads back to
  * the same settings; secrets appear only as comments saying they are set. */
 void px_config_dump(const px_config *c, FILE *out);
+/* pdproxy --version / -V: the version, the source commit and the build
+ * options (TLS library, libevent, CUDA and UCX of libkvconnector); version.c. */
+void px_version_print(FILE *out);
 
 /* The pools requests are routed to: the named ones, or else the unnamed
  * pool of the top-level backends. Deep copies; free with

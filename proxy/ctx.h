@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* What requests, health checks, discovery, metrics and the admin API see of
  * the running proxy: the settings, the current generation of pools, the
  * credentials and the shared limits (px_ctx), and per worker thread its

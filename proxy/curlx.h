@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* libcurl, loaded on first use. pdproxy's plain-http path never touches
  * libcurl; only https:// backends (and trace export) do. Loading it with
  * dlopen when the first of those needs it keeps libcurl and what it pulls in

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Conditional disaggregation: whether a request goes through a prefill
  * or to decode alone, decided from its body before any backend sees it.
  * Pure but for the prefix index, which belongs to the calling worker. */

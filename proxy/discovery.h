@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Where the backends come from: the toy proxy's host/port lists and the
  * --prefill/--decode URLs. A URL whose host is a name is followed through
  * DNS: every address it resolves to is a backend, and the name is resolved

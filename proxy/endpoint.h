@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The proxy's endpoints, in one table: each one's path, the label its
  * requests are counted and logged under, the methods it takes and its
  * 405. The enum is the metric slot (pdproxy_requests_total's endpoint

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Active checks of the engines, on the control thread's event loop: health
  * checks (GET /health) and, for load_aware routing, load probes (GET of each
  * engine's /metrics, read for its queue and KV-cache figures). */

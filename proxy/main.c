@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* pdproxy: prefill/decode disaggregation proxy. Everything lives in the
  * proxy library; this only wires configuration to the server. */
 #include <signal.h>
@@ -5,6 +6,7 @@
 #include <sys/resource.h>
 
 #include "base/log.h"
+#include "proxy/access.h"
 #include "proxy/config.h"
 #include "proxy/otlp.h"
 #include "proxy/server.h"
@@ -22,6 +24,7 @@ int main(int argc, char **argv) {
     }
     px_log_threshold = (px_log_level_t)px_log_level_parse(cfg.log_level);
     px_log_json = cfg.log_format[0] == 'j';
+    px_access_enabled = cfg.access_log;
     signal(SIGPIPE, SIG_IGN);
     /* Every client and upstream connection is a descriptor: take all the
      * kernel allows rather than the 1024 a shell usually starts with. */

@@ -1,9 +1,11 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 #include "proxy/metrics.h"
 
 const double px_hist_bounds[PX_HIST_BUCKETS] = {0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
                                                 0.5,   1,      2.5,   5,    10,    30,   60,  300};
 static const char *const dec_reasons[PX_DEC_COUNT] = {
-    "always", "long_prompt", "short_prompt", "cached_prefix", "no_healthy_prefill", "endpoint"};
+    "always", "long_prompt", "short_prompt", "cached_prefix", "no_healthy_prefill", "endpoint",
+    "no_prefiller_header"};
 static const char *const fb_names[PX_FB_COUNT] = {"no_healthy_prefill", "prefill_5xx",
                                                   "prefill_connection_error"};
 

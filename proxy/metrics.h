@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Prometheus counters. Each worker thread owns a px_metrics and is its only
  * writer (plain relaxed stores, no lock, no shared cache line on the request
  * path); a scrape (scrape.c) sums every worker's at read time. */
@@ -20,6 +21,7 @@ typedef enum {
     PX_DEC_CACHED_PREFIX, /* decode_only: what decode lacks of it is under the threshold */
     PX_DEC_NO_PREFILL,    /* decode_only: no prefill can take it (--fallback-decode-only) */
     PX_DEC_ENDPOINT,      /* decode_only: the engine takes no kv_transfer_params there */
+    PX_DEC_NO_HEADER,     /* decode_only: sidecar mode, no x-prefiller-host-port */
     PX_DEC_COUNT
 } px_decision;
 

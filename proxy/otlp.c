@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 #include "proxy/otlp.h"
 
 #include "proxy/curlx.h"
@@ -15,7 +16,7 @@
 #include "base/log.h"
 #include "base/util.h"
 
-#define MAX_ATTRS 12
+#define MAX_ATTRS 18 /* the server span: HTTP, GenAI and pdproxy.* ones */
 #define ATTR_LEN 136
 
 typedef enum { A_STR, A_INT, A_BOOL } attr_type;
@@ -390,6 +391,35 @@ static void enqueue(const span *spans, int n) {
     if (wake) pthread_cond_signal(&X.cv);
 }
 
+/* error.type for a failed answer: its status code as text. */
+static const char *status_text(int status) {
+    static const char *const t[] = {"500", "501", "502", "503", "504"};
+    return status >= 500 && status <= 504 ? t[status - 500] : "_OTHER";
+}
+
+/* The HTTP client attributes of a leg to `backend` ("host:port", an IPv6
+ * host in brackets): server.address is the host alone, server.port a number,
+ * url.full the URL requested. */
+static void client_attrs(span *s, const char *method, const char *backend, int https,
+                         const char *path, int status) {
+    char host[ATTR_LEN], url[ATTR_LEN];
+    const char *colon = strrchr(backend, ':');
+    size_t hl = colon ? (size_t)(colon - backend) : strlen(backend);
+    const char *h = backend;
+    if (hl >= 2 && h[0] == '[' && h[hl - 1] == ']') {
+        h++;
+        hl -= 2;
+    }
+    snprintf(host, sizeof host, "%.*s", (int)hl, h);
+    snprintf(url, sizeof url, "%s://%s%s", https ? "https" : "http", backend, path ? path : "");
+    add_str(s, "http.request.method", method);
+    add_str(s, "server.address", host);
+    if (colon) add_int(s, "server.port", strtol(colon + 1, NULL, 10));
+    add_str(s, "url.full", url);
+    if (status) add_int(s, "http.response.status_code", status);
+    if (!status || status >= 500) add_str(s, "error.type", status ? status_text(status) : "_OTHER");
+}
+
 void px_otlp_submit(const px_otlp_req *q) {
     if (!X.on || !q->flags || !(strtoul(q->flags, NULL, 16) & 1)) return;
     struct timespec rt;
@@ -408,46 +438,74 @@ void px_otlp_submit(const px_otlp_req *q) {
                                                                                      : "none";
     span sp[3];
     int n = 0;
+    /* Server span: named "METHOD route" (HTTP semantic conventions), or the
+     * method alone when the path is not one of the proxy's routes. */
     char name[48];
-    snprintf(name, sizeof name, "%s %s", q->method ? q->method : "POST", q->route ? q->route : "");
+    const char *method = q->method ? q->method : "POST";
+    if (q->templated)
+        snprintf(name, sizeof name, "%s %s", method, q->route ? q->route : "");
+    else
+        snprintf(name, sizeof name, "%s", method);
+    char path[ATTR_LEN];
+    snprintf(path, sizeof path, "%.*s", (int)(q->path ? q->path_len : 0), q->path ? q->path : "");
+    char model[ATTR_LEN] = "";
+    if (q->model && px_json_str_decode(q->model, q->model_len, model, sizeof model) < 0)
+        model[0] = '\0';
     span *r = &sp[n++];
     span_init(r, q, q->span_root, q->parent_span, name, 2, q->t_start, q->t_end, off);
-    add_str(r, "http.request.method", q->method);
-    add_str(r, "http.route", q->route);
+    add_str(r, "http.request.method", method);
+    if (q->templated) add_str(r, "http.route", q->route);
+    add_str(r, "url.scheme", q->scheme ? q->scheme : "http");
+    add_str(r, "url.path", path[0] ? path : q->route);
     add_int(r, "http.response.status_code", q->status);
+    if (q->status >= 500) add_str(r, "error.type", status_text(q->status));
+    if (q->operation) {
+        add_str(r, "gen_ai.operation.name", q->operation);
+        if (model[0]) add_str(r, "gen_ai.request.model", model);
+        if (tokens >= 0) add_int(r, "gen_ai.usage.input_tokens", tokens);
+    }
     add_str(r, "pdproxy.request_id", q->request_id);
     add_str(r, "pdproxy.outcome", q->outcome);
     add_str(r, "pdproxy.disaggregation", decision);
     add_str(r, "pdproxy.prefill.backend", q->prefill);
     add_str(r, "pdproxy.decode.backend", q->decode);
     if (rrid[0]) add_str(r, "pdproxy.remote_request_id", rrid);
-    if (tokens >= 0) add_int(r, "gen_ai.usage.input_tokens", tokens);
     if (q->decode) add_bool(r, "pdproxy.stream", q->streamed);
     r->error = q->status >= 500;
 
+    /* Client spans, one per leg: named by the method, with the backend's
+     * host and port apart and the full URL (HTTP semantic conventions). The
+     * prefill leg is always a POST of the client's endpoint. */
     if (q->prefill && q->t_prefill_start) {
         span *p = &sp[n++];
-        span_init(p, q, q->span_prefill, q->span_root, "prefill", 3, q->t_prefill_start,
+        span_init(p, q, q->span_prefill, q->span_root, "POST", 3, q->t_prefill_start,
                   q->t_prefill_end ? q->t_prefill_end : q->t_end, off);
+        client_attrs(p, "POST", q->prefill, q->prefill_https, path[0] ? path : q->route,
+                     q->prefill_status);
         add_str(p, "pdproxy.role", "prefill");
-        add_str(p, "server.address", q->prefill);
-        if (q->prefill_status) add_int(p, "http.response.status_code", q->prefill_status);
         add_int(p, "pdproxy.attempts", q->prefill_attempts);
         add_bool(p, "pdproxy.kv_transfer_params", kvp);
         if (rrid[0]) add_str(p, "pdproxy.remote_request_id", rrid);
-        if (tokens >= 0) add_int(p, "gen_ai.usage.input_tokens", tokens);
+        if (q->operation) {
+            add_str(p, "gen_ai.operation.name", q->operation);
+            if (model[0]) add_str(p, "gen_ai.request.model", model);
+            if (tokens >= 0) add_int(p, "gen_ai.usage.input_tokens", tokens);
+        }
         p->error = !q->t_prefill_end || q->prefill_status < 200 || q->prefill_status >= 300;
     }
     if (q->decode && q->t_decode_start) {
         span *d = &sp[n++];
-        span_init(d, q, q->span_decode, q->span_root, "decode", 3, q->t_decode_start, q->t_end,
-                  off);
+        span_init(d, q, q->span_decode, q->span_root, method, 3, q->t_decode_start, q->t_end, off);
+        client_attrs(d, method, q->decode, q->decode_https, path[0] ? path : q->route,
+                     q->decode_status);
         add_str(d, "pdproxy.role", "decode");
-        add_str(d, "server.address", q->decode);
-        if (q->decode_status) add_int(d, "http.response.status_code", q->decode_status);
         add_int(d, "pdproxy.attempts", q->decode_attempts);
         add_bool(d, "pdproxy.stream", q->streamed);
         if (rrid[0]) add_str(d, "pdproxy.remote_request_id", rrid);
+        if (q->operation) {
+            add_str(d, "gen_ai.operation.name", q->operation);
+            if (model[0]) add_str(d, "gen_ai.request.model", model);
+        }
         d->error = q->decode_status == 0 || q->decode_status >= 500;
     }
     enqueue(sp, n);

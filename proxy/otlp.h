@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Trace export over OTLP/HTTP with the JSON encoding: one server span per
  * request and a client span for each of its prefill and decode legs, whose
  * ids are the ones sent to the engines in `traceparent`, so the engines'
@@ -67,6 +68,15 @@ typedef struct px_otlp_req {
     uint64_t t_decode_start;
     const char *presp; /* prefill's answer (kv_transfer_params, usage), or NULL */
     size_t presp_len;
+    /* For the HTTP and GenAI semantic conventions: */
+    const char *scheme;        /* the client's: "http" or "https" */
+    const char *path;          /* url.path the client asked for (no query) */
+    size_t path_len;           /* bytes of path */
+    int templated;             /* route is an endpoint the proxy knows (http.route) */
+    int prefill_https, decode_https;
+    const char *operation;     /* gen_ai.operation.name, or NULL: not a GenAI call */
+    const char *model;         /* the body's "model" as raw JSON string bytes, or NULL */
+    size_t model_len;
 } px_otlp_req;
 
 /* Queues the request's spans when it is sampled and export is on. */

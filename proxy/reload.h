@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Configuration generations on the control thread: the first one at
  * start, then reloads (the --config file read again on SIGHUP or through
  * the admin API, or the admin API's changes to the backends) in named

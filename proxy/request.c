@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 #include "proxy/request.h"
 
 #include <arpa/inet.h>
@@ -80,6 +81,7 @@ struct px_req {
     px_backend *db;                 /* owned reference while a decode is in flight */
     const decode_table *dtbl;       /* the callbacks of the decode in flight */
     char pname[128], dname[128];    /* the backends' names, for logs after release */
+    unsigned char p_https, d_https; /* their schemes, for the spans' url.full */
     px_backend *tried_p[MAX_TRIES]; /* identity only, never dereferenced */
     size_t ntried_p;
     px_backend *tried_d[MAX_TRIES];
@@ -113,6 +115,7 @@ struct px_req {
     /* What goes to decode: the client's method and target (passed-through
      * endpoints), and whether decode gets prefill's kv_transfer_params. */
     char method[16];
+    char client[48]; /* the client's IP address, for the access line */
     char *target;    /* owned: path and query sent to decode; NULL: the endpoint's path */
     char lpath[300]; /* the path as a logfmt value, for the access line */
     int disagg;      /* decode's body carries prefill's kv_transfer_params */
@@ -260,6 +263,7 @@ static px_req *req_new(px_wctx *w, px_conn *c, px_endpoint ep, const px_http_hea
     r->g = px_ctx_gen(r->ctx);
     r->ps = &r->g->ps[0];
     r->conn = c;
+    px_conn_peer(c, r->client, sizeof r->client);
     r->ep = ep;
     r->state = RS_NEW;
     r->t0 = px_now_ns();
@@ -406,6 +410,10 @@ static void start_pd(px_req *r, const px_http_head *h) {
                       &r->key_len);
     r->decided = 1;
     int disagg = decide(r);
+    if (r->no_prefill) { /* sidecar without the header: decode alone, said so */
+        disagg = 0;
+        r->decision = PX_DEC_NO_HEADER;
+    }
     if (disagg && !r->hb && !r->no_prefill && r->ctx->cfg->fallback_decode_only &&
         px_pool_usable(&r->ps->prefill) == 0) {
         disagg = 0;
@@ -661,6 +669,7 @@ static void start_prefill(px_req *r) {
         return;
     }
     snprintf(r->pname, sizeof r->pname, "%s", r->pb->name);
+    r->p_https = (unsigned char)r->pb->https;
     if (!r->t_pstart) r->t_pstart = px_now_ns();
     if (r->ntried_p < MAX_TRIES) r->tried_p[r->ntried_p++] = r->pb;
     set_state(r, RS_PREFILL);
@@ -880,6 +889,7 @@ static px_backend *pick_decode(px_req *r, size_t *n) {
     if (!r->db) r->db = px_pool_pick(&r->ps->decode, &k, n);
     if (!r->db) return NULL;
     snprintf(r->dname, sizeof r->dname, "%s", r->db->name);
+    r->d_https = (unsigned char)r->db->https;
     if (!r->t_dstart) r->t_dstart = px_now_ns();
     if (r->ntried_d < MAX_TRIES) r->tried_d[r->ntried_d++] = r->db;
     return r->db;
@@ -1234,7 +1244,7 @@ static void req_finish(px_req *r, int status, const char *outcome, const char *e
     }
     if (r->conn) {
         if (msg && r->state != RS_STREAM)
-            px_conn_reply_error(r->conn, status, r->id, extra, msg);
+            r->bytes_out += px_conn_reply_error(r->conn, status, r->id, extra, msg);
         else
             px_conn_abort(r->conn);
         r->conn = NULL;
@@ -1275,6 +1285,8 @@ static void finish_log(px_req *r, int status, const char *outcome) {
  * answer, no decision) is left out of the line. */
 static void write_access(const px_req *r, int status, const char *outcome, uint64_t now) {
     px_access a = {.req = r->lid,
+                   .client = r->client,
+                   .method = r->method,
                    .endpoint = r->lpath,
                    .prefill = r->pname[0] ? r->pname : NULL,
                    .decode = r->dname[0] ? r->dname : NULL,
@@ -1301,6 +1313,19 @@ static void write_access(const px_req *r, int status, const char *outcome, uint6
 
 /* The request's spans for trace export (otlp.h). */
 static void submit_spans(px_req *r, int status, const char *outcome, uint64_t now) {
+    /* url.path: the client's path without its query (passed-through
+     * requests), else the endpoint's; the model for the GenAI attributes. */
+    const char *ep_path = px_endpoints[r->ep].path;
+    const char *path = r->target ? r->target : ep_path ? ep_path : "";
+    size_t plen = strcspn(path, "?");
+    const char *op = r->ep == PX_EP_COMPLETIONS ? "text_completion"
+                     : r->ep == PX_EP_CHAT || r->ep == PX_EP_MESSAGES || r->ep == PX_EP_RESPONSES
+                         ? "chat"
+                         : NULL;
+    px_json_member mm;
+    const px_buf *body = r->body.len ? &r->body : &r->dbody;
+    int has_model = op && body->data && px_json_find(body->data, body->len, "model", &mm) &&
+                    mm.type == PX_JSON_STRING && mm.val_len >= 2;
     px_otlp_req q = {.trace_id = r->trace_id,
                      .flags = r->trace_flags,
                      .parent_span = r->parent_span[0] ? r->parent_span : NULL,
@@ -1325,17 +1350,33 @@ static void submit_spans(px_req *r, int status, const char *outcome, uint64_t no
                      .streamed = r->streamed,
                      .t_decode_start = r->t_dstart,
                      .presp = r->presp.data,
-                     .presp_len = r->presp.len};
+                     .presp_len = r->presp.len,
+                     .scheme = r->ctx->cfg->tls_cert && r->ctx->cfg->tls_cert[0] ? "https" : "http",
+                     .path = path,
+                     .path_len = plen,
+                     .templated = ep_path != NULL && r->ep != PX_EP_PASSTHROUGH,
+                     .prefill_https = r->p_https,
+                     .decode_https = r->d_https,
+                     .operation = op,
+                     .model = has_model ? mm.val + 1 : NULL,
+                     .model_len = has_model ? mm.val_len - 2 : 0};
     px_otlp_submit(&q);
 }
 
-/* A refused request is a view of a request that knows only its id and path. */
-void px_req_log_refused(const px_http_head *h, const char *endpoint, int status) {
+/* A refused request is a view of a request that knows only its id, path,
+ * method and client. Its id is the client's X-Request-Id or a fresh one,
+ * echoed in the answer as for every other request. */
+void px_req_refuse(px_conn *c, const px_http_head *h, const char *endpoint, int status,
+                   const char *extra, const char *msg) {
     px_req v = {0};
-    char id[129];
-    snprintf(v.lid, sizeof v.lid, "-");
-    if (px_http_request_id(h, id)) px_log_value(id, v.lid, sizeof v.lid);
+    char id[129], m[20];
+    if (!px_http_request_id(h, id)) px_uuid4(id);
+    px_log_value(id, v.lid, sizeof v.lid);
     snprintf(v.lpath, sizeof v.lpath, "%s", endpoint);
+    snprintf(m, sizeof m, "%.*s", (int)(h->method_len < 16 ? h->method_len : 16), h->method);
+    px_log_value(m, v.method, sizeof v.method);
+    px_conn_peer(c, v.client, sizeof v.client);
+    v.bytes_out = px_conn_reply_error(c, status, id, extra, msg);
     write_access(&v, status, "refused", px_now_ns());
 }
 

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* One client request through the P/D flow, as a state machine:
  * NEW → PREFILL → DECODE → STREAM → DONE, with DONE reachable from any state
  * through the one exit (req_finish: logs, answers once, frees on the next
@@ -34,8 +35,11 @@ void px_req_free_all(px_wctx *w);
  * vLLM words it. */
 void px_req_model_not_found(px_buf *b, const char *model, size_t n);
 
-/* The access line of an API request refused before the flow started (401,
- * 405): one line per request, whatever its fate. */
-void px_req_log_refused(const px_http_head *h, const char *endpoint, int status);
+/* Answers a request refused before the flow started (401, 404, 405) with an
+ * OpenAI error (extra: more header lines, or NULL) and writes its access
+ * line: one line per request, whatever its fate, with its request id (the
+ * client's or a fresh one, echoed in the answer). */
+void px_req_refuse(px_conn *c, const px_http_head *h, const char *endpoint, int status,
+                   const char *extra, const char *msg);
 
 #endif

@@ -1,4 +1,5 @@
-/* The JSON edits of the P/D flow (DESIGN.md §1.1), as pure functions over
+/* SPDX-License-Identifier: Apache-2.0 */
+/* The JSON edits of the P/D flow (docs/ARCHITECTURE.md §1), as pure functions over
  * byte spans: every value the client or the prefill sent is copied as the
  * exact bytes it arrived in. */
 #ifndef PX_REWRITE_H

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Backends, pools of them per role, their health, and the routing policies
  * that choose one for a request. The choice itself (px_pool_pick) is a pure
  * function of the pool's state and the request's routing key, so replicas of

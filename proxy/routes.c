@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 #include "proxy/routes.h"
 
 #include <stdio.h>
@@ -14,8 +15,10 @@
 static void reply_method(px_metrics *m, px_endpoint mep, px_conn *c, const px_http_head *h,
                          const char *epname, const char *allow, const char *msg) {
     px_metrics_count(m, mep, 405);
-    if (epname) px_req_log_refused(h, epname, 405);
-    px_conn_reply_error(c, 405, NULL, allow, msg);
+    if (epname)
+        px_req_refuse(c, h, epname, 405, allow, msg);
+    else
+        px_conn_reply_error(c, 405, NULL, allow, msg);
 }
 
 /* The 401 for a request without a valid key: counted (when `m`), logged
@@ -23,9 +26,11 @@ static void reply_method(px_metrics *m, px_endpoint mep, px_conn *c, const px_ht
 static void reply_unauthorized(px_metrics *m, px_endpoint mep, px_conn *c, const px_http_head *h,
                                const char *epname) {
     if (m) px_metrics_count(m, mep, 401);
-    if (epname) px_req_log_refused(h, epname, 401);
-    px_conn_reply_error(c, 401, NULL, "WWW-Authenticate: Bearer\r\n",
-                        "invalid or missing API key: send Authorization: Bearer <key>");
+    static const char msg[] = "invalid or missing API key: send Authorization: Bearer <key>";
+    if (epname)
+        px_req_refuse(c, h, epname, 401, "WWW-Authenticate: Bearer\r\n", msg);
+    else
+        px_conn_reply_error(c, 401, NULL, "WWW-Authenticate: Bearer\r\n", msg);
 }
 
 /* m: the worker's metrics, or NULL on the control thread's listener. */
@@ -154,12 +159,16 @@ static void reply_models(px_ctx *ctx, px_metrics *m, px_conn *c, const char *id,
     px_buf_cleanup(&b);
 }
 
-static void not_found(px_conn *c, const px_http_head *h) {
+/* `logged`: an API listener's 404, written to the access log with its id. */
+static void not_found(px_conn *c, const px_http_head *h, int logged) {
     px_buf m;
     px_buf_init(&m);
     px_buf_printf(&m, "not found: %.*s %.*s", (int)(h->method_len > 16 ? 16 : h->method_len),
                   h->method, (int)(h->target_len > 200 ? 200 : h->target_len), h->target);
-    px_conn_reply_error(c, 404, NULL, NULL, m.data);
+    if (logged)
+        px_req_refuse(c, h, px_endpoints[PX_EP_OTHER].name, 404, NULL, m.data);
+    else
+        px_conn_reply_error(c, 404, NULL, NULL, m.data);
     px_buf_cleanup(&m);
 }
 
@@ -217,7 +226,7 @@ static int serve_local(px_ctx *ctx, px_metrics *m, px_conn *c, const px_http_hea
 /* The --metrics-port listener, on the control thread: only the proxy's own
  * endpoints. */
 void px_routes_dispatch_local(void *arg, px_conn *c, const px_http_head *h, px_buf *body) {
-    if (!serve_local(arg, NULL, c, h, 1)) not_found(c, h);
+    if (!serve_local(arg, NULL, c, h, 1)) not_found(c, h, 0);
 }
 
 static int models_local(px_ctx *ctx) {
@@ -283,6 +292,5 @@ void px_routes_dispatch(void *arg, px_conn *c, const px_http_head *h, px_buf *bo
         return;
     }
     px_metrics_count(&w->metrics, PX_EP_OTHER, 404);
-    px_req_log_refused(h, px_endpoints[PX_EP_OTHER].name, 404);
-    not_found(c, h);
+    not_found(c, h, 1);
 }

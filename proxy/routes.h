@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* What a request to the proxy is for: the route table (px_endpoints)
  * checked for method and key, then the P/D flow (request.c) or one of the
  * proxy's own endpoints (/v1/models from named pools, /healthcheck,

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The /metrics page: every worker's counters summed, the backends' gauges,
  * the limits, trace export, build and process metrics, in Prometheus text
  * format 0.0.4. Any thread. */

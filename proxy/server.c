@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 #include "proxy/server.h"
 
 #include <errno.h>
@@ -366,7 +367,8 @@ int px_server_run(px_server *s) {
         dn += n;
     }
     PX_LOG(PX_LOG_INFO,
-           "msg=\"listening\" addr=%s:%lld tls=%s threads=%d pools=%zu prefill=%zu decode=%zu "
+           "msg=\"listening\" addr=%s:%lld tls=%s threads=%d pools=%zu prefill_backends=%zu "
+           "decode_backends=%zu "
            "prefill_policy=%s decode_policy=%s",
            s->ctx.cfg->host, (long long)s->ctx.cfg->port, s->tls ? "on" : "off", s->nworkers,
            s->ctx.gen->nps, pn, dn, s->ctx.cfg->prefill_policy, s->ctx.cfg->decode_policy);

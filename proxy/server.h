@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The HTTP front: worker threads with their listeners and routes, and the
  * control loop on the main thread (signals, drain, reloads, health checks).
  * What the rest of the proxy sees of a running server is ctx.h's context;

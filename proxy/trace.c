@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* W3C Trace Context (traceparent) for the upstream legs: parsing the
  * client's header, new trace and span ids, the child header each leg
  * carries. */

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* W3C Trace Context: the traceparent header of the upstream legs. */
 #ifndef PX_TRACE_H
 #define PX_TRACE_H

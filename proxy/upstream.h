@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Upstream HTTP requests, one transport-neutral interface over two clients:
  * plain http:// backends go through base's own HTTP/1.1 client (keep-alive
  * pools per backend address on the worker's loop), https:// backends

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* --usage-from prefill: decode's answer with prefill's cached_tokens in
  * place of decode's (usage.prompt_tokens_details.cached_tokens), as a byte
  * filter. Decode's bytes go in as they arrive; what comes out goes to the

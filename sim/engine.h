@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* engine-sim: an OpenAI-compatible engine that behaves like one vLLM
  * instance of a P/D pair, moving real KV blocks with libkvconnector. */
 #ifndef SIM_ENGINE_H

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* engine-sim's internals, shared by the engine (engine.c: KV block pool,
  * KV transfers, request states, token generation) and its HTTP front
  * (front.c: routes, request parsing, /metrics, the listener). */

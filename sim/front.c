@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* engine-sim's HTTP front: routes, OpenAI request parsing, /metrics in
  * vLLM's names, the listener and the run loop. The engine itself (blocks,
  * KV transfers, generation) is engine.c. */

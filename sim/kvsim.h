@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* engine-sim's stand-ins for a model: a deterministic tokenizer, KV-cache
  * block contents that are a pure function of the prompt, and generated text.
  * Same inputs, same bytes, in any process: decode can verify what it

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* engine-sim: flags → sim_config → engine. One table drives the flags and
  * --help. */
 #include <getopt.h>

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* engine-sim's parsing of a completion request body, as a pure function:
  * no engine, no connection, no clock. The engine calls it for every
  * /v1/completions and /v1/chat/completions request, and the fuzzer

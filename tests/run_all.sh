@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # Installs what is missing, builds pdproxy twice (optimised, and with
 # AddressSanitizer + UndefinedBehaviorSanitizer) and runs every test in both.
 #

@@ -1,4 +1,5 @@
 #!/bin/sh
+# SPDX-License-Identifier: Apache-2.0
 # Prints which source files call into which, from built object files, and
 # the call circles: sets of two or more files that reach each other.
 #

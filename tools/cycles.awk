@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 # Reads a directed graph, one edge "from to" a line, and prints each cycle
 # (strongly connected component of two or more nodes, Tarjan's algorithm) as
 # "cycle: a b c", members in name order, cycles sorted.  Used by

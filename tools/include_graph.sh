@@ -1,4 +1,5 @@
 #!/bin/sh
+# SPDX-License-Identifier: Apache-2.0
 # Prints the include graph of the C sources and any include cycles.
 #
 #   tools/include_graph.sh            files, modules and cycles

@@ -1,3 +1,4 @@
+-- SPDX-License-Identifier: Apache-2.0
 -- POST a small non-streamed completion; used by bench/proxy_bench.sh.
 wrk.method = "POST"
 wrk.headers["Content-Type"] = "application/json"

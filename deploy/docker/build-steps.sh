@@ -1,4 +1,5 @@
 #!/bin/sh
+# SPDX-License-Identifier: Apache-2.0
 # The build steps of deploy/Dockerfile, as one script so that the image build
 # and CI (deploy/check.sh, where no Docker engine runs) execute the same
 # commands.

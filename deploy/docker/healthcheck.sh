@@ -1,4 +1,5 @@
 #!/bin/sh
+# SPDX-License-Identifier: Apache-2.0
 # Docker HEALTHCHECK: GET /health (liveness) on the local port.  pdproxy by
 # default; set HEALTHCHECK_PORT when the container runs engine-sim.
 exec curl -fsS -o /dev/null --max-time 2 \

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # The local demo: installs what is missing, builds, starts one prefill and one
 # decode engine-sim plus pdproxy on loopback, sends a streamed chat request
 # through the proxy, prints the answer as it streams and the KV transfer
@@ -34,8 +35,10 @@ P=$(free_port); D=$(free_port); X=$(free_port)
 echo "== starting prefill engine-sim :$P, decode engine-sim :$D, pdproxy :$X"
 "$bin/engine-sim" --role prefill --port "$P" --ttft-ms 40 --layers 4 --block-bytes 16384 \
     2>"$work/prefill.log" & pids+=($!)
+# Decode logs at debug level: the connector names the UCX transports of each
+# producer endpoint ("transports=...") only there; the summary below prints them.
 "$bin/engine-sim" --role decode --port "$D" --ttft-ms 10 --itl-ms 40 --layers 4 --block-bytes 16384 \
-    2>"$work/decode.log" & pids+=($!)
+    --log-level debug 2>"$work/decode.log" & pids+=($!)
 "$bin/pdproxy" --port "$X" --prefiller-hosts 127.0.0.1 --prefiller-ports "$P" \
     --decoder-hosts 127.0.0.1 --decoder-ports "$D" 2>"$work/pdproxy.log" & pids+=($!)
 
@@ -73,7 +76,8 @@ if usage: print("usage:", json.dumps(usage))
 metric() { curl -s "http://127.0.0.1:$1/metrics" | awk -v m="$2" '$1==m {print $2}'; }
 echo "== KV transfer (decode pulled the blocks from prefill over UCX, then notified it)"
 { grep -o 'msg="kv fetch done".*' "$work/decode.log" || true; } | tail -1 | sed 's/^/decode: /'
-{ grep -o 'transports=[a-z,]*' "$work/decode.log" || true; } | head -1 | sed 's/^/decode: UCX /'
+{ grep -o 'transports=[a-z0-9_,]* path=[a-z_]*' "$work/decode.log" || true; } | head -1 |
+    sed 's/^/decode: UCX /'
 printf "fetches=%s bytes=%s seconds=%s\n" "$(metric "$D" engine_sim_kv_fetches_total)" \
     "$(metric "$D" engine_sim_kv_bytes_fetched_total)" "$(metric "$D" engine_sim_kv_fetch_seconds_total)"
 printf "prefill: blocks published=%s released by decode's notification=%s expired=%s\n" \

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # Installs the Debian packages pdproxy needs to build, test and benchmark.
 # Idempotent: returns at once when everything is already installed.
 set -euo pipefail

@@ -1,3 +1,4 @@
+-- SPDX-License-Identifier: Apache-2.0
 -- wrk script: POST /v1/chat/completions (JSON answers) through pdproxy,
 -- prompts varied per thread and request.  See README.md beside this file.
 --   wrk -t2 -c32 -d30s --latency -s deploy/wrk/chat.lua http://127.0.0.1:8000

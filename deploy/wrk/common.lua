@@ -1,3 +1,4 @@
+-- SPDX-License-Identifier: Apache-2.0
 -- Shared by completions.lua, chat.lua and chat_stream.lua (loaded from the
 -- directory of the script wrk runs).  Builds OpenAI-compatible request
 -- bodies with prompts that vary deterministically per wrk thread and per

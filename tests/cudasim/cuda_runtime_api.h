@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Test stand-in for the part of the CUDA runtime API that libkvconnector
  * uses (names, types and semantics as the CUDA runtime documents them), so
  * that connector/cuda.c compiles and runs without a toolkit or a GPU.

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* CUDA stand-in: the runtime functions libkvconnector calls, asynchronous.
  *
  * "Device" memory is host memory handed out by cudaMalloc and remembered

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Controls of the CUDA stand-in (tests only): device count, execution mode,
  * fault injection and counters.  The runtime functions themselves are in
  * cuda_runtime_api.h beside this file. */

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 # libkvconnector fuzz targets (clang, -DBUILD_FUZZERS=ON).  The parsers are
 # compiled straight into each target with the fuzzer's instrumentation; they
 # call no UCX function, so only UCX's headers are needed.

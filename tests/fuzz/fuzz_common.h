@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Helpers shared by the proxy and engine-sim fuzz targets. Inputs are
  * copied into exact-size heap buffers so that any read past the end trips
  * AddressSanitizer, and a broken invariant aborts with its text so that

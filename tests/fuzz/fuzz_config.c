@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* libFuzzer target: pdproxy's flag and PDPROXY_* environment parsing
  * (proxy/config.c), table-driven and full of number conversions.
  *

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* libFuzzer target: the side-channel messages libkvconnector parses from the
  * network — header, HELLO and CHALLENGE, AUTH, ERROR, HANDSHAKE, SEALED —
  * exactly as listen.c and peer.c feed them, the check of the handshake's MAC,

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* libFuzzer target: the proxy's HTTP/1.1 request-head parser, its target
  * normalisation and chunked body decoder (base/http.c), the first code
  * every client byte meets.

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* libFuzzer target: the upstream client's input path (base/http.c): the
  * response-head parser and the zero-copy chunked decoder that hands body
  * spans to the proxy.

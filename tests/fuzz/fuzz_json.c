@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* libFuzzer target: the proxy's JSON scanner (base/json.c), which decides
  * what a client body is and which keys the proxy strips before forwarding.
  *

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* libFuzzer target: the messages libkvconnector parses off UCX active
  * messages (notification token + "<id>:<tp>", PULL with tokens and run
  * lists, DATA headers) and the kv_transfer_params JSON a consumer receives

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* libFuzzer target: the P/D rewrites (proxy/rewrite.c). A client body
  * becomes the prefill and the decode bodies; a prefill answer yields the
  * kv_transfer_params forwarded to decode.

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* libFuzzer target: engine-sim's request parsing (sim/sim_request.c, cJSON),
  * alone and behind the proxy's rewrites.
  *

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* What the connector's parsers and auth.c need from loop.c, for fuzz
  * targets that link only the pure sources. */
 #include <time.h>

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 # pdproxy and engine-sim fuzz targets (clang, -DBUILD_FUZZERS=ON), one per
 # parser of outside input. They link the same static libraries as the
 # product (pxbase, pxcore, simcore), which the top-level CMakeLists.txt

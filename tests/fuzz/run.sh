@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # Builds the fuzz targets (clang, ASan + UBSan) in build-fuzz, replays every
 # seed corpus, then fuzzes each target for a while.
 #

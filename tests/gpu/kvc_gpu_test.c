@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* GPU check of libkvconnector (run by tests/gpu/run_gpu_tests.sh): a real
  * CUDA device, a producer and a consumer in two processes, device memory on
  * both sides.

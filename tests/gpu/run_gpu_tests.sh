@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # GPU check of libkvconnector, one command for a machine with an NVIDIA GPU
 # (well under 8 minutes).  Builds what it needs (CUDA toolkit required), then
 # runs a producer and a consumer as two processes on device memory:

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 # libkvconnector two-process tests over UCX on loopback, once with tcp only
 # and once with shared memory carrying the data.
 if(TARGET kvconnector)

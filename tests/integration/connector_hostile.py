@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
 """Hostile-peer tests of libkvconnector over UCX on 127.0.0.1.
 
 Replays what a hostile peer tries against a producer (kvc_testpeer) — with

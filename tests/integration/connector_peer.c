@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* kvc_testpeer: one libkvconnector agent driven by line commands on stdin,
  * reporting on stdout, for the two-process integration tests
  * (connector_test.py).  Producer and consumer are the same program.

@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
 """engine-sim with the connector's security settings: the cluster secret
 (--kv-secret-file, KVC_SECRET_FILE), the publication token in
 kv_transfer_params, and heterogeneous TP (--tp-size 1->2 and 2->1: prefill

@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
 """Two-process libkvconnector tests over UCX on 127.0.0.1.
 
 Runs kvc_testpeer producers and consumers (line protocol, see

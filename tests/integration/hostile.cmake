@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 # Hardening tests of pdproxy (issue 7): hostile clients (item 2) and upstream
 # faults (item 3). Included from tests/CMakeLists.txt, so
 # CMAKE_CURRENT_SOURCE_DIR is tests/.

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* kvc_hostile: a hostile libkvconnector peer for connector_hostile.py.
  *
  * It speaks the side channel and the active messages by hand, with the

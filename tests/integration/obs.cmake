@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 # Observability, TLS and auth tests of pdproxy (issue 6 items 1-5; otlp: issue 16): Python 3
 # stdlib plus the openssl CLI, real processes on 127.0.0.1.
 # Included from tests/CMakeLists.txt, so CMAKE_CURRENT_SOURCE_DIR is tests/.

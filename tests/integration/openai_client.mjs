@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Drives pdproxy with the official OpenAI SDK for Node: a non-streamed
 // completion and a streamed chat completion. Prints {"completion","chat"}.
 // Usage: node openai_client.mjs <sdk-dir> <base-url> <model>

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 # Per-request decisions: conditional disaggregation, the decode-only fallback
 # after a failed prefill, the endpoints passed to decode, and the usage the
 # client gets across the two legs. Included from tests/CMakeLists.txt, so

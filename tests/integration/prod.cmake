@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 # Integration tests of pdproxy's production features (issue 5): health checks,
 # failover, routing policies, DNS discovery, limits, drain, endpoints, config,
 # stranded prefill blocks. Included from tests/CMakeLists.txt, so

@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
 """The admin API: its own listener, every call authenticated with the token
 of --admin-token-file (never the client API key); backends listed, added,
 removed, drained and undrained; the configuration shown; the file reloaded.

@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
 """--config FILE (YAML): every flag as a key, pools as a list; the
 environment and flags win over it; --print-config writes YAML that reads
 back to the same settings; a bad file names file, line and key; SIGHUP

@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
 """Multi-model pools: --pool NAME[=MODELS] groups the --prefill/--decode
 URLs after it; requests route by the body's model; an unknown model gets
 OpenAI's 404 model_not_found; /v1/models lists every pool's models once;

@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
 """Reloads under load: clients send requests without pause while the file
 is rewritten and SIGHUP sent 50 times, adding and removing prefill and
 decode backends. Every request must succeed: a swap is atomic, requests in

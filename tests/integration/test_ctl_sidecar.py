@@ -1,16 +1,22 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
 """Sidecar mode for llm-d: with --prefiller-from-header the prefill is the
 instance x-prefiller-host-port names (of several, the first), only when its
 host is in --prefiller-allowlist; without the header, decode alone. A header
 outside the allowlist is refused with 400 and reaches no backend."""
 
 import json
+import os
+import tempfile
 import unittest
 
-from pdharness.client import errmsg
+from pdharness.client import errmsg, http_request
 from pdharness.ctl import url
 from pdharness.mocks import decode_handler, prefill_handler
+from pdharness.logs import parse_logfmt
+from pdharness.net import wait_until
 from pdharness.procs import run_pdproxy
+from pdharness.prom import prom
 from pdharness.prod import ProdCase
 
 
@@ -104,6 +110,74 @@ class SidecarTest(ProdCase):
         self.assertEqual(p.returncode, 2)
         self.assertIn("not a CIDR", p.stderr)
 
+
+    # --- no phantom prefill (issue 27 item 6) ---------------------------------
+
+    def access(self, px, rid):
+        """The access record of request id `rid` (waits for it)."""
+        def mine():
+            return [parse_logfmt(l) for l in px.stderr().splitlines()
+                    if 'msg="request"' in l and "total_ms=" in l and ("req=%s " % rid) in l]
+        wait_until(lambda: mine(), 5.0, 0.02)
+        recs = mine()
+        self.assertEqual(len(recs), 1, recs)
+        return recs[0]
+
+    def test_decode_only_sidecar_has_no_phantom_prefill(self):
+        """The manifest's sidecar passes only --decode: the toy default
+        localhost:8100 must not become a prefill backend (it would be
+        ejected and show as an outage on the dashboard)."""
+        D = self.mock(decode_handler(), name="D")
+        px = self.start(args=["--decode", url(D), "--prefiller-from-header",
+                              "--prefiller-allowlist", "127.0.0.1/32"], health_interval="1")
+        samples = prom(px.port)
+        roles = sorted({l.get("role") for n, l, v in samples if n == "pdproxy_backend_up"})
+        self.assertEqual(roles, ["decode"], [s for s in samples if s[0] == "pdproxy_backend_up"])
+        self.assertNotIn(":8100", px.stderr())
+        r = http_request(px.port, "GET", "/ready")
+        self.assertEqual(r.status, 200, r.body)
+        r = http_request(px.port, "GET", "/healthcheck")
+        self.assertEqual(json.loads(r.body)["prefill_instances"], 0, r.body)
+
+    def test_no_toy_default_beside_urls_or_a_file(self):
+        """--decode alone, --prefill alone, or a file naming backends: the
+        other role's toy default does not apply."""
+        for args, absent in ((["--decode", "http://127.0.0.1:9"], "prefiller-hosts"),
+                             (["--prefill", "http://127.0.0.1:9"], "decoder-hosts")):
+            with self.subTest(args=args):
+                p = run_pdproxy(args + ["--print-config"])
+                self.assertEqual(p.returncode, 0, p.stderr)
+                self.assertNotIn(absent, p.stdout)
+                self.assertNotIn("localhost", p.stdout)
+        with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
+            f.write("decode: [http://127.0.0.1:9]\n")
+        self.addCleanup(os.unlink, f.name)
+        p = run_pdproxy(["--config", f.name, "--print-config"])
+        self.assertEqual(p.returncode, 0, p.stderr)
+        self.assertNotIn("prefiller-hosts", p.stdout)
+        # The toy flags alone keep the toy proxy's defaults for the other role.
+        p = run_pdproxy(["--prefiller-hosts", "10.0.0.1", "--print-config"])
+        self.assertEqual(p.returncode, 0, p.stderr)
+        self.assertIn("decoder-hosts", p.stdout)
+
+    def test_no_header_is_logged_and_counted_as_decode_only(self):
+        px = self.sidecar()
+        r = self.post(px, headers={"X-Request-Id": "no-header-1"})
+        self.assertEqual(r.status, 200, r.body)
+        rec = self.access(px, "no-header-1")
+        self.assertEqual(rec.get("decision"), "decode_only", rec)
+        self.assertEqual(rec.get("decision_reason"), "no_prefiller_header", rec)
+        self.assertNotIn("prefill", rec)
+        samples = prom(px.port)
+        got = {(l.get("decision"), l.get("reason")): v for n, l, v in samples
+               if n == "pdproxy_disagg_decisions_total" and v}
+        self.assertEqual(got, {("decode_only", "no_prefiller_header"): 1}, got)
+        # With the header, disaggregated as before.
+        r = self.post(px, headers={"X-Request-Id": "with-header-1",
+                                   "x-prefiller-host-port": self.hp(self.Pcfg)})
+        self.assertEqual(r.status, 200, r.body)
+        rec = self.access(px, "with-header-1")
+        self.assertEqual(rec.get("decision"), "disaggregated", rec)
 
 if __name__ == "__main__":
     unittest.main(verbosity=2)

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """End to end, when things go wrong: a relay that loses remote_request_id
 (the check that blocks are released must be able to fail), and a prefill
 killed in the middle of a run."""

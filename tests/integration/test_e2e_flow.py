@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """End to end: pdproxy + 2 prefill + 2 decode engine-sims, KV blocks moved by
 libkvconnector over UCX tcp on loopback, answers compared with a --role both
 engine computing the same prompts locally."""

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """A real client nobody here wrote: the official OpenAI SDK for Node sends a
 completion and a streamed chat completion through pdproxy to engine-sims.
 Skips (exit 77) only when npm cannot install the package from its registry."""

@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
 """Issue 18, "hold the line": one test class per observation.
 
 1. A client that never reads cannot grow pdproxy: pipelined requests wait

@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
 """Issue 30, "hold the line, third round": one test class per observation.
 
 H1. No spelling of a P/D path smuggles a client's kv_transfer_params: the

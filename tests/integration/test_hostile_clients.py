@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
 """Issue 7 item 2, hostile clients: slowloris heads closed at the header
 timeout with 408; 10 000 idle connections held while normal requests still
 succeed; request smuggling shapes answered 400 (or 501) with the connection

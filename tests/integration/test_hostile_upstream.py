@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
 """Issue 7 item 3, upstream faults: a prefill or decode that accepts and never
 answers (the timeouts fire, the client gets a 504 in OpenAI JSON); decode
 closing or resetting in the middle of an SSE event; decode sending malformed

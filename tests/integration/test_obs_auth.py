@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
 """API keys (issue 6 item 5): with --api-key (or PDPROXY_API_KEY, or
 --api-key-file with several keys) clients must send Authorization: Bearer
 <key>, else 401 with an OpenAI-style error and nothing reaches P or D; the

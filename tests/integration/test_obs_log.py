@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
 """The access log (issue 6 item 2): one line per request on stderr, in logfmt
 (the default) or JSON, with request id, endpoint, P and D backends, status,
 prefill / first byte / total milliseconds, bytes out and outcome; --log-level;
@@ -384,10 +385,34 @@ class LogLevelTest(LogTestBase):
                         "no warn line for a 502 at --log-level warn:\n" + px.stderr())
         recs = self.records(px)
         for rec in recs:
+            if rec.get("msg") == "request":
+                continue    # access lines have their own switch, --access-log
             self.assertIn(rec.get("level"), ("warn", "warning", "error"),
                           "line below warn at --log-level warn: %r" % rec)
-        self.assertFalse([r for r in recs if str(r.get("req", "")).startswith("quiet-")],
+        # Access logging does not depend on --log-level: every request has its line.
+        self.wait_access(px, ["quiet-%d" % k for k in range(5)] + ["loud-1"])
+        for rid in ["quiet-%d" % k for k in range(5)]:
+            rec = self.one_line(self.access(px), rid)
+            self.assertEqual(rec.get("level"), "info")
+        self.assertFalse([r for r in recs if str(r.get("req", "")).startswith("quiet-")
+                          and r.get("msg") != "request"],
                          "info lines of successful requests at --log-level warn")
+
+    def test_access_log_switch(self):
+        P = self.mock(prefill_handler(), "P")
+        D = self.mock(decode_handler(), "D")
+        for args in (["--access-log=false"],):
+            with self.subTest(args=args):
+                px = self.start_proxy([P], [D], extra=["--drain-delay", "0"] + args)
+                r = http_request(px.port, "POST", "/v1/completions", completion_body(),
+                                 headers={"X-Request-Id": "off-1"})
+                self.assertEqual(r.status, 200, r)
+                r = http_request(px.port, "GET", "/no/such/path")
+                self.assertEqual(r.status, 404, r)
+                self.stop(px)
+                self.assertEqual(self.access(px), [], px.stderr())
+                # Other info lines stay: the switch is about access lines only.
+                self.assertIn('msg="listening"', px.stderr())
 
     def test_error_suppresses_warn(self):
         P = self.mock(lambda r: Respond(500, [("Content-Type", "application/json")], b"{}"), "P")
@@ -399,7 +424,42 @@ class LogLevelTest(LogTestBase):
         self.assertEqual(len(P.requests), 2)
         self.stop(px)
         for rec in self.records(px):
+            if rec.get("msg") == "request":
+                continue    # access lines: --access-log, not --log-level
             self.assertEqual(rec.get("level"), "error", rec)
+
+    def test_json_fields_of_issue_27(self):
+        """JSON: the start-up line's counts are numbers; an error answer
+        logs the bytes it sent; a request to an unknown path logs the id
+        echoed to the client; every access line has method and client."""
+        P = self.mock(lambda r: Respond(500, [("Content-Type", "application/json")], b"{}"), "P")
+        D = self.mock(decode_handler(), "D")
+        px = self.start_proxy([P], [D], extra=["--drain-delay", "0", "--log-format", "json",
+                                               "--prefill-retries", "0",
+                                               "--health-interval", "0"])
+        r = http_request(px.port, "POST", "/v1/completions", completion_body(),
+                         headers={"X-Request-Id": "err-1"})
+        self.assertEqual(r.status, 502, r)
+        r404 = http_request(px.port, "GET", "/no/such/path")
+        self.assertEqual(r404.status, 404, r404)
+        rid404 = r404.header("x-request-id")
+        self.assertTrue(rid404, "a 404 without X-Request-Id")
+        recs = self.wait_access(px, ["err-1", rid404], fmt="json")
+        start = [x for x in self.records(px, "json") if x.get("msg") == "listening"]
+        self.assertEqual(len(start), 1, start)
+        for k in ("threads", "pools", "prefill_backends", "decode_backends"):
+            self.assertIsInstance(start[0].get(k), int, "%s in %r" % (k, start[0]))
+        err = self.one_line(recs, "err-1")
+        self.assertEqual(err["status"], 502)
+        self.assertEqual(err["bytes_out"], len(r.body), err)
+        self.assertGreater(err["bytes_out"], 0)
+        nf = self.one_line(recs, rid404)
+        self.assertEqual(nf["endpoint"], "other")
+        self.assertEqual(nf["bytes_out"], len(r404.body), nf)
+        for rec in (err, nf):
+            self.assertEqual(rec.get("client"), "127.0.0.1", rec)
+        self.assertEqual(err.get("method"), "POST")
+        self.assertEqual(nf.get("method"), "GET")
 
     def test_default_is_info(self):
         P = self.mock(prefill_handler(), "P")

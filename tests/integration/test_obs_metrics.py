@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
 """GET /metrics (issue 6 item 1): the Prometheus text exposition format
 (0.0.4) parsed strictly, the families the issue names, and their values moving
 as requests flow through several worker threads: request counts and

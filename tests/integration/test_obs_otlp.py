@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
 """Trace export (issue 16 item 5): OTLP/HTTP with the JSON encoding to a
 local receiver that checks every payload against the OTLP JSON shape. One
 server span per request with a client span for each of its prefill and decode
@@ -17,8 +18,8 @@ import unittest
 
 from pdharness.case import PxTestCase, main
 from pdharness.client import http_request, raw_exchange
-from pdharness.mocks import (Stream, completion_body, decode_handler, default_p_kv, prefill_handler,
-                             sse_events)
+from pdharness.mocks import (Stream, chat_body, completion_body, decode_handler, default_p_kv,
+                             prefill_handler, sse_events)
 from pdharness.net import closed_port, wait_until
 from pdharness.procs import run_pdproxy
 
@@ -273,11 +274,63 @@ class OtlpTest(PxTestCase):
                                 env=self.otel_env(rcv, **extra))
 
     def by_name(self, spans):
+        """{server span name, "prefill", "decode": span}: client spans are named
+        by their method (HTTP conventions), so their role tells them apart."""
         out = {}
         for s in spans:
-            self.assertNotIn(s["name"], out, "two spans named %s" % s["name"])
-            out[s["name"]] = s
+            key = s["name"] if s["kind"] == 2 else s["attrs"].get("pdproxy.role")
+            self.assertNotIn(key, out, "two spans for %s" % key)
+            out[key] = s
         return out
+
+    def test_http_and_genai_semantic_conventions(self):
+        """Each attribute the OpenTelemetry HTTP conventions require (server
+        span: http.request.method, url.path, url.scheme, http.route with a
+        route, http.response.status_code, named "METHOD route"; client spans:
+        named by the method, http.request.method, server.address the host
+        alone, server.port, url.full), and the GenAI ones where usage is
+        reported (gen_ai.operation.name, gen_ai.request.model,
+        gen_ai.usage.input_tokens)."""
+        rcv = self.receiver()
+        px = self.start(rcv)
+        for path, body, op in (("/v1/completions", completion_body(model="m-1"),
+                                "text_completion"),
+                               ("/v1/chat/completions", chat_body(model="m-1"), "chat")):
+            with self.subTest(path=path):
+                trace = "%032x" % (hash(path) & (2**128 - 1) or 1)
+                r = raw_exchange(px.port, "POST", path, body,
+                                 headers=[("traceparent", "00-%s-%s-01" % (trace, SPAN))])
+                self.assertEqual(r.status, 200, r)
+                s = self.by_name(rcv.wait_spans(trace, 3))
+                root, p, d = s["POST " + path], s["prefill"], s["decode"]
+                want_root = {"http.request.method": "POST", "http.route": path,
+                             "url.path": path, "url.scheme": "http",
+                             "http.response.status_code": 200,
+                             "gen_ai.operation.name": op, "gen_ai.request.model": "m-1",
+                             "gen_ai.usage.input_tokens": 3}
+                for k, v in want_root.items():
+                    self.assertEqual(root["attrs"].get(k), v, k)
+                for leg, mock in ((p, self.P), (d, self.D)):
+                    self.assertEqual(leg["name"], "POST")
+                    want = {"http.request.method": "POST", "server.address": "127.0.0.1",
+                            "server.port": mock.port,
+                            "url.full": "http://127.0.0.1:%d%s" % (mock.port, path),
+                            "http.response.status_code": 200,
+                            "gen_ai.operation.name": op, "gen_ai.request.model": "m-1"}
+                    for k, v in want.items():
+                        self.assertEqual(leg["attrs"].get(k), v, "%s: %s" % (leg["name"], k))
+                self.assertEqual(p["attrs"].get("gen_ai.usage.input_tokens"), 3)
+        # A passed-through path: no route template, so the span is named by
+        # the method, url.path without the query, no GenAI attributes.
+        trace = "c" * 32
+        r = raw_exchange(px.port, "POST", "/v1/embeddings?x=1", {"model": "m-1", "input": "a"},
+                         headers=[("traceparent", "00-%s-%s-01" % (trace, SPAN))])
+        s = [x for x in rcv.wait_spans(trace, 2) if x["kind"] == 2]
+        self.assertEqual(len(s), 1, s)
+        self.assertEqual(s[0]["name"], "POST")
+        self.assertEqual(s[0]["attrs"].get("url.path"), "/v1/embeddings")
+        self.assertNotIn("http.route", s[0]["attrs"])
+        self.assertNotIn("gen_ai.operation.name", s[0]["attrs"])
 
     def test_request_spans_nest_engines_under_the_proxy(self):
         rcv = self.receiver()
@@ -313,8 +366,10 @@ class OtlpTest(PxTestCase):
         self.assertEqual(root["attrs"]["pdproxy.disaggregation"], "prefill_decode")
         self.assertEqual(root["attrs"]["pdproxy.request_id"], "otlp-1")
         self.assertEqual(root["attrs"]["pdproxy.remote_request_id"], rrid)
-        self.assertEqual(p["attrs"]["server.address"], "127.0.0.1:%d" % self.P.port)
-        self.assertEqual(d["attrs"]["server.address"], "127.0.0.1:%d" % self.D.port)
+        self.assertEqual(p["attrs"]["server.address"], "127.0.0.1")
+        self.assertEqual(p["attrs"]["server.port"], self.P.port)
+        self.assertEqual(d["attrs"]["server.address"], "127.0.0.1")
+        self.assertEqual(d["attrs"]["server.port"], self.D.port)
         self.assertEqual(p["attrs"]["http.response.status_code"], 200)
         self.assertEqual(d["attrs"]["http.response.status_code"], 200)
         self.assertEqual(p["attrs"]["pdproxy.remote_request_id"], rrid)
@@ -366,6 +421,8 @@ class OtlpTest(PxTestCase):
         self.assertEqual(s["POST /v1/completions"]["status"]["code"], 2)
         self.assertEqual(s["prefill"]["status"]["code"], 2)
         self.assertEqual(s["POST /v1/completions"]["attrs"]["http.response.status_code"], 502)
+        self.assertEqual(s["POST /v1/completions"]["attrs"]["error.type"], "502")
+        self.assertIn("error.type", s["prefill"]["attrs"])
 
     def test_sampling_decides_export_and_engine_flags(self):
         rcv = self.receiver()

@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
 """TLS (issue 6 item 4): --tls-cert/--tls-key serve HTTPS (TLS 1.2+ only) and
 https:// backends are verified against --upstream-ca (or the system store, which
 does not know the test CA), or not at all with --upstream-insecure. A throw-away

@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
 """W3C trace context (issue 6 item 3): a client's traceparent reaches P and D
 as child spans of the same trace (same trace id and flags, a new parent id
 each); a fresh one is generated when it is absent or invalid (the cases of the

@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
 """Conditional disaggregation (--disagg-min-tokens): a request whose
 estimated uncached prompt is shorter than the threshold goes straight to a
 decode as the client sent it; the rest go P->D. The estimate (prompt bytes

@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
 """Every endpoint a vLLM front serves: /v1/messages disaggregated like chat
 (vLLM's AnthropicMessagesRequest takes kv_transfer_params), /v1/responses
 sent to decode alone (vLLM's ResponsesRequest has no kv_transfer_params),

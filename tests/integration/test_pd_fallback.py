@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
 """The decode-only fallback after a failed prefill (--fallback-decode-only):
 a prefill that answered 5xx, refused the connection or reset it before its
 answer, retries spent, sends the request to decode without

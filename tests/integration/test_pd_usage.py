@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
 """Honest usage across the two legs. Under P/D vLLM's decode reports the
 prompt it received from prefill as cached (prompt_tokens_details.
 cached_tokens = prompt - 1); with --usage-from prefill (the default) the

@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
 """Issue 5 item 1, backends: --prefill/--decode URLs (repeatable), the toy
 flags, and DNS names re-resolved every --dns-refresh seconds.
 

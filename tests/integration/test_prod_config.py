@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
 """Issue 5 item 9, configuration: every flag also as PDPROXY_<NAME> (flags
 win), --print-config dumps the effective values with secrets masked, and an
 invalid value (flag or environment) exits 2 naming the flag, the value and
@@ -67,6 +68,7 @@ SAMPLES = {
     "upstream-api-key": ("env-secret-two", "(set)"),
     "log-level": ("debug", None),
     "log-format": ("json", None),
+    "access-log": ("false", None),
     "admin-host": ("127.0.0.2", None),
     "admin-port": ("9465", None),
     "admin-token-file": ("/nonexistent/token", None),
@@ -107,8 +109,10 @@ def parse_dump(text):
 
 def help_flags():
     p = run_pdproxy(["--help"])
-    return sorted(set(re.findall(r"^\s+--([a-z][a-z0-9-]*)", p.stdout, re.M)) -
-                  {"help", "version", "print-config"})
+    # Flags open their line with two spaces; wrapped descriptions are indented
+    # further and may start with a flag they mention.
+    return sorted(set(re.findall(r"^  --([a-z][a-z0-9-]*)", p.stdout, re.M)) -
+                  {"help", "help-markdown", "version", "print-config"})
 
 
 class PrintConfigTest(ProdCase):

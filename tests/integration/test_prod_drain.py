@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
 """Issue 5 item 7, graceful drain: on SIGTERM /ready turns 503 at once, new
 connections are still taken during --drain-delay and refused after it,
 streams in flight finish (up to --drain-timeout), then pdproxy exits 0.

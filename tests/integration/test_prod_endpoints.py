@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
 """Issue 5 item 8, endpoints: GET /health (liveness), GET /ready (at least
 one healthy decode and not draining), GET /v1/models answered by a healthy
 decode with its status and body, GET /healthcheck (toy shape)."""

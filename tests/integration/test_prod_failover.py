@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
 """Issue 5 items 3 and 4: failover and decode-only fallback.
 
 * P refused, reset or 5xx: the request is retried on another P, at most

@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
 """Issue 5 item 2, health: active checks (GET /health every
 --health-interval; ejected after --unhealthy-after failures, readmitted after
 --healthy-after successes), passive ejection on connect errors, resets and

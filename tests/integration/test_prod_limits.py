@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
 """Issue 5 item 6, limits: --max-inflight (503 + Retry-After beyond it),
 --prefill-timeout (504), --decode-idle-timeout (no byte from D for that long
 fails the request or cuts the stream), --client-header-timeout (408 for a

@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
 """Issue 5 item 5, routing policies per role (--prefill-policy /
 --decode-policy): round_robin, least_inflight, power_of_two,
 prefix_affinity (with its bounded-load cap --prefix-load-factor) and

@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
 """Issue 5 item 10, stranded prefill blocks: with real engine-sim prefills
 (KV blocks expire after 3 s) and a real decode, 60 requests of which a third
 of the clients disconnect at random points (during prefill, right after it,

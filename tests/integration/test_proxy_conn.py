@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
 """Connections: client keep-alive, upstream connection reuse, HTTP/1.0
 clients, worker threads under parallel load, cancelling P when the client
 goes away."""

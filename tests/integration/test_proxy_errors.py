@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
 """Errors: OpenAI-style JSON for client mistakes (400/404/405/413), P's 4xx
 passed through, upstream failures (502/504), D failing mid-stream."""
 

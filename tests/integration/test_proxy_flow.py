@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
 """The prefill -> decode flow: the P request's rewrite, the D request's body
 (P's kv_transfer_params verbatim), X-Request-Id, Authorization, pass-through
 of D's answer, round robin, missing kv_transfer_params warnings."""
@@ -39,7 +40,7 @@ P_KV = strict_json(P_KV_RAW)
 
 
 def p_request_expected(client_body):
-    """The P body DESIGN.md §1.1 prescribes for a given client body."""
+    """The P body docs/ARCHITECTURE.md §1 prescribes for a given client body."""
     exp = copy.deepcopy(client_body)
     for k in ("stream_options", "min_tokens", "min_completion_tokens"):
         exp.pop(k, None)

@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
 """pdproxy's HTTP/1.1 front end on awkward but legal input (requests split
 across reads, chunk extensions and trailers, absolute-form targets) and on
 malformed input (conflicting lengths, bad chunk sizes, huge heads): legal

@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
 """The publication token libkvconnector puts in kv_transfer_params
 ("remote_kv_token", 32 hex digits) reaches decode byte for byte through the
 proxy: without it decode cannot pull the blocks nor release them."""

@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
 """Streaming from D to the client: SSE without buffering, D's status and
 Content-Type, chunked framing, backpressure on a slow client, cancelling D
 when the client goes away mid-stream."""

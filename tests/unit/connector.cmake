@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 # libkvconnector unit tests: wire formats (pure), agent bookkeeping (a real
 # agent on loopback, no peer), the CUDA path against an asynchronous CUDA
 # stand-in (kvc_cudasim: the core sources, connector/cuda.c and

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 # Unit tests of the proxy's pure modules.
 foreach(m json rewrite http config log route trace access usage disagg)
   px_unit_test(${m} pxcore)

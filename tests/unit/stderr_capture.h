@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* For unit tests of what goes to stderr (the log). Needs cmocka.h first. */
 #ifndef PX_STDERR_CAPTURE_H
 #define PX_STDERR_CAPTURE_H

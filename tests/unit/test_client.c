@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* base/client.c against a scripted HTTP server on 127.0.0.1 (a thread with
  * blocking sockets): keep-alive reuse, the one resend on a stale reused
  * connection, no resend once the backend read the request, chunked bodies

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -214,8 +215,25 @@ static void test_pools_from_flags_and_lookup(void **state)
     v = px_config_effective_pools(&c, &n);
     assert_int_equal(n, 1);
     assert_string_equal(v[0].name, "");
-    assert_int_equal(v[0].prefill_toy.n, 1); /* the toy default localhost:8100 */
-    assert_int_equal(v[0].decode_toy.n, 0);  /* replaced by the URL */
+    /* A URL of either role: no toy default applies (no phantom prefill). */
+    assert_int_equal(v[0].prefill_toy.n, 0);
+    assert_int_equal(v[0].decode_toy.n, 0);
+    px_pool_specs_free(v, n);
+    px_config_cleanup(&c);
+    /* Toy flags alone: the other role keeps the toy default localhost:8200. */
+    char *a3[] = {"pdproxy", "--prefiller-hosts", "10.0.0.1", NULL};
+    assert_int_equal(load(&c, a3, NULL, err), PX_CONFIG_RUN);
+    v = px_config_effective_pools(&c, &n);
+    assert_int_equal(v[0].prefill_toy.n, 1);
+    assert_int_equal(v[0].decode_toy.n, 1);
+    px_pool_specs_free(v, n);
+    px_config_cleanup(&c);
+    /* Nothing given: both toy defaults. */
+    char *a4[] = {"pdproxy", NULL};
+    assert_int_equal(load(&c, a4, NULL, err), PX_CONFIG_RUN);
+    v = px_config_effective_pools(&c, &n);
+    assert_int_equal(v[0].prefill_toy.n, 1);
+    assert_int_equal(v[0].decode_toy.n, 1);
     px_pool_specs_free(v, n);
     px_config_cleanup(&c);
 }

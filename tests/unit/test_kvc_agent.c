@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Unit tests: libkvconnector agent bookkeeping without a peer — parameter
  * validation, publish table, notification handling, expiry, events, stats. */
 #include <setjmp.h>

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Unit test: driving agents from libevent exactly as kvconnector.h shows —
  * one EV_READ|EV_PERSIST event per agent fd, kvc_agent_progress() in the
  * callback, no polling timers.  A producer and a consumer agent share one

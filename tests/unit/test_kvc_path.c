@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Unit test: the pure choices of libkvconnector's CUDA path.  The copy plan
  * (block ids -> as few cudaMemcpyAsync / cudaMemcpy2DAsync calls as the
  * layout allows), the UCX transport names -> KVC_TRANSPORT_* bits, and the

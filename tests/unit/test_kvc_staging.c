@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Unit test: libkvconnector's CUDA path (connector/cuda.c, the real code)
  * against the asynchronous CUDA stand-in (tests/cudasim): no GPU needed.
  * Work queued on a stream runs only when someone synchronises (lazy mode) or

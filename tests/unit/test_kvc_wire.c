@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Unit tests: libkvconnector wire formats, coalescing, kv_transfer_params
  * parsing, handshake MACs and publication membership (connector/wire.c,
  * params.c, auth.c, publish.c). */

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Unit tests: what FETCH_DONE and FETCH_FAILED promise, with two agents in
  * this process (a producer P and a consumer D) moving blocks over UCX on
  * loopback (tcp, or shared memory for the connector-allocated pool).

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* base/listen.c on 127.0.0.1: a listener serves connections through
  * px_conn; a host that does not resolve and a port already served are named
  * in the error; out of descriptors, accepting pauses and then resumes. */

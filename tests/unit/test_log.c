@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* cmocka.h needs these first. */
 // clang-format off
 #include <setjmp.h>

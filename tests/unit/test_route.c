@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* proxy/route.c: the routing policies, passive and active ejection,
  * readmission and panic routing, on pools of literal-address backends (no
  * DNS, no network). */

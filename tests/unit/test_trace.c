@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* proxy/trace.c: the W3C traceparent parser, fresh trace and span ids, and
  * the child header each upstream leg carries. */
 /* cmocka.h needs these first. */

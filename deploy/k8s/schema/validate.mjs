@@ -1,6 +1,8 @@
+// SPDX-License-Identifier: Apache-2.0
 // Validates rendered Kubernetes objects against the API's OpenAPI schemas
 // (npm kubernetes-models: generated from Kubernetes' own OpenAPI spec, and
-// @kubernetes-models/prometheus-operator from the Prometheus Operator's CRDs;
+// @kubernetes-models/prometheus-operator from the Prometheus Operator's CRDs,
+// @kubernetes-models/keda from KEDA's;
 // validated with ajv; no cluster needed).  Catches wrong types, missing
 // required fields and bad enum values; unknown fields are not reported.
 //
@@ -18,7 +20,9 @@ for (const file of process.argv.slice(2)) {
     try {
       // The Prometheus Operator's CRDs (ServiceMonitor, PodMonitor) come
       // from their own package, generated from the CRDs' OpenAPI schemas.
-      const pkg = group === "monitoring.coreos.com" ? "@kubernetes-models/prometheus-operator" : "kubernetes-models";
+      // KEDA's ScaledObject from KEDA's CRDs, likewise.
+      const pkg = group === "monitoring.coreos.com" ? "@kubernetes-models/prometheus-operator"
+        : group === "keda.sh" ? "@kubernetes-models/keda" : "kubernetes-models";
       const mod = await import(`${pkg}/${group ? group + "/" : ""}${version}/${d.kind}`);
       Cls = mod[d.kind];
       if (!Cls) throw new Error("module has no export " + d.kind);

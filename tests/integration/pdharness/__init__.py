@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """pdharness: the one harness of pdproxy's integration tests and benchmarks
 (Python 3 standard library only).
 

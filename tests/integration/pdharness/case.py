@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """PxTestCase: the unittest base of pdproxy's integration tests.
 
 start_proxy() (pdproxy on a free port through procs.start_pdproxy), mock()

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Clients of pdproxy: a raw socket one and http.client for ordinary cases.
 
 * ``RawClient``: a socket-level HTTP/1.1 client that reads responses

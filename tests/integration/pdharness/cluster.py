@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """ClusterCase: the unittest base of the end-to-end tests, real engine-sim
 and pdproxy processes (procs.start_engine_sim, procs.start_sim_proxy) on
 127.0.0.1 with the connector moving KV blocks over UCX on loopback."""

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The connector's test peers: kvc_testpeer processes (line protocol, see
 tests/integration/connector_peer.c) driven from Python, and the side
 channel's wire format for hostile clients.

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The control-plane tests' helpers: config files, admin calls, polling
 /ready for a generation."""
 

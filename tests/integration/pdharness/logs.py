@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """pdproxy's log lines: the strict logfmt parser the tests read them with."""
 
 import re

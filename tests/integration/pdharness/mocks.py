@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Mock upstreams: a raw-socket HTTP/1.1 server standing in for a prefill or
 decode engine, and the canned answers of one.
 
@@ -71,7 +72,7 @@ def mock_tls():
     return _TLS["ctx"], _TLS["ca"]
 
 
-# The kv_transfer_params pdproxy must put in every prefill request (DESIGN.md §1.1).
+# The kv_transfer_params pdproxy must put in every prefill request (docs/ARCHITECTURE.md §1).
 PREFILL_KV = {
     "do_remote_decode": True,
     "do_remote_prefill": False,

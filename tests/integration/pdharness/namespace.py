@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """pdproxy in a mount namespace of its own (unshare -m, root only), with
 /etc/hosts and /etc/resolv.conf replaced by files of the test's, and a name
 server that never answers: names resolve as a test says, without touching

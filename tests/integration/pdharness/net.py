@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Loopback networking for the tests: ports, bounded waits, /proc/net.
 
 * ``free_port`` / ``closed_port``: a 127.0.0.1 port nobody listens on.

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """PdCase: what is shared by the per-request decision tests (conditional
 disaggregation, decode-only fallback, the endpoints passed to decode, usage
 across the two legs): access-log records, metrics, engine-sim.

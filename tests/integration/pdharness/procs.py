@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The processes under test: pdproxy, engine-sim, and how they are started,
 checked and stopped.
 

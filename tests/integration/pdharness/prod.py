@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """ProdCase: PxTestCase for the production-feature tests (issue 5).
 
 pdproxy starts with ``--drain-delay 0`` and ``--health-interval 0`` unless

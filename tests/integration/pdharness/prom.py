@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Prometheus text pages (pdproxy's /metrics, engine-sim's): one parser.
 
 * ``parse_prom(text)``: [(name, {label: value}, float)] for every sample.
