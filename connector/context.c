@@ -302,6 +302,7 @@ void kvc_agent_destroy(kvc_agent_t *a) {
     ucp_worker_release_address(a->worker, a->worker_addr);
     ucp_worker_destroy(a->worker);
     kvc_xfers_destroy(a); /* after the worker: no callback can reach them now */
+    kvc_push_destroy(a);
     ucp_cleanup(a->ctx);
     kvc_cuda_destroy(a->cuda);
     close_fd(&a->listen_fd);

@@ -498,6 +498,7 @@ struct kvc_agent {
     uint64_t next_xfer_id;
     uint64_t push_inflight; /* producer-side sends in flight */
     uint64_t push_bytes;    /* bytes those sends reference (bounded, push.c) */
+    struct kvc_push_job *push_jobs; /* owned: jobs with sends pending (push.c) */
     size_t push_chunk;      /* largest DATA message (bytes, whole blocks) */
 
     kvc_evnode_t *evq_head, *evq_tail, *ev_cur;
@@ -661,6 +662,9 @@ KVC_HIDDEN void kvc_xfers_destroy(kvc_agent_t *a);
 
 /* --------------------------------------------------------- push.c -- */
 KVC_HIDDEN kvc_status_t kvc_push_register_am(kvc_agent_t *a);
+/* Frees the push jobs whose sends never completed; after the worker is
+ * destroyed, when no callback can reach them. */
+KVC_HIDDEN void kvc_push_destroy(kvc_agent_t *a);
 
 /* ------------------------------------------------------- notify.c -- */
 KVC_HIDDEN kvc_status_t kvc_notify_register_am(kvc_agent_t *a);

@@ -17,8 +17,11 @@
 #include <stdlib.h>
 #include <string.h>
 
-/* Producer side: headers of one PULL's DATA sends, freed with the last send. */
-typedef struct {
+/* Producer side: headers of one PULL's DATA sends, freed with the last send,
+ * or by kvc_push_destroy when the worker went away with sends still pending
+ * (a peer that left without taking them). */
+typedef struct kvc_push_job {
+    struct kvc_push_job *prev, *next; /* on a->push_jobs */
     kvc_agent_t *a;
     kvc_pub_t *pub; /* the publication its sends read (a reader of it), or NULL */
     size_t refs;
@@ -36,11 +39,40 @@ typedef struct {
  * smaller; this only keeps the arithmetic bounded). */
 #define MAX_RANKS 65536u
 
+/* A job with room for `nhdr` DATA headers, on the agent's list; NULL when
+ * out of memory. */
+static push_job_t *job_new(kvc_agent_t *a, size_t nhdr) {
+    push_job_t *j = calloc(1, sizeof(*j));
+    if (!j || !(j->hdr = calloc(nhdr, KVC_WIRE_DATA_HDR_LEN))) {
+        free(j);
+        return NULL;
+    }
+    j->a = a;
+    j->next = a->push_jobs;
+    if (j->next) j->next->prev = j;
+    a->push_jobs = j;
+    return j;
+}
+
+static void job_drop(push_job_t *j) {
+    if (j->prev)
+        j->prev->next = j->next;
+    else
+        j->a->push_jobs = j->next;
+    if (j->next) j->next->prev = j->prev;
+    free(j->hdr);
+    free(j);
+}
+
 static void job_free(push_job_t *j) {
     if (j->pub) kvc_pub_push_end(j->a, j->pub); /* may hand the blocks back */
     j->a->push_bytes -= j->bytes;
-    free(j->hdr);
-    free(j);
+    job_drop(j);
+}
+
+void kvc_push_destroy(kvc_agent_t *a) {
+    while (a->push_jobs)
+        job_drop(a->push_jobs);
 }
 
 static void push_cb(void *req, ucs_status_t us, void *ud) {
@@ -55,12 +87,8 @@ static void push_cb(void *req, ucs_status_t us, void *ud) {
 /* Sends one header-only DATA message (a refusal, or the END of a pull). */
 static void push_hdr_only(kvc_agent_t *a, ucp_ep_h ep, const kvc_wire_data_hdr_t *h) {
     /* The header must live until completion (UCX 1.13), so it goes in a job. */
-    push_job_t *j = calloc(1, sizeof(*j));
-    if (!j || !(j->hdr = calloc(1, KVC_WIRE_DATA_HDR_LEN))) {
-        free(j);
-        return;
-    }
-    j->a = a;
+    push_job_t *j = job_new(a, 1);
+    if (!j) return;
     kvc_wire_encode_data_hdr(j->hdr[0], h);
     ucp_request_param_t rp;
     memset(&rp, 0, sizeof(rp));
@@ -74,8 +102,7 @@ static void push_hdr_only(kvc_agent_t *a, ucp_ep_h ep, const kvc_wire_data_hdr_t
         a->push_inflight++;
         return;
     }
-    free(j->hdr);
-    free(j);
+    job_drop(j);
 }
 
 static void push_refuse(kvc_agent_t *a, ucp_ep_h ep, const kvc_wire_pull_t *pl, kvc_status_t st) {
@@ -160,13 +187,11 @@ static void pull_issue(kvc_agent_t *a, ucp_ep_h ep, const kvc_wire_pull_t *pl, k
             nsend += (size_t)((pl->runs[i].count + per - 1) / per);
         }
     if (nsend == 0) return;
-    push_job_t *j = calloc(1, sizeof(*j));
-    if (!j || !(j->hdr = calloc(nsend, KVC_WIRE_DATA_HDR_LEN))) {
-        free(j);
+    push_job_t *j = job_new(a, nsend);
+    if (!j) {
         push_refuse(a, ep, pl, KVC_ERR_NO_MEMORY);
         return;
     }
-    j->a = a;
     j->refs = 1; /* held while issuing */
     j->bytes = bytes;
     j->pub = pub;

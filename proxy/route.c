@@ -241,7 +241,7 @@ px_adopt_index *px_adopt_index_create(px_pool *from) {
     px_adopt_index *x = px_xcalloc(1, sizeof *x);
     if (from) x->m = px_pool_members(from, &x->n);
     x->took = px_xcalloc(x->n ? x->n : 1, 1);
-    qsort(x->m, x->n, sizeof *x->m, cmp_src);
+    if (x->n) qsort(x->m, x->n, sizeof *x->m, cmp_src);
     return x;
 }
 
