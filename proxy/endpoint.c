@@ -10,23 +10,23 @@
 
 const px_endpoint_def px_endpoints[PX_EP_COUNT] = {
     [PX_EP_COMPLETIONS] = {"/v1/completions", "/v1/completions", PX_M_POST, "Allow: POST\r\n",
-                           "method not allowed: use POST"},
+                           "method not allowed: use POST", 0},
     [PX_EP_CHAT] = {"/v1/chat/completions", "/v1/chat/completions", PX_M_POST, "Allow: POST\r\n",
-                    "method not allowed: use POST"},
+                    "method not allowed: use POST", 0},
     [PX_EP_MODELS] = {"/v1/models", "/v1/models", PX_M_GET, "Allow: GET\r\n",
-                      "method not allowed: use GET"},
+                      "method not allowed: use GET", 0},
     [PX_EP_HEALTHCHECK] = LOCAL("/healthcheck"),
     [PX_EP_HEALTH] = LOCAL("/health"),
     [PX_EP_READY] = LOCAL("/ready"),
     [PX_EP_METRICS] = LOCAL("/metrics"),
-    [PX_EP_OTHER] = {NULL, "other", 0, NULL, NULL},
+    [PX_EP_OTHER] = {NULL, "other", 0, NULL, NULL, 0},
     /* The engine's other endpoints: /v1/messages disaggregated, the rest
      * (vLLM's /v1/responses included) passed to a decode as they are. */
     [PX_EP_MESSAGES] = {"/v1/messages", "/v1/messages", PX_M_POST, "Allow: POST\r\n",
-                        "method not allowed"},
+                        "method not allowed", 0},
     [PX_EP_RESPONSES] = {"/v1/responses", "/v1/responses", ANY_METHOD, ALLOW_ANY,
-                         "method not allowed"},
-    [PX_EP_PASSTHROUGH] = {NULL, "passthrough", ANY_METHOD, ALLOW_ANY, "method not allowed"},
+                         "method not allowed", 0},
+    [PX_EP_PASSTHROUGH] = {NULL, "passthrough", ANY_METHOD, ALLOW_ANY, "method not allowed", 0},
 };
 
 int px_endpoint_method(const px_http_head *h) {
