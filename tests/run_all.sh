@@ -6,7 +6,7 @@
 #   tests/run_all.sh            everything
 #   SKIP_SANITIZE=1 tests/run_all.sh   only the optimised build
 #   SKIP_FUZZ=1 tests/run_all.sh       no fuzzing step
-#   FUZZ_SECONDS=30 tests/run_all.sh   fuzz each target 30 s (default 60)
+#   FUZZ_SECONDS=60 tests/run_all.sh   fuzz each target 60 s (default 30)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD
@@ -44,6 +44,6 @@ fi
 # Replays every fuzz corpus, then fuzzes each target under ASan/UBSan
 # (clang, build-fuzz); a crash fails the run and its input is kept there.
 if [ -z "${SKIP_FUZZ:-}" ]; then
-    echo "=== fuzz (${FUZZ_SECONDS:-60}s per target)"
-    FUZZ_SECONDS=${FUZZ_SECONDS:-60} tests/fuzz/run.sh
+    echo "=== fuzz (${FUZZ_SECONDS:-30}s per target)"
+    FUZZ_SECONDS=${FUZZ_SECONDS:-30} tests/fuzz/run.sh
 fi
