@@ -617,9 +617,15 @@ KVC_API kvc_status_t kvc_fetch(kvc_agent_t *a, const kvc_fetch_params_t *params,
  * endpoint to the producer was closed, which fails that producer's other
  * fetches too), and the fetch gets exactly one event, FETCH_FAILED with
  * KVC_ERR_CANCELED (queued by this call).  Blocks partly written hold no
- * valid data.  A registration held by the producer is withdrawn.
+ * valid data.  A registration the producer holds for it stays there until
+ * served or expired; what it then sends is dropped on arrival.
  * KVC_ERR_NOT_FOUND: unknown id, or its event was already queued.
- * May block the caller up to 2 s while UCX requests end.
+ * KVC_ERR_TIMED_OUT: UCX requests of the fetch did not end within 4 s even
+ * with the endpoint closed (cannot happen while the producer process
+ * progresses); the fetch is cancelled but bytes may still land until its
+ * FETCH_FAILED/KVC_ERR_CANCELED event, which then comes when they end.
+ * Blocks the caller while the requests end: normally one round trip to
+ * the producer, at most 4 s.
  */
 KVC_API kvc_status_t kvc_fetch_cancel(kvc_agent_t *a, uint64_t xfer_id);
 
