@@ -576,9 +576,14 @@ typedef struct {
     /** KVC_FETCH_FIELD_REMOTE_RANK: the prefill TP rank to read from.  One
      * kv_transfer_params object serves every prefill rank: rank r's side
      * channel is remote_port + r (each prefill worker's agent listens on
-     * base port + its TP rank; a DP rank does not enter: every DP engine
-     * returns its own remote_port), and all ranks share the request's one
-     * token (the caller supplies it to every rank's kvc_publish).  Default 0. */
+     * base port + its TP rank), and all ranks share the request's one token
+     * (the caller supplies it to every rank's kvc_publish).  A DP rank does
+     * not enter: every DP engine advertises its own remote_port, and those
+     * must be at least tp_size apart (as older vLLM spaced NIXL's side
+     * channels: VLLM_NIXL_SIDE_CHANNEL_PORT + dp_rank * tp_size).  vLLM's
+     * current NIXL serves every rank's metadata from one scheduler port per
+     * DP engine (rank in the request); libkvconnector has one listener per
+     * worker agent, hence the offset.  Default 0. */
     uint32_t remote_rank;
 } kvc_fetch_params_t;
 
