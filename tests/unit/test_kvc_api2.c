@@ -404,6 +404,37 @@ static void test_registration_bounds(void **state) {
     side_cleanup(&P);
 }
 
+/* The total bound: a second consumer's registration is refused while the
+ * first one's is held; the agent's stats show the refusal. */
+static void test_registration_total_bound(void **state) {
+    (void)state;
+    side_t P, D, E;
+    side_init(&P, &(opts_t){.name = "tot-P", .nb = 16, .bl = 4096, .max_pending = 1});
+    side_init(&D, &(opts_t){.name = "tot-D", .nb = 16, .bl = 4096});
+    side_init(&E, &(opts_t){.name = "tot-E", .nb = 16, .bl = 4096});
+    char tok[33];
+    assert_int_equal(kvc_token_new(tok), KVC_OK);
+    uint16_t port = port_of(&P);
+    kvc_fetch_params_t w = {.wait_ms = 20000};
+    uint64_t ids[1] = {5}, l0[1] = {1};
+    uint64_t x0 = fetch_p(&D, params_json("tot-P", port, "t0", ids, 1, tok), l0, 1,
+                          KVC_FETCH_FIELD_WAIT, &w);
+    PUMP_UNTIL(&P, &D, stat(&P, KVC_STAT_PENDING_FETCHES) == 1, 20000);
+    uint64_t y = fetch_p(&E, params_json("tot-P", port, "t1", ids, 1, tok), l0, 1,
+                         KVC_FETCH_FIELD_WAIT, &w);
+    PUMP_UNTIL(&P, &E, fetch_ev(&E, y), 20000);
+    assert_int_equal(fetch_ev(&E, y)->st, KVC_ERR_BUSY);
+    assert_int_equal(stat(&P, KVC_STAT_PENDING_REFUSED), 1);
+    fill(&P, 5, 2);
+    publish_tok(&P, "t0", ids, 1, tok);
+    PUMP_UNTIL(&P, &D, fetch_ev(&D, x0), 20000);
+    assert_int_equal(fetch_ev(&D, x0)->st, KVC_OK);
+    assert_true(same_blocks(&P, 5, &D, 1));
+    side_cleanup(&E);
+    side_cleanup(&D);
+    side_cleanup(&P);
+}
+
 /* --------------------------------------------------------- cancel -- */
 
 static uint64_t inflight(side_t *s) {
@@ -750,6 +781,7 @@ int main(void) {
         cmocka_unit_test(test_before_publish_get),
         cmocka_unit_test(test_registration_expiry),
         cmocka_unit_test(test_registration_bounds),
+        cmocka_unit_test(test_registration_total_bound),
         cmocka_unit_test(test_cancel_mid_transfer),
         cmocka_unit_test(test_lease),
         cmocka_unit_test(test_slice_1to2_push),
