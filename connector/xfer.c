@@ -791,7 +791,7 @@ err_remote:
 
 static kvc_xfer_t *find_xfer(kvc_agent_t *a, uint64_t id) {
     for (kvc_xfer_t *x = a->xfers; x; x = x->next)
-        if (x->id == id && !x->finished) return x;
+        if (x->id == id && !x->finished && !x->renew) return x;
     return NULL;
 }
 
@@ -941,8 +941,8 @@ kvc_status_t kvc_xfer_register_am(kvc_agent_t *a) {
 static kvc_status_t cancel_impl(kvc_agent_t *a, uint64_t xfer_id) {
     if (!a) return KVC_ERR_INVALID_PARAM;
     kvc_xfer_t *x = NULL;
-    for (kvc_xfer_t *y = a->xfers; y; y = y->next)
-        if (y->id == xfer_id && (!y->finished || y->fail_pending)) x = y;
+    for (kvc_xfer_t *y = a->xfers; y; y = y->next) /* renewals (id 0) are not fetches */
+        if (y->id == xfer_id && !y->renew && (!y->finished || y->fail_pending)) x = y;
     if (!x) return KVC_ERR_NOT_FOUND;
     x->finished = true;
     x->sref.dead = true;

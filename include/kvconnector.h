@@ -642,8 +642,9 @@ KVC_API kvc_status_t kvc_fetch_cancel(kvc_agent_t *a, uint64_t xfer_id);
  * (flag on the existing PULL message, no runs) over the producer's UCX
  * endpoint, after the cached handshake; the producer checks id and token as
  * for a pull and extends the lease by its lease_ms (never past expiry).
- * Fire and forget: KVC_OK means queued; a refusal is logged and counted on
- * the producer (KVC_STAT_DENIED), no event.  KVC_ERR_INVALID_PARAM (as
+ * Fire and forget: KVC_OK means queued; a wrong token is logged and counted
+ * on the producer (KVC_STAT_DENIED), a publication that does not exist (yet,
+ * or any more) is ignored (debug log); no event either way.  KVC_ERR_INVALID_PARAM (as
  * kvc_fetch), KVC_ERR_STATE (no regions), KVC_ERR_NO_MEMORY.
  */
 KVC_API kvc_status_t kvc_lease_renew(kvc_agent_t *a, const kvc_fetch_params_t *params);
