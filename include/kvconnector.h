@@ -564,7 +564,12 @@ typedef struct {
      * never written.  TP 1->2: decode rank r reads part r of 2 from prefill
      * rank 0 into part 0 of 1.  TP 2->1: decode reads from prefill rank 0 and
      * 1 (two fetches, remote_rank 0 and 1) part 0 of 1 into local parts 0 and
-     * 1 of 2.  MLA: do not slice.  Defaults 1, 0, 1, 0 (whole blocks). */
+     * 1 of 2.  MLA: do not slice (its KV is replicated across ranks).  The
+     * parts are heads only with an HND layout; the connector does not read
+     * the layout tag, the engine slices only when its layout is HND (as vLLM's
+     * NIXL does not split heads with NHD).  Different tokens per block (vLLM
+     * remaps block ids when P's block size < D's) are not supported: their
+     * lengths fail the part-size check.  Defaults 1, 0, 1, 0 (whole blocks). */
     uint32_t remote_parts, remote_part, local_parts, local_part;
     /** KVC_FETCH_FIELD_WAIT: if the publication does not exist yet when the
      * pull reaches the producer, the producer holds this fetch (push-mode
