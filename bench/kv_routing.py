@@ -278,9 +278,9 @@ def main():
     ap.add_argument("--turns", type=int, default=4)
     ap.add_argument("--user-tokens", type=int, default=40)
     ap.add_argument("--reply-tokens", type=int, default=40)
-    ap.add_argument("--rate", type=float, default=4.0, help="user arrivals per second")
+    ap.add_argument("--rate", type=float, default=6.0, help="user arrivals per second")
     ap.add_argument("--think", type=float, default=0.5, help="seconds between turns")
-    ap.add_argument("--us-per-token", type=int, default=40)
+    ap.add_argument("--us-per-token", type=int, default=150)
     ap.add_argument("--cache-blocks", type=int, default=256,
                     help="prefix cache of each prefill engine, in blocks of 16 tokens")
     ap.add_argument("--proxy-arg", action="append", default=[])

@@ -124,8 +124,8 @@ static void dispatch(void *ctx, px_conn *c, const px_http_head *h, px_buf *body)
         } else if (px_http_path_is(h, "/tokenize")) {
             sim_handle_tokenize(e, c, h, body);
         } else {
-            sim_engine_reset_prefix(e);
-            px_conn_reply(c, 200, "application/json", NULL, NULL, "{}", 2);
+            sim_engine_reset_prefix(e); /* vLLM answers 200 with no body */
+            px_conn_reply(c, 200, "text/plain", NULL, NULL, "", 0);
         }
         return;
     }

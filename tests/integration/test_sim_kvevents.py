@@ -26,7 +26,7 @@ import unittest
 
 from pdharness.client import http_request
 from pdharness.net import HOST, free_port
-from pdharness.procs import ENGINE_SIM, Proc, start_engine_sim
+from pdharness.procs import ENGINE_SIM, SANITIZER_RE, Proc, start_engine_sim
 from pdharness.prom import prom_values
 
 BS = 4  # tokens per block in these tests
@@ -45,7 +45,12 @@ class SimKvEvents(unittest.TestCase):
     def tearDown(self):
         self.ctx.destroy(linger=0)
         for p in self.procs:
-            p.stop()
+            was_up = p.alive()
+            rc = p.stop()
+            san = SANITIZER_RE.search(p.log())
+            self.assertIsNone(san, san and san.group(0))
+            if was_up:
+                self.assertEqual(rc, 0, "%s exited with %s" % (p.name, rc))
 
     def engine(self, *extra, replay=False, topic=None):
         self.pub = "tcp://%s:%d" % (HOST, free_port())
@@ -169,7 +174,7 @@ class SimKvEvents(unittest.TestCase):
         self.assert_stored(evs[2], self.tokenize({"prompt": b})["tokens"])
         # b is cached: one of its two blocks (never the last token's block).
         self.assertEqual(self.complete(b)["prompt_tokens_details"]["cached_tokens"], 4)
-        self.assertEqual(self.post("/reset_prefix_cache", {}), (200, {}))
+        self.assertEqual(self.post("/reset_prefix_cache", {}), (200, None))
         self.assertEqual(self.events(), [["AllBlocksCleared"]])
         self.assertEqual(self.complete(b)["prompt_tokens_details"]["cached_tokens"], 0)
         m = prom_values(self.port)
