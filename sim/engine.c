@@ -80,39 +80,19 @@ static void compute_blocks(sim_req *r) {
 
 /* Like vLLM's prefix caching: only whole blocks count, and never the whole
  * prompt (its last token is always computed). Returns the cached tokens. */
-static sim_pcache_entry *cache_find(sim_engine *e, uint64_t ph) {
-    sim_pcache_entry *set = &e->pcache[(ph & e->pcache_mask) * SIM_PCACHE_WAYS];
-    for (int i = 0; i < SIM_PCACHE_WAYS; i++)
-        if (set[i].hash == ph) return &set[i];
-    return NULL;
-}
-
 static size_t cache_lookup(sim_engine *e, sim_req *r) {
-    size_t bt = e->cfg->block_tokens, full = (r->ntok - 1) / bt, b = 0;
-    for (; b < full; b++) {
-        sim_pcache_entry *x = cache_find(e, prefix_hash(r, b));
-        if (!x) break;
-        x->used = ++e->pcache_clock;
-    }
-    return b * bt;
+    size_t bt = e->cfg->block_tokens, full = (r->ntok - 1) / bt;
+    prefix_hash(r, 0); /* fills r->ph */
+    return sim_prefix_match(e->prefix, r->ph, full) * bt;
 }
 
-/* Lists the prompt's whole blocks as cached, each replacing the least
- * recently used entry of its set. */
+/* Caches the prompt's whole blocks and publishes what changed as one
+ * batch, as vLLM does once per scheduler step. */
 static void cache_insert(sim_engine *e, sim_req *r) {
     size_t bt = e->cfg->block_tokens;
-    for (size_t b = 0; b < r->ntok / bt; b++) {
-        uint64_t ph = prefix_hash(r, b);
-        sim_pcache_entry *x = cache_find(e, ph);
-        if (!x) {
-            sim_pcache_entry *set = &e->pcache[(ph & e->pcache_mask) * SIM_PCACHE_WAYS];
-            x = set;
-            for (int i = 1; i < SIM_PCACHE_WAYS; i++)
-                if (set[i].used < x->used) x = &set[i];
-            x->hash = ph;
-        }
-        x->used = ++e->pcache_clock;
-    }
+    prefix_hash(r, 0);
+    sim_prefix_insert(e->prefix, r->ph, r->tok, r->ntok / bt);
+    sim_kvev_flush(e->kvev);
 }
 
 /* Queues the computation of `tokens` prompt tokens behind every prompt
@@ -131,6 +111,9 @@ static void compute_prompt(sim_req *r) {
     sim_engine *e = r->e;
     r->cached = cache_lookup(e, r);
     e->tokens_cached += r->cached;
+    e->prefix_queries += r->ntok;
+    e->prefix_hits += r->cached;
+    e->prompt_tokens += r->ntok;
     r->compute_us = compute(e, r->ntok - r->cached);
     cache_insert(e, r);
 }
@@ -518,6 +501,7 @@ static void on_fetch_event(sim_engine *e, const kvc_event_t *ev) {
          * cached; the blocks enter decode's prefix cache. */
         r->cached = r->ntok - 1;
         e->tokens_cached += r->cached;
+        e->prompt_tokens += r->ntok;
         r->compute_us = compute(e, 1);
         cache_insert(e, r);
         start_generation(r);
@@ -744,4 +728,54 @@ int sim_engine_setup_agent(sim_engine *e) {
 void sim_engine_free_reqs(sim_engine *e) {
     while (e->reqs)
         req_free(e->reqs);
+}
+
+/* ------------------------------------------------------ prefix cache -- */
+
+static void on_stored(void *ctx, const uint64_t *hashes, size_t n, int has_parent, uint64_t parent,
+                      const uint32_t *tok, size_t ntok) {
+    sim_engine *e = ctx;
+    sim_kvev_stored(e->kvev, hashes, n, has_parent, parent, tok, ntok);
+}
+
+static void on_removed(void *ctx, uint64_t hash) {
+    sim_engine *e = ctx;
+    sim_kvev_removed(e->kvev, hash);
+}
+
+int sim_engine_setup_prefix(sim_engine *e) {
+    const sim_config *cfg = e->cfg;
+    if (cfg->kv_events_endpoint) {
+        char err[512];
+        sim_kvev_cfg kc = {.endpoint = cfg->kv_events_endpoint,
+                           .replay_endpoint = cfg->kv_events_replay_endpoint,
+                           .topic = cfg->kv_events_topic,
+                           .buffer_steps = cfg->kv_events_buffer_steps,
+                           .encoding = cfg->kv_events_encoding,
+                           .drop_seq = cfg->kv_events_drop_seq,
+                           .block_size = cfg->block_tokens};
+        e->kvev = sim_kvev_new(e->base, &kc, err, sizeof err);
+        if (!e->kvev) {
+            fprintf(stderr, "engine-sim: %s\n", err);
+            return -1;
+        }
+    }
+    sim_prefix_obs obs = {.stored = on_stored, .removed = on_removed, .ctx = e};
+    size_t cap = cfg->prefix_cache_blocks ? cfg->prefix_cache_blocks : cfg->num_blocks;
+    e->prefix = sim_prefix_new(cap, cfg->block_tokens, &obs);
+    return 0;
+}
+
+void sim_engine_reset_prefix(sim_engine *e) {
+    size_t n = sim_prefix_clear(e->prefix);
+    sim_kvev_cleared(e->kvev);
+    sim_kvev_flush(e->kvev);
+    PX_LOG(PX_LOG_INFO, "msg=\"prefix cache reset\" blocks=%zu", n);
+}
+
+void sim_engine_free_prefix(sim_engine *e) {
+    sim_prefix_free(e->prefix);
+    sim_kvev_free(e->kvev);
+    e->prefix = NULL;
+    e->kvev = NULL;
 }

@@ -21,16 +21,23 @@ typedef struct sim_config {
     uint32_t ttft_ms;
     uint32_t itl_ms;
     const char *engine_id;
-    uint32_t max_queue;            /* requests waiting for KV blocks; 503 beyond */
-    uint32_t kv_expiry_ms;         /* published blocks expire after this */
-    uint32_t kv_lease_ms;          /* published blocks not renewed for this long are freed;
-                                      decode renews its queued requests' every lease/6 */
-    int log_level;                 /* 0 debug, 1 info, 2 warn, 3 error */
-    const char *kv_secret_file;    /* cluster secret for the KV side channel; NULL:
-                                      the connector reads KVC_SECRET_FILE / KVC_SECRET */
-    uint32_t tp_size;              /* this engine's tensor-parallel size (1) */
-    uint32_t prefill_us_per_token; /* compute time of one prompt token, microseconds (0):
-                                      prompts are computed one at a time, like one GPU */
+    uint32_t max_queue;                    /* requests waiting for KV blocks; 503 beyond */
+    uint32_t kv_expiry_ms;                 /* published blocks expire after this */
+    uint32_t kv_lease_ms;                  /* published blocks not renewed for this long are freed;
+                                              decode renews its queued requests' every lease/6 */
+    int log_level;                         /* 0 debug, 1 info, 2 warn, 3 error */
+    const char *kv_secret_file;            /* cluster secret for the KV side channel; NULL:
+                                              the connector reads KVC_SECRET_FILE / KVC_SECRET */
+    uint32_t tp_size;                      /* this engine's tensor-parallel size (1) */
+    uint32_t prefill_us_per_token;         /* compute time of one prompt token, microseconds (0):
+                                              prompts are computed one at a time, like one GPU */
+    uint64_t prefix_cache_blocks;          /* prefix cache capacity in blocks; 0: num_blocks */
+    const char *kv_events_endpoint;        /* ZeroMQ PUB bind address; NULL: no events */
+    const char *kv_events_replay_endpoint; /* ZeroMQ ROUTER bind address for replays */
+    const char *kv_events_topic;           /* topic frame ("") */
+    uint32_t kv_events_buffer_steps;       /* batches kept for replay (10000) */
+    const char *kv_events_encoding;        /* array | map (array) */
+    int kv_events_drop_seq;                /* test aid: batch not sent on PUB; -1 none */
 } sim_config;
 
 /* Runs the engine until SIGINT/SIGTERM. Returns the process exit status. */

@@ -10,22 +10,19 @@
 #include <stdint.h>
 
 #include "base/conn.h"
+#include "base/http.h"
 #include "base/listen.h"
 #include "base/util.h"
 #include "include/kvconnector.h"
 #include "sim/engine.h"
+#include "sim/kvevents.h"
+#include "sim/prefix.h"
 #include "sim/sim_request.h"
 
 typedef enum { EP_COMPLETIONS, EP_CHAT } sim_ep;
 typedef enum { SR_QUEUED, SR_FETCHING, SR_PREFILL_WAIT, SR_GENERATING } sim_state;
 
 typedef struct sim_engine sim_engine;
-
-#define SIM_PCACHE_WAYS 4
-typedef struct sim_pcache_entry {
-    uint64_t hash;
-    uint64_t used; /* 0: empty */
-} sim_pcache_entry;
 
 typedef struct sim_req {
     sim_engine *e;               /* borrowed */
@@ -78,11 +75,11 @@ struct sim_engine {
     uint64_t model_hash;
     char model_json[300]; /* the model name as a JSON string literal */
     /* counters for /metrics */
-    /* The prefix cache: prefix hashes of full blocks computed or received,
-     * in sets of SIM_PCACHE_WAYS entries, least recently used replaced. */
-    sim_pcache_entry *pcache; /* owned: (pcache_mask + 1) sets */
-    size_t pcache_mask;
-    uint64_t pcache_clock;
+    /* The prefix cache: whole blocks computed or received (sim/prefix.c),
+     * its stores and evictions published as KV events when asked. */
+    sim_prefix *prefix; /* owned */
+    sim_kvev *kvev;     /* owned; NULL without --kv-events-endpoint */
+    uint64_t prefix_queries, prefix_hits, prompt_tokens;
     uint64_t busy_until_ns; /* the compute queue: when the last prompt queued is done */
     uint64_t tokens_computed, tokens_cached;
     uint64_t requests_total, blocks_published, blocks_released, blocks_expired, unknown_notify,
@@ -96,9 +93,19 @@ struct sim_engine {
  * move into the request. */
 void sim_submit(sim_engine *e, px_conn *c, sim_ep ep, const char *xrid, sim_parsed *pr);
 
+/* POST /tokenize (sim/tokenize.c). */
+void sim_handle_tokenize(sim_engine *e, px_conn *c, const px_http_head *h, px_buf *body);
+
 /* The KV agent and its regions; 0, or -1 with a message on stderr. */
 int sim_engine_setup_agent(sim_engine *e);
 /* Frees every request (the loop has stopped). */
 void sim_engine_free_reqs(sim_engine *e);
+/* The prefix cache and its KV event publisher; 0, or -1 with a message on
+ * stderr. */
+int sim_engine_setup_prefix(sim_engine *e);
+/* Empties the prefix cache, publishing AllBlocksCleared (/reset_prefix_cache). */
+void sim_engine_reset_prefix(sim_engine *e);
+/* Frees the prefix cache and the publisher. */
+void sim_engine_free_prefix(sim_engine *e);
 
 #endif

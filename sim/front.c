@@ -87,6 +87,19 @@ static void reply_metrics(sim_engine *e, px_conn *c) {
             e->queue_rejects);
     COUNTER("engine_sim_kv_lease_renewals_total",
             "Lease renewals sent for queued decode requests' KV blocks.", e->lease_renewals);
+    COUNTER("vllm:prefix_cache_queries_total",
+            "Prompt tokens looked up in the prefix cache (computed by this engine).",
+            e->prefix_queries);
+    COUNTER("vllm:prefix_cache_hits_total", "Prompt tokens found in the prefix cache.",
+            e->prefix_hits);
+    COUNTER("vllm:prompt_tokens_total", "Prompt tokens of the requests processed.",
+            e->prompt_tokens);
+    COUNTER("engine_sim_kv_events_batches_total", "KV event batches published.",
+            sim_kvev_batches(e->kvev));
+    COUNTER("engine_sim_kv_events_replays_total", "KV event replay requests served.",
+            sim_kvev_replays(e->kvev));
+    GAUGE("engine_sim_prefix_cache_blocks", "Blocks in the prefix cache.", "%zu",
+          sim_prefix_size(e->prefix));
     GAUGE("engine_sim_kv_blocks_free", "Free KV blocks.", "%zu", e->nfree);
 #undef GAUGE
 #undef COUNTER
@@ -105,6 +118,17 @@ static void dispatch(void *ctx, px_conn *c, const px_http_head *h, px_buf *body)
         }
         handle_completion(
             e, c, px_http_path_is(h, "/v1/chat/completions") ? EP_CHAT : EP_COMPLETIONS, h, body);
+        return;
+    }
+    if (px_http_path_is(h, "/tokenize") || px_http_path_is(h, "/reset_prefix_cache")) {
+        if (!is_post) {
+            px_conn_reply_error(c, 405, NULL, "Allow: POST\r\n", "method not allowed");
+        } else if (px_http_path_is(h, "/tokenize")) {
+            sim_handle_tokenize(e, c, h, body);
+        } else {
+            sim_engine_reset_prefix(e); /* vLLM answers 200 with no body */
+            px_conn_reply(c, 200, "text/plain", NULL, NULL, "", 0);
+        }
         return;
     }
     if (!is_get && (px_http_path_is(h, "/health") || px_http_path_is(h, "/metrics") ||
@@ -164,12 +188,6 @@ int sim_engine_run(const sim_config *cfg) {
     for (uint64_t i = 0; i < cfg->num_blocks; i++)
         e->free_blocks[i] = cfg->num_blocks - 1 - i;
     e->nfree = cfg->num_blocks;
-    /* About one entry per KV block, as an engine's prefix cache holds. */
-    size_t sets = 1;
-    while (sets * SIM_PCACHE_WAYS < cfg->num_blocks)
-        sets <<= 1;
-    e->pcache = px_xcalloc(sets * SIM_PCACHE_WAYS, sizeof *e->pcache);
-    e->pcache_mask = sets - 1;
     e->base = event_base_new();
     e->conn_cfg = (px_conn_cfg){.max_body_bytes = 64 << 20,
                                 .header_timeout = 30,
@@ -180,7 +198,8 @@ int sim_engine_run(const sim_config *cfg) {
     struct event *sigterm = evsignal_new(e->base, SIGTERM, on_signal, e);
     event_add(sigint, NULL);
     event_add(sigterm, NULL);
-    if (sim_engine_setup_agent(e) < 0 || setup_listener(e) < 0) goto out;
+    if (sim_engine_setup_prefix(e) < 0 || sim_engine_setup_agent(e) < 0 || setup_listener(e) < 0)
+        goto out;
     uint16_t kvport = 0;
     kvc_agent_get_port(e->agent, &kvport);
     PX_LOG(PX_LOG_INFO,
@@ -200,7 +219,7 @@ out:
     event_free(sigterm);
     event_base_free(e->base);
     free(e->free_blocks);
-    free(e->pcache);
+    sim_engine_free_prefix(e);
     free(e);
     return rc;
 }

@@ -60,6 +60,25 @@ static const sim_opt opts[] = {
     {"prefill-us-per-token", O_U32, OFF(prefill_us_per_token), 0, 1000000, "N",
      "compute time of one prompt token, us; prompts are\n"
      "computed one at a time, cached prefixes skipped (0)"},
+    {"prefix-cache-blocks", O_U64, OFF(prefix_cache_blocks), 0, 1L << 24, "N",
+     "prefix cache capacity in blocks, least recently used\n"
+     "evicted first; 0 = --num-blocks (0)"},
+    {"kv-events-endpoint", O_STR, OFF(kv_events_endpoint), 0, 0, "URL",
+     "publish vLLM KV cache events on a ZeroMQ PUB socket\n"
+     "bound here, e.g. tcp://127.0.0.1:5557 (off)"},
+    {"kv-events-replay-endpoint", O_STR, OFF(kv_events_replay_endpoint), 0, 0, "URL",
+     "ZeroMQ ROUTER socket replaying buffered batches from\n"
+     "a sequence number (off)"},
+    {"kv-events-topic", O_STR, OFF(kv_events_topic), 0, 0, "TOPIC",
+     "first frame of every event message (empty)"},
+    {"kv-events-buffer-steps", O_U32, OFF(kv_events_buffer_steps), 1, 1000000, "N",
+     "event batches kept for replay (10000)"},
+    {"kv-events-encoding", O_STR, OFF(kv_events_encoding), 0, 0, "array|map",
+     "msgspec array_like structs (vLLM before PR 42892) or\n"
+     "tagged maps (after) (array)"},
+    {"kv-events-drop-seq", O_INT, OFF(kv_events_drop_seq), -1, 2147483647, "N",
+     "test aid: batch N is buffered for replay but never\n"
+     "sent on the PUB socket, a gap (-1: none)"},
     {"log-level", O_LEVEL, OFF(log_level), 0, 0, "L", "debug|info|warn|error (info)"},
 };
 #define NOPTS (sizeof opts / sizeof opts[0])
@@ -170,7 +189,14 @@ int main(int argc, char **argv) {
                     .kv_lease_ms = 30000,
                     .log_level = 1,
                     .kv_secret_file = NULL,
-                    .tp_size = 1};
+                    .tp_size = 1,
+                    .prefix_cache_blocks = 0,
+                    .kv_events_endpoint = NULL,
+                    .kv_events_replay_endpoint = NULL,
+                    .kv_events_topic = "",
+                    .kv_events_buffer_steps = 10000,
+                    .kv_events_encoding = "array",
+                    .kv_events_drop_seq = -1};
     int rc = parse_flags(&c, argc, argv);
     if (rc >= 0) return rc;
     uint64_t pool = c.num_blocks * c.block_bytes;

@@ -10,7 +10,8 @@
 
 /* Appends the prompt's text (completions) or rendered messages (chat).
  * Returns NULL or an error message. */
-static const char *prompt_text(int chat, const cJSON *body, px_buf *out) {
+static const char *prompt_text(int chat, const cJSON *body, int add_generation_prompt,
+                               px_buf *out) {
     if (!chat) {
         const cJSON *p = cJSON_GetObjectItemCaseSensitive(body, "prompt");
         if (cJSON_IsArray(p) && cJSON_GetArraySize(p) == 1) p = cJSON_GetArrayItem(p, 0);
@@ -41,7 +42,7 @@ static const char *prompt_text(int chat, const cJSON *body, px_buf *out) {
         }
         px_buf_appends(out, "\n");
     }
-    px_buf_appends(out, "<|assistant|>\n");
+    if (add_generation_prompt) px_buf_appends(out, "<|assistant|>\n");
     return NULL;
 }
 
@@ -83,7 +84,7 @@ int sim_parse_request(int chat, const char *body, size_t len, const char *model,
     }
     px_buf text;
     px_buf_init(&text);
-    const char *why = prompt_text(chat, doc, &text);
+    const char *why = prompt_text(chat, doc, 1, &text);
     if (why) {
         px_buf_cleanup(&text);
         cJSON_Delete(doc);
@@ -127,6 +128,53 @@ int sim_parse_request(int chat, const char *body, size_t len, const char *model,
         }
     }
     cJSON_Delete(doc);
+    return 0;
+}
+
+int sim_parse_tokenize(const char *body, size_t len, const char *model, uint32_t **tok,
+                       size_t *ntok, char *err, size_t errlen) {
+    *tok = NULL;
+    *ntok = 0;
+    cJSON *doc = cJSON_ParseWithLength(body ? body : "", len);
+    if (!cJSON_IsObject(doc)) {
+        cJSON_Delete(doc);
+        snprintf(err, errlen, "request body must be a JSON object");
+        return 400;
+    }
+    const cJSON *m = cJSON_GetObjectItemCaseSensitive(doc, "model");
+    if (m && !cJSON_IsNull(m) && (!cJSON_IsString(m) || strcmp(m->valuestring, model) != 0)) {
+        snprintf(err, errlen, "The model `%.100s` does not exist.",
+                 cJSON_IsString(m) ? m->valuestring : "?");
+        cJSON_Delete(doc);
+        return 404;
+    }
+    int chat = cJSON_HasObjectItem(doc, "messages");
+    if (!chat && !cJSON_HasObjectItem(doc, "prompt")) {
+        cJSON_Delete(doc);
+        snprintf(err, errlen, "either 'prompt' or 'messages' is required");
+        return 400;
+    }
+    const cJSON *agp = cJSON_GetObjectItemCaseSensitive(doc, "add_generation_prompt");
+    const cJSON *cfm = cJSON_GetObjectItemCaseSensitive(doc, "continue_final_message");
+    const cJSON *rts = cJSON_GetObjectItemCaseSensitive(doc, "return_token_strs");
+    const char *why = NULL;
+    if (agp && !cJSON_IsBool(agp))
+        why = "'add_generation_prompt' must be a boolean";
+    else if (cJSON_IsTrue(cfm) && (!agp || cJSON_IsTrue(agp)))
+        why = "Cannot set both `continue_final_message` and `add_generation_prompt` to True.";
+    else if (cJSON_IsTrue(rts))
+        why = "'return_token_strs' is not supported by engine-sim";
+    px_buf text;
+    px_buf_init(&text);
+    if (!why) why = prompt_text(chat, doc, !agp || cJSON_IsTrue(agp), &text);
+    cJSON_Delete(doc);
+    if (why) {
+        px_buf_cleanup(&text);
+        snprintf(err, errlen, "%s", why);
+        return 400;
+    }
+    *ntok = kvsim_tokenize(text.data ? text.data : "", text.len, tok, 0);
+    px_buf_cleanup(&text);
     return 0;
 }
 

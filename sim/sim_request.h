@@ -34,4 +34,12 @@ int sim_parse_request(int chat, const char *body, size_t len, const char *model,
 
 void sim_parsed_cleanup(sim_parsed *p);
 
+/* Parses a /tokenize body, vLLM's TokenizeCompletionRequest ({"prompt"})
+ * or TokenizeChatRequest ({"messages", "add_generation_prompt": true}),
+ * into the token ids the completion endpoints would use for the same
+ * prompt. Returns 0 with *tok (owned, free()) and *ntok, or the HTTP
+ * status (400, 404) with the message in err. */
+int sim_parse_tokenize(const char *body, size_t len, const char *model, uint32_t **tok,
+                       size_t *ntok, char *err, size_t errlen);
+
 #endif

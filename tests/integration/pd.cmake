@@ -10,3 +10,7 @@ endforeach()
 # The passed-through endpoints once more with https:// backends (libcurl's
 # transport: methods other than GET and POST go through CURLOPT_CUSTOMREQUEST).
 px_py_test(pd_endpoints_https SCRIPT test_pd_endpoints.py ENV PX_MOCK_TLS=1)
+
+# engine-sim as vLLM with --kv-events-config: KV events over ZeroMQ, their
+# replay, /tokenize and the prefix cache charging prefill per uncached token.
+px_py_test(sim_kvevents)
