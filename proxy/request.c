@@ -243,12 +243,12 @@ static int start_upstream(px_req *r, px_backend *b, const char *method, const ch
 /* ---------- entry: parse, choose the pool, find the key, decide ---------- */
 
 void px_req_announce(void) {
-    /* vLLM's ResponsesRequest has no kv_transfer_params (and its answer
-     * returns none): a prefill there would compute blocks nobody fetches. */
-    PX_LOG(PX_LOG_INFO, "msg=\"/v1/responses is served by decode alone: vLLM accepts no "
-                        "kv_transfer_params there\" endpoint=/v1/responses decision=decode_only");
-    PX_LOG(PX_LOG_INFO, "msg=\"/v1/messages is disaggregated like chat: vLLM accepts "
-                        "kv_transfer_params there\" endpoint=/v1/messages decision=disaggregated");
+    /* vLLM took kv_transfer_params on ResponsesRequest and returns them in
+     * ResponsesResponse since PR #37424; the token-in generate endpoint
+     * (GenerateRequest/GenerateResponse) always has. */
+    PX_LOG(PX_LOG_INFO, "msg=\"/v1/responses, /v1/messages and /inference/v1/generate are "
+                        "disaggregated like chat: vLLM accepts kv_transfer_params there\" "
+                        "decision=disaggregated");
 }
 
 /* A request for `ep` on worker w, owning the client's body (moved out of
@@ -338,11 +338,6 @@ static int admit(px_req *r) {
 /* The client's bytes to a decode, with the keys the proxy owns taken out of
  * a JSON object body (kv_transfer_params: SECURITY.md). */
 static void start_passthrough(px_req *r) {
-    if (r->ep == PX_EP_RESPONSES) {
-        r->decided = 1;
-        r->decision = PX_DEC_ENDPOINT;
-        px_m_inc(&r->w->metrics.decisions[PX_DEC_ENDPOINT]);
-    }
     px_buf clean;
     px_buf_init(&clean);
     int st = px_rewrite_forwarded(r->body.data ? r->body.data : "", r->body.len, &clean);
@@ -431,7 +426,12 @@ static void start_pd(px_req *r, const px_http_head *h) {
         }
         return;
     }
-    px_rewrite_prefill(r->body.data, r->body.len, &r->pbody);
+    if (r->ep == PX_EP_RESPONSES)
+        px_rewrite_prefill_responses(r->body.data, r->body.len, &r->pbody);
+    else if (r->ep == PX_EP_GENERATE)
+        px_rewrite_prefill_generate(r->body.data, r->body.len, &r->pbody);
+    else
+        px_rewrite_prefill(r->body.data, r->body.len, &r->pbody);
     account(r);
     if (r->ctx->cfg->prefill_timeout > 0)
         r->prefill_deadline = r->t0 + (uint64_t)(r->ctx->cfg->prefill_timeout * 1e9);
@@ -1318,7 +1318,7 @@ static void submit_spans(px_req *r, int status, const char *outcome, uint64_t no
     const char *ep_path = px_endpoints[r->ep].path;
     const char *path = r->target ? r->target : ep_path ? ep_path : "";
     size_t plen = strcspn(path, "?");
-    const char *op = r->ep == PX_EP_COMPLETIONS ? "text_completion"
+    const char *op = r->ep == PX_EP_COMPLETIONS || r->ep == PX_EP_GENERATE ? "text_completion"
                      : r->ep == PX_EP_CHAT || r->ep == PX_EP_MESSAGES || r->ep == PX_EP_RESPONSES
                          ? "chat"
                          : NULL;

@@ -29,6 +29,8 @@ typedef struct sim_config {
     uint32_t tp_size;              /* this engine's tensor-parallel size (1) */
     uint32_t prefill_us_per_token; /* compute time of one prompt token, microseconds (0):
                                       prompts are computed one at a time, like one GPU */
+    const char *kv_load_failure_policy; /* "recompute" (default) or "fail": vLLM's
+                                           kv_transfer_config key of that name */
 } sim_config;
 
 /* Runs the engine until SIGINT/SIGTERM. Returns the process exit status. */

@@ -16,7 +16,8 @@
 #include "sim/engine.h"
 #include "sim/sim_request.h"
 
-typedef enum { EP_COMPLETIONS, EP_CHAT } sim_ep;
+/* The values of SIM_KIND_* (sim_request.h). */
+typedef enum { EP_COMPLETIONS = 0, EP_CHAT = 1, EP_RESPONSES = 2, EP_GENERATE = 3 } sim_ep;
 typedef enum { SR_QUEUED, SR_FETCHING, SR_PREFILL_WAIT, SR_GENERATING } sim_state;
 
 typedef struct sim_engine sim_engine;
@@ -58,6 +59,7 @@ typedef struct sim_req {
     long created;
     uint64_t t_fetch0;
     size_t cached;       /* prompt tokens reported as cached (usage) */
+    char *prev_id;       /* owned: /v1/responses' previous_response_id, echoed; or NULL */
     uint64_t compute_us; /* time until its prompt is computed, before time to first token */
 } sim_req;
 
@@ -87,7 +89,7 @@ struct sim_engine {
     uint64_t tokens_computed, tokens_cached;
     uint64_t requests_total, blocks_published, blocks_released, blocks_expired, unknown_notify,
         fetch_failures, corrupt_blocks, fetches, bytes_fetched, fetch_ns, invalid_kvp,
-        queue_rejects;
+        queue_rejects, kv_load_failed;
 };
 
 /* Admits a parsed completion request on connection c: queues it for KV

@@ -25,7 +25,7 @@ static void handle_completion(sim_engine *e, px_conn *c, sim_ep ep, const px_htt
     char xrid[129];
     px_http_request_id(h, xrid);
     sim_parsed pr;
-    int status = sim_parse_request(ep == EP_CHAT, body->data, body->len, e->cfg->model, &pr, msg,
+    int status = sim_parse_request((int)ep, body->data, body->len, e->cfg->model, &pr, msg,
                                    sizeof msg);
     if (status) {
         px_conn_reply_error(c, status, xrid, NULL, msg);
@@ -68,6 +68,9 @@ static void reply_metrics(sim_engine *e, px_conn *c) {
     COUNTER("engine_sim_kv_corrupt_blocks_total", "Fetched KV pieces whose bytes were wrong.",
             e->corrupt_blocks);
     COUNTER("engine_sim_kv_fetches_total", "KV fetches completed.", e->fetches);
+    COUNTER("engine_sim_kv_load_failed_requests_total",
+            "Requests failed because their KV load failed (--kv-load-failure-policy fail).",
+            e->kv_load_failed);
     COUNTER("engine_sim_kv_bytes_fetched_total", "Bytes moved by completed KV fetches.",
             e->bytes_fetched);
     px_buf_printf(&b,
@@ -96,15 +99,22 @@ static void dispatch(void *ctx, px_conn *c, const px_http_head *h, px_buf *body)
     sim_engine *e = ctx;
     int is_get = h->method_len == 3 && !memcmp(h->method, "GET", 3);
     int is_post = h->method_len == 4 && !memcmp(h->method, "POST", 4);
-    if (px_http_path_is(h, "/v1/completions") || px_http_path_is(h, "/v1/chat/completions")) {
-        if (!is_post) {
-            px_conn_reply_error(c, 405, NULL, "Allow: POST\r\n", "method not allowed");
+    static const struct {
+        const char *path;
+        sim_ep ep;
+    } gen[] = {{"/v1/completions", EP_COMPLETIONS},
+               {"/v1/chat/completions", EP_CHAT},
+               {"/v1/responses", EP_RESPONSES},
+               {"/inference/v1/generate", EP_GENERATE}};
+    for (size_t i = 0; i < sizeof gen / sizeof gen[0]; i++)
+        if (px_http_path_is(h, gen[i].path)) {
+            if (!is_post) {
+                px_conn_reply_error(c, 405, NULL, "Allow: POST\r\n", "method not allowed");
+                return;
+            }
+            handle_completion(e, c, gen[i].ep, h, body);
             return;
         }
-        handle_completion(
-            e, c, px_http_path_is(h, "/v1/chat/completions") ? EP_CHAT : EP_COMPLETIONS, h, body);
-        return;
-    }
     if (!is_get && (px_http_path_is(h, "/health") || px_http_path_is(h, "/metrics") ||
                     px_http_path_is(h, "/v1/models"))) {
         px_conn_reply_error(c, 405, NULL, "Allow: GET\r\n", "method not allowed");

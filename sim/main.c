@@ -56,6 +56,11 @@ static const sim_opt opts[] = {
     {"prefill-us-per-token", O_U32, OFF(prefill_us_per_token), 0, 1000000, "N",
      "compute time of one prompt token, us; prompts are\n"
      "computed one at a time, cached prefixes skipped (0)"},
+    {"kv-load-failure-policy", O_STR, OFF(kv_load_failure_policy), 0, 0, "recompute|fail",
+     "a decode whose KV load fails computes the prompt\n"
+     "itself, or fails the request as vLLM does with 'fail'\n"
+     "(500 InternalServerError; in a stream, an error event)\n"
+     "(recompute)"},
     {"log-level", O_LEVEL, OFF(log_level), 0, 0, "L", "debug|info|warn|error (info)"},
 };
 #define NOPTS (sizeof opts / sizeof opts[0])
@@ -165,9 +170,14 @@ int main(int argc, char **argv) {
                     .kv_expiry_ms = 480000,
                     .log_level = 1,
                     .kv_secret_file = NULL,
-                    .tp_size = 1};
+                    .tp_size = 1,
+                    .kv_load_failure_policy = "recompute"};
     int rc = parse_flags(&c, argc, argv);
     if (rc >= 0) return rc;
+    if (strcmp(c.kv_load_failure_policy, "recompute") && strcmp(c.kv_load_failure_policy, "fail")) {
+        fprintf(stderr, "engine-sim: --kv-load-failure-policy must be recompute or fail\n");
+        return 2;
+    }
     uint64_t pool = c.num_blocks * c.block_bytes;
     if (pool > (16ull << 30)) {
         fprintf(stderr,
