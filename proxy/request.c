@@ -130,6 +130,17 @@ struct px_req {
      * come). */
     char p_cached[24];
     px_usage usage; /* owned */
+
+    /* --fallback-decode-only with prefill's KV: decode's answer is held
+     * until it shows whether decode failed to load the KV (vLLM's
+     * kv_load_failure_policy fail: a 500 InternalServerError, or a
+     * stream whose first event is that error); then it is retried once
+     * without kv_transfer_params, or let go to the client. */
+    int hold;          /* decode's head and first bytes are held in dhold */
+    char dctype[128];  /* the held answer's Content-Type */
+    px_buf dhold;      /* owned */
+    int kv_load_retry; /* the decode-only retry after a failed KV load was sent */
+    int kv_load_failed; /* the held answer was that failure */
 };
 
 /* The flow, top-down: each section below calls into later ones. */
@@ -186,7 +197,7 @@ static void attempt_done(px_pool *p, px_backend *b, px_backend *const *tried, si
 
 /* Brings the memory budget's count of this request's bodies up to date. */
 static void account(px_req *r) {
-    int64_t now = (int64_t)(r->body.len + r->pbody.len + r->dbody.len + r->presp.len +
+    int64_t now = (int64_t)(r->body.len + r->pbody.len + r->dbody.len + r->presp.len + r->dhold.len +
                             px_usage_held(&r->usage));
     px_budget_add(&r->ctx->shared, now - r->held);
     r->held = now;
@@ -274,6 +285,7 @@ static px_req *req_new(px_wctx *w, px_conn *c, px_endpoint ep, const px_http_hea
     px_buf_init(&r->presp);
     px_buf_init(&r->hdrs_p);
     px_buf_init(&r->hdrs_d);
+    px_buf_init(&r->dhold);
     if (px_endpoint_passthrough(ep)) {
         /* The client's method, path and query as it sent them (an
          * absolute-form target loses its scheme and authority). */
@@ -915,18 +927,97 @@ static int send_decode(px_req *r, const decode_table *tbl) {
     return 0;
 }
 
-static void decode_headers(void *arg, int status, const char *ctype) {
-    px_req *r = arg;
-    r->dstatus = status;
-    touch_idle(r);
-    r->t_first = px_now_ns();
-    r->streamed = ctype && !strncasecmp(ctype, "text/event-stream", 17);
+/* The most of a decode answer held to see whether it is a failed KV load. */
+#define KV_FAIL_HOLD_MAX 65536
+
+/* Whether decode's answer is held (see px_req.hold): only an answer that
+ * could be a failed KV load, and only while a retry is still possible. */
+static int hold_for_kv_failure(const px_req *r, int status, int streamed) {
+    return r->disagg && r->ctx->cfg->fallback_decode_only && !r->kv_load_retry &&
+           (status == 500 || (status == 200 && streamed));
+}
+
+/* The answer's head goes to the client (the usage filter set up first). */
+static void start_client_stream(px_req *r, int status, const char *ctype) {
     int json = ctype && !strncasecmp(ctype, "application/json", 16);
     if (r->disagg && r->p_cached[0] && status == 200 && (r->streamed || json) &&
         !strcmp(r->ctx->cfg->usage_from, "prefill"))
         px_usage_init(&r->usage, r->p_cached, r->streamed, USAGE_MAX_HOLD, usage_out, r);
     set_state(r, RS_STREAM);
     if (r->conn) px_conn_stream_start(r->conn, status, ctype, r->id, NULL);
+}
+
+static void decode_headers(void *arg, int status, const char *ctype) {
+    px_req *r = arg;
+    r->dstatus = status;
+    touch_idle(r);
+    r->t_first = px_now_ns();
+    r->streamed = ctype && !strncasecmp(ctype, "text/event-stream", 17);
+    if (hold_for_kv_failure(r, status, r->streamed)) {
+        r->hold = 1;
+        snprintf(r->dctype, sizeof r->dctype, "%s", ctype ? ctype : "application/json");
+        return;
+    }
+    start_client_stream(r, status, ctype);
+}
+
+/* Whether a JSON error object is vLLM's GenerationError: what its OpenAI
+ * front answers for a request that finished with finish_reason "error",
+ * as a failed KV load under kv_load_failure_policy fail does. */
+static int is_generation_error(const char *p, size_t n) {
+    static const char want[] = "\"InternalServerError\"";
+    px_json_member e, t;
+    return px_json_find(p, n, "error", &e) && e.type == PX_JSON_OBJECT &&
+           px_json_find(e.val, e.val_len, "type", &t) && t.val_len == sizeof want - 1 &&
+           !memcmp(t.val, want, sizeof want - 1);
+}
+
+/* Decode's held answer so far: 1 when it is a failed KV load, 0 when it
+ * is not, -1 when more is needed to tell. `whole`: the answer ended. */
+static int held_kv_failure(px_req *r, int whole) {
+    const char *p = r->dhold.data ? r->dhold.data : "";
+    size_t n = r->dhold.len;
+    if (!r->streamed) {
+        if (!whole && n < KV_FAIL_HOLD_MAX) return -1;
+        char err[8];
+        return whole && px_json_validate(p, n, err, sizeof err) == PX_JSON_OBJECT &&
+               is_generation_error(p, n);
+    }
+    /* The first event, whole: "data: {...}" up to its blank line. */
+    const char *end = NULL;
+    for (size_t i = 0; i + 1 < n; i++)
+        if (p[i] == '\n' && p[i + 1] == '\n') {
+            end = p + i;
+            break;
+        }
+    if (!end) return whole || n >= KV_FAIL_HOLD_MAX ? 0 : -1;
+    if (n < 6 || memcmp(p, "data: ", 6)) return 0;
+    char err[8];
+    size_t len = (size_t)(end - p) - 6;
+    return px_json_validate(p + 6, len, err, sizeof err) == PX_JSON_OBJECT &&
+           is_generation_error(p + 6, len);
+}
+
+static int decode_pass(px_req *r, const char *p, size_t n);
+
+/* The held answer is not a failed KV load: it goes to the client as it
+ * came. Returns what decode_data returns. */
+static int release_hold(px_req *r) {
+    r->hold = 0;
+    start_client_stream(r, r->dstatus, r->dctype);
+    px_buf held = r->dhold;
+    px_buf_init(&r->dhold);
+    /* Held bytes cannot be delivered again: all of them are queued (the
+     * client's queue is soft, at most KV_FAIL_HOLD_MAX over its mark; the
+     * next delivery pauses decode when it is full). */
+    if (held.len && r->conn &&
+        (!r->usage.active || px_usage_feed(&r->usage, held.data, held.len) != 0)) {
+        px_conn_stream_write(r->conn, held.data, held.len);
+        r->bytes_out += held.len;
+    }
+    px_buf_cleanup(&held);
+    account(r);
+    return 0;
 }
 
 /* Whether the client's queue is at its high-water mark: decode is paused
@@ -944,6 +1035,23 @@ static int decode_data(void *arg, const char *p, size_t n) {
     px_req *r = arg;
     if (!r->conn) return -1;
     touch_idle(r);
+    if (r->hold) {
+        px_buf_append(&r->dhold, p, n);
+        account(r);
+        int k = held_kv_failure(r, 0);
+        if (k < 0) return 0;
+        if (k > 0) {
+            r->kv_load_failed = 1;
+            return -1; /* ends the transfer: decode_done retries */
+        }
+        return release_hold(r);
+    }
+    return decode_pass(r, p, n);
+}
+
+/* Decode's bytes to the client (through the usage filter when active);
+ * 1: the client's queue is full, decode pauses and delivers them again. */
+static int decode_pass(px_req *r, const char *p, size_t n) {
     if (client_full(r)) return 1;
     if (r->usage.active) {
         /* Held, or given up on: then what was held went first. */
@@ -957,14 +1065,59 @@ static int decode_data(void *arg, const char *p, size_t n) {
     return 0;
 }
 
+/* Decode failed to load prefill's KV: the request goes once more to a
+ * decode, without kv_transfer_params, so it computes the prompt itself.
+ * Nothing has reached the client yet. */
+static void retry_without_kv(px_req *r) {
+    px_buf clean;
+    px_buf_init(&clean);
+    if (px_rewrite_forwarded(r->dbody.data, r->dbody.len, &clean) == 1) {
+        px_buf t = r->dbody;
+        r->dbody = clean;
+        clean = t;
+    }
+    px_buf_cleanup(&clean);
+    px_buf_reset(&r->dhold);
+    r->hold = 0;
+    r->kv_load_failed = 0;
+    r->kv_load_retry = 1;
+    r->disagg = 0;
+    r->dstatus = 0;
+    r->t_first = 0;
+    r->fell_back = 1;
+    r->fallback = PX_FB_KV_LOAD;
+    px_m_inc(&r->w->metrics.fallbacks[PX_FB_KV_LOAD]);
+    account(r);
+    PX_LOG(PX_LOG_WARN,
+           "req=%s msg=\"decode failed to load prefill's KV: retrying once without "
+           "kv_transfer_params\" decode=%s",
+           r->lid, r->dname);
+    start_decode(r);
+}
+
 static void decode_done(void *arg, px_up_result rc, const char *errbuf, int connected) {
     px_req *r = arg;
     r->up = NULL; /* freed by the upstream module when this returns */
     if (r->idle_timer) evtimer_del(r->idle_timer);
     px_outcome o = outcome_of(rc, r->dstatus);
     const char *why = errbuf[0] ? errbuf : px_up_result_str(rc);
+    if (r->kv_load_failed) o = PX_OUT_SERVER_ERR;
     attempt_done(&r->ps->decode, r->db, r->tried_d, r->ntried_d, o);
     r->db = NULL;
+    if (r->hold) {
+        int k = r->kv_load_failed ? 1 : rc == PX_UP_OK ? held_kv_failure(r, 1) : 0;
+        if (k > 0) {
+            retry_without_kv(r);
+            return;
+        }
+        if (rc == PX_UP_OK || r->dhold.len) {
+            /* Not a failed load: the held answer goes out as it came (cut
+             * like decode's when decode's was cut). */
+            release_hold(r);
+        } else {
+            r->hold = 0;
+        }
+    }
     if (r->usage.active) {
         /* The answer is complete (or cut): what is held goes out, fixed
          * when it is whole. */
@@ -1397,6 +1550,7 @@ static void req_free(px_req *r) {
     px_buf_cleanup(&r->presp);
     px_buf_cleanup(&r->hdrs_p);
     px_buf_cleanup(&r->hdrs_d);
+    px_buf_cleanup(&r->dhold);
     px_usage_cleanup(&r->usage);
     free(r->target);
     free(r->dis.hash);
