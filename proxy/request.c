@@ -15,6 +15,7 @@
 #include "base/log.h"
 #include "proxy/access.h"
 #include "proxy/disagg.h"
+#include "proxy/dp.h"
 #include "proxy/otlp.h"
 #include "proxy/rewrite.h"
 #include "proxy/trace.h"
@@ -141,6 +142,10 @@ struct px_req {
     px_buf dhold;      /* owned */
     int kv_load_retry; /* the decode-only retry after a failed KV load was sent */
     int kv_load_failed; /* the held answer was that failure */
+
+    /* Data-parallel ranks (dp.h) of the attempts in flight: -1 none. */
+    int prank, drank;
+    char prank_of[128], drank_of[128]; /* the backends they belong to */
 };
 
 /* The flow, top-down: each section below calls into later ones. */
@@ -229,11 +234,40 @@ static px_outcome outcome_of(px_up_result rc, int status) {
     }
 }
 
+/* The attempt of `role` ended: its data-parallel rank is free again. */
+static void dp_end(px_req *r, px_dp_role role) {
+    int *rank = role == PX_DP_PREFILL ? &r->prank : &r->drank;
+    if (*rank < 0) return;
+    px_dp_done(role, role == PX_DP_PREFILL ? r->prank_of : r->drank_of, *rank);
+    *rank = -1;
+}
+
 /* total: seconds for the whole exchange, 0: no limit. */
 static int start_upstream(px_req *r, px_backend *b, const char *method, const char *path,
                           const px_buf *body, const px_buf *hdrs, const px_upstream_cbs *cbs,
                           double total) {
     const px_config *cfg = r->ctx->cfg;
+    /* A data-parallel backend: the rank with the fewest requests in flight. */
+    px_dp_role role = b == r->pb ? PX_DP_PREFILL : PX_DP_DECODE;
+    int64_t dp = role == PX_DP_PREFILL ? cfg->prefill_dp_size : cfg->decode_dp_size;
+    px_buf hd;
+    px_buf_init(&hd);
+    if (dp > 1) {
+        dp_end(r, role);
+        int rank = px_dp_take(role, b->name, (int)dp);
+        if (rank >= 0) {
+            if (role == PX_DP_PREFILL) {
+                r->prank = rank;
+                snprintf(r->prank_of, sizeof r->prank_of, "%s", b->name);
+            } else {
+                r->drank = rank;
+                snprintf(r->drank_of, sizeof r->drank_of, "%s", b->name);
+            }
+            if (hdrs) px_buf_append(&hd, hdrs->data, hdrs->len);
+            px_buf_printf(&hd, "X-data-parallel-rank: %d\r\n", rank);
+            hdrs = &hd;
+        }
+    }
     px_upstream_req q = {
         .backend = b,
         .method = method,
@@ -248,6 +282,8 @@ static int start_upstream(px_req *r, px_backend *b, const char *method, const ch
         .track_upload = body && cbs != NULL && b == r->db,
     };
     r->up = px_upstream_start(r->w->up, &q, cbs, r);
+    px_buf_cleanup(&hd);
+    if (!r->up) dp_end(r, role);
     return r->up ? 0 : -1;
 }
 
@@ -286,6 +322,7 @@ static px_req *req_new(px_wctx *w, px_conn *c, px_endpoint ep, const px_http_hea
     px_buf_init(&r->hdrs_p);
     px_buf_init(&r->hdrs_d);
     px_buf_init(&r->dhold);
+    r->prank = r->drank = -1;
     if (px_endpoint_passthrough(ep)) {
         /* The client's method, path and query as it sent them (an
          * absolute-form target loses its scheme and authority). */
@@ -721,6 +758,7 @@ static int prefill_data(void *arg, const char *p, size_t n) {
  * Returns how the attempt went. */
 static px_outcome prefill_ended(px_req *r, px_up_result rc) {
     r->up = NULL;
+    dp_end(r, PX_DP_PREFILL);
     account(r); /* the prefill's answer */
     px_outcome o = outcome_of(rc, r->pstatus);
     if (r->too_big) o = PX_OUT_SERVER_ERR;
@@ -1098,6 +1136,7 @@ static void retry_without_kv(px_req *r) {
 static void decode_done(void *arg, px_up_result rc, const char *errbuf, int connected) {
     px_req *r = arg;
     r->up = NULL; /* freed by the upstream module when this returns */
+    dp_end(r, PX_DP_DECODE);
     if (r->idle_timer) evtimer_del(r->idle_timer);
     px_outcome o = outcome_of(rc, r->dstatus);
     const char *why = errbuf[0] ? errbuf : px_up_result_str(rc);
@@ -1189,6 +1228,7 @@ static void on_idle_timer(evutil_socket_t fd, short what, void *arg) {
     }
     px_upstream_cancel(r->up);
     r->up = NULL;
+    dp_end(r, PX_DP_DECODE);
     px_backend_done(&r->ps->decode, r->db, PX_OUT_TIMEOUT);
     r->db = NULL;
     r->dtbl->idle(r);
@@ -1333,6 +1373,7 @@ static int release_data(void *arg, const char *p, size_t n) {
 static void release_done(void *arg, px_up_result rc, const char *errbuf, int connected) {
     px_req *r = arg;
     r->up = NULL; /* freed by the upstream module when this returns */
+    dp_end(r, PX_DP_DECODE);
     if (r->idle_timer) evtimer_del(r->idle_timer);
     if (connected) {
         released_via_decode(r);
@@ -1406,6 +1447,8 @@ static void req_finish(px_req *r, int status, const char *outcome, const char *e
     set_state(r, RS_DONE);
     px_upstream_cancel(r->up);
     r->up = NULL;
+    dp_end(r, PX_DP_PREFILL);
+    dp_end(r, PX_DP_DECODE);
     px_backend_done(&r->ps->prefill, r->pb, PX_OUT_CANCELLED);
     r->pb = NULL;
     px_backend_done(&r->ps->decode, r->db, PX_OUT_CANCELLED);

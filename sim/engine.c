@@ -236,6 +236,12 @@ static const px_exchange_cbs client_cbs = {on_client_gone, NULL};
 
 /* ---------------------------------------------------------- responses -- */
 
+/* The data-parallel rank the request named, echoed in every answer (so a
+ * test sees which engine core served it); NULL without one. */
+static const char *dp_header(const sim_req *r) {
+    return r->dp_hdr[0] ? r->dp_hdr : NULL;
+}
+
 /* As vLLM with --enable-prompt-tokens-details: under P/D, decode counts
  * the prompt it received from prefill as cached (all but its last token). */
 static void append_usage(px_buf *b, sim_req *r) {
@@ -326,7 +332,7 @@ static void reply_json(sim_req *r, const char *text, size_t tlen, const char *fi
         px_buf_appends(&b, kvp);
     }
     px_buf_appends(&b, "}");
-    px_conn_reply(r->conn, 200, "application/json", r->xrid, NULL, b.data, b.len);
+    px_conn_reply(r->conn, 200, "application/json", r->xrid, dp_header(r), b.data, b.len);
     r->conn = NULL;
     px_buf_cleanup(&b);
 }
@@ -454,7 +460,7 @@ static void emit_tokens(evutil_socket_t fd, short what, void *arg) {
 
 static void start_generation(sim_req *r) {
     r->state = SR_GENERATING;
-    if (r->stream) px_conn_stream_start(r->conn, 200, "text/event-stream", r->xrid, NULL);
+    if (r->stream) px_conn_stream_start(r->conn, 200, "text/event-stream", r->xrid, dp_header(r));
     event_assign(r->timer, r->e->base, -1, 0, emit_tokens, r);
     schedule_us(r, r->compute_us + (uint64_t)r->e->cfg->ttft_ms * 1000u);
 }
@@ -508,14 +514,15 @@ static void kv_load_failed(sim_req *r) {
            r->internal_id);
     notify_only(r->e, r->kvp);
     if (r->conn && r->stream) {
-        px_conn_stream_start(r->conn, 200, "text/event-stream", r->xrid, NULL);
+        px_conn_stream_start(r->conn, 200, "text/event-stream", r->xrid, dp_header(r));
         static const char ev[] = "data: {\"error\":{\"message\":\"Internal server error\","
                                  "\"type\":\"InternalServerError\",\"param\":null,"
                                  "\"code\":500}}\n\ndata: [DONE]\n\n";
         px_conn_stream_write(r->conn, ev, sizeof ev - 1);
         px_conn_stream_end(r->conn);
     } else if (r->conn) {
-        px_conn_reply(r->conn, 500, "application/json", r->xrid, NULL, body, sizeof body - 1);
+        px_conn_reply(r->conn, 500, "application/json", r->xrid, dp_header(r), body,
+                      sizeof body - 1);
     }
     r->conn = NULL;
     req_finish(r);
@@ -697,10 +704,15 @@ static void kvc_log(void *arg, kvc_log_level_t level, const char *msg) {
 
 /* ---------------------------------------------------------- admission -- */
 
-void sim_submit(sim_engine *e, px_conn *c, sim_ep ep, const char *xrid, sim_parsed *parsed) {
+void sim_submit(sim_engine *e, px_conn *c, sim_ep ep, const char *xrid, int dp_rank,
+                sim_parsed *parsed) {
     char msg[256];
     sim_parsed pr = *parsed;
     sim_req *r = px_xcalloc(1, sizeof *r);
+    if (dp_rank >= 0) {
+        snprintf(r->dp_hdr, sizeof r->dp_hdr, "X-Data-Parallel-Rank: %d\r\n", dp_rank);
+        e->dp_requests[dp_rank]++;
+    }
     r->e = e;
     r->ep = ep;
     px_buf_init(&r->text);

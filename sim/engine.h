@@ -31,6 +31,7 @@ typedef struct sim_config {
                                       prompts are computed one at a time, like one GPU */
     const char *kv_load_failure_policy; /* "recompute" (default) or "fail": vLLM's
                                            kv_transfer_config key of that name */
+    uint32_t dp_size; /* --data-parallel-size: ranks a request may name (1) */
 } sim_config;
 
 /* Runs the engine until SIGINT/SIGTERM. Returns the process exit status. */

@@ -23,6 +23,7 @@ typedef enum { SR_QUEUED, SR_FETCHING, SR_PREFILL_WAIT, SR_GENERATING } sim_stat
 typedef struct sim_engine sim_engine;
 
 #define SIM_PCACHE_WAYS 4
+#define SIM_DP_MAX 64 /* largest --data-parallel-size */
 typedef struct sim_pcache_entry {
     uint64_t hash;
     uint64_t used; /* 0: empty */
@@ -60,6 +61,7 @@ typedef struct sim_req {
     uint64_t t_fetch0;
     size_t cached;       /* prompt tokens reported as cached (usage) */
     char *prev_id;       /* owned: /v1/responses' previous_response_id, echoed; or NULL */
+    char dp_hdr[48];     /* "X-Data-Parallel-Rank: N\r\n", or "" */
     uint64_t compute_us; /* time until its prompt is computed, before time to first token */
 } sim_req;
 
@@ -90,12 +92,15 @@ struct sim_engine {
     uint64_t requests_total, blocks_published, blocks_released, blocks_expired, unknown_notify,
         fetch_failures, corrupt_blocks, fetches, bytes_fetched, fetch_ns, invalid_kvp,
         queue_rejects, kv_load_failed;
+    uint64_t dp_requests[SIM_DP_MAX]; /* by the X-data-parallel-rank requests named */
 };
 
-/* Admits a parsed completion request on connection c: queues it for KV
+/* Admits a parsed completion request on connection c (`dp_rank`: the
+ * data-parallel rank it named, or -1): queues it for KV
  * blocks or starts it; answers c itself on refusal. `pr`'s owned parts
  * move into the request. */
-void sim_submit(sim_engine *e, px_conn *c, sim_ep ep, const char *xrid, sim_parsed *pr);
+void sim_submit(sim_engine *e, px_conn *c, sim_ep ep, const char *xrid, int dp_rank,
+                sim_parsed *pr);
 
 /* The KV agent and its regions; 0, or -1 with a message on stderr. */
 int sim_engine_setup_agent(sim_engine *e);

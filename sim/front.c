@@ -24,6 +24,25 @@ static void handle_completion(sim_engine *e, px_conn *c, sim_ep ep, const px_htt
     char msg[256];
     char xrid[129];
     px_http_request_id(h, xrid);
+    /* vLLM's _get_data_parallel_rank: a header that is no integer counts as
+     * absent; a rank outside the engine's cores is refused. */
+    int rank = -1;
+    const px_http_header *dr = px_http_find(h, "x-data-parallel-rank");
+    if (dr) {
+        char v[24];
+        char *end;
+        snprintf(v, sizeof v, "%.*s", (int)(dr->value_len < 23 ? dr->value_len : 23), dr->value);
+        long n = strtol(v, &end, 10);
+        if (end != v && !*end) {
+            if (n < 0 || n >= (long)e->cfg->dp_size) {
+                snprintf(msg, sizeof msg, "data_parallel_rank %ld is out of range [0, %u)", n,
+                         e->cfg->dp_size);
+                px_conn_reply_error(c, 400, xrid, NULL, msg);
+                return;
+            }
+            rank = (int)n;
+        }
+    }
     sim_parsed pr;
     int status = sim_parse_request((int)ep, body->data, body->len, e->cfg->model, &pr, msg,
                                    sizeof msg);
@@ -31,7 +50,7 @@ static void handle_completion(sim_engine *e, px_conn *c, sim_ep ep, const px_htt
         px_conn_reply_error(c, status, xrid, NULL, msg);
         return;
     }
-    sim_submit(e, c, ep, xrid, &pr);
+    sim_submit(e, c, ep, xrid, rank, &pr);
 }
 
 /* ------------------------------------------------------------- routing -- */
@@ -89,6 +108,12 @@ static void reply_metrics(sim_engine *e, px_conn *c) {
     COUNTER("engine_sim_queue_rejections_total", "Requests refused with 503: queue full.",
             e->queue_rejects);
     GAUGE("engine_sim_kv_blocks_free", "Free KV blocks.", "%zu", e->nfree);
+    px_buf_appends(&b, "# HELP engine_sim_dp_rank_requests_total Requests that named a "
+                       "data-parallel rank (X-data-parallel-rank).\n"
+                       "# TYPE engine_sim_dp_rank_requests_total counter\n");
+    for (uint32_t k = 0; k < cfg->dp_size && k < SIM_DP_MAX; k++)
+        px_buf_printf(&b, "engine_sim_dp_rank_requests_total{rank=\"%u\"} %llu\n", k,
+                      (unsigned long long)e->dp_requests[k]);
 #undef GAUGE
 #undef COUNTER
     px_conn_reply(c, 200, "text/plain; version=0.0.4; charset=utf-8", NULL, NULL, b.data, b.len);

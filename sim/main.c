@@ -61,6 +61,10 @@ static const sim_opt opts[] = {
      "itself, or fails the request as vLLM does with 'fail'\n"
      "(500 InternalServerError; in a stream, an error event)\n"
      "(recompute)"},
+    {"data-parallel-size", O_U32, OFF(dp_size), 1, 64, "N",
+     "engine cores behind this API server; a request may\n"
+     "name one in X-data-parallel-rank (0..N-1), which is\n"
+     "echoed in X-Data-Parallel-Rank and counted (1)"},
     {"log-level", O_LEVEL, OFF(log_level), 0, 0, "L", "debug|info|warn|error (info)"},
 };
 #define NOPTS (sizeof opts / sizeof opts[0])
@@ -171,7 +175,8 @@ int main(int argc, char **argv) {
                     .log_level = 1,
                     .kv_secret_file = NULL,
                     .tp_size = 1,
-                    .kv_load_failure_policy = "recompute"};
+                    .kv_load_failure_policy = "recompute",
+                    .dp_size = 1};
     int rc = parse_flags(&c, argc, argv);
     if (rc >= 0) return rc;
     if (strcmp(c.kv_load_failure_policy, "recompute") && strcmp(c.kv_load_failure_policy, "fail")) {
