@@ -12,6 +12,12 @@ prompt is prefilled shows in time to first token.
 
     bench/pd_mixed.py [--requests 120] [--concurrency 8] [--tuned 512]
                       [--us-per-token 50] [--bin build/bin]
+                      [--endpoints chat,responses,generate]
+
+--endpoints runs the same workload through each endpoint pdproxy
+disaggregates (streamed chat completions, /v1/responses, token-in
+/inference/v1/generate with one token id per word) and prints the rows side
+by side.
 
 Python 3 standard library only; everything on 127.0.0.1; bounded in count
 and time (each request 60 s, the whole run --deadline seconds)."""
@@ -68,13 +74,38 @@ def metrics(port):
     return out
 
 
-def one(port, prompt, timeout):
-    """Streams one chat request; returns time to the first content token."""
-    body = json.dumps({"model": "sim-model", "max_tokens": 16, "stream": True,
-                       "messages": [{"role": "user", "content": prompt}]})
+# Per endpoint: path, body of a streamed request, and the bytes that show
+# the first generated token in the stream.
+def chat_req(prompt):
+    return ("/v1/chat/completions",
+            {"model": "sim-model", "max_tokens": 16, "stream": True,
+             "messages": [{"role": "user", "content": prompt}]})
+
+
+def responses_req(prompt):
+    return ("/v1/responses", {"model": "sim-model", "max_output_tokens": 16, "stream": True,
+                              "input": prompt})
+
+
+def generate_req(prompt):
+    ids = [1 + (sum(map(ord, w)) * 131 + i) % 31999 for i, w in enumerate(prompt.split())]
+    return ("/inference/v1/generate", {"model": "sim-model", "stream": True, "token_ids": ids,
+                                       "sampling_params": {"max_tokens": 16}})
+
+
+ENDPOINTS = {"chat": (chat_req, lambda b: b'"content":"' in b.replace(b'"content":""', b"")),
+             "responses": (responses_req, lambda b: b'"delta":' in b),
+             "generate": (generate_req, lambda b: b'"token_ids":[' in b)}
+
+
+def one(port, prompt, timeout, endpoint="chat"):
+    """Streams one request; returns time to the first generated token."""
+    make, first = ENDPOINTS[endpoint]
+    path, doc = make(prompt)
+    body = json.dumps(doc)
     t0 = time.monotonic()
     c = http.client.HTTPConnection(HOST, port, timeout=timeout)
-    c.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
+    c.request("POST", path, body, {"Content-Type": "application/json"})
     r = c.getresponse()
     if r.status != 200:
         raise RuntimeError("status %d: %r" % (r.status, r.read()[:200]))
@@ -85,15 +116,16 @@ def one(port, prompt, timeout):
         if not chunk:
             break
         buf += chunk
-        if ttft is None and b'"content":"' in buf.replace(b'"content":""', b""):
+        if ttft is None and first(buf):
             ttft = time.monotonic() - t0
     c.close()
-    if b"[DONE]" not in buf:
-        raise RuntimeError("stream without [DONE]")
+    done = b"response.completed" if endpoint == "responses" else b"[DONE]"
+    if done not in buf:
+        raise RuntimeError("stream without its last event")
     return ttft if ttft is not None else time.monotonic() - t0
 
 
-def run(args, threshold, reqs):
+def run(args, threshold, reqs, endpoint="chat"):
     sim = os.path.join(args.bin, "engine-sim")
     common = ["--num-blocks", "16384", "--block-bytes", "1024", "--layers", "2",
               "--prefill-us-per-token", str(args.us_per_token), "--itl-ms", "5",
@@ -124,7 +156,7 @@ def run(args, threshold, reqs):
                     return
                 kind, prompt = nxt
                 try:
-                    t = one(xp, prompt, 60)
+                    t = one(xp, prompt, 60, endpoint)
                     with lock:
                         results.append((kind, t))
                 except Exception as e:  # noqa: BLE001 (counted and reported)
@@ -159,37 +191,46 @@ def main():
     ap.add_argument("--us-per-token", type=int, default=50)
     ap.add_argument("--deadline", type=float, default=600)
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--endpoints", default="chat",
+                    help="comma-separated: chat, responses, generate")
     ap.add_argument("--bin", default=os.path.join(os.path.dirname(os.path.abspath(__file__)),
                                                   "..", "build", "bin"))
     args = ap.parse_args()
     reqs = workload(args.requests, args.seed)
-    print("workload: %d streamed chat requests, concurrency %d, %d us per prompt token, "
+    endpoints = [e for e in args.endpoints.split(",") if e]
+    for e in endpoints:
+        if e not in ENDPOINTS:
+            ap.error("unknown endpoint %r" % e)
+    print("workload: %d streamed requests, concurrency %d, %d us per prompt token, "
           "%.1f bytes per token" % (len(reqs), args.concurrency, args.us_per_token,
                                     BYTES_PER_TOKEN))
     rows = []
-    for threshold in (0, args.tuned):
-        res, errs, wall, pm, dm, dec = run(args, threshold, reqs)
-        by = {k: [t for kk, t in res if kk == k] for k in ("short", "shared", "long")}
-        rows.append((threshold, mean([t for _, t in res]), {k: mean(v) for k, v in by.items()},
-                     pm.get("engine_sim_requests_total", 0),
-                     pm.get("engine_sim_prompt_tokens_computed_total", 0),
-                     dm.get("engine_sim_prompt_tokens_computed_total", 0), wall, len(res),
-                     len(errs), dec))
-        if errs:
-            print("errors with threshold %d: %s" % (threshold, errs[:3]), file=sys.stderr)
-    print("\n| --disagg-min-tokens | mean TTFT ms | short | shared prefix | long | "
+    for endpoint in endpoints:
+        for threshold in (0, args.tuned):
+            res, errs, wall, pm, dm, dec = run(args, threshold, reqs, endpoint)
+            by = {k: [t for kk, t in res if kk == k] for k in ("short", "shared", "long")}
+            rows.append((endpoint, threshold, mean([t for _, t in res]),
+                         {k: mean(v) for k, v in by.items()},
+                         pm.get("engine_sim_requests_total", 0),
+                         pm.get("engine_sim_prompt_tokens_computed_total", 0),
+                         dm.get("engine_sim_prompt_tokens_computed_total", 0), wall, len(res),
+                         len(errs), dec))
+            if errs:
+                print("errors with %s, threshold %d: %s" % (endpoint, threshold, errs[:3]),
+                      file=sys.stderr)
+    print("\n| endpoint | --disagg-min-tokens | mean TTFT ms | short | shared prefix | long | "
           "prefill requests | prefill tokens computed | decode tokens computed | wall s | "
           "ok | errors |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
-    for th, m, by, preq, ptok, dtok, wall, ok, nerr, _ in rows:
-        print("| %d | %.1f | %.1f | %.1f | %.1f | %d | %d | %d | %.1f | %d | %d |"
-              % (th, m * 1e3, by["short"] * 1e3, by["shared"] * 1e3, by["long"] * 1e3, preq,
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for ep, th, m, by, preq, ptok, dtok, wall, ok, nerr, _ in rows:
+        print("| %s | %d | %.1f | %.1f | %.1f | %.1f | %d | %d | %d | %.1f | %d | %d |"
+              % (ep, th, m * 1e3, by["short"] * 1e3, by["shared"] * 1e3, by["long"] * 1e3, preq,
                  ptok, dtok, wall, ok, nerr))
-    for th, *_, dec in rows:
-        print("decisions with %d: %s" % (th, ", ".join(
+    for ep, th, *_, dec in rows:
+        print("decisions with %s, %d: %s" % (ep, th, ", ".join(
             "%s=%d" % (re.sub(r"^pdproxy_disagg_decisions_total", "", k), v)
             for k, v in sorted(dec.items()))))
-    return 1 if any(r[8] for r in rows) else 0
+    return 1 if any(r[9] for r in rows) else 0
 
 
 if __name__ == "__main__":

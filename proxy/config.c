@@ -147,6 +147,15 @@ static const opt opts[] = {
      "how to choose a prefill instance", PX_POLICIES, RELOADS},
     {"decode-policy", NULL, CT_ENUM, OFF(decode_policy), "round_robin", 0, 0,
      "how to choose a decode instance", PX_POLICIES, RELOADS},
+    {"prefill-dp-size", NULL, CT_INT, OFF(prefill_dp_size), "1", 1, 64,
+     "data-parallel ranks behind each prefill (vLLM --data-parallel-size with one API server): "
+     "each request names the rank with the fewest of pdproxy's requests in flight in "
+     "X-data-parallel-rank (1: no header, the engine balances)",
+     NULL, AT_START},
+    {"decode-dp-size", NULL, CT_INT, OFF(decode_dp_size), "1", 1, 64,
+     "data-parallel ranks behind each decode, chosen the same way (may differ from "
+     "--prefill-dp-size)",
+     NULL, AT_START},
     {"prefix-bytes", NULL, CT_INT, OFF(prefix_bytes), "256", 1, 1048576,
      "prefix_affinity: bytes of the prompt (or first chat messages) that are hashed", NULL,
      RELOADS},
@@ -1128,6 +1137,8 @@ static const struct {
     {"decode-policy", 1, "POLICY"},
     {"prefix-bytes", 1, "BYTES"},
     {"prefix-load-factor", 1, "FACTOR"},
+    {"prefill-dp-size", 1, "N"},
+    {"decode-dp-size", 1, "N"},
     {"metrics-interval", 1, NULL},
     {"disagg-min-tokens", 2, "TOKENS"},
     {"disagg-bytes-per-token", 2, "BYTES"},

@@ -72,6 +72,8 @@ typedef struct px_config {
     double metrics_interval;
     /* Per-request decisions. */
     int64_t disagg_min_tokens;     /* 0: always disaggregate */
+    int64_t prefill_dp_size;       /* data-parallel ranks behind each prefill (1: none) */
+    int64_t decode_dp_size;        /* and behind each decode */
     double disagg_bytes_per_token; /* prompt bytes per estimated token */
     int64_t disagg_index_blocks;   /* per worker */
     char *usage_from;              /* "prefill" | "decode" */

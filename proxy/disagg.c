@@ -11,7 +11,10 @@
 
 /* The member holding the prompt. */
 static const char *prompt_member(px_endpoint ep) {
-    return ep == PX_EP_COMPLETIONS ? "prompt" : "messages";
+    return ep == PX_EP_COMPLETIONS  ? "prompt"
+           : ep == PX_EP_RESPONSES ? "input"
+           : ep == PX_EP_GENERATE  ? "token_ids"
+                                   : "messages";
 }
 
 /* Tokens of a prompt given as token ids ([1,2,3]): exact. -1 when the
@@ -35,11 +38,12 @@ static long token_ids(const char *v, size_t n) {
 static double prompt_tokens(const px_config *cfg, px_endpoint ep, const char *body, size_t len,
                             const char *p, size_t n) {
     double bpt = cfg->disagg_bytes_per_token;
-    long ids = ep == PX_EP_COMPLETIONS ? token_ids(p, n) : -1;
+    long ids = ep == PX_EP_COMPLETIONS || ep == PX_EP_GENERATE ? token_ids(p, n) : -1;
     double total = ids >= 0 ? (double)ids : (double)n / bpt;
     /* Anthropic's system prompt is a member of its own. */
     px_json_member sys;
-    if (ep == PX_EP_MESSAGES && px_json_find(body, len, "system", &sys))
+    if ((ep == PX_EP_MESSAGES && px_json_find(body, len, "system", &sys)) ||
+        (ep == PX_EP_RESPONSES && px_json_find(body, len, "instructions", &sys)))
         total += (double)sys.val_len / bpt;
     /* What else the engine renders into the prompt: tools, documents, a
      * chat template, embeddings. */

@@ -20,13 +20,16 @@ const px_endpoint_def px_endpoints[PX_EP_COUNT] = {
     [PX_EP_READY] = LOCAL("/ready"),
     [PX_EP_METRICS] = LOCAL("/metrics"),
     [PX_EP_OTHER] = {NULL, "other", 0, NULL, NULL, 0},
-    /* The engine's other endpoints: /v1/messages disaggregated, the rest
-     * (vLLM's /v1/responses included) passed to a decode as they are. */
+    /* The engine's other endpoints: /v1/messages and /v1/responses
+     * disaggregated, the rest (/v1/responses/{id} and its cancel among
+     * them) passed to a decode as they are. */
     [PX_EP_MESSAGES] = {"/v1/messages", "/v1/messages", PX_M_POST, "Allow: POST\r\n",
                         "method not allowed", 0},
-    [PX_EP_RESPONSES] = {"/v1/responses", "/v1/responses", ANY_METHOD, ALLOW_ANY,
-                         "method not allowed", 0},
+    [PX_EP_RESPONSES] = {"/v1/responses", "/v1/responses", PX_M_POST, "Allow: POST\r\n",
+                         "method not allowed: use POST", 0},
     [PX_EP_PASSTHROUGH] = {NULL, "passthrough", ANY_METHOD, ALLOW_ANY, "method not allowed", 0},
+    [PX_EP_GENERATE] = {"/inference/v1/generate", "/inference/v1/generate", PX_M_POST,
+                        "Allow: POST\r\n", "method not allowed: use POST", 0},
 };
 
 int px_endpoint_method(const px_http_head *h) {
@@ -51,5 +54,5 @@ int px_endpoint_passthrough_path(const char *path, size_t len) {
 }
 
 int px_endpoint_passthrough(px_endpoint ep) {
-    return ep == PX_EP_PASSTHROUGH || ep == PX_EP_RESPONSES;
+    return ep == PX_EP_PASSTHROUGH;
 }

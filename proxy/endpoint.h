@@ -20,8 +20,9 @@ typedef enum {
     PX_EP_METRICS,
     PX_EP_OTHER,       /* no endpoint: the 404 */
     PX_EP_MESSAGES,    /* Anthropic Messages: P/D, as chat */
-    PX_EP_RESPONSES,   /* passed to decode alone: vLLM takes no kv_transfer_params there */
+    PX_EP_RESPONSES,   /* POST /v1/responses: P/D (vLLM takes kv_transfer_params there) */
     PX_EP_PASSTHROUGH, /* any other engine endpoint: passed to decode unchanged */
+    PX_EP_GENERATE,    /* vLLM's token-in /inference/v1/generate: P/D */
     PX_EP_COUNT
 } px_endpoint;
 

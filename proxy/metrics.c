@@ -7,7 +7,7 @@ static const char *const dec_reasons[PX_DEC_COUNT] = {
     "always", "long_prompt", "short_prompt", "cached_prefix", "no_healthy_prefill", "endpoint",
     "no_prefiller_header"};
 static const char *const fb_names[PX_FB_COUNT] = {"no_healthy_prefill", "prefill_5xx",
-                                                  "prefill_connection_error"};
+                                                  "prefill_connection_error", "kv_load_failed"};
 
 const char *px_decision_name(px_decision d) {
     return d <= PX_DEC_LONG_PROMPT ? "disaggregated" : "decode_only";

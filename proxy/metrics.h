@@ -30,6 +30,8 @@ typedef enum {
     PX_FB_NO_PREFILL = 0, /* no healthy prefill */
     PX_FB_PREFILL_5XX,    /* prefill answered 5xx, retries spent */
     PX_FB_PREFILL_CONN,   /* prefill refused or reset before answering, retries spent */
+    PX_FB_KV_LOAD,        /* decode failed to load prefill's KV (vLLM kv_load_failure_policy
+                           * fail): retried once without kv_transfer_params */
     PX_FB_COUNT
 } px_fallback;
 

@@ -15,6 +15,7 @@
 #include "base/log.h"
 #include "proxy/access.h"
 #include "proxy/disagg.h"
+#include "proxy/dp.h"
 #include "proxy/otlp.h"
 #include "proxy/rewrite.h"
 #include "proxy/trace.h"
@@ -130,6 +131,21 @@ struct px_req {
      * come). */
     char p_cached[24];
     px_usage usage; /* owned */
+
+    /* --fallback-decode-only with prefill's KV: decode's answer is held
+     * until it shows whether decode failed to load the KV (vLLM's
+     * kv_load_failure_policy fail: a 500 InternalServerError, or a
+     * stream whose first event is that error); then it is retried once
+     * without kv_transfer_params, or let go to the client. */
+    int hold;          /* decode's head and first bytes are held in dhold */
+    char dctype[128];  /* the held answer's Content-Type */
+    px_buf dhold;      /* owned */
+    int kv_load_retry; /* the decode-only retry after a failed KV load was sent */
+    int kv_load_failed; /* the held answer was that failure */
+
+    /* Data-parallel ranks (dp.h) of the attempts in flight: -1 none. */
+    int prank, drank;
+    char prank_of[128], drank_of[128]; /* the backends they belong to */
 };
 
 /* The flow, top-down: each section below calls into later ones. */
@@ -186,7 +202,7 @@ static void attempt_done(px_pool *p, px_backend *b, px_backend *const *tried, si
 
 /* Brings the memory budget's count of this request's bodies up to date. */
 static void account(px_req *r) {
-    int64_t now = (int64_t)(r->body.len + r->pbody.len + r->dbody.len + r->presp.len +
+    int64_t now = (int64_t)(r->body.len + r->pbody.len + r->dbody.len + r->presp.len + r->dhold.len +
                             px_usage_held(&r->usage));
     px_budget_add(&r->ctx->shared, now - r->held);
     r->held = now;
@@ -218,11 +234,40 @@ static px_outcome outcome_of(px_up_result rc, int status) {
     }
 }
 
+/* The attempt of `role` ended: its data-parallel rank is free again. */
+static void dp_end(px_req *r, px_dp_role role) {
+    int *rank = role == PX_DP_PREFILL ? &r->prank : &r->drank;
+    if (*rank < 0) return;
+    px_dp_done(role, role == PX_DP_PREFILL ? r->prank_of : r->drank_of, *rank);
+    *rank = -1;
+}
+
 /* total: seconds for the whole exchange, 0: no limit. */
 static int start_upstream(px_req *r, px_backend *b, const char *method, const char *path,
                           const px_buf *body, const px_buf *hdrs, const px_upstream_cbs *cbs,
                           double total) {
     const px_config *cfg = r->ctx->cfg;
+    /* A data-parallel backend: the rank with the fewest requests in flight. */
+    px_dp_role role = b == r->pb ? PX_DP_PREFILL : PX_DP_DECODE;
+    int64_t dp = role == PX_DP_PREFILL ? cfg->prefill_dp_size : cfg->decode_dp_size;
+    px_buf hd;
+    px_buf_init(&hd);
+    if (dp > 1) {
+        dp_end(r, role);
+        int rank = px_dp_take(role, b->name, (int)dp);
+        if (rank >= 0) {
+            if (role == PX_DP_PREFILL) {
+                r->prank = rank;
+                snprintf(r->prank_of, sizeof r->prank_of, "%s", b->name);
+            } else {
+                r->drank = rank;
+                snprintf(r->drank_of, sizeof r->drank_of, "%s", b->name);
+            }
+            if (hdrs) px_buf_append(&hd, hdrs->data, hdrs->len);
+            px_buf_printf(&hd, "X-data-parallel-rank: %d\r\n", rank);
+            hdrs = &hd;
+        }
+    }
     px_upstream_req q = {
         .backend = b,
         .method = method,
@@ -237,18 +282,20 @@ static int start_upstream(px_req *r, px_backend *b, const char *method, const ch
         .track_upload = body && cbs != NULL && b == r->db,
     };
     r->up = px_upstream_start(r->w->up, &q, cbs, r);
+    px_buf_cleanup(&hd);
+    if (!r->up) dp_end(r, role);
     return r->up ? 0 : -1;
 }
 
 /* ---------- entry: parse, choose the pool, find the key, decide ---------- */
 
 void px_req_announce(void) {
-    /* vLLM's ResponsesRequest has no kv_transfer_params (and its answer
-     * returns none): a prefill there would compute blocks nobody fetches. */
-    PX_LOG(PX_LOG_INFO, "msg=\"/v1/responses is served by decode alone: vLLM accepts no "
-                        "kv_transfer_params there\" endpoint=/v1/responses decision=decode_only");
-    PX_LOG(PX_LOG_INFO, "msg=\"/v1/messages is disaggregated like chat: vLLM accepts "
-                        "kv_transfer_params there\" endpoint=/v1/messages decision=disaggregated");
+    /* vLLM took kv_transfer_params on ResponsesRequest and returns them in
+     * ResponsesResponse since PR #37424; the token-in generate endpoint
+     * (GenerateRequest/GenerateResponse) always has. */
+    PX_LOG(PX_LOG_INFO, "msg=\"/v1/responses, /v1/messages and /inference/v1/generate are "
+                        "disaggregated like chat: vLLM accepts kv_transfer_params there\" "
+                        "decision=disaggregated");
 }
 
 /* A request for `ep` on worker w, owning the client's body (moved out of
@@ -274,6 +321,8 @@ static px_req *req_new(px_wctx *w, px_conn *c, px_endpoint ep, const px_http_hea
     px_buf_init(&r->presp);
     px_buf_init(&r->hdrs_p);
     px_buf_init(&r->hdrs_d);
+    px_buf_init(&r->dhold);
+    r->prank = r->drank = -1;
     if (px_endpoint_passthrough(ep)) {
         /* The client's method, path and query as it sent them (an
          * absolute-form target loses its scheme and authority). */
@@ -338,11 +387,6 @@ static int admit(px_req *r) {
 /* The client's bytes to a decode, with the keys the proxy owns taken out of
  * a JSON object body (kv_transfer_params: SECURITY.md). */
 static void start_passthrough(px_req *r) {
-    if (r->ep == PX_EP_RESPONSES) {
-        r->decided = 1;
-        r->decision = PX_DEC_ENDPOINT;
-        px_m_inc(&r->w->metrics.decisions[PX_DEC_ENDPOINT]);
-    }
     px_buf clean;
     px_buf_init(&clean);
     int st = px_rewrite_forwarded(r->body.data ? r->body.data : "", r->body.len, &clean);
@@ -431,7 +475,12 @@ static void start_pd(px_req *r, const px_http_head *h) {
         }
         return;
     }
-    px_rewrite_prefill(r->body.data, r->body.len, &r->pbody);
+    if (r->ep == PX_EP_RESPONSES)
+        px_rewrite_prefill_responses(r->body.data, r->body.len, &r->pbody);
+    else if (r->ep == PX_EP_GENERATE)
+        px_rewrite_prefill_generate(r->body.data, r->body.len, &r->pbody);
+    else
+        px_rewrite_prefill(r->body.data, r->body.len, &r->pbody);
     account(r);
     if (r->ctx->cfg->prefill_timeout > 0)
         r->prefill_deadline = r->t0 + (uint64_t)(r->ctx->cfg->prefill_timeout * 1e9);
@@ -709,6 +758,7 @@ static int prefill_data(void *arg, const char *p, size_t n) {
  * Returns how the attempt went. */
 static px_outcome prefill_ended(px_req *r, px_up_result rc) {
     r->up = NULL;
+    dp_end(r, PX_DP_PREFILL);
     account(r); /* the prefill's answer */
     px_outcome o = outcome_of(rc, r->pstatus);
     if (r->too_big) o = PX_OUT_SERVER_ERR;
@@ -915,18 +965,97 @@ static int send_decode(px_req *r, const decode_table *tbl) {
     return 0;
 }
 
-static void decode_headers(void *arg, int status, const char *ctype) {
-    px_req *r = arg;
-    r->dstatus = status;
-    touch_idle(r);
-    r->t_first = px_now_ns();
-    r->streamed = ctype && !strncasecmp(ctype, "text/event-stream", 17);
+/* The most of a decode answer held to see whether it is a failed KV load. */
+#define KV_FAIL_HOLD_MAX 65536
+
+/* Whether decode's answer is held (see px_req.hold): only an answer that
+ * could be a failed KV load, and only while a retry is still possible. */
+static int hold_for_kv_failure(const px_req *r, int status, int streamed) {
+    return r->disagg && r->ctx->cfg->fallback_decode_only && !r->kv_load_retry &&
+           (status == 500 || (status == 200 && streamed));
+}
+
+/* The answer's head goes to the client (the usage filter set up first). */
+static void start_client_stream(px_req *r, int status, const char *ctype) {
     int json = ctype && !strncasecmp(ctype, "application/json", 16);
     if (r->disagg && r->p_cached[0] && status == 200 && (r->streamed || json) &&
         !strcmp(r->ctx->cfg->usage_from, "prefill"))
         px_usage_init(&r->usage, r->p_cached, r->streamed, USAGE_MAX_HOLD, usage_out, r);
     set_state(r, RS_STREAM);
     if (r->conn) px_conn_stream_start(r->conn, status, ctype, r->id, NULL);
+}
+
+static void decode_headers(void *arg, int status, const char *ctype) {
+    px_req *r = arg;
+    r->dstatus = status;
+    touch_idle(r);
+    r->t_first = px_now_ns();
+    r->streamed = ctype && !strncasecmp(ctype, "text/event-stream", 17);
+    if (hold_for_kv_failure(r, status, r->streamed)) {
+        r->hold = 1;
+        snprintf(r->dctype, sizeof r->dctype, "%s", ctype ? ctype : "application/json");
+        return;
+    }
+    start_client_stream(r, status, ctype);
+}
+
+/* Whether a JSON error object is vLLM's GenerationError: what its OpenAI
+ * front answers for a request that finished with finish_reason "error",
+ * as a failed KV load under kv_load_failure_policy fail does. */
+static int is_generation_error(const char *p, size_t n) {
+    static const char want[] = "\"InternalServerError\"";
+    px_json_member e, t;
+    return px_json_find(p, n, "error", &e) && e.type == PX_JSON_OBJECT &&
+           px_json_find(e.val, e.val_len, "type", &t) && t.val_len == sizeof want - 1 &&
+           !memcmp(t.val, want, sizeof want - 1);
+}
+
+/* Decode's held answer so far: 1 when it is a failed KV load, 0 when it
+ * is not, -1 when more is needed to tell. `whole`: the answer ended. */
+static int held_kv_failure(px_req *r, int whole) {
+    const char *p = r->dhold.data ? r->dhold.data : "";
+    size_t n = r->dhold.len;
+    if (!r->streamed) {
+        if (!whole && n < KV_FAIL_HOLD_MAX) return -1;
+        char err[8];
+        return whole && px_json_validate(p, n, err, sizeof err) == PX_JSON_OBJECT &&
+               is_generation_error(p, n);
+    }
+    /* The first event, whole: "data: {...}" up to its blank line. */
+    const char *end = NULL;
+    for (size_t i = 0; i + 1 < n; i++)
+        if (p[i] == '\n' && p[i + 1] == '\n') {
+            end = p + i;
+            break;
+        }
+    if (!end) return whole || n >= KV_FAIL_HOLD_MAX ? 0 : -1;
+    if (n < 6 || memcmp(p, "data: ", 6)) return 0;
+    char err[8];
+    size_t len = (size_t)(end - p) - 6;
+    return px_json_validate(p + 6, len, err, sizeof err) == PX_JSON_OBJECT &&
+           is_generation_error(p + 6, len);
+}
+
+static int decode_pass(px_req *r, const char *p, size_t n);
+
+/* The held answer is not a failed KV load: it goes to the client as it
+ * came. Returns what decode_data returns. */
+static int release_hold(px_req *r) {
+    r->hold = 0;
+    start_client_stream(r, r->dstatus, r->dctype);
+    px_buf held = r->dhold;
+    px_buf_init(&r->dhold);
+    /* Held bytes cannot be delivered again: all of them are queued (the
+     * client's queue is soft, at most KV_FAIL_HOLD_MAX over its mark; the
+     * next delivery pauses decode when it is full). */
+    if (held.len && r->conn &&
+        (!r->usage.active || px_usage_feed(&r->usage, held.data, held.len) != 0)) {
+        px_conn_stream_write(r->conn, held.data, held.len);
+        r->bytes_out += held.len;
+    }
+    px_buf_cleanup(&held);
+    account(r);
+    return 0;
 }
 
 /* Whether the client's queue is at its high-water mark: decode is paused
@@ -944,6 +1073,23 @@ static int decode_data(void *arg, const char *p, size_t n) {
     px_req *r = arg;
     if (!r->conn) return -1;
     touch_idle(r);
+    if (r->hold) {
+        px_buf_append(&r->dhold, p, n);
+        account(r);
+        int k = held_kv_failure(r, 0);
+        if (k < 0) return 0;
+        if (k > 0) {
+            r->kv_load_failed = 1;
+            return -1; /* ends the transfer: decode_done retries */
+        }
+        return release_hold(r);
+    }
+    return decode_pass(r, p, n);
+}
+
+/* Decode's bytes to the client (through the usage filter when active);
+ * 1: the client's queue is full, decode pauses and delivers them again. */
+static int decode_pass(px_req *r, const char *p, size_t n) {
     if (client_full(r)) return 1;
     if (r->usage.active) {
         /* Held, or given up on: then what was held went first. */
@@ -957,14 +1103,60 @@ static int decode_data(void *arg, const char *p, size_t n) {
     return 0;
 }
 
+/* Decode failed to load prefill's KV: the request goes once more to a
+ * decode, without kv_transfer_params, so it computes the prompt itself.
+ * Nothing has reached the client yet. */
+static void retry_without_kv(px_req *r) {
+    px_buf clean;
+    px_buf_init(&clean);
+    if (px_rewrite_forwarded(r->dbody.data, r->dbody.len, &clean) == 1) {
+        px_buf t = r->dbody;
+        r->dbody = clean;
+        clean = t;
+    }
+    px_buf_cleanup(&clean);
+    px_buf_reset(&r->dhold);
+    r->hold = 0;
+    r->kv_load_failed = 0;
+    r->kv_load_retry = 1;
+    r->disagg = 0;
+    r->dstatus = 0;
+    r->t_first = 0;
+    r->fell_back = 1;
+    r->fallback = PX_FB_KV_LOAD;
+    px_m_inc(&r->w->metrics.fallbacks[PX_FB_KV_LOAD]);
+    account(r);
+    PX_LOG(PX_LOG_WARN,
+           "req=%s msg=\"decode failed to load prefill's KV: retrying once without "
+           "kv_transfer_params\" decode=%s",
+           r->lid, r->dname);
+    start_decode(r);
+}
+
 static void decode_done(void *arg, px_up_result rc, const char *errbuf, int connected) {
     px_req *r = arg;
     r->up = NULL; /* freed by the upstream module when this returns */
+    dp_end(r, PX_DP_DECODE);
     if (r->idle_timer) evtimer_del(r->idle_timer);
     px_outcome o = outcome_of(rc, r->dstatus);
     const char *why = errbuf[0] ? errbuf : px_up_result_str(rc);
+    if (r->kv_load_failed) o = PX_OUT_SERVER_ERR;
     attempt_done(&r->ps->decode, r->db, r->tried_d, r->ntried_d, o);
     r->db = NULL;
+    if (r->hold) {
+        int k = r->kv_load_failed ? 1 : rc == PX_UP_OK ? held_kv_failure(r, 1) : 0;
+        if (k > 0) {
+            retry_without_kv(r);
+            return;
+        }
+        if (rc == PX_UP_OK || r->dhold.len) {
+            /* Not a failed load: the held answer goes out as it came (cut
+             * like decode's when decode's was cut). */
+            release_hold(r);
+        } else {
+            r->hold = 0;
+        }
+    }
     if (r->usage.active) {
         /* The answer is complete (or cut): what is held goes out, fixed
          * when it is whole. */
@@ -1036,6 +1228,7 @@ static void on_idle_timer(evutil_socket_t fd, short what, void *arg) {
     }
     px_upstream_cancel(r->up);
     r->up = NULL;
+    dp_end(r, PX_DP_DECODE);
     px_backend_done(&r->ps->decode, r->db, PX_OUT_TIMEOUT);
     r->db = NULL;
     r->dtbl->idle(r);
@@ -1180,6 +1373,7 @@ static int release_data(void *arg, const char *p, size_t n) {
 static void release_done(void *arg, px_up_result rc, const char *errbuf, int connected) {
     px_req *r = arg;
     r->up = NULL; /* freed by the upstream module when this returns */
+    dp_end(r, PX_DP_DECODE);
     if (r->idle_timer) evtimer_del(r->idle_timer);
     if (connected) {
         released_via_decode(r);
@@ -1253,6 +1447,8 @@ static void req_finish(px_req *r, int status, const char *outcome, const char *e
     set_state(r, RS_DONE);
     px_upstream_cancel(r->up);
     r->up = NULL;
+    dp_end(r, PX_DP_PREFILL);
+    dp_end(r, PX_DP_DECODE);
     px_backend_done(&r->ps->prefill, r->pb, PX_OUT_CANCELLED);
     r->pb = NULL;
     px_backend_done(&r->ps->decode, r->db, PX_OUT_CANCELLED);
@@ -1318,7 +1514,7 @@ static void submit_spans(px_req *r, int status, const char *outcome, uint64_t no
     const char *ep_path = px_endpoints[r->ep].path;
     const char *path = r->target ? r->target : ep_path ? ep_path : "";
     size_t plen = strcspn(path, "?");
-    const char *op = r->ep == PX_EP_COMPLETIONS ? "text_completion"
+    const char *op = r->ep == PX_EP_COMPLETIONS || r->ep == PX_EP_GENERATE ? "text_completion"
                      : r->ep == PX_EP_CHAT || r->ep == PX_EP_MESSAGES || r->ep == PX_EP_RESPONSES
                          ? "chat"
                          : NULL;
@@ -1397,6 +1593,7 @@ static void req_free(px_req *r) {
     px_buf_cleanup(&r->presp);
     px_buf_cleanup(&r->hdrs_p);
     px_buf_cleanup(&r->hdrs_d);
+    px_buf_cleanup(&r->dhold);
     px_usage_cleanup(&r->usage);
     free(r->target);
     free(r->dis.hash);

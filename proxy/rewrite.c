@@ -57,6 +57,47 @@ int px_rewrite_prefill(const char *body, size_t n, px_buf *out) {
     return 0;
 }
 
+/* vLLM's ResponsesRequest: the output limit is max_output_tokens; a
+ * prefill must neither answer in the background nor keep its one-token
+ * answer in its response store (the client's conversation lives where
+ * decode stores it; previous_response_id goes to both untouched). */
+static const char *const responses_drop[] = {"kv_transfer_params", "stream",     "stream_options",
+                                             "max_output_tokens",  "background", "store"};
+
+int px_rewrite_prefill_responses(const char *body, size_t n, px_buf *out) {
+    unsigned saw;
+    if (copy_members(body, n, responses_drop, sizeof responses_drop / sizeof *responses_drop, out,
+                     &saw) < 0)
+        return -1;
+    px_buf_appends(out, "\"kv_transfer_params\":" PX_PREFILL_KV_PARAMS
+                        ",\"stream\":false,\"max_output_tokens\":1,\"store\":false}");
+    return 0;
+}
+
+/* vLLM's GenerateRequest (token-in /inference/v1/generate): the limits
+ * are members of sampling_params. */
+static const char *const generate_drop[] = {"kv_transfer_params", "stream", "stream_options",
+                                            "sampling_params"};
+static const char *const sampling_drop[] = {"max_tokens", "min_tokens"};
+
+int px_rewrite_prefill_generate(const char *body, size_t n, px_buf *out) {
+    unsigned saw;
+    px_json_member sp;
+    int has_sp = px_json_find(body, n, "sampling_params", &sp) && sp.type == PX_JSON_OBJECT;
+    if (copy_members(body, n, generate_drop, sizeof generate_drop / sizeof *generate_drop, out,
+                     &saw) < 0)
+        return -1;
+    px_buf_appends(out, "\"kv_transfer_params\":" PX_PREFILL_KV_PARAMS
+                        ",\"stream\":false,\"sampling_params\":");
+    if (has_sp) {
+        if (copy_members(sp.val, sp.val_len, sampling_drop, 2, out, &saw) < 0) return -1;
+    } else {
+        px_buf_append(out, "{", 1);
+    }
+    px_buf_appends(out, "\"max_tokens\":1}}");
+    return 0;
+}
+
 int px_rewrite_decode(const char *body, size_t n, const char *kvp, size_t kvp_len, px_buf *out) {
     unsigned saw;
     size_t start = out->len;

@@ -22,6 +22,18 @@
  * "max_completion_tokens":1. Returns 0, or -1 when body is not an object. */
 int px_rewrite_prefill(const char *body, size_t n, px_buf *out);
 
+/* The same for vLLM's /v1/responses (ResponsesRequest): without stream,
+ * stream_options, max_output_tokens, background and store, then the
+ * proxy's kv_transfer_params, "stream":false, "max_output_tokens":1 and
+ * "store":false. */
+int px_rewrite_prefill_responses(const char *body, size_t n, px_buf *out);
+
+/* The same for vLLM's token-in /inference/v1/generate (GenerateRequest):
+ * without stream and stream_options, its sampling_params object copied
+ * without max_tokens and min_tokens and given "max_tokens":1 (a
+ * sampling_params that is absent or no object becomes {"max_tokens":1}). */
+int px_rewrite_prefill_generate(const char *body, size_t n, px_buf *out);
+
 /* Appends to `out` the decode request: the client's members minus any
  * kv_transfer_params of its own, then "kv_transfer_params":<kvp> with kvp's
  * bytes as they are (kvp NULL: none added). Returns 0, or -1 when body is

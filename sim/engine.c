@@ -144,6 +144,7 @@ static void req_free(sim_req *r) {
     PX_LIST_UNLINK(e->reqs, r);
     if (r->timer) event_free(r->timer);
     cJSON_Delete(r->kvp);
+    free(r->prev_id);
     free(r->tok);
     free(r->blocks);
     free(r->ph);
@@ -218,6 +219,12 @@ static const px_exchange_cbs client_cbs = {on_client_gone, NULL};
 
 /* ---------------------------------------------------------- responses -- */
 
+/* The data-parallel rank the request named, echoed in every answer (so a
+ * test sees which engine core served it); NULL without one. */
+static const char *dp_header(const sim_req *r) {
+    return r->dp_hdr[0] ? r->dp_hdr : NULL;
+}
+
 /* As vLLM with --enable-prompt-tokens-details: under P/D, decode counts
  * the prompt it received from prefill as cached (all but its last token). */
 static void append_usage(px_buf *b, sim_req *r) {
@@ -240,35 +247,148 @@ static void send_sse(sim_req *r, px_buf *b) {
     px_buf_reset(b);
 }
 
-/* Writes the whole non-streamed answer; `kvp` is raw JSON or NULL. */
+/* A generated word as a token id: /inference/v1/generate answers ids. */
+static uint32_t word_id(const char *w, size_t wl) {
+    return (uint32_t)(px_hash64(w, wl) % 50000u);
+}
+
+/* vLLM's ResponsesResponse for `text`, without its closing brace. */
+static void append_response(px_buf *b, sim_req *r, const char *text, size_t tlen,
+                            const char *status) {
+    px_buf_appends(b, "{\"id\":");
+    px_buf_append_json_str(b, r->resp_id, strlen(r->resp_id));
+    px_buf_printf(b, ",\"object\":\"response\",\"created_at\":%ld,\"model\":%s,\"status\":\"%s\","
+                     "\"output\":[{\"id\":\"msg_",
+                  r->created, r->e->model_json, status);
+    px_buf_appends(b, r->internal_id);
+    px_buf_appends(b, "\",\"type\":\"message\",\"role\":\"assistant\",\"status\":\"completed\","
+                      "\"content\":[{\"type\":\"output_text\",\"text\":");
+    px_buf_append_json_str(b, text, tlen);
+    px_buf_appends(b, ",\"annotations\":[]}]}],\"previous_response_id\":");
+    if (r->prev_id)
+        px_buf_append_json_str(b, r->prev_id, strlen(r->prev_id));
+    else
+        px_buf_appends(b, "null");
+    px_buf_printf(b,
+                  ",\"usage\":{\"input_tokens\":%zu,\"input_tokens_details\":{\"cached_tokens\":%zu},"
+                  "\"output_tokens\":%zu,\"output_tokens_details\":{\"reasoning_tokens\":0},"
+                  "\"total_tokens\":%zu}",
+                  r->ntok, r->cached, r->emitted, r->ntok + r->emitted);
+}
+
+/* Writes the whole non-streamed answer; `kvp` is raw JSON or NULL. For
+ * /inference/v1/generate `text` is the comma-separated token ids. */
 static void reply_json(sim_req *r, const char *text, size_t tlen, const char *finish,
                        const char *kvp) {
     px_buf b;
     px_buf_init(&b);
-    px_buf_appends(&b, "{\"id\":");
-    px_buf_append_json_str(&b, r->resp_id, strlen(r->resp_id));
-    px_buf_printf(&b, ",\"object\":\"%s\",\"created\":%ld,\"model\":%s,\"choices\":[{\"index\":0,",
-                  r->ep == EP_CHAT ? "chat.completion" : "text_completion", r->created,
-                  r->e->model_json);
-    if (r->ep == EP_CHAT) {
-        px_buf_appends(&b, "\"message\":{\"role\":\"assistant\",\"content\":");
-        px_buf_append_json_str(&b, text, tlen);
-        px_buf_appends(&b, "},");
+    if (r->ep == EP_RESPONSES) {
+        append_response(&b, r, text, tlen, "completed");
+    } else if (r->ep == EP_GENERATE) {
+        px_buf_appends(&b, "{\"request_id\":");
+        px_buf_append_json_str(&b, r->resp_id, strlen(r->resp_id));
+        px_buf_printf(&b,
+                      ",\"choices\":[{\"index\":0,\"logprobs\":null,\"finish_reason\":\"%s\","
+                      "\"token_ids\":[%.*s]}],\"prompt_logprobs\":null",
+                      finish, (int)tlen, text);
     } else {
-        px_buf_appends(&b, "\"text\":");
-        px_buf_append_json_str(&b, text, tlen);
-        px_buf_appends(&b, ",\"logprobs\":null,");
+        px_buf_appends(&b, "{\"id\":");
+        px_buf_append_json_str(&b, r->resp_id, strlen(r->resp_id));
+        px_buf_printf(&b,
+                      ",\"object\":\"%s\",\"created\":%ld,\"model\":%s,\"choices\":[{\"index\":0,",
+                      r->ep == EP_CHAT ? "chat.completion" : "text_completion", r->created,
+                      r->e->model_json);
+        if (r->ep == EP_CHAT) {
+            px_buf_appends(&b, "\"message\":{\"role\":\"assistant\",\"content\":");
+            px_buf_append_json_str(&b, text, tlen);
+            px_buf_appends(&b, "},");
+        } else {
+            px_buf_appends(&b, "\"text\":");
+            px_buf_append_json_str(&b, text, tlen);
+            px_buf_appends(&b, ",\"logprobs\":null,");
+        }
+        px_buf_printf(&b, "\"finish_reason\":\"%s\"}],", finish);
+        append_usage(&b, r);
     }
-    px_buf_printf(&b, "\"finish_reason\":\"%s\"}],", finish);
-    append_usage(&b, r);
     if (kvp) {
         px_buf_appends(&b, ",\"kv_transfer_params\":");
         px_buf_appends(&b, kvp);
     }
     px_buf_appends(&b, "}");
-    px_conn_reply(r->conn, 200, "application/json", r->xrid, NULL, b.data, b.len);
+    px_conn_reply(r->conn, 200, "application/json", r->xrid, dp_header(r), b.data, b.len);
     r->conn = NULL;
     px_buf_cleanup(&b);
+}
+
+/* A word of the answer as the endpoint streams it. */
+static void stream_word(px_buf *b, sim_req *r, const char *w, size_t wl, int last) {
+    if (r->ep == EP_RESPONSES) {
+        if (r->emitted == 1) {
+            px_buf_appends(b, "event: response.created\ndata: {\"type\":\"response.created\","
+                              "\"sequence_number\":0,\"response\":");
+            append_response(b, r, "", 0, "in_progress");
+            px_buf_appends(b, "}}\n\n");
+        }
+        px_buf_printf(b,
+                      "event: response.output_text.delta\ndata: {\"type\":"
+                      "\"response.output_text.delta\",\"sequence_number\":%zu,\"item_id\":\"msg_%s\","
+                      "\"output_index\":0,\"content_index\":0,\"delta\":",
+                      r->emitted, r->internal_id);
+        px_buf_append_json_str(b, w, wl);
+        px_buf_appends(b, ",\"logprobs\":[]}\n\n");
+        px_buf_append(&r->text, w, wl); /* response.completed carries the whole text */
+        return;
+    }
+    if (r->ep == EP_GENERATE) {
+        px_buf_appends(b, "data: {\"request_id\":");
+        px_buf_append_json_str(b, r->resp_id, strlen(r->resp_id));
+        px_buf_printf(b,
+                      ",\"choices\":[{\"index\":0,\"logprobs\":null,\"finish_reason\":%s,"
+                      "\"token_ids\":[%u]}]}\n\n",
+                      last ? "\"length\"" : "null", word_id(w, wl));
+        return;
+    }
+    if (r->emitted == 1 && r->ep == EP_CHAT) {
+        chunk_head(b, r);
+        px_buf_appends(b, "\"choices\":[{\"index\":0,\"delta\":{\"role\":\"assistant\","
+                          "\"content\":\"\"},\"logprobs\":null,\"finish_reason\":null}]}\n\n");
+    }
+    chunk_head(b, r);
+    if (r->ep == EP_CHAT) {
+        px_buf_appends(b, "\"choices\":[{\"index\":0,\"delta\":{\"content\":");
+        px_buf_append_json_str(b, w, wl);
+        px_buf_appends(b, "},\"logprobs\":null,\"finish_reason\":null}]}\n\n");
+    } else {
+        px_buf_appends(b, "\"choices\":[{\"index\":0,\"text\":");
+        px_buf_append_json_str(b, w, wl);
+        px_buf_printf(b, ",\"logprobs\":null,\"finish_reason\":%s}]}\n\n",
+                      last ? "\"length\"" : "null");
+    }
+}
+
+/* The stream's end: the endpoint's last events. */
+static void stream_end(px_buf *b, sim_req *r) {
+    if (r->ep == EP_RESPONSES) {
+        px_buf_printf(b,
+                      "event: response.completed\ndata: {\"type\":\"response.completed\","
+                      "\"sequence_number\":%zu,\"response\":",
+                      r->emitted + 1);
+        append_response(b, r, r->text.data ? r->text.data : "", r->text.len, "completed");
+        px_buf_appends(b, "}}\n\n");
+        return;
+    }
+    if (r->ep == EP_CHAT) {
+        chunk_head(b, r);
+        px_buf_appends(b, "\"choices\":[{\"index\":0,\"delta\":{},\"logprobs\":null,"
+                          "\"finish_reason\":\"length\"}]}\n\n");
+    }
+    if (r->include_usage && r->ep != EP_GENERATE) {
+        chunk_head(b, r);
+        px_buf_appends(b, "\"choices\":[],");
+        append_usage(b, r);
+        px_buf_appends(b, "}\n\n");
+    }
+    px_buf_appends(b, "data: [DONE]\n\n");
 }
 
 /* ---------------------------------------------------------- generation -- */
@@ -294,27 +414,12 @@ static void emit_tokens(evutil_socket_t fd, short what, void *arg) {
         size_t wl = kvsim_word(r->prompt_hash, r->seed, r->emitted, w);
         r->emitted++;
         int last = r->emitted >= (size_t)r->max_tokens;
-        if (!r->stream) {
+        if (!r->stream && r->ep == EP_GENERATE)
+            px_buf_printf(&r->text, "%s%u", r->emitted > 1 ? "," : "", word_id(w, wl));
+        else if (!r->stream)
             px_buf_append(&r->text, w, wl);
-        } else {
-            if (r->emitted == 1 && r->ep == EP_CHAT) {
-                chunk_head(&b, r);
-                px_buf_appends(&b,
-                               "\"choices\":[{\"index\":0,\"delta\":{\"role\":\"assistant\","
-                               "\"content\":\"\"},\"logprobs\":null,\"finish_reason\":null}]}\n\n");
-            }
-            chunk_head(&b, r);
-            if (r->ep == EP_CHAT) {
-                px_buf_appends(&b, "\"choices\":[{\"index\":0,\"delta\":{\"content\":");
-                px_buf_append_json_str(&b, w, wl);
-                px_buf_appends(&b, "},\"logprobs\":null,\"finish_reason\":null}]}\n\n");
-            } else {
-                px_buf_appends(&b, "\"choices\":[{\"index\":0,\"text\":");
-                px_buf_append_json_str(&b, w, wl);
-                px_buf_printf(&b, ",\"logprobs\":null,\"finish_reason\":%s}]}\n\n",
-                              last ? "\"length\"" : "null");
-            }
-        }
+        else
+            stream_word(&b, r, w, wl, last);
         if (last) break;
     } while (e->cfg->itl_ms == 0);
 
@@ -327,18 +432,7 @@ static void emit_tokens(evutil_socket_t fd, short what, void *arg) {
     if (!r->stream) {
         reply_json(r, r->text.data ? r->text.data : "", r->text.len, "length", NULL);
     } else {
-        if (r->ep == EP_CHAT) {
-            chunk_head(&b, r);
-            px_buf_appends(&b, "\"choices\":[{\"index\":0,\"delta\":{},\"logprobs\":null,"
-                               "\"finish_reason\":\"length\"}]}\n\n");
-        }
-        if (r->include_usage) {
-            chunk_head(&b, r);
-            px_buf_appends(&b, "\"choices\":[],");
-            append_usage(&b, r);
-            px_buf_appends(&b, "}\n\n");
-        }
-        px_buf_appends(&b, "data: [DONE]\n\n");
+        stream_end(&b, r);
         send_sse(r, &b);
         px_conn_stream_end(r->conn);
         r->conn = NULL;
@@ -349,7 +443,7 @@ static void emit_tokens(evutil_socket_t fd, short what, void *arg) {
 
 static void start_generation(sim_req *r) {
     r->state = SR_GENERATING;
-    if (r->stream) px_conn_stream_start(r->conn, 200, "text/event-stream", r->xrid, NULL);
+    if (r->stream) px_conn_stream_start(r->conn, 200, "text/event-stream", r->xrid, dp_header(r));
     event_assign(r->timer, r->e->base, -1, 0, emit_tokens, r);
     schedule_us(r, r->compute_us + (uint64_t)r->e->cfg->ttft_ms * 1000u);
 }
@@ -373,7 +467,13 @@ static void prefill_reply(evutil_socket_t fd, short what, void *arg) {
     char w[32];
     size_t wl = kvsim_word(r->prompt_hash, r->seed, 0, w);
     r->emitted = 1;
-    reply_json(r, w, wl, "length", json);
+    char idtxt[16];
+    if (r->ep == EP_GENERATE) {
+        snprintf(idtxt, sizeof idtxt, "%u", word_id(w, wl));
+        reply_json(r, idtxt, strlen(idtxt), "length", json);
+    } else {
+        reply_json(r, w, wl, "length", json);
+    }
     kvc_free(json);
     req_finish(r);
 }
@@ -382,6 +482,37 @@ static void start_local(sim_req *r) {
     compute_blocks(r);
     compute_prompt(r);
     start_generation(r);
+}
+
+/* --kv-load-failure-policy fail: as vLLM's decode, the request ends with
+ * finish_reason "error", which its OpenAI front turns into a
+ * GenerationError: HTTP 500 with an InternalServerError body, or (headers
+ * sent) an error event and [DONE]. Prefill's blocks are let go. */
+static void kv_load_failed(sim_req *r) {
+    static const char body[] = "{\"error\":{\"message\":\"Internal server error\","
+                               "\"type\":\"InternalServerError\",\"param\":null,\"code\":500}}";
+    r->e->kv_load_failed++;
+    PX_LOG(PX_LOG_WARN, "req=%s msg=\"KV load failed: failing the request "
+                        "(--kv-load-failure-policy fail)\"",
+           r->internal_id);
+    notify_only(r->e, r->kvp);
+    if (r->conn && r->stream) {
+        px_conn_stream_start(r->conn, 200, "text/event-stream", r->xrid, dp_header(r));
+        static const char ev[] = "data: {\"error\":{\"message\":\"Internal server error\","
+                                 "\"type\":\"InternalServerError\",\"param\":null,"
+                                 "\"code\":500}}\n\ndata: [DONE]\n\n";
+        px_conn_stream_write(r->conn, ev, sizeof ev - 1);
+        px_conn_stream_end(r->conn);
+    } else if (r->conn) {
+        px_conn_reply(r->conn, 500, "application/json", r->xrid, dp_header(r), body,
+                      sizeof body - 1);
+    }
+    r->conn = NULL;
+    req_finish(r);
+}
+
+static int fail_on_load_error(const sim_req *r) {
+    return !strcmp(r->e->cfg->kv_load_failure_policy, "fail");
 }
 
 static void start_decode(sim_req *r) {
@@ -411,9 +542,12 @@ static void start_decode(sim_req *r) {
     free(json);
     if (st != KVC_INPROGRESS && st != KVC_OK) {
         e->fetch_failures++;
-        PX_LOG(PX_LOG_WARN, "req=%s msg=\"KV fetch refused, recomputing locally\" status=%s",
-               r->internal_id, kvc_status_str(st));
-        start_local(r);
+        PX_LOG(PX_LOG_WARN, "req=%s msg=\"KV fetch refused\" status=%s", r->internal_id,
+               kvc_status_str(st));
+        if (fail_on_load_error(r))
+            kv_load_failed(r);
+        else
+            start_local(r);
         return;
     }
     r->state = SR_FETCHING;
@@ -505,6 +639,8 @@ static void on_fetch_event(sim_engine *e, const kvc_event_t *ev) {
         r->compute_us = compute(e, 1);
         cache_insert(e, r);
         start_generation(r);
+    } else if (fail_on_load_error(r)) {
+        kv_load_failed(r);
     } else {
         start_local(r);
     }
@@ -579,10 +715,15 @@ static void kvc_log(void *arg, kvc_log_level_t level, const char *msg) {
 
 /* ---------------------------------------------------------- admission -- */
 
-void sim_submit(sim_engine *e, px_conn *c, sim_ep ep, const char *xrid, sim_parsed *parsed) {
+void sim_submit(sim_engine *e, px_conn *c, sim_ep ep, const char *xrid, int dp_rank,
+                sim_parsed *parsed) {
     char msg[256];
     sim_parsed pr = *parsed;
     sim_req *r = px_xcalloc(1, sizeof *r);
+    if (dp_rank >= 0) {
+        snprintf(r->dp_hdr, sizeof r->dp_hdr, "X-Data-Parallel-Rank: %d\r\n", dp_rank);
+        e->dp_requests[dp_rank]++;
+    }
     r->e = e;
     r->ep = ep;
     px_buf_init(&r->text);
@@ -599,7 +740,9 @@ void sim_submit(sim_engine *e, px_conn *c, sim_ep ep, const char *xrid, sim_pars
     r->prompt_hash = px_hash64_seed(r->tok, r->ntok * sizeof *r->tok, e->model_hash);
     snprintf(r->internal_id, sizeof r->internal_id, "cmpl-%s-%08x", xrid,
              (unsigned)(px_rand64() & 0xffffffffu));
-    snprintf(r->resp_id, sizeof r->resp_id, "%s-%s", ep == EP_CHAT ? "chatcmpl" : "cmpl", xrid);
+    static const char *const id_prefix[] = {"cmpl-", "chatcmpl-", "resp_", ""};
+    snprintf(r->resp_id, sizeof r->resp_id, "%s%s", id_prefix[ep], xrid);
+    r->prev_id = pr.prev_id; /* ownership moves to r */
     r->mode = pr.mode;
     r->kvp = pr.kvp; /* ownership moves to r */
     if (pr.kvp_invalid) {

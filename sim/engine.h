@@ -38,6 +38,9 @@ typedef struct sim_config {
     uint32_t kv_events_buffer_steps;       /* batches kept for replay (10000) */
     const char *kv_events_encoding;        /* array | map (array) */
     int kv_events_drop_seq;                /* test aid: batch not sent on PUB; -1 none */
+    const char *kv_load_failure_policy;    /* "recompute" (default) or "fail": vLLM's
+                                              kv_transfer_config key of that name */
+    uint32_t dp_size;                      /* --data-parallel-size: ranks a request may name (1) */
 } sim_config;
 
 /* Runs the engine until SIGINT/SIGTERM. Returns the process exit status. */

@@ -19,10 +19,13 @@
 #include "sim/prefix.h"
 #include "sim/sim_request.h"
 
-typedef enum { EP_COMPLETIONS, EP_CHAT } sim_ep;
+/* The values of SIM_KIND_* (sim_request.h). */
+typedef enum { EP_COMPLETIONS = 0, EP_CHAT = 1, EP_RESPONSES = 2, EP_GENERATE = 3 } sim_ep;
 typedef enum { SR_QUEUED, SR_FETCHING, SR_PREFILL_WAIT, SR_GENERATING } sim_state;
 
 typedef struct sim_engine sim_engine;
+
+#define SIM_DP_MAX 64 /* largest --data-parallel-size */
 
 typedef struct sim_req {
     sim_engine *e;               /* borrowed */
@@ -55,6 +58,8 @@ typedef struct sim_req {
     long created;
     uint64_t t_fetch0;
     size_t cached;       /* prompt tokens reported as cached (usage) */
+    char *prev_id;       /* owned: /v1/responses' previous_response_id, echoed; or NULL */
+    char dp_hdr[48];     /* "X-Data-Parallel-Rank: N\r\n", or "" */
     uint64_t compute_us; /* time until its prompt is computed, before time to first token */
 } sim_req;
 
@@ -84,14 +89,17 @@ struct sim_engine {
     uint64_t tokens_computed, tokens_cached;
     uint64_t requests_total, blocks_published, blocks_released, blocks_expired, unknown_notify,
         fetch_failures, corrupt_blocks, fetches, bytes_fetched, fetch_ns, invalid_kvp,
-        queue_rejects, lease_renewals;
-    uint64_t renew_due_ns; /* next lease renewal of queued decode requests */
+        queue_rejects, lease_renewals, kv_load_failed;
+    uint64_t renew_due_ns;            /* next lease renewal of queued decode requests */
+    uint64_t dp_requests[SIM_DP_MAX]; /* by the X-data-parallel-rank requests named */
 };
 
-/* Admits a parsed completion request on connection c: queues it for KV
+/* Admits a parsed completion request on connection c (`dp_rank`: the
+ * data-parallel rank it named, or -1): queues it for KV
  * blocks or starts it; answers c itself on refusal. `pr`'s owned parts
  * move into the request. */
-void sim_submit(sim_engine *e, px_conn *c, sim_ep ep, const char *xrid, sim_parsed *pr);
+void sim_submit(sim_engine *e, px_conn *c, sim_ep ep, const char *xrid, int dp_rank,
+                sim_parsed *pr);
 
 /* POST /tokenize (sim/tokenize.c). */
 void sim_handle_tokenize(sim_engine *e, px_conn *c, const px_http_head *h, px_buf *body);

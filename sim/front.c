@@ -24,14 +24,33 @@ static void handle_completion(sim_engine *e, px_conn *c, sim_ep ep, const px_htt
     char msg[256];
     char xrid[129];
     px_http_request_id(h, xrid);
+    /* vLLM's _get_data_parallel_rank: a header that is no integer counts as
+     * absent; a rank outside the engine's cores is refused. */
+    int rank = -1;
+    const px_http_header *dr = px_http_find(h, "x-data-parallel-rank");
+    if (dr) {
+        char v[24];
+        char *end;
+        snprintf(v, sizeof v, "%.*s", (int)(dr->value_len < 23 ? dr->value_len : 23), dr->value);
+        long n = strtol(v, &end, 10);
+        if (end != v && !*end) {
+            if (n < 0 || n >= (long)e->cfg->dp_size) {
+                snprintf(msg, sizeof msg, "data_parallel_rank %ld is out of range [0, %u)", n,
+                         e->cfg->dp_size);
+                px_conn_reply_error(c, 400, xrid, NULL, msg);
+                return;
+            }
+            rank = (int)n;
+        }
+    }
     sim_parsed pr;
-    int status = sim_parse_request(ep == EP_CHAT, body->data, body->len, e->cfg->model, &pr, msg,
+    int status = sim_parse_request((int)ep, body->data, body->len, e->cfg->model, &pr, msg,
                                    sizeof msg);
     if (status) {
         px_conn_reply_error(c, status, xrid, NULL, msg);
         return;
     }
-    sim_submit(e, c, ep, xrid, &pr);
+    sim_submit(e, c, ep, xrid, rank, &pr);
 }
 
 /* ------------------------------------------------------------- routing -- */
@@ -68,6 +87,9 @@ static void reply_metrics(sim_engine *e, px_conn *c) {
     COUNTER("engine_sim_kv_corrupt_blocks_total", "Fetched KV pieces whose bytes were wrong.",
             e->corrupt_blocks);
     COUNTER("engine_sim_kv_fetches_total", "KV fetches completed.", e->fetches);
+    COUNTER("engine_sim_kv_load_failed_requests_total",
+            "Requests failed because their KV load failed (--kv-load-failure-policy fail).",
+            e->kv_load_failed);
     COUNTER("engine_sim_kv_bytes_fetched_total", "Bytes moved by completed KV fetches.",
             e->bytes_fetched);
     px_buf_printf(&b,
@@ -101,6 +123,12 @@ static void reply_metrics(sim_engine *e, px_conn *c) {
     GAUGE("engine_sim_prefix_cache_blocks", "Blocks in the prefix cache.", "%zu",
           sim_prefix_size(e->prefix));
     GAUGE("engine_sim_kv_blocks_free", "Free KV blocks.", "%zu", e->nfree);
+    px_buf_appends(&b, "# HELP engine_sim_dp_rank_requests_total Requests that named a "
+                       "data-parallel rank (X-data-parallel-rank).\n"
+                       "# TYPE engine_sim_dp_rank_requests_total counter\n");
+    for (uint32_t k = 0; k < cfg->dp_size && k < SIM_DP_MAX; k++)
+        px_buf_printf(&b, "engine_sim_dp_rank_requests_total{rank=\"%u\"} %llu\n", k,
+                      (unsigned long long)e->dp_requests[k]);
 #undef GAUGE
 #undef COUNTER
     px_conn_reply(c, 200, "text/plain; version=0.0.4; charset=utf-8", NULL, NULL, b.data, b.len);
@@ -111,15 +139,22 @@ static void dispatch(void *ctx, px_conn *c, const px_http_head *h, px_buf *body)
     sim_engine *e = ctx;
     int is_get = h->method_len == 3 && !memcmp(h->method, "GET", 3);
     int is_post = h->method_len == 4 && !memcmp(h->method, "POST", 4);
-    if (px_http_path_is(h, "/v1/completions") || px_http_path_is(h, "/v1/chat/completions")) {
-        if (!is_post) {
-            px_conn_reply_error(c, 405, NULL, "Allow: POST\r\n", "method not allowed");
+    static const struct {
+        const char *path;
+        sim_ep ep;
+    } gen[] = {{"/v1/completions", EP_COMPLETIONS},
+               {"/v1/chat/completions", EP_CHAT},
+               {"/v1/responses", EP_RESPONSES},
+               {"/inference/v1/generate", EP_GENERATE}};
+    for (size_t i = 0; i < sizeof gen / sizeof gen[0]; i++)
+        if (px_http_path_is(h, gen[i].path)) {
+            if (!is_post) {
+                px_conn_reply_error(c, 405, NULL, "Allow: POST\r\n", "method not allowed");
+                return;
+            }
+            handle_completion(e, c, gen[i].ep, h, body);
             return;
         }
-        handle_completion(
-            e, c, px_http_path_is(h, "/v1/chat/completions") ? EP_CHAT : EP_COMPLETIONS, h, body);
-        return;
-    }
     if (px_http_path_is(h, "/tokenize") || px_http_path_is(h, "/reset_prefix_cache")) {
         if (!is_post) {
             px_conn_reply_error(c, 405, NULL, "Allow: POST\r\n", "method not allowed");

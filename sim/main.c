@@ -79,6 +79,15 @@ static const sim_opt opts[] = {
     {"kv-events-drop-seq", O_INT, OFF(kv_events_drop_seq), -1, 2147483647, "N",
      "test aid: batch N is buffered for replay but never\n"
      "sent on the PUB socket, a gap (-1: none)"},
+    {"kv-load-failure-policy", O_STR, OFF(kv_load_failure_policy), 0, 0, "recompute|fail",
+     "a decode whose KV load fails computes the prompt\n"
+     "itself, or fails the request as vLLM does with 'fail'\n"
+     "(500 InternalServerError; in a stream, an error event)\n"
+     "(recompute)"},
+    {"data-parallel-size", O_U32, OFF(dp_size), 1, 64, "N",
+     "engine cores behind this API server; a request may\n"
+     "name one in X-data-parallel-rank (0..N-1), which is\n"
+     "echoed in X-Data-Parallel-Rank and counted (1)"},
     {"log-level", O_LEVEL, OFF(log_level), 0, 0, "L", "debug|info|warn|error (info)"},
 };
 #define NOPTS (sizeof opts / sizeof opts[0])
@@ -196,9 +205,15 @@ int main(int argc, char **argv) {
                     .kv_events_topic = "",
                     .kv_events_buffer_steps = 10000,
                     .kv_events_encoding = "array",
-                    .kv_events_drop_seq = -1};
+                    .kv_events_drop_seq = -1,
+                    .kv_load_failure_policy = "recompute",
+                    .dp_size = 1};
     int rc = parse_flags(&c, argc, argv);
     if (rc >= 0) return rc;
+    if (strcmp(c.kv_load_failure_policy, "recompute") && strcmp(c.kv_load_failure_policy, "fail")) {
+        fprintf(stderr, "engine-sim: --kv-load-failure-policy must be recompute or fail\n");
+        return 2;
+    }
     uint64_t pool = c.num_blocks * c.block_bytes;
     if (pool > (16ull << 30)) {
         fprintf(stderr,

@@ -46,6 +46,73 @@ static const char *prompt_text(int chat, const cJSON *body, int add_generation_p
     return NULL;
 }
 
+/* /v1/responses: the instructions (a system turn), then the input: a
+ * string (one user turn) or a list of items with a role and a content
+ * (a string or parts with text); items without a role (tool outputs,
+ * reasoning) are rendered by their type. */
+static const char *responses_text(const cJSON *body, px_buf *out) {
+    const cJSON *ins = cJSON_GetObjectItemCaseSensitive(body, "instructions");
+    if (ins && !cJSON_IsNull(ins)) {
+        if (!cJSON_IsString(ins)) return "'instructions' must be a string";
+        px_buf_printf(out, "<|system|>\n%s\n", ins->valuestring);
+    }
+    const cJSON *in = cJSON_GetObjectItemCaseSensitive(body, "input");
+    if (cJSON_IsString(in)) {
+        px_buf_printf(out, "<|user|>\n%s\n<|assistant|>\n", in->valuestring);
+        return NULL;
+    }
+    if (!cJSON_IsArray(in) || cJSON_GetArraySize(in) == 0)
+        return "'input' must be a string or a non-empty list of items";
+    const cJSON *it;
+    cJSON_ArrayForEach(it, in) {
+        if (!cJSON_IsObject(it)) return "each 'input' item must be an object";
+        const cJSON *role = cJSON_GetObjectItemCaseSensitive(it, "role");
+        const cJSON *type = cJSON_GetObjectItemCaseSensitive(it, "type");
+        const cJSON *content = cJSON_GetObjectItemCaseSensitive(it, "content");
+        if (!cJSON_IsString(role) && !cJSON_IsString(type))
+            return "each 'input' item needs a string 'role' or 'type'";
+        px_buf_printf(out, "<|%s|>\n", cJSON_IsString(role) ? role->valuestring : type->valuestring);
+        if (cJSON_IsString(content)) {
+            px_buf_appends(out, content->valuestring);
+        } else if (cJSON_IsArray(content)) {
+            const cJSON *part;
+            cJSON_ArrayForEach(part, content) {
+                const cJSON *t = cJSON_GetObjectItemCaseSensitive(part, "text");
+                if (!cJSON_IsString(t)) return "input content parts need 'text'";
+                px_buf_appends(out, t->valuestring);
+            }
+        } else if (content && !cJSON_IsNull(content)) {
+            return "input 'content' must be a string or a list of parts";
+        }
+        const cJSON *o = cJSON_GetObjectItemCaseSensitive(it, "output");
+        if (cJSON_IsString(o)) px_buf_appends(out, o->valuestring);
+        px_buf_appends(out, "\n");
+    }
+    px_buf_appends(out, "<|assistant|>\n");
+    return NULL;
+}
+
+/* /inference/v1/generate: the prompt is token ids already. */
+static const char *generate_tokens(const cJSON *body, uint32_t **tok, size_t *ntok) {
+    const cJSON *ids = cJSON_GetObjectItemCaseSensitive(body, "token_ids");
+    if (!cJSON_IsArray(ids)) return "'token_ids' must be a list of integers";
+    int n = cJSON_GetArraySize(ids);
+    if (n > 1 << 22) return "'token_ids' is too long";
+    *tok = n ? px_xmalloc((size_t)n * sizeof **tok) : NULL;
+    *ntok = 0;
+    const cJSON *t;
+    cJSON_ArrayForEach(t, ids) {
+        if (!cJSON_IsNumber(t) || t->valuedouble < 0 || t->valuedouble > 2147483647.0 ||
+            t->valuedouble != (double)(int)t->valuedouble) {
+            free(*tok);
+            *tok = NULL;
+            return "'token_ids' must be a list of integers in 0..2147483647";
+        }
+        (*tok)[(*ntok)++] = (uint32_t)t->valuedouble;
+    }
+    return NULL;
+}
+
 static int kvp_valid_for_decode(const cJSON *kvp) {
     const cJSON *ids = cJSON_GetObjectItemCaseSensitive(kvp, "remote_block_ids");
     const cJSON *eid = cJSON_GetObjectItemCaseSensitive(kvp, "remote_engine_id");
@@ -66,7 +133,7 @@ static uint64_t seed_from_double(double v) {
     return 0;
 }
 
-int sim_parse_request(int chat, const char *body, size_t len, const char *model, sim_parsed *out,
+int sim_parse_request(int kind, const char *body, size_t len, const char *model, sim_parsed *out,
                       char *err, size_t errlen) {
     memset(out, 0, sizeof *out);
     cJSON *doc = cJSON_ParseWithLength(body ? body : "", len);
@@ -82,9 +149,12 @@ int sim_parse_request(int chat, const char *body, size_t len, const char *model,
         cJSON_Delete(doc);
         return 404;
     }
+    int chat = kind == SIM_KIND_CHAT;
     px_buf text;
     px_buf_init(&text);
-    const char *why = prompt_text(chat, doc, 1, &text);
+    const char *why = kind == SIM_KIND_RESPONSES  ? responses_text(doc, &text)
+                      : kind == SIM_KIND_GENERATE ? generate_tokens(doc, &out->tok, &out->ntok)
+                                                  : prompt_text(chat, doc, 1, &text);
     if (why) {
         px_buf_cleanup(&text);
         cJSON_Delete(doc);
@@ -92,21 +162,46 @@ int sim_parse_request(int chat, const char *body, size_t len, const char *model,
         return 400;
     }
 
-    const cJSON *mt = cJSON_GetObjectItemCaseSensitive(doc, "max_completion_tokens");
-    if (!chat || !mt) mt = cJSON_GetObjectItemCaseSensitive(doc, "max_tokens");
+    const cJSON *mt;
+    const char *mt_name = "max_tokens";
+    if (kind == SIM_KIND_RESPONSES) {
+        mt_name = "max_output_tokens";
+        mt = cJSON_GetObjectItemCaseSensitive(doc, mt_name);
+    } else if (kind == SIM_KIND_GENERATE) {
+        const cJSON *sp = cJSON_GetObjectItemCaseSensitive(doc, "sampling_params");
+        if (!cJSON_IsObject(sp)) {
+            free(out->tok);
+            out->tok = NULL;
+            cJSON_Delete(doc);
+            snprintf(err, errlen, "'sampling_params' must be an object");
+            return 400;
+        }
+        mt_name = "sampling_params.max_tokens";
+        mt = cJSON_GetObjectItemCaseSensitive(sp, "max_tokens");
+    } else {
+        mt = cJSON_GetObjectItemCaseSensitive(doc, "max_completion_tokens");
+        if (!chat || !mt) mt = cJSON_GetObjectItemCaseSensitive(doc, "max_tokens");
+    }
     out->max_tokens = 16;
     if (mt && !cJSON_IsNull(mt)) {
         if (!cJSON_IsNumber(mt) || mt->valuedouble < 1 || mt->valuedouble > 100000 ||
             mt->valuedouble != (double)(int)mt->valuedouble) {
             px_buf_cleanup(&text);
+            free(out->tok);
+            out->tok = NULL;
+            out->ntok = 0;
             cJSON_Delete(doc);
-            snprintf(err, errlen, "max_tokens must be an integer in 1..100000");
+            snprintf(err, errlen, "%s must be an integer in 1..100000", mt_name);
             return 400;
         }
         out->max_tokens = (int)mt->valuedouble;
     }
-    out->ntok = kvsim_tokenize(text.data ? text.data : "", text.len, &out->tok, 0);
+    if (kind != SIM_KIND_GENERATE)
+        out->ntok = kvsim_tokenize(text.data ? text.data : "", text.len, &out->tok, 0);
     px_buf_cleanup(&text);
+    const cJSON *prev = cJSON_GetObjectItemCaseSensitive(doc, "previous_response_id");
+    if (kind == SIM_KIND_RESPONSES && cJSON_IsString(prev))
+        out->prev_id = px_xstrdup(prev->valuestring);
     out->stream = cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(doc, "stream"));
     const cJSON *so = cJSON_GetObjectItemCaseSensitive(doc, "stream_options");
     out->include_usage = so && cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(so, "include_usage"));
@@ -180,6 +275,7 @@ int sim_parse_tokenize(const char *body, size_t len, const char *model, uint32_t
 
 void sim_parsed_cleanup(sim_parsed *p) {
     free(p->tok);
+    free(p->prev_id);
     cJSON_Delete(p->kvp);
     memset(p, 0, sizeof *p);
 }

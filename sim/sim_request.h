@@ -12,6 +12,14 @@
 
 typedef enum { SIM_MODE_LOCAL, SIM_MODE_PREFILL, SIM_MODE_DECODE } sim_mode;
 
+/* Which endpoint's body is parsed (sim_ep has the same values). */
+enum {
+    SIM_KIND_COMPLETIONS = 0, /* /v1/completions: prompt, max_tokens */
+    SIM_KIND_CHAT = 1,        /* /v1/chat/completions: messages, max_(completion_)tokens */
+    SIM_KIND_RESPONSES = 2,   /* /v1/responses: input, instructions, max_output_tokens */
+    SIM_KIND_GENERATE = 3     /* /inference/v1/generate: token_ids, sampling_params.max_tokens */
+};
+
 typedef struct sim_parsed {
     uint32_t *tok;  /* owned: the prompt's token ids (may be NULL when ntok is 0) */
     size_t ntok;    /* 0: empty prompt; the engine answers 400 */
@@ -22,14 +30,15 @@ typedef struct sim_parsed {
     sim_mode mode;
     cJSON *kvp;      /* owned: decode's kv_transfer_params; set only for SIM_MODE_DECODE */
     int kvp_invalid; /* do_remote_prefill with unusable params: recompute locally */
+    char *prev_id;   /* owned: /v1/responses' previous_response_id, echoed; or NULL */
 } sim_parsed;
 
-/* Parses body[0..len) for /v1/chat/completions (chat != 0) or
- * /v1/completions. `model` is the served model name: a request naming
+/* Parses body[0..len) for the endpoint `kind` (SIM_KIND_*; 0 and 1 are
+ * /v1/completions and /v1/chat/completions, so a chat flag reads right). `model` is the served model name: a request naming
  * another one is refused. Returns 0 with *out filled (release it with
  * sim_parsed_cleanup), or the HTTP status to answer (400, 404) with the
  * client-facing message in err; *out then holds nothing to release. */
-int sim_parse_request(int chat, const char *body, size_t len, const char *model, sim_parsed *out,
+int sim_parse_request(int kind, const char *body, size_t len, const char *model, sim_parsed *out,
                       char *err, size_t errlen);
 
 void sim_parsed_cleanup(sim_parsed *p);

@@ -26,22 +26,24 @@ static const char good_kvp[] =
     "\"remote_engine_id\":\"p0\",\"remote_request_id\":\"cmpl-x-1\","
     "\"remote_host\":\"10.0.0.7\",\"remote_port\":5600,\"tp_size\":1}";
 
-static int parse(int chat, const char *body, size_t len, sim_parsed *p) {
+static int parse(int kind, const char *body, size_t len, sim_parsed *p) {
     char err[256];
     memset(err, 'x', sizeof err);
     char *b = fz_dup(body, len);
-    int st = sim_parse_request(chat, b, len, MODEL, p, err, sizeof err);
+    int st = sim_parse_request(kind, b, len, MODEL, p, err, sizeof err);
     free(b);
     FZ_CHECK(st == 0 || st == 400 || st == 404);
     if (st) {
         FZ_CHECK(memchr(err, '\0', sizeof err) != NULL && err[0] != '\0');
-        FZ_CHECK(p->tok == NULL && p->kvp == NULL);
+        FZ_CHECK(p->tok == NULL && p->kvp == NULL && p->prev_id == NULL);
         return st;
     }
     FZ_CHECK(p->max_tokens >= 1 && p->max_tokens <= 100000);
     FZ_CHECK(p->ntok == 0 || p->tok != NULL);
-    for (size_t i = 0; i < p->ntok; i++)
+    /* Token-in generate takes the client's ids as they are. */
+    for (size_t i = 0; kind != SIM_KIND_GENERATE && i < p->ntok; i++)
         FZ_CHECK(p->tok[i] >= 1 && p->tok[i] <= 32000);
+    if (kind != SIM_KIND_RESPONSES) FZ_CHECK(p->prev_id == NULL);
     FZ_CHECK(p->mode == SIM_MODE_LOCAL || p->mode == SIM_MODE_PREFILL ||
              p->mode == SIM_MODE_DECODE);
     if (p->mode != SIM_MODE_DECODE) FZ_CHECK(p->kvp == NULL);
@@ -51,7 +53,7 @@ static int parse(int chat, const char *body, size_t len, sim_parsed *p) {
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     if (size == 0) return 0;
-    int chat = data[0] & 1;
+    int chat = data[0] & 3; /* SIM_KIND_*: completions, chat, responses, generate */
     const char *body = (const char *)data + 1;
     size_t len = size - 1;
 
@@ -65,7 +67,12 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
         px_buf out;
         px_buf_init(&out);
 
-        px_rewrite_prefill(b, len, &out);
+        if (chat == SIM_KIND_RESPONSES)
+            px_rewrite_prefill_responses(b, len, &out);
+        else if (chat == SIM_KIND_GENERATE)
+            px_rewrite_prefill_generate(b, len, &out);
+        else
+            px_rewrite_prefill(b, len, &out);
         if (parse(chat, out.data, out.len, &p) == 0) {
             FZ_CHECK(p.mode == SIM_MODE_PREFILL);
             FZ_CHECK(!p.stream && p.max_tokens == 1);

@@ -3,7 +3,7 @@
 # after a failed prefill, the endpoints passed to decode, and the usage the
 # client gets across the two legs. Included from tests/CMakeLists.txt, so
 # CMAKE_CURRENT_SOURCE_DIR is tests/.
-foreach(name endpoints fallback usage disagg)
+foreach(name endpoints fallback usage disagg responses generate kvload dp)
   px_py_test(pd_${name})
 endforeach()
 

@@ -1,9 +1,8 @@
 #!/usr/bin/env python3
 # SPDX-License-Identifier: Apache-2.0
 """Every endpoint a vLLM front serves: /v1/messages disaggregated like chat
-(vLLM's AnthropicMessagesRequest takes kv_transfer_params), /v1/responses
-sent to decode alone (vLLM's ResponsesRequest has no kv_transfer_params),
-every other engine endpoint passed to a decode unchanged (method, target,
+(vLLM's AnthropicMessagesRequest takes kv_transfer_params; /v1/responses and
+/inference/v1/generate: test_pd_responses.py, test_pd_generate.py), every other engine endpoint passed to a decode unchanged (method, target,
 headers, body; status, Content-Type, streamed bytes), with the API's auth,
 metrics and access log; unknown paths stay 404."""
 
@@ -163,40 +162,6 @@ class PassThroughTest(PdCase):
         self.assertEqual(self.D.requests[0].header("authorization"), "Bearer sekret")
         self.assertEqual(self.metric(px, "pdproxy_requests_total", endpoint="passthrough",
                                      code="401"), 2)
-
-
-class ResponsesTest(PdCase):
-    """vLLM's /v1/responses takes no kv_transfer_params: decode alone."""
-
-    def test_responses_go_to_decode_alone(self):
-        P = self.mock(prefill_handler(), name="P")
-        D = self.mock(lambda req: (
-            Stream(200, [("Content-Type", "text/event-stream")], [(0.0, c) for c in SSE])
-            if b'"stream":true' in req.body else
-            Respond(200, [("Content-Type", "application/json")], b'{"object":"response"}')),
-            name="D")
-        px = self.start_proxy([P], [D])
-        body = b'{"model":"m","input":"hi","stream":false,"max_output_tokens":5}'
-        r = http_request(px.port, "POST", "/v1/responses", body, headers=rid_headers("r1"))
-        self.assertEqual(r.status, 200)
-        self.assertEqual(r.body, b'{"object":"response"}')
-        self.assertEqual(D.requests[0].body, body)
-        sbody = b'{"model":"m","input":"hi","stream":true}'
-        r = http_request(px.port, "POST", "/v1/responses", sbody, headers=rid_headers("r2"))
-        self.assertEqual(r.header("content-type"), "text/event-stream")
-        self.assertEqual(r.body, b"".join(SSE))
-        self.assertEqual(D.requests[1].body, sbody)
-        self.assertEqual(len(P.requests), 0)
-        for rid in ("r1", "r2"):
-            rec = self.access_for(px, rid)
-            self.assertEqual(rec["endpoint"], "/v1/responses")
-            self.assertEqual(rec["decision"], "decode_only")
-            self.assertEqual(rec["decision_reason"], "endpoint")
-        self.assertEqual(self.metric(px, "pdproxy_disagg_decisions_total", decision="decode_only",
-                                     reason="endpoint"), 2)
-        self.assertEqual(self.metric(px, "pdproxy_requests_total", endpoint="/v1/responses",
-                                     code="200"), 2)
-        self.assertIn("/v1/responses is served by decode alone", px.stderr())
 
 
 class MessagesTest(PdCase):

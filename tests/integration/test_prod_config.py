@@ -54,6 +54,8 @@ SAMPLES = {
     "prefix-load-factor": ("1.5", None),
     "metrics-interval": ("0.5", None),
     "disagg-min-tokens": ("300", None),
+    "prefill-dp-size": ("2", None),
+    "decode-dp-size": ("4", None),
     "disagg-bytes-per-token": ("3.5", None),
     "disagg-index-blocks": ("1000", None),
     "usage-from": ("decode", None),

@@ -41,6 +41,53 @@ static void test_prefill_rewrite(void **state)
                   "{\"b\":2,\"kv_transfer_params\":" KVP ",\"stream\":false,\"max_tokens\":1}");
 }
 
+static void check_with(int (*fn)(const char *, size_t, px_buf *), const char *in,
+                       const char *want) {
+    px_buf b;
+    px_buf_init(&b);
+    assert_int_equal(fn(in, strlen(in), &b), 0);
+    px_buf_append(&b, "", 1);
+    assert_string_equal(b.data, want);
+    px_buf_cleanup(&b);
+}
+
+/* /v1/responses: max_output_tokens, not max_tokens (vLLM would ignore
+ * that and generate on); no background, no store; the rest as sent. */
+static void test_prefill_responses(void **state)
+{
+    check_with(px_rewrite_prefill_responses,
+               "{\"input\":\"hi\",\"stream\":true,\"max_output_tokens\":50,\"store\":true,"
+               "\"background\":true,\"previous_response_id\":\"resp_1\","
+               "\"kv_transfer_params\":{\"x\":1}}",
+               "{\"input\":\"hi\",\"previous_response_id\":\"resp_1\",\"kv_transfer_params\":" KVP
+               ",\"stream\":false,\"max_output_tokens\":1,\"store\":false}");
+    px_buf b;
+    px_buf_init(&b);
+    assert_int_equal(px_rewrite_prefill_responses("[1]", 3, &b), -1);
+    px_buf_cleanup(&b);
+}
+
+/* /inference/v1/generate: the limit inside sampling_params. */
+static void test_prefill_generate(void **state)
+{
+    check_with(px_rewrite_prefill_generate,
+               "{\"token_ids\":[1,2],\"sampling_params\":{\"temperature\":0,\"max_tokens\":9,"
+               "\"min_tokens\":2,\"seed\":7},\"stream\":true}",
+               "{\"token_ids\":[1,2],\"kv_transfer_params\":" KVP
+               ",\"stream\":false,\"sampling_params\":{\"temperature\":0,\"seed\":7,"
+               "\"max_tokens\":1}}");
+    check_with(px_rewrite_prefill_generate, "{\"token_ids\":[1]}",
+               "{\"token_ids\":[1],\"kv_transfer_params\":" KVP
+               ",\"stream\":false,\"sampling_params\":{\"max_tokens\":1}}");
+    check_with(px_rewrite_prefill_generate, "{\"token_ids\":[1],\"sampling_params\":null}",
+               "{\"token_ids\":[1],\"kv_transfer_params\":" KVP
+               ",\"stream\":false,\"sampling_params\":{\"max_tokens\":1}}");
+    px_buf b;
+    px_buf_init(&b);
+    assert_int_equal(px_rewrite_prefill_generate("[1]", 3, &b), -1);
+    px_buf_cleanup(&b);
+}
+
 static void test_prefill_rejects_non_object(void **state)
 {
     px_buf b;
@@ -106,6 +153,8 @@ int main(void)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_prefill_rewrite),
         cmocka_unit_test(test_prefill_rejects_non_object),
+        cmocka_unit_test(test_prefill_responses),
+        cmocka_unit_test(test_prefill_generate),
         cmocka_unit_test(test_decode_rewrite),
         cmocka_unit_test(test_extract),
     };

@@ -1,0 +1,36 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/* Data-parallel ranks. A vLLM engine started with --data-parallel-size N
+ * behind one API server runs N engine cores; a request names the core it
+ * wants in the X-data-parallel-rank header (vLLM reads it in
+ * OpenAIServing._get_data_parallel_rank, and its DP client then skips its
+ * own load balancing). pdproxy chooses the rank itself: the one with the
+ * fewest of pdproxy's requests in flight on that backend, and counts each
+ * rank's load for the metrics. One process-wide table, shared by the
+ * worker threads through atomics. */
+#ifndef PX_DP_H
+#define PX_DP_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "base/util.h"
+
+#define PX_DP_MAX 64 /* largest --prefill-dp-size / --decode-dp-size */
+
+typedef enum { PX_DP_PREFILL = 0, PX_DP_DECODE = 1 } px_dp_role;
+
+/* The rank for a request to the backend `name` (the metrics label), of a
+ * DP size `size` (2..PX_DP_MAX): the least loaded, the lowest on a tie;
+ * its in-flight count is raised. Returns -1 for size < 2 (no header) or
+ * when the table of backends is full (the engine balances itself). */
+int px_dp_take(px_dp_role role, const char *name, int size);
+
+/* The request on `rank` (from px_dp_take, >= 0) of that backend ended. */
+void px_dp_done(px_dp_role role, const char *name, int rank);
+
+/* Appends the Prometheus series of every rank used so far:
+ * pdproxy_dp_rank_in_flight and pdproxy_dp_rank_requests_total, labelled
+ * role, backend and rank. */
+void px_dp_render(px_buf *out);
+
+#endif
