@@ -8,6 +8,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "proxy/admission.h"
+
 /* ---------- generations ---------- */
 
 void px_gen_release(px_gen *g) {
@@ -128,13 +130,16 @@ int px_ctx_init(px_ctx *c, const px_config *cfg, char *err, size_t errlen) {
     c->shared.max_buffered = cfg->max_buffered_bytes;
     c->shared.max_conns = (long)cfg->max_connections;
     setup_upstream_auth(c, cfg);
-    return load_api_keys(c, cfg, err, errlen);
+    if (load_api_keys(c, cfg, err, errlen) < 0) return -1;
+    return px_adm_ctx_init(c, cfg, err, errlen);
 }
 
 void px_ctx_cleanup(px_ctx *c) {
     free(c->upstream_auth);
     px_buf_cleanup(&c->health_hdrs);
     free(c->api_keys);
+    px_tenants_cleanup(&c->tenants);
+    free(c->tenant_weights);
     free(c->workers);
     pthread_mutex_destroy(&c->gen_mu);
 }

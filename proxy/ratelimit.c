@@ -106,6 +106,13 @@ static int parse_one(const char *spec, px_tenant *t, char *err, size_t errlen) {
     return 0;
 }
 
+int px_tenant_spec_check(const char *spec, char *err, size_t errlen) {
+    px_tenant t = {0};
+    if (parse_one(spec, &t, err, errlen) < 0) return -1;
+    free(t.name);
+    return 0;
+}
+
 int px_tenants_parse(const px_strlist *specs, px_tenants *t, char *err, size_t errlen) {
     size_t n = specs ? specs->n : 0;
     px_tenant *v = px_xcalloc(n + 1, sizeof *v);

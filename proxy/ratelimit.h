@@ -57,6 +57,8 @@ typedef struct px_tenants {
  * err naming the spec and what is wrong (t untouched). */
 int px_tenants_parse(const px_strlist *specs, px_tenants *t, char *err, size_t errlen);
 void px_tenants_cleanup(px_tenants *t);
+/* Checks one spec as px_tenants_parse would. 0, or -1 with err. */
+int px_tenant_spec_check(const char *spec, char *err, size_t errlen);
 /* The index of the tenant named name[0..n); t->n (the default) when none. */
 size_t px_tenants_find(const px_tenants *t, const char *name, size_t n);
 

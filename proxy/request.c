@@ -14,6 +14,7 @@
 #include "base/list.h"
 #include "base/log.h"
 #include "proxy/access.h"
+#include "proxy/admission.h"
 #include "proxy/disagg.h"
 #include "proxy/otlp.h"
 #include "proxy/rewrite.h"
@@ -130,6 +131,7 @@ struct px_req {
      * come). */
     char p_cached[24];
     px_usage usage; /* owned */
+    px_adm_req adm; /* admission control: its queue entry, pool slot, tenant */
 };
 
 /* The flow, top-down: each section below calls into later ones. */
@@ -402,9 +404,47 @@ static int check_pd(px_req *r, const px_http_head *h) {
     return 0;
 }
 
-/* A P/D request: decided, then a prefill or decode alone. */
+/* Admission control (admission.h): dispatched out of the queue. */
+static void pd_go(px_req *r);
+
+static void adm_go(void *arg) {
+    pd_go(arg);
+}
+
+static void adm_expire(void *arg) {
+    px_req *r = arg;
+    req_fail(r, 503, "Retry-After: 1\r\n",
+             "the request waited %.3f s in the admission queue for a saturated pool: its "
+             "deadline passed (--queue-timeout, x-queue-timeout)",
+             (double)r->adm.wait_ns / 1e9);
+}
+
+/* The tenant's rate limits and the pool's saturation. Returns 0 to go on
+ * now, 1 when r waits in the queue, -1 when r has ended. */
+static int admission(px_req *r, const px_http_head *h) {
+    int status = 0;
+    char extra[768], msg[300];
+    r->adm.it.owner = r;
+    r->adm.go = adm_go;
+    r->adm.expire = adm_expire;
+    px_adm_verdict v = px_adm_enter(r->w, &r->adm, r->ps, h, r->body.data, r->body.len, &status,
+                                    extra, sizeof extra, msg, sizeof msg);
+    if (v == PX_ADM_GO) return 0;
+    if (v == PX_ADM_QUEUED) {
+        PX_LOG(PX_LOG_DEBUG, "req=%s msg=\"queued\" class=%d", r->lid, r->adm.it.cls);
+        return 1;
+    }
+    req_fail(r, status, extra, "%s", msg);
+    return -1;
+}
+
+/* A P/D request: admitted, decided, then a prefill or decode alone. */
 static void start_pd(px_req *r, const px_http_head *h) {
-    if (check_pd(r, h) < 0) return;
+    if (check_pd(r, h) < 0 || admission(r, h) != 0) return;
+    pd_go(r);
+}
+
+static void pd_go(px_req *r) {
     if (r->ps->prefill.cfg.policy == PX_POLICY_PREFIX_AFFINITY)
         px_disagg_key(r->ep, r->body.data, r->body.len, r->ps->prefill.cfg.prefix_bytes, &r->key,
                       &r->key_len);
@@ -434,7 +474,7 @@ static void start_pd(px_req *r, const px_http_head *h) {
     px_rewrite_prefill(r->body.data, r->body.len, &r->pbody);
     account(r);
     if (r->ctx->cfg->prefill_timeout > 0)
-        r->prefill_deadline = r->t0 + (uint64_t)(r->ctx->cfg->prefill_timeout * 1e9);
+        r->prefill_deadline = px_now_ns() + (uint64_t)(r->ctx->cfg->prefill_timeout * 1e9);
     start_prefill(r);
 }
 
@@ -926,7 +966,9 @@ static void decode_headers(void *arg, int status, const char *ctype) {
         !strcmp(r->ctx->cfg->usage_from, "prefill"))
         px_usage_init(&r->usage, r->p_cached, r->streamed, USAGE_MAX_HOLD, usage_out, r);
     set_state(r, RS_STREAM);
-    if (r->conn) px_conn_stream_start(r->conn, status, ctype, r->id, NULL);
+    char rl[512];
+    px_adm_ratelimit_headers(r->ctx, &r->adm, rl, sizeof rl);
+    if (r->conn) px_conn_stream_start(r->conn, status, ctype, r->id, rl[0] ? rl : NULL);
 }
 
 /* Whether the client's queue is at its high-water mark: decode is paused
@@ -945,6 +987,7 @@ static int decode_data(void *arg, const char *p, size_t n) {
     if (!r->conn) return -1;
     touch_idle(r);
     if (client_full(r)) return 1;
+    px_adm_answer(&r->adm, p, n);
     if (r->usage.active) {
         /* Held, or given up on: then what was held went first. */
         int held = px_usage_feed(&r->usage, p, n) == 0;
@@ -963,6 +1006,11 @@ static void decode_done(void *arg, px_up_result rc, const char *errbuf, int conn
     if (r->idle_timer) evtimer_del(r->idle_timer);
     px_outcome o = outcome_of(rc, r->dstatus);
     const char *why = errbuf[0] ? errbuf : px_up_result_str(rc);
+    /* A full engine queue is saturation, not a failure (admission.h). */
+    if (rc == PX_UP_OK && px_adm_engine_status(r->ctx, r->ps, r->db, r->dstatus)) {
+        o = PX_OUT_CLIENT_ERR;
+        px_m_inc(&r->w->metrics.adm[PX_ADM_M_ENGINE_FULL]);
+    }
     attempt_done(&r->ps->decode, r->db, r->tried_d, r->ntried_d, o);
     r->db = NULL;
     if (r->usage.active) {
@@ -1262,6 +1310,7 @@ static void req_finish(px_req *r, int status, const char *outcome, const char *e
     if (r->grace_timer) evtimer_del(r->grace_timer);
     if (r->counted) atomic_fetch_sub(&r->ctx->inflight, 1);
     r->counted = 0;
+    px_adm_leave(r->w, &r->adm);
     event_assign(&r->free_ev, r->w->base, -1, 0, on_free, r);
     event_active(&r->free_ev, EV_TIMEOUT, 0);
 }
@@ -1307,7 +1356,9 @@ static void write_access(const px_req *r, int status, const char *outcome, uint6
                    .fallback = r->fell_back ? px_fallback_name(r->fallback) : NULL,
                    .estimated = r->dis.estimated,
                    .prompt_tokens_est = r->dis.tokens,
-                   .uncached_tokens_est = r->dis.uncached};
+                   .uncached_tokens_est = r->dis.uncached,
+                   .queued = r->adm.t_enq != 0,
+                   .queue_ms = (double)r->adm.wait_ns / 1e6};
     px_access_write(&a);
 }
 
@@ -1406,6 +1457,7 @@ static void req_free(px_req *r) {
 /* ---------- worker shutdown ---------- */
 
 void px_req_free_all(px_wctx *w) {
+    px_adm_worker_stop(w->adm);
     while (w->reqs) {
         px_req *r = w->reqs;
         /* Finished ones wait for a loop turn that will not come. */

@@ -112,6 +112,13 @@ static int not_odd(void *arg, px_adm_item *it)
     return id_of(it) % 2 == 0;
 }
 
+static int never(void *arg, px_adm_item *it)
+{
+    (void)it;
+    (*(int *)arg)++;
+    return 0;
+}
+
 /* A tenant whose oldest cannot go (its pool is saturated) does not block
  * the others; each flow is asked once per pop. */
 static void test_pop_skips_blocked(void **state)
@@ -132,6 +139,24 @@ static void test_pop_skips_blocked(void **state)
     assert_int_equal(asked, 2);
     assert_int_equal(id_of(px_admq_pop(&q, NULL, NULL)), 1);
     assert_int_equal(id_of(px_admq_pop(&q, NULL, NULL)), 3);
+    px_admq_cleanup(&q);
+
+    /* Rounds where nothing may go (the pool saturated, looked at again
+     * and again) leave the shares as they were: 3:1 still. */
+    uint32_t w2[2] = {3, 1};
+    px_admq_init(&q, w2, 2, 100, 0);
+    px_adm_item more[16];
+    for (int i = 0; i < 16; i++)
+        px_admq_push(&q, item(&more[i], 0, (size_t)(i % 2), 1, i));
+    int none = 0, count0 = 0;
+    for (int k = 0; k < 8; k++) {
+        for (int j = 0; j < 3; j++)
+            assert_null(px_admq_pop(&q, never, &none));
+        count0 += id_of(px_admq_pop(&q, NULL, NULL)) % 2 == 0;
+    }
+    assert_int_equal(count0, 6);
+    while (px_admq_pop(&q, NULL, NULL)) {
+    }
     px_admq_cleanup(&q);
 }
 
