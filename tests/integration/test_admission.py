@@ -9,11 +9,14 @@ The proxy runs one worker thread, so one queue sees every request; order is
 asserted on what reached the decode engine, never on wall-clock time."""
 
 import json
+import os
 import threading
 import unittest
 
-from pdharness.client import RawClient, strict_json
-from pdharness.mocks import Respond, completion_body, prefill_handler, request_ids
+from pdharness.client import RawClient
+from pdharness.ctl import pools_yaml, sighup, tmpdir, wait_generation, write_yaml
+from pdharness.mocks import (Respond, completion_body, engine_metrics_handler, prefill_handler,
+                             request_ids)
 from pdharness.net import MAX_LOOP, now
 from pdharness.prod import ProdCase
 from pdharness.prom import metric, prom
@@ -259,6 +262,47 @@ class EngineBackoffTest(AdmissionCase):
         self.assertEqual(adm(px, "queued"), 1, "the second waited out the back-off")
         self.assertEqual(self.up(px, "decode", self.D), 1, "backend ejected for a 429")
         self.assertEqual(request_ids(self.D), ["first", "second"])
+
+
+class SaturationSourcesTest(AdmissionCase):
+    def test_engine_reported_waiting_saturates_the_pool(self):
+        self.gate.set()
+        state = {"waiting": 9}
+        self.P = self.mock(prefill_handler(), name="P")
+        self.D = self.mock(gated_decode(self.gate), name="D")
+        self.D.probe_handler = engine_metrics_handler(state)
+        px = self.start([self.P], [self.D], ["--saturate-waiting", "4", "--metrics-interval",
+                                             "0.05", "--queue-max", "4"], threads=1)
+        # Probes have read the engine's queue (twice: the figure is in).
+        self.D.wait_probes(2, 5.0)
+        self.results = {}
+        self.queue(px, "waits")
+        self.assertEqual(self.D.requests, [], "sent to an engine reporting a full queue")
+        state["waiting"] = 0
+        self.finish()
+        self.assertEqual(self.results["waits"].status, 200)
+        self.assertEqual(request_ids(self.D), ["waits"])
+
+    def test_reload_keeps_queued_requests(self):
+        self.P = self.mock(prefill_handler(), name="P")
+        self.D = self.mock(gated_decode(self.gate), name="D")
+        D2 = self.mock(gated_decode(self.gate), name="D2")
+        d = tmpdir(self)
+        f = os.path.join(d, "pdproxy.yaml")
+        extra = "pool-max-inflight: 1\nqueue-max: 8\n"
+        write_yaml(f, pools_yaml([("m", ["m"], [self.P], [self.D])], extra))
+        px = self.start(args=["--config", f], threads=1)
+        self.block(px)
+        for i in range(3):
+            self.queue(px, "q%d" % i)
+        write_yaml(f, pools_yaml([("m", ["m"], [self.P], [self.D, D2])], extra))
+        sighup(px)
+        wait_generation(self, px, 2)
+        self.finish()
+        for i in range(3):
+            self.assertEqual(self.results["q%d" % i].status, 200, "q%d" % i)
+        self.assertEqual(adm(px, "dispatched"), 3)
+        self.assertEqual(adm(px, "client_left"), 0)
 
 
 if __name__ == "__main__":
