@@ -156,14 +156,6 @@ struct px_adm_worker {
     int stopping;       /* the worker stops: nothing more is dispatched */
 };
 
-int px_adm_ctx_init(px_ctx *c, const px_config *cfg, char *err, size_t errlen) {
-    if (px_tenants_parse(&cfg->tenants, &c->tenants, err, errlen) < 0) return -1;
-    c->tenant_weights = px_xcalloc(c->tenants.n + 1, sizeof *c->tenant_weights);
-    for (size_t i = 0; i <= c->tenants.n; i++)
-        c->tenant_weights[i] = c->tenants.v[i].weight;
-    return 0;
-}
-
 static void dispatch(px_adm_worker *a);
 
 static void on_poll(evutil_socket_t fd, short what, void *arg) {

@@ -113,9 +113,6 @@ void px_adm_worker_destroy(px_adm_worker *a); /* its queue must be empty; NULL: 
 /* The worker stops: requests ending no longer dispatch queued ones. */
 void px_adm_worker_stop(px_adm_worker *a);
 
-/* Sets up the tenants of cfg's --tenant in c. 0, or -1 with err. */
-int px_adm_ctx_init(px_ctx *c, const px_config *cfg, char *err, size_t errlen);
-
 typedef enum { PX_ADM_GO = 0, PX_ADM_QUEUED, PX_ADM_REFUSED } px_adm_verdict;
 
 /* Admits a P/D request for pool ps: its tenant's rate limits, then the

@@ -8,7 +8,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "proxy/admission.h"
 
 /* ---------- generations ---------- */
 
@@ -131,7 +130,12 @@ int px_ctx_init(px_ctx *c, const px_config *cfg, char *err, size_t errlen) {
     c->shared.max_conns = (long)cfg->max_connections;
     setup_upstream_auth(c, cfg);
     if (load_api_keys(c, cfg, err, errlen) < 0) return -1;
-    return px_adm_ctx_init(c, cfg, err, errlen);
+    /* Admission control's tenants (ratelimit.h), shared by the workers. */
+    if (px_tenants_parse(cfg->tenants.v, cfg->tenants.n, &c->tenants, err, errlen) < 0) return -1;
+    c->tenant_weights = px_xcalloc(c->tenants.n + 1, sizeof *c->tenant_weights);
+    for (size_t i = 0; i <= c->tenants.n; i++)
+        c->tenant_weights[i] = c->tenants.v[i].weight;
+    return 0;
 }
 
 void px_ctx_cleanup(px_ctx *c) {

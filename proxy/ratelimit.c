@@ -113,15 +113,14 @@ int px_tenant_spec_check(const char *spec, char *err, size_t errlen) {
     return 0;
 }
 
-int px_tenants_parse(const px_strlist *specs, px_tenants *t, char *err, size_t errlen) {
-    size_t n = specs ? specs->n : 0;
+int px_tenants_parse(char *const *specs, size_t n, px_tenants *t, char *err, size_t errlen) {
     px_tenant *v = px_xcalloc(n + 1, sizeof *v);
     for (size_t i = 0; i < n; i++) {
-        int bad = parse_one(specs->v[i], &v[i], err, errlen) < 0;
+        int bad = parse_one(specs[i], &v[i], err, errlen) < 0;
         for (size_t j = 0; !bad && j < i; j++)
             if (!strcmp(v[j].name, v[i].name)) {
                 snprintf(err, errlen, "--tenant '%s': tenant '%s' is defined twice",
-                         specs->v[i], v[i].name);
+                         specs[i], v[i].name);
                 bad = 1;
             }
         if (bad) {

@@ -16,8 +16,6 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "proxy/config.h"
-
 #define PX_RL_WINDOW_NS 60000000000ULL /* the limits are per minute */
 
 typedef struct px_bucket {
@@ -53,9 +51,9 @@ typedef struct px_tenants {
     size_t n;
 } px_tenants;
 
-/* Parses --tenant specs "NAME[:weight=W][:rpm=N][:tpm=N]". 0, or -1 with
- * err naming the spec and what is wrong (t untouched). */
-int px_tenants_parse(const px_strlist *specs, px_tenants *t, char *err, size_t errlen);
+/* Parses the n --tenant specs "NAME[:weight=W][:rpm=N][:tpm=N]". 0, or -1
+ * with err naming the spec and what is wrong (t untouched). */
+int px_tenants_parse(char *const *specs, size_t n, px_tenants *t, char *err, size_t errlen);
 void px_tenants_cleanup(px_tenants *t);
 /* Checks one spec as px_tenants_parse would. 0, or -1 with err. */
 int px_tenant_spec_check(const char *spec, char *err, size_t errlen);

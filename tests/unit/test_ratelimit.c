@@ -87,10 +87,9 @@ static void test_tenants_parse(void **state)
 {
     (void)state;
     char *specs[] = {"alice:weight=3:rpm=2", "bob:tpm=100", "carol"};
-    px_strlist l = {specs, 3};
     px_tenants t;
     char err[256];
-    assert_int_equal(px_tenants_parse(&l, &t, err, sizeof err), 0);
+    assert_int_equal(px_tenants_parse(specs, 3, &t, err, sizeof err), 0);
     assert_int_equal(t.n, 3);
     assert_int_equal(px_tenants_find(&t, "bob", 3), 1);
     assert_int_equal(px_tenants_find(&t, "bo", 2), 3);
@@ -130,18 +129,16 @@ static void test_tenants_parse_errors(void **state)
     const char *bad[] = {"", ":rpm=1", "a:rpm=x", "a:weight=0", "a:burst=3", "a:rpm=-1"};
     for (size_t i = 0; i < sizeof bad / sizeof *bad; i++) {
         char *v[] = {(char *)bad[i]};
-        px_strlist l = {v, 1};
         px_tenants t = {0};
         char err[256] = "";
-        assert_int_equal(px_tenants_parse(&l, &t, err, sizeof err), -1);
+        assert_int_equal(px_tenants_parse(v, 1, &t, err, sizeof err), -1);
         assert_non_null(strstr(err, "--tenant"));
         assert_null(t.v);
     }
     char *dup[] = {"a", "a:rpm=3"};
-    px_strlist l = {dup, 2};
     px_tenants t = {0};
     char err[256] = "";
-    assert_int_equal(px_tenants_parse(&l, &t, err, sizeof err), -1);
+    assert_int_equal(px_tenants_parse(dup, 2, &t, err, sizeof err), -1);
     assert_non_null(strstr(err, "twice"));
 }
 
