@@ -1399,6 +1399,8 @@ static void submit_spans(px_req *r, int status, const char *outcome, uint64_t no
                      .decode_status = r->dstatus,
                      .decode_attempts = (int)r->ntried_d,
                      .streamed = r->streamed,
+                     .queued = r->adm.t_enq != 0,
+                     .queue_wait_ns = r->adm.wait_ns,
                      .t_decode_start = r->t_dstart,
                      .presp = r->presp.data,
                      .presp_len = r->presp.len,

@@ -264,6 +264,26 @@ class EngineBackoffTest(AdmissionCase):
         self.assertEqual(request_ids(self.D), ["first", "second"])
 
 
+class QueueTraceTest(AdmissionCase):
+    def test_queue_wait_on_the_server_span(self):
+        from test_obs_otlp import Receiver
+        rcv = Receiver()
+        self.addCleanup(rcv.stop)
+        env = {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:%d" % rcv.port,
+               "OTEL_SERVICE_NAME": "pdproxy-test", "OTEL_BSP_SCHEDULE_DELAY": "20"}
+        px = self.proxy(["--queue-max", "4"], env=env)
+        self.block(px)
+        trace = "%032x" % 0x26
+        self.queue(px, "traced", {"traceparent": "00-%s-%016x-01" % (trace, 7)})
+        self.finish()
+        self.assertEqual(self.results["traced"].status, 200)
+        spans = rcv.wait_spans(trace, 1)
+        root = [sp for sp in spans if sp["kind"] == 2]
+        self.assertEqual(len(root), 1, spans)
+        self.assertIn("pdproxy.queue.wait_us", root[0]["attrs"])
+        self.assertGreater(int(root[0]["attrs"]["pdproxy.queue.wait_us"]), 0)
+
+
 class SaturationSourcesTest(AdmissionCase):
     def test_engine_reported_waiting_saturates_the_pool(self):
         self.gate.set()
