@@ -222,9 +222,23 @@ int px_adm_engine_status(px_ctx *c, px_pset *ps, px_backend *b, int status) {
     return 1;
 }
 
+/* Takes one of the pool's --pool-max-inflight slots: 1, or 0 when none is
+ * free. A compare-and-swap, so workers admitting at once never pass the
+ * limit between them. */
+static int take_slot(const px_config *cfg, px_pset *ps) {
+    long max = (long)cfg->pool_max_inflight;
+    long cur = atomic_load(&ps->admitted);
+    do {
+        if (max > 0 && cur >= max) return 0;
+    } while (!atomic_compare_exchange_weak(&ps->admitted, &cur, cur + 1));
+    return 1;
+}
+
+/* The queue's test of an item: its pool has room, and then it holds one of
+ * the pool's slots. */
 static int pool_free(void *arg, px_adm_item *it) {
     px_adm_req *r = (px_adm_req *)it; /* it is the first member */
-    return !px_pool_saturated(arg, r->ps, px_now_ns());
+    return !px_pool_saturated(arg, r->ps, px_now_ns()) && take_slot(arg, r->ps);
 }
 
 static void take_out(px_adm_worker *a, px_adm_req *r, uint64_t now) {
@@ -251,8 +265,7 @@ static void dispatch(px_adm_worker *a) {
             px_adm_req *r = (px_adm_req *)it;
             /* popped: out of the queue already */
             take_out(a, r, px_now_ns());
-            r->sent = 1;
-            atomic_fetch_add(&r->ps->admitted, 1);
+            r->sent = 1; /* pool_free took its slot */
             px_m_inc(&a->w->metrics.adm[PX_ADM_M_DISPATCHED]);
             r->go(it->owner);
         }
@@ -333,9 +346,11 @@ px_adm_verdict px_adm_enter(px_wctx *w, px_adm_req *a, px_pset *ps, const px_htt
     }
     int saturated = px_pool_saturated(cfg, ps, now);
     if (!saturated && !w->adm->q.n) {
-        a->sent = 1;
-        atomic_fetch_add(&ps->admitted, 1);
-        return PX_ADM_GO;
+        if (take_slot(cfg, ps)) {
+            a->sent = 1;
+            return PX_ADM_GO;
+        }
+        saturated = 1; /* another worker took the last slot meanwhile */
     }
     double limit = cfg->queue_timeout;
     double asked = header_seconds(h, "x-queue-timeout");
@@ -344,17 +359,21 @@ px_adm_verdict px_adm_enter(px_wctx *w, px_adm_req *a, px_pset *ps, const px_htt
     a->it.tenant = a->tenant;
     a->it.bytes = blen;
     if (!cfg->queue_max || limit <= 0 || px_admq_push(&w->adm->q, &a->it) < 0) {
-        if (!saturated) { /* others wait for other pools, and the queue is full */
+        /* Others wait for other pools, and the queue is full. */
+        if (!saturated && take_slot(cfg, ps)) {
             a->sent = 1;
-            atomic_fetch_add(&ps->admitted, 1);
             return PX_ADM_GO;
         }
         *status = 429;
         snprintf(extra, extra_cap, "Retry-After: 1\r\n");
-        snprintf(msg, msg_cap,
-                 "the pool is saturated and the admission queue is full (--queue-max %lld, "
-                 "--queue-max-bytes %lld); retry later",
-                 (long long)cfg->queue_max, (long long)cfg->queue_max_bytes);
+        if (!cfg->queue_max)
+            snprintf(msg, msg_cap, "the pool is saturated and no admission queue is configured "
+                     "(--queue-max 0); retry later");
+        else
+            snprintf(msg, msg_cap,
+                     "the pool is saturated and the admission queue is full (--queue-max %lld, "
+                     "--queue-max-bytes %lld); retry later",
+                     (long long)cfg->queue_max, (long long)cfg->queue_max_bytes);
         px_m_inc(&w->metrics.adm[PX_ADM_M_QUEUE_FULL]);
         return PX_ADM_REFUSED;
     }
