@@ -214,7 +214,7 @@ int px_adm_engine_status(px_ctx *c, px_pset *ps, px_backend *b, int status) {
     if (!b || c->cfg->engine_backoff <= 0) return 1;
     uint64_t until = px_now_ns() + (uint64_t)(c->cfg->engine_backoff * 1e9);
     atomic_store(&b->backoff_until_ns, until);
-    uint64_t cur = atomic_load(&ps->backoff_until_ns);
+    unsigned long long cur = atomic_load(&ps->backoff_until_ns);
     while (cur < until && !atomic_compare_exchange_weak(&ps->backoff_until_ns, &cur, until)) {
     }
     PX_LOG(PX_LOG_INFO, "msg=\"engine refused a request: backing off\" backend=%s status=%d "
