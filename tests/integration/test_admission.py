@@ -187,6 +187,21 @@ class QueueBoundsTest(AdmissionCase):
         self.finish()
         self.assertEqual(self.results["big2"].status, 200)
 
+    def test_flood_bounded(self):
+        """A full queue under a flood: 35 clients at once all get 429 at
+        once, none reaches the engine, and the 5 waiting are served."""
+        px = self.proxy(["--queue-max", "5"])
+        self.block(px)
+        for i in range(5):
+            self.queue(px, "f%d" % i)
+        statuses = self.concurrent(lambda i: self.post(px, headers={"X-Request-Id": "x%d" % i},
+                                                       timeout=20).status, 35, timeout=60)
+        self.assertEqual(statuses, [429] * 35)
+        self.assertEqual(adm(px, "queue_full"), 35)
+        self.finish()
+        self.assertEqual(request_ids(self.D), ["block-0"] + ["f%d" % i for i in range(5)])
+        self.assertTrue(all(r.status == 200 for r in self.results.values()))
+
     def test_client_leaving_is_removed_at_once(self):
         px = self.proxy(["--queue-max", "1"])
         self.block(px)
