@@ -14,7 +14,8 @@ import threading
 import unittest
 
 from pdharness.client import RawClient
-from pdharness.ctl import pools_yaml, sighup, tmpdir, wait_generation, write_yaml
+from pdharness.ctl import (admin, pools_yaml, sighup, tmpdir, token_file, wait_generation,
+                           write_yaml)
 from pdharness.mocks import (Respond, completion_body, engine_metrics_handler, prefill_handler,
                              request_ids)
 from pdharness.net import MAX_LOOP, now
@@ -277,6 +278,35 @@ class EngineBackoffTest(AdmissionCase):
         self.assertEqual(adm(px, "queued"), 1, "the second waited out the back-off")
         self.assertEqual(self.up(px, "decode", self.D), 1, "backend ejected for a 429")
         self.assertEqual(request_ids(self.D), ["first", "second"])
+
+
+class AdminTest(AdmissionCase):
+    def test_admin_admission_shows_tenants_and_pools(self):
+        from pdharness.net import free_port
+        d = tmpdir(self)
+        tokpath, token = token_file(self, d)
+        aport = free_port()
+        px = self.proxy(["--tenant", "a:weight=3:rpm=5", "--queue-max", "4",
+                         "--admin-port", str(aport), "--admin-token-file", tokpath])
+        self.block(px)
+        st, doc = admin(aport, "GET", "/admin/admission", token=token)
+        self.assertEqual(st, 200, doc)
+        ten = {t["name"]: t for t in doc["tenants"]}
+        self.assertEqual(ten["a"]["weight"], 3)
+        self.assertEqual(ten["a"]["rpm"], 5)
+        self.assertEqual(ten["a"]["remaining_requests"], 5)
+        self.assertIn("(default)", ten)
+        self.assertEqual(doc["pools"][0]["admitted"], 1)
+        self.assertTrue(doc["pools"][0]["saturated"])
+        self.queue(px, "qa", {"x-tenant": "a"})
+        st, doc = admin(aport, "GET", "/admin/admission", token=token)
+        self.assertEqual({t["name"]: t for t in doc["tenants"]}["a"]["remaining_requests"], 4)
+        self.finish()
+        st, doc = admin(aport, "GET", "/admin/admission", token=token)
+        self.assertEqual(doc["pools"][0]["admitted"], 0)
+        self.assertFalse(doc["pools"][0]["saturated"])
+        self.assertEqual(admin(aport, "POST", "/admin/admission", token=token)[0], 405)
+        self.assertEqual(admin(aport, "GET", "/admin/admission")[0], 401)
 
 
 class QueueTraceTest(AdmissionCase):
