@@ -25,6 +25,7 @@ void px_access_write(const px_access *a) {
     ADD(" status=%d", a->status);
     if (a->prefill_ms >= 0) ADD(" prefill_ms=%.2f", a->prefill_ms);
     if (a->ttfb_ms >= 0) ADD(" ttfb_ms=%.2f", a->ttfb_ms);
+    if (a->queued) ADD(" queue_ms=%.2f", a->queue_ms);
     ADD(" total_ms=%.2f bytes_out=%zu outcome=%s", a->total_ms < 0 ? 0 : a->total_ms, a->bytes_out,
         a->outcome);
     if (a->trace_id && a->trace_id[0]) ADD(" trace_id=%s", a->trace_id);

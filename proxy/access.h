@@ -19,6 +19,8 @@ typedef struct px_access {
     double prefill_ms; /* < 0: no prefill answered */
     double ttfb_ms;    /* < 0: no byte of an answer from decode */
     double total_ms;
+    int queued;      /* waited in the admission queue, queue_ms long */
+    double queue_ms;
     size_t bytes_out;
     const char *outcome;  /* borrowed */
     const char *trace_id; /* borrowed; NULL: none */

@@ -14,6 +14,7 @@
 #include "base/json.h"
 #include "base/listen.h"
 #include "base/log.h"
+#include "proxy/admission.h"
 
 #define ADMIN_NOTE                                                                                 \
     "changes made through the admin API last until the next reload from the --config file"
@@ -249,6 +250,44 @@ static void show_config(px_admin *a, px_conn *c) {
     px_buf_cleanup(&b);
 }
 
+/* GET /admin/admission: each tenant's weight and rate limits with what is
+ * left of them now, and each pool's admitted requests and back-off. */
+static void show_admission(px_admin *a, px_conn *c) {
+    px_ctx *x = a->h.ctx;
+    uint64_t now = px_now_ns();
+    px_buf b;
+    px_buf_init(&b);
+    px_buf_appends(&b, "{\"tenants\":[");
+    for (size_t i = 0; x->tenants.v && i <= x->tenants.n; i++) {
+        px_tenant *t = &x->tenants.v[i];
+        px_buf_appends(&b, i ? ",{\"name\":" : "{\"name\":");
+        json_str(&b, i == x->tenants.n ? "(default)" : t->name);
+        px_buf_printf(&b,
+                      ",\"weight\":%u,\"rpm\":%llu,\"remaining_requests\":%llu,\"tpm\":%llu,"
+                      "\"remaining_tokens\":%llu}",
+                      t->weight, (unsigned long long)t->rpm.limit,
+                      (unsigned long long)px_bucket_remaining(&t->rpm, now),
+                      (unsigned long long)t->tpm.limit,
+                      (unsigned long long)px_bucket_remaining(&t->tpm, now));
+    }
+    px_buf_appends(&b, "],\"pools\":[");
+    px_gen *g = px_ctx_gen(x);
+    for (size_t i = 0; i < g->nps; i++) {
+        px_pset *p = &g->ps[i];
+        unsigned long long until = atomic_load(&p->backoff_until_ns);
+        px_buf_appends(&b, i ? ",{\"name\":" : "{\"name\":");
+        json_str(&b, p->name);
+        px_buf_printf(&b, ",\"admitted\":%ld,\"saturated\":%s,\"backoff_ms\":%.0f}",
+                      (long)atomic_load(&p->admitted),
+                      px_pool_saturated(x->cfg, p, now) ? "true" : "false",
+                      until > now ? (double)(until - now) / 1e6 : 0.0);
+    }
+    px_gen_release(g);
+    px_buf_appends(&b, "]}");
+    reply(c, 200, &b);
+    px_buf_cleanup(&b);
+}
+
 static void reload(px_admin *a, px_conn *c) {
     char err[512], q[1100];
     uint64_t t0 = px_now_ns();
@@ -315,6 +354,11 @@ static void dispatch(void *ctx, px_conn *c, const px_http_head *h, px_buf *body)
             show_config(a, c);
         else
             px_conn_reply_error(c, 405, NULL, "Allow: GET\r\n", "method not allowed: use GET");
+    } else if (px_http_path_is(h, "/admin/admission")) {
+        if (get)
+            show_admission(a, c);
+        else
+            px_conn_reply_error(c, 405, NULL, "Allow: GET\r\n", "method not allowed: use GET");
     } else if (px_http_path_is(h, "/admin/reload")) {
         if (post)
             reload(a, c);
@@ -323,8 +367,8 @@ static void dispatch(void *ctx, px_conn *c, const px_http_head *h, px_buf *body)
     } else {
         reply_err(c, 404,
                   "not found: the admin API serves /admin/backends, "
-                  "/admin/backends/drain, /admin/backends/undrain, /admin/config and "
-                  "/admin/reload");
+                  "/admin/backends/drain, /admin/backends/undrain, /admin/config, "
+                  "/admin/admission and /admin/reload");
     }
 }
 

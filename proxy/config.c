@@ -17,6 +17,7 @@
 
 #include "base/log.h"
 #include "base/util.h"
+#include "proxy/ratelimit.h"
 
 #define PX_POLICIES "round_robin|least_inflight|power_of_two|prefix_affinity|load_aware"
 
@@ -229,6 +230,41 @@ static const opt opts[] = {
      "answer 508 Loop Detected to a request whose Via already names this proxy more than this "
      "many times (every request to a backend carries this proxy's Via marker)",
      NULL, AT_START},
+    {"queue-max", NULL, CT_INT, OFF(queue_max), "0", 0, 10000000,
+     "requests that may wait for a saturated pool (split between the worker threads); past "
+     "it 429 (0: no queue: a request for a saturated pool gets 429 at once)",
+     NULL, AT_START},
+    {"queue-max-bytes", NULL, CT_INT, OFF(queue_max_bytes), "67108864", 0, 1099511627776.0,
+     "request bodies the waiting requests may hold, split between the worker threads (0: no "
+     "bound but --max-buffered-bytes)",
+     NULL, AT_START},
+    {"queue-timeout", NULL, CT_SECONDS, OFF(queue_timeout), "30", 0.001, 86400,
+     "seconds a request may wait for its pool (503 with Retry-After beyond); the request's "
+     "x-queue-timeout header (seconds) may shorten it",
+     NULL, AT_START},
+    {"pool-max-inflight", NULL, CT_INT, OFF(pool_max_inflight), "0", 0, 100000000,
+     "a pool is saturated while this many of its requests are sent on (0: no limit)", NULL,
+     AT_START},
+    {"saturate-waiting", NULL, CT_INT, OFF(saturate_waiting), "0", 0, 100000000,
+     "a pool is saturated while every decode engine reports at least this many requests "
+     "waiting (vllm:num_requests_waiting, read every --metrics-interval; 0: not looked at)",
+     NULL, AT_START},
+    {"engine-backoff", NULL, CT_SECONDS, OFF(engine_backoff), "1", 0, 3600,
+     "seconds a backend that answered 429 or 503 (its queue is full) counts as saturated "
+     "rather than failed",
+     NULL, AT_START},
+    {"tenant-header", NULL, CT_STR, OFF(tenant_header), "x-tenant", 0, 0,
+     "request header naming the tenant for fairness and rate limits (absent or unknown: the "
+     "default tenant)",
+     NULL, AT_START},
+    {"priority-header", NULL, CT_STR, OFF(priority_header), "x-priority", 0, 0,
+     "request header giving the priority class, 0..15, lower first (else the body's "
+     "\"priority\", as vLLM takes it; else 0)",
+     NULL, AT_START},
+    {"tenant", NULL, CT_WORDS, OFF(tenants), "", 0, 0,
+     "tenants, each NAME[:weight=W][:rpm=N][:tpm=N]: W its share of dispatch out of the queue "
+     "(1), N its requests or tokens per minute (0: no limit; 429 with x-ratelimit-* beyond)",
+     NULL, AT_START},
     {"print-config", NULL, CT_FLAG, OFF(print_config), "false", 0, 0,
      "print the effective configuration as YAML (a --config file) and exit", NULL, AT_START},
 };
@@ -312,6 +348,7 @@ int px_host_allowed(const px_strlist *allow, const char *host) {
 }
 
 static int check_word(const opt *o, const char *v, char *err, size_t errlen) {
+    if (!strcmp(o->name, "tenant")) return px_tenant_spec_check(v, err, errlen);
     int fam, bits;
     unsigned char a[16];
     if (cidr_parse(v, &fam, a, &bits) == 0 || (!strchr(v, '/') && is_host_name(v))) return 0;
@@ -1189,6 +1226,15 @@ static const struct {
     {"admin-port", 9, "PORT"},
     {"admin-token-file", 9, "FILE"},
     {"allow-empty-pools", 9, NULL},
+    {"queue-max", 4, NULL},
+    {"queue-max-bytes", 4, "BYTES"},
+    {"queue-timeout", 4, NULL},
+    {"pool-max-inflight", 4, NULL},
+    {"saturate-waiting", 4, NULL},
+    {"engine-backoff", 4, NULL},
+    {"tenant-header", 4, "NAME"},
+    {"priority-header", 4, "NAME"},
+    {"tenant", 4, "SPECS"},
 };
 
 static unsigned opt_group(const opt *o) {

@@ -108,6 +108,16 @@ typedef struct px_config {
      * loop_limit times is refused (508). */
     int allow_empty_pools;
     int64_t loop_limit;
+    /* Issue 26, admission control (admission.h, ratelimit.h). */
+    int64_t queue_max;         /* requests waiting for a saturated pool, all workers; 0: none */
+    int64_t queue_max_bytes;   /* bodies held by waiting requests, all workers */
+    double queue_timeout;      /* seconds a request may wait */
+    int64_t pool_max_inflight; /* a pool is saturated with this many sent on; 0: no limit */
+    int64_t saturate_waiting;  /* ... or when its engines report this many waiting; 0: off */
+    double engine_backoff;     /* seconds a backend that answered 429/503 is left alone */
+    char *tenant_header;       /* names the request's tenant */
+    char *priority_header;     /* the request's priority (else the body's "priority") */
+    px_strlist tenants;        /* --tenant specs */
     unsigned char set[96];          /* set[i]: option i was given by flag or environment */
 } px_config;
 

@@ -8,6 +8,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+
 /* ---------- generations ---------- */
 
 void px_gen_release(px_gen *g) {
@@ -128,13 +129,21 @@ int px_ctx_init(px_ctx *c, const px_config *cfg, char *err, size_t errlen) {
     c->shared.max_buffered = cfg->max_buffered_bytes;
     c->shared.max_conns = (long)cfg->max_connections;
     setup_upstream_auth(c, cfg);
-    return load_api_keys(c, cfg, err, errlen);
+    if (load_api_keys(c, cfg, err, errlen) < 0) return -1;
+    /* Admission control's tenants (ratelimit.h), shared by the workers. */
+    if (px_tenants_parse(cfg->tenants.v, cfg->tenants.n, &c->tenants, err, errlen) < 0) return -1;
+    c->tenant_weights = px_xcalloc(c->tenants.n + 1, sizeof *c->tenant_weights);
+    for (size_t i = 0; i <= c->tenants.n; i++)
+        c->tenant_weights[i] = c->tenants.v[i].weight;
+    return 0;
 }
 
 void px_ctx_cleanup(px_ctx *c) {
     free(c->upstream_auth);
     px_buf_cleanup(&c->health_hdrs);
     free(c->api_keys);
+    px_tenants_cleanup(&c->tenants);
+    free(c->tenant_weights);
     free(c->workers);
     pthread_mutex_destroy(&c->gen_mu);
 }

@@ -18,6 +18,7 @@
 #include "base/http.h"
 #include "proxy/config.h"
 #include "proxy/metrics.h"
+#include "proxy/ratelimit.h"
 #include "proxy/route.h"
 #include "proxy/upstream.h"
 
@@ -31,6 +32,8 @@ typedef struct px_pset {
     px_strlist models; /* owned */
     px_pool prefill;
     px_pool decode;
+    atomic_long admitted;            /* admission: requests sent on (not queued) */
+    atomic_ullong backoff_until_ns;  /* admission: the latest decode back-off's end */
 } px_pset;
 
 /* A generation: the pools built from one configuration. Requests hold a
@@ -73,6 +76,8 @@ typedef struct px_ctx {
     px_conn_shared shared; /* memory budget and connection cap, all workers */
     px_wctx **workers;     /* owned array of borrowed pointers: each worker's context */
     int nworkers;
+    px_tenants tenants;        /* owned: --tenant, with their rate-limit buckets */
+    uint32_t *tenant_weights;  /* owned: tenants.n + 1 */
 } px_ctx;
 
 /* What one worker thread owns for its requests; only that thread touches
@@ -85,6 +90,7 @@ struct px_wctx {
     struct px_req *reqs;     /* owned: requests alive, some without a client */
     size_t nreqs;
     struct px_pindex *pindex; /* owned: --disagg-min-tokens' prefix index; NULL until used */
+    struct px_adm_worker *adm; /* owned: admission queue (admission.h) */
 };
 
 /* The connection settings of a listener on the control thread (metrics,

@@ -137,7 +137,11 @@ static void sweep(px_health *h, check_kind kind) {
     for (size_t p = 0; p < g->nps; p++) {
         px_pool *pools[2] = {&g->ps[p].prefill, &g->ps[p].decode};
         for (int r = 0; r < 2; r++) {
-            if (kind == K_LOAD_PROBE && pools[r]->cfg.policy != PX_POLICY_LOAD_AWARE) continue;
+            /* Decode's figures also tell admission control (--saturate-waiting)
+             * that the engines' own queues are full. */
+            if (kind == K_LOAD_PROBE && pools[r]->cfg.policy != PX_POLICY_LOAD_AWARE &&
+                !(r == 1 && h->ctx->cfg->saturate_waiting > 0))
+                continue;
             size_t n;
             px_backend **m = px_pool_members(pools[r], &n);
             for (size_t i = 0; i < n; i++) {

@@ -39,6 +39,21 @@ const char *px_decision_name(px_decision d);   /* "disaggregated" | "decode_only
 const char *px_decision_reason(px_decision d); /* the reason label */
 const char *px_fallback_name(px_fallback f);
 
+/* Admission control (pdproxy_admission_total{event}). */
+typedef enum {
+    PX_ADM_M_QUEUED = 0,   /* waited for a saturated pool */
+    PX_ADM_M_DISPATCHED,   /* left the queue for its pool */
+    PX_ADM_M_QUEUE_FULL,   /* 429: saturated and no room in the queue */
+    PX_ADM_M_TIMEOUT,      /* 503: its deadline passed while queued */
+    PX_ADM_M_LEFT,         /* the client left while queued */
+    PX_ADM_M_RATE_REQUESTS, /* 429: the tenant's requests per minute */
+    PX_ADM_M_RATE_TOKENS,  /* 429: the tenant's tokens per minute */
+    PX_ADM_M_ENGINE_FULL,  /* an engine answered 429/503: backed off, not failed */
+    PX_ADM_M_COUNT
+} px_adm_event;
+
+const char *px_adm_event_name(px_adm_event e);
+
 #define PX_HIST_BUCKETS 16
 /* Upper bounds of the histogram buckets, in seconds. */
 extern const double px_hist_bounds[PX_HIST_BUCKETS];
@@ -61,6 +76,8 @@ typedef struct px_metrics {
     atomic_ullong stranded_released;
     atomic_ullong decisions[PX_DEC_COUNT];
     atomic_ullong fallbacks[PX_FB_COUNT];
+    atomic_ullong adm[PX_ADM_M_COUNT];
+    px_hist queue_wait; /* seconds queued, of requests that left the queue */
 } px_metrics;
 
 /* Single-writer increment: only the owning thread calls these. */

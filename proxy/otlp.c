@@ -471,6 +471,7 @@ void px_otlp_submit(const px_otlp_req *q) {
     add_str(r, "pdproxy.decode.backend", q->decode);
     if (rrid[0]) add_str(r, "pdproxy.remote_request_id", rrid);
     if (q->decode) add_bool(r, "pdproxy.stream", q->streamed);
+    if (q->queued) add_int(r, "pdproxy.queue.wait_us", (long long)(q->queue_wait_ns / 1000));
     r->error = q->status >= 500;
 
     /* Client spans, one per leg: named by the method, with the backend's

@@ -65,6 +65,8 @@ typedef struct px_otlp_req {
     uint64_t t_prefill_start, t_prefill_end;
     const char *decode; /* backend name; NULL: no decode chosen */
     int decode_status, decode_attempts, streamed;
+    int queued;             /* waited in the admission queue (admission.h) ... */
+    uint64_t queue_wait_ns; /* ... this long */
     uint64_t t_decode_start;
     const char *presp; /* prefill's answer (kv_transfer_params, usage), or NULL */
     size_t presp_len;

@@ -14,6 +14,7 @@
 #include "base/list.h"
 #include "base/log.h"
 #include "proxy/access.h"
+#include "proxy/admission.h"
 #include "proxy/disagg.h"
 #include "proxy/dp.h"
 #include "proxy/otlp.h"
@@ -146,6 +147,7 @@ struct px_req {
     /* Data-parallel ranks (dp.h) of the attempts in flight: -1 none. */
     int prank, drank;
     char prank_of[128], drank_of[128]; /* the backends they belong to */
+    px_adm_req adm; /* admission control: its queue entry, pool slot, tenant */
 };
 
 /* The flow, top-down: each section below calls into later ones. */
@@ -446,9 +448,47 @@ static int check_pd(px_req *r, const px_http_head *h) {
     return 0;
 }
 
-/* A P/D request: decided, then a prefill or decode alone. */
+/* Admission control (admission.h): dispatched out of the queue. */
+static void pd_go(px_req *r);
+
+static void adm_go(void *arg) {
+    pd_go(arg);
+}
+
+static void adm_expire(void *arg) {
+    px_req *r = arg;
+    req_fail(r, 503, "Retry-After: 1\r\n",
+             "the request waited %.3f s in the admission queue for a saturated pool: its "
+             "deadline passed (--queue-timeout, x-queue-timeout)",
+             (double)r->adm.wait_ns / 1e9);
+}
+
+/* The tenant's rate limits and the pool's saturation. Returns 0 to go on
+ * now, 1 when r waits in the queue, -1 when r has ended. */
+static int admission(px_req *r, const px_http_head *h) {
+    int status = 0;
+    char extra[768], msg[300];
+    r->adm.it.owner = r;
+    r->adm.go = adm_go;
+    r->adm.expire = adm_expire;
+    px_adm_verdict v = px_adm_enter(r->w, &r->adm, r->ps, h, r->body.data, r->body.len, &status,
+                                    extra, sizeof extra, msg, sizeof msg);
+    if (v == PX_ADM_GO) return 0;
+    if (v == PX_ADM_QUEUED) {
+        PX_LOG(PX_LOG_DEBUG, "req=%s msg=\"queued\" class=%d", r->lid, r->adm.it.cls);
+        return 1;
+    }
+    req_fail(r, status, extra, "%s", msg);
+    return -1;
+}
+
+/* A P/D request: admitted, decided, then a prefill or decode alone. */
 static void start_pd(px_req *r, const px_http_head *h) {
-    if (check_pd(r, h) < 0) return;
+    if (check_pd(r, h) < 0 || admission(r, h) != 0) return;
+    pd_go(r);
+}
+
+static void pd_go(px_req *r) {
     if (r->ps->prefill.cfg.policy == PX_POLICY_PREFIX_AFFINITY)
         px_disagg_key(r->ep, r->body.data, r->body.len, r->ps->prefill.cfg.prefix_bytes, &r->key,
                       &r->key_len);
@@ -483,7 +523,7 @@ static void start_pd(px_req *r, const px_http_head *h) {
         px_rewrite_prefill(r->body.data, r->body.len, &r->pbody);
     account(r);
     if (r->ctx->cfg->prefill_timeout > 0)
-        r->prefill_deadline = r->t0 + (uint64_t)(r->ctx->cfg->prefill_timeout * 1e9);
+        r->prefill_deadline = px_now_ns() + (uint64_t)(r->ctx->cfg->prefill_timeout * 1e9);
     start_prefill(r);
 }
 
@@ -982,7 +1022,9 @@ static void start_client_stream(px_req *r, int status, const char *ctype) {
         !strcmp(r->ctx->cfg->usage_from, "prefill"))
         px_usage_init(&r->usage, r->p_cached, r->streamed, USAGE_MAX_HOLD, usage_out, r);
     set_state(r, RS_STREAM);
-    if (r->conn) px_conn_stream_start(r->conn, status, ctype, r->id, NULL);
+    char rl[512];
+    px_adm_ratelimit_headers(r->ctx, &r->adm, rl, sizeof rl);
+    if (r->conn) px_conn_stream_start(r->conn, status, ctype, r->id, rl[0] ? rl : NULL);
 }
 
 static void decode_headers(void *arg, int status, const char *ctype) {
@@ -1048,6 +1090,7 @@ static int release_hold(px_req *r) {
     /* Held bytes cannot be delivered again: all of them are queued (the
      * client's queue is soft, at most KV_FAIL_HOLD_MAX over its mark; the
      * next delivery pauses decode when it is full). */
+    if (held.len) px_adm_answer(&r->adm, held.data, held.len);
     if (held.len && r->conn &&
         (!r->usage.active || px_usage_feed(&r->usage, held.data, held.len) != 0)) {
         px_conn_stream_write(r->conn, held.data, held.len);
@@ -1091,6 +1134,7 @@ static int decode_data(void *arg, const char *p, size_t n) {
  * 1: the client's queue is full, decode pauses and delivers them again. */
 static int decode_pass(px_req *r, const char *p, size_t n) {
     if (client_full(r)) return 1;
+    px_adm_answer(&r->adm, p, n);
     if (r->usage.active) {
         /* Held, or given up on: then what was held went first. */
         int held = px_usage_feed(&r->usage, p, n) == 0;
@@ -1141,6 +1185,11 @@ static void decode_done(void *arg, px_up_result rc, const char *errbuf, int conn
     px_outcome o = outcome_of(rc, r->dstatus);
     const char *why = errbuf[0] ? errbuf : px_up_result_str(rc);
     if (r->kv_load_failed) o = PX_OUT_SERVER_ERR;
+    /* A full engine queue is saturation, not a failure (admission.h). */
+    if (rc == PX_UP_OK && px_adm_engine_status(r->ctx, r->ps, r->db, r->dstatus)) {
+        o = PX_OUT_CLIENT_ERR;
+        px_m_inc(&r->w->metrics.adm[PX_ADM_M_ENGINE_FULL]);
+    }
     attempt_done(&r->ps->decode, r->db, r->tried_d, r->ntried_d, o);
     r->db = NULL;
     if (r->hold) {
@@ -1458,6 +1507,7 @@ static void req_finish(px_req *r, int status, const char *outcome, const char *e
     if (r->grace_timer) evtimer_del(r->grace_timer);
     if (r->counted) atomic_fetch_sub(&r->ctx->inflight, 1);
     r->counted = 0;
+    px_adm_leave(r->w, &r->adm);
     event_assign(&r->free_ev, r->w->base, -1, 0, on_free, r);
     event_active(&r->free_ev, EV_TIMEOUT, 0);
 }
@@ -1503,7 +1553,9 @@ static void write_access(const px_req *r, int status, const char *outcome, uint6
                    .fallback = r->fell_back ? px_fallback_name(r->fallback) : NULL,
                    .estimated = r->dis.estimated,
                    .prompt_tokens_est = r->dis.tokens,
-                   .uncached_tokens_est = r->dis.uncached};
+                   .uncached_tokens_est = r->dis.uncached,
+                   .queued = r->adm.t_enq != 0,
+                   .queue_ms = (double)r->adm.wait_ns / 1e6};
     px_access_write(&a);
 }
 
@@ -1544,6 +1596,8 @@ static void submit_spans(px_req *r, int status, const char *outcome, uint64_t no
                      .decode_status = r->dstatus,
                      .decode_attempts = (int)r->ntried_d,
                      .streamed = r->streamed,
+                     .queued = r->adm.t_enq != 0,
+                     .queue_wait_ns = r->adm.wait_ns,
                      .t_decode_start = r->t_dstart,
                      .presp = r->presp.data,
                      .presp_len = r->presp.len,
@@ -1603,6 +1657,7 @@ static void req_free(px_req *r) {
 /* ---------- worker shutdown ---------- */
 
 void px_req_free_all(px_wctx *w) {
+    px_adm_worker_stop(w->adm);
     while (w->reqs) {
         px_req *r = w->reqs;
         /* Finished ones wait for a loop turn that will not come. */

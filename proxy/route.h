@@ -66,6 +66,7 @@ typedef struct px_backend {
     atomic_int waiting;
     atomic_int running;
     atomic_int kv_usage_milli;
+    atomic_ullong backoff_until_ns; /* admission: answered 429/503; saturated until then */
     atomic_ullong outcomes[PX_OUT_COUNT]; /* upstream requests by outcome */
     int check_busy;                       /* control thread only: a health check is in flight */
     int probe_busy; /* control thread only: a load probe (GET /metrics) is in flight */

@@ -350,6 +350,17 @@ void px_scrape_render(px_ctx *ctx, px_buf *o) {
             o, "pdproxy_decode_only_fallbacks_total{reason=\"%s\"} %llu\n",
             px_fallback_name((px_fallback)f),
             sum_at(ctx, offsetof(px_metrics, fallbacks) + (size_t)f * sizeof(atomic_ullong)));
+    px_buf_appends(o, "# HELP pdproxy_admission_total Admission control events: requests "
+                      "queued for a saturated pool, dispatched, refused (queue full, deadline, "
+                      "rate limits) or left; engines that answered 429/503.\n"
+                      "# TYPE pdproxy_admission_total counter\n");
+    for (int e = 0; e < PX_ADM_M_COUNT; e++)
+        px_buf_printf(o, "pdproxy_admission_total{event=\"%s\"} %llu\n",
+                      px_adm_event_name((px_adm_event)e),
+                      sum_at(ctx, offsetof(px_metrics, adm) + (size_t)e * sizeof(atomic_ullong)));
+    render_hist(o, ctx, "pdproxy_queue_wait_seconds",
+                "Time requests waited in the admission queue before leaving it.",
+                offsetof(px_metrics, queue_wait));
     unsigned long long inflight = (unsigned long long)atomic_load(&ctx->inflight);
     px_buf_printf(o,
                   "# HELP pdproxy_inflight_requests Client requests in flight.\n"

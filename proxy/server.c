@@ -15,6 +15,7 @@
 #include "base/listen.h"
 #include "base/log.h"
 #include "proxy/admin.h"
+#include "proxy/admission.h"
 #include "proxy/ctx.h"
 #include "proxy/discovery.h"
 #include "proxy/health.h"
@@ -120,6 +121,7 @@ static void *worker_main(void *arg) {
 static void worker_cleanup(px_worker *w) {
     px_conn_list_close_all(&w->conns);
     px_req_free_all(&w->wc);
+    px_adm_worker_destroy(w->wc.adm);
     px_listener_free(w->lev);
     if (w->drain_poll) event_free(w->drain_poll);
     px_uploop_destroy(w->wc.up);
@@ -247,6 +249,7 @@ px_server *px_server_create(const px_config *cfg, char *err, size_t errlen) {
                            &w->conns, err, errlen);
         if (!w->lev) goto err;
         w->wc.up = px_uploop_create(w->wc.base, (int)cfg->upstream_keepalive);
+        w->wc.adm = px_adm_worker_create(&w->wc);
         w->wake_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
         if (!w->wc.up || w->wake_fd < 0) {
             snprintf(err, errlen, "cannot create the upstream loop");

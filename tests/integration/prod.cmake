@@ -6,3 +6,5 @@
 foreach(name backends health failover policies limits drain endpoints config stranded)
   px_py_test(prod_${name})
 endforeach()
+# Issue 26: admission control (queue, priorities, fairness, rate limits).
+px_py_test(admission)

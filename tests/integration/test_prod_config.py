@@ -77,6 +77,15 @@ SAMPLES = {
     "prefiller-from-header": ("true", None),
     "allow-empty-pools": ("true", None),
     "loop-limit": ("3", None),
+    "queue-max": ("40", None),
+    "queue-max-bytes": ("1000000", None),
+    "queue-timeout": ("2.5", None),
+    "pool-max-inflight": ("8", None),
+    "saturate-waiting": ("5", None),
+    "engine-backoff": ("0.5", None),
+    "tenant-header": ("x-team", None),
+    "priority-header": ("x-prio", None),
+    "tenant": ("a:weight=2:rpm=60, b", "a:weight=2:rpm=60 b"),
     "prefiller-allowlist": ("10.0.0.0/8, prefill.example", "10.0.0.0/8 prefill.example"),
 }
 # Options that --print-config shows in another form: the file itself, and

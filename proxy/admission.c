@@ -1,0 +1,423 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+#include "proxy/admission.h"
+
+#include <stdlib.h>
+
+#include "base/util.h"
+
+int px_adm_class_of(long long priority) {
+    if (priority < 0) return 0;
+    if (priority >= PX_ADM_CLASSES) return PX_ADM_CLASSES - 1;
+    return (int)priority;
+}
+
+void px_admq_init(px_admq *q, const uint32_t *weights, size_t ntenants, size_t max_n,
+                  size_t max_bytes) {
+    *q = (px_admq){.weights = weights, .ntenants = ntenants, .max_n = max_n,
+                   .max_bytes = max_bytes};
+    for (int c = 0; c < PX_ADM_CLASSES; c++)
+        q->cls[c].flows = px_xcalloc(ntenants ? ntenants : 1, sizeof(px_adm_flow));
+}
+
+void px_admq_cleanup(px_admq *q) {
+    for (int c = 0; c < PX_ADM_CLASSES; c++) {
+        free(q->cls[c].flows);
+        q->cls[c].flows = NULL;
+    }
+}
+
+static void activate(px_adm_class *c, px_adm_flow *f) {
+    f->active = 1;
+    f->anext = NULL;
+    f->aprev = c->atail;
+    if (c->atail)
+        c->atail->anext = f;
+    else
+        c->ahead = f;
+    c->atail = f;
+    c->nactive++;
+}
+
+static void deactivate(px_adm_class *c, px_adm_flow *f) {
+    if (f->aprev)
+        f->aprev->anext = f->anext;
+    else
+        c->ahead = f->anext;
+    if (f->anext)
+        f->anext->aprev = f->aprev;
+    else
+        c->atail = f->aprev;
+    f->anext = f->aprev = NULL;
+    f->active = 0;
+    f->credit = 0;
+    c->nactive--;
+}
+
+/* The head flow to the tail of the active list: its turn is over. */
+static void rotate(px_adm_class *c) {
+    px_adm_flow *f = c->ahead;
+    if (!f || c->nactive < 2) return;
+    uint32_t credit = f->credit;
+    deactivate(c, f);
+    activate(c, f);
+    f->credit = credit;
+}
+
+int px_admq_push(px_admq *q, px_adm_item *it) {
+    if (q->n + 1 > q->max_n || (q->max_bytes && q->bytes + it->bytes > q->max_bytes)) {
+        q->dropped++;
+        return -1;
+    }
+    if (it->cls < 0 || it->cls >= PX_ADM_CLASSES) it->cls = px_adm_class_of(it->cls);
+    if (it->tenant >= q->ntenants) it->tenant = q->ntenants ? q->ntenants - 1 : 0;
+    px_adm_class *c = &q->cls[it->cls];
+    px_adm_flow *f = &c->flows[it->tenant];
+    it->next = NULL;
+    it->prev = f->tail;
+    if (f->tail)
+        f->tail->next = it;
+    else
+        f->head = it;
+    f->tail = it;
+    if (!f->active) activate(c, f);
+    it->queued = 1;
+    c->n++;
+    q->n++;
+    q->bytes += it->bytes;
+    q->pushed++;
+    return 0;
+}
+
+void px_admq_remove(px_admq *q, px_adm_item *it) {
+    if (!it->queued) return;
+    px_adm_class *c = &q->cls[it->cls];
+    px_adm_flow *f = &c->flows[it->tenant];
+    if (it->prev)
+        it->prev->next = it->next;
+    else
+        f->head = it->next;
+    if (it->next)
+        it->next->prev = it->prev;
+    else
+        f->tail = it->prev;
+    it->prev = it->next = NULL;
+    it->queued = 0;
+    if (!f->head) deactivate(c, f);
+    c->n--;
+    q->n--;
+    q->bytes -= it->bytes;
+}
+
+px_adm_item *px_admq_pop(px_admq *q, int (*ok)(void *arg, px_adm_item *it), void *arg) {
+    for (int ci = 0; ci < PX_ADM_CLASSES && q->n; ci++) {
+        px_adm_class *c = &q->cls[ci];
+        /* Each active flow is looked at once at most. */
+        for (size_t i = 0, n = c->nactive; i < n; i++) {
+            px_adm_flow *f = c->ahead;
+            if (!f->credit) {
+                uint32_t w = q->weights ? q->weights[f - c->flows] : 1;
+                f->credit = w ? w : 1;
+            }
+            px_adm_item *it = f->head;
+            if (ok && !ok(arg, it)) {
+                rotate(c); /* keeps its credit for its next turn */
+                continue;
+            }
+            f->credit--;
+            int spent = f->credit == 0;
+            px_admq_remove(q, it); /* deactivates f when it empties */
+            if (f->active && spent) rotate(c);
+            return it;
+        }
+    }
+    return NULL;
+}
+
+/* ---------- the gate, on a worker's loop ---------- */
+
+#include <event2/event.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "base/json.h"
+#include "base/log.h"
+
+/* How often a worker with requests waiting looks again: slots freed on
+ * other workers, back-offs ending and engines' figures are seen this late
+ * at most. */
+#define POLL_US 5000
+
+struct px_adm_worker {
+    px_wctx *w; /* borrowed */
+    px_admq q;
+    struct event *poll; /* owned */
+    int dispatching;    /* in dispatch(): leave() asks for another round */
+    int again;
+    int stopping;       /* the worker stops: nothing more is dispatched */
+};
+
+static void dispatch(px_adm_worker *a);
+
+static void on_poll(evutil_socket_t fd, short what, void *arg) {
+    (void)fd, (void)what;
+    dispatch(arg);
+}
+
+px_adm_worker *px_adm_worker_create(px_wctx *w) {
+    const px_config *cfg = w->ctx->cfg;
+    px_adm_worker *a = px_xcalloc(1, sizeof *a);
+    a->w = w;
+    int nw = w->ctx->nworkers > 0 ? w->ctx->nworkers : 1;
+    size_t max_n = cfg->queue_max ? ((size_t)cfg->queue_max + (size_t)nw - 1) / (size_t)nw : 0;
+    size_t max_b = cfg->queue_max_bytes ? ((size_t)cfg->queue_max_bytes + (size_t)nw - 1) / (size_t)nw : 0;
+    px_admq_init(&a->q, w->ctx->tenant_weights, w->ctx->tenants.n + 1, max_n, max_b);
+    a->poll = event_new(w->base, -1, 0, on_poll, a);
+    return a;
+}
+
+void px_adm_worker_stop(px_adm_worker *a) {
+    if (a) a->stopping = 1;
+}
+
+void px_adm_worker_destroy(px_adm_worker *a) {
+    if (!a) return;
+    if (a->poll) event_free(a->poll);
+    px_admq_cleanup(&a->q);
+    free(a);
+}
+
+int px_pool_saturated(const px_config *cfg, px_pset *ps, uint64_t now) {
+    if (cfg->pool_max_inflight > 0 && atomic_load(&ps->admitted) >= cfg->pool_max_inflight)
+        return 1;
+    int backoff = atomic_load_explicit(&ps->backoff_until_ns, memory_order_relaxed) > now;
+    if (!backoff && cfg->saturate_waiting <= 0) return 0;
+    /* Every decode that would take the request is backing off or reports
+     * a full queue. */
+    px_pool *p = &ps->decode;
+    int usable = 0, full = 0;
+    pthread_mutex_lock(&p->mu);
+    for (size_t i = 0; i < p->n; i++) {
+        px_backend *b = p->b[i];
+        if (!atomic_load(&b->healthy) || atomic_load(&b->drained)) continue;
+        usable++;
+        if (atomic_load(&b->backoff_until_ns) > now ||
+            (cfg->saturate_waiting > 0 && atomic_load(&b->load_known) &&
+             atomic_load(&b->waiting) >= cfg->saturate_waiting))
+            full++;
+    }
+    pthread_mutex_unlock(&p->mu);
+    return usable > 0 && full == usable;
+}
+
+int px_adm_engine_status(px_ctx *c, px_pset *ps, px_backend *b, int status) {
+    if (status != 429 && status != 503) return 0;
+    if (!b || c->cfg->engine_backoff <= 0) return 1;
+    uint64_t until = px_now_ns() + (uint64_t)(c->cfg->engine_backoff * 1e9);
+    atomic_store(&b->backoff_until_ns, until);
+    unsigned long long cur = atomic_load(&ps->backoff_until_ns);
+    while (cur < until && !atomic_compare_exchange_weak(&ps->backoff_until_ns, &cur, until)) {
+    }
+    PX_LOG(PX_LOG_INFO, "msg=\"engine refused a request: backing off\" backend=%s status=%d "
+           "backoff_s=%.3f", b->name, status, c->cfg->engine_backoff);
+    return 1;
+}
+
+/* Takes one of the pool's --pool-max-inflight slots: 1, or 0 when none is
+ * free. A compare-and-swap, so workers admitting at once never pass the
+ * limit between them. */
+static int take_slot(const px_config *cfg, px_pset *ps) {
+    long max = (long)cfg->pool_max_inflight;
+    long cur = atomic_load(&ps->admitted);
+    do {
+        if (max > 0 && cur >= max) return 0;
+    } while (!atomic_compare_exchange_weak(&ps->admitted, &cur, cur + 1));
+    return 1;
+}
+
+/* The queue's test of an item: its pool has room, and then it holds one of
+ * the pool's slots. */
+static int pool_free(void *arg, px_adm_item *it) {
+    px_adm_req *r = (px_adm_req *)it; /* it is the first member */
+    return !px_pool_saturated(arg, r->ps, px_now_ns()) && take_slot(arg, r->ps);
+}
+
+static void take_out(px_adm_worker *a, px_adm_req *r, uint64_t now) {
+    px_admq_remove(&a->q, &r->it);
+    if (r->timer) {
+        event_free(r->timer);
+        r->timer = NULL;
+    }
+    r->wait_ns = now - r->t_enq;
+    px_hist_observe(&a->w->metrics.queue_wait, (double)r->wait_ns / 1e9);
+}
+
+static void dispatch(px_adm_worker *a) {
+    if (a->stopping) return;
+    if (a->dispatching) {
+        a->again = 1;
+        return;
+    }
+    a->dispatching = 1;
+    do {
+        a->again = 0;
+        px_adm_item *it;
+        while ((it = px_admq_pop(&a->q, pool_free, (void *)a->w->ctx->cfg))) {
+            px_adm_req *r = (px_adm_req *)it;
+            /* popped: out of the queue already */
+            take_out(a, r, px_now_ns());
+            r->sent = 1; /* pool_free took its slot */
+            px_m_inc(&a->w->metrics.adm[PX_ADM_M_DISPATCHED]);
+            r->go(it->owner);
+        }
+    } while (a->again);
+    a->dispatching = 0;
+    if (a->q.n) {
+        struct timeval tv = {0, POLL_US};
+        event_add(a->poll, &tv);
+    }
+}
+
+static void on_deadline(evutil_socket_t fd, short what, void *arg) {
+    (void)fd, (void)what;
+    px_adm_req *r = arg;
+    px_wctx *w = r->w;
+    px_m_inc(&w->metrics.adm[PX_ADM_M_TIMEOUT]);
+    take_out(w->adm, r, px_now_ns());
+    r->expire(r->it.owner);
+}
+
+/* The request's priority class: the header, else the body's "priority". */
+static int class_of(const px_config *cfg, const px_http_head *h, const char *body, size_t blen) {
+    const px_http_header *ph = cfg->priority_header[0] ? px_http_find(h, cfg->priority_header)
+                                                       : NULL;
+    char num[24];
+    if (ph && ph->value_len && ph->value_len < sizeof num) {
+        memcpy(num, ph->value, ph->value_len);
+        num[ph->value_len] = 0;
+        return px_adm_class_of(strtoll(num, NULL, 10));
+    }
+    px_json_member m;
+    if (body && px_json_find(body, blen, "priority", &m) && m.type == PX_JSON_NUMBER &&
+        m.val_len < sizeof num) {
+        memcpy(num, m.val, m.val_len);
+        num[m.val_len] = 0;
+        return px_adm_class_of(strtoll(num, NULL, 10));
+    }
+    return 0;
+}
+
+static double header_seconds(const px_http_head *h, const char *name) {
+    const px_http_header *x = px_http_find(h, name);
+    char num[32];
+    if (!x || !x->value_len || x->value_len >= sizeof num) return -1;
+    memcpy(num, x->value, x->value_len);
+    num[x->value_len] = 0;
+    char *end;
+    double v = strtod(num, &end);
+    return *end || !(v >= 0) ? -1 : v;
+}
+
+px_adm_verdict px_adm_enter(px_wctx *w, px_adm_req *a, px_pset *ps, const px_http_head *h,
+                            const char *body, size_t blen, int *status, char *extra,
+                            size_t extra_cap, char *msg, size_t msg_cap) {
+    px_ctx *c = w->ctx;
+    const px_config *cfg = c->cfg;
+    uint64_t now = px_now_ns();
+    a->ps = ps;
+    a->w = w;
+    extra[0] = 0;
+    const px_http_header *th = cfg->tenant_header[0] ? px_http_find(h, cfg->tenant_header) : NULL;
+    a->tenant = px_tenants_find(&c->tenants, th ? th->value : NULL, th ? th->value_len : 0);
+    px_tenant *t = &c->tenants.v[a->tenant];
+    a->count_tokens = t->tpm.limit > 0;
+    uint64_t retry = 0;
+    px_rl_verdict rl = px_tenant_admit(t, now, &retry);
+    if (rl != PX_RL_OK) {
+        *status = 429;
+        snprintf(extra, extra_cap, "Retry-After: %llu\r\n",
+                 (unsigned long long)((retry + 999999999ULL) / 1000000000ULL));
+        px_tenant_headers(t, now, extra, extra_cap);
+        snprintf(msg, msg_cap, "rate limit reached for tenant '%s': %llu %s per minute",
+                 t->name, (unsigned long long)(rl == PX_RL_REQUESTS ? t->rpm.limit : t->tpm.limit),
+                 rl == PX_RL_REQUESTS ? "requests" : "tokens");
+        px_m_inc(&w->metrics.adm[rl == PX_RL_REQUESTS ? PX_ADM_M_RATE_REQUESTS
+                                                      : PX_ADM_M_RATE_TOKENS]);
+        return PX_ADM_REFUSED;
+    }
+    int saturated = px_pool_saturated(cfg, ps, now);
+    if (!saturated && !w->adm->q.n) {
+        if (take_slot(cfg, ps)) {
+            a->sent = 1;
+            return PX_ADM_GO;
+        }
+        saturated = 1; /* another worker took the last slot meanwhile */
+    }
+    double limit = cfg->queue_timeout;
+    double asked = header_seconds(h, "x-queue-timeout");
+    if (asked >= 0 && asked < limit) limit = asked;
+    a->it.cls = class_of(cfg, h, body, blen);
+    a->it.tenant = a->tenant;
+    a->it.bytes = blen;
+    if (!cfg->queue_max || limit <= 0 || px_admq_push(&w->adm->q, &a->it) < 0) {
+        /* Others wait for other pools, and the queue is full. */
+        if (!saturated && take_slot(cfg, ps)) {
+            a->sent = 1;
+            return PX_ADM_GO;
+        }
+        *status = 429;
+        snprintf(extra, extra_cap, "Retry-After: 1\r\n");
+        if (!cfg->queue_max)
+            snprintf(msg, msg_cap, "the pool is saturated and no admission queue is configured "
+                     "(--queue-max 0); retry later");
+        else
+            snprintf(msg, msg_cap,
+                     "the pool is saturated and the admission queue is full (--queue-max %lld, "
+                     "--queue-max-bytes %lld); retry later",
+                     (long long)cfg->queue_max, (long long)cfg->queue_max_bytes);
+        px_m_inc(&w->metrics.adm[PX_ADM_M_QUEUE_FULL]);
+        return PX_ADM_REFUSED;
+    }
+    a->t_enq = now;
+    a->timer = evtimer_new(w->base, on_deadline, a);
+    struct timeval tv = {(time_t)limit, (suseconds_t)((limit - (double)(time_t)limit) * 1e6)};
+    evtimer_add(a->timer, &tv);
+    px_m_inc(&w->metrics.adm[PX_ADM_M_QUEUED]);
+    /* Its pool is free but others wait here: the queue's order decides,
+     * now (a->go may run before this returns). */
+    if (!saturated) {
+        dispatch(w->adm);
+        return PX_ADM_QUEUED;
+    }
+    /* The pool may free up on another worker: look again soon. */
+    if (!event_pending(w->adm->poll, EV_TIMEOUT, NULL)) {
+        struct timeval pt = {0, POLL_US};
+        event_add(w->adm->poll, &pt);
+    }
+    return PX_ADM_QUEUED;
+}
+
+void px_adm_leave(px_wctx *w, px_adm_req *a) {
+    if (a->it.queued) {
+        px_m_inc(&w->metrics.adm[PX_ADM_M_LEFT]);
+        take_out(w->adm, a, px_now_ns());
+    }
+    if (a->tok.total) {
+        px_bucket_charge(&w->ctx->tenants.v[a->tenant].tpm, px_now_ns(), a->tok.total);
+        a->tok.total = 0;
+    }
+    if (a->sent) {
+        a->sent = 0;
+        atomic_fetch_sub(&a->ps->admitted, 1);
+        if (w->adm->q.n) dispatch(w->adm);
+    }
+}
+
+void px_adm_answer(px_adm_req *a, const char *p, size_t n) {
+    if (a->count_tokens) px_tokscan_feed(&a->tok, p, n);
+}
+
+void px_adm_ratelimit_headers(px_ctx *c, const px_adm_req *a, char *out, size_t cap) {
+    out[0] = 0;
+    if (!c->tenants.v) return;
+    px_tenant_headers(&c->tenants.v[a->tenant], px_now_ns(), out, cap);
+}

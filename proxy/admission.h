@@ -1,0 +1,148 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/* Admission control (issue 26): the bounded queue in front of saturated
+ * pools, with priority classes and fairness between tenants inside a class.
+ *
+ * One queue per worker thread. A queued request stays on the thread that
+ * owns its client connection, so it is dispatched by that thread's loop
+ * and nothing crosses threads: pdproxy's libevent bases are not built with
+ * evthread locking, and handing a request (its px_conn, timers, upstream
+ * pool) to another loop would need it. The limits that decide saturation
+ * are shared atomics (a pool's admitted count, its backends' back-off), so
+ * a slot freed on one thread is seen by every thread: each worker
+ * dispatches at once when one of its own requests ends, and re-checks on a
+ * short timer while its queue is not empty. The bounds in requests and
+ * bytes are per worker: --queue-max / threads each (at least 1).
+ *
+ * Order: the lowest class first (priority 0 before 1, as vLLM serves a
+ * lower `priority` first); inside a class, deficit round robin between
+ * tenants with a cost of one request and a quantum of the tenant's weight:
+ * a tenant of weight w is dispatched up to w requests in a row, then the
+ * next tenant with requests waiting. Unit cost, because a request's real
+ * cost (its tokens) is known only after its answer; DRR rather than
+ * virtual time because each dispatch is O(1) with integer credit and no
+ * clock. Inside a tenant and class: first in, first out. The queue
+ * (px_admq) is pure; the gate below (px_adm_enter and friends) runs it on
+ * a worker's loop. */
+#ifndef PX_ADMISSION_H
+#define PX_ADMISSION_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "proxy/ratelimit.h"
+
+#define PX_ADM_CLASSES 16 /* priorities 0..15; outside that range, clamped */
+
+typedef struct px_adm_item {
+    struct px_adm_item *prev, *next; /* in its flow */
+    int cls;                         /* 0..PX_ADM_CLASSES-1 */
+    size_t tenant;                   /* index into the queue's weights */
+    size_t bytes;                    /* held while queued, for the byte bound */
+    int queued;                      /* in a queue now */
+    void *owner;                     /* the caller's: the request */
+} px_adm_item;
+
+typedef struct px_adm_flow {
+    px_adm_item *head, *tail;
+    struct px_adm_flow *anext, *aprev; /* in the class's active list */
+    uint32_t credit;                   /* requests left in this turn */
+    int active;
+} px_adm_flow;
+
+typedef struct px_adm_class {
+    px_adm_flow *flows; /* owned: one per tenant */
+    px_adm_flow *ahead, *atail;
+    size_t nactive;
+    size_t n;
+} px_adm_class;
+
+typedef struct px_admq {
+    px_adm_class cls[PX_ADM_CLASSES];
+    const uint32_t *weights; /* borrowed: ntenants */
+    size_t ntenants;
+    size_t n, bytes;          /* queued now */
+    size_t max_n, max_bytes;  /* bounds; max_bytes 0: none */
+    uint64_t pushed, dropped; /* counters for tests and metrics */
+} px_admq;
+
+/* Maps a priority (vLLM's `priority`: lower first) to a class. */
+int px_adm_class_of(long long priority);
+
+void px_admq_init(px_admq *q, const uint32_t *weights, size_t ntenants, size_t max_n,
+                  size_t max_bytes);
+/* The queue must be empty (every item removed or popped). */
+void px_admq_cleanup(px_admq *q);
+/* Queues `it` (cls, tenant, bytes, owner set by the caller). 0, or -1 when
+ * a bound would be passed (nothing queued). */
+int px_admq_push(px_admq *q, px_adm_item *it);
+/* Takes a queued item out (its client left, its deadline passed). A no-op
+ * when it is not queued. */
+void px_admq_remove(px_admq *q, px_adm_item *it);
+/* The next item to dispatch among those `ok` accepts (ok NULL: all):
+ * classes in order, tenants by DRR, each tenant's oldest first; a tenant
+ * whose oldest is not accepted is passed over this time. NULL when none. */
+px_adm_item *px_admq_pop(px_admq *q, int (*ok)(void *arg, px_adm_item *it), void *arg);
+
+
+/* ---------- the gate, on a worker's loop ---------- */
+
+#include "base/http.h"
+#include "proxy/ctx.h"
+
+/* A request's part in admission, embedded in it. */
+typedef struct px_adm_req {
+    px_adm_item it;      /* it.owner: the request */
+    px_pset *ps;         /* borrowed: the pool it waits for or was sent to */
+    size_t tenant;       /* index into ctx->tenants */
+    int sent;            /* counted in ps->admitted */
+    struct event *timer; /* owned while queued: its deadline */
+    uint64_t t_enq;      /* when queued; 0: never */
+    uint64_t wait_ns;    /* time spent queued */
+    px_tokscan tok;      /* the answer's total_tokens, for --tenant tpm= */
+    int count_tokens;    /* the tenant has a tpm= limit */
+    void *w;             /* borrowed: the px_wctx it entered on */
+    void (*go)(void *owner);     /* dispatched out of the queue */
+    void (*expire)(void *owner); /* its deadline passed while queued */
+} px_adm_req;
+
+/* What a worker holds for admission: its queue and the timer that looks
+ * again while requests wait. */
+typedef struct px_adm_worker px_adm_worker;
+px_adm_worker *px_adm_worker_create(px_wctx *w);
+void px_adm_worker_destroy(px_adm_worker *a); /* its queue must be empty; NULL: no-op */
+/* The worker stops: requests ending no longer dispatch queued ones. */
+void px_adm_worker_stop(px_adm_worker *a);
+
+typedef enum { PX_ADM_GO = 0, PX_ADM_QUEUED, PX_ADM_REFUSED } px_adm_verdict;
+
+/* Admits a P/D request for pool ps: its tenant's rate limits, then the
+ * pool's saturation. GO: send it on now (counted in ps->admitted).
+ * QUEUED: a->go or a->expire will be called from this worker's loop.
+ * REFUSED: answer *status (429 or 503) with the header lines in extra and
+ * the message in msg. go and expire (and it.owner) must be set. */
+px_adm_verdict px_adm_enter(px_wctx *w, px_adm_req *a, px_pset *ps, const px_http_head *h,
+                            const char *body, size_t blen, int *status, char *extra,
+                            size_t extra_cap, char *msg, size_t msg_cap);
+
+/* The request ended (answered, failed, client gone): out of the queue or
+ * its pool slot given back, and the queue looked at again. Idempotent. */
+void px_adm_leave(px_wctx *w, px_adm_req *a);
+
+/* Decode's answer passes: tokens counted for the tenant's tpm when it
+ * ends (px_adm_leave charges them). */
+void px_adm_answer(px_adm_req *a, const char *p, size_t n);
+
+/* Decode answered `status`: 429 and 503 (a full engine queue) put the
+ * backend in back-off for --engine-backoff. Returns 1 when the answer is
+ * such a refusal (not a failure of the backend), else 0. */
+int px_adm_engine_status(px_ctx *c, px_pset *ps, px_backend *b, int status);
+
+/* The tenant's x-ratelimit-* lines for a successful answer ("" without
+ * limits). */
+void px_adm_ratelimit_headers(px_ctx *c, const px_adm_req *a, char *out, size_t cap);
+
+/* Whether the pool is saturated now (see --pool-max-inflight,
+ * --saturate-waiting, --engine-backoff). */
+int px_pool_saturated(const px_config *cfg, px_pset *ps, uint64_t now);
+
+#endif

@@ -1,0 +1,248 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+#include "proxy/ratelimit.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "base/util.h"
+
+void px_bucket_init(px_bucket *b, uint64_t per_minute) {
+    b->limit = per_minute;
+    b->interval_ns = per_minute ? PX_RL_WINDOW_NS / per_minute : 0;
+    if (per_minute && !b->interval_ns) b->interval_ns = 1;
+    atomic_init(&b->tat, 0);
+}
+
+/* Where the bucket's TAT stands for a take at `now`: never in the past. */
+static uint64_t base_of(uint64_t tat, uint64_t now) {
+    return tat > now ? tat : now;
+}
+
+int px_bucket_take(px_bucket *b, uint64_t now, uint64_t n, uint64_t *retry_ns) {
+    if (!b->limit) return 1;
+    uint64_t tat = atomic_load_explicit(&b->tat, memory_order_relaxed);
+    for (;;) {
+        uint64_t next = base_of(tat, now) + n * b->interval_ns;
+        if (next > now + PX_RL_WINDOW_NS) {
+            if (retry_ns) *retry_ns = next - (now + PX_RL_WINDOW_NS);
+            return 0;
+        }
+        if (atomic_compare_exchange_weak_explicit(&b->tat, &tat, next, memory_order_relaxed,
+                                                  memory_order_relaxed))
+            return 1;
+    }
+}
+
+void px_bucket_charge(px_bucket *b, uint64_t now, uint64_t n) {
+    if (!b->limit || !n) return;
+    uint64_t tat = atomic_load_explicit(&b->tat, memory_order_relaxed);
+    while (!atomic_compare_exchange_weak_explicit(&b->tat, &tat,
+                                                  base_of(tat, now) + n * b->interval_ns,
+                                                  memory_order_relaxed, memory_order_relaxed)) {
+    }
+}
+
+uint64_t px_bucket_remaining(px_bucket *b, uint64_t now) {
+    if (!b->limit) return 0;
+    uint64_t base = base_of(atomic_load_explicit(&b->tat, memory_order_relaxed), now);
+    if (base >= now + PX_RL_WINDOW_NS) return 0;
+    uint64_t left = (now + PX_RL_WINDOW_NS - base) / b->interval_ns;
+    return left > b->limit ? b->limit : left;
+}
+
+uint64_t px_bucket_reset_ns(px_bucket *b, uint64_t now) {
+    return base_of(atomic_load_explicit(&b->tat, memory_order_relaxed), now) - now;
+}
+
+static int parse_u64(const char *s, uint64_t max, uint64_t *out) {
+    char *end;
+    if (*s < '0' || *s > '9') return -1;
+    unsigned long long v = strtoull(s, &end, 10);
+    if (*end || v > max) return -1;
+    *out = v;
+    return 0;
+}
+
+/* One spec "NAME[:weight=W][:rpm=N][:tpm=N]" into t. */
+static int parse_one(const char *spec, px_tenant *t, char *err, size_t errlen) {
+    char buf[256];
+    if (strlen(spec) >= sizeof buf) {
+        snprintf(err, errlen, "--tenant '%.40s...': longer than %zu bytes", spec, sizeof buf - 1);
+        return -1;
+    }
+    snprintf(buf, sizeof buf, "%s", spec);
+    char *save = NULL;
+    char *name = strtok_r(buf, ":", &save);
+    if (!name || !*name || spec[0] == ':') {
+        snprintf(err, errlen, "--tenant '%s': expected NAME[:weight=W][:rpm=N][:tpm=N]", spec);
+        return -1;
+    }
+    uint64_t weight = 1, rpm = 0, tpm = 0;
+    for (char *kv = strtok_r(NULL, ":", &save); kv; kv = strtok_r(NULL, ":", &save)) {
+        char *eq = strchr(kv, '=');
+        uint64_t *dst = NULL, max = 0;
+        if (eq && (size_t)(eq - kv) == 6 && !strncmp(kv, "weight", 6))
+            dst = &weight, max = 1000;
+        else if (eq && (size_t)(eq - kv) == 3 && !strncmp(kv, "rpm", 3))
+            dst = &rpm, max = 1000000000;
+        else if (eq && (size_t)(eq - kv) == 3 && !strncmp(kv, "tpm", 3))
+            dst = &tpm, max = 1000000000000ULL;
+        if (!dst) {
+            snprintf(err, errlen, "--tenant '%s': unknown setting '%s' (weight=, rpm=, tpm=)",
+                     spec, kv);
+            return -1;
+        }
+        if (parse_u64(eq + 1, max, dst) < 0 || (dst == &weight && weight == 0)) {
+            snprintf(err, errlen, "--tenant '%s': '%s' is not an integer in %d..%llu", spec, kv,
+                     dst == &weight ? 1 : 0, (unsigned long long)max);
+            return -1;
+        }
+    }
+    t->name = px_xstrdup(name);
+    t->weight = (uint32_t)weight;
+    px_bucket_init(&t->rpm, rpm);
+    px_bucket_init(&t->tpm, tpm);
+    return 0;
+}
+
+int px_tenant_spec_check(const char *spec, char *err, size_t errlen) {
+    px_tenant t = {0};
+    if (parse_one(spec, &t, err, errlen) < 0) return -1;
+    free(t.name);
+    return 0;
+}
+
+int px_tenants_parse(char *const *specs, size_t n, px_tenants *t, char *err, size_t errlen) {
+    px_tenant *v = px_xcalloc(n + 1, sizeof *v);
+    for (size_t i = 0; i < n; i++) {
+        int bad = parse_one(specs[i], &v[i], err, errlen) < 0;
+        for (size_t j = 0; !bad && j < i; j++)
+            if (!strcmp(v[j].name, v[i].name)) {
+                snprintf(err, errlen, "--tenant '%s': tenant '%s' is defined twice",
+                         specs[i], v[i].name);
+                bad = 1;
+            }
+        if (bad) {
+            for (size_t j = 0; j <= i; j++)
+                free(v[j].name);
+            free(v);
+            return -1;
+        }
+    }
+    v[n].name = px_xstrdup("");
+    v[n].weight = 1;
+    px_bucket_init(&v[n].rpm, 0);
+    px_bucket_init(&v[n].tpm, 0);
+    t->v = v;
+    t->n = n;
+    return 0;
+}
+
+void px_tenants_cleanup(px_tenants *t) {
+    if (!t->v) return;
+    for (size_t i = 0; i <= t->n; i++)
+        free(t->v[i].name);
+    free(t->v);
+    t->v = NULL;
+    t->n = 0;
+}
+
+size_t px_tenants_find(const px_tenants *t, const char *name, size_t n) {
+    if (!name) return t->n;
+    for (size_t i = 0; i < t->n; i++)
+        if (strlen(t->v[i].name) == n && !memcmp(t->v[i].name, name, n)) return i;
+    return t->n;
+}
+
+px_rl_verdict px_tenant_admit(px_tenant *t, uint64_t now, uint64_t *retry_ns) {
+    if (t->tpm.limit && px_bucket_remaining(&t->tpm, now) == 0) {
+        uint64_t base = base_of(atomic_load_explicit(&t->tpm.tat, memory_order_relaxed), now);
+        *retry_ns = base - (now + PX_RL_WINDOW_NS) + t->tpm.interval_ns;
+        return PX_RL_TOKENS;
+    }
+    if (!px_bucket_take(&t->rpm, now, 1, retry_ns)) return PX_RL_REQUESTS;
+    return PX_RL_OK;
+}
+
+/* OpenAI's reset spelling: "1s", "6m0s", "20ms". */
+static void reset_text(uint64_t ns, char *out, size_t cap) {
+    uint64_t ms = (ns + 999999) / 1000000;
+    if (ms < 1000)
+        snprintf(out, cap, "%llums", (unsigned long long)ms);
+    else if (ms < 60000)
+        snprintf(out, cap, "%.3gs", (double)ms / 1000);
+    else
+        snprintf(out, cap, "%llum%llus", (unsigned long long)(ms / 60000),
+                 (unsigned long long)(ms % 60000) / 1000);
+}
+
+void px_tenant_headers(px_tenant *t, uint64_t now, char *out, size_t cap) {
+    size_t len = strlen(out);
+    const struct {
+        px_bucket *b;
+        const char *what;
+    } rows[] = {{&t->rpm, "requests"}, {&t->tpm, "tokens"}};
+    for (size_t i = 0; i < 2; i++) {
+        if (!rows[i].b->limit || len >= cap) continue;
+        char reset[32];
+        reset_text(px_bucket_reset_ns(rows[i].b, now), reset, sizeof reset);
+        int w = snprintf(out + len, cap - len,
+                         "x-ratelimit-limit-%s: %llu\r\nx-ratelimit-remaining-%s: %llu\r\n"
+                         "x-ratelimit-reset-%s: %s\r\n",
+                         rows[i].what, (unsigned long long)rows[i].b->limit, rows[i].what,
+                         (unsigned long long)px_bucket_remaining(rows[i].b, now), rows[i].what,
+                         reset);
+        if (w < 0 || (size_t)w >= cap - len) {
+            out[len] = 0; /* never half a header line */
+            return;
+        }
+        len += (size_t)w;
+    }
+}
+
+/* The last total_tokens number in p[0..n). */
+static void scan(const char *p, size_t n, uint64_t *total) {
+    static const char key[] = "\"total_tokens\"";
+    const size_t klen = sizeof key - 1;
+    const char *end = p + n;
+    for (const char *q = p; (size_t)(end - q) >= klen;) {
+        const char *hit = memmem(q, (size_t)(end - q), key, klen);
+        if (!hit) return;
+        const char *s = hit + klen;
+        while (s < end && (*s == ' ' || *s == '\t' || *s == '\n' || *s == '\r'))
+            s++;
+        if (s < end && *s == ':') {
+            s++;
+            while (s < end && (*s == ' ' || *s == '\t' || *s == '\n' || *s == '\r'))
+                s++;
+            uint64_t v = 0;
+            const char *d = s;
+            while (s < end && *s >= '0' && *s <= '9' && s - d < 18)
+                v = v * 10 + (uint64_t)(*s++ - '0');
+            if (s > d) *total = v;
+        }
+        q = hit + klen;
+    }
+}
+
+void px_tokscan_feed(px_tokscan *s, const char *p, size_t n) {
+    /* Across the seam: the tail kept from before and the start of p. */
+    char seam[sizeof s->tail + 48];
+    size_t head = n < 48 ? n : 48;
+    memcpy(seam, s->tail, s->ntail);
+    memcpy(seam + s->ntail, p, head);
+    scan(seam, s->ntail + head, &s->total);
+    scan(p, n, &s->total);
+    /* Keep the last bytes for the next seam. */
+    size_t keep = sizeof s->tail;
+    if (n >= keep) {
+        memcpy(s->tail, p + n - keep, keep);
+        s->ntail = keep;
+    } else {
+        size_t old = s->ntail + n > keep ? keep - n : s->ntail;
+        memmove(s->tail, s->tail + s->ntail - old, old);
+        memcpy(s->tail + old, p, n);
+        s->ntail = old + n;
+    }
+}

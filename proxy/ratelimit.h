@@ -1,0 +1,86 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/* Per-tenant rate limits (issue 26): requests per minute and tokens per
+ * minute, each a token bucket kept as one atomic word so that every worker
+ * thread takes from it without a lock. The bucket is the generic cell rate
+ * algorithm (GCRA): the word is the "theoretical arrival time" (TAT) of the
+ * next unit; taking n units moves it n * interval later, refused when it
+ * would run more than a full minute (the burst) ahead of now. That is a
+ * token bucket of capacity `limit` refilled at limit/minute, with one
+ * compare-and-swap per take. Tenants come from --tenant specs; requests
+ * name theirs with --tenant-header (unknown or none: the default tenant,
+ * weight 1, no limits). Pure apart from the atomics: no loop, no I/O. */
+#ifndef PX_RATELIMIT_H
+#define PX_RATELIMIT_H
+
+#include <stdatomic.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#define PX_RL_WINDOW_NS 60000000000ULL /* the limits are per minute */
+
+typedef struct px_bucket {
+    uint64_t limit;       /* units per minute; 0: unlimited */
+    uint64_t interval_ns; /* ns per unit: window / limit */
+    _Atomic uint64_t tat; /* when the bucket is full again, in px_now_ns() time */
+} px_bucket;
+
+void px_bucket_init(px_bucket *b, uint64_t per_minute);
+/* Takes n units at `now` when they fit: 1. Else 0, nothing taken, and
+ * *retry_ns (when not NULL) says how long until they fit. */
+int px_bucket_take(px_bucket *b, uint64_t now, uint64_t n, uint64_t *retry_ns);
+/* Takes n units whether they fit or not (tokens counted after the answer):
+ * the bucket may go into debt, and takes refuse until it is paid back. */
+void px_bucket_charge(px_bucket *b, uint64_t now, uint64_t n);
+/* Units that may be taken now (0..limit). */
+uint64_t px_bucket_remaining(px_bucket *b, uint64_t now);
+/* ns until the bucket is full again. */
+uint64_t px_bucket_reset_ns(px_bucket *b, uint64_t now);
+
+typedef struct px_tenant {
+    char *name;      /* owned */
+    uint32_t weight; /* share of dispatch out of the admission queue */
+    px_bucket rpm;
+    px_bucket tpm;
+} px_tenant;
+
+/* The tenants of one configuration; [n] is the default tenant (name "",
+ * weight 1, no limits), so an index is always valid. Shared by all
+ * workers: only the buckets change after parsing. */
+typedef struct px_tenants {
+    px_tenant *v; /* owned, n + 1 */
+    size_t n;
+} px_tenants;
+
+/* Parses the n --tenant specs "NAME[:weight=W][:rpm=N][:tpm=N]". 0, or -1
+ * with err naming the spec and what is wrong (t untouched). */
+int px_tenants_parse(char *const *specs, size_t n, px_tenants *t, char *err, size_t errlen);
+void px_tenants_cleanup(px_tenants *t);
+/* Checks one spec as px_tenants_parse would. 0, or -1 with err. */
+int px_tenant_spec_check(const char *spec, char *err, size_t errlen);
+/* The index of the tenant named name[0..n); t->n (the default) when none. */
+size_t px_tenants_find(const px_tenants *t, const char *name, size_t n);
+
+/* Why a request is refused by its tenant's limits. */
+typedef enum { PX_RL_OK = 0, PX_RL_REQUESTS, PX_RL_TOKENS } px_rl_verdict;
+
+/* Takes one request from the tenant's request bucket and checks that its
+ * token bucket is not in debt. On refusal *retry_ns says when to retry. */
+px_rl_verdict px_tenant_admit(px_tenant *t, uint64_t now, uint64_t *retry_ns);
+
+/* The x-ratelimit-* header lines OpenAI clients read, for a tenant with a
+ * limit ("" for one without), appended to out (NUL-terminated, truncated
+ * to cap). */
+void px_tenant_headers(px_tenant *t, uint64_t now, char *out, size_t cap);
+
+/* Finds usage's "total_tokens": N in an answer passing in pieces (JSON or
+ * SSE events; the last number seen wins). Keeps a few bytes across pieces
+ * so a key split between two reads is still found. */
+typedef struct px_tokscan {
+    char tail[32];
+    size_t ntail;
+    uint64_t total; /* the last total_tokens seen; 0: none */
+} px_tokscan;
+
+void px_tokscan_feed(px_tokscan *s, const char *p, size_t n);
+
+#endif

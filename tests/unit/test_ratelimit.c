@@ -1,0 +1,179 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <cmocka.h>
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "proxy/ratelimit.h"
+
+#define SEC 1000000000ULL
+
+/* A bucket of 60 per minute: 60 at once, then one a second. */
+static void test_bucket_burst_and_refill(void **state)
+{
+    (void)state;
+    px_bucket b;
+    px_bucket_init(&b, 60);
+    uint64_t t = 1000 * SEC, retry = 0;
+    assert_int_equal(px_bucket_remaining(&b, t), 60);
+    for (int i = 0; i < 60; i++)
+        assert_true(px_bucket_take(&b, t, 1, NULL));
+    assert_int_equal(px_bucket_remaining(&b, t), 0);
+    assert_false(px_bucket_take(&b, t, 1, &retry));
+    assert_int_equal(retry, SEC);
+    assert_int_equal(px_bucket_reset_ns(&b, t), 60 * SEC);
+    /* Half a second later: still nothing; a second later: one. */
+    assert_false(px_bucket_take(&b, t + SEC / 2, 1, &retry));
+    assert_int_equal(retry, SEC / 2);
+    assert_true(px_bucket_take(&b, t + SEC, 1, NULL));
+    assert_false(px_bucket_take(&b, t + SEC, 1, NULL));
+    /* A minute idle refills it whole, never beyond. */
+    assert_int_equal(px_bucket_remaining(&b, t + 1000 * SEC), 60);
+}
+
+/* Unlimited buckets take everything; charges may put a bucket in debt. */
+static void test_bucket_unlimited_and_debt(void **state)
+{
+    (void)state;
+    px_bucket b;
+    px_bucket_init(&b, 0);
+    assert_true(px_bucket_take(&b, 0, 1000000, NULL));
+    px_bucket_init(&b, 600); /* 10 a second */
+    uint64_t t = 5 * SEC;
+    px_bucket_charge(&b, t, 1200); /* two minutes' worth */
+    assert_int_equal(px_bucket_remaining(&b, t), 0);
+    assert_false(px_bucket_take(&b, t + 59 * SEC, 1, NULL));
+    assert_true(px_bucket_take(&b, t + 61 * SEC, 1, NULL));
+}
+
+/* Threads taking at once never take more than the bucket holds. */
+typedef struct {
+    px_bucket *b;
+    int got;
+} taker;
+
+static void *take_many(void *arg)
+{
+    taker *k = arg;
+    for (int i = 0; i < 5000; i++)
+        k->got += px_bucket_take(k->b, 42 * SEC, 1, NULL);
+    return NULL;
+}
+
+static void test_bucket_threads(void **state)
+{
+    (void)state;
+    px_bucket b;
+    px_bucket_init(&b, 1000);
+    pthread_t th[4];
+    taker k[4];
+    for (int i = 0; i < 4; i++) {
+        k[i] = (taker){&b, 0};
+        assert_int_equal(pthread_create(&th[i], NULL, take_many, &k[i]), 0);
+    }
+    int total = 0;
+    for (int i = 0; i < 4; i++) {
+        pthread_join(th[i], NULL);
+        total += k[i].got;
+    }
+    assert_int_equal(total, 1000);
+}
+
+static void test_tenants_parse(void **state)
+{
+    (void)state;
+    char *specs[] = {"alice:weight=3:rpm=2", "bob:tpm=100", "carol"};
+    px_tenants t;
+    char err[256];
+    assert_int_equal(px_tenants_parse(specs, 3, &t, err, sizeof err), 0);
+    assert_int_equal(t.n, 3);
+    assert_int_equal(px_tenants_find(&t, "bob", 3), 1);
+    assert_int_equal(px_tenants_find(&t, "bo", 2), 3);
+    assert_int_equal(px_tenants_find(&t, NULL, 0), 3);
+    assert_int_equal(t.v[0].weight, 3);
+    assert_int_equal(t.v[0].rpm.limit, 2);
+    assert_int_equal(t.v[1].tpm.limit, 100);
+    assert_int_equal(t.v[3].weight, 1);
+
+    uint64_t now = 7 * SEC, retry = 0;
+    assert_int_equal(px_tenant_admit(&t.v[0], now, &retry), PX_RL_OK);
+    assert_int_equal(px_tenant_admit(&t.v[0], now, &retry), PX_RL_OK);
+    assert_int_equal(px_tenant_admit(&t.v[0], now, &retry), PX_RL_REQUESTS);
+    assert_int_equal(retry, 30 * SEC);
+    char h[512] = "";
+    px_tenant_headers(&t.v[0], now, h, sizeof h);
+    assert_non_null(strstr(h, "x-ratelimit-limit-requests: 2\r\n"));
+    assert_non_null(strstr(h, "x-ratelimit-remaining-requests: 0\r\n"));
+    assert_non_null(strstr(h, "x-ratelimit-reset-requests: 1m0s\r\n"));
+    assert_null(strstr(h, "tokens"));
+
+    /* Tokens: admitted until the answers' usage spends the minute. */
+    assert_int_equal(px_tenant_admit(&t.v[1], now, &retry), PX_RL_OK);
+    px_bucket_charge(&t.v[1].tpm, now, 150);
+    assert_int_equal(px_tenant_admit(&t.v[1], now, &retry), PX_RL_TOKENS);
+    assert_true(retry > 30 * SEC && retry <= 31 * SEC);
+    h[0] = 0;
+    px_tenant_headers(&t.v[1], now, h, sizeof h);
+    assert_non_null(strstr(h, "x-ratelimit-limit-tokens: 100\r\n"));
+    assert_non_null(strstr(h, "x-ratelimit-remaining-tokens: 0\r\n"));
+    px_tenants_cleanup(&t);
+}
+
+static void test_tenants_parse_errors(void **state)
+{
+    (void)state;
+    const char *bad[] = {"", ":rpm=1", "a:rpm=x", "a:weight=0", "a:burst=3", "a:rpm=-1"};
+    for (size_t i = 0; i < sizeof bad / sizeof *bad; i++) {
+        char *v[] = {(char *)bad[i]};
+        px_tenants t = {0};
+        char err[256] = "";
+        assert_int_equal(px_tenants_parse(v, 1, &t, err, sizeof err), -1);
+        assert_non_null(strstr(err, "--tenant"));
+        assert_null(t.v);
+    }
+    char *dup[] = {"a", "a:rpm=3"};
+    px_tenants t = {0};
+    char err[256] = "";
+    assert_int_equal(px_tenants_parse(dup, 2, &t, err, sizeof err), -1);
+    assert_non_null(strstr(err, "twice"));
+}
+
+/* total_tokens found whole, split at every byte, in SSE; the last wins. */
+static void test_tokscan(void **state)
+{
+    (void)state;
+    const char *doc = "{\"id\":\"x\",\"usage\":{\"prompt_tokens\":12,\"total_tokens\" : 1234,"
+                      "\"completion_tokens\":1222}}";
+    size_t n = strlen(doc);
+    for (size_t step = 1; step <= n; step++) {
+        px_tokscan s = {0};
+        for (size_t at = 0; at < n; at += step)
+            px_tokscan_feed(&s, doc + at, n - at < step ? n - at : step);
+        assert_int_equal(s.total, 1234);
+    }
+    px_tokscan s = {0};
+    const char *sse = "data: {\"choices\":[{\"text\":\"total_tokens\"}],\"usage\":null}\n\n"
+                      "data: {\"usage\":{\"total_tokens\":7}}\n\ndata: [DONE]\n\n";
+    px_tokscan_feed(&s, sse, strlen(sse));
+    assert_int_equal(s.total, 7);
+    px_tokscan none = {0};
+    px_tokscan_feed(&none, "{\"total_tokens\":null}", 21);
+    assert_int_equal(none.total, 0);
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_bucket_burst_and_refill),
+        cmocka_unit_test(test_bucket_unlimited_and_debt),
+        cmocka_unit_test(test_bucket_threads),
+        cmocka_unit_test(test_tenants_parse),
+        cmocka_unit_test(test_tenants_parse_errors),
+        cmocka_unit_test(test_tokscan),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
