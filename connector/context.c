@@ -20,9 +20,14 @@
 #define DEFAULT_CONNECT_TIMEOUT_MS 5000u
 #define DEFAULT_EXPIRY_MS 480000u
 #define DEFAULT_XFER_TIMEOUT_MS 60000u
+#define DEFAULT_LEASE_MS 30000u
+#define DEFAULT_PENDING_FETCH_MS 30000u
+#define DEFAULT_MAX_PENDING 4096u
+#define DEFAULT_MAX_PENDING_PEER 1024u
+#define DEFAULT_MAX_PENDING_BYTES ((size_t)64 << 20)
 
 kvc_status_t kvc_agent_stat(const kvc_agent_t *a, kvc_stat_t which, uint64_t *value) {
-    if (!a || !value || (int)which < 0 || which > KVC_STAT_CUDA_SYNCS) return KVC_ERR_INVALID_PARAM;
+    if (!a || !value || (int)which < 0 || which > KVC_STAT_FETCH_CANCELED) return KVC_ERR_INVALID_PARAM;
     if (which == KVC_STAT_PUBLISHED_NOW)
         *value = a->pubs.count;
     else if (which == KVC_STAT_AUTHENTICATED)
@@ -214,6 +219,14 @@ kvc_status_t kvc_agent_create(const kvc_agent_params_t *p, kvc_agent_t **out) {
                              ? p->xfer_timeout_ms
                              : DEFAULT_XFER_TIMEOUT_MS;
     a->tp_size = (m & KVC_AGENT_FIELD_TP_SIZE) && p->tp_size ? p->tp_size : 1;
+    a->lease_ms = (m & KVC_AGENT_FIELD_LEASE) ? p->lease_ms : DEFAULT_LEASE_MS;
+    bool pf = (m & KVC_AGENT_FIELD_PENDING_FETCH) != 0;
+    a->pending_fetch_ms = pf ? p->pending_fetch_ms : DEFAULT_PENDING_FETCH_MS;
+    a->max_pending = pf && p->max_pending_fetches ? p->max_pending_fetches : DEFAULT_MAX_PENDING;
+    a->max_pending_peer =
+        pf && p->max_pending_per_peer ? p->max_pending_per_peer : DEFAULT_MAX_PENDING_PEER;
+    a->max_pending_bytes =
+        pf && p->max_pending_bytes ? p->max_pending_bytes : DEFAULT_MAX_PENDING_BYTES;
     a->max_handshakes =
         (m & KVC_AGENT_FIELD_MAX_HANDSHAKES) && p->max_handshakes ? p->max_handshakes : 256;
     a->proto = env_proto((m & KVC_AGENT_FIELD_PROTO) ? p->proto : KVC_PROTO_AUTO);

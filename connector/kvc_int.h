@@ -502,7 +502,12 @@ struct kvc_agent {
     size_t push_chunk;      /* largest DATA message (bytes, whole blocks) */
 
     kvc_evnode_t *evq_head, *evq_tail, *ev_cur;
-    uint64_t stats[KVC_STAT_CUDA_SYNCS + 1];
+    uint64_t stats[KVC_STAT_FETCH_CANCELED + 1];
+    /* Leases and held registrations (pending.c). */
+    uint32_t lease_ms, pending_fetch_ms, max_pending, max_pending_peer;
+    size_t max_pending_bytes;
+    struct kvc_pending *pending; /* owned: fetches registered before their publication */
+    size_t n_pending, pending_bytes;
     bool destroying;
 };
 

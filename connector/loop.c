@@ -62,6 +62,8 @@ const char *kvc_status_str(kvc_status_t st) {
         return "KVC_ERR_DENIED";
     case KVC_ERR_CUDA:
         return "KVC_ERR_CUDA";
+    case KVC_ERR_BUSY:
+        return "KVC_ERR_BUSY";
     }
     return "KVC_ERR_UNKNOWN";
 }

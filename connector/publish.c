@@ -376,3 +376,12 @@ void kvc_expiry_run(kvc_agent_t *a, uint64_t now, uint64_t *next) {
         pp = &p->dnext;
     }
 }
+
+kvc_status_t kvc_token_new(char out[33]) {
+    if (!out) return KVC_ERR_INVALID_PARAM;
+    uint8_t t[KVC_TOKEN_LEN];
+    kvc_status_t st = kvc_random(t, sizeof(t));
+    if (st != KVC_OK) return st;
+    kvc_token_hex(t, out);
+    return KVC_OK;
+}

@@ -70,6 +70,8 @@ struct kvc_xfer {
     char fail_msg[256];
     bool word;       /* CONFIRM/CHECK: the producer answered with an END */
     int outstanding; /* UCX requests whose user_data is this fetch */
+    void **reqs;     /* owned array: those requests, for kvc_fetch_cancel */
+    size_t nreqs, reqs_cap;
     bool op_failed;
     kvc_status_t op_status;
     char op_msg[256];
@@ -117,31 +119,40 @@ static void op_error(kvc_xfer_t *x, kvc_status_t st, const char *what, const cha
     snprintf(x->op_msg, sizeof(x->op_msg), "%s: %s", what, detail);
 }
 
-static void op_done(kvc_xfer_t *x, ucs_status_t us, const char *what) {
+static void req_forget(kvc_xfer_t *x, void *req) {
+    for (size_t i = 0; i < x->nreqs; i++)
+        if (x->reqs[i] == req) {
+            x->reqs[i] = x->reqs[--x->nreqs];
+            return;
+        }
+}
+
+static void op_done(kvc_xfer_t *x, void *req, ucs_status_t us, const char *what) {
+    req_forget(x, req);
     x->outstanding--;
     if (us != UCS_OK) op_error(x, ucs_to_kvc(us), what, ucs_status_string(us));
     kvc_wake(x->a);
 }
 
 static void get_cb(void *req, ucs_status_t us, void *ud) {
-    op_done(ud, us, "get");
+    op_done(ud, req, us, "get");
     ucp_request_free(req);
 }
 
 static void flush_cb(void *req, ucs_status_t us, void *ud) {
-    op_done(ud, us, "flush");
+    op_done(ud, req, us, "flush");
     ucp_request_free(req);
 }
 
 static void send_cb(void *req, ucs_status_t us, void *ud) {
-    op_done(ud, us, "send");
+    op_done(ud, req, us, "send");
     ucp_request_free(req);
 }
 
 static void recv_cb(void *req, ucs_status_t us, size_t length, void *ud) {
     kvc_xfer_t *x = ud;
     if (us == UCS_OK) x->bytes_got += length;
-    op_done(x, us, "receive");
+    op_done(x, req, us, "receive");
     ucp_request_free(req);
 }
 
@@ -154,6 +165,15 @@ static bool track(kvc_xfer_t *x, ucs_status_ptr_t r, const char *what) {
         return false;
     }
     x->outstanding++;
+    if (x->nreqs == x->reqs_cap) { /* untracked when out of memory: cancel then
+                                      falls back to closing the endpoint */
+        size_t cap = x->reqs_cap ? x->reqs_cap * 2 : 8;
+        void **q = realloc(x->reqs, cap * sizeof(*q));
+        if (!q) return true;
+        x->reqs = q;
+        x->reqs_cap = cap;
+    }
+    x->reqs[x->nreqs++] = r;
     return true;
 }
 
@@ -202,6 +222,7 @@ static void xfer_free(kvc_xfer_t *x) {
     free(x->runs);
     free(x->byloc);
     free(x->bits);
+    free(x->reqs);
     kvc_buf_cleanup(&x->pull);
     kvc_buf_cleanup(&x->notify);
     free(x);
@@ -789,6 +810,47 @@ static ucs_status_t data_cb(void *arg, const void *header, size_t hlen, void *da
     return UCS_INPROGRESS;
 }
 
+kvc_status_t kvc_lease_renew(kvc_agent_t *a, const kvc_fetch_params_t *p) {
+    (void)p;
+    if (!a) return KVC_ERR_INVALID_PARAM;
+    return KVC_ERR_UNSUPPORTED; /* first commit: the RENEW pull follows */
+}
+
 kvc_status_t kvc_xfer_register_am(kvc_agent_t *a) {
     return kvc_set_am_handler(a, KVC_AM_DATA, data_cb);
+}
+
+/* Cancel: the fetch takes no DATA from now on (data_cb drops what arrives
+ * for a finished fetch), then what is already in flight is cancelled and
+ * progressed to its end here, so that nothing lands after the return; as a
+ * last resort the endpoint to the producer is closed. */
+kvc_status_t kvc_fetch_cancel(kvc_agent_t *a, uint64_t xfer_id) {
+    if (!a) return KVC_ERR_INVALID_PARAM;
+    kvc_xfer_t *x = NULL;
+    for (kvc_xfer_t *y = a->xfers; y; y = y->next)
+        if (y->id == xfer_id && (!y->finished || y->fail_pending)) x = y;
+    if (!x) return KVC_ERR_NOT_FOUND;
+    x->finished = true;
+    x->sref.dead = true;
+    x->state = X_DONE;
+    x->fail_pending = false;
+    for (size_t i = 0; i < x->nreqs; i++)
+        ucp_request_cancel(a->worker, x->reqs[i]);
+    uint64_t until = kvc_now_ns() + FAIL_GRACE_NS;
+    bool aborted = false;
+    while (x->outstanding > 0 || x->sref.holds > 0) {
+        if (!aborted && kvc_now_ns() >= until) {
+            aborted = true;
+            kvc_peer_abort(a, x->peer, KVC_ERR_CANCELED, "fetch cancelled, requests did not end");
+        }
+        ucp_worker_progress(a->worker);
+        uint64_t ignored = UINT64_MAX;
+        kvc_stage_progress(a, kvc_now_ns(), &ignored);
+        if (aborted && kvc_now_ns() >= until + FAIL_GRACE_NS) break;
+    }
+    kvc_cuda_drain(a->cuda);
+    a->stats[KVC_STAT_FETCH_CANCELED]++;
+    emit_failed(a, x, KVC_ERR_CANCELED, "fetch cancelled");
+    kvc_wake(a);
+    return KVC_OK;
 }

@@ -32,13 +32,25 @@
  *
  * Threading contract
  * ------------------
- * One thread drives an agent: every kvc_ function taking a kvc_agent_t must
- * be called from that thread (or with external locking).  The library starts
- * no threads.  Nothing happens unless the driving thread calls
- * kvc_agent_progress(); in particular a producer must keep progressing, since
- * without RDMA hardware a remote read is served by the producer's worker.
+ * Default: one thread drives an agent: every kvc_ function taking a
+ * kvc_agent_t must be called from that thread (or with external locking).
+ * The library starts no threads.  Nothing happens unless the driving thread
+ * calls kvc_agent_progress(); in particular a producer must keep
+ * progressing, since without RDMA hardware a remote read is served by the
+ * producer's worker.
+ * With progress_thread = 1 (KVC_AGENT_FIELD_PROGRESS_THREAD) the agent starts
+ * one internal thread that progresses it by itself (no caller loop needed);
+ * then every kvc_ function may be called from any thread: calls are
+ * serialised on the agent's mutex.  Events are still popped with
+ * kvc_agent_next_event() (pop from one thread: an event's borrowed strings
+ * stay valid until the next kvc_agent_next_event/progress/destroy call; the
+ * internal thread never frees them).  The fd
+ * stays usable for a caller's poll (readable while events are queued);
+ * kvc_agent_progress() and kvc_agent_wait() remain allowed and harmless.
+ * kvc_agent_destroy() stops and joins the thread first.
  * There are no user callbacks except the log callback, which runs on the
- * thread that called the kvc_ function that logs (the driving thread).
+ * thread that called the kvc_ function that logs (with a progress thread:
+ * possibly that thread, holding the agent's mutex).
  *
  * Driving an agent from libevent
  * ------------------------------
@@ -197,14 +209,18 @@ typedef enum {
     KVC_ERR_UNREACHABLE = -3,  /**< side channel: connect/handshake failed or timed out */
     KVC_ERR_TIMED_OUT = -4,    /**< a fetch's data did not land within xfer_timeout_ms; the
                                     producer is then treated as failed (all its fetches fail,
-                                    the next fetch handshakes again) */
+                                    the next fetch handshakes again).  Also: a fetch registered
+                                    before its publication (KVC_FETCH_FIELD_WAIT) whose
+                                    publication did not come within the wait (the producer
+                                    stays usable) */
     KVC_ERR_VERSION = -5,      /**< peer speaks another handshake wire version */
     KVC_ERR_INCOMPATIBLE = -6, /**< layout tag, region count or block geometry differ */
     KVC_ERR_NOT_FOUND = -7,
     KVC_ERR_EXISTS = -8,       /**< e.g. a request id already published */
     KVC_ERR_PROTOCOL = -9,     /**< malformed message from a peer */
     KVC_ERR_PEER_FAILED = -10, /**< peer died or its endpoint failed mid-transfer */
-    KVC_ERR_CANCELED = -11,    /**< agent destroyed with the transfer in flight */
+    KVC_ERR_CANCELED = -11,    /**< agent destroyed with the transfer in flight, or the
+                                    fetch was cancelled (kvc_fetch_cancel) */
     KVC_ERR_TRANSPORT = -12,   /**< UCX reported an error */
     KVC_ERR_IO = -13,          /**< socket or system call failure */
     KVC_ERR_UNSUPPORTED = -14, /**< e.g. CUDA region in a build without CUDA */
@@ -218,6 +234,9 @@ typedef enum {
                                     (see kvc_publish) */
     KVC_ERR_CUDA = -19,        /**< a CUDA runtime call failed; the message (log line, event)
                                     names the CUDA error (e.g. cudaErrorIllegalAddress) */
+    KVC_ERR_BUSY = -20,        /**< producer: a fetch registered before its publication was
+                                    refused because the bounds on held registrations (per
+                                    peer, in total, bytes) are reached */
 } kvc_status_t;
 
 /** Static string naming `st` ("KVC_ERR_UNREACHABLE" style); never NULL. */
@@ -275,6 +294,9 @@ enum {
     KVC_AGENT_FIELD_SECRET = 1u << 12,
     KVC_AGENT_FIELD_MAX_HANDSHAKES = 1u << 13,
     KVC_AGENT_FIELD_STAGING_POOL = 1u << 14,
+    KVC_AGENT_FIELD_PROGRESS_THREAD = 1u << 15,
+    KVC_AGENT_FIELD_LEASE = 1u << 16,
+    KVC_AGENT_FIELD_PENDING_FETCH = 1u << 17, /**< pending_fetch_ms and the three bounds */
 };
 
 /** Agent parameters.  Only fields named in field_mask are read; others take
@@ -313,6 +335,29 @@ typedef struct {
                                     message (KVC_PUSH_CHUNK_KB, 4 MiB, or one
                                     block when larger); at least two slots.
                                     The env KVC_STAGING_POOL_MB overrides it. */
+    int progress_thread;       /**< 1: an internal thread progresses the agent and every
+                                    kvc_ call may come from any thread (see "Threading
+                                    contract"); 0 (default): the caller drives it */
+    uint32_t lease_ms;         /**< producer: a publication is held for this long unless a
+                                    consumer renews it (kvc_lease_renew; a pull renews
+                                    too); missed renewals free it (KVC_EV_EXPIRED, message
+                                    "lease not renewed").  expiry_ms stays the upper
+                                    bound.  0: no lease, expiry_ms only.  30000 */
+    uint32_t pending_fetch_ms; /**< producer: how long a fetch that arrives before its
+                                    publication (KVC_FETCH_FIELD_WAIT on the consumer) is
+                                    held waiting for kvc_publish of that id (push-mode
+                                    registration).  The consumer's wait_ms bounds it too.
+                                    Past it the consumer gets FETCH_FAILED with
+                                    KVC_ERR_TIMED_OUT.  0: never hold (refused at once,
+                                    KVC_ERR_DENIED).  30000 */
+    /* With KVC_AGENT_FIELD_PENDING_FETCH all four are read; 0 in a bound
+     * means its default. */
+    uint32_t max_pending_fetches;  /**< held registrations in total; 4096 */
+    uint32_t max_pending_per_peer; /**< held registrations per consumer endpoint; 1024 */
+    size_t max_pending_bytes;      /**< memory of held registrations (their pull
+                                        messages) in total; 64 MiB.  Beyond any of the
+                                        three bounds a registration is refused:
+                                        FETCH_FAILED with KVC_ERR_BUSY */
 } kvc_agent_params_t;
 
 /**
@@ -401,6 +446,8 @@ enum {
     KVC_PUBLISH_FIELD_CONSUMERS = 1u << 2,
     KVC_PUBLISH_FIELD_CUDA_EVENT = 1u << 3,
     KVC_PUBLISH_FIELD_CUDA_STREAM = 1u << 4,
+    KVC_PUBLISH_FIELD_TOKEN = 1u << 5,
+    KVC_PUBLISH_FIELD_LEASE = 1u << 6,
 };
 
 typedef struct {
@@ -424,7 +471,19 @@ typedef struct {
                              only; else pass an event).  0 is the legacy default
                              stream: the field mask, not the value, says whether a
                              stream is given. */
+    const char *kv_token; /**< KVC_PUBLISH_FIELD_TOKEN: the publication's token, 32 hex
+                               digits (borrowed for the call), chosen by the caller
+                               (kvc_token_new()), e.g. in vLLM's scheduler process when
+                               it builds kv_transfer_params before the worker
+                               publishes.  Default: a random one. */
+    uint32_t lease_ms;    /**< KVC_PUBLISH_FIELD_LEASE: this publication's lease (0:
+                               none); default the agent's lease_ms */
 } kvc_publish_params_t;
+
+/** Writes a fresh random token (32 lowercase hex digits and a NUL) into out,
+ * for KVC_PUBLISH_FIELD_TOKEN.  Needs no agent (any process, any thread).
+ * KVC_OK; KVC_ERR_INVALID_PARAM (out NULL); KVC_ERR_IO (no randomness). */
+KVC_API kvc_status_t kvc_token_new(char out[33]);
 
 /**
  * Publishes `n` blocks (copied) of request `request_id` (any printable
@@ -434,12 +493,16 @@ typedef struct {
  *    "remote_block_ids":[...],"remote_engine_id":"...",
  *    "remote_request_id":"<request_id>","remote_host":"...",
  *    "remote_port":N,"tp_size":N,"remote_kv_token":"<32 hex digits>"}
- * The token is random per publication: only a consumer that was handed these
- * params can pull the blocks or release them.  `params` may be NULL.  For CUDA regions the
+ * The token is random per publication (or the caller's, KVC_PUBLISH_FIELD_TOKEN):
+ * only a consumer that was handed these params can pull the blocks, renew
+ * their lease or release them.  Fetches registered before this call (a
+ * consumer's KVC_FETCH_FIELD_WAIT) with this id are served now, with the
+ * checks of any pull (token, blocks, bounds); a held registration with
+ * another token is refused (KVC_ERR_DENIED).  `params` may be NULL.  For CUDA regions the
  * connector's streams are made to wait for the engine's event or stream before this returns
  * (staged: no host sync; see "CUDA ordering contract"). KVC_OK; KVC_ERR_INVALID_PARAM
  * (empty/non-printable id, block id out of range, a CUDA stream with regions on several
- * devices; nothing is published); KVC_ERR_EXISTS (id already published); KVC_ERR_STATE (no
+ * devices, a kv_token that is not 32 hex digits; nothing is published); KVC_ERR_EXISTS (id already published); KVC_ERR_STATE (no
  * regions); KVC_ERR_NO_MEMORY; KVC_ERR_CUDA (a copy or wait failed; nothing is published, no
  * copy is left queued).
  */
@@ -462,6 +525,9 @@ enum {
     KVC_FETCH_FIELD_LOCAL_BLOCKS = 1u << 2,
     KVC_FETCH_FIELD_USER_DATA = 1u << 3,
     KVC_FETCH_FIELD_CUDA_STREAM = 1u << 4,
+    KVC_FETCH_FIELD_SLICE = 1u << 5,       /**< remote_parts .. local_part */
+    KVC_FETCH_FIELD_WAIT = 1u << 6,        /**< wait_ms: register before publication */
+    KVC_FETCH_FIELD_REMOTE_RANK = 1u << 7, /**< remote_rank: which prefill TP rank */
 };
 
 typedef struct {
@@ -489,6 +555,31 @@ typedef struct {
      * (the field mask says whether a stream is given).  See "CUDA ordering
      * contract". */
     void *cuda_stream;
+    /** KVC_FETCH_FIELD_SLICE (heterogeneous TP, non-MLA, HND layout): read part
+     * remote_part of remote_parts equal parts of every remote block (per
+     * region) into part local_part of local_parts of the local block.  The
+     * part sizes must match per region: remote_block_len / remote_parts ==
+     * local_block_len / local_parts, else the fetch fails with
+     * KVC_ERR_INCOMPATIBLE.  Bytes of the local block outside its part are
+     * never written.  TP 1->2: decode rank r reads part r of 2 from prefill
+     * rank 0 into part 0 of 1.  TP 2->1: decode reads from prefill rank 0 and
+     * 1 (two fetches, remote_rank 0 and 1) part 0 of 1 into local parts 0 and
+     * 1 of 2.  MLA: do not slice.  Defaults 1, 0, 1, 0 (whole blocks). */
+    uint32_t remote_parts, remote_part, local_parts, local_part;
+    /** KVC_FETCH_FIELD_WAIT: if the publication does not exist yet when the
+     * pull reaches the producer, the producer holds this fetch (push-mode
+     * registration) up to min(wait_ms, its pending_fetch_ms) and serves it
+     * the moment kvc_publish with that id and token happens.  Without the
+     * field (or 0) an unknown publication is refused at once
+     * (KVC_ERR_DENIED), as before: invented or stale ids fail fast. */
+    uint32_t wait_ms;
+    /** KVC_FETCH_FIELD_REMOTE_RANK: the prefill TP rank to read from.  One
+     * kv_transfer_params object serves every prefill rank: rank r's side
+     * channel is remote_port + r (each prefill worker's agent listens on
+     * base port + its TP rank; a DP rank does not enter: every DP engine
+     * returns its own remote_port), and all ranks share the request's one
+     * token (the caller supplies it to every rank's kvc_publish).  Default 0. */
+    uint32_t remote_rank;
 } kvc_fetch_params_t;
 
 /**
@@ -511,9 +602,40 @@ typedef struct {
  * never written).  The failure event comes only after every receive and
  * read of the fetch completed or was cancelled (those still running 2 s
  * after the failure are cancelled by closing the endpoint to that producer,
- * which fails its other fetches too).
+ * which fails its other fetches too), KVC_ERR_INCOMPATIBLE (slice sizes do
+ * not match, see KVC_FETCH_FIELD_SLICE), KVC_ERR_TIMED_OUT (a registration,
+ * KVC_FETCH_FIELD_WAIT, that never met its publication), KVC_ERR_BUSY (the
+ * producer holds too many registrations), KVC_ERR_CANCELED
+ * (kvc_fetch_cancel).  A fetch in flight renews the publication's lease.
  */
 KVC_API kvc_status_t kvc_fetch(kvc_agent_t *a, const kvc_fetch_params_t *params, uint64_t *xfer_id);
+
+/**
+ * Cancels a fetch.  KVC_OK: from the return on, no byte of that fetch is
+ * written into local blocks any more (its outstanding UCX requests were
+ * cancelled and progressed to their end; as a last resort, after 2 s, the
+ * endpoint to the producer was closed, which fails that producer's other
+ * fetches too), and the fetch gets exactly one event, FETCH_FAILED with
+ * KVC_ERR_CANCELED (queued by this call).  Blocks partly written hold no
+ * valid data.  A registration held by the producer is withdrawn.
+ * KVC_ERR_NOT_FOUND: unknown id, or its event was already queued.
+ * May block the caller up to 2 s while UCX requests end.
+ */
+KVC_API kvc_status_t kvc_fetch_cancel(kvc_agent_t *a, uint64_t xfer_id);
+
+/**
+ * Renews the lease of a publication this consumer has not fetched yet
+ * (e.g. its request waits in decode's queue).  `params` names it exactly as
+ * for kvc_fetch (JSON or fields, token required, KVC_FETCH_FIELD_REMOTE_RANK
+ * honoured; local blocks ignored).  The renewal travels as a RENEW pull
+ * (flag on the existing PULL message, no runs) over the producer's UCX
+ * endpoint, after the cached handshake; the producer checks id and token as
+ * for a pull and extends the lease by its lease_ms (never past expiry).
+ * Fire and forget: KVC_OK means queued; a refusal is logged and counted on
+ * the producer (KVC_STAT_DENIED), no event.  KVC_ERR_INVALID_PARAM (as
+ * kvc_fetch), KVC_ERR_STATE (no regions), KVC_ERR_NO_MEMORY.
+ */
+KVC_API kvc_status_t kvc_lease_renew(kvc_agent_t *a, const kvc_fetch_params_t *params);
 
 /* --------------------------------------------------------------- events -- */
 
@@ -578,6 +700,16 @@ typedef enum {
     KVC_STAT_CUDA_COPIES = 18,         /**< staging copies issued (one cudaMemcpyAsync per
                                             pushed message, through a pool slot) */
     KVC_STAT_CUDA_SYNCS = 19,          /**< host synchronisations of staging streams */
+    KVC_STAT_PENDING_FETCHES = 20,     /**< producer: registrations held now (fetches that
+                                            arrived before their publication) */
+    KVC_STAT_PENDING_SERVED = 21,      /**< producer: registrations served by kvc_publish */
+    KVC_STAT_PENDING_EXPIRED = 22,     /**< producer: registrations that never met their
+                                            publication (timed out) */
+    KVC_STAT_PENDING_REFUSED = 23,     /**< producer: registrations refused over the bounds */
+    KVC_STAT_LEASE_RENEWALS = 24,      /**< producer: lease renewals accepted */
+    KVC_STAT_LEASE_EXPIRED = 25,       /**< producer: publications freed for a missed lease
+                                            (also counted in KVC_STAT_EXPIRED) */
+    KVC_STAT_FETCH_CANCELED = 26,      /**< consumer: fetches cancelled (kvc_fetch_cancel) */
 } kvc_stat_t;
 
 /** Bits of KVC_STAT_TRANSPORTS.  Values are stable. */
