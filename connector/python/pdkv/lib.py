@@ -19,7 +19,7 @@ import os
 import select
 import threading
 
-__all__ = ["Agent", "KvcError", "load_library", "library_path", "Event"]
+__all__ = ["Agent", "KvcError", "load_library", "library_path", "Event", "new_token"]
 
 KVC_OK, KVC_INPROGRESS, KVC_AGAIN = 0, 1, 2
 ERR_NOT_FOUND = -7
@@ -34,18 +34,23 @@ A_ENGINE_ID, A_LISTEN_HOST, A_LISTEN_PORT, A_ADVERTISE_HOST = 1, 2, 4, 8
 A_LOG, A_CONNECT_TIMEOUT, A_EXPIRY, A_XFER_TIMEOUT = 16, 32, 64, 128
 A_LAYOUT_TAG, A_TP_SIZE, A_PROTO, A_LOG_LEVEL = 256, 512, 1024, 2048
 A_SECRET, A_MAX_HANDSHAKES, A_STAGING_POOL = 4096, 8192, 16384
+A_PROGRESS_THREAD, A_LEASE, A_PENDING_FETCH = 1 << 15, 1 << 16, 1 << 17
 # region fields
 R_BASE, R_MEM_TYPE, R_CUDA_DEVICE = 1, 2, 4
 MEM_HOST, MEM_CUDA = 0, 1
 # publish fields
 P_EXPIRY, P_USER_DATA, P_CONSUMERS, P_CUDA_EVENT, P_CUDA_STREAM = 1, 2, 4, 8, 16
+P_TOKEN, P_LEASE = 32, 64
 # fetch fields
 F_JSON, F_REMOTE, F_LOCAL_BLOCKS, F_USER_DATA, F_CUDA_STREAM = 1, 2, 4, 8, 16
+F_SLICE, F_WAIT, F_REMOTE_RANK = 32, 64, 128
 
 STATS = {"published": 0, "released": 1, "expired": 2, "unknown_notify": 3,
          "fetch_done": 4, "fetch_failed": 5, "bytes_fetched": 6, "handshakes": 7,
          "published_now": 8, "authenticated": 9, "auth_failed": 10, "denied": 11,
-         "peer_errors": 12}
+         "peer_errors": 12, "pending_fetches": 20, "pending_served": 21,
+         "pending_expired": 22, "pending_refused": 23, "lease_renewals": 24,
+         "lease_expired": 25, "fetch_canceled": 26}
 
 _LOG_CB = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int, ctypes.c_char_p)
 
@@ -59,7 +64,10 @@ class AgentParams(ctypes.Structure):
                 ("xfer_timeout_ms", ctypes.c_uint32), ("layout_tag", ctypes.c_char_p),
                 ("tp_size", ctypes.c_uint32), ("proto", ctypes.c_int),
                 ("secret", ctypes.c_void_p), ("secret_len", ctypes.c_size_t),
-                ("max_handshakes", ctypes.c_uint32), ("staging_pool_bytes", ctypes.c_size_t)]
+                ("max_handshakes", ctypes.c_uint32), ("staging_pool_bytes", ctypes.c_size_t),
+                ("progress_thread", ctypes.c_int), ("lease_ms", ctypes.c_uint32),
+                ("pending_fetch_ms", ctypes.c_uint32), ("max_pending_fetches", ctypes.c_uint32),
+                ("max_pending_per_peer", ctypes.c_uint32), ("max_pending_bytes", ctypes.c_size_t)]
 
 
 class RegionParams(ctypes.Structure):
@@ -71,7 +79,8 @@ class RegionParams(ctypes.Structure):
 class PublishParams(ctypes.Structure):
     _fields_ = [("field_mask", ctypes.c_uint64), ("expiry_ms", ctypes.c_uint32),
                 ("user_data", ctypes.c_uint64), ("consumers", ctypes.c_uint32),
-                ("cuda_event", ctypes.c_void_p), ("cuda_stream", ctypes.c_void_p)]
+                ("cuda_event", ctypes.c_void_p), ("cuda_stream", ctypes.c_void_p),
+                ("kv_token", ctypes.c_char_p), ("lease_ms", ctypes.c_uint32)]
 
 
 class FetchParams(ctypes.Structure):
@@ -82,7 +91,10 @@ class FetchParams(ctypes.Structure):
                 ("num_remote_blocks", ctypes.c_size_t),
                 ("local_block_ids", ctypes.POINTER(ctypes.c_uint64)),
                 ("num_local_blocks", ctypes.c_size_t), ("user_data", ctypes.c_uint64),
-                ("remote_kv_token", ctypes.c_char_p), ("cuda_stream", ctypes.c_void_p)]
+                ("remote_kv_token", ctypes.c_char_p), ("cuda_stream", ctypes.c_void_p),
+                ("remote_parts", ctypes.c_uint32), ("remote_part", ctypes.c_uint32),
+                ("local_parts", ctypes.c_uint32), ("local_part", ctypes.c_uint32),
+                ("wait_ms", ctypes.c_uint32), ("remote_rank", ctypes.c_uint32)]
 
 
 class _CEvent(ctypes.Structure):
@@ -204,10 +216,22 @@ def _bind(lib):
         "kvc_fetch": (ctypes.c_int, [P, ctypes.POINTER(FetchParams), U64P]),
         "kvc_agent_next_event": (ctypes.c_int, [P, ctypes.POINTER(_CEvent)]),
         "kvc_agent_stat": (ctypes.c_int, [P, ctypes.c_int, U64P]),
+        "kvc_token_new": (ctypes.c_int, [ctypes.c_char_p]),
+        "kvc_fetch_cancel": (ctypes.c_int, [P, ctypes.c_uint64]),
+        "kvc_lease_renew": (ctypes.c_int, [P, ctypes.POINTER(FetchParams)]),
     }
     for name, (res, args) in sigs.items():
         fn = getattr(lib, name)
         fn.restype, fn.argtypes = res, args
+
+
+def new_token():
+    """kvc_token_new(): 32 random hex digits, no agent needed."""
+    buf = ctypes.create_string_buffer(33)
+    st = load_library().kvc_token_new(buf)
+    if st != KVC_OK:
+        raise KvcError("kvc_token_new", st)
+    return buf.value.decode()
 
 
 def status_str(st):
@@ -227,7 +251,8 @@ class Agent:
 
     def __init__(self, engine_id, listen_host="127.0.0.1", listen_port=0, advertise_host=None,
                  tp_size=1, layout_tag=None, expiry_ms=None, xfer_timeout_ms=None,
-                 connect_timeout_ms=None, secret=None):
+                 connect_timeout_ms=None, secret=None, lease_ms=None, pending_fetch_ms=None,
+                 progress_thread=True):
         lib = load_library()
         self._lib = lib
         self.lock = threading.RLock()
@@ -247,10 +272,17 @@ class Agent:
             p.layout_tag = layout_tag.encode()
         for mask, name, val in ((A_EXPIRY, "expiry_ms", expiry_ms),
                                 (A_XFER_TIMEOUT, "xfer_timeout_ms", xfer_timeout_ms),
-                                (A_CONNECT_TIMEOUT, "connect_timeout_ms", connect_timeout_ms)):
+                                (A_CONNECT_TIMEOUT, "connect_timeout_ms", connect_timeout_ms),
+                                (A_LEASE, "lease_ms", lease_ms)):
             if val is not None:
                 p.field_mask |= mask
                 setattr(p, name, int(val))
+        if pending_fetch_ms is not None:
+            p.field_mask |= A_PENDING_FETCH
+            p.pending_fetch_ms = int(pending_fetch_ms)
+        if progress_thread:
+            p.field_mask |= A_PROGRESS_THREAD
+            p.progress_thread = 1
         if secret is not None:
             buf = ctypes.create_string_buffer(secret, len(secret))
             p.field_mask |= A_SECRET
@@ -288,10 +320,18 @@ class Agent:
         if st != KVC_OK:
             raise KvcError("kvc_agent_register_regions", st)
 
-    def publish(self, request_id, block_ids, user_data=None, expiry_ms=None, cuda_stream=None):
-        """Publishes blocks; returns the kv_transfer_params text (JSON)."""
+    def publish(self, request_id, block_ids, user_data=None, expiry_ms=None, cuda_stream=None,
+                token=None, lease_ms=None):
+        """Publishes blocks (with the caller's token when given); returns the
+        kv_transfer_params text (JSON)."""
         ids, n = _u64s(block_ids)
         pp = PublishParams()
+        if token is not None:
+            pp.field_mask |= P_TOKEN
+            pp.kv_token = token.encode()
+        if lease_ms is not None:
+            pp.field_mask |= P_LEASE
+            pp.lease_ms = int(lease_ms)
         if user_data is not None:
             pp.field_mask |= P_USER_DATA
             pp.user_data = int(user_data)
@@ -321,8 +361,8 @@ class Agent:
                 return ERR_NOT_FOUND
             return self._lib.kvc_unpublish(self._h, request_id.encode())
 
-    def fetch(self, params, local_block_ids, user_data=0, cuda_stream=None):
-        """Starts a fetch from kv_transfer_params (a dict); returns xfer_id."""
+    def _fetch_params(self, params, local_block_ids, user_data=0, cuda_stream=None,
+                      remote_rank=0, parts=None, wait_ms=None):
         rb, nr = _u64s(params["remote_block_ids"])
         lb, nl = _u64s(local_block_ids)
         fp = FetchParams()
@@ -337,6 +377,25 @@ class Agent:
         if cuda_stream is not None:
             fp.field_mask |= F_CUDA_STREAM
             fp.cuda_stream = int(cuda_stream)
+        if remote_rank:
+            fp.field_mask |= F_REMOTE_RANK
+            fp.remote_rank = int(remote_rank)
+        if parts is not None and tuple(parts) != (1, 0, 1, 0):
+            fp.field_mask |= F_SLICE
+            fp.remote_parts, fp.remote_part, fp.local_parts, fp.local_part = map(int, parts)
+        if wait_ms:
+            fp.field_mask |= F_WAIT
+            fp.wait_ms = int(wait_ms)
+        return fp, (rb, lb, keep)
+
+    def fetch(self, params, local_block_ids, user_data=0, cuda_stream=None, remote_rank=0,
+              parts=None, wait_ms=None):
+        """Starts a fetch from kv_transfer_params (a dict); returns xfer_id.
+        parts = (remote_parts, remote_part, local_parts, local_part) for a
+        heterogeneous-TP slice; wait_ms lets the fetch reach the producer
+        before the publication (held there that long at most)."""
+        fp, _keep = self._fetch_params(params, local_block_ids, user_data, cuda_stream,
+                                       remote_rank, parts, wait_ms)
         xid = ctypes.c_uint64()
         with self.lock:
             self._check()
@@ -344,6 +403,21 @@ class Agent:
         if st != KVC_INPROGRESS:
             raise KvcError("kvc_fetch", st, str(params.get("remote_request_id")))
         return xid.value
+
+    def cancel(self, xfer_id):
+        """kvc_fetch_cancel: status KVC_OK or ERR_NOT_FOUND."""
+        with self.lock:
+            if self._h is None:
+                return ERR_NOT_FOUND
+            return self._lib.kvc_fetch_cancel(self._h, int(xfer_id))
+
+    def lease_renew(self, params, remote_rank=0):
+        fp, _keep = self._fetch_params(params, [], remote_rank=remote_rank)
+        with self.lock:
+            self._check()
+            st = self._lib.kvc_lease_renew(self._h, ctypes.byref(fp))
+        if st != KVC_OK:
+            raise KvcError("kvc_lease_renew", st, str(params.get("remote_request_id")))
 
     def stat(self, name):
         v = ctypes.c_uint64()
