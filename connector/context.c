@@ -79,6 +79,7 @@ kvc_status_t kvc_agent_progress(kvc_agent_t *a) {
     kvc_stage_progress(a, now, &next);
     kvc_xfers_advance(a, now, &next);
     kvc_expiry_run(a, now, &next);
+    kvc_pending_timers(a, now, &next);
     kvc_peers_reap(a);
     kvc_sconns_reap(a);
     for (int i = 0; i < 4096 && ucp_worker_progress(a->worker); i++) {

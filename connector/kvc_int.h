@@ -116,6 +116,8 @@ typedef struct {
     kvc_span_t request_id;
     kvc_run_t *runs; /* owned (parse: malloc'ed) or borrowed (encode) */
     size_t n;
+    /* KVC_PULL_EXT trailer (else 0, 1, 0) */
+    uint32_t wait_ms, parts, part;
 } kvc_wire_pull_t;
 
 typedef struct {
@@ -165,7 +167,22 @@ KVC_HIDDEN void kvc_wire_hs_cleanup(kvc_wire_hs_t *hs);
  * and hold its blocks for it (no DATA; an END or a refusal answers).
  * KVC_PULL_UNHOLD: that read ended: was the hold intact all along?  (END:
  * yes; a DENIED refusal: no, the read may have seen reused blocks.) */
-enum { KVC_PULL_RNDV = 1u << 0, KVC_PULL_HOLD = 1u << 1, KVC_PULL_UNHOLD = 1u << 2 };
+/* KVC_PULL_EXT: a 16-byte trailer follows the runs: u32 wait_ms, u32 remote
+ * parts, u32 remote part, u32 reserved (0).  Producers before it drop such a
+ * pull as malformed (the consumer's fetch then times out).
+ * KVC_PULL_WAIT: an unknown publication is not refused but held up to
+ * min(wait_ms, pending_fetch_ms) for its kvc_publish (push-mode
+ * registration); past it refused with KVC_ERR_TIMED_OUT.
+ * KVC_PULL_RENEW: no runs, no answer: renew the publication's lease. */
+enum {
+    KVC_PULL_RNDV = 1u << 0,
+    KVC_PULL_HOLD = 1u << 1,
+    KVC_PULL_UNHOLD = 1u << 2,
+    KVC_PULL_EXT = 1u << 3,
+    KVC_PULL_WAIT = 1u << 4,
+    KVC_PULL_RENEW = 1u << 5,
+};
+#define KVC_PULL_EXT_LEN 16
 /* PULL: u16 version, u16 flags, u32 n_runs, u64 xfer_id, xfer_token[16],
  * pub_token[16], u32 consumer tp, str16 request_id,
  * n_runs * {u64 remote, u64 local, u64 count}. */
@@ -410,7 +427,9 @@ struct kvc_pub {
     uint64_t *blocks;         /* owned */
     uint64_t *sorted;         /* owned: blocks, sorted, for membership checks */
     size_t n;
-    uint64_t deadline_ns;
+    uint64_t deadline_ns;      /* expiry-list key: min(hard_deadline_ns, lease end) */
+    uint64_t hard_deadline_ns; /* the fixed expiry: upper bound of any lease */
+    uint64_t lease_ns;         /* lease length (0: none) */
     uint64_t user_data;
     uint8_t token[KVC_TOKEN_LEN];
     uint32_t consumers; /* notifications needed; 0: from the first one */
@@ -508,6 +527,7 @@ struct kvc_agent {
     size_t max_pending_bytes;
     struct kvc_pending *pending; /* owned: fetches registered before their publication */
     size_t n_pending, pending_bytes;
+    bool pending_check; /* a publication came: serve the held pulls that wait for it */
     bool destroying;
 };
 
@@ -667,6 +687,11 @@ KVC_HIDDEN void kvc_xfers_destroy(kvc_agent_t *a);
 
 /* --------------------------------------------------------- push.c -- */
 KVC_HIDDEN kvc_status_t kvc_push_register_am(kvc_agent_t *a);
+/* Held registrations (pulls that came before their publication), from
+ * progress: those whose publication now exists are served (kvc_publish sets
+ * pending_check and wakes the agent: publish.c does not call push.c), those
+ * past their deadline refused. */
+KVC_HIDDEN void kvc_pending_timers(kvc_agent_t *a, uint64_t now, uint64_t *next);
 /* Frees the push jobs whose sends never completed; after the worker is
  * destroyed, when no callback can reach them. */
 KVC_HIDDEN void kvc_push_destroy(kvc_agent_t *a);
@@ -694,6 +719,9 @@ KVC_HIDDEN void kvc_expiry_run(kvc_agent_t *a, uint64_t now, uint64_t *next);
  * now, or when the last one ends.  p may be freed. */
 KVC_HIDDEN void kvc_pub_release(kvc_agent_t *a, kvc_pub_t *p, kvc_event_type_t type,
                                 kvc_status_t st, const char *msg);
+/* Renews p's lease (a pull or a RENEW for it arrived): re-sorted in the
+ * expiry list.  No-op without a lease. */
+KVC_HIDDEN void kvc_pub_lease_renew(kvc_agent_t *a, kvc_pub_t *p);
 /* A push job starts / ends sending from p's blocks. */
 KVC_HIDDEN void kvc_pub_push_begin(kvc_pub_t *p);
 KVC_HIDDEN void kvc_pub_push_end(kvc_agent_t *a, kvc_pub_t *p);

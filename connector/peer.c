@@ -421,11 +421,11 @@ static void handshake_done(kvc_agent_t *a, kvc_peer_t *p, const uint8_t *body, s
                       eid_len, eid, hs.regions[i].mem_type);
             goto out;
         }
-        if (hs.regions[i].block_len != a->regions[i].block_len) {
-            peer_fail(a, p, KVC_ERR_INCOMPATIBLE,
-                      "block_len mismatch in region %u: local %s=%zu, remote %.*s=%llu", i,
-                      a->engine_id, a->regions[i].block_len, eid_len, eid,
-                      (unsigned long long)hs.regions[i].block_len);
+        /* Block lengths may differ (heterogeneous TP reads parts of
+         * blocks): each fetch checks its part sizes (xfer.c, start_data). */
+        if (hs.regions[i].block_len == 0) {
+            peer_fail(a, p, KVC_ERR_PROTOCOL, "region %u of %.*s has block_len 0", i, eid_len,
+                      eid);
             goto out;
         }
     }

@@ -211,12 +211,23 @@ kvc_status_t kvc_publish(kvc_agent_t *a, const char *request_id, const uint64_t 
         qsort(p->sorted, n, sizeof(uint64_t), cmp_u64);
     }
     p->n = n;
-    if ((st = kvc_random(p->token, KVC_TOKEN_LEN)) != KVC_OK) goto err_pub;
-    st = KVC_ERR_NO_MEMORY;
     uint64_t m = params ? params->field_mask : 0;
+    if (m & KVC_PUBLISH_FIELD_TOKEN) { /* the caller's: vLLM's scheduler drew it */
+        if ((st = kvc_token_parse(params->kv_token, p->token)) != KVC_OK) {
+            KVC_LOG(a, KVC_LOG_WARN, "publish req=%s: kv_token is not 32 hex digits", request_id);
+            goto err_pub;
+        }
+    } else if ((st = kvc_random(p->token, KVC_TOKEN_LEN)) != KVC_OK)
+        goto err_pub;
+    st = KVC_ERR_NO_MEMORY;
     p->consumers = (m & KVC_PUBLISH_FIELD_CONSUMERS) ? params->consumers : 0;
     uint32_t exp = (m & KVC_PUBLISH_FIELD_EXPIRY) ? params->expiry_ms : a->expiry_ms;
-    p->deadline_ns = kvc_now_ns() + (uint64_t)exp * 1000000ull;
+    uint32_t lease = (m & KVC_PUBLISH_FIELD_LEASE) ? params->lease_ms : a->lease_ms;
+    uint64_t now = kvc_now_ns();
+    p->hard_deadline_ns = now + (uint64_t)exp * 1000000ull;
+    p->lease_ns = (uint64_t)lease * 1000000ull;
+    p->deadline_ns = p->hard_deadline_ns;
+    if (p->lease_ns && now + p->lease_ns < p->deadline_ns) p->deadline_ns = now + p->lease_ns;
     p->user_data = (m & KVC_PUBLISH_FIELD_USER_DATA) ? params->user_data : 0;
     char *json = kvc_params_to_json(a->engine_id, request_id, a->adv_host, a->port, block_ids, n,
                                     a->tp_size, p->token);
@@ -225,8 +236,13 @@ kvc_status_t kvc_publish(kvc_agent_t *a, const char *request_id, const uint64_t 
     kvc_pubtab_insert(&a->pubs, p);
     a->stats[KVC_STAT_PUBLISHED]++;
     kvc_wake(a); /* re-arm the timer with this deadline */
-    KVC_LOG(a, KVC_LOG_DEBUG, "published req=%s blocks=%zu expiry_ms=%u", request_id, n, exp);
+    KVC_LOG(a, KVC_LOG_DEBUG, "published req=%s blocks=%zu expiry_ms=%u lease_ms=%u", request_id,
+            n, exp, lease);
     *json_out = json;
+    if (a->pending) { /* fetches registered before it: served on this progress turn (push.c) */
+        a->pending_check = true;
+        kvc_wake(a);
+    }
     return KVC_OK;
 
 err_json:
@@ -287,6 +303,16 @@ void kvc_pub_release(kvc_agent_t *a, kvc_pub_t *p, kvc_event_type_t type, kvc_st
     p->dnext = a->pubs.draining;
     a->pubs.draining = p;
     kvc_wake(a); /* the timer takes the holds' deadlines */
+}
+
+void kvc_pub_lease_renew(kvc_agent_t *a, kvc_pub_t *p) {
+    if (!p->lease_ns || p->released) return;
+    uint64_t d = kvc_now_ns() + p->lease_ns;
+    if (d > p->hard_deadline_ns) d = p->hard_deadline_ns;
+    if (d <= p->deadline_ns) return;
+    expiry_remove(&a->pubs, p);
+    p->deadline_ns = d;
+    expiry_insert(&a->pubs, p);
 }
 
 void kvc_pub_push_begin(kvc_pub_t *p) {
@@ -360,9 +386,12 @@ void kvc_expiry_run(kvc_agent_t *a, uint64_t now, uint64_t *next) {
     kvc_pub_t *p;
     while ((p = a->pubs.ehead) && p->deadline_ns <= now) {
         a->stats[KVC_STAT_EXPIRED]++;
-        KVC_LOG(a, KVC_LOG_WARN, "Releasing expired KV blocks for request req=%s blocks=%zu", p->id,
-                p->n);
-        kvc_pub_release(a, p, KVC_EV_EXPIRED, KVC_ERR_TIMED_OUT, "not claimed before expiry");
+        bool lease = p->deadline_ns < p->hard_deadline_ns;
+        if (lease) a->stats[KVC_STAT_LEASE_EXPIRED]++;
+        KVC_LOG(a, KVC_LOG_WARN, "Releasing expired KV blocks for request req=%s blocks=%zu%s",
+                p->id, p->n, lease ? " (lease not renewed)" : "");
+        kvc_pub_release(a, p, KVC_EV_EXPIRED, KVC_ERR_TIMED_OUT,
+                        lease ? "lease not renewed" : "not claimed before expiry");
     }
     if (p && p->deadline_ns < *next) *next = p->deadline_ns;
     kvc_pub_t **pp = &a->pubs.draining;

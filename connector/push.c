@@ -29,6 +29,18 @@ typedef struct kvc_push_job {
     uint8_t (*hdr)[KVC_WIRE_DATA_HDR_LEN];
 } push_job_t;
 
+/* A pull that reached this producer before its publication (KVC_PULL_WAIT):
+ * its bytes, kept until kvc_publish of its id serves it or its deadline
+ * refuses it.  Bounded in count (per endpoint and in total) and bytes. */
+typedef struct kvc_pending {
+    struct kvc_pending *next;
+    ucp_ep_h ep;      /* borrowed: UCX's reply endpoint of the consumer */
+    uint8_t *msg;     /* owned: the pull as received */
+    size_t len;
+    char *id;         /* owned: its request id */
+    uint64_t deadline_ns;
+} pending_t;
+
 /* Pulls one publication may be served: enough for every TP rank of the
  * decode side, not an amplifier for a peer that repeats its pull. */
 #define PULLS_PER_PUB_MIN 8
@@ -70,9 +82,16 @@ static void job_free(push_job_t *j) {
     job_drop(j);
 }
 
+static void pending_free(kvc_agent_t *a, pending_t *p);
+
 void kvc_push_destroy(kvc_agent_t *a) {
     while (a->push_jobs)
         job_drop(a->push_jobs);
+    while (a->pending) {
+        pending_t *p = a->pending;
+        a->pending = p->next;
+        pending_free(a, p);
+    }
 }
 
 static void push_cb(void *req, ucs_status_t us, void *ud) {
@@ -125,9 +144,18 @@ static void pull_deny(kvc_agent_t *a, ucp_ep_h ep, const kvc_wire_pull_t *pl, co
  * only its blocks and no more of them than it holds, within the pulls per
  * publication and the bytes in flight.  Refuses it (DENIED, counted, logged)
  * and returns NULL otherwise; *bytes: what serving it sends. */
+static bool pending_add(kvc_agent_t *a, ucp_ep_h ep, const kvc_wire_pull_t *pl, const void *msg,
+                        size_t len);
+
 static kvc_pub_t *pull_check(kvc_agent_t *a, ucp_ep_h ep, const kvc_wire_pull_t *pl,
-                             uint64_t *bytes) {
+                             uint64_t *bytes, const void *msg, size_t msg_len) {
     kvc_pub_t *pub = kvc_pubtab_find(&a->pubs, (const char *)pl->request_id.p, pl->request_id.len);
+    /* Push-mode registration: a fetch that came before its publication is
+     * held (bounded) unless that publication already ended. */
+    if (!pub && msg && (pl->flags & KVC_PULL_WAIT) && a->pending_fetch_ms &&
+        !kvc_token_recall(a, pl->request_id, pl->pub_token)) {
+        if (pending_add(a, ep, pl, msg, msg_len)) return NULL;
+    }
     if (!pub || !kvc_mac_equal(pub->token, pl->pub_token, KVC_TOKEN_LEN)) {
         pull_deny(a, ep, pl, pub ? "wrong token" : "unknown or expired publication");
         return NULL;
@@ -158,10 +186,23 @@ static kvc_pub_t *pull_check(kvc_agent_t *a, ucp_ep_h ep, const kvc_wire_pull_t 
         pull_deny(a, ep, pl, "pulled too many times already");
         return NULL;
     }
+    for (size_t r = 0; r < a->n_regions && pl->parts > 1; r++)
+        if (a->regions[r].block_len % pl->parts || a->regions[r].staged) {
+            a->stats[KVC_STAT_DENIED]++;
+            KVC_LOG(a, KVC_LOG_WARN,
+                    "push: pull for req=%s refused: region %zu (block_len %zu%s) cannot be read "
+                    "in %u parts",
+                    pub->id, r, a->regions[r].block_len, a->regions[r].staged ? ", staged" : "",
+                    pl->parts);
+            push_refuse(a, ep, pl,
+                        a->regions[r].staged ? KVC_ERR_UNSUPPORTED : KVC_ERR_INCOMPATIBLE);
+            return NULL;
+        }
+    kvc_pub_lease_renew(a, pub); /* a fetch in flight renews the lease */
     *bytes = 0;
     if (pl->flags & KVC_PULL_HOLD) return pub; /* nothing is sent */
     for (size_t r = 0; r < a->n_regions; r++)
-        *bytes += total * a->regions[r].block_len;
+        *bytes += total * (a->regions[r].block_len / pl->parts);
     if (a->push_bytes && *bytes > MAX_PUSH_BYTES - a->push_bytes) {
         a->stats[KVC_STAT_DENIED]++;
         if (kvc_log_ratelimit(a, KVC_RL_DENIED))
@@ -180,9 +221,11 @@ static void pull_issue(kvc_agent_t *a, ucp_ep_h ep, const kvc_wire_pull_t *pl, k
                        uint64_t bytes) {
     pub->pulls++;
     size_t nsend = 0;
+    bool sliced = pl->parts > 1; /* one message per block: its part is not contiguous
+                                    with the next block's */
     for (size_t i = 0; i < pl->n; i++)
         for (size_t r = 0; r < a->n_regions; r++) {
-            uint64_t per = a->push_chunk / a->regions[r].block_len;
+            uint64_t per = sliced ? 1 : a->push_chunk / a->regions[r].block_len;
             if (per == 0) per = 1;
             nsend += (size_t)((pl->runs[i].count + per - 1) / per);
         }
@@ -212,20 +255,22 @@ static void pull_issue(kvc_agent_t *a, ucp_ep_h ep, const kvc_wire_pull_t *pl, k
         const kvc_run_t *run = &pl->runs[i];
         for (size_t r = 0; r < a->n_regions && !failed; r++) {
             kvc_region_t *rg = &a->regions[r];
-            uint64_t per = a->push_chunk / rg->block_len;
+            uint64_t per = sliced ? 1 : a->push_chunk / rg->block_len;
             if (per == 0) per = 1;
+            size_t part_len = rg->block_len / pl->parts;
             for (uint64_t off = 0; off < run->count; off += per, k++) {
                 uint64_t cnt = run->count - off < per ? run->count - off : per;
                 kvc_wire_data_hdr_t h = {pl->xfer_id, (uint32_t)r, 0, run->local + off, cnt, {0}};
                 memcpy(h.token, pl->xfer_token, KVC_TOKEN_LEN);
                 kvc_wire_encode_data_hdr(j->hdr[k], &h);
-                const uint8_t *src =
-                    (const uint8_t *)rg->base + (run->remote + off) * rg->block_len;
+                const uint8_t *src = (const uint8_t *)rg->base +
+                                     (run->remote + off) * rg->block_len +
+                                     (size_t)pl->part * part_len;
                 j->refs++;
                 a->push_inflight++;
                 ucs_status_ptr_t s =
                     ucp_am_send_nbx(ep, KVC_AM_DATA, j->hdr[k], KVC_WIRE_DATA_HDR_LEN, src,
-                                    cnt * rg->block_len, &rp);
+                                    sliced ? part_len : cnt * rg->block_len, &rp);
                 if (UCS_PTR_IS_PTR(s)) continue;
                 j->refs--;
                 a->push_inflight--;
@@ -272,6 +317,149 @@ static void pull_unhold(kvc_agent_t *a, ucp_ep_h ep, const kvc_wire_pull_t *pl) 
     push_hdr_only(a, ep, &end);
 }
 
+/* A lease renewal: no answer either way (a refusal is counted and logged). */
+static void pull_renew(kvc_agent_t *a, const kvc_wire_pull_t *pl) {
+    kvc_pub_t *pub = kvc_pubtab_find(&a->pubs, (const char *)pl->request_id.p, pl->request_id.len);
+    if (!pub || !kvc_mac_equal(pub->token, pl->pub_token, KVC_TOKEN_LEN)) {
+        a->stats[KVC_STAT_DENIED]++;
+        if (kvc_log_ratelimit(a, KVC_RL_DENIED))
+            KVC_LOG(a, KVC_LOG_WARN, "lease renewal for req=%.*s refused: %s",
+                    (int)pl->request_id.len, (const char *)pl->request_id.p,
+                    pub ? "wrong token" : "unknown or ended publication");
+        return;
+    }
+    a->stats[KVC_STAT_LEASE_RENEWALS]++;
+    kvc_pub_lease_renew(a, pub);
+}
+
+/* One parsed pull from ep; msg/len: its bytes (kept if it is held for its
+ * publication), NULL when it is served from the held list. */
+static void pull_serve(kvc_agent_t *a, ucp_ep_h ep, kvc_wire_pull_t *pl, const void *msg,
+                       size_t len) {
+    uint64_t bytes = 0;
+    if (pl->flags & KVC_PULL_RENEW) {
+        pull_renew(a, pl);
+        return;
+    }
+    if (pl->flags & KVC_PULL_UNHOLD) {
+        pull_unhold(a, ep, pl);
+        return;
+    }
+    kvc_pub_t *pub = pull_check(a, ep, pl, &bytes, msg, len);
+    if (pub && (pl->flags & KVC_PULL_HOLD))
+        pull_hold(a, ep, pl, pub);
+    else if (pub && a->n_staged) { /* through the pinned pool, pipelined (stage.c) */
+        pub->pulls++;
+        kvc_stage_push(a, ep, pl, pl->runs, pl->n);
+        pl->runs = NULL; /* the staged job owns them now */
+    } else if (pub)
+        pull_issue(a, ep, pl, pub, bytes);
+}
+
+/* ------------------------------------------------ held registrations -- */
+
+
+static void pending_free(kvc_agent_t *a, pending_t *p) {
+    a->n_pending--;
+    a->pending_bytes -= p->len;
+    free(p->msg);
+    free(p->id);
+    free(p);
+}
+
+static bool pending_add(kvc_agent_t *a, ucp_ep_h ep, const kvc_wire_pull_t *pl, const void *msg,
+                        size_t len) {
+    size_t per_ep = 0;
+    for (pending_t *p = a->pending; p; p = p->next)
+        per_ep += p->ep == ep;
+    const char *why = NULL;
+    if (a->n_pending >= a->max_pending)
+        why = "too many held registrations";
+    else if (per_ep >= a->max_pending_peer)
+        why = "too many held registrations from this consumer";
+    else if (len > a->max_pending_bytes - a->pending_bytes || a->pending_bytes > a->max_pending_bytes)
+        why = "held registrations over their memory bound";
+    if (why) {
+        a->stats[KVC_STAT_PENDING_REFUSED]++;
+        if (kvc_log_ratelimit(a, KVC_RL_DENIED))
+            KVC_LOG(a, KVC_LOG_WARN, "push: registration for req=%.*s refused: %s (%zu held)",
+                    (int)pl->request_id.len, (const char *)pl->request_id.p, why, a->n_pending);
+        push_refuse(a, ep, pl, KVC_ERR_BUSY);
+        return true; /* answered */
+    }
+    pending_t *p = calloc(1, sizeof(*p));
+    if (!p || !(p->msg = malloc(len)) ||
+        !(p->id = kvc_strndup((const char *)pl->request_id.p, pl->request_id.len))) {
+        if (p) free(p->msg);
+        free(p);
+        push_refuse(a, ep, pl, KVC_ERR_NO_MEMORY);
+        return true;
+    }
+    memcpy(p->msg, msg, len);
+    p->len = len;
+    p->ep = ep;
+    uint32_t ms = pl->wait_ms && pl->wait_ms < a->pending_fetch_ms ? pl->wait_ms : a->pending_fetch_ms;
+    p->deadline_ns = kvc_now_ns() + (uint64_t)ms * 1000000ull;
+    p->next = a->pending;
+    a->pending = p;
+    a->n_pending++;
+    a->pending_bytes += len;
+    a->stats[KVC_STAT_PENDING_FETCHES] = a->n_pending;
+    KVC_LOG(a, KVC_LOG_DEBUG, "push: fetch %llu for req=%s held until its publication (%u ms)",
+            (unsigned long long)pl->xfer_id, p->id, ms);
+    kvc_wake(a); /* the timer takes its deadline */
+    return true;
+}
+
+/* Serves the held pulls whose publication exists now. */
+static void pending_serve(kvc_agent_t *a) {
+    a->pending_check = false;
+    pending_t **pp = &a->pending;
+    while (*pp) {
+        pending_t *p = *pp;
+        if (!kvc_pubtab_find(&a->pubs, p->id, strlen(p->id))) {
+            pp = &p->next;
+            continue;
+        }
+        *pp = p->next;
+        kvc_wire_pull_t pl;
+        if (kvc_wire_parse_pull(p->msg, p->len, &pl) == KVC_OK) {
+            a->stats[KVC_STAT_PENDING_SERVED]++;
+            KVC_LOG(a, KVC_LOG_DEBUG, "push: held fetch %llu for req=%s served on publish",
+                    (unsigned long long)pl.xfer_id, p->id);
+            pull_serve(a, p->ep, &pl, NULL, 0);
+            free(pl.runs);
+        }
+        pending_free(a, p);
+    }
+    a->stats[KVC_STAT_PENDING_FETCHES] = a->n_pending;
+}
+
+void kvc_pending_timers(kvc_agent_t *a, uint64_t now, uint64_t *next) {
+    if (a->pending_check) pending_serve(a);
+    pending_t **pp = &a->pending;
+    while (*pp) {
+        pending_t *p = *pp;
+        if (p->deadline_ns > now) {
+            if (p->deadline_ns < *next) *next = p->deadline_ns;
+            pp = &p->next;
+            continue;
+        }
+        *pp = p->next;
+        kvc_wire_pull_t pl;
+        if (kvc_wire_parse_pull(p->msg, p->len, &pl) == KVC_OK) {
+            a->stats[KVC_STAT_PENDING_EXPIRED]++;
+            KVC_LOG(a, KVC_LOG_WARN,
+                    "push: fetch %llu registered for req=%s never met its publication, refused",
+                    (unsigned long long)pl.xfer_id, p->id);
+            push_refuse(a, p->ep, &pl, KVC_ERR_TIMED_OUT);
+            free(pl.runs);
+        }
+        pending_free(a, p);
+    }
+    a->stats[KVC_STAT_PENDING_FETCHES] = a->n_pending;
+}
+
 static ucs_status_t pull_cb(void *arg, const void *header, size_t hlen, void *data, size_t len,
                             const ucp_am_recv_param_t *param) {
     kvc_agent_t *a = arg;
@@ -289,20 +477,7 @@ static ucs_status_t pull_cb(void *arg, const void *header, size_t hlen, void *da
             KVC_LOG(a, KVC_LOG_WARN, "push: malformed pull request (%zu bytes), dropped", len);
         return UCS_OK;
     }
-    uint64_t bytes = 0;
-    if (pl.flags & KVC_PULL_UNHOLD)
-        pull_unhold(a, param->reply_ep, &pl);
-    else {
-        kvc_pub_t *pub = pull_check(a, param->reply_ep, &pl, &bytes);
-        if (pub && (pl.flags & KVC_PULL_HOLD))
-            pull_hold(a, param->reply_ep, &pl, pub);
-        else if (pub && a->n_staged) { /* through the pinned pool, pipelined (stage.c) */
-            pub->pulls++;
-            kvc_stage_push(a, param->reply_ep, &pl, pl.runs, pl.n);
-            pl.runs = NULL; /* the staged job owns them now */
-        } else if (pub)
-            pull_issue(a, param->reply_ep, &pl, pub, bytes);
-    }
+    pull_serve(a, param->reply_ep, &pl, data, len);
     free(pl.runs);
     return UCS_OK;
 }

@@ -351,6 +351,12 @@ void kvc_wire_encode_pull(kvc_buf_t *b, const kvc_wire_pull_t *pl) {
         kvc_buf_u64(b, pl->runs[i].local);
         kvc_buf_u64(b, pl->runs[i].count);
     }
+    if (pl->flags & KVC_PULL_EXT) {
+        kvc_buf_u32(b, pl->wait_ms);
+        kvc_buf_u32(b, pl->parts);
+        kvc_buf_u32(b, pl->part);
+        kvc_buf_u32(b, 0);
+    }
 }
 
 kvc_status_t kvc_wire_parse_pull(const uint8_t *p, size_t len, kvc_wire_pull_t *pl) {
@@ -365,6 +371,16 @@ kvc_status_t kvc_wire_parse_pull(const uint8_t *p, size_t len, kvc_wire_pull_t *
     kvc_span_t pt = rd_span(&r, KVC_TOKEN_LEN);
     t.tp = (uint32_t)rd_uint(&r, 4);
     t.request_id = rd_str16(&r);
+    t.parts = 1;
+    if ((t.flags & KVC_PULL_EXT) && !r.bad) {
+        if (len - r.off < KVC_PULL_EXT_LEN) return KVC_ERR_PROTOCOL;
+        rd_t e = {p + len - KVC_PULL_EXT_LEN, KVC_PULL_EXT_LEN, 0, false};
+        t.wait_ms = (uint32_t)rd_uint(&e, 4);
+        t.parts = (uint32_t)rd_uint(&e, 4);
+        t.part = (uint32_t)rd_uint(&e, 4);
+        if (t.parts == 0 || t.part >= t.parts) return KVC_ERR_PROTOCOL;
+        len -= KVC_PULL_EXT_LEN;
+    }
     if (r.bad || ver != KVC_WIRE_VERSION || t.request_id.len == 0 ||
         !kvc_printable((const char *)t.request_id.p, t.request_id.len) ||
         (size_t)cnt != (len - r.off) / RUN_BYTES || (len - r.off) % RUN_BYTES)

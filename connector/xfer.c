@@ -85,6 +85,9 @@ struct kvc_xfer {
     uint8_t *bits;                     /* owned: n * n_regions bits, set as DATA lands */
     uint64_t bits_set, chunks_got, end_chunks;
     bool end_seen;
+    uint32_t wait_ms;     /* KVC_FETCH_FIELD_WAIT: the producer may hold the pull this long */
+    uint32_t rparts, rpart, lparts, lpart; /* KVC_FETCH_FIELD_SLICE (1, 0, 1, 0: whole) */
+    bool renew;           /* kvc_lease_renew: one RENEW pull, no event */
     void *cuda_stream;    /* borrowed: the engine's stream that waits for the staging copies */
     bool has_stream;      /* cuda_stream was given: 0 is the legacy default stream */
     kvc_stage_ref_t sref; /* staged chunks in flight (stage.c) */
@@ -188,6 +191,14 @@ static void emit_failed(kvc_agent_t *a, kvc_xfer_t *x, kvc_status_t st, const ch
 
 static void xfer_finish(kvc_agent_t *a, kvc_xfer_t *x, kvc_status_t st, const char *msg) {
     if (x->finished) return;
+    if (x->renew) { /* fire and forget: logged, no event */
+        if (st != KVC_OK)
+            KVC_LOG(a, KVC_LOG_WARN, "lease renewal for req=%s not sent: %s (%s)", x->req_id,
+                    msg ? msg : "", kvc_status_str(st));
+        x->finished = true;
+        x->state = X_DONE;
+        return;
+    }
     /* No staging copy may land after FETCH_FAILED: wait for all of them. */
     if (st != KVC_OK) kvc_cuda_drain(a->cuda);
     x->finished = true;
@@ -292,7 +303,15 @@ static void send_pull(kvc_agent_t *a, kvc_xfer_t *x, uint16_t flags) {
                           .tp = a->tp_size,
                           .request_id = {(const uint8_t *)x->req_id, strlen(x->req_id)},
                           .runs = x->runs,
-                          .n = x->nruns};
+                          .n = x->nruns,
+                          .parts = x->rparts,
+                          .part = x->rpart};
+    /* Registration before publication applies to the first pull only. */
+    if (x->wait_ms && !(flags & (KVC_PULL_UNHOLD | KVC_PULL_RENEW))) {
+        pl.flags |= KVC_PULL_WAIT;
+        pl.wait_ms = x->wait_ms;
+    }
+    if ((pl.flags & KVC_PULL_WAIT) || x->rparts > 1) pl.flags |= KVC_PULL_EXT;
     memcpy(pl.xfer_token, x->xfer_token, KVC_TOKEN_LEN);
     memcpy(pl.pub_token, x->pub_token, KVC_TOKEN_LEN);
     kvc_buf_cleanup(&x->pull);
@@ -315,6 +334,30 @@ static void send_pull(kvc_agent_t *a, kvc_xfer_t *x, uint16_t flags) {
 
 static void start_data(kvc_agent_t *a, kvc_xfer_t *x, uint64_t now) {
     kvc_peer_t *p = x->peer;
+    if (x->renew) {
+        x->state = X_NOTIFY; /* done once the RENEW is sent */
+        send_pull(a, x, KVC_PULL_RENEW);
+        return;
+    }
+    /* Part sizes must match per region: whole blocks of one length, or the
+     * heterogeneous-TP parts (KVC_FETCH_FIELD_SLICE). */
+    for (size_t r = 0; r < a->n_regions; r++) {
+        uint64_t rbl = p->rr[r].block_len, lbl = a->regions[r].block_len;
+        if (rbl % x->rparts || lbl % x->lparts || rbl / x->rparts != lbl / x->lparts) {
+            char m[240];
+            snprintf(m, sizeof(m),
+                     "block geometry mismatch in region %zu: remote %s block_len %llu / %u parts "
+                     "!= local block_len %llu / %u parts",
+                     r, p->engine_id, (unsigned long long)rbl, x->rparts, (unsigned long long)lbl,
+                     x->lparts);
+            xfer_finish(a, x, KVC_ERR_INCOMPATIBLE, m);
+            return;
+        }
+        if (x->lparts > 1 && a->regions[r].staged) {
+            xfer_finish(a, x, KVC_ERR_UNSUPPORTED, "partial-block reads into staged CUDA regions");
+            return;
+        }
+    }
     for (size_t i = 0; i < x->n; i++) {
         if (x->remote[i] >= p->num_blocks) {
             char m[200];
@@ -330,10 +373,10 @@ static void start_data(kvc_agent_t *a, kvc_xfer_t *x, uint64_t now) {
         return;
     }
     x->proto = p->proto;
-    x->deadline_ns = now + (uint64_t)a->xfer_timeout_ms * 1000000ull;
+    x->deadline_ns = now + ((uint64_t)a->xfer_timeout_ms + x->wait_ms) * 1000000ull;
     size_t per_block = 0;
     for (size_t r = 0; r < a->n_regions; r++)
-        per_block += a->regions[r].block_len;
+        per_block += a->regions[r].block_len / x->lparts;
     x->bytes_expected = (uint64_t)x->n * per_block;
     x->state = X_DATA;
     if (x->n == 0) return; /* notify only */
@@ -375,11 +418,23 @@ static void start_reads(kvc_agent_t *a, kvc_xfer_t *x) {
     for (size_t i = 0; i < x->nruns; i++) {
         const kvc_run_t *run = &x->runs[i];
         for (size_t r = 0; r < a->n_regions; r++) {
-            size_t bl = a->regions[r].block_len;
-            uint8_t *dst = (uint8_t *)a->regions[r].base + run->local * bl;
-            uint64_t src = p->rr[r].base + run->remote * bl;
-            if (!track(x, ucp_get_nbx(p->ep, dst, run->count * bl, src, p->rr[r].rkey, &rp), "get"))
-                return;
+            size_t bl = a->regions[r].block_len, rbl = p->rr[r].block_len;
+            if (x->lparts == 1 && x->rparts == 1) {
+                uint8_t *dst = (uint8_t *)a->regions[r].base + run->local * bl;
+                uint64_t src = p->rr[r].base + run->remote * bl;
+                if (!track(x, ucp_get_nbx(p->ep, dst, run->count * bl, src, p->rr[r].rkey, &rp),
+                           "get"))
+                    return;
+                continue;
+            }
+            size_t part = bl / x->lparts; /* one get per block: parts are strided */
+            for (uint64_t b = 0; b < run->count; b++) {
+                uint8_t *dst =
+                    (uint8_t *)a->regions[r].base + (run->local + b) * bl + x->lpart * part;
+                uint64_t src = p->rr[r].base + (run->remote + b) * rbl + x->rpart * part;
+                if (!track(x, ucp_get_nbx(p->ep, dst, part, src, p->rr[r].rkey, &rp), "get"))
+                    return;
+            }
         }
     }
 }
@@ -400,15 +455,23 @@ static bool direct_copy(kvc_agent_t *a, kvc_xfer_t *x) {
     while (x->cur_run < x->nruns) {
         const kvc_run_t *run = &x->runs[x->cur_run];
         size_t bl = a->regions[x->cur_reg].block_len;
-        memcpy((uint8_t *)a->regions[x->cur_reg].base + run->local * bl,
-               x->peer->rr[x->cur_reg].mapped + run->remote * bl, run->count * bl);
-        x->bytes_got += run->count * bl;
+        size_t rbl = x->peer->rr[x->cur_reg].block_len, part = bl / x->lparts;
+        if (x->lparts == 1 && x->rparts == 1)
+            memcpy((uint8_t *)a->regions[x->cur_reg].base + run->local * bl,
+                   x->peer->rr[x->cur_reg].mapped + run->remote * bl, run->count * bl);
+        else
+            for (uint64_t b = 0; b < run->count; b++)
+                memcpy((uint8_t *)a->regions[x->cur_reg].base + (run->local + b) * bl +
+                           x->lpart * part,
+                       x->peer->rr[x->cur_reg].mapped + (run->remote + b) * rbl + x->rpart * part,
+                       part);
+        x->bytes_got += run->count * part;
         if (++x->cur_reg == a->n_regions) {
             x->cur_reg = 0;
             x->cur_run++;
         }
-        if (run->count * bl >= budget) break;
-        budget -= run->count * bl;
+        if (run->count * part >= budget) break;
+        budget -= run->count * part;
     }
     if (x->cur_run < x->nruns) {
         kvc_wake(a);
@@ -585,7 +648,8 @@ static kvc_status_t remote_from_fields(const kvc_fetch_params_t *p, kvc_remote_t
     return kvc_token_parse(p->remote_kv_token, r->token);
 }
 
-kvc_status_t kvc_fetch(kvc_agent_t *a, const kvc_fetch_params_t *p, uint64_t *xfer_id) {
+static kvc_status_t fetch_start(kvc_agent_t *a, const kvc_fetch_params_t *p, bool renew,
+                                uint64_t *xfer_id) {
     if (!a || !p || !xfer_id) return KVC_ERR_INVALID_PARAM;
     if (!a->n_regions) return KVC_ERR_STATE;
     kvc_remote_t r;
@@ -608,9 +672,31 @@ kvc_status_t kvc_fetch(kvc_agent_t *a, const kvc_fetch_params_t *p, uint64_t *xf
     if (!*r.request_id || !kvc_printable(r.request_id, strlen(r.request_id)) || !*r.host ||
         r.port == 0 || !*r.engine_id)
         goto err_remote;
+    /* One kv_transfer_params object for every prefill rank: rank r listens
+     * on remote_port + r (see KVC_FETCH_FIELD_REMOTE_RANK). */
+    if (p->field_mask & KVC_FETCH_FIELD_REMOTE_RANK) {
+        if (p->remote_rank > 65535u - r.port) {
+            KVC_LOG(a, KVC_LOG_WARN, "fetch req=%s: remote_port %u + rank %u is not a port",
+                    r.request_id, r.port, p->remote_rank);
+            goto err_remote;
+        }
+        r.port = (uint16_t)(r.port + p->remote_rank);
+    }
+    uint32_t rparts = 1, rpart = 0, lparts = 1, lpart = 0;
+    if (p->field_mask & KVC_FETCH_FIELD_SLICE) {
+        rparts = p->remote_parts;
+        rpart = p->remote_part;
+        lparts = p->local_parts;
+        lpart = p->local_part;
+        if (!rparts || !lparts || rpart >= rparts || lpart >= lparts) {
+            KVC_LOG(a, KVC_LOG_WARN, "fetch req=%s: bad slice %u/%u -> %u/%u", r.request_id,
+                    rpart, rparts, lpart, lparts);
+            goto err_remote;
+        }
+    }
     size_t nl = 0;
     const uint64_t *lids = NULL;
-    if (p->field_mask & KVC_FETCH_FIELD_LOCAL_BLOCKS) {
+    if (!renew && (p->field_mask & KVC_FETCH_FIELD_LOCAL_BLOCKS)) {
         nl = p->num_local_blocks;
         lids = p->local_block_ids;
         if (nl && !lids) goto err_remote;
@@ -662,7 +748,13 @@ kvc_status_t kvc_fetch(kvc_agent_t *a, const kvc_fetch_params_t *p, uint64_t *xf
         memcpy(x->remote, r.block_ids + (r.num_blocks - nl), nl * sizeof(uint64_t));
         memcpy(x->local, lids, nl * sizeof(uint64_t));
     }
-    x->has_stream = (p->field_mask & KVC_FETCH_FIELD_CUDA_STREAM) != 0;
+    x->renew = renew;
+    x->rparts = rparts;
+    x->rpart = rpart;
+    x->lparts = lparts;
+    x->lpart = lpart;
+    x->wait_ms = !renew && (p->field_mask & KVC_FETCH_FIELD_WAIT) ? p->wait_ms : 0;
+    x->has_stream = !renew && (p->field_mask & KVC_FETCH_FIELD_CUDA_STREAM) != 0;
     x->cuda_stream = x->has_stream ? p->cuda_stream : NULL;
     /* The engine may still have work queued that reads these blocks' old
      * contents (a finished request's last kernels): the copies that
@@ -677,14 +769,15 @@ kvc_status_t kvc_fetch(kvc_agent_t *a, const kvc_fetch_params_t *p, uint64_t *xf
     }
     if ((st = kvc_peer_get(a, r.host, r.port, r.engine_id, &x->peer)) != KVC_OK) goto err_xfer;
     kvc_peer_ref(x->peer);
-    x->id = a->next_xfer_id++;
+    x->id = renew ? 0 : a->next_xfer_id++;
     x->user_data = (p->field_mask & KVC_FETCH_FIELD_USER_DATA) ? p->user_data : 0;
     x->state = X_WAIT_PEER;
     x->next = a->xfers;
     a->xfers = x;
     kvc_remote_cleanup(&r);
-    KVC_LOG(a, KVC_LOG_DEBUG, "fetch %llu req=%s blocks=%zu", (unsigned long long)x->id, x->req_id,
-            x->n);
+    KVC_LOG(a, KVC_LOG_DEBUG, "%s %llu req=%s blocks=%zu wait_ms=%u slice=%u/%u->%u/%u",
+            renew ? "lease renewal" : "fetch", (unsigned long long)x->id, x->req_id, x->n,
+            x->wait_ms, x->rpart, x->rparts, x->lpart, x->lparts);
     kvc_wake(a);
     *xfer_id = x->id;
     return KVC_INPROGRESS;
@@ -744,8 +837,13 @@ static ucs_status_t data_cb(void *arg, const void *header, size_t hlen, void *da
     kvc_wake(a);
     if (h.status != 0) {
         kvc_status_t st =
-            h.status < 0 && h.status >= KVC_ERR_CUDA ? (kvc_status_t)h.status : KVC_ERR_PROTOCOL;
-        op_error(x, st, "producer refused the fetch", kvc_status_str(st));
+            h.status < 0 && h.status >= KVC_ERR_BUSY ? (kvc_status_t)h.status : KVC_ERR_PROTOCOL;
+        const char *why = st == KVC_ERR_TIMED_OUT
+                              ? "the publication did not come within the registration wait"
+                          : st == KVC_ERR_BUSY ? "it holds too many registrations"
+                          : st == KVC_ERR_INCOMPATIBLE ? "its blocks cannot be read in these parts"
+                                                       : kvc_status_str(st);
+        op_error(x, st, "producer refused the fetch", why);
         return rndv ? UCS_ERR_CANCELED : UCS_OK;
     }
     bool one_sided = x->proto == KVC_PROTO_GET;
@@ -762,10 +860,12 @@ static ucs_status_t data_cb(void *arg, const void *header, size_t hlen, void *da
         data_reject(a, x, "data pushed to a one-sided read", h.local_start, h.count);
         return rndv ? UCS_ERR_INVALID_PARAM : UCS_OK;
     }
+    bool sliced = x->lparts > 1 || x->rparts > 1;
     if (h.region >= a->n_regions || h.count == 0 || h.local_start >= a->num_blocks ||
         h.count > a->num_blocks - h.local_start ||
         h.count > UINT64_MAX / a->regions[h.region].block_len ||
-        len != h.count * a->regions[h.region].block_len) {
+        (sliced ? h.count != 1 || len != a->regions[h.region].block_len / x->lparts
+                : len != h.count * a->regions[h.region].block_len)) {
         data_reject(a, x, "data message does not match the fetch (region, range or size)",
                     h.local_start, h.count);
         return rndv ? UCS_ERR_INVALID_PARAM : UCS_OK;
@@ -782,7 +882,8 @@ static ucs_status_t data_cb(void *arg, const void *header, size_t hlen, void *da
             return rndv ? UCS_ERR_INVALID_PARAM : UCS_OK;
         }
     kvc_region_t *rg = &a->regions[h.region];
-    uint8_t *dst = (uint8_t *)rg->base + h.local_start * rg->block_len;
+    uint8_t *dst = (uint8_t *)rg->base + h.local_start * rg->block_len +
+                   (sliced ? x->lpart * (rg->block_len / x->lparts) : 0);
     if (!rndv && rg->mem_type == KVC_MEM_CUDA) {
         op_error(x, KVC_ERR_PROTOCOL, "push", "eager data for device memory (asked rendezvous)");
         return UCS_OK;
@@ -810,10 +911,16 @@ static ucs_status_t data_cb(void *arg, const void *header, size_t hlen, void *da
     return UCS_INPROGRESS;
 }
 
+kvc_status_t kvc_fetch(kvc_agent_t *a, const kvc_fetch_params_t *p, uint64_t *xfer_id) {
+    return fetch_start(a, p, false, xfer_id);
+}
+
+/* A renewal is a fetch of nothing that sends one RENEW pull once the peer
+ * is ready and ends silently (id 0: never matched by DATA or cancel). */
 kvc_status_t kvc_lease_renew(kvc_agent_t *a, const kvc_fetch_params_t *p) {
-    (void)p;
-    if (!a) return KVC_ERR_INVALID_PARAM;
-    return KVC_ERR_UNSUPPORTED; /* first commit: the RENEW pull follows */
+    uint64_t id;
+    kvc_status_t st = fetch_start(a, p, true, &id);
+    return st == KVC_INPROGRESS ? KVC_OK : st;
 }
 
 kvc_status_t kvc_xfer_register_am(kvc_agent_t *a) {
