@@ -186,7 +186,7 @@ class Engine:
         with self.mu:
             for q in (self.waiting, self.running):
                 for req in q:
-                    if req.request_id == rid and req.status != RequestStatus.WAITING_FOR_REMOTE_KVS:
+                    if (req.request_id == rid or f"-{rid}-" in req.request_id) and req.status != RequestStatus.WAITING_FOR_REMOTE_KVS:
                         q.remove(req)
                         self._finish(req, RequestStatus.FINISHED_ABORTED)
                         return True
@@ -370,6 +370,11 @@ class Engine:
             return {"free_blocks": len(self.free), "num_blocks": self.geo.num_blocks,
                     "waiting": len(self.waiting), "running": len(self.running),
                     "delayed": len(self.delayed), **self.stats,
+                    "remote_wait": sum(r.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+                                       for r in self.waiting),
+                    "loading": sum(len(r.conn.worker.loading) for r in self.ranks),
+                    "pending_fetches": sum(r.conn.worker.agent.stat("pending_fetches")
+                                           for r in self.ranks),
                     "published_now": sum(r.conn.worker.agent.stat("published_now")
                                          for r in self.ranks)}
 

@@ -19,6 +19,7 @@ import secrets
 import sys
 import threading
 import time
+import traceback
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -54,9 +55,14 @@ class Server:
         threading.Thread(target=self.loop, daemon=True).start()
 
     def loop(self):
-        while not self.stop:
-            busy = self.engine.step()
-            time.sleep(0.002 if busy else 0.005)
+        try:
+            while not self.stop:
+                busy = self.engine.step()
+                time.sleep(0.002 if busy else 0.005)
+        except BaseException:  # a broken engine must fail the test, not hang it
+            traceback.print_exc()
+            sys.stderr.flush()
+            os._exit(70)
 
     def on_token(self, req, tok, params):
         q = self.waiters.get(req.request_id)
@@ -212,6 +218,7 @@ def main():
     ap.add_argument("--model", default="pdkv-test")
     a = ap.parse_args()
     srv = Server(a)
+    ThreadingHTTPServer.request_queue_size = 256
     httpd = ThreadingHTTPServer(("127.0.0.1", a.port), make_handler(srv, a.model))
     httpd.daemon_threads = True
     print("ready", flush=True)

@@ -373,8 +373,8 @@ class _Worker:
         except ValueError as e:
             logger.error("pdkv: load of %s refused: %s", rid, e)
             plan = None
-        with self.mu:
-            self.loading[rid] = [0, plan is None, list(rr.local_block_ids), rr.notify_only]
+        with self.mu:  # one count held by this call until every fetch is started
+            self.loading[rid] = [1, plan is None, list(rr.local_block_ids), rr.notify_only]
         for rank, parts, read in plan or []:
             local = rr.local_block_ids if (read and not rr.notify_only) else []
             try:
@@ -388,6 +388,7 @@ class _Worker:
                 with self.mu:
                     self.loading[rid][1] = True
         with self.mu:
+            self.loading[rid][0] -= 1
             if self.loading[rid][0] == 0:
                 self._finish_load(rid)
 
