@@ -9,8 +9,14 @@
  * a plain TCP loopback stream, and 1-block fetch latency with and without a
  * cached handshake.  UCX_TLS is taken from --tls (default: environment).
  *
+ * Push-mode registration (--pending, also at the end of a full run): the
+ * time from kvc_publish's return on the producer to FETCH_DONE on the
+ * consumer, for a fetch started after the publication (today's path) and
+ * for one registered before it (KVC_FETCH_FIELD_WAIT, held by the producer
+ * and served on publish), medians side by side.
+ *
  * usage: kvc_bench [--tls tcp,self|sm,tcp,self] [--max-mb 1024] [--min-mb 256]
- *                  [--quick] [--latency-only]
+ *                  [--quick] [--latency-only] [--pending]
  * GB/s figures use the median iteration (this box is shared and noisy); the
  * memcpy baseline runs right before each row's fetches.
  * Output: one "key=value" line per measurement (grep-friendly). */
@@ -88,7 +94,9 @@ static kvc_agent_t *mk_agent(const char *name, size_t block_len, uint64_t nblock
  *  op 1 CFG:  u64 block_len, u64 nblocks        -> reply u32 port
  *  op 2 PUB:  u32 k, u32 n, n * u64 ids         -> reply u32 0 when published
  *  op 3 TCP:  u32 port, u64 bytes, u64 chunk    -> streams bytes, reply u32 0
- *  op 4 QUIT */
+ *  op 4 QUIT
+ *  op 5 PUBTOK: u32 n, char id[64], char token[32], n * u64 ids
+ *                                               -> reply u64 ns (monotonic) after publish */
 static void producer(int ctl) {
     kvc_agent_t *a = NULL;
     uint64_t gen = 0;
@@ -142,6 +150,26 @@ static void producer(int ctl) {
             xwrite(ctl, &z, 4);
             xwrite(ctl, toks, (size_t)kn[0] * 32);
             free(toks);
+        } else if (op == 5) {
+            uint32_t n;
+            char id[65] = {0}, tok[33] = {0};
+            xread(ctl, &n, 4);
+            xread(ctl, id, 64);
+            xread(ctl, tok, 32);
+            uint64_t *ids = malloc(n * sizeof(uint64_t) + 8);
+            xread(ctl, ids, n * sizeof(uint64_t));
+            kvc_publish_params_t pp = {.field_mask = KVC_PUBLISH_FIELD_TOKEN, .kv_token = tok};
+            char *json;
+            kvc_status_t st = kvc_publish(a, id, ids, n, &pp, &json);
+            if (st != KVC_OK) die("publish", st);
+            /* Served now, before the reply: held fetches go out on this turn. */
+            kvc_agent_progress(a);
+            struct timespec ts;
+            clock_gettime(CLOCK_MONOTONIC, &ts);
+            uint64_t t = (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+            kvc_free(json);
+            free(ids);
+            xwrite(ctl, &t, 8);
         } else if (op == 3) {
             uint32_t port;
             uint64_t v[2];
@@ -259,6 +287,90 @@ static double median(double *v, size_t n) {
 /* memcpy of `total` bytes between two warmed buffers: median seconds of
  * `iters` copies, measured right before the fetches it is compared with so
  * that both see the same machine load. */
+/* Push-mode registration vs fetch after publish: seconds from kvc_publish's
+ * return (the producer's clock, CLOCK_MONOTONIC is system-wide) to FETCH_DONE. */
+static double pub_to_done(kvc_agent_t *a, const uint64_t *ids, uint32_t n, bool early) {
+    static uint32_t seq;
+    char id[64] = {0}, tok[33];
+    snprintf(id, sizeof(id), "pend-%u", seq++);
+    if (kvc_token_new(tok) != KVC_OK) die("token", KVC_ERR_IO);
+    kvc_fetch_params_t fp = {0};
+    fp.field_mask = KVC_FETCH_FIELD_REMOTE | KVC_FETCH_FIELD_LOCAL_BLOCKS |
+                    (early ? KVC_FETCH_FIELD_WAIT : 0);
+    fp.remote_kv_token = tok;
+    fp.remote_engine_id = "bench-P";
+    fp.remote_request_id = id;
+    fp.remote_host = "127.0.0.1";
+    fp.remote_port = pport;
+    fp.remote_block_ids = ids;
+    fp.num_remote_blocks = n;
+    fp.local_block_ids = ids;
+    fp.num_local_blocks = n;
+    fp.wait_ms = 10000;
+    uint64_t xid = 0;
+    uint32_t op = 5;
+    if (early) { /* register first; let the pull reach the producer */
+        if (kvc_fetch(a, &fp, &xid) != KVC_INPROGRESS) die("fetch", KVC_ERR_STATE);
+        double t0 = now_s();
+        while (now_s() - t0 < 0.005)
+            kvc_agent_wait(a, 1);
+    }
+    xwrite(ctl, &op, 4);
+    xwrite(ctl, &n, 4);
+    xwrite(ctl, id, 64);
+    xwrite(ctl, tok, 32);
+    xwrite(ctl, ids, n * sizeof(uint64_t));
+    uint64_t tpub;
+    if (!xread(ctl, &tpub, 8)) die("publish", KVC_ERR_IO);
+    if (!early && kvc_fetch(a, &fp, &xid) != KVC_INPROGRESS) die("fetch", KVC_ERR_STATE);
+    double t0 = now_s();
+    for (;;) {
+        kvc_agent_wait(a, 100);
+        kvc_event_t ev;
+        while (kvc_agent_next_event(a, &ev) == KVC_OK) {
+            if (ev.type == KVC_EV_FETCH_FAILED) {
+                fprintf(stderr, "fetch failed: %s\n", ev.message);
+                exit(1);
+            }
+            if (ev.type == KVC_EV_FETCH_DONE && ev.xfer_id == xid) {
+                struct timespec ts;
+                clock_gettime(CLOCK_MONOTONIC, &ts);
+                uint64_t t = (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+                return (double)(t - tpub) * 1e-9;
+            }
+        }
+        if (now_s() - t0 > 60) die("fetch", KVC_ERR_TIMED_OUT);
+    }
+}
+
+static void bench_pending(bool quick) {
+    static const size_t bls[] = {16 << 10, 256 << 10};
+    static const uint32_t ns[] = {1, 64};
+    int iters = quick ? 15 : 60;
+    double *after = malloc(sizeof(double) * (size_t)iters);
+    double *early = malloc(sizeof(double) * (size_t)iters);
+    for (int k = 0; k < 2; k++) {
+        cfg(bls[k], 64);
+        kvc_agent_t *a = mk_agent("bench-D", bls[k], 64);
+        uint64_t ids[64];
+        for (uint32_t i = 0; i < 64; i++)
+            ids[i] = i;
+        pub_to_done(a, ids, ns[k], false); /* warm-up: handshake */
+        for (int i = 0; i < iters; i++) { /* interleaved: same noise on both */
+            after[i] = pub_to_done(a, ids, ns[k], false);
+            early[i] = pub_to_done(a, ids, ns[k], true);
+        }
+        kvc_agent_destroy(a);
+        double ma = median(after, (size_t)iters), me = median(early, (size_t)iters);
+        printf("pending_registration block=%zu count=%u publish_to_done_median_us "
+               "fetch_after_publish=%.1f registered_before_publish=%.1f ratio=%.2f n=%d\n",
+               bls[k], ns[k], ma * 1e6, me * 1e6, me / ma, iters);
+        fflush(stdout);
+    }
+    free(after);
+    free(early);
+}
+
 static double memcpy_median_s(size_t total, uint32_t iters) {
     char *s = malloc(total), *d = malloc(total);
     double *t = malloc(sizeof(double) * iters);
@@ -311,7 +423,7 @@ static double tcp_gbs(uint64_t bytes, uint64_t chunk) {
 
 int main(int argc, char **argv) {
     size_t max_mb = 1024, min_mb = 256;
-    bool quick = false, latency_only = false;
+    bool quick = false, latency_only = false, pending_only = false;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--tls") && i + 1 < argc)
             setenv("UCX_TLS", argv[++i], 1);
@@ -323,8 +435,11 @@ int main(int argc, char **argv) {
             quick = true;
         else if (!strcmp(argv[i], "--latency-only"))
             latency_only = true;
+        else if (!strcmp(argv[i], "--pending"))
+            pending_only = true;
         else {
-            fprintf(stderr, "usage: kvc_bench [--tls T] [--max-mb N] [--min-mb N] [--quick]\n");
+            fprintf(stderr, "usage: kvc_bench [--tls T] [--max-mb N] [--min-mb N] [--quick] "
+                            "[--latency-only] [--pending]\n");
             return 2;
         }
     }
@@ -342,6 +457,13 @@ int main(int argc, char **argv) {
     printf("# kvc_bench UCX_TLS=%s proto=%s\n", tls,
            getenv("KVC_PROTO") ? getenv("KVC_PROTO") : "auto");
 
+    if (pending_only) {
+        bench_pending(quick);
+        uint32_t op = 4;
+        xwrite(ctl, &op, 4);
+        waitpid(pid, NULL, 0);
+        return 0;
+    }
     static const size_t sizes[] = {16 << 10, 256 << 10, 2 << 20};
     static const uint64_t counts[] = {1, 64, 4096};
     static const char *pats[] = {"contiguous", "runs8", "random"};
@@ -428,6 +550,7 @@ int main(int argc, char **argv) {
            lat[nh / 2] * 1e6, lat[nh - 1] * 1e6, nh);
     free(lat);
 
+    bench_pending(quick);
     for (size_t si = 0; si < 3 && !latency_only; si++) {
         uint64_t bytes = quick ? (256ull << 20) : (1ull << 30);
         printf("baseline tcp_loopback chunk=%zu GBps=%.3f\n", sizes[si], tcp_gbs(bytes, sizes[si]));

@@ -15,6 +15,7 @@
 #include <strings.h>
 #include <sys/epoll.h>
 #include <sys/random.h>
+#include <time.h>
 #include <unistd.h>
 
 #define DEFAULT_CONNECT_TIMEOUT_MS 5000u
@@ -28,19 +29,22 @@
 
 kvc_status_t kvc_agent_stat(const kvc_agent_t *a, kvc_stat_t which, uint64_t *value) {
     if (!a || !value || (int)which < 0 || which > KVC_STAT_FETCH_CANCELED) return KVC_ERR_INVALID_PARAM;
+    kvc_lock(a);
     if (which == KVC_STAT_PUBLISHED_NOW)
         *value = a->pubs.count;
     else if (which == KVC_STAT_AUTHENTICATED)
         *value = a->secret != NULL;
     else
         *value = a->stats[which];
+    kvc_unlock(a);
     return KVC_OK;
 }
 
-kvc_status_t kvc_agent_progress(kvc_agent_t *a) {
-    if (!a) return KVC_ERR_INVALID_PARAM;
+/* One turn of work.  The progress thread does not free the event the
+ * caller popped last (release false): only the caller's calls do. */
+static kvc_status_t progress_turn(kvc_agent_t *a, bool release) {
     kvc_status_t st = KVC_OK;
-    kvc_event_release(a);
+    if (release) kvc_event_release(a);
 
     struct epoll_event evs[64];
     int n = epoll_wait(a->epfd, evs, 64, 0);
@@ -91,6 +95,38 @@ kvc_status_t kvc_agent_progress(kvc_agent_t *a) {
     if (a->evq_head) kvc_wake(a);
     kvc_timer_arm(a, next);
     return st;
+}
+
+kvc_status_t kvc_agent_progress(kvc_agent_t *a) {
+    if (!a) return KVC_ERR_INVALID_PARAM;
+    kvc_lock(a);
+    kvc_status_t st = progress_turn(a, true);
+    kvc_unlock(a);
+    return st;
+}
+
+/* The progress thread: waits for the agent's fd (bounded, so that a stop
+ * is seen), then does a turn under the mutex.  While events wait to be
+ * popped the fd stays readable (that is what wakes a caller's poll), so the
+ * thread then naps 1 ms between turns instead of spinning on it. */
+static void *progress_main(void *arg) {
+    kvc_agent_t *a = arg;
+    while (!atomic_load(&a->thr_stop)) {
+        kvc_lock(a);
+        bool queued = a->evq_head != NULL;
+        kvc_unlock(a);
+        if (queued) {
+            struct timespec ts = {0, 1000000};
+            nanosleep(&ts, NULL);
+        } else {
+            struct pollfd p = {.fd = a->epfd, .events = POLLIN};
+            poll(&p, 1, 50);
+        }
+        kvc_lock(a);
+        progress_turn(a, false);
+        kvc_unlock(a);
+    }
+    return NULL;
 }
 
 kvc_status_t kvc_agent_wait(kvc_agent_t *a, int timeout_ms) {
@@ -279,6 +315,25 @@ kvc_status_t kvc_agent_create(const kvc_agent_params_t *p, kvc_agent_t **out) {
     KVC_LOG(a, KVC_LOG_INFO, "agent up side_channel=%s:%u proto=%d cuda_native=%d rma=%d",
             a->listen_host, a->port, (int)a->proto, (int)a->cuda_native, (int)a->rma);
     kvc_wake(a); /* first progress arms the worker */
+    if ((m & KVC_AGENT_FIELD_PROGRESS_THREAD) && p->progress_thread) {
+        pthread_mutexattr_t ma;
+        pthread_mutexattr_init(&ma);
+        pthread_mutexattr_settype(&ma, PTHREAD_MUTEX_RECURSIVE);
+        int rc = pthread_mutex_init(&a->mu, &ma);
+        pthread_mutexattr_destroy(&ma);
+        if (rc != 0) {
+            st = KVC_ERR_NO_MEMORY;
+            goto err_fds;
+        }
+        atomic_init(&a->thr_stop, false);
+        a->threaded = true;
+        if (pthread_create(&a->thr, NULL, progress_main, a) != 0) {
+            a->threaded = false;
+            pthread_mutex_destroy(&a->mu);
+            st = KVC_ERR_NO_MEMORY;
+            goto err_fds;
+        }
+    }
     *out = a;
     return KVC_OK;
 
@@ -304,6 +359,12 @@ err_agent:
 
 void kvc_agent_destroy(kvc_agent_t *a) {
     if (!a) return;
+    if (a->threaded) { /* stop the progress thread first: nothing runs beside us then */
+        atomic_store(&a->thr_stop, true);
+        pthread_join(a->thr, NULL);
+        a->threaded = false;
+        pthread_mutex_destroy(&a->mu);
+    }
     a->destroying = true; /* callbacks below queue no events */
     kvc_sconns_destroy(a);
     kvc_peers_destroy(a); /* closes endpoints: in-flight requests complete as cancelled */

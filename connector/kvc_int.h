@@ -5,7 +5,9 @@
 
 #include "include/kvconnector.h"
 
+#include <pthread.h>
 #include <stdarg.h>
+#include <stdatomic.h>
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -521,6 +523,12 @@ struct kvc_agent {
     size_t push_chunk;      /* largest DATA message (bytes, whole blocks) */
 
     kvc_evnode_t *evq_head, *evq_tail, *ev_cur;
+    /* Progress thread (KVC_AGENT_FIELD_PROGRESS_THREAD, context.c): every
+     * public call takes mu (recursive) when threaded. */
+    bool threaded;
+    pthread_mutex_t mu;
+    pthread_t thr;
+    atomic_bool thr_stop;
     uint64_t stats[KVC_STAT_FETCH_CANCELED + 1];
     /* Leases and held registrations (pending.c). */
     uint32_t lease_ms, pending_fetch_ms, max_pending, max_pending_peer;
@@ -553,6 +561,9 @@ KVC_HIDDEN void kvc_log(kvc_agent_t *a, kvc_log_level_t lvl, const char *fmt, ..
         if ((int)(lvl) <= (int)(a)->log_level) kvc_log((a), (lvl), __VA_ARGS__);                   \
     } while (0)
 KVC_HIDDEN uint64_t kvc_now_ns(void);
+/* The agent's mutex around a public call, when it has a progress thread. */
+KVC_HIDDEN void kvc_lock(const kvc_agent_t *a);
+KVC_HIDDEN void kvc_unlock(const kvc_agent_t *a);
 KVC_HIDDEN void kvc_wake(kvc_agent_t *a);
 /* Queues an event; copies strings and blocks.  Drops it silently when out of
  * memory or when the agent is being destroyed (logged). */

@@ -72,6 +72,14 @@ void kvc_free(void *p) {
     free(p);
 }
 
+void kvc_lock(const kvc_agent_t *a) {
+    if (a->threaded) pthread_mutex_lock((pthread_mutex_t *)&a->mu);
+}
+
+void kvc_unlock(const kvc_agent_t *a) {
+    if (a->threaded) pthread_mutex_unlock((pthread_mutex_t *)&a->mu);
+}
+
 uint64_t kvc_now_ns(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
@@ -185,7 +193,7 @@ void kvc_event_release(kvc_agent_t *a) {
     a->ev_cur = NULL;
 }
 
-kvc_status_t kvc_agent_next_event(kvc_agent_t *a, kvc_event_t *ev) {
+static kvc_status_t next_event_impl(kvc_agent_t *a, kvc_event_t *ev) {
     if (!a || !ev) return KVC_ERR_INVALID_PARAM;
     kvc_event_release(a);
     kvc_evnode_t *e = a->evq_head;
@@ -273,4 +281,12 @@ void kvc_loop_close(kvc_agent_t *a) {
         evnode_free(e);
     }
     kvc_event_release(a);
+}
+
+kvc_status_t kvc_agent_next_event(kvc_agent_t *a, kvc_event_t *ev) {
+    if (!a) return KVC_ERR_INVALID_PARAM;
+    kvc_lock(a);
+    kvc_status_t st = next_event_impl(a, ev);
+    kvc_unlock(a);
+    return st;
 }

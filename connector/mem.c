@@ -138,7 +138,7 @@ static kvc_status_t region_init(kvc_agent_t *a, kvc_region_t *r, const kvc_regio
     return KVC_OK;
 }
 
-kvc_status_t kvc_agent_register_regions(kvc_agent_t *a, uint64_t num_blocks,
+static kvc_status_t register_impl(kvc_agent_t *a, uint64_t num_blocks,
                                         const kvc_region_params_t *rp, size_t n) {
     if (!a || !rp || n == 0 || n > KVC_WIRE_MAX_REGIONS || num_blocks == 0)
         return KVC_ERR_INVALID_PARAM;
@@ -242,5 +242,14 @@ static kvc_status_t build_one(kvc_agent_t *a, bool rkeys, kvc_buf_t *out) {
 kvc_status_t kvc_mem_build_handshake(kvc_agent_t *a) {
     kvc_status_t st = build_one(a, true, &a->hs_msg);
     if (st == KVC_OK) st = build_one(a, false, &a->hs_msg_nokeys);
+    return st;
+}
+
+kvc_status_t kvc_agent_register_regions(kvc_agent_t *a, uint64_t num_blocks,
+                                        const kvc_region_params_t *regions, size_t n) {
+    if (!a) return KVC_ERR_INVALID_PARAM;
+    kvc_lock(a);
+    kvc_status_t st = register_impl(a, num_blocks, regions, n);
+    kvc_unlock(a);
     return st;
 }

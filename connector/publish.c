@@ -184,7 +184,7 @@ static kvc_status_t capture(kvc_agent_t *a, const kvc_publish_params_t *params) 
     return st;
 }
 
-kvc_status_t kvc_publish(kvc_agent_t *a, const char *request_id, const uint64_t *block_ids,
+static kvc_status_t publish_impl(kvc_agent_t *a, const char *request_id, const uint64_t *block_ids,
                          size_t n, const kvc_publish_params_t *params, char **json_out) {
     if (!a || !request_id || !json_out || (n && !block_ids)) return KVC_ERR_INVALID_PARAM;
     size_t idlen = strlen(request_id);
@@ -252,7 +252,7 @@ err_pub:
     return st;
 }
 
-kvc_status_t kvc_unpublish(kvc_agent_t *a, const char *request_id) {
+static kvc_status_t unpublish_impl(kvc_agent_t *a, const char *request_id) {
     if (!a || !request_id) return KVC_ERR_INVALID_PARAM;
     kvc_pub_t *p = kvc_pubtab_find(&a->pubs, request_id, strlen(request_id));
     if (!p) return KVC_ERR_NOT_FOUND;
@@ -413,4 +413,21 @@ kvc_status_t kvc_token_new(char out[33]) {
     if (st != KVC_OK) return st;
     kvc_token_hex(t, out);
     return KVC_OK;
+}
+
+kvc_status_t kvc_publish(kvc_agent_t *a, const char *request_id, const uint64_t *block_ids,
+                         size_t n, const kvc_publish_params_t *params, char **json_out) {
+    if (!a) return KVC_ERR_INVALID_PARAM;
+    kvc_lock(a);
+    kvc_status_t st = publish_impl(a, request_id, block_ids, n, params, json_out);
+    kvc_unlock(a);
+    return st;
+}
+
+kvc_status_t kvc_unpublish(kvc_agent_t *a, const char *request_id) {
+    if (!a) return KVC_ERR_INVALID_PARAM;
+    kvc_lock(a);
+    kvc_status_t st = unpublish_impl(a, request_id);
+    kvc_unlock(a);
+    return st;
 }

@@ -320,12 +320,16 @@ static void pull_unhold(kvc_agent_t *a, ucp_ep_h ep, const kvc_wire_pull_t *pl) 
 /* A lease renewal: no answer either way (a refusal is counted and logged). */
 static void pull_renew(kvc_agent_t *a, const kvc_wire_pull_t *pl) {
     kvc_pub_t *pub = kvc_pubtab_find(&a->pubs, (const char *)pl->request_id.p, pl->request_id.len);
-    if (!pub || !kvc_mac_equal(pub->token, pl->pub_token, KVC_TOKEN_LEN)) {
+    if (!pub) { /* not published yet (decode queued before prefill's worker
+                   published: nothing to renew) or already ended */
+        KVC_LOG(a, KVC_LOG_DEBUG, "lease renewal for req=%.*s: no such publication now",
+                (int)pl->request_id.len, (const char *)pl->request_id.p);
+        return;
+    }
+    if (!kvc_mac_equal(pub->token, pl->pub_token, KVC_TOKEN_LEN)) {
         a->stats[KVC_STAT_DENIED]++;
         if (kvc_log_ratelimit(a, KVC_RL_DENIED))
-            KVC_LOG(a, KVC_LOG_WARN, "lease renewal for req=%.*s refused: %s",
-                    (int)pl->request_id.len, (const char *)pl->request_id.p,
-                    pub ? "wrong token" : "unknown or ended publication");
+            KVC_LOG(a, KVC_LOG_WARN, "lease renewal for req=%s refused: wrong token", pub->id);
         return;
     }
     a->stats[KVC_STAT_LEASE_RENEWALS]++;

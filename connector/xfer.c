@@ -791,7 +791,7 @@ err_remote:
 
 static kvc_xfer_t *find_xfer(kvc_agent_t *a, uint64_t id) {
     for (kvc_xfer_t *x = a->xfers; x; x = x->next)
-        if (x->id == id && !x->finished) return x;
+        if (x->id == id && !x->finished && !x->renew) return x;
     return NULL;
 }
 
@@ -912,14 +912,21 @@ static ucs_status_t data_cb(void *arg, const void *header, size_t hlen, void *da
 }
 
 kvc_status_t kvc_fetch(kvc_agent_t *a, const kvc_fetch_params_t *p, uint64_t *xfer_id) {
-    return fetch_start(a, p, false, xfer_id);
+    if (!a) return KVC_ERR_INVALID_PARAM;
+    kvc_lock(a);
+    kvc_status_t st = fetch_start(a, p, false, xfer_id);
+    kvc_unlock(a);
+    return st;
 }
 
 /* A renewal is a fetch of nothing that sends one RENEW pull once the peer
  * is ready and ends silently (id 0: never matched by DATA or cancel). */
 kvc_status_t kvc_lease_renew(kvc_agent_t *a, const kvc_fetch_params_t *p) {
     uint64_t id;
+    if (!a) return KVC_ERR_INVALID_PARAM;
+    kvc_lock(a);
     kvc_status_t st = fetch_start(a, p, true, &id);
+    kvc_unlock(a);
     return st == KVC_INPROGRESS ? KVC_OK : st;
 }
 
@@ -931,11 +938,11 @@ kvc_status_t kvc_xfer_register_am(kvc_agent_t *a) {
  * for a finished fetch), then what is already in flight is cancelled and
  * progressed to its end here, so that nothing lands after the return; as a
  * last resort the endpoint to the producer is closed. */
-kvc_status_t kvc_fetch_cancel(kvc_agent_t *a, uint64_t xfer_id) {
+static kvc_status_t cancel_impl(kvc_agent_t *a, uint64_t xfer_id) {
     if (!a) return KVC_ERR_INVALID_PARAM;
     kvc_xfer_t *x = NULL;
-    for (kvc_xfer_t *y = a->xfers; y; y = y->next)
-        if (y->id == xfer_id && (!y->finished || y->fail_pending)) x = y;
+    for (kvc_xfer_t *y = a->xfers; y; y = y->next) /* renewals (id 0) are not fetches */
+        if (y->id == xfer_id && !y->renew && (!y->finished || y->fail_pending)) x = y;
     if (!x) return KVC_ERR_NOT_FOUND;
     x->finished = true;
     x->sref.dead = true;
@@ -957,7 +964,29 @@ kvc_status_t kvc_fetch_cancel(kvc_agent_t *a, uint64_t xfer_id) {
     }
     kvc_cuda_drain(a->cuda);
     a->stats[KVC_STAT_FETCH_CANCELED]++;
+    if (x->outstanding > 0 || x->sref.holds > 0) {
+        /* UCX did not end them even with the endpoint closed: no promise
+         * can be made now.  The event comes when they end. */
+        KVC_LOG(a, KVC_LOG_WARN, "fetch %llu req=%s: cancel could not end %d requests in time",
+                (unsigned long long)x->id, x->req_id, x->outstanding);
+        x->fail_pending = true;
+        x->fail_aborted = true;
+        x->fail_status = KVC_ERR_CANCELED;
+        snprintf(x->fail_msg, sizeof(x->fail_msg), "fetch cancelled");
+        kvc_wake(a);
+        return KVC_ERR_TIMED_OUT;
+    }
+    KVC_LOG(a, KVC_LOG_DEBUG, "fetch %llu req=%s cancelled (endpoint %s)",
+            (unsigned long long)x->id, x->req_id, aborted ? "closed" : "kept");
     emit_failed(a, x, KVC_ERR_CANCELED, "fetch cancelled");
     kvc_wake(a);
     return KVC_OK;
+}
+
+kvc_status_t kvc_fetch_cancel(kvc_agent_t *a, uint64_t xfer_id) {
+    if (!a) return KVC_ERR_INVALID_PARAM;
+    kvc_lock(a);
+    kvc_status_t st = cancel_impl(a, xfer_id);
+    kvc_unlock(a);
+    return st;
 }

@@ -576,9 +576,14 @@ typedef struct {
     /** KVC_FETCH_FIELD_REMOTE_RANK: the prefill TP rank to read from.  One
      * kv_transfer_params object serves every prefill rank: rank r's side
      * channel is remote_port + r (each prefill worker's agent listens on
-     * base port + its TP rank; a DP rank does not enter: every DP engine
-     * returns its own remote_port), and all ranks share the request's one
-     * token (the caller supplies it to every rank's kvc_publish).  Default 0. */
+     * base port + its TP rank), and all ranks share the request's one token
+     * (the caller supplies it to every rank's kvc_publish).  A DP rank does
+     * not enter: every DP engine advertises its own remote_port, and those
+     * must be at least tp_size apart (as older vLLM spaced NIXL's side
+     * channels: VLLM_NIXL_SIDE_CHANNEL_PORT + dp_rank * tp_size).  vLLM's
+     * current NIXL serves every rank's metadata from one scheduler port per
+     * DP engine (rank in the request); libkvconnector has one listener per
+     * worker agent, hence the offset.  Default 0. */
     uint32_t remote_rank;
 } kvc_fetch_params_t;
 
@@ -617,9 +622,15 @@ KVC_API kvc_status_t kvc_fetch(kvc_agent_t *a, const kvc_fetch_params_t *params,
  * endpoint to the producer was closed, which fails that producer's other
  * fetches too), and the fetch gets exactly one event, FETCH_FAILED with
  * KVC_ERR_CANCELED (queued by this call).  Blocks partly written hold no
- * valid data.  A registration held by the producer is withdrawn.
+ * valid data.  A registration the producer holds for it stays there until
+ * served or expired; what it then sends is dropped on arrival.
  * KVC_ERR_NOT_FOUND: unknown id, or its event was already queued.
- * May block the caller up to 2 s while UCX requests end.
+ * KVC_ERR_TIMED_OUT: UCX requests of the fetch did not end within 4 s even
+ * with the endpoint closed (cannot happen while the producer process
+ * progresses); the fetch is cancelled but bytes may still land until its
+ * FETCH_FAILED/KVC_ERR_CANCELED event, which then comes when they end.
+ * Blocks the caller while the requests end: normally one round trip to
+ * the producer, at most 4 s.
  */
 KVC_API kvc_status_t kvc_fetch_cancel(kvc_agent_t *a, uint64_t xfer_id);
 
@@ -631,8 +642,9 @@ KVC_API kvc_status_t kvc_fetch_cancel(kvc_agent_t *a, uint64_t xfer_id);
  * (flag on the existing PULL message, no runs) over the producer's UCX
  * endpoint, after the cached handshake; the producer checks id and token as
  * for a pull and extends the lease by its lease_ms (never past expiry).
- * Fire and forget: KVC_OK means queued; a refusal is logged and counted on
- * the producer (KVC_STAT_DENIED), no event.  KVC_ERR_INVALID_PARAM (as
+ * Fire and forget: KVC_OK means queued; a wrong token is logged and counted
+ * on the producer (KVC_STAT_DENIED), a publication that does not exist (yet,
+ * or any more) is ignored (debug log); no event either way.  KVC_ERR_INVALID_PARAM (as
  * kvc_fetch), KVC_ERR_STATE (no regions), KVC_ERR_NO_MEMORY.
  */
 KVC_API kvc_status_t kvc_lease_renew(kvc_agent_t *a, const kvc_fetch_params_t *params);

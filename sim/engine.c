@@ -526,9 +526,36 @@ static void on_fetch_event(sim_engine *e, const kvc_event_t *ev) {
     }
 }
 
+static uint32_t renew_interval_ms(const sim_engine *e) {
+    uint32_t ms = e->cfg->kv_lease_ms / 6; /* as vLLM's NIXL heartbeats: lease // 6 */
+    return ms < 50 ? 50 : ms;
+}
+
+/* Decode requests waiting for KV blocks renew the lease of their
+ * publication on the prefill, so that it is not freed while they queue. */
+static void renew_queued(sim_engine *e) {
+    uint64_t now = px_now_ns();
+    if (!e->cfg->kv_lease_ms || now < e->renew_due_ns) return;
+    e->renew_due_ns = now + (uint64_t)renew_interval_ms(e) * 1000000ull;
+    for (sim_req *r = e->qhead; r; r = r->qnext) {
+        if (r->mode != SIM_MODE_DECODE || !r->kvp) continue;
+        char *json = cJSON_PrintUnformatted(r->kvp);
+        kvc_fetch_params_t fp = {.field_mask = KVC_FETCH_FIELD_JSON,
+                                 .kv_transfer_params_json = json};
+        kvc_status_t st = json ? kvc_lease_renew(e->agent, &fp) : KVC_ERR_NO_MEMORY;
+        free(json);
+        if (st == KVC_OK)
+            e->lease_renewals++;
+        else
+            PX_LOG(PX_LOG_DEBUG, "req=%s msg=\"lease renewal not sent\" status=%s", r->internal_id,
+                   kvc_status_str(st));
+    }
+}
+
 static void on_kv(evutil_socket_t fd, short what, void *arg) {
     sim_engine *e = arg;
     kvc_event_t ev;
+    renew_queued(e);
     kvc_agent_progress(e->agent);
     while (kvc_agent_next_event(e->agent, &ev) == KVC_OK) {
         switch (ev.type) {
@@ -665,8 +692,9 @@ int sim_engine_setup_agent(sim_engine *e) {
     kvc_agent_params_t ap = {
         .field_mask = KVC_AGENT_FIELD_ENGINE_ID | KVC_AGENT_FIELD_LISTEN_HOST |
                       KVC_AGENT_FIELD_LISTEN_PORT | KVC_AGENT_FIELD_LOG | KVC_AGENT_FIELD_EXPIRY |
-                      KVC_AGENT_FIELD_TP_SIZE,
+                      KVC_AGENT_FIELD_TP_SIZE | KVC_AGENT_FIELD_LEASE,
         .tp_size = cfg->tp_size,
+        .lease_ms = cfg->kv_lease_ms,
         .engine_id = cfg->engine_id,
         .listen_host = cfg->kv_host,
         .listen_port = (uint16_t)cfg->kv_port,
@@ -706,7 +734,10 @@ int sim_engine_setup_agent(sim_engine *e) {
     int fd;
     kvc_agent_get_fd(e->agent, &fd);
     e->kv_ev = event_new(e->base, fd, EV_READ | EV_PERSIST, on_kv, e);
-    event_add(e->kv_ev, NULL);
+    /* Also woken every renewal interval: queued decode requests renew
+     * their publications' leases while they wait (on_kv). */
+    struct timeval tv = {renew_interval_ms(e) / 1000, (renew_interval_ms(e) % 1000) * 1000};
+    event_add(e->kv_ev, cfg->kv_lease_ms ? &tv : NULL);
     return 0;
 }
 

@@ -23,6 +23,8 @@ typedef struct sim_config {
     const char *engine_id;
     uint32_t max_queue;            /* requests waiting for KV blocks; 503 beyond */
     uint32_t kv_expiry_ms;         /* published blocks expire after this */
+    uint32_t kv_lease_ms;          /* published blocks not renewed for this long are freed;
+                                      decode renews its queued requests' every lease/6 */
     int log_level;                 /* 0 debug, 1 info, 2 warn, 3 error */
     const char *kv_secret_file;    /* cluster secret for the KV side channel; NULL:
                                       the connector reads KVC_SECRET_FILE / KVC_SECRET */

@@ -87,7 +87,8 @@ struct sim_engine {
     uint64_t tokens_computed, tokens_cached;
     uint64_t requests_total, blocks_published, blocks_released, blocks_expired, unknown_notify,
         fetch_failures, corrupt_blocks, fetches, bytes_fetched, fetch_ns, invalid_kvp,
-        queue_rejects;
+        queue_rejects, lease_renewals;
+    uint64_t renew_due_ns; /* next lease renewal of queued decode requests */
 };
 
 /* Admits a parsed completion request on connection c: queues it for KV

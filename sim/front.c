@@ -85,6 +85,8 @@ static void reply_metrics(sim_engine *e, px_conn *c) {
             e->tokens_cached);
     COUNTER("engine_sim_queue_rejections_total", "Requests refused with 503: queue full.",
             e->queue_rejects);
+    COUNTER("engine_sim_kv_lease_renewals_total",
+            "Lease renewals sent for queued decode requests' KV blocks.", e->lease_renewals);
     GAUGE("engine_sim_kv_blocks_free", "Free KV blocks.", "%zu", e->nfree);
 #undef GAUGE
 #undef COUNTER

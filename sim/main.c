@@ -46,6 +46,10 @@ static const sim_opt opts[] = {
      "pool is full and the queue too, 503 + Retry-After (256)"},
     {"kv-expiry-ms", O_U32, OFF(kv_expiry_ms), 1, 86400000, "N",
      "published blocks not claimed in time are freed (480000)"},
+    {"kv-lease-ms", O_U32, OFF(kv_lease_ms), 0, 86400000, "N",
+     "prefill frees published blocks whose lease decode did\n"
+     "not renew for this long (0: none; expiry still caps);\n"
+     "decode renews its queued requests' every N/6 (30000)"},
     {"kv-secret-file", O_STR, OFF(kv_secret_file), 0, 0, "PATH",
      "cluster secret authenticating the KV side channel (file\n"
      "content, trailing newline stripped); default: env\n"
@@ -163,6 +167,7 @@ int main(int argc, char **argv) {
                     .engine_id = NULL,
                     .max_queue = 256,
                     .kv_expiry_ms = 480000,
+                    .kv_lease_ms = 30000,
                     .log_level = 1,
                     .kv_secret_file = NULL,
                     .tp_size = 1};

@@ -11,6 +11,7 @@ import os
 import re
 import subprocess
 import tempfile
+import threading
 import unittest
 
 from pdharness.client import post_json
@@ -141,6 +142,57 @@ class SimSecurityTest(ClusterCase):
         m = prom_values(p.port)
         self.assertEqual(m["engine_sim_kv_blocks_released_by_consumer_total"], 0)
         self.assertEqual(m["engine_sim_kv_unknown_notifications_total"], 0)
+
+    def queued_decode(self, d_lease):
+        """Two requests through a decode whose KV pool holds one prompt: the
+        second waits in decode's queue for ~2.5 s, longer than prefill's
+        0.8 s lease.  Returns (prefill metrics, decode metrics)."""
+        p = self.start(start_engine_sim("prefill", ["--kv-lease-ms", "800"], env=self.env))
+        d = self.start(start_engine_sim("decode", ["--kv-lease-ms", d_lease, "--num-blocks", "2",
+                                                   "--itl-ms", "100"], env=self.env))
+        kvps = []
+        for rid in ("lease-a", "lease-b"):
+            st, _, raw = post_json(p.port, "/v1/completions", {
+                "prompt": PROMPT, "max_tokens": 1, "stream": False,
+                "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False}},
+                headers={"X-Request-Id": rid})
+            self.assertEqual(st, 200, raw)
+            kvps.append(json.loads(raw)["kv_transfer_params"])
+        results = {}
+
+        def decode(i):
+            results[i] = post_json(d.port, "/v1/completions", {
+                "prompt": PROMPT, "max_tokens": 25, "kv_transfer_params": kvps[i]},
+                headers={"X-Request-Id": "lease-%d" % i}, timeout=30)
+
+        first = threading.Thread(target=decode, args=(0,))
+        first.start()
+        wait_for(lambda: (prom_values(d.port)["engine_sim_kv_blocks_free"] == 0, None), 10,
+                 "the first decode holding the pool")
+        second = threading.Thread(target=decode, args=(1,))
+        second.start()
+        first.join(30)
+        second.join(30)
+        for i in (0, 1):
+            self.assertEqual(results[i][0], 200, results[i])
+        return prom_values(p.port), prom_values(d.port)
+
+    def test_queued_decode_renews_lease(self):
+        pm, dm = self.queued_decode("800")
+        self.assertGreaterEqual(dm["engine_sim_kv_lease_renewals_total"], 3)
+        self.assertEqual(pm["engine_sim_kv_blocks_expired_total"], 0)
+        self.assertEqual(dm["engine_sim_kv_fetch_failures_total"], 0)
+        wait_for(lambda: (prom_values(self.procs[0].port)
+                          ["engine_sim_kv_blocks_released_by_consumer_total"] == 4, None), 10,
+                 "both publications released by their consumers")
+
+    def test_unrenewed_lease_expires_while_queued(self):
+        # The same without renewals: the queued request's blocks go after
+        # the lease, its fetch fails and decode recomputes the prompt.
+        pm, dm = self.queued_decode("0")
+        self.assertEqual(dm["engine_sim_kv_lease_renewals_total"], 0)
+        self.assertEqual(pm["engine_sim_kv_blocks_expired_total"], 2)
+        self.assertEqual(dm["engine_sim_kv_fetch_failures_total"], 1)
 
 
 if __name__ == "__main__":

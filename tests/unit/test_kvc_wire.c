@@ -153,6 +153,53 @@ static void test_handshake_truncated_and_corrupt(void **state) {
     kvc_buf_cleanup(&c);
 }
 
+/* The PULL trailer (KVC_PULL_EXT): registration wait and TP slice. */
+static void test_pull_ext(void **state) {
+    (void)state;
+    kvc_run_t runs[2] = {{1, 2, 3}, {10, 20, 1}};
+    kvc_buf_t b = {0};
+    kvc_wire_pull_t pl = {.xfer_id = 7,
+                          .flags = KVC_PULL_EXT | KVC_PULL_WAIT,
+                          .tp = 2,
+                          .request_id = {(const uint8_t *)"r", 1},
+                          .runs = runs,
+                          .n = 2,
+                          .wait_ms = 1234,
+                          .parts = 4,
+                          .part = 3};
+    kvc_wire_encode_pull(&b, &pl);
+    kvc_wire_pull_t out;
+    assert_int_equal(kvc_wire_parse_pull(b.p, b.len, &out), KVC_OK);
+    assert_int_equal(out.wait_ms, 1234);
+    assert_int_equal(out.parts, 4);
+    assert_int_equal(out.part, 3);
+    assert_int_equal(out.n, 2);
+    assert_memory_equal(out.runs, runs, sizeof(runs));
+    free(out.runs);
+    for (size_t k = 0; k < b.len; k++)
+        assert_int_equal(kvc_wire_parse_pull(b.p, k, &out), KVC_ERR_PROTOCOL);
+    kvc_buf_cleanup(&b);
+    /* part out of range, or zero parts: refused */
+    pl.part = 4;
+    kvc_wire_encode_pull(&b, &pl);
+    assert_int_equal(kvc_wire_parse_pull(b.p, b.len, &out), KVC_ERR_PROTOCOL);
+    kvc_buf_cleanup(&b);
+    pl.parts = 0;
+    pl.part = 0;
+    kvc_wire_encode_pull(&b, &pl);
+    assert_int_equal(kvc_wire_parse_pull(b.p, b.len, &out), KVC_ERR_PROTOCOL);
+    kvc_buf_cleanup(&b);
+    /* without the flag the defaults: whole blocks, no wait */
+    pl.flags = 0;
+    kvc_wire_encode_pull(&b, &pl);
+    assert_int_equal(kvc_wire_parse_pull(b.p, b.len, &out), KVC_OK);
+    assert_int_equal(out.parts, 1);
+    assert_int_equal(out.part, 0);
+    assert_int_equal(out.wait_ms, 0);
+    free(out.runs);
+    kvc_buf_cleanup(&b);
+}
+
 static void test_pull_and_data(void **state) {
     kvc_run_t runs[3] = {{1, 2, 3}, {10, 20, 1}, {UINT64_MAX, 0, 7}};
     kvc_buf_t b = {0};
@@ -443,6 +490,7 @@ int main(void) {
         cmocka_unit_test(test_handshake_roundtrip),
         cmocka_unit_test(test_handshake_truncated_and_corrupt),
         cmocka_unit_test(test_pull_and_data),
+        cmocka_unit_test(test_pull_ext),
         cmocka_unit_test(test_notify),
         cmocka_unit_test(test_coalesce),
         cmocka_unit_test(test_params_json),

@@ -1,0 +1,793 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/* Unit tests of the connector API that vLLM's plugin needs (issues 23, 25):
+ * two or three agents in this process, progressed alternately (or by their
+ * own progress threads), moving real blocks over UCX on loopback.
+ *
+ *  - the caller supplies the publication token; a wrong one is denied;
+ *  - a fetch that reaches the producer before kvc_publish waits for it
+ *    (push-mode registration) and gets byte-exact blocks, on push and on
+ *    one-sided reads; an unmet registration expires (KVC_ERR_TIMED_OUT); the
+ *    bounds on held registrations refuse with KVC_ERR_BUSY;
+ *  - kvc_fetch_cancel: one FETCH_FAILED/KVC_ERR_CANCELED, and no byte lands
+ *    after it returns (a canary written after the call survives);
+ *  - leases: renewals keep a publication, a missed lease frees it long
+ *    before the fixed expiry;
+ *  - partial-block reads for TP 1->2 and 2->1, byte-exact, the rest of
+ *    each local block untouched; block geometry mismatches refused with
+ *    KVC_ERR_INCOMPATIBLE; rank r's side channel is remote_port + r;
+ *  - progress threads: publish and fetch from two threads, events arrive
+ *    without any caller progress.
+ * Loops are bounded in time and count. */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+/* cmocka needs the headers above first */
+#include <cmocka.h>
+
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "connector/kvc_int.h"
+
+#define NREG 2
+#define MAXEV 256
+#define SECRET "unit-api2-secret"
+
+typedef struct {
+    kvc_event_type_t type;
+    kvc_status_t st;
+    uint64_t xfer_id;
+    char req[64];
+    char msg[300];
+} rec_t;
+
+typedef struct {
+    kvc_agent_t *a;
+    uint8_t *mem[NREG]; /* owned when the regions are the caller's */
+    uint64_t nb;
+    size_t bl;
+    rec_t ev[MAXEV];
+    int n;
+} side_t;
+
+typedef struct {
+    const char *name, *tls;
+    bool pool;         /* connector-allocated shared-memory pool (one-sided reads) */
+    uint64_t nb;
+    size_t bl;
+    uint16_t port;     /* 0: any */
+    uint32_t lease_ms; /* 0: none */
+    uint32_t pending_ms, max_pending, max_per_peer;
+    bool thread;
+    uint32_t tp;       /* this engine's TP size; 0: 1 */
+} opts_t;
+
+static void quiet_log(void *arg, kvc_log_level_t level, const char *msg) {
+    (void)level;
+    if (getenv("KVC_TEST_VERBOSE")) fprintf(stderr, "%s: %s\n", (const char *)arg, msg);
+}
+
+static kvc_status_t side_try(side_t *s, const opts_t *o) {
+    memset(s, 0, sizeof(*s));
+    setenv("UCX_TLS", o->tls ? o->tls : "tcp,self", 1);
+    setenv("UCX_WARN_UNUSED_ENV_VARS", "n", 1);
+    unsetenv("KVC_PROTO");
+    kvc_agent_params_t p = {0};
+    p.field_mask = KVC_AGENT_FIELD_ENGINE_ID | KVC_AGENT_FIELD_LOG | KVC_AGENT_FIELD_SECRET |
+                   KVC_AGENT_FIELD_XFER_TIMEOUT | KVC_AGENT_FIELD_LEASE |
+                   KVC_AGENT_FIELD_PENDING_FETCH | KVC_AGENT_FIELD_LISTEN_PORT |
+                   KVC_AGENT_FIELD_PROGRESS_THREAD | KVC_AGENT_FIELD_TP_SIZE;
+    p.tp_size = o->tp ? o->tp : 1;
+    p.engine_id = o->name;
+    p.log_cb = quiet_log;
+    p.log_arg = (void *)o->name;
+    p.log_level = KVC_LOG_DEBUG;
+    p.secret = SECRET;
+    p.secret_len = strlen(SECRET);
+    p.xfer_timeout_ms = 30000;
+    p.listen_port = o->port;
+    p.lease_ms = o->lease_ms;
+    p.pending_fetch_ms = o->pending_ms ? o->pending_ms : 30000;
+    p.max_pending_fetches = o->max_pending;
+    p.max_pending_per_peer = o->max_per_peer;
+    p.progress_thread = o->thread;
+    kvc_status_t st = kvc_agent_create(&p, &s->a);
+    if (st != KVC_OK) return st;
+    kvc_region_params_t rp[NREG];
+    memset(rp, 0, sizeof(rp));
+    for (int r = 0; r < NREG; r++) {
+        rp[r].len = o->nb * o->bl;
+        if (!o->pool) {
+            s->mem[r] = calloc(o->nb, o->bl);
+            assert_non_null(s->mem[r]);
+            rp[r].field_mask = KVC_REGION_FIELD_BASE;
+            rp[r].base = s->mem[r];
+        }
+    }
+    assert_int_equal(kvc_agent_register_regions(s->a, o->nb, rp, NREG), KVC_OK);
+    s->nb = o->nb;
+    s->bl = o->bl;
+    return KVC_OK;
+}
+
+static void side_init(side_t *s, const opts_t *o) {
+    assert_int_equal(side_try(s, o), KVC_OK);
+}
+
+static void side_cleanup(side_t *s) {
+    kvc_agent_destroy(s->a);
+    for (int r = 0; r < NREG; r++)
+        free(s->mem[r]);
+}
+
+static uint8_t *block(side_t *s, int r, uint64_t b) {
+    void *base;
+    assert_int_equal(kvc_region_base(s->a, (size_t)r, &base), KVC_OK);
+    return (uint8_t *)base + b * s->bl;
+}
+
+/* Byte i of block b of region r of producer `gen`: position-dependent. */
+static uint8_t pat(uint8_t gen, int r, uint64_t b, size_t i) {
+    return (uint8_t)(gen * 31u + (unsigned)r * 7u + (unsigned)b * 13u + (unsigned)(i * 3u + i / 251));
+}
+
+static void fill(side_t *s, uint64_t b, uint8_t gen) {
+    for (int r = 0; r < NREG; r++)
+        for (size_t i = 0; i < s->bl; i++)
+            block(s, r, b)[i] = pat(gen, r, b, i);
+}
+
+static void canary(side_t *s, uint8_t c) {
+    for (int r = 0; r < NREG; r++)
+        memset(block(s, r, 0), c, s->nb * s->bl);
+}
+
+static void pump_once(side_t *s) {
+    kvc_agent_progress(s->a);
+    kvc_event_t e;
+    while (kvc_agent_next_event(s->a, &e) == KVC_OK) {
+        assert_true(s->n < MAXEV);
+        rec_t *r = &s->ev[s->n++];
+        r->type = e.type;
+        r->st = e.status;
+        r->xfer_id = e.xfer_id;
+        snprintf(r->req, sizeof(r->req), "%s", e.request_id ? e.request_id : "");
+        snprintf(r->msg, sizeof(r->msg), "%s", e.message ? e.message : "");
+    }
+}
+
+static const rec_t *find_ev(const side_t *s, kvc_event_type_t t, const char *req) {
+    for (int i = 0; i < s->n; i++)
+        if (s->ev[i].type == t && (!req || !strcmp(s->ev[i].req, req))) return &s->ev[i];
+    return NULL;
+}
+
+static int count_fetch_ev(const side_t *s, uint64_t id) {
+    int k = 0;
+    for (int i = 0; i < s->n; i++)
+        k += (s->ev[i].type == KVC_EV_FETCH_DONE || s->ev[i].type == KVC_EV_FETCH_FAILED) &&
+             s->ev[i].xfer_id == id;
+    return k;
+}
+
+static const rec_t *fetch_ev(const side_t *s, uint64_t id) {
+    for (int i = 0; i < s->n; i++)
+        if ((s->ev[i].type == KVC_EV_FETCH_DONE || s->ev[i].type == KVC_EV_FETCH_FAILED) &&
+            s->ev[i].xfer_id == id)
+            return &s->ev[i];
+    return NULL;
+}
+
+static uint64_t stat(side_t *s, kvc_stat_t w) {
+    uint64_t v = 0;
+    assert_int_equal(kvc_agent_stat(s->a, w, &v), KVC_OK);
+    return v;
+}
+
+/* Drives the agents until cond holds; fails the test after ms. */
+#define PUMP_UNTIL(P, D, cond, ms)                                                                 \
+    do {                                                                                           \
+        uint64_t t0_ = kvc_now_ns();                                                               \
+        while (!(cond)) {                                                                          \
+            assert_true(kvc_now_ns() - t0_ < (uint64_t)(ms)*1000000ull);                           \
+            pump_once(P);                                                                          \
+            pump_once(D);                                                                          \
+        }                                                                                          \
+    } while (0)
+
+static uint16_t port_of(side_t *s) {
+    uint16_t port = 0;
+    assert_int_equal(kvc_agent_get_port(s->a, &port), KVC_OK);
+    return port;
+}
+
+/* kv_transfer_params as vLLM's scheduler builds them before the worker
+ * publishes: the engine id, host, port, blocks and the token it drew. */
+static char *params_json(const char *engine, uint16_t port, const char *req, const uint64_t *ids,
+                         size_t n, const char *token) {
+    static char buf[4096];
+    int off = snprintf(buf, sizeof(buf),
+                       "{\"do_remote_prefill\":true,\"do_remote_decode\":false,"
+                       "\"remote_engine_id\":\"%s\",\"remote_request_id\":\"%s\","
+                       "\"remote_host\":\"127.0.0.1\",\"remote_port\":%u,\"tp_size\":1,"
+                       "\"remote_kv_token\":\"%s\",\"remote_block_ids\":[",
+                       engine, req, port, token);
+    for (size_t i = 0; i < n; i++)
+        off += snprintf(buf + off, sizeof(buf) - (size_t)off, "%s%llu", i ? "," : "",
+                        (unsigned long long)ids[i]);
+    snprintf(buf + off, sizeof(buf) - (size_t)off, "]}");
+    return buf;
+}
+
+static void publish_tok(side_t *P, const char *id, const uint64_t *ids, size_t n, const char *tok) {
+    kvc_publish_params_t pp = {.field_mask = KVC_PUBLISH_FIELD_TOKEN, .kv_token = tok};
+    char *json = NULL;
+    assert_int_equal(kvc_publish(P->a, id, ids, n, &pp, &json), KVC_OK);
+    assert_non_null(strstr(json, tok));
+    kvc_free(json);
+}
+
+static uint64_t fetch_p(side_t *D, const char *json, const uint64_t *lids, size_t n,
+                        uint64_t extra_mask, const kvc_fetch_params_t *extra) {
+    kvc_fetch_params_t fp = {0};
+    if (extra) fp = *extra;
+    fp.field_mask = KVC_FETCH_FIELD_JSON | KVC_FETCH_FIELD_LOCAL_BLOCKS | extra_mask;
+    fp.kv_transfer_params_json = json;
+    fp.local_block_ids = lids;
+    fp.num_local_blocks = n;
+    uint64_t id = 0;
+    assert_int_equal(kvc_fetch(D->a, &fp, &id), KVC_INPROGRESS);
+    return id;
+}
+
+static bool same_blocks(side_t *P, uint64_t pb, side_t *D, uint64_t db) {
+    for (int r = 0; r < NREG; r++)
+        if (memcmp(block(P, r, pb), block(D, r, db), P->bl)) return false;
+    return true;
+}
+
+/* ------------------------------------------------- caller's token -- */
+
+static void test_caller_token(void **state) {
+    (void)state;
+    side_t P, D;
+    side_init(&P, &(opts_t){.name = "tok-P", .nb = 16, .bl = 4096});
+    side_init(&D, &(opts_t){.name = "tok-D", .nb = 16, .bl = 4096});
+    char tok[33], other[33];
+    assert_int_equal(kvc_token_new(tok), KVC_OK);
+    assert_int_equal(kvc_token_new(other), KVC_OK);
+    assert_int_equal(strlen(tok), 32);
+    assert_true(strcmp(tok, other) != 0);
+    /* A token that is not 32 hex digits is refused, nothing published. */
+    uint64_t ids[3] = {2, 3, 4}, lids[3] = {7, 8, 9};
+    kvc_publish_params_t bad = {.field_mask = KVC_PUBLISH_FIELD_TOKEN, .kv_token = "xyz"};
+    char *json = NULL;
+    assert_int_equal(kvc_publish(P.a, "tok", ids, 3, &bad, &json), KVC_ERR_INVALID_PARAM);
+    assert_int_equal(stat(&P, KVC_STAT_PUBLISHED_NOW), 0);
+    for (int i = 0; i < 3; i++)
+        fill(&P, ids[i], 1);
+    publish_tok(&P, "tok", ids, 3, tok);
+    /* The other token is denied; the caller's one works, byte-exact. */
+    uint64_t x1 = fetch_p(&D, params_json("tok-P", port_of(&P), "tok", ids, 3, other), lids, 3, 0,
+                          NULL);
+    PUMP_UNTIL(&P, &D, fetch_ev(&D, x1), 20000);
+    assert_int_equal(fetch_ev(&D, x1)->st, KVC_ERR_DENIED);
+    uint64_t x2 =
+        fetch_p(&D, params_json("tok-P", port_of(&P), "tok", ids, 3, tok), lids, 3, 0, NULL);
+    PUMP_UNTIL(&P, &D, fetch_ev(&D, x2), 20000);
+    assert_int_equal(fetch_ev(&D, x2)->st, KVC_OK);
+    for (int i = 0; i < 3; i++)
+        assert_true(same_blocks(&P, ids[i], &D, lids[i]));
+    PUMP_UNTIL(&P, &D, find_ev(&P, KVC_EV_RELEASED, "tok"), 20000);
+    side_cleanup(&D);
+    side_cleanup(&P);
+}
+
+/* ---------------------------------- fetch before publish (issue 25) -- */
+
+static void before_publish(bool pool) {
+    side_t P, D;
+    opts_t po = {.name = "reg-P", .nb = 32, .bl = 8192, .pool = pool, .tls = pool ? "sm,tcp,self" : NULL};
+    opts_t dopt = {.name = "reg-D", .nb = 32, .bl = 8192, .pool = pool, .tls = po.tls};
+    side_init(&P, &po);
+    side_init(&D, &dopt);
+    char tok[33];
+    assert_int_equal(kvc_token_new(tok), KVC_OK);
+    uint64_t ids[4] = {3, 4, 5, 9}, lids[4] = {10, 11, 12, 20};
+    const char *json = params_json("reg-P", port_of(&P), "early", ids, 4, tok);
+    kvc_fetch_params_t w = {.wait_ms = 20000};
+    uint64_t x = fetch_p(&D, json, lids, 4, KVC_FETCH_FIELD_WAIT, &w);
+    /* The pull reaches the producer and is held there. */
+    PUMP_UNTIL(&P, &D, stat(&P, KVC_STAT_PENDING_FETCHES) == 1, 20000);
+    for (int i = 0; i < 50; i++) {
+        pump_once(&P);
+        pump_once(&D);
+    }
+    assert_null(fetch_ev(&D, x));
+    for (int i = 0; i < 4; i++)
+        fill(&P, ids[i], 5);
+    publish_tok(&P, "early", ids, 4, tok);
+    PUMP_UNTIL(&P, &D, fetch_ev(&D, x), 20000);
+    assert_int_equal(fetch_ev(&D, x)->st, KVC_OK);
+    for (int i = 0; i < 4; i++)
+        assert_true(same_blocks(&P, ids[i], &D, lids[i]));
+    assert_int_equal(stat(&P, KVC_STAT_PENDING_SERVED), 1);
+    /* The path asked for: one-sided reads from the pool, or pushes. */
+    assert_int_equal(stat(&D, pool ? KVC_STAT_PEERS_GET : KVC_STAT_PEERS_PUSH), 1);
+    assert_int_equal(stat(&P, KVC_STAT_PENDING_FETCHES), 0);
+    PUMP_UNTIL(&P, &D, find_ev(&P, KVC_EV_RELEASED, "early"), 20000);
+    side_cleanup(&D);
+    side_cleanup(&P);
+}
+
+static void test_before_publish_push(void **state) {
+    (void)state;
+    before_publish(false);
+}
+
+static void test_before_publish_get(void **state) {
+    (void)state;
+    before_publish(true);
+}
+
+/* An unmet registration expires; one whose publication comes with another
+ * token is denied; without KVC_FETCH_FIELD_WAIT an unknown id fails fast. */
+static void test_registration_expiry(void **state) {
+    (void)state;
+    side_t P, D;
+    side_init(&P, &(opts_t){.name = "exp-P", .nb = 16, .bl = 4096, .pending_ms = 300});
+    side_init(&D, &(opts_t){.name = "exp-D", .nb = 16, .bl = 4096});
+    char tok[33], other[33];
+    assert_int_equal(kvc_token_new(tok), KVC_OK);
+    assert_int_equal(kvc_token_new(other), KVC_OK);
+    uint64_t ids[2] = {1, 2}, lids[2] = {3, 4};
+    uint16_t port = port_of(&P);
+    kvc_fetch_params_t w = {.wait_ms = 20000};
+    uint64_t never = fetch_p(&D, params_json("exp-P", port, "never", ids, 2, tok), lids, 2,
+                             KVC_FETCH_FIELD_WAIT, &w);
+    PUMP_UNTIL(&P, &D, fetch_ev(&D, never), 20000);
+    assert_int_equal(fetch_ev(&D, never)->type, KVC_EV_FETCH_FAILED);
+    assert_int_equal(fetch_ev(&D, never)->st, KVC_ERR_TIMED_OUT);
+    assert_non_null(strstr(fetch_ev(&D, never)->msg, "registration"));
+    assert_int_equal(stat(&P, KVC_STAT_PENDING_EXPIRED), 1);
+    /* Registered with a token the publication does not have: denied at publish. */
+    uint64_t wrong = fetch_p(&D, params_json("exp-P", port, "wrong", ids, 2, other), lids, 2,
+                             KVC_FETCH_FIELD_WAIT, &w);
+    PUMP_UNTIL(&P, &D, stat(&P, KVC_STAT_PENDING_FETCHES) == 1, 20000);
+    publish_tok(&P, "wrong", ids, 2, tok);
+    PUMP_UNTIL(&P, &D, fetch_ev(&D, wrong), 20000);
+    assert_int_equal(fetch_ev(&D, wrong)->st, KVC_ERR_DENIED);
+    /* No wait asked: an unknown id is refused at once, nothing held. */
+    uint64_t fast = fetch_p(&D, params_json("exp-P", port, "unknown", ids, 2, tok), lids, 2, 0, NULL);
+    PUMP_UNTIL(&P, &D, fetch_ev(&D, fast), 20000);
+    assert_int_equal(fetch_ev(&D, fast)->st, KVC_ERR_DENIED);
+    assert_int_equal(stat(&P, KVC_STAT_PENDING_FETCHES), 0);
+    side_cleanup(&D);
+    side_cleanup(&P);
+}
+
+/* Held registrations are bounded per consumer: beyond, KVC_ERR_BUSY; the
+ * held ones are still served when their publications come. */
+static void test_registration_bounds(void **state) {
+    (void)state;
+    side_t P, D;
+    side_init(&P, &(opts_t){.name = "bnd-P", .nb = 16, .bl = 4096, .max_per_peer = 2});
+    side_init(&D, &(opts_t){.name = "bnd-D", .nb = 16, .bl = 4096});
+    char tok[33];
+    assert_int_equal(kvc_token_new(tok), KVC_OK);
+    uint16_t port = port_of(&P);
+    kvc_fetch_params_t w = {.wait_ms = 20000};
+    uint64_t ids[1] = {5};
+    uint64_t l0[1] = {1}, l1[1] = {2}, l2[1] = {3};
+    uint64_t x0 = fetch_p(&D, params_json("bnd-P", port, "b0", ids, 1, tok), l0, 1,
+                          KVC_FETCH_FIELD_WAIT, &w);
+    uint64_t x1 = fetch_p(&D, params_json("bnd-P", port, "b1", ids, 1, tok), l1, 1,
+                          KVC_FETCH_FIELD_WAIT, &w);
+    PUMP_UNTIL(&P, &D, stat(&P, KVC_STAT_PENDING_FETCHES) == 2, 20000);
+    uint64_t x2 = fetch_p(&D, params_json("bnd-P", port, "b2", ids, 1, tok), l2, 1,
+                          KVC_FETCH_FIELD_WAIT, &w);
+    PUMP_UNTIL(&P, &D, fetch_ev(&D, x2), 20000);
+    assert_int_equal(fetch_ev(&D, x2)->st, KVC_ERR_BUSY);
+    assert_int_equal(stat(&P, KVC_STAT_PENDING_REFUSED), 1);
+    fill(&P, 5, 9);
+    publish_tok(&P, "b0", ids, 1, tok);
+    publish_tok(&P, "b1", ids, 1, tok);
+    PUMP_UNTIL(&P, &D, fetch_ev(&D, x0) && fetch_ev(&D, x1), 20000);
+    assert_int_equal(fetch_ev(&D, x0)->st, KVC_OK);
+    assert_int_equal(fetch_ev(&D, x1)->st, KVC_OK);
+    assert_true(same_blocks(&P, 5, &D, 1) && same_blocks(&P, 5, &D, 2));
+    side_cleanup(&D);
+    side_cleanup(&P);
+}
+
+/* The total bound: a second consumer's registration is refused while the
+ * first one's is held; the agent's stats show the refusal. */
+static void test_registration_total_bound(void **state) {
+    (void)state;
+    side_t P, D, E;
+    side_init(&P, &(opts_t){.name = "tot-P", .nb = 16, .bl = 4096, .max_pending = 1});
+    side_init(&D, &(opts_t){.name = "tot-D", .nb = 16, .bl = 4096});
+    side_init(&E, &(opts_t){.name = "tot-E", .nb = 16, .bl = 4096});
+    char tok[33];
+    assert_int_equal(kvc_token_new(tok), KVC_OK);
+    uint16_t port = port_of(&P);
+    kvc_fetch_params_t w = {.wait_ms = 20000};
+    uint64_t ids[1] = {5}, l0[1] = {1};
+    uint64_t x0 = fetch_p(&D, params_json("tot-P", port, "t0", ids, 1, tok), l0, 1,
+                          KVC_FETCH_FIELD_WAIT, &w);
+    PUMP_UNTIL(&P, &D, stat(&P, KVC_STAT_PENDING_FETCHES) == 1, 20000);
+    uint64_t y = fetch_p(&E, params_json("tot-P", port, "t1", ids, 1, tok), l0, 1,
+                         KVC_FETCH_FIELD_WAIT, &w);
+    PUMP_UNTIL(&P, &E, fetch_ev(&E, y), 20000);
+    assert_int_equal(fetch_ev(&E, y)->st, KVC_ERR_BUSY);
+    assert_int_equal(stat(&P, KVC_STAT_PENDING_REFUSED), 1);
+    fill(&P, 5, 2);
+    publish_tok(&P, "t0", ids, 1, tok);
+    PUMP_UNTIL(&P, &D, fetch_ev(&D, x0), 20000);
+    assert_int_equal(fetch_ev(&D, x0)->st, KVC_OK);
+    assert_true(same_blocks(&P, 5, &D, 1));
+    side_cleanup(&E);
+    side_cleanup(&D);
+    side_cleanup(&P);
+}
+
+/* --------------------------------------------------------- cancel -- */
+
+static uint64_t inflight(side_t *s) {
+    kvc_lock(s->a);
+    uint64_t v = s->a->push_inflight;
+    kvc_unlock(s->a);
+    return v;
+}
+
+static void test_cancel_mid_transfer(void **state) {
+    (void)state;
+    side_t P, D;
+    /* The producer progresses by itself, as another process would, while
+     * kvc_fetch_cancel waits for the requests in flight to end. */
+    side_init(&P, &(opts_t){.name = "can-P", .nb = 64, .bl = 1 << 20, .thread = true});
+    side_init(&D, &(opts_t){.name = "can-D", .nb = 64, .bl = 1 << 20});
+    assert_int_equal(kvc_fetch_cancel(D.a, 12345), KVC_ERR_NOT_FOUND);
+    char tok[33];
+    assert_int_equal(kvc_token_new(tok), KVC_OK);
+    uint64_t ids[48], lids[48];
+    for (int i = 0; i < 48; i++) {
+        ids[i] = (uint64_t)i + 8;
+        lids[i] = (uint64_t)i + 2;
+        fill(&P, ids[i], 3);
+    }
+    publish_tok(&P, "big", ids, 48, tok);
+    uint64_t x = fetch_p(&D, params_json("can-P", port_of(&P), "big", ids, 48, tok), lids, 48, 0,
+                         NULL);
+    /* Until the producer pushes (the transfer is under way). */
+    PUMP_UNTIL(&P, &D, inflight(&P) > 0 || fetch_ev(&D, x), 20000);
+    assert_null(fetch_ev(&D, x));
+    uint64_t c0 = kvc_now_ns();
+    assert_int_equal(kvc_fetch_cancel(D.a, x), KVC_OK);
+    fprintf(stderr, "cancel returned after %.1f ms\n", (double)(kvc_now_ns() - c0) / 1e6);
+    assert_int_equal(kvc_fetch_cancel(D.a, x), KVC_ERR_NOT_FOUND);
+    assert_int_equal(stat(&D, KVC_STAT_FETCH_CANCELED), 1);
+    /* Nothing of the fetch lands any more: a canary written now survives
+     * everything the producer still sends. */
+    canary(&D, 0xA5);
+    PUMP_UNTIL(&P, &D, inflight(&P) == 0, 20000);
+    for (int i = 0; i < 300; i++) {
+        pump_once(&P);
+        pump_once(&D);
+    }
+    for (int r = 0; r < NREG; r++)
+        for (uint64_t b = 0; b < D.nb; b++)
+            for (size_t i = 0; i < D.bl; i += 512)
+                assert_int_equal(block(&D, r, b)[i], 0xA5);
+    assert_int_equal(count_fetch_ev(&D, x), 1);
+    assert_int_equal(fetch_ev(&D, x)->type, KVC_EV_FETCH_FAILED);
+    assert_int_equal(fetch_ev(&D, x)->st, KVC_ERR_CANCELED);
+    /* The agent keeps working: a new fetch of the same blocks succeeds
+     * (the cancelled one never notified, so the publication is live). */
+    uint64_t y = fetch_p(&D, params_json("can-P", port_of(&P), "big", ids, 48, tok), lids, 48, 0,
+                         NULL);
+    PUMP_UNTIL(&P, &D, fetch_ev(&D, y), 30000);
+    assert_int_equal(fetch_ev(&D, y)->st, KVC_OK);
+    assert_true(same_blocks(&P, ids[47], &D, lids[47]));
+    side_cleanup(&D);
+    side_cleanup(&P);
+}
+
+/* --------------------------------------------------------- leases -- */
+
+static void test_lease(void **state) {
+    (void)state;
+    side_t P, D;
+    side_init(&P, &(opts_t){.name = "lea-P", .nb = 16, .bl = 4096, .lease_ms = 1000});
+    side_init(&D, &(opts_t){.name = "lea-D", .nb = 16, .bl = 4096});
+    char tok[33];
+    assert_int_equal(kvc_token_new(tok), KVC_OK);
+    uint64_t a_ids[2] = {1, 2}, b_ids[2] = {3, 4}, lids[2] = {8, 9};
+    fill(&P, 1, 4);
+    fill(&P, 2, 4);
+    publish_tok(&P, "kept", a_ids, 2, tok);
+    publish_tok(&P, "dropped", b_ids, 2, tok);
+    const char *kept = params_json("lea-P", port_of(&P), "kept", a_ids, 2, tok);
+    char kept_json[4096];
+    snprintf(kept_json, sizeof(kept_json), "%s", kept);
+    kvc_fetch_params_t fp = {.field_mask = KVC_FETCH_FIELD_JSON, .kv_transfer_params_json = kept_json};
+    /* Decode renews "kept" every ~100 ms while it waits; "dropped" is not
+     * renewed and goes after its 1 s lease (the fixed expiry is 480 s). */
+    uint64_t t0 = kvc_now_ns(), last = 0;
+    while (!find_ev(&P, KVC_EV_EXPIRED, "dropped")) {
+        assert_true(kvc_now_ns() - t0 < 20000000000ull);
+        if (kvc_now_ns() - last > 100000000ull) {
+            assert_int_equal(kvc_lease_renew(D.a, &fp), KVC_OK);
+            last = kvc_now_ns();
+        }
+        pump_once(&P);
+        pump_once(&D);
+    }
+    const rec_t *e = find_ev(&P, KVC_EV_EXPIRED, "dropped");
+    assert_non_null(strstr(e->msg, "lease"));
+    assert_null(find_ev(&P, KVC_EV_EXPIRED, "kept"));
+    assert_true(stat(&P, KVC_STAT_LEASE_RENEWALS) >= 5);
+    assert_int_equal(stat(&P, KVC_STAT_LEASE_EXPIRED), 1);
+    /* A renewal with a wrong token is refused and counted. */
+    uint64_t denied = stat(&P, KVC_STAT_DENIED);
+    char wrong_tok[33];
+    assert_int_equal(kvc_token_new(wrong_tok), KVC_OK);
+    kvc_fetch_params_t bad = {.field_mask = KVC_FETCH_FIELD_JSON,
+                              .kv_transfer_params_json =
+                                  params_json("lea-P", port_of(&P), "kept", a_ids, 2, wrong_tok)};
+    assert_int_equal(kvc_lease_renew(D.a, &bad), KVC_OK);
+    PUMP_UNTIL(&P, &D, stat(&P, KVC_STAT_DENIED) > denied, 20000);
+    /* The renewed publication is still whole. */
+    uint64_t x = fetch_p(&D, kept_json, lids, 2, 0, NULL);
+    PUMP_UNTIL(&P, &D, fetch_ev(&D, x), 20000);
+    assert_int_equal(fetch_ev(&D, x)->st, KVC_OK);
+    assert_true(same_blocks(&P, 1, &D, 8) && same_blocks(&P, 2, &D, 9));
+    side_cleanup(&D);
+    side_cleanup(&P);
+}
+
+/* --------------------------------------------------------- slices -- */
+
+static void check_part(side_t *P, uint64_t pb, uint32_t rparts, uint32_t rpart, side_t *D,
+                       uint64_t db, uint32_t lparts, uint32_t lpart, uint8_t untouched) {
+    size_t part = D->bl / lparts;
+    for (int r = 0; r < NREG; r++) {
+        assert_int_equal(P->bl / rparts, part);
+        assert_memory_equal(block(D, r, db) + lpart * part, block(P, r, pb) + rpart * part, part);
+        for (size_t i = 0; i < D->bl; i++)
+            if (i / part != lpart) assert_int_equal(block(D, r, db)[i], untouched);
+    }
+}
+
+static void slice_1to2(bool pool) {
+    side_t P, D0, D1;
+    const char *tls = pool ? "sm,tcp,self" : NULL;
+    side_init(&P, &(opts_t){.name = "s12-P", .nb = 8, .bl = 4096, .pool = pool, .tls = tls});
+    /* Decode TP 2: both ranks pull before the blocks are released. */
+    side_init(&D0,
+              &(opts_t){.name = "s12-D0", .nb = 8, .bl = 2048, .pool = pool, .tls = tls, .tp = 2});
+    side_init(&D1,
+              &(opts_t){.name = "s12-D1", .nb = 8, .bl = 2048, .pool = pool, .tls = tls, .tp = 2});
+    char tok[33];
+    assert_int_equal(kvc_token_new(tok), KVC_OK);
+    uint64_t ids[3] = {1, 2, 5}, lids[3] = {0, 3, 4};
+    for (int i = 0; i < 3; i++)
+        fill(&P, ids[i], 7);
+    publish_tok(&P, "s12", ids, 3, tok);
+    const char *json = params_json("s12-P", port_of(&P), "s12", ids, 3, tok);
+    kvc_fetch_params_t s0 = {.remote_parts = 2, .remote_part = 0, .local_parts = 1};
+    kvc_fetch_params_t s1 = {.remote_parts = 2, .remote_part = 1, .local_parts = 1};
+    uint64_t x0 = fetch_p(&D0, json, lids, 3, KVC_FETCH_FIELD_SLICE, &s0);
+    uint64_t x1 = fetch_p(&D1, json, lids, 3, KVC_FETCH_FIELD_SLICE, &s1);
+    uint64_t t0 = kvc_now_ns();
+    while (!fetch_ev(&D0, x0) || !fetch_ev(&D1, x1)) {
+        assert_true(kvc_now_ns() - t0 < 20000000000ull);
+        pump_once(&P);
+        pump_once(&D0);
+        pump_once(&D1);
+    }
+    assert_int_equal(fetch_ev(&D0, x0)->st, KVC_OK);
+    assert_int_equal(fetch_ev(&D1, x1)->st, KVC_OK);
+    assert_int_equal(stat(&D0, pool ? KVC_STAT_PEERS_GET : KVC_STAT_PEERS_PUSH), 1);
+    for (int i = 0; i < 3; i++) {
+        check_part(&P, ids[i], 2, 0, &D0, lids[i], 1, 0, 0);
+        check_part(&P, ids[i], 2, 1, &D1, lids[i], 1, 0, 0);
+    }
+    /* A whole-block fetch across the different block lengths is refused. */
+    uint64_t bad = fetch_p(&D0, json, lids, 3, 0, NULL);
+    t0 = kvc_now_ns();
+    while (!fetch_ev(&D0, bad)) {
+        assert_true(kvc_now_ns() - t0 < 20000000000ull);
+        pump_once(&P);
+        pump_once(&D0);
+    }
+    assert_int_equal(fetch_ev(&D0, bad)->st, KVC_ERR_INCOMPATIBLE);
+    assert_non_null(strstr(fetch_ev(&D0, bad)->msg, "block geometry"));
+    /* As are parts whose sizes differ (4096/4 != 2048/1). */
+    kvc_fetch_params_t s4 = {.remote_parts = 4, .remote_part = 1, .local_parts = 1};
+    uint64_t bad4 = fetch_p(&D1, json, lids, 3, KVC_FETCH_FIELD_SLICE, &s4);
+    t0 = kvc_now_ns();
+    while (!fetch_ev(&D1, bad4)) {
+        assert_true(kvc_now_ns() - t0 < 20000000000ull);
+        pump_once(&P);
+        pump_once(&D1);
+    }
+    assert_int_equal(fetch_ev(&D1, bad4)->st, KVC_ERR_INCOMPATIBLE);
+    side_cleanup(&D1);
+    side_cleanup(&D0);
+    side_cleanup(&P);
+}
+
+static void test_slice_1to2_push(void **state) {
+    (void)state;
+    slice_1to2(false);
+}
+
+static void test_slice_1to2_get(void **state) {
+    (void)state;
+    slice_1to2(true);
+}
+
+/* TP 2 -> 1: two prefill ranks of one engine (same engine id, rank 1 on
+ * remote_port + 1), one request token; decode reads part 0 of 1 from each
+ * into local parts 0 and 1 of 2, one kv_transfer_params for both. */
+static void test_slice_2to1(void **state) {
+    (void)state;
+    side_t P0, P1, D;
+    side_init(&P1, &(opts_t){.name = "s21-P", .nb = 8, .bl = 2048, .tp = 2});
+    kvc_status_t st = KVC_ERR_IO;
+    for (int i = 0; i < 20 && st != KVC_OK; i++) { /* rank 0 on the port below rank 1's */
+        st = side_try(&P0, &(opts_t){.name = "s21-P", .nb = 8, .bl = 2048, .tp = 2,
+                                     .port = (uint16_t)(port_of(&P1) - 1)});
+        if (st != KVC_OK) {
+            side_cleanup(&P1);
+            side_init(&P1, &(opts_t){.name = "s21-P", .nb = 8, .bl = 2048, .tp = 2});
+        }
+    }
+    assert_int_equal(st, KVC_OK);
+    side_init(&D, &(opts_t){.name = "s21-D", .nb = 8, .bl = 4096});
+    char tok[33];
+    assert_int_equal(kvc_token_new(tok), KVC_OK);
+    uint64_t ids[2] = {2, 6}, lids[2] = {1, 7};
+    for (int i = 0; i < 2; i++) {
+        fill(&P0, ids[i], 10);
+        fill(&P1, ids[i], 20);
+    }
+    publish_tok(&P0, "s21", ids, 2, tok);
+    publish_tok(&P1, "s21", ids, 2, tok);
+    canary(&D, 0x5A);
+    const char *json = params_json("s21-P", port_of(&P0), "s21", ids, 2, tok);
+    kvc_fetch_params_t r0 = {.remote_parts = 1, .local_parts = 2, .local_part = 0};
+    kvc_fetch_params_t r1 = {.remote_parts = 1, .local_parts = 2, .local_part = 1, .remote_rank = 1};
+    uint64_t x0 = fetch_p(&D, json, lids, 2, KVC_FETCH_FIELD_SLICE, &r0);
+    uint64_t t0 = kvc_now_ns();
+    while (!fetch_ev(&D, x0)) {
+        assert_true(kvc_now_ns() - t0 < 20000000000ull);
+        pump_once(&P0);
+        pump_once(&P1);
+        pump_once(&D);
+    }
+    assert_int_equal(fetch_ev(&D, x0)->st, KVC_OK);
+    for (int i = 0; i < 2; i++) /* only part 0 written so far */
+        check_part(&P0, ids[i], 1, 0, &D, lids[i], 2, 0, 0x5A);
+    uint64_t x1 =
+        fetch_p(&D, json, lids, 2, KVC_FETCH_FIELD_SLICE | KVC_FETCH_FIELD_REMOTE_RANK, &r1);
+    t0 = kvc_now_ns();
+    while (!fetch_ev(&D, x1)) {
+        assert_true(kvc_now_ns() - t0 < 20000000000ull);
+        pump_once(&P0);
+        pump_once(&P1);
+        pump_once(&D);
+    }
+    assert_int_equal(fetch_ev(&D, x1)->st, KVC_OK);
+    for (int i = 0; i < 2; i++)
+        for (int r = 0; r < NREG; r++) {
+            assert_memory_equal(block(&D, r, lids[i]), block(&P0, r, ids[i]), 2048);
+            assert_memory_equal(block(&D, r, lids[i]) + 2048, block(&P1, r, ids[i]), 2048);
+        }
+    /* Blocks not fetched keep the canary. */
+    for (int r = 0; r < NREG; r++)
+        assert_int_equal(block(&D, r, 0)[100], 0x5A);
+    /* Each rank got its own notification. */
+    t0 = kvc_now_ns();
+    while (!find_ev(&P0, KVC_EV_RELEASED, "s21") || !find_ev(&P1, KVC_EV_RELEASED, "s21")) {
+        assert_true(kvc_now_ns() - t0 < 20000000000ull);
+        pump_once(&P0);
+        pump_once(&P1);
+        pump_once(&D);
+    }
+    side_cleanup(&D);
+    side_cleanup(&P1);
+    side_cleanup(&P0);
+}
+
+/* -------------------------------------------------- progress thread -- */
+
+typedef struct {
+    side_t *D;
+    const char *json;
+    uint64_t xfer;
+} fetcher_t;
+
+static void *fetcher(void *arg) {
+    fetcher_t *f = arg;
+    static const uint64_t lids[3] = {4, 5, 6};
+    kvc_fetch_params_t w = {.wait_ms = 20000};
+    kvc_fetch_params_t fp = w;
+    fp.field_mask = KVC_FETCH_FIELD_JSON | KVC_FETCH_FIELD_LOCAL_BLOCKS | KVC_FETCH_FIELD_WAIT;
+    fp.kv_transfer_params_json = f->json;
+    fp.local_block_ids = lids;
+    fp.num_local_blocks = 3;
+    if (kvc_fetch(f->D->a, &fp, &f->xfer) != KVC_INPROGRESS) f->xfer = 0;
+    return NULL;
+}
+
+/* Events only: no kvc_agent_progress from the test. */
+static bool pop_until(side_t *s, kvc_event_type_t t, uint64_t ms) {
+    uint64_t t0 = kvc_now_ns();
+    while (kvc_now_ns() - t0 < ms * 1000000ull) {
+        kvc_event_t e;
+        while (kvc_agent_next_event(s->a, &e) == KVC_OK) {
+            assert_true(s->n < MAXEV);
+            rec_t *r = &s->ev[s->n++];
+            r->type = e.type;
+            r->st = e.status;
+            r->xfer_id = e.xfer_id;
+            snprintf(r->req, sizeof(r->req), "%s", e.request_id ? e.request_id : "");
+            if (e.type == t) return true;
+        }
+        struct timespec ts = {0, 2000000};
+        nanosleep(&ts, NULL);
+    }
+    return false;
+}
+
+static void test_progress_thread(void **state) {
+    (void)state;
+    side_t P, D;
+    side_init(&P, &(opts_t){.name = "thr-P", .nb = 16, .bl = 65536, .thread = true});
+    side_init(&D, &(opts_t){.name = "thr-D", .nb = 16, .bl = 65536, .thread = true});
+    char tok[33];
+    assert_int_equal(kvc_token_new(tok), KVC_OK);
+    uint64_t ids[3] = {1, 2, 3};
+    static char json[4096];
+    snprintf(json, sizeof(json), "%s", params_json("thr-P", port_of(&P), "thr", ids, 3, tok));
+    fetcher_t f = {.D = &D, .json = json};
+    pthread_t th;
+    assert_int_equal(pthread_create(&th, NULL, fetcher, &f), 0);
+    for (int i = 0; i < 3; i++)
+        fill(&P, ids[i], 11);
+    publish_tok(&P, "thr", ids, 3, tok); /* this thread, while the other fetches */
+    assert_int_equal(pthread_join(th, NULL), 0);
+    assert_true(f.xfer != 0);
+    /* The fd still tells a caller's poll that events wait. */
+    assert_true(pop_until(&D, KVC_EV_FETCH_DONE, 20000));
+    assert_int_equal(fetch_ev(&D, f.xfer)->st, KVC_OK);
+    for (int i = 0; i < 3; i++)
+        assert_true(same_blocks(&P, ids[i], &D, ids[i] + 3));
+    assert_true(pop_until(&P, KVC_EV_RELEASED, 20000));
+    side_cleanup(&D);
+    side_cleanup(&P);
+}
+
+int main(void) {
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_caller_token),
+        cmocka_unit_test(test_before_publish_push),
+        cmocka_unit_test(test_before_publish_get),
+        cmocka_unit_test(test_registration_expiry),
+        cmocka_unit_test(test_registration_bounds),
+        cmocka_unit_test(test_registration_total_bound),
+        cmocka_unit_test(test_cancel_mid_transfer),
+        cmocka_unit_test(test_lease),
+        cmocka_unit_test(test_slice_1to2_push),
+        cmocka_unit_test(test_slice_1to2_get),
+        cmocka_unit_test(test_slice_2to1),
+        cmocka_unit_test(test_progress_thread),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
