@@ -42,8 +42,8 @@ def free_ports(n):
         try:
             for i in range(n):
                 s = socket.socket()
-                s.bind(("127.0.0.1", base + i))
                 socks.append(s)
+                s.bind(("127.0.0.1", base + i))
             return base
         except OSError:
             continue

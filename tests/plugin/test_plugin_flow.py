@@ -107,7 +107,8 @@ class Requests(unittest.TestCase):
         self.assertEqual((st, r["choices"][0]["text"]), (200, ""), r)
         # decode told prefill (notification without blocks): freed at once,
         # long before its lease or expiry
-        ps = self.pair.p.wait_state(lambda s: s["published_now"] == 0, timeout=5)
+        ps = self.pair.p.wait_state(lambda s: s["published_now"] == 0 and
+                                    s["free_blocks"] == s["num_blocks"], timeout=5)
         self.assertEqual((ps["published_now"], ps["free_blocks"]), (0, ps["num_blocks"]), ps)
 
     def test_3_two_hundred_concurrent(self):
