@@ -104,7 +104,7 @@ class PdkvConnector(KVConnectorBase_V1):
             self._send = {}
             self._recv = {}
             self._waiting = {}   # decode requests queued, not allocated yet: renew
-            self._last_renew = 0.0
+            self._last_renew = time.monotonic()
         else:
             self.worker = _Worker(self)
 
