@@ -7,6 +7,6 @@
 foreach(t lib drift flow layouts faults proxy)
   add_test(NAME plugin.${t}
            COMMAND ${PYTHON3} ${CMAKE_CURRENT_SOURCE_DIR}/plugin/test_plugin_${t}.py)
-  set_tests_properties(plugin.${t} PROPERTIES LABELS plugin TIMEOUT 240 SKIP_RETURN_CODE 77
+  set_tests_properties(plugin.${t} PROPERTIES LABELS plugin TIMEOUT 300 SKIP_RETURN_CODE 77
                        ENVIRONMENT "${PX_TEST_ENV}")
 endforeach()
