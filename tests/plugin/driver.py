@@ -58,9 +58,10 @@ def kv_values(tokens, positions, layer, plane, heads, head_size):
 
 class Geometry:
     def __init__(self, layers=2, heads=4, head_size=8, block_size=16, num_blocks=256,
-                 mla=False, hnd=True):
+                 mla=False, hnd=True, device="cpu"):
         self.layers, self.heads, self.head_size = layers, heads, head_size
         self.block_size, self.num_blocks, self.mla, self.hnd = block_size, num_blocks, mla, hnd
+        self.device = device
 
 
 class Rank:
@@ -77,13 +78,14 @@ class Rank:
         self.caches = {}
         for layer in range(geo.layers):
             if geo.mla:
-                t = torch.full((geo.num_blocks, geo.block_size, geo.head_size), SENTINEL, dtype=DTYPE)
+                t = torch.full((geo.num_blocks, geo.block_size, geo.head_size), SENTINEL, dtype=DTYPE,
+                               device=geo.device)
             elif geo.hnd:  # physical [2, blocks, heads, tokens, head]; logical FlashAttention shape
                 t = torch.full((2, geo.num_blocks, nh, geo.block_size, geo.head_size), SENTINEL,
-                               dtype=DTYPE).permute(0, 1, 3, 2, 4)
+                               dtype=DTYPE, device=geo.device).permute(0, 1, 3, 2, 4)
             else:
                 t = torch.full((2, geo.num_blocks, geo.block_size, nh, geo.head_size), SENTINEL,
-                               dtype=DTYPE)
+                               dtype=DTYPE, device=geo.device)
             self.caches[f"model.layers.{layer}.self_attn.attn"] = t
         parallel_state.set_rank(rank)
         self.conn = PdkvConnector(cfg, KVConnectorRole.WORKER, None)
@@ -102,7 +104,8 @@ class Rank:
         slot = torch.tensor([p % bs for p in positions])
         for layer in range(self.geo.layers):
             for plane, t in self.planes(layer):
-                v = kv_values(tokens, positions, layer, plane, self.heads, self.geo.head_size)
+                v = kv_values(tokens, positions, layer, plane, self.heads,
+                              self.geo.head_size).to(t.device)
                 if self.geo.mla:
                     t[bidx, slot] = v[:, 0]
                 else:
@@ -113,7 +116,7 @@ class Rank:
         bs = self.geo.block_size
         pos = list(range(index * bs, (index + 1) * bs))
         toks = [prompt[p] if p < len(prompt) else -1 for p in pos]
-        v = kv_values(toks, pos, layer, plane, self.heads, self.geo.head_size)
+        v = kv_values(toks, pos, layer, plane, self.heads, self.geo.head_size).to(self.geo.device)
         return v[:, 0] if self.geo.mla else v
 
     def check_blocks(self, prompt, blocks, nblocks):
@@ -361,7 +364,7 @@ class Engine:
         (rank 0, layer 0, K), so a wrong transfer changes the answer."""
         rk = self.ranks[0]
         ids = self.blocks[req.request_id][:math.ceil(req.num_tokens / self.geo.block_size)]
-        t = rk.planes(0)[0][1][ids].to(torch.float32)
+        t = rk.planes(0)[0][1][ids].to(torch.float32).cpu()
         w = torch.arange(1, t.numel() + 1, dtype=torch.float32).view(t.shape) % 97
         return (int((t * w).sum().item()) + len(req.output_token_ids) * 13) % 50000
 
