@@ -52,6 +52,27 @@ class Lib(unittest.TestCase):
         self.assertIn("/nonexistent/libkvconnector.so ($PDKV_LIBRARY): no such file", out)
         self.assertIn("Set PDKV_LIBRARY", out)
 
+    def test_pip_installs_offline(self):
+        """pip install ./connector/python: no index, no compiled extension."""
+        import shutil
+        import tempfile
+        with tempfile.TemporaryDirectory() as tmp:
+            src = os.path.join(tmp, "src")
+            shutil.copytree(os.path.join(harness.ROOT, "connector", "python"), src,
+                            ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
+            r = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--no-index",
+                                "--no-build-isolation", "--target", os.path.join(tmp, "t"), src],
+                               capture_output=True, text=True, timeout=120)
+            if "No module named pip" in r.stderr:
+                self.skipTest("pip is not installed for %s" % sys.executable)
+            self.assertEqual(r.returncode, 0, r.stderr[-2000:])
+            code = "import pdkv, sys; print(pdkv.library_path()); print(pdkv.__file__)"
+            out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                                 env=dict(os.environ, PYTHONPATH=os.path.join(tmp, "t")),
+                                 cwd=tmp, timeout=60).stdout.split("\n")
+            self.assertEqual(out[0], os.path.realpath(os.environ["PDKV_LIBRARY"]))
+            self.assertTrue(out[1].startswith(os.path.join(tmp, "t")), out)
+
     def test_caller_token_and_bytes(self):
         p, d = self.agents(2)
         src = torch.randint(0, 255, (16, 256), dtype=torch.uint8)
