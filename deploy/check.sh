@@ -120,6 +120,7 @@ compose() {  # name overlay component...
 compose sim-monitoring sim monitoring
 compose vllm-monitoring vllm monitoring
 compose vllm-keda vllm monitoring keda
+compose vllm-pdkv vllm pdkv
 compose vllm-rdma-multus vllm-rdma rdma-multus monitoring
 compose sim-config-file sim config-file
 for c in "$deploy"/k8s/components/*/; do
@@ -557,19 +558,31 @@ for ov in overlays:
                     err(cw, "--port %s != containerPort http %s" % (am.get("port"), port_of(c, "http")))
                 try:
                     ktc = json.loads(am.get("kv-transfer-config") or "")
-                    if ktc.get("kv_connector") != "NixlConnector" or ktc.get("kv_role") != "kv_both":
-                        err(cw, "--kv-transfer-config must name NixlConnector with kv_role kv_both: %s" % ktc)
+                    side = {"NixlConnector": "VLLM_NIXL_SIDE_CHANNEL",
+                            "PdkvConnector": "PDKV_SIDE_CHANNEL"}.get(ktc.get("kv_connector"))
+                    if side is None or ktc.get("kv_role") != "kv_both":
+                        err(cw, "--kv-transfer-config must name NixlConnector or PdkvConnector with kv_role kv_both: %s" % ktc)
+                        side = side or "VLLM_NIXL_SIDE_CHANNEL"
+                    # libkvconnector's plugin (components/pdkv): the module
+                    # vLLM imports, the library and the cluster secret.
+                    if side == "PDKV_SIDE_CHANNEL":
+                        if ktc.get("kv_connector_module_path") != "pdkv.connector":
+                            err(cw, "PdkvConnector needs kv_connector_module_path pdkv.connector: %s" % ktc)
+                        for k in ("PDKV_LIBRARY", "PDKV_SECRET_FILE"):
+                            if env_value(k)[0] is None:
+                                err(cw, "PdkvConnector without %s" % k)
                     # What a failed KV load does is a decision to state, not
                     # a default to rely on (it changed in vLLM's PR #34896).
                     if ktc.get("kv_load_failure_policy") not in ("fail", "recompute"):
                         err(cw, "--kv-transfer-config must state kv_load_failure_policy (fail or recompute): %s" % ktc)
                 except ValueError:
                     err(cw, "--kv-transfer-config is not JSON: %r" % am.get("kv-transfer-config"))
-                if not is_pod_ip("VLLM_NIXL_SIDE_CHANNEL_HOST"):
-                    err(cw, "VLLM_NIXL_SIDE_CHANNEL_HOST must come from the pod IP")
-                v, _ = env_value("VLLM_NIXL_SIDE_CHANNEL_PORT")
+                    side = "VLLM_NIXL_SIDE_CHANNEL"
+                if not is_pod_ip(side + "_HOST"):
+                    err(cw, "%s_HOST must come from the pod IP" % side)
+                v, _ = env_value(side + "_PORT")
                 if v is None or port_of(c, int(v)) is None:
-                    err(cw, "VLLM_NIXL_SIDE_CHANNEL_PORT %r is no containerPort" % v)
+                    err(cw, "%s_PORT %r is no containerPort" % (side, v))
                 if env_value("UCX_NET_DEVICES")[0] is None:
                     err(cw, "UCX_NET_DEVICES not set")
                 # Shutdown: vLLM aborts requests in flight on SIGTERM unless

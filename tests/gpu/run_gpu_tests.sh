@@ -358,5 +358,33 @@ else
     summary SKIP sanitizer "compute-sanitizer not installed"
 fi
 
+# The vLLM plugin (connector/python) on device memory, when a python3 has
+# torch with CUDA (/usr/bin/python3 first: Debian's torch is CPU-only, a
+# CUDA torch usually lives in a venv named by PDKV_PYTHON).
+PLUGIN_PY=""
+for py in ${PDKV_PYTHON:-} python3 /usr/bin/python3; do
+    if "$py" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
+        PLUGIN_PY=$py
+        break
+    fi
+done
+if [ $STANDIN = 0 ] && [ -n "$PLUGIN_PY" ]; then
+    if time_left; then
+        out=$(PX_BUILD_DIR=$BUILD PDKV_LIBRARY=$BUILD/connector/libkvconnector.so KVC_SECRET=gpu-check \
+              KVC_LOG_LEVEL=error timeout 240 "$PLUGIN_PY" "$SRC/tests/plugin/gpu_plugin_check.py" 2>&1)
+        rc=$?
+        if [ $rc -eq 0 ]; then
+            summary PASS plugin "$(echo "$out" | grep '^RESULT' | tail -1)"
+        else
+            summary FAIL plugin "rc=$rc $(echo "$out" | grep '^RESULT' | tail -1)"
+            echo "$out" | tail -15 | sed 's/^/     | /'
+        fi
+    else
+        summary FAIL plugin "time budget of $LIMIT s used up before this check"
+    fi
+else
+    summary SKIP plugin "no python3 with torch and CUDA (PDKV_PYTHON names one)"
+fi
+
 echo "---- $((SECONDS - START)) s, $FAILS failed"
 [ $FAILS -eq 0 ]
