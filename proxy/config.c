@@ -167,6 +167,18 @@ static const opt opts[] = {
      "entries of each worker's LRU index of prompt prefixes recently sent to each decode "
      "instance (one entry per 128 prompt bytes)",
      NULL, AT_START},
+    {"kv-events-port", NULL, CT_INT, OFF(kv_events_port), "0", 0, 65535,
+     "subscribe to each backend's vLLM KV-cache events (ZeroMQ PUB, --kv-events-config) at "
+     "tcp://<backend host>:PORT and index what each engine holds (0: off)",
+     NULL, AT_START},
+    {"kv-events-replay-port", NULL, CT_INT, OFF(kv_events_replay_port), "0", 0, 65535,
+     "port of the engines' KV-event replay socket (ROUTER), asked for missed batches after a "
+     "sequence gap (0: none; a gap drops that backend's index, rebuilt from later events)",
+     NULL, AT_START},
+    {"kv-index-max-blocks", NULL, CT_INT, OFF(kv_index_max_blocks), "1048576", 1, 268435456,
+     "most KV blocks indexed per backend (about 64 bytes each); stores past it are refused and "
+     "counted",
+     NULL, AT_START},
     {"usage-from", NULL, CT_ENUM, OFF(usage_from), "prefill", 0, 0,
      "whose prompt_tokens_details.cached_tokens a disaggregated answer's usage reports: "
      "prefill's (what was computed from cache) or decode's (as the engine says)",
@@ -1132,6 +1144,9 @@ static const struct {
     {"disagg-min-tokens", 2, "TOKENS"},
     {"disagg-bytes-per-token", 2, "BYTES"},
     {"disagg-index-blocks", 2, NULL},
+    {"kv-events-port", 1, "PORT"},
+    {"kv-events-replay-port", 1, "PORT"},
+    {"kv-index-max-blocks", 1, NULL},
     {"usage-from", 2, "ROLE"},
     {"health-interval", 3, NULL},
     {"health-timeout", 3, NULL},

@@ -74,6 +74,10 @@ typedef struct px_config {
     int64_t disagg_min_tokens;     /* 0: always disaggregate */
     double disagg_bytes_per_token; /* prompt bytes per estimated token */
     int64_t disagg_index_blocks;   /* per worker */
+    /* KV-cache events (kvevents.c) and the index they feed (kvindex.c). */
+    int64_t kv_events_port;        /* 0: no subscription */
+    int64_t kv_events_replay_port; /* 0: gaps drop the backend's index */
+    int64_t kv_index_max_blocks;   /* per backend */
     char *usage_from;              /* "prefill" | "decode" */
     /* Shutdown. */
     double drain_delay;

@@ -8,6 +8,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "proxy/kvindex.h"
+
 /* ---------- generations ---------- */
 
 void px_gen_release(px_gen *g) {
@@ -128,6 +130,11 @@ int px_ctx_init(px_ctx *c, const px_config *cfg, char *err, size_t errlen) {
     c->shared.max_buffered = cfg->max_buffered_bytes;
     c->shared.max_conns = (long)cfg->max_connections;
     setup_upstream_auth(c, cfg);
+    if (cfg->kv_events_port &&
+        !(c->kvindex = px_kvindex_create((size_t)cfg->kv_index_max_blocks, 4096))) {
+        snprintf(err, errlen, "out of memory for the KV index");
+        return -1;
+    }
     return load_api_keys(c, cfg, err, errlen);
 }
 
@@ -136,6 +143,7 @@ void px_ctx_cleanup(px_ctx *c) {
     px_buf_cleanup(&c->health_hdrs);
     free(c->api_keys);
     free(c->workers);
+    px_kvindex_destroy(c->kvindex);
     pthread_mutex_destroy(&c->gen_mu);
 }
 

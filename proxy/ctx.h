@@ -17,6 +17,7 @@
 #include "base/conn.h"
 #include "base/http.h"
 #include "proxy/config.h"
+#include "proxy/kvevents.h"
 #include "proxy/metrics.h"
 #include "proxy/route.h"
 #include "proxy/upstream.h"
@@ -24,6 +25,7 @@
 struct px_discovery;
 struct px_req;
 struct px_pindex;
+struct px_kvindex;
 
 /* One model pool at run time: its prefill and decode backends. */
 typedef struct px_pset {
@@ -73,6 +75,9 @@ typedef struct px_ctx {
     px_conn_shared shared; /* memory budget and connection cap, all workers */
     px_wctx **workers;     /* owned array of borrowed pointers: each worker's context */
     int nworkers;
+    struct px_kvindex *kvindex; /* owned: what each engine caches; NULL without --kv-events-port */
+    px_kv_counters kvc;         /* the KV-event subscriber's totals */
+    px_kvsub *kvsub;            /* borrowed: the subscriber, control thread only; NULL when off */
 } px_ctx;
 
 /* What one worker thread owns for its requests; only that thread touches
