@@ -317,7 +317,9 @@ typedef struct sub {
     char *replay_ep; /* owned; NULL: no replay socket */
     int slot;
     void *sock, *rep;          /* owned: SUB, DEALER */
-    struct event *ev, *rev;    /* owned */
+    void *mon;                 /* owned: PAIR reading the SUB socket's monitor events */
+    struct event *ev, *rev, *mev; /* owned */
+    struct event *reopen;      /* owned: makes the SUB socket again, on the next turn */
     struct event *rtimer;      /* owned */
     int have_seq, replaying, seen, was_healthy;
     uint64_t next; /* the sequence expected */
@@ -582,15 +584,74 @@ static void open_replay(sub *s) {
     if (s->rep) s->rev = zevent(s->k, s->rep, on_rep, s);
 }
 
-static void sub_free(sub *s) {
+static void close_sub(sub *s) {
+    if (s->mev) event_free(s->mev);
+    if (s->mon) zmq_close(s->mon);
+    if (s->sock) zmq_socket_monitor(s->sock, NULL, 0);
     if (s->ev) event_free(s->ev);
     if (s->sock) zmq_close(s->sock);
+    s->mev = s->ev = NULL;
+    s->mon = s->sock = NULL;
+}
+
+static void sub_free(sub *s) {
+    close_sub(s);
+    if (s->reopen) event_free(s->reopen);
     close_replay(s);
     if (s->rtimer) event_free(s->rtimer);
     free(s->name);
     free(s->endpoint);
     free(s->replay_ep);
     free(s);
+}
+
+/* The monitor: a publisher whose connection ended (an engine that went
+ * away, or one that broke the protocol, after which libzmq does not
+ * reconnect by itself) may come back with another cache: the index is
+ * dropped and the socket made again. */
+static void on_mon(evutil_socket_t fd, short what, void *arg) {
+    sub *s = arg;
+    for (int i = 0; i < DRAIN_BUDGET; i++) {
+        zmq_msg_t m[3];
+        int n = recv3(s->mon, m);
+        if (n <= 0) return;
+        uint16_t ev = 0;
+        if (zmq_msg_size(&m[0]) >= 2) memcpy(&ev, zmq_msg_data(&m[0]), 2);
+        close3(m, n);
+        if (ev == ZMQ_EVENT_DISCONNECTED) {
+            reset_index(s, "publisher_disconnected");
+            s->have_seq = 0;
+            s->replaying = 0;
+            event_del(s->rtimer);
+            arm_s(s->reopen, 0); /* not here: this callback's socket goes */
+            return;
+        }
+    }
+    event_active(s->mev, EV_READ, 0);
+}
+
+static int open_sub(sub *s) {
+    px_kvsub *k = s->k;
+    s->sock = zsock(k, ZMQ_SUB, s->endpoint);
+    if (!s->sock || !(s->ev = zevent(k, s->sock, on_sub, s))) return -1;
+    char mep[64];
+    snprintf(mep, sizeof mep, "inproc://kvmon-%p", (void *)s);
+    if (zmq_socket_monitor(s->sock, mep, ZMQ_EVENT_DISCONNECTED) < 0) return -1;
+    s->mon = zmq_socket(k->zctx, ZMQ_PAIR);
+    if (!s->mon || zmq_connect(s->mon, mep) < 0) return -1;
+    s->mev = zevent(k, s->mon, on_mon, s);
+    return s->mev ? 0 : -1;
+}
+
+static void on_reopen(evutil_socket_t fd, short what, void *arg) {
+    sub *s = arg;
+    close_sub(s);
+    if (open_sub(s) < 0) {
+        close_sub(s);
+        arm_s(s->reopen, 1.0);
+        return;
+    }
+    open_replay(s);
 }
 
 static char *ep_for(const char *host, int port) {
@@ -613,9 +674,8 @@ static sub *sub_new(px_kvsub *k, px_backend *b) {
     if (k->rport) s->replay_ep = ep_for(host, k->rport);
     s->was_healthy = 1;
     s->rtimer = evtimer_new(k->base, on_replay_timeout, s);
-    s->sock = zsock(k, ZMQ_SUB, s->endpoint);
-    if (s->sock) s->ev = zevent(k, s->sock, on_sub, s);
-    if (!s->sock || !s->ev) {
+    s->reopen = evtimer_new(k->base, on_reopen, s);
+    if (open_sub(s) < 0) {
         PX_LOG(PX_LOG_WARN, "msg=\"kv events: cannot subscribe\" backend=%s endpoint=%s error=%s",
                s->name, s->endpoint, zmq_strerror(errno));
         sub_free(s);
