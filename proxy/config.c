@@ -18,7 +18,7 @@
 #include "base/log.h"
 #include "base/util.h"
 
-#define PX_POLICIES "round_robin|least_inflight|power_of_two|prefix_affinity|load_aware"
+#define PX_POLICIES "round_robin|least_inflight|power_of_two|prefix_affinity|load_aware|kv_aware"
 
 typedef enum {
     CT_STR,
@@ -175,6 +175,11 @@ static const opt opts[] = {
      "port of the engines' KV-event replay socket (ROUTER), asked for missed batches after a "
      "sequence gap (0: none; a gap drops that backend's index, rebuilt from later events)",
      NULL, AT_START},
+    {"kv-cache-weight", NULL, CT_SECONDS, OFF(kv_cache_weight), "1", 0, 1000000,
+     "kv_aware: score per prompt token the engine holds in its KV cache (its KV events)", NULL,
+     RELOADS},
+    {"kv-load-weight", NULL, CT_SECONDS, OFF(kv_load_weight), "1", 0, 1000000,
+     "kv_aware: score lost per prompt token queued or in flight on the engine", NULL, RELOADS},
     {"kv-index-max-blocks", NULL, CT_INT, OFF(kv_index_max_blocks), "1048576", 1, 268435456,
      "most KV blocks indexed per backend (about 64 bytes each); stores past it are refused and "
      "counted",
@@ -1147,6 +1152,8 @@ static const struct {
     {"kv-events-port", 1, "PORT"},
     {"kv-events-replay-port", 1, "PORT"},
     {"kv-index-max-blocks", 1, NULL},
+    {"kv-cache-weight", 1, "WEIGHT"},
+    {"kv-load-weight", 1, "WEIGHT"},
     {"usage-from", 2, "ROLE"},
     {"health-interval", 3, NULL},
     {"health-timeout", 3, NULL},

@@ -15,6 +15,7 @@
 #include "base/log.h"
 #include "proxy/access.h"
 #include "proxy/disagg.h"
+#include "proxy/kvindex.h"
 #include "proxy/otlp.h"
 #include "proxy/rewrite.h"
 #include "proxy/trace.h"
@@ -124,6 +125,9 @@ struct px_req {
     int fell_back; /* fallback below is set */
     px_fallback fallback;
     px_disagg dis; /* its hash owned: conditional disaggregation's estimate */
+    uint32_t *tok;  /* owned: the prompt's exact tokens for kv_aware; NULL: unknown */
+    size_t ntok;
+    long pcharge, dcharge; /* prompt tokens charged on pb, db (kv_aware's load) */
 
     /* --usage-from prefill: prefill's cached_tokens (number text) put into
      * decode's usage by the filter (inactive: decode's bytes pass as they
@@ -182,6 +186,23 @@ static void attempt_done(px_pool *p, px_backend *b, px_backend *const *tried, si
             return;
         }
     px_backend_done(p, b, o);
+}
+
+/* Takes back the prompt tokens kv_aware charged on the prefill (0) or the
+ * decode (1) before the request lets go of it. */
+static void uncharge(px_req *r, int decode) {
+    long *c = decode ? &r->dcharge : &r->pcharge;
+    px_backend_charge(decode ? r->db : r->pb, -*c);
+    *c = 0;
+}
+
+/* A pick of a kv_aware pool: the prompt's tokens and the index. */
+static px_pick kv_pick(px_req *r, px_pool *p, px_pick k) {
+    if (p->cfg.policy != PX_POLICY_KV_AWARE) return k;
+    k.kv = r->ctx->kvindex;
+    k.tok = r->tok;
+    k.ntok = r->ntok;
+    return k;
 }
 
 /* Brings the memory budget's count of this request's bodies up to date. */
@@ -408,6 +429,14 @@ static void start_pd(px_req *r, const px_http_head *h) {
     if (r->ps->prefill.cfg.policy == PX_POLICY_PREFIX_AFFINITY)
         px_disagg_key(r->ep, r->body.data, r->body.len, r->ps->prefill.cfg.prefix_bytes, &r->key,
                       &r->key_len);
+    int kva = r->ps->prefill.cfg.policy == PX_POLICY_KV_AWARE ||
+              r->ps->decode.cfg.policy == PX_POLICY_KV_AWARE;
+    if ((kva || r->ctx->kvindex) && !r->tok)
+        r->ntok = px_disagg_token_ids(r->ep, r->body.data, r->body.len, 1u << 20, &r->tok);
+    if (kva && !r->key && r->tok) { /* kv_aware's tie-break spreads by prompt */
+        r->key = (const char *)r->tok;
+        r->key_len = r->ntok * sizeof *r->tok;
+    }
     r->decided = 1;
     int disagg = decide(r);
     if (r->no_prefill) { /* sidecar without the header: decode alone, said so */
@@ -627,13 +656,26 @@ bad:
 static int decide(px_req *r) {
     const px_config *cfg = r->ctx->cfg;
     if (cfg->disagg_min_tokens > 0) {
-        px_pick k = {.key = r->key, .key_len = r->key_len};
+        px_pick k = kv_pick(r, &r->ps->decode, (px_pick){.key = r->key, .key_len = r->key_len});
         size_t nd;
         r->db = px_pool_pick(&r->ps->decode, &k, &nd);
+        if (r->db) r->dcharge = (long)k.ntok;
         if (!r->w->pindex) r->w->pindex = px_pindex_create((size_t)cfg->disagg_index_blocks);
     }
     px_disagg_decide(cfg, r->ep, r->body.data, r->body.len, r->w->pindex,
                      r->db ? &r->db->key_hash : NULL, &r->dis);
+    /* The engine's own KV events know what it holds: the exact remainder. */
+    px_kvindex *kv = r->ctx->kvindex;
+    int slot = r->db && kv && r->tok ? px_kvindex_slot(kv, r->db->name, 0) : -1;
+    size_t bs = px_kvindex_block_size(kv, slot);
+    if (slot >= 0 && bs) {
+        size_t cap = r->ntok / bs + 1;
+        uint64_t *keys = px_xmalloc(cap * sizeof *keys);
+        size_t nk = px_kv_prompt_keys(r->tok, r->ntok, bs, 0, keys, cap);
+        size_t cached = px_kvindex_match(kv, slot, keys, nk) * bs;
+        free(keys);
+        px_disagg_exact(cfg, (long)r->ntok, (long)cached, &r->dis);
+    }
     r->decision = r->dis.decision;
     return r->dis.disagg;
 }
@@ -648,7 +690,9 @@ static void start_prefill(px_req *r) {
         r->pb = r->hb;
         px_backend_take(r->pb);
     } else if (!r->no_prefill) {
+        k = kv_pick(r, &r->ps->prefill, k);
         r->pb = px_pool_pick(&r->ps->prefill, &k, &n);
+        if (r->pb) r->pcharge = (long)k.ntok;
     }
     if (!r->pb) {
         if (r->no_prefill) {
@@ -712,6 +756,7 @@ static px_outcome prefill_ended(px_req *r, px_up_result rc) {
     account(r); /* the prefill's answer */
     px_outcome o = outcome_of(rc, r->pstatus);
     if (r->too_big) o = PX_OUT_SERVER_ERR;
+    uncharge(r, 0);
     attempt_done(&r->ps->prefill, r->pb, r->tried_p, r->ntried_p, o);
     r->pb = NULL;
     return o;
@@ -886,7 +931,11 @@ static px_backend *pick_decode(px_req *r, size_t *n) {
     px_pick k = {.exclude = r->tried_d, .nexclude = r->ntried_d};
     *n = 0;
     /* Conditional disaggregation chose the decode before prefill. */
-    if (!r->db) r->db = px_pool_pick(&r->ps->decode, &k, n);
+    if (!r->db) {
+        k = kv_pick(r, &r->ps->decode, k);
+        r->db = px_pool_pick(&r->ps->decode, &k, n);
+        if (r->db) r->dcharge = (long)k.ntok;
+    }
     if (!r->db) return NULL;
     snprintf(r->dname, sizeof r->dname, "%s", r->db->name);
     r->d_https = (unsigned char)r->db->https;
@@ -963,6 +1012,7 @@ static void decode_done(void *arg, px_up_result rc, const char *errbuf, int conn
     if (r->idle_timer) evtimer_del(r->idle_timer);
     px_outcome o = outcome_of(rc, r->dstatus);
     const char *why = errbuf[0] ? errbuf : px_up_result_str(rc);
+    uncharge(r, 1);
     attempt_done(&r->ps->decode, r->db, r->tried_d, r->ntried_d, o);
     r->db = NULL;
     if (r->usage.active) {
@@ -1036,6 +1086,7 @@ static void on_idle_timer(evutil_socket_t fd, short what, void *arg) {
     }
     px_upstream_cancel(r->up);
     r->up = NULL;
+    uncharge(r, 1);
     px_backend_done(&r->ps->decode, r->db, PX_OUT_TIMEOUT);
     r->db = NULL;
     r->dtbl->idle(r);
@@ -1185,6 +1236,7 @@ static void release_done(void *arg, px_up_result rc, const char *errbuf, int con
         released_via_decode(r);
         return;
     }
+    uncharge(r, 1);
     attempt_done(&r->ps->decode, r->db, r->tried_d, r->ntried_d, outcome_of(rc, r->dstatus));
     r->db = NULL;
     if (decode_retry(r, connected, errbuf[0] ? errbuf : px_up_result_str(rc))) {
@@ -1253,8 +1305,10 @@ static void req_finish(px_req *r, int status, const char *outcome, const char *e
     set_state(r, RS_DONE);
     px_upstream_cancel(r->up);
     r->up = NULL;
+    uncharge(r, 0);
     px_backend_done(&r->ps->prefill, r->pb, PX_OUT_CANCELLED);
     r->pb = NULL;
+    uncharge(r, 1);
     px_backend_done(&r->ps->decode, r->db, PX_OUT_CANCELLED);
     r->db = NULL;
     if (r->retry_timer) evtimer_del(r->retry_timer);
@@ -1400,6 +1454,7 @@ static void req_free(px_req *r) {
     px_usage_cleanup(&r->usage);
     free(r->target);
     free(r->dis.hash);
+    free(r->tok);
     free(r);
 }
 

@@ -11,16 +11,17 @@
 #include "base/hash.h"
 #include "base/log.h"
 #include "base/util.h"
+#include "proxy/kvindex.h"
 
 #define RING_POINTS 64 /* virtual nodes per backend */
 
 static const char *const policy_names[] = {"round_robin", "least_inflight", "power_of_two",
-                                           "prefix_affinity", "load_aware"};
+                                           "prefix_affinity", "load_aware", "kv_aware"};
 static const char *const outcome_names[] = {
     "ok", "client_error", "server_error", "connect_error", "reset", "timeout", "cancelled"};
 
 int px_policy_parse(const char *s) {
-    for (int i = 0; i < 5; i++)
+    for (int i = 0; i < 6; i++)
         if (!strcmp(s, policy_names[i])) return i;
     return -1;
 }
@@ -357,8 +358,60 @@ static double load_score(px_backend *b) {
 }
 
 /* Under p->mu; cand[] holds eligible member indexes, in member order. */
+double px_kv_score(const px_pool_cfg *c, size_t cached, long load_tokens) {
+    return c->kv_cache_weight * (double)cached - c->kv_load_weight * (double)load_tokens;
+}
+
+void px_backend_charge(px_backend *b, long tokens) {
+    if (b && tokens) atomic_fetch_add(&b->tokens, tokens);
+}
+
+/* kv_aware: the candidate with the best score; ties go to the highest hash
+ * of the prompt's first block key (or of its bytes) with the backend's
+ * name, so replicas that see the same caches and loads agree, and equal
+ * prompts on idle engines still spread by prompt. */
+static size_t choose_kv(px_pool *p, const px_pick *k, const size_t *cand, size_t nc) {
+    uint64_t keys_local[256], *keys = keys_local;
+    size_t nkeys = 0, keys_bs = 0, cap = 0;
+    uint64_t tie = k && k->key ? px_hash64(k->key, k->key_len) : 0;
+    if (k && k->tok && k->kv) {
+        cap = k->ntok;
+        if (cap > sizeof keys_local / sizeof *keys_local) keys = px_xmalloc(cap * sizeof *keys);
+    }
+    size_t best = cand[0], best_cached = 0;
+    double bs = -1e300;
+    uint64_t bt = 0;
+    for (size_t j = 0; j < nc; j++) {
+        px_backend *b = p->b[cand[j]];
+        size_t cached = 0;
+        if (cap) {
+            int slot = px_kvindex_slot(k->kv, b->name, 0);
+            size_t blk = px_kvindex_block_size(k->kv, slot);
+            if (blk && blk != keys_bs) { /* engines of one pool share it, usually */
+                nkeys = px_kv_prompt_keys(k->tok, k->ntok, blk, 0, keys, cap);
+                keys_bs = blk;
+            }
+            if (blk) cached = px_kvindex_match(k->kv, slot, keys, nkeys) * blk;
+            if (!tie && nkeys) tie = keys[0];
+        }
+        double s = px_kv_score(&p->cfg, cached, atomic_load(&b->tokens));
+        uint64_t t = px_mix64(tie ^ b->key_hash);
+        if (s > bs || (s == bs && t > bt)) {
+            bs = s;
+            bt = t;
+            best = cand[j];
+            best_cached = cached;
+        }
+    }
+    if (keys != keys_local) free(keys);
+    if (k && k->cached) *k->cached = best_cached;
+    return best;
+}
+
 static size_t choose(px_pool *p, const px_pick *k, const size_t *cand, size_t nc) {
     switch (p->cfg.policy) {
+    case PX_POLICY_KV_AWARE:
+        return choose_kv(p, k, cand, nc);
     case PX_POLICY_ROUND_ROBIN:
     default: {
         /* The first candidate at or after the cursor. */
@@ -458,6 +511,7 @@ px_backend *px_pool_pick(px_pool *p, const px_pick *k, size_t *nmembers) {
         b = p->b[choose(p, k, cand, nc)];
         atomic_fetch_add(&b->refs, 1);
         atomic_fetch_add(&b->inflight, 1);
+        if (p->cfg.policy == PX_POLICY_KV_AWARE && k) px_backend_charge(b, (long)k->ntok);
     }
     pthread_mutex_unlock(&p->mu);
     if (cand != local) free(cand);

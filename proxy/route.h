@@ -20,6 +20,7 @@ typedef enum {
     PX_POLICY_POWER_OF_TWO,
     PX_POLICY_PREFIX_AFFINITY,
     PX_POLICY_LOAD_AWARE,
+    PX_POLICY_KV_AWARE,
 } px_policy;
 
 /* Parses a policy name; -1 when unknown. */
@@ -66,6 +67,8 @@ typedef struct px_backend {
     atomic_int waiting;
     atomic_int running;
     atomic_int kv_usage_milli;
+    /* kv_aware: prompt tokens of the requests routed here and not done. */
+    atomic_long tokens;
     atomic_ullong outcomes[PX_OUT_COUNT]; /* upstream requests by outcome */
     int check_busy;                       /* control thread only: a health check is in flight */
     int probe_busy; /* control thread only: a load probe (GET /metrics) is in flight */
@@ -81,6 +84,8 @@ typedef struct px_pool_cfg {
     int active_checks; /* health checks run: readmission is theirs */
     size_t prefix_bytes;
     double load_factor; /* prefix_affinity bounded load: c in ceil(c * mean) */
+    double kv_cache_weight; /* kv_aware: score per cached prompt token */
+    double kv_load_weight;  /* kv_aware: score lost per queued or in-flight prompt token */
 } px_pool_cfg;
 
 typedef struct px_pool {
@@ -138,7 +143,22 @@ typedef struct px_pick {
     size_t key_len;
     px_backend *const *exclude; /* already tried; avoided while others remain */
     size_t nexclude;
+    /* kv_aware: the prompt's exact tokens (NULL: unknown, only load counts)
+     * and the index of what each engine caches (NULL: none). */
+    struct px_kvindex *kv;
+    const uint32_t *tok;
+    size_t ntok;
+    size_t *cached; /* out, when not NULL: the chosen backend's cached prompt tokens */
 } px_pick;
+
+/* kv_aware's score of backend b for a prompt of which it caches `cached`
+ * tokens: cache weight * cached - load weight * b's prompt tokens. */
+double px_kv_score(const px_pool_cfg *c, size_t cached, long load_tokens);
+
+/* kv_aware: counts `tokens` more (or, negative, fewer) prompt tokens as
+ * queued or in flight on b. px_pool_pick charges the prompt of a kv_aware
+ * pick; the caller takes it back when the request leaves b. */
+void px_backend_charge(px_backend *b, long tokens);
 
 /* Chooses a healthy backend and returns it with a reference taken and its
  * in-flight count raised: hand it back with px_backend_done(). When every

@@ -1,0 +1,157 @@
+#!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
+"""kv_aware routing (proxy/route.c) on the index the engines' KV events
+feed (pdharness/kvpub.py publishers beside mock engines): the prefill
+holding the prompt's prefix gets it; load counted in prompt tokens moves
+requests off a busy engine; two pdproxy replicas choose the same backends
+for the same requests; --disagg-min-tokens decides on the exact uncached
+remainder the decode's index reports.
+
+Prompts are token ids (/v1/completions accepts them), so the tokens are
+exact without a tokenizer."""
+
+import threading
+import unittest
+
+from pdharness.kvpub import Publisher, stored
+from pdharness.mocks import HostMock, decode_handler, prefill_handler
+from pdharness.net import free_port, wait_value
+from pdharness.prod import ProdCase
+from pdharness.prom import metric, prom
+
+from test_kv_events import BS, port_free_on, tokens
+
+HOSTS = ("127.0.0.2", "127.0.0.3")
+
+
+class KvRoutingTest(ProdCase):
+    def engines(self, hosts=HOSTS, handler=None):
+        for _ in range(20):
+            self.kvport = free_port()
+            if port_free_on(hosts, self.kvport):
+                break
+        mocks, pubs = [], []
+        for i, h in enumerate(hosts):
+            m = HostMock(handler or prefill_handler(), name="P%d" % i, host=h)
+            self._mocks.append(m)
+            self.addCleanup(self._stop_mock, m)
+            p = Publisher(h, self.kvport)
+            self.addCleanup(p.close)
+            mocks.append(m)
+            pubs.append(p)
+        return mocks, pubs
+
+    def start_kv(self, prefill, decode, extra=()):
+        return self.start(prefill=[(m.bind_host, m.port) for m in prefill],
+                          decode=[(m.bind_host, m.port) if isinstance(m, HostMock) else m
+                                  for m in decode],
+                          extra=["--kv-events-port", str(self.kvport)] + list(extra))
+
+    def index_has(self, px, m, n):
+        got = wait_value(lambda: metric(prom(px.port), "pdproxy_kv_index_blocks",
+                                        backend=self.bname(m)), lambda v: v == n, 10.0)
+        self.assertEqual(got, n, "index of %s" % self.bname(m))
+
+    def send(self, px, toks, n=1):
+        for _ in range(n):
+            r = self.post(px, {"model": "m", "prompt": toks, "max_tokens": 4})
+            self.assertEqual(r.status, 200, r.body)
+
+    def counts(self, mocks):
+        return [len(m.requests) for m in mocks]
+
+    def test_prefill_holding_the_prefix_gets_it(self):
+        (P0, P1), (E0, E1) = self.engines()
+        D = self.mock(decode_handler(), name="D")
+        px = self.start_kv([P0, P1], [D], extra=["--prefill-policy", "kv_aware"])
+        E0.wait_subscriber()
+        E1.wait_subscriber()
+        a, b = tokens(1, 8), tokens(2, 8)
+        E0.publish([stored(range(100, 108), None, a, BS)])
+        E1.publish([stored(range(200, 208), None, b, BS)])
+        self.index_has(px, P0, 8)
+        self.index_has(px, P1, 8)
+        # A prompt that extends what each engine holds goes to that engine,
+        # every time (requests end before the next: no load to weigh).
+        self.send(px, a + [5, 6, 7], n=3)
+        self.assertEqual(self.counts([P0, P1]), [3, 0])
+        self.send(px, b[:6 * BS] + [9] * 10, n=3)
+        self.assertEqual(self.counts([P0, P1]), [3, 3])
+
+    def test_load_in_tokens_moves_requests(self):
+        (P0, P1), (E0, E1) = self.engines(handler=prefill_handler(delay=1.5))
+        D = self.mock(decode_handler(), name="D")
+        # Each cached token is worth 0.1 token of load.
+        px = self.start_kv([P0, P1], [D], extra=["--prefill-policy", "kv_aware",
+                                                 "--kv-cache-weight", "0.1"])
+        E0.wait_subscriber()
+        a = tokens(3, 4)
+        E0.publish([stored(range(300, 304), None, a, BS)])
+        self.index_has(px, P0, 4)
+        # A long prompt sharing the cached prefix goes to P0 and stays 1.5 s;
+        # its 416 tokens in flight outweigh the next prompt's 16 cached ones.
+        big = a + tokens(4, 100)
+        t = threading.Thread(target=self.send, args=(px, big), daemon=True)
+        t.start()
+        self.assertEqual(len(P0.wait_requests(1, 5.0)), 1)
+        self.send(px, a + [1])
+        t.join(10)
+        self.assertFalse(t.is_alive())
+        self.assertEqual(self.counts([P0, P1]), [1, 1])
+        self.assertIn(b"[300000,", P0.requests[0].body.replace(b" ", b""))
+        # Once it is done, the cache wins again.
+        self.send(px, a + [1])
+        self.assertEqual(self.counts([P0, P1]), [2, 1])
+
+    def test_two_replicas_choose_the_same(self):
+        (P0, P1), (E0, E1) = self.engines()
+        D = self.mock(decode_handler(), name="D")
+        px1 = self.start_kv([P0, P1], [D], extra=["--prefill-policy", "kv_aware"])
+        px2 = self.start_kv([P0, P1], [D], extra=["--prefill-policy", "kv_aware"])
+        for e in (E0, E1):
+            n = wait_value(lambda: len(e.pub.peers), lambda v: v == 2, 10.0)
+            self.assertEqual(n, 2)
+        E0.publish([stored(range(500, 504), None, tokens(5, 4), BS)])
+        E1.publish([stored(range(600, 604), None, tokens(6, 4), BS)])
+        for px in (px1, px2):
+            self.index_has(px, P0, 4)
+            self.index_has(px, P1, 4)
+        # Cached prompts and uncached ones (the tie-break decides).
+        prompts = [tokens(5, 4) + [1], tokens(6, 4) + [2]] + [tokens(10 + i, 3) for i in range(12)]
+        chosen = []
+        for px in (px1, px2):
+            seen = []
+            for t in prompts:
+                before = self.counts([P0, P1])
+                self.send(px, t)
+                after = self.counts([P0, P1])
+                seen.append(0 if after[0] > before[0] else 1)
+            chosen.append(seen)
+        self.assertEqual(chosen[0], chosen[1])
+        self.assertEqual(chosen[0][:2], [0, 1])
+        # The tie-break spreads uncached prompts over both.
+        self.assertEqual(set(chosen[0][2:]), {0, 1})
+
+    def test_disagg_on_the_exact_uncached_remainder(self):
+        (D0, D1), (E0, E1) = self.engines(handler=decode_handler())
+        P = self.mock(prefill_handler(), name="P")
+        px = self.start_kv([P], [D0, D1], extra=["--decode-policy", "kv_aware",
+                                                 "--disagg-min-tokens", "8"])
+        E0.wait_subscriber()
+        a = tokens(7, 6)
+        E0.publish([stored(range(700, 706), None, a, BS)])
+        self.index_has(px, D0, 6)
+        # 24 cached tokens + 4 more: 4 uncached, under 8: decode alone, on D0.
+        self.send(px, a + [1, 2, 3, 4])
+        self.assertEqual(self.counts([D0, D1]), [1, 0])
+        self.assertEqual(len(P.requests), 0)
+        # 20 tokens nobody holds: prefill first.
+        self.send(px, tokens(8, 5))
+        self.assertEqual(len(P.requests), 1)
+        s = prom(px.port)
+        self.assertEqual(metric(s, "pdproxy_disagg_decisions_total", reason="cached_prefix"), 1)
+        self.assertEqual(metric(s, "pdproxy_disagg_decisions_total", reason="long_prompt"), 1)
+
+
+if __name__ == "__main__":
+    unittest.main()
