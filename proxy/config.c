@@ -180,6 +180,13 @@ static const opt opts[] = {
      RELOADS},
     {"kv-load-weight", NULL, CT_SECONDS, OFF(kv_load_weight), "1", 0, 1000000,
      "kv_aware: score lost per prompt token queued or in flight on the engine", NULL, RELOADS},
+    {"tokenize-timeout", NULL, CT_SECONDS, OFF(tokenize_timeout), "0.05", 0, 60,
+     "seconds an engine's POST /tokenize may take to give a prompt's exact tokens (kv_aware, "
+     "or --disagg-min-tokens with --kv-events-port); past it the byte estimate is used (0: "
+     "never ask)",
+     NULL, AT_START},
+    {"tokenize-cache-entries", NULL, CT_INT, OFF(tokenize_cache_entries), "4096", 1, 1048576,
+     "prompts whose tokens each worker keeps (prompts of up to 65536 tokens)", NULL, AT_START},
     {"kv-index-max-blocks", NULL, CT_INT, OFF(kv_index_max_blocks), "1048576", 1, 268435456,
      "most KV blocks indexed per backend (about 64 bytes each); stores past it are refused and "
      "counted",
@@ -1153,6 +1160,8 @@ static const struct {
     {"kv-events-replay-port", 1, "PORT"},
     {"kv-index-max-blocks", 1, NULL},
     {"kv-cache-weight", 1, "WEIGHT"},
+    {"tokenize-timeout", 1, NULL},
+    {"tokenize-cache-entries", 1, NULL},
     {"kv-load-weight", 1, "WEIGHT"},
     {"usage-from", 2, "ROLE"},
     {"health-interval", 3, NULL},

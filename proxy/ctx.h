@@ -90,6 +90,7 @@ struct px_wctx {
     struct px_req *reqs;     /* owned: requests alive, some without a client */
     size_t nreqs;
     struct px_pindex *pindex; /* owned: --disagg-min-tokens' prefix index; NULL until used */
+    struct px_tokcache *tokcache; /* owned: prompts' exact tokens (/tokenize); NULL until used */
 };
 
 /* The connection settings of a listener on the control thread (metrics,

@@ -33,6 +33,16 @@ typedef enum {
     PX_FB_COUNT
 } px_fallback;
 
+/* How a prompt's exact tokens were had (pdproxy_tokenize_total). */
+typedef enum {
+    PX_TOK_OK = 0, /* an engine's /tokenize answered */
+    PX_TOK_CACHED, /* the worker's cache had them */
+    PX_TOK_TIMEOUT, /* --tokenize-timeout passed: the byte estimate stands */
+    PX_TOK_ERROR,   /* no engine, refused, not 200, no tokens: the byte estimate stands */
+    PX_TOK_COUNT
+} px_tokresult;
+extern const char *const px_tokresult_names[PX_TOK_COUNT];
+
 const char *px_decision_name(px_decision d);   /* "disaggregated" | "decode_only" */
 const char *px_decision_reason(px_decision d); /* the reason label */
 const char *px_fallback_name(px_fallback f);
@@ -59,6 +69,7 @@ typedef struct px_metrics {
     atomic_ullong stranded_released;
     atomic_ullong decisions[PX_DEC_COUNT];
     atomic_ullong fallbacks[PX_FB_COUNT];
+    atomic_ullong tokenize[PX_TOK_COUNT]; /* exact prompt tokens, by result */
 } px_metrics;
 
 /* Single-writer increment: only the owning thread calls these. */

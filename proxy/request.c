@@ -18,6 +18,7 @@
 #include "proxy/kvindex.h"
 #include "proxy/otlp.h"
 #include "proxy/rewrite.h"
+#include "proxy/tokenize.h"
 #include "proxy/trace.h"
 #include "proxy/usage.h"
 
@@ -34,6 +35,7 @@
 
 typedef enum {
     RS_NEW,
+    RS_TOKENIZE, /* asking an engine's /tokenize for the prompt's exact tokens */
     RS_PREFILL,
     RS_RETRY_WAIT,
     RS_DECODE,
@@ -42,8 +44,8 @@ typedef enum {
     RS_DONE /* finished: waits for its free on the next loop turn */
 } req_state;
 
-static const char *const state_names[] = {"new",    "prefill",   "retry_wait", "decode",
-                                          "stream", "releasing", "done"};
+static const char *const state_names[] = {"new",    "tokenize",  "prefill", "retry_wait",
+                                          "decode", "stream", "releasing", "done"};
 /* A decode answer whose usage is rewritten is held whole (JSON) or an
  * event at a time (SSE); past this, it passes through untouched. */
 #define USAGE_MAX_HOLD (8 * 1024 * 1024)
@@ -128,6 +130,11 @@ struct px_req {
     uint32_t *tok;  /* owned: the prompt's exact tokens for kv_aware; NULL: unknown */
     size_t ntok;
     long pcharge, dcharge; /* prompt tokens charged on pb, db (kv_aware's load) */
+    px_backend *tb;        /* owned reference: the engine asked for the tokens */
+    px_buf tokbody;        /* owned: the /tokenize request */
+    px_buf tokresp;        /* owned: its answer */
+    int tstatus;
+    uint64_t tkey; /* the prompt's key in the worker's token cache */
 
     /* --usage-from prefill: prefill's cached_tokens (number text) put into
      * decode's usage by the filter (inactive: decode's bytes pass as they
@@ -423,6 +430,103 @@ static int check_pd(px_req *r, const px_http_head *h) {
     return 0;
 }
 
+/* ---------- exact prompt tokens ---------- */
+
+#define TOKENIZE_MAX_TOKENS (1u << 20)
+#define TOKENIZE_MAX_ANSWER (16u << 20)
+#define TOKENIZE_CACHE_MAX_TOKENS 65536
+
+static void route_pd(px_req *r);
+
+static void tok_headers(void *arg, int status, const char *ctype) {
+    px_req *r = arg;
+    r->tstatus = status;
+}
+
+static int tok_data(void *arg, const char *p, size_t n) {
+    px_req *r = arg;
+    if (r->tokresp.len + n > TOKENIZE_MAX_ANSWER) return -1;
+    px_buf_append(&r->tokresp, p, n);
+    return 0;
+}
+
+static void tok_done(void *arg, px_up_result rc, const char *why, int connected) {
+    px_req *r = arg;
+    r->up = NULL; /* freed by the upstream module when this returns */
+    long n = -1;
+    if (rc == PX_UP_OK && r->tstatus == 200)
+        n = px_tokenize_parse(r->tokresp.data, r->tokresp.len, TOKENIZE_MAX_TOKENS, &r->tok);
+    int res = n > 0 ? PX_TOK_OK : rc == PX_UP_TIMEOUT ? PX_TOK_TIMEOUT : PX_TOK_ERROR;
+    px_m_inc(&r->w->metrics.tokenize[res]);
+    if (n > 0) {
+        r->ntok = (size_t)n;
+        px_tokcache_put(r->w->tokcache, r->tkey, r->tok, r->ntok);
+    } else {
+        PX_LOG(PX_LOG_DEBUG,
+               "req=%s msg=\"no exact tokens: the byte estimate stands\" engine=%s "
+               "status=%d result=%s",
+               r->lid, r->tb->name, r->tstatus, why);
+    }
+    px_backend_release(r->tb);
+    r->tb = NULL;
+    px_buf_cleanup(&r->tokbody);
+    px_buf_cleanup(&r->tokresp);
+    if (r->state == RS_TOKENIZE) route_pd(r);
+}
+
+static const px_upstream_cbs tokenize_cbs = {tok_headers, tok_data, tok_done};
+
+/* Asks an engine of the pool for the prompt's tokens when kv_aware or the
+ * KV index would use them: from the worker's cache, else POST /tokenize
+ * within --tokenize-timeout. Returns 1 when the request waits for it. */
+static int want_tokens(px_req *r, int kva) {
+    const px_config *cfg = r->ctx->cfg;
+    if (r->tok || cfg->tokenize_timeout <= 0 ||
+        !(kva || (r->ctx->kvindex && cfg->disagg_min_tokens > 0)))
+        return 0;
+    if (px_tokenize_body(r->ep, r->body.data, r->body.len, &r->tokbody, &r->tkey) < 0) {
+        px_buf_cleanup(&r->tokbody);
+        return 0;
+    }
+    if (!r->w->tokcache)
+        r->w->tokcache = px_tokcache_create((size_t)cfg->tokenize_cache_entries,
+                                            TOKENIZE_CACHE_MAX_TOKENS);
+    long n = px_tokcache_get(r->w->tokcache, r->tkey, &r->tok);
+    if (n > 0) {
+        r->ntok = (size_t)n;
+        px_m_inc(&r->w->metrics.tokenize[PX_TOK_CACHED]);
+        px_buf_cleanup(&r->tokbody);
+        return 0;
+    }
+    /* Any healthy engine of the pool tokenizes alike: the one the prompt's
+     * key names, so that its answers stay warm in one place. */
+    px_pool *pool = px_pool_usable(&r->ps->prefill) ? &r->ps->prefill : &r->ps->decode;
+    size_t nm;
+    px_backend **m = px_pool_members(pool, &nm);
+    for (size_t j = 0; j < nm && !r->tb; j++) {
+        px_backend *b = m[(r->tkey + j) % nm];
+        if (atomic_load(&b->healthy) && !atomic_load(&b->drained)) {
+            r->tb = b;
+            atomic_fetch_add(&b->refs, 1);
+        }
+    }
+    for (size_t j = 0; j < nm; j++)
+        px_backend_release(m[j]);
+    free(m);
+    if (r->tb) {
+        set_state(r, RS_TOKENIZE);
+        if (start_upstream(r, r->tb, "POST", "/tokenize", &r->tokbody, &r->hdrs_p, &tokenize_cbs,
+                           cfg->tokenize_timeout) == 0)
+            return 1;
+        set_state(r, RS_NEW);
+        px_backend_release(r->tb);
+        r->tb = NULL;
+    }
+    px_m_inc(&r->w->metrics.tokenize[PX_TOK_ERROR]);
+    px_buf_cleanup(&r->tokbody);
+    return 0;
+}
+
 /* A P/D request: decided, then a prefill or decode alone. */
 static void start_pd(px_req *r, const px_http_head *h) {
     if (check_pd(r, h) < 0) return;
@@ -433,6 +537,14 @@ static void start_pd(px_req *r, const px_http_head *h) {
               r->ps->decode.cfg.policy == PX_POLICY_KV_AWARE;
     if ((kva || r->ctx->kvindex) && !r->tok)
         r->ntok = px_disagg_token_ids(r->ep, r->body.data, r->body.len, 1u << 20, &r->tok);
+    if (want_tokens(r, kva)) return;
+    route_pd(r);
+}
+
+/* Routes a P/D request once its tokens are known (or are not to be). */
+static void route_pd(px_req *r) {
+    int kva = r->ps->prefill.cfg.policy == PX_POLICY_KV_AWARE ||
+              r->ps->decode.cfg.policy == PX_POLICY_KV_AWARE;
     if (kva && !r->key && r->tok) { /* kv_aware's tie-break spreads by prompt */
         r->key = (const char *)r->tok;
         r->key_len = r->ntok * sizeof *r->tok;
@@ -1455,6 +1567,9 @@ static void req_free(px_req *r) {
     free(r->target);
     free(r->dis.hash);
     free(r->tok);
+    px_backend_release(r->tb);
+    px_buf_cleanup(&r->tokbody);
+    px_buf_cleanup(&r->tokresp);
     free(r);
 }
 
@@ -1468,5 +1583,7 @@ void px_req_free_all(px_wctx *w) {
         req_free(r);
     }
     px_pindex_destroy(w->pindex);
+    px_tokcache_destroy(w->tokcache);
+    w->tokcache = NULL;
     w->pindex = NULL;
 }

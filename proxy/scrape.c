@@ -354,6 +354,12 @@ void px_scrape_render(px_ctx *ctx, px_buf *o) {
                 "(--kv-index-max-blocks).",
                 ld(&k->refused));
     }
+    px_buf_appends(o, "# HELP pdproxy_tokenize_total Prompts' exact tokens, by how they were had "
+                      "(timeout, error: the byte estimate was used).\n"
+                      "# TYPE pdproxy_tokenize_total counter\n");
+    for (int t = 0; t < PX_TOK_COUNT; t++)
+        px_buf_printf(o, "pdproxy_tokenize_total{result=\"%s\"} %llu\n", px_tokresult_names[t],
+                      SUM(tokenize[t]));
     counter(o, "pdproxy_kv_transfer_params_missing_total",
             "Prefill answers without kv_transfer_params (decode recomputed the prefill).",
             SUM(kvp_missing));

@@ -10,11 +10,13 @@ remainder the decode's index reports.
 Prompts are token ids (/v1/completions accepts them), so the tokens are
 exact without a tokenizer."""
 
+import json
 import threading
+import time
 import unittest
 
 from pdharness.kvpub import Publisher, stored
-from pdharness.mocks import HostMock, decode_handler, prefill_handler
+from pdharness.mocks import HostMock, Respond, decode_handler, prefill_handler
 from pdharness.net import free_port, wait_value
 from pdharness.prod import ProdCase
 from pdharness.prom import metric, prom
@@ -151,6 +153,80 @@ class KvRoutingTest(ProdCase):
         s = prom(px.port)
         self.assertEqual(metric(s, "pdproxy_disagg_decisions_total", reason="cached_prefix"), 1)
         self.assertEqual(metric(s, "pdproxy_disagg_decisions_total", reason="long_prompt"), 1)
+
+
+    def tokenizing_engine(self, delay=0.0, status=200):
+        """A prefill engine whose /tokenize gives one token per character
+        (ord), as vLLM's answer is shaped: {"count","max_model_len","tokens"}."""
+        inner = prefill_handler()
+
+        def h(req):
+            if req.path == "/tokenize":
+                doc = json.loads(req.body)
+                text = doc.get("prompt")
+                if text is None:
+                    text = "".join(m["content"] for m in doc["messages"])
+                toks = [ord(c) for c in text]
+                body = json.dumps({"count": len(toks), "max_model_len": 4096,
+                                   "tokens": toks}).encode()
+                return Respond(status, [("Content-Type", "application/json")], body, delay=delay)
+            return inner(req)
+        return h
+
+    def test_text_prompts_tokenized_by_the_engine(self):
+        (P0, P1), (E0, E1) = self.engines(handler=self.tokenizing_engine())
+        D = self.mock(decode_handler(), name="D")
+        px = self.start_kv([P0, P1], [D], extra=["--prefill-policy", "kv_aware",
+                                                 "--tokenize-timeout", "5"])
+        E1.wait_subscriber()
+        text = "the quick brown fox jumps over"  # 30 characters: 7 blocks of 4
+        E1.publish([stored(range(900, 907), None, [ord(c) for c in text[:28]], BS)])
+        self.index_has(px, P1, 7)
+        for i in range(3):
+            r = self.post(px, {"model": "m", "prompt": text + " the dog", "max_tokens": 4})
+            self.assertEqual(r.status, 200, r.body)
+        gen = [q for q in P1.requests if q.path != "/tokenize"]
+        self.assertEqual(len(gen), 3)
+        self.assertEqual([q for q in P0.requests if q.path != "/tokenize"], [])
+        toks = [q for q in P0.requests + P1.requests if q.path == "/tokenize"]
+        # Asked once; the worker's cache answered the others (2 workers:
+        # at most one ask each).
+        self.assertIn(len(toks), (1, 2))
+        body = json.loads(toks[0].body)
+        self.assertEqual(body, {"model": "m", "prompt": text + " the dog"})
+        s = prom(px.port)
+        self.assertEqual(metric(s, "pdproxy_tokenize_total", result="ok"), len(toks))
+        self.assertEqual(metric(s, "pdproxy_tokenize_total", result="cached"), 3 - len(toks))
+        # Chat messages go as they are.
+        r = self.post(px, {"model": "m", "messages": [{"role": "user", "content": text}],
+                           "max_tokens": 4}, path="/v1/chat/completions")
+        self.assertEqual(r.status, 200, r.body)
+        chat = [q for q in P0.requests + P1.requests
+                if q.path == "/tokenize" and b"messages" in q.body]
+        self.assertEqual(len(chat), 1)
+
+    def test_tokenize_timeout_falls_back_counted(self):
+        (P0, P1), _ = self.engines(handler=self.tokenizing_engine(delay=2.0))
+        D = self.mock(decode_handler(), name="D")
+        px = self.start_kv([P0, P1], [D], extra=["--prefill-policy", "kv_aware",
+                                                 "--tokenize-timeout", "0.2"])
+        t0 = time.monotonic()
+        r = self.post(px, {"model": "m", "prompt": "slow tokenizer", "max_tokens": 4})
+        self.assertEqual(r.status, 200, r.body)
+        self.assertLess(time.monotonic() - t0, 1.9)  # did not wait for the 2 s answer
+        s = prom(px.port)
+        self.assertEqual(metric(s, "pdproxy_tokenize_total", result="timeout"), 1)
+        self.assertEqual(metric(s, "pdproxy_tokenize_total", result="ok"), 0)
+        gen = [q for q in P0.requests + P1.requests if q.path != "/tokenize"]
+        self.assertEqual(len(gen), 1)
+
+    def test_tokenize_error_falls_back_counted(self):
+        (P0, P1), _ = self.engines(handler=self.tokenizing_engine(status=404))
+        D = self.mock(decode_handler(), name="D")
+        px = self.start_kv([P0, P1], [D], extra=["--prefill-policy", "kv_aware"])
+        r = self.post(px, {"model": "m", "prompt": "no tokenizer here", "max_tokens": 4})
+        self.assertEqual(r.status, 200, r.body)
+        self.assertEqual(metric(prom(px.port), "pdproxy_tokenize_total", result="error"), 1)
 
 
 if __name__ == "__main__":
