@@ -187,6 +187,14 @@ static const opt opts[] = {
      NULL, AT_START},
     {"tokenize-cache-entries", NULL, CT_INT, OFF(tokenize_cache_entries), "4096", 1, 1048576,
      "prompts whose tokens each worker keeps (prompts of up to 65536 tokens)", NULL, AT_START},
+    {"session-header", NULL, CT_STR, OFF(session_header), "x-session-id", 0, 0,
+     "request header naming a conversation (else the body's \"user\"): its requests stay on "
+     "the decode instance they went to while it is healthy and not overloaded (\"\": the body "
+     "only)",
+     NULL, AT_START},
+    {"session-ttl", NULL, CT_SECONDS, OFF(session_ttl), "600", 0, 86400,
+     "seconds a session is remembered after its last request (0: no sessions)", NULL,
+     AT_START},
     {"kv-index-max-blocks", NULL, CT_INT, OFF(kv_index_max_blocks), "1048576", 1, 268435456,
      "most KV blocks indexed per backend (about 64 bytes each); stores past it are refused and "
      "counted",
@@ -1160,6 +1168,8 @@ static const struct {
     {"kv-events-replay-port", 1, "PORT"},
     {"kv-index-max-blocks", 1, NULL},
     {"kv-cache-weight", 1, "WEIGHT"},
+    {"session-header", 1, "NAME"},
+    {"session-ttl", 1, NULL},
     {"tokenize-timeout", 1, NULL},
     {"tokenize-cache-entries", 1, NULL},
     {"kv-load-weight", 1, "WEIGHT"},

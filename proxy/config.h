@@ -81,6 +81,8 @@ typedef struct px_config {
     double kv_cache_weight;        /* kv_aware */
     double tokenize_timeout;       /* 0: no /tokenize */
     int64_t tokenize_cache_entries; /* per worker */
+    char *session_header;           /* "": none (the body's "user" still counts) */
+    double session_ttl;             /* 0: no sessions */
     double kv_load_weight;
     char *usage_from;              /* "prefill" | "decode" */
     /* Shutdown. */

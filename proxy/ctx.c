@@ -135,6 +135,7 @@ int px_ctx_init(px_ctx *c, const px_config *cfg, char *err, size_t errlen) {
         snprintf(err, errlen, "out of memory for the KV index");
         return -1;
     }
+    if (cfg->session_ttl > 0) c->sessions = px_sessions_create(65536, cfg->session_ttl);
     return load_api_keys(c, cfg, err, errlen);
 }
 
@@ -144,6 +145,7 @@ void px_ctx_cleanup(px_ctx *c) {
     free(c->api_keys);
     free(c->workers);
     px_kvindex_destroy(c->kvindex);
+    px_sessions_destroy(c->sessions);
     pthread_mutex_destroy(&c->gen_mu);
 }
 

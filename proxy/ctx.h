@@ -78,6 +78,7 @@ typedef struct px_ctx {
     struct px_kvindex *kvindex; /* owned: what each engine caches; NULL without --kv-events-port */
     px_kv_counters kvc;         /* the KV-event subscriber's totals */
     px_kvsub *kvsub;            /* borrowed: the subscriber, control thread only; NULL when off */
+    px_sessions *sessions;      /* owned: sessions' decode backends; NULL: --session-ttl 0 */
 } px_ctx;
 
 /* What one worker thread owns for its requests; only that thread touches

@@ -134,7 +134,8 @@ struct px_req {
     px_buf tokbody;        /* owned: the /tokenize request */
     px_buf tokresp;        /* owned: its answer */
     int tstatus;
-    uint64_t tkey; /* the prompt's key in the worker's token cache */
+    uint64_t tkey;    /* the prompt's key in the worker's token cache */
+    uint64_t session; /* --session-header's value or the body's "user", hashed; 0: none */
 
     /* --usage-from prefill: prefill's cached_tokens (number text) put into
      * decode's usage by the filter (inactive: decode's bytes pass as they
@@ -205,6 +206,10 @@ static void uncharge(px_req *r, int decode) {
 
 /* A pick of a kv_aware pool: the prompt's tokens and the index. */
 static px_pick kv_pick(px_req *r, px_pool *p, px_pick k) {
+    if (p == &r->ps->decode && r->session) { /* a conversation stays on its decode */
+        k.sessions = r->ctx->sessions;
+        k.session = r->session;
+    }
     if (p->cfg.policy != PX_POLICY_KV_AWARE) return k;
     k.kv = r->ctx->kvindex;
     k.tok = r->tok;
@@ -537,6 +542,16 @@ static void start_pd(px_req *r, const px_http_head *h) {
               r->ps->decode.cfg.policy == PX_POLICY_KV_AWARE;
     if ((kva || r->ctx->kvindex) && !r->tok)
         r->ntok = px_disagg_token_ids(r->ep, r->body.data, r->body.len, 1u << 20, &r->tok);
+    const px_config *cfg = r->ctx->cfg;
+    const px_http_header *sh = cfg->session_header[0] && r->ctx->sessions
+                                   ? px_http_find(h, cfg->session_header)
+                                   : NULL;
+    px_json_member user;
+    if (sh && sh->value_len)
+        r->session = px_hash64_seed(sh->value, sh->value_len, 1);
+    else if (r->ctx->sessions && px_json_find(r->body.data, r->body.len, "user", &user) &&
+             user.type == PX_JSON_STRING && user.val_len > 2)
+        r->session = px_hash64_seed(user.val, user.val_len, 2);
     if (want_tokens(r, kva)) return;
     route_pd(r);
 }

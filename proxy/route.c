@@ -408,6 +408,76 @@ static size_t choose_kv(px_pool *p, const px_pick *k, const size_t *cand, size_t
     return best;
 }
 
+/* ---------- sessions ---------- */
+
+#define SESSION_STRIPES 64
+
+typedef struct sess {
+    uint64_t key, backend;
+    uint64_t used_ns;
+} sess;
+
+struct px_sessions {
+    pthread_mutex_t mu[SESSION_STRIPES];
+    sess *e; /* owned; direct-mapped: a new session may take an old one's cell */
+    size_t n;
+    uint64_t ttl_ns;
+};
+
+px_sessions *px_sessions_create(size_t entries, double ttl) {
+    px_sessions *s = px_xcalloc(1, sizeof *s);
+    s->n = entries ? entries : 1;
+    s->e = px_xcalloc(s->n, sizeof *s->e);
+    s->ttl_ns = (uint64_t)(ttl * 1e9);
+    for (int i = 0; i < SESSION_STRIPES; i++)
+        pthread_mutex_init(&s->mu[i], NULL);
+    return s;
+}
+
+void px_sessions_destroy(px_sessions *s) {
+    if (!s) return;
+    for (int i = 0; i < SESSION_STRIPES; i++)
+        pthread_mutex_destroy(&s->mu[i]);
+    free(s->e);
+    free(s);
+}
+
+int px_sessions_get(px_sessions *s, uint64_t key, uint64_t *backend) {
+    size_t i = (size_t)(px_mix64(key) % s->n);
+    uint64_t now = px_now_ns();
+    pthread_mutex_t *mu = &s->mu[i % SESSION_STRIPES];
+    pthread_mutex_lock(mu);
+    int ok = s->e[i].key == key && key && now - s->e[i].used_ns <= s->ttl_ns;
+    if (ok) *backend = s->e[i].backend;
+    pthread_mutex_unlock(mu);
+    return ok;
+}
+
+void px_sessions_put(px_sessions *s, uint64_t key, uint64_t backend) {
+    size_t i = (size_t)(px_mix64(key) % s->n);
+    pthread_mutex_t *mu = &s->mu[i % SESSION_STRIPES];
+    pthread_mutex_lock(mu);
+    s->e[i] = (sess){key, backend, px_now_ns()};
+    pthread_mutex_unlock(mu);
+}
+
+/* The session's backend among the candidates, when it is not overloaded;
+ * (size_t)-1 otherwise. */
+static size_t session_member(px_pool *p, const px_pick *k, const size_t *cand, size_t nc) {
+    uint64_t bk;
+    if (!k || !k->sessions || !k->session || !px_sessions_get(k->sessions, k->session, &bk))
+        return (size_t)-1;
+    long total = 0;
+    size_t at = (size_t)-1;
+    for (size_t j = 0; j < nc; j++) {
+        total += atomic_load(&p->b[cand[j]]->inflight);
+        if (p->b[cand[j]]->key_hash == bk) at = cand[j];
+    }
+    if (at == (size_t)-1) return at;
+    double cap = p->cfg.load_factor * (double)(total + 1) / (double)nc;
+    return (double)atomic_load(&p->b[at]->inflight) + 1 <= cap + 1 ? at : (size_t)-1;
+}
+
 static size_t choose(px_pool *p, const px_pick *k, const size_t *cand, size_t nc) {
     switch (p->cfg.policy) {
     case PX_POLICY_KV_AWARE:
@@ -508,7 +578,9 @@ px_backend *px_pool_pick(px_pool *p, const px_pick *k, size_t *nmembers) {
         if (nc) atomic_fetch_add_explicit(&p->panic_routed, 1, memory_order_relaxed);
     }
     if (nc) {
-        b = p->b[choose(p, k, cand, nc)];
+        size_t at = session_member(p, k, cand, nc);
+        b = p->b[at != (size_t)-1 ? at : choose(p, k, cand, nc)];
+        if (k && k->sessions && k->session) px_sessions_put(k->sessions, k->session, b->key_hash);
         atomic_fetch_add(&b->refs, 1);
         atomic_fetch_add(&b->inflight, 1);
         if (p->cfg.policy == PX_POLICY_KV_AWARE && k) px_backend_charge(b, (long)k->ntok);

@@ -149,7 +149,21 @@ typedef struct px_pick {
     const uint32_t *tok;
     size_t ntok;
     size_t *cached; /* out, when not NULL: the chosen backend's cached prompt tokens */
+    /* Sessions: a conversation (its key, 0: none) stays on the backend it
+     * was routed to while that one is usable and not overloaded (over
+     * ceil(load_factor * mean in-flight)). */
+    struct px_sessions *sessions;
+    uint64_t session;
 } px_pick;
+
+/* Which backend (its key_hash) each session was last routed to: at most
+ * `entries`, forgotten after ttl seconds unused; any thread. */
+typedef struct px_sessions px_sessions;
+px_sessions *px_sessions_create(size_t entries, double ttl);
+void px_sessions_destroy(px_sessions *s); /* NULL is a no-op */
+/* 1 with *backend_key when the session is known and fresh. */
+int px_sessions_get(px_sessions *s, uint64_t session, uint64_t *backend_key);
+void px_sessions_put(px_sessions *s, uint64_t session, uint64_t backend_key);
 
 /* kv_aware's score of backend b for a prompt of which it caches `cached`
  * tokens: cache weight * cached - load weight * b's prompt tokens. */

@@ -229,5 +229,31 @@ class KvRoutingTest(ProdCase):
         self.assertEqual(metric(prom(px.port), "pdproxy_tokenize_total", result="error"), 1)
 
 
+    def test_sessions_pin_to_their_decode(self):
+        P = self.mock(prefill_handler(), name="P")
+        D0 = self.mock(decode_handler(), name="D0")
+        D1 = self.mock(decode_handler(), name="D1")
+        px = self.start(prefill=[P], decode=[D0, D1])
+
+        def where(body, headers=None):
+            before = self.counts([D0, D1])
+            r = self.post(px, body, headers=headers)
+            self.assertEqual(r.status, 200, r.body)
+            after = self.counts([D0, D1])
+            return 0 if after[0] > before[0] else 1
+
+        body = {"model": "m", "prompt": "hello", "max_tokens": 4}
+        # Without a session, round_robin alternates.
+        self.assertEqual({where(body) for _ in range(4)}, {0, 1})
+        for sid in ("conv-a", "conv-b", "conv-c"):
+            first = where(body, {"x-session-id": sid})
+            for _ in range(4):
+                self.assertEqual(where(body, {"x-session-id": sid}), first, sid)
+        # The body's "user" names a session too.
+        ub = dict(body, user="alice")
+        first = where(ub)
+        self.assertEqual([where(ub) for _ in range(4)], [first] * 4)
+
+
 if __name__ == "__main__":
     unittest.main()
