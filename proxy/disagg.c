@@ -107,7 +107,10 @@ size_t px_token_list(const char *v, size_t vn, size_t max, uint32_t **out) {
         t[k++] = (uint32_t)x;
         while (p < end && (*p == ' ' || *p == '\n' || *p == '\t' || *p == '\r'))
             p++;
-        if (p < end && *p != ',' && *p != ']') break;
+        if (p < end && *p != ',' && *p != ']') {
+            k = 0; /* "1.5", "1e3", "2x": not an id */
+            break;
+        }
     }
     if (k != (size_t)n) {
         free(t);
