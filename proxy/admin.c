@@ -14,6 +14,7 @@
 #include "base/json.h"
 #include "base/listen.h"
 #include "base/log.h"
+#include "proxy/kvevents.h"
 #include "proxy/kvindex.h"
 
 #define ADMIN_NOTE                                                                                 \

@@ -17,7 +17,6 @@
 #include "base/conn.h"
 #include "base/http.h"
 #include "proxy/config.h"
-#include "proxy/kvevents.h"
 #include "proxy/metrics.h"
 #include "proxy/route.h"
 #include "proxy/upstream.h"
@@ -26,6 +25,7 @@ struct px_discovery;
 struct px_req;
 struct px_pindex;
 struct px_kvindex;
+struct px_kvsub;
 
 /* One model pool at run time: its prefill and decode backends. */
 typedef struct px_pset {
@@ -77,7 +77,7 @@ typedef struct px_ctx {
     int nworkers;
     struct px_kvindex *kvindex; /* owned: what each engine caches; NULL without --kv-events-port */
     px_kv_counters kvc;         /* the KV-event subscriber's totals */
-    px_kvsub *kvsub;            /* borrowed: the subscriber, control thread only; NULL when off */
+    struct px_kvsub *kvsub;     /* borrowed: the subscriber, control thread only; NULL when off */
     px_sessions *sessions;      /* owned: sessions' decode backends; NULL: --session-ttl 0 */
 } px_ctx;
 

@@ -20,6 +20,7 @@
 #include <stdint.h>
 
 #include "base/util.h"
+#include "proxy/metrics.h" /* px_kv_counters */
 
 /* One BlockStored event, as the decoder hands it over (all borrowed for the
  * call). Engine block hashes that are bytes are reduced to 64 bits with
@@ -54,17 +55,6 @@ typedef struct px_kv_sink {
 int px_kv_decode(const void *buf, size_t len, const px_kv_sink *sink, size_t *bad, char *err,
                  size_t errlen);
 
-/* Totals, for /metrics (any thread reads). */
-typedef struct px_kv_counters {
-    atomic_ullong batches;     /* batches applied */
-    atomic_ullong events;      /* events applied */
-    atomic_ullong malformed;   /* batches or events refused */
-    atomic_ullong gaps;        /* sequence gaps seen */
-    atomic_ullong replays;     /* replay requests sent */
-    atomic_ullong replay_fail; /* replays that timed out or could not fill the gap */
-    atomic_ullong resets;      /* backend indexes dropped */
-    atomic_ullong refused;     /* blocks not indexed: the bound was reached */
-} px_kv_counters;
 
 struct px_ctx;
 typedef struct px_kvsub px_kvsub;

@@ -72,6 +72,19 @@ typedef struct px_metrics {
     atomic_ullong tokenize[PX_TOK_COUNT]; /* exact prompt tokens, by result */
 } px_metrics;
 
+/* The KV-event subscriber's totals (kvevents.c), for /metrics (any thread
+ * reads). */
+typedef struct px_kv_counters {
+    atomic_ullong batches;     /* batches applied */
+    atomic_ullong events;      /* events applied */
+    atomic_ullong malformed;   /* batches or events refused */
+    atomic_ullong gaps;        /* sequence gaps seen */
+    atomic_ullong replays;     /* replay requests sent */
+    atomic_ullong replay_fail; /* replays that timed out or could not fill the gap */
+    atomic_ullong resets;      /* backend indexes dropped */
+    atomic_ullong refused;     /* blocks not indexed: the bound was reached */
+} px_kv_counters;
+
 /* Single-writer increment: only the owning thread calls these. */
 static inline void px_m_inc(atomic_ullong *c) {
     atomic_store_explicit(c, atomic_load_explicit(c, memory_order_relaxed) + 1,

@@ -18,6 +18,7 @@
 #include "proxy/ctx.h"
 #include "proxy/discovery.h"
 #include "proxy/health.h"
+#include "proxy/kvevents.h"
 #include "proxy/reload.h"
 #include "proxy/request.h"
 #include "proxy/routes.h"
