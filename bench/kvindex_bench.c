@@ -103,7 +103,8 @@ int main(int argc, char **argv) {
         for (size_t k = 0; k < per; k += PER_EVENT) {
             int first = (k / PER_EVENT) % 8 == 0;
             if (first) seq_tok += 1000000;
-            pack_batch(&sb, h, !first, h - 1, seq_tok + (uint32_t)((k / PER_EVENT) % 8 * PER_EVENT * BS));
+            pack_batch(&sb, h, !first, h - 1,
+                       seq_tok + (uint32_t)((k / PER_EVENT) % 8 * PER_EVENT * BS));
             h += PER_EVENT;
             bytes_in += (double)sb.size;
             size_t bad = 0;
@@ -119,8 +120,12 @@ int main(int argc, char **argv) {
 
     /* Routing: a kv_aware pool of the nb backends; prompts sharing a
      * cached prefix of 2048 tokens on one backend, then uncached tokens. */
-    px_pool_cfg pc = {.policy = PX_POLICY_KV_AWARE, .unhealthy_after = 3, .healthy_after = 1,
-                      .load_factor = 1.25, .kv_cache_weight = 1, .kv_load_weight = 1};
+    px_pool_cfg pc = {.policy = PX_POLICY_KV_AWARE,
+                      .unhealthy_after = 3,
+                      .healthy_after = 1,
+                      .load_factor = 1.25,
+                      .kv_cache_weight = 1,
+                      .kv_load_weight = 1};
     px_pool pool;
     px_pool_init(&pool, "prefill", &pc);
     for (size_t b = 0; b < nb; b++) {

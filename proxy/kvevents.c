@@ -59,26 +59,83 @@ static int mp_sane(const unsigned char *p, size_t len) {
             skip = c & 0x1f;
         } else {
             switch (c) {
-            case 0xc4: case 0xd9: if (be(p, len, &off, 1, &skip)) return -1; break;
-            case 0xc5: case 0xda: if (be(p, len, &off, 2, &skip)) return -1; break;
-            case 0xc6: case 0xdb: if (be(p, len, &off, 4, &skip)) return -1; break;
-            case 0xc7: if (be(p, len, &off, 1, &v)) return -1; skip = v + 1; break;
-            case 0xc8: if (be(p, len, &off, 2, &v)) return -1; skip = v + 1; break;
-            case 0xc9: if (be(p, len, &off, 4, &v)) return -1; skip = v + 1; break;
-            case 0xca: case 0xce: case 0xd2: skip = 4; break;
-            case 0xcb: case 0xcf: case 0xd3: skip = 8; break;
-            case 0xcc: case 0xd0: skip = 1; break;
-            case 0xcd: case 0xd1: skip = 2; break;
-            case 0xd4: skip = 2; break;
-            case 0xd5: skip = 3; break;
-            case 0xd6: skip = 5; break;
-            case 0xd7: skip = 9; break;
-            case 0xd8: skip = 17; break;
-            case 0xdc: if (be(p, len, &off, 2, &cnt)) return -1; container = 1; break;
-            case 0xdd: if (be(p, len, &off, 4, &cnt)) return -1; container = 1; break;
-            case 0xde: if (be(p, len, &off, 2, &cnt)) return -1; cnt *= 2; container = 1; break;
-            case 0xdf: if (be(p, len, &off, 4, &cnt)) return -1; cnt *= 2; container = 1; break;
-            default: return -1; /* 0xc1: never used */
+            case 0xc4:
+            case 0xd9:
+                if (be(p, len, &off, 1, &skip)) return -1;
+                break;
+            case 0xc5:
+            case 0xda:
+                if (be(p, len, &off, 2, &skip)) return -1;
+                break;
+            case 0xc6:
+            case 0xdb:
+                if (be(p, len, &off, 4, &skip)) return -1;
+                break;
+            case 0xc7:
+                if (be(p, len, &off, 1, &v)) return -1;
+                skip = v + 1;
+                break;
+            case 0xc8:
+                if (be(p, len, &off, 2, &v)) return -1;
+                skip = v + 1;
+                break;
+            case 0xc9:
+                if (be(p, len, &off, 4, &v)) return -1;
+                skip = v + 1;
+                break;
+            case 0xca:
+            case 0xce:
+            case 0xd2:
+                skip = 4;
+                break;
+            case 0xcb:
+            case 0xcf:
+            case 0xd3:
+                skip = 8;
+                break;
+            case 0xcc:
+            case 0xd0:
+                skip = 1;
+                break;
+            case 0xcd:
+            case 0xd1:
+                skip = 2;
+                break;
+            case 0xd4:
+                skip = 2;
+                break;
+            case 0xd5:
+                skip = 3;
+                break;
+            case 0xd6:
+                skip = 5;
+                break;
+            case 0xd7:
+                skip = 9;
+                break;
+            case 0xd8:
+                skip = 17;
+                break;
+            case 0xdc:
+                if (be(p, len, &off, 2, &cnt)) return -1;
+                container = 1;
+                break;
+            case 0xdd:
+                if (be(p, len, &off, 4, &cnt)) return -1;
+                container = 1;
+                break;
+            case 0xde:
+                if (be(p, len, &off, 2, &cnt)) return -1;
+                cnt *= 2;
+                container = 1;
+                break;
+            case 0xdf:
+                if (be(p, len, &off, 4, &cnt)) return -1;
+                cnt *= 2;
+                container = 1;
+                break;
+            default:
+                return -1; /* 0xc1: never used */
             }
         }
         if (container) {
@@ -159,13 +216,26 @@ static const char *const stored_names[] = {"block_hashes", "parent_block_hash", 
 
 static void field_set(fields *f, int i, const msgpack_object *v) {
     switch (i) {
-    case 0: f->hashes = v; break;
-    case 1: f->parent = v; break;
-    case 2: f->tok = v; break;
-    case 3: f->bs = v; break;
-    case 6: f->lora_name = v; break;
-    case 7: f->extra = v; break;
-    default: break;
+    case 0:
+        f->hashes = v;
+        break;
+    case 1:
+        f->parent = v;
+        break;
+    case 2:
+        f->tok = v;
+        break;
+    case 3:
+        f->bs = v;
+        break;
+    case 6:
+        f->lora_name = v;
+        break;
+    case 7:
+        f->extra = v;
+        break;
+    default:
+        break;
     }
 }
 
@@ -192,8 +262,8 @@ static int do_stored(const fields *f, const px_kv_sink *sink) {
         f->bs->via.u64 > PX_KV_MAX_BLOCK_SIZE)
         goto out;
     size_t bs = (size_t)f->bs->via.u64;
-    if (!f->tok || f->tok->type != MSGPACK_OBJECT_ARRAY || f->tok->via.array.size > PX_KV_MAX_TOKENS ||
-        f->tok->via.array.size != n * bs)
+    if (!f->tok || f->tok->type != MSGPACK_OBJECT_ARRAY ||
+        f->tok->via.array.size > PX_KV_MAX_TOKENS || f->tok->via.array.size != n * bs)
         goto out;
     tok = px_xmalloc((n * bs + 1) * sizeof *tok);
     for (size_t i = 0; i < n * bs; i++) {
@@ -306,21 +376,21 @@ int px_kv_decode(const void *buf, size_t len, const px_kv_sink *sink, size_t *ba
  * messages (and drops that connection) and queues at most RCVHWM of them. */
 #define SUB_MAX_MSG (4 << 20)
 #define SUB_HWM 16
-#define DRAIN_BUDGET 256      /* messages per callback: a flood cannot starve the loop */
-#define REPLAY_TIMEOUT_S 2.0  /* a replay not ended by then is given up */
-#define SYNC_INTERVAL_S 0.5   /* how often the backend list is compared */
+#define DRAIN_BUDGET 256     /* messages per callback: a flood cannot starve the loop */
+#define REPLAY_TIMEOUT_S 2.0 /* a replay not ended by then is given up */
+#define SYNC_INTERVAL_S 0.5  /* how often the backend list is compared */
 
 typedef struct sub {
     struct px_kvsub *k;
-    char *name;     /* owned: the backend's name, the index slot's */
-    char *endpoint; /* owned */
+    char *name;      /* owned: the backend's name, the index slot's */
+    char *endpoint;  /* owned */
     char *replay_ep; /* owned; NULL: no replay socket */
     int slot;
-    void *sock, *rep;          /* owned: SUB, DEALER */
-    void *mon;                 /* owned: PAIR reading the SUB socket's monitor events */
+    void *sock, *rep;             /* owned: SUB, DEALER */
+    void *mon;                    /* owned: PAIR reading the SUB socket's monitor events */
     struct event *ev, *rev, *mev; /* owned */
-    struct event *reopen;      /* owned: makes the SUB socket again, on the next turn */
-    struct event *rtimer;      /* owned */
+    struct event *reopen;         /* owned: makes the SUB socket again, on the next turn */
+    struct event *rtimer;         /* owned */
     int have_seq, replaying, seen, was_healthy;
     uint64_t next; /* the sequence expected */
     unsigned long long batches, events, malformed, gaps, replays, replay_fail, resets;

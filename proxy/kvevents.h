@@ -55,7 +55,6 @@ typedef struct px_kv_sink {
 int px_kv_decode(const void *buf, size_t len, const px_kv_sink *sink, size_t *bad, char *err,
                  size_t errlen);
 
-
 struct px_ctx;
 typedef struct px_kvsub px_kvsub;
 

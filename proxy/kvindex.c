@@ -97,8 +97,8 @@ static void tfree(table *t) {
 typedef struct slot {
     char *name; /* owned */
     pthread_rwlock_t mu;
-    table eng;  /* engine block hash -> token key */
-    table tok;  /* token key -> number of engine hashes naming it */
+    table eng; /* engine block hash -> token key */
+    table tok; /* token key -> number of engine hashes naming it */
     atomic_size_t block_size;
     atomic_size_t blocks; /* tok.n, readable without the lock */
     atomic_size_t bytes;

@@ -9,9 +9,7 @@
 #include "proxy/disagg.h"
 
 int px_tokenize_body(px_endpoint ep, const char *body, size_t len, px_buf *out, uint64_t *key) {
-    const char *member = ep == PX_EP_COMPLETIONS ? "prompt"
-                         : ep == PX_EP_CHAT      ? "messages"
-                                                 : NULL;
+    const char *member = ep == PX_EP_COMPLETIONS ? "prompt" : ep == PX_EP_CHAT ? "messages" : NULL;
     px_json_member m, model;
     if (!member || !px_json_find(body, len, member, &m)) return -1;
     /* A completion prompt of text only: ids need no tokenizer, and a batch

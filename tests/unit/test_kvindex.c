@@ -1,13 +1,13 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /* The token-keyed KV index (proxy/kvindex.c) and the KV-event decoder
  * (proxy/kvevents.c) on payloads packed here with msgpack-c. */
+#include <cmocka.h>
+#include <msgpack.h>
+#include <pthread.h>
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdint.h>
-#include <cmocka.h>
-#include <msgpack.h>
-#include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -356,7 +356,8 @@ static void test_decode_hostile(void **state) {
     size_t bad = 0;
     /* An array of 4 billion elements in 5 bytes: refused before msgpack-c
      * would allocate for it. */
-    static const unsigned char huge[] = {0x92, 0xcb, 0, 0, 0, 0, 0, 0, 0, 0, 0xdd, 0xff, 0xff, 0xff, 0xff};
+    static const unsigned char huge[] = {0x92, 0xcb, 0,    0,    0,    0,    0,   0,
+                                         0,    0,    0xdd, 0xff, 0xff, 0xff, 0xff};
     assert_int_equal(px_kv_decode(huge, sizeof huge, &sink, &bad, err, sizeof err), -1);
     static const unsigned char map_huge[] = {0xdf, 0x7f, 0xff, 0xff, 0xff, 0xa1, 'x'};
     assert_int_equal(px_kv_decode(map_huge, sizeof map_huge, &sink, &bad, err, sizeof err), -1);

@@ -2,11 +2,11 @@
 /* proxy/tokenize.c: the /tokenize body built from a request, its answer
  * read, the per-worker cache; and kv_aware's choice (proxy/route.c) over
  * a real index. */
+#include <cmocka.h>
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdint.h>
-#include <cmocka.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -54,8 +54,12 @@ static void test_parse(void **state) {
     assert_int_equal(t[0], 1);
     assert_int_equal(t[2], 333);
     free(t);
-    const char *bad[] = {"{\"tokens\":[1,-2]}", "{\"tokens\":[1.5]}", "{\"tokens\":\"x\"}",
-                         "{\"count\":1}", "{\"tokens\":[]}", "{\"tokens\":[4294967296]}",
+    const char *bad[] = {"{\"tokens\":[1,-2]}",
+                         "{\"tokens\":[1.5]}",
+                         "{\"tokens\":\"x\"}",
+                         "{\"count\":1}",
+                         "{\"tokens\":[]}",
+                         "{\"tokens\":[4294967296]}",
                          "not json"};
     for (size_t i = 0; i < sizeof bad / sizeof *bad; i++) {
         assert_int_equal(px_tokenize_parse(bad[i], strlen(bad[i]), 100, &t), -1);
@@ -87,8 +91,12 @@ static void test_cache(void **state) {
 static void test_kv_aware_choice(void **state) {
     (void)state;
     px_kvindex *x = px_kvindex_create(1000, 4);
-    px_pool_cfg pc = {.policy = PX_POLICY_KV_AWARE, .unhealthy_after = 3, .healthy_after = 1,
-                      .load_factor = 1.25, .kv_cache_weight = 1, .kv_load_weight = 1};
+    px_pool_cfg pc = {.policy = PX_POLICY_KV_AWARE,
+                      .unhealthy_after = 3,
+                      .healthy_after = 1,
+                      .load_factor = 1.25,
+                      .kv_cache_weight = 1,
+                      .kv_load_weight = 1};
     px_pool p;
     px_pool_init(&p, "prefill", &pc);
     px_pool_add(&p, "http://10.0.0.1:8000", NULL);
@@ -99,8 +107,8 @@ static void test_kv_aware_choice(void **state) {
         tok[i] = 1000u + (uint32_t)i;
     uint64_t eh[8] = {1, 2, 3, 4, 5, 6, 7, 8};
     int s1 = px_kvindex_slot(x, "10.0.0.1:8000", 1), s2 = px_kvindex_slot(x, "10.0.0.2:8000", 1);
-    px_kvindex_store(x, s1, eh, 2, 0, 0, tok, 8, NULL, NULL);  /* 16 tokens */
-    px_kvindex_store(x, s2, eh, 6, 0, 0, tok, 8, NULL, NULL);  /* 48 tokens */
+    px_kvindex_store(x, s1, eh, 2, 0, 0, tok, 8, NULL, NULL); /* 16 tokens */
+    px_kvindex_store(x, s2, eh, 6, 0, 0, tok, 8, NULL, NULL); /* 48 tokens */
     size_t cached = 0;
     px_pick k = {.kv = x, .tok = tok, .ntok = 64, .cached = &cached};
     px_backend *b = px_pool_pick(&p, &k, NULL);
@@ -150,10 +158,8 @@ static void test_sessions(void **state) {
 
 int main(void) {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_body),
-        cmocka_unit_test(test_parse),
-        cmocka_unit_test(test_cache),
-        cmocka_unit_test(test_kv_aware_choice),
+        cmocka_unit_test(test_body),     cmocka_unit_test(test_parse),
+        cmocka_unit_test(test_cache),    cmocka_unit_test(test_kv_aware_choice),
         cmocka_unit_test(test_sessions),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
