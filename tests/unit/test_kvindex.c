@@ -1,13 +1,16 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /* The token-keyed KV index (proxy/kvindex.c) and the KV-event decoder
  * (proxy/kvevents.c) on payloads packed here with msgpack-c. */
-#include <cmocka.h>
-#include <msgpack.h>
-#include <pthread.h>
+/* cmocka.h needs these first. */
+// clang-format off
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <cmocka.h>
+// clang-format on
+#include <msgpack.h>
+#include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
 

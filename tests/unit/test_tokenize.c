@@ -2,11 +2,14 @@
 /* proxy/tokenize.c: the /tokenize body built from a request, its answer
  * read, the per-worker cache; and kv_aware's choice (proxy/route.c) over
  * a real index. */
-#include <cmocka.h>
+/* cmocka.h needs these first. */
+// clang-format off
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <cmocka.h>
+// clang-format on
 #include <stdlib.h>
 #include <string.h>
 
