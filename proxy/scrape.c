@@ -137,7 +137,7 @@ static void render_backends(px_buf *o, px_ctx *ctx) {
                                m[r][i]->name);
                 px_buf_printf(o, "\",outcome=\"%s\"} %llu\n", px_outcome_name((px_outcome)k), v);
             }
-    if (ctx->kvindex) {
+    {
         static const char *const kvg[2][2] = {
             {"pdproxy_kv_index_blocks", "KV blocks the index holds for the backend (from its "
                                         "KV-cache events)."},
@@ -146,9 +146,11 @@ static void render_backends(px_buf *o, px_ctx *ctx) {
             px_buf_printf(o, "# HELP %s %s\n# TYPE %s gauge\n", kvg[q][0], kvg[q][1], kvg[q][0]);
             for (size_t r = 0; r < np; r++)
                 for (size_t i = 0; i < n[r]; i++) {
-                    px_kvindex_stats st;
-                    px_kvindex_stats_get(ctx->kvindex,
-                                         px_kvindex_slot(ctx->kvindex, m[r][i]->name, 0), &st);
+                    px_kvindex_stats st = {0};
+                    if (ctx->kvindex) /* without --kv-events-port: 0 */
+                        px_kvindex_stats_get(ctx->kvindex,
+                                             px_kvindex_slot(ctx->kvindex, m[r][i]->name, 0),
+                                             &st);
                     backend_series(o, kvg[q][0], g, r / 2, pools[r]->role, m[r][i]->name);
                     px_buf_printf(o, "\"} %zu\n", q ? st.bytes : st.blocks);
                 }
@@ -331,8 +333,8 @@ void px_scrape_render(px_ctx *ctx, px_buf *o) {
                 offsetof(px_metrics, ttfb[1]));
     render_hist(o, ctx, "pdproxy_prefill_duration_seconds",
                 "Time the prefill request took, retries included.", offsetof(px_metrics, prefill));
-    if (ctx->kvindex) {
-        const px_kv_counters *k = &ctx->kvc;
+    {
+        const px_kv_counters *k = &ctx->kvc; /* 0 without --kv-events-port */
         counter(o, "pdproxy_kv_event_batches_total", "KV-event batches applied to the index.",
                 ld(&k->batches));
         counter(o, "pdproxy_kv_events_total", "KV-cache events applied to the index.",
