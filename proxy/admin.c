@@ -15,6 +15,8 @@
 #include "base/listen.h"
 #include "base/log.h"
 #include "proxy/admission.h"
+#include "proxy/kvevents.h"
+#include "proxy/kvindex.h"
 
 #define ADMIN_NOTE                                                                                 \
     "changes made through the admin API last until the next reload from the --config file"
@@ -308,6 +310,95 @@ static void reload(px_admin *a, px_conn *c) {
     px_buf_cleanup(&b);
 }
 
+/* The value of `key` in the target's query (percent escapes not decoded:
+ * backend names and token lists need none), copied into out. */
+static int query_arg(const px_http_head *h, const char *key, char *out, size_t cap) {
+    const char *q = memchr(h->target, '?', h->target_len);
+    if (!q) return 0;
+    const char *end = h->target + h->target_len;
+    size_t kl = strlen(key);
+    for (const char *p = q + 1; p < end;) {
+        const char *amp = memchr(p, '&', (size_t)(end - p));
+        if (!amp) amp = end;
+        if ((size_t)(amp - p) > kl && !memcmp(p, key, kl) && p[kl] == '=') {
+            size_t n = (size_t)(amp - p) - kl - 1;
+            if (n >= cap) return -1;
+            memcpy(out, p + kl + 1, n);
+            out[n] = 0;
+            return 1;
+        }
+        p = amp + 1;
+    }
+    return 0;
+}
+
+/* GET /admin/kv_index[?backend=NAME][&tokens=T1,T2,...]: the KV-event
+ * subscriptions and index sizes; with tokens, how many leading full blocks
+ * of that prompt each backend holds (the figure kv-aware routing reads). */
+static void kv_index(px_admin *a, px_conn *c, const px_http_head *h) {
+    px_ctx *ctx = a->h.ctx;
+    if (!ctx->kvindex) {
+        reply_err(c, 404, "the KV index is off: start pdproxy with --kv-events-port");
+        return;
+    }
+    static char name[512], toks[65536];
+    int hb = query_arg(h, "backend", name, sizeof name);
+    int ht = query_arg(h, "tokens", toks, sizeof toks);
+    if (hb < 0 || ht < 0) {
+        reply_err(c, 400, "query argument too long");
+        return;
+    }
+    px_buf b = {0};
+    px_buf_appends(&b, "{\"backends\":");
+    size_t n = px_kvsub_json(ctx->kvsub, hb ? name : NULL, &b);
+    if (hb && !n) {
+        px_buf_cleanup(&b);
+        reply_err(c, 404, "no KV-event subscription for that backend");
+        return;
+    }
+    if (ht) {
+        size_t ntok = 0;
+        uint32_t *tok = px_xmalloc(sizeof *tok * (strlen(toks) / 2 + 1));
+        for (char *p = toks, *e; *p; p = *e ? e + 1 : e) {
+            unsigned long v = strtoul(p, &e, 10);
+            if (e == p || (*e && *e != ',') || v > UINT32_MAX) {
+                free(tok);
+                px_buf_cleanup(&b);
+                reply_err(c, 400, "tokens: a comma-separated list of token ids");
+                return;
+            }
+            tok[ntok++] = (uint32_t)v;
+        }
+        px_buf_appends(&b, ",\"match\":{");
+        uint64_t *keys = px_xmalloc(sizeof *keys * (ntok + 1));
+        px_gen *g = px_ctx_gen(ctx);
+        int first = 1;
+        for (size_t i = 0; i < g->nps; i++)
+            for (int r = 0; r < 2; r++) {
+                size_t nm;
+                px_backend **m = px_pool_members(r ? &g->ps[i].decode : &g->ps[i].prefill, &nm);
+                for (size_t j = 0; j < nm; j++) {
+                    int slot = px_kvindex_slot(ctx->kvindex, m[j]->name, 0);
+                    size_t bs = px_kvindex_block_size(ctx->kvindex, slot);
+                    size_t nk = px_kv_prompt_keys(tok, ntok, bs, 0, keys, ntok + 1);
+                    if (!first) px_buf_appends(&b, ",");
+                    first = 0;
+                    px_buf_append_json_str(&b, m[j]->name, strlen(m[j]->name));
+                    px_buf_printf(&b, ":%zu", px_kvindex_match(ctx->kvindex, slot, keys, nk));
+                    px_backend_release(m[j]);
+                }
+                free(m);
+            }
+        px_gen_release(g);
+        free(keys);
+        free(tok);
+        px_buf_appends(&b, "}");
+    }
+    px_buf_appends(&b, "}");
+    reply(c, 200, &b);
+    px_buf_cleanup(&b);
+}
+
 static void dispatch(void *ctx, px_conn *c, const px_http_head *h, px_buf *body) {
     px_admin *a = ctx;
     if (!px_bearer_matches(h, (const unsigned char(*)[32]) & a->token, 1)) {
@@ -357,6 +448,9 @@ static void dispatch(void *ctx, px_conn *c, const px_http_head *h, px_buf *body)
     } else if (px_http_path_is(h, "/admin/admission")) {
         if (get)
             show_admission(a, c);
+    } else if (px_http_path_is(h, "/admin/kv_index")) {
+        if (get)
+            kv_index(a, c, h);
         else
             px_conn_reply_error(c, 405, NULL, "Allow: GET\r\n", "method not allowed: use GET");
     } else if (px_http_path_is(h, "/admin/reload")) {
@@ -368,7 +462,7 @@ static void dispatch(void *ctx, px_conn *c, const px_http_head *h, px_buf *body)
         reply_err(c, 404,
                   "not found: the admin API serves /admin/backends, "
                   "/admin/backends/drain, /admin/backends/undrain, /admin/config, "
-                  "/admin/admission and /admin/reload");
+                  "/admin/admission, /admin/kv_index and /admin/reload");
     }
 }
 

@@ -19,7 +19,7 @@
 #include "base/util.h"
 #include "proxy/ratelimit.h"
 
-#define PX_POLICIES "round_robin|least_inflight|power_of_two|prefix_affinity|load_aware"
+#define PX_POLICIES "round_robin|least_inflight|power_of_two|prefix_affinity|load_aware|kv_aware"
 
 typedef enum {
     CT_STR,
@@ -176,6 +176,38 @@ static const opt opts[] = {
     {"disagg-index-blocks", NULL, CT_INT, OFF(disagg_index_blocks), "65536", 1, 16777216,
      "entries of each worker's LRU index of prompt prefixes recently sent to each decode "
      "instance (one entry per 128 prompt bytes)",
+     NULL, AT_START},
+    {"kv-events-port", NULL, CT_INT, OFF(kv_events_port), "0", 0, 65535,
+     "subscribe to each backend's vLLM KV-cache events (ZeroMQ PUB, --kv-events-config) at "
+     "tcp://<backend host>:PORT and index what each engine holds (0: off)",
+     NULL, AT_START},
+    {"kv-events-replay-port", NULL, CT_INT, OFF(kv_events_replay_port), "0", 0, 65535,
+     "port of the engines' KV-event replay socket (ROUTER), asked for missed batches after a "
+     "sequence gap (0: none; a gap drops that backend's index, rebuilt from later events)",
+     NULL, AT_START},
+    {"kv-cache-weight", NULL, CT_SECONDS, OFF(kv_cache_weight), "1", 0, 1000000,
+     "kv_aware: score per prompt token the engine holds in its KV cache (its KV events)", NULL,
+     RELOADS},
+    {"kv-load-weight", NULL, CT_SECONDS, OFF(kv_load_weight), "1", 0, 1000000,
+     "kv_aware: score lost per prompt token queued or in flight on the engine", NULL, RELOADS},
+    {"tokenize-timeout", NULL, CT_SECONDS, OFF(tokenize_timeout), "0.05", 0, 60,
+     "seconds an engine's POST /tokenize may take to give a prompt's exact tokens (kv_aware, "
+     "or --disagg-min-tokens with --kv-events-port); past it the byte estimate is used (0: "
+     "never ask)",
+     NULL, AT_START},
+    {"tokenize-cache-entries", NULL, CT_INT, OFF(tokenize_cache_entries), "4096", 1, 1048576,
+     "prompts whose tokens each worker keeps (prompts of up to 65536 tokens)", NULL, AT_START},
+    {"session-header", NULL, CT_STR, OFF(session_header), "x-session-id", 0, 0,
+     "request header naming a conversation (else the body's \"user\"): its requests stay on "
+     "the decode instance they went to while it is healthy and not overloaded (\"\": the body "
+     "only)",
+     NULL, AT_START},
+    {"session-ttl", NULL, CT_SECONDS, OFF(session_ttl), "600", 0, 86400,
+     "seconds a session is remembered after its last request (0: no sessions)", NULL,
+     AT_START},
+    {"kv-index-max-blocks", NULL, CT_INT, OFF(kv_index_max_blocks), "1048576", 1, 268435456,
+     "most KV blocks indexed per backend (about 64 bytes each); stores past it are refused and "
+     "counted",
      NULL, AT_START},
     {"usage-from", NULL, CT_ENUM, OFF(usage_from), "prefill", 0, 0,
      "whose prompt_tokens_details.cached_tokens a disaggregated answer's usage reports: "
@@ -1180,6 +1212,15 @@ static const struct {
     {"disagg-min-tokens", 2, "TOKENS"},
     {"disagg-bytes-per-token", 2, "BYTES"},
     {"disagg-index-blocks", 2, NULL},
+    {"kv-events-port", 1, "PORT"},
+    {"kv-events-replay-port", 1, "PORT"},
+    {"kv-index-max-blocks", 1, NULL},
+    {"kv-cache-weight", 1, "WEIGHT"},
+    {"session-header", 1, "NAME"},
+    {"session-ttl", 1, NULL},
+    {"tokenize-timeout", 1, NULL},
+    {"tokenize-cache-entries", 1, NULL},
+    {"kv-load-weight", 1, "WEIGHT"},
     {"usage-from", 2, "ROLE"},
     {"health-interval", 3, NULL},
     {"health-timeout", 3, NULL},

@@ -76,6 +76,16 @@ typedef struct px_config {
     int64_t decode_dp_size;        /* and behind each decode */
     double disagg_bytes_per_token; /* prompt bytes per estimated token */
     int64_t disagg_index_blocks;   /* per worker */
+    /* KV-cache events (kvevents.c) and the index they feed (kvindex.c). */
+    int64_t kv_events_port;        /* 0: no subscription */
+    int64_t kv_events_replay_port; /* 0: gaps drop the backend's index */
+    int64_t kv_index_max_blocks;   /* per backend */
+    double kv_cache_weight;        /* kv_aware */
+    double tokenize_timeout;       /* 0: no /tokenize */
+    int64_t tokenize_cache_entries; /* per worker */
+    char *session_header;           /* "": none (the body's "user" still counts) */
+    double session_ttl;             /* 0: no sessions */
+    double kv_load_weight;
     char *usage_from;              /* "prefill" | "decode" */
     /* Shutdown. */
     double drain_delay;

@@ -8,6 +8,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "proxy/kvindex.h"
 
 /* ---------- generations ---------- */
 
@@ -129,6 +130,12 @@ int px_ctx_init(px_ctx *c, const px_config *cfg, char *err, size_t errlen) {
     c->shared.max_buffered = cfg->max_buffered_bytes;
     c->shared.max_conns = (long)cfg->max_connections;
     setup_upstream_auth(c, cfg);
+    if (cfg->kv_events_port &&
+        !(c->kvindex = px_kvindex_create((size_t)cfg->kv_index_max_blocks, 4096))) {
+        snprintf(err, errlen, "out of memory for the KV index");
+        return -1;
+    }
+    if (cfg->session_ttl > 0) c->sessions = px_sessions_create(65536, cfg->session_ttl);
     if (load_api_keys(c, cfg, err, errlen) < 0) return -1;
     /* Admission control's tenants (ratelimit.h), shared by the workers. */
     if (px_tenants_parse(cfg->tenants.v, cfg->tenants.n, &c->tenants, err, errlen) < 0) return -1;
@@ -145,6 +152,8 @@ void px_ctx_cleanup(px_ctx *c) {
     px_tenants_cleanup(&c->tenants);
     free(c->tenant_weights);
     free(c->workers);
+    px_kvindex_destroy(c->kvindex);
+    px_sessions_destroy(c->sessions);
     pthread_mutex_destroy(&c->gen_mu);
 }
 

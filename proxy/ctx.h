@@ -25,6 +25,8 @@
 struct px_discovery;
 struct px_req;
 struct px_pindex;
+struct px_kvindex;
+struct px_kvsub;
 
 /* One model pool at run time: its prefill and decode backends. */
 typedef struct px_pset {
@@ -78,6 +80,10 @@ typedef struct px_ctx {
     int nworkers;
     px_tenants tenants;        /* owned: --tenant, with their rate-limit buckets */
     uint32_t *tenant_weights;  /* owned: tenants.n + 1 */
+    struct px_kvindex *kvindex; /* owned: what each engine caches; NULL without --kv-events-port */
+    px_kv_counters kvc;         /* the KV-event subscriber's totals */
+    struct px_kvsub *kvsub;     /* borrowed: the subscriber, control thread only; NULL when off */
+    px_sessions *sessions;      /* owned: sessions' decode backends; NULL: --session-ttl 0 */
 } px_ctx;
 
 /* What one worker thread owns for its requests; only that thread touches
@@ -91,6 +97,7 @@ struct px_wctx {
     size_t nreqs;
     struct px_pindex *pindex; /* owned: --disagg-min-tokens' prefix index; NULL until used */
     struct px_adm_worker *adm; /* owned: admission queue (admission.h) */
+    struct px_tokcache *tokcache; /* owned: prompts' exact tokens (/tokenize); NULL until used */
 };
 
 /* The connection settings of a listener on the control thread (metrics,

@@ -2,6 +2,7 @@
 #include "proxy/disagg.h"
 
 #include <stdlib.h>
+#include <stdint.h>
 
 #include "base/hash.h"
 #include "base/json.h"
@@ -89,6 +90,60 @@ void px_disagg_decide(const px_config *cfg, px_endpoint ep, const char *body, si
     out->disagg = 0;
     out->decision =
         out->tokens < cfg->disagg_min_tokens ? PX_DEC_SHORT_PROMPT : PX_DEC_CACHED_PREFIX;
+}
+
+size_t px_token_list(const char *v, size_t vn, size_t max, uint32_t **out) {
+    *out = NULL;
+    long n = token_ids(v, vn);
+    if (n <= 0 || (size_t)n > max) return 0;
+    uint32_t *t = px_xmalloc((size_t)n * sizeof *t);
+    size_t k = 0;
+    const char *p = v + 1, *end = v + vn;
+    while (p < end && k < (size_t)n) {
+        while (p < end && (*p == ' ' || *p == '\n' || *p == '\t' || *p == '\r' || *p == ','))
+            p++;
+        if (p >= end || *p == ']') break;
+        unsigned long long x = 0;
+        const char *d = p;
+        while (p < end && *p >= '0' && *p <= '9' && x <= UINT32_MAX)
+            x = x * 10 + (unsigned)(*p++ - '0');
+        if (p == d || x > UINT32_MAX) break; /* a sign, a fraction, a huge id */
+        t[k++] = (uint32_t)x;
+        while (p < end && (*p == ' ' || *p == '\n' || *p == '\t' || *p == '\r'))
+            p++;
+        if (p < end && *p != ',' && *p != ']') {
+            k = 0; /* "1.5", "1e3", "2x": not an id */
+            break;
+        }
+    }
+    if (k != (size_t)n) {
+        free(t);
+        return 0;
+    }
+    *out = t;
+    return k;
+}
+
+size_t px_disagg_token_ids(px_endpoint ep, const char *body, size_t len, size_t max,
+                           uint32_t **out) {
+    *out = NULL;
+    px_json_member m;
+    if (ep != PX_EP_COMPLETIONS || !px_json_find(body, len, "prompt", &m)) return 0;
+    return px_token_list(m.val, m.val_len, max, out);
+}
+
+void px_disagg_exact(const px_config *cfg, long tokens, long cached, px_disagg *out) {
+    if (cfg->disagg_min_tokens <= 0) return;
+    out->estimated = 1;
+    out->tokens = tokens;
+    out->uncached = tokens - cached;
+    if (out->uncached >= cfg->disagg_min_tokens) {
+        out->disagg = 1;
+        out->decision = PX_DEC_LONG_PROMPT;
+        return;
+    }
+    out->disagg = 0;
+    out->decision = tokens < cfg->disagg_min_tokens ? PX_DEC_SHORT_PROMPT : PX_DEC_CACHED_PREFIX;
 }
 
 int px_disagg_key(px_endpoint ep, const char *body, size_t len, size_t max, const char **key,

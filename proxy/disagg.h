@@ -70,6 +70,22 @@ typedef struct px_disagg {
 void px_disagg_decide(const px_config *cfg, px_endpoint ep, const char *body, size_t len,
                       px_pindex *index, const uint64_t *decode_key, px_disagg *out);
 
+/* The prompt of a /v1/completions body given as token ids ([1,2,3]):
+ * its ids in a new array (*out, the caller frees) and their count. 0 and
+ * *out NULL for anything else (text, a batch, ids out of range, more than
+ * `max`). */
+size_t px_disagg_token_ids(px_endpoint ep, const char *body, size_t len, size_t max,
+                           uint32_t **out);
+
+/* A JSON array of token ids v[0..n) ([1,2,3]): the ids in a new array
+ * (*out, the caller frees) and their count; 0 and *out NULL when it is not
+ * one or has more than max. */
+size_t px_token_list(const char *v, size_t n, size_t max, uint32_t **out);
+
+/* Replaces the estimate in `out` with exact figures: the prompt has
+ * `tokens` tokens of which the decode holds `cached` (its KV events). */
+void px_disagg_exact(const px_config *cfg, long tokens, long cached, px_disagg *out);
+
 /* The bytes prefix_affinity hashes: the first `max` bytes of the prompt, or
  * of the messages, as the client spelled them (identical requests,
  * identical keys, in every replica). Returns 1 with the span in body, or

@@ -35,6 +35,16 @@ typedef enum {
     PX_FB_COUNT
 } px_fallback;
 
+/* How a prompt's exact tokens were had (pdproxy_tokenize_total). */
+typedef enum {
+    PX_TOK_OK = 0, /* an engine's /tokenize answered */
+    PX_TOK_CACHED, /* the worker's cache had them */
+    PX_TOK_TIMEOUT, /* --tokenize-timeout passed: the byte estimate stands */
+    PX_TOK_ERROR,   /* no engine, refused, not 200, no tokens: the byte estimate stands */
+    PX_TOK_COUNT
+} px_tokresult;
+extern const char *const px_tokresult_names[PX_TOK_COUNT];
+
 const char *px_decision_name(px_decision d);   /* "disaggregated" | "decode_only" */
 const char *px_decision_reason(px_decision d); /* the reason label */
 const char *px_fallback_name(px_fallback f);
@@ -78,7 +88,21 @@ typedef struct px_metrics {
     atomic_ullong fallbacks[PX_FB_COUNT];
     atomic_ullong adm[PX_ADM_M_COUNT];
     px_hist queue_wait; /* seconds queued, of requests that left the queue */
+    atomic_ullong tokenize[PX_TOK_COUNT]; /* exact prompt tokens, by result */
 } px_metrics;
+
+/* The KV-event subscriber's totals (kvevents.c), for /metrics (any thread
+ * reads). */
+typedef struct px_kv_counters {
+    atomic_ullong batches;     /* batches applied */
+    atomic_ullong events;      /* events applied */
+    atomic_ullong malformed;   /* batches or events refused */
+    atomic_ullong gaps;        /* sequence gaps seen */
+    atomic_ullong replays;     /* replay requests sent */
+    atomic_ullong replay_fail; /* replays that timed out or could not fill the gap */
+    atomic_ullong resets;      /* backend indexes dropped */
+    atomic_ullong refused;     /* blocks not indexed: the bound was reached */
+} px_kv_counters;
 
 /* Single-writer increment: only the owning thread calls these. */
 static inline void px_m_inc(atomic_ullong *c) {

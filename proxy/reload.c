@@ -25,6 +25,8 @@ static px_gen *build(px_reloader *rl, const px_config *cfg, const px_pool_spec *
         .active_checks = rl->ctx->cfg->health_interval > 0, /* the checker's, set at start */
         .prefix_bytes = (size_t)cfg->prefix_bytes,
         .load_factor = cfg->prefix_load_factor,
+        .kv_cache_weight = cfg->kv_cache_weight,
+        .kv_load_weight = cfg->kv_load_weight,
     };
     for (size_t i = 0; i < n; i++) {
         px_pset *p = &g->ps[i];

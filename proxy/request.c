@@ -17,8 +17,10 @@
 #include "proxy/admission.h"
 #include "proxy/disagg.h"
 #include "proxy/dp.h"
+#include "proxy/kvindex.h"
 #include "proxy/otlp.h"
 #include "proxy/rewrite.h"
+#include "proxy/tokenize.h"
 #include "proxy/trace.h"
 #include "proxy/usage.h"
 
@@ -35,6 +37,7 @@
 
 typedef enum {
     RS_NEW,
+    RS_TOKENIZE, /* asking an engine's /tokenize for the prompt's exact tokens */
     RS_PREFILL,
     RS_RETRY_WAIT,
     RS_DECODE,
@@ -43,8 +46,8 @@ typedef enum {
     RS_DONE /* finished: waits for its free on the next loop turn */
 } req_state;
 
-static const char *const state_names[] = {"new",    "prefill",   "retry_wait", "decode",
-                                          "stream", "releasing", "done"};
+static const char *const state_names[] = {"new",    "tokenize",  "prefill", "retry_wait",
+                                          "decode", "stream", "releasing", "done"};
 /* A decode answer whose usage is rewritten is held whole (JSON) or an
  * event at a time (SSE); past this, it passes through untouched. */
 #define USAGE_MAX_HOLD (8 * 1024 * 1024)
@@ -126,6 +129,15 @@ struct px_req {
     int fell_back; /* fallback below is set */
     px_fallback fallback;
     px_disagg dis; /* its hash owned: conditional disaggregation's estimate */
+    uint32_t *tok;  /* owned: the prompt's exact tokens for kv_aware; NULL: unknown */
+    size_t ntok;
+    long pcharge, dcharge; /* prompt tokens charged on pb, db (kv_aware's load) */
+    px_backend *tb;        /* owned reference: the engine asked for the tokens */
+    px_buf tokbody;        /* owned: the /tokenize request */
+    px_buf tokresp;        /* owned: its answer */
+    int tstatus;
+    uint64_t tkey;    /* the prompt's key in the worker's token cache */
+    uint64_t session; /* --session-header's value or the body's "user", hashed; 0: none */
 
     /* --usage-from prefill: prefill's cached_tokens (number text) put into
      * decode's usage by the filter (inactive: decode's bytes pass as they
@@ -200,6 +212,27 @@ static void attempt_done(px_pool *p, px_backend *b, px_backend *const *tried, si
             return;
         }
     px_backend_done(p, b, o);
+}
+
+/* Takes back the prompt tokens kv_aware charged on the prefill (0) or the
+ * decode (1) before the request lets go of it. */
+static void uncharge(px_req *r, int decode) {
+    long *c = decode ? &r->dcharge : &r->pcharge;
+    px_backend_charge(decode ? r->db : r->pb, -*c);
+    *c = 0;
+}
+
+/* A pick of a kv_aware pool: the prompt's tokens and the index. */
+static px_pick kv_pick(px_req *r, px_pool *p, px_pick k) {
+    if (p == &r->ps->decode && r->session) { /* a conversation stays on its decode */
+        k.sessions = r->ctx->sessions;
+        k.session = r->session;
+    }
+    if (p->cfg.policy != PX_POLICY_KV_AWARE) return k;
+    k.kv = r->ctx->kvindex;
+    k.tok = r->tok;
+    k.ntok = r->ntok;
+    return k;
 }
 
 /* Brings the memory budget's count of this request's bodies up to date. */
@@ -482,16 +515,143 @@ static int admission(px_req *r, const px_http_head *h) {
     return -1;
 }
 
+/* ---------- exact prompt tokens ---------- */
+
+#define TOKENIZE_MAX_TOKENS (1u << 20)
+#define TOKENIZE_MAX_ANSWER (16u << 20)
+#define TOKENIZE_CACHE_MAX_TOKENS 65536
+
+static void route_pd(px_req *r);
+
+static void tok_headers(void *arg, int status, const char *ctype) {
+    px_req *r = arg;
+    r->tstatus = status;
+}
+
+static int tok_data(void *arg, const char *p, size_t n) {
+    px_req *r = arg;
+    if (r->tokresp.len + n > TOKENIZE_MAX_ANSWER) return -1;
+    px_buf_append(&r->tokresp, p, n);
+    return 0;
+}
+
+static void tok_done(void *arg, px_up_result rc, const char *why, int connected) {
+    px_req *r = arg;
+    r->up = NULL; /* freed by the upstream module when this returns */
+    long n = -1;
+    if (rc == PX_UP_OK && r->tstatus == 200)
+        n = px_tokenize_parse(r->tokresp.data, r->tokresp.len, TOKENIZE_MAX_TOKENS, &r->tok);
+    int res = n > 0 ? PX_TOK_OK : rc == PX_UP_TIMEOUT ? PX_TOK_TIMEOUT : PX_TOK_ERROR;
+    px_m_inc(&r->w->metrics.tokenize[res]);
+    if (n > 0) {
+        r->ntok = (size_t)n;
+        px_tokcache_put(r->w->tokcache, r->tkey, r->tok, r->ntok);
+    } else {
+        PX_LOG(PX_LOG_DEBUG,
+               "req=%s msg=\"no exact tokens: the byte estimate stands\" engine=%s "
+               "status=%d result=%s",
+               r->lid, r->tb->name, r->tstatus, why);
+    }
+    px_backend_release(r->tb);
+    r->tb = NULL;
+    px_buf_cleanup(&r->tokbody);
+    px_buf_cleanup(&r->tokresp);
+    if (r->state == RS_TOKENIZE) route_pd(r);
+}
+
+static const px_upstream_cbs tokenize_cbs = {tok_headers, tok_data, tok_done};
+
+/* Asks an engine of the pool for the prompt's tokens when kv_aware or the
+ * KV index would use them: from the worker's cache, else POST /tokenize
+ * within --tokenize-timeout. Returns 1 when the request waits for it. */
+static int want_tokens(px_req *r, int kva) {
+    const px_config *cfg = r->ctx->cfg;
+    if (r->tok || cfg->tokenize_timeout <= 0 ||
+        !(kva || (r->ctx->kvindex && cfg->disagg_min_tokens > 0)))
+        return 0;
+    if (px_tokenize_body(r->ep, r->body.data, r->body.len, &r->tokbody, &r->tkey) < 0) {
+        px_buf_cleanup(&r->tokbody);
+        return 0;
+    }
+    if (!r->w->tokcache)
+        r->w->tokcache = px_tokcache_create((size_t)cfg->tokenize_cache_entries,
+                                            TOKENIZE_CACHE_MAX_TOKENS);
+    long n = px_tokcache_get(r->w->tokcache, r->tkey, &r->tok);
+    if (n > 0) {
+        r->ntok = (size_t)n;
+        px_m_inc(&r->w->metrics.tokenize[PX_TOK_CACHED]);
+        px_buf_cleanup(&r->tokbody);
+        return 0;
+    }
+    /* Any healthy engine of the pool tokenizes alike: the one the prompt's
+     * key names, so that its answers stay warm in one place. */
+    px_pool *pool = px_pool_usable(&r->ps->prefill) ? &r->ps->prefill : &r->ps->decode;
+    size_t nm;
+    px_backend **m = px_pool_members(pool, &nm);
+    for (size_t j = 0; j < nm && !r->tb; j++) {
+        px_backend *b = m[(r->tkey + j) % nm];
+        if (atomic_load(&b->healthy) && !atomic_load(&b->drained)) {
+            r->tb = b;
+            atomic_fetch_add(&b->refs, 1);
+        }
+    }
+    for (size_t j = 0; j < nm; j++)
+        px_backend_release(m[j]);
+    free(m);
+    if (r->tb) {
+        set_state(r, RS_TOKENIZE);
+        if (start_upstream(r, r->tb, "POST", "/tokenize", &r->tokbody, &r->hdrs_p, &tokenize_cbs,
+                           cfg->tokenize_timeout) == 0)
+            return 1;
+        set_state(r, RS_NEW);
+        px_backend_release(r->tb);
+        r->tb = NULL;
+    }
+    px_m_inc(&r->w->metrics.tokenize[PX_TOK_ERROR]);
+    px_buf_cleanup(&r->tokbody);
+    return 0;
+}
+
 /* A P/D request: admitted, decided, then a prefill or decode alone. */
 static void start_pd(px_req *r, const px_http_head *h) {
-    if (check_pd(r, h) < 0 || admission(r, h) != 0) return;
+    if (check_pd(r, h) < 0) return;
+    /* The session key comes from the client's head, which admission's
+     * queue does not keep. */
+    const px_config *cfg = r->ctx->cfg;
+    const px_http_header *sh = cfg->session_header[0] && r->ctx->sessions
+                                   ? px_http_find(h, cfg->session_header)
+                                   : NULL;
+    px_json_member user;
+    if (sh && sh->value_len)
+        r->session = px_hash64_seed(sh->value, sh->value_len, 1);
+    else if (r->ctx->sessions && px_json_find(r->body.data, r->body.len, "user", &user) &&
+             user.type == PX_JSON_STRING && user.val_len > 2)
+        r->session = px_hash64_seed(user.val, user.val_len, 2);
+    if (admission(r, h) != 0) return;
     pd_go(r);
 }
 
+/* Admitted: the prompt's key and tokens, then routing. */
 static void pd_go(px_req *r) {
     if (r->ps->prefill.cfg.policy == PX_POLICY_PREFIX_AFFINITY)
         px_disagg_key(r->ep, r->body.data, r->body.len, r->ps->prefill.cfg.prefix_bytes, &r->key,
                       &r->key_len);
+    int kva = r->ps->prefill.cfg.policy == PX_POLICY_KV_AWARE ||
+              r->ps->decode.cfg.policy == PX_POLICY_KV_AWARE;
+    if ((kva || r->ctx->kvindex) && !r->tok)
+        r->ntok = px_disagg_token_ids(r->ep, r->body.data, r->body.len, 1u << 20, &r->tok);
+    if (want_tokens(r, kva)) return;
+    route_pd(r);
+}
+
+/* Routes a P/D request once its tokens are known (or are not to be). */
+static void route_pd(px_req *r) {
+    int kva = r->ps->prefill.cfg.policy == PX_POLICY_KV_AWARE ||
+              r->ps->decode.cfg.policy == PX_POLICY_KV_AWARE;
+    if (kva && !r->key && r->tok) { /* kv_aware's tie-break spreads by prompt */
+        r->key = (const char *)r->tok;
+        r->key_len = r->ntok * sizeof *r->tok;
+    }
     r->decided = 1;
     int disagg = decide(r);
     if (r->no_prefill) { /* sidecar without the header: decode alone, said so */
@@ -716,13 +876,26 @@ bad:
 static int decide(px_req *r) {
     const px_config *cfg = r->ctx->cfg;
     if (cfg->disagg_min_tokens > 0) {
-        px_pick k = {.key = r->key, .key_len = r->key_len};
+        px_pick k = kv_pick(r, &r->ps->decode, (px_pick){.key = r->key, .key_len = r->key_len});
         size_t nd;
         r->db = px_pool_pick(&r->ps->decode, &k, &nd);
+        if (r->db) r->dcharge = (long)k.ntok;
         if (!r->w->pindex) r->w->pindex = px_pindex_create((size_t)cfg->disagg_index_blocks);
     }
     px_disagg_decide(cfg, r->ep, r->body.data, r->body.len, r->w->pindex,
                      r->db ? &r->db->key_hash : NULL, &r->dis);
+    /* The engine's own KV events know what it holds: the exact remainder. */
+    px_kvindex *kv = r->ctx->kvindex;
+    int slot = r->db && kv && r->tok ? px_kvindex_slot(kv, r->db->name, 0) : -1;
+    size_t bs = px_kvindex_block_size(kv, slot);
+    if (slot >= 0 && bs) {
+        size_t cap = r->ntok / bs + 1;
+        uint64_t *keys = px_xmalloc(cap * sizeof *keys);
+        size_t nk = px_kv_prompt_keys(r->tok, r->ntok, bs, 0, keys, cap);
+        size_t cached = px_kvindex_match(kv, slot, keys, nk) * bs;
+        free(keys);
+        px_disagg_exact(cfg, (long)r->ntok, (long)cached, &r->dis);
+    }
     r->decision = r->dis.decision;
     return r->dis.disagg;
 }
@@ -737,7 +910,9 @@ static void start_prefill(px_req *r) {
         r->pb = r->hb;
         px_backend_take(r->pb);
     } else if (!r->no_prefill) {
+        k = kv_pick(r, &r->ps->prefill, k);
         r->pb = px_pool_pick(&r->ps->prefill, &k, &n);
+        if (r->pb) r->pcharge = (long)k.ntok;
     }
     if (!r->pb) {
         if (r->no_prefill) {
@@ -802,6 +977,7 @@ static px_outcome prefill_ended(px_req *r, px_up_result rc) {
     account(r); /* the prefill's answer */
     px_outcome o = outcome_of(rc, r->pstatus);
     if (r->too_big) o = PX_OUT_SERVER_ERR;
+    uncharge(r, 0);
     attempt_done(&r->ps->prefill, r->pb, r->tried_p, r->ntried_p, o);
     r->pb = NULL;
     return o;
@@ -976,7 +1152,11 @@ static px_backend *pick_decode(px_req *r, size_t *n) {
     px_pick k = {.exclude = r->tried_d, .nexclude = r->ntried_d};
     *n = 0;
     /* Conditional disaggregation chose the decode before prefill. */
-    if (!r->db) r->db = px_pool_pick(&r->ps->decode, &k, n);
+    if (!r->db) {
+        k = kv_pick(r, &r->ps->decode, k);
+        r->db = px_pool_pick(&r->ps->decode, &k, n);
+        if (r->db) r->dcharge = (long)k.ntok;
+    }
     if (!r->db) return NULL;
     snprintf(r->dname, sizeof r->dname, "%s", r->db->name);
     r->d_https = (unsigned char)r->db->https;
@@ -1190,6 +1370,7 @@ static void decode_done(void *arg, px_up_result rc, const char *errbuf, int conn
         o = PX_OUT_CLIENT_ERR;
         px_m_inc(&r->w->metrics.adm[PX_ADM_M_ENGINE_FULL]);
     }
+    uncharge(r, 1);
     attempt_done(&r->ps->decode, r->db, r->tried_d, r->ntried_d, o);
     r->db = NULL;
     if (r->hold) {
@@ -1278,6 +1459,7 @@ static void on_idle_timer(evutil_socket_t fd, short what, void *arg) {
     px_upstream_cancel(r->up);
     r->up = NULL;
     dp_end(r, PX_DP_DECODE);
+    uncharge(r, 1);
     px_backend_done(&r->ps->decode, r->db, PX_OUT_TIMEOUT);
     r->db = NULL;
     r->dtbl->idle(r);
@@ -1428,6 +1610,7 @@ static void release_done(void *arg, px_up_result rc, const char *errbuf, int con
         released_via_decode(r);
         return;
     }
+    uncharge(r, 1);
     attempt_done(&r->ps->decode, r->db, r->tried_d, r->ntried_d, outcome_of(rc, r->dstatus));
     r->db = NULL;
     if (decode_retry(r, connected, errbuf[0] ? errbuf : px_up_result_str(rc))) {
@@ -1498,8 +1681,10 @@ static void req_finish(px_req *r, int status, const char *outcome, const char *e
     r->up = NULL;
     dp_end(r, PX_DP_PREFILL);
     dp_end(r, PX_DP_DECODE);
+    uncharge(r, 0);
     px_backend_done(&r->ps->prefill, r->pb, PX_OUT_CANCELLED);
     r->pb = NULL;
+    uncharge(r, 1);
     px_backend_done(&r->ps->decode, r->db, PX_OUT_CANCELLED);
     r->db = NULL;
     if (r->retry_timer) evtimer_del(r->retry_timer);
@@ -1651,6 +1836,10 @@ static void req_free(px_req *r) {
     px_usage_cleanup(&r->usage);
     free(r->target);
     free(r->dis.hash);
+    free(r->tok);
+    px_backend_release(r->tb);
+    px_buf_cleanup(&r->tokbody);
+    px_buf_cleanup(&r->tokresp);
     free(r);
 }
 
@@ -1665,5 +1854,7 @@ void px_req_free_all(px_wctx *w) {
         req_free(r);
     }
     px_pindex_destroy(w->pindex);
+    px_tokcache_destroy(w->tokcache);
+    w->tokcache = NULL;
     w->pindex = NULL;
 }

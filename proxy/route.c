@@ -11,16 +11,17 @@
 #include "base/hash.h"
 #include "base/log.h"
 #include "base/util.h"
+#include "proxy/kvindex.h"
 
 #define RING_POINTS 64 /* virtual nodes per backend */
 
 static const char *const policy_names[] = {"round_robin", "least_inflight", "power_of_two",
-                                           "prefix_affinity", "load_aware"};
+                                           "prefix_affinity", "load_aware", "kv_aware"};
 static const char *const outcome_names[] = {
     "ok", "client_error", "server_error", "connect_error", "reset", "timeout", "cancelled"};
 
 int px_policy_parse(const char *s) {
-    for (int i = 0; i < 5; i++)
+    for (int i = 0; i < 6; i++)
         if (!strcmp(s, policy_names[i])) return i;
     return -1;
 }
@@ -357,8 +358,130 @@ static double load_score(px_backend *b) {
 }
 
 /* Under p->mu; cand[] holds eligible member indexes, in member order. */
+double px_kv_score(const px_pool_cfg *c, size_t cached, long load_tokens) {
+    return c->kv_cache_weight * (double)cached - c->kv_load_weight * (double)load_tokens;
+}
+
+void px_backend_charge(px_backend *b, long tokens) {
+    if (b && tokens) atomic_fetch_add(&b->tokens, tokens);
+}
+
+/* kv_aware: the candidate with the best score; ties go to the highest hash
+ * of the prompt's first block key (or of its bytes) with the backend's
+ * name, so replicas that see the same caches and loads agree, and equal
+ * prompts on idle engines still spread by prompt. */
+static size_t choose_kv(px_pool *p, const px_pick *k, const size_t *cand, size_t nc) {
+    uint64_t keys_local[256], *keys = keys_local;
+    size_t nkeys = 0, keys_bs = 0, cap = 0;
+    uint64_t tie = k && k->key ? px_hash64(k->key, k->key_len) : 0;
+    if (k && k->tok && k->kv) {
+        cap = k->ntok;
+        if (cap > sizeof keys_local / sizeof *keys_local) keys = px_xmalloc(cap * sizeof *keys);
+    }
+    size_t best = cand[0], best_cached = 0;
+    double bs = -1e300;
+    uint64_t bt = 0;
+    for (size_t j = 0; j < nc; j++) {
+        px_backend *b = p->b[cand[j]];
+        size_t cached = 0;
+        if (cap) {
+            int slot = px_kvindex_slot(k->kv, b->name, 0);
+            size_t blk = px_kvindex_block_size(k->kv, slot);
+            if (blk && blk != keys_bs) { /* engines of one pool share it, usually */
+                nkeys = px_kv_prompt_keys(k->tok, k->ntok, blk, 0, keys, cap);
+                keys_bs = blk;
+            }
+            if (blk) cached = px_kvindex_match(k->kv, slot, keys, nkeys) * blk;
+            if (!tie && nkeys) tie = keys[0];
+        }
+        double s = px_kv_score(&p->cfg, cached, atomic_load(&b->tokens));
+        uint64_t t = px_mix64(tie ^ b->key_hash);
+        if (s > bs || (s == bs && t > bt)) {
+            bs = s;
+            bt = t;
+            best = cand[j];
+            best_cached = cached;
+        }
+    }
+    if (keys != keys_local) free(keys);
+    if (k && k->cached) *k->cached = best_cached;
+    return best;
+}
+
+/* ---------- sessions ---------- */
+
+#define SESSION_STRIPES 64
+
+typedef struct sess {
+    uint64_t key, backend;
+    uint64_t used_ns;
+} sess;
+
+struct px_sessions {
+    pthread_mutex_t mu[SESSION_STRIPES];
+    sess *e; /* owned; direct-mapped: a new session may take an old one's cell */
+    size_t n;
+    uint64_t ttl_ns;
+};
+
+px_sessions *px_sessions_create(size_t entries, double ttl) {
+    px_sessions *s = px_xcalloc(1, sizeof *s);
+    s->n = entries ? entries : 1;
+    s->e = px_xcalloc(s->n, sizeof *s->e);
+    s->ttl_ns = (uint64_t)(ttl * 1e9);
+    for (int i = 0; i < SESSION_STRIPES; i++)
+        pthread_mutex_init(&s->mu[i], NULL);
+    return s;
+}
+
+void px_sessions_destroy(px_sessions *s) {
+    if (!s) return;
+    for (int i = 0; i < SESSION_STRIPES; i++)
+        pthread_mutex_destroy(&s->mu[i]);
+    free(s->e);
+    free(s);
+}
+
+int px_sessions_get(px_sessions *s, uint64_t key, uint64_t *backend) {
+    size_t i = (size_t)(px_mix64(key) % s->n);
+    uint64_t now = px_now_ns();
+    pthread_mutex_t *mu = &s->mu[i % SESSION_STRIPES];
+    pthread_mutex_lock(mu);
+    int ok = s->e[i].key == key && key && now - s->e[i].used_ns <= s->ttl_ns;
+    if (ok) *backend = s->e[i].backend;
+    pthread_mutex_unlock(mu);
+    return ok;
+}
+
+void px_sessions_put(px_sessions *s, uint64_t key, uint64_t backend) {
+    size_t i = (size_t)(px_mix64(key) % s->n);
+    pthread_mutex_t *mu = &s->mu[i % SESSION_STRIPES];
+    pthread_mutex_lock(mu);
+    s->e[i] = (sess){key, backend, px_now_ns()};
+    pthread_mutex_unlock(mu);
+}
+
+/* The session's backend among the candidates, when it is not overloaded;
+ * (size_t)-1 otherwise. */
+static size_t session_member(px_pool *p, const px_pick *k, const size_t *cand, size_t nc) {
+    uint64_t bk;
+    if (!k || !k->sessions || !k->session || !px_sessions_get(k->sessions, k->session, &bk))
+        return (size_t)-1;
+    long total = 0;
+    size_t at = (size_t)-1;
+    for (size_t j = 0; j < nc; j++) {
+        total += atomic_load(&p->b[cand[j]]->inflight);
+        if (p->b[cand[j]]->key_hash == bk) at = cand[j];
+    }
+    if (at == (size_t)-1) return at;
+    double cap = p->cfg.load_factor * (double)(total + 1) / (double)nc;
+    return (double)atomic_load(&p->b[at]->inflight) + 1 <= cap + 1 ? at : (size_t)-1;
+}
+
 static size_t choose(px_pool *p, const px_pick *k, const size_t *cand, size_t nc) {
     switch (p->cfg.policy) {
+    case PX_POLICY_KV_AWARE:
+        return choose_kv(p, k, cand, nc);
     case PX_POLICY_ROUND_ROBIN:
     default: {
         /* The first candidate at or after the cursor. */
@@ -455,9 +578,12 @@ px_backend *px_pool_pick(px_pool *p, const px_pick *k, size_t *nmembers) {
         if (nc) atomic_fetch_add_explicit(&p->panic_routed, 1, memory_order_relaxed);
     }
     if (nc) {
-        b = p->b[choose(p, k, cand, nc)];
+        size_t at = session_member(p, k, cand, nc);
+        b = p->b[at != (size_t)-1 ? at : choose(p, k, cand, nc)];
+        if (k && k->sessions && k->session) px_sessions_put(k->sessions, k->session, b->key_hash);
         atomic_fetch_add(&b->refs, 1);
         atomic_fetch_add(&b->inflight, 1);
+        if (p->cfg.policy == PX_POLICY_KV_AWARE && k) px_backend_charge(b, (long)k->ntok);
     }
     pthread_mutex_unlock(&p->mu);
     if (cand != local) free(cand);

@@ -20,6 +20,7 @@ typedef enum {
     PX_POLICY_POWER_OF_TWO,
     PX_POLICY_PREFIX_AFFINITY,
     PX_POLICY_LOAD_AWARE,
+    PX_POLICY_KV_AWARE,
 } px_policy;
 
 /* Parses a policy name; -1 when unknown. */
@@ -67,6 +68,8 @@ typedef struct px_backend {
     atomic_int running;
     atomic_int kv_usage_milli;
     atomic_ullong backoff_until_ns; /* admission: answered 429/503; saturated until then */
+    /* kv_aware: prompt tokens of the requests routed here and not done. */
+    atomic_long tokens;
     atomic_ullong outcomes[PX_OUT_COUNT]; /* upstream requests by outcome */
     int check_busy;                       /* control thread only: a health check is in flight */
     int probe_busy; /* control thread only: a load probe (GET /metrics) is in flight */
@@ -82,6 +85,8 @@ typedef struct px_pool_cfg {
     int active_checks; /* health checks run: readmission is theirs */
     size_t prefix_bytes;
     double load_factor; /* prefix_affinity bounded load: c in ceil(c * mean) */
+    double kv_cache_weight; /* kv_aware: score per cached prompt token */
+    double kv_load_weight;  /* kv_aware: score lost per queued or in-flight prompt token */
 } px_pool_cfg;
 
 typedef struct px_pool {
@@ -139,7 +144,36 @@ typedef struct px_pick {
     size_t key_len;
     px_backend *const *exclude; /* already tried; avoided while others remain */
     size_t nexclude;
+    /* kv_aware: the prompt's exact tokens (NULL: unknown, only load counts)
+     * and the index of what each engine caches (NULL: none). */
+    struct px_kvindex *kv;
+    const uint32_t *tok;
+    size_t ntok;
+    size_t *cached; /* out, when not NULL: the chosen backend's cached prompt tokens */
+    /* Sessions: a conversation (its key, 0: none) stays on the backend it
+     * was routed to while that one is usable and not overloaded (over
+     * ceil(load_factor * mean in-flight)). */
+    struct px_sessions *sessions;
+    uint64_t session;
 } px_pick;
+
+/* Which backend (its key_hash) each session was last routed to: at most
+ * `entries`, forgotten after ttl seconds unused; any thread. */
+typedef struct px_sessions px_sessions;
+px_sessions *px_sessions_create(size_t entries, double ttl);
+void px_sessions_destroy(px_sessions *s); /* NULL is a no-op */
+/* 1 with *backend_key when the session is known and fresh. */
+int px_sessions_get(px_sessions *s, uint64_t session, uint64_t *backend_key);
+void px_sessions_put(px_sessions *s, uint64_t session, uint64_t backend_key);
+
+/* kv_aware's score of backend b for a prompt of which it caches `cached`
+ * tokens: cache weight * cached - load weight * b's prompt tokens. */
+double px_kv_score(const px_pool_cfg *c, size_t cached, long load_tokens);
+
+/* kv_aware: counts `tokens` more (or, negative, fewer) prompt tokens as
+ * queued or in flight on b. px_pool_pick charges the prompt of a kv_aware
+ * pick; the caller takes it back when the request leaves b. */
+void px_backend_charge(px_backend *b, long tokens);
 
 /* Chooses a healthy backend and returns it with a reference taken and its
  * in-flight count raised: hand it back with px_backend_done(). When every

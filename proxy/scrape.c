@@ -13,6 +13,7 @@
 
 #include "proxy/discovery.h"
 #include "proxy/dp.h"
+#include "proxy/kvindex.h"
 #include "proxy/otlp.h"
 
 static const char *const phase_names[PX_PHASE_COUNT] = {"prefill", "decode", "stream"};
@@ -137,6 +138,25 @@ static void render_backends(px_buf *o, px_ctx *ctx) {
                                m[r][i]->name);
                 px_buf_printf(o, "\",outcome=\"%s\"} %llu\n", px_outcome_name((px_outcome)k), v);
             }
+    {
+        static const char *const kvg[2][2] = {
+            {"pdproxy_kv_index_blocks", "KV blocks the index holds for the backend (from its "
+                                        "KV-cache events)."},
+            {"pdproxy_kv_index_bytes", "Memory of the backend's KV index tables."}};
+        for (int q = 0; q < 2; q++) {
+            px_buf_printf(o, "# HELP %s %s\n# TYPE %s gauge\n", kvg[q][0], kvg[q][1], kvg[q][0]);
+            for (size_t r = 0; r < np; r++)
+                for (size_t i = 0; i < n[r]; i++) {
+                    px_kvindex_stats st = {0};
+                    if (ctx->kvindex) /* without --kv-events-port: 0 */
+                        px_kvindex_stats_get(ctx->kvindex,
+                                             px_kvindex_slot(ctx->kvindex, m[r][i]->name, 0),
+                                             &st);
+                    backend_series(o, kvg[q][0], g, r / 2, pools[r]->role, m[r][i]->name);
+                    px_buf_printf(o, "\"} %zu\n", q ? st.bytes : st.blocks);
+                }
+        }
+    }
     px_buf_appends(o, "# HELP pdproxy_panic_routed_total Requests routed to an ejected backend "
                       "because every backend of the role was ejected for request failures.\n"
                       "# TYPE pdproxy_panic_routed_total counter\n");
@@ -314,6 +334,35 @@ void px_scrape_render(px_ctx *ctx, px_buf *o) {
                 offsetof(px_metrics, ttfb[1]));
     render_hist(o, ctx, "pdproxy_prefill_duration_seconds",
                 "Time the prefill request took, retries included.", offsetof(px_metrics, prefill));
+    {
+        const px_kv_counters *k = &ctx->kvc; /* 0 without --kv-events-port */
+        counter(o, "pdproxy_kv_event_batches_total", "KV-event batches applied to the index.",
+                ld(&k->batches));
+        counter(o, "pdproxy_kv_events_total", "KV-cache events applied to the index.",
+                ld(&k->events));
+        counter(o, "pdproxy_kv_events_malformed_total",
+                "KV-event messages or events refused as malformed.", ld(&k->malformed));
+        counter(o, "pdproxy_kv_event_gaps_total", "Sequence gaps in a backend's KV events.",
+                ld(&k->gaps));
+        counter(o, "pdproxy_kv_event_replays_total",
+                "Replays of missed KV-event batches asked of a backend.", ld(&k->replays));
+        counter(o, "pdproxy_kv_event_replay_failures_total",
+                "Replays that timed out or could not fill their gap.", ld(&k->replay_fail));
+        counter(o, "pdproxy_kv_index_resets_total",
+                "Backend KV indexes dropped (gap not replayed, restarted engine, ejected or "
+                "removed backend).",
+                ld(&k->resets));
+        counter(o, "pdproxy_kv_index_refused_blocks_total",
+                "KV blocks not indexed because the backend's index was full "
+                "(--kv-index-max-blocks).",
+                ld(&k->refused));
+    }
+    px_buf_appends(o, "# HELP pdproxy_tokenize_total Prompts' exact tokens, by how they were had "
+                      "(timeout, error: the byte estimate was used).\n"
+                      "# TYPE pdproxy_tokenize_total counter\n");
+    for (int t = 0; t < PX_TOK_COUNT; t++)
+        px_buf_printf(o, "pdproxy_tokenize_total{result=\"%s\"} %llu\n", px_tokresult_names[t],
+                      SUM(tokenize[t]));
     counter(o, "pdproxy_kv_transfer_params_missing_total",
             "Prefill answers without kv_transfer_params (decode recomputed the prefill).",
             SUM(kvp_missing));

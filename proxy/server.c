@@ -19,6 +19,7 @@
 #include "proxy/ctx.h"
 #include "proxy/discovery.h"
 #include "proxy/health.h"
+#include "proxy/kvevents.h"
 #include "proxy/reload.h"
 #include "proxy/request.h"
 #include "proxy/routes.h"
@@ -361,6 +362,7 @@ int px_server_run(px_server *s) {
         pthread_create(&s->workers[i].thread, NULL, worker_main, &s->workers[i]);
     pthread_sigmask(SIG_SETMASK, &old, NULL);
     px_health *h = px_health_start(&s->ctx, k.base);
+    px_kvsub *kv = px_kvsub_start(&s->ctx, k.base);
     size_t pn = 0, dn = 0;
     for (size_t i = 0; i < s->ctx.gen->nps; i++) {
         size_t n;
@@ -378,6 +380,7 @@ int px_server_run(px_server *s) {
     px_req_announce();
     event_base_dispatch(k.base);
     px_health_stop(h);
+    px_kvsub_stop(kv);
     for (int i = 0; i < s->nworkers; i++)
         pthread_join(s->workers[i].thread, NULL);
     event_free(sigterm);

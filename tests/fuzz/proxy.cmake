@@ -12,6 +12,7 @@ set(PX_FUZZ_TARGETS
   "json:pxbase"
   "rewrite:pxcore"
   "config:pxcore"
+  "kv_events:pxcore"
   "sim_request:simcore,pxcore")
 foreach(entry ${PX_FUZZ_TARGETS})
   string(REGEX REPLACE "[:,]" ";" parts "${entry}")

@@ -14,3 +14,7 @@ px_py_test(proxy_kvtoken TIMEOUT 180)
 foreach(t proxy_flow proxy_errors proxy_stream hostile_upstream)
   px_py_test(${t}_https SCRIPT test_${t}.py ENV PX_MOCK_TLS=1)
 endforeach()
+# KV-cache events (issue 24): a ZeroMQ publisher written with the standard
+# library (pdharness/kvpub.py) feeds pdproxy's subscriber and index.
+px_py_test(kv_events TIMEOUT 120)
+px_py_test(kv_routing TIMEOUT 120)

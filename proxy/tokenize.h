@@ -1,0 +1,38 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/* Exact prompt tokens from the engines: the body of vLLM's POST /tokenize
+ * for a request ({"model","prompt"} for completions, {"model","messages"}
+ * for chat: vllm/entrypoints/openai/protocol.py, TokenizeCompletionRequest
+ * and TokenizeChatRequest), its answer's "tokens" (TokenizeResponse: count,
+ * max_model_len, tokens), and a bounded per-worker cache of the answers
+ * keyed by the prompt's bytes. The request itself is an upstream exchange
+ * of the request that needs it (request.c), on the worker's loop. */
+#ifndef PX_TOKENIZE_H
+#define PX_TOKENIZE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "base/util.h"
+#include "proxy/endpoint.h"
+
+/* Appends to out the /tokenize body for a request to `ep` with the JSON
+ * object body[0..len), and sets *key to the cache key of its prompt.
+ * Returns 0, or -1 when the request has no prompt to tokenize (token ids
+ * already, an endpoint without a prompt). */
+int px_tokenize_body(px_endpoint ep, const char *body, size_t len, px_buf *out, uint64_t *key);
+
+/* The "tokens" of a /tokenize answer: a new array in *out (the caller
+ * frees) and its count; -1 when the answer has none or more than max. */
+long px_tokenize_parse(const char *body, size_t len, size_t max, uint32_t **out);
+
+typedef struct px_tokcache px_tokcache;
+/* At most `entries` prompts of at most `max_tokens` tokens each. */
+px_tokcache *px_tokcache_create(size_t entries, size_t max_tokens);
+void px_tokcache_destroy(px_tokcache *c); /* NULL is a no-op */
+/* A copy of the tokens cached for key (the caller frees), and their count;
+ * -1 when none. */
+long px_tokcache_get(px_tokcache *c, uint64_t key, uint32_t **out);
+/* Keeps a copy (a longer prompt than max_tokens is not kept). */
+void px_tokcache_put(px_tokcache *c, uint64_t key, const uint32_t *tok, size_t n);
+
+#endif
