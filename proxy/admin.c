@@ -448,6 +448,8 @@ static void dispatch(void *ctx, px_conn *c, const px_http_head *h, px_buf *body)
     } else if (px_http_path_is(h, "/admin/admission")) {
         if (get)
             show_admission(a, c);
+        else
+            px_conn_reply_error(c, 405, NULL, "Allow: GET\r\n", "method not allowed: use GET");
     } else if (px_http_path_is(h, "/admin/kv_index")) {
         if (get)
             kv_index(a, c, h);
