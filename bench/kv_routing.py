@@ -31,7 +31,8 @@ skipped. --proxy-arg strings are passed to pdproxy for every policy; in
 them {prefill_kv_events}, {prefill_kv_replay} and {decode_kv_events} stand
 for the engines' ZeroMQ endpoints (space-separated, in port order).
 
-Python 3 standard library only; everything on 127.0.0.1; bounded in count
+Python 3 standard library only; everything on loopback addresses (each engine
+on one of its own, 127.0.0.11-14 and .21-24); bounded in count
 and time (each request 60 s, each policy --deadline seconds)."""
 
 import argparse
@@ -49,8 +50,7 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                 "tests", "integration"))
 from pdharness.net import HOST, free_port
-from pdharness.procs import start_proc
-from pdharness.prom import prom_values
+from pdharness.procs import Proc, start_proc
 
 BS = 16
 VOCAB = ("alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike "
@@ -107,8 +107,8 @@ def stream_ttft(port, msgs, timeout=60):
         c.close()
 
 
-def tokenize(port, msgs):
-    c = http.client.HTTPConnection(HOST, port, timeout=30)
+def tokenize(addr, msgs):
+    c = http.client.HTTPConnection(addr[0], addr[1], timeout=30)
     try:
         c.request("POST", "/tokenize", json.dumps({"messages": msgs}),
                   {"Content-Type": "application/json"})
@@ -119,6 +119,42 @@ def tokenize(port, msgs):
         return doc["tokens"]
     finally:
         c.close()
+
+
+def engine_get(host, port, path):
+    c = http.client.HTTPConnection(host, port, timeout=5)
+    try:
+        c.request("GET", path)
+        r = c.getresponse()
+        return r.status, r.read().decode()
+    finally:
+        c.close()
+
+
+def wait_engine(host, port, proc, timeout=15.0):
+    """Polls GET /health on host:port until 200 (bounded)."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if not proc.alive():
+            raise RuntimeError("%s exited early:\n%s" % (proc.name, proc.log()))
+        try:
+            if engine_get(host, port, "/health")[0] == 200:
+                return
+        except OSError:
+            pass
+        time.sleep(0.02)
+    raise RuntimeError("engine %s:%d not ready after %.0fs" % (host, port, timeout))
+
+
+def engine_metrics(host, port):
+    """{name: value} of an engine's /metrics, labels dropped."""
+    out = {}
+    for line in engine_get(host, port, "/metrics")[1].splitlines():
+        if not line or line[0] == "#":
+            continue
+        name, _, value = line.rpartition(" ")
+        out[name.split("{")[0]] = float(value)
+    return out
 
 
 def block_chain(tokens):
@@ -191,21 +227,30 @@ def run_policy(args, policy, convs):
     try:
         pre, dec, ev = [], [], {"prefill_kv_events": [], "prefill_kv_replay": [],
                                 "decode_kv_events": []}
-        for role, lst in (("prefill", pre), ("decode", dec)):
-            for _ in range(4):
-                pub = "tcp://%s:%d" % (HOST, free_port())
-                rep = "tcp://%s:%d" % (HOST, free_port())
-                extra = ["--kv-events-endpoint", pub]
+        # Each engine on a loopback address of its own (127.0.0.11.. prefill,
+        # 127.0.0.21.. decode) so that all publish on one events port, the
+        # layout pdproxy's --kv-events-port expects (port relative to the
+        # backend's address).
+        evp = free_port()
+        for role, lst, base in (("prefill", pre, 11), ("decode", dec, 21)):
+            for i in range(4):
+                host = "127.0.0.%d" % (base + i)
+                pub = "tcp://%s:%d" % (host, evp)
+                rep = "tcp://%s:%d" % (host, evp + 1)
+                extra = ["--kv-events-endpoint", pub, "--kv-events-replay-endpoint", rep,
+                         "--host", host, "--kv-host", host]
                 if role == "prefill":
-                    extra += ["--kv-events-replay-endpoint", rep,
-                              "--prefill-us-per-token", str(args.us_per_token)]
+                    extra += ["--prefill-us-per-token", str(args.us_per_token)]
                     ev["prefill_kv_events"].append(pub)
                     ev["prefill_kv_replay"].append(rep)
                 else:
                     ev["decode_kv_events"].append(pub)
-                lst.append(start_proc(role, lambda port, extra=extra: [
-                    sim, "--role", role, "--port", str(port)] + common + extra, "/health",
-                    track=procs.append).port)
+                port = free_port()
+                p = Proc("%s-%d" % (role, i), [sim, "--role", role, "--port", str(port)] +
+                         common + extra)
+                procs.append(p)
+                wait_engine(host, port, p)
+                lst.append((host, port))
         subst = {k: " ".join(v) for k, v in ev.items()}
         extra = []
         for a in args.proxy_arg:
@@ -215,9 +260,11 @@ def run_policy(args, policy, convs):
                 os.path.join(args.bin, "pdproxy"), "--port", str(port), "--threads", "1",
                 "--log-level", "warn", "--access-log=false", "--drain-delay", "0",
                 "--prefill-policy", policy,
-                "--prefiller-hosts"] + [HOST] * 4 + ["--prefiller-ports"] +
-                [str(p) for p in pre] + ["--decoder-hosts"] + [HOST] * 4 +
-                ["--decoder-ports"] + [str(d) for d in dec] + extra, "/healthcheck",
+                "--prefiller-hosts"] + [h for h, _ in pre] + ["--prefiller-ports"] +
+                [str(p) for _, p in pre] + ["--decoder-hosts"] + [h for h, _ in dec] +
+                ["--decoder-ports"] + [str(p) for _, p in dec] + extra +
+                (["--kv-events-port", str(evp), "--kv-events-replay-port", str(evp + 1)]
+                 if policy == "kv_aware" else []), "/healthcheck",
                 track=procs.append).port
         except Exception as e:  # noqa: BLE001 (pdproxy refused the policy or flags)
             log = procs[-1].log() if procs else ""
@@ -251,8 +298,8 @@ def run_policy(args, policy, convs):
             t.join()
         wall = time.monotonic() - t0
         computed = hits = queries = 0
-        for p in pre:
-            m = prom_values(p)
+        for host, port in pre:
+            m = engine_metrics(host, port)
             computed += m["engine_sim_prompt_tokens_computed_total"]
             hits += m["vllm:prefix_cache_hits_total"]
             queries += m["vllm:prefix_cache_queries_total"]
