@@ -617,6 +617,11 @@ static void on_fetch_event(sim_engine *e, const kvc_event_t *ev) {
     sim_req *r = (sim_req *)(uintptr_t)ev->user_data;
     if (!r) return; /* a bare notification */
     r->fetching = 0;
+    /* How long decode waited for prefill's KV (in push mode: the prefill
+     * too), for the proxy's access line. */
+    size_t hl = strlen(r->dp_hdr);
+    snprintf(r->dp_hdr + hl, sizeof r->dp_hdr - hl, "X-KV-Wait-Ms: %.3f\r\n",
+             (double)(px_now_ns() - r->t_fetch0) / 1e6);
     if (ev->type == KVC_EV_FETCH_DONE) {
         uint64_t ns = px_now_ns() - r->t_fetch0;
         e->fetches++;

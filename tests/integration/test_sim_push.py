@@ -8,8 +8,10 @@ remote_block_ids, registers a held fetch at prefill at once and is served
 the moment prefill publishes (the publication's last blocks). Real KV moves
 between two engine-sims; the answer is the serial flow's, byte for byte."""
 
+import http.client
 import json
 import secrets
+import socket
 import threading
 import time
 
@@ -75,6 +77,7 @@ class SimPushTest(PdCase):
         for t in (td, tp):
             t.join(60)
             self.assertFalse(t.is_alive())
+        self.d_headers = out["d"][1]
         return [(out[k][0], json.loads(out[k][2])) for k in ("p", "d")]
 
     def published_left(self, P):
@@ -102,6 +105,10 @@ class SimPushTest(PdCase):
                           pdoc["kv_transfer_params"]["remote_kv_token"]), self.last)
         self.assertEqual(ddoc["choices"], ser["choices"])
         self.assertEqual(ddoc["usage"], ser["usage"])
+        # Decode reports how long it waited for the KV (prefill included).
+        wait = {k.lower(): v for k, v in self.d_headers.items()}.get("x-kv-wait-ms")
+        self.assertIsNotNone(wait, self.d_headers)
+        self.assertGreaterEqual(float(wait), 0.0)
         # Real KV moved again (as many bytes as the serial fetch), nothing
         # was recomputed, and prefill let its blocks go.
         self.assertEqual(self.engine_metric(D.port, "engine_sim_kv_bytes_fetched_total"),
@@ -134,6 +141,41 @@ class SimPushTest(PdCase):
         self.assertEqual(ddoc["choices"], ser["choices"])
         self.assertEqual(self.engine_metric(D.port, "engine_sim_kv_fetch_failures_total"), 1)
         self.assertEqual(self.engine_metric(D.port, "engine_sim_kv_fetches_total"), 1)
+
+    def test_decode_client_leaves_while_prefill_runs(self):
+        """Decode's client leaves while its fetch is held at prefill: the
+        fetch is still served when prefill publishes (so prefill's blocks
+        are released, not stranded), and decode drops the request."""
+        P = self.engine("prefill", ["--ttft-ms", "300", "--log-level", "debug"])
+        D = self.engine("decode")
+        ident, _ = self.serial(P, D, "s5")
+        req_id, token = "push-" + secrets.token_hex(8), secrets.token_hex(16)
+        body = {"model": "sim-model", "prompt": PROMPT, "max_tokens": 8}
+        d_body = dict(body, kv_transfer_params={
+            "do_remote_prefill": True, "remote_request_id": req_id, "remote_kv_token": token,
+            "transfer_mode": "push", "remote_engine_id": ident["remote_engine_id"],
+            "remote_host": ident["remote_host"], "remote_port": ident["remote_port"],
+            "tp_size": 1})
+        c = http.client.HTTPConnection("127.0.0.1", D.port, timeout=10)
+        c.request("POST", "/v1/completions", body=json.dumps(d_body),
+                  headers={"Content-Type": "application/json"})
+        time.sleep(0.1)
+        c.sock.shutdown(socket.SHUT_RDWR)
+        c.close()
+        st, _, raw = post_json(P.port, "/v1/completions", dict(body, max_tokens=1, kv_transfer_params={
+            "do_remote_decode": True, "remote_request_id": req_id, "remote_kv_token": token,
+            "transfer_mode": "push"}))
+        self.assertEqual(st, 200, raw)
+        self.wait_released(P)
+        # The fetch reached prefill before its publication and was held.
+        self.assertIn("held until its publication", P.log())
+        self.assertIn("served on publish", P.log())
+        for _ in range(100):
+            if self.engine_metric(D.port, "vllm:num_requests_running") == 0:
+                break
+            time.sleep(0.05)
+        self.assertEqual(self.engine_metric(D.port, "vllm:num_requests_running"), 0)
+        self.assertEqual(self.engine_metric(D.port, "engine_sim_kv_fetches_total"), 2)
 
     def test_push_without_identity_is_invalid(self):
         """do_remote_prefill in push mode still needs prefill's identity."""
