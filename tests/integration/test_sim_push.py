@@ -46,7 +46,7 @@ class SimPushTest(PdCase):
         self.assertEqual(st, 200)
         return kvp, json.loads(raw)
 
-    def push(self, P, D, ident, rid, token=None, p_token=None, decode_first=True):
+    def push(self, P, D, ident, rid, token=None, p_token=None, decode_first=True, p_prompt=None):
         """Sends both legs at once (decode first: its fetch is held at
         prefill); returns (prefill answer, decode answer) as (status, doc)."""
         req_id = "push-" + secrets.token_hex(8)
@@ -66,6 +66,7 @@ class SimPushTest(PdCase):
             out[name] = post_json(port, "/v1/completions", b, headers=rid_headers(rid + name))
         td = threading.Thread(target=leg, args=("d", D.port, dict(body, kv_transfer_params=d_kvp)))
         tp = threading.Thread(target=leg, args=("p", P.port, dict(body, max_tokens=1,
+                                                                   prompt=p_prompt or PROMPT,
                                                                    kv_transfer_params=p_kvp)))
         first, second = (td, tp) if decode_first else (tp, td)
         first.start()
@@ -141,6 +142,19 @@ class SimPushTest(PdCase):
         self.assertEqual(ddoc["choices"], ser["choices"])
         self.assertEqual(self.engine_metric(D.port, "engine_sim_kv_fetch_failures_total"), 1)
         self.assertEqual(self.engine_metric(D.port, "engine_sim_kv_fetches_total"), 1)
+
+    def test_more_blocks_than_published_refused(self):
+        """Prefill published fewer blocks than decode's prompt needs (another
+        prompt under the same id): the producer refuses the held fetch rather
+        than send blocks decode did not ask for; decode recomputes."""
+        P, D = self.pair()
+        ident, ser = self.serial(P, D, "s6")
+        (pst, _), (dst, ddoc) = self.push(P, D, ident, "c6", p_prompt=PROMPT[:600])
+        self.assertEqual((pst, dst), (200, 200))
+        self.assertEqual(ddoc["choices"], ser["choices"])
+        self.assertEqual(self.engine_metric(D.port, "engine_sim_kv_fetch_failures_total"), 1)
+        self.assertEqual(self.engine_metric(D.port, "engine_sim_kv_fetches_total"), 1)
+        self.assertEqual(ddoc["usage"]["prompt_tokens_details"]["cached_tokens"], 0)
 
     def test_decode_client_leaves_while_prefill_runs(self):
         """Decode's client leaves while its fetch is held at prefill: the
