@@ -96,6 +96,12 @@ typedef struct {
     uint64_t remote, local, count;
 } kvc_run_t;
 
+/* A run's remote id with this bit set names a position, not a block: the
+ * consumer of a held fetch without remote_block_ids (push mode) asks for
+ * the publication's last N blocks, position i being the i-th of those N.
+ * The producer resolves positions when the publication exists (push.c). */
+#define KVC_RUN_TAIL (1ull << 63)
+
 /* region == KVC_DATA_END: the producer's last message for a pull; count is
  * the number of DATA messages it sent before it. */
 #define KVC_DATA_END UINT32_MAX

@@ -336,6 +336,49 @@ static void pull_renew(kvc_agent_t *a, const kvc_wire_pull_t *pl) {
     kvc_pub_lease_renew(a, pub);
 }
 
+/* Positions (KVC_RUN_TAIL) to the publication's last blocks, once it
+ * exists; before that the pull is held (or refused) as it is.  False: more
+ * positions than published blocks, or out of memory (refused). */
+static bool tail_resolve(kvc_agent_t *a, kvc_wire_pull_t *pl) {
+    uint64_t total = 0;
+    bool any = false;
+    for (size_t i = 0; i < pl->n; i++) {
+        any |= (pl->runs[i].remote & KVC_RUN_TAIL) != 0;
+        if (pl->runs[i].count > (uint64_t)SIZE_MAX - total) return false;
+        total += pl->runs[i].count;
+    }
+    if (!any) return true;
+    kvc_pub_t *pub = kvc_pubtab_find(&a->pubs, (const char *)pl->request_id.p, pl->request_id.len);
+    if (!pub) return true;
+    if (total > pub->n) return false;
+    uint64_t *rem = malloc((size_t)total * sizeof(uint64_t) + 1);
+    uint64_t *loc = malloc((size_t)total * sizeof(uint64_t) + 1);
+    size_t k = 0;
+    bool ok = rem && loc;
+    for (size_t i = 0; ok && i < pl->n; i++) {
+        const kvc_run_t *run = &pl->runs[i];
+        for (uint64_t j = 0; j < run->count; j++, k++) {
+            uint64_t pos = (run->remote & ~KVC_RUN_TAIL) + j;
+            if (!(run->remote & KVC_RUN_TAIL) || pos >= total) {
+                ok = false;
+                break;
+            }
+            rem[k] = pub->blocks[pub->n - total + pos];
+            loc[k] = run->local + j;
+        }
+    }
+    kvc_run_t *runs = NULL;
+    size_t n = 0;
+    if (ok) ok = kvc_coalesce(rem, loc, k, &runs, &n) == KVC_OK;
+    free(rem);
+    free(loc);
+    if (!ok) return false;
+    free(pl->runs);
+    pl->runs = runs;
+    pl->n = n;
+    return true;
+}
+
 /* One parsed pull from ep; msg/len: its bytes (kept if it is held for its
  * publication), NULL when it is served from the held list. */
 static void pull_serve(kvc_agent_t *a, ucp_ep_h ep, kvc_wire_pull_t *pl, const void *msg,
@@ -347,6 +390,10 @@ static void pull_serve(kvc_agent_t *a, ucp_ep_h ep, kvc_wire_pull_t *pl, const v
     }
     if (pl->flags & KVC_PULL_UNHOLD) {
         pull_unhold(a, ep, pl);
+        return;
+    }
+    if (!tail_resolve(a, pl)) {
+        pull_deny(a, ep, pl, "more blocks asked for than the publication holds");
         return;
     }
     kvc_pub_t *pub = pull_check(a, ep, pl, &bytes, msg, len);

@@ -88,6 +88,7 @@ struct kvc_xfer {
     uint32_t wait_ms;     /* KVC_FETCH_FIELD_WAIT: the producer may hold the pull this long */
     uint32_t rparts, rpart, lparts, lpart; /* KVC_FETCH_FIELD_SLICE (1, 0, 1, 0: whole) */
     bool renew;           /* kvc_lease_renew: one RENEW pull, no event */
+    bool tail;            /* remote ids are KVC_RUN_TAIL positions (push mode) */
     void *cuda_stream;    /* borrowed: the engine's stream that waits for the staging copies */
     bool has_stream;      /* cuda_stream was given: 0 is the legacy default stream */
     kvc_stage_ref_t sref; /* staged chunks in flight (stage.c) */
@@ -358,7 +359,7 @@ static void start_data(kvc_agent_t *a, kvc_xfer_t *x, uint64_t now) {
             return;
         }
     }
-    for (size_t i = 0; i < x->n; i++) {
+    for (size_t i = 0; i < x->n && !x->tail; i++) {
         if (x->remote[i] >= p->num_blocks) {
             char m[200];
             snprintf(m, sizeof(m), "remote block id %llu out of range: engine %s has %llu blocks",
@@ -372,7 +373,8 @@ static void start_data(kvc_agent_t *a, kvc_xfer_t *x, uint64_t now) {
         xfer_finish(a, x, KVC_ERR_NO_MEMORY, "out of memory");
         return;
     }
-    x->proto = p->proto;
+    /* Positions are resolved by the producer when it sends: no one-sided read. */
+    x->proto = x->tail ? KVC_PROTO_PUSH : p->proto;
     x->deadline_ns = now + ((uint64_t)a->xfer_timeout_ms + x->wait_ms) * 1000000ull;
     size_t per_block = 0;
     for (size_t r = 0; r < a->n_regions; r++)
@@ -701,7 +703,11 @@ static kvc_status_t fetch_start(kvc_agent_t *a, const kvc_fetch_params_t *p, boo
         lids = p->local_block_ids;
         if (nl && !lids) goto err_remote;
     }
-    if (nl > r.num_blocks) {
+    /* Push mode: a held fetch without remote_block_ids takes the
+     * publication's last nl blocks, whichever they are (KVC_RUN_TAIL). */
+    bool tail = nl && r.num_blocks == 0 && !renew && (p->field_mask & KVC_FETCH_FIELD_WAIT) &&
+                p->wait_ms;
+    if (nl > r.num_blocks && !tail) {
         KVC_LOG(a, KVC_LOG_WARN, "fetch req=%s: %zu local blocks for %zu remote", r.request_id, nl,
                 r.num_blocks);
         goto err_remote;
@@ -745,10 +751,15 @@ static kvc_status_t fetch_start(kvc_agent_t *a, const kvc_fetch_params_t *p, boo
         x->local = malloc(nl * sizeof(uint64_t));
         if (!x->remote || !x->local) goto err_xfer;
         /* Fewer local than remote: decode has the prefix cached; the tail is new. */
-        memcpy(x->remote, r.block_ids + (r.num_blocks - nl), nl * sizeof(uint64_t));
+        if (tail)
+            for (size_t i = 0; i < nl; i++)
+                x->remote[i] = KVC_RUN_TAIL | i;
+        else
+            memcpy(x->remote, r.block_ids + (r.num_blocks - nl), nl * sizeof(uint64_t));
         memcpy(x->local, lids, nl * sizeof(uint64_t));
     }
     x->renew = renew;
+    x->tail = tail;
     x->rparts = rparts;
     x->rpart = rpart;
     x->lparts = lparts;

@@ -576,7 +576,11 @@ typedef struct {
      * registration) up to min(wait_ms, its pending_fetch_ms) and serves it
      * the moment kvc_publish with that id and token happens.  Without the
      * field (or 0) an unknown publication is refused at once
-     * (KVC_ERR_DENIED), as before: invented or stale ids fail fast. */
+     * (KVC_ERR_DENIED), as before: invented or stale ids fail fast.
+     * With this field an empty remote_block_ids (none: decode cannot know
+     * the ids prefill will choose) asks for the publication's LAST
+     * num_local_blocks blocks, in its order, resolved by the producer when
+     * it serves the fetch; more than it holds is refused (KVC_ERR_DENIED). */
     uint32_t wait_ms;
     /** KVC_FETCH_FIELD_REMOTE_RANK: the prefill TP rank to read from.  One
      * kv_transfer_params object serves every prefill rank: rank r's side

@@ -454,7 +454,15 @@ static void prefill_reply(evutil_socket_t fd, short what, void *arg) {
     sim_req *r = arg;
     sim_engine *e = r->e;
     char *json = NULL;
-    kvc_status_t st = kvc_publish(e->agent, r->internal_id, r->blocks, r->nblocks, NULL, &json);
+    /* Push mode: publish under the caller's id and token, which decode's
+     * held fetch already names; its registration is served at once. */
+    const cJSON *pid = cJSON_GetObjectItemCaseSensitive(r->kvp, "remote_request_id");
+    const cJSON *ptok = cJSON_GetObjectItemCaseSensitive(r->kvp, "remote_kv_token");
+    kvc_publish_params_t pp = {.field_mask = KVC_PUBLISH_FIELD_TOKEN,
+                               .kv_token = cJSON_IsString(ptok) ? ptok->valuestring : NULL};
+    int push = cJSON_IsString(pid) && cJSON_IsString(ptok);
+    kvc_status_t st = kvc_publish(e->agent, push ? pid->valuestring : r->internal_id, r->blocks,
+                                  r->nblocks, push ? &pp : NULL, &json);
     if (st != KVC_OK) {
         char msg[160];
         snprintf(msg, sizeof msg, "cannot publish KV blocks: %s", kvc_status_str(st));
@@ -515,11 +523,16 @@ static int fail_on_load_error(const sim_req *r) {
     return !strcmp(r->e->cfg->kv_load_failure_policy, "fail");
 }
 
+/* How long a push-mode fetch waits at prefill for its publication (the
+ * producer bounds it too: its pending_fetch_ms, 30 s by default). */
+#define PUSH_WAIT_MS 30000u
+
 static void start_decode(sim_req *r) {
     sim_engine *e = r->e;
     cJSON *ids = cJSON_GetObjectItemCaseSensitive(r->kvp, "remote_block_ids");
     size_t nremote = (size_t)cJSON_GetArraySize(ids);
-    if (nremote != r->nblocks) {
+    int push = !ids; /* push mode (sim_request.c): held until prefill publishes */
+    if (!push && nremote != r->nblocks) {
         PX_LOG(PX_LOG_WARN,
                "req=%s msg=\"remote has %zu blocks, prompt needs %zu: recomputing locally\"",
                r->internal_id, nremote, r->nblocks);
@@ -527,14 +540,19 @@ static void start_decode(sim_req *r) {
         start_local(r);
         return;
     }
+    /* Push mode: an empty list asks for the publication's last blocks (and
+     * keeps the notifications and lease renewals sent with r->kvp valid). */
+    if (push) cJSON_AddItemToObject(r->kvp, "remote_block_ids", cJSON_CreateArray());
     char *json = cJSON_PrintUnformatted(r->kvp);
     kvc_fetch_params_t fp = {
         .field_mask =
-            KVC_FETCH_FIELD_JSON | KVC_FETCH_FIELD_LOCAL_BLOCKS | KVC_FETCH_FIELD_USER_DATA,
+            KVC_FETCH_FIELD_JSON | KVC_FETCH_FIELD_LOCAL_BLOCKS | KVC_FETCH_FIELD_USER_DATA |
+            (push ? KVC_FETCH_FIELD_WAIT : 0),
         .kv_transfer_params_json = json,
         .local_block_ids = r->blocks,
         .num_local_blocks = r->nblocks,
         .user_data = (uint64_t)(uintptr_t)r,
+        .wait_ms = PUSH_WAIT_MS,
     };
     uint64_t xid;
     r->t_fetch0 = px_now_ns();
@@ -599,6 +617,11 @@ static void on_fetch_event(sim_engine *e, const kvc_event_t *ev) {
     sim_req *r = (sim_req *)(uintptr_t)ev->user_data;
     if (!r) return; /* a bare notification */
     r->fetching = 0;
+    /* How long decode waited for prefill's KV (in push mode: the prefill
+     * too), for the proxy's access line. */
+    size_t hl = strlen(r->dp_hdr);
+    snprintf(r->dp_hdr + hl, sizeof r->dp_hdr - hl, "X-KV-Wait-Ms: %.3f\r\n",
+             (double)(px_now_ns() - r->t_fetch0) / 1e6);
     if (ev->type == KVC_EV_FETCH_DONE) {
         uint64_t ns = px_now_ns() - r->t_fetch0;
         e->fetches++;

@@ -59,7 +59,8 @@ typedef struct sim_req {
     uint64_t t_fetch0;
     size_t cached;       /* prompt tokens reported as cached (usage) */
     char *prev_id;       /* owned: /v1/responses' previous_response_id, echoed; or NULL */
-    char dp_hdr[48];     /* "X-Data-Parallel-Rank: N\r\n", or "" */
+    char dp_hdr[96];     /* "X-Data-Parallel-Rank: N\r\n" and, after a KV fetch,
+                            "X-KV-Wait-Ms: F\r\n", or "" */
     uint64_t compute_us; /* time until its prompt is computed, before time to first token */
 } sim_req;
 

@@ -98,7 +98,10 @@ static void usage(FILE *out) {
           "An OpenAI-compatible engine that behaves like one vLLM instance of a P/D pair:\n"
           "prefill computes KV blocks (bytes derived from the prompt) and publishes them\n"
           "with libkvconnector; decode fetches them over UCX, verifies every byte, notifies\n"
-          "prefill by remote_request_id, and generates deterministic text.\n\n",
+          "prefill by remote_request_id, and generates deterministic text.  Push mode\n"
+          "(transfer_mode \"push\"): prefill publishes under the caller's remote_request_id\n"
+          "and remote_kv_token; decode, given no remote_block_ids, registers its fetch at\n"
+          "prefill at once and is served when prefill publishes (X-KV-Wait-Ms: its wait).\n\n",
           out);
     for (size_t i = 0; i < NOPTS; i++) {
         char flag[64];

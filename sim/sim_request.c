@@ -119,7 +119,11 @@ static int kvp_valid_for_decode(const cJSON *kvp) {
     const cJSON *rid = cJSON_GetObjectItemCaseSensitive(kvp, "remote_request_id");
     const cJSON *host = cJSON_GetObjectItemCaseSensitive(kvp, "remote_host");
     const cJSON *port = cJSON_GetObjectItemCaseSensitive(kvp, "remote_port");
-    return cJSON_IsArray(ids) && cJSON_IsString(eid) && cJSON_IsString(rid) &&
+    /* Push mode: registered before prefill publishes, decode learns the
+     * blocks when served (the publication's last ones), so none are named. */
+    const cJSON *mode = cJSON_GetObjectItemCaseSensitive(kvp, "transfer_mode");
+    int push = cJSON_IsString(mode) && !strcmp(mode->valuestring, "push") && !ids;
+    return (cJSON_IsArray(ids) || push) && cJSON_IsString(eid) && cJSON_IsString(rid) &&
            cJSON_IsString(host) && cJSON_IsNumber(port);
 }
 
@@ -213,6 +217,10 @@ int sim_parse_request(int kind, const char *body, size_t len, const char *model,
     if (cJSON_IsObject(kvp)) {
         if (cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(kvp, "do_remote_decode"))) {
             out->mode = SIM_MODE_PREFILL;
+            /* Push mode: the caller (the proxy) minted the id and token. */
+            if (cJSON_IsString(cJSON_GetObjectItemCaseSensitive(kvp, "remote_request_id")) &&
+                cJSON_IsString(cJSON_GetObjectItemCaseSensitive(kvp, "remote_kv_token")))
+                out->kvp = cJSON_Duplicate(kvp, 1);
         } else if (cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(kvp, "do_remote_prefill"))) {
             if (kvp_valid_for_decode(kvp)) {
                 out->mode = SIM_MODE_DECODE;

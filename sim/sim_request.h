@@ -28,7 +28,8 @@ typedef struct sim_parsed {
     int include_usage;
     uint64_t seed;
     sim_mode mode;
-    cJSON *kvp;      /* owned: decode's kv_transfer_params; set only for SIM_MODE_DECODE */
+    cJSON *kvp;      /* owned: decode's kv_transfer_params, or prefill's in push mode
+                        (caller's remote_request_id and remote_kv_token) */
     int kvp_invalid; /* do_remote_prefill with unusable params: recompute locally */
     char *prev_id;   /* owned: /v1/responses' previous_response_id, echoed; or NULL */
 } sim_parsed;

@@ -14,3 +14,7 @@ px_py_test(pd_endpoints_https SCRIPT test_pd_endpoints.py ENV PX_MOCK_TLS=1)
 # engine-sim as vLLM with --kv-events-config: KV events over ZeroMQ, their
 # replay, /tokenize and the prefix cache charging prefill per uncached token.
 px_py_test(sim_kvevents)
+
+# engine-sim in push mode: both legs at once, decode's fetch held at prefill
+# until it publishes under the caller's id and token.
+px_py_test(sim_push)

@@ -334,6 +334,59 @@ static void test_before_publish_get(void **state) {
     before_publish(true);
 }
 
+/* Push mode: a held fetch without remote block ids (an empty list) is
+ * served the publication's last blocks, in order, whichever ids prefill
+ * chose; asking for more than it holds is refused.  Without
+ * KVC_FETCH_FIELD_WAIT an empty list is invalid, as before. */
+static void tail_fetch(bool pool) {
+    side_t P, D;
+    opts_t po = {.name = "tail-P", .nb = 32, .bl = 8192, .pool = pool, .tls = pool ? "sm,tcp,self" : NULL};
+    opts_t dopt = {.name = "tail-D", .nb = 32, .bl = 8192, .pool = pool, .tls = po.tls};
+    side_init(&P, &po);
+    side_init(&D, &dopt);
+    char tok[33];
+    assert_int_equal(kvc_token_new(tok), KVC_OK);
+    uint64_t ids[5] = {9, 3, 4, 17, 5}, lids[3] = {20, 11, 12};
+    char json[4096];
+    snprintf(json, sizeof json, "%s", params_json("tail-P", port_of(&P), "tail", NULL, 0, tok));
+    kvc_fetch_params_t fp = {.field_mask = KVC_FETCH_FIELD_JSON | KVC_FETCH_FIELD_LOCAL_BLOCKS,
+                             .kv_transfer_params_json = json,
+                             .local_block_ids = lids,
+                             .num_local_blocks = 3};
+    uint64_t bad = 0;
+    assert_int_equal(kvc_fetch(D.a, &fp, &bad), KVC_ERR_INVALID_PARAM);
+    kvc_fetch_params_t w = {.wait_ms = 20000};
+    uint64_t x = fetch_p(&D, json, lids, 3, KVC_FETCH_FIELD_WAIT, &w);
+    uint64_t lbig[6] = {0, 1, 2, 6, 7, 8};
+    char json2[4096];
+    snprintf(json2, sizeof json2, "%s", params_json("tail-P", port_of(&P), "tail2", NULL, 0, tok));
+    uint64_t x2 = fetch_p(&D, json2, lbig, 6, KVC_FETCH_FIELD_WAIT, &w);
+    PUMP_UNTIL(&P, &D, stat(&P, KVC_STAT_PENDING_FETCHES) == 2, 20000);
+    assert_null(fetch_ev(&D, x));
+    for (int i = 0; i < 5; i++)
+        fill(&P, ids[i], 3);
+    publish_tok(&P, "tail", ids, 5, tok);
+    publish_tok(&P, "tail2", ids, 5, tok);
+    PUMP_UNTIL(&P, &D, fetch_ev(&D, x) && fetch_ev(&D, x2), 20000);
+    assert_int_equal(fetch_ev(&D, x)->st, KVC_OK);
+    for (int i = 0; i < 3; i++)
+        assert_true(same_blocks(&P, ids[2 + i], &D, lids[i]));
+    assert_int_equal(fetch_ev(&D, x2)->st, KVC_ERR_DENIED);
+    PUMP_UNTIL(&P, &D, find_ev(&P, KVC_EV_RELEASED, "tail"), 20000);
+    side_cleanup(&D);
+    side_cleanup(&P);
+}
+
+static void test_tail_fetch_push(void **state) {
+    (void)state;
+    tail_fetch(false);
+}
+
+static void test_tail_fetch_get(void **state) {
+    (void)state;
+    tail_fetch(true);
+}
+
 /* An unmet registration expires; one whose publication comes with another
  * token is denied; without KVC_FETCH_FIELD_WAIT an unknown id fails fast. */
 static void test_registration_expiry(void **state) {
@@ -779,6 +832,8 @@ int main(void) {
         cmocka_unit_test(test_caller_token),
         cmocka_unit_test(test_before_publish_push),
         cmocka_unit_test(test_before_publish_get),
+        cmocka_unit_test(test_tail_fetch_push),
+        cmocka_unit_test(test_tail_fetch_get),
         cmocka_unit_test(test_registration_expiry),
         cmocka_unit_test(test_registration_bounds),
         cmocka_unit_test(test_registration_total_bound),
