@@ -305,6 +305,16 @@ static void pull_hold(kvc_agent_t *a, ucp_ep_h ep, const kvc_wire_pull_t *pl, kv
     push_hdr_only(a, ep, &end);
 }
 
+/* A pull of no blocks (a notify-only fetch registered before publication,
+ * KVC_PULL_WAIT): the publication exists now, an END says so and its
+ * notification follows. */
+static void pull_ready(kvc_agent_t *a, ucp_ep_h ep, const kvc_wire_pull_t *pl, kvc_pub_t *pub) {
+    pub->pulls++;
+    kvc_wire_data_hdr_t end = {pl->xfer_id, KVC_DATA_END, 0, 0, 0, {0}};
+    memcpy(end.token, pl->xfer_token, KVC_TOKEN_LEN);
+    push_hdr_only(a, ep, &end);
+}
+
 /* The read ended: an END if its hold was intact, else a refusal. */
 static void pull_unhold(kvc_agent_t *a, ucp_ep_h ep, const kvc_wire_pull_t *pl) {
     if (kvc_pub_unhold(a, (const char *)pl->request_id.p, pl->request_id.len, pl->xfer_id,
@@ -352,6 +362,8 @@ static void pull_serve(kvc_agent_t *a, ucp_ep_h ep, kvc_wire_pull_t *pl, const v
     kvc_pub_t *pub = pull_check(a, ep, pl, &bytes, msg, len);
     if (pub && (pl->flags & KVC_PULL_HOLD))
         pull_hold(a, ep, pl, pub);
+    else if (pub && pl->n == 0) /* a notify-only fetch's registration: published now */
+        pull_ready(a, ep, pl, pub);
     else if (pub && a->n_staged) { /* through the pinned pool, pipelined (stage.c) */
         pub->pulls++;
         kvc_stage_push(a, ep, pl, pl->runs, pl->n);

@@ -569,14 +569,22 @@ typedef struct {
      * the layout tag, the engine slices only when its layout is HND (as vLLM's
      * NIXL does not split heads with NHD).  Different tokens per block (vLLM
      * remaps block ids when P's block size < D's) are not supported: their
-     * lengths fail the part-size check.  Defaults 1, 0, 1, 0 (whole blocks). */
+     * lengths fail the part-size check.  With local_parts > 1 every block
+     * travels alone (its part is not contiguous with the next block's).
+     * Defaults 1, 0, 1, 0 (whole blocks). */
     uint32_t remote_parts, remote_part, local_parts, local_part;
     /** KVC_FETCH_FIELD_WAIT: if the publication does not exist yet when the
      * pull reaches the producer, the producer holds this fetch (push-mode
      * registration) up to min(wait_ms, its pending_fetch_ms) and serves it
      * the moment kvc_publish with that id and token happens.  Without the
      * field (or 0) an unknown publication is refused at once
-     * (KVC_ERR_DENIED), as before: invented or stale ids fail fast. */
+     * (KVC_ERR_DENIED), as before: invented or stale ids fail fast.  A
+     * notify-only fetch (no local blocks) is held the same way: its
+     * notification, which releases the consumer's share of the publication,
+     * goes out once the producer says the publication exists (one extra
+     * round trip), so a bare release sent before prefill published is not
+     * lost.  When the wait ends unmet the fetch fails with
+     * KVC_ERR_TIMED_OUT. */
     uint32_t wait_ms;
     /** KVC_FETCH_FIELD_REMOTE_RANK: the prefill TP rank to read from.  One
      * kv_transfer_params object serves every prefill rank: rank r's side
