@@ -584,7 +584,8 @@ typedef struct {
      * goes out once the producer says the publication exists (one extra
      * round trip), so a bare release sent before prefill published is not
      * lost.  When the wait ends unmet the fetch fails with
-     * KVC_ERR_TIMED_OUT. */
+     * KVC_ERR_TIMED_OUT; for a publication that already ended the
+     * notification goes out at once (a late one: KVC_EV_UNKNOWN_NOTIFY). */
     uint32_t wait_ms;
     /** KVC_FETCH_FIELD_REMOTE_RANK: the prefill TP rank to read from.  One
      * kv_transfer_params object serves every prefill rank: rank r's side

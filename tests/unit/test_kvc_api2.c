@@ -801,6 +801,12 @@ static void notify_before_publish(bool pool) {
     x = fetch_p(&D, json, NULL, 0, KVC_FETCH_FIELD_WAIT, &w);
     PUMP_UNTIL(&P, &D, fetch_ev(&D, x) && find_ev(&P, KVC_EV_RELEASED, "bare2"), 20000);
     assert_int_equal(fetch_ev(&D, x)->st, KVC_OK);
+    /* Released already: not held, the notification goes out as a late one. */
+    x = fetch_p(&D, json, NULL, 0, KVC_FETCH_FIELD_WAIT, &w);
+    PUMP_UNTIL(&P, &D, fetch_ev(&D, x) && find_ev(&P, KVC_EV_UNKNOWN_NOTIFY, "bare2"), 20000);
+    assert_int_equal(fetch_ev(&D, x)->st, KVC_OK);
+    assert_int_equal(stat(&P, KVC_STAT_PENDING_FETCHES), 0);
+    assert_int_equal(stat(&P, KVC_STAT_PENDING_SERVED), 1);
     side_cleanup(&D);
     side_cleanup(&P);
 }
