@@ -180,7 +180,8 @@ KVC_HIDDEN void kvc_wire_hs_cleanup(kvc_wire_hs_t *hs);
  * pull as malformed (the consumer's fetch then times out).
  * KVC_PULL_WAIT: an unknown publication is not refused but held up to
  * min(wait_ms, pending_fetch_ms) for its kvc_publish (push-mode
- * registration); past it refused with KVC_ERR_TIMED_OUT.
+ * registration); past it refused with KVC_ERR_TIMED_OUT.  A pull of no runs
+ * (a notify-only fetch registering) is answered by an END once published.
  * KVC_PULL_RENEW: no runs, no answer: renew the publication's lease. */
 enum {
     KVC_PULL_RNDV = 1u << 0,

@@ -146,6 +146,7 @@ static void pull_deny(kvc_agent_t *a, ucp_ep_h ep, const kvc_wire_pull_t *pl, co
  * and returns NULL otherwise; *bytes: what serving it sends. */
 static bool pending_add(kvc_agent_t *a, ucp_ep_h ep, const kvc_wire_pull_t *pl, const void *msg,
                         size_t len);
+static void pull_end(kvc_agent_t *a, ucp_ep_h ep, const kvc_wire_pull_t *pl);
 
 static kvc_pub_t *pull_check(kvc_agent_t *a, ucp_ep_h ep, const kvc_wire_pull_t *pl,
                              uint64_t *bytes, const void *msg, size_t msg_len) {
@@ -155,6 +156,13 @@ static kvc_pub_t *pull_check(kvc_agent_t *a, ucp_ep_h ep, const kvc_wire_pull_t 
     if (!pub && msg && (pl->flags & KVC_PULL_WAIT) && a->pending_fetch_ms &&
         !kvc_token_recall(a, pl->request_id, pl->pub_token)) {
         if (pending_add(a, ep, pl, msg, msg_len)) return NULL;
+    }
+    /* A notify-only registration for a publication that already ended: its
+     * notification goes out and is taken as a late one (notify.c). */
+    if (!pub && pl->n == 0 && !(pl->flags & (KVC_PULL_HOLD | KVC_PULL_UNHOLD)) &&
+        kvc_token_recall(a, pl->request_id, pl->pub_token)) {
+        pull_end(a, ep, pl);
+        return NULL;
     }
     if (!pub || !kvc_mac_equal(pub->token, pl->pub_token, KVC_TOKEN_LEN)) {
         pull_deny(a, ep, pl, pub ? "wrong token" : "unknown or expired publication");
@@ -305,6 +313,20 @@ static void pull_hold(kvc_agent_t *a, ucp_ep_h ep, const kvc_wire_pull_t *pl, kv
     push_hdr_only(a, ep, &end);
 }
 
+/* A pull of no blocks (a notify-only fetch registered before publication,
+ * KVC_PULL_WAIT): the publication exists now, an END says so and its
+ * notification follows. */
+static void pull_end(kvc_agent_t *a, ucp_ep_h ep, const kvc_wire_pull_t *pl) {
+    kvc_wire_data_hdr_t end = {pl->xfer_id, KVC_DATA_END, 0, 0, 0, {0}};
+    memcpy(end.token, pl->xfer_token, KVC_TOKEN_LEN);
+    push_hdr_only(a, ep, &end);
+}
+
+static void pull_ready(kvc_agent_t *a, ucp_ep_h ep, const kvc_wire_pull_t *pl, kvc_pub_t *pub) {
+    pub->pulls++;
+    pull_end(a, ep, pl);
+}
+
 /* The read ended: an END if its hold was intact, else a refusal. */
 static void pull_unhold(kvc_agent_t *a, ucp_ep_h ep, const kvc_wire_pull_t *pl) {
     if (kvc_pub_unhold(a, (const char *)pl->request_id.p, pl->request_id.len, pl->xfer_id,
@@ -399,6 +421,8 @@ static void pull_serve(kvc_agent_t *a, ucp_ep_h ep, kvc_wire_pull_t *pl, const v
     kvc_pub_t *pub = pull_check(a, ep, pl, &bytes, msg, len);
     if (pub && (pl->flags & KVC_PULL_HOLD))
         pull_hold(a, ep, pl, pub);
+    else if (pub && pl->n == 0) /* a notify-only fetch's registration: published now */
+        pull_ready(a, ep, pl, pub);
     else if (pub && a->n_staged) { /* through the pinned pool, pipelined (stage.c) */
         pub->pulls++;
         kvc_stage_push(a, ep, pl, pl->runs, pl->n);

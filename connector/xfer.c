@@ -85,6 +85,7 @@ struct kvc_xfer {
     uint8_t *bits;                     /* owned: n * n_regions bits, set as DATA lands */
     uint64_t bits_set, chunks_got, end_chunks;
     bool end_seen;
+    bool await_end;       /* notify only, registered: the producer's END before the notify */
     uint32_t wait_ms;     /* KVC_FETCH_FIELD_WAIT: the producer may hold the pull this long */
     uint32_t rparts, rpart, lparts, lpart; /* KVC_FETCH_FIELD_SLICE (1, 0, 1, 0: whole) */
     bool renew;           /* kvc_lease_renew: one RENEW pull, no event */
@@ -297,6 +298,21 @@ static uint64_t run_pos(const kvc_xfer_t *x, uint64_t start, uint64_t count) {
     return r->remote + (start - r->local);
 }
 
+/* Into local parts, a run's blocks are not contiguous locally: one run per
+ * block, so that a producer (which only knows its own parts) sends every
+ * block as a message of its own, and a one-sided read reads it alone. */
+static kvc_status_t split_runs(kvc_xfer_t *x) {
+    if (x->nruns == x->n) return KVC_OK;
+    kvc_run_t *v = malloc(x->n * sizeof(*v));
+    if (!v) return KVC_ERR_NO_MEMORY;
+    for (size_t i = 0; i < x->n; i++)
+        v[i] = (kvc_run_t){.remote = x->remote[i], .local = x->local[i], .count = 1};
+    free(x->runs);
+    x->runs = v;
+    x->nruns = x->n;
+    return KVC_OK;
+}
+
 /* Sends this fetch's PULL with `flags` (x->pull must not be in flight). */
 static void send_pull(kvc_agent_t *a, kvc_xfer_t *x, uint16_t flags) {
     kvc_wire_pull_t pl = {.xfer_id = x->id,
@@ -369,7 +385,8 @@ static void start_data(kvc_agent_t *a, kvc_xfer_t *x, uint64_t now) {
             return;
         }
     }
-    if (kvc_coalesce(x->remote, x->local, x->n, &x->runs, &x->nruns) != KVC_OK) {
+    if (kvc_coalesce(x->remote, x->local, x->n, &x->runs, &x->nruns) != KVC_OK ||
+        (x->lparts > 1 && split_runs(x) != KVC_OK)) {
         xfer_finish(a, x, KVC_ERR_NO_MEMORY, "out of memory");
         return;
     }
@@ -381,7 +398,16 @@ static void start_data(kvc_agent_t *a, kvc_xfer_t *x, uint64_t now) {
         per_block += a->regions[r].block_len / x->lparts;
     x->bytes_expected = (uint64_t)x->n * per_block;
     x->state = X_DATA;
-    if (x->n == 0) return; /* notify only */
+    if (x->n == 0) { /* notify only */
+        /* Registered before the publication: a PULL of no blocks, held by
+         * the producer until kvc_publish and answered by an END; the
+         * notification follows it (else it would be refused unpublished). */
+        if (x->wait_ms) {
+            x->await_end = true;
+            send_pull(a, x, 0);
+        }
+        return;
+    }
     if (build_checks(a, x) != KVC_OK) {
         xfer_finish(a, x, KVC_ERR_NO_MEMORY, "out of memory");
         return;
@@ -556,7 +582,8 @@ static void advance(kvc_agent_t *a, kvc_xfer_t *x, uint64_t now, uint64_t *next)
     if (x->state == X_DATA) {
         bool landed = x->outstanding == 0 && x->sref.holds == 0 &&
                       (x->proto == KVC_PROTO_GET || x->n == 0 ||
-                       x->bits_set == (uint64_t)x->n * a->n_regions);
+                       x->bits_set == (uint64_t)x->n * a->n_regions) &&
+                      (!x->await_end || x->end_seen);
         if (!landed && x->outstanding == 0 && x->sref.holds == 0 && x->end_seen &&
             x->chunks_got >= x->end_chunks) {
             char m[200];
@@ -861,7 +888,7 @@ static ucs_status_t data_cb(void *arg, const void *header, size_t hlen, void *da
     if (h.region == KVC_DATA_END) {
         if (x->state == X_CONFIRM || x->state == X_CHECK)
             x->word = true; /* the producer's word on a one-sided read */
-        else if (!one_sided) {
+        else if (!one_sided || x->n == 0) {
             x->end_seen = true;
             x->end_chunks = h.count;
         }

@@ -569,7 +569,9 @@ typedef struct {
      * the layout tag, the engine slices only when its layout is HND (as vLLM's
      * NIXL does not split heads with NHD).  Different tokens per block (vLLM
      * remaps block ids when P's block size < D's) are not supported: their
-     * lengths fail the part-size check.  Defaults 1, 0, 1, 0 (whole blocks). */
+     * lengths fail the part-size check.  With local_parts > 1 every block
+     * travels alone (its part is not contiguous with the next block's).
+     * Defaults 1, 0, 1, 0 (whole blocks). */
     uint32_t remote_parts, remote_part, local_parts, local_part;
     /** KVC_FETCH_FIELD_WAIT: if the publication does not exist yet when the
      * pull reaches the producer, the producer holds this fetch (push-mode
@@ -580,7 +582,14 @@ typedef struct {
      * With this field an empty remote_block_ids (none: decode cannot know
      * the ids prefill will choose) asks for the publication's LAST
      * num_local_blocks blocks, in its order, resolved by the producer when
-     * it serves the fetch; more than it holds is refused (KVC_ERR_DENIED). */
+     * it serves the fetch; more than it holds is refused (KVC_ERR_DENIED).
+     * A notify-only fetch (no local blocks) is held the same way: its
+     * notification, which releases the consumer's share of the publication,
+     * goes out once the producer says the publication exists (one extra
+     * round trip), so a bare release sent before prefill published is not
+     * lost.  When the wait ends unmet the fetch fails with
+     * KVC_ERR_TIMED_OUT; for a publication that already ended the
+     * notification goes out at once (a late one: KVC_EV_UNKNOWN_NOTIFY). */
     uint32_t wait_ms;
     /** KVC_FETCH_FIELD_REMOTE_RANK: the prefill TP rank to read from.  One
      * kv_transfer_params object serves every prefill rank: rank r's side

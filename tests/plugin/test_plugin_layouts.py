@@ -88,12 +88,8 @@ class Layouts(unittest.TestCase):
     def test_tp1_to_tp2(self):
         self.flow(*self.pair(1, 2))
 
-    # libkvconnector (connector/, not this suite's) fails a slice into local
-    # part j of 2 when the run spans more than one block: KVC_ERR_PROTOCOL
-    # "data message does not match the fetch".  test_plugin_lib.py's
-    # test_slice_into_local_parts reproduces it with ctypes alone.  Remove the
-    # decorator once the library is fixed (an unexpected success fails here).
-    @unittest.expectedFailure
+    # Runs of several blocks into local part j of 2 (test_plugin_lib.py's
+    # test_slice_into_local_parts checks the library alone).
     def test_tp2_to_tp1(self):
         self.flow(*self.pair(2, 1))
 

@@ -100,10 +100,7 @@ class Lib(unittest.TestCase):
             p.publish("x", [0], token="not-hex")
         self.assertIn("KVC_ERR_INVALID_PARAM", str(cm.exception))
 
-    # Fails today in libkvconnector (KVC_ERR_PROTOCOL "data message does not
-    # match the fetch") when the run spans several blocks; one block works.
-    # An unexpected success fails the suite: drop the decorator with the fix.
-    @unittest.expectedFailure
+    # Runs of several blocks, each block into one half of a local block.
     def test_slice_into_local_parts(self):
         """TP 2->1: two producers' blocks into the halves of local blocks."""
         nb, bl, n = 8, 64, 3

@@ -758,6 +758,143 @@ static void test_slice_2to1(void **state) {
     side_cleanup(&P0);
 }
 
+/* TP 2 -> 1 over runs of several blocks: contiguous on both sides, so the
+ * producer may send a run in one message while each block lands in part
+ * `local_part` of a local block twice its size (plugin issue: "data message
+ * does not match the fetch").  Both halves come from two publications of
+ * one producer; the other half and the blocks not named keep the canary. */
+static void slice_2to1_runs(bool pool) {
+    side_t P, D;
+    const char *tls = pool ? "sm,tcp,self" : NULL;
+    side_init(&P, &(opts_t){.name = "r21-P", .nb = 16, .bl = 2048, .pool = pool, .tls = tls});
+    side_init(&D, &(opts_t){.name = "r21-D", .nb = 16, .bl = 4096, .pool = pool, .tls = tls});
+    char tok[2][33];
+    /* Runs of 4 and 3 contiguous blocks, and a single block. */
+    uint64_t ids[2][8] = {{2, 3, 4, 5, 9, 10, 11, 14}, {6, 7, 8, 12, 13, 0, 1, 15}};
+    uint64_t lids[8] = {1, 2, 3, 4, 8, 9, 10, 13};
+    const char *req[2] = {"r21-a", "r21-b"};
+    for (int h = 0; h < 2; h++) {
+        assert_int_equal(kvc_token_new(tok[h]), KVC_OK);
+        for (int i = 0; i < 8; i++)
+            fill(&P, ids[h][i], (uint8_t)(40 + h));
+        publish_tok(&P, req[h], ids[h], 8, tok[h]);
+    }
+    canary(&D, 0xA5);
+    for (int h = 0; h < 2; h++) {
+        const char *json = params_json("r21-P", port_of(&P), req[h], ids[h], 8, tok[h]);
+        kvc_fetch_params_t s = {.remote_parts = 1, .local_parts = 2, .local_part = (uint32_t)h};
+        uint64_t x = fetch_p(&D, json, lids, 8, KVC_FETCH_FIELD_SLICE, &s);
+        PUMP_UNTIL(&P, &D, fetch_ev(&D, x), 20000);
+        assert_string_equal(fetch_ev(&D, x)->msg, "");
+        assert_int_equal(fetch_ev(&D, x)->st, KVC_OK);
+        for (int i = 0; i < 8; i++)
+            for (int r = 0; r < NREG; r++)
+                assert_memory_equal(block(&D, r, lids[i]) + (size_t)h * 2048,
+                                    block(&P, r, ids[h][i]), 2048);
+        PUMP_UNTIL(&P, &D, find_ev(&P, KVC_EV_RELEASED, req[h]), 20000);
+    }
+    assert_int_equal(stat(&D, pool ? KVC_STAT_PEERS_GET : KVC_STAT_PEERS_PUSH), 1);
+    for (uint64_t b = 0; b < 16; b++) {
+        bool named = false;
+        for (int i = 0; i < 8; i++)
+            named |= lids[i] == b;
+        if (named) continue;
+        for (int r = 0; r < NREG; r++)
+            for (size_t i = 0; i < D.bl; i++)
+                if (block(&D, r, b)[i] != 0xA5)
+                    fail_msg("block %llu byte %zu written", (unsigned long long)b, i);
+    }
+    side_cleanup(&D);
+    side_cleanup(&P);
+}
+
+static void test_slice_2to1_runs_push(void **state) {
+    (void)state;
+    slice_2to1_runs(false);
+}
+
+static void test_slice_2to1_runs_get(void **state) {
+    (void)state;
+    slice_2to1_runs(true);
+}
+
+/* A notify-only fetch (no local blocks: an aborted decode request, an
+ * extra MLA rank) that reaches the producer before the publication is held
+ * with KVC_FETCH_FIELD_WAIT, and releases it the moment it is published
+ * (no lease here: nothing else would ever release it). */
+static void notify_before_publish(bool pool) {
+    side_t P, D;
+    const char *tls = pool ? "sm,tcp,self" : NULL;
+    side_init(&P, &(opts_t){.name = "nb-P", .nb = 8, .bl = 4096, .pool = pool, .tls = tls});
+    side_init(&D, &(opts_t){.name = "nb-D", .nb = 8, .bl = 4096, .pool = pool, .tls = tls});
+    char tok[33];
+    assert_int_equal(kvc_token_new(tok), KVC_OK);
+    uint64_t ids[3] = {1, 2, 6};
+    const char *json = params_json("nb-P", port_of(&P), "bare", ids, 3, tok);
+    kvc_fetch_params_t w = {.wait_ms = 20000};
+    uint64_t x = fetch_p(&D, json, NULL, 0, KVC_FETCH_FIELD_WAIT, &w);
+    PUMP_UNTIL(&P, &D, stat(&P, KVC_STAT_PENDING_FETCHES) == 1, 20000);
+    for (int i = 0; i < 50; i++) {
+        pump_once(&P);
+        pump_once(&D);
+    }
+    assert_null(fetch_ev(&D, x));
+    assert_int_equal(stat(&P, KVC_STAT_DENIED), 0);
+    publish_tok(&P, "bare", ids, 3, tok);
+    PUMP_UNTIL(&P, &D, fetch_ev(&D, x) && find_ev(&P, KVC_EV_RELEASED, "bare"), 20000);
+    assert_int_equal(fetch_ev(&D, x)->st, KVC_OK);
+    assert_int_equal(find_ev(&P, KVC_EV_RELEASED, "bare")->st, KVC_OK);
+    assert_int_equal(stat(&P, KVC_STAT_PENDING_SERVED), 1);
+    assert_int_equal(stat(&P, KVC_STAT_PENDING_FETCHES), 0);
+    assert_int_equal(stat(&P, KVC_STAT_DENIED), 0);
+    assert_int_equal(stat(&P, KVC_STAT_UNKNOWN_NOTIFY), 0);
+    /* Published first: the same bare release goes straight through. */
+    publish_tok(&P, "bare2", ids, 3, tok);
+    json = params_json("nb-P", port_of(&P), "bare2", ids, 3, tok);
+    x = fetch_p(&D, json, NULL, 0, KVC_FETCH_FIELD_WAIT, &w);
+    PUMP_UNTIL(&P, &D, fetch_ev(&D, x) && find_ev(&P, KVC_EV_RELEASED, "bare2"), 20000);
+    assert_int_equal(fetch_ev(&D, x)->st, KVC_OK);
+    /* Released already: not held, the notification goes out as a late one. */
+    x = fetch_p(&D, json, NULL, 0, KVC_FETCH_FIELD_WAIT, &w);
+    PUMP_UNTIL(&P, &D, fetch_ev(&D, x) && find_ev(&P, KVC_EV_UNKNOWN_NOTIFY, "bare2"), 20000);
+    assert_int_equal(fetch_ev(&D, x)->st, KVC_OK);
+    assert_int_equal(stat(&P, KVC_STAT_PENDING_FETCHES), 0);
+    assert_int_equal(stat(&P, KVC_STAT_PENDING_SERVED), 1);
+    side_cleanup(&D);
+    side_cleanup(&P);
+}
+
+static void test_notify_before_publish_push(void **state) {
+    (void)state;
+    notify_before_publish(false);
+}
+
+static void test_notify_before_publish_get(void **state) {
+    (void)state;
+    notify_before_publish(true);
+}
+
+/* A held bare release whose publication never comes fails with the
+ * registration wait, and one without KVC_FETCH_FIELD_WAIT is refused as
+ * before (nothing held). */
+static void test_notify_before_publish_expiry(void **state) {
+    (void)state;
+    side_t P, D;
+    side_init(&P, &(opts_t){.name = "ne-P", .nb = 8, .bl = 4096, .pending_ms = 300});
+    side_init(&D, &(opts_t){.name = "ne-D", .nb = 8, .bl = 4096});
+    char tok[33];
+    assert_int_equal(kvc_token_new(tok), KVC_OK);
+    uint64_t ids[2] = {1, 2};
+    const char *json = params_json("ne-P", port_of(&P), "never", ids, 2, tok);
+    kvc_fetch_params_t w = {.wait_ms = 20000};
+    uint64_t x = fetch_p(&D, json, NULL, 0, KVC_FETCH_FIELD_WAIT, &w);
+    PUMP_UNTIL(&P, &D, fetch_ev(&D, x), 20000);
+    assert_int_equal(fetch_ev(&D, x)->st, KVC_ERR_TIMED_OUT);
+    assert_int_equal(stat(&P, KVC_STAT_PENDING_FETCHES), 0);
+    side_cleanup(&D);
+    side_cleanup(&P);
+}
+
 /* -------------------------------------------------- progress thread -- */
 
 typedef struct {
@@ -842,6 +979,11 @@ int main(void) {
         cmocka_unit_test(test_slice_1to2_push),
         cmocka_unit_test(test_slice_1to2_get),
         cmocka_unit_test(test_slice_2to1),
+        cmocka_unit_test(test_slice_2to1_runs_push),
+        cmocka_unit_test(test_slice_2to1_runs_get),
+        cmocka_unit_test(test_notify_before_publish_push),
+        cmocka_unit_test(test_notify_before_publish_get),
+        cmocka_unit_test(test_notify_before_publish_expiry),
         cmocka_unit_test(test_progress_thread),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);

@@ -321,10 +321,9 @@ class _Worker:
     # -- per step ------------------------------------------------------------
     def _plan(self, params):
         """[(remote_rank, parts or None, read)] for this rank; read=False: an
-        MLA replica that rank 0's read already covers: only its last block is
-        read again (same bytes), so that the fetch travels as a pull, which
-        the producer holds if it comes before the publication (a fetch
-        without blocks is a bare notification, refused when early)."""
+        MLA replica that rank 0's read already covers: a fetch without
+        blocks releases it (with wait_ms the producer holds that release if
+        it comes before the publication)."""
         d, p, r = self.c.tp_size, int(params.get("tp_size", 1) or 1), self.rank
         if d >= p:
             if d % p:
@@ -379,8 +378,7 @@ class _Worker:
         with self.mu:  # one count held by this call until every fetch is started
             self.loading[rid] = [1, plan is None, list(rr.local_block_ids), rr.notify_only]
         for rank, parts, read in plan or []:
-            local = [] if rr.notify_only else (rr.local_block_ids if read else
-                                               rr.local_block_ids[-1:])
+            local = rr.local_block_ids if read and not rr.notify_only else []
             try:
                 with self.mu:  # the event may come before fetch() returns
                     xid = self.agent.fetch(rr.params, local, cuda_stream=stream, remote_rank=rank,
