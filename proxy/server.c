@@ -383,8 +383,20 @@ int px_server_run(px_server *s) {
     px_kvsub_stop(kv);
     for (int i = 0; i < s->nworkers; i++)
         pthread_join(s->workers[i].thread, NULL);
+    /* Freeing the signal events gives SIGTERM and SIGINT back their default
+     * action: a late second signal (a supervisor repeating its SIGTERM)
+     * would then kill a proxy that is already exiting cleanly.  They are
+     * ignored from here on, blocked while the handlers change hands. */
+    sigset_t stop, prev;
+    sigemptyset(&stop);
+    sigaddset(&stop, SIGINT);
+    sigaddset(&stop, SIGTERM);
+    pthread_sigmask(SIG_BLOCK, &stop, &prev);
     event_free(sigterm);
     event_free(sigint);
+    signal(SIGTERM, SIG_IGN);
+    signal(SIGINT, SIG_IGN);
+    pthread_sigmask(SIG_SETMASK, &prev, NULL);
     event_free(sighup);
     event_free(k.drain_timer);
     event_free(k.exit_poll);
