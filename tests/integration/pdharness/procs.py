@@ -264,14 +264,25 @@ class Proc:
 def start_proc(name, argv_for, health, env=None, timeout=15.0, track=None):
     """A Proc on a free port (argv_for(port); p.port), once GET `health`
     answers 200; track(p), when given, is called before the wait, so that
-    the caller stops it either way."""
-    port = free_port()
-    p = Proc("%s-%d" % (name, port), argv_for(port), env=env)
-    p.port = port
-    if track is not None:
-        track(p)
-    wait_http(port, health, timeout=timeout, proc=p)
-    return p
+    the caller stops it either way.
+
+    free_port() only says the port was free a moment ago: another test
+    running beside this one, or the child's own ephemeral sockets (UCX's
+    tcp listeners open before the HTTP port is bound), may take it first.
+    A child that exits because its port is in use is started again on a
+    new port, at most 5 times."""
+    for attempt in range(5):
+        port = free_port()
+        p = Proc("%s-%d" % (name, port), argv_for(port), env=env)
+        p.port = port
+        if track is not None:
+            track(p)
+        try:
+            wait_http(port, health, timeout=timeout, proc=p)
+            return p
+        except RuntimeError:
+            if attempt == 4 or p.alive() or "address already in use" not in p.log().lower():
+                raise
 
 
 def start_engine_sim(role, extra=(), env=None):
