@@ -60,7 +60,8 @@ typedef struct {
 
 struct sjob {
     sjob_t *next;
-    ucp_ep_h ep;  /* borrowed: the worker's reply endpoint of the consumer */
+    kvc_cons_t *cons; /* referenced: its consumer (KVC_HFLAG_OWNER), or NULL: */
+    ucp_ep_h ep;      /* borrowed: UCX's reply endpoint of an older consumer */
     char *pub_id; /* owned: the publication pulled */
     uint8_t pub_token[KVC_TOKEN_LEN];
     uint64_t xid;
@@ -73,6 +74,7 @@ struct sjob {
     uint64_t sent;   /* DATA messages issued */
     size_t inflight; /* slots and sends of this job not done */
     bool failed, ended;
+    bool gone; /* its consumer's endpoint failed: nothing more is sent */
     kvc_status_t fail_st;
 };
 
@@ -275,14 +277,33 @@ static void send_msg(kvc_agent_t *a, ucp_ep_h ep, sjob_t *j, slot_t *slot,
     send_done(NULL, UCS_PTR_STATUS(r), c);
 }
 
-static void job_hdr(kvc_agent_t *a, sjob_t *j, uint32_t region, int32_t status, uint64_t count) {
-    kvc_wire_data_hdr_t h = {j->xid, region, status, 0, count, {0}};
-    memcpy(h.token, j->token, KVC_TOKEN_LEN);
-    send_msg(a, j->ep, NULL, NULL, &h, NULL, 0);
+static ucp_ep_h job_ep(const sjob_t *j) {
+    return j->cons ? j->cons->ep : j->ep;
 }
 
-void kvc_stage_push(kvc_agent_t *a, ucp_ep_h ep, const kvc_wire_pull_t *pl, kvc_run_t *runs,
-                    size_t n) {
+static void job_hdr(kvc_agent_t *a, sjob_t *j, uint32_t region, int32_t status, uint64_t count) {
+    if (j->gone) return;
+    kvc_wire_data_hdr_t h = {j->xid, region, status, 0, count, {0}};
+    memcpy(h.token, j->token, KVC_TOKEN_LEN);
+    send_msg(a, job_ep(j), NULL, NULL, &h, NULL, 0);
+}
+
+void kvc_stage_drop_cons(kvc_agent_t *a, kvc_cons_t *c) {
+    if (!a->stage) return;
+    for (sjob_t *j = a->stage->jobs; j; j = j->next)
+        if (j->cons == c && !j->gone) {
+            j->gone = true;
+            if (!j->failed) {
+                j->failed = true;
+                j->fail_st = KVC_ERR_PEER_FAILED;
+            }
+            KVC_LOG(a, KVC_LOG_WARN, "push (staged) req=%s: consumer gone, job dropped",
+                    j->pub_id);
+        }
+}
+
+void kvc_stage_push(kvc_agent_t *a, kvc_cons_t *cons, ucp_ep_h ep, const kvc_wire_pull_t *pl,
+                    kvc_run_t *runs, size_t n) {
     sjob_t *j = calloc(1, sizeof(*j));
     if (j) j->pub_id = kvc_strndup((const char *)pl->request_id.p, pl->request_id.len);
     if (!j || !j->pub_id || !a->stage) {
@@ -294,7 +315,9 @@ void kvc_stage_push(kvc_agent_t *a, ucp_ep_h ep, const kvc_wire_pull_t *pl, kvc_
         send_msg(a, ep, NULL, NULL, &h, NULL, 0);
         return;
     }
-    j->ep = ep;
+    j->ep = cons ? NULL : ep;
+    j->cons = cons;
+    if (cons) kvc_cons_ref(cons);
     memcpy(j->pub_token, pl->pub_token, KVC_TOKEN_LEN);
     j->xid = pl->xfer_id;
     memcpy(j->token, pl->xfer_token, KVC_TOKEN_LEN);
@@ -361,7 +384,7 @@ static bool job_start(kvc_agent_t *a, sjob_t *j) {
             sl->local = h.local_start;
             j->inflight++;
         } else {
-            send_msg(a, j->ep, j, NULL, &h, (const uint8_t *)rg->base + src_off, len);
+            send_msg(a, job_ep(j), j, NULL, &h, (const uint8_t *)rg->base + src_off, len);
         }
         j->sent++;
         j->off += cnt;
@@ -520,7 +543,7 @@ void kvc_stage_progress(kvc_agent_t *a, uint64_t now, uint64_t *next) {
             kvc_wire_data_hdr_t h = {
                 j->xid, sl->region, 0, sl->local, sl->len / a->regions[sl->region].block_len, {0}};
             memcpy(h.token, j->token, KVC_TOKEN_LEN);
-            send_msg(a, j->ep, j, sl, &h, sl->p, sl->len);
+            send_msg(a, job_ep(j), j, sl, &h, sl->p, sl->len);
             break;
         }
         default:
@@ -560,6 +583,7 @@ void kvc_stage_progress(kvc_agent_t *a, uint64_t now, uint64_t *next) {
             job_hdr(a, j, KVC_DATA_END, 0, j->sent);
         *pp = j->next;
         if (s->jobs_tail == j) s->jobs_tail = prev;
+        if (j->cons) kvc_cons_unref(j->cons);
         free(j->runs);
         free(j->pub_id);
         free(j);
