@@ -10,9 +10,9 @@
  * that says KVC_HFLAG_OWNER sends its worker address (sealed, after AUTH);
  * the producer opens an endpoint to it with its own error handler, keyed by
  * the consumer's key, which every pull of that consumer names.  When the
- * endpoint fails the record is retired on the next progress turn: its held
- * pulls and staged jobs are dropped (their bounds and counts returned), the
- * endpoint is closed with force (sends in flight complete as cancelled,
+ * endpoint fails the record is marked dead: push.c drops its held pulls
+ * (their bounds and counts returned) and stage.c its staged jobs on their
+ * next turn, and this file's sweep closes the endpoint with force (sends in flight complete as cancelled,
  * which ends their push jobs and hands blocks back), and the record is
  * freed once nothing references it.
  *
@@ -138,11 +138,6 @@ void kvc_cons_sweep(kvc_agent_t *a) {
             pp = &c->next;
             continue;
         }
-        size_t held = kvc_pending_drop_cons(a, c);
-        kvc_stage_drop_cons(a, c);
-        if (held)
-            KVC_LOG(a, KVC_LOG_WARN, "consumer %s gone: %zu held fetch(es) dropped", c->engine_id,
-                    held);
         if (c->ep) {
             c->close_req = ep_close_force(c->ep);
             c->ep = NULL;

@@ -636,9 +636,8 @@ KVC_HIDDEN void kvc_stage_progress(kvc_agent_t *a, uint64_t now, uint64_t *next)
 /* Producer: serves a checked pull through the pool; takes `runs`. */
 KVC_HIDDEN void kvc_stage_push(kvc_agent_t *a, kvc_cons_t *c, ucp_ep_h ep,
                                const kvc_wire_pull_t *pl, kvc_run_t *runs, size_t n);
-/* Fails the staged jobs of consumer c (its endpoint failed): nothing more is
- * sent for them. */
-KVC_HIDDEN void kvc_stage_drop_cons(kvc_agent_t *a, kvc_cons_t *c);
+/* Staged jobs whose consumer record is dead fail there and send nothing
+ * more (kvc_stage_progress). */
 /* A fetch's account of its staged chunks, embedded in the fetch (xfer.c)
  * and kept by stage.c: the fetch has not landed while holds > 0, and fails
  * with st (message msg) once a chunk failed.  xfer.c sets dead when the
@@ -768,10 +767,11 @@ KVC_HIDDEN kvc_cons_t *kvc_cons_find(kvc_agent_t *a, uint64_t key);
 KVC_HIDDEN void kvc_cons_ref(kvc_cons_t *c);
 /* May free c (when retired and closed). */
 KVC_HIDDEN void kvc_cons_unref(kvc_cons_t *c);
-/* From progress: retires the records whose endpoint failed (their held
- * pulls and staged jobs dropped, KVC_STAT_CONSUMERS_LOST counted), closes
- * their endpoints (force: sends in flight complete as cancelled) and frees
- * those no job references. */
+/* From progress, after kvc_pending_timers and kvc_stage_progress (which
+ * drop the held pulls and staged jobs of dead records): closes the
+ * endpoints of the records whose endpoint failed (force: sends in flight
+ * complete as cancelled), unlists them and frees those nothing references.
+ * A dead record's ep is NULL from then on. */
 KVC_HIDDEN void kvc_cons_sweep(kvc_agent_t *a);
 /* Agent destroy, before the worker: closes every endpoint. */
 KVC_HIDDEN void kvc_cons_close_all(kvc_agent_t *a);
@@ -779,14 +779,11 @@ KVC_HIDDEN void kvc_cons_close_all(kvc_agent_t *a);
 KVC_HIDDEN void kvc_cons_destroy(kvc_agent_t *a);
 
 /* --------------------------------------------------------- push.c -- */
-/* Drops the held pulls of c (its endpoint failed): counts and bytes
- * returned.  Returns how many. */
-KVC_HIDDEN size_t kvc_pending_drop_cons(kvc_agent_t *a, kvc_cons_t *c);
 KVC_HIDDEN kvc_status_t kvc_push_register_am(kvc_agent_t *a);
 /* Held registrations (pulls that came before their publication), from
  * progress: those whose publication now exists are served (kvc_publish sets
  * pending_check and wakes the agent: publish.c does not call push.c), those
- * past their deadline refused. */
+ * past their deadline refused, those of a dead consumer record dropped. */
 KVC_HIDDEN void kvc_pending_timers(kvc_agent_t *a, uint64_t now, uint64_t *next);
 /* Frees the push jobs whose sends never completed; after the worker is
  * destroyed, when no callback can reach them. */

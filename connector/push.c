@@ -518,7 +518,25 @@ static void pending_serve(kvc_agent_t *a) {
     a->stats[KVC_STAT_PENDING_FETCHES] = a->n_pending;
 }
 
+/* Drops the held pulls of consumers whose endpoint failed (consumer.c):
+ * nobody to answer; their count and bytes are returned. */
+static void pending_drop_dead(kvc_agent_t *a) {
+    pending_t **pp = &a->pending;
+    while (*pp) {
+        pending_t *p = *pp;
+        if (!p->cons || !p->cons->dead) {
+            pp = &p->next;
+            continue;
+        }
+        *pp = p->next;
+        KVC_LOG(a, KVC_LOG_WARN, "push: consumer %s gone, held fetch for req=%s dropped",
+                p->cons->engine_id, p->id);
+        pending_free(a, p);
+    }
+}
+
 void kvc_pending_timers(kvc_agent_t *a, uint64_t now, uint64_t *next) {
+    pending_drop_dead(a);
     if (a->pending_check) pending_serve(a);
     pending_t **pp = &a->pending;
     while (*pp) {
@@ -584,22 +602,7 @@ static ucs_status_t pull_cb(void *arg, const void *header, size_t hlen, void *da
     return UCS_OK;
 }
 
-size_t kvc_pending_drop_cons(kvc_agent_t *a, kvc_cons_t *c) {
-    size_t n = 0;
-    pending_t **pp = &a->pending;
-    while (*pp) {
-        pending_t *p = *pp;
-        if (p->cons != c) {
-            pp = &p->next;
-            continue;
-        }
-        *pp = p->next;
-        pending_free(a, p);
-        n++;
-    }
-    a->stats[KVC_STAT_PENDING_FETCHES] = a->n_pending;
-    return n;
-}
+
 
 kvc_status_t kvc_push_register_am(kvc_agent_t *a) {
     return kvc_set_am_handler(a, KVC_AM_PULL, pull_cb);

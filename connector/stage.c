@@ -271,6 +271,10 @@ static void send_msg(kvc_agent_t *a, ucp_ep_h ep, sjob_t *j, slot_t *slot,
     a->push_inflight++;
     if (j) j->inflight++;
     if (slot) slot->state = S_SEND;
+    if (!ep) { /* its consumer's endpoint was closed (consumer.c) */
+        send_done(NULL, UCS_ERR_CANCELED, c);
+        return;
+    }
     ucs_status_ptr_t r =
         ucp_am_send_nbx(ep, KVC_AM_DATA, c->hdr, KVC_WIRE_DATA_HDR_LEN, data, data ? len : 0, &rp);
     if (UCS_PTR_IS_PTR(r)) return;
@@ -288,18 +292,16 @@ static void job_hdr(kvc_agent_t *a, sjob_t *j, uint32_t region, int32_t status, 
     send_msg(a, job_ep(j), NULL, NULL, &h, NULL, 0);
 }
 
-void kvc_stage_drop_cons(kvc_agent_t *a, kvc_cons_t *c) {
-    if (!a->stage) return;
-    for (sjob_t *j = a->stage->jobs; j; j = j->next)
-        if (j->cons == c && !j->gone) {
-            j->gone = true;
-            if (!j->failed) {
-                j->failed = true;
-                j->fail_st = KVC_ERR_PEER_FAILED;
-            }
-            KVC_LOG(a, KVC_LOG_WARN, "push (staged) req=%s: consumer gone, job dropped",
-                    j->pub_id);
-        }
+/* Its consumer's endpoint failed (consumer.c): the job fails here and
+ * sends nothing more; chunks in flight end as their sends are cancelled. */
+static void job_check_gone(kvc_agent_t *a, sjob_t *j) {
+    if (j->gone || !j->cons || !j->cons->dead) return;
+    j->gone = true;
+    if (!j->failed) {
+        j->failed = true;
+        j->fail_st = KVC_ERR_PEER_FAILED;
+    }
+    KVC_LOG(a, KVC_LOG_WARN, "push (staged) req=%s: consumer gone, job dropped", j->pub_id);
 }
 
 void kvc_stage_push(kvc_agent_t *a, kvc_cons_t *cons, ucp_ep_h ep, const kvc_wire_pull_t *pl,
@@ -528,6 +530,7 @@ void kvc_stage_progress(kvc_agent_t *a, uint64_t now, uint64_t *next) {
                 break;
             }
             j->inflight--;
+            job_check_gone(a, j);
             if (r < 0 || j->failed || !job_live(a, j)) {
                 if (r < 0) {
                     KVC_LOG(a, KVC_LOG_WARN, "push (staged): device->pool copy: %s",
@@ -571,6 +574,7 @@ void kvc_stage_progress(kvc_agent_t *a, uint64_t now, uint64_t *next) {
     sjob_t **pp = &s->jobs, *prev = NULL;
     while (*pp) {
         sjob_t *j = *pp;
+        job_check_gone(a, j);
         if (job_start(a, j)) pending = true;
         if (j->inflight || (!j->failed && j->ri < j->n)) {
             prev = j;
