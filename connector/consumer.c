@@ -8,8 +8,13 @@
  * producer sends after the callback (a held pull served on publish, staged
  * chunks, pushes) must therefore go on an endpoint it owns.  A consumer
  * that says KVC_HFLAG_OWNER sends its worker address (sealed, after AUTH);
- * the producer opens an endpoint to it with its own error handler, keyed by
- * the consumer's key, which every pull of that consumer names.  When the
+ * the producer keeps it under the consumer's key, which every pull of that
+ * consumer names, and opens an endpoint to it, with its own error handler,
+ * the first time it keeps a pull of that consumer past the callback (held
+ * or staged).  Pulls answered at once stay on the reply endpoint: a
+ * connection of our own beside the consumer's would keep that one's
+ * transport up when the consumer closes its endpoint to cancel a fetch
+ * (UCX tcp shares one socket between the two directions).  When the
  * endpoint fails the record is marked dead: push.c drops its held pulls
  * (their bounds and counts returned) and stage.c its staged jobs on their
  * next turn, and this file's sweep closes the endpoint with force (sends in flight complete as cancelled,
@@ -79,9 +84,11 @@ void kvc_cons_unref(kvc_cons_t *c) {
 
 kvc_status_t kvc_cons_attach(kvc_agent_t *a, uint64_t key, const uint8_t *addr, size_t addr_len,
                              const char *engine_id) {
+    /* A consumer handshakes again only after it gave up its previous
+     * endpoint to us (failed, cancelled, idle): the connection under our
+     * endpoint to it may be going down with that one, so each handshake
+     * gets a fresh endpoint and the key's older record is retired. */
     kvc_cons_t *old = kvc_cons_find(a, key);
-    if (old && old->ep && old->addr_len == addr_len && !memcmp(old->addr, addr, addr_len))
-        return KVC_OK; /* the same consumer worker handshaking again */
     if (a->n_cons >= KVC_MAX_CONSUMERS) return KVC_ERR_BUSY;
     kvc_cons_t *c = calloc(1, sizeof(*c));
     if (!c || !(c->addr = malloc(addr_len)) || !(c->engine_id = kvc_strdup(engine_id))) {
@@ -93,6 +100,22 @@ kvc_status_t kvc_cons_attach(kvc_agent_t *a, uint64_t key, const uint8_t *addr, 
     c->addr_len = addr_len;
     c->a = a;
     c->key = key;
+    if (old) {
+        old->dead = true;
+        a->cons_check = true;
+    }
+    c->refs = 1;
+    c->next = a->conss;
+    a->conss = c;
+    a->n_cons++;
+    KVC_LOG(a, KVC_LOG_DEBUG, "consumer %s (key %016llx) known", engine_id,
+            (unsigned long long)key);
+    return KVC_OK;
+}
+
+ucp_ep_h kvc_cons_ep(kvc_cons_t *c) {
+    if (c->ep || c->dead) return c->ep;
+    kvc_agent_t *a = c->a;
     ucp_ep_params_t ep;
     memset(&ep, 0, sizeof(ep));
     ep.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
@@ -110,22 +133,14 @@ kvc_status_t kvc_cons_attach(kvc_agent_t *a, uint64_t key, const uint8_t *addr, 
         us = ucp_ep_create(a->worker, &ep, &c->ep);
     }
     if (us != UCS_OK) {
-        KVC_LOG(a, KVC_LOG_WARN, "consumer %s: endpoint to its worker: %s", engine_id,
+        c->ep = NULL;
+        KVC_LOG(a, KVC_LOG_WARN, "consumer %s: endpoint to its worker: %s", c->engine_id,
                 ucs_status_string(us));
-        cons_free(c);
-        return KVC_ERR_TRANSPORT;
+        return NULL;
     }
-    if (old) { /* the key's consumer came back from another worker */
-        old->dead = true;
-        a->cons_check = true;
-    }
-    c->refs = 1;
-    c->next = a->conss;
-    a->conss = c;
-    a->n_cons++;
     KVC_LOG(a, KVC_LOG_DEBUG, "consumer %s (key %016llx): endpoint of our own to its worker",
-            engine_id, (unsigned long long)key);
-    return KVC_OK;
+            c->engine_id, (unsigned long long)c->key);
+    return c->ep;
 }
 
 void kvc_cons_sweep(kvc_agent_t *a) {

@@ -58,8 +58,11 @@ enum {
  * consumer sends AUTH then at once a sealed CONSUMER (u64 key, blob32 worker
  * address), the producer opens an endpoint of its own to that worker
  * (consumer.c) before its HANDSHAKE, and every PULL of the consumer carries
- * the key (KVC_PULL_CONS); the producer answers on its own endpoint, never
- * on UCX's reply endpoint past the AM callback.  Either side without the
+ * the key (KVC_PULL_CONS); what the producer sends after the AM callback
+ * (a held pull served on publish, staged chunks, late refusals) goes on its
+ * own endpoint, never on UCX's reply endpoint (answers within the callback
+ * still use it: closing its endpoint then cancels them, as a consumer's
+ * kvc_fetch_cancel relies on).  Either side without the
  * flag (an older agent): the exchange of version 3 before it, pulls
  * answered on the reply endpoint (a consumer that goes away while the
  * producer still holds its pull can then crash the producer: UCX destroys
@@ -756,12 +759,13 @@ struct kvc_cons {
     bool dead;       /* the endpoint failed or a newer record replaced it: no more sends */
 };
 #define KVC_MAX_CONSUMERS 4096u
-/* The live record of `key` with that worker address, or a new one with an
- * endpoint of ours to it (an older record of the key is retired).
- * KVC_ERR_BUSY (KVC_MAX_CONSUMERS), KVC_ERR_TRANSPORT (ucp_ep_create),
- * KVC_ERR_NO_MEMORY. */
+/* A new record of `key` with that worker address (an older record of the
+ * key is retired).  KVC_ERR_BUSY (KVC_MAX_CONSUMERS), KVC_ERR_NO_MEMORY. */
 KVC_HIDDEN kvc_status_t kvc_cons_attach(kvc_agent_t *a, uint64_t key, const uint8_t *addr,
                                         size_t addr_len, const char *engine_id);
+/* c's endpoint of ours, created on first use (a pull kept past its
+ * callback); NULL when c is dead or ucp_ep_create failed. */
+KVC_HIDDEN ucp_ep_h kvc_cons_ep(kvc_cons_t *c);
 /* The live record of key, or NULL. */
 KVC_HIDDEN kvc_cons_t *kvc_cons_find(kvc_agent_t *a, uint64_t key);
 KVC_HIDDEN void kvc_cons_ref(kvc_cons_t *c);

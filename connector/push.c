@@ -403,10 +403,11 @@ static bool tail_resolve(kvc_agent_t *a, kvc_wire_pull_t *pl) {
     return true;
 }
 
-/* One parsed pull from consumer cons (NULL: an older consumer, answered on
- * UCX's reply endpoint), answered on ep (cons's own endpoint, or that reply
- * endpoint); msg/len: its bytes (kept if it is held for its publication),
- * NULL when it is served from the held list. */
+/* One parsed pull from consumer cons (NULL: an older consumer, whose held
+ * and staged pulls keep UCX's reply endpoint), answered now on ep (the
+ * reply endpoint in the AM callback, cons's own endpoint later); msg/len:
+ * its bytes (kept if it is held for its publication), NULL when it is
+ * served from the held list. */
 static void pull_serve(kvc_agent_t *a, kvc_cons_t *cons, ucp_ep_h ep, kvc_wire_pull_t *pl,
                        const void *msg, size_t len) {
     uint64_t bytes = 0;
@@ -466,6 +467,10 @@ static bool pending_add(kvc_agent_t *a, kvc_cons_t *cons, ucp_ep_h ep, const kvc
                     (int)pl->request_id.len, (const char *)pl->request_id.p, why, a->n_pending);
         push_refuse(a, ep, pl, KVC_ERR_BUSY);
         return true; /* answered */
+    }
+    if (cons && !kvc_cons_ep(cons)) {
+        push_refuse(a, ep, pl, KVC_ERR_TRANSPORT);
+        return true;
     }
     pending_t *p = calloc(1, sizeof(*p));
     if (!p || !(p->msg = malloc(len)) ||
@@ -582,8 +587,11 @@ static ucs_status_t pull_cb(void *arg, const void *header, size_t hlen, void *da
     }
     kvc_cons_t *c = NULL;
     if (pl.flags & KVC_PULL_CONS) {
-        /* Answered on our own endpoint to that consumer.  The reply
-         * endpoint serves only to refuse, and only in this callback. */
+        /* What is sent in this callback goes on the reply endpoint (valid
+         * until we return; UCX ends the sends still queued on it if it goes,
+         * and a consumer that closes its endpoint cancels them); whatever is
+         * sent later (a held pull, a staged job) on our own endpoint to the
+         * consumer, which the jobs reference. */
         if (!(c = kvc_cons_find(a, pl.cons_key))) {
             a->stats[KVC_STAT_DENIED]++;
             if (kvc_log_ratelimit(a, KVC_RL_DENIED))
@@ -597,7 +605,7 @@ static ucs_status_t pull_cb(void *arg, const void *header, size_t hlen, void *da
             return UCS_OK;
         }
     }
-    pull_serve(a, c, c ? c->ep : param->reply_ep, &pl, data, len);
+    pull_serve(a, c, param->reply_ep, &pl, data, len);
     free(pl.runs);
     return UCS_OK;
 }

@@ -308,7 +308,7 @@ void kvc_stage_push(kvc_agent_t *a, kvc_cons_t *cons, ucp_ep_h ep, const kvc_wir
                     kvc_run_t *runs, size_t n) {
     sjob_t *j = calloc(1, sizeof(*j));
     if (j) j->pub_id = kvc_strndup((const char *)pl->request_id.p, pl->request_id.len);
-    if (!j || !j->pub_id || !a->stage) {
+    if (!j || !j->pub_id || !a->stage || (cons && !kvc_cons_ep(cons))) {
         if (j) free(j->pub_id);
         free(j);
         free(runs);
