@@ -28,7 +28,7 @@
 #define DEFAULT_MAX_PENDING_BYTES ((size_t)64 << 20)
 
 kvc_status_t kvc_agent_stat(const kvc_agent_t *a, kvc_stat_t which, uint64_t *value) {
-    if (!a || !value || (int)which < 0 || which > KVC_STAT_FETCH_CANCELED) return KVC_ERR_INVALID_PARAM;
+    if (!a || !value || (int)which < 0 || which > KVC_STAT_LAST) return KVC_ERR_INVALID_PARAM;
     kvc_lock(a);
     if (which == KVC_STAT_PUBLISHED_NOW)
         *value = a->pubs.count;
@@ -84,6 +84,7 @@ static kvc_status_t progress_turn(kvc_agent_t *a, bool release) {
     kvc_xfers_advance(a, now, &next);
     kvc_expiry_run(a, now, &next);
     kvc_pending_timers(a, now, &next);
+    kvc_cons_sweep(a);
     kvc_peers_reap(a);
     kvc_sconns_reap(a);
     for (int i = 0; i < 4096 && ucp_worker_progress(a->worker); i++) {
@@ -368,6 +369,7 @@ void kvc_agent_destroy(kvc_agent_t *a) {
     a->destroying = true; /* callbacks below queue no events */
     kvc_sconns_destroy(a);
     kvc_peers_destroy(a); /* closes endpoints: in-flight requests complete as cancelled */
+    kvc_cons_close_all(a); /* the same for the producer's endpoints to its consumers */
     /* Producer pushes still in flight reference region memory: let them end
      * before the memory goes away (bounded: peers may be gone). */
     uint64_t until = kvc_now_ns() + 2000000000ull;
@@ -378,6 +380,7 @@ void kvc_agent_destroy(kvc_agent_t *a) {
     ucp_worker_destroy(a->worker);
     kvc_xfers_destroy(a); /* after the worker: no callback can reach them now */
     kvc_push_destroy(a);
+    kvc_cons_destroy(a);
     ucp_cleanup(a->ctx);
     kvc_cuda_destroy(a->cuda);
     close_fd(&a->listen_fd);

@@ -49,10 +49,26 @@ enum {
     KVC_MSG_AUTH = 4,      /* consumer -> producer */
     KVC_MSG_ERROR = 5,     /* producer -> consumer, then close */
     KVC_MSG_SEALED = 6,    /* either way after AUTH: one message, encrypted (auth.c) */
+    KVC_MSG_CONSUMER = 7,  /* consumer -> producer, sealed, right after AUTH (KVC_HFLAG_OWNER) */
 };
 
-/* HELLO/CHALLENGE flags. */
-enum { KVC_HFLAG_SECRET = 1u << 0 };
+/* HELLO/CHALLENGE flags.
+ * KVC_HFLAG_OWNER (endpoint ownership, within version 3): in a HELLO, "I can
+ * send my worker address"; in the CHALLENGE, "send it".  Both set: the
+ * consumer sends AUTH then at once a sealed CONSUMER (u64 key, blob32 worker
+ * address), the producer opens an endpoint of its own to that worker
+ * (consumer.c) before its HANDSHAKE, and every PULL of the consumer carries
+ * the key (KVC_PULL_CONS); what the producer sends after the AM callback
+ * (a held pull served on publish, staged chunks, late refusals) goes on its
+ * own endpoint, never on UCX's reply endpoint (answers within the callback
+ * still use it: closing its endpoint then cancels them, as a consumer's
+ * kvc_fetch_cancel relies on).  Either side without the
+ * flag (an older agent): the exchange of version 3 before it, pulls
+ * answered on the reply endpoint (a consumer that goes away while the
+ * producer still holds its pull can then crash the producer: UCX destroys
+ * the reply endpoint). */
+enum { KVC_HFLAG_SECRET = 1u << 0, KVC_HFLAG_OWNER = 1u << 1 };
+#define KVC_WIRE_MAX_CONS_ADDR 4096u /* a worker address in a CONSUMER message */
 
 /* Region flags in the handshake table. */
 enum { KVC_RFLAG_POOL = 1u << 0, KVC_RFLAG_STAGED = 1u << 1 };
@@ -126,6 +142,7 @@ typedef struct {
     size_t n;
     /* KVC_PULL_EXT trailer (else 0, 1, 0) */
     uint32_t wait_ms, parts, part;
+    uint64_t cons_key; /* KVC_PULL_CONS trailer (else 0) */
 } kvc_wire_pull_t;
 
 typedef struct {
@@ -182,7 +199,10 @@ KVC_HIDDEN void kvc_wire_hs_cleanup(kvc_wire_hs_t *hs);
  * min(wait_ms, pending_fetch_ms) for its kvc_publish (push-mode
  * registration); past it refused with KVC_ERR_TIMED_OUT.  A pull of no runs
  * (a notify-only fetch registering) is answered by an END once published.
- * KVC_PULL_RENEW: no runs, no answer: renew the publication's lease. */
+ * KVC_PULL_RENEW: no runs, no answer: renew the publication's lease.
+ * KVC_PULL_CONS: an 8-byte trailer (last, after EXT's): u64 the consumer key
+ * it sent in its CONSUMER message; answers go on the producer's own endpoint
+ * to that consumer (KVC_HFLAG_OWNER). */
 enum {
     KVC_PULL_RNDV = 1u << 0,
     KVC_PULL_HOLD = 1u << 1,
@@ -190,7 +210,9 @@ enum {
     KVC_PULL_EXT = 1u << 3,
     KVC_PULL_WAIT = 1u << 4,
     KVC_PULL_RENEW = 1u << 5,
+    KVC_PULL_CONS = 1u << 6,
 };
+#define KVC_PULL_CONS_LEN 8
 #define KVC_PULL_EXT_LEN 16
 /* PULL: u16 version, u16 flags, u32 n_runs, u64 xfer_id, xfer_token[16],
  * pub_token[16], u32 consumer tp, str16 request_id,
@@ -202,6 +224,13 @@ KVC_HIDDEN void kvc_wire_encode_data_hdr(uint8_t out[KVC_WIRE_DATA_HDR_LEN],
                                          const kvc_wire_data_hdr_t *h);
 KVC_HIDDEN kvc_status_t kvc_wire_parse_data_hdr(const uint8_t *p, size_t len,
                                                 kvc_wire_data_hdr_t *h);
+
+/* CONSUMER body: u64 key, blob32 worker address (1..KVC_WIRE_MAX_CONS_ADDR).
+ * Parse: *addr borrows p. */
+KVC_HIDDEN void kvc_wire_encode_consumer(kvc_buf_t *b, uint16_t version, uint64_t key,
+                                         const void *addr, size_t addr_len);
+KVC_HIDDEN kvc_status_t kvc_wire_parse_consumer(const uint8_t *p, size_t len, uint64_t *key,
+                                                kvc_span_t *addr);
 
 /* Notification: token[16] then "<request id>:<tp>" split at the last ':';
  * the id must be non-empty printable ASCII.  Without ':' the whole text is
@@ -465,6 +494,7 @@ typedef struct {
 } kvc_pubtab_t;
 
 typedef struct kvc_sconn kvc_sconn_t;
+typedef struct kvc_cons kvc_cons_t;
 typedef struct kvc_peer kvc_peer_t;
 typedef struct kvc_xfer kvc_xfer_t;
 typedef struct kvc_evnode kvc_evnode_t;
@@ -536,7 +566,10 @@ struct kvc_agent {
     pthread_mutex_t mu;
     pthread_t thr;
     atomic_bool thr_stop;
-    uint64_t stats[KVC_STAT_FETCH_CANCELED + 1];
+    uint64_t stats[KVC_STAT_LAST + 1];
+    struct kvc_cons *conss; /* owned: consumers this producer has endpoints to (consumer.c) */
+    size_t n_cons;
+    bool cons_check; /* an endpoint to a consumer failed: sweep (kvc_cons_sweep) */
     /* Leases and held registrations (pending.c). */
     uint32_t lease_ms, pending_fetch_ms, max_pending, max_pending_peer;
     size_t max_pending_bytes;
@@ -604,8 +637,10 @@ KVC_HIDDEN void kvc_stage_cleanup(kvc_agent_t *a);
 KVC_HIDDEN size_t kvc_stage_pool_bytes(const kvc_agent_t *a);
 KVC_HIDDEN void kvc_stage_progress(kvc_agent_t *a, uint64_t now, uint64_t *next);
 /* Producer: serves a checked pull through the pool; takes `runs`. */
-KVC_HIDDEN void kvc_stage_push(kvc_agent_t *a, ucp_ep_h ep, const kvc_wire_pull_t *pl,
-                               kvc_run_t *runs, size_t n);
+KVC_HIDDEN void kvc_stage_push(kvc_agent_t *a, kvc_cons_t *c, ucp_ep_h ep,
+                               const kvc_wire_pull_t *pl, kvc_run_t *runs, size_t n);
+/* Staged jobs whose consumer record is dead fail there and send nothing
+ * more (kvc_stage_progress). */
 /* A fetch's account of its staged chunks, embedded in the fetch (xfer.c)
  * and kept by stage.c: the fetch has not landed while holds > 0, and fails
  * with st (message msg) once a chunk failed.  xfer.c sets dead when the
@@ -684,6 +719,7 @@ struct kvc_peer {
     uint64_t nonce, num_blocks;
     uint8_t nonce_c[KVC_NONCE_LEN], nonce_p[KVC_NONCE_LEN];
     kvc_chan_t chan; /* keys of the sealed channel, from AUTH on */
+    bool owner;      /* the producer answers on its own endpoint: pulls carry our key */
     uint32_t n_regions;
     struct kvc_peer_region *rr; /* owned */
     kvc_proto_t proto;
@@ -703,12 +739,55 @@ KVC_HIDDEN kvc_status_t kvc_xfer_register_am(kvc_agent_t *a);
 KVC_HIDDEN void kvc_xfers_advance(kvc_agent_t *a, uint64_t now, uint64_t *next);
 KVC_HIDDEN void kvc_xfers_destroy(kvc_agent_t *a);
 
+/* ----------------------------------------------------- consumer.c -- */
+/* A consumer as this producer knows it: its key, and the endpoint this
+ * producer opened to its worker (owned, with an error handler), on which
+ * every answer to its pulls goes.  Jobs and held pulls reference it
+ * (kvc_cons_ref) instead of keeping UCX's reply endpoint, which UCX may
+ * destroy once the AM callback returned (the consumer closed or died). */
+typedef struct kvc_cons kvc_cons_t;
+struct kvc_cons {
+    kvc_cons_t *next;
+    kvc_agent_t *a;
+    uint64_t key;
+    ucp_ep_h ep;     /* owned; NULL once closed */
+    void *close_req; /* ucp_ep_close_nbx in progress */
+    uint8_t *addr;   /* owned: its worker address */
+    size_t addr_len;
+    char *engine_id; /* owned, for logs */
+    int refs;        /* jobs and held pulls; +1 while listed in a->conss */
+    bool dead;       /* the endpoint failed or a newer record replaced it: no more sends */
+};
+#define KVC_MAX_CONSUMERS 4096u
+/* A new record of `key` with that worker address (an older record of the
+ * key is retired).  KVC_ERR_BUSY (KVC_MAX_CONSUMERS), KVC_ERR_NO_MEMORY. */
+KVC_HIDDEN kvc_status_t kvc_cons_attach(kvc_agent_t *a, uint64_t key, const uint8_t *addr,
+                                        size_t addr_len, const char *engine_id);
+/* c's endpoint of ours, created on first use (a pull kept past its
+ * callback); NULL when c is dead or ucp_ep_create failed. */
+KVC_HIDDEN ucp_ep_h kvc_cons_ep(kvc_cons_t *c);
+/* The live record of key, or NULL. */
+KVC_HIDDEN kvc_cons_t *kvc_cons_find(kvc_agent_t *a, uint64_t key);
+KVC_HIDDEN void kvc_cons_ref(kvc_cons_t *c);
+/* May free c (when retired and closed). */
+KVC_HIDDEN void kvc_cons_unref(kvc_cons_t *c);
+/* From progress, after kvc_pending_timers and kvc_stage_progress (which
+ * drop the held pulls and staged jobs of dead records): closes the
+ * endpoints of the records whose endpoint failed (force: sends in flight
+ * complete as cancelled), unlists them and frees those nothing references.
+ * A dead record's ep is NULL from then on. */
+KVC_HIDDEN void kvc_cons_sweep(kvc_agent_t *a);
+/* Agent destroy, before the worker: closes every endpoint. */
+KVC_HIDDEN void kvc_cons_close_all(kvc_agent_t *a);
+/* After the worker and the jobs are gone. */
+KVC_HIDDEN void kvc_cons_destroy(kvc_agent_t *a);
+
 /* --------------------------------------------------------- push.c -- */
 KVC_HIDDEN kvc_status_t kvc_push_register_am(kvc_agent_t *a);
 /* Held registrations (pulls that came before their publication), from
  * progress: those whose publication now exists are served (kvc_publish sets
  * pending_check and wakes the agent: publish.c does not call push.c), those
- * past their deadline refused. */
+ * past their deadline refused, those of a dead consumer record dropped. */
 KVC_HIDDEN void kvc_pending_timers(kvc_agent_t *a, uint64_t now, uint64_t *next);
 /* Frees the push jobs whose sends never completed; after the worker is
  * destroyed, when no callback can reach them. */

@@ -7,8 +7,10 @@
  * both nonces (auth.c), so that a relay learns none of it.  The consumer
  * side is peer.c.
  *
- * The producer never connects back to an address a consumer claims: it
- * answers pulls on the endpoint the consumer opened (UCX reply endpoint).
+ * A consumer that says KVC_HFLAG_OWNER sends its worker address sealed
+ * right after AUTH; the producer opens an endpoint of its own to it
+ * (consumer.c) and answers that consumer's pulls there.  An older consumer
+ * is answered on the endpoint it opened (UCX's reply endpoint).
  * A malformed, oversized or slow side-channel client is closed on its own;
  * handshakes in progress are bounded per source address and in all, and an
  * unauthenticated client of the address holding the most slots gives way to
@@ -29,7 +31,8 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
-#define SCONN_IN_CAP (KVC_WIRE_HDR_LEN + KVC_WIRE_MAX_HELLO)
+/* Room for AUTH and the sealed CONSUMER that follows it (KVC_HFLAG_OWNER). */
+#define SCONN_IN_CAP (2 * (KVC_WIRE_HDR_LEN + KVC_WIRE_MAX_HELLO))
 
 /* Producer side of one side-channel connection. */
 typedef enum { SC_HELLO, SC_AUTH, SC_CLOSING } kvc_sc_state_t;
@@ -49,6 +52,7 @@ struct kvc_sconn {
     uint8_t nonce_c[KVC_NONCE_LEN], nonce_p[KVC_NONCE_LEN];
     kvc_chan_t chan; /* after AUTH */
     char *cons_id;   /* owned: the consumer's engine id from its HELLO */
+    bool owner;      /* both sides said KVC_HFLAG_OWNER: a sealed CONSUMER follows AUTH */
     bool dead;       /* closed; freed by kvc_sconns_reap (events may still name it) */
 };
 
@@ -325,13 +329,48 @@ static void on_hello(kvc_agent_t *a, kvc_sconn_t *c, const uint8_t *body, size_t
         sconn_close(a, c);
         return;
     }
+    c->owner = (h.flags & KVC_HFLAG_OWNER) != 0;
     KVC_LOG(a, KVC_LOG_DEBUG, "side channel: hello from engine %s at %s", c->cons_id, c->addr);
     kvc_wire_encode_hello(&c->out, a->wire_version, KVC_MSG_CHALLENGE, a->engine_id,
-                          a->secret ? KVC_HFLAG_SECRET : 0, c->nonce_p);
+                          (uint8_t)((a->secret ? KVC_HFLAG_SECRET : 0) |
+                                    (c->owner ? KVC_HFLAG_OWNER : 0)),
+                          c->nonce_p);
     c->state = SC_AUTH;
 }
 
-static void on_auth(kvc_agent_t *a, kvc_sconn_t *c, const uint8_t *body, size_t len) {
+/* The sealed CONSUMER after AUTH (keys ready): an endpoint of our own to
+ * the consumer's worker.  False: c was refused (an ERROR queued). */
+static bool on_consumer(kvc_agent_t *a, kvc_sconn_t *c, const uint8_t *rec, size_t rec_len) {
+    uint8_t *msg = NULL;
+    size_t mlen = 0;
+    kvc_wire_hdr_t h;
+    uint64_t key = 0;
+    kvc_span_t addr = {NULL, 0};
+    kvc_status_t st = kvc_chan_open(&c->chan, rec, rec_len, &msg, &mlen);
+    if (st == KVC_OK &&
+        (kvc_wire_parse_hdr(msg, mlen, KVC_WIRE_MAX_HELLO, &h) != KVC_OK ||
+         h.type != KVC_MSG_CONSUMER || KVC_WIRE_HDR_LEN + (size_t)h.body_len != mlen ||
+         kvc_wire_parse_consumer(msg + KVC_WIRE_HDR_LEN, h.body_len, &key, &addr) != KVC_OK))
+        st = KVC_ERR_PROTOCOL;
+    if (st == KVC_OK) st = kvc_cons_attach(a, key, addr.p, addr.len, c->cons_id);
+    if (msg) {
+        OPENSSL_cleanse(msg, mlen);
+        free(msg);
+    }
+    if (st == KVC_OK) return true;
+    a->stats[KVC_STAT_PEER_ERRORS]++;
+    if (kvc_log_ratelimit(a, KVC_RL_PEER))
+        KVC_LOG(a, KVC_LOG_WARN, "side channel: consumer message from engine %s at %s: %s",
+                c->cons_id, c->addr, kvc_status_str(st));
+    kvc_chan_cleanup(&c->chan);
+    sconn_refuse(a, c, st == KVC_ERR_BUSY ? st : KVC_ERR_PROTOCOL,
+                 st == KVC_ERR_BUSY ? "too many consumers"
+                                    : "bad consumer message (or no endpoint to its worker)");
+    return false;
+}
+
+static void on_auth(kvc_agent_t *a, kvc_sconn_t *c, const uint8_t *body, size_t len,
+                    const uint8_t *rec, size_t rec_len) {
     uint8_t proto;
     const uint8_t *mac;
     if (kvc_wire_parse_auth(body, len, &proto, &mac) != KVC_OK) {
@@ -385,8 +424,13 @@ static void on_auth(kvc_agent_t *a, kvc_sconn_t *c, const uint8_t *body, size_t 
                          hs->len - KVC_WIRE_HDR_LEN, m);
     kvc_buf_put(&plain, m, KVC_MAC_LEN);
     kvc_wire_end_msg(&plain, 0);
-    if (plain.failed || kvc_chan_init(&c->chan, a, c->nonce_c, c->nonce_p, mac, true) != KVC_OK ||
-        kvc_chan_seal(&c->chan, &c->out, a->wire_version, plain.p, plain.len) != KVC_OK) {
+    bool chan = !plain.failed && kvc_chan_init(&c->chan, a, c->nonce_c, c->nonce_p, mac, true) == KVC_OK;
+    if (chan && c->owner && !on_consumer(a, c, rec, rec_len)) {
+        OPENSSL_cleanse(plain.p, plain.len);
+        kvc_buf_cleanup(&plain);
+        return;
+    }
+    if (!chan || kvc_chan_seal(&c->chan, &c->out, a->wire_version, plain.p, plain.len) != KVC_OK) {
         if (plain.p) OPENSSL_cleanse(plain.p, plain.len);
         kvc_buf_cleanup(&plain);
         sconn_drop(a, c, "cannot seal the handshake (out of memory or OpenSSL)");
@@ -463,6 +507,24 @@ void kvc_sconn_io(kvc_agent_t *a, kvc_sconn_t *c, uint32_t events) {
         if (eof) sconn_drop(a, c, "truncated message");
         return; /* the rest comes later (the deadline bounds the wait) */
     }
+    size_t auth_len = full;
+    if (c->state == SC_AUTH && c->owner) { /* AUTH, then the sealed CONSUMER */
+        kvc_wire_hdr_t h2;
+        st = kvc_wire_parse_hdr(c->in + full, c->in_len - full, KVC_WIRE_MAX_HELLO, &h2);
+        if (st == KVC_AGAIN) {
+            if (eof) sconn_drop(a, c, "truncated message");
+            return;
+        }
+        if (st != KVC_OK || h2.version != a->wire_version || h2.type != KVC_MSG_SEALED) {
+            sconn_drop(a, c, "malformed consumer message");
+            return;
+        }
+        full += KVC_WIRE_HDR_LEN + h2.body_len;
+        if (c->in_len < full) {
+            if (eof) sconn_drop(a, c, "truncated message");
+            return;
+        }
+    }
     if (c->in_len > full) {
         /* Each message waits for the answer to the previous one: more bytes
          * are a client that does not follow the protocol. */
@@ -472,7 +534,7 @@ void kvc_sconn_io(kvc_agent_t *a, kvc_sconn_t *c, uint32_t events) {
     if (c->state == SC_HELLO)
         on_hello(a, c, c->in + KVC_WIRE_HDR_LEN, h.body_len);
     else
-        on_auth(a, c, c->in + KVC_WIRE_HDR_LEN, h.body_len);
+        on_auth(a, c, c->in + KVC_WIRE_HDR_LEN, h.body_len, c->in + auth_len, full - auth_len);
     if (!sconn_alive(a, c)) return; /* on_* closed it */
     c->in_len = 0;
     if (eof && c->state != SC_CLOSING) {

@@ -512,6 +512,23 @@ static void on_challenge(kvc_agent_t *a, kvc_peer_t *p, const uint8_t *body, siz
         peer_fail(a, p, KVC_ERR_IO, "cannot derive the side channel's keys (OpenSSL)");
         return;
     }
+    /* A producer that takes our worker address (KVC_HFLAG_OWNER) answers our
+     * pulls on an endpoint of its own: the address goes sealed, right
+     * after AUTH, before its HANDSHAKE can let us pull. */
+    p->owner = (h.flags & KVC_HFLAG_OWNER) != 0;
+    if (p->owner) {
+        kvc_buf_t inner = {0};
+        kvc_wire_encode_consumer(&inner, a->wire_version, a->nonce, a->worker_addr,
+                                 a->worker_addr_len);
+        kvc_status_t st = inner.failed ? KVC_ERR_NO_MEMORY
+                                       : kvc_chan_seal(&p->chan, &p->out, a->wire_version, inner.p,
+                                                       inner.len);
+        kvc_buf_cleanup(&inner);
+        if (st != KVC_OK || p->out.failed) {
+            peer_fail(a, p, KVC_ERR_NO_MEMORY, "cannot seal the consumer message");
+            return;
+        }
+    }
     p->state = PEER_AUTH;
     kvc_ep_mod(a, p->fd, EPOLLOUT | EPOLLIN | EPOLLRDHUP, &p->pe);
 }
@@ -596,7 +613,8 @@ void kvc_peer_io(kvc_agent_t *a, kvc_peer_t *p, uint32_t events) {
             return;
         }
         kvc_wire_encode_hello(&p->out, a->wire_version, KVC_MSG_HELLO, a->engine_id,
-                              a->secret ? KVC_HFLAG_SECRET : 0, p->nonce_c);
+                              (uint8_t)((a->secret ? KVC_HFLAG_SECRET : 0) | KVC_HFLAG_OWNER),
+                              p->nonce_c);
         if (p->out.failed) {
             peer_fail(a, p, KVC_ERR_NO_MEMORY, "out of memory");
             return;

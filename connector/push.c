@@ -34,7 +34,9 @@ typedef struct kvc_push_job {
  * refuses it.  Bounded in count (per endpoint and in total) and bytes. */
 typedef struct kvc_pending {
     struct kvc_pending *next;
-    ucp_ep_h ep;      /* borrowed: UCX's reply endpoint of the consumer */
+    kvc_cons_t *cons; /* referenced: its consumer (KVC_HFLAG_OWNER), or NULL: */
+    ucp_ep_h ep;      /* borrowed: UCX's reply endpoint of an older consumer (may be
+                         destroyed by UCX when that consumer leaves) */
     uint8_t *msg;     /* owned: the pull as received */
     size_t len;
     char *id;         /* owned: its request id */
@@ -144,18 +146,18 @@ static void pull_deny(kvc_agent_t *a, ucp_ep_h ep, const kvc_wire_pull_t *pl, co
  * only its blocks and no more of them than it holds, within the pulls per
  * publication and the bytes in flight.  Refuses it (DENIED, counted, logged)
  * and returns NULL otherwise; *bytes: what serving it sends. */
-static bool pending_add(kvc_agent_t *a, ucp_ep_h ep, const kvc_wire_pull_t *pl, const void *msg,
-                        size_t len);
+static bool pending_add(kvc_agent_t *a, kvc_cons_t *cons, ucp_ep_h ep, const kvc_wire_pull_t *pl,
+                        const void *msg, size_t len);
 static void pull_end(kvc_agent_t *a, ucp_ep_h ep, const kvc_wire_pull_t *pl);
 
-static kvc_pub_t *pull_check(kvc_agent_t *a, ucp_ep_h ep, const kvc_wire_pull_t *pl,
+static kvc_pub_t *pull_check(kvc_agent_t *a, kvc_cons_t *cons, ucp_ep_h ep, const kvc_wire_pull_t *pl,
                              uint64_t *bytes, const void *msg, size_t msg_len) {
     kvc_pub_t *pub = kvc_pubtab_find(&a->pubs, (const char *)pl->request_id.p, pl->request_id.len);
     /* Push-mode registration: a fetch that came before its publication is
      * held (bounded) unless that publication already ended. */
     if (!pub && msg && (pl->flags & KVC_PULL_WAIT) && a->pending_fetch_ms &&
         !kvc_token_recall(a, pl->request_id, pl->pub_token)) {
-        if (pending_add(a, ep, pl, msg, msg_len)) return NULL;
+        if (pending_add(a, cons, ep, pl, msg, msg_len)) return NULL;
     }
     /* A notify-only registration for a publication that already ended: its
      * notification goes out and is taken as a late one (notify.c). */
@@ -401,10 +403,13 @@ static bool tail_resolve(kvc_agent_t *a, kvc_wire_pull_t *pl) {
     return true;
 }
 
-/* One parsed pull from ep; msg/len: its bytes (kept if it is held for its
- * publication), NULL when it is served from the held list. */
-static void pull_serve(kvc_agent_t *a, ucp_ep_h ep, kvc_wire_pull_t *pl, const void *msg,
-                       size_t len) {
+/* One parsed pull from consumer cons (NULL: an older consumer, whose held
+ * and staged pulls keep UCX's reply endpoint), answered now on ep (the
+ * reply endpoint in the AM callback, cons's own endpoint later); msg/len:
+ * its bytes (kept if it is held for its publication), NULL when it is
+ * served from the held list. */
+static void pull_serve(kvc_agent_t *a, kvc_cons_t *cons, ucp_ep_h ep, kvc_wire_pull_t *pl,
+                       const void *msg, size_t len) {
     uint64_t bytes = 0;
     if (pl->flags & KVC_PULL_RENEW) {
         pull_renew(a, pl);
@@ -418,14 +423,14 @@ static void pull_serve(kvc_agent_t *a, ucp_ep_h ep, kvc_wire_pull_t *pl, const v
         pull_deny(a, ep, pl, "more blocks asked for than the publication holds");
         return;
     }
-    kvc_pub_t *pub = pull_check(a, ep, pl, &bytes, msg, len);
+    kvc_pub_t *pub = pull_check(a, cons, ep, pl, &bytes, msg, len);
     if (pub && (pl->flags & KVC_PULL_HOLD))
         pull_hold(a, ep, pl, pub);
     else if (pub && pl->n == 0) /* a notify-only fetch's registration: published now */
         pull_ready(a, ep, pl, pub);
     else if (pub && a->n_staged) { /* through the pinned pool, pipelined (stage.c) */
         pub->pulls++;
-        kvc_stage_push(a, ep, pl, pl->runs, pl->n);
+        kvc_stage_push(a, cons, ep, pl, pl->runs, pl->n);
         pl->runs = NULL; /* the staged job owns them now */
     } else if (pub)
         pull_issue(a, ep, pl, pub, bytes);
@@ -437,16 +442,17 @@ static void pull_serve(kvc_agent_t *a, ucp_ep_h ep, kvc_wire_pull_t *pl, const v
 static void pending_free(kvc_agent_t *a, pending_t *p) {
     a->n_pending--;
     a->pending_bytes -= p->len;
+    if (p->cons) kvc_cons_unref(p->cons);
     free(p->msg);
     free(p->id);
     free(p);
 }
 
-static bool pending_add(kvc_agent_t *a, ucp_ep_h ep, const kvc_wire_pull_t *pl, const void *msg,
-                        size_t len) {
+static bool pending_add(kvc_agent_t *a, kvc_cons_t *cons, ucp_ep_h ep, const kvc_wire_pull_t *pl,
+                        const void *msg, size_t len) {
     size_t per_ep = 0;
     for (pending_t *p = a->pending; p; p = p->next)
-        per_ep += p->ep == ep;
+        per_ep += cons ? p->cons == cons : p->ep == ep;
     const char *why = NULL;
     if (a->n_pending >= a->max_pending)
         why = "too many held registrations";
@@ -462,6 +468,10 @@ static bool pending_add(kvc_agent_t *a, ucp_ep_h ep, const kvc_wire_pull_t *pl, 
         push_refuse(a, ep, pl, KVC_ERR_BUSY);
         return true; /* answered */
     }
+    if (cons && !kvc_cons_ep(cons)) {
+        push_refuse(a, ep, pl, KVC_ERR_TRANSPORT);
+        return true;
+    }
     pending_t *p = calloc(1, sizeof(*p));
     if (!p || !(p->msg = malloc(len)) ||
         !(p->id = kvc_strndup((const char *)pl->request_id.p, pl->request_id.len))) {
@@ -472,7 +482,9 @@ static bool pending_add(kvc_agent_t *a, ucp_ep_h ep, const kvc_wire_pull_t *pl, 
     }
     memcpy(p->msg, msg, len);
     p->len = len;
-    p->ep = ep;
+    p->ep = cons ? NULL : ep;
+    p->cons = cons;
+    if (cons) kvc_cons_ref(cons);
     uint32_t ms = pl->wait_ms && pl->wait_ms < a->pending_fetch_ms ? pl->wait_ms : a->pending_fetch_ms;
     p->deadline_ns = kvc_now_ns() + (uint64_t)ms * 1000000ull;
     p->next = a->pending;
@@ -492,7 +504,8 @@ static void pending_serve(kvc_agent_t *a) {
     pending_t **pp = &a->pending;
     while (*pp) {
         pending_t *p = *pp;
-        if (!kvc_pubtab_find(&a->pubs, p->id, strlen(p->id))) {
+        /* A dead consumer's pulls wait for kvc_cons_sweep to drop them. */
+        if ((p->cons && p->cons->dead) || !kvc_pubtab_find(&a->pubs, p->id, strlen(p->id))) {
             pp = &p->next;
             continue;
         }
@@ -502,7 +515,7 @@ static void pending_serve(kvc_agent_t *a) {
             a->stats[KVC_STAT_PENDING_SERVED]++;
             KVC_LOG(a, KVC_LOG_DEBUG, "push: held fetch %llu for req=%s served on publish",
                     (unsigned long long)pl.xfer_id, p->id);
-            pull_serve(a, p->ep, &pl, NULL, 0);
+            pull_serve(a, p->cons, p->cons ? p->cons->ep : p->ep, &pl, NULL, 0);
             free(pl.runs);
         }
         pending_free(a, p);
@@ -510,7 +523,25 @@ static void pending_serve(kvc_agent_t *a) {
     a->stats[KVC_STAT_PENDING_FETCHES] = a->n_pending;
 }
 
+/* Drops the held pulls of consumers whose endpoint failed (consumer.c):
+ * nobody to answer; their count and bytes are returned. */
+static void pending_drop_dead(kvc_agent_t *a) {
+    pending_t **pp = &a->pending;
+    while (*pp) {
+        pending_t *p = *pp;
+        if (!p->cons || !p->cons->dead) {
+            pp = &p->next;
+            continue;
+        }
+        *pp = p->next;
+        KVC_LOG(a, KVC_LOG_WARN, "push: consumer %s gone, held fetch for req=%s dropped",
+                p->cons->engine_id, p->id);
+        pending_free(a, p);
+    }
+}
+
 void kvc_pending_timers(kvc_agent_t *a, uint64_t now, uint64_t *next) {
+    pending_drop_dead(a);
     if (a->pending_check) pending_serve(a);
     pending_t **pp = &a->pending;
     while (*pp) {
@@ -522,12 +553,14 @@ void kvc_pending_timers(kvc_agent_t *a, uint64_t now, uint64_t *next) {
         }
         *pp = p->next;
         kvc_wire_pull_t pl;
-        if (kvc_wire_parse_pull(p->msg, p->len, &pl) == KVC_OK) {
+        if (p->cons && p->cons->dead) {
+            /* nobody to answer */
+        } else if (kvc_wire_parse_pull(p->msg, p->len, &pl) == KVC_OK) {
             a->stats[KVC_STAT_PENDING_EXPIRED]++;
             KVC_LOG(a, KVC_LOG_WARN,
                     "push: fetch %llu registered for req=%s never met its publication, refused",
                     (unsigned long long)pl.xfer_id, p->id);
-            push_refuse(a, p->ep, &pl, KVC_ERR_TIMED_OUT);
+            push_refuse(a, p->cons ? p->cons->ep : p->ep, &pl, KVC_ERR_TIMED_OUT);
             free(pl.runs);
         }
         pending_free(a, p);
@@ -552,10 +585,32 @@ static ucs_status_t pull_cb(void *arg, const void *header, size_t hlen, void *da
             KVC_LOG(a, KVC_LOG_WARN, "push: malformed pull request (%zu bytes), dropped", len);
         return UCS_OK;
     }
-    pull_serve(a, param->reply_ep, &pl, data, len);
+    kvc_cons_t *c = NULL;
+    if (pl.flags & KVC_PULL_CONS) {
+        /* What is sent in this callback goes on the reply endpoint (valid
+         * until we return; UCX ends the sends still queued on it if it goes,
+         * and a consumer that closes its endpoint cancels them); whatever is
+         * sent later (a held pull, a staged job) on our own endpoint to the
+         * consumer, which the jobs reference. */
+        if (!(c = kvc_cons_find(a, pl.cons_key))) {
+            a->stats[KVC_STAT_DENIED]++;
+            if (kvc_log_ratelimit(a, KVC_RL_DENIED))
+                KVC_LOG(a, KVC_LOG_WARN,
+                        "push: pull for req=%.*s from an unknown or lost consumer (key %016llx), "
+                        "refused",
+                        (int)pl.request_id.len, (const char *)pl.request_id.p,
+                        (unsigned long long)pl.cons_key);
+            push_refuse(a, param->reply_ep, &pl, KVC_ERR_PEER_FAILED);
+            free(pl.runs);
+            return UCS_OK;
+        }
+    }
+    pull_serve(a, c, param->reply_ep, &pl, data, len);
     free(pl.runs);
     return UCS_OK;
 }
+
+
 
 kvc_status_t kvc_push_register_am(kvc_agent_t *a) {
     return kvc_set_am_handler(a, KVC_AM_PULL, pull_cb);

@@ -60,7 +60,8 @@ typedef struct {
 
 struct sjob {
     sjob_t *next;
-    ucp_ep_h ep;  /* borrowed: the worker's reply endpoint of the consumer */
+    kvc_cons_t *cons; /* referenced: its consumer (KVC_HFLAG_OWNER), or NULL: */
+    ucp_ep_h ep;      /* borrowed: UCX's reply endpoint of an older consumer */
     char *pub_id; /* owned: the publication pulled */
     uint8_t pub_token[KVC_TOKEN_LEN];
     uint64_t xid;
@@ -73,6 +74,7 @@ struct sjob {
     uint64_t sent;   /* DATA messages issued */
     size_t inflight; /* slots and sends of this job not done */
     bool failed, ended;
+    bool gone; /* its consumer's endpoint failed: nothing more is sent */
     kvc_status_t fail_st;
 };
 
@@ -269,23 +271,44 @@ static void send_msg(kvc_agent_t *a, ucp_ep_h ep, sjob_t *j, slot_t *slot,
     a->push_inflight++;
     if (j) j->inflight++;
     if (slot) slot->state = S_SEND;
+    if (!ep) { /* its consumer's endpoint was closed (consumer.c) */
+        send_done(NULL, UCS_ERR_CANCELED, c);
+        return;
+    }
     ucs_status_ptr_t r =
         ucp_am_send_nbx(ep, KVC_AM_DATA, c->hdr, KVC_WIRE_DATA_HDR_LEN, data, data ? len : 0, &rp);
     if (UCS_PTR_IS_PTR(r)) return;
     send_done(NULL, UCS_PTR_STATUS(r), c);
 }
 
-static void job_hdr(kvc_agent_t *a, sjob_t *j, uint32_t region, int32_t status, uint64_t count) {
-    kvc_wire_data_hdr_t h = {j->xid, region, status, 0, count, {0}};
-    memcpy(h.token, j->token, KVC_TOKEN_LEN);
-    send_msg(a, j->ep, NULL, NULL, &h, NULL, 0);
+static ucp_ep_h job_ep(const sjob_t *j) {
+    return j->cons ? j->cons->ep : j->ep;
 }
 
-void kvc_stage_push(kvc_agent_t *a, ucp_ep_h ep, const kvc_wire_pull_t *pl, kvc_run_t *runs,
-                    size_t n) {
+static void job_hdr(kvc_agent_t *a, sjob_t *j, uint32_t region, int32_t status, uint64_t count) {
+    if (j->gone) return;
+    kvc_wire_data_hdr_t h = {j->xid, region, status, 0, count, {0}};
+    memcpy(h.token, j->token, KVC_TOKEN_LEN);
+    send_msg(a, job_ep(j), NULL, NULL, &h, NULL, 0);
+}
+
+/* Its consumer's endpoint failed (consumer.c): the job fails here and
+ * sends nothing more; chunks in flight end as their sends are cancelled. */
+static void job_check_gone(kvc_agent_t *a, sjob_t *j) {
+    if (j->gone || !j->cons || !j->cons->dead) return;
+    j->gone = true;
+    if (!j->failed) {
+        j->failed = true;
+        j->fail_st = KVC_ERR_PEER_FAILED;
+    }
+    KVC_LOG(a, KVC_LOG_WARN, "push (staged) req=%s: consumer gone, job dropped", j->pub_id);
+}
+
+void kvc_stage_push(kvc_agent_t *a, kvc_cons_t *cons, ucp_ep_h ep, const kvc_wire_pull_t *pl,
+                    kvc_run_t *runs, size_t n) {
     sjob_t *j = calloc(1, sizeof(*j));
     if (j) j->pub_id = kvc_strndup((const char *)pl->request_id.p, pl->request_id.len);
-    if (!j || !j->pub_id || !a->stage) {
+    if (!j || !j->pub_id || !a->stage || (cons && !kvc_cons_ep(cons))) {
         if (j) free(j->pub_id);
         free(j);
         free(runs);
@@ -294,7 +317,9 @@ void kvc_stage_push(kvc_agent_t *a, ucp_ep_h ep, const kvc_wire_pull_t *pl, kvc_
         send_msg(a, ep, NULL, NULL, &h, NULL, 0);
         return;
     }
-    j->ep = ep;
+    j->ep = cons ? NULL : ep;
+    j->cons = cons;
+    if (cons) kvc_cons_ref(cons);
     memcpy(j->pub_token, pl->pub_token, KVC_TOKEN_LEN);
     j->xid = pl->xfer_id;
     memcpy(j->token, pl->xfer_token, KVC_TOKEN_LEN);
@@ -361,7 +386,7 @@ static bool job_start(kvc_agent_t *a, sjob_t *j) {
             sl->local = h.local_start;
             j->inflight++;
         } else {
-            send_msg(a, j->ep, j, NULL, &h, (const uint8_t *)rg->base + src_off, len);
+            send_msg(a, job_ep(j), j, NULL, &h, (const uint8_t *)rg->base + src_off, len);
         }
         j->sent++;
         j->off += cnt;
@@ -505,6 +530,7 @@ void kvc_stage_progress(kvc_agent_t *a, uint64_t now, uint64_t *next) {
                 break;
             }
             j->inflight--;
+            job_check_gone(a, j);
             if (r < 0 || j->failed || !job_live(a, j)) {
                 if (r < 0) {
                     KVC_LOG(a, KVC_LOG_WARN, "push (staged): device->pool copy: %s",
@@ -520,7 +546,7 @@ void kvc_stage_progress(kvc_agent_t *a, uint64_t now, uint64_t *next) {
             kvc_wire_data_hdr_t h = {
                 j->xid, sl->region, 0, sl->local, sl->len / a->regions[sl->region].block_len, {0}};
             memcpy(h.token, j->token, KVC_TOKEN_LEN);
-            send_msg(a, j->ep, j, sl, &h, sl->p, sl->len);
+            send_msg(a, job_ep(j), j, sl, &h, sl->p, sl->len);
             break;
         }
         default:
@@ -548,6 +574,7 @@ void kvc_stage_progress(kvc_agent_t *a, uint64_t now, uint64_t *next) {
     sjob_t **pp = &s->jobs, *prev = NULL;
     while (*pp) {
         sjob_t *j = *pp;
+        job_check_gone(a, j);
         if (job_start(a, j)) pending = true;
         if (j->inflight || (!j->failed && j->ri < j->n)) {
             prev = j;
@@ -560,6 +587,7 @@ void kvc_stage_progress(kvc_agent_t *a, uint64_t now, uint64_t *next) {
             job_hdr(a, j, KVC_DATA_END, 0, j->sent);
         *pp = j->next;
         if (s->jobs_tail == j) s->jobs_tail = prev;
+        if (j->cons) kvc_cons_unref(j->cons);
         free(j->runs);
         free(j->pub_id);
         free(j);

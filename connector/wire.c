@@ -220,6 +220,27 @@ kvc_status_t kvc_wire_parse_hello(const uint8_t *body, size_t len, kvc_wire_hell
     return KVC_OK;
 }
 
+void kvc_wire_encode_consumer(kvc_buf_t *b, uint16_t version, uint64_t key, const void *addr,
+                              size_t addr_len) {
+    size_t start = b->len;
+    put_hdr(b, version, KVC_MSG_CONSUMER);
+    kvc_buf_u64(b, key);
+    put_blob32(b, addr, addr_len);
+    kvc_wire_end_msg(b, start);
+}
+
+kvc_status_t kvc_wire_parse_consumer(const uint8_t *p, size_t len, uint64_t *key,
+                                     kvc_span_t *addr) {
+    rd_t r = {p, len, 0, false};
+    uint64_t k = rd_uint(&r, 8);
+    kvc_span_t a = rd_blob32(&r);
+    if (r.bad || r.off != len || a.len == 0 || a.len > KVC_WIRE_MAX_CONS_ADDR)
+        return KVC_ERR_PROTOCOL;
+    *key = k;
+    *addr = a;
+    return KVC_OK;
+}
+
 void kvc_wire_encode_auth(kvc_buf_t *b, uint16_t version, uint8_t proto,
                           const uint8_t mac[KVC_MAC_LEN]) {
     size_t start = b->len;
@@ -357,6 +378,7 @@ void kvc_wire_encode_pull(kvc_buf_t *b, const kvc_wire_pull_t *pl) {
         kvc_buf_u32(b, pl->part);
         kvc_buf_u32(b, 0);
     }
+    if (pl->flags & KVC_PULL_CONS) kvc_buf_u64(b, pl->cons_key);
 }
 
 kvc_status_t kvc_wire_parse_pull(const uint8_t *p, size_t len, kvc_wire_pull_t *pl) {
@@ -372,6 +394,12 @@ kvc_status_t kvc_wire_parse_pull(const uint8_t *p, size_t len, kvc_wire_pull_t *
     t.tp = (uint32_t)rd_uint(&r, 4);
     t.request_id = rd_str16(&r);
     t.parts = 1;
+    if ((t.flags & KVC_PULL_CONS) && !r.bad) {
+        if (len - r.off < KVC_PULL_CONS_LEN) return KVC_ERR_PROTOCOL;
+        rd_t e = {p + len - KVC_PULL_CONS_LEN, KVC_PULL_CONS_LEN, 0, false};
+        t.cons_key = rd_uint(&e, 8);
+        len -= KVC_PULL_CONS_LEN;
+    }
     if ((t.flags & KVC_PULL_EXT) && !r.bad) {
         if (len - r.off < KVC_PULL_EXT_LEN) return KVC_ERR_PROTOCOL;
         rd_t e = {p + len - KVC_PULL_EXT_LEN, KVC_PULL_EXT_LEN, 0, false};

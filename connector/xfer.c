@@ -329,6 +329,10 @@ static void send_pull(kvc_agent_t *a, kvc_xfer_t *x, uint16_t flags) {
         pl.wait_ms = x->wait_ms;
     }
     if ((pl.flags & KVC_PULL_WAIT) || x->rparts > 1) pl.flags |= KVC_PULL_EXT;
+    if (x->peer->owner) { /* answered on the producer's own endpoint to us */
+        pl.flags |= KVC_PULL_CONS;
+        pl.cons_key = a->nonce;
+    }
     memcpy(pl.xfer_token, x->xfer_token, KVC_TOKEN_LEN);
     memcpy(pl.pub_token, x->pub_token, KVC_TOKEN_LEN);
     kvc_buf_cleanup(&x->pull);

@@ -740,6 +740,9 @@ typedef enum {
     KVC_STAT_LEASE_EXPIRED = 25,       /**< producer: publications freed for a missed lease
                                             (also counted in KVC_STAT_EXPIRED) */
     KVC_STAT_FETCH_CANCELED = 26,      /**< consumer: fetches cancelled (kvc_fetch_cancel) */
+    KVC_STAT_CONSUMERS_LOST = 27,      /**< producer: consumers whose endpoint failed (closed
+                                            or died); their held and staged pulls dropped */
+    KVC_STAT_LAST = KVC_STAT_CONSUMERS_LOST
 } kvc_stat_t;
 
 /** Bits of KVC_STAT_TRANSPORTS.  Values are stable. */

@@ -1,0 +1,209 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/* The producer's endpoints to its consumers.
+ *
+ * UCX hands an AM callback a reply endpoint, but that endpoint is UCX's:
+ * one it created for the remote worker, which it destroys when that peer
+ * closes or fails (UCX 1.13, ucp_ep.c ucp_ep_set_failed: "destroy endpoint
+ * which is not exposed to a user due to peer failure").  Whatever the
+ * producer sends after the callback (a held pull served on publish, staged
+ * chunks, pushes) must therefore go on an endpoint it owns.  A consumer
+ * that says KVC_HFLAG_OWNER sends its worker address (sealed, after AUTH);
+ * the producer keeps it under the consumer's key, which every pull of that
+ * consumer names, and opens an endpoint to it, with its own error handler,
+ * the first time it keeps a pull of that consumer past the callback (held
+ * or staged).  Pulls answered at once stay on the reply endpoint: a
+ * connection of our own beside the consumer's would keep that one's
+ * transport up when the consumer closes its endpoint to cancel a fetch
+ * (UCX tcp shares one socket between the two directions).  When the
+ * endpoint fails the record is marked dead: push.c drops its held pulls
+ * (their bounds and counts returned) and stage.c its staged jobs on their
+ * next turn, and this file's sweep closes the endpoint with force (sends in flight complete as cancelled,
+ * which ends their push jobs and hands blocks back), and the record is
+ * freed once nothing references it.
+ *
+ * The producer connects only to a worker address that came inside the
+ * authenticated, sealed side channel (a relay cannot substitute one); with
+ * no cluster secret, any client that reaches the side channel could name an
+ * address, as it could already pull anything published. */
+#include "connector/kvc_int.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+static void cons_free(kvc_cons_t *c) {
+    free(c->addr);
+    free(c->engine_id);
+    free(c);
+}
+
+static void *ep_close_force(ucp_ep_h ep) {
+    ucp_request_param_t rp;
+    memset(&rp, 0, sizeof(rp));
+    rp.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+    rp.flags = UCP_EP_CLOSE_FLAG_FORCE;
+    void *req = ucp_ep_close_nbx(ep, &rp);
+    return UCS_PTR_IS_PTR(req) ? req : NULL;
+}
+
+/* Runs from ucp_worker_progress: only marks (the sweep does the rest, never
+ * inside a UCX callback). */
+static void cons_err_cb(void *arg, ucp_ep_h ep, ucs_status_t us) {
+    (void)ep;
+    kvc_cons_t *c = arg;
+    kvc_agent_t *a = c->a;
+    if (c->dead) return;
+    c->dead = true;
+    a->cons_check = true;
+    a->stats[KVC_STAT_CONSUMERS_LOST]++;
+    KVC_LOG(a, KVC_LOG_INFO, "consumer %s (key %016llx): endpoint failed: %s",
+            c->engine_id ? c->engine_id : "?", (unsigned long long)c->key,
+            ucs_status_string(us));
+    kvc_wake(a);
+}
+
+kvc_cons_t *kvc_cons_find(kvc_agent_t *a, uint64_t key) {
+    for (kvc_cons_t *c = a->conss; c; c = c->next)
+        if (c->key == key && !c->dead) return c;
+    return NULL;
+}
+
+void kvc_cons_ref(kvc_cons_t *c) {
+    c->refs++;
+}
+
+void kvc_cons_unref(kvc_cons_t *c) {
+    if (--c->refs > 0) return;
+    /* Only unlisted records reach 0 (the list holds a reference), and those
+     * had their endpoint close started; a close still running keeps it. */
+    if (c->close_req) {
+        c->refs = 1; /* the sweep finishes it */
+        return;
+    }
+    cons_free(c);
+}
+
+kvc_status_t kvc_cons_attach(kvc_agent_t *a, uint64_t key, const uint8_t *addr, size_t addr_len,
+                             const char *engine_id) {
+    /* A consumer handshakes again only after it gave up its previous
+     * endpoint to us (failed, cancelled, idle): the connection under our
+     * endpoint to it may be going down with that one, so each handshake
+     * gets a fresh endpoint and the key's older record is retired. */
+    kvc_cons_t *old = kvc_cons_find(a, key);
+    if (a->n_cons >= KVC_MAX_CONSUMERS) return KVC_ERR_BUSY;
+    kvc_cons_t *c = calloc(1, sizeof(*c));
+    if (!c || !(c->addr = malloc(addr_len)) || !(c->engine_id = kvc_strdup(engine_id))) {
+        if (c) free(c->addr);
+        free(c);
+        return KVC_ERR_NO_MEMORY;
+    }
+    memcpy(c->addr, addr, addr_len);
+    c->addr_len = addr_len;
+    c->a = a;
+    c->key = key;
+    if (old) {
+        old->dead = true;
+        a->cons_check = true;
+    }
+    c->refs = 1;
+    c->next = a->conss;
+    a->conss = c;
+    a->n_cons++;
+    KVC_LOG(a, KVC_LOG_DEBUG, "consumer %s (key %016llx) known", engine_id,
+            (unsigned long long)key);
+    return KVC_OK;
+}
+
+ucp_ep_h kvc_cons_ep(kvc_cons_t *c) {
+    if (c->ep || c->dead) return c->ep;
+    kvc_agent_t *a = c->a;
+    ucp_ep_params_t ep;
+    memset(&ep, 0, sizeof(ep));
+    ep.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
+                    UCP_EP_PARAM_FIELD_ERR_HANDLER;
+    ep.address = (const ucp_address_t *)c->addr;
+    ep.err_mode = UCP_ERR_HANDLING_MODE_PEER;
+    ep.err_handler.cb = cons_err_cb;
+    ep.err_handler.arg = c;
+    ucs_status_t us = ucp_ep_create(a->worker, &ep, &c->ep);
+    if (us != UCS_OK) {
+        /* As peer.c: transports without peer-failure support (sm alone).
+         * The endpoint is still ours, so sends on it stay safe; a dead
+         * consumer is then only noticed by failed sends. */
+        ep.err_mode = UCP_ERR_HANDLING_MODE_NONE;
+        us = ucp_ep_create(a->worker, &ep, &c->ep);
+    }
+    if (us != UCS_OK) {
+        c->ep = NULL;
+        KVC_LOG(a, KVC_LOG_WARN, "consumer %s: endpoint to its worker: %s", c->engine_id,
+                ucs_status_string(us));
+        return NULL;
+    }
+    KVC_LOG(a, KVC_LOG_DEBUG, "consumer %s (key %016llx): endpoint of our own to its worker",
+            c->engine_id, (unsigned long long)c->key);
+    return c->ep;
+}
+
+void kvc_cons_sweep(kvc_agent_t *a) {
+    if (!a->cons_check) return;
+    a->cons_check = false;
+    kvc_cons_t **pp = &a->conss;
+    while (*pp) {
+        kvc_cons_t *c = *pp;
+        if (!c->dead) {
+            pp = &c->next;
+            continue;
+        }
+        if (c->ep) {
+            c->close_req = ep_close_force(c->ep);
+            c->ep = NULL;
+        }
+        if (c->close_req) { /* stays listed until the close completes */
+            if (ucp_request_check_status(c->close_req) == UCS_INPROGRESS) {
+                a->cons_check = true;
+                kvc_wake(a);
+                pp = &c->next;
+                continue;
+            }
+            ucp_request_free(c->close_req);
+            c->close_req = NULL;
+        }
+        *pp = c->next;
+        a->n_cons--;
+        kvc_cons_unref(c);
+    }
+}
+
+void kvc_cons_close_all(kvc_agent_t *a) {
+    for (kvc_cons_t *c = a->conss; c; c = c->next) {
+        c->dead = true;
+        if (c->ep) {
+            c->close_req = ep_close_force(c->ep);
+            c->ep = NULL;
+        }
+    }
+    /* Bounded: a close that does not complete is released with the worker. */
+    uint64_t until = kvc_now_ns() + 1000000000ull;
+    for (;;) {
+        bool busy = false;
+        for (kvc_cons_t *c = a->conss; c; c = c->next)
+            if (c->close_req) {
+                if (ucp_request_check_status(c->close_req) == UCS_INPROGRESS) {
+                    busy = true;
+                    continue;
+                }
+                ucp_request_free(c->close_req);
+                c->close_req = NULL;
+            }
+        if (!busy || kvc_now_ns() >= until) break;
+        ucp_worker_progress(a->worker);
+    }
+}
+
+void kvc_cons_destroy(kvc_agent_t *a) {
+    while (a->conss) {
+        kvc_cons_t *c = a->conss;
+        a->conss = c->next;
+        cons_free(c); /* jobs that referenced it are gone already */
+    }
+    a->n_cons = 0;
+}

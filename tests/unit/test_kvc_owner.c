@@ -1,0 +1,109 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/* Endpoint ownership on the producer: a consumer that goes away while the
+ * producer still owes it something (a held registration, pushes in flight)
+ * must not make the producer send on an endpoint UCX has destroyed.  UCX
+ * 1.13 destroys an endpoint it created for a remote peer (the AM reply
+ * endpoint) when that peer fails or closes (ucp_ep.c, ucp_ep_set_failed),
+ * so a send on a kept reply endpoint reads freed memory.
+ *
+ * Two agents in this process on loopback tcp: the consumer registers, then
+ * its agent is destroyed (worker and endpoints gone, as after a kill); the
+ * producer goes on: publishes, serves, releases.  Under ASan a send on a
+ * freed endpoint is a heap-use-after-free.  Loops are bounded in time. */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+/* cmocka needs the headers above first */
+#include <cmocka.h>
+
+#include "tests/unit/kvc_fixture.h"
+
+/* Pumps the producer alone for ms (the consumer is gone). */
+static void pump_alone(side_t *P, uint64_t ms) {
+    uint64_t t0 = kvc_now_ns();
+    while (kvc_now_ns() - t0 < ms * 1000000ull)
+        pump_once(P);
+}
+
+#define PUMP_ONE_UNTIL(P, cond, ms)                                                                \
+    do {                                                                                           \
+        uint64_t t0_ = kvc_now_ns();                                                               \
+        while (!(cond)) {                                                                          \
+            assert_true(kvc_now_ns() - t0_ < (uint64_t)(ms)*1000000ull);                           \
+            pump_once(P);                                                                          \
+        }                                                                                          \
+    } while (0)
+
+/* A held registration whose consumer leaves before the publication: the
+ * producer drops it (its count and bytes returned), serves nobody, and the
+ * publication's blocks still come back. */
+static void held_then_gone(int rounds) {
+    for (int k = 0; k < rounds; k++) {
+        side_t P, D;
+        side_init(&P, &(opts_t){.name = "own-P", .nb = 32, .bl = 8192});
+        side_init(&D, &(opts_t){.name = "own-D", .nb = 32, .bl = 8192});
+        char tok[33];
+        assert_int_equal(kvc_token_new(tok), KVC_OK);
+        uint64_t ids[4] = {3, 4, 5, 9}, lids[4] = {10, 11, 12, 20};
+        kvc_fetch_params_t w = {.wait_ms = 20000};
+        (void)fetch_p(&D, params_json("own-P", port_of(&P), "gone", ids, 4, tok), lids, 4,
+                      KVC_FETCH_FIELD_WAIT, &w);
+        PUMP_UNTIL(&P, &D, stat(&P, KVC_STAT_PENDING_FETCHES) == 1, 20000);
+        side_cleanup(&D);
+        /* The producer learns that its consumer is gone. */
+        PUMP_ONE_UNTIL(&P, stat(&P, KVC_STAT_CONSUMERS_LOST) == 1, 20000);
+        assert_int_equal(stat(&P, KVC_STAT_PENDING_FETCHES), 0);
+        for (int i = 0; i < 4; i++)
+            fill(&P, ids[i], 5);
+        publish_tok(&P, "gone", ids, 4, tok);
+        pump_alone(&P, 100);
+        assert_int_equal(stat(&P, KVC_STAT_PENDING_SERVED), 0);
+        /* No reader left: the blocks come back at once. */
+        assert_int_equal(kvc_unpublish(P.a, "gone"), KVC_OK);
+        side_cleanup(&P);
+    }
+}
+
+static void test_held_fetch_consumer_gone(void **state) {
+    (void)state;
+    held_then_gone(3);
+}
+
+/* Pushes in flight when the consumer leaves: they end (failed or
+ * cancelled), the publication's reader count drops, a release hands the
+ * blocks back. */
+static void test_push_consumer_gone(void **state) {
+    (void)state;
+    for (int k = 0; k < 3; k++) {
+        side_t P, D;
+        /* 2 regions x 64 blocks x 256 KiB: 32 MiB, many DATA messages. */
+        side_init(&P, &(opts_t){.name = "own-P", .nb = 64, .bl = 256 << 10});
+        side_init(&D, &(opts_t){.name = "own-D", .nb = 64, .bl = 256 << 10});
+        char tok[33];
+        assert_int_equal(kvc_token_new(tok), KVC_OK);
+        uint64_t ids[64];
+        for (int i = 0; i < 64; i++)
+            ids[i] = (uint64_t)i;
+        publish_tok(&P, "big", ids, 64, tok);
+        uint64_t x =
+            fetch_p(&D, params_json("own-P", port_of(&P), "big", ids, 64, tok), ids, 64, 0, NULL);
+        /* Until the producer has started sending (its push bytes count). */
+        PUMP_UNTIL(&P, &D, P.a->push_bytes > 0 || fetch_ev(&D, x), 20000);
+        side_cleanup(&D);
+        PUMP_ONE_UNTIL(&P, P.a->push_inflight == 0 && P.a->push_bytes == 0, 20000);
+        /* No push reads the blocks any more: released now (or already, by
+         * the consumer's notification when it finished before leaving). */
+        kvc_status_t st = kvc_unpublish(P.a, "big");
+        assert_true(st == KVC_OK || st == KVC_ERR_NOT_FOUND);
+        side_cleanup(&P);
+    }
+}
+
+int main(void) {
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_held_fetch_consumer_gone),
+        cmocka_unit_test(test_push_consumer_gone),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
