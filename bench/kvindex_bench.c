@@ -8,6 +8,8 @@
  *
  * Prints one line of key=value figures. Not a test: nothing is asserted. */
 #include <msgpack.h>
+#include <pthread.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -36,15 +38,50 @@ static long rss_kb(void) {
     return kb;
 }
 
+/* The decoder's output of one batch, kept past the callback so that the
+ * index insert is timed apart from the decoding. */
 typedef struct sink_ctx {
-    px_kvindex *x;
-    int slot;
+    uint64_t hashes[PER_EVENT], parent;
+    uint32_t tok[PER_EVENT * BS];
+    size_t n, block_size;
+    int has_parent;
 } sink_ctx;
 
 static void on_stored(void *arg, const px_kv_stored *s) {
     sink_ctx *c = arg;
-    px_kvindex_store(c->x, c->slot, s->hashes, s->n, s->has_parent, s->parent, s->tok,
-                     s->block_size, s->extra, NULL);
+    c->n = s->n < PER_EVENT ? s->n : PER_EVENT;
+    memcpy(c->hashes, s->hashes, c->n * sizeof *c->hashes);
+    memcpy(c->tok, s->tok, c->n * s->block_size * sizeof *c->tok);
+    c->block_size = s->block_size;
+    c->has_parent = s->has_parent;
+    c->parent = s->parent;
+}
+
+/* Ingestion that runs while picks are timed: stores and removes chains on
+ * backend 0 for as long as `stop` is 0. */
+typedef struct churn {
+    px_kvindex *x;
+    atomic_int stop;
+    size_t blocks;
+} churn;
+
+static void *churn_main(void *arg) {
+    churn *c = arg;
+    uint32_t tok[PER_EVENT * BS];
+    uint64_t eh[PER_EVENT];
+    uint64_t h = 1ull << 60;
+    int slot = px_kvindex_slot(c->x, "10.0.0.1:8000", 0);
+    while (!atomic_load(&c->stop)) {
+        for (int i = 0; i < PER_EVENT; i++)
+            eh[i] = h + (uint64_t)i;
+        for (int i = 0; i < PER_EVENT * BS; i++)
+            tok[i] = (uint32_t)(h >> 4) + (uint32_t)i;
+        px_kvindex_store(c->x, slot, eh, PER_EVENT, 0, 0, tok, BS, NULL, NULL);
+        px_kvindex_remove(c->x, slot, eh, PER_EVENT);
+        h += PER_EVENT;
+        c->blocks += PER_EVENT;
+    }
+    return NULL;
 }
 
 /* One batch: a chain of PER_EVENT blocks continuing `parent`. */
@@ -81,6 +118,27 @@ static int cmp_d(const void *a, const void *b) {
     return x < y ? -1 : x > y;
 }
 
+/* PICKS kv_aware decisions, their times in lat[]; returns the cache hits. */
+static size_t picks(px_pool *pool, px_kvindex *x, uint32_t *tok, size_t ptok, size_t per,
+                    double *lat, int n) {
+    size_t hits = 0;
+    for (int i = 0; i < n; i++) {
+        /* Sequence s's tokens: seq_tok values of the ingestion above. */
+        uint32_t base = 1000000u * (uint32_t)(1 + (size_t)i % (per / (8 * PER_EVENT)));
+        for (size_t j = 0; j < ptok; j++)
+            tok[j] = j < 8 * PER_EVENT * BS ? base + (uint32_t)j : 7u + (uint32_t)(i + (int)j);
+        size_t cached = 0;
+        px_pick k = {.kv = x, .tok = tok, .ntok = ptok, .cached = &cached};
+        double a = now_s();
+        px_backend *b = px_pool_pick(pool, &k, NULL);
+        lat[i] = now_s() - a;
+        hits += cached > 0;
+        px_backend_charge(b, -(long)ptok);
+        px_backend_done(pool, b, PX_OUT_OK);
+    }
+    return hits;
+}
+
 int main(int argc, char **argv) {
     size_t total = argc > 1 ? strtoul(argv[1], NULL, 10) : 1000000;
     size_t nb = argc > 2 ? strtoul(argv[2], NULL, 10) : 4;
@@ -93,12 +151,13 @@ int main(int argc, char **argv) {
     msgpack_sbuffer sb;
     msgpack_sbuffer_init(&sb);
     size_t per = total / nb, blocks = 0;
-    double t0 = now_s(), bytes_in = 0;
+    double t_dec = 0, t_ins = 0, bytes_in = 0;
     uint64_t h = 1;
     uint32_t seq_tok = 0;
     for (size_t b = 0; b < nb; b++) {
         snprintf(name, sizeof name, "10.0.0.%zu:8000", b + 1);
-        sink_ctx c = {x, px_kvindex_slot(x, name, 1)};
+        int slot = px_kvindex_slot(x, name, 1);
+        static sink_ctx c;
         px_kv_sink sink = {&c, on_stored, NULL, NULL};
         for (size_t k = 0; k < per; k += PER_EVENT) {
             int first = (k / PER_EVENT) % 8 == 0;
@@ -109,11 +168,18 @@ int main(int argc, char **argv) {
             bytes_in += (double)sb.size;
             size_t bad = 0;
             char err[64];
+            double a = now_s();
             px_kv_decode(sb.data, sb.size, &sink, &bad, err, sizeof err);
+            double m = now_s();
+            px_kvindex_store(x, slot, c.hashes, c.n, c.has_parent, c.parent, c.tok, c.block_size,
+                             NULL, NULL);
+            double e = now_s();
+            t_dec += m - a;
+            t_ins += e - m;
             blocks += PER_EVENT;
         }
     }
-    double t_ing = now_s() - t0;
+    double t_ing = t_dec + t_ins;
     px_kvindex_stats st;
     px_kvindex_totals(x, &st);
     long rss1 = rss_kb();
@@ -136,30 +202,29 @@ int main(int argc, char **argv) {
     px_pool_seal(&pool);
     uint32_t *tok = malloc(ptok * sizeof *tok);
     enum { PICKS = 20000 };
-    double *lat = malloc(PICKS * sizeof *lat);
-    size_t hits = 0;
-    for (int i = 0; i < PICKS; i++) {
-        /* Sequence s's tokens: seq_tok values of the ingestion above. */
-        uint32_t base = 1000000u * (uint32_t)(1 + (size_t)i % (per / (8 * PER_EVENT)));
-        for (size_t j = 0; j < ptok; j++)
-            tok[j] = j < 8 * PER_EVENT * BS ? base + (uint32_t)j : 7u + (uint32_t)(i + (int)j);
-        size_t cached = 0;
-        px_pick k = {.kv = x, .tok = tok, .ntok = ptok, .cached = &cached};
-        double a = now_s();
-        px_backend *b = px_pool_pick(&pool, &k, NULL);
-        lat[i] = now_s() - a;
-        hits += cached > 0;
-        px_backend_charge(b, -(long)ptok);
-        px_backend_done(&pool, b, PX_OUT_OK);
-    }
+    double *lat = malloc(PICKS * sizeof *lat), *lat_w = malloc(PICKS * sizeof *lat_w);
+    size_t hits = picks(&pool, x, tok, ptok, per, lat, PICKS);
+    /* The same picks while another thread ingests into backend 0. */
+    churn ch = {.x = x};
+    pthread_t th;
+    pthread_create(&th, NULL, churn_main, &ch);
+    picks(&pool, x, tok, ptok, per, lat_w, PICKS);
+    atomic_store(&ch.stop, 1);
+    pthread_join(th, NULL);
+    qsort(lat_w, PICKS, sizeof *lat_w, cmp_d);
     qsort(lat, PICKS, sizeof *lat, cmp_d);
     printf("blocks=%zu backends=%zu ingest_s=%.3f ingest_blocks_per_s=%.0f ingest_mb_per_s=%.1f "
+           "decode_blocks_per_s=%.0f insert_blocks_per_s=%.0f "
            "index_bytes=%zu bytes_per_block=%.1f rss_bytes_per_block=%.1f prompt_tokens=%zu "
-           "pick_p50_us=%.2f pick_p99_us=%.2f pick_cache_hits=%zu/%d\n",
-           st.blocks, nb, t_ing, (double)blocks / t_ing, bytes_in / t_ing / 1e6, st.bytes,
+           "pick_p50_us=%.2f pick_p99_us=%.2f pick_cache_hits=%zu/%d "
+           "pick_ingesting_p50_us=%.2f pick_ingesting_p99_us=%.2f ingesting_blocks=%zu\n",
+           st.blocks, nb, t_ing, (double)blocks / t_ing, bytes_in / t_ing / 1e6,
+           (double)blocks / t_dec, (double)blocks / t_ins, st.bytes,
            (double)st.bytes / (double)st.blocks, (double)(rss1 - rss0) * 1024.0 / (double)st.blocks,
-           ptok, lat[PICKS / 2] * 1e6, lat[PICKS * 99 / 100] * 1e6, hits, PICKS);
+           ptok, lat[PICKS / 2] * 1e6, lat[PICKS * 99 / 100] * 1e6, hits, PICKS,
+           lat_w[PICKS / 2] * 1e6, lat_w[PICKS * 99 / 100] * 1e6, ch.blocks);
     free(lat);
+    free(lat_w);
     free(tok);
     px_pool_cleanup(&pool);
     msgpack_sbuffer_destroy(&sb);

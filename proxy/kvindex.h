@@ -28,6 +28,13 @@ uint64_t px_kv_chain(uint64_t parent, const uint32_t *tok, size_t n, uint64_t ex
 /* An index bounded to `max_blocks` blocks per backend and `max_backends`
  * backends. NULL when out of memory. */
 px_kvindex *px_kvindex_create(size_t max_blocks, size_t max_backends);
+/* The same, its tables also bounded to `max_bytes` in all (0: no bound).
+ * At either bound new blocks are refused (counted, see px_kvindex_store):
+ * what is indexed stays until the engine removes it, a clear or a reset;
+ * an index never evicts on its own, so it never claims blocks an engine
+ * still holds are gone nor the reverse. Tables grow at half full and, when
+ * the byte bound refuses the growth, fill to three quarters. */
+px_kvindex *px_kvindex_create_bounded(size_t max_blocks, size_t max_bytes, size_t max_backends);
 void px_kvindex_destroy(px_kvindex *x); /* NULL is a no-op */
 
 /* The slot of backend `name` (borrowed), made when `create` and missing.
