@@ -3,6 +3,7 @@
 
 #include <pthread.h>
 #include <stdatomic.h>
+#include <stddef.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -55,11 +56,14 @@ static int rehash(const table *t, size_t cap, table *out) {
     cell *c = calloc(cap, sizeof *c);
     if (!c) return -1;
     table nt = {c, cap, 0};
-    for (size_t i = 0; i < t->cap; i++)
+    size_t m = cap - 1;
+    for (size_t i = 0; i < t->cap; i++) {
+        if (i + 16 < t->cap && t->c[i + 16].k) __builtin_prefetch(&c[home(t->c[i + 16].k, m)], 1);
         if (t->c[i].k) {
             nt.c[find(&nt, t->c[i].k)] = t->c[i];
             nt.n++;
         }
+    }
     *out = nt;
     return 0;
 }
@@ -121,10 +125,14 @@ struct px_kvindex {
     atomic_size_t bytes; /* sum of the slots' bytes */
 };
 
-/* The chained block key: four independent multiply-rotate lanes over the
- * tokens taken two at a time as little-endian 64-bit words (xxHash64's
- * round), merged and finalized with px_mix64. Word values are built from
- * the token values, so keys agree whatever the host's byte order. */
+/* The chained block key: the block's own hash (four independent
+ * multiply-rotate lanes over its tokens taken two at a time as
+ * little-endian 64-bit words, xxHash64's round, seeded with the extra
+ * keys' hash), then one bijective mix with the parent's key. The chain
+ * links blocks only through that last mix, so the hashes of a prompt's
+ * blocks overlap in the CPU instead of waiting on one another. Word values
+ * are built from the token values: keys agree whatever the host's byte
+ * order. */
 #define P1 0x9e3779b185ebca87ull
 #define P2 0xc2b2ae3d27d4eb4full
 #define P3 0x165667b19e3779f9ull
@@ -142,8 +150,8 @@ static inline uint64_t word(const uint32_t *t) {
     return (uint64_t)t[0] | (uint64_t)t[1] << 32;
 }
 
-uint64_t px_kv_chain(uint64_t parent, const uint32_t *tok, size_t n, uint64_t extra) {
-    uint64_t seed = parent ^ px_mix64(extra ^ P3);
+static uint64_t block_hash(const uint32_t *tok, size_t n, uint64_t extra) {
+    uint64_t seed = px_mix64(extra ^ P3);
     uint64_t a = seed + P1 + P2, b = seed + P2, c = seed, d = seed - P1;
     size_t i = 0;
     for (; i + 8 <= n; i += 8) {
@@ -155,7 +163,11 @@ uint64_t px_kv_chain(uint64_t parent, const uint32_t *tok, size_t n, uint64_t ex
     uint64_t h = rotl(a, 1) + rotl(b, 7) + rotl(c, 12) + rotl(d, 18) + (uint64_t)n * P4;
     for (; i < n; i++)
         h = round64(h, (uint64_t)tok[i] + P3);
-    return nz(px_mix64(h));
+    return h;
+}
+
+uint64_t px_kv_chain(uint64_t parent, const uint32_t *tok, size_t n, uint64_t extra) {
+    return nz(px_mix64(rotl(parent, 29) * P1 ^ block_hash(tok, n, extra)));
 }
 
 size_t px_kv_prompt_keys(const uint32_t *tok, size_t ntok, size_t block_size, uint64_t extra,
@@ -426,6 +438,62 @@ size_t px_kvindex_match(px_kvindex *x, int si, const uint64_t *keys, size_t n) {
     if (!s || !n || !atomic_load_explicit(&s->blocks, memory_order_relaxed)) return 0;
     pthread_rwlock_rdlock(&s->mu);
     size_t i = walk(&s->tok, keys, n);
+    pthread_rwlock_unlock(&s->mu);
+    return i;
+}
+
+void px_kv_prompt_init(px_kv_prompt *p, const uint32_t *tok, size_t ntok, uint64_t extra) {
+    memset(p, 0, offsetof(px_kv_prompt, local));
+    p->tok = tok;
+    p->ntok = ntok;
+    p->extra = extra;
+    p->keys = p->local;
+    p->cap = sizeof p->local / sizeof *p->local;
+}
+
+void px_kv_prompt_cleanup(px_kv_prompt *p) {
+    if (p->keys != p->local) free(p->keys);
+    p->keys = p->local;
+}
+
+/* Computes keys up to at least `want` (at most the prompt's full blocks).
+ * Returns how many are computed. */
+static size_t prompt_extend(px_kv_prompt *p, size_t want) {
+    size_t total = p->ntok / p->bs;
+    if (want > total) want = total;
+    if (want > p->cap) {
+        uint64_t *k = malloc(total * sizeof *k);
+        if (!k) return p->n; /* matches stop early; never wrong */
+        memcpy(k, p->keys, p->n * sizeof *k);
+        if (p->keys != p->local) free(p->keys);
+        p->keys = k;
+        p->cap = total;
+    }
+    uint64_t prev = p->n ? p->keys[p->n - 1] : 0;
+    for (; p->n < want; p->n++)
+        prev = p->keys[p->n] = px_kv_chain(prev, p->tok + p->n * p->bs, p->bs, p->extra);
+    return p->n;
+}
+
+size_t px_kvindex_match_prompt(px_kvindex *x, int si, px_kv_prompt *p) {
+    slot *s = get(x, si);
+    size_t bs = s ? atomic_load(&s->block_size) : 0;
+    if (!bs) return 0;
+    if (bs != p->bs) {
+        p->bs = bs;
+        p->n = 0;
+    }
+    if (!prompt_extend(p, 32) || !atomic_load_explicit(&s->blocks, memory_order_relaxed)) return 0;
+    size_t i = 0;
+    pthread_rwlock_rdlock(&s->mu);
+    /* Keys in steps of 32 blocks: at most 31 hashed past the longest match. */
+    while (s->tok.cap) {
+        size_t m = walk(&s->tok, p->keys + i, p->n - i);
+        i += m;
+        if (i < p->n) break; /* a miss */
+        size_t had = p->n;
+        if (prompt_extend(p, had + 32) == had) break; /* all matched */
+    }
     pthread_rwlock_unlock(&s->mu);
     return i;
 }

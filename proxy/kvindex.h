@@ -75,4 +75,26 @@ void px_kvindex_totals(px_kvindex *x, px_kvindex_stats *st);
 size_t px_kv_prompt_keys(const uint32_t *tok, size_t ntok, size_t block_size, uint64_t extra,
                          uint64_t *out, size_t cap);
 
+/* A prompt whose block keys are computed as lookups need them: a walk
+ * stops at a backend's first missing block, so the keys past the longest
+ * cached prefix are never hashed, and the keys are hashed once for all
+ * the backends that share a block size. Init, match against any number of
+ * slots, cleanup; one thread. */
+typedef struct px_kv_prompt {
+    const uint32_t *tok; /* borrowed: valid until cleanup */
+    size_t ntok;
+    uint64_t extra; /* hash of the LoRA name / extra keys, 0: none */
+    size_t bs;      /* the block size keys[] are for (0: none yet) */
+    size_t n;       /* keys[0..n) computed */
+    size_t cap;
+    uint64_t *keys; /* owned when not local */
+    uint64_t local[64];
+} px_kv_prompt;
+void px_kv_prompt_init(px_kv_prompt *p, const uint32_t *tok, size_t ntok, uint64_t extra);
+void px_kv_prompt_cleanup(px_kv_prompt *p);
+/* How many of the prompt's leading full blocks the slot holds (0: slot
+ * unknown or no block size yet); the first key is computed whenever the
+ * block size is known and the prompt has a full block. Any thread. */
+size_t px_kvindex_match_prompt(px_kvindex *x, int slot, px_kv_prompt *p);
+
 #endif
