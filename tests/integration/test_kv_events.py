@@ -260,6 +260,51 @@ class KvEventsTest(ProdCase):
         P.publish([cleared()])
         self.wait_blocks(0, 0)
 
+    def test_flood_past_the_total_bytes_bound(self):
+        """--kv-index-max-bytes bounds the tables of all backends together:
+        a flood on both publishers, far past it (unbounded, its tables would
+        take over 30 MiB), is refused and counted, the index's bytes stay
+        within the bound and the process's RSS grows by about as much."""
+        bound = 4 << 20
+        P, D = self.publishers(buffer=1)
+        px = self.start_px(extra=["--kv-index-max-blocks", "10000000",
+                                  "--kv-index-max-bytes", str(bound)])
+        P.wait_subscriber()
+        D.wait_subscriber()
+        rss0 = rss_bytes(px.proc.pid)
+        per, batches = 1000, 200
+        for i in range(batches):
+            for k, pub in enumerate((P, D)):
+                first = (k * batches + i) * per
+                hs = list(range(first + 1, first + per + 1))
+                pub.publish([stored(hs, None, hs, 1)])
+        got = wait_value(lambda: metric(prom(px.port), "pdproxy_kv_events_total"),
+                         lambda v: v == 2 * batches, 60.0)
+        self.assertEqual(got, 2 * batches)
+        s = prom(px.port)
+        self.assertEqual(metric(s, "pdproxy_kv_index_resets_total"), 0)
+        total = metric(s, "pdproxy_kv_index_total_bytes")
+        self.assertLessEqual(total, bound)
+        self.assertGreater(total, bound // 4)
+        blocks = [metric(s, "pdproxy_kv_index_blocks", backend=b) for b in self.backends]
+        self.assertEqual(metric(s, "pdproxy_kv_index_total_blocks"), sum(blocks))
+        self.assertEqual(metric(s, "pdproxy_kv_index_refused_blocks_total"),
+                         2 * batches * per - sum(blocks))
+        self.assertEqual(sum(metric(s, "pdproxy_kv_index_bytes", backend=b)
+                             for b in self.backends), total)
+        grown = rss_bytes(px.proc.pid) - rss0
+        self.assertLess(grown, bound + (12 << 20), "RSS grew by %d bytes" % grown)
+        self.assertIsNone(px.proc.poll())
+        # What a cleared engine held is free for the other one again.
+        P.publish([cleared()])
+        self.wait_blocks(0, 0)
+        left = metric(prom(px.port), "pdproxy_kv_index_total_bytes")
+        self.assertLess(left, total)
+        first = 2 * batches * per + 1
+        hs = list(range(first, first + 100))
+        D.publish([stored(hs, None, hs, 1)])
+        self.wait_blocks(1, blocks[1] + 100)
+
     def test_two_replicas_hold_the_same_index(self):
         P, D = self.publishers()
         self.start_px()
