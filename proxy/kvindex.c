@@ -123,6 +123,10 @@ struct px_kvindex {
     atomic_int *names; /* owned: name_cap cells */
     size_t name_cap;
     atomic_size_t bytes; /* sum of the slots' bytes */
+    /* LoRA names seen in events (px_hash64, nz()): open addressing, cells
+     * go from 0 to a hash once, under mu; read without it. */
+    _Atomic uint64_t loras[2 * PX_KV_MAX_LORAS];
+    size_t nloras;
 };
 
 /* The chained block key: the block's own hash (four independent
@@ -496,6 +500,39 @@ size_t px_kvindex_match_prompt(px_kvindex *x, int si, px_kv_prompt *p) {
     }
     pthread_rwlock_unlock(&s->mu);
     return i;
+}
+
+static size_t lora_cell(px_kvindex *x, uint64_t h, int *found) {
+    size_t m = 2 * PX_KV_MAX_LORAS - 1, i = home(h, m);
+    uint64_t v;
+    while ((v = atomic_load_explicit(&x->loras[i], memory_order_acquire)) && v != h)
+        i = (i + 1) & m;
+    *found = v == h;
+    return i;
+}
+
+void px_kvindex_lora_seen(px_kvindex *x, uint64_t lora_hash) {
+    if (!x || !lora_hash) return;
+    uint64_t h = nz(lora_hash);
+    int found;
+    lora_cell(x, h, &found);
+    if (found) return;
+    pthread_mutex_lock(&x->mu);
+    size_t at = lora_cell(x, h, &found);
+    if (!found && x->nloras < PX_KV_MAX_LORAS) {
+        atomic_store_explicit(&x->loras[at], h, memory_order_release);
+        x->nloras++;
+    }
+    pthread_mutex_unlock(&x->mu);
+}
+
+uint64_t px_kvindex_request_extra(px_kvindex *x, const char *model, size_t n) {
+    if (!x || !model || !n) return 0;
+    uint64_t h = px_hash64(model, n);
+    int found;
+    lora_cell(x, nz(h), &found);
+    /* As the decoder keys a block of lora_name h without extra keys. */
+    return found ? px_mix64(h) : 0;
 }
 
 size_t px_kvindex_block_size(px_kvindex *x, int si) {

@@ -75,6 +75,17 @@ void px_kvindex_totals(px_kvindex *x, px_kvindex_stats *st);
 size_t px_kv_prompt_keys(const uint32_t *tok, size_t ntok, size_t block_size, uint64_t extra,
                          uint64_t *out, size_t cap);
 
+/* LoRA adapters: an engine stores a LoRA request's blocks under the
+ * adapter's name (BlockStored's lora_name), and a request names the adapter
+ * as its model. px_kvindex_lora_seen records a name's px_hash64 from an
+ * event (at most PX_KV_MAX_LORAS names; control thread);
+ * px_kvindex_request_extra gives the `extra` a request for `model` (n
+ * bytes) hashes its blocks with: the adapter's key when blocks were stored
+ * under that name, else 0 (the base model). Any thread. */
+#define PX_KV_MAX_LORAS 1024
+void px_kvindex_lora_seen(px_kvindex *x, uint64_t lora_hash);
+uint64_t px_kvindex_request_extra(px_kvindex *x, const char *model, size_t n);
+
 /* A prompt whose block keys are computed as lookups need them: a walk
  * stops at a backend's first missing block, so the keys past the longest
  * cached prefix are never hashed, and the keys are hashed once for all

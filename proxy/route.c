@@ -374,7 +374,7 @@ static size_t choose_kv(px_pool *p, const px_pick *k, const size_t *cand, size_t
     uint64_t tie = k && k->key ? px_hash64(k->key, k->key_len) : 0;
     int use_kv = k && k->tok && k->kv;
     px_kv_prompt pr; /* the prompt's block keys, hashed once, as far as lookups need them */
-    px_kv_prompt_init(&pr, use_kv ? k->tok : NULL, use_kv ? k->ntok : 0, 0);
+    px_kv_prompt_init(&pr, use_kv ? k->tok : NULL, use_kv ? k->ntok : 0, use_kv ? k->kv_extra : 0);
     size_t best = cand[0], best_cached = 0;
     double bs = -1e300;
     uint64_t bt = 0;

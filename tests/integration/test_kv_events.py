@@ -80,8 +80,10 @@ class KvEventsTest(ProdCase):
                     raise
         raise AssertionError("no free admin port")
 
-    def index(self, backend=None, toks=None, aport=None):
+    def index(self, backend=None, toks=None, aport=None, model=None):
         q = []
+        if model:
+            q.append("model=" + model)
         if backend:
             q.append("backend=" + backend)
         if toks is not None:
@@ -99,8 +101,8 @@ class KvEventsTest(ProdCase):
         self.assertEqual(got, want, "backend %s: %s blocks, wanted %d"
                          % (self.backends[i], got, want))
 
-    def match(self, toks, aport=None):
-        return self.index(toks=toks, aport=aport)["match"]
+    def match(self, toks, aport=None, model=None):
+        return self.index(toks=toks, aport=aport, model=model)["match"]
 
     def sub(self, i):
         return self.index(self.backends[i])["backends"][0]
@@ -304,6 +306,30 @@ class KvEventsTest(ProdCase):
         hs = list(range(first, first + 100))
         D.publish([stored(hs, None, hs, 1)])
         self.wait_blocks(1, blocks[1] + 100)
+
+    def test_lora_blocks_match_only_their_adapter(self):
+        """vLLM stores a LoRA request's blocks with lora_name and the request
+        names the adapter as its model: a prompt for the adapter matches only
+        the adapter's blocks, a base-model prompt only the base model's."""
+        P, D = self.publishers()
+        self.start_px()
+        P.wait_subscriber()
+        t, u = tokens(1, 3), tokens(2, 3)
+        P.publish([stored([1, 2, 3], None, t, BS, lora_name="sql-lora")])
+        P.publish([stored([4, 5, 6], None, u, BS)], layout="map")
+        self.wait_blocks(0, 6)
+        b = self.backends[0]
+        self.assertEqual(self.match(t, model="sql-lora")[b], 3)
+        self.assertEqual(self.match(t, model="base-model")[b], 0)
+        self.assertEqual(self.match(t)[b], 0)
+        self.assertEqual(self.match(u, model="sql-lora")[b], 0)
+        self.assertEqual(self.match(u, model="base-model")[b], 3)
+        # Same tokens as the adapter's, stored for the base model: each
+        # request finds its own.
+        P.publish([stored([7, 8], None, t[:2 * BS], BS)])
+        self.wait_blocks(0, 8)
+        self.assertEqual(self.match(t, model="base-model")[b], 2)
+        self.assertEqual(self.match(t, model="sql-lora")[b], 3)
 
     def test_two_replicas_hold_the_same_index(self):
         P, D = self.publishers()

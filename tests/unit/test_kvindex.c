@@ -14,6 +14,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "base/hash.h"
 #include "proxy/kvevents.h"
 #include "proxy/kvindex.h"
 
@@ -275,6 +276,40 @@ static void test_match_prompt(void **state) {
     px_kv_prompt_cleanup(&p);
     free(tok);
     free(eh);
+    px_kvindex_destroy(x);
+}
+
+/* Blocks stored under a LoRA name match only requests for that adapter,
+ * and base-model blocks only base-model requests. */
+static void test_lora_keys(void **state) {
+    (void)state;
+    px_kvindex *x = px_kvindex_create(1000, 1);
+    int s = px_kvindex_slot(x, "a:1", 1);
+    uint64_t lora = px_hash64("sql-lora", 8), ex[3];
+    for (int i = 0; i < 3; i++)
+        ex[i] = px_mix64(lora); /* as the decoder keys lora_name without extra keys */
+    assert_int_equal(px_kvindex_request_extra(x, "sql-lora", 8), 0); /* not seen yet */
+    px_kvindex_lora_seen(x, lora);
+    uint64_t el = px_kvindex_request_extra(x, "sql-lora", 8);
+    assert_int_equal(el, px_mix64(lora));
+    assert_int_equal(px_kvindex_request_extra(x, "base-model", 10), 0);
+    uint32_t t[3 * BS], u[3 * BS];
+    prompt(1, 3, t);
+    prompt(2, 3, u);
+    uint64_t eh[3] = {1, 2, 3}, fh[3] = {4, 5, 6};
+    assert_int_equal(px_kvindex_store(x, s, eh, 3, 0, 0, t, BS, ex, NULL), 3);
+    assert_int_equal(px_kvindex_store(x, s, fh, 3, 0, 0, u, BS, NULL, NULL), 3);
+    struct {
+        const uint32_t *tok;
+        uint64_t extra;
+        size_t want;
+    } cases[] = {{t, el, 3}, {t, 0, 0}, {u, el, 0}, {u, 0, 3}};
+    for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) {
+        px_kv_prompt p;
+        px_kv_prompt_init(&p, cases[i].tok, 3 * BS, cases[i].extra);
+        assert_int_equal(px_kvindex_match_prompt(x, s, &p), cases[i].want);
+        px_kv_prompt_cleanup(&p);
+    }
     px_kvindex_destroy(x);
 }
 
@@ -639,6 +674,7 @@ int main(void) {
         cmocka_unit_test(test_bytes_bound),
         cmocka_unit_test(test_match_prompt),
         cmocka_unit_test(test_readers_during_growth),
+        cmocka_unit_test(test_lora_keys),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
