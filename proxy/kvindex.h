@@ -8,9 +8,10 @@
  * One slot per backend, made on first use and kept until the index is
  * destroyed (a reset empties it). Writers are the control thread (the KV
  * event subscriber); readers are the workers (routing) and the admin API.
- * Each slot has its own rwlock, held by a writer for one event (a bounded
- * number of blocks) and by a reader for one prefix walk: no reader waits
- * on a whole batch, and slots never contend with each other. */
+ * Each slot has its own rwlock, held by a writer only for in-place edits of
+ * at most 32 blocks or for swapping in a grown table (rehashed outside the
+ * lock), and by a reader for one prefix walk: no reader waits on a batch or
+ * a rehash, and slots never contend with each other. */
 #ifndef PX_KVINDEX_H
 #define PX_KVINDEX_H
 
