@@ -332,19 +332,21 @@ static int query_arg(const px_http_head *h, const char *key, char *out, size_t c
     return 0;
 }
 
-/* GET /admin/kv_index[?backend=NAME][&tokens=T1,T2,...]: the KV-event
- * subscriptions and index sizes; with tokens, how many leading full blocks
- * of that prompt each backend holds (the figure kv-aware routing reads). */
+/* GET /admin/kv_index[?backend=NAME][&tokens=T1,T2,...][&model=NAME]: the
+ * KV-event subscriptions and index sizes; with tokens, how many leading full
+ * blocks of that prompt (for that model: a LoRA adapter's blocks are its
+ * own) each backend holds (the figure kv-aware routing reads). */
 static void kv_index(px_admin *a, px_conn *c, const px_http_head *h) {
     px_ctx *ctx = a->h.ctx;
     if (!ctx->kvindex) {
         reply_err(c, 404, "the KV index is off: start pdproxy with --kv-events-port");
         return;
     }
-    static char name[512], toks[65536];
+    static char name[512], toks[65536], model[512];
     int hb = query_arg(h, "backend", name, sizeof name);
     int ht = query_arg(h, "tokens", toks, sizeof toks);
-    if (hb < 0 || ht < 0) {
+    int hm = query_arg(h, "model", model, sizeof model);
+    if (hb < 0 || ht < 0 || hm < 0) {
         reply_err(c, 400, "query argument too long");
         return;
     }
@@ -380,7 +382,10 @@ static void kv_index(px_admin *a, px_conn *c, const px_http_head *h) {
                 for (size_t j = 0; j < nm; j++) {
                     int slot = px_kvindex_slot(ctx->kvindex, m[j]->name, 0);
                     size_t bs = px_kvindex_block_size(ctx->kvindex, slot);
-                    size_t nk = px_kv_prompt_keys(tok, ntok, bs, 0, keys, ntok + 1);
+                    size_t nk = px_kv_prompt_keys(
+                        tok, ntok, bs,
+                        hm ? px_kvindex_request_extra(ctx->kvindex, model, strlen(model)) : 0,
+                        keys, ntok + 1);
                     if (!first) px_buf_appends(&b, ",");
                     first = 0;
                     px_buf_append_json_str(&b, m[j]->name, strlen(m[j]->name));

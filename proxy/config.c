@@ -209,6 +209,11 @@ static const opt opts[] = {
      "most KV blocks indexed per backend (about 64 bytes each); stores past it are refused and "
      "counted",
      NULL, AT_START},
+    {"kv-index-max-bytes", NULL, CT_INT, OFF(kv_index_max_bytes), "1073741824", 0,
+     1099511627776.0,
+     "most bytes of KV index tables over all backends; stores past it are refused and counted "
+     "(0: no bound but --kv-index-max-blocks per backend)",
+     NULL, AT_START},
     {"usage-from", NULL, CT_ENUM, OFF(usage_from), "prefill", 0, 0,
      "whose prompt_tokens_details.cached_tokens a disaggregated answer's usage reports: "
      "prefill's (what was computed from cache) or decode's (as the engine says)",
@@ -1215,6 +1220,7 @@ static const struct {
     {"kv-events-port", 1, "PORT"},
     {"kv-events-replay-port", 1, "PORT"},
     {"kv-index-max-blocks", 1, NULL},
+    {"kv-index-max-bytes", 1, "BYTES"},
     {"kv-cache-weight", 1, "WEIGHT"},
     {"session-header", 1, "NAME"},
     {"session-ttl", 1, NULL},

@@ -80,6 +80,7 @@ typedef struct px_config {
     int64_t kv_events_port;        /* 0: no subscription */
     int64_t kv_events_replay_port; /* 0: gaps drop the backend's index */
     int64_t kv_index_max_blocks;   /* per backend */
+    int64_t kv_index_max_bytes;    /* over all backends; 0: none */
     double kv_cache_weight;        /* kv_aware */
     double tokenize_timeout;       /* 0: no /tokenize */
     int64_t tokenize_cache_entries; /* per worker */

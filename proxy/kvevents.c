@@ -279,6 +279,7 @@ static int do_stored(const fields *f, const px_kv_sink *sink) {
     uint64_t lora = 0;
     if (f->lora_name && f->lora_name->type == MSGPACK_OBJECT_STR)
         lora = px_hash64(f->lora_name->via.str.ptr, f->lora_name->via.str.size);
+    s.lora = lora;
     int has_extra = f->extra && f->extra->type == MSGPACK_OBJECT_ARRAY;
     if (has_extra && f->extra->via.array.size != n) goto out;
     if (lora || has_extra) {
@@ -416,6 +417,7 @@ static void reset_index(sub *s, const char *why) {
 static void sink_stored(void *arg, const px_kv_stored *st) {
     sub *s = arg;
     size_t refused = 0;
+    if (st->lora) px_kvindex_lora_seen(s->k->ctx->kvindex, st->lora);
     px_kvindex_store(s->k->ctx->kvindex, s->slot, st->hashes, st->n, st->has_parent, st->parent,
                      st->tok, st->block_size, st->extra, &refused);
     if (refused) atomic_fetch_add(&s->k->ctx->kvc.refused, refused);

@@ -33,6 +33,7 @@ typedef struct px_kv_stored {
     const uint32_t *tok; /* n * block_size token ids */
     size_t block_size;
     const uint64_t *extra; /* n: hash of each block's extra keys and LoRA name (0: none) */
+    uint64_t lora;         /* px_hash64 of the event's lora_name, 0: the base model */
 } px_kv_stored;
 
 typedef struct px_kv_sink {

@@ -8,9 +8,10 @@
  * One slot per backend, made on first use and kept until the index is
  * destroyed (a reset empties it). Writers are the control thread (the KV
  * event subscriber); readers are the workers (routing) and the admin API.
- * Each slot has its own rwlock, held by a writer for one event (a bounded
- * number of blocks) and by a reader for one prefix walk: no reader waits
- * on a whole batch, and slots never contend with each other. */
+ * Each slot has its own rwlock, held by a writer only for in-place edits of
+ * at most 32 blocks or for swapping in a grown table (rehashed outside the
+ * lock), and by a reader for one prefix walk: no reader waits on a batch or
+ * a rehash, and slots never contend with each other. */
 #ifndef PX_KVINDEX_H
 #define PX_KVINDEX_H
 
@@ -28,6 +29,13 @@ uint64_t px_kv_chain(uint64_t parent, const uint32_t *tok, size_t n, uint64_t ex
 /* An index bounded to `max_blocks` blocks per backend and `max_backends`
  * backends. NULL when out of memory. */
 px_kvindex *px_kvindex_create(size_t max_blocks, size_t max_backends);
+/* The same, its tables also bounded to `max_bytes` in all (0: no bound).
+ * At either bound new blocks are refused (counted, see px_kvindex_store):
+ * what is indexed stays until the engine removes it, a clear or a reset;
+ * an index never evicts on its own, so it never claims blocks an engine
+ * still holds are gone nor the reverse. Tables grow at half full and, when
+ * the byte bound refuses the growth, fill to three quarters. */
+px_kvindex *px_kvindex_create_bounded(size_t max_blocks, size_t max_bytes, size_t max_backends);
 void px_kvindex_destroy(px_kvindex *x); /* NULL is a no-op */
 
 /* The slot of backend `name` (borrowed), made when `create` and missing.
@@ -67,5 +75,38 @@ void px_kvindex_totals(px_kvindex *x, px_kvindex_stats *st);
  * Returns how many (ntok / block_size, at most cap). */
 size_t px_kv_prompt_keys(const uint32_t *tok, size_t ntok, size_t block_size, uint64_t extra,
                          uint64_t *out, size_t cap);
+
+/* LoRA adapters: an engine stores a LoRA request's blocks under the
+ * adapter's name (BlockStored's lora_name), and a request names the adapter
+ * as its model. px_kvindex_lora_seen records a name's px_hash64 from an
+ * event (at most PX_KV_MAX_LORAS names; control thread);
+ * px_kvindex_request_extra gives the `extra` a request for `model` (n
+ * bytes) hashes its blocks with: the adapter's key when blocks were stored
+ * under that name, else 0 (the base model). Any thread. */
+#define PX_KV_MAX_LORAS 1024
+void px_kvindex_lora_seen(px_kvindex *x, uint64_t lora_hash);
+uint64_t px_kvindex_request_extra(px_kvindex *x, const char *model, size_t n);
+
+/* A prompt whose block keys are computed as lookups need them: a walk
+ * stops at a backend's first missing block, so the keys past the longest
+ * cached prefix are never hashed, and the keys are hashed once for all
+ * the backends that share a block size. Init, match against any number of
+ * slots, cleanup; one thread. */
+typedef struct px_kv_prompt {
+    const uint32_t *tok; /* borrowed: valid until cleanup */
+    size_t ntok;
+    uint64_t extra; /* hash of the LoRA name / extra keys, 0: none */
+    size_t bs;      /* the block size keys[] are for (0: none yet) */
+    size_t n;       /* keys[0..n) computed */
+    size_t cap;
+    uint64_t *keys; /* owned when not local */
+    uint64_t local[64];
+} px_kv_prompt;
+void px_kv_prompt_init(px_kv_prompt *p, const uint32_t *tok, size_t ntok, uint64_t extra);
+void px_kv_prompt_cleanup(px_kv_prompt *p);
+/* How many of the prompt's leading full blocks the slot holds (0: slot
+ * unknown or no block size yet); the first key is computed whenever the
+ * block size is known and the prompt has a full block. Any thread. */
+size_t px_kvindex_match_prompt(px_kvindex *x, int slot, px_kv_prompt *p);
 
 #endif

@@ -222,6 +222,17 @@ static void uncharge(px_req *r, int decode) {
     *c = 0;
 }
 
+/* The LoRA key of the request's blocks: its model when that names an
+ * adapter the engines' KV events stored blocks under. */
+static uint64_t kv_extra(px_req *r) {
+    px_json_member m;
+    if (!r->ctx->kvindex || !r->body.data ||
+        !px_json_find(r->body.data, r->body.len, "model", &m) || m.type != PX_JSON_STRING ||
+        m.val_len < 2)
+        return 0;
+    return px_kvindex_request_extra(r->ctx->kvindex, m.val + 1, m.val_len - 2);
+}
+
 /* A pick of a kv_aware pool: the prompt's tokens and the index. */
 static px_pick kv_pick(px_req *r, px_pool *p, px_pick k) {
     if (p == &r->ps->decode && r->session) { /* a conversation stays on its decode */
@@ -232,6 +243,7 @@ static px_pick kv_pick(px_req *r, px_pool *p, px_pick k) {
     k.kv = r->ctx->kvindex;
     k.tok = r->tok;
     k.ntok = r->ntok;
+    k.kv_extra = kv_extra(r);
     return k;
 }
 
@@ -891,7 +903,7 @@ static int decide(px_req *r) {
     if (slot >= 0 && bs) {
         size_t cap = r->ntok / bs + 1;
         uint64_t *keys = px_xmalloc(cap * sizeof *keys);
-        size_t nk = px_kv_prompt_keys(r->tok, r->ntok, bs, 0, keys, cap);
+        size_t nk = px_kv_prompt_keys(r->tok, r->ntok, bs, kv_extra(r), keys, cap);
         size_t cached = px_kvindex_match(kv, slot, keys, nk) * bs;
         free(keys);
         px_disagg_exact(cfg, (long)r->ntok, (long)cached, &r->dis);

@@ -371,28 +371,19 @@ void px_backend_charge(px_backend *b, long tokens) {
  * name, so replicas that see the same caches and loads agree, and equal
  * prompts on idle engines still spread by prompt. */
 static size_t choose_kv(px_pool *p, const px_pick *k, const size_t *cand, size_t nc) {
-    uint64_t keys_local[256], *keys = keys_local;
-    size_t nkeys = 0, keys_bs = 0, cap = 0;
     uint64_t tie = k && k->key ? px_hash64(k->key, k->key_len) : 0;
-    if (k && k->tok && k->kv) {
-        cap = k->ntok;
-        if (cap > sizeof keys_local / sizeof *keys_local) keys = px_xmalloc(cap * sizeof *keys);
-    }
+    int use_kv = k && k->tok && k->kv;
+    px_kv_prompt pr; /* the prompt's block keys, hashed once, as far as lookups need them */
+    px_kv_prompt_init(&pr, use_kv ? k->tok : NULL, use_kv ? k->ntok : 0, use_kv ? k->kv_extra : 0);
     size_t best = cand[0], best_cached = 0;
     double bs = -1e300;
     uint64_t bt = 0;
     for (size_t j = 0; j < nc; j++) {
         px_backend *b = p->b[cand[j]];
         size_t cached = 0;
-        if (cap) {
-            int slot = px_kvindex_slot(k->kv, b->name, 0);
-            size_t blk = px_kvindex_block_size(k->kv, slot);
-            if (blk && blk != keys_bs) { /* engines of one pool share it, usually */
-                nkeys = px_kv_prompt_keys(k->tok, k->ntok, blk, 0, keys, cap);
-                keys_bs = blk;
-            }
-            if (blk) cached = px_kvindex_match(k->kv, slot, keys, nkeys) * blk;
-            if (!tie && nkeys) tie = keys[0];
+        if (use_kv) {
+            cached = px_kvindex_match_prompt(k->kv, px_kvindex_slot(k->kv, b->name, 0), &pr) * pr.bs;
+            if (!tie && pr.n) tie = pr.keys[0];
         }
         double s = px_kv_score(&p->cfg, cached, atomic_load(&b->tokens));
         uint64_t t = px_mix64(tie ^ b->key_hash);
@@ -403,7 +394,7 @@ static size_t choose_kv(px_pool *p, const px_pick *k, const size_t *cand, size_t
             best_cached = cached;
         }
     }
-    if (keys != keys_local) free(keys);
+    px_kv_prompt_cleanup(&pr);
     if (k && k->cached) *k->cached = best_cached;
     return best;
 }

@@ -150,6 +150,7 @@ typedef struct px_pick {
     const uint32_t *tok;
     size_t ntok;
     size_t *cached; /* out, when not NULL: the chosen backend's cached prompt tokens */
+    uint64_t kv_extra; /* the prompt's LoRA key (px_kvindex_request_extra), 0: base model */
     /* Sessions: a conversation (its key, 0: none) stays on the backend it
      * was routed to while that one is usable and not overloaded (over
      * ceil(load_factor * mean in-flight)). */

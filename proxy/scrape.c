@@ -354,8 +354,20 @@ void px_scrape_render(px_ctx *ctx, px_buf *o) {
                 ld(&k->resets));
         counter(o, "pdproxy_kv_index_refused_blocks_total",
                 "KV blocks not indexed because the backend's index was full "
-                "(--kv-index-max-blocks).",
+                "(--kv-index-max-blocks) or all indexes together were "
+                "(--kv-index-max-bytes).",
                 ld(&k->refused));
+        px_kvindex_stats t = {0};
+        if (ctx->kvindex) px_kvindex_totals(ctx->kvindex, &t);
+        px_buf_printf(o,
+                      "# HELP pdproxy_kv_index_total_blocks KV blocks indexed over all "
+                      "backends.\n# TYPE pdproxy_kv_index_total_blocks gauge\n"
+                      "pdproxy_kv_index_total_blocks %zu\n"
+                      "# HELP pdproxy_kv_index_total_bytes Memory of all backends' KV index "
+                      "tables (bounded by --kv-index-max-bytes).\n"
+                      "# TYPE pdproxy_kv_index_total_bytes gauge\n"
+                      "pdproxy_kv_index_total_bytes %zu\n",
+                      t.blocks, t.bytes);
     }
     px_buf_appends(o, "# HELP pdproxy_tokenize_total Prompts' exact tokens, by how they were had "
                       "(timeout, error: the byte estimate was used).\n"

@@ -17,4 +17,5 @@ endforeach()
 # KV-cache events (issue 24): a ZeroMQ publisher written with the standard
 # library (pdharness/kvpub.py) feeds pdproxy's subscriber and index.
 px_py_test(kv_events TIMEOUT 120)
+px_py_test(kv_replicas TIMEOUT 120)
 px_py_test(kv_routing TIMEOUT 120)

@@ -18,7 +18,7 @@ import unittest
 from pdharness.ctl import admin, tmpdir, token_file
 from pdharness.kvpub import Publisher, cleared, removed, stored
 from pdharness.net import closed_port, free_port, wait_value
-from pdharness.procs import ProxyStartError, rss_bytes
+from pdharness.procs import ProxyStartError, rss_bytes, sanitized
 from pdharness.prod import ProdCase
 from pdharness.prom import metric, prom
 
@@ -80,8 +80,10 @@ class KvEventsTest(ProdCase):
                     raise
         raise AssertionError("no free admin port")
 
-    def index(self, backend=None, toks=None, aport=None):
+    def index(self, backend=None, toks=None, aport=None, model=None):
         q = []
+        if model:
+            q.append("model=" + model)
         if backend:
             q.append("backend=" + backend)
         if toks is not None:
@@ -99,8 +101,8 @@ class KvEventsTest(ProdCase):
         self.assertEqual(got, want, "backend %s: %s blocks, wanted %d"
                          % (self.backends[i], got, want))
 
-    def match(self, toks, aport=None):
-        return self.index(toks=toks, aport=aport)["match"]
+    def match(self, toks, aport=None, model=None):
+        return self.index(toks=toks, aport=aport, model=model)["match"]
 
     def sub(self, i):
         return self.index(self.backends[i])["backends"][0]
@@ -267,6 +269,78 @@ class KvEventsTest(ProdCase):
         # Still follows the engine.
         P.publish([cleared()])
         self.wait_blocks(0, 0)
+
+    def test_flood_past_the_total_bytes_bound(self):
+        """--kv-index-max-bytes bounds the tables of all backends together:
+        a flood on both publishers, far past it (unbounded, its tables would
+        take over 30 MiB), is refused and counted, the index's bytes stay
+        within the bound and the process's RSS grows by about as much."""
+        bound = 4 << 20
+        P, D = self.publishers(buffer=1)
+        px = self.start_px(extra=["--kv-index-max-blocks", "10000000",
+                                  "--kv-index-max-bytes", str(bound)])
+        P.wait_subscriber()
+        D.wait_subscriber()
+        rss0 = rss_bytes(px.proc.pid)
+        per, batches = 1000, 200
+        for i in range(batches):
+            for k, pub in enumerate((P, D)):
+                first = (k * batches + i) * per
+                hs = list(range(first + 1, first + per + 1))
+                pub.publish([stored(hs, None, hs, 1)])
+        got = wait_value(lambda: metric(prom(px.port), "pdproxy_kv_events_total"),
+                         lambda v: v == 2 * batches, 60.0)
+        self.assertEqual(got, 2 * batches)
+        s = prom(px.port)
+        self.assertEqual(metric(s, "pdproxy_kv_index_resets_total"), 0)
+        total = metric(s, "pdproxy_kv_index_total_bytes")
+        self.assertLessEqual(total, bound)
+        self.assertGreater(total, bound // 4)
+        blocks = [metric(s, "pdproxy_kv_index_blocks", backend=b) for b in self.backends]
+        self.assertEqual(metric(s, "pdproxy_kv_index_total_blocks"), sum(blocks))
+        self.assertEqual(metric(s, "pdproxy_kv_index_refused_blocks_total"),
+                         2 * batches * per - sum(blocks))
+        self.assertEqual(sum(metric(s, "pdproxy_kv_index_bytes", backend=b)
+                             for b in self.backends), total)
+        grown = rss_bytes(px.proc.pid) - rss0
+        # Under AddressSanitizer freed memory sits in its quarantine (up to
+        # 256 MiB) and counts in RSS: only the index's own figure holds there.
+        if not sanitized(px.proc.pid):
+            self.assertLess(grown, bound + (12 << 20), "RSS grew by %d bytes" % grown)
+        self.assertIsNone(px.proc.poll())
+        # What a cleared engine held is free for the other one again.
+        P.publish([cleared()])
+        self.wait_blocks(0, 0)
+        left = metric(prom(px.port), "pdproxy_kv_index_total_bytes")
+        self.assertLess(left, total)
+        first = 2 * batches * per + 1
+        hs = list(range(first, first + 100))
+        D.publish([stored(hs, None, hs, 1)])
+        self.wait_blocks(1, blocks[1] + 100)
+
+    def test_lora_blocks_match_only_their_adapter(self):
+        """vLLM stores a LoRA request's blocks with lora_name and the request
+        names the adapter as its model: a prompt for the adapter matches only
+        the adapter's blocks, a base-model prompt only the base model's."""
+        P, D = self.publishers()
+        self.start_px()
+        P.wait_subscriber()
+        t, u = tokens(1, 3), tokens(2, 3)
+        P.publish([stored([1, 2, 3], None, t, BS, lora_name="sql-lora")])
+        P.publish([stored([4, 5, 6], None, u, BS)], layout="map")
+        self.wait_blocks(0, 6)
+        b = self.backends[0]
+        self.assertEqual(self.match(t, model="sql-lora")[b], 3)
+        self.assertEqual(self.match(t, model="base-model")[b], 0)
+        self.assertEqual(self.match(t)[b], 0)
+        self.assertEqual(self.match(u, model="sql-lora")[b], 0)
+        self.assertEqual(self.match(u, model="base-model")[b], 3)
+        # Same tokens as the adapter's, stored for the base model: each
+        # request finds its own.
+        P.publish([stored([7, 8], None, t[:2 * BS], BS)])
+        self.wait_blocks(0, 8)
+        self.assertEqual(self.match(t, model="base-model")[b], 2)
+        self.assertEqual(self.match(t, model="sql-lora")[b], 3)
 
     def test_two_replicas_hold_the_same_index(self):
         P, D = self.publishers()

@@ -61,6 +61,7 @@ SAMPLES = {
     "kv-events-port": ("5557", None),
     "kv-events-replay-port": ("5558", None),
     "kv-index-max-blocks": ("2048", None),
+    "kv-index-max-bytes": ("8388608", None),
     "kv-cache-weight": ("2.5", None),
     "kv-load-weight": ("0.5", None),
     "tokenize-timeout": ("0.25", None),

@@ -14,6 +14,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "base/hash.h"
 #include "proxy/kvevents.h"
 #include "proxy/kvindex.h"
 
@@ -35,6 +36,15 @@ static size_t matched(px_kvindex *x, int slot, const uint32_t *tok, size_t ntok)
     uint64_t keys[64];
     size_t n = px_kv_prompt_keys(tok, ntok, BS, 0, keys, 64);
     return px_kvindex_match(x, slot, keys, n);
+}
+
+static size_t matched_n(px_kvindex *x, int slot, const uint32_t *tok, size_t ntok) {
+    size_t cap = ntok / BS + 1;
+    uint64_t *keys = malloc(cap * sizeof *keys);
+    size_t n = px_kv_prompt_keys(tok, ntok, BS, 0, keys, cap);
+    size_t m = px_kvindex_match(x, slot, keys, n);
+    free(keys);
+    return m;
 }
 
 static void test_chain_stable(void **state) {
@@ -171,6 +181,135 @@ static void test_churn(void **state) {
     px_kvindex_stats st;
     px_kvindex_stats_get(x, s, &st);
     assert_int_equal(st.blocks, N / 2);
+    px_kvindex_destroy(x);
+}
+
+
+/* The byte bound over all backends: stores past it are refused and
+ * counted, the tables never pass it, and a cleared backend's memory is
+ * there for another one. */
+static void test_bytes_bound(void **state) {
+    (void)state;
+    enum { MAX = 16384, N = 2000 };
+    px_kvindex *x = px_kvindex_create_bounded(1000000, MAX, 2);
+    int a = px_kvindex_slot(x, "a:1", 1), b = px_kvindex_slot(x, "b:1", 1);
+    uint32_t tok[BS];
+    size_t added = 0, refused = 0;
+    px_kvindex_stats st;
+    for (uint32_t i = 0; i < N; i++) {
+        uint64_t e = 1 + i;
+        block_tokens(i, 0, tok);
+        added += px_kvindex_store(x, a, &e, 1, 0, 0, tok, BS, NULL, &refused);
+        px_kvindex_totals(x, &st);
+        assert_true(st.bytes <= MAX);
+    }
+    assert_true(added > 0 && refused > 0);
+    assert_int_equal(added + refused, N);
+    px_kvindex_stats_get(x, a, &st);
+    assert_int_equal(st.blocks, added);
+    /* Every block it took is found. */
+    for (uint32_t i = 0; i < added; i++) {
+        block_tokens(i, 0, tok);
+        assert_int_equal(matched(x, a, tok, BS), 1);
+    }
+    /* The other backend gets what is left, not more. */
+    size_t refused_b = 0, added_b = 0;
+    for (uint32_t i = 0; i < N; i++) {
+        uint64_t e = 1 + i;
+        block_tokens(N + i, 0, tok);
+        added_b += px_kvindex_store(x, b, &e, 1, 0, 0, tok, BS, NULL, &refused_b);
+    }
+    assert_true(refused_b > 0 && added_b < added);
+    px_kvindex_totals(x, &st);
+    assert_true(st.bytes <= MAX);
+    /* Cleared, a's memory is free again: b can now hold as many as a did. */
+    px_kvindex_clear(x, a);
+    px_kvindex_clear(x, b);
+    px_kvindex_totals(x, &st);
+    assert_int_equal(st.bytes, 0);
+    assert_int_equal(st.blocks, 0);
+    added_b = 0;
+    for (uint32_t i = 0; i < N; i++) {
+        uint64_t e = 1 + i;
+        block_tokens(N + i, 0, tok);
+        added_b += px_kvindex_store(x, b, &e, 1, 0, 0, tok, BS, NULL, NULL);
+    }
+    assert_int_equal(added_b, added);
+    px_kvindex_destroy(x);
+}
+
+/* px_kvindex_match_prompt agrees with hashing every key up front, for
+ * prompts shorter and longer than its local key buffer, and its keys are
+ * shared between slots of one block size. */
+static void test_match_prompt(void **state) {
+    (void)state;
+    enum { NB = 200 };
+    px_kvindex *x = px_kvindex_create(100000, 3);
+    int a = px_kvindex_slot(x, "a:1", 1), b = px_kvindex_slot(x, "b:1", 1);
+    int c = px_kvindex_slot(x, "c:1", 1);
+    uint32_t *tok = malloc(NB * BS * sizeof *tok);
+    prompt(5, NB, tok);
+    uint64_t *eh = malloc(NB * sizeof *eh);
+    for (size_t i = 0; i < NB; i++)
+        eh[i] = 7000 + i;
+    /* a holds 150 blocks of the prompt, b 3; c has none (no block size). */
+    assert_int_equal(px_kvindex_store(x, a, eh, 150, 0, 0, tok, BS, NULL, NULL), 150);
+    assert_int_equal(px_kvindex_store(x, b, eh, 3, 0, 0, tok, BS, NULL, NULL), 3);
+    size_t lens[] = {0, BS - 1, BS, 3 * BS + 1, 64 * BS, 150 * BS, NB * BS};
+    for (size_t l = 0; l < sizeof lens / sizeof *lens; l++) {
+        px_kv_prompt p;
+        px_kv_prompt_init(&p, tok, lens[l], 0);
+        size_t ma = px_kvindex_match_prompt(x, a, &p), mb = px_kvindex_match_prompt(x, b, &p);
+        assert_int_equal(ma, matched_n(x, a, tok, lens[l]));
+        assert_int_equal(mb, matched_n(x, b, tok, lens[l]));
+        assert_int_equal(px_kvindex_match_prompt(x, c, &p), 0);
+        assert_int_equal(px_kvindex_match_prompt(x, -1, &p), 0);
+        if (lens[l] >= BS) assert_int_equal(p.keys[0], px_kv_chain(0, tok, BS, 0));
+        /* Never more keys hashed than the walk needed, plus one step. */
+        assert_true(p.n <= ma + 32 || p.n <= 32);
+        px_kv_prompt_cleanup(&p);
+    }
+    /* A different LoRA / extra key: nothing matches. */
+    px_kv_prompt p;
+    px_kv_prompt_init(&p, tok, NB * BS, 12345);
+    assert_int_equal(px_kvindex_match_prompt(x, a, &p), 0);
+    px_kv_prompt_cleanup(&p);
+    free(tok);
+    free(eh);
+    px_kvindex_destroy(x);
+}
+
+/* Blocks stored under a LoRA name match only requests for that adapter,
+ * and base-model blocks only base-model requests. */
+static void test_lora_keys(void **state) {
+    (void)state;
+    px_kvindex *x = px_kvindex_create(1000, 1);
+    int s = px_kvindex_slot(x, "a:1", 1);
+    uint64_t lora = px_hash64("sql-lora", 8), ex[3];
+    for (int i = 0; i < 3; i++)
+        ex[i] = px_mix64(lora); /* as the decoder keys lora_name without extra keys */
+    assert_int_equal(px_kvindex_request_extra(x, "sql-lora", 8), 0); /* not seen yet */
+    px_kvindex_lora_seen(x, lora);
+    uint64_t el = px_kvindex_request_extra(x, "sql-lora", 8);
+    assert_int_equal(el, px_mix64(lora));
+    assert_int_equal(px_kvindex_request_extra(x, "base-model", 10), 0);
+    uint32_t t[3 * BS], u[3 * BS];
+    prompt(1, 3, t);
+    prompt(2, 3, u);
+    uint64_t eh[3] = {1, 2, 3}, fh[3] = {4, 5, 6};
+    assert_int_equal(px_kvindex_store(x, s, eh, 3, 0, 0, t, BS, ex, NULL), 3);
+    assert_int_equal(px_kvindex_store(x, s, fh, 3, 0, 0, u, BS, NULL, NULL), 3);
+    struct {
+        const uint32_t *tok;
+        uint64_t extra;
+        size_t want;
+    } cases[] = {{t, el, 3}, {t, 0, 0}, {u, el, 0}, {u, 0, 3}};
+    for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) {
+        px_kv_prompt p;
+        px_kv_prompt_init(&p, cases[i].tok, 3 * BS, cases[i].extra);
+        assert_int_equal(px_kvindex_match_prompt(x, s, &p), cases[i].want);
+        px_kv_prompt_cleanup(&p);
+    }
     px_kvindex_destroy(x);
 }
 
@@ -466,6 +605,61 @@ static void test_concurrent_readers(void **state) {
     px_kvindex_destroy(x);
 }
 
+/* Readers during growth: a writer grows the tables from empty to 50000
+ * blocks (each growth a new table swapped in) while readers walk a prefix
+ * stored first; they never see it shorter. */
+typedef struct grd {
+    px_kvindex *x;
+    atomic_int *stop;
+    size_t short_seen, walks;
+} grd;
+
+static void *grow_reader(void *arg) {
+    grd *r = arg;
+    uint32_t tok[8 * BS];
+    prompt(9, 8, tok);
+    while (!atomic_load(r->stop)) {
+        px_kv_prompt p;
+        px_kv_prompt_init(&p, tok, 8 * BS, 0);
+        if (px_kvindex_match_prompt(r->x, 0, &p) != 8) r->short_seen++;
+        px_kv_prompt_cleanup(&p);
+        r->walks++;
+    }
+    return NULL;
+}
+
+static void test_readers_during_growth(void **state) {
+    (void)state;
+    px_kvindex *x = px_kvindex_create(100000, 1);
+    int s = px_kvindex_slot(x, "a:1", 1);
+    uint32_t tok[8 * BS];
+    prompt(9, 8, tok);
+    uint64_t eh[8];
+    for (int i = 0; i < 8; i++)
+        eh[i] = 1 + (uint64_t)i;
+    assert_int_equal(px_kvindex_store(x, s, eh, 8, 0, 0, tok, BS, NULL, NULL), 8);
+    atomic_int stop = 0;
+    grd r[2] = {{x, &stop, 0, 0}, {x, &stop, 0, 0}};
+    pthread_t t[2];
+    for (int i = 0; i < 2; i++)
+        pthread_create(&t[i], NULL, grow_reader, &r[i]);
+    uint32_t one[BS];
+    for (uint32_t i = 0; i < 50000; i++) {
+        uint64_t e = 100 + i;
+        block_tokens(1000 + i, 0, one);
+        px_kvindex_store(x, s, &e, 1, 0, 0, one, BS, NULL, NULL);
+    }
+    atomic_store(&stop, 1);
+    for (int i = 0; i < 2; i++)
+        pthread_join(t[i], NULL);
+    assert_int_equal(r[0].short_seen + r[1].short_seen, 0);
+    assert_true(r[0].walks + r[1].walks > 0);
+    px_kvindex_stats st;
+    px_kvindex_stats_get(x, s, &st);
+    assert_int_equal(st.blocks, 50008);
+    px_kvindex_destroy(x);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_chain_stable),
@@ -477,6 +671,10 @@ int main(void) {
         cmocka_unit_test(test_decode_bytes_hash_lora),
         cmocka_unit_test(test_decode_hostile),
         cmocka_unit_test(test_concurrent_readers),
+        cmocka_unit_test(test_bytes_bound),
+        cmocka_unit_test(test_match_prompt),
+        cmocka_unit_test(test_readers_during_growth),
+        cmocka_unit_test(test_lora_keys),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
