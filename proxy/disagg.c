@@ -124,12 +124,22 @@ size_t px_token_list(const char *v, size_t vn, size_t max, uint32_t **out) {
     return k;
 }
 
+int px_disagg_prompt(px_endpoint ep, const char *body, size_t len, px_json_member *m) {
+    return px_json_find(body, len, prompt_member(ep), m);
+}
+
+size_t px_disagg_prompt_ids(px_endpoint ep, const px_json_member *m, size_t max, uint32_t **out) {
+    *out = NULL;
+    if (ep != PX_EP_COMPLETIONS) return 0;
+    return px_token_list(m->val, m->val_len, max, out);
+}
+
 size_t px_disagg_token_ids(px_endpoint ep, const char *body, size_t len, size_t max,
                            uint32_t **out) {
     *out = NULL;
     px_json_member m;
-    if (ep != PX_EP_COMPLETIONS || !px_json_find(body, len, "prompt", &m)) return 0;
-    return px_token_list(m.val, m.val_len, max, out);
+    if (!px_disagg_prompt(ep, body, len, &m)) return 0;
+    return px_disagg_prompt_ids(ep, &m, max, out);
 }
 
 void px_disagg_exact(const px_config *cfg, long tokens, long cached, px_disagg *out) {
