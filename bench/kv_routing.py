@@ -13,15 +13,20 @@ seconds apart). Every prefill engine-sim computes prompts one at a time at
 skipped, so routing quality shows in time to first token and in prompt
 tokens computed.
 
+Policies: prefix_affinity_bytes is the former prefix_affinity (the first
+256 bytes), prefix_affinity follows the prompt's whole block chain.
 Reported per policy: TTFT p50/p90 (client side, streamed), prompt tokens
-the prefill engines computed, their prefix cache hit rate (engine-sim's
+the prefill engines computed, the prefill engines' busy share (computed
+tokens x --us-per-token over 4 x wall time: how near saturation the run
+was), pdproxy's pdproxy_tokenize_total by result (kv_aware: exact tokens
+or the byte estimate), their prefix cache hit rate (engine-sim's
 vllm:prefix_cache_hits_total / vllm:prefix_cache_queries_total), and the
 same figures for an oracle: the requests replayed in the order they were
 sent, each placed on the engine with the longest cached prefix (fewest
 requests on a tie) over LRU caches of the same size and block rule (whole
 blocks, never the last token).
 
-    bench/kv_routing.py [--policies round_robin,prefix_affinity,kv_aware]
+    bench/kv_routing.py [--policies round_robin,prefix_affinity_bytes,prefix_affinity,kv_aware]
                         [--systems 40 --system-tokens 2000 --users 400 --turns 5]
                         [--proxy-arg ARG]... [--bin build/bin]
 
@@ -303,6 +308,11 @@ def run_policy(args, policy, convs):
             computed += m["engine_sim_prompt_tokens_computed_total"]
             hits += m["vllm:prefix_cache_hits_total"]
             queries += m["vllm:prefix_cache_queries_total"]
+        tokz = collections.Counter()
+        for line in engine_get(HOST, xp, "/metrics")[1].splitlines():
+            if line.startswith("pdproxy_tokenize_total{"):
+                res = line.split('result="', 1)[1].split('"', 1)[0]
+                tokz[res] += float(line.rpartition(" ")[2])
         toks = [tokenize(pre[0], msgs) for msgs in sent]
         o_hits, o_queries, o_computed = oracle(toks, 4, args.cache_blocks)
         return {"requests": len(ttfts), "errors": len(errors), "first_error":
@@ -310,6 +320,9 @@ def run_policy(args, policy, convs):
                 "p50": pct(ttfts, 0.5) * 1e3, "p90": pct(ttfts, 0.9) * 1e3,
                 "mean": statistics.mean(ttfts) * 1e3 if ttfts else float("nan"),
                 "computed": computed, "hit": hits / queries if queries else 0,
+                # Share of the prefill engines' time spent computing prompts.
+                "util": computed * args.us_per_token / 1e6 / (4 * wall) if wall else 0,
+                "tokenize": ",".join("%s=%d" % kv for kv in sorted(tokz.items())) or "-",
                 "o_computed": o_computed, "o_hit": o_hits / o_queries if o_queries else 0}
     finally:
         for p in reversed(procs):
@@ -318,7 +331,8 @@ def run_policy(args, policy, convs):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--policies", default="round_robin,prefix_affinity,kv_aware")
+    ap.add_argument("--policies",
+                    default="round_robin,prefix_affinity_bytes,prefix_affinity,kv_aware")
     ap.add_argument("--systems", type=int, default=12)
     ap.add_argument("--system-tokens", type=int, default=1000)
     ap.add_argument("--users", type=int, default=60)
@@ -342,8 +356,9 @@ def main():
           (args.systems, args.system_tokens, args.users, args.turns, args.rate,
            args.us_per_token, args.cache_blocks))
     print("\n| policy | requests | errors | TTFT p50 ms | TTFT p90 ms | mean ms | "
-          "prefill tokens computed | hit rate | oracle computed | oracle hit rate | wall s |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          "prefill tokens computed | hit rate | oracle computed | oracle hit rate | hit/oracle | "
+          "prefill busy | tokenize | wall s |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     rc = 0
     for policy in args.policies.split(","):
         r = run_policy(args, policy, convs)
@@ -352,9 +367,11 @@ def main():
             continue
         if r["errors"]:
             rc = 1
-        print("| %s | %d | %d | %.1f | %.1f | %.1f | %d | %.3f | %d | %.3f | %.1f |" %
+        print("| %s | %d | %d | %.1f | %.1f | %.1f | %d | %.3f | %d | %.3f | %.2f | %.2f | %s | "
+              "%.1f |" %
               (policy, r["requests"], r["errors"], r["p50"], r["p90"], r["mean"],
-               r["computed"], r["hit"], r["o_computed"], r["o_hit"], r["wall"]))
+               r["computed"], r["hit"], r["o_computed"], r["o_hit"],
+               r["hit"] / r["o_hit"] if r["o_hit"] else 0, r["util"], r["tokenize"], r["wall"]))
         if r["first_error"]:
             print("  first error: %s" % r["first_error"][:300])
         sys.stdout.flush()

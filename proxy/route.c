@@ -538,10 +538,10 @@ static size_t ring_walk(px_pool *p, uint64_t h, const unsigned char *is_cand, lo
  * lands on one member. prefix_affinity: over the prompt's whole block
  * chain (px_pindex_hashes: chained hashes of its 128-byte blocks), the
  * member that was last given the longest prefix of this chain among those
- * under the load cap (a multi-turn conversation follows its history, a
- * tenant its system prompt); when no member has any of it, the ring point
- * of the whole prompt, so unrelated prompts spread even when they share
- * an opening. A prompt shorter than one block: the ring point of its first
+ * under the load cap, when that prefix is at least half the chain (a
+ * multi-turn conversation follows its history, a tenant's users their long
+ * system prompt); otherwise the ring point of the whole prompt, so prompts
+ * that share only an opening spread. A prompt shorter than one block: the ring point of its first
  * --prefix-bytes bytes, as before. */
 static size_t choose_prefix(px_pool *p, const px_pick *k, const size_t *cand, size_t nc) {
     if (!k || !k->key || !p->nring) return cand[p->rr++ % nc];
@@ -578,6 +578,10 @@ static size_t choose_prefix(px_pool *p, const px_pick *k, const size_t *cand, si
                 best = cand[j];
             }
         }
+        /* A match of under half the chain is an opening many prompts share
+         * (a common preamble), not this prompt's history: following it
+         * would pile every such prompt onto one member. */
+        if (best != (size_t)-1 && 2 * most < nh) best = (size_t)-1;
         if (best == (size_t)-1) best = ring_walk(p, px_hash64(k->key, k->key_len), is_cand, icap);
         px_pindex_add(p->chains, p->b[best]->key_hash, h, nh);
         free(h);

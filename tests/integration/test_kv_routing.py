@@ -105,6 +105,48 @@ class KvRoutingTest(ProdCase):
         self.send(px, a + [1])
         self.assertEqual(self.counts([P0, P1]), [2, 1])
 
+    def test_load_counts_only_uncached_tokens(self):
+        """An engine is charged with what it computes of a prompt, not the
+        whole prompt: a request running there with 40 of its 43 tokens
+        cached leaves that engine the better place for the next one
+        (charged 43, it would not be: 40 cached - 43 < 0)."""
+        (P0, P1), (E0, E1) = self.engines(handler=prefill_handler(delay=1.5))
+        D = self.mock(decode_handler(), name="D")
+        px = self.start_kv([P0, P1], [D], extra=["--prefill-policy", "kv_aware"])
+        E0.wait_subscriber()
+        a = tokens(11, 10)
+        E0.publish([stored(range(1100, 1110), None, a, BS)])
+        self.index_has(px, P0, 10)
+        t = threading.Thread(target=self.send, args=(px, a + [1, 2, 3]), daemon=True)
+        t.start()
+        self.assertEqual(len(P0.wait_requests(1, 5.0)), 1)
+        self.send(px, a + [4, 5, 6])
+        t.join(10)
+        self.assertFalse(t.is_alive())
+        self.assertEqual(self.counts([P0, P1]), [2, 0])
+
+    def test_disagg_counts_the_recomputed_last_block(self):
+        """The engine recomputes a prompt's last token (vLLM's
+        get_computed_blocks: max_cache_hit_length = num_tokens - 1), so a
+        prompt all of whose 6 blocks the decode holds still lacks its last
+        block: 4 tokens, not 0, against --disagg-min-tokens 4."""
+        (D0, D1), (E0, E1) = self.engines(handler=decode_handler())
+        P = self.mock(prefill_handler(), name="P")
+        px = self.start_kv([P], [D0, D1], extra=["--decode-policy", "kv_aware",
+                                                 "--disagg-min-tokens", "4"])
+        E0.wait_subscriber()
+        a = tokens(12, 6)
+        E0.publish([stored(range(1200, 1206), None, a, BS)])
+        self.index_has(px, D0, 6)
+        self.send(px, a)  # 20 reusable, 4 to compute: prefill first
+        self.assertEqual(len(P.requests), 1)
+        self.send(px, a + [1])  # 24 reusable, 1 to compute: decode alone, on D0
+        self.assertEqual(len(P.requests), 1)
+        self.assertEqual(self.counts([D0, D1])[0], 2)
+        s = prom(px.port)
+        self.assertEqual(metric(s, "pdproxy_disagg_decisions_total", reason="long_prompt"), 1)
+        self.assertEqual(metric(s, "pdproxy_disagg_decisions_total", reason="cached_prefix"), 1)
+
     def test_two_replicas_choose_the_same(self):
         (P0, P1), (E0, E1) = self.engines()
         D = self.mock(decode_handler(), name="D")
