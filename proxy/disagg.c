@@ -67,6 +67,17 @@ static double cached_tokens(px_pindex *index, const uint64_t *decode_key, const 
     return total * (double)(matched * PX_PINDEX_BLOCK_BYTES) / (double)n;
 }
 
+long px_disagg_estimate(const px_config *cfg, px_endpoint ep, const char *body, size_t len) {
+    px_json_member m;
+    const char *p = "";
+    size_t n = 0;
+    if (px_json_find(body, len, prompt_member(ep), &m)) {
+        p = m.val;
+        n = m.val_len;
+    }
+    return (long)(prompt_tokens(cfg, ep, body, len, p, n) + 0.5);
+}
+
 void px_disagg_decide(const px_config *cfg, px_endpoint ep, const char *body, size_t len,
                       px_pindex *index, const uint64_t *decode_key, px_disagg *out) {
     *out = (px_disagg){.decision = PX_DEC_ALWAYS, .disagg = 1};

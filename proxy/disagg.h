@@ -71,6 +71,10 @@ typedef struct px_disagg {
 void px_disagg_decide(const px_config *cfg, px_endpoint ep, const char *body, size_t len,
                       px_pindex *index, const uint64_t *decode_key, px_disagg *out);
 
+/* The prompt's length in tokens as px_disagg_decide estimates it (exact
+ * for token ids, else from its bytes over --disagg-bytes-per-token). */
+long px_disagg_estimate(const px_config *cfg, px_endpoint ep, const char *body, size_t len);
+
 /* The prompt of a /v1/completions body given as token ids ([1,2,3]):
  * its ids in a new array (*out, the caller frees) and their count. 0 and
  * *out NULL for anything else (text, a batch, ids out of range, more than

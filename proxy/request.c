@@ -232,6 +232,13 @@ static px_pick kv_pick(px_req *r, px_pool *p, px_pick k) {
     k.kv = r->ctx->kvindex;
     k.tok = r->tok;
     k.ntok = r->ntok;
+    /* Tokens unknown (the engine's /tokenize did not answer in time): no
+     * cache to match, but the engine chosen computes the whole prompt, and
+     * the load others see must say so. */
+    if (!r->tok) {
+        long est = px_disagg_estimate(r->ctx->cfg, r->ep, r->body.data, r->body.len);
+        k.ntok = est > 0 ? (size_t)est : 0;
+    }
     return k;
 }
 

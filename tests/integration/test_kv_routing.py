@@ -17,7 +17,7 @@ import unittest
 
 from pdharness.kvpub import Publisher, stored
 from pdharness.mocks import HostMock, Respond, decode_handler, prefill_handler
-from pdharness.net import free_port, wait_value
+from pdharness.net import free_port, wait_until, wait_value
 from pdharness.prod import ProdCase
 from pdharness.prom import metric, prom
 
@@ -261,6 +261,44 @@ class KvRoutingTest(ProdCase):
         self.assertEqual(metric(s, "pdproxy_tokenize_total", result="ok"), 0)
         gen = [q for q in P0.requests + P1.requests if q.path != "/tokenize"]
         self.assertEqual(len(gen), 1)
+
+    def test_unknown_tokens_still_count_as_load(self):
+        """A text prompt whose /tokenize does not answer in time is routed
+        without a cache to match, but the engine computes all of it: it is
+        charged with the byte estimate (400 bytes / 4 = 100 tokens), so
+        prompts sent while it runs go to the other engine."""
+        slow = prefill_handler(delay=3.0)
+        fast = prefill_handler()
+
+        def h(req):
+            if req.path == "/tokenize":
+                return Respond(200, [("Content-Type", "application/json")],
+                               b'{"count":1,"max_model_len":9,"tokens":[1]}', delay=2.0)
+            return (slow if b'"prompt": "' in req.body or b'"prompt":"' in req.body
+                    else fast)(req)
+
+        (P0, P1), _ = self.engines(handler=h)
+        D = self.mock(decode_handler(), name="D")
+        px = self.start_kv([P0, P1], [D], extra=["--prefill-policy", "kv_aware",
+                                                 "--tokenize-timeout", "0.2"])
+        text = "w" * 400
+        t = threading.Thread(target=self.post, args=(px, {"model": "m", "prompt": text,
+                                                          "max_tokens": 4}), daemon=True)
+        t.start()
+
+        def gen(m):
+            return [q for q in list(m.requests) if q.path != "/tokenize"]
+
+        self.assertTrue(wait_until(lambda: len(gen(P0)) + len(gen(P1)) == 1, 5.0))
+        busy = 0 if gen(P0) else 1
+        for i in range(6):
+            self.send(px, tokens(20 + i, 2))
+        t.join(10)
+        self.assertFalse(t.is_alive())
+        mocks = [P0, P1]
+        self.assertEqual(len(gen(mocks[busy])), 1)
+        self.assertEqual(len(gen(mocks[1 - busy])), 6)
+        self.assertEqual(metric(prom(px.port), "pdproxy_tokenize_total", result="timeout"), 1)
 
     def test_tokenize_error_falls_back_counted(self):
         (P0, P1), _ = self.engines(handler=self.tokenizing_engine(status=404))
