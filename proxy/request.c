@@ -913,6 +913,9 @@ static int decide(px_req *r) {
         px_disagg_exact(cfg, (long)r->ntok, (long)cached, &r->dis);
     }
     r->decision = r->dis.decision;
+    /* Through a prefill, the decode receives the prompt's KV and computes
+     * none of it: not load in kv_aware's tokens. */
+    if (r->dis.disagg) uncharge(r, 1);
     return r->dis.disagg;
 }
 

@@ -197,6 +197,38 @@ class KvRoutingTest(ProdCase):
         self.assertEqual(metric(s, "pdproxy_disagg_decisions_total", reason="long_prompt"), 1)
 
 
+    def test_disaggregated_request_is_no_load_on_its_decode(self):
+        """A request decided for prefill is charged nothing on the decode
+        chosen beforehand (it receives the KV), so a decode-local request
+        sent meanwhile still goes to the decode holding its prefix."""
+        slow_d = decode_handler()
+
+        def h(req):
+            time.sleep(2.0 if b"long" in req.body else 0.0)
+            return slow_d(req)
+
+        (D0, D1), (E0, E1) = self.engines(handler=h)
+        P = self.mock(prefill_handler(), name="P")
+        px = self.start_kv([P], [D0, D1], extra=["--decode-policy", "kv_aware",
+                                                 "--disagg-min-tokens", "4"])
+        E0.wait_subscriber()
+        a, lng = tokens(13, 6), tokens(14, 1)
+        E0.publish([stored(range(1300, 1306), None, a, BS),
+                    stored([1400], None, lng, BS)])
+        self.index_has(px, D0, 7)
+        # 4 of its 40 tokens cached on D0: D0, through the prefill, 2 s long.
+        body = {"model": "m", "prompt": lng + tokens(15, 9), "max_tokens": 4, "user": "long"}
+        t = threading.Thread(target=self.post, args=(px, body), daemon=True)
+        t.start()
+        self.assertTrue(wait_until(lambda: len(D0.requests) == 1, 5.0))
+        self.assertEqual(len(P.requests), 1)
+        # 24 of 25 cached on D0, which computes nothing for the other: D0 alone.
+        self.send(px, a + [1])
+        t.join(10)
+        self.assertFalse(t.is_alive())
+        self.assertEqual(self.counts([D0, D1]), [2, 0])
+        self.assertEqual(len(P.requests), 1)
+
     def tokenizing_engine(self, delay=0.0, status=200):
         """A prefill engine whose /tokenize gives one token per character
         (ord), as vLLM's answer is shaped: {"count","max_model_len","tokens"}."""
