@@ -401,7 +401,7 @@ static size_t choose_kv(px_pool *p, const px_pick *k, const size_t *cand, size_t
             if (nkeys) tie = keys[0];
         }
     }
-    size_t best = cand[0], best_cached = 0;
+    size_t best = cand[0], best_cached = 0, most = 0;
     double bs = -1e300;
     uint64_t bt = 0;
     for (size_t j = 0; j < nc; j++) {
@@ -419,6 +419,7 @@ static size_t choose_kv(px_pool *p, const px_pick *k, const size_t *cand, size_t
         }
         double s = px_kv_score(&p->cfg, cached, atomic_load(&b->tokens));
         uint64_t t = px_mix64(tie ^ b->key_hash);
+        if (cached > most) most = cached;
         if (s > bs || (s == bs && t > bt)) {
             bs = s;
             bt = t;
@@ -426,6 +427,14 @@ static size_t choose_kv(px_pool *p, const px_pick *k, const size_t *cand, size_t
             best_cached = cached;
         }
     }
+    /* Why it chose as it did, to compare with an oracle that knows every
+     * cache: the winner's reusable tokens and load against the most any
+     * candidate would reuse. */
+    PX_LOG(PX_LOG_DEBUG,
+           "msg=\"kv_aware pick\" role=%s backend=%s tokens=%zu exact=%d cached=%zu "
+           "most_cached=%zu load_tokens=%ld candidates=%zu",
+           p->role, p->b[best]->name, k ? k->ntok : 0, keys_bs != 0, best_cached, most,
+           (long)atomic_load(&p->b[best]->tokens), nc);
     if (keys != keys_local) free(keys);
     *cached_out = best_cached;
     return best;
