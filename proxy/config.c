@@ -163,8 +163,7 @@ static const opt opts[] = {
      "prefix_affinity_bytes: bytes of the prompt (or first chat messages) that are hashed; "
      "prefix_affinity: the same for a prompt shorter than one 128-byte block (longer ones "
      "follow their whole block chain)",
-     NULL,
-     RELOADS},
+     NULL, RELOADS},
     {"prefix-load-factor", NULL, CT_SECONDS, OFF(prefix_load_factor), "1.25", 1, 100,
      "prefix_affinity: an instance takes at most this times the mean in-flight load", NULL,
      RELOADS},

@@ -647,10 +647,10 @@ static void pd_go(px_req *r) {
     px_policy pp = r->ps->prefill.cfg.policy;
     if (has && (pp == PX_POLICY_PREFIX_AFFINITY || pp == PX_POLICY_PREFIX_AFFINITY_BYTES)) {
         r->key = pm.val;
-        r->key_len = pp == PX_POLICY_PREFIX_AFFINITY_BYTES &&
-                             pm.val_len > r->ps->prefill.cfg.prefix_bytes
-                         ? r->ps->prefill.cfg.prefix_bytes
-                         : pm.val_len;
+        r->key_len =
+            pp == PX_POLICY_PREFIX_AFFINITY_BYTES && pm.val_len > r->ps->prefill.cfg.prefix_bytes
+                ? r->ps->prefill.cfg.prefix_bytes
+                : pm.val_len;
     }
     int kva = pp == PX_POLICY_KV_AWARE || r->ps->decode.cfg.policy == PX_POLICY_KV_AWARE;
     if (has && (kva || r->ctx->kvindex) && !r->tok)

@@ -16,8 +16,8 @@
 
 #define RING_POINTS 64 /* virtual nodes per backend */
 
-static const char *const policy_names[] = {"round_robin", "least_inflight", "power_of_two",
-                                           "prefix_affinity", "load_aware", "kv_aware",
+static const char *const policy_names[] = {"round_robin",          "least_inflight", "power_of_two",
+                                           "prefix_affinity",      "load_aware",     "kv_aware",
                                            "prefix_affinity_bytes"};
 static const char *const outcome_names[] = {
     "ok", "client_error", "server_error", "connect_error", "reset", "timeout", "cancelled"};
@@ -394,7 +394,8 @@ static size_t choose_kv(px_pool *p, const px_pick *k, const size_t *cand, size_t
         /* The prompt's keys at the first block size an engine announced:
          * the tie key, whatever the candidates' order. */
         for (size_t j = 0; j < nc && !keys_bs; j++) {
-            size_t blk = px_kvindex_block_size(k->kv, px_kvindex_slot(k->kv, p->b[cand[j]]->name, 0));
+            size_t blk =
+                px_kvindex_block_size(k->kv, px_kvindex_slot(k->kv, p->b[cand[j]]->name, 0));
             if (!blk) continue;
             nkeys = px_kv_prompt_keys(k->tok, k->ntok, blk, 0, keys, cap);
             keys_bs = blk;
@@ -601,8 +602,7 @@ static size_t choose_prefix(px_pool *p, const px_pick *k, const size_t *cand, si
     return best;
 }
 
-static size_t choose(px_pool *p, const px_pick *k, const size_t *cand, size_t nc,
-                     size_t *cached) {
+static size_t choose(px_pool *p, const px_pick *k, const size_t *cand, size_t nc, size_t *cached) {
     switch (p->cfg.policy) {
     case PX_POLICY_KV_AWARE:
         return choose_kv(p, k, cand, nc, cached);

@@ -10,8 +10,8 @@
 #include <stdint.h>
 #include <cmocka.h>
 // clang-format on
-#include <stdlib.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "proxy/kvindex.h"
@@ -243,10 +243,9 @@ static void test_sessions(void **state) {
 
 int main(void) {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_body),     cmocka_unit_test(test_parse),
-        cmocka_unit_test(test_cache),    cmocka_unit_test(test_kv_aware_choice),
-        cmocka_unit_test(test_kv_aware_tie),
-        cmocka_unit_test(test_sessions),
+        cmocka_unit_test(test_body),         cmocka_unit_test(test_parse),
+        cmocka_unit_test(test_cache),        cmocka_unit_test(test_kv_aware_choice),
+        cmocka_unit_test(test_kv_aware_tie), cmocka_unit_test(test_sessions),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
