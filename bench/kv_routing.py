@@ -13,19 +13,25 @@ seconds apart). Every prefill engine-sim computes prompts one at a time at
 skipped, so routing quality shows in time to first token and in prompt
 tokens computed.
 
+Policies: prefix_affinity_bytes is the former prefix_affinity (the first
+256 bytes), prefix_affinity follows the prompt's whole block chain.
 Reported per policy: TTFT p50/p90 (client side, streamed), prompt tokens
-the prefill engines computed, their prefix cache hit rate (engine-sim's
+the prefill engines computed, the prefill engines' busy share (computed
+tokens x --us-per-token over 4 x wall time: how near saturation the run
+was), pdproxy's pdproxy_tokenize_total by result (kv_aware: exact tokens
+or the byte estimate), their prefix cache hit rate (engine-sim's
 vllm:prefix_cache_hits_total / vllm:prefix_cache_queries_total), and the
 same figures for an oracle: the requests replayed in the order they were
 sent, each placed on the engine with the longest cached prefix (fewest
 requests on a tie) over LRU caches of the same size and block rule (whole
 blocks, never the last token).
 
-    bench/kv_routing.py [--policies round_robin,prefix_affinity,kv_aware]
+    bench/kv_routing.py [--policies round_robin,prefix_affinity_bytes,prefix_affinity,kv_aware]
                         [--systems 40 --system-tokens 2000 --users 400 --turns 5]
                         [--proxy-arg ARG]... [--bin build/bin]
 
-The default is scaled down to finish in a few minutes on 2 cores. A policy
+The default is scaled down to finish in a few minutes on 2 cores; --issue
+runs issue 24's size (about 4 minutes for the four policies). A policy
 pdproxy rejects at start (kv_aware before it exists) is reported as
 skipped. --proxy-arg strings are passed to pdproxy for every policy; in
 them {prefill_kv_events}, {prefill_kv_replay} and {decode_kv_events} stand
@@ -303,6 +309,11 @@ def run_policy(args, policy, convs):
             computed += m["engine_sim_prompt_tokens_computed_total"]
             hits += m["vllm:prefix_cache_hits_total"]
             queries += m["vllm:prefix_cache_queries_total"]
+        tokz = collections.Counter()
+        for line in engine_get(HOST, xp, "/metrics")[1].splitlines():
+            if line.startswith("pdproxy_tokenize_total{"):
+                res = line.split('result="', 1)[1].split('"', 1)[0]
+                tokz[res] += float(line.rpartition(" ")[2])
         toks = [tokenize(pre[0], msgs) for msgs in sent]
         o_hits, o_queries, o_computed = oracle(toks, 4, args.cache_blocks)
         return {"requests": len(ttfts), "errors": len(errors), "first_error":
@@ -310,6 +321,9 @@ def run_policy(args, policy, convs):
                 "p50": pct(ttfts, 0.5) * 1e3, "p90": pct(ttfts, 0.9) * 1e3,
                 "mean": statistics.mean(ttfts) * 1e3 if ttfts else float("nan"),
                 "computed": computed, "hit": hits / queries if queries else 0,
+                # Share of the prefill engines' time spent computing prompts.
+                "util": computed * args.us_per_token / 1e6 / (4 * wall) if wall else 0,
+                "tokenize": ",".join("%s=%d" % kv for kv in sorted(tokz.items())) or "-",
                 "o_computed": o_computed, "o_hit": o_hits / o_queries if o_queries else 0}
     finally:
         for p in reversed(procs):
@@ -318,7 +332,8 @@ def run_policy(args, policy, convs):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--policies", default="round_robin,prefix_affinity,kv_aware")
+    ap.add_argument("--policies",
+                    default="round_robin,prefix_affinity_bytes,prefix_affinity,kv_aware")
     ap.add_argument("--systems", type=int, default=12)
     ap.add_argument("--system-tokens", type=int, default=1000)
     ap.add_argument("--users", type=int, default=60)
@@ -335,29 +350,45 @@ def main():
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--bin", default=os.path.join(os.path.dirname(os.path.abspath(__file__)),
                                                   "..", "build", "bin"))
+    ap.add_argument("--issue", action="store_true",
+                    help="issue 24's size: 40 system prompts of 2000 tokens, 400 users x 5 "
+                         "turns, 4096-block caches, 16 users/s (prefix_affinity_bytes keeps "
+                         "the prefill engines ~80%% busy: near saturation)")
     args = ap.parse_args()
+    if args.issue:
+        args.systems, args.system_tokens, args.users, args.turns = 40, 2000, 400, 5
+        args.cache_blocks, args.rate = 4096, 16.0
     convs = conversations(args)
     print("workload: %d system prompts x ~%d tokens, %d users x %d turns, %.1f users/s, "
           "%d us/token, cache %d blocks per prefill engine" %
           (args.systems, args.system_tokens, args.users, args.turns, args.rate,
            args.us_per_token, args.cache_blocks))
     print("\n| policy | requests | errors | TTFT p50 ms | TTFT p90 ms | mean ms | "
-          "prefill tokens computed | hit rate | oracle computed | oracle hit rate | wall s |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
-    rc = 0
+          "prefill tokens computed | hit rate | oracle computed | oracle hit rate | hit/oracle | "
+          "prefill busy | tokenize | wall s |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    rc, res = 0, {}
     for policy in args.policies.split(","):
         r = run_policy(args, policy, convs)
+        res[policy] = r
         if "skipped" in r:
             print("| %s | skipped: %s |" % (policy, r["skipped"].replace("\n", " ")))
             continue
         if r["errors"]:
             rc = 1
-        print("| %s | %d | %d | %.1f | %.1f | %.1f | %d | %.3f | %d | %.3f | %.1f |" %
+        print("| %s | %d | %d | %.1f | %.1f | %.1f | %d | %.3f | %d | %.3f | %.2f | %.2f | %s | "
+              "%.1f |" %
               (policy, r["requests"], r["errors"], r["p50"], r["p90"], r["mean"],
-               r["computed"], r["hit"], r["o_computed"], r["o_hit"], r["wall"]))
+               r["computed"], r["hit"], r["o_computed"], r["o_hit"],
+               r["hit"] / r["o_hit"] if r["o_hit"] else 0, r["util"], r["tokenize"], r["wall"]))
         if r["first_error"]:
             print("  first error: %s" % r["first_error"][:300])
         sys.stdout.flush()
+    kv, old = res.get("kv_aware", {}), res.get("prefix_affinity_bytes", {})
+    if "p90" in kv and "p90" in old and old["p90"] and kv["o_hit"]:
+        print("\ngoals: kv_aware p90 TTFT / prefix_affinity_bytes p90 = %.2f (goal <= 0.5); "
+              "kv_aware hit rate / oracle = %.2f (goal >= 0.9)" %
+              (kv["p90"] / old["p90"], kv["hit"] / kv["o_hit"]))
     return rc
 
 

@@ -19,7 +19,9 @@
 #include "base/util.h"
 #include "proxy/ratelimit.h"
 
-#define PX_POLICIES "round_robin|least_inflight|power_of_two|prefix_affinity|load_aware|kv_aware"
+#define PX_POLICIES                                                                                \
+    "round_robin|least_inflight|power_of_two|prefix_affinity|load_aware|kv_aware|"                 \
+    "prefix_affinity_bytes"
 
 typedef enum {
     CT_STR,
@@ -158,8 +160,10 @@ static const opt opts[] = {
      "--prefill-dp-size)",
      NULL, AT_START},
     {"prefix-bytes", NULL, CT_INT, OFF(prefix_bytes), "256", 1, 1048576,
-     "prefix_affinity: bytes of the prompt (or first chat messages) that are hashed", NULL,
-     RELOADS},
+     "prefix_affinity_bytes: bytes of the prompt (or first chat messages) that are hashed; "
+     "prefix_affinity: the same for a prompt shorter than one 128-byte block (longer ones "
+     "follow their whole block chain)",
+     NULL, RELOADS},
     {"prefix-load-factor", NULL, CT_SECONDS, OFF(prefix_load_factor), "1.25", 1, 100,
      "prefix_affinity: an instance takes at most this times the mean in-flight load", NULL,
      RELOADS},

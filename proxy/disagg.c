@@ -67,6 +67,17 @@ static double cached_tokens(px_pindex *index, const uint64_t *decode_key, const 
     return total * (double)(matched * PX_PINDEX_BLOCK_BYTES) / (double)n;
 }
 
+long px_disagg_estimate(const px_config *cfg, px_endpoint ep, const char *body, size_t len) {
+    px_json_member m;
+    const char *p = "";
+    size_t n = 0;
+    if (px_json_find(body, len, prompt_member(ep), &m)) {
+        p = m.val;
+        n = m.val_len;
+    }
+    return (long)(prompt_tokens(cfg, ep, body, len, p, n) + 0.5);
+}
+
 void px_disagg_decide(const px_config *cfg, px_endpoint ep, const char *body, size_t len,
                       px_pindex *index, const uint64_t *decode_key, px_disagg *out) {
     *out = (px_disagg){.decision = PX_DEC_ALWAYS, .disagg = 1};
@@ -124,12 +135,22 @@ size_t px_token_list(const char *v, size_t vn, size_t max, uint32_t **out) {
     return k;
 }
 
+int px_disagg_prompt(px_endpoint ep, const char *body, size_t len, px_json_member *m) {
+    return px_json_find(body, len, prompt_member(ep), m);
+}
+
+size_t px_disagg_prompt_ids(px_endpoint ep, const px_json_member *m, size_t max, uint32_t **out) {
+    *out = NULL;
+    if (ep != PX_EP_COMPLETIONS) return 0;
+    return px_token_list(m->val, m->val_len, max, out);
+}
+
 size_t px_disagg_token_ids(px_endpoint ep, const char *body, size_t len, size_t max,
                            uint32_t **out) {
     *out = NULL;
     px_json_member m;
-    if (ep != PX_EP_COMPLETIONS || !px_json_find(body, len, "prompt", &m)) return 0;
-    return px_token_list(m.val, m.val_len, max, out);
+    if (!px_disagg_prompt(ep, body, len, &m)) return 0;
+    return px_disagg_prompt_ids(ep, &m, max, out);
 }
 
 void px_disagg_exact(const px_config *cfg, long tokens, long cached, px_disagg *out) {

@@ -8,6 +8,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "base/json.h"
 #include "proxy/config.h"
 #include "proxy/endpoint.h"
 #include "proxy/metrics.h"
@@ -70,12 +71,23 @@ typedef struct px_disagg {
 void px_disagg_decide(const px_config *cfg, px_endpoint ep, const char *body, size_t len,
                       px_pindex *index, const uint64_t *decode_key, px_disagg *out);
 
+/* The prompt's length in tokens as px_disagg_decide estimates it (exact
+ * for token ids, else from its bytes over --disagg-bytes-per-token). */
+long px_disagg_estimate(const px_config *cfg, px_endpoint ep, const char *body, size_t len);
+
 /* The prompt of a /v1/completions body given as token ids ([1,2,3]):
  * its ids in a new array (*out, the caller frees) and their count. 0 and
  * *out NULL for anything else (text, a batch, ids out of range, more than
  * `max`). */
 size_t px_disagg_token_ids(px_endpoint ep, const char *body, size_t len, size_t max,
                            uint32_t **out);
+
+/* The member of the body that holds the prompt ("prompt", "messages",
+ * "input", "token_ids" by endpoint): 1 with it in *m, 0 when absent. */
+int px_disagg_prompt(px_endpoint ep, const char *body, size_t len, px_json_member *m);
+/* px_disagg_token_ids on the member px_disagg_prompt found (one parse of
+ * the body serves prefix_affinity's key and kv_aware's tokens). */
+size_t px_disagg_prompt_ids(px_endpoint ep, const px_json_member *m, size_t max, uint32_t **out);
 
 /* A JSON array of token ids v[0..n) ([1,2,3]): the ids in a new array
  * (*out, the caller frees) and their count; 0 and *out NULL when it is not

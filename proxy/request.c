@@ -244,6 +244,13 @@ static px_pick kv_pick(px_req *r, px_pool *p, px_pick k) {
     k.tok = r->tok;
     k.ntok = r->ntok;
     k.kv_extra = kv_extra(r);
+    /* Tokens unknown (the engine's /tokenize did not answer in time): no
+     * cache to match, but the engine chosen computes the whole prompt, and
+     * the load others see must say so. */
+    if (!r->tok) {
+        long est = px_disagg_estimate(r->ctx->cfg, r->ep, r->body.data, r->body.len);
+        k.ntok = est > 0 ? (size_t)est : 0;
+    }
     return k;
 }
 
@@ -645,13 +652,21 @@ static void start_pd(px_req *r, const px_http_head *h) {
 
 /* Admitted: the prompt's key and tokens, then routing. */
 static void pd_go(px_req *r) {
-    if (r->ps->prefill.cfg.policy == PX_POLICY_PREFIX_AFFINITY)
-        px_disagg_key(r->ep, r->body.data, r->body.len, r->ps->prefill.cfg.prefix_bytes, &r->key,
-                      &r->key_len);
-    int kva = r->ps->prefill.cfg.policy == PX_POLICY_KV_AWARE ||
-              r->ps->decode.cfg.policy == PX_POLICY_KV_AWARE;
-    if ((kva || r->ctx->kvindex) && !r->tok)
-        r->ntok = px_disagg_token_ids(r->ep, r->body.data, r->body.len, 1u << 20, &r->tok);
+    /* One look at the prompt gives prefix_affinity its key and kv_aware
+     * its token ids. */
+    px_json_member pm;
+    int has = px_disagg_prompt(r->ep, r->body.data, r->body.len, &pm);
+    px_policy pp = r->ps->prefill.cfg.policy;
+    if (has && (pp == PX_POLICY_PREFIX_AFFINITY || pp == PX_POLICY_PREFIX_AFFINITY_BYTES)) {
+        r->key = pm.val;
+        r->key_len =
+            pp == PX_POLICY_PREFIX_AFFINITY_BYTES && pm.val_len > r->ps->prefill.cfg.prefix_bytes
+                ? r->ps->prefill.cfg.prefix_bytes
+                : pm.val_len;
+    }
+    int kva = pp == PX_POLICY_KV_AWARE || r->ps->decode.cfg.policy == PX_POLICY_KV_AWARE;
+    if (has && (kva || r->ctx->kvindex) && !r->tok)
+        r->ntok = px_disagg_prompt_ids(r->ep, &pm, 1u << 20, &r->tok);
     if (want_tokens(r, kva)) return;
     route_pd(r);
 }
@@ -888,10 +903,11 @@ bad:
 static int decide(px_req *r) {
     const px_config *cfg = r->ctx->cfg;
     if (cfg->disagg_min_tokens > 0) {
-        px_pick k = kv_pick(r, &r->ps->decode, (px_pick){.key = r->key, .key_len = r->key_len});
-        size_t nd;
+        size_t nd, cached = 0;
+        px_pick k = kv_pick(r, &r->ps->decode,
+                            (px_pick){.key = r->key, .key_len = r->key_len, .cached = &cached});
         r->db = px_pool_pick(&r->ps->decode, &k, &nd);
-        if (r->db) r->dcharge = (long)k.ntok;
+        if (r->db) r->dcharge = (long)(k.ntok - cached);
         if (!r->w->pindex) r->w->pindex = px_pindex_create((size_t)cfg->disagg_index_blocks);
     }
     px_disagg_decide(cfg, r->ep, r->body.data, r->body.len, r->w->pindex,
@@ -904,11 +920,14 @@ static int decide(px_req *r) {
         size_t cap = r->ntok / bs + 1;
         uint64_t *keys = px_xmalloc(cap * sizeof *keys);
         size_t nk = px_kv_prompt_keys(r->tok, r->ntok, bs, kv_extra(r), keys, cap);
-        size_t cached = px_kvindex_match(kv, slot, keys, nk) * bs;
+        size_t cached = px_kv_reusable(px_kvindex_match(kv, slot, keys, nk), bs, r->ntok);
         free(keys);
         px_disagg_exact(cfg, (long)r->ntok, (long)cached, &r->dis);
     }
     r->decision = r->dis.decision;
+    /* Through a prefill, the decode receives the prompt's KV and computes
+     * none of it: not load in kv_aware's tokens. */
+    if (r->dis.disagg) uncharge(r, 1);
     return r->dis.disagg;
 }
 
@@ -922,9 +941,11 @@ static void start_prefill(px_req *r) {
         r->pb = r->hb;
         px_backend_take(r->pb);
     } else if (!r->no_prefill) {
+        size_t cached = 0;
         k = kv_pick(r, &r->ps->prefill, k);
+        k.cached = &cached;
         r->pb = px_pool_pick(&r->ps->prefill, &k, &n);
-        if (r->pb) r->pcharge = (long)k.ntok;
+        if (r->pb) r->pcharge = (long)(k.ntok - cached);
     }
     if (!r->pb) {
         if (r->no_prefill) {
@@ -1165,9 +1186,11 @@ static px_backend *pick_decode(px_req *r, size_t *n) {
     *n = 0;
     /* Conditional disaggregation chose the decode before prefill. */
     if (!r->db) {
+        size_t cached = 0;
         k = kv_pick(r, &r->ps->decode, k);
+        k.cached = &cached;
         r->db = px_pool_pick(&r->ps->decode, &k, n);
-        if (r->db) r->dcharge = (long)k.ntok;
+        if (r->db) r->dcharge = (long)(k.ntok - cached);
     }
     if (!r->db) return NULL;
     snprintf(r->dname, sizeof r->dname, "%s", r->db->name);

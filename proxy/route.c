@@ -11,17 +11,19 @@
 #include "base/hash.h"
 #include "base/log.h"
 #include "base/util.h"
+#include "proxy/disagg.h" /* px_pindex: prefix_affinity's block chains */
 #include "proxy/kvindex.h"
 
 #define RING_POINTS 64 /* virtual nodes per backend */
 
-static const char *const policy_names[] = {"round_robin", "least_inflight", "power_of_two",
-                                           "prefix_affinity", "load_aware", "kv_aware"};
+static const char *const policy_names[] = {"round_robin",          "least_inflight", "power_of_two",
+                                           "prefix_affinity",      "load_aware",     "kv_aware",
+                                           "prefix_affinity_bytes"};
 static const char *const outcome_names[] = {
     "ok", "client_error", "server_error", "connect_error", "reset", "timeout", "cancelled"};
 
 int px_policy_parse(const char *s) {
-    for (int i = 0; i < 6; i++)
+    for (int i = 0; i < (int)(sizeof policy_names / sizeof *policy_names); i++)
         if (!strcmp(s, policy_names[i])) return i;
     return -1;
 }
@@ -92,6 +94,7 @@ void px_pool_cleanup(px_pool *p) {
         px_backend_release(p->b[i]);
     free(p->b);
     free(p->ring);
+    px_pindex_destroy(p->chains);
     pthread_mutex_destroy(&p->mu);
     memset(p, 0, sizeof *p);
 }
@@ -224,7 +227,9 @@ px_backend *px_pool_add(px_pool *p, const char *url, const char *connect_ip) {
 
 void px_pool_seal(px_pool *p) {
     pthread_mutex_lock(&p->mu);
-    if (p->cfg.policy == PX_POLICY_PREFIX_AFFINITY) rebuild_ring(p);
+    if (p->cfg.policy == PX_POLICY_PREFIX_AFFINITY ||
+        p->cfg.policy == PX_POLICY_PREFIX_AFFINITY_BYTES)
+        rebuild_ring(p);
     pthread_mutex_unlock(&p->mu);
 }
 
@@ -366,27 +371,51 @@ void px_backend_charge(px_backend *b, long tokens) {
     if (b && tokens) atomic_fetch_add(&b->tokens, tokens);
 }
 
-/* kv_aware: the candidate with the best score; ties go to the highest hash
- * of the prompt's first block key (or of its bytes) with the backend's
- * name, so replicas that see the same caches and loads agree, and equal
- * prompts on idle engines still spread by prompt. */
-static size_t choose_kv(px_pool *p, const px_pick *k, const size_t *cand, size_t nc) {
+size_t px_kv_reusable(size_t blocks, size_t bs, size_t ntok) {
+    size_t most = ntok && bs ? (ntok - 1) / bs : 0;
+    return (blocks < most ? blocks : most) * bs;
+}
+
+/* kv_aware: the candidate with the best score (px_kv_score over the
+ * tokens each engine would reuse and the uncached tokens queued on it).
+ * Ties go to the highest px_mix64(tie ^ backend key), where `tie` is the
+ * key of the prompt's first block (else a hash of its routing key): a
+ * rendezvous hash, so replicas that see the same caches and loads agree,
+ * prompts opening alike (one system prompt) meet on one idle engine and
+ * others spread. The prompt's block keys are hashed once, lazily, as far as
+ * lookups need them (px_kv_prompt). *cached_out: the winner's reusable
+ * tokens. */
+static size_t choose_kv(px_pool *p, const px_pick *k, const size_t *cand, size_t nc,
+                        size_t *cached_out) {
     uint64_t tie = k && k->key ? px_hash64(k->key, k->key_len) : 0;
     int use_kv = k && k->tok && k->kv;
-    px_kv_prompt pr; /* the prompt's block keys, hashed once, as far as lookups need them */
+    px_kv_prompt pr;
     px_kv_prompt_init(&pr, use_kv ? k->tok : NULL, use_kv ? k->ntok : 0, use_kv ? k->kv_extra : 0);
-    size_t best = cand[0], best_cached = 0;
+    int exact = 0;
+    if (use_kv) {
+        /* The first block's key at the first block size an engine announced:
+         * the tie key, whatever the candidates' order. */
+        for (size_t j = 0; j < nc && !exact; j++) {
+            int slot = px_kvindex_slot(k->kv, p->b[cand[j]]->name, 0);
+            if (!px_kvindex_block_size(k->kv, slot)) continue;
+            px_kvindex_match_prompt(k->kv, slot, &pr);
+            exact = 1;
+            if (pr.n) tie = pr.keys[0];
+        }
+    }
+    size_t best = cand[0], best_cached = 0, most = 0;
     double bs = -1e300;
     uint64_t bt = 0;
     for (size_t j = 0; j < nc; j++) {
         px_backend *b = p->b[cand[j]];
         size_t cached = 0;
-        if (use_kv) {
-            cached = px_kvindex_match_prompt(k->kv, px_kvindex_slot(k->kv, b->name, 0), &pr) * pr.bs;
-            if (!tie && pr.n) tie = pr.keys[0];
+        if (exact) {
+            size_t m = px_kvindex_match_prompt(k->kv, px_kvindex_slot(k->kv, b->name, 0), &pr);
+            cached = px_kv_reusable(m, pr.bs, k->ntok);
         }
         double s = px_kv_score(&p->cfg, cached, atomic_load(&b->tokens));
         uint64_t t = px_mix64(tie ^ b->key_hash);
+        if (cached > most) most = cached;
         if (s > bs || (s == bs && t > bt)) {
             bs = s;
             bt = t;
@@ -395,7 +424,15 @@ static size_t choose_kv(px_pool *p, const px_pick *k, const size_t *cand, size_t
         }
     }
     px_kv_prompt_cleanup(&pr);
-    if (k && k->cached) *k->cached = best_cached;
+    /* Why it chose as it did, to compare with an oracle that knows every
+     * cache: the winner's reusable tokens and load against the most any
+     * candidate would reuse. */
+    PX_LOG(PX_LOG_DEBUG,
+           "msg=\"kv_aware pick\" role=%s backend=%s tokens=%zu exact=%d cached=%zu "
+           "most_cached=%zu load_tokens=%ld candidates=%zu",
+           p->role, p->b[best]->name, k ? k->ntok : 0, exact, best_cached, most,
+           (long)atomic_load(&p->b[best]->tokens), nc);
+    *cached_out = best_cached;
     return best;
 }
 
@@ -469,10 +506,101 @@ static size_t session_member(px_pool *p, const px_pick *k, const size_t *cand, s
     return (double)atomic_load(&p->b[at]->inflight) + 1 <= cap + 1 ? at : (size_t)-1;
 }
 
-static size_t choose(px_pool *p, const px_pick *k, const size_t *cand, size_t nc) {
+/* ---------- prefix_affinity ---------- */
+
+/* Entries of a pool's memory of block chains (px_pool.chains): 128-byte
+ * blocks, so 65536 entries recall 8 MiB of prompts, in about 1.3 MiB. */
+#define PREFIX_CHAINS 65536
+
+/* Under p->mu. Consistent hashing with bounded loads: from the ring point
+ * of h, the first candidate under ceil(c * mean in-flight); the first
+ * candidate when all are over it. */
+static size_t ring_walk(px_pool *p, uint64_t h, const unsigned char *is_cand, long icap) {
+    h = px_mix64(h) & ~0xffffull;
+    size_t lo = 0, hi = p->nring;
+    while (lo < hi) {
+        size_t mid = (lo + hi) / 2;
+        if ((p->ring[mid] & ~0xffffull) < h)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    size_t best = (size_t)-1, first = (size_t)-1;
+    for (size_t j = 0; j < p->nring; j++) {
+        size_t i = (size_t)(p->ring[(lo + j) % p->nring] & 0xffff);
+        if (i >= p->n || !is_cand[i]) continue;
+        if (first == (size_t)-1) first = i;
+        if (atomic_load(&p->b[i]->inflight) + 1 <= icap) {
+            best = i;
+            break;
+        }
+    }
+    return best != (size_t)-1 ? best : first;
+}
+
+/* Under p->mu. prefix_affinity_bytes: the ring point of the key (the
+ * prompt's first --prefix-bytes bytes), so every prompt opening alike
+ * lands on one member. prefix_affinity: over the prompt's whole block
+ * chain (px_pindex_hashes: chained hashes of its 128-byte blocks), the
+ * member that was last given the longest prefix of this chain among those
+ * under the load cap, when that prefix is at least half the chain (a
+ * multi-turn conversation follows its history, a tenant's users their long
+ * system prompt); otherwise the ring point of the whole prompt, so prompts
+ * that share only an opening spread. A prompt shorter than one block: the ring point of its first
+ * --prefix-bytes bytes, as before. */
+static size_t choose_prefix(px_pool *p, const px_pick *k, const size_t *cand, size_t nc) {
+    if (!k || !k->key || !p->nring) return cand[p->rr++ % nc];
+    long total = 0;
+    for (size_t j = 0; j < nc; j++)
+        total += atomic_load(&p->b[cand[j]]->inflight);
+    double cap = p->cfg.load_factor * (double)(total + 1) / (double)nc;
+    long icap = (long)cap + ((double)(long)cap < cap);
+    unsigned char is_cand_local[64];
+    unsigned char *is_cand = p->n <= 64 ? is_cand_local : px_xmalloc(p->n);
+    memset(is_cand, 0, p->n);
+    for (size_t j = 0; j < nc; j++)
+        is_cand[cand[j]] = 1;
+    size_t head = k->key_len;
+    if (p->cfg.prefix_bytes && head > p->cfg.prefix_bytes) head = p->cfg.prefix_bytes;
+    size_t nh = 0, best = (size_t)-1;
+    uint64_t *h = NULL;
+    if (p->cfg.policy == PX_POLICY_PREFIX_AFFINITY && k->key_len >= PX_PINDEX_BLOCK_BYTES) {
+        size_t max = k->key_len / PX_PINDEX_BLOCK_BYTES;
+        if (max > PX_PINDEX_MAX_BLOCKS) max = PX_PINDEX_MAX_BLOCKS;
+        h = px_xmalloc(max * sizeof *h);
+        nh = px_pindex_hashes(k->key, k->key_len, h, max);
+        if (!p->chains) p->chains = px_pindex_create(PREFIX_CHAINS);
+        size_t most = 0;
+        uint64_t bt = 0;
+        for (size_t j = 0; j < nc; j++) {
+            px_backend *b = p->b[cand[j]];
+            if (atomic_load(&b->inflight) + 1 > icap) continue;
+            size_t m = px_pindex_match(p->chains, b->key_hash, h, nh);
+            uint64_t t = px_mix64(h[0] ^ b->key_hash);
+            if (m > most || (m && m == most && t > bt)) {
+                most = m;
+                bt = t;
+                best = cand[j];
+            }
+        }
+        /* A match of under half the chain is an opening many prompts share
+         * (a common preamble), not this prompt's history: following it
+         * would pile every such prompt onto one member. */
+        if (best != (size_t)-1 && 2 * most < nh) best = (size_t)-1;
+        if (best == (size_t)-1) best = ring_walk(p, px_hash64(k->key, k->key_len), is_cand, icap);
+        px_pindex_add(p->chains, p->b[best]->key_hash, h, nh);
+        free(h);
+    } else {
+        best = ring_walk(p, px_hash64(k->key, head), is_cand, icap);
+    }
+    if (is_cand != is_cand_local) free(is_cand);
+    return best;
+}
+
+static size_t choose(px_pool *p, const px_pick *k, const size_t *cand, size_t nc, size_t *cached) {
     switch (p->cfg.policy) {
     case PX_POLICY_KV_AWARE:
-        return choose_kv(p, k, cand, nc);
+        return choose_kv(p, k, cand, nc, cached);
     case PX_POLICY_ROUND_ROBIN:
     default: {
         /* The first candidate at or after the cursor. */
@@ -506,43 +634,9 @@ static size_t choose(px_pool *p, const px_pick *k, const size_t *cand, size_t nc
         if (b == a) b = cand[nc - 1];
         return atomic_load(&p->b[b]->inflight) < atomic_load(&p->b[a]->inflight) ? b : a;
     }
-    case PX_POLICY_PREFIX_AFFINITY: {
-        if (!k || !k->key || !p->nring) {
-            size_t best = cand[p->rr++ % nc];
-            return best;
-        }
-        /* Consistent hashing with bounded loads: walk the ring from the key's
-         * point to the first candidate under ceil(c * mean load). */
-        long total = 0;
-        for (size_t j = 0; j < nc; j++)
-            total += atomic_load(&p->b[cand[j]]->inflight);
-        double cap = p->cfg.load_factor * (double)(total + 1) / (double)nc;
-        long icap = (long)cap + ((double)(long)cap < cap);
-        unsigned char *is_cand = px_xcalloc(p->n, 1);
-        for (size_t j = 0; j < nc; j++)
-            is_cand[cand[j]] = 1;
-        uint64_t h = px_mix64(px_hash64(k->key, k->key_len)) & ~0xffffull;
-        size_t lo = 0, hi = p->nring;
-        while (lo < hi) {
-            size_t mid = (lo + hi) / 2;
-            if ((p->ring[mid] & ~0xffffull) < h)
-                lo = mid + 1;
-            else
-                hi = mid;
-        }
-        size_t best = (size_t)-1, first = (size_t)-1;
-        for (size_t j = 0; j < p->nring; j++) {
-            size_t i = (size_t)(p->ring[(lo + j) % p->nring] & 0xffff);
-            if (i >= p->n || !is_cand[i]) continue;
-            if (first == (size_t)-1) first = i;
-            if (atomic_load(&p->b[i]->inflight) + 1 <= icap) {
-                best = i;
-                break;
-            }
-        }
-        free(is_cand);
-        return best != (size_t)-1 ? best : first;
-    }
+    case PX_POLICY_PREFIX_AFFINITY:
+    case PX_POLICY_PREFIX_AFFINITY_BYTES:
+        return choose_prefix(p, k, cand, nc);
     }
 }
 
@@ -569,12 +663,14 @@ px_backend *px_pool_pick(px_pool *p, const px_pick *k, size_t *nmembers) {
         if (nc) atomic_fetch_add_explicit(&p->panic_routed, 1, memory_order_relaxed);
     }
     if (nc) {
-        size_t at = session_member(p, k, cand, nc);
-        b = p->b[at != (size_t)-1 ? at : choose(p, k, cand, nc)];
+        size_t at = session_member(p, k, cand, nc), cached = 0;
+        b = p->b[at != (size_t)-1 ? at : choose(p, k, cand, nc, &cached)];
+        if (k && k->cached) *k->cached = cached;
         if (k && k->sessions && k->session) px_sessions_put(k->sessions, k->session, b->key_hash);
         atomic_fetch_add(&b->refs, 1);
         atomic_fetch_add(&b->inflight, 1);
-        if (p->cfg.policy == PX_POLICY_KV_AWARE && k) px_backend_charge(b, (long)k->ntok);
+        if (p->cfg.policy == PX_POLICY_KV_AWARE && k)
+            px_backend_charge(b, (long)k->ntok - (long)cached);
     }
     pthread_mutex_unlock(&p->mu);
     if (cand != local) free(cand);

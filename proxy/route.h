@@ -2,7 +2,9 @@
 /* Backends, pools of them per role, their health, and the routing policies
  * that choose one for a request. The choice itself (px_pool_pick) is a pure
  * function of the pool's state and the request's routing key, so replicas of
- * the proxy that see the same backends route a prefix the same way. */
+ * the proxy that see the same backends route a prefix the same way; the one
+ * exception is prefix_affinity's memory of where each block chain went
+ * (px_pool.chains), which a prompt's first placement does not depend on. */
 #ifndef PX_ROUTE_H
 #define PX_ROUTE_H
 
@@ -21,6 +23,9 @@ typedef enum {
     PX_POLICY_PREFIX_AFFINITY,
     PX_POLICY_LOAD_AWARE,
     PX_POLICY_KV_AWARE,
+    /* The old prefix_affinity: the ring point of the prompt's first
+     * --prefix-bytes bytes only (kept to compare, bench/kv_routing.py). */
+    PX_POLICY_PREFIX_AFFINITY_BYTES,
 } px_policy;
 
 /* Parses a policy name; -1 when unknown. */
@@ -99,6 +104,10 @@ typedef struct px_pool {
     size_t rr;
     uint64_t *ring; /* prefix_affinity: sorted (point << 16 | member index) */
     size_t nring;
+    /* prefix_affinity: which member each prompt block chain (128-byte
+     * blocks, disagg.h's px_pindex) was last routed to; owned, made on the
+     * first pick that has a whole block, under mu. */
+    struct px_pindex *chains;
     atomic_ullong panic_routed; /* picks made with every member ejected */
 } px_pool;
 
@@ -140,7 +149,9 @@ size_t px_pool_sync_addrs(px_pool *p, const char *url, const char *host, int por
 
 /* What a request brings to the choice. */
 typedef struct px_pick {
-    const void *key; /* prefix_affinity: bytes to hash (the prompt prefix) */
+    /* prefix_affinity: the prompt's bytes (its block chain is hashed);
+     * prefix_affinity_bytes: its first --prefix-bytes bytes. */
+    const void *key;
     size_t key_len;
     px_backend *const *exclude; /* already tried; avoided while others remain */
     size_t nexclude;
@@ -149,7 +160,8 @@ typedef struct px_pick {
     struct px_kvindex *kv;
     const uint32_t *tok;
     size_t ntok;
-    size_t *cached; /* out, when not NULL: the chosen backend's cached prompt tokens */
+    size_t *cached; /* out, when not NULL: the chosen backend's cached prompt tokens (the
+                     * engine's rule: whole blocks, never the prompt's last token) */
     uint64_t kv_extra; /* the prompt's LoRA key (px_kvindex_request_extra), 0: base model */
     /* Sessions: a conversation (its key, 0: none) stays on the backend it
      * was routed to while that one is usable and not overloaded (over
@@ -168,12 +180,24 @@ int px_sessions_get(px_sessions *s, uint64_t session, uint64_t *backend_key);
 void px_sessions_put(px_sessions *s, uint64_t session, uint64_t backend_key);
 
 /* kv_aware's score of backend b for a prompt of which it caches `cached`
- * tokens: cache weight * cached - load weight * b's prompt tokens. */
+ * tokens: cache weight * cached - load weight * b's uncached prompt tokens
+ * queued or in flight. With both weights 1 the best score is the engine
+ * that would finish this prompt first (its queue plus what it lacks of
+ * this prompt). */
 double px_kv_score(const px_pool_cfg *c, size_t cached, long load_tokens);
 
+/* Of a prompt of ntok tokens whose first `blocks` whole blocks of `bs`
+ * tokens an engine holds, the tokens it reuses: vLLM recomputes the last
+ * prompt token, so at most (ntok - 1) / bs blocks count
+ * (vllm/v1/core/kv_cache_manager.py, get_computed_blocks:
+ * max_cache_hit_length = request.num_tokens - 1). */
+size_t px_kv_reusable(size_t blocks, size_t bs, size_t ntok);
+
 /* kv_aware: counts `tokens` more (or, negative, fewer) prompt tokens as
- * queued or in flight on b. px_pool_pick charges the prompt of a kv_aware
- * pick; the caller takes it back when the request leaves b. */
+ * queued or in flight on b. px_pool_pick charges a kv_aware pick with the
+ * prompt's tokens the chosen engine does not cache (ntok - *cached: what it
+ * computes, what the TTFT of requests behind it waits for); the caller
+ * takes them back when the request leaves b. */
 void px_backend_charge(px_backend *b, long tokens);
 
 /* Chooses a healthy backend and returns it with a reference taken and its

@@ -17,7 +17,7 @@ import unittest
 
 from pdharness.kvpub import Publisher, stored
 from pdharness.mocks import HostMock, Respond, decode_handler, prefill_handler
-from pdharness.net import free_port, wait_value
+from pdharness.net import free_port, wait_until, wait_value
 from pdharness.prod import ProdCase
 from pdharness.prom import metric, prom
 
@@ -105,6 +105,48 @@ class KvRoutingTest(ProdCase):
         self.send(px, a + [1])
         self.assertEqual(self.counts([P0, P1]), [2, 1])
 
+    def test_load_counts_only_uncached_tokens(self):
+        """An engine is charged with what it computes of a prompt, not the
+        whole prompt: a request running there with 40 of its 43 tokens
+        cached leaves that engine the better place for the next one
+        (charged 43, it would not be: 40 cached - 43 < 0)."""
+        (P0, P1), (E0, E1) = self.engines(handler=prefill_handler(delay=1.5))
+        D = self.mock(decode_handler(), name="D")
+        px = self.start_kv([P0, P1], [D], extra=["--prefill-policy", "kv_aware"])
+        E0.wait_subscriber()
+        a = tokens(11, 10)
+        E0.publish([stored(range(1100, 1110), None, a, BS)])
+        self.index_has(px, P0, 10)
+        t = threading.Thread(target=self.send, args=(px, a + [1, 2, 3]), daemon=True)
+        t.start()
+        self.assertEqual(len(P0.wait_requests(1, 5.0)), 1)
+        self.send(px, a + [4, 5, 6])
+        t.join(10)
+        self.assertFalse(t.is_alive())
+        self.assertEqual(self.counts([P0, P1]), [2, 0])
+
+    def test_disagg_counts_the_recomputed_last_block(self):
+        """The engine recomputes a prompt's last token (vLLM's
+        get_computed_blocks: max_cache_hit_length = num_tokens - 1), so a
+        prompt all of whose 6 blocks the decode holds still lacks its last
+        block: 4 tokens, not 0, against --disagg-min-tokens 4."""
+        (D0, D1), (E0, E1) = self.engines(handler=decode_handler())
+        P = self.mock(prefill_handler(), name="P")
+        px = self.start_kv([P], [D0, D1], extra=["--decode-policy", "kv_aware",
+                                                 "--disagg-min-tokens", "4"])
+        E0.wait_subscriber()
+        a = tokens(12, 6)
+        E0.publish([stored(range(1200, 1206), None, a, BS)])
+        self.index_has(px, D0, 6)
+        self.send(px, a)  # 20 reusable, 4 to compute: prefill first
+        self.assertEqual(len(P.requests), 1)
+        self.send(px, a + [1])  # 24 reusable, 1 to compute: decode alone, on D0
+        self.assertEqual(len(P.requests), 1)
+        self.assertEqual(self.counts([D0, D1])[0], 2)
+        s = prom(px.port)
+        self.assertEqual(metric(s, "pdproxy_disagg_decisions_total", reason="long_prompt"), 1)
+        self.assertEqual(metric(s, "pdproxy_disagg_decisions_total", reason="cached_prefix"), 1)
+
     def test_two_replicas_choose_the_same(self):
         (P0, P1), (E0, E1) = self.engines()
         D = self.mock(decode_handler(), name="D")
@@ -154,6 +196,38 @@ class KvRoutingTest(ProdCase):
         self.assertEqual(metric(s, "pdproxy_disagg_decisions_total", reason="cached_prefix"), 1)
         self.assertEqual(metric(s, "pdproxy_disagg_decisions_total", reason="long_prompt"), 1)
 
+
+    def test_disaggregated_request_is_no_load_on_its_decode(self):
+        """A request decided for prefill is charged nothing on the decode
+        chosen beforehand (it receives the KV), so a decode-local request
+        sent meanwhile still goes to the decode holding its prefix."""
+        slow_d = decode_handler()
+
+        def h(req):
+            time.sleep(2.0 if b"long" in req.body else 0.0)
+            return slow_d(req)
+
+        (D0, D1), (E0, E1) = self.engines(handler=h)
+        P = self.mock(prefill_handler(), name="P")
+        px = self.start_kv([P], [D0, D1], extra=["--decode-policy", "kv_aware",
+                                                 "--disagg-min-tokens", "4"])
+        E0.wait_subscriber()
+        a, lng = tokens(13, 6), tokens(14, 1)
+        E0.publish([stored(range(1300, 1306), None, a, BS),
+                    stored([1400], None, lng, BS)])
+        self.index_has(px, D0, 7)
+        # 4 of its 40 tokens cached on D0: D0, through the prefill, 2 s long.
+        body = {"model": "m", "prompt": lng + tokens(15, 9), "max_tokens": 4, "user": "long"}
+        t = threading.Thread(target=self.post, args=(px, body), daemon=True)
+        t.start()
+        self.assertTrue(wait_until(lambda: len(D0.requests) == 1, 5.0))
+        self.assertEqual(len(P.requests), 1)
+        # 24 of 25 cached on D0, which computes nothing for the other: D0 alone.
+        self.send(px, a + [1])
+        t.join(10)
+        self.assertFalse(t.is_alive())
+        self.assertEqual(self.counts([D0, D1]), [2, 0])
+        self.assertEqual(len(P.requests), 1)
 
     def tokenizing_engine(self, delay=0.0, status=200):
         """A prefill engine whose /tokenize gives one token per character
@@ -219,6 +293,44 @@ class KvRoutingTest(ProdCase):
         self.assertEqual(metric(s, "pdproxy_tokenize_total", result="ok"), 0)
         gen = [q for q in P0.requests + P1.requests if q.path != "/tokenize"]
         self.assertEqual(len(gen), 1)
+
+    def test_unknown_tokens_still_count_as_load(self):
+        """A text prompt whose /tokenize does not answer in time is routed
+        without a cache to match, but the engine computes all of it: it is
+        charged with the byte estimate (400 bytes / 4 = 100 tokens), so
+        prompts sent while it runs go to the other engine."""
+        slow = prefill_handler(delay=3.0)
+        fast = prefill_handler()
+
+        def h(req):
+            if req.path == "/tokenize":
+                return Respond(200, [("Content-Type", "application/json")],
+                               b'{"count":1,"max_model_len":9,"tokens":[1]}', delay=2.0)
+            return (slow if b'"prompt": "' in req.body or b'"prompt":"' in req.body
+                    else fast)(req)
+
+        (P0, P1), _ = self.engines(handler=h)
+        D = self.mock(decode_handler(), name="D")
+        px = self.start_kv([P0, P1], [D], extra=["--prefill-policy", "kv_aware",
+                                                 "--tokenize-timeout", "0.2"])
+        text = "w" * 400
+        t = threading.Thread(target=self.post, args=(px, {"model": "m", "prompt": text,
+                                                          "max_tokens": 4}), daemon=True)
+        t.start()
+
+        def gen(m):
+            return [q for q in list(m.requests) if q.path != "/tokenize"]
+
+        self.assertTrue(wait_until(lambda: len(gen(P0)) + len(gen(P1)) == 1, 5.0))
+        busy = 0 if gen(P0) else 1
+        for i in range(6):
+            self.send(px, tokens(20 + i, 2))
+        t.join(10)
+        self.assertFalse(t.is_alive())
+        mocks = [P0, P1]
+        self.assertEqual(len(gen(mocks[busy])), 1)
+        self.assertEqual(len(gen(mocks[1 - busy])), 6)
+        self.assertEqual(metric(prom(px.port), "pdproxy_tokenize_total", result="timeout"), 1)
 
     def test_tokenize_error_falls_back_counted(self):
         (P0, P1), _ = self.engines(handler=self.tokenizing_engine(status=404))

@@ -2,7 +2,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """Issue 5 item 5, routing policies per role (--prefill-policy /
 --decode-policy): round_robin, least_inflight, power_of_two,
-prefix_affinity (with its bounded-load cap --prefix-load-factor) and
+prefix_affinity (the prompt's whole block chain, with its bounded-load cap
+--prefix-load-factor; prefix_affinity_bytes, the first --prefix-bytes) and
 load_aware (engines' /metrics read by load probes every --metrics-interval)."""
 
 import time
@@ -149,6 +150,59 @@ class PrefixAffinityTest(ProdCase):
             homes.add(self.where(rid))
             self.post(px, prompt_body("unrelated %d " % j * 5, "x"))
         self.assertEqual(len(homes), 1, homes)
+
+    def tenants_homes(self, policy):
+        """12 tenants whose prompts open with the same 300 bytes, then their
+        own context, 3 questions each: the prefills each tenant reached."""
+        px = self.start(self.P, [self.D], ["--prefill-policy", policy])
+        opening = "You are a helpful assistant who answers briefly. " * 6
+        self.assertGreater(len(opening), 256)
+        homes = {}
+        for k in range(12):
+            context = ("tenant %d keeps these facts in mind. " % k) * 12
+            seen = set()
+            for j in range(3):
+                rid = "%s-%d-%d" % (policy, k, j)
+                r = self.post(px, prompt_body(opening + context, " question %d?" % j),
+                              headers={"X-Request-Id": rid})
+                self.assertEqual(r.status, 200)
+                seen.add(self.where(rid))
+            homes[k] = seen
+        return homes
+
+    def test_whole_chain_spreads_a_shared_opening(self):
+        homes = self.tenants_homes("prefix_affinity")
+        for k, seen in homes.items():
+            self.assertEqual(len(seen), 1, "tenant %d spread over prefills %r" % (k, seen))
+        used = {next(iter(s)) for s in homes.values()}
+        self.assertGreaterEqual(len(used), 2, "12 tenants all on one prefill: %r" % homes)
+
+    def test_first_bytes_only_with_prefix_affinity_bytes(self):
+        """The former behaviour, kept to compare: the shared opening is all
+        it sees, so every tenant lands on one prefill."""
+        homes = self.tenants_homes("prefix_affinity_bytes")
+        used = set().union(*homes.values())
+        self.assertEqual(len(used), 1, homes)
+
+    def test_conversation_follows_its_chain(self):
+        """A chat growing turn by turn stays where its history went, with
+        other conversations in between."""
+        px = self.start(self.P, [self.D], ["--prefill-policy", "prefix_affinity"])
+        convs = {c: [{"role": "system", "content": "Conversation %d. " % c * 20}]
+                 for c in range(6)}
+        homes = {c: set() for c in convs}
+        for turn in range(4):
+            for c, msgs in convs.items():
+                msgs.append({"role": "user", "content": "turn %d of %d: %s" % (turn, c, "x" * 90)})
+                rid = "conv-%d-%d" % (c, turn)
+                r = self.post(px, chat_body(messages=msgs), path="/v1/chat/completions",
+                              headers={"X-Request-Id": rid})
+                self.assertEqual(r.status, 200)
+                homes[c].add(self.where(rid))
+                msgs.append({"role": "assistant", "content": "reply %d %s" % (turn, "y" * 90)})
+        for c, seen in homes.items():
+            self.assertEqual(len(seen), 1, "conversation %d moved: %r" % (c, seen))
+        self.assertGreaterEqual(len(set().union(*homes.values())), 2, homes)
 
     def concurrent_same_prefix(self, factor, n):
         for m in self.P:

@@ -10,6 +10,7 @@
 #include <stdint.h>
 #include <cmocka.h>
 // clang-format on
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -117,14 +118,37 @@ static void test_kv_aware_choice(void **state) {
     px_backend *b = px_pool_pick(&p, &k, NULL);
     assert_string_equal(b->name, "10.0.0.2:8000");
     assert_int_equal(cached, 48);
-    assert_int_equal(atomic_load(&b->tokens), 64); /* charged */
-    /* With 64 tokens in flight there, 48 cached no longer beat 16. */
+    /* Charged with what it computes: the 16 tokens it lacks. */
+    assert_int_equal(atomic_load(&b->tokens), 16);
+    /* 16 uncached tokens queued there do not outweigh 32 more cached. */
     px_backend *c = px_pool_pick(&p, &k, NULL);
-    assert_string_equal(c->name, "10.0.0.1:8000");
-    px_backend_charge(b, -64);
-    px_backend_charge(c, -64);
+    assert_ptr_equal(c, b);
+    assert_int_equal(atomic_load(&b->tokens), 32);
+    /* 72 queued do: the other engine, which lacks 48 of the 64. */
+    px_backend_charge(b, 40);
+    px_backend *d = px_pool_pick(&p, &k, NULL);
+    assert_string_equal(d->name, "10.0.0.1:8000");
+    assert_int_equal(cached, 16);
+    assert_int_equal(atomic_load(&d->tokens), 48);
+    px_backend_charge(b, -72);
+    px_backend_charge(d, -48);
     px_backend_done(&p, b, PX_OUT_OK);
     px_backend_done(&p, c, PX_OUT_OK);
+    px_backend_done(&p, d, PX_OUT_OK);
+    /* The engine recomputes a prompt's last token: of a 48-token prompt
+     * whose 6 blocks it holds, 40 tokens are reused, and it is charged 8. */
+    k.ntok = 48;
+    b = px_pool_pick(&p, &k, NULL);
+    assert_string_equal(b->name, "10.0.0.2:8000");
+    assert_int_equal(cached, 40);
+    assert_int_equal(atomic_load(&b->tokens), 8);
+    px_backend_charge(b, -8);
+    px_backend_done(&p, b, PX_OUT_OK);
+    assert_int_equal(px_kv_reusable(6, 8, 48), 40);
+    assert_int_equal(px_kv_reusable(6, 8, 49), 48);
+    assert_int_equal(px_kv_reusable(2, 8, 64), 16);
+    assert_int_equal(px_kv_reusable(3, 8, 1), 0);
+    assert_int_equal(px_kv_reusable(3, 8, 0), 0);
     /* Uncached prompt, idle pool: the same choice every time for it. */
     uint32_t other[16];
     for (int i = 0; i < 16; i++)
@@ -140,6 +164,64 @@ static void test_kv_aware_choice(void **state) {
         px_backend_done(&p, again, PX_OUT_OK);
     }
     px_pool_cleanup(&p);
+    px_kvindex_destroy(x);
+}
+
+/* kv_aware's tie-break: the rendezvous hash of the prompt's first block
+ * key with each backend's name. Pools listing the members in another order
+ * agree, and prompts opening with the same block meet on one idle engine. */
+static void test_kv_aware_tie(void **state) {
+    (void)state;
+    px_kvindex *x = px_kvindex_create(1000, 8);
+    px_pool_cfg pc = {.policy = PX_POLICY_KV_AWARE,
+                      .unhealthy_after = 3,
+                      .healthy_after = 1,
+                      .load_factor = 1.25,
+                      .kv_cache_weight = 1,
+                      .kv_load_weight = 1};
+    static const char *const urls[] = {"http://10.0.0.1:8000", "http://10.0.0.2:8000",
+                                       "http://10.0.0.3:8000", "http://10.0.0.4:8000"};
+    px_pool a, z;
+    px_pool_init(&a, "prefill", &pc);
+    px_pool_init(&z, "prefill", &pc);
+    for (int i = 0; i < 4; i++) {
+        px_pool_add(&a, urls[i], NULL);
+        px_pool_add(&z, urls[3 - i], NULL);
+        char name[32];
+        snprintf(name, sizeof name, "10.0.0.%d:8000", i + 1);
+        uint64_t eh = 500u + (uint64_t)i;
+        uint32_t other[8] = {9, 9, 9, 9, 9, 9, 9, (uint32_t)i}; /* a block of nothing asked */
+        px_kvindex_store(x, px_kvindex_slot(x, name, 1), &eh, 1, 0, 0, other, 8, NULL, NULL);
+    }
+    px_pool_seal(&a);
+    px_pool_seal(&z);
+    int seen[4] = {0};
+    for (uint32_t v = 0; v < 40; v++) {
+        uint32_t t1[24], t2[24];
+        for (int i = 0; i < 24; i++) {
+            t1[i] = v * 100u + (uint32_t)i;
+            t2[i] = i < 8 ? t1[i] : 7000u + (uint32_t)i; /* the same first block */
+        }
+        px_pick k1 = {.kv = x, .tok = t1, .ntok = 24}, k2 = {.kv = x, .tok = t2, .ntok = 24};
+        /* Each request taken back (its charge too) before the next pick:
+         * an idle pool every time. */
+        px_backend *b1 = px_pool_pick(&a, &k1, NULL);
+        px_backend_charge(b1, -24);
+        px_backend_done(&a, b1, PX_OUT_OK);
+        px_backend *b2 = px_pool_pick(&z, &k1, NULL);
+        px_backend_charge(b2, -24);
+        px_backend_done(&z, b2, PX_OUT_OK);
+        px_backend *b3 = px_pool_pick(&a, &k2, NULL);
+        px_backend_charge(b3, -24);
+        px_backend_done(&a, b3, PX_OUT_OK);
+        assert_string_equal(b1->name, b2->name); /* the pools still hold them */
+        assert_string_equal(b1->name, b3->name);
+        seen[b1->name[7] - '1']++;
+    }
+    for (int i = 0; i < 4; i++)
+        assert_true(seen[i] > 0); /* different openings spread */
+    px_pool_cleanup(&a);
+    px_pool_cleanup(&z);
     px_kvindex_destroy(x);
 }
 
@@ -161,9 +243,9 @@ static void test_sessions(void **state) {
 
 int main(void) {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_body),     cmocka_unit_test(test_parse),
-        cmocka_unit_test(test_cache),    cmocka_unit_test(test_kv_aware_choice),
-        cmocka_unit_test(test_sessions),
+        cmocka_unit_test(test_body),         cmocka_unit_test(test_parse),
+        cmocka_unit_test(test_cache),        cmocka_unit_test(test_kv_aware_choice),
+        cmocka_unit_test(test_kv_aware_tie), cmocka_unit_test(test_sessions),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
