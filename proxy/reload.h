@@ -33,6 +33,11 @@ typedef struct px_reloader {
     px_config *file_cfg; /* owned: the last reload's settings, or NULL: ctx->cfg */
     px_api_op *ops;      /* owned: admin API changes since the last file reload */
     size_t nops;
+    /* The backend URLs of the current generation and of the API's changes,
+     * by pool, role and spelling-free key: what lets one admin API change
+     * apply in place, in O(1) instead of a rebuild of every pool. NULL
+     * until the first generation. */
+    struct url_set *urls;               /* owned */
     struct px_discovery **retired_disc; /* owned: replaced generations' discoveries whose
                                            cancelled lookups may still call back */
     size_t nretired;

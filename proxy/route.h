@@ -99,6 +99,7 @@ typedef struct px_pool {
     size_t rr;
     uint64_t *ring; /* prefix_affinity: sorted (point << 16 | member index) */
     size_t nring;
+    unsigned long members_ver;  /* under mu: bumped by each change of the members */
     atomic_ullong panic_routed; /* picks made with every member ejected */
 } px_pool;
 
@@ -125,8 +126,20 @@ void px_adopt_index_destroy(px_adopt_index *x);
 /* Adding members (px_pool_add, px_pool_adopt*) leaves the prefix_affinity
  * ring as it was: call this once after a batch of additions, before the
  * pool serves (a ring rebuilt per addition made start-up and reloads
- * quadratic). Pools of other policies build no ring. */
+ * quadratic). Pools of other policies build no ring. The ring is built
+ * and sorted off the pool's lock and swapped in under it, so a DNS change
+ * of hundreds of members does not stall the requests picking meanwhile. */
 void px_pool_seal(px_pool *p);
+
+/* One backend more, at once (the admin API's add): made for `url`
+ * (borrowed), appended, and its virtual nodes merged into the ring of a
+ * prefix_affinity pool (no re-sort). The pool takes the only reference;
+ * the result is borrowed. NULL when the URL is malformed. */
+px_backend *px_pool_insert(px_pool *p, const char *url);
+/* Takes out, at once, the members made for `src` (the URL as configured),
+ * at most 16 (one URL's addresses), dropping their virtual nodes from the
+ * ring in one pass. Requests holding one finish on it. Returns how many. */
+size_t px_pool_remove_src(px_pool *p, const char *src);
 
 /* A backend outside any pool (the sidecar's prefill named by a request),
  * with one reference for the caller. NULL when the URL is malformed. */
