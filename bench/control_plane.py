@@ -17,6 +17,11 @@
 
   python3 bench/control_plane.py [--build build] [--n 10000] [--big 100000]
                                  [--seconds 20] [--skip-health]
+                                 [--only start,health,sigterm] [--policy P]
+
+--only runs the named parts (start covers start, reload and admin);
+--policy sets both pools' policy (prefix_affinity keeps a ring per pool,
+which the admin API's changes update in place).
 """
 
 import argparse
@@ -78,6 +83,16 @@ def cpu_s(pid):
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def sockets(pid):
+    n = 0
+    for fd in os.listdir("/proc/%d/fd" % pid):
+        try:
+            n += os.readlink("/proc/%d/fd/%s" % (pid, fd)).startswith("socket:")
+        except OSError:
+            pass
+    return n
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--build", default=os.path.join(ROOT, "build"))
@@ -85,7 +100,12 @@ def main():
     ap.add_argument("--big", type=int, default=100000)
     ap.add_argument("--seconds", type=float, default=20)
     ap.add_argument("--skip-health", action="store_true")
+    ap.add_argument("--only", default="start,health,sigterm")
+    ap.add_argument("--policy", default="round_robin")
     a = ap.parse_args()
+    parts = set(a.only.split(","))
+    if a.skip_health:
+        parts.discard("health")
     pdproxy = os.path.join(a.build, "bin", "pdproxy")
     sim = os.path.join(a.build, "bin", "engine-sim")
     d = tempfile.mkdtemp(prefix="pdproxy-cp-")
@@ -97,97 +117,18 @@ def main():
     procs = []
     try:
         eport = free_port()
-        if not a.skip_health:
+        if "health" in parts:
             engine = subprocess.Popen([sim, "--role", "decode", "--host", "0.0.0.0", "--port",
                                        str(eport)], stdout=subprocess.DEVNULL,
                                       stderr=subprocess.DEVNULL)
             procs.append(engine)
             wait_until(lambda: port_accepts(eport), 10)
-        write_file(cfg, a.n, eport)
-        port, aport = free_port(), free_port()
-        argv = [pdproxy, "--config", cfg, "--host", HOST, "--port", str(port), "--threads", "2",
-                "--health-interval", "0", "--admin-port", str(aport), "--admin-token-file", tok]
-        t0 = time.monotonic()
-        px = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=open(log, "w"))
-        procs.append(px)
-        ok = wait_until(lambda: port_accepts(port) or px.poll() is not None, 600)
-        t_start = time.monotonic() - t0
-        if not ok or px.poll() is not None:
-            print("pdproxy did not start; log:\n" + open(log).read()[-2000:])
-            return 1
-        print("start n=%d: %.3f s to listening" % (a.n, t_start))
-
-        # Reload: 10 % of the backends change.
-        times = []
-        for i in range(5):
-            write_file(cfg, a.n, eport, shift=(i + 1) * (a.n // 10))
-            g = generation(port)
-            t0 = time.monotonic()
-            px.send_signal(signal.SIGHUP)
-            wait_until(lambda: generation(port) == g + 1, 120)
-            times.append(time.monotonic() - t0)
-        sw = swaps(log)
-        print("reload n=%d: swap ms (logged) %s; SIGHUP to new generation s %s"
-              % (a.n, " ".join("%.1f" % x for x in sw[-5:]),
-                 " ".join("%.3f" % x for x in times)))
-
-        # Admin API: one add, one remove.
-        token = "control-plane-bench-token"
-        adds = []
-        for i in range(5):
-            u = "http://%s:%d" % (addr(900000 + i), eport)
-            t0 = time.monotonic()
-            st, body = get(aport, "/admin/backends", "POST", {"role": "prefill", "url": u}, token)
-            adds.append((time.monotonic() - t0, st))
-        rems = []
-        for i in range(5):
-            u = "http://%s:%d" % (addr(900000 + i), eport)
-            t0 = time.monotonic()
-            st, body = get(aport, "/admin/backends", "DELETE", {"role": "prefill", "url": u},
-                           token)
-            rems.append((time.monotonic() - t0, st))
-        sw = swaps(log)
-        print("admin n=%d: add round trips ms %s, remove ms %s; swaps logged ms %s"
-              % (a.n, " ".join("%.1f(%d)" % (t * 1e3, s) for t, s in adds),
-                 " ".join("%.1f(%d)" % (t * 1e3, s) for t, s in rems),
-                 " ".join("%.2f" % x for x in sw[-10:])))
-        px.send_signal(signal.SIGTERM)
-        px.wait(60)
-
-        if not a.skip_health:
-            write_file(cfg, a.n, eport)
-            port = free_port()
-            argv = [pdproxy, "--config", cfg, "--host", HOST, "--port", str(port), "--threads",
-                    "2", "--health-interval", "5"]
-            px = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=open(log, "w"))
-            procs.append(px)
-            wait_until(lambda: port_accepts(port) or px.poll() is not None, 600)
-            # One round of checks first, then measure.
-            time.sleep(6)  # bench pacing, not a readiness wait
-            c0, t0 = cpu_s(px.pid), time.monotonic()
-            time.sleep(a.seconds)  # the measurement window
-            c1, t1 = cpu_s(px.pid), time.monotonic()
-            print("health n=%d interval=5s: pdproxy CPU %.1f %% of one core over %.0f s"
-                  % (a.n, 100 * (c1 - c0) / (t1 - t0), t1 - t0))
-            px.send_signal(signal.SIGTERM)
-            px.wait(60)
-
-        # SIGTERM during a long load.
-        write_file(cfg, a.big, 9)
-        port = free_port()
-        argv = [pdproxy, "--config", cfg, "--host", HOST, "--port", str(port), "--threads", "2",
-                "--health-interval", "0", "--drain-delay", "0"]
-        px = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=open(log, "w"))
-        procs.append(px)
-        time.sleep(0.3)  # let the load begin
-        t0 = time.monotonic()
-        px.send_signal(signal.SIGTERM)
-        try:
-            px.wait(120)
-            print("SIGTERM while loading %d backends: exited in %.3f s (status %s)"
-                  % (a.big, time.monotonic() - t0, px.returncode))
-        except subprocess.TimeoutExpired:
-            print("SIGTERM while loading %d backends: still running after 120 s" % a.big)
+        if "start" in parts:
+            start_reload_admin(a, pdproxy, cfg, log, tok, eport, procs)
+        if "health" in parts:
+            health(a, pdproxy, cfg, log, eport, procs, engine)
+        if "sigterm" in parts:
+            sigterm(a, pdproxy, cfg, log, procs)
     finally:
         for p in procs:
             if p.poll() is None:
@@ -197,6 +138,100 @@ def main():
             os.unlink(os.path.join(d, f))
         os.rmdir(d)
     return 0
+
+
+def start_reload_admin(a, pdproxy, cfg, log, tok, eport, procs):
+    write_file(cfg, a.n, eport)
+    port, aport = free_port(), free_port()
+    argv = [pdproxy, "--config", cfg, "--host", HOST, "--port", str(port), "--threads", "2",
+            "--health-interval", "0", "--admin-port", str(aport), "--admin-token-file", tok,
+            "--prefill-policy", a.policy, "--decode-policy", a.policy]
+    t0 = time.monotonic()
+    px = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=open(log, "w"))
+    procs.append(px)
+    ok = wait_until(lambda: port_accepts(port) or px.poll() is not None, 600)
+    t_start = time.monotonic() - t0
+    if not ok or px.poll() is not None:
+        print("pdproxy did not start; log:\n" + open(log).read()[-2000:])
+        return 1
+    print("start n=%d: %.3f s to listening" % (a.n, t_start))
+
+    # Reload: 10 % of the backends change.
+    times = []
+    for i in range(5):
+        write_file(cfg, a.n, eport, shift=(i + 1) * (a.n // 10))
+        g = generation(port)
+        t0 = time.monotonic()
+        px.send_signal(signal.SIGHUP)
+        wait_until(lambda: generation(port) == g + 1, 120)
+        times.append(time.monotonic() - t0)
+    sw = swaps(log)
+    print("reload n=%d: swap ms (logged) %s; SIGHUP to new generation s %s"
+          % (a.n, " ".join("%.1f" % x for x in sw[-5:]),
+             " ".join("%.3f" % x for x in times)))
+
+    # Admin API: one add, one remove.
+    token = "control-plane-bench-token"
+    adds = []
+    for i in range(5):
+        u = "http://%s:%d" % (addr(900000 + i), eport)
+        t0 = time.monotonic()
+        st, body = get(aport, "/admin/backends", "POST", {"role": "prefill", "url": u}, token)
+        adds.append((time.monotonic() - t0, st))
+    rems = []
+    for i in range(5):
+        u = "http://%s:%d" % (addr(900000 + i), eport)
+        t0 = time.monotonic()
+        st, body = get(aport, "/admin/backends", "DELETE", {"role": "prefill", "url": u},
+                       token)
+        rems.append((time.monotonic() - t0, st))
+    sw = swaps(log)
+    print("admin n=%d: add round trips ms %s, remove ms %s; swaps logged ms %s"
+          % (a.n, " ".join("%.1f(%d)" % (t * 1e3, s) for t, s in adds),
+             " ".join("%.1f(%d)" % (t * 1e3, s) for t, s in rems),
+             " ".join("%.2f" % x for x in sw[-10:])))
+    px.send_signal(signal.SIGTERM)
+    px.wait(60)
+
+
+def health(a, pdproxy, cfg, log, eport, procs, engine):
+    write_file(cfg, a.n, eport)
+    port = free_port()
+    argv = [pdproxy, "--config", cfg, "--host", HOST, "--port", str(port), "--threads",
+            "2", "--health-interval", "5"]
+    px = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=open(log, "w"))
+    procs.append(px)
+    wait_until(lambda: port_accepts(port) or px.poll() is not None, 600)
+    # One round of checks first, then measure.
+    time.sleep(6)  # bench pacing, not a readiness wait
+    c0, e0, t0 = cpu_s(px.pid), cpu_s(engine.pid), time.monotonic()
+    time.sleep(a.seconds)  # the measurement window
+    c1, e1, t1 = cpu_s(px.pid), cpu_s(engine.pid), time.monotonic()
+    print("health n=%d interval=5s: pdproxy CPU %.1f %% of one core over %.0f s (engine-sim "
+          "%.1f %%); pdproxy holds %d sockets"
+          % (a.n, 100 * (c1 - c0) / (t1 - t0), t1 - t0, 100 * (e1 - e0) / (t1 - t0),
+             sockets(px.pid)))
+    px.send_signal(signal.SIGTERM)
+    px.wait(60)
+
+
+def sigterm(a, pdproxy, cfg, log, procs):
+    # SIGTERM during a long load.
+    write_file(cfg, a.big, 9)
+    port = free_port()
+    argv = [pdproxy, "--config", cfg, "--host", HOST, "--port", str(port), "--threads", "2",
+            "--health-interval", "0", "--drain-delay", "0"]
+    px = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=open(log, "w"))
+    procs.append(px)
+    time.sleep(0.3)  # let the load begin
+    t0 = time.monotonic()
+    px.send_signal(signal.SIGTERM)
+    try:
+        px.wait(120)
+        print("SIGTERM while loading %d backends: exited in %.3f s (status %s)"
+              % (a.big, time.monotonic() - t0, px.returncode))
+    except subprocess.TimeoutExpired:
+        print("SIGTERM while loading %d backends: still running after 120 s" % a.big)
 
 
 if __name__ == "__main__":

@@ -794,6 +794,19 @@ px_backend **px_pool_members(px_pool *p, size_t *n) {
     return v;
 }
 
+px_backend **px_pool_members_slice(px_pool *p, unsigned slice, unsigned nslices, size_t *n) {
+    pthread_mutex_lock(&p->mu);
+    size_t from = p->n * slice / nslices, to = p->n * (slice + 1) / nslices;
+    px_backend **v = px_xmalloc((to > from ? to - from : 1) * sizeof *v);
+    for (size_t i = from; i < to; i++) {
+        v[i - from] = p->b[i];
+        atomic_fetch_add(&p->b[i]->refs, 1);
+    }
+    *n = to - from;
+    pthread_mutex_unlock(&p->mu);
+    return v;
+}
+
 size_t px_pool_usable(px_pool *p) {
     size_t h, panic = 0;
     px_pool_counts(p, NULL, &h);

@@ -215,6 +215,11 @@ void px_backend_check(px_pool *p, px_backend *b, int ok);
 /* A snapshot of the members with a reference on each; release each with
  * px_backend_release() and free the array. */
 px_backend **px_pool_members(px_pool *p, size_t *n);
+/* The same for slice `slice` of `nslices` by position: the members at
+ * [n * slice / nslices, n * (slice + 1) / nslices), O(n / nslices). The
+ * health checker's spread of its checks over its interval (a change of
+ * the members meanwhile may move one member past its slice for a round). */
+px_backend **px_pool_members_slice(px_pool *p, unsigned slice, unsigned nslices, size_t *n);
 
 /* Number of members, and of healthy ones. */
 /* Why a pool with members has none usable, for error messages:
