@@ -7,14 +7,18 @@ backend that is the proxy itself, no pool left without a role it needs),
 the members and the answers exactly those of the change. These tests assert
 membership and answers, never durations (bench/control_plane.py measures)."""
 
+import http.server
 import os
+import socket
+import threading
 import unittest
 
 from pdharness.ctl import admin, pools_yaml, tmpdir, token_file, url, write_yaml
 from pdharness.mocks import completion_body, decode_handler, prefill_handler
-from pdharness.net import HOST, free_port
+from pdharness.net import HOST, free_port, wait_value
 from pdharness.procs import ProxyStartError
 from pdharness.prod import ProdCase
+from pdharness.prom import metric, prom
 
 N = 2000  # backends of the big pool: half prefill, half decode
 
@@ -189,6 +193,102 @@ class ScaleAdminTest(ProdCase):
         self.assertEqual(have, {("prefill", url(P)), ("decode", url(D2))})
         self.assertEqual(self.post(px, completion_body(model="m")).status, 200)
         self.assertEqual((len(D1.requests), len(D2.requests)), (0, 1))
+
+
+class CheckServer:
+    """One HTTP/1.1 server on 0.0.0.0 that every 127.x.y.z backend address
+    reaches, as an engine with many addresses: it counts /health checks and
+    connections per address it was reached at, keeps connections alive (as
+    engine-sim and uvicorn do) and, for addresses in `drop_second`, closes a
+    connection at its second request without answering (an engine whose
+    keep-alive timeout closed it as the check went out)."""
+
+    def __init__(self, drop_second=()):
+        self.checks, self.conns, self.dropped = {}, {}, {}
+        self.drop_second = set(drop_second)
+        self.mu = threading.Lock()
+        server = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def setup(self):
+                super().setup()
+                self.addr = self.connection.getsockname()[0]
+                self.served = 0
+                with server.mu:
+                    server.conns[self.addr] = server.conns.get(self.addr, 0) + 1
+
+            def do_GET(self):
+                self.served += 1
+                if self.addr in server.drop_second and self.served == 2:
+                    with server.mu:
+                        server.dropped[self.addr] = server.dropped.get(self.addr, 0) + 1
+                    self.close_connection = True
+                    self.connection.shutdown(socket.SHUT_RDWR)
+                    return
+                with server.mu:
+                    server.checks[self.addr] = server.checks.get(self.addr, 0) + 1
+                body = b"{}"
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *a):
+                pass
+
+        class Server(http.server.ThreadingHTTPServer):
+            request_queue_size = 1024  # the first round connects to all at once
+            daemon_threads = True
+
+        self.httpd = Server(("0.0.0.0", 0), Handler)
+        self.port = self.httpd.server_address[1]
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+    def count(self, what, addr):
+        with self.mu:
+            return what.get(addr, 0)
+
+
+class ScaleHealthTest(ProdCase):
+    """Health checks over many backends: every member checked each round
+    (the checks are spread over the interval in slices), over connections
+    kept from one check to the next, and a kept connection the engine
+    closed under a check costs no false failure."""
+
+    def test_every_member_checked_over_kept_connections(self):
+        n = 240
+        addrs = ["127.0.%d.%d" % (1 + i // 200, 1 + i % 200) for i in range(n)]
+        srv = CheckServer(drop_second=[addrs[7]])
+        self.addCleanup(srv.close)
+        d = tmpdir(self)
+        path = os.path.join(d, "c.yaml")
+        urls = ["http://%s:%d" % (a, srv.port) for a in addrs]
+        write_yaml(path, pools_yaml([("m", ["m"], urls[:n // 2], urls[n // 2:])]))
+        px = self.start(args=["--config", path, "--unhealthy-after", "1"], health_interval="4.5")
+        rounds = 3
+        last = wait_value(lambda: min(srv.count(srv.checks, a) for a in addrs),
+                          lambda v: v >= rounds, 30)
+        self.assertGreaterEqual(last, rounds, "some backends were not checked each round")
+        # Each backend kept one connection over its checks (a new one
+        # would be a connect per check). The dropping one needed a second.
+        for a in addrs:
+            if a != addrs[7]:
+                self.assertEqual(srv.count(srv.conns, a), 1, a)
+        self.assertGreaterEqual(srv.count(srv.dropped, addrs[7]), 1)
+        self.assertGreaterEqual(srv.count(srv.conns, addrs[7]), 2)
+        # The closed connection's check went once more and passed: with
+        # --unhealthy-after 1 a single false failure would have ejected it.
+        samples = prom(px.port)
+        for role, a in (("prefill", addrs[7]), ("decode", addrs[-1])):
+            self.assertEqual(metric(samples, "pdproxy_backend_up", role=role,
+                                    backend="%s:%d" % (a, srv.port)), 1)
+        self.assertNotIn("backend ejected", px.stderr())
 
 
 if __name__ == "__main__":
