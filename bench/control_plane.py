@@ -13,7 +13,12 @@
   4. health checks: with --health-interval (default 5 s) against one
      engine-sim on 0.0.0.0 that every 127.x.y.z backend reaches, pdproxy's
      CPU use over --seconds, as a share of one core;
-  5. SIGTERM while a file of --big backends loads: seconds to exit.
+  5. SIGTERM while a file of --big backends loads: seconds to exit;
+  6. latency (--only latency): requests through pdproxy to one engine-sim
+     P/D pair (pool "m") while nothing changes, while the --n backends of
+     another pool are reloaded from the file in a loop (10 % swapped each
+     time), and while they are added and removed through the admin API in
+     a loop: p50, p99 and max per phase, side by side.
 
   python3 bench/control_plane.py [--build build] [--n 10000] [--big 100000]
                                  [--seconds 20] [--skip-health]
@@ -129,6 +134,8 @@ def main():
             health(a, pdproxy, cfg, log, eport, procs, engine)
         if "sigterm" in parts:
             sigterm(a, pdproxy, cfg, log, procs)
+        if "latency" in parts:
+            latency(a, pdproxy, sim, cfg, log, tok, procs)
     finally:
         for p in procs:
             if p.poll() is None:
@@ -232,6 +239,95 @@ def sigterm(a, pdproxy, cfg, log, procs):
               % (a.big, time.monotonic() - t0, px.returncode))
     except subprocess.TimeoutExpired:
         print("SIGTERM while loading %d backends: still running after 120 s" % a.big)
+
+
+def latency(a, pdproxy, sim, cfg, log, tok, procs):
+    import statistics
+    import threading
+    engines = []
+    for role in ("prefill", "decode"):
+        ep = free_port()
+        procs.append(subprocess.Popen([sim, "--role", role, "--host", HOST, "--port", str(ep),
+                                       "--model", "m", "--log-level", "warn"],
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        wait_until(lambda: port_accepts(ep), 20)
+        engines.append("http://%s:%d" % (HOST, ep))
+
+    def layout(shift):
+        half = a.n // 2
+        pre = ["http://%s:9" % addr(i + shift) for i in range(half)]
+        dec = ["http://%s:9" % addr(i + shift + 500000) for i in range(a.n - half)]
+        text = ("pools:\n  - name: m\n    models: [m]\n    prefill: [%s]\n    decode: [%s]\n"
+                "  - name: big\n    models: [big]\n    prefill: %s\n    decode: %s\n"
+                % (engines[0], engines[1], json.dumps(pre), json.dumps(dec)))
+        with open(cfg + ".tmp", "w") as f:
+            f.write(text)
+        os.replace(cfg + ".tmp", cfg)
+
+    layout(0)
+    port, aport = free_port(), free_port()
+    px = subprocess.Popen([pdproxy, "--config", cfg, "--host", HOST, "--port", str(port),
+                           "--threads", "2", "--health-interval", "0", "--admin-port",
+                           str(aport), "--admin-token-file", tok, "--prefill-policy", a.policy,
+                           "--decode-policy", a.policy],
+                          stdout=subprocess.DEVNULL, stderr=open(log, "w"))
+    procs.append(px)
+    wait_until(lambda: port_accepts(port) or px.poll() is not None, 120)
+    token = "control-plane-bench-token"
+    body = {"model": "m", "prompt": "hello there", "max_tokens": 1}
+
+    def measure(change):
+        stop = threading.Event()
+        changes = [0]
+
+        def loop():
+            i = 0
+            while not stop.is_set():
+                i += 1
+                change(i)
+                changes[0] += 1
+
+        t = threading.Thread(target=loop) if change else None
+        lat = []
+        for _ in range(20):  # warm-up
+            get(port, "/v1/completions", "POST", body)
+        if t:
+            t.start()
+        end = time.monotonic() + a.seconds
+        while time.monotonic() < end:
+            t0 = time.monotonic()
+            st, _ = get(port, "/v1/completions", "POST", body)
+            lat.append((time.monotonic() - t0) * 1e3)
+            if st != 200:
+                print("request failed: %d" % st)
+        stop.set()
+        if t:
+            t.join(120)
+        q = statistics.quantiles(lat, n=100)
+        return len(lat), q[49], q[98], max(lat), changes[0]
+
+    def reload_change(i):
+        layout((i % 10) * (a.n // 10))
+        g = generation(port)
+        px.send_signal(signal.SIGHUP)
+        wait_until(lambda: generation(port) != g, 60)
+
+    def admin_change(i):
+        u = "http://%s:9" % addr(900000 + i % 50)
+        if i % 100 < 50:
+            get(aport, "/admin/backends", "POST", {"pool": "big", "role": "decode", "url": u},
+                token)
+        else:
+            get(aport, "/admin/backends", "DELETE", {"pool": "big", "role": "decode", "url": u},
+                token)
+
+    for name, change in (("none", None), ("reload loop", reload_change),
+                         ("admin loop", admin_change), ("none again", None)):
+        n, p50, p99, mx, k = measure(change)
+        print("latency n=%d policy=%s while %-11s: %d requests p50 %.2f ms p99 %.2f ms max "
+              "%.2f ms (%d changes)" % (a.n, a.policy, name, n, p50, p99, mx, k))
+    px.send_signal(signal.SIGTERM)
+    px.wait(60)
 
 
 if __name__ == "__main__":

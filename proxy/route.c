@@ -838,3 +838,91 @@ void px_pool_counts(px_pool *p, size_t *n, size_t *healthy) {
     if (healthy) *healthy = h;
     pthread_mutex_unlock(&p->mu);
 }
+
+/* ---------- addresses of the members, for retiring connections ---------- */
+
+typedef struct addr_key {
+    uint16_t family, port;
+    unsigned char a[16];
+} addr_key;
+
+struct px_addrset {
+    atomic_int refs;
+    addr_key *k;   /* owned; family 0: free slot */
+    size_t cap, n; /* cap: a power of two, over twice n */
+};
+
+static int addr_key_of(const struct sockaddr *sa, socklen_t len, addr_key *k) {
+    memset(k, 0, sizeof *k);
+    if (sa->sa_family == AF_INET && len >= (socklen_t)sizeof(struct sockaddr_in)) {
+        const struct sockaddr_in *a = (const struct sockaddr_in *)sa;
+        k->port = a->sin_port;
+        memcpy(k->a, &a->sin_addr, 4);
+    } else if (sa->sa_family == AF_INET6 && len >= (socklen_t)sizeof(struct sockaddr_in6)) {
+        const struct sockaddr_in6 *a = (const struct sockaddr_in6 *)sa;
+        k->port = a->sin6_port;
+        memcpy(k->a, &a->sin6_addr, 16);
+    } else {
+        return -1;
+    }
+    k->family = sa->sa_family;
+    return 0;
+}
+
+static size_t addr_slot(const px_addrset *s, const addr_key *k) {
+    size_t i = (size_t)px_hash64(k, sizeof *k) & (s->cap - 1);
+    while (s->k[i].family && memcmp(&s->k[i], k, sizeof *k))
+        i = (i + 1) & (s->cap - 1);
+    return i;
+}
+
+px_addrset *px_addrset_create(void) {
+    px_addrset *s = px_xcalloc(1, sizeof *s);
+    atomic_init(&s->refs, 1);
+    s->cap = 64;
+    s->k = px_xcalloc(s->cap, sizeof *s->k);
+    return s;
+}
+
+void px_addrset_add_pool(px_addrset *s, px_pool *p) {
+    pthread_mutex_lock(&p->mu);
+    if (2 * (s->n + p->n) > s->cap) {
+        addr_key *old = s->k;
+        size_t oc = s->cap;
+        while (2 * (s->n + p->n) > s->cap)
+            s->cap *= 2;
+        s->k = px_xcalloc(s->cap, sizeof *s->k);
+        for (size_t i = 0; i < oc; i++)
+            if (old[i].family) s->k[addr_slot(s, &old[i])] = old[i];
+        free(old);
+    }
+    for (size_t i = 0; i < p->n; i++) {
+        addr_key k;
+        if (!p->b[i]->addrlen ||
+            addr_key_of((const struct sockaddr *)&p->b[i]->addr, p->b[i]->addrlen, &k) < 0)
+            continue;
+        size_t at = addr_slot(s, &k);
+        if (!s->k[at].family) {
+            s->k[at] = k;
+            s->n++;
+        }
+    }
+    pthread_mutex_unlock(&p->mu);
+}
+
+int px_addrset_has(const px_addrset *s, const struct sockaddr *sa, socklen_t len) {
+    addr_key k;
+    if (addr_key_of(sa, len, &k) < 0) return 0;
+    return s->k[addr_slot(s, &k)].family != 0;
+}
+
+px_addrset *px_addrset_ref(px_addrset *s) {
+    atomic_fetch_add(&s->refs, 1);
+    return s;
+}
+
+void px_addrset_release(px_addrset *s) {
+    if (!s || atomic_fetch_sub(&s->refs, 1) != 1) return;
+    free(s->k);
+    free(s);
+}

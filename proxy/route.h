@@ -232,6 +232,18 @@ void px_pool_counts(px_pool *p, size_t *n, size_t *healthy);
  * none is, those panic routing would use. */
 size_t px_pool_usable(px_pool *p);
 
+/* The connect addresses of pools' members, as a hash set: which upstream
+ * connections still lead to a backend after a change, answered in O(1)
+ * per connection (a scan of every pool per connection was O(connections *
+ * members) on the workers' threads). Built on the control thread, then
+ * read-only and shared by reference. */
+typedef struct px_addrset px_addrset;
+px_addrset *px_addrset_create(void); /* one reference, for the caller */
+void px_addrset_add_pool(px_addrset *s, px_pool *p);
+int px_addrset_has(const px_addrset *s, const struct sockaddr *sa, socklen_t len);
+px_addrset *px_addrset_ref(px_addrset *s);
+void px_addrset_release(px_addrset *s); /* NULL is a no-op */
+
 /* Splits "http[s]://host[:port][/]" (host may be a bracketed IPv6 literal).
  * Returns 0, or -1 when malformed. */
 int px_url_split(const char *url, char *host, size_t hostcap, int *port, int *https);

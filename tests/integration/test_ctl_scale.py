@@ -133,9 +133,13 @@ class ScaleAdminTest(ProdCase):
         st, doc = self.call("POST", "/admin/backends", {"pool": "m", "role": "decode",
                                                         "url": url(D2)})
         self.assertEqual(st, 201, doc)
+        conns = list(D1.conns)
+        self.assertTrue(conns)
         st, doc = self.call("DELETE", "/admin/backends", {"pool": "m", "role": "decode",
                                                           "url": url(D1)})
         self.assertEqual(st, 200, doc)
+        for c in conns:  # the workers close what led to the removed backend
+            self.assertTrue(c.closed.wait(5.0), "the removed decode's idle connection stayed open")
         st, doc = self.call("DELETE", "/admin/backends", {"pool": "m", "role": "decode",
                                                           "url": url(D2)})
         self.assertEqual(st, 400, doc)
@@ -275,11 +279,11 @@ class ScaleHealthTest(ProdCase):
         last = wait_value(lambda: min(srv.count(srv.checks, a) for a in addrs),
                           lambda v: v >= rounds, 30)
         self.assertGreaterEqual(last, rounds, "some backends were not checked each round")
-        # Each backend kept one connection over its checks (a new one
-        # would be a connect per check). The dropping one needed a second.
-        for a in addrs:
-            if a != addrs[7]:
-                self.assertEqual(srv.count(srv.conns, a), 1, a)
+        # Each backend kept its connection over its checks (without, it
+        # would be a connect per check: 3 or more each); a check timed out
+        # on a loaded machine may cost one a second connection.
+        conns = sum(srv.count(srv.conns, a) for a in addrs)
+        self.assertLessEqual(conns, n + n // 10, "connections were not kept between checks")
         self.assertGreaterEqual(srv.count(srv.dropped, addrs[7]), 1)
         self.assertGreaterEqual(srv.count(srv.conns, addrs[7]), 2)
         # The closed connection's check went once more and passed: with
