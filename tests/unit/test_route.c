@@ -11,6 +11,8 @@
 #include <cmocka.h>
 // clang-format on
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
 #include <stdio.h>
 #include <string.h>
 
@@ -402,6 +404,33 @@ static void test_ring_incremental(void **state) {
     px_pool_cleanup(&b);
 }
 
+/* The members' addresses as a set: what a worker keeps connections to. */
+static void test_addrset(void **state) {
+    (void)state;
+    fixture f;
+    fixture_init(&f, PX_POLICY_ROUND_ROBIN, 4, 0);
+    px_pool v6;
+    px_pool_cfg cfg = {.policy = PX_POLICY_ROUND_ROBIN, .unhealthy_after = 1, .healthy_after = 1};
+    px_pool_init(&v6, "prefill", &cfg);
+    assert_non_null(px_pool_add(&v6, "http://[::1]:7000", NULL));
+    px_addrset *s = px_addrset_create();
+    px_addrset_add_pool(s, &f.pool);
+    px_addrset_add_pool(s, &v6);
+    for (size_t i = 0; i < f.n; i++)
+        assert_true(px_addrset_has(s, (struct sockaddr *)&f.b[i]->addr, f.b[i]->addrlen));
+    assert_true(px_addrset_has(s, (struct sockaddr *)&v6.b[0]->addr, v6.b[0]->addrlen));
+    struct sockaddr_storage other = f.b[0]->addr;
+    ((struct sockaddr_in *)&other)->sin_port = htons(9999);
+    assert_false(px_addrset_has(s, (struct sockaddr *)&other, f.b[0]->addrlen));
+    px_addrset *r = px_addrset_ref(s);
+    px_addrset_release(s);
+    assert_true(px_addrset_has(r, (struct sockaddr *)&f.b[1]->addr, f.b[1]->addrlen));
+    px_addrset_release(r);
+    px_addrset_release(NULL);
+    px_pool_cleanup(&v6);
+    fixture_cleanup(&f);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_policy_names),     cmocka_unit_test(test_url_split),
@@ -410,7 +439,7 @@ int main(void) {
         cmocka_unit_test(test_power_of_two),     cmocka_unit_test(test_prefix_affinity),
         cmocka_unit_test(test_passive_ejection), cmocka_unit_test(test_panic_routing),
         cmocka_unit_test(test_active_checks),    cmocka_unit_test(test_passive_then_check),
-        cmocka_unit_test(test_ring_incremental),
+        cmocka_unit_test(test_ring_incremental), cmocka_unit_test(test_addrset),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
