@@ -2,9 +2,12 @@
 #include "proxy/reload.h"
 
 #include <arpa/inet.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/eventfd.h>
+#include <unistd.h>
 
 #include "base/hash.h"
 #include "base/log.h"
@@ -160,18 +163,15 @@ static px_gen *build(px_reloader *rl, const px_config *cfg, const px_pool_spec *
 /* The --config file and main's arguments read again. NULL with err when
  * they do not describe a run; logs the settings that changed but only take
  * effect at restart (those the option table does not mark as reloadable). */
-static px_config *load_file(px_reloader *rl, char *err, size_t errlen) {
-    const px_config *cur = px_reload_config(rl);
-    if (!cur->config_file[0]) {
-        snprintf(err, errlen, "no --config file to reload");
-        return NULL;
-    }
+/* Reads the settings: main's arguments again, or the --config file alone
+ * (argv NULL). Touches nothing of the reloader: runs on the parse thread. */
+static px_config *parse(int argc, char **argv, char **envp, const char *file, char *err,
+                        size_t errlen) {
     px_config *nc = px_xcalloc(1, sizeof *nc);
     FILE *devnull = fopen("/dev/null", "w");
-    char *fallback[] = {"pdproxy", "--config", (char *)cur->config_file, NULL};
-    px_config_result r =
-        rl->argv ? px_config_load(nc, rl->argc, rl->argv, rl->envp, devnull, err, errlen)
-                 : px_config_load(nc, 3, fallback, NULL, devnull, err, errlen);
+    char *fallback[] = {"pdproxy", "--config", (char *)file, NULL};
+    px_config_result r = argv ? px_config_load(nc, argc, argv, envp, devnull, err, errlen)
+                              : px_config_load(nc, 3, fallback, NULL, devnull, err, errlen);
     if (devnull) fclose(devnull);
     if (r != PX_CONFIG_RUN) {
         if (r != PX_CONFIG_ERROR) snprintf(err, errlen, "the settings do not describe a run");
@@ -179,13 +179,31 @@ static px_config *load_file(px_reloader *rl, char *err, size_t errlen) {
         free(nc);
         return NULL;
     }
+    return nc;
+}
+
+/* Logs the settings that changed but only take effect at restart (those
+ * the option table does not mark as reloadable). */
+static void log_changed(px_reloader *rl, const px_config *nc) {
     char changed[512];
-    px_config_changed(cur, nc, changed, sizeof changed);
+    px_config_changed(px_reload_config(rl), nc, changed, sizeof changed);
     if (changed[0])
         PX_LOG(PX_LOG_WARN,
                "msg=\"reload: these settings changed but take effect at restart only\" "
                "settings=%s",
                changed);
+}
+
+/* The --config file and main's arguments read again. NULL with err when
+ * they do not describe a run. */
+static px_config *load_file(px_reloader *rl, char *err, size_t errlen) {
+    const px_config *cur = px_reload_config(rl);
+    if (!cur->config_file[0]) {
+        snprintf(err, errlen, "no --config file to reload");
+        return NULL;
+    }
+    px_config *nc = parse(rl->argc, rl->argv, rl->envp, cur->config_file, err, errlen);
+    if (nc) log_changed(rl, nc);
     return nc;
 }
 
@@ -480,6 +498,9 @@ int px_reload_start(px_reloader *rl, char *err, size_t errlen) {
     return 0;
 }
 
+static int apply(px_reloader *rl, int from_file, px_config *nc, const px_api_op *op, uint64_t t0,
+                 char *err, size_t errlen);
+
 int px_reload(px_reloader *rl, int from_file, const px_api_op *op, char *err, size_t errlen) {
     uint64_t t0 = px_now_ns();
     px_config *nc = NULL;
@@ -496,6 +517,14 @@ int px_reload(px_reloader *rl, int from_file, const px_api_op *op, char *err, si
         return 0;
     }
     if (from_file && !(nc = load_file(rl, err, errlen))) return -1;
+    return apply(rl, from_file, nc, op, t0, err, errlen);
+}
+
+/* The rest of a reload, once the settings are read (nc, owned; NULL: the
+ * current ones with `op`). */
+static int apply(px_reloader *rl, int from_file, px_config *nc, const px_api_op *op, uint64_t t0,
+                 char *err, size_t errlen) {
+    int rc;
     struct url_set *urls = NULL;
     px_gen *g =
         build_with_ops(rl, nc ? nc : px_reload_config(rl), !from_file, op, &urls, &rc, err, errlen);
@@ -523,6 +552,211 @@ int px_reload(px_reloader *rl, int from_file, const px_api_op *op, char *err, si
     return 0;
 }
 
+/* ---------- reloads from the file, parsed off the control thread ---------- */
+
+typedef struct waiter {
+    uint64_t seq; /* answered by the first result of this request or a newer one */
+    px_reload_done_fn done;
+    void *arg;
+    struct waiter *next;
+} waiter;
+
+/* Shared by the control thread and the parse thread, freed by the last of
+ * the two (the parse thread is detached: an exit never waits for a parse). */
+struct px_reload_async {
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    int refs;
+    int stop;
+    uint64_t want;  /* the newest request */
+    uint64_t taken; /* the request being parsed or last parsed */
+    /* Inputs, copied at each request (the file's name may change). */
+    int argc;
+    char **argv, **envp; /* borrowed: main's */
+    char *file;          /* owned */
+    /* The newest result, not yet applied: its request, settings or error. */
+    uint64_t done_seq;
+    px_config *result; /* owned */
+    char err[512];
+    int has_result;
+    int efd;          /* eventfd the control loop watches (control side owns it) */
+    struct event *ev; /* owned by the control side */
+    waiter *waiters;  /* control thread only */
+    uint64_t t0;      /* control thread: when the newest request came */
+};
+
+static void async_unref(struct px_reload_async *as) {
+    pthread_mutex_lock(&as->mu);
+    int last = --as->refs == 0;
+    pthread_mutex_unlock(&as->mu);
+    if (!last) return;
+    if (as->result) {
+        px_config_cleanup(as->result);
+        free(as->result);
+    }
+    free(as->file);
+    pthread_mutex_destroy(&as->mu);
+    pthread_cond_destroy(&as->cv);
+    free(as);
+}
+
+/* The parse thread: the newest request only; a result overtaken by a newer
+ * request while it was read is dropped and the file read again. */
+static void *parse_main(void *arg) {
+    struct px_reload_async *as = arg;
+    pthread_mutex_lock(&as->mu);
+    while (!as->stop) {
+        if (as->taken == as->want) {
+            pthread_cond_wait(&as->cv, &as->mu);
+            continue;
+        }
+        uint64_t seq = as->taken = as->want;
+        char *file = px_xstrdup(as->file);
+        pthread_mutex_unlock(&as->mu);
+        PX_LOG(PX_LOG_INFO, "msg=\"reload: reading the configuration\" request=%llu",
+               (unsigned long long)seq);
+        char err[512] = "";
+        px_config *nc = parse(as->argc, as->argv, as->envp, file, err, sizeof err);
+        free(file);
+        pthread_mutex_lock(&as->mu);
+        if (as->stop || seq != as->want) {
+            if (!as->stop)
+                PX_LOG(PX_LOG_INFO,
+                       "msg=\"reload superseded by a newer request; read again\" "
+                       "request=%llu newest=%llu",
+                       (unsigned long long)seq, (unsigned long long)as->want);
+            if (nc) {
+                px_config_cleanup(nc);
+                free(nc);
+            }
+            continue;
+        }
+        if (as->result) { /* an older one the control loop did not take yet */
+            px_config_cleanup(as->result);
+            free(as->result);
+        }
+        as->result = nc;
+        snprintf(as->err, sizeof as->err, "%s", err);
+        as->done_seq = seq;
+        as->has_result = 1;
+        uint64_t one = 1;
+        if (write(as->efd, &one, sizeof one) < 0) {
+            /* the counter is full: the control loop is awake already */
+        }
+    }
+    pthread_mutex_unlock(&as->mu);
+    async_unref(as);
+    return NULL;
+}
+
+/* Control loop: a result is in. Applied when it answers the newest request
+ * (else a newer one is being read), then every waiter it covers answered. */
+static void on_parsed(evutil_socket_t fd, short what, void *arg) {
+    px_reloader *rl = arg;
+    struct px_reload_async *as = rl->async;
+    uint64_t v;
+    if (read(fd, &v, sizeof v) < 0) {
+        /* nothing to read: a spurious wake-up */
+    }
+    pthread_mutex_lock(&as->mu);
+    if (!as->has_result || as->done_seq != as->want) {
+        pthread_mutex_unlock(&as->mu);
+        return;
+    }
+    px_config *nc = as->result;
+    uint64_t seq = as->done_seq;
+    char err[512];
+    snprintf(err, sizeof err, "%s", as->err);
+    as->result = NULL;
+    as->has_result = 0;
+    pthread_mutex_unlock(&as->mu);
+    int rc = -1;
+    if (nc) {
+        log_changed(rl, nc);
+        rc = apply(rl, 1, nc, NULL, as->t0, err, sizeof err);
+    }
+    double ms = (double)(px_now_ns() - as->t0) / 1e6;
+    waiter **pw = &as->waiters;
+    while (*pw) {
+        waiter *w = *pw;
+        if (w->seq > seq) {
+            pw = &w->next;
+            continue;
+        }
+        *pw = w->next;
+        if (w->done) w->done(w->arg, rc, err, rl->ctx->gen->id, ms);
+        free(w);
+    }
+}
+
+int px_reload_request(px_reloader *rl, px_reload_done_fn done, void *arg) {
+    const px_config *cur = px_reload_config(rl);
+    if (!cur->config_file[0]) return -1;
+    struct px_reload_async *as = rl->async;
+    if (!as) {
+        as = px_xcalloc(1, sizeof *as);
+        pthread_mutex_init(&as->mu, NULL);
+        pthread_cond_init(&as->cv, NULL);
+        as->refs = 2;
+        as->argc = rl->argc;
+        as->argv = rl->argv;
+        as->envp = rl->envp;
+        as->efd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+        pthread_t t;
+        pthread_attr_t at;
+        pthread_attr_init(&at);
+        pthread_attr_setdetachstate(&at, PTHREAD_CREATE_DETACHED);
+        if (as->efd < 0 || pthread_create(&t, &at, parse_main, as) != 0) {
+            pthread_attr_destroy(&at);
+            if (as->efd >= 0) close(as->efd);
+            as->refs = 1;
+            async_unref(as);
+            return -1;
+        }
+        pthread_attr_destroy(&at);
+        as->ev = event_new(rl->base, as->efd, EV_READ | EV_PERSIST, on_parsed, rl);
+        event_add(as->ev, NULL);
+        rl->async = as;
+    }
+    pthread_mutex_lock(&as->mu);
+    uint64_t seq = ++as->want;
+    free(as->file);
+    as->file = px_xstrdup(cur->config_file);
+    pthread_cond_signal(&as->cv);
+    pthread_mutex_unlock(&as->mu);
+    as->t0 = px_now_ns();
+    waiter *w = px_xcalloc(1, sizeof *w);
+    *w = (waiter){.seq = seq, .done = done, .arg = arg, .next = as->waiters};
+    as->waiters = w;
+    return 0;
+}
+
+void px_reload_forget(px_reloader *rl, void *arg) {
+    for (waiter *w = rl->async ? rl->async->waiters : NULL; w; w = w->next)
+        if (w->arg == arg) w->done = NULL;
+}
+
+static void async_stop(px_reloader *rl) {
+    struct px_reload_async *as = rl->async;
+    if (!as) return;
+    rl->async = NULL;
+    char err[] = "pdproxy is stopping";
+    while (as->waiters) {
+        waiter *w = as->waiters;
+        as->waiters = w->next;
+        if (w->done) w->done(w->arg, -1, err, 0, 0);
+        free(w);
+    }
+    event_free(as->ev);
+    pthread_mutex_lock(&as->mu);
+    as->stop = 1;
+    close(as->efd); /* the thread writes it only under mu, and never once stopped */
+    as->efd = -1;
+    pthread_cond_signal(&as->cv);
+    pthread_mutex_unlock(&as->mu);
+    async_unref(as);
+}
+
 const px_config *px_reload_config(const px_reloader *rl) {
     return rl->file_cfg ? rl->file_cfg : rl->ctx->cfg;
 }
@@ -541,14 +775,25 @@ static const px_api_op *admin_changes(void *arg, size_t *n) {
     return rl->ops;
 }
 
+static int admin_reload_async(void *arg, px_reload_done_fn done, void *done_arg) {
+    return px_reload_request(arg, done, done_arg);
+}
+
+static void admin_forget(void *arg, void *done_arg) {
+    px_reload_forget(arg, done_arg);
+}
+
 void px_reload_admin_calls(px_reloader *rl, px_admin_host *h) {
     h->arg = rl;
     h->reload = admin_reload;
+    h->reload_async = admin_reload_async;
+    h->forget = admin_forget;
     h->config = admin_config;
     h->changes = admin_changes;
 }
 
 void px_reload_cleanup(px_reloader *rl) {
+    async_stop(rl);
     if (rl->ctx && rl->ctx->gen) {
         px_discovery_stop(rl->ctx->gen->disc);
         rl->ctx->gen->disc = NULL;

@@ -310,6 +310,15 @@ static void on_exit_poll(evutil_socket_t fd, short what, void *arg) {
     if (atomic_load(&k->s->workers_running) == 0) event_base_loopbreak(k->base);
 }
 
+static void sighup_done(void *arg, int rc, const char *err, uint64_t gen, double ms) {
+    char q[1100];
+    if (rc < 0)
+        PX_LOG(PX_LOG_ERROR,
+               "msg=\"reload on SIGHUP failed; the running configuration stays\" "
+               "error=%s",
+               px_log_value(err, q, sizeof q));
+}
+
 /* Reads the --config file again; on any error the running configuration
  * stays and the log says what is wrong (file, line, key). */
 static void on_sighup(evutil_socket_t sig, short what, void *arg) {
@@ -319,12 +328,12 @@ static void on_sighup(evutil_socket_t sig, short what, void *arg) {
                             "ignored\"");
         return;
     }
-    char err[512], q[1100];
-    if (px_reload(&k->s->rl, 1, NULL, err, sizeof err) < 0)
-        PX_LOG(PX_LOG_ERROR,
-               "msg=\"reload on SIGHUP failed; the running configuration stays\" "
-               "error=%s",
-               px_log_value(err, q, sizeof q));
+    /* Read on a helper thread: the control loop (signals, health checks,
+     * the admin API) goes on meanwhile, and a newer SIGHUP supersedes it. */
+    if (px_reload_request(&k->s->rl, sighup_done, NULL) < 0) {
+        char err[512];
+        if (px_reload(&k->s->rl, 1, NULL, err, sizeof err) < 0) sighup_done(NULL, -1, err, 0, 0);
+    }
 }
 
 static void on_signal(evutil_socket_t sig, short what, void *arg) {

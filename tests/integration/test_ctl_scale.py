@@ -13,9 +13,10 @@ import socket
 import threading
 import unittest
 
-from pdharness.ctl import admin, pools_yaml, tmpdir, token_file, url, write_yaml
+from pdharness.ctl import (admin, pools_yaml, sighup, tmpdir, token_file, url, wait_generation,
+                           write_yaml)
 from pdharness.mocks import completion_body, decode_handler, prefill_handler
-from pdharness.net import HOST, free_port, wait_value
+from pdharness.net import HOST, free_port, wait_for, wait_value
 from pdharness.procs import ProxyStartError
 from pdharness.prod import ProdCase
 from pdharness.prom import metric, prom
@@ -197,6 +198,91 @@ class ScaleAdminTest(ProdCase):
         self.assertEqual(have, {("prefill", url(P)), ("decode", url(D2))})
         self.assertEqual(self.post(px, completion_body(model="m")).status, 200)
         self.assertEqual((len(D1.requests), len(D2.requests)), (0, 1))
+
+
+class ReloadSupersedeTest(ScaleAdminTest):
+    """A reload being read does not hold up the next: a newer request (SIGHUP
+    or POST /admin/reload) supersedes it, and the control loop (the admin
+    API, SIGTERM) answers meanwhile."""
+
+    BIG = 200000  # backends: a file of ~5 MB, read for a good while
+
+    def big_and_small(self):
+        P = self.mock(prefill_handler(), "p")
+        D = self.mock(decode_handler(), "d")
+        small = pools_yaml([("m", ["m"], [P], [D])])
+        pre, dec = big_urls(self.BIG)
+        big = pools_yaml([("m", ["m"], [P] + pre, [D] + dec)])
+        return P, D, small, big
+
+    def reading(self, px, n):
+        k = lambda: px.stderr().count("reload: reading the configuration")  # noqa: E731
+        wait_for(lambda: (k() >= n, k()), 30, "the reload thread starting to read")
+
+    def test_sighup_superseded_by_a_newer_one(self):
+        P, D, small, big = self.big_and_small()
+        px = self.start_admin(small)
+        write_yaml(self.file, big)
+        sighup(px)
+        self.reading(px, 1)
+        # The loop answers while the big file is read.
+        st, doc = self.call("GET", "/admin/backends")
+        self.assertEqual(st, 200)
+        write_yaml(self.file, small.replace('"m"]', '"m", "m2"]', 1))
+        sighup(px)
+        doc = wait_generation(self, px, 2, timeout=60)
+        _, have = self.members("m")
+        self.assertEqual(have, {("prefill", url(P)), ("decode", url(D))})
+        st, doc = self.call("GET", "/admin/config")
+        self.assertIn("m2", doc["yaml"])
+        self.assertEqual(px.stderr().count("configuration swapped"), 1,
+                         "the superseded read was swapped in")
+        self.assertIn("reload superseded by a newer request", px.stderr())
+        self.assertEqual(self.post(px, completion_body(model="m2")).status, 200)
+
+    def test_admin_reloads_answered_by_the_newest(self):
+        P, D, small, big = self.big_and_small()
+        px = self.start_admin(small)
+        write_yaml(self.file, big)
+        first = []
+        t = threading.Thread(target=lambda: first.append(self.call("POST", "/admin/reload")))
+        t.start()
+        self.reading(px, 1)
+        write_yaml(self.file, small)
+        st, doc = self.call("POST", "/admin/reload")
+        t.join(60)
+        self.assertFalse(t.is_alive())
+        self.assertEqual(st, 200, doc)
+        self.assertEqual(first[0][0], 200, first[0][1])
+        self.assertEqual(doc["generation"], 2)
+        self.assertEqual(first[0][1]["generation"], 2, "both answered by the newest reload")
+        _, have = self.members("m")
+        self.assertEqual(have, {("prefill", url(P)), ("decode", url(D))})
+        # A bad file: the call says why, the running configuration stays.
+        write_yaml(self.file, "pools: [\n")
+        st, doc = self.call("POST", "/admin/reload")
+        self.assertEqual(st, 400, doc)
+        self.assertEqual(self.post(px, completion_body(model="m")).status, 200)
+
+    def test_sigterm_while_a_reload_is_read(self):
+        P, D, small, big = self.big_and_small()
+        px = self.start_admin(small)
+        write_yaml(self.file, big)
+
+        def call():
+            try:
+                self.call("POST", "/admin/reload")
+            except OSError:
+                pass  # the proxy went: no answer is the answer
+
+        t = threading.Thread(target=call)
+        t.start()
+        self.reading(px, 1)
+        px._expected_exit = True
+        px.proc.send_signal(15)
+        self.assertEqual(px.proc.wait(60), 0)
+        t.join(60)
+        self.assertFalse(t.is_alive())
 
 
 class CheckServer:
