@@ -561,15 +561,15 @@ typedef struct waiter {
     struct waiter *next;
 } waiter;
 
-/* Shared by the control thread and the parse thread, freed by the last of
- * the two (the parse thread is detached: an exit never waits for a parse). */
+/* Shared by the control thread and the parse threads, freed by the last of
+ * them (parse threads are detached: an exit never waits for a read). */
 struct px_reload_async {
     pthread_mutex_t mu;
-    pthread_cond_t cv;
     int refs;
     int stop;
-    uint64_t want;  /* the newest request */
-    uint64_t taken; /* the request being parsed or last parsed */
+    uint64_t want;    /* the newest request */
+    uint64_t started; /* the newest request a thread has started reading */
+    int nthreads;     /* reading now, at most READERS */
     /* Inputs, copied at each request (the file's name may change). */
     int argc;
     char **argv, **envp; /* borrowed: main's */
@@ -585,6 +585,11 @@ struct px_reload_async {
     uint64_t t0;      /* control thread: when the newest request came */
 };
 
+/* A newer request does not wait for an older read to end (a huge file may
+ * take long): it starts a reader of its own, up to this many at once; the
+ * older read's result is dropped when it ends. */
+#define READERS 2
+
 static void async_unref(struct px_reload_async *as) {
     pthread_mutex_lock(&as->mu);
     int last = --as->refs == 0;
@@ -596,21 +601,23 @@ static void async_unref(struct px_reload_async *as) {
     }
     free(as->file);
     pthread_mutex_destroy(&as->mu);
-    pthread_cond_destroy(&as->cv);
     free(as);
 }
 
-/* The parse thread: the newest request only; a result overtaken by a newer
- * request while it was read is dropped and the file read again. */
+typedef struct reader {
+    struct px_reload_async *as;
+    uint64_t seq;
+} reader;
+
+/* A parse thread: reads for its request; a result overtaken by a newer
+ * request is dropped, and the newest read again unless a reader has it. */
 static void *parse_main(void *arg) {
-    struct px_reload_async *as = arg;
+    reader *r = arg;
+    struct px_reload_async *as = r->as;
+    uint64_t seq = r->seq;
+    free(r);
     pthread_mutex_lock(&as->mu);
     while (!as->stop) {
-        if (as->taken == as->want) {
-            pthread_cond_wait(&as->cv, &as->mu);
-            continue;
-        }
-        uint64_t seq = as->taken = as->want;
         char *file = px_xstrdup(as->file);
         pthread_mutex_unlock(&as->mu);
         PX_LOG(PX_LOG_INFO, "msg=\"reload: reading the configuration\" request=%llu",
@@ -622,13 +629,15 @@ static void *parse_main(void *arg) {
         if (as->stop || seq != as->want) {
             if (!as->stop)
                 PX_LOG(PX_LOG_INFO,
-                       "msg=\"reload superseded by a newer request; read again\" "
+                       "msg=\"reload superseded by a newer request; its read is dropped\" "
                        "request=%llu newest=%llu",
                        (unsigned long long)seq, (unsigned long long)as->want);
             if (nc) {
                 px_config_cleanup(nc);
                 free(nc);
             }
+            if (as->stop || as->started == as->want) break; /* a reader has the newest */
+            seq = as->started = as->want;
             continue;
         }
         if (as->result) { /* an older one the control loop did not take yet */
@@ -643,10 +652,32 @@ static void *parse_main(void *arg) {
         if (write(as->efd, &one, sizeof one) < 0) {
             /* the counter is full: the control loop is awake already */
         }
+        break;
     }
+    as->nthreads--;
     pthread_mutex_unlock(&as->mu);
     async_unref(as);
     return NULL;
+}
+
+/* Under as->mu: a reader for the newest request. 0, or -1. */
+static int start_reader(struct px_reload_async *as) {
+    reader *r = px_xcalloc(1, sizeof *r);
+    *r = (reader){as, as->want};
+    pthread_t t;
+    pthread_attr_t at;
+    pthread_attr_init(&at);
+    pthread_attr_setdetachstate(&at, PTHREAD_CREATE_DETACHED);
+    int rc = pthread_create(&t, &at, parse_main, r);
+    pthread_attr_destroy(&at);
+    if (rc != 0) {
+        free(r);
+        return -1;
+    }
+    as->started = as->want;
+    as->nthreads++;
+    as->refs++;
+    return 0;
 }
 
 /* Control loop: a result is in. Applied when it answers the newest request
@@ -696,24 +727,15 @@ int px_reload_request(px_reloader *rl, px_reload_done_fn done, void *arg) {
     if (!as) {
         as = px_xcalloc(1, sizeof *as);
         pthread_mutex_init(&as->mu, NULL);
-        pthread_cond_init(&as->cv, NULL);
-        as->refs = 2;
+        as->refs = 1;
         as->argc = rl->argc;
         as->argv = rl->argv;
         as->envp = rl->envp;
         as->efd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
-        pthread_t t;
-        pthread_attr_t at;
-        pthread_attr_init(&at);
-        pthread_attr_setdetachstate(&at, PTHREAD_CREATE_DETACHED);
-        if (as->efd < 0 || pthread_create(&t, &at, parse_main, as) != 0) {
-            pthread_attr_destroy(&at);
-            if (as->efd >= 0) close(as->efd);
-            as->refs = 1;
+        if (as->efd < 0) {
             async_unref(as);
             return -1;
         }
-        pthread_attr_destroy(&at);
         as->ev = event_new(rl->base, as->efd, EV_READ | EV_PERSIST, on_parsed, rl);
         event_add(as->ev, NULL);
         rl->async = as;
@@ -722,8 +744,11 @@ int px_reload_request(px_reloader *rl, px_reload_done_fn done, void *arg) {
     uint64_t seq = ++as->want;
     free(as->file);
     as->file = px_xstrdup(cur->config_file);
-    pthread_cond_signal(&as->cv);
+    /* With READERS reading already, the first to end reads the newest. */
+    int rc = as->nthreads < READERS ? start_reader(as) : 0;
+    if (rc < 0) as->want--;
     pthread_mutex_unlock(&as->mu);
+    if (rc < 0) return -1;
     as->t0 = px_now_ns();
     waiter *w = px_xcalloc(1, sizeof *w);
     *w = (waiter){.seq = seq, .done = done, .arg = arg, .next = as->waiters};
@@ -750,9 +775,8 @@ static void async_stop(px_reloader *rl) {
     event_free(as->ev);
     pthread_mutex_lock(&as->mu);
     as->stop = 1;
-    close(as->efd); /* the thread writes it only under mu, and never once stopped */
+    close(as->efd); /* readers write it only under mu, and never once stopped */
     as->efd = -1;
-    pthread_cond_signal(&as->cv);
     pthread_mutex_unlock(&as->mu);
     async_unref(as);
 }
