@@ -17,7 +17,7 @@ from pdharness.ctl import (admin, pools_yaml, sighup, tmpdir, token_file, url, w
                            write_yaml)
 from pdharness.mocks import completion_body, decode_handler, prefill_handler
 from pdharness.net import HOST, free_port, wait_for, wait_value
-from pdharness.procs import ProxyStartError
+from pdharness.procs import ProxyStartError, sanitized
 from pdharness.prod import ProdCase
 from pdharness.prom import metric, prom
 
@@ -205,23 +205,24 @@ class ReloadSupersedeTest(ScaleAdminTest):
     or POST /admin/reload) supersedes it, and the control loop (the admin
     API, SIGTERM) answers meanwhile."""
 
-    BIG = 200000  # backends: a file of ~5 MB, read for a good while
-
     def big_and_small(self):
+        """Starts pdproxy with a small file; returns it, the mocks, the
+        small file's text and a big one's: 200,000 backends (~5 MB, read
+        for a good while), 20,000 under AddressSanitizer (as long)."""
         P = self.mock(prefill_handler(), "p")
         D = self.mock(decode_handler(), "d")
         small = pools_yaml([("m", ["m"], [P], [D])])
-        pre, dec = big_urls(self.BIG)
+        px = self.start_admin(small)
+        pre, dec = big_urls(20000 if sanitized(px.proc.pid) else 200000)
         big = pools_yaml([("m", ["m"], [P] + pre, [D] + dec)])
-        return P, D, small, big
+        return px, P, D, small, big
 
     def reading(self, px, n):
         k = lambda: px.stderr().count("reload: reading the configuration")  # noqa: E731
         wait_for(lambda: (k() >= n, k()), 30, "the reload thread starting to read")
 
     def test_sighup_superseded_by_a_newer_one(self):
-        P, D, small, big = self.big_and_small()
-        px = self.start_admin(small)
+        px, P, D, small, big = self.big_and_small()
         write_yaml(self.file, big)
         sighup(px)
         self.reading(px, 1)
@@ -244,8 +245,7 @@ class ReloadSupersedeTest(ScaleAdminTest):
         self.assertEqual(self.post(px, completion_body(model="m2")).status, 200)
 
     def test_admin_reloads_answered_by_the_newest(self):
-        P, D, small, big = self.big_and_small()
-        px = self.start_admin(small)
+        px, P, D, small, big = self.big_and_small()
         write_yaml(self.file, big)
         first = []
         t = threading.Thread(target=lambda: first.append(self.call("POST", "/admin/reload")))
@@ -268,8 +268,7 @@ class ReloadSupersedeTest(ScaleAdminTest):
         self.assertEqual(self.post(px, completion_body(model="m")).status, 200)
 
     def test_sigterm_while_a_reload_is_read(self):
-        P, D, small, big = self.big_and_small()
-        px = self.start_admin(small)
+        px, P, D, small, big = self.big_and_small()
         write_yaml(self.file, big)
 
         def call():
