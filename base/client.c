@@ -13,6 +13,7 @@
 #include <sys/uio.h>
 #include <unistd.h>
 
+#include "base/hash.h"
 #include "base/list.h"
 
 #define MAX_RESP_HEAD (64 * 1024)
@@ -34,6 +35,8 @@ typedef struct host {
     int refs;    /* requests and connections that point here */
     int retired; /* no longer a backend: connections close after their exchange */
     struct host *prev, *next;
+    struct host *hnext; /* in its bucket of cl->tab */
+    uint64_t hash;      /* of sa */
 } host;
 
 struct px_client {
@@ -41,6 +44,8 @@ struct px_client {
     int max_idle;
     double idle_close_s;
     host *hosts;  /* owned */
+    host **tab;   /* owned: hosts by address hash, chained (10,000 backends: no list walk) */
+    size_t ntab;  /* a power of two, or 0 */
     cconn *busy;  /* owned: connections with an exchange */
     size_t nidle; /* all hosts */
     size_t nhosts;
@@ -120,6 +125,10 @@ static struct timeval tv_of(double s) {
 
 static void host_unref(px_client *cl, host *h) {
     if (--h->refs > 0) return;
+    host **at = &cl->tab[h->hash & (cl->ntab - 1)];
+    while (*at != h)
+        at = &(*at)->hnext;
+    *at = h->hnext;
     PX_LIST_UNLINK(cl->hosts, h);
     cl->nhosts--;
     free(h);
@@ -164,16 +173,29 @@ static void set_writing(cconn *c, int on) {
 
 /* The host of an address, with a reference taken for the caller. */
 static host *host_for(px_client *cl, const struct sockaddr *sa, socklen_t salen) {
-    for (host *h = cl->hosts; h; h = h->next)
-        if (h->salen == salen && !memcmp(&h->sa, sa, salen)) {
+    uint64_t hash = px_hash64(sa, salen);
+    for (host *h = cl->ntab ? cl->tab[hash & (cl->ntab - 1)] : NULL; h; h = h->hnext)
+        if (h->hash == hash && h->salen == salen && !memcmp(&h->sa, sa, salen)) {
             h->retired = 0; /* a backend again */
             h->refs++;
             return h;
         }
+    if (cl->nhosts + 1 > cl->ntab) { /* at most one host a bucket on average */
+        free(cl->tab);
+        cl->ntab = cl->ntab ? cl->ntab * 2 : 16;
+        cl->tab = px_xcalloc(cl->ntab, sizeof *cl->tab);
+        for (host *o = cl->hosts; o; o = o->next) {
+            o->hnext = cl->tab[o->hash & (cl->ntab - 1)];
+            cl->tab[o->hash & (cl->ntab - 1)] = o;
+        }
+    }
     host *h = px_xcalloc(1, sizeof *h);
     memcpy(&h->sa, sa, salen);
     h->salen = salen;
     h->refs = 1;
+    h->hash = hash;
+    h->hnext = cl->tab[hash & (cl->ntab - 1)];
+    cl->tab[hash & (cl->ntab - 1)] = h;
     PX_LIST_PUSH(cl->hosts, h);
     cl->nhosts++;
     return h;
@@ -747,6 +769,7 @@ void px_client_destroy(px_client *c) {
         host_unref(c, h);
     }
     free(c->rbuf);
+    free(c->tab);
     free(c);
 }
 

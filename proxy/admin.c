@@ -290,24 +290,60 @@ static void show_admission(px_admin *a, px_conn *c) {
     px_buf_cleanup(&b);
 }
 
-static void reload(px_admin *a, px_conn *c) {
-    char err[512], q[1100];
-    uint64_t t0 = px_now_ns();
-    if (a->h.reload(a->h.arg, 1, NULL, err, sizeof err) < 0) {
+/* POST /admin/reload answered once the file was read (on a helper thread)
+ * and the generation swapped, or a newer reload superseded this one. */
+typedef struct pending_reload {
+    px_conn *c; /* borrowed; NULL once the client left */
+    char who[32];
+} pending_reload;
+
+static void reload_gone(void *arg) {
+    pending_reload *p = arg;
+    p->c = NULL;
+}
+
+static const px_exchange_cbs reload_cbs = {reload_gone, NULL};
+
+static void reload_reply(px_conn *c, const char *who, int rc, const char *err, uint64_t gen,
+                         double ms) {
+    char q[1100];
+    if (rc < 0) {
         PX_LOG(PX_LOG_ERROR,
-               "msg=\"admin: reload failed; the running configuration stays\" who=%s error=%s",
-               a->who, px_log_value(err, q, sizeof q));
-        reply_err(c, 400, err);
+               "msg=\"admin: reload failed; the running configuration stays\" who=%s error=%s", who,
+               px_log_value(err, q, sizeof q));
+        if (c) reply_err(c, 400, err);
         return;
     }
-    PX_LOG(PX_LOG_INFO, "msg=\"admin: reloaded from file\" who=%s generation=%llu", a->who,
-           (unsigned long long)a->h.ctx->gen->id);
+    PX_LOG(PX_LOG_INFO, "msg=\"admin: reloaded from file\" who=%s generation=%llu", who,
+           (unsigned long long)gen);
+    if (!c) return;
     px_buf b;
     px_buf_init(&b);
     px_buf_printf(&b, "{\"status\":\"reloaded\",\"generation\":%llu,\"ms\":%.3f}",
-                  (unsigned long long)a->h.ctx->gen->id, (double)(px_now_ns() - t0) / 1e6);
+                  (unsigned long long)gen, ms);
     reply(c, 200, &b);
     px_buf_cleanup(&b);
+}
+
+static void reload_done(void *arg, int rc, const char *err, uint64_t gen, double ms) {
+    pending_reload *p = arg;
+    if (p->c) px_conn_bind(p->c, NULL, NULL);
+    reload_reply(p->c, p->who, rc, err, gen, ms);
+    free(p);
+}
+
+static void reload(px_admin *a, px_conn *c) {
+    char err[512];
+    pending_reload *p = px_xcalloc(1, sizeof *p);
+    p->c = c;
+    snprintf(p->who, sizeof p->who, "%s", a->who);
+    px_conn_bind(c, &reload_cbs, p);
+    if (a->h.reload_async && a->h.reload_async(a->h.arg, reload_done, p) == 0) return;
+    px_conn_bind(c, NULL, NULL);
+    free(p);
+    uint64_t t0 = px_now_ns();
+    int rc = a->h.reload(a->h.arg, 1, NULL, err, sizeof err);
+    reload_reply(c, a->who, rc, err, a->h.ctx->gen->id, (double)(px_now_ns() - t0) / 1e6);
 }
 
 /* The value of `key` in the target's query (percent escapes not decoded:

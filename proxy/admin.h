@@ -36,6 +36,12 @@ typedef struct px_admin_host {
      * current settings. 0, or -1 / -2 (no such pool or backend) / -3
      * (already there) with err; on error nothing changes. */
     int (*reload)(void *arg, int from_file, const px_api_op *op, char *err, size_t errlen);
+    /* A reload from the file without blocking the loop: done(done_arg, rc,
+     * err, generation, ms) follows on the loop; forget(arg, done_arg) drops
+     * the call (the client left). -1 when it cannot start (then `reload`). */
+    int (*reload_async)(void *arg, void (*done)(void *, int, const char *, uint64_t, double),
+                        void *done_arg);
+    void (*forget)(void *arg, void *done_arg);
     /* The settings the current generation was built from. */
     const px_config *(*config)(void *arg);
     /* The API's changes since the last reload from the file. */

@@ -649,6 +649,16 @@ static int plain_url(const char *u) {
     return 0;
 }
 
+int px_config_url_key(const char *url, char *out, size_t outlen) {
+    if (plain_url(url)) { /* its one spelling already: no parsing, no lookup */
+        int tls = url[4] == 's';
+        const char *h = url + (tls ? 8 : 7), *colon = strrchr(h, ':');
+        int w = snprintf(out, outlen, "%d %.*s %s", tls, (int)(colon - h), h, colon + 1);
+        return w > 0 && (size_t)w < outlen ? 0 : -1;
+    }
+    return url_canon(url, out, outlen);
+}
+
 int px_config_url_same(const char *a, const char *b) {
     if (plain_url(a) && plain_url(b)) return !strcmp(a, b);
     char ca[300], cb[300];

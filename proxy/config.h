@@ -159,6 +159,10 @@ int px_config_url_is_self(const px_config *c, const char *url);
  * compared after spelling is undone (case, a trailing '/', the default
  * port, 127.1 for 127.0.0.1, v4-mapped v6, localhost for 127.0.0.1). */
 int px_config_url_same(const char *a, const char *b);
+/* The form px_config_url_same compares, into out: two URLs name the same
+ * backend exactly when their keys are equal (for hash sets of backends).
+ * 0, or -1 when malformed or out is too small. */
+int px_config_url_key(const char *url, char *out, size_t outlen);
 
 typedef enum { PX_CONFIG_RUN = 0, PX_CONFIG_EXIT_OK = 1, PX_CONFIG_ERROR = -1 } px_config_result;
 

@@ -44,7 +44,9 @@ typedef struct px_pset {
  * them the backends no newer generation kept. */
 typedef struct px_gen {
     atomic_int refs;
-    uint64_t id; /* 1 for the configuration the server started with */
+    /* 1 for the configuration the server started with; an admin API change
+     * made in place (reload.c) raises it while requests read it. */
+    atomic_ullong id;
     px_pset *ps; /* owned array */
     size_t nps;
     int named;                 /* pools are named: requests route by their model */

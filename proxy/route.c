@@ -143,19 +143,69 @@ static int cmp_u64(const void *a, const void *b) {
     return x < y ? -1 : x > y;
 }
 
-/* Under p->mu. The ring depends only on the members' names, so every
- * replica builds the same one. */
-static void rebuild_ring(px_pool *p) {
-    free(p->ring);
-    p->ring = NULL;
-    p->nring = 0;
-    if (!p->n) return;
-    p->ring = px_xmalloc(p->n * RING_POINTS * sizeof *p->ring);
-    for (size_t i = 0; i < p->n && i < 0xffff; i++)
+/* One virtual node of member i, whose name hashes to `key`. The ring
+ * depends only on the members' names, so every replica builds the same. */
+static uint64_t ring_point(uint64_t key, uint64_t v, size_t i) {
+    return (px_mix64(key + v * 0x9e3779b97f4a7c15ull) & ~0xffffull) | i;
+}
+
+/* A sorted ring of n members with these name hashes; NULL when n is 0.
+ * Needs no lock: it reads only `keys`. */
+static uint64_t *ring_build(const uint64_t *keys, size_t n, size_t *nring) {
+    *nring = 0;
+    if (!n) return NULL;
+    uint64_t *r = px_xmalloc(n * RING_POINTS * sizeof *r);
+    for (size_t i = 0; i < n && i < 0xffff; i++)
         for (uint64_t v = 0; v < RING_POINTS; v++)
-            p->ring[p->nring++] =
-                (px_mix64(p->b[i]->key_hash + v * 0x9e3779b97f4a7c15ull) & ~0xffffull) | i;
-    qsort(p->ring, p->nring, sizeof *p->ring, cmp_u64);
+            r[(*nring)++] = ring_point(keys[i], v, i);
+    qsort(r, *nring, sizeof *r, cmp_u64);
+    return r;
+}
+
+/* Under p->mu. */
+static void rebuild_ring(px_pool *p) {
+    uint64_t *keys = px_xmalloc((p->n ? p->n : 1) * sizeof *keys);
+    for (size_t i = 0; i < p->n; i++)
+        keys[i] = p->b[i]->key_hash;
+    free(p->ring);
+    p->ring = ring_build(keys, p->n, &p->nring);
+    free(keys);
+}
+
+/* Under p->mu, after member i was appended: its virtual nodes merged into
+ * the sorted ring, O(ring) instead of a sort. */
+static void ring_insert(px_pool *p, size_t i) {
+    if (i >= 0xffff) return; /* beyond what an entry can name: as rebuild_ring */
+    uint64_t add[RING_POINTS];
+    for (uint64_t v = 0; v < RING_POINTS; v++)
+        add[v] = ring_point(p->b[i]->key_hash, v, i);
+    qsort(add, RING_POINTS, sizeof *add, cmp_u64);
+    uint64_t *r = px_xmalloc((p->nring + RING_POINTS) * sizeof *r);
+    size_t a = 0, k = 0, o = 0;
+    while (a < p->nring || k < RING_POINTS)
+        r[o++] =
+            k == RING_POINTS || (a < p->nring && p->ring[a] < add[k]) ? p->ring[a++] : add[k++];
+    free(p->ring);
+    p->ring = r;
+    p->nring = o;
+}
+
+/* Under p->mu, after member i was taken out and those behind it moved up
+ * one place: its nodes dropped and the later members' renumbered in one
+ * pass (renumbering keeps the order: the index is below the point bits). */
+static void ring_remove(px_pool *p, size_t i) {
+    if (p->n + 1 > 0xffff) { /* members moved into the range an entry names */
+        rebuild_ring(p);
+        return;
+    }
+    size_t o = 0;
+    for (size_t a = 0; a < p->nring; a++) {
+        uint64_t e = p->ring[a];
+        size_t at = (size_t)(e & 0xffff);
+        if (at == i) continue;
+        p->ring[o++] = at > i ? e - 1 : e;
+    }
+    p->nring = o;
 }
 
 static px_backend *backend_new(const char *url, const char *name, const char *src) {
@@ -176,6 +226,7 @@ static void add_member(px_pool *p, px_backend *b) {
         p->b = px_xrealloc(p->b, p->cap * sizeof *p->b);
     }
     p->b[p->n++] = b;
+    p->members_ver++;
 }
 
 static px_backend *backend_make(const char *role, const char *url, const char *connect_ip) {
@@ -225,12 +276,71 @@ px_backend *px_pool_add(px_pool *p, const char *url, const char *connect_ip) {
     return b;
 }
 
+/* Both prefix policies fall back to the consistent-hash ring. */
+static int uses_ring(const px_pool *p) {
+    return p->cfg.policy == PX_POLICY_PREFIX_AFFINITY ||
+           p->cfg.policy == PX_POLICY_PREFIX_AFFINITY_BYTES;
+}
+
 void px_pool_seal(px_pool *p) {
+    if (!uses_ring(p)) return;
+    /* The sort runs off the lock, so that picks go on meanwhile; the new
+     * ring replaces the old one only if the members did not change since
+     * (they change on the control thread, as this runs: a retry is rare). */
+    for (int tries = 0; tries < 3; tries++) {
+        pthread_mutex_lock(&p->mu);
+        size_t n = p->n;
+        unsigned long ver = p->members_ver;
+        uint64_t *keys = px_xmalloc((n ? n : 1) * sizeof *keys);
+        for (size_t i = 0; i < n; i++)
+            keys[i] = p->b[i]->key_hash;
+        pthread_mutex_unlock(&p->mu);
+        size_t nring;
+        uint64_t *ring = ring_build(keys, n, &nring);
+        free(keys);
+        pthread_mutex_lock(&p->mu);
+        int same = p->members_ver == ver;
+        if (same) {
+            uint64_t *old = p->ring;
+            p->ring = ring;
+            p->nring = nring;
+            ring = old;
+        }
+        pthread_mutex_unlock(&p->mu);
+        free(ring); /* the replaced one, or the stale one just built */
+        if (same) return;
+    }
     pthread_mutex_lock(&p->mu);
-    if (p->cfg.policy == PX_POLICY_PREFIX_AFFINITY ||
-        p->cfg.policy == PX_POLICY_PREFIX_AFFINITY_BYTES)
-        rebuild_ring(p);
+    rebuild_ring(p);
     pthread_mutex_unlock(&p->mu);
+}
+
+px_backend *px_pool_insert(px_pool *p, const char *url) {
+    px_backend *b = backend_make(p->role, url, NULL); /* may resolve: off the lock */
+    if (!b) return NULL;
+    pthread_mutex_lock(&p->mu);
+    add_member(p, b);
+    if (uses_ring(p)) ring_insert(p, p->n - 1);
+    pthread_mutex_unlock(&p->mu);
+    return b;
+}
+
+size_t px_pool_remove_src(px_pool *p, const char *src) {
+    px_backend *gone[16];
+    size_t k = 0;
+    pthread_mutex_lock(&p->mu);
+    for (size_t i = p->n; i-- > 0 && k < sizeof gone / sizeof *gone;) {
+        if (strcmp(p->b[i]->src, src)) continue;
+        gone[k++] = p->b[i];
+        memmove(&p->b[i], &p->b[i + 1], (p->n - i - 1) * sizeof *p->b);
+        p->n--;
+        p->members_ver++;
+        if (uses_ring(p)) ring_remove(p, i);
+    }
+    pthread_mutex_unlock(&p->mu);
+    for (size_t i = 0; i < k; i++) /* a request may hold it still: it finishes there */
+        px_backend_release(gone[i]);
+    return k;
 }
 
 struct px_adopt_index {
@@ -308,6 +418,7 @@ size_t px_pool_sync_addrs(px_pool *p, const char *url, const char *host, int por
                p->role, b->name, host);
         memmove(&p->b[i], &p->b[i + 1], (p->n - i - 1) * sizeof *p->b);
         p->n--;
+        p->members_ver++;
         px_backend_release(b);
         changed++;
     }
@@ -774,6 +885,19 @@ px_backend **px_pool_members(px_pool *p, size_t *n) {
     return v;
 }
 
+px_backend **px_pool_members_slice(px_pool *p, unsigned slice, unsigned nslices, size_t *n) {
+    pthread_mutex_lock(&p->mu);
+    size_t from = p->n * slice / nslices, to = p->n * (slice + 1) / nslices;
+    px_backend **v = px_xmalloc((to > from ? to - from : 1) * sizeof *v);
+    for (size_t i = from; i < to; i++) {
+        v[i - from] = p->b[i];
+        atomic_fetch_add(&p->b[i]->refs, 1);
+    }
+    *n = to - from;
+    pthread_mutex_unlock(&p->mu);
+    return v;
+}
+
 size_t px_pool_usable(px_pool *p) {
     size_t h, panic = 0;
     px_pool_counts(p, NULL, &h);
@@ -804,4 +928,92 @@ void px_pool_counts(px_pool *p, size_t *n, size_t *healthy) {
     if (n) *n = p->n;
     if (healthy) *healthy = h;
     pthread_mutex_unlock(&p->mu);
+}
+
+/* ---------- addresses of the members, for retiring connections ---------- */
+
+typedef struct addr_key {
+    uint16_t family, port;
+    unsigned char a[16];
+} addr_key;
+
+struct px_addrset {
+    atomic_int refs;
+    addr_key *k;   /* owned; family 0: free slot */
+    size_t cap, n; /* cap: a power of two, over twice n */
+};
+
+static int addr_key_of(const struct sockaddr *sa, socklen_t len, addr_key *k) {
+    memset(k, 0, sizeof *k);
+    if (sa->sa_family == AF_INET && len >= (socklen_t)sizeof(struct sockaddr_in)) {
+        const struct sockaddr_in *a = (const struct sockaddr_in *)sa;
+        k->port = a->sin_port;
+        memcpy(k->a, &a->sin_addr, 4);
+    } else if (sa->sa_family == AF_INET6 && len >= (socklen_t)sizeof(struct sockaddr_in6)) {
+        const struct sockaddr_in6 *a = (const struct sockaddr_in6 *)sa;
+        k->port = a->sin6_port;
+        memcpy(k->a, &a->sin6_addr, 16);
+    } else {
+        return -1;
+    }
+    k->family = sa->sa_family;
+    return 0;
+}
+
+static size_t addr_slot(const px_addrset *s, const addr_key *k) {
+    size_t i = (size_t)px_hash64(k, sizeof *k) & (s->cap - 1);
+    while (s->k[i].family && memcmp(&s->k[i], k, sizeof *k))
+        i = (i + 1) & (s->cap - 1);
+    return i;
+}
+
+px_addrset *px_addrset_create(void) {
+    px_addrset *s = px_xcalloc(1, sizeof *s);
+    atomic_init(&s->refs, 1);
+    s->cap = 64;
+    s->k = px_xcalloc(s->cap, sizeof *s->k);
+    return s;
+}
+
+void px_addrset_add_pool(px_addrset *s, px_pool *p) {
+    pthread_mutex_lock(&p->mu);
+    if (2 * (s->n + p->n) > s->cap) {
+        addr_key *old = s->k;
+        size_t oc = s->cap;
+        while (2 * (s->n + p->n) > s->cap)
+            s->cap *= 2;
+        s->k = px_xcalloc(s->cap, sizeof *s->k);
+        for (size_t i = 0; i < oc; i++)
+            if (old[i].family) s->k[addr_slot(s, &old[i])] = old[i];
+        free(old);
+    }
+    for (size_t i = 0; i < p->n; i++) {
+        addr_key k;
+        if (!p->b[i]->addrlen ||
+            addr_key_of((const struct sockaddr *)&p->b[i]->addr, p->b[i]->addrlen, &k) < 0)
+            continue;
+        size_t at = addr_slot(s, &k);
+        if (!s->k[at].family) {
+            s->k[at] = k;
+            s->n++;
+        }
+    }
+    pthread_mutex_unlock(&p->mu);
+}
+
+int px_addrset_has(const px_addrset *s, const struct sockaddr *sa, socklen_t len) {
+    addr_key k;
+    if (addr_key_of(sa, len, &k) < 0) return 0;
+    return s->k[addr_slot(s, &k)].family != 0;
+}
+
+px_addrset *px_addrset_ref(px_addrset *s) {
+    atomic_fetch_add(&s->refs, 1);
+    return s;
+}
+
+void px_addrset_release(px_addrset *s) {
+    if (!s || atomic_fetch_sub(&s->refs, 1) != 1) return;
+    free(s->k);
+    free(s);
 }

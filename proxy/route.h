@@ -108,6 +108,7 @@ typedef struct px_pool {
      * blocks, disagg.h's px_pindex) was last routed to; owned, made on the
      * first pick that has a whole block, under mu. */
     struct px_pindex *chains;
+    unsigned long members_ver;  /* under mu: bumped by each change of the members */
     atomic_ullong panic_routed; /* picks made with every member ejected */
 } px_pool;
 
@@ -134,8 +135,20 @@ void px_adopt_index_destroy(px_adopt_index *x);
 /* Adding members (px_pool_add, px_pool_adopt*) leaves the prefix_affinity
  * ring as it was: call this once after a batch of additions, before the
  * pool serves (a ring rebuilt per addition made start-up and reloads
- * quadratic). Pools of other policies build no ring. */
+ * quadratic). Pools of other policies build no ring. The ring is built
+ * and sorted off the pool's lock and swapped in under it, so a DNS change
+ * of hundreds of members does not stall the requests picking meanwhile. */
 void px_pool_seal(px_pool *p);
+
+/* One backend more, at once (the admin API's add): made for `url`
+ * (borrowed), appended, and its virtual nodes merged into the ring of a
+ * prefix_affinity pool (no re-sort). The pool takes the only reference;
+ * the result is borrowed. NULL when the URL is malformed. */
+px_backend *px_pool_insert(px_pool *p, const char *url);
+/* Takes out, at once, the members made for `src` (the URL as configured),
+ * at most 16 (one URL's addresses), dropping their virtual nodes from the
+ * ring in one pass. Requests holding one finish on it. Returns how many. */
+size_t px_pool_remove_src(px_pool *p, const char *src);
 
 /* A backend outside any pool (the sidecar's prefill named by a request),
  * with one reference for the caller. NULL when the URL is malformed. */
@@ -227,6 +240,11 @@ void px_backend_check(px_pool *p, px_backend *b, int ok);
 /* A snapshot of the members with a reference on each; release each with
  * px_backend_release() and free the array. */
 px_backend **px_pool_members(px_pool *p, size_t *n);
+/* The same for slice `slice` of `nslices` by position: the members at
+ * [n * slice / nslices, n * (slice + 1) / nslices), O(n / nslices). The
+ * health checker's spread of its checks over its interval (a change of
+ * the members meanwhile may move one member past its slice for a round). */
+px_backend **px_pool_members_slice(px_pool *p, unsigned slice, unsigned nslices, size_t *n);
 
 /* Number of members, and of healthy ones. */
 /* Why a pool with members has none usable, for error messages:
@@ -238,6 +256,18 @@ void px_pool_counts(px_pool *p, size_t *n, size_t *healthy);
 /* Members a request could be routed to now: the healthy ones or, when
  * none is, those panic routing would use. */
 size_t px_pool_usable(px_pool *p);
+
+/* The connect addresses of pools' members, as a hash set: which upstream
+ * connections still lead to a backend after a change, answered in O(1)
+ * per connection (a scan of every pool per connection was O(connections *
+ * members) on the workers' threads). Built on the control thread, then
+ * read-only and shared by reference. */
+typedef struct px_addrset px_addrset;
+px_addrset *px_addrset_create(void); /* one reference, for the caller */
+void px_addrset_add_pool(px_addrset *s, px_pool *p);
+int px_addrset_has(const px_addrset *s, const struct sockaddr *sa, socklen_t len);
+px_addrset *px_addrset_ref(px_addrset *s);
+void px_addrset_release(px_addrset *s); /* NULL is a no-op */
 
 /* Splits "http[s]://host[:port][/]" (host may be a bracketed IPv6 literal).
  * Returns 0, or -1 when malformed. */

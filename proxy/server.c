@@ -54,6 +54,8 @@ struct px_server {
     px_conn_list mconns;         /* owned: its connections (control thread) */
     px_conn_cfg mconn_cfg;
     atomic_int workers_running;
+    pthread_mutex_t live_mu; /* guards live */
+    px_addrset *live;        /* owned: the members' addresses as of the last swap */
 };
 
 /* ---------- workers ---------- */
@@ -64,22 +66,9 @@ static void on_drain_poll(evutil_socket_t fd, short what, void *arg) {
     if (w->conns.n == 0 && w->wc.nreqs == 0) event_base_loopbreak(w->wc.base);
 }
 
-/* Whether an address belongs to a backend of generation `ctx`. */
+/* Whether an address belongs to a backend (ctx: the members' px_addrset). */
 static int is_backend_addr(void *ctx, const struct sockaddr *sa, socklen_t salen) {
-    px_gen *g = ctx;
-    int found = 0;
-    for (size_t i = 0; i < g->nps && !found; i++)
-        for (int role = 0; role < 2 && !found; role++) {
-            px_pool *p = role ? &g->ps[i].decode : &g->ps[i].prefill;
-            size_t n;
-            px_backend **m = px_pool_members(p, &n);
-            for (size_t j = 0; j < n; j++) {
-                if (!found && m[j]->addrlen == salen && !memcmp(&m[j]->addr, sa, salen)) found = 1;
-                px_backend_release(m[j]);
-            }
-            free(m);
-        }
-    return found;
+    return px_addrset_has(ctx, sa, salen);
 }
 
 static void on_wake(evutil_socket_t fd, short what, void *arg) {
@@ -94,9 +83,11 @@ static void on_wake(evutil_socket_t fd, short what, void *arg) {
     if (cmd & PX_CMD_RETIRE) {
         /* The backends changed: connections to those gone close after
          * their last request. */
-        px_gen *g = px_ctx_gen(&w->srv->ctx);
-        px_uploop_retire(w->wc.up, is_backend_addr, g);
-        px_gen_release(g);
+        pthread_mutex_lock(&w->srv->live_mu);
+        px_addrset *live = px_addrset_ref(w->srv->live);
+        pthread_mutex_unlock(&w->srv->live_mu);
+        px_uploop_retire(w->wc.up, is_backend_addr, live);
+        px_addrset_release(live);
     }
     if ((cmd & PX_CMD_DRAIN) && w->lev) {
         /* Stop accepting, answer what is in flight with Connection: close,
@@ -182,7 +173,21 @@ static int setup_metrics_listener(px_server *s, char *err, size_t errlen) {
 /* Reload's call after a swap: connections to backends the new generation
  * dropped close after their last request. */
 static void retire_backends(void *arg) {
-    post_cmd(arg, PX_CMD_RETIRE);
+    px_server *s = arg;
+    /* Built once here, on the control thread, for every worker: the
+     * workers' loops only look addresses up. */
+    px_addrset *live = px_addrset_create();
+    px_gen *g = s->ctx.gen;
+    for (size_t i = 0; i < g->nps; i++) {
+        px_addrset_add_pool(live, &g->ps[i].prefill);
+        px_addrset_add_pool(live, &g->ps[i].decode);
+    }
+    pthread_mutex_lock(&s->live_mu);
+    px_addrset *old = s->live;
+    s->live = live;
+    pthread_mutex_unlock(&s->live_mu);
+    px_addrset_release(old);
+    post_cmd(s, PX_CMD_RETIRE);
 }
 
 void px_server_set_args(px_server *s, int argc, char **argv, char **envp) {
@@ -193,6 +198,8 @@ void px_server_set_args(px_server *s, int argc, char **argv, char **envp) {
 
 px_server *px_server_create(const px_config *cfg, char *err, size_t errlen) {
     px_server *s = px_xcalloc(1, sizeof *s);
+    pthread_mutex_init(&s->live_mu, NULL);
+    s->live = px_addrset_create();
     px_http_via_marker(); /* drawn before the workers start */
     long ncpu = sysconf(_SC_NPROCESSORS_ONLN);
     s->nworkers = cfg->threads > 0 ? (int)cfg->threads : (ncpu > 0 ? (int)ncpu : 1);
@@ -303,6 +310,15 @@ static void on_exit_poll(evutil_socket_t fd, short what, void *arg) {
     if (atomic_load(&k->s->workers_running) == 0) event_base_loopbreak(k->base);
 }
 
+static void sighup_done(void *arg, int rc, const char *err, uint64_t gen, double ms) {
+    char q[1100];
+    if (rc < 0)
+        PX_LOG(PX_LOG_ERROR,
+               "msg=\"reload on SIGHUP failed; the running configuration stays\" "
+               "error=%s",
+               px_log_value(err, q, sizeof q));
+}
+
 /* Reads the --config file again; on any error the running configuration
  * stays and the log says what is wrong (file, line, key). */
 static void on_sighup(evutil_socket_t sig, short what, void *arg) {
@@ -312,12 +328,12 @@ static void on_sighup(evutil_socket_t sig, short what, void *arg) {
                             "ignored\"");
         return;
     }
-    char err[512], q[1100];
-    if (px_reload(&k->s->rl, 1, NULL, err, sizeof err) < 0)
-        PX_LOG(PX_LOG_ERROR,
-               "msg=\"reload on SIGHUP failed; the running configuration stays\" "
-               "error=%s",
-               px_log_value(err, q, sizeof q));
+    /* Read on a helper thread: the control loop (signals, health checks,
+     * the admin API) goes on meanwhile, and a newer SIGHUP supersedes it. */
+    if (px_reload_request(&k->s->rl, sighup_done, NULL) < 0) {
+        char err[512];
+        if (px_reload(&k->s->rl, 1, NULL, err, sizeof err) < 0) sighup_done(NULL, -1, err, 0, 0);
+    }
 }
 
 static void on_signal(evutil_socket_t sig, short what, void *arg) {
@@ -411,6 +427,8 @@ void px_server_destroy(px_server *s) {
     free(s->workers);
     px_admin_stop(s->admin);
     px_reload_cleanup(&s->rl);
+    px_addrset_release(s->live);
+    pthread_mutex_destroy(&s->live_mu);
     px_conn_list_close_all(&s->mconns);
     px_listener_free(s->mlev);
     if (s->ctl_base) event_base_free(s->ctl_base);

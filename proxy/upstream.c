@@ -224,10 +224,14 @@ static int curl_side(px_uploop *l) {
 }
 
 px_uploop *px_uploop_create(struct event_base *base, int max_idle) {
+    return px_uploop_create_keep(base, max_idle, 0);
+}
+
+px_uploop *px_uploop_create_keep(struct event_base *base, int max_idle, double idle_close_s) {
     px_uploop *l = px_xcalloc(1, sizeof *l);
     l->base = base;
     px_buf_init(&l->head);
-    px_client_cfg ccfg = {.max_idle_per_host = max_idle};
+    px_client_cfg ccfg = {.max_idle_per_host = max_idle, .idle_close_s = idle_close_s};
     l->client = px_client_create(base, &ccfg);
     return l;
 }

@@ -29,6 +29,10 @@ typedef enum {
 /* Creates the upstream state of one event loop, keeping at most `max_idle`
  * idle connections per backend address. NULL on failure. */
 px_uploop *px_uploop_create(struct event_base *base, int max_idle);
+/* The same, with plain-http idle connections closed after idle_close_s
+ * (0: the client's default, 4 s): the health checker keeps its connections
+ * over its interval. */
+px_uploop *px_uploop_create_keep(struct event_base *base, int max_idle, double idle_close_s);
 /* Cancels every transfer still running (their on_done is NOT called). */
 void px_uploop_destroy(px_uploop *l);
 /* After the backends changed: plain-http connections to addresses `keep`

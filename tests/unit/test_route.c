@@ -11,6 +11,8 @@
 #include <cmocka.h>
 // clang-format on
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
 #include <stdio.h>
 #include <string.h>
 
@@ -345,6 +347,90 @@ static void test_passive_then_check(void **state) {
     fixture_cleanup(&f);
 }
 
+/* The admin API's changes in place: a ring kept by merging and filtering
+ * (px_pool_insert, px_pool_remove_src) is the ring a rebuild of the same
+ * members makes, so picks agree with a replica that started with them. */
+static void test_ring_incremental(void **state) {
+    (void)state;
+    px_pool_cfg cfg = {.policy = PX_POLICY_PREFIX_AFFINITY,
+                       .unhealthy_after = 2,
+                       .healthy_after = 2,
+                       .load_factor = 1.25};
+    px_pool a, b;
+    px_pool_init(&a, "decode", &cfg);
+    px_pool_init(&b, "decode", &cfg);
+    enum { N = 300 };
+    char url[N][64];
+    int gone[N] = {0};
+    for (int i = 0; i < N; i++) {
+        snprintf(url[i], sizeof url[i], "http://127.0.%d.%d:8000", i / 250, i % 250 + 1);
+        assert_non_null(px_pool_insert(&a, url[i]));
+        assert_int_equal(a.nring, (size_t)(i + 1) * 64);
+    }
+    /* First, last and every seventh go; one of them twice. */
+    for (int i = 0; i < N; i++)
+        if (i == 0 || i == N - 1 || i % 7 == 3) {
+            assert_int_equal(px_pool_remove_src(&a, url[i]), 1);
+            gone[i] = 1;
+        }
+    assert_int_equal(px_pool_remove_src(&a, url[3]), 0);
+    assert_int_equal(px_pool_remove_src(&a, "http://127.9.9.9:1"), 0);
+    for (int i = 0; i < N; i++)
+        if (!gone[i]) assert_non_null(px_pool_add(&b, url[i], NULL));
+    px_pool_seal(&b);
+    assert_int_equal(a.n, b.n);
+    for (size_t i = 0; i < a.n; i++)
+        assert_string_equal(a.b[i]->src, b.b[i]->src);
+    assert_int_equal(a.nring, b.nring);
+    assert_memory_equal(a.ring, b.ring, a.nring * sizeof *a.ring);
+    for (int i = 0; i < 200; i++) {
+        char key[32];
+        snprintf(key, sizeof key, "prompt %d", i);
+        px_pick k = {.key = key, .key_len = strlen(key)};
+        px_backend *x = px_pool_pick(&a, &k, NULL), *y = px_pool_pick(&b, &k, NULL);
+        assert_non_null(x);
+        assert_string_equal(x->name, y->name);
+        px_backend_done(&a, x, PX_OUT_OK);
+        px_backend_done(&b, y, PX_OUT_OK);
+    }
+    /* A request holding a removed member keeps it until it is done. */
+    px_backend *held = px_pool_pick(&a, NULL, NULL);
+    assert_non_null(held);
+    assert_int_equal(px_pool_remove_src(&a, held->src), 1);
+    assert_int_equal(a.nring, (a.n) * 64);
+    assert_true(strncmp(held->src, "http://", 7) == 0);
+    px_backend_done(&a, held, PX_OUT_OK);
+    px_pool_cleanup(&a);
+    px_pool_cleanup(&b);
+}
+
+/* The members' addresses as a set: what a worker keeps connections to. */
+static void test_addrset(void **state) {
+    (void)state;
+    fixture f;
+    fixture_init(&f, PX_POLICY_ROUND_ROBIN, 4, 0);
+    px_pool v6;
+    px_pool_cfg cfg = {.policy = PX_POLICY_ROUND_ROBIN, .unhealthy_after = 1, .healthy_after = 1};
+    px_pool_init(&v6, "prefill", &cfg);
+    assert_non_null(px_pool_add(&v6, "http://[::1]:7000", NULL));
+    px_addrset *s = px_addrset_create();
+    px_addrset_add_pool(s, &f.pool);
+    px_addrset_add_pool(s, &v6);
+    for (size_t i = 0; i < f.n; i++)
+        assert_true(px_addrset_has(s, (struct sockaddr *)&f.b[i]->addr, f.b[i]->addrlen));
+    assert_true(px_addrset_has(s, (struct sockaddr *)&v6.b[0]->addr, v6.b[0]->addrlen));
+    struct sockaddr_storage other = f.b[0]->addr;
+    ((struct sockaddr_in *)&other)->sin_port = htons(9999);
+    assert_false(px_addrset_has(s, (struct sockaddr *)&other, f.b[0]->addrlen));
+    px_addrset *r = px_addrset_ref(s);
+    px_addrset_release(s);
+    assert_true(px_addrset_has(r, (struct sockaddr *)&f.b[1]->addr, f.b[1]->addrlen));
+    px_addrset_release(r);
+    px_addrset_release(NULL);
+    px_pool_cleanup(&v6);
+    fixture_cleanup(&f);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_policy_names),     cmocka_unit_test(test_url_split),
@@ -353,6 +439,7 @@ int main(void) {
         cmocka_unit_test(test_power_of_two),     cmocka_unit_test(test_prefix_affinity),
         cmocka_unit_test(test_passive_ejection), cmocka_unit_test(test_panic_routing),
         cmocka_unit_test(test_active_checks),    cmocka_unit_test(test_passive_then_check),
+        cmocka_unit_test(test_ring_incremental), cmocka_unit_test(test_addrset),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
