@@ -8,9 +8,10 @@ counted per rank in pdproxy_dp_rank_*; prefill and decode sizes differ.
 Mocks for the choice, engine-sims (--data-parallel-size) for the echo."""
 
 import threading
+import time
 
 from pdharness.case import main
-from pdharness.client import http_request
+from pdharness.client import RawClient, http_request
 from pdharness.mocks import Respond, decode_handler, prefill_handler
 from pdharness.pd import PdCase, rid_headers
 from pdharness.prom import metric, prom
@@ -136,6 +137,98 @@ class DpSimTest(PdCase):
         ok = http_request(D.port, "POST", "/v1/completions", body,
                           headers={"X-data-parallel-rank": "3"})
         self.assertEqual(ok.header("x-data-parallel-rank"), "3")
+
+    def test_rank_the_engine_reports_busy_is_avoided(self):
+        # Two long streams sent straight to decode's rank 0 (not through
+        # pdproxy): only the engine's per-rank gauges
+        # (vllm:num_requests_running{engine="0"}) tell pdproxy that rank 0
+        # is busy; its own in-flight counts are all zero.
+        P = self.engine("prefill")
+        D = self.engine("decode", ["--data-parallel-size", "2", "--itl-ms", "50"])
+        body = {"model": "sim-model", "prompt": "one two three four", "max_tokens": 2}
+        hogs = []
+        for i in range(2):
+            c = RawClient(D.port)
+            self.addCleanup(c.close)
+            c.request("POST", "/v1/completions",
+                      dict(body, max_tokens=400, stream=True),
+                      headers=[("X-data-parallel-rank", "0")])
+            hogs.append(c)
+        samples = []
+        for _ in range(100):
+            samples = prom(D.port)
+            if metric(samples, "vllm:num_requests_running", engine="0") == 2:
+                break
+            time.sleep(0.05)
+        self.assertEqual(metric(samples, "vllm:num_requests_running", engine="0"), 2)
+        self.assertEqual(metric(samples, "vllm:num_requests_running", engine="1"), 0)
+        px = self.start_proxy([P.port], [D.port], threads=1,
+                              extra=["--decode-dp-size", "2", "--metrics-interval", "0.1"])
+        dname = "127.0.0.1:%d" % D.port
+        for _ in range(100):
+            if self.metric(px, "pdproxy_dp_rank_engine_load", backend=dname, rank="0") == 2:
+                break
+            time.sleep(0.05)
+        self.assertEqual(self.metric(px, "pdproxy_dp_rank_engine_load", backend=dname,
+                                     rank="0"), 2)
+        for i in range(3):
+            r = http_request(px.port, "POST", "/v1/completions", body)
+            self.assertEqual(r.status, 200, r.body)
+        # Each request ended before the next: by pdproxy's count alone every
+        # one would take rank 0 (test_sequential_requests_take_rank_zero).
+        self.assertEqual(self.metric(px, "pdproxy_dp_rank_requests_total", role="decode",
+                                     backend=dname, rank="1"), 3)
+        self.assertEqual(metric(prom(D.port), "engine_sim_dp_rank_requests_total", rank="1"), 3)
+        for c in hogs:
+            c.close()
+        # The engine saw the streams' clients leave: rank 0 idle again, and
+        # pdproxy, probing, goes back to the lowest rank.
+        for _ in range(200):
+            if self.metric(px, "pdproxy_dp_rank_engine_load", backend=dname, rank="0") == 0:
+                break
+            time.sleep(0.05)
+        r = http_request(px.port, "POST", "/v1/completions", body)
+        self.assertEqual(r.status, 200, r.body)
+        self.assertEqual(self.metric(px, "pdproxy_dp_rank_requests_total", role="decode",
+                                     backend=dname, rank="0"), 1)
+
+
+class DpRankParseTest(PdCase):
+
+    def test_malformed_rank_series_are_ignored(self):
+        # A mock engine's page with odd engine labels: out of range, not a
+        # number, negative and huge values. Only the sane series count.
+        page = ("# TYPE vllm:num_requests_running gauge\n"
+                "vllm:num_requests_running{engine=\"0\",model_name=\"m\"} 7\n"
+                "vllm:num_requests_running{engine=\"1\",model_name=\"m\"} 0\n"
+                "vllm:num_requests_waiting{model_name=\"m\",engine=\"0\"} 2\n"
+                "vllm:num_requests_waiting{engine=\"x\"} 50\n"
+                "vllm:num_requests_waiting{engine=\"999\"} 50\n"
+                "vllm:num_requests_waiting{engine=\"1\"} -4\n"
+                "vllm:num_requests_waiting{engine=\"1\"} 1e300\n"
+                "vllm:num_requests_waiting{myengine=\"1\"} 9\n")
+
+        def probes(req):
+            if req.path.startswith("/metrics"):
+                return Respond(200, [("Content-Type", "text/plain")], page.encode())
+            return Respond(200, [("Content-Type", "application/json")], b"{}")
+        P = self.mock(prefill_handler(), name="P")
+        D = self.mock(decode_handler(), name="D")
+        D.probe_handler = probes
+        px = self.start_proxy([P], [D], threads=1,
+                              extra=["--decode-dp-size", "2", "--metrics-interval", "0.1"])
+        dname = "127.0.0.1:%d" % D.port
+        for _ in range(100):
+            if self.metric(px, "pdproxy_dp_rank_engine_load", backend=dname, rank="1") is not None:
+                break
+            time.sleep(0.05)
+        self.assertEqual(self.metric(px, "pdproxy_dp_rank_engine_load", backend=dname,
+                                     rank="0"), 9)
+        self.assertEqual(self.metric(px, "pdproxy_dp_rank_engine_load", backend=dname,
+                                     rank="1"), 0)
+        r = http_request(px.port, "POST", "/v1/completions", BODY)
+        self.assertEqual(r.status, 200)
+        self.assertEqual(ranks(D), ["1"])
 
 
 if __name__ == "__main__":
