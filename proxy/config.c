@@ -897,6 +897,7 @@ typedef struct yctx {
     const char *path;
     char *err;
     size_t errlen;
+    px_config *c;
 } yctx;
 
 static size_t yline(const yaml_node_t *n) {
@@ -912,6 +913,57 @@ static void ykey(const yaml_node_t *k, char *buf, size_t n) {
         if (*p == '_') *p = '-';
 }
 
+/* A backend entry of a prefill/decode list written as a mapping: {url: U,
+ * dp_size: N} (N: the data-parallel ranks behind that API server, 1..64,
+ * over --prefill-dp-size / --decode-dp-size). Returns the URL (owned) and
+ * records N in c->backend_dp; NULL with the error set. */
+static char *ybackend(yctx *y, const char *key, yaml_node_t *m) {
+    char *url = NULL;
+    long dp = 0;
+    for (yaml_node_pair_t *pr = m->data.mapping.pairs.start; pr < m->data.mapping.pairs.top; pr++) {
+        yaml_node_t *k = yaml_document_get_node(&y->doc, pr->key);
+        yaml_node_t *v = yaml_document_get_node(&y->doc, pr->value);
+        char f[32] = "";
+        if (k && k->type == YAML_SCALAR_NODE) ykey(k, f, sizeof f);
+        if (!v || v->type != YAML_SCALAR_NODE || (strcmp(f, "url") && strcmp(f, "dp-size")) ||
+            (!strcmp(f, "url") && url)) {
+            snprintf(y->err, y->errlen,
+                     "%s:%zu: key '%s': a backend entry is a URL or a mapping of url and "
+                     "dp_size",
+                     y->path, yline(k ? k : m), key);
+            free(url);
+            return NULL;
+        }
+        char *t = px_xstrndup((char *)v->data.scalar.value, v->data.scalar.length);
+        if (f[0] == 'u') {
+            url = t;
+            continue;
+        }
+        char *end;
+        dp = strtol(t, &end, 10);
+        int bad = !t[0] || *end || dp < 1 || dp > 64;
+        free(t);
+        if (bad) {
+            snprintf(y->err, y->errlen, "%s:%zu: key '%s': dp_size must be an integer in [1, 64]",
+                     y->path, yline(v), key);
+            free(url);
+            return NULL;
+        }
+    }
+    if (!url || !url[0] || strchr(url, ' ') || strchr(url, ',')) {
+        snprintf(y->err, y->errlen, "%s:%zu: key '%s': a backend entry needs one url", y->path,
+                 yline(m), key);
+        free(url);
+        return NULL;
+    }
+    if (dp > 0) {
+        char item[600];
+        snprintf(item, sizeof item, "%ld %s", dp, url);
+        px_strlist_push(&y->c->backend_dp, item);
+    }
+    return url;
+}
+
 /* A setting's text: a scalar as is, a sequence of scalars joined by spaces
  * (the lists' text form). Returns NULL with the error set otherwise. */
 static char *yvalue(yctx *y, const char *key, yaml_node_t *v) {
@@ -924,6 +976,18 @@ static char *yvalue(yctx *y, const char *key, yaml_node_t *v) {
         for (yaml_node_item_t *it = v->data.sequence.items.start; it < v->data.sequence.items.top;
              it++) {
             yaml_node_t *e = yaml_document_get_node(&y->doc, *it);
+            if (e && e->type == YAML_MAPPING_NODE && y->c &&
+                (!strcmp(key, "prefill") || !strcmp(key, "decode"))) {
+                char *u = ybackend(y, key, e);
+                if (!u) {
+                    px_buf_cleanup(&b);
+                    return NULL;
+                }
+                if (b.len) px_buf_appends(&b, " ");
+                px_buf_appends(&b, u);
+                free(u);
+                continue;
+            }
             if (!e || e->type != YAML_SCALAR_NODE ||
                 memchr(e->data.scalar.value, ' ', e->data.scalar.length) ||
                 memchr(e->data.scalar.value, ',', e->data.scalar.length)) {
@@ -1094,7 +1158,7 @@ static int load_file(px_config *c, const char *path, char *err, size_t errlen) {
     char *text = read_config(path, &len, err, errlen);
     if (!text) return -1;
     yaml_parser_t parser;
-    yctx y = {.path = path, .err = err, .errlen = errlen};
+    yctx y = {.path = path, .err = err, .errlen = errlen, .c = c};
     yaml_parser_initialize(&parser);
     yaml_parser_set_input_string(&parser, (const unsigned char *)text, len);
     int rc = -1;
@@ -1669,6 +1733,7 @@ px_config_result px_config_load(px_config *c, int argc, char **argv, char **envp
 }
 
 void px_config_cleanup(px_config *c) {
+    px_strlist_clear(&c->backend_dp);
     px_pool_specs_free(c->pools, c->npools);
     c->pools = NULL;
     c->npools = 0;

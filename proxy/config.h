@@ -128,6 +128,9 @@ typedef struct px_config {
     char *tenant_header;       /* names the request's tenant */
     char *priority_header;     /* the request's priority (else the body's "priority") */
     px_strlist tenants;        /* --tenant specs */
+    /* Issue 25: DP sizes backend entries of the file declare (dp_size), items
+     * "N URL"; proxy/dp.c applies them once the configuration is accepted. */
+    px_strlist backend_dp;
     unsigned char set[96];          /* set[i]: option i was given by flag or environment */
 } px_config;
 

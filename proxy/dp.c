@@ -63,6 +63,95 @@ static dp_slot *find(px_dp_role role, const char *name, int create) {
     return s;
 }
 
+/* ---- DP sizes backends declare (config file entries, admin API) ----
+ * Keyed by the backend's configured URL (px_backend.src), so every address
+ * a name resolves to shares its entry. Two layers: the file's, replaced by
+ * each accepted configuration, and the admin API's, over it. Entries stay
+ * once made (at 0: undeclared), so workers read without a lock. */
+#define DECL_SLOTS 4096
+
+typedef struct decl_slot {
+    atomic_int ready;
+    char url[512];
+    atomic_int file_size;  /* 0: none */
+    atomic_int admin_size; /* 0: none */
+    unsigned mark;         /* control thread: the file layer's last declaration */
+} decl_slot;
+
+static decl_slot decls[DECL_SLOTS];
+static unsigned decl_gen;
+static atomic_int ndecl; /* slots made: 0 until a backend declared a size */
+
+int px_dp_declared(void) {
+    return atomic_load_explicit(&ndecl, memory_order_relaxed) > 0;
+}
+
+static decl_slot *decl_find(const char *url, int create) {
+    if (strlen(url) >= sizeof decls[0].url) return NULL;
+    uint64_t h = px_hash64(url, strlen(url));
+    for (size_t i = 0; i < DECL_SLOTS; i++) {
+        decl_slot *d = &decls[(h + i) % DECL_SLOTS];
+        if (!atomic_load_explicit(&d->ready, memory_order_acquire)) {
+            if (!create) return NULL;
+            pthread_mutex_lock(&insert_mu);
+            int taken = atomic_load_explicit(&d->ready, memory_order_acquire);
+            if (!taken) {
+                snprintf(d->url, sizeof d->url, "%s", url);
+                atomic_store_explicit(&d->ready, 1, memory_order_release);
+                atomic_fetch_add_explicit(&ndecl, 1, memory_order_relaxed);
+            }
+            pthread_mutex_unlock(&insert_mu);
+            if (!taken) return d;
+        }
+        if (!strcmp(d->url, url)) return d;
+    }
+    return NULL;
+}
+
+int px_dp_size(const char *url, int fallback) {
+    decl_slot *d = url ? decl_find(url, 0) : NULL;
+    if (d) {
+        int a = atomic_load_explicit(&d->admin_size, memory_order_relaxed);
+        if (a > 0) return a;
+        int f = atomic_load_explicit(&d->file_size, memory_order_relaxed);
+        if (f > 0) return f;
+    }
+    return fallback;
+}
+
+int px_dp_declare_file(const px_strlist *decl) {
+    unsigned gen = ++decl_gen;
+    int rc = 0;
+    for (size_t i = 0; i < decl->n; i++) {
+        char *end;
+        long n = strtol(decl->v[i], &end, 10);
+        decl_slot *d = *end == ' ' ? decl_find(end + 1, 1) : NULL;
+        if (!d) {
+            rc = -1;
+            continue;
+        }
+        atomic_store_explicit(&d->file_size, (int)n, memory_order_relaxed);
+        d->mark = gen;
+    }
+    for (size_t i = 0; i < DECL_SLOTS; i++)
+        if (atomic_load_explicit(&decls[i].ready, memory_order_acquire) && decls[i].mark != gen)
+            atomic_store_explicit(&decls[i].file_size, 0, memory_order_relaxed);
+    return rc;
+}
+
+void px_dp_forget_admin(void) {
+    for (size_t i = 0; i < DECL_SLOTS; i++)
+        if (atomic_load_explicit(&decls[i].ready, memory_order_acquire))
+            atomic_store_explicit(&decls[i].admin_size, 0, memory_order_relaxed);
+}
+
+int px_dp_declare_admin(const char *url, int size) {
+    decl_slot *d = decl_find(url, size > 0);
+    if (!d) return size > 0 ? -1 : 0;
+    atomic_store_explicit(&d->admin_size, size, memory_order_relaxed);
+    return 0;
+}
+
 /* A rank's load: pdproxy's in-flight count, or, once the engine reported
  * the rank, the engine's count corrected by what pdproxy sent there or saw
  * end since (the engine's figure already holds pdproxy's requests of that

@@ -15,6 +15,7 @@
 #include <stdint.h>
 
 #include "base/util.h"
+#include "proxy/config.h"
 
 #define PX_DP_MAX 64 /* largest --prefill-dp-size / --decode-dp-size */
 
@@ -43,6 +44,27 @@ int px_dp_parse_ranks(const char *text, size_t n, long load[PX_DP_MAX]);
  * since then, less those ended since (never below pdproxy's own count);
  * without them, pdproxy's own count alone. */
 void px_dp_engine_load(const char *name, const char *text, size_t n);
+
+/* The DP size the backend configured as `url` (px_backend.src) declared,
+ * the admin API's over the config file's; `fallback` (the role's
+ * --prefill-dp-size / --decode-dp-size) when it declared none. Any thread. */
+int px_dp_size(const char *url, int fallback);
+
+/* Whether any backend ever declared a size (a cheap test before lookups). */
+int px_dp_declared(void);
+
+/* Control thread, once a configuration is accepted: its declarations
+ * (px_config.backend_dp, items "N URL") replace the file layer's. Returns
+ * -1 when some did not fit the table (4,096 URLs of < 512 bytes). */
+int px_dp_declare_file(const px_strlist *decl);
+
+/* Control thread: POST /admin/backends with "dp_size" (size >= 1), or
+ * DELETE (size 0: the admin layer forgets the URL). -1: no room. */
+int px_dp_declare_admin(const char *url, int size);
+
+/* Control thread: a reload from the file dropped the admin API's changes,
+ * and with them the sizes it declared. */
+void px_dp_forget_admin(void);
 
 /* Appends the Prometheus series of every rank used so far:
  * pdproxy_dp_rank_in_flight and pdproxy_dp_rank_requests_total, labelled

@@ -143,17 +143,17 @@ static void sweep(px_health *h, check_kind kind) {
         for (int r = 0; r < 2; r++) {
             /* Decode's figures also tell admission control (--saturate-waiting)
              * that the engines' own queues are full. */
-            /* Data-parallel backends: the engine's per-rank figures steer
-             * the rank choice (proxy/dp.c). */
-            if (kind == K_LOAD_PROBE && pools[r]->cfg.policy != PX_POLICY_LOAD_AWARE &&
-                !(r == 1 && h->ctx->cfg->saturate_waiting > 0) &&
-                (r == 0 ? h->ctx->cfg->prefill_dp_size : h->ctx->cfg->decode_dp_size) < 2)
-                continue;
+            int dp_only = kind == K_LOAD_PROBE && pools[r]->cfg.policy != PX_POLICY_LOAD_AWARE &&
+                          !(r == 1 && h->ctx->cfg->saturate_waiting > 0);
+            int dp_def = (int)(r == 0 ? h->ctx->cfg->prefill_dp_size : h->ctx->cfg->decode_dp_size);
+            if (dp_only && dp_def < 2 && !px_dp_declared()) continue;
             size_t n;
             px_backend **m = px_pool_members(pools[r], &n);
             for (size_t i = 0; i < n; i++) {
                 int busy = kind == K_HEALTH ? m[i]->check_busy : m[i]->probe_busy;
-                if (busy)
+                /* Else only data-parallel backends: the engine's per-rank
+                 * figures steer the rank choice (proxy/dp.c). */
+                if (busy || (dp_only && px_dp_size(m[i]->src, dp_def) < 2))
                     px_backend_release(m[i]);
                 else
                     start_check(h, g, pools[r], m[i], kind);

@@ -284,7 +284,8 @@ static int start_upstream(px_req *r, px_backend *b, const char *method, const ch
     const px_config *cfg = r->ctx->cfg;
     /* A data-parallel backend: the rank with the fewest requests in flight. */
     px_dp_role role = b == r->pb ? PX_DP_PREFILL : PX_DP_DECODE;
-    int64_t dp = role == PX_DP_PREFILL ? cfg->prefill_dp_size : cfg->decode_dp_size;
+    int64_t dp = px_dp_size(b->src, (int)(role == PX_DP_PREFILL ? cfg->prefill_dp_size
+                                                                 : cfg->decode_dp_size));
     px_buf hd;
     px_buf_init(&hd);
     if (dp > 1) {
