@@ -149,8 +149,9 @@ static const opt opts[] = {
     {"decode-policy", NULL, CT_ENUM, OFF(decode_policy), "round_robin", 0, 0,
      "how to choose a decode instance", PX_POLICIES, RELOADS},
     {"prefill-dp-size", NULL, CT_INT, OFF(prefill_dp_size), "1", 1, 64,
-     "data-parallel ranks behind each prefill (vLLM --data-parallel-size with one API server): "
-     "each request names the rank with the fewest of pdproxy's requests in flight in "
+     "data-parallel ranks behind each prefill (vLLM --data-parallel-size with one API server), "
+     "unless its config entry declares dp_size: each request names the least loaded rank "
+     "(pdproxy's requests in flight, corrected by the engine's per-rank /metrics) in "
      "X-data-parallel-rank (1: no header, the engine balances)",
      NULL, AT_START},
     {"decode-dp-size", NULL, CT_INT, OFF(decode_dp_size), "1", 1, 64,
@@ -1829,6 +1830,24 @@ static void yaml_list(FILE *out, const px_strlist *l) {
     fputc(']', out);
 }
 
+/* A prefill/decode list: an entry that declared dp_size as {url, dp_size},
+ * so that the output reads back to the same declarations. */
+static void yaml_backends(FILE *out, const px_config *c, const px_strlist *l) {
+    fputc('[', out);
+    for (size_t j = 0; j < l->n; j++) {
+        if (j) fputs(", ", out);
+        long dp = 0;
+        for (size_t k = 0; k < c->backend_dp.n && !dp; k++) {
+            const char *sp = strchr(c->backend_dp.v[k], ' ');
+            if (sp && !strcmp(sp + 1, l->v[j])) dp = strtol(c->backend_dp.v[k], NULL, 10);
+        }
+        if (dp) fputs("{url: ", out);
+        yaml_str(out, l->v[j]);
+        if (dp) fprintf(out, ", dp_size: %ld}", dp);
+    }
+    fputc(']', out);
+}
+
 void px_config_dump(const px_config *c, FILE *out) {
     fprintf(out, "# pdproxy %s: the effective configuration (file, environment, flags)\n",
             PDPROXY_VERSION);
@@ -1867,7 +1886,10 @@ void px_config_dump(const px_config *c, FILE *out) {
         case CT_LIST:
         case CT_URLS:
         case CT_WORDS:
-            yaml_list(out, field);
+            if (o->type == CT_URLS && (!strcmp(o->name, "prefill") || !strcmp(o->name, "decode")))
+                yaml_backends(out, c, field);
+            else
+                yaml_list(out, field);
             break;
         case CT_SECRET:
         case CT_POOL:
@@ -1887,9 +1909,9 @@ void px_config_dump(const px_config *c, FILE *out) {
         fprintf(out, "\n    models: ");
         yaml_list(out, &p->models);
         fprintf(out, "\n    prefill: ");
-        yaml_list(out, &p->prefill);
+        yaml_backends(out, c, &p->prefill);
         fprintf(out, "\n    decode: ");
-        yaml_list(out, &p->decode);
+        yaml_backends(out, c, &p->decode);
         fputc('\n', out);
         if (p->prefill_policy[0]) {
             fprintf(out, "    prefill-policy: ");

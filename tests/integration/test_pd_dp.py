@@ -264,6 +264,20 @@ class DpDeclaredTest(PdCase):
             self.assertNotEqual(p.returncode, 0, bad)
             self.assertIn(why, p.stderr, bad)
 
+    def test_print_config_reads_back_the_declarations(self):
+        write_yaml(self.file, "pools:\n  - name: m\n"
+                   "    prefill: [{url: 'http://127.0.0.1:1', dp_size: 2}, http://127.0.0.1:3]\n"
+                   "    decode: [{url: 'http://127.0.0.1:2', dp_size: 8}]\n")
+        p = run_pdproxy(["--config", self.file, "--print-config"])
+        self.assertEqual(p.returncode, 0, p.stderr)
+        self.assertIn('prefill: [{url: "http://127.0.0.1:1", dp_size: 2}, "http://127.0.0.1:3"]',
+                      p.stdout)
+        self.assertIn('decode: [{url: "http://127.0.0.1:2", dp_size: 8}]', p.stdout)
+        write_yaml(self.file, p.stdout)
+        again = run_pdproxy(["--config", self.file, "--print-config"])
+        self.assertEqual(again.returncode, 0, again.stderr)
+        self.assertEqual(again.stdout, p.stdout)
+
     def test_reload_changes_the_size_and_keeps_the_ranks_load(self):
         gate = threading.Event()
         self.addCleanup(gate.set)
