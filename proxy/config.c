@@ -117,8 +117,9 @@ static const opt opts[] = {
      "(0: no limit but the descriptor limit)",
      NULL, AT_START},
     {"reuse-port", NULL, CT_FLAG, OFF(reuse_port), "false", 0, 0,
-     "share the port with other processes (SO_REUSEPORT); without it a port already served is "
-     "an error",
+     "share the port with other processes that also set it (SO_REUSEPORT, one socket per "
+     "worker); without it a port already served is an error and no other process can join "
+     "this one (the workers share one socket)",
      NULL, AT_START},
     {"metrics-host", NULL, CT_STR, OFF(metrics_host), "", 0, 0,
      "address of the separate metrics listener (default: --host)", NULL, AT_START},
