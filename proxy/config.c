@@ -251,10 +251,12 @@ static const opt opts[] = {
      "file holding the admin API's bearer token (never the client API key)", NULL, AT_START},
     {"prefiller-from-header", NULL, CT_FLAG, OFF(prefiller_from_header), "false", 0, 0,
      "sidecar mode: prefill on the instance named by the request's x-prefiller-host-port "
-     "header when its host is in --prefiller-allowlist (400 otherwise)",
+     "header when its host and port are in --prefiller-allowlist (400 otherwise)",
      NULL, AT_START},
     {"prefiller-allowlist", NULL, CT_WORDS, OFF(prefiller_allowlist), "", 0, 0,
-     "CIDRs and host names x-prefiller-host-port may name (comma or space separated)", NULL,
+     "HOST:PORT targets x-prefiller-host-port may name, comma or space separated: HOST a "
+     "CIDR, an address or a host name ([v6] in brackets), PORT a port, a range N-M, or * for "
+     "every port (10.0.0.0/8:8000, [fd00::/8]:8000-8003, prefill.example:*)", NULL,
      AT_START},
     {"allow-empty-pools", NULL, CT_FLAG, OFF(allow_empty_pools), "false", 0, 0,
      "accept a reload or admin API change that leaves a pool without a prefill or decode "
@@ -358,7 +360,46 @@ static int is_host_name(const char *s) {
     return 1;
 }
 
-int px_host_allowed(const px_strlist *allow, const char *host) {
+/* Splits an allowlist entry HOST:PORTS (HOST a CIDR, an address or a host
+ * name, an IPv6 one in brackets; PORTS a port, a range N-M, or * for every
+ * port) into host and [lo, hi]. -1 when it is not so written. */
+static int allow_split(const char *e, char *host, size_t hn, int *lo, int *hi) {
+    const char *colon;
+    const char *h = e;
+    size_t hl;
+    if (e[0] == '[') {
+        const char *close = strchr(e, ']');
+        if (!close || close[1] != ':') return -1;
+        h = e + 1;
+        hl = (size_t)(close - h);
+        colon = close + 1;
+    } else {
+        colon = strrchr(e, ':');
+        if (!colon || memchr(e, ':', (size_t)(colon - e))) return -1; /* v6: brackets */
+        hl = (size_t)(colon - e);
+    }
+    if (!hl || hl >= hn) return -1;
+    memcpy(host, h, hl);
+    host[hl] = '\0';
+    const char *p = colon + 1;
+    if (!strcmp(p, "*")) {
+        *lo = 1, *hi = 65535;
+        return 0;
+    }
+    char *end;
+    long a = strtol(p, &end, 10), b = a;
+    if (end == p || *p == '-' || *p == '+') return -1;
+    if (*end == '-') {
+        const char *q = end + 1;
+        if (*q < '0' || *q > '9') return -1;
+        b = strtol(q, &end, 10);
+    }
+    if (*end || a < 1 || b > 65535 || a > b) return -1;
+    *lo = (int)a, *hi = (int)b;
+    return 0;
+}
+
+int px_target_allowed(const px_strlist *allow, const char *host, int port) {
     unsigned char h[16];
     int hfam = 0;
     if (inet_pton(AF_INET, host, h) == 1)
@@ -367,8 +408,11 @@ int px_host_allowed(const px_strlist *allow, const char *host) {
         hfam = AF_INET6;
     for (size_t i = 0; i < allow->n; i++) {
         unsigned char a[16];
-        int fam, bits;
-        if (cidr_parse(allow->v[i], &fam, a, &bits) == 0) {
+        int fam, bits, lo, hi;
+        char eh[300];
+        if (allow_split(allow->v[i], eh, sizeof eh, &lo, &hi) < 0 || port < lo || port > hi)
+            continue;
+        if (cidr_parse(eh, &fam, a, &bits) == 0) {
             if (fam != hfam) continue;
             size_t full = (size_t)bits / 8;
             int rest = bits % 8;
@@ -376,17 +420,26 @@ int px_host_allowed(const px_strlist *allow, const char *host) {
             if (rest && ((a[full] ^ h[full]) & (0xff << (8 - rest)) & 0xff)) continue;
             return 1;
         }
-        if (!hfam && !strcasecmp(allow->v[i], host)) return 1;
+        if (!hfam && !strcasecmp(eh, host)) return 1;
     }
     return 0;
 }
 
 static int check_word(const opt *o, const char *v, char *err, size_t errlen) {
     if (!strcmp(o->name, "tenant")) return px_tenant_spec_check(v, err, errlen);
-    int fam, bits;
+    int fam, bits, lo, hi;
     unsigned char a[16];
-    if (cidr_parse(v, &fam, a, &bits) == 0 || (!strchr(v, '/') && is_host_name(v))) return 0;
-    snprintf(err, errlen, "--%s '%s': not a CIDR, an address or a host name", o->name, v);
+    char h[300];
+    if (allow_split(v, h, sizeof h, &lo, &hi) < 0) {
+        snprintf(err, errlen,
+                 "--%s '%s': not HOST:PORT (HOST a CIDR, an address or a host name, an IPv6 "
+                 "one in brackets; PORT a port, a range N-M, or * for every port)",
+                 o->name, v);
+        return -1;
+    }
+    if (cidr_parse(h, &fam, a, &bits) == 0 || (!strchr(h, '/') && is_host_name(h))) return 0;
+    snprintf(err, errlen, "--%s '%s': '%s' is not a CIDR, an address or a host name", o->name, v,
+             h);
     return -1;
 }
 

@@ -830,7 +830,7 @@ static int sidecar_prefill(px_req *r, const px_http_head *h) {
     if (!strrchr(hp, ':') || (hp[0] == '[' && !strstr(hp, "]:")) ||
         px_url_split(url, host, sizeof host, &port, &https) < 0 || port < 1)
         goto bad;
-    if (!px_host_allowed(&r->ctx->cfg->prefiller_allowlist, host)) {
+    if (!px_target_allowed(&r->ctx->cfg->prefiller_allowlist, host, port)) {
         char q[700];
         PX_LOG(PX_LOG_WARN,
                "req=%s msg=\"x-prefiller-host-port outside --prefiller-allowlist: refused\" "

@@ -13,9 +13,11 @@ L4. --decode-idle-timeout acted as a time-to-head with a wrong "sent
 import subprocess
 
 from pdharness.case import main
+from pdharness.client import errmsg
+from pdharness.ctl import url
 from pdharness.mocks import decode_handler, prefill_handler
 from pdharness.net import HOST, listening_inodes, socket_inodes, wait_until
-from pdharness.procs import PDPROXY, Proxy
+from pdharness.procs import PDPROXY, Proxy, run_pdproxy
 from pdharness.prod import ProdCase
 
 
@@ -46,6 +48,48 @@ class ReusePortJoinTest(ProdCase):
         listens = wait_until(lambda: not second.alive() or bool(
             listening_inodes(px.port) & socket_inodes(second.proc.pid)), 5.0, 0.02)
         self.assertTrue(second.alive() and listens, second.stderr())
+
+
+class SidecarAllowPortTest(ProdCase):
+    """L2: the allowlist names host:port; a host alone is refused, * says
+    every port explicitly."""
+
+    def sidecar(self, allow):
+        self.D = self.mock(decode_handler(), name="D")
+        return self.start(args=["--decode", url(self.D), "--prefiller-from-header",
+                                "--prefiller-allowlist", allow])
+
+    def test_other_port_on_an_allowed_host_refused(self):
+        P = self.mock(prefill_handler(), name="P")
+        Q = self.mock(prefill_handler(), name="Q")  # same host, another port
+        px = self.sidecar("127.0.0.1:%d" % P.port)
+        r = self.post(px, headers={"x-prefiller-host-port": "127.0.0.1:%d" % Q.port})
+        self.assertEqual(r.status, 400, r.body)
+        self.assertIn("not an allowed prefill target", errmsg(r))
+        self.assertEqual((len(Q.requests), len(self.D.requests)), (0, 0))
+        r = self.post(px, headers={"x-prefiller-host-port": "127.0.0.1:%d" % P.port})
+        self.assertEqual(r.status, 200, r.body)
+        self.assertEqual(len(P.requests), 1)
+
+    def test_port_ranges_and_star(self):
+        P = self.mock(prefill_handler(), name="P")
+        px = self.sidecar("10.0.0.0/8:8000, 127.0.0.0/8:%d-%d" % (P.port, P.port + 1))
+        self.assertEqual(self.post(px, headers={
+            "x-prefiller-host-port": "127.0.0.1:%d" % P.port}).status, 200)
+        self.assertEqual(self.post(px, headers={
+            "x-prefiller-host-port": "127.0.0.1:%d" % (P.port + 2)}).status, 400)
+        px2 = self.sidecar("127.0.0.1:*")
+        self.assertEqual(self.post(px2, headers={
+            "x-prefiller-host-port": "127.0.0.1:%d" % P.port}).status, 200)
+
+    def test_entry_without_port_refused_at_start(self):
+        for bad in ("127.0.0.1", "10.0.0.0/8", "prefill.example", "fd00::/8", "h:0", "h:9-8",
+                    "h:x", "[fd00::1]", ":8000"):
+            p = run_pdproxy(["--prefiller-from-header", "--prefiller-allowlist", bad,
+                             "--print-config"])
+            self.assertEqual(p.returncode, 2, bad)
+            self.assertIn("not HOST:PORT", p.stderr, bad)
+            self.assertIn("* for every port", p.stderr, bad)
 
 
 if __name__ == "__main__":
