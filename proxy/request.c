@@ -984,6 +984,32 @@ static px_outcome prefill_ended(px_req *r, px_up_result rc) {
     return o;
 }
 
+/* The message of an engine's JSON error: {"error": {"message": M}} (OpenAI)
+ * or {"message": M} (vLLM's older ErrorResponse). "" when the body is
+ * neither; at most outlen - 1 bytes (cut on a UTF-8 boundary). */
+static void engine_error_message(const char *body, size_t n, char *out, size_t outlen) {
+    out[0] = '\0';
+    if (!body || !n) return;
+    px_json_member m;
+    const char *obj = body;
+    size_t on = n;
+    if (px_json_find(body, n, "error", &m) && m.type == PX_JSON_OBJECT) {
+        obj = m.val;
+        on = m.val_len;
+    }
+    if (!px_json_find(obj, on, "message", &m) || m.type != PX_JSON_STRING || m.val_len < 2) return;
+    char *t = px_xmalloc(m.val_len);
+    long l = px_json_str_decode(m.val + 1, m.val_len - 2, t, m.val_len);
+    if (l > 0) {
+        size_t k = (size_t)l < outlen - 1 ? (size_t)l : outlen - 1;
+        while (k && k < (size_t)l && ((unsigned char)t[k] & 0xc0) == 0x80)
+            k--;
+        memcpy(out, t, k);
+        out[k] = '\0';
+    }
+    free(t);
+}
+
 static void prefill_done(void *arg, px_up_result rc, const char *errbuf, int connected) {
     px_req *r = arg;
     px_outcome o = prefill_ended(r, rc);
@@ -1037,8 +1063,23 @@ static void prefill_done(void *arg, px_up_result rc, const char *errbuf, int con
             req_fail(r, px_upstream_status_for(rc), NULL, "prefill %s: %s", r->pname, why);
         return;
     }
+    if (r->pstatus >= 400 && r->pstatus < 500 && r->hb) {
+        /* Sidecar mode: the prefill is whatever the header named, so its
+         * body is not relayed; the status is, with the engine's message
+         * when it answered an OpenAI (or vLLM) error object. */
+        char em[320];
+        engine_error_message(r->presp.data, r->presp.len, em, sizeof em);
+        char msg[512];
+        snprintf(msg, sizeof msg, "prefill %s answered HTTP %d%s%s", r->pname, r->pstatus,
+                 em[0] ? ": " : "", em);
+        PX_LOG(PX_LOG_INFO, "req=%s msg=\"prefill rejected the request\" prefill=%s status=%d",
+               r->lid, r->pname, r->pstatus);
+        req_finish(r, r->pstatus, "prefill_rejected", NULL, msg);
+        return;
+    }
     if (r->pstatus >= 400 && r->pstatus < 500) {
-        /* The client's fault: its status and the engine's words, as they are. */
+        /* The client's fault: its status and the engine's words, as they are
+         * (a configured prefill: the operator's engine). */
         PX_LOG(PX_LOG_INFO, "req=%s msg=\"prefill rejected the request\" prefill=%s status=%d",
                r->lid, r->pname, r->pstatus);
         if (r->conn) {

@@ -10,12 +10,13 @@ L3. Sidecar mode: a prefill's 4xx body reached the client.
 L4. --decode-idle-timeout acted as a time-to-head with a wrong "sent
     nothing" message."""
 
+import json
 import subprocess
 
 from pdharness.case import main
 from pdharness.client import errmsg
 from pdharness.ctl import url
-from pdharness.mocks import decode_handler, prefill_handler
+from pdharness.mocks import Respond, decode_handler, prefill_handler
 from pdharness.net import HOST, listening_inodes, socket_inodes, wait_until
 from pdharness.procs import PDPROXY, Proxy, run_pdproxy
 from pdharness.prod import ProdCase
@@ -90,6 +91,61 @@ class SidecarAllowPortTest(ProdCase):
             self.assertEqual(p.returncode, 2, bad)
             self.assertIn("not HOST:PORT", p.stderr, bad)
             self.assertIn("* for every port", p.stderr, bad)
+
+
+class SidecarPrefill4xxTest(ProdCase):
+    """L3: a header-named prefill's 4xx body reached the client as it was.
+    Now its status does, in pdproxy's own OpenAI error, with the engine's
+    message only when it answered a JSON error object (a configured
+    prefill's 4xx is still relayed as it is: the operator's engine)."""
+
+    def sidecar(self, status, body, ctype="application/json"):
+        self.P = self.mock(lambda req: Respond(status, [("Content-Type", ctype)], body),
+                           name="P")
+        self.D = self.mock(decode_handler(), name="D")
+        px = self.start(args=["--decode", url(self.D), "--prefiller-from-header",
+                              "--prefiller-allowlist", "127.0.0.1:%d" % self.P.port])
+        return px, {"x-prefiller-host-port": "127.0.0.1:%d" % self.P.port}
+
+    def test_arbitrary_body_not_relayed(self):
+        px, h = self.sidecar(403, b"<html>admin console, token s3cret-t0ken</html>", "text/html")
+        r = self.post(px, headers=h)
+        self.assertErrorJson(r, 403)
+        self.assertNotIn(b"s3cret", bytes(r.body))
+        self.assertEqual(errmsg(r), "prefill 127.0.0.1:%d answered HTTP 403" % self.P.port)
+        self.assertEqual(len(self.D.requests), 0)
+
+    def test_engine_error_message_kept(self):
+        for body in (b'{"error":{"message":"This model\'s maximum context length is 16 tokens.",'
+                     b'"type":"BadRequestError","param":null,"code":400},"extra":"x"}',
+                     b'{"object":"error","message":"This model\'s maximum context length is '
+                     b'16 tokens.","type":"BadRequestError","param":null,"code":400}'):
+            with self.subTest(body=body):
+                px, h = self.sidecar(400, body)
+                r = self.post(px, headers=h)
+                self.assertErrorJson(r, 400)
+                self.assertEqual(errmsg(r), "prefill 127.0.0.1:%d answered HTTP 400: This "
+                                 "model's maximum context length is 16 tokens." % self.P.port)
+                self.assertNotIn(b'"extra"', bytes(r.body))
+
+    def test_long_or_odd_messages_are_bounded(self):
+        px, h = self.sidecar(422, json.dumps({"error": {"message": "\u00e9" * 400}}).encode())
+        r = self.post(px, headers=h)
+        self.assertErrorJson(r, 422)
+        self.assertLess(len(errmsg(r)), 400)
+        self.assertTrue(errmsg(r).endswith("\u00e9"))  # cut between characters
+        px2, h2 = self.sidecar(400, b'{"error":"just a string"}')
+        self.assertEqual(errmsg(self.post(px2, headers=h2)),
+                         "prefill 127.0.0.1:%d answered HTTP 400" % self.P.port)
+
+    def test_configured_prefill_4xx_still_relayed(self):
+        body = b'{"error":{"message":"prompt too long","code":400}}'
+        P = self.mock(lambda req: Respond(400, [("Content-Type", "application/json")], body),
+                      name="P")
+        D = self.mock(decode_handler(), name="D")
+        px = self.start([P], [D])
+        r = self.post(px)
+        self.assertEqual((r.status, bytes(r.body)), (400, body))
 
 
 if __name__ == "__main__":
