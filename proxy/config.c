@@ -94,7 +94,9 @@ static const opt opts[] = {
     {"prefill-timeout", NULL, CT_SECONDS, OFF(prefill_timeout), "600", 0, 86400,
      "seconds a prefill request may take in all (504 beyond; 0: no limit)", NULL, AT_START},
     {"decode-idle-timeout", NULL, CT_SECONDS, OFF(decode_idle_timeout), "600", 0, 86400,
-     "seconds without a byte from decode before the request is failed (0: no limit)", NULL,
+     "seconds decode may go without sending a byte, before its response head (counted from "
+     "the request) and between body bytes alike, before the request is failed: 504 before "
+     "the head, the stream cut after (0: no limit)", NULL,
      AT_START},
     {"client-header-timeout", NULL, CT_SECONDS, OFF(client_header_timeout), "30", 0.001, 3600,
      "seconds a client has to send a complete request (408 beyond)", NULL, AT_START},

@@ -1468,14 +1468,22 @@ static int decode_retry(px_req *r, int connected, const char *why) {
     return 1;
 }
 
-/* A decode idle past --decode-idle-timeout with the client there. */
+/* A decode idle past --decode-idle-timeout with the client there: the
+ * message says which wait it was (no head yet, or a stall mid-answer). */
 static void decode_idle(px_req *r) {
+    double s = r->ctx->cfg->decode_idle_timeout;
     if (r->paused)
-        req_fail(r, 504, NULL, "client read nothing for --decode-idle-timeout %gs",
-                 r->ctx->cfg->decode_idle_timeout);
+        req_fail(r, 504, NULL, "client read nothing for --decode-idle-timeout %gs", s);
+    else if (!r->dstatus)
+        req_fail(r, 504, NULL,
+                 "decode %s sent no response head within %gs of the request "
+                 "(--decode-idle-timeout)",
+                 r->dname, s);
     else
-        req_fail(r, 504, NULL, "decode %s sent nothing for --decode-idle-timeout %gs", r->dname,
-                 r->ctx->cfg->decode_idle_timeout);
+        req_fail(r, 504, NULL,
+                 "decode %s went idle mid-answer: no byte for %gs after %zu bytes "
+                 "(--decode-idle-timeout)",
+                 r->dname, s, r->bytes_out);
 }
 
 static const decode_table decode_tbl = {{decode_headers, decode_data, decode_done}, decode_idle};

@@ -14,9 +14,9 @@ import json
 import subprocess
 
 from pdharness.case import main
-from pdharness.client import errmsg
+from pdharness.client import RawClient, errmsg
 from pdharness.ctl import url
-from pdharness.mocks import Respond, decode_handler, prefill_handler
+from pdharness.mocks import Hang, Respond, Stream, decode_handler, prefill_handler
 from pdharness.net import HOST, listening_inodes, socket_inodes, wait_until
 from pdharness.procs import PDPROXY, Proxy, run_pdproxy
 from pdharness.prod import ProdCase
@@ -146,6 +146,55 @@ class SidecarPrefill4xxTest(ProdCase):
         px = self.start([P], [D])
         r = self.post(px)
         self.assertEqual((r.status, bytes(r.body)), (400, body))
+
+
+class DecodeIdleWordingTest(ProdCase):
+    """L4: --decode-idle-timeout is documented as the time decode may go
+    without sending a byte: before its response head (from the request) and
+    between body bytes alike. Its message said "sent nothing" even when
+    decode had streamed part of the answer; now it says which happened."""
+
+    STREAM = {"model": "m", "prompt": "x", "max_tokens": 3, "stream": True}
+
+    def test_no_head_within_the_limit(self):
+        P = self.mock(prefill_handler(), name="P")
+        D = self.mock(lambda req: Hang(8.0), name="D")
+        px = self.start([P], [D], ["--decode-idle-timeout", "1"])
+        r = self.post(px)
+        self.assertErrorJson(r, 504)
+        self.assertEqual(errmsg(r), "decode 127.0.0.1:%d sent no response head within 1s of "
+                         "the request (--decode-idle-timeout)" % D.port)
+
+    def test_idle_mid_stream(self):
+        P = self.mock(prefill_handler(), name="P")
+        first = b'data: {"choices":[{"text":"a"}]}\n\n'
+        D = self.mock(lambda req: Stream(200, [("Content-Type", "text/event-stream")],
+                                         [(0, first), (8.0, b"data: [DONE]\n\n")]), name="D")
+        px = self.start([P], [D], ["--decode-idle-timeout", "1"])
+        c = RawClient(px.port)
+        self.addCleanup(c.close)
+        c.request("POST", "/v1/completions", self.STREAM)
+        r = c.read_response(timeout=10)
+        self.assertEqual(r.status, 200)
+        self.assertEqual(bytes(r.body), first)  # the stream is cut after what came
+        want = ("decode 127.0.0.1:%d went idle mid-answer: no byte for 1s after %d bytes "
+                "(--decode-idle-timeout)" % (D.port, len(first)))
+        self.assertTrue(wait_until(lambda: want in px.stderr(), 5.0), px.stderr()[-2000:])
+        self.assertNotIn("sent nothing", px.stderr())
+
+    def test_slow_but_steady_stream_is_not_idle(self):
+        # Six pieces 0.4 s apart: 2 s in all, never 1 s without a byte.
+        P = self.mock(prefill_handler(), name="P")
+        pieces = [(0.4, b'data: {"choices":[{"text":"%d"}]}\n\n' % i) for i in range(5)]
+        D = self.mock(lambda req: Stream(200, [("Content-Type", "text/event-stream")],
+                                         pieces + [(0.4, b"data: [DONE]\n\n")]), name="D")
+        px = self.start([P], [D], ["--decode-idle-timeout", "1"])
+        c = RawClient(px.port)
+        self.addCleanup(c.close)
+        c.request("POST", "/v1/completions", self.STREAM)
+        r = c.read_response(timeout=10)
+        self.assertEqual(r.status, 200)
+        self.assertTrue(bytes(r.body).endswith(b"data: [DONE]\n\n"), r.body)
 
 
 if __name__ == "__main__":
