@@ -3,6 +3,7 @@
 
 #include <errno.h>
 #include <event2/listener.h>
+#include <fcntl.h>
 #include <netdb.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -100,11 +101,38 @@ static void on_accept_error(struct evconnlistener *lev, void *arg) {
     event_add(l->resume, &tv);
 }
 
+int px_listen_socket(const char *host, int port, const char *what, char *err, size_t errlen) {
+    return listen_socket(host, port, 0, what, err, errlen);
+}
+
+static px_listener *listener_on(struct event_base *base, int fd, const char *host, int port,
+                                const char *what, px_conn_cfg *cfg, px_conn_list *list, char *err,
+                                size_t errlen);
+
+px_listener *px_listen_fd(struct event_base *base, int fd, const char *host, int port,
+                          const char *what, px_conn_cfg *cfg, px_conn_list *list, char *err,
+                          size_t errlen) {
+    int own = fcntl(fd, F_DUPFD_CLOEXEC, 0);
+    if (own < 0) {
+        snprintf(err, errlen, "cannot listen on %s:%d (%s): %s", host, port, what,
+                 strerror(errno));
+        return NULL;
+    }
+    return listener_on(base, own, host, port, what, cfg, list, err, errlen);
+}
+
 px_listener *px_listen(struct event_base *base, const char *host, int port, int reuse_port,
                        const char *what, px_conn_cfg *cfg, px_conn_list *list, char *err,
                        size_t errlen) {
     int fd = listen_socket(host, port, reuse_port, what, err, errlen);
     if (fd < 0) return NULL;
+    return listener_on(base, fd, host, port, what, cfg, list, err, errlen);
+}
+
+/* Takes fd (closed on failure). */
+static px_listener *listener_on(struct event_base *base, int fd, const char *host, int port,
+                                const char *what, px_conn_cfg *cfg, px_conn_list *list, char *err,
+                                size_t errlen) {
     px_listener *l = px_xcalloc(1, sizeof *l);
     l->base = base;
     l->cfg = cfg;

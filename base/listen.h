@@ -22,6 +22,18 @@ typedef struct px_listener px_listener;
 px_listener *px_listen(struct event_base *base, const char *host, int port, int reuse_port,
                        const char *what, px_conn_cfg *cfg, px_conn_list *list, char *err,
                        size_t errlen);
+/* One listening socket on host:port without SO_REUSEPORT, for several
+ * listeners to share through px_listen_fd (no other process can join it:
+ * Linux lets a socket join a port's SO_REUSEPORT group only when every
+ * socket bound there set the option). The fd, or -1 with err. */
+int px_listen_socket(const char *host, int port, const char *what, char *err, size_t errlen);
+
+/* A listener on a duplicate of `fd` (from px_listen_socket; the caller
+ * keeps and closes its own); host, port and what name it in messages. */
+px_listener *px_listen_fd(struct event_base *base, int fd, const char *host, int port,
+                          const char *what, px_conn_cfg *cfg, px_conn_list *list, char *err,
+                          size_t errlen);
+
 /* Stops accepting and closes the socket. NULL is a no-op. */
 void px_listener_free(px_listener *l);
 

@@ -15,6 +15,7 @@
 #include "base/listen.h"
 #include "base/log.h"
 #include "proxy/admission.h"
+#include "proxy/dp.h"
 #include "proxy/kvevents.h"
 #include "proxy/kvindex.h"
 
@@ -115,6 +116,20 @@ static void list_backends(px_admin *a, px_conn *c) {
     px_buf_cleanup(&b);
 }
 
+/* The optional "dp_size" of POST /admin/backends: 0 when absent, the size
+ * (1..64), or -1 when it is anything else. */
+static int dp_size_member(const px_buf *body) {
+    px_json_member m;
+    if (!body->len || !px_json_find(body->data, body->len, "dp_size", &m)) return 0;
+    if (m.type != PX_JSON_NUMBER || m.val_len > 2) return -1;
+    int n = 0;
+    for (size_t i = 0; i < m.val_len; i++) {
+        if (m.val[i] < '0' || m.val[i] > '9') return -1;
+        n = n * 10 + (m.val[i] - '0');
+    }
+    return n >= 1 && n <= 64 ? n : -1;
+}
+
 /* POST (add) and DELETE (remove) /admin/backends. */
 static void change_backend(px_admin *a, px_conn *c, const px_buf *body, int add) {
     char *pool = str_member(body, "pool"), *role = str_member(body, "role"),
@@ -125,7 +140,13 @@ static void change_backend(px_admin *a, px_conn *c, const px_buf *body, int add)
     if (!role || !url || pool_bad || (strcmp(role, "prefill") && strcmp(role, "decode"))) {
         reply_err(c, 400,
                   "expected a JSON object {\"role\": \"prefill\"|\"decode\", \"url\": "
-                  "\"http://host:port\", \"pool\": name (omit for the unnamed pool)}");
+                  "\"http://host:port\", \"pool\": name (omit for the unnamed pool), "
+                  "\"dp_size\": data-parallel ranks 1..64 (optional)}");
+        goto out;
+    }
+    int dp_size = add ? dp_size_member(body) : 0;
+    if (dp_size < 0) {
+        reply_err(c, 400, "\"dp_size\" must be an integer in [1, 64] (data-parallel ranks)");
         goto out;
     }
     /* The URL is checked as the flags check it. */
@@ -145,6 +166,9 @@ static void change_backend(px_admin *a, px_conn *c, const px_buf *body, int add)
         reply_err(c, rc == -2 ? 404 : rc == -3 ? 409 : 400, err);
         goto out;
     }
+    /* Its DP size, over the file's and the flags' (removal forgets it). */
+    if ((dp_size || !add) && px_dp_declare_admin(url, dp_size) < 0)
+        PX_LOG(PX_LOG_WARN, "msg=\"admin: dp_size ignored: no room\" url=\"%s\"", url);
     PX_LOG(PX_LOG_INFO, "msg=\"admin: backend %s\" who=%s pool=\"%s\" role=%s url=\"%s\"",
            add ? "added" : "removed (drains: requests on it finish)", a->who, op.pool, role, url);
     px_buf b;

@@ -96,7 +96,9 @@ static const opt opts[] = {
     {"prefill-timeout", NULL, CT_SECONDS, OFF(prefill_timeout), "600", 0, 86400,
      "seconds a prefill request may take in all (504 beyond; 0: no limit)", NULL, AT_START},
     {"decode-idle-timeout", NULL, CT_SECONDS, OFF(decode_idle_timeout), "600", 0, 86400,
-     "seconds without a byte from decode before the request is failed (0: no limit)", NULL,
+     "seconds decode may go without sending a byte, before its response head (counted from "
+     "the request) and between body bytes alike, before the request is failed: 504 before "
+     "the head, the stream cut after (0: no limit)", NULL,
      AT_START},
     {"client-header-timeout", NULL, CT_SECONDS, OFF(client_header_timeout), "30", 0.001, 3600,
      "seconds a client has to send a complete request (408 beyond)", NULL, AT_START},
@@ -119,8 +121,9 @@ static const opt opts[] = {
      "(0: no limit but the descriptor limit)",
      NULL, AT_START},
     {"reuse-port", NULL, CT_FLAG, OFF(reuse_port), "false", 0, 0,
-     "share the port with other processes (SO_REUSEPORT); without it a port already served is "
-     "an error",
+     "share the port with other processes that also set it (SO_REUSEPORT, one socket per "
+     "worker); without it a port already served is an error and no other process can join "
+     "this one (the workers share one socket)",
      NULL, AT_START},
     {"metrics-host", NULL, CT_STR, OFF(metrics_host), "", 0, 0,
      "address of the separate metrics listener (default: --host)", NULL, AT_START},
@@ -151,8 +154,9 @@ static const opt opts[] = {
     {"decode-policy", NULL, CT_ENUM, OFF(decode_policy), "round_robin", 0, 0,
      "how to choose a decode instance", PX_POLICIES, RELOADS},
     {"prefill-dp-size", NULL, CT_INT, OFF(prefill_dp_size), "1", 1, 64,
-     "data-parallel ranks behind each prefill (vLLM --data-parallel-size with one API server): "
-     "each request names the rank with the fewest of pdproxy's requests in flight in "
+     "data-parallel ranks behind each prefill (vLLM --data-parallel-size with one API server), "
+     "unless its config entry declares dp_size: each request names the least loaded rank "
+     "(pdproxy's requests in flight, corrected by the engine's per-rank /metrics) in "
      "X-data-parallel-rank (1: no header, the engine balances)",
      NULL, AT_START},
     {"decode-dp-size", NULL, CT_INT, OFF(decode_dp_size), "1", 1, 64,
@@ -258,10 +262,12 @@ static const opt opts[] = {
      "file holding the admin API's bearer token (never the client API key)", NULL, AT_START},
     {"prefiller-from-header", NULL, CT_FLAG, OFF(prefiller_from_header), "false", 0, 0,
      "sidecar mode: prefill on the instance named by the request's x-prefiller-host-port "
-     "header when its host is in --prefiller-allowlist (400 otherwise)",
+     "header when its host and port are in --prefiller-allowlist (400 otherwise)",
      NULL, AT_START},
     {"prefiller-allowlist", NULL, CT_WORDS, OFF(prefiller_allowlist), "", 0, 0,
-     "CIDRs and host names x-prefiller-host-port may name (comma or space separated)", NULL,
+     "HOST:PORT targets x-prefiller-host-port may name, comma or space separated: HOST a "
+     "CIDR, an address or a host name ([v6] in brackets), PORT a port, a range N-M, or * for "
+     "every port (10.0.0.0/8:8000, [fd00::/8]:8000-8003, prefill.example:*)", NULL,
      AT_START},
     {"allow-empty-pools", NULL, CT_FLAG, OFF(allow_empty_pools), "false", 0, 0,
      "accept a reload or admin API change that leaves a pool without a prefill or decode "
@@ -365,7 +371,46 @@ static int is_host_name(const char *s) {
     return 1;
 }
 
-int px_host_allowed(const px_strlist *allow, const char *host) {
+/* Splits an allowlist entry HOST:PORTS (HOST a CIDR, an address or a host
+ * name, an IPv6 one in brackets; PORTS a port, a range N-M, or * for every
+ * port) into host and [lo, hi]. -1 when it is not so written. */
+static int allow_split(const char *e, char *host, size_t hn, int *lo, int *hi) {
+    const char *colon;
+    const char *h = e;
+    size_t hl;
+    if (e[0] == '[') {
+        const char *close = strchr(e, ']');
+        if (!close || close[1] != ':') return -1;
+        h = e + 1;
+        hl = (size_t)(close - h);
+        colon = close + 1;
+    } else {
+        colon = strrchr(e, ':');
+        if (!colon || memchr(e, ':', (size_t)(colon - e))) return -1; /* v6: brackets */
+        hl = (size_t)(colon - e);
+    }
+    if (!hl || hl >= hn) return -1;
+    memcpy(host, h, hl);
+    host[hl] = '\0';
+    const char *p = colon + 1;
+    if (!strcmp(p, "*")) {
+        *lo = 1, *hi = 65535;
+        return 0;
+    }
+    char *end;
+    long a = strtol(p, &end, 10), b = a;
+    if (end == p || *p == '-' || *p == '+') return -1;
+    if (*end == '-') {
+        const char *q = end + 1;
+        if (*q < '0' || *q > '9') return -1;
+        b = strtol(q, &end, 10);
+    }
+    if (*end || a < 1 || b > 65535 || a > b) return -1;
+    *lo = (int)a, *hi = (int)b;
+    return 0;
+}
+
+int px_target_allowed(const px_strlist *allow, const char *host, int port) {
     unsigned char h[16];
     int hfam = 0;
     if (inet_pton(AF_INET, host, h) == 1)
@@ -374,8 +419,11 @@ int px_host_allowed(const px_strlist *allow, const char *host) {
         hfam = AF_INET6;
     for (size_t i = 0; i < allow->n; i++) {
         unsigned char a[16];
-        int fam, bits;
-        if (cidr_parse(allow->v[i], &fam, a, &bits) == 0) {
+        int fam, bits, lo, hi;
+        char eh[300];
+        if (allow_split(allow->v[i], eh, sizeof eh, &lo, &hi) < 0 || port < lo || port > hi)
+            continue;
+        if (cidr_parse(eh, &fam, a, &bits) == 0) {
             if (fam != hfam) continue;
             size_t full = (size_t)bits / 8;
             int rest = bits % 8;
@@ -383,17 +431,26 @@ int px_host_allowed(const px_strlist *allow, const char *host) {
             if (rest && ((a[full] ^ h[full]) & (0xff << (8 - rest)) & 0xff)) continue;
             return 1;
         }
-        if (!hfam && !strcasecmp(allow->v[i], host)) return 1;
+        if (!hfam && !strcasecmp(eh, host)) return 1;
     }
     return 0;
 }
 
 static int check_word(const opt *o, const char *v, char *err, size_t errlen) {
     if (!strcmp(o->name, "tenant")) return px_tenant_spec_check(v, err, errlen);
-    int fam, bits;
+    int fam, bits, lo, hi;
     unsigned char a[16];
-    if (cidr_parse(v, &fam, a, &bits) == 0 || (!strchr(v, '/') && is_host_name(v))) return 0;
-    snprintf(err, errlen, "--%s '%s': not a CIDR, an address or a host name", o->name, v);
+    char h[300];
+    if (allow_split(v, h, sizeof h, &lo, &hi) < 0) {
+        snprintf(err, errlen,
+                 "--%s '%s': not HOST:PORT (HOST a CIDR, an address or a host name, an IPv6 "
+                 "one in brackets; PORT a port, a range N-M, or * for every port)",
+                 o->name, v);
+        return -1;
+    }
+    if (cidr_parse(h, &fam, a, &bits) == 0 || (!strchr(h, '/') && is_host_name(h))) return 0;
+    snprintf(err, errlen, "--%s '%s': '%s' is not a CIDR, an address or a host name", o->name, v,
+             h);
     return -1;
 }
 
@@ -916,6 +973,7 @@ typedef struct yctx {
     const char *path;
     char *err;
     size_t errlen;
+    px_config *c;
 } yctx;
 
 static size_t yline(const yaml_node_t *n) {
@@ -931,6 +989,57 @@ static void ykey(const yaml_node_t *k, char *buf, size_t n) {
         if (*p == '_') *p = '-';
 }
 
+/* A backend entry of a prefill/decode list written as a mapping: {url: U,
+ * dp_size: N} (N: the data-parallel ranks behind that API server, 1..64,
+ * over --prefill-dp-size / --decode-dp-size). Returns the URL (owned) and
+ * records N in c->backend_dp; NULL with the error set. */
+static char *ybackend(yctx *y, const char *key, yaml_node_t *m) {
+    char *url = NULL;
+    long dp = 0;
+    for (yaml_node_pair_t *pr = m->data.mapping.pairs.start; pr < m->data.mapping.pairs.top; pr++) {
+        yaml_node_t *k = yaml_document_get_node(&y->doc, pr->key);
+        yaml_node_t *v = yaml_document_get_node(&y->doc, pr->value);
+        char f[32] = "";
+        if (k && k->type == YAML_SCALAR_NODE) ykey(k, f, sizeof f);
+        if (!v || v->type != YAML_SCALAR_NODE || (strcmp(f, "url") && strcmp(f, "dp-size")) ||
+            (!strcmp(f, "url") && url)) {
+            snprintf(y->err, y->errlen,
+                     "%s:%zu: key '%s': a backend entry is a URL or a mapping of url and "
+                     "dp_size",
+                     y->path, yline(k ? k : m), key);
+            free(url);
+            return NULL;
+        }
+        char *t = px_xstrndup((char *)v->data.scalar.value, v->data.scalar.length);
+        if (f[0] == 'u') {
+            url = t;
+            continue;
+        }
+        char *end;
+        dp = strtol(t, &end, 10);
+        int bad = !t[0] || *end || dp < 1 || dp > 64;
+        free(t);
+        if (bad) {
+            snprintf(y->err, y->errlen, "%s:%zu: key '%s': dp_size must be an integer in [1, 64]",
+                     y->path, yline(v), key);
+            free(url);
+            return NULL;
+        }
+    }
+    if (!url || !url[0] || strchr(url, ' ') || strchr(url, ',')) {
+        snprintf(y->err, y->errlen, "%s:%zu: key '%s': a backend entry needs one url", y->path,
+                 yline(m), key);
+        free(url);
+        return NULL;
+    }
+    if (dp > 0) {
+        char item[600];
+        snprintf(item, sizeof item, "%ld %s", dp, url);
+        px_strlist_push(&y->c->backend_dp, item);
+    }
+    return url;
+}
+
 /* A setting's text: a scalar as is, a sequence of scalars joined by spaces
  * (the lists' text form). Returns NULL with the error set otherwise. */
 static char *yvalue(yctx *y, const char *key, yaml_node_t *v) {
@@ -943,6 +1052,18 @@ static char *yvalue(yctx *y, const char *key, yaml_node_t *v) {
         for (yaml_node_item_t *it = v->data.sequence.items.start; it < v->data.sequence.items.top;
              it++) {
             yaml_node_t *e = yaml_document_get_node(&y->doc, *it);
+            if (e && e->type == YAML_MAPPING_NODE && y->c &&
+                (!strcmp(key, "prefill") || !strcmp(key, "decode"))) {
+                char *u = ybackend(y, key, e);
+                if (!u) {
+                    px_buf_cleanup(&b);
+                    return NULL;
+                }
+                if (b.len) px_buf_appends(&b, " ");
+                px_buf_appends(&b, u);
+                free(u);
+                continue;
+            }
             if (!e || e->type != YAML_SCALAR_NODE ||
                 memchr(e->data.scalar.value, ' ', e->data.scalar.length) ||
                 memchr(e->data.scalar.value, ',', e->data.scalar.length)) {
@@ -1113,7 +1234,7 @@ static int load_file(px_config *c, const char *path, char *err, size_t errlen) {
     char *text = read_config(path, &len, err, errlen);
     if (!text) return -1;
     yaml_parser_t parser;
-    yctx y = {.path = path, .err = err, .errlen = errlen};
+    yctx y = {.path = path, .err = err, .errlen = errlen, .c = c};
     yaml_parser_initialize(&parser);
     yaml_parser_set_input_string(&parser, (const unsigned char *)text, len);
     int rc = -1;
@@ -1689,6 +1810,7 @@ px_config_result px_config_load(px_config *c, int argc, char **argv, char **envp
 }
 
 void px_config_cleanup(px_config *c) {
+    px_strlist_clear(&c->backend_dp);
     px_pool_specs_free(c->pools, c->npools);
     c->pools = NULL;
     c->npools = 0;
@@ -1784,6 +1906,24 @@ static void yaml_list(FILE *out, const px_strlist *l) {
     fputc(']', out);
 }
 
+/* A prefill/decode list: an entry that declared dp_size as {url, dp_size},
+ * so that the output reads back to the same declarations. */
+static void yaml_backends(FILE *out, const px_config *c, const px_strlist *l) {
+    fputc('[', out);
+    for (size_t j = 0; j < l->n; j++) {
+        if (j) fputs(", ", out);
+        long dp = 0;
+        for (size_t k = 0; k < c->backend_dp.n && !dp; k++) {
+            const char *sp = strchr(c->backend_dp.v[k], ' ');
+            if (sp && !strcmp(sp + 1, l->v[j])) dp = strtol(c->backend_dp.v[k], NULL, 10);
+        }
+        if (dp) fputs("{url: ", out);
+        yaml_str(out, l->v[j]);
+        if (dp) fprintf(out, ", dp_size: %ld}", dp);
+    }
+    fputc(']', out);
+}
+
 void px_config_dump(const px_config *c, FILE *out) {
     fprintf(out, "# pdproxy %s: the effective configuration (file, environment, flags)\n",
             PDPROXY_VERSION);
@@ -1822,7 +1962,10 @@ void px_config_dump(const px_config *c, FILE *out) {
         case CT_LIST:
         case CT_URLS:
         case CT_WORDS:
-            yaml_list(out, field);
+            if (o->type == CT_URLS && (!strcmp(o->name, "prefill") || !strcmp(o->name, "decode")))
+                yaml_backends(out, c, field);
+            else
+                yaml_list(out, field);
             break;
         case CT_SECRET:
         case CT_POOL:
@@ -1842,9 +1985,9 @@ void px_config_dump(const px_config *c, FILE *out) {
         fprintf(out, "\n    models: ");
         yaml_list(out, &p->models);
         fprintf(out, "\n    prefill: ");
-        yaml_list(out, &p->prefill);
+        yaml_backends(out, c, &p->prefill);
         fprintf(out, "\n    decode: ");
-        yaml_list(out, &p->decode);
+        yaml_backends(out, c, &p->decode);
         fputc('\n', out);
         if (p->prefill_policy[0]) {
             fprintf(out, "    prefill-policy: ");

@@ -129,6 +129,9 @@ typedef struct px_config {
     char *tenant_header;       /* names the request's tenant */
     char *priority_header;     /* the request's priority (else the body's "priority") */
     px_strlist tenants;        /* --tenant specs */
+    /* Issue 25: DP sizes backend entries of the file declare (dp_size), items
+     * "N URL"; proxy/dp.c applies them once the configuration is accepted. */
+    px_strlist backend_dp;
     unsigned char set[96];          /* set[i]: option i was given by flag or environment */
 } px_config;
 
@@ -194,10 +197,11 @@ void px_pool_specs_free(px_pool_spec *v, size_t n);
 void px_strlist_push(px_strlist *l, const char *s);
 void px_strlist_clear(px_strlist *l);
 
-/* Whether `host` (a name or an address literal, without port or brackets)
- * is in the allowlist of CIDRs and host names (names compare without case,
- * never resolved). */
-int px_host_allowed(const px_strlist *allow, const char *host);
+/* Whether `host` (a name or an address literal, without brackets) and
+ * `port` are in the allowlist of HOST:PORTS entries: HOST a CIDR, address
+ * or host name (names compare without case, never resolved), PORTS a port,
+ * a range N-M or * (every port). */
+int px_target_allowed(const px_strlist *allow, const char *host, int port);
 
 /* Writes to out the comma-separated names of the settings whose values
  * differ between a and b and that a reload does not apply (the option

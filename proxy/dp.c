@@ -4,6 +4,7 @@
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "base/hash.h"
@@ -19,6 +20,14 @@ typedef struct dp_slot {
     atomic_long inflight[PX_DP_MAX];
     atomic_ullong total[PX_DP_MAX];
     atomic_int used; /* ranks that took a request: 1 + the highest */
+    /* The engine's own figures from its last load probe: running + waiting
+     * of each rank (vllm:num_requests_* labelled engine="K"), and pdproxy's
+     * in-flight count of that rank at that moment. eng_known: 0 until a
+     * probe found per-rank series, and again after one failed. */
+    atomic_int eng_known;
+    atomic_int eng_ranks; /* ranks the last probe reported */
+    atomic_long eng[PX_DP_MAX];
+    atomic_long own_at[PX_DP_MAX];
 } dp_slot;
 
 static dp_slot slots[DP_SLOTS];
@@ -54,16 +63,117 @@ static dp_slot *find(px_dp_role role, const char *name, int create) {
     return s;
 }
 
+/* ---- DP sizes backends declare (config file entries, admin API) ----
+ * Keyed by the backend's configured URL (px_backend.src), so every address
+ * a name resolves to shares its entry. Two layers: the file's, replaced by
+ * each accepted configuration, and the admin API's, over it. Entries stay
+ * once made (at 0: undeclared), so workers read without a lock. */
+#define DECL_SLOTS 4096
+
+typedef struct decl_slot {
+    atomic_int ready;
+    char url[512];
+    atomic_int file_size;  /* 0: none */
+    atomic_int admin_size; /* 0: none */
+    unsigned mark;         /* control thread: the file layer's last declaration */
+} decl_slot;
+
+static decl_slot decls[DECL_SLOTS];
+static unsigned decl_gen;
+static atomic_int ndecl; /* slots made: 0 until a backend declared a size */
+
+int px_dp_declared(void) {
+    return atomic_load_explicit(&ndecl, memory_order_relaxed) > 0;
+}
+
+static decl_slot *decl_find(const char *url, int create) {
+    if (strlen(url) >= sizeof decls[0].url) return NULL;
+    uint64_t h = px_hash64(url, strlen(url));
+    for (size_t i = 0; i < DECL_SLOTS; i++) {
+        decl_slot *d = &decls[(h + i) % DECL_SLOTS];
+        if (!atomic_load_explicit(&d->ready, memory_order_acquire)) {
+            if (!create) return NULL;
+            pthread_mutex_lock(&insert_mu);
+            int taken = atomic_load_explicit(&d->ready, memory_order_acquire);
+            if (!taken) {
+                snprintf(d->url, sizeof d->url, "%s", url);
+                atomic_store_explicit(&d->ready, 1, memory_order_release);
+                atomic_fetch_add_explicit(&ndecl, 1, memory_order_relaxed);
+            }
+            pthread_mutex_unlock(&insert_mu);
+            if (!taken) return d;
+        }
+        if (!strcmp(d->url, url)) return d;
+    }
+    return NULL;
+}
+
+int px_dp_size(const char *url, int fallback) {
+    decl_slot *d = url ? decl_find(url, 0) : NULL;
+    if (d) {
+        int a = atomic_load_explicit(&d->admin_size, memory_order_relaxed);
+        if (a > 0) return a;
+        int f = atomic_load_explicit(&d->file_size, memory_order_relaxed);
+        if (f > 0) return f;
+    }
+    return fallback;
+}
+
+int px_dp_declare_file(const px_strlist *decl) {
+    unsigned gen = ++decl_gen;
+    int rc = 0;
+    for (size_t i = 0; i < decl->n; i++) {
+        char *end;
+        long n = strtol(decl->v[i], &end, 10);
+        decl_slot *d = *end == ' ' ? decl_find(end + 1, 1) : NULL;
+        if (!d) {
+            rc = -1;
+            continue;
+        }
+        atomic_store_explicit(&d->file_size, (int)n, memory_order_relaxed);
+        d->mark = gen;
+    }
+    for (size_t i = 0; i < DECL_SLOTS; i++)
+        if (atomic_load_explicit(&decls[i].ready, memory_order_acquire) && decls[i].mark != gen)
+            atomic_store_explicit(&decls[i].file_size, 0, memory_order_relaxed);
+    return rc;
+}
+
+void px_dp_forget_admin(void) {
+    for (size_t i = 0; i < DECL_SLOTS; i++)
+        if (atomic_load_explicit(&decls[i].ready, memory_order_acquire))
+            atomic_store_explicit(&decls[i].admin_size, 0, memory_order_relaxed);
+}
+
+int px_dp_declare_admin(const char *url, int size) {
+    decl_slot *d = decl_find(url, size > 0);
+    if (!d) return size > 0 ? -1 : 0;
+    atomic_store_explicit(&d->admin_size, size, memory_order_relaxed);
+    return 0;
+}
+
+/* A rank's load: pdproxy's in-flight count, or, once the engine reported
+ * the rank, the engine's count corrected by what pdproxy sent there or saw
+ * end since (the engine's figure already holds pdproxy's requests of that
+ * moment, and other clients' too); never below pdproxy's own count. */
+static long load_of(dp_slot *s, int k) {
+    long own = atomic_load_explicit(&s->inflight[k], memory_order_relaxed);
+    if (!atomic_load_explicit(&s->eng_known, memory_order_acquire)) return own;
+    long v = atomic_load_explicit(&s->eng[k], memory_order_relaxed) + own -
+             atomic_load_explicit(&s->own_at[k], memory_order_relaxed);
+    return v > own ? v : own;
+}
+
 int px_dp_take(px_dp_role role, const char *name, int size) {
     if (size < 2) return -1;
     if (size > PX_DP_MAX) size = PX_DP_MAX;
     dp_slot *s = find(role, name, 1);
     if (!s) return -1;
     int best = 0;
-    long least = atomic_load_explicit(&s->inflight[0], memory_order_relaxed);
-    for (int k = 1; k < size; k++) {
-        long v = atomic_load_explicit(&s->inflight[k], memory_order_relaxed);
-        if (v < least) {
+    long least = 0;
+    for (int k = 0; k < size; k++) {
+        long v = load_of(s, k);
+        if (k == 0 || v < least) {
             least = v;
             best = k;
         }
@@ -84,15 +194,103 @@ void px_dp_done(px_dp_role role, const char *name, int rank) {
     if (s) atomic_fetch_sub_explicit(&s->inflight[rank], 1, memory_order_relaxed);
 }
 
-static void label(px_buf *out, const dp_slot *s, int k) {
-    px_buf_printf(out, "{role=\"%s\",backend=\"", s->role == PX_DP_PREFILL ? "prefill" : "decode");
-    for (const char *c = s->name; *c; c++) {
+/* The value of `engine="K"` in a sample's labels [l, e), or -1. */
+static int engine_label(const char *l, const char *e) {
+    static const char key[] = "engine=\"";
+    for (const char *p = l; p + sizeof key - 1 < e; p++) {
+        if (memcmp(p, key, sizeof key - 1) || (p > l && p[-1] != '{' && p[-1] != ',' &&
+                                               p[-1] != ' '))
+            continue;
+        p += sizeof key - 1;
+        int k = 0, digits = 0;
+        for (; p < e && *p >= '0' && *p <= '9' && digits < 3; p++, digits++)
+            k = k * 10 + (*p - '0');
+        return digits && p < e && *p == '"' && k < PX_DP_MAX ? k : -1;
+    }
+    return -1;
+}
+
+int px_dp_parse_ranks(const char *text, size_t n, long load[PX_DP_MAX]) {
+    int found = 0;
+    memset(load, 0, PX_DP_MAX * sizeof *load);
+    const char *p = text, *end = text + n;
+    while (p < end) {
+        const char *eol = memchr(p, '\n', (size_t)(end - p));
+        if (!eol) eol = end;
+        static const char run[] = "vllm:num_requests_running{",
+                          wait[] = "vllm:num_requests_waiting{";
+        size_t len = (size_t)(eol - p);
+        if ((len > sizeof run - 1 && !memcmp(p, run, sizeof run - 1)) ||
+            (len > sizeof wait - 1 && !memcmp(p, wait, sizeof wait - 1))) {
+            const char *l = p + sizeof run - 1; /* both names are as long */
+            const char *close = memchr(l, '}', (size_t)(eol - l));
+            int k = close ? engine_label(l, close) : -1;
+            if (k >= 0) {
+                char num[64];
+                const char *v = close + 1;
+                while (v < eol && (*v == ' ' || *v == '\t'))
+                    v++;
+                size_t vl = strcspn(v, " \t\r\n");
+                if (vl > (size_t)(eol - v)) vl = (size_t)(eol - v);
+                if (vl && vl < sizeof num) {
+                    memcpy(num, v, vl);
+                    num[vl] = '\0';
+                    char *x;
+                    double d = strtod(num, &x);
+                    /* Outside input: only finite, sane counts. */
+                    if (!*x && d >= 0 && d < 1e6) {
+                        load[k] += (long)d;
+                        if (k + 1 > found) found = k + 1;
+                    }
+                }
+            }
+        }
+        p = eol + 1;
+    }
+    return found;
+}
+
+/* Stores the per-rank figures for one role's slot of the backend. */
+static void engine_store(px_dp_role role, const char *name, const long *load, int ranks) {
+    dp_slot *s = find(role, name, ranks > 0);
+    if (!s) return;
+    if (ranks <= 0) {
+        atomic_store_explicit(&s->eng_known, 0, memory_order_release);
+        return;
+    }
+    for (int k = 0; k < PX_DP_MAX; k++) {
+        atomic_store_explicit(&s->eng[k], load[k], memory_order_relaxed);
+        atomic_store_explicit(&s->own_at[k],
+                              atomic_load_explicit(&s->inflight[k], memory_order_relaxed),
+                              memory_order_relaxed);
+    }
+    atomic_store_explicit(&s->eng_ranks, ranks, memory_order_relaxed);
+    atomic_store_explicit(&s->eng_known, 1, memory_order_release);
+}
+
+void px_dp_engine_load(const char *name, const char *text, size_t n) {
+    long load[PX_DP_MAX];
+    int ranks = text ? px_dp_parse_ranks(text, n, load) : 0;
+    /* One engine behind one address: whichever role pdproxy gives it. A
+     * single rank (engine="0" only) says nothing a rank choice can use. */
+    if (ranks < 2) ranks = 0;
+    engine_store(PX_DP_PREFILL, name, load, ranks);
+    engine_store(PX_DP_DECODE, name, load, ranks);
+}
+
+static void label_value(px_buf *out, const char *v) {
+    for (const char *c = v; *c; c++) {
         if (*c == '"' || *c == '\\') px_buf_append(out, "\\", 1);
         if (*c == '\n')
             px_buf_append(out, "\\n", 2);
         else
             px_buf_append(out, c, 1);
     }
+}
+
+static void label(px_buf *out, const dp_slot *s, int k) {
+    px_buf_printf(out, "{role=\"%s\",backend=\"", s->role == PX_DP_PREFILL ? "prefill" : "decode");
+    label_value(out, s->name);
     px_buf_printf(out, "\",rank=\"%d\"}", k);
 }
 
@@ -108,6 +306,24 @@ void px_dp_render(px_buf *out) {
             px_buf_appends(out, "pdproxy_dp_rank_in_flight");
             label(out, s, k);
             px_buf_printf(out, " %ld\n", atomic_load_explicit(&s->inflight[k], memory_order_relaxed));
+        }
+    }
+    px_buf_appends(out, "# HELP pdproxy_dp_rank_engine_load Running plus waiting requests of a "
+                        "data-parallel rank as the engine's /metrics last reported them "
+                        "(vllm:num_requests_* labelled engine).\n"
+                        "# TYPE pdproxy_dp_rank_engine_load gauge\n");
+    for (size_t i = 0; i < DP_SLOTS; i++) {
+        dp_slot *s = &slots[i];
+        /* Both roles' slots hold the same figures: the decode one speaks. */
+        if (!atomic_load_explicit(&s->ready, memory_order_acquire) || s->role != PX_DP_DECODE ||
+            !atomic_load_explicit(&s->eng_known, memory_order_acquire))
+            continue;
+        int n = atomic_load_explicit(&s->eng_ranks, memory_order_relaxed);
+        for (int k = 0; k < n && k < PX_DP_MAX; k++) {
+            px_buf_appends(out, "pdproxy_dp_rank_engine_load{backend=\"");
+            label_value(out, s->name);
+            px_buf_printf(out, "\",rank=\"%d\"} %ld\n", k,
+                          atomic_load_explicit(&s->eng[k], memory_order_relaxed));
         }
     }
     px_buf_appends(out, "# HELP pdproxy_dp_rank_requests_total Requests sent to a data-parallel "

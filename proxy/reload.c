@@ -12,6 +12,7 @@
 #include "base/hash.h"
 #include "base/log.h"
 #include "proxy/discovery.h"
+#include "proxy/dp.h"
 
 /* ---------- the backends' URLs, for changes in place ---------- */
 
@@ -157,6 +158,10 @@ static px_gen *build(px_reloader *rl, const px_config *cfg, const px_pool_spec *
         px_gen_release(g);
         return NULL;
     }
+    /* Backend entries' dp_size: this configuration's replace the last's. */
+    if (px_dp_declare_file(&cfg->backend_dp) < 0)
+        PX_LOG(PX_LOG_WARN, "msg=\"some backends' dp_size ignored: more than 4096 URLs declare "
+                            "one, or a URL is 512 bytes or longer\"");
     return g;
 }
 
@@ -274,6 +279,7 @@ static px_gen *build_with_ops(px_reloader *rl, const px_config *cfg, int keep_op
     if (*rc == 0) {
         g = build(rl, cfg, specs, n, rl->ctx->gen, 0, err, errlen);
         if (!g) *rc = -1;
+        else if (!keep_ops) px_dp_forget_admin(); /* the API's dp_size goes with its changes */
     }
     *urls = g ? url_set_of(specs, n) : NULL;
     px_pool_specs_free(specs, n);

@@ -303,7 +303,8 @@ static int start_upstream(px_req *r, px_backend *b, const char *method, const ch
     const px_config *cfg = r->ctx->cfg;
     /* A data-parallel backend: the rank with the fewest requests in flight. */
     px_dp_role role = b == r->pb ? PX_DP_PREFILL : PX_DP_DECODE;
-    int64_t dp = role == PX_DP_PREFILL ? cfg->prefill_dp_size : cfg->decode_dp_size;
+    int64_t dp = px_dp_size(b->src, (int)(role == PX_DP_PREFILL ? cfg->prefill_dp_size
+                                                                 : cfg->decode_dp_size));
     px_buf hd;
     px_buf_init(&hd);
     if (dp > 1) {
@@ -856,7 +857,7 @@ static int sidecar_prefill(px_req *r, const px_http_head *h) {
     if (!strrchr(hp, ':') || (hp[0] == '[' && !strstr(hp, "]:")) ||
         px_url_split(url, host, sizeof host, &port, &https) < 0 || port < 1)
         goto bad;
-    if (!px_host_allowed(&r->ctx->cfg->prefiller_allowlist, host)) {
+    if (!px_target_allowed(&r->ctx->cfg->prefiller_allowlist, host, port)) {
         char q[700];
         PX_LOG(PX_LOG_WARN,
                "req=%s msg=\"x-prefiller-host-port outside --prefiller-allowlist: refused\" "
@@ -1016,6 +1017,32 @@ static px_outcome prefill_ended(px_req *r, px_up_result rc) {
     return o;
 }
 
+/* The message of an engine's JSON error: {"error": {"message": M}} (OpenAI)
+ * or {"message": M} (vLLM's older ErrorResponse). "" when the body is
+ * neither; at most outlen - 1 bytes (cut on a UTF-8 boundary). */
+static void engine_error_message(const char *body, size_t n, char *out, size_t outlen) {
+    out[0] = '\0';
+    if (!body || !n) return;
+    px_json_member m;
+    const char *obj = body;
+    size_t on = n;
+    if (px_json_find(body, n, "error", &m) && m.type == PX_JSON_OBJECT) {
+        obj = m.val;
+        on = m.val_len;
+    }
+    if (!px_json_find(obj, on, "message", &m) || m.type != PX_JSON_STRING || m.val_len < 2) return;
+    char *t = px_xmalloc(m.val_len);
+    long l = px_json_str_decode(m.val + 1, m.val_len - 2, t, m.val_len);
+    if (l > 0) {
+        size_t k = (size_t)l < outlen - 1 ? (size_t)l : outlen - 1;
+        while (k && k < (size_t)l && ((unsigned char)t[k] & 0xc0) == 0x80)
+            k--;
+        memcpy(out, t, k);
+        out[k] = '\0';
+    }
+    free(t);
+}
+
 static void prefill_done(void *arg, px_up_result rc, const char *errbuf, int connected) {
     px_req *r = arg;
     px_outcome o = prefill_ended(r, rc);
@@ -1069,8 +1096,23 @@ static void prefill_done(void *arg, px_up_result rc, const char *errbuf, int con
             req_fail(r, px_upstream_status_for(rc), NULL, "prefill %s: %s", r->pname, why);
         return;
     }
+    if (r->pstatus >= 400 && r->pstatus < 500 && r->hb) {
+        /* Sidecar mode: the prefill is whatever the header named, so its
+         * body is not relayed; the status is, with the engine's message
+         * when it answered an OpenAI (or vLLM) error object. */
+        char em[320];
+        engine_error_message(r->presp.data, r->presp.len, em, sizeof em);
+        char msg[512];
+        snprintf(msg, sizeof msg, "prefill %s answered HTTP %d%s%s", r->pname, r->pstatus,
+                 em[0] ? ": " : "", em);
+        PX_LOG(PX_LOG_INFO, "req=%s msg=\"prefill rejected the request\" prefill=%s status=%d",
+               r->lid, r->pname, r->pstatus);
+        req_finish(r, r->pstatus, "prefill_rejected", NULL, msg);
+        return;
+    }
     if (r->pstatus >= 400 && r->pstatus < 500) {
-        /* The client's fault: its status and the engine's words, as they are. */
+        /* The client's fault: its status and the engine's words, as they are
+         * (a configured prefill: the operator's engine). */
         PX_LOG(PX_LOG_INFO, "req=%s msg=\"prefill rejected the request\" prefill=%s status=%d",
                r->lid, r->pname, r->pstatus);
         if (r->conn) {
@@ -1461,14 +1503,22 @@ static int decode_retry(px_req *r, int connected, const char *why) {
     return 1;
 }
 
-/* A decode idle past --decode-idle-timeout with the client there. */
+/* A decode idle past --decode-idle-timeout with the client there: the
+ * message says which wait it was (no head yet, or a stall mid-answer). */
 static void decode_idle(px_req *r) {
+    double s = r->ctx->cfg->decode_idle_timeout;
     if (r->paused)
-        req_fail(r, 504, NULL, "client read nothing for --decode-idle-timeout %gs",
-                 r->ctx->cfg->decode_idle_timeout);
+        req_fail(r, 504, NULL, "client read nothing for --decode-idle-timeout %gs", s);
+    else if (!r->dstatus)
+        req_fail(r, 504, NULL,
+                 "decode %s sent no response head within %gs of the request "
+                 "(--decode-idle-timeout)",
+                 r->dname, s);
     else
-        req_fail(r, 504, NULL, "decode %s sent nothing for --decode-idle-timeout %gs", r->dname,
-                 r->ctx->cfg->decode_idle_timeout);
+        req_fail(r, 504, NULL,
+                 "decode %s went idle mid-answer: no byte for %gs after %zu bytes "
+                 "(--decode-idle-timeout)",
+                 r->dname, s, r->bytes_out);
 }
 
 static const decode_table decode_tbl = {{decode_headers, decode_data, decode_done}, decode_idle};

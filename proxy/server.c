@@ -197,6 +197,7 @@ void px_server_set_args(px_server *s, int argc, char **argv, char **envp) {
 }
 
 px_server *px_server_create(const px_config *cfg, char *err, size_t errlen) {
+    int shared_fd = -1; /* the workers' one socket without --reuse-port */
     px_server *s = px_xcalloc(1, sizeof *s);
     pthread_mutex_init(&s->live_mu, NULL);
     s->live = px_addrset_create();
@@ -250,11 +251,20 @@ px_server *px_server_create(const px_config *cfg, char *err, size_t errlen) {
             snprintf(err, errlen, "cannot create an event loop");
             goto err;
         }
-        /* Without --reuse-port the workers still share the port among
-         * themselves: px_listen_port_free() checked that no one else serves
-         * it. */
-        w->lev = px_listen(w->wc.base, cfg->host, (int)cfg->port, 1, "--port", &w->conn_cfg,
-                           &w->conns, err, errlen);
+        /* With --reuse-port each worker has a socket of its own in the
+         * port's SO_REUSEPORT group, which other processes that set it may
+         * join. Without it the workers share one socket that has not set
+         * it: no other process can ever join. */
+        if (cfg->reuse_port) {
+            w->lev = px_listen(w->wc.base, cfg->host, (int)cfg->port, 1, "--port", &w->conn_cfg,
+                               &w->conns, err, errlen);
+        } else {
+            if (shared_fd < 0)
+                shared_fd = px_listen_socket(cfg->host, (int)cfg->port, "--port", err, errlen);
+            w->lev = shared_fd < 0 ? NULL
+                                   : px_listen_fd(w->wc.base, shared_fd, cfg->host, (int)cfg->port,
+                                                  "--port", &w->conn_cfg, &w->conns, err, errlen);
+        }
         if (!w->lev) goto err;
         w->wc.up = px_uploop_create(w->wc.base, (int)cfg->upstream_keepalive);
         w->wc.adm = px_adm_worker_create(&w->wc);
@@ -266,8 +276,10 @@ px_server *px_server_create(const px_config *cfg, char *err, size_t errlen) {
         w->wake = event_new(w->wc.base, w->wake_fd, EV_READ | EV_PERSIST, on_wake, w);
         event_add(w->wake, NULL);
     }
+    if (shared_fd >= 0) close(shared_fd); /* each worker holds a duplicate */
     return s;
 err:
+    if (shared_fd >= 0) close(shared_fd);
     px_server_destroy(s);
     return NULL;
 }

@@ -155,8 +155,10 @@ static void req_free(sim_req *r) {
 /* The request is over (answered, failed or abandoned). */
 static void req_finish(sim_req *r) {
     sim_engine *e = r->e;
-    if (r->state == SR_GENERATING || r->state == SR_PREFILL_WAIT || r->state == SR_FETCHING)
+    if (r->state == SR_GENERATING || r->state == SR_PREFILL_WAIT || r->state == SR_FETCHING) {
         e->nrunning--;
+        e->dp_running[r->dp_rank]--;
+    }
     req_free(r);
     pump_queue(e);
 }
@@ -201,6 +203,7 @@ static void on_client_gone(void *arg) {
             *pp = r->qnext;
             if (e->qtail == r) e->qtail = prev;
             e->nqueued--;
+            e->dp_waiting[r->dp_rank]--;
         }
         if (r->mode == SIM_MODE_DECODE) notify_only(e, r->kvp);
         req_free(r);
@@ -583,6 +586,7 @@ static void start_decode(sim_req *r) {
 
 static void start_req(sim_req *r) {
     r->e->nrunning++;
+    r->e->dp_running[r->dp_rank]++;
     switch (r->mode) {
     case SIM_MODE_PREFILL:
         compute_blocks(r);
@@ -606,6 +610,7 @@ static void pump_queue(sim_engine *e) {
         e->qhead = r->qnext;
         if (!e->qhead) e->qtail = NULL;
         e->nqueued--;
+        e->dp_waiting[r->dp_rank]--;
         take_blocks(e, r);
         start_req(r);
     }
@@ -746,6 +751,7 @@ void sim_submit(sim_engine *e, px_conn *c, sim_ep ep, const char *xrid, int dp_r
     if (dp_rank >= 0) {
         snprintf(r->dp_hdr, sizeof r->dp_hdr, "X-Data-Parallel-Rank: %d\r\n", dp_rank);
         e->dp_requests[dp_rank]++;
+        r->dp_rank = dp_rank;
     }
     r->e = e;
     r->ep = ep;
@@ -813,6 +819,7 @@ void sim_submit(sim_engine *e, px_conn *c, sim_ep ep, const char *xrid, int dp_r
         e->qhead = r;
     e->qtail = r;
     e->nqueued++;
+    e->dp_waiting[r->dp_rank]++;
 }
 
 /* The secret file's bytes, trailing newline stripped; NULL with a message. */

@@ -62,6 +62,7 @@ typedef struct sim_req {
     char dp_hdr[96];     /* "X-Data-Parallel-Rank: N\r\n" and, after a KV fetch,
                             "X-KV-Wait-Ms: F\r\n", or "" */
     uint64_t compute_us; /* time until its prompt is computed, before time to first token */
+    int dp_rank;         /* the data-parallel rank it runs on (0 when it named none) */
 } sim_req;
 
 struct sim_engine {
@@ -93,6 +94,9 @@ struct sim_engine {
         queue_rejects, lease_renewals, kv_load_failed;
     uint64_t renew_due_ns;            /* next lease renewal of queued decode requests */
     uint64_t dp_requests[SIM_DP_MAX]; /* by the X-data-parallel-rank requests named */
+    /* nrunning and nqueued split by rank: /metrics' per-engine series,
+     * labelled engine="K" as vLLM labels each DP rank's gauges. */
+    size_t dp_running[SIM_DP_MAX], dp_waiting[SIM_DP_MAX];
 };
 
 /* Admits a parsed completion request on connection c (`dp_rank`: the

@@ -66,8 +66,20 @@ static void reply_metrics(sim_engine *e, px_conn *c) {
 #define COUNTER(name, help, v)                                                                     \
     px_buf_printf(&b, "# HELP %s %s\n# TYPE %s counter\n%s %llu\n", name, help, name, name,        \
                   (unsigned long long)(v))
-    GAUGE("vllm:num_requests_running", "Requests being processed.", "%zu", e->nrunning);
-    GAUGE("vllm:num_requests_waiting", "Requests waiting for KV blocks.", "%zu", e->nqueued);
+    /* One series per data-parallel rank, labelled engine="K" as vLLM's
+     * PrometheusStatLogger labels each engine core's scheduler gauges. */
+    uint32_t ndp = cfg->dp_size > 1 ? cfg->dp_size : 1;
+    if (ndp > SIM_DP_MAX) ndp = SIM_DP_MAX;
+    px_buf_appends(&b, "# HELP vllm:num_requests_running Requests being processed.\n"
+                       "# TYPE vllm:num_requests_running gauge\n");
+    for (uint32_t k = 0; k < ndp; k++)
+        px_buf_printf(&b, "vllm:num_requests_running{engine=\"%u\",model_name=%s} %zu\n", k,
+                      e->model_json, e->dp_running[k]);
+    px_buf_appends(&b, "# HELP vllm:num_requests_waiting Requests waiting for KV blocks.\n"
+                       "# TYPE vllm:num_requests_waiting gauge\n");
+    for (uint32_t k = 0; k < ndp; k++)
+        px_buf_printf(&b, "vllm:num_requests_waiting{engine=\"%u\",model_name=%s} %zu\n", k,
+                      e->model_json, e->dp_waiting[k]);
     GAUGE("vllm:kv_cache_usage_perc", "Fraction of KV blocks in use (1 = 100%).", "%.6f", usage);
     px_buf_printf(&b,
                   "# HELP vllm:cache_config_info KV cache configuration.\n"

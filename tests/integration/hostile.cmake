@@ -12,3 +12,6 @@ px_py_test(hold_line)
 # Issue 30: path spellings, stray upstream bytes, one header rule, self-loops,
 # reloads that empty a pool, control-plane scale.
 px_py_test(hold_line3)
+# Issue 30's Low items: --reuse-port, the sidecar allowlist and 4xx bodies,
+# --decode-idle-timeout.
+px_py_test(hold_line3_low)

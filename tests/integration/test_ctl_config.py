@@ -47,7 +47,7 @@ class FileTest(ProdCase):
                 "--pool", "qwen", "--decode", "http://127.0.0.1:8300", "--port", "9123",
                 "--max-body-bytes", "4096", "--connect-timeout", "0.125", "--metrics-auth",
                 "--api-key", "do-not-print-me", "--log-format", "json",
-                "--prefiller-allowlist", "10.0.0.0/8,prefill.example"]
+                "--prefiller-allowlist", "10.0.0.0/8:*,prefill.example:8000"]
         p1 = run_pdproxy(args + ["--print-config"])
         self.assertEqual(p1.returncode, 0, p1.stderr)
         self.assertNotIn("do-not-print-me", p1.stdout)

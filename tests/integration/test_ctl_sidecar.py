@@ -21,7 +21,7 @@ from pdharness.prod import ProdCase
 
 
 class SidecarTest(ProdCase):
-    def sidecar(self, allow="127.0.0.1/32"):
+    def sidecar(self, allow="127.0.0.1/32:*"):
         self.D = self.mock(decode_handler(), name="D")
         # A configured prefill that the header mode must not fall back to.
         self.Pcfg = self.mock(prefill_handler(), name="Pcfg")
@@ -33,7 +33,7 @@ class SidecarTest(ProdCase):
 
     def test_header_outside_allowlist_refused_before_any_backend(self):
         P = self.mock(prefill_handler(), name="P")
-        px = self.sidecar(allow="10.0.0.0/8,prefill.example")
+        px = self.sidecar(allow="10.0.0.0/8:*,prefill.example:*")
         for value in (self.hp(P), "169.254.169.254:80", "localhost:%d" % P.port,
                       "[::1]:%d" % P.port):
             with self.subTest(header=value):
@@ -60,7 +60,7 @@ class SidecarTest(ProdCase):
         # An allowed host name that is not a configured prefill would need
         # DNS on the worker's loop: refused, reaching no backend.
         P = self.mock(prefill_handler(), name="P")
-        px = self.sidecar(allow="127.0.0.1/32,localhost")
+        px = self.sidecar(allow="127.0.0.1/32:*,localhost:*")
         r = self.post(px, headers={"x-prefiller-host-port": "localhost:%d" % P.port})
         self.assertEqual(r.status, 400, r.body)
         self.assertIn("IP address", errmsg(r))
@@ -105,7 +105,7 @@ class SidecarTest(ProdCase):
         p = run_pdproxy(["--prefiller-from-header", "--print-config"])
         self.assertEqual(p.returncode, 2)
         self.assertIn("--prefiller-allowlist", p.stderr)
-        p = run_pdproxy(["--prefiller-from-header", "--prefiller-allowlist", "10.0.0.0/33",
+        p = run_pdproxy(["--prefiller-from-header", "--prefiller-allowlist", "10.0.0.0/33:*",
                          "--print-config"])
         self.assertEqual(p.returncode, 2)
         self.assertIn("not a CIDR", p.stderr)
@@ -129,7 +129,7 @@ class SidecarTest(ProdCase):
         ejected and show as an outage on the dashboard)."""
         D = self.mock(decode_handler(), name="D")
         px = self.start(args=["--decode", url(D), "--prefiller-from-header",
-                              "--prefiller-allowlist", "127.0.0.1/32"], health_interval="1")
+                              "--prefiller-allowlist", "127.0.0.1/32:*"], health_interval="1")
         samples = prom(px.port)
         roles = sorted({l.get("role") for n, l, v in samples if n == "pdproxy_backend_up"})
         self.assertEqual(roles, ["decode"], [s for s in samples if s[0] == "pdproxy_backend_up"])

@@ -619,7 +619,7 @@ class MisleadingAnswersTest(AdminCase):
 
     def test_sidecar_checks_no_toy_prefill(self):
         D = self.mock(decode_handler(), "d")
-        px = self.start(args=["--prefiller-from-header", "--prefiller-allowlist", "127.0.0.1",
+        px = self.start(args=["--prefiller-from-header", "--prefiller-allowlist", "127.0.0.1:*",
                               "--decode", url(D)])
         r = http_request(px.port, "GET", "/healthcheck")
         self.assertEqual(json.loads(r.body)["prefill_instances"], 0, r.body)

@@ -96,7 +96,7 @@ SAMPLES = {
     "tenant-header": ("x-team", None),
     "priority-header": ("x-prio", None),
     "tenant": ("a:weight=2:rpm=60, b", "a:weight=2:rpm=60 b"),
-    "prefiller-allowlist": ("10.0.0.0/8, prefill.example", "10.0.0.0/8 prefill.example"),
+    "prefiller-allowlist": ("10.0.0.0/8:*, prefill.example:8000", "10.0.0.0/8:* prefill.example:8000"),
 }
 # Options that --print-config shows in another form: the file itself, and
 # the pools (a "pools:" list).

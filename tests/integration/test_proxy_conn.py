@@ -290,16 +290,29 @@ def listeners_on(port):
 class ListenerTest(PxTestCase):
 
     def test_one_reuseport_listener_per_thread(self):
+        # With --reuse-port: a socket of its own per worker, in the port's
+        # SO_REUSEPORT group.
+        P = self.mock(prefill_handler(), name="P")
+        D = self.mock(decode_handler(), name="D")
+        px = self.start_proxy([P], [D], threads=3, extra=["--reuse-port"])
+        self.assertEqual(wait_until(lambda: listeners_on(px.port) == 3, 2.0) and 3,
+                         3, "listeners on %d: %d" % (px.port, listeners_on(px.port)))
+
+    def test_one_shared_listener_without_reuse_port(self):
+        # Without it the workers share one socket that never set
+        # SO_REUSEPORT (no other process can join it), and all serve.
         P = self.mock(prefill_handler(), name="P")
         D = self.mock(decode_handler(), name="D")
         px = self.start_proxy([P], [D], threads=3)
-        self.assertEqual(wait_until(lambda: listeners_on(px.port) == 3, 2.0) and 3,
-                         3, "listeners on %d: %d" % (px.port, listeners_on(px.port)))
+        self.assertEqual(listeners_on(px.port), 1)
+        for _ in range(6):
+            self.assertEqual(http_request(px.port, "POST", "/v1/completions",
+                                          {"model": "m", "prompt": "x"}).status, 200)
 
     def test_default_threads_cpu_count(self):
         P = self.mock(prefill_handler(), name="P")
         D = self.mock(decode_handler(), name="D")
-        px = self.start_proxy([P], [D], threads=None)
+        px = self.start_proxy([P], [D], threads=None, extra=["--reuse-port"])
         ncpu = len(os.sched_getaffinity(0))
         wait_until(lambda: listeners_on(px.port) >= ncpu, 2.0)
         self.assertIn(listeners_on(px.port), (ncpu, os.cpu_count()))

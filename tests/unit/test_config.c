@@ -138,7 +138,7 @@ static void test_yaml_file_below_env_and_flags(void **state)
 {
     const char *f = yaml_file("port: 7100\nmax_inflight: 5\nprefill-policy: least_inflight\n"
                               "decode:\n  - http://127.0.0.1:9\n  - http://127.0.0.1:10\n"
-                              "prefiller-allowlist: [10.0.0.0/8, p.example]\n");
+                              "prefiller-allowlist: [10.0.0.0/8:8000, p.example:*]\n");
     char *envp[] = {"PDPROXY_MAX_INFLIGHT=6", NULL};
     char *argv[] = {"pdproxy", "--config", (char *)f, "--port", "7101", NULL};
     char err[256];
@@ -267,21 +267,33 @@ static void test_print_config_round_trip(void **state)
 
 static void test_allowlist(void **state)
 {
-    char *v[] = {"10.0.0.0/8", "192.168.1.7", "Prefill.Example", "fd00::/16"};
+    char *v[] = {"10.0.0.0/8:8000", "192.168.1.7:*", "Prefill.Example:8100-8101",
+                 "[fd00::/16]:9000"};
     px_strlist l = {v, 4};
-    assert_true(px_host_allowed(&l, "10.2.3.4"));
-    assert_false(px_host_allowed(&l, "11.0.0.1"));
-    assert_true(px_host_allowed(&l, "192.168.1.7"));
-    assert_false(px_host_allowed(&l, "192.168.1.8"));
-    assert_true(px_host_allowed(&l, "prefill.example"));
-    assert_false(px_host_allowed(&l, "prefill.example.evil"));
-    assert_true(px_host_allowed(&l, "fd00::1"));
-    assert_false(px_host_allowed(&l, "fe80::1"));
-    assert_false(px_host_allowed(&l, "::ffff:10.0.0.1")); /* v4-mapped is not v4 */
-    char *w[] = {"10.1.2.0/23"};
+    assert_true(px_target_allowed(&l, "10.2.3.4", 8000));
+    assert_false(px_target_allowed(&l, "10.2.3.4", 8001)); /* the host alone is not enough */
+    assert_false(px_target_allowed(&l, "10.2.3.4", 22));
+    assert_false(px_target_allowed(&l, "11.0.0.1", 8000));
+    assert_true(px_target_allowed(&l, "192.168.1.7", 1));
+    assert_true(px_target_allowed(&l, "192.168.1.7", 65535));
+    assert_false(px_target_allowed(&l, "192.168.1.8", 8000));
+    assert_true(px_target_allowed(&l, "prefill.example", 8100));
+    assert_true(px_target_allowed(&l, "prefill.example", 8101));
+    assert_false(px_target_allowed(&l, "prefill.example", 8102));
+    assert_false(px_target_allowed(&l, "prefill.example.evil", 8100));
+    assert_true(px_target_allowed(&l, "fd00::1", 9000));
+    assert_false(px_target_allowed(&l, "fd00::1", 9001));
+    assert_false(px_target_allowed(&l, "fe80::1", 9000));
+    assert_false(px_target_allowed(&l, "::ffff:10.0.0.1", 8000)); /* v4-mapped is not v4 */
+    char *w[] = {"10.1.2.0/23:*"};
     px_strlist l2 = {w, 1};
-    assert_true(px_host_allowed(&l2, "10.1.3.255"));
-    assert_false(px_host_allowed(&l2, "10.1.4.0"));
+    assert_true(px_target_allowed(&l2, "10.1.3.255", 80));
+    assert_false(px_target_allowed(&l2, "10.1.4.0", 80));
+    /* Entries without a port (refused by the option's check) match nothing. */
+    char *x[] = {"10.0.0.0/8", "fd00::1", "h.example:", "h.example:0", "h.example:9-8"};
+    px_strlist l3 = {x, 5};
+    assert_false(px_target_allowed(&l3, "10.0.0.1", 8000));
+    assert_false(px_target_allowed(&l3, "h.example", 9));
 }
 
 int main(void)

@@ -68,10 +68,105 @@ static void test_full_table_and_escaping(void **state) {
     px_buf_cleanup(&b);
 }
 
+/* Per-rank series: engine="K" anywhere in the labels, running + waiting
+ * summed; other labels, other metrics, odd values and ranks ignored. */
+static void test_parse_ranks(void **state) {
+    static const char page[] =
+        "# HELP vllm:num_requests_running x\n"
+        "vllm:num_requests_running{engine=\"0\",model_name=\"m\"} 3\n"
+        "vllm:num_requests_running{model_name=\"m\",engine=\"2\"} 1 1700000000\n"
+        "vllm:num_requests_waiting{engine=\"2\"} 4\n"
+        "vllm:num_requests_waiting{engine=\"1\"} NaN\n"
+        "vllm:num_requests_waiting{engine=\"1\"} -1\n"
+        "vllm:num_requests_waiting{engine=\"64\"} 5\n"
+        "vllm:num_requests_waiting{engine=\"\"} 5\n"
+        "vllm:num_requests_waiting{xengine=\"1\"} 5\n"
+        "vllm:num_requests_waiting_extra{engine=\"1\"} 5\n"
+        "vllm:num_requests_running{engine=\"1\"\n"
+        "vllm:kv_cache_usage_perc{engine=\"1\"} 0.5";
+    long load[PX_DP_MAX];
+    assert_int_equal(px_dp_parse_ranks(page, sizeof page - 1, load), 3);
+    assert_int_equal(load[0], 3);
+    assert_int_equal(load[1], 0);
+    assert_int_equal(load[2], 5);
+    static const char unlabelled[] = "vllm:num_requests_running{model_name=\"m\"} 9\n";
+    assert_int_equal(px_dp_parse_ranks(unlabelled, sizeof unlabelled - 1, load), 0);
+    assert_int_equal(px_dp_parse_ranks("", 0, load), 0);
+}
+
+/* The engine's figures steer the choice, corrected by pdproxy's own
+ * requests since the probe; a failed probe falls back to pdproxy's. */
+static void test_engine_load(void **state) {
+    static const char busy0[] = "vllm:num_requests_running{engine=\"0\"} 2\n"
+                                "vllm:num_requests_running{engine=\"1\"} 0\n";
+    px_dp_engine_load("e:1", busy0, sizeof busy0 - 1);
+    assert_int_equal(px_dp_take(PX_DP_DECODE, "e:1", 2), 1); /* 2 vs 0 */
+    assert_int_equal(px_dp_take(PX_DP_DECODE, "e:1", 2), 1); /* 2 vs 1 */
+    assert_int_equal(px_dp_take(PX_DP_DECODE, "e:1", 2), 0); /* 2 vs 2: the lowest */
+    assert_int_equal(px_dp_take(PX_DP_PREFILL, "e:1", 2), 1); /* both roles read it */
+    /* A probe that failed: pdproxy's own counts alone (0: 1, 1: 2). */
+    px_dp_engine_load("e:1", NULL, 0);
+    assert_int_equal(px_dp_take(PX_DP_DECODE, "e:1", 2), 0);
+    /* A single rank's series says nothing about ranks. */
+    static const char one[] = "vllm:num_requests_running{engine=\"0\"} 50\n";
+    px_dp_engine_load("e:1", one, sizeof one - 1);
+    assert_int_equal(px_dp_take(PX_DP_DECODE, "e:1", 2), 0); /* 2 vs 2: the lowest */
+    px_buf b;
+    px_buf_init(&b);
+    px_dp_render(&b);
+    px_buf_append(&b, "", 1);
+    assert_null(strstr(b.data, "pdproxy_dp_rank_engine_load{backend=\"e:1\""));
+    px_dp_engine_load("e:1", busy0, sizeof busy0 - 1);
+    px_buf_reset(&b);
+    px_dp_render(&b);
+    px_buf_append(&b, "", 1);
+    assert_non_null(strstr(b.data, "pdproxy_dp_rank_engine_load{backend=\"e:1\",rank=\"0\"} 2\n"));
+    px_buf_cleanup(&b);
+}
+
+/* Declared sizes: the admin layer over the file's, the file's replaced as
+ * a whole, the fallback otherwise. */
+static void test_declared_sizes(void **state) {
+    assert_false(px_dp_declared());
+    assert_int_equal(px_dp_size("http://a:1", 3), 3);
+    char *v[] = {"4 http://a:1", "2 http://b:1"};
+    px_strlist l = {v, 2};
+    assert_int_equal(px_dp_declare_file(&l), 0);
+    assert_true(px_dp_declared());
+    assert_int_equal(px_dp_size("http://a:1", 1), 4);
+    assert_int_equal(px_dp_size("http://b:1", 1), 2);
+    assert_int_equal(px_dp_size("http://c:1", 1), 1);
+    assert_int_equal(px_dp_size(NULL, 5), 5);
+    assert_int_equal(px_dp_declare_admin("http://b:1", 8), 0);
+    assert_int_equal(px_dp_size("http://b:1", 1), 8);
+    char *w[] = {"6 http://b:1"};
+    px_strlist l2 = {w, 1};
+    assert_int_equal(px_dp_declare_file(&l2), 0);
+    assert_int_equal(px_dp_size("http://a:1", 1), 1); /* no longer declared */
+    assert_int_equal(px_dp_size("http://b:1", 1), 8); /* the admin's still wins */
+    px_dp_forget_admin();
+    assert_int_equal(px_dp_size("http://b:1", 1), 6);
+    assert_int_equal(px_dp_declare_admin("http://b:1", 0), 0);
+    assert_int_equal(px_dp_declare_admin("http://never:1", 0), 0);
+    /* Malformed items and URLs too long for the table are reported. */
+    char long_url[600];
+    memset(long_url, 'x', sizeof long_url - 1);
+    long_url[sizeof long_url - 1] = '\0';
+    char item[620];
+    snprintf(item, sizeof item, "2 %s", long_url);
+    char *bad[] = {"nonsense", item};
+    px_strlist l3 = {bad, 2};
+    assert_int_equal(px_dp_declare_file(&l3), -1);
+    assert_int_equal(px_dp_size(long_url, 1), 1);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_least_loaded),
         cmocka_unit_test(test_render),
+        cmocka_unit_test(test_parse_ranks),
+        cmocka_unit_test(test_engine_load),
+        cmocka_unit_test(test_declared_sizes),
         cmocka_unit_test(test_full_table_and_escaping),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
