@@ -135,17 +135,22 @@ px_adm_item *px_admq_pop(px_admq *q, int (*ok)(void *arg, px_adm_item *it), void
 
 /* ---------- the gate, on a worker's loop ---------- */
 
+#include <errno.h>
 #include <event2/event.h>
 #include <stdio.h>
 #include <string.h>
+#include <sys/eventfd.h>
+#include <unistd.h>
 
 #include "base/json.h"
 #include "base/log.h"
 
-/* How often a worker with requests waiting looks again: slots freed on
- * other workers, back-offs ending and engines' figures are seen this late
- * at most. */
-#define POLL_US 5000
+/* How often a worker with requests waiting looks again on its own:
+ * back-offs ending and engines' figures (which change every
+ * --metrics-interval at most) are seen this late at most. A slot freed on
+ * another worker does not wait for it: that worker wakes this one (see
+ * wake_others). */
+#define POLL_US 20000
 
 struct px_adm_worker {
     px_wctx *w; /* borrowed */
@@ -154,6 +159,11 @@ struct px_adm_worker {
     int dispatching;    /* in dispatch(): leave() asks for another round */
     int again;
     int stopping;       /* the worker stops: nothing more is dispatched */
+    /* Cross-thread: other workers read nq and write efd. */
+    int efd;                 /* owned eventfd: "a pool slot was freed elsewhere" */
+    struct event *wake;      /* owned: reads efd on this worker's loop */
+    atomic_size_t nq;        /* q.n, published for the other workers */
+    atomic_int wake_pending; /* efd written and not yet read: no second write */
 };
 
 static void dispatch(px_adm_worker *a);
@@ -161,6 +171,36 @@ static void dispatch(px_adm_worker *a);
 static void on_poll(evutil_socket_t fd, short what, void *arg) {
     (void)fd, (void)what;
     dispatch(arg);
+}
+
+static void on_wake(evutil_socket_t fd, short what, void *arg) {
+    (void)what;
+    px_adm_worker *a = arg;
+    uint64_t v;
+    if (read(fd, &v, sizeof v) < 0 && errno != EAGAIN) return;
+    atomic_store(&a->wake_pending, 0);
+    px_m_inc(&a->w->metrics.adm[PX_ADM_M_WOKEN]);
+    dispatch(a);
+}
+
+/* The queue's length, for the other workers' wake_others. */
+static void publish(px_adm_worker *a) {
+    atomic_store(&a->nq, a->q.n);
+}
+
+/* A slot of a pool was freed on worker `self`, and its own queue could not
+ * use it: every other worker with requests waiting is woken, through its
+ * eventfd (the loops have no locking, so no event_active across threads),
+ * to look at its queue now. Each is written once until it has read. */
+static void wake_others(px_wctx *self) {
+    px_ctx *c = self->ctx;
+    for (int i = 0; i < c->nworkers; i++) {
+        px_adm_worker *o = c->workers[i] ? c->workers[i]->adm : NULL;
+        if (!o || o == self->adm || o->efd < 0 || !atomic_load(&o->nq)) continue;
+        if (atomic_exchange(&o->wake_pending, 1)) continue;
+        uint64_t one = 1;
+        if (write(o->efd, &one, sizeof one) < 0) atomic_store(&o->wake_pending, 0);
+    }
 }
 
 px_adm_worker *px_adm_worker_create(px_wctx *w) {
@@ -172,8 +212,14 @@ px_adm_worker *px_adm_worker_create(px_wctx *w) {
     size_t max_b = cfg->queue_max_bytes ? ((size_t)cfg->queue_max_bytes + (size_t)nw - 1) / (size_t)nw : 0;
     px_admq_init(&a->q, w->ctx->tenant_weights, w->ctx->tenants.n + 1, max_n, max_b);
     a->poll = event_new(w->base, -1, 0, on_poll, a);
+    a->efd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    if (a->efd >= 0) {
+        a->wake = event_new(w->base, a->efd, EV_READ | EV_PERSIST, on_wake, a);
+        event_add(a->wake, NULL);
+    } /* else: other workers' slots are seen by the poll alone */
     return a;
 }
+
 
 void px_adm_worker_stop(px_adm_worker *a) {
     if (a) a->stopping = 1;
@@ -182,6 +228,8 @@ void px_adm_worker_stop(px_adm_worker *a) {
 void px_adm_worker_destroy(px_adm_worker *a) {
     if (!a) return;
     if (a->poll) event_free(a->poll);
+    if (a->wake) event_free(a->wake);
+    if (a->efd >= 0) close(a->efd);
     px_admq_cleanup(&a->q);
     free(a);
 }
@@ -247,6 +295,7 @@ static void take_out(px_adm_worker *a, px_adm_req *r, uint64_t now) {
         event_free(r->timer);
         r->timer = NULL;
     }
+    publish(a);
     r->wait_ns = now - r->t_enq;
     px_hist_observe(&a->w->metrics.queue_wait, (double)r->wait_ns / 1e9);
 }
@@ -271,6 +320,7 @@ static void dispatch(px_adm_worker *a) {
         }
     } while (a->again);
     a->dispatching = 0;
+    publish(a);
     if (a->q.n) {
         struct timeval tv = {0, POLL_US};
         event_add(a->poll, &tv);
@@ -377,6 +427,7 @@ px_adm_verdict px_adm_enter(px_wctx *w, px_adm_req *a, px_pset *ps, const px_htt
         px_m_inc(&w->metrics.adm[PX_ADM_M_QUEUE_FULL]);
         return PX_ADM_REFUSED;
     }
+    publish(w->adm);
     a->t_enq = now;
     a->timer = evtimer_new(w->base, on_deadline, a);
     struct timeval tv = {(time_t)limit, (suseconds_t)((limit - (double)(time_t)limit) * 1e6)};
@@ -388,7 +439,16 @@ px_adm_verdict px_adm_enter(px_wctx *w, px_adm_req *a, px_pset *ps, const px_htt
         dispatch(w->adm);
         return PX_ADM_QUEUED;
     }
-    /* The pool may free up on another worker: look again soon. */
+    /* A worker freeing a slot reads nq after giving the slot back; this
+     * one published nq before looking at the pool again here: one of the
+     * two sees the other (sequentially consistent atomics), so no wake is
+     * lost between them. */
+    if (!px_pool_saturated(cfg, ps, px_now_ns())) {
+        dispatch(w->adm);
+        return PX_ADM_QUEUED;
+    }
+    /* The pool may free up on another worker (which wakes this one), or
+     * its back-off end: look again later. */
     if (!event_pending(w->adm->poll, EV_TIMEOUT, NULL)) {
         struct timeval pt = {0, POLL_US};
         event_add(w->adm->poll, &pt);
@@ -409,6 +469,10 @@ void px_adm_leave(px_wctx *w, px_adm_req *a) {
         a->sent = 0;
         atomic_fetch_sub(&a->ps->admitted, 1);
         if (w->adm->q.n) dispatch(w->adm);
+        /* The slot is still free when this worker's queue did not take
+         * it (empty, or waiting for other pools): another worker's may. */
+        if (w->ctx->nworkers > 1 && !px_pool_saturated(w->ctx->cfg, a->ps, px_now_ns()))
+            wake_others(w);
     }
 }
 

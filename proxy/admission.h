@@ -9,8 +9,11 @@
  * pool) to another loop would need it. The limits that decide saturation
  * are shared atomics (a pool's admitted count, its backends' back-off), so
  * a slot freed on one thread is seen by every thread: each worker
- * dispatches at once when one of its own requests ends, and re-checks on a
- * short timer while its queue is not empty. The bounds in requests and
+ * dispatches at once when one of its own requests ends, and when a request
+ * ending on another worker leaves a slot its own queue did not take, that
+ * worker wakes it through an eventfd (one per worker), so dispatch out of
+ * a full queue never waits for a timer. A longer timer re-checks while the
+ * queue is not empty, for back-offs ending and engines' figures. The bounds in requests and
  * bytes are per worker: --queue-max / threads each (at least 1).
  *
  * Order: the lowest class first (priority 0 before 1, as vLLM serves a

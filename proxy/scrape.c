@@ -401,7 +401,8 @@ void px_scrape_render(px_ctx *ctx, px_buf *o) {
             sum_at(ctx, offsetof(px_metrics, fallbacks) + (size_t)f * sizeof(atomic_ullong)));
     px_buf_appends(o, "# HELP pdproxy_admission_total Admission control events: requests "
                       "queued for a saturated pool, dispatched, refused (queue full, deadline, "
-                      "rate limits) or left; engines that answered 429/503.\n"
+                      "rate limits) or left; engines that answered 429/503; workers woken by another "
+                      "worker that freed a pool slot.\n"
                       "# TYPE pdproxy_admission_total counter\n");
     for (int e = 0; e < PX_ADM_M_COUNT; e++)
         px_buf_printf(o, "pdproxy_admission_total{event=\"%s\"} %llu\n",

@@ -219,6 +219,39 @@ class QueueBoundsTest(AdmissionCase):
         self.assertEqual(self.results["after"].status, 200)
 
 
+class CrossWorkerTest(AdmissionCase):
+    def test_slot_freed_on_one_worker_wakes_another(self):
+        """Two worker threads, one pool slot: requests queue on both (the
+        kernel spreads the connections), and a slot freed on one worker
+        whose own queue is empty wakes the other through its eventfd
+        (pdproxy_admission_total{event="woken"}) instead of leaving it to
+        its timer. Connections land where the kernel puts them, so a round
+        may queue everything on one worker: up to 3 rounds."""
+        self.P = self.mock(prefill_handler(), name="P")
+        self.D = self.mock(gated_decode(self.gate), name="D")
+        px = self.start([self.P], [self.D], ["--pool-max-inflight", "1", "--queue-max", "64"],
+                        threads=2)
+        sent = 0
+        for rnd in range(3):
+            self.gate.clear()
+            self.results = {}
+            self.threads = []
+            self.send(px, "block-%d" % rnd)
+            sent += 1
+            self.assertEqual(len(self.D.wait_requests(sent, 5.0)), sent)
+            for i in range(12):
+                self.queue(px, "r%d-%02d" % (rnd, i))
+            sent += 12
+            self.finish()
+            self.assertEqual(len(self.results), 13)
+            self.assertTrue(all(r.status == 200 for r in self.results.values()),
+                            {k: r.status for k, r in self.results.items()})
+            if adm(px, "woken") >= 1:
+                break
+        self.assertGreaterEqual(adm(px, "woken"), 1, "no worker was ever woken by another")
+        self.assertEqual(adm(px, "dispatched"), adm(px, "queued"))
+
+
 class RateLimitTest(AdmissionCase):
     def test_requests_per_minute_headers(self):
         self.gate.set()
