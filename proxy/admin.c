@@ -279,10 +279,15 @@ static void show_admission(px_admin *a, px_conn *c) {
         unsigned long long until = atomic_load(&p->backoff_until_ns);
         px_buf_appends(&b, i ? ",{\"name\":" : "{\"name\":");
         json_str(&b, p->name);
-        px_buf_printf(&b, ",\"admitted\":%ld,\"saturated\":%s,\"backoff_ms\":%.0f}",
-                      (long)atomic_load(&p->admitted),
-                      px_pool_saturated(x->cfg, p, now) ? "true" : "false",
-                      until > now ? (double)(until - now) / 1e6 : 0.0);
+        unsigned why = px_pool_saturation(x->cfg, p, now);
+        px_buf_printf(&b, ",\"admitted\":%ld,\"saturated\":%s,\"backoff_ms\":%.0f,"
+                      "\"ttfb_ewma_ms\":%.3f,\"signals\":[",
+                      (long)atomic_load(&p->admitted), why ? "true" : "false",
+                      until > now ? (double)(until - now) / 1e6 : 0.0,
+                      (double)atomic_load(&p->ttfb_ewma_us) / 1e3);
+        for (int s = 0, k = 0; s < PX_SAT_SIGNALS; s++)
+            if (why >> s & 1) px_buf_printf(&b, "%s\"%s\"", k++ ? "," : "", px_sat_signal_name(s));
+        px_buf_appends(&b, "]}");
     }
     px_gen_release(g);
     px_buf_appends(&b, "]}");

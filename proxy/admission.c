@@ -234,27 +234,109 @@ void px_adm_worker_destroy(px_adm_worker *a) {
     free(a);
 }
 
-int px_pool_saturated(const px_config *cfg, px_pset *ps, uint64_t now) {
-    if (cfg->pool_max_inflight > 0 && atomic_load(&ps->admitted) >= cfg->pool_max_inflight)
-        return 1;
+static const char *const sat_names[PX_SAT_SIGNALS] = {"inflight", "backoff", "waiting",
+                                                      "kv_usage", "ttfb"};
+
+const char *px_sat_signal_name(int i) {
+    return i >= 0 && i < PX_SAT_SIGNALS ? sat_names[i] : "";
+}
+
+int px_adm_wants_engine_load(const px_config *cfg) {
+    return cfg->saturate_waiting > 0 || cfg->saturate_kv_usage > 0;
+}
+
+unsigned px_pool_saturation(const px_config *cfg, px_pset *ps, uint64_t now) {
+    unsigned why = 0;
+    long admitted = atomic_load(&ps->admitted);
+    if (cfg->pool_max_inflight > 0 && admitted >= cfg->pool_max_inflight) why |= PX_SAT_INFLIGHT;
+    if (cfg->saturate_ttfb > 0 && admitted > 0 &&
+        (double)atomic_load_explicit(&ps->ttfb_ewma_us, memory_order_relaxed) >=
+            cfg->saturate_ttfb * 1e6)
+        why |= PX_SAT_TTFB;
     int backoff = atomic_load_explicit(&ps->backoff_until_ns, memory_order_relaxed) > now;
-    if (!backoff && cfg->saturate_waiting <= 0) return 0;
+    if (!backoff && !px_adm_wants_engine_load(cfg)) return why;
     /* Every decode that would take the request is backing off or reports
-     * a full queue. */
+     * a full queue or KV cache. */
+    long kv_milli = (long)(cfg->saturate_kv_usage * 1000.0 + 0.5);
     px_pool *p = &ps->decode;
     int usable = 0, full = 0;
+    unsigned seen = 0;
     pthread_mutex_lock(&p->mu);
     for (size_t i = 0; i < p->n; i++) {
         px_backend *b = p->b[i];
         if (!atomic_load(&b->healthy) || atomic_load(&b->drained)) continue;
         usable++;
-        if (atomic_load(&b->backoff_until_ns) > now ||
-            (cfg->saturate_waiting > 0 && atomic_load(&b->load_known) &&
-             atomic_load(&b->waiting) >= cfg->saturate_waiting))
-            full++;
+        unsigned bw = 0;
+        if (atomic_load(&b->backoff_until_ns) > now) bw |= PX_SAT_BACKOFF;
+        if (atomic_load(&b->load_known)) {
+            if (cfg->saturate_waiting > 0 && atomic_load(&b->waiting) >= cfg->saturate_waiting)
+                bw |= PX_SAT_WAITING;
+            if (cfg->saturate_kv_usage > 0 && atomic_load(&b->kv_usage_milli) >= kv_milli)
+                bw |= PX_SAT_KV;
+        }
+        if (bw) full++;
+        seen |= bw;
     }
     pthread_mutex_unlock(&p->mu);
-    return usable > 0 && full == usable;
+    if (usable > 0 && full == usable) why |= seen;
+    return why;
+}
+
+int px_pool_saturated(const px_config *cfg, px_pset *ps, uint64_t now) {
+    return px_pool_saturation(cfg, ps, now) != 0;
+}
+
+void px_adm_first_byte(px_adm_req *a) {
+    if (!a->t_sent || !a->ps) return;
+    uint64_t now = px_now_ns();
+    uint64_t us = now > a->t_sent ? (now - a->t_sent) / 1000 : 0;
+    a->t_sent = 0; /* one sample per request (a retry's second answer is not one) */
+    unsigned long long cur = atomic_load_explicit(&a->ps->ttfb_ewma_us, memory_order_relaxed);
+    unsigned long long next;
+    do {
+        /* The first sample sets it; then 7/8 of the old and 1/8 of the new. */
+        next = cur ? (cur * 7 + us) / 8 : (us ? us : 1);
+    } while (!atomic_compare_exchange_weak(&a->ps->ttfb_ewma_us, &cur, next));
+}
+
+/* A Prometheus label value: backslash, quote and newline escaped. */
+static void label_value(px_buf *o, const char *v) {
+    for (; *v; v++) {
+        if (*v == '\n') {
+            px_buf_appends(o, "\\n");
+            continue;
+        }
+        if (*v == '\\' || *v == '"') px_buf_append(o, "\\", 1);
+        px_buf_append(o, v, 1);
+    }
+}
+
+void px_adm_render_metrics(px_ctx *c, px_buf *o) {
+    const px_config *cfg = c->cfg;
+    uint64_t now = px_now_ns();
+    px_gen *g = px_ctx_gen(c);
+    px_buf_appends(o, "# HELP pdproxy_pool_saturated Whether a signal saturates the pool now "
+                      "(requests for it wait in the admission queue).\n"
+                      "# TYPE pdproxy_pool_saturated gauge\n");
+    for (size_t i = 0; i < g->nps; i++) {
+        unsigned why = px_pool_saturation(cfg, &g->ps[i], now);
+        for (int s = 0; s < PX_SAT_SIGNALS; s++) {
+            px_buf_appends(o, "pdproxy_pool_saturated{pool=\"");
+            label_value(o, g->ps[i].name);
+            px_buf_printf(o, "\",signal=\"%s\"} %d\n", sat_names[s], (why >> s) & 1);
+        }
+    }
+    px_buf_appends(o, "# HELP pdproxy_pool_ttfb_ewma_seconds Time to first byte since "
+                      "dispatch, moving average per pool (--saturate-ttfb compares it).\n"
+                      "# TYPE pdproxy_pool_ttfb_ewma_seconds gauge\n");
+    for (size_t i = 0; i < g->nps; i++) {
+        px_buf_appends(o, "pdproxy_pool_ttfb_ewma_seconds{pool=\"");
+        label_value(o, g->ps[i].name);
+        px_buf_printf(o, "\"} %.6f\n",
+                      (double)atomic_load_explicit(&g->ps[i].ttfb_ewma_us,
+                                                   memory_order_relaxed) / 1e6);
+    }
+    px_gen_release(g);
 }
 
 int px_adm_engine_status(px_ctx *c, px_pset *ps, px_backend *b, int status) {
@@ -315,6 +397,7 @@ static void dispatch(px_adm_worker *a) {
             /* popped: out of the queue already */
             take_out(a, r, px_now_ns());
             r->sent = 1; /* pool_free took its slot */
+            r->t_sent = px_now_ns();
             px_m_inc(&a->w->metrics.adm[PX_ADM_M_DISPATCHED]);
             r->go(it->owner);
         }
@@ -398,6 +481,7 @@ px_adm_verdict px_adm_enter(px_wctx *w, px_adm_req *a, px_pset *ps, const px_htt
     if (!saturated && !w->adm->q.n) {
         if (take_slot(cfg, ps)) {
             a->sent = 1;
+            a->t_sent = now;
             return PX_ADM_GO;
         }
         saturated = 1; /* another worker took the last slot meanwhile */
@@ -412,6 +496,7 @@ px_adm_verdict px_adm_enter(px_wctx *w, px_adm_req *a, px_pset *ps, const px_htt
         /* Others wait for other pools, and the queue is full. */
         if (!saturated && take_slot(cfg, ps)) {
             a->sent = 1;
+            a->t_sent = now;
             return PX_ADM_GO;
         }
         *status = 429;

@@ -100,6 +100,7 @@ typedef struct px_adm_req {
     int sent;            /* counted in ps->admitted */
     struct event *timer; /* owned while queued: its deadline */
     uint64_t t_enq;      /* when queued; 0: never */
+    uint64_t t_sent;     /* when sent on (admitted or dispatched); 0: not yet */
     uint64_t wait_ns;    /* time spent queued */
     px_tokscan tok;      /* the answer's total_tokens, for --tenant tpm= */
     int count_tokens;    /* the tenant has a tpm= limit */
@@ -144,8 +145,41 @@ int px_adm_engine_status(px_ctx *c, px_pset *ps, px_backend *b, int status);
  * limits). */
 void px_adm_ratelimit_headers(px_ctx *c, const px_adm_req *a, char *out, size_t cap);
 
-/* Whether the pool is saturated now (see --pool-max-inflight,
- * --saturate-waiting, --engine-backoff). */
+/* Why a pool is saturated: bits of px_pool_saturation's answer. */
+enum {
+    PX_SAT_INFLIGHT = 1, /* --pool-max-inflight requests sent on */
+    PX_SAT_BACKOFF = 2,  /* decodes answered 429/503 within --engine-backoff */
+    PX_SAT_WAITING = 4,  /* decodes report --saturate-waiting requests waiting */
+    PX_SAT_KV = 8,       /* decodes report --saturate-kv-usage of their KV cache used */
+    PX_SAT_TTFB = 16,    /* the pool's time-to-first-byte EWMA is past --saturate-ttfb */
+};
+#define PX_SAT_SIGNALS 5
+/* The name of bit i (0..PX_SAT_SIGNALS-1): "inflight", "backoff", ... */
+const char *px_sat_signal_name(int i);
+
+/* The signals that saturate the pool now, 0 when none. Engines' figures
+ * (backoff, waiting, KV usage) count when every usable decode backend is
+ * full by one of them; the bits say which were seen. The TTFB signal holds
+ * only while some request is sent on: with none, one goes through and its
+ * first byte updates the average, so a slow spell cannot close the pool
+ * for good. Any thread. */
+unsigned px_pool_saturation(const px_config *cfg, px_pset *ps, uint64_t now);
+/* px_pool_saturation(...) != 0. */
 int px_pool_saturated(const px_config *cfg, px_pset *ps, uint64_t now);
+
+/* Decode's first byte for a request admitted by px_adm_enter: its time
+ * since dispatch goes into the pool's TTFB average (an EWMA, weight 1/8
+ * for each new sample), which --saturate-ttfb compares. */
+void px_adm_first_byte(px_adm_req *a);
+
+/* Whether load probes must read the decode engines' /metrics for
+ * admission (--saturate-waiting, --saturate-kv-usage). */
+int px_adm_wants_engine_load(const px_config *cfg);
+
+/* The admission series of each pool of the current generation for
+ * /metrics: pdproxy_pool_saturated{pool,signal} and
+ * pdproxy_pool_ttfb_ewma_seconds{pool}. */
+struct px_buf;
+void px_adm_render_metrics(px_ctx *c, struct px_buf *o);
 
 #endif

@@ -281,6 +281,16 @@ static const opt opts[] = {
      "a pool is saturated while every decode engine reports at least this many requests "
      "waiting (vllm:num_requests_waiting, read every --metrics-interval; 0: not looked at)",
      NULL, AT_START},
+    {"saturate-kv-usage", NULL, CT_SECONDS, OFF(saturate_kv_usage), "0", 0, 1,
+     "a pool is saturated while every decode engine reports at least this fraction of its KV "
+     "cache in use (vllm:kv_cache_usage_perc, 1 = full, read every --metrics-interval; 0: not "
+     "looked at)",
+     NULL, AT_START},
+    {"saturate-ttfb", NULL, CT_SECONDS, OFF(saturate_ttfb), "0", 0, 3600,
+     "a pool is saturated while the moving average of its time to first byte (from dispatch "
+     "to decode's first byte) is at least this many seconds and some request is sent on (0: "
+     "off)",
+     NULL, AT_START},
     {"engine-backoff", NULL, CT_SECONDS, OFF(engine_backoff), "1", 0, 3600,
      "seconds a backend that answered 429 or 503 (its queue is full) counts as saturated "
      "rather than failed",
@@ -1272,6 +1282,8 @@ static const struct {
     {"queue-timeout", 4, NULL},
     {"pool-max-inflight", 4, NULL},
     {"saturate-waiting", 4, NULL},
+    {"saturate-kv-usage", 4, "FRACTION"},
+    {"saturate-ttfb", 4, NULL},
     {"engine-backoff", 4, NULL},
     {"tenant-header", 4, "NAME"},
     {"priority-header", 4, "NAME"},

@@ -36,6 +36,7 @@ typedef struct px_pset {
     px_pool decode;
     atomic_long admitted;            /* admission: requests sent on (not queued) */
     atomic_ullong backoff_until_ns;  /* admission: the latest decode back-off's end */
+    atomic_ullong ttfb_ewma_us;      /* admission: time to first byte since dispatch, EWMA */
 } px_pset;
 
 /* A generation: the pools built from one configuration. Requests hold a

@@ -6,6 +6,7 @@
 
 #include "base/list.h"
 #include "base/log.h"
+#include "proxy/admission.h"
 #include "proxy/ctx.h"
 #include "proxy/route.h"
 #include "proxy/upstream.h"
@@ -140,7 +141,7 @@ static void sweep(px_health *h, check_kind kind) {
             /* Decode's figures also tell admission control (--saturate-waiting)
              * that the engines' own queues are full. */
             if (kind == K_LOAD_PROBE && pools[r]->cfg.policy != PX_POLICY_LOAD_AWARE &&
-                !(r == 1 && h->ctx->cfg->saturate_waiting > 0))
+                !(r == 1 && px_adm_wants_engine_load(h->ctx->cfg)))
                 continue;
             size_t n;
             px_backend **m = px_pool_members(pools[r], &n);

@@ -1212,6 +1212,7 @@ static void decode_headers(void *arg, int status, const char *ctype) {
     r->dstatus = status;
     touch_idle(r);
     r->t_first = px_now_ns();
+    px_adm_first_byte(&r->adm);
     r->streamed = ctype && !strncasecmp(ctype, "text/event-stream", 17);
     if (hold_for_kv_failure(r, status, r->streamed)) {
         r->hold = 1;

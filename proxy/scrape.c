@@ -11,6 +11,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "proxy/admission.h"
 #include "proxy/discovery.h"
 #include "proxy/dp.h"
 #include "proxy/kvindex.h"
@@ -411,6 +412,7 @@ void px_scrape_render(px_ctx *ctx, px_buf *o) {
     render_hist(o, ctx, "pdproxy_queue_wait_seconds",
                 "Time requests waited in the admission queue before leaving it.",
                 offsetof(px_metrics, queue_wait));
+    px_adm_render_metrics(ctx, o);
     unsigned long long inflight = (unsigned long long)atomic_load(&ctx->inflight);
     px_buf_printf(o,
                   "# HELP pdproxy_inflight_requests Client requests in flight.\n"

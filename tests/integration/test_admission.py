@@ -381,6 +381,66 @@ class SaturationSourcesTest(AdmissionCase):
         self.assertEqual(self.results["waits"].status, 200)
         self.assertEqual(request_ids(self.D), ["waits"])
 
+    def test_engine_kv_cache_usage_saturates_the_pool(self):
+        """vllm:kv_cache_usage_perc (1 = full) at or past --saturate-kv-usage
+        on every decode: requests wait; below it, they go."""
+        self.gate.set()
+        state = {"kv": 0.97}
+        self.P = self.mock(prefill_handler(), name="P")
+        self.D = self.mock(gated_decode(self.gate), name="D")
+        self.D.probe_handler = engine_metrics_handler(state)
+        px = self.start([self.P], [self.D], ["--saturate-kv-usage", "0.95", "--metrics-interval",
+                                             "0.05", "--queue-max", "4"], threads=1)
+        self.D.wait_probes(2, 5.0)
+        self.results = {}
+        self.queue(px, "waits")
+        self.assertEqual(self.D.requests, [], "sent to an engine reporting a full KV cache")
+        m = prom(px.port)
+        self.assertEqual(metric(m, "pdproxy_pool_saturated", pool="", signal="kv_usage"), 1)
+        self.assertEqual(metric(m, "pdproxy_pool_saturated", pool="", signal="waiting"), 0)
+        state["kv"] = 0.5
+        self.finish()
+        self.assertEqual(self.results["waits"].status, 200)
+        self.assertEqual(request_ids(self.D), ["waits"])
+        self.assertEqual(metric(prom(px.port), "pdproxy_pool_saturated", pool="",
+                                signal="kv_usage"), 0)
+
+    def test_slow_first_bytes_saturate_the_pool(self):
+        """The pool's time-to-first-byte average past --saturate-ttfb:
+        while a request is out, the next waits; once none is out, one goes
+        (the average is measured only on what is sent)."""
+        gated = gated_decode(self.gate)
+
+        def slow(req):
+            if (req.header("x-request-id") or "").startswith("slow"):
+                threading.Event().wait(0.3)
+            return gated(req)
+
+        self.P = self.mock(prefill_handler(), name="P")
+        self.D = self.mock(slow, name="D")
+        d = tmpdir(self)
+        from pdharness.net import free_port
+        tokpath, token = token_file(self, d)
+        aport = free_port()
+        px = self.start([self.P], [self.D], ["--saturate-ttfb", "0.2", "--queue-max", "4",
+                                             "--admin-port", str(aport), "--admin-token-file",
+                                             tokpath], threads=1)
+        self.assertEqual(self.post(px, headers={"X-Request-Id": "slow-0"}).status, 200)
+        self.assertGreaterEqual(metric(prom(px.port), "pdproxy_pool_ttfb_ewma_seconds", pool=""),
+                                0.2)
+        self.assertEqual(adm(px, "queued"), 0, "nothing was out: the slow one went")
+        self.results = {}
+        self.send(px, "block-0")
+        self.assertEqual(len(self.D.wait_requests(2, 5.0)), 2)
+        self.queue(px, "waits")
+        st, doc = admin(aport, "GET", "/admin/admission", token=token)
+        self.assertEqual(doc["pools"][0]["signals"], ["ttfb"], doc)
+        self.assertGreaterEqual(doc["pools"][0]["ttfb_ewma_ms"], 200)
+        self.assertEqual(request_ids(self.D), ["slow-0", "block-0"])
+        self.finish()
+        self.assertEqual(self.results["waits"].status, 200)
+        self.assertEqual(request_ids(self.D), ["slow-0", "block-0", "waits"])
+
     def test_reload_keeps_queued_requests(self):
         self.P = self.mock(prefill_handler(), name="P")
         self.D = self.mock(gated_decode(self.gate), name="D")
