@@ -254,6 +254,20 @@ unsigned px_pool_saturation(const px_config *cfg, px_pset *ps, uint64_t now) {
             cfg->saturate_ttfb * 1e6)
         why |= PX_SAT_TTFB;
     int backoff = atomic_load_explicit(&ps->backoff_until_ns, memory_order_relaxed) > now;
+    if (backoff) {
+        /* Every prefill backing off saturates the pool as well. */
+        px_pool *pp = &ps->prefill;
+        int pusable = 0, pfull = 0;
+        pthread_mutex_lock(&pp->mu);
+        for (size_t i = 0; i < pp->n; i++) {
+            px_backend *b = pp->b[i];
+            if (!atomic_load(&b->healthy) || atomic_load(&b->drained)) continue;
+            pusable++;
+            if (atomic_load(&b->backoff_until_ns) > now) pfull++;
+        }
+        pthread_mutex_unlock(&pp->mu);
+        if (pusable > 0 && pfull == pusable) why |= PX_SAT_BACKOFF;
+    }
     if (!backoff && !px_adm_wants_engine_load(cfg)) return why;
     /* Every decode that would take the request is backing off or reports
      * a full queue or KV cache. */
@@ -378,7 +392,7 @@ static void take_out(px_adm_worker *a, px_adm_req *r, uint64_t now) {
         r->timer = NULL;
     }
     publish(a);
-    r->wait_ns = now - r->t_enq;
+    r->wait_ns += now - r->t_enq; /* a requeued request waits more than once */
     px_hist_observe(&a->w->metrics.queue_wait, (double)r->wait_ns / 1e9);
 }
 
@@ -477,6 +491,10 @@ px_adm_verdict px_adm_enter(px_wctx *w, px_adm_req *a, px_pset *ps, const px_htt
                                                       : PX_ADM_M_RATE_TOKENS]);
         return PX_ADM_REFUSED;
     }
+    double limit = cfg->queue_timeout;
+    double asked = header_seconds(h, "x-queue-timeout");
+    if (asked >= 0 && asked < limit) limit = asked;
+    a->deadline_ns = now + (uint64_t)(limit * 1e9);
     int saturated = px_pool_saturated(cfg, ps, now);
     if (!saturated && !w->adm->q.n) {
         if (take_slot(cfg, ps)) {
@@ -486,9 +504,6 @@ px_adm_verdict px_adm_enter(px_wctx *w, px_adm_req *a, px_pset *ps, const px_htt
         }
         saturated = 1; /* another worker took the last slot meanwhile */
     }
-    double limit = cfg->queue_timeout;
-    double asked = header_seconds(h, "x-queue-timeout");
-    if (asked >= 0 && asked < limit) limit = asked;
     a->it.cls = class_of(cfg, h, body, blen);
     a->it.tenant = a->tenant;
     a->it.bytes = blen;
@@ -539,6 +554,47 @@ px_adm_verdict px_adm_enter(px_wctx *w, px_adm_req *a, px_pset *ps, const px_htt
         event_add(w->adm->poll, &pt);
     }
     return PX_ADM_QUEUED;
+}
+
+int px_adm_can_requeue(const px_adm_req *a, int status) {
+    if ((status != 429 && status != 503) || !a->w || !a->ps || a->it.queued) return 0;
+    const px_config *cfg = ((px_wctx *)a->w)->ctx->cfg;
+    /* Only with a back-off (else it would be sent straight back), and only
+     * when the back-off ends before the deadline. */
+    return cfg->queue_max > 0 && cfg->engine_backoff > 0 &&
+           px_now_ns() + (uint64_t)(cfg->engine_backoff * 1e9) < a->deadline_ns;
+}
+
+int px_adm_requeue(px_wctx *w, px_adm_req *a) {
+    const px_config *cfg = w->ctx->cfg;
+    if (a->sent) {
+        a->sent = 0;
+        atomic_fetch_sub(&a->ps->admitted, 1);
+    }
+    uint64_t now = px_now_ns();
+    a->t_sent = 0;
+    if (a->it.queued || !cfg->queue_max || now + 1000000 >= a->deadline_ns ||
+        px_admq_push(&w->adm->q, &a->it) < 0) {
+        /* The slot given back may serve another worker's queue. */
+        if (w->ctx->nworkers > 1) wake_others(w);
+        return -1;
+    }
+    publish(w->adm);
+    a->t_enq = now;
+    if (!a->timer) a->timer = evtimer_new(w->base, on_deadline, a);
+    uint64_t left = a->deadline_ns - now;
+    struct timeval tv = {(time_t)(left / 1000000000u), (suseconds_t)(left % 1000000000u / 1000)};
+    evtimer_add(a->timer, &tv);
+    px_m_inc(&w->metrics.adm[PX_ADM_M_REQUEUED]);
+    if (!px_pool_saturated(cfg, a->ps, now)) {
+        dispatch(w->adm);
+        return 0;
+    }
+    if (!event_pending(w->adm->poll, EV_TIMEOUT, NULL)) {
+        struct timeval pt = {0, POLL_US};
+        event_add(w->adm->poll, &pt);
+    }
+    return 0;
 }
 
 void px_adm_leave(px_wctx *w, px_adm_req *a) {

@@ -101,6 +101,7 @@ typedef struct px_adm_req {
     struct event *timer; /* owned while queued: its deadline */
     uint64_t t_enq;      /* when queued; 0: never */
     uint64_t t_sent;     /* when sent on (admitted or dispatched); 0: not yet */
+    uint64_t deadline_ns; /* the end of its wait, first queued or not: a requeue keeps it */
     uint64_t wait_ns;    /* time spent queued */
     px_tokscan tok;      /* the answer's total_tokens, for --tenant tpm= */
     int count_tokens;    /* the tenant has a tpm= limit */
@@ -132,6 +133,18 @@ px_adm_verdict px_adm_enter(px_wctx *w, px_adm_req *a, px_pset *ps, const px_htt
  * its pool slot given back, and the queue looked at again. Idempotent. */
 void px_adm_leave(px_wctx *w, px_adm_req *a);
 
+/* Whether a request that an engine refused with `status` may wait again
+ * (px_adm_requeue): 429 or 503, a queue and --engine-backoff configured,
+ * and the back-off over before its deadline (--queue-timeout or
+ * x-queue-timeout, counted from its arrival). */
+int px_adm_can_requeue(const px_adm_req *a, int status);
+/* Puts a request that was sent on back in the queue, its pool slot given
+ * back and its place by class and tenant as on arrival; a->go (which the
+ * caller may change) or a->expire is called later from this worker's loop,
+ * and a->go may run before this returns when the pool has room. 0, or -1
+ * (queue full, deadline passed): nothing changed but the slot given back. */
+int px_adm_requeue(px_wctx *w, px_adm_req *a);
+
 /* Decode's answer passes: tokens counted for the tenant's tpm when it
  * ends (px_adm_leave charges them). */
 void px_adm_answer(px_adm_req *a, const char *p, size_t n);
@@ -148,7 +161,8 @@ void px_adm_ratelimit_headers(px_ctx *c, const px_adm_req *a, char *out, size_t 
 /* Why a pool is saturated: bits of px_pool_saturation's answer. */
 enum {
     PX_SAT_INFLIGHT = 1, /* --pool-max-inflight requests sent on */
-    PX_SAT_BACKOFF = 2,  /* decodes answered 429/503 within --engine-backoff */
+    PX_SAT_BACKOFF = 2,  /* every prefill, or every decode, answered 429/503 within
+                            --engine-backoff */
     PX_SAT_WAITING = 4,  /* decodes report --saturate-waiting requests waiting */
     PX_SAT_KV = 8,       /* decodes report --saturate-kv-usage of their KV cache used */
     PX_SAT_TTFB = 16,    /* the pool's time-to-first-byte EWMA is past --saturate-ttfb */

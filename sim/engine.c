@@ -796,7 +796,8 @@ void sim_submit(sim_engine *e, px_conn *c, sim_ep ep, const char *xrid, int dp_r
      * this engine serves n = 1. */
     if (e->cfg->max_num_queued_reqs && e->nrunning + e->nqueued >= e->cfg->max_num_queued_reqs) {
         e->busy_rejects++;
-        if (r->mode == SIM_MODE_DECODE) notify_only(e, r->kvp);
+        /* Refused before the engine saw it, as vLLM does: a decode does not
+         * touch prefill's blocks, which stay for a retry (or expire). */
         req_free(r);
         snprintf(msg, sizeof msg,
                  "the engine holds %zu requests (--max-num-queued-reqs %u); retry later",
