@@ -115,7 +115,9 @@ px_adm_item *px_admq_pop(px_admq *q, int (*ok)(void *arg, px_adm_item *it), void
         for (size_t i = 0, n = c->nactive; i < n; i++) {
             px_adm_flow *f = c->ahead;
             if (!f->credit) {
-                uint32_t w = q->weights ? q->weights[f - c->flows] : 1;
+                /* A reload may change a weight meanwhile (px_adm_reconfigure). */
+                uint32_t w =
+                    q->weights ? __atomic_load_n(&q->weights[f - c->flows], __ATOMIC_RELAXED) : 1;
                 f->credit = w ? w : 1;
             }
             px_adm_item *it = f->head;
@@ -245,10 +247,12 @@ int px_adm_wants_engine_load(const px_config *cfg) {
     return cfg->saturate_waiting > 0 || cfg->saturate_kv_usage > 0;
 }
 
-unsigned px_pool_saturation(const px_config *cfg, px_pset *ps, uint64_t now) {
+unsigned px_pool_saturation(px_ctx *c, px_pset *ps, uint64_t now) {
+    const px_config *cfg = c->cfg;
     unsigned why = 0;
     long admitted = atomic_load(&ps->admitted);
-    if (cfg->pool_max_inflight > 0 && admitted >= cfg->pool_max_inflight) why |= PX_SAT_INFLIGHT;
+    int64_t max = atomic_load_explicit(&c->pool_max_inflight, memory_order_relaxed);
+    if (max > 0 && admitted >= max) why |= PX_SAT_INFLIGHT;
     if (cfg->saturate_ttfb > 0 && admitted > 0 &&
         (double)atomic_load_explicit(&ps->ttfb_ewma_us, memory_order_relaxed) >=
             cfg->saturate_ttfb * 1e6)
@@ -296,8 +300,8 @@ unsigned px_pool_saturation(const px_config *cfg, px_pset *ps, uint64_t now) {
     return why;
 }
 
-int px_pool_saturated(const px_config *cfg, px_pset *ps, uint64_t now) {
-    return px_pool_saturation(cfg, ps, now) != 0;
+int px_pool_saturated(px_ctx *c, px_pset *ps, uint64_t now) {
+    return px_pool_saturation(c, ps, now) != 0;
 }
 
 void px_adm_first_byte(px_adm_req *a) {
@@ -326,14 +330,13 @@ static void label_value(px_buf *o, const char *v) {
 }
 
 void px_adm_render_metrics(px_ctx *c, px_buf *o) {
-    const px_config *cfg = c->cfg;
     uint64_t now = px_now_ns();
     px_gen *g = px_ctx_gen(c);
     px_buf_appends(o, "# HELP pdproxy_pool_saturated Whether a signal saturates the pool now "
                       "(requests for it wait in the admission queue).\n"
                       "# TYPE pdproxy_pool_saturated gauge\n");
     for (size_t i = 0; i < g->nps; i++) {
-        unsigned why = px_pool_saturation(cfg, &g->ps[i], now);
+        unsigned why = px_pool_saturation(c, &g->ps[i], now);
         for (int s = 0; s < PX_SAT_SIGNALS; s++) {
             px_buf_appends(o, "pdproxy_pool_saturated{pool=\"");
             label_value(o, g->ps[i].name);
@@ -369,8 +372,8 @@ int px_adm_engine_status(px_ctx *c, px_pset *ps, px_backend *b, int status) {
 /* Takes one of the pool's --pool-max-inflight slots: 1, or 0 when none is
  * free. A compare-and-swap, so workers admitting at once never pass the
  * limit between them. */
-static int take_slot(const px_config *cfg, px_pset *ps) {
-    long max = (long)cfg->pool_max_inflight;
+static int take_slot(px_ctx *c, px_pset *ps) {
+    long max = (long)atomic_load_explicit(&c->pool_max_inflight, memory_order_relaxed);
     long cur = atomic_load(&ps->admitted);
     do {
         if (max > 0 && cur >= max) return 0;
@@ -406,7 +409,7 @@ static void dispatch(px_adm_worker *a) {
     do {
         a->again = 0;
         px_adm_item *it;
-        while ((it = px_admq_pop(&a->q, pool_free, (void *)a->w->ctx->cfg))) {
+        while ((it = px_admq_pop(&a->q, pool_free, a->w->ctx))) {
             px_adm_req *r = (px_adm_req *)it;
             /* popped: out of the queue already */
             take_out(a, r, px_now_ns());
@@ -495,9 +498,9 @@ px_adm_verdict px_adm_enter(px_wctx *w, px_adm_req *a, px_pset *ps, const px_htt
     double asked = header_seconds(h, "x-queue-timeout");
     if (asked >= 0 && asked < limit) limit = asked;
     a->deadline_ns = now + (uint64_t)(limit * 1e9);
-    int saturated = px_pool_saturated(cfg, ps, now);
+    int saturated = px_pool_saturated(c, ps, now);
     if (!saturated && !w->adm->q.n) {
-        if (take_slot(cfg, ps)) {
+        if (take_slot(c, ps)) {
             a->sent = 1;
             a->t_sent = now;
             return PX_ADM_GO;
@@ -509,7 +512,7 @@ px_adm_verdict px_adm_enter(px_wctx *w, px_adm_req *a, px_pset *ps, const px_htt
     a->it.bytes = blen;
     if (!cfg->queue_max || limit <= 0 || px_admq_push(&w->adm->q, &a->it) < 0) {
         /* Others wait for other pools, and the queue is full. */
-        if (!saturated && take_slot(cfg, ps)) {
+        if (!saturated && take_slot(c, ps)) {
             a->sent = 1;
             a->t_sent = now;
             return PX_ADM_GO;
@@ -543,7 +546,7 @@ px_adm_verdict px_adm_enter(px_wctx *w, px_adm_req *a, px_pset *ps, const px_htt
      * one published nq before looking at the pool again here: one of the
      * two sees the other (sequentially consistent atomics), so no wake is
      * lost between them. */
-    if (!px_pool_saturated(cfg, ps, px_now_ns())) {
+    if (!px_pool_saturated(c, ps, px_now_ns())) {
         dispatch(w->adm);
         return PX_ADM_QUEUED;
     }
@@ -586,7 +589,7 @@ int px_adm_requeue(px_wctx *w, px_adm_req *a) {
     struct timeval tv = {(time_t)(left / 1000000000u), (suseconds_t)(left % 1000000000u / 1000)};
     evtimer_add(a->timer, &tv);
     px_m_inc(&w->metrics.adm[PX_ADM_M_REQUEUED]);
-    if (!px_pool_saturated(cfg, a->ps, now)) {
+    if (!px_pool_saturated(w->ctx, a->ps, now)) {
         dispatch(w->adm);
         return 0;
     }
@@ -612,9 +615,41 @@ void px_adm_leave(px_wctx *w, px_adm_req *a) {
         if (w->adm->q.n) dispatch(w->adm);
         /* The slot is still free when this worker's queue did not take
          * it (empty, or waiting for other pools): another worker's may. */
-        if (w->ctx->nworkers > 1 && !px_pool_saturated(w->ctx->cfg, a->ps, px_now_ns()))
+        if (w->ctx->nworkers > 1 && !px_pool_saturated(w->ctx, a->ps, px_now_ns()))
             wake_others(w);
     }
+}
+
+int px_adm_reconfigure(px_ctx *c, char *const *specs, size_t n, int64_t max_inflight,
+                       char *note, size_t note_cap, char *err, size_t errlen) {
+    px_tenants nt;
+    note[0] = 0;
+    if (specs && px_tenants_parse(specs, n, &nt, err, errlen) < 0) return -1;
+    if (specs) {
+        size_t len = 0;
+        for (size_t i = 0; i < c->tenants.n; i++) {
+            px_tenant *t = &c->tenants.v[i];
+            size_t j = px_tenants_find(&nt, t->name, strlen(t->name));
+            px_tenant *src = &nt.v[j]; /* j == nt.n: the default one (1, no limits) */
+            atomic_store(&t->weight, atomic_load(&src->weight));
+            __atomic_store_n(&c->tenant_weights[i], atomic_load(&src->weight), __ATOMIC_RELAXED);
+            px_bucket_set(&t->rpm, atomic_load(&src->rpm.limit));
+            px_bucket_set(&t->tpm, atomic_load(&src->tpm.limit));
+        }
+        for (size_t j = 0; j < nt.n; j++)
+            if (px_tenants_find(&c->tenants, nt.v[j].name, strlen(nt.v[j].name)) ==
+                    c->tenants.n &&
+                len + 2 < note_cap)
+                len += (size_t)snprintf(note + len, note_cap - len, "%s%s", len ? "," : "",
+                                        nt.v[j].name);
+        if (len >= note_cap) note[note_cap - 1] = 0;
+        px_tenants_cleanup(&nt);
+    }
+    if (max_inflight >= 0) atomic_store(&c->pool_max_inflight, max_inflight);
+    PX_LOG(PX_LOG_INFO, "msg=\"admission settings changed\" tenants=%zu pool_max_inflight=%lld%s%s",
+           specs ? n : c->tenants.n, (long long)atomic_load(&c->pool_max_inflight),
+           note[0] ? " new_tenants_at_restart=" : "", note);
+    return 0;
 }
 
 void px_adm_answer(px_adm_req *a, const char *p, size_t n) {

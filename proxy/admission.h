@@ -177,9 +177,9 @@ const char *px_sat_signal_name(int i);
  * only while some request is sent on: with none, one goes through and its
  * first byte updates the average, so a slow spell cannot close the pool
  * for good. Any thread. */
-unsigned px_pool_saturation(const px_config *cfg, px_pset *ps, uint64_t now);
+unsigned px_pool_saturation(px_ctx *c, px_pset *ps, uint64_t now);
 /* px_pool_saturation(...) != 0. */
-int px_pool_saturated(const px_config *cfg, px_pset *ps, uint64_t now);
+int px_pool_saturated(px_ctx *c, px_pset *ps, uint64_t now);
 
 /* Decode's first byte for a request admitted by px_adm_enter: its time
  * since dispatch goes into the pool's TTFB average (an EWMA, weight 1/8
@@ -189,6 +189,17 @@ void px_adm_first_byte(px_adm_req *a);
 /* Whether load probes must read the decode engines' /metrics for
  * admission (--saturate-waiting, --saturate-kv-usage). */
 int px_adm_wants_engine_load(const px_config *cfg);
+
+/* New admission settings at run time (a reload from the file, or POST
+ * /admin/admission), on the control thread while workers admit: the
+ * tenants of `specs` (as --tenant) that exist already get their new weight
+ * and limits at once, queued requests included; existing tenants missing
+ * from specs fall back to weight 1 and no limits; tenants new to the
+ * proxy need a restart (named in *note). `max_inflight` >= 0 becomes
+ * --pool-max-inflight (< 0: unchanged). 0, or -1 with err (a bad spec:
+ * nothing changed). */
+int px_adm_reconfigure(px_ctx *c, char *const *specs, size_t n, int64_t max_inflight,
+                       char *note, size_t note_cap, char *err, size_t errlen);
 
 /* The admission series of each pool of the current generation for
  * /metrics: pdproxy_pool_saturated{pool,signal} and

@@ -275,8 +275,9 @@ static const opt opts[] = {
      "x-queue-timeout header (seconds) may shorten it",
      NULL, AT_START},
     {"pool-max-inflight", NULL, CT_INT, OFF(pool_max_inflight), "0", 0, 100000000,
-     "a pool is saturated while this many of its requests are sent on (0: no limit)", NULL,
-     AT_START},
+     "a pool is saturated while this many of its requests are sent on (0: no limit; a reload "
+     "or POST /admin/admission changes it, for queued requests too)",
+     NULL, RELOADS},
     {"saturate-waiting", NULL, CT_INT, OFF(saturate_waiting), "0", 0, 100000000,
      "a pool is saturated while every decode engine reports at least this many requests "
      "waiting (vllm:num_requests_waiting, read every --metrics-interval; 0: not looked at)",
@@ -305,8 +306,10 @@ static const opt opts[] = {
      NULL, AT_START},
     {"tenant", NULL, CT_WORDS, OFF(tenants), "", 0, 0,
      "tenants, each NAME[:weight=W][:rpm=N][:tpm=N]: W its share of dispatch out of the queue "
-     "(1), N its requests or tokens per minute (0: no limit; 429 with x-ratelimit-* beyond)",
-     NULL, AT_START},
+     "(1), N its requests or tokens per minute (0: no limit; 429 with x-ratelimit-* beyond); a "
+     "reload or POST /admin/admission changes known tenants at once, queued requests "
+     "included (new names need a restart)",
+     NULL, RELOADS},
     {"print-config", NULL, CT_FLAG, OFF(print_config), "false", 0, 0,
      "print the effective configuration as YAML (a --config file) and exit", NULL, AT_START},
 };

@@ -6,6 +6,7 @@
 #include <string.h>
 
 #include "base/log.h"
+#include "proxy/admission.h"
 #include "proxy/discovery.h"
 
 /* ---------- build ---------- */
@@ -301,6 +302,13 @@ int px_reload(px_reloader *rl, int from_file, const px_api_op *op, char *err, si
     px_gen *old = swap(rl, g);
     diff(old, g);
     retire(rl, old);
+    if (nc) {
+        /* The file's admission settings, for the requests queued too. */
+        char note[256], aerr[256];
+        if (px_adm_reconfigure(rl->ctx, nc->tenants.v, nc->tenants.n, nc->pool_max_inflight,
+                               note, sizeof note, aerr, sizeof aerr) < 0)
+            PX_LOG(PX_LOG_WARN, "msg=\"reload: admission settings kept\" error=\"%s\"", aerr);
+    }
     remember(rl, nc, op);
     PX_LOG(PX_LOG_INFO, "msg=\"configuration swapped\" generation=%llu source=%s pools=%zu ms=%.3f",
            (unsigned long long)g->id,

@@ -394,7 +394,8 @@ class AdminTest(AdmissionCase):
         st, doc = admin(aport, "GET", "/admin/admission", token=token)
         self.assertEqual(doc["pools"][0]["admitted"], 0)
         self.assertFalse(doc["pools"][0]["saturated"])
-        self.assertEqual(admin(aport, "POST", "/admin/admission", token=token)[0], 405)
+        self.assertEqual(admin(aport, "POST", "/admin/admission", token=token)[0], 400)
+        self.assertEqual(admin(aport, "DELETE", "/admin/admission", token=token)[0], 405)
         self.assertEqual(admin(aport, "GET", "/admin/admission")[0], 401)
 
 
@@ -496,6 +497,71 @@ class SaturationSourcesTest(AdmissionCase):
         self.finish()
         self.assertEqual(self.results["waits"].status, 200)
         self.assertEqual(request_ids(self.D), ["slow-0", "block-0", "waits"])
+
+    def test_reload_changes_weights_and_limits_of_queued_requests(self):
+        """A full queue, then a reload from the file with tenant a's weight
+        1 -> 3 and --pool-max-inflight 1 -> 2: the queued requests are all
+        kept, one more is sent at once (the new limit, without the gate
+        opening), and they leave in the new weights' order."""
+        self.P = self.mock(prefill_handler(), name="P")
+        self.D = self.mock(gated_decode(self.gate), name="D")
+        d = tmpdir(self)
+        f = os.path.join(d, "pdproxy.yaml")
+        pools = [("m", ["m"], [self.P], [self.D])]
+        write_yaml(f, pools_yaml(pools, "pool-max-inflight: 1\nqueue-max: 32\n"
+                                 "tenant: a b\n"))
+        px = self.start(args=["--config", f], threads=1)
+        self.block(px)
+        for i in range(6):
+            self.queue(px, "a%d" % i, {"x-tenant": "a"})
+        for i in range(6):
+            self.queue(px, "b%d" % i, {"x-tenant": "b"})
+        self.assertEqual(len(self.D.requests), 1)
+        write_yaml(f, pools_yaml(pools, "pool-max-inflight: 2\nqueue-max: 32\n"
+                                 "tenant: a:weight=3 b\n"))
+        sighup(px)
+        wait_generation(self, px, 2)
+        # The second slot drains the queue while block-0 still holds the first.
+        self.assertEqual(len(self.D.wait_requests(13, 10.0)), 13)
+        order = request_ids(self.D)[1:]
+        self.assertEqual(sum(1 for r in order[:8] if r.startswith("a")), 6, order)
+        self.finish()
+        self.assertTrue(all(r.status == 200 for r in self.results.values()))
+        self.assertEqual(adm(px, "dispatched"), 12)
+        self.assertEqual(adm(px, "client_left"), 0)
+        self.assertNotIn("take effect at restart only", px.stderr())
+
+    def test_admin_api_changes_tenants_of_queued_requests(self):
+        """POST /admin/admission: new weights and limits apply to requests
+        already queued; a bad spec is refused and changes nothing."""
+        from pdharness.net import free_port
+        d = tmpdir(self)
+        tokpath, token = token_file(self, d)
+        aport = free_port()
+        px = self.proxy(["--tenant", "a b", "--queue-max", "32", "--admin-port", str(aport),
+                         "--admin-token-file", tokpath])
+        self.block(px)
+        for i in range(6):
+            self.queue(px, "a%d" % i, {"x-tenant": "a"})
+        for i in range(6):
+            self.queue(px, "b%d" % i, {"x-tenant": "b"})
+        st, doc = admin(aport, "POST", "/admin/admission", {"tenants": "a:weight=x"},
+                        token=token)
+        self.assertEqual(st, 400, doc)
+        self.assertIn("a:weight=x", doc["error"]["message"])
+        st, doc = admin(aport, "POST", "/admin/admission",
+                        {"tenants": "a:weight=3:rpm=100, b:rpm=50, c"}, token=token)
+        self.assertEqual(st, 200, doc)
+        ten = {t["name"]: t for t in doc["tenants"]}
+        self.assertEqual((ten["a"]["weight"], ten["a"]["rpm"]), (3, 100))
+        self.assertEqual((ten["b"]["weight"], ten["b"]["rpm"]), (1, 50))
+        self.assertNotIn("c", ten, "a new tenant needs a restart")
+        self.finish()
+        order = request_ids(self.D)[1:]
+        self.assertEqual(sum(1 for r in order[:8] if r.startswith("a")), 6, order)
+        st, doc = admin(aport, "POST", "/admin/admission", {"pool_max_inflight": -1},
+                        token=token)
+        self.assertEqual(st, 400, doc)
 
     def test_reload_keeps_queued_requests(self):
         self.P = self.mock(prefill_handler(), name="P")
