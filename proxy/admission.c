@@ -161,6 +161,7 @@ struct px_adm_worker {
     int dispatching;    /* in dispatch(): leave() asks for another round */
     int again;
     int stopping;       /* the worker stops: nothing more is dispatched */
+    unsigned turn;      /* slots freed here while others wait: every other one is theirs */
     /* Cross-thread: other workers read nq and write efd. */
     int efd;                 /* owned eventfd: "a pool slot was freed elsewhere" */
     struct event *wake;      /* owned: reads efd on this worker's loop */
@@ -194,6 +195,16 @@ static void publish(px_adm_worker *a) {
  * use it: every other worker with requests waiting is woken, through its
  * eventfd (the loops have no locking, so no event_active across threads),
  * to look at its queue now. Each is written once until it has read. */
+/* Whether another worker has requests waiting. */
+static int others_wait(px_wctx *self) {
+    px_ctx *c = self->ctx;
+    for (int i = 0; i < c->nworkers; i++) {
+        px_adm_worker *o = c->workers[i] ? c->workers[i]->adm : NULL;
+        if (o && o != self->adm && atomic_load(&o->nq)) return 1;
+    }
+    return 0;
+}
+
 static void wake_others(px_wctx *self) {
     px_ctx *c = self->ctx;
     for (int i = 0; i < c->nworkers; i++) {
@@ -612,9 +623,16 @@ void px_adm_leave(px_wctx *w, px_adm_req *a) {
     if (a->sent) {
         a->sent = 0;
         atomic_fetch_sub(&a->ps->admitted, 1);
-        if (w->adm->q.n) dispatch(w->adm);
+        /* A worker whose queue always refills would keep every slot it
+         * frees, and the others' requests would wait for their timer to
+         * win a race: while others wait too, every other slot freed here
+         * is left to them (they are woken below). */
+        int handoff = w->ctx->nworkers > 1 && w->adm->q.n && others_wait(w) &&
+                      (w->adm->turn++ & 1);
+        if (w->adm->q.n && !handoff) dispatch(w->adm);
         /* The slot is still free when this worker's queue did not take
-         * it (empty, or waiting for other pools): another worker's may. */
+         * it (empty, handed off, or waiting for other pools): another
+         * worker's may. */
         if (w->ctx->nworkers > 1 && !px_pool_saturated(w->ctx, a->ps, px_now_ns()))
             wake_others(w);
     }
