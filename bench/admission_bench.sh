@@ -8,31 +8,31 @@
 #         above the load (a CAS per request, usage scanned in every answer,
 #         x-ratelimit-* headers on every answer), a pool limit above the
 #         connection count and a queue
-#   full: pdproxy with --pool-max-inflight 4 under 64 connections: 60
-#         requests always wait, so its rate is the dispatch rate out of a
-#         full queue
+#   full: pdproxy with --pool-max-inflight FULL_POOL (4) under FULL_CONNS
+#         (64) connections: all but 4 requests always wait, so its rate is
+#         the dispatch rate out of a full queue; --threads FULL_THREADS (2),
+#         so slots freed on one worker serve requests waiting on the other
+#         (the cross-worker wake: FULL_POOL=1 FULL_CONNS=4 shows it most)
 #
 # Mock engines: nginx returning canned prefill and decode answers. Each
 # round runs off and on back to back (ROUNDS rounds, alternating which goes
 # first) and prints req/s and pdproxy's CPU per request (utime+stime from
 # /proc over the run / requests served); then the medians and the ratio.
-#   bench/admission_bench.sh [build-dir]   (DURATION=5 ROUNDS=3 CONNS=16)
+#   bench/admission_bench.sh [build-dir]   (DURATION=5 ROUNDS=3 CONNS=16 FULL_THREADS=2)
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 build=${1:-$root/build}
-pdproxy=$build/bin/pdproxy
 duration=${DURATION:-5}
 rounds=${ROUNDS:-3}
 conns=${CONNS:-16}
-[ -x "$pdproxy" ] || { echo "build pdproxy first ($pdproxy missing)" >&2; exit 1; }
-command -v wrk >/dev/null && command -v nginx >/dev/null || {
-    echo "needs wrk and nginx (deploy/local/install-deps.sh)" >&2; exit 1; }
-
+full_threads=${FULL_THREADS:-2}
+full_pool=${FULL_POOL:-4}
+full_conns=${FULL_CONNS:-64}
 # shellcheck source=bench/lib.sh
 . "$root/bench/lib.sh"
+bench_pdproxy "$build"
+bench_needs wrk nginx
 P=$(free_port); D=$(free_port); A=$(free_port); B=$(free_port); C=$(free_port)
-pbody='{"id":"cmpl-bench","object":"text_completion","created":1,"model":"bench","choices":[{"index":0,"text":" a","finish_reason":"length"}],"usage":{"prompt_tokens":9,"completion_tokens":1,"total_tokens":10},"kv_transfer_params":{"do_remote_prefill":true,"do_remote_decode":false,"remote_block_ids":[1,2,3],"remote_engine_id":"p0","remote_request_id":"cmpl-bench-0-deadbeef","remote_host":"127.0.0.1","remote_port":5600,"tp_size":1}}'
-dbody='{"id":"cmpl-bench","object":"text_completion","created":1,"model":"bench","choices":[{"index":0,"text":" jumps over the lazy dog again and again","finish_reason":"length"}],"usage":{"prompt_tokens":9,"completion_tokens":16,"total_tokens":25}}'
 mkdir -p "$work/logs"
 cat > "$work/backends.conf" <<CONF
 worker_processes 1;
@@ -48,12 +48,12 @@ http {
 }
 CONF
 nginx -c "$work/backends.conf" -g 'daemon off;' & pids+=($!)
-common=(--threads 1 --log-level warn --access-log=false
+common=(--log-level warn --access-log=false
         --prefiller-hosts 127.0.0.1 --prefiller-ports "$P" --decoder-hosts 127.0.0.1 --decoder-ports "$D")
-"$pdproxy" --port "$A" "${common[@]}" 2>"$work/logs/off.err" & pa=$!; pids+=($pa)
-"$pdproxy" --port "$B" "${common[@]}" --pool-max-inflight 100000 --queue-max 1024 \
+"$pdproxy" --port "$A" --threads 1 "${common[@]}" 2>"$work/logs/off.err" & pa=$!; pids+=($pa)
+"$pdproxy" --port "$B" --threads 1 "${common[@]}" --pool-max-inflight 100000 --queue-max 1024 \
     --tenant "bench:weight=2:rpm=1000000000:tpm=1000000000000" 2>"$work/logs/on.err" & pb=$!; pids+=($pb)
-"$pdproxy" --port "$C" "${common[@]}" --pool-max-inflight 4 --queue-max 1024 \
+"$pdproxy" --port "$C" --threads "$full_threads" "${common[@]}" --pool-max-inflight "$full_pool" --queue-max 1024 \
     2>"$work/logs/full.err" & pc=$!; pids+=($pc)
 for p in $P $D $A $B $C; do wait_port "$p"; done
 
@@ -90,6 +90,8 @@ off_rps=$(med off 2); on_rps=$(med on 2); off_cpu=$(med off 3); on_cpu=$(med on 
 echo "median off: $off_rps req/s, $off_cpu us CPU/request"
 echo "median on:  $on_rps req/s, $on_cpu us CPU/request"
 awk -v a="$off_cpu" -v b="$on_cpu" 'BEGIN{printf "CPU per request, on vs off: %+.1f %%\n", (b-a)/a*100}'
-# Dispatch out of a full queue: 64 connections, 4 sent on at a time.
-run full "$C" "$pc" 64 | awk '{print "full queue (pool 4, 64 connections): " $2 " req/s dispatched, " $3 " us CPU/request"}'
-curl -s "http://127.0.0.1:$C/metrics" | grep -E '^pdproxy_admission_total\{event="(queued|dispatched|queue_full)"' || true
+# Dispatch out of a full queue: FULL_CONNS connections, FULL_POOL sent on at a time.
+for i in $(seq 1 "$rounds"); do run full "$C" "$pc" "$full_conns" >> "$work/full"; done
+awk '{print "full queue (pool '"$full_pool"', '"$full_conns"' connections, --threads '"$full_threads"'): " $2 " req/s dispatched, " $3 " us CPU/request"}' "$work/full"
+awk '{print $2}' "$work/full" | sort -g | awk '{a[NR]=$1} END{print "median full-queue dispatch rate: " a[int((NR+1)/2)] " req/s"}'
+curl -s "http://127.0.0.1:$C/metrics" | grep -E '^pdproxy_admission_total\{event="(queued|dispatched|queue_full|woken)"' || true

@@ -1,7 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 # Shared by the benchmark scripts (sourced): a work directory removed on
 # exit, background processes (append their pids to `pids`) stopped on exit,
-# free loopback ports, and waiting for a port to accept connections.
+# free loopback ports, and waiting for a port to accept connections; for
+# the scripts timing pdproxy against canned engines, bench_pdproxy and
+# bench_needs (the preamble's checks) and the canned answers.
 work=$(mktemp -d)
 pids=()
 bench_cleanup() {
@@ -40,3 +42,23 @@ wait_lines() {
     done
     echo "$1 never reached $2 lines" >&2; exit 1
 }
+
+# bench_pdproxy BUILD_DIR: sets `pdproxy` to BUILD_DIR/bin/pdproxy, or exits
+# when it is not built.
+bench_pdproxy() {
+    pdproxy=$1/bin/pdproxy
+    [ -x "$pdproxy" ] || { echo "build pdproxy first ($pdproxy missing)" >&2; exit 1; }
+}
+
+# bench_needs TOOL...: exits unless every tool is on PATH.
+bench_needs() {
+    local t
+    for t in "$@"; do
+        command -v "$t" >/dev/null || { echo "needs $* (deploy/local/install-deps.sh)" >&2; exit 1; }
+    done
+}
+
+# The canned answers of the mock engines (nginx `return 200`): prefill's
+# with kv_transfer_params, decode's with usage.
+pbody='{"id":"cmpl-bench","object":"text_completion","created":1,"model":"bench","choices":[{"index":0,"text":" a","finish_reason":"length"}],"usage":{"prompt_tokens":9,"completion_tokens":1,"total_tokens":10},"kv_transfer_params":{"do_remote_prefill":true,"do_remote_decode":false,"remote_block_ids":[1,2,3],"remote_engine_id":"p0","remote_request_id":"cmpl-bench-0-deadbeef","remote_host":"127.0.0.1","remote_port":5600,"tp_size":1}}'
+dbody='{"id":"cmpl-bench","object":"text_completion","created":1,"model":"bench","choices":[{"index":0,"text":" jumps over the lazy dog again and again","finish_reason":"length"}],"usage":{"prompt_tokens":9,"completion_tokens":16,"total_tokens":25}}'

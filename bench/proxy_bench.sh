@@ -22,22 +22,18 @@
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 build=${1:-$root/build}
-pdproxy=$build/bin/pdproxy
 duration=${DURATION:-10}
 pthreads=${THREADS:-1}
-[ -x "$pdproxy" ] || { echo "build pdproxy first ($pdproxy missing)" >&2; exit 1; }
-command -v wrk >/dev/null && command -v nginx >/dev/null || {
-    echo "needs wrk and nginx (deploy/local/install-deps.sh)" >&2; exit 1; }
-
 # shellcheck source=bench/lib.sh
 . "$root/bench/lib.sh"
+bench_pdproxy "$build"
+bench_needs wrk nginx
 S=$(free_port); NS=$(free_port); XS=$(free_port)
 P=$(free_port); D=$(free_port); N=$(free_port); X=$(free_port); O=$(free_port); Y=$(free_port)
 otlp=${OTLP:-0}
 https=${HTTPS:-0}
 TP=$(free_port); TD=$(free_port); TN=$(free_port); TX=$(free_port)
 
-pbody='{"id":"cmpl-bench","object":"text_completion","created":1,"model":"bench","choices":[{"index":0,"text":" a","finish_reason":"length"}],"usage":{"prompt_tokens":9,"completion_tokens":1,"total_tokens":10},"kv_transfer_params":{"do_remote_prefill":true,"do_remote_decode":false,"remote_block_ids":[1,2,3],"remote_engine_id":"p0","remote_request_id":"cmpl-bench-0-deadbeef","remote_host":"127.0.0.1","remote_port":5600,"tp_size":1}}'
 # SSE=1: a decode mock answering 200 events of ~120 bytes each, as fast as it
 # can write them: nginx serving one file (POSTs included, via error_page).
 mkdir -p "$work/sse"
@@ -49,7 +45,6 @@ with open(sys.argv[1], "w") as f:
              "choices": [{"index": 0, "text": " tok%03d" % i, "finish_reason": None}]}
         f.write("data: " + json.dumps(d, separators=(",", ":")) + "\n\n")
     f.write("data: [DONE]\n\n")' "$work/sse/events.txt"
-dbody='{"id":"cmpl-bench","object":"text_completion","created":1,"model":"bench","choices":[{"index":0,"text":" jumps over the lazy dog again and again","finish_reason":"length"}],"usage":{"prompt_tokens":9,"completion_tokens":16,"total_tokens":25}}'
 
 mkdir -p "$work/logs"
 # HTTPS=1: the same mock engines behind TLS (a self-signed certificate),

@@ -303,15 +303,67 @@ static void show_admission(px_admin *a, px_conn *c) {
         unsigned long long until = atomic_load(&p->backoff_until_ns);
         px_buf_appends(&b, i ? ",{\"name\":" : "{\"name\":");
         json_str(&b, p->name);
-        px_buf_printf(&b, ",\"admitted\":%ld,\"saturated\":%s,\"backoff_ms\":%.0f}",
-                      (long)atomic_load(&p->admitted),
-                      px_pool_saturated(x->cfg, p, now) ? "true" : "false",
-                      until > now ? (double)(until - now) / 1e6 : 0.0);
+        unsigned why = px_pool_saturation(x, p, now);
+        px_buf_printf(&b, ",\"admitted\":%ld,\"saturated\":%s,\"backoff_ms\":%.0f,"
+                      "\"ttfb_ewma_ms\":%.3f,\"signals\":[",
+                      (long)atomic_load(&p->admitted), why ? "true" : "false",
+                      until > now ? (double)(until - now) / 1e6 : 0.0,
+                      (double)atomic_load(&p->ttfb_ewma_us) / 1e3);
+        for (int s = 0, k = 0; s < PX_SAT_SIGNALS; s++)
+            if (why >> s & 1) px_buf_printf(&b, "%s\"%s\"", k++ ? "," : "", px_sat_signal_name(s));
+        px_buf_appends(&b, "]}");
     }
     px_gen_release(g);
     px_buf_appends(&b, "]}");
     reply(c, 200, &b);
     px_buf_cleanup(&b);
+}
+
+/* POST /admin/admission: {"tenants": "NAME[:weight=W][:rpm=N][:tpm=N] ...",
+ * "pool_max_inflight": N}, either or both: the tenants as --tenant gives
+ * them (space or comma separated; the whole set), --pool-max-inflight.
+ * Applied at once, queued requests included, until the next reload from
+ * the file; answered with GET's document. */
+static void change_admission(px_admin *a, px_conn *c, const px_buf *body) {
+    char *specs = str_member(body, "tenants");
+    px_json_member m;
+    int has_t = body->len && px_json_find(body->data, body->len, "tenants", &m);
+    int has_max = body->len && px_json_find(body->data, body->len, "pool_max_inflight", &m);
+    long long max = -1;
+    char num[32], err[512], note[256];
+    if (has_max) {
+        char *end = NULL;
+        if (m.type == PX_JSON_NUMBER && m.val_len < sizeof num) {
+            memcpy(num, m.val, m.val_len);
+            num[m.val_len] = 0;
+            max = strtoll(num, &end, 10);
+        }
+        if (!end || *end || max < 0 || max > 100000000) has_max = -1;
+    }
+    if ((!has_t && !has_max) || (has_t && !specs) || has_max < 0) {
+        reply_err(c, 400,
+                  "expected a JSON object {\"tenants\": \"NAME[:weight=W][:rpm=N][:tpm=N] ...\", "
+                  "\"pool_max_inflight\": 0..100000000}, either or both");
+        free(specs);
+        return;
+    }
+    px_strlist words = {0};
+    for (char *save = NULL, *w = specs ? strtok_r(specs, " ,\t", &save) : NULL; w;
+         w = strtok_r(NULL, " ,\t", &save))
+        px_strlist_push(&words, w);
+    int rc = px_adm_reconfigure(a->h.ctx, has_t ? words.v : NULL, words.n, max, note,
+                                sizeof note, err, sizeof err);
+    for (size_t i = 0; i < words.n; i++)
+        free(words.v[i]);
+    free(words.v);
+    free(specs);
+    if (rc < 0) {
+        reply_err(c, 400, err);
+        return;
+    }
+    PX_LOG(PX_LOG_INFO, "msg=\"admin: admission settings changed\" who=%s%s%s", a->who,
+           note[0] ? " new_tenants_at_restart=" : "", note);
+    show_admission(a, c);
 }
 
 /* POST /admin/reload answered once the file was read (on a helper thread)
@@ -513,8 +565,11 @@ static void dispatch(void *ctx, px_conn *c, const px_http_head *h, px_buf *body)
     } else if (px_http_path_is(h, "/admin/admission")) {
         if (get)
             show_admission(a, c);
+        else if (post)
+            change_admission(a, c, body);
         else
-            px_conn_reply_error(c, 405, NULL, "Allow: GET\r\n", "method not allowed: use GET");
+            px_conn_reply_error(c, 405, NULL, "Allow: GET, POST\r\n",
+                                "method not allowed: use GET or POST");
     } else if (px_http_path_is(h, "/admin/kv_index")) {
         if (get)
             kv_index(a, c, h);

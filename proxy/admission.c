@@ -115,7 +115,9 @@ px_adm_item *px_admq_pop(px_admq *q, int (*ok)(void *arg, px_adm_item *it), void
         for (size_t i = 0, n = c->nactive; i < n; i++) {
             px_adm_flow *f = c->ahead;
             if (!f->credit) {
-                uint32_t w = q->weights ? q->weights[f - c->flows] : 1;
+                /* A reload may change a weight meanwhile (px_adm_reconfigure). */
+                uint32_t w =
+                    q->weights ? __atomic_load_n(&q->weights[f - c->flows], __ATOMIC_RELAXED) : 1;
                 f->credit = w ? w : 1;
             }
             px_adm_item *it = f->head;
@@ -135,17 +137,22 @@ px_adm_item *px_admq_pop(px_admq *q, int (*ok)(void *arg, px_adm_item *it), void
 
 /* ---------- the gate, on a worker's loop ---------- */
 
+#include <errno.h>
 #include <event2/event.h>
 #include <stdio.h>
 #include <string.h>
+#include <sys/eventfd.h>
+#include <unistd.h>
 
 #include "base/json.h"
 #include "base/log.h"
 
-/* How often a worker with requests waiting looks again: slots freed on
- * other workers, back-offs ending and engines' figures are seen this late
- * at most. */
-#define POLL_US 5000
+/* How often a worker with requests waiting looks again on its own:
+ * back-offs ending and engines' figures (which change every
+ * --metrics-interval at most) are seen this late at most. A slot freed on
+ * another worker does not wait for it: that worker wakes this one (see
+ * wake_others). */
+#define POLL_US 20000
 
 struct px_adm_worker {
     px_wctx *w; /* borrowed */
@@ -154,6 +161,12 @@ struct px_adm_worker {
     int dispatching;    /* in dispatch(): leave() asks for another round */
     int again;
     int stopping;       /* the worker stops: nothing more is dispatched */
+    unsigned turn;      /* slots freed here while others wait: every other one is theirs */
+    /* Cross-thread: other workers read nq and write efd. */
+    int efd;                 /* owned eventfd: "a pool slot was freed elsewhere" */
+    struct event *wake;      /* owned: reads efd on this worker's loop */
+    atomic_size_t nq;        /* q.n, published for the other workers */
+    atomic_int wake_pending; /* efd written and not yet read: no second write */
 };
 
 static void dispatch(px_adm_worker *a);
@@ -161,6 +174,46 @@ static void dispatch(px_adm_worker *a);
 static void on_poll(evutil_socket_t fd, short what, void *arg) {
     (void)fd, (void)what;
     dispatch(arg);
+}
+
+static void on_wake(evutil_socket_t fd, short what, void *arg) {
+    (void)what;
+    px_adm_worker *a = arg;
+    uint64_t v;
+    if (read(fd, &v, sizeof v) < 0 && errno != EAGAIN) return;
+    atomic_store(&a->wake_pending, 0);
+    px_m_inc(&a->w->metrics.adm[PX_ADM_M_WOKEN]);
+    dispatch(a);
+}
+
+/* The queue's length, for the other workers' wake_others. */
+static void publish(px_adm_worker *a) {
+    atomic_store(&a->nq, a->q.n);
+}
+
+/* A slot of a pool was freed on worker `self`, and its own queue could not
+ * use it: every other worker with requests waiting is woken, through its
+ * eventfd (the loops have no locking, so no event_active across threads),
+ * to look at its queue now. Each is written once until it has read. */
+/* Whether another worker has requests waiting. */
+static int others_wait(px_wctx *self) {
+    px_ctx *c = self->ctx;
+    for (int i = 0; i < c->nworkers; i++) {
+        px_adm_worker *o = c->workers[i] ? c->workers[i]->adm : NULL;
+        if (o && o != self->adm && atomic_load(&o->nq)) return 1;
+    }
+    return 0;
+}
+
+static void wake_others(px_wctx *self) {
+    px_ctx *c = self->ctx;
+    for (int i = 0; i < c->nworkers; i++) {
+        px_adm_worker *o = c->workers[i] ? c->workers[i]->adm : NULL;
+        if (!o || o == self->adm || o->efd < 0 || !atomic_load(&o->nq)) continue;
+        if (atomic_exchange(&o->wake_pending, 1)) continue;
+        uint64_t one = 1;
+        if (write(o->efd, &one, sizeof one) < 0) atomic_store(&o->wake_pending, 0);
+    }
 }
 
 px_adm_worker *px_adm_worker_create(px_wctx *w) {
@@ -172,8 +225,14 @@ px_adm_worker *px_adm_worker_create(px_wctx *w) {
     size_t max_b = cfg->queue_max_bytes ? ((size_t)cfg->queue_max_bytes + (size_t)nw - 1) / (size_t)nw : 0;
     px_admq_init(&a->q, w->ctx->tenant_weights, w->ctx->tenants.n + 1, max_n, max_b);
     a->poll = event_new(w->base, -1, 0, on_poll, a);
+    a->efd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    if (a->efd >= 0) {
+        a->wake = event_new(w->base, a->efd, EV_READ | EV_PERSIST, on_wake, a);
+        event_add(a->wake, NULL);
+    } /* else: other workers' slots are seen by the poll alone */
     return a;
 }
+
 
 void px_adm_worker_stop(px_adm_worker *a) {
     if (a) a->stopping = 1;
@@ -182,31 +241,130 @@ void px_adm_worker_stop(px_adm_worker *a) {
 void px_adm_worker_destroy(px_adm_worker *a) {
     if (!a) return;
     if (a->poll) event_free(a->poll);
+    if (a->wake) event_free(a->wake);
+    if (a->efd >= 0) close(a->efd);
     px_admq_cleanup(&a->q);
     free(a);
 }
 
-int px_pool_saturated(const px_config *cfg, px_pset *ps, uint64_t now) {
-    if (cfg->pool_max_inflight > 0 && atomic_load(&ps->admitted) >= cfg->pool_max_inflight)
-        return 1;
+static const char *const sat_names[PX_SAT_SIGNALS] = {"inflight", "backoff", "waiting",
+                                                      "kv_usage", "ttfb"};
+
+const char *px_sat_signal_name(int i) {
+    return i >= 0 && i < PX_SAT_SIGNALS ? sat_names[i] : "";
+}
+
+int px_adm_wants_engine_load(const px_config *cfg) {
+    return cfg->saturate_waiting > 0 || cfg->saturate_kv_usage > 0;
+}
+
+unsigned px_pool_saturation(px_ctx *c, px_pset *ps, uint64_t now) {
+    const px_config *cfg = c->cfg;
+    unsigned why = 0;
+    long admitted = atomic_load(&ps->admitted);
+    int64_t max = atomic_load_explicit(&c->pool_max_inflight, memory_order_relaxed);
+    if (max > 0 && admitted >= max) why |= PX_SAT_INFLIGHT;
+    if (cfg->saturate_ttfb > 0 && admitted > 0 &&
+        (double)atomic_load_explicit(&ps->ttfb_ewma_us, memory_order_relaxed) >=
+            cfg->saturate_ttfb * 1e6)
+        why |= PX_SAT_TTFB;
     int backoff = atomic_load_explicit(&ps->backoff_until_ns, memory_order_relaxed) > now;
-    if (!backoff && cfg->saturate_waiting <= 0) return 0;
+    if (backoff) {
+        /* Every prefill backing off saturates the pool as well. */
+        px_pool *pp = &ps->prefill;
+        int pusable = 0, pfull = 0;
+        pthread_mutex_lock(&pp->mu);
+        for (size_t i = 0; i < pp->n; i++) {
+            px_backend *b = pp->b[i];
+            if (!atomic_load(&b->healthy) || atomic_load(&b->drained)) continue;
+            pusable++;
+            if (atomic_load(&b->backoff_until_ns) > now) pfull++;
+        }
+        pthread_mutex_unlock(&pp->mu);
+        if (pusable > 0 && pfull == pusable) why |= PX_SAT_BACKOFF;
+    }
+    if (!backoff && !px_adm_wants_engine_load(cfg)) return why;
     /* Every decode that would take the request is backing off or reports
-     * a full queue. */
+     * a full queue or KV cache. */
+    long kv_milli = (long)(cfg->saturate_kv_usage * 1000.0 + 0.5);
     px_pool *p = &ps->decode;
     int usable = 0, full = 0;
+    unsigned seen = 0;
     pthread_mutex_lock(&p->mu);
     for (size_t i = 0; i < p->n; i++) {
         px_backend *b = p->b[i];
         if (!atomic_load(&b->healthy) || atomic_load(&b->drained)) continue;
         usable++;
-        if (atomic_load(&b->backoff_until_ns) > now ||
-            (cfg->saturate_waiting > 0 && atomic_load(&b->load_known) &&
-             atomic_load(&b->waiting) >= cfg->saturate_waiting))
-            full++;
+        unsigned bw = 0;
+        if (atomic_load(&b->backoff_until_ns) > now) bw |= PX_SAT_BACKOFF;
+        if (atomic_load(&b->load_known)) {
+            if (cfg->saturate_waiting > 0 && atomic_load(&b->waiting) >= cfg->saturate_waiting)
+                bw |= PX_SAT_WAITING;
+            if (cfg->saturate_kv_usage > 0 && atomic_load(&b->kv_usage_milli) >= kv_milli)
+                bw |= PX_SAT_KV;
+        }
+        if (bw) full++;
+        seen |= bw;
     }
     pthread_mutex_unlock(&p->mu);
-    return usable > 0 && full == usable;
+    if (usable > 0 && full == usable) why |= seen;
+    return why;
+}
+
+int px_pool_saturated(px_ctx *c, px_pset *ps, uint64_t now) {
+    return px_pool_saturation(c, ps, now) != 0;
+}
+
+void px_adm_first_byte(px_adm_req *a) {
+    if (!a->t_sent || !a->ps) return;
+    uint64_t now = px_now_ns();
+    uint64_t us = now > a->t_sent ? (now - a->t_sent) / 1000 : 0;
+    a->t_sent = 0; /* one sample per request (a retry's second answer is not one) */
+    unsigned long long cur = atomic_load_explicit(&a->ps->ttfb_ewma_us, memory_order_relaxed);
+    unsigned long long next;
+    do {
+        /* The first sample sets it; then 7/8 of the old and 1/8 of the new. */
+        next = cur ? (cur * 7 + us) / 8 : (us ? us : 1);
+    } while (!atomic_compare_exchange_weak(&a->ps->ttfb_ewma_us, &cur, next));
+}
+
+/* A Prometheus label value: backslash, quote and newline escaped. */
+static void label_value(px_buf *o, const char *v) {
+    for (; *v; v++) {
+        if (*v == '\n') {
+            px_buf_appends(o, "\\n");
+            continue;
+        }
+        if (*v == '\\' || *v == '"') px_buf_append(o, "\\", 1);
+        px_buf_append(o, v, 1);
+    }
+}
+
+void px_adm_render_metrics(px_ctx *c, px_buf *o) {
+    uint64_t now = px_now_ns();
+    px_gen *g = px_ctx_gen(c);
+    px_buf_appends(o, "# HELP pdproxy_pool_saturated Whether a signal saturates the pool now "
+                      "(requests for it wait in the admission queue).\n"
+                      "# TYPE pdproxy_pool_saturated gauge\n");
+    for (size_t i = 0; i < g->nps; i++) {
+        unsigned why = px_pool_saturation(c, &g->ps[i], now);
+        for (int s = 0; s < PX_SAT_SIGNALS; s++) {
+            px_buf_appends(o, "pdproxy_pool_saturated{pool=\"");
+            label_value(o, g->ps[i].name);
+            px_buf_printf(o, "\",signal=\"%s\"} %d\n", sat_names[s], (why >> s) & 1);
+        }
+    }
+    px_buf_appends(o, "# HELP pdproxy_pool_ttfb_ewma_seconds Time to first byte since "
+                      "dispatch, moving average per pool (--saturate-ttfb compares it).\n"
+                      "# TYPE pdproxy_pool_ttfb_ewma_seconds gauge\n");
+    for (size_t i = 0; i < g->nps; i++) {
+        px_buf_appends(o, "pdproxy_pool_ttfb_ewma_seconds{pool=\"");
+        label_value(o, g->ps[i].name);
+        px_buf_printf(o, "\"} %.6f\n",
+                      (double)atomic_load_explicit(&g->ps[i].ttfb_ewma_us,
+                                                   memory_order_relaxed) / 1e6);
+    }
+    px_gen_release(g);
 }
 
 int px_adm_engine_status(px_ctx *c, px_pset *ps, px_backend *b, int status) {
@@ -225,8 +383,8 @@ int px_adm_engine_status(px_ctx *c, px_pset *ps, px_backend *b, int status) {
 /* Takes one of the pool's --pool-max-inflight slots: 1, or 0 when none is
  * free. A compare-and-swap, so workers admitting at once never pass the
  * limit between them. */
-static int take_slot(const px_config *cfg, px_pset *ps) {
-    long max = (long)cfg->pool_max_inflight;
+static int take_slot(px_ctx *c, px_pset *ps) {
+    long max = (long)atomic_load_explicit(&c->pool_max_inflight, memory_order_relaxed);
     long cur = atomic_load(&ps->admitted);
     do {
         if (max > 0 && cur >= max) return 0;
@@ -247,7 +405,8 @@ static void take_out(px_adm_worker *a, px_adm_req *r, uint64_t now) {
         event_free(r->timer);
         r->timer = NULL;
     }
-    r->wait_ns = now - r->t_enq;
+    publish(a);
+    r->wait_ns += now - r->t_enq; /* a requeued request waits more than once */
     px_hist_observe(&a->w->metrics.queue_wait, (double)r->wait_ns / 1e9);
 }
 
@@ -261,16 +420,18 @@ static void dispatch(px_adm_worker *a) {
     do {
         a->again = 0;
         px_adm_item *it;
-        while ((it = px_admq_pop(&a->q, pool_free, (void *)a->w->ctx->cfg))) {
+        while ((it = px_admq_pop(&a->q, pool_free, a->w->ctx))) {
             px_adm_req *r = (px_adm_req *)it;
             /* popped: out of the queue already */
             take_out(a, r, px_now_ns());
             r->sent = 1; /* pool_free took its slot */
+            r->t_sent = px_now_ns();
             px_m_inc(&a->w->metrics.adm[PX_ADM_M_DISPATCHED]);
             r->go(it->owner);
         }
     } while (a->again);
     a->dispatching = 0;
+    publish(a);
     if (a->q.n) {
         struct timeval tv = {0, POLL_US};
         event_add(a->poll, &tv);
@@ -344,24 +505,27 @@ px_adm_verdict px_adm_enter(px_wctx *w, px_adm_req *a, px_pset *ps, const px_htt
                                                       : PX_ADM_M_RATE_TOKENS]);
         return PX_ADM_REFUSED;
     }
-    int saturated = px_pool_saturated(cfg, ps, now);
+    double limit = cfg->queue_timeout;
+    double asked = header_seconds(h, "x-queue-timeout");
+    if (asked >= 0 && asked < limit) limit = asked;
+    a->deadline_ns = now + (uint64_t)(limit * 1e9);
+    int saturated = px_pool_saturated(c, ps, now);
     if (!saturated && !w->adm->q.n) {
-        if (take_slot(cfg, ps)) {
+        if (take_slot(c, ps)) {
             a->sent = 1;
+            a->t_sent = now;
             return PX_ADM_GO;
         }
         saturated = 1; /* another worker took the last slot meanwhile */
     }
-    double limit = cfg->queue_timeout;
-    double asked = header_seconds(h, "x-queue-timeout");
-    if (asked >= 0 && asked < limit) limit = asked;
     a->it.cls = class_of(cfg, h, body, blen);
     a->it.tenant = a->tenant;
     a->it.bytes = blen;
     if (!cfg->queue_max || limit <= 0 || px_admq_push(&w->adm->q, &a->it) < 0) {
         /* Others wait for other pools, and the queue is full. */
-        if (!saturated && take_slot(cfg, ps)) {
+        if (!saturated && take_slot(c, ps)) {
             a->sent = 1;
+            a->t_sent = now;
             return PX_ADM_GO;
         }
         *status = 429;
@@ -377,6 +541,7 @@ px_adm_verdict px_adm_enter(px_wctx *w, px_adm_req *a, px_pset *ps, const px_htt
         px_m_inc(&w->metrics.adm[PX_ADM_M_QUEUE_FULL]);
         return PX_ADM_REFUSED;
     }
+    publish(w->adm);
     a->t_enq = now;
     a->timer = evtimer_new(w->base, on_deadline, a);
     struct timeval tv = {(time_t)limit, (suseconds_t)((limit - (double)(time_t)limit) * 1e6)};
@@ -388,12 +553,62 @@ px_adm_verdict px_adm_enter(px_wctx *w, px_adm_req *a, px_pset *ps, const px_htt
         dispatch(w->adm);
         return PX_ADM_QUEUED;
     }
-    /* The pool may free up on another worker: look again soon. */
+    /* A worker freeing a slot reads nq after giving the slot back; this
+     * one published nq before looking at the pool again here: one of the
+     * two sees the other (sequentially consistent atomics), so no wake is
+     * lost between them. */
+    if (!px_pool_saturated(c, ps, px_now_ns())) {
+        dispatch(w->adm);
+        return PX_ADM_QUEUED;
+    }
+    /* The pool may free up on another worker (which wakes this one), or
+     * its back-off end: look again later. */
     if (!event_pending(w->adm->poll, EV_TIMEOUT, NULL)) {
         struct timeval pt = {0, POLL_US};
         event_add(w->adm->poll, &pt);
     }
     return PX_ADM_QUEUED;
+}
+
+int px_adm_can_requeue(const px_adm_req *a, int status) {
+    if ((status != 429 && status != 503) || !a->w || !a->ps || a->it.queued) return 0;
+    const px_config *cfg = ((px_wctx *)a->w)->ctx->cfg;
+    /* Only with a back-off (else it would be sent straight back), and only
+     * when the back-off ends before the deadline. */
+    return cfg->queue_max > 0 && cfg->engine_backoff > 0 &&
+           px_now_ns() + (uint64_t)(cfg->engine_backoff * 1e9) < a->deadline_ns;
+}
+
+int px_adm_requeue(px_wctx *w, px_adm_req *a) {
+    const px_config *cfg = w->ctx->cfg;
+    if (a->sent) {
+        a->sent = 0;
+        atomic_fetch_sub(&a->ps->admitted, 1);
+    }
+    uint64_t now = px_now_ns();
+    a->t_sent = 0;
+    if (a->it.queued || !cfg->queue_max || now + 1000000 >= a->deadline_ns ||
+        px_admq_push(&w->adm->q, &a->it) < 0) {
+        /* The slot given back may serve another worker's queue. */
+        if (w->ctx->nworkers > 1) wake_others(w);
+        return -1;
+    }
+    publish(w->adm);
+    a->t_enq = now;
+    if (!a->timer) a->timer = evtimer_new(w->base, on_deadline, a);
+    uint64_t left = a->deadline_ns - now;
+    struct timeval tv = {(time_t)(left / 1000000000u), (suseconds_t)(left % 1000000000u / 1000)};
+    evtimer_add(a->timer, &tv);
+    px_m_inc(&w->metrics.adm[PX_ADM_M_REQUEUED]);
+    if (!px_pool_saturated(w->ctx, a->ps, now)) {
+        dispatch(w->adm);
+        return 0;
+    }
+    if (!event_pending(w->adm->poll, EV_TIMEOUT, NULL)) {
+        struct timeval pt = {0, POLL_US};
+        event_add(w->adm->poll, &pt);
+    }
+    return 0;
 }
 
 void px_adm_leave(px_wctx *w, px_adm_req *a) {
@@ -408,8 +623,51 @@ void px_adm_leave(px_wctx *w, px_adm_req *a) {
     if (a->sent) {
         a->sent = 0;
         atomic_fetch_sub(&a->ps->admitted, 1);
-        if (w->adm->q.n) dispatch(w->adm);
+        /* A worker whose queue always refills would keep every slot it
+         * frees, and the others' requests would wait for their timer to
+         * win a race: while others wait too, every other slot freed here
+         * is left to them (they are woken below). */
+        int handoff = w->ctx->nworkers > 1 && w->adm->q.n && others_wait(w) &&
+                      (w->adm->turn++ & 1);
+        if (w->adm->q.n && !handoff) dispatch(w->adm);
+        /* The slot is still free when this worker's queue did not take
+         * it (empty, handed off, or waiting for other pools): another
+         * worker's may. */
+        if (w->ctx->nworkers > 1 && !px_pool_saturated(w->ctx, a->ps, px_now_ns()))
+            wake_others(w);
     }
+}
+
+int px_adm_reconfigure(px_ctx *c, char *const *specs, size_t n, int64_t max_inflight,
+                       char *note, size_t note_cap, char *err, size_t errlen) {
+    px_tenants nt;
+    note[0] = 0;
+    if (specs && px_tenants_parse(specs, n, &nt, err, errlen) < 0) return -1;
+    if (specs) {
+        size_t len = 0;
+        for (size_t i = 0; i < c->tenants.n; i++) {
+            px_tenant *t = &c->tenants.v[i];
+            size_t j = px_tenants_find(&nt, t->name, strlen(t->name));
+            px_tenant *src = &nt.v[j]; /* j == nt.n: the default one (1, no limits) */
+            atomic_store(&t->weight, atomic_load(&src->weight));
+            __atomic_store_n(&c->tenant_weights[i], atomic_load(&src->weight), __ATOMIC_RELAXED);
+            px_bucket_set(&t->rpm, atomic_load(&src->rpm.limit));
+            px_bucket_set(&t->tpm, atomic_load(&src->tpm.limit));
+        }
+        for (size_t j = 0; j < nt.n; j++)
+            if (px_tenants_find(&c->tenants, nt.v[j].name, strlen(nt.v[j].name)) ==
+                    c->tenants.n &&
+                len + 2 < note_cap)
+                len += (size_t)snprintf(note + len, note_cap - len, "%s%s", len ? "," : "",
+                                        nt.v[j].name);
+        if (len >= note_cap) note[note_cap - 1] = 0;
+        px_tenants_cleanup(&nt);
+    }
+    if (max_inflight >= 0) atomic_store(&c->pool_max_inflight, max_inflight);
+    PX_LOG(PX_LOG_INFO, "msg=\"admission settings changed\" tenants=%zu pool_max_inflight=%lld%s%s",
+           specs ? n : c->tenants.n, (long long)atomic_load(&c->pool_max_inflight),
+           note[0] ? " new_tenants_at_restart=" : "", note);
+    return 0;
 }
 
 void px_adm_answer(px_adm_req *a, const char *p, size_t n) {

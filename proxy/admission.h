@@ -9,8 +9,11 @@
  * pool) to another loop would need it. The limits that decide saturation
  * are shared atomics (a pool's admitted count, its backends' back-off), so
  * a slot freed on one thread is seen by every thread: each worker
- * dispatches at once when one of its own requests ends, and re-checks on a
- * short timer while its queue is not empty. The bounds in requests and
+ * dispatches at once when one of its own requests ends, and when a request
+ * ending on another worker leaves a slot its own queue did not take, that
+ * worker wakes it through an eventfd (one per worker), so dispatch out of
+ * a full queue never waits for a timer. A longer timer re-checks while the
+ * queue is not empty, for back-offs ending and engines' figures. The bounds in requests and
  * bytes are per worker: --queue-max / threads each (at least 1).
  *
  * Order: the lowest class first (priority 0 before 1, as vLLM serves a
@@ -97,6 +100,8 @@ typedef struct px_adm_req {
     int sent;            /* counted in ps->admitted */
     struct event *timer; /* owned while queued: its deadline */
     uint64_t t_enq;      /* when queued; 0: never */
+    uint64_t t_sent;     /* when sent on (admitted or dispatched); 0: not yet */
+    uint64_t deadline_ns; /* the end of its wait, first queued or not: a requeue keeps it */
     uint64_t wait_ns;    /* time spent queued */
     px_tokscan tok;      /* the answer's total_tokens, for --tenant tpm= */
     int count_tokens;    /* the tenant has a tpm= limit */
@@ -128,6 +133,18 @@ px_adm_verdict px_adm_enter(px_wctx *w, px_adm_req *a, px_pset *ps, const px_htt
  * its pool slot given back, and the queue looked at again. Idempotent. */
 void px_adm_leave(px_wctx *w, px_adm_req *a);
 
+/* Whether a request that an engine refused with `status` may wait again
+ * (px_adm_requeue): 429 or 503, a queue and --engine-backoff configured,
+ * and the back-off over before its deadline (--queue-timeout or
+ * x-queue-timeout, counted from its arrival). */
+int px_adm_can_requeue(const px_adm_req *a, int status);
+/* Puts a request that was sent on back in the queue, its pool slot given
+ * back and its place by class and tenant as on arrival; a->go (which the
+ * caller may change) or a->expire is called later from this worker's loop,
+ * and a->go may run before this returns when the pool has room. 0, or -1
+ * (queue full, deadline passed): nothing changed but the slot given back. */
+int px_adm_requeue(px_wctx *w, px_adm_req *a);
+
 /* Decode's answer passes: tokens counted for the tenant's tpm when it
  * ends (px_adm_leave charges them). */
 void px_adm_answer(px_adm_req *a, const char *p, size_t n);
@@ -141,8 +158,53 @@ int px_adm_engine_status(px_ctx *c, px_pset *ps, px_backend *b, int status);
  * limits). */
 void px_adm_ratelimit_headers(px_ctx *c, const px_adm_req *a, char *out, size_t cap);
 
-/* Whether the pool is saturated now (see --pool-max-inflight,
- * --saturate-waiting, --engine-backoff). */
-int px_pool_saturated(const px_config *cfg, px_pset *ps, uint64_t now);
+/* Why a pool is saturated: bits of px_pool_saturation's answer. */
+enum {
+    PX_SAT_INFLIGHT = 1, /* --pool-max-inflight requests sent on */
+    PX_SAT_BACKOFF = 2,  /* every prefill, or every decode, answered 429/503 within
+                            --engine-backoff */
+    PX_SAT_WAITING = 4,  /* decodes report --saturate-waiting requests waiting */
+    PX_SAT_KV = 8,       /* decodes report --saturate-kv-usage of their KV cache used */
+    PX_SAT_TTFB = 16,    /* the pool's time-to-first-byte EWMA is past --saturate-ttfb */
+};
+#define PX_SAT_SIGNALS 5
+/* The name of bit i (0..PX_SAT_SIGNALS-1): "inflight", "backoff", ... */
+const char *px_sat_signal_name(int i);
+
+/* The signals that saturate the pool now, 0 when none. Engines' figures
+ * (backoff, waiting, KV usage) count when every usable decode backend is
+ * full by one of them; the bits say which were seen. The TTFB signal holds
+ * only while some request is sent on: with none, one goes through and its
+ * first byte updates the average, so a slow spell cannot close the pool
+ * for good. Any thread. */
+unsigned px_pool_saturation(px_ctx *c, px_pset *ps, uint64_t now);
+/* px_pool_saturation(...) != 0. */
+int px_pool_saturated(px_ctx *c, px_pset *ps, uint64_t now);
+
+/* Decode's first byte for a request admitted by px_adm_enter: its time
+ * since dispatch goes into the pool's TTFB average (an EWMA, weight 1/8
+ * for each new sample), which --saturate-ttfb compares. */
+void px_adm_first_byte(px_adm_req *a);
+
+/* Whether load probes must read the decode engines' /metrics for
+ * admission (--saturate-waiting, --saturate-kv-usage). */
+int px_adm_wants_engine_load(const px_config *cfg);
+
+/* New admission settings at run time (a reload from the file, or POST
+ * /admin/admission), on the control thread while workers admit: the
+ * tenants of `specs` (as --tenant) that exist already get their new weight
+ * and limits at once, queued requests included; existing tenants missing
+ * from specs fall back to weight 1 and no limits; tenants new to the
+ * proxy need a restart (named in *note). `max_inflight` >= 0 becomes
+ * --pool-max-inflight (< 0: unchanged). 0, or -1 with err (a bad spec:
+ * nothing changed). */
+int px_adm_reconfigure(px_ctx *c, char *const *specs, size_t n, int64_t max_inflight,
+                       char *note, size_t note_cap, char *err, size_t errlen);
+
+/* The admission series of each pool of the current generation for
+ * /metrics: pdproxy_pool_saturated{pool,signal} and
+ * pdproxy_pool_ttfb_ewma_seconds{pool}. */
+struct px_buf;
+void px_adm_render_metrics(px_ctx *c, struct px_buf *o);
 
 #endif

@@ -290,11 +290,22 @@ static const opt opts[] = {
      "x-queue-timeout header (seconds) may shorten it",
      NULL, AT_START},
     {"pool-max-inflight", NULL, CT_INT, OFF(pool_max_inflight), "0", 0, 100000000,
-     "a pool is saturated while this many of its requests are sent on (0: no limit)", NULL,
-     AT_START},
+     "a pool is saturated while this many of its requests are sent on (0: no limit; a reload "
+     "or POST /admin/admission changes it, for queued requests too)",
+     NULL, RELOADS},
     {"saturate-waiting", NULL, CT_INT, OFF(saturate_waiting), "0", 0, 100000000,
      "a pool is saturated while every decode engine reports at least this many requests "
      "waiting (vllm:num_requests_waiting, read every --metrics-interval; 0: not looked at)",
+     NULL, AT_START},
+    {"saturate-kv-usage", NULL, CT_SECONDS, OFF(saturate_kv_usage), "0", 0, 1,
+     "a pool is saturated while every decode engine reports at least this fraction of its KV "
+     "cache in use (vllm:kv_cache_usage_perc, 1 = full, read every --metrics-interval; 0: not "
+     "looked at)",
+     NULL, AT_START},
+    {"saturate-ttfb", NULL, CT_SECONDS, OFF(saturate_ttfb), "0", 0, 3600,
+     "a pool is saturated while the moving average of its time to first byte (from dispatch "
+     "to decode's first byte) is at least this many seconds and some request is sent on (0: "
+     "off)",
      NULL, AT_START},
     {"engine-backoff", NULL, CT_SECONDS, OFF(engine_backoff), "1", 0, 3600,
      "seconds a backend that answered 429 or 503 (its queue is full) counts as saturated "
@@ -310,8 +321,10 @@ static const opt opts[] = {
      NULL, AT_START},
     {"tenant", NULL, CT_WORDS, OFF(tenants), "", 0, 0,
      "tenants, each NAME[:weight=W][:rpm=N][:tpm=N]: W its share of dispatch out of the queue "
-     "(1), N its requests or tokens per minute (0: no limit; 429 with x-ratelimit-* beyond)",
-     NULL, AT_START},
+     "(1), N its requests or tokens per minute (0: no limit; 429 with x-ratelimit-* beyond); a "
+     "reload or POST /admin/admission changes known tenants at once, queued requests "
+     "included (new names need a restart)",
+     NULL, RELOADS},
     {"print-config", NULL, CT_FLAG, OFF(print_config), "false", 0, 0,
      "print the effective configuration as YAML (a --config file) and exit", NULL, AT_START},
 };
@@ -1413,6 +1426,8 @@ static const struct {
     {"queue-timeout", 4, NULL},
     {"pool-max-inflight", 4, NULL},
     {"saturate-waiting", 4, NULL},
+    {"saturate-kv-usage", 4, "FRACTION"},
+    {"saturate-ttfb", 4, NULL},
     {"engine-backoff", 4, NULL},
     {"tenant-header", 4, "NAME"},
     {"priority-header", 4, "NAME"},

@@ -125,6 +125,8 @@ typedef struct px_config {
     double queue_timeout;      /* seconds a request may wait */
     int64_t pool_max_inflight; /* a pool is saturated with this many sent on; 0: no limit */
     int64_t saturate_waiting;  /* ... or when its engines report this many waiting; 0: off */
+    double saturate_kv_usage;  /* ... or this fraction of their KV cache used; 0: off */
+    double saturate_ttfb;      /* ... or its TTFB average is this many seconds; 0: off */
     double engine_backoff;     /* seconds a backend that answered 429/503 is left alone */
     char *tenant_header;       /* names the request's tenant */
     char *priority_header;     /* the request's priority (else the body's "priority") */

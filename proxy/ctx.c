@@ -143,6 +143,7 @@ int px_ctx_init(px_ctx *c, const px_config *cfg, char *err, size_t errlen) {
     c->tenant_weights = px_xcalloc(c->tenants.n + 1, sizeof *c->tenant_weights);
     for (size_t i = 0; i <= c->tenants.n; i++)
         c->tenant_weights[i] = c->tenants.v[i].weight;
+    atomic_init(&c->pool_max_inflight, cfg->pool_max_inflight);
     return 0;
 }
 

@@ -36,6 +36,7 @@ typedef struct px_pset {
     px_pool decode;
     atomic_long admitted;            /* admission: requests sent on (not queued) */
     atomic_ullong backoff_until_ns;  /* admission: the latest decode back-off's end */
+    atomic_ullong ttfb_ewma_us;      /* admission: time to first byte since dispatch, EWMA */
 } px_pset;
 
 /* A generation: the pools built from one configuration. Requests hold a
@@ -81,7 +82,8 @@ typedef struct px_ctx {
     px_wctx **workers;     /* owned array of borrowed pointers: each worker's context */
     int nworkers;
     px_tenants tenants;        /* owned: --tenant, with their rate-limit buckets */
-    uint32_t *tenant_weights;  /* owned: tenants.n + 1 */
+    uint32_t *tenant_weights;  /* owned: tenants.n + 1; a reload changes them (__atomic) */
+    _Atomic int64_t pool_max_inflight; /* --pool-max-inflight, as the last reload set it */
     struct px_kvindex *kvindex; /* owned: what each engine caches; NULL without --kv-events-port */
     px_kv_counters kvc;         /* the KV-event subscriber's totals */
     struct px_kvsub *kvsub;     /* borrowed: the subscriber, control thread only; NULL when off */

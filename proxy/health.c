@@ -6,6 +6,7 @@
 
 #include "base/list.h"
 #include "base/log.h"
+#include "proxy/admission.h"
 #include "proxy/ctx.h"
 #include "proxy/dp.h"
 #include "proxy/route.h"
@@ -166,7 +167,7 @@ static void sweep(px_health *h, check_kind kind, unsigned slice, unsigned nslice
             /* Decode's figures also tell admission control (--saturate-waiting)
              * that the engines' own queues are full. */
             int dp_only = kind == K_LOAD_PROBE && pools[r]->cfg.policy != PX_POLICY_LOAD_AWARE &&
-                          !(r == 1 && h->ctx->cfg->saturate_waiting > 0);
+                          !(r == 1 && px_adm_wants_engine_load(h->ctx->cfg));
             int dp_def = (int)(r == 0 ? h->ctx->cfg->prefill_dp_size : h->ctx->cfg->decode_dp_size);
             if (dp_only && dp_def < 2 && !px_dp_declared()) continue;
             size_t n;

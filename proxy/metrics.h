@@ -59,6 +59,8 @@ typedef enum {
     PX_ADM_M_RATE_REQUESTS, /* 429: the tenant's requests per minute */
     PX_ADM_M_RATE_TOKENS,  /* 429: the tenant's tokens per minute */
     PX_ADM_M_ENGINE_FULL,  /* an engine answered 429/503: backed off, not failed */
+    PX_ADM_M_WOKEN,        /* woken by another worker that freed a pool slot */
+    PX_ADM_M_REQUEUED,     /* an engine answered 429/503: queued again, not failed */
     PX_ADM_M_COUNT
 } px_adm_event;
 

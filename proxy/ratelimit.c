@@ -8,10 +8,19 @@
 #include "base/util.h"
 
 void px_bucket_init(px_bucket *b, uint64_t per_minute) {
-    b->limit = per_minute;
-    b->interval_ns = per_minute ? PX_RL_WINDOW_NS / per_minute : 0;
-    if (per_minute && !b->interval_ns) b->interval_ns = 1;
+    atomic_init(&b->limit, 0);
+    atomic_init(&b->interval_ns, 0);
     atomic_init(&b->tat, 0);
+    px_bucket_set(b, per_minute);
+}
+
+void px_bucket_set(px_bucket *b, uint64_t per_minute) {
+    uint64_t iv = per_minute ? PX_RL_WINDOW_NS / per_minute : 0;
+    if (per_minute && !iv) iv = 1;
+    /* The interval first: a take seeing the new limit never divides by a
+     * stale zero interval. */
+    atomic_store(&b->interval_ns, iv);
+    atomic_store(&b->limit, per_minute);
 }
 
 /* Where the bucket's TAT stands for a take at `now`: never in the past. */
@@ -20,10 +29,11 @@ static uint64_t base_of(uint64_t tat, uint64_t now) {
 }
 
 int px_bucket_take(px_bucket *b, uint64_t now, uint64_t n, uint64_t *retry_ns) {
-    if (!b->limit) return 1;
+    uint64_t iv = atomic_load_explicit(&b->interval_ns, memory_order_relaxed);
+    if (!atomic_load_explicit(&b->limit, memory_order_relaxed) || !iv) return 1;
     uint64_t tat = atomic_load_explicit(&b->tat, memory_order_relaxed);
     for (;;) {
-        uint64_t next = base_of(tat, now) + n * b->interval_ns;
+        uint64_t next = base_of(tat, now) + n * iv;
         if (next > now + PX_RL_WINDOW_NS) {
             if (retry_ns) *retry_ns = next - (now + PX_RL_WINDOW_NS);
             return 0;
@@ -35,20 +45,22 @@ int px_bucket_take(px_bucket *b, uint64_t now, uint64_t n, uint64_t *retry_ns) {
 }
 
 void px_bucket_charge(px_bucket *b, uint64_t now, uint64_t n) {
-    if (!b->limit || !n) return;
+    uint64_t iv = atomic_load_explicit(&b->interval_ns, memory_order_relaxed);
+    if (!atomic_load_explicit(&b->limit, memory_order_relaxed) || !iv || !n) return;
     uint64_t tat = atomic_load_explicit(&b->tat, memory_order_relaxed);
-    while (!atomic_compare_exchange_weak_explicit(&b->tat, &tat,
-                                                  base_of(tat, now) + n * b->interval_ns,
+    while (!atomic_compare_exchange_weak_explicit(&b->tat, &tat, base_of(tat, now) + n * iv,
                                                   memory_order_relaxed, memory_order_relaxed)) {
     }
 }
 
 uint64_t px_bucket_remaining(px_bucket *b, uint64_t now) {
-    if (!b->limit) return 0;
+    uint64_t limit = atomic_load_explicit(&b->limit, memory_order_relaxed);
+    uint64_t iv = atomic_load_explicit(&b->interval_ns, memory_order_relaxed);
+    if (!limit || !iv) return 0;
     uint64_t base = base_of(atomic_load_explicit(&b->tat, memory_order_relaxed), now);
     if (base >= now + PX_RL_WINDOW_NS) return 0;
-    uint64_t left = (now + PX_RL_WINDOW_NS - base) / b->interval_ns;
-    return left > b->limit ? b->limit : left;
+    uint64_t left = (now + PX_RL_WINDOW_NS - base) / iv;
+    return left > limit ? limit : left;
 }
 
 uint64_t px_bucket_reset_ns(px_bucket *b, uint64_t now) {

@@ -19,12 +19,16 @@
 #define PX_RL_WINDOW_NS 60000000000ULL /* the limits are per minute */
 
 typedef struct px_bucket {
-    uint64_t limit;       /* units per minute; 0: unlimited */
-    uint64_t interval_ns; /* ns per unit: window / limit */
+    /* A reload may change these two (px_bucket_set) while workers take. */
+    _Atomic uint64_t limit;       /* units per minute; 0: unlimited */
+    _Atomic uint64_t interval_ns; /* ns per unit: window / limit */
     _Atomic uint64_t tat; /* when the bucket is full again, in px_now_ns() time */
 } px_bucket;
 
 void px_bucket_init(px_bucket *b, uint64_t per_minute);
+/* A new limit for a bucket in use (any thread): what was taken stays
+ * taken, refilled at the new rate from now on. */
+void px_bucket_set(px_bucket *b, uint64_t per_minute);
 /* Takes n units at `now` when they fit: 1. Else 0, nothing taken, and
  * *retry_ns (when not NULL) says how long until they fit. */
 int px_bucket_take(px_bucket *b, uint64_t now, uint64_t n, uint64_t *retry_ns);
@@ -38,7 +42,7 @@ uint64_t px_bucket_reset_ns(px_bucket *b, uint64_t now);
 
 typedef struct px_tenant {
     char *name;      /* owned */
-    uint32_t weight; /* share of dispatch out of the admission queue */
+    _Atomic uint32_t weight; /* share of dispatch out of the admission queue */
     px_bucket rpm;
     px_bucket tpm;
 } px_tenant;

@@ -11,6 +11,7 @@
 
 #include "base/hash.h"
 #include "base/log.h"
+#include "proxy/admission.h"
 #include "proxy/discovery.h"
 #include "proxy/dp.h"
 
@@ -548,6 +549,13 @@ static int apply(px_reloader *rl, int from_file, px_config *nc, const px_api_op 
     px_gen *old = swap(rl, g);
     diff(old, g);
     retire(rl, old);
+    if (nc) {
+        /* The file's admission settings, for the requests queued too. */
+        char note[256], aerr[256];
+        if (px_adm_reconfigure(rl->ctx, nc->tenants.v, nc->tenants.n, nc->pool_max_inflight,
+                               note, sizeof note, aerr, sizeof aerr) < 0)
+            PX_LOG(PX_LOG_WARN, "msg=\"reload: admission settings kept\" error=\"%s\"", aerr);
+    }
     remember(rl, nc, op);
     PX_LOG(PX_LOG_INFO, "msg=\"configuration swapped\" generation=%llu source=%s pools=%zu ms=%.3f",
            (unsigned long long)g->id,

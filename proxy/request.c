@@ -160,6 +160,9 @@ struct px_req {
     int prank, drank;
     char prank_of[128], drank_of[128]; /* the backends they belong to */
     px_adm_req adm; /* admission control: its queue entry, pool slot, tenant */
+    int p_busy;     /* prefill answered 429/503: its queue is full, not a failure */
+    int d_requeue;  /* decode answered 429/503 and the request waits again: its
+                       answer is dropped, not passed on */
 };
 
 /* The flow, top-down: each section below calls into later ones. */
@@ -533,6 +536,27 @@ static int admission(px_req *r, const px_http_head *h) {
     }
     req_fail(r, status, extra, "%s", msg);
     return -1;
+}
+
+/* An engine refused the request with 429/503 (its own queue is full):
+ * back in the admission queue, to go to `go` when dispatched again.
+ * Returns 1 when it waits, 0 when it cannot (the caller answers). */
+static int requeue(px_req *r, void (*go)(void *)) {
+    r->adm.go = go;
+    set_state(r, RS_RETRY_WAIT);
+    if (px_adm_requeue(r->w, &r->adm) == 0) {
+        PX_LOG(PX_LOG_INFO, "req=%s msg=\"an engine's queue is full: waiting again\"", r->lid);
+        return 1;
+    }
+    return 0;
+}
+
+static void adm_reprefill(void *arg) {
+    start_prefill(arg);
+}
+
+static void adm_redecode(void *arg) {
+    start_decode(arg);
 }
 
 /* ---------- exact prompt tokens ---------- */
@@ -1011,6 +1035,7 @@ static px_outcome prefill_ended(px_req *r, px_up_result rc) {
     account(r); /* the prefill's answer */
     px_outcome o = outcome_of(rc, r->pstatus);
     if (r->too_big) o = PX_OUT_SERVER_ERR;
+    if (r->p_busy) o = PX_OUT_CLIENT_ERR; /* a full engine queue, not a failure */
     uncharge(r, 0);
     attempt_done(&r->ps->prefill, r->pb, r->tried_p, r->ntried_p, o);
     r->pb = NULL;
@@ -1045,8 +1070,25 @@ static void engine_error_message(const char *body, size_t n, char *out, size_t o
 
 static void prefill_done(void *arg, px_up_result rc, const char *errbuf, int connected) {
     px_req *r = arg;
+    /* A full engine queue (admission.h) while the request may wait again:
+     * the backend backs off, not counted as failed, and the request goes
+     * back in the queue. Without a queue or time left, as before: a 503
+     * is retried elsewhere, a 429 passed on. */
+    r->p_busy = rc == PX_UP_OK && r->pb && !r->hb && px_adm_can_requeue(&r->adm, r->pstatus) &&
+                px_adm_engine_status(r->ctx, r->ps, r->pb, r->pstatus);
     px_outcome o = prefill_ended(r, rc);
     const char *why = errbuf[0] ? errbuf : px_up_result_str(rc);
+    if (r->p_busy) {
+        r->p_busy = 0;
+        px_m_inc(&r->w->metrics.adm[PX_ADM_M_ENGINE_FULL]);
+        px_buf_reset(&r->presp);
+        r->pstatus = 0;
+        if (r->ntried_p) r->ntried_p--; /* not a failed attempt */
+        if (requeue(r, adm_reprefill)) return;
+        req_fail(r, 503, "Retry-After: 1\r\n",
+                 "prefill %s's queue is full and the admission queue has no room", r->pname);
+        return;
+    }
 
     /* Refused, reset or 5xx: another prefill, after a jittered pause. */
     int retryable = o == PX_OUT_CONNECT_ERR || o == PX_OUT_RESET || o == PX_OUT_SERVER_ERR;
@@ -1288,7 +1330,12 @@ static void decode_headers(void *arg, int status, const char *ctype) {
     px_req *r = arg;
     r->dstatus = status;
     touch_idle(r);
+    if (px_adm_can_requeue(&r->adm, status)) {
+        r->d_requeue = 1; /* decode_done puts it back in the queue */
+        return;
+    }
     r->t_first = px_now_ns();
+    px_adm_first_byte(&r->adm);
     r->streamed = ctype && !strncasecmp(ctype, "text/event-stream", 17);
     if (hold_for_kv_failure(r, status, r->streamed)) {
         r->hold = 1;
@@ -1373,6 +1420,7 @@ static int decode_data(void *arg, const char *p, size_t n) {
     px_req *r = arg;
     if (!r->conn) return -1;
     touch_idle(r);
+    if (r->d_requeue) return 0; /* a refusal nobody reads */
     if (r->hold) {
         px_buf_append(&r->dhold, p, n);
         account(r);
@@ -1450,6 +1498,19 @@ static void decode_done(void *arg, px_up_result rc, const char *errbuf, int conn
     uncharge(r, 1);
     attempt_done(&r->ps->decode, r->db, r->tried_d, r->ntried_d, o);
     r->db = NULL;
+    if (r->d_requeue) {
+        /* Nothing reached the client: decode is asked again later with the
+         * same body (a refused request never read prefill's blocks). */
+        r->d_requeue = 0;
+        int st = r->dstatus;
+        r->dstatus = 0;
+        if (r->ntried_d) r->ntried_d--; /* not a failed attempt */
+        if (rc == PX_UP_OK && requeue(r, adm_redecode)) return;
+        req_fail(r, st ? st : 503, "Retry-After: 1\r\n",
+                 "decode %s answered %d (its queue is full) and the request could not wait "
+                 "again (admission queue full)", r->dname, st);
+        return;
+    }
     if (r->hold) {
         int k = r->kv_load_failed ? 1 : rc == PX_UP_OK ? held_kv_failure(r, 1) : 0;
         if (k > 0) {

@@ -11,6 +11,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "proxy/admission.h"
 #include "proxy/discovery.h"
 #include "proxy/dp.h"
 #include "proxy/kvindex.h"
@@ -413,7 +414,8 @@ void px_scrape_render(px_ctx *ctx, px_buf *o) {
             sum_at(ctx, offsetof(px_metrics, fallbacks) + (size_t)f * sizeof(atomic_ullong)));
     px_buf_appends(o, "# HELP pdproxy_admission_total Admission control events: requests "
                       "queued for a saturated pool, dispatched, refused (queue full, deadline, "
-                      "rate limits) or left; engines that answered 429/503.\n"
+                      "rate limits) or left; engines that answered 429/503; workers woken by another "
+                      "worker that freed a pool slot.\n"
                       "# TYPE pdproxy_admission_total counter\n");
     for (int e = 0; e < PX_ADM_M_COUNT; e++)
         px_buf_printf(o, "pdproxy_admission_total{event=\"%s\"} %llu\n",
@@ -422,6 +424,7 @@ void px_scrape_render(px_ctx *ctx, px_buf *o) {
     render_hist(o, ctx, "pdproxy_queue_wait_seconds",
                 "Time requests waited in the admission queue before leaving it.",
                 offsetof(px_metrics, queue_wait));
+    px_adm_render_metrics(ctx, o);
     unsigned long long inflight = (unsigned long long)atomic_load(&ctx->inflight);
     px_buf_printf(o,
                   "# HELP pdproxy_inflight_requests Client requests in flight.\n"

@@ -797,6 +797,20 @@ void sim_submit(sim_engine *e, px_conn *c, sim_ep ep, const char *xrid, int dp_r
         px_conn_reply_error(c, 400, xrid, NULL, msg);
         return;
     }
+    /* vLLM's --max-num-queued-reqs (PR 49445): checked as the request
+     * arrives, before it takes anything; n > 1 counts n times there, and
+     * this engine serves n = 1. */
+    if (e->cfg->max_num_queued_reqs && e->nrunning + e->nqueued >= e->cfg->max_num_queued_reqs) {
+        e->busy_rejects++;
+        /* Refused before the engine saw it, as vLLM does: a decode does not
+         * touch prefill's blocks, which stay for a retry (or expire). */
+        req_free(r);
+        snprintf(msg, sizeof msg,
+                 "the engine holds %zu requests (--max-num-queued-reqs %u); retry later",
+                 e->nrunning + e->nqueued, (unsigned)e->cfg->max_num_queued_reqs);
+        px_conn_reply_error(c, 429, xrid, NULL, msg);
+        return;
+    }
     r->conn = c;
     px_conn_bind(c, &client_cbs, r);
     if (!e->qhead && take_blocks(e, r) == 0) {

@@ -41,6 +41,9 @@ typedef struct sim_config {
     const char *kv_load_failure_policy;    /* "recompute" (default) or "fail": vLLM's
                                               kv_transfer_config key of that name */
     uint32_t dp_size;                      /* --data-parallel-size: ranks a request may name (1) */
+    uint32_t max_num_queued_reqs;          /* vLLM's --max-num-queued-reqs (PR 49445): past this
+                                              many requests in the engine (waiting + running),
+                                              429; 0: no cap */
 } sim_config;
 
 /* Runs the engine until SIGINT/SIGTERM. Returns the process exit status. */

@@ -91,7 +91,7 @@ struct sim_engine {
     uint64_t tokens_computed, tokens_cached;
     uint64_t requests_total, blocks_published, blocks_released, blocks_expired, unknown_notify,
         fetch_failures, corrupt_blocks, fetches, bytes_fetched, fetch_ns, invalid_kvp,
-        queue_rejects, lease_renewals, kv_load_failed;
+        queue_rejects, lease_renewals, kv_load_failed, busy_rejects;
     uint64_t renew_due_ns;            /* next lease renewal of queued decode requests */
     uint64_t dp_requests[SIM_DP_MAX]; /* by the X-data-parallel-rank requests named */
     /* nrunning and nqueued split by rank: /metrics' per-engine series,

@@ -119,6 +119,8 @@ static void reply_metrics(sim_engine *e, px_conn *c) {
             e->tokens_cached);
     COUNTER("engine_sim_queue_rejections_total", "Requests refused with 503: queue full.",
             e->queue_rejects);
+    COUNTER("engine_sim_busy_rejections_total",
+            "Requests refused with 429: --max-num-queued-reqs in the engine.", e->busy_rejects);
     COUNTER("engine_sim_kv_lease_renewals_total",
             "Lease renewals sent for queued decode requests' KV blocks.", e->lease_renewals);
     COUNTER("vllm:prefix_cache_queries_total",

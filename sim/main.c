@@ -44,6 +44,9 @@ static const sim_opt opts[] = {
     {"max-queue", O_U32, OFF(max_queue), 0, 1000000, "N",
      "requests that may wait for free KV blocks; when the\n"
      "pool is full and the queue too, 503 + Retry-After (256)"},
+    {"max-num-queued-reqs", O_U32, OFF(max_num_queued_reqs), 0, 1000000, "N",
+     "vLLM's cap of that name: with N requests in the engine\n"
+     "(waiting + running) a new one gets 429 (0: no cap)"},
     {"kv-expiry-ms", O_U32, OFF(kv_expiry_ms), 1, 86400000, "N",
      "published blocks not claimed in time are freed (480000)"},
     {"kv-lease-ms", O_U32, OFF(kv_lease_ms), 0, 86400000, "N",

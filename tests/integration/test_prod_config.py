@@ -92,6 +92,8 @@ SAMPLES = {
     "queue-timeout": ("2.5", None),
     "pool-max-inflight": ("8", None),
     "saturate-waiting": ("5", None),
+    "saturate-kv-usage": ("0.9", None),
+    "saturate-ttfb": ("2.5", None),
     "engine-backoff": ("0.5", None),
     "tenant-header": ("x-team", None),
     "priority-header": ("x-prio", None),

@@ -83,6 +83,28 @@ static void test_bucket_threads(void **state)
     assert_int_equal(total, 1000);
 }
 
+/* A reload's new limit (px_bucket_set): what was taken stays taken, the
+ * new rate refills from then on; 0 lifts the limit, a limit again counts
+ * from the bucket's state. */
+static void test_bucket_set_in_use(void **state) {
+    (void)state;
+    uint64_t t = 1000 * SEC;
+    px_bucket b;
+    px_bucket_init(&b, 2);
+    assert_true(px_bucket_take(&b, t, 1, NULL));
+    assert_true(px_bucket_take(&b, t, 1, NULL));
+    assert_false(px_bucket_take(&b, t, 1, NULL));
+    px_bucket_set(&b, 4); /* 60 s of credit taken at 30 s each is 60 s: none left at 4/min */
+    assert_int_equal(b.limit, 4);
+    assert_int_equal(px_bucket_remaining(&b, t), 0);
+    assert_true(px_bucket_take(&b, t + 15 * SEC, 1, NULL)); /* refills at 4 a minute now */
+    px_bucket_set(&b, 0);
+    assert_true(px_bucket_take(&b, t, 1000000, NULL));
+    assert_int_equal(px_bucket_remaining(&b, t), 0);
+    px_bucket_set(&b, 600);
+    assert_int_equal(px_bucket_remaining(&b, t + 120 * SEC), 600);
+}
+
 static void test_tenants_parse(void **state)
 {
     (void)state;
@@ -171,6 +193,7 @@ int main(void)
         cmocka_unit_test(test_bucket_burst_and_refill),
         cmocka_unit_test(test_bucket_unlimited_and_debt),
         cmocka_unit_test(test_bucket_threads),
+        cmocka_unit_test(test_bucket_set_in_use),
         cmocka_unit_test(test_tenants_parse),
         cmocka_unit_test(test_tenants_parse_errors),
         cmocka_unit_test(test_tokscan),
