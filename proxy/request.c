@@ -169,6 +169,8 @@ struct px_req {
     int disp;
     px_upstream *pup; /* owned: concurrent prefill leg in flight */
     int conc_live;
+    int conc_wait;            /* decode's answer is out: waiting for the prefill leg's end */
+    struct event *conc_timer; /* owned: bounds that wait */
     int kv_waited;     /* decode sent X-KV-Wait-Ms: */
     double kv_wait_ms; /* its value */
 };
@@ -182,6 +184,8 @@ static void start_prefill(px_req *r);
 static int pick_prefill(px_req *r);
 static int send_prefill(px_req *r, const px_upstream_cbs *cbs);
 static void dispatch_concurrent(px_req *r);
+static void conc_prefill_stop(px_req *r);
+static void conc_await_prefill(px_req *r);
 static void proceed_to_decode(px_req *r);
 static px_kvp_status decode_body(px_req *r, char *err, size_t errlen);
 static void decode_only(px_req *r);
@@ -1227,6 +1231,25 @@ static void conc_prefill_stop(px_req *r) {
     r->pb = NULL;
 }
 
+/* Decode answered in full while prefill's leg still runs (decode loaded
+ * the KV as prefill published it, or computed the prompt itself). The
+ * client has its answer; prefill is let answer, so that a publication
+ * being made is not cut half-way (it would wait for expiry) and its
+ * answer refreshes the identity, but not for longer than
+ * PREFILL_ANSWER_GRACE_US. The access line is written at that end. */
+static void on_conc_timer(evutil_socket_t fd, short what, void *arg) {
+    px_req *r = arg;
+    req_finish(r, r->dstatus, "ok", NULL, NULL);
+}
+
+static void conc_await_prefill(px_req *r) {
+    r->conc_wait = 1;
+    r->conc_live = 0;
+    if (!r->conc_timer) r->conc_timer = evtimer_new(r->w->base, on_conc_timer, r);
+    struct timeval tv = {PREFILL_ANSWER_GRACE_US / 1000000, PREFILL_ANSWER_GRACE_US % 1000000};
+    evtimer_add(r->conc_timer, &tv);
+}
+
 /* Cuts the decode leg that waits for the failed prefill's KV. */
 static void conc_decode_stop(px_req *r) {
     px_upstream_cancel(r->up);
@@ -1265,6 +1288,12 @@ static void conc_prefill_done(void *arg, px_up_result rc, const char *errbuf, in
             px_usage_cached_tokens(r->presp.data, r->presp.len, r->p_cached);
         if (!px_otlp_enabled()) px_buf_cleanup(&r->presp);
         account(r);
+        if (r->conc_wait) req_finish(r, r->dstatus, "ok", NULL, NULL);
+        return;
+    }
+    if (r->conc_wait) {
+        px_buf_reset(&r->presp);
+        req_finish(r, r->dstatus, "ok", NULL, NULL);
         return;
     }
     if (!r->conc_live || r->t_first) {
@@ -1589,6 +1618,10 @@ static void decode_done(void *arg, px_up_result rc, const char *errbuf, int conn
             px_conn_stream_end(r->conn);
             r->conn = NULL;
         }
+        if (r->pup) { /* concurrent: prefill's leg is let end (conc_await_prefill) */
+            conc_await_prefill(r);
+            return;
+        }
         req_finish(r, r->dstatus, "ok", NULL, NULL);
         return;
     }
@@ -1675,8 +1708,6 @@ static void usage_out(void *arg, const char *p, size_t n) {
 }
 
 /* ---------- the client ---------- */
-
-static void conc_prefill_stop(px_req *r);
 
 static void client_gone(void *arg) {
     px_req *r = arg;
@@ -1891,6 +1922,7 @@ static void req_finish(px_req *r, int status, const char *outcome, const char *e
     if (r->retry_timer) evtimer_del(r->retry_timer);
     if (r->idle_timer) evtimer_del(r->idle_timer);
     if (r->grace_timer) evtimer_del(r->grace_timer);
+    if (r->conc_timer) evtimer_del(r->conc_timer);
     if (r->counted) atomic_fetch_sub(&r->ctx->inflight, 1);
     r->counted = 0;
     px_adm_leave(r->w, &r->adm);
@@ -2028,6 +2060,7 @@ static void req_free(px_req *r) {
     if (r->retry_timer) event_free(r->retry_timer);
     if (r->idle_timer) event_free(r->idle_timer);
     if (r->grace_timer) event_free(r->grace_timer);
+    if (r->conc_timer) event_free(r->conc_timer);
     px_backend_release(r->hb);
     px_gen_release(r->g);
     px_budget_add(&r->ctx->shared, -r->held);

@@ -18,3 +18,7 @@ px_py_test(sim_kvevents)
 # engine-sim in push mode: both legs at once, decode's fetch held at prefill
 # until it publishes under the caller's id and token.
 px_py_test(sim_push)
+
+# --dispatch concurrent: both legs at once (mocks decide the race and the
+# failures; engine-sims in push mode move real KV).
+px_py_test(pd_concurrent)
