@@ -31,7 +31,8 @@ typedef struct px_access {
     const char *decision_reason;
     const char *fallback;
     const char *dispatch; /* "serial" | "concurrent" (--dispatch); NULL: no prefill leg */
-    double kv_wait_ms;    /* decode's X-KV-Wait-Ms; < 0: it sent none */
+    int kv_waited;        /* decode sent X-KV-Wait-Ms (0: left out of the line): */
+    double kv_wait_ms;    /* its value */
     int estimated; /* the two estimates below are set */
     long prompt_tokens_est;
     long uncached_tokens_est;

@@ -1971,7 +1971,8 @@ static void write_access(const px_req *r, int status, const char *outcome, uint6
                    .fallback = r->fell_back ? px_fallback_name(r->fallback) : NULL,
                    .dispatch = r->disp >= 0 ? px_dispatch_kind_mode((px_dispatch_kind)r->disp)
                                             : NULL,
-                   .kv_wait_ms = r->kv_waited ? r->kv_wait_ms : -1.0,
+                   .kv_waited = r->kv_waited,
+                   .kv_wait_ms = r->kv_wait_ms,
                    .estimated = r->dis.estimated,
                    .prompt_tokens_est = r->dis.tokens,
                    .uncached_tokens_est = r->dis.uncached,
