@@ -19,7 +19,7 @@ import time
 
 from pdharness.case import main
 from pdharness.client import RawClient, http_request, post_json
-from pdharness.ctl import pools_yaml, tmpdir
+from pdharness.ctl import pools_yaml, sighup, tmpdir, wait_generation, write_yaml
 from pdharness.mocks import (Hang, Reset, Respond, Stream, chat_body, completion_body,
                              decode_handler, default_p_kv, prefill_handler, sse_events)
 from pdharness.pd import PdCase, prose, rid_headers
@@ -254,6 +254,26 @@ class ConcurrentMockTest(PdCase):
         self.check_decode_cancelled(D, 1)
         self.assertEqual(len(D.requests), 2)
 
+    def test_decode_idle_timeout_applies_to_the_decode_leg(self):
+        """Prefill answers; decode never does: --decode-idle-timeout ends it
+        (504), decode's leg closed."""
+        p_base = prefill_handler()
+        d_base = decode_handler()
+
+        def d(req):
+            if (kvp_of(req) or {}).get("transfer_mode") == "push":
+                return Hang(WAIT * 2)
+            return d_base(req)
+        P = self.mock(p_base, name="P")
+        D = self.mock(d, name="D")
+        px = self.learned(P, D, extra=["--decode-idle-timeout", "1"])
+        r = http_request(px.port, "POST", "/v1/completions", completion_body(),
+                         headers=rid_headers("i1"))
+        self.assertErrorJson(r, 504)
+        self.assertIsNotNone(D.requests[1].conn.wait_closed(WAIT))
+        self.assertEqual(len(P.requests), 2)
+        self.assertEqual(self.access_for(px, "i1")["dispatch"], "concurrent")
+
     def test_decode_fails_while_prefill_runs(self):
         gate = Gate()
         p_base = prefill_handler()
@@ -295,7 +315,7 @@ class ConcurrentMockTest(PdCase):
 
         def d(req):
             if (kvp_of(req) or {}).get("transfer_mode") == "push":
-                if phase == "both":
+                if phase in ("both", "decode_wait"):
                     return Hang(WAIT * 2)
                 return Stream(200, [("Content-Type", "text/event-stream")],
                               [(0.0, sse_events(["a"], done=False)[0])] +
@@ -327,6 +347,37 @@ class ConcurrentMockTest(PdCase):
 
     def test_client_leaves_while_decode_streams(self):
         self.client_leaves("stream")
+
+    def test_client_leaves_after_prefill_answered(self):
+        """Prefill has answered; decode still waits (for KV): the client
+        leaves, decode's leg is closed."""
+        self.client_leaves("decode_wait")
+
+    def test_dispatch_reloads(self):
+        """--dispatch in the file, changed and reloaded (SIGHUP): the next
+        requests are sent the new way."""
+        P = self.mock(prefill_handler(), name="P")
+        D = self.mock(decode_handler(), name="D")
+        d = tmpdir(self)
+        path = os.path.join(d, "pd.yaml")
+        base = "prefill: [%s]\ndecode: [%s]\n" % (json.dumps("http://127.0.0.1:%d" % P.port),
+                                                  json.dumps("http://127.0.0.1:%d" % D.port))
+        write_yaml(path, base + "dispatch: serial\n")
+        px = self.start_proxy(args=["--config", path])
+        for rid in ("r0", "r1"):
+            self.assertEqual(http_request(px.port, "POST", "/v1/completions", completion_body(),
+                                          headers=rid_headers(rid)).status, 200)
+            self.assertEqual(self.access_for(px, rid)["dispatch"], "serial")
+        write_yaml(path, base + "dispatch: concurrent\n")
+        sighup(px)
+        wait_generation(self, px, 2)
+        # The serial answers before the reload did not teach (serial mode
+        # does not keep identities): one more serial, then concurrent.
+        for rid, want in (("r2", "serial"), ("r3", "concurrent")):
+            self.assertEqual(http_request(px.port, "POST", "/v1/completions", completion_body(),
+                                          headers=rid_headers(rid)).status, 200)
+            self.assertEqual(self.access_for(px, rid)["dispatch"], want)
+        self.assertEqual(kvp_of(P.requests[3])["transfer_mode"], "push")
 
     def test_pool_dispatch_in_config_file(self):
         """dispatch: per pool in the file; the global flag stays serial."""
