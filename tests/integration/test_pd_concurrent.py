@@ -254,6 +254,47 @@ class ConcurrentMockTest(PdCase):
         self.check_decode_cancelled(D, 1)
         self.assertEqual(len(D.requests), 2)
 
+    def test_failed_kv_load_drops_the_identity(self):
+        """Decode fails to load the KV (vLLM's kv_load_failure_policy fail:
+        500 InternalServerError): retried once without kv_transfer_params
+        (--fallback-decode-only), and the prefill's identity is dropped, so
+        the next request runs serial again and learns it anew."""
+        err = (b'{"error":{"message":"Internal server error","type":"InternalServerError",'
+               b'"param":null,"code":500}}')
+        d_base = decode_handler()
+        fails = {"n": 1}
+
+        def d(req):
+            if (kvp_of(req) or {}).get("transfer_mode") == "push" and fails["n"]:
+                fails["n"] -= 1
+                return Respond(500, [("Content-Type", "application/json")], err)
+            return d_base(req)
+        p_base, p_blind = prefill_handler(), prefill_handler(kv={})
+
+        def p(req):
+            # The concurrent prefill's answer tells no identity here, so that
+            # only the next serial answer can teach it again (a real one would
+            # refresh it at once, in whichever order the legs end).
+            if (kvp_of(req) or {}).get("transfer_mode") == "push":
+                return p_blind(req)
+            return p_base(req)
+        P = self.mock(p, name="P")
+        D = self.mock(d, name="D")
+        px = self.learned(P, D, extra=["--fallback-decode-only"])
+        r = http_request(px.port, "POST", "/v1/completions", completion_body(),
+                         headers=rid_headers("kv1"))
+        self.assertEqual(r.status, 200, r.body)
+        rec = self.access_for(px, "kv1")
+        self.assertEqual((rec["dispatch"], rec["fallback"]), ("concurrent", "kv_load_failed"))
+        self.assertNotIn("kv_transfer_params", D.requests[2].json())
+        for rid, want in (("kv2", "serial"), ("kv3", "concurrent")):
+            r = http_request(px.port, "POST", "/v1/completions", completion_body(),
+                             headers=rid_headers(rid))
+            self.assertEqual(r.status, 200, r.body)
+            self.assertEqual(self.access_for(px, rid)["dispatch"], want)
+        self.assertEqual(self.metric(px, "pdproxy_dispatch_total", mode="serial",
+                                     reason="no_identity"), 2)
+
     def test_decode_idle_timeout_applies_to_the_decode_leg(self):
         """Prefill answers; decode never does: --decode-idle-timeout ends it
         (504), decode's leg closed."""
