@@ -55,6 +55,8 @@ int px_dispatch_identity_parse(const char *kvp, size_t n, px_pf_identity *id) {
         return -1;
     if (member_text(kvp, n, "tp_size", PX_JSON_NUMBER, v.tp_size, sizeof v.tp_size) < 0)
         snprintf(v.tp_size, sizeof v.tp_size, "1");
+    if (member_text(kvp, n, "pp_size", PX_JSON_NUMBER, v.pp_size, sizeof v.pp_size) < 0)
+        v.pp_size[0] = '\0';
     *id = v;
     return 0;
 }
@@ -152,6 +154,7 @@ void px_dispatch_decode_kvp(const px_pf_identity *pf, const char *id, const char
                   "{\"do_remote_prefill\":true,\"do_remote_decode\":false,"
                   "\"transfer_mode\":\"push\",\"remote_engine_id\":%s,"
                   "\"remote_request_id\":\"%s\",\"remote_kv_token\":\"%s\",\"remote_host\":%s,"
-                  "\"remote_port\":%s,\"tp_size\":%s}",
-                  pf->engine_id, id, token, pf->host, pf->port, pf->tp_size);
+                  "\"remote_port\":%s,\"tp_size\":%s%s%s}",
+                  pf->engine_id, id, token, pf->host, pf->port, pf->tp_size,
+                  pf->pp_size[0] ? ",\"pp_size\":" : "", pf->pp_size);
 }

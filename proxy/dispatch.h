@@ -41,13 +41,15 @@ const char *px_dispatch_kind_mode(px_dispatch_kind k);   /* "serial" | "concurre
 const char *px_dispatch_kind_reason(px_dispatch_kind k); /* the reason label */
 
 /* What decode's push params need of a prefill: the exact JSON texts
- * prefill sent for remote_engine_id, remote_host, remote_port and tp_size
- * (tp_size "1" when it sent none). */
+ * prefill sent for remote_engine_id, remote_host, remote_port, tp_size
+ * ("1" when it sent none; vLLM's push scheduler requires the key) and
+ * pp_size (passed on only when prefill sent it). */
 typedef struct px_pf_identity {
     char engine_id[260]; /* a JSON string, quotes included */
     char host[260];      /* a JSON string, quotes included */
     char port[24];       /* a JSON number */
     char tp_size[24];    /* a JSON number */
+    char pp_size[24];    /* a JSON number, or "": not sent */
 } px_pf_identity;
 
 /* Reads the identity out of a prefill answer's kv_transfer_params object

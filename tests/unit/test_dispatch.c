@@ -41,6 +41,7 @@ static void test_identity_parse(void **state) {
                                 "\"remote_port\":1}";
     assert_int_equal(px_dispatch_identity_parse(no_tp, strlen(no_tp), &id), 0);
     assert_string_equal(id.tp_size, "1");
+    assert_string_equal(id.pp_size, "");
     /* Missing, mistyped or oversized members: no identity, id untouched. */
     static const char *const bad[] = {
         "{\"remote_host\":\"h\",\"remote_port\":1}",
@@ -135,6 +136,16 @@ static void test_mint_and_params(void **state) {
     assert_memory_equal(m.val, "2", 1);
     assert_true(px_json_find(b.data, b.len, "do_remote_prefill", &m));
     assert_int_equal(m.type, PX_JSON_TRUE);
+    assert_false(px_json_find(b.data, b.len, "pp_size", &m));
+    /* pp_size (vLLM's push answers carry it) is passed on when sent. */
+    static const char pp[] = "{\"remote_engine_id\":\"e\",\"remote_host\":\"h\","
+                             "\"remote_port\":1,\"pp_size\":2}";
+    assert_int_equal(px_dispatch_identity_parse(pp, strlen(pp), &pf), 0);
+    px_buf_reset(&b);
+    px_dispatch_decode_kvp(&pf, id, tok, &b);
+    assert_int_equal(px_json_validate(b.data, b.len, err, sizeof err), PX_JSON_OBJECT);
+    assert_true(px_json_find(b.data, b.len, "pp_size", &m));
+    assert_memory_equal(m.val, "2", 1);
     px_buf_cleanup(&b);
 }
 
