@@ -22,3 +22,7 @@ px_py_test(sim_push)
 # --dispatch concurrent: both legs at once (mocks decide the race and the
 # failures; engine-sims in push mode move real KV).
 px_py_test(pd_concurrent)
+# The mock cases once more with https:// backends (libcurl's transport, its
+# header lines read for X-KV-Wait-Ms).
+px_py_test(pd_concurrent_https SCRIPT test_pd_concurrent.py ARGS ConcurrentMockTest
+           ENV PX_MOCK_TLS=1)

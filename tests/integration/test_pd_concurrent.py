@@ -16,11 +16,12 @@ import re
 import subprocess
 import threading
 import time
+import unittest
 
 from pdharness.case import main
 from pdharness.client import RawClient, http_request, post_json
 from pdharness.ctl import pools_yaml, sighup, tmpdir, wait_generation, write_yaml
-from pdharness.mocks import (Hang, Reset, Respond, Stream, chat_body, completion_body,
+from pdharness.mocks import (MOCK_TLS, Hang, Reset, Respond, Stream, chat_body, completion_body,
                              decode_handler, default_p_kv, prefill_handler, sse_events)
 from pdharness.pd import PdCase, prose, rid_headers
 from pdharness.procs import PDPROXY, start_engine_sim
@@ -394,6 +395,7 @@ class ConcurrentMockTest(PdCase):
         leaves, decode's leg is closed."""
         self.client_leaves("decode_wait")
 
+    @unittest.skipIf(MOCK_TLS, "the file names http:// backends")
     def test_dispatch_reloads(self):
         """--dispatch in the file, changed and reloaded (SIGHUP): the next
         requests are sent the new way."""
@@ -420,6 +422,7 @@ class ConcurrentMockTest(PdCase):
             self.assertEqual(self.access_for(px, rid)["dispatch"], want)
         self.assertEqual(kvp_of(P.requests[3])["transfer_mode"], "push")
 
+    @unittest.skipIf(MOCK_TLS, "the file names http:// backends")
     def test_pool_dispatch_in_config_file(self):
         """dispatch: per pool in the file; the global flag stays serial."""
         P1 = self.mock(prefill_handler(), name="P1")
