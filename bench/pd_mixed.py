@@ -19,6 +19,12 @@ disaggregates (streamed chat completions, /v1/responses, token-in
 /inference/v1/generate with one token id per word) and prints the rows side
 by side.
 
+--dispatch serial,concurrent runs the workload always disaggregated
+(--disagg-min-tokens 0) once per --dispatch mode, engine-sims in push mode
+where concurrent, and prints TTFT p50/p90/mean and decode's wait for KV
+(pdproxy_decode_kv_wait_seconds, from decode's X-KV-Wait-Ms) side by side
+instead of the threshold comparison.
+
 Python 3 standard library only; everything on 127.0.0.1; bounded in count
 and time (each request 60 s, the whole run --deadline seconds)."""
 
@@ -125,7 +131,7 @@ def one(port, prompt, timeout, endpoint="chat"):
     return ttft if ttft is not None else time.monotonic() - t0
 
 
-def run(args, threshold, reqs, endpoint="chat"):
+def run(args, threshold, reqs, endpoint="chat", dispatch="serial"):
     sim = os.path.join(args.bin, "engine-sim")
     common = ["--num-blocks", "16384", "--block-bytes", "1024", "--layers", "2",
               "--prefill-us-per-token", str(args.us_per_token), "--itl-ms", "5",
@@ -141,7 +147,8 @@ def run(args, threshold, reqs, endpoint="chat"):
             "--log-level", "warn", "--access-log=false", "--prefiller-hosts", HOST, "--prefiller-ports", str(pp),
             "--decoder-hosts", HOST, "--decoder-ports", str(dp),
             "--disagg-min-tokens", str(threshold),
-            "--disagg-bytes-per-token", str(BYTES_PER_TOKEN)], "/healthcheck",
+            "--disagg-bytes-per-token", str(BYTES_PER_TOKEN), "--dispatch", dispatch],
+            "/healthcheck",
             track=procs.append).port
         results, errors = [], []
         lock = threading.Lock()
@@ -171,7 +178,10 @@ def run(args, threshold, reqs, endpoint="chat"):
             t.join()
         wall = time.monotonic() - t0
         pm, dm, xm = metrics(pp), metrics(dp), metrics(xp)
-        dec = {k: v for k, v in xm.items() if k.startswith("pdproxy_disagg_decisions_total") and v}
+        dec = {k: v for k, v in xm.items()
+               if (k.startswith("pdproxy_disagg_decisions_total")
+                   or k.startswith("pdproxy_dispatch_total")
+                   or k.startswith("pdproxy_decode_kv_wait_seconds_")) and v}
         return results, errors, wall, pm, dm, dec
     finally:
         for p in reversed(procs):
@@ -181,6 +191,38 @@ def run(args, threshold, reqs, endpoint="chat"):
 
 def mean(xs):
     return sum(xs) / len(xs) if xs else float("nan")
+
+
+def pct(xs, q):
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
+
+
+def compare_dispatch(args, reqs, modes):
+    """The same workload, always disaggregated, once per --dispatch mode."""
+    rows = []
+    for mode in modes:
+        res, errs, wall, pm, dm, dec = run(args, 0, reqs, "chat", mode)
+        ts = [t for _, t in res]
+        n = dec.get("pdproxy_decode_kv_wait_seconds_count", 0)
+        wait = dec.get("pdproxy_decode_kv_wait_seconds_sum", 0) / n if n else float("nan")
+        fetch = dm.get("engine_sim_kv_fetch_seconds_total", 0)
+        nf = dm.get("engine_sim_kv_fetches_total", 0)
+        conc = sum(v for k, v in dec.items()
+                   if k.startswith("pdproxy_dispatch_total") and 'mode="concurrent"' in k)
+        rows.append((mode, pct(ts, 0.5), pct(ts, 0.9), mean(ts), wait,
+                     fetch / nf if nf else float("nan"), conc, wall, len(res), len(errs)))
+        if errs:
+            print("errors with --dispatch %s: %s" % (mode, errs[:3]), file=sys.stderr)
+    print("\n| --dispatch | TTFT p50 ms | TTFT p90 ms | mean TTFT ms | decode KV wait mean ms | "
+          "engine-sim fetch mean ms | sent concurrent | wall s | ok | errors |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for mode, p50, p90, m, w, f, conc, wall, ok, nerr in rows:
+        print("| %s | %.1f | %.1f | %.1f | %.1f | %.1f | %d | %.1f | %d | %d |"
+              % (mode, p50 * 1e3, p90 * 1e3, m * 1e3, w * 1e3, f * 1e3, conc, wall, ok, nerr))
+    if len(rows) == 2 and rows[0][3] == rows[0][3] and rows[1][3] == rows[1][3]:
+        print("mean TTFT ratio %s/%s: %.3f" % (rows[1][0], rows[0][0], rows[1][3] / rows[0][3]))
+    return 1 if any(r[9] for r in rows) else 0
 
 
 def main():
@@ -193,6 +235,8 @@ def main():
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--endpoints", default="chat",
                     help="comma-separated: chat, responses, generate")
+    ap.add_argument("--dispatch", default="",
+                    help="comma-separated --dispatch modes to compare (serial,concurrent)")
     ap.add_argument("--bin", default=os.path.join(os.path.dirname(os.path.abspath(__file__)),
                                                   "..", "build", "bin"))
     args = ap.parse_args()
@@ -204,6 +248,12 @@ def main():
     print("workload: %d streamed requests, concurrency %d, %d us per prompt token, "
           "%.1f bytes per token" % (len(reqs), args.concurrency, args.us_per_token,
                                     BYTES_PER_TOKEN))
+    if args.dispatch:
+        modes = [m for m in args.dispatch.split(",") if m]
+        for m in modes:
+            if m not in ("serial", "concurrent"):
+                ap.error("unknown --dispatch mode %r" % m)
+        return compare_dispatch(args, reqs, modes)
     rows = []
     for endpoint in endpoints:
         for threshold in (0, args.tuned):

@@ -32,6 +32,8 @@ void px_access_write(const px_access *a) {
     if (a->decision) ADD(" decision=%s", a->decision);
     if (a->decision_reason) ADD(" decision_reason=%s", a->decision_reason);
     if (a->fallback) ADD(" fallback=%s", a->fallback);
+    if (a->dispatch) ADD(" dispatch=%s", a->dispatch);
+    if (a->kv_waited) ADD(" kv_wait_ms=%.2f", a->kv_wait_ms);
     if (a->estimated)
         ADD(" prompt_tokens_est=%ld uncached_tokens_est=%ld", a->prompt_tokens_est,
             a->uncached_tokens_est);

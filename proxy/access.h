@@ -30,6 +30,9 @@ typedef struct px_access {
     const char *decision;
     const char *decision_reason;
     const char *fallback;
+    const char *dispatch; /* "serial" | "concurrent" (--dispatch); NULL: no prefill leg */
+    int kv_waited;        /* decode sent X-KV-Wait-Ms (0: left out of the line): */
+    double kv_wait_ms;    /* its value */
     int estimated; /* the two estimates below are set */
     long prompt_tokens_est;
     long uncached_tokens_est;

@@ -17,6 +17,7 @@
 
 #include "base/log.h"
 #include "base/util.h"
+#include "proxy/dispatch.h"
 #include "proxy/ratelimit.h"
 
 #define PX_POLICIES                                                                                \
@@ -153,6 +154,11 @@ static const opt opts[] = {
      "how to choose a prefill instance", PX_POLICIES, RELOADS},
     {"decode-policy", NULL, CT_ENUM, OFF(decode_policy), "round_robin", 0, 0,
      "how to choose a decode instance", PX_POLICIES, RELOADS},
+    {"dispatch", NULL, CT_ENUM, OFF(dispatch), "serial", 0, 0,
+     "serial: prefill, then decode with prefill's kv_transfer_params; concurrent: both at once "
+     "for a push connector (pdproxy mints the request id and token; a prefill whose identity "
+     "is not known yet is sent serial)",
+     PX_DISPATCH_MODES, RELOADS},
     {"prefill-dp-size", NULL, CT_INT, OFF(prefill_dp_size), "1", 1, 64,
      "data-parallel ranks behind each prefill (vLLM --data-parallel-size with one API server), "
      "unless its config entry declares dp_size: each request names the least loaded rank "
@@ -473,6 +479,7 @@ static void spec_free(px_pool_spec *p) {
     free(p->name);
     free(p->prefill_policy);
     free(p->decode_policy);
+    free(p->dispatch);
     px_strlist_clear(&p->models);
     px_strlist_clear(&p->prefill);
     px_strlist_clear(&p->decode);
@@ -492,6 +499,7 @@ static px_pool_spec *specs_copy(const px_pool_spec *v, size_t n) {
         o[i].name = px_xstrdup(v[i].name);
         o[i].prefill_policy = px_xstrdup(v[i].prefill_policy ? v[i].prefill_policy : "");
         o[i].decode_policy = px_xstrdup(v[i].decode_policy ? v[i].decode_policy : "");
+        o[i].dispatch = px_xstrdup(v[i].dispatch ? v[i].dispatch : "");
         o[i].line = v[i].line;
         list_copy(&o[i].models, &v[i].models);
         list_copy(&o[i].prefill, &v[i].prefill);
@@ -510,6 +518,7 @@ static px_pool_spec *pool_new(px_config *c, const char *v, size_t len) {
     p->name = px_xstrndup(v, eq ? (size_t)(eq - v) : len);
     p->prefill_policy = px_xstrdup("");
     p->decode_policy = px_xstrdup("");
+    p->dispatch = px_xstrdup("");
     for (const char *m = eq ? eq + 1 : NULL; m && m < v + len;) {
         size_t l = strcspn(m, ", ");
         if (m + l > v + len) l = (size_t)(v + len - m);
@@ -558,6 +567,7 @@ px_pool_spec *px_config_effective_pools(const px_config *c, size_t *n) {
     p->name = px_xstrdup("");
     p->prefill_policy = px_xstrdup("");
     p->decode_policy = px_xstrdup("");
+    p->dispatch = px_xstrdup("");
     if (toy_in_effect(c, 1)) toy_urls(&p->prefill_toy, &c->prefiller_hosts, &c->prefiller_ports);
     if (toy_in_effect(c, 0)) toy_urls(&p->decode_toy, &c->decoder_hosts, &c->decoder_ports);
     list_copy(&p->prefill, &c->prefill_urls);
@@ -1118,6 +1128,24 @@ static int ylist(yctx *y, const char *key, yaml_node_t *v, px_strlist *l, const 
     return rc;
 }
 
+/* A pool's dispatch: serial|concurrent (dispatch.h). */
+static int ypool_dispatch(yctx *y, px_pool_spec *p, yaml_node_t *v) {
+    if (v->type != YAML_SCALAR_NODE) {
+        snprintf(y->err, y->errlen, "%s:%zu: key 'dispatch': expected a value", y->path, yline(v));
+        return -1;
+    }
+    char *t = px_xstrndup((char *)v->data.scalar.value, v->data.scalar.length);
+    if (px_dispatch_parse(t) < 0) {
+        snprintf(y->err, y->errlen, "%s:%zu: key 'dispatch': '%s' is none of %s", y->path,
+                 yline(v), t, PX_DISPATCH_MODES);
+        free(t);
+        return -1;
+    }
+    free(p->dispatch);
+    p->dispatch = t;
+    return 0;
+}
+
 static int ypool(yctx *y, px_config *c, yaml_node_t *m) {
     if (m->type != YAML_MAPPING_NODE) {
         snprintf(y->err, y->errlen,
@@ -1167,10 +1195,12 @@ static int ypool(yctx *y, px_config *c, yaml_node_t *m) {
             }
             free(*field);
             *field = t;
+        } else if (!strcmp(key, "dispatch")) {
+            if (ypool_dispatch(y, p, v) < 0) return -1;
         } else {
             snprintf(y->err, y->errlen,
                      "%s:%zu: unknown key '%s' in a pool (name, models, prefill, decode, "
-                     "prefill-policy, decode-policy)",
+                     "prefill-policy, decode-policy, dispatch)",
                      y->path, yline(k), key);
             return -1;
         }
@@ -1357,6 +1387,7 @@ static const struct {
     {"dns-refresh", 0, NULL},
     {"prefill-policy", 1, "POLICY"},
     {"decode-policy", 1, "POLICY"},
+    {"dispatch", 1, "MODE"},
     {"prefix-bytes", 1, "BYTES"},
     {"prefix-load-factor", 1, "FACTOR"},
     {"prefill-dp-size", 1, "N"},
@@ -2012,6 +2043,11 @@ void px_config_dump(const px_config *c, FILE *out) {
         if (p->decode_policy[0]) {
             fprintf(out, "    decode-policy: ");
             yaml_str(out, p->decode_policy);
+            fputc('\n', out);
+        }
+        if (p->dispatch[0]) {
+            fprintf(out, "    dispatch: ");
+            yaml_str(out, p->dispatch);
             fputc('\n', out);
         }
     }

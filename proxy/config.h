@@ -26,6 +26,7 @@ typedef struct px_pool_spec {
     px_strlist decode_toy;
     char *prefill_policy; /* owned; "": the global --prefill-policy */
     char *decode_policy;  /* owned; "": the global --decode-policy */
+    char *dispatch;       /* owned; "": the global --dispatch */
     size_t line;          /* where the file defined it (0: a flag) */
 } px_pool_spec;
 
@@ -67,6 +68,7 @@ typedef struct px_config {
     /* Routing. */
     char *prefill_policy;
     char *decode_policy;
+    char *dispatch; /* serial|concurrent (dispatch.h) */
     int64_t prefix_bytes;
     double prefix_load_factor;
     double metrics_interval;

@@ -34,6 +34,7 @@ typedef struct px_pset {
     px_strlist models; /* owned */
     px_pool prefill;
     px_pool decode;
+    int dispatch; /* px_dispatch_mode (dispatch.h): how its P/D legs are sent */
     atomic_long admitted;            /* admission: requests sent on (not queued) */
     atomic_ullong backoff_until_ns;  /* admission: the latest decode back-off's end */
     atomic_ullong ttfb_ewma_us;      /* admission: time to first byte since dispatch, EWMA */

@@ -9,7 +9,8 @@ static const char *const dec_reasons[PX_DEC_COUNT] = {
 const char *const px_tokresult_names[PX_TOK_COUNT] = {"ok", "cached", "timeout", "error"};
 
 static const char *const fb_names[PX_FB_COUNT] = {"no_healthy_prefill", "prefill_5xx",
-                                                  "prefill_connection_error", "kv_load_failed"};
+                                                  "prefill_connection_error", "kv_load_failed",
+                                                  "concurrent_prefill_failed"};
 
 const char *px_decision_name(px_decision d) {
     return d <= PX_DEC_LONG_PROMPT ? "disaggregated" : "decode_only";

@@ -9,6 +9,7 @@
 #include <stdint.h>
 
 #include "base/util.h"
+#include "proxy/dispatch.h"
 #include "proxy/endpoint.h"
 
 typedef enum { PX_PHASE_PREFILL = 0, PX_PHASE_DECODE, PX_PHASE_STREAM, PX_PHASE_COUNT } px_phase;
@@ -32,6 +33,8 @@ typedef enum {
     PX_FB_PREFILL_CONN,   /* prefill refused or reset before answering, retries spent */
     PX_FB_KV_LOAD,        /* decode failed to load prefill's KV (vLLM kv_load_failure_policy
                            * fail): retried once without kv_transfer_params */
+    PX_FB_CONC_PREFILL,   /* --dispatch concurrent: prefill failed while decode waited for its
+                           * KV (decode's leg cancelled, nothing had reached the client) */
     PX_FB_COUNT
 } px_fallback;
 
@@ -91,6 +94,8 @@ typedef struct px_metrics {
     atomic_ullong adm[PX_ADM_M_COUNT];
     px_hist queue_wait; /* seconds queued, of requests that left the queue */
     atomic_ullong tokenize[PX_TOK_COUNT]; /* exact prompt tokens, by result */
+    atomic_ullong dispatch[PX_DISP_COUNT]; /* disaggregated requests by how they were sent */
+    px_hist kv_wait; /* decode's X-KV-Wait-Ms: how long it waited for prefill's KV */
 } px_metrics;
 
 /* The KV-event subscriber's totals (kvevents.c), for /metrics (any thread

@@ -13,6 +13,7 @@
 #include "base/log.h"
 #include "proxy/admission.h"
 #include "proxy/discovery.h"
+#include "proxy/dispatch.h"
 #include "proxy/dp.h"
 
 /* ---------- the backends' URLs, for changes in place ---------- */
@@ -153,6 +154,10 @@ static px_gen *build(px_reloader *rl, const px_config *cfg, const px_pool_spec *
         pc.policy = (px_policy)px_policy_parse(specs[i].decode_policy[0] ? specs[i].decode_policy
                                                                          : cfg->decode_policy);
         px_pool_init(&p->decode, "decode", &pc);
+        p->dispatch =
+            px_dispatch_parse(specs[i].dispatch && specs[i].dispatch[0] ? specs[i].dispatch
+                                                                         : cfg->dispatch);
+        if (p->dispatch < 0) p->dispatch = PX_DISPATCH_SERIAL;
     }
     g->disc = px_discovery_start(g, specs, old, cfg->dns_refresh, rl->base, wait, err, errlen);
     if (!g->disc) {

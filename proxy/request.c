@@ -16,6 +16,7 @@
 #include "proxy/access.h"
 #include "proxy/admission.h"
 #include "proxy/disagg.h"
+#include "proxy/dispatch.h"
 #include "proxy/dp.h"
 #include "proxy/kvindex.h"
 #include "proxy/otlp.h"
@@ -163,6 +164,18 @@ struct px_req {
     int p_busy;     /* prefill answered 429/503: its queue is full, not a failure */
     int d_requeue;  /* decode answered 429/503 and the request waits again: its
                        answer is dropped, not passed on */
+
+    /* --dispatch (dispatch.h). disp: how the legs were sent (-1: no prefill
+     * leg). With concurrent, pup is prefill's leg beside decode's in r->up,
+     * and conc_live says that the decode in flight waits for that
+     * prefill's KV (a failed prefill then cancels it). */
+    int disp;
+    px_upstream *pup; /* owned: concurrent prefill leg in flight */
+    int conc_live;
+    int conc_wait;            /* decode's answer is out: waiting for the prefill leg's end */
+    struct event *conc_timer; /* owned: bounds that wait */
+    int kv_waited;     /* decode sent X-KV-Wait-Ms: */
+    double kv_wait_ms; /* its value */
 };
 
 /* The flow, top-down: each section below calls into later ones. */
@@ -171,6 +184,11 @@ static int choose_pool(px_req *r);
 static int sidecar_prefill(px_req *r, const px_http_head *h);
 static int decide(px_req *r);
 static void start_prefill(px_req *r);
+static int pick_prefill(px_req *r);
+static int send_prefill(px_req *r, const px_upstream_cbs *cbs);
+static void dispatch_concurrent(px_req *r);
+static void conc_prefill_stop(px_req *r);
+static void conc_await_prefill(px_req *r);
 static void proceed_to_decode(px_req *r);
 static px_kvp_status decode_body(px_req *r, char *err, size_t errlen);
 static void decode_only(px_req *r);
@@ -198,7 +216,7 @@ static void finish_log(px_req *r, int status, const char *outcome);
 static void submit_spans(px_req *r, int status, const char *outcome, uint64_t now);
 static void req_free(px_req *r);
 static const px_exchange_cbs client_cbs;
-static const px_upstream_cbs prefill_cbs, release_prefill_cbs;
+static const px_upstream_cbs prefill_cbs, release_prefill_cbs, conc_prefill_cbs;
 static const decode_table decode_tbl, release_tbl;
 static void usage_out(void *arg, const char *p, size_t n);
 
@@ -381,6 +399,7 @@ static px_req *req_new(px_wctx *w, px_conn *c, px_endpoint ep, const px_http_hea
     px_buf_init(&r->hdrs_d);
     px_buf_init(&r->dhold);
     r->prank = r->drank = -1;
+    r->disp = -1;
     if (px_endpoint_passthrough(ep)) {
         /* The client's method, path and query as it sent them (an
          * absolute-form target loses its scheme and authority). */
@@ -736,6 +755,12 @@ static void route_pd(px_req *r) {
     account(r);
     if (r->ctx->cfg->prefill_timeout > 0)
         r->prefill_deadline = px_now_ns() + (uint64_t)(r->ctx->cfg->prefill_timeout * 1e9);
+    if (r->ps->dispatch == PX_DISPATCH_CONCURRENT) {
+        dispatch_concurrent(r);
+        return;
+    }
+    r->disp = PX_DISP_SERIAL;
+    px_m_inc(&r->w->metrics.dispatch[PX_DISP_SERIAL]);
     start_prefill(r);
 }
 
@@ -959,6 +984,12 @@ static int decide(px_req *r) {
 /* ---------- prefill ---------- */
 
 static void start_prefill(px_req *r) {
+    if (pick_prefill(r) == 0) send_prefill(r, &prefill_cbs);
+}
+
+/* Takes the prefill of the next attempt into r->pb. Returns -1 when there
+ * is none: r went on to decode alone or ended. */
+static int pick_prefill(px_req *r) {
     px_pick k = {
         .key = r->key, .key_len = r->key_len, .exclude = r->tried_p, .nexclude = r->ntried_p};
     size_t n = 0;
@@ -976,7 +1007,7 @@ static void start_prefill(px_req *r) {
         if (r->no_prefill) {
             PX_LOG(PX_LOG_DEBUG, "req=%s msg=\"no x-prefiller-host-port: decode alone\"", r->lid);
             decode_only(r);
-            return;
+            return -1;
         }
         if (r->ctx->cfg->fallback_decode_only) {
             PX_LOG(PX_LOG_WARN,
@@ -984,12 +1015,18 @@ static void start_prefill(px_req *r) {
                    "prefill_backends=%zu",
                    r->lid, n);
             fall_back(r, PX_FB_NO_PREFILL);
-            return;
+            return -1;
         }
         req_fail(r, 503, "Retry-After: 1\r\n", "no healthy prefill backend (%zu configured%s)", n,
                  px_pool_unusable_why(&r->ps->prefill));
-        return;
+        return -1;
     }
+    return 0;
+}
+
+/* Sends r->pbody to r->pb with the callbacks `cbs`; the transfer is r->up.
+ * Returns -1 when r has ended. */
+static int send_prefill(px_req *r, const px_upstream_cbs *cbs) {
     snprintf(r->pname, sizeof r->pname, "%s", r->pb->name);
     r->p_https = (unsigned char)r->pb->https;
     if (!r->t_pstart) r->t_pstart = px_now_ns();
@@ -1001,13 +1038,16 @@ static void start_prefill(px_req *r) {
         if (now + 1000000 >= r->prefill_deadline) {
             req_fail(r, 504, NULL, "prefill did not answer within --prefill-timeout %gs",
                      r->ctx->cfg->prefill_timeout);
-            return;
+            return -1;
         }
         ptimeout = (double)(r->prefill_deadline - now) / 1e9;
     }
-    if (start_upstream(r, r->pb, "POST", px_endpoints[r->ep].path, &r->pbody, &r->hdrs_p,
-                       &prefill_cbs, ptimeout) < 0)
+    if (start_upstream(r, r->pb, "POST", px_endpoints[r->ep].path, &r->pbody, &r->hdrs_p, cbs,
+                       ptimeout) < 0) {
         req_fail(r, 502, NULL, "prefill %s: cannot start the request", r->pname);
+        return -1;
+    }
+    return 0;
 }
 
 static void prefill_headers(void *arg, int status, const char *ctype) {
@@ -1030,7 +1070,6 @@ static int prefill_data(void *arg, const char *p, size_t n) {
 /* A prefill attempt ended: its answer is counted, its backend handed back.
  * Returns how the attempt went. */
 static px_outcome prefill_ended(px_req *r, px_up_result rc) {
-    r->up = NULL;
     dp_end(r, PX_DP_PREFILL);
     account(r); /* the prefill's answer */
     px_outcome o = outcome_of(rc, r->pstatus);
@@ -1070,6 +1109,7 @@ static void engine_error_message(const char *body, size_t n, char *out, size_t o
 
 static void prefill_done(void *arg, px_up_result rc, const char *errbuf, int connected) {
     px_req *r = arg;
+    r->up = NULL; /* freed by the upstream module when this returns */
     /* A full engine queue (admission.h) while the request may wait again:
      * the backend backs off, not counted as failed, and the request goes
      * back in the queue. Without a queue or time left, as before: a 503
@@ -1211,6 +1251,9 @@ static px_kvp_status decode_body(px_req *r, char *err, size_t errlen) {
                "prefill's blocks\" prefill=%s",
                r->lid, r->pname);
     }
+    /* --dispatch concurrent learns the prefill's identity from its
+     * answers. */
+    if (kvp && r->ps->dispatch == PX_DISPATCH_CONCURRENT) px_dispatch_learn(r->pname, kvp, kvp_len);
     px_buf_reset(&r->dbody);
     px_rewrite_decode(r->body.data, r->body.len, kvp, kvp_len, &r->dbody);
     r->disagg = kvp != NULL;
@@ -1247,6 +1290,168 @@ static void fall_back(px_req *r, px_fallback why) {
     px_m_inc(&r->w->metrics.fallbacks[why]);
     decode_only(r);
 }
+
+/* ---------- concurrent dispatch: both legs at once ---------- */
+
+/* --dispatch concurrent (dispatch.h): prefill is told to publish under an
+ * id and token minted here, decode is told where to register for them,
+ * and both are sent now. Decode's leg is the request's r->up and goes on
+ * as any decode (its answer streamed, its failed KV load retried); the
+ * prefill leg, r->pup, is only read for its status and identity. A
+ * prefill whose identity is not known yet is sent serial: its answer
+ * teaches it (decode_body). */
+static void dispatch_concurrent(px_req *r) {
+    if (pick_prefill(r) < 0) return;
+    px_pf_identity pf;
+    char id[PX_DISPATCH_ID_LEN], tok[33];
+    if (!px_dispatch_get(r->pb->name, &pf) || px_dispatch_mint(id, tok) < 0) {
+        r->disp = PX_DISP_NO_IDENTITY;
+        px_m_inc(&r->w->metrics.dispatch[PX_DISP_NO_IDENTITY]);
+        PX_LOG(PX_LOG_DEBUG,
+               "req=%s msg=\"prefill's identity not known yet: sent serial\" prefill=%s", r->lid,
+               r->pb->name);
+        send_prefill(r, &prefill_cbs);
+        return;
+    }
+    r->disp = PX_DISP_CONCURRENT;
+    px_m_inc(&r->w->metrics.dispatch[PX_DISP_CONCURRENT]);
+    px_buf kvp, body;
+    px_buf_init(&kvp);
+    px_buf_init(&body);
+    px_dispatch_prefill_kvp(id, tok, &kvp);
+    px_rewrite_decode(r->pbody.data, r->pbody.len, kvp.data, kvp.len, &body);
+    px_buf_cleanup(&r->pbody);
+    r->pbody = body;
+    px_buf_reset(&kvp);
+    px_dispatch_decode_kvp(&pf, id, tok, &kvp);
+    px_buf_reset(&r->dbody);
+    px_rewrite_decode(r->body.data, r->body.len, kvp.data, kvp.len, &r->dbody);
+    px_buf_cleanup(&kvp);
+    r->disagg = 1;
+    account(r);
+    PX_LOG(PX_LOG_DEBUG, "req=%s msg=\"concurrent dispatch\" prefill=%s remote_request_id=%s",
+           r->lid, r->pb->name, id);
+    if (send_prefill(r, &conc_prefill_cbs) < 0) return;
+    r->pup = r->up;
+    r->up = NULL;
+    r->conc_live = 1;
+    start_decode(r);
+}
+
+/* Cuts the concurrent prefill leg; its backend is handed back. */
+static void conc_prefill_stop(px_req *r) {
+    px_upstream_cancel(r->pup);
+    r->pup = NULL;
+    dp_end(r, PX_DP_PREFILL);
+    uncharge(r, 0);
+    px_backend_done(&r->ps->prefill, r->pb, PX_OUT_CANCELLED);
+    r->pb = NULL;
+}
+
+/* Decode answered in full while prefill's leg still runs (decode loaded
+ * the KV as prefill published it, or computed the prompt itself). The
+ * client has its answer; prefill is let answer, so that a publication
+ * being made is not cut half-way (it would wait for expiry) and its
+ * answer refreshes the identity, but not for longer than
+ * PREFILL_ANSWER_GRACE_US. The access line is written at that end. */
+static void on_conc_timer(evutil_socket_t fd, short what, void *arg) {
+    px_req *r = arg;
+    req_finish(r, r->dstatus, "ok", NULL, NULL);
+}
+
+static void conc_await_prefill(px_req *r) {
+    r->conc_wait = 1;
+    r->conc_live = 0;
+    if (!r->conc_timer) r->conc_timer = evtimer_new(r->w->base, on_conc_timer, r);
+    struct timeval tv = {PREFILL_ANSWER_GRACE_US / 1000000, PREFILL_ANSWER_GRACE_US % 1000000};
+    evtimer_add(r->conc_timer, &tv);
+}
+
+/* Cuts the decode leg that waits for the failed prefill's KV. */
+static void conc_decode_stop(px_req *r) {
+    px_upstream_cancel(r->up);
+    r->up = NULL;
+    dp_end(r, PX_DP_DECODE);
+    if (r->idle_timer) evtimer_del(r->idle_timer);
+    uncharge(r, 1);
+    px_backend_done(&r->ps->decode, r->db, PX_OUT_CANCELLED);
+    r->db = NULL;
+    r->conc_live = 0;
+}
+
+/* The prefill leg ended. A good answer refreshes the identity cache. A
+ * failure while decode still waits for the KV (no answer head from it
+ * yet, so nothing reached the client) cancels decode's leg, then: a 4xx
+ * goes to the client as prefill said it; --fallback-decode-only sends the
+ * request to decode alone; else an OpenAI error. No other prefill is
+ * tried: decode's params name this one. Once decode has answered, it had
+ * its KV (or computed it): prefill's late failure changes nothing. */
+static void conc_prefill_done(void *arg, px_up_result rc, const char *errbuf, int connected) {
+    px_req *r = arg;
+    r->pup = NULL; /* freed by the upstream module when this returns */
+    prefill_ended(r, rc);
+    r->t_prefill = px_now_ns();
+    px_hist_observe(&r->w->metrics.prefill, secs(r->t0, r->t_prefill));
+    const char *why = errbuf[0] ? errbuf : px_up_result_str(rc);
+    if (rc == PX_UP_OK && r->pstatus >= 200 && r->pstatus < 300 && !r->too_big) {
+        const char *kvp = NULL;
+        size_t kl = 0;
+        char err[128];
+        px_kvp_status ks = px_extract_kv_params(r->presp.data ? r->presp.data : "", r->presp.len,
+                                                &kvp, &kl, err, sizeof err);
+        if ((ks == PX_KVP_OK || ks == PX_KVP_NO_REQUEST_ID) && kvp)
+            px_dispatch_learn(r->pname, kvp, kl);
+        if (r->presp.data && !r->p_cached[0] && !strcmp(r->ctx->cfg->usage_from, "prefill"))
+            px_usage_cached_tokens(r->presp.data, r->presp.len, r->p_cached);
+        if (!px_otlp_enabled()) px_buf_cleanup(&r->presp);
+        account(r);
+        if (r->conc_wait) req_finish(r, r->dstatus, "ok", NULL, NULL);
+        return;
+    }
+    if (r->conc_wait) {
+        px_buf_reset(&r->presp);
+        req_finish(r, r->dstatus, "ok", NULL, NULL);
+        return;
+    }
+    if (!r->conc_live || r->t_first) {
+        px_buf_reset(&r->presp);
+        account(r);
+        PX_LOG(PX_LOG_INFO,
+               "req=%s msg=\"prefill leg failed after decode answered: decode's answer stands\" "
+               "prefill=%s status=%d error=\"%s\"",
+               r->lid, r->pname, r->pstatus, rc ? why : "");
+        return;
+    }
+    PX_LOG(PX_LOG_WARN,
+           "req=%s msg=\"prefill failed while decode waited for its KV: decode's leg cancelled\" "
+           "prefill=%s decode=%s status=%d error=\"%s\"",
+           r->lid, r->pname, r->dname, r->pstatus, rc ? why : "");
+    conc_decode_stop(r);
+    if (rc == PX_UP_OK && r->pstatus >= 400 && r->pstatus < 500 && !r->too_big) {
+        /* The client's fault: its status and the engine's words, as serial. */
+        if (r->conn) {
+            px_conn_reply(r->conn, r->pstatus, r->pctype, r->id, NULL, r->presp.data, r->presp.len);
+            r->conn = NULL;
+        }
+        req_finish(r, r->pstatus, "prefill_rejected", NULL, NULL);
+        return;
+    }
+    px_buf_reset(&r->presp);
+    account(r);
+    if (r->ctx->cfg->fallback_decode_only) {
+        fall_back(r, PX_FB_CONC_PREFILL);
+        return;
+    }
+    if (r->too_big)
+        req_fail(r, 502, NULL, "prefill %s answer exceeds %d bytes", r->pname, PREFILL_MAX_ANSWER);
+    else if (rc != PX_UP_OK)
+        req_fail(r, px_upstream_status_for(rc), NULL, "prefill %s: %s", r->pname, why);
+    else
+        req_fail(r, r->pstatus == 508 ? 508 : 502, NULL, "prefill %s answered HTTP %d", r->pname,
+                 r->pstatus);
+}
+
+static const px_upstream_cbs conc_prefill_cbs = {prefill_headers, prefill_data, conc_prefill_done};
 
 /* ---------- decode ---------- */
 
@@ -1336,6 +1541,15 @@ static void decode_headers(void *arg, int status, const char *ctype) {
     }
     r->t_first = px_now_ns();
     px_adm_first_byte(&r->adm);
+    char w[32], *end;
+    if (px_upstream_header(r->up, "x-kv-wait-ms", w, sizeof w)) {
+        double ms = strtod(w, &end);
+        if (end != w && ms >= 0 && ms < 1e9) {
+            r->kv_waited = 1;
+            r->kv_wait_ms = ms;
+            px_hist_observe(&r->w->metrics.kv_wait, ms / 1e3);
+        }
+    }
     r->streamed = ctype && !strncasecmp(ctype, "text/event-stream", 17);
     if (hold_for_kv_failure(r, status, r->streamed)) {
         r->hold = 1;
@@ -1469,6 +1683,12 @@ static void retry_without_kv(px_req *r) {
     r->kv_load_failed = 0;
     r->kv_load_retry = 1;
     r->disagg = 0;
+    if (r->disp == PX_DISP_CONCURRENT) {
+        /* Decode could not load from the prefill it was pointed at: that
+         * identity is not trusted again until the prefill answers anew. */
+        r->conc_live = 0;
+        px_dispatch_forget(r->pname);
+    }
     r->dstatus = 0;
     r->t_first = 0;
     r->fell_back = 1;
@@ -1535,6 +1755,10 @@ static void decode_done(void *arg, px_up_result rc, const char *errbuf, int conn
         if (r->conn) {
             px_conn_stream_end(r->conn);
             r->conn = NULL;
+        }
+        if (r->pup) { /* concurrent: prefill's leg is let end (conc_await_prefill) */
+            conc_await_prefill(r);
+            return;
         }
         req_finish(r, r->dstatus, "ok", NULL, NULL);
         return;
@@ -1638,6 +1862,11 @@ static void client_gone(void *arg) {
                      : r->state == RS_DECODE ? PX_PHASE_DECODE
                                              : PX_PHASE_PREFILL;
     px_m_inc(&r->w->metrics.disconnects[phase]);
+    /* Concurrent: prefill's leg is cut at once (an engine drops a prefill
+     * whose client left; one that published already is read by decode's
+     * registration); decode's is let receive its whole request, as below,
+     * so that a publication is met and released. */
+    if (r->pup) conc_prefill_stop(r);
     if (r->state == RS_PREFILL && r->up) {
         release_prefill(r);
         return;
@@ -1698,6 +1927,7 @@ static void on_grace_timer(evutil_socket_t fd, short what, void *arg) {
 static void release_prefill_done(void *arg, px_up_result rc, const char *errbuf, int connected) {
     px_req *r = arg;
     if (r->grace_timer) evtimer_del(r->grace_timer); /* it answered in time */
+    r->up = NULL;
     prefill_ended(r, rc);
     if (rc == PX_UP_OK && r->pstatus >= 200 && r->pstatus < 300)
         release_through_decode(r);
@@ -1825,6 +2055,8 @@ static void req_finish(px_req *r, int status, const char *outcome, const char *e
     set_state(r, RS_DONE);
     px_upstream_cancel(r->up);
     r->up = NULL;
+    px_upstream_cancel(r->pup);
+    r->pup = NULL;
     dp_end(r, PX_DP_PREFILL);
     dp_end(r, PX_DP_DECODE);
     uncharge(r, 0);
@@ -1836,6 +2068,7 @@ static void req_finish(px_req *r, int status, const char *outcome, const char *e
     if (r->retry_timer) evtimer_del(r->retry_timer);
     if (r->idle_timer) evtimer_del(r->idle_timer);
     if (r->grace_timer) evtimer_del(r->grace_timer);
+    if (r->conc_timer) evtimer_del(r->conc_timer);
     if (r->counted) atomic_fetch_sub(&r->ctx->inflight, 1);
     r->counted = 0;
     px_adm_leave(r->w, &r->adm);
@@ -1882,6 +2115,10 @@ static void write_access(const px_req *r, int status, const char *outcome, uint6
                                       : r->decided ? px_decision_reason(r->decision)
                                                    : NULL,
                    .fallback = r->fell_back ? px_fallback_name(r->fallback) : NULL,
+                   .dispatch = r->disp >= 0 ? px_dispatch_kind_mode((px_dispatch_kind)r->disp)
+                                            : NULL,
+                   .kv_waited = r->kv_waited,
+                   .kv_wait_ms = r->kv_wait_ms,
                    .estimated = r->dis.estimated,
                    .prompt_tokens_est = r->dis.tokens,
                    .uncached_tokens_est = r->dis.uncached,
@@ -1950,6 +2187,7 @@ static void submit_spans(px_req *r, int status, const char *outcome, uint64_t no
 void px_req_refuse(px_conn *c, const px_http_head *h, const char *endpoint, int status,
                    const char *extra, const char *msg) {
     px_req v = {0};
+    v.disp = -1;
     char id[129], m[20];
     if (!px_http_request_id(h, id)) px_uuid4(id);
     px_log_value(id, v.lid, sizeof v.lid);
@@ -1969,6 +2207,7 @@ static void req_free(px_req *r) {
     if (r->retry_timer) event_free(r->retry_timer);
     if (r->idle_timer) event_free(r->idle_timer);
     if (r->grace_timer) event_free(r->grace_timer);
+    if (r->conc_timer) event_free(r->conc_timer);
     px_backend_release(r->hb);
     px_gen_release(r->g);
     px_budget_add(&r->ctx->shared, -r->held);

@@ -4,7 +4,9 @@
  * through the one exit (req_finish: logs, answers once, frees on the next
  * loop turn) and RELEASING when the client left while prefill may hold
  * blocks for it (prefill is let answer, then decode is sent the request and
- * aborted, so that prefill frees the blocks at once). A px_req owns
+ * aborted, so that prefill frees the blocks at once). With --dispatch
+ * concurrent (dispatch.h) PREFILL is skipped: decode's leg runs as DECODE
+ * while prefill's runs beside it on a second transfer. A px_req owns
  * everything of its request; req_free() releases all. */
 #ifndef PX_REQUEST_H
 #define PX_REQUEST_H

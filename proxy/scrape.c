@@ -412,6 +412,17 @@ void px_scrape_render(px_ctx *ctx, px_buf *o) {
             o, "pdproxy_decode_only_fallbacks_total{reason=\"%s\"} %llu\n",
             px_fallback_name((px_fallback)f),
             sum_at(ctx, offsetof(px_metrics, fallbacks) + (size_t)f * sizeof(atomic_ullong)));
+    px_buf_appends(o, "# HELP pdproxy_dispatch_total Disaggregated requests by how their "
+                      "legs were sent (--dispatch): serial or concurrent, and why.\n"
+                      "# TYPE pdproxy_dispatch_total counter\n");
+    for (int k = 0; k < PX_DISP_COUNT; k++)
+        px_buf_printf(
+            o, "pdproxy_dispatch_total{mode=\"%s\",reason=\"%s\"} %llu\n",
+            px_dispatch_kind_mode((px_dispatch_kind)k), px_dispatch_kind_reason((px_dispatch_kind)k),
+            sum_at(ctx, offsetof(px_metrics, dispatch) + (size_t)k * sizeof(atomic_ullong)));
+    render_hist(o, ctx, "pdproxy_decode_kv_wait_seconds",
+                "How long decode waited for prefill's KV, as it reports in X-KV-Wait-Ms.",
+                offsetof(px_metrics, kv_wait));
     px_buf_appends(o, "# HELP pdproxy_admission_total Admission control events: requests "
                       "queued for a saturated pool, dispatched, refused (queue full, deadline, "
                       "rate limits) or left; engines that answered 429/503; workers woken by another "

@@ -6,6 +6,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 
 #include "base/client.h"
 #include "base/log.h"
@@ -43,6 +44,10 @@ struct px_upstream {
     const char *body;              /* borrowed: valid until on_done */
     size_t body_len, body_off;
     char errbuf[CURL_ERROR_SIZE];
+    /* The response head while on_headers runs (px_upstream_header): http's
+     * parsed head, or https's header lines as curl gave them. */
+    const px_http_head *cur_head;
+    px_buf hlines; /* https: owned, the current response's header lines */
 };
 
 /* One per socket curl watches; freed when curl says CURL_POLL_REMOVE. */
@@ -80,6 +85,7 @@ static void free_up(px_upstream *u) {
         curl_slist_free_all(u->connect_to);
         curl_slist_free_all(u->hdrs);
         release_easy(l, u->easy);
+        px_buf_cleanup(&u->hlines);
         if (--l->nhttps == 0 && l->idle_close) {
             struct timeval tv = {HTTPS_IDLE_CLOSE_S, 0};
             evtimer_add(l->idle_close, &tv);
@@ -268,6 +274,9 @@ static size_t header_cb(char *p, size_t size, size_t n, void *arg) {
             u->headers_seen = 1;
             if (u->cbs.on_headers) u->cbs.on_headers(u->arg, (int)status, ct);
         }
+        px_buf_reset(&u->hlines); /* a 1xx head's lines are not the answer's */
+    } else if (!u->headers_seen && u->hlines.len + len <= 16384) {
+        px_buf_append(&u->hlines, p, len);
     }
     return len;
 }
@@ -441,7 +450,37 @@ static void h_head(void *arg, const px_http_head *h) {
     const px_http_header *ct = px_http_find(h, "content-type");
     char buf[256];
     if (ct) snprintf(buf, sizeof buf, "%.*s", (int)ct->value_len, ct->value);
+    u->cur_head = h;
     if (u->cbs.on_headers) u->cbs.on_headers(u->arg, h->status, ct ? buf : NULL);
+    u->cur_head = NULL;
+}
+
+int px_upstream_header(px_upstream *u, const char *name, char *out, size_t cap) {
+    const char *v = NULL;
+    size_t vl = 0, nl = strlen(name);
+    if (!u || !cap) return 0;
+    if (u->cur_head) {
+        const px_http_header *x = px_http_find(u->cur_head, name);
+        if (x) v = x->value, vl = x->value_len;
+    } else {
+        const char *p = u->hlines.data ? u->hlines.data : "", *end = p + u->hlines.len;
+        while (!v && p < end) {
+            const char *eol = memchr(p, '\n', (size_t)(end - p));
+            if (!eol) eol = end;
+            if ((size_t)(eol - p) > nl && p[nl] == ':' && !strncasecmp(p, name, nl)) {
+                v = p + nl + 1;
+                vl = (size_t)(eol - v);
+            }
+            p = eol + 1;
+        }
+        while (vl && (*v == ' ' || *v == '\t'))
+            v++, vl--;
+        while (vl && (v[vl - 1] == '\r' || v[vl - 1] == ' ' || v[vl - 1] == '\t'))
+            vl--;
+    }
+    if (!v) return 0;
+    snprintf(out, cap, "%.*s", (int)(vl < cap ? vl : cap - 1), v);
+    return 1;
 }
 
 static int h_data(void *arg, const char *p, size_t n) {

@@ -90,6 +90,11 @@ int px_upstream_answering(px_upstream *u);
  * when that has already happened: the caller may cancel at once. */
 int px_upstream_abort_after_upload(px_upstream *u);
 
+/* From inside on_headers only: copies the value of the answer's header
+ * `name` (case-insensitive) into out (cap bytes, NUL-terminated, cut to
+ * fit). Returns 1 when the answer has it, else 0. */
+int px_upstream_header(px_upstream *u, const char *name, char *out, size_t cap);
+
 /* Replaces the callbacks of a transfer in flight (its arg stays); the next
  * callback is the new table's. */
 void px_upstream_set_cbs(px_upstream *u, const px_upstream_cbs *cbs);

@@ -18,3 +18,11 @@ px_py_test(sim_kvevents)
 # engine-sim in push mode: both legs at once, decode's fetch held at prefill
 # until it publishes under the caller's id and token.
 px_py_test(sim_push)
+
+# --dispatch concurrent: both legs at once (mocks decide the race and the
+# failures; engine-sims in push mode move real KV).
+px_py_test(pd_concurrent)
+# The mock cases once more with https:// backends (libcurl's transport, its
+# header lines read for X-KV-Wait-Ms).
+px_py_test(pd_concurrent_https SCRIPT test_pd_concurrent.py ARGS ConcurrentMockTest
+           ENV PX_MOCK_TLS=1)

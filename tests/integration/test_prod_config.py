@@ -50,6 +50,7 @@ SAMPLES = {
     "fallback-decode-only": ("true", None),
     "prefill-policy": ("prefix_affinity", None),
     "decode-policy": ("least_inflight", None),
+    "dispatch": ("concurrent", None),
     "prefix-bytes": ("128", None),
     "prefix-load-factor": ("1.5", None),
     "metrics-interval": ("0.5", None),

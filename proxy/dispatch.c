@@ -1,0 +1,160 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+#include "proxy/dispatch.h"
+
+#include <pthread.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <string.h>
+
+#include <openssl/rand.h>
+
+#include "base/json.h"
+
+static const char *const mode_names[] = {"serial", "concurrent"};
+
+int px_dispatch_parse(const char *s) {
+    for (int i = 0; i < 2; i++)
+        if (s && !strcmp(s, mode_names[i])) return i;
+    return -1;
+}
+
+const char *px_dispatch_name(px_dispatch_mode m) {
+    return mode_names[m == PX_DISPATCH_CONCURRENT];
+}
+
+static const char *const kind_reasons[PX_DISP_COUNT] = {"configured", "no_identity",
+                                                        "identity_cached"};
+
+const char *px_dispatch_kind_mode(px_dispatch_kind k) {
+    return k == PX_DISP_CONCURRENT ? "concurrent" : "serial";
+}
+
+const char *px_dispatch_kind_reason(px_dispatch_kind k) {
+    return kind_reasons[k];
+}
+
+/* ---------- the prefill's identity ---------- */
+
+/* Copies member `key` of kvp, of JSON type `t`, as its exact text into
+ * out. Returns -1 when absent, of another type or too long. */
+static int member_text(const char *kvp, size_t n, const char *key, px_json_type t, char *out,
+                       size_t cap) {
+    px_json_member m;
+    if (!px_json_find(kvp, n, key, &m) || m.type != t || m.val_len + 1 > cap) return -1;
+    memcpy(out, m.val, m.val_len);
+    out[m.val_len] = '\0';
+    return 0;
+}
+
+int px_dispatch_identity_parse(const char *kvp, size_t n, px_pf_identity *id) {
+    px_pf_identity v;
+    if (member_text(kvp, n, "remote_engine_id", PX_JSON_STRING, v.engine_id,
+                    sizeof v.engine_id) < 0 ||
+        member_text(kvp, n, "remote_host", PX_JSON_STRING, v.host, sizeof v.host) < 0 ||
+        member_text(kvp, n, "remote_port", PX_JSON_NUMBER, v.port, sizeof v.port) < 0)
+        return -1;
+    if (member_text(kvp, n, "tp_size", PX_JSON_NUMBER, v.tp_size, sizeof v.tp_size) < 0)
+        snprintf(v.tp_size, sizeof v.tp_size, "1");
+    if (member_text(kvp, n, "pp_size", PX_JSON_NUMBER, v.pp_size, sizeof v.pp_size) < 0)
+        v.pp_size[0] = '\0';
+    *id = v;
+    return 0;
+}
+
+typedef struct ident_entry {
+    char backend[256];
+    px_pf_identity id;
+    uint64_t stamp; /* when learned, in learn order: the oldest goes first */
+} ident_entry;
+
+static pthread_mutex_t cache_mu = PTHREAD_MUTEX_INITIALIZER;
+static ident_entry cache[PX_DISPATCH_MAX_IDENTITIES];
+static size_t ncache;
+static uint64_t clock_;
+
+static ident_entry *find(const char *backend) {
+    for (size_t i = 0; i < ncache; i++)
+        if (!strcmp(cache[i].backend, backend)) return &cache[i];
+    return NULL;
+}
+
+int px_dispatch_learn(const char *backend, const char *kvp, size_t n) {
+    px_pf_identity id;
+    if (!backend || strlen(backend) >= sizeof cache[0].backend ||
+        px_dispatch_identity_parse(kvp, n, &id) < 0)
+        return -1;
+    pthread_mutex_lock(&cache_mu);
+    ident_entry *e = find(backend);
+    if (!e && ncache < PX_DISPATCH_MAX_IDENTITIES) e = &cache[ncache++];
+    if (!e) { /* full: the least recently learned makes room */
+        e = &cache[0];
+        for (size_t i = 1; i < ncache; i++)
+            if (cache[i].stamp < e->stamp) e = &cache[i];
+    }
+    snprintf(e->backend, sizeof e->backend, "%s", backend);
+    e->id = id;
+    e->stamp = ++clock_;
+    pthread_mutex_unlock(&cache_mu);
+    return 0;
+}
+
+int px_dispatch_get(const char *backend, px_pf_identity *id) {
+    pthread_mutex_lock(&cache_mu);
+    ident_entry *e = backend ? find(backend) : NULL;
+    if (e) *id = e->id;
+    pthread_mutex_unlock(&cache_mu);
+    return e != NULL;
+}
+
+void px_dispatch_forget(const char *backend) {
+    pthread_mutex_lock(&cache_mu);
+    ident_entry *e = backend ? find(backend) : NULL;
+    if (e) *e = cache[--ncache];
+    pthread_mutex_unlock(&cache_mu);
+}
+
+void px_dispatch_clear(void) {
+    pthread_mutex_lock(&cache_mu);
+    ncache = 0;
+    pthread_mutex_unlock(&cache_mu);
+}
+
+/* ---------- the legs' kv_transfer_params ---------- */
+
+static void hex(const unsigned char *b, size_t n, char *out) {
+    static const char d[] = "0123456789abcdef";
+    for (size_t i = 0; i < n; i++) {
+        out[2 * i] = d[b[i] >> 4];
+        out[2 * i + 1] = d[b[i] & 15];
+    }
+    out[2 * n] = '\0';
+}
+
+int px_dispatch_mint(char id[PX_DISPATCH_ID_LEN], char token[33]) {
+    unsigned char b[32];
+    if (RAND_bytes(b, sizeof b) != 1) return -1;
+    memcpy(id, "pdproxy-", 8);
+    hex(b, 16, id + 8);
+    hex(b + 16, 16, token);
+    return 0;
+}
+
+void px_dispatch_prefill_kvp(const char *id, const char *token, px_buf *out) {
+    px_buf_printf(out,
+                  "{\"do_remote_decode\":true,\"do_remote_prefill\":false,"
+                  "\"remote_engine_id\":null,\"remote_block_ids\":null,\"remote_host\":null,"
+                  "\"remote_port\":null,\"remote_request_id\":\"%s\",\"remote_kv_token\":\"%s\","
+                  "\"transfer_mode\":\"push\"}",
+                  id, token);
+}
+
+void px_dispatch_decode_kvp(const px_pf_identity *pf, const char *id, const char *token,
+                            px_buf *out) {
+    px_buf_printf(out,
+                  "{\"do_remote_prefill\":true,\"do_remote_decode\":false,"
+                  "\"transfer_mode\":\"push\",\"remote_engine_id\":%s,"
+                  "\"remote_request_id\":\"%s\",\"remote_kv_token\":\"%s\",\"remote_host\":%s,"
+                  "\"remote_port\":%s,\"tp_size\":%s%s%s}",
+                  pf->engine_id, id, token, pf->host, pf->port, pf->tp_size,
+                  pf->pp_size[0] ? ",\"pp_size\":" : "", pf->pp_size);
+}
