@@ -114,6 +114,9 @@ static void worker_cleanup(px_worker *w) {
     px_conn_list_close_all(&w->conns);
     px_req_free_all(&w->wc);
     px_adm_worker_destroy(w->wc.adm);
+    /* Workers cleaned up later still close requests that look at every
+     * worker's queue (admission.c, wake_others). */
+    w->wc.adm = NULL;
     px_listener_free(w->lev);
     if (w->drain_poll) event_free(w->drain_poll);
     px_uploop_destroy(w->wc.up);
