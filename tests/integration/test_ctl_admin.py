@@ -9,35 +9,14 @@ import os
 import unittest
 
 from pdharness.client import http_request
-from pdharness.ctl import admin, pools_yaml, tmpdir, token_file, url, write_yaml
+from pdharness.ctl import url, write_yaml
 from pdharness.mocks import decode_handler, prefill_handler
 from pdharness.net import free_port
-from pdharness.procs import ProxyStartError, run_pdproxy
-from pdharness.prod import ProdCase
+from pdharness.procs import run_pdproxy
+from pdharness.prod import AdminCase
 
 
-class AdminTest(ProdCase):
-    def setUp(self):
-        super().setUp()
-        self.dir = tmpdir(self)
-        self.tokpath, self.token = token_file(self, self.dir)
-        self.file = os.path.join(self.dir, "pdproxy.yaml")
-
-    def start_admin(self, pools, extra=()):
-        write_yaml(self.file, pools_yaml(pools))
-        for _ in range(3):
-            self.aport = free_port()
-            try:
-                return self.start(args=["--config", self.file, "--admin-port", str(self.aport),
-                                        "--admin-token-file", self.tokpath] + list(extra))
-            except ProxyStartError as e:
-                if "admin" not in str(e):
-                    raise
-        raise AssertionError("no free admin port")
-
-    def call(self, method, path, body=None, token=True):
-        return admin(self.aport, method, path, body, self.token if token is True else token)
-
+class AdminTest(AdminCase):
     def test_every_call_needs_the_admin_token(self):
         P = self.mock(prefill_handler(), name="P")
         D = self.mock(decode_handler(), name="D")

@@ -13,12 +13,11 @@ import socket
 import threading
 import unittest
 
-from pdharness.ctl import (admin, pools_yaml, sighup, tmpdir, token_file, url, wait_generation,
-                           write_yaml)
+from pdharness.ctl import pools_yaml, sighup, tmpdir, url, wait_generation, write_yaml
 from pdharness.mocks import completion_body, decode_handler, prefill_handler
-from pdharness.net import HOST, free_port, wait_for, wait_value
-from pdharness.procs import ProxyStartError, sanitized
-from pdharness.prod import ProdCase
+from pdharness.net import HOST, wait_for, wait_value
+from pdharness.procs import sanitized
+from pdharness.prod import AdminCase, ProdCase
 from pdharness.prom import metric, prom
 
 N = 2000  # backends of the big pool: half prefill, half decode
@@ -34,28 +33,7 @@ def big_urls(n, shift=0, port=9):
             ["http://%s:%d" % (addr(i + shift + 500000), port) for i in range(n - half)])
 
 
-class ScaleAdminTest(ProdCase):
-    def setUp(self):
-        super().setUp()
-        self.dir = tmpdir(self)
-        self.tokpath, self.token = token_file(self, self.dir)
-        self.file = os.path.join(self.dir, "pdproxy.yaml")
-
-    def start_admin(self, text, extra=()):
-        write_yaml(self.file, text)
-        for _ in range(3):
-            self.aport = free_port()
-            try:
-                return self.start(args=["--config", self.file, "--admin-port", str(self.aport),
-                                        "--admin-token-file", self.tokpath] + list(extra))
-            except ProxyStartError as e:
-                if "admin" not in str(e):
-                    raise
-        raise AssertionError("no free admin port")
-
-    def call(self, method, path, body=None):
-        return admin(self.aport, method, path, body, self.token)
-
+class ScaleAdminTest(AdminCase):
     def members(self, pool):
         st, doc = self.call("GET", "/admin/backends")
         self.assertEqual(st, 200, doc)

@@ -28,12 +28,12 @@ import time
 
 from pdharness.case import main
 from pdharness.client import RawClient, http_request
-from pdharness.ctl import admin, pools_yaml, tmpdir, token_file, url, write_yaml
+from pdharness.ctl import admin, pools_yaml, tmpdir, url, write_yaml
 from pdharness.mocks import (Hang, Respond, chat_body, completion_body, decode_handler,
                              prefill_handler)
 from pdharness.net import HOST, free_port
-from pdharness.procs import Proxy, ProxyStartError, run_pdproxy
-from pdharness.prod import ProdCase
+from pdharness.procs import Proxy, run_pdproxy
+from pdharness.prod import AdminCase, ProdCase
 
 EVIL = {"do_remote_prefill": True, "remote_host": "169.254.169.254", "remote_port": 80,
         "remote_engine_id": "evil", "remote_block_ids": [1], "remote_request_id": "evil"}
@@ -312,29 +312,6 @@ class HeaderAllowListTest(ProdCase):
                     continue
                 self.assertNotIn(k.lower(), names, "%s %s" % (req.method, req.path))
             self.assertEqual(req.header("x-prefiller-host-port"), None)
-
-
-class AdminCase(ProdCase):
-    def setUp(self):
-        super().setUp()
-        self.dir = tmpdir(self)
-        self.tokpath, self.token = token_file(self, self.dir)
-        self.file = os.path.join(self.dir, "pdproxy.yaml")
-
-    def start_admin(self, text, extra=()):
-        write_yaml(self.file, text)
-        for _ in range(3):
-            self.aport = free_port()
-            try:
-                return self.start(args=["--config", self.file, "--admin-port", str(self.aport),
-                                        "--admin-token-file", self.tokpath] + list(extra))
-            except ProxyStartError as e:
-                if "admin" not in str(e):
-                    raise
-        raise AssertionError("no free admin port")
-
-    def call(self, method, path, body=None):
-        return admin(self.aport, method, path, body, self.token)
 
 
 class SelfLoopTest(AdminCase):

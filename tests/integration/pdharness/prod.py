@@ -7,10 +7,14 @@ poll a backend's health gauge, and send many requests concurrently.
 
 Every loop is bounded by a deadline and a count."""
 
+import os
+
 from pdharness.case import PxTestCase
 from pdharness.client import http_request, run_concurrently
+from pdharness.ctl import admin, pools_yaml, tmpdir, token_file, write_yaml
 from pdharness.mocks import completion_body
-from pdharness.net import HOST, now, wait_value
+from pdharness.net import HOST, free_port, now, wait_value
+from pdharness.procs import ProxyStartError
 from pdharness.prom import metric, prom
 
 
@@ -54,3 +58,31 @@ class ProdCase(PxTestCase):
         results, done = run_concurrently(fn, n, workers, timeout)
         self.assertTrue(done, "client threads still running after %.0fs" % timeout)
         return results
+
+
+class AdminCase(ProdCase):
+    """A proxy started from a config file in a fresh folder, with its admin
+    API on a port of its own and a token file."""
+
+    def setUp(self):
+        super().setUp()
+        self.dir = tmpdir(self)
+        self.tokpath, self.token = token_file(self, self.dir)
+        self.file = os.path.join(self.dir, "pdproxy.yaml")
+
+    def start_admin(self, config, extra=()):
+        """config: the file's YAML text, or pools as pools_yaml takes them."""
+        write_yaml(self.file, config if isinstance(config, str) else pools_yaml(config))
+        for _ in range(3):
+            self.aport = free_port()
+            try:
+                return self.start(args=["--config", self.file, "--admin-port", str(self.aport),
+                                        "--admin-token-file", self.tokpath] + list(extra))
+            except ProxyStartError as e:
+                if "admin" not in str(e):
+                    raise
+        raise AssertionError("no free admin port")
+
+    def call(self, method, path, body=None, token=True):
+        """token: True for the case's own, else the one to send (None: none)."""
+        return admin(self.aport, method, path, body, self.token if token is True else token)
