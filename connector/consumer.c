@@ -116,24 +116,12 @@ kvc_status_t kvc_cons_attach(kvc_agent_t *a, uint64_t key, const uint8_t *addr, 
 ucp_ep_h kvc_cons_ep(kvc_cons_t *c) {
     if (c->ep || c->dead) return c->ep;
     kvc_agent_t *a = c->a;
-    ucp_ep_params_t ep;
-    memset(&ep, 0, sizeof(ep));
-    ep.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
-                    UCP_EP_PARAM_FIELD_ERR_HANDLER;
-    ep.address = (const ucp_address_t *)c->addr;
-    ep.err_mode = UCP_ERR_HANDLING_MODE_PEER;
-    ep.err_handler.cb = cons_err_cb;
-    ep.err_handler.arg = c;
-    ucs_status_t us = ucp_ep_create(a->worker, &ep, &c->ep);
+    /* Without peer-failure support (sm alone) the endpoint is still ours,
+     * so sends on it stay safe; a dead consumer is then only noticed by
+     * failed sends. */
+    bool degraded;
+    ucs_status_t us = kvc_ep_open(a, c->addr, cons_err_cb, c, &c->ep, &degraded);
     if (us != UCS_OK) {
-        /* As peer.c: transports without peer-failure support (sm alone).
-         * The endpoint is still ours, so sends on it stay safe; a dead
-         * consumer is then only noticed by failed sends. */
-        ep.err_mode = UCP_ERR_HANDLING_MODE_NONE;
-        us = ucp_ep_create(a->worker, &ep, &c->ep);
-    }
-    if (us != UCS_OK) {
-        c->ep = NULL;
         KVC_LOG(a, KVC_LOG_WARN, "consumer %s: endpoint to its worker: %s", c->engine_id,
                 ucs_status_string(us));
         return NULL;

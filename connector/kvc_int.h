@@ -766,6 +766,12 @@ KVC_HIDDEN kvc_status_t kvc_cons_attach(kvc_agent_t *a, uint64_t key, const uint
 /* c's endpoint of ours, created on first use (a pull kept past its
  * callback); NULL when c is dead or ucp_ep_create failed. */
 KVC_HIDDEN ucp_ep_h kvc_cons_ep(kvc_cons_t *c);
+/* An endpoint to a worker address with peer-failure handling (cb, arg),
+ * or, where no transport supports that (UCX_TLS=sm alone), one without
+ * (*degraded set). peer.c. */
+KVC_HIDDEN ucs_status_t kvc_ep_open(kvc_agent_t *a, const void *worker_addr,
+                                    ucp_err_handler_cb_t cb, void *arg, ucp_ep_h *out,
+                                    bool *degraded);
 /* The live record of key, or NULL. */
 KVC_HIDDEN kvc_cons_t *kvc_cons_find(kvc_agent_t *a, uint64_t key);
 KVC_HIDDEN void kvc_cons_ref(kvc_cons_t *c);

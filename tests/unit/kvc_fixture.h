@@ -129,18 +129,22 @@ static inline void canary(side_t *s, uint8_t c) {
         memset(block(s, r, 0), c, s->nb * s->bl);
 }
 
+/* Keeps an event the agent returned in the side's record. */
+static inline void record_ev(side_t *s, const kvc_event_t *e) {
+    assert_true(s->n < MAXEV);
+    rec_t *r = &s->ev[s->n++];
+    r->type = e->type;
+    r->st = e->status;
+    r->xfer_id = e->xfer_id;
+    snprintf(r->req, sizeof(r->req), "%s", e->request_id ? e->request_id : "");
+    snprintf(r->msg, sizeof(r->msg), "%s", e->message ? e->message : "");
+}
+
 static inline void pump_once(side_t *s) {
     kvc_agent_progress(s->a);
     kvc_event_t e;
-    while (kvc_agent_next_event(s->a, &e) == KVC_OK) {
-        assert_true(s->n < MAXEV);
-        rec_t *r = &s->ev[s->n++];
-        r->type = e.type;
-        r->st = e.status;
-        r->xfer_id = e.xfer_id;
-        snprintf(r->req, sizeof(r->req), "%s", e.request_id ? e.request_id : "");
-        snprintf(r->msg, sizeof(r->msg), "%s", e.message ? e.message : "");
-    }
+    while (kvc_agent_next_event(s->a, &e) == KVC_OK)
+        record_ev(s, &e);
 }
 
 static inline const rec_t *find_ev(const side_t *s, kvc_event_type_t t, const char *req) {

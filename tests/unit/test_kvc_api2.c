@@ -724,12 +724,7 @@ static bool pop_until(side_t *s, kvc_event_type_t t, uint64_t ms) {
     while (kvc_now_ns() - t0 < ms * 1000000ull) {
         kvc_event_t e;
         while (kvc_agent_next_event(s->a, &e) == KVC_OK) {
-            assert_true(s->n < MAXEV);
-            rec_t *r = &s->ev[s->n++];
-            r->type = e.type;
-            r->st = e.status;
-            r->xfer_id = e.xfer_id;
-            snprintf(r->req, sizeof(r->req), "%s", e.request_id ? e.request_id : "");
+            record_ev(s, &e);
             if (e.type == t) return true;
         }
         struct timespec ts = {0, 2000000};
