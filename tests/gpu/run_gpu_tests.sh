@@ -393,10 +393,16 @@ for py in ${PDKV_PYTHON:-} python3 /usr/bin/python3; do
         break
     fi
 done
+# The plugin's regions go the direct path where UCX has CUDA transports and
+# are staged otherwise; the check is told which (TP 1->2 must be refused on
+# the staged path, as documented, and must load on the direct one).
+PLUGIN_PATH=staged
+if [ $HAVE_CUDA_UCX = 1 ]; then PLUGIN_PATH=direct; fi
 if [ $STANDIN = 0 ] && [ -n "$PLUGIN_PY" ]; then
     if time_left; then
         out=$(PX_BUILD_DIR=$BUILD PDKV_LIBRARY=$BUILD/connector/libkvconnector.so KVC_SECRET=gpu-check \
-              KVC_LOG_LEVEL=error timeout 240 "$PLUGIN_PY" "$SRC/tests/plugin/gpu_plugin_check.py" 2>&1)
+              KVC_LOG_LEVEL=error timeout 240 "$PLUGIN_PY" "$SRC/tests/plugin/gpu_plugin_check.py" \
+              --path $PLUGIN_PATH 2>&1)
         rc=$?
         if [ $rc -eq 0 ]; then
             summary PASS plugin "$(echo "$out" | grep '^RESULT' | tail -1)"
