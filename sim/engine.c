@@ -101,6 +101,8 @@ static void cache_insert(sim_engine *e, sim_req *r) {
 static uint64_t compute(sim_engine *e, size_t tokens) {
     uint64_t now = px_now_ns();
     uint64_t start = e->busy_until_ns > now ? e->busy_until_ns : now;
+    e->computes++;
+    e->compute_wait_ns += start - now; /* 0 on an idle engine */
     e->busy_until_ns = start + (uint64_t)tokens * e->cfg->prefill_us_per_token * 1000u;
     e->tokens_computed += tokens;
     return (e->busy_until_ns - now) / 1000u;
@@ -585,6 +587,8 @@ static void start_decode(sim_req *r) {
 }
 
 static void start_req(sim_req *r) {
+    r->e->admitted++;
+    if (r->t_queued) r->e->block_wait_ns += px_now_ns() - r->t_queued;
     r->e->nrunning++;
     r->e->dp_running[r->dp_rank]++;
     switch (r->mode) {
@@ -827,6 +831,7 @@ void sim_submit(sim_engine *e, px_conn *c, sim_ep ep, const char *xrid, int dp_r
         return;
     }
     r->state = SR_QUEUED;
+    r->t_queued = px_now_ns();
     if (e->qtail)
         e->qtail->qnext = r;
     else

@@ -63,6 +63,7 @@ typedef struct sim_req {
                             "X-KV-Wait-Ms: F\r\n", or "" */
     uint64_t compute_us; /* time until its prompt is computed, before time to first token */
     int dp_rank;         /* the data-parallel rank it runs on (0 when it named none) */
+    uint64_t t_queued;   /* when it joined the wait queue for KV blocks (0: never) */
 } sim_req;
 
 struct sim_engine {
@@ -92,6 +93,10 @@ struct sim_engine {
     uint64_t requests_total, blocks_published, blocks_released, blocks_expired, unknown_notify,
         fetch_failures, corrupt_blocks, fetches, bytes_fetched, fetch_ns, invalid_kvp,
         queue_rejects, lease_renewals, kv_load_failed, busy_rejects;
+    /* Queueing before the engine works on a request (/metrics'
+     * engine_sim_queue_*): admitted requests and their wait for free KV
+     * blocks; computations and their wait behind those queued before. */
+    uint64_t admitted, block_wait_ns, computes, compute_wait_ns;
     uint64_t renew_due_ns;            /* next lease renewal of queued decode requests */
     uint64_t dp_requests[SIM_DP_MAX]; /* by the X-data-parallel-rank requests named */
     /* nrunning and nqueued split by rank: /metrics' per-engine series,

@@ -109,6 +109,23 @@ static void reply_metrics(sim_engine *e, px_conn *c) {
                   "# TYPE engine_sim_kv_fetch_seconds_total counter\n"
                   "engine_sim_kv_fetch_seconds_total %.9f\n",
                   (double)e->fetch_ns / 1e9);
+    /* Queueing before the engine works on a request; a mean is seconds
+     * over entries (bench/pd_mixed.py: decode's queueing time). */
+    px_buf_printf(&b,
+                  "# HELP engine_sim_queue_seconds_total Time waited before the engine worked: "
+                  "queue=\"kv_blocks\", admitted requests in the wait queue for free KV blocks; "
+                  "queue=\"compute\", computations (a prompt, or a decode's last prompt token) "
+                  "behind those queued before them.\n"
+                  "# TYPE engine_sim_queue_seconds_total counter\n"
+                  "engine_sim_queue_seconds_total{queue=\"kv_blocks\"} %.9f\n"
+                  "engine_sim_queue_seconds_total{queue=\"compute\"} %.9f\n"
+                  "# HELP engine_sim_queue_entries_total What passed each queue, waiting or "
+                  "not: requests admitted (kv_blocks), computations queued (compute).\n"
+                  "# TYPE engine_sim_queue_entries_total counter\n"
+                  "engine_sim_queue_entries_total{queue=\"kv_blocks\"} %llu\n"
+                  "engine_sim_queue_entries_total{queue=\"compute\"} %llu\n",
+                  (double)e->block_wait_ns / 1e9, (double)e->compute_wait_ns / 1e9,
+                  (unsigned long long)e->admitted, (unsigned long long)e->computes);
     COUNTER("engine_sim_invalid_kv_transfer_params_total",
             "Decode requests whose kv_transfer_params were unusable.", e->invalid_kvp);
     COUNTER("engine_sim_prompt_tokens_computed_total",

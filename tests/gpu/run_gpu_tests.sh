@@ -27,7 +27,35 @@
 #   --standin: the same flow with kvc_gpu_test_standin (the CUDA stand-in of
 #   tests/cudasim, CPU only): small sizes, no bandwidth targets, no direct
 #   path; this is how the script itself is tested without a GPU.
+#        tests/gpu/run_gpu_tests.sh --blocks-for FREE_MIB
+#   prints the blocks per region it would use with FREE_MIB MiB free on GPU 0
+#   (exit 1 when that is too little), and nothing else: its sizing, tested.
 set -uo pipefail
+
+# vLLM-sized: 64 regions x BLK blocks x 32 KiB per process, i.e. 2 MiB of
+# GPU memory per block index, two processes on GPU 0, 80 % of its free
+# memory (FREE_MIB, in MiB) at most, a multiple of 64, 16k blocks at most.
+blocks_for() {
+    awk -v f="${1:-0}" 'BEGIN { b = int(f * 0.8 / 2 / (64 * 32 / 1024)); b -= b % 64;
+                               if (b < 0) b = 0; if (b > 16384) b = 16384; print b }'
+}
+MIN_BLK=1024
+too_little() { # FREE_MIB
+    echo "GPU 0 has ${1:-?} MiB free: too little for 64 regions x $MIN_BLK blocks x 32 KiB in two processes"
+}
+if [ "${1:-}" = --blocks-for ]; then
+    if ! [[ "${2:-}" =~ ^[0-9]+$ ]]; then
+        echo "usage: $0 --blocks-for FREE_MIB (a whole number of MiB)" >&2
+        exit 2
+    fi
+    b=$(blocks_for "$2")
+    echo "$b"
+    if [ "$b" -lt $MIN_BLK ]; then
+        too_little "$2"
+        exit 1
+    fi
+    exit 0
+fi
 
 SRC=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 STANDIN=0
@@ -89,13 +117,10 @@ if [ $STANDIN = 0 ]; then
         exit 1
     fi
     NGPU=$(nvidia-smi -L | grep -c '^GPU ')
-    # vLLM-sized: 64 regions x BLK x 32 KiB per process, two processes on
-    # GPU 0, 80 % of its free memory at most, 16k blocks at most.
     FREE_MIB=$(nvidia-smi --query-gpu=memory.free --format=csv,noheader,nounits -i 0 | head -1)
-    BLK=$(awk -v f="${FREE_MIB:-0}" 'BEGIN { b = int(f * 0.8 / 2 / (64 * 32)); b -= b % 64;
-                                            if (b > 16384) b = 16384; print b }')
-    if [ "$BLK" -lt 1024 ]; then
-        summary FAIL memory "GPU 0 has ${FREE_MIB:-?} MiB free: too little for 64 regions x 1024 blocks x 32 KiB in two processes"
+    BLK=$(blocks_for "${FREE_MIB:-0}")
+    if [ "$BLK" -lt $MIN_BLK ]; then
+        summary FAIL memory "$(too_little "$FREE_MIB")"
         exit 1
     fi
     REG=64 KB=32 FETCH=$((BLK / 4))
@@ -368,10 +393,16 @@ for py in ${PDKV_PYTHON:-} python3 /usr/bin/python3; do
         break
     fi
 done
+# The plugin's regions go the direct path where UCX has CUDA transports and
+# are staged otherwise; the check is told which (TP 1->2 must be refused on
+# the staged path, as documented, and must load on the direct one).
+PLUGIN_PATH=staged
+if [ $HAVE_CUDA_UCX = 1 ]; then PLUGIN_PATH=direct; fi
 if [ $STANDIN = 0 ] && [ -n "$PLUGIN_PY" ]; then
     if time_left; then
         out=$(PX_BUILD_DIR=$BUILD PDKV_LIBRARY=$BUILD/connector/libkvconnector.so KVC_SECRET=gpu-check \
-              KVC_LOG_LEVEL=error timeout 240 "$PLUGIN_PY" "$SRC/tests/plugin/gpu_plugin_check.py" 2>&1)
+              KVC_LOG_LEVEL=error timeout 240 "$PLUGIN_PY" "$SRC/tests/plugin/gpu_plugin_check.py" \
+              --path $PLUGIN_PATH 2>&1)
         rc=$?
         if [ $rc -eq 0 ]; then
             summary PASS plugin "$(echo "$out" | grep '^RESULT' | tail -1)"

@@ -27,6 +27,19 @@ if(TARGET kvconnector_static AND PDPROXY_WITH_CUDA)
   set_tests_properties(gpu.kvc_cuda PROPERTIES LABELS gpu SKIP_RETURN_CODE 77 TIMEOUT 600)
 endif()
 
+# The GPU check's sizing (no GPU needed): free MiB on GPU 0 -> blocks per
+# region, 2 MiB per block index for 64 regions of 32 KiB blocks.  An H200's
+# free memory is capped at 16k; 5120 MiB is the least that holds 1024.
+foreach(case "143156;^16384\n$" "8192;^1600\n$" "5120;^1024\n$"
+       "5119;^960\nGPU 0 has 5119 MiB free: too little")
+  list(GET case 0 mib)
+  list(GET case 1 want)
+  add_test(NAME integration.kvc_gpu_sizes_${mib}
+           COMMAND ${PROJECT_SOURCE_DIR}/tests/gpu/run_gpu_tests.sh --blocks-for ${mib})
+  set_tests_properties(integration.kvc_gpu_sizes_${mib} PROPERTIES LABELS integration TIMEOUT 30
+                       PASS_REGULAR_EXPRESSION "${want}")
+endforeach()
+
 # The same program built against the asynchronous CUDA stand-in
 # (tests/cudasim, kvc_cudasim from tests/unit/connector.cmake): the GPU
 # check's flow (two processes, staged path, stream-order probe, producer

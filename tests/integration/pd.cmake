@@ -19,6 +19,10 @@ px_py_test(sim_kvevents)
 # until it publishes under the caller's id and token.
 px_py_test(sim_push)
 
+# engine-sim's queueing on /metrics: the wait for free KV blocks and the
+# wait behind prompts computed before (decode's queueing in pd_mixed.py).
+px_py_test(sim_queue)
+
 # --dispatch concurrent: both legs at once (mocks decide the race and the
 # failures; engine-sims in push mode move real KV).
 px_py_test(pd_concurrent)

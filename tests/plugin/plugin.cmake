@@ -28,3 +28,16 @@ foreach(t lib drift flow layouts faults proxy)
   set_tests_properties(plugin.${t} PROPERTIES LABELS plugin TIMEOUT 300 SKIP_RETURN_CODE 77
                        ENVIRONMENT "${PX_PLUGIN_ENV}")
 endforeach()
+# The GPU check's plugin script (tests/plugin/gpu_plugin_check.py) on CPU
+# tensors: every case loads (what --path direct demands); and told the path
+# is staged, it must fail when TP 1->2 loads instead of being refused.
+add_test(NAME plugin.gpu_check_cpu
+         COMMAND ${PYTHON3} ${CMAKE_CURRENT_SOURCE_DIR}/plugin/gpu_plugin_check.py
+                 --device cpu --path direct)
+add_test(NAME plugin.gpu_check_cpu_staged
+         COMMAND ${PYTHON3} ${CMAKE_CURRENT_SOURCE_DIR}/plugin/gpu_plugin_check.py
+                 --device cpu --path staged)
+set_tests_properties(plugin.gpu_check_cpu plugin.gpu_check_cpu_staged PROPERTIES
+                     LABELS plugin TIMEOUT 300 SKIP_RETURN_CODE 77 ENVIRONMENT "${PX_PLUGIN_ENV}")
+set_tests_properties(plugin.gpu_check_cpu_staged PROPERTIES PASS_REGULAR_EXPRESSION
+  "RESULT plugin path=staged cases=3 failed=[1-9][0-9]* refused_as_documented=0 .*tp1to2: request 0 FINISHED_LENGTH_CAPPED, expected FINISHED_ERROR")

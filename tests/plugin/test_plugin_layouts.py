@@ -26,9 +26,10 @@ from vllm.v1.request import Request, RequestStatus  # noqa: E402
 class Local:
     """driver.Engine stepped by a thread; run() waits for one request."""
 
-    def __init__(self, name, tp, geo):
+    def __init__(self, name, tp, geo, extra=None):
         self.e = driver.Engine(name, tp=tp, geo=geo, port=harness.free_ports(tp),
-                               extra={"fetch_wait_ms": 5000, "xfer_timeout_ms": 5000})
+                               extra=dict({"fetch_wait_ms": 5000, "xfer_timeout_ms": 5000},
+                                          **(extra or {})))
         self.q = {}
         self.e.on_token = lambda req, tok, params: self.q[req.request_id].put((tok, params,
                                                                               req.status))

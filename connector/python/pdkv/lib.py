@@ -48,7 +48,8 @@ F_SLICE, F_WAIT, F_REMOTE_RANK = 32, 64, 128
 STATS = {"published": 0, "released": 1, "expired": 2, "unknown_notify": 3,
          "fetch_done": 4, "fetch_failed": 5, "bytes_fetched": 6, "handshakes": 7,
          "published_now": 8, "authenticated": 9, "auth_failed": 10, "denied": 11,
-         "peer_errors": 12, "pending_fetches": 20, "pending_served": 21,
+         "peer_errors": 12, "cuda_direct_regions": 13, "cuda_staged_regions": 14,
+         "pending_fetches": 20, "pending_served": 21,
          "pending_expired": 22, "pending_refused": 23, "lease_renewals": 24,
          "lease_expired": 25, "fetch_canceled": 26}
 
