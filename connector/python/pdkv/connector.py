@@ -81,9 +81,10 @@ def _side_channel(vllm_config, extra):
     return host, port + dp_rank * int(pc.tensor_parallel_size)
 
 
-def _params_valid(params):
-    missing = [k for k in REQUIRED if params.get(k) in (None, "")]
-    return missing
+def _params_missing(params):
+    """The required kv_transfer_params keys that are absent or empty ([]: the
+    params are complete)."""
+    return [k for k in REQUIRED if params.get(k) in (None, "")]
 
 
 class PdkvConnector(KVConnectorBase_V1):
@@ -113,7 +114,7 @@ class PdkvConnector(KVConnectorBase_V1):
         params = request.kv_transfer_params
         if not params or not params.get("do_remote_prefill"):
             return 0, False
-        if _params_valid(params):
+        if _params_missing(params):
             return 0, False
         count = len(request.prompt_token_ids) - num_computed_tokens
         if count > 0:
@@ -127,7 +128,7 @@ class PdkvConnector(KVConnectorBase_V1):
             return
         rid = request.request_id
         self._waiting.pop(rid, None)
-        missing = _params_valid(params)
+        missing = _params_missing(params)
         if missing:
             logger.warning("request %s: invalid kv_transfer_params, missing %s: prefill recomputed",
                            rid, ",".join(missing))
@@ -157,8 +158,10 @@ class PdkvConnector(KVConnectorBase_V1):
         if not params:
             return False, None
         if params.get("do_remote_prefill"):
-            # aborted before its transfer: prefill frees its blocks at once
-            if not _params_valid(params):
+            # aborted before its transfer: with complete params, prefill is
+            # told at once to free its blocks (with incomplete ones it cannot
+            # be reached, and its lease frees them)
+            if not _params_missing(params):
                 self._recv[rid] = RecvReq([], dict(params), notify_only=True)
             params["do_remote_prefill"] = False
             return False, None
