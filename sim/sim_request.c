@@ -8,6 +8,27 @@
 #include "base/util.h"
 #include "sim/kvsim.h"
 
+/* A chat message's or a Responses input item's content: a string, or a
+ * list of parts with text (null: nothing). `item`: a Responses item, whose
+ * content may be absent (tool outputs). Returns an error or NULL. */
+static const char *content_text(const cJSON *content, px_buf *out, int item) {
+    if (cJSON_IsString(content)) {
+        px_buf_appends(out, content->valuestring);
+    } else if (cJSON_IsArray(content)) {
+        const cJSON *part;
+        cJSON_ArrayForEach(part, content) {
+            const cJSON *t = cJSON_GetObjectItemCaseSensitive(part, "text");
+            if (!cJSON_IsString(t))
+                return item ? "input content parts need 'text'" : "message content parts need 'text'";
+            px_buf_appends(out, t->valuestring);
+        }
+    } else if ((content || !item) && !cJSON_IsNull(content)) {
+        return item ? "input 'content' must be a string or a list of parts"
+                    : "message 'content' must be a string or a list of parts";
+    }
+    return NULL;
+}
+
 /* Appends the prompt's text (completions) or rendered messages (chat).
  * Returns NULL or an error message. */
 static const char *prompt_text(int chat, const cJSON *body, int add_generation_prompt,
@@ -28,18 +49,8 @@ static const char *prompt_text(int chat, const cJSON *body, int add_generation_p
         const cJSON *content = cJSON_GetObjectItemCaseSensitive(m, "content");
         if (!cJSON_IsString(role)) return "each message needs a string 'role'";
         px_buf_printf(out, "<|%s|>\n", role->valuestring);
-        if (cJSON_IsString(content)) {
-            px_buf_appends(out, content->valuestring);
-        } else if (cJSON_IsArray(content)) {
-            const cJSON *part;
-            cJSON_ArrayForEach(part, content) {
-                const cJSON *t = cJSON_GetObjectItemCaseSensitive(part, "text");
-                if (!cJSON_IsString(t)) return "message content parts need 'text'";
-                px_buf_appends(out, t->valuestring);
-            }
-        } else if (!cJSON_IsNull(content)) {
-            return "message 'content' must be a string or a list of parts";
-        }
+        const char *err = content_text(content, out, 0);
+        if (err) return err;
         px_buf_appends(out, "\n");
     }
     if (add_generation_prompt) px_buf_appends(out, "<|assistant|>\n");
@@ -72,18 +83,8 @@ static const char *responses_text(const cJSON *body, px_buf *out) {
         if (!cJSON_IsString(role) && !cJSON_IsString(type))
             return "each 'input' item needs a string 'role' or 'type'";
         px_buf_printf(out, "<|%s|>\n", cJSON_IsString(role) ? role->valuestring : type->valuestring);
-        if (cJSON_IsString(content)) {
-            px_buf_appends(out, content->valuestring);
-        } else if (cJSON_IsArray(content)) {
-            const cJSON *part;
-            cJSON_ArrayForEach(part, content) {
-                const cJSON *t = cJSON_GetObjectItemCaseSensitive(part, "text");
-                if (!cJSON_IsString(t)) return "input content parts need 'text'";
-                px_buf_appends(out, t->valuestring);
-            }
-        } else if (content && !cJSON_IsNull(content)) {
-            return "input 'content' must be a string or a list of parts";
-        }
+        const char *err = content_text(content, out, 1);
+        if (err) return err;
         const cJSON *o = cJSON_GetObjectItemCaseSensitive(it, "output");
         if (cJSON_IsString(o)) px_buf_appends(out, o->valuestring);
         px_buf_appends(out, "\n");
