@@ -284,10 +284,14 @@ static void show_admission(px_admin *a, px_conn *c) {
     px_buf b;
     px_buf_init(&b);
     px_buf_appends(&b, "{\"tenants\":[");
-    for (size_t i = 0; x->tenants.v && i <= x->tenants.n; i++) {
+    size_t nt = x->tenants.v ? atomic_load(&x->tenants.n) : 0, shown = 0;
+    for (size_t k = 0; x->tenants.v && k <= nt; k++) {
+        /* The live tenants, then the default one. */
+        size_t i = k == nt ? x->tenants.cap : k;
         px_tenant *t = &x->tenants.v[i];
-        px_buf_appends(&b, i ? ",{\"name\":" : "{\"name\":");
-        json_str(&b, i == x->tenants.n ? "(default)" : t->name);
+        if (k < nt && !atomic_load(&t->live)) continue;
+        px_buf_appends(&b, shown++ ? ",{\"name\":" : "{\"name\":");
+        json_str(&b, k == nt ? "(default)" : t->name);
         px_buf_printf(&b,
                       ",\"weight\":%u,\"rpm\":%llu,\"remaining_requests\":%llu,\"tpm\":%llu,"
                       "\"remaining_tokens\":%llu}",
@@ -362,7 +366,7 @@ static void change_admission(px_admin *a, px_conn *c, const px_buf *body) {
         return;
     }
     PX_LOG(PX_LOG_INFO, "msg=\"admin: admission settings changed\" who=%s%s%s", a->who,
-           note[0] ? " new_tenants_at_restart=" : "", note);
+           note[0] ? " " : "", note);
     show_admission(a, c);
 }
 

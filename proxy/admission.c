@@ -223,7 +223,7 @@ px_adm_worker *px_adm_worker_create(px_wctx *w) {
     int nw = w->ctx->nworkers > 0 ? w->ctx->nworkers : 1;
     size_t max_n = cfg->queue_max ? ((size_t)cfg->queue_max + (size_t)nw - 1) / (size_t)nw : 0;
     size_t max_b = cfg->queue_max_bytes ? ((size_t)cfg->queue_max_bytes + (size_t)nw - 1) / (size_t)nw : 0;
-    px_admq_init(&a->q, w->ctx->tenant_weights, w->ctx->tenants.n + 1, max_n, max_b);
+    px_admq_init(&a->q, w->ctx->tenant_weights, w->ctx->tenants.cap + 1, max_n, max_b);
     a->poll = event_new(w->base, -1, 0, on_poll, a);
     a->efd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
     if (a->efd >= 0) {
@@ -640,33 +640,21 @@ void px_adm_leave(px_wctx *w, px_adm_req *a) {
 
 int px_adm_reconfigure(px_ctx *c, char *const *specs, size_t n, int64_t max_inflight,
                        char *note, size_t note_cap, char *err, size_t errlen) {
-    px_tenants nt;
     note[0] = 0;
-    if (specs && px_tenants_parse(specs, n, &nt, err, errlen) < 0) return -1;
     if (specs) {
-        size_t len = 0;
-        for (size_t i = 0; i < c->tenants.n; i++) {
-            px_tenant *t = &c->tenants.v[i];
-            size_t j = px_tenants_find(&nt, t->name, strlen(t->name));
-            px_tenant *src = &nt.v[j]; /* j == nt.n: the default one (1, no limits) */
-            atomic_store(&t->weight, atomic_load(&src->weight));
-            __atomic_store_n(&c->tenant_weights[i], atomic_load(&src->weight), __ATOMIC_RELAXED);
-            px_bucket_set(&t->rpm, atomic_load(&src->rpm.limit));
-            px_bucket_set(&t->tpm, atomic_load(&src->tpm.limit));
-        }
-        for (size_t j = 0; j < nt.n; j++)
-            if (px_tenants_find(&c->tenants, nt.v[j].name, strlen(nt.v[j].name)) ==
-                    c->tenants.n &&
-                len + 2 < note_cap)
-                len += (size_t)snprintf(note + len, note_cap - len, "%s%s", len ? "," : "",
-                                        nt.v[j].name);
-        if (len >= note_cap) note[note_cap - 1] = 0;
+        px_tenants nt;
+        size_t added = 0, removed = 0;
+        if (px_tenants_parse(specs, n, &nt, err, errlen) < 0) return -1;
+        int rc = px_tenants_apply(&c->tenants, &nt, c->tenant_weights, &added, &removed, err,
+                                  errlen);
         px_tenants_cleanup(&nt);
+        if (rc < 0) return -1;
+        snprintf(note, note_cap, "tenants_added=%zu tenants_removed=%zu", added, removed);
     }
     if (max_inflight >= 0) atomic_store(&c->pool_max_inflight, max_inflight);
     PX_LOG(PX_LOG_INFO, "msg=\"admission settings changed\" tenants=%zu pool_max_inflight=%lld%s%s",
-           specs ? n : c->tenants.n, (long long)atomic_load(&c->pool_max_inflight),
-           note[0] ? " new_tenants_at_restart=" : "", note);
+           specs ? n : atomic_load(&c->tenants.n), (long long)atomic_load(&c->pool_max_inflight),
+           note[0] ? " " : "", note);
     return 0;
 }
 

@@ -192,12 +192,14 @@ int px_adm_wants_engine_load(const px_config *cfg);
 
 /* New admission settings at run time (a reload from the file, or POST
  * /admin/admission), on the control thread while workers admit: the
- * tenants of `specs` (as --tenant) that exist already get their new weight
- * and limits at once, queued requests included; existing tenants missing
- * from specs fall back to weight 1 and no limits; tenants new to the
- * proxy need a restart (named in *note). `max_inflight` >= 0 becomes
- * --pool-max-inflight (< 0: unchanged). 0, or -1 with err (a bad spec:
- * nothing changed). */
+ * tenants become those of `specs` (as --tenant) by px_tenants_apply:
+ * known ones get their new weight and limits at once, queued requests
+ * included; new ones are added; missing ones are removed (their queued
+ * requests keep their place, served at weight 1; new requests naming them
+ * go to the default tenant). *note gets "tenants_added=N
+ * tenants_removed=N". `max_inflight` >= 0 becomes --pool-max-inflight
+ * (< 0: unchanged). 0, or -1 with err (a bad spec, or no free tenant
+ * slot: nothing changed). */
 int px_adm_reconfigure(px_ctx *c, char *const *specs, size_t n, int64_t max_inflight,
                        char *note, size_t note_cap, char *err, size_t errlen);
 

@@ -328,8 +328,8 @@ static const opt opts[] = {
     {"tenant", NULL, CT_WORDS, OFF(tenants), "", 0, 0,
      "tenants, each NAME[:weight=W][:rpm=N][:tpm=N]: W its share of dispatch out of the queue "
      "(1), N its requests or tokens per minute (0: no limit; 429 with x-ratelimit-* beyond); a "
-     "reload or POST /admin/admission changes known tenants at once, queued requests "
-     "included (new names need a restart)",
+     "reload or POST /admin/admission changes, adds and removes tenants at once, queued "
+     "requests kept",
      NULL, RELOADS},
     {"print-config", NULL, CT_FLAG, OFF(print_config), "false", 0, 0,
      "print the effective configuration as YAML (a --config file) and exit", NULL, AT_START},

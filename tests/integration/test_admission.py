@@ -550,18 +550,77 @@ class SaturationSourcesTest(AdmissionCase):
         self.assertEqual(st, 400, doc)
         self.assertIn("a:weight=x", doc["error"]["message"])
         st, doc = admin(aport, "POST", "/admin/admission",
-                        {"tenants": "a:weight=3:rpm=100, b:rpm=50, c"}, token=token)
+                        {"tenants": "a:weight=3:rpm=100, b:rpm=50, c:weight=2"}, token=token)
         self.assertEqual(st, 200, doc)
         ten = {t["name"]: t for t in doc["tenants"]}
         self.assertEqual((ten["a"]["weight"], ten["a"]["rpm"]), (3, 100))
         self.assertEqual((ten["b"]["weight"], ten["b"]["rpm"]), (1, 50))
-        self.assertNotIn("c", ten, "a new tenant needs a restart")
+        self.assertEqual(ten["c"]["weight"], 2, "a new tenant is added at once")
         self.finish()
         order = request_ids(self.D)[1:]
         self.assertEqual(sum(1 for r in order[:8] if r.startswith("a")), 6, order)
         st, doc = admin(aport, "POST", "/admin/admission", {"pool_max_inflight": -1},
                         token=token)
         self.assertEqual(st, 400, doc)
+
+    def test_tenants_added_and_removed_at_run_time(self):
+        """POST /admin/admission adds a tenant (its limit holds at once)
+        and removes one: the removed tenant's queued requests keep their
+        place and are served; its later requests are the default tenant's
+        (no limits). A reload from the file does the same."""
+        from pdharness.net import free_port
+        d = tmpdir(self)
+        tokpath, token = token_file(self, d)
+        aport = free_port()
+        px = self.proxy(["--tenant", "a b:rpm=3", "--queue-max", "32", "--admin-port",
+                         str(aport), "--admin-token-file", tokpath])
+        self.block(px)
+        self.queue(px, "a0", {"x-tenant": "a"})
+        for i in range(3):
+            self.queue(px, "b%d" % i, {"x-tenant": "b"})
+        self.queue(px, "a1", {"x-tenant": "a"})
+        st, doc = admin(aport, "POST", "/admin/admission", {"tenants": "a c:rpm=1"},
+                        token=token)
+        self.assertEqual(st, 200, doc)
+        self.assertEqual([t["name"] for t in doc["tenants"]], ["a", "c", "(default)"])
+        self.assertEqual(doc["tenants"][1]["rpm"], 1)
+        self.assertIn("tenants_added=1 tenants_removed=1", px.stderr())
+        self.finish()
+        # The queue's order is unchanged by the removal: a and b in turn.
+        self.assertEqual(request_ids(self.D), ["block-0", "a0", "b0", "a1", "b1", "b2"])
+        for rid in ("a0", "a1", "b0", "b1", "b2"):
+            self.assertEqual(self.results[rid].status, 200, rid)
+        # b had 3 a minute, all taken: now the default tenant's, unlimited.
+        for i in range(3):
+            r = self.post(px, headers={"x-tenant": "b", "X-Request-Id": "late-b%d" % i})
+            self.assertEqual(r.status, 200)
+            self.assertIsNone(r.header("x-ratelimit-limit-requests"))
+        r = self.post(px, headers={"x-tenant": "c"})
+        self.assertEqual(r.status, 200)
+        self.assertEqual(r.header("x-ratelimit-limit-requests"), "1")
+        self.assertErrorJson(self.post(px, headers={"x-tenant": "c"}), 429, "c's rpm")
+        # b comes back with its slot: its bucket still empty from before.
+        st, doc = admin(aport, "POST", "/admin/admission", {"tenants": "a b:rpm=3 c:rpm=1"},
+                        token=token)
+        self.assertEqual(st, 200, doc)
+        self.assertErrorJson(self.post(px, headers={"x-tenant": "b"}), 429, "b's rpm")
+
+    def test_reload_adds_a_tenant(self):
+        d = tmpdir(self)
+        f = os.path.join(d, "pdproxy.yaml")
+        self.gate.set()
+        self.P = self.mock(prefill_handler(), name="P")
+        self.D = self.mock(gated_decode(self.gate), name="D")
+        write_yaml(f, pools_yaml([("m", ["m"], [self.P], [self.D])], "tenant: a\n"))
+        px = self.start(args=["--config", f], threads=1)
+        self.assertEqual(self.post(px, headers={"x-tenant": "n"}).status, 200)
+        write_yaml(f, pools_yaml([("m", ["m"], [self.P], [self.D])], "tenant: a n:rpm=1\n"))
+        sighup(px)
+        wait_generation(self, px, 2)
+        r = self.post(px, headers={"x-tenant": "n"})
+        self.assertEqual(r.status, 200)
+        self.assertEqual(r.header("x-ratelimit-limit-requests"), "1")
+        self.assertErrorJson(self.post(px, headers={"x-tenant": "n"}), 429, "n's rpm")
 
     def test_reload_keeps_queued_requests(self):
         self.P = self.mock(prefill_handler(), name="P")
