@@ -123,6 +123,60 @@ class QueueOrderTest(AdmissionCase):
         log = px.stderr()
         self.assertRegex(log, r"req=p0 msg=\"request\".* queue_ms=\d")
 
+    def test_priority_classes_mapped_by_config(self):
+        """--priority-class maps vLLM priorities (and names in the header)
+        to classes in the order given, here against the numeric order; a
+        value in no range goes to the last class. POST /admin/admission
+        changes the map at run time ("" gives back the default)."""
+        from pdharness.net import free_port
+        d = tmpdir(self)
+        tokpath, token = token_file(self, d)
+        aport = free_port()
+        px = self.proxy(["--queue-max", "16", "--priority-class", "interactive:5..9 batch:0..4",
+                         "--admin-port", str(aport), "--admin-token-file", tokpath])
+        st, doc = admin(aport, "GET", "/admin/admission", token=token)
+        self.assertEqual(doc["priority_classes"],
+                         [{"name": "interactive", "min": 5, "max": 9},
+                          {"name": "batch", "min": 0, "max": 4}])
+        self.block(px)
+        self.queue(px, "p1", {"x-priority": "1"})
+        self.queue(px, "p50", {"x-priority": "50"})
+        self.queue(px, "none")
+        self.queue(px, "p7", body=completion_body(priority=7))
+        self.queue(px, "named", {"x-priority": "interactive"})
+        self.queue(px, "unknown-name", {"x-priority": "urgent"}, body=completion_body(priority=6))
+        st, doc = admin(aport, "POST", "/admin/admission", {"priority_classes": "a:1..x"},
+                        token=token)
+        self.assertEqual(st, 400, doc)
+        self.assertIn("--priority-class 'a:1..x'", doc["error"]["message"])
+        st, doc = admin(aport, "POST", "/admin/admission",
+                        {"priority_classes": "", "tenants": "a:weight=0"}, token=token)
+        self.assertEqual(st, 400, doc)  # a bad part: the classes are kept too
+        st, doc = admin(aport, "GET", "/admin/admission", token=token)
+        self.assertEqual(len(doc["priority_classes"]), 2)
+        self.finish()
+        self.assertEqual(request_ids(self.D), ["block-0", "p7", "named", "unknown-name", "p1",
+                                               "p50", "none"])
+        # Back to the default map: the priority itself, lower first.
+        self.gate.clear()
+        st, doc = admin(aport, "POST", "/admin/admission", {"priority_classes": ""},
+                        token=token)
+        self.assertEqual((st, doc["priority_classes"]), (200, []))
+        self.threads = []
+        n = len(self.D.requests)
+        self.send(px, "block-1")
+        self.assertEqual(len(self.D.wait_requests(n + 1, 5.0)), n + 1)
+        self.queue(px, "q7", {"x-priority": "7"})
+        self.queue(px, "q1", {"x-priority": "1"})
+        self.finish()
+        self.assertEqual(request_ids(self.D)[n:], ["block-1", "q1", "q7"])
+
+    def test_bad_priority_class_refused_at_start(self):
+        from pdharness.procs import run_pdproxy
+        p = run_pdproxy(["--decode", "http://127.0.0.1:9", "--priority-class", "a:3..1"])
+        self.assertNotEqual(p.returncode, 0, p.stderr)
+        self.assertIn("--priority-class 'a:3..1'", p.stderr)
+
     def test_bursting_tenant_does_not_starve_quiet_one(self):
         px = self.proxy(["--queue-max", "64", "--tenant", "loud quiet"])
         self.block(px)
@@ -614,9 +668,11 @@ class SaturationSourcesTest(AdmissionCase):
         write_yaml(f, pools_yaml([("m", ["m"], [self.P], [self.D])], "tenant: a\n"))
         px = self.start(args=["--config", f], threads=1)
         self.assertEqual(self.post(px, headers={"x-tenant": "n"}).status, 200)
-        write_yaml(f, pools_yaml([("m", ["m"], [self.P], [self.D])], "tenant: a n:rpm=1\n"))
+        write_yaml(f, pools_yaml([("m", ["m"], [self.P], [self.D])],
+                                 "tenant: a n:rpm=1\npriority-class: hi:0 lo:1..9\n"))
         sighup(px)
         wait_generation(self, px, 2)
+        self.assertIn("msg=\"priority classes changed\" classes=2", px.stderr())
         r = self.post(px, headers={"x-tenant": "n"})
         self.assertEqual(r.status, 200)
         self.assertEqual(r.header("x-ratelimit-limit-requests"), "1")
