@@ -105,6 +105,9 @@ off_rps=$(med off 2); on_rps=$(med on 2); off_cpu=$(med off 3); on_cpu=$(med on 
 echo "median off: $off_rps req/s, $off_cpu us CPU/request"
 echo "median on:  $on_rps req/s, $on_cpu us CPU/request"
 awk -v a="$off_cpu" -v b="$on_cpu" 'BEGIN{printf "CPU per request, on vs off: %+.1f %%\n", (b-a)/a*100}'
+# Each round's on and off ran back to back: the median of their ratios.
+awk '{k[NR]=$1; c[NR]=$3} END{for (i = 1; i < NR; i += 2) print (k[i]=="on" ? c[i]/c[i+1] : c[i+1]/c[i])}' \
+    "$work/results" | sort -g | awk '{a[NR]=$1} END{printf "CPU per request, on vs off, median of the rounds'"'"' ratios: %+.1f %%\n", (a[int((NR+1)/2)]-1)*100}'
 fi
 if [[ " $phases " == *" full "* ]]; then
 # Dispatch out of a full queue: FULL_CONNS connections, FULL_POOL sent on at a time.
