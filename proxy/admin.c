@@ -284,10 +284,14 @@ static void show_admission(px_admin *a, px_conn *c) {
     px_buf b;
     px_buf_init(&b);
     px_buf_appends(&b, "{\"tenants\":[");
-    for (size_t i = 0; x->tenants.v && i <= x->tenants.n; i++) {
+    size_t nt = x->tenants.v ? atomic_load(&x->tenants.n) : 0, shown = 0;
+    for (size_t k = 0; x->tenants.v && k <= nt; k++) {
+        /* The live tenants, then the default one. */
+        size_t i = k == nt ? x->tenants.cap : k;
         px_tenant *t = &x->tenants.v[i];
-        px_buf_appends(&b, i ? ",{\"name\":" : "{\"name\":");
-        json_str(&b, i == x->tenants.n ? "(default)" : t->name);
+        if (k < nt && !atomic_load(&t->live)) continue;
+        px_buf_appends(&b, shown++ ? ",{\"name\":" : "{\"name\":");
+        json_str(&b, k == nt ? "(default)" : t->name);
         px_buf_printf(&b,
                       ",\"weight\":%u,\"rpm\":%llu,\"remaining_requests\":%llu,\"tpm\":%llu,"
                       "\"remaining_tokens\":%llu}",
@@ -295,6 +299,13 @@ static void show_admission(px_admin *a, px_conn *c) {
                       (unsigned long long)px_bucket_remaining(&t->rpm, now),
                       (unsigned long long)t->tpm.limit,
                       (unsigned long long)px_bucket_remaining(&t->tpm, now));
+    }
+    px_buf_appends(&b, "],\"priority_classes\":[");
+    const px_prio_map *pm = px_adm_classes(x);
+    for (size_t i = 0; pm && i < pm->n; i++) {
+        px_buf_appends(&b, i ? ",{\"name\":" : "{\"name\":");
+        json_str(&b, pm->c[i].name);
+        px_buf_printf(&b, ",\"min\":%lld,\"max\":%lld}", pm->c[i].lo, pm->c[i].hi);
     }
     px_buf_appends(&b, "],\"pools\":[");
     px_gen *g = px_ctx_gen(x);
@@ -320,13 +331,16 @@ static void show_admission(px_admin *a, px_conn *c) {
 }
 
 /* POST /admin/admission: {"tenants": "NAME[:weight=W][:rpm=N][:tpm=N] ...",
- * "pool_max_inflight": N}, either or both: the tenants as --tenant gives
- * them (space or comma separated; the whole set), --pool-max-inflight.
+ * "pool_max_inflight": N, "priority_classes": "NAME:LO..HI ..."}, any of
+ * them: the tenants as --tenant gives them (space or comma separated; the
+ * whole set), --pool-max-inflight, --priority-class ("" for none).
  * Applied at once, queued requests included, until the next reload from
  * the file; answered with GET's document. */
 static void change_admission(px_admin *a, px_conn *c, const px_buf *body) {
-    char *specs = str_member(body, "tenants");
     px_json_member m;
+    char *specs = str_member(body, "tenants");
+    char *classes = str_member(body, "priority_classes");
+    int has_c = body->len && px_json_find(body->data, body->len, "priority_classes", &m);
     int has_t = body->len && px_json_find(body->data, body->len, "tenants", &m);
     int has_max = body->len && px_json_find(body->data, body->len, "pool_max_inflight", &m);
     long long max = -1;
@@ -340,29 +354,46 @@ static void change_admission(px_admin *a, px_conn *c, const px_buf *body) {
         }
         if (!end || *end || max < 0 || max > 100000000) has_max = -1;
     }
-    if ((!has_t && !has_max) || (has_t && !specs) || has_max < 0) {
+    if ((!has_t && !has_max && !has_c) || (has_t && !specs) || (has_c && !classes) ||
+        has_max < 0) {
         reply_err(c, 400,
                   "expected a JSON object {\"tenants\": \"NAME[:weight=W][:rpm=N][:tpm=N] ...\", "
-                  "\"pool_max_inflight\": 0..100000000}, either or both");
+                  "\"pool_max_inflight\": 0..100000000, \"priority_classes\": \"NAME:LO..HI "
+                  "...\"}, any of them");
         free(specs);
+        free(classes);
         return;
     }
-    px_strlist words = {0};
+    px_strlist words = {0}, cw = {0};
     for (char *save = NULL, *w = specs ? strtok_r(specs, " ,\t", &save) : NULL; w;
          w = strtok_r(NULL, " ,\t", &save))
         px_strlist_push(&words, w);
-    int rc = px_adm_reconfigure(a->h.ctx, has_t ? words.v : NULL, words.n, max, note,
+    for (char *save = NULL, *w = classes ? strtok_r(classes, " ,\t", &save) : NULL; w;
+         w = strtok_r(NULL, " ,\t", &save))
+        px_strlist_push(&cw, w);
+    /* The classes checked first, applied last: a bad part changes nothing. */
+    px_prio_map pm;
+    int rc = has_c ? px_prio_map_parse(cw.v, cw.n, &pm, err, sizeof err) : 0;
+    if (rc == 0 && (has_t || has_max))
+        rc = px_adm_reconfigure(a->h.ctx, has_t ? words.v : NULL, words.n, max, note,
                                 sizeof note, err, sizeof err);
+    else
+        note[0] = 0;
+    if (rc == 0 && has_c) rc = px_adm_set_classes(a->h.ctx, cw.v, cw.n, err, sizeof err);
     for (size_t i = 0; i < words.n; i++)
         free(words.v[i]);
     free(words.v);
+    for (size_t i = 0; i < cw.n; i++)
+        free(cw.v[i]);
+    free(cw.v);
     free(specs);
+    free(classes);
     if (rc < 0) {
         reply_err(c, 400, err);
         return;
     }
-    PX_LOG(PX_LOG_INFO, "msg=\"admin: admission settings changed\" who=%s%s%s", a->who,
-           note[0] ? " new_tenants_at_restart=" : "", note);
+    PX_LOG(PX_LOG_INFO, "msg=\"admin: admission settings changed\" who=%s%s%s%s", a->who,
+           note[0] ? " " : "", note, has_c ? " priority_classes=changed" : "");
     show_admission(a, c);
 }
 

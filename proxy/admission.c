@@ -1,7 +1,11 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 #include "proxy/admission.h"
 
+#include <ctype.h>
+#include <errno.h>
+#include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "base/util.h"
 
@@ -9,6 +13,87 @@ int px_adm_class_of(long long priority) {
     if (priority < 0) return 0;
     if (priority >= PX_ADM_CLASSES) return PX_ADM_CLASSES - 1;
     return (int)priority;
+}
+
+static int parse_ll(const char *s, const char *end, long long *out) {
+    char num[24];
+    if (end <= s || (size_t)(end - s) >= sizeof num) return -1;
+    memcpy(num, s, (size_t)(end - s));
+    num[end - s] = 0;
+    char *e;
+    errno = 0;
+    long long v = strtoll(num, &e, 10);
+    if (*e || errno || e == num) return -1;
+    *out = v;
+    return 0;
+}
+
+static int prio_one(const char *spec, char *name, long long *lo, long long *hi, char *err,
+                    size_t errlen) {
+    const char *colon = strchr(spec, ':');
+    const char *range = colon ? colon + 1 : NULL;
+    const char *dots = range ? strstr(range, "..") : NULL;
+    size_t nlen = colon ? (size_t)(colon - spec) : 0;
+    int bad = !colon || !nlen || nlen >= PX_PRIO_NAME_MAX;
+    for (size_t i = 0; !bad && i < nlen; i++)
+        bad = !(isalnum((unsigned char)spec[i]) || spec[i] == '-' || spec[i] == '_');
+    /* A name is not a number, so "x-priority: 3" is never read as a name. */
+    if (!bad && (isdigit((unsigned char)spec[0]) || spec[0] == '-')) bad = 1;
+    if (!bad && dots)
+        bad = parse_ll(range, dots, lo) < 0 || parse_ll(dots + 2, range + strlen(range), hi) < 0 ||
+              *lo > *hi;
+    else if (!bad) {
+        bad = parse_ll(range, range + strlen(range), lo) < 0;
+        *hi = *lo;
+    }
+    if (bad) {
+        snprintf(err, errlen,
+                 "--priority-class '%s': expected NAME:LO..HI or NAME:P (NAME letters, digits, "
+                 "- and _, not starting with a digit or -, under %d bytes; LO <= HI integers)",
+                 spec, PX_PRIO_NAME_MAX);
+        return -1;
+    }
+    memcpy(name, spec, nlen);
+    name[nlen] = 0;
+    return 0;
+}
+
+int px_prio_spec_check(const char *spec, char *err, size_t errlen) {
+    char name[PX_PRIO_NAME_MAX];
+    long long lo, hi;
+    return prio_one(spec, name, &lo, &hi, err, errlen);
+}
+
+int px_prio_map_parse(char *const *specs, size_t n, px_prio_map *m, char *err, size_t errlen) {
+    if (n > PX_ADM_CLASSES) {
+        snprintf(err, errlen, "--priority-class: %zu classes, at most %d", n, PX_ADM_CLASSES);
+        return -1;
+    }
+    px_prio_map t = {.n = n};
+    for (size_t i = 0; i < n; i++) {
+        if (prio_one(specs[i], t.c[i].name, &t.c[i].lo, &t.c[i].hi, err, errlen) < 0) return -1;
+        for (size_t j = 0; j < i; j++)
+            if (!strcmp(t.c[j].name, t.c[i].name)) {
+                snprintf(err, errlen, "--priority-class '%s': class '%s' is defined twice",
+                         specs[i], t.c[i].name);
+                return -1;
+            }
+    }
+    *m = t;
+    return 0;
+}
+
+int px_prio_map_class(const px_prio_map *m, long long priority) {
+    if (!m || !m->n) return px_adm_class_of(priority);
+    for (size_t i = 0; i < m->n; i++)
+        if (priority >= m->c[i].lo && priority <= m->c[i].hi) return (int)i;
+    return (int)m->n - 1;
+}
+
+int px_prio_map_named(const px_prio_map *m, const char *name, size_t len) {
+    for (size_t i = 0; m && i < m->n; i++)
+        if (strlen(m->c[i].name) == len && !memcmp(m->c[i].name, name, len)) return (int)i;
+    return -1;
 }
 
 void px_admq_init(px_admq *q, const uint32_t *weights, size_t ntenants, size_t max_n,
@@ -223,7 +308,7 @@ px_adm_worker *px_adm_worker_create(px_wctx *w) {
     int nw = w->ctx->nworkers > 0 ? w->ctx->nworkers : 1;
     size_t max_n = cfg->queue_max ? ((size_t)cfg->queue_max + (size_t)nw - 1) / (size_t)nw : 0;
     size_t max_b = cfg->queue_max_bytes ? ((size_t)cfg->queue_max_bytes + (size_t)nw - 1) / (size_t)nw : 0;
-    px_admq_init(&a->q, w->ctx->tenant_weights, w->ctx->tenants.n + 1, max_n, max_b);
+    px_admq_init(&a->q, w->ctx->tenant_weights, w->ctx->tenants.cap + 1, max_n, max_b);
     a->poll = event_new(w->base, -1, 0, on_poll, a);
     a->efd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
     if (a->efd >= 0) {
@@ -447,24 +532,62 @@ static void on_deadline(evutil_socket_t fd, short what, void *arg) {
     r->expire(r->it.owner);
 }
 
-/* The request's priority class: the header, else the body's "priority". */
-static int class_of(const px_config *cfg, const px_http_head *h, const char *body, size_t blen) {
+/* The request's priority class: the header (a number or a class's name),
+ * else the body's "priority", through the --priority-class map. */
+static int class_of(px_ctx *c, const px_http_head *h, const char *body, size_t blen) {
+    const px_config *cfg = c->cfg;
+    const px_prio_map *m = px_adm_classes(c);
     const px_http_header *ph = cfg->priority_header[0] ? px_http_find(h, cfg->priority_header)
                                                        : NULL;
-    char num[24];
-    if (ph && ph->value_len && ph->value_len < sizeof num) {
-        memcpy(num, ph->value, ph->value_len);
-        num[ph->value_len] = 0;
-        return px_adm_class_of(strtoll(num, NULL, 10));
+    long long v;
+    if (ph && ph->value_len) {
+        if (parse_ll(ph->value, ph->value + ph->value_len, &v) == 0)
+            return px_prio_map_class(m, v);
+        int k = px_prio_map_named(m, ph->value, ph->value_len);
+        if (k >= 0) return k;
     }
-    px_json_member m;
-    if (body && px_json_find(body, blen, "priority", &m) && m.type == PX_JSON_NUMBER &&
-        m.val_len < sizeof num) {
-        memcpy(num, m.val, m.val_len);
-        num[m.val_len] = 0;
-        return px_adm_class_of(strtoll(num, NULL, 10));
+    px_json_member jm;
+    if (body && px_json_find(body, blen, "priority", &jm) && jm.type == PX_JSON_NUMBER &&
+        parse_ll(jm.val, jm.val + jm.val_len, &v) == 0)
+        return px_prio_map_class(m, v);
+    /* No priority: vLLM's default, 0. */
+    return px_prio_map_class(m, 0);
+}
+
+/* The maps published by px_adm_set_classes, newest first; kept to the end. */
+typedef struct px_prio_node {
+    px_prio_map m;
+    struct px_prio_node *older;
+} px_prio_node;
+
+int px_adm_set_classes(px_ctx *c, char *const *specs, size_t n, char *err, size_t errlen) {
+    px_prio_node *nd = px_xcalloc(1, sizeof *nd);
+    if (px_prio_map_parse(specs, n, &nd->m, err, errlen) < 0) {
+        free(nd);
+        return -1;
     }
+    px_prio_node *cur = atomic_load(&c->prio);
+    if (cur && !memcmp(&cur->m, &nd->m, sizeof nd->m)) {
+        free(nd);
+        return 0;
+    }
+    nd->older = cur;
+    atomic_store_explicit(&c->prio, nd, memory_order_release);
+    if (cur) PX_LOG(PX_LOG_INFO, "msg=\"priority classes changed\" classes=%zu", n);
     return 0;
+}
+
+const px_prio_map *px_adm_classes(px_ctx *c) {
+    px_prio_node *nd = atomic_load_explicit(&c->prio, memory_order_acquire);
+    return nd ? &nd->m : NULL;
+}
+
+void px_adm_classes_cleanup(px_ctx *c) {
+    for (px_prio_node *nd = atomic_load(&c->prio), *o; nd; nd = o) {
+        o = nd->older;
+        free(nd);
+    }
+    atomic_store(&c->prio, NULL);
 }
 
 static double header_seconds(const px_http_head *h, const char *name) {
@@ -518,7 +641,7 @@ px_adm_verdict px_adm_enter(px_wctx *w, px_adm_req *a, px_pset *ps, const px_htt
         }
         saturated = 1; /* another worker took the last slot meanwhile */
     }
-    a->it.cls = class_of(cfg, h, body, blen);
+    a->it.cls = class_of(c, h, body, blen);
     a->it.tenant = a->tenant;
     a->it.bytes = blen;
     if (!cfg->queue_max || limit <= 0 || px_admq_push(&w->adm->q, &a->it) < 0) {
@@ -640,33 +763,21 @@ void px_adm_leave(px_wctx *w, px_adm_req *a) {
 
 int px_adm_reconfigure(px_ctx *c, char *const *specs, size_t n, int64_t max_inflight,
                        char *note, size_t note_cap, char *err, size_t errlen) {
-    px_tenants nt;
     note[0] = 0;
-    if (specs && px_tenants_parse(specs, n, &nt, err, errlen) < 0) return -1;
     if (specs) {
-        size_t len = 0;
-        for (size_t i = 0; i < c->tenants.n; i++) {
-            px_tenant *t = &c->tenants.v[i];
-            size_t j = px_tenants_find(&nt, t->name, strlen(t->name));
-            px_tenant *src = &nt.v[j]; /* j == nt.n: the default one (1, no limits) */
-            atomic_store(&t->weight, atomic_load(&src->weight));
-            __atomic_store_n(&c->tenant_weights[i], atomic_load(&src->weight), __ATOMIC_RELAXED);
-            px_bucket_set(&t->rpm, atomic_load(&src->rpm.limit));
-            px_bucket_set(&t->tpm, atomic_load(&src->tpm.limit));
-        }
-        for (size_t j = 0; j < nt.n; j++)
-            if (px_tenants_find(&c->tenants, nt.v[j].name, strlen(nt.v[j].name)) ==
-                    c->tenants.n &&
-                len + 2 < note_cap)
-                len += (size_t)snprintf(note + len, note_cap - len, "%s%s", len ? "," : "",
-                                        nt.v[j].name);
-        if (len >= note_cap) note[note_cap - 1] = 0;
+        px_tenants nt;
+        size_t added = 0, removed = 0;
+        if (px_tenants_parse(specs, n, &nt, err, errlen) < 0) return -1;
+        int rc = px_tenants_apply(&c->tenants, &nt, c->tenant_weights, &added, &removed, err,
+                                  errlen);
         px_tenants_cleanup(&nt);
+        if (rc < 0) return -1;
+        snprintf(note, note_cap, "tenants_added=%zu tenants_removed=%zu", added, removed);
     }
     if (max_inflight >= 0) atomic_store(&c->pool_max_inflight, max_inflight);
     PX_LOG(PX_LOG_INFO, "msg=\"admission settings changed\" tenants=%zu pool_max_inflight=%lld%s%s",
-           specs ? n : c->tenants.n, (long long)atomic_load(&c->pool_max_inflight),
-           note[0] ? " new_tenants_at_restart=" : "", note);
+           specs ? n : atomic_load(&c->tenants.n), (long long)atomic_load(&c->pool_max_inflight),
+           note[0] ? " " : "", note);
     return 0;
 }
 

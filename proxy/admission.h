@@ -71,6 +71,31 @@ typedef struct px_admq {
 /* Maps a priority (vLLM's `priority`: lower first) to a class. */
 int px_adm_class_of(long long priority);
 
+/* --priority-class: named classes, each a range of priority values, in
+ * the order they are served (the first listed first). A request's
+ * priority (--priority-header, a number or a class's name; else the
+ * body's `priority`) goes to the first class whose range holds it, a
+ * number in none to the last class. n == 0: the default mapping,
+ * px_adm_class_of. */
+#define PX_PRIO_NAME_MAX 32
+typedef struct px_prio_map {
+    size_t n; /* 0..PX_ADM_CLASSES */
+    struct {
+        char name[PX_PRIO_NAME_MAX];
+        long long lo, hi; /* the priorities it holds, both included */
+    } c[PX_ADM_CLASSES];
+} px_prio_map;
+
+/* Parses specs "NAME:LO..HI" (or "NAME:P" for one value). 0, or -1 with
+ * err naming the spec (m untouched). */
+int px_prio_map_parse(char *const *specs, size_t n, px_prio_map *m, char *err, size_t errlen);
+/* Checks one spec as px_prio_map_parse would. */
+int px_prio_spec_check(const char *spec, char *err, size_t errlen);
+/* The class of a priority value. */
+int px_prio_map_class(const px_prio_map *m, long long priority);
+/* The class named name[0..len), -1 when none. */
+int px_prio_map_named(const px_prio_map *m, const char *name, size_t len);
+
 void px_admq_init(px_admq *q, const uint32_t *weights, size_t ntenants, size_t max_n,
                   size_t max_bytes);
 /* The queue must be empty (every item removed or popped). */
@@ -192,14 +217,29 @@ int px_adm_wants_engine_load(const px_config *cfg);
 
 /* New admission settings at run time (a reload from the file, or POST
  * /admin/admission), on the control thread while workers admit: the
- * tenants of `specs` (as --tenant) that exist already get their new weight
- * and limits at once, queued requests included; existing tenants missing
- * from specs fall back to weight 1 and no limits; tenants new to the
- * proxy need a restart (named in *note). `max_inflight` >= 0 becomes
- * --pool-max-inflight (< 0: unchanged). 0, or -1 with err (a bad spec:
- * nothing changed). */
+ * tenants become those of `specs` (as --tenant) by px_tenants_apply:
+ * known ones get their new weight and limits at once, queued requests
+ * included; new ones are added; missing ones are removed (their queued
+ * requests keep their place, served at weight 1; new requests naming them
+ * go to the default tenant). *note gets "tenants_added=N
+ * tenants_removed=N". `max_inflight` >= 0 becomes --pool-max-inflight
+ * (< 0: unchanged). 0, or -1 with err (a bad spec, or no free tenant
+ * slot: nothing changed). */
 int px_adm_reconfigure(px_ctx *c, char *const *specs, size_t n, int64_t max_inflight,
                        char *note, size_t note_cap, char *err, size_t errlen);
+
+/* New --priority-class specs at run time (reload, POST /admin/admission),
+ * on the control thread: a new map is published with one atomic pointer
+ * store, and workers load the pointer once per request (RCU style); the
+ * old maps are kept until the process ends (a few hundred bytes a
+ * change), so no worker can read freed memory without a grace period.
+ * Queued requests keep the class they were given on arrival. n == 0: the
+ * default mapping. 0, or -1 with err (nothing changed). */
+int px_adm_set_classes(px_ctx *c, char *const *specs, size_t n, char *err, size_t errlen);
+/* The classes in effect; never NULL after px_ctx_init. Any thread. */
+const px_prio_map *px_adm_classes(px_ctx *c);
+/* Frees the maps at exit. */
+void px_adm_classes_cleanup(px_ctx *c);
 
 /* The admission series of each pool of the current generation for
  * /metrics: pdproxy_pool_saturated{pool,signal} and

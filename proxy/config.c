@@ -18,6 +18,7 @@
 #include "base/log.h"
 #include "base/util.h"
 #include "proxy/dispatch.h"
+#include "proxy/admission.h"
 #include "proxy/ratelimit.h"
 
 #define PX_POLICIES                                                                                \
@@ -322,14 +323,19 @@ static const opt opts[] = {
      "default tenant)",
      NULL, AT_START},
     {"priority-header", NULL, CT_STR, OFF(priority_header), "x-priority", 0, 0,
-     "request header giving the priority class, 0..15, lower first (else the body's "
-     "\"priority\", as vLLM takes it; else 0)",
+     "request header giving the priority: a number, lower first, or a --priority-class name "
+     "(else the body's \"priority\", as vLLM takes it; else 0)",
      NULL, AT_START},
+    {"priority-class", NULL, CT_WORDS, OFF(priority_classes), "", 0, 0,
+     "priority classes in the order served, each NAME:LO..HI (or NAME:P), the priority values "
+     "it takes; a value in none goes to the last class, a header may name a class (none: "
+     "classes 0..15 are the priority itself, clamped)",
+     NULL, RELOADS},
     {"tenant", NULL, CT_WORDS, OFF(tenants), "", 0, 0,
      "tenants, each NAME[:weight=W][:rpm=N][:tpm=N]: W its share of dispatch out of the queue "
      "(1), N its requests or tokens per minute (0: no limit; 429 with x-ratelimit-* beyond); a "
-     "reload or POST /admin/admission changes known tenants at once, queued requests "
-     "included (new names need a restart)",
+     "reload or POST /admin/admission changes, adds and removes tenants at once, queued "
+     "requests kept",
      NULL, RELOADS},
     {"print-config", NULL, CT_FLAG, OFF(print_config), "false", 0, 0,
      "print the effective configuration as YAML (a --config file) and exit", NULL, AT_START},
@@ -457,6 +463,7 @@ int px_target_allowed(const px_strlist *allow, const char *host, int port) {
 
 static int check_word(const opt *o, const char *v, char *err, size_t errlen) {
     if (!strcmp(o->name, "tenant")) return px_tenant_spec_check(v, err, errlen);
+    if (!strcmp(o->name, "priority-class")) return px_prio_spec_check(v, err, errlen);
     int fam, bits, lo, hi;
     unsigned char a[16];
     char h[300];
@@ -1462,6 +1469,7 @@ static const struct {
     {"engine-backoff", 4, NULL},
     {"tenant-header", 4, "NAME"},
     {"priority-header", 4, "NAME"},
+    {"priority-class", 4, "SPECS"},
     {"tenant", 4, "SPECS"},
 };
 

@@ -133,6 +133,7 @@ typedef struct px_config {
     char *tenant_header;       /* names the request's tenant */
     char *priority_header;     /* the request's priority (else the body's "priority") */
     px_strlist tenants;        /* --tenant specs */
+    px_strlist priority_classes; /* --priority-class specs */
     /* Issue 25: DP sizes backend entries of the file declare (dp_size), items
      * "N URL"; proxy/dp.c applies them once the configuration is accepted. */
     px_strlist backend_dp;

@@ -8,6 +8,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "proxy/admission.h"
 #include "proxy/kvindex.h"
 
 /* ---------- generations ---------- */
@@ -140,10 +141,14 @@ int px_ctx_init(px_ctx *c, const px_config *cfg, char *err, size_t errlen) {
     if (load_api_keys(c, cfg, err, errlen) < 0) return -1;
     /* Admission control's tenants (ratelimit.h), shared by the workers. */
     if (px_tenants_parse(cfg->tenants.v, cfg->tenants.n, &c->tenants, err, errlen) < 0) return -1;
-    c->tenant_weights = px_xcalloc(c->tenants.n + 1, sizeof *c->tenant_weights);
-    for (size_t i = 0; i <= c->tenants.n; i++)
-        c->tenant_weights[i] = c->tenants.v[i].weight;
+    size_t nt = atomic_load(&c->tenants.n);
+    px_tenants_reserve(&c->tenants, 2 * nt > PX_TENANT_SLOTS ? 2 * nt : PX_TENANT_SLOTS);
+    c->tenant_weights = px_xcalloc(c->tenants.cap + 1, sizeof *c->tenant_weights);
+    for (size_t i = 0; i <= c->tenants.cap; i++)
+        c->tenant_weights[i] = i < nt || i == c->tenants.cap ? c->tenants.v[i].weight : 1;
     atomic_init(&c->pool_max_inflight, cfg->pool_max_inflight);
+    if (px_adm_set_classes(c, cfg->priority_classes.v, cfg->priority_classes.n, err, errlen) < 0)
+        return -1;
     return 0;
 }
 
@@ -153,6 +158,7 @@ void px_ctx_cleanup(px_ctx *c) {
     free(c->api_keys);
     px_tenants_cleanup(&c->tenants);
     free(c->tenant_weights);
+    px_adm_classes_cleanup(c);
     free(c->workers);
     px_kvindex_destroy(c->kvindex);
     px_sessions_destroy(c->sessions);

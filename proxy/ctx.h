@@ -83,7 +83,9 @@ typedef struct px_ctx {
     px_wctx **workers;     /* owned array of borrowed pointers: each worker's context */
     int nworkers;
     px_tenants tenants;        /* owned: --tenant, with their rate-limit buckets */
-    uint32_t *tenant_weights;  /* owned: tenants.n + 1; a reload changes them (__atomic) */
+    uint32_t *tenant_weights;  /* owned: tenants.cap + 1; a reload changes them (__atomic) */
+    _Atomic(struct px_prio_node *) prio; /* owned: --priority-class maps, newest first
+                                            (admission.h) */
     _Atomic int64_t pool_max_inflight; /* --pool-max-inflight, as the last reload set it */
     struct px_kvindex *kvindex; /* owned: what each engine caches; NULL without --kv-events-port */
     px_kv_counters kvc;         /* the KV-event subscriber's totals */

@@ -113,6 +113,7 @@ static int parse_one(const char *spec, px_tenant *t, char *err, size_t errlen) {
     }
     t->name = px_xstrdup(name);
     t->weight = (uint32_t)weight;
+    t->live = 1;
     px_bucket_init(&t->rpm, rpm);
     px_bucket_init(&t->tpm, tpm);
     return 0;
@@ -144,27 +145,106 @@ int px_tenants_parse(char *const *specs, size_t n, px_tenants *t, char *err, siz
     }
     v[n].name = px_xstrdup("");
     v[n].weight = 1;
+    v[n].live = 1;
     px_bucket_init(&v[n].rpm, 0);
     px_bucket_init(&v[n].tpm, 0);
     t->v = v;
-    t->n = n;
+    t->cap = n;
+    atomic_init(&t->n, n);
     return 0;
 }
 
 void px_tenants_cleanup(px_tenants *t) {
     if (!t->v) return;
-    for (size_t i = 0; i <= t->n; i++)
+    size_t n = atomic_load(&t->n);
+    for (size_t i = 0; i < n; i++)
         free(t->v[i].name);
+    free(t->v[t->cap].name);
     free(t->v);
     t->v = NULL;
-    t->n = 0;
+    t->cap = 0;
+    atomic_store(&t->n, 0);
 }
 
-size_t px_tenants_find(const px_tenants *t, const char *name, size_t n) {
-    if (!name) return t->n;
-    for (size_t i = 0; i < t->n; i++)
-        if (strlen(t->v[i].name) == n && !memcmp(t->v[i].name, name, n)) return i;
-    return t->n;
+/* Copies a tenant's settings into a slot in use. */
+static void copy_settings(px_tenant *dst, const px_tenant *src) {
+    px_bucket_set(&dst->rpm, atomic_load(&src->rpm.limit));
+    px_bucket_set(&dst->tpm, atomic_load(&src->tpm.limit));
+    atomic_store(&dst->weight, atomic_load(&src->weight));
+}
+
+void px_tenants_reserve(px_tenants *t, size_t cap) {
+    if (cap <= t->cap) return;
+    size_t n = atomic_load(&t->n);
+    px_tenant *v = px_xcalloc(cap + 1, sizeof *v);
+    for (size_t i = 0; i < n; i++) {
+        v[i].name = t->v[i].name;
+        copy_settings(&v[i], &t->v[i]);
+        v[i].live = atomic_load(&t->v[i].live);
+    }
+    v[cap].name = t->v[t->cap].name;
+    copy_settings(&v[cap], &t->v[t->cap]);
+    v[cap].live = 1;
+    free(t->v);
+    t->v = v;
+    t->cap = cap;
+}
+
+/* The slot named name among the first n, live or not; n when none. */
+static size_t slot_of(const px_tenants *t, size_t n, const char *name, size_t len) {
+    for (size_t i = 0; i < n; i++)
+        if (strlen(t->v[i].name) == len && !memcmp(t->v[i].name, name, len)) return i;
+    return n;
+}
+
+size_t px_tenants_find(const px_tenants *t, const char *name, size_t len) {
+    if (!name) return t->cap;
+    size_t n = atomic_load_explicit(&t->n, memory_order_acquire);
+    size_t i = slot_of(t, n, name, len);
+    return i < n && atomic_load_explicit(&t->v[i].live, memory_order_relaxed) ? i : t->cap;
+}
+
+int px_tenants_apply(px_tenants *t, const px_tenants *nt, uint32_t *weights, size_t *added,
+                     size_t *removed, char *err, size_t errlen) {
+    size_t n = atomic_load(&t->n), nn = atomic_load(&nt->n), fresh = 0, gone = 0, back = 0;
+    for (size_t j = 0; j < nn; j++)
+        if (slot_of(t, n, nt->v[j].name, strlen(nt->v[j].name)) == n) fresh++;
+    if (n + fresh > t->cap) {
+        snprintf(err, errlen,
+                 "%zu new tenants do not fit: %zu of %zu tenant slots are used (removed tenants "
+                 "keep theirs until a restart)",
+                 fresh, n, t->cap);
+        return -1;
+    }
+    for (size_t i = 0; i < n; i++) {
+        px_tenant *d = &t->v[i];
+        size_t j = slot_of(nt, nn, d->name, strlen(d->name));
+        if (j < nn) {
+            copy_settings(d, &nt->v[j]);
+            if (!atomic_load(&d->live)) back++;
+            atomic_store(&d->live, 1);
+        } else {
+            if (atomic_load(&d->live)) gone++;
+            atomic_store(&d->live, 0);
+            copy_settings(d, &nt->v[nt->cap]); /* weight 1, no limits */
+        }
+        __atomic_store_n(&weights[i], atomic_load(&d->weight), __ATOMIC_RELAXED);
+    }
+    for (size_t j = 0; j < nn; j++) {
+        if (slot_of(t, n, nt->v[j].name, strlen(nt->v[j].name)) < n) continue;
+        px_tenant *d = &t->v[n];
+        d->name = px_xstrdup(nt->v[j].name);
+        px_bucket_init(&d->rpm, 0);
+        px_bucket_init(&d->tpm, 0);
+        copy_settings(d, &nt->v[j]);
+        atomic_store(&d->live, 1);
+        __atomic_store_n(&weights[n], atomic_load(&d->weight), __ATOMIC_RELAXED);
+        /* Published: workers reading n with acquire see the slot whole. */
+        atomic_store_explicit(&t->n, ++n, memory_order_release);
+    }
+    if (added) *added = fresh + back;
+    if (removed) *removed = gone;
+    return 0;
 }
 
 px_rl_verdict px_tenant_admit(px_tenant *t, uint64_t now, uint64_t *retry_ns) {

@@ -17,6 +17,9 @@
 #include <stdint.h>
 
 #define PX_RL_WINDOW_NS 60000000000ULL /* the limits are per minute */
+/* The tenant table's slots: at least this many, and twice those configured
+ * at start, so tenants can be added at run time. */
+#define PX_TENANT_SLOTS 256
 
 typedef struct px_bucket {
     /* A reload may change these two (px_bucket_set) while workers take. */
@@ -41,19 +44,36 @@ uint64_t px_bucket_remaining(px_bucket *b, uint64_t now);
 uint64_t px_bucket_reset_ns(px_bucket *b, uint64_t now);
 
 typedef struct px_tenant {
-    char *name;      /* owned */
+    char *name;      /* owned; never changes once the slot is published */
     _Atomic uint32_t weight; /* share of dispatch out of the admission queue */
+    _Atomic int live;        /* requests naming it find it; 0: removed at run time */
     px_bucket rpm;
     px_bucket tpm;
 } px_tenant;
 
-/* The tenants of one configuration; [n] is the default tenant (name "",
- * weight 1, no limits), so an index is always valid. Shared by all
- * workers: only the buckets change after parsing. */
+/* The tenants, shared by all workers: a table of `cap` slots and the
+ * default tenant (name "", weight 1, no limits) at v[cap], so an index is
+ * always valid. Tenants are added and removed at run time
+ * (px_tenants_apply) without a lock on the workers' path: slots are
+ * filled in order, and a slot is published by a release store of n after
+ * its name, weight and buckets are set; workers read n with acquire and
+ * never see a half-made slot. A slot is never freed nor given another
+ * name while the process runs, so a worker holding an index (a queued or
+ * running request) needs no reference count or grace period; a removed
+ * tenant's slot is marked not live (weight 1, no limits) and revived when
+ * its name comes back. The price: at most `cap` distinct names over the
+ * process's life (a restart reclaims removed ones). One writer at a time
+ * (the control thread). */
 typedef struct px_tenants {
-    px_tenant *v; /* owned, n + 1 */
-    size_t n;
+    px_tenant *v;     /* owned, cap + 1 */
+    size_t cap;       /* slots */
+    _Atomic size_t n; /* slots published (live or removed) */
 } px_tenants;
+
+/* The default tenant's index. */
+static inline size_t px_tenants_default(const px_tenants *t) {
+    return t->cap;
+}
 
 /* Parses the n --tenant specs "NAME[:weight=W][:rpm=N][:tpm=N]". 0, or -1
  * with err naming the spec and what is wrong (t untouched). */
@@ -61,7 +81,23 @@ int px_tenants_parse(char *const *specs, size_t n, px_tenants *t, char *err, siz
 void px_tenants_cleanup(px_tenants *t);
 /* Checks one spec as px_tenants_parse would. 0, or -1 with err. */
 int px_tenant_spec_check(const char *spec, char *err, size_t errlen);
-/* The index of the tenant named name[0..n); t->n (the default) when none. */
+/* Grows a parsed table to at least `cap` slots, before workers share it.
+ * The default tenant moves to v[cap]. */
+void px_tenants_reserve(px_tenants *t, size_t cap);
+/* Makes t's tenants those of `nt` (parsed specs), while workers use t:
+ * tenants in both get nt's weight and limits (their buckets keep what was
+ * taken); tenants of nt new to t take a free slot; live tenants missing
+ * from nt are removed: requests naming them go to the default tenant from
+ * now on, while their queued and running requests keep their index (and
+ * their place in the queue), served at weight 1 without limits. weights[]
+ * (cap + 1, read by the queues with __atomic loads) follow. *added and
+ * *removed (may be NULL) count the changes. 0, or -1 with err when the new
+ * names need more free slots than are left (nothing changed). One writer
+ * at a time. */
+int px_tenants_apply(px_tenants *t, const px_tenants *nt, uint32_t *weights, size_t *added,
+                     size_t *removed, char *err, size_t errlen);
+/* The index of the live tenant named name[0..n); the default when none.
+ * Any thread, no lock. */
 size_t px_tenants_find(const px_tenants *t, const char *name, size_t n);
 
 /* Why a request is refused by its tenant's limits. */

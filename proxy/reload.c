@@ -560,6 +560,9 @@ static int apply(px_reloader *rl, int from_file, px_config *nc, const px_api_op 
         if (px_adm_reconfigure(rl->ctx, nc->tenants.v, nc->tenants.n, nc->pool_max_inflight,
                                note, sizeof note, aerr, sizeof aerr) < 0)
             PX_LOG(PX_LOG_WARN, "msg=\"reload: admission settings kept\" error=\"%s\"", aerr);
+        if (px_adm_set_classes(rl->ctx, nc->priority_classes.v, nc->priority_classes.n, aerr,
+                               sizeof aerr) < 0)
+            PX_LOG(PX_LOG_WARN, "msg=\"reload: priority classes kept\" error=\"%s\"", aerr);
     }
     remember(rl, nc, op);
     PX_LOG(PX_LOG_INFO, "msg=\"configuration swapped\" generation=%llu source=%s pools=%zu ms=%.3f",

@@ -123,6 +123,60 @@ class QueueOrderTest(AdmissionCase):
         log = px.stderr()
         self.assertRegex(log, r"req=p0 msg=\"request\".* queue_ms=\d")
 
+    def test_priority_classes_mapped_by_config(self):
+        """--priority-class maps vLLM priorities (and names in the header)
+        to classes in the order given, here against the numeric order; a
+        value in no range goes to the last class. POST /admin/admission
+        changes the map at run time ("" gives back the default)."""
+        from pdharness.net import free_port
+        d = tmpdir(self)
+        tokpath, token = token_file(self, d)
+        aport = free_port()
+        px = self.proxy(["--queue-max", "16", "--priority-class", "interactive:5..9 batch:0..4",
+                         "--admin-port", str(aport), "--admin-token-file", tokpath])
+        st, doc = admin(aport, "GET", "/admin/admission", token=token)
+        self.assertEqual(doc["priority_classes"],
+                         [{"name": "interactive", "min": 5, "max": 9},
+                          {"name": "batch", "min": 0, "max": 4}])
+        self.block(px)
+        self.queue(px, "p1", {"x-priority": "1"})
+        self.queue(px, "p50", {"x-priority": "50"})
+        self.queue(px, "none")
+        self.queue(px, "p7", body=completion_body(priority=7))
+        self.queue(px, "named", {"x-priority": "interactive"})
+        self.queue(px, "unknown-name", {"x-priority": "urgent"}, body=completion_body(priority=6))
+        st, doc = admin(aport, "POST", "/admin/admission", {"priority_classes": "a:1..x"},
+                        token=token)
+        self.assertEqual(st, 400, doc)
+        self.assertIn("--priority-class 'a:1..x'", doc["error"]["message"])
+        st, doc = admin(aport, "POST", "/admin/admission",
+                        {"priority_classes": "", "tenants": "a:weight=0"}, token=token)
+        self.assertEqual(st, 400, doc)  # a bad part: the classes are kept too
+        st, doc = admin(aport, "GET", "/admin/admission", token=token)
+        self.assertEqual(len(doc["priority_classes"]), 2)
+        self.finish()
+        self.assertEqual(request_ids(self.D), ["block-0", "p7", "named", "unknown-name", "p1",
+                                               "p50", "none"])
+        # Back to the default map: the priority itself, lower first.
+        self.gate.clear()
+        st, doc = admin(aport, "POST", "/admin/admission", {"priority_classes": ""},
+                        token=token)
+        self.assertEqual((st, doc["priority_classes"]), (200, []))
+        self.threads = []
+        n = len(self.D.requests)
+        self.send(px, "block-1")
+        self.assertEqual(len(self.D.wait_requests(n + 1, 5.0)), n + 1)
+        self.queue(px, "q7", {"x-priority": "7"})
+        self.queue(px, "q1", {"x-priority": "1"})
+        self.finish()
+        self.assertEqual(request_ids(self.D)[n:], ["block-1", "q1", "q7"])
+
+    def test_bad_priority_class_refused_at_start(self):
+        from pdharness.procs import run_pdproxy
+        p = run_pdproxy(["--decode", "http://127.0.0.1:9", "--priority-class", "a:3..1"])
+        self.assertNotEqual(p.returncode, 0, p.stderr)
+        self.assertIn("--priority-class 'a:3..1'", p.stderr)
+
     def test_bursting_tenant_does_not_starve_quiet_one(self):
         px = self.proxy(["--queue-max", "64", "--tenant", "loud quiet"])
         self.block(px)
@@ -550,18 +604,79 @@ class SaturationSourcesTest(AdmissionCase):
         self.assertEqual(st, 400, doc)
         self.assertIn("a:weight=x", doc["error"]["message"])
         st, doc = admin(aport, "POST", "/admin/admission",
-                        {"tenants": "a:weight=3:rpm=100, b:rpm=50, c"}, token=token)
+                        {"tenants": "a:weight=3:rpm=100, b:rpm=50, c:weight=2"}, token=token)
         self.assertEqual(st, 200, doc)
         ten = {t["name"]: t for t in doc["tenants"]}
         self.assertEqual((ten["a"]["weight"], ten["a"]["rpm"]), (3, 100))
         self.assertEqual((ten["b"]["weight"], ten["b"]["rpm"]), (1, 50))
-        self.assertNotIn("c", ten, "a new tenant needs a restart")
+        self.assertEqual(ten["c"]["weight"], 2, "a new tenant is added at once")
         self.finish()
         order = request_ids(self.D)[1:]
         self.assertEqual(sum(1 for r in order[:8] if r.startswith("a")), 6, order)
         st, doc = admin(aport, "POST", "/admin/admission", {"pool_max_inflight": -1},
                         token=token)
         self.assertEqual(st, 400, doc)
+
+    def test_tenants_added_and_removed_at_run_time(self):
+        """POST /admin/admission adds a tenant (its limit holds at once)
+        and removes one: the removed tenant's queued requests keep their
+        place and are served; its later requests are the default tenant's
+        (no limits). A reload from the file does the same."""
+        from pdharness.net import free_port
+        d = tmpdir(self)
+        tokpath, token = token_file(self, d)
+        aport = free_port()
+        px = self.proxy(["--tenant", "a b:rpm=3", "--queue-max", "32", "--admin-port",
+                         str(aport), "--admin-token-file", tokpath])
+        self.block(px)
+        self.queue(px, "a0", {"x-tenant": "a"})
+        for i in range(3):
+            self.queue(px, "b%d" % i, {"x-tenant": "b"})
+        self.queue(px, "a1", {"x-tenant": "a"})
+        st, doc = admin(aport, "POST", "/admin/admission", {"tenants": "a c:rpm=1"},
+                        token=token)
+        self.assertEqual(st, 200, doc)
+        self.assertEqual([t["name"] for t in doc["tenants"]], ["a", "c", "(default)"])
+        self.assertEqual(doc["tenants"][1]["rpm"], 1)
+        self.assertIn("tenants_added=1 tenants_removed=1", px.stderr())
+        self.finish()
+        # The queue's order is unchanged by the removal: a and b in turn.
+        self.assertEqual(request_ids(self.D), ["block-0", "a0", "b0", "a1", "b1", "b2"])
+        for rid in ("a0", "a1", "b0", "b1", "b2"):
+            self.assertEqual(self.results[rid].status, 200, rid)
+        # b had 3 a minute, all taken: now the default tenant's, unlimited.
+        for i in range(3):
+            r = self.post(px, headers={"x-tenant": "b", "X-Request-Id": "late-b%d" % i})
+            self.assertEqual(r.status, 200)
+            self.assertIsNone(r.header("x-ratelimit-limit-requests"))
+        r = self.post(px, headers={"x-tenant": "c"})
+        self.assertEqual(r.status, 200)
+        self.assertEqual(r.header("x-ratelimit-limit-requests"), "1")
+        self.assertErrorJson(self.post(px, headers={"x-tenant": "c"}), 429, "c's rpm")
+        # b comes back with its slot: its bucket still empty from before.
+        st, doc = admin(aport, "POST", "/admin/admission", {"tenants": "a b:rpm=3 c:rpm=1"},
+                        token=token)
+        self.assertEqual(st, 200, doc)
+        self.assertErrorJson(self.post(px, headers={"x-tenant": "b"}), 429, "b's rpm")
+
+    def test_reload_adds_a_tenant(self):
+        d = tmpdir(self)
+        f = os.path.join(d, "pdproxy.yaml")
+        self.gate.set()
+        self.P = self.mock(prefill_handler(), name="P")
+        self.D = self.mock(gated_decode(self.gate), name="D")
+        write_yaml(f, pools_yaml([("m", ["m"], [self.P], [self.D])], "tenant: a\n"))
+        px = self.start(args=["--config", f], threads=1)
+        self.assertEqual(self.post(px, headers={"x-tenant": "n"}).status, 200)
+        write_yaml(f, pools_yaml([("m", ["m"], [self.P], [self.D])],
+                                 "tenant: a n:rpm=1\npriority-class: hi:0 lo:1..9\n"))
+        sighup(px)
+        wait_generation(self, px, 2)
+        self.assertIn("msg=\"priority classes changed\" classes=2", px.stderr())
+        r = self.post(px, headers={"x-tenant": "n"})
+        self.assertEqual(r.status, 200)
+        self.assertEqual(r.header("x-ratelimit-limit-requests"), "1")
+        self.assertErrorJson(self.post(px, headers={"x-tenant": "n"}), 429, "n's rpm")
 
     def test_reload_keeps_queued_requests(self):
         self.P = self.mock(prefill_handler(), name="P")

@@ -98,6 +98,7 @@ SAMPLES = {
     "engine-backoff": ("0.5", None),
     "tenant-header": ("x-team", None),
     "priority-header": ("x-prio", None),
+    "priority-class": ("hi:-5..0, lo:1..9", "hi:-5..0 lo:1..9"),
     "tenant": ("a:weight=2:rpm=60, b", "a:weight=2:rpm=60 b"),
     "prefiller-allowlist": ("10.0.0.0/8:*, prefill.example:8000", "10.0.0.0/8:* prefill.example:8000"),
 }

@@ -4,6 +4,7 @@
 #include <stddef.h>
 #include <stdint.h>
 #include <cmocka.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -160,6 +161,59 @@ static void test_pop_skips_blocked(void **state)
     px_admq_cleanup(&q);
 }
 
+/* --priority-class: ranges in the order served, names, a value in none
+ * to the last class, and the specs refused. */
+static void test_priority_classes(void **state)
+{
+    (void)state;
+    char *specs[] = {"interactive:5..9", "batch:-3..4", "solo:-7"};
+    px_prio_map m;
+    char err[256] = "";
+    assert_int_equal(px_prio_map_parse(specs, 3, &m, err, sizeof err), 0);
+    assert_int_equal(m.n, 3);
+    assert_int_equal(px_prio_map_class(&m, 7), 0);
+    assert_int_equal(px_prio_map_class(&m, 5), 0);
+    assert_int_equal(px_prio_map_class(&m, 9), 0);
+    assert_int_equal(px_prio_map_class(&m, 0), 1);
+    assert_int_equal(px_prio_map_class(&m, -3), 1);
+    assert_int_equal(px_prio_map_class(&m, -7), 2);
+    assert_int_equal(px_prio_map_class(&m, 10), 2); /* in none: the last */
+    assert_int_equal(px_prio_map_class(&m, -100), 2);
+    assert_int_equal(px_prio_map_named(&m, "batch", 5), 1);
+    assert_int_equal(px_prio_map_named(&m, "batc", 4), -1);
+    /* No classes: the priority itself, clamped. */
+    px_prio_map none = {0};
+    assert_int_equal(px_prio_map_class(&none, 3), 3);
+    assert_int_equal(px_prio_map_class(&none, -3), 0);
+    assert_int_equal(px_prio_map_class(NULL, 99), PX_ADM_CLASSES - 1);
+    assert_int_equal(px_prio_map_named(&none, "batch", 5), -1);
+
+    const char *bad[] = {"x", "x:", ":1..2", "x:2..1", "x:a..3", "x:1..", "9x:1", "-x:1",
+                         "x y:1", "x:1..2..3", "x:99999999999999999999",
+                         "abcdefghijabcdefghijabcdefghijab:1"};
+    for (size_t i = 0; i < sizeof bad / sizeof *bad; i++) {
+        char *v[] = {(char *)bad[i]};
+        px_prio_map keep = {.n = 7};
+        err[0] = 0;
+        assert_int_equal(px_prio_map_parse(v, 1, &keep, err, sizeof err), -1);
+        assert_int_equal(keep.n, 7);
+        assert_non_null(strstr(err, "--priority-class"));
+        assert_int_equal(px_prio_spec_check(bad[i], err, sizeof err), -1);
+    }
+    char *dup[] = {"a:1", "a:2"};
+    assert_int_equal(px_prio_map_parse(dup, 2, &m, err, sizeof err), -1);
+    assert_non_null(strstr(err, "twice"));
+    char *many[17];
+    char names[17][8];
+    for (int i = 0; i < 17; i++) {
+        snprintf(names[i], sizeof names[i], "c%d:%d", i, i);
+        many[i] = names[i];
+    }
+    assert_int_equal(px_prio_map_parse(many, 16, &m, err, sizeof err), 0);
+    assert_int_equal(px_prio_map_parse(many, 17, &m, err, sizeof err), -1);
+    assert_non_null(strstr(err, "at most 16"));
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -167,6 +221,7 @@ int main(void)
         cmocka_unit_test(test_fair_between_tenants),
         cmocka_unit_test(test_bounds_and_remove),
         cmocka_unit_test(test_pop_skips_blocked),
+        cmocka_unit_test(test_priority_classes),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

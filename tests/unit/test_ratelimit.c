@@ -5,6 +5,7 @@
 #include <stdint.h>
 #include <cmocka.h>
 #include <pthread.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -164,6 +165,121 @@ static void test_tenants_parse_errors(void **state)
     assert_non_null(strstr(err, "twice"));
 }
 
+static void parse_into(px_tenants *t, char **specs, size_t n)
+{
+    char err[256] = "";
+    assert_int_equal(px_tenants_parse(specs, n, t, err, sizeof err), 0);
+}
+
+/* Tenants added, changed, removed and revived at run time: indexes stay,
+ * a removed name finds the default, a full table changes nothing. */
+static void test_tenants_apply(void **state)
+{
+    (void)state;
+    px_tenants t, nt;
+    char *start[] = {"a:weight=2:rpm=5", "b"};
+    parse_into(&t, start, 2);
+    px_tenants_reserve(&t, 4);
+    assert_int_equal(t.cap, 4);
+    assert_int_equal(px_tenants_find(&t, "zz", 2), 4);
+    assert_int_equal(px_tenants_find(&t, "b", 1), 1);
+    assert_string_equal(t.v[4].name, "");
+    uint32_t w[5] = {2, 1, 1, 1, 1};
+    char err[256] = "";
+    size_t added = 9, removed = 9;
+
+    /* b removed, c added, a changed. */
+    char *next[] = {"c:weight=4:rpm=1", "a:weight=3"};
+    parse_into(&nt, next, 2);
+    assert_int_equal(px_tenants_apply(&t, &nt, w, &added, &removed, err, sizeof err), 0);
+    px_tenants_cleanup(&nt);
+    assert_int_equal(added, 1);
+    assert_int_equal(removed, 1);
+    assert_int_equal(t.n, 3);
+    assert_int_equal(px_tenants_find(&t, "a", 1), 0);
+    assert_int_equal(px_tenants_find(&t, "b", 1), 4); /* the default now */
+    assert_int_equal(px_tenants_find(&t, "c", 1), 2);
+    assert_int_equal(w[0], 3);
+    assert_int_equal(t.v[0].rpm.limit, 0);
+    assert_int_equal(w[1], 1);             /* b's queued requests: weight 1 */
+    assert_int_equal(t.v[1].rpm.limit, 0); /* and no limits */
+    assert_int_equal(w[2], 4);
+    assert_int_equal(t.v[2].rpm.limit, 1);
+    uint64_t retry;
+    assert_int_equal(px_tenant_admit(&t.v[2], SEC, &retry), PX_RL_OK);
+    assert_int_equal(px_tenant_admit(&t.v[2], SEC, &retry), PX_RL_REQUESTS);
+
+    /* b comes back into its old slot; d and e need two slots, one is left. */
+    char *full[] = {"a", "b:weight=5", "c", "d", "e"};
+    parse_into(&nt, full, 5);
+    assert_int_equal(px_tenants_apply(&t, &nt, w, &added, &removed, err, sizeof err), -1);
+    assert_non_null(strstr(err, "2 new tenants do not fit"));
+    assert_int_equal(t.n, 3);
+    assert_int_equal(px_tenants_find(&t, "b", 1), 4);
+    px_tenants_cleanup(&nt);
+    char *back[] = {"a", "b:weight=5", "c", "d"};
+    parse_into(&nt, back, 4);
+    assert_int_equal(px_tenants_apply(&t, &nt, w, &added, &removed, err, sizeof err), 0);
+    px_tenants_cleanup(&nt);
+    assert_int_equal(added, 2);
+    assert_int_equal(removed, 0);
+    assert_int_equal(px_tenants_find(&t, "b", 1), 1);
+    assert_int_equal(w[1], 5);
+    assert_int_equal(px_tenants_find(&t, "d", 1), 3);
+    /* c without its limit now: admitted. */
+    assert_int_equal(px_tenant_admit(&t.v[2], SEC, &retry), PX_RL_OK);
+    px_tenants_cleanup(&t);
+}
+
+typedef struct {
+    px_tenants *t;
+    atomic_int stop;
+    int bad;
+} finder;
+
+static void *find_loop(void *arg)
+{
+    finder *f = arg;
+    char name[16];
+    while (!atomic_load(&f->stop))
+        for (int i = 0; i < 64; i++) {
+            int len = snprintf(name, sizeof name, "t%d", i);
+            size_t k = px_tenants_find(f->t, name, (size_t)len);
+            if (k != f->t->cap && strcmp(f->t->v[k].name, name)) f->bad = 1;
+        }
+    return NULL;
+}
+
+/* Lookups on another thread while tenants are added: a published slot is
+ * whole (its name matches), never half made. */
+static void test_tenants_apply_while_found(void **state)
+{
+    (void)state;
+    px_tenants t;
+    parse_into(&t, NULL, 0);
+    px_tenants_reserve(&t, 64);
+    uint32_t w[65];
+    finder f = {.t = &t};
+    pthread_t th;
+    assert_int_equal(pthread_create(&th, NULL, find_loop, &f), 0);
+    char *specs[64];
+    char buf[64][16];
+    for (int i = 0; i < 64; i++) {
+        snprintf(buf[i], sizeof buf[i], "t%d", i);
+        specs[i] = buf[i];
+        px_tenants nt;
+        parse_into(&nt, specs, (size_t)i + 1);
+        char err[256];
+        assert_int_equal(px_tenants_apply(&t, &nt, w, NULL, NULL, err, sizeof err), 0);
+        px_tenants_cleanup(&nt);
+    }
+    atomic_store(&f.stop, 1);
+    pthread_join(th, NULL);
+    assert_int_equal(f.bad, 0);
+    assert_int_equal(px_tenants_find(&t, "t63", 3), 63);
+    px_tenants_cleanup(&t);
+}
+
 /* total_tokens found whole, split at every byte, in SSE; the last wins. */
 static void test_tokscan(void **state)
 {
@@ -196,6 +312,8 @@ int main(void)
         cmocka_unit_test(test_bucket_set_in_use),
         cmocka_unit_test(test_tenants_parse),
         cmocka_unit_test(test_tenants_parse_errors),
+        cmocka_unit_test(test_tenants_apply),
+        cmocka_unit_test(test_tenants_apply_while_found),
         cmocka_unit_test(test_tokscan),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
