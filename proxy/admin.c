@@ -68,13 +68,21 @@ static int method_is(const px_http_head *h, const char *m) {
 
 /* ---------- calls ---------- */
 
-static void backend_json(px_buf *b, const px_pset *p, const char *role, const px_backend *be) {
+static void backend_json(px_buf *b, px_kvsub *kv, const px_pset *p, const char *role,
+                         const px_backend *be) {
     px_buf_appends(b, "{\"pool\":");
     json_str(b, p->name);
     px_buf_printf(b, ",\"role\":\"%s\",\"backend\":", role);
     json_str(b, be->name);
     px_buf_appends(b, ",\"url\":");
     json_str(b, be->src);
+    /* Where its KV events are read (null: not subscribed). */
+    const char *ep = px_kvsub_endpoint(kv, be->name);
+    px_buf_appends(b, ",\"kv_events_endpoint\":");
+    if (ep)
+        json_str(b, ep);
+    else
+        px_buf_appends(b, "null");
     int healthy = atomic_load(&be->healthy), drained = atomic_load(&be->drained);
     px_buf_printf(b,
                   ",\"healthy\":%s,\"ejected\":%s,\"ejected_by_check\":%s,\"ejections\":%d,"
@@ -103,7 +111,7 @@ static void list_backends(px_admin *a, px_conn *c) {
             for (size_t j = 0; j < n; j++) {
                 if (!first) px_buf_appends(&b, ",");
                 first = 0;
-                backend_json(&b, &g->ps[i], pool->role, m[j]);
+                backend_json(&b, a->h.ctx->kvsub, &g->ps[i], pool->role, m[j]);
                 px_backend_release(m[j]);
             }
             free(m);
@@ -250,7 +258,7 @@ static void drain(px_admin *a, px_conn *c, const px_buf *body, int on) {
                            on ? "drained" : "undrained", a->who, g->ps[i].name, p->role, m[j]->name,
                            atomic_load(&m[j]->inflight));
                     if (hits++) px_buf_appends(&b, ",");
-                    backend_json(&b, &g->ps[i], p->role, m[j]);
+                    backend_json(&b, a->h.ctx->kvsub, &g->ps[i], p->role, m[j]);
                 }
                 px_backend_release(m[j]);
             }

@@ -981,6 +981,12 @@ void px_kvsub_stop(px_kvsub *k) {
     free(k);
 }
 
+const char *px_kvsub_endpoint(px_kvsub *k, const char *backend) {
+    for (sub *s = k ? k->subs : NULL; s; s = s->nx)
+        if (!strcmp(s->name, backend)) return s->endpoint;
+    return NULL;
+}
+
 size_t px_kvsub_json(px_kvsub *k, const char *backend, px_buf *b) {
     size_t n = 0;
     px_buf_appends(b, "[");

@@ -83,6 +83,11 @@ void px_kvsub_declare_admin(const char *url, const char *ep, const char *rep);
  * the endpoints it declared. */
 void px_kvsub_forget_admin(void);
 
+/* The endpoint the backend `backend` (host:port) is subscribed at now;
+ * NULL when none (or k is NULL). Valid until the subscriber's next sync.
+ * Control thread. */
+const char *px_kvsub_endpoint(px_kvsub *k, const char *backend);
+
 /* Appends a JSON array of the subscriptions (backend, endpoint, replay
  * endpoint and where they come from: "flag", "file" or "admin", sequence,
  * per-backend counters, index blocks and bytes) to b; when `backend` is

@@ -108,6 +108,9 @@ class KvEndpointsTest(ProdCase):
         self.assertEqual(subs[self.bn(P0)]["endpoint"], ep0)
         self.assertEqual(subs[self.bn(P1)]["endpoint"], ep1)
         self.assertEqual(subs[self.bn(P0)]["endpoint_from"], "file")
+        st, doc = self.call("GET", "/admin/backends")
+        self.assertEqual({b["backend"]: b["kv_events_endpoint"] for b in doc["backends"]},
+                         {self.bn(P0): ep0, self.bn(P1): ep1, self.bn(D): None})
         self.connected(P0, self.bn(P0))
         self.connected(P1, self.bn(P1))
         # Each engine computes its own prompt: its index fills, the other's not.
