@@ -68,13 +68,21 @@ static int method_is(const px_http_head *h, const char *m) {
 
 /* ---------- calls ---------- */
 
-static void backend_json(px_buf *b, const px_pset *p, const char *role, const px_backend *be) {
+static void backend_json(px_buf *b, px_kvsub *kv, const px_pset *p, const char *role,
+                         const px_backend *be) {
     px_buf_appends(b, "{\"pool\":");
     json_str(b, p->name);
     px_buf_printf(b, ",\"role\":\"%s\",\"backend\":", role);
     json_str(b, be->name);
     px_buf_appends(b, ",\"url\":");
     json_str(b, be->src);
+    /* Where its KV events are read (null: not subscribed). */
+    const char *ep = px_kvsub_endpoint(kv, be->name);
+    px_buf_appends(b, ",\"kv_events_endpoint\":");
+    if (ep)
+        json_str(b, ep);
+    else
+        px_buf_appends(b, "null");
     int healthy = atomic_load(&be->healthy), drained = atomic_load(&be->drained);
     px_buf_printf(b,
                   ",\"healthy\":%s,\"ejected\":%s,\"ejected_by_check\":%s,\"ejections\":%d,"
@@ -103,7 +111,7 @@ static void list_backends(px_admin *a, px_conn *c) {
             for (size_t j = 0; j < n; j++) {
                 if (!first) px_buf_appends(&b, ",");
                 first = 0;
-                backend_json(&b, &g->ps[i], pool->role, m[j]);
+                backend_json(&b, a->h.ctx->kvsub, &g->ps[i], pool->role, m[j]);
                 px_backend_release(m[j]);
             }
             free(m);
@@ -134,6 +142,8 @@ static int dp_size_member(const px_buf *body) {
 static void change_backend(px_admin *a, px_conn *c, const px_buf *body, int add) {
     char *pool = str_member(body, "pool"), *role = str_member(body, "role"),
          *url = str_member(body, "url");
+    char *ep[2] = {NULL, NULL};
+    static const char *const epkey[2] = {"kv_events_endpoint", "kv_events_replay_endpoint"};
     char err[512];
     px_json_member pm;
     int pool_bad = body->len && px_json_find(body->data, body->len, "pool", &pm) && !pool;
@@ -141,13 +151,36 @@ static void change_backend(px_admin *a, px_conn *c, const px_buf *body, int add)
         reply_err(c, 400,
                   "expected a JSON object {\"role\": \"prefill\"|\"decode\", \"url\": "
                   "\"http://host:port\", \"pool\": name (omit for the unnamed pool), "
-                  "\"dp_size\": data-parallel ranks 1..64 (optional)}");
+                  "\"dp_size\": data-parallel ranks 1..64 (optional), "
+                  "\"kv_events_endpoint\", \"kv_events_replay_endpoint\": tcp://HOST:PORT or "
+                  "ipc://PATH (optional)}");
         goto out;
     }
     int dp_size = add ? dp_size_member(body) : 0;
     if (dp_size < 0) {
         reply_err(c, 400, "\"dp_size\" must be an integer in [1, 64] (data-parallel ranks)");
         goto out;
+    }
+    /* Where this engine publishes its KV events, over --kv-events-port. */
+    for (int e = 0; e < 2 && add; e++) {
+        px_json_member em;
+        if (!body->len || !px_json_find(body->data, body->len, epkey[e], &em)) continue;
+        char why[300];
+        ep[e] = str_member(body, epkey[e]);
+        if (!ep[e] || px_config_kv_endpoint_check(ep[e], why, sizeof why) < 0) {
+            snprintf(err, sizeof err, "\"%s\": %s", epkey[e],
+                     ep[e] ? why : "expected a string tcp://HOST:PORT or ipc://PATH");
+            reply_err(c, 400, err);
+            goto out;
+        }
+        if (!a->h.ctx->kvindex) {
+            snprintf(err, sizeof err,
+                     "\"%s\": KV events are off (start pdproxy with --kv-events-port or a "
+                     "config entry declaring kv_events_endpoint)",
+                     epkey[e]);
+            reply_err(c, 400, err);
+            goto out;
+        }
     }
     /* The URL is checked as the flags check it. */
     char *argv[] = {"pdproxy", "--prefill", url, NULL};
@@ -169,6 +202,8 @@ static void change_backend(px_admin *a, px_conn *c, const px_buf *body, int add)
     /* Its DP size, over the file's and the flags' (removal forgets it). */
     if ((dp_size || !add) && px_dp_declare_admin(url, dp_size) < 0)
         PX_LOG(PX_LOG_WARN, "msg=\"admin: dp_size ignored: no room\" url=\"%s\"", url);
+    /* Its KV-event endpoints likewise (removal forgets them). */
+    if (ep[0] || ep[1] || !add) px_kvsub_declare_admin(url, ep[0], ep[1]);
     PX_LOG(PX_LOG_INFO, "msg=\"admin: backend %s\" who=%s pool=\"%s\" role=%s url=\"%s\"",
            add ? "added" : "removed (drains: requests on it finish)", a->who, op.pool, role, url);
     px_buf b;
@@ -185,6 +220,8 @@ out:
     free(pool);
     free(role);
     free(url);
+    free(ep[0]);
+    free(ep[1]);
 }
 
 /* POST /admin/backends/drain and /undrain: {"backend": "host:port" or
@@ -221,7 +258,7 @@ static void drain(px_admin *a, px_conn *c, const px_buf *body, int on) {
                            on ? "drained" : "undrained", a->who, g->ps[i].name, p->role, m[j]->name,
                            atomic_load(&m[j]->inflight));
                     if (hits++) px_buf_appends(&b, ",");
-                    backend_json(&b, &g->ps[i], p->role, m[j]);
+                    backend_json(&b, a->h.ctx->kvsub, &g->ps[i], p->role, m[j]);
                 }
                 px_backend_release(m[j]);
             }

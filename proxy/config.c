@@ -194,11 +194,13 @@ static const opt opts[] = {
      NULL, AT_START},
     {"kv-events-port", NULL, CT_INT, OFF(kv_events_port), "0", 0, 65535,
      "subscribe to each backend's vLLM KV-cache events (ZeroMQ PUB, --kv-events-config) at "
-     "tcp://<backend host>:PORT and index what each engine holds (0: off)",
+     "tcp://<backend host>:PORT and index what each engine holds (0: off; a config entry's "
+     "kv_events_endpoint, or the admin API's, overrides it for that backend)",
      NULL, AT_START},
     {"kv-events-replay-port", NULL, CT_INT, OFF(kv_events_replay_port), "0", 0, 65535,
      "port of the engines' KV-event replay socket (ROUTER), asked for missed batches after a "
-     "sequence gap (0: none; a gap drops that backend's index, rebuilt from later events)",
+     "sequence gap (0: none; a gap drops that backend's index, rebuilt from later events; a "
+     "config entry's kv_events_replay_endpoint overrides it)",
      NULL, AT_START},
     {"kv-cache-weight", NULL, CT_SECONDS, OFF(kv_cache_weight), "1", 0, 1000000,
      "kv_aware: score per prompt token the engine holds in its KV cache (its KV events)", NULL,
@@ -1019,30 +1021,72 @@ static void ykey(const yaml_node_t *k, char *buf, size_t n) {
         if (*p == '_') *p = '-';
 }
 
+int px_config_kv_endpoint_check(const char *ep, char *err, size_t errlen) {
+    const char *why = NULL;
+    for (const char *p = ep; *p && !why; p++)
+        if ((unsigned char)*p <= ' ' || *p == 0x7f) why = "no spaces or control characters";
+    if (why) {
+    } else if (!strncmp(ep, "ipc://", 6)) {
+        size_t n = strlen(ep + 6);
+        if (!n || n >= 108) why = "ipc:// needs a path of 1 to 107 bytes";
+    } else if (strncmp(ep, "tcp://", 6)) {
+        why = "expected tcp://HOST:PORT or ipc://PATH";
+    } else {
+        const char *h = ep + 6, *colon = strrchr(h, ':');
+        size_t hl = colon ? (size_t)(colon - h) : 0;
+        char *end = NULL;
+        long port = colon && colon[1] >= '0' && colon[1] <= '9' ? strtol(colon + 1, &end, 10) : 0;
+        if (!colon || !hl || !end || *end || port < 1 || port > 65535)
+            why = "expected tcp://HOST:PORT with a port in [1, 65535]";
+        else if (h[0] == '[' ? hl < 3 || h[hl - 1] != ']' || memchr(h + 1, ']', hl - 2)
+                             : memchr(h, ':', hl) || memchr(h, '*', hl) || memchr(h, ';', hl))
+            why = "the host is a name, an IPv4 address or [IPv6] (no wildcard: pdproxy connects)";
+    }
+    if (!why) return 0;
+    snprintf(err, errlen, "'%.200s': %s", ep, why);
+    return -1;
+}
+
 /* A backend entry of a prefill/decode list written as a mapping: {url: U,
- * dp_size: N} (N: the data-parallel ranks behind that API server, 1..64,
- * over --prefill-dp-size / --decode-dp-size). Returns the URL (owned) and
- * records N in c->backend_dp; NULL with the error set. */
+ * dp_size: N, kv_events_endpoint: E, kv_events_replay_endpoint: R}, all
+ * but url optional. N: the data-parallel ranks behind that API server,
+ * 1..64, over --prefill-dp-size / --decode-dp-size; recorded in
+ * c->backend_dp. E and R: where that engine publishes its KV events and
+ * answers replays, over what --kv-events-port / --kv-events-replay-port
+ * derive from its address; recorded in c->backend_kv. Returns the URL
+ * (owned); NULL with the error set. */
 static char *ybackend(yctx *y, const char *key, yaml_node_t *m) {
-    char *url = NULL;
+    char *url = NULL, *ep[2] = {NULL, NULL};
+    static const char *const epkey[2] = {"kv-events-endpoint", "kv-events-replay-endpoint"};
     long dp = 0;
     for (yaml_node_pair_t *pr = m->data.mapping.pairs.start; pr < m->data.mapping.pairs.top; pr++) {
         yaml_node_t *k = yaml_document_get_node(&y->doc, pr->key);
         yaml_node_t *v = yaml_document_get_node(&y->doc, pr->value);
         char f[32] = "";
         if (k && k->type == YAML_SCALAR_NODE) ykey(k, f, sizeof f);
-        if (!v || v->type != YAML_SCALAR_NODE || (strcmp(f, "url") && strcmp(f, "dp-size")) ||
-            (!strcmp(f, "url") && url)) {
+        int e = !strcmp(f, epkey[0]) ? 0 : !strcmp(f, epkey[1]) ? 1 : -1;
+        if (!v || v->type != YAML_SCALAR_NODE ||
+            (strcmp(f, "url") && strcmp(f, "dp-size") && e < 0) || (!strcmp(f, "url") && url) ||
+            (e >= 0 && ep[e])) {
             snprintf(y->err, y->errlen,
                      "%s:%zu: key '%s': a backend entry is a URL or a mapping of url and "
-                     "dp_size",
+                     "dp_size, kv_events_endpoint, kv_events_replay_endpoint (each once)",
                      y->path, yline(k ? k : m), key);
-            free(url);
-            return NULL;
+            goto fail;
         }
         char *t = px_xstrndup((char *)v->data.scalar.value, v->data.scalar.length);
         if (f[0] == 'u') {
             url = t;
+            continue;
+        }
+        if (e >= 0) {
+            char why[300];
+            ep[e] = t;
+            if (px_config_kv_endpoint_check(t, why, sizeof why) < 0) {
+                snprintf(y->err, y->errlen, "%s:%zu: key '%s': %s %s", y->path, yline(v), key,
+                         e ? "kv_events_replay_endpoint" : "kv_events_endpoint", why);
+                goto fail;
+            }
             continue;
         }
         char *end;
@@ -1052,22 +1096,34 @@ static char *ybackend(yctx *y, const char *key, yaml_node_t *m) {
         if (bad) {
             snprintf(y->err, y->errlen, "%s:%zu: key '%s': dp_size must be an integer in [1, 64]",
                      y->path, yline(v), key);
-            free(url);
-            return NULL;
+            goto fail;
         }
     }
     if (!url || !url[0] || strchr(url, ' ') || strchr(url, ',')) {
         snprintf(y->err, y->errlen, "%s:%zu: key '%s': a backend entry needs one url", y->path,
                  yline(m), key);
-        free(url);
-        return NULL;
+        goto fail;
     }
     if (dp > 0) {
         char item[600];
         snprintf(item, sizeof item, "%ld %s", dp, url);
         px_strlist_push(&y->c->backend_dp, item);
     }
+    if (ep[0] || ep[1]) {
+        px_buf b;
+        px_buf_init(&b);
+        px_buf_printf(&b, "%s %s %s", url, ep[0] ? ep[0] : "-", ep[1] ? ep[1] : "-");
+        px_strlist_push(&y->c->backend_kv, b.data);
+        px_buf_cleanup(&b);
+    }
+    free(ep[0]);
+    free(ep[1]);
     return url;
+fail:
+    free(url);
+    free(ep[0]);
+    free(ep[1]);
+    return NULL;
 }
 
 /* A setting's text: a scalar as is, a sequence of scalars joined by spaces
@@ -1865,6 +1921,7 @@ px_config_result px_config_load(px_config *c, int argc, char **argv, char **envp
 
 void px_config_cleanup(px_config *c) {
     px_strlist_clear(&c->backend_dp);
+    px_strlist_clear(&c->backend_kv);
     px_pool_specs_free(c->pools, c->npools);
     c->pools = NULL;
     c->npools = 0;
@@ -1960,20 +2017,36 @@ static void yaml_list(FILE *out, const px_strlist *l) {
     fputc(']', out);
 }
 
-/* A prefill/decode list: an entry that declared dp_size as {url, dp_size},
- * so that the output reads back to the same declarations. */
+/* A prefill/decode list: an entry that declared dp_size or KV-event
+ * endpoints as a mapping, so that the output reads back to the same
+ * declarations. */
 static void yaml_backends(FILE *out, const px_config *c, const px_strlist *l) {
     fputc('[', out);
     for (size_t j = 0; j < l->n; j++) {
         if (j) fputs(", ", out);
         long dp = 0;
+        const char *kv = NULL;
+        size_t ul = strlen(l->v[j]);
         for (size_t k = 0; k < c->backend_dp.n && !dp; k++) {
             const char *sp = strchr(c->backend_dp.v[k], ' ');
             if (sp && !strcmp(sp + 1, l->v[j])) dp = strtol(c->backend_dp.v[k], NULL, 10);
         }
-        if (dp) fputs("{url: ", out);
+        for (size_t k = 0; k < c->backend_kv.n && !kv; k++)
+            if (!strncmp(c->backend_kv.v[k], l->v[j], ul) && c->backend_kv.v[k][ul] == ' ')
+                kv = c->backend_kv.v[k] + ul + 1;
+        if (dp || kv) fputs("{url: ", out);
         yaml_str(out, l->v[j]);
-        if (dp) fprintf(out, ", dp_size: %ld}", dp);
+        if (dp) fprintf(out, ", dp_size: %ld", dp);
+        if (kv) {
+            char ep[2][600] = {"", ""};
+            if (sscanf(kv, "%599s %599s", ep[0], ep[1]) == 2)
+                for (int e = 0; e < 2; e++) {
+                    if (!strcmp(ep[e], "-")) continue;
+                    fputs(e ? ", kv_events_replay_endpoint: " : ", kv_events_endpoint: ", out);
+                    yaml_str(out, ep[e]);
+                }
+        }
+        if (dp || kv) fputc('}', out);
     }
     fputc(']', out);
 }

@@ -137,6 +137,11 @@ typedef struct px_config {
     /* Issue 25: DP sizes backend entries of the file declare (dp_size), items
      * "N URL"; proxy/dp.c applies them once the configuration is accepted. */
     px_strlist backend_dp;
+    /* Issue 24: KV-event endpoints backend entries of the file declare
+     * (kv_events_endpoint, kv_events_replay_endpoint), items "URL EP REPLAY"
+     * with "-" for one not given; proxy/kvevents.c applies them once the
+     * configuration is accepted, over the --kv-events-port derived ones. */
+    px_strlist backend_kv;
     unsigned char set[96];          /* set[i]: option i was given by flag or environment */
 } px_config;
 
@@ -150,6 +155,12 @@ typedef struct px_config {
  * Returns 0, or -1 with the reason in err. */
 int px_config_check_pools(const px_config *c, const px_pool_spec *v, size_t n, int reloading,
                           char *err, size_t errlen);
+
+/* A ZeroMQ endpoint pdproxy may connect a KV-event socket to:
+ * tcp://HOST:PORT (HOST a name, an IPv4 address or [IPv6], PORT 1..65535)
+ * or ipc://PATH (shorter than a socket path's 108 bytes). -1 with the
+ * reason in err otherwise. */
+int px_config_kv_endpoint_check(const char *ep, char *err, size_t errlen);
 
 /* Whether `url` (http[s]://host[:port]) names one of c's listen addresses:
  * the port of --port, --metrics-port or --admin-port on a literal address

@@ -131,7 +131,9 @@ int px_ctx_init(px_ctx *c, const px_config *cfg, char *err, size_t errlen) {
     c->shared.max_buffered = cfg->max_buffered_bytes;
     c->shared.max_conns = (long)cfg->max_connections;
     setup_upstream_auth(c, cfg);
-    if (cfg->kv_events_port &&
+    /* The index and its subscriber: with --kv-events-port, or when a
+     * backend entry declares its endpoint (kvevents.h). */
+    if ((cfg->kv_events_port || cfg->backend_kv.n) &&
         !(c->kvindex = px_kvindex_create_bounded((size_t)cfg->kv_index_max_blocks,
                                                  (size_t)cfg->kv_index_max_bytes, 4096))) {
         snprintf(err, errlen, "out of memory for the KV index");

@@ -87,7 +87,8 @@ typedef struct px_ctx {
     _Atomic(struct px_prio_node *) prio; /* owned: --priority-class maps, newest first
                                             (admission.h) */
     _Atomic int64_t pool_max_inflight; /* --pool-max-inflight, as the last reload set it */
-    struct px_kvindex *kvindex; /* owned: what each engine caches; NULL without --kv-events-port */
+    struct px_kvindex *kvindex; /* owned: what each engine caches; NULL without --kv-events-port
+                                 * or a backend entry declaring kv_events_endpoint */
     px_kv_counters kvc;         /* the KV-event subscriber's totals */
     struct px_kvsub *kvsub;     /* borrowed: the subscriber, control thread only; NULL when off */
     px_sessions *sessions;      /* owned: sessions' decode backends; NULL: --session-ttl 0 */

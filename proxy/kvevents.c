@@ -3,6 +3,7 @@
 
 #include <errno.h>
 #include <msgpack.h>
+#include <pthread.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -386,6 +387,7 @@ typedef struct sub {
     char *name;      /* owned: the backend's name, the index slot's */
     char *endpoint;  /* owned */
     char *replay_ep; /* owned; NULL: no replay socket */
+    const char *from; /* static: "flag", "file" or "admin" */
     int slot;
     void *sock, *rep;             /* owned: SUB, DEALER */
     void *mon;                    /* owned: PAIR reading the SUB socket's monitor events */
@@ -732,18 +734,119 @@ static char *ep_for(const char *host, int port) {
     return strdup(buf);
 }
 
-static sub *sub_new(px_kvsub *k, px_backend *b) {
+/* ---- endpoints backends declare (config entries, admin API) ----
+ * Few (one per backend that has one), read twice a second by the control
+ * thread: a list under a lock. */
+typedef struct decl {
+    char *url;         /* owned: the backend's configured URL */
+    char *file[2];     /* owned: endpoint, replay endpoint; NULL: none */
+    char *admin[2];    /* owned */
+    int in_file, in_admin;
+    struct decl *nx;
+} decl;
+
+static pthread_mutex_t decl_mu = PTHREAD_MUTEX_INITIALIZER;
+static decl *decls;
+
+static decl *decl_get(const char *url, int create) {
+    for (decl *d = decls; d; d = d->nx)
+        if (!strcmp(d->url, url)) return d;
+    if (!create) return NULL;
+    decl *d = px_xcalloc(1, sizeof *d);
+    d->url = px_xstrdup(url);
+    d->nx = decls;
+    decls = d;
+    return d;
+}
+
+static void set2(char *dst[2], const char *ep, const char *rep) {
+    const char *v[2] = {ep, rep};
+    for (int i = 0; i < 2; i++) {
+        free(dst[i]);
+        dst[i] = v[i] && v[i][0] && strcmp(v[i], "-") ? px_xstrdup(v[i]) : NULL;
+    }
+}
+
+void px_kvsub_declare_file(const px_strlist *l) {
+    pthread_mutex_lock(&decl_mu);
+    for (decl *d = decls; d; d = d->nx) {
+        d->in_file = 0;
+        set2(d->file, NULL, NULL);
+    }
+    for (size_t i = 0; i < l->n; i++) {
+        char url[600], ep[600], rep[600];
+        if (sscanf(l->v[i], "%599s %599s %599s", url, ep, rep) != 3) continue;
+        decl *d = decl_get(url, 1);
+        d->in_file = 1;
+        set2(d->file, ep, rep);
+    }
+    pthread_mutex_unlock(&decl_mu);
+}
+
+void px_kvsub_declare_admin(const char *url, const char *ep, const char *rep) {
+    pthread_mutex_lock(&decl_mu);
+    decl *d = decl_get(url, ep || rep);
+    if (d) {
+        d->in_admin = ep || rep;
+        set2(d->admin, ep, rep);
+    }
+    pthread_mutex_unlock(&decl_mu);
+}
+
+void px_kvsub_forget_admin(void) {
+    pthread_mutex_lock(&decl_mu);
+    for (decl *d = decls; d; d = d->nx) {
+        d->in_admin = 0;
+        set2(d->admin, NULL, NULL);
+    }
+    pthread_mutex_unlock(&decl_mu);
+}
+
+/* The endpoints the backend `b` is to be subscribed at now (owned, NULL:
+ * none) and where they come from. The admin API's declaration over the
+ * file's; each of its two over what the flags derive from the address. */
+static void endpoints_of(px_kvsub *k, px_backend *b, char **ep, char **rep, const char **from) {
     char host[512];
     int port, https;
-    if (px_url_split(b->url, host, sizeof host, &port, &https) < 0) return NULL;
-    int slot = px_kvindex_slot(k->ctx->kvindex, b->name, 1);
-    if (slot < 0) return NULL;
+    *ep = *rep = NULL;
+    *from = "flag";
+    pthread_mutex_lock(&decl_mu);
+    decl *d = decl_get(b->src, 0);
+    char *const *v = d && d->in_admin ? d->admin : d && d->in_file ? d->file : NULL;
+    if (v) {
+        *from = d->in_admin ? "admin" : "file";
+        if (v[0]) *ep = px_xstrdup(v[0]);
+        if (v[1]) *rep = px_xstrdup(v[1]);
+    }
+    pthread_mutex_unlock(&decl_mu);
+    if ((*ep && *rep) || (k->port == 0 && (!*ep || !k->rport)) ||
+        px_url_split(b->url, host, sizeof host, &port, &https) < 0)
+        return;
+    if (!*ep && k->port) *ep = ep_for(host, k->port);
+    if (!*rep && k->rport) *rep = ep_for(host, k->rport);
+}
+
+static int same(const char *a, const char *b) {
+    return a == b || (a && b && !strcmp(a, b));
+}
+
+static sub *sub_new(px_kvsub *k, px_backend *b) {
+    char *ep, *rep;
+    const char *from;
+    endpoints_of(k, b, &ep, &rep, &from);
+    int slot = ep ? px_kvindex_slot(k->ctx->kvindex, b->name, 1) : -1;
+    if (slot < 0) {
+        free(ep);
+        free(rep);
+        return NULL;
+    }
     sub *s = px_xcalloc(1, sizeof *s);
     s->k = k;
     s->slot = slot;
     s->name = strdup(b->name);
-    s->endpoint = ep_for(host, k->port);
-    if (k->rport) s->replay_ep = ep_for(host, k->rport);
+    s->endpoint = ep;
+    s->replay_ep = rep;
+    s->from = from;
     s->was_healthy = 1;
     s->rtimer = evtimer_new(k->base, on_replay_timeout, s);
     s->reopen = evtimer_new(k->base, on_reopen, s);
@@ -754,9 +857,46 @@ static sub *sub_new(px_kvsub *k, px_backend *b) {
         return NULL;
     }
     open_replay(s);
-    PX_LOG(PX_LOG_INFO, "msg=\"kv events: subscribed\" backend=%s endpoint=%s replay=%s", s->name,
-           s->endpoint, s->replay_ep ? s->replay_ep : "-");
+    PX_LOG(PX_LOG_INFO, "msg=\"kv events: subscribed\" backend=%s endpoint=%s replay=%s from=%s",
+           s->name, s->endpoint, s->replay_ep ? s->replay_ep : "-", s->from);
     return s;
+}
+
+/* The backend's declared endpoints changed: its index goes (the new
+ * publisher may be another engine), and the sockets are made again. 0,
+ * or -1 when it now has no endpoint at all (the caller drops it). */
+static int resubscribe(sub *s, px_backend *b) {
+    if (!s->endpoint) return -1; /* lost its endpoint earlier in this sync */
+    char *ep, *rep;
+    const char *from;
+    endpoints_of(s->k, b, &ep, &rep, &from);
+    s->from = from;
+    if (same(ep, s->endpoint) && same(rep, s->replay_ep)) {
+        free(ep);
+        free(rep);
+        return 0;
+    }
+    PX_LOG(PX_LOG_INFO,
+           "msg=\"kv events: endpoint changed\" backend=%s endpoint=%s replay=%s was=%s from=%s",
+           s->name, ep ? ep : "-", rep ? rep : "-", s->endpoint, from);
+    free(s->endpoint);
+    free(s->replay_ep);
+    s->endpoint = ep;
+    s->replay_ep = rep;
+    if (!ep) return -1;
+    reset_index(s, "endpoint_changed");
+    s->have_seq = 0;
+    s->replaying = 0;
+    event_del(s->rtimer);
+    event_del(s->reopen);
+    close_sub(s);
+    if (open_sub(s) < 0) {
+        close_sub(s);
+        arm_s(s->reopen, 1.0); /* on_reopen opens the replay socket too */
+        return 0;
+    }
+    open_replay(s);
+    return 0;
 }
 
 static void visit(px_kvsub *k, px_pool *p) {
@@ -770,6 +910,7 @@ static void visit(px_kvsub *k, px_pool *p) {
             s->nx = k->subs;
             k->subs = s;
         }
+        if (s && resubscribe(s, m[i]) < 0) s = NULL; /* unseen: dropped below */
         if (s) {
             s->seen = 1;
             int h = atomic_load(&m[i]->healthy);
@@ -808,7 +949,7 @@ static void on_sync(evutil_socket_t fd, short what, void *arg) {
 }
 
 px_kvsub *px_kvsub_start(px_ctx *ctx, struct event_base *base) {
-    if (!ctx->cfg->kv_events_port || !ctx->kvindex) return NULL;
+    if (!ctx->kvindex) return NULL;
     px_kvsub *k = px_xcalloc(1, sizeof *k);
     k->ctx = ctx;
     k->base = base;
@@ -840,6 +981,12 @@ void px_kvsub_stop(px_kvsub *k) {
     free(k);
 }
 
+const char *px_kvsub_endpoint(px_kvsub *k, const char *backend) {
+    for (sub *s = k ? k->subs : NULL; s; s = s->nx)
+        if (!strcmp(s->name, backend)) return s->endpoint;
+    return NULL;
+}
+
 size_t px_kvsub_json(px_kvsub *k, const char *backend, px_buf *b) {
     size_t n = 0;
     px_buf_appends(b, "[");
@@ -852,6 +999,12 @@ size_t px_kvsub_json(px_kvsub *k, const char *backend, px_buf *b) {
         px_buf_append_json_str(b, s->name, strlen(s->name));
         px_buf_appends(b, ",\"endpoint\":");
         px_buf_append_json_str(b, s->endpoint, strlen(s->endpoint));
+        px_buf_appends(b, ",\"replay_endpoint\":");
+        if (s->replay_ep)
+            px_buf_append_json_str(b, s->replay_ep, strlen(s->replay_ep));
+        else
+            px_buf_appends(b, "null");
+        px_buf_printf(b, ",\"endpoint_from\":\"%s\"", s->from);
         px_buf_printf(b,
                       ",\"have_seq\":%s,\"next_seq\":%llu,\"replaying\":%s,\"blocks\":%zu,"
                       "\"bytes\":%zu,\"block_size\":%zu,\"batches\":%llu,\"events\":%llu,"

@@ -5,8 +5,11 @@
  * sequence number on request, then an end marker (sequence -1).
  *
  * px_kv_decode reads one batch (pure, fuzzed). px_kvsub subscribes to every
- * backend's publisher at tcp://<backend host>:<--kv-events-port> on the
- * control thread's event loop and keeps px_ctx's px_kvindex current:
+ * backend's publisher on the control thread's event loop: the endpoint its
+ * config entry or POST /admin/backends declares (kv_events_endpoint,
+ * kv_events_replay_endpoint), else tcp://<backend host>:<--kv-events-port>
+ * (and <--kv-events-replay-port>); a declaration that changes (a reload,
+ * the admin API) re-subscribes that backend alone, its index dropped. It and keeps px_ctx's px_kvindex current:
  * a sequence gap is replayed through tcp://<host>:<--kv-events-replay-port>
  * or, without one or when the replay cannot fill it, the backend's index is
  * dropped and rebuilt from the events that follow; a sequence that restarts
@@ -20,6 +23,7 @@
 #include <stdint.h>
 
 #include "base/util.h"
+#include "proxy/config.h" /* px_strlist */
 #include "proxy/metrics.h" /* px_kv_counters */
 
 /* One BlockStored event, as the decoder hands it over (all borrowed for the
@@ -59,13 +63,33 @@ int px_kv_decode(const void *buf, size_t len, const px_kv_sink *sink, size_t *ba
 struct px_ctx;
 typedef struct px_kvsub px_kvsub;
 
-/* With --kv-events-port set: subscribes to the current generation's
+/* With px_ctx's index (--kv-events-port, or a backend entry with
+ * kv_events_endpoint at start): subscribes to the current generation's
  * backends and follows their changes. NULL when off (or out of memory,
  * logged). Control thread. */
 px_kvsub *px_kvsub_start(struct px_ctx *ctx, struct event_base *base);
 void px_kvsub_stop(px_kvsub *k); /* NULL is a no-op */
 
-/* Appends a JSON array of the subscriptions (backend, endpoint, sequence,
+/* Endpoints backends declare, keyed by the backend's configured URL
+ * (px_backend.src): the file layer (px_config.backend_kv, items "URL EP
+ * REPLAY", "-" for none), replaced by each accepted configuration, and the
+ * admin API's over it. A NULL or "-" endpoint falls back to the flag's.
+ * Any thread (a lock); the subscriber reads them on its next sync. */
+void px_kvsub_declare_file(const px_strlist *decl);
+/* POST /admin/backends (ep or rep not NULL), or DELETE (both NULL: the
+ * admin layer forgets the URL). */
+void px_kvsub_declare_admin(const char *url, const char *ep, const char *rep);
+/* A reload from the file dropped the admin API's changes and with them
+ * the endpoints it declared. */
+void px_kvsub_forget_admin(void);
+
+/* The endpoint the backend `backend` (host:port) is subscribed at now;
+ * NULL when none (or k is NULL). Valid until the subscriber's next sync.
+ * Control thread. */
+const char *px_kvsub_endpoint(px_kvsub *k, const char *backend);
+
+/* Appends a JSON array of the subscriptions (backend, endpoint, replay
+ * endpoint and where they come from: "flag", "file" or "admin", sequence,
  * per-backend counters, index blocks and bytes) to b; when `backend` is
  * not NULL only that one. Returns how many. Control thread. */
 size_t px_kvsub_json(px_kvsub *k, const char *backend, px_buf *b);

@@ -15,6 +15,7 @@
 #include "proxy/discovery.h"
 #include "proxy/dispatch.h"
 #include "proxy/dp.h"
+#include "proxy/kvevents.h"
 
 /* ---------- the backends' URLs, for changes in place ---------- */
 
@@ -168,6 +169,12 @@ static px_gen *build(px_reloader *rl, const px_config *cfg, const px_pool_spec *
     if (px_dp_declare_file(&cfg->backend_dp) < 0)
         PX_LOG(PX_LOG_WARN, "msg=\"some backends' dp_size ignored: more than 4096 URLs declare "
                             "one, or a URL is 512 bytes or longer\"");
+    /* And their KV-event endpoints; the subscriber follows on its next sync. */
+    px_kvsub_declare_file(&cfg->backend_kv);
+    if (cfg->backend_kv.n && !rl->ctx->kvindex)
+        PX_LOG(PX_LOG_WARN, "msg=\"backends' kv_events_endpoint ignored until a restart: KV "
+                            "events were off at start (no --kv-events-port, no entry declaring "
+                            "one)\"");
     return g;
 }
 
@@ -285,7 +292,10 @@ static px_gen *build_with_ops(px_reloader *rl, const px_config *cfg, int keep_op
     if (*rc == 0) {
         g = build(rl, cfg, specs, n, rl->ctx->gen, 0, err, errlen);
         if (!g) *rc = -1;
-        else if (!keep_ops) px_dp_forget_admin(); /* the API's dp_size goes with its changes */
+        else if (!keep_ops) {
+            px_dp_forget_admin(); /* the API's dp_size goes with its changes */
+            px_kvsub_forget_admin();
+        }
     }
     *urls = g ? url_set_of(specs, n) : NULL;
     px_pool_specs_free(specs, n);

@@ -19,3 +19,5 @@ endforeach()
 px_py_test(kv_events TIMEOUT 120)
 px_py_test(kv_replicas TIMEOUT 120)
 px_py_test(kv_routing TIMEOUT 120)
+# Per-backend endpoints (config entries, admin API) with engine-sim publishing.
+px_py_test(kv_endpoints TIMEOUT 180)

@@ -265,6 +265,30 @@ static void test_print_config_round_trip(void **state)
     free(t2);
 }
 
+static void test_kv_endpoint_check(void **state) {
+    (void)state;
+    char err[256];
+    static const char *const good[] = {"tcp://127.0.0.1:5557", "tcp://engine-0.svc:1",
+                                       "tcp://[::1]:65535", "ipc:///tmp/kv.ipc"};
+    static const char *const bad[] = {"", "tcp://", "tcp://h", "tcp://h:", "tcp://h:0",
+                                      "tcp://h:65536", "tcp://h:5x", "tcp://:1", "tcp://*:1",
+                                      "tcp://a:b:1", "tcp://[]:1", "tcp://[::1:1",
+                                      "tcp://[::1]]:1", "udp://h:1", "ipc://", "tcp://h :1",
+                                      "http://h:1"};
+    for (size_t i = 0; i < sizeof good / sizeof *good; i++)
+        assert_int_equal(px_config_kv_endpoint_check(good[i], err, sizeof err), 0);
+    for (size_t i = 0; i < sizeof bad / sizeof *bad; i++) {
+        err[0] = '\0';
+        assert_int_equal(px_config_kv_endpoint_check(bad[i], err, sizeof err), -1);
+        assert_non_null(strstr(err, bad[i]));
+    }
+    char longp[200];
+    memset(longp, 'a', sizeof longp - 1);
+    longp[sizeof longp - 1] = '\0';
+    memcpy(longp, "ipc:///", 7);
+    assert_int_equal(px_config_kv_endpoint_check(longp, err, sizeof err), -1);
+}
+
 static void test_allowlist(void **state)
 {
     char *v[] = {"10.0.0.0/8:8000", "192.168.1.7:*", "Prefill.Example:8100-8101",
@@ -307,6 +331,7 @@ int main(void)
         cmocka_unit_test(test_pools_from_flags_and_lookup),
         cmocka_unit_test(test_print_config_round_trip),
         cmocka_unit_test(test_allowlist),
+        cmocka_unit_test(test_kv_endpoint_check),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
