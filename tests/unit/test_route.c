@@ -478,8 +478,8 @@ int main(void) {
         cmocka_unit_test(test_power_of_two),     cmocka_unit_test(test_prefix_affinity),
         cmocka_unit_test(test_passive_ejection), cmocka_unit_test(test_panic_routing),
         cmocka_unit_test(test_active_checks),    cmocka_unit_test(test_passive_then_check),
-        cmocka_unit_test(test_ring_incremental),
-        cmocka_unit_test(test_ring_sealed_large), cmocka_unit_test(test_addrset),
+        cmocka_unit_test(test_ring_incremental), cmocka_unit_test(test_ring_sealed_large),
+        cmocka_unit_test(test_addrset),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
