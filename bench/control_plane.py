@@ -18,7 +18,9 @@
      P/D pair (pool "m") while nothing changes, while the --n backends of
      another pool are reloaded from the file in a loop (10 % swapped each
      time), and while they are added and removed through the admin API in
-     a loop: p50, p99 and max per phase, side by side.
+     a loop: p50, p99 and max per phase, side by side, and the longest
+     gap between two answers of that one-at-a-time stream (a pause of the
+     data path during a swap shows there).
 
   python3 bench/control_plane.py [--build build] [--n 10000] [--big 100000]
                                  [--seconds 20] [--skip-health]
@@ -161,21 +163,25 @@ def start_reload_admin(a, pdproxy, cfg, log, tok, eport, procs):
     if not ok or px.poll() is not None:
         print("pdproxy did not start; log:\n" + open(log).read()[-2000:])
         return 1
-    print("start n=%d: %.3f s to listening" % (a.n, t_start))
+    # pdproxy's CPU time (user + system) as well: on a shared machine the
+    # wall-clock figure grows with the load, the CPU time much less.
+    print("start n=%d: %.3f s to listening, %.3f s CPU" % (a.n, t_start, cpu_s(px.pid)))
 
     # Reload: 10 % of the backends change.
-    times = []
+    times, cpu = [], []
     for i in range(5):
         write_file(cfg, a.n, eport, shift=(i + 1) * (a.n // 10))
         g = generation(port)
-        t0 = time.monotonic()
+        c0, t0 = cpu_s(px.pid), time.monotonic()
         px.send_signal(signal.SIGHUP)
         wait_until(lambda: generation(port) == g + 1, 120)
         times.append(time.monotonic() - t0)
+        cpu.append(cpu_s(px.pid) - c0)
+    wait_until(lambda: len(swaps(log)) >= 5, 10)  # the last line may lag /ready
     sw = swaps(log)
-    print("reload n=%d: swap ms (logged) %s; SIGHUP to new generation s %s"
+    print("reload n=%d: swap ms (logged) %s; SIGHUP to new generation s %s; CPU s %s"
           % (a.n, " ".join("%.1f" % x for x in sw[-5:]),
-             " ".join("%.3f" % x for x in times)))
+             " ".join("%.3f" % x for x in times), " ".join("%.3f" % x for x in cpu)))
 
     # Admin API: one add, one remove.
     token = "control-plane-bench-token"
@@ -288,7 +294,7 @@ def latency(a, pdproxy, sim, cfg, log, tok, procs):
                 changes[0] += 1
 
         t = threading.Thread(target=loop) if change else None
-        lat = []
+        lat, ends = [], []
         for _ in range(20):  # warm-up
             get(port, "/v1/completions", "POST", body)
         if t:
@@ -297,14 +303,16 @@ def latency(a, pdproxy, sim, cfg, log, tok, procs):
         while time.monotonic() < end:
             t0 = time.monotonic()
             st, _ = get(port, "/v1/completions", "POST", body)
-            lat.append((time.monotonic() - t0) * 1e3)
+            ends.append(time.monotonic())
+            lat.append((ends[-1] - t0) * 1e3)
             if st != 200:
                 print("request failed: %d" % st)
         stop.set()
         if t:
             t.join(120)
         q = statistics.quantiles(lat, n=100)
-        return len(lat), q[49], q[98], max(lat), changes[0]
+        gap = max(b - e for e, b in zip(ends, ends[1:])) * 1e3
+        return len(lat), q[49], q[98], max(lat), gap, changes[0]
 
     def reload_change(i):
         layout((i % 10) * (a.n // 10))
@@ -323,9 +331,10 @@ def latency(a, pdproxy, sim, cfg, log, tok, procs):
 
     for name, change in (("none", None), ("reload loop", reload_change),
                          ("admin loop", admin_change), ("none again", None)):
-        n, p50, p99, mx, k = measure(change)
+        n, p50, p99, mx, gap, k = measure(change)
         print("latency n=%d policy=%s while %-11s: %d requests p50 %.2f ms p99 %.2f ms max "
-              "%.2f ms (%d changes)" % (a.n, a.policy, name, n, p50, p99, mx, k))
+              "%.2f ms, longest gap between answers %.2f ms (%d changes)"
+              % (a.n, a.policy, name, n, p50, p99, mx, gap, k))
     px.send_signal(signal.SIGTERM)
     px.wait(60)
 

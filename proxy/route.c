@@ -149,6 +149,37 @@ static uint64_t ring_point(uint64_t key, uint64_t v, size_t i) {
     return (px_mix64(key + v * 0x9e3779b97f4a7c15ull) & ~0xffffull) | i;
 }
 
+/* Sorts n keys ascending: a least-significant-digit radix sort, 8 bits a
+ * pass, skipping the passes where every key has the same digit (the high
+ * bits of the member index). A ring of 5,000 members has 320,000 points;
+ * qsort's comparisons took two thirds of a reload at 10,000 backends. */
+static void sort_u64(uint64_t *a, size_t n) {
+    if (n < 2) return;
+    size_t(*count)[256] = px_xcalloc(8, sizeof *count);
+    for (size_t i = 0; i < n; i++)
+        for (int d = 0; d < 8; d++)
+            count[d][(a[i] >> (8 * d)) & 0xff]++;
+    uint64_t *tmp = px_xmalloc(n * sizeof *tmp), *src = a, *dst = tmp;
+    for (int d = 0; d < 8; d++) {
+        size_t *c = count[d];
+        if (c[(src[0] >> (8 * d)) & 0xff] == n) continue; /* one digit: the order stands */
+        size_t at = 0;
+        for (int v = 0; v < 256; v++) {
+            size_t k = c[v];
+            c[v] = at;
+            at += k;
+        }
+        for (size_t i = 0; i < n; i++)
+            dst[c[(src[i] >> (8 * d)) & 0xff]++] = src[i];
+        uint64_t *t = src;
+        src = dst;
+        dst = t;
+    }
+    if (src != a) memcpy(a, src, n * sizeof *a);
+    free(tmp);
+    free(count);
+}
+
 /* A sorted ring of n members with these name hashes; NULL when n is 0.
  * Needs no lock: it reads only `keys`. */
 static uint64_t *ring_build(const uint64_t *keys, size_t n, size_t *nring) {
@@ -158,7 +189,7 @@ static uint64_t *ring_build(const uint64_t *keys, size_t n, size_t *nring) {
     for (size_t i = 0; i < n && i < 0xffff; i++)
         for (uint64_t v = 0; v < RING_POINTS; v++)
             r[(*nring)++] = ring_point(keys[i], v, i);
-    qsort(r, *nring, sizeof *r, cmp_u64);
+    sort_u64(r, *nring);
     return r;
 }
 

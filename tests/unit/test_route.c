@@ -14,6 +14,7 @@
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "base/hash.h"
@@ -404,6 +405,44 @@ static void test_ring_incremental(void **state) {
     px_pool_cleanup(&b);
 }
 
+static int cmp_u64(const void *a, const void *b) {
+    uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
+    return x < y ? -1 : x > y;
+}
+
+/* A sealed ring of thousands of members (member indexes spanning two
+ * bytes, as at 10,000 backends) is the ring qsort would make: ascending,
+ * 64 points per member, none lost. */
+static void test_ring_sealed_large(void **state) {
+    (void)state;
+    px_pool_cfg cfg = {.policy = PX_POLICY_PREFIX_AFFINITY,
+                       .unhealthy_after = 2,
+                       .healthy_after = 2,
+                       .load_factor = 1.25};
+    px_pool p;
+    px_pool_init(&p, "prefill", &cfg);
+    enum { N = 3000 };
+    for (int i = 0; i < N; i++) {
+        char url[64];
+        snprintf(url, sizeof url, "http://127.1.%d.%d:8000", i / 250, i % 250 + 1);
+        assert_non_null(px_pool_add(&p, url, NULL));
+    }
+    px_pool_seal(&p);
+    assert_int_equal(p.nring, (size_t)N * 64);
+    uint64_t *want = malloc(p.nring * sizeof *want);
+    assert_non_null(want);
+    memcpy(want, p.ring, p.nring * sizeof *want);
+    qsort(want, p.nring, sizeof *want, cmp_u64);
+    assert_memory_equal(p.ring, want, p.nring * sizeof *want);
+    size_t per[N] = {0};
+    for (size_t i = 0; i < p.nring; i++)
+        per[p.ring[i] & 0xffff]++;
+    for (int i = 0; i < N; i++)
+        assert_int_equal(per[i], 64);
+    free(want);
+    px_pool_cleanup(&p);
+}
+
 /* The members' addresses as a set: what a worker keeps connections to. */
 static void test_addrset(void **state) {
     (void)state;
@@ -439,7 +478,8 @@ int main(void) {
         cmocka_unit_test(test_power_of_two),     cmocka_unit_test(test_prefix_affinity),
         cmocka_unit_test(test_passive_ejection), cmocka_unit_test(test_panic_routing),
         cmocka_unit_test(test_active_checks),    cmocka_unit_test(test_passive_then_check),
-        cmocka_unit_test(test_ring_incremental), cmocka_unit_test(test_addrset),
+        cmocka_unit_test(test_ring_incremental), cmocka_unit_test(test_ring_sealed_large),
+        cmocka_unit_test(test_addrset),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
