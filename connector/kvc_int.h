@@ -768,7 +768,7 @@ KVC_HIDDEN kvc_status_t kvc_cons_attach(kvc_agent_t *a, uint64_t key, const uint
 KVC_HIDDEN ucp_ep_h kvc_cons_ep(kvc_cons_t *c);
 /* An endpoint to a worker address with peer-failure handling (cb, arg),
  * or, where no transport supports that (UCX_TLS=sm alone), one without
- * (*degraded set). peer.c. */
+ * (*degraded set). loop.c. */
 KVC_HIDDEN ucs_status_t kvc_ep_open(kvc_agent_t *a, const void *worker_addr,
                                     ucp_err_handler_cb_t cb, void *arg, ucp_ep_h *out,
                                     bool *degraded);

@@ -2,8 +2,8 @@
 /* What every connector file calls back into, kept apart from the agent so
  * that calls run one way (context.c -> peer.c, xfer.c, ... -> loop.c): the
  * status text and kvc_free, the clock, logging, the event queue, the wake-up
- * eventfd, the timerfd and the epoll set behind the agent's fd.  Calls
- * nothing else of the connector but wire.c's kvc_strdup. */
+ * eventfd, the timerfd and the epoll set behind the agent's fd, and the
+ * UCX endpoints that peer.c and consumer.c open.  Calls nothing else of the connector but wire.c's kvc_strdup. */
 #include "connector/kvc_int.h"
 
 #include <stdio.h>
@@ -289,4 +289,26 @@ kvc_status_t kvc_agent_next_event(kvc_agent_t *a, kvc_event_t *ev) {
     kvc_status_t st = next_event_impl(a, ev);
     kvc_unlock(a);
     return st;
+}
+
+ucs_status_t kvc_ep_open(kvc_agent_t *a, const void *worker_addr, ucp_err_handler_cb_t cb,
+                         void *arg, ucp_ep_h *out, bool *degraded) {
+    ucp_ep_params_t ep;
+    memset(&ep, 0, sizeof(ep));
+    ep.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
+                    UCP_EP_PARAM_FIELD_ERR_HANDLER;
+    ep.address = (const ucp_address_t *)worker_addr;
+    ep.err_mode = UCP_ERR_HANDLING_MODE_PEER;
+    ep.err_handler.cb = cb;
+    ep.err_handler.arg = arg;
+    *degraded = false;
+    ucs_status_t us = ucp_ep_create(a->worker, &ep, out);
+    if (us != UCS_OK) {
+        /* e.g. UCX_TLS=sm alone: no transport supports peer-failure mode. */
+        *degraded = true;
+        ep.err_mode = UCP_ERR_HANDLING_MODE_NONE;
+        us = ucp_ep_create(a->worker, &ep, out);
+    }
+    if (us != UCS_OK) *out = NULL;
+    return us;
 }

@@ -345,28 +345,6 @@ static bool choose_path(kvc_agent_t *a, kvc_peer_t *p) {
     return true;
 }
 
-ucs_status_t kvc_ep_open(kvc_agent_t *a, const void *worker_addr, ucp_err_handler_cb_t cb,
-                         void *arg, ucp_ep_h *out, bool *degraded) {
-    ucp_ep_params_t ep;
-    memset(&ep, 0, sizeof(ep));
-    ep.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
-                    UCP_EP_PARAM_FIELD_ERR_HANDLER;
-    ep.address = (const ucp_address_t *)worker_addr;
-    ep.err_mode = UCP_ERR_HANDLING_MODE_PEER;
-    ep.err_handler.cb = cb;
-    ep.err_handler.arg = arg;
-    *degraded = false;
-    ucs_status_t us = ucp_ep_create(a->worker, &ep, out);
-    if (us != UCS_OK) {
-        /* e.g. UCX_TLS=sm alone: no transport supports peer-failure mode. */
-        *degraded = true;
-        ep.err_mode = UCP_ERR_HANDLING_MODE_NONE;
-        us = ucp_ep_create(a->worker, &ep, out);
-    }
-    if (us != UCS_OK) *out = NULL;
-    return us;
-}
-
 static kvc_status_t ep_create(kvc_agent_t *a, kvc_peer_t *p, const kvc_span_t *addr) {
     bool degraded;
     ucs_status_t us = kvc_ep_open(a, addr->p, ep_err_cb, p, &p->ep, &degraded);

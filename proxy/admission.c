@@ -9,93 +9,6 @@
 
 #include "base/util.h"
 
-int px_adm_class_of(long long priority) {
-    if (priority < 0) return 0;
-    if (priority >= PX_ADM_CLASSES) return PX_ADM_CLASSES - 1;
-    return (int)priority;
-}
-
-static int parse_ll(const char *s, const char *end, long long *out) {
-    char num[24];
-    if (end <= s || (size_t)(end - s) >= sizeof num) return -1;
-    memcpy(num, s, (size_t)(end - s));
-    num[end - s] = 0;
-    char *e;
-    errno = 0;
-    long long v = strtoll(num, &e, 10);
-    if (*e || errno || e == num) return -1;
-    *out = v;
-    return 0;
-}
-
-static int prio_one(const char *spec, char *name, long long *lo, long long *hi, char *err,
-                    size_t errlen) {
-    const char *colon = strchr(spec, ':');
-    const char *range = colon ? colon + 1 : NULL;
-    const char *dots = range ? strstr(range, "..") : NULL;
-    size_t nlen = colon ? (size_t)(colon - spec) : 0;
-    int bad = !colon || !nlen || nlen >= PX_PRIO_NAME_MAX;
-    for (size_t i = 0; !bad && i < nlen; i++)
-        bad = !(isalnum((unsigned char)spec[i]) || spec[i] == '-' || spec[i] == '_');
-    /* A name is not a number, so "x-priority: 3" is never read as a name. */
-    if (!bad && (isdigit((unsigned char)spec[0]) || spec[0] == '-')) bad = 1;
-    if (!bad && dots)
-        bad = parse_ll(range, dots, lo) < 0 || parse_ll(dots + 2, range + strlen(range), hi) < 0 ||
-              *lo > *hi;
-    else if (!bad) {
-        bad = parse_ll(range, range + strlen(range), lo) < 0;
-        *hi = *lo;
-    }
-    if (bad) {
-        snprintf(err, errlen,
-                 "--priority-class '%s': expected NAME:LO..HI or NAME:P (NAME letters, digits, "
-                 "- and _, not starting with a digit or -, under %d bytes; LO <= HI integers)",
-                 spec, PX_PRIO_NAME_MAX);
-        return -1;
-    }
-    memcpy(name, spec, nlen);
-    name[nlen] = 0;
-    return 0;
-}
-
-int px_prio_spec_check(const char *spec, char *err, size_t errlen) {
-    char name[PX_PRIO_NAME_MAX];
-    long long lo, hi;
-    return prio_one(spec, name, &lo, &hi, err, errlen);
-}
-
-int px_prio_map_parse(char *const *specs, size_t n, px_prio_map *m, char *err, size_t errlen) {
-    if (n > PX_ADM_CLASSES) {
-        snprintf(err, errlen, "--priority-class: %zu classes, at most %d", n, PX_ADM_CLASSES);
-        return -1;
-    }
-    px_prio_map t = {.n = n};
-    for (size_t i = 0; i < n; i++) {
-        if (prio_one(specs[i], t.c[i].name, &t.c[i].lo, &t.c[i].hi, err, errlen) < 0) return -1;
-        for (size_t j = 0; j < i; j++)
-            if (!strcmp(t.c[j].name, t.c[i].name)) {
-                snprintf(err, errlen, "--priority-class '%s': class '%s' is defined twice",
-                         specs[i], t.c[i].name);
-                return -1;
-            }
-    }
-    *m = t;
-    return 0;
-}
-
-int px_prio_map_class(const px_prio_map *m, long long priority) {
-    if (!m || !m->n) return px_adm_class_of(priority);
-    for (size_t i = 0; i < m->n; i++)
-        if (priority >= m->c[i].lo && priority <= m->c[i].hi) return (int)i;
-    return (int)m->n - 1;
-}
-
-int px_prio_map_named(const px_prio_map *m, const char *name, size_t len) {
-    for (size_t i = 0; m && i < m->n; i++)
-        if (strlen(m->c[i].name) == len && !memcmp(m->c[i].name, name, len)) return (int)i;
-    return -1;
-}
-
 void px_admq_init(px_admq *q, const uint32_t *weights, size_t ntenants, size_t max_n,
                   size_t max_bytes) {
     *q = (px_admq){.weights = weights, .ntenants = ntenants, .max_n = max_n,
@@ -541,53 +454,25 @@ static int class_of(px_ctx *c, const px_http_head *h, const char *body, size_t b
                                                        : NULL;
     long long v;
     if (ph && ph->value_len) {
-        if (parse_ll(ph->value, ph->value + ph->value_len, &v) == 0)
+        if (px_prio_number(ph->value, ph->value + ph->value_len, &v) == 0)
             return px_prio_map_class(m, v);
         int k = px_prio_map_named(m, ph->value, ph->value_len);
         if (k >= 0) return k;
     }
     px_json_member jm;
     if (body && px_json_find(body, blen, "priority", &jm) && jm.type == PX_JSON_NUMBER &&
-        parse_ll(jm.val, jm.val + jm.val_len, &v) == 0)
+        px_prio_number(jm.val, jm.val + jm.val_len, &v) == 0)
         return px_prio_map_class(m, v);
     /* No priority: vLLM's default, 0. */
     return px_prio_map_class(m, 0);
 }
 
-/* The maps published by px_adm_set_classes, newest first; kept to the end. */
-typedef struct px_prio_node {
-    px_prio_map m;
-    struct px_prio_node *older;
-} px_prio_node;
-
 int px_adm_set_classes(px_ctx *c, char *const *specs, size_t n, char *err, size_t errlen) {
-    px_prio_node *nd = px_xcalloc(1, sizeof *nd);
-    if (px_prio_map_parse(specs, n, &nd->m, err, errlen) < 0) {
-        free(nd);
-        return -1;
-    }
-    px_prio_node *cur = atomic_load(&c->prio);
-    if (cur && !memcmp(&cur->m, &nd->m, sizeof nd->m)) {
-        free(nd);
-        return 0;
-    }
-    nd->older = cur;
-    atomic_store_explicit(&c->prio, nd, memory_order_release);
-    if (cur) PX_LOG(PX_LOG_INFO, "msg=\"priority classes changed\" classes=%zu", n);
-    return 0;
+    return px_prio_publish(&c->prio, specs, n, err, errlen);
 }
 
 const px_prio_map *px_adm_classes(px_ctx *c) {
-    px_prio_node *nd = atomic_load_explicit(&c->prio, memory_order_acquire);
-    return nd ? &nd->m : NULL;
-}
-
-void px_adm_classes_cleanup(px_ctx *c) {
-    for (px_prio_node *nd = atomic_load(&c->prio), *o; nd; nd = o) {
-        o = nd->older;
-        free(nd);
-    }
-    atomic_store(&c->prio, NULL);
+    return px_prio_current(&c->prio);
 }
 
 static double header_seconds(const px_http_head *h, const char *name) {

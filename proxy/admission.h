@@ -32,9 +32,9 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "proxy/prio.h"
 #include "proxy/ratelimit.h"
 
-#define PX_ADM_CLASSES 16 /* priorities 0..15; outside that range, clamped */
 
 typedef struct px_adm_item {
     struct px_adm_item *prev, *next; /* in its flow */
@@ -68,33 +68,6 @@ typedef struct px_admq {
     uint64_t pushed, dropped; /* counters for tests and metrics */
 } px_admq;
 
-/* Maps a priority (vLLM's `priority`: lower first) to a class. */
-int px_adm_class_of(long long priority);
-
-/* --priority-class: named classes, each a range of priority values, in
- * the order they are served (the first listed first). A request's
- * priority (--priority-header, a number or a class's name; else the
- * body's `priority`) goes to the first class whose range holds it, a
- * number in none to the last class. n == 0: the default mapping,
- * px_adm_class_of. */
-#define PX_PRIO_NAME_MAX 32
-typedef struct px_prio_map {
-    size_t n; /* 0..PX_ADM_CLASSES */
-    struct {
-        char name[PX_PRIO_NAME_MAX];
-        long long lo, hi; /* the priorities it holds, both included */
-    } c[PX_ADM_CLASSES];
-} px_prio_map;
-
-/* Parses specs "NAME:LO..HI" (or "NAME:P" for one value). 0, or -1 with
- * err naming the spec (m untouched). */
-int px_prio_map_parse(char *const *specs, size_t n, px_prio_map *m, char *err, size_t errlen);
-/* Checks one spec as px_prio_map_parse would. */
-int px_prio_spec_check(const char *spec, char *err, size_t errlen);
-/* The class of a priority value. */
-int px_prio_map_class(const px_prio_map *m, long long priority);
-/* The class named name[0..len), -1 when none. */
-int px_prio_map_named(const px_prio_map *m, const char *name, size_t len);
 
 void px_admq_init(px_admq *q, const uint32_t *weights, size_t ntenants, size_t max_n,
                   size_t max_bytes);
@@ -238,8 +211,6 @@ int px_adm_reconfigure(px_ctx *c, char *const *specs, size_t n, int64_t max_infl
 int px_adm_set_classes(px_ctx *c, char *const *specs, size_t n, char *err, size_t errlen);
 /* The classes in effect; never NULL after px_ctx_init. Any thread. */
 const px_prio_map *px_adm_classes(px_ctx *c);
-/* Frees the maps at exit. */
-void px_adm_classes_cleanup(px_ctx *c);
 
 /* The admission series of each pool of the current generation for
  * /metrics: pdproxy_pool_saturated{pool,signal} and

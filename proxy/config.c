@@ -18,7 +18,7 @@
 #include "base/log.h"
 #include "base/util.h"
 #include "proxy/dispatch.h"
-#include "proxy/admission.h"
+#include "proxy/prio.h"
 #include "proxy/ratelimit.h"
 
 #define PX_POLICIES                                                                                \

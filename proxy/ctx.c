@@ -8,7 +8,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "proxy/admission.h"
+#include "proxy/prio.h"
 #include "proxy/kvindex.h"
 
 /* ---------- generations ---------- */
@@ -149,7 +149,7 @@ int px_ctx_init(px_ctx *c, const px_config *cfg, char *err, size_t errlen) {
     for (size_t i = 0; i <= c->tenants.cap; i++)
         c->tenant_weights[i] = i < nt || i == c->tenants.cap ? c->tenants.v[i].weight : 1;
     atomic_init(&c->pool_max_inflight, cfg->pool_max_inflight);
-    if (px_adm_set_classes(c, cfg->priority_classes.v, cfg->priority_classes.n, err, errlen) < 0)
+    if (px_prio_publish(&c->prio, cfg->priority_classes.v, cfg->priority_classes.n, err, errlen) < 0)
         return -1;
     return 0;
 }
@@ -160,7 +160,7 @@ void px_ctx_cleanup(px_ctx *c) {
     free(c->api_keys);
     px_tenants_cleanup(&c->tenants);
     free(c->tenant_weights);
-    px_adm_classes_cleanup(c);
+    px_prio_cleanup(&c->prio);
     free(c->workers);
     px_kvindex_destroy(c->kvindex);
     px_sessions_destroy(c->sessions);
