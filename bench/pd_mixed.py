@@ -28,7 +28,17 @@ request of decode engine-sim's waits for free KV blocks and behind the
 computations queued before its own (engine_sim_queue_seconds_total over
 engine_sim_queue_entries_total, per queue).  With both modes it checks the
 goal of issue 25: concurrent mean TTFT <= serial mean TTFT - decode's mean
-queueing time under serial.
+queueing time under serial.  --repeat N runs the modes alternately N times
+(serial, concurrent, serial, ...) and adds a table of the medians over the
+runs, on which the goal is checked again.
+
+A decode engine-sim on its defaults never queues: it generates every request
+at once and its pool never runs out.  --decode-busy loads it as a real decode
+engine is loaded: outputs of 64 tokens 20 ms apart (--max-tokens 64, decode's
+--itl-ms 20) and --max-num-seqs 4, vLLM's cap of sequences generating at once,
+so a request whose KV has arrived waits for a slot.  --decode-args passes
+more engine-sim flags to decode (after the others: they win), e.g.
+"--num-blocks 600" to make it wait for free KV blocks.
 
 Python 3 standard library only; everything on 127.0.0.1; bounded in count
 and time (each request 60 s, the whole run --deadline seconds)."""
@@ -39,6 +49,8 @@ import json
 import os
 import random
 import re
+import shlex
+import statistics
 import sys
 import threading
 import time
@@ -87,21 +99,25 @@ def metrics(port):
 
 # Per endpoint: path, body of a streamed request, and the bytes that show
 # the first generated token in the stream.
+MAX_TOKENS = [16]  # --max-tokens
+
+
 def chat_req(prompt):
     return ("/v1/chat/completions",
-            {"model": "sim-model", "max_tokens": 16, "stream": True,
+            {"model": "sim-model", "max_tokens": MAX_TOKENS[0], "stream": True,
              "messages": [{"role": "user", "content": prompt}]})
 
 
 def responses_req(prompt):
-    return ("/v1/responses", {"model": "sim-model", "max_output_tokens": 16, "stream": True,
+    return ("/v1/responses", {"model": "sim-model", "max_output_tokens": MAX_TOKENS[0],
+                              "stream": True,
                               "input": prompt})
 
 
 def generate_req(prompt):
     ids = [1 + (sum(map(ord, w)) * 131 + i) % 31999 for i, w in enumerate(prompt.split())]
     return ("/inference/v1/generate", {"model": "sim-model", "stream": True, "token_ids": ids,
-                                       "sampling_params": {"max_tokens": 16}})
+                                       "sampling_params": {"max_tokens": MAX_TOKENS[0]}})
 
 
 ENDPOINTS = {"chat": (chat_req, lambda b: b'"content":"' in b.replace(b'"content":""', b"")),
@@ -146,7 +162,7 @@ def run(args, threshold, reqs, endpoint="chat", dispatch="serial"):
         pp = start_proc("prefill", lambda port: [sim, "--role", "prefill", "--port", str(port)]
                         + common, "/health", track=procs.append).port
         dp = start_proc("decode", lambda port: [sim, "--role", "decode", "--port", str(port)]
-                        + common, "/health", track=procs.append).port
+                        + common + args.decode_sim_args, "/health", track=procs.append).port
         xp = start_proc("pdproxy", lambda port: [
             os.path.join(args.bin, "pdproxy"), "--port", str(port), "--threads", "1",
             "--log-level", "warn", "--access-log=false", "--prefiller-hosts", HOST, "--prefiller-ports", str(pp),
@@ -205,51 +221,79 @@ def pct(xs, q):
 
 def decode_queue(dm):
     """Decode's mean queueing per request, seconds: (for free KV blocks,
-    behind earlier computations, both).  Each decode request is admitted
-    once and computes once (its last prompt token, or its prompt when it
-    recomputes), so the two means add up to the wait of one request."""
+    behind earlier computations, for a generation slot, all).  Each decode
+    request is admitted once, computes once (its last prompt token, or its
+    prompt when it recomputes) and generates once, so the means add up to
+    the wait of one request."""
     out = []
-    for q in ("kv_blocks", "compute"):
+    for q in ("kv_blocks", "compute", "seqs"):
         n = dm.get('engine_sim_queue_entries_total{queue="%s"}' % q, 0)
         out.append(dm.get('engine_sim_queue_seconds_total{queue="%s"}' % q, 0) / n
-                   if n else float("nan"))
-    return out[0], out[1], out[0] + out[1]
+                   if n else 0.0)
+    return out[0], out[1], out[2], sum(out)
+
+
+HEAD = ("| --dispatch | TTFT p50 ms | TTFT p90 ms | mean TTFT ms | decode KV wait mean ms | "
+        "engine-sim fetch mean ms | decode queue mean ms (KV blocks + compute + slot) | "
+        "sent concurrent | wall s | ok | errors |\n|---|---|---|---|---|---|---|---|---|---|---|")
+
+
+def print_row(mode, p50, p90, m, w, f, qs, conc, wall, ok, nerr):
+    qb, qc, qsl, q = qs
+    print("| %s | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f (%.1f + %.1f + %.1f) | %d | %.1f | %d | "
+          "%d |" % (mode, p50 * 1e3, p90 * 1e3, m * 1e3, w * 1e3, f * 1e3, q * 1e3, qb * 1e3,
+                    qc * 1e3, qsl * 1e3, conc, wall, ok, nerr))
+
+
+def goal_check(s, c):
+    """Issue 25's goal on rows s (serial) and c (concurrent)."""
+    print("mean TTFT ratio concurrent/serial: %.3f" % (c[3] / s[3]))
+    goal = s[3] - s[6][3]
+    print("issue 25 goal: concurrent mean TTFT %.1f ms <= serial mean TTFT %.1f ms - decode's "
+          "queueing under serial %.1f ms = %.1f ms: %s (margin %.1f ms)"
+          % (c[3] * 1e3, s[3] * 1e3, s[6][3] * 1e3, goal * 1e3,
+             "holds" if c[3] <= goal else "does NOT hold", (goal - c[3]) * 1e3))
 
 
 def compare_dispatch(args, reqs, modes):
-    """The same workload, always disaggregated, once per --dispatch mode."""
+    """The same workload, always disaggregated, once per --dispatch mode, the
+    modes alternating --repeat times."""
     rows = []
-    for mode in modes:
-        res, errs, wall, pm, dm, dec = run(args, 0, reqs, "chat", mode)
-        ts = [t for _, t in res]
-        n = dec.get("pdproxy_decode_kv_wait_seconds_count", 0)
-        wait = dec.get("pdproxy_decode_kv_wait_seconds_sum", 0) / n if n else float("nan")
-        fetch = dm.get("engine_sim_kv_fetch_seconds_total", 0)
-        nf = dm.get("engine_sim_kv_fetches_total", 0)
-        conc = sum(v for k, v in dec.items()
-                   if k.startswith("pdproxy_dispatch_total") and 'mode="concurrent"' in k)
-        rows.append((mode, pct(ts, 0.5), pct(ts, 0.9), mean(ts), wait,
-                     fetch / nf if nf else float("nan"), decode_queue(dm), conc, wall, len(res),
-                     len(errs)))
-        if errs:
-            print("errors with --dispatch %s: %s" % (mode, errs[:3]), file=sys.stderr)
-    print("\n| --dispatch | TTFT p50 ms | TTFT p90 ms | mean TTFT ms | decode KV wait mean ms | "
-          "engine-sim fetch mean ms | decode queue mean ms (KV blocks + compute) | "
-          "sent concurrent | wall s | ok | errors |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
-    for mode, p50, p90, m, w, f, (qb, qc, q), conc, wall, ok, nerr in rows:
-        print("| %s | %.1f | %.1f | %.1f | %.1f | %.1f | %.3f (%.3f + %.3f) | %d | %.1f | %d | %d |"
-              % (mode, p50 * 1e3, p90 * 1e3, m * 1e3, w * 1e3, f * 1e3, q * 1e3, qb * 1e3,
-                 qc * 1e3, conc, wall, ok, nerr))
-    by = {r[0]: r for r in rows}
+    for rep in range(args.repeat):
+        for mode in modes:
+            res, errs, wall, pm, dm, dec = run(args, 0, reqs, "chat", mode)
+            ts = [t for _, t in res]
+            n = dec.get("pdproxy_decode_kv_wait_seconds_count", 0)
+            wait = dec.get("pdproxy_decode_kv_wait_seconds_sum", 0) / n if n else float("nan")
+            fetch = dm.get("engine_sim_kv_fetch_seconds_total", 0)
+            nf = dm.get("engine_sim_kv_fetches_total", 0)
+            conc = sum(v for k, v in dec.items()
+                       if k.startswith("pdproxy_dispatch_total") and 'mode="concurrent"' in k)
+            rows.append((mode, pct(ts, 0.5), pct(ts, 0.9), mean(ts), wait,
+                         fetch / nf if nf else float("nan"), decode_queue(dm), conc, wall,
+                         len(res), len(errs)))
+            if errs:
+                print("errors with --dispatch %s: %s" % (mode, errs[:3]), file=sys.stderr)
+    print("\n" + HEAD)
+    for r in rows:
+        print_row(*r)
+    by = {m: [r for r in rows if r[0] == m] for m in modes}
+    if args.repeat > 1:
+        med = {}
+        for m, rs in by.items():
+            col = lambda i: statistics.median(r[i] for r in rs)  # noqa: E731
+            med[m] = (m, col(1), col(2), col(3), col(4), col(5),
+                      tuple(statistics.median(r[6][i] for r in rs) for i in range(4)),
+                      col(7), col(8), sum(r[9] for r in rs), sum(r[10] for r in rs))
+        print("\nmedians over %d runs of each mode (ok and errors: totals)\n" % args.repeat + HEAD)
+        for m in modes:
+            print_row(*med[m])
     if "serial" in by and "concurrent" in by:
-        s, c = by["serial"], by["concurrent"]
-        print("mean TTFT ratio concurrent/serial: %.3f" % (c[3] / s[3]))
-        goal = s[3] - s[6][2]
-        print("issue 25 goal: concurrent mean TTFT %.1f ms <= serial mean TTFT %.1f ms - decode's "
-              "queueing under serial %.3f ms = %.1f ms: %s (margin %.1f ms)"
-              % (c[3] * 1e3, s[3] * 1e3, s[6][2] * 1e3, goal * 1e3,
-                 "holds" if c[3] <= goal else "does NOT hold", (goal - c[3]) * 1e3))
+        for s, c in zip(by["serial"], by["concurrent"]):
+            goal_check(s, c)
+        if args.repeat > 1:
+            print("on the medians:")
+            goal_check(med["serial"], med["concurrent"])
     return 1 if any(r[10] for r in rows) else 0
 
 
@@ -265,17 +309,33 @@ def main():
                     help="comma-separated: chat, responses, generate")
     ap.add_argument("--dispatch", default="",
                     help="comma-separated --dispatch modes to compare (serial,concurrent)")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="with --dispatch: run the modes alternately this many times")
+    ap.add_argument("--max-tokens", type=int, default=None,
+                    help="tokens each request generates (16; 64 with --decode-busy)")
+    ap.add_argument("--decode-busy", action="store_true",
+                    help="decode engine-sim loaded as a real one: --itl-ms 20 --max-num-seqs 4")
+    ap.add_argument("--decode-args", default="",
+                    help="more engine-sim flags for decode, e.g. '--num-blocks 600'")
     ap.add_argument("--bin", default=os.path.join(os.path.dirname(os.path.abspath(__file__)),
                                                   "..", "build", "bin"))
     args = ap.parse_args()
+    if args.repeat < 1:
+        ap.error("--repeat must be at least 1")
+    args.decode_sim_args = ((["--itl-ms", "20", "--max-num-seqs", "4"] if args.decode_busy else [])
+                            + shlex.split(args.decode_args))
+    MAX_TOKENS[0] = args.max_tokens or (64 if args.decode_busy else 16)
+    if MAX_TOKENS[0] < 1:
+        ap.error("--max-tokens must be at least 1")
     reqs = workload(args.requests, args.seed)
     endpoints = [e for e in args.endpoints.split(",") if e]
     for e in endpoints:
         if e not in ENDPOINTS:
             ap.error("unknown endpoint %r" % e)
     print("workload: %d streamed requests, concurrency %d, %d us per prompt token, "
-          "%.1f bytes per token" % (len(reqs), args.concurrency, args.us_per_token,
-                                    BYTES_PER_TOKEN))
+          "%.1f bytes per token, %d tokens out; decode engine-sim extra flags: %s"
+          % (len(reqs), args.concurrency, args.us_per_token, BYTES_PER_TOKEN, MAX_TOKENS[0],
+             " ".join(args.decode_sim_args) or "none"))
     if args.dispatch:
         modes = [m for m in args.dispatch.split(",") if m]
         for m in modes:

@@ -23,6 +23,7 @@
 #include "sim/sim_request.h"
 
 static void pump_queue(sim_engine *e);
+static void pump_seqs(sim_engine *e);
 static void start_generation(sim_req *r);
 
 /* ---------------------------------------------------------------- pool -- */
@@ -157,12 +158,16 @@ static void req_free(sim_req *r) {
 /* The request is over (answered, failed or abandoned). */
 static void req_finish(sim_req *r) {
     sim_engine *e = r->e;
-    if (r->state == SR_GENERATING || r->state == SR_PREFILL_WAIT || r->state == SR_FETCHING) {
+    if (r->state == SR_GENERATING || r->state == SR_PREFILL_WAIT || r->state == SR_FETCHING ||
+        r->state == SR_SEQ_WAIT) {
         e->nrunning--;
         e->dp_running[r->dp_rank]--;
     }
+    int had_seq = r->has_seq;
+    if (had_seq) e->ngen--;
     req_free(r);
     pump_queue(e);
+    if (had_seq) pump_seqs(e);
 }
 
 static void req_error(sim_req *r, int status, const char *msg) {
@@ -214,6 +219,19 @@ static void on_client_gone(void *arg) {
     case SR_FETCHING:
         r->orphan = 1; /* freed when the fetch reports back */
         return;
+    case SR_SEQ_WAIT: {
+        sim_req **pp = &e->shead, *prev = NULL;
+        while (*pp && *pp != r) {
+            prev = *pp;
+            pp = &(*pp)->qnext;
+        }
+        if (*pp) {
+            *pp = r->qnext;
+            if (e->stail == r) e->stail = prev;
+        }
+        req_finish(r);
+        return;
+    }
     default:
         req_finish(r);
         return;
@@ -446,11 +464,50 @@ static void emit_tokens(evutil_socket_t fd, short what, void *arg) {
     req_finish(r);
 }
 
-static void start_generation(sim_req *r) {
+/* Generates with a slot held; `waited_us`: its wait for the slot, during
+ * which its prompt's computation went on. */
+static void run_generation(sim_req *r, uint64_t waited_us) {
+    r->has_seq = 1;
+    r->e->ngen++;
     r->state = SR_GENERATING;
     if (r->stream) px_conn_stream_start(r->conn, 200, "text/event-stream", r->xrid, dp_header(r));
     event_assign(r->timer, r->e->base, -1, 0, emit_tokens, r);
-    schedule_us(r, r->compute_us + (uint64_t)r->e->cfg->ttft_ms * 1000u);
+    uint64_t left = r->compute_us > waited_us ? r->compute_us - waited_us : 0;
+    schedule_us(r, left + (uint64_t)r->e->cfg->ttft_ms * 1000u);
+}
+
+/* The prompt is ready: generate, or wait for one of --max-num-seqs slots
+ * behind those waiting already (vLLM's scheduler adds no request to the
+ * running ones past max_num_seqs). */
+static void start_generation(sim_req *r) {
+    sim_engine *e = r->e;
+    e->generations++;
+    uint32_t cap = e->cfg->max_num_seqs;
+    if (!cap || (e->ngen < cap && !e->shead)) {
+        run_generation(r, 0);
+        return;
+    }
+    r->state = SR_SEQ_WAIT;
+    r->t_seq = px_now_ns();
+    r->qnext = NULL;
+    if (e->stail)
+        e->stail->qnext = r;
+    else
+        e->shead = r;
+    e->stail = r;
+}
+
+/* A slot was freed: the requests waiting longest take the free ones. */
+static void pump_seqs(sim_engine *e) {
+    while (e->shead && e->ngen < e->cfg->max_num_seqs) {
+        sim_req *r = e->shead;
+        e->shead = r->qnext;
+        if (!e->shead) e->stail = NULL;
+        r->qnext = NULL;
+        uint64_t waited = px_now_ns() - r->t_seq;
+        e->seq_wait_ns += waited;
+        run_generation(r, waited / 1000u);
+    }
 }
 
 /* --------------------------------------------------------------- modes -- */

@@ -44,6 +44,8 @@ typedef struct sim_config {
     uint32_t max_num_queued_reqs;          /* vLLM's --max-num-queued-reqs (PR 49445): past this
                                               many requests in the engine (waiting + running),
                                               429; 0: no cap */
+    uint32_t max_num_seqs;                 /* vLLM's --max-num-seqs: requests generating at
+                                              once; the others wait for a slot; 0: no cap */
 } sim_config;
 
 /* Runs the engine until SIGINT/SIGTERM. Returns the process exit status. */

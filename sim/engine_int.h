@@ -21,7 +21,9 @@
 
 /* The values of SIM_KIND_* (sim_request.h). */
 typedef enum { EP_COMPLETIONS = 0, EP_CHAT = 1, EP_RESPONSES = 2, EP_GENERATE = 3 } sim_ep;
-typedef enum { SR_QUEUED, SR_FETCHING, SR_PREFILL_WAIT, SR_GENERATING } sim_state;
+/* SR_SEQ_WAIT: its prompt is ready (computed or received) and it waits for
+ * one of --max-num-seqs generation slots. */
+typedef enum { SR_QUEUED, SR_FETCHING, SR_PREFILL_WAIT, SR_SEQ_WAIT, SR_GENERATING } sim_state;
 
 typedef struct sim_engine sim_engine;
 
@@ -30,7 +32,7 @@ typedef struct sim_engine sim_engine;
 typedef struct sim_req {
     sim_engine *e;               /* borrowed */
     px_conn *conn;               /* borrowed: NULL once the client left */
-    struct sim_req *qnext;       /* in the wait queue */
+    struct sim_req *qnext;       /* in the wait queue, or in the slot queue */
     struct sim_req *prev, *next; /* in e->reqs */
     sim_ep ep;
     sim_mode mode;
@@ -64,6 +66,8 @@ typedef struct sim_req {
     uint64_t compute_us; /* time until its prompt is computed, before time to first token */
     int dp_rank;         /* the data-parallel rank it runs on (0 when it named none) */
     uint64_t t_queued;   /* when it joined the wait queue for KV blocks (0: never) */
+    uint64_t t_seq;      /* when it joined the queue for a generation slot */
+    int has_seq;         /* holds one of --max-num-seqs generation slots */
 } sim_req;
 
 struct sim_engine {
@@ -97,6 +101,11 @@ struct sim_engine {
      * engine_sim_queue_*): admitted requests and their wait for free KV
      * blocks; computations and their wait behind those queued before. */
     uint64_t admitted, block_wait_ns, computes, compute_wait_ns;
+    /* --max-num-seqs: requests generating (slots held), those waiting for
+     * a slot in arrival order, and every generation's wait for its slot. */
+    size_t ngen;
+    sim_req *shead, *stail;
+    uint64_t generations, seq_wait_ns;
     uint64_t renew_due_ns;            /* next lease renewal of queued decode requests */
     uint64_t dp_requests[SIM_DP_MAX]; /* by the X-data-parallel-rank requests named */
     /* nrunning and nqueued split by rank: /metrics' per-engine series,

@@ -115,17 +115,22 @@ static void reply_metrics(sim_engine *e, px_conn *c) {
                   "# HELP engine_sim_queue_seconds_total Time waited before the engine worked: "
                   "queue=\"kv_blocks\", admitted requests in the wait queue for free KV blocks; "
                   "queue=\"compute\", computations (a prompt, or a decode's last prompt token) "
-                  "behind those queued before them.\n"
+                  "behind those queued before them; queue=\"seqs\", requests whose prompt was "
+                  "ready waiting for one of --max-num-seqs generation slots.\n"
                   "# TYPE engine_sim_queue_seconds_total counter\n"
                   "engine_sim_queue_seconds_total{queue=\"kv_blocks\"} %.9f\n"
                   "engine_sim_queue_seconds_total{queue=\"compute\"} %.9f\n"
+                  "engine_sim_queue_seconds_total{queue=\"seqs\"} %.9f\n"
                   "# HELP engine_sim_queue_entries_total What passed each queue, waiting or "
-                  "not: requests admitted (kv_blocks), computations queued (compute).\n"
+                  "not: requests admitted (kv_blocks), computations queued (compute), "
+                  "generations started (seqs).\n"
                   "# TYPE engine_sim_queue_entries_total counter\n"
                   "engine_sim_queue_entries_total{queue=\"kv_blocks\"} %llu\n"
-                  "engine_sim_queue_entries_total{queue=\"compute\"} %llu\n",
+                  "engine_sim_queue_entries_total{queue=\"compute\"} %llu\n"
+                  "engine_sim_queue_entries_total{queue=\"seqs\"} %llu\n",
                   (double)e->block_wait_ns / 1e9, (double)e->compute_wait_ns / 1e9,
-                  (unsigned long long)e->admitted, (unsigned long long)e->computes);
+                  (double)e->seq_wait_ns / 1e9, (unsigned long long)e->admitted,
+                  (unsigned long long)e->computes, (unsigned long long)e->generations);
     COUNTER("engine_sim_invalid_kv_transfer_params_total",
             "Decode requests whose kv_transfer_params were unusable.", e->invalid_kvp);
     COUNTER("engine_sim_prompt_tokens_computed_total",

@@ -47,6 +47,11 @@ static const sim_opt opts[] = {
     {"max-num-queued-reqs", O_U32, OFF(max_num_queued_reqs), 0, 1000000, "N",
      "vLLM's cap of that name: with N requests in the engine\n"
      "(waiting + running) a new one gets 429 (0: no cap)"},
+    {"max-num-seqs", O_U32, OFF(max_num_seqs), 0, 1000000, "N",
+     "vLLM's cap of that name: N requests generate at once;\n"
+     "one whose prompt is ready (computed, or its KV\n"
+     "received) waits for a slot, first come first served.\n"
+     "Prefill-only requests take none (0: no cap)"},
     {"kv-expiry-ms", O_U32, OFF(kv_expiry_ms), 1, 86400000, "N",
      "published blocks not claimed in time are freed (480000)"},
     {"kv-lease-ms", O_U32, OFF(kv_lease_ms), 0, 86400000, "N",

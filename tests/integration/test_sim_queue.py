@@ -5,8 +5,10 @@ decode's queueing time): engine_sim_queue_seconds_total and
 engine_sim_queue_entries_total, per queue.  kv_blocks: a request that finds
 too few free KV blocks waits in the wait queue until a finished one frees
 them; compute: the engine computes one prompt at a time, so a prompt (or a
-decode's last prompt token) waits for those queued before it.  An idle
-engine waits for nothing: exactly 0."""
+decode's last prompt token) waits for those queued before it; seqs: with
+--max-num-seqs N (vLLM's cap of running sequences), a request whose prompt is
+ready (computed, or its KV received from prefill) waits while N others
+generate.  An idle engine waits for nothing: exactly 0."""
 
 import json
 import threading
@@ -25,7 +27,7 @@ class SimQueueTest(PdCase):
         s = prom(port)
         return {q: (metric(s, "engine_sim_queue_seconds_total", queue=q),
                     metric(s, "engine_sim_queue_entries_total", queue=q))
-                for q in ("kv_blocks", "compute")}
+                for q in ("kv_blocks", "compute", "seqs")}
 
     def complete(self, port, prompt, rid, max_tokens=2, out=None):
         st, _, raw = post_json(port, "/v1/completions",
@@ -48,11 +50,13 @@ class SimQueueTest(PdCase):
 
     def test_idle_engine_waits_for_nothing(self):
         E = self.engine("both", ["--prefill-us-per-token", "200"])
-        self.assertEqual(self.queues(E.port), {"kv_blocks": (0, 0), "compute": (0, 0)})
+        self.assertEqual(self.queues(E.port),
+                         {"kv_blocks": (0, 0), "compute": (0, 0), "seqs": (0, 0)})
         for i in range(2):  # one after the other: the first is computed before the second comes
             st, raw = self.complete(E.port, prose(800, seed=i), "idle-%d" % i)
             self.assertEqual(st, 200, raw)
-        self.assertEqual(self.queues(E.port), {"kv_blocks": (0, 2), "compute": (0, 2)})
+        self.assertEqual(self.queues(E.port),
+                         {"kv_blocks": (0, 2), "compute": (0, 2), "seqs": (0, 2)})
 
     def test_prompt_waits_behind_the_one_computed(self):
         us = 2000
@@ -97,6 +101,59 @@ class SimQueueTest(PdCase):
         self.assertEqual(bn, 2)
         self.assertGreater(bw, 0)
         self.assertLessEqual(bw, waited_at_most)
+
+    def wait_generating(self, port, n):
+        """Until n generations have started (each took a slot, or waited)."""
+        self.assertTrue(wait_until(
+            lambda: metric(prom(port), "engine_sim_queue_entries_total", queue="seqs") == n,
+            10, 0.01))
+
+    def test_request_waits_for_a_generation_slot(self):
+        # One slot: the second request, its prompt computed, waits while the
+        # first generates its 20 tokens 50 ms apart; the pool has room.
+        E = self.engine("both", ["--max-num-seqs", "1", "--itl-ms", "50"])
+        out = {}
+        t = self.in_background(E.port, prose(400, seed=7), "first", max_tokens=20, out=out)
+        self.wait_generating(E.port, 1)
+        t0 = time.monotonic()
+        st, raw = self.complete(E.port, prose(400, seed=8), "second", max_tokens=2)
+        waited_at_most = time.monotonic() - t0
+        self.assertEqual(st, 200, raw)
+        self.assertEqual(len(json.loads(raw)["choices"][0]["text"].split()), 2)
+        t.join(60)
+        self.assertEqual(out["first"][0], 200, out["first"][1])
+        q = self.queues(E.port)
+        self.assertEqual((q["kv_blocks"], q["seqs"][1]), ((0, 2), 2))
+        self.assertGreater(q["seqs"][0], 0)
+        self.assertLessEqual(q["seqs"][0], waited_at_most)
+
+    def test_decode_waits_for_a_slot_after_its_kv_arrived(self):
+        # A P/D pair through pdproxy: decode's only slot is taken by the first
+        # request's generation, so the second's KV is fetched and verified,
+        # and then it waits for the slot.
+        P = self.engine("prefill")
+        D = self.engine("decode", ["--max-num-seqs", "1", "--itl-ms", "50"])
+        px = self.start_proxy([P.port], [D.port], extra=["--disagg-min-tokens", "0"])
+        out = {}
+        t = self.in_background(px.port, prose(400, seed=9), "first", max_tokens=20, out=out)
+        self.wait_generating(D.port, 1)
+        t0 = time.monotonic()
+        st, raw = self.complete(px.port, prose(400, seed=10), "second", max_tokens=2)
+        waited_at_most = time.monotonic() - t0
+        self.assertEqual(st, 200, raw)
+        t.join(60)
+        self.assertEqual(out["first"][0], 200, out["first"][1])
+        s = prom(D.port)
+        self.assertEqual(metric(s, "engine_sim_kv_fetches_total"), 2)
+        # Each computed only its last prompt token: the KV came from prefill.
+        self.assertEqual(metric(s, "engine_sim_prompt_tokens_computed_total"), 2)
+        q = self.queues(D.port)
+        self.assertEqual(q["seqs"][1], 2)
+        self.assertGreater(q["seqs"][0], 0)
+        self.assertLessEqual(q["seqs"][0], waited_at_most)
+        # Prefill, whose requests generate nothing beyond their one token,
+        # has no cap and waited for no slot.
+        self.assertEqual(self.queues(P.port)["seqs"][0], 0)
 
 
 if __name__ == "__main__":
