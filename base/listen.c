@@ -138,7 +138,9 @@ static px_listener *listener_on(struct event_base *base, int fd, const char *hos
     l->cfg = cfg;
     l->list = list;
     l->resume = evtimer_new(base, on_resume, l);
-    l->lev = evconnlistener_new(base, on_accept, l, LEV_OPT_CLOSE_ON_FREE, -1, fd);
+    /* Backlog 0: listen() was called already, with 4096; a negative one would
+     * make libevent call it again with 128. */
+    l->lev = evconnlistener_new(base, on_accept, l, LEV_OPT_CLOSE_ON_FREE, 0, fd);
     if (!l->lev || !l->resume) {
         if (!l->lev) close(fd);
         snprintf(err, errlen, "cannot listen on %s:%d (%s): cannot create the listener", host, port,

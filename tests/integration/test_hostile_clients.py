@@ -13,6 +13,7 @@ import os
 import resource
 import select
 import selectors
+import signal
 import socket
 import subprocess
 import sys
@@ -296,6 +297,45 @@ def hold_idle_main(port, n, pid):
                 s.close()
             print("closed", flush=True)
             return
+
+
+class ListenBacklogTest(HostileCase):
+    """The listening socket's queue holds a burst while the workers are
+    busy: listen(4096) as pdproxy asks, not the 128 that libevent's
+    evconnlistener_new gave it when it was handed a negative backlog
+    (a burst of idle connections then lost handshakes: 9,994 of 10,000
+    accepted, ListenOverflows in the kernel's counters)."""
+
+    N = 600
+
+    def test_burst_waits_in_the_queue(self):
+        px = self.pd()
+        pid = px.proc.pid
+        os.kill(pid, signal.SIGSTOP)  # nothing accepts: the queue alone holds them
+        self.addCleanup(lambda: os.kill(pid, signal.SIGCONT))
+        sel = selectors.DefaultSelector()
+        socks = []
+        self.addCleanup(lambda: [s.close() for s in socks])
+        for _ in range(self.N):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.setblocking(False)
+            socks.append(s)
+            self.assertIn(s.connect_ex((HOST, px.port)), (0, 115))
+            sel.register(s, selectors.EVENT_WRITE)
+        # A SYN that finds the queue full is dropped and sent again after
+        # 1 s: within 0.8 s only queued connections complete.
+        done, t0 = 0, now()
+        while now() - t0 < 0.8 and done < self.N:
+            for key, _ in sel.select(timeout=0.05):
+                sel.unregister(key.fileobj)
+                done += key.fileobj.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR) == 0
+        sel.close()
+        os.kill(pid, signal.SIGCONT)
+        self.assertEqual(done, self.N, "only %d of %d connections fit in pdproxy's listen queue"
+                         % (done, self.N))
+        for s in socks:
+            s.close()
+        self.still_serves()
 
 
 class IdleConnectionsTest(HostileCase):
