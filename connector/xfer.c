@@ -31,10 +31,12 @@
  * written; an END after which blocks are still missing fails it too (short
  * transfer).  Completion is every bit set, never a byte count.
  *
- * A failed fetch reports FETCH_FAILED only once every UCX request of it has
- * completed or been cancelled (outstanding == 0): nothing lands in local
- * blocks after the event.  Requests that do not end within FAIL_GRACE_NS are
- * cancelled by closing the peer's endpoint.
+ * A failed fetch reports FETCH_FAILED only once every UCX request of it that
+ * writes local blocks (gets, receives, staged chunks) has completed or been
+ * cancelled: nothing lands in local blocks after the event.  Requests that
+ * do not end within FAIL_GRACE_NS are cancelled by closing the peer's
+ * endpoint; a send that does not end even then (no peer-failure handling)
+ * no longer holds the event back.
  *
  * A fetch struct lives until its event is queued AND every UCX request that
  * points to it has completed (outstanding == 0). */
@@ -70,6 +72,7 @@ struct kvc_xfer {
     char fail_msg[256];
     bool word;       /* CONFIRM/CHECK: the producer answered with an END */
     int outstanding; /* UCX requests whose user_data is this fetch */
+    int writing;     /* those of them that write local blocks (gets, receives) */
     void **reqs;     /* owned array: those requests, for kvc_fetch_cancel */
     size_t nreqs, reqs_cap;
     bool op_failed;
@@ -140,6 +143,7 @@ static void op_done(kvc_xfer_t *x, void *req, ucs_status_t us, const char *what)
 }
 
 static void get_cb(void *req, ucs_status_t us, void *ud) {
+    ((kvc_xfer_t *)ud)->writing--;
     op_done(ud, req, us, "get");
     ucp_request_free(req);
 }
@@ -157,6 +161,7 @@ static void send_cb(void *req, ucs_status_t us, void *ud) {
 static void recv_cb(void *req, ucs_status_t us, size_t length, void *ud) {
     kvc_xfer_t *x = ud;
     if (us == UCS_OK) x->bytes_got += length;
+    x->writing--;
     op_done(x, req, us, "receive");
     ucp_request_free(req);
 }
@@ -170,6 +175,7 @@ static bool track(kvc_xfer_t *x, ucs_status_ptr_t r, const char *what) {
         return false;
     }
     x->outstanding++;
+    if (!strcmp(what, "get") || !strcmp(what, "receive")) x->writing++;
     if (x->nreqs == x->reqs_cap) { /* untracked when out of memory: cancel then
                                       falls back to closing the endpoint */
         size_t cap = x->reqs_cap ? x->reqs_cap * 2 : 8;
@@ -628,7 +634,11 @@ void kvc_xfers_advance(kvc_agent_t *a, uint64_t now, uint64_t *next) {
     while (*pp) {
         kvc_xfer_t *x = *pp;
         if (!x->finished) advance(a, x, now, next);
-        if (x->fail_pending && x->outstanding == 0 && x->sref.holds == 0)
+        /* Only gets, receives and staged chunks write local blocks.  A send
+         * (the PULL) to a peer that died may never end: without peer-failure
+         * handling (UCX_TLS=sm,self) even the forced close leaves it
+         * pending, and the event must not wait for it. */
+        if (x->fail_pending && x->writing == 0 && x->sref.holds == 0)
             emit_failed(a, x, x->fail_status, x->fail_msg);
         if (x->fail_pending && !x->fail_aborted) {
             if (now >= x->fail_deadline_ns) {

@@ -25,7 +25,9 @@
  * engine aborts the request, kvc_unpublish, after N ms) --delay-ms N
  * (consumer: waits N ms after the warm-up before fetching) --expect failed
  * (consumer: the check passes only if the fetch FAILS) --tp N (consumer:
- * this engine's TP size; N decode ranks fetch one prefill rank's blocks).
+ * this engine's TP size; N decode ranks fetch one prefill rank's blocks)
+ * --xfer-timeout-ms N (the agent's data timeout, 30000 by default; a --kill
+ * consumer gives up N ms + 30 s after its start).
  *
  * Every result is one line starting with "RESULT " (key=value pairs) on
  * stdout; exit status 0 only when the check passed. */
@@ -117,11 +119,13 @@ static uint64_t local_of(const opts_t *o, uint64_t remote) {
     return (remote + o->blocks / 2 + 3 * RUN) % o->blocks;
 }
 
+static uint32_t xfer_timeout_ms = 30000;
+
 static kvc_agent_t *agent(const char *name, uint32_t tp) {
     kvc_agent_params_t ap = {.field_mask = KVC_AGENT_FIELD_ENGINE_ID |
                                            KVC_AGENT_FIELD_XFER_TIMEOUT | KVC_AGENT_FIELD_TP_SIZE,
                              .engine_id = name,
-                             .xfer_timeout_ms = 30000,
+                             .xfer_timeout_ms = xfer_timeout_ms,
                              .tp_size = tp ? tp : 1};
     kvc_agent_t *a;
     kvc_status_t st = kvc_agent_create(&ap, &a);
@@ -540,7 +544,8 @@ static int run_consumer(const opts_t *o) {
     kvc_event_t ev;
     int got = 0;
     char msg[512] = "";
-    double until = now_s() + 120;
+    /* Killed: the failure is due within the data timeout (plus its grace). */
+    double until = now_s() + (o->kill_pidfile ? xfer_timeout_ms / 1000.0 + 30 : 120);
     while (!got && now_s() < until) {
         kvc_agent_wait(a, o->kill_pidfile && !killed ? 0 : 100);
         if (o->kill_pidfile && !killed && kstat(a, KVC_STAT_HANDSHAKES) > 0) {
@@ -668,6 +673,8 @@ int main(int argc, char **argv) {
             o.delay_ms = (uint32_t)strtoul(v, NULL, 10);
         else if (!strcmp(k, "--tp"))
             o.tp = (uint32_t)strtoul(v, NULL, 10);
+        else if (!strcmp(k, "--xfer-timeout-ms"))
+            xfer_timeout_ms = (uint32_t)strtoul(v, NULL, 10);
         else if (!strcmp(k, "--expect"))
             o.expect_fail = !strcmp(v, "failed");
         else {
