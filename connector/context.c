@@ -313,8 +313,10 @@ kvc_status_t kvc_agent_create(const kvc_agent_params_t *p, kvc_agent_t **out) {
     if ((st = kvc_loop_open(a)) != KVC_OK) goto err_fds;
     if ((st = kvc_listen_open(a)) != KVC_OK) goto err_fds;
     if ((st = kvc_mem_build_handshake(a)) != KVC_OK) goto err_fds;
-    KVC_LOG(a, KVC_LOG_INFO, "agent up side_channel=%s:%u proto=%d cuda_native=%d rma=%d",
-            a->listen_host, a->port, (int)a->proto, (int)a->cuda_native, (int)a->rma);
+    KVC_LOG(a, KVC_LOG_INFO,
+            "agent up side_channel=%s:%u proto=%d cuda_native=%d rma=%d ucx=%s (built with %d.%d)",
+            a->listen_host, a->port, (int)a->proto, (int)a->cuda_native, (int)a->rma,
+            ucp_get_version_string(), UCP_API_MAJOR, UCP_API_MINOR);
     kvc_wake(a); /* first progress arms the worker */
     if ((m & KVC_AGENT_FIELD_PROGRESS_THREAD) && p->progress_thread) {
         pthread_mutexattr_t ma;

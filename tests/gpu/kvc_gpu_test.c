@@ -511,7 +511,9 @@ static int run_consumer(const opts_t *o) {
     }
     uint64_t xid;
     kvc_status_t st;
+    double first_ms = -1; /* the warm-up: handshake, path set-up, one block */
     if (!o->kill_pidfile) {
+        double w0 = now_s();
         /* Warm-up: one block into the first local block, handshake done. */
         kvc_fetch_params_t wp = fp;
         wp.kv_transfer_params_json = warm;
@@ -531,6 +533,7 @@ static int run_consumer(const opts_t *o) {
             printf("RESULT fetch outcome=warm-up-failed\n");
             return 1;
         }
+        first_ms = (now_s() - w0) * 1e3;
     }
     for (double end = now_s() + o->delay_ms / 1e3; now_s() < end;)
         kvc_agent_wait(a, 10); /* progressed meanwhile, as an engine does */
@@ -611,10 +614,10 @@ static int run_consumer(const opts_t *o) {
         }
         double bytes = (double)n * o->block * o->regions;
         printf("RESULT fetch outcome=done bad_words=%llu blocks=%zu regions=%d bytes=%.0f "
-               "seconds=%.3f gbps=%.1f path=%s memory=%s transports=%s copies=%llu syncs=%llu\n",
+               "seconds=%.3f gbps=%.1f path=%s memory=%s transports=%s copies=%llu syncs=%llu ucx=%s first_ms=%.1f\n",
                (unsigned long long)bad, n, o->regions, bytes, secs, bytes / secs / 1e9, path, mem,
                tl, (unsigned long long)kstat(a, KVC_STAT_CUDA_COPIES),
-               (unsigned long long)kstat(a, KVC_STAT_CUDA_SYNCS));
+               (unsigned long long)kstat(a, KVC_STAT_CUDA_SYNCS), ucp_get_version_string(), first_ms);
         if (bad || o->expect_fail) rc = 1; /* a fetch that had to fail succeeded */
     }
     kvc_agent_destroy(a);

@@ -144,11 +144,29 @@ fi
 FULL=(--regions $REG --blocks $BLK --block-kb $KB --fetch $FETCH)
 
 # UCX's transports: CUDA ones decide whether the direct path can run here.
-TLS=$(ucx_info -d 2>/dev/null | sed -n 's/^#[[:space:]]*Transport:[[:space:]]*//p' | sort -u | tr '\n' ' ')
-CUDA_TLS=$(echo "$TLS" | tr ' ' '\n' | grep -E '^(cuda_ipc|cuda_copy|gdr_copy|rc_.*|dc_.*)$' | tr '\n' ' ')
-HAVE_CUDA_UCX=0
+# tls UCX_INFO: the transports that ucx_info lists.
+tls() { "$@" -d 2>/dev/null | sed -n 's/^#[[:space:]]*Transport:[[:space:]]*//p' | sort -u | tr '\n' ' '; }
+cuda_tls() { echo "$1" | tr ' ' '\n' | grep -E '^(cuda_ipc|cuda_copy|gdr_copy|rc_.*|dc_.*)$' | tr '\n' ' '; }
+TLS=$(tls ucx_info)
+CUDA_TLS=$(cuda_tls "$TLS")
+summary INFO ucx "$(ucx_info -v 2>/dev/null | sed -n 's/^# *Library version: *//p' | head -1) transports: ${TLS:-unknown (no ucx_info)}; CUDA-capable: ${CUDA_TLS:-none}"
+# DIRECT_ENV: the environment the direct path's checks run in.  The system's
+# UCX when it has cuda_copy; otherwise KVC_GPU_UCX may name the prefix of a
+# UCX built with CUDA transports (same soname: the checks load it through
+# LD_LIBRARY_PATH; docs/connector-paths.md says how to build one).
+HAVE_CUDA_UCX=0 DIRECT_ENV=""
 if [ $STANDIN = 0 ] && echo "$TLS" | grep -qw cuda_copy; then HAVE_CUDA_UCX=1; fi
-summary INFO ucx "transports: ${TLS:-unknown (no ucx_info)}; CUDA-capable: ${CUDA_TLS:-none}"
+if [ $STANDIN = 0 ] && [ $HAVE_CUDA_UCX = 0 ] && [ -n "${KVC_GPU_UCX:-}" ]; then
+    lib=$KVC_GPU_UCX/lib
+    XTLS=$(LD_LIBRARY_PATH=$lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH} tls "$KVC_GPU_UCX/bin/ucx_info")
+    if echo "$XTLS" | grep -qw cuda_copy; then
+        HAVE_CUDA_UCX=1
+        DIRECT_ENV="LD_LIBRARY_PATH=$lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+        summary INFO ucx-direct "$KVC_GPU_UCX: $(LD_LIBRARY_PATH=$lib "$KVC_GPU_UCX/bin/ucx_info" -v | sed -n 's/^# *Library version: *//p' | head -1) transports: $XTLS; CUDA-capable: $(cuda_tls "$XTLS")"
+    else
+        summary FAIL ucx-direct "KVC_GPU_UCX=$KVC_GPU_UCX has no cuda_copy transport (transports: ${XTLS:-none})"
+    fi
+fi
 
 # ------------------------------------------------------------- baselines --
 D2D=0 H2D=0
@@ -241,7 +259,7 @@ fetch_check() { # NAME ENV WANT_MEMORY (staged|direct) -- options
         summary FAIL "$name" "expected the $want path, the connector used $mem"
         return
     fi
-    local text="$(val "$o" blocks) blocks x $(val "$o" regions) regions: every byte right, untouched blocks untouched; $g GB/s, $mem, $path over $tl"
+    local text="$(val "$o" blocks) blocks x $(val "$o" regions) regions: every byte right, untouched blocks untouched; $g GB/s in $(val "$o" seconds) s (first fetch $(val "$o" first_ms) ms), $mem, $path over $tl, UCX $(val "$o" ucx)"
     if [ $STANDIN = 0 ] && [ "$name" = fetch-direct ] && echo "$tl" | grep -q cuda_ipc; then
         if ratio_ok "$g" "$D2D" 0.70; then
             summary PASS "$name" "$text = $(pct "$g" "$D2D") % of D2D (target 70 %)"
@@ -261,21 +279,26 @@ fetch_check() { # NAME ENV WANT_MEMORY (staged|direct) -- options
 
 fetch_check fetch-staged "KVC_CUDA_STAGED=1" staged -- "${FULL[@]}"
 if [ $HAVE_CUDA_UCX = 1 ]; then
-    fetch_check fetch-direct "" direct -- "${FULL[@]}"
+    fetch_check fetch-direct "$DIRECT_ENV" direct -- "${FULL[@]}"
 else
     summary SKIP fetch-direct "UCX here has no CUDA transports (cuda_copy/cuda_ipc): the direct path cannot run; staged only"
 fi
+# A 4k-token prompt's blocks, as an engine fetches them for one request:
+# 256 blocks of 16 tokens in each of the 64 regions (512 MiB at full size).
+PROMPT=(--regions $REG --blocks $BLK --block-kb $KB --fetch $((BLK / 2 < 256 ? BLK / 2 : 256)))
+fetch_check prompt4k-staged "KVC_CUDA_STAGED=1" staged -- "${PROMPT[@]}"
+if [ $HAVE_CUDA_UCX = 1 ]; then fetch_check prompt4k-direct "$DIRECT_ENV" direct -- "${PROMPT[@]}"; fi
 
 # Stream-order probe: the producer's blocks are written by copies queued
 # behind a 300 ms stream operation and published at once with that stream;
 # the consumer reads them through its own stream after FETCH_DONE.
 fetch_check probe-staged "KVC_CUDA_STAGED=1" staged -- "${SMALL[@]}" --probe
-if [ $HAVE_CUDA_UCX = 1 ]; then fetch_check probe-direct "" direct -- "${SMALL[@]}" --probe; fi
+if [ $HAVE_CUDA_UCX = 1 ]; then fetch_check probe-direct "$DIRECT_ENV" direct -- "${SMALL[@]}" --probe; fi
 # The same on the legacy default stream: handle 0 with the stream field set
 # (torch.cuda.current_stream().cuda_stream unless a side stream is used).
 fetch_check probe-default-staged "KVC_CUDA_STAGED=1" staged -- "${SMALL[@]}" --probe --default-stream
 if [ $HAVE_CUDA_UCX = 1 ]; then
-    fetch_check probe-default-direct "" direct -- "${SMALL[@]}" --probe --default-stream
+    fetch_check probe-default-direct "$DIRECT_ENV" direct -- "${SMALL[@]}" --probe --default-stream
 fi
 
 # Two GPUs: the producer on GPU 0, the consumer on GPU 1 (cuda_ipc where
@@ -283,7 +306,7 @@ fi
 if [ "$NGPU" -ge 2 ]; then
     PX=(--device 0) CX=(--device 1)
     if [ $HAVE_CUDA_UCX = 1 ]; then
-        fetch_check two-gpus "" direct -- "${FULL[@]}"
+        fetch_check two-gpus "$DIRECT_ENV" direct -- "${FULL[@]}"
         if ! grep -q 'transports=[^ ]*cuda_ipc' "$WORK/two-gpus.c.out" 2>/dev/null; then
             summary FAIL two-gpus-ipc "two GPUs but the fetch did not go over cuda_ipc: $(grep -h '^RESULT' "$WORK/two-gpus.c.out" | head -1)"
         fi
@@ -320,7 +343,7 @@ fail_check() {
 # may have reused.
 for mem in staged direct; do
     if [ $mem = direct ] && [ $HAVE_CUDA_UCX = 0 ]; then continue; fi
-    envs=""
+    envs=$DIRECT_ENV
     if [ $mem = staged ]; then envs="KVC_CUDA_STAGED=1"; fi
     PX=(--expiry-ms 500) CX=(--delay-ms 1500 --expect failed)
     fail_check "expired-$mem" "$envs" -- "${SMALL[@]}"
@@ -430,7 +453,7 @@ PLUGIN_PATH=staged
 if [ $HAVE_CUDA_UCX = 1 ]; then PLUGIN_PATH=direct; fi
 if [ $STANDIN = 0 ] && [ -n "$PLUGIN_PY" ]; then
     if time_left; then
-        out=$(PX_BUILD_DIR=$BUILD PDKV_LIBRARY=$BUILD/connector/libkvconnector.so KVC_SECRET=gpu-check \
+        out=$(env $DIRECT_ENV PX_BUILD_DIR=$BUILD PDKV_LIBRARY=$BUILD/connector/libkvconnector.so KVC_SECRET=gpu-check \
               KVC_LOG_LEVEL=error timeout 240 "$PLUGIN_PY" "$SRC/tests/plugin/gpu_plugin_check.py" \
               --path $PLUGIN_PATH 2>&1)
         rc=$?
