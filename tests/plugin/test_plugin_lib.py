@@ -24,10 +24,10 @@ from pdkv import lib as kvc  # noqa: E402
 
 def wait_events(evs, n, timeout=10):
     deadline = time.monotonic() + timeout
-    while len([e for e in evs if e.type in (kvc.EV_FETCH_DONE, kvc.EV_FETCH_FAILED)]) < n \
+    while len([e for e in evs if e.type in (kvc.EventType.FETCH_DONE, kvc.EventType.FETCH_FAILED)]) < n \
             and time.monotonic() < deadline:
         time.sleep(0.01)
-    return [e for e in evs if e.type in (kvc.EV_FETCH_DONE, kvc.EV_FETCH_FAILED)]
+    return [e for e in evs if e.type in (kvc.EventType.FETCH_DONE, kvc.EventType.FETCH_FAILED)]
 
 
 class Lib(unittest.TestCase):
@@ -135,11 +135,11 @@ class Lib(unittest.TestCase):
         kv = {"remote_engine_id": "E0", "remote_request_id": "later", "remote_host": "127.0.0.1",
               "remote_port": p.port, "remote_block_ids": [1], "remote_kv_token": kvc.new_token()}
         xid = d.fetch(kv, [2], wait_ms=10000)  # held by the producer: not published yet
-        self.assertEqual(d.cancel(xid), kvc.KVC_OK)
+        self.assertEqual(d.cancel(xid), kvc.Status.OK)
         got = wait_events(evs, 1)
         self.assertEqual([(e.name, kvc.status_str(e.status)) for e in got],
                          [("FETCH_FAILED", "KVC_ERR_CANCELED")])
-        self.assertEqual(d.cancel(xid), kvc.ERR_NOT_FOUND)
+        self.assertEqual(d.cancel(xid), kvc.Status.ERR_NOT_FOUND)
 
 
 if __name__ == "__main__":
