@@ -31,7 +31,8 @@ _get_kv_connector_output):
   finishing  sliding-window groups' blocks before the window become the null
              block (remove_skipped_blocks); then, the connector being
              SupportsHMA, request_finished_all_groups(request, block_ids per
-             group) -> (delay_free, params).
+             group) -> (delay_free, params) (else request_finished(request,
+             the one group's block_ids)).
 
 groups: the model's KV-cache groups, e.g. ("full", ("swa", 32)): each group
 has `layers` layers; layer l of every group shares tensor l (as vLLM's hybrid
@@ -52,7 +53,8 @@ import torch  # noqa: E402
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram  # noqa: E402
 
 from vllm.distributed import parallel_state  # noqa: E402
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorRole,  # noqa: E402
+                                                               supports_hma)
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks  # noqa: E402
 from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheConfig,  # noqa: E402
                                         KVCacheGroupSpec, MambaSpec, SlidingWindowSpec)
@@ -291,7 +293,11 @@ class Engine:
             ids = tuple(list(b[:nblk]) for b in groups)
         else:
             ids = tuple([] for _ in range(self.ngroups))
-        delay, params = self.sched.request_finished_all_groups(req, ids)
+        if supports_hma(self.sched):
+            delay, params = self.sched.request_finished_all_groups(req, ids)
+        else:  # vLLM: the hybrid manager is off for such a connector
+            assert self.ngroups == 1
+            delay, params = self.sched.request_finished(req, ids[0])
         self.finished_ids.add(req.request_id)
         if delay:
             self.delayed[req.request_id] = True
@@ -379,8 +385,8 @@ class Engine:
         self.sched.update_connector_output(types.SimpleNamespace(
             finished_sending=finished_sending, finished_recving=finished_recving,
             failed_recving=failed, invalid_block_ids=invalid))
-        if stats is not None and not stats.is_empty():  # worker -> logger process
-            data = json.loads(json.dumps(stats.to_dict()))
+        if stats is not None and not stats.is_empty() and self.prom is not None:
+            data = json.loads(json.dumps(stats.to_dict()))  # worker -> logger process
             self.prom.observe(data, 0)
             self.log_lines.append(PdkvConnector.build_kv_connector_stats(data).reduce())
         for rid in finished_recving:
