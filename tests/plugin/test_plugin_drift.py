@@ -134,6 +134,32 @@ class Drift(unittest.TestCase):
                          bool(re.search(r"\bcommit [0-9a-f]{7,39}\b", text)))
         self.assertEqual(mentions, 0, "a short commit id restated by hand")
 
+    def test_docs_follow_the_code(self):
+        """README's example gives prefill and decode their own side-channel
+        ports and creates the secret; docs/vllm-plugin.md names the recorded
+        commit and every setting pdkv/config.py reads."""
+        with open(os.path.join(harness.ROOT, "README.md")) as f:
+            readme = f.read()
+        sec = readme[readme.index("## libkvconnector in vLLM"):]
+        sec = sec[:sec.find("\n## ", 5)] if "\n## " in sec[5:] else sec
+        ports = set(re.findall(r"PDKV_SIDE_CHANNEL_PORT=(\d+) vllm serve", sec))
+        self.assertEqual(len(ports), 2, "prefill and decode need their own ports: %s" % ports)
+        self.assertIn("PDKV_SECRET_FILE=", sec)
+        self.assertRegex(sec, r"openssl rand|/dev/urandom")
+        self.assertIn("docs/vllm-plugin.md", sec)
+        with open(os.path.join(harness.ROOT, "docs", "vllm-plugin.md")) as f:
+            doc = f.read()
+        self.assertIn(upstream.VLLM_COMMIT, doc)
+        from pdkv import config
+        with open(config.__file__) as f:
+            src = f.read()
+        for env in (config.ENV_HOST, config.ENV_PORT, config.ENV_SECRET_FILE,
+                    config.ENV_ALLOWED):
+            self.assertIn("`%s`" % env, doc)
+        for key in set(re.findall(r'extra(?:\.get)?\(\s*"([a-z_]+)"', src)) | \
+                set(re.findall(r'opt\("([a-z_]+)"\)', src)):
+            self.assertIn(key, doc, "setting %s is not documented" % key)
+
 
 if __name__ == "__main__":
     unittest.main(verbosity=2)

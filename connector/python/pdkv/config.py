@@ -224,6 +224,9 @@ class Settings:
     def from_vllm(cls, vllm_config: Any) -> "Settings":
         ktc = vllm_config.kv_transfer_config
         extra = dict(getattr(ktc, "kv_connector_extra_config", None) or {})
+        pp = int(getattr(vllm_config.parallel_config, "pipeline_parallel_size", 1) or 1)
+        if pp > 1:
+            raise ConfigError(f"pdkv: pipeline parallelism (size {pp}) is not supported")
         host, port = side_channel(vllm_config, extra)
         lease_ms = _int(extra.get("lease_ms", 30000), "lease_ms", 0, 2**32 - 1)
 

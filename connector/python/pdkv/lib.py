@@ -527,7 +527,9 @@ class Agent:
         buf = None
         if secret is not None:
             n = len(secret)
-            buf = (ctypes.c_char * max(1, n)).from_buffer_copy(bytes(secret) if n else b"\0")
+            # straight from the caller's buffer: no immutable bytes copy
+            buf = (ctypes.c_char * n).from_buffer_copy(secret) if n else \
+                ctypes.create_string_buffer(1)
             mask |= AgentField.SECRET
             p.secret, p.secret_len = ctypes.cast(buf, ctypes.c_void_p), n
         p.field_mask = int(mask)
