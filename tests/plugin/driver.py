@@ -432,24 +432,26 @@ class Engine:
             never = [b for b in range(self.geo.num_blocks) if b not in self.ever]
             return [x for rk in self.ranks for x in rk.untouched(never)], len(never)
 
-    def _fail_load(self, req):
+    def _fail_load(self, req, recompute_from):
+        """kv_load_failure_policy: fail, or recompute from a token."""
         if req.request_id not in self.failed_ids:
             self.failed_ids.add(req.request_id)
             self.stats["load_failed"] += 1
+        if self.policy == "fail":
+            self.waiting.remove(req)
+            self.recv_done.discard(req.request_id)
+            self._finish(req, RequestStatus.FINISHED_ERROR)
+        else:
+            req.num_computed_tokens = min(req.num_computed_tokens, recompute_from)
+            frm = self.recompute_from.get(req.request_id, recompute_from)
+            self.recompute_from[req.request_id] = min(frm, recompute_from)
 
     def _failed_recving(self, failed):
         """Scheduler._handle_failed_recving."""
         for req in list(self.waiting):
             if req.request_id not in failed or req.status != RequestStatus.WAITING_FOR_REMOTE_KVS:
                 continue
-            self._fail_load(req)
-            if self.policy == "fail":
-                self.waiting.remove(req)
-                self.recv_done.discard(req.request_id)
-                self._finish(req, RequestStatus.FINISHED_ERROR)
-            else:
-                req.num_computed_tokens = 0
-                self.recompute_from[req.request_id] = 0
+            self._fail_load(req, 0)
 
     def _invalid_blocks(self, invalid):
         """Scheduler._handle_invalid_blocks with kv_load_failure_policy."""
@@ -463,15 +465,7 @@ class Engine:
             if not ids or not set(ids) & invalid or \
                     req.status != RequestStatus.WAITING_FOR_REMOTE_KVS:
                 continue
-            self._fail_load(req)
-            if self.policy == "fail":
-                self.waiting.remove(req)
-                self.recv_done.discard(req.request_id)
-                self._finish(req, RequestStatus.FINISHED_ERROR)
-            else:
-                first = min(i for i, b in enumerate(ids) if b in invalid)
-                frm = min(first * bs, self.recompute_from.get(req.request_id, first * bs))
-                self.recompute_from[req.request_id] = frm
+            self._fail_load(req, min(i for i, b in enumerate(ids) if b in invalid) * bs)
 
     def _forward(self, rk, scheduled):
         bs = self.geo.block_size
