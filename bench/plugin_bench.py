@@ -103,8 +103,8 @@ def main():
             t0 = time.perf_counter()
             kv = json.loads(xa.publish("x%d" % seq, src, token=kvc.new_token()))
             xb.fetch(kv, dst)
-            while not any(e.type == kvc.EV_FETCH_DONE for e in evs):
-                if any(e.type == kvc.EV_FETCH_FAILED for e in evs):
+            while not any(e.type == kvc.EventType.FETCH_DONE for e in evs):
+                if any(e.type == kvc.EventType.FETCH_FAILED for e in evs):
                     raise SystemExit("direct fetch failed: %s" % evs)
                 time.sleep(0)
             tdir.append(time.perf_counter() - t0)

@@ -14,6 +14,7 @@ PKGS=(
   libzmq3-dev libmsgpack-dev   # KV-cache events from the engines (ZeroMQ + msgpack)
   python3-zmq python3-msgpack   # tests/integration/test_sim_kvevents.py subscribes to them
   python3-torch python3-pip python3-setuptools   # the vLLM plugin's tests: real tensors as KV caches, pip install of the package
+  python3-prometheus-client   # the plugin's vllm:pdkv_* metrics, as vLLM's /metrics renders them
   # deploy/check.sh renders them with `kubectl kustomize`: Debian's kubectl,
   # unless one is installed already (its /usr/bin/kubectl would clash).
   # Debian bookworm's (1.20) is too old for the manifests' components and

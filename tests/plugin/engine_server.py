@@ -8,7 +8,8 @@ kv_transfer_params at the top level; decode gets those back and streams.
 
 Tokens are the prompt's UTF-8 bytes; each output token is a digest of the
 prompt's KV in this engine's blocks, so the answer shows whether the blocks
-arrived.  Test routes: GET /test/state, /test/untouched; POST /test/pause
+arrived.  GET /metrics shows what vLLM's /metrics would of the connector
+(vllm:pdkv_*).  Test routes: GET /test/state, /test/untouched; POST /test/pause
 {"on": bool} (no block allocations: requests wait in the queue, as with a
 full KV cache), /test/abort {"request_id": id}."""
 import argparse
@@ -103,6 +104,15 @@ def make_handler(srv, model):
             if self.path == "/v1/models":
                 return self.send_json(200, {"object": "list", "data": [
                     {"id": model, "object": "model", "owned_by": "pdkv-test"}]})
+            if self.path == "/metrics":  # as vLLM's: the connector's vllm:pdkv_* families
+                from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+                data = generate_latest(srv.engine.registry)
+                self.send_response(200)
+                self.send_header("Content-Type", CONTENT_TYPE_LATEST)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+                return
             if self.path == "/test/state":
                 return self.send_json(200, srv.engine.state())
             if self.path == "/test/untouched":

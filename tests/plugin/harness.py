@@ -114,6 +114,14 @@ class Engine:
     def get(self, path):
         return self.call("GET", path, timeout=10)
 
+    def metric(self, name):
+        """A sample's value from GET /metrics (0.0 if absent)."""
+        with urllib.request.urlopen("http://127.0.0.1:%d/metrics" % self.port, timeout=10) as r:
+            for line in r.read().decode().splitlines():
+                if line.startswith(name + "{") or line.startswith(name + " "):
+                    return float(line.rsplit(" ", 1)[1])
+        return 0.0
+
     def state(self):
         return self.get("/test/state")[1]
 

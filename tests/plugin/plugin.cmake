@@ -22,7 +22,7 @@ if(SANITIZE)
   list(APPEND PX_PLUGIN_ENV "LD_PRELOAD=${preload}"
        "LSAN_OPTIONS=suppressions=${CMAKE_CURRENT_SOURCE_DIR}/plugin/lsan.supp")
 endif()
-foreach(t lib drift flow layouts faults proxy)
+foreach(t lib drift flow layouts faults proxy vllm)
   add_test(NAME plugin.${t}
            COMMAND ${PYTHON3} ${CMAKE_CURRENT_SOURCE_DIR}/plugin/test_plugin_${t}.py)
   set_tests_properties(plugin.${t} PROPERTIES LABELS plugin TIMEOUT 300 SKIP_RETURN_CODE 77

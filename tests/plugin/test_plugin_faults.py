@@ -69,6 +69,9 @@ class Faults(unittest.TestCase):
         self.assertEqual(r["choices"][0]["text"].split()[0], first.strip())
         self.assertEqual(self.d_renew.state()["verified"], 1)
         self.settle_p()
+        # the renewals in vLLM's metrics, on both sides
+        self.assertGreaterEqual(self.d_renew.metric("vllm:pdkv_num_lease_renewals_sent_total"), 2)
+        self.assertGreaterEqual(self.p.metric("vllm:pdkv_num_lease_renewals_accepted_total"), 2)
 
     def test_2_lease_expired_fail(self):
         prompt = prompt_of(2)
@@ -76,6 +79,7 @@ class Faults(unittest.TestCase):
         published, (st, r) = self.queued(self.d_fail, prompt, kv, "lf", 2.0)
         self.assertEqual(published, 0)  # expired: blocks back to prefill
         self.assertEqual(self.settle_p()["free_blocks"], self.p.state()["num_blocks"])
+        self.assertGreaterEqual(self.p.metric("vllm:pdkv_num_kv_expired_reqs_total"), 1)
         self.assertEqual(st, 500, r)
         self.assertEqual(self.d_fail.state()["load_failed"], 1)
 

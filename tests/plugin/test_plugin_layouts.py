@@ -43,8 +43,12 @@ class Local:
             time.sleep(0.001)
 
     def run(self, rid, prompt, max_tokens, params):
-        self.q[rid] = q = queue.Queue()
-        self.e.add(Request(rid, prompt, max_tokens, params))
+        return self.run_req(Request(rid, prompt, max_tokens, params))
+
+    def run_req(self, req):
+        """Adds req; waits for its end: (tokens, kv_transfer_params, status)."""
+        self.q[req.request_id] = q = queue.Queue()
+        self.e.add(req)
         toks = []
         while True:
             tok, out, status = q.get(timeout=30)

@@ -1,128 +1,149 @@
 # SPDX-License-Identifier: Apache-2.0
-"""PdkvConnector: libkvconnector as a vLLM V1 KV connector (KVConnectorBase_V1).
+"""PdkvConnector: libkvconnector as a vLLM V1 KV connector (KVConnectorBase_V1,
+SupportsHMA).
 
 Load it with
   --kv-transfer-config '{"kv_connector":"PdkvConnector",
                          "kv_connector_module_path":"pdkv.connector",
                          "kv_role":"kv_both"}'
 
-Written against vLLM commit 00f4240ee6458263d76cf51ca7901ce1350bb4d1
-(vllm/distributed/kv_transfer/kv_connector/v1/base.py).  The flow follows the
-pull model of vLLM's NIXL connector:
+Written against the vLLM commit recorded in pdkv/upstream.py (VLLM_COMMIT),
+whose member list says what is implemented here and what is inherited on
+purpose.  The flow follows the pull model of vLLM's NIXL connector:
 
   prefill (request with kv_transfer_params.do_remote_decode): when it finishes
-  by length cap, request_finished() keeps its blocks, mints the publication's
-  token and returns kv_transfer_params (do_remote_prefill, remote_block_ids,
-  remote_engine_id, remote_host, remote_port, remote_request_id, tp_size,
-  remote_kv_token); the next step's metadata tells every worker to publish the
-  blocks with that token (kvc_publish, KVC_PUBLISH_FIELD_TOKEN).  The blocks
-  are returned to vLLM (get_finished: finished_sending) once decode notified
-  (KVC_EV_RELEASED) or the publication expired.
+  by length cap or by a stop (its one token was EOS or a stop string),
+  request_finished[_all_groups]() keeps its blocks (per KV-cache group,
+  sliding-window groups clipped to the window: pdkv/groups.py), mints the
+  publication's token and returns kv_transfer_params (do_remote_prefill,
+  remote_block_ids, remote_engine_id, remote_host, remote_port,
+  remote_request_id, tp_size, remote_kv_token, remote_num_tokens,
+  transfer_mode "pull"); the next step's metadata tells every worker to
+  publish the blocks with that token.  The blocks return to vLLM
+  (finished_sending) once decode notified or the publication expired.
 
   decode (request with do_remote_prefill): get_num_new_matched_tokens reports
-  the prompt tokens not computed locally as loaded asynchronously;
-  update_state_after_alloc records the allocated blocks; the metadata hands
-  the load to the workers, which start kvc_fetch (registered at the producer
-  even if it has not published yet, KVC_FETCH_FIELD_WAIT) and report it in
-  finished_recving; failed blocks go to get_block_ids_with_load_errors, and
-  vLLM's scheduler applies kv_load_failure_policy (fail / recompute).
+  the prompt tokens not computed locally as loaded asynchronously (for
+  prompt embeddings too: num_prompt_tokens, not prompt_token_ids);
+  update_state_after_alloc lines the allocated blocks up with the remote ones
+  and checks remote_host / remote_port (pdkv/config.py: types, ranges,
+  allowed producer networks); the workers fetch (registered at the producer
+  even before it publishes) and report the request in finished_recving; a
+  failed load also in failed_recving (get_transfer_results), where vLLM
+  applies kv_load_failure_policy (fail / recompute).  Refused params take
+  that same path without connecting anywhere, so a client learns nothing
+  from the outcome about the address it named.
 
-Imports from vllm are only the four names below: the test suite's stand-ins
-define exactly those (tests/plugin/standins), so drift shows.
+Workers' transfer figures reach vLLM's /metrics as vllm:pdkv_* (pdkv/stats.py).
 """
+from __future__ import annotations
+
 import dataclasses
 import logging
-import os
 import secrets
-import threading
 import time
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
 )
-from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 from vllm.v1.request import RequestStatus
 
-from pdkv import lib as kvc
+from pdkv import upstream
+from pdkv.config import ParamsError, Settings, check_remote
+from pdkv.groups import Groups, parse_remote
+from pdkv.stats import PdkvKVConnectorStats, PdkvPromMetrics
+
+__all__ = ["PdkvConnector", "PdkvConnectorMetadata", "RecvReq"]
 
 logger = logging.getLogger("pdkv.connector")
 
 REQUIRED = ("remote_block_ids", "remote_engine_id", "remote_request_id", "remote_host",
             "remote_port", "remote_kv_token")
-ENV_HOST, ENV_PORT = "PDKV_SIDE_CHANNEL_HOST", "PDKV_SIDE_CHANNEL_PORT"
-ENV_SECRET_FILE = "PDKV_SECRET_FILE"
-DEFAULT_PORT = 5610
+HAND_OFF = (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
 
 
 @dataclasses.dataclass
 class RecvReq:
-    local_block_ids: list
-    params: dict
-    notify_only: bool = False
+    """One load for the workers: flat local and remote block lists, lined up."""
+    local_block_ids: List[int]
+    remote_block_ids: List[int]
+    params: Dict[str, Any]
+    awaiting: bool = True            # the request waits for finished_recving
+    refused: Optional[str] = None    # why nothing may connect (the load fails)
 
 
 @dataclasses.dataclass
 class PdkvConnectorMetadata(KVConnectorMetadata):
     """Scheduler -> workers, one step: what to publish, fetch, notify, renew."""
-    reqs_to_send: dict = dataclasses.field(default_factory=dict)   # id -> (blocks, token)
-    reqs_to_recv: dict = dataclasses.field(default_factory=dict)   # id -> RecvReq
-    reqs_to_renew: dict = dataclasses.field(default_factory=dict)  # id -> params
+    reqs_to_send: Dict[str, Tuple[List[int], str]] = dataclasses.field(default_factory=dict)
+    reqs_to_recv: Dict[str, RecvReq] = dataclasses.field(default_factory=dict)
+    reqs_to_renew: Dict[str, Dict[str, Any]] = dataclasses.field(default_factory=dict)
 
 
-def _side_channel(vllm_config, extra):
-    host = os.environ.get(ENV_HOST) or extra.get("side_channel_host") or "127.0.0.1"
-    port = int(os.environ.get(ENV_PORT) or extra.get("side_channel_port") or DEFAULT_PORT)
-    pc = vllm_config.parallel_config
-    dp_rank = int(getattr(pc, "data_parallel_rank", 0) or 0)
-    # rank r of this engine listens on port + r (include/kvconnector.h,
-    # KVC_FETCH_FIELD_REMOTE_RANK); data-parallel engines get disjoint ranges.
-    return host, port + dp_rank * int(pc.tensor_parallel_size)
-
-
-def _params_missing(params):
+def _params_missing(params: Dict[str, Any]) -> List[str]:
     """The required kv_transfer_params keys that are absent or empty ([]: the
     params are complete)."""
-    return [k for k in REQUIRED if params.get(k) in (None, "")]
+    return [k for k in REQUIRED if params.get(k) in (None, "", [])]
 
 
-class PdkvConnector(KVConnectorBase_V1):
+def _num_prompt_tokens(request: Any) -> int:
+    n = getattr(request, "num_prompt_tokens", None)
+    if n is None:
+        n = len(request.prompt_token_ids or ())
+    return int(n)
 
-    def __init__(self, vllm_config, role, kv_cache_config=None):
+
+class PdkvConnector(KVConnectorBase_V1, SupportsHMA):
+
+    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any):
         super().__init__(vllm_config, role, kv_cache_config)
-        ktc = vllm_config.kv_transfer_config
-        self.extra = dict(getattr(ktc, "kv_connector_extra_config", None) or {})
-        self.engine_id = str(ktc.engine_id)
-        self.tp_size = int(vllm_config.parallel_config.tensor_parallel_size)
-        self.block_size = int(vllm_config.cache_config.block_size)
-        self.use_mla = bool(getattr(vllm_config.model_config, "use_mla", False))
-        self.host, self.base_port = _side_channel(vllm_config, self.extra)
-        self.wait_ms = int(self.extra.get("fetch_wait_ms", 30000))
-        self.lease_ms = int(self.extra.get("lease_ms", 30000))
-        self.renew_s = float(self.extra.get("lease_renew_s", self.lease_ms / 3000.0))
+        self.settings = Settings.from_vllm(vllm_config)
+        s = self.settings
+        self.groups = Groups(kv_cache_config, s.block_size)
+        self.engine_id, self.tp_size = s.engine_id, s.tp_size
+        self.host, self.base_port = s.host, s.base_port
         if role == KVConnectorRole.SCHEDULER:
-            self._send = {}
-            self._recv = {}
-            self._waiting = {}   # decode requests queued, not allocated yet: renew
+            self._send: Dict[str, Tuple[List[int], str]] = {}
+            self._recv: Dict[str, RecvReq] = {}
+            self._waiting: Dict[str, Dict[str, Any]] = {}  # queued decode requests: renew
             self._last_renew = time.monotonic()
+            logger.info("pdkv scheduler %s: side channel %s:%d, %d KV-cache group(s), written "
+                        "for vLLM %s", s.engine_id, s.host, s.base_port, self.groups.count,
+                        upstream.VLLM_COMMIT[:12])
         else:
-            self.worker = _Worker(self)
+            from pdkv.worker import Worker
+            self.worker = Worker(s, self.groups.count)
 
     # ------------------------------------------------------ scheduler side --
-    def get_num_new_matched_tokens(self, request, num_computed_tokens):
+    def get_num_new_matched_tokens(self, request: Any,
+                                   num_computed_tokens: int) -> Tuple[int, bool]:
         params = request.kv_transfer_params
-        if not params or not params.get("do_remote_prefill"):
+        if not params or not params.get("do_remote_prefill") or _params_missing(params):
             return 0, False
-        if _params_missing(params):
+        count = _num_prompt_tokens(request) - num_computed_tokens
+        if count <= 0:
             return 0, False
-        count = len(request.prompt_token_ids) - num_computed_tokens
-        if count > 0:
-            self._waiting[request.request_id] = params
-            return count, True
-        return 0, False
+        self._waiting[request.request_id] = params
+        return count, True
 
-    def update_state_after_alloc(self, request, blocks, num_external_tokens):
+    def _refusal(self, params: Dict[str, Any]) -> Optional[str]:
+        try:
+            tp = params.get("tp_size", 1)
+            ranks = tp if isinstance(tp, int) and not isinstance(tp, bool) and tp > 0 else 1
+            check_remote(params, self.settings.networks, ranks)
+            if not isinstance(params.get("remote_kv_token"), str):
+                raise ParamsError("remote_kv_token is not a string")
+        except ParamsError as e:
+            return str(e)
+        return None
+
+    def update_state_after_alloc(self, request: Any, blocks: Any,
+                                 num_external_tokens: int) -> None:
         params = request.kv_transfer_params
         if not params or not params.get("do_remote_prefill"):
             return
@@ -130,60 +151,91 @@ class PdkvConnector(KVConnectorBase_V1):
         self._waiting.pop(rid, None)
         missing = _params_missing(params)
         if missing:
-            logger.warning("request %s: invalid kv_transfer_params, missing %s: prefill recomputed",
-                           rid, ",".join(missing))
-        elif num_external_tokens > 0:
-            local = list(blocks.get_unhashed_block_ids())
-            nremote = len(params["remote_block_ids"])
-            if len(local) > nremote:
-                local = local[:nremote]
-            self._recv[rid] = RecvReq(local, dict(params))
-        else:  # everything hit locally: still tell prefill to free its blocks
-            self._recv[rid] = RecvReq([], dict(params), notify_only=True)
+            logger.warning("request %s: invalid kv_transfer_params, missing %s: prefill "
+                           "recomputed", rid, ",".join(missing))
+            params["do_remote_prefill"] = False
+            return
+        refused = self._refusal(params)
+        local: List[int] = []
+        remote: List[int] = []
+        if refused is None and num_external_tokens > 0:
+            try:
+                groups = parse_remote(params["remote_block_ids"])
+                if hasattr(blocks, "get_unhashed_block_ids_all_groups"):
+                    unhashed = blocks.get_unhashed_block_ids_all_groups()
+                else:
+                    unhashed = [blocks.get_unhashed_block_ids()]
+                n = params.get("remote_num_tokens")
+                ntok = _num_prompt_tokens(request)
+                if isinstance(n, int) and not isinstance(n, bool) and 0 < n < ntok:
+                    ntok = n
+                local, remote = self.groups.align(blocks.get_block_ids(), unhashed, groups,
+                                                  ntok)
+            except ValueError as e:
+                refused = str(e)
+        if refused is not None:
+            logger.warning("request %s: kv_transfer_params refused (%s): the load fails, "
+                           "kv_load_failure_policy applies", rid, refused)
+        self._recv[rid] = RecvReq(local, remote, dict(params), awaiting=num_external_tokens > 0,
+                                  refused=refused)
         params["do_remote_prefill"] = False  # second call after the load: nothing to do
 
-    def build_connector_meta(self, scheduler_output):
+    def build_connector_meta(self, scheduler_output: Any) -> PdkvConnectorMetadata:
         meta = PdkvConnectorMetadata(reqs_to_send=self._send, reqs_to_recv=self._recv)
         now = time.monotonic()
-        if self._waiting and now - self._last_renew >= self.renew_s:
-            meta.reqs_to_renew = dict(self._waiting)
+        if self._waiting and now - self._last_renew >= self.settings.renew_s:
+            meta.reqs_to_renew = {r: p for r, p in self._waiting.items()
+                                  if self._refusal(p) is None}
             self._last_renew = now
         self._send, self._recv = {}, {}
         return meta
 
-    def request_finished(self, request, block_ids):
+    def request_finished(self, request: Any, block_ids: List[int]
+                         ) -> Tuple[bool, Optional[Dict[str, Any]]]:
+        return self._finished(request, (block_ids,))
+
+    def request_finished_all_groups(self, request: Any, block_ids: Tuple[List[int], ...]
+                                    ) -> Tuple[bool, Optional[Dict[str, Any]]]:
+        return self._finished(request, block_ids)
+
+    def _finished(self, request: Any, block_ids: Sequence[Sequence[int]]
+                  ) -> Tuple[bool, Optional[Dict[str, Any]]]:
         rid = request.request_id
         params = request.kv_transfer_params
         self._waiting.pop(rid, None)
         if not params:
             return False, None
         if params.get("do_remote_prefill"):
-            # aborted before its transfer: with complete params, prefill is
-            # told at once to free its blocks (with incomplete ones it cannot
-            # be reached, and its lease frees them)
-            if not _params_missing(params):
-                self._recv[rid] = RecvReq([], dict(params), notify_only=True)
+            # aborted before its transfer: with complete, acceptable params
+            # prefill is told at once to free its blocks (otherwise it
+            # cannot, or may not, be reached, and its lease frees them)
+            if not _params_missing(params) and self._refusal(params) is None:
+                self._recv[rid] = RecvReq([], [], dict(params), awaiting=False)
             params["do_remote_prefill"] = False
             return False, None
-        if not params.get("do_remote_decode"):
+        if not params.get("do_remote_decode") or request.status not in HAND_OFF:
             return False, None
-        if request.status != RequestStatus.FINISHED_LENGTH_CAPPED or not block_ids:
+        groups = self.groups.clip(block_ids)
+        blocks = [b for g in groups for b in g]
+        if not blocks:
             return False, None
         token = secrets.token_hex(16)
-        blocks = [int(b) for b in block_ids]
         self._send[rid] = (blocks, token)
         return True, {
             "do_remote_prefill": True, "do_remote_decode": False,
-            "remote_block_ids": blocks, "remote_engine_id": self.engine_id,
-            "remote_host": self.host, "remote_port": self.base_port,
-            "remote_request_id": rid, "tp_size": self.tp_size, "remote_kv_token": token,
+            "remote_block_ids": groups[0] if len(groups) == 1 else groups,
+            "remote_engine_id": self.engine_id, "remote_host": self.host,
+            "remote_port": self.base_port, "remote_request_id": rid, "tp_size": self.tp_size,
+            "remote_kv_token": token,
+            "remote_num_tokens": int(getattr(request, "num_computed_tokens", 0) or 0),
+            "transfer_mode": "pull",
         }
 
-    def update_connector_output(self, connector_output):
+    def update_connector_output(self, connector_output: Any) -> None:
         return
 
     @classmethod
-    def get_required_kvcache_layout(cls, vllm_config):
+    def get_required_kvcache_layout(cls, vllm_config: Any) -> Optional[str]:
         # Heterogeneous TP reads a slice of heads from each block: heads must
         # be the block's outer dimension (HND), as NIXL requires for head
         # splitting (docs/features/nixl_connector_compatibility.md).
@@ -191,224 +243,49 @@ class PdkvConnector(KVConnectorBase_V1):
             return None
         return "HND"
 
+    @classmethod
+    def build_kv_connector_stats(cls, data: Optional[Dict[str, Any]] = None
+                                 ) -> PdkvKVConnectorStats:
+        return PdkvKVConnectorStats(data=data) if data is not None else PdkvKVConnectorStats()
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: Any, metric_types: Any, labelnames: List[str],
+                           per_engine_labelvalues: Dict[int, List[object]]) -> PdkvPromMetrics:
+        return PdkvPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
     # --------------------------------------------------------- worker side --
-    def register_kv_caches(self, kv_caches):
+    def register_kv_caches(self, kv_caches: Dict[str, Any]) -> None:
         self.worker.register(kv_caches)
 
-    def start_load_kv(self, forward_context, **kwargs):
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         self.worker.start(self._get_connector_metadata())
 
-    def wait_for_layer_load(self, layer_name):
+    def wait_for_layer_load(self, layer_name: str) -> None:
         return
 
-    def save_kv_layer(self, layer_name, kv_layer, attn_metadata, **kwargs):
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any,
+                      **kwargs: Any) -> None:
         return
 
-    def wait_for_save(self):
+    def wait_for_save(self) -> None:
         return
 
-    def get_finished(self, finished_req_ids):
-        return self.worker.finished()
+    def get_finished(self, finished_req_ids: Set[str]
+                     ) -> Tuple[Optional[Set[str]], Optional[Set[str]]]:
+        r = self.worker.results()
+        return (r.finished_sending or None), (r.finished_recving or None)
 
-    def get_block_ids_with_load_errors(self):
+    def get_transfer_results(self, finished_req_ids: Set[str]) -> KVConnectorTransferResults:
+        return self.worker.results()
+
+    def get_block_ids_with_load_errors(self) -> Set[int]:
         return self.worker.load_errors()
 
-    def shutdown(self):
+    def get_kv_connector_stats(self) -> Optional[PdkvKVConnectorStats]:
+        if self.role != KVConnectorRole.WORKER:
+            return None
+        return self.worker.take_stats()
+
+    def shutdown(self) -> None:
         if self.role == KVConnectorRole.WORKER:
             self.worker.close()
-
-
-def _region_of(t):
-    """(base, length, num_blocks, block_bytes, heads_outer) of a tensor whose
-    dim 0 counts blocks; raises ValueError if a block is not one dense run."""
-    elem = t.element_size()
-    nb = t.shape[0]
-    span = 1 + sum((t.shape[i] - 1) * t.stride(i) for i in range(1, t.dim()))
-    if t.stride(0) != span or any(s <= 0 for s in t.stride()):
-        raise ValueError(f"KV tensor {tuple(t.shape)} strides {t.stride()}: a block is not "
-                         "one contiguous run")
-    return t.data_ptr(), nb * span * elem, nb, span * elem
-
-
-class _Worker:
-    """Worker half: one agent per TP rank, driven by its progress thread."""
-
-    def __init__(self, conn):
-        self.c = conn
-        self.rank = int(get_tensor_model_parallel_rank())
-        self.agent = None
-        self.mu = threading.Lock()
-        self.done_send, self.done_recv, self.invalid = set(), set(), set()
-        self.xfers = {}      # xfer_id -> request id
-        self.loading = {}    # request id -> [fetches left, failed, local blocks]
-        self.published = set()
-        self.hnd = True
-        self.num_regions = 0
-
-    # -- registration ---------------------------------------------------------
-    def register(self, kv_caches):
-        regions, nb, dtype, hd = [], None, None, None
-        for name, t in kv_caches.items():
-            if self.c.use_mla or t.dim() == 3:
-                planes = [t]                      # MLA: [num_blocks, block_size, head_size]
-            elif t.dim() == 5 and t.shape[0] == 2:
-                planes = [t[0], t[1]]             # [2, num_blocks, block_size, heads, head]
-                # HND: heads outside tokens inside a block (stride order)
-                self.hnd = self.hnd and t.stride(3) > t.stride(2)
-            else:
-                planes = [t]                      # [num_blocks, ...]: one region per layer
-                self.hnd = False
-            for p in planes:
-                base, length, n, _bb = _region_of(p)
-                if nb is not None and n != nb:
-                    raise ValueError(f"layer {name}: {n} blocks, others {nb}")
-                nb = n
-                dev = p.device.index or 0 if p.is_cuda else None
-                regions.append((base, length, dev))
-            dtype, hd = str(t.dtype).replace("torch.", ""), t.shape[-1]
-        if not regions:
-            raise ValueError("no KV caches to register")
-        secret = None
-        path = os.environ.get(ENV_SECRET_FILE) or self.c.extra.get("secret_file")
-        if path:
-            with open(path, "rb") as f:
-                secret = f.read().rstrip(b"\r\n")
-        tag = (f"pdkv1/{'mla' if self.c.use_mla else 'kv'}/{dtype}/{len(kv_caches)}L/"
-               f"{len(regions)}R/h{hd}/bs{self.c.block_size}/{'HND' if self.hnd else 'NHD'}")
-        self.agent = kvc.Agent(self.c.engine_id, listen_host=self.c.host,
-                               listen_port=self.c.base_port + self.rank,
-                               tp_size=self.c.tp_size, layout_tag=tag, secret=secret,
-                               lease_ms=self.c.lease_ms,
-                               expiry_ms=self.c.extra.get("expiry_ms"),
-                               xfer_timeout_ms=self.c.extra.get("xfer_timeout_ms"),
-                               connect_timeout_ms=self.c.extra.get("connect_timeout_ms"))
-        self.agent.register_regions(nb, regions)
-        self.num_regions = len(regions)
-        self.cuda = regions[0][2] is not None
-        self.agent.start(self._on_event)
-        logger.info("pdkv rank %d: %d regions x %d blocks, side channel %s:%d, library %s",
-                    self.rank, len(regions), nb, self.c.host, self.agent.port, kvc.library_path())
-
-    # -- events (progress thread) ---------------------------------------------
-    def _on_event(self, ev):
-        with self.mu:
-            if ev.type in (kvc.EV_RELEASED, kvc.EV_EXPIRED):
-                if ev.request_id in self.published:
-                    self.published.discard(ev.request_id)
-                    self.done_send.add(ev.request_id)
-                if ev.type == kvc.EV_EXPIRED:
-                    logger.warning("pdkv: publication %s expired: %s", ev.request_id, ev.message)
-                return
-            if ev.type not in (kvc.EV_FETCH_DONE, kvc.EV_FETCH_FAILED):
-                return
-            rid = self.xfers.pop(ev.xfer_id, None)
-            if rid is None or rid not in self.loading:
-                return
-            st = self.loading[rid]
-            if ev.type == kvc.EV_FETCH_FAILED:
-                st[1] = True
-                logger.warning("pdkv: load of %s failed: %s %s", rid, kvc.status_str(ev.status),
-                               ev.message)
-            st[0] -= 1
-            if st[0] == 0:
-                self._finish_load(rid)
-
-    def _finish_load(self, rid):  # self.mu held
-        left, failed, local, notify_only = self.loading.pop(rid)
-        if notify_only:
-            return
-        if failed:
-            self.invalid.update(local)
-        self.done_recv.add(rid)
-
-    # -- per step ------------------------------------------------------------
-    def _plan(self, params):
-        """[(remote_rank, parts or None, read)] for this rank; read=False: an
-        MLA replica that rank 0's read already covers: a fetch without
-        blocks releases it (with wait_ms the producer holds that release if
-        it comes before the publication)."""
-        d, p, r = self.c.tp_size, int(params.get("tp_size", 1) or 1), self.rank
-        if d >= p:
-            if d % p:
-                raise ValueError(f"decode TP {d} not a multiple of prefill TP {p}")
-            k = d // p
-            if self.c.use_mla or k == 1:
-                return [(r // k, None, True)]
-            if not self.hnd:
-                raise ValueError("heterogeneous TP needs the HND KV-cache layout")
-            return [(r // k, (k, r % k, 1, 0), True)]
-        if p % d:
-            raise ValueError(f"prefill TP {p} not a multiple of decode TP {d}")
-        k = p // d
-        if self.c.use_mla:
-            return [(r * k + j, None, j == 0) for j in range(k)]
-        if not self.hnd:
-            raise ValueError("heterogeneous TP needs the HND KV-cache layout")
-        return [(r * k + j, (1, 0, k, j), True) for j in range(k)]
-
-    def start(self, meta):
-        if self.agent is None:
-            return
-        stream = None
-        if self.cuda:
-            import torch
-            stream = torch.cuda.current_stream().cuda_stream
-        for rid, (blocks, token) in meta.reqs_to_send.items():
-            with self.mu:
-                self.published.add(rid)
-            try:
-                self.agent.publish(rid, blocks, token=token, cuda_stream=stream)
-            except kvc.KvcError as e:
-                logger.error("pdkv: publish %s failed: %s: its blocks are freed", rid, e)
-                with self.mu:
-                    self.published.discard(rid)
-                    self.done_send.add(rid)
-        for rid, rr in meta.reqs_to_recv.items():
-            self._load(rid, rr, stream)
-        for rid, params in meta.reqs_to_renew.items():
-            try:
-                for rank, _parts, _read in self._plan(params):
-                    self.agent.lease_renew(params, remote_rank=rank)
-            except (kvc.KvcError, ValueError) as e:
-                logger.warning("pdkv: lease renewal of %s: %s", rid, e)
-
-    def _load(self, rid, rr, stream):
-        try:
-            plan = self._plan(rr.params)
-        except ValueError as e:
-            logger.error("pdkv: load of %s refused: %s", rid, e)
-            plan = None
-        with self.mu:  # one count held by this call until every fetch is started
-            self.loading[rid] = [1, plan is None, list(rr.local_block_ids), rr.notify_only]
-        for rank, parts, read in plan or []:
-            local = rr.local_block_ids if read and not rr.notify_only else []
-            try:
-                with self.mu:  # the event may come before fetch() returns
-                    xid = self.agent.fetch(rr.params, local, cuda_stream=stream, remote_rank=rank,
-                                           parts=parts, wait_ms=self.c.wait_ms)
-                    self.xfers[xid] = rid
-                    self.loading[rid][0] += 1
-            except kvc.KvcError as e:
-                logger.error("pdkv: load of %s from rank %d: %s", rid, rank, e)
-                with self.mu:
-                    self.loading[rid][1] = True
-        with self.mu:
-            self.loading[rid][0] -= 1
-            if self.loading[rid][0] == 0:
-                self._finish_load(rid)
-
-    def finished(self):
-        with self.mu:
-            s, r = self.done_send, self.done_recv
-            self.done_send, self.done_recv = set(), set()
-        return (s or None), (r or None)
-
-    def load_errors(self):
-        with self.mu:
-            inv, self.invalid = self.invalid, set()
-        return inv
-
-    def close(self):
-        if self.agent is not None:
-            self.agent.close()
-            self.agent = None
