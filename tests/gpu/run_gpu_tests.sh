@@ -153,7 +153,7 @@ summary INFO ucx "$(ucx_info -v 2>/dev/null | sed -n 's/^# *Library version: *//
 # DIRECT_ENV: the environment the direct path's checks run in.  The system's
 # UCX when it has cuda_copy; otherwise KVC_GPU_UCX may name the prefix of a
 # UCX built with CUDA transports (same soname: the checks load it through
-# LD_LIBRARY_PATH; docs/connector-paths.md says how to build one).
+# LD_LIBRARY_PATH; docs/gpu.md says how to build one).
 HAVE_CUDA_UCX=0 DIRECT_ENV=""
 if [ $STANDIN = 0 ] && echo "$TLS" | grep -qw cuda_copy; then HAVE_CUDA_UCX=1; fi
 if [ $STANDIN = 0 ] && [ $HAVE_CUDA_UCX = 0 ] && [ -n "${KVC_GPU_UCX:-}" ]; then
