@@ -84,6 +84,10 @@ static size_t squash_segments(char *p, size_t n) {
 int px_http_normalize_target(char *buf, px_http_head *h, const char **why) {
     char *t = buf + (h->target - buf);
     size_t n = h->target_len, from = 0;
+    /* A fragment is not part of a request target (RFC 9112 §3.2): a server
+     * behind the proxy may drop it and route by the rest, so the target the
+     * proxy routes by would not be the one the engine serves. */
+    if (memchr(t, '#', n)) return *why = "a '#' fragment is not part of a request target", 400;
     if (n > 7 && px_http_token_eq(t, 7, "http://"))
         from = 7;
     else if (n > 8 && px_http_token_eq(t, 8, "https://"))

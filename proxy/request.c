@@ -474,7 +474,9 @@ static void start_passthrough(px_req *r) {
     }
     px_buf_cleanup(&clean);
     if (st < 0) {
-        req_fail(r, 400, NULL, "request body is not valid JSON");
+        req_fail(r, 400, NULL,
+                 st == -2 ? "request body must be UTF-8 JSON without a byte-order mark"
+                          : "request body is not valid JSON");
         return;
     }
     r->dbody = r->body;

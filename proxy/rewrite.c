@@ -11,8 +11,29 @@ static const char *const prefill_drop[] = {
     "max_completion_tokens", "min_tokens", "min_completion_tokens",
 };
 
+/* Members that hold an object in which an engine reads kv_transfer_params
+ * too, so the proxy's keys are stripped inside them as well, at any depth
+ * these names nest (SECURITY.md, "Where the proxy's keys are stripped"):
+ * vLLM merges a request's vllm_xargs into its sampling parameters'
+ * extra_args, which is where the KV connector reads kv_transfer_params
+ * (vllm/entrypoints/openai/chat_completion/protocol.py, to_sampling_params),
+ * and the token-in generate endpoint takes sampling_params, extra_args
+ * included, as the client sent them (vllm/entrypoints/serve/disagg/serving.py,
+ * serve_tokens). */
+static const char *const nested_owned[] = {"vllm_xargs", "sampling_params", "extra_args"};
+static const char *const owned_keys[] = {"kv_transfer_params"};
+#define SAW_NESTED (1u << 31) /* a proxy-owned key was stripped inside a member */
+
+static int is_nested_owned(const px_json_member *m) {
+    if (m->type != PX_JSON_OBJECT) return 0;
+    for (size_t i = 0; i < sizeof nested_owned / sizeof *nested_owned; i++)
+        if (px_json_str_eq(m->key, m->key_len, nested_owned[i])) return 1;
+    return 0;
+}
+
 /* Copies the members of `body` not named in `drop` into `out` as "{m1,m2,...",
- * leaving the object open. Sets *saw for each dropped key seen (bit i). */
+ * leaving the object open. Sets *saw for each dropped key seen (bit i), and
+ * SAW_NESTED when a proxy-owned key was stripped inside a nested member. */
 static int copy_members(const char *body, size_t n, const char *const *drop, size_t ndrop,
                         px_buf *out, unsigned *saw) {
     px_json_iter it;
@@ -38,7 +59,23 @@ static int copy_members(const char *body, size_t n, const char *const *drop, siz
          * the colon is normalised away. */
         px_buf_append(out, m.start, (size_t)(m.key + m.key_len + 1 - m.start));
         px_buf_append(out, ":", 1);
-        px_buf_append(out, m.val, m.val_len);
+        if (!is_nested_owned(&m)) {
+            px_buf_append(out, m.val, m.val_len);
+            continue;
+        }
+        size_t at = out->len;
+        unsigned inner;
+        if (copy_members(m.val, m.val_len, owned_keys, 1, out, &inner) < 0) return -1;
+        if (!inner) { /* nothing stripped inside: the value's own bytes */
+            out->len = at;
+            px_buf_append(out, m.val, m.val_len);
+            continue;
+        }
+        *saw |= SAW_NESTED;
+        if (out->len - at > 1)
+            out->data[out->len - 1] = '}'; /* replace the trailing comma */
+        else
+            px_buf_append(out, "}", 1);
     }
     if (r < 0) return -1;
     if (!first) px_buf_append(out, ",", 1);
@@ -114,7 +151,16 @@ int px_rewrite_decode(const char *body, size_t n, const char *kvp, size_t kvp_le
     return 0;
 }
 
+int px_body_foreign_encoding(const char *body, size_t n) {
+    const unsigned char *b = (const unsigned char *)body;
+    if (n >= 3 && b[0] == 0xEF && b[1] == 0xBB && b[2] == 0xBF) return 1; /* UTF-8 BOM */
+    if (n >= 2 && ((b[0] == 0xFE && b[1] == 0xFF) || (b[0] == 0xFF && b[1] == 0xFE)))
+        return 1; /* UTF-16 BOM (and UTF-32 little-endian's) */
+    return n >= 2 && (!b[0] || !b[1]); /* UTF-16/32 without BOM, UTF-32 BE's BOM */
+}
+
 int px_rewrite_forwarded(const char *body, size_t n, px_buf *out) {
+    if (px_body_foreign_encoding(body, n)) return -2;
     size_t i = 0;
     while (i < n && (body[i] == ' ' || body[i] == '\t' || body[i] == '\r' || body[i] == '\n'))
         i++;

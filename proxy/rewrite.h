@@ -40,6 +40,12 @@ int px_rewrite_prefill_generate(const char *body, size_t n, px_buf *out);
  * not an object. */
 int px_rewrite_decode(const char *body, size_t n, const char *kvp, size_t kvp_len, px_buf *out);
 
+/* 1 when a body begins the way Python's json.loads (json.detect_encoding)
+ * reads as a byte-order mark or as UTF-16/UTF-32: an engine's JSON parser
+ * would decode it, the proxy's cannot look inside it, so such bodies are
+ * refused (RFC 8259 §8.1: JSON between systems is UTF-8 without a BOM). */
+int px_body_foreign_encoding(const char *body, size_t n);
+
 /* The body of a request passed through to an engine as it is, except
  * that members whose key decodes to a key the proxy owns
  * (kv_transfer_params) are removed, however spelled (defence in depth: an
@@ -47,7 +53,10 @@ int px_rewrite_decode(const char *body, size_t n, const char *kvp, size_t kvp_le
  * the body is to go unchanged (not a JSON object text, or nothing to
  * remove), 1 when `out` holds the body to send instead, -1 when the body
  * looks like a JSON object ('{' first) but is not valid JSON: the engine
- * might read it more leniently than the proxy, so it is refused. */
+ * might read it more leniently than the proxy, so it is refused; -2 when
+ * px_body_foreign_encoding() says so. Members named vllm_xargs,
+ * sampling_params and extra_args that hold objects lose their own
+ * kv_transfer_params the same way (the engine reads them there too). */
 int px_rewrite_forwarded(const char *body, size_t n, px_buf *out);
 
 /* Bytes of the members of a request body (a validated JSON object) that an

@@ -15,3 +15,5 @@ px_py_test(hold_line3)
 # Issue 30's Low items: --reuse-port, the sidecar allowlist and 4xx bodies,
 # --decode-idle-timeout.
 px_py_test(hold_line3_low)
+# Issue 41: fragments, byte-order marks and nested kv_transfer_params.
+px_py_test(hold_line4)

@@ -259,6 +259,12 @@ static void test_normalize_target(void **state)
     norm("/v1/%2", 400, NULL);
     norm("/v1/%zz", 400, NULL);
     norm("/%", 400, NULL);
+    /* A fragment is refused (an engine behind would route by what is left);
+     * an encoded '#' is a path byte like any other. */
+    norm("/v1/chat/completions#frag", 400, NULL);
+    norm("/v1/completions?x=1#", 400, NULL);
+    norm("http://h/v1/completions#f", 400, NULL);
+    norm("/v1/a%23b", 0, "/v1/a%23b");
 }
 
 int main(void)

@@ -122,6 +122,77 @@ static void test_decode_rewrite(void **state)
     px_buf_cleanup(&b);
 }
 
+/* kv_transfer_params inside the objects where vLLM reads them too:
+ * vllm_xargs (merged into extra_args) and a generate request's
+ * sampling_params.extra_args; stripped on every leg, the rest as sent. */
+static void test_nested_owned_keys(void **state)
+{
+    check_prefill("{\"vllm_xargs\":{\"kv_transfer_params\":\"x\",\"a\":1},\"m\":1}",
+                  "{\"vllm_xargs\":{\"a\":1},\"m\":1,\"kv_transfer_params\":" KVP
+                  ",\"stream\":false,\"max_tokens\":1}");
+    check_prefill("{\"vllm_xargs\":{\"kv_transfer_\\u0070arams\":\"x\"}}",
+                  "{\"vllm_xargs\":{},\"kv_transfer_params\":" KVP
+                  ",\"stream\":false,\"max_tokens\":1}");
+    /* Untouched bytes when nothing is stripped inside. */
+    check_prefill("{\"vllm_xargs\":{ \"a\" : 1 }}",
+                  "{\"vllm_xargs\":{ \"a\" : 1 },\"kv_transfer_params\":" KVP
+                  ",\"stream\":false,\"max_tokens\":1}");
+    check_with(px_rewrite_prefill_generate,
+               "{\"token_ids\":[1],\"sampling_params\":{\"max_tokens\":9,\"extra_args\":"
+               "{\"kv_transfer_params\":{\"remote_host\":\"169.254.169.254\"},\"k\":2}}}",
+               "{\"token_ids\":[1],\"kv_transfer_params\":" KVP
+               ",\"stream\":false,\"sampling_params\":{\"extra_args\":{\"k\":2},"
+               "\"max_tokens\":1}}");
+    const char *gen = "{\"token_ids\":[1],\"sampling_params\":{\"kv_transfer_params\":1,"
+                      "\"extra_args\":{\"kv_transfer_params\":{\"remote_host\":\"evil\"}}}}";
+    px_buf b;
+    px_buf_init(&b);
+    assert_int_equal(px_rewrite_decode(gen, strlen(gen), "{\"r\":1}", 7, &b), 0);
+    px_buf_append(&b, "", 1);
+    assert_string_equal(b.data, "{\"token_ids\":[1],\"sampling_params\":{\"extra_args\":{}},"
+                                "\"kv_transfer_params\":{\"r\":1}}");
+    /* Passthrough: rewritten when something nested was stripped... */
+    px_buf_reset(&b);
+    const char *fw = "{\"vllm_xargs\":{\"kv_transfer_params\":\"x\"},\"input\":\"a\"}";
+    assert_int_equal(px_rewrite_forwarded(fw, strlen(fw), &b), 1);
+    px_buf_append(&b, "", 1);
+    assert_string_equal(b.data, "{\"vllm_xargs\":{},\"input\":\"a\"}");
+    /* ...and left alone where no engine reads the key. */
+    px_buf_reset(&b);
+    const char *other = "{\"metadata\":{\"kv_transfer_params\":1},\"vllm_xargs\":\"s\"}";
+    assert_int_equal(px_rewrite_forwarded(other, strlen(other), &b), 0);
+    px_buf_cleanup(&b);
+}
+
+/* Bodies an engine's json.loads decodes but the proxy cannot read: a
+ * byte-order mark, UTF-16 or UTF-32 (json.detect_encoding's rules). */
+static void test_foreign_encodings_refused(void **state)
+{
+    static const struct {
+        const char *b;
+        size_t n;
+    } bad[] = {
+        {"\xEF\xBB\xBF{\"kv_transfer_params\":{}}", 25}, /* UTF-8 BOM */
+        {"\xFE\xFF\0{", 4},                               /* UTF-16 BE BOM */
+        {"\xFF\xFE{\0", 4},                               /* UTF-16 LE BOM, UTF-32 LE's too */
+        {"\0\0\xFE\xFF", 4},                             /* UTF-32 BE BOM */
+        {"{\0\"\0", 4},                                   /* UTF-16 LE */
+        {"\0{\0\"", 4},                                   /* UTF-16 BE */
+        {"{\0\0\0", 4},                                   /* UTF-32 LE */
+    };
+    px_buf b;
+    px_buf_init(&b);
+    for (size_t i = 0; i < sizeof bad / sizeof *bad; i++) {
+        assert_true(px_body_foreign_encoding(bad[i].b, bad[i].n));
+        assert_int_equal(px_rewrite_forwarded(bad[i].b, bad[i].n, &b), -2);
+    }
+    assert_false(px_body_foreign_encoding("{\"a\":1}", 7));
+    assert_false(px_body_foreign_encoding(" {}", 3));
+    assert_false(px_body_foreign_encoding("", 0));
+    assert_false(px_body_foreign_encoding("--boundary\r\n", 12));
+    px_buf_cleanup(&b);
+}
+
 static void test_extract(void **state)
 {
     const char *kvp;
@@ -157,6 +228,8 @@ int main(void)
         cmocka_unit_test(test_prefill_generate),
         cmocka_unit_test(test_decode_rewrite),
         cmocka_unit_test(test_extract),
+        cmocka_unit_test(test_nested_owned_keys),
+        cmocka_unit_test(test_foreign_encodings_refused),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
