@@ -233,7 +233,7 @@ class BudgetTest(PxTestCase):
             self.fail("strace could not attach to pdproxy: %s" % tr.communicate()[1])
         served = drive(px.port, REQUESTS, CLIENTS)
         tr.send_signal(signal.SIGINT)
-        tr.wait(20)
+        tr.communicate(timeout=20)
         self.assertEqual(served, REQUESTS)
         calls = strace_counts(out)
         per = {k: v / REQUESTS for k, v in calls.items()}
