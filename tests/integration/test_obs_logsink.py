@@ -7,12 +7,13 @@ SIGTERM, SIGHUP or a failed request; --log-file is reopened on SIGUSR1 and
 on SIGHUP (log rotation)."""
 
 import os
+import shutil
 import signal
 import subprocess
 import tempfile
 import threading
 
-from pdharness.canned import DBODY, PBODY, Canned, drive
+from pdharness.canned import canned_engines, drive
 from pdharness.case import PxTestCase, main
 from pdharness.client import http_request
 from pdharness.logs import parse_logfmt
@@ -38,11 +39,9 @@ def ids(rid, clients, n):
 class LogSinkCase(PxTestCase):
     def setUp(self):
         super().setUp()
-        self.P = Canned(PBODY)
-        self.D = Canned(DBODY)
-        self.addCleanup(self.P.close)
-        self.addCleanup(self.D.close)
+        self.P, self.D = canned_engines(self)
         self.dir = tempfile.mkdtemp(prefix="pdproxy-logsink-")
+        self.addCleanup(shutil.rmtree, self.dir, True)
 
     def backends(self):
         return ["--prefiller-hosts", HOST, "--prefiller-ports", str(self.P.port),

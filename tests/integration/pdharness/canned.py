@@ -89,6 +89,15 @@ class Canned:
                 pass
 
 
+def canned_engines(tc):
+    """A canned prefill engine and a canned decode engine, closed at test
+    case `tc`'s cleanup."""
+    p, d = Canned(PBODY), Canned(DBODY)
+    tc.addCleanup(p.close)
+    tc.addCleanup(d.close)
+    return p, d
+
+
 def response_length(buf):
     """The length of the complete response at the start of buf (Content-Length
     or chunked), or None while it is incomplete."""
