@@ -11,7 +11,8 @@
 #   bench/proxy_bench.sh [build-dir]     (DURATION=10 THREADS=1 by default)
 #   SYSCALLS=1: also count pdproxy's system calls per request (strace -c) at 1
 #   and 64 connections; PROFILE=1: also a perf profile at 64 connections;
-#   SSE=1: also 256 concurrent streams of 200 events, pdproxy beside nginx
+#   SSE=1: also 256 concurrent streams of 200 events (SSE_CONNS="16 64":
+#   those counts instead), pdproxy beside nginx
 #   (with PROFILE=1, profiled too). CONNS="64" runs only the listed
 #   connection counts. ALLOCS=1: heap allocations per request (a counting
 #   allocator, bench/alloc_count.c, preloaded into a third pdproxy).
@@ -230,34 +231,49 @@ if [ -n "${SSE:-}" ]; then
         pids+=($sbpid)
         wait_port "$BS"
     fi
-    stream() { # name url pid
+    stream() { # name url pid conns
         local c0 out rps mbs c1
         c0=$(cpu_s "$3")
-        out=$(wrk -t1 -c256 -d"${duration}s" -s "$root/bench/wrk/stream.lua" "$2/v1/completions")
+        out=$(wrk -t1 -c"$4" -d"${duration}s" -s "$root/bench/wrk/stream.lua" "$2/v1/completions")
         c1=$(cpu_s "$3")
         rps=$(awk '/Requests\/sec/{print $2}' <<<"$out")
         mbs=$(awk '/Transfer\/sec/{v=$2; if (v ~ /MB$/) {sub(/MB/,"",v)} else if (v ~ /KB$/) {sub(/KB/,"",v); v/=1024} else if (v ~ /GB$/) {sub(/GB/,"",v); v*=1024}; print v}' <<<"$out")
         awk -v n="$1" -v r="$rps" -v m="$mbs" -v c="$(awk -v a="$c0" -v b="$c1" 'BEGIN{print b-a}')" -v d="$duration" \
-            'BEGIN { printf "%-9s c=256 %9.0f events/s %8.1f MB/s  CPU %5.2f s = %.1f ms per MB\n", n, r * 201, m, c, 1000 * c / (m * d) }'
-        echo "$1 $(awk -v r="$rps" 'BEGIN{print r*201}') $mbs $c0 $c1" >> "$work/sse.results"
+            -v k="$4" 'BEGIN { printf "%-9s c=%-3s %9.0f events/s %8.1f MB/s  CPU %5.2f s = %.1f ms per MB\n", n, k, r * 201, m, c, 1000 * c / (m * d) }'
+        echo "$1 $(awk -v r="$rps" 'BEGIN{print r*201}') $mbs $c0 $c1 $4" >> "$work/sse.results"
     }
     echo
-    echo "streaming (SSE=1): 256 streams x 200 events, wrk -t1 ${duration}s"
+    echo "streaming (SSE=1): ${SSE_CONNS:-256} streams x 200 events, wrk -t1 ${duration}s"
     if [ -n "${PROFILE:-}" ]; then
         perf record -q -e cpu-clock -F 2000 -g -p "$spid" -o "$work/perf.sse" -- sleep 4 &
         prof=$!
     fi
     for round in $(seq 1 "$rounds"); do
-    stream pdproxy "http://127.0.0.1:$XS" "$spid"
-    if [ -n "${PROFILE:-}" ] && [ "$round" = 1 ]; then
+    for sc in ${SSE_CONNS:-256}; do
+    stream pdproxy "http://127.0.0.1:$XS" "$spid" "$sc"
+    if [ -n "${PROFILE:-}" ] && [ -z "${prof_done:-}" ]; then
+        prof_done=1
         wait "$prof" || true
         echo "pdproxy profile while streaming (self time, top entries):"
         perf report -q -g none -i "$work/perf.sse" --no-children --sort dso,symbol 2>/dev/null | grep -v "^$" | head -30; [ -n "${PERF_KEEP:-}" ] && cp "$work/perf.sse" "$PERF_KEEP"
     fi
-    [ -n "$baseline" ] && stream baseline "http://127.0.0.1:$BS" "$sbpid"
-    stream nginx1hop "http://127.0.0.1:$NS" "$ngw"
+    [ -n "$baseline" ] && stream baseline "http://127.0.0.1:$BS" "$sbpid" "$sc"
+    stream nginx1hop "http://127.0.0.1:$NS" "$ngw" "$sc"
+    done
     done
     python3 - "$work/sse.results" <<'PY'
+import statistics, sys
+ev = {}
+for line in open(sys.argv[1]):
+    p = line.split()
+    ev.setdefault((p[0], p[5]), []).append(float(p[1]))
+for c in sorted({c for _, c in ev}, key=int):
+    for k in ("pdproxy", "baseline"):
+        if (k, c) in ev:
+            print("c=%-3s %s/nginx1hop events/s = %.2f (median of %d)" % (
+                c, k, statistics.median(ev[(k, c)]) / statistics.median(ev[("nginx1hop", c)]),
+                len(ev[(k, c)])))
+PY'
 import statistics, sys
 ev = {}
 for line in open(sys.argv[1]):
