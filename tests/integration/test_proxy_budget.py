@@ -17,6 +17,7 @@ import shutil
 import signal
 import subprocess
 import tempfile
+import time
 
 from pdharness.canned import canned_engines, drive
 from pdharness.case import PxTestCase, main
@@ -34,6 +35,11 @@ from pdharness.procs import BIN_DIR, sanitized
 # event when they come one at a time, far fewer under load), so it has a
 # bound of its own: the three events of a request in sequence (client
 # readable, prefill answered, decode answered); measured 0.8 to 1.05.
+# What time rather than requests costs (the access log's flush timer and
+# its thread's wake-ups, 20 a second; a peek at a connection idle over 50
+# ms, when the client paused) has an allowance per second of the measured
+# run: on a loaded machine the same requests take three times as long
+# (measured 6.15 per request there, 0.06 of it futex calls of the timer).
 # Allocations (malloc + calloc + realloc): measured 19.05 to 19.09, the
 # same as before issue 36.
 # Idle anonymous memory (RssAnon) of one worker: measured 1.17 MiB after
@@ -43,7 +49,8 @@ from pdharness.procs import BIN_DIR, sanitized
 # (the dp_size declarations, 2 MiB; the admission queue's per-tenant flows,
 # 160 KiB a worker) were allocated and touched at start.
 BUDGET = {
-    "syscalls": 6.1,     # every system call but epoll_wait
+    "syscalls": 6.05,    # every system call but epoll_wait, per request
+    "syscalls_per_s": 60,  # ... and per second of the run
     "epoll_wait": 3.0,
     "allocations": 20.0,
     "idle_anon_kib": 2048,
@@ -98,7 +105,9 @@ class BudgetTest(PxTestCase):
         if not wait_until(traced, 10, 0.02):
             tr.kill()
             self.fail("strace could not attach to pdproxy: %s" % tr.communicate()[1])
+        t0 = time.monotonic()
         served = drive(px.port, REQUESTS, CLIENTS)
+        took = time.monotonic() - t0
         tr.send_signal(signal.SIGINT)
         tr.communicate(timeout=20)
         self.assertEqual(served, REQUESTS)
@@ -106,12 +115,15 @@ class BudgetTest(PxTestCase):
         per = {k: v / REQUESTS for k, v in calls.items()}
         table = "\n".join("  %-14s %7.3f" % kv for kv in sorted(per.items(), key=lambda x: -x[1]))
         other = sum(v for k, v in per.items() if k != "epoll_wait")
-        self.assertLessEqual(other, BUDGET["syscalls"],
-                             "system calls per request (epoll_wait aside) over the budget:\n"
-                             + table)
+        allowed = BUDGET["syscalls"] + BUDGET["syscalls_per_s"] * took / REQUESTS
+        self.assertLessEqual(other, allowed,
+                             "system calls per request (epoll_wait aside) over the budget "
+                             "(%.3f for %d requests in %.2f s):\n%s"
+                             % (allowed, REQUESTS, took, table))
         self.assertLessEqual(per.get("epoll_wait", 0), BUDGET["epoll_wait"],
                              "epoll_wait per request over the budget:\n" + table)
-        print("\nsystem calls per request (%d requests):\n%s" % (REQUESTS, table))
+        print("\nsystem calls per request (%d requests in %.2f s, budget %.3f):\n%s"
+              % (REQUESTS, took, allowed, table))
 
     def test_idle_memory_budget(self):
         px = self.proxy()
