@@ -709,7 +709,7 @@ static void process(px_creq *q) {
 }
 
 /* An idle connection this long is peeked at before it is used (below). */
-#define PEEK_AFTER_IDLE_NS 50000000ull
+#define PEEK_AFTER_IDLE_NS 1000000000ull
 
 /* Whether the connection's read event is due in this loop turn: the
  * kernel reported it in the epoll_wait whose events are being run, and its
@@ -733,11 +733,13 @@ static int read_due(cconn *c) {
  * short as the one after the request is written (HTTP/1.1 cannot tell
  * those apart either). A backend's keep-alive timer, though, fires after
  * an idle time, and may fire while the loop is busy with the rest of its
- * turn: a connection idle for over PEEK_AFTER_IDLE_NS (far above a loop
- * turn, below any keep-alive timeout) is peeked at once more, so that such
- * a close is not met by a request that is then lost (a close after the
- * write reads as a failure after sending, which is never resent). Under
- * load connections are reused well within that, and pay nothing. */
+ * turn: a connection idle for over PEEK_AFTER_IDLE_NS (1 s: far above a
+ * loop turn, below the keep-alive timeouts servers use, uvicorn's 5 s
+ * among them) is peeked at once more, so that such a close is not met by
+ * a request that is then lost (a close after the write reads as a failure
+ * after sending, which is never resent). Under load connections are
+ * reused well within that (a pool's least used ones too, which a shorter
+ * bound peeked at under load), and pay nothing. */
 static int usable(cconn *c) {
     if (read_due(c)) return 0;
     if (px_now_ns() - c->idle_since_ns < PEEK_AFTER_IDLE_NS) return 1;

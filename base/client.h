@@ -9,7 +9,7 @@
  * connection the backend closed, or sent bytes nobody asked for, is noticed
  * before it is used: the loop keeps its read event armed (and one reported
  * in the loop turn that picks the connection, its callback not run yet,
- * rules it out too); one idle for over 50 ms is also peeked at. A request
+ * rules it out too); one idle for over a second is also peeked at. A request
  * whose write to a reused connection failed before a byte left (the
  * backend had closed it) goes once more on a fresh connection.
  *

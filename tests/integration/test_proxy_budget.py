@@ -30,14 +30,14 @@ from pdharness.procs import BIN_DIR, sanitized
 # to 6.07 after issue 36 (10.03 before: a recv peek per reuse on each leg,
 # getpeername and an access-log write per request); the rest is the
 # warm-up's connections closing, the first reuses after the warm-up's pause
-# (peeked at: idle over 50 ms), the access log's batches and its thread's
+# (peeked at: idle over a second), the access log's batches and its thread's
 # wake-ups. epoll_wait depends on how requests interleave (one wait per
 # event when they come one at a time, far fewer under load), so it has a
 # bound of its own: the three events of a request in sequence (client
 # readable, prefill answered, decode answered); measured 0.8 to 1.05.
 # What time rather than requests costs (the access log's flush timer and
-# its thread's wake-ups, 20 a second; a peek at a connection idle over 50
-# ms, when the client paused) has an allowance per second of the measured
+# its thread's wake-ups, 20 a second; a peek at a connection idle over a
+# second, when the client paused) has an allowance per second of the measured
 # run: on a loaded machine the same requests take three times as long
 # (measured 6.15 per request there, 0.06 of it futex calls of the timer).
 # Allocations (malloc + calloc + realloc): measured 19.05 to 19.09, the

@@ -244,7 +244,7 @@ static void test_stale_reused_connection_resent_once(void **state) {
     assert_int_equal(r1.r, PX_CR_OK);
     srv_set_step(&s, 1);
     srv_wait_step(&s, 2);
-    usleep(100000); /* the FIN is in our socket; the loop has not run */
+    usleep(1100000); /* the FIN is in our socket; the loop has not run for 1.1 s */
     q = start(c, &s, &r2);
     run_until_done(base, &r2, q);
     assert_int_equal(r2.r, PX_CR_OK);
@@ -260,7 +260,7 @@ static void test_stale_reused_connection_resent_once(void **state) {
  * loop turn as the event that starts the next request (which came first,
  * so its callback runs first): the connection is not reused, and the
  * request gets a fresh connection and its own answer, without a peek (the
- * connection was idle for less than 50 ms). */
+ * connection was idle for less than a second). */
 static void script_stray(server *s) {
     int fd = srv_accept(s, 3000);
     srv_read_request(s, fd);
