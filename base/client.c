@@ -708,13 +708,41 @@ static void process(px_creq *q) {
     }
 }
 
-/* Whether an idle connection may carry the next request. It is peeked at
- * every time, not only after a while idle: a backend that closed it, or
- * that sent bytes nobody asked for (a second answer, an answer before the
- * request) since the loop last looked, makes it unusable. Such bytes must
- * never be read as the next request's answer: they could be another
- * request's, with another user's kv_transfer_params. */
+/* An idle connection this long is peeked at before it is used (below). */
+#define PEEK_AFTER_IDLE_NS 1000000000ull
+
+/* Whether the connection's read event is due in this loop turn: the
+ * kernel reported it in the epoll_wait whose events are being run, and its
+ * callback has not run yet. libevent has no call that says so, but refuses
+ * to change the priority of an active event (and only then, for a valid
+ * priority), which tells. */
+static int read_due(cconn *c) {
+    return event_priority_set(c->rev, event_get_priority(c->rev)) < 0;
+}
+
+/* Whether an idle connection may carry the next request. A backend that
+ * closed it, or that sent bytes nobody asked for (a second answer, an
+ * answer before the request), makes it unusable: such bytes must never be
+ * read as the next request's answer, they could be another request's, with
+ * another user's kv_transfer_params. The idle connection's read event
+ * catches both: before this loop turn it closed the connection already,
+ * and in this turn (the kernel reported it with the event that brought the
+ * request here, its callback not run yet) read_due says so. No system call
+ * is spent on it per request. What no event shows is what arrived after
+ * the loop last asked the kernel; for a stray answer that window is as
+ * short as the one after the request is written (HTTP/1.1 cannot tell
+ * those apart either). A backend's keep-alive timer, though, fires after
+ * an idle time, and may fire while the loop is busy with the rest of its
+ * turn: a connection idle for over PEEK_AFTER_IDLE_NS (1 s: far above a
+ * loop turn, below the keep-alive timeouts servers use, uvicorn's 5 s
+ * among them) is peeked at once more, so that such a close is not met by
+ * a request that is then lost (a close after the write reads as a failure
+ * after sending, which is never resent). Under load connections are
+ * reused well within that (a pool's least used ones too, which a shorter
+ * bound peeked at under load), and pay nothing. */
 static int usable(cconn *c) {
+    if (read_due(c)) return 0;
+    if (px_now_ns() - c->idle_since_ns < PEEK_AFTER_IDLE_NS) return 1;
     char b;
     ssize_t r = recv(c->fd, &b, 1, MSG_PEEK | MSG_DONTWAIT);
     return r < 0 && (errno == EAGAIN || errno == EWOULDBLOCK);

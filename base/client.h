@@ -6,10 +6,12 @@
  * no copy) with pause/resume for backpressure.
  *
  * A request is never sent twice when the backend may have read it. An idle
- * connection the backend closed is noticed before it is used (the loop
- * watches idle connections, and one idle for over 50 ms is peeked at), and
- * a request whose write to a reused connection failed before a byte left
- * (the backend had closed it) goes once more on a fresh connection.
+ * connection the backend closed, or sent bytes nobody asked for, is noticed
+ * before it is used: the loop keeps its read event armed (and one reported
+ * in the loop turn that picks the connection, its callback not run yet,
+ * rules it out too); one idle for over a second is also peeked at. A request
+ * whose write to a reused connection failed before a byte left (the
+ * backend had closed it) goes once more on a fresh connection.
  *
  * Everything runs on the loop's thread. Callbacks run from inside the
  * client's own event handlers: on_head and on_data must not call

@@ -59,6 +59,7 @@ struct px_conn {
     int closed;                  /* socket closed, free scheduled */
     const px_exchange_cbs *xcbs; /* borrowed: the exchange in flight's handler */
     void *xarg;
+    char peer[INET6_ADDRSTRLEN]; /* the client's address, read once at accept ("": none) */
 };
 
 static void conn_process(px_conn *c);
@@ -556,15 +557,26 @@ void px_conn_abort(px_conn *c) {
 }
 
 void px_conn_peer(const px_conn *c, char *out, size_t n) {
+    if (n) snprintf(out, n, "%s", c->peer);
+}
+
+/* The peer's address as text, from what accept() returned; without it
+ * (NULL), asked of the socket: once per connection either way, never per
+ * request. */
+static void peer_text(evutil_socket_t fd, const struct sockaddr *sa, socklen_t salen, char *out,
+                      size_t n) {
     struct sockaddr_storage ss;
-    socklen_t sl = sizeof ss;
-    evutil_socket_t fd = bufferevent_getfd(c->bev);
-    if (n) out[0] = '\0';
-    if (fd < 0 || getpeername(fd, (struct sockaddr *)&ss, &sl) != 0) return;
-    if (ss.ss_family == AF_INET)
-        inet_ntop(AF_INET, &((struct sockaddr_in *)&ss)->sin_addr, out, (socklen_t)n);
-    else if (ss.ss_family == AF_INET6)
-        inet_ntop(AF_INET6, &((struct sockaddr_in6 *)&ss)->sin6_addr, out, (socklen_t)n);
+    out[0] = '\0';
+    if (!sa) {
+        socklen_t sl = sizeof ss;
+        if (getpeername(fd, (struct sockaddr *)&ss, &sl) != 0) return;
+        sa = (const struct sockaddr *)&ss;
+        salen = sl;
+    }
+    if (sa->sa_family == AF_INET && salen >= (socklen_t)sizeof(struct sockaddr_in))
+        inet_ntop(AF_INET, &((const struct sockaddr_in *)sa)->sin_addr, out, (socklen_t)n);
+    else if (sa->sa_family == AF_INET6 && salen >= (socklen_t)sizeof(struct sockaddr_in6))
+        inet_ntop(AF_INET6, &((const struct sockaddr_in6 *)sa)->sin6_addr, out, (socklen_t)n);
 }
 
 size_t px_conn_pending(const px_conn *c) {
@@ -798,11 +810,12 @@ static void on_timeout(evutil_socket_t fd, short what, void *arg) {
     }
 }
 
-px_conn *px_conn_accept(struct event_base *base, evutil_socket_t fd, const px_conn_cfg *cfg,
-                        px_conn_list *list) {
+px_conn *px_conn_accept(struct event_base *base, evutil_socket_t fd, const struct sockaddr *sa,
+                        socklen_t salen, const px_conn_cfg *cfg, px_conn_list *list) {
     int one = 1;
     setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
     px_conn *c = px_xcalloc(1, sizeof *c);
+    peer_text(fd, sa, salen, c->peer, sizeof c->peer);
     c->base = base;
     c->cfg = cfg;
     c->list = list;

@@ -10,6 +10,7 @@
 #include <stdatomic.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <sys/socket.h>
 
 #include "base/http.h"
 #include "base/util.h"
@@ -56,11 +57,13 @@ typedef struct px_conn_list {
     size_t n;
 } px_conn_list;
 
-/* Takes a connected socket (owned from now on). cfg and list are borrowed
- * and must outlive the connection. Returns NULL (fd closed) on failure.
- * Past cfg->shared->max_conns the connection is answered 503 and closed. */
-px_conn *px_conn_accept(struct event_base *base, evutil_socket_t fd, const px_conn_cfg *cfg,
-                        px_conn_list *list);
+/* Takes a connected socket (owned from now on) and the peer's address
+ * accept() returned (copied; NULL: asked of the socket). cfg and list are
+ * borrowed and must outlive the connection. Returns NULL (fd closed) on
+ * failure. Past cfg->shared->max_conns the connection is answered 503 and
+ * closed. */
+px_conn *px_conn_accept(struct event_base *base, evutil_socket_t fd, const struct sockaddr *sa,
+                        socklen_t salen, const px_conn_cfg *cfg, px_conn_list *list);
 
 /* Closes the connections that have no exchange in flight (draining). */
 void px_conn_list_close_idle(px_conn_list *list);
@@ -105,7 +108,7 @@ void px_conn_abort(px_conn *c);
 /* Bytes queued for the client and not yet written to its socket. */
 size_t px_conn_pending(const px_conn *c);
 /* The client's IP address as text (IPv4 or IPv6, no port) into out; "" when
- * the socket has none (a Unix socket, or it is gone). */
+ * the socket has none (a Unix socket). Read once, when it was accepted. */
 void px_conn_peer(const px_conn *c, char *out, size_t n);
 
 /* The OpenAI error "type" for a status. */

@@ -83,7 +83,7 @@ static int listen_socket(const char *host, int port, int reuse_port, const char 
 static void on_accept(struct evconnlistener *lev, evutil_socket_t fd, struct sockaddr *sa,
                       int salen, void *arg) {
     px_listener *l = arg;
-    px_conn_accept(l->base, fd, l->cfg, l->list);
+    px_conn_accept(l->base, fd, sa, (socklen_t)salen, l->cfg, l->list);
 }
 
 static void on_resume(evutil_socket_t fd, short what, void *arg) {

@@ -1,6 +1,8 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 #include "base/log.h"
 
+#include "base/logsink.h"
+
 #include <stdarg.h>
 #include <stdio.h>
 #include <string.h>
@@ -162,29 +164,53 @@ const char *px_log_value(const char *s, char *out, size_t cap) {
     return out;
 }
 
-void px_log_write(px_log_level_t lvl, const char *fmt, ...) {
+/* "YYYY-MM-DDTHH:MM:SS" of the current second, formatted once a second
+ * per thread. */
+static const char *ts_prefix(time_t sec) {
+    static _Thread_local time_t last = -1;
+    static _Thread_local char text[80];
+    if (sec != last) {
+        struct tm tm;
+        gmtime_r(&sec, &tm);
+        snprintf(text, sizeof text, "%04d-%02d-%02dT%02d:%02d:%02d", tm.tm_year + 1900,
+                 tm.tm_mon + 1, tm.tm_mday, tm.tm_hour, tm.tm_min, tm.tm_sec);
+        last = sec;
+    }
+    return text;
+}
+
+static void log_line(px_log_level_t lvl, int batched, const char *fmt, va_list ap) {
     char line[2048];
     struct timespec ts;
-    struct tm tm;
     clock_gettime(CLOCK_REALTIME, &ts);
-    gmtime_r(&ts.tv_sec, &tm);
-    int n = snprintf(line, sizeof line, "ts=%04d-%02d-%02dT%02d:%02d:%02d.%03ldZ level=%s ",
-                     tm.tm_year + 1900, tm.tm_mon + 1, tm.tm_mday, tm.tm_hour, tm.tm_min, tm.tm_sec,
+    int n = snprintf(line, sizeof line, "ts=%s.%03ldZ level=%s ", ts_prefix(ts.tv_sec),
                      ts.tv_nsec / 1000000, names[lvl]);
-    va_list ap;
-    va_start(ap, fmt);
     int m = vsnprintf(line + n, sizeof line - (size_t)n - 1, fmt, ap);
-    va_end(ap);
     size_t len = (size_t)n + (m < 0 ? 0 : (size_t)m);
     if (len > sizeof line - 2) len = sizeof line - 2;
     if (px_log_json) {
         char js[4096];
         size_t jl = logfmt_to_json(line, len, js, sizeof js - 1);
         js[jl++] = '\n';
-        fwrite(js, 1, jl, stderr);
+        if (!px_logsink_put(js, jl, batched)) fwrite(js, 1, jl, stderr);
         return;
     }
     line[len++] = '\n';
-    /* One write per line so lines from several threads never interleave. */
-    fwrite(line, 1, len, stderr);
+    /* One write per line so lines from several threads never interleave
+     * (the sink keeps whole lines too). */
+    if (!px_logsink_put(line, len, batched)) fwrite(line, 1, len, stderr);
+}
+
+void px_log_write(px_log_level_t lvl, const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    log_line(lvl, 0, fmt, ap);
+    va_end(ap);
+}
+
+void px_log_write_batched(px_log_level_t lvl, const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    log_line(lvl, 1, fmt, ap);
+    va_end(ap);
 }

@@ -2,7 +2,9 @@
 /* Leveled logging to stderr, one logfmt line per event, or one JSON object
  * per line (--log-format json): there, bare values that are numbers become
  * JSON numbers (except for keys that name identifiers, such as req), and
- * everything else a string. */
+ * everything else a string. Once logsink.h's sink is started, lines go
+ * through it (stderr or a file, never blocking the caller); before, they
+ * are written to stderr at once. */
 #ifndef PX_LOG_H
 #define PX_LOG_H
 
@@ -28,6 +30,10 @@ int px_log_level_parse(const char *s);
 const char *px_log_value(const char *s, char *out, size_t cap);
 
 void px_log_write(px_log_level_t lvl, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+/* The same for a line that may wait in the thread's log buffer, to be
+ * written in a batch (the access log: logsink.h). */
+void px_log_write_batched(px_log_level_t lvl, const char *fmt, ...)
+    __attribute__((format(printf, 2, 3)));
 
 /* Checks the level before any formatting happens. `fmt` continues the line
  * after "ts=… level=…", in key=value form, e.g. PX_LOG(PX_LOG_WARN,

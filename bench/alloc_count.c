@@ -6,7 +6,9 @@
  * after a fixed number of requests) and at exit.
  *
  *   cc -O2 -shared -fPIC -o alloc_count.so bench/alloc_count.c */
+#ifndef _GNU_SOURCE
 #define _GNU_SOURCE
+#endif
 #include <signal.h>
 #include <stdatomic.h>
 #include <stdio.h>

@@ -11,10 +11,16 @@
 #   bench/proxy_bench.sh [build-dir]     (DURATION=10 THREADS=1 by default)
 #   SYSCALLS=1: also count pdproxy's system calls per request (strace -c) at 1
 #   and 64 connections; PROFILE=1: also a perf profile at 64 connections;
-#   SSE=1: also 256 concurrent streams of 200 events, pdproxy beside nginx
+#   SSE=1: also 256 concurrent streams of 200 events (SSE_CONNS="16 64":
+#   those counts instead), pdproxy beside nginx
 #   (with PROFILE=1, profiled too). CONNS="64" runs only the listed
 #   connection counts. ALLOCS=1: heap allocations per request (a counting
 #   allocator, bench/alloc_count.c, preloaded into a third pdproxy).
+# ACCESS_LOG=1: pdproxy with its default flags (the access log on, to a
+# file) instead of --access-log=false. BASELINE=<build-dir>: a second
+# pdproxy from that build (another commit) measured in the same loop, right
+# after the first, in every mode above but HTTPS and OTLP; ROUNDS=n repeats
+# the loop n times (1 by default) and the summary gives medians.
 # HTTPS=1 adds pdproxy and nginx one hop reaching the same mocks over TLS.
 # OTLP=1 adds (d): a second pdproxy exporting every request's spans
 # (OTEL_TRACES_SAMPLER=traceidratio, ratio 1.0) to an nginx that answers
@@ -27,7 +33,16 @@ pthreads=${THREADS:-1}
 # shellcheck source=bench/lib.sh
 . "$root/bench/lib.sh"
 bench_pdproxy "$build"
-bench_needs wrk nginx
+bench_needs wrk nginx python3
+baseline=""
+if [ -n "${BASELINE:-}" ]; then
+    baseline=$BASELINE/bin/pdproxy
+    [ -x "$baseline" ] || { echo "BASELINE: $baseline missing" >&2; exit 1; }
+fi
+rounds=${ROUNDS:-1}
+logargs=(--log-level warn --access-log=false)
+[ "${ACCESS_LOG:-0}" = 1 ] && logargs=()
+B=$(free_port); BS=$(free_port)
 S=$(free_port); NS=$(free_port); XS=$(free_port)
 P=$(free_port); D=$(free_port); N=$(free_port); X=$(free_port); O=$(free_port); Y=$(free_port)
 otlp=${OTLP:-0}
@@ -121,11 +136,18 @@ http {
 CONF
 nginx -c "$work/backends.conf" -g 'daemon off;' & pids+=($!)
 nginx -c "$work/onehop.conf" -g 'daemon off;' & pids+=($!)
-"$pdproxy" --port "$X" --threads "$pthreads" --log-level warn --access-log=false \
+"$pdproxy" --port "$X" --threads "$pthreads" "${logargs[@]}" \
     --prefiller-hosts 127.0.0.1 --prefiller-ports "$P" \
     --decoder-hosts 127.0.0.1 --decoder-ports "$D" 2>"$work/logs/pdproxy.err" & ppid=$!
 pids+=($ppid)
 ports="$P $D $N $X"
+if [ -n "$baseline" ]; then
+    "$baseline" --port "$B" --threads "$pthreads" "${logargs[@]}" \
+        --prefiller-hosts 127.0.0.1 --prefiller-ports "$P" \
+        --decoder-hosts 127.0.0.1 --decoder-ports "$D" 2>"$work/logs/baseline.err" & bpid=$!
+    pids+=($bpid)
+    ports="$ports $B"
+fi
 if [ "$https" = 1 ]; then
     "$pdproxy" --port "$TX" --threads "$pthreads" --log-level warn --access-log=false --upstream-insecure \
         --prefill "https://127.0.0.1:$TP" --decode "https://127.0.0.1:$TD" \
@@ -172,7 +194,8 @@ run() { # name url conns [pid whose CPU per request to report]
     echo "$1 $3 $rps $p50 $p99 ${cpu:+$(awk '{print $2}' <<<"$cpu")}" >> "$work/results"
 }
 
-echo "pdproxy bench: wrk -t1 -d${duration}s, pdproxy --threads $pthreads, nginx one-hop worker_processes $pthreads"
+echo "pdproxy bench: wrk -t1 -d${duration}s, pdproxy --threads $pthreads ${logargs[*]:-(default flags)}, nginx one-hop worker_processes $pthreads${baseline:+, baseline $baseline}, $rounds round(s)"
+for round in $(seq 1 "$rounds"); do
 for c in ${CONNS:-1 16 64}; do
     run direct "http://127.0.0.1:$D" "$c"
     run pdproxy "http://127.0.0.1:$X" "$c" "$ppid" &
@@ -182,6 +205,7 @@ for c in ${CONNS:-1 16 64}; do
         sleep 0.5
     done
     wait "$runpid"
+    [ -n "$baseline" ] && run baseline "http://127.0.0.1:$B" "$c" "$bpid"
     [ "$otlp" = 1 ] && run pdproxy+otlp "http://127.0.0.1:$Y" "$c"
     run nginx1hop "http://127.0.0.1:$N" "$c" "$ngw"
     if [ "$https" = 1 ]; then
@@ -189,62 +213,103 @@ for c in ${CONNS:-1 16 64}; do
         run nginx1hop-tls "http://127.0.0.1:$TN" "$c" "$ngw"
     fi
 done
+done
 
 if [ -n "${SSE:-}" ]; then
     # Streaming: 256 concurrent client streams of 200 events each, through
     # pdproxy (prefill, then the SSE decode) and through nginx one hop with
     # proxy_buffering off, on the same mock. CPU from /proc/<pid>/stat.
-    "$pdproxy" --port "$XS" --threads "$pthreads" --log-level warn --access-log=false \
+    "$pdproxy" --port "$XS" --threads "$pthreads" "${logargs[@]}" \
         --prefiller-hosts 127.0.0.1 --prefiller-ports "$P" \
         --decoder-hosts 127.0.0.1 --decoder-ports "$S" 2>>"$work/logs/pdproxy.err" & spid=$!
     pids+=($spid)
     wait_port "$XS"; wait_port "$NS"
-    stream() { # name url pid
+    if [ -n "$baseline" ]; then
+        "$baseline" --port "$BS" --threads "$pthreads" "${logargs[@]}" \
+            --prefiller-hosts 127.0.0.1 --prefiller-ports "$P" \
+            --decoder-hosts 127.0.0.1 --decoder-ports "$S" 2>>"$work/logs/baseline.err" & sbpid=$!
+        pids+=($sbpid)
+        wait_port "$BS"
+    fi
+    stream() { # name url pid conns
         local c0 out rps mbs c1
         c0=$(cpu_s "$3")
-        out=$(wrk -t1 -c256 -d"${duration}s" -s "$root/bench/wrk/stream.lua" "$2/v1/completions")
+        out=$(wrk -t1 -c"$4" -d"${duration}s" -s "$root/bench/wrk/stream.lua" "$2/v1/completions")
         c1=$(cpu_s "$3")
         rps=$(awk '/Requests\/sec/{print $2}' <<<"$out")
         mbs=$(awk '/Transfer\/sec/{v=$2; if (v ~ /MB$/) {sub(/MB/,"",v)} else if (v ~ /KB$/) {sub(/KB/,"",v); v/=1024} else if (v ~ /GB$/) {sub(/GB/,"",v); v*=1024}; print v}' <<<"$out")
         awk -v n="$1" -v r="$rps" -v m="$mbs" -v c="$(awk -v a="$c0" -v b="$c1" 'BEGIN{print b-a}')" -v d="$duration" \
-            'BEGIN { printf "%-9s c=256 %9.0f events/s %8.1f MB/s  CPU %5.2f s = %.1f ms per MB\n", n, r * 201, m, c, 1000 * c / (m * d) }'
-        echo "$1 $(awk -v r="$rps" 'BEGIN{print r*201}') $mbs $c0 $c1" >> "$work/sse.results"
+            -v k="$4" 'BEGIN { printf "%-9s c=%-3s %9.0f events/s %8.1f MB/s  CPU %5.2f s = %.1f ms per MB\n", n, k, r * 201, m, c, 1000 * c / (m * d) }'
+        echo "$1 $(awk -v r="$rps" 'BEGIN{print r*201}') $mbs $c0 $c1 $4" >> "$work/sse.results"
     }
     echo
-    echo "streaming (SSE=1): 256 streams x 200 events, wrk -t1 ${duration}s"
+    echo "streaming (SSE=1): ${SSE_CONNS:-256} streams x 200 events, wrk -t1 ${duration}s"
     if [ -n "${PROFILE:-}" ]; then
         perf record -q -e cpu-clock -F 2000 -g -p "$spid" -o "$work/perf.sse" -- sleep 4 &
         prof=$!
     fi
-    stream pdproxy "http://127.0.0.1:$XS" "$spid"
-    if [ -n "${PROFILE:-}" ]; then
+    for round in $(seq 1 "$rounds"); do
+    for sc in ${SSE_CONNS:-256}; do
+    stream pdproxy "http://127.0.0.1:$XS" "$spid" "$sc"
+    if [ -n "${PROFILE:-}" ] && [ -z "${prof_done:-}" ]; then
+        prof_done=1
         wait "$prof" || true
         echo "pdproxy profile while streaming (self time, top entries):"
         perf report -q -g none -i "$work/perf.sse" --no-children --sort dso,symbol 2>/dev/null | grep -v "^$" | head -30; [ -n "${PERF_KEEP:-}" ] && cp "$work/perf.sse" "$PERF_KEEP"
     fi
-    stream nginx1hop "http://127.0.0.1:$NS" "$ngw"
-    awk '{ ev[$1]=$2 } END { printf "pdproxy/nginx1hop events/s = %.2f\n", ev["pdproxy"] / ev["nginx1hop"] }' "$work/sse.results"
+    [ -n "$baseline" ] && stream baseline "http://127.0.0.1:$BS" "$sbpid" "$sc"
+    stream nginx1hop "http://127.0.0.1:$NS" "$ngw" "$sc"
+    done
+    done
+    python3 - "$work/sse.results" <<'PY'
+import statistics, sys
+ev = {}
+for line in open(sys.argv[1]):
+    p = line.split()
+    ev.setdefault((p[0], p[5]), []).append(float(p[1]))
+for c in sorted({c for _, c in ev}, key=int):
+    for k in ("pdproxy", "baseline"):
+        if (k, c) in ev:
+            print("c=%-3s %s/nginx1hop events/s = %.2f (median of %d)" % (
+                c, k, statistics.median(ev[(k, c)]) / statistics.median(ev[("nginx1hop", c)]),
+                len(ev[(k, c)])))
+PY'
+import statistics, sys
+ev = {}
+for line in open(sys.argv[1]):
+    p = line.split()
+    ev.setdefault(p[0], []).append(float(p[1]))
+med = {k: statistics.median(v) for k, v in ev.items()}
+for k in ("pdproxy", "baseline"):
+    if k in med:
+        print("%s/nginx1hop events/s = %.2f (median of %d)" % (k, med[k] / med["nginx1hop"], len(ev[k])))
+PY
 fi
 if [ -n "${SYSCALLS:-}" ]; then
     # System calls per request on pdproxy (both hops), counted by strace over
     # a fixed-length wrk run; requests from pdproxy's own counter.
-    reqs() { curl -s "http://127.0.0.1:$X/metrics" |
+    reqs() { curl -s "http://127.0.0.1:$1/metrics" |
         awk '/^pdproxy_requests_total\{endpoint="\/v1\/completions",code="200"\}/{print $2}'; }
     per_req() { # requests strace-output
         awk -v n="$1" '$NF ~ /^[a-z_0-9]+$/ && $4 ~ /^[0-9]+$/ && $NF != "total" {
             printf "  %-14s %6.2f\n", $NF, $4 / n; t += $4 }
             END { printf "  %-14s %6.2f\n", "total", t / n }' "$2"
     }
+    count() { # name port pid conns
+        local before n
+        before=$(reqs "$2")
+        strace -c -f -p "$3" -o "$work/strace.$1.$4" & spid=$!
+        wait_traced "$3"
+        wrk -t1 -c"$4" -d3s -s "$root/bench/wrk/completion.lua" "http://127.0.0.1:$2/v1/completions" >/dev/null
+        kill -INT "$spid"; wait "$spid" 2>/dev/null || true
+        n=$(( $(reqs "$2") - before ))
+        echo "$1: syscalls per request at c=$4 ($n requests under strace):"
+        per_req "$n" "$work/strace.$1.$4"
+    }
     echo
     for c in 1 64; do
-        before=$(reqs)
-        strace -c -f -p "$ppid" -o "$work/strace.$c" & spid=$!
-        wait_traced "$ppid"
-        wrk -t1 -c"$c" -d3s -s "$root/bench/wrk/completion.lua" "http://127.0.0.1:$X/v1/completions" >/dev/null
-        kill -INT "$spid"; wait "$spid" 2>/dev/null || true
-        n=$(( $(reqs) - before ))
-        echo "syscalls per request at c=$c ($n requests under strace):"
-        per_req "$n" "$work/strace.$c"
+        count pdproxy "$X" "$ppid" "$c"
+        [ -n "$baseline" ] && count baseline "$B" "$bpid" "$c"
         # The same for nginx's one hop worker, side by side.
         strace -c -f -p "$ngw" -o "$work/strace.ngx.$c" & spid=$!
         wait_traced "$ngw"
@@ -290,17 +355,33 @@ if [ -n "${PROFILE:-}" ]; then
 fi
 
 echo
-awk '
-  { rps[$1" "$2]=$3; p50[$1" "$2]=$4; cpu[$1" "$2]=$6 }
-  END {
-    for (i = 1; i <= 3; i++) {
-      c = (i == 1) ? 1 : (i == 2) ? 16 : 64
-      if (!rps["nginx1hop " c] || !rps["direct " c]) continue
-      printf "c=%-3d pdproxy/nginx1hop req/s = %.2f   pdproxy/direct req/s = %.2f   p50 pdproxy - direct = %.3f ms   CPU/req pdproxy/nginx1hop = %.2f\n",
-        c, rps["pdproxy " c] / rps["nginx1hop " c], rps["pdproxy " c] / rps["direct " c],
-        p50["pdproxy " c] - p50["direct " c], cpu["nginx1hop " c] ? cpu["pdproxy " c] / cpu["nginx1hop " c] : 0
-    }
-  }' "$work/results"
+python3 - "$work/results" <<'PY'
+import statistics, sys
+runs = {}
+for line in open(sys.argv[1]):
+    p = line.split()
+    runs.setdefault((p[0], int(p[1])), []).append([float(x) for x in p[2:]])
+def med(name, c, i):
+    v = [r[i] for r in runs.get((name, c), []) if len(r) > i]
+    return statistics.median(v) if v else 0.0
+for c in sorted({c for _, c in runs}):
+    n = med("nginx1hop", c, 0)
+    if not n:
+        continue
+    out = ["c=%-3d" % c]
+    for name in ("pdproxy", "baseline"):
+        if (name, c) in runs:
+            cpu_n = med("nginx1hop", c, 3)
+            out.append("%s/nginx1hop req/s = %.2f  CPU/req = %.2f" % (
+                name, med(name, c, 0) / n, med(name, c, 3) / cpu_n if cpu_n else 0))
+    if ("baseline", c) in runs:
+        out.append("pdproxy/baseline req/s = %.2f  CPU/req = %.2f" % (
+            med("pdproxy", c, 0) / med("baseline", c, 0),
+            med("pdproxy", c, 3) / med("baseline", c, 3) if med("baseline", c, 3) else 0))
+    if med("direct", c, 0):
+        out.append("p50 pdproxy - direct = %.3f ms" % (med("pdproxy", c, 1) - med("direct", c, 1)))
+    print("   ".join(out) + "   (medians of %d)" % len(runs[("nginx1hop", c)]))
+PY
 if [ "$https" = 1 ]; then
     awk '{ rps[$1" "$2]=$3; cpu[$1" "$2]=$6 } END { for (i = 1; i <= 3; i++) { c = (i == 1) ? 1 : (i == 2) ? 16 : 64
         if (!rps["nginx1hop-tls " c]) continue

@@ -38,5 +38,5 @@ void px_access_write(const px_access *a) {
         ADD(" prompt_tokens_est=%ld uncached_tokens_est=%ld", a->prompt_tokens_est,
             a->uncached_tokens_est);
 #undef ADD
-    px_log_write(PX_LOG_INFO, "%s", line);
+    px_log_write_batched(PX_LOG_INFO, "%s", line);
 }

@@ -11,10 +11,11 @@
 
 void px_admq_init(px_admq *q, const uint32_t *weights, size_t ntenants, size_t max_n,
                   size_t max_bytes) {
+    /* A class's flows (one per tenant, 10 KiB at the default capacity) are
+     * made by its first request: most classes of most workers never see
+     * one. */
     *q = (px_admq){.weights = weights, .ntenants = ntenants, .max_n = max_n,
                    .max_bytes = max_bytes};
-    for (int c = 0; c < PX_ADM_CLASSES; c++)
-        q->cls[c].flows = px_xcalloc(ntenants ? ntenants : 1, sizeof(px_adm_flow));
 }
 
 void px_admq_cleanup(px_admq *q) {
@@ -69,6 +70,7 @@ int px_admq_push(px_admq *q, px_adm_item *it) {
     if (it->cls < 0 || it->cls >= PX_ADM_CLASSES) it->cls = px_adm_class_of(it->cls);
     if (it->tenant >= q->ntenants) it->tenant = q->ntenants ? q->ntenants - 1 : 0;
     px_adm_class *c = &q->cls[it->cls];
+    if (!c->flows) c->flows = px_xcalloc(q->ntenants ? q->ntenants : 1, sizeof(px_adm_flow));
     px_adm_flow *f = &c->flows[it->tenant];
     it->next = NULL;
     it->prev = f->tail;

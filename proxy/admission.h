@@ -53,7 +53,7 @@ typedef struct px_adm_flow {
 } px_adm_flow;
 
 typedef struct px_adm_class {
-    px_adm_flow *flows; /* owned: one per tenant */
+    px_adm_flow *flows; /* owned: one per tenant; NULL until the class's first request */
     px_adm_flow *ahead, *atail;
     size_t nactive;
     size_t n;

@@ -262,6 +262,16 @@ static const opt opts[] = {
      "one access line per request, at level info whatever --log-level says (false: none; "
      "--log-level warn keeps access lines and drops other info lines)",
      NULL, AT_START},
+    {"access-log-buffer", NULL, CT_INT, OFF(access_log_buffer), "65536", 0, 16777216,
+     "bytes of access lines each worker gathers before one write, as nginx's access_log "
+     "buffer= (0: a write per line)",
+     NULL, AT_START},
+    {"access-log-flush", NULL, CT_SECONDS, OFF(access_log_flush), "0.2", 0.001, 3600,
+     "seconds an access line may wait in that buffer, as nginx's flush=", NULL, AT_START},
+    {"log-file", NULL, CT_STR, OFF(log_file), "", 0, 0,
+     "append the log (access lines included) to FILE instead of stderr; reopened on SIGUSR1 "
+     "and SIGHUP (log rotation)",
+     NULL, AT_START},
     {"admin-host", NULL, CT_STR, OFF(admin_host), "127.0.0.1", 0, 0,
      "address of the admin API listener", NULL, AT_START},
     {"admin-port", NULL, CT_INT, OFF(admin_port), "0", 0, 65535,
@@ -1507,6 +1517,9 @@ static const struct {
     {"log-level", 8, "LEVEL"},
     {"log-format", 8, "FORMAT"},
     {"access-log", 8, NULL},
+    {"access-log-buffer", 8, "BYTES"},
+    {"access-log-flush", 8, NULL},
+    {"log-file", 8, "FILE"},
     {"config", 9, "FILE"},
     {"print-config", 9, NULL},
     {"drain-delay", 9, NULL},

@@ -105,6 +105,9 @@ typedef struct px_config {
     char *log_level;
     char *log_format;
     int access_log; /* access lines on (independent of log_level) */
+    int64_t access_log_buffer; /* bytes of access lines a worker gathers per write */
+    double access_log_flush;   /* seconds an access line may wait in that buffer */
+    char *log_file;            /* "": stderr */
     int print_config;
     /* Model pools (--pool, or pools: in the file); none: the unnamed pool. */
     px_pool_spec *pools; /* owned array */

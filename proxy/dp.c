@@ -8,6 +8,7 @@
 #include <string.h>
 
 #include "base/hash.h"
+#include "base/util.h"
 
 /* Backends are few and live as long as the process is likely to name them
  * (a reload that drops one leaves its rows, at zero in flight). */
@@ -78,7 +79,10 @@ typedef struct decl_slot {
     unsigned mark;         /* control thread: the file layer's last declaration */
 } decl_slot;
 
-static decl_slot decls[DECL_SLOTS];
+/* Made by the first declaration (2 MiB, most of it never touched), so that
+ * a proxy whose backends declare no size spends no memory on it. Never
+ * freed: workers read it without a lock. */
+static _Atomic(decl_slot *) decls;
 static unsigned decl_gen;
 static atomic_int ndecl; /* slots made: 0 until a backend declared a size */
 
@@ -87,10 +91,21 @@ int px_dp_declared(void) {
 }
 
 static decl_slot *decl_find(const char *url, int create) {
-    if (strlen(url) >= sizeof decls[0].url) return NULL;
+    if (strlen(url) >= sizeof((decl_slot *)0)->url) return NULL;
+    decl_slot *tab = atomic_load_explicit(&decls, memory_order_acquire);
+    if (!tab) {
+        if (!create) return NULL;
+        pthread_mutex_lock(&insert_mu);
+        tab = atomic_load_explicit(&decls, memory_order_acquire);
+        if (!tab) {
+            tab = px_xcalloc(DECL_SLOTS, sizeof *tab);
+            atomic_store_explicit(&decls, tab, memory_order_release);
+        }
+        pthread_mutex_unlock(&insert_mu);
+    }
     uint64_t h = px_hash64(url, strlen(url));
     for (size_t i = 0; i < DECL_SLOTS; i++) {
-        decl_slot *d = &decls[(h + i) % DECL_SLOTS];
+        decl_slot *d = &tab[(h + i) % DECL_SLOTS];
         if (!atomic_load_explicit(&d->ready, memory_order_acquire)) {
             if (!create) return NULL;
             pthread_mutex_lock(&insert_mu);
@@ -133,16 +148,18 @@ int px_dp_declare_file(const px_strlist *decl) {
         atomic_store_explicit(&d->file_size, (int)n, memory_order_relaxed);
         d->mark = gen;
     }
-    for (size_t i = 0; i < DECL_SLOTS; i++)
-        if (atomic_load_explicit(&decls[i].ready, memory_order_acquire) && decls[i].mark != gen)
-            atomic_store_explicit(&decls[i].file_size, 0, memory_order_relaxed);
+    decl_slot *tab = atomic_load_explicit(&decls, memory_order_acquire);
+    for (size_t i = 0; tab && i < DECL_SLOTS; i++)
+        if (atomic_load_explicit(&tab[i].ready, memory_order_acquire) && tab[i].mark != gen)
+            atomic_store_explicit(&tab[i].file_size, 0, memory_order_relaxed);
     return rc;
 }
 
 void px_dp_forget_admin(void) {
-    for (size_t i = 0; i < DECL_SLOTS; i++)
-        if (atomic_load_explicit(&decls[i].ready, memory_order_acquire))
-            atomic_store_explicit(&decls[i].admin_size, 0, memory_order_relaxed);
+    decl_slot *tab = atomic_load_explicit(&decls, memory_order_acquire);
+    for (size_t i = 0; tab && i < DECL_SLOTS; i++)
+        if (atomic_load_explicit(&tab[i].ready, memory_order_acquire))
+            atomic_store_explicit(&tab[i].admin_size, 0, memory_order_relaxed);
 }
 
 int px_dp_declare_admin(const char *url, int size) {

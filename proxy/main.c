@@ -6,12 +6,22 @@
 #include <sys/resource.h>
 
 #include "base/log.h"
+#include "base/logsink.h"
 #include "proxy/access.h"
 #include "proxy/config.h"
 #include "proxy/otlp.h"
 #include "proxy/server.h"
 
 extern char **environ;
+
+/* The log sink dropped lines (its reader did not keep up): said at most
+ * once a second, once it takes lines again. */
+static void log_dropped(uint64_t n) {
+    PX_LOG(PX_LOG_WARN,
+           "msg=\"log lines dropped: the log's reader did not keep up\" dropped=%llu "
+           "dropped_total=%llu",
+           (unsigned long long)n, (unsigned long long)px_logsink_dropped());
+}
 
 int main(int argc, char **argv) {
     px_config cfg;
@@ -26,6 +36,16 @@ int main(int argc, char **argv) {
     px_log_json = cfg.log_format[0] == 'j';
     px_access_enabled = cfg.access_log;
     signal(SIGPIPE, SIG_IGN);
+    /* From here on no log line waits for its reader (logsink.h). */
+    px_logsink_cfg lc = {.path = cfg.log_file,
+                         .buffer_bytes = (size_t)cfg.access_log_buffer,
+                         .flush_s = cfg.access_log_flush,
+                         .on_dropped = log_dropped};
+    if (px_logsink_start(&lc, err, sizeof err) < 0) {
+        fprintf(stderr, "pdproxy: %s\n", err);
+        px_config_cleanup(&cfg);
+        return 2;
+    }
     /* Every client and upstream connection is a descriptor: take all the
      * kernel allows rather than the 1024 a shell usually starts with. */
     struct rlimit rl;
@@ -37,6 +57,7 @@ int main(int argc, char **argv) {
      * trace export. */
     if (px_otlp_start(err, sizeof err) < 0) {
         fprintf(stderr, "pdproxy: %s\n", err);
+        px_logsink_stop(2.0);
         px_config_cleanup(&cfg);
         return 2;
     }
@@ -46,6 +67,7 @@ int main(int argc, char **argv) {
          * taken, a file is missing). */
         fprintf(stderr, "pdproxy: %s\n", err);
         px_otlp_stop();
+        px_logsink_stop(2.0);
         px_config_cleanup(&cfg);
         return 2;
     }
@@ -53,6 +75,7 @@ int main(int argc, char **argv) {
     int rc = px_server_run(s);
     px_server_destroy(s);
     px_otlp_stop(); /* exports what the last requests left, within its timeout */
+    px_logsink_stop(2.0); /* the last lines, unless the log's reader stays stalled */
     px_config_cleanup(&cfg);
     return rc;
 }

@@ -11,6 +11,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "base/logsink.h"
 #include "proxy/admission.h"
 #include "proxy/discovery.h"
 #include "proxy/dp.h"
@@ -294,6 +295,10 @@ static void render_limits(px_buf *o, px_ctx *ctx) {
     counter(o, "pdproxy_connections_refused_total",
             "Connections answered 503 and closed past --max-connections.",
             (unsigned long long)atomic_load(&sh->conns_refused));
+    counter(o, "pdproxy_log_lines_dropped_total",
+            "Log lines dropped because the log's sink (a pipe whose reader stalled) did not "
+            "take them; the proxy never waits for it.",
+            (unsigned long long)px_logsink_dropped());
     counter(o, "pdproxy_send_timeouts_total",
             "Client connections closed because the client read nothing for --send-timeout.",
             (unsigned long long)atomic_load(&sh->send_timeouts));

@@ -14,6 +14,7 @@
 #include "base/http.h"
 #include "base/listen.h"
 #include "base/log.h"
+#include "base/logsink.h"
 #include "proxy/admin.h"
 #include "proxy/admission.h"
 #include "proxy/ctx.h"
@@ -334,10 +335,27 @@ static void sighup_done(void *arg, int rc, const char *err, uint64_t gen, double
                px_log_value(err, q, sizeof q));
 }
 
+/* Writes every worker's batched access lines and opens --log-file again
+ * (log rotation: it was moved away), as nginx does on SIGUSR1 and on a
+ * reload. */
+static void reopen_log(void) {
+    char err[512], q[600];
+    if (px_logsink_reopen(err, sizeof err) < 0)
+        PX_LOG(PX_LOG_ERROR, "msg=\"cannot reopen the log file; the old one stays in use\" "
+                             "error=%s",
+               px_log_value(err, q, sizeof q));
+}
+
+static void on_sigusr1(evutil_socket_t sig, short what, void *arg) {
+    reopen_log();
+    PX_LOG(PX_LOG_INFO, "msg=\"SIGUSR1: log reopened\"");
+}
+
 /* Reads the --config file again; on any error the running configuration
  * stays and the log says what is wrong (file, line, key). */
 static void on_sighup(evutil_socket_t sig, short what, void *arg) {
     control *k = arg;
+    reopen_log();
     if (!px_reload_config(&k->s->rl)->config_file[0]) {
         PX_LOG(PX_LOG_INFO, "msg=\"SIGHUP received: nothing to reload (no --config file); "
                             "ignored\"");
@@ -375,9 +393,11 @@ int px_server_run(px_server *s) {
     struct event *sigterm = evsignal_new(k.base, SIGTERM, on_signal, &k);
     struct event *sigint = evsignal_new(k.base, SIGINT, on_signal, &k);
     struct event *sighup = evsignal_new(k.base, SIGHUP, on_sighup, &k);
+    struct event *sigusr1 = evsignal_new(k.base, SIGUSR1, on_sigusr1, &k);
     event_add(sigterm, NULL);
     event_add(sigint, NULL);
     event_add(sighup, NULL);
+    event_add(sigusr1, NULL);
     k.drain_timer = evtimer_new(k.base, on_drain_timer, &k);
     k.exit_poll = event_new(k.base, -1, EV_PERSIST, on_exit_poll, &k);
     arm(k.exit_poll, 0.05);
@@ -387,6 +407,7 @@ int px_server_run(px_server *s) {
     sigaddset(&set, SIGINT);
     sigaddset(&set, SIGTERM);
     sigaddset(&set, SIGHUP);
+    sigaddset(&set, SIGUSR1);
     pthread_sigmask(SIG_BLOCK, &set, &old);
     atomic_store(&s->workers_running, s->nworkers);
     for (int i = 0; i < s->nworkers; i++)
@@ -429,6 +450,8 @@ int px_server_run(px_server *s) {
     signal(SIGINT, SIG_IGN);
     pthread_sigmask(SIG_SETMASK, &prev, NULL);
     event_free(sighup);
+    event_free(sigusr1);
+    signal(SIGUSR1, SIG_IGN); /* a late rotation must not kill an exiting proxy */
     event_free(k.drain_timer);
     event_free(k.exit_poll);
     PX_LOG(PX_LOG_INFO, "msg=\"stopped\"");

@@ -9,6 +9,7 @@ PKGS=(
   libevent-dev libcurl4-openssl-dev libcjson-dev libyaml-dev libssl-dev libucx-dev ucx-utils libcmocka-dev
   python3 curl openssl
   nginx-light wrk
+  strace   # tests/integration/test_proxy_budget.py counts system calls per request
   clang libclang-rt-dev
   python3-yaml   # deploy/check.sh parses the rendered Kubernetes manifests
   libzmq3-dev libmsgpack-dev   # KV-cache events from the engines (ZeroMQ + msgpack)

@@ -5,3 +5,5 @@
 foreach(area metrics log trace tls auth otlp)
   px_py_test(obs_${area})
 endforeach()
+# The log's sink (issue 36): a stalled reader, batches, exits, rotation.
+px_py_test(obs_logsink TIMEOUT 180)

@@ -21,3 +21,14 @@ px_py_test(kv_replicas TIMEOUT 120)
 px_py_test(kv_routing TIMEOUT 120)
 # Per-backend endpoints (config entries, admin API) with engine-sim publishing.
 px_py_test(kv_endpoints TIMEOUT 180)
+
+# The fast path's budget (issue 36): system calls (strace -c) and heap
+# allocations per request through both hops. The allocation count preloads
+# bench/alloc_count.c, built here as a module; sanitizer builds skip both
+# (their runtimes allocate and call the kernel on their own).
+if(NOT SANITIZE AND NOT BUILD_FUZZERS)
+  add_library(alloc_count MODULE ${CMAKE_SOURCE_DIR}/bench/alloc_count.c)
+  set_target_properties(alloc_count PROPERTIES PREFIX "" LIBRARY_OUTPUT_DIRECTORY
+                        ${CMAKE_BINARY_DIR}/lib)
+endif()
+px_py_test(proxy_budget TIMEOUT 180)

@@ -120,8 +120,7 @@ class QueueOrderTest(AdmissionCase):
             self.assertEqual(self.results[rid].status, 200, rid)
         self.assertEqual(adm(px, "dispatched"), 5)
         self.assertGreaterEqual(metric(prom(px.port), "pdproxy_queue_wait_seconds_count"), 5)
-        log = px.stderr()
-        self.assertRegex(log, r"req=p0 msg=\"request\".* queue_ms=\d")
+        self.assertLogged(px, r"req=p0 msg=\"request\".* queue_ms=\d")
 
     def test_priority_classes_mapped_by_config(self):
         """--priority-class maps vLLM priorities (and names in the header)
@@ -373,7 +372,7 @@ class EngineBackoffTest(AdmissionCase):
         self.assertEqual(adm(px, "dispatched"), 1, "the requeued one left the queue once")
         self.assertEqual(self.up(px, "decode", self.D), 1, "backend ejected for a 429")
         self.assertEqual(request_ids(self.D), ["first", "first", "second"])
-        self.assertRegex(px.stderr(), r"req=first msg=\"request\".* queue_ms=\d")
+        self.assertLogged(px, r"req=first msg=\"request\".* queue_ms=\d")
 
     def test_decode_429_passed_on_when_the_deadline_is_too_near(self):
         """The back-off would end past the request's deadline

@@ -244,7 +244,7 @@ static void test_stale_reused_connection_resent_once(void **state) {
     assert_int_equal(r1.r, PX_CR_OK);
     srv_set_step(&s, 1);
     srv_wait_step(&s, 2);
-    usleep(100000); /* the FIN is in our socket; the loop has not run */
+    usleep(1100000); /* the FIN is in our socket; the loop has not run for 1.1 s */
     q = start(c, &s, &r2);
     run_until_done(base, &r2, q);
     assert_int_equal(r2.r, PX_CR_OK);
@@ -252,6 +252,78 @@ static void test_stale_reused_connection_resent_once(void **state) {
     srv_join(&s);
     assert_int_equal(s.accepted, 2);
     assert_int_equal(s.requests, 2); /* the request reached a backend once */
+    px_client_destroy(c);
+    event_base_free(base);
+}
+
+/* A stray answer on an idle connection, reported by the kernel in the same
+ * loop turn as the event that starts the next request (which came first,
+ * so its callback runs first): the connection is not reused, and the
+ * request gets a fresh connection and its own answer, without a peek (the
+ * connection was idle for less than a second). */
+static void script_stray(server *s) {
+    int fd = srv_accept(s, 3000);
+    srv_read_request(s, fd);
+    srv_send(fd, OK_KEEP);
+    srv_wait_step(s, 1);
+    srv_send(fd, "HTTP/1.1 200 OK\r\nContent-Length: 6\r\n\r\nstolen");
+    srv_set_step(s, 2);
+    int fd2 = srv_accept(s, 3000);
+    if (fd2 >= 0 && srv_read_request(s, fd2)) srv_send(fd2, OK_KEEP);
+    if (fd2 >= 0) close(fd2);
+    close(fd);
+}
+
+typedef struct trigger {
+    px_client *c;
+    server *s;
+    result *res;
+    px_creq *q;
+} trigger;
+
+static void on_trigger(evutil_socket_t fd, short what, void *arg) {
+    trigger *t = arg;
+    char b;
+    if (read(fd, &b, 1) == 1 && !t->q) t->q = start(t->c, t->s, t->res);
+}
+
+static void test_stray_answer_in_the_same_turn(void **state) {
+    struct event_base *base = event_base_new();
+    px_client *c = px_client_create(base, NULL);
+    server s;
+    srv_start(&s, script_stray);
+    result r1, r2;
+    px_creq *q = start(c, &s, &r1);
+    run_until_done(base, &r1, q);
+    assert_int_equal(r1.r, PX_CR_OK);
+    /* One poll with nothing to report, so that the kernel lists the events
+     * below in the order they happen (level-triggered descriptors reported
+     * last time would be looked at first). */
+    event_base_loop(base, EVLOOP_NONBLOCK);
+    int pfd[2];
+    assert_int_equal(pipe(pfd), 0);
+    trigger t = {c, &s, &r2, NULL};
+    struct event *ev = event_new(base, pfd[0], EV_READ | EV_PERSIST, on_trigger, &t);
+    event_add(ev, NULL);
+    assert_int_equal(write(pfd[1], "x", 1), 1); /* ready first */
+    srv_set_step(&s, 1);
+    srv_wait_step(&s, 2);
+    usleep(5000); /* the stray answer is in our socket; the loop has not run */
+    memset(&r2, 0, sizeof r2);
+    for (int i = 0; i < 2000 && !r2.done; i++) {
+        struct timeval tv = {0, 5000};
+        event_base_loopexit(base, &tv);
+        event_base_dispatch(base);
+    }
+    assert_true(r2.done);
+    assert_int_equal(r2.r, PX_CR_OK);
+    assert_int_equal(r2.blen, 5);
+    assert_memory_equal(r2.body, "hello", 5);
+    srv_join(&s);
+    assert_int_equal(s.accepted, 2);
+    event_free(ev);
+    close(pfd[0]);
+    close(pfd[1]);
     px_client_destroy(c);
     event_base_free(base);
 }
@@ -478,6 +550,7 @@ int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_keep_alive_reuse),
         cmocka_unit_test(test_stale_reused_connection_resent_once),
+        cmocka_unit_test(test_stray_answer_in_the_same_turn),
         cmocka_unit_test(test_request_read_then_closed_not_resent),
         cmocka_unit_test(test_chunked_pause_resume_and_bodiless),
         cmocka_unit_test(test_refused_is_connect_error_not_sent),

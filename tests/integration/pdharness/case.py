@@ -9,6 +9,7 @@ proxy_args() names the mocks as https:// URLs with --upstream-ca, so the
 same upstream tests run through pdproxy's https transport."""
 
 import os
+import re
 import sys
 import unittest
 
@@ -160,6 +161,14 @@ class PxTestCase(unittest.TestCase):
         self.assertTrue(resp.complete, "%s chunked body not terminated by 0-chunk" % (msg or ""))
         self.assertEqual(len(resp.header_all("transfer-encoding")), 1,
                          "%s Transfer-Encoding headers: %r" % (msg or "", resp.raw_head))
+
+    def assertLogged(self, proxy, pattern, timeout=5.0):
+        """pdproxy's stderr gets a match of regex `pattern` (waits for it:
+        access lines are written in batches, --access-log-flush)."""
+        found = wait_until(lambda: re.search(pattern, proxy.stderr()), timeout, 0.02)
+        self.assertTrue(found, "%r not in pdproxy's stderr:\n%s"
+                        % (pattern, proxy.stderr()[-4000:]))
+        return found
 
     def assertWarned(self, proxy, keyword, since=0, timeout=2.0):
         """pdproxy's stderr (from offset `since`) gets a warning-level line that contains keyword."""
