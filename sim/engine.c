@@ -759,7 +759,15 @@ static void renew_queued(sim_engine *e) {
     e->renew_due_ns = now + (uint64_t)renew_interval_ms(e) * 1000000ull;
     for (sim_req *r = e->qhead; r; r = r->qnext) {
         if (r->mode != SIM_MODE_DECODE || !r->kvp) continue;
+        /* A push-mode request names no blocks yet, and libkvconnector
+         * reads none from a renewal: renewed all the same, by the
+         * remote_request_id its params name (as vLLM's decode heartbeats
+         * every queued request). */
+        int named = cJSON_HasObjectItem(r->kvp, "remote_block_ids");
+        if (!named) cJSON_AddItemToObject(r->kvp, "remote_block_ids", cJSON_CreateArray());
         char *json = cJSON_PrintUnformatted(r->kvp);
+        /* start_decode still reads the request as push mode (no ids). */
+        if (!named) cJSON_DeleteItemFromObjectCaseSensitive(r->kvp, "remote_block_ids");
         kvc_fetch_params_t fp = {.field_mask = KVC_FETCH_FIELD_JSON,
                                  .kv_transfer_params_json = json};
         kvc_status_t st = json ? kvc_lease_renew(e->agent, &fp) : KVC_ERR_NO_MEMORY;

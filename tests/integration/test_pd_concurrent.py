@@ -614,6 +614,46 @@ class ConcurrentSimTest(PdCase):
                                      reason="prefill_pulls"), 3)
         self.assert_none_stranded(P2)
 
+    def test_queued_decode_renews_the_prefill_lease(self):
+        """Decode renews the lease of prefill's publication by the
+        remote_request_id its params name, as vLLM's decode heartbeats
+        (base_scheduler.on_new_request); in concurrent dispatch that is
+        pdproxy's minted id, under which the push prefill published. A
+        decode request queued behind a full KV pool for longer than the
+        lease (0.6 s here) still finds the KV."""
+        lease = ["--kv-lease-ms", "600"]
+        P, D, px = self.pair(p_extra=lease, d_extra=lease + ["--num-blocks", "40",
+                                                             "--itl-ms", "40"])
+        self.ask(px, "/v1/completions", {"model": "sim-model", "prompt": prose(200, seed=90),
+                                         "max_tokens": 2}, "l0")  # learns P
+        post_json(D.port, "/reset_prefix_cache", {})
+        out = {}
+
+        def run(rid, seed, n):
+            out[rid] = post_json(px.port, "/v1/completions",
+                                 {"model": "sim-model", "prompt": prose(3000, seed=seed),
+                                  "max_tokens": n}, headers=rid_headers(rid))
+        first = threading.Thread(target=run, args=("l1", 91, 50))  # holds 30 of D's 40 blocks 2 s
+        first.start()
+        self.assertTrue(wait_until(
+            lambda: self.engine_metric(D.port, "engine_sim_kv_fetches_total") == 2, 10, 0.02))
+        run("l2", 92, 4)  # waits at D for blocks while P's lease runs
+        first.join(30)
+        self.assertFalse(first.is_alive())
+        for rid in ("l1", "l2"):
+            self.assertEqual(out[rid][0], 200, out[rid][2])
+            self.assertEqual(self.access_for(px, rid)["dispatch"], "concurrent")
+        self.assertGreater(self.engine_metric(D.port, "engine_sim_kv_lease_renewals_total"), 0)
+        self.assertEqual(self.engine_metric(P.port, "engine_sim_kv_blocks_expired_total"), 0,
+                         P.log()[-3000:])
+        self.assertEqual(self.engine_metric(D.port, "engine_sim_kv_fetch_failures_total"), 0)
+        self.assertEqual(self.engine_metric(D.port, "engine_sim_kv_fetches_total"), 3)
+        # l2 waited at decode for blocks past the lease, then loaded the KV.
+        rec = self.access_for(px, "l2")
+        self.assertGreater(float(rec["ttfb_ms"]), 600.0)
+        self.assertIn("kv_wait_ms", rec)
+        self.assert_none_stranded(P)
+
     def test_slow_prefill_decode_registers_first(self):
         """Prefill takes ~0.3 s to compute: decode's held fetch is registered
         long before it publishes, and waits for it (X-KV-Wait-Ms)."""
