@@ -556,6 +556,39 @@ class ConcurrentSimTest(PdCase):
                                      reason="identity_cached"), 3)
         self.assertEqual(self.metric(px, "pdproxy_decode_kv_wait_seconds_count"), 4)
         self.assert_none_stranded(P)
+        # Both legs of every request carried the same minted transfer_id,
+        # which the engines read (vLLM's push connector pairs them by it).
+        for e in (P, D):
+            self.assertEqual(self.engine_metric(e.port, "engine_sim_kv_transfer_id_missing_total"),
+                             0)
+        tids = lambda e, role: re.findall(
+            r"role=%s transfer_mode=push transfer_id=(xfer-[0-9a-f]{32})" % role, e.log())
+        self.assertEqual(len(set(tids(P, "prefill"))), 4)
+        self.assertEqual(sorted(tids(P, "prefill")), sorted(tids(D, "decode")))
+
+    def test_vllm_key_set_reaches_decode_verbatim(self):
+        """engine-sim's prefill answers with the keys vLLM's NIXL schedulers
+        write today (remote_block_ids per KV-cache group, transfer_mode,
+        pp_size, dcp_size, remote_num_tokens, remote_blocks_expiry_time);
+        decode gets them byte for byte, plus the transfer_id prefill got."""
+        P = self.engine("prefill")
+        D = self.mock(decode_handler(), name="D")
+        px = self.start_proxy([P.port], [D])
+        self.ask(px, "/v1/completions", {"model": "sim-model", "prompt": PROMPT, "max_tokens": 4},
+                 "k0")
+        kvp = kvp_of(D.requests[0])
+        ids = kvp["remote_block_ids"]
+        self.assertEqual(len(ids), 1)  # one KV-cache group
+        self.assertTrue(ids[0] and all(isinstance(b, int) for b in ids[0]), ids)
+        self.assertTrue(16 * (len(ids[0]) - 1) < kvp["remote_num_tokens"] <= 16 * len(ids[0]))
+        for k, v in (("transfer_mode", "pull"), ("pp_size", 1), ("dcp_size", 1),
+                     ("remote_blocks_expiry_time", None), ("tp_size", 1)):
+            self.assertIn(k, kvp)
+            self.assertEqual(kvp[k], v, k)
+        self.assertIn(b'"remote_block_ids":[[%d,' % ids[0][0], D.requests[0].body)
+        self.assertRegex(kvp["transfer_id"], r"^xfer-[0-9a-f]{32}$")
+        self.assertIn("role=prefill transfer_mode=pull transfer_id=" + kvp["transfer_id"],
+                      P.log())
 
     def test_pull_sims_are_sent_serial(self):
         """engine-sims as vLLM's NixlConnector (pull, their default) behind
