@@ -311,7 +311,8 @@ class DecodeBodyTest(FlowBase):
         self.P.set_handler(prefill_handler(kv=p_kv))
         px = self.proxy()
         body = completion_body(kv_transfer_params={"remote_host": "client-evil",
-                                                   "remote_block_ids": [666]})
+                                                   "remote_block_ids": [666],
+                                                   "transfer_id": "client-evil-tid"})
         r = http_request(px.port, "POST", "/v1/completions", body)
         self.assertEqual(r.status, 200, r.body)
         for req in self.P.requests + self.D.requests:
