@@ -96,7 +96,8 @@ class Engine:
         return [os.path.join(self.args.bin, "engine-sim"), "--role", self.role,
                 "--port", str(self.port), "--num-blocks", "8192", "--block-bytes", "1024",
                 "--layers", "2", "--prefill-us-per-token", str(self.args.us_per_token),
-                "--itl-ms", "2", "--kv-expiry-ms", "20000", "--log-level", "warn"]
+                "--itl-ms", "2", "--kv-expiry-ms", "20000", "--log-level", "warn"] + \
+            (["--kv-transfer-mode", "push"] if self.args.dispatch == "concurrent" else [])
 
     def start(self):
         self.proc = Proc("%s-%d" % (self.role, self.port), self.argv())

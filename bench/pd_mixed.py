@@ -157,6 +157,8 @@ def run(args, threshold, reqs, endpoint="chat", dispatch="serial"):
     common = ["--num-blocks", "16384", "--block-bytes", "1024", "--layers", "2",
               "--prefill-us-per-token", str(args.us_per_token), "--itl-ms", "5",
               "--log-level", "warn"]
+    if dispatch == "concurrent":  # only a push prefill is sent both legs at once
+        common += ["--kv-transfer-mode", "push"]
     procs = []
     try:
         pp = start_proc("prefill", lambda port: [sim, "--role", "prefill", "--port", str(port)]

@@ -84,7 +84,8 @@ def main():
         return start_proc("engine-sim-" + role, lambda port: [
             sim, "--role", role, "--port", str(port), "--num-blocks", "8192",
             "--layers", "4", "--block-bytes", "16384",
-            "--prefill-us-per-token", str(a.us_per_token), "--log-level", "warn"], "/health")
+            "--prefill-us-per-token", str(a.us_per_token), "--log-level", "warn",
+            "--kv-transfer-mode", "push"], "/health")
     P, D = engine("prefill"), engine("decode")
     try:
         _, kvp = serial(P.port, D.port, prompt(-1, 50))

@@ -22,8 +22,8 @@ const char *px_dispatch_name(px_dispatch_mode m) {
     return mode_names[m == PX_DISPATCH_CONCURRENT];
 }
 
-static const char *const kind_reasons[PX_DISP_COUNT] = {"configured", "no_identity",
-                                                        "identity_cached"};
+static const char *const kind_reasons[PX_DISP_COUNT] = {
+    "configured", "no_identity", "identity_cached", "prefill_pulls", "mode_unknown"};
 
 const char *px_dispatch_kind_mode(px_dispatch_kind k) {
     return k == PX_DISP_CONCURRENT ? "concurrent" : "serial";
@@ -57,8 +57,25 @@ int px_dispatch_identity_parse(const char *kvp, size_t n, px_pf_identity *id) {
         snprintf(v.tp_size, sizeof v.tp_size, "1");
     if (member_text(kvp, n, "pp_size", PX_JSON_NUMBER, v.pp_size, sizeof v.pp_size) < 0)
         v.pp_size[0] = '\0';
+    px_json_member m;
+    v.mode = PX_XFER_UNKNOWN;
+    if (px_json_find(kvp, n, "transfer_mode", &m) && m.type == PX_JSON_STRING)
+        v.mode = px_json_str_eq(m.val + 1, m.val_len - 2, "push") ? PX_XFER_PUSH : PX_XFER_PULL;
     *id = v;
     return 0;
+}
+
+px_dispatch_kind px_dispatch_decide(px_dispatch_mode mode, const px_pf_identity *id) {
+    if (mode != PX_DISPATCH_CONCURRENT) return PX_DISP_SERIAL;
+    if (!id) return PX_DISP_NO_IDENTITY;
+    switch (id->mode) {
+    case PX_XFER_PUSH:
+        return PX_DISP_CONCURRENT;
+    case PX_XFER_PULL:
+        return PX_DISP_PULLS;
+    default:
+        return PX_DISP_MODE_UNKNOWN;
+    }
 }
 
 typedef struct ident_entry {
@@ -80,9 +97,11 @@ static ident_entry *find(const char *backend) {
 
 int px_dispatch_learn(const char *backend, const char *kvp, size_t n) {
     px_pf_identity id;
-    if (!backend || strlen(backend) >= sizeof cache[0].backend ||
-        px_dispatch_identity_parse(kvp, n, &id) < 0)
+    if (!backend || strlen(backend) >= sizeof cache[0].backend) return -1;
+    if (px_dispatch_identity_parse(kvp, n, &id) < 0) {
+        px_dispatch_forget(backend);
         return -1;
+    }
     pthread_mutex_lock(&cache_mu);
     ident_entry *e = find(backend);
     if (!e && ncache < PX_DISPATCH_MAX_IDENTITIES) e = &cache[ncache++];
@@ -139,22 +158,31 @@ int px_dispatch_mint(char id[PX_DISPATCH_ID_LEN], char token[33]) {
     return 0;
 }
 
-void px_dispatch_prefill_kvp(const char *id, const char *token, px_buf *out) {
+int px_dispatch_mint_transfer_id(char id[PX_DISPATCH_XFER_LEN]) {
+    unsigned char b[16];
+    if (RAND_bytes(b, sizeof b) != 1) return -1;
+    memcpy(id, "xfer-", 5);
+    hex(b, sizeof b, id + 5);
+    return 0;
+}
+
+void px_dispatch_prefill_kvp(const char *id, const char *token, const char *transfer_id,
+                             px_buf *out) {
     px_buf_printf(out,
                   "{\"do_remote_decode\":true,\"do_remote_prefill\":false,"
                   "\"remote_engine_id\":null,\"remote_block_ids\":null,\"remote_host\":null,"
                   "\"remote_port\":null,\"remote_request_id\":\"%s\",\"remote_kv_token\":\"%s\","
-                  "\"transfer_mode\":\"push\"}",
-                  id, token);
+                  "\"transfer_mode\":\"push\",\"transfer_id\":\"%s\"}",
+                  id, token, transfer_id);
 }
 
 void px_dispatch_decode_kvp(const px_pf_identity *pf, const char *id, const char *token,
-                            px_buf *out) {
+                            const char *transfer_id, px_buf *out) {
     px_buf_printf(out,
                   "{\"do_remote_prefill\":true,\"do_remote_decode\":false,"
                   "\"transfer_mode\":\"push\",\"remote_engine_id\":%s,"
                   "\"remote_request_id\":\"%s\",\"remote_kv_token\":\"%s\",\"remote_host\":%s,"
-                  "\"remote_port\":%s,\"tp_size\":%s%s%s}",
+                  "\"remote_port\":%s,\"tp_size\":%s%s%s,\"transfer_id\":\"%s\"}",
                   pf->engine_id, id, token, pf->host, pf->port, pf->tp_size,
-                  pf->pp_size[0] ? ",\"pp_size\":" : "", pf->pp_size);
+                  pf->pp_size[0] ? ",\"pp_size\":" : "", pf->pp_size, transfer_id);
 }

@@ -8,6 +8,7 @@
 #include "base/log.h"
 #include "proxy/admission.h"
 #include "proxy/ctx.h"
+#include "proxy/dispatch.h"
 #include "proxy/dp.h"
 #include "proxy/route.h"
 #include "proxy/upstream.h"
@@ -92,11 +93,16 @@ static void on_done(void *arg, px_up_result rc, const char *errbuf, int connecte
     }
     int ok = rc == PX_UP_OK && c->status >= 200 && c->status < 300;
     if (c->kind == K_HEALTH) {
-        if (!ok)
+        if (!ok) {
             PX_LOG(PX_LOG_DEBUG,
                    "msg=\"health check failed\" role=%s backend=%s status=%d error=\"%s\"",
                    c->pool->role, c->b->name, c->status,
                    rc ? (errbuf[0] ? errbuf : px_up_result_str(rc)) : "");
+            /* A prefill that fails its check may come back as another
+             * engine, pulling where it pushed: what --dispatch concurrent
+             * learned of it is learned again from its next answer. */
+            if (!strcmp(c->pool->role, "prefill")) px_dispatch_forget(c->b->name);
+        }
         px_backend_check(c->pool, c->b, ok);
     } else {
         double w = 0, r = 0, kv = 0;

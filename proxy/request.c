@@ -176,6 +176,7 @@ struct px_req {
     struct event *conc_timer; /* owned: bounds that wait */
     int kv_waited;     /* decode sent X-KV-Wait-Ms: */
     double kv_wait_ms; /* its value */
+    char transfer_id[PX_DISPATCH_XFER_LEN]; /* minted for both legs (dispatch.h) */
 };
 
 /* The flow, top-down: each section below calls into later ones. */
@@ -748,12 +749,16 @@ static void route_pd(px_req *r) {
         }
         return;
     }
+    if (px_dispatch_mint_transfer_id(r->transfer_id) < 0) {
+        req_fail(r, 500, NULL, "cannot mint a transfer id: the random generator failed");
+        return;
+    }
     if (r->ep == PX_EP_RESPONSES)
-        px_rewrite_prefill_responses(r->body.data, r->body.len, &r->pbody);
+        px_rewrite_prefill_responses(r->body.data, r->body.len, r->transfer_id, &r->pbody);
     else if (r->ep == PX_EP_GENERATE)
-        px_rewrite_prefill_generate(r->body.data, r->body.len, &r->pbody);
+        px_rewrite_prefill_generate(r->body.data, r->body.len, r->transfer_id, &r->pbody);
     else
-        px_rewrite_prefill(r->body.data, r->body.len, &r->pbody);
+        px_rewrite_prefill(r->body.data, r->body.len, r->transfer_id, &r->pbody);
     account(r);
     if (r->ctx->cfg->prefill_timeout > 0)
         r->prefill_deadline = px_now_ns() + (uint64_t)(r->ctx->cfg->prefill_timeout * 1e9);
@@ -1257,7 +1262,7 @@ static px_kvp_status decode_body(px_req *r, char *err, size_t errlen) {
      * answers. */
     if (kvp && r->ps->dispatch == PX_DISPATCH_CONCURRENT) px_dispatch_learn(r->pname, kvp, kvp_len);
     px_buf_reset(&r->dbody);
-    px_rewrite_decode(r->body.data, r->body.len, kvp, kvp_len, &r->dbody);
+    px_rewrite_decode_xfer(r->body.data, r->body.len, kvp, kvp_len, r->transfer_id, &r->dbody);
     r->disagg = kvp != NULL;
     /* Prefill's cached_tokens, for --usage-from prefill (only then: three
      * searches of prefill's answer). */
@@ -1300,18 +1305,20 @@ static void fall_back(px_req *r, px_fallback why) {
  * and both are sent now. Decode's leg is the request's r->up and goes on
  * as any decode (its answer streamed, its failed KV load retried); the
  * prefill leg, r->pup, is only read for its status and identity. A
- * prefill whose identity is not known yet is sent serial: its answer
- * teaches it (decode_body). */
+ * prefill whose identity is not known yet, or that does not push, is sent
+ * serial (px_dispatch_decide): its answer teaches it (decode_body). */
 static void dispatch_concurrent(px_req *r) {
     if (pick_prefill(r) < 0) return;
     px_pf_identity pf;
     char id[PX_DISPATCH_ID_LEN], tok[33];
-    if (!px_dispatch_get(r->pb->name, &pf) || px_dispatch_mint(id, tok) < 0) {
-        r->disp = PX_DISP_NO_IDENTITY;
-        px_m_inc(&r->w->metrics.dispatch[PX_DISP_NO_IDENTITY]);
-        PX_LOG(PX_LOG_DEBUG,
-               "req=%s msg=\"prefill's identity not known yet: sent serial\" prefill=%s", r->lid,
-               r->pb->name);
+    int known = px_dispatch_get(r->pb->name, &pf);
+    px_dispatch_kind k = px_dispatch_decide(r->ps->dispatch, known ? &pf : NULL);
+    if (k == PX_DISP_CONCURRENT && px_dispatch_mint(id, tok) < 0) k = PX_DISP_NO_IDENTITY;
+    if (k != PX_DISP_CONCURRENT) {
+        r->disp = k;
+        px_m_inc(&r->w->metrics.dispatch[k]);
+        PX_LOG(PX_LOG_DEBUG, "req=%s msg=\"sent serial\" prefill=%s reason=%s", r->lid,
+               r->pb->name, px_dispatch_kind_reason(k));
         send_prefill(r, &prefill_cbs);
         return;
     }
@@ -1320,19 +1327,20 @@ static void dispatch_concurrent(px_req *r) {
     px_buf kvp, body;
     px_buf_init(&kvp);
     px_buf_init(&body);
-    px_dispatch_prefill_kvp(id, tok, &kvp);
+    px_dispatch_prefill_kvp(id, tok, r->transfer_id, &kvp);
     px_rewrite_decode(r->pbody.data, r->pbody.len, kvp.data, kvp.len, &body);
     px_buf_cleanup(&r->pbody);
     r->pbody = body;
     px_buf_reset(&kvp);
-    px_dispatch_decode_kvp(&pf, id, tok, &kvp);
+    px_dispatch_decode_kvp(&pf, id, tok, r->transfer_id, &kvp);
     px_buf_reset(&r->dbody);
     px_rewrite_decode(r->body.data, r->body.len, kvp.data, kvp.len, &r->dbody);
     px_buf_cleanup(&kvp);
     r->disagg = 1;
     account(r);
-    PX_LOG(PX_LOG_DEBUG, "req=%s msg=\"concurrent dispatch\" prefill=%s remote_request_id=%s",
-           r->lid, r->pb->name, id);
+    PX_LOG(PX_LOG_DEBUG,
+           "req=%s msg=\"concurrent dispatch\" prefill=%s remote_request_id=%s transfer_id=%s",
+           r->lid, r->pb->name, id, r->transfer_id);
     if (send_prefill(r, &conc_prefill_cbs) < 0) return;
     r->pup = r->up;
     r->up = NULL;

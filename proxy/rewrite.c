@@ -82,13 +82,25 @@ static int copy_members(const char *body, size_t n, const char *const *drop, siz
     return 0;
 }
 
-int px_rewrite_prefill(const char *body, size_t n, px_buf *out) {
+/* The proxy's kv_transfer_params member, then a comma. */
+static void prefill_kvp(const char *transfer_id, px_buf *out) {
+    px_buf_appends(out, "\"kv_transfer_params\":");
+    if (transfer_id) {
+        px_buf_append(out, PX_PREFILL_KV_PARAMS, sizeof PX_PREFILL_KV_PARAMS - 2);
+        px_buf_printf(out, ",\"transfer_id\":\"%s\"}", transfer_id);
+    } else {
+        px_buf_appends(out, PX_PREFILL_KV_PARAMS);
+    }
+    px_buf_append(out, ",", 1);
+}
+
+int px_rewrite_prefill(const char *body, size_t n, const char *transfer_id, px_buf *out) {
     unsigned saw;
     if (copy_members(body, n, prefill_drop, sizeof prefill_drop / sizeof *prefill_drop, out, &saw) <
         0)
         return -1;
-    px_buf_appends(out, "\"kv_transfer_params\":" PX_PREFILL_KV_PARAMS
-                        ",\"stream\":false,\"max_tokens\":1");
+    prefill_kvp(transfer_id, out);
+    px_buf_appends(out, "\"stream\":false,\"max_tokens\":1");
     if (saw & (1u << 4)) px_buf_appends(out, ",\"max_completion_tokens\":1");
     px_buf_append(out, "}", 1);
     return 0;
@@ -101,13 +113,13 @@ int px_rewrite_prefill(const char *body, size_t n, px_buf *out) {
 static const char *const responses_drop[] = {"kv_transfer_params", "stream",     "stream_options",
                                              "max_output_tokens",  "background", "store"};
 
-int px_rewrite_prefill_responses(const char *body, size_t n, px_buf *out) {
+int px_rewrite_prefill_responses(const char *body, size_t n, const char *transfer_id, px_buf *out) {
     unsigned saw;
     if (copy_members(body, n, responses_drop, sizeof responses_drop / sizeof *responses_drop, out,
                      &saw) < 0)
         return -1;
-    px_buf_appends(out, "\"kv_transfer_params\":" PX_PREFILL_KV_PARAMS
-                        ",\"stream\":false,\"max_output_tokens\":1,\"store\":false}");
+    prefill_kvp(transfer_id, out);
+    px_buf_appends(out, "\"stream\":false,\"max_output_tokens\":1,\"store\":false}");
     return 0;
 }
 
@@ -117,15 +129,15 @@ static const char *const generate_drop[] = {"kv_transfer_params", "stream", "str
                                             "sampling_params"};
 static const char *const sampling_drop[] = {"max_tokens", "min_tokens"};
 
-int px_rewrite_prefill_generate(const char *body, size_t n, px_buf *out) {
+int px_rewrite_prefill_generate(const char *body, size_t n, const char *transfer_id, px_buf *out) {
     unsigned saw;
     px_json_member sp;
     int has_sp = px_json_find(body, n, "sampling_params", &sp) && sp.type == PX_JSON_OBJECT;
     if (copy_members(body, n, generate_drop, sizeof generate_drop / sizeof *generate_drop, out,
                      &saw) < 0)
         return -1;
-    px_buf_appends(out, "\"kv_transfer_params\":" PX_PREFILL_KV_PARAMS
-                        ",\"stream\":false,\"sampling_params\":");
+    prefill_kvp(transfer_id, out);
+    px_buf_appends(out, "\"stream\":false,\"sampling_params\":");
     if (has_sp) {
         if (copy_members(sp.val, sp.val_len, sampling_drop, 2, out, &saw) < 0) return -1;
     } else {
@@ -149,6 +161,23 @@ int px_rewrite_decode(const char *body, size_t n, const char *kvp, size_t kvp_le
         px_buf_append(out, "}", 1);
     }
     return 0;
+}
+
+int px_rewrite_decode_xfer(const char *body, size_t n, const char *kvp, size_t kvp_len,
+                           const char *transfer_id, px_buf *out) {
+    static const char *const own[] = {"transfer_id"};
+    unsigned saw;
+    px_buf k;
+    px_buf_init(&k);
+    /* Prefill's members as they came, its own transfer_id left out. */
+    if (!transfer_id || !kvp || copy_members(kvp, kvp_len, own, 1, &k, &saw) < 0) {
+        px_buf_cleanup(&k);
+        return px_rewrite_decode(body, n, kvp, kvp_len, out);
+    }
+    px_buf_printf(&k, "\"transfer_id\":\"%s\"}", transfer_id);
+    int rc = px_rewrite_decode(body, n, k.data, k.len, out);
+    px_buf_cleanup(&k);
+    return rc;
 }
 
 int px_body_foreign_encoding(const char *body, size_t n) {

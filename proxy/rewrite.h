@@ -17,28 +17,40 @@
 /* Appends to `out` the prefill request built from the client's body (a
  * validated JSON object): its members minus kv_transfer_params, stream,
  * stream_options, max_tokens, max_completion_tokens, min_tokens and
- * min_completion_tokens, then the proxy's kv_transfer_params,
- * "stream":false, "max_tokens":1 and, when the client sent the key,
- * "max_completion_tokens":1. Returns 0, or -1 when body is not an object. */
-int px_rewrite_prefill(const char *body, size_t n, px_buf *out);
+ * min_completion_tokens, then the proxy's kv_transfer_params (with
+ * "transfer_id":"<transfer_id>" when transfer_id is not NULL: the id the
+ * router mints for both legs of one dispatch, by which vLLM's push
+ * connector pairs them; a printable string without quotes or
+ * backslashes), "stream":false, "max_tokens":1 and, when the client sent
+ * the key, "max_completion_tokens":1. Returns 0, or -1 when body is not an
+ * object. */
+int px_rewrite_prefill(const char *body, size_t n, const char *transfer_id, px_buf *out);
 
 /* The same for vLLM's /v1/responses (ResponsesRequest): without stream,
  * stream_options, max_output_tokens, background and store, then the
  * proxy's kv_transfer_params, "stream":false, "max_output_tokens":1 and
  * "store":false. */
-int px_rewrite_prefill_responses(const char *body, size_t n, px_buf *out);
+int px_rewrite_prefill_responses(const char *body, size_t n, const char *transfer_id, px_buf *out);
 
 /* The same for vLLM's token-in /inference/v1/generate (GenerateRequest):
  * without stream and stream_options, its sampling_params object copied
  * without max_tokens and min_tokens and given "max_tokens":1 (a
  * sampling_params that is absent or no object becomes {"max_tokens":1}). */
-int px_rewrite_prefill_generate(const char *body, size_t n, px_buf *out);
+int px_rewrite_prefill_generate(const char *body, size_t n, const char *transfer_id, px_buf *out);
 
 /* Appends to `out` the decode request: the client's members minus any
  * kv_transfer_params of its own, then "kv_transfer_params":<kvp> with kvp's
  * bytes as they are (kvp NULL: none added). Returns 0, or -1 when body is
  * not an object. */
 int px_rewrite_decode(const char *body, size_t n, const char *kvp, size_t kvp_len, px_buf *out);
+
+/* px_rewrite_decode with prefill's kv_transfer_params (kvp, an object)
+ * given "transfer_id":"<transfer_id>": every member of kvp is copied as the
+ * exact bytes prefill sent (nested per-group remote_block_ids included),
+ * but a transfer_id of its own, which the router's replaces. transfer_id
+ * NULL, or kvp NULL or not an object: px_rewrite_decode as is. */
+int px_rewrite_decode_xfer(const char *body, size_t n, const char *kvp, size_t kvp_len,
+                           const char *transfer_id, px_buf *out);
 
 /* 1 when a body begins the way Python's json.loads (json.detect_encoding)
  * reads as a byte-order mark or as UTF-16/UTF-32: an engine's JSON parser

@@ -512,6 +512,10 @@ static void pump_seqs(sim_engine *e) {
 
 /* --------------------------------------------------------------- modes -- */
 
+static int push_mode(const sim_engine *e) {
+    return !strcmp(e->cfg->kv_transfer_mode, "push");
+}
+
 static void prefill_reply(evutil_socket_t fd, short what, void *arg) {
     sim_req *r = arg;
     sim_engine *e = r->e;
@@ -531,6 +535,8 @@ static void prefill_reply(evutil_socket_t fd, short what, void *arg) {
         req_error(r, 500, msg);
         return;
     }
+    /* The keys vLLM's NIXL schedulers write today (sim_kvp_answer). */
+    char *ans = sim_kvp_answer(json, push_mode(e), r->ntok);
     /* The blocks now belong to the publication until released or expired. */
     r->holds_blocks = 0;
     e->blocks_published += r->nblocks;
@@ -540,10 +546,11 @@ static void prefill_reply(evutil_socket_t fd, short what, void *arg) {
     char idtxt[16];
     if (r->ep == EP_GENERATE) {
         snprintf(idtxt, sizeof idtxt, "%u", word_id(w, wl));
-        reply_json(r, idtxt, strlen(idtxt), "length", json);
+        reply_json(r, idtxt, strlen(idtxt), "length", ans ? ans : json);
     } else {
-        reply_json(r, w, wl, "length", json);
+        reply_json(r, w, wl, "length", ans ? ans : json);
     }
+    cJSON_free(ans);
     kvc_free(json);
     req_finish(r);
 }
@@ -592,7 +599,11 @@ static int fail_on_load_error(const sim_req *r) {
 static void start_decode(sim_req *r) {
     sim_engine *e = r->e;
     cJSON *ids = cJSON_GetObjectItemCaseSensitive(r->kvp, "remote_block_ids");
-    size_t nremote = (size_t)cJSON_GetArraySize(ids);
+    /* Per KV-cache group, as vLLM sends them: one group here (libkvconnector
+     * refuses more: a hybrid model's). */
+    cJSON *g0 = cJSON_GetArrayItem(ids, 0);
+    size_t nremote = (size_t)cJSON_GetArraySize(cJSON_IsArray(g0) ? g0 : ids);
+    if (cJSON_IsArray(g0) && cJSON_GetArraySize(ids) != 1) nremote = 0;
     int push = !ids; /* push mode (sim_request.c): held until prefill publishes */
     if (!push && nremote != r->nblocks) {
         PX_LOG(PX_LOG_WARN,
@@ -748,7 +759,15 @@ static void renew_queued(sim_engine *e) {
     e->renew_due_ns = now + (uint64_t)renew_interval_ms(e) * 1000000ull;
     for (sim_req *r = e->qhead; r; r = r->qnext) {
         if (r->mode != SIM_MODE_DECODE || !r->kvp) continue;
+        /* A push-mode request names no blocks yet, and libkvconnector
+         * reads none from a renewal: renewed all the same, by the
+         * remote_request_id its params name (as vLLM's decode heartbeats
+         * every queued request). */
+        int named = cJSON_HasObjectItem(r->kvp, "remote_block_ids");
+        if (!named) cJSON_AddItemToObject(r->kvp, "remote_block_ids", cJSON_CreateArray());
         char *json = cJSON_PrintUnformatted(r->kvp);
+        /* start_decode still reads the request as push mode (no ids). */
+        if (!named) cJSON_DeleteItemFromObjectCaseSensitive(r->kvp, "remote_block_ids");
         kvc_fetch_params_t fp = {.field_mask = KVC_FETCH_FIELD_JSON,
                                  .kv_transfer_params_json = json};
         kvc_status_t st = json ? kvc_lease_renew(e->agent, &fp) : KVC_ERR_NO_MEMORY;
@@ -835,6 +854,40 @@ void sim_submit(sim_engine *e, px_conn *c, sim_ep ep, const char *xrid, int dp_r
     r->prev_id = pr.prev_id; /* ownership moves to r */
     r->mode = pr.mode;
     r->kvp = pr.kvp; /* ownership moves to r */
+    int push = push_mode(e);
+    if (!push && r->mode == SIM_MODE_PREFILL && r->kvp) {
+        /* A pull prefill (vLLM's NixlConnector) ignores a router's id and
+         * token: it publishes under its own id, and its answer says pull. */
+        cJSON_Delete(r->kvp);
+        r->kvp = NULL;
+    }
+    if (r->mode == SIM_MODE_PREFILL || r->mode == SIM_MODE_DECODE || pr.kvp_invalid)
+        PX_LOG(PX_LOG_INFO, "req=%s msg=\"kv_transfer_params\" role=%s transfer_mode=%s "
+                            "transfer_id=%s",
+               r->internal_id, r->mode == SIM_MODE_PREFILL ? "prefill" : "decode",
+               e->cfg->kv_transfer_mode, pr.transfer_id[0] ? pr.transfer_id : "-");
+    if (push && (r->mode == SIM_MODE_PREFILL || r->mode == SIM_MODE_DECODE) &&
+        !pr.transfer_id[0]) {
+        e->transfer_id_missing++;
+        PX_LOG(PX_LOG_WARN, "req=%s msg=\"No valid transfer_id in kv_transfer_params; pairing P "
+                            "and D by base request id, which is deprecated\"",
+               r->internal_id);
+    }
+    if (!push && pr.kvp_no_blocks) {
+        /* vLLM's pull scheduler: do_remote_prefill with tokens to load and
+         * no remote_block_ids fails `assert num_external_tokens == 0` in
+         * update_state_after_alloc, and the engine core dies. */
+        e->kvp_no_blocks++;
+        PX_LOG(PX_LOG_ERROR,
+               "req=%s msg=\"AssertionError: num_external_tokens == 0: do_remote_prefill without "
+               "remote_block_ids reached a pull decode (vLLM's engine core dies here)\"",
+               r->internal_id);
+        req_free(r);
+        px_conn_reply_error(c, 500, xrid, NULL,
+                            "EngineCore encountered an issue: do_remote_prefill without "
+                            "remote_block_ids on a pull connector");
+        return;
+    }
     if (pr.kvp_invalid) {
         e->invalid_kvp++;
         PX_LOG(PX_LOG_WARN,

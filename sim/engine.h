@@ -46,6 +46,9 @@ typedef struct sim_config {
                                               429; 0: no cap */
     uint32_t max_num_seqs;                 /* vLLM's --max-num-seqs: requests generating at
                                               once; the others wait for a slot; 0: no cap */
+    const char *kv_transfer_mode;          /* "pull" (vLLM's NixlConnector, the default) or
+                                              "push" (its NixlPushConnector), as answers say in
+                                              transfer_mode */
 } sim_config;
 
 /* Runs the engine until SIGINT/SIGTERM. Returns the process exit status. */

@@ -97,6 +97,11 @@ struct sim_engine {
     uint64_t requests_total, blocks_published, blocks_released, blocks_expired, unknown_notify,
         fetch_failures, corrupt_blocks, fetches, bytes_fetched, fetch_ns, invalid_kvp,
         queue_rejects, lease_renewals, kv_load_failed, busy_rejects;
+    /* vLLM's NIXL connectors as routers meet them: pull-mode decode
+     * requests without remote_block_ids (vLLM's pull scheduler fails an
+     * assertion on them and its engine core dies), push-mode legs without
+     * a transfer_id (vLLM pairs them by base request id then, deprecated). */
+    uint64_t kvp_no_blocks, transfer_id_missing;
     /* Queueing before the engine works on a request (/metrics'
      * engine_sim_queue_*): admitted requests and their wait for free KV
      * blocks; computations and their wait behind those queued before. */

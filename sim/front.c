@@ -133,6 +133,12 @@ static void reply_metrics(sim_engine *e, px_conn *c) {
                   (unsigned long long)e->computes, (unsigned long long)e->generations);
     COUNTER("engine_sim_invalid_kv_transfer_params_total",
             "Decode requests whose kv_transfer_params were unusable.", e->invalid_kvp);
+    COUNTER("engine_sim_kv_params_without_blocks_total",
+            "Pull-mode decode requests with do_remote_prefill and no remote_block_ids "
+            "(vLLM's engine core dies on one).",
+            e->kvp_no_blocks);
+    COUNTER("engine_sim_kv_transfer_id_missing_total",
+            "Push-mode prefill and decode requests without a transfer_id.", e->transfer_id_missing);
     COUNTER("engine_sim_prompt_tokens_computed_total",
             "Prompt tokens this engine computed (cached prefixes and received KV excluded).",
             e->tokens_computed);

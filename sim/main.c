@@ -92,6 +92,12 @@ static const sim_opt opts[] = {
      "itself, or fails the request as vLLM does with 'fail'\n"
      "(500 InternalServerError; in a stream, an error event)\n"
      "(recompute)"},
+    {"kv-transfer-mode", O_STR, OFF(kv_transfer_mode), 0, 0, "pull|push",
+     "as vLLM's NixlConnector (pull: a prefill publishes\n"
+     "under its own id; a decode without remote_block_ids\n"
+     "is the assertion that kills vLLM's engine core: 500)\n"
+     "or NixlPushConnector (push); answers say which in\n"
+     "transfer_mode (pull)"},
     {"data-parallel-size", O_U32, OFF(dp_size), 1, 64, "N",
      "engine cores behind this API server; a request may\n"
      "name one in X-data-parallel-rank (0..N-1), which is\n"
@@ -107,7 +113,7 @@ static void usage(FILE *out) {
           "prefill computes KV blocks (bytes derived from the prompt) and publishes them\n"
           "with libkvconnector; decode fetches them over UCX, verifies every byte, notifies\n"
           "prefill by remote_request_id, and generates deterministic text.  Push mode\n"
-          "(transfer_mode \"push\"): prefill publishes under the caller's remote_request_id\n"
+          "(--kv-transfer-mode push): prefill publishes under the caller's remote_request_id\n"
           "and remote_kv_token; decode, given no remote_block_ids, registers its fetch at\n"
           "prefill at once and is served when prefill publishes (X-KV-Wait-Ms: its wait).\n\n",
           out);
@@ -218,11 +224,17 @@ int main(int argc, char **argv) {
                     .kv_events_encoding = "array",
                     .kv_events_drop_seq = -1,
                     .kv_load_failure_policy = "recompute",
+                    .kv_transfer_mode = "pull",
                     .dp_size = 1};
     int rc = parse_flags(&c, argc, argv);
     if (rc >= 0) return rc;
     if (strcmp(c.kv_load_failure_policy, "recompute") && strcmp(c.kv_load_failure_policy, "fail")) {
         fprintf(stderr, "engine-sim: --kv-load-failure-policy must be recompute or fail\n");
+        return 2;
+    }
+    if (strcmp(c.kv_transfer_mode, "pull") && strcmp(c.kv_transfer_mode, "push")) {
+        fprintf(stderr, "engine-sim: --kv-transfer-mode '%s': expected pull or push\n",
+                c.kv_transfer_mode);
         return 2;
     }
     uint64_t pool = c.num_blocks * c.block_bytes;

@@ -216,6 +216,15 @@ int sim_parse_request(int kind, const char *body, size_t len, const char *model,
     out->mode = SIM_MODE_LOCAL;
     const cJSON *kvp = cJSON_GetObjectItemCaseSensitive(doc, "kv_transfer_params");
     if (cJSON_IsObject(kvp)) {
+        /* vLLM's push connector pairs the legs by it (nixl/utils.py
+         * get_transfer_id: a non-empty string, else none). */
+        const cJSON *tid = cJSON_GetObjectItemCaseSensitive(kvp, "transfer_id");
+        if (cJSON_IsString(tid) && tid->valuestring[0] &&
+            strlen(tid->valuestring) < sizeof out->transfer_id)
+            snprintf(out->transfer_id, sizeof out->transfer_id, "%s", tid->valuestring);
+        out->kvp_no_blocks =
+            cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(kvp, "do_remote_prefill")) &&
+            !cJSON_GetObjectItemCaseSensitive(kvp, "remote_block_ids");
         if (cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(kvp, "do_remote_decode"))) {
             out->mode = SIM_MODE_PREFILL;
             /* Push mode: the caller (the proxy) minted the id and token. */
@@ -287,4 +296,32 @@ void sim_parsed_cleanup(sim_parsed *p) {
     free(p->prev_id);
     cJSON_Delete(p->kvp);
     memset(p, 0, sizeof *p);
+}
+
+char *sim_kvp_answer(const char *json, int push, size_t num_tokens) {
+    cJSON *o = cJSON_Parse(json ? json : "");
+    if (!cJSON_IsObject(o)) {
+        cJSON_Delete(o);
+        return NULL;
+    }
+    cJSON *ids = cJSON_DetachItemFromObjectCaseSensitive(o, "remote_block_ids");
+    cJSON *groups = cJSON_CreateArray();
+    if (ids && cJSON_IsArray(cJSON_GetArrayItem(ids, 0))) {
+        cJSON_Delete(groups); /* already per group */
+        groups = ids;
+    } else if (groups) {
+        cJSON_AddItemToArray(groups, ids ? ids : cJSON_CreateArray());
+    } else {
+        cJSON_Delete(ids);
+    }
+    cJSON_AddItemToObject(o, "remote_block_ids", groups);
+    if (!cJSON_HasObjectItem(o, "tp_size")) cJSON_AddNumberToObject(o, "tp_size", 1);
+    if (!push) cJSON_AddNumberToObject(o, "dcp_size", 1);
+    cJSON_AddNumberToObject(o, "pp_size", 1);
+    cJSON_AddNumberToObject(o, "remote_num_tokens", (double)num_tokens);
+    if (!push) cJSON_AddNullToObject(o, "remote_blocks_expiry_time");
+    cJSON_AddStringToObject(o, "transfer_mode", push ? "push" : "pull");
+    char *txt = cJSON_PrintUnformatted(o);
+    cJSON_Delete(o);
+    return txt;
 }

@@ -28,10 +28,12 @@ typedef struct sim_parsed {
     int include_usage;
     uint64_t seed;
     sim_mode mode;
-    cJSON *kvp;      /* owned: decode's kv_transfer_params, or prefill's in push mode
-                        (caller's remote_request_id and remote_kv_token) */
-    int kvp_invalid; /* do_remote_prefill with unusable params: recompute locally */
-    char *prev_id;   /* owned: /v1/responses' previous_response_id, echoed; or NULL */
+    cJSON *kvp;            /* owned: decode's kv_transfer_params, or prefill's in push mode
+                              (caller's remote_request_id and remote_kv_token) */
+    int kvp_invalid;       /* do_remote_prefill with unusable params: recompute locally */
+    int kvp_no_blocks;     /* do_remote_prefill without remote_block_ids (push-shaped) */
+    char transfer_id[129]; /* kv_transfer_params' transfer_id (the router's), or "" */
+    char *prev_id;         /* owned: /v1/responses' previous_response_id, echoed; or NULL */
 } sim_parsed;
 
 /* Parses body[0..len) for the endpoint `kind` (SIM_KIND_*; 0 and 1 are
@@ -43,6 +45,16 @@ int sim_parse_request(int kind, const char *body, size_t len, const char *model,
                       char *err, size_t errlen);
 
 void sim_parsed_cleanup(sim_parsed *p);
+
+/* A prefill's kv_transfer_params as vLLM's NIXL schedulers write them
+ * today, from libkvconnector's (`json`, as kvc_publish returns it):
+ * remote_block_ids as a list per KV-cache group (one group here), plus
+ * transfer_mode ("push" or "pull"), pp_size 1, remote_num_tokens
+ * (`num_tokens`) and, for pull, dcp_size 1 and remote_blocks_expiry_time
+ * null (a prefill's blocks have a lease, not an expiry, in vLLM's pull
+ * scheduler). Returns the text (release it with cJSON_free), or NULL when
+ * json is no object (or out of memory). */
+char *sim_kvp_answer(const char *json, int push, size_t num_tokens);
 
 /* Parses a /tokenize body, vLLM's TokenizeCompletionRequest ({"prompt"})
  * or TokenizeChatRequest ({"messages", "add_generation_prompt": true}),

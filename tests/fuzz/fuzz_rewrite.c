@@ -66,7 +66,7 @@ static int span_is(const char *p, size_t n, const char *lit) {
 static void check_prefill(const char *body, size_t n, const counts *in) {
     px_buf out;
     px_buf_init(&out);
-    FZ_CHECK(px_rewrite_prefill(body, n, &out) == 0);
+    FZ_CHECK(px_rewrite_prefill(body, n, NULL, &out) == 0);
     char *o = fz_dup(out.data, out.len);
     FZ_CHECK(px_json_validate(o, out.len, NULL, 0) == PX_JSON_OBJECT);
     counts c;
@@ -144,11 +144,24 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
         check_prefill(body, blen, &in);
         check_decode(body, blen, &in, kvp, kvp_len);
         check_decode(body, blen, &in, NULL, 0);
+        /* With the router's transfer_id: still one object, whose
+         * transfer_id is the router's, the last one an engine reads. */
+        px_buf out;
+        px_buf_init(&out);
+        FZ_CHECK(px_rewrite_decode_xfer(body, blen, kvp, kvp_len, "xfer-f", &out) == 0);
+        FZ_CHECK(px_json_validate(out.data, out.len, NULL, 0) == PX_JSON_OBJECT);
+        px_json_member k, t;
+        if (kvp) {
+            FZ_CHECK(px_json_find(out.data, out.len, "kv_transfer_params", &k) == 1);
+            FZ_CHECK(px_json_find(k.val, k.val_len, "transfer_id", &t) == 1);
+            FZ_CHECK(t.val_len == 8 && memcmp(t.val, "\"xfer-f\"", 8) == 0);
+        }
+        px_buf_cleanup(&out);
     } else {
         /* Callers validate first; the rewrites must still fail cleanly. */
         px_buf out;
         px_buf_init(&out);
-        (void)px_rewrite_prefill(body, blen, &out);
+        (void)px_rewrite_prefill(body, blen, "xfer-f", &out);
         px_buf_reset(&out);
         (void)px_rewrite_decode(body, blen, kvp, kvp_len, &out);
         px_buf_cleanup(&out);

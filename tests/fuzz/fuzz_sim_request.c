@@ -68,11 +68,11 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
         px_buf_init(&out);
 
         if (chat == SIM_KIND_RESPONSES)
-            px_rewrite_prefill_responses(b, len, &out);
+            px_rewrite_prefill_responses(b, len, NULL, &out);
         else if (chat == SIM_KIND_GENERATE)
-            px_rewrite_prefill_generate(b, len, &out);
+            px_rewrite_prefill_generate(b, len, NULL, &out);
         else
-            px_rewrite_prefill(b, len, &out);
+            px_rewrite_prefill(b, len, NULL, &out);
         if (parse(chat, out.data, out.len, &p) == 0) {
             FZ_CHECK(p.mode == SIM_MODE_PREFILL);
             FZ_CHECK(!p.stream && p.max_tokens == 1);

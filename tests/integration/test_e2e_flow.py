@@ -109,7 +109,7 @@ class SingleRequestTest(ClusterCase):
         self.assertEqual(st, 200)
         kvp = json.loads(raw)["kv_transfer_params"]
         self.assertTrue(kvp["remote_request_id"].startswith("cmpl-req-42-"))
-        self.assertEqual(len(kvp["remote_block_ids"]), 2)
+        self.assertEqual([len(g) for g in kvp["remote_block_ids"]], [2])  # per KV-cache group
         st, _, raw = post_json(d.port, "/v1/completions", {
             "prompt": "a b c d e f g h i j k l m n o p q r", "max_tokens": 3,
             "kv_transfer_params": kvp}, headers={"X-Request-Id": "req-42"})

@@ -24,15 +24,24 @@ from pdharness.ctl import pools_yaml, sighup, tmpdir, wait_generation, write_yam
 from pdharness.mocks import (MOCK_TLS, Hang, Reset, Respond, Stream, chat_body, completion_body,
                              decode_handler, default_p_kv, prefill_handler, sse_events)
 from pdharness.pd import PdCase, prose, rid_headers
+from pdharness.net import wait_until
 from pdharness.procs import PDPROXY, start_engine_sim
 
 CONC = ["--dispatch", "concurrent"]
+PUSH = ["--kv-transfer-mode", "push"]  # engine-sim as vLLM's NixlPushConnector
 HEX32 = re.compile(r"^[0-9a-f]{32}$")
 WAIT = 5.0  # the longest any scripted leg waits for the other
 
 
 def kvp_of(req):
     return req.json().get("kv_transfer_params")
+
+
+def is_push(req):
+    """A leg of a concurrent dispatch (a serial decode's params, prefill's
+    answer, say "transfer_mode":"push" too, but carry no minted token)."""
+    kvp = kvp_of(req) or {}
+    return kvp.get("transfer_mode") == "push" and "remote_kv_token" in kvp
 
 
 class Gate:
@@ -67,17 +76,17 @@ class ConcurrentMockTest(PdCase):
 
     def test_no_identity_serial_then_concurrent_with_minted_ids(self):
         gate = Gate()
-        p_base = prefill_handler()
+        p_base = prefill_handler(mode="push")
         d_base = decode_handler()
 
         def p(req):
             # Concurrent: decode's request arrives while prefill still works.
-            if (kvp_of(req) or {}).get("transfer_mode") == "push":
+            if is_push(req):
                 gate.wait()
             return p_base(req)
 
         def d(req):
-            if (kvp_of(req) or {}).get("transfer_mode") == "push":
+            if is_push(req):
                 gate.set()
             return d_base(req)
         P = self.mock(p, name="P")
@@ -106,7 +115,9 @@ class ConcurrentMockTest(PdCase):
                               "remote_request_id": pk["remote_request_id"],
                               "remote_kv_token": pk["remote_kv_token"],
                               "remote_host": want["remote_host"],
-                              "remote_port": want["remote_port"], "tp_size": 1})
+                              "remote_port": want["remote_port"], "tp_size": 1,
+                              "transfer_id": pk["transfer_id"]})
+        self.assertRegex(pk["transfer_id"], r"^xfer-[0-9a-f]{32}$")
         self.assertEqual(D.requests[1].json()["max_tokens"], 16)
         self.assertEqual((rec["dispatch"], rec["decision"]), ("concurrent", "disaggregated"))
         self.assertEqual(self.metric(px, "pdproxy_dispatch_total", mode="concurrent",
@@ -118,12 +129,42 @@ class ConcurrentMockTest(PdCase):
         pk2 = kvp_of(P.requests[2])
         self.assertNotEqual(pk2["remote_request_id"], pk["remote_request_id"])
         self.assertNotEqual(pk2["remote_kv_token"], pk["remote_kv_token"])
+        self.assertNotEqual(pk2["transfer_id"], pk["transfer_id"])
+
+    def test_pull_prefill_is_sent_serial(self):
+        """A prefill whose answers say "transfer_mode":"pull" (vLLM's
+        NixlConnector writes it since PR #50620) is never sent both legs at
+        once: decode would get do_remote_prefill without remote_block_ids,
+        which vLLM's pull scheduler asserts on (its engine core dies). Every
+        decode request carries prefill's block ids; the reason is counted.
+        A prefill that names no transfer_mode (older engines) goes serial
+        too: only a push prefill can take both legs at once."""
+        for mode, reason in (("pull", "prefill_pulls"), (None, "mode_unknown")):
+            P = self.mock(prefill_handler(mode=mode), name="P")
+            D = self.mock(decode_handler(), name="D")
+            px = self.start_proxy([P], [D], extra=CONC)
+            for i in range(4):
+                rid = "%s%d" % (mode, i)
+                r = http_request(px.port, "POST", "/v1/completions", completion_body(),
+                                 headers=rid_headers(rid))
+                self.assertEqual(r.status, 200, r.body)
+                self.assertEqual(self.access_for(px, rid)["dispatch"], "serial")
+            self.assertEqual(len(D.requests), 4)
+            wrong = [q for q in D.requests if "remote_block_ids" not in kvp_of(q)]
+            self.assertEqual(len(wrong), 0, "decode got no remote_block_ids %d times of 4"
+                             % len(wrong))
+            for q in P.requests:
+                self.assertNotIn("remote_kv_token", kvp_of(q))
+            self.assertEqual(self.metric(px, "pdproxy_dispatch_total", mode="serial",
+                                         reason="no_identity"), 1)
+            self.assertEqual(self.metric(px, "pdproxy_dispatch_total", mode="serial",
+                                         reason=reason), 3)
 
     def test_prefill_answers_before_decode_arrives(self):
         """The other order: prefill has answered (and would have published)
         before decode's request is read; decode's answer still streams."""
         gate = Gate()
-        p_base = prefill_handler()
+        p_base = prefill_handler(mode="push")
 
         def p(req):
             out = p_base(req)
@@ -133,7 +174,7 @@ class ConcurrentMockTest(PdCase):
         d_base = decode_handler()
 
         def d(req):
-            if (kvp_of(req) or {}).get("transfer_mode") != "push":
+            if not is_push(req):
                 return d_base(req)
             gate.wait()
             time.sleep(0.1)  # the prefill answer is on its way back
@@ -160,19 +201,18 @@ class ConcurrentMockTest(PdCase):
         request arrived; D hangs on the push request (waiting for KV that
         never comes) and answers a request without kv_transfer_params."""
         gate = Gate()
-        p_base = prefill_handler()
+        p_base = prefill_handler(mode="push")
         d_base = decode_handler()
         state = {"n": 0}
 
         def p(req):
-            if (kvp_of(req) or {}).get("transfer_mode") == "push":
+            if is_push(req):
                 gate.wait()
                 return action()
             return p_base(req)
 
         def d(req):
-            kvp = kvp_of(req) or {}
-            if kvp.get("transfer_mode") == "push":
+            if is_push(req):
                 gate.set()
                 return Hang(WAIT * 2)
             return d_base(req)
@@ -183,7 +223,7 @@ class ConcurrentMockTest(PdCase):
         return px, P, D, state
 
     def check_decode_cancelled(self, D, n_before):
-        push = [q for q in D.requests[n_before:] if (kvp_of(q) or {}).get("transfer_mode")]
+        push = [q for q in D.requests[n_before:] if is_push(q)]
         self.assertEqual(len(push), 1)
         self.assertIsNotNone(push[0].conn.wait_closed(WAIT), "decode's leg was not cancelled")
         self.assertTrue(push[0].conn.closed_by_peer)
@@ -224,11 +264,11 @@ class ConcurrentMockTest(PdCase):
         """The prefill goes away after it was learned: connection refused on
         the concurrent leg, decode cancelled, then decode alone."""
         gate = Gate()
-        p_base = prefill_handler()
+        p_base = prefill_handler(mode="push")
         d_base = decode_handler()
 
         def d(req):
-            if (kvp_of(req) or {}).get("transfer_mode") == "push":
+            if is_push(req):
                 gate.set()
                 return Hang(WAIT * 2)
             return d_base(req)
@@ -266,17 +306,17 @@ class ConcurrentMockTest(PdCase):
         fails = {"n": 1}
 
         def d(req):
-            if (kvp_of(req) or {}).get("transfer_mode") == "push" and fails["n"]:
+            if is_push(req) and fails["n"]:
                 fails["n"] -= 1
                 return Respond(500, [("Content-Type", "application/json")], err)
             return d_base(req)
-        p_base, p_blind = prefill_handler(), prefill_handler(kv={})
+        p_base, p_blind = prefill_handler(mode="push"), prefill_handler(kv={})
 
         def p(req):
             # The concurrent prefill's answer tells no identity here, so that
             # only the next serial answer can teach it again (a real one would
             # refresh it at once, in whichever order the legs end).
-            if (kvp_of(req) or {}).get("transfer_mode") == "push":
+            if is_push(req):
                 return p_blind(req)
             return p_base(req)
         P = self.mock(p, name="P")
@@ -299,11 +339,11 @@ class ConcurrentMockTest(PdCase):
     def test_decode_idle_timeout_applies_to_the_decode_leg(self):
         """Prefill answers; decode never does: --decode-idle-timeout ends it
         (504), decode's leg closed."""
-        p_base = prefill_handler()
+        p_base = prefill_handler(mode="push")
         d_base = decode_handler()
 
         def d(req):
-            if (kvp_of(req) or {}).get("transfer_mode") == "push":
+            if is_push(req):
                 return Hang(WAIT * 2)
             return d_base(req)
         P = self.mock(p_base, name="P")
@@ -318,17 +358,17 @@ class ConcurrentMockTest(PdCase):
 
     def test_decode_fails_while_prefill_runs(self):
         gate = Gate()
-        p_base = prefill_handler()
+        p_base = prefill_handler(mode="push")
         d_base = decode_handler()
 
         def p(req):
-            if (kvp_of(req) or {}).get("transfer_mode") == "push":
+            if is_push(req):
                 gate.set()
                 return Hang(WAIT * 2)
             return p_base(req)
 
         def d(req):
-            if (kvp_of(req) or {}).get("transfer_mode") == "push":
+            if is_push(req):
                 gate.wait()
                 return Reset()
             return d_base(req)
@@ -346,17 +386,17 @@ class ConcurrentMockTest(PdCase):
         streams slowly (phase "stream"); the client leaves: every leg still
         open is closed by pdproxy."""
         gate = Gate()
-        p_base = prefill_handler()
+        p_base = prefill_handler(mode="push")
         d_base = decode_handler()
 
         def p(req):
-            if (kvp_of(req) or {}).get("transfer_mode") == "push":
+            if is_push(req):
                 gate.set()
                 return Hang(WAIT * 2) if phase == "both" else p_base(req)
             return p_base(req)
 
         def d(req):
-            if (kvp_of(req) or {}).get("transfer_mode") == "push":
+            if is_push(req):
                 if phase in ("both", "decode_wait"):
                     return Hang(WAIT * 2)
                 return Stream(200, [("Content-Type", "text/event-stream")],
@@ -399,7 +439,7 @@ class ConcurrentMockTest(PdCase):
     def test_dispatch_reloads(self):
         """--dispatch in the file, changed and reloaded (SIGHUP): the next
         requests are sent the new way."""
-        P = self.mock(prefill_handler(), name="P")
+        P = self.mock(prefill_handler(mode="push"), name="P")
         D = self.mock(decode_handler(), name="D")
         d = tmpdir(self)
         path = os.path.join(d, "pd.yaml")
@@ -425,9 +465,9 @@ class ConcurrentMockTest(PdCase):
     @unittest.skipIf(MOCK_TLS, "the file names http:// backends")
     def test_pool_dispatch_in_config_file(self):
         """dispatch: per pool in the file; the global flag stays serial."""
-        P1 = self.mock(prefill_handler(), name="P1")
+        P1 = self.mock(prefill_handler(mode="push"), name="P1")
         D1 = self.mock(decode_handler(), name="D1")
-        P2 = self.mock(prefill_handler(), name="P2")
+        P2 = self.mock(prefill_handler(mode="push"), name="P2")
         D2 = self.mock(decode_handler(), name="D2")
         d = tmpdir(self)
         path = os.path.join(d, "pools.yaml")
@@ -465,12 +505,12 @@ class ConcurrentSimTest(PdCase):
     """Real KV between two engine-sims in push mode."""
 
     def pair(self, p_extra=(), d_extra=(), px_extra=(), d_killed=False):
-        P = self.engine("prefill", list(p_extra))
+        P = self.engine("prefill", PUSH + list(p_extra))
         if d_killed:  # killed by the test: not required to exit cleanly
-            D = start_engine_sim("decode", list(d_extra))
+            D = start_engine_sim("decode", PUSH + list(d_extra))
             self.addCleanup(D.kill)
         else:
-            D = self.engine("decode", list(d_extra))
+            D = self.engine("decode", PUSH + list(d_extra))
         px = self.start_proxy([P.port], [D.port], extra=CONC + list(px_extra))
         return P, D, px
 
@@ -515,6 +555,136 @@ class ConcurrentSimTest(PdCase):
         self.assertEqual(self.metric(px, "pdproxy_dispatch_total", mode="concurrent",
                                      reason="identity_cached"), 3)
         self.assertEqual(self.metric(px, "pdproxy_decode_kv_wait_seconds_count"), 4)
+        self.assert_none_stranded(P)
+        # Both legs of every request carried the same minted transfer_id,
+        # which the engines read (vLLM's push connector pairs them by it).
+        for e in (P, D):
+            self.assertEqual(self.engine_metric(e.port, "engine_sim_kv_transfer_id_missing_total"),
+                             0)
+        tids = lambda e, role: re.findall(
+            r"role=%s transfer_mode=push transfer_id=(xfer-[0-9a-f]{32})" % role, e.log())
+        self.assertEqual(len(set(tids(P, "prefill"))), 4)
+        self.assertEqual(sorted(tids(P, "prefill")), sorted(tids(D, "decode")))
+
+    def test_vllm_key_set_reaches_decode_verbatim(self):
+        """engine-sim's prefill answers with the keys vLLM's NIXL schedulers
+        write today (remote_block_ids per KV-cache group, transfer_mode,
+        pp_size, dcp_size, remote_num_tokens, remote_blocks_expiry_time);
+        decode gets them byte for byte, plus the transfer_id prefill got."""
+        P = self.engine("prefill")
+        D = self.mock(decode_handler(), name="D")
+        px = self.start_proxy([P.port], [D])
+        self.ask(px, "/v1/completions", {"model": "sim-model", "prompt": PROMPT, "max_tokens": 4},
+                 "k0")
+        kvp = kvp_of(D.requests[0])
+        ids = kvp["remote_block_ids"]
+        self.assertEqual(len(ids), 1)  # one KV-cache group
+        self.assertTrue(ids[0] and all(isinstance(b, int) for b in ids[0]), ids)
+        self.assertTrue(16 * (len(ids[0]) - 1) < kvp["remote_num_tokens"] <= 16 * len(ids[0]))
+        for k, v in (("transfer_mode", "pull"), ("pp_size", 1), ("dcp_size", 1),
+                     ("remote_blocks_expiry_time", None), ("tp_size", 1)):
+            self.assertIn(k, kvp)
+            self.assertEqual(kvp[k], v, k)
+        self.assertIn(b'"remote_block_ids":[[%d,' % ids[0][0], D.requests[0].body)
+        self.assertRegex(kvp["transfer_id"], r"^xfer-[0-9a-f]{32}$")
+        self.assertIn("role=prefill transfer_mode=pull transfer_id=" + kvp["transfer_id"],
+                      P.log())
+
+    def test_pull_sims_are_sent_serial(self):
+        """engine-sims as vLLM's NixlConnector (pull, their default) behind
+        --dispatch concurrent: every request after the first is sent
+        serial (reason prefill_pulls), so decode never gets
+        do_remote_prefill without remote_block_ids (which kills vLLM's
+        engine core; engine-sim answers 500 and counts it)."""
+        P, D = self.engine("prefill"), self.engine("decode")
+        px = self.start_proxy([P.port], [D.port], extra=CONC)
+        for i in range(4):
+            self.ask(px, "/v1/completions",
+                     {"model": "sim-model", "prompt": prose(3000, seed=60 + i), "max_tokens": 4},
+                     "pull%d" % i)
+            self.assertEqual(self.access_for(px, "pull%d" % i)["dispatch"], "serial")
+        self.assertEqual(self.engine_metric(D.port, "engine_sim_kv_params_without_blocks_total"),
+                         0)
+        self.assertEqual(self.engine_metric(D.port, "engine_sim_kv_fetches_total"), 4)
+        self.assertEqual(self.metric(px, "pdproxy_dispatch_total", mode="serial",
+                                     reason="prefill_pulls"), 3)
+        self.assert_none_stranded(P)
+
+    def test_prefill_restarted_in_pull_mode(self):
+        """A prefill learned pushing restarts as a pull engine (its decode
+        with it): the failed health check makes pdproxy forget what it
+        learned, so not even the first request after the restart is sent
+        both legs at once; its answer (transfer_mode pull) keeps the rest
+        serial."""
+        P, D = start_engine_sim("prefill", PUSH), start_engine_sim("decode", PUSH)
+        self.addCleanup(P.kill)
+        self.addCleanup(D.kill)
+        px = self.start_proxy([P.port], [D.port], extra=CONC + [
+            "--health-interval", "0.1", "--unhealthy-after", "1", "--healthy-after", "1"])
+        comp = {"model": "sim-model", "prompt": PROMPT, "max_tokens": 4}
+        self.ask(px, "/v1/completions", comp, "r0")
+        self.ask(px, "/v1/completions", dict(comp, prompt=prose(3000, seed=71)), "r1")
+        self.assertEqual(self.access_for(px, "r1")["dispatch"], "concurrent")
+        self.assertEqual(P.stop(), 0)
+        self.assertEqual(D.stop(), 0)
+        up = lambda role: self.metric(px, "pdproxy_backend_up", role=role)
+        self.assertTrue(wait_until(lambda: up("prefill") == 0, 10, 0.05), "P not seen down")
+        P2 = start_engine_sim("prefill", port=P.port)  # pull: the default
+        self.addCleanup(P2.kill)
+        D2 = start_engine_sim("decode", port=D.port)
+        self.addCleanup(D2.kill)
+        self.assertTrue(wait_until(lambda: up("prefill") == 1 and up("decode") == 1, 10, 0.05))
+        for i in range(4):
+            self.ask(px, "/v1/completions", dict(comp, prompt=prose(3000, seed=80 + i)),
+                     "r%d" % (i + 2))
+            self.assertEqual(self.access_for(px, "r%d" % (i + 2))["dispatch"], "serial")
+        self.assertEqual(self.engine_metric(D2.port, "engine_sim_kv_params_without_blocks_total"),
+                         0, D2.log()[-3000:])
+        self.assertEqual(self.engine_metric(D2.port, "engine_sim_kv_fetches_total"), 4)
+        self.assertEqual(self.metric(px, "pdproxy_dispatch_total", mode="serial",
+                                     reason="no_identity"), 2)
+        self.assertEqual(self.metric(px, "pdproxy_dispatch_total", mode="serial",
+                                     reason="prefill_pulls"), 3)
+        self.assert_none_stranded(P2)
+
+    def test_queued_decode_renews_the_prefill_lease(self):
+        """Decode renews the lease of prefill's publication by the
+        remote_request_id its params name, as vLLM's decode heartbeats
+        (base_scheduler.on_new_request); in concurrent dispatch that is
+        pdproxy's minted id, under which the push prefill published. A
+        decode request queued behind a full KV pool for longer than the
+        lease (0.6 s here) still finds the KV."""
+        lease = ["--kv-lease-ms", "600"]
+        P, D, px = self.pair(p_extra=lease, d_extra=lease + ["--num-blocks", "40",
+                                                             "--itl-ms", "40"])
+        self.ask(px, "/v1/completions", {"model": "sim-model", "prompt": prose(200, seed=90),
+                                         "max_tokens": 2}, "l0")  # learns P
+        post_json(D.port, "/reset_prefix_cache", {})
+        out = {}
+
+        def run(rid, seed, n):
+            out[rid] = post_json(px.port, "/v1/completions",
+                                 {"model": "sim-model", "prompt": prose(3000, seed=seed),
+                                  "max_tokens": n}, headers=rid_headers(rid))
+        first = threading.Thread(target=run, args=("l1", 91, 50))  # holds 30 of D's 40 blocks 2 s
+        first.start()
+        self.assertTrue(wait_until(
+            lambda: self.engine_metric(D.port, "engine_sim_kv_fetches_total") == 2, 10, 0.02))
+        run("l2", 92, 4)  # waits at D for blocks while P's lease runs
+        first.join(30)
+        self.assertFalse(first.is_alive())
+        for rid in ("l1", "l2"):
+            self.assertEqual(out[rid][0], 200, out[rid][2])
+            self.assertEqual(self.access_for(px, rid)["dispatch"], "concurrent")
+        self.assertGreater(self.engine_metric(D.port, "engine_sim_kv_lease_renewals_total"), 0)
+        self.assertEqual(self.engine_metric(P.port, "engine_sim_kv_blocks_expired_total"), 0,
+                         P.log()[-3000:])
+        self.assertEqual(self.engine_metric(D.port, "engine_sim_kv_fetch_failures_total"), 0)
+        self.assertEqual(self.engine_metric(D.port, "engine_sim_kv_fetches_total"), 3)
+        # l2 waited at decode for blocks past the lease, then loaded the KV.
+        rec = self.access_for(px, "l2")
+        self.assertGreater(float(rec["ttfb_ms"]), 600.0)
+        self.assertIn("kv_wait_ms", rec)
         self.assert_none_stranded(P)
 
     def test_slow_prefill_decode_registers_first(self):

@@ -10,7 +10,7 @@ import json
 
 from pdharness.case import main
 from pdharness.client import http_request
-from pdharness.mocks import PREFILL_KV, Respond, Stream, default_p_kv
+from pdharness.mocks import PREFILL_KV, Respond, Stream, default_p_kv, sans_xfer
 from pdharness.net import wait_until
 from pdharness.pd import PdCase, rid_headers
 
@@ -51,14 +51,14 @@ class GenerateWireTest(PdCase):
             self.assertEqual(r.status, 200, r.body)
             preq = P.requests[i].json()
             self.assertEqual(P.requests[i].path, "/inference/v1/generate")
-            self.assertEqual(preq["kv_transfer_params"], PREFILL_KV)
+            self.assertEqual(sans_xfer(preq["kv_transfer_params"]), PREFILL_KV)
             self.assertIs(preq["stream"], False)
             self.assertEqual(preq["sampling_params"],
                              {"temperature": 0.5, "top_k": 4, "max_tokens": 1})
             self.assertEqual(preq["token_ids"], [1, 2, 3, 4])
             self.assertEqual(preq["cache_salt"], "s")
             dreq = D.requests[i].json()
-            self.assertEqual(dreq["kv_transfer_params"], default_p_kv(rid))
+            self.assertEqual(sans_xfer(dreq["kv_transfer_params"]), default_p_kv(rid))
             self.assertEqual(dreq["sampling_params"], client["sampling_params"])
             self.assertIs(dreq["stream"], stream)
             self.assertEqual(self.access_for(px, rid)["decision"], "disaggregated")

@@ -11,7 +11,7 @@ from pdharness.case import PxTestCase, main
 from pdharness.client import (UUID4_RE, DuplicateKeyError, RawClient, http_request, raw_exchange,
                               strict_json)
 from pdharness.mocks import (PREFILL_KV, Respond, chat_body, completion_body, decode_handler,
-                             default_p_kv, prefill_handler)
+                             default_p_kv, prefill_handler, sans_xfer)
 from pdharness.procs import WARN_RE
 
 BIG1 = 18446744073709551615  # 2^64 - 1
@@ -103,7 +103,7 @@ class PrefillRewriteTest(FlowBase):
         self.assertEqual(preq.method, "POST")
         self.assertEqual(preq.path, path)
         got = preq.json()
-        self.assertEqual(got, p_request_expected(client_body))
+        self.assertEqual(sans_xfer(got), p_request_expected(client_body))
         self.assertIs(got["stream"], False)
         return preq
 
@@ -179,7 +179,7 @@ class PrefillRewriteTest(FlowBase):
         # engine reads duplicates (last wins in Python), kv_transfer_params is P's.
         rid = self.P.requests[0].header("x-request-id")
         d = json.loads(self.D.requests[0].body)
-        self.assertEqual(d["kv_transfer_params"], default_p_kv(rid))
+        self.assertEqual(sans_xfer(d["kv_transfer_params"]), default_p_kv(rid))
 
     def test_escaped_key_names(self):
         # "max_tok\u0065ns" *is* max_tokens, "kv_transfer_p\u0061rams" *is*
@@ -197,7 +197,7 @@ class PrefillRewriteTest(FlowBase):
         except DuplicateKeyError as e:
             self.fail("%s in the body sent to P: %r" % (e, self.P.requests[0].body))
         self.assertEqual((p["max_tokens"], p["stream"]), (1, False), self.P.requests[0].body)
-        self.assertEqual(p["kv_transfer_params"], PREFILL_KV, self.P.requests[0].body)
+        self.assertEqual(sans_xfer(p["kv_transfer_params"]), PREFILL_KV, self.P.requests[0].body)
         for req in self.P.requests + self.D.requests:
             self.assertNotIn(b"evil", req.body, "client kv_transfer_params leaked to %r" % req)
 
@@ -230,7 +230,8 @@ class PrefillRewriteTest(FlowBase):
                 self.P.set_handler(h)
                 r = http_request(px.port, "POST", "/v1/completions", completion_body())
                 self.assertEqual(r.status, 200, r.body)
-                self.assertEqual(self.D.requests[-1].json()["kv_transfer_params"], kv)
+                self.assertEqual(sans_xfer(self.D.requests[-1].json()["kv_transfer_params"]),
+                                 kv)
 
     def test_chunked_client_body(self):
         px = self.proxy()
@@ -239,9 +240,9 @@ class PrefillRewriteTest(FlowBase):
         c.request("POST", "/v1/completions", RICH_CLIENT, chunked=True)
         r = c.read_response()
         self.assertEqual(r.status, 200, r.body)
-        self.assertEqual(self.P.requests[0].json(), p_request_expected(RICH_CLIENT))
+        self.assertEqual(sans_xfer(self.P.requests[0].json()), p_request_expected(RICH_CLIENT))
         rid = self.P.requests[0].header("x-request-id")
-        self.assertEqual(self.D.requests[0].json(),
+        self.assertEqual(sans_xfer(self.D.requests[0].json()),
                          d_request_expected(RICH_CLIENT, default_p_kv(rid)))
 
     def test_large_body_passes(self):
@@ -266,7 +267,7 @@ class DecodeBodyTest(FlowBase):
         self.assertEqual(dreq.method, "POST")
         self.assertEqual(dreq.path, "/v1/completions")
         got = dreq.json()
-        self.assertEqual(got, d_request_expected(RICH_CLIENT, P_KV))
+        self.assertEqual(sans_xfer(got), d_request_expected(RICH_CLIENT, P_KV))
         # Exact values where a double would lose them: compare number text.
         for txt in (b"18446744073709551615", b"9007199254740993", b"-9223372036854775809"):
             self.assertIn(txt, dreq.body, "number %s changed on the way to D" % txt)
@@ -292,7 +293,7 @@ class DecodeBodyTest(FlowBase):
         px = self.proxy()
         r = http_request(px.port, "POST", "/v1/completions", completion_body())
         self.assertEqual(r.status, 200, r.body)
-        self.assertEqual(self.D.requests[0].json()["kv_transfer_params"], kv)
+        self.assertEqual(sans_xfer(self.D.requests[0].json()["kv_transfer_params"]), kv)
 
     def test_chat_completions_d_body(self):
         self.P.set_handler(prefill_handler(raw_body=P_ANSWER_RAW))
@@ -303,21 +304,25 @@ class DecodeBodyTest(FlowBase):
         dreq = self.D.requests[0]
         self.assertEqual(dreq.path, "/v1/chat/completions")
         self.assertEqual(self.P.requests[0].path, "/v1/chat/completions")
-        self.assertEqual(dreq.json(), d_request_expected(body, P_KV))
+        self.assertEqual(sans_xfer(dreq.json()), d_request_expected(body, P_KV))
 
     def test_client_kv_params_never_reach_d(self):
         p_kv = default_p_kv("x")
         self.P.set_handler(prefill_handler(kv=p_kv))
         px = self.proxy()
         body = completion_body(kv_transfer_params={"remote_host": "client-evil",
-                                                   "remote_block_ids": [666]})
+                                                   "remote_block_ids": [666],
+                                                   "transfer_id": "client-evil-tid"})
         r = http_request(px.port, "POST", "/v1/completions", body)
         self.assertEqual(r.status, 200, r.body)
         for req in self.P.requests + self.D.requests:
             self.assertNotIn(b"client-evil", req.body)
             self.assertNotIn(b"666", req.body)
-        self.assertEqual(self.D.requests[0].json()["kv_transfer_params"], p_kv)
-        self.assertEqual(self.P.requests[0].json()["kv_transfer_params"], PREFILL_KV)
+        self.assertEqual(sans_xfer(self.D.requests[0].json()["kv_transfer_params"]), p_kv)
+        self.assertEqual(sans_xfer(self.P.requests[0].json()["kv_transfer_params"]), PREFILL_KV)
+        # The router's transfer_id, the same on both legs, never the client's.
+        self.assertEqual(self.D.requests[0].json()["kv_transfer_params"]["transfer_id"],
+                         self.P.requests[0].json()["kv_transfer_params"]["transfer_id"])
 
     def test_no_kv_params_from_p_still_decodes(self):
         doc = {"id": "cmpl-p", "object": "text_completion",
@@ -344,7 +349,7 @@ class DecodeBodyTest(FlowBase):
         since = len(px.stderr())
         r = http_request(px.port, "POST", "/v1/completions", completion_body())
         self.assertEqual(r.status, 200, r.body)
-        self.assertEqual(self.D.requests[0].json()["kv_transfer_params"], kv)
+        self.assertEqual(sans_xfer(self.D.requests[0].json()["kv_transfer_params"]), kv)
         self.assertWarned(px, "remote_request_id", since)
 
 

@@ -9,7 +9,7 @@ import re
 from pdharness.case import PxTestCase, main
 from pdharness.client import http_request
 from pdharness.mocks import (chat_body, completion_body, decode_handler, default_p_kv,
-                             prefill_handler)
+                             prefill_handler, sans_xfer)
 
 TOKEN = "0f1e2d3c4b5a69788796a5b4c3d2e1f0"
 
@@ -29,7 +29,7 @@ class KvTokenTest(PxTestCase):
         self.assertEqual(r.status, 200, r.body)
         self.assertEqual(len(self.D.requests), 1)
         dreq = self.D.requests[0]
-        kv = dreq.json()["kv_transfer_params"]
+        kv = sans_xfer(dreq.json()["kv_transfer_params"])
         self.assertEqual(kv, self.kv)
         self.assertEqual(kv["remote_kv_token"], TOKEN)
         # The same bytes, not merely an equal value.

@@ -25,8 +25,8 @@ PROMPT = prose(3000, seed=5)
 class SimPushTest(PdCase):
 
     def pair(self):
-        P = self.engine("prefill")
-        D = self.engine("decode")
+        P = self.engine("prefill", ["--kv-transfer-mode", "push"])
+        D = self.engine("decode", ["--kv-transfer-mode", "push"])
         return P, D
 
     def serial(self, P, D, rid):
@@ -160,8 +160,9 @@ class SimPushTest(PdCase):
         """Decode's client leaves while its fetch is held at prefill: the
         fetch is still served when prefill publishes (so prefill's blocks
         are released, not stranded), and decode drops the request."""
-        P = self.engine("prefill", ["--ttft-ms", "300", "--log-level", "debug"])
-        D = self.engine("decode")
+        P = self.engine("prefill", ["--ttft-ms", "300", "--log-level", "debug",
+                                    "--kv-transfer-mode", "push"])
+        D = self.engine("decode", ["--kv-transfer-mode", "push"])
         ident, _ = self.serial(P, D, "s5")
         req_id, token = "push-" + secrets.token_hex(8), secrets.token_hex(16)
         body = {"model": "sim-model", "prompt": PROMPT, "max_tokens": 8}

@@ -110,7 +110,7 @@ static void test_mint_and_params(void **state) {
 
     px_buf b;
     px_buf_init(&b);
-    px_dispatch_prefill_kvp(id, tok, &b);
+    px_dispatch_prefill_kvp(id, tok, "xfer-7", &b);
     char err[64];
     assert_int_equal(px_json_validate(b.data, b.len, err, sizeof err), PX_JSON_OBJECT);
     px_json_member m;
@@ -121,11 +121,13 @@ static void test_mint_and_params(void **state) {
     assert_true(px_json_find(b.data, b.len, "remote_kv_token", &m));
     assert_int_equal(m.val_len, 34);
     assert_memory_equal(m.val + 1, tok, 32);
+    assert_true(px_json_find(b.data, b.len, "transfer_id", &m));
+    assert_memory_equal(m.val, "\"xfer-7\"", 8);
 
     px_pf_identity pf;
     assert_int_equal(px_dispatch_identity_parse(P_KVP, strlen(P_KVP), &pf), 0);
     px_buf_reset(&b);
-    px_dispatch_decode_kvp(&pf, id, tok, &b);
+    px_dispatch_decode_kvp(&pf, id, tok, "xfer-7", &b);
     assert_int_equal(px_json_validate(b.data, b.len, err, sizeof err), PX_JSON_OBJECT);
     assert_false(px_json_find(b.data, b.len, "remote_block_ids", &m));
     assert_true(px_json_find(b.data, b.len, "remote_engine_id", &m));
@@ -137,16 +139,68 @@ static void test_mint_and_params(void **state) {
     assert_true(px_json_find(b.data, b.len, "do_remote_prefill", &m));
     assert_int_equal(m.type, PX_JSON_TRUE);
     assert_false(px_json_find(b.data, b.len, "pp_size", &m));
+    assert_true(px_json_find(b.data, b.len, "transfer_id", &m));
+    assert_memory_equal(m.val, "\"xfer-7\"", 8);
     /* pp_size (vLLM's push answers carry it) is passed on when sent. */
     static const char pp[] = "{\"remote_engine_id\":\"e\",\"remote_host\":\"h\","
                              "\"remote_port\":1,\"pp_size\":2}";
     assert_int_equal(px_dispatch_identity_parse(pp, strlen(pp), &pf), 0);
     px_buf_reset(&b);
-    px_dispatch_decode_kvp(&pf, id, tok, &b);
+    px_dispatch_decode_kvp(&pf, id, tok, "xfer-7", &b);
     assert_int_equal(px_json_validate(b.data, b.len, err, sizeof err), PX_JSON_OBJECT);
     assert_true(px_json_find(b.data, b.len, "pp_size", &m));
     assert_memory_equal(m.val, "2", 1);
     px_buf_cleanup(&b);
+}
+
+/* Only a concurrent pool and a prefill known to push get both legs at
+ * once; the mode is read from the answer's transfer_mode. */
+static void test_decide(void **state) {
+    px_pf_identity id;
+    static const char push[] = "{\"remote_engine_id\":\"e\",\"remote_host\":\"h\","
+                               "\"remote_port\":1,\"transfer_mode\":\"push\"}";
+    static const char pull[] = "{\"remote_engine_id\":\"e\",\"remote_host\":\"h\","
+                               "\"remote_port\":1,\"transfer_mode\":\"pull\"}";
+    static const char odd[] = "{\"remote_engine_id\":\"e\",\"remote_host\":\"h\","
+                              "\"remote_port\":1,\"transfer_mode\":7}";
+    assert_int_equal(px_dispatch_identity_parse(push, strlen(push), &id), 0);
+    assert_int_equal(id.mode, PX_XFER_PUSH);
+    assert_int_equal(px_dispatch_decide(PX_DISPATCH_CONCURRENT, &id), PX_DISP_CONCURRENT);
+    assert_int_equal(px_dispatch_decide(PX_DISPATCH_SERIAL, &id), PX_DISP_SERIAL);
+    assert_int_equal(px_dispatch_decide(PX_DISPATCH_CONCURRENT, NULL), PX_DISP_NO_IDENTITY);
+    assert_int_equal(px_dispatch_identity_parse(pull, strlen(pull), &id), 0);
+    assert_int_equal(id.mode, PX_XFER_PULL);
+    assert_int_equal(px_dispatch_decide(PX_DISPATCH_CONCURRENT, &id), PX_DISP_PULLS);
+    assert_int_equal(px_dispatch_identity_parse(P_KVP, strlen(P_KVP), &id), 0);
+    assert_int_equal(id.mode, PX_XFER_UNKNOWN);
+    assert_int_equal(px_dispatch_decide(PX_DISPATCH_CONCURRENT, &id), PX_DISP_MODE_UNKNOWN);
+    assert_int_equal(px_dispatch_identity_parse(odd, strlen(odd), &id), 0);
+    assert_int_equal(id.mode, PX_XFER_UNKNOWN);
+    assert_string_equal(px_dispatch_kind_reason(PX_DISP_PULLS), "prefill_pulls");
+    assert_string_equal(px_dispatch_kind_mode(PX_DISP_PULLS), "serial");
+    assert_string_equal(px_dispatch_kind_reason(PX_DISP_MODE_UNKNOWN), "mode_unknown");
+
+    /* A prefill learned pushing that comes back pulling: its next answer
+     * corrects the cache; one without an identity drops it. */
+    px_dispatch_clear();
+    assert_int_equal(px_dispatch_learn("p:1", push, strlen(push)), 0);
+    assert_int_equal(px_dispatch_get("p:1", &id), 1);
+    assert_int_equal(id.mode, PX_XFER_PUSH);
+    assert_int_equal(px_dispatch_learn("p:1", pull, strlen(pull)), 0);
+    assert_int_equal(px_dispatch_get("p:1", &id), 1);
+    assert_int_equal(px_dispatch_decide(PX_DISPATCH_CONCURRENT, &id), PX_DISP_PULLS);
+    assert_int_equal(px_dispatch_learn("p:1", "{\"remote_block_ids\":[1]}", 24), -1);
+    assert_int_equal(px_dispatch_get("p:1", &id), 0);
+    px_dispatch_clear();
+}
+
+static void test_transfer_id(void **state) {
+    char a[PX_DISPATCH_XFER_LEN], b[PX_DISPATCH_XFER_LEN];
+    assert_int_equal(px_dispatch_mint_transfer_id(a), 0);
+    assert_int_equal(px_dispatch_mint_transfer_id(b), 0);
+    assert_memory_equal(a, "xfer-", 5);
+    assert_true(all_hex(a + 5, 32));
+    assert_string_not_equal(a, b);
 }
 
 int main(void) {
@@ -155,6 +209,8 @@ int main(void) {
         cmocka_unit_test(test_identity_parse),
         cmocka_unit_test(test_cache),
         cmocka_unit_test(test_mint_and_params),
+        cmocka_unit_test(test_decide),
+        cmocka_unit_test(test_transfer_id),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -12,7 +12,7 @@ static void check_prefill(const char *in, const char *want)
 {
     px_buf b;
     px_buf_init(&b);
-    assert_int_equal(px_rewrite_prefill(in, strlen(in), &b), 0);
+    assert_int_equal(px_rewrite_prefill(in, strlen(in), NULL, &b), 0);
     assert_string_equal(b.data, want);
     px_buf_cleanup(&b);
 }
@@ -41,11 +41,11 @@ static void test_prefill_rewrite(void **state)
                   "{\"b\":2,\"kv_transfer_params\":" KVP ",\"stream\":false,\"max_tokens\":1}");
 }
 
-static void check_with(int (*fn)(const char *, size_t, px_buf *), const char *in,
+static void check_with(int (*fn)(const char *, size_t, const char *, px_buf *), const char *in,
                        const char *want) {
     px_buf b;
     px_buf_init(&b);
-    assert_int_equal(fn(in, strlen(in), &b), 0);
+    assert_int_equal(fn(in, strlen(in), NULL, &b), 0);
     px_buf_append(&b, "", 1);
     assert_string_equal(b.data, want);
     px_buf_cleanup(&b);
@@ -63,7 +63,7 @@ static void test_prefill_responses(void **state)
                ",\"stream\":false,\"max_output_tokens\":1,\"store\":false}");
     px_buf b;
     px_buf_init(&b);
-    assert_int_equal(px_rewrite_prefill_responses("[1]", 3, &b), -1);
+    assert_int_equal(px_rewrite_prefill_responses("[1]", 3, NULL, &b), -1);
     px_buf_cleanup(&b);
 }
 
@@ -84,7 +84,7 @@ static void test_prefill_generate(void **state)
                ",\"stream\":false,\"sampling_params\":{\"max_tokens\":1}}");
     px_buf b;
     px_buf_init(&b);
-    assert_int_equal(px_rewrite_prefill_generate("[1]", 3, &b), -1);
+    assert_int_equal(px_rewrite_prefill_generate("[1]", 3, NULL, &b), -1);
     px_buf_cleanup(&b);
 }
 
@@ -92,7 +92,7 @@ static void test_prefill_rejects_non_object(void **state)
 {
     px_buf b;
     px_buf_init(&b);
-    assert_int_equal(px_rewrite_prefill("[1]", 3, &b), -1);
+    assert_int_equal(px_rewrite_prefill("[1]", 3, NULL, &b), -1);
     px_buf_cleanup(&b);
 }
 
@@ -193,6 +193,68 @@ static void test_foreign_encodings_refused(void **state)
     px_buf_cleanup(&b);
 }
 
+/* The router's transfer_id on the prefill leg, in the proxy's
+ * kv_transfer_params, on every endpoint's rewrite. */
+static void test_prefill_transfer_id(void **state)
+{
+    static const char want_kvp[] =
+        "{\"do_remote_decode\":true,\"do_remote_prefill\":false,\"remote_engine_id\":null,"
+        "\"remote_block_ids\":null,\"remote_host\":null,\"remote_port\":null,"
+        "\"transfer_id\":\"xfer-1\"}";
+    px_buf b;
+    px_buf_init(&b);
+    const char *in = "{\"prompt\":\"hi\",\"kv_transfer_params\":{\"transfer_id\":\"client\"}}";
+    assert_int_equal(px_rewrite_prefill(in, strlen(in), "xfer-1", &b), 0);
+    px_buf_append(&b, "", 1);
+    assert_string_equal(b.data, "{\"prompt\":\"hi\",\"kv_transfer_params\":" ""
+                                "{\"do_remote_decode\":true,\"do_remote_prefill\":false,"
+                                "\"remote_engine_id\":null,\"remote_block_ids\":null,"
+                                "\"remote_host\":null,\"remote_port\":null,"
+                                "\"transfer_id\":\"xfer-1\"},\"stream\":false,\"max_tokens\":1}");
+    assert_null(strstr(b.data, "client"));
+    px_buf_reset(&b);
+    assert_int_equal(px_rewrite_prefill_responses("{\"input\":\"x\"}", 13, "xfer-1", &b), 0);
+    px_buf_append(&b, "", 1);
+    assert_non_null(strstr(b.data, want_kvp));
+    px_buf_reset(&b);
+    assert_int_equal(px_rewrite_prefill_generate("{\"token_ids\":[1]}", 17, "xfer-1", &b), 0);
+    px_buf_append(&b, "", 1);
+    assert_non_null(strstr(b.data, want_kvp));
+    px_buf_cleanup(&b);
+}
+
+/* Decode gets prefill's kv_transfer_params byte for byte (nested
+ * per-group remote_block_ids as vLLM sends them for hybrid models, numbers
+ * as written), prefill's own transfer_id replaced by the router's. */
+static void test_decode_transfer_id(void **state)
+{
+    const char *client = "{\"prompt\":\"p\",\"kv_transfer_params\":{\"transfer_id\":\"evil\"}}";
+    const char *kvp = "{\"remote_block_ids\":[[1, 2,3],[],[ 7 ]],\"transfer_id\":\"p-echo\","
+                      "\"remote_num_tokens\":1e3,\"remote_blocks_expiry_time\":null,"
+                      "\"transfer_mode\":\"pull\",\"pp_size\":1,\"dcp_size\":1}";
+    px_buf b;
+    px_buf_init(&b);
+    assert_int_equal(
+        px_rewrite_decode_xfer(client, strlen(client), kvp, strlen(kvp), "xfer-9", &b), 0);
+    px_buf_append(&b, "", 1);
+    assert_string_equal(b.data, "{\"prompt\":\"p\",\"kv_transfer_params\":"
+                                "{\"remote_block_ids\":[[1, 2,3],[],[ 7 ]],"
+                                "\"remote_num_tokens\":1e3,\"remote_blocks_expiry_time\":null,"
+                                "\"transfer_mode\":\"pull\",\"pp_size\":1,\"dcp_size\":1,"
+                                "\"transfer_id\":\"xfer-9\"}}");
+    px_buf_reset(&b);
+    assert_int_equal(px_rewrite_decode_xfer(client, strlen(client), "{}", 2, "xfer-9", &b), 0);
+    px_buf_append(&b, "", 1);
+    assert_string_equal(b.data,
+                        "{\"prompt\":\"p\",\"kv_transfer_params\":{\"transfer_id\":\"xfer-9\"}}");
+    /* No kv_transfer_params from prefill: none to decode, no transfer_id. */
+    px_buf_reset(&b);
+    assert_int_equal(px_rewrite_decode_xfer(client, strlen(client), NULL, 0, "xfer-9", &b), 0);
+    px_buf_append(&b, "", 1);
+    assert_string_equal(b.data, "{\"prompt\":\"p\"}");
+    px_buf_cleanup(&b);
+}
+
 static void test_extract(void **state)
 {
     const char *kvp;
@@ -227,6 +289,8 @@ int main(void)
         cmocka_unit_test(test_prefill_responses),
         cmocka_unit_test(test_prefill_generate),
         cmocka_unit_test(test_decode_rewrite),
+        cmocka_unit_test(test_prefill_transfer_id),
+        cmocka_unit_test(test_decode_transfer_id),
         cmocka_unit_test(test_extract),
         cmocka_unit_test(test_nested_owned_keys),
         cmocka_unit_test(test_foreign_encodings_refused),

@@ -24,6 +24,7 @@ Every loop is bounded by a deadline and an iteration count."""
 import http.client
 import json
 import os
+import re
 import select
 import socket
 import struct
@@ -81,6 +82,22 @@ PREFILL_KV = {
     "remote_host": None,
     "remote_port": None,
 }
+
+XFER_ID = re.compile(r"^xfer-[0-9a-f]{32}$")
+
+
+def sans_xfer(obj):
+    """A copy of `obj` (a leg's request body, or its kv_transfer_params)
+    without the transfer_id pdproxy puts on both legs of a disaggregated
+    request, which must be there as pdproxy mints it ("xfer-" and 32 hex
+    digits)."""
+    obj = json.loads(json.dumps(obj))
+    kvp = obj["kv_transfer_params"] if "kv_transfer_params" in obj else obj
+    tid = kvp.pop("transfer_id", None)
+    if not (isinstance(tid, str) and XFER_ID.match(tid)):
+        raise AssertionError("no transfer_id minted by pdproxy in %r" % (obj,))
+    return obj
+
 
 # --------------------------------------------------------------------------
 # Mock backend: actions
@@ -649,19 +666,26 @@ def default_p_kv(req_id="req", n=1):
 
 
 def prefill_handler(kv=None, raw_body=None, status=200, content_type="application/json",
-                    delay=0.0):
+                    delay=0.0, mode=None):
     """Handler for a mock P: a completion with kv_transfer_params (default
-    shape, or `kv`; or the literal bytes `raw_body`), `delay` seconds late."""
+    shape, or `kv`; or the literal bytes `raw_body`), `delay` seconds late.
+    `mode` ("push", "pull"): the default shape says "transfer_mode" as
+    vLLM's NIXL connectors write it (a push prefill is what --dispatch
+    concurrent sends both legs at once to)."""
 
     def h(req):
         if raw_body is not None:
             body = raw_body
         else:
             rid = req.header("x-request-id") or "noid"
+            if kv is None and mode:
+                doc_kv = dict(default_p_kv(rid), transfer_mode=mode)
+            else:
+                doc_kv = kv if kv is not None else default_p_kv(rid)
             doc = {"id": "cmpl-%s" % rid, "object": "text_completion", "created": 1,
                    "model": "m", "choices": [{"index": 0, "text": "x", "finish_reason": "length"}],
                    "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4},
-                   "kv_transfer_params": kv if kv is not None else default_p_kv(rid)}
+                   "kv_transfer_params": doc_kv}
             body = json.dumps(doc).encode("utf-8")
         return Respond(status, [("Content-Type", content_type)], body, delay=delay)
 

@@ -285,13 +285,22 @@ def start_proc(name, argv_for, health, env=None, timeout=15.0, track=None):
                 raise
 
 
-def start_engine_sim(role, extra=(), env=None):
-    """engine-sim in `role` (prefill, decode, both) with small KV blocks."""
-    return start_proc("engine-sim-%s" % role,
-                       lambda port: [ENGINE_SIM, "--role", role, "--port", str(port),
-                                     "--num-blocks", "4096", "--layers", "2",
-                                     "--block-bytes", "4096"] + list(extra),
-                       "/health", env=env)
+def start_engine_sim(role, extra=(), env=None, port=None):
+    """engine-sim in `role` (prefill, decode, both) with small KV blocks; on
+    `port` when given (an engine restarted where it was), else a free one."""
+    def argv(p):
+        return [ENGINE_SIM, "--role", role, "--port", str(p), "--num-blocks", "4096",
+                "--layers", "2", "--block-bytes", "4096"] + list(extra)
+    if port is None:
+        return start_proc("engine-sim-%s" % role, argv, "/health", env=env)
+    p = Proc("engine-sim-%s-%d" % (role, port), argv(port), env=env)
+    p.port = port
+    try:
+        wait_http(port, "/health", timeout=15.0, proc=p)
+    except RuntimeError:
+        p.kill()
+        raise
+    return p
 
 
 def start_sim_proxy(prefills, decodes, extra=()):
