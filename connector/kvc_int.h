@@ -62,11 +62,12 @@ enum {
  * (a held pull served on publish, staged chunks, late refusals) goes on its
  * own endpoint, never on UCX's reply endpoint (answers within the callback
  * still use it: closing its endpoint then cancels them, as a consumer's
- * kvc_fetch_cancel relies on).  Either side without the
- * flag (an older agent): the exchange of version 3 before it, pulls
- * answered on the reply endpoint (a consumer that goes away while the
- * producer still holds its pull can then crash the producer: UCX destroys
- * the reply endpoint). */
+ * kvc_fetch_cancel relies on).  A consumer without the flag (or a pull
+ * without KVC_PULL_CONS) is answered only within the callback: a pull it
+ * asks to be held (KVC_PULL_WAIT) or that a staged producer would push
+ * after the callback is refused there (KVC_ERR_UNSUPPORTED), since UCX
+ * destroys the reply endpoint when that consumer leaves and a send on a
+ * kept one crashed the producer. */
 enum { KVC_HFLAG_SECRET = 1u << 0, KVC_HFLAG_OWNER = 1u << 1 };
 #define KVC_WIRE_MAX_CONS_ADDR 4096u /* a worker address in a CONSUMER message */
 

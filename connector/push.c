@@ -34,9 +34,8 @@ typedef struct kvc_push_job {
  * refuses it.  Bounded in count (per endpoint and in total) and bytes. */
 typedef struct kvc_pending {
     struct kvc_pending *next;
-    kvc_cons_t *cons; /* referenced: its consumer (KVC_HFLAG_OWNER), or NULL: */
-    ucp_ep_h ep;      /* borrowed: UCX's reply endpoint of an older consumer (may be
-                         destroyed by UCX when that consumer leaves) */
+    kvc_cons_t *cons; /* referenced: its consumer, answered on our own endpoint to it
+                         (never UCX's reply endpoint: pull_unowned) */
     uint8_t *msg;     /* owned: the pull as received */
     size_t len;
     char *id;         /* owned: its request id */
@@ -142,12 +141,27 @@ static void pull_deny(kvc_agent_t *a, ucp_ep_h ep, const kvc_wire_pull_t *pl, co
     push_refuse(a, ep, pl, KVC_ERR_DENIED);
 }
 
+/* A pull that would be answered after its callback (held for its
+ * publication, or staged) from a consumer without an endpoint of ours
+ * (KVC_HFLAG_OWNER, KVC_PULL_CONS): refused now, in the callback.  Its
+ * reply endpoint is UCX's, destroyed by UCX when that consumer leaves, so
+ * it must never be kept (a send on it later crashed the producer). */
+static void pull_unowned(kvc_agent_t *a, ucp_ep_h ep, const kvc_wire_pull_t *pl, const char *what) {
+    a->stats[KVC_STAT_DENIED]++;
+    if (kvc_log_ratelimit(a, KVC_RL_DENIED))
+        KVC_LOG(a, KVC_LOG_WARN,
+                "push: pull for req=%.*s refused: %s needs an endpoint of ours to the consumer "
+                "(it did not send its worker address, KVC_HFLAG_OWNER)",
+                (int)pl->request_id.len, (const char *)pl->request_id.p, what);
+    push_refuse(a, ep, pl, KVC_ERR_UNSUPPORTED);
+}
+
 /* Whether one well-formed pull may be served: a live publication, its token,
  * only its blocks and no more of them than it holds, within the pulls per
  * publication and the bytes in flight.  Refuses it (DENIED, counted, logged)
  * and returns NULL otherwise; *bytes: what serving it sends. */
-static bool pending_add(kvc_agent_t *a, kvc_cons_t *cons, ucp_ep_h ep, const kvc_wire_pull_t *pl,
-                        const void *msg, size_t len);
+static bool pending_add(kvc_agent_t *a, kvc_cons_t *cons, const kvc_wire_pull_t *pl,
+                        ucp_ep_h ep, const void *msg, size_t len);
 static void pull_end(kvc_agent_t *a, ucp_ep_h ep, const kvc_wire_pull_t *pl);
 
 static kvc_pub_t *pull_check(kvc_agent_t *a, kvc_cons_t *cons, ucp_ep_h ep, const kvc_wire_pull_t *pl,
@@ -157,7 +171,11 @@ static kvc_pub_t *pull_check(kvc_agent_t *a, kvc_cons_t *cons, ucp_ep_h ep, cons
      * held (bounded) unless that publication already ended. */
     if (!pub && msg && (pl->flags & KVC_PULL_WAIT) && a->pending_fetch_ms &&
         !kvc_token_recall(a, pl->request_id, pl->pub_token)) {
-        if (pending_add(a, cons, ep, pl, msg, msg_len)) return NULL;
+        if (!cons) {
+            pull_unowned(a, ep, pl, "a held registration");
+            return NULL;
+        }
+        if (pending_add(a, cons, pl, ep, msg, msg_len)) return NULL;
     }
     /* A notify-only registration for a publication that already ended: its
      * notification goes out and is taken as a late one (notify.c). */
@@ -403,9 +421,9 @@ static bool tail_resolve(kvc_agent_t *a, kvc_wire_pull_t *pl) {
     return true;
 }
 
-/* One parsed pull from consumer cons (NULL: an older consumer, whose held
- * and staged pulls keep UCX's reply endpoint), answered now on ep (the
- * reply endpoint in the AM callback, cons's own endpoint later); msg/len:
+/* One parsed pull from consumer cons (NULL: a pull without KVC_PULL_CONS,
+ * answered in its callback or refused, pull_unowned), answered now on ep
+ * (the reply endpoint in the AM callback, cons's own endpoint later); msg/len:
  * its bytes (kept if it is held for its publication), NULL when it is
  * served from the held list. */
 static void pull_serve(kvc_agent_t *a, kvc_cons_t *cons, ucp_ep_h ep, kvc_wire_pull_t *pl,
@@ -428,6 +446,8 @@ static void pull_serve(kvc_agent_t *a, kvc_cons_t *cons, ucp_ep_h ep, kvc_wire_p
         pull_hold(a, ep, pl, pub);
     else if (pub && pl->n == 0) /* a notify-only fetch's registration: published now */
         pull_ready(a, ep, pl, pub);
+    else if (pub && a->n_staged && !cons) /* staged chunks go out after the callback */
+        pull_unowned(a, ep, pl, "a staged push");
     else if (pub && a->n_staged) { /* through the pinned pool, pipelined (stage.c) */
         pub->pulls++;
         kvc_stage_push(a, cons, ep, pl, pl->runs, pl->n);
@@ -442,17 +462,17 @@ static void pull_serve(kvc_agent_t *a, kvc_cons_t *cons, ucp_ep_h ep, kvc_wire_p
 static void pending_free(kvc_agent_t *a, pending_t *p) {
     a->n_pending--;
     a->pending_bytes -= p->len;
-    if (p->cons) kvc_cons_unref(p->cons);
+    kvc_cons_unref(p->cons);
     free(p->msg);
     free(p->id);
     free(p);
 }
 
-static bool pending_add(kvc_agent_t *a, kvc_cons_t *cons, ucp_ep_h ep, const kvc_wire_pull_t *pl,
-                        const void *msg, size_t len) {
+static bool pending_add(kvc_agent_t *a, kvc_cons_t *cons, const kvc_wire_pull_t *pl,
+                        ucp_ep_h ep, const void *msg, size_t len) {
     size_t per_ep = 0;
     for (pending_t *p = a->pending; p; p = p->next)
-        per_ep += cons ? p->cons == cons : p->ep == ep;
+        per_ep += p->cons == cons;
     const char *why = NULL;
     if (a->n_pending >= a->max_pending)
         why = "too many held registrations";
@@ -468,7 +488,7 @@ static bool pending_add(kvc_agent_t *a, kvc_cons_t *cons, ucp_ep_h ep, const kvc
         push_refuse(a, ep, pl, KVC_ERR_BUSY);
         return true; /* answered */
     }
-    if (cons && !kvc_cons_ep(cons)) {
+    if (!kvc_cons_ep(cons)) {
         push_refuse(a, ep, pl, KVC_ERR_TRANSPORT);
         return true;
     }
@@ -482,9 +502,8 @@ static bool pending_add(kvc_agent_t *a, kvc_cons_t *cons, ucp_ep_h ep, const kvc
     }
     memcpy(p->msg, msg, len);
     p->len = len;
-    p->ep = cons ? NULL : ep;
     p->cons = cons;
-    if (cons) kvc_cons_ref(cons);
+    kvc_cons_ref(cons);
     uint32_t ms = pl->wait_ms && pl->wait_ms < a->pending_fetch_ms ? pl->wait_ms : a->pending_fetch_ms;
     p->deadline_ns = kvc_now_ns() + (uint64_t)ms * 1000000ull;
     p->next = a->pending;
@@ -505,7 +524,7 @@ static void pending_serve(kvc_agent_t *a) {
     while (*pp) {
         pending_t *p = *pp;
         /* A dead consumer's pulls wait for kvc_cons_sweep to drop them. */
-        if ((p->cons && p->cons->dead) || !kvc_pubtab_find(&a->pubs, p->id, strlen(p->id))) {
+        if (p->cons->dead || !kvc_pubtab_find(&a->pubs, p->id, strlen(p->id))) {
             pp = &p->next;
             continue;
         }
@@ -515,7 +534,7 @@ static void pending_serve(kvc_agent_t *a) {
             a->stats[KVC_STAT_PENDING_SERVED]++;
             KVC_LOG(a, KVC_LOG_DEBUG, "push: held fetch %llu for req=%s served on publish",
                     (unsigned long long)pl.xfer_id, p->id);
-            pull_serve(a, p->cons, p->cons ? p->cons->ep : p->ep, &pl, NULL, 0);
+            pull_serve(a, p->cons, p->cons->ep, &pl, NULL, 0);
             free(pl.runs);
         }
         pending_free(a, p);
@@ -529,7 +548,7 @@ static void pending_drop_dead(kvc_agent_t *a) {
     pending_t **pp = &a->pending;
     while (*pp) {
         pending_t *p = *pp;
-        if (!p->cons || !p->cons->dead) {
+        if (!p->cons->dead) {
             pp = &p->next;
             continue;
         }
@@ -553,14 +572,14 @@ void kvc_pending_timers(kvc_agent_t *a, uint64_t now, uint64_t *next) {
         }
         *pp = p->next;
         kvc_wire_pull_t pl;
-        if (p->cons && p->cons->dead) {
+        if (p->cons->dead) {
             /* nobody to answer */
         } else if (kvc_wire_parse_pull(p->msg, p->len, &pl) == KVC_OK) {
             a->stats[KVC_STAT_PENDING_EXPIRED]++;
             KVC_LOG(a, KVC_LOG_WARN,
                     "push: fetch %llu registered for req=%s never met its publication, refused",
                     (unsigned long long)pl.xfer_id, p->id);
-            push_refuse(a, p->cons ? p->cons->ep : p->ep, &pl, KVC_ERR_TIMED_OUT);
+            push_refuse(a, p->cons->ep, &pl, KVC_ERR_TIMED_OUT);
             free(pl.runs);
         }
         pending_free(a, p);

@@ -18,6 +18,7 @@
 #include <cmocka.h>
 
 #include "tests/unit/kvc_fixture.h"
+#include "tests/unit/kvc_rawpeer.h"
 
 /* Pumps the producer alone for ms (the consumer is gone). */
 static void pump_alone(side_t *P, uint64_t ms) {
@@ -100,10 +101,87 @@ static void test_push_consumer_gone(void **state) {
     }
 }
 
+/* Waits ms on a producer that runs its own progress thread (nothing to
+ * observe: the time its UCX takes to see a departed peer's connection go). */
+static void idle_ms(uint64_t ms) {
+    uint64_t t0 = kvc_now_ns();
+    while (kvc_now_ns() - t0 < ms * 1000000ull)
+        usleep(5000);
+}
+
+#define WAIT_STAT(P, which, value, ms)                                                             \
+    do {                                                                                           \
+        uint64_t t0_ = kvc_now_ns();                                                               \
+        while (stat((P), (which)) != (value)) {                                                    \
+            assert_true(kvc_now_ns() - t0_ < (uint64_t)(ms)*1000000ull);                           \
+            usleep(2000);                                                                          \
+        }                                                                                          \
+    } while (0)
+
+/* A consumer that leaves KVC_HFLAG_OWNER out of its HELLO (an older agent,
+ * or anyone who drops the flag) asks to be held for a publication that
+ * does not exist yet (KVC_PULL_WAIT), eight times, then leaves (dies, or
+ * closes its endpoint first).  UCX then destroys the reply endpoint of its
+ * pulls: a producer that kept it crashed at the publication (the held pulls
+ * served on it) or at their deadline (refused on it).  Such a pull is
+ * refused at once, in its callback, with KVC_ERR_UNSUPPORTED: nothing is
+ * kept, and the producer serves on. */
+static void wait_without_owner(bool at_deadline, bool close_ep) {
+    side_t P;
+    side_init(&P, &(opts_t){.name = "own-P", .nb = 32, .bl = 8192, .thread = true});
+    char tok[33];
+    assert_int_equal(kvc_token_new(tok), KVC_OK);
+    raw_t r;
+    raw_up(&r, KVC_FIXTURE_SECRET);
+    r.hello_flags = KVC_HFLAG_SECRET; /* no KVC_HFLAG_OWNER */
+    assert_int_equal(raw_handshake(&r, port_of(&P), NULL, false, 0), KVC_OK);
+    assert_false(r.chal_flags & KVC_HFLAG_OWNER);
+    raw_connect(&r);
+    for (int i = 0; i < 8; i++)
+        raw_pull(&r, (uint64_t)i + 1, "noown", tok, 0, at_deadline ? 300 : 20000, 0,
+                 (uint64_t)i + 3, (uint64_t)i, 1);
+    /* Refused, or (the crash this guards against) held. */
+    RAW_UNTIL(&r, r.refusals == 8 || stat(&P, KVC_STAT_PENDING_FETCHES) == 8, 10000);
+    int refusals = r.refusals;
+    int32_t why = r.last_refusal;
+    raw_leave(&r, close_ep);
+    idle_ms(300);
+    if (!at_deadline) {
+        uint64_t ids[8];
+        for (int i = 0; i < 8; i++) {
+            ids[i] = (uint64_t)i + 3;
+            fill(&P, ids[i], 1);
+        }
+        publish_tok(&P, "noown", ids, 8, tok);
+    }
+    WAIT_STAT(&P, KVC_STAT_PENDING_FETCHES, 0, 10000);
+    idle_ms(100);
+    assert_int_equal(refusals, 8);
+    assert_int_equal(why, KVC_ERR_UNSUPPORTED);
+    assert_int_equal(stat(&P, KVC_STAT_PENDING_SERVED), 0);
+    assert_int_equal(stat(&P, KVC_STAT_PENDING_EXPIRED), 0);
+    if (!at_deadline) assert_int_equal(kvc_unpublish(P.a, "noown"), KVC_OK);
+    side_cleanup(&P);
+}
+
+static void test_wait_without_owner_publish(void **state) {
+    (void)state;
+    wait_without_owner(false, false);
+    wait_without_owner(false, true);
+}
+
+static void test_wait_without_owner_deadline(void **state) {
+    (void)state;
+    wait_without_owner(true, false);
+    wait_without_owner(true, true);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_held_fetch_consumer_gone),
         cmocka_unit_test(test_push_consumer_gone),
+        cmocka_unit_test(test_wait_without_owner_publish),
+        cmocka_unit_test(test_wait_without_owner_deadline),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
