@@ -26,9 +26,14 @@ KVC_HIDDEN char *kvc_strndup(const char *s, size_t n);
  * Version 3: after AUTH, messages travel sealed (KVC_MSG_SEALED, auth.c);
  * one-sided reads bracketed by HOLD/UNHOLD pulls; the consumer's TP size in
  * every pull; a producer that cannot serve a GET consumer says so in an
- * ERROR (KVC_ERR_UNSUPPORTED) instead of handing out rkeys. */
+ * ERROR (KVC_ERR_UNSUPPORTED) instead of handing out rkeys.
+ * Version 4: the flags bytes of HELLO and CHALLENGE are under the
+ * consumer's AUTH MAC (a relay that cleared KVC_HFLAG_OWNER went
+ * unnoticed); the messages are those of version 3.  A version-3 peer
+ * computes the MAC without them, so it is refused by version
+ * (KVC_ERR_VERSION, both versions named), never as a wrong secret. */
 #define KVC_WIRE_MAGIC 0x4843564bu /* "KVCH" on the wire */
-#define KVC_WIRE_VERSION 3
+#define KVC_WIRE_VERSION 4
 #define KVC_WIRE_HDR_LEN 12
 #define KVC_WIRE_MAX_BODY (64u << 20)
 #define KVC_WIRE_MAX_HELLO 8192u /* HELLO and AUTH bodies */
@@ -272,11 +277,15 @@ KVC_HIDDEN char *kvc_params_to_json(const char *engine_id, const char *request_i
 /* ------------------------------------------------------------ auth.c -- */
 /* Cryptographic randomness (OpenSSL RAND_bytes).  KVC_ERR_IO if unavailable. */
 KVC_HIDDEN kvc_status_t kvc_random(void *p, size_t n);
-/* mac_c = HMAC-SHA-256(secret, "kvc2 consumer" | nonce_c | nonce_p | proto |
- *                      str16 consumer id | str16 producer id) */
+/* mac_c = HMAC-SHA-256(secret, "kvc4 consumer" | nonce_c | nonce_p | proto |
+ *                      hello flags | challenge flags | str16 consumer id |
+ *                      str16 producer id)
+ * Every byte of HELLO and CHALLENGE that changes what either side does is
+ * under it (version 4: the flags bytes; "kvc2 consumer" without them). */
 KVC_HIDDEN void kvc_mac_consumer(const kvc_agent_t *a, const uint8_t *nonce_c,
-                                 const uint8_t *nonce_p, uint8_t proto, kvc_span_t cons_id,
-                                 kvc_span_t prod_id, uint8_t out[KVC_MAC_LEN]);
+                                 const uint8_t *nonce_p, uint8_t proto, uint8_t hello_flags,
+                                 uint8_t chal_flags, kvc_span_t cons_id, kvc_span_t prod_id,
+                                 uint8_t out[KVC_MAC_LEN]);
 /* mac_p = HMAC-SHA-256(secret, "kvc2 producer" | nonce_c | nonce_p | body) */
 KVC_HIDDEN void kvc_mac_producer(const kvc_agent_t *a, const uint8_t *nonce_c,
                                  const uint8_t *nonce_p, const uint8_t *body, size_t len,

@@ -153,7 +153,7 @@ static inline kvc_status_t raw_handshake(raw_t *r, uint16_t port, const char *sr
     assert_int_equal(h.type, KVC_MSG_CHALLENGE);
     assert_int_equal(kvc_wire_parse_hello(m + KVC_WIRE_HDR_LEN, h.body_len, &ch), KVC_OK);
     r->chal_flags = ch.flags;
-    kvc_mac_consumer(r->auth, nc, ch.nonce, KVC_PROTO_PUSH,
+    kvc_mac_consumer(r->auth, nc, ch.nonce, KVC_PROTO_PUSH, r->hello_flags, ch.flags,
                      (kvc_span_t){(const uint8_t *)"D-raw", 5}, ch.engine_id, mac);
     kvc_wire_encode_auth(&b, KVC_WIRE_VERSION, KVC_PROTO_PUSH, mac);
     assert_int_equal(kvc_chan_init(&keys, r->auth, nc, ch.nonce, mac, false), KVC_OK);

@@ -17,6 +17,9 @@
 /* cmocka needs the headers above first */
 #include <cmocka.h>
 
+#include <poll.h>
+#include <pthread.h>
+
 #include "tests/unit/kvc_fixture.h"
 #include "tests/unit/kvc_rawpeer.h"
 
@@ -176,12 +179,115 @@ static void test_wait_without_owner_deadline(void **state) {
     wait_without_owner(true, true);
 }
 
+/* A relay on the side channel, without the secret: it passes one
+ * connection through and XORs `flip` into the flags byte of the first
+ * message of one direction (the consumer's HELLO, or the producer's
+ * CHALLENGE; both: str16 engine id, then the flags byte).  Bounded: 20 s. */
+typedef struct {
+    int lfd;
+    uint16_t port, target;
+    uint8_t flip_hello, flip_chal;
+    pthread_t thr;
+} relay_t;
+
+/* Forwards what fd `from` has; the first message of that direction whole,
+ * with its flags byte changed.  False at EOF or error. */
+static bool relay_pass(int from, int to, uint8_t flip, uint8_t *first, size_t *flen, bool *done) {
+    uint8_t buf[65536];
+    ssize_t n = read(from, buf, sizeof(buf));
+    if (n <= 0) return false;
+    if (*done) return write(to, buf, (size_t)n) == n;
+    assert_true(*flen + (size_t)n <= 65536);
+    memcpy(first + *flen, buf, (size_t)n);
+    *flen += (size_t)n;
+    kvc_wire_hdr_t h;
+    if (*flen < KVC_WIRE_HDR_LEN || kvc_wire_parse_hdr(first, *flen, 65536, &h) != KVC_OK ||
+        *flen < KVC_WIRE_HDR_LEN + (size_t)h.body_len)
+        return true;
+    size_t id_len = first[KVC_WIRE_HDR_LEN] | (size_t)first[KVC_WIRE_HDR_LEN + 1] << 8;
+    first[KVC_WIRE_HDR_LEN + 2 + id_len] ^= flip;
+    *done = true;
+    return write(to, first, *flen) == (ssize_t)*flen;
+}
+
+static void *relay_run(void *arg) {
+    relay_t *r = arg;
+    struct pollfd lp = {.fd = r->lfd, .events = POLLIN};
+    if (poll(&lp, 1, 20000) != 1) return NULL;
+    int c = accept(r->lfd, NULL, NULL);
+    int p = raw_dial(r->target, NULL);
+    static uint8_t first[2][65536];
+    size_t flen[2] = {0, 0};
+    bool done[2] = {false, false};
+    uint64_t t0 = kvc_now_ns();
+    while (c >= 0 && p >= 0 && kvc_now_ns() - t0 < 20000000000ull) {
+        struct pollfd fds[2] = {{.fd = c, .events = POLLIN}, {.fd = p, .events = POLLIN}};
+        if (poll(fds, 2, 100) <= 0) continue;
+        if (fds[0].revents && !relay_pass(c, p, r->flip_hello, first[0], &flen[0], &done[0]))
+            break;
+        if (fds[1].revents && !relay_pass(p, c, r->flip_chal, first[1], &flen[1], &done[1]))
+            break;
+    }
+    if (c >= 0) close(c);
+    if (p >= 0) close(p);
+    return NULL;
+}
+
+static void relay_start(relay_t *r, uint16_t target) {
+    r->target = target;
+    r->lfd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    struct sockaddr_in sa = {.sin_family = AF_INET};
+    inet_pton(AF_INET, "127.0.0.1", &sa.sin_addr);
+    socklen_t sl = sizeof(sa);
+    assert_int_equal(bind(r->lfd, (struct sockaddr *)&sa, sl), 0);
+    assert_int_equal(listen(r->lfd, 4), 0);
+    assert_int_equal(getsockname(r->lfd, (struct sockaddr *)&sa, &sl), 0);
+    r->port = ntohs(sa.sin_port);
+    assert_int_equal(pthread_create(&r->thr, NULL, relay_run, r), 0);
+}
+
+/* A relay without the secret changes a bit of the HELLO's or the
+ * CHALLENGE's flags byte (the endpoint-ownership flag, or one no version
+ * uses yet): both flags bytes are under the consumer's AUTH MAC, so the
+ * producer refuses the AUTH and the consumer's fetch fails with
+ * KVC_ERR_AUTH; it is never served on the path the flag would choose. */
+static void test_relay_flips_flags(void **state) {
+    (void)state;
+    const uint8_t flips[][2] = {
+        {KVC_HFLAG_OWNER, 0}, {0, KVC_HFLAG_OWNER}, {0x80, 0}, {0, 0x40}};
+    for (size_t k = 0; k < sizeof(flips) / sizeof(flips[0]); k++) {
+        side_t P, D;
+        side_init(&P, &(opts_t){.name = "own-P", .nb = 32, .bl = 8192});
+        side_init(&D, &(opts_t){.name = "own-D", .nb = 32, .bl = 8192});
+        relay_t r = {.flip_hello = flips[k][0], .flip_chal = flips[k][1]};
+        relay_start(&r, port_of(&P));
+        char tok[33];
+        assert_int_equal(kvc_token_new(tok), KVC_OK);
+        uint64_t ids[2] = {3, 4}, lids[2] = {5, 6};
+        publish_tok(&P, "relayed", ids, 2, tok);
+        uint64_t x = fetch_p(&D, params_json("own-P", r.port, "relayed", ids, 2, tok), lids, 2, 0,
+                             NULL);
+        PUMP_UNTIL(&P, &D, fetch_ev(&D, x), 20000);
+        const rec_t *e = fetch_ev(&D, x);
+        if (e->type != KVC_EV_FETCH_FAILED || e->st != KVC_ERR_AUTH)
+            fail_msg("flip hello %#x challenge %#x: %s %s (%s)", flips[k][0], flips[k][1],
+                     e->type == KVC_EV_FETCH_DONE ? "FETCH_DONE" : "FETCH_FAILED",
+                     kvc_status_str(e->st), e->msg);
+        assert_int_equal(stat(&P, KVC_STAT_AUTH_FAILED), 1);
+        pthread_join(r.thr, NULL);
+        close(r.lfd);
+        side_cleanup(&D);
+        side_cleanup(&P);
+    }
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_held_fetch_consumer_gone),
         cmocka_unit_test(test_push_consumer_gone),
         cmocka_unit_test(test_wait_without_owner_publish),
         cmocka_unit_test(test_wait_without_owner_deadline),
+        cmocka_unit_test(test_relay_flips_flags),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
