@@ -367,9 +367,11 @@ static bool on_consumer(kvc_agent_t *a, kvc_sconn_t *c, const uint8_t *rec, size
         KVC_LOG(a, KVC_LOG_WARN, "side channel: consumer message from engine %s at %s: %s",
                 c->cons_id, c->addr, kvc_status_str(st));
     kvc_chan_cleanup(&c->chan);
-    sconn_refuse(a, c, st == KVC_ERR_BUSY ? st : KVC_ERR_PROTOCOL,
-                 st == KVC_ERR_BUSY ? "too many consumers"
-                                    : "bad consumer message (or no endpoint to its worker)");
+    sconn_refuse(a, c, st == KVC_ERR_BUSY || st == KVC_ERR_AUTH ? st : KVC_ERR_PROTOCOL,
+                 st == KVC_ERR_BUSY   ? "too many consumers"
+                 : st == KVC_ERR_AUTH ? "authentication failed: the sealed consumer message does "
+                                        "not verify (changed in transit)"
+                                      : "bad consumer message");
     return false;
 }
 
