@@ -578,7 +578,9 @@ struct kvc_agent {
     atomic_bool thr_stop;
     uint64_t stats[KVC_STAT_LAST + 1];
     struct kvc_cons *conss; /* owned: consumers this producer has endpoints to (consumer.c) */
-    size_t n_cons;
+    size_t n_cons;          /* live records */
+    struct kvc_src *srcs;   /* owned: their source addresses */
+    uint32_t max_cons, max_cons_addr; /* KVC_MAX_CONSUMERS, KVC_MAX_CONSUMERS_ADDR */
     bool cons_check; /* an endpoint to a consumer failed: sweep (kvc_cons_sweep) */
     /* Leases and held registrations (pending.c). */
     uint32_t lease_ms, pending_fetch_ms, max_pending, max_pending_peer;
@@ -756,10 +758,26 @@ KVC_HIDDEN void kvc_xfers_destroy(kvc_agent_t *a);
  * (kvc_cons_ref) instead of keeping UCX's reply endpoint, which UCX may
  * destroy once the AM callback returned (the consumer closed or died). */
 typedef struct kvc_cons kvc_cons_t;
+/* A source address of consumers (their side-channel connection's): the
+ * unit the bounds on records and held fetches are shared by, since the
+ * consumer key is the consumer's own choice. */
+typedef struct kvc_src kvc_src_t;
+struct kvc_src {
+    kvc_src_t *next;
+    char addr[64];
+    uint32_t live;      /* live records of it */
+    uint32_t held;      /* held fetches of its records (push.c) */
+    size_t held_bytes;  /* their bytes */
+    int refs;           /* records that point to it */
+};
 struct kvc_cons {
     kvc_cons_t *next;
     kvc_agent_t *a;
     uint64_t key;
+    kvc_src_t *src;  /* referenced: where it handshook from */
+    uint64_t used_ns; /* its handshake or its last pull (least recently used goes first) */
+    uint32_t held;   /* its held fetches (push.c) */
+    size_t held_bytes;
     ucp_ep_h ep;     /* owned; NULL once closed */
     void *close_req; /* ucp_ep_close_nbx in progress */
     uint8_t *addr;   /* owned: its worker address */
@@ -768,11 +786,25 @@ struct kvc_cons {
     int refs;        /* jobs and held pulls; +1 while listed in a->conss */
     bool dead;       /* the endpoint failed or a newer record replaced it: no more sends */
 };
+/* Live records, in all and per source address (a->max_cons, a->max_cons_addr). */
 #define KVC_MAX_CONSUMERS 4096u
-/* A new record of `key` with that worker address (an older record of the
- * key is retired).  KVC_ERR_BUSY (KVC_MAX_CONSUMERS), KVC_ERR_NO_MEMORY. */
+#define KVC_MAX_CONSUMERS_ADDR 256u
+/* A new record of `key` with that worker address, from source address
+ * `src` (an older record of the key is retired).  At a bound, a record
+ * that nothing references (no held fetch, no staged job) gives way, the
+ * least recently used: of the same address when it holds its bound, else
+ * of the address with the most records, never for a newcomer whose address
+ * would then hold more.  KVC_ERR_BUSY (none can give way), KVC_ERR_NO_MEMORY. */
 KVC_HIDDEN kvc_status_t kvc_cons_attach(kvc_agent_t *a, uint64_t key, const uint8_t *addr,
-                                        size_t addr_len, const char *engine_id);
+                                        size_t addr_len, const char *engine_id, const char *src);
+/* The record whose held fetch is to give way to one more of `c` costing
+ * `cost` (1 by count, its bytes by_bytes), or NULL: none holds more than
+ * c's share.  Across source addresses (the one holding the most, if it
+ * holds at least cost more than c's), unless own_addr or c's address is the
+ * one holding the most; then within c's address, the record holding the
+ * most, if it holds at least cost more than c. */
+KVC_HIDDEN kvc_cons_t *kvc_cons_heaviest(kvc_agent_t *a, const kvc_cons_t *c, size_t cost,
+                                         bool by_bytes, bool own_addr);
 /* c's endpoint of ours, created on first use (a pull kept past its
  * callback); NULL when c is dead or ucp_ep_create failed. */
 KVC_HIDDEN ucp_ep_h kvc_cons_ep(kvc_cons_t *c);

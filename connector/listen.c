@@ -356,7 +356,7 @@ static bool on_consumer(kvc_agent_t *a, kvc_sconn_t *c, const uint8_t *rec, size
          h.type != KVC_MSG_CONSUMER || KVC_WIRE_HDR_LEN + (size_t)h.body_len != mlen ||
          kvc_wire_parse_consumer(msg + KVC_WIRE_HDR_LEN, h.body_len, &key, &addr) != KVC_OK))
         st = KVC_ERR_PROTOCOL;
-    if (st == KVC_OK) st = kvc_cons_attach(a, key, addr.p, addr.len, c->cons_id);
+    if (st == KVC_OK) st = kvc_cons_attach(a, key, addr.p, addr.len, c->cons_id, c->addr);
     if (msg) {
         OPENSSL_cleanse(msg, mlen);
         free(msg);

@@ -571,6 +571,7 @@ static void on_error(kvc_agent_t *a, kvc_peer_t *p, const uint8_t *body, size_t 
     kvc_status_t st = code == KVC_ERR_AUTH          ? KVC_ERR_AUTH
                       : code == KVC_ERR_VERSION     ? KVC_ERR_VERSION
                       : code == KVC_ERR_UNSUPPORTED ? KVC_ERR_UNSUPPORTED
+                      : code == KVC_ERR_BUSY        ? KVC_ERR_BUSY
                                                     : KVC_ERR_PROTOCOL;
     if (st == KVC_ERR_AUTH) a->stats[KVC_STAT_AUTH_FAILED]++;
     peer_fail(a, p, st, "producer %s:%u refused the handshake: %.*s", p->host, p->port, (int)m.len,

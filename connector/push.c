@@ -462,24 +462,70 @@ static void pull_serve(kvc_agent_t *a, kvc_cons_t *cons, ucp_ep_h ep, kvc_wire_p
 static void pending_free(kvc_agent_t *a, pending_t *p) {
     a->n_pending--;
     a->pending_bytes -= p->len;
+    p->cons->held--;
+    p->cons->held_bytes -= p->len;
+    p->cons->src->held--;
+    p->cons->src->held_bytes -= p->len;
     kvc_cons_unref(p->cons);
     free(p->msg);
     free(p->id);
     free(p);
 }
 
+/* Takes a held fetch of consumer v off the list (its newest) to make room
+ * for another consumer's: refused KVC_ERR_BUSY on v's endpoint. */
+static void pending_evict(kvc_agent_t *a, kvc_cons_t *v, const char *why) {
+    pending_t **pp = &a->pending;
+    while (*pp && (*pp)->cons != v)
+        pp = &(*pp)->next;
+    pending_t *p = *pp;
+    if (!p) return;
+    *pp = p->next;
+    a->stats[KVC_STAT_PENDING_REFUSED]++;
+    if (kvc_log_ratelimit(a, KVC_RL_DENIED))
+        KVC_LOG(a, KVC_LOG_WARN,
+                "push: held registration for req=%s of consumer %s from %s refused: %s, it "
+                "holds more than the one that takes its place",
+                p->id, v->engine_id, v->src->addr, why);
+    kvc_wire_pull_t pl;
+    if (v->ep && kvc_wire_parse_pull(p->msg, p->len, &pl) == KVC_OK) {
+        push_refuse(a, v->ep, &pl, KVC_ERR_BUSY);
+        free(pl.runs);
+    }
+    pending_free(a, p);
+}
+
+/* Room for one more held fetch of cons (len bytes) within the bounds: per
+ * source address, in total, in bytes.  At a bound, a held fetch of whoever
+ * holds more than cons's share gives way (kvc_cons_heaviest): an honest
+ * consumer always gets its share, whatever keys or connections others
+ * invent.  NULL: room; else why not. */
+static const char *pending_make_room(kvc_agent_t *a, kvc_cons_t *cons, size_t len) {
+    if (len > a->max_pending_bytes) return "larger than the memory bound of held registrations";
+    for (int evicted = 0; evicted < 64; evicted++) {
+        const char *why = NULL;
+        kvc_cons_t *v = NULL;
+        if (cons->src->held >= a->max_pending_peer) {
+            why = "too many held registrations from this source address";
+            v = kvc_cons_heaviest(a, cons, 1, false, true);
+        } else if (a->n_pending >= a->max_pending) {
+            why = "too many held registrations";
+            v = kvc_cons_heaviest(a, cons, 1, false, false);
+        } else if (len > a->max_pending_bytes - a->pending_bytes) {
+            why = "held registrations over their memory bound";
+            v = kvc_cons_heaviest(a, cons, len, true, false);
+        } else {
+            return NULL;
+        }
+        if (!v) return why;
+        pending_evict(a, v, why);
+    }
+    return "held registrations over their memory bound";
+}
+
 static bool pending_add(kvc_agent_t *a, kvc_cons_t *cons, const kvc_wire_pull_t *pl,
                         ucp_ep_h ep, const void *msg, size_t len) {
-    size_t per_ep = 0;
-    for (pending_t *p = a->pending; p; p = p->next)
-        per_ep += p->cons == cons;
-    const char *why = NULL;
-    if (a->n_pending >= a->max_pending)
-        why = "too many held registrations";
-    else if (per_ep >= a->max_pending_peer)
-        why = "too many held registrations from this consumer";
-    else if (len > a->max_pending_bytes - a->pending_bytes || a->pending_bytes > a->max_pending_bytes)
-        why = "held registrations over their memory bound";
+    const char *why = pending_make_room(a, cons, len);
     if (why) {
         a->stats[KVC_STAT_PENDING_REFUSED]++;
         if (kvc_log_ratelimit(a, KVC_RL_DENIED))
@@ -504,6 +550,10 @@ static bool pending_add(kvc_agent_t *a, kvc_cons_t *cons, const kvc_wire_pull_t 
     p->len = len;
     p->cons = cons;
     kvc_cons_ref(cons);
+    cons->held++;
+    cons->held_bytes += len;
+    cons->src->held++;
+    cons->src->held_bytes += len;
     uint32_t ms = pl->wait_ms && pl->wait_ms < a->pending_fetch_ms ? pl->wait_ms : a->pending_fetch_ms;
     p->deadline_ns = kvc_now_ns() + (uint64_t)ms * 1000000ull;
     p->next = a->pending;
@@ -611,7 +661,9 @@ static ucs_status_t pull_cb(void *arg, const void *header, size_t hlen, void *da
          * and a consumer that closes its endpoint cancels them); whatever is
          * sent later (a held pull, a staged job) on our own endpoint to the
          * consumer, which the jobs reference. */
-        if (!(c = kvc_cons_find(a, pl.cons_key))) {
+        if ((c = kvc_cons_find(a, pl.cons_key))) {
+            c->used_ns = kvc_now_ns();
+        } else {
             a->stats[KVC_STAT_DENIED]++;
             if (kvc_log_ratelimit(a, KVC_RL_DENIED))
                 KVC_LOG(a, KVC_LOG_WARN,

@@ -896,6 +896,9 @@ static ucs_status_t data_cb(void *arg, const void *header, size_t hlen, void *da
                           : st == KVC_ERR_INCOMPATIBLE ? "its blocks cannot be read in these parts"
                                                        : kvc_status_str(st);
         op_error(x, st, "producer refused the fetch", why);
+        /* It no longer knows our consumer key (our record there failed or
+         * gave way to others): the next fetch handshakes again. */
+        if (st == KVC_ERR_PEER_FAILED && x->peer->owner) x->peer->linked = false;
         return rndv ? UCS_ERR_CANCELED : UCS_OK;
     }
     bool one_sided = x->proto == KVC_PROTO_GET;

@@ -302,6 +302,201 @@ static void test_relay_flips_flags(void **state) {
     }
 }
 
+/* Four consumer keys invented by one authenticated peer, each registering
+ * held fetches (KVC_PULL_WAIT) for ids that will never be published, from
+ * four other source addresses (`spread`) or from the honest consumer's own:
+ * the held-fetch bounds are shared by source address, and within one by
+ * consumer, so the honest consumer's held fetch takes the place of one of
+ * theirs (refused KVC_ERR_BUSY) and is served on publish.  Keyed by the
+ * self-chosen consumer key, four keys filled the total and the honest
+ * fetch was refused with KVC_ERR_BUSY at once. */
+static void held_share(bool spread) {
+    side_t P, D;
+    side_init(&P, &(opts_t){.name = "own-P", .nb = 32, .bl = 8192, .thread = true,
+                            .max_pending = 16, .max_per_peer = 4});
+    side_init(&D, &(opts_t){.name = "own-D", .nb = 32, .bl = 8192});
+    raw_t r;
+    raw_up(&r, KVC_FIXTURE_SECRET);
+    r.hello_flags |= KVC_HFLAG_OWNER;
+    char src[16], tok[33], id[32];
+    for (uint64_t k = 0; k < 4; k++) {
+        snprintf(src, sizeof(src), "127.0.0.%d", spread ? (int)k + 2 : 1);
+        assert_int_equal(raw_handshake(&r, port_of(&P), src, true, 0xbad0 + k), KVC_OK);
+    }
+    raw_connect(&r);
+    for (uint64_t k = 0; k < 4; k++)
+        for (uint64_t i = 0; i < 4; i++) {
+            assert_int_equal(kvc_token_new(tok), KVC_OK);
+            snprintf(id, sizeof(id), "invented-%llu-%llu", (unsigned long long)k,
+                     (unsigned long long)i);
+            raw_pull(&r, k * 4 + i + 1, id, tok, KVC_PULL_CONS, 20000, 0xbad0 + k, 1, 1, 1);
+        }
+    /* Every pull held or refused. */
+    RAW_UNTIL(&r, (int)stat(&P, KVC_STAT_PENDING_FETCHES) + r.refusals == 16, 10000);
+    assert_int_equal(kvc_token_new(tok), KVC_OK);
+    uint64_t ids[2] = {3, 4}, lids[2] = {5, 6};
+    kvc_fetch_params_t w = {.wait_ms = 20000};
+    uint64_t x = fetch_p(&D, params_json("own-P", port_of(&P), "honest", ids, 2, tok), lids, 2,
+                         KVC_FETCH_FIELD_WAIT, &w);
+    /* Held (every pull of the peer held or refused, and one more held) or
+     * refused. */
+    for (uint64_t t0 = kvc_now_ns();
+         !fetch_ev(&D, x) && (int)stat(&P, KVC_STAT_PENDING_FETCHES) + r.refusals != 17;) {
+        assert_true(kvc_now_ns() - t0 < 20000000000ull);
+        pump_once(&D);
+        ucp_worker_progress(r.w);
+    }
+    if (fetch_ev(&D, x))
+        fail_msg("the honest held fetch ended before its publication: %s (%s)",
+                 kvc_status_str(fetch_ev(&D, x)->st), fetch_ev(&D, x)->msg);
+    fill(&P, 3, 7);
+    fill(&P, 4, 7);
+    publish_tok(&P, "honest", ids, 2, tok);
+    PUMP_UNTIL(&P, &D, fetch_ev(&D, x), 20000);
+    assert_int_equal(fetch_ev(&D, x)->type, KVC_EV_FETCH_DONE);
+    assert_true(same_blocks(&P, 3, &D, 5) && same_blocks(&P, 4, &D, 6));
+    /* Those refused were told so (KVC_ERR_BUSY) on their consumer's endpoint. */
+    RAW_UNTIL(&r, (int)stat(&P, KVC_STAT_PENDING_FETCHES) + r.refusals == 16, 10000);
+    assert_true(r.refusals >= 1);
+    assert_int_equal(r.last_refusal, KVC_ERR_BUSY);
+    raw_leave(&r, true);
+    side_cleanup(&D);
+    side_cleanup(&P);
+}
+
+static void test_held_share_addresses(void **state) {
+    (void)state;
+    held_share(true);
+}
+
+static void test_held_share_one_address(void **state) {
+    (void)state;
+    held_share(false);
+}
+
+/* Handshakes with fresh consumer keys (an attacker, or decode agents that
+ * restart, each with a new key) never fill the producer's table of
+ * consumers for good: records nothing references give way, least recently
+ * used first, within their source address.  Before, the 4,097th handshake
+ * was refused ("too many consumers") and so was every honest consumer
+ * after it. */
+static void test_consumer_churn(void **state) {
+    (void)state;
+    side_t P, D;
+    side_init(&P, &(opts_t){.name = "own-P", .nb = 32, .bl = 8192, .thread = true});
+    side_init(&D, &(opts_t){.name = "own-D", .nb = 32, .bl = 8192});
+    raw_t r;
+    raw_up(&r, KVC_FIXTURE_SECRET);
+    r.hello_flags |= KVC_HFLAG_OWNER;
+    for (uint64_t k = 0; k < KVC_MAX_CONSUMERS + 4; k++) {
+        kvc_status_t st = raw_handshake(&r, port_of(&P), NULL, true, 0xf00d0000 + k);
+        if (st != KVC_OK) fail_msg("handshake %llu: %s", (unsigned long long)k, kvc_status_str(st));
+    }
+    raw_leave(&r, false);
+    char tok[33];
+    assert_int_equal(kvc_token_new(tok), KVC_OK);
+    uint64_t ids[2] = {3, 4}, lids[2] = {5, 6};
+    fill(&P, 3, 9);
+    fill(&P, 4, 9);
+    publish_tok(&P, "after-churn", ids, 2, tok);
+    kvc_fetch_params_t w = {.wait_ms = 20000}; /* held: its record is needed */
+    uint64_t x = fetch_p(&D, params_json("own-P", port_of(&P), "after-churn", ids, 2, tok), lids,
+                         2, KVC_FETCH_FIELD_WAIT, &w);
+    PUMP_UNTIL(&P, &D, fetch_ev(&D, x), 20000);
+    if (fetch_ev(&D, x)->type != KVC_EV_FETCH_DONE)
+        fail_msg("honest fetch: %s (%s)", kvc_status_str(fetch_ev(&D, x)->st), fetch_ev(&D, x)->msg);
+    assert_true(same_blocks(&P, 3, &D, 5) && same_blocks(&P, 4, &D, 6));
+    side_cleanup(&D);
+    side_cleanup(&P);
+}
+
+/* Sets P's bounds on consumer records (in all, per source address). */
+static void cons_bounds(side_t *P, uint32_t all, uint32_t per_addr) {
+    kvc_lock(P->a);
+    P->a->max_cons = all;
+    P->a->max_cons_addr = per_addr;
+    kvc_unlock(P->a);
+}
+
+/* A producer whose consumer records are all in use (each with a held
+ * fetch) refuses a new consumer's handshake with KVC_ERR_BUSY, and the
+ * consumer's fetch fails with KVC_ERR_BUSY (it was KVC_ERR_PROTOCOL). */
+static void test_consumer_table_busy(void **state) {
+    (void)state;
+    side_t P, D;
+    side_init(&P, &(opts_t){.name = "own-P", .nb = 32, .bl = 8192, .thread = true});
+    side_init(&D, &(opts_t){.name = "own-D", .nb = 32, .bl = 8192});
+    cons_bounds(&P, 2, 2);
+    raw_t r;
+    raw_up(&r, KVC_FIXTURE_SECRET);
+    r.hello_flags |= KVC_HFLAG_OWNER;
+    char tok[33];
+    for (uint64_t k = 0; k < 2; k++)
+        assert_int_equal(raw_handshake(&r, port_of(&P), NULL, true, 0xb0057 + k), KVC_OK);
+    raw_connect(&r);
+    for (uint64_t k = 0; k < 2; k++) {
+        assert_int_equal(kvc_token_new(tok), KVC_OK);
+        raw_pull(&r, k + 1, "never", tok, KVC_PULL_CONS, 20000, 0xb0057 + k, 1, 1, 1);
+    }
+    RAW_UNTIL(&r, stat(&P, KVC_STAT_PENDING_FETCHES) == 2, 10000);
+    /* Both records are in use: the third handshake finds no room. */
+    assert_int_equal(raw_handshake(&r, port_of(&P), NULL, true, 0xb0059), KVC_ERR_BUSY);
+    uint64_t ids[1] = {3};
+    publish_tok(&P, "busy", ids, 1, tok);
+    uint64_t x = fetch_p(&D, params_json("own-P", port_of(&P), "busy", ids, 1, tok), ids, 1, 0,
+                         NULL);
+    PUMP_UNTIL(&P, &D, fetch_ev(&D, x), 20000);
+    assert_int_equal(fetch_ev(&D, x)->type, KVC_EV_FETCH_FAILED);
+    if (fetch_ev(&D, x)->st != KVC_ERR_BUSY)
+        fail_msg("%s (%s)", kvc_status_str(fetch_ev(&D, x)->st), fetch_ev(&D, x)->msg);
+    raw_leave(&r, true);
+    side_cleanup(&D);
+    side_cleanup(&P);
+}
+
+/* A consumer whose record gave way (least recently used, its address at
+ * its bound) is refused its next pull (KVC_ERR_PEER_FAILED) and handshakes
+ * again for the one after: it is not refused for good. */
+static void test_consumer_forgotten_handshakes_again(void **state) {
+    (void)state;
+    side_t P, D;
+    side_init(&P, &(opts_t){.name = "own-P", .nb = 32, .bl = 8192, .thread = true});
+    side_init(&D, &(opts_t){.name = "own-D", .nb = 32, .bl = 8192});
+    cons_bounds(&P, 4096, 2);
+    char tok[33];
+    uint64_t ids[1] = {3}, lids[1] = {4};
+    fill(&P, 3, 5);
+    const char *reqs[3] = {"first", "second", "third"};
+    for (int i = 0; i < 3; i++) {
+        assert_int_equal(kvc_token_new(tok), KVC_OK);
+        publish_tok(&P, reqs[i], ids, 1, tok);
+        uint64_t x = fetch_p(&D, params_json("own-P", port_of(&P), reqs[i], ids, 1, tok), lids, 1,
+                             0, NULL);
+        PUMP_UNTIL(&P, &D, fetch_ev(&D, x), 20000);
+        const rec_t *e = fetch_ev(&D, x);
+        if (i == 1) { /* the record was forgotten since the first */
+            assert_int_equal(e->type, KVC_EV_FETCH_FAILED);
+            assert_int_equal(e->st, KVC_ERR_PEER_FAILED);
+            kvc_unpublish(P.a, reqs[i]);
+        } else {
+            if (e->type != KVC_EV_FETCH_DONE)
+                fail_msg("%s: %s (%s)", reqs[i], kvc_status_str(e->st), e->msg);
+            assert_true(same_blocks(&P, 3, &D, 4));
+        }
+        if (i == 0) { /* two newer consumers from the same address */
+            raw_t r;
+            raw_up(&r, KVC_FIXTURE_SECRET);
+            r.hello_flags |= KVC_HFLAG_OWNER;
+            assert_int_equal(raw_handshake(&r, port_of(&P), NULL, true, 0x1e57), KVC_OK);
+            assert_int_equal(raw_handshake(&r, port_of(&P), NULL, true, 0x1e58), KVC_OK);
+            raw_leave(&r, false);
+        }
+    }
+    assert_int_equal(stat(&D, KVC_STAT_HANDSHAKES), 2);
+    side_cleanup(&D);
+    side_cleanup(&P);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_held_fetch_consumer_gone),
@@ -309,6 +504,11 @@ int main(void) {
         cmocka_unit_test(test_wait_without_owner_publish),
         cmocka_unit_test(test_wait_without_owner_deadline),
         cmocka_unit_test(test_relay_flips_flags),
+        cmocka_unit_test(test_held_share_addresses),
+        cmocka_unit_test(test_held_share_one_address),
+        cmocka_unit_test(test_consumer_churn),
+        cmocka_unit_test(test_consumer_table_busy),
+        cmocka_unit_test(test_consumer_forgotten_handshakes_again),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
