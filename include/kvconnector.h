@@ -173,10 +173,19 @@
  * works, logs a warning once and reports KVC_STAT_AUTHENTICATED = 0.  Each
  * publication carries a random 128-bit token (kv_transfer_params key
  * "remote_kv_token"); pulls and notifications must present it.  Memory is
- * registered without remote write access.  With one-sided gets (shared
- * memory, RDMA) an authenticated peer can read any registered memory: the
- * bracket above protects honest consumers from stale blocks, not the
- * producer from a hostile reader.
+ * registered for remote reads only (UCP_MEM_MAP_PROT_REMOTE_READ); what
+ * that stops depends on the transport.  RDMA: the NIC enforces it, no peer
+ * writes.  Shared memory (connector pools, one host): UCX maps a pool
+ * read-write into the process it hands the pool's rkey to, so an
+ * authenticated peer on this host that was given rkeys (automatic or GET
+ * consumers) can write the pool.  tcp and other emulated RMA: UCX serves a
+ * put at any address whatever the registration, so the agent enables RMA
+ * only with KVC_PROTO=get or for CUDA regions registered directly; without
+ * RMA (push, and automatic without direct CUDA regions) no peer writes this
+ * agent's memory except through such a shared-memory mapping.  With
+ * one-sided gets (shared memory, RDMA) an authenticated peer can read any
+ * registered memory: the bracket above protects honest consumers from
+ * stale blocks, not the producer from a hostile reader.
  *
  * Conventions: functions return kvc_status_t; out-parameters are written
  * only on success (KVC_OK, or KVC_INPROGRESS for kvc_fetch); "borrowed"
