@@ -410,6 +410,19 @@ KVC_HIDDEN void kvc_cuda_drain(kvc_cuda_t *c);
 /* Devices that hold regions. */
 KVC_HIDDEN int kvc_cuda_devices(const kvc_cuda_t *c);
 
+/* ----------------------------------------------------------- slice.c -- */
+/* The bytes of one part when remote blocks of rbl bytes are cut in rparts
+ * equal parts and local blocks of lbl in lparts: *len; KVC_ERR_INCOMPATIBLE
+ * unless both divide evenly into parts of one length (none of them 0). */
+KVC_HIDDEN kvc_status_t kvc_slice_len(uint64_t rbl, uint32_t rparts, uint64_t lbl,
+                                      uint32_t lparts, uint64_t *len);
+/* Offset of part `part` (parts of len bytes) of block b in a region of
+ * nblocks blocks of block_len: *off, true; false when that part does not
+ * lie wholly inside block b, or b is not in the region (nothing computed
+ * overflows).  Whole blocks: part 0, len block_len. */
+KVC_HIDDEN bool kvc_slice_at(uint64_t block_len, uint64_t nblocks, uint64_t b, uint64_t part,
+                             uint64_t len, uint64_t *off);
+
 /* ------------------------------------------------------------ path.c -- */
 
 /* KVC_TRANSPORT_* bits of a comma-separated list of UCX transport names. */

@@ -291,9 +291,13 @@ static void pull_issue(kvc_agent_t *a, ucp_ep_h ep, const kvc_wire_pull_t *pl, k
                 kvc_wire_data_hdr_t h = {pl->xfer_id, (uint32_t)r, 0, run->local + off, cnt, {0}};
                 memcpy(h.token, pl->xfer_token, KVC_TOKEN_LEN);
                 kvc_wire_encode_data_hdr(j->hdr[k], &h);
-                const uint8_t *src = (const uint8_t *)rg->base +
-                                     (run->remote + off) * rg->block_len +
-                                     (size_t)pl->part * part_len;
+                uint64_t at;
+                if (!kvc_slice_at(rg->block_len, a->num_blocks, run->remote + off,
+                                  sliced ? pl->part : 0, sliced ? part_len : rg->block_len, &at)) {
+                    failed = true; /* pull_check let no such run through */
+                    break;
+                }
+                const uint8_t *src = (const uint8_t *)rg->base + at;
                 j->refs++;
                 a->push_inflight++;
                 ucs_status_ptr_t s =
