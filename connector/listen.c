@@ -9,8 +9,11 @@
  *
  * A consumer that says KVC_HFLAG_OWNER sends its worker address sealed
  * right after AUTH; the producer opens an endpoint of its own to it
- * (consumer.c) and answers that consumer's pulls there.  An older consumer
- * is answered on the endpoint it opened (UCX's reply endpoint).
+ * (consumer.c) and answers that consumer's pulls there.  A consumer without
+ * the flag is answered on the endpoint it opened (UCX's reply endpoint),
+ * within each pull's callback only: push.c refuses what would need more.
+ * Both flags bytes are under the AUTH MAC (auth.c), checked as soon as
+ * AUTH is complete.
  * A malformed, oversized or slow side-channel client is closed on its own;
  * handshakes in progress are bounded per source address and in all, and an
  * unauthenticated client of the address holding the most slots gives way to

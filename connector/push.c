@@ -31,7 +31,8 @@ typedef struct kvc_push_job {
 
 /* A pull that reached this producer before its publication (KVC_PULL_WAIT):
  * its bytes, kept until kvc_publish of its id serves it or its deadline
- * refuses it.  Bounded in count (per endpoint and in total) and bytes. */
+ * refuses it.  Bounded in count (per source address and in total) and
+ * bytes, shared fairly (pending_make_room). */
 typedef struct kvc_pending {
     struct kvc_pending *next;
     kvc_cons_t *cons; /* referenced: its consumer, answered on our own endpoint to it
