@@ -40,14 +40,16 @@ static void mac(const kvc_agent_t *a, const kvc_buf_t *msg, uint8_t out[KVC_MAC_
 }
 
 void kvc_mac_consumer(const kvc_agent_t *a, const uint8_t *nonce_c, const uint8_t *nonce_p,
-                      uint8_t proto, kvc_span_t cons_id, kvc_span_t prod_id,
-                      uint8_t out[KVC_MAC_LEN]) {
-    static const char label[] = "kvc2 consumer";
+                      uint8_t proto, uint8_t hello_flags, uint8_t chal_flags, kvc_span_t cons_id,
+                      kvc_span_t prod_id, uint8_t out[KVC_MAC_LEN]) {
+    static const char label[] = "kvc4 consumer";
     kvc_buf_t b = {0};
     kvc_buf_put(&b, label, sizeof(label));
     kvc_buf_put(&b, nonce_c, KVC_NONCE_LEN);
     kvc_buf_put(&b, nonce_p, KVC_NONCE_LEN);
     kvc_buf_u8(&b, proto);
+    kvc_buf_u8(&b, hello_flags);
+    kvc_buf_u8(&b, chal_flags);
     put_str16(&b, cons_id);
     put_str16(&b, prod_id);
     mac(a, &b, out);

@@ -21,16 +21,47 @@
  * which ends their push jobs and hands blocks back), and the record is
  * freed once nothing references it.
  *
+ * Records are bounded in all and per source address (the key is the
+ * consumer's own choice, the address is not): at a bound, a record nothing
+ * references gives way, least recently used first (kvc_cons_attach), so
+ * neither handshakes with fresh keys nor decode agents that restart with
+ * new ones fill the table for good.  A consumer whose record went that way
+ * is refused its next pull (KVC_ERR_PEER_FAILED) and handshakes again.
+ *
  * The producer connects only to a worker address that came inside the
  * authenticated, sealed side channel (a relay cannot substitute one); with
  * no cluster secret, any client that reaches the side channel could name an
  * address, as it could already pull anything published. */
 #include "connector/kvc_int.h"
 
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
+static void src_unref(kvc_agent_t *a, kvc_src_t *s) {
+    if (--s->refs > 0) return;
+    for (kvc_src_t **pp = &a->srcs; *pp; pp = &(*pp)->next)
+        if (*pp == s) {
+            *pp = s->next;
+            break;
+        }
+    free(s);
+}
+
+/* The record of source address addr, created if needed; NULL: no memory. */
+static kvc_src_t *src_get(kvc_agent_t *a, const char *addr) {
+    for (kvc_src_t *s = a->srcs; s; s = s->next)
+        if (!strcmp(s->addr, addr)) return s;
+    kvc_src_t *s = calloc(1, sizeof(*s));
+    if (!s) return NULL;
+    snprintf(s->addr, sizeof(s->addr), "%s", addr);
+    s->next = a->srcs;
+    a->srcs = s;
+    return s;
+}
+
 static void cons_free(kvc_cons_t *c) {
+    if (c->src) src_unref(c->a, c->src);
     free(c->addr);
     free(c->engine_id);
     free(c);
@@ -45,6 +76,16 @@ static void *ep_close_force(ucp_ep_h ep) {
     return UCS_PTR_IS_PTR(req) ? req : NULL;
 }
 
+/* No more sends to c; the sweep closes its endpoint and unlists it.  Only
+ * marks: may run inside a UCX callback. */
+static void cons_retire(kvc_cons_t *c) {
+    if (c->dead) return;
+    c->dead = true;
+    c->src->live--;
+    c->a->n_cons--;
+    c->a->cons_check = true;
+}
+
 /* Runs from ucp_worker_progress: only marks (the sweep does the rest, never
  * inside a UCX callback). */
 static void cons_err_cb(void *arg, ucp_ep_h ep, ucs_status_t us) {
@@ -52,8 +93,7 @@ static void cons_err_cb(void *arg, ucp_ep_h ep, ucs_status_t us) {
     kvc_cons_t *c = arg;
     kvc_agent_t *a = c->a;
     if (c->dead) return;
-    c->dead = true;
-    a->cons_check = true;
+    cons_retire(c);
     a->stats[KVC_STAT_CONSUMERS_LOST]++;
     KVC_LOG(a, KVC_LOG_INFO, "consumer %s (key %016llx): endpoint failed: %s",
             c->engine_id ? c->engine_id : "?", (unsigned long long)c->key,
@@ -82,35 +122,100 @@ void kvc_cons_unref(kvc_cons_t *c) {
     cons_free(c);
 }
 
+/* The least recently used live record of s that nothing references, or NULL. */
+static kvc_cons_t *lru_idle(kvc_agent_t *a, const kvc_src_t *s) {
+    kvc_cons_t *v = NULL;
+    for (kvc_cons_t *c = a->conss; c; c = c->next)
+        if (c->src == s && !c->dead && c->refs == 1 && (!v || c->used_ns < v->used_ns)) v = c;
+    return v;
+}
+
+/* Room for one more live record from s: true, possibly after retiring an
+ * idle one; false: none can give way. */
+static bool cons_make_room(kvc_agent_t *a, kvc_src_t *s) {
+    const kvc_src_t *from = NULL;
+    if (s->live >= a->max_cons_addr) {
+        from = s;
+    } else if (a->n_cons >= a->max_cons) {
+        const kvc_src_t *most = NULL;
+        for (const kvc_src_t *o = a->srcs; o; o = o->next)
+            if (!most || o->live > most->live) most = o;
+        /* never for a newcomer whose address would then hold more */
+        if (most && (most == s || most->live > s->live)) from = most;
+        if (!from) return false;
+    } else {
+        return true;
+    }
+    kvc_cons_t *v = lru_idle(a, from);
+    if (!v) return false;
+    KVC_LOG(a, KVC_LOG_INFO,
+            "consumer %s (key %016llx) from %s forgotten, least recently used, for a new one "
+            "from %s",
+            v->engine_id, (unsigned long long)v->key, from->addr, s->addr);
+    cons_retire(v);
+    return true;
+}
+
 kvc_status_t kvc_cons_attach(kvc_agent_t *a, uint64_t key, const uint8_t *addr, size_t addr_len,
-                             const char *engine_id) {
+                             const char *engine_id, const char *src) {
     /* A consumer handshakes again only after it gave up its previous
      * endpoint to us (failed, cancelled, idle): the connection under our
      * endpoint to it may be going down with that one, so each handshake
      * gets a fresh endpoint and the key's older record is retired. */
     kvc_cons_t *old = kvc_cons_find(a, key);
-    if (a->n_cons >= KVC_MAX_CONSUMERS) return KVC_ERR_BUSY;
-    kvc_cons_t *c = calloc(1, sizeof(*c));
-    if (!c || !(c->addr = malloc(addr_len)) || !(c->engine_id = kvc_strdup(engine_id))) {
-        if (c) free(c->addr);
-        free(c);
-        return KVC_ERR_NO_MEMORY;
-    }
+    if (old) cons_retire(old);
+    kvc_src_t *s = src_get(a, src);
+    if (!s) return KVC_ERR_NO_MEMORY;
+    s->refs++; /* held while room is made */
+    kvc_status_t st = KVC_ERR_BUSY;
+    kvc_cons_t *c = NULL;
+    if (!cons_make_room(a, s)) goto err;
+    st = KVC_ERR_NO_MEMORY;
+    c = calloc(1, sizeof(*c));
+    if (!c || !(c->addr = malloc(addr_len)) || !(c->engine_id = kvc_strdup(engine_id))) goto err;
     memcpy(c->addr, addr, addr_len);
     c->addr_len = addr_len;
     c->a = a;
     c->key = key;
-    if (old) {
-        old->dead = true;
-        a->cons_check = true;
-    }
+    c->src = s;
+    c->used_ns = kvc_now_ns();
+    s->live++;
     c->refs = 1;
     c->next = a->conss;
     a->conss = c;
     a->n_cons++;
-    KVC_LOG(a, KVC_LOG_DEBUG, "consumer %s (key %016llx) known", engine_id,
-            (unsigned long long)key);
+    KVC_LOG(a, KVC_LOG_DEBUG, "consumer %s (key %016llx) from %s known", engine_id,
+            (unsigned long long)key, src);
     return KVC_OK;
+
+err:
+    if (c) {
+        free(c->addr);
+        free(c);
+    }
+    src_unref(a, s);
+    return st;
+}
+
+kvc_cons_t *kvc_cons_heaviest(kvc_agent_t *a, const kvc_cons_t *c, size_t cost, bool by_bytes,
+                              bool own_addr) {
+#define WEIGHT(x) (by_bytes ? (x)->held_bytes : (size_t)(x)->held)
+    const kvc_src_t *in = c->src;
+    if (!own_addr) {
+        const kvc_src_t *most = c->src;
+        for (const kvc_src_t *o = a->srcs; o; o = o->next)
+            if (WEIGHT(o) > WEIGHT(most)) most = o;
+        if (most != c->src) {
+            if (WEIGHT(most) < WEIGHT(c->src) + cost) return NULL;
+            in = most;
+        }
+    }
+    kvc_cons_t *v = NULL;
+    for (kvc_cons_t *o = a->conss; o; o = o->next)
+        if (o->src == in && !o->dead && o->held && (!v || WEIGHT(o) > WEIGHT(v))) v = o;
+    if (!v || v == c || (in == c->src && WEIGHT(v) < WEIGHT(c) + cost)) return NULL;
+    return v;
+#undef WEIGHT
 }
 
 ucp_ep_h kvc_cons_ep(kvc_cons_t *c) {
@@ -156,14 +261,13 @@ void kvc_cons_sweep(kvc_agent_t *a) {
             c->close_req = NULL;
         }
         *pp = c->next;
-        a->n_cons--;
         kvc_cons_unref(c);
     }
 }
 
 void kvc_cons_close_all(kvc_agent_t *a) {
     for (kvc_cons_t *c = a->conss; c; c = c->next) {
-        c->dead = true;
+        cons_retire(c);
         if (c->ep) {
             c->close_req = ep_close_force(c->ep);
             c->ep = NULL;

@@ -263,6 +263,8 @@ kvc_status_t kvc_agent_create(const kvc_agent_params_t *p, kvc_agent_t **out) {
     a->max_pending = pf && p->max_pending_fetches ? p->max_pending_fetches : DEFAULT_MAX_PENDING;
     a->max_pending_peer =
         pf && p->max_pending_per_peer ? p->max_pending_per_peer : DEFAULT_MAX_PENDING_PEER;
+    a->max_cons = KVC_MAX_CONSUMERS;
+    a->max_cons_addr = KVC_MAX_CONSUMERS_ADDR;
     a->max_pending_bytes =
         pf && p->max_pending_bytes ? p->max_pending_bytes : DEFAULT_MAX_PENDING_BYTES;
     a->max_handshakes =

@@ -26,9 +26,14 @@ KVC_HIDDEN char *kvc_strndup(const char *s, size_t n);
  * Version 3: after AUTH, messages travel sealed (KVC_MSG_SEALED, auth.c);
  * one-sided reads bracketed by HOLD/UNHOLD pulls; the consumer's TP size in
  * every pull; a producer that cannot serve a GET consumer says so in an
- * ERROR (KVC_ERR_UNSUPPORTED) instead of handing out rkeys. */
+ * ERROR (KVC_ERR_UNSUPPORTED) instead of handing out rkeys.
+ * Version 4: the flags bytes of HELLO and CHALLENGE are under the
+ * consumer's AUTH MAC (a relay that cleared KVC_HFLAG_OWNER went
+ * unnoticed); the messages are those of version 3.  A version-3 peer
+ * computes the MAC without them, so it is refused by version
+ * (KVC_ERR_VERSION, both versions named), never as a wrong secret. */
 #define KVC_WIRE_MAGIC 0x4843564bu /* "KVCH" on the wire */
-#define KVC_WIRE_VERSION 3
+#define KVC_WIRE_VERSION 4
 #define KVC_WIRE_HDR_LEN 12
 #define KVC_WIRE_MAX_BODY (64u << 20)
 #define KVC_WIRE_MAX_HELLO 8192u /* HELLO and AUTH bodies */
@@ -62,11 +67,12 @@ enum {
  * (a held pull served on publish, staged chunks, late refusals) goes on its
  * own endpoint, never on UCX's reply endpoint (answers within the callback
  * still use it: closing its endpoint then cancels them, as a consumer's
- * kvc_fetch_cancel relies on).  Either side without the
- * flag (an older agent): the exchange of version 3 before it, pulls
- * answered on the reply endpoint (a consumer that goes away while the
- * producer still holds its pull can then crash the producer: UCX destroys
- * the reply endpoint). */
+ * kvc_fetch_cancel relies on).  A consumer without the flag (or a pull
+ * without KVC_PULL_CONS) is answered only within the callback: a pull it
+ * asks to be held (KVC_PULL_WAIT) or that a staged producer would push
+ * after the callback is refused there (KVC_ERR_UNSUPPORTED), since UCX
+ * destroys the reply endpoint when that consumer leaves and a send on a
+ * kept one crashed the producer. */
 enum { KVC_HFLAG_SECRET = 1u << 0, KVC_HFLAG_OWNER = 1u << 1 };
 #define KVC_WIRE_MAX_CONS_ADDR 4096u /* a worker address in a CONSUMER message */
 
@@ -271,11 +277,15 @@ KVC_HIDDEN char *kvc_params_to_json(const char *engine_id, const char *request_i
 /* ------------------------------------------------------------ auth.c -- */
 /* Cryptographic randomness (OpenSSL RAND_bytes).  KVC_ERR_IO if unavailable. */
 KVC_HIDDEN kvc_status_t kvc_random(void *p, size_t n);
-/* mac_c = HMAC-SHA-256(secret, "kvc2 consumer" | nonce_c | nonce_p | proto |
- *                      str16 consumer id | str16 producer id) */
+/* mac_c = HMAC-SHA-256(secret, "kvc4 consumer" | nonce_c | nonce_p | proto |
+ *                      hello flags | challenge flags | str16 consumer id |
+ *                      str16 producer id)
+ * Every byte of HELLO and CHALLENGE that changes what either side does is
+ * under it (version 4: the flags bytes; "kvc2 consumer" without them). */
 KVC_HIDDEN void kvc_mac_consumer(const kvc_agent_t *a, const uint8_t *nonce_c,
-                                 const uint8_t *nonce_p, uint8_t proto, kvc_span_t cons_id,
-                                 kvc_span_t prod_id, uint8_t out[KVC_MAC_LEN]);
+                                 const uint8_t *nonce_p, uint8_t proto, uint8_t hello_flags,
+                                 uint8_t chal_flags, kvc_span_t cons_id, kvc_span_t prod_id,
+                                 uint8_t out[KVC_MAC_LEN]);
 /* mac_p = HMAC-SHA-256(secret, "kvc2 producer" | nonce_c | nonce_p | body) */
 KVC_HIDDEN void kvc_mac_producer(const kvc_agent_t *a, const uint8_t *nonce_c,
                                  const uint8_t *nonce_p, const uint8_t *body, size_t len,
@@ -399,6 +409,19 @@ KVC_HIDDEN bool kvc_cuda_idle(kvc_cuda_t *c, kvc_status_t *st);
 KVC_HIDDEN void kvc_cuda_drain(kvc_cuda_t *c);
 /* Devices that hold regions. */
 KVC_HIDDEN int kvc_cuda_devices(const kvc_cuda_t *c);
+
+/* ----------------------------------------------------------- slice.c -- */
+/* The bytes of one part when remote blocks of rbl bytes are cut in rparts
+ * equal parts and local blocks of lbl in lparts: *len; KVC_ERR_INCOMPATIBLE
+ * unless both divide evenly into parts of one length (none of them 0). */
+KVC_HIDDEN kvc_status_t kvc_slice_len(uint64_t rbl, uint32_t rparts, uint64_t lbl,
+                                      uint32_t lparts, uint64_t *len);
+/* Offset of part `part` (parts of len bytes) of block b in a region of
+ * nblocks blocks of block_len: *off, true; false when that part does not
+ * lie wholly inside block b, or b is not in the region (nothing computed
+ * overflows).  Whole blocks: part 0, len block_len. */
+KVC_HIDDEN bool kvc_slice_at(uint64_t block_len, uint64_t nblocks, uint64_t b, uint64_t part,
+                             uint64_t len, uint64_t *off);
 
 /* ------------------------------------------------------------ path.c -- */
 
@@ -568,7 +591,9 @@ struct kvc_agent {
     atomic_bool thr_stop;
     uint64_t stats[KVC_STAT_LAST + 1];
     struct kvc_cons *conss; /* owned: consumers this producer has endpoints to (consumer.c) */
-    size_t n_cons;
+    size_t n_cons;          /* live records */
+    struct kvc_src *srcs;   /* owned: their source addresses */
+    uint32_t max_cons, max_cons_addr; /* KVC_MAX_CONSUMERS, KVC_MAX_CONSUMERS_ADDR */
     bool cons_check; /* an endpoint to a consumer failed: sweep (kvc_cons_sweep) */
     /* Leases and held registrations (pending.c). */
     uint32_t lease_ms, pending_fetch_ms, max_pending, max_pending_peer;
@@ -746,10 +771,26 @@ KVC_HIDDEN void kvc_xfers_destroy(kvc_agent_t *a);
  * (kvc_cons_ref) instead of keeping UCX's reply endpoint, which UCX may
  * destroy once the AM callback returned (the consumer closed or died). */
 typedef struct kvc_cons kvc_cons_t;
+/* A source address of consumers (their side-channel connection's): the
+ * unit the bounds on records and held fetches are shared by, since the
+ * consumer key is the consumer's own choice. */
+typedef struct kvc_src kvc_src_t;
+struct kvc_src {
+    kvc_src_t *next;
+    char addr[64];
+    uint32_t live;      /* live records of it */
+    uint32_t held;      /* held fetches of its records (push.c) */
+    size_t held_bytes;  /* their bytes */
+    int refs;           /* records that point to it */
+};
 struct kvc_cons {
     kvc_cons_t *next;
     kvc_agent_t *a;
     uint64_t key;
+    kvc_src_t *src;  /* referenced: where it handshook from */
+    uint64_t used_ns; /* its handshake or its last pull (least recently used goes first) */
+    uint32_t held;   /* its held fetches (push.c) */
+    size_t held_bytes;
     ucp_ep_h ep;     /* owned; NULL once closed */
     void *close_req; /* ucp_ep_close_nbx in progress */
     uint8_t *addr;   /* owned: its worker address */
@@ -758,11 +799,25 @@ struct kvc_cons {
     int refs;        /* jobs and held pulls; +1 while listed in a->conss */
     bool dead;       /* the endpoint failed or a newer record replaced it: no more sends */
 };
+/* Live records, in all and per source address (a->max_cons, a->max_cons_addr). */
 #define KVC_MAX_CONSUMERS 4096u
-/* A new record of `key` with that worker address (an older record of the
- * key is retired).  KVC_ERR_BUSY (KVC_MAX_CONSUMERS), KVC_ERR_NO_MEMORY. */
+#define KVC_MAX_CONSUMERS_ADDR 256u
+/* A new record of `key` with that worker address, from source address
+ * `src` (an older record of the key is retired).  At a bound, a record
+ * that nothing references (no held fetch, no staged job) gives way, the
+ * least recently used: of the same address when it holds its bound, else
+ * of the address with the most records, never for a newcomer whose address
+ * would then hold more.  KVC_ERR_BUSY (none can give way), KVC_ERR_NO_MEMORY. */
 KVC_HIDDEN kvc_status_t kvc_cons_attach(kvc_agent_t *a, uint64_t key, const uint8_t *addr,
-                                        size_t addr_len, const char *engine_id);
+                                        size_t addr_len, const char *engine_id, const char *src);
+/* The record whose held fetch is to give way to one more of `c` costing
+ * `cost` (1 by count, its bytes by_bytes), or NULL: none holds more than
+ * c's share.  Across source addresses (the one holding the most, if it
+ * holds at least cost more than c's), unless own_addr or c's address is the
+ * one holding the most; then within c's address, the record holding the
+ * most, if it holds at least cost more than c. */
+KVC_HIDDEN kvc_cons_t *kvc_cons_heaviest(kvc_agent_t *a, const kvc_cons_t *c, size_t cost,
+                                         bool by_bytes, bool own_addr);
 /* c's endpoint of ours, created on first use (a pull kept past its
  * callback); NULL when c is dead or ucp_ep_create failed. */
 KVC_HIDDEN ucp_ep_h kvc_cons_ep(kvc_cons_t *c);

@@ -9,8 +9,11 @@
  *
  * A consumer that says KVC_HFLAG_OWNER sends its worker address sealed
  * right after AUTH; the producer opens an endpoint of its own to it
- * (consumer.c) and answers that consumer's pulls there.  An older consumer
- * is answered on the endpoint it opened (UCX's reply endpoint).
+ * (consumer.c) and answers that consumer's pulls there.  A consumer without
+ * the flag is answered on the endpoint it opened (UCX's reply endpoint),
+ * within each pull's callback only: push.c refuses what would need more.
+ * Both flags bytes are under the AUTH MAC (auth.c), checked as soon as
+ * AUTH is complete.
  * A malformed, oversized or slow side-channel client is closed on its own;
  * handshakes in progress are bounded per source address and in all, and an
  * unauthenticated client of the address holding the most slots gives way to
@@ -52,7 +55,10 @@ struct kvc_sconn {
     uint8_t nonce_c[KVC_NONCE_LEN], nonce_p[KVC_NONCE_LEN];
     kvc_chan_t chan; /* after AUTH */
     char *cons_id;   /* owned: the consumer's engine id from its HELLO */
+    uint8_t hello_flags, chal_flags; /* as received and as sent: under the AUTH MAC */
     bool owner;      /* both sides said KVC_HFLAG_OWNER: a sealed CONSUMER follows AUTH */
+    bool authed;     /* its AUTH verified (chan ready, proto set) */
+    uint8_t proto;   /* from its AUTH */
     bool dead;       /* closed; freed by kvc_sconns_reap (events may still name it) */
 };
 
@@ -330,11 +336,12 @@ static void on_hello(kvc_agent_t *a, kvc_sconn_t *c, const uint8_t *body, size_t
         return;
     }
     c->owner = (h.flags & KVC_HFLAG_OWNER) != 0;
+    c->hello_flags = h.flags;
+    c->chal_flags =
+        (uint8_t)((a->secret ? KVC_HFLAG_SECRET : 0) | (c->owner ? KVC_HFLAG_OWNER : 0));
     KVC_LOG(a, KVC_LOG_DEBUG, "side channel: hello from engine %s at %s", c->cons_id, c->addr);
     kvc_wire_encode_hello(&c->out, a->wire_version, KVC_MSG_CHALLENGE, a->engine_id,
-                          (uint8_t)((a->secret ? KVC_HFLAG_SECRET : 0) |
-                                    (c->owner ? KVC_HFLAG_OWNER : 0)),
-                          c->nonce_p);
+                          c->chal_flags, c->nonce_p);
     c->state = SC_AUTH;
 }
 
@@ -352,7 +359,7 @@ static bool on_consumer(kvc_agent_t *a, kvc_sconn_t *c, const uint8_t *rec, size
          h.type != KVC_MSG_CONSUMER || KVC_WIRE_HDR_LEN + (size_t)h.body_len != mlen ||
          kvc_wire_parse_consumer(msg + KVC_WIRE_HDR_LEN, h.body_len, &key, &addr) != KVC_OK))
         st = KVC_ERR_PROTOCOL;
-    if (st == KVC_OK) st = kvc_cons_attach(a, key, addr.p, addr.len, c->cons_id);
+    if (st == KVC_OK) st = kvc_cons_attach(a, key, addr.p, addr.len, c->cons_id, c->addr);
     if (msg) {
         OPENSSL_cleanse(msg, mlen);
         free(msg);
@@ -363,34 +370,54 @@ static bool on_consumer(kvc_agent_t *a, kvc_sconn_t *c, const uint8_t *rec, size
         KVC_LOG(a, KVC_LOG_WARN, "side channel: consumer message from engine %s at %s: %s",
                 c->cons_id, c->addr, kvc_status_str(st));
     kvc_chan_cleanup(&c->chan);
-    sconn_refuse(a, c, st == KVC_ERR_BUSY ? st : KVC_ERR_PROTOCOL,
-                 st == KVC_ERR_BUSY ? "too many consumers"
-                                    : "bad consumer message (or no endpoint to its worker)");
+    sconn_refuse(a, c, st == KVC_ERR_BUSY || st == KVC_ERR_AUTH ? st : KVC_ERR_PROTOCOL,
+                 st == KVC_ERR_BUSY   ? "too many consumers"
+                 : st == KVC_ERR_AUTH ? "authentication failed: the sealed consumer message does "
+                                        "not verify (changed in transit)"
+                                      : "bad consumer message");
     return false;
 }
 
-static void on_auth(kvc_agent_t *a, kvc_sconn_t *c, const uint8_t *body, size_t len,
-                    const uint8_t *rec, size_t rec_len) {
-    uint8_t proto;
+/* AUTH, checked as soon as it is complete (before a CONSUMER that may
+ * follow it: a relay that cleared the CHALLENGE's ownership flag leaves the
+ * consumer sending none).  The MAC covers both nonces, engine ids and flags
+ * bytes and the protocol.  True: c->authed, its channel keys ready; false:
+ * c was dropped or refused (an ERROR queued). */
+static bool auth_check(kvc_agent_t *a, kvc_sconn_t *c, const uint8_t *body, size_t len) {
     const uint8_t *mac;
-    if (kvc_wire_parse_auth(body, len, &proto, &mac) != KVC_OK) {
+    if (kvc_wire_parse_auth(body, len, &c->proto, &mac) != KVC_OK) {
         sconn_drop(a, c, "malformed auth");
-        return;
+        return false;
     }
     uint8_t want[KVC_MAC_LEN];
     kvc_span_t cid = {(const uint8_t *)c->cons_id, strlen(c->cons_id)};
     kvc_span_t pid = {(const uint8_t *)a->engine_id, strlen(a->engine_id)};
-    kvc_mac_consumer(a, c->nonce_c, c->nonce_p, proto, cid, pid, want);
+    kvc_mac_consumer(a, c->nonce_c, c->nonce_p, c->proto, c->hello_flags, c->chal_flags, cid, pid,
+                     want);
     if (!kvc_mac_equal(want, mac, KVC_MAC_LEN)) {
         a->stats[KVC_STAT_AUTH_FAILED]++;
         if (kvc_log_ratelimit(a, KVC_RL_AUTH))
             KVC_LOG(a, KVC_LOG_WARN,
                     "side channel: authentication failed for engine %s from %s: wrong MAC "
-                    "(different cluster secret)",
+                    "(different cluster secret, or HELLO/CHALLENGE changed in transit)",
                     c->cons_id, c->addr);
-        sconn_refuse(a, c, KVC_ERR_AUTH, "authentication failed: different cluster secret");
-        return;
+        sconn_refuse(a, c, KVC_ERR_AUTH,
+                     "authentication failed: different cluster secret, or the handshake was "
+                     "changed in transit");
+        return false;
     }
+    if (kvc_chan_init(&c->chan, a, c->nonce_c, c->nonce_p, mac, true) != KVC_OK) {
+        sconn_drop(a, c, "cannot derive the channel keys (OpenSSL)");
+        return false;
+    }
+    c->authed = true;
+    return true;
+}
+
+/* The authenticated consumer's reply: its CONSUMER message first (rec,
+ * KVC_HFLAG_OWNER), then our handshake, sealed. */
+static void on_auth(kvc_agent_t *a, kvc_sconn_t *c, const uint8_t *rec, size_t rec_len) {
+    uint8_t proto = c->proto;
     /* rkeys only for a consumer that can use them: on this host when every
      * region is a shared-memory pool or device memory registered directly
      * (mapped here, cuda_ipc); on another host only for a consumer that
@@ -424,7 +451,7 @@ static void on_auth(kvc_agent_t *a, kvc_sconn_t *c, const uint8_t *body, size_t 
                          hs->len - KVC_WIRE_HDR_LEN, m);
     kvc_buf_put(&plain, m, KVC_MAC_LEN);
     kvc_wire_end_msg(&plain, 0);
-    bool chan = !plain.failed && kvc_chan_init(&c->chan, a, c->nonce_c, c->nonce_p, mac, true) == KVC_OK;
+    bool chan = !plain.failed;
     if (chan && c->owner && !on_consumer(a, c, rec, rec_len)) {
         OPENSSL_cleanse(plain.p, plain.len);
         kvc_buf_cleanup(&plain);
@@ -507,6 +534,11 @@ void kvc_sconn_io(kvc_agent_t *a, kvc_sconn_t *c, uint32_t events) {
         if (eof) sconn_drop(a, c, "truncated message");
         return; /* the rest comes later (the deadline bounds the wait) */
     }
+    if (c->state == SC_AUTH && !c->authed &&
+        !auth_check(a, c, c->in + KVC_WIRE_HDR_LEN, h.body_len)) {
+        if (sconn_alive(a, c)) sconn_flush(a, c);
+        return;
+    }
     size_t auth_len = full;
     if (c->state == SC_AUTH && c->owner) { /* AUTH, then the sealed CONSUMER */
         kvc_wire_hdr_t h2;
@@ -534,7 +566,7 @@ void kvc_sconn_io(kvc_agent_t *a, kvc_sconn_t *c, uint32_t events) {
     if (c->state == SC_HELLO)
         on_hello(a, c, c->in + KVC_WIRE_HDR_LEN, h.body_len);
     else
-        on_auth(a, c, c->in + KVC_WIRE_HDR_LEN, h.body_len, c->in + auth_len, full - auth_len);
+        on_auth(a, c, c->in + auth_len, full - auth_len);
     if (!sconn_alive(a, c)) return; /* on_* closed it */
     c->in_len = 0;
     if (eof && c->state != SC_CLOSING) {

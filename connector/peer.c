@@ -471,7 +471,13 @@ out:
     kvc_wire_hs_cleanup(&hs);
 }
 
-/* The producer's CHALLENGE: answer with our MAC over both nonces. */
+/* The flags of our HELLO (under the AUTH MAC, with the CHALLENGE's). */
+static uint8_t hello_flags(const kvc_agent_t *a) {
+    return (uint8_t)((a->secret ? KVC_HFLAG_SECRET : 0) | KVC_HFLAG_OWNER);
+}
+
+/* The producer's CHALLENGE: answer with our MAC over both nonces and both
+ * flags bytes. */
 static void on_challenge(kvc_agent_t *a, kvc_peer_t *p, const uint8_t *body, size_t len) {
     kvc_wire_hello_t h;
     if (kvc_wire_parse_hello(body, len, &h) != KVC_OK) {
@@ -488,7 +494,8 @@ static void on_challenge(kvc_agent_t *a, kvc_peer_t *p, const uint8_t *body, siz
     memcpy(p->nonce_p, h.nonce, KVC_NONCE_LEN);
     uint8_t mac[KVC_MAC_LEN];
     kvc_span_t cid = {(const uint8_t *)a->engine_id, strlen(a->engine_id)};
-    kvc_mac_consumer(a, p->nonce_c, p->nonce_p, (uint8_t)a->proto, cid, h.engine_id, mac);
+    kvc_mac_consumer(a, p->nonce_c, p->nonce_p, (uint8_t)a->proto, hello_flags(a), h.flags, cid,
+                     h.engine_id, mac);
     kvc_buf_cleanup(&p->out);
     p->out_off = 0;
     kvc_wire_encode_auth(&p->out, a->wire_version, (uint8_t)a->proto, mac);
@@ -564,6 +571,7 @@ static void on_error(kvc_agent_t *a, kvc_peer_t *p, const uint8_t *body, size_t 
     kvc_status_t st = code == KVC_ERR_AUTH          ? KVC_ERR_AUTH
                       : code == KVC_ERR_VERSION     ? KVC_ERR_VERSION
                       : code == KVC_ERR_UNSUPPORTED ? KVC_ERR_UNSUPPORTED
+                      : code == KVC_ERR_BUSY        ? KVC_ERR_BUSY
                                                     : KVC_ERR_PROTOCOL;
     if (st == KVC_ERR_AUTH) a->stats[KVC_STAT_AUTH_FAILED]++;
     peer_fail(a, p, st, "producer %s:%u refused the handshake: %.*s", p->host, p->port, (int)m.len,
@@ -601,8 +609,7 @@ void kvc_peer_io(kvc_agent_t *a, kvc_peer_t *p, uint32_t events) {
             return;
         }
         kvc_wire_encode_hello(&p->out, a->wire_version, KVC_MSG_HELLO, a->engine_id,
-                              (uint8_t)((a->secret ? KVC_HFLAG_SECRET : 0) | KVC_HFLAG_OWNER),
-                              p->nonce_c);
+                              hello_flags(a), p->nonce_c);
         if (p->out.failed) {
             peer_fail(a, p, KVC_ERR_NO_MEMORY, "out of memory");
             return;

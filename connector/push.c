@@ -31,12 +31,12 @@ typedef struct kvc_push_job {
 
 /* A pull that reached this producer before its publication (KVC_PULL_WAIT):
  * its bytes, kept until kvc_publish of its id serves it or its deadline
- * refuses it.  Bounded in count (per endpoint and in total) and bytes. */
+ * refuses it.  Bounded in count (per source address and in total) and
+ * bytes, shared fairly (pending_make_room). */
 typedef struct kvc_pending {
     struct kvc_pending *next;
-    kvc_cons_t *cons; /* referenced: its consumer (KVC_HFLAG_OWNER), or NULL: */
-    ucp_ep_h ep;      /* borrowed: UCX's reply endpoint of an older consumer (may be
-                         destroyed by UCX when that consumer leaves) */
+    kvc_cons_t *cons; /* referenced: its consumer, answered on our own endpoint to it
+                         (never UCX's reply endpoint: pull_unowned) */
     uint8_t *msg;     /* owned: the pull as received */
     size_t len;
     char *id;         /* owned: its request id */
@@ -142,12 +142,27 @@ static void pull_deny(kvc_agent_t *a, ucp_ep_h ep, const kvc_wire_pull_t *pl, co
     push_refuse(a, ep, pl, KVC_ERR_DENIED);
 }
 
+/* A pull that would be answered after its callback (held for its
+ * publication, or staged) from a consumer without an endpoint of ours
+ * (KVC_HFLAG_OWNER, KVC_PULL_CONS): refused now, in the callback.  Its
+ * reply endpoint is UCX's, destroyed by UCX when that consumer leaves, so
+ * it must never be kept (a send on it later crashed the producer). */
+static void pull_unowned(kvc_agent_t *a, ucp_ep_h ep, const kvc_wire_pull_t *pl, const char *what) {
+    a->stats[KVC_STAT_DENIED]++;
+    if (kvc_log_ratelimit(a, KVC_RL_DENIED))
+        KVC_LOG(a, KVC_LOG_WARN,
+                "push: pull for req=%.*s refused: %s needs an endpoint of ours to the consumer "
+                "(it did not send its worker address, KVC_HFLAG_OWNER)",
+                (int)pl->request_id.len, (const char *)pl->request_id.p, what);
+    push_refuse(a, ep, pl, KVC_ERR_UNSUPPORTED);
+}
+
 /* Whether one well-formed pull may be served: a live publication, its token,
  * only its blocks and no more of them than it holds, within the pulls per
  * publication and the bytes in flight.  Refuses it (DENIED, counted, logged)
  * and returns NULL otherwise; *bytes: what serving it sends. */
-static bool pending_add(kvc_agent_t *a, kvc_cons_t *cons, ucp_ep_h ep, const kvc_wire_pull_t *pl,
-                        const void *msg, size_t len);
+static bool pending_add(kvc_agent_t *a, kvc_cons_t *cons, const kvc_wire_pull_t *pl,
+                        ucp_ep_h ep, const void *msg, size_t len);
 static void pull_end(kvc_agent_t *a, ucp_ep_h ep, const kvc_wire_pull_t *pl);
 
 static kvc_pub_t *pull_check(kvc_agent_t *a, kvc_cons_t *cons, ucp_ep_h ep, const kvc_wire_pull_t *pl,
@@ -157,7 +172,11 @@ static kvc_pub_t *pull_check(kvc_agent_t *a, kvc_cons_t *cons, ucp_ep_h ep, cons
      * held (bounded) unless that publication already ended. */
     if (!pub && msg && (pl->flags & KVC_PULL_WAIT) && a->pending_fetch_ms &&
         !kvc_token_recall(a, pl->request_id, pl->pub_token)) {
-        if (pending_add(a, cons, ep, pl, msg, msg_len)) return NULL;
+        if (!cons) {
+            pull_unowned(a, ep, pl, "a held registration");
+            return NULL;
+        }
+        if (pending_add(a, cons, pl, ep, msg, msg_len)) return NULL;
     }
     /* A notify-only registration for a publication that already ended: its
      * notification goes out and is taken as a late one (notify.c). */
@@ -273,9 +292,13 @@ static void pull_issue(kvc_agent_t *a, ucp_ep_h ep, const kvc_wire_pull_t *pl, k
                 kvc_wire_data_hdr_t h = {pl->xfer_id, (uint32_t)r, 0, run->local + off, cnt, {0}};
                 memcpy(h.token, pl->xfer_token, KVC_TOKEN_LEN);
                 kvc_wire_encode_data_hdr(j->hdr[k], &h);
-                const uint8_t *src = (const uint8_t *)rg->base +
-                                     (run->remote + off) * rg->block_len +
-                                     (size_t)pl->part * part_len;
+                uint64_t at;
+                if (!kvc_slice_at(rg->block_len, a->num_blocks, run->remote + off,
+                                  sliced ? pl->part : 0, sliced ? part_len : rg->block_len, &at)) {
+                    failed = true; /* pull_check let no such run through */
+                    break;
+                }
+                const uint8_t *src = (const uint8_t *)rg->base + at;
                 j->refs++;
                 a->push_inflight++;
                 ucs_status_ptr_t s =
@@ -403,9 +426,9 @@ static bool tail_resolve(kvc_agent_t *a, kvc_wire_pull_t *pl) {
     return true;
 }
 
-/* One parsed pull from consumer cons (NULL: an older consumer, whose held
- * and staged pulls keep UCX's reply endpoint), answered now on ep (the
- * reply endpoint in the AM callback, cons's own endpoint later); msg/len:
+/* One parsed pull from consumer cons (NULL: a pull without KVC_PULL_CONS,
+ * answered in its callback or refused, pull_unowned), answered now on ep
+ * (the reply endpoint in the AM callback, cons's own endpoint later); msg/len:
  * its bytes (kept if it is held for its publication), NULL when it is
  * served from the held list. */
 static void pull_serve(kvc_agent_t *a, kvc_cons_t *cons, ucp_ep_h ep, kvc_wire_pull_t *pl,
@@ -428,6 +451,8 @@ static void pull_serve(kvc_agent_t *a, kvc_cons_t *cons, ucp_ep_h ep, kvc_wire_p
         pull_hold(a, ep, pl, pub);
     else if (pub && pl->n == 0) /* a notify-only fetch's registration: published now */
         pull_ready(a, ep, pl, pub);
+    else if (pub && a->n_staged && !cons) /* staged chunks go out after the callback */
+        pull_unowned(a, ep, pl, "a staged push");
     else if (pub && a->n_staged) { /* through the pinned pool, pipelined (stage.c) */
         pub->pulls++;
         kvc_stage_push(a, cons, ep, pl, pl->runs, pl->n);
@@ -442,24 +467,70 @@ static void pull_serve(kvc_agent_t *a, kvc_cons_t *cons, ucp_ep_h ep, kvc_wire_p
 static void pending_free(kvc_agent_t *a, pending_t *p) {
     a->n_pending--;
     a->pending_bytes -= p->len;
-    if (p->cons) kvc_cons_unref(p->cons);
+    p->cons->held--;
+    p->cons->held_bytes -= p->len;
+    p->cons->src->held--;
+    p->cons->src->held_bytes -= p->len;
+    kvc_cons_unref(p->cons);
     free(p->msg);
     free(p->id);
     free(p);
 }
 
-static bool pending_add(kvc_agent_t *a, kvc_cons_t *cons, ucp_ep_h ep, const kvc_wire_pull_t *pl,
-                        const void *msg, size_t len) {
-    size_t per_ep = 0;
-    for (pending_t *p = a->pending; p; p = p->next)
-        per_ep += cons ? p->cons == cons : p->ep == ep;
-    const char *why = NULL;
-    if (a->n_pending >= a->max_pending)
-        why = "too many held registrations";
-    else if (per_ep >= a->max_pending_peer)
-        why = "too many held registrations from this consumer";
-    else if (len > a->max_pending_bytes - a->pending_bytes || a->pending_bytes > a->max_pending_bytes)
-        why = "held registrations over their memory bound";
+/* Takes a held fetch of consumer v off the list (its newest) to make room
+ * for another consumer's: refused KVC_ERR_BUSY on v's endpoint. */
+static void pending_evict(kvc_agent_t *a, kvc_cons_t *v, const char *why) {
+    pending_t **pp = &a->pending;
+    while (*pp && (*pp)->cons != v)
+        pp = &(*pp)->next;
+    pending_t *p = *pp;
+    if (!p) return;
+    *pp = p->next;
+    a->stats[KVC_STAT_PENDING_REFUSED]++;
+    if (kvc_log_ratelimit(a, KVC_RL_DENIED))
+        KVC_LOG(a, KVC_LOG_WARN,
+                "push: held registration for req=%s of consumer %s from %s refused: %s, it "
+                "holds more than the one that takes its place",
+                p->id, v->engine_id, v->src->addr, why);
+    kvc_wire_pull_t pl;
+    if (v->ep && kvc_wire_parse_pull(p->msg, p->len, &pl) == KVC_OK) {
+        push_refuse(a, v->ep, &pl, KVC_ERR_BUSY);
+        free(pl.runs);
+    }
+    pending_free(a, p);
+}
+
+/* Room for one more held fetch of cons (len bytes) within the bounds: per
+ * source address, in total, in bytes.  At a bound, a held fetch of whoever
+ * holds more than cons's share gives way (kvc_cons_heaviest): an honest
+ * consumer always gets its share, whatever keys or connections others
+ * invent.  NULL: room; else why not. */
+static const char *pending_make_room(kvc_agent_t *a, kvc_cons_t *cons, size_t len) {
+    if (len > a->max_pending_bytes) return "larger than the memory bound of held registrations";
+    for (int evicted = 0; evicted < 64; evicted++) {
+        const char *why = NULL;
+        kvc_cons_t *v = NULL;
+        if (cons->src->held >= a->max_pending_peer) {
+            why = "too many held registrations from this source address";
+            v = kvc_cons_heaviest(a, cons, 1, false, true);
+        } else if (a->n_pending >= a->max_pending) {
+            why = "too many held registrations";
+            v = kvc_cons_heaviest(a, cons, 1, false, false);
+        } else if (len > a->max_pending_bytes - a->pending_bytes) {
+            why = "held registrations over their memory bound";
+            v = kvc_cons_heaviest(a, cons, len, true, false);
+        } else {
+            return NULL;
+        }
+        if (!v) return why;
+        pending_evict(a, v, why);
+    }
+    return "held registrations over their memory bound";
+}
+
+static bool pending_add(kvc_agent_t *a, kvc_cons_t *cons, const kvc_wire_pull_t *pl,
+                        ucp_ep_h ep, const void *msg, size_t len) {
+    const char *why = pending_make_room(a, cons, len);
     if (why) {
         a->stats[KVC_STAT_PENDING_REFUSED]++;
         if (kvc_log_ratelimit(a, KVC_RL_DENIED))
@@ -468,7 +539,7 @@ static bool pending_add(kvc_agent_t *a, kvc_cons_t *cons, ucp_ep_h ep, const kvc
         push_refuse(a, ep, pl, KVC_ERR_BUSY);
         return true; /* answered */
     }
-    if (cons && !kvc_cons_ep(cons)) {
+    if (!kvc_cons_ep(cons)) {
         push_refuse(a, ep, pl, KVC_ERR_TRANSPORT);
         return true;
     }
@@ -482,9 +553,12 @@ static bool pending_add(kvc_agent_t *a, kvc_cons_t *cons, ucp_ep_h ep, const kvc
     }
     memcpy(p->msg, msg, len);
     p->len = len;
-    p->ep = cons ? NULL : ep;
     p->cons = cons;
-    if (cons) kvc_cons_ref(cons);
+    kvc_cons_ref(cons);
+    cons->held++;
+    cons->held_bytes += len;
+    cons->src->held++;
+    cons->src->held_bytes += len;
     uint32_t ms = pl->wait_ms && pl->wait_ms < a->pending_fetch_ms ? pl->wait_ms : a->pending_fetch_ms;
     p->deadline_ns = kvc_now_ns() + (uint64_t)ms * 1000000ull;
     p->next = a->pending;
@@ -505,7 +579,7 @@ static void pending_serve(kvc_agent_t *a) {
     while (*pp) {
         pending_t *p = *pp;
         /* A dead consumer's pulls wait for kvc_cons_sweep to drop them. */
-        if ((p->cons && p->cons->dead) || !kvc_pubtab_find(&a->pubs, p->id, strlen(p->id))) {
+        if (p->cons->dead || !kvc_pubtab_find(&a->pubs, p->id, strlen(p->id))) {
             pp = &p->next;
             continue;
         }
@@ -515,7 +589,7 @@ static void pending_serve(kvc_agent_t *a) {
             a->stats[KVC_STAT_PENDING_SERVED]++;
             KVC_LOG(a, KVC_LOG_DEBUG, "push: held fetch %llu for req=%s served on publish",
                     (unsigned long long)pl.xfer_id, p->id);
-            pull_serve(a, p->cons, p->cons ? p->cons->ep : p->ep, &pl, NULL, 0);
+            pull_serve(a, p->cons, p->cons->ep, &pl, NULL, 0);
             free(pl.runs);
         }
         pending_free(a, p);
@@ -529,7 +603,7 @@ static void pending_drop_dead(kvc_agent_t *a) {
     pending_t **pp = &a->pending;
     while (*pp) {
         pending_t *p = *pp;
-        if (!p->cons || !p->cons->dead) {
+        if (!p->cons->dead) {
             pp = &p->next;
             continue;
         }
@@ -553,14 +627,14 @@ void kvc_pending_timers(kvc_agent_t *a, uint64_t now, uint64_t *next) {
         }
         *pp = p->next;
         kvc_wire_pull_t pl;
-        if (p->cons && p->cons->dead) {
+        if (p->cons->dead) {
             /* nobody to answer */
         } else if (kvc_wire_parse_pull(p->msg, p->len, &pl) == KVC_OK) {
             a->stats[KVC_STAT_PENDING_EXPIRED]++;
             KVC_LOG(a, KVC_LOG_WARN,
                     "push: fetch %llu registered for req=%s never met its publication, refused",
                     (unsigned long long)pl.xfer_id, p->id);
-            push_refuse(a, p->cons ? p->cons->ep : p->ep, &pl, KVC_ERR_TIMED_OUT);
+            push_refuse(a, p->cons->ep, &pl, KVC_ERR_TIMED_OUT);
             free(pl.runs);
         }
         pending_free(a, p);
@@ -592,7 +666,9 @@ static ucs_status_t pull_cb(void *arg, const void *header, size_t hlen, void *da
          * and a consumer that closes its endpoint cancels them); whatever is
          * sent later (a held pull, a staged job) on our own endpoint to the
          * consumer, which the jobs reference. */
-        if (!(c = kvc_cons_find(a, pl.cons_key))) {
+        if ((c = kvc_cons_find(a, pl.cons_key))) {
+            c->used_ns = kvc_now_ns();
+        } else {
             a->stats[KVC_STAT_DENIED]++;
             if (kvc_log_ratelimit(a, KVC_RL_DENIED))
                 KVC_LOG(a, KVC_LOG_WARN,

@@ -369,8 +369,8 @@ static void start_data(kvc_agent_t *a, kvc_xfer_t *x, uint64_t now) {
     /* Part sizes must match per region: whole blocks of one length, or the
      * heterogeneous-TP parts (KVC_FETCH_FIELD_SLICE). */
     for (size_t r = 0; r < a->n_regions; r++) {
-        uint64_t rbl = p->rr[r].block_len, lbl = a->regions[r].block_len;
-        if (rbl % x->rparts || lbl % x->lparts || rbl / x->rparts != lbl / x->lparts) {
+        uint64_t rbl = p->rr[r].block_len, lbl = a->regions[r].block_len, part;
+        if (kvc_slice_len(rbl, x->rparts, lbl, x->lparts, &part) != KVC_OK) {
             char m[240];
             snprintf(m, sizeof(m),
                      "block geometry mismatch in region %zu: remote %s block_len %llu / %u parts "
@@ -896,6 +896,9 @@ static ucs_status_t data_cb(void *arg, const void *header, size_t hlen, void *da
                           : st == KVC_ERR_INCOMPATIBLE ? "its blocks cannot be read in these parts"
                                                        : kvc_status_str(st);
         op_error(x, st, "producer refused the fetch", why);
+        /* It no longer knows our consumer key (our record there failed or
+         * gave way to others): the next fetch handshakes again. */
+        if (st == KVC_ERR_PEER_FAILED && x->peer->owner) x->peer->linked = false;
         return rndv ? UCS_ERR_CANCELED : UCS_OK;
     }
     bool one_sided = x->proto == KVC_PROTO_GET;
@@ -934,8 +937,13 @@ static ucs_status_t data_cb(void *arg, const void *header, size_t hlen, void *da
             return rndv ? UCS_ERR_INVALID_PARAM : UCS_OK;
         }
     kvc_region_t *rg = &a->regions[h.region];
-    uint8_t *dst = (uint8_t *)rg->base + h.local_start * rg->block_len +
-                   (sliced ? x->lpart * (rg->block_len / x->lparts) : 0);
+    uint64_t off = 0;
+    if (!kvc_slice_at(rg->block_len, a->num_blocks, h.local_start, sliced ? x->lpart : 0,
+                      sliced ? rg->block_len / x->lparts : rg->block_len, &off)) {
+        data_reject(a, x, "data message outside its local block", h.local_start, h.count);
+        return rndv ? UCS_ERR_INVALID_PARAM : UCS_OK;
+    }
+    uint8_t *dst = (uint8_t *)rg->base + off;
     if (!rndv && rg->mem_type == KVC_MEM_CUDA) {
         op_error(x, KVC_ERR_PROTOCOL, "push", "eager data for device memory (asked rendezvous)");
         return UCS_OK;

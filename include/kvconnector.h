@@ -173,10 +173,19 @@
  * works, logs a warning once and reports KVC_STAT_AUTHENTICATED = 0.  Each
  * publication carries a random 128-bit token (kv_transfer_params key
  * "remote_kv_token"); pulls and notifications must present it.  Memory is
- * registered without remote write access.  With one-sided gets (shared
- * memory, RDMA) an authenticated peer can read any registered memory: the
- * bracket above protects honest consumers from stale blocks, not the
- * producer from a hostile reader.
+ * registered for remote reads only (UCP_MEM_MAP_PROT_REMOTE_READ); what
+ * that stops depends on the transport.  RDMA: the NIC enforces it, no peer
+ * writes.  Shared memory (connector pools, one host): UCX maps a pool
+ * read-write into the process it hands the pool's rkey to, so an
+ * authenticated peer on this host that was given rkeys (automatic or GET
+ * consumers) can write the pool.  tcp and other emulated RMA: UCX serves a
+ * put at any address whatever the registration, so the agent enables RMA
+ * only with KVC_PROTO=get or for CUDA regions registered directly; without
+ * RMA (push, and automatic without direct CUDA regions) no peer writes this
+ * agent's memory except through such a shared-memory mapping.  With
+ * one-sided gets (shared memory, RDMA) an authenticated peer can read any
+ * registered memory: the bracket above protects honest consumers from
+ * stale blocks, not the producer from a hostile reader.
  *
  * Conventions: functions return kvc_status_t; out-parameters are written
  * only on success (KVC_OK, or KVC_INPROGRESS for kvc_fetch); "borrowed"
@@ -234,9 +243,12 @@ typedef enum {
                                     (see kvc_publish) */
     KVC_ERR_CUDA = -19,        /**< a CUDA runtime call failed; the message (log line, event)
                                     names the CUDA error (e.g. cudaErrorIllegalAddress) */
-    KVC_ERR_BUSY = -20,        /**< producer: a fetch registered before its publication was
-                                    refused because the bounds on held registrations (per
-                                    peer, in total, bytes) are reached */
+    KVC_ERR_BUSY = -20,        /**< producer full: a fetch registered before its publication
+                                    was refused, or gave way to another consumer's, at the
+                                    bounds on held registrations (per source address, in
+                                    total, bytes), or the handshake was refused because every
+                                    consumer record of the producer is in use (a held
+                                    registration or a staged push each) */
 } kvc_status_t;
 
 /** Static string naming `st` ("KVC_ERR_UNREACHABLE" style); never NULL. */
@@ -353,11 +365,19 @@ typedef struct {
     /* With KVC_AGENT_FIELD_PENDING_FETCH all four are read; 0 in a bound
      * means its default. */
     uint32_t max_pending_fetches;  /**< held registrations in total; 4096 */
-    uint32_t max_pending_per_peer; /**< held registrations per consumer endpoint; 1024 */
+    uint32_t max_pending_per_peer; /**< held registrations of all consumers that handshook
+                                        from one source address (the consumer key is the
+                                        consumer's own choice, its address is not); 1024 */
     size_t max_pending_bytes;      /**< memory of held registrations (their pull
-                                        messages) in total; 64 MiB.  Beyond any of the
-                                        three bounds a registration is refused:
-                                        FETCH_FAILED with KVC_ERR_BUSY */
+                                        messages) in total; 64 MiB.  At any of the three
+                                        bounds the bound is shared fairly: a registration
+                                        takes the place of one of whoever holds more (the
+                                        source address holding the most, then within an
+                                        address the consumer holding the most), else it is
+                                        refused; either way the one refused gets
+                                        FETCH_FAILED with KVC_ERR_BUSY.  So a consumer
+                                        always gets its share, whatever keys or
+                                        connections others invent. */
 } kvc_agent_params_t;
 
 /**
@@ -628,8 +648,12 @@ typedef struct {
  * which fails its other fetches too), KVC_ERR_INCOMPATIBLE (slice sizes do
  * not match, see KVC_FETCH_FIELD_SLICE), KVC_ERR_TIMED_OUT (a registration,
  * KVC_FETCH_FIELD_WAIT, that never met its publication), KVC_ERR_BUSY (the
- * producer holds too many registrations), KVC_ERR_CANCELED
- * (kvc_fetch_cancel).  A fetch in flight renews the publication's lease.
+ * producer is full, see KVC_ERR_BUSY), KVC_ERR_PEER_FAILED (also: the
+ * producer no longer knows this consumer, whose record there gave way to
+ * newer ones; the next fetch handshakes again), KVC_ERR_UNSUPPORTED (also:
+ * a registration or a staged push asked of a producer by a consumer that
+ * gave it no endpoint of its own, which no agent of this version does),
+ * KVC_ERR_CANCELED (kvc_fetch_cancel).  A fetch in flight renews the publication's lease.
  */
 KVC_API kvc_status_t kvc_fetch(kvc_agent_t *a, const kvc_fetch_params_t *params, uint64_t *xfer_id);
 

@@ -6,6 +6,7 @@
 #   tests/run_all.sh            everything
 #   SKIP_SANITIZE=1 tests/run_all.sh   only the optimised build
 #   SKIP_FUZZ=1 tests/run_all.sh       no fuzzing step
+#   SKIP_TSAN=1 tests/run_all.sh       no ThreadSanitizer run of the connector
 #   FUZZ_SECONDS=60 tests/run_all.sh   fuzz each target 60 s (default 30)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -39,6 +40,12 @@ if [ -z "${SKIP_SANITIZE:-}" ]; then
     fi
     # The deploy check builds and inspects packaging, not our C code: once is enough.
     run_suite build-asan "-LE deploy" -DSANITIZE=address,undefined
+fi
+
+# The connector's threaded tests under ThreadSanitizer (build-tsan): its
+# progress thread and application threads calling the API at once.
+if [ -z "${SKIP_TSAN:-}" ]; then
+    tests/tsan/run.sh
 fi
 
 # Replays every fuzz corpus, then fuzzes each target under ASan/UBSan

@@ -4,10 +4,12 @@
 # call no UCX function, so only UCX's headers are needed.
 #   fuzz.kvc_<target> replays the seed corpus (label fuzz); fuzz by hand with
 #   bin/fuzz_handshake tests/fuzz/corpus/fuzz_handshake -max_total_time=60
+#   fuzz_kvc_slice: heterogeneous-TP part counts and sizes (connector/slice.c, PULL)
 set(KVC_FUZZ_FLAGS -fsanitize=fuzzer,address,undefined -fno-omit-frame-pointer)
-foreach(t fuzz_handshake fuzz_kvc_notify)
+foreach(t fuzz_handshake fuzz_kvc_notify fuzz_kvc_slice)
   add_executable(${t} ${CMAKE_CURRENT_SOURCE_DIR}/fuzz/${t}.c
                       ${PROJECT_SOURCE_DIR}/connector/wire.c
+                      ${PROJECT_SOURCE_DIR}/connector/slice.c
                       ${PROJECT_SOURCE_DIR}/connector/params.c
                       ${PROJECT_SOURCE_DIR}/connector/auth.c
                       ${CMAKE_CURRENT_SOURCE_DIR}/fuzz/kvc_fuzz_stubs.c)

@@ -171,9 +171,10 @@ def honest_handshake(port, src="127.0.0.1"):
         n = int.from_bytes(body[:2], "little")
         pid, np_ = body[2:2 + n], body[3 + n:35 + n]
         cid = b"D-honest"
-        mac = hmac.new(SECRET.encode(), b"kvc2 consumer\0" + nc + np_ + bytes([2]) +
-                       len(cid).to_bytes(2, "little") + cid + n.to_bytes(2, "little") + pid,
-                       "sha256").digest()
+        # proto 2 (push), our HELLO's flags (1), the CHALLENGE's
+        mac = hmac.new(SECRET.encode(), b"kvc4 consumer\0" + nc + np_ +
+                       bytes([2, 1, body[2 + n]]) + len(cid).to_bytes(2, "little") + cid +
+                       n.to_bytes(2, "little") + pid, "sha256").digest()
         s.sendall(kvc.hdr(kvc.WIRE, 4, 33) + bytes([2]) + mac)
         t, _ = msg()
         return t in (2, 6)  # the handshake, in clear (version 2) or sealed

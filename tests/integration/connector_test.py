@@ -134,7 +134,7 @@ def case_version_mismatch(P, D):
             params = publish(P2, "v", [1])
             fetch(D, [1], params)
             ev = D.event("FETCH_FAILED")
-            assert "KVC_ERR_VERSION" in ev and "speaks " + v in ev and "speaks 3" in ev, ev
+            assert "KVC_ERR_VERSION" in ev and "speaks " + v in ev and "speaks 4" in ev, ev
             assert "KVC_ERR_AUTH" not in ev, ev
         finally:
             P2.close()

@@ -246,8 +246,8 @@ static int consumer(int argc, char **argv) {
                     : !strcmp(cmd, "keys")                    ? KVC_PROTO_AUTO
                                                               : KVC_PROTO_PUSH;
     uint8_t mac[KVC_MAC_LEN];
-    kvc_mac_consumer(&fake, nc, ch.nonce, proto, (kvc_span_t){(const uint8_t *)"D-hostile", 9},
-                     ch.engine_id, mac);
+    kvc_mac_consumer(&fake, nc, ch.nonce, proto, fake.secret ? KVC_HFLAG_SECRET : 0, ch.flags,
+                     (kvc_span_t){(const uint8_t *)"D-hostile", 9}, ch.engine_id, mac);
     kvc_wire_encode_auth(&b, KVC_WIRE_VERSION, proto, mac);
     xwrite(fd, b.p, b.len);
     capture("auth", -1, b.p, b.len);

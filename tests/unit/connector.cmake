@@ -5,7 +5,7 @@
 # tests/cudasim; tests only), and the pure path/copy-plan choices.  They
 # reach internal functions through connector/kvc_int.h.
 if(TARGET kvconnector_static)
-  foreach(m kvc_wire kvc_agent kvc_path kvc_xfer kvc_api2 kvc_owner)
+  foreach(m kvc_wire kvc_agent kvc_path kvc_xfer kvc_api2 kvc_owner kvc_threads)
     px_unit_test(${m} kvconnector_static)
   endforeach()
 
@@ -22,4 +22,5 @@ if(TARGET kvconnector_static)
   target_link_libraries(kvc_cudasim PUBLIC PkgConfig::UCX PkgConfig::CJSON PkgConfig::OPENSSL
                                            Threads::Threads m)
   px_unit_test(kvc_staging kvc_cudasim)
+  px_unit_test(kvc_stage_owner kvc_cudasim)
 endif()

@@ -429,19 +429,23 @@ static void test_macs(void **state) {
     uint8_t nc[KVC_NONCE_LEN] = {1}, np[KVC_NONCE_LEN] = {2};
     kvc_span_t c = {(const uint8_t *)"D", 1}, p = {(const uint8_t *)"P", 1};
     uint8_t m1[KVC_MAC_LEN], m2[KVC_MAC_LEN], m3[KVC_MAC_LEN];
-    kvc_mac_consumer(&x, nc, np, 0, c, p, m1);
-    kvc_mac_consumer(&x, nc, np, 0, c, p, m2);
+    kvc_mac_consumer(&x, nc, np, 0, 3, 3, c, p, m1);
+    kvc_mac_consumer(&x, nc, np, 0, 3, 3, c, p, m2);
     assert_true(kvc_mac_equal(m1, m2, KVC_MAC_LEN)); /* deterministic */
-    kvc_mac_consumer(&y, nc, np, 0, c, p, m3);
+    kvc_mac_consumer(&y, nc, np, 0, 3, 3, c, p, m3);
     assert_false(kvc_mac_equal(m1, m3, KVC_MAC_LEN)); /* another secret */
-    kvc_mac_consumer(&none, nc, np, 0, c, p, m3);
+    kvc_mac_consumer(&none, nc, np, 0, 3, 3, c, p, m3);
     assert_false(kvc_mac_equal(m1, m3, KVC_MAC_LEN)); /* no secret */
     np[5] ^= 1;
-    kvc_mac_consumer(&x, nc, np, 0, c, p, m3);
+    kvc_mac_consumer(&x, nc, np, 0, 3, 3, c, p, m3);
     assert_false(kvc_mac_equal(m1, m3, KVC_MAC_LEN)); /* other nonce: no replay */
     np[5] ^= 1;
-    kvc_mac_consumer(&x, nc, np, 1, c, p, m3);
+    kvc_mac_consumer(&x, nc, np, 1, 3, 3, c, p, m3);
     assert_false(kvc_mac_equal(m1, m3, KVC_MAC_LEN)); /* protocol is bound */
+    kvc_mac_consumer(&x, nc, np, 0, 1, 3, c, p, m3);
+    assert_false(kvc_mac_equal(m1, m3, KVC_MAC_LEN)); /* the HELLO's flags are bound */
+    kvc_mac_consumer(&x, nc, np, 0, 3, 1, c, p, m3);
+    assert_false(kvc_mac_equal(m1, m3, KVC_MAC_LEN)); /* the CHALLENGE's flags are bound */
     /* the producer MAC covers the body and differs from the consumer's */
     uint8_t body[40] = {0};
     kvc_mac_producer(&x, nc, np, body, sizeof(body), m2);

@@ -251,7 +251,7 @@ def run_cases(cases, args, check_alive=False):
 # u16 type (1 HELLO), u32 body length; HELLO body: str16 engine id, u8 flags,
 # 32-byte nonce.
 MAGIC = b"KVCH"
-WIRE = 3
+WIRE = 4
 
 
 def hdr(version, typ, body_len):
