@@ -53,6 +53,7 @@ struct kvc_sconn {
     kvc_chan_t chan; /* after AUTH */
     char *cons_id;   /* owned: the consumer's engine id from its HELLO */
     bool owner;      /* both sides said KVC_HFLAG_OWNER: a sealed CONSUMER follows AUTH */
+    bool ipc;        /* KVC_HFLAG_IPC both ways: the handshake carries our IPC table */
     bool dead;       /* closed; freed by kvc_sconns_reap (events may still name it) */
 };
 
@@ -330,10 +331,13 @@ static void on_hello(kvc_agent_t *a, kvc_sconn_t *c, const uint8_t *body, size_t
         return;
     }
     c->owner = (h.flags & KVC_HFLAG_OWNER) != 0;
+    /* IPC handles only to a consumer on this host that can use them. */
+    c->ipc = (h.flags & KVC_HFLAG_IPC) && c->same_host && a->ipc_tab.len;
     KVC_LOG(a, KVC_LOG_DEBUG, "side channel: hello from engine %s at %s", c->cons_id, c->addr);
     kvc_wire_encode_hello(&c->out, a->wire_version, KVC_MSG_CHALLENGE, a->engine_id,
                           (uint8_t)((a->secret ? KVC_HFLAG_SECRET : 0) |
-                                    (c->owner ? KVC_HFLAG_OWNER : 0)),
+                                    (c->owner ? KVC_HFLAG_OWNER : 0) |
+                                    (c->ipc ? KVC_HFLAG_IPC : 0)),
                           c->nonce_p);
     c->state = SC_AUTH;
 }
@@ -418,10 +422,11 @@ static void on_auth(kvc_agent_t *a, kvc_sconn_t *c, const uint8_t *body, size_t 
      * exchange through learns neither the worker address nor the rkeys. */
     kvc_buf_t plain = {0};
     kvc_buf_put(&plain, hs->p, hs->len);
+    if (c->ipc) kvc_ipc_hs_append(a, &plain); /* the IPC table, under the MAC and the seal */
     uint8_t m[KVC_MAC_LEN];
     if (!plain.failed)
         kvc_mac_producer(a, c->nonce_c, c->nonce_p, plain.p + KVC_WIRE_HDR_LEN,
-                         hs->len - KVC_WIRE_HDR_LEN, m);
+                         plain.len - KVC_WIRE_HDR_LEN, m);
     kvc_buf_put(&plain, m, KVC_MAC_LEN);
     kvc_wire_end_msg(&plain, 0);
     bool chan = !plain.failed && kvc_chan_init(&c->chan, a, c->nonce_c, c->nonce_p, mac, true) == KVC_OK;

@@ -297,6 +297,7 @@ enum {
     KVC_AGENT_FIELD_PROGRESS_THREAD = 1u << 15,
     KVC_AGENT_FIELD_LEASE = 1u << 16,
     KVC_AGENT_FIELD_PENDING_FETCH = 1u << 17, /**< pending_fetch_ms and the three bounds */
+    KVC_AGENT_FIELD_CUDA_IPC = 1u << 18,      /**< cuda_ipc */
 };
 
 /** Agent parameters.  Only fields named in field_mask are read; others take
@@ -358,6 +359,10 @@ typedef struct {
                                         messages) in total; 64 MiB.  Beyond any of the
                                         three bounds a registration is refused:
                                         FETCH_FAILED with KVC_ERR_BUSY */
+    int cuda_ipc; /**< KVC_AGENT_FIELD_CUDA_IPC: 0 disables the same-node CUDA IPC
+                       path on both sides (this producer exports no handles,
+                       this consumer opens none); 1 (default) allows it.  The env
+                       KVC_IPC=0|1 overrides.  See "How bytes move". */
 } kvc_agent_params_t;
 
 /**
@@ -742,7 +747,12 @@ typedef enum {
     KVC_STAT_FETCH_CANCELED = 26,      /**< consumer: fetches cancelled (kvc_fetch_cancel) */
     KVC_STAT_CONSUMERS_LOST = 27,      /**< producer: consumers whose endpoint failed (closed
                                             or died); their held and staged pulls dropped */
-    KVC_STAT_LAST = KVC_STAT_CONSUMERS_LOST
+    KVC_STAT_PEERS_IPC = 28,           /**< producers this consumer reads over CUDA IPC
+                                            (device-to-device copies on this node; not
+                                            counted in KVC_STAT_PEERS_GET) */
+    KVC_STAT_BYTES_IPC = 29,           /**< bytes of completed fetches copied over CUDA IPC
+                                            (also in KVC_STAT_BYTES_FETCHED) */
+    KVC_STAT_LAST = KVC_STAT_BYTES_IPC
 } kvc_stat_t;
 
 /** Bits of KVC_STAT_TRANSPORTS.  Values are stable. */
