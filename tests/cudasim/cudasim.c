@@ -590,7 +590,7 @@ static bool shared_map(alloc_t *a, size_t size) {
     if (fd < 0) return false;
     void *m = ftruncate(fd, (off_t)len)
                   ? MAP_FAILED
-                  : mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+                  : mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
     if (m == MAP_FAILED) {
         close(fd);
         return false;

@@ -65,10 +65,12 @@ cudaError_t cudaIpcOpenMemHandle(void **devPtr, cudaIpcMemHandle_t handle, unsig
     snprintf(path, sizeof(path), "/proc/%d/fd/%d", (int)h.pid, (int)h.fd);
     int fd = open(path, O_RDWR | O_CLOEXEC);
     if (fd < 0) return cudasim_leave_locked(cudaErrorInvalidValue); /* the exporter is gone */
-    /* mmap's offset must be page-aligned: map from the page that holds off. */
+    /* mmap's offset must be page-aligned: map from the page that holds off.
+     * Populated now, as the driver maps the whole allocation at open: the
+     * copies then do not pay page faults. */
     size_t pg = (size_t)sysconf(_SC_PAGESIZE), lead = (size_t)(h.off % pg);
-    void *m =
-        mmap(NULL, h.len + lead, PROT_READ | PROT_WRITE, MAP_SHARED, fd, (off_t)(h.off - lead));
+    void *m = mmap(NULL, h.len + lead, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd,
+                   (off_t)(h.off - lead));
     close(fd);
     if (m == MAP_FAILED) return cudasim_leave_locked(cudaErrorMapBufferObjectFailed);
     if (!cudasim_import_add(m, h.len + lead, lead, h.len, h.pid, h.uid)) {
