@@ -523,15 +523,20 @@ void kvc_cuda_ipc_close(kvc_cuda_t *c, int dev, void *ptr) {
     dev_leave(c, saved, st);
 }
 
-kvc_status_t kvc_cuda_d2d_runs(kvc_cuda_t *c, int dev, void *dst, const void *src, size_t block_len,
-                               const kvc_run_t *runs, size_t n, void **ev) {
-    cdev_t *d = find_dev(c, dev);
-    if (!d) {
+/* dev's stream in *d, dev made current (the caller's device in *saved). */
+static kvc_status_t stream_enter(kvc_cuda_t *c, int dev, cdev_t **d, int *saved) {
+    if (!(*d = find_dev(c, dev))) {
         snprintf(c->err, sizeof(c->err), "CUDA device %d has no stream", dev);
         return KVC_ERR_STATE;
     }
+    return dev_enter(c, dev, saved);
+}
+
+kvc_status_t kvc_cuda_d2d_runs(kvc_cuda_t *c, int dev, void *dst, const void *src, size_t block_len,
+                               const kvc_run_t *runs, size_t n, void **ev) {
+    cdev_t *d;
     int saved;
-    kvc_status_t st = dev_enter(c, dev, &saved);
+    kvc_status_t st = stream_enter(c, dev, &d, &saved);
     if (st != KVC_OK) return st;
     cudaError_t ce;
     for (size_t i = 0; i < n; i++) {

@@ -219,6 +219,22 @@ pair() {
     PRC=$?
 }
 
+# pair_done NAME: the pair's fetch completed with every byte right and the
+# producer was released; else a FAIL line (and its logs) and status 1.
+pair_done() {
+    local name=$1 o=$WORK/$1.c.out
+    if [ $CRC -ne 0 ] || [ "$(val "$o" outcome)" != done ] || [ "$(val "$o" bad_words)" != 0 ]; then
+        summary FAIL "$name" "consumer rc=$CRC producer rc=$PRC $(grep -h '^RESULT' "$o" | head -1)"
+        tail_of "$WORK/$name.c.err"
+        tail_of "$WORK/$name.p.err"
+        return 1
+    fi
+    if [ $PRC -ne 0 ]; then
+        summary FAIL "$name" "bytes right but the producer was not released (rc=$PRC)"
+        return 1
+    fi
+}
+
 fetch_check() { # NAME ENV WANT_MEMORY (staged|direct) -- options
     local name=$1 envs=$2 want=$3
     shift 4
@@ -228,19 +244,9 @@ fetch_check() { # NAME ENV WANT_MEMORY (staged|direct) -- options
     fi
     pair "$name" "$envs" "" -- "$@"
     local o=$WORK/$name.c.out
-    local g mem path tl bad
+    local g mem path tl
     g=$(val "$o" gbps) mem=$(val "$o" memory) path=$(val "$o" path) tl=$(val "$o" transports)
-    bad=$(val "$o" bad_words)
-    if [ $CRC -ne 0 ] || [ "$(val "$o" outcome)" != done ] || [ "$bad" != 0 ]; then
-        summary FAIL "$name" "consumer rc=$CRC producer rc=$PRC $(grep -h '^RESULT' "$o" | head -1)"
-        tail_of "$WORK/$name.c.err"
-        tail_of "$WORK/$name.p.err"
-        return
-    fi
-    if [ $PRC -ne 0 ]; then
-        summary FAIL "$name" "bytes right but the producer was not released (rc=$PRC)"
-        return
-    fi
+    pair_done "$name" || return
     if [ "$mem" != "$want" ]; then
         summary FAIL "$name" "expected the $want path, the connector used $mem"
         return
@@ -350,19 +356,10 @@ ipc_check() { # NAME ENV -- options
     fi
     pair "$name" "KVC_IPC=1 KVC_LOG_LEVEL=info $envs" "" -- "$@"
     local o=$WORK/$name.c.out
-    local g path mc first bad
+    local g path mc first
     g=$(val "$o" gbps) path=$(val "$o" path) mc=$(val "$o" memcpy_gbps)
-    first=$(val "$o" first_fetch_ms) bad=$(val "$o" bad_words)
-    if [ $CRC -ne 0 ] || [ "$(val "$o" outcome)" != done ] || [ "$bad" != 0 ]; then
-        summary FAIL "$name" "consumer rc=$CRC producer rc=$PRC $(grep -h '^RESULT' "$o" | head -1)"
-        tail_of "$WORK/$name.c.err"
-        tail_of "$WORK/$name.p.err"
-        return
-    fi
-    if [ $PRC -ne 0 ]; then
-        summary FAIL "$name" "bytes right but the producer was not released (rc=$PRC)"
-        return
-    fi
+    first=$(val "$o" first_fetch_ms)
+    pair_done "$name" || return
     if [ "$path" != ipc ]; then
         summary FAIL "$name" "expected the CUDA IPC path, the connector used $path: $(grep -h 'CUDA IPC' "$WORK/$name.c.err" "$WORK/$name.p.err" | tail -2 | tr '\n' ' ')"
         return
@@ -418,25 +415,31 @@ else
     summary FAIL hetero-tp "time budget of $LIMIT s used up before this check"
 fi
 
-# Producer killed (SIGKILL) as soon as the handshake is done: the consumer
-# must report a clear failure in time, never hang or crash.  Push, so that
-# the producer process has to be alive to serve the data.
-if time_left; then
-    pair kill "KVC_CUDA_STAGED=1 KVC_PROTO=push KVC_IPC=0" "" -- "${FULL[@]}"
-    o=$WORK/kill.c.out
+# kill_check CHECK NAME ENV -- options: the producer is killed (SIGKILL) as
+# soon as the handshake is done; the consumer must report a clear failure in
+# time, never hang or crash.  A fetch that completed first proves nothing.
+kill_check() {
+    local check=$1 name=$2 envs=$3
+    shift 4
+    if ! time_left; then
+        summary FAIL "$check" "time budget of $LIMIT s used up before this check"
+        return
+    fi
+    pair "$name" "$envs" "" -- "$@"
+    local o=$WORK/$name.c.out out
     out=$(val "$o" outcome)
     if [ $CRC -eq 0 ] && [ "$out" = failed ]; then
-        summary PASS kill-producer "FETCH_FAILED $(val "$o" status) after $(val "$o" seconds) s"
+        summary PASS "$check" "FETCH_FAILED $(val "$o" status) after $(val "$o" seconds) s"
     elif [ "$out" = done ]; then
-        # Proves nothing about a producer dying mid-fetch: never a pass.
-        summary FAIL kill-producer "the fetch completed before the kill took effect: the case was not exercised (make the fetch larger)"
+        summary FAIL "$check" "the fetch completed before the kill took effect: the case was not exercised (make the fetch larger)"
     else
-        summary FAIL kill-producer "consumer rc=$CRC $(grep -h '^RESULT' "$o" | head -1)"
-        tail_of "$WORK/kill.c.err"
+        summary FAIL "$check" "consumer rc=$CRC $(grep -h '^RESULT' "$o" | head -1)"
+        tail_of "$WORK/$name.c.err"
     fi
-else
-    summary FAIL kill-producer "time budget of $LIMIT s used up before this check"
-fi
+}
+
+# Push, so that the producer process has to be alive to serve the data.
+kill_check kill-producer kill "KVC_CUDA_STAGED=1 KVC_PROTO=push KVC_IPC=0" -- "${FULL[@]}"
 
 # The same over shared memory only: UCX 1.13's sm transports have no
 # peer-failure handling, so the endpoint is made without it and only the
@@ -467,25 +470,10 @@ else
     summary FAIL kill-producer-sm "time budget of $LIMIT s used up before this check"
 fi
 
-# The producer killed right after the handshake over CUDA IPC: its
-# allocations are mapped in the consumer when it dies; the fetch must fail
-# cleanly (no word on the hold can come), and closing the mappings of a
-# dead exporter must neither crash nor hang.
-if time_left; then
-    pair kill-ipc "KVC_IPC=1 KVC_LOG_LEVEL=info" "" -- "${SMALL[@]}"
-    o=$WORK/kill-ipc.c.out
-    out=$(val "$o" outcome)
-    if [ $CRC -eq 0 ] && [ "$out" = failed ]; then
-        summary PASS kill-ipc "FETCH_FAILED $(val "$o" status) after $(val "$o" seconds) s"
-    elif [ "$out" = done ]; then
-        summary FAIL kill-ipc "the fetch completed before the kill took effect: the case was not exercised"
-    else
-        summary FAIL kill-ipc "consumer rc=$CRC $(grep -h '^RESULT' "$o" | head -1)"
-        tail_of "$WORK/kill-ipc.c.err"
-    fi
-else
-    summary FAIL kill-ipc "time budget of $LIMIT s used up before this check"
-fi
+# Over CUDA IPC: the producer's allocations are mapped in the consumer when
+# it dies; the fetch must fail cleanly (no word on the hold can come), and
+# closing the mappings of a dead exporter must neither crash nor hang.
+kill_check kill-ipc kill-ipc "KVC_IPC=1 KVC_LOG_LEVEL=info" -- "${SMALL[@]}"
 
 # The consumer under compute-sanitizer (memcheck), small sizes.
 if [ $STANDIN = 0 ] && command -v compute-sanitizer >/dev/null 2>&1; then
