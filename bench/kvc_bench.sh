@@ -6,7 +6,50 @@
 #
 # usage: bench/kvc_bench.sh [BUILD_DIR] [--quick]
 #   BUILD_DIR defaults to ./build; kvc_bench must be built there (bin/).
+#        bench/kvc_bench.sh --ipc [BUILD_DIR]   (the CUDA IPC path, below)
 set -euo pipefail
+
+# --ipc: the same-node CUDA IPC path on the CUDA stand-in (no GPU): a
+# producer and a consumer process of kvc_gpu_test_standin (device memory is a
+# memfd the consumer maps with cudaIpcOpenMemHandle), the fetch's GB/s
+# against a memcpy of the same runs in the consumer right after it (the
+# stand-in's device-to-device cudaMemcpyAsync is a host memcpy), three runs;
+# prints each run and ipc_pct_of_memcpy=N, the median of the runs' ratios.
+#   usage: bench/kvc_bench.sh --ipc [BUILD_DIR]
+case "${1:-}" in
+--ipc)
+    BUILD=${2:-build}
+    BIN="$BUILD/bin/kvc_gpu_test_standin"
+    [ -x "$BIN" ] || { echo "kvc_gpu_test_standin not found in $BUILD/bin (build it first)" >&2; exit 2; }
+    export UCX_WARN_UNUSED_ENV_VARS=n KVC_SECRET=${KVC_SECRET-kvc-bench-secret} KVC_IPC=1
+    dir=$(mktemp -d)
+    trap 'rm -rf "$dir"' EXIT
+    # 8 regions x 1024 blocks x 64 KiB per process, 512 blocks fetched in
+    # runs of 64: 256 MiB over IPC.
+    sizes=(--regions 8 --blocks 1024 --block-kb 64 --fetch 512)
+    ratios=()
+    for run in 1 2 3; do
+        rm -f "$dir/p.json"*
+        timeout 120 "$BIN" producer --params "$dir/p.json" "${sizes[@]}" >"$dir/p.out" 2>"$dir/p.err" &
+        ppid=$!
+        timeout 120 "$BIN" consumer --params "$dir/p.json" "${sizes[@]}" >"$dir/c.out" 2>"$dir/c.err" || true
+        wait "$ppid" || true
+        line=$(grep '^RESULT fetch' "$dir/c.out" || true)
+        g=$(echo "$line" | sed -n 's/.* gbps=\([^ ]*\).*/\1/p')
+        m=$(echo "$line" | sed -n 's/.* memcpy_gbps=\([^ ]*\).*/\1/p')
+        path=$(echo "$line" | sed -n 's/.* path=\([^ ]*\).*/\1/p')
+        if [ "$(echo "$line" | sed -n 's/.*bad_words=\([^ ]*\).*/\1/p')" != 0 ] || [ "$path" != ipc ]; then
+            echo "run $run failed: ${line:-no result} $(tail -2 "$dir/c.err")" >&2
+            exit 1
+        fi
+        echo "run $run: ipc_gbps=$g memcpy_gbps=$m first_fetch_ms=$(echo "$line" | sed -n 's/.*first_fetch_ms=\([^ ]*\).*/\1/p')"
+        ratios+=("$(awk -v a="$g" -v b="$m" 'BEGIN { printf "%.1f", (b > 0) ? 100 * a / b : 0 }')")
+    done
+    printf '%s\n' "${ratios[@]}" | sort -n | awk '{ v[NR] = $1 } END { printf "ipc_pct_of_memcpy=%.0f\n", v[int((NR + 1) / 2)] }'
+    exit 0
+    ;;
+esac
+
 BUILD=${1:-build}
 QUICK=${2:-}
 BENCH="$BUILD/bin/kvc_bench"

@@ -270,6 +270,9 @@ kvc_status_t kvc_agent_create(const kvc_agent_params_t *p, kvc_agent_t **out) {
     a->max_handshakes =
         (m & KVC_AGENT_FIELD_MAX_HANDSHAKES) && p->max_handshakes ? p->max_handshakes : 256;
     a->proto = env_proto((m & KVC_AGENT_FIELD_PROTO) ? p->proto : KVC_PROTO_AUTO);
+    a->ipc_off = (m & KVC_AGENT_FIELD_CUDA_IPC) && !p->cuda_ipc;
+    const char *ipc = getenv("KVC_IPC"); /* operations and the GPU check: overrides */
+    if (ipc && *ipc) a->ipc_off = !strcmp(ipc, "0");
     a->wire_version = KVC_WIRE_VERSION;
     const char *wv = getenv("KVC_TEST_WIRE_VERSION"); /* compatibility tests only */
     if (wv && *wv) a->wire_version = (uint16_t)strtoul(wv, NULL, 10);

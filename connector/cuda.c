@@ -17,6 +17,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 
 #define MAX_DEVICES 64
 
@@ -29,6 +30,7 @@ typedef struct {
     bool copies;         /* of which copies (a wait alone reads no staging memory) */
     bool recorded;       /* `done` recorded, maybe not complete yet */
     bool slot_copies;    /* staging-pool copies queued (stage.c polls their events) */
+    bool ipc_copies;     /* CUDA IPC copies queued (ipc.c polls their events) */
 } cdev_t;
 
 struct kvc_cuda {
@@ -419,10 +421,10 @@ void kvc_cuda_drain(kvc_cuda_t *c) {
     if (!c) return;
     for (int i = 0; i < c->ndev; i++) {
         cdev_t *d = &c->devs[i];
-        if (!d->queued && !d->recorded && !d->slot_copies) continue;
+        if (!d->queued && !d->recorded && !d->slot_copies && !d->ipc_copies) continue;
         cudaError_t ce = cudaStreamSynchronize(d->stream);
         if (ce != cudaSuccess) cfail(c, ce, "cudaStreamSynchronize");
-        d->queued = d->copies = d->recorded = d->slot_copies = false;
+        d->queued = d->copies = d->recorded = d->slot_copies = d->ipc_copies = false;
     }
 }
 
@@ -440,4 +442,121 @@ void kvc_cuda_destroy(kvc_cuda_t *c) {
     }
     (void)cudaGetLastError();
     free(c);
+}
+
+/* ------------------------------------------------------------- CUDA IPC -- */
+
+kvc_status_t kvc_cuda_ipc_export(kvc_cuda_t *c, int dev, const void *p, size_t len,
+                                 kvc_cuda_export_t *out) {
+    memset(out, 0, sizeof(*out));
+    /* cudaIpcGetMemHandle wants the base of the allocation: the driver's
+     * address range of p gives it (the region may be a tensor inside a
+     * larger block of the engine's caching allocator). */
+    unsigned long long start = (unsigned long long)(uintptr_t)p;
+    size_t size = len;
+    cu_ptr_attr_fn fn = ptr_attr_fn();
+    if (fn && (fn(&start, CU_PTR_RANGE_START, (unsigned long long)(uintptr_t)p) != 0 ||
+               fn(&size, CU_PTR_RANGE_SIZE, (unsigned long long)(uintptr_t)p) != 0)) {
+        snprintf(c->err, sizeof(c->err), "the driver has no address range for %p", p);
+        return KVC_ERR_UNSUPPORTED;
+    }
+    int saved;
+    kvc_status_t st = dev_enter(c, dev, &saved);
+    if (st != KVC_OK) return st;
+    cudaIpcMemHandle_t h;
+    cudaError_t ce = cudaIpcGetMemHandle(&h, (void *)(uintptr_t)start);
+    if (ce != cudaSuccess) {
+        /* VMM (cuMemCreate) and stream-ordered pool memory have no legacy
+         * IPC handle. */
+        cfail(c, ce, "cudaIpcGetMemHandle of the region's allocation");
+        st = KVC_ERR_UNSUPPORTED;
+    } else if ((ce = cudaDeviceGetPCIBusId(out->bus, (int)sizeof(out->bus), dev)) != cudaSuccess) {
+        st = cfail(c, ce, "cudaDeviceGetPCIBusId");
+    } else {
+        memcpy(out->handle, &h, KVC_IPC_HANDLE_LEN < sizeof(h) ? KVC_IPC_HANDLE_LEN : sizeof(h));
+        out->base = start;
+        out->size = size;
+    }
+    return dev_leave(c, saved, st);
+}
+
+int kvc_cuda_device_by_bus(kvc_cuda_t *c, const char *bus) {
+    int n = 0;
+    cudaError_t ce = cudaGetDeviceCount(&n);
+    if (ce != cudaSuccess) {
+        cfail(c, ce, "cudaGetDeviceCount");
+        return -1;
+    }
+    for (int d = 0; d < n && d < MAX_DEVICES; d++) {
+        char id[KVC_IPC_BUS_LEN];
+        if ((ce = cudaDeviceGetPCIBusId(id, (int)sizeof(id), d)) != cudaSuccess) {
+            cfail(c, ce, "cudaDeviceGetPCIBusId");
+            continue;
+        }
+        if (!strcasecmp(id, bus)) return d;
+    }
+    return -1;
+}
+
+kvc_status_t kvc_cuda_ipc_open(kvc_cuda_t *c, int dev, const uint8_t handle[KVC_IPC_HANDLE_LEN],
+                               void **ptr) {
+    int saved;
+    kvc_status_t st = dev_enter(c, dev, &saved);
+    if (st != KVC_OK) return st;
+    cudaIpcMemHandle_t h;
+    memset(&h, 0, sizeof(h));
+    memcpy(&h, handle, KVC_IPC_HANDLE_LEN < sizeof(h) ? KVC_IPC_HANDLE_LEN : sizeof(h));
+    void *p = NULL;
+    cudaError_t ce = cudaIpcOpenMemHandle(&p, h, cudaIpcMemLazyEnablePeerAccess);
+    if (ce != cudaSuccess)
+        st = cfail(c, ce, "cudaIpcOpenMemHandle");
+    else
+        *ptr = p;
+    return dev_leave(c, saved, st);
+}
+
+void kvc_cuda_ipc_close(kvc_cuda_t *c, int dev, void *ptr) {
+    int saved;
+    if (dev_enter(c, dev, &saved) != KVC_OK) return;
+    cudaError_t ce = cudaIpcCloseMemHandle(ptr);
+    kvc_status_t st = ce == cudaSuccess ? KVC_OK : cfail(c, ce, "cudaIpcCloseMemHandle");
+    dev_leave(c, saved, st);
+}
+
+/* dev's stream in *d, dev made current (the caller's device in *saved). */
+static kvc_status_t stream_enter(kvc_cuda_t *c, int dev, cdev_t **d, int *saved) {
+    if (!(*d = find_dev(c, dev))) {
+        snprintf(c->err, sizeof(c->err), "CUDA device %d has no stream", dev);
+        return KVC_ERR_STATE;
+    }
+    return dev_enter(c, dev, saved);
+}
+
+kvc_status_t kvc_cuda_d2d_runs(kvc_cuda_t *c, int dev, void *dst, const void *src, size_t block_len,
+                               const kvc_run_t *runs, size_t n, void **ev) {
+    cdev_t *d;
+    int saved;
+    kvc_status_t st = stream_enter(c, dev, &d, &saved);
+    if (st != KVC_OK) return st;
+    cudaError_t ce;
+    for (size_t i = 0; i < n; i++) {
+        ce = cudaMemcpyAsync((char *)dst + runs[i].local * block_len,
+                             (const char *)src + runs[i].remote * block_len,
+                             runs[i].count * block_len, cudaMemcpyDeviceToDevice, d->stream);
+        if (ce != cudaSuccess) {
+            st = cfail(c, ce, "cudaMemcpyAsync (CUDA IPC)");
+            break;
+        }
+        d->ipc_copies = true;
+    }
+    if (st == KVC_OK && !*ev) {
+        cudaEvent_t e;
+        if ((ce = cudaEventCreateWithFlags(&e, cudaEventDisableTiming)) != cudaSuccess)
+            st = cfail(c, ce, "cudaEventCreateWithFlags");
+        else
+            *ev = e;
+    }
+    if (st == KVC_OK && (ce = cudaEventRecord((cudaEvent_t)*ev, d->stream)) != cudaSuccess)
+        st = cfail(c, ce, "cudaEventRecord");
+    return dev_leave(c, saved, st);
 }

@@ -71,3 +71,24 @@ void kvc_cuda_drain(kvc_cuda_t *c) {}
 int kvc_cuda_devices(const kvc_cuda_t *c) {
     return 0;
 }
+
+kvc_status_t kvc_cuda_ipc_export(kvc_cuda_t *c, int dev, const void *p, size_t len,
+                                 kvc_cuda_export_t *out) {
+    return KVC_ERR_UNSUPPORTED;
+}
+
+int kvc_cuda_device_by_bus(kvc_cuda_t *c, const char *bus) {
+    return -1;
+}
+
+kvc_status_t kvc_cuda_ipc_open(kvc_cuda_t *c, int dev, const uint8_t handle[KVC_IPC_HANDLE_LEN],
+                               void **ptr) {
+    return KVC_ERR_UNSUPPORTED;
+}
+
+void kvc_cuda_ipc_close(kvc_cuda_t *c, int dev, void *ptr) {}
+
+kvc_status_t kvc_cuda_d2d_runs(kvc_cuda_t *c, int dev, void *dst, const void *src, size_t block_len,
+                               const kvc_run_t *runs, size_t n, void **ev) {
+    return KVC_ERR_UNSUPPORTED;
+}

@@ -73,7 +73,13 @@ enum {
  * after the callback is refused there (KVC_ERR_UNSUPPORTED), since UCX
  * destroys the reply endpoint when that consumer leaves and a send on a
  * kept one crashed the producer. */
-enum { KVC_HFLAG_SECRET = 1u << 0, KVC_HFLAG_OWNER = 1u << 1 };
+/* KVC_HFLAG_IPC (version 4): in a HELLO, "I can open CUDA IPC
+ * handles" (every region of the consumer is CUDA memory, IPC not
+ * disabled); in the CHALLENGE, "my sealed HANDSHAKE carries my IPC table"
+ * (set only for a consumer that asked, on this host, when the producer
+ * exports its regions: ipc.c).  The flag only says whether the table comes;
+ * the table itself is under the handshake's MAC and seal. */
+enum { KVC_HFLAG_SECRET = 1u << 0, KVC_HFLAG_OWNER = 1u << 1, KVC_HFLAG_IPC = 1u << 2 };
 #define KVC_WIRE_MAX_CONS_ADDR 4096u /* a worker address in a CONSUMER message */
 
 /* Region flags in the handshake table. */
@@ -110,6 +116,7 @@ typedef struct {
     uint32_t tp_size;
     uint32_t n_regions;
     kvc_wire_region_t *regions; /* owned (parse) or borrowed (encode) */
+    kvc_span_t ipc;             /* the producer's IPC table (KVC_HFLAG_IPC), or empty */
     const uint8_t *mac;         /* parse: borrowed, the trailing KVC_MAC_LEN bytes */
     size_t signed_len;          /* parse: body bytes the MAC covers */
 } kvc_wire_hs_t;
@@ -423,6 +430,95 @@ KVC_HIDDEN kvc_status_t kvc_slice_len(uint64_t rbl, uint32_t rparts, uint64_t lb
 KVC_HIDDEN bool kvc_slice_at(uint64_t block_len, uint64_t nblocks, uint64_t b, uint64_t part,
                              uint64_t len, uint64_t *off);
 
+/* CUDA IPC (ipc.c).  Producer: the allocation holding [p, p+len) on device
+ * dev, exported: its base and size (the driver's address range), the
+ * cudaIpcGetMemHandle handle of its base, and the PCI bus id of dev.
+ * KVC_ERR_UNSUPPORTED when the allocation cannot be exported that way
+ * (VMM memory, cudaMallocAsync pools): the message says why. */
+#define KVC_IPC_HANDLE_LEN 64 /* CUDA_IPC_HANDLE_SIZE */
+#define KVC_IPC_BUS_LEN 32
+typedef struct {
+    uint64_t base, size;
+    uint8_t handle[KVC_IPC_HANDLE_LEN];
+    char bus[KVC_IPC_BUS_LEN];
+} kvc_cuda_export_t;
+KVC_HIDDEN kvc_status_t kvc_cuda_ipc_export(kvc_cuda_t *c, int dev, const void *p, size_t len,
+                                            kvc_cuda_export_t *out);
+/* Consumer: the visible device with PCI bus id `bus`, or -1. */
+KVC_HIDDEN int kvc_cuda_device_by_bus(kvc_cuda_t *c, const char *bus);
+/* Opens a producer's handle into device dev's address space (peer access
+ * enabled lazily when the memory is on another GPU); *ptr its base. */
+KVC_HIDDEN kvc_status_t kvc_cuda_ipc_open(kvc_cuda_t *c, int dev,
+                                          const uint8_t handle[KVC_IPC_HANDLE_LEN], void **ptr);
+KVC_HIDDEN void kvc_cuda_ipc_close(kvc_cuda_t *c, int dev, void *ptr);
+/* Queues device-to-device copies on dev's stream: run i copies
+ * runs[i].count * block_len bytes from src + runs[i].remote * block_len to
+ * dst + runs[i].local * block_len; then records *ev (created on dev when
+ * NULL; the caller destroys it) after them.  kvc_cuda_drain waits for them. */
+KVC_HIDDEN kvc_status_t kvc_cuda_d2d_runs(kvc_cuda_t *c, int dev, void *dst, const void *src,
+                                          size_t block_len, const kvc_run_t *runs, size_t n,
+                                          void **ev);
+
+/* ------------------------------------------------------------- ipc.c -- */
+/* Same-node CUDA IPC: the consumer maps the producer's device memory and
+ * copies device-to-device on its own streams (ipc.c has the design). */
+typedef struct kvc_ipc_peer kvc_ipc_peer_t;
+typedef struct kvc_peer kvc_peer_t;
+/* Producer, once its regions are registered: its IPC table (a->ipc_tab),
+ * when IPC is on and every region is CUDA memory that can be exported;
+ * otherwise none (logged).  Cleanup: after the peers are gone. */
+KVC_HIDDEN void kvc_ipc_export(kvc_agent_t *a);
+KVC_HIDDEN void kvc_ipc_export_cleanup(kvc_agent_t *a);
+/* Consumer: every region is CUDA memory and IPC is on (HELLO flag). */
+KVC_HIDDEN bool kvc_ipc_can_import(const kvc_agent_t *a);
+/* Producer: appends the table to a handshake body as its blob32 trailer. */
+KVC_HIDDEN void kvc_ipc_hs_append(const kvc_agent_t *a, kvc_buf_t *b);
+/* Consumer, after the handshake's MAC checked out: when the table shows a
+ * producer on this node (host identity, another process) whose GPUs are
+ * visible here, opens its allocations on the devices of the local regions
+ * (p->ipc).  Anything else leaves p->ipc NULL (push/staged then; logged). */
+KVC_HIDDEN void kvc_ipc_peer_open(kvc_agent_t *a, kvc_peer_t *p, kvc_span_t table);
+/* Waits for queued copies, then closes p's mappings. */
+KVC_HIDDEN void kvc_ipc_peer_close(kvc_agent_t *a, kvc_peer_t *p);
+/* One fetch's copies: an event per device that copies. */
+typedef struct {
+    void **ev; /* owned: events, one per device in dev */
+    int *dev;  /* owned */
+    int n;
+} kvc_ipc_job_t;
+/* Queues the copies of runs (remote -> local, whole blocks) for every region
+ * and records the job's events.  KVC_ERR_CUDA etc. (a->cuda's message). */
+KVC_HIDDEN kvc_status_t kvc_ipc_copy(kvc_agent_t *a, kvc_peer_t *p, const kvc_run_t *runs, size_t n,
+                                     kvc_ipc_job_t *j);
+/* 1: every copy completed; 0: not yet; -1: one failed (*st set). */
+KVC_HIDDEN int kvc_ipc_poll(kvc_agent_t *a, kvc_ipc_job_t *j, kvc_status_t *st);
+KVC_HIDDEN void kvc_ipc_job_cleanup(kvc_agent_t *a, kvc_ipc_job_t *j);
+/* The table (wire.c, pure, fuzzed): u8 version 1, str16 host identity,
+ * u32 pid, u32 n_allocs, n_allocs * { str16 PCI bus id, u64 size, blob32
+ * handle }, u32 n_regions, n_regions * { u32 alloc, u64 offset }. */
+typedef struct {
+    kvc_span_t bus, handle; /* borrowed from the table */
+    uint64_t size;
+} kvc_ipc_alloc_t;
+typedef struct {
+    kvc_span_t host;
+    uint32_t pid, n_allocs, n_regions;
+    kvc_ipc_alloc_t *allocs; /* owned */
+    uint32_t *reg_alloc;     /* owned */
+    uint64_t *reg_off;       /* owned */
+} kvc_ipc_table_t;
+KVC_HIDDEN void kvc_wire_encode_ipc(kvc_buf_t *b, const char *host, uint32_t pid,
+                                    const kvc_cuda_export_t *allocs, uint32_t n_allocs,
+                                    const uint32_t *reg_alloc, const uint64_t *reg_off,
+                                    uint32_t n_regions);
+/* KVC_ERR_PROTOCOL unless well-formed: n_regions as given, region i inside
+ * its allocation (reg_off[i] + region_len[i] <= size), handles of
+ * KVC_IPC_HANDLE_LEN bytes, printable host and bus ids (shorter than
+ * KVC_IPC_BUS_LEN).  On KVC_OK t borrows p (kvc_wire_ipc_cleanup). */
+KVC_HIDDEN kvc_status_t kvc_wire_parse_ipc(const uint8_t *p, size_t len, const uint64_t *region_len,
+                                           uint32_t n_regions, kvc_ipc_table_t *t);
+KVC_HIDDEN void kvc_wire_ipc_cleanup(kvc_ipc_table_t *t);
+
 /* ------------------------------------------------------------ path.c -- */
 
 /* KVC_TRANSPORT_* bits of a comma-separated list of UCX transport names. */
@@ -436,6 +532,7 @@ typedef struct {
     bool local_dev;      /* a local region is registered as device memory */
     bool local_staged;   /* a local region is staged through the pinned pool */
     bool remote_dev;     /* a remote region is device memory */
+    bool ipc;            /* the producer's CUDA memory is mapped here (CUDA IPC, ipc.c) */
     uint32_t transports; /* KVC_TRANSPORT_* of the endpoint */
 } kvc_path_in_t;
 
@@ -443,6 +540,7 @@ typedef struct {
     kvc_proto_t proto; /* GET or PUSH */
     bool mapped_copy;  /* GET as memcpy through the shared-memory mapping */
     const char *why;   /* static text, for the log */
+    bool ipc_copy;     /* GET as device-to-device copies from CUDA IPC mappings */
 } kvc_path_t;
 
 /* Pure.  KVC_ERR_UNSUPPORTED (why set) when the wanted protocol cannot be
@@ -568,6 +666,8 @@ struct kvc_agent {
     size_t stage_pool_bytes; /* the pool's size setting */
     struct kvc_stage *stage; /* owned; agents with staged regions only */
     bool cuda_direct;        /* a region is registered as device memory */
+    bool ipc_off;            /* CUDA IPC disabled (KVC_AGENT_FIELD_CUDA_IPC, KVC_IPC=0) */
+    kvc_buf_t ipc_tab;       /* producer: its IPC table (empty: no IPC export) */
 
     kvc_pubtab_t pubs;
     kvc_gone_t gone[KVC_NOTIFY_GONE]; /* ring, notify.c */
@@ -743,12 +843,14 @@ struct kvc_peer {
     void *close_req; /* ucp_ep_close_nbx in progress */
     uint64_t nonce, num_blocks;
     uint8_t nonce_c[KVC_NONCE_LEN], nonce_p[KVC_NONCE_LEN];
+    uint8_t hello_flags; /* the flags our HELLO sent (under the AUTH MAC) */
     kvc_chan_t chan; /* keys of the sealed channel, from AUTH on */
     bool owner;      /* the producer answers on its own endpoint: pulls carry our key */
     uint32_t n_regions;
     struct kvc_peer_region *rr; /* owned */
     kvc_proto_t proto;
     bool shm;            /* every remote region is mapped here (ucp_rkey_ptr) */
+    kvc_ipc_peer_t *ipc; /* owned: the producer's CUDA memory mapped here (ipc.c) */
     uint32_t transports; /* KVC_TRANSPORT_* of the endpoint (0: not collected) */
     int refs;
     kvc_status_t fail_status;

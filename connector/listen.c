@@ -59,6 +59,7 @@ struct kvc_sconn {
     bool owner;      /* both sides said KVC_HFLAG_OWNER: a sealed CONSUMER follows AUTH */
     bool authed;     /* its AUTH verified (chan ready, proto set) */
     uint8_t proto;   /* from its AUTH */
+    bool ipc;        /* KVC_HFLAG_IPC both ways: the handshake carries our IPC table */
     bool dead;       /* closed; freed by kvc_sconns_reap (events may still name it) */
 };
 
@@ -336,9 +337,11 @@ static void on_hello(kvc_agent_t *a, kvc_sconn_t *c, const uint8_t *body, size_t
         return;
     }
     c->owner = (h.flags & KVC_HFLAG_OWNER) != 0;
+    /* IPC handles only to a consumer on this host that can use them. */
+    c->ipc = (h.flags & KVC_HFLAG_IPC) && c->same_host && a->ipc_tab.len;
     c->hello_flags = h.flags;
-    c->chal_flags =
-        (uint8_t)((a->secret ? KVC_HFLAG_SECRET : 0) | (c->owner ? KVC_HFLAG_OWNER : 0));
+    c->chal_flags = (uint8_t)((a->secret ? KVC_HFLAG_SECRET : 0) |
+                              (c->owner ? KVC_HFLAG_OWNER : 0) | (c->ipc ? KVC_HFLAG_IPC : 0));
     KVC_LOG(a, KVC_LOG_DEBUG, "side channel: hello from engine %s at %s", c->cons_id, c->addr);
     kvc_wire_encode_hello(&c->out, a->wire_version, KVC_MSG_CHALLENGE, a->engine_id,
                           c->chal_flags, c->nonce_p);
@@ -445,10 +448,11 @@ static void on_auth(kvc_agent_t *a, kvc_sconn_t *c, const uint8_t *rec, size_t r
      * exchange through learns neither the worker address nor the rkeys. */
     kvc_buf_t plain = {0};
     kvc_buf_put(&plain, hs->p, hs->len);
+    if (c->ipc) kvc_ipc_hs_append(a, &plain); /* the IPC table, under the MAC and the seal */
     uint8_t m[KVC_MAC_LEN];
     if (!plain.failed)
         kvc_mac_producer(a, c->nonce_c, c->nonce_p, plain.p + KVC_WIRE_HDR_LEN,
-                         hs->len - KVC_WIRE_HDR_LEN, m);
+                         plain.len - KVC_WIRE_HDR_LEN, m);
     kvc_buf_put(&plain, m, KVC_MAC_LEN);
     kvc_wire_end_msg(&plain, 0);
     bool chan = !plain.failed;

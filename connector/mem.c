@@ -17,6 +17,7 @@ static void region_cleanup(kvc_agent_t *a, kvc_region_t *r) {
 void kvc_mem_cleanup(kvc_agent_t *a) {
     /* Copies still queued read or write the pool: they end first. */
     kvc_stage_cleanup(a);
+    kvc_ipc_export_cleanup(a);
     kvc_cuda_drain(a->cuda);
     for (size_t i = 0; i < a->n_regions; i++)
         region_cleanup(a, &a->regions[i]);
@@ -169,6 +170,7 @@ static kvc_status_t register_impl(kvc_agent_t *a, uint64_t num_blocks,
                                     : KVC_STAT_CUDA_DIRECT_REGIONS]++;
     }
     if (a->n_staged && (st = kvc_stage_init(a)) != KVC_OK) goto err_built;
+    kvc_ipc_export(a); /* none (logged) when the memory cannot be exported */
     if ((st = kvc_mem_build_handshake(a)) != KVC_OK) goto err_built;
     KVC_LOG(a, KVC_LOG_INFO, "registered regions=%zu num_blocks=%llu block_len0=%zu pool=%d", n,
             (unsigned long long)num_blocks, regs[0].block_len, (int)regs[0].pool);
@@ -176,6 +178,7 @@ static kvc_status_t register_impl(kvc_agent_t *a, uint64_t num_blocks,
 
 err_built:
     kvc_stage_cleanup(a);
+    kvc_ipc_export_cleanup(a);
     a->regions = NULL;
     a->n_regions = 0;
     a->num_blocks = 0;

@@ -4,7 +4,9 @@
  * transport that reaches it: cuda_ipc between GPUs of one host, or an RDMA
  * transport (GPUDirect) across hosts.  Over anything else UCX would emulate
  * a get with a host memcpy, which on device memory is a crash, so the
- * producer pushes instead, and a forced get is refused with a clear status. */
+ * producer pushes instead, and a forced get is refused with a clear status.
+ * On one node CUDA memory goes device to device over CUDA IPC (ipc.c) when
+ * both sides allow it and the protocol is automatic. */
 #include "connector/kvc_int.h"
 
 #include <string.h>
@@ -46,7 +48,13 @@ kvc_status_t kvc_choose_path(const kvc_path_in_t *in, kvc_path_t *out) {
     bool reach_dev = (in->transports & (KVC_TRANSPORT_CUDA_IPC | KVC_TRANSPORT_RDMA)) != 0;
     /* The mapping is of host memory: a connector-allocated pool. */
     bool mapped = in->mapped && !dev;
-    *out = (kvc_path_t){KVC_PROTO_PUSH, false, "producer push"};
+    *out = (kvc_path_t){KVC_PROTO_PUSH, false, "producer push", false};
+    if (in->ipc && in->want == KVC_PROTO_AUTO) {
+        /* Device to device on this node, whatever UCX's lanes: the copies
+         * run on our streams from the producer's memory mapped here. */
+        *out = (kvc_path_t){KVC_PROTO_GET, false, "get: CUDA IPC, device-to-device copies", true};
+        return KVC_OK;
+    }
     if (in->local_staged) {
         /* No local address UCX could write but the pool's slots. */
         out->why = "push: local regions staged through the pinned pool";
@@ -67,21 +75,22 @@ kvc_status_t kvc_choose_path(const kvc_path_in_t *in, kvc_path_t *out) {
             return KVC_ERR_UNSUPPORTED;
         }
         *out = (kvc_path_t){KVC_PROTO_GET, mapped,
-                            mapped ? "get: shared-memory mapping" : "get: asked for"};
+                            mapped ? "get: shared-memory mapping" : "get: asked for", false};
         return KVC_OK;
     case KVC_PROTO_AUTO:
     default:
         break;
     }
     if (mapped) {
-        *out = (kvc_path_t){KVC_PROTO_GET, true, "get: shared-memory mapping"};
+        *out = (kvc_path_t){KVC_PROTO_GET, true, "get: shared-memory mapping", false};
         return KVC_OK;
     }
     if (dev && reach_dev && in->rma) {
         *out = (kvc_path_t){KVC_PROTO_GET, false,
                             (in->transports & KVC_TRANSPORT_CUDA_IPC)
                                 ? "get: device memory over cuda_ipc"
-                                : "get: device memory over RDMA"};
+                                : "get: device memory over RDMA",
+                            false};
         return KVC_OK;
     }
     out->why = dev ? "push: device memory without a cuda_ipc/RDMA lane or RMA"

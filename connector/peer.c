@@ -96,6 +96,7 @@ static void ep_err_cb(void *arg, ucp_ep_h ep, ucs_status_t us) {
 
 static void peer_free(kvc_agent_t *a, kvc_peer_t *p) {
     peer_close_socket(a, p);
+    kvc_ipc_peer_close(a, p);
     free(p->rr);
     free(p->host);
     free(p->engine_id);
@@ -300,6 +301,7 @@ static void ep_transports(kvc_peer_t *p, char names[256]) {
  * protocol cannot serve these memory types. */
 static bool choose_path(kvc_agent_t *a, kvc_peer_t *p) {
     kvc_path_in_t in = {.want = a->proto,
+                        .ipc = p->ipc != NULL,
                         .rma = a->rma,
                         .local_dev = a->cuda_direct,
                         .local_staged = a->n_staged > 0};
@@ -341,7 +343,10 @@ static bool choose_path(kvc_agent_t *a, kvc_peer_t *p) {
     /* The mapping is used only for host memory; a get of device memory goes
      * through UCX. */
     p->shm = path.mapped_copy;
-    a->stats[path.proto == KVC_PROTO_GET ? KVC_STAT_PEERS_GET : KVC_STAT_PEERS_PUSH]++;
+    if (!path.ipc_copy) kvc_ipc_peer_close(a, p); /* not used: not kept open */
+    a->stats[path.ipc_copy                 ? KVC_STAT_PEERS_IPC
+             : path.proto == KVC_PROTO_GET ? KVC_STAT_PEERS_GET
+                                           : KVC_STAT_PEERS_PUSH]++;
     return true;
 }
 
@@ -457,6 +462,7 @@ static void handshake_done(kvc_agent_t *a, kvc_peer_t *p, const uint8_t *body, s
             goto out;
         }
     }
+    kvc_ipc_peer_open(a, p, hs.ipc); /* p->ipc: this node's GPUs, mapped */
     if (!choose_path(a, p)) goto out;
     p->state = PEER_READY;
     peer_close_socket(a, p);
@@ -465,7 +471,12 @@ static void handshake_done(kvc_agent_t *a, kvc_peer_t *p, const uint8_t *body, s
             "handshake with engine %s at %s:%u: regions=%u num_blocks=%llu proto=%s "
             "remote_memory=%s",
             p->engine_id, p->host, p->port, p->n_regions, (unsigned long long)p->num_blocks,
-            p->proto == KVC_PROTO_GET ? "get" : "push", p->shm ? "shared-mapped" : "remote");
+            p->ipc                      ? "ipc"
+            : p->proto == KVC_PROTO_GET ? "get"
+                                        : "push",
+            p->ipc   ? "cuda-ipc-mapped"
+            : p->shm ? "shared-mapped"
+                     : "remote");
     kvc_wake(a);
 out:
     kvc_wire_hs_cleanup(&hs);
@@ -473,7 +484,8 @@ out:
 
 /* The flags of our HELLO (under the AUTH MAC, with the CHALLENGE's). */
 static uint8_t hello_flags(const kvc_agent_t *a) {
-    return (uint8_t)((a->secret ? KVC_HFLAG_SECRET : 0) | KVC_HFLAG_OWNER);
+    return (uint8_t)((a->secret ? KVC_HFLAG_SECRET : 0) | KVC_HFLAG_OWNER |
+                     (kvc_ipc_can_import(a) ? KVC_HFLAG_IPC : 0));
 }
 
 /* The producer's CHALLENGE: answer with our MAC over both nonces and both
@@ -494,7 +506,7 @@ static void on_challenge(kvc_agent_t *a, kvc_peer_t *p, const uint8_t *body, siz
     memcpy(p->nonce_p, h.nonce, KVC_NONCE_LEN);
     uint8_t mac[KVC_MAC_LEN];
     kvc_span_t cid = {(const uint8_t *)a->engine_id, strlen(a->engine_id)};
-    kvc_mac_consumer(a, p->nonce_c, p->nonce_p, (uint8_t)a->proto, hello_flags(a), h.flags, cid,
+    kvc_mac_consumer(a, p->nonce_c, p->nonce_p, (uint8_t)a->proto, p->hello_flags, h.flags, cid,
                      h.engine_id, mac);
     kvc_buf_cleanup(&p->out);
     p->out_off = 0;
@@ -609,7 +621,7 @@ void kvc_peer_io(kvc_agent_t *a, kvc_peer_t *p, uint32_t events) {
             return;
         }
         kvc_wire_encode_hello(&p->out, a->wire_version, KVC_MSG_HELLO, a->engine_id,
-                              hello_flags(a), p->nonce_c);
+                              p->hello_flags = hello_flags(a), p->nonce_c);
         if (p->out.failed) {
             peer_fail(a, p, KVC_ERR_NO_MEMORY, "out of memory");
             return;

@@ -161,8 +161,9 @@ bool kvc_pub_has_run(const kvc_pub_t *p, uint64_t start, uint64_t count) {
  * sync of the engine's own stream).  Staged regions need nothing more: their
  * device -> pool copies are queued on those streams when a pull is served,
  * behind this wait, so kvc_publish returns without a host sync.  Regions
- * registered directly are read by UCX outside any stream, so a host sync
- * of that wait ends the capture.  On failure nothing stays queued. */
+ * registered directly are read by UCX outside any stream, and exported
+ * ones (CUDA IPC, ipc.c) by consumers' copies, so a host sync of that wait
+ * ends the capture.  On failure nothing stays queued. */
 static kvc_status_t capture(kvc_agent_t *a, const kvc_publish_params_t *params) {
     uint64_t m = params ? params->field_mask : 0;
     void *ev = (m & KVC_PUBLISH_FIELD_CUDA_EVENT) ? params->cuda_event : NULL;
@@ -172,7 +173,9 @@ static kvc_status_t capture(kvc_agent_t *a, const kvc_publish_params_t *params) 
     void *stream = has_stream ? params->cuda_stream : NULL;
     if (!ev && !has_stream) return KVC_OK; /* caller-ordered */
     kvc_status_t st = kvc_cuda_wait_for(a->cuda, ev, has_stream, stream);
-    if (st == KVC_OK && a->cuda_direct) {
+    /* Consumers on this node copy straight from the blocks over CUDA IPC,
+     * outside any stream of ours: the writes end here too. */
+    if (st == KVC_OK && (a->cuda_direct || a->ipc_tab.len)) {
         st = kvc_cuda_sync(a->cuda);
         a->stats[KVC_STAT_CUDA_SYNCS]++;
     }

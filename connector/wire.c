@@ -17,6 +17,8 @@
  *                  u32 tp_size, blob32 worker_address, u64 num_blocks,
  *                  u32 n_regions, n_regions * { u64 base, u64 len,
  *                  u64 block_len, u8 mem_type, u8 flags, blob32 rkey },
+ *                  [blob32 IPC table: only after a CHALLENGE with
+ *                  KVC_HFLAG_IPC, layout below],
  *                  mac_p[32] (over everything before it)
  *  P->C ERROR:     i32 status, str16 message  (instead of CHALLENGE or
  *                  SEALED, in clear; the producer closes after it)
@@ -296,6 +298,7 @@ void kvc_wire_encode_handshake(kvc_buf_t *b, uint16_t version, const kvc_wire_hs
         kvc_buf_u8(b, rg->flags);
         put_blob32(b, rg->rkey.p, rg->rkey.len);
     }
+    if (hs->ipc.len) put_blob32(b, hs->ipc.p, hs->ipc.len);
     kvc_wire_end_msg(b, start);
 }
 
@@ -338,6 +341,7 @@ kvc_status_t kvc_wire_parse_handshake(const uint8_t *body, size_t len, kvc_wire_
              rg->block_len * t.num_blocks != rg->len || rg->base > UINT64_MAX - rg->len))
             r.bad = true;
     }
+    if (!r.bad && r.off < len) t.ipc = rd_blob32(&r); /* KVC_HFLAG_IPC's table */
     if (r.bad || r.off != len || !kvc_printable((const char *)t.engine_id.p, t.engine_id.len) ||
         !kvc_printable((const char *)t.layout.p, t.layout.len)) {
         free(t.regions);
@@ -558,4 +562,82 @@ kvc_status_t kvc_token_parse(const char *hex, uint8_t t[KVC_TOKEN_LEN]) {
     }
     memcpy(t, v, KVC_TOKEN_LEN);
     return KVC_OK;
+}
+
+/* ------------------------------------------------------ CUDA IPC table -- */
+
+void kvc_wire_encode_ipc(kvc_buf_t *b, const char *host, uint32_t pid,
+                         const kvc_cuda_export_t *allocs, uint32_t n_allocs,
+                         const uint32_t *reg_alloc, const uint64_t *reg_off, uint32_t n_regions) {
+    kvc_buf_u8(b, 1);
+    put_str16(b, host, strlen(host));
+    kvc_buf_u32(b, pid);
+    kvc_buf_u32(b, n_allocs);
+    for (uint32_t i = 0; i < n_allocs; i++) {
+        put_str16(b, allocs[i].bus, strnlen(allocs[i].bus, KVC_IPC_BUS_LEN - 1));
+        kvc_buf_u64(b, allocs[i].size);
+        put_blob32(b, allocs[i].handle, KVC_IPC_HANDLE_LEN);
+    }
+    kvc_buf_u32(b, n_regions);
+    for (uint32_t i = 0; i < n_regions; i++) {
+        kvc_buf_u32(b, reg_alloc[i]);
+        kvc_buf_u64(b, reg_off[i]);
+    }
+}
+
+#define IPC_ALLOC_MIN_BYTES (2 + 8 + 4 + KVC_IPC_HANDLE_LEN)
+#define IPC_REGION_BYTES (4 + 8)
+
+kvc_status_t kvc_wire_parse_ipc(const uint8_t *p, size_t len, const uint64_t *region_len,
+                                uint32_t n_regions, kvc_ipc_table_t *t) {
+    memset(t, 0, sizeof(*t));
+    rd_t r = {p, len, 0, false};
+    if (rd_uint(&r, 1) != 1) return KVC_ERR_PROTOCOL;
+    t->host = rd_str16(&r);
+    t->pid = (uint32_t)rd_uint(&r, 4);
+    t->n_allocs = (uint32_t)rd_uint(&r, 4);
+    if (r.bad || t->host.len == 0 || !kvc_printable((const char *)t->host.p, t->host.len) ||
+        t->n_allocs == 0 || t->n_allocs > n_regions ||
+        t->n_allocs > (len - r.off) / IPC_ALLOC_MIN_BYTES)
+        return KVC_ERR_PROTOCOL;
+    t->allocs = calloc(t->n_allocs, sizeof(*t->allocs));
+    t->reg_alloc = calloc(n_regions ? n_regions : 1, sizeof(*t->reg_alloc));
+    t->reg_off = calloc(n_regions ? n_regions : 1, sizeof(*t->reg_off));
+    if (!t->allocs || !t->reg_alloc || !t->reg_off) {
+        kvc_wire_ipc_cleanup(t);
+        return KVC_ERR_NO_MEMORY;
+    }
+    for (uint32_t i = 0; i < t->n_allocs && !r.bad; i++) {
+        kvc_ipc_alloc_t *al = &t->allocs[i];
+        al->bus = rd_str16(&r);
+        al->size = rd_uint(&r, 8);
+        al->handle = rd_blob32(&r);
+        if (!r.bad && (al->bus.len == 0 || al->bus.len >= KVC_IPC_BUS_LEN ||
+                       !kvc_printable((const char *)al->bus.p, al->bus.len) ||
+                       al->handle.len != KVC_IPC_HANDLE_LEN))
+            r.bad = true;
+    }
+    if (!r.bad && rd_uint(&r, 4) != n_regions) r.bad = true;
+    if (!r.bad && (len - r.off) / IPC_REGION_BYTES < n_regions) r.bad = true;
+    for (uint32_t i = 0; i < n_regions && !r.bad; i++) {
+        t->reg_alloc[i] = (uint32_t)rd_uint(&r, 4);
+        t->reg_off[i] = rd_uint(&r, 8);
+        if (!r.bad && (t->reg_alloc[i] >= t->n_allocs ||
+                       t->reg_off[i] > t->allocs[t->reg_alloc[i]].size ||
+                       region_len[i] > t->allocs[t->reg_alloc[i]].size - t->reg_off[i]))
+            r.bad = true;
+    }
+    if (r.bad || r.off != len) {
+        kvc_wire_ipc_cleanup(t);
+        return KVC_ERR_PROTOCOL;
+    }
+    t->n_regions = n_regions;
+    return KVC_OK;
+}
+
+void kvc_wire_ipc_cleanup(kvc_ipc_table_t *t) {
+    free(t->allocs);
+    free(t->reg_alloc);
+    free(t->reg_off);
+    memset(t, 0, sizeof(*t));
 }

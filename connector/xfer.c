@@ -7,8 +7,10 @@
  * moves the state.
  *
  * DATA uses one of two protocols, chosen per peer (peer.c: choose_proto):
- *  GET:  one ucp_get_nbx per (coalesced run, region), or a memcpy through
- *        the mapping of a shared-memory pool.  One-sided, so bracketed by
+ *  GET:  one ucp_get_nbx per (coalesced run, region), a memcpy through
+ *        the mapping of a shared-memory pool, or device-to-device copies
+ *        from the producer's CUDA memory mapped here (CUDA IPC, ipc.c;
+ *        whole blocks only, polled events).  One-sided, so bracketed by
  *        the producer's word: a HOLD pull (CONFIRM) must be answered with an
  *        END before the first byte is read — the publication is live, the
  *        token right, the blocks its own, and they are held for this fetch —
@@ -62,6 +64,8 @@ struct kvc_xfer {
     size_t nruns;
     kvc_proto_t proto;
     bool direct;             /* GET through the shared-memory mapping */
+    bool ipc;                /* GET as CUDA IPC copies (ipc.c) */
+    kvc_ipc_job_t ipcj;      /* their events */
     size_t cur_run, cur_reg; /* direct copy cursor */
     xstate_t state;
     bool finished;     /* outcome decided (no more data taken) */
@@ -225,8 +229,12 @@ static void xfer_finish(kvc_agent_t *a, kvc_xfer_t *x, kvc_status_t st, const ch
     if (st == KVC_OK) {
         a->stats[KVC_STAT_FETCH_DONE]++;
         a->stats[KVC_STAT_BYTES_FETCHED] += x->bytes_expected;
-        KVC_LOG(a, KVC_LOG_DEBUG, "fetch %llu req=%s done blocks=%zu bytes=%llu",
-                (unsigned long long)x->id, x->req_id, x->n, (unsigned long long)x->bytes_expected);
+        if (x->ipc) a->stats[KVC_STAT_BYTES_IPC] += x->bytes_expected;
+        KVC_LOG(a, KVC_LOG_DEBUG, "fetch %llu req=%s done blocks=%zu bytes=%llu path=%s",
+                (unsigned long long)x->id, x->req_id, x->n, (unsigned long long)x->bytes_expected,
+                x->ipc                      ? "ipc"
+                : x->proto == KVC_PROTO_GET ? "get"
+                                            : "push");
         kvc_event_push(a, KVC_EV_FETCH_DONE, KVC_OK, x->id, x->user_data, x->req_id, x->local, x->n,
                        x->bytes_expected, NULL);
     } else {
@@ -235,6 +243,7 @@ static void xfer_finish(kvc_agent_t *a, kvc_xfer_t *x, kvc_status_t st, const ch
 }
 
 static void xfer_free(kvc_xfer_t *x) {
+    kvc_ipc_job_cleanup(x->a, &x->ipcj);
     free(x->req_id);
     free(x->remote);
     free(x->local);
@@ -402,6 +411,9 @@ static void start_data(kvc_agent_t *a, kvc_xfer_t *x, uint64_t now) {
     }
     /* Positions are resolved by the producer when it sends: no one-sided read. */
     x->proto = x->tail ? KVC_PROTO_PUSH : p->proto;
+    /* CUDA IPC copies whole blocks; parts of blocks go by push. */
+    x->ipc = x->proto == KVC_PROTO_GET && p->ipc && x->lparts == 1 && x->rparts == 1;
+    if (p->ipc && !x->ipc) x->proto = KVC_PROTO_PUSH;
     x->deadline_ns = now + ((uint64_t)a->xfer_timeout_ms + x->wait_ms) * 1000000ull;
     size_t per_block = 0;
     for (size_t r = 0; r < a->n_regions; r++)
@@ -441,6 +453,11 @@ static void start_data(kvc_agent_t *a, kvc_xfer_t *x, uint64_t now) {
 static void start_reads(kvc_agent_t *a, kvc_xfer_t *x) {
     kvc_peer_t *p = x->peer;
     x->state = X_DATA;
+    if (x->ipc) {
+        kvc_status_t st = kvc_ipc_copy(a, p, x->runs, x->nruns, &x->ipcj);
+        if (st != KVC_OK) op_error(x, st, "CUDA IPC copy", kvc_cuda_last_error(a->cuda));
+        return;
+    }
     bool local_host = true;
     for (size_t r = 0; r < a->n_regions; r++)
         local_host &= a->regions[r].mem_type == KVC_MEM_HOST;
@@ -587,6 +604,23 @@ static void advance(kvc_agent_t *a, kvc_xfer_t *x, uint64_t now, uint64_t *next)
     }
     if (x->state == X_DATA && x->direct) {
         if (direct_copy(a, x)) start_check(a, x);
+        return;
+    }
+    if (x->state == X_DATA && x->ipc) {
+        /* The UNHOLD only once every copy completed: its END then covers
+         * the whole read. */
+        kvc_status_t cst = KVC_OK;
+        int q = kvc_ipc_poll(a, &x->ipcj, &cst);
+        if (q < 0) {
+            char m[400];
+            snprintf(m, sizeof(m), "CUDA IPC copy: %s", kvc_cuda_last_error(a->cuda));
+            xfer_finish(a, x, cst, m);
+        } else if (q == 0) {
+            if (!stalled(a, x, now, next) && now + 50000 < *next) *next = now + 50000;
+        } else {
+            x->bytes_got = x->bytes_expected;
+            start_check(a, x);
+        }
         return;
     }
     if (x->state == X_DATA) {
@@ -813,7 +847,7 @@ static kvc_status_t fetch_start(kvc_agent_t *a, const kvc_fetch_params_t *p, boo
      * overwrite them wait for it.  Taken here, on the engine's thread, so
      * that cudaStreamPerThread is its stream.  One device only (an event
      * must be recorded on the stream's own device). */
-    if (x->has_stream && a->n_staged && kvc_cuda_devices(a->cuda) == 1 &&
+    if (x->has_stream && (a->n_staged || kvc_ipc_can_import(a)) && kvc_cuda_devices(a->cuda) == 1 &&
         (st = kvc_cuda_wait_for(a->cuda, NULL, true, x->cuda_stream)) != KVC_OK) {
         KVC_LOG(a, KVC_LOG_WARN, "fetch req=%s: waiting for the engine's stream failed: %s",
                 x->req_id, kvc_cuda_last_error(a->cuda));

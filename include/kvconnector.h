@@ -84,9 +84,11 @@
  *    (KVC_PUBLISH_FIELD_CUDA_STREAM, regions on one device only).  The
  *    connector's streams wait on it (cudaStreamWaitEvent).  Staged: kvc_publish
  *    returns at once, without a host sync (the device-to-pool copies of a
- *    pull are queued behind that wait); direct: it returns once the writes
- *    are complete (a host sync of the wait, since UCX reads device memory
- *    outside any stream).  The engine never has to synchronise.  Without either field the caller
+ *    pull are queued behind that wait); direct, and any agent that exports
+ *    its regions over CUDA IPC (see "How bytes move"): it returns once the
+ *    writes are complete (a host sync of the wait, since UCX, or a consumer
+ *    process on this node, reads device memory outside any stream of ours).
+ *    The engine never has to synchronise.  Without either field the caller
  * guarantees that its writes to the blocks are complete (e.g. it synchronised its stream).
  *  - kvc_fetch: a cudaStream_t that will read the blocks
  *    (KVC_FETCH_FIELD_CUDA_STREAM).  Staged regions: FETCH_DONE comes once
@@ -149,6 +151,34 @@
  * (KVC_STAT_CUDA_DIRECT_REGIONS .. KVC_STAT_TRANSPORTS) and logged at debug
  * level ("peer ... transports=... path=...").
  *
+ * CUDA IPC on one node (the CUDA runtime alone, no UCX CUDA transport):
+ * when every region on both sides is CUDA memory, the producer exports the
+ * allocation behind each region (cudaIpcGetMemHandle of its base, the
+ * region's offset, the GPU's PCI bus id) and sends that table, inside the
+ * authenticated and sealed handshake, to a consumer that connected from
+ * its host and said it can use it.  The consumer uses it when the producer
+ * is another process on its node (same boot id, IPC and PID namespaces),
+ * each producer GPU is visible to it (PCI bus id), and every allocation
+ * opens (cudaIpcOpenMemHandle, on the device of the local region, peer
+ * access enabled lazily); the mappings are opened once per producer
+ * instance and closed when the peer goes.  A fetch then copies device to
+ * device (cudaMemcpyAsync per coalesced run and region) on the connector's
+ * stream of each local device, bracketed by the HOLD/UNHOLD above: the
+ * UNHOLD goes out once the copies' events completed, so FETCH_DONE means
+ * the producer held the blocks for the whole read; a read after expiry,
+ * abort or a broken hold fails with KVC_ERR_DENIED.  With
+ * KVC_FETCH_FIELD_CUDA_STREAM the copies also wait for the work queued on
+ * that stream (regions on one device), as staged copies do.  Only whole
+ * blocks go this way (a sliced fetch is pushed), only with the automatic
+ * protocol (KVC_PROTO=push or get never use it), and never between two
+ * agents of one process (CUDA cannot open its own handles).  Anything that
+ * prevents it (another node, VMM or stream-ordered pool memory that has no
+ * such handle, a GPU not visible, an open that fails) leaves that producer
+ * on the path above, logged at info level; nothing fails for it.  Disabled
+ * with KVC_AGENT_FIELD_CUDA_IPC = 0 or KVC_IPC=0 (either side).  Counted in
+ * KVC_STAT_PEERS_IPC and KVC_STAT_BYTES_IPC; the debug line of a finished
+ * fetch says path=ipc.
+ *
  * Environment
  * -----------
  * UCX_* (UCX_TLS, UCX_NET_DEVICES, ...) as UCX documents them;
@@ -158,6 +188,9 @@
  * KVC_STAGING_POOL_MB (staging pool size, overrides staging_pool_bytes);
  * KVC_CUDA_STAGED=1 (stage CUDA regions through the pool even when UCX
  * could register device memory; for comparisons and troubleshooting);
+ * KVC_IPC=0|1 (the same-node CUDA IPC path off or on; overrides
+ * KVC_AGENT_FIELD_CUDA_IPC; default on);
+ * KVC_TEST_HOST_ID (tests only: the node identity CUDA IPC compares);
  * KVC_TEST_WIRE_VERSION (tests only: speak another handshake version);
  * KVC_SECRET_FILE (path of a file holding the cluster secret, trailing
  * newline stripped) or KVC_SECRET (the secret itself, for tests): read by
@@ -309,6 +342,7 @@ enum {
     KVC_AGENT_FIELD_PROGRESS_THREAD = 1u << 15,
     KVC_AGENT_FIELD_LEASE = 1u << 16,
     KVC_AGENT_FIELD_PENDING_FETCH = 1u << 17, /**< pending_fetch_ms and the three bounds */
+    KVC_AGENT_FIELD_CUDA_IPC = 1u << 18,      /**< cuda_ipc */
 };
 
 /** Agent parameters.  Only fields named in field_mask are read; others take
@@ -378,6 +412,10 @@ typedef struct {
                                         FETCH_FAILED with KVC_ERR_BUSY.  So a consumer
                                         always gets its share, whatever keys or
                                         connections others invent. */
+    int cuda_ipc; /**< KVC_AGENT_FIELD_CUDA_IPC: 0 disables the same-node CUDA IPC
+                       path on both sides (this producer exports no handles,
+                       this consumer opens none); 1 (default) allows it.  The env
+                       KVC_IPC=0|1 overrides.  See "How bytes move". */
 } kvc_agent_params_t;
 
 /**
@@ -766,7 +804,12 @@ typedef enum {
     KVC_STAT_FETCH_CANCELED = 26,      /**< consumer: fetches cancelled (kvc_fetch_cancel) */
     KVC_STAT_CONSUMERS_LOST = 27,      /**< producer: consumers whose endpoint failed (closed
                                             or died); their held and staged pulls dropped */
-    KVC_STAT_LAST = KVC_STAT_CONSUMERS_LOST
+    KVC_STAT_PEERS_IPC = 28,           /**< producers this consumer reads over CUDA IPC
+                                            (device-to-device copies on this node; not
+                                            counted in KVC_STAT_PEERS_GET) */
+    KVC_STAT_BYTES_IPC = 29,           /**< bytes of completed fetches copied over CUDA IPC
+                                            (also in KVC_STAT_BYTES_FETCHED) */
+    KVC_STAT_LAST = KVC_STAT_BYTES_IPC
 } kvc_stat_t;
 
 /** Bits of KVC_STAT_TRANSPORTS.  Values are stable. */

@@ -24,10 +24,13 @@ typedef enum cudaError {
     cudaErrorInsufficientDriver = 35,
     cudaErrorNoDevice = 100,
     cudaErrorInvalidDevice = 101,
+    cudaErrorDeviceUninitialized = 201, /* "invalid device context" */
+    cudaErrorMapBufferObjectFailed = 205,
     cudaErrorInvalidResourceHandle = 400,
     cudaErrorNotReady = 600,
     cudaErrorIllegalAddress = 700,
     cudaErrorLaunchFailure = 719,
+    cudaErrorNotSupported = 801,
     cudaErrorUnknown = 999,
 } cudaError_t;
 
@@ -52,6 +55,14 @@ struct cudaPointerAttributes {
     void *devicePointer;
     void *hostPointer;
 };
+
+/* Interprocess memory handles (driver_types.h).  The stand-in's handle
+ * names the exporter's memfd (cudasim.c). */
+#define CUDA_IPC_HANDLE_SIZE 64
+typedef struct cudaIpcMemHandle_st {
+    char reserved[CUDA_IPC_HANDLE_SIZE];
+} cudaIpcMemHandle_t;
+#define cudaIpcMemLazyEnablePeerAccess 0x01
 
 typedef struct CUstream_st *cudaStream_t;
 typedef struct CUevent_st *cudaEvent_t;
@@ -114,6 +125,14 @@ cudaError_t cudaMemcpy(void *dst, const void *src, size_t count, enum cudaMemcpy
 cudaError_t cudaMemset(void *devPtr, int value, size_t count);
 cudaError_t cudaLaunchHostFunc(cudaStream_t stream, cudaHostFn_t fn, void *userData);
 cudaError_t cudaDeviceSynchronize(void);
+/* IPC: device memory is a memfd, so another process maps the same pages;
+ * opening a handle in the process that exported it fails as on CUDA
+ * (cudaErrorDeviceUninitialized); the opened pointer belongs to the
+ * current device. */
+cudaError_t cudaIpcGetMemHandle(cudaIpcMemHandle_t *handle, void *devPtr);
+cudaError_t cudaIpcOpenMemHandle(void **devPtr, cudaIpcMemHandle_t handle, unsigned int flags);
+cudaError_t cudaIpcCloseMemHandle(void *devPtr);
+cudaError_t cudaDeviceGetPCIBusId(char *pciBusId, int len, int device);
 
 #ifdef __cplusplus
 }

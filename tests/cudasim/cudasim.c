@@ -19,14 +19,16 @@
 #ifndef _GNU_SOURCE
 #define _GNU_SOURCE /* nanosleep */
 #endif
-#include "tests/cudasim/cudasim.h"
+#include "tests/cudasim/cudasim_int.h"
 
 #include <pthread.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <time.h>
+#include <unistd.h>
 
 #define MAX_DEV 8
 
@@ -72,6 +74,17 @@ typedef struct alloc {
     int device;
     struct alloc *tail; /* cudasim_split: the allocation carved from this one's memory */
     bool borrowed;      /* its memory belongs to the allocation it was split from */
+    /* Device memory is a memfd mapped here, so that another process can map
+     * it too (cudaIpcOpenMemHandle).  fd: the memfd (owned unless borrowed),
+     * off: where this allocation starts in it, maplen: the mapping's length
+     * (owned mappings). */
+    int fd;
+    size_t off, maplen;
+    /* An IPC mapping (cudaIpcOpenMemHandle): the exporter and its handle's
+     * allocation id, opened `refs` times; never cudaFree'd. */
+    bool imported;
+    int pid, refs;
+    uint64_t uid;
 } alloc_t;
 
 typedef struct {
@@ -86,6 +99,7 @@ typedef struct {
 
 static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
 static int ndev = 2;
+static uint64_t next_uid; /* allocation ids, named in IPC handles */
 /* Each device's legacy default stream, valid before any cudasim_reset (a
  * program that never calls it, like kvc_gpu_test_standin). */
 #define LEGACY(d)                                                                                  \
@@ -517,6 +531,12 @@ const char *cudaGetErrorName(cudaError_t e) {
         return "cudaErrorNoDevice";
     case cudaErrorInvalidDevice:
         return "cudaErrorInvalidDevice";
+    case cudaErrorDeviceUninitialized:
+        return "cudaErrorDeviceUninitialized";
+    case cudaErrorMapBufferObjectFailed:
+        return "cudaErrorMapBufferObjectFailed";
+    case cudaErrorNotSupported:
+        return "cudaErrorNotSupported";
     case cudaErrorInvalidResourceHandle:
         return "cudaErrorInvalidResourceHandle";
     case cudaErrorNotReady:
@@ -544,6 +564,12 @@ const char *cudaGetErrorString(cudaError_t e) {
         return "no CUDA-capable device is detected";
     case cudaErrorInvalidDevice:
         return "invalid device ordinal";
+    case cudaErrorDeviceUninitialized:
+        return "invalid device context";
+    case cudaErrorMapBufferObjectFailed:
+        return "mapping of buffer object failed";
+    case cudaErrorNotSupported:
+        return "operation not supported";
     case cudaErrorInvalidResourceHandle:
         return "invalid resource handle";
     case cudaErrorNotReady:
@@ -557,17 +583,45 @@ const char *cudaGetErrorString(cudaError_t e) {
     }
 }
 
+/* A memfd of `size` bytes mapped shared at a->p (a->fd, a->maplen). */
+static bool shared_map(alloc_t *a, size_t size) {
+    size_t len = size ? size : 1;
+    int fd = memfd_create("cudasim-device", MFD_CLOEXEC);
+    if (fd < 0) return false;
+    void *m = ftruncate(fd, (off_t)len)
+                  ? MAP_FAILED
+                  : mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
+    if (m == MAP_FAILED) {
+        close(fd);
+        return false;
+    }
+    a->p = m;
+    a->fd = fd;
+    a->maplen = len;
+    return true;
+}
+
+static void shared_unmap(alloc_t *a) {
+    munmap(a->p, a->maplen);
+    if (!a->imported) close(a->fd);
+}
+
 cudaError_t cudaMalloc(void **p, size_t size) {
     ENTER("cudaMalloc", NULL);
     alloc_t *a = calloc(1, sizeof(*a));
-    if (!p || !a || !(a->p = malloc(size ? size : 1))) {
+    if (!p || !a) {
         free(a);
         LEAVE(p ? cudaErrorMemoryAllocation : cudaErrorInvalidValue);
+    }
+    if (!shared_map(a, size)) {
+        free(a);
+        LEAVE(cudaErrorMemoryAllocation);
     }
     /* Fresh device memory holds garbage, not zeros. */
     memset(a->p, 0xA5, size);
     a->len = size;
     a->device = cur_dev;
+    a->uid = ++next_uid;
     a->next = allocs;
     allocs = a;
     *p = a->p;
@@ -588,13 +642,13 @@ cudaError_t cudaFree(void *p) {
     ENTER("cudaFree", NULL);
     if (!p) LEAVE(cudaSuccess);
     for (alloc_t *a = allocs; a; a = a->next)
-        if (a->p == p) {
+        if (a->p == p && !a->imported) {
             forget(a);
             if (a->tail) {
                 forget(a->tail);
                 free(a->tail);
             }
-            if (!a->borrowed) free(a->p);
+            if (!a->borrowed) shared_unmap(a);
             free(a);
             LEAVE(cudaSuccess);
         }
@@ -609,7 +663,10 @@ void cudasim_split(void *p, size_t at) {
                        .p = a->p + at,
                        .len = a->len - at,
                        .device = a->device,
-                       .borrowed = true};
+                       .borrowed = true,
+                       .fd = a->fd,
+                       .off = a->off + at,
+                       .uid = ++next_uid};
         allocs = b;
         a->len = at;
         a->tail = b;
@@ -971,4 +1028,80 @@ cudaError_t cudaMemset(void *p, int value, size_t count) {
     o->width = count;
     enqueue(s, o);
     LEAVE(cudaSuccess);
+}
+
+/* ---------------------------------------------- for cudasim_ipc.c -- */
+
+cudaError_t cudasim_enter_locked(const char *fn) {
+    pthread_mutex_lock(&mu);
+    cudaError_t e = enter(fn, NULL);
+    if (e != cudaSuccess) {
+        pthread_mutex_unlock(&mu);
+        return set_err(e);
+    }
+    return cudaSuccess;
+}
+
+cudaError_t cudasim_leave_locked(cudaError_t e) {
+    pthread_mutex_unlock(&mu);
+    return set_err(e);
+}
+
+int cudasim_current_device(void) {
+    return cur_dev;
+}
+
+bool cudasim_export(const void *p, cudasim_export_t *x) {
+    alloc_t *a = find_alloc(allocs, p, 1);
+    if (!a || a->p != p || a->imported) return false;
+    *x = (cudasim_export_t){a->fd, a->device, a->off, a->len, a->uid};
+    return true;
+}
+
+void *cudasim_import_find(int pid, uint64_t uid, int device) {
+    for (alloc_t *a = allocs; a; a = a->next)
+        if (a->imported && a->pid == pid && a->uid == uid && a->device == device) {
+            a->refs++;
+            return a->p;
+        }
+    return NULL;
+}
+
+bool cudasim_import_add(void *map, size_t maplen, size_t lead, size_t len, int pid, uint64_t uid) {
+    alloc_t *a = calloc(1, sizeof(*a));
+    if (!a) return false;
+    *a = (alloc_t){.next = allocs,
+                   .p = (uint8_t *)map + lead,
+                   .len = len,
+                   .device = cur_dev, /* mapped into the current device's address space */
+                   .fd = -1,
+                   .off = lead,
+                   .maplen = maplen,
+                   .imported = true,
+                   .pid = pid,
+                   .refs = 1,
+                   .uid = uid};
+    allocs = a;
+    return true;
+}
+
+int cudasim_import_drop(void *p) {
+    for (alloc_t *a = allocs; a; a = a->next)
+        if (a->imported && a->p == p) {
+            if (--a->refs > 0) return 0;
+            forget(a);
+            munmap(a->p - a->off, a->maplen);
+            free(a);
+            return 0;
+        }
+    return -1;
+}
+
+int cudasim_ipc_open_count(void) {
+    int n = 0;
+    pthread_mutex_lock(&mu);
+    for (alloc_t *a = allocs; a; a = a->next)
+        n += a->imported ? a->refs : 0;
+    pthread_mutex_unlock(&mu);
+    return n;
 }

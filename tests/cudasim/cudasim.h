@@ -44,5 +44,8 @@ int cudasim_streams_live(void);
  * at any time since the last reset. */
 size_t cudasim_pinned_bytes(void);
 size_t cudasim_pinned_peak(void);
+/* IPC mappings open in this process (cudaIpcOpenMemHandle references not
+ * yet closed). */
+int cudasim_ipc_open_count(void);
 
 #endif

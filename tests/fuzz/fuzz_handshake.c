@@ -1,6 +1,7 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /* libFuzzer target: the side-channel messages libkvconnector parses from the
- * network — header, HELLO and CHALLENGE, AUTH, ERROR, HANDSHAKE, SEALED —
+ * network — header, HELLO and CHALLENGE, AUTH, ERROR, HANDSHAKE (with its
+ * CUDA IPC table, parsed against the handshake's regions), SEALED —
  * exactly as listen.c and peer.c feed them, the check of the handshake's MAC,
  * and the sealed channel: a SEALED message from the network never opens
  * without its key, and any input sealed opens to itself and to nothing once
@@ -59,6 +60,21 @@ static void seal_roundtrip(const uint8_t *d, size_t len) {
     kvc_buf_cleanup(&b);
 }
 
+/* A CUDA IPC table as ipc.c parses it, for regions of these lengths: what
+ * it accepts lies inside its allocations. */
+static void ipc_table(const uint8_t *p, size_t len, const uint64_t *rlen, uint32_t n) {
+    kvc_ipc_table_t t;
+    if (kvc_wire_parse_ipc(p, len, rlen, n, &t) != KVC_OK) return;
+    if (t.n_regions != n || !t.n_allocs || t.host.len == 0) abort();
+    for (uint32_t i = 0; i < n; i++) {
+        const kvc_ipc_alloc_t *al = &t.allocs[t.reg_alloc[i]];
+        if (t.reg_alloc[i] >= t.n_allocs || al->handle.len != KVC_IPC_HANDLE_LEN ||
+            t.reg_off[i] > al->size || rlen[i] > al->size - t.reg_off[i])
+            abort();
+    }
+    kvc_wire_ipc_cleanup(&t);
+}
+
 static void body(uint16_t type, const uint8_t *b, size_t len) {
     switch (type) {
     case KVC_MSG_HELLO:
@@ -106,6 +122,11 @@ static void body(uint16_t type, const uint8_t *b, size_t len) {
             a.secret_len = 4;
             kvc_mac_producer(&a, nonce, nonce, b, hs.signed_len, want);
             (void)kvc_mac_equal(want, hs.mac, KVC_MAC_LEN);
+            uint64_t *rl = calloc(hs.n_regions ? hs.n_regions : 1, sizeof(*rl));
+            for (uint32_t i = 0; rl && i < hs.n_regions; i++)
+                rl[i] = hs.regions[i].len;
+            if (rl && hs.ipc.len) ipc_table(hs.ipc.p, hs.ipc.len, rl, hs.n_regions);
+            free(rl);
             kvc_wire_hs_cleanup(&hs);
         }
         break;
@@ -134,9 +155,12 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
             free(b);
         }
     }
-    /* Every body parser on the raw input too (no header). */
+    /* Every body parser on the raw input too (no header), the IPC table's
+     * for one to four regions of 4 KiB. */
     for (uint16_t t = KVC_MSG_HELLO; t <= KVC_MSG_ERROR; t++)
         body(t, buf, size);
+    static const uint64_t rl[4] = {4096, 4096, 4096, 4096};
+    ipc_table(buf, size, rl, 1 + (uint32_t)(size % 4));
     free(buf);
     return 0;
 }

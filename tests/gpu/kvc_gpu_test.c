@@ -28,6 +28,13 @@
  * this engine's TP size; N decode ranks fetch one prefill rank's blocks)
  * --xfer-timeout-ms N (the agent's data timeout, 30000 by default; a --kill
  * consumer gives up N ms + 30 s after its start).
+ * The consumer's RESULT line says which path moved the bytes (path=ipc|get|
+ * push; KVC_IPC=0 in the environment forbids the same-node CUDA IPC path,
+ * which is otherwise chosen on one node), first_fetch_ms (the warm-up fetch
+ * of one block: handshake, IPC open, one read) and memcpy_gbps: the fetched
+ * runs copied device to device with cudaMemcpyAsync in the same process
+ * right after (on the stand-in a host memcpy of the same bytes), the
+ * ceiling the IPC path is measured against.
  *
  * Every result is one line starting with "RESULT " (key=value pairs) on
  * stdout; exit status 0 only when the check passed. */
@@ -444,6 +451,35 @@ static int run_producer(const opts_t *o) {
 
 /* ------------------------------------------------------------- consumer -- */
 
+/* The fetched runs (remote -> local, consecutive blocks merged) copied
+ * device to device inside each region with cudaMemcpyAsync on one stream,
+ * as the IPC path copies them: best of three after a warm-up, GB/s.  Run
+ * after the bytes were checked (it overwrites the fetched blocks). */
+static double runs_memcpy_gbps(const opts_t *o, void **dev, const uint64_t *rem,
+                               const uint64_t *loc, size_t n) {
+    cudaStream_t s;
+    CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    double best = 0;
+    for (int rep = 0; rep < 4; rep++) {
+        double t0 = now_s();
+        for (int r = 0; r < o->regions; r++)
+            for (size_t i = 0; i < n;) {
+                size_t cnt = 1;
+                while (i + cnt < n && rem[i + cnt] == rem[i] + cnt && loc[i + cnt] == loc[i] + cnt)
+                    cnt++;
+                CK(cudaMemcpyAsync((char *)dev[r] + loc[i] * o->block,
+                                   (const char *)dev[r] + rem[i] * o->block, cnt * o->block,
+                                   cudaMemcpyDeviceToDevice, s));
+                i += cnt;
+            }
+        CK(cudaStreamSynchronize(s));
+        double g = (double)n * o->block * o->regions / (now_s() - t0) / 1e9;
+        if (rep && g > best) best = g;
+    }
+    CK(cudaStreamDestroy(s));
+    return best;
+}
+
 static char *read_params(const char *path) {
     for (int i = 0; i < 2400; i++) { /* up to 120 s for the producer's fill */
         FILE *f = fopen(path, "r");
@@ -513,8 +549,8 @@ static int run_consumer(const opts_t *o) {
     kvc_status_t st;
     double first_ms = -1; /* the warm-up: handshake, path set-up, one block */
     if (!o->kill_pidfile) {
-        double w0 = now_s();
         /* Warm-up: one block into the first local block, handshake done. */
+        double w0 = now_s();
         kvc_fetch_params_t wp = fp;
         wp.kv_transfer_params_json = warm;
         wp.num_local_blocks = 1;
@@ -567,7 +603,9 @@ static int run_consumer(const opts_t *o) {
     double secs = now_s() - t0;
     char tl[128];
     transports_text(kstat(a, KVC_STAT_TRANSPORTS), tl, sizeof(tl));
-    const char *path = kstat(a, KVC_STAT_PEERS_GET) ? "get" : "push";
+    const char *path = kstat(a, KVC_STAT_PEERS_IPC)   ? "ipc"
+                       : kstat(a, KVC_STAT_PEERS_GET) ? "get"
+                                                      : "push";
     const char *mem = kstat(a, KVC_STAT_CUDA_DIRECT_REGIONS) ? "direct" : "staged";
     if (o->kill_pidfile) {
         /* Killed mid-fetch: a clear failure within the timeouts (or, if the
@@ -613,11 +651,14 @@ static int run_consumer(const opts_t *o) {
             }
         }
         double bytes = (double)n * o->block * o->regions;
+        double mc = runs_memcpy_gbps(o, dev, rem, loc, n);
         printf("RESULT fetch outcome=done bad_words=%llu blocks=%zu regions=%d bytes=%.0f "
-               "seconds=%.3f gbps=%.1f path=%s memory=%s transports=%s copies=%llu syncs=%llu ucx=%s first_ms=%.1f\n",
+               "seconds=%.3f gbps=%.1f path=%s memory=%s transports=%s copies=%llu syncs=%llu "
+               "first_fetch_ms=%.1f memcpy_gbps=%.1f ucx=%s\n",
                (unsigned long long)bad, n, o->regions, bytes, secs, bytes / secs / 1e9, path, mem,
                tl, (unsigned long long)kstat(a, KVC_STAT_CUDA_COPIES),
-               (unsigned long long)kstat(a, KVC_STAT_CUDA_SYNCS), ucp_get_version_string(), first_ms);
+               (unsigned long long)kstat(a, KVC_STAT_CUDA_SYNCS), first_ms, mc,
+               ucp_get_version_string());
         if (bad || o->expect_fail) rc = 1; /* a fetch that had to fail succeeded */
     }
     kvc_agent_destroy(a);

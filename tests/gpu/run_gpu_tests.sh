@@ -18,7 +18,11 @@
 # fetch one prefill rank's blocks, released after both); a producer killed
 # mid-fetch, also over shared memory only (must fail cleanly; a fetch that
 # finished before the kill proves nothing and FAILS the check); the consumer
-# under compute-sanitizer when it is installed.  One summary line per check;
+# under compute-sanitizer when it is installed; the same-node CUDA IPC path
+# (byte-exact, GB/s against D2D cudaMemcpy of the same runs, target 70 %,
+# first-fetch latency, stream order, two GPUs, reads after expiry/abort
+# denied, producer killed) while every other check runs with KVC_IPC=0, so
+# the staged and direct figures stay those of their paths.  One summary line per check;
 # exit status 0 only if every check passed, 77 when nvidia-smi sees no GPU
 # (nothing to check).  A GPU that nvidia-smi sees with no test binary built
 # or buildable FAILS.
@@ -233,6 +237,22 @@ pair() {
     PRC=$?
 }
 
+# pair_done NAME: the pair's fetch completed with every byte right and the
+# producer was released; else a FAIL line (and its logs) and status 1.
+pair_done() {
+    local name=$1 o=$WORK/$1.c.out
+    if [ $CRC -ne 0 ] || [ "$(val "$o" outcome)" != done ] || [ "$(val "$o" bad_words)" != 0 ]; then
+        summary FAIL "$name" "consumer rc=$CRC producer rc=$PRC $(grep -h '^RESULT' "$o" | head -1)"
+        tail_of "$WORK/$name.c.err"
+        tail_of "$WORK/$name.p.err"
+        return 1
+    fi
+    if [ $PRC -ne 0 ]; then
+        summary FAIL "$name" "bytes right but the producer was not released (rc=$PRC)"
+        return 1
+    fi
+}
+
 fetch_check() { # NAME ENV WANT_MEMORY (staged|direct) -- options
     local name=$1 envs=$2 want=$3
     shift 4
@@ -242,24 +262,14 @@ fetch_check() { # NAME ENV WANT_MEMORY (staged|direct) -- options
     fi
     pair "$name" "$envs" "" -- "$@"
     local o=$WORK/$name.c.out
-    local g mem path tl bad
+    local g mem path tl
     g=$(val "$o" gbps) mem=$(val "$o" memory) path=$(val "$o" path) tl=$(val "$o" transports)
-    bad=$(val "$o" bad_words)
-    if [ $CRC -ne 0 ] || [ "$(val "$o" outcome)" != done ] || [ "$bad" != 0 ]; then
-        summary FAIL "$name" "consumer rc=$CRC producer rc=$PRC $(grep -h '^RESULT' "$o" | head -1)"
-        tail_of "$WORK/$name.c.err"
-        tail_of "$WORK/$name.p.err"
-        return
-    fi
-    if [ $PRC -ne 0 ]; then
-        summary FAIL "$name" "bytes right but the producer was not released (rc=$PRC)"
-        return
-    fi
+    pair_done "$name" || return
     if [ "$mem" != "$want" ]; then
         summary FAIL "$name" "expected the $want path, the connector used $mem"
         return
     fi
-    local text="$(val "$o" blocks) blocks x $(val "$o" regions) regions: every byte right, untouched blocks untouched; $g GB/s in $(val "$o" seconds) s (first fetch $(val "$o" first_ms) ms), $mem, $path over $tl, UCX $(val "$o" ucx)"
+    local text="$(val "$o" blocks) blocks x $(val "$o" regions) regions: every byte right, untouched blocks untouched; $g GB/s in $(val "$o" seconds) s (first fetch $(val "$o" first_fetch_ms) ms), $mem, $path over $tl, UCX $(val "$o" ucx)"
     if [ $STANDIN = 0 ] && [ "$name" = fetch-direct ] && echo "$tl" | grep -q cuda_ipc; then
         if ratio_ok "$g" "$D2D" 0.70; then
             summary PASS "$name" "$text = $(pct "$g" "$D2D") % of D2D (target 70 %)"
@@ -277,28 +287,28 @@ fetch_check() { # NAME ENV WANT_MEMORY (staged|direct) -- options
     fi
 }
 
-fetch_check fetch-staged "KVC_CUDA_STAGED=1" staged -- "${FULL[@]}"
+fetch_check fetch-staged "KVC_CUDA_STAGED=1 KVC_IPC=0" staged -- "${FULL[@]}"
 if [ $HAVE_CUDA_UCX = 1 ]; then
-    fetch_check fetch-direct "$DIRECT_ENV" direct -- "${FULL[@]}"
+    fetch_check fetch-direct "$DIRECT_ENV KVC_IPC=0" direct -- "${FULL[@]}"
 else
     summary SKIP fetch-direct "UCX here has no CUDA transports (cuda_copy/cuda_ipc): the direct path cannot run; staged only"
 fi
 # A 4k-token prompt's blocks, as an engine fetches them for one request:
 # 256 blocks of 16 tokens in each of the 64 regions (512 MiB at full size).
 PROMPT=(--regions $REG --blocks $BLK --block-kb $KB --fetch $((BLK / 2 < 256 ? BLK / 2 : 256)))
-fetch_check prompt4k-staged "KVC_CUDA_STAGED=1" staged -- "${PROMPT[@]}"
-if [ $HAVE_CUDA_UCX = 1 ]; then fetch_check prompt4k-direct "$DIRECT_ENV" direct -- "${PROMPT[@]}"; fi
+fetch_check prompt4k-staged "KVC_CUDA_STAGED=1 KVC_IPC=0" staged -- "${PROMPT[@]}"
+if [ $HAVE_CUDA_UCX = 1 ]; then fetch_check prompt4k-direct "$DIRECT_ENV KVC_IPC=0" direct -- "${PROMPT[@]}"; fi
 
 # Stream-order probe: the producer's blocks are written by copies queued
 # behind a 300 ms stream operation and published at once with that stream;
 # the consumer reads them through its own stream after FETCH_DONE.
-fetch_check probe-staged "KVC_CUDA_STAGED=1" staged -- "${SMALL[@]}" --probe
-if [ $HAVE_CUDA_UCX = 1 ]; then fetch_check probe-direct "$DIRECT_ENV" direct -- "${SMALL[@]}" --probe; fi
+fetch_check probe-staged "KVC_CUDA_STAGED=1 KVC_IPC=0" staged -- "${SMALL[@]}" --probe
+if [ $HAVE_CUDA_UCX = 1 ]; then fetch_check probe-direct "$DIRECT_ENV KVC_IPC=0" direct -- "${SMALL[@]}" --probe; fi
 # The same on the legacy default stream: handle 0 with the stream field set
 # (torch.cuda.current_stream().cuda_stream unless a side stream is used).
-fetch_check probe-default-staged "KVC_CUDA_STAGED=1" staged -- "${SMALL[@]}" --probe --default-stream
+fetch_check probe-default-staged "KVC_CUDA_STAGED=1 KVC_IPC=0" staged -- "${SMALL[@]}" --probe --default-stream
 if [ $HAVE_CUDA_UCX = 1 ]; then
-    fetch_check probe-default-direct "$DIRECT_ENV" direct -- "${SMALL[@]}" --probe --default-stream
+    fetch_check probe-default-direct "$DIRECT_ENV KVC_IPC=0" direct -- "${SMALL[@]}" --probe --default-stream
 fi
 
 # Two GPUs: the producer on GPU 0, the consumer on GPU 1 (cuda_ipc where
@@ -306,12 +316,12 @@ fi
 if [ "$NGPU" -ge 2 ]; then
     PX=(--device 0) CX=(--device 1)
     if [ $HAVE_CUDA_UCX = 1 ]; then
-        fetch_check two-gpus "$DIRECT_ENV" direct -- "${FULL[@]}"
+        fetch_check two-gpus "$DIRECT_ENV KVC_IPC=0" direct -- "${FULL[@]}"
         if ! grep -q 'transports=[^ ]*cuda_ipc' "$WORK/two-gpus.c.out" 2>/dev/null; then
             summary FAIL two-gpus-ipc "two GPUs but the fetch did not go over cuda_ipc: $(grep -h '^RESULT' "$WORK/two-gpus.c.out" | head -1)"
         fi
     else
-        fetch_check two-gpus "KVC_CUDA_STAGED=1" staged -- "${FULL[@]}"
+        fetch_check two-gpus "KVC_CUDA_STAGED=1 KVC_IPC=0" staged -- "${FULL[@]}"
     fi
     PX=() CX=()
 else
@@ -343,8 +353,8 @@ fail_check() {
 # may have reused.
 for mem in staged direct; do
     if [ $mem = direct ] && [ $HAVE_CUDA_UCX = 0 ]; then continue; fi
-    envs=$DIRECT_ENV
-    if [ $mem = staged ]; then envs="KVC_CUDA_STAGED=1"; fi
+    envs="$DIRECT_ENV KVC_IPC=0"
+    if [ $mem = staged ]; then envs="KVC_CUDA_STAGED=1 KVC_IPC=0"; fi
     PX=(--expiry-ms 500) CX=(--delay-ms 1500 --expect failed)
     fail_check "expired-$mem" "$envs" -- "${SMALL[@]}"
     PX=(--unpublish-ms 300) CX=(--delay-ms 1500 --expect failed)
@@ -352,11 +362,70 @@ for mem in staged direct; do
 done
 PX=() CX=()
 
+# ------------------------------------------------------------ CUDA IPC --
+# Same-node CUDA IPC (connector/ipc.c): the consumer maps the producer's
+# device memory (cudaIpcOpenMemHandle, once per producer) and copies device
+# to device on its own stream between the producer's HOLD and UNHOLD.
+# Target on a GPU: 70 % of cudaMemcpyAsync device-to-device of the same runs
+# in the consumer right after the fetch (memcpy_gbps, same run); also
+# reported: the baseline's D2D and the first-fetch latency (the warm-up
+# fetch of one block: handshake, IPC open, one read).
+ipc_check() { # NAME ENV -- options
+    local name=$1 envs=$2
+    shift 3
+    if ! time_left; then
+        summary FAIL "$name" "time budget of $LIMIT s used up before this check"
+        return
+    fi
+    pair "$name" "KVC_IPC=1 KVC_LOG_LEVEL=info $envs" "" -- "$@"
+    local o=$WORK/$name.c.out
+    local g path mc first
+    g=$(val "$o" gbps) path=$(val "$o" path) mc=$(val "$o" memcpy_gbps)
+    first=$(val "$o" first_fetch_ms)
+    pair_done "$name" || return
+    if [ "$path" != ipc ]; then
+        summary FAIL "$name" "expected the CUDA IPC path, the connector used $path: $(grep -h 'CUDA IPC' "$WORK/$name.c.err" "$WORK/$name.p.err" | tail -2 | tr '\n' ' ')"
+        return
+    fi
+    local text="$(val "$o" blocks) blocks x $(val "$o" regions) regions: every byte right, untouched blocks untouched; $g GB/s over CUDA IPC; first fetch $first ms (handshake + IPC open + one block)"
+    if [ $STANDIN = 0 ] && [ "$name" = fetch-ipc ]; then
+        if ratio_ok "$g" "$mc" 0.70; then
+            summary PASS "$name" "$text = $(pct "$g" "$mc") % of D2D cudaMemcpy of the same runs ($mc GB/s; baseline D2D $D2D GB/s; target 70 %)"
+        else
+            summary FAIL "$name" "$text = $(pct "$g" "$mc") % of D2D cudaMemcpy of the same runs ($mc GB/s; baseline D2D $D2D GB/s), below the 70 % target"
+        fi
+    else
+        summary PASS "$name" "$text; $(pct "$g" "$mc") % of a memcpy of the same runs ($mc GB/s; stand-in: no target)"
+    fi
+}
+
+ipc_check fetch-ipc "" -- "${FULL[@]}"
+ipc_check prompt4k-ipc "" -- "${PROMPT[@]}"
+# Stream order across processes: the producer's blocks are written behind a
+# 300 ms stream operation and published at once; the consumer's copies must
+# read what that operation's queue wrote (the producer completes the capture
+# before any consumer can read over IPC).
+ipc_check probe-ipc "" -- "${SMALL[@]}" --probe
+if [ "$NGPU" -ge 2 ]; then
+    PX=(--device 0) CX=(--device 1)
+    ipc_check two-gpus-ipc "" -- "${SMALL[@]}"
+    PX=() CX=()
+else
+    summary SKIP two-gpus-ipc "one GPU: CUDA IPC between two GPUs not checked"
+fi
+# A read after expiry or after the engine aborted the request: DENIED at
+# the producer's HOLD, nothing copied from blocks the engine may reuse.
+PX=(--expiry-ms 500) CX=(--delay-ms 1500 --expect failed)
+fail_check expired-ipc "KVC_IPC=1" -- "${SMALL[@]}"
+PX=(--unpublish-ms 300) CX=(--delay-ms 1500 --expect failed)
+fail_check aborted-ipc "KVC_IPC=1" -- "${SMALL[@]}"
+PX=() CX=()
+
 # Heterogeneous TP: two decode ranks (tp 2) fetch the blocks of one prefill
 # rank; the producer is released only after both notified.
 if time_left; then
     C2=1 CX=(--tp 2)
-    pair hetero-tp "KVC_CUDA_STAGED=1" "" -- "${SMALL[@]}"
+    pair hetero-tp "KVC_CUDA_STAGED=1 KVC_IPC=0" "" -- "${SMALL[@]}"
     C2=0 CX=()
     if [ $CRC -eq 0 ] && [ $CRC2 -eq 0 ] && [ $PRC -eq 0 ] &&
         [ "$(val "$WORK/hetero-tp.c.out" bad_words)" = 0 ] &&
@@ -370,25 +439,31 @@ else
     summary FAIL hetero-tp "time budget of $LIMIT s used up before this check"
 fi
 
-# Producer killed (SIGKILL) as soon as the handshake is done: the consumer
-# must report a clear failure in time, never hang or crash.  Push, so that
-# the producer process has to be alive to serve the data.
-if time_left; then
-    pair kill "KVC_CUDA_STAGED=1 KVC_PROTO=push" "" -- "${FULL[@]}"
-    o=$WORK/kill.c.out
+# kill_check CHECK NAME ENV -- options: the producer is killed (SIGKILL) as
+# soon as the handshake is done; the consumer must report a clear failure in
+# time, never hang or crash.  A fetch that completed first proves nothing.
+kill_check() {
+    local check=$1 name=$2 envs=$3
+    shift 4
+    if ! time_left; then
+        summary FAIL "$check" "time budget of $LIMIT s used up before this check"
+        return
+    fi
+    pair "$name" "$envs" "" -- "$@"
+    local o=$WORK/$name.c.out out
     out=$(val "$o" outcome)
     if [ $CRC -eq 0 ] && [ "$out" = failed ]; then
-        summary PASS kill-producer "FETCH_FAILED $(val "$o" status) after $(val "$o" seconds) s"
+        summary PASS "$check" "FETCH_FAILED $(val "$o" status) after $(val "$o" seconds) s"
     elif [ "$out" = done ]; then
-        # Proves nothing about a producer dying mid-fetch: never a pass.
-        summary FAIL kill-producer "the fetch completed before the kill took effect: the case was not exercised (make the fetch larger)"
+        summary FAIL "$check" "the fetch completed before the kill took effect: the case was not exercised (make the fetch larger)"
     else
-        summary FAIL kill-producer "consumer rc=$CRC $(grep -h '^RESULT' "$o" | head -1)"
-        tail_of "$WORK/kill.c.err"
+        summary FAIL "$check" "consumer rc=$CRC $(grep -h '^RESULT' "$o" | head -1)"
+        tail_of "$WORK/$name.c.err"
     fi
-else
-    summary FAIL kill-producer "time budget of $LIMIT s used up before this check"
-fi
+}
+
+# Push, so that the producer process has to be alive to serve the data.
+kill_check kill-producer kill "KVC_CUDA_STAGED=1 KVC_PROTO=push KVC_IPC=0" -- "${FULL[@]}"
 
 # The same over shared memory only: UCX 1.13's sm transports have no
 # peer-failure handling, so the endpoint is made without it and only the
@@ -401,7 +476,7 @@ if time_left; then
     tries=3
     if [ $STANDIN = 0 ]; then tries=1; fi
     for ((try = 1; try <= tries; try++)); do
-        pair kill-sm "KVC_CUDA_STAGED=1 KVC_PROTO=push UCX_TLS=sm,self" "" -- "${FULL[@]}"
+        pair kill-sm "KVC_CUDA_STAGED=1 KVC_PROTO=push KVC_IPC=0 UCX_TLS=sm,self" "" -- "${FULL[@]}"
         o=$WORK/kill-sm.c.out
         out=$(val "$o" outcome)
         if [ $CRC -ne 0 ] || [ "$out" != failed ]; then break; fi
@@ -419,10 +494,15 @@ else
     summary FAIL kill-producer-sm "time budget of $LIMIT s used up before this check"
 fi
 
+# Over CUDA IPC: the producer's allocations are mapped in the consumer when
+# it dies; the fetch must fail cleanly (no word on the hold can come), and
+# closing the mappings of a dead exporter must neither crash nor hang.
+kill_check kill-ipc kill-ipc "KVC_IPC=1 KVC_LOG_LEVEL=info" -- "${SMALL[@]}"
+
 # The consumer under compute-sanitizer (memcheck), small sizes.
 if [ $STANDIN = 0 ] && command -v compute-sanitizer >/dev/null 2>&1; then
     if time_left; then
-        pair sanitizer "" "compute-sanitizer --tool memcheck --error-exitcode 86" -- "${SMALL[@]}"
+        pair sanitizer "KVC_IPC=0" "compute-sanitizer --tool memcheck --error-exitcode 86" -- "${SMALL[@]}"
         if [ $CRC -eq 0 ] && [ "$(val "$WORK/sanitizer.c.out" bad_words)" = 0 ]; then
             summary PASS sanitizer "compute-sanitizer memcheck: no errors in the consumer"
         else

@@ -81,9 +81,13 @@ static void dev_check(void) {
 static size_t pool_bytes; /* nonzero: the agents' staging_pool_bytes */
 
 static void side_init(side_t *s, const char *name, int ndev, kvc_proto_t proto) {
-    kvc_agent_params_t ap = {.field_mask = KVC_AGENT_FIELD_ENGINE_ID | KVC_AGENT_FIELD_PROTO,
+    /* The staged path alone: an agent that exports CUDA IPC handles
+     * completes kvc_publish's capture on the host (test_kvc_ipc.c). */
+    kvc_agent_params_t ap = {.field_mask = KVC_AGENT_FIELD_ENGINE_ID | KVC_AGENT_FIELD_PROTO |
+                                           KVC_AGENT_FIELD_CUDA_IPC,
                              .engine_id = name,
-                             .proto = proto};
+                             .proto = proto,
+                             .cuda_ipc = 0};
     if (pool_bytes) {
         ap.field_mask |= KVC_AGENT_FIELD_STAGING_POOL;
         ap.staging_pool_bytes = pool_bytes;

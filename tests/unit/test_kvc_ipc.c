@@ -1,0 +1,464 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/* Unit test: the same-node CUDA IPC path (connector/ipc.c, the real code)
+ * across two processes, over the CUDA stand-in (tests/cudasim: device
+ * memory is a memfd the other process maps with cudaIpcOpenMemHandle).
+ *
+ * The producer is this binary run again ("--producer MODE"): it registers
+ * two CUDA regions that share one allocation (region 1 at an offset inside
+ * it), fills them, publishes, prints the kv_transfer_params on stdout and
+ * serves until its stdin closes, printing "RELEASED" when the publication
+ * is released.  The consumer (this process) has one region on each of two
+ * devices, so the producer's allocation is opened once per device.
+ * Checked: every byte of fetched blocks and of untouched ones, the path
+ * (stats), mappings closed with the peer; a read after expiry DENIED with
+ * nothing copied; a hold broken mid-read (the producer's xfer timeout
+ * passes while the copies are queued) DENIED; a producer killed mid-copy
+ * fails the fetch; a failing cudaIpcOpenMemHandle, KVC_IPC=0 on either
+ * side and a producer on "another node" fall back to the staged push,
+ * byte-exact; the IPC table's parser refuses what it must. */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+/* cmocka needs the headers above first */
+#include <cmocka.h>
+
+#include <errno.h>
+#include <poll.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "connector/kvc_int.h"
+#include "tests/cudasim/cudasim.h"
+
+#define NB 64
+#define BL 4096
+#define NREG 2
+#define SECRET "unit-kvc-ipc-secret"
+
+static const char *self_exe;
+
+static uint8_t pat(int r, uint64_t b, size_t i) {
+    return (uint8_t)(r * 131 + b * 7 + i * 13 + (i >> 9) + 1);
+}
+
+static void quiet_log(void *arg, kvc_log_level_t level, const char *msg) {
+    (void)level;
+    if (getenv("KVC_TEST_VERBOSE")) fprintf(stderr, "%s: %s\n", (const char *)arg, msg);
+}
+
+static kvc_agent_t *agent(const char *name, uint32_t xfer_timeout_ms) {
+    kvc_agent_params_t ap = {.field_mask = KVC_AGENT_FIELD_ENGINE_ID | KVC_AGENT_FIELD_SECRET |
+                                           KVC_AGENT_FIELD_LOG | KVC_AGENT_FIELD_XFER_TIMEOUT,
+                             .engine_id = name,
+                             .secret = SECRET,
+                             .secret_len = strlen(SECRET),
+                             .log_cb = quiet_log,
+                             .log_arg = (void *)name,
+                             .log_level = KVC_LOG_DEBUG,
+                             .xfer_timeout_ms = xfer_timeout_ms};
+    kvc_agent_t *a = NULL;
+    return kvc_agent_create(&ap, &a) == KVC_OK ? a : NULL;
+}
+
+static kvc_region_params_t cuda_region(void *base, int dev) {
+    return (kvc_region_params_t){.field_mask = KVC_REGION_FIELD_BASE | KVC_REGION_FIELD_MEM_TYPE |
+                                               KVC_REGION_FIELD_CUDA_DEVICE,
+                                 .len = NB * BL,
+                                 .base = base,
+                                 .mem_type = KVC_MEM_CUDA,
+                                 .cuda_device = dev};
+}
+
+/* The publication: remote 4..7, 30..33, 50..53, 60, fetched into local
+ * 0..3, 10..13, 20..23, 40. */
+static const uint64_t REM[] = {4, 5, 6, 7, 30, 31, 32, 33, 50, 51, 52, 53, 60};
+static const uint64_t LOC[] = {0, 1, 2, 3, 10, 11, 12, 13, 20, 21, 22, 23, 40};
+#define NX (sizeof(LOC) / sizeof(LOC[0]))
+
+/* ------------------------------------------------------------ producer -- */
+
+/* Modes: "serve"; "expire" (the publication expires after 150 ms);
+ * "short-hold" (xfer timeout 300 ms: a read's hold breaks after it; a 'U'
+ * on stdin unpublishes, as an engine aborting the request; once released
+ * the blocks are overwritten, as the engine reuses them); "other-host"
+ * (poses as another node); "no-ipc" (KVC_IPC=0). */
+static int producer_main(const char *mode) {
+    setenv("UCX_TLS", "tcp,self", 1);
+    setenv("UCX_WARN_UNUSED_ENV_VARS", "n", 1);
+    if (!strcmp(mode, "other-host")) setenv("KVC_TEST_HOST_ID", "another-node", 1);
+    if (!strcmp(mode, "no-ipc")) setenv("KVC_IPC", "0", 1);
+    cudasim_reset(2, false);
+    kvc_agent_t *a = agent("ipc-P", !strcmp(mode, "short-hold") ? 300 : 30000);
+    uint8_t *mem = NULL, *host = malloc(NB * BL);
+    /* Both regions in one allocation, region 1 a page and a half in. */
+    size_t off1 = NB * BL + 6144;
+    if (!a || !host || cudaMalloc((void **)&mem, off1 + NB * BL) != cudaSuccess) return 2;
+    kvc_region_params_t rp[NREG] = {cuda_region(mem, 0), cuda_region(mem + off1, 0)};
+    for (int r = 0; r < NREG; r++) {
+        for (uint64_t b = 0; b < NB; b++)
+            for (size_t i = 0; i < BL; i++)
+                host[b * BL + i] = pat(r, b, i);
+        if (cudaMemcpy(rp[r].base, host, NB * BL, cudaMemcpyHostToDevice) != cudaSuccess) return 2;
+    }
+    if (kvc_agent_register_regions(a, NB, rp, NREG) != KVC_OK) return 2;
+    kvc_publish_params_t pp = {.field_mask = KVC_PUBLISH_FIELD_EXPIRY,
+                               .expiry_ms = !strcmp(mode, "expire") ? 150 : 30000};
+    char *json = NULL;
+    if (kvc_publish(a, "ipc-req", REM, NX, &pp, &json) != KVC_OK) return 2;
+    printf("%s\n", json);
+    fflush(stdout);
+    kvc_free(json);
+    for (uint64_t t0 = kvc_now_ns(); kvc_now_ns() - t0 < 60000000000ull;) {
+        kvc_agent_wait(a, 5);
+        kvc_event_t ev;
+        while (kvc_agent_next_event(a, &ev) == KVC_OK)
+            if (ev.type == KVC_EV_RELEASED) {
+                if (cudaMemset(mem, 0xEE, off1 + NB * BL) != cudaSuccess ||
+                    cudaDeviceSynchronize() != cudaSuccess)
+                    return 2;
+                printf("RELEASED\n");
+                fflush(stdout);
+            }
+        struct pollfd pf = {.fd = 0, .events = POLLIN};
+        char c;
+        if (poll(&pf, 1, 0) == 1) {
+            if (read(0, &c, 1) <= 0) break; /* the consumer is done */
+            if (c == 'U' && kvc_unpublish(a, "ipc-req") == KVC_ERR_NOT_FOUND) return 2;
+        }
+    }
+    kvc_agent_destroy(a);
+    cudaFree(mem);
+    free(host);
+    return 0;
+}
+
+/* ------------------------------------------------------------ consumer -- */
+
+typedef struct {
+    pid_t pid;
+    int open0;   /* IPC mappings open before the test */
+    int in, out; /* the producer's stdin (ours to write) and stdout */
+    char json[8192];
+    kvc_agent_t *a;
+    uint8_t *dev[NREG];
+} ctx_t;
+
+/* One line of the producer's stdout, waited for up to ms. */
+static bool read_line(ctx_t *c, char *buf, size_t len, int ms) {
+    size_t k = 0;
+    uint64_t t0 = kvc_now_ns();
+    while (k + 1 < len) {
+        struct pollfd pf = {.fd = c->out, .events = POLLIN};
+        int left = ms - (int)((kvc_now_ns() - t0) / 1000000);
+        if (left <= 0 || poll(&pf, 1, left) != 1) return false;
+        if (read(c->out, buf + k, 1) != 1) return false;
+        if (buf[k] == '\n') break;
+        k++;
+    }
+    buf[k] = 0;
+    return true;
+}
+
+static void start(ctx_t *c, const char *mode, uint32_t xfer_timeout_ms) {
+    memset(c, 0, sizeof(*c));
+    c->open0 = cudasim_ipc_open_count();
+    int pin[2], pout[2];
+    assert_int_equal(pipe(pin), 0);
+    assert_int_equal(pipe(pout), 0);
+    c->pid = fork();
+    assert_true(c->pid >= 0);
+    if (c->pid == 0) {
+        dup2(pin[0], 0);
+        dup2(pout[1], 1);
+        close(pin[1]);
+        close(pout[0]);
+        execl(self_exe, self_exe, "--producer", mode, (char *)NULL);
+        _exit(127);
+    }
+    close(pin[0]);
+    close(pout[1]);
+    c->in = pin[1];
+    c->out = pout[0];
+    /* UCX may log on stdout too: the params are the line that is JSON. */
+    do
+        assert_true(read_line(c, c->json, sizeof(c->json), 20000));
+    while (c->json[0] != '{');
+    assert_non_null(strstr(c->json, "remote_kv_token"));
+    setenv("UCX_TLS", "tcp,self", 1);
+    setenv("UCX_WARN_UNUSED_ENV_VARS", "n", 1);
+    cudasim_reset(2, false);
+    assert_non_null(c->a = agent("ipc-D", xfer_timeout_ms));
+    kvc_region_params_t rp[NREG];
+    for (int r = 0; r < NREG; r++) {
+        assert_int_equal(cudaSetDevice(r), cudaSuccess); /* region r on device r */
+        assert_int_equal(cudaMalloc((void **)&c->dev[r], NB * BL), cudaSuccess);
+        rp[r] = cuda_region(c->dev[r], r);
+    }
+    assert_int_equal(cudaSetDevice(0), cudaSuccess);
+    assert_int_equal(kvc_agent_register_regions(c->a, NB, rp, NREG), KVC_OK);
+}
+
+/* Ends the producer (stdin closed, waited for) and the consumer.  The
+ * producer's exit status, or -1 when it was killed. */
+static int finish(ctx_t *c) {
+    kvc_agent_destroy(c->a);
+    assert_int_equal(cudasim_ipc_open_count(), c->open0); /* closed with the peer */
+    for (int r = 0; r < NREG; r++)
+        assert_int_equal(cudaFree(c->dev[r]), cudaSuccess);
+    close(c->in);
+    int status = 0;
+    assert_int_equal(waitpid(c->pid, &status, 0), c->pid);
+    close(c->out);
+    return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+}
+
+static uint64_t kstat(ctx_t *c, kvc_stat_t s) {
+    uint64_t v = 0;
+    assert_int_equal(kvc_agent_stat(c->a, s, &v), KVC_OK);
+    return v;
+}
+
+static void fetch(ctx_t *c) {
+    kvc_fetch_params_t fp = {.field_mask = KVC_FETCH_FIELD_JSON | KVC_FETCH_FIELD_LOCAL_BLOCKS,
+                             .kv_transfer_params_json = c->json,
+                             .local_block_ids = LOC,
+                             .num_local_blocks = NX};
+    uint64_t id;
+    assert_int_equal(kvc_fetch(c->a, &fp, &id), KVC_INPROGRESS);
+}
+
+/* Progresses until the fetch's event (or until `until` holds, when given);
+ * 20 s at most.  Returns the event's status (KVC_INPROGRESS: stopped by
+ * `until`). */
+static kvc_status_t pump(ctx_t *c, bool (*until)(void), char *msg, size_t len) {
+    uint64_t t0 = kvc_now_ns();
+    for (;;) {
+        assert_true(kvc_now_ns() - t0 < 20000000000ull);
+        kvc_agent_progress(c->a);
+        kvc_event_t ev;
+        while (kvc_agent_next_event(c->a, &ev) == KVC_OK)
+            if (ev.type == KVC_EV_FETCH_DONE || ev.type == KVC_EV_FETCH_FAILED) {
+                if (msg) snprintf(msg, len, "%s", ev.message ? ev.message : "");
+                return ev.status;
+            }
+        if (until && until()) return KVC_INPROGRESS;
+        usleep(100);
+    }
+}
+
+static void check_bytes(ctx_t *c) {
+    for (int r = 0; r < NREG; r++)
+        for (uint64_t b = 0; b < NB; b++) {
+            uint64_t rem = UINT64_MAX;
+            for (size_t k = 0; k < NX; k++)
+                if (LOC[k] == b) rem = REM[k];
+            for (size_t i = 0; i < BL; i++) {
+                uint8_t want = rem == UINT64_MAX ? 0xA5 : pat(r, rem, i);
+                if (c->dev[r][b * BL + i] != want)
+                    fail_msg("region %d local block %llu byte %zu: %u, want %u", r,
+                             (unsigned long long)b, i, c->dev[r][b * BL + i], want);
+            }
+        }
+}
+
+static void untouched(ctx_t *c) {
+    for (int r = 0; r < NREG; r++)
+        for (size_t i = 0; i < NB * BL; i++)
+            if (c->dev[r][i] != 0xA5) fail_msg("region %d byte %zu written", r, i);
+}
+
+static void wait_released(ctx_t *c) {
+    char line[512];
+    do
+        assert_true(read_line(c, line, sizeof(line), 20000));
+    while (strcmp(line, "RELEASED"));
+}
+
+static void test_ipc_fetch(void **state) {
+    (void)state;
+    ctx_t c;
+    start(&c, "serve", 30000);
+    fetch(&c);
+    char msg[300];
+    kvc_status_t st = pump(&c, NULL, msg, sizeof(msg));
+    if (st != KVC_OK) fail_msg("fetch failed: %s (%s)", msg, kvc_status_str(st));
+    check_bytes(&c);
+    assert_int_equal(kstat(&c, KVC_STAT_PEERS_IPC), 1);
+    assert_int_equal(kstat(&c, KVC_STAT_PEERS_PUSH), 0);
+    assert_int_equal(kstat(&c, KVC_STAT_BYTES_IPC), NX * BL * NREG);
+    /* One allocation behind both producer regions, opened on each of our
+     * two devices; device-to-device copies, no staging copy. */
+    assert_int_equal(cudasim_calls("cudaIpcOpenMemHandle"), 2);
+    assert_int_equal(cudasim_ipc_open_count(), c.open0 + 2);
+    assert_int_equal(kstat(&c, KVC_STAT_CUDA_COPIES), 0);
+    wait_released(&c);
+    assert_int_equal(finish(&c), 0);
+}
+
+/* A read that comes after the publication expired: refused at its HOLD,
+ * before a byte is copied. */
+static void test_ipc_after_expiry_denied(void **state) {
+    (void)state;
+    ctx_t c;
+    start(&c, "expire", 30000);
+    usleep(400000); /* the producer's 150 ms expiry passes */
+    fetch(&c);
+    kvc_status_t st = pump(&c, NULL, NULL, 0);
+    assert_int_equal(st, KVC_ERR_DENIED);
+    assert_int_equal(cudasim_calls("cudaMemcpyAsync"), 0);
+    untouched(&c);
+    assert_int_equal(finish(&c), 0);
+}
+
+static bool copies_queued(void) {
+    return cudasim_calls("cudaMemcpyAsync") > 0;
+}
+
+/* The copies are queued (and not run: the stand-in runs them only when
+ * polled) when the engine aborts the request; the producer's hold keeps
+ * the blocks until its 300 ms xfer timeout breaks it, then hands them back
+ * and the engine overwrites them.  The read ends after that: what it
+ * copied may be the new bytes, and the UNHOLD is refused: DENIED. */
+static void test_ipc_hold_broken_denied(void **state) {
+    (void)state;
+    ctx_t c;
+    start(&c, "short-hold", 30000);
+    fetch(&c);
+    assert_int_equal(pump(&c, copies_queued, NULL, 0), KVC_INPROGRESS);
+    assert_int_equal(write(c.in, "U", 1), 1);
+    wait_released(&c); /* the hold broke, the blocks were reused */
+    char msg[300];
+    kvc_status_t st = pump(&c, NULL, msg, sizeof(msg));
+    if (st != KVC_ERR_DENIED) fail_msg("want DENIED, got %s: %s", kvc_status_str(st), msg);
+    assert_int_equal(cudasim_pending(), 0); /* FETCH_FAILED after the copies ended */
+    assert_int_equal(finish(&c), 0);
+}
+
+/* The producer dies while the copies are queued: the fetch fails (no word
+ * on the hold can come), the copies drained before the event. */
+static void test_ipc_producer_killed(void **state) {
+    (void)state;
+    ctx_t c;
+    start(&c, "serve", 5000);
+    fetch(&c);
+    assert_int_equal(pump(&c, copies_queued, NULL, 0), KVC_INPROGRESS);
+    assert_int_equal(kill(c.pid, SIGKILL), 0);
+    char msg[300];
+    kvc_status_t st = pump(&c, NULL, msg, sizeof(msg));
+    if (st == KVC_OK) fail_msg("a fetch from a killed producer succeeded");
+    assert_true(st == KVC_ERR_PEER_FAILED || st == KVC_ERR_TIMED_OUT || st == KVC_ERR_TRANSPORT);
+    assert_int_equal(cudasim_pending(), 0);
+    assert_int_equal(finish(&c), -1);
+}
+
+/* Paths that must fall back to the staged push, byte-exact. */
+static void fallback(const char *mode, const char *consumer_ipc_env, bool fail_open) {
+    ctx_t c;
+    start(&c, mode, 30000);
+    if (consumer_ipc_env) setenv("KVC_IPC", consumer_ipc_env, 1);
+    if (consumer_ipc_env) { /* read at agent creation: a new consumer */
+        kvc_agent_destroy(c.a);
+        kvc_region_params_t rp[NREG] = {cuda_region(c.dev[0], 0), cuda_region(c.dev[1], 1)};
+        assert_non_null(c.a = agent("ipc-D", 30000));
+        assert_int_equal(kvc_agent_register_regions(c.a, NB, rp, NREG), KVC_OK);
+        unsetenv("KVC_IPC");
+    }
+    if (fail_open) cudasim_fail("cudaIpcOpenMemHandle", 1, cudaErrorMapBufferObjectFailed);
+    fetch(&c);
+    char msg[300];
+    kvc_status_t st = pump(&c, NULL, msg, sizeof(msg));
+    if (st != KVC_OK) fail_msg("fetch failed: %s (%s)", msg, kvc_status_str(st));
+    check_bytes(&c);
+    assert_int_equal(kstat(&c, KVC_STAT_PEERS_IPC), 0);
+    assert_int_equal(kstat(&c, KVC_STAT_PEERS_PUSH), 1);
+    assert_int_equal(kstat(&c, KVC_STAT_BYTES_IPC), 0);
+    assert_int_equal(cudasim_calls("cudaIpcOpenMemHandle"), fail_open ? 1 : 0);
+    wait_released(&c);
+    assert_int_equal(finish(&c), 0);
+}
+
+static void test_ipc_open_fails_fallback(void **state) {
+    (void)state;
+    fallback("serve", NULL, true);
+}
+
+static void test_ipc_consumer_disabled(void **state) {
+    (void)state;
+    fallback("serve", "0", false);
+}
+
+static void test_ipc_producer_disabled(void **state) {
+    (void)state;
+    fallback("no-ipc", NULL, false);
+}
+
+static void test_ipc_other_node(void **state) {
+    (void)state;
+    fallback("other-host", NULL, false);
+}
+
+/* ------------------------------------------------------------ the table -- */
+
+static void test_ipc_table_parse(void **state) {
+    (void)state;
+    kvc_cuda_export_t al[2];
+    memset(al, 0, sizeof(al));
+    snprintf(al[0].bus, sizeof(al[0].bus), "0000:10:00.0");
+    snprintf(al[1].bus, sizeof(al[1].bus), "0000:11:00.0");
+    al[0].size = 1000;
+    al[1].size = 500;
+    memset(al[0].handle, 7, KVC_IPC_HANDLE_LEN);
+    uint32_t ra[3] = {0, 1, 0};
+    uint64_t off[3] = {0, 100, 600}, rlen[3] = {600, 400, 400};
+    kvc_buf_t b = {0};
+    kvc_wire_encode_ipc(&b, "boot/ipc/pid", 42, al, 2, ra, off, 3);
+    assert_false(b.failed);
+    kvc_ipc_table_t t;
+    assert_int_equal(kvc_wire_parse_ipc(b.p, b.len, rlen, 3, &t), KVC_OK);
+    assert_int_equal(t.pid, 42);
+    assert_int_equal(t.n_allocs, 2);
+    assert_int_equal(t.reg_alloc[1], 1);
+    assert_int_equal(t.reg_off[2], 600);
+    assert_memory_equal(t.allocs[0].handle.p, al[0].handle, KVC_IPC_HANDLE_LEN);
+    kvc_wire_ipc_cleanup(&t);
+    /* Every truncation, a trailing byte, a region past its allocation,
+     * another region count: refused. */
+    for (size_t n = 0; n < b.len; n++)
+        assert_int_equal(kvc_wire_parse_ipc(b.p, n, rlen, 3, &t), KVC_ERR_PROTOCOL);
+    kvc_buf_u8(&b, 0);
+    assert_int_equal(kvc_wire_parse_ipc(b.p, b.len, rlen, 3, &t), KVC_ERR_PROTOCOL);
+    b.len--;
+    uint64_t big[3] = {600, 401, 400};
+    assert_int_equal(kvc_wire_parse_ipc(b.p, b.len, big, 3, &t), KVC_ERR_PROTOCOL);
+    assert_int_equal(kvc_wire_parse_ipc(b.p, b.len, rlen, 2, &t), KVC_ERR_PROTOCOL);
+    kvc_buf_cleanup(&b);
+}
+
+int main(int argc, char **argv) {
+    if (argc == 3 && !strcmp(argv[1], "--producer")) return producer_main(argv[2]);
+    self_exe = "/proc/self/exe";
+    static char exe[4096];
+    ssize_t n = readlink("/proc/self/exe", exe, sizeof(exe) - 1);
+    if (n > 0) {
+        exe[n] = 0;
+        self_exe = exe;
+    }
+    signal(SIGPIPE, SIG_IGN);
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_ipc_table_parse),
+        cmocka_unit_test(test_ipc_fetch),
+        cmocka_unit_test(test_ipc_after_expiry_denied),
+        cmocka_unit_test(test_ipc_hold_broken_denied),
+        cmocka_unit_test(test_ipc_producer_killed),
+        cmocka_unit_test(test_ipc_open_fails_fallback),
+        cmocka_unit_test(test_ipc_consumer_disabled),
+        cmocka_unit_test(test_ipc_producer_disabled),
+        cmocka_unit_test(test_ipc_other_node),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
