@@ -22,4 +22,5 @@ if(TARGET kvconnector_static)
   target_link_libraries(kvc_cudasim PUBLIC PkgConfig::UCX PkgConfig::CJSON PkgConfig::OPENSSL
                                            Threads::Threads m)
   px_unit_test(kvc_staging kvc_cudasim)
+  px_unit_test(cudasim kvc_cudasim)
 endif()
