@@ -103,6 +103,7 @@ static void peer_free(kvc_agent_t *a, kvc_peer_t *p) {
 }
 
 static void peer_release_rkeys(kvc_peer_t *p) {
+    kvc_stage_peer_cleanup(p->a, p);
     for (uint32_t i = 0; p->rr && i < p->n_regions; i++)
         if (p->rr[i].rkey) {
             ucp_rkey_destroy(p->rr[i].rkey);

@@ -742,7 +742,10 @@ typedef enum {
     KVC_STAT_FETCH_CANCELED = 26,      /**< consumer: fetches cancelled (kvc_fetch_cancel) */
     KVC_STAT_CONSUMERS_LOST = 27,      /**< producer: consumers whose endpoint failed (closed
                                             or died); their held and staged pulls dropped */
-    KVC_STAT_LAST = KVC_STAT_CONSUMERS_LOST
+    KVC_STAT_FETCH_STAGED_SHM = 28,    /**< consumer: staged fetches done by copying from the
+                                            producer's pool mapped here (one host) */
+    KVC_STAT_FETCH_STAGED_WIRE = 29,   /**< consumer: staged fetches done over the wire */
+    KVC_STAT_LAST = KVC_STAT_FETCH_STAGED_WIRE
 } kvc_stat_t;
 
 /** Bits of KVC_STAT_TRANSPORTS.  Values are stable. */

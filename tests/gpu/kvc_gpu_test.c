@@ -566,6 +566,10 @@ static int run_consumer(const opts_t *o) {
     transports_text(kstat(a, KVC_STAT_TRANSPORTS), tl, sizeof(tl));
     const char *path = kstat(a, KVC_STAT_PEERS_GET) ? "get" : "push";
     const char *mem = kstat(a, KVC_STAT_CUDA_DIRECT_REGIONS) ? "direct" : "staged";
+    /* The staged variant of the last fetch (the warm-up ran the same way). */
+    const char *staged = kstat(a, KVC_STAT_FETCH_STAGED_SHM)    ? "shm"
+                         : kstat(a, KVC_STAT_FETCH_STAGED_WIRE) ? "wire"
+                                                                : "none";
     if (o->kill_pidfile) {
         /* Killed mid-fetch: a clear failure within the timeouts (or, if the
          * bytes were all there before the kill took effect, correct bytes). */
@@ -611,9 +615,10 @@ static int run_consumer(const opts_t *o) {
         }
         double bytes = (double)n * o->block * o->regions;
         printf("RESULT fetch outcome=done bad_words=%llu blocks=%zu regions=%d bytes=%.0f "
-               "seconds=%.3f gbps=%.1f path=%s memory=%s transports=%s copies=%llu syncs=%llu\n",
+               "seconds=%.3f gbps=%.2f path=%s memory=%s staged=%s transports=%s copies=%llu "
+               "syncs=%llu\n",
                (unsigned long long)bad, n, o->regions, bytes, secs, bytes / secs / 1e9, path, mem,
-               tl, (unsigned long long)kstat(a, KVC_STAT_CUDA_COPIES),
+               staged, tl, (unsigned long long)kstat(a, KVC_STAT_CUDA_COPIES),
                (unsigned long long)kstat(a, KVC_STAT_CUDA_SYNCS));
         if (bad || o->expect_fail) rc = 1; /* a fetch that had to fail succeeded */
     }
