@@ -67,7 +67,13 @@ enum {
  * answered on the reply endpoint (a consumer that goes away while the
  * producer still holds its pull can then crash the producer: UCX destroys
  * the reply endpoint). */
-enum { KVC_HFLAG_SECRET = 1u << 0, KVC_HFLAG_OWNER = 1u << 1 };
+/* KVC_HFLAG_LIVE (within version 3): in a HELLO, "I keep this connection
+ * open after the handshake"; in the CHALLENGE, "so do I".  Both set: the
+ * side channel stays open, idle, as long as the consumer's peer entry, and
+ * either end seeing it close knows the other is gone (a killed process's
+ * socket closes at once) even on a UCX endpoint without peer-failure
+ * handling (shared-memory transports). */
+enum { KVC_HFLAG_SECRET = 1u << 0, KVC_HFLAG_OWNER = 1u << 1, KVC_HFLAG_LIVE = 1u << 2 };
 #define KVC_WIRE_MAX_CONS_ADDR 4096u /* a worker address in a CONSUMER message */
 
 /* Region flags in the handshake table. */
@@ -763,6 +769,7 @@ struct kvc_peer {
     uint8_t nonce_c[KVC_NONCE_LEN], nonce_p[KVC_NONCE_LEN];
     kvc_chan_t chan; /* keys of the sealed channel, from AUTH on */
     bool owner;      /* the producer answers on its own endpoint: pulls carry our key */
+    bool live;       /* KVC_HFLAG_LIVE: the side channel stays open; its close fails us */
     uint32_t n_regions;
     struct kvc_peer_region *rr; /* owned */
     kvc_proto_t proto;

@@ -460,7 +460,17 @@ static void handshake_done(kvc_agent_t *a, kvc_peer_t *p, const uint8_t *body, s
     }
     if (!choose_path(a, p)) goto out;
     p->state = PEER_READY;
-    peer_close_socket(a, p);
+    if (p->live) {
+        /* Kept open, idle: its close is the producer's death (kvc_peer_io). */
+        free(p->in);
+        p->in = NULL;
+        p->in_len = p->in_cap = 0;
+        kvc_buf_cleanup(&p->out);
+        kvc_chan_cleanup(&p->chan);
+        kvc_ep_mod(a, p->fd, EPOLLIN | EPOLLRDHUP, &p->pe);
+    } else {
+        peer_close_socket(a, p);
+    }
     a->stats[KVC_STAT_HANDSHAKES]++;
     KVC_LOG(a, KVC_LOG_INFO,
             "handshake with engine %s at %s:%u: regions=%u num_blocks=%llu proto=%s "
@@ -505,6 +515,7 @@ static void on_challenge(kvc_agent_t *a, kvc_peer_t *p, const uint8_t *body, siz
      * pulls on an endpoint of its own: the address goes sealed, right
      * after AUTH, before its HANDSHAKE can let us pull. */
     p->owner = (h.flags & KVC_HFLAG_OWNER) != 0;
+    p->live = (h.flags & KVC_HFLAG_LIVE) != 0;
     if (p->owner) {
         kvc_buf_t inner = {0};
         kvc_wire_encode_consumer(&inner, a->wire_version, a->nonce, a->worker_addr,
@@ -588,6 +599,17 @@ static bool peer_send(kvc_agent_t *a, kvc_peer_t *p) {
 }
 
 void kvc_peer_io(kvc_agent_t *a, kvc_peer_t *p, uint32_t events) {
+    if (p->state == PEER_READY) { /* the live side channel: nothing may come */
+        char junk[64];
+        ssize_t n = p->fd >= 0 ? read(p->fd, junk, sizeof(junk)) : 0;
+        if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) return;
+        (void)events;
+        peer_fail(a, p, KVC_ERR_PEER_FAILED,
+                  n > 0 ? "producer %s:%u wrote on the idle side channel"
+                        : "producer %s:%u closed its side channel: it is gone",
+                  p->host, p->port);
+        return;
+    }
     if (p->state == PEER_CONNECTING) {
         if (!(events & (EPOLLOUT | EPOLLERR | EPOLLHUP))) return;
         int err = 0;
@@ -602,7 +624,8 @@ void kvc_peer_io(kvc_agent_t *a, kvc_peer_t *p, uint32_t events) {
             return;
         }
         kvc_wire_encode_hello(&p->out, a->wire_version, KVC_MSG_HELLO, a->engine_id,
-                              (uint8_t)((a->secret ? KVC_HFLAG_SECRET : 0) | KVC_HFLAG_OWNER),
+                              (uint8_t)((a->secret ? KVC_HFLAG_SECRET : 0) | KVC_HFLAG_OWNER |
+                                        KVC_HFLAG_LIVE),
                               p->nonce_c);
         if (p->out.failed) {
             peer_fail(a, p, KVC_ERR_NO_MEMORY, "out of memory");
