@@ -27,7 +27,9 @@
  * (consumer: the check passes only if the fetch FAILS) --tp N (consumer:
  * this engine's TP size; N decode ranks fetch one prefill rank's blocks)
  * --xfer-timeout-ms N (the agent's data timeout, 30000 by default; a --kill
- * consumer gives up N ms + 30 s after its start).
+ * consumer gives up N ms + 30 s after its start) --host (producer and
+ * consumer: the regions are host memory, pushed over the same transport:
+ * the baseline of bench/kvc_bench.sh --staged; not with --probe).
  *
  * Every result is one line starting with "RESULT " (key=value pairs) on
  * stdout; exit status 0 only when the check passed. */
@@ -62,7 +64,7 @@ typedef struct {
     size_t block;
     size_t fetch;
     const char *params, *kill_pidfile;
-    bool probe, default_stream, expect_fail;
+    bool probe, default_stream, expect_fail, host;
     int device;
     uint32_t expiry_ms, unpublish_ms, delay_ms, tp;
 } opts_t;
@@ -136,6 +138,24 @@ static kvc_agent_t *agent(const char *name, uint32_t tp) {
     return a;
 }
 
+/* A region's memory: device memory, or host memory with --host. */
+static void *region_alloc(const opts_t *o, size_t len) {
+    void *p = NULL;
+    if (o->host) {
+        if (!(p = aligned_alloc(4096, len))) exit(1);
+        return p;
+    }
+    CK(cudaMalloc(&p, len));
+    return p;
+}
+
+static void region_free(const opts_t *o, void *p) {
+    if (o->host)
+        free(p);
+    else
+        CK(cudaFree(p));
+}
+
 static void register_regions(kvc_agent_t *a, void **dev, const opts_t *o) {
     kvc_region_params_t *rp = calloc((size_t)o->regions, sizeof(*rp));
     if (!rp) exit(1);
@@ -147,8 +167,10 @@ static void register_regions(kvc_agent_t *a, void **dev, const opts_t *o) {
                                                 KVC_REGION_FIELD_CUDA_DEVICE,
                                   .len = o->blocks * o->block,
                                   .base = dev[r],
-                                  .mem_type = KVC_MEM_CUDA,
+                                  .mem_type = o->host ? KVC_MEM_HOST : KVC_MEM_CUDA,
                                   .cuda_device = d};
+    for (int r = 0; o->host && r < o->regions; r++)
+        rp[r].field_mask &= ~(uint64_t)KVC_REGION_FIELD_CUDA_DEVICE;
     kvc_status_t st = kvc_agent_register_regions(a, o->blocks, rp, (size_t)o->regions);
     free(rp);
     if (st != KVC_OK) {
@@ -336,9 +358,9 @@ static int run_producer(const opts_t *o) {
     if (!dev) return 1;
     CK(cudaMallocHost((void **)&host, len));
     for (int r = 0; r < o->regions; r++) {
-        CK(cudaMalloc(&dev[r], len));
-        fill_region(host, 1, r, o->blocks, o->block);
-        CK(cudaMemcpy(dev[r], host, len, cudaMemcpyHostToDevice));
+        dev[r] = region_alloc(o, len);
+        fill_region(o->host ? dev[r] : host, 1, r, o->blocks, o->block);
+        if (!o->host) CK(cudaMemcpy(dev[r], host, len, cudaMemcpyHostToDevice));
     }
     register_regions(a, dev, o);
     /* A one-block publication first: the consumer's warm-up fetch, so that
@@ -432,7 +454,7 @@ static int run_producer(const opts_t *o) {
     kvc_agent_destroy(a);
     if (es) CK(cudaStreamDestroy(es));
     for (int r = 0; r < o->regions; r++) {
-        CK(cudaFree(dev[r]));
+        region_free(o, dev[r]);
         if (gen2) CK(cudaFreeHost(gen2[r]));
     }
     CK(cudaFreeHost(host));
@@ -468,8 +490,11 @@ static int run_consumer(const opts_t *o) {
     if (!dev) return 1;
     CK(cudaMallocHost((void **)&host, len));
     for (int r = 0; r < o->regions; r++) {
-        CK(cudaMalloc(&dev[r], len));
-        CK(cudaMemset(dev[r], 0x5A, len));
+        dev[r] = region_alloc(o, len);
+        if (o->host)
+            memset(dev[r], 0x5A, len);
+        else
+            CK(cudaMemset(dev[r], 0x5A, len));
     }
     CK(cudaDeviceSynchronize());
     register_regions(a, dev, o);
@@ -565,7 +590,9 @@ static int run_consumer(const opts_t *o) {
     char tl[128];
     transports_text(kstat(a, KVC_STAT_TRANSPORTS), tl, sizeof(tl));
     const char *path = kstat(a, KVC_STAT_PEERS_GET) ? "get" : "push";
-    const char *mem = kstat(a, KVC_STAT_CUDA_DIRECT_REGIONS) ? "direct" : "staged";
+    const char *mem = o->host                                  ? "host"
+                      : kstat(a, KVC_STAT_CUDA_DIRECT_REGIONS) ? "direct"
+                                                               : "staged";
     /* The staged variant of the last fetch (the warm-up ran the same way). */
     const char *staged = kstat(a, KVC_STAT_FETCH_STAGED_SHM)    ? "shm"
                          : kstat(a, KVC_STAT_FETCH_STAGED_WIRE) ? "wire"
@@ -594,6 +621,8 @@ static int run_consumer(const opts_t *o) {
             if (use_stream) {
                 CK(cudaMemcpyAsync(host, dev[r], len, cudaMemcpyDeviceToHost, ds));
                 CK(cudaStreamSynchronize(ds));
+            } else if (o->host) {
+                memcpy(host, dev[r], len);
             } else {
                 CK(cudaMemcpy(host, dev[r], len, cudaMemcpyDeviceToHost));
             }
@@ -625,7 +654,7 @@ static int run_consumer(const opts_t *o) {
     kvc_agent_destroy(a);
     if (ds) CK(cudaStreamDestroy(ds));
     for (int r = 0; r < o->regions; r++)
-        CK(cudaFree(dev[r]));
+        region_free(o, dev[r]);
     CK(cudaFreeHost(host));
     free(dev);
     free(rem);
@@ -649,6 +678,10 @@ int main(int argc, char **argv) {
         }
         if (!strcmp(k, "--default-stream")) {
             o.default_stream = true;
+            continue;
+        }
+        if (!strcmp(k, "--host")) {
+            o.host = true;
             continue;
         }
         if (!v) {
@@ -688,7 +721,7 @@ int main(int argc, char **argv) {
         }
     }
     if (o.regions < 1 || o.regions > MAX_REG || o.blocks < RUN || o.block < 8 || o.block % 8 ||
-        o.fetch == 0 || o.fetch > o.blocks / 2) {
+        o.fetch == 0 || o.fetch > o.blocks / 2 || (o.host && o.probe)) {
         fprintf(stderr, "bad sizes\n");
         return 2;
     }

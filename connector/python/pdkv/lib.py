@@ -51,7 +51,8 @@ STATS = {"published": 0, "released": 1, "expired": 2, "unknown_notify": 3,
          "peer_errors": 12, "cuda_direct_regions": 13, "cuda_staged_regions": 14,
          "pending_fetches": 20, "pending_served": 21,
          "pending_expired": 22, "pending_refused": 23, "lease_renewals": 24,
-         "lease_expired": 25, "fetch_canceled": 26}
+         "lease_expired": 25, "fetch_canceled": 26, "fetch_staged_shm": 28,
+         "fetch_staged_wire": 29}
 
 _LOG_CB = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int, ctypes.c_char_p)
 
