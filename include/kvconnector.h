@@ -137,7 +137,9 @@
  * reports CUDA memory support (ucp_context_query, memory types); otherwise
  * they are staged: nothing of them is registered with UCX, the producer
  * pushes (device -> pinned pool slot -> wire, copies and sends pipelined)
- * and the consumer receives each chunk into a slot, then slot -> device.
+ * and the consumer receives each chunk into a slot, then slot -> device; a
+ * consumer on the producer's host copies each chunk straight from the
+ * producer's slot instead (the pool mapped and pinned there: staged-shm).
  * The pool is bounded (staging_pool_bytes, 256 MiB by default), whatever
  * the size of the regions.  Per producer, the consumer
  * reads device memory one-sided only when the endpoint has a transport that
@@ -158,6 +160,10 @@
  * KVC_STAGING_POOL_MB (staging pool size, overrides staging_pool_bytes);
  * KVC_CUDA_STAGED=1 (stage CUDA regions through the pool even when UCX
  * could register device memory; for comparisons and troubleshooting);
+ * KVC_STAGED_WIRE=1 (consumer: staged chunks cross the wire even from a
+ * producer on this host, instead of being copied from its mapped pool;
+ * comparisons); KVC_STAGE_WINDOW (slots one staged job holds, default 4;
+ * tuning);
  * KVC_TEST_WIRE_VERSION (tests only: speak another handshake version);
  * KVC_SECRET_FILE (path of a file holding the cluster secret, trailing
  * newline stripped) or KVC_SECRET (the secret itself, for tests): read by
