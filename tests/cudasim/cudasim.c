@@ -768,10 +768,6 @@ cudaError_t cudaHostRegister(void *p, size_t size, unsigned int flags) {
     a->next = pinned;
     pinned = a;
     pinned_add(size);
-    /* Page-locked like the driver's: every page faulted in now, not on the
-     * first copy (a mapping of another process's pool included). */
-    for (size_t off = 0; off < size; off += 4096)
-        (void)*(volatile const uint8_t *)((const uint8_t *)p + off);
     LEAVE(cudaSuccess);
 }
 

@@ -263,7 +263,7 @@ fetch_check() { # NAME ENV WANT_MEMORY (staged|direct) -- options
         else
             summary FAIL "$name" "$text = $(pct "$g" "$H2D") % of pinned H2D end to end, below the 70 % target"
         fi
-    elif [ "$name" = fetch-staged-wire ] || [ "$name" = fetch-staged-shm ]; then
+    elif [[ $name == fetch-staged-* ]]; then
         # The wire variant is bounded by the transport (tcp or sm rendezvous
         # here), not by the copies: reported against pinned H2D, no target.
         summary PASS "$name" "$text = $(pct "$g" "$H2D") % of pinned H2D end to end"
@@ -278,6 +278,11 @@ fetch_check() { # NAME ENV WANT_MEMORY (staged|direct) -- options
 # KVC_STAGED_WIRE=1 on the consumer, what another host gets).
 WANT_STAGED=shm fetch_check fetch-staged-shm "KVC_CUDA_STAGED=1" staged -- "${FULL[@]}"
 WANT_STAGED=wire fetch_check fetch-staged-wire "KVC_CUDA_STAGED=1 KVC_STAGED_WIRE=1" staged -- "${FULL[@]}"
+# KVC_GPU_WINDOWS="2 8 16": staged-shm again with those windows (slots per
+# job, KVC_STAGE_WINDOW; 4 by default), to tune it on this device.
+for w in ${KVC_GPU_WINDOWS:-}; do
+    WANT_STAGED=shm fetch_check "fetch-staged-shm-w$w" "KVC_CUDA_STAGED=1 KVC_STAGE_WINDOW=$w" staged -- "${FULL[@]}"
+done
 if [ $HAVE_CUDA_UCX = 1 ]; then
     fetch_check fetch-direct "" direct -- "${FULL[@]}"
 else
