@@ -902,9 +902,14 @@ static bool spool_map(kvc_agent_t *a, kvc_peer_t *p, const uint8_t *hdr, const v
     sp->bad = false;
     /* Pinned here too, so that the copies to the device run at DMA speed. */
     sp->pinned = kvc_cuda_host_register(a->cuda, sp->map, sp->len) == KVC_OK;
-    KVC_LOG(a, KVC_LOG_INFO, "peer %s:%u: staging pool of %llu bytes mapped here (pinned=%d%s%s)",
-            p->host, p->port, (unsigned long long)sp->len, (int)sp->pinned,
-            sp->pinned ? "" : ": ", sp->pinned ? "" : kvc_cuda_last_error(a->cuda));
+    if (sp->pinned)
+        KVC_LOG(a, KVC_LOG_INFO, "peer %s:%u: staging pool of %llu bytes mapped here, pinned",
+                p->host, p->port, (unsigned long long)sp->len);
+    else
+        KVC_LOG(a, KVC_LOG_WARN,
+                "peer %s:%u: staging pool of %llu bytes mapped here but not pinned, copies from "
+                "it will be slower: %s",
+                p->host, p->port, (unsigned long long)sp->len, kvc_cuda_last_error(a->cuda));
     return true;
 }
 
