@@ -814,44 +814,19 @@ ucs_status_t kvc_stage_slot_cb(void *arg, const void *header, size_t hlen, void 
 
 /* ------------------------------------------ consumer: the mapped pool -- */
 
-typedef struct {
-    kvc_agent_t *a;
-    uint8_t msg[KVC_WIRE_SLOT_LEN];
-} slotctx_t;
-
-static void slot_sent(void *req, ucs_status_t us, void *ud) {
-    (void)us;
-    free(ud);
-    if (req) ucp_request_free(req);
-}
-
 void kvc_stage_slot_send(kvc_agent_t *a, ucp_ep_h ep, uint64_t xfer_id,
                          const uint8_t token[KVC_TOKEN_LEN], uint32_t kind, uint64_t off) {
-    slotctx_t *c = ep ? calloc(1, sizeof(*c)) : NULL;
-    if (!c) return; /* the producer reclaims it at its data timeout */
     kvc_buf_t b = {0};
     kvc_buf_u64(&b, xfer_id);
     kvc_buf_put(&b, token, KVC_TOKEN_LEN);
     kvc_buf_u32(&b, kind);
     kvc_buf_u32(&b, 0);
     kvc_buf_u64(&b, off);
-    if (b.failed || b.len != KVC_WIRE_SLOT_LEN) {
-        kvc_buf_cleanup(&b);
-        free(c);
-        return;
-    }
-    c->a = a;
-    memcpy(c->msg, b.p, b.len);
+    /* Lost (no endpoint, out of memory): the producer reclaims the slot at
+     * its data timeout. */
+    if (!b.failed && b.len == KVC_WIRE_SLOT_LEN)
+        send_am(a, ep, NULL, NULL, KVC_AM_SLOT, b.p, b.len, NULL, 0, false);
     kvc_buf_cleanup(&b);
-    ucp_request_param_t rp;
-    memset(&rp, 0, sizeof(rp));
-    rp.op_attr_mask =
-        UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
-    rp.cb.send = slot_sent;
-    rp.user_data = c;
-    rp.flags = UCP_AM_SEND_FLAG_EAGER;
-    ucs_status_ptr_t r = ucp_am_send_nbx(ep, KVC_AM_SLOT, c->msg, sizeof(c->msg), NULL, 0, &rp);
-    if (!UCS_PTR_IS_PTR(r)) slot_sent(NULL, UCS_PTR_STATUS(r), c);
 }
 
 bool kvc_stage_shm_wanted(const kvc_agent_t *a, const kvc_peer_t *p) {

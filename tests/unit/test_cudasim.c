@@ -54,6 +54,16 @@ static bool lands(const volatile uint8_t *p, size_t n, uint8_t v, double secs) {
     }
 }
 
+/* Frees what a case made (sb may be NULL) and goes back to lazy mode. */
+static void teardown(cudaEvent_t ev, cudaStream_t sa, cudaStream_t sb, void *dev, void *host) {
+    assert_int_equal(cudaEventDestroy(ev), cudaSuccess);
+    assert_int_equal(cudaStreamDestroy(sa), cudaSuccess);
+    if (sb) assert_int_equal(cudaStreamDestroy(sb), cudaSuccess);
+    assert_int_equal(cudaFree(dev), cudaSuccess);
+    free(host);
+    cudasim_reset(2, false);
+}
+
 /* A copy on stream B completes, and its event with it, while a host
  * function blocks stream A and the caller makes no CUDA call.  The old
  * background worker ran host functions under its lock (B stalled behind
@@ -82,12 +92,7 @@ static void test_copies_run_beside_the_caller(void **state) {
     atomic_store(&gate, 1);
     assert_int_equal(cudaStreamSynchronize(sa), cudaSuccess);
     assert_int_equal(cudasim_pending(), 0);
-    assert_int_equal(cudaEventDestroy(ev), cudaSuccess);
-    assert_int_equal(cudaStreamDestroy(sa), cudaSuccess);
-    assert_int_equal(cudaStreamDestroy(sb), cudaSuccess);
-    assert_int_equal(cudaFree(dev), cudaSuccess);
-    free(host);
-    cudasim_reset(2, false);
+    teardown(ev, sa, sb, dev, host);
 }
 
 /* Stream order across streams: B waits for an event recorded on A behind a
@@ -117,12 +122,7 @@ static void test_cross_stream_wait_holds(void **state) {
     assert_int_equal(cudaStreamSynchronize(sb), cudaSuccess);
     assert_true(lands(dev, LEN, 0x77, 0));
     assert_int_equal(cudaEventQuery(ev), cudaSuccess);
-    assert_int_equal(cudaEventDestroy(ev), cudaSuccess);
-    assert_int_equal(cudaStreamDestroy(sa), cudaSuccess);
-    assert_int_equal(cudaStreamDestroy(sb), cudaSuccess);
-    assert_int_equal(cudaFree(dev), cudaSuccess);
-    free(host);
-    cudasim_reset(2, false);
+    teardown(ev, sa, sb, dev, host);
 }
 
 /* CUDASIM_GBPS: 16 MiB at 0.05 GB/s take at least 0.33 s; the event is not
@@ -150,11 +150,7 @@ static void test_bandwidth_cap_and_event_sync(void **state) {
     double secs = now_s() - t0;
     assert_true(lands(dev, n, 0x42, 0));
     assert_true(secs >= 0.3);
-    assert_int_equal(cudaEventDestroy(ev), cudaSuccess);
-    assert_int_equal(cudaStreamDestroy(s), cudaSuccess);
-    assert_int_equal(cudaFree(dev), cudaSuccess);
-    free(host);
-    cudasim_reset(2, false);
+    teardown(ev, s, NULL, dev, host);
 }
 
 int main(void) {
