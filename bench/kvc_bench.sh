@@ -7,6 +7,15 @@
 # usage: bench/kvc_bench.sh [BUILD_DIR] [--quick]
 #   BUILD_DIR defaults to ./build; kvc_bench must be built there (bin/).
 #        bench/kvc_bench.sh --ipc [BUILD_DIR]   (the CUDA IPC path, below)
+#        bench/kvc_bench.sh [BUILD_DIR] --staged
+#   The staged path without a GPU: kvc_gpu_test_standin (the CUDA stand-in
+#   copying like a GPU: copy-engine threads, CUDASIM_GBPS caps them) fetches
+#   the same bytes as device memory (staged, through the pinned pools) and
+#   as host memory (pushed), under the same UCX_TLS, KVC_BENCH_RUNS (5)
+#   times alternating; prints the medians and one line
+#   staged_pct_of_host=N (staged GB/s as % of host GB/s).  KVC_BENCH_BASE=DIR
+#   also times the staged fetch of another build (e.g. main) in the same
+#   loop: base_staged_pct_of_host=N.  KVC_BENCH_MB (128) sets the size.
 set -euo pipefail
 
 # --ipc: the same-node CUDA IPC path on the CUDA stand-in (no GPU): a
@@ -50,13 +59,67 @@ case "${1:-}" in
     ;;
 esac
 
-BUILD=${1:-build}
-QUICK=${2:-}
+BUILD=build QUICK="" STAGED=0
+for arg in "$@"; do
+    case $arg in
+    --staged) STAGED=1 ;;
+    --quick) QUICK=--quick ;;
+    *) BUILD=$arg ;;
+    esac
+done
 BENCH="$BUILD/bin/kvc_bench"
-[ -x "$BENCH" ] || { echo "kvc_bench not found in $BUILD/bin (build first)" >&2; exit 2; }
 export UCX_WARN_UNUSED_ENV_VARS=n
 # The authenticated side channel, as deployed (KVC_SECRET= measures without).
 export KVC_SECRET=${KVC_SECRET-kvc-bench-secret}
+
+if [ $STAGED = 1 ]; then
+    # shellcheck source=bench/lib.sh
+    source "$(dirname "$0")/lib.sh"
+    runs=${KVC_BENCH_RUNS:-5} mb=${KVC_BENCH_MB:-128}
+    # 4 regions of 32 KiB blocks, runs of 64 blocks (2 MiB chunks), mb MiB moved.
+    fetch=$((mb * 1024 / 32 / 4))
+    opts=(--regions 4 --blocks $((fetch * 2)) --block-kb 32 --fetch $fetch)
+    pair() { # BUILD_DIR ENV... -- [--host]: prints the consumer's GB/s (or "fail")
+        local bin=$1/bin/kvc_gpu_test_standin envs=()
+        shift
+        while [ "$1" != -- ]; do envs+=("$1"); shift; done
+        shift
+        [ -x "$bin" ] || { echo "$bin not built" >&2; exit 2; }
+        local j=$work/p$RANDOM.json
+        env "${envs[@]}" timeout 300 "$bin" producer --params "$j" "${opts[@]}" "$@" \
+            >"$j.p" 2>&1 &
+        local pp=$!
+        pids+=("$pp")
+        env "${envs[@]}" timeout 300 "$bin" consumer --params "$j" "${opts[@]}" "$@" \
+            >"$j.c" 2>&1 || true
+        wait "$pp" 2>/dev/null || true
+        local g
+        g=$(sed -n 's/^RESULT fetch outcome=done bad_words=0 .* gbps=\([^ ]*\).*/\1/p' "$j.c")
+        echo "${g:-fail}"
+        [ -n "$g" ] || sed 's/^/  | /' "$j.c" | tail -5 >&2
+    }
+    median() { tr ' ' '\n' | grep -v '^$' | sort -g | awk '{v[NR]=$1} END {if (NR) print v[int((NR+1)/2)]; else print 0}'; }
+    pct() { awk -v a="$1" -v b="$2" 'BEGIN { if (b > 0) printf "%.0f", 100 * a / b; else print 0 }'; }
+    host="" staged="" wire="" base=""
+    for ((i = 1; i <= runs; i++)); do
+        host+=" $(pair "$BUILD" -- --host)"
+        staged+=" $(pair "$BUILD" KVC_CUDA_STAGED=1 --)"
+        wire+=" $(pair "$BUILD" KVC_CUDA_STAGED=1 KVC_STAGED_WIRE=1 --)"
+        if [ -n "${KVC_BENCH_BASE:-}" ]; then base+=" $(pair "$KVC_BENCH_BASE" KVC_CUDA_STAGED=1 --)"; fi
+    done
+    H=$(echo "$host" | median) S=$(echo "$staged" | median) W=$(echo "$wire" | median)
+    echo "staged_bench runs=$runs bytes=$((mb << 20)) UCX_TLS=${UCX_TLS:-default} CUDASIM_GBPS=${CUDASIM_GBPS:-none} window=${KVC_STAGE_WINDOW:-default}"
+    echo "host_gbps=$H [$host ] staged_gbps=$S [$staged ] staged_wire_gbps=$W [$wire ]"
+    echo "staged_wire_pct_of_host=$(pct "$W" "$H")"
+    if [ -n "${KVC_BENCH_BASE:-}" ]; then
+        B=$(echo "$base" | median)
+        echo "base_staged_gbps=$B [$base ] ($KVC_BENCH_BASE)"
+        echo "base_staged_pct_of_host=$(pct "$B" "$H")"
+    fi
+    echo "staged_pct_of_host=$(pct "$S" "$H")"
+    exit 0
+fi
+[ -x "$BENCH" ] || { echo "kvc_bench not found in $BUILD/bin (build first)" >&2; exit 2; }
 
 # shellcheck source=bench/lib.sh
 source "$(dirname "$0")/lib.sh" # free_port

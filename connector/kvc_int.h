@@ -79,7 +79,18 @@ enum {
  * (set only for a consumer that asked, on this host, when the producer
  * exports its regions: ipc.c).  The flag only says whether the table comes;
  * the table itself is under the handshake's MAC and seal. */
-enum { KVC_HFLAG_SECRET = 1u << 0, KVC_HFLAG_OWNER = 1u << 1, KVC_HFLAG_IPC = 1u << 2 };
+/* KVC_HFLAG_LIVE (version 4): in a HELLO, "I keep this connection
+ * open after the handshake"; in the CHALLENGE, "so do I".  Both set: the
+ * side channel stays open, idle, as long as the consumer's peer entry, and
+ * either end seeing it close knows the other is gone (a killed process's
+ * socket closes at once) even on a UCX endpoint without peer-failure
+ * handling (shared-memory transports). */
+enum {
+    KVC_HFLAG_SECRET = 1u << 0,
+    KVC_HFLAG_OWNER = 1u << 1,
+    KVC_HFLAG_IPC = 1u << 2,
+    KVC_HFLAG_LIVE = 1u << 3,
+};
 #define KVC_WIRE_MAX_CONS_ADDR 4096u /* a worker address in a CONSUMER message */
 
 /* Region flags in the handshake table. */
@@ -215,7 +226,12 @@ KVC_HIDDEN void kvc_wire_hs_cleanup(kvc_wire_hs_t *hs);
  * KVC_PULL_RENEW: no runs, no answer: renew the publication's lease.
  * KVC_PULL_CONS: an 8-byte trailer (last, after EXT's): u64 the consumer key
  * it sent in its CONSUMER message; answers go on the producer's own endpoint
- * to that consumer (KVC_HFLAG_OWNER). */
+ * to that consumer (KVC_HFLAG_OWNER).
+ * KVC_PULL_SHM: the consumer has staged regions and can read the producer's
+ * staging pool through a shared-memory mapping (stage.c): a producer that
+ * stages offers its pool (KVC_AM_POOL) and, when the consumer maps it,
+ * lends slots (KVC_AM_READY / KVC_AM_SLOT) instead of sending DATA.  An
+ * older producer ignores the flag. */
 enum {
     KVC_PULL_RNDV = 1u << 0,
     KVC_PULL_HOLD = 1u << 1,
@@ -224,6 +240,7 @@ enum {
     KVC_PULL_WAIT = 1u << 4,
     KVC_PULL_RENEW = 1u << 5,
     KVC_PULL_CONS = 1u << 6,
+    KVC_PULL_SHM = 1u << 7,
 };
 #define KVC_PULL_CONS_LEN 8
 #define KVC_PULL_EXT_LEN 16
@@ -775,6 +792,7 @@ typedef struct {
     uint32_t holds;
     bool dead;
     kvc_status_t st;
+    uint64_t lent; /* chunks read from the producer's mapped pool (staged-shm) */
     char msg[200];
 } kvc_stage_ref_t;
 /* Consumer: a checked rendezvous DATA message for staged region `region`
@@ -782,6 +800,42 @@ typedef struct {
  * handler's.  The fetch must outlive its holds. */
 KVC_HIDDEN ucs_status_t kvc_stage_recv(kvc_agent_t *a, kvc_stage_ref_t *ref, size_t region,
                                        uint64_t local_start, void *data, size_t len);
+/* Staged through the producer's mapped pool (staged-shm).  The READY header
+ * is a DATA header then u64 the slot's offset in the pool; a POOL header a
+ * DATA header (xfer id and token) then u64 pool address, u64 pool length,
+ * u64 slot bytes, with the packed rkey as its data; a SLOT message u64
+ * xfer id, token, u32 kind (KVC_SLOT_*), u32 0, u64 slot offset. */
+#define KVC_WIRE_READY_LEN (KVC_WIRE_DATA_HDR_LEN + 8)
+#define KVC_WIRE_POOL_LEN (KVC_WIRE_DATA_HDR_LEN + 24)
+#define KVC_WIRE_SLOT_LEN (8 + KVC_TOKEN_LEN + 16)
+enum { KVC_SLOT_POOL_OK = 1, KVC_SLOT_POOL_NO = 2, KVC_SLOT_FREE = 3 };
+/* Consumer: whether its pulls to p ask for the mapped pool (KVC_PULL_SHM):
+ * staged regions here, KVC_STAGED_WIRE unset, and p's pool not found
+ * unmappable before. */
+KVC_HIDDEN bool kvc_stage_shm_wanted(const kvc_agent_t *a, const kvc_peer_t *p);
+/* Consumer: the producer p offers its pool for fetch (xfer_id, token):
+ * mapped here (once per peer and pool), answered with a SLOT
+ * POOL_OK or POOL_NO on p's endpoint. */
+KVC_HIDDEN void kvc_stage_pool_offer(kvc_agent_t *a, kvc_peer_t *p, uint64_t xfer_id,
+                                     const uint8_t token[KVC_TOKEN_LEN], const uint8_t *hdr,
+                                     const void *rkey, size_t rkey_len);
+/* Consumer: a checked READY of the fetch whose account is ref: its chunk
+ * is copied from p's mapped slot to the device, and the slot handed back
+ * (SLOT FREE) once the copy is complete.  KVC_ERR_PROTOCOL when p has no
+ * mapped pool or the slot is outside it (the fetch fails). */
+KVC_HIDDEN kvc_status_t kvc_stage_ready(kvc_agent_t *a, kvc_stage_ref_t *ref, kvc_peer_t *p,
+                                        uint64_t xfer_id, const uint8_t token[KVC_TOKEN_LEN],
+                                        size_t region, uint64_t local_start, uint64_t off,
+                                        size_t len);
+/* Consumer: hands a slot back at once (a READY for a fetch that ended). */
+KVC_HIDDEN void kvc_stage_slot_send(kvc_agent_t *a, ucp_ep_h ep, uint64_t xfer_id,
+                                    const uint8_t token[KVC_TOKEN_LEN], uint32_t kind,
+                                    uint64_t off);
+/* Producer: the AM handler of SLOT messages. */
+KVC_HIDDEN ucs_status_t kvc_stage_slot_cb(void *arg, const void *header, size_t hlen, void *data,
+                                          size_t len, const ucp_am_recv_param_t *param);
+/* Consumer: unmaps p's pool (peer.c, when p's rkeys go). */
+KVC_HIDDEN void kvc_stage_peer_cleanup(kvc_agent_t *a, kvc_peer_t *p);
 
 /* ---------------------------------------------------------- mem.c -- */
 KVC_HIDDEN void kvc_mem_cleanup(kvc_agent_t *a);
@@ -846,20 +900,24 @@ struct kvc_peer {
     uint8_t hello_flags; /* the flags our HELLO sent (under the AUTH MAC) */
     kvc_chan_t chan; /* keys of the sealed channel, from AUTH on */
     bool owner;      /* the producer answers on its own endpoint: pulls carry our key */
+    bool live;       /* KVC_HFLAG_LIVE: the side channel stays open; its close fails us */
     uint32_t n_regions;
     struct kvc_peer_region *rr; /* owned */
     kvc_proto_t proto;
     bool shm;            /* every remote region is mapped here (ucp_rkey_ptr) */
     kvc_ipc_peer_t *ipc; /* owned: the producer's CUDA memory mapped here (ipc.c) */
     uint32_t transports; /* KVC_TRANSPORT_* of the endpoint (0: not collected) */
+    struct kvc_spool *spool; /* owned (stage.c): its staging pool mapped here, or NULL */
     int refs;
     kvc_status_t fail_status;
     char fail_msg[320];
 };
 
 /* UCX active message ids of the data path (PULL: consumer -> producer,
- * DATA: producer -> consumer; NOTIFY is notify.c's). */
-enum { KVC_AM_PULL = 21, KVC_AM_DATA = 22 };
+ * DATA: producer -> consumer; NOTIFY is notify.c's).  Staged through a
+ * mapped pool (stage.c): POOL and READY producer -> consumer, SLOT
+ * consumer -> producer. */
+enum { KVC_AM_PULL = 21, KVC_AM_DATA = 22, KVC_AM_POOL = 24, KVC_AM_READY = 25, KVC_AM_SLOT = 26 };
 
 /* --------------------------------------------------------- xfer.c -- */
 KVC_HIDDEN kvc_status_t kvc_xfer_register_am(kvc_agent_t *a);

@@ -38,7 +38,9 @@
 #define SCONN_IN_CAP (2 * (KVC_WIRE_HDR_LEN + KVC_WIRE_MAX_HELLO))
 
 /* Producer side of one side-channel connection. */
-typedef enum { SC_HELLO, SC_AUTH, SC_CLOSING } kvc_sc_state_t;
+/* SC_LIVE: authenticated, handshake sent, kept open idle (KVC_HFLAG_LIVE)
+ * until the consumer closes it, which is its death for this producer. */
+typedef enum { SC_HELLO, SC_AUTH, SC_CLOSING, SC_LIVE } kvc_sc_state_t;
 
 struct kvc_sconn {
     kvc_sconn_t *next;
@@ -60,6 +62,8 @@ struct kvc_sconn {
     bool authed;     /* its AUTH verified (chan ready, proto set) */
     uint8_t proto;   /* from its AUTH */
     bool ipc;        /* KVC_HFLAG_IPC both ways: the handshake carries our IPC table */
+    bool live;       /* both sides said KVC_HFLAG_LIVE: SC_LIVE after the handshake */
+    kvc_cons_t *cons; /* referenced: the record its CONSUMER made, or NULL */
     bool dead;       /* closed; freed by kvc_sconns_reap (events may still name it) */
 };
 
@@ -123,6 +127,21 @@ static void sconn_close(kvc_agent_t *a, kvc_sconn_t *c) {
     kvc_ep_del(a, c->fd);
     close(c->fd);
     c->fd = -1;
+    if (c->cons) {
+        kvc_cons_t *k = c->cons;
+        if (c->state == SC_LIVE && !k->dead && !a->destroying) {
+            /* Its consumer closed the live side channel: gone (or done with
+             * us); what waits for it is dropped as on an endpoint failure. */
+            k->dead = true;
+            a->cons_check = true;
+            a->stats[KVC_STAT_CONSUMERS_LOST]++;
+            KVC_LOG(a, KVC_LOG_INFO, "consumer %s (key %016llx): side channel closed",
+                    k->engine_id ? k->engine_id : "?", (unsigned long long)k->key);
+            kvc_wake(a);
+        }
+        c->cons = NULL;
+        kvc_cons_unref(k);
+    }
     free(c->in);
     c->in = NULL;
     free(c->cons_id);
@@ -183,7 +202,7 @@ static bool same_host(int fd, const struct sockaddr_storage *peer) {
 static size_t addr_count(const kvc_agent_t *a, const char *addr) {
     size_t n = 0;
     for (const kvc_sconn_t *o = a->sconns; o; o = o->next)
-        n += !strcmp(o->addr, addr);
+        n += o->state != SC_LIVE && !strcmp(o->addr, addr);
     return n;
 }
 
@@ -200,6 +219,7 @@ static bool sconn_make_room(kvc_agent_t *a, const char *addr) {
     size_t total = 0, same = 0;
     uint32_t per = a->max_handshakes / 4 < 4 ? 4 : a->max_handshakes / 4;
     for (kvc_sconn_t *o = a->sconns; o; o = o->next) {
+        if (o->state == SC_LIVE) continue; /* done with its handshake */
         total++;
         same += !strcmp(o->addr, addr);
     }
@@ -208,7 +228,7 @@ static bool sconn_make_room(kvc_agent_t *a, const char *addr) {
     kvc_sconn_t *victim = NULL;
     size_t vcount = 0;
     for (kvc_sconn_t *o = a->sconns; o; o = o->next) {
-        if (o->state == SC_CLOSING) continue;
+        if (o->state == SC_CLOSING || o->state == SC_LIVE) continue;
         if (by_addr) {
             if (strcmp(o->addr, addr)) continue;
             if (!victim || o->deadline_ns < victim->deadline_ns) victim = o;
@@ -294,7 +314,13 @@ static bool sconn_flush(kvc_agent_t *a, kvc_sconn_t *c) {
     }
     kvc_buf_cleanup(&c->out);
     c->out_off = 0;
-    if (c->state == SC_CLOSING) {
+    if (c->state == SC_CLOSING && c->live) {
+        c->state = SC_LIVE; /* the handshake went out: kept open, idle */
+        free(c->in);
+        c->in = NULL;
+        c->in_len = 0;
+        kvc_chan_cleanup(&c->chan);
+    } else if (c->state == SC_CLOSING) {
         sconn_close(a, c);
         return false;
     }
@@ -308,6 +334,7 @@ static void sconn_refuse(kvc_agent_t *a, kvc_sconn_t *c, kvc_status_t st, const 
     c->out_off = 0;
     kvc_wire_encode_error(&c->out, a->wire_version, st, msg);
     c->state = SC_CLOSING;
+    c->live = false;
 }
 
 static void on_hello(kvc_agent_t *a, kvc_sconn_t *c, const uint8_t *body, size_t len) {
@@ -339,9 +366,11 @@ static void on_hello(kvc_agent_t *a, kvc_sconn_t *c, const uint8_t *body, size_t
     c->owner = (h.flags & KVC_HFLAG_OWNER) != 0;
     /* IPC handles only to a consumer on this host that can use them. */
     c->ipc = (h.flags & KVC_HFLAG_IPC) && c->same_host && a->ipc_tab.len;
+    c->live = (h.flags & KVC_HFLAG_LIVE) != 0;
     c->hello_flags = h.flags;
-    c->chal_flags = (uint8_t)((a->secret ? KVC_HFLAG_SECRET : 0) |
-                              (c->owner ? KVC_HFLAG_OWNER : 0) | (c->ipc ? KVC_HFLAG_IPC : 0));
+    c->chal_flags =
+        (uint8_t)((a->secret ? KVC_HFLAG_SECRET : 0) | (c->owner ? KVC_HFLAG_OWNER : 0) |
+                  (c->ipc ? KVC_HFLAG_IPC : 0) | (c->live ? KVC_HFLAG_LIVE : 0));
     KVC_LOG(a, KVC_LOG_DEBUG, "side channel: hello from engine %s at %s", c->cons_id, c->addr);
     kvc_wire_encode_hello(&c->out, a->wire_version, KVC_MSG_CHALLENGE, a->engine_id,
                           c->chal_flags, c->nonce_p);
@@ -363,6 +392,7 @@ static bool on_consumer(kvc_agent_t *a, kvc_sconn_t *c, const uint8_t *rec, size
          kvc_wire_parse_consumer(msg + KVC_WIRE_HDR_LEN, h.body_len, &key, &addr) != KVC_OK))
         st = KVC_ERR_PROTOCOL;
     if (st == KVC_OK) st = kvc_cons_attach(a, key, addr.p, addr.len, c->cons_id, c->addr);
+    if (st == KVC_OK && (c->cons = kvc_cons_find(a, key))) kvc_cons_ref(c->cons);
     if (msg) {
         OPENSSL_cleanse(msg, mlen);
         free(msg);
@@ -483,6 +513,14 @@ static bool sconn_alive(kvc_agent_t *a, kvc_sconn_t *c) {
 void kvc_sconn_io(kvc_agent_t *a, kvc_sconn_t *c, uint32_t events) {
     if (c->dead) return;
     if (c->out.len && !sconn_flush(a, c)) return;
+    if (c->state == SC_LIVE) { /* nothing may come: a close, or a consumer gone wrong */
+        char junk[64];
+        ssize_t n = read(c->fd, junk, sizeof(junk));
+        if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) return;
+        (void)events;
+        sconn_close(a, c);
+        return;
+    }
     if (c->state == SC_CLOSING) {
         /* Waiting for the reply to drain; a consumer that hangs up is closed. */
         if (events & (EPOLLERR | EPOLLHUP)) sconn_close(a, c);
@@ -584,6 +622,10 @@ void kvc_sconns_timers(kvc_agent_t *a, uint64_t now, uint64_t *next) {
     kvc_sconn_t *c = a->sconns;
     while (c) {
         kvc_sconn_t *nx = c->next;
+        if (c->state == SC_LIVE) {
+            c = nx;
+            continue;
+        }
         if (now >= c->deadline_ns) {
             sconn_drop(a, c, "client too slow");
         } else if (c->deadline_ns < *next) {

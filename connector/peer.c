@@ -104,6 +104,7 @@ static void peer_free(kvc_agent_t *a, kvc_peer_t *p) {
 }
 
 static void peer_release_rkeys(kvc_peer_t *p) {
+    kvc_stage_peer_cleanup(p->a, p);
     for (uint32_t i = 0; p->rr && i < p->n_regions; i++)
         if (p->rr[i].rkey) {
             ucp_rkey_destroy(p->rr[i].rkey);
@@ -465,7 +466,17 @@ static void handshake_done(kvc_agent_t *a, kvc_peer_t *p, const uint8_t *body, s
     kvc_ipc_peer_open(a, p, hs.ipc); /* p->ipc: this node's GPUs, mapped */
     if (!choose_path(a, p)) goto out;
     p->state = PEER_READY;
-    peer_close_socket(a, p);
+    if (p->live) {
+        /* Kept open, idle: its close is the producer's death (kvc_peer_io). */
+        free(p->in);
+        p->in = NULL;
+        p->in_len = p->in_cap = 0;
+        kvc_buf_cleanup(&p->out);
+        kvc_chan_cleanup(&p->chan);
+        kvc_ep_mod(a, p->fd, EPOLLIN | EPOLLRDHUP, &p->pe);
+    } else {
+        peer_close_socket(a, p);
+    }
     a->stats[KVC_STAT_HANDSHAKES]++;
     KVC_LOG(a, KVC_LOG_INFO,
             "handshake with engine %s at %s:%u: regions=%u num_blocks=%llu proto=%s "
@@ -484,8 +495,11 @@ out:
 
 /* The flags of our HELLO (under the AUTH MAC, with the CHALLENGE's). */
 static uint8_t hello_flags(const kvc_agent_t *a) {
+    /* KVC_TEST_NO_LIVE (tests only): a consumer that does not keep its side
+     * channel, as a peer may choose, so its record can give way. */
+    bool live = !getenv("KVC_TEST_NO_LIVE");
     return (uint8_t)((a->secret ? KVC_HFLAG_SECRET : 0) | KVC_HFLAG_OWNER |
-                     (kvc_ipc_can_import(a) ? KVC_HFLAG_IPC : 0));
+                     (live ? KVC_HFLAG_LIVE : 0) | (kvc_ipc_can_import(a) ? KVC_HFLAG_IPC : 0));
 }
 
 /* The producer's CHALLENGE: answer with our MAC over both nonces and both
@@ -523,6 +537,7 @@ static void on_challenge(kvc_agent_t *a, kvc_peer_t *p, const uint8_t *body, siz
      * pulls on an endpoint of its own: the address goes sealed, right
      * after AUTH, before its HANDSHAKE can let us pull. */
     p->owner = (h.flags & KVC_HFLAG_OWNER) != 0;
+    p->live = (h.flags & KVC_HFLAG_LIVE) != 0;
     if (p->owner) {
         kvc_buf_t inner = {0};
         kvc_wire_encode_consumer(&inner, a->wire_version, a->nonce, a->worker_addr,
@@ -607,6 +622,17 @@ static bool peer_send(kvc_agent_t *a, kvc_peer_t *p) {
 }
 
 void kvc_peer_io(kvc_agent_t *a, kvc_peer_t *p, uint32_t events) {
+    if (p->state == PEER_READY) { /* the live side channel: nothing may come */
+        char junk[64];
+        ssize_t n = p->fd >= 0 ? read(p->fd, junk, sizeof(junk)) : 0;
+        if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) return;
+        (void)events;
+        peer_fail(a, p, KVC_ERR_PEER_FAILED,
+                  n > 0 ? "producer %s:%u wrote on the idle side channel"
+                        : "producer %s:%u closed its side channel: it is gone",
+                  p->host, p->port);
+        return;
+    }
     if (p->state == PEER_CONNECTING) {
         if (!(events & (EPOLLOUT | EPOLLERR | EPOLLHUP))) return;
         int err = 0;

@@ -8,15 +8,30 @@
  *  producer: a pull for staged regions becomes a job; progress takes a free
  *            slot, queues device -> slot (cudaMemcpyAsync on the device's
  *            stream, after the waits kvc_publish queued there) and records
- *            the slot's event; once the event completes the slot is sent as
- *            one DATA message, and freed when the send completes.  Slots of
- *            one job are in flight together, so copies and sends overlap.
- *  consumer: staged regions are always received as rendezvous, so that a
- *            DATA message can wait (its descriptor kept) until a slot is
- *            free; wire -> slot (ucp_am_recv_data_nbx), then slot -> device
- *            and the slot's event; the fetch holds one reference per chunk
- *            until its copy is complete, so FETCH_DONE means the bytes are on
- *            the device.  A chunk of a fetch that failed meanwhile is dropped
+ *            the slot's event; once the event completes the chunk goes to
+ *            the consumer, and the slot is free again when the consumer is
+ *            done with it.  A job holds at most `window` slots (KVC_STAGE_WINDOW,
+ *            STAGE_WINDOW by default): the device copy of chunk i+1, the
+ *            transfer of chunk i and the consumer's copy of chunk i-1
+ *            overlap, and chunks finish one after another instead of in a
+ *            batch of every slot at once (UCX interleaves all the sends it is
+ *            given, so an unbounded window delays every chunk).
+ *  two ways to the consumer:
+ *   staged-shm: the consumer is on this host and maps the pool (it is UCX
+ *            shared memory: ucp_rkey_ptr on its packed rkey, KVC_AM_POOL,
+ *            answered POOL_OK), pins the mapping and copies each chunk from
+ *            the producer's slot to its device: a READY message names the
+ *            slot, a SLOT FREE hands it back after the consumer's copy is
+ *            complete.  No CPU copies a byte and only small messages cross.
+ *   staged-wire: otherwise (another host, a transport without a mappable
+ *            pool, POOL_NO, KVC_STAGED_WIRE=1 on the consumer): the slot is
+ *            sent as one rendezvous DATA message and freed when the send
+ *            completes; the consumer receives it into a slot of its own
+ *            pool (ucp_am_recv_data_nbx; a message waits, its descriptor
+ *            kept, until a slot is free), then slot -> device.
+ *  consumer: the fetch holds one reference per chunk until its copy to the
+ *            device is complete, so FETCH_DONE means the bytes are on the
+ *            device.  A chunk of a fetch that failed meanwhile is dropped
  *            before its copy: nothing lands after FETCH_FAILED.
  *
  * Everything is started from kvc_stage_progress(); UCX callbacks only mark
@@ -28,9 +43,15 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define POLL_NS 50000ull /* 50 us */
+#define POLL_NS 20000ull /* 20 us */
+#define STAGE_WINDOW 4   /* slots per job (bench/kvc_bench.sh --staged measured 2..16) */
 
-typedef enum { S_FREE, S_D2H, S_SEND, S_RECV, S_RECVD, S_H2D } slot_state_t;
+/* Producer: FREE -> D2H -> STAGED (copied; the job's way not known yet) ->
+ * SEND (wire) or LENT (READY sent, the consumer reads it) -> FREE.
+ * Consumer: FREE -> RECV -> RECVD -> H2D -> FREE. */
+typedef enum { S_FREE, S_D2H, S_STAGED, S_SEND, S_LENT, S_RECV, S_RECVD, S_H2D } slot_state_t;
+/* A job's way to its consumer: not asked, pool offered, mapped, refused. */
+typedef enum { J_WIRE, J_ASKED, J_SHM } job_way_t;
 
 typedef struct sjob sjob_t;
 
@@ -43,6 +64,7 @@ typedef struct {
     sjob_t *job;     /* producer: the job the slot is sending for */
     uint32_t region; /* producer: the chunk's region and first local block */
     uint64_t local;
+    uint64_t lent_ns;   /* producer: when the READY went (LENT) */
     kvc_stage_ref_t *x; /* consumer: the fetch, held until the slot's copy is complete */
     int dev;            /* consumer: device of the destination */
     void *dst;          /* consumer: device address of the chunk */
@@ -50,12 +72,12 @@ typedef struct {
     kvc_status_t fail; /* consumer: the receive failed */
 } slot_t;
 
-/* A producer-side send: header storage that lives until completion. */
+/* A send: header storage that lives until completion. */
 typedef struct {
     kvc_agent_t *a;
     sjob_t *job;
-    slot_t *slot;
-    uint8_t hdr[KVC_WIRE_DATA_HDR_LEN];
+    slot_t *slot; /* freed when the send completes (wire), or NULL */
+    uint8_t hdr[KVC_WIRE_POOL_LEN];
 } sendctx_t;
 
 struct sjob {
@@ -73,6 +95,8 @@ struct sjob {
     uint64_t off;
     uint64_t sent;   /* DATA messages issued */
     size_t inflight; /* slots and sends of this job not done */
+    size_t held;     /* slots of the pool this job holds (<= window) */
+    job_way_t way;
     bool failed, ended;
     bool gone; /* its consumer's endpoint failed: nothing more is sent */
     kvc_status_t fail_st;
@@ -90,14 +114,44 @@ struct pend {
     void *dst;
 };
 
+/* Consumer: a chunk copied from a producer's mapped slot. */
+typedef struct rd rd_t;
+struct rd {
+    rd_t *next;
+    kvc_stage_ref_t *x;
+    kvc_peer_t *peer; /* borrowed: the fetch holds it while x holds */
+    uint64_t xid, off;
+    uint8_t token[KVC_TOKEN_LEN];
+    int dev;
+    void *dst;
+    size_t len;
+    bool copying;
+    void *ev; /* cudaEvent_t, owned; made on ev_dev */
+    int ev_dev;
+};
+
+/* Consumer: a producer's pool mapped here (one per peer). */
+struct kvc_spool {
+    ucp_rkey_h rkey;
+    uint8_t *map; /* borrowed from the rkey: the pool here */
+    uint64_t base, len;
+    bool pinned, bad; /* bad: offered but not mappable, pulls stop asking */
+    uint8_t *blob;    /* owned: the packed rkey it came from */
+    size_t blob_len;
+};
+
 struct kvc_stage {
     ucp_mem_h memh;
     uint8_t *base;
     bool pinned;
-    size_t slot_bytes, nslots;
+    size_t slot_bytes, nslots, window;
     slot_t *slots;
+    void *rkey; /* owned by UCX (ucp_rkey_buffer_release): the pool's, for POOL offers */
+    size_t rkey_len;
+    bool wire; /* consumer: KVC_STAGED_WIRE, never ask for the mapped pool */
     sjob_t *jobs, *jobs_tail;
     pend_t *pend, *pend_tail;
+    rd_t *rds, *rd_spare; /* consumer: mapped-slot copies in flight; spares keep events */
 };
 
 size_t kvc_stage_pool_bytes(const kvc_agent_t *a) {
@@ -123,6 +177,10 @@ kvc_status_t kvc_stage_init(kvc_agent_t *a) {
     }
     s->slot_bytes = slot;
     s->nslots = nslots;
+    const char *w = getenv("KVC_STAGE_WINDOW"); /* tuning (bench/kvc_bench.sh --staged) */
+    s->window = w && strtoul(w, NULL, 10) > 0 ? strtoul(w, NULL, 10) : STAGE_WINDOW;
+    const char *wire = getenv("KVC_STAGED_WIRE"); /* comparisons: the wire way on one host */
+    s->wire = wire && *wire && strcmp(wire, "0");
     /* Allocated by UCX (registered: rendezvous sends and receives need no
      * bounce), then pinned for the CUDA copies. */
     ucp_mem_map_params_t mp;
@@ -141,6 +199,7 @@ kvc_status_t kvc_stage_init(kvc_agent_t *a) {
         return us == UCS_ERR_NO_MEMORY ? KVC_ERR_NO_MEMORY : KVC_ERR_TRANSPORT;
     }
     s->base = ma.address;
+    if (ucp_rkey_pack(a->ctx, s->memh, &s->rkey, &s->rkey_len) != UCS_OK) s->rkey = NULL;
     if (kvc_cuda_host_register(a->cuda, s->base, slot * nslots) == KVC_OK)
         s->pinned = true;
     else
@@ -152,8 +211,8 @@ kvc_status_t kvc_stage_init(kvc_agent_t *a) {
         s->slots[i].ev_dev = -1;
     }
     a->stage = s;
-    KVC_LOG(a, KVC_LOG_INFO, "staging pool bytes=%zu slots=%zu slot_bytes=%zu pinned=%d",
-            slot * nslots, nslots, slot, (int)s->pinned);
+    KVC_LOG(a, KVC_LOG_INFO, "staging pool bytes=%zu slots=%zu slot_bytes=%zu window=%zu pinned=%d",
+            slot * nslots, nslots, slot, s->window, (int)s->pinned);
     return KVC_OK;
 }
 
@@ -209,6 +268,14 @@ void kvc_stage_cleanup(kvc_agent_t *a) {
         free(j->pub_id);
         free(j);
     }
+    for (int k = 0; k < 2; k++) /* the peers (and their mappings) are gone already */
+        while (k ? s->rd_spare : s->rds) {
+            rd_t *r = k ? s->rd_spare : s->rds;
+            *(k ? &s->rd_spare : &s->rds) = r->next;
+            if (r->ev) kvc_cuda_event_destroy(a->cuda, r->ev);
+            free(r);
+        }
+    if (s->rkey) ucp_rkey_buffer_release(s->rkey);
     for (size_t i = 0; i < s->nslots; i++)
         if (s->slots[i].ev) kvc_cuda_event_destroy(a->cuda, s->slots[i].ev);
     if (s->pinned) kvc_cuda_host_unregister(a->cuda, s->base);
@@ -226,48 +293,56 @@ static slot_t *free_slot(kvc_stage_t *s) {
 
 /* ------------------------------------------------------------ producer -- */
 
+static void job_fail(sjob_t *j, kvc_status_t st) {
+    if (j->failed) return;
+    j->failed = true;
+    j->fail_st = st;
+}
+
+/* A slot of job j is free again. */
+static void slot_release(slot_t *sl) {
+    if (sl->job) {
+        sl->job->held--;
+        sl->job = NULL;
+    }
+    sl->state = S_FREE;
+}
+
 static void send_done(void *req, ucs_status_t us, void *ud) {
     sendctx_t *c = ud;
     c->a->push_inflight--;
     if (us != UCS_OK && us != UCS_ERR_CANCELED)
         KVC_LOG(c->a, KVC_LOG_WARN, "push (staged): send failed: %s", ucs_status_string(us));
-    if (c->slot) c->slot->state = S_FREE;
+    if (c->slot) slot_release(c->slot);
     if (c->job) {
         c->job->inflight--;
-        if (us != UCS_OK && !c->job->failed) {
-            c->job->failed = true;
-            c->job->fail_st = KVC_ERR_TRANSPORT;
-        }
+        if (us != UCS_OK) job_fail(c->job, KVC_ERR_TRANSPORT);
     }
     kvc_wake(c->a);
     free(c);
     if (req) ucp_request_free(req);
 }
 
-/* One DATA message (or a header alone: data NULL).  Completion, even at
- * once or failed, goes through send_done. */
-static void send_msg(kvc_agent_t *a, ucp_ep_h ep, sjob_t *j, slot_t *slot,
-                     const kvc_wire_data_hdr_t *h, const void *data, size_t len) {
+/* One active message `id` of job j (NULL: none): header hdr (hlen bytes,
+ * copied), data (or NULL), rendezvous when rndv.  Completion, even at once
+ * or failed, goes through send_done, which frees `slot` (when given). */
+static void send_am(kvc_agent_t *a, ucp_ep_h ep, sjob_t *j, slot_t *slot, unsigned id,
+                    const void *hdr, size_t hlen, const void *data, size_t len, bool rndv) {
     sendctx_t *c = calloc(1, sizeof(*c));
     if (!c) {
-        if (slot) slot->state = S_FREE;
-        if (j && !j->failed) {
-            j->failed = true;
-            j->fail_st = KVC_ERR_NO_MEMORY;
-        }
+        if (slot) slot_release(slot);
+        if (j) job_fail(j, KVC_ERR_NO_MEMORY);
         return;
     }
     *c = (sendctx_t){.a = a, .job = j, .slot = slot};
-    kvc_wire_encode_data_hdr(c->hdr, h);
+    memcpy(c->hdr, hdr, hlen);
     ucp_request_param_t rp;
     memset(&rp, 0, sizeof(rp));
-    rp.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+    rp.op_attr_mask =
+        UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
     rp.cb.send = send_done;
     rp.user_data = c;
-    if (data && j && (j->flags & KVC_PULL_RNDV)) {
-        rp.op_attr_mask |= UCP_OP_ATTR_FIELD_FLAGS;
-        rp.flags = UCP_AM_SEND_FLAG_RNDV;
-    }
+    rp.flags = rndv ? UCP_AM_SEND_FLAG_RNDV : data ? 0 : UCP_AM_SEND_FLAG_EAGER;
     a->push_inflight++;
     if (j) j->inflight++;
     if (slot) slot->state = S_SEND;
@@ -275,10 +350,18 @@ static void send_msg(kvc_agent_t *a, ucp_ep_h ep, sjob_t *j, slot_t *slot,
         send_done(NULL, UCS_ERR_CANCELED, c);
         return;
     }
-    ucs_status_ptr_t r =
-        ucp_am_send_nbx(ep, KVC_AM_DATA, c->hdr, KVC_WIRE_DATA_HDR_LEN, data, data ? len : 0, &rp);
+    ucs_status_ptr_t r = ucp_am_send_nbx(ep, id, c->hdr, hlen, data, data ? len : 0, &rp);
     if (UCS_PTR_IS_PTR(r)) return;
     send_done(NULL, UCS_PTR_STATUS(r), c);
+}
+
+/* One DATA message (or a header alone: data NULL). */
+static void send_msg(kvc_agent_t *a, ucp_ep_h ep, sjob_t *j, slot_t *slot,
+                     const kvc_wire_data_hdr_t *h, const void *data, size_t len) {
+    uint8_t hdr[KVC_WIRE_DATA_HDR_LEN];
+    kvc_wire_encode_data_hdr(hdr, h);
+    send_am(a, ep, j, slot, KVC_AM_DATA, hdr, sizeof(hdr), data, len,
+            data && j && (j->flags & KVC_PULL_RNDV));
 }
 
 static ucp_ep_h job_ep(const sjob_t *j) {
@@ -326,6 +409,26 @@ void kvc_stage_push(kvc_agent_t *a, kvc_cons_t *cons, ucp_ep_h ep, const kvc_wir
     j->flags = pl->flags;
     j->runs = runs;
     j->n = n;
+    if ((pl->flags & KVC_PULL_SHM) && a->stage->rkey) {
+        /* The consumer may map the pool: offered first, the chunks copied
+         * meanwhile wait in their slots for its answer (KVC_SLOT_POOL_*). */
+        kvc_stage_t *s = a->stage;
+        kvc_wire_data_hdr_t h = {j->xid, 0, 0, 0, 0, {0}};
+        memcpy(h.token, j->token, KVC_TOKEN_LEN);
+        uint8_t hdr[KVC_WIRE_POOL_LEN];
+        kvc_wire_encode_data_hdr(hdr, &h);
+        kvc_buf_t b = {0};
+        kvc_buf_u64(&b, (uint64_t)(uintptr_t)s->base);
+        kvc_buf_u64(&b, s->slot_bytes * s->nslots);
+        kvc_buf_u64(&b, s->slot_bytes);
+        if (!b.failed) {
+            memcpy(hdr + KVC_WIRE_DATA_HDR_LEN, b.p, 24);
+            j->way = J_ASKED;
+            send_am(a, job_ep(j), j, NULL, KVC_AM_POOL, hdr, sizeof(hdr), s->rkey, s->rkey_len,
+                    false);
+        }
+        kvc_buf_cleanup(&b);
+    }
     if (a->stage->jobs_tail)
         a->stage->jobs_tail->next = j;
     else
@@ -366,7 +469,7 @@ static bool job_start(kvc_agent_t *a, sjob_t *j) {
         memcpy(h.token, j->token, KVC_TOKEN_LEN);
         size_t src_off = (run->remote + j->off) * rg->block_len;
         if (rg->staged) {
-            slot_t *sl = free_slot(s);
+            slot_t *sl = j->held < s->window ? free_slot(s) : NULL;
             if (!sl) return true;
             kvc_status_t st =
                 kvc_cuda_copy_event(a->cuda, rg->cuda_dev, sl->p, (uint8_t *)rg->dev_base + src_off,
@@ -381,6 +484,7 @@ static bool job_start(kvc_agent_t *a, sjob_t *j) {
             a->stats[KVC_STAT_CUDA_COPIES]++;
             sl->state = S_D2H;
             sl->job = j;
+            j->held++;
             sl->len = len;
             sl->region = (uint32_t)j->rg; /* the DATA header is built at send time */
             sl->local = h.local_start;
@@ -475,6 +579,57 @@ static int slot_poll(kvc_agent_t *a, slot_t *sl, kvc_status_t *st) {
     return kvc_cuda_event_poll(a->cuda, sl->ev, st);
 }
 
+static void rds_progress(kvc_agent_t *a, bool *pending);
+
+/* Producer: a copied chunk goes its job's way (READY or DATA); a lent or
+ * waiting slot comes back when its consumer is gone or silent past the
+ * data timeout (the consumer's fetch has failed by then). */
+static void slot_step(kvc_agent_t *a, slot_t *sl, uint64_t now) {
+    sjob_t *j = sl->job;
+    job_check_gone(a, j);
+    bool stale = now - sl->lent_ns > (uint64_t)a->xfer_timeout_ms * 1000000ull;
+    if (sl->state == S_LENT) {
+        if (!j->gone && !stale) return;
+        if (stale && !j->gone) {
+            KVC_LOG(a, KVC_LOG_WARN, "push (staged) req=%s: slot not handed back in %u ms",
+                    j->pub_id, a->xfer_timeout_ms);
+            job_fail(j, KVC_ERR_TIMED_OUT);
+        }
+        j->inflight--;
+        slot_release(sl);
+        return;
+    }
+    if (j->way == J_ASKED && !j->failed && !stale) return; /* its consumer has not answered */
+    j->inflight--;
+    if (j->failed || j->way == J_ASKED || !job_live(a, j)) {
+        job_fail(j, KVC_ERR_TIMED_OUT);
+        slot_release(sl);
+        return;
+    }
+    kvc_wire_data_hdr_t h = {
+        j->xid, sl->region, 0, sl->local, sl->len / a->regions[sl->region].block_len, {0}};
+    memcpy(h.token, j->token, KVC_TOKEN_LEN);
+    if (j->way == J_WIRE) {
+        send_msg(a, job_ep(j), j, sl, &h, sl->p, sl->len);
+        return;
+    }
+    uint8_t hdr[KVC_WIRE_READY_LEN];
+    kvc_wire_encode_data_hdr(hdr, &h);
+    kvc_buf_t b = {0};
+    kvc_buf_u64(&b, (uint64_t)(sl->p - a->stage->base));
+    if (b.failed) {
+        job_fail(j, KVC_ERR_NO_MEMORY);
+        slot_release(sl);
+    } else {
+        memcpy(hdr + KVC_WIRE_DATA_HDR_LEN, b.p, 8);
+        j->inflight++; /* the slot, until the consumer hands it back */
+        sl->state = S_LENT;
+        sl->lent_ns = now;
+        send_am(a, job_ep(j), j, NULL, KVC_AM_READY, hdr, sizeof(hdr), NULL, 0, false);
+    }
+    kvc_buf_cleanup(&b);
+}
+
 void kvc_stage_progress(kvc_agent_t *a, uint64_t now, uint64_t *next) {
     kvc_stage_t *s = a->stage;
     if (!s) return;
@@ -535,20 +690,20 @@ void kvc_stage_progress(kvc_agent_t *a, uint64_t now, uint64_t *next) {
                 if (r < 0) {
                     KVC_LOG(a, KVC_LOG_WARN, "push (staged): device->pool copy: %s",
                             kvc_cuda_last_error(a->cuda));
-                    if (!j->failed) {
-                        j->failed = true;
-                        j->fail_st = st;
-                    }
+                    job_fail(j, st);
                 }
-                sl->state = S_FREE;
+                slot_release(sl);
                 break;
             }
-            kvc_wire_data_hdr_t h = {
-                j->xid, sl->region, 0, sl->local, sl->len / a->regions[sl->region].block_len, {0}};
-            memcpy(h.token, j->token, KVC_TOKEN_LEN);
-            send_msg(a, job_ep(j), j, sl, &h, sl->p, sl->len);
+            j->inflight++; /* the slot's chunk, until it is sent or handed back */
+            sl->state = S_STAGED;
+            sl->lent_ns = now;
+        } /* fall through: sent now unless the job's way is still open */
+        /* FALLTHROUGH */
+        case S_STAGED:
+        case S_LENT:
+            slot_step(a, sl, now);
             break;
-        }
         default:
             break;
         }
@@ -592,7 +747,221 @@ void kvc_stage_progress(kvc_agent_t *a, uint64_t now, uint64_t *next) {
         free(j->pub_id);
         free(j);
     }
-    for (size_t i = 0; i < s->nslots && !pending; i++)
-        pending = s->slots[i].state == S_D2H || s->slots[i].state == S_H2D;
+    rds_progress(a, &pending);
+    uint64_t tmo = (uint64_t)a->xfer_timeout_ms * 1000000ull;
+    for (size_t i = 0; i < s->nslots; i++) {
+        slot_t *sl = &s->slots[i];
+        pending |= sl->state == S_D2H || sl->state == S_H2D;
+        if ((sl->state == S_STAGED || sl->state == S_LENT) && sl->lent_ns + tmo + 1 < *next)
+            *next = sl->lent_ns + tmo + 1; /* reclaimed then, if still out */
+    }
     if (pending && now + POLL_NS < *next) *next = now + POLL_NS;
+}
+
+/* ------------------------------------------------- producer: SLOT messages -- */
+
+static kvc_status_t parse_slot(const uint8_t *p, size_t len, uint64_t *xid, const uint8_t **token,
+                               uint32_t *kind, uint64_t *off) {
+    if (len != KVC_WIRE_SLOT_LEN) return KVC_ERR_PROTOCOL;
+    uint64_t v[2] = {0, 0};
+    for (int i = 7; i >= 0; i--) {
+        v[0] = v[0] << 8 | p[i];
+        v[1] = v[1] << 8 | p[8 + KVC_TOKEN_LEN + 8 + i];
+    }
+    const uint8_t *k = p + 8 + KVC_TOKEN_LEN;
+    *xid = v[0];
+    *token = p + 8;
+    *kind = (uint32_t)k[0] | (uint32_t)k[1] << 8 | (uint32_t)k[2] << 16 | (uint32_t)k[3] << 24;
+    *off = v[1];
+    return KVC_OK;
+}
+
+ucs_status_t kvc_stage_slot_cb(void *arg, const void *header, size_t hlen, void *data, size_t len,
+                               const ucp_am_recv_param_t *param) {
+    kvc_agent_t *a = arg;
+    uint64_t xid, off;
+    const uint8_t *token;
+    uint32_t kind;
+    (void)data;
+    (void)len;
+    bool rndv = (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0;
+    if (a->destroying || !a->stage || parse_slot(header, hlen, &xid, &token, &kind, &off)) {
+        if (!a->destroying && kvc_log_ratelimit(a, KVC_RL_DATA))
+            KVC_LOG(a, KVC_LOG_WARN, "push (staged): malformed slot message, dropped");
+        return rndv ? UCS_ERR_INVALID_PARAM : UCS_OK;
+    }
+    kvc_stage_t *s = a->stage;
+    sjob_t *j = s->jobs;
+    while (j && !(j->xid == xid && kvc_mac_equal(j->token, token, KVC_TOKEN_LEN)))
+        j = j->next;
+    size_t i = off / s->slot_bytes;
+    if (!j) {
+        a->stats[KVC_STAT_DENIED]++; /* not a job of ours, or a wrong token */
+    } else if (kind == KVC_SLOT_FREE) {
+        slot_t *sl = off % s->slot_bytes == 0 && i < s->nslots ? &s->slots[i] : NULL;
+        if (sl && sl->state == S_LENT && sl->job == j) {
+            j->inflight--;
+            slot_release(sl);
+        }
+    } else if ((kind == KVC_SLOT_POOL_OK || kind == KVC_SLOT_POOL_NO) && j->way == J_ASKED) {
+        j->way = kind == KVC_SLOT_POOL_OK ? J_SHM : J_WIRE;
+        KVC_LOG(a, KVC_LOG_DEBUG, "push (staged) req=%s: consumer %s the pool", j->pub_id,
+                j->way == J_SHM ? "maps" : "does not map");
+    }
+    kvc_wake(a);
+    return rndv ? UCS_ERR_INVALID_PARAM : UCS_OK;
+}
+
+/* ------------------------------------------ consumer: the mapped pool -- */
+
+void kvc_stage_slot_send(kvc_agent_t *a, ucp_ep_h ep, uint64_t xfer_id,
+                         const uint8_t token[KVC_TOKEN_LEN], uint32_t kind, uint64_t off) {
+    kvc_buf_t b = {0};
+    kvc_buf_u64(&b, xfer_id);
+    kvc_buf_put(&b, token, KVC_TOKEN_LEN);
+    kvc_buf_u32(&b, kind);
+    kvc_buf_u32(&b, 0);
+    kvc_buf_u64(&b, off);
+    /* Lost (no endpoint, out of memory): the producer reclaims the slot at
+     * its data timeout. */
+    if (!b.failed && b.len == KVC_WIRE_SLOT_LEN)
+        send_am(a, ep, NULL, NULL, KVC_AM_SLOT, b.p, b.len, NULL, 0, false);
+    kvc_buf_cleanup(&b);
+}
+
+bool kvc_stage_shm_wanted(const kvc_agent_t *a, const kvc_peer_t *p) {
+    return a->stage && !a->stage->wire && !(p->spool && p->spool->bad);
+}
+
+void kvc_stage_peer_cleanup(kvc_agent_t *a, kvc_peer_t *p) {
+    struct kvc_spool *sp = p->spool;
+    if (!sp) return;
+    if (sp->map) kvc_cuda_drain(a->cuda); /* no copy reads the mapping any more */
+    if (sp->pinned) kvc_cuda_host_unregister(a->cuda, sp->map);
+    if (sp->rkey) ucp_rkey_destroy(sp->rkey);
+    free(sp->blob);
+    free(sp);
+    p->spool = NULL;
+}
+
+static uint64_t get_u64(const uint8_t *p) {
+    uint64_t v = 0;
+    for (int i = 7; i >= 0; i--)
+        v = v << 8 | p[i];
+    return v;
+}
+
+/* Maps the offered pool here; false when it cannot be (another host, no
+ * shared-memory transport, a bad offer). */
+static bool spool_map(kvc_agent_t *a, kvc_peer_t *p, const uint8_t *hdr, const void *rkey,
+                      size_t rkey_len) {
+    struct kvc_spool *sp = p->spool;
+    if (sp) /* one pool per producer: the same offer again, or a refusal */
+        return !sp->bad && sp->blob_len == rkey_len && !memcmp(sp->blob, rkey, rkey_len);
+    if (!(sp = p->spool = calloc(1, sizeof(*sp)))) return false;
+    sp->bad = true;
+    sp->base = get_u64(hdr + KVC_WIRE_DATA_HDR_LEN);
+    sp->len = get_u64(hdr + KVC_WIRE_DATA_HDR_LEN + 8);
+    void *ptr = NULL;
+    if (!p->ep || !rkey_len || rkey_len > KVC_WIRE_MAX_BLOB || !sp->len ||
+        sp->base > UINT64_MAX - sp->len || !(sp->blob = malloc(rkey_len)))
+        return false;
+    memcpy(sp->blob, rkey, rkey_len);
+    sp->blob_len = rkey_len;
+    if (ucp_ep_rkey_unpack(p->ep, rkey, &sp->rkey) != UCS_OK) {
+        sp->rkey = NULL;
+        return false;
+    }
+    if (ucp_rkey_ptr(sp->rkey, sp->base, &ptr) != UCS_OK || !ptr) return false;
+    sp->map = ptr;
+    sp->bad = false;
+    /* Pinned here too, so that the copies to the device run at DMA speed. */
+    sp->pinned = kvc_cuda_host_register(a->cuda, sp->map, sp->len) == KVC_OK;
+    if (sp->pinned)
+        KVC_LOG(a, KVC_LOG_INFO, "peer %s:%u: staging pool of %llu bytes mapped here, pinned",
+                p->host, p->port, (unsigned long long)sp->len);
+    else
+        KVC_LOG(a, KVC_LOG_WARN,
+                "peer %s:%u: staging pool of %llu bytes mapped here but not pinned, copies from "
+                "it will be slower: %s",
+                p->host, p->port, (unsigned long long)sp->len, kvc_cuda_last_error(a->cuda));
+    return true;
+}
+
+void kvc_stage_pool_offer(kvc_agent_t *a, kvc_peer_t *p, uint64_t xfer_id,
+                          const uint8_t token[KVC_TOKEN_LEN], const uint8_t *hdr, const void *rkey,
+                          size_t rkey_len) {
+    bool ok = a->stage && !a->stage->wire && spool_map(a, p, hdr, rkey, rkey_len);
+    kvc_stage_slot_send(a, p->ep, xfer_id, token, ok ? KVC_SLOT_POOL_OK : KVC_SLOT_POOL_NO, 0);
+}
+
+kvc_status_t kvc_stage_ready(kvc_agent_t *a, kvc_stage_ref_t *ref, kvc_peer_t *p, uint64_t xfer_id,
+                             const uint8_t token[KVC_TOKEN_LEN], size_t region,
+                             uint64_t local_start, uint64_t off, size_t len) {
+    kvc_stage_t *s = a->stage;
+    struct kvc_spool *sp = p->spool;
+    if (!s || !sp || sp->bad || off > sp->len || len > sp->len - off) return KVC_ERR_PROTOCOL;
+    rd_t *r = s->rd_spare;
+    if (r)
+        s->rd_spare = r->next;
+    else if (!(r = calloc(1, sizeof(*r))))
+        return KVC_ERR_NO_MEMORY;
+    else
+        r->ev_dev = -1;
+    kvc_region_t *rg = &a->regions[region];
+    r->next = NULL;
+    r->x = ref;
+    r->peer = p;
+    r->xid = xfer_id;
+    r->off = off;
+    memcpy(r->token, token, KVC_TOKEN_LEN);
+    r->dev = rg->cuda_dev;
+    r->dst = (uint8_t *)rg->dev_base + local_start * rg->block_len;
+    r->len = len;
+    r->copying = false;
+    rd_t **pp = &s->rds;
+    while (*pp)
+        pp = &(*pp)->next;
+    *pp = r;
+    ref_hold(ref);
+    ref->lent++;
+    kvc_wake(a);
+    return KVC_OK;
+}
+
+/* Mapped-slot copies: started, polled, and each slot handed back once its
+ * copy is complete (or at once for a fetch that failed meanwhile). */
+static void rds_progress(kvc_agent_t *a, bool *pending) {
+    kvc_stage_t *s = a->stage;
+    rd_t **pp = &s->rds;
+    while (*pp) {
+        rd_t *r = *pp;
+        kvc_status_t st = KVC_OK;
+        int done = 1;
+        char m[400] = "";
+        if (!r->copying && ref_live(r->x)) {
+            st = kvc_cuda_copy_event(a->cuda, r->dev, r->dst, r->peer->spool->map + r->off, r->len,
+                                     true, &r->ev, &r->ev_dev);
+            if (st == KVC_OK) {
+                a->stats[KVC_STAT_CUDA_COPIES]++;
+                r->copying = true;
+            }
+        } else if (!r->copying) {
+            st = KVC_ERR_CANCELED;
+            snprintf(m, sizeof(m), "staged chunk");
+        }
+        if (r->copying) done = kvc_cuda_event_poll(a->cuda, r->ev, &st);
+        if (done == 0) {
+            *pending = true;
+            pp = &r->next;
+            continue;
+        }
+        if (st != KVC_OK && !m[0])
+            snprintf(m, sizeof(m), "mapped pool->device copy: %s", kvc_cuda_last_error(a->cuda));
+        kvc_stage_slot_send(a, r->peer->ep, r->xid, r->token, KVC_SLOT_FREE, r->off);
+        ref_release(a, r->x, st, st == KVC_OK ? NULL : m);
+        *pp = r->next;
+        r->next = s->rd_spare;
+        s->rd_spare = r;
+    }
 }

@@ -230,11 +230,17 @@ static void xfer_finish(kvc_agent_t *a, kvc_xfer_t *x, kvc_status_t st, const ch
         a->stats[KVC_STAT_FETCH_DONE]++;
         a->stats[KVC_STAT_BYTES_FETCHED] += x->bytes_expected;
         if (x->ipc) a->stats[KVC_STAT_BYTES_IPC] += x->bytes_expected;
+        /* Staged fetches say which way their chunks came. */
+        const char *path = x->ipc                      ? "ipc"
+                           : x->proto == KVC_PROTO_GET ? (x->direct ? "get-mapped" : "get")
+                           : !a->n_staged || !x->n     ? "push"
+                           : x->sref.lent              ? "staged-shm"
+                                                       : "staged-wire";
+        if (!x->ipc && a->n_staged && x->n)
+            a->stats[x->sref.lent ? KVC_STAT_FETCH_STAGED_SHM : KVC_STAT_FETCH_STAGED_WIRE]++;
         KVC_LOG(a, KVC_LOG_DEBUG, "fetch %llu req=%s done blocks=%zu bytes=%llu path=%s",
                 (unsigned long long)x->id, x->req_id, x->n, (unsigned long long)x->bytes_expected,
-                x->ipc                      ? "ipc"
-                : x->proto == KVC_PROTO_GET ? "get"
-                                            : "push");
+                path);
         kvc_event_push(a, KVC_EV_FETCH_DONE, KVC_OK, x->id, x->user_data, x->req_id, x->local, x->n,
                        x->bytes_expected, NULL);
     } else {
@@ -446,6 +452,7 @@ static void start_data(kvc_agent_t *a, kvc_xfer_t *x, uint64_t now) {
     uint16_t flags = 0;
     for (size_t r = 0; r < a->n_regions; r++)
         if (a->regions[r].mem_type == KVC_MEM_CUDA) flags |= KVC_PULL_RNDV;
+    if (a->n_staged && kvc_stage_shm_wanted(a, p)) flags |= KVC_PULL_SHM;
     send_pull(a, x, flags);
 }
 
@@ -891,6 +898,92 @@ static void data_reject(kvc_agent_t *a, kvc_xfer_t *x, const char *what, uint64_
     op_error(x, KVC_ERR_PROTOCOL, "checked transfer", m);
 }
 
+/* The fetch a DATA or READY header is for, when it comes from the producer
+ * that fetch asked (its transfer token) while it takes data; else NULL
+ * (dropped).  A refusal fails the fetch here (*refused set). */
+static kvc_xfer_t *data_fetch(kvc_agent_t *a, const kvc_wire_data_hdr_t *h, bool *refused) {
+    *refused = false;
+    kvc_xfer_t *x = find_xfer(a, h->xfer_id);
+    if (!x || (x->state != X_DATA && x->state != X_CONFIRM && x->state != X_CHECK)) {
+        KVC_LOG(a, KVC_LOG_DEBUG, "push: data for finished fetch %llu dropped",
+                (unsigned long long)h->xfer_id);
+        return NULL;
+    }
+    if (!kvc_mac_equal(h->token, x->xfer_token, KVC_TOKEN_LEN)) {
+        /* Not from the producer this fetch asked: never written, and it
+         * does not get to fail someone else's fetch either. */
+        if (kvc_log_ratelimit(a, KVC_RL_DATA))
+            KVC_LOG(a, KVC_LOG_WARN,
+                    "push: data for fetch %llu with a wrong transfer token, "
+                    "dropped",
+                    (unsigned long long)h->xfer_id);
+        return NULL;
+    }
+    kvc_wake(a);
+    if (h->status != 0) {
+        kvc_status_t st =
+            h->status < 0 && h->status >= KVC_ERR_BUSY ? (kvc_status_t)h->status : KVC_ERR_PROTOCOL;
+        const char *why = st == KVC_ERR_TIMED_OUT
+                              ? "the publication did not come within the registration wait"
+                          : st == KVC_ERR_BUSY ? "it holds too many registrations"
+                          : st == KVC_ERR_INCOMPATIBLE ? "its blocks cannot be read in these parts"
+                                                       : kvc_status_str(st);
+        op_error(x, st, "producer refused the fetch", why);
+        /* It no longer knows our consumer key (our record there failed or
+         * gave way to others): the next fetch handshakes again. */
+        if (st == KVC_ERR_PEER_FAILED && x->peer->owner) x->peer->linked = false;
+        *refused = true;
+        return NULL;
+    }
+    return x;
+}
+
+/* A chunk of len bytes for local blocks [local_start, +count) of region:
+ * taken (its blocks marked received) only if the whole of it is for blocks
+ * this fetch asked for and has not received; else the fetch fails.
+ * *dst: where it lands (host regions). */
+static bool chunk_take(kvc_agent_t *a, kvc_xfer_t *x, const kvc_wire_data_hdr_t *h, size_t len,
+                       uint8_t **dst) {
+    if (x->proto == KVC_PROTO_GET) {
+        data_reject(a, x, "data pushed to a one-sided read", h->local_start, h->count);
+        return false;
+    }
+    bool sliced = x->lparts > 1 || x->rparts > 1;
+    if (h->region >= a->n_regions || h->count == 0 || h->local_start >= a->num_blocks ||
+        h->count > a->num_blocks - h->local_start ||
+        h->count > UINT64_MAX / a->regions[h->region].block_len ||
+        (sliced ? h->count != 1 || len != a->regions[h->region].block_len / x->lparts
+                : len != h->count * a->regions[h->region].block_len)) {
+        data_reject(a, x, "data message does not match the fetch (region, range or size)",
+                    h->local_start, h->count);
+        return false;
+    }
+    uint64_t pos = run_pos(x, h->local_start, h->count);
+    if (pos == UINT64_MAX) {
+        data_reject(a, x, "data outside the requested blocks", h->local_start, h->count);
+        return false;
+    }
+    uint64_t bit0 = (uint64_t)h->region * x->n + pos;
+    for (uint64_t i = 0; i < h->count; i++)
+        if (x->bits[(bit0 + i) / 8] & (1u << ((bit0 + i) % 8))) {
+            data_reject(a, x, "a block sent twice", h->local_start + i, 1);
+            return false;
+        }
+    kvc_region_t *rg = &a->regions[h->region];
+    uint64_t off = 0;
+    if (!kvc_slice_at(rg->block_len, a->num_blocks, h->local_start, sliced ? x->lpart : 0,
+                      sliced ? rg->block_len / x->lparts : rg->block_len, &off)) {
+        data_reject(a, x, "data message outside its local block", h->local_start, h->count);
+        return false;
+    }
+    *dst = (uint8_t *)rg->base + off;
+    for (uint64_t i = 0; i < h->count; i++)
+        x->bits[(bit0 + i) / 8] |= (uint8_t)(1u << ((bit0 + i) % 8));
+    x->bits_set += h->count;
+    x->chunks_got++;
+    return true;
+}
+
 /* Consumer: a DATA message from the producer.  Nothing is written unless the
  * whole message is for blocks this fetch asked for and has not received. */
 static ucs_status_t data_cb(void *arg, const void *header, size_t hlen, void *data, size_t len,
@@ -904,37 +997,9 @@ static ucs_status_t data_cb(void *arg, const void *header, size_t hlen, void *da
             KVC_LOG(a, KVC_LOG_WARN, "push: malformed data header (%zu bytes), dropped", hlen);
         return rndv ? UCS_ERR_INVALID_PARAM : UCS_OK;
     }
-    kvc_xfer_t *x = find_xfer(a, h.xfer_id);
-    if (!x || (x->state != X_DATA && x->state != X_CONFIRM && x->state != X_CHECK)) {
-        KVC_LOG(a, KVC_LOG_DEBUG, "push: data for finished fetch %llu dropped",
-                (unsigned long long)h.xfer_id);
-        return rndv ? UCS_ERR_CANCELED : UCS_OK;
-    }
-    if (!kvc_mac_equal(h.token, x->xfer_token, KVC_TOKEN_LEN)) {
-        /* Not from the producer this fetch asked: never written, and it
-         * does not get to fail someone else's fetch either. */
-        if (kvc_log_ratelimit(a, KVC_RL_DATA))
-            KVC_LOG(a, KVC_LOG_WARN,
-                    "push: data for fetch %llu with a wrong transfer token, "
-                    "dropped",
-                    (unsigned long long)h.xfer_id);
-        return rndv ? UCS_ERR_CANCELED : UCS_OK;
-    }
-    kvc_wake(a);
-    if (h.status != 0) {
-        kvc_status_t st =
-            h.status < 0 && h.status >= KVC_ERR_BUSY ? (kvc_status_t)h.status : KVC_ERR_PROTOCOL;
-        const char *why = st == KVC_ERR_TIMED_OUT
-                              ? "the publication did not come within the registration wait"
-                          : st == KVC_ERR_BUSY ? "it holds too many registrations"
-                          : st == KVC_ERR_INCOMPATIBLE ? "its blocks cannot be read in these parts"
-                                                       : kvc_status_str(st);
-        op_error(x, st, "producer refused the fetch", why);
-        /* It no longer knows our consumer key (our record there failed or
-         * gave way to others): the next fetch handshakes again. */
-        if (st == KVC_ERR_PEER_FAILED && x->peer->owner) x->peer->linked = false;
-        return rndv ? UCS_ERR_CANCELED : UCS_OK;
-    }
+    bool refused;
+    kvc_xfer_t *x = data_fetch(a, &h, &refused);
+    if (!x) return rndv ? UCS_ERR_CANCELED : UCS_OK;
     bool one_sided = x->proto == KVC_PROTO_GET;
     if (h.region == KVC_DATA_END) {
         if (x->state == X_CONFIRM || x->state == X_CHECK)
@@ -945,47 +1010,13 @@ static ucs_status_t data_cb(void *arg, const void *header, size_t hlen, void *da
         }
         return rndv ? UCS_ERR_INVALID_PARAM : UCS_OK;
     }
-    if (one_sided) {
-        data_reject(a, x, "data pushed to a one-sided read", h.local_start, h.count);
-        return rndv ? UCS_ERR_INVALID_PARAM : UCS_OK;
-    }
-    bool sliced = x->lparts > 1 || x->rparts > 1;
-    if (h.region >= a->n_regions || h.count == 0 || h.local_start >= a->num_blocks ||
-        h.count > a->num_blocks - h.local_start ||
-        h.count > UINT64_MAX / a->regions[h.region].block_len ||
-        (sliced ? h.count != 1 || len != a->regions[h.region].block_len / x->lparts
-                : len != h.count * a->regions[h.region].block_len)) {
-        data_reject(a, x, "data message does not match the fetch (region, range or size)",
-                    h.local_start, h.count);
-        return rndv ? UCS_ERR_INVALID_PARAM : UCS_OK;
-    }
-    uint64_t pos = run_pos(x, h.local_start, h.count);
-    if (pos == UINT64_MAX) {
-        data_reject(a, x, "data outside the requested blocks", h.local_start, h.count);
-        return rndv ? UCS_ERR_INVALID_PARAM : UCS_OK;
-    }
-    uint64_t bit0 = (uint64_t)h.region * x->n + pos;
-    for (uint64_t i = 0; i < h.count; i++)
-        if (x->bits[(bit0 + i) / 8] & (1u << ((bit0 + i) % 8))) {
-            data_reject(a, x, "a block sent twice", h.local_start + i, 1);
-            return rndv ? UCS_ERR_INVALID_PARAM : UCS_OK;
-        }
-    kvc_region_t *rg = &a->regions[h.region];
-    uint64_t off = 0;
-    if (!kvc_slice_at(rg->block_len, a->num_blocks, h.local_start, sliced ? x->lpart : 0,
-                      sliced ? rg->block_len / x->lparts : rg->block_len, &off)) {
-        data_reject(a, x, "data message outside its local block", h.local_start, h.count);
-        return rndv ? UCS_ERR_INVALID_PARAM : UCS_OK;
-    }
-    uint8_t *dst = (uint8_t *)rg->base + off;
-    if (!rndv && rg->mem_type == KVC_MEM_CUDA) {
+    if (h.region < a->n_regions && !rndv && a->regions[h.region].mem_type == KVC_MEM_CUDA) {
         op_error(x, KVC_ERR_PROTOCOL, "push", "eager data for device memory (asked rendezvous)");
         return UCS_OK;
     }
-    for (uint64_t i = 0; i < h.count; i++)
-        x->bits[(bit0 + i) / 8] |= (uint8_t)(1u << ((bit0 + i) % 8));
-    x->bits_set += h.count;
-    x->chunks_got++;
+    uint8_t *dst;
+    if (!chunk_take(a, x, &h, len, &dst)) return rndv ? UCS_ERR_INVALID_PARAM : UCS_OK;
+    kvc_region_t *rg = &a->regions[h.region];
     if (rg->staged) return kvc_stage_recv(a, &x->sref, h.region, h.local_start, data, len);
     if (!rndv) {
         memcpy(dst, data, len);
@@ -1003,6 +1034,70 @@ static ucs_status_t data_cb(void *arg, const void *header, size_t hlen, void *da
     else
         track(x, r, "receive");
     return UCS_INPROGRESS;
+}
+
+/* The fetch (finished or not) with this id, to hand a slot back to. */
+static kvc_xfer_t *any_xfer(kvc_agent_t *a, uint64_t id) {
+    for (kvc_xfer_t *x = a->xfers; x; x = x->next)
+        if (x->id == id && !x->renew) return x;
+    return NULL;
+}
+
+/* Consumer: the producer offers its staging pool for a staged fetch. */
+static ucs_status_t pool_cb(void *arg, const void *header, size_t hlen, void *data, size_t len,
+                            const ucp_am_recv_param_t *param) {
+    kvc_agent_t *a = arg;
+    bool rndv = (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0;
+    kvc_wire_data_hdr_t h;
+    if (a->destroying || rndv || hlen != KVC_WIRE_POOL_LEN ||
+        kvc_wire_parse_data_hdr(header, KVC_WIRE_DATA_HDR_LEN, &h) != KVC_OK)
+        return rndv ? UCS_ERR_INVALID_PARAM : UCS_OK;
+    kvc_xfer_t *x = any_xfer(a, h.xfer_id);
+    if (x && kvc_mac_equal(h.token, x->xfer_token, KVC_TOKEN_LEN))
+        kvc_stage_pool_offer(a, x->peer, h.xfer_id, h.token, header, data, len);
+    return UCS_OK;
+}
+
+/* Consumer: a chunk is ready in a slot of the producer's mapped pool. */
+static ucs_status_t ready_cb(void *arg, const void *header, size_t hlen, void *data, size_t len,
+                             const ucp_am_recv_param_t *param) {
+    kvc_agent_t *a = arg;
+    (void)data;
+    bool rndv = (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0;
+    kvc_wire_data_hdr_t h;
+    if (a->destroying || rndv || len || hlen != KVC_WIRE_READY_LEN ||
+        kvc_wire_parse_data_hdr(header, KVC_WIRE_DATA_HDR_LEN, &h) != KVC_OK) {
+        if (!a->destroying && kvc_log_ratelimit(a, KVC_RL_DATA))
+            KVC_LOG(a, KVC_LOG_WARN, "push: malformed ready message (%zu bytes), dropped", hlen);
+        return rndv ? UCS_ERR_INVALID_PARAM : UCS_OK;
+    }
+    const uint8_t *o = (const uint8_t *)header + KVC_WIRE_DATA_HDR_LEN;
+    uint64_t off = 0;
+    for (int i = 7; i >= 0; i--)
+        off = off << 8 | o[i];
+    bool refused;
+    kvc_xfer_t *x = data_fetch(a, &h, &refused);
+    if (!x) {
+        /* A fetch that ended: the slot goes back at once (same token only). */
+        kvc_xfer_t *y = any_xfer(a, h.xfer_id);
+        if (y && kvc_mac_equal(h.token, y->xfer_token, KVC_TOKEN_LEN))
+            kvc_stage_slot_send(a, y->peer->ep, h.xfer_id, h.token, KVC_SLOT_FREE, off);
+        return UCS_OK;
+    }
+    uint8_t *dst;
+    if (h.region >= a->n_regions || !a->regions[h.region].staged) {
+        data_reject(a, x, "ready message for a region that is not staged", h.local_start,
+                    h.count);
+    } else if (h.count <= a->num_blocks &&
+               chunk_take(a, x, &h, (size_t)h.count * a->regions[h.region].block_len, &dst)) {
+        size_t bytes = (size_t)h.count * a->regions[h.region].block_len;
+        kvc_status_t st = kvc_stage_ready(a, &x->sref, x->peer, h.xfer_id, h.token, h.region,
+                                          h.local_start, off, bytes);
+        if (st == KVC_OK) return UCS_OK;
+        op_error(x, st, "staged chunk", "its slot is not in a pool mapped here");
+    }
+    kvc_stage_slot_send(a, x->peer->ep, h.xfer_id, h.token, KVC_SLOT_FREE, off);
+    return UCS_OK;
 }
 
 kvc_status_t kvc_fetch(kvc_agent_t *a, const kvc_fetch_params_t *p, uint64_t *xfer_id) {
@@ -1025,7 +1120,11 @@ kvc_status_t kvc_lease_renew(kvc_agent_t *a, const kvc_fetch_params_t *p) {
 }
 
 kvc_status_t kvc_xfer_register_am(kvc_agent_t *a) {
-    return kvc_set_am_handler(a, KVC_AM_DATA, data_cb);
+    kvc_status_t st = kvc_set_am_handler(a, KVC_AM_DATA, data_cb);
+    if (st == KVC_OK) st = kvc_set_am_handler(a, KVC_AM_POOL, pool_cb);
+    if (st == KVC_OK) st = kvc_set_am_handler(a, KVC_AM_READY, ready_cb);
+    if (st == KVC_OK) st = kvc_set_am_handler(a, KVC_AM_SLOT, kvc_stage_slot_cb);
+    return st;
 }
 
 /* Cancel: the fetch takes no DATA from now on (data_cb drops what arrives

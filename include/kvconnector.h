@@ -139,7 +139,9 @@
  * reports CUDA memory support (ucp_context_query, memory types); otherwise
  * they are staged: nothing of them is registered with UCX, the producer
  * pushes (device -> pinned pool slot -> wire, copies and sends pipelined)
- * and the consumer receives each chunk into a slot, then slot -> device.
+ * and the consumer receives each chunk into a slot, then slot -> device; a
+ * consumer on the producer's host copies each chunk straight from the
+ * producer's slot instead (the pool mapped and pinned there: staged-shm).
  * The pool is bounded (staging_pool_bytes, 256 MiB by default), whatever
  * the size of the regions.  Per producer, the consumer
  * reads device memory one-sided only when the endpoint has a transport that
@@ -191,7 +193,13 @@
  * KVC_IPC=0|1 (the same-node CUDA IPC path off or on; overrides
  * KVC_AGENT_FIELD_CUDA_IPC; default on);
  * KVC_TEST_HOST_ID (tests only: the node identity CUDA IPC compares);
+ * KVC_STAGED_WIRE=1 (consumer: staged chunks cross the wire even from a
+ * producer on this host, instead of being copied from its mapped pool;
+ * comparisons); KVC_STAGE_WINDOW (slots one staged job holds, default 4;
+ * tuning);
  * KVC_TEST_WIRE_VERSION (tests only: speak another handshake version);
+ * KVC_TEST_NO_LIVE (tests only: a consumer that closes its side channel
+ * after the handshake, KVC_HFLAG_LIVE left out);
  * KVC_SECRET_FILE (path of a file holding the cluster secret, trailing
  * newline stripped) or KVC_SECRET (the secret itself, for tests): read by
  * kvc_agent_create() when the parameters carry no secret.
@@ -809,7 +817,10 @@ typedef enum {
                                             counted in KVC_STAT_PEERS_GET) */
     KVC_STAT_BYTES_IPC = 29,           /**< bytes of completed fetches copied over CUDA IPC
                                             (also in KVC_STAT_BYTES_FETCHED) */
-    KVC_STAT_LAST = KVC_STAT_BYTES_IPC
+    KVC_STAT_FETCH_STAGED_SHM = 30,    /**< consumer: staged fetches done by copying from the
+                                            producer's pool mapped here (one host) */
+    KVC_STAT_FETCH_STAGED_WIRE = 31,   /**< consumer: staged fetches done over the wire */
+    KVC_STAT_LAST = KVC_STAT_FETCH_STAGED_WIRE
 } kvc_stat_t;
 
 /** Bits of KVC_STAT_TRANSPORTS.  Values are stable. */

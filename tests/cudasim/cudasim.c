@@ -4,8 +4,16 @@
  * "Device" memory is host memory handed out by cudaMalloc and remembered
  * with its device.  Each stream is a FIFO of operations (copies, event
  * records, event waits, host functions) that run later, in order: at a
- * synchronisation point, one per event query, or on a background thread
- * (threaded mode).  Events and cross-stream waits are honoured; the current
+ * synchronisation point and one per event query (lazy mode), or, like a
+ * GPU, on copy-engine threads concurrently with the caller (threaded mode:
+ * one thread per device runs the copies of that device's streams in
+ * submission order, a stream at a time, and one host-function thread runs
+ * cudaLaunchHostFunc's functions, so a slow one holds back its own stream
+ * only; events complete when the work before them is done, and
+ * synchronisations block until then; CUDASIM_GBPS caps each engine's copy
+ * rate so that ratios resemble a device).  A program that never calls
+ * cudasim_reset runs threaded unless CUDASIM_MODE=lazy.  Events and
+ * cross-stream waits are honoured; the current
  * device is per thread; the last error is per thread and cleared by
  * cudaGetLastError.  Default streams as CUDA has them: handle 0 and
  * cudaStreamLegacy name the legacy default stream of the current device,
@@ -47,6 +55,7 @@ typedef struct op {
     void *arg;
     cudaError_t fail; /* injected: fails when it runs */
     bool own_ev;      /* OP_WAIT: an implicit barrier's event, freed with the op */
+    unsigned long ticket; /* submission order, across streams (copy engines) */
 } op_t;
 
 struct CUstream_st {
@@ -58,6 +67,7 @@ struct CUstream_st {
     bool held;       /* eager mode: runs only when a sync forces it */
     bool blocking;   /* created without cudaStreamNonBlocking (or a per-thread default) */
     bool legacy;     /* a device's legacy default stream */
+    bool busy;       /* threaded: its head op is running on an engine thread, unlocked */
 };
 
 struct CUevent_st {
@@ -115,8 +125,15 @@ static struct {
 } counts[MAX_FNS];
 static int nstreams_live;
 static size_t pinned_now, pinned_peak;
-static pthread_t worker;
-static bool worker_on, worker_stop, eager;
+/* Threaded mode: engines[d] runs device d's copies, engines[MAX_DEV] the
+ * host functions; all wait on cv, which every enqueue and completion
+ * broadcasts (synchronising callers wait on it too). */
+static pthread_t engines[MAX_DEV + 1];
+static pthread_cond_t cv = PTHREAD_COND_INITIALIZER;
+static int nengines;
+static bool engine_on, engine_stop, eager;
+static double cap_bps; /* CUDASIM_GBPS: bytes per second per engine, 0: no cap */
+static unsigned long tickets;
 static _Thread_local int cur_dev;
 static _Thread_local cudaError_t last_err;
 static _Thread_local cudaStream_t per_thread[MAX_DEV]; /* cudaStreamPerThread, made on first use */
@@ -230,11 +247,37 @@ static void implicit_order(cudaStream_t s) {
 
 static void enqueue(cudaStream_t s, op_t *o) {
     implicit_order(s);
+    o->ticket = ++tickets;
     append(s, o);
-    if (eager) pump();
+    if (engine_on) pthread_cond_broadcast(&cv);
+    else if (eager) pump();
 }
 
 static bool run_one(cudaStream_t s, int depth);
+static void pop(cudaStream_t s);
+
+/* What a copy, a memset or a host function does (no stream state: the
+ * copy engines run it without the lock).  Returns the bytes moved. */
+static size_t exec_data(op_t *o) {
+    switch (o->kind) {
+    case OP_COPY:
+        memmove(o->dst, o->src, o->width);
+        return o->width;
+    case OP_COPY2D:
+        for (size_t r = 0; r < o->height; r++)
+            memmove((uint8_t *)o->dst + r * o->dpitch, (const uint8_t *)o->src + r * o->spitch,
+                    o->width);
+        return o->width * o->height;
+    case OP_HOSTFN:
+        o->fn(o->arg);
+        return 0;
+    case OP_MEMSET:
+        memset(o->dst, (int)o->dpitch, o->width);
+        return o->width;
+    default:
+        return 0;
+    }
+}
 
 static void exec(cudaStream_t s, op_t *o, int depth) {
     if (o->fail != cudaSuccess) {
@@ -242,14 +285,6 @@ static void exec(cudaStream_t s, op_t *o, int depth) {
         return;
     }
     switch (o->kind) {
-    case OP_COPY:
-        memmove(o->dst, o->src, o->width);
-        break;
-    case OP_COPY2D:
-        for (size_t r = 0; r < o->height; r++)
-            memmove((uint8_t *)o->dst + r * o->dpitch, (const uint8_t *)o->src + r * o->spitch,
-                    o->width);
-        break;
     case OP_RECORD:
         if (o->ev->done_gen < o->gen) o->ev->done_gen = o->gen;
         o->ev->err = s->err; /* CUDA's errors are sticky: a query after it reports it */
@@ -259,11 +294,8 @@ static void exec(cudaStream_t s, op_t *o, int depth) {
         while (o->ev->done_gen < o->gen && run_one(o->wstream, depth + 1))
             ;
         break;
-    case OP_HOSTFN:
-        o->fn(o->arg);
-        break;
-    case OP_MEMSET:
-        memset(o->dst, (int)o->dpitch, o->width);
+    default:
+        exec_data(o);
         break;
     }
 }
@@ -278,12 +310,17 @@ static bool run_one(cudaStream_t s, int depth) {
     /* Executed before it leaves the queue, so that a wait inside it sees a
      * consistent picture; then popped. */
     exec(s, o, depth);
+    pop(s);
+    return true;
+}
+
+static void pop(cudaStream_t s) {
+    op_t *o = s->head;
     s->head = o->next;
     if (!s->head) s->tail = NULL;
     s->n--;
     if (o->own_ev) free(o->ev); /* its record ran: the wait saw it */
     free(o);
-    return true;
 }
 
 /* Eager mode: every stream that is not held runs what it can without
@@ -308,7 +345,13 @@ static void pump(void) {
     pumping = false;
 }
 
+/* Everything queued on s has run: run here (lazy), or waited for. */
 static void drain(cudaStream_t s) {
+    if (engine_on) {
+        while (s->head)
+            pthread_cond_wait(&cv, &mu);
+        return;
+    }
     while (run_one(s, 0))
         ;
 }
@@ -333,34 +376,100 @@ static cudaError_t take_async(cudaStream_t s) {
     return e;
 }
 
-static void *worker_main(void *arg) {
-    (void)arg;
-    for (;;) {
-        struct timespec ts = {0, 50000};
-        nanosleep(&ts, NULL);
-        pthread_mutex_lock(&mu);
-        if (worker_stop) {
-            pthread_mutex_unlock(&mu);
-            return NULL;
+/* The next op engine d runs: the runnable stream head submitted first
+ * among its device's streams (d == MAX_DEV: among host functions). */
+static cudaStream_t engine_pick(int d) {
+    cudaStream_t best = NULL;
+    for (int k = -1; k < MAX_DEV; k++)
+        for (cudaStream_t s = k < 0 ? streams : &default_streams[k]; s;
+             s = k < 0 ? s->next_all : NULL) {
+            op_t *o = s->head;
+            if (!o || s->busy || (o->kind == OP_WAIT && o->ev->done_gen < o->gen)) continue;
+            bool host = o->kind == OP_HOSTFN && o->fail == cudaSuccess;
+            if (d == MAX_DEV ? !host : host || s->device != d) continue;
+            if (!best || o->ticket < best->head->ticket) best = s;
         }
-        for (cudaStream_t s = streams; s; s = s->next_all)
-            run_one(s, 0);
-        for (int d = 0; d < MAX_DEV; d++)
-            run_one(&default_streams[d], 0);
-        pthread_mutex_unlock(&mu);
+    return best;
+}
+
+static double mono_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + ts.tv_nsec / 1e9;
+}
+
+static void *engine_main(void *arg) {
+    int d = (int)(intptr_t)arg;
+    pthread_mutex_lock(&mu);
+    while (!engine_stop) {
+        cudaStream_t s = engine_pick(d);
+        if (!s) {
+            pthread_cond_wait(&cv, &mu);
+            continue;
+        }
+        op_t *o = s->head;
+        if (o->kind == OP_RECORD || o->kind == OP_WAIT || o->fail != cudaSuccess) {
+            exec(s, o, 0);
+        } else {
+            /* The bytes move without the lock, the stream held back meanwhile. */
+            s->busy = true;
+            pthread_mutex_unlock(&mu);
+            double t0 = mono_s();
+            size_t n = exec_data(o);
+            double left = cap_bps > 0 ? t0 + (double)n / cap_bps - mono_s() : 0;
+            if (left > 0) {
+                struct timespec ts = {(time_t)left, (long)((left - (double)(time_t)left) * 1e9)};
+                nanosleep(&ts, NULL);
+            }
+            pthread_mutex_lock(&mu);
+            s->busy = false;
+        }
+        pop(s);
+        pthread_cond_broadcast(&cv);
     }
+    pthread_mutex_unlock(&mu);
+    return NULL;
+}
+
+static void engines_stop(void) {
+    pthread_mutex_lock(&mu);
+    engine_stop = true;
+    pthread_cond_broadcast(&cv);
+    pthread_mutex_unlock(&mu);
+    for (int i = 0; i < nengines; i++)
+        pthread_join(engines[i], NULL);
+    nengines = 0;
+    engine_on = false;
+}
+
+/* Under mu. */
+static void engines_start(void) {
+    const char *g = getenv("CUDASIM_GBPS");
+    cap_bps = g && *g ? strtod(g, NULL) * 1e9 : 0;
+    engine_stop = false;
+    engine_on = true;
+    for (int i = 0; i <= MAX_DEV; i++) {
+        if (i < MAX_DEV && i >= ndev) continue;
+        int d = i;
+        if (pthread_create(&engines[nengines], NULL, engine_main, (void *)(intptr_t)d) == 0)
+            nengines++;
+    }
+}
+
+/* A program that never calls cudasim_reset (the GPU check's stand-in
+ * build, the benchmark) copies like a GPU unless CUDASIM_MODE=lazy. */
+__attribute__((constructor)) static void cudasim_init(void) {
+    const char *m = getenv("CUDASIM_MODE");
+    if (m && !strcmp(m, "lazy")) return;
+    pthread_mutex_lock(&mu);
+    engines_start();
+    pthread_mutex_unlock(&mu);
 }
 
 /* ----------------------------------------------------------- controls -- */
 
 void cudasim_reset(int devices, bool threaded) {
-    if (worker_on) {
-        pthread_mutex_lock(&mu);
-        worker_stop = true;
-        pthread_mutex_unlock(&mu);
-        pthread_join(worker, NULL);
-        worker_on = false;
-    }
+    if (engine_on) engines_stop();
     pthread_mutex_lock(&mu);
     /* Work a failed test left queued is dropped, never run: what it points
      * to may be gone. */
@@ -379,17 +488,16 @@ void cudasim_reset(int devices, bool threaded) {
         default_streams[d].device = d;
         default_streams[d].legacy = true;
     }
-    worker_stop = false;
+    if (threaded) engines_start();
     pthread_mutex_unlock(&mu);
     cur_dev = 0;
     last_err = cudaSuccess;
-    if (threaded && pthread_create(&worker, NULL, worker_main, NULL) == 0) worker_on = true;
 }
 
 void cudasim_set_eager(bool on) {
     pthread_mutex_lock(&mu);
     eager = on;
-    if (eager) pump();
+    if (eager && !engine_on) pump();
     pthread_mutex_unlock(&mu);
 }
 
@@ -397,7 +505,7 @@ void cudasim_hold(cudaStream_t s, bool hold) {
     pthread_mutex_lock(&mu);
     s = resolve(s);
     if (s) s->held = hold;
-    if (eager) pump();
+    if (eager && !engine_on) pump();
     pthread_mutex_unlock(&mu);
 }
 
@@ -867,14 +975,15 @@ cudaError_t cudaEventRecord(cudaEvent_t ev, cudaStream_t s) {
 cudaError_t cudaEventQuery(cudaEvent_t ev) {
     ENTER("cudaEventQuery", NULL);
     if (!ev) LEAVE(cudaErrorInvalidResourceHandle);
-    if (ev->done_gen < ev->gen) run_one(ev->stream, 0); /* a query lets one op run */
+    if (ev->done_gen < ev->gen && !engine_on) run_one(ev->stream, 0); /* lazy: one op runs */
     LEAVE(ev->done_gen >= ev->gen ? ev->err : cudaErrorNotReady);
 }
 
 cudaError_t cudaEventSynchronize(cudaEvent_t ev) {
     ENTER("cudaEventSynchronize", NULL);
     if (!ev) LEAVE(cudaErrorInvalidResourceHandle);
-    while (ev->done_gen < ev->gen && run_one(ev->stream, 0))
+    while (ev->done_gen < ev->gen && (engine_on ? pthread_cond_wait(&cv, &mu) == 0
+                                                 : run_one(ev->stream, 0)))
         ;
     LEAVE(cudaSuccess);
 }

@@ -14,8 +14,11 @@
  * (0: every call answers cudaErrorInsufficientDriver, as on a machine without a driver) and the
  * execution mode.  lazy (threaded false): queued work runs only when the host synchronises (stream
  * or event sync, one op per event query), so a missing synchronisation leaves the work undone,
- * deterministically.  threaded: a background thread also runs queued work
- * in order, a little later.  Also ends eager mode and releases held streams. */
+ * deterministically.  threaded: like a GPU, copy-engine threads run queued work concurrently with
+ * the caller (one per device for copies and memsets, in submission order; one for host
+ * functions), events complete when the work before them is done and synchronisations block until
+ * then; CUDASIM_GBPS=N caps each engine at N GB/s.  Also ends eager mode and releases held
+ * streams (both lazy-mode tools). */
 void cudasim_reset(int devices, bool threaded);
 /* Eager mode: work runs as soon as it is queued and nothing it waits for is
  * pending, except on held streams, which run only when a synchronisation

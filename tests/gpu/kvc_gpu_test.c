@@ -27,7 +27,9 @@
  * (consumer: the check passes only if the fetch FAILS) --tp N (consumer:
  * this engine's TP size; N decode ranks fetch one prefill rank's blocks)
  * --xfer-timeout-ms N (the agent's data timeout, 30000 by default; a --kill
- * consumer gives up N ms + 30 s after its start).
+ * consumer gives up N ms + 30 s after its start) --host (producer and
+ * consumer: the regions are host memory, pushed over the same transport:
+ * the baseline of bench/kvc_bench.sh --staged; not with --probe).
  * The consumer's RESULT line says which path moved the bytes (path=ipc|get|
  * push; KVC_IPC=0 in the environment forbids the same-node CUDA IPC path,
  * which is otherwise chosen on one node), first_fetch_ms (the warm-up fetch
@@ -69,7 +71,7 @@ typedef struct {
     size_t block;
     size_t fetch;
     const char *params, *kill_pidfile;
-    bool probe, default_stream, expect_fail;
+    bool probe, default_stream, expect_fail, host;
     int device;
     uint32_t expiry_ms, unpublish_ms, delay_ms, tp;
 } opts_t;
@@ -143,6 +145,24 @@ static kvc_agent_t *agent(const char *name, uint32_t tp) {
     return a;
 }
 
+/* A region's memory: device memory, or host memory with --host. */
+static void *region_alloc(const opts_t *o, size_t len) {
+    void *p = NULL;
+    if (o->host) {
+        if (!(p = aligned_alloc(4096, len))) exit(1);
+        return p;
+    }
+    CK(cudaMalloc(&p, len));
+    return p;
+}
+
+static void region_free(const opts_t *o, void *p) {
+    if (o->host)
+        free(p);
+    else
+        CK(cudaFree(p));
+}
+
 static void register_regions(kvc_agent_t *a, void **dev, const opts_t *o) {
     kvc_region_params_t *rp = calloc((size_t)o->regions, sizeof(*rp));
     if (!rp) exit(1);
@@ -154,8 +174,10 @@ static void register_regions(kvc_agent_t *a, void **dev, const opts_t *o) {
                                                 KVC_REGION_FIELD_CUDA_DEVICE,
                                   .len = o->blocks * o->block,
                                   .base = dev[r],
-                                  .mem_type = KVC_MEM_CUDA,
+                                  .mem_type = o->host ? KVC_MEM_HOST : KVC_MEM_CUDA,
                                   .cuda_device = d};
+    for (int r = 0; o->host && r < o->regions; r++)
+        rp[r].field_mask &= ~(uint64_t)KVC_REGION_FIELD_CUDA_DEVICE;
     kvc_status_t st = kvc_agent_register_regions(a, o->blocks, rp, (size_t)o->regions);
     free(rp);
     if (st != KVC_OK) {
@@ -343,9 +365,9 @@ static int run_producer(const opts_t *o) {
     if (!dev) return 1;
     CK(cudaMallocHost((void **)&host, len));
     for (int r = 0; r < o->regions; r++) {
-        CK(cudaMalloc(&dev[r], len));
-        fill_region(host, 1, r, o->blocks, o->block);
-        CK(cudaMemcpy(dev[r], host, len, cudaMemcpyHostToDevice));
+        dev[r] = region_alloc(o, len);
+        fill_region(o->host ? dev[r] : host, 1, r, o->blocks, o->block);
+        if (!o->host) CK(cudaMemcpy(dev[r], host, len, cudaMemcpyHostToDevice));
     }
     register_regions(a, dev, o);
     /* A one-block publication first: the consumer's warm-up fetch, so that
@@ -439,7 +461,7 @@ static int run_producer(const opts_t *o) {
     kvc_agent_destroy(a);
     if (es) CK(cudaStreamDestroy(es));
     for (int r = 0; r < o->regions; r++) {
-        CK(cudaFree(dev[r]));
+        region_free(o, dev[r]);
         if (gen2) CK(cudaFreeHost(gen2[r]));
     }
     CK(cudaFreeHost(host));
@@ -504,8 +526,11 @@ static int run_consumer(const opts_t *o) {
     if (!dev) return 1;
     CK(cudaMallocHost((void **)&host, len));
     for (int r = 0; r < o->regions; r++) {
-        CK(cudaMalloc(&dev[r], len));
-        CK(cudaMemset(dev[r], 0x5A, len));
+        dev[r] = region_alloc(o, len);
+        if (o->host)
+            memset(dev[r], 0x5A, len);
+        else
+            CK(cudaMemset(dev[r], 0x5A, len));
     }
     CK(cudaDeviceSynchronize());
     register_regions(a, dev, o);
@@ -606,7 +631,13 @@ static int run_consumer(const opts_t *o) {
     const char *path = kstat(a, KVC_STAT_PEERS_IPC)   ? "ipc"
                        : kstat(a, KVC_STAT_PEERS_GET) ? "get"
                                                       : "push";
-    const char *mem = kstat(a, KVC_STAT_CUDA_DIRECT_REGIONS) ? "direct" : "staged";
+    const char *mem = o->host                                  ? "host"
+                      : kstat(a, KVC_STAT_CUDA_DIRECT_REGIONS) ? "direct"
+                                                               : "staged";
+    /* The staged variant of the last fetch (the warm-up ran the same way). */
+    const char *staged = kstat(a, KVC_STAT_FETCH_STAGED_SHM)    ? "shm"
+                         : kstat(a, KVC_STAT_FETCH_STAGED_WIRE) ? "wire"
+                                                                : "none";
     if (o->kill_pidfile) {
         /* Killed mid-fetch: a clear failure within the timeouts (or, if the
          * bytes were all there before the kill took effect, correct bytes). */
@@ -631,6 +662,8 @@ static int run_consumer(const opts_t *o) {
             if (use_stream) {
                 CK(cudaMemcpyAsync(host, dev[r], len, cudaMemcpyDeviceToHost, ds));
                 CK(cudaStreamSynchronize(ds));
+            } else if (o->host) {
+                memcpy(host, dev[r], len);
             } else {
                 CK(cudaMemcpy(host, dev[r], len, cudaMemcpyDeviceToHost));
             }
@@ -653,10 +686,10 @@ static int run_consumer(const opts_t *o) {
         double bytes = (double)n * o->block * o->regions;
         double mc = runs_memcpy_gbps(o, dev, rem, loc, n);
         printf("RESULT fetch outcome=done bad_words=%llu blocks=%zu regions=%d bytes=%.0f "
-               "seconds=%.3f gbps=%.1f path=%s memory=%s transports=%s copies=%llu syncs=%llu "
-               "first_fetch_ms=%.1f memcpy_gbps=%.1f ucx=%s\n",
+               "seconds=%.3f gbps=%.2f path=%s memory=%s staged=%s transports=%s copies=%llu "
+               "syncs=%llu first_fetch_ms=%.1f memcpy_gbps=%.1f ucx=%s\n",
                (unsigned long long)bad, n, o->regions, bytes, secs, bytes / secs / 1e9, path, mem,
-               tl, (unsigned long long)kstat(a, KVC_STAT_CUDA_COPIES),
+               staged, tl, (unsigned long long)kstat(a, KVC_STAT_CUDA_COPIES),
                (unsigned long long)kstat(a, KVC_STAT_CUDA_SYNCS), first_ms, mc,
                ucp_get_version_string());
         if (bad || o->expect_fail) rc = 1; /* a fetch that had to fail succeeded */
@@ -664,7 +697,7 @@ static int run_consumer(const opts_t *o) {
     kvc_agent_destroy(a);
     if (ds) CK(cudaStreamDestroy(ds));
     for (int r = 0; r < o->regions; r++)
-        CK(cudaFree(dev[r]));
+        region_free(o, dev[r]);
     CK(cudaFreeHost(host));
     free(dev);
     free(rem);
@@ -688,6 +721,10 @@ int main(int argc, char **argv) {
         }
         if (!strcmp(k, "--default-stream")) {
             o.default_stream = true;
+            continue;
+        }
+        if (!strcmp(k, "--host")) {
+            o.host = true;
             continue;
         }
         if (!v) {
@@ -727,7 +764,7 @@ int main(int argc, char **argv) {
         }
     }
     if (o.regions < 1 || o.regions > MAX_REG || o.blocks < RUN || o.block < 8 || o.block % 8 ||
-        o.fetch == 0 || o.fetch > o.blocks / 2) {
+        o.fetch == 0 || o.fetch > o.blocks / 2 || (o.host && o.probe)) {
         fprintf(stderr, "bad sizes\n");
         return 2;
     }

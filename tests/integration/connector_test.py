@@ -222,6 +222,34 @@ def case_killed_peer(P, D):
         K.close(check=False)
 
 
+def case_killed_peer_sm_only(P, D):
+    # UCX_TLS=sm,self: no transport with peer-failure handling, so the
+    # endpoints are made without it and UCX never reports the dead producer.
+    # The side channel stays open (KVC_HFLAG_LIVE) and its close fails the
+    # fetch at once, long before the 30 s data timeout.
+    env = {"UCX_TLS": "sm,self"}
+    K = Peer("P-smk", "--regions", "2", "--blocks", "64", "--block-len", "4096", "--user-mem",
+             env=env)
+    D2 = Peer("D-smk", "--regions", "2", "--blocks", "64", "--block-len", "4096", "--user-mem",
+              "--xfer-timeout-ms", "30000", env=env)
+    try:
+        K.cmd("fill 3", "OK")
+        fetch(D2, [1], publish(K, "m1", [1]))
+        D2.event("FETCH_DONE")
+        params = publish(K, "m2", [2, 3])
+        K.p.send_signal(signal.SIGSTOP)  # pushes nothing: the fetch waits for it
+        x = fetch(D2, [2, 3], params)
+        t0 = time.monotonic()
+        K.kill()
+        ev = D2.event("FETCH_FAILED", timeout=10, xfer=x)
+        dt = time.monotonic() - t0
+        assert "KVC_ERR_PEER_FAILED" in ev and dt < 5.0, (ev, dt)
+        assert "side channel" in D2.stderr(), D2.stderr()
+    finally:
+        K.close(check=False)
+        D2.close()
+
+
 def case_restart(P, D):
     K = producer("P-rs")
     port = K.port
@@ -466,11 +494,13 @@ def case_garbage(P, D):
             s.close()
         socks = []
         # No fd kept for the garbage: every accepted side-channel socket is
-        # gone, and the fd count is back near the baseline (D2's endpoints).
+        # gone but the live side channels of D and D2 (kept open after their
+        # handshakes, KVC_HFLAG_LIVE), and the fd count is back near the
+        # baseline (D2's endpoints and side channel).
         deadline = time.monotonic() + 10
         while True:
             n_sc, n_fd = side_channel_conns(pid, K.port), fd_count(pid)
-            if n_sc == 0 and n_fd <= base + 16:
+            if n_sc == 2 and n_fd <= base + 16:
                 if os.environ.get("KVC_TEST_TRACE"):
                     print("fds: baseline %d, after %d" % (base, n_fd))
                 break
@@ -591,7 +621,8 @@ def case_many_consumers(P, D):
 
 CASES = [case_roundtrip, case_colon_id, case_tail, case_zero_blocks, case_expiry,
          case_unknown_id, case_out_of_range, case_version_mismatch, case_layout_mismatch,
-         case_unreachable, case_killed_peer, case_restart, case_destroy_inflight, case_stalled_peer, case_killed_consumer,
+         case_unreachable, case_killed_peer, case_killed_peer_sm_only, case_restart,
+         case_destroy_inflight, case_stalled_peer, case_killed_consumer,
          case_many, case_garbage, case_garbage_address,
          case_many_consumers]
 

@@ -27,4 +27,5 @@ if(TARGET kvconnector_static)
   # The same-node CUDA IPC path across two processes (the test runs itself
   # again as the producer).
   px_unit_test(kvc_ipc kvc_cudasim)
+  px_unit_test(cudasim kvc_cudasim)
 endif()

@@ -456,10 +456,13 @@ static void test_consumer_table_busy(void **state) {
 
 /* A consumer whose record gave way (least recently used, its address at
  * its bound) is refused its next pull (KVC_ERR_PEER_FAILED) and handshakes
- * again for the one after: it is not refused for good. */
-static void test_consumer_forgotten_handshakes_again(void **state) {
-    (void)state;
+ * again for the one after: it is not refused for good.  Only a consumer that
+ * keeps no live side channel can be forgotten (the channel references its
+ * record): this one leaves KVC_HFLAG_LIVE out, as a peer may; with it the
+ * record stays, test_live_consumer_not_forgotten. */
+static void forgotten_case(bool live) {
     side_t P, D;
+    if (!live) setenv("KVC_TEST_NO_LIVE", "1", 1);
     side_init(&P, &(opts_t){.name = "own-P", .nb = 32, .bl = 8192, .thread = true});
     side_init(&D, &(opts_t){.name = "own-D", .nb = 32, .bl = 8192});
     cons_bounds(&P, 4096, 2);
@@ -474,7 +477,7 @@ static void test_consumer_forgotten_handshakes_again(void **state) {
                              0, NULL);
         PUMP_UNTIL(&P, &D, fetch_ev(&D, x), 20000);
         const rec_t *e = fetch_ev(&D, x);
-        if (i == 1) { /* the record was forgotten since the first */
+        if (i == 1 && !live) { /* the record was forgotten since the first */
             assert_int_equal(e->type, KVC_EV_FETCH_FAILED);
             assert_int_equal(e->st, KVC_ERR_PEER_FAILED);
             kvc_unpublish(P.a, reqs[i]);
@@ -492,9 +495,23 @@ static void test_consumer_forgotten_handshakes_again(void **state) {
             raw_leave(&r, false);
         }
     }
-    assert_int_equal(stat(&D, KVC_STAT_HANDSHAKES), 2);
+    assert_int_equal(stat(&D, KVC_STAT_HANDSHAKES), live ? 1 : 2);
+    unsetenv("KVC_TEST_NO_LIVE");
     side_cleanup(&D);
     side_cleanup(&P);
+}
+
+static void test_consumer_forgotten_handshakes_again(void **state) {
+    (void)state;
+    forgotten_case(false);
+}
+
+/* The same newcomers against a consumer that keeps its side channel open:
+ * its record is referenced, the newcomers give way to each other instead,
+ * and every fetch of the honest consumer is served on its one handshake. */
+static void test_live_consumer_not_forgotten(void **state) {
+    (void)state;
+    forgotten_case(true);
 }
 
 int main(void) {
@@ -509,6 +526,7 @@ int main(void) {
         cmocka_unit_test(test_consumer_churn),
         cmocka_unit_test(test_consumer_table_busy),
         cmocka_unit_test(test_consumer_forgotten_handshakes_again),
+        cmocka_unit_test(test_live_consumer_not_forgotten),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

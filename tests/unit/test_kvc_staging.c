@@ -254,12 +254,14 @@ static char *publish_after_kernel(side_t *P, fill_t *f, cudaStream_t es, bool by
 
 /* ---------------------------------------------------------------- tests -- */
 
-static void roundtrip(bool threaded, kvc_proto_t proto) {
+static void roundtrip(bool threaded, kvc_proto_t proto, bool wire) {
     cudasim_reset(2, threaded);
     side_t P, D;
     int s0 = cudasim_streams_live(); /* 0 unless an earlier test failed midway */
+    if (wire) setenv("KVC_STAGED_WIRE", "1", 1);
     side_init(&P, "stage-P", 2, proto);
     side_init(&D, "stage-D", 2, proto);
+    unsetenv("KVC_STAGED_WIRE");
     assert_int_equal(cudaSetDevice(CALLER_DEV), cudaSuccess);
     assert_int_equal(cudasim_streams_live() - s0, 4); /* one per device per agent */
     cudaStream_t es;
@@ -297,6 +299,11 @@ static void roundtrip(bool threaded, kvc_proto_t proto) {
     assert_int_equal(v, 1);
     assert_int_equal(kvc_agent_stat(D.a, KVC_STAT_TRANSPORTS, &v), KVC_OK);
     assert_true(v & KVC_TRANSPORT_TCP);
+    /* One host: D copied from P's pool mapped here, unless told the wire. */
+    assert_int_equal(kvc_agent_stat(D.a, KVC_STAT_FETCH_STAGED_SHM, &v), KVC_OK);
+    assert_int_equal(v, wire ? 0 : 1);
+    assert_int_equal(kvc_agent_stat(D.a, KVC_STAT_FETCH_STAGED_WIRE, &v), KVC_OK);
+    assert_int_equal(v, wire ? 1 : 0);
 
     assert_int_equal(cudaStreamDestroy(es), cudaSuccess);
     side_cleanup(&D);
@@ -307,16 +314,22 @@ static void roundtrip(bool threaded, kvc_proto_t proto) {
 }
 
 static void test_roundtrip_get_lazy(void **state) {
-    roundtrip(false, KVC_PROTO_AUTO);
+    roundtrip(false, KVC_PROTO_AUTO, false);
 }
 static void test_roundtrip_push_lazy(void **state) {
-    roundtrip(false, KVC_PROTO_PUSH);
+    roundtrip(false, KVC_PROTO_PUSH, false);
 }
 static void test_roundtrip_get_threaded(void **state) {
-    roundtrip(true, KVC_PROTO_AUTO);
+    roundtrip(true, KVC_PROTO_AUTO, false);
 }
 static void test_roundtrip_push_threaded(void **state) {
-    roundtrip(true, KVC_PROTO_PUSH);
+    roundtrip(true, KVC_PROTO_PUSH, false);
+}
+static void test_roundtrip_wire_lazy(void **state) {
+    roundtrip(false, KVC_PROTO_AUTO, true);
+}
+static void test_roundtrip_wire_threaded(void **state) {
+    roundtrip(true, KVC_PROTO_AUTO, true);
 }
 
 /* Single-device agents: publish ordered by the engine's stream itself, and
@@ -501,7 +514,9 @@ static void test_pool_bounded(void **state) {
     printf("staging: regions %zu bytes per agent, pinned peak %zu bytes for two agents "
            "(a full mirror: %zu)\n",
            regions, peak, 2 * regions);
-    assert_true(peak <= 2 * (size_t)(64 << 10));
+    /* D pins its own pool and its mapping of P's (staged-shm: it copies
+     * from P's slots), P its pool: never more. */
+    assert_true(peak <= 3 * (size_t)(64 << 10));
     uint64_t v;
     assert_int_equal(kvc_agent_stat(D.a, KVC_STAT_CUDA_COPIES, &v), KVC_OK);
     assert_int_equal(v, NREG * NB * BL / (16 << 10)); /* one copy per 16 KiB message */
@@ -566,8 +581,10 @@ static void test_unpublish_stops_staged_push(void **state) {
 static void fetch_failure(bool async) {
     cudasim_reset(2, false);
     side_t P, D;
+    setenv("KVC_STAGE_WINDOW", "64", 1); /* every chunk of the job in flight at once */
     side_init(&P, "fail-P", 2, KVC_PROTO_AUTO);
     side_init(&D, "fail-D", 2, KVC_PROTO_AUTO);
+    unsetenv("KVC_STAGE_WINDOW");
     assert_int_equal(cudaSetDevice(CALLER_DEV), cudaSuccess);
     cudaStream_t es;
     assert_int_equal(cudaStreamCreateWithFlags(&es, cudaStreamNonBlocking), cudaSuccess);
@@ -575,8 +592,8 @@ static void fetch_failure(bool async) {
     memcpy(f.dev, P.dev, sizeof(f.dev));
     char *json = publish_after_kernel(&P, &f, es, false, "f:1");
     /* P queues its NRUNS * NREG device->pool copies as soon as the pull
-     * arrives (its pool has slots for all); D's third pool->device copy
-     * comes after them. */
+     * arrives (its pool has slots for all, its window is wide enough); D's
+     * third pool->device copy comes after them. */
     unsigned nth = NRUNS * NREG + 3;
     if (async)
         cudasim_fail_async("cudaMemcpyAsync", nth, cudaErrorLaunchFailure);
@@ -773,6 +790,8 @@ int main(void) {
         cmocka_unit_test(test_roundtrip_push_lazy),
         cmocka_unit_test(test_roundtrip_get_threaded),
         cmocka_unit_test(test_roundtrip_push_threaded),
+        cmocka_unit_test(test_roundtrip_wire_lazy),
+        cmocka_unit_test(test_roundtrip_wire_threaded),
         cmocka_unit_test(test_stream_ordering),
         cmocka_unit_test(test_fetch_waits_for_engine_reads),
         cmocka_unit_test(test_legacy_default_stream),

@@ -117,6 +117,10 @@ class Stat(enum.IntEnum):
     LEASE_EXPIRED = 25
     FETCH_CANCELED = 26
     CONSUMERS_LOST = 27
+    PEERS_IPC = 28
+    BYTES_IPC = 29
+    FETCH_STAGED_SHM = 30
+    FETCH_STAGED_WIRE = 31
 
 
 class AgentField(enum.IntFlag):
