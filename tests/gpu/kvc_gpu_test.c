@@ -684,7 +684,7 @@ static int run_consumer(const opts_t *o) {
             }
         }
         double bytes = (double)n * o->block * o->regions;
-        double mc = runs_memcpy_gbps(o, dev, rem, loc, n);
+        double mc = o->host ? 0 : runs_memcpy_gbps(o, dev, rem, loc, n); /* host: no device */
         printf("RESULT fetch outcome=done bad_words=%llu blocks=%zu regions=%d bytes=%.0f "
                "seconds=%.3f gbps=%.2f path=%s memory=%s staged=%s transports=%s copies=%llu "
                "syncs=%llu first_fetch_ms=%.1f memcpy_gbps=%.1f ucx=%s\n",
