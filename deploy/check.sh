@@ -22,7 +22,10 @@
 #   3. Docker (no engine here): reads deploy/Dockerfile, runs its build steps
 #      (deploy/docker/build-steps.sh) into a scratch prefix, runs the
 #      installed binaries, and proves with ldd + dpkg that the runtime
-#      stage's package list provides every shared library they load.
+#      stage's package list provides every shared library they load; the
+#      same for the pdkv image (components/pdkv/Dockerfile: vLLM +
+#      libkvconnector) with deploy/docker/pdkv-check.py, whose build runs
+#      with only the build stage's packages visible to pkg-config.
 #   4. wrk: starts engine-sim prefill + decode and pdproxy on free loopback
 #      ports, runs each deploy/wrk/*.lua for 2 s (wrk -t1 -c4) and requires
 #      requests, no non-2xx answers and well-formed bodies; also probes the
@@ -1319,82 +1322,15 @@ for b in pdproxy engine-sim; do
     ldd "$prefix_dir/bin/$b" >"$work/ldd.$b" || die "ldd $b failed"
     ! grep -q "not found" "$work/ldd.$b" || { cat "$work/ldd.$b" >&2; die "$b: shared library not found"; }
 done
-dpkg-query -W -f='${Package}\t${Essential}\t${Priority}\t${Provides}\t${Pre-Depends}, ${Depends}\n' >"$work/dpkg.status"
-"$PY" - "$work" "$runtime_pkgs" <<'PY'
-import os, re, sys
-work, runtime = sys.argv[1], sys.argv[2].split()
-pkgs, provides = {}, {}
-for line in open(os.path.join(work, "dpkg.status")):
-    f = line.rstrip("\n").split("\t")
-    if len(f) < 5:
-        continue
-    name, essential, prio, prov, deps = f
-    alts = []
-    for d in deps.split(","):
-        d = d.strip()
-        if d:
-            alts.append([re.split(r"[\s(:]", a.strip())[0] for a in d.split("|")])
-    pkgs[name] = (essential == "yes" or prio == "required", alts)
-    for p in prov.split(","):
-        p = re.split(r"[\s(]", p.strip())[0]
-        if p:
-            provides.setdefault(p, []).append(name)
+"$PY" "$deploy/docker/runtime-libs.py" "$runtime_pkgs" "$work/ldd.pdproxy" "$work/ldd.engine-sim" ||
+    die "the runtime stage's packages do not provide every shared library"
 
-def closure(roots):
-    seen, todo = set(), list(roots)
-    while todo:
-        p = todo.pop()
-        for real in ([p] if p in pkgs else provides.get(p, [])):
-            if real in seen:
-                continue
-            seen.add(real)
-            for alt in pkgs[real][1]:
-                todo.extend(a for a in alt if a in pkgs or a in provides)
-    return seen
-
-base = closure([p for p, (req, _) in pkgs.items() if req])   # what debian:bookworm-slim has
-image = closure(runtime) | base
-missing_rt = [p for p in runtime if p not in pkgs and p not in provides]
-libs = {}
-for b in ("pdproxy", "engine-sim"):
-    for line in open(os.path.join(work, "ldd." + b)):
-        m = re.search(r"=>\s*(/\S+)", line) or re.match(r"\s*(/\S+)\s+\(", line)
-        if m:
-            libs.setdefault(m.group(1), set()).add(b)
-errors = []
-# file -> package from dpkg's own lists (one dpkg -S per library is slow)
-files = {}
-info = "/var/lib/dpkg/info"
-for fn in os.listdir(info):
-    if fn.endswith(".list"):
-        pkg = fn[:-5].split(":")[0]
-        for f in open(os.path.join(info, fn), errors="replace"):
-            f = f.rstrip("\n")
-            if ".so" in f:
-                files.setdefault(f, pkg)
-owner = {}
-for lib in sorted(libs):
-    cands = [lib, os.path.realpath(lib)]
-    for c in list(cands):
-        cands.append(c[4:] if c.startswith("/usr/") else "/usr" + c)
-    for c in cands:
-        if c in files:
-            owner[lib] = files[c]
-            break
-    if lib not in owner:
-        errors.append("%s (needed by %s) belongs to no Debian package" % (lib, "/".join(sorted(libs[lib]))))
-    elif owner[lib] not in image:
-        errors.append("%s (needed by %s) is in package %s, which the runtime stage does not install"
-                      " (add it to RUNTIME_PACKAGES)" % (lib, "/".join(sorted(libs[lib])), owner[lib]))
-for p in missing_rt:
-    print("   note: runtime package %s is not installed here; its dependencies were not followed" % p)
-if errors:
-    for e in errors:
-        print("deploy/check: FAIL: " + e, file=sys.stderr)
-    sys.exit(1)
-direct = sorted({owner[l] for l in owner} - base)
-print("   %d shared libraries, from %d packages; outside the base image: %s" % (len(libs), len(set(owner.values())), " ".join(direct)))
-PY
+section "docker: the pdkv image (deploy/k8s/components/pdkv/Dockerfile)"
+# vLLM + libkvconnector: its packages known to apt, its cmake command
+# configured and built with only its build stage's packages, and its runtime
+# stage's packages providing every library libkvconnector loads.
+"$PY" "$deploy/docker/pdkv-check.py" "$deploy/k8s/components/pdkv/Dockerfile" "$work/pdkv" ||
+    die "deploy/k8s/components/pdkv/Dockerfile"
 
 # ------------------------------------------------------------------ 4. wrk through pdproxy
 section "wrk: engine-sim prefill + decode, pdproxy, deploy/wrk/*.lua"
