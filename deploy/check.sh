@@ -112,10 +112,10 @@ for o in "$deploy"/k8s/overlays/*/; do overlays+=("overlays/$(basename "$o")"); 
 # compositions, built in a copy of deploy/k8s (kustomize refuses absolute
 # paths): overlay + components, each as a user would write it.
 cp -r "$deploy/k8s" "$work/k8s-src"
-compose() {  # name overlay component...
+compose() {  # name overlay component...  (namespace: $NS, default pdproxy)
     local name=$1 ov=$2; shift 2
     mkdir -p "$work/k8s-src/compose/$name"
-    { echo "namespace: pdproxy"; echo "resources:"; echo "  - ../../overlays/$ov"
+    { echo "namespace: ${NS:-pdproxy}"; echo "resources:"; echo "  - ../../overlays/$ov"
       echo "components:"; for c in "$@"; do echo "  - ../../components/$c"; done
     } >"$work/k8s-src/compose/$name/kustomization.yaml"
     overlays+=("compose/$name")
@@ -123,6 +123,8 @@ compose() {  # name overlay component...
 compose sim-monitoring sim monitoring
 compose vllm-monitoring vllm monitoring
 compose vllm-keda vllm monitoring keda
+# Another namespace: nothing may assume "pdproxy" (KEDA's queries).
+NS=inference compose vllm-keda-inference vllm monitoring keda
 compose vllm-pdkv vllm pdkv
 compose vllm-rdma-multus vllm-rdma rdma-multus monitoring
 compose sim-config-file sim config-file
@@ -518,8 +520,10 @@ for ov in overlays:
                                 err(cw, "%s: %r is not http(s)://host:port" % (k, url))
                                 continue
                             parts = m.group(2).split(".")
-                            if not m.group(3):
-                                continue  # a plain host: nothing to cross-check
+                            if not m.group(3) and len(parts) == 1:
+                                parts.append(ns)  # a Service of pdproxy's own namespace
+                            elif not m.group(3):
+                                continue  # another host: nothing to cross-check
                             if len(parts) != 2:
                                 err(cw, "%s: %r is not <service>.<namespace>.svc..." % (k, url))
                                 continue
@@ -964,6 +968,13 @@ for ov in overlays:
             err(w, "scaleTargetRef %s names no rendered Deployment" % ref)
         elif "replicas" in target[0]["spec"]:
             err(w, "Deployment/%s sets replicas, which kubectl apply would reset under the autoscaler" % ref.get("name"))
+        # Prometheus unreachable: the pool keeps at least what it has (a
+        # "static" fallback scales a scaled-out pool down to `replicas`).
+        fb = so["spec"].get("fallback")
+        if fb and fb.get("behavior", "static") not in ("currentReplicas", "currentReplicasIfHigher") \
+                and int(fb.get("replicas", 0)) < int(so["spec"].get("maxReplicaCount", 100)):
+            err(w, "fallback %s shrinks a scaled-out pool to %s replicas when the metrics are unreachable"
+                   " (behavior: currentReplicasIfHigher keeps what it has)" % (fb, fb.get("replicas")))
         if not (1 <= int(so["spec"].get("minReplicaCount", 0)) <= int(so["spec"].get("maxReplicaCount", 100))):
             err(w, "needs 1 <= minReplicaCount <= maxReplicaCount (a pool scaled to 0 cannot serve)")
         for t in so["spec"].get("triggers") or []:
@@ -971,6 +982,11 @@ for ov in overlays:
             q = md.get("query", "")
             if t.get("type") != "prometheus" or "vllm:num_requests_waiting" not in q:
                 err(w, "trigger must be prometheus on vllm:num_requests_waiting: %s" % t)
+            m = re.search(r'namespace="([^"]*)"', q)
+            if m and m.group(1) != ns:
+                err(w, "query %r selects namespace %s, not the ScaledObject's %s" % (q, m.group(1), ns))
+            if md.get("ignoreNullValues", "true") != "false":
+                err(w, "trigger without ignoreNullValues: \"false\": a query that answers nothing reads as an empty queue and scales the pool down")
             m = re.search(r'pod=~"([^"]*)"', q)
             if not m or not re.fullmatch(m.group(1), ref.get("name", "") + "-abc12-xyz34"):
                 err(w, "query %r does not select the pods of Deployment/%s" % (q, ref.get("name")))
