@@ -341,6 +341,11 @@ static const opt opts[] = {
      NULL, RELOADS},
     {"print-config", NULL, CT_FLAG, OFF(print_config), "false", 0, 0,
      "print the effective configuration as YAML (a --config file) and exit", NULL, AT_START},
+    {"check-config", NULL, CT_FLAG, OFF(check_config), "false", 0, 0,
+     "check the configuration as start-up does (files read, certificates and keys loaded, "
+     "backends that are this proxy refused, ports free, names resolved) without binding "
+     "anything, then exit: 0 when pdproxy would start, 2 with the reason when not",
+     NULL, AT_START},
 };
 #define NOPTS (sizeof opts / sizeof *opts)
 _Static_assert(NOPTS <= sizeof(((px_config *)0)->set), "grow px_config.set");
@@ -1509,6 +1514,7 @@ static const struct {
     {"access-log", 8, NULL},
     {"config", 9, "FILE"},
     {"print-config", 9, NULL},
+    {"check-config", 9, NULL},
     {"drain-delay", 9, NULL},
     {"drain-timeout", 9, NULL},
     {"admin-host", 9, "ADDRESS"},

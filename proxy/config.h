@@ -106,6 +106,7 @@ typedef struct px_config {
     char *log_format;
     int access_log; /* access lines on (independent of log_level) */
     int print_config;
+    int check_config; /* --check-config: start-up's checks, nothing bound, then exit */
     /* Model pools (--pool, or pools: in the file); none: the unnamed pool. */
     px_pool_spec *pools; /* owned array */
     size_t npools;
