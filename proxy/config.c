@@ -1641,7 +1641,7 @@ static void usage(FILE *out) {
 
 static void env_name(const opt *o, char *buf, size_t n);
 
-/* The flags tables of README.md (and pdproxy(1)), one per group, from the
+/* The flags tables of docs/flags.md (and pdproxy(1)), one per group, from the
  * same table as --help. */
 static void markdown(FILE *out) {
     for (unsigned g = 0; g < NGROUPS; g++) {
