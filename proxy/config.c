@@ -18,6 +18,7 @@
 #include "base/log.h"
 #include "base/util.h"
 #include "proxy/dispatch.h"
+#include "proxy/k8s.h"
 #include "proxy/prio.h"
 #include "proxy/ratelimit.h"
 
@@ -86,6 +87,22 @@ static const opt opts[] = {
      NULL, RELOADS},
     {"dns-refresh", NULL, CT_SECONDS, OFF(dns_refresh), "10", 0.1, 86400,
      "seconds between DNS re-resolutions of backend names", NULL, RELOADS},
+    {"k8s-api", NULL, CT_STR, OFF(k8s_api), "", 0, 0,
+     "Kubernetes API server for k8s://[NAMESPACE]/SERVICE[?port=P] and "
+     "k8s://[NAMESPACE]/?selector=LABELS backends, whose EndpointSlices are listed and watched "
+     "(default: the pod's service account, else --kubeconfig)",
+     NULL, AT_START},
+    {"k8s-token-file", NULL, CT_STR, OFF(k8s_token_file), "", 0, 0,
+     "bearer token file for the Kubernetes API, read again for every request (default: the "
+     "service account's)",
+     NULL, AT_START},
+    {"k8s-ca-file", NULL, CT_STR, OFF(k8s_ca_file), "", 0, 0,
+     "PEM CA bundle of the Kubernetes API server (default: the service account's)", NULL,
+     AT_START},
+    {"kubeconfig", NULL, CT_STR, OFF(kubeconfig), "", 0, 0,
+     "kubeconfig file whose current context names the Kubernetes API server, outside a pod "
+     "(server, certificate-authority, insecure-skip-tls-verify, token, tokenFile)",
+     NULL, AT_START},
     {"threads", NULL, CT_INT, OFF(threads), "0", 0, 1024,
      "worker threads, each with its own event loop (0: one per CPU)", NULL, AT_START},
     {"max-body-bytes", NULL, CT_INT, OFF(max_body_bytes), "33554432", 1, 1099511627776.0,
@@ -677,6 +694,8 @@ int px_config_url_is_self(const px_config *c, const char *url) {
 /* "scheme host port" of a URL with its spelling undone; 0, or -1. */
 static int url_canon(const char *url, char *out, size_t outlen) {
     int tls;
+    if (px_k8s_is_url(url)) /* one spelling: the source as written */
+        return (size_t)snprintf(out, outlen, "k8s %s", url) < outlen ? 0 : -1;
     if (!strncasecmp(url, "http://", 7))
         tls = 0;
     else if (!strncasecmp(url, "https://", 8))
@@ -837,6 +856,7 @@ static int check_list_item(const opt *o, const char *v, char *err, size_t errlen
 /* http[s]://host[:port] with nothing after but an optional "/". */
 static int check_url(const opt *o, const char *v, char *err, size_t errlen) {
     const char *h = NULL;
+    if (px_k8s_is_url(v)) return px_k8s_url_check(v, err, errlen);
     if (!strncmp(v, "http://", 7))
         h = v + 7;
     else if (!strncmp(v, "https://", 8))
@@ -1453,6 +1473,10 @@ static const struct {
     {"decode", 0, NULL},
     {"pool", 0, NULL},
     {"dns-refresh", 0, NULL},
+    {"k8s-api", 0, "URL"},
+    {"k8s-token-file", 0, "FILE"},
+    {"k8s-ca-file", 0, "FILE"},
+    {"kubeconfig", 0, "FILE"},
     {"prefill-policy", 1, "POLICY"},
     {"decode-policy", 1, "POLICY"},
     {"dispatch", 1, "MODE"},

@@ -160,7 +160,10 @@ static px_gen *build(px_reloader *rl, const px_config *cfg, const px_pool_spec *
                                                                          : cfg->dispatch);
         if (p->dispatch < 0) p->dispatch = PX_DISPATCH_SERIAL;
     }
-    g->disc = px_discovery_start(g, specs, old, cfg->dns_refresh, rl->base, wait, err, errlen);
+    /* Read at start only: the Kubernetes API and its credentials. */
+    const px_config *sc = rl->ctx->cfg;
+    px_k8s_cfg kc = {sc->k8s_api, sc->k8s_token_file, sc->k8s_ca_file, sc->kubeconfig};
+    g->disc = px_discovery_start(g, specs, old, cfg->dns_refresh, &kc, rl->base, wait, err, errlen);
     if (!g->disc) {
         px_gen_release(g);
         return NULL;
