@@ -125,6 +125,8 @@ compose vllm-monitoring vllm monitoring
 compose vllm-keda vllm monitoring keda
 # Another namespace: nothing may assume "pdproxy" (KEDA's queries).
 NS=inference compose vllm-keda-inference vllm monitoring keda
+compose vllm-k8s-discovery vllm k8s-discovery
+NS=inference compose vllm-k8s-discovery-inference vllm k8s-discovery
 compose vllm-pdkv vllm pdkv
 compose vllm-rdma-multus vllm-rdma rdma-multus monitoring
 compose sim-config-file sim config-file
@@ -291,6 +293,57 @@ for ov in overlays:
         objs[key] = d
     def get(kind, ns, name):
         return objs.get((kind, ns, name))
+
+    # k8s:// backends (components/k8s-discovery): the Service exists and
+    # selects the role's pods, the port is one of its named ports, and the
+    # pod's service account may list and watch EndpointSlices there (and
+    # nothing more: a Role, verbs list/watch, endpointslices only).
+    def check_k8s_url(cw, k, url, ns, want_role, pod):
+        m = re.fullmatch(r"k8s://([a-z0-9.-]*)/([a-z0-9.-]+)(?:\?port=([a-z0-9-]+))?", url)
+        if not m:
+            err(cw, "%s: %r is not k8s://[NAMESPACE]/SERVICE[?port=NAME] (a selector is not cross-checked)" % (k, url))
+            return
+        sns = m.group(1) or ns
+        s = get("Service", sns, m.group(2))
+        if s is None:
+            err(cw, "%s: Service %s in namespace %s is not rendered" % (k, m.group(2), sns))
+            return
+        if (s["spec"].get("selector") or {}).get("app.kubernetes.io/component") != want_role:
+            err(cw, "%s: Service %s does not select %s pods" % (k, m.group(2), want_role))
+        pnames = [p.get("name") for p in s["spec"].get("ports") or []]
+        if m.group(3) and m.group(3) not in pnames:
+            err(cw, "%s: port %s is not a named port of Service %s (%s)" % (k, m.group(3), m.group(2), pnames))
+        if not pod.get("automountServiceAccountToken", True):
+            err(cw, "%s: k8s:// backends need the service account's token (automountServiceAccountToken)" % k)
+        sa = pod.get("serviceAccountName", "default")
+        if get("ServiceAccount", ns, sa) is None and sa != "default":
+            err(cw, "%s: ServiceAccount %s is not rendered" % (k, sa))
+        granted = set()
+        for (kk, rns, rn), rb in objs.items():
+            if kk not in ("RoleBinding", "ClusterRoleBinding"):
+                continue
+            if not any(sub.get("kind") == "ServiceAccount" and sub.get("name") == sa
+                       and sub.get("namespace", rns) == ns for sub in rb.get("subjects") or []):
+                continue
+            ref = rb.get("roleRef") or {}
+            if kk == "ClusterRoleBinding" or ref.get("kind") != "Role":
+                err(cw, "%s/%s gives pdproxy's service account a cluster-wide role: a Role in its namespace is enough" % (kk, rn))
+                continue
+            role = get("Role", rns, ref.get("name"))
+            if role is None:
+                err(cw, "RoleBinding/%s names Role %s, which is not rendered" % (rn, ref.get("name")))
+                continue
+            for rule in role.get("rules") or []:
+                extra = set(rule.get("verbs") or []) - {"list", "watch"}
+                if extra or set(rule.get("resources") or []) != {"endpointslices"} \
+                        or set(rule.get("apiGroups") or []) != {"discovery.k8s.io"}:
+                    err(cw, "Role/%s grants more than list/watch on endpointslices: %s" % (ref.get("name"), rule))
+                else:
+                    granted |= set(rule.get("verbs")) if rns == sns else set()
+        if granted != {"list", "watch"}:
+            err(cw, "%s: service account %s may not list and watch endpointslices in namespace %s (granted: %s)"
+                % (k, sa, sns, sorted(granted)))
+        total_checks[0] += 1
     deps = [d for (k, _, _), d in objs.items() if k == "Deployment"]
     svcs = [d for (k, _, _), d in objs.items() if k == "Service"]
     cms = {(ns, n): d for (k, ns, n), d in objs.items() if k == "ConfigMap"}
@@ -515,6 +568,9 @@ for ov in overlays:
                             err(cw, "%s is not set" % k)
                             continue
                         for url in re.split(r"[,\s]+", v.strip()):
+                            if url.startswith("k8s://"):
+                                check_k8s_url(cw, k, url, ns, want_role, pod)
+                                continue
                             m = re.fullmatch(r"(https?)://([a-z0-9.-]+?)(?:\.(svc(?:\.cluster\.local)?\.?))?:(\d+)/?", url)
                             if not m:
                                 err(cw, "%s: %r is not http(s)://host:port" % (k, url))
