@@ -18,7 +18,7 @@
 #include "base/log.h"
 #include "base/util.h"
 #include "proxy/dispatch.h"
-#include "proxy/k8s.h"
+#include "proxy/k8s_url.h"
 #include "proxy/prio.h"
 #include "proxy/ratelimit.h"
 

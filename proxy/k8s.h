@@ -34,25 +34,12 @@
 #include <event2/event.h>
 #include <stddef.h>
 
+#include "proxy/k8s_creds.h"
+#include "proxy/k8s_url.h"
+
 struct px_pool;
 typedef struct px_k8s px_k8s;
 
-typedef struct px_k8s_cfg {
-    const char *api;        /* API server URL, or "" */
-    const char *token_file; /* bearer token file, or "" */
-    const char *ca_file;    /* CA bundle, or "" */
-    const char *kubeconfig; /* kubeconfig file, or "" */
-} px_k8s_cfg;
-
-/* Whether `url` is a k8s:// backend URL. */
-int px_k8s_is_url(const char *url);
-/* Checks a k8s:// URL's form. 0, or -1 with err. */
-int px_k8s_url_check(const char *url, char *err, size_t errlen);
-/* Splits a k8s:// URL: its namespace ("" for the default), label selector
- * (a Service's as kubernetes.io/service-name=NAME) and port. 0, or -1 with
- * err. */
-int px_k8s_url_parse(const char *url, char *ns, size_t nscap, char *sel, size_t selcap, char *port,
-                     size_t portcap, char *err, size_t errlen);
 
 /* The API client of one generation's discovery, on `base` (borrowed: the
  * control loop). NULL with err when no API server can be found. */

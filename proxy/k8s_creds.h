@@ -9,7 +9,15 @@
 
 #include <stddef.h>
 
-#include "proxy/k8s.h"
+
+/* What the flags say (--k8s-api, --k8s-token-file, --k8s-ca-file,
+ * --kubeconfig); "" or NULL when unset. */
+typedef struct px_k8s_cfg {
+    const char *api;        /* API server URL, or "" */
+    const char *token_file; /* bearer token file, or "" */
+    const char *ca_file;    /* CA bundle, or "" */
+    const char *kubeconfig; /* kubeconfig file, or "" */
+} px_k8s_cfg;
 
 #define PX_K8S_SA_DIR "/var/run/secrets/kubernetes.io/serviceaccount"
 

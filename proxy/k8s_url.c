@@ -1,7 +1,7 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /* k8s:// backend URLs (k8s.h): their form alone, so that configuration
  * checks need nothing else of the Kubernetes client. */
-#include "proxy/k8s.h"
+#include "proxy/k8s_url.h"
 
 #include <ctype.h>
 #include <stdio.h>
