@@ -100,8 +100,11 @@ as_service /usr/bin/pdproxy --config /etc/pdproxy/pdproxy.yaml --api-key-file \
 [ "$rc" = 2 ] && grep -q 'Permission denied' "$work/direct.err" ||
     fail "the root-only key file read directly by the service's user: exit $rc, $(cat "$work/direct.err")"
 port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
-as_service env CREDENTIALS_DIRECTORY="$cred" /usr/bin/pdproxy --config "$work/pdproxy-cred.yaml" \
-    --port "$port" --drain-delay 0 --health-interval 0 --threads 1 >"$work/cred.log" 2>&1 &
+# setpriv itself in the background (not the shell function: $! would be a
+# subshell, and SIGTERM would miss pdproxy), without the lock's descriptor.
+setpriv --reuid="$svc_uid" --regid="$svc_uid" --clear-groups env CREDENTIALS_DIRECTORY="$cred" \
+    /usr/bin/pdproxy --config "$work/pdproxy-cred.yaml" --port "$port" --drain-delay 0 \
+    --health-interval 0 --threads 1 >"$work/cred.log" 2>&1 9>&- &
 pid=$!
 ok=0
 for _ in $(seq 1 100); do
@@ -121,7 +124,7 @@ echo "credentials: LoadCredential=pdproxy:/etc/pdproxy/credentials; the service'
 
 port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
 /usr/bin/pdproxy --config /etc/pdproxy/pdproxy.yaml --port "$port" --drain-delay 0 \
-    --health-interval 0 --threads 1 >"$work/pdproxy.log" 2>&1 &
+    --health-interval 0 --threads 1 >"$work/pdproxy.log" 2>&1 9>&- &
 pid=$!
 ok=0
 for _ in $(seq 1 100); do
