@@ -22,7 +22,10 @@
 #   3. Docker (no engine here): reads deploy/Dockerfile, runs its build steps
 #      (deploy/docker/build-steps.sh) into a scratch prefix, runs the
 #      installed binaries, and proves with ldd + dpkg that the runtime
-#      stage's package list provides every shared library they load.
+#      stage's package list provides every shared library they load; the
+#      same for the pdkv image (components/pdkv/Dockerfile: vLLM +
+#      libkvconnector) with deploy/docker/pdkv-check.py, whose build runs
+#      with only the build stage's packages visible to pkg-config.
 #   4. wrk: starts engine-sim prefill + decode and pdproxy on free loopback
 #      ports, runs each deploy/wrk/*.lua for 2 s (wrk -t1 -c4) and requires
 #      requests, no non-2xx answers and well-formed bodies; also probes the
@@ -109,10 +112,10 @@ for o in "$deploy"/k8s/overlays/*/; do overlays+=("overlays/$(basename "$o")"); 
 # compositions, built in a copy of deploy/k8s (kustomize refuses absolute
 # paths): overlay + components, each as a user would write it.
 cp -r "$deploy/k8s" "$work/k8s-src"
-compose() {  # name overlay component...
+compose() {  # name overlay component...  (namespace: $NS, default pdproxy)
     local name=$1 ov=$2; shift 2
     mkdir -p "$work/k8s-src/compose/$name"
-    { echo "namespace: pdproxy"; echo "resources:"; echo "  - ../../overlays/$ov"
+    { echo "namespace: ${NS:-pdproxy}"; echo "resources:"; echo "  - ../../overlays/$ov"
       echo "components:"; for c in "$@"; do echo "  - ../../components/$c"; done
     } >"$work/k8s-src/compose/$name/kustomization.yaml"
     overlays+=("compose/$name")
@@ -120,6 +123,10 @@ compose() {  # name overlay component...
 compose sim-monitoring sim monitoring
 compose vllm-monitoring vllm monitoring
 compose vllm-keda vllm monitoring keda
+# Another namespace: nothing may assume "pdproxy" (KEDA's queries).
+NS=inference compose vllm-keda-inference vllm monitoring keda
+compose vllm-k8s-discovery vllm k8s-discovery
+NS=inference compose vllm-k8s-discovery-inference vllm k8s-discovery
 compose vllm-pdkv vllm pdkv
 compose vllm-rdma-multus vllm-rdma rdma-multus monitoring
 compose sim-config-file sim config-file
@@ -286,6 +293,57 @@ for ov in overlays:
         objs[key] = d
     def get(kind, ns, name):
         return objs.get((kind, ns, name))
+
+    # k8s:// backends (components/k8s-discovery): the Service exists and
+    # selects the role's pods, the port is one of its named ports, and the
+    # pod's service account may list and watch EndpointSlices there (and
+    # nothing more: a Role, verbs list/watch, endpointslices only).
+    def check_k8s_url(cw, k, url, ns, want_role, pod):
+        m = re.fullmatch(r"k8s://([a-z0-9.-]*)/([a-z0-9.-]+)(?:\?port=([a-z0-9-]+))?", url)
+        if not m:
+            err(cw, "%s: %r is not k8s://[NAMESPACE]/SERVICE[?port=NAME] (a selector is not cross-checked)" % (k, url))
+            return
+        sns = m.group(1) or ns
+        s = get("Service", sns, m.group(2))
+        if s is None:
+            err(cw, "%s: Service %s in namespace %s is not rendered" % (k, m.group(2), sns))
+            return
+        if (s["spec"].get("selector") or {}).get("app.kubernetes.io/component") != want_role:
+            err(cw, "%s: Service %s does not select %s pods" % (k, m.group(2), want_role))
+        pnames = [p.get("name") for p in s["spec"].get("ports") or []]
+        if m.group(3) and m.group(3) not in pnames:
+            err(cw, "%s: port %s is not a named port of Service %s (%s)" % (k, m.group(3), m.group(2), pnames))
+        if not pod.get("automountServiceAccountToken", True):
+            err(cw, "%s: k8s:// backends need the service account's token (automountServiceAccountToken)" % k)
+        sa = pod.get("serviceAccountName", "default")
+        if get("ServiceAccount", ns, sa) is None and sa != "default":
+            err(cw, "%s: ServiceAccount %s is not rendered" % (k, sa))
+        granted = set()
+        for (kk, rns, rn), rb in objs.items():
+            if kk not in ("RoleBinding", "ClusterRoleBinding"):
+                continue
+            if not any(sub.get("kind") == "ServiceAccount" and sub.get("name") == sa
+                       and sub.get("namespace", rns) == ns for sub in rb.get("subjects") or []):
+                continue
+            ref = rb.get("roleRef") or {}
+            if kk == "ClusterRoleBinding" or ref.get("kind") != "Role":
+                err(cw, "%s/%s gives pdproxy's service account a cluster-wide role: a Role in its namespace is enough" % (kk, rn))
+                continue
+            role = get("Role", rns, ref.get("name"))
+            if role is None:
+                err(cw, "RoleBinding/%s names Role %s, which is not rendered" % (rn, ref.get("name")))
+                continue
+            for rule in role.get("rules") or []:
+                extra = set(rule.get("verbs") or []) - {"list", "watch"}
+                if extra or set(rule.get("resources") or []) != {"endpointslices"} \
+                        or set(rule.get("apiGroups") or []) != {"discovery.k8s.io"}:
+                    err(cw, "Role/%s grants more than list/watch on endpointslices: %s" % (ref.get("name"), rule))
+                else:
+                    granted |= set(rule.get("verbs")) if rns == sns else set()
+        if granted != {"list", "watch"}:
+            err(cw, "%s: service account %s may not list and watch endpointslices in namespace %s (granted: %s)"
+                % (k, sa, sns, sorted(granted)))
+        total_checks[0] += 1
     deps = [d for (k, _, _), d in objs.items() if k == "Deployment"]
     svcs = [d for (k, _, _), d in objs.items() if k == "Service"]
     cms = {(ns, n): d for (k, ns, n), d in objs.items() if k == "ConfigMap"}
@@ -510,13 +568,18 @@ for ov in overlays:
                             err(cw, "%s is not set" % k)
                             continue
                         for url in re.split(r"[,\s]+", v.strip()):
+                            if url.startswith("k8s://"):
+                                check_k8s_url(cw, k, url, ns, want_role, pod)
+                                continue
                             m = re.fullmatch(r"(https?)://([a-z0-9.-]+?)(?:\.(svc(?:\.cluster\.local)?\.?))?:(\d+)/?", url)
                             if not m:
                                 err(cw, "%s: %r is not http(s)://host:port" % (k, url))
                                 continue
                             parts = m.group(2).split(".")
-                            if not m.group(3):
-                                continue  # a plain host: nothing to cross-check
+                            if not m.group(3) and len(parts) == 1:
+                                parts.append(ns)  # a Service of pdproxy's own namespace
+                            elif not m.group(3):
+                                continue  # another host: nothing to cross-check
                             if len(parts) != 2:
                                 err(cw, "%s: %r is not <service>.<namespace>.svc..." % (k, url))
                                 continue
@@ -961,6 +1024,13 @@ for ov in overlays:
             err(w, "scaleTargetRef %s names no rendered Deployment" % ref)
         elif "replicas" in target[0]["spec"]:
             err(w, "Deployment/%s sets replicas, which kubectl apply would reset under the autoscaler" % ref.get("name"))
+        # Prometheus unreachable: the pool keeps at least what it has (a
+        # "static" fallback scales a scaled-out pool down to `replicas`).
+        fb = so["spec"].get("fallback")
+        if fb and fb.get("behavior", "static") not in ("currentReplicas", "currentReplicasIfHigher") \
+                and int(fb.get("replicas", 0)) < int(so["spec"].get("maxReplicaCount", 100)):
+            err(w, "fallback %s shrinks a scaled-out pool to %s replicas when the metrics are unreachable"
+                   " (behavior: currentReplicasIfHigher keeps what it has)" % (fb, fb.get("replicas")))
         if not (1 <= int(so["spec"].get("minReplicaCount", 0)) <= int(so["spec"].get("maxReplicaCount", 100))):
             err(w, "needs 1 <= minReplicaCount <= maxReplicaCount (a pool scaled to 0 cannot serve)")
         for t in so["spec"].get("triggers") or []:
@@ -968,6 +1038,11 @@ for ov in overlays:
             q = md.get("query", "")
             if t.get("type") != "prometheus" or "vllm:num_requests_waiting" not in q:
                 err(w, "trigger must be prometheus on vllm:num_requests_waiting: %s" % t)
+            m = re.search(r'namespace="([^"]*)"', q)
+            if m and m.group(1) != ns:
+                err(w, "query %r selects namespace %s, not the ScaledObject's %s" % (q, m.group(1), ns))
+            if md.get("ignoreNullValues", "true") != "false":
+                err(w, "trigger without ignoreNullValues: \"false\": a query that answers nothing reads as an empty queue and scales the pool down")
             m = re.search(r'pod=~"([^"]*)"', q)
             if not m or not re.fullmatch(m.group(1), ref.get("name", "") + "-abc12-xyz34"):
                 err(w, "query %r does not select the pods of Deployment/%s" % (q, ref.get("name")))
@@ -1003,6 +1078,10 @@ for ov in overlays:
                     err(w, "alert %s: no summary annotation" % a)
                 for mname in re.findall(r"\b((?:pdproxy|engine_sim|process)_[a-z0-9_]+|vllm:[a-z0-9_:]+)", expr):
                     alert_metrics.add(re.sub(r"_bucket$", "", mname))
+                    # Alerts are for production: a metric only engine-sim
+                    # has never fires in front of vLLM.
+                    if mname.startswith("engine_sim_"):
+                        err(w, "alert %s uses %s, which only engine-sim exposes (vLLM has no such series)" % (a, mname))
         for a in sorted(want_alerts - seen_alerts):
             err(w, "no alert %s" % a)
         total_checks[0] += 1
@@ -1319,82 +1398,15 @@ for b in pdproxy engine-sim; do
     ldd "$prefix_dir/bin/$b" >"$work/ldd.$b" || die "ldd $b failed"
     ! grep -q "not found" "$work/ldd.$b" || { cat "$work/ldd.$b" >&2; die "$b: shared library not found"; }
 done
-dpkg-query -W -f='${Package}\t${Essential}\t${Priority}\t${Provides}\t${Pre-Depends}, ${Depends}\n' >"$work/dpkg.status"
-"$PY" - "$work" "$runtime_pkgs" <<'PY'
-import os, re, sys
-work, runtime = sys.argv[1], sys.argv[2].split()
-pkgs, provides = {}, {}
-for line in open(os.path.join(work, "dpkg.status")):
-    f = line.rstrip("\n").split("\t")
-    if len(f) < 5:
-        continue
-    name, essential, prio, prov, deps = f
-    alts = []
-    for d in deps.split(","):
-        d = d.strip()
-        if d:
-            alts.append([re.split(r"[\s(:]", a.strip())[0] for a in d.split("|")])
-    pkgs[name] = (essential == "yes" or prio == "required", alts)
-    for p in prov.split(","):
-        p = re.split(r"[\s(]", p.strip())[0]
-        if p:
-            provides.setdefault(p, []).append(name)
+"$PY" "$deploy/docker/runtime-libs.py" "$runtime_pkgs" "$work/ldd.pdproxy" "$work/ldd.engine-sim" ||
+    die "the runtime stage's packages do not provide every shared library"
 
-def closure(roots):
-    seen, todo = set(), list(roots)
-    while todo:
-        p = todo.pop()
-        for real in ([p] if p in pkgs else provides.get(p, [])):
-            if real in seen:
-                continue
-            seen.add(real)
-            for alt in pkgs[real][1]:
-                todo.extend(a for a in alt if a in pkgs or a in provides)
-    return seen
-
-base = closure([p for p, (req, _) in pkgs.items() if req])   # what debian:bookworm-slim has
-image = closure(runtime) | base
-missing_rt = [p for p in runtime if p not in pkgs and p not in provides]
-libs = {}
-for b in ("pdproxy", "engine-sim"):
-    for line in open(os.path.join(work, "ldd." + b)):
-        m = re.search(r"=>\s*(/\S+)", line) or re.match(r"\s*(/\S+)\s+\(", line)
-        if m:
-            libs.setdefault(m.group(1), set()).add(b)
-errors = []
-# file -> package from dpkg's own lists (one dpkg -S per library is slow)
-files = {}
-info = "/var/lib/dpkg/info"
-for fn in os.listdir(info):
-    if fn.endswith(".list"):
-        pkg = fn[:-5].split(":")[0]
-        for f in open(os.path.join(info, fn), errors="replace"):
-            f = f.rstrip("\n")
-            if ".so" in f:
-                files.setdefault(f, pkg)
-owner = {}
-for lib in sorted(libs):
-    cands = [lib, os.path.realpath(lib)]
-    for c in list(cands):
-        cands.append(c[4:] if c.startswith("/usr/") else "/usr" + c)
-    for c in cands:
-        if c in files:
-            owner[lib] = files[c]
-            break
-    if lib not in owner:
-        errors.append("%s (needed by %s) belongs to no Debian package" % (lib, "/".join(sorted(libs[lib]))))
-    elif owner[lib] not in image:
-        errors.append("%s (needed by %s) is in package %s, which the runtime stage does not install"
-                      " (add it to RUNTIME_PACKAGES)" % (lib, "/".join(sorted(libs[lib])), owner[lib]))
-for p in missing_rt:
-    print("   note: runtime package %s is not installed here; its dependencies were not followed" % p)
-if errors:
-    for e in errors:
-        print("deploy/check: FAIL: " + e, file=sys.stderr)
-    sys.exit(1)
-direct = sorted({owner[l] for l in owner} - base)
-print("   %d shared libraries, from %d packages; outside the base image: %s" % (len(libs), len(set(owner.values())), " ".join(direct)))
-PY
+section "docker: the pdkv image (deploy/k8s/components/pdkv/Dockerfile)"
+# vLLM + libkvconnector: its packages known to apt, its cmake command
+# configured and built with only its build stage's packages, and its runtime
+# stage's packages providing every library libkvconnector loads.
+"$PY" "$deploy/docker/pdkv-check.py" "$deploy/k8s/components/pdkv/Dockerfile" "$work/pdkv" ||
+    die "deploy/k8s/components/pdkv/Dockerfile"
 
 # ------------------------------------------------------------------ 4. wrk through pdproxy
 section "wrk: engine-sim prefill + decode, pdproxy, deploy/wrk/*.lua"
@@ -1534,7 +1546,11 @@ for m, labels in sorted(label_uses.items()):
             errors.append("the dashboard groups or filters %s by label %r, which its live samples do not carry (they have: %s)"
                           % (m, l, ", ".join(sorted(labels_seen.get(m, []))) or "no labels"))
 # Every metric the alerts (components/monitoring/alerts.yaml) use is exposed
-# by pdproxy or engine-sim: an alert on a misspelt metric never fires.
+# by pdproxy or engine-sim, or is one of these vLLM metrics that engine-sim
+# does not imitate: an alert on a misspelt metric never fires.
+#   vllm:nixl_num_kv_expired_reqs: vLLM's docs/usage/metrics.md, "NIXL KV
+#   Connector Metrics" (a counter, tracked on the prefill instance).
+VLLM_ONLY = {"vllm:nixl_num_kv_expired_reqs_total"}
 amp = os.path.join(work, "alert-metrics.txt")
 nalert = 0
 if not os.path.exists(amp):
@@ -1543,8 +1559,9 @@ else:
     for m in [l.strip() for l in open(amp) if l.strip()]:
         nalert += 1
         if m.startswith(("vllm:", "engine_sim_")):
-            if m not in engine:
-                errors.append("an alert uses %s, which engine-sim's /metrics does not expose" % m)
+            if m not in engine and m not in VLLM_ONLY:
+                errors.append("an alert uses %s, which neither engine-sim's /metrics nor vLLM's "
+                              "documented metrics (VLLM_ONLY here) have" % m)
         elif px is not None and m not in px and m + "_bucket" not in px:
             errors.append("an alert uses %s, which pdproxy's /metrics does not expose" % m)
 # Every metric family pdproxy exposes has a panel: the list comes from the

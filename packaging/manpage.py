@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 # SPDX-License-Identifier: Apache-2.0
 """Writes pdproxy(1) in roff from `pdproxy --help-markdown`, the table that
-README.md's flags table is generated from too, so the man page cannot drift
+docs/flags.md's table is generated from too, so the man page cannot drift
 from the binary.
 
     manpage.py PDPROXY OUT.1 VERSION
@@ -96,7 +96,7 @@ def main():
               ".SH EXIT STATUS",
               "0 after a drain, 2 for a bad flag, value or file (the message names it).",
               ".SH SEE ALSO",
-              "The project's README.md, SECURITY.md and docs/ARCHITECTURE.md."]
+              "The project's README.md and its documentation site, docs/ (mkdocs.yml)."]
     with open(out_path, "w", encoding="utf-8") as f:
         f.write("\n".join(lines) + "\n")
 

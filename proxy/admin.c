@@ -661,7 +661,9 @@ static void dispatch(void *ctx, px_conn *c, const px_http_head *h, px_buf *body)
 /* The token: one line of 16 to 1023 visible ASCII characters in a regular
  * file (a longer one was cut silently, a device like /dev/zero read as a
  * token of NULs). */
-static int read_token(px_admin *a, const char *path, char *err, size_t errlen) {
+static int read_token(px_admin *a, const char *named, char *err, size_t errlen) {
+    char path[4096];
+    if (px_cred_path(named, "--admin-token-file", path, sizeof path, err, errlen) < 0) return -1;
     int fd = open(path, O_RDONLY | O_NONBLOCK | O_CLOEXEC);
     struct stat st;
     if (fd < 0 || fstat(fd, &st) < 0 || !S_ISREG(st.st_mode)) {
@@ -721,6 +723,14 @@ int px_admin_start(const px_admin_host *host, const px_config *cfg, px_admin **o
     PX_LOG(PX_LOG_INFO, "msg=\"admin API listening\" addr=%s:%d", cfg->admin_host,
            (int)cfg->admin_port);
     return 0;
+}
+
+int px_admin_check(const px_config *cfg, char *err, size_t errlen) {
+    if (!cfg->admin_port) return 0;
+    px_admin a;
+    memset(&a, 0, sizeof a);
+    if (read_token(&a, cfg->admin_token_file, err, errlen) < 0) return -1;
+    return px_listen_port_free(cfg->admin_host, (int)cfg->admin_port, "--admin-port", err, errlen);
 }
 
 void px_admin_stop(px_admin *a) {

@@ -54,6 +54,9 @@ typedef struct px_admin_host {
 int px_admin_start(const px_admin_host *host, const px_config *cfg, px_admin **out, char *err,
                    size_t errlen);
 /* Closes the listener and its connections. NULL is a no-op. */
+/* --check-config: the token file read and the admin port tested free, as
+ * px_admin_start would; nothing listens. 0, or -1 with err. */
+int px_admin_check(const px_config *cfg, char *err, size_t errlen);
 void px_admin_stop(px_admin *a);
 
 #endif

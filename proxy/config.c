@@ -18,6 +18,7 @@
 #include "base/log.h"
 #include "base/util.h"
 #include "proxy/dispatch.h"
+#include "proxy/k8s_url.h"
 #include "proxy/prio.h"
 #include "proxy/ratelimit.h"
 
@@ -86,6 +87,22 @@ static const opt opts[] = {
      NULL, RELOADS},
     {"dns-refresh", NULL, CT_SECONDS, OFF(dns_refresh), "10", 0.1, 86400,
      "seconds between DNS re-resolutions of backend names", NULL, RELOADS},
+    {"k8s-api", NULL, CT_STR, OFF(k8s_api), "", 0, 0,
+     "Kubernetes API server for k8s://[NAMESPACE]/SERVICE[?port=P] and "
+     "k8s://[NAMESPACE]/?selector=LABELS backends, whose EndpointSlices are listed and watched "
+     "(default: the pod's service account, else --kubeconfig)",
+     NULL, AT_START},
+    {"k8s-token-file", NULL, CT_STR, OFF(k8s_token_file), "", 0, 0,
+     "bearer token file for the Kubernetes API, read again for every request (default: the "
+     "service account's)",
+     NULL, AT_START},
+    {"k8s-ca-file", NULL, CT_STR, OFF(k8s_ca_file), "", 0, 0,
+     "PEM CA bundle of the Kubernetes API server (default: the service account's)", NULL,
+     AT_START},
+    {"kubeconfig", NULL, CT_STR, OFF(kubeconfig), "", 0, 0,
+     "kubeconfig file whose current context names the Kubernetes API server, outside a pod "
+     "(server, certificate-authority, insecure-skip-tls-verify, token, tokenFile)",
+     NULL, AT_START},
     {"threads", NULL, CT_INT, OFF(threads), "0", 0, 1024,
      "worker threads, each with its own event loop (0: one per CPU)", NULL, AT_START},
     {"max-body-bytes", NULL, CT_INT, OFF(max_body_bytes), "33554432", 1, 1099511627776.0,
@@ -351,6 +368,11 @@ static const opt opts[] = {
      NULL, RELOADS},
     {"print-config", NULL, CT_FLAG, OFF(print_config), "false", 0, 0,
      "print the effective configuration as YAML (a --config file) and exit", NULL, AT_START},
+    {"check-config", NULL, CT_FLAG, OFF(check_config), "false", 0, 0,
+     "check the configuration as start-up does (files read, certificates and keys loaded, "
+     "backends that are this proxy refused, ports free, names resolved) without binding "
+     "anything, then exit: 0 when pdproxy would start, 2 with the reason when not",
+     NULL, AT_START},
 };
 #define NOPTS (sizeof opts / sizeof *opts)
 _Static_assert(NOPTS <= sizeof(((px_config *)0)->set), "grow px_config.set");
@@ -682,6 +704,8 @@ int px_config_url_is_self(const px_config *c, const char *url) {
 /* "scheme host port" of a URL with its spelling undone; 0, or -1. */
 static int url_canon(const char *url, char *out, size_t outlen) {
     int tls;
+    if (px_k8s_is_url(url)) /* one spelling: the source as written */
+        return (size_t)snprintf(out, outlen, "k8s %s", url) < outlen ? 0 : -1;
     if (!strncasecmp(url, "http://", 7))
         tls = 0;
     else if (!strncasecmp(url, "https://", 8))
@@ -842,6 +866,7 @@ static int check_list_item(const opt *o, const char *v, char *err, size_t errlen
 /* http[s]://host[:port] with nothing after but an optional "/". */
 static int check_url(const opt *o, const char *v, char *err, size_t errlen) {
     const char *h = NULL;
+    if (px_k8s_is_url(v)) return px_k8s_url_check(v, err, errlen);
     if (!strncmp(v, "http://", 7))
         h = v + 7;
     else if (!strncmp(v, "https://", 8))
@@ -1458,6 +1483,10 @@ static const struct {
     {"decode", 0, NULL},
     {"pool", 0, NULL},
     {"dns-refresh", 0, NULL},
+    {"k8s-api", 0, "URL"},
+    {"k8s-token-file", 0, "FILE"},
+    {"k8s-ca-file", 0, "FILE"},
+    {"kubeconfig", 0, "FILE"},
     {"prefill-policy", 1, "POLICY"},
     {"decode-policy", 1, "POLICY"},
     {"dispatch", 1, "MODE"},
@@ -1522,6 +1551,7 @@ static const struct {
     {"log-file", 8, "FILE"},
     {"config", 9, "FILE"},
     {"print-config", 9, NULL},
+    {"check-config", 9, NULL},
     {"drain-delay", 9, NULL},
     {"drain-timeout", 9, NULL},
     {"admin-host", 9, "ADDRESS"},
@@ -1648,7 +1678,7 @@ static void usage(FILE *out) {
 
 static void env_name(const opt *o, char *buf, size_t n);
 
-/* The flags tables of README.md (and pdproxy(1)), one per group, from the
+/* The flags tables of docs/flags.md (and pdproxy(1)), one per group, from the
  * same table as --help. */
 static void markdown(FILE *out) {
     for (unsigned g = 0; g < NGROUPS; g++) {

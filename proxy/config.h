@@ -109,6 +109,12 @@ typedef struct px_config {
     double access_log_flush;   /* seconds an access line may wait in that buffer */
     char *log_file;            /* "": stderr */
     int print_config;
+    int check_config; /* --check-config: start-up's checks, nothing bound, then exit */
+    /* Kubernetes API for k8s:// backends (k8s.h). */
+    char *k8s_api;
+    char *k8s_token_file;
+    char *k8s_ca_file;
+    char *kubeconfig;
     /* Model pools (--pool, or pools: in the file); none: the unnamed pool. */
     px_pool_spec *pools; /* owned array */
     size_t npools;

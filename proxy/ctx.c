@@ -90,12 +90,42 @@ static void add_api_key(px_ctx *c, const char *k, size_t n) {
     SHA256((const unsigned char *)k, n, c->api_keys[c->napi_keys++]);
 }
 
+int px_cred_path(const char *path, const char *what, char *out, size_t cap, char *err,
+                 size_t errlen) {
+    static const char *const vars[] = {"${CREDENTIALS_DIRECTORY}/", "$CREDENTIALS_DIRECTORY/"};
+    for (size_t i = 0; i < 2; i++) {
+        size_t n = strlen(vars[i]);
+        if (strncmp(path, vars[i], n)) continue;
+        const char *dir = getenv("CREDENTIALS_DIRECTORY");
+        if (!dir || !*dir) {
+            snprintf(err, errlen,
+                     "%s '%s': CREDENTIALS_DIRECTORY is not set (systemd sets it for a unit with "
+                     "LoadCredential=)",
+                     what, path);
+            return -1;
+        }
+        if ((size_t)snprintf(out, cap, "%s/%s", dir, path + n) >= cap) {
+            snprintf(err, errlen, "%s '%s': path too long", what, path);
+            return -1;
+        }
+        return 0;
+    }
+    if ((size_t)snprintf(out, cap, "%s", path) >= cap) {
+        snprintf(err, errlen, "%s '%s': path too long", what, path);
+        return -1;
+    }
+    return 0;
+}
+
 static int load_api_keys(px_ctx *c, const px_config *cfg, char *err, size_t errlen) {
     if (cfg->api_key[0]) add_api_key(c, cfg->api_key, strlen(cfg->api_key));
     if (!cfg->api_key_file[0]) return 0;
-    FILE *f = fopen(cfg->api_key_file, "r");
+    char path[4096];
+    if (px_cred_path(cfg->api_key_file, "--api-key-file", path, sizeof path, err, errlen) < 0)
+        return -1;
+    FILE *f = fopen(path, "r");
     if (!f) {
-        snprintf(err, errlen, "--api-key-file '%s': %s", cfg->api_key_file, strerror(errno));
+        snprintf(err, errlen, "--api-key-file '%s': %s", path, strerror(errno));
         return -1;
     }
     char *line = NULL;
@@ -105,7 +135,7 @@ static int load_api_keys(px_ctx *c, const px_config *cfg, char *err, size_t errl
     free(line);
     fclose(f);
     if (c->napi_keys == before) {
-        snprintf(err, errlen, "--api-key-file '%s': no key in the file", cfg->api_key_file);
+        snprintf(err, errlen, "--api-key-file '%s': no key in the file", path);
         return -1;
     }
     return 0;

@@ -79,6 +79,11 @@ typedef struct px_ctx {
     size_t napi_keys;
     atomic_long inflight;  /* P/D requests in flight, all workers */
     atomic_int draining;   /* SIGTERM: readiness says no */
+    /* Reloads of the --config file (SIGHUP, POST /admin/reload): how many
+     * swapped in, how many failed (the running configuration stayed), and
+     * whether the last one failed. Control thread writes, scrapes read. */
+    atomic_ullong reloads_ok, reloads_failed;
+    atomic_int last_reload_failed;
     px_conn_shared shared; /* memory budget and connection cap, all workers */
     px_wctx **workers;     /* owned array of borrowed pointers: each worker's context */
     int nworkers;
@@ -119,6 +124,15 @@ px_conn_cfg px_ctx_control_conn_cfg(const px_config *cfg,
 /* Sets up the credentials from cfg: the client keys of --api-key and
  * --api-key-file, the upstream Authorization line. 0, or -1 with err. */
 int px_ctx_init(px_ctx *c, const px_config *cfg, char *err, size_t errlen);
+
+/* The file a secret option names: a leading ${CREDENTIALS_DIRECTORY}/ (or
+ * $CREDENTIALS_DIRECTORY/) is the directory systemd's LoadCredential= gives
+ * the service (packaging/pdproxy.service), so that a unit running as a
+ * dynamic user reads copies of root-only files. Fills out (cap bytes); 0,
+ * or -1 with err when the variable is named but not set or the path does
+ * not fit. `what` names the option in the message. */
+int px_cred_path(const char *path, const char *what, char *out, size_t cap, char *err,
+                 size_t errlen);
 void px_ctx_cleanup(px_ctx *c);
 /* The current generation, with a reference taken. Any thread. */
 px_gen *px_ctx_gen(px_ctx *c);

@@ -35,6 +35,8 @@ struct px_discovery {
     dns_entry *e;            /* owned */
     size_t n;
     struct event *timer; /* owned: the next round */
+    px_k8s *k8s;         /* owned: k8s:// backends, or NULL */
+    const px_k8s_cfg *k8s_cfg; /* borrowed, while starting */
     size_t inflight;     /* control thread only */
     atomic_ullong failures;
 };
@@ -127,10 +129,24 @@ static px_pool *old_pool(px_discovery *d, size_t i, const px_pool *pool) {
     return NULL;
 }
 
+/* A k8s:// URL: its backends of the replaced generation are adopted, and
+ * the Kubernetes client follows it from here. */
+static int add_k8s(px_discovery *d, px_adopt_index *prev, px_pool *pool, const char *url, char *err,
+                   size_t errlen) {
+    if (!d->k8s && !(d->k8s = px_k8s_create(d->base, d->k8s_cfg, err, errlen))) return -1;
+    px_k8s *old = d->old && d->old->disc ? d->old->disc->k8s : NULL;
+    size_t n;
+    const char *const *m = px_k8s_members(old, url, &n);
+    for (size_t i = 0; i < n; i++)
+        px_pool_adopt_indexed(pool, prev, m[i]);
+    return px_k8s_watch(d->k8s, pool, url, old, err, errlen);
+}
+
 static int add_url(px_discovery *d, px_adopt_index *prev, px_pool *pool, const char *url, int toy,
                    char *err, size_t errlen) {
     char host[256];
     int port, https;
+    if (px_k8s_is_url(url)) return add_k8s(d, prev, pool, url, err, errlen);
     if (px_url_split(url, host, sizeof host, &port, &https) < 0) {
         snprintf(err, errlen, "malformed %s backend URL '%s'", pool->role, url);
         return -1;
@@ -172,13 +188,16 @@ static void on_startup_deadline(evutil_socket_t fd, short what, void *arg) {
     *(int *)arg = 1;
 }
 
+static px_discovery *wait_first(px_discovery *d, int wait);
+
 px_discovery *px_discovery_start(px_gen *g, const px_pool_spec *specs, px_gen *old,
-                                 double dns_refresh, struct event_base *base, int wait, char *err,
-                                 size_t errlen) {
+                                 double dns_refresh, const px_k8s_cfg *k8s, struct event_base *base,
+                                 int wait, char *err, size_t errlen) {
     px_discovery *d = px_xcalloc(1, sizeof *d);
     d->g = g;
     d->old = old;
     d->base = base;
+    d->k8s_cfg = k8s;
     for (size_t i = 0; i < g->nps; i++)
         if (add_role(d, i, &g->ps[i].prefill, &specs[i].prefill, &specs[i].prefill_toy, err,
                      errlen) < 0 ||
@@ -191,9 +210,11 @@ px_discovery *px_discovery_start(px_gen *g, const px_pool_spec *specs, px_gen *o
     /* The failure counter goes on across reloads (a Prometheus counter). */
     if (old && old->disc) atomic_init(&d->failures, px_discovery_failures(old->disc));
     d->old = NULL; /* only while the pools are filled */
+    d->k8s_cfg = NULL;
     for (size_t i = 0; i < d->n; i++)
         d->e[i].d = d;
-    if (!d->n) return d;
+    px_k8s_start(d->k8s);
+    if (!d->n) return wait_first(d, wait);
     /* resolv.conf's name servers, search list, ndots, timeout and attempts
      * (Kubernetes sets all of them). */
     d->dns = evdns_base_new(base, EVDNS_BASE_INITIALIZE_NAMESERVERS);
@@ -210,16 +231,25 @@ px_discovery *px_discovery_start(px_gen *g, const px_pool_spec *specs, px_gen *o
     struct timeval tv = {(time_t)r, (suseconds_t)((r - (double)(time_t)r) * 1e6)};
     event_add(d->timer, &tv);
     refresh(d);
-    /* Give the first answers a moment, so that the pools are filled when
-     * the listeners open; a silent server costs at most this second. */
-    if (!wait) return d;
+    return wait_first(d, wait);
+}
+
+/* Gives the first answers (DNS, Kubernetes lists) a moment, so that the
+ * pools are filled when the listeners open; a silent server costs at most
+ * this second. */
+static px_discovery *wait_first(px_discovery *d, int wait) {
+    if (!wait || (!d->inflight && !px_k8s_unlisted(d->k8s))) return d;
     int late = 0;
-    struct event *deadline = evtimer_new(base, on_startup_deadline, &late);
+    struct event *deadline = evtimer_new(d->base, on_startup_deadline, &late);
     struct timeval one = {1, 0};
     evtimer_add(deadline, &one);
-    for (int i = 0; i < 1000 && d->inflight && !late; i++)
-        event_base_loop(base, EVLOOP_ONCE);
+    for (int i = 0; i < 1000 && (d->inflight || px_k8s_unlisted(d->k8s)) && !late; i++)
+        event_base_loop(d->base, EVLOOP_ONCE);
     event_free(deadline);
+    if (px_k8s_unlisted(d->k8s))
+        PX_LOG(PX_LOG_WARN, "msg=\"Kubernetes endpoints not listed yet at start; their backends "
+                            "join when they are\" sources=%zu",
+               px_k8s_unlisted(d->k8s));
     for (size_t i = 0; i < d->n; i++)
         if (d->e[i].req)
             PX_LOG(PX_LOG_WARN,
@@ -231,6 +261,7 @@ px_discovery *px_discovery_start(px_gen *g, const px_pool_spec *specs, px_gen *o
 
 void px_discovery_retire(px_discovery *d) {
     if (!d) return;
+    px_k8s_retire(d->k8s);
     if (d->timer) event_free(d->timer);
     d->timer = NULL;
     for (size_t i = 0; i < d->n; i++)
@@ -248,6 +279,7 @@ int px_discovery_idle(const px_discovery *d) {
 
 void px_discovery_stop(px_discovery *d) {
     if (!d) return;
+    px_k8s_destroy(d->k8s);
     if (d->timer) event_free(d->timer);
     int cancelled = 0;
     for (size_t i = 0; i < d->n; i++)

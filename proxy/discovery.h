@@ -15,6 +15,7 @@
 #include <stdint.h>
 
 #include "base/util.h"
+#include "proxy/k8s.h"
 
 struct px_gen;
 struct px_pool_spec;
@@ -27,10 +28,13 @@ typedef struct px_discovery px_discovery;
  * made for a URL that stays are kept, with their health and counters.
  * wait: block up to a second for the first answers (at start, never from a
  * callback of `base`). NULL with err on a malformed URL or when the
- * resolver cannot be set up. */
+ * resolver cannot be set up. k8s:// URLs are followed through the
+ * Kubernetes API (k8s.h) with `k8s`'s settings; their backends, like a
+ * name's, are kept across a reload until the new generation's first list.
+ * wait also covers those first lists. */
 px_discovery *px_discovery_start(struct px_gen *g, const struct px_pool_spec *specs,
-                                 struct px_gen *old, double dns_refresh, struct event_base *base,
-                                 int wait, char *err, size_t errlen);
+                                 struct px_gen *old, double dns_refresh, const px_k8s_cfg *k8s,
+                                 struct event_base *base, int wait, char *err, size_t errlen);
 /* Stops refreshing and cancels what is in flight without running the loop
  * (callable from its callbacks); px_discovery_stop() frees it later, on a
  * later loop turn. */

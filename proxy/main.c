@@ -61,6 +61,15 @@ int main(int argc, char **argv) {
         px_config_cleanup(&cfg);
         return 2;
     }
+    if (cfg.check_config) {
+        /* What start-up would refuse, refused the same way; nothing bound. */
+        int rc = px_server_check(&cfg, err, sizeof err);
+        px_otlp_stop();
+        if (rc < 0) fprintf(stderr, "pdproxy: %s\n", err);
+        else printf("pdproxy: configuration OK\n");
+        px_config_cleanup(&cfg);
+        return rc < 0 ? 2 : 0;
+    }
     px_server *s = px_server_create(&cfg, err, sizeof err);
     if (!s) {
         /* Like a bad flag: what was asked cannot be served (the port is

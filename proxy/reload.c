@@ -160,7 +160,10 @@ static px_gen *build(px_reloader *rl, const px_config *cfg, const px_pool_spec *
                                                                          : cfg->dispatch);
         if (p->dispatch < 0) p->dispatch = PX_DISPATCH_SERIAL;
     }
-    g->disc = px_discovery_start(g, specs, old, cfg->dns_refresh, rl->base, wait, err, errlen);
+    /* Read at start only: the Kubernetes API and its credentials. */
+    const px_config *sc = rl->ctx->cfg;
+    px_k8s_cfg kc = {sc->k8s_api, sc->k8s_token_file, sc->k8s_ca_file, sc->kubeconfig};
+    g->disc = px_discovery_start(g, specs, old, cfg->dns_refresh, &kc, rl->base, wait, err, errlen);
     if (!g->disc) {
         px_gen_release(g);
         return NULL;
@@ -523,6 +526,13 @@ int px_reload_start(px_reloader *rl, char *err, size_t errlen) {
 static int apply(px_reloader *rl, int from_file, px_config *nc, const px_api_op *op, uint64_t t0,
                  char *err, size_t errlen);
 
+/* A reload of the file ended: counted for /metrics. */
+static int file_reload_done(px_reloader *rl, int rc) {
+    atomic_fetch_add(rc < 0 ? &rl->ctx->reloads_failed : &rl->ctx->reloads_ok, 1);
+    atomic_store(&rl->ctx->last_reload_failed, rc < 0);
+    return rc;
+}
+
 int px_reload(px_reloader *rl, int from_file, const px_api_op *op, char *err, size_t errlen) {
     uint64_t t0 = px_now_ns();
     px_config *nc = NULL;
@@ -538,8 +548,9 @@ int px_reload(px_reloader *rl, int from_file, const px_api_op *op, char *err, si
                (double)(px_now_ns() - t0) / 1e6);
         return 0;
     }
-    if (from_file && !(nc = load_file(rl, err, errlen))) return -1;
-    return apply(rl, from_file, nc, op, t0, err, errlen);
+    if (!from_file) return apply(rl, 0, NULL, op, t0, err, errlen);
+    if (!(nc = load_file(rl, err, errlen))) return file_reload_done(rl, -1);
+    return file_reload_done(rl, apply(rl, 1, nc, op, t0, err, errlen));
 }
 
 /* The rest of a reload, once the settings are read (nc, owned; NULL: the
@@ -738,6 +749,7 @@ static void on_parsed(evutil_socket_t fd, short what, void *arg) {
         log_changed(rl, nc);
         rc = apply(rl, 1, nc, NULL, as->t0, err, sizeof err);
     }
+    file_reload_done(rl, rc);
     double ms = (double)(px_now_ns() - as->t0) / 1e6;
     waiter **pw = &as->waiters;
     while (*pw) {

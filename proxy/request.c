@@ -837,6 +837,15 @@ static void headers_for(px_req *r, const px_http_head *h, int traced, const char
 
 /* Named pools: the body's model chooses the pool; an unknown one gets
  * OpenAI's 404 model_not_found. Returns -1 when r has ended. */
+/* Answers the client at once with a whole body (counted in the access
+ * line's bytes_out); the request then owns no connection. */
+static void reply_whole(px_req *r, int status, const char *ctype, const char *body, size_t n) {
+    if (!r->conn) return;
+    px_conn_reply(r->conn, status, ctype, r->id, NULL, body, n);
+    r->bytes_out += n;
+    r->conn = NULL;
+}
+
 static int choose_pool(px_req *r) {
     if (!r->g->named) return 0;
     px_json_member m;
@@ -863,8 +872,7 @@ static int choose_pool(px_req *r) {
     char q[600];
     PX_LOG(PX_LOG_INFO, "req=%s msg=\"unknown model\" model=%s status=404", r->lid,
            px_log_value(model, q, sizeof q));
-    if (r->conn) px_conn_reply(r->conn, 404, "application/json", r->id, NULL, b.data, b.len);
-    r->conn = NULL;
+    reply_whole(r, 404, "application/json", b.data, b.len);
     px_buf_cleanup(&b);
     req_finish(r, 404, "model_not_found", NULL, NULL);
     return -1;
@@ -1204,10 +1212,7 @@ static void prefill_done(void *arg, px_up_result rc, const char *errbuf, int con
          * (a configured prefill: the operator's engine). */
         PX_LOG(PX_LOG_INFO, "req=%s msg=\"prefill rejected the request\" prefill=%s status=%d",
                r->lid, r->pname, r->pstatus);
-        if (r->conn) {
-            px_conn_reply(r->conn, r->pstatus, r->pctype, r->id, NULL, r->presp.data, r->presp.len);
-            r->conn = NULL;
-        }
+        reply_whole(r, r->pstatus, r->pctype, r->presp.data, r->presp.len);
         req_finish(r, r->pstatus, "prefill_rejected", NULL, NULL);
         return;
     }
@@ -1439,10 +1444,7 @@ static void conc_prefill_done(void *arg, px_up_result rc, const char *errbuf, in
     conc_decode_stop(r);
     if (rc == PX_UP_OK && r->pstatus >= 400 && r->pstatus < 500 && !r->too_big) {
         /* The client's fault: its status and the engine's words, as serial. */
-        if (r->conn) {
-            px_conn_reply(r->conn, r->pstatus, r->pctype, r->id, NULL, r->presp.data, r->presp.len);
-            r->conn = NULL;
-        }
+        reply_whole(r, r->pstatus, r->pctype, r->presp.data, r->presp.len);
         req_finish(r, r->pstatus, "prefill_rejected", NULL, NULL);
         return;
     }

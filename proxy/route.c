@@ -374,6 +374,18 @@ size_t px_pool_remove_src(px_pool *p, const char *src) {
     return k;
 }
 
+size_t px_pool_set_drained_src(px_pool *p, const char *src, int on) {
+    size_t k = 0;
+    pthread_mutex_lock(&p->mu);
+    for (size_t i = 0; i < p->n; i++)
+        if (!strcmp(p->b[i]->src, src)) {
+            atomic_store(&p->b[i]->drained, on);
+            k++;
+        }
+    pthread_mutex_unlock(&p->mu);
+    return k;
+}
+
 struct px_adopt_index {
     px_backend **m;      /* references, sorted by src */
     unsigned char *took; /* took[i]: m[i]'s reference went to a pool */

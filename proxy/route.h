@@ -149,6 +149,9 @@ px_backend *px_pool_insert(px_pool *p, const char *url);
  * at most 16 (one URL's addresses), dropping their virtual nodes from the
  * ring in one pass. Requests holding one finish on it. Returns how many. */
 size_t px_pool_remove_src(px_pool *p, const char *src);
+/* Sets the drained flag of the members made for `src` (Kubernetes: a
+ * terminating endpoint). Returns how many. */
+size_t px_pool_set_drained_src(px_pool *p, const char *src, int on);
 
 /* A backend outside any pool (the sidecar's prefill named by a request),
  * with one reference for the caller. NULL when the URL is malformed. */

@@ -173,6 +173,18 @@ static void render_backends(px_buf *o, px_ctx *ctx) {
                   "requests (1 at start, one more per reload).\n"
                   "# TYPE pdproxy_config_generation gauge\npdproxy_config_generation %llu\n",
                   (unsigned long long)g->id);
+    px_buf_printf(o,
+                  "# HELP pdproxy_config_reloads_total Reloads of the --config file (SIGHUP, POST "
+                  "/admin/reload) by result; a failed one leaves the running configuration.\n"
+                  "# TYPE pdproxy_config_reloads_total counter\n"
+                  "pdproxy_config_reloads_total{result=\"ok\"} %llu\n"
+                  "pdproxy_config_reloads_total{result=\"failed\"} %llu\n"
+                  "# HELP pdproxy_config_last_reload_successful 0 when the last reload of the "
+                  "--config file failed, else 1.\n"
+                  "# TYPE pdproxy_config_last_reload_successful gauge\n"
+                  "pdproxy_config_last_reload_successful %d\n",
+                  ld(&ctx->reloads_ok), ld(&ctx->reloads_failed),
+                  !atomic_load(&ctx->last_reload_failed));
     for (size_t r = 0; r < np; r++) {
         for (size_t i = 0; i < n[r]; i++)
             px_backend_release(m[r][i]);

@@ -7,6 +7,7 @@
 #include <signal.h>
 #include <stdlib.h>
 #include <string.h>
+#include <netdb.h>
 #include <sys/eventfd.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -136,22 +137,50 @@ static void post_cmd(px_server *s, int cmd) {
 
 /* ---------- setup ---------- */
 
+/* Why the last OpenSSL call failed, as text: a missing or unreadable file
+ * is a system error, whose reason OpenSSL has no string for (it printed
+ * "(null)"). Empties the error queue. */
+static const char *ssl_why(char *buf, size_t n) {
+    /* The queue's first entry is the cause (open() failed, no PEM start
+     * line); the later ones are the layers above it. */
+    unsigned long e, sys = 0, last = 0;
+    while ((e = ERR_get_error()))
+        if (ERR_SYSTEM_ERROR(e)) {
+            if (!sys) sys = e;
+        } else if (!last) {
+            last = e;
+        }
+    const char *r = last ? ERR_reason_error_string(last) : NULL;
+    if (sys)
+        snprintf(buf, n, "%s", strerror(ERR_GET_REASON(sys)));
+    else if (r)
+        snprintf(buf, n, "%s", r);
+    else if (last)
+        ERR_error_string_n(last, buf, n);
+    else
+        snprintf(buf, n, "unknown error");
+    return buf;
+}
+
 static int setup_tls(px_server *s, char *err, size_t errlen) {
     const px_config *c = s->ctx.cfg;
     if (!c->tls_cert[0]) return 0;
+    char cert[4096], key[4096], why[256];
+    if (px_cred_path(c->tls_cert, "--tls-cert", cert, sizeof cert, err, errlen) < 0 ||
+        px_cred_path(c->tls_key, "--tls-key", key, sizeof key, err, errlen) < 0)
+        return -1;
     s->tls = SSL_CTX_new(TLS_server_method());
     if (!s->tls) goto fail;
     SSL_CTX_set_min_proto_version(s->tls, TLS1_2_VERSION);
     SSL_CTX_set_options(s->tls, SSL_OP_NO_RENEGOTIATION | SSL_OP_CIPHER_SERVER_PREFERENCE);
-    if (SSL_CTX_use_certificate_chain_file(s->tls, c->tls_cert) != 1) {
-        snprintf(err, errlen, "--tls-cert '%s': %s", c->tls_cert,
-                 ERR_reason_error_string(ERR_get_error()));
+    ERR_clear_error();
+    if (SSL_CTX_use_certificate_chain_file(s->tls, cert) != 1) {
+        snprintf(err, errlen, "--tls-cert '%s': %s", cert, ssl_why(why, sizeof why));
         return -1;
     }
-    if (SSL_CTX_use_PrivateKey_file(s->tls, c->tls_key, SSL_FILETYPE_PEM) != 1 ||
+    if (SSL_CTX_use_PrivateKey_file(s->tls, key, SSL_FILETYPE_PEM) != 1 ||
         SSL_CTX_check_private_key(s->tls) != 1) {
-        snprintf(err, errlen, "--tls-key '%s': %s", c->tls_key,
-                 ERR_reason_error_string(ERR_get_error()));
+        snprintf(err, errlen, "--tls-key '%s': %s", key, ssl_why(why, sizeof why));
         return -1;
     }
     return 0;
@@ -200,7 +229,46 @@ void px_server_set_args(px_server *s, int argc, char **argv, char **envp) {
     s->rl.envp = envp;
 }
 
+/* A host to listen on that does not resolve fails at px_listen; the check
+ * finds it first. */
+static int host_resolves(const char *host, const char *what, char *err, size_t errlen) {
+    struct addrinfo hints = {0}, *res = NULL;
+    hints.ai_socktype = SOCK_STREAM;
+    hints.ai_flags = AI_PASSIVE;
+    int rc = getaddrinfo(host, "0", &hints, &res);
+    if (res) freeaddrinfo(res);
+    if (rc) snprintf(err, errlen, "cannot listen on %s (%s): %s", host, what, gai_strerror(rc));
+    return rc ? -1 : 0;
+}
+
+/* --check-config: what create() does before its first listener opens, then
+ * the listeners' addresses and ports (tested by a bind closed at once). */
+static int check_listeners(const px_config *cfg, char *err, size_t errlen) {
+    const char *mhost = cfg->metrics_host[0] ? cfg->metrics_host : cfg->host;
+    if (host_resolves(cfg->host, "--host", err, errlen) < 0 ||
+        (cfg->metrics_port && host_resolves(mhost, "--metrics-host", err, errlen) < 0) ||
+        (cfg->admin_port && host_resolves(cfg->admin_host, "--admin-host", err, errlen) < 0))
+        return -1;
+    if (cfg->metrics_port &&
+        px_listen_port_free(mhost, (int)cfg->metrics_port, "--metrics-port", err, errlen) < 0)
+        return -1;
+    return px_admin_check(cfg, err, errlen);
+}
+
+static px_server *create(const px_config *cfg, int check, char *err, size_t errlen);
+
+int px_server_check(const px_config *cfg, char *err, size_t errlen) {
+    px_server *s = create(cfg, 1, err, errlen);
+    if (!s) return -1;
+    px_server_destroy(s);
+    return 0;
+}
+
 px_server *px_server_create(const px_config *cfg, char *err, size_t errlen) {
+    return create(cfg, 0, err, errlen);
+}
+
+static px_server *create(const px_config *cfg, int check, char *err, size_t errlen) {
     int shared_fd = -1; /* the workers' one socket without --reuse-port */
     px_server *s = px_xcalloc(1, sizeof *s);
     pthread_mutex_init(&s->live_mu, NULL);
@@ -225,6 +293,15 @@ px_server *px_server_create(const px_config *cfg, char *err, size_t errlen) {
     if (!cfg->reuse_port &&
         px_listen_port_free(cfg->host, (int)cfg->port, "--port", err, errlen) < 0)
         goto err;
+    if (check) {
+        /* The generation as start-up builds it (pools, backends that are
+         * this proxy, names resolved), then the listeners' settings. */
+        s->rl.ctx = &s->ctx;
+        s->rl.base = s->ctl_base;
+        if (px_reload_start(&s->rl, err, errlen) < 0 || check_listeners(cfg, err, errlen) < 0)
+            goto err;
+        return s;
+    }
     if (setup_metrics_listener(s, err, errlen) < 0) goto err;
     s->rl.ctx = &s->ctx;
     s->rl.base = s->ctl_base;

@@ -15,6 +15,11 @@ typedef struct px_server px_server;
 /* Binds the listeners, resolves the backends and builds the workers;
  * nothing runs yet. Returns NULL with a message in err on failure. */
 px_server *px_server_create(const px_config *cfg, char *err, size_t errlen);
+/* --check-config: everything px_server_create() checks and would refuse
+ * (files, keys, certificates, pools, backends that are this proxy, names,
+ * hosts and ports), with no listener opened and no thread started. 0, or
+ * -1 with err. */
+int px_server_check(const px_config *cfg, char *err, size_t errlen);
 /* Where reloads read the settings again: main's arguments (borrowed; they
  * must outlive the server). Without it reloads use cfg's file alone. */
 void px_server_set_args(px_server *s, int argc, char **argv, char **envp);

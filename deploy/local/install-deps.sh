@@ -12,6 +12,7 @@ PKGS=(
   strace   # tests/integration/test_proxy_budget.py counts system calls per request
   clang libclang-rt-dev
   python3-yaml   # deploy/check.sh parses the rendered Kubernetes manifests
+  mkdocs   # the documentation site (mkdocs.yml, docs/): CTest docs.site builds it with --strict
   libzmq3-dev libmsgpack-dev   # KV-cache events from the engines (ZeroMQ + msgpack)
   python3-zmq python3-msgpack   # tests/integration/test_sim_kvevents.py subscribes to them
   python3-torch python3-pip python3-setuptools   # the vLLM plugin's tests: real tensors as KV caches, pip install of the package

@@ -52,3 +52,20 @@ if(TARGET kvconnector_static)
            COMMAND ${PROJECT_SOURCE_DIR}/tests/gpu/run_gpu_tests.sh --standin ${CMAKE_BINARY_DIR})
   set_tests_properties(integration.kvc_gpu_standin PROPERTIES LABELS integration TIMEOUT 300)
 endif()
+
+# One libkvconnector for hosts with and without CUDA: the CUDA runtime is
+# loaded when the first CUDA region is registered (connector/cudart.c), never
+# linked.
+if(TARGET kvconnector)
+  add_executable(kvc_cudart_probe ${CMAKE_CURRENT_SOURCE_DIR}/integration/kvc_cudart_probe.c)
+  target_link_libraries(kvc_cudart_probe PRIVATE kvconnector)
+  if(PDPROXY_WITH_CUDA)
+    set(kvc_with_cuda 1)
+  else()
+    set(kvc_with_cuda 0)
+  endif()
+  add_test(NAME integration.kvc_cudart
+           COMMAND sh ${CMAKE_CURRENT_SOURCE_DIR}/integration/test_kvc_cudart.sh
+                   $<TARGET_FILE:kvconnector> $<TARGET_FILE:kvc_cudart_probe> ${kvc_with_cuda})
+  set_tests_properties(integration.kvc_cudart PROPERTIES LABELS "integration;deploy" TIMEOUT 60)
+endif()

@@ -19,3 +19,9 @@ set_tests_properties(integration.license PROPERTIES LABELS "integration;deploy")
 add_test(NAME integration.packages COMMAND sh ${CMAKE_CURRENT_SOURCE_DIR}/integration/test_packages.sh)
 set_tests_properties(integration.packages PROPERTIES LABELS "integration;deploy" TIMEOUT 300
                      SKIP_RETURN_CODE 77 ENVIRONMENT "${PX_TEST_ENV}" RUN_SERIAL TRUE)
+
+# The documentation site (mkdocs.yml, docs/): `mkdocs build --strict` and
+# every page in the nav.
+add_test(NAME docs.site COMMAND ${PYTHON3} ${CMAKE_CURRENT_SOURCE_DIR}/integration/test_docs_site.py)
+set_tests_properties(docs.site PROPERTIES LABELS "integration;docs;deploy" TIMEOUT 180
+                     ENVIRONMENT "${PX_TEST_ENV}")

@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 # pdproxy integration tests (Python 3 stdlib, real processes on 127.0.0.1).
 # Included from tests/CMakeLists.txt, so CMAKE_CURRENT_SOURCE_DIR is tests/.
-foreach(area cli flow errors stream conn http)
+foreach(area cli flow errors stream conn http check_config)
   px_py_test(proxy_${area} TIMEOUT 180)
 endforeach()
 

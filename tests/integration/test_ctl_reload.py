@@ -13,13 +13,39 @@ import unittest
 from pdharness.client import http_request
 from pdharness.ctl import pools_yaml, sighup, tmpdir, wait_generation, write_yaml
 from pdharness.mocks import completion_body, decode_handler, prefill_handler
-from pdharness.net import now
+from pdharness.net import now, wait_until
 from pdharness.prod import ProdCase
+from pdharness.prom import metric, prom
 
 RELOADS = 50
 CLIENTS = 4
 MAX_REQUESTS = 5000  # per client: bounds the loop whatever the machine's speed
 MAX_SECONDS = 120.0
+
+
+class ReloadMetricTest(ProdCase):
+    def test_a_failed_reload_is_counted(self):
+        """A reload that fails leaves the running configuration (logged);
+        pdproxy_config_reloads_total{result} and
+        pdproxy_config_last_reload_successful say so to Prometheus."""
+        P, D = self.mock(prefill_handler(), name="P"), self.mock(decode_handler(), name="D")
+        d = tmpdir(self)
+        f = os.path.join(d, "pdproxy.yaml")
+        write_yaml(f, pools_yaml([("m", ["m"], [P], [D])]))
+        px = self.start(args=["--config", f])
+
+        def reloads():
+            s = prom(px.port)
+            return (metric(s, "pdproxy_config_reloads_total", result="ok"),
+                    metric(s, "pdproxy_config_reloads_total", result="failed"),
+                    metric(s, "pdproxy_config_last_reload_successful"))
+        self.assertEqual(reloads(), (0, 0, 1))
+        write_yaml(f, "pools: [this is not: a pool\n")
+        sighup(px)
+        self.assertTrue(wait_until(lambda: reloads() == (0, 1, 0), 10), reloads())
+        write_yaml(f, pools_yaml([("m", ["m"], [P], [D])]))
+        sighup(px)
+        self.assertTrue(wait_until(lambda: reloads() == (1, 1, 1), 10), reloads())
 
 
 class ReloadUnderLoadTest(ProdCase):

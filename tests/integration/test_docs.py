@@ -1,11 +1,11 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The docs are true: README.md's flags table is generated from pdproxy's
+"""The docs are true: docs/flags.md's table is generated from pdproxy's
 config table (regenerate with `pdproxy --help-markdown`) and kept in step,
 --help is grouped and fits 80 columns, --version says what was built, no
-file cites a document outside the tree, and README's commands run: the
-engine-sim quick start (on free ports) with the chat request of "Using
-pdproxy", the pool example, the configuration file example and the error
-it documents."""
+file cites a document outside the tree, and the documented commands run:
+README's engine-sim quick start (on free ports) with its chat request, and
+docs/configuration.md's pool example, configuration file example and the
+error it documents.  (docs.site builds the site: links and nav.)"""
 import json
 import os
 import re
@@ -59,21 +59,21 @@ class DocsTest(unittest.TestCase):
         with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
             self.assertIn("docs/ARCHITECTURE.md", f.read())
 
-    def test_readme_flags_table_matches_the_binary(self):
+    def test_flags_table_matches_the_binary(self):
         out = subprocess.run([PDPROXY, "--help-markdown"], capture_output=True, text=True,
                              timeout=10)
         self.assertEqual(out.returncode, 0, out.stderr)
-        with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+        with open(os.path.join(ROOT, "docs", "flags.md"), encoding="utf-8") as f:
             readme = f.read()
         begin = readme.index("<!-- flags:begin")
         begin = readme.index("\n", begin) + 1
         end = readme.index("<!-- flags:end -->")
         self.assertEqual(readme[begin:end], out.stdout,
-                         "README.md's flags table is stale: paste `pdproxy --help-markdown`")
+                         "docs/flags.md's table is stale: paste `pdproxy --help-markdown`")
 
     def test_every_flag_in_help_is_documented(self):
         out = subprocess.run([PDPROXY, "--help"], capture_output=True, text=True, timeout=10)
-        with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+        with open(os.path.join(ROOT, "docs", "flags.md"), encoding="utf-8") as f:
             readme = f.read()
         for line in out.stdout.splitlines():
             if not line.startswith("  --"):
@@ -134,8 +134,9 @@ class DocsTest(unittest.TestCase):
         p = subprocess.run([PDPROXY, "--print-config"], capture_output=True, text=True,
                            timeout=10, env=env)
         self.assertEqual(p.returncode, 2, p.stdout)
-        with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
-            self.assertNotIn("`PDPROXY_POOL`", f.read())
+        for page in ("README.md", "docs/flags.md", "docs/configuration.md"):
+            with open(os.path.join(ROOT, page), encoding="utf-8") as f:
+                self.assertNotIn("`PDPROXY_POOL`", f.read(), page)
 
     def test_one_kustomize_minimum(self):
         found = set()
@@ -150,12 +151,12 @@ class DocsTest(unittest.TestCase):
 
     # --- README's commands, run ----------------------------------------------
 
-    def readme(self):
-        with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+    def readme(self, page="README.md"):
+        with open(os.path.join(ROOT, page), encoding="utf-8") as f:
             return f.read()
 
-    def block_after(self, heading, lang="sh", nth=0):
-        text = self.readme()
+    def block_after(self, heading, lang="sh", nth=0, page="README.md"):
+        text = self.readme(page)
         at = text.index(heading)
         blocks = re.findall(r"```%s\n(.*?)```" % lang, text[at:], re.S)
         return blocks[nth]
@@ -166,18 +167,19 @@ class DocsTest(unittest.TestCase):
                 if c.strip() and not c.lstrip().startswith("#")]
 
     def test_readme_quick_start_runs(self):
-        """## engine-sim's three commands (ports made free: the test runs
-        beside others), then the chat request of "Using pdproxy"."""
+        """README's three commands (ports made free: the test runs beside
+        others), then its chat request, as a newcomer follows them."""
         bindir = os.environ.get("PX_BIN_DIR") or os.path.dirname(PDPROXY)
-        cmds = self.commands(self.block_after("## engine-sim"))
+        heading = "## Try it with two engine-sims"
+        cmds = self.commands(self.block_after(heading, nth=1))
         self.assertEqual(len(cmds), 3, cmds)
         P, D, X = free_port(), free_port(), free_port()
         procs = []
         for c in cmds:
-            self.assertEqual(c[-1], "&" if c is not cmds[-1] else c[-1])
+            self.assertEqual(c[-1], "&")
             c = [a for a in c if a != "&"]
             c[0] = os.path.join(bindir, os.path.basename(c[0]))
-            c = [{"8100": str(P), "8200": str(D)}.get(a, a) for a in c]
+            c = [{"8100": str(P), "8200": str(D), "8192": str(X)}.get(a, a) for a in c]
             if c[0].endswith("pdproxy"):
                 # The README relies on the toy default ports 8100/8200.
                 c += ["--prefiller-ports", str(P), "--decoder-ports", str(D), "--port", str(X),
@@ -197,7 +199,7 @@ class DocsTest(unittest.TestCase):
             for port, path in ((P, "/health"), (D, "/health"), (X, "/ready")):
                 self.assertTrue(wait_until(lambda: ready(port, path), 15, 0.05),
                                 "README's quick start: :%d%s never answered 200" % (port, path))
-            curl = shlex.split(self.block_after("## Using pdproxy", nth=1).replace("\\\n", " "))
+            curl = shlex.split(self.block_after(heading, nth=2).replace("\\\n", " "))
             self.assertEqual(curl[0], "curl")
             url = curl[curl.index("-N") + 1].replace("8192", str(X))
             body = json.loads(curl[curl.index("-d") + 1])
@@ -218,13 +220,14 @@ class DocsTest(unittest.TestCase):
                     p.wait()
 
     def test_readme_pool_and_config_examples_parse(self):
-        pool = self.commands(self.block_after("### Model pools"))[0]
+        conf = "docs/configuration.md"
+        pool = self.commands(self.block_after("## Model pools", page=conf))[0]
         self.assertEqual(pool[0], "pdproxy")
         p = subprocess.run([PDPROXY] + pool[1:] + ["--print-config"], capture_output=True,
                            text=True, timeout=10)
         self.assertEqual(p.returncode, 0, p.stderr)
         self.assertIn("qwen", p.stdout)
-        yml = self.block_after("### Configuration file and reloads", lang="yaml")
+        yml = self.block_after("## Configuration file and reloads", lang="yaml", page=conf)
         with tempfile.TemporaryDirectory() as d:
             path = os.path.join(d, "pdproxy.yaml")
             with open(path, "w", encoding="utf-8") as f:
@@ -235,8 +238,8 @@ class DocsTest(unittest.TestCase):
             self.assertIn("least_inflight", p.stdout)
             # The error README quotes, with its file, line and key.
             m = re.search(r"`pdproxy: (\S+):(\d+): (key 'max-inflight': 'lots': [^`]*)`",
-                          self.readme())
-            self.assertIsNotNone(m, "README's config error example")
+                          self.readme(conf))
+            self.assertIsNotNone(m, "the config error example of " + conf)
             line = int(m.group(2))
             with open(path, "w", encoding="utf-8") as f:
                 f.write("\n".join(["# comment"] * (line - 1) + ["max-inflight: lots", ""]))

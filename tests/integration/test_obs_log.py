@@ -195,6 +195,9 @@ class AccessLogTest(LogTestBase):
             else:
                 self.assertNotEqual(rec["outcome"], "ok", rec)
         self.assertEqual(expect["rejected-1"][0], 400)
+        # A prefill 4xx relayed as it is: its body is what the client got.
+        self.assertEqual(num(self.one_line(recs, "rejected-1")["bytes_out"]),
+                         expect["rejected-1"][1], "bytes_out of a relayed prefill 4xx")
         self.assertEqual(expect["failed-1"][0], 502)
         self.assertEqual(len(self.access(px)), len(ids), "one access line per request")
 

@@ -69,9 +69,62 @@ for opt in DynamicUser=yes NoNewPrivileges=yes ProtectSystem=strict CapabilityBo
     'ExecReload=/bin/kill -HUP $MAINPID' 'ExecStart=/usr/bin/pdproxy --config /etc/pdproxy/pdproxy.yaml'; do
     grep -qxF -- "$opt" /lib/systemd/system/pdproxy.service || fail "pdproxy.service lacks $opt"
 done
+# Secrets under DynamicUser=yes: the unit hands /etc/pdproxy/credentials
+# (root's, 0700) to the service with LoadCredential=, and the packaged
+# config's api-key-file names the copy in $CREDENTIALS_DIRECTORY.  PID 1 is
+# not systemd here, so what systemd does at start is done by hand: the files
+# copied into a directory of the service's (unprivileged) user, pdproxy run
+# as that user with CREDENTIALS_DIRECTORY set.  The root-only file itself is
+# unreadable to that user (the restart loop the old unit fell into).
+grep -qxF 'LoadCredential=pdproxy:/etc/pdproxy/credentials' /lib/systemd/system/pdproxy.service ||
+    fail "pdproxy.service does not load /etc/pdproxy/credentials with LoadCredential="
+[ "$(stat -c '%a %U' /etc/pdproxy/credentials)" = "700 root" ] ||
+    fail "/etc/pdproxy/credentials is not root's, mode 0700: $(stat -c '%a %U' /etc/pdproxy/credentials)"
+keyline=$(grep -E '^# *api-key-file: ' /etc/pdproxy/pdproxy.yaml | sed 's/^# *//') ||
+    fail "the packaged config suggests no api-key-file"
+case "$keyline" in *'${CREDENTIALS_DIRECTORY}/pdproxy_api-keys') ;;
+    *) fail "the packaged config's api-key-file is not the credential: $keyline" ;; esac
+echo "pkgtest-key-0123456789abcdef" >/etc/pdproxy/credentials/api-keys
+chmod 0600 /etc/pdproxy/credentials/api-keys
+svc_uid=61873
+cred=$work/credentials
+rm -rf "$cred"; mkdir -p "$cred"
+for f in /etc/pdproxy/credentials/*; do cp "$f" "$cred/pdproxy_$(basename "$f")"; done
+chown -R "$svc_uid:$svc_uid" "$cred"; chmod 0500 "$cred"; chmod 0400 "$cred"/*
+sed "s|^# *api-key-file: .*|$keyline|" /etc/pdproxy/pdproxy.yaml >"$work/pdproxy-cred.yaml"
+chmod 0644 "$work/pdproxy-cred.yaml"; chmod o+x "$work"
+as_service() { setpriv --reuid="$svc_uid" --regid="$svc_uid" --clear-groups "$@"; }
+rc=0
+as_service /usr/bin/pdproxy --config /etc/pdproxy/pdproxy.yaml --api-key-file \
+    /etc/pdproxy/credentials/api-keys --check-config >/dev/null 2>"$work/direct.err" || rc=$?
+[ "$rc" = 2 ] && grep -q 'Permission denied' "$work/direct.err" ||
+    fail "the root-only key file read directly by the service's user: exit $rc, $(cat "$work/direct.err")"
+port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
+# setpriv itself in the background (not the shell function: $! would be a
+# subshell, and SIGTERM would miss pdproxy), without the lock's descriptor.
+setpriv --reuid="$svc_uid" --regid="$svc_uid" --clear-groups env CREDENTIALS_DIRECTORY="$cred" \
+    /usr/bin/pdproxy --config "$work/pdproxy-cred.yaml" --port "$port" --drain-delay 0 \
+    --health-interval 0 --threads 1 >"$work/cred.log" 2>&1 9>&- &
+pid=$!
+ok=0
+for _ in $(seq 1 100); do
+    if curl -sf -o /dev/null --max-time 1 "http://127.0.0.1:$port/health"; then ok=1; break; fi
+    kill -0 "$pid" 2>/dev/null || break
+    sleep 0.05
+done
+[ "$ok" = 1 ] || { cat "$work/cred.log" >&2; fail "pdproxy as the service's user with the credential did not start"; }
+code=$(curl -s -o /dev/null -w '%{http_code}' --max-time 5 "http://127.0.0.1:$port/v1/models")
+[ "$code" = 401 ] || fail "without the key /v1/models answered $code, not 401"
+code=$(curl -s -o /dev/null -w '%{http_code}' --max-time 5 -H 'Authorization: Bearer pkgtest-key-0123456789abcdef' \
+    "http://127.0.0.1:$port/v1/models")
+[ "$code" != 401 ] || fail "with the credential's key /v1/models still answered 401"
+kill -TERM "$pid"; wait "$pid" || true; pid=
+rm -f /etc/pdproxy/credentials/api-keys
+echo "credentials: LoadCredential=pdproxy:/etc/pdproxy/credentials; the service's user reads the key as \${CREDENTIALS_DIRECTORY}/pdproxy_api-keys (401 without it, $code with it)"
+
 port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
 /usr/bin/pdproxy --config /etc/pdproxy/pdproxy.yaml --port "$port" --drain-delay 0 \
-    --health-interval 0 --threads 1 >"$work/pdproxy.log" 2>&1 &
+    --health-interval 0 --threads 1 >"$work/pdproxy.log" 2>&1 9>&- &
 pid=$!
 ok=0
 for _ in $(seq 1 100); do

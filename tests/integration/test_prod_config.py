@@ -26,6 +26,10 @@ SAMPLES = {
     "prefill": ("http://p.example:81 https://q.example:8443", None),
     "decode": ("http://d.example:82", None),
     "dns-refresh": ("2.5", None),
+    "k8s-api": ("https://10.96.0.1:443", None),
+    "k8s-token-file": ("/run/k8s/token", None),
+    "k8s-ca-file": ("/run/k8s/ca.crt", None),
+    "kubeconfig": ("/home/u/.kube/config", None),
     "threads": ("3", None),
     "max-body-bytes": ("1000", None),
     "max-inflight": ("7", None),
@@ -140,7 +144,7 @@ def help_flags():
     # Flags open their line with two spaces; wrapped descriptions are indented
     # further and may start with a flag they mention.
     return sorted(set(re.findall(r"^  --([a-z][a-z0-9-]*)", p.stdout, re.M)) -
-                  {"help", "help-markdown", "version", "print-config"})
+                  {"help", "help-markdown", "version", "print-config", "check-config"})
 
 
 class PrintConfigTest(ProdCase):
