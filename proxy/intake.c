@@ -14,6 +14,15 @@
 #include "proxy/tokenize.h"
 #include "proxy/trace.h"
 
+void px_intake_announce(void) {
+    /* vLLM took kv_transfer_params on ResponsesRequest and returns them in
+     * ResponsesResponse since PR #37424; the token-in generate endpoint
+     * (GenerateRequest/GenerateResponse) always has. */
+    PX_LOG(PX_LOG_INFO, "msg=\"/v1/responses, /v1/messages and /inference/v1/generate are "
+                        "disaggregated like chat: vLLM accepts kv_transfer_params there\" "
+                        "decision=disaggregated");
+}
+
 void px_intake_init(px_intake *in, px_ctx *ctx, px_gen *g, px_endpoint ep, const px_buf *body) {
     memset(in, 0, sizeof *in);
     in->ctx = ctx;

@@ -45,6 +45,10 @@ typedef struct px_verdict {
     px_buf body;       /* owned: an answer of its own (404 model_not_found), JSON */
 } px_verdict;
 
+/* Logs at start-up how the endpoints whose P/D support depends on the
+ * engine are served. */
+void px_intake_announce(void);
+
 void px_intake_init(px_intake *in, px_ctx *ctx, px_gen *g, px_endpoint ep, const px_buf *body);
 void px_intake_cleanup(px_intake *in);
 void px_verdict_cleanup(px_verdict *v);

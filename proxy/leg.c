@@ -14,6 +14,10 @@
 
 enum { TIMER_NONE = 0, TIMER_RETRY, TIMER_GRACE, TIMER_IDLE };
 
+/* Largest prefill answer kept; a prefill answers one token, so anything near
+ * this is a broken engine, not a big request. */
+#define PREFILL_MAX_ANSWER (8 * 1024 * 1024)
+
 static const px_upstream_cbs leg_up_cbs;
 static void on_timer(evutil_socket_t fd, short what, void *arg);
 
@@ -30,6 +34,8 @@ void px_leg_init(px_leg *l, px_leg_role role, px_wctx *w, const px_leg_cbs *cbs,
     px_buf_init(&l->body);
     px_buf_init(&l->resp);
     if (role != PX_LEG_TOKENIZE) px_trace_span_new(l->span);
+    if (role == PX_LEG_PREFILL) l->max_resp = PREFILL_MAX_ANSWER;
+    if (role == PX_LEG_DECODE) l->idle_s = w->ctx->cfg->decode_idle_timeout;
 }
 
 void px_leg_cleanup(px_leg *l) {
@@ -155,6 +161,11 @@ int px_leg_send(px_leg *l, const char *method, const char *path, const px_buf *b
     return l->up ? 0 : -1;
 }
 
+void px_leg_answered(px_leg *l, uint64_t t0) {
+    l->t_end = px_now_ns();
+    px_hist_observe(&l->w->metrics.prefill, (double)(l->t_end - t0) / 1e9);
+}
+
 void px_leg_uncharge(px_leg *l) {
     px_backend_charge(l->b, -l->charge);
     l->charge = 0;
@@ -194,6 +205,7 @@ static void up_headers(void *arg, int status, const char *ctype) {
     px_leg *l = arg;
     l->status = status;
     snprintf(l->ctype, sizeof l->ctype, "%s", ctype ? ctype : "application/json");
+    px_leg_touch(l);
     if (l->cbs->head) l->cbs->head(l->owner, status, ctype);
 }
 
@@ -208,6 +220,7 @@ int px_leg_keep(px_leg *l, const char *p, size_t n) {
 
 static int up_data(void *arg, const char *p, size_t n) {
     px_leg *l = arg;
+    px_leg_touch(l);
     return l->cbs->data ? l->cbs->data(l->owner, p, n) : px_leg_keep(l, p, n);
 }
 

@@ -83,7 +83,9 @@ typedef struct px_leg {
 } px_leg;
 
 /* Sets up a leg of `role` for worker w, reporting to owner; lid: the
- * request's id for log lines (borrowed). */
+ * request's id for log lines (borrowed). Its span id is drawn; a prefill
+ * keeps answers of up to 8 MiB, a decode goes idle after
+ * --decode-idle-timeout. */
 void px_leg_init(px_leg *l, px_leg_role role, px_wctx *w, const px_leg_cbs *cbs, void *owner,
                  const char *lid);
 /* Stops everything (px_leg_stop as cancelled) and frees what it owns. */
@@ -117,6 +119,10 @@ int px_leg_send(px_leg *l, const char *method, const char *path, const px_buf *b
 /* Keeps p[0..n) of the answer in l->resp; -1 (too_big set) past max_resp. */
 int px_leg_keep(px_leg *l, const char *p, size_t n);
 
+/* The prefill leg's answer ended it: t_end, and the prefill histogram's
+ * observation since the request's start t0. */
+void px_leg_answered(px_leg *l, uint64_t t0);
+
 /* Takes back the kv_aware charge on the backend held, which stays held. */
 void px_leg_uncharge(px_leg *l);
 /* The one hand-back of the attempt's backend: its kv_aware charge taken
@@ -145,7 +151,8 @@ void px_leg_backoff(px_leg *l);
 /* Arms a grace of `us` microseconds; cbs->grace then. */
 void px_leg_grace(px_leg *l, long us);
 /* Notes a byte (or the start): no byte for idle_s ends the attempt
- * (cbs->idle). Armed once; a byte only notes the time. */
+ * (cbs->idle). Armed once; a byte only notes the time. The leg notes each
+ * answer head and delivery itself. */
 void px_leg_touch(px_leg *l);
 
 /* The client's status and message (cap bytes) for a failed answer: an

@@ -95,8 +95,16 @@ void px_reqlog_answer(px_reqlog *lg, px_metrics *m, px_leg *dec, const char *cty
 
 /* The one access-line writer: what the request does not know yet (no
  * backend, no answer, no decision) is left out of the line. */
-static void write_access(const px_reqlog *lg, const px_reqlog_end *e, uint64_t now) {
-    const px_leg *pre = e->pre, *dec = e->dec;
+/* What the end adds to the record. */
+typedef struct end {
+    int status;
+    px_req_outcome outcome;
+    const char *state;  /* the request's state when it ended */
+    const px_buf *body; /* the body last held, for the model's name */
+} end;
+
+static void write_access(const px_reqlog *lg, const end *e, uint64_t now) {
+    const px_leg *pre = lg->pre, *dec = lg->dec;
     px_access a = {.req = lg->lid,
                    .client = lg->client,
                    .method = lg->method,
@@ -123,16 +131,16 @@ static void write_access(const px_reqlog *lg, const px_reqlog_end *e, uint64_t n
                        lg->disp >= 0 ? px_dispatch_kind_mode((px_dispatch_kind)lg->disp) : NULL,
                    .kv_waited = lg->kv_waited,
                    .kv_wait_ms = lg->kv_wait_ms,
-                   .estimated = e->dis && e->dis->estimated,
-                   .prompt_tokens_est = e->dis ? e->dis->tokens : 0,
-                   .uncached_tokens_est = e->dis ? e->dis->uncached : 0,
-                   .queued = e->adm && e->adm->t_enq != 0,
-                   .queue_ms = e->adm ? (double)e->adm->wait_ns / 1e6 : 0};
+                   .estimated = lg->dis && lg->dis->estimated,
+                   .prompt_tokens_est = lg->dis ? lg->dis->tokens : 0,
+                   .uncached_tokens_est = lg->dis ? lg->dis->uncached : 0,
+                   .queued = lg->adm && lg->adm->t_enq != 0,
+                   .queue_ms = lg->adm ? (double)lg->adm->wait_ns / 1e6 : 0};
     px_access_write(&a);
 }
 
 /* The request's spans for trace export (otlp.h). */
-static void submit_spans(const px_reqlog *lg, const px_reqlog_end *e, uint64_t now) {
+static void submit_spans(const px_reqlog *lg, const end *e, uint64_t now) {
     /* url.path: the client's path without its query (passed-through
      * requests), else the endpoint's; the model for the GenAI attributes. */
     px_endpoint ep = lg->ep;
@@ -146,7 +154,7 @@ static void submit_spans(const px_reqlog *lg, const px_reqlog_end *e, uint64_t n
     const px_buf *body = e->body;
     int has_model = op && body && body->data && px_json_find(body->data, body->len, "model", &mm) &&
                     mm.type == PX_JSON_STRING && mm.val_len >= 2;
-    const px_leg *pre = e->pre, *dec = e->dec;
+    const px_leg *pre = lg->pre, *dec = lg->dec;
     px_otlp_req q = {.trace_id = lg->trace_id,
                      .flags = lg->trace_flags,
                      .parent_span = lg->parent_span[0] ? lg->parent_span : NULL,
@@ -169,12 +177,12 @@ static void submit_spans(const px_reqlog *lg, const px_reqlog_end *e, uint64_t n
                      .decode_status = dec->status,
                      .decode_attempts = (int)dec->ntried,
                      .streamed = lg->streamed,
-                     .queued = e->adm->t_enq != 0,
-                     .queue_wait_ns = e->adm->wait_ns,
+                     .queued = lg->adm->t_enq != 0,
+                     .queue_wait_ns = lg->adm->wait_ns,
                      .t_decode_start = dec->t_start,
                      .presp = pre->resp.data,
                      .presp_len = pre->resp.len,
-                     .scheme = e->https ? "https" : "http",
+                     .scheme = lg->https ? "https" : "http",
                      .path = path,
                      .path_len = plen,
                      .templated = ep_path != NULL && ep != PX_EP_PASSTHROUGH,
@@ -186,8 +194,19 @@ static void submit_spans(const px_reqlog *lg, const px_reqlog_end *e, uint64_t n
     px_otlp_submit(&q);
 }
 
-void px_reqlog_finish(const px_reqlog *lg, px_metrics *m, const px_reqlog_end *e) {
+void px_reqlog_sources(px_reqlog *lg, const px_leg *pre, const px_leg *dec, const px_disagg *dis,
+                       const px_adm_req *adm, const px_config *cfg) {
+    lg->pre = pre;
+    lg->dec = dec;
+    lg->dis = dis;
+    lg->adm = adm;
+    lg->https = cfg->tls_cert && cfg->tls_cert[0];
+}
+
+void px_reqlog_finish(const px_reqlog *lg, px_metrics *m, int status, px_req_outcome outcome,
+                      const char *state, const px_buf *body) {
     uint64_t now = px_now_ns();
+    const end *e = &(end){status, outcome, state, body};
     px_metrics_count(m, lg->ep, e->status);
     px_hist_observe(&m->duration, secs(lg->t0, now));
     if (lg->t_first) px_hist_observe(&m->ttfb[lg->streamed], secs(lg->t0, lg->t_first));
@@ -213,6 +232,6 @@ void px_reqlog_refuse(px_conn *c, const px_http_head *h, const char *endpoint, i
     px_log_value(m, v.method, sizeof v.method);
     px_conn_peer(c, v.client, sizeof v.client);
     v.bytes_out = px_conn_reply_error(c, status, id, extra, msg);
-    px_reqlog_end e = {.status = status, .outcome = PX_RO_REFUSED};
+    end e = {.status = status, .outcome = PX_RO_REFUSED};
     write_access(&v, &e, px_now_ns());
 }

@@ -56,6 +56,11 @@ typedef struct px_reqlog {
     int disp;      /* px_dispatch_kind (dispatch.h); -1: no prefill leg */
     int kv_waited; /* decode sent X-KV-Wait-Ms: */
     double kv_wait_ms;
+    /* What the end reads (px_reqlog_sources); NULL: nothing of it. */
+    const px_leg *pre, *dec; /* borrowed: prefill's and decode's legs */
+    const px_disagg *dis;    /* borrowed: conditional disaggregation's estimate */
+    const px_adm_req *adm;   /* borrowed: its time in the admission queue */
+    int https;               /* the client came over TLS */
 } px_reqlog;
 
 /* Starts the record of a request to `ep` on connection c with head h: its
@@ -69,21 +74,17 @@ void px_reqlog_start(px_reqlog *lg, px_conn *c, px_endpoint ep, const px_http_he
  * (X-KV-Wait-Ms, observed in m). From inside the leg's head callback. */
 void px_reqlog_answer(px_reqlog *lg, px_metrics *m, px_leg *dec, const char *ctype);
 
-/* What the end adds to the record. */
-typedef struct px_reqlog_end {
-    int status;
-    px_req_outcome outcome;
-    const char *state;     /* the request's state when it ended */
-    const px_leg *pre;     /* prefill's leg */
-    const px_leg *dec;     /* decode's leg */
-    const px_disagg *dis;  /* conditional disaggregation's estimate */
-    const px_adm_req *adm; /* its time in the admission queue */
-    const px_buf *body;    /* the body last held, for the model's name */
-    int https;             /* the client came over TLS */
-} px_reqlog_end;
+/* Where the end reads the request's legs, estimate and queue time, all
+ * borrowed until px_reqlog_finish; cfg says whether clients come over
+ * TLS. */
+void px_reqlog_sources(px_reqlog *lg, const px_leg *pre, const px_leg *dec, const px_disagg *dis,
+                       const px_adm_req *adm, const px_config *cfg);
 
-/* Once per request: the request metrics, the access line, the spans. */
-void px_reqlog_finish(const px_reqlog *lg, px_metrics *m, const px_reqlog_end *e);
+/* Once per request: the request metrics, the access line, the spans,
+ * with its status, outcome, the state it ended in and the body it held
+ * last (the model's name). */
+void px_reqlog_finish(const px_reqlog *lg, px_metrics *m, int status, px_req_outcome outcome,
+                      const char *state, const px_buf *body);
 
 /* Whether spans are exported (otlp.h): prefill's answer is kept for them. */
 int px_reqlog_traced(void);

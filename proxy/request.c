@@ -15,17 +15,11 @@
 #include "proxy/handoff.h"
 #include "proxy/intake.h"
 #include "proxy/leg.h"
+#include "proxy/release.h"
 #include "proxy/reply.h"
 #include "proxy/reqlog.h"
 
-/* Largest prefill answer kept; a prefill answers one token, so anything near
- * this is a broken engine, not a big request. */
-#define PREFILL_MAX_ANSWER (8 * 1024 * 1024)
-/* How long a prefill whose client left gets to answer before it is cut:
- * one that has not started answering has probably not published blocks
- * yet; one that has is let finish (so decode can release its blocks), but
- * not for longer than this, so a prefill stalled mid-answer is cut too. */
-#define PREFILL_GRACE_US 50000
+/* How long a concurrent prefill leg is let answer after decode did. */
 #define PREFILL_ANSWER_GRACE_US 2000000
 
 /* ---------- the states and their transitions ---------- */
@@ -85,6 +79,7 @@ struct px_req {
     px_leg pre;           /* the prefill leg */
     px_leg dec;           /* the decode leg */
     px_reply reply;       /* its one answer to the client (reply.h) */
+    px_release rel;       /* what lets prefill's blocks go when the client left (release.h) */
     px_disagg dis;        /* its hash owned: conditional disaggregation's estimate */
     int disagg;           /* decode's body carries prefill's kv_transfer_params */
     px_adm_req adm;       /* admission control: its queue entry, pool slot, tenant */
@@ -93,29 +88,8 @@ struct px_req {
     struct event free_ev; /* frees the request on the loop turn after it finished */
 };
 
-/* The flow, top-down: each section below calls into later ones. */
-static void route_pd(px_req *r);
-static void start_prefill(void *arg);
-static int send_prefill(px_req *r);
-static void proceed_to_decode(px_req *r);
-static px_kvp_status decode_body(px_req *r, char *err, size_t errlen);
-static void decode_only(px_req *r);
-static void fall_back(px_req *r, px_fallback why);
-static void start_decode(void *arg);
-static int send_decode(px_req *r);
-static void release_prefill(px_req *r);
-static void release_decode(px_req *r);
-static void start_release(px_req *r);
-static void released_via_decode(px_req *r);
-static void req_fail(px_req *r, int status, const char *extra, const char *fmt, ...)
-    __attribute__((format(printf, 4, 5)));
-static void req_abandon(void *arg);
-static void req_finish(px_req *r, int status, px_req_outcome outcome, const char *extra,
-                       const char *msg);
-static void req_free(px_req *r);
-static const px_exchange_cbs client_cbs;
-static const px_leg_cbs tokenize_cbs, prefill_cbs, conc_prefill_cbs, release_prefill_cbs;
-static const px_leg_cbs decode_cbs, release_cbs;
+/* Bottom-up: each section uses those above it; the legs' callback tables
+ * stand after the transitions they lead to. */
 
 /* The one place a request changes state. */
 static void set_state(px_req *r, req_state st) {
@@ -127,6 +101,13 @@ static void set_state(px_req *r, req_state st) {
     r->state = st;
 }
 
+/* The request goes to decode alone after all, for `why`. */
+static void note_fallback(px_req *r, px_fallback why) {
+    r->log.fell_back = 1;
+    r->log.fallback = why;
+    px_m_inc(&r->w->metrics.fallbacks[why]);
+}
+
 /* Brings the memory budget's count of this request's bodies up to date. */
 static void account(px_req *r) {
     int64_t now = (int64_t)(r->body.len + r->pre.body.len + r->dec.body.len + r->pre.resp.len +
@@ -135,138 +116,81 @@ static void account(px_req *r) {
     r->held = now;
 }
 
+/* ---------- DONE: the one exit ---------- */
+
+/* Releases all r owns; r has finished (req_finish), so nothing calls back. */
+static void req_free(px_req *r) {
+    PX_LIST_UNLINK(r->w->reqs, r);
+    r->w->nreqs--;
+    if (event_initialized(&r->free_ev)) event_del(&r->free_ev);
+    px_leg_cleanup(&r->tok);
+    px_leg_cleanup(&r->pre);
+    px_leg_cleanup(&r->dec);
+    px_intake_cleanup(&r->in);
+    px_gen_release(r->g);
+    px_budget_add(&r->ctx->shared, -r->held);
+    px_buf_cleanup(&r->body);
+    px_reply_cleanup(&r->reply);
+    free(r->target);
+    free(r->dis.hash);
+    free(r);
+}
+
+static void on_free(evutil_socket_t fd, short what, void *arg) {
+    req_free(arg);
+}
+
+/* The one exit (pgbouncer's disconnect_client). With `msg`, the failure is
+ * logged and, when the client has been sent nothing yet, answered in
+ * OpenAI error JSON (`extra`: more header lines, or NULL); a client still
+ * attached otherwise has its stream cut (callers that answered themselves
+ * let the client go first). Then the metrics, the access line (with the
+ * state it ended in) and the spans, once; then everything that could call
+ * back is let go (the legs stopped, their backends handed back), and r is
+ * freed on the next loop turn: the caller may be inside one of r's
+ * callbacks. */
+static void req_finish(px_req *r, int status, px_req_outcome outcome, const char *extra,
+                       const char *msg) {
+    if (r->state == RS_DONE) return;
+    if (msg) {
+        char qmsg[1100];
+        PX_LOG(status >= 500 ? PX_LOG_WARN : PX_LOG_INFO, "req=%s msg=%s status=%d state=%s",
+               r->log.lid, px_log_value(msg, qmsg, sizeof qmsg), status, states[r->state].name);
+    }
+    px_reply_fail(&r->reply, status, extra, msg);
+    px_reqlog_finish(&r->log, &r->w->metrics, status, outcome, states[r->state].name,
+                     r->body.len ? &r->body : &r->dec.body);
+    set_state(r, RS_DONE);
+    px_leg_stop(&r->tok, PX_OUT_CANCELLED);
+    px_leg_stop(&r->pre, PX_OUT_CANCELLED);
+    px_leg_stop(&r->dec, PX_OUT_CANCELLED);
+    if (r->counted) atomic_fetch_sub(&r->ctx->inflight, 1);
+    r->counted = 0;
+    px_adm_leave(r->w, &r->adm);
+    event_assign(&r->free_ev, r->w->base, -1, 0, on_free, r);
+    event_active(&r->free_ev, EV_TIMEOUT, 0);
+}
+
+/* Ends a request that failed: logs the message and answers it (req_finish). */
+static void req_fail(px_req *r, int status, const char *extra, const char *fmt, ...) {
+    char msg[512];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof msg, fmt, ap);
+    va_end(ap);
+    req_finish(r, status, r->state == RS_STREAM ? PX_RO_STREAM_FAILED : PX_RO_ERROR, extra, msg);
+}
+
+/* Every path on which the client is gone and nothing is left to do for it. */
+static void req_abandon(void *arg) {
+    req_finish(arg, 499, PX_RO_CLIENT_DISCONNECTED, NULL, NULL);
+}
+
 /* Fails r with what its leg l says of a failed answer (leg.h). */
 static void leg_fail(px_req *r, const px_leg *l, px_up_result rc, const char *why) {
     char msg[512];
     int status = px_leg_error(l, rc, why, msg, sizeof msg);
     req_fail(r, status, NULL, "%s", msg);
-}
-
-/* ---------- INTAKE: the request arrives ---------- */
-
-void px_req_announce(void) {
-    /* vLLM took kv_transfer_params on ResponsesRequest and returns them in
-     * ResponsesResponse since PR #37424; the token-in generate endpoint
-     * (GenerateRequest/GenerateResponse) always has. */
-    PX_LOG(PX_LOG_INFO, "msg=\"/v1/responses, /v1/messages and /inference/v1/generate are "
-                        "disaggregated like chat: vLLM accepts kv_transfer_params there\" "
-                        "decision=disaggregated");
-}
-
-/* A request for `ep` on worker w, owning the client's body (moved out of
- * `body`), with its record, its legs and their header lines. */
-static px_req *req_new(px_wctx *w, px_conn *c, px_endpoint ep, const px_http_head *h,
-                       px_buf *body) {
-    px_req *r = px_xcalloc(1, sizeof *r);
-    r->w = w;
-    PX_LIST_PUSH(w->reqs, r);
-    w->nreqs++;
-    r->ctx = w->ctx;
-    r->g = px_ctx_gen(r->ctx);
-    r->ep = ep;
-    r->state = RS_INTAKE;
-    r->body = *body;
-    px_buf_init(body);
-    px_intake_init(&r->in, r->ctx, r->g, ep, &r->body);
-    px_leg_init(&r->tok, PX_LEG_TOKENIZE, w, &tokenize_cbs, r, r->log.lid);
-    px_leg_init(&r->pre, PX_LEG_PREFILL, w, &prefill_cbs, r, r->log.lid);
-    px_leg_init(&r->dec, PX_LEG_DECODE, w, &decode_cbs, r, r->log.lid);
-    r->pre.max_resp = PREFILL_MAX_ANSWER;
-    r->pre.pool = &r->in.ps->prefill;
-    r->dec.pool = &r->in.ps->decode;
-    r->dec.idle_s = r->ctx->cfg->decode_idle_timeout;
-    px_reqlog_start(&r->log, c, ep, h, &r->target);
-    px_reply_init(&r->reply, c, r->ctx, &r->adm, r->log.id, &r->log.bytes_out);
-    const px_reqlog *lg = &r->log;
-    /* Only the P/D endpoints ever reach a prefill. */
-    if (!px_endpoint_passthrough(ep) && ep != PX_EP_MODELS)
-        px_intake_headers(r->ctx, ep, h, lg->id, lg->trace_id, lg->trace_flags, lg->traced,
-                          r->pre.span, &r->pre.hdrs);
-    px_intake_headers(r->ctx, ep, h, lg->id, lg->trace_id, lg->trace_flags, lg->traced, r->dec.span,
-                      &r->dec.hdrs);
-    return r;
-}
-
-/* The client's bytes to a decode, with the keys the proxy owns taken out of
- * a JSON object body (kv_transfer_params: SECURITY.md). */
-static void start_passthrough(px_req *r) {
-    if (px_handoff_forwarded(&r->body) < 0) {
-        req_fail(r, 400, NULL, "request body is not valid JSON");
-        return;
-    }
-    r->dec.body = r->body;
-    px_buf_init(&r->body);
-    account(r);
-    start_decode(r);
-}
-
-/* Intake refused the request: its own answer (404 model_not_found) or an
- * OpenAI error. */
-static void refuse(px_req *r, px_verdict *v) {
-    if (!v->body.len) {
-        req_fail(r, v->status, v->extra, "%s", v->msg);
-        return;
-    }
-    px_reply_body(&r->reply, v->status, "application/json", v->body.data, v->body.len);
-    req_finish(r, v->status, PX_RO_MODEL_NOT_FOUND, NULL, NULL);
-}
-
-/* Admission control (admission.h): dispatched out of the queue. */
-static void pd_go(void *arg);
-
-static void adm_expire(void *arg) {
-    px_req *r = arg;
-    req_fail(r, 503, "Retry-After: 1\r\n",
-             "the request waited %.3f s in the admission queue for a saturated pool: its "
-             "deadline passed (--queue-timeout, x-queue-timeout)",
-             (double)r->adm.wait_ns / 1e9);
-}
-
-/* A P/D request: checked, counted in the memory budget, admitted. */
-static void start_pd(px_req *r, const px_http_head *h) {
-    px_verdict v = {0};
-    int rc = px_intake_pd(&r->in, h, r->log.lid, &v);
-    r->pre.pool = &r->in.ps->prefill;
-    r->dec.pool = &r->in.ps->decode;
-    if (rc == 0) account(r);
-    if (rc < 0 || px_intake_room(&r->in, &r->held, &v) < 0) {
-        refuse(r, &v);
-        px_verdict_cleanup(&v);
-        return;
-    }
-    /* The tenant's rate limits and the pool's saturation: on now, queued,
-     * or refused. */
-    int status = 0;
-    char extra[768], msg[300];
-    r->adm.it.owner = r;
-    r->adm.go = pd_go;
-    r->adm.expire = adm_expire;
-    px_adm_verdict av = px_adm_enter(r->w, &r->adm, r->in.ps, h, r->body.data, r->body.len, &status,
-                                     extra, sizeof extra, msg, sizeof msg);
-    if (av == PX_ADM_QUEUED) {
-        PX_LOG(PX_LOG_DEBUG, "req=%s msg=\"queued\" class=%d", r->log.lid, r->adm.it.cls);
-        set_state(r, RS_ADMIT);
-    } else if (av == PX_ADM_REFUSED) {
-        req_fail(r, status, extra, "%s", msg);
-    } else {
-        pd_go(r);
-    }
-}
-
-void px_req_start(px_wctx *w, px_conn *c, px_endpoint ep, const px_http_head *h, px_buf *body) {
-    px_req *r = req_new(w, c, ep, h, body);
-    px_verdict v = {0};
-    if (px_intake_admit(&r->in, h, &r->counted, &v) < 0) {
-        refuse(r, &v);
-        return;
-    }
-    px_conn_bind(c, &client_cbs, r);
-    if (ep == PX_EP_MODELS)
-        start_decode(r);
-    else if (px_endpoint_passthrough(ep))
-        start_passthrough(r);
-    else
-        start_pd(r, h);
 }
 
 /* ---------- ADMIT: back in the queue when an engine's is full ---------- */
@@ -284,369 +208,12 @@ static int requeue(px_req *r, void (*go)(void *)) {
     return 0;
 }
 
-/* ---------- TOKENIZE, and the decision: prefill, or decode alone ---------- */
-
-/* Admitted: the prompt's key and, when wanted, its exact tokens. */
-static void pd_go(void *arg) {
-    px_req *r = arg;
-    if (px_intake_tokens(&r->in, &r->tok, &r->pre.hdrs, px_intake_prompt(&r->in)))
-        set_state(r, RS_TOKENIZE);
-    else
-        route_pd(r);
-}
-
-static void tok_done(void *arg, px_up_result rc, const char *why, int connected) {
-    px_req *r = arg;
-    px_intake_tokens_done(&r->in, &r->tok, rc, why, r->log.lid);
-    if (r->state == RS_TOKENIZE) route_pd(r);
-}
-
-static void dispatch_concurrent(px_req *r);
-
-/* Routes a P/D request once its tokens are known (or are not to be). */
-static void route_pd(px_req *r) {
-    px_intake_token_key(&r->in);
-    r->log.decided = 1;
-    int disagg = px_intake_decide(&r->in, &r->dec, &r->dis);
-    r->log.decision = r->dis.decision;
-    px_m_inc(&r->w->metrics.decisions[r->log.decision]);
-    if (!disagg) {
-        if (r->log.decision == PX_DEC_NO_PREFILL) {
-            PX_LOG(PX_LOG_WARN,
-                   "req=%s msg=\"no healthy prefill: sending the request to decode alone\"",
-                   r->log.lid);
-            fall_back(r, PX_FB_NO_PREFILL);
-        } else {
-            decode_only(r);
-        }
-        return;
-    }
-    px_handoff_prefill(r->ep, &r->body, &r->pre.body);
-    account(r);
-    if (r->ctx->cfg->prefill_timeout > 0)
-        r->pre.deadline = px_now_ns() + (uint64_t)(r->ctx->cfg->prefill_timeout * 1e9);
-    if (r->in.ps->dispatch == PX_DISPATCH_CONCURRENT) {
-        dispatch_concurrent(r);
-        return;
-    }
-    r->log.disp = PX_DISP_SERIAL;
-    px_m_inc(&r->w->metrics.dispatch[PX_DISP_SERIAL]);
-    start_prefill(r);
-}
-
-/* ---------- PREFILL ---------- */
-
-/* Takes the prefill of the next attempt into r->pre. Returns -1 when there
- * is none: r went on to decode alone or ended. */
-static int pick_prefill(px_req *r) {
-    size_t n = 0;
-    if (r->in.hb) { /* sidecar: the prefill the header named */
-        px_leg_take(&r->pre, r->in.hb);
-    } else if (!r->in.no_prefill) {
-        px_pick k = {.key = r->in.key, .key_len = r->in.key_len};
-        px_leg_pick(&r->pre, px_intake_pick(&r->in, r->pre.pool, k), &n);
-    }
-    if (r->pre.b) return 0;
-    if (r->in.no_prefill) {
-        PX_LOG(PX_LOG_DEBUG, "req=%s msg=\"no x-prefiller-host-port: decode alone\"", r->log.lid);
-        decode_only(r);
-    } else if (r->ctx->cfg->fallback_decode_only) {
-        PX_LOG(PX_LOG_WARN,
-               "req=%s msg=\"no healthy prefill: sending the request to decode alone\" "
-               "prefill_backends=%zu",
-               r->log.lid, n);
-        fall_back(r, PX_FB_NO_PREFILL);
-    } else {
-        req_fail(r, 503, "Retry-After: 1\r\n", "no healthy prefill backend (%zu configured%s)", n,
-                 px_pool_unusable_why(r->pre.pool));
-    }
-    return -1;
-}
-
-/* A prefill attempt (the first, one after the backoff, or after the
- * admission queue again). */
-static void start_prefill(void *arg) {
-    if (pick_prefill(arg) == 0) send_prefill(arg);
-}
-
-/* Sends the prefill body to r->pre's backend. Returns -1 when r has ended. */
-static int send_prefill(px_req *r) {
-    set_state(r, RS_PREFILL);
-    int rc = px_leg_send(&r->pre, "POST", px_endpoints[r->ep].path, &r->pre.body, &r->pre.hdrs, 0);
-    if (rc == PX_LEG_PAST)
-        req_fail(r, 504, NULL, "prefill did not answer within --prefill-timeout %gs",
-                 r->ctx->cfg->prefill_timeout);
-    else if (rc < 0)
-        req_fail(r, 502, NULL, "prefill %s: cannot start the request", r->pre.name);
-    return rc < 0 ? -1 : 0;
-}
-
-static int prefill_data(void *arg, const char *p, size_t n) {
-    px_req *r = arg;
-    if (px_leg_keep(&r->pre, p, n) < 0) return -1;
-    account(r); /* held memory, counted as it arrives */
-    return 0;
-}
-
-/* A prefill attempt ended: its answer is counted, its backend handed back.
- * Returns how the attempt went. */
-static px_outcome prefill_ended(px_req *r, px_up_result rc) {
-    account(r); /* the prefill's answer */
-    /* A full engine queue is not a failure. */
-    px_outcome o = r->pre.busy ? PX_OUT_CLIENT_ERR : px_leg_outcome(&r->pre, rc);
-    px_leg_done(&r->pre, o);
-    return o;
-}
-
-/* Prefill's answer is in: it ended the prefill leg. */
-static void prefill_answered(px_req *r) {
-    r->pre.t_end = px_now_ns();
-    px_hist_observe(&r->w->metrics.prefill, (double)(r->pre.t_end - r->log.t0) / 1e9);
-}
-
-/* Prefill answered 4xx: the client's fault. Its status goes back with the
- * engine's words as they are (a configured prefill: the operator's
- * engine), or, from a prefill a sidecar's header named (`named`), the
- * status with the engine's message. */
-static void prefill_rejected(px_req *r, int named) {
-    px_leg *p = &r->pre;
-    if (named) {
-        char msg[512];
-        px_leg_rejection(p, msg, sizeof msg);
-        req_finish(r, p->status, PX_RO_PREFILL_REJECTED, NULL, msg);
-        return;
-    }
-    px_reply_body(&r->reply, p->status, p->ctype, p->resp.data, p->resp.len);
-    req_finish(r, p->status, PX_RO_PREFILL_REJECTED, NULL, NULL);
-}
-
-static void prefill_done(void *arg, px_up_result rc, const char *why, int connected) {
-    px_req *r = arg;
-    px_leg *p = &r->pre;
-    const px_config *cfg = r->ctx->cfg;
-    /* A full engine queue (admission.h) while the request may wait again:
-     * the backend backs off, not counted as failed, and the request goes
-     * back in the queue. Without a queue or time left, as before: a 503
-     * is retried elsewhere, a 429 passed on. */
-    p->busy = rc == PX_UP_OK && p->b && !r->in.hb && px_adm_can_requeue(&r->adm, p->status) &&
-              px_adm_engine_status(r->ctx, r->in.ps, p->b, p->status);
-    px_outcome o = prefill_ended(r, rc);
-    if (p->busy) {
-        p->busy = 0;
-        px_m_inc(&r->w->metrics.adm[PX_ADM_M_ENGINE_FULL]);
-        px_buf_reset(&p->resp);
-        p->status = 0;
-        if (p->ntried) p->ntried--; /* not a failed attempt */
-        if (requeue(r, start_prefill)) return;
-        req_fail(r, 503, "Retry-After: 1\r\n",
-                 "prefill %s's queue is full and the admission queue has no room", p->name);
-        return;
-    }
-    /* Refused, reset or 5xx: another prefill, after a jittered pause. */
-    if (px_leg_retry(p, o, cfg->prefill_retries, rc, why)) {
-        set_state(r, RS_RETRY_WAIT);
-        return;
-    }
-    prefill_answered(r);
-    /* Retries spent on a prefill that failed (5xx, refused, reset): with
-     * --fallback-decode-only decode computes the prefill itself. Never
-     * after a 4xx (the client's error, returned below as it is), nor after
-     * a timeout (the prefill may still be working). */
-    int failed_5xx = rc == PX_UP_OK && p->status >= 500 && p->status < 600;
-    int failed_conn = rc == PX_UP_CONNECT || rc == PX_UP_RESET;
-    if ((failed_5xx || failed_conn) && !p->too_big && cfg->fallback_decode_only) {
-        PX_LOG(PX_LOG_WARN,
-               "req=%s msg=\"prefill failed: sending the request to decode alone\" prefill=%s "
-               "status=%d error=\"%s\"",
-               r->log.lid, p->name, p->status, rc ? why : "");
-        px_buf_reset(&p->resp);
-        account(r);
-        fall_back(r, failed_5xx ? PX_FB_PREFILL_5XX : PX_FB_PREFILL_CONN);
-        return;
-    }
-    if (rc == PX_UP_OK && p->status >= 400 && p->status < 500) {
-        PX_LOG(PX_LOG_INFO, "req=%s msg=\"prefill rejected the request\" prefill=%s status=%d",
-               r->log.lid, p->name, p->status);
-        prefill_rejected(r, r->in.hb != NULL);
-        return;
-    }
-    if (rc != PX_UP_OK || p->status < 200 || p->status >= 300) {
-        leg_fail(r, p, rc, why);
-        return;
-    }
-    proceed_to_decode(r);
-}
-
-static void proceed_to_decode(px_req *r) {
-    char err[128];
-    if (decode_body(r, err, sizeof err) == PX_KVP_BAD_RESPONSE) {
-        req_fail(r, 502, NULL, "prefill %s returned an invalid answer: %s", r->pre.name, err);
-        return;
-    }
-    start_decode(r);
-}
-
-/* Builds decode's body from the client's and prefill's kv_transfer_params.
- * Returns what prefill's answer held; for PX_KVP_BAD_RESPONSE nothing is
- * built and err says why. */
-static px_kvp_status decode_body(px_req *r, char *err, size_t errlen) {
-    px_kvp_status ks = px_handoff_serial(
-        &r->w->metrics, r->log.lid, r->pre.name, &r->pre.resp, px_reqlog_traced(), &r->body,
-        &r->pre.body, r->in.ps->dispatch == PX_DISPATCH_CONCURRENT,
-        !strcmp(r->ctx->cfg->usage_from, "prefill"), &r->dec.body, r->reply.cached, err, errlen);
-    if (ks == PX_KVP_BAD_RESPONSE) return ks;
-    r->disagg = ks != PX_KVP_MISSING;
-    r->in.key = NULL; /* it pointed into the client's body */
-    account(r);
-    return ks;
-}
-
-/* Sends the client's request to decode alone (no kv_transfer_params:
- * decode computes the prefill itself). */
-static void decode_only(px_req *r) {
-    px_handoff_alone(&r->body, &r->dec.body);
-    r->disagg = 0;
-    account(r);
-    start_decode(r);
-}
-
-/* --fallback-decode-only: prefill could not serve the request. */
-static void fall_back(px_req *r, px_fallback why) {
-    r->log.fell_back = 1;
-    r->log.fallback = why;
-    px_m_inc(&r->w->metrics.fallbacks[why]);
-    decode_only(r);
-}
-
-/* ---------- concurrent dispatch: the prefill leg beside decode's ---------- */
-
-/* --dispatch concurrent (dispatch.h): prefill is told to publish under an
- * id and token minted here, decode is told where to register for them,
- * and both are sent now. Decode's leg goes on as any decode (its answer
- * streamed, its failed KV load retried); the prefill leg is only read for
- * its status and identity. A prefill whose identity is not known yet is
- * sent serial: its answer teaches it (decode_body). */
-static void dispatch_concurrent(px_req *r) {
-    if (pick_prefill(r) < 0) return;
-    char id[PX_DISPATCH_ID_LEN];
-    if (px_handoff_concurrent(r->pre.b->name, &r->body, &r->pre.body, &r->dec.body, id) < 0) {
-        r->log.disp = PX_DISP_NO_IDENTITY;
-        px_m_inc(&r->w->metrics.dispatch[PX_DISP_NO_IDENTITY]);
-        PX_LOG(PX_LOG_DEBUG,
-               "req=%s msg=\"prefill's identity not known yet: sent serial\" prefill=%s",
-               r->log.lid, r->pre.b->name);
-        send_prefill(r);
-        return;
-    }
-    r->log.disp = PX_DISP_CONCURRENT;
-    px_m_inc(&r->w->metrics.dispatch[PX_DISP_CONCURRENT]);
-    r->disagg = 1;
-    account(r);
-    PX_LOG(PX_LOG_DEBUG, "req=%s msg=\"concurrent dispatch\" prefill=%s remote_request_id=%s",
-           r->log.lid, r->pre.b->name, id);
-    r->pre.cbs = &conc_prefill_cbs;
-    if (send_prefill(r) < 0) return;
-    r->pre.beside = 1;
-    start_decode(r);
-}
-
-/* Decode answered in full while prefill's leg still runs (decode loaded
- * the KV as prefill published it, or computed the prompt itself). The
- * client has its answer; prefill is let answer, so that a publication
- * being made is not cut half-way (it would wait for expiry) and its
- * answer refreshes the identity, but not for longer than
- * PREFILL_ANSWER_GRACE_US. The access line is written at that end. */
-static void await_prefill(px_req *r) {
-    set_state(r, RS_AWAIT_PREFILL);
-    r->pre.beside = 0;
-    px_leg_grace(&r->pre, PREFILL_ANSWER_GRACE_US);
-}
-
-static void await_prefill_over(void *arg) {
-    px_req *r = arg;
-    req_finish(r, r->dec.status, PX_RO_OK, NULL, NULL);
-}
-
-/* The prefill leg ended. A good answer refreshes the identity cache. A
- * failure while decode still waits for the KV (no answer head from it
- * yet, so nothing reached the client) cancels decode's leg, then: a 4xx
- * goes to the client as prefill said it; --fallback-decode-only sends the
- * request to decode alone; else an OpenAI error. No other prefill is
- * tried: decode's params name this one. Once decode has answered, it had
- * its KV (or computed it): prefill's late failure changes nothing. */
-static void conc_prefill_done(void *arg, px_up_result rc, const char *why, int connected) {
-    px_req *r = arg;
-    px_leg *p = &r->pre;
-    prefill_ended(r, rc);
-    prefill_answered(r);
-    if (rc == PX_UP_OK && p->status >= 200 && p->status < 300 && !p->too_big) {
-        px_handoff_learn(p->name, &p->resp, !strcmp(r->ctx->cfg->usage_from, "prefill"),
-                         r->reply.cached);
-        if (!px_reqlog_traced()) px_buf_cleanup(&p->resp);
-        account(r);
-        if (r->state == RS_AWAIT_PREFILL) req_finish(r, r->dec.status, PX_RO_OK, NULL, NULL);
-        return;
-    }
-    if (r->state == RS_AWAIT_PREFILL) {
-        px_buf_reset(&p->resp);
-        req_finish(r, r->dec.status, PX_RO_OK, NULL, NULL);
-        return;
-    }
-    if (!p->beside || r->log.t_first) {
-        px_buf_reset(&p->resp);
-        account(r);
-        PX_LOG(PX_LOG_INFO,
-               "req=%s msg=\"prefill leg failed after decode answered: decode's answer stands\" "
-               "prefill=%s status=%d error=\"%s\"",
-               r->log.lid, p->name, p->status, rc ? why : "");
-        return;
-    }
-    PX_LOG(PX_LOG_WARN,
-           "req=%s msg=\"prefill failed while decode waited for its KV: decode's leg cancelled\" "
-           "prefill=%s decode=%s status=%d error=\"%s\"",
-           r->log.lid, p->name, r->dec.name, p->status, rc ? why : "");
-    px_leg_stop(&r->dec, PX_OUT_CANCELLED);
-    p->beside = 0;
-    if (rc == PX_UP_OK && p->status >= 400 && p->status < 500 && !p->too_big) {
-        prefill_rejected(r, 0); /* as serial */
-        return;
-    }
-    px_buf_reset(&p->resp);
-    account(r);
-    if (r->ctx->cfg->fallback_decode_only)
-        fall_back(r, PX_FB_CONC_PREFILL);
-    else
-        leg_fail(r, p, rc, why);
-}
-
 /* ---------- DECODE, HOLD, STREAM ---------- */
-
-/* The decode of the next attempt: the one conditional disaggregation chose
- * before prefill, else a pick. NULL when none can (*n: how many are
- * configured). */
-static px_backend *pick_decode(px_req *r, size_t *n) {
-    *n = 0;
-    if (r->dec.b) return r->dec.b;
-    return px_leg_pick(&r->dec, px_intake_pick(&r->in, r->dec.pool, (px_pick){0}), n);
-}
-
-/* Picks a decode and sends it the decode body (built by the caller) or,
- * for /v1/models, a GET. */
-static void start_decode(void *arg) {
-    px_req *r = arg;
-    size_t n;
-    if (!pick_decode(r, &n)) {
-        req_fail(r, 503, "Retry-After: 1\r\n", "no healthy decode backend (%zu configured%s)", n,
-                 px_pool_unusable_why(r->dec.pool));
-        return;
-    }
-    set_state(r, RS_DECODE);
-    send_decode(r);
-}
 
 /* Sends the decode request to r->dec's backend. Returns -1 when it could
  * not start (r has ended). */
-static int send_decode(px_req *r) {
+static int send_decode(void *arg) {
+    px_req *r = arg;
     /* This decode will hold the prompt's prefix in its cache. */
     if (r->dis.hash && r->w->pindex)
         px_pindex_add(r->w->pindex, r->dec.b->key_hash, r->dis.hash, r->dis.nhash);
@@ -663,15 +230,31 @@ static int send_decode(px_req *r) {
     return 0;
 }
 
-/* Decode's answer head goes to the client. */
-static void start_stream(px_req *r, int status, const char *ctype) {
+/* Sends the decode body (built by the caller) or, for /v1/models, a GET
+ * to the decode conditional disaggregation chose before prefill, else to
+ * one picked now. */
+static void start_decode(void *arg) {
+    px_req *r = arg;
+    size_t n = 0;
+    if (!r->dec.b && !px_leg_pick(&r->dec, px_intake_pick(&r->in, r->dec.pool, (px_pick){0}), &n)) {
+        req_fail(r, 503, "Retry-After: 1\r\n", "no healthy decode backend (%zu configured%s)", n,
+                 px_pool_unusable_why(r->dec.pool));
+        return;
+    }
+    set_state(r, RS_DECODE);
+    send_decode(r);
+}
+
+/* The held answer is not a failed KV load: it goes to the client as it
+ * came. */
+static void release_hold(px_req *r) {
     set_state(r, RS_STREAM);
-    px_reply_start(&r->reply, status, ctype, r->log.streamed, r->disagg);
+    px_reply_release(&r->reply, r->dec.status, r->dec.ctype, r->disagg);
+    account(r);
 }
 
 static void decode_head(void *arg, int status, const char *ctype) {
     px_req *r = arg;
-    px_leg_touch(&r->dec);
     if (px_adm_can_requeue(&r->adm, status)) {
         r->dec.busy = 1; /* decode_done puts it back in the queue */
         return;
@@ -686,21 +269,13 @@ static void decode_head(void *arg, int status, const char *ctype) {
         set_state(r, RS_HOLD);
         return;
     }
-    start_stream(r, status, ctype);
-}
-
-/* The held answer is not a failed KV load: it goes to the client as it
- * came. */
-static void release_hold(px_req *r) {
     set_state(r, RS_STREAM);
-    px_reply_release(&r->reply, r->dec.status, r->dec.ctype, r->disagg);
-    account(r);
+    px_reply_start(&r->reply, status, ctype, r->log.streamed, r->disagg);
 }
 
 static int decode_data(void *arg, const char *p, size_t n) {
     px_req *r = arg;
     if (!r->reply.conn) return -1;
-    px_leg_touch(&r->dec);
     if (r->dec.busy) return 0; /* a refusal nobody reads */
     if (r->reply.hold.active) {
         int k = px_kvhold_feed(&r->reply.hold, p, n);
@@ -731,15 +306,25 @@ static void retry_without_kv(px_req *r) {
     }
     r->dec.status = 0;
     r->log.t_first = 0;
-    r->log.fell_back = 1;
-    r->log.fallback = PX_FB_KV_LOAD;
-    px_m_inc(&r->w->metrics.fallbacks[PX_FB_KV_LOAD]);
+    note_fallback(r, PX_FB_KV_LOAD);
     account(r);
     PX_LOG(PX_LOG_WARN,
            "req=%s msg=\"decode failed to load prefill's KV: retrying once without "
            "kv_transfer_params\" decode=%s",
            r->log.lid, r->dec.name);
     start_decode(r);
+}
+
+/* Decode answered in full while prefill's leg still runs (decode loaded
+ * the KV as prefill published it, or computed the prompt itself). The
+ * client has its answer; prefill is let answer, so that a publication
+ * being made is not cut half-way (it would wait for expiry) and its
+ * answer refreshes the identity, but not for longer than
+ * PREFILL_ANSWER_GRACE_US. The access line is written at that end. */
+static void await_prefill(px_req *r) {
+    set_state(r, RS_AWAIT_PREFILL);
+    r->pre.beside = 0;
+    px_leg_grace(&r->pre, PREFILL_ANSWER_GRACE_US);
 }
 
 static void decode_done(void *arg, px_up_result rc, const char *why, int connected) {
@@ -808,6 +393,294 @@ static void decode_idle(void *arg) {
     req_fail(r, status, NULL, "%s", msg);
 }
 
+static const px_leg_cbs decode_cbs = {decode_head, decode_data, decode_done, .idle = decode_idle};
+
+/* Sends the client's request to decode alone (no kv_transfer_params:
+ * decode computes the prefill itself). */
+static void decode_only(px_req *r) {
+    px_handoff_alone(&r->body, &r->dec.body);
+    r->disagg = 0;
+    account(r);
+    start_decode(r);
+}
+
+/* --fallback-decode-only: prefill could not serve the request. */
+static void fall_back(px_req *r, px_fallback why) {
+    note_fallback(r, why);
+    decode_only(r);
+}
+
+/* ---------- PREFILL ---------- */
+
+/* Takes the prefill of the next attempt into r->pre. Returns -1 when there
+ * is none: r went on to decode alone or ended. */
+static int pick_prefill(px_req *r) {
+    size_t n = 0;
+    if (r->in.hb) { /* sidecar: the prefill the header named */
+        px_leg_take(&r->pre, r->in.hb);
+    } else if (!r->in.no_prefill) {
+        px_pick k = {.key = r->in.key, .key_len = r->in.key_len};
+        px_leg_pick(&r->pre, px_intake_pick(&r->in, r->pre.pool, k), &n);
+    }
+    if (r->pre.b) return 0;
+    if (r->in.no_prefill) {
+        PX_LOG(PX_LOG_DEBUG, "req=%s msg=\"no x-prefiller-host-port: decode alone\"", r->log.lid);
+        decode_only(r);
+    } else if (r->ctx->cfg->fallback_decode_only) {
+        PX_LOG(PX_LOG_WARN,
+               "req=%s msg=\"no healthy prefill: sending the request to decode alone\" "
+               "prefill_backends=%zu",
+               r->log.lid, n);
+        fall_back(r, PX_FB_NO_PREFILL);
+    } else {
+        req_fail(r, 503, "Retry-After: 1\r\n", "no healthy prefill backend (%zu configured%s)", n,
+                 px_pool_unusable_why(r->pre.pool));
+    }
+    return -1;
+}
+
+/* Sends the prefill body to r->pre's backend. Returns -1 when r has ended. */
+static int send_prefill(px_req *r) {
+    set_state(r, RS_PREFILL);
+    int rc = px_leg_send(&r->pre, "POST", px_endpoints[r->ep].path, &r->pre.body, &r->pre.hdrs, 0);
+    if (rc == PX_LEG_PAST)
+        req_fail(r, 504, NULL, "prefill did not answer within --prefill-timeout %gs",
+                 r->ctx->cfg->prefill_timeout);
+    else if (rc < 0)
+        req_fail(r, 502, NULL, "prefill %s: cannot start the request", r->pre.name);
+    return rc < 0 ? -1 : 0;
+}
+
+/* A prefill attempt (the first, one after the backoff, or after the
+ * admission queue again). */
+static void start_prefill(void *arg) {
+    if (pick_prefill(arg) == 0) send_prefill(arg);
+}
+
+static int prefill_data(void *arg, const char *p, size_t n) {
+    px_req *r = arg;
+    if (px_leg_keep(&r->pre, p, n) < 0) return -1;
+    account(r); /* held memory, counted as it arrives */
+    return 0;
+}
+
+/* A prefill attempt ended: its answer is counted, its backend handed back.
+ * Returns how the attempt went. */
+static px_outcome prefill_ended(px_req *r, px_up_result rc) {
+    account(r); /* the prefill's answer */
+    /* A full engine queue is not a failure. */
+    px_outcome o = r->pre.busy ? PX_OUT_CLIENT_ERR : px_leg_outcome(&r->pre, rc);
+    px_leg_done(&r->pre, o);
+    return o;
+}
+
+/* Prefill answered 4xx: the client's fault. Its status goes back with the
+ * engine's words as they are (a configured prefill: the operator's
+ * engine), or, from a prefill a sidecar's header named (`named`), the
+ * status with the engine's message. */
+static void prefill_rejected(px_req *r, int named) {
+    px_leg *p = &r->pre;
+    if (named) {
+        char msg[512];
+        px_leg_rejection(p, msg, sizeof msg);
+        req_finish(r, p->status, PX_RO_PREFILL_REJECTED, NULL, msg);
+        return;
+    }
+    px_reply_body(&r->reply, p->status, p->ctype, p->resp.data, p->resp.len);
+    req_finish(r, p->status, PX_RO_PREFILL_REJECTED, NULL, NULL);
+}
+
+/* Builds decode's body from the client's and prefill's kv_transfer_params.
+ * Returns what prefill's answer held; for PX_KVP_BAD_RESPONSE nothing is
+ * built and err says why. */
+static px_kvp_status decode_body(px_req *r, char *err, size_t errlen) {
+    px_kvp_status ks = px_handoff_serial(
+        &r->w->metrics, r->log.lid, r->pre.name, &r->pre.resp, px_reqlog_traced(), &r->body,
+        &r->pre.body, r->in.ps->dispatch == PX_DISPATCH_CONCURRENT,
+        !strcmp(r->ctx->cfg->usage_from, "prefill"), &r->dec.body, r->reply.cached, err, errlen);
+    if (ks == PX_KVP_BAD_RESPONSE) return ks;
+    r->disagg = ks != PX_KVP_MISSING;
+    r->in.key = NULL; /* it pointed into the client's body */
+    account(r);
+    return ks;
+}
+
+static void proceed_to_decode(px_req *r) {
+    char err[128];
+    if (decode_body(r, err, sizeof err) == PX_KVP_BAD_RESPONSE) {
+        req_fail(r, 502, NULL, "prefill %s returned an invalid answer: %s", r->pre.name, err);
+        return;
+    }
+    start_decode(r);
+}
+
+static void prefill_done(void *arg, px_up_result rc, const char *why, int connected) {
+    px_req *r = arg;
+    px_leg *p = &r->pre;
+    const px_config *cfg = r->ctx->cfg;
+    /* A full engine queue (admission.h) while the request may wait again:
+     * the backend backs off, not counted as failed, and the request goes
+     * back in the queue. Without a queue or time left, as before: a 503
+     * is retried elsewhere, a 429 passed on. */
+    p->busy = rc == PX_UP_OK && p->b && !r->in.hb && px_adm_can_requeue(&r->adm, p->status) &&
+              px_adm_engine_status(r->ctx, r->in.ps, p->b, p->status);
+    px_outcome o = prefill_ended(r, rc);
+    if (p->busy) {
+        p->busy = 0;
+        px_m_inc(&r->w->metrics.adm[PX_ADM_M_ENGINE_FULL]);
+        px_buf_reset(&p->resp);
+        p->status = 0;
+        if (p->ntried) p->ntried--; /* not a failed attempt */
+        if (requeue(r, start_prefill)) return;
+        req_fail(r, 503, "Retry-After: 1\r\n",
+                 "prefill %s's queue is full and the admission queue has no room", p->name);
+        return;
+    }
+    /* Refused, reset or 5xx: another prefill, after a jittered pause. */
+    if (px_leg_retry(p, o, cfg->prefill_retries, rc, why)) {
+        set_state(r, RS_RETRY_WAIT);
+        return;
+    }
+    px_leg_answered(&r->pre, r->log.t0);
+    /* Retries spent on a prefill that failed (5xx, refused, reset): with
+     * --fallback-decode-only decode computes the prefill itself. Never
+     * after a 4xx (the client's error, returned below as it is), nor after
+     * a timeout (the prefill may still be working). */
+    int failed_5xx = rc == PX_UP_OK && p->status >= 500 && p->status < 600;
+    int failed_conn = rc == PX_UP_CONNECT || rc == PX_UP_RESET;
+    if ((failed_5xx || failed_conn) && !p->too_big && cfg->fallback_decode_only) {
+        PX_LOG(PX_LOG_WARN,
+               "req=%s msg=\"prefill failed: sending the request to decode alone\" prefill=%s "
+               "status=%d error=\"%s\"",
+               r->log.lid, p->name, p->status, rc ? why : "");
+        px_buf_reset(&p->resp);
+        account(r);
+        fall_back(r, failed_5xx ? PX_FB_PREFILL_5XX : PX_FB_PREFILL_CONN);
+        return;
+    }
+    if (rc == PX_UP_OK && p->status >= 400 && p->status < 500) {
+        PX_LOG(PX_LOG_INFO, "req=%s msg=\"prefill rejected the request\" prefill=%s status=%d",
+               r->log.lid, p->name, p->status);
+        prefill_rejected(r, r->in.hb != NULL);
+        return;
+    }
+    if (rc != PX_UP_OK || p->status < 200 || p->status >= 300) {
+        leg_fail(r, p, rc, why);
+        return;
+    }
+    proceed_to_decode(r);
+}
+
+static const px_leg_cbs prefill_cbs = {
+    .data = prefill_data, .done = prefill_done, .retry = start_prefill};
+
+/* ---------- concurrent dispatch: the prefill leg beside decode's ---------- */
+
+static void await_prefill_over(void *arg) {
+    px_req *r = arg;
+    req_finish(r, r->dec.status, PX_RO_OK, NULL, NULL);
+}
+
+/* The prefill leg ended. A good answer refreshes the identity cache. A
+ * failure while decode still waits for the KV (no answer head from it
+ * yet, so nothing reached the client) cancels decode's leg, then: a 4xx
+ * goes to the client as prefill said it; --fallback-decode-only sends the
+ * request to decode alone; else an OpenAI error. No other prefill is
+ * tried: decode's params name this one. Once decode has answered, it had
+ * its KV (or computed it): prefill's late failure changes nothing. */
+static void conc_prefill_done(void *arg, px_up_result rc, const char *why, int connected) {
+    px_req *r = arg;
+    px_leg *p = &r->pre;
+    prefill_ended(r, rc);
+    px_leg_answered(&r->pre, r->log.t0);
+    if (rc == PX_UP_OK && p->status >= 200 && p->status < 300 && !p->too_big) {
+        px_handoff_learn(p->name, &p->resp, !strcmp(r->ctx->cfg->usage_from, "prefill"),
+                         r->reply.cached);
+        if (!px_reqlog_traced()) px_buf_cleanup(&p->resp);
+        account(r);
+        if (r->state == RS_AWAIT_PREFILL) req_finish(r, r->dec.status, PX_RO_OK, NULL, NULL);
+        return;
+    }
+    if (r->state == RS_AWAIT_PREFILL) {
+        px_buf_reset(&p->resp);
+        req_finish(r, r->dec.status, PX_RO_OK, NULL, NULL);
+        return;
+    }
+    if (!p->beside || r->log.t_first) {
+        px_buf_reset(&p->resp);
+        account(r);
+        PX_LOG(PX_LOG_INFO,
+               "req=%s msg=\"prefill leg failed after decode answered: decode's answer stands\" "
+               "prefill=%s status=%d error=\"%s\"",
+               r->log.lid, p->name, p->status, rc ? why : "");
+        return;
+    }
+    PX_LOG(PX_LOG_WARN,
+           "req=%s msg=\"prefill failed while decode waited for its KV: decode's leg cancelled\" "
+           "prefill=%s decode=%s status=%d error=\"%s\"",
+           r->log.lid, p->name, r->dec.name, p->status, rc ? why : "");
+    px_leg_stop(&r->dec, PX_OUT_CANCELLED);
+    p->beside = 0;
+    if (rc == PX_UP_OK && p->status >= 400 && p->status < 500 && !p->too_big) {
+        prefill_rejected(r, 0); /* as serial */
+        return;
+    }
+    px_buf_reset(&p->resp);
+    account(r);
+    if (r->ctx->cfg->fallback_decode_only)
+        fall_back(r, PX_FB_CONC_PREFILL);
+    else
+        leg_fail(r, p, rc, why);
+}
+
+static const px_leg_cbs conc_prefill_cbs = {
+    .data = prefill_data, .done = conc_prefill_done, .grace = await_prefill_over};
+
+/* --dispatch concurrent (dispatch.h): prefill is told to publish under an
+ * id and token minted here, decode is told where to register for them,
+ * and both are sent now. Decode's leg goes on as any decode (its answer
+ * streamed, its failed KV load retried); the prefill leg is only read for
+ * its status and identity. A prefill whose identity is not known yet is
+ * sent serial: its answer teaches it (decode_body). */
+static void dispatch_concurrent(px_req *r) {
+    if (pick_prefill(r) < 0) return;
+    char id[PX_DISPATCH_ID_LEN];
+    if (px_handoff_concurrent(r->pre.b->name, &r->body, &r->pre.body, &r->dec.body, id) < 0) {
+        r->log.disp = PX_DISP_NO_IDENTITY;
+        px_m_inc(&r->w->metrics.dispatch[PX_DISP_NO_IDENTITY]);
+        PX_LOG(PX_LOG_DEBUG,
+               "req=%s msg=\"prefill's identity not known yet: sent serial\" prefill=%s",
+               r->log.lid, r->pre.b->name);
+        send_prefill(r);
+        return;
+    }
+    r->log.disp = PX_DISP_CONCURRENT;
+    px_m_inc(&r->w->metrics.dispatch[PX_DISP_CONCURRENT]);
+    r->disagg = 1;
+    account(r);
+    PX_LOG(PX_LOG_DEBUG, "req=%s msg=\"concurrent dispatch\" prefill=%s remote_request_id=%s",
+           r->log.lid, r->pre.b->name, id);
+    r->pre.cbs = &conc_prefill_cbs;
+    if (send_prefill(r) < 0) return;
+    r->pre.beside = 1;
+    start_decode(r);
+}
+
+/* ---------- RELEASING: the client left, prefill's blocks are let go ---------- */
+
+static void account_cb(void *arg) {
+    account(arg);
+}
+
+static int handoff(void *arg) {
+    char err[128];
+    px_kvp_status ks = decode_body(arg, err, sizeof err);
+    return ks != PX_KVP_BAD_RESPONSE && ks != PX_KVP_MISSING;
+}
+
+/* What the release (release.h) asks of the request. */
+static const px_release_ops release_ops = {account_cb, handoff, send_decode, req_abandon};
+
 /* ---------- the client ---------- */
 
 static void client_gone(void *arg) {
@@ -820,15 +693,15 @@ static void client_gone(void *arg) {
      * so that a publication is met and released. */
     if (r->pre.up && r->state != RS_PREFILL) px_leg_stop(&r->pre, PX_OUT_CANCELLED);
     if (r->state == RS_PREFILL && r->pre.up) {
-        release_prefill(r);
-        return;
+        set_state(r, RS_RELEASING);
+        px_release_prefill(&r->rel);
+    } else if ((r->state == RS_DECODE || r->state == RS_HOLD) && r->dec.up && r->disagg &&
+               !px_leg_abort_after_upload(&r->dec)) {
+        set_state(r, RS_RELEASING);
+        px_release_decode(&r->rel);
+    } else {
+        req_abandon(r);
     }
-    if ((r->state == RS_DECODE || r->state == RS_HOLD) && r->dec.up && r->disagg &&
-        !px_leg_abort_after_upload(&r->dec)) {
-        release_decode(r);
-        return;
-    }
-    req_abandon(r);
 }
 
 static void client_drained(void *arg) {
@@ -842,188 +715,169 @@ static void client_drained(void *arg) {
 
 static const px_exchange_cbs client_cbs = {client_gone, client_drained};
 
-/* ---------- RELEASING: the client left, prefill's blocks are let go ---------- */
+/* ---------- TOKENIZE, and the decision: prefill, or decode alone ---------- */
 
-/* A request whose client left keeps running only to let prefill's blocks go:
- * a prefill in flight is let answer, then decode is sent the request and
- * aborted once it has it, so that it tells prefill to free the blocks
- * (vLLM's stranded-blocks release). Its legs report to these tables; the
- * normal path's know nothing of it. */
-
-/* The client left during prefill. Prefill publishes its blocks just before
- * its answer leaves: a client leaving near that moment would strand them if
- * we cut the connection. So prefill gets a short grace (well inside the
- * 100 ms in which a cancelled upstream must close) to answer; an answer
- * goes on to the release through decode, silence is cut. */
-static void release_prefill(px_req *r) {
-    set_state(r, RS_RELEASING);
-    r->pre.cbs = &release_prefill_cbs;
-    px_leg_grace(&r->pre, px_leg_answering(&r->pre) ? PREFILL_ANSWER_GRACE_US : PREFILL_GRACE_US);
-}
-
-/* The client left before decode received the request (abort after upload is
- * armed): the body is let reach decode, then the transfer is aborted. */
-static void release_decode(px_req *r) {
-    set_state(r, RS_RELEASING);
-    r->dec.cbs = &release_cbs;
-}
-
-/* Prefill answered: without kv_transfer_params in its answer there is
- * nothing to release. */
-static void release_prefill_done(void *arg, px_up_result rc, const char *why, int connected) {
-    px_req *r = arg;
-    prefill_ended(r, rc);
-    char err[128];
-    px_kvp_status ks = PX_KVP_MISSING;
-    if (rc == PX_UP_OK && r->pre.status >= 200 && r->pre.status < 300)
-        ks = decode_body(r, err, sizeof err);
-    if (ks == PX_KVP_BAD_RESPONSE || ks == PX_KVP_MISSING)
-        req_abandon(r);
-    else
-        start_release(r);
-}
-
-static void start_release(px_req *r) {
-    size_t n;
-    if (!pick_decode(r, &n)) {
-        PX_LOG(PX_LOG_WARN,
-               "req=%s msg=\"client left after prefill and no decode can take "
-               "the request: prefill's blocks stay until they expire\"",
-               r->log.lid);
-        req_abandon(r);
+/* Routes a P/D request once its tokens are known (or are not to be). */
+static void route_pd(px_req *r) {
+    px_intake_token_key(&r->in);
+    r->log.decided = 1;
+    int disagg = px_intake_decide(&r->in, &r->dec, &r->dis);
+    r->log.decision = r->dis.decision;
+    px_m_inc(&r->w->metrics.decisions[r->log.decision]);
+    if (!disagg) {
+        if (r->log.decision == PX_DEC_NO_PREFILL) {
+            PX_LOG(PX_LOG_WARN,
+                   "req=%s msg=\"no healthy prefill: sending the request to decode alone\"",
+                   r->log.lid);
+            fall_back(r, PX_FB_NO_PREFILL);
+        } else {
+            decode_only(r);
+        }
         return;
     }
-    r->dec.cbs = &release_cbs;
-    if (send_decode(r) < 0) return;
-    /* The body only has to reach decode (it may have already: our client
-     * writes at once, and a nearby decode acknowledges fast). */
-    if (px_leg_abort_after_upload(&r->dec)) released_via_decode(r);
-}
-
-static void release_head(void *arg, int status, const char *ctype) {
-    px_req *r = arg;
-    px_leg_touch(&r->dec);
-}
-
-/* Decode's answer is nobody's: its first byte ends the transfer. */
-static int release_data(void *arg, const char *p, size_t n) {
-    return -1;
-}
-
-static void release_done(void *arg, px_up_result rc, const char *why, int connected) {
-    px_req *r = arg;
-    if (connected) {
-        released_via_decode(r);
+    px_handoff_prefill(r->ep, &r->body, &r->pre.body);
+    account(r);
+    if (r->ctx->cfg->prefill_timeout > 0)
+        r->pre.deadline = px_now_ns() + (uint64_t)(r->ctx->cfg->prefill_timeout * 1e9);
+    if (r->in.ps->dispatch == PX_DISPATCH_CONCURRENT) {
+        dispatch_concurrent(r);
         return;
     }
-    px_leg_done(&r->dec, px_leg_outcome(&r->dec, rc));
-    if (px_leg_resend(&r->dec, connected, why))
-        start_release(r);
-    else
-        req_abandon(r);
+    r->log.disp = PX_DISP_SERIAL;
+    px_m_inc(&r->w->metrics.dispatch[PX_DISP_SERIAL]);
+    start_prefill(r);
 }
 
-/* Decode has the request and its kv_transfer_params; it drops the request
- * now that the client left, and tells prefill to free the blocks. Ends r. */
-static void released_via_decode(px_req *r) {
-    px_m_inc(&r->w->metrics.stranded_released);
-    PX_LOG(PX_LOG_INFO,
-           "req=%s msg=\"client left after prefill: decode was given the request and "
-           "aborted so prefill frees its blocks\" decode=%s",
-           r->log.lid, r->dec.name);
-    req_abandon(r);
+static void tok_done(void *arg, px_up_result rc, const char *why, int connected) {
+    px_req *r = arg;
+    px_intake_tokens_done(&r->in, &r->tok, rc, why, r->log.lid);
+    if (r->state == RS_TOKENIZE) route_pd(r);
 }
 
-/* What each leg reports to, by state: tokenize; prefill serial, beside
- * decode (concurrent) and releasing; decode normal and releasing. */
 static const px_leg_cbs tokenize_cbs = {.done = tok_done};
-static const px_leg_cbs prefill_cbs = {
-    .data = prefill_data, .done = prefill_done, .retry = start_prefill};
-static const px_leg_cbs conc_prefill_cbs = {
-    .data = prefill_data, .done = conc_prefill_done, .grace = await_prefill_over};
-static const px_leg_cbs release_prefill_cbs = {
-    .data = prefill_data, .done = release_prefill_done, .grace = req_abandon};
-static const px_leg_cbs decode_cbs = {decode_head, decode_data, decode_done, .idle = decode_idle};
-static const px_leg_cbs release_cbs = {release_head, release_data, release_done,
-                                       .idle = req_abandon};
 
-/* ---------- DONE: log, answer, free ---------- */
-
-/* Ends a request that failed: logs the message and answers it (req_finish). */
-static void req_fail(px_req *r, int status, const char *extra, const char *fmt, ...) {
-    char msg[512];
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(msg, sizeof msg, fmt, ap);
-    va_end(ap);
-    req_finish(r, status, r->state == RS_STREAM ? PX_RO_STREAM_FAILED : PX_RO_ERROR, extra, msg);
+/* Admitted: the prompt's key and, when wanted, its exact tokens. */
+static void pd_go(void *arg) {
+    px_req *r = arg;
+    if (px_intake_tokens(&r->in, &r->tok, &r->pre.hdrs, px_intake_prompt(&r->in)))
+        set_state(r, RS_TOKENIZE);
+    else
+        route_pd(r);
 }
 
-/* Every path on which the client is gone and nothing is left to do for it. */
-static void req_abandon(void *arg) {
-    req_finish(arg, 499, PX_RO_CLIENT_DISCONNECTED, NULL, NULL);
+/* ---------- INTAKE: the request arrives ---------- */
+
+/* A request for `ep` on worker w, owning the client's body (moved out of
+ * `body`), with its record, its legs and their header lines. */
+static px_req *req_new(px_wctx *w, px_conn *c, px_endpoint ep, const px_http_head *h,
+                       px_buf *body) {
+    px_req *r = px_xcalloc(1, sizeof *r);
+    r->w = w;
+    PX_LIST_PUSH(w->reqs, r);
+    w->nreqs++;
+    r->ctx = w->ctx;
+    r->g = px_ctx_gen(r->ctx);
+    r->ep = ep;
+    r->state = RS_INTAKE;
+    r->body = *body;
+    px_buf_init(body);
+    px_intake_init(&r->in, r->ctx, r->g, ep, &r->body);
+    px_leg_init(&r->tok, PX_LEG_TOKENIZE, w, &tokenize_cbs, r, r->log.lid);
+    px_leg_init(&r->pre, PX_LEG_PREFILL, w, &prefill_cbs, r, r->log.lid);
+    px_leg_init(&r->dec, PX_LEG_DECODE, w, &decode_cbs, r, r->log.lid);
+    r->pre.pool = &r->in.ps->prefill;
+    r->dec.pool = &r->in.ps->decode;
+    px_release_init(&r->rel, &release_ops, r, &r->pre, &r->dec, &r->in);
+    px_reqlog_start(&r->log, c, ep, h, &r->target);
+    px_reqlog_sources(&r->log, &r->pre, &r->dec, &r->dis, &r->adm, r->ctx->cfg);
+    px_reply_init(&r->reply, c, r->ctx, &r->adm, r->log.id, &r->log.bytes_out);
+    const px_reqlog *lg = &r->log;
+    /* Only the P/D endpoints ever reach a prefill. */
+    if (!px_endpoint_passthrough(ep) && ep != PX_EP_MODELS)
+        px_intake_headers(r->ctx, ep, h, lg->id, lg->trace_id, lg->trace_flags, lg->traced,
+                          r->pre.span, &r->pre.hdrs);
+    px_intake_headers(r->ctx, ep, h, lg->id, lg->trace_id, lg->trace_flags, lg->traced, r->dec.span,
+                      &r->dec.hdrs);
+    return r;
 }
 
-static void on_free(evutil_socket_t fd, short what, void *arg) {
-    req_free(arg);
-}
-
-/* The one exit (pgbouncer's disconnect_client). With `msg`, the failure is
- * logged and, when the client has been sent nothing yet, answered in
- * OpenAI error JSON (`extra`: more header lines, or NULL); a client still
- * attached otherwise has its stream cut (callers that answered themselves
- * let the client go first). Then the metrics, the access line (with the
- * state it ended in) and the spans, once; then everything that could call
- * back is let go (the legs stopped, their backends handed back), and r is
- * freed on the next loop turn: the caller may be inside one of r's
- * callbacks. */
-static void req_finish(px_req *r, int status, px_req_outcome outcome, const char *extra,
-                       const char *msg) {
-    if (r->state == RS_DONE) return;
-    if (msg) {
-        char qmsg[1100];
-        PX_LOG(status >= 500 ? PX_LOG_WARN : PX_LOG_INFO, "req=%s msg=%s status=%d state=%s",
-               r->log.lid, px_log_value(msg, qmsg, sizeof qmsg), status, states[r->state].name);
+/* Intake refused the request: its own answer (404 model_not_found) or an
+ * OpenAI error. */
+static void refuse(px_req *r, px_verdict *v) {
+    if (!v->body.len) {
+        req_fail(r, v->status, v->extra, "%s", v->msg);
+        return;
     }
-    px_reply_fail(&r->reply, status, extra, msg);
-    const px_config *cfg = r->ctx->cfg;
-    px_reqlog_end e = {.status = status,
-                       .outcome = outcome,
-                       .state = states[r->state].name,
-                       .pre = &r->pre,
-                       .dec = &r->dec,
-                       .dis = &r->dis,
-                       .adm = &r->adm,
-                       .body = r->body.len ? &r->body : &r->dec.body,
-                       .https = cfg->tls_cert && cfg->tls_cert[0]};
-    px_reqlog_finish(&r->log, &r->w->metrics, &e);
-    set_state(r, RS_DONE);
-    px_leg_stop(&r->tok, PX_OUT_CANCELLED);
-    px_leg_stop(&r->pre, PX_OUT_CANCELLED);
-    px_leg_stop(&r->dec, PX_OUT_CANCELLED);
-    if (r->counted) atomic_fetch_sub(&r->ctx->inflight, 1);
-    r->counted = 0;
-    px_adm_leave(r->w, &r->adm);
-    event_assign(&r->free_ev, r->w->base, -1, 0, on_free, r);
-    event_active(&r->free_ev, EV_TIMEOUT, 0);
+    px_reply_body(&r->reply, v->status, "application/json", v->body.data, v->body.len);
+    req_finish(r, v->status, PX_RO_MODEL_NOT_FOUND, NULL, NULL);
 }
 
-/* Releases all r owns; r has finished (req_finish), so nothing calls back. */
-static void req_free(px_req *r) {
-    PX_LIST_UNLINK(r->w->reqs, r);
-    r->w->nreqs--;
-    if (event_initialized(&r->free_ev)) event_del(&r->free_ev);
-    px_leg_cleanup(&r->tok);
-    px_leg_cleanup(&r->pre);
-    px_leg_cleanup(&r->dec);
-    px_intake_cleanup(&r->in);
-    px_gen_release(r->g);
-    px_budget_add(&r->ctx->shared, -r->held);
-    px_buf_cleanup(&r->body);
-    px_reply_cleanup(&r->reply);
-    free(r->target);
-    free(r->dis.hash);
-    free(r);
+/* The client's bytes to a decode, with the keys the proxy owns taken out of
+ * a JSON object body (kv_transfer_params: SECURITY.md). */
+static void start_passthrough(px_req *r) {
+    if (px_handoff_forwarded(&r->body) < 0) {
+        req_fail(r, 400, NULL, "request body is not valid JSON");
+        return;
+    }
+    r->dec.body = r->body;
+    px_buf_init(&r->body);
+    account(r);
+    start_decode(r);
+}
+
+static void adm_expire(void *arg) {
+    px_req *r = arg;
+    req_fail(r, 503, "Retry-After: 1\r\n",
+             "the request waited %.3f s in the admission queue for a saturated pool: its "
+             "deadline passed (--queue-timeout, x-queue-timeout)",
+             (double)r->adm.wait_ns / 1e9);
+}
+
+/* A P/D request: checked, counted in the memory budget, admitted. */
+static void start_pd(px_req *r, const px_http_head *h) {
+    px_verdict v = {0};
+    int rc = px_intake_pd(&r->in, h, r->log.lid, &v);
+    r->pre.pool = &r->in.ps->prefill;
+    r->dec.pool = &r->in.ps->decode;
+    if (rc == 0) account(r);
+    if (rc < 0 || px_intake_room(&r->in, &r->held, &v) < 0) {
+        refuse(r, &v);
+        px_verdict_cleanup(&v);
+        return;
+    }
+    /* The tenant's rate limits and the pool's saturation: on now, queued,
+     * or refused. */
+    int status = 0;
+    char extra[768], msg[300];
+    r->adm.it.owner = r;
+    r->adm.go = pd_go;
+    r->adm.expire = adm_expire;
+    px_adm_verdict av = px_adm_enter(r->w, &r->adm, r->in.ps, h, r->body.data, r->body.len, &status,
+                                     extra, sizeof extra, msg, sizeof msg);
+    if (av == PX_ADM_QUEUED) {
+        PX_LOG(PX_LOG_DEBUG, "req=%s msg=\"queued\" class=%d", r->log.lid, r->adm.it.cls);
+        set_state(r, RS_ADMIT);
+    } else if (av == PX_ADM_REFUSED) {
+        req_fail(r, status, extra, "%s", msg);
+    } else {
+        pd_go(r);
+    }
+}
+
+void px_req_start(px_wctx *w, px_conn *c, px_endpoint ep, const px_http_head *h, px_buf *body) {
+    px_req *r = req_new(w, c, ep, h, body);
+    px_verdict v = {0};
+    if (px_intake_admit(&r->in, h, &r->counted, &v) < 0) {
+        refuse(r, &v);
+        return;
+    }
+    px_conn_bind(c, &client_cbs, r);
+    if (ep == PX_EP_MODELS)
+        start_decode(r);
+    else if (px_endpoint_passthrough(ep))
+        start_passthrough(r);
+    else
+        start_pd(r, h);
 }
 
 void px_req_free_all(px_wctx *w) {

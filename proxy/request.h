@@ -30,10 +30,6 @@ typedef struct px_req px_req;
  * to the exchange to hear of disconnects and drains. */
 void px_req_start(px_wctx *w, px_conn *c, px_endpoint ep, const px_http_head *h, px_buf *body);
 
-/* Logs at start-up how the endpoints whose P/D support depends on the
- * engine are served. */
-void px_req_announce(void);
-
 /* Frees every request of the worker (its loop has stopped): transfers are
  * cancelled, backend references dropped. */
 void px_req_free_all(px_wctx *w);

@@ -19,6 +19,7 @@
 #include "proxy/ctx.h"
 #include "proxy/discovery.h"
 #include "proxy/health.h"
+#include "proxy/intake.h"
 #include "proxy/kvevents.h"
 #include "proxy/reload.h"
 #include "proxy/request.h"
@@ -408,7 +409,7 @@ int px_server_run(px_server *s) {
            "prefill_policy=%s decode_policy=%s",
            s->ctx.cfg->host, (long long)s->ctx.cfg->port, s->tls ? "on" : "off", s->nworkers,
            s->ctx.gen->nps, pn, dn, s->ctx.cfg->prefill_policy, s->ctx.cfg->decode_policy);
-    px_req_announce();
+    px_intake_announce();
     event_base_dispatch(k.base);
     px_health_stop(h);
     px_kvsub_stop(kv);
