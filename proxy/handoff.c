@@ -5,8 +5,9 @@
 #include "proxy/usage.h"
 
 px_kvp_status px_handoff_serial(px_metrics *m, const char *lid, const char *prefill, px_buf *resp,
-                                int keep, px_buf *body, px_buf *pbody, int learn, int usage_prefill,
-                                px_buf *out, char cached[24], char *err, size_t errlen) {
+                                int keep, px_buf *body, px_buf *pbody, px_pf_cache *learn,
+                                int usage_prefill, px_buf *out, char cached[24], char *err,
+                                size_t errlen) {
     const char *kvp = NULL;
     size_t kvp_len = 0;
     px_kvp_status ks =
@@ -28,7 +29,7 @@ px_kvp_status px_handoff_serial(px_metrics *m, const char *lid, const char *pref
     }
     /* --dispatch concurrent learns the prefill's identity from its
      * answers. */
-    if (kvp && learn) px_dispatch_learn(prefill, kvp, kvp_len);
+    if (kvp && learn) px_dispatch_learn(learn, prefill, kvp, kvp_len);
     px_buf_reset(out);
     px_rewrite_decode(body->data, body->len, kvp, kvp_len, out);
     /* Prefill's cached_tokens, for --usage-from prefill (only then: three
@@ -54,11 +55,11 @@ void px_handoff_alone(const px_buf *body, px_buf *out) {
     px_rewrite_decode(body->data, body->len, NULL, 0, out);
 }
 
-int px_handoff_concurrent(const char *prefill, const px_buf *body, px_buf *pbody, px_buf *dbody,
-                          char id[PX_DISPATCH_ID_LEN]) {
+int px_handoff_concurrent(px_pf_cache *ids, const char *prefill, const px_buf *body, px_buf *pbody,
+                          px_buf *dbody, char id[PX_DISPATCH_ID_LEN]) {
     px_pf_identity pf;
     char tok[33];
-    if (!px_dispatch_get(prefill, &pf) || px_dispatch_mint(id, tok) < 0) return -1;
+    if (!px_dispatch_get(ids, prefill, &pf) || px_dispatch_mint(id, tok) < 0) return -1;
     px_buf kvp, b;
     px_buf_init(&kvp);
     px_buf_init(&b);
@@ -74,13 +75,15 @@ int px_handoff_concurrent(const char *prefill, const px_buf *body, px_buf *pbody
     return 0;
 }
 
-void px_handoff_learn(const char *prefill, const px_buf *resp, int usage_prefill, char cached[24]) {
+void px_handoff_learn(px_pf_cache *ids, const char *prefill, const px_buf *resp, int usage_prefill,
+                      char cached[24]) {
     const char *kvp = NULL;
     size_t kl = 0;
     char err[128];
     px_kvp_status ks =
         px_extract_kv_params(resp->data ? resp->data : "", resp->len, &kvp, &kl, err, sizeof err);
-    if ((ks == PX_KVP_OK || ks == PX_KVP_NO_REQUEST_ID) && kvp) px_dispatch_learn(prefill, kvp, kl);
+    if ((ks == PX_KVP_OK || ks == PX_KVP_NO_REQUEST_ID) && kvp)
+        px_dispatch_learn(ids, prefill, kvp, kl);
     if (resp->data && !cached[0] && usage_prefill)
         px_usage_cached_tokens(resp->data, resp->len, cached);
 }

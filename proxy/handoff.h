@@ -28,30 +28,34 @@ void px_handoff_prefill(px_endpoint ep, const px_buf *body, px_buf *out);
  * trace reads it): one copy of the request is held, not three.
  * An answer without them is warned of (req `lid`) and counted in m: decode
  * recomputes the prompt; one without remote_request_id too. `learn`: the
- * pool dispatches concurrently, the identity is learned. `usage_prefill`:
+ * prefills' identities (dispatch.h) when the pool dispatches concurrently
+ * (the identity is learned), else NULL. `usage_prefill`:
  * --usage-from prefill, its cached_tokens go to `cached`. Returns what the
  * answer held; for PX_KVP_BAD_RESPONSE nothing is built and err says why. */
 px_kvp_status px_handoff_serial(px_metrics *m, const char *lid, const char *prefill, px_buf *resp,
-                                int keep, px_buf *body, px_buf *pbody, int learn, int usage_prefill,
-                                px_buf *out, char cached[24], char *err, size_t errlen);
+                                int keep, px_buf *body, px_buf *pbody, px_pf_cache *learn,
+                                int usage_prefill, px_buf *out, char cached[24], char *err,
+                                size_t errlen);
 
 /* Decode alone: its body (*out, reset first) is the client's without
  * kv_transfer_params of its own. */
 void px_handoff_alone(const px_buf *body, px_buf *out);
 
-/* --dispatch concurrent toward the prefill named `prefill`: prefill's body
+/* --dispatch concurrent toward the prefill named `prefill`, whose identity
+ * `ids` knows: prefill's body
  * (*pbody, the prefill rewrite of the client's) gets publication
  * parameters minted here, decode's (*dbody, reset first) where to register
  * for them; the minted request id goes to `id`. Returns 0, or -1 when the
  * prefill's identity is not known yet (or no id could be minted): nothing
  * is changed, the request is sent serial. */
-int px_handoff_concurrent(const char *prefill, const px_buf *body, px_buf *pbody, px_buf *dbody,
-                          char id[PX_DISPATCH_ID_LEN]);
+int px_handoff_concurrent(px_pf_cache *ids, const char *prefill, const px_buf *body, px_buf *pbody,
+                          px_buf *dbody, char id[PX_DISPATCH_ID_LEN]);
 
 /* The concurrent prefill leg answered `resp` (2xx): its identity is
- * learned, and with `usage_prefill` its cached_tokens go to `cached` when
+ * learned into `ids`, and with `usage_prefill` its cached_tokens go to `cached` when
  * that is still empty. */
-void px_handoff_learn(const char *prefill, const px_buf *resp, int usage_prefill, char cached[24]);
+void px_handoff_learn(px_pf_cache *ids, const char *prefill, const px_buf *resp, int usage_prefill,
+                      char cached[24]);
 
 /* The body `b` with the keys the proxy owns taken out when it is a JSON
  * object (px_rewrite_forwarded), in place. Returns what that returns. */

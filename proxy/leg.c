@@ -60,7 +60,7 @@ static px_dp_role dp_role(const px_leg *l) {
 /* The attempt ended: its data-parallel rank is free again. */
 static void dp_end(px_leg *l) {
     if (l->rank < 0) return;
-    px_dp_done(dp_role(l), l->rank_of, l->rank);
+    px_dp_done(l->w->ctx->reg->dp, dp_role(l), l->rank_of, l->rank);
     l->rank = -1;
 }
 
@@ -127,13 +127,14 @@ int px_leg_send(px_leg *l, const char *method, const char *path, const px_buf *b
     }
     /* A data-parallel backend: the rank with the fewest requests in flight. */
     px_dp_role role = dp_role(l);
-    int64_t dp = px_dp_size(
-        b->src, (int)(role == PX_DP_PREFILL ? cfg->prefill_dp_size : cfg->decode_dp_size));
+    int64_t dp =
+        px_dp_size(l->w->ctx->reg->dp, b->src,
+                   (int)(role == PX_DP_PREFILL ? cfg->prefill_dp_size : cfg->decode_dp_size));
     px_buf hd;
     px_buf_init(&hd);
     if (dp > 1) {
         dp_end(l);
-        int rank = px_dp_take(role, b->name, (int)dp);
+        int rank = px_dp_take(l->w->ctx->reg->dp, role, b->name, (int)dp);
         if (rank >= 0) {
             l->rank = rank;
             snprintf(l->rank_of, sizeof l->rank_of, "%s", b->name);

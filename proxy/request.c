@@ -302,7 +302,7 @@ static void retry_without_kv(px_req *r) {
         /* Decode could not load from the prefill it was pointed at: that
          * identity is not trusted again until the prefill answers anew. */
         r->pre.beside = 0;
-        px_dispatch_forget(r->pre.name);
+        px_dispatch_forget(r->ctx->reg->identities, r->pre.name);
     }
     r->dec.status = 0;
     r->log.t_first = 0;
@@ -496,7 +496,7 @@ static void prefill_rejected(px_req *r, int named) {
 static px_kvp_status decode_body(px_req *r, char *err, size_t errlen) {
     px_kvp_status ks = px_handoff_serial(
         &r->w->metrics, r->log.lid, r->pre.name, &r->pre.resp, px_reqlog_traced(), &r->body,
-        &r->pre.body, r->in.ps->dispatch == PX_DISPATCH_CONCURRENT,
+        &r->pre.body, r->in.ps->dispatch == PX_DISPATCH_CONCURRENT ? r->ctx->reg->identities : NULL,
         !strcmp(r->ctx->cfg->usage_from, "prefill"), &r->dec.body, r->reply.cached, err, errlen);
     if (ks == PX_KVP_BAD_RESPONSE) return ks;
     r->disagg = ks != PX_KVP_MISSING;
@@ -594,8 +594,8 @@ static void conc_prefill_done(void *arg, px_up_result rc, const char *why, int c
     prefill_ended(r, rc);
     px_leg_answered(&r->pre, r->log.t0);
     if (rc == PX_UP_OK && p->status >= 200 && p->status < 300 && !p->too_big) {
-        px_handoff_learn(p->name, &p->resp, !strcmp(r->ctx->cfg->usage_from, "prefill"),
-                         r->reply.cached);
+        px_handoff_learn(r->ctx->reg->identities, p->name, &p->resp,
+                         !strcmp(r->ctx->cfg->usage_from, "prefill"), r->reply.cached);
         if (!px_reqlog_traced()) px_buf_cleanup(&p->resp);
         account(r);
         if (r->state == RS_AWAIT_PREFILL) req_finish(r, r->dec.status, PX_RO_OK, NULL, NULL);
@@ -645,7 +645,8 @@ static const px_leg_cbs conc_prefill_cbs = {
 static void dispatch_concurrent(px_req *r) {
     if (pick_prefill(r) < 0) return;
     char id[PX_DISPATCH_ID_LEN];
-    if (px_handoff_concurrent(r->pre.b->name, &r->body, &r->pre.body, &r->dec.body, id) < 0) {
+    if (px_handoff_concurrent(r->ctx->reg->identities, r->pre.b->name, &r->body, &r->pre.body,
+                              &r->dec.body, id) < 0) {
         r->log.disp = PX_DISP_NO_IDENTITY;
         px_m_inc(&r->w->metrics.dispatch[PX_DISP_NO_IDENTITY]);
         PX_LOG(PX_LOG_DEBUG,
