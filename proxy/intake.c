@@ -23,9 +23,10 @@ void px_intake_announce(void) {
                         "decision=disaggregated");
 }
 
-void px_intake_init(px_intake *in, px_ctx *ctx, px_gen *g, px_endpoint ep, const px_buf *body) {
+void px_intake_init(px_intake *in, px_wctx *w, px_gen *g, px_endpoint ep, const px_buf *body) {
     memset(in, 0, sizeof *in);
-    in->ctx = ctx;
+    in->w = w;
+    in->ctx = w->ctx;
     in->g = g;
     in->ep = ep;
     in->body = body;
@@ -332,27 +333,31 @@ void px_intake_headers(const px_ctx *ctx, px_endpoint ep, const px_http_head *h,
         px_buf_printf(l, "tracestate: %.*s\r\n", (int)ts->value_len, ts->value);
 }
 
-int px_intake_tokens(px_intake *in, px_leg *t, const px_buf *hdrs, int kva) {
+int px_intake_tokens(px_intake *in, int kva, px_buf *body) {
     const px_config *cfg = in->ctx->cfg;
-    px_wctx *w = t->w;
+    px_wctx *w = in->w;
     if (in->tok || cfg->tokenize_timeout <= 0 ||
         !(kva || (in->ctx->kvindex && cfg->disagg_min_tokens > 0)))
         return 0;
-    int k =
-        px_tokenize_lookup(&w->tokcache, (size_t)cfg->tokenize_cache_entries, in->ep,
-                           in->body->data, in->body->len, &t->body, &in->tkey, &in->tok, &in->ntok);
+    int k = px_tokenize_lookup(&w->tokcache, (size_t)cfg->tokenize_cache_entries, in->ep,
+                               in->body->data, in->body->len, body, &in->tkey, &in->tok, &in->ntok);
     if (k > 0) px_m_inc(&w->metrics.tokenize[PX_TOK_CACHED]);
+    if (k != 0) px_buf_cleanup(body);
+    return k == 0;
+}
+
+int px_intake_tokens_ask(px_intake *in, px_leg *t, const px_buf *hdrs) {
     /* Any healthy engine of the pool tokenizes alike: the one the prompt's
      * key names, so that its answers stay warm in one place. */
     px_pset *ps = in->ps;
-    if (k == 0 &&
-        px_leg_pick_any(t, px_pool_usable(&ps->prefill) ? &ps->prefill : &ps->decode, in->tkey)) {
+    if (px_leg_pick_any(t, px_pool_usable(&ps->prefill) ? &ps->prefill : &ps->decode, in->tkey)) {
         t->max_resp = PX_TOKENIZE_MAX_ANSWER;
-        if (px_leg_send(t, "POST", "/tokenize", &t->body, hdrs, cfg->tokenize_timeout) == 0)
+        if (px_leg_send(t, "POST", "/tokenize", &t->body, hdrs, in->ctx->cfg->tokenize_timeout) ==
+            0)
             return 1;
         px_leg_done(t, PX_OUT_CANCELLED);
     }
-    if (k == 0) px_m_inc(&w->metrics.tokenize[PX_TOK_ERROR]);
+    px_m_inc(&in->w->metrics.tokenize[PX_TOK_ERROR]);
     px_buf_cleanup(&t->body);
     return 0;
 }
@@ -375,7 +380,7 @@ void px_intake_tokens_done(px_intake *in, px_leg *t, px_up_result rc, const char
 
 int px_intake_decide(px_intake *in, px_leg *dec, px_disagg *dis) {
     const px_config *cfg = in->ctx->cfg;
-    px_wctx *w = dec->w;
+    px_wctx *w = in->w;
     if (cfg->disagg_min_tokens > 0) {
         size_t nd;
         px_pick k = {.key = in->key, .key_len = in->key_len};

@@ -23,6 +23,7 @@
 /* One request's intake. */
 typedef struct px_intake {
     px_ctx *ctx; /* borrowed */
+    px_wctx *w;  /* borrowed: the worker (its token cache and prefix index) */
     px_gen *g;   /* borrowed: the request's generation */
     px_endpoint ep;
     const px_buf *body; /* borrowed: the client's body, while the request holds it */
@@ -49,7 +50,7 @@ typedef struct px_verdict {
  * engine are served. */
 void px_intake_announce(void);
 
-void px_intake_init(px_intake *in, px_ctx *ctx, px_gen *g, px_endpoint ep, const px_buf *body);
+void px_intake_init(px_intake *in, px_wctx *w, px_gen *g, px_endpoint ep, const px_buf *body);
 void px_intake_cleanup(px_intake *in);
 void px_verdict_cleanup(px_verdict *v);
 
@@ -74,11 +75,15 @@ int px_intake_pd(px_intake *in, const px_http_head *h, const char *lid, px_verdi
 int px_intake_prompt(px_intake *in);
 
 /* The prompt's exact tokens where kv_aware (`kva`) or the KV index would
- * use them: from the worker's cache, else from an engine of the pool,
- * asked on the tokenize leg `t` (POST /tokenize with the header lines
- * `hdrs`, within --tokenize-timeout). Returns 1 when the leg was sent:
- * px_intake_tokens_done follows from its done callback. */
-int px_intake_tokens(px_intake *in, px_leg *t, const px_buf *hdrs, int kva);
+ * use them: from the worker's cache (0), else 1 with the body to ask an
+ * engine's POST /tokenize with appended to *body; 0 too when there is
+ * nothing to tokenize. */
+int px_intake_tokens(px_intake *in, int kva, px_buf *body);
+/* Sends the tokenize leg `t` (its body set) to an engine of the pool, with
+ * the header lines `hdrs`, within --tokenize-timeout. Returns 1 when it
+ * was sent: px_intake_tokens_done follows from its done callback; else 0
+ * (counted as a tokenize error: the byte estimate stands). */
+int px_intake_tokens_ask(px_intake *in, px_leg *t, const px_buf *hdrs);
 /* The tokenize leg ended (rc, why: its transfer's): the tokens taken and
  * cached, counted, the engine handed back. */
 void px_intake_tokens_done(px_intake *in, px_leg *t, px_up_result rc, const char *why,

@@ -21,9 +21,17 @@ enum { TIMER_NONE = 0, TIMER_RETRY, TIMER_GRACE, TIMER_IDLE };
 static const px_upstream_cbs leg_up_cbs;
 static void on_timer(evutil_socket_t fd, short what, void *arg);
 
+/* Copies the string s into out (cap bytes), cut to fit: the names and
+ * types a leg keeps, without printf's cost on every request. */
+static void copy(char *out, size_t cap, const char *s) {
+    size_t n = strlen(s);
+    if (n >= cap) n = cap - 1;
+    memcpy(out, s, n);
+    out[n] = '\0';
+}
+
 void px_leg_init(px_leg *l, px_leg_role role, px_wctx *w, const px_leg_cbs *cbs, void *owner,
                  const char *lid) {
-    memset(l, 0, sizeof *l);
     l->lid = lid;
     l->role = role;
     l->w = w;
@@ -57,10 +65,11 @@ static px_dp_role dp_role(const px_leg *l) {
     return l->role == PX_LEG_PREFILL ? PX_DP_PREFILL : PX_DP_DECODE;
 }
 
-/* The attempt ended: its data-parallel rank is free again. */
+/* The attempt ended: its data-parallel rank is free again (the backend is
+ * held until after this). */
 static void dp_end(px_leg *l) {
     if (l->rank < 0) return;
-    px_dp_done(l->w->ctx->reg->dp, dp_role(l), l->rank_of, l->rank);
+    if (l->b) px_dp_done(l->w->ctx->reg->dp, dp_role(l), l->b->name, l->rank);
     l->rank = -1;
 }
 
@@ -116,7 +125,7 @@ int px_leg_send(px_leg *l, const char *method, const char *path, const px_buf *b
                 const px_buf *hdrs, double total) {
     px_backend *b = l->b;
     const px_config *cfg = l->w->ctx->cfg;
-    snprintf(l->name, sizeof l->name, "%s", b->name);
+    copy(l->name, sizeof l->name, b->name);
     l->https = (unsigned char)b->https;
     if (!l->t_start) l->t_start = px_now_ns();
     if (l->ntried < PX_LEG_MAX_TRIES) l->tried[l->ntried++] = b;
@@ -137,7 +146,6 @@ int px_leg_send(px_leg *l, const char *method, const char *path, const px_buf *b
         int rank = px_dp_take(l->w->ctx->reg->dp, role, b->name, (int)dp);
         if (rank >= 0) {
             l->rank = rank;
-            snprintf(l->rank_of, sizeof l->rank_of, "%s", b->name);
             if (hdrs) px_buf_append(&hd, hdrs->data, hdrs->len);
             px_buf_printf(&hd, "X-data-parallel-rank: %d\r\n", rank);
             hdrs = &hd;
@@ -193,6 +201,7 @@ void px_leg_done(px_leg *l, px_outcome o) {
 }
 
 void px_leg_stop(px_leg *l, px_outcome o) {
+    if (!l->up && !l->b && l->rank < 0 && l->timer_kind == TIMER_NONE) return; /* idle */
     px_upstream_cancel(l->up);
     l->up = NULL;
     dp_end(l);
@@ -205,7 +214,7 @@ void px_leg_stop(px_leg *l, px_outcome o) {
 static void up_headers(void *arg, int status, const char *ctype) {
     px_leg *l = arg;
     l->status = status;
-    snprintf(l->ctype, sizeof l->ctype, "%s", ctype ? ctype : "application/json");
+    copy(l->ctype, sizeof l->ctype, ctype ? ctype : "application/json");
     px_leg_touch(l);
     if (l->cbs->head) l->cbs->head(l->owner, status, ctype);
 }

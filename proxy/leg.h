@@ -48,42 +48,42 @@ typedef struct px_leg_cbs {
 
 typedef struct px_leg {
     px_leg_role role;
+    int rank;              /* the attempt's data-parallel rank (dp.h) on b, -1: none */
     px_wctx *w;            /* borrowed: the worker */
     px_pool *pool;         /* borrowed: where its backends come from; NULL: not yet known */
     const px_leg_cbs *cbs; /* borrowed: static tables; the owner may swap them */
     void *owner;           /* borrowed */
     const char *lid;       /* borrowed: the request's id as a logfmt value, for log lines */
     px_backend *b;         /* owned reference while an attempt holds it */
-    int named;             /* b is the backend the request named (px_leg_take) */
     px_upstream *up;       /* owned: the attempt's transfer in flight */
     char name[128];        /* the last attempt's backend, for logs after the hand-back */
-    unsigned char https;   /* its scheme, for the spans' url.full */
     px_backend *tried[PX_LEG_MAX_TRIES]; /* identity only, never dereferenced */
     size_t ntried;
     long charge;       /* prompt tokens charged on b (kv_aware's load) */
-    int rank;          /* the attempt's data-parallel rank (dp.h), -1: none */
-    char rank_of[128]; /* the backend it belongs to */
     px_buf hdrs;       /* owned: header lines of its requests */
     px_buf body;       /* owned: what it sends */
     px_buf resp;       /* owned: the answer, when kept (cbs->data NULL) */
     size_t max_resp;   /* the most of an answer kept */
-    int too_big;       /* the answer passed max_resp */
     int status;        /* the answer's status; 0: none yet */
     char ctype[128];   /* its Content-Type ("application/json" when it had none) */
-    int busy;          /* the engine answered that its queue is full: no failure */
-    int beside;        /* prefill under --dispatch concurrent: decode waits for its KV */
     uint64_t t_start;  /* when its first attempt left; 0: never */
     uint64_t t_end;    /* when its answer ended the leg (prefill); 0: not yet */
     uint64_t deadline; /* every attempt ends by then; 0: no deadline */
     double idle_s;     /* px_leg_touch's limit; 0: none */
     uint64_t idle_since_ns;
     struct event *timer; /* owned */
-    int timer_kind;
-    char span[17]; /* its span id (otlp.h), "" without */
+    char span[17];       /* its span id (otlp.h), "" without */
+    unsigned char timer_kind;
+    unsigned char https;   /* the last attempt's backend's scheme, for the spans' url.full */
+    unsigned char named;   /* b is the backend the request named (px_leg_take) */
+    unsigned char too_big; /* the answer passed max_resp */
+    unsigned char busy;    /* the engine answered that its queue is full: no failure */
+    unsigned char beside;  /* prefill under --dispatch concurrent: decode waits for its KV */
 } px_leg;
 
 /* Sets up a leg of `role` for worker w, reporting to owner; lid: the
- * request's id for log lines (borrowed). Its span id is drawn; a prefill
+ * request's id for log lines (borrowed). The leg must be zeroed (its
+ * owner's calloc). Its span id is drawn; a prefill
  * keeps answers of up to 8 MiB, a decode goes idle after
  * --decode-idle-timeout. */
 void px_leg_init(px_leg *l, px_leg_role role, px_wctx *w, const px_leg_cbs *cbs, void *owner,

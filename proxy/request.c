@@ -75,7 +75,7 @@ struct px_req {
     px_intake in;         /* what the client sent, checked: pool, session, prompt (intake.h) */
     px_buf body;          /* owned: the client's body (until decode's is built from it) */
     char *target;         /* owned: path and query sent to decode; NULL: the endpoint's path */
-    px_leg tok;           /* the call to an engine's /tokenize (leg.h) */
+    px_leg *tok;          /* owned: the call to an engine's /tokenize (leg.h); NULL: none */
     px_leg pre;           /* the prefill leg */
     px_leg dec;           /* the decode leg */
     px_reply reply;       /* its one answer to the client (reply.h) */
@@ -123,7 +123,8 @@ static void req_free(px_req *r) {
     PX_LIST_UNLINK(r->w->reqs, r);
     r->w->nreqs--;
     if (event_initialized(&r->free_ev)) event_del(&r->free_ev);
-    px_leg_cleanup(&r->tok);
+    if (r->tok) px_leg_cleanup(r->tok);
+    free(r->tok);
     px_leg_cleanup(&r->pre);
     px_leg_cleanup(&r->dec);
     px_intake_cleanup(&r->in);
@@ -161,7 +162,7 @@ static void req_finish(px_req *r, int status, px_req_outcome outcome, const char
     px_reqlog_finish(&r->log, &r->w->metrics, status, outcome, states[r->state].name,
                      r->body.len ? &r->body : &r->dec.body);
     set_state(r, RS_DONE);
-    px_leg_stop(&r->tok, PX_OUT_CANCELLED);
+    if (r->tok) px_leg_stop(r->tok, PX_OUT_CANCELLED);
     px_leg_stop(&r->pre, PX_OUT_CANCELLED);
     px_leg_stop(&r->dec, PX_OUT_CANCELLED);
     if (r->counted) atomic_fetch_sub(&r->ctx->inflight, 1);
@@ -751,7 +752,7 @@ static void route_pd(px_req *r) {
 
 static void tok_done(void *arg, px_up_result rc, const char *why, int connected) {
     px_req *r = arg;
-    px_intake_tokens_done(&r->in, &r->tok, rc, why, r->log.lid);
+    px_intake_tokens_done(&r->in, r->tok, rc, why, r->log.lid);
     if (r->state == RS_TOKENIZE) route_pd(r);
 }
 
@@ -760,10 +761,17 @@ static const px_leg_cbs tokenize_cbs = {.done = tok_done};
 /* Admitted: the prompt's key and, when wanted, its exact tokens. */
 static void pd_go(void *arg) {
     px_req *r = arg;
-    if (px_intake_tokens(&r->in, &r->tok, &r->pre.hdrs, px_intake_prompt(&r->in)))
-        set_state(r, RS_TOKENIZE);
-    else
-        route_pd(r);
+    px_buf body = {0}; /* the /tokenize request, when one is to be made */
+    if (px_intake_tokens(&r->in, px_intake_prompt(&r->in), &body)) {
+        r->tok = px_xcalloc(1, sizeof *r->tok);
+        px_leg_init(r->tok, PX_LEG_TOKENIZE, r->w, &tokenize_cbs, r, r->log.lid);
+        r->tok->body = body;
+        if (px_intake_tokens_ask(&r->in, r->tok, &r->pre.hdrs)) {
+            set_state(r, RS_TOKENIZE);
+            return;
+        }
+    }
+    route_pd(r);
 }
 
 /* ---------- INTAKE: the request arrives ---------- */
@@ -782,8 +790,7 @@ static px_req *req_new(px_wctx *w, px_conn *c, px_endpoint ep, const px_http_hea
     r->state = RS_INTAKE;
     r->body = *body;
     px_buf_init(body);
-    px_intake_init(&r->in, r->ctx, r->g, ep, &r->body);
-    px_leg_init(&r->tok, PX_LEG_TOKENIZE, w, &tokenize_cbs, r, r->log.lid);
+    px_intake_init(&r->in, w, r->g, ep, &r->body);
     px_leg_init(&r->pre, PX_LEG_PREFILL, w, &prefill_cbs, r, r->log.lid);
     px_leg_init(&r->dec, PX_LEG_DECODE, w, &decode_cbs, r, r->log.lid);
     r->pre.pool = &r->in.ps->prefill;
