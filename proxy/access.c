@@ -28,6 +28,7 @@ void px_access_write(const px_access *a) {
     if (a->queued) ADD(" queue_ms=%.2f", a->queue_ms);
     ADD(" total_ms=%.2f bytes_out=%zu outcome=%s", a->total_ms < 0 ? 0 : a->total_ms, a->bytes_out,
         a->outcome);
+    if (a->state) ADD(" state=%s", a->state);
     if (a->trace_id && a->trace_id[0]) ADD(" trace_id=%s", a->trace_id);
     if (a->decision) ADD(" decision=%s", a->decision);
     if (a->decision_reason) ADD(" decision_reason=%s", a->decision_reason);

@@ -23,6 +23,7 @@ typedef struct px_access {
     double queue_ms;
     size_t bytes_out;
     const char *outcome;  /* borrowed */
+    const char *state;    /* borrowed: the request's state when it ended; NULL: left out */
     const char *trace_id; /* borrowed; NULL: none */
     /* How the request was served: "disaggregated" or "decode_only", why,
      * and the decode-only fallback taken after prefill failed (NULL:

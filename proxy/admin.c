@@ -200,10 +200,10 @@ static void change_backend(px_admin *a, px_conn *c, const px_buf *body, int add)
         goto out;
     }
     /* Its DP size, over the file's and the flags' (removal forgets it). */
-    if ((dp_size || !add) && px_dp_declare_admin(url, dp_size) < 0)
+    if ((dp_size || !add) && px_dp_declare_admin(a->h.ctx->reg->dp, url, dp_size) < 0)
         PX_LOG(PX_LOG_WARN, "msg=\"admin: dp_size ignored: no room\" url=\"%s\"", url);
     /* Its KV-event endpoints likewise (removal forgets them). */
-    if (ep[0] || ep[1] || !add) px_kvsub_declare_admin(url, ep[0], ep[1]);
+    if (ep[0] || ep[1] || !add) px_kvsub_declare_admin(a->h.ctx->reg->kv_decls, url, ep[0], ep[1]);
     PX_LOG(PX_LOG_INFO, "msg=\"admin: backend %s\" who=%s pool=\"%s\" role=%s url=\"%s\"",
            add ? "added" : "removed (drains: requests on it finish)", a->who, op.pool, role, url);
     px_buf b;

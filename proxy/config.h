@@ -1,6 +1,8 @@
 /* SPDX-License-Identifier: Apache-2.0 */
-/* pdproxy's settings. One static table (config.c) drives the command-line
- * flags, the PDPROXY_* environment variables, --help and --print-config. */
+/* pdproxy's settings. One static table (config_opts.c, one row per option
+ * with every column) drives the command-line flags, the PDPROXY_*
+ * environment variables, the --config file's keys, --help and
+ * --print-config. */
 #ifndef PX_CONFIG_H
 #define PX_CONFIG_H
 
@@ -210,9 +212,6 @@ int px_config_is_set(const px_config *c, const char *name);
 /* Writes the effective configuration as YAML that --config reads back to
  * the same settings; secrets appear only as comments saying they are set. */
 void px_config_dump(const px_config *c, FILE *out);
-/* pdproxy --version / -V: the version, the source commit and the build
- * options (TLS library, libevent, CUDA and UCX of libkvconnector); version.c. */
-void px_version_print(FILE *out);
 
 /* The pools requests are routed to: the named ones, or else the unnamed
  * pool of the top-level backends. Deep copies; free with

@@ -27,6 +27,18 @@ struct px_req;
 struct px_pindex;
 struct px_kvindex;
 struct px_kvsub;
+struct px_pf_cache;
+struct px_dp_table;
+struct px_kv_decls;
+
+/* The process-wide tables about backends that outlive a generation of
+ * pools, each its own module's (its functions take it): server.c creates
+ * them before the workers start and destroys them after they stopped. */
+typedef struct px_registry {
+    struct px_pf_cache *identities; /* owned: prefills' identities, --dispatch (dispatch.h) */
+    struct px_dp_table *dp;         /* owned: data-parallel ranks and declared sizes (dp.h) */
+    struct px_kv_decls *kv_decls;   /* owned: declared KV-event endpoints (kvevents.h) */
+} px_registry;
 
 /* One model pool at run time: its prefill and decode backends. */
 typedef struct px_pset {
@@ -97,6 +109,7 @@ typedef struct px_ctx {
     px_kv_counters kvc;         /* the KV-event subscriber's totals */
     struct px_kvsub *kvsub;     /* borrowed: the subscriber, control thread only; NULL when off */
     px_sessions *sessions;      /* owned: sessions' decode backends; NULL: --session-ttl 0 */
+    px_registry *reg;           /* borrowed: the process-wide tables (server.c's) */
 } px_ctx;
 
 /* What one worker thread owns for its requests; only that thread touches

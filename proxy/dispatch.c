@@ -4,6 +4,7 @@
 #include <pthread.h>
 #include <stdint.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include <openssl/rand.h>
@@ -84,58 +85,66 @@ typedef struct ident_entry {
     uint64_t stamp; /* when learned, in learn order: the oldest goes first */
 } ident_entry;
 
-static pthread_mutex_t cache_mu = PTHREAD_MUTEX_INITIALIZER;
-static ident_entry cache[PX_DISPATCH_MAX_IDENTITIES];
-static size_t ncache;
-static uint64_t clock_;
+struct px_pf_cache {
+    pthread_mutex_t mu;
+    ident_entry e[PX_DISPATCH_MAX_IDENTITIES];
+    size_t n;
+    uint64_t clock;
+};
 
-static ident_entry *find(const char *backend) {
-    for (size_t i = 0; i < ncache; i++)
-        if (!strcmp(cache[i].backend, backend)) return &cache[i];
+px_pf_cache *px_pf_cache_create(void) {
+    px_pf_cache *c = px_xcalloc(1, sizeof *c);
+    pthread_mutex_init(&c->mu, NULL);
+    return c;
+}
+
+void px_pf_cache_destroy(px_pf_cache *c) {
+    if (!c) return;
+    pthread_mutex_destroy(&c->mu);
+    free(c);
+}
+
+static ident_entry *find(px_pf_cache *c, const char *backend) {
+    for (size_t i = 0; i < c->n; i++)
+        if (!strcmp(c->e[i].backend, backend)) return &c->e[i];
     return NULL;
 }
 
-int px_dispatch_learn(const char *backend, const char *kvp, size_t n) {
+int px_dispatch_learn(px_pf_cache *c, const char *backend, const char *kvp, size_t n) {
     px_pf_identity id;
-    if (!backend || strlen(backend) >= sizeof cache[0].backend) return -1;
+    if (!backend || strlen(backend) >= sizeof c->e[0].backend) return -1;
     if (px_dispatch_identity_parse(kvp, n, &id) < 0) {
-        px_dispatch_forget(backend);
+        px_dispatch_forget(c, backend);
         return -1;
     }
-    pthread_mutex_lock(&cache_mu);
-    ident_entry *e = find(backend);
-    if (!e && ncache < PX_DISPATCH_MAX_IDENTITIES) e = &cache[ncache++];
+    pthread_mutex_lock(&c->mu);
+    ident_entry *e = find(c, backend);
+    if (!e && c->n < PX_DISPATCH_MAX_IDENTITIES) e = &c->e[c->n++];
     if (!e) { /* full: the least recently learned makes room */
-        e = &cache[0];
-        for (size_t i = 1; i < ncache; i++)
-            if (cache[i].stamp < e->stamp) e = &cache[i];
+        e = &c->e[0];
+        for (size_t i = 1; i < c->n; i++)
+            if (c->e[i].stamp < e->stamp) e = &c->e[i];
     }
     snprintf(e->backend, sizeof e->backend, "%s", backend);
     e->id = id;
-    e->stamp = ++clock_;
-    pthread_mutex_unlock(&cache_mu);
+    e->stamp = ++c->clock;
+    pthread_mutex_unlock(&c->mu);
     return 0;
 }
 
-int px_dispatch_get(const char *backend, px_pf_identity *id) {
-    pthread_mutex_lock(&cache_mu);
-    ident_entry *e = backend ? find(backend) : NULL;
+int px_dispatch_get(px_pf_cache *c, const char *backend, px_pf_identity *id) {
+    pthread_mutex_lock(&c->mu);
+    ident_entry *e = backend ? find(c, backend) : NULL;
     if (e) *id = e->id;
-    pthread_mutex_unlock(&cache_mu);
+    pthread_mutex_unlock(&c->mu);
     return e != NULL;
 }
 
-void px_dispatch_forget(const char *backend) {
-    pthread_mutex_lock(&cache_mu);
-    ident_entry *e = backend ? find(backend) : NULL;
-    if (e) *e = cache[--ncache];
-    pthread_mutex_unlock(&cache_mu);
-}
-
-void px_dispatch_clear(void) {
-    pthread_mutex_lock(&cache_mu);
-    ncache = 0;
-    pthread_mutex_unlock(&cache_mu);
+void px_dispatch_forget(px_pf_cache *c, const char *backend) {
+    pthread_mutex_lock(&c->mu);
+    ident_entry *e = backend ? find(c, backend) : NULL;
+    if (e) *e = c->e[--c->n];
+    pthread_mutex_unlock(&c->mu);
 }
 
 /* ---------- the legs' kv_transfer_params ---------- */
@@ -149,9 +158,28 @@ static void hex(const unsigned char *b, size_t n, char *out) {
     out[2 * n] = '\0';
 }
 
+/* Random bytes for the minted ids, drawn from OpenSSL's generator a
+ * batch at a time per thread: RAND_bytes costs a getpid() per call (its
+ * fork check), one system call per request on the fast path
+ * (integration.proxy_budget); a batch serves 256 transfer ids. pdproxy
+ * does not fork after its threads start, so no batch is ever shared. */
+static int random_bytes(unsigned char *out, size_t n) {
+    static _Thread_local unsigned char pool[4096];
+    static _Thread_local size_t left;
+    if (n > sizeof pool) return RAND_bytes(out, (int)n) == 1 ? 0 : -1;
+    if (left < n) {
+        if (RAND_bytes(pool, sizeof pool) != 1) return -1;
+        left = sizeof pool;
+    }
+    memcpy(out, pool + sizeof pool - left, n);
+    memset(pool + sizeof pool - left, 0, n); /* used once */
+    left -= n;
+    return 0;
+}
+
 int px_dispatch_mint(char id[PX_DISPATCH_ID_LEN], char token[33]) {
     unsigned char b[32];
-    if (RAND_bytes(b, sizeof b) != 1) return -1;
+    if (random_bytes(b, sizeof b) < 0) return -1;
     memcpy(id, "pdproxy-", 8);
     hex(b, 16, id + 8);
     hex(b + 16, 16, token);
@@ -160,7 +188,7 @@ int px_dispatch_mint(char id[PX_DISPATCH_ID_LEN], char token[33]) {
 
 int px_dispatch_mint_transfer_id(char id[PX_DISPATCH_XFER_LEN]) {
     unsigned char b[16];
-    if (RAND_bytes(b, sizeof b) != 1) return -1;
+    if (random_bytes(b, sizeof b) < 0) return -1;
     memcpy(id, "xfer-", 5);
     hex(b, sizeof b, id + 5);
     return 0;

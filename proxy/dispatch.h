@@ -13,7 +13,8 @@
  * at prefill before prefill is done. Decode's params need the prefill's
  * identity, which only that prefill's own answers tell: a process-wide
  * cache, per prefill backend, learned from its answers' kv_transfer_params
- * (any worker thread reads and writes it, under a mutex).
+ * (any worker thread reads and writes it, under a mutex), one per process
+ * in the registry (registry.h).
  *
  * Only a prefill that pushes may be sent both legs at once: its answers
  * say "transfer_mode":"push" (vLLM's NIXL schedulers write the key since
@@ -89,13 +90,14 @@ px_dispatch_kind px_dispatch_decide(px_dispatch_mode mode, const px_pf_identity 
  * known, else 0; forget: drops it (decode could not load from it, or the
  * prefill failed a health check: it may come back as another engine, in
  * another mode). At most PX_DISPATCH_MAX_IDENTITIES backends are kept,
- * the least recently learned going first. */
+ * the least recently learned going first. Any thread. */
 #define PX_DISPATCH_MAX_IDENTITIES 4096
-int px_dispatch_learn(const char *backend, const char *kvp, size_t n);
-int px_dispatch_get(const char *backend, px_pf_identity *id);
-void px_dispatch_forget(const char *backend);
-/* Empties the cache (tests; shutdown). */
-void px_dispatch_clear(void);
+typedef struct px_pf_cache px_pf_cache;
+px_pf_cache *px_pf_cache_create(void); /* empty; never NULL */
+void px_pf_cache_destroy(px_pf_cache *c); /* NULL is a no-op */
+int px_dispatch_learn(px_pf_cache *c, const char *backend, const char *kvp, size_t n);
+int px_dispatch_get(px_pf_cache *c, const char *backend, px_pf_identity *id);
+void px_dispatch_forget(px_pf_cache *c, const char *backend);
 
 /* Mints a request id ("pdproxy-" and 32 hex digits) and a token (32 hex
  * digits, what libkvconnector's kv_token takes) from OpenSSL's RAND_bytes.

@@ -31,39 +31,6 @@ typedef struct dp_slot {
     atomic_long own_at[PX_DP_MAX];
 } dp_slot;
 
-static dp_slot slots[DP_SLOTS];
-static pthread_mutex_t insert_mu = PTHREAD_MUTEX_INITIALIZER;
-
-/* Linear probing from the key's hash: an unready slot ends the chain
- * (slots are never removed). `claim`: take that slot for the key. */
-static dp_slot *probe(px_dp_role role, const char *name, uint64_t h, int claim) {
-    for (size_t i = 0; i < DP_SLOTS; i++) {
-        dp_slot *s = &slots[(h + i) % DP_SLOTS];
-        if (!atomic_load_explicit(&s->ready, memory_order_acquire)) {
-            if (!claim) return NULL;
-            s->role = role;
-            snprintf(s->name, sizeof s->name, "%s", name);
-            atomic_store_explicit(&s->ready, 1, memory_order_release);
-            return s;
-        }
-        if (s->role == role && !strncmp(s->name, name, sizeof s->name - 1)) return s;
-    }
-    return NULL;
-}
-
-/* The slot of (role, name), created when `create`; NULL when absent or
- * the table is full. Lookups are lock-free; inserts take the lock (and
- * look again under it: another thread may have inserted the key). */
-static dp_slot *find(px_dp_role role, const char *name, int create) {
-    uint64_t h = px_hash64(name, strlen(name)) ^ (uint64_t)role;
-    dp_slot *s = probe(role, name, h, 0);
-    if (s || !create) return s;
-    pthread_mutex_lock(&insert_mu);
-    s = probe(role, name, h, 1);
-    pthread_mutex_unlock(&insert_mu);
-    return s;
-}
-
 /* ---- DP sizes backends declare (config file entries, admin API) ----
  * Keyed by the backend's configured URL (px_backend.src), so every address
  * a name resolves to shares its entry. Two layers: the file's, replaced by
@@ -79,43 +46,90 @@ typedef struct decl_slot {
     unsigned mark;         /* control thread: the file layer's last declaration */
 } decl_slot;
 
-/* Made by the first declaration (2 MiB, most of it never touched), so that
- * a proxy whose backends declare no size spends no memory on it. Never
- * freed: workers read it without a lock. */
-static _Atomic(decl_slot *) decls;
-static unsigned decl_gen;
-static atomic_int ndecl; /* slots made: 0 until a backend declared a size */
+struct px_dp_table {
+    dp_slot slots[DP_SLOTS];
+    pthread_mutex_t insert_mu; /* inserts into slots and decls */
+    /* Made by the first declaration (2 MiB, most of it never touched), so
+     * that a proxy whose backends declare no size spends no memory on it;
+     * freed with the table. Workers read it without a lock. */
+    _Atomic(decl_slot *) decls;
+    unsigned decl_gen;
+    atomic_int ndecl; /* slots made: 0 until a backend declared a size */
+};
 
-int px_dp_declared(void) {
-    return atomic_load_explicit(&ndecl, memory_order_relaxed) > 0;
+/* Linear probing from the key's hash: an unready slot ends the chain
+ * (slots are never removed). `claim`: take that slot for the key. */
+static dp_slot *probe(px_dp_table *t, px_dp_role role, const char *name, uint64_t h, int claim) {
+    for (size_t i = 0; i < DP_SLOTS; i++) {
+        dp_slot *s = &t->slots[(h + i) % DP_SLOTS];
+        if (!atomic_load_explicit(&s->ready, memory_order_acquire)) {
+            if (!claim) return NULL;
+            s->role = role;
+            snprintf(s->name, sizeof s->name, "%s", name);
+            atomic_store_explicit(&s->ready, 1, memory_order_release);
+            return s;
+        }
+        if (s->role == role && !strncmp(s->name, name, sizeof s->name - 1)) return s;
+    }
+    return NULL;
 }
 
-static decl_slot *decl_find(const char *url, int create) {
+/* The slot of (role, name), created when `create`; NULL when absent or
+ * the table is full. Lookups are lock-free; inserts take the lock (and
+ * look again under it: another thread may have inserted the key). */
+static dp_slot *find(px_dp_table *t, px_dp_role role, const char *name, int create) {
+    uint64_t h = px_hash64(name, strlen(name)) ^ (uint64_t)role;
+    dp_slot *s = probe(t, role, name, h, 0);
+    if (s || !create) return s;
+    pthread_mutex_lock(&t->insert_mu);
+    s = probe(t, role, name, h, 1);
+    pthread_mutex_unlock(&t->insert_mu);
+    return s;
+}
+
+px_dp_table *px_dp_table_create(void) {
+    px_dp_table *t = px_xcalloc(1, sizeof *t);
+    pthread_mutex_init(&t->insert_mu, NULL);
+    return t;
+}
+
+void px_dp_table_destroy(px_dp_table *t) {
+    if (!t) return;
+    pthread_mutex_destroy(&t->insert_mu);
+    free(atomic_load_explicit(&t->decls, memory_order_relaxed));
+    free(t);
+}
+
+int px_dp_declared(px_dp_table *t) {
+    return atomic_load_explicit(&t->ndecl, memory_order_relaxed) > 0;
+}
+
+static decl_slot *decl_find(px_dp_table *t, const char *url, int create) {
     if (strlen(url) >= sizeof((decl_slot *)0)->url) return NULL;
-    decl_slot *tab = atomic_load_explicit(&decls, memory_order_acquire);
+    decl_slot *tab = atomic_load_explicit(&t->decls, memory_order_acquire);
     if (!tab) {
         if (!create) return NULL;
-        pthread_mutex_lock(&insert_mu);
-        tab = atomic_load_explicit(&decls, memory_order_acquire);
+        pthread_mutex_lock(&t->insert_mu);
+        tab = atomic_load_explicit(&t->decls, memory_order_acquire);
         if (!tab) {
             tab = px_xcalloc(DECL_SLOTS, sizeof *tab);
-            atomic_store_explicit(&decls, tab, memory_order_release);
+            atomic_store_explicit(&t->decls, tab, memory_order_release);
         }
-        pthread_mutex_unlock(&insert_mu);
+        pthread_mutex_unlock(&t->insert_mu);
     }
     uint64_t h = px_hash64(url, strlen(url));
     for (size_t i = 0; i < DECL_SLOTS; i++) {
         decl_slot *d = &tab[(h + i) % DECL_SLOTS];
         if (!atomic_load_explicit(&d->ready, memory_order_acquire)) {
             if (!create) return NULL;
-            pthread_mutex_lock(&insert_mu);
+            pthread_mutex_lock(&t->insert_mu);
             int taken = atomic_load_explicit(&d->ready, memory_order_acquire);
             if (!taken) {
                 snprintf(d->url, sizeof d->url, "%s", url);
                 atomic_store_explicit(&d->ready, 1, memory_order_release);
-                atomic_fetch_add_explicit(&ndecl, 1, memory_order_relaxed);
+                atomic_fetch_add_explicit(&t->ndecl, 1, memory_order_relaxed);
             }
-            pthread_mutex_unlock(&insert_mu);
+            pthread_mutex_unlock(&t->insert_mu);
             if (!taken) return d;
         }
         if (!strcmp(d->url, url)) return d;
@@ -123,8 +137,8 @@ static decl_slot *decl_find(const char *url, int create) {
     return NULL;
 }
 
-int px_dp_size(const char *url, int fallback) {
-    decl_slot *d = url ? decl_find(url, 0) : NULL;
+int px_dp_size(px_dp_table *t, const char *url, int fallback) {
+    decl_slot *d = url ? decl_find(t, url, 0) : NULL;
     if (d) {
         int a = atomic_load_explicit(&d->admin_size, memory_order_relaxed);
         if (a > 0) return a;
@@ -134,13 +148,13 @@ int px_dp_size(const char *url, int fallback) {
     return fallback;
 }
 
-int px_dp_declare_file(const px_strlist *decl) {
-    unsigned gen = ++decl_gen;
+int px_dp_declare_file(px_dp_table *t, const px_strlist *decl) {
+    unsigned gen = ++t->decl_gen;
     int rc = 0;
     for (size_t i = 0; i < decl->n; i++) {
         char *end;
         long n = strtol(decl->v[i], &end, 10);
-        decl_slot *d = *end == ' ' ? decl_find(end + 1, 1) : NULL;
+        decl_slot *d = *end == ' ' ? decl_find(t, end + 1, 1) : NULL;
         if (!d) {
             rc = -1;
             continue;
@@ -148,22 +162,22 @@ int px_dp_declare_file(const px_strlist *decl) {
         atomic_store_explicit(&d->file_size, (int)n, memory_order_relaxed);
         d->mark = gen;
     }
-    decl_slot *tab = atomic_load_explicit(&decls, memory_order_acquire);
+    decl_slot *tab = atomic_load_explicit(&t->decls, memory_order_acquire);
     for (size_t i = 0; tab && i < DECL_SLOTS; i++)
         if (atomic_load_explicit(&tab[i].ready, memory_order_acquire) && tab[i].mark != gen)
             atomic_store_explicit(&tab[i].file_size, 0, memory_order_relaxed);
     return rc;
 }
 
-void px_dp_forget_admin(void) {
-    decl_slot *tab = atomic_load_explicit(&decls, memory_order_acquire);
+void px_dp_forget_admin(px_dp_table *t) {
+    decl_slot *tab = atomic_load_explicit(&t->decls, memory_order_acquire);
     for (size_t i = 0; tab && i < DECL_SLOTS; i++)
         if (atomic_load_explicit(&tab[i].ready, memory_order_acquire))
             atomic_store_explicit(&tab[i].admin_size, 0, memory_order_relaxed);
 }
 
-int px_dp_declare_admin(const char *url, int size) {
-    decl_slot *d = decl_find(url, size > 0);
+int px_dp_declare_admin(px_dp_table *t, const char *url, int size) {
+    decl_slot *d = decl_find(t, url, size > 0);
     if (!d) return size > 0 ? -1 : 0;
     atomic_store_explicit(&d->admin_size, size, memory_order_relaxed);
     return 0;
@@ -181,10 +195,10 @@ static long load_of(dp_slot *s, int k) {
     return v > own ? v : own;
 }
 
-int px_dp_take(px_dp_role role, const char *name, int size) {
+int px_dp_take(px_dp_table *t, px_dp_role role, const char *name, int size) {
     if (size < 2) return -1;
     if (size > PX_DP_MAX) size = PX_DP_MAX;
-    dp_slot *s = find(role, name, 1);
+    dp_slot *s = find(t, role, name, 1);
     if (!s) return -1;
     int best = 0;
     long least = 0;
@@ -205,9 +219,9 @@ int px_dp_take(px_dp_role role, const char *name, int size) {
     return best;
 }
 
-void px_dp_done(px_dp_role role, const char *name, int rank) {
+void px_dp_done(px_dp_table *t, px_dp_role role, const char *name, int rank) {
     if (rank < 0 || rank >= PX_DP_MAX) return;
-    dp_slot *s = find(role, name, 0);
+    dp_slot *s = find(t, role, name, 0);
     if (s) atomic_fetch_sub_explicit(&s->inflight[rank], 1, memory_order_relaxed);
 }
 
@@ -268,8 +282,9 @@ int px_dp_parse_ranks(const char *text, size_t n, long load[PX_DP_MAX]) {
 }
 
 /* Stores the per-rank figures for one role's slot of the backend. */
-static void engine_store(px_dp_role role, const char *name, const long *load, int ranks) {
-    dp_slot *s = find(role, name, ranks > 0);
+static void engine_store(px_dp_table *t, px_dp_role role, const char *name, const long *load,
+                         int ranks) {
+    dp_slot *s = find(t, role, name, ranks > 0);
     if (!s) return;
     if (ranks <= 0) {
         atomic_store_explicit(&s->eng_known, 0, memory_order_release);
@@ -285,14 +300,14 @@ static void engine_store(px_dp_role role, const char *name, const long *load, in
     atomic_store_explicit(&s->eng_known, 1, memory_order_release);
 }
 
-void px_dp_engine_load(const char *name, const char *text, size_t n) {
+void px_dp_engine_load(px_dp_table *t, const char *name, const char *text, size_t n) {
     long load[PX_DP_MAX];
     int ranks = text ? px_dp_parse_ranks(text, n, load) : 0;
     /* One engine behind one address: whichever role pdproxy gives it. A
      * single rank (engine="0" only) says nothing a rank choice can use. */
     if (ranks < 2) ranks = 0;
-    engine_store(PX_DP_PREFILL, name, load, ranks);
-    engine_store(PX_DP_DECODE, name, load, ranks);
+    engine_store(t, PX_DP_PREFILL, name, load, ranks);
+    engine_store(t, PX_DP_DECODE, name, load, ranks);
 }
 
 static void label_value(px_buf *out, const char *v) {
@@ -311,12 +326,12 @@ static void label(px_buf *out, const dp_slot *s, int k) {
     px_buf_printf(out, "\",rank=\"%d\"}", k);
 }
 
-void px_dp_render(px_buf *out) {
+void px_dp_render(px_dp_table *t, px_buf *out) {
     px_buf_appends(out, "# HELP pdproxy_dp_rank_in_flight Requests in flight on a data-parallel "
                         "rank of a backend (X-data-parallel-rank), as pdproxy counts them.\n"
                         "# TYPE pdproxy_dp_rank_in_flight gauge\n");
     for (size_t i = 0; i < DP_SLOTS; i++) {
-        dp_slot *s = &slots[i];
+        dp_slot *s = &t->slots[i];
         if (!atomic_load_explicit(&s->ready, memory_order_acquire)) continue;
         int used = atomic_load_explicit(&s->used, memory_order_relaxed);
         for (int k = 0; k < used; k++) {
@@ -330,7 +345,7 @@ void px_dp_render(px_buf *out) {
                         "(vllm:num_requests_* labelled engine).\n"
                         "# TYPE pdproxy_dp_rank_engine_load gauge\n");
     for (size_t i = 0; i < DP_SLOTS; i++) {
-        dp_slot *s = &slots[i];
+        dp_slot *s = &t->slots[i];
         /* Both roles' slots hold the same figures: the decode one speaks. */
         if (!atomic_load_explicit(&s->ready, memory_order_acquire) || s->role != PX_DP_DECODE ||
             !atomic_load_explicit(&s->eng_known, memory_order_acquire))
@@ -346,7 +361,7 @@ void px_dp_render(px_buf *out) {
     px_buf_appends(out, "# HELP pdproxy_dp_rank_requests_total Requests sent to a data-parallel "
                         "rank of a backend.\n# TYPE pdproxy_dp_rank_requests_total counter\n");
     for (size_t i = 0; i < DP_SLOTS; i++) {
-        dp_slot *s = &slots[i];
+        dp_slot *s = &t->slots[i];
         if (!atomic_load_explicit(&s->ready, memory_order_acquire)) continue;
         int used = atomic_load_explicit(&s->used, memory_order_relaxed);
         for (int k = 0; k < used; k++) {

@@ -101,14 +101,15 @@ static void on_done(void *arg, px_up_result rc, const char *errbuf, int connecte
             /* A prefill that fails its check may come back as another
              * engine, pulling where it pushed: what --dispatch concurrent
              * learned of it is learned again from its next answer. */
-            if (!strcmp(c->pool->role, "prefill")) px_dispatch_forget(c->b->name);
+            if (!strcmp(c->pool->role, "prefill"))
+                px_dispatch_forget(c->h->ctx->reg->identities, c->b->name);
         }
         px_backend_check(c->pool, c->b, ok);
     } else {
         double w = 0, r = 0, kv = 0;
         /* Data-parallel engines: each rank's own figures (proxy/dp.c). */
-        px_dp_engine_load(c->b->name, ok ? (c->body.data ? c->body.data : "") : NULL,
-                          c->body.len);
+        px_dp_engine_load(c->h->ctx->reg->dp, c->b->name,
+                          ok ? (c->body.data ? c->body.data : "") : NULL, c->body.len);
         if (ok &&
             px_parse_engine_load(c->body.data ? c->body.data : "", c->body.len, &w, &r, &kv) > 0) {
             /* Engine figures are outside input: clamp before converting. */
@@ -175,14 +176,14 @@ static void sweep(px_health *h, check_kind kind, unsigned slice, unsigned nslice
             int dp_only = kind == K_LOAD_PROBE && pools[r]->cfg.policy != PX_POLICY_LOAD_AWARE &&
                           !(r == 1 && px_adm_wants_engine_load(h->ctx->cfg));
             int dp_def = (int)(r == 0 ? h->ctx->cfg->prefill_dp_size : h->ctx->cfg->decode_dp_size);
-            if (dp_only && dp_def < 2 && !px_dp_declared()) continue;
+            if (dp_only && dp_def < 2 && !px_dp_declared(h->ctx->reg->dp)) continue;
             size_t n;
             px_backend **m = px_pool_members_slice(pools[r], slice, nslices, &n);
             for (size_t i = 0; i < n; i++) {
                 int busy = kind == K_HEALTH ? m[i]->check_busy : m[i]->probe_busy;
                 /* Else only data-parallel backends: the engine's per-rank
                  * figures steer the rank choice (proxy/dp.c). */
-                if (busy || (dp_only && px_dp_size(m[i]->src, dp_def) < 2))
+                if (busy || (dp_only && px_dp_size(h->ctx->reg->dp, m[i]->src, dp_def) < 2))
                     px_backend_release(m[i]);
                 else
                     start_check(h, g, pools[r], m[i], kind);

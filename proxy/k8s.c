@@ -74,6 +74,8 @@ struct px_k8s {
     px_backend *api;   /* owned */
     px_k8s_creds cr;   /* server, token file, CA, namespace */
     source *src;       /* owned */
+    px_dp_table *dp;   /* borrowed: declared DP sizes (the registry's) */
+    px_kv_decls *kv;   /* borrowed: declared KV-event endpoints (the registry's) */
     size_t n;
     int retired;
 };
@@ -184,9 +186,10 @@ static const char *nz(const char *s) {
 
 /* Declares what the endpoint says of itself (px_dp, px_kvsub keyed by the
  * backend's src), or forgets it (gone). */
-static void declare(const member *m, int gone) {
-    if (gone || m->dp) px_dp_declare_admin(m->url, gone ? 0 : m->dp);
-    if (gone || m->kv || m->kvr) px_kvsub_declare_admin(m->url, gone ? NULL : m->kv, gone ? NULL : m->kvr);
+static void declare(px_k8s *k, const member *m, int gone) {
+    if (gone || m->dp) px_dp_declare_admin(k->dp, m->url, gone ? 0 : m->dp);
+    if (gone || m->kv || m->kvr)
+        px_kvsub_declare_admin(k->kv, m->url, gone ? NULL : m->kv, gone ? NULL : m->kvr);
 }
 
 /* Applies the slices to the pool: the difference with what was applied
@@ -217,7 +220,7 @@ static void apply(source *s) {
         int c = i == s->ncur ? 1 : j == n ? -1 : strcmp(s->cur[i].url, v[j].url);
         if (c < 0) { /* gone */
             px_pool_remove_src(s->pool, s->cur[i].url);
-            declare(&s->cur[i], 1);
+            declare(s->k, &s->cur[i], 1);
             PX_LOG(PX_LOG_DEBUG, "msg=\"kubernetes: backend removed\" role=%s url=%s",
                    s->pool->role, s->cur[i].url);
             removed++;
@@ -227,7 +230,7 @@ static void apply(source *s) {
         if (c > 0) { /* new */
             px_backend *b = px_pool_insert(s->pool, v[j].url);
             if (b && v[j].drained) atomic_store(&b->drained, 1);
-            declare(&v[j], 0);
+            declare(s->k, &v[j], 0);
             PX_LOG(PX_LOG_DEBUG, "msg=\"kubernetes: backend added\" role=%s url=%s drained=%d",
                    s->pool->role, v[j].url, v[j].drained);
             added++;
@@ -240,7 +243,7 @@ static void apply(source *s) {
         }
         if (redeclare || s->cur[i].dp != v[j].dp || strcmp(nz(s->cur[i].kv), nz(v[j].kv)) ||
             strcmp(nz(s->cur[i].kvr), nz(v[j].kvr)))
-            declare(&v[j], 0);
+            declare(s->k, &v[j], 0);
         i++;
         j++;
     }
@@ -525,6 +528,8 @@ static int handle_event(source *s, const char *line, size_t n) {
 px_k8s *px_k8s_create(struct event_base *base, const px_k8s_cfg *cfg, char *err, size_t errlen) {
     px_k8s *k = px_xcalloc(1, sizeof *k);
     k->base = base;
+    k->dp = cfg->dp;
+    k->kv = cfg->kv_decls;
     if (px_k8s_creds_load(&k->cr, cfg, err, errlen) < 0) {
         free(k);
         return NULL;

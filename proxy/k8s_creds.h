@@ -17,6 +17,10 @@ typedef struct px_k8s_cfg {
     const char *token_file; /* bearer token file, or "" */
     const char *ca_file;    /* CA bundle, or "" */
     const char *kubeconfig; /* kubeconfig file, or "" */
+    /* borrowed: where an endpoint's own facts are declared (the registry's
+     * tables: dp.h, kvevents.h) */
+    struct px_dp_table *dp;
+    struct px_kv_decls *kv_decls;
 } px_k8s_cfg;
 
 #define PX_K8S_SA_DIR "/var/run/secrets/kubernetes.io/serviceaccount"

@@ -745,17 +745,41 @@ typedef struct decl {
     struct decl *nx;
 } decl;
 
-static pthread_mutex_t decl_mu = PTHREAD_MUTEX_INITIALIZER;
-static decl *decls;
+struct px_kv_decls {
+    pthread_mutex_t mu;
+    decl *list; /* owned */
+};
 
-static decl *decl_get(const char *url, int create) {
-    for (decl *d = decls; d; d = d->nx)
+px_kv_decls *px_kv_decls_create(void) {
+    px_kv_decls *t = px_xcalloc(1, sizeof *t);
+    pthread_mutex_init(&t->mu, NULL);
+    return t;
+}
+
+void px_kv_decls_destroy(px_kv_decls *t) {
+    if (!t) return;
+    while (t->list) {
+        decl *d = t->list;
+        t->list = d->nx;
+        free(d->url);
+        for (int i = 0; i < 2; i++) {
+            free(d->file[i]);
+            free(d->admin[i]);
+        }
+        free(d);
+    }
+    pthread_mutex_destroy(&t->mu);
+    free(t);
+}
+
+static decl *decl_get(px_kv_decls *t, const char *url, int create) {
+    for (decl *d = t->list; d; d = d->nx)
         if (!strcmp(d->url, url)) return d;
     if (!create) return NULL;
     decl *d = px_xcalloc(1, sizeof *d);
     d->url = px_xstrdup(url);
-    d->nx = decls;
-    decls = d;
+    d->nx = t->list;
+    t->list = d;
     return d;
 }
 
@@ -767,39 +791,39 @@ static void set2(char *dst[2], const char *ep, const char *rep) {
     }
 }
 
-void px_kvsub_declare_file(const px_strlist *l) {
-    pthread_mutex_lock(&decl_mu);
-    for (decl *d = decls; d; d = d->nx) {
+void px_kvsub_declare_file(px_kv_decls *t, const px_strlist *l) {
+    pthread_mutex_lock(&t->mu);
+    for (decl *d = t->list; d; d = d->nx) {
         d->in_file = 0;
         set2(d->file, NULL, NULL);
     }
     for (size_t i = 0; i < l->n; i++) {
         char url[600], ep[600], rep[600];
         if (sscanf(l->v[i], "%599s %599s %599s", url, ep, rep) != 3) continue;
-        decl *d = decl_get(url, 1);
+        decl *d = decl_get(t, url, 1);
         d->in_file = 1;
         set2(d->file, ep, rep);
     }
-    pthread_mutex_unlock(&decl_mu);
+    pthread_mutex_unlock(&t->mu);
 }
 
-void px_kvsub_declare_admin(const char *url, const char *ep, const char *rep) {
-    pthread_mutex_lock(&decl_mu);
-    decl *d = decl_get(url, ep || rep);
+void px_kvsub_declare_admin(px_kv_decls *t, const char *url, const char *ep, const char *rep) {
+    pthread_mutex_lock(&t->mu);
+    decl *d = decl_get(t, url, ep || rep);
     if (d) {
         d->in_admin = ep || rep;
         set2(d->admin, ep, rep);
     }
-    pthread_mutex_unlock(&decl_mu);
+    pthread_mutex_unlock(&t->mu);
 }
 
-void px_kvsub_forget_admin(void) {
-    pthread_mutex_lock(&decl_mu);
-    for (decl *d = decls; d; d = d->nx) {
+void px_kvsub_forget_admin(px_kv_decls *t) {
+    pthread_mutex_lock(&t->mu);
+    for (decl *d = t->list; d; d = d->nx) {
         d->in_admin = 0;
         set2(d->admin, NULL, NULL);
     }
-    pthread_mutex_unlock(&decl_mu);
+    pthread_mutex_unlock(&t->mu);
 }
 
 /* The endpoints the backend `b` is to be subscribed at now (owned, NULL:
@@ -810,15 +834,16 @@ static void endpoints_of(px_kvsub *k, px_backend *b, char **ep, char **rep, cons
     int port, https;
     *ep = *rep = NULL;
     *from = "flag";
-    pthread_mutex_lock(&decl_mu);
-    decl *d = decl_get(b->src, 0);
+    px_kv_decls *t = k->ctx->reg->kv_decls;
+    pthread_mutex_lock(&t->mu);
+    decl *d = decl_get(t, b->src, 0);
     char *const *v = d && d->in_admin ? d->admin : d && d->in_file ? d->file : NULL;
     if (v) {
         *from = d->in_admin ? "admin" : "file";
         if (v[0]) *ep = px_xstrdup(v[0]);
         if (v[1]) *rep = px_xstrdup(v[1]);
     }
-    pthread_mutex_unlock(&decl_mu);
+    pthread_mutex_unlock(&t->mu);
     if ((*ep && *rep) || (k->port == 0 && (!*ep || !k->rport)) ||
         px_url_split(b->url, host, sizeof host, &port, &https) < 0)
         return;

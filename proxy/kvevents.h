@@ -74,14 +74,18 @@ void px_kvsub_stop(px_kvsub *k); /* NULL is a no-op */
  * (px_backend.src): the file layer (px_config.backend_kv, items "URL EP
  * REPLAY", "-" for none), replaced by each accepted configuration, and the
  * admin API's over it. A NULL or "-" endpoint falls back to the flag's.
- * Any thread (a lock); the subscriber reads them on its next sync. */
-void px_kvsub_declare_file(const px_strlist *decl);
+ * One table per process (px_ctx's registry, ctx.h). Any thread (a lock);
+ * the subscriber reads them on its next sync. */
+typedef struct px_kv_decls px_kv_decls;
+px_kv_decls *px_kv_decls_create(void);    /* empty; never NULL */
+void px_kv_decls_destroy(px_kv_decls *t); /* NULL is a no-op */
+void px_kvsub_declare_file(px_kv_decls *t, const px_strlist *decl);
 /* POST /admin/backends (ep or rep not NULL), or DELETE (both NULL: the
  * admin layer forgets the URL). */
-void px_kvsub_declare_admin(const char *url, const char *ep, const char *rep);
+void px_kvsub_declare_admin(px_kv_decls *t, const char *url, const char *ep, const char *rep);
 /* A reload from the file dropped the admin API's changes and with them
  * the endpoints it declared. */
-void px_kvsub_forget_admin(void);
+void px_kvsub_forget_admin(px_kv_decls *t);
 
 /* The endpoint the backend `backend` (host:port) is subscribed at now;
  * NULL when none (or k is NULL). Valid until the subscriber's next sync.

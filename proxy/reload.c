@@ -162,18 +162,19 @@ static px_gen *build(px_reloader *rl, const px_config *cfg, const px_pool_spec *
     }
     /* Read at start only: the Kubernetes API and its credentials. */
     const px_config *sc = rl->ctx->cfg;
-    px_k8s_cfg kc = {sc->k8s_api, sc->k8s_token_file, sc->k8s_ca_file, sc->kubeconfig};
+    px_k8s_cfg kc = {sc->k8s_api,         sc->k8s_token_file,     sc->k8s_ca_file,
+                     sc->kubeconfig,      rl->ctx->reg->dp,       rl->ctx->reg->kv_decls};
     g->disc = px_discovery_start(g, specs, old, cfg->dns_refresh, &kc, rl->base, wait, err, errlen);
     if (!g->disc) {
         px_gen_release(g);
         return NULL;
     }
     /* Backend entries' dp_size: this configuration's replace the last's. */
-    if (px_dp_declare_file(&cfg->backend_dp) < 0)
+    if (px_dp_declare_file(rl->ctx->reg->dp, &cfg->backend_dp) < 0)
         PX_LOG(PX_LOG_WARN, "msg=\"some backends' dp_size ignored: more than 4096 URLs declare "
                             "one, or a URL is 512 bytes or longer\"");
     /* And their KV-event endpoints; the subscriber follows on its next sync. */
-    px_kvsub_declare_file(&cfg->backend_kv);
+    px_kvsub_declare_file(rl->ctx->reg->kv_decls, &cfg->backend_kv);
     if (cfg->backend_kv.n && !rl->ctx->kvindex)
         PX_LOG(PX_LOG_WARN, "msg=\"backends' kv_events_endpoint ignored until a restart: KV "
                             "events were off at start (no --kv-events-port, no entry declaring "
@@ -296,8 +297,8 @@ static px_gen *build_with_ops(px_reloader *rl, const px_config *cfg, int keep_op
         g = build(rl, cfg, specs, n, rl->ctx->gen, 0, err, errlen);
         if (!g) *rc = -1;
         else if (!keep_ops) {
-            px_dp_forget_admin(); /* the API's dp_size goes with its changes */
-            px_kvsub_forget_admin();
+            px_dp_forget_admin(rl->ctx->reg->dp); /* the API's dp_size goes with its changes */
+            px_kvsub_forget_admin(rl->ctx->reg->kv_decls);
         }
     }
     *urls = g ? url_set_of(specs, n) : NULL;

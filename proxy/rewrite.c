@@ -167,17 +167,21 @@ int px_rewrite_decode_xfer(const char *body, size_t n, const char *kvp, size_t k
                            const char *transfer_id, px_buf *out) {
     static const char *const own[] = {"transfer_id"};
     unsigned saw;
-    px_buf k;
-    px_buf_init(&k);
-    /* Prefill's members as they came, its own transfer_id left out. */
-    if (!transfer_id || !kvp || copy_members(kvp, kvp_len, own, 1, &k, &saw) < 0) {
-        px_buf_cleanup(&k);
+    if (!transfer_id || !kvp) return px_rewrite_decode(body, n, kvp, kvp_len, out);
+    /* Prefill's members as they came, its own transfer_id left out, written
+     * straight into out (no copy of kvp: this runs on every request). */
+    size_t start = out->len;
+    /* One allocation for the whole body: each copy_members reserves its
+     * input's size and 256 bytes more. */
+    px_buf_reserve(out, n + kvp_len + 512);
+    if (copy_members(body, n, prefill_drop, 1, out, &saw) < 0) return -1;
+    px_buf_appends(out, "\"kv_transfer_params\":");
+    if (copy_members(kvp, kvp_len, own, 1, out, &saw) < 0) { /* kvp is no object */
+        out->len = start;
         return px_rewrite_decode(body, n, kvp, kvp_len, out);
     }
-    px_buf_printf(&k, "\"transfer_id\":\"%s\"}", transfer_id);
-    int rc = px_rewrite_decode(body, n, k.data, k.len, out);
-    px_buf_cleanup(&k);
-    return rc;
+    px_buf_printf(out, "\"transfer_id\":\"%s\"}}", transfer_id);
+    return 0;
 }
 
 int px_body_foreign_encoding(const char *body, size_t n) {

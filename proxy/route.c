@@ -11,7 +11,7 @@
 #include "base/hash.h"
 #include "base/log.h"
 #include "base/util.h"
-#include "proxy/disagg.h" /* px_pindex: prefix_affinity's block chains */
+#include "proxy/pindex.h" /* prefix_affinity's block chains */
 #include "proxy/kvindex.h"
 
 #define RING_POINTS 64 /* virtual nodes per backend */

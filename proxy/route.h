@@ -105,7 +105,7 @@ typedef struct px_pool {
     uint64_t *ring; /* prefix_affinity: sorted (point << 16 | member index) */
     size_t nring;
     /* prefix_affinity: which member each prompt block chain (128-byte
-     * blocks, disagg.h's px_pindex) was last routed to; owned, made on the
+     * blocks, pindex.h) was last routed to; owned, made on the
      * first pick that has a whole block, under mu. */
     struct px_pindex *chains;
     unsigned long members_ver;  /* under mu: bumped by each change of the members */

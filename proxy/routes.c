@@ -7,6 +7,8 @@
 
 #include "proxy/discovery.h"
 #include "proxy/endpoint.h"
+#include "proxy/intake.h"
+#include "proxy/reqlog.h"
 #include "proxy/request.h"
 #include "proxy/scrape.h"
 
@@ -16,7 +18,7 @@ static void reply_method(px_metrics *m, px_endpoint mep, px_conn *c, const px_ht
                          const char *epname, const char *allow, const char *msg) {
     px_metrics_count(m, mep, 405);
     if (epname)
-        px_req_refuse(c, h, epname, 405, allow, msg);
+        px_reqlog_refuse(c, h, epname, 405, allow, msg);
     else
         px_conn_reply_error(c, 405, NULL, allow, msg);
 }
@@ -28,7 +30,7 @@ static void reply_unauthorized(px_metrics *m, px_endpoint mep, px_conn *c, const
     if (m) px_metrics_count(m, mep, 401);
     static const char msg[] = "invalid or missing API key: send Authorization: Bearer <key>";
     if (epname)
-        px_req_refuse(c, h, epname, 401, "WWW-Authenticate: Bearer\r\n", msg);
+        px_reqlog_refuse(c, h, epname, 401, "WWW-Authenticate: Bearer\r\n", msg);
     else
         px_conn_reply_error(c, 401, NULL, "WWW-Authenticate: Bearer\r\n", msg);
 }
@@ -151,7 +153,7 @@ static void reply_models(px_ctx *ctx, px_metrics *m, px_conn *c, const char *id,
     px_gen_release(g);
     if (id && !found) {
         px_buf_reset(&b);
-        px_req_model_not_found(&b, id, idlen);
+        px_intake_model_not_found(&b, id, idlen);
         reply_json(m, c, PX_EP_MODELS, 404, b.data, b.len);
     } else {
         reply_json(m, c, PX_EP_MODELS, 200, b.data, b.len);
@@ -166,7 +168,7 @@ static void not_found(px_conn *c, const px_http_head *h, int logged) {
     px_buf_printf(&m, "not found: %.*s %.*s", (int)(h->method_len > 16 ? 16 : h->method_len),
                   h->method, (int)(h->target_len > 200 ? 200 : h->target_len), h->target);
     if (logged)
-        px_req_refuse(c, h, px_endpoints[PX_EP_OTHER].name, 404, NULL, m.data);
+        px_reqlog_refuse(c, h, px_endpoints[PX_EP_OTHER].name, 404, NULL, m.data);
     else
         px_conn_reply_error(c, 404, NULL, NULL, m.data);
     px_buf_cleanup(&m);

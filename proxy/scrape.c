@@ -399,7 +399,7 @@ void px_scrape_render(px_ctx *ctx, px_buf *o) {
     counter(o, "pdproxy_remote_request_id_missing_total",
             "kv_transfer_params without remote_request_id (decode cannot release the blocks).",
             SUM(rrid_missing));
-    px_dp_render(o);
+    px_dp_render(ctx->reg->dp, o);
     px_buf_appends(o, "# HELP pdproxy_client_disconnects_total Clients that left before their "
                       "answer ended, by phase.\n# TYPE pdproxy_client_disconnects_total counter\n");
     for (int p = 0; p < PX_PHASE_COUNT; p++)

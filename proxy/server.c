@@ -20,7 +20,10 @@
 #include "proxy/admission.h"
 #include "proxy/ctx.h"
 #include "proxy/discovery.h"
+#include "proxy/dispatch.h"
+#include "proxy/dp.h"
 #include "proxy/health.h"
+#include "proxy/intake.h"
 #include "proxy/kvevents.h"
 #include "proxy/reload.h"
 #include "proxy/request.h"
@@ -46,6 +49,7 @@ typedef struct px_worker {
 
 struct px_server {
     px_ctx ctx;         /* what requests, health, metrics and the admin API see */
+    px_registry reg;    /* the process-wide tables ctx points to */
     px_reloader rl;     /* the generations (control thread) */
     px_admin *admin;    /* owned, or NULL */
     SSL_CTX *tls;       /* owned, or NULL */
@@ -279,6 +283,8 @@ static px_server *create(const px_config *cfg, int check, char *err, size_t errl
     s->workers = px_xcalloc((size_t)s->nworkers, sizeof *s->workers);
     s->ctx.workers = px_xcalloc((size_t)s->nworkers, sizeof *s->ctx.workers);
     s->ctx.nworkers = s->nworkers;
+    s->reg = (px_registry){px_pf_cache_create(), px_dp_table_create(), px_kv_decls_create()};
+    s->ctx.reg = &s->reg;
     for (int i = 0; i < s->nworkers; i++) {
         s->workers[i].wake_fd = -1;
         s->workers[i].wc.ctx = &s->ctx;
@@ -506,7 +512,7 @@ int px_server_run(px_server *s) {
            "prefill_policy=%s decode_policy=%s",
            s->ctx.cfg->host, (long long)s->ctx.cfg->port, s->tls ? "on" : "off", s->nworkers,
            s->ctx.gen->nps, pn, dn, s->ctx.cfg->prefill_policy, s->ctx.cfg->decode_policy);
-    px_req_announce();
+    px_intake_announce();
     event_base_dispatch(k.base);
     px_health_stop(h);
     px_kvsub_stop(kv);
@@ -549,5 +555,8 @@ void px_server_destroy(px_server *s) {
     if (s->ctl_base) event_base_free(s->ctl_base);
     if (s->tls) SSL_CTX_free(s->tls);
     px_ctx_cleanup(&s->ctx);
+    px_pf_cache_destroy(s->reg.identities);
+    px_dp_table_destroy(s->reg.dp);
+    px_kv_decls_destroy(s->reg.kv_decls);
     free(s);
 }

@@ -88,3 +88,24 @@ void px_tokcache_put(px_tokcache *c, uint64_t key, const uint32_t *tok, size_t n
     e->n = n;
     e->key = key;
 }
+
+int px_tokenize_lookup(px_tokcache **c, size_t entries, px_endpoint ep, const char *body,
+                       size_t len, px_buf *out, uint64_t *key, uint32_t **tok, size_t *ntok) {
+    if (px_tokenize_body(ep, body, len, out, key) < 0) return -1;
+    if (!*c) *c = px_tokcache_create(entries, 65536);
+    long n = px_tokcache_get(*c, *key, tok);
+    if (n <= 0) return 0;
+    *ntok = (size_t)n;
+    return 1;
+}
+
+px_tokresult px_tokenize_answer(px_tokcache *c, uint64_t key, int rc_ok, int timed_out, int status,
+                                const px_buf *resp, uint32_t **tok, size_t *ntok) {
+    long n = -1;
+    if (rc_ok && status == 200)
+        n = px_tokenize_parse(resp->data, resp->len, PX_TOKENIZE_MAX_TOKENS, tok);
+    if (n <= 0) return timed_out ? PX_TOK_TIMEOUT : PX_TOK_ERROR;
+    *ntok = (size_t)n;
+    px_tokcache_put(c, key, *tok, *ntok);
+    return PX_TOK_OK;
+}

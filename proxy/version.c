@@ -2,7 +2,7 @@
 /* pdproxy --version: what was built, from what, with what.  The commit and
  * the build options come from CMake (proxy/CMakeLists.txt), the library
  * versions from the libraries themselves at run time where they say. */
-#include "proxy/config.h"
+#include "proxy/version.h"
 
 #include <event2/event.h>
 #include <openssl/crypto.h>

@@ -1,6 +1,6 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /* libFuzzer target: pdproxy's flag and PDPROXY_* environment parsing
- * (proxy/config.c), table-driven and full of number conversions.
+ * (proxy/config.c and config_*.c), table-driven and full of number conversions.
  *
  * Input: NUL-separated strings. The first byte of the first string says how
  * many of the following strings are argv entries (after "pdproxy"); the

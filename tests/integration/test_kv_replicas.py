@@ -68,16 +68,18 @@ class KvReplicasTest(ProdCase):
 
     def settle(self, pxs, prefills):
         """Until both replicas index the same blocks, unchanged for 0.3 s."""
-        last, since = None, time.monotonic()
-        deadline = since + 10.0
-        while time.monotonic() < deadline:
-            now = self.indexes(pxs, prefills)
-            if now[0] != now[1] or now != last:
-                last, since = now, time.monotonic()
-            elif time.monotonic() - since >= 0.3:
-                return now
-            time.sleep(0.05)
-        self.fail("replica indexes did not settle: %s" % (last,))
+        st = {"last": None, "since": time.monotonic()}
+
+        def steady():
+            cur = self.indexes(pxs, prefills)
+            if cur[0] != cur[1] or cur != st["last"]:
+                st["last"], st["since"] = cur, time.monotonic()
+                return False
+            return time.monotonic() - st["since"] >= 0.3
+
+        if not wait_until(steady, 10.0, 0.05):
+            self.fail("replica indexes did not settle: %s" % (st["last"],))
+        return st["last"]
 
     def test_replicas_route_the_same(self):
         for _ in range(20):

@@ -23,6 +23,7 @@ from pdharness.client import RawClient, http_request, post_json
 from pdharness.ctl import pools_yaml, sighup, tmpdir, wait_generation, write_yaml
 from pdharness.mocks import (MOCK_TLS, Hang, Reset, Respond, Stream, chat_body, completion_body,
                              decode_handler, default_p_kv, prefill_handler, sse_events)
+from pdharness.net import wait_value
 from pdharness.pd import PdCase, prose, rid_headers
 from pdharness.net import wait_until
 from pdharness.procs import PDPROXY, start_engine_sim
@@ -177,7 +178,11 @@ class ConcurrentMockTest(PdCase):
             if not is_push(req):
                 return d_base(req)
             gate.wait()
-            time.sleep(0.1)  # the prefill answer is on its way back
+            # Prefill's answer reached pdproxy (its leg ended: the learning
+            # request's and this one's) before decode answers.
+            ok = lambda: self.metric(px, "pdproxy_upstream_requests_total", role="prefill",
+                                     outcome="ok") or 0
+            wait_value(ok, lambda n: n >= 2, WAIT)
             return Stream(200, [("Content-Type", "text/event-stream"),
                                 ("X-KV-Wait-Ms", "12.5")],
                           [(0.0, c) for c in sse_events(["a", "b"])])
@@ -412,9 +417,7 @@ class ConcurrentMockTest(PdCase):
         if phase == "stream":
             c.read_response(head_only=True)
         self.assertTrue(gate.wait())
-        deadline = time.monotonic() + WAIT
-        while len(D.requests) < 2 and time.monotonic() < deadline:
-            time.sleep(0.02)
+        self.assertEqual(len(D.wait_requests(2, timeout=WAIT)), 2, "no decode leg")
         time.sleep(0.1)
         c.close()
         self.assertIsNotNone(D.requests[1].conn.wait_closed(WAIT), "decode leg left open")
@@ -521,10 +524,8 @@ class ConcurrentSimTest(PdCase):
                 - m("engine_sim_kv_blocks_expired_total"))
 
     def assert_none_stranded(self, P):
-        deadline = time.monotonic() + 10
-        while self.published_left(P) != 0 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        self.assertEqual(self.published_left(P), 0)
+        left = wait_value(lambda: self.published_left(P), lambda n: n == 0, 10.0, 0.05)
+        self.assertEqual(left, 0)
 
     def ask(self, px, path, body, rid, stream=False):
         st, hd, raw = post_json(px.port, path, body, stream=stream, headers=rid_headers(rid))

@@ -215,7 +215,10 @@ class DnsDiscoveryTest(ProdCase):
         since = len(px.stderr())
         self.write_hosts([])
         self.assertWarned(px, "cannot resolve", since=since, timeout=2 * self.REFRESH + 1)
-        time.sleep(2 * self.REFRESH)  # more refreshes
+        # Two more refreshes fail (one warning each) and the pool stays.
+        fails = wait_value(lambda: px.stderr()[since:].count("cannot resolve"),
+                           lambda n: n >= 3, 3 * self.REFRESH + 1)
+        self.assertGreaterEqual(fails, 3, "refreshes after the name went away")
         self.assertEqual(healthcheck(px.port), (1, 1))
         got = self.new_requests(P, D, 2)
         self.assertEqual(got["127.0.0.2"], 2)

@@ -13,7 +13,8 @@ from pdharness.case import PxTestCase, main
 from pdharness.client import RawClient, http_request, raw_exchange, strict_json
 from pdharness.mocks import (Hang, Respond, Stream, chat_body, completion_body, decode_handler,
                              prefill_handler, sse_events)
-from pdharness.net import wait_until
+from pdharness.net import wait_until, wait_value
+from pdharness.prom import metric, prom
 
 
 def echo_decode(req):
@@ -349,9 +350,13 @@ class ClientBehaviourTest(PxTestCase):
         c.send(RawClient.build("POST", "/v1/completions", None,
                                [("Content-Type", "application/json"),
                                 ("Content-Length", "1000")]) + b'{"prompt":"tr')
-        time.sleep(0.1)
+        # Client connections open, this one and the scrape's own.
+        conns = lambda: metric(prom(px.port), "pdproxy_client_connections")
+        self.assertGreaterEqual(wait_value(conns, lambda n: n >= 2, 5.0), 2)
         c.close()
-        time.sleep(0.3)
+        # pdproxy dropped the connection: the request it never completed
+        # went nowhere.
+        self.assertLessEqual(wait_value(conns, lambda n: n <= 1, 5.0), 1)
         self.assertEqual(self.P.requests, [])
         r = http_request(px.port, "POST", "/v1/completions", completion_body())
         self.assertEqual(r.status, 200, r.body)
@@ -462,7 +467,8 @@ class CancelPrefillTest(PxTestCase):
         self.assertTrue(pconn.closed_by_peer)
         self.assertLessEqual(t_closed - t0, 0.3, "P closed %.0f ms after the client left"
                              % ((t_closed - t0) * 1000))
-        time.sleep(0.3)  # give a wrong D request time to show up
+        # The request ended: a wrong D request would have been made by then.
+        self.wait_access(px, outcome="client_disconnected")
         self.assertEqual(self.D.requests, [])
         # pdproxy still serves.
         self.P.set_handler(prefill_handler())
@@ -488,7 +494,9 @@ class CancelPrefillTest(PxTestCase):
         c.request("POST", "/v1/completions", completion_body())
         self.assertEqual(len(self.P.wait_requests(1, timeout=5)), 1)
         c.close()
-        time.sleep(0.8)
+        # Its access line is written when the request is over (prefill's
+        # grace spent): no decode can follow it.
+        self.wait_access(px, outcome="client_disconnected")
         self.assertEqual(self.D.requests, [], "D called for a client that had left")
 
 

@@ -75,10 +75,7 @@ def settled(e):
 
 
 def wait_settled(e):
-    deadline = time.monotonic() + SETTLE_S
-    while not settled(e) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return settled(e)
+    return bool(harness.wait_until(lambda: settled(e), SETTLE_S, 0.05))
 
 
 def cuda_regions(e):

@@ -11,12 +11,14 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
+# The integration tests' harness: its bounded waits serve here too.
+sys.path.insert(0, os.path.join(ROOT, "tests", "integration"))
+from pdharness.net import wait_until, wait_value  # noqa: E402
 BUILD = os.environ.get("PX_BUILD_DIR", os.path.join(ROOT, "build"))
 SKIP = 77
 
@@ -84,17 +86,16 @@ class Engine:
         cmd = [sys.executable, os.path.join(HERE, "engine_server.py"), "--port", str(self.port),
                "--kv-port", str(self.kv_port), "--engine-id", name, "--tp", str(tp)] + list(args)
         self.proc = subprocess.Popen(cmd, env=lib_env(env), stdout=self.log, stderr=self.log)
-        deadline = time.monotonic() + 30
-        while True:
+        def up():
             try:
-                if self.get("/health")[0] == 200:
-                    break
+                return self.get("/health")[0] == 200
             except OSError:
-                pass
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.kill()
-                raise RuntimeError("%s did not start:\n%s" % (name, self.output()))
-            time.sleep(0.1)
+                return False
+
+        # Up, or exited: either ends the wait.
+        if not wait_until(lambda: self.proc.poll() is not None or up(), 30, 0.1) or not up():
+            self.kill()
+            raise RuntimeError("%s did not start:\n%s" % (name, self.output()))
 
     def output(self):
         self.log.flush()
@@ -126,12 +127,7 @@ class Engine:
         return self.get("/test/state")[1]
 
     def wait_state(self, pred, timeout=20):
-        deadline = time.monotonic() + timeout
-        st = self.state()
-        while not pred(st) and time.monotonic() < deadline:
-            time.sleep(0.05)
-            st = self.state()
-        return st
+        return wait_value(self.state, pred, timeout, 0.05)
 
     def kill(self, sig=signal.SIGKILL):
         if self.proc.poll() is None:

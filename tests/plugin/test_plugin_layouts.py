@@ -82,10 +82,8 @@ class Layouts(unittest.TestCase):
         ds = d.e.state()
         self.assertEqual((ds["verified"], ds["corrupt"], ds["load_failed"]),
                          (len(sizes), 0, 0), (ds, d.e.corrupt))
-        deadline = time.monotonic() + 10
-        while p.e.state()["published_now"] and time.monotonic() < deadline:
-            time.sleep(0.01)
-        self.assertEqual(p.e.state()["published_now"], 0)
+        left = harness.wait_value(lambda: p.e.state()["published_now"], lambda n: n == 0, 10, 0.01)
+        self.assertEqual(left, 0)
         bad, never = d.e.untouched()
         self.assertEqual(bad, [])
         self.assertGreater(never, 0)

@@ -44,6 +44,7 @@ static void dispatch_line(void) {
                    .ttfb_ms = -1,
                    .total_ms = 1,
                    .outcome = "ok",
+                   .state = "stream",
                    .dispatch = "concurrent",
                    .kv_waited = 1,
                    .kv_wait_ms = 0};
@@ -61,10 +62,11 @@ static void test_access_line_leaves_out_the_unknown(void **state) {
                              "prefill=10.0.0.1:8100 decode=10.0.0.2:8200 status=200 "
                              "prefill_ms=12.50 ttfb_ms=20.00 total_ms=30.00 bytes_out=99 "
                              "outcome=ok trace_id=4bf92f3577b34da6a3ce929d0e0e4736\n");
-    /* --dispatch and decode's KV wait (a wait of 0 is still said). */
+    /* The final state, --dispatch and decode's KV wait (a wait of 0 is still
+     * said). */
     capture(dispatch_line, "req=", got, sizeof got);
     assert_string_equal(got, "req=r3 msg=\"request\" endpoint=/v1/completions status=200 "
-                             "total_ms=1.00 bytes_out=0 outcome=ok dispatch=concurrent "
+                             "total_ms=1.00 bytes_out=0 outcome=ok state=stream dispatch=concurrent "
                              "kv_wait_ms=0.00\n");
 }
 

@@ -12,6 +12,10 @@
 #include "base/json.h"
 #include "proxy/dispatch.h"
 
+/* The identities the cache tests work on: a fresh one where a test needs
+ * it empty (no reset hook in the library). */
+static px_pf_cache *C;
+
 static const char P_KVP[] =
     "{\"do_remote_prefill\":true,\"remote_block_ids\":[1,2],\"remote_engine_id\":\"eng-\\u0041\","
     "\"remote_request_id\":\"cmpl-x\",\"remote_host\":\"10.0.0.7\",\"remote_port\":5601,"
@@ -62,34 +66,36 @@ static void test_identity_parse(void **state) {
 }
 
 static void test_cache(void **state) {
-    px_dispatch_clear();
+    px_pf_cache_destroy(C);
+    C = px_pf_cache_create();
     px_pf_identity id;
-    assert_int_equal(px_dispatch_get("http://p:1", &id), 0);
-    assert_int_equal(px_dispatch_learn("http://p:1", "{}", 2), -1);
-    assert_int_equal(px_dispatch_get("http://p:1", &id), 0);
-    assert_int_equal(px_dispatch_learn("http://p:1", P_KVP, strlen(P_KVP)), 0);
-    assert_int_equal(px_dispatch_get("http://p:1", &id), 1);
+    assert_int_equal(px_dispatch_get(C, "http://p:1", &id), 0);
+    assert_int_equal(px_dispatch_learn(C, "http://p:1", "{}", 2), -1);
+    assert_int_equal(px_dispatch_get(C, "http://p:1", &id), 0);
+    assert_int_equal(px_dispatch_learn(C, "http://p:1", P_KVP, strlen(P_KVP)), 0);
+    assert_int_equal(px_dispatch_get(C, "http://p:1", &id), 1);
     assert_string_equal(id.port, "5601");
     static const char other[] = "{\"remote_engine_id\":\"new\",\"remote_host\":\"h\","
                                 "\"remote_port\":9}";
-    assert_int_equal(px_dispatch_learn("http://p:1", other, strlen(other)), 0);
-    assert_int_equal(px_dispatch_get("http://p:1", &id), 1);
+    assert_int_equal(px_dispatch_learn(C, "http://p:1", other, strlen(other)), 0);
+    assert_int_equal(px_dispatch_get(C, "http://p:1", &id), 1);
     assert_string_equal(id.engine_id, "\"new\"");
-    px_dispatch_forget("http://p:1");
-    assert_int_equal(px_dispatch_get("http://p:1", &id), 0);
-    px_dispatch_forget("never");
+    px_dispatch_forget(C, "http://p:1");
+    assert_int_equal(px_dispatch_get(C, "http://p:1", &id), 0);
+    px_dispatch_forget(C, "never");
     /* Bounded: past the limit the least recently learned goes. */
     char name[64];
     for (int i = 0; i <= PX_DISPATCH_MAX_IDENTITIES; i++) {
         snprintf(name, sizeof name, "b%d", i);
-        assert_int_equal(px_dispatch_learn(name, other, strlen(other)), 0);
+        assert_int_equal(px_dispatch_learn(C, name, other, strlen(other)), 0);
     }
-    assert_int_equal(px_dispatch_get("b0", &id), 0);
-    assert_int_equal(px_dispatch_get("b1", &id), 1);
+    assert_int_equal(px_dispatch_get(C, "b0", &id), 0);
+    assert_int_equal(px_dispatch_get(C, "b1", &id), 1);
     snprintf(name, sizeof name, "b%d", PX_DISPATCH_MAX_IDENTITIES);
-    assert_int_equal(px_dispatch_get(name, &id), 1);
-    px_dispatch_clear();
-    assert_int_equal(px_dispatch_get("b1", &id), 0);
+    assert_int_equal(px_dispatch_get(C, name, &id), 1);
+    px_pf_cache_destroy(C);
+    C = px_pf_cache_create();
+    assert_int_equal(px_dispatch_get(C, "b1", &id), 0);
 }
 
 static int all_hex(const char *s, size_t n) {
@@ -182,16 +188,16 @@ static void test_decide(void **state) {
 
     /* A prefill learned pushing that comes back pulling: its next answer
      * corrects the cache; one without an identity drops it. */
-    px_dispatch_clear();
-    assert_int_equal(px_dispatch_learn("p:1", push, strlen(push)), 0);
-    assert_int_equal(px_dispatch_get("p:1", &id), 1);
+    px_pf_cache *c = px_pf_cache_create();
+    assert_int_equal(px_dispatch_learn(c, "p:1", push, strlen(push)), 0);
+    assert_int_equal(px_dispatch_get(c, "p:1", &id), 1);
     assert_int_equal(id.mode, PX_XFER_PUSH);
-    assert_int_equal(px_dispatch_learn("p:1", pull, strlen(pull)), 0);
-    assert_int_equal(px_dispatch_get("p:1", &id), 1);
+    assert_int_equal(px_dispatch_learn(c, "p:1", pull, strlen(pull)), 0);
+    assert_int_equal(px_dispatch_get(c, "p:1", &id), 1);
     assert_int_equal(px_dispatch_decide(PX_DISPATCH_CONCURRENT, &id), PX_DISP_PULLS);
-    assert_int_equal(px_dispatch_learn("p:1", "{\"remote_block_ids\":[1]}", 24), -1);
-    assert_int_equal(px_dispatch_get("p:1", &id), 0);
-    px_dispatch_clear();
+    assert_int_equal(px_dispatch_learn(c, "p:1", "{\"remote_block_ids\":[1]}", 24), -1);
+    assert_int_equal(px_dispatch_get(c, "p:1", &id), 0);
+    px_pf_cache_destroy(c);
 }
 
 static void test_transfer_id(void **state) {
@@ -212,5 +218,7 @@ int main(void) {
         cmocka_unit_test(test_decide),
         cmocka_unit_test(test_transfer_id),
     };
-    return cmocka_run_group_tests(tests, NULL, NULL);
+    int rc = cmocka_run_group_tests(tests, NULL, NULL);
+    px_pf_cache_destroy(C);
+    return rc;
 }

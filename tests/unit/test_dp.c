@@ -11,33 +11,47 @@
 
 #include "proxy/dp.h"
 
+/* The table every test of this file works on, in order (a test may read
+ * what an earlier one took): made for the group, not reset between. */
+static px_dp_table *T;
+
+static int make_table(void **state) {
+    T = px_dp_table_create();
+    return 0;
+}
+
+static int drop_table(void **state) {
+    px_dp_table_destroy(T);
+    return 0;
+}
+
 /* The least loaded rank, the lowest on a tie; done frees it. */
 static void test_least_loaded(void **state) {
-    assert_int_equal(px_dp_take(PX_DP_DECODE, "d:1", 3), 0);
-    assert_int_equal(px_dp_take(PX_DP_DECODE, "d:1", 3), 1);
-    assert_int_equal(px_dp_take(PX_DP_DECODE, "d:1", 3), 2);
-    assert_int_equal(px_dp_take(PX_DP_DECODE, "d:1", 3), 0);
-    px_dp_done(PX_DP_DECODE, "d:1", 1);
-    assert_int_equal(px_dp_take(PX_DP_DECODE, "d:1", 3), 1);
+    assert_int_equal(px_dp_take(T, PX_DP_DECODE, "d:1", 3), 0);
+    assert_int_equal(px_dp_take(T, PX_DP_DECODE, "d:1", 3), 1);
+    assert_int_equal(px_dp_take(T, PX_DP_DECODE, "d:1", 3), 2);
+    assert_int_equal(px_dp_take(T, PX_DP_DECODE, "d:1", 3), 0);
+    px_dp_done(T, PX_DP_DECODE, "d:1", 1);
+    assert_int_equal(px_dp_take(T, PX_DP_DECODE, "d:1", 3), 1);
     /* Another role of the same name, another backend: counted apart. */
-    assert_int_equal(px_dp_take(PX_DP_PREFILL, "d:1", 3), 0);
-    assert_int_equal(px_dp_take(PX_DP_DECODE, "d:2", 3), 0);
+    assert_int_equal(px_dp_take(T, PX_DP_PREFILL, "d:1", 3), 0);
+    assert_int_equal(px_dp_take(T, PX_DP_DECODE, "d:2", 3), 0);
     /* No DP: no rank. */
-    assert_int_equal(px_dp_take(PX_DP_DECODE, "d:3", 1), -1);
+    assert_int_equal(px_dp_take(T, PX_DP_DECODE, "d:3", 1), -1);
     /* Sizes past PX_DP_MAX are clamped. */
     for (int k = 0; k < PX_DP_MAX; k++)
-        assert_int_equal(px_dp_take(PX_DP_DECODE, "d:big", 1000), k);
-    assert_int_equal(px_dp_take(PX_DP_DECODE, "d:big", 1000), 0);
+        assert_int_equal(px_dp_take(T, PX_DP_DECODE, "d:big", 1000), k);
+    assert_int_equal(px_dp_take(T, PX_DP_DECODE, "d:big", 1000), 0);
     /* Done for a rank never taken or a backend never seen: no effect. */
-    px_dp_done(PX_DP_DECODE, "never", 0);
-    px_dp_done(PX_DP_DECODE, "d:1", -1);
-    px_dp_done(PX_DP_DECODE, "d:1", PX_DP_MAX);
+    px_dp_done(T, PX_DP_DECODE, "never", 0);
+    px_dp_done(T, PX_DP_DECODE, "d:1", -1);
+    px_dp_done(T, PX_DP_DECODE, "d:1", PX_DP_MAX);
 }
 
 static void test_render(void **state) {
     px_buf b;
     px_buf_init(&b);
-    px_dp_render(&b);
+    px_dp_render(T, &b);
     px_buf_append(&b, "", 1);
     assert_non_null(strstr(b.data, "pdproxy_dp_rank_in_flight{role=\"decode\",backend=\"d:1\","
                                    "rank=\"0\"} 2\n"));
@@ -57,12 +71,12 @@ static void test_full_table_and_escaping(void **state) {
     int got = 0;
     for (int i = 0; i < 300; i++) {
         snprintf(name, sizeof name, "b\"%d\\", i);
-        got += px_dp_take(PX_DP_PREFILL, name, 2) >= 0;
+        got += px_dp_take(T, PX_DP_PREFILL, name, 2) >= 0;
     }
     assert_true(got > 0 && got < 300);
     px_buf b;
     px_buf_init(&b);
-    px_dp_render(&b);
+    px_dp_render(T, &b);
     px_buf_append(&b, "", 1);
     assert_non_null(strstr(b.data, "backend=\"b\\\"0\\\\\""));
     px_buf_cleanup(&b);
@@ -99,26 +113,26 @@ static void test_parse_ranks(void **state) {
 static void test_engine_load(void **state) {
     static const char busy0[] = "vllm:num_requests_running{engine=\"0\"} 2\n"
                                 "vllm:num_requests_running{engine=\"1\"} 0\n";
-    px_dp_engine_load("e:1", busy0, sizeof busy0 - 1);
-    assert_int_equal(px_dp_take(PX_DP_DECODE, "e:1", 2), 1); /* 2 vs 0 */
-    assert_int_equal(px_dp_take(PX_DP_DECODE, "e:1", 2), 1); /* 2 vs 1 */
-    assert_int_equal(px_dp_take(PX_DP_DECODE, "e:1", 2), 0); /* 2 vs 2: the lowest */
-    assert_int_equal(px_dp_take(PX_DP_PREFILL, "e:1", 2), 1); /* both roles read it */
+    px_dp_engine_load(T, "e:1", busy0, sizeof busy0 - 1);
+    assert_int_equal(px_dp_take(T, PX_DP_DECODE, "e:1", 2), 1); /* 2 vs 0 */
+    assert_int_equal(px_dp_take(T, PX_DP_DECODE, "e:1", 2), 1); /* 2 vs 1 */
+    assert_int_equal(px_dp_take(T, PX_DP_DECODE, "e:1", 2), 0); /* 2 vs 2: the lowest */
+    assert_int_equal(px_dp_take(T, PX_DP_PREFILL, "e:1", 2), 1); /* both roles read it */
     /* A probe that failed: pdproxy's own counts alone (0: 1, 1: 2). */
-    px_dp_engine_load("e:1", NULL, 0);
-    assert_int_equal(px_dp_take(PX_DP_DECODE, "e:1", 2), 0);
+    px_dp_engine_load(T, "e:1", NULL, 0);
+    assert_int_equal(px_dp_take(T, PX_DP_DECODE, "e:1", 2), 0);
     /* A single rank's series says nothing about ranks. */
     static const char one[] = "vllm:num_requests_running{engine=\"0\"} 50\n";
-    px_dp_engine_load("e:1", one, sizeof one - 1);
-    assert_int_equal(px_dp_take(PX_DP_DECODE, "e:1", 2), 0); /* 2 vs 2: the lowest */
+    px_dp_engine_load(T, "e:1", one, sizeof one - 1);
+    assert_int_equal(px_dp_take(T, PX_DP_DECODE, "e:1", 2), 0); /* 2 vs 2: the lowest */
     px_buf b;
     px_buf_init(&b);
-    px_dp_render(&b);
+    px_dp_render(T, &b);
     px_buf_append(&b, "", 1);
     assert_null(strstr(b.data, "pdproxy_dp_rank_engine_load{backend=\"e:1\""));
-    px_dp_engine_load("e:1", busy0, sizeof busy0 - 1);
+    px_dp_engine_load(T, "e:1", busy0, sizeof busy0 - 1);
     px_buf_reset(&b);
-    px_dp_render(&b);
+    px_dp_render(T, &b);
     px_buf_append(&b, "", 1);
     assert_non_null(strstr(b.data, "pdproxy_dp_rank_engine_load{backend=\"e:1\",rank=\"0\"} 2\n"));
     px_buf_cleanup(&b);
@@ -127,27 +141,27 @@ static void test_engine_load(void **state) {
 /* Declared sizes: the admin layer over the file's, the file's replaced as
  * a whole, the fallback otherwise. */
 static void test_declared_sizes(void **state) {
-    assert_false(px_dp_declared());
-    assert_int_equal(px_dp_size("http://a:1", 3), 3);
+    assert_false(px_dp_declared(T));
+    assert_int_equal(px_dp_size(T, "http://a:1", 3), 3);
     char *v[] = {"4 http://a:1", "2 http://b:1"};
     px_strlist l = {v, 2};
-    assert_int_equal(px_dp_declare_file(&l), 0);
-    assert_true(px_dp_declared());
-    assert_int_equal(px_dp_size("http://a:1", 1), 4);
-    assert_int_equal(px_dp_size("http://b:1", 1), 2);
-    assert_int_equal(px_dp_size("http://c:1", 1), 1);
-    assert_int_equal(px_dp_size(NULL, 5), 5);
-    assert_int_equal(px_dp_declare_admin("http://b:1", 8), 0);
-    assert_int_equal(px_dp_size("http://b:1", 1), 8);
+    assert_int_equal(px_dp_declare_file(T, &l), 0);
+    assert_true(px_dp_declared(T));
+    assert_int_equal(px_dp_size(T, "http://a:1", 1), 4);
+    assert_int_equal(px_dp_size(T, "http://b:1", 1), 2);
+    assert_int_equal(px_dp_size(T, "http://c:1", 1), 1);
+    assert_int_equal(px_dp_size(T, NULL, 5), 5);
+    assert_int_equal(px_dp_declare_admin(T, "http://b:1", 8), 0);
+    assert_int_equal(px_dp_size(T, "http://b:1", 1), 8);
     char *w[] = {"6 http://b:1"};
     px_strlist l2 = {w, 1};
-    assert_int_equal(px_dp_declare_file(&l2), 0);
-    assert_int_equal(px_dp_size("http://a:1", 1), 1); /* no longer declared */
-    assert_int_equal(px_dp_size("http://b:1", 1), 8); /* the admin's still wins */
-    px_dp_forget_admin();
-    assert_int_equal(px_dp_size("http://b:1", 1), 6);
-    assert_int_equal(px_dp_declare_admin("http://b:1", 0), 0);
-    assert_int_equal(px_dp_declare_admin("http://never:1", 0), 0);
+    assert_int_equal(px_dp_declare_file(T, &l2), 0);
+    assert_int_equal(px_dp_size(T, "http://a:1", 1), 1); /* no longer declared */
+    assert_int_equal(px_dp_size(T, "http://b:1", 1), 8); /* the admin's still wins */
+    px_dp_forget_admin(T);
+    assert_int_equal(px_dp_size(T, "http://b:1", 1), 6);
+    assert_int_equal(px_dp_declare_admin(T, "http://b:1", 0), 0);
+    assert_int_equal(px_dp_declare_admin(T, "http://never:1", 0), 0);
     /* Malformed items and URLs too long for the table are reported. */
     char long_url[600];
     memset(long_url, 'x', sizeof long_url - 1);
@@ -156,8 +170,8 @@ static void test_declared_sizes(void **state) {
     snprintf(item, sizeof item, "2 %s", long_url);
     char *bad[] = {"nonsense", item};
     px_strlist l3 = {bad, 2};
-    assert_int_equal(px_dp_declare_file(&l3), -1);
-    assert_int_equal(px_dp_size(long_url, 1), 1);
+    assert_int_equal(px_dp_declare_file(T, &l3), -1);
+    assert_int_equal(px_dp_size(T, long_url, 1), 1);
 }
 
 int main(void) {
@@ -169,5 +183,5 @@ int main(void) {
         cmocka_unit_test(test_declared_sizes),
         cmocka_unit_test(test_full_table_and_escaping),
     };
-    return cmocka_run_group_tests(tests, NULL, NULL);
+    return cmocka_run_group_tests(tests, make_table, drop_table);
 }

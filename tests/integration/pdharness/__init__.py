@@ -19,7 +19,7 @@ Modules, by what they own:
   ``connector``: the connector's test peers and wire helpers.
 
 Test scripts in tests/integration find the package beside them (a script's
-own folder is first on sys.path); the benchmarks put tests/integration on
-sys.path themselves.
+own folder is first on sys.path); the benchmarks and tests/plugin's harness
+put tests/integration on sys.path themselves.
 
 Every loop is bounded by a deadline and an iteration count."""

@@ -14,6 +14,7 @@ import sys
 import unittest
 
 from pdharness.client import strict_json
+from pdharness.logs import parse_logfmt
 from pdharness.mocks import MOCK_TLS, MockBackend, mock_tls
 from pdharness.net import HOST, Blackhole, wait_until
 from pdharness.procs import PDPROXY, SANITIZER_RE, WARN_RE, start_pdproxy
@@ -169,6 +170,26 @@ class PxTestCase(unittest.TestCase):
         self.assertTrue(found, "%r not in pdproxy's stderr:\n%s"
                         % (pattern, proxy.stderr()[-4000:]))
         return found
+
+    def wait_access(self, proxy, since=0, timeout=5.0, **fields):
+        """Waits for pdproxy's access line (msg="request", logfmt) of a request
+        whose fields include `fields` (outcome="client_disconnected", ...), in
+        its stderr from offset `since`, and returns that record. The line is
+        written when the request ends: whatever the request would still have
+        done (an upstream call, a warning) is done by then, so a test that
+        checks that something did not happen waits for this, not a time."""
+        def find():
+            for line in proxy.stderr()[since:].splitlines():
+                if 'msg="request"' not in line:
+                    continue
+                rec = parse_logfmt(line)
+                if all(str(rec.get(k)) == str(v) for k, v in fields.items()):
+                    return rec
+            return None
+        rec = wait_until(find, timeout, 0.01)
+        self.assertIsNotNone(rec, "no access line with %r in pdproxy stderr:\n%s"
+                             % (fields, proxy.stderr()[since:][-4000:]))
+        return rec
 
     def assertWarned(self, proxy, keyword, since=0, timeout=2.0):
         """pdproxy's stderr (from offset `since`) gets a warning-level line that contains keyword."""

@@ -1,0 +1,102 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+#include "proxy/handoff.h"
+
+#include "base/log.h"
+#include "proxy/usage.h"
+
+px_kvp_status px_handoff_serial(px_metrics *m, const char *lid, const char *prefill, px_buf *resp,
+                                int keep, px_buf *body, px_buf *pbody, px_pf_cache *learn,
+                                int usage_prefill, const char *transfer_id, px_buf *out,
+                                char cached[24], char *err, size_t errlen) {
+    const char *kvp = NULL;
+    size_t kvp_len = 0;
+    px_kvp_status ks =
+        px_extract_kv_params(resp->data ? resp->data : "", resp->len, &kvp, &kvp_len, err, errlen);
+    if (ks == PX_KVP_BAD_RESPONSE) return ks;
+    if (ks == PX_KVP_MISSING) {
+        px_m_inc(&m->kvp_missing);
+        PX_LOG(PX_LOG_WARN,
+               "req=%s msg=\"prefill answer has no kv_transfer_params; decode will recompute the "
+               "prefill\" prefill=%s",
+               lid, prefill);
+        kvp = NULL;
+    } else if (ks == PX_KVP_NO_REQUEST_ID) {
+        px_m_inc(&m->rrid_missing);
+        PX_LOG(PX_LOG_WARN,
+               "req=%s msg=\"kv_transfer_params lack remote_request_id; decode cannot release "
+               "prefill's blocks\" prefill=%s",
+               lid, prefill);
+    }
+    /* --dispatch concurrent learns the prefill's identity from its
+     * answers. */
+    if (kvp && learn) px_dispatch_learn(learn, prefill, kvp, kvp_len);
+    px_buf_reset(out);
+    px_rewrite_decode_xfer(body->data, body->len, kvp, kvp_len, transfer_id, out);
+    /* Prefill's cached_tokens, for --usage-from prefill (only then: three
+     * searches of prefill's answer). */
+    if (resp->data && usage_prefill) px_usage_cached_tokens(resp->data, resp->len, cached);
+    px_buf_cleanup(body);
+    px_buf_cleanup(pbody);
+    if (!keep) px_buf_cleanup(resp);
+    return ks;
+}
+
+void px_handoff_prefill(px_endpoint ep, const px_buf *body, const char *transfer_id,
+                        px_buf *out) {
+    if (ep == PX_EP_RESPONSES)
+        px_rewrite_prefill_responses(body->data, body->len, transfer_id, out);
+    else if (ep == PX_EP_GENERATE)
+        px_rewrite_prefill_generate(body->data, body->len, transfer_id, out);
+    else
+        px_rewrite_prefill(body->data, body->len, transfer_id, out);
+}
+
+void px_handoff_alone(const px_buf *body, px_buf *out) {
+    px_buf_reset(out);
+    px_rewrite_decode(body->data, body->len, NULL, 0, out);
+}
+
+int px_handoff_concurrent(const px_pf_identity *pf, const char *transfer_id, const px_buf *body,
+                          px_buf *pbody, px_buf *dbody, char id[PX_DISPATCH_ID_LEN]) {
+    char tok[33];
+    if (px_dispatch_mint(id, tok) < 0) return -1;
+    px_buf kvp, b;
+    px_buf_init(&kvp);
+    px_buf_init(&b);
+    px_dispatch_prefill_kvp(id, tok, transfer_id, &kvp);
+    px_rewrite_decode(pbody->data, pbody->len, kvp.data, kvp.len, &b);
+    px_buf_cleanup(pbody);
+    *pbody = b;
+    px_buf_reset(&kvp);
+    px_dispatch_decode_kvp(pf, id, tok, transfer_id, &kvp);
+    px_buf_reset(dbody);
+    px_rewrite_decode(body->data, body->len, kvp.data, kvp.len, dbody);
+    px_buf_cleanup(&kvp);
+    return 0;
+}
+
+void px_handoff_learn(px_pf_cache *ids, const char *prefill, const px_buf *resp, int usage_prefill,
+                      char cached[24]) {
+    const char *kvp = NULL;
+    size_t kl = 0;
+    char err[128];
+    px_kvp_status ks =
+        px_extract_kv_params(resp->data ? resp->data : "", resp->len, &kvp, &kl, err, sizeof err);
+    if ((ks == PX_KVP_OK || ks == PX_KVP_NO_REQUEST_ID) && kvp)
+        px_dispatch_learn(ids, prefill, kvp, kl);
+    if (resp->data && !cached[0] && usage_prefill)
+        px_usage_cached_tokens(resp->data, resp->len, cached);
+}
+
+int px_handoff_forwarded(px_buf *b) {
+    px_buf clean;
+    px_buf_init(&clean);
+    int st = px_rewrite_forwarded(b->data ? b->data : "", b->len, &clean);
+    if (st > 0) {
+        px_buf t = *b;
+        *b = clean;
+        clean = t;
+    }
+    px_buf_cleanup(&clean);
+    return st;
+}
