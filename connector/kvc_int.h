@@ -437,9 +437,15 @@ KVC_HIDDEN bool kvc_slice_at(uint64_t block_len, uint64_t nblocks, uint64_t b, u
  * (VMM memory, cudaMallocAsync pools): the message says why. */
 #define KVC_IPC_HANDLE_LEN 64 /* CUDA_IPC_HANDLE_SIZE */
 #define KVC_IPC_BUS_LEN 32
+/* How an exported allocation is opened: a cudaIpcGetMemHandle handle, or
+ * VMM pieces (physical allocations mapped contiguously, their POSIX fds
+ * passed over a Unix socket: ipcfd.c). */
+enum { KVC_IPC_KIND_HANDLE = 0, KVC_IPC_KIND_VMM = 1 };
 typedef struct {
     uint64_t base, size;
-    uint8_t handle[KVC_IPC_HANDLE_LEN];
+    uint8_t kind;                       /* KVC_IPC_KIND_* */
+    uint8_t handle[KVC_IPC_HANDLE_LEN]; /* KIND_HANDLE */
+    uint32_t first_piece, n_pieces;     /* KIND_VMM: its pieces, in address order */
     char bus[KVC_IPC_BUS_LEN];
 } kvc_cuda_export_t;
 KVC_HIDDEN kvc_status_t kvc_cuda_ipc_export(kvc_cuda_t *c, int dev, const void *p, size_t len,
@@ -458,6 +464,44 @@ KVC_HIDDEN void kvc_cuda_ipc_close(kvc_cuda_t *c, int dev, void *ptr);
 KVC_HIDDEN kvc_status_t kvc_cuda_d2d_runs(kvc_cuda_t *c, int dev, void *dst, const void *src,
                                           size_t block_len, const kvc_run_t *runs, size_t n,
                                           void **ev);
+/* The PCI bus id of device dev (KVC_IPC_BUS_LEN bytes at most). */
+KVC_HIDDEN kvc_status_t kvc_cuda_bus_id(kvc_cuda_t *c, int dev, char bus[KVC_IPC_BUS_LEN]);
+/* For cuda_vmm.c: dev made current (the caller's device in *saved), and
+ * back; the message of a failure (kvc_cuda_last_error). */
+KVC_HIDDEN kvc_status_t kvc_cuda_dev_enter(kvc_cuda_t *c, int dev, int *saved);
+KVC_HIDDEN kvc_status_t kvc_cuda_dev_leave(kvc_cuda_t *c, int saved, kvc_status_t st);
+KVC_HIDDEN kvc_status_t kvc_cuda_set_error(kvc_cuda_t *c, kvc_status_t st, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+
+/* CUDA virtual memory management (cuda_vmm.c): memory mapped with
+ * cuMemCreate/cuMemMap, whose physical allocations travel as POSIX fds.
+ * A piece is one mapping: [base, base + size) maps one physical allocation
+ * from its offset 0 (cuMemMap's offset must be 0). */
+typedef struct {
+    uint64_t base, size;
+    uint64_t handle; /* CUmemGenericAllocationHandle, retained */
+} kvc_vmm_piece_t;
+/* The pieces that cover [p, p+len) on device dev, contiguous, each handle
+ * retained (*out owned: kvc_cuda_vmm_release).  KVC_ERR_UNSUPPORTED (the
+ * message says why) when that is not VMM memory mapped end to end on dev,
+ * or (need_fd) a piece's allocation was created without
+ * CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR. */
+KVC_HIDDEN kvc_status_t kvc_cuda_vmm_pieces(kvc_cuda_t *c, int dev, const void *p, size_t len,
+                                            bool need_fd, kvc_vmm_piece_t **out, size_t *n);
+KVC_HIDDEN void kvc_cuda_vmm_release(kvc_cuda_t *c, kvc_vmm_piece_t *pieces, size_t n);
+/* A new POSIX fd (owned by the caller) of a retained allocation. */
+KVC_HIDDEN kvc_status_t kvc_cuda_vmm_export(kvc_cuda_t *c, int dev, uint64_t handle, int *fd);
+/* Consumer: an allocation from its fd (the fd stays the caller's), and
+ * the release of that handle. */
+KVC_HIDDEN kvc_status_t kvc_cuda_vmm_import(kvc_cuda_t *c, int dev, int fd, uint64_t *handle);
+KVC_HIDDEN void kvc_cuda_vmm_drop(kvc_cuda_t *c, uint64_t handle);
+/* Consumer: one address range reserved, the n allocations mapped one after
+ * the other (sizes[i] bytes each, from offset 0), read-write for device
+ * dev: *va.  Nothing left behind on failure. */
+KVC_HIDDEN kvc_status_t kvc_cuda_vmm_map(kvc_cuda_t *c, int dev, const uint64_t *handles,
+                                         const uint64_t *sizes, size_t n, void **va);
+KVC_HIDDEN void kvc_cuda_vmm_unmap(kvc_cuda_t *c, int dev, void *va, const uint64_t *sizes,
+                                   size_t n);
 
 /* ------------------------------------------------------------- ipc.c -- */
 /* Same-node CUDA IPC: the consumer maps the producer's device memory and
@@ -476,8 +520,14 @@ KVC_HIDDEN void kvc_ipc_hs_append(const kvc_agent_t *a, kvc_buf_t *b);
 /* Consumer, after the handshake's MAC checked out: when the table shows a
  * producer on this node (host identity, another process) whose GPUs are
  * visible here, opens its allocations on the devices of the local regions
- * (p->ipc).  Anything else leaves p->ipc NULL (push/staged then; logged). */
-KVC_HIDDEN void kvc_ipc_peer_open(kvc_agent_t *a, kvc_peer_t *p, kvc_span_t table);
+ * (p->ipc).  Anything else leaves p->ipc NULL (push/staged then; logged).
+ * True when VMM allocations' fds are still to come over the producer's
+ * socket: the peer waits in PEER_IPC until kvc_ipc_peer_io says the open
+ * ended (peer.c, kvc_peer_ipc_io). */
+KVC_HIDDEN bool kvc_ipc_peer_open(kvc_agent_t *a, kvc_peer_t *p, kvc_span_t table);
+/* The fd socket of p (PEER_IPC) is readable: what came is imported.
+ * True when the open ended: p->ipc mapped, or NULL (failed, logged). */
+KVC_HIDDEN bool kvc_ipc_peer_io(kvc_agent_t *a, kvc_peer_t *p, uint32_t events);
 /* Waits for queued copies, then closes p's mappings. */
 KVC_HIDDEN void kvc_ipc_peer_close(kvc_agent_t *a, kvc_peer_t *p);
 /* One fetch's copies: an event per device that copies. */
@@ -493,28 +543,52 @@ KVC_HIDDEN kvc_status_t kvc_ipc_copy(kvc_agent_t *a, kvc_peer_t *p, const kvc_ru
 /* 1: every copy completed; 0: not yet; -1: one failed (*st set). */
 KVC_HIDDEN int kvc_ipc_poll(kvc_agent_t *a, kvc_ipc_job_t *j, kvc_status_t *st);
 KVC_HIDDEN void kvc_ipc_job_cleanup(kvc_agent_t *a, kvc_ipc_job_t *j);
-/* The table (wire.c, pure, fuzzed): u8 version 1, str16 host identity,
- * u32 pid, u32 n_allocs, n_allocs * { str16 PCI bus id, u64 size, blob32
- * handle }, u32 n_regions, n_regions * { u32 alloc, u64 offset }. */
+/* The table (wire.c, pure, fuzzed): u8 version 2, str16 host identity,
+ * u32 pid, u32 n_allocs, n_allocs * { str16 PCI bus id, u64 size, u8 kind,
+ * KIND_HANDLE: blob32 handle | KIND_VMM: u32 n_pieces }, u32 n_pieces,
+ * n_pieces * { u64 size }, and when n_pieces > 0: str16 socket name,
+ * blob32 socket token; then u32 n_regions, n_regions * { u32 alloc, u64
+ * offset }.  The pieces are the VMM allocations' in their order, each
+ * allocation's sizes summing to its size; the fds come in that order. */
+#define KVC_IPC_MAX_PIECES 65536u
+#define KVC_IPC_SOCK_LEN 64     /* the socket's name, printable, no NUL */
+#define KVC_IPC_FD_TOKEN_LEN 32 /* proves a fd request comes from a handshaken consumer */
 typedef struct {
     kvc_span_t bus, handle; /* borrowed from the table */
     uint64_t size;
+    uint8_t kind;
+    uint32_t first_piece, n_pieces; /* KIND_VMM */
 } kvc_ipc_alloc_t;
 typedef struct {
     kvc_span_t host;
-    uint32_t pid, n_allocs, n_regions;
+    uint32_t pid, n_allocs, n_regions, n_pieces;
     kvc_ipc_alloc_t *allocs; /* owned */
+    uint64_t *piece_size;    /* owned (n_pieces) */
+    kvc_span_t sock, token;  /* n_pieces > 0 */
     uint32_t *reg_alloc;     /* owned */
     uint64_t *reg_off;       /* owned */
 } kvc_ipc_table_t;
-KVC_HIDDEN void kvc_wire_encode_ipc(kvc_buf_t *b, const char *host, uint32_t pid,
-                                    const kvc_cuda_export_t *allocs, uint32_t n_allocs,
-                                    const uint32_t *reg_alloc, const uint64_t *reg_off,
-                                    uint32_t n_regions);
+typedef struct {
+    const char *host;
+    uint32_t pid;
+    const kvc_cuda_export_t *allocs;
+    uint32_t n_allocs;
+    const uint64_t *piece_size; /* n_pieces: the VMM allocations' pieces */
+    uint32_t n_pieces;
+    const char *sock;     /* n_pieces > 0 */
+    const uint8_t *token; /* KVC_IPC_FD_TOKEN_LEN bytes */
+    const uint32_t *reg_alloc;
+    const uint64_t *reg_off;
+    uint32_t n_regions;
+} kvc_ipc_tab_in_t;
+KVC_HIDDEN void kvc_wire_encode_ipc(kvc_buf_t *b, const kvc_ipc_tab_in_t *in);
 /* KVC_ERR_PROTOCOL unless well-formed: n_regions as given, region i inside
  * its allocation (reg_off[i] + region_len[i] <= size), handles of
  * KVC_IPC_HANDLE_LEN bytes, printable host and bus ids (shorter than
- * KVC_IPC_BUS_LEN).  On KVC_OK t borrows p (kvc_wire_ipc_cleanup). */
+ * KVC_IPC_BUS_LEN), VMM allocations whose pieces (none of size 0, at most
+ * KVC_IPC_MAX_PIECES in all) sum to their size, a printable socket name
+ * shorter than KVC_IPC_SOCK_LEN and a token of KVC_IPC_FD_TOKEN_LEN bytes
+ * when there are pieces.  On KVC_OK t borrows p (kvc_wire_ipc_cleanup). */
 KVC_HIDDEN kvc_status_t kvc_wire_parse_ipc(const uint8_t *p, size_t len, const uint64_t *region_len,
                                            uint32_t n_regions, kvc_ipc_table_t *t);
 KVC_HIDDEN void kvc_wire_ipc_cleanup(kvc_ipc_table_t *t);
@@ -552,12 +626,50 @@ KVC_HIDDEN kvc_status_t kvc_choose_path(const kvc_path_in_t *in, kvc_path_t *out
 /* Rate-limited log kinds (kvc_log_ratelimit). */
 enum { KVC_RL_AUTH, KVC_RL_DENIED, KVC_RL_PEER, KVC_RL_DATA, KVC_RL_KINDS };
 
-typedef enum { PE_LISTEN, PE_UCX, PE_TIMER, PE_WAKE, PE_SCONN, PE_PEER } kvc_pe_kind_t;
+typedef enum {
+    PE_LISTEN,
+    PE_UCX,
+    PE_TIMER,
+    PE_WAKE,
+    PE_SCONN,
+    PE_PEER,
+    PE_IPCFD_LISTEN, /* obj: the agent (ipcfd.c) */
+    PE_IPCFD_CONN,   /* obj: a kvc_ipcfd_conn_t */
+    PE_IPCFD_FETCH   /* obj: the peer whose fds come (ipc.c) */
+} kvc_pe_kind_t;
 
 typedef struct {
     kvc_pe_kind_t kind;
     void *obj;
 } kvc_pollent_t;
+
+/* ----------------------------------------------------------- ipcfd.c -- */
+/* VMM allocations' POSIX fds over a Unix socket (ipcfd.c has the design). */
+#define KVC_IPCFD_BATCH 253 /* fds per message: Linux's SCM_MAX_FD */
+typedef struct kvc_ipcfd_conn kvc_ipcfd_conn_t;
+typedef struct kvc_ipcfd_cli kvc_ipcfd_cli_t;
+/* Producer: listens on a new abstract socket for requests of the fds of
+ * pieces (owned from now on, also on failure: released with the server;
+ * dev: each piece's device, owned); its name and token out, for the table. */
+KVC_HIDDEN kvc_status_t kvc_ipcfd_serve(kvc_agent_t *a, kvc_vmm_piece_t *pieces, int *dev, size_t n,
+                                        char name[KVC_IPC_SOCK_LEN],
+                                        uint8_t token[KVC_IPC_FD_TOKEN_LEN]);
+KVC_HIDDEN void kvc_ipcfd_serve_stop(kvc_agent_t *a);
+KVC_HIDDEN void kvc_ipcfd_accept(kvc_agent_t *a);
+KVC_HIDDEN void kvc_ipcfd_conn_io(kvc_agent_t *a, kvc_ipcfd_conn_t *c, uint32_t events);
+/* Idle connections closed, closed ones freed (after the epoll batch). */
+KVC_HIDDEN void kvc_ipcfd_timers(kvc_agent_t *a, uint64_t now, uint64_t *next);
+/* Consumer: connects to the table's socket (its owner must be the table's
+ * pid), asks for the first batch and adds the socket to epoll with pe.
+ * On failure err says why. */
+KVC_HIDDEN kvc_status_t kvc_ipcfd_fetch(kvc_agent_t *a, const kvc_ipc_table_t *t, kvc_pollent_t *pe,
+                                        kvc_ipcfd_cli_t **out, char *err, size_t errlen);
+/* The next batch: fds (owned by the caller) of pieces *first..*first+*n-1,
+ * KVC_OK, and the next batch asked for; KVC_AGAIN: nothing yet; an error
+ * (err says why, nothing received is left open). */
+KVC_HIDDEN kvc_status_t kvc_ipcfd_recv(kvc_ipcfd_cli_t *c, int fds[KVC_IPCFD_BATCH],
+                                       uint32_t *first, uint32_t *n, char *err, size_t errlen);
+KVC_HIDDEN void kvc_ipcfd_fetch_close(kvc_agent_t *a, kvc_ipcfd_cli_t *c);
 
 typedef struct {
     void *base;     /* host-visible memory UCX reads/writes (pool, user memory); staged: NULL */
@@ -668,6 +780,8 @@ struct kvc_agent {
     bool cuda_direct;        /* a region is registered as device memory */
     bool ipc_off;            /* CUDA IPC disabled (KVC_AGENT_FIELD_CUDA_IPC, KVC_IPC=0) */
     kvc_buf_t ipc_tab;       /* producer: its IPC table (empty: no IPC export) */
+    /* owned: the producer's fd socket for its VMM allocations (ipcfd.c) */
+    struct kvc_ipcfd_srv *ipcfd;
 
     kvc_pubtab_t pubs;
     kvc_gone_t gone[KVC_NOTIFY_GONE]; /* ring, notify.c */
@@ -801,6 +915,8 @@ KVC_HIDDEN kvc_status_t kvc_resolve(const char *host, uint16_t port, struct sock
 
 /* --------------------------------------------------------- peer.c -- */
 KVC_HIDDEN void kvc_peer_io(kvc_agent_t *a, kvc_peer_t *p, uint32_t events);
+/* The fd socket of a peer waiting for the producer's VMM fds (PE_IPCFD_FETCH). */
+KVC_HIDDEN void kvc_peer_ipc_io(kvc_agent_t *a, kvc_peer_t *p, uint32_t events);
 /* Finds or starts a handshake with host:port.  KVC_ERR_NO_MEMORY only. */
 KVC_HIDDEN kvc_status_t kvc_peer_get(kvc_agent_t *a, const char *host, uint16_t port,
                                      const char *engine_id, kvc_peer_t **out);
@@ -823,7 +939,16 @@ struct kvc_peer_region {
     const uint8_t *mapped; /* the region mapped here (shared memory), or NULL */
     uint8_t mem_type;      /* kvc_mem_type_t as the producer registered it */
 };
-typedef enum { PEER_CONNECTING, PEER_HELLO, PEER_AUTH, PEER_READY, PEER_DEAD } kvc_peer_state_t;
+/* PEER_IPC: handshaken, the producer's VMM allocations' fds on the way
+ * (ipc.c); READY once they are mapped, or on push when that fails. */
+typedef enum {
+    PEER_CONNECTING,
+    PEER_HELLO,
+    PEER_AUTH,
+    PEER_IPC,
+    PEER_READY,
+    PEER_DEAD
+} kvc_peer_state_t;
 struct kvc_peer {
     kvc_peer_t *next;
     kvc_agent_t *a;
