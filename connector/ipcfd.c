@@ -74,6 +74,7 @@ struct kvc_ipcfd_srv {
 
 struct kvc_ipcfd_cli {
     int fd;
+    uint32_t batch;       /* fds asked for at a time */
     uint32_t total, next; /* fds wanted, index of the first not yet asked for */
     uint32_t want_first, want_n;
     uint8_t token[KVC_IPC_FD_TOKEN_LEN];
@@ -283,6 +284,8 @@ static void conn_answer(kvc_agent_t *a, kvc_ipcfd_conn_t *c, const uint8_t *req)
     put32(c->out + 4, (uint32_t)status);
     put32(c->out + 8, first);
     put32(c->out + 12, count);
+    KVC_LOG(a, KVC_LOG_DEBUG, "CUDA IPC: fds %u..%u of %zu to pid %d: %s", first, first + count,
+            s->n, c->pid, kvc_status_str((kvc_status_t)status));
     if (status == KVC_OK && first + count == s->n)
         KVC_LOG(a, KVC_LOG_INFO, "CUDA IPC: fds of %zu VMM allocations passed to pid %d", s->n,
                 c->pid);
@@ -330,7 +333,7 @@ void kvc_ipcfd_timers(kvc_agent_t *a, uint64_t now, uint64_t *next) {
 static kvc_status_t cli_ask(kvc_ipcfd_cli_t *c) {
     uint8_t req[REQ_LEN];
     c->want_first = c->next;
-    c->want_n = c->total - c->next < KVC_IPCFD_BATCH ? c->total - c->next : KVC_IPCFD_BATCH;
+    c->want_n = c->total - c->next < c->batch ? c->total - c->next : c->batch;
     memcpy(req, MAGIC, 4);
     put32(req + 4, c->want_first);
     put32(req + 8, c->want_n);
@@ -348,6 +351,9 @@ kvc_status_t kvc_ipcfd_fetch(kvc_agent_t *a, const kvc_ipc_table_t *t, kvc_polle
     kvc_ipcfd_cli_t *c = calloc(1, sizeof(*c));
     if (!c) return KVC_ERR_NO_MEMORY;
     c->total = t->n_pieces;
+    c->batch = KVC_IPCFD_BATCH;
+    const char *tb = getenv("KVC_TEST_FD_BATCH"); /* tests only: several batches from few fds */
+    if (tb && atoi(tb) > 0 && atoi(tb) < KVC_IPCFD_BATCH) c->batch = (uint32_t)atoi(tb);
     memcpy(c->token, t->token.p, KVC_IPC_FD_TOKEN_LEN);
     struct sockaddr_un sa;
     socklen_t sl = abstract_addr(&sa, (const char *)t->sock.p, t->sock.len);

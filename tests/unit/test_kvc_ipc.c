@@ -36,6 +36,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/socket.h>
+#include <sys/un.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -437,9 +439,11 @@ static void test_ipc_vmm_fetch(void **state) {
     (void)state;
     ctx_t c;
     start(&c, "vmm", 30000);
+    setenv("KVC_TEST_FD_BATCH", "2", 1); /* the three fds in two batches */
     fetch(&c);
     char msg[300];
     kvc_status_t st = pump(&c, NULL, msg, sizeof(msg));
+    unsetenv("KVC_TEST_FD_BATCH");
     if (st != KVC_OK) fail_msg("fetch failed: %s (%s)", msg, kvc_status_str(st));
     check_bytes(&c);
     assert_int_equal(kstat(&c, KVC_STAT_PEERS_IPC), 1);
@@ -494,6 +498,57 @@ static void test_ipc_vmm_no_fd_type(void **state) {
 static void test_ipc_vmm_import_fails(void **state) {
     (void)state;
     fallback("vmm", NULL, "cuMemImportFromShareableHandle");
+}
+
+/* The producer's fd socket: a request with a wrong token is refused and
+ * the connection closed, without a fd; a consumer does not send its token
+ * to a socket that another pid than the table's owns. */
+static void test_ipcfd_refusals(void **state) {
+    (void)state;
+    cudasim_reset(2, false);
+    kvc_agent_t *a = agent("fd-P", 30000);
+    assert_non_null(a);
+    char name[KVC_IPC_SOCK_LEN];
+    uint8_t token[KVC_IPC_FD_TOKEN_LEN];
+    assert_int_equal(kvc_ipcfd_serve(a, NULL, NULL, 0, name, token), KVC_OK);
+    int fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+    struct sockaddr_un sa = {.sun_family = AF_UNIX};
+    memcpy(sa.sun_path + 1, name, strlen(name));
+    socklen_t sl = (socklen_t)(offsetof(struct sockaddr_un, sun_path) + 1 + strlen(name));
+    assert_int_equal(connect(fd, (struct sockaddr *)&sa, sl), 0);
+    uint8_t req[44] = "KVF1";
+    uint32_t first = 0, count = 1;
+    memcpy(req + 4, &first, 4);
+    memcpy(req + 8, &count, 4);
+    memcpy(req + 12, token, sizeof(token));
+    req[12] ^= 1;
+    assert_int_equal(send(fd, req, sizeof(req), 0), (ssize_t)sizeof(req));
+    uint8_t ans[16];
+    ssize_t n = -1;
+    for (int i = 0; i < 2000 && n < 0; i++) {
+        kvc_agent_progress(a);
+        n = recv(fd, ans, sizeof(ans), MSG_DONTWAIT);
+        if (n < 0) usleep(1000);
+    }
+    assert_int_equal(n, 16);
+    int32_t status;
+    memcpy(&status, ans + 4, 4);
+    assert_int_equal(status, KVC_ERR_AUTH);
+    for (int i = 0; i < 100; i++)
+        kvc_agent_progress(a);
+    assert_int_equal(recv(fd, ans, sizeof(ans), MSG_DONTWAIT), 0); /* closed */
+    close(fd);
+    /* The table names another pid than the socket's owner (this one). */
+    kvc_ipc_table_t t = {.pid = (uint32_t)getpid() + 1,
+                         .n_pieces = 1,
+                         .sock = {(const uint8_t *)name, strlen(name)},
+                         .token = {token, sizeof(token)}};
+    kvc_pollent_t pe = {PE_IPCFD_FETCH, NULL};
+    kvc_ipcfd_cli_t *cli = NULL;
+    char err[256];
+    assert_int_equal(kvc_ipcfd_fetch(a, &t, &pe, &cli, err, sizeof(err)), KVC_ERR_AUTH);
+    assert_non_null(strstr(err, "belongs to pid"));
+    kvc_agent_destroy(a);
 }
 
 /* ------------------------------------------------------------ the table -- */
@@ -594,6 +649,7 @@ int main(int argc, char **argv) {
         cmocka_unit_test(test_ipc_vmm_producer_killed),
         cmocka_unit_test(test_ipc_vmm_no_fd_type),
         cmocka_unit_test(test_ipc_vmm_import_fails),
+        cmocka_unit_test(test_ipcfd_refusals),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
