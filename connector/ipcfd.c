@@ -181,9 +181,11 @@ void kvc_ipcfd_accept(kvc_agent_t *a) {
     for (int i = 0; s && i < 64; i++) {
         int fd = accept4(s->fd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
         if (fd < 0) return; /* EAGAIN, or a connection that went away */
-        struct ucred uc;
+        struct ucred uc = {0};
         if (!peer_cred(fd, &uc) || uc.uid != geteuid() || s->nconns >= MAX_CONNS) {
-            KVC_LOG(a, KVC_LOG_WARN,
+            if (kvc_log_ratelimit(a, KVC_RL_AUTH))
+                KVC_LOG(
+                    a, KVC_LOG_WARN,
                     "CUDA IPC: fd request refused (pid %d, uid %d; this producer runs as uid %d, "
                     "%u requests open)",
                     (int)uc.pid, (int)uc.uid, (int)geteuid(), s->nconns);
@@ -256,7 +258,9 @@ static void conn_answer(kvc_agent_t *a, kvc_ipcfd_conn_t *c, const uint8_t *req)
     int32_t status = KVC_OK;
     if (CRYPTO_memcmp(req + 12, s->token, KVC_IPC_FD_TOKEN_LEN)) {
         status = KVC_ERR_AUTH;
-        KVC_LOG(a, KVC_LOG_WARN, "CUDA IPC: fd request from pid %d with a wrong token", c->pid);
+        a->stats[KVC_STAT_AUTH_FAILED]++;
+        if (kvc_log_ratelimit(a, KVC_RL_AUTH))
+            KVC_LOG(a, KVC_LOG_WARN, "CUDA IPC: fd request from pid %d with a wrong token", c->pid);
     } else if (count == 0 || count > KVC_IPCFD_BATCH || first > s->n || count > s->n - first) {
         status = KVC_ERR_PROTOCOL;
     } else if (!(c->out_fds = malloc(count * sizeof(int)))) {
