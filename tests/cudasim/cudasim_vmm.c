@@ -447,20 +447,22 @@ void *cudasim_vmm_symbol(const char *name) {
     return NULL;
 }
 
-int cudasim_vmm_mappings(void) {
-    if (cudasim_enter_locked("cudasim_vmm_mappings") != cudaSuccess) return -1;
+/* How many mappings (or physical allocations) this process has. */
+static int count(bool maps) {
+    if (cudasim_enter_locked("cudasim_vmm_count") != cudaSuccess) return -1;
     int n = 0;
-    for (vmap_t *m = vmaps; m; m = m->next)
+    for (vmap_t *m = maps ? vmaps : NULL; m; m = m->next)
+        n++;
+    for (phys_t *p = maps ? NULL : physs; p; p = p->next)
         n++;
     cudasim_leave_locked(cudaSuccess);
     return n;
 }
 
+int cudasim_vmm_mappings(void) {
+    return count(true);
+}
+
 int cudasim_vmm_allocations(void) {
-    if (cudasim_enter_locked("cudasim_vmm_allocations") != cudaSuccess) return -1;
-    int n = 0;
-    for (phys_t *p = physs; p; p = p->next)
-        n++;
-    cudasim_leave_locked(cudaSuccess);
-    return n;
+    return count(false);
 }

@@ -304,10 +304,11 @@ static void wait_released(ctx_t *c) {
     while (strcmp(line, "RELEASED"));
 }
 
-static void test_ipc_fetch(void **state) {
-    (void)state;
+/* A fetch over CUDA IPC from a producer in `mode`, byte-exact, then
+ * checked further by `more` before the producer goes. */
+static void ipc_fetch(const char *mode, void (*more)(ctx_t *c)) {
     ctx_t c;
-    start(&c, "serve", 30000);
+    start(&c, mode, 30000);
     fetch(&c);
     char msg[300];
     kvc_status_t st = pump(&c, NULL, msg, sizeof(msg));
@@ -316,28 +317,43 @@ static void test_ipc_fetch(void **state) {
     assert_int_equal(kstat(&c, KVC_STAT_PEERS_IPC), 1);
     assert_int_equal(kstat(&c, KVC_STAT_PEERS_PUSH), 0);
     assert_int_equal(kstat(&c, KVC_STAT_BYTES_IPC), NX * BL * NREG);
-    /* One allocation behind both producer regions, opened on each of our
-     * two devices; device-to-device copies, no staging copy. */
-    assert_int_equal(cudasim_calls("cudaIpcOpenMemHandle"), 2);
-    assert_int_equal(cudasim_ipc_open_count(), c.open0 + 2);
-    assert_int_equal(kstat(&c, KVC_STAT_CUDA_COPIES), 0);
+    assert_int_equal(kstat(&c, KVC_STAT_CUDA_COPIES), 0); /* device to device, no staging */
+    more(&c);
     wait_released(&c);
     assert_int_equal(finish(&c), 0);
 }
 
-/* A read that comes after the publication expired: refused at its HOLD,
- * before a byte is copied. */
-static void test_ipc_after_expiry_denied(void **state) {
+/* One allocation behind both producer regions, opened on each of our two
+ * devices. */
+static void handles_opened(ctx_t *c) {
+    assert_int_equal(cudasim_calls("cudaIpcOpenMemHandle"), 2);
+    assert_int_equal(cudasim_ipc_open_count(), c->open0 + 2);
+}
+
+static void test_ipc_fetch(void **state) {
     (void)state;
+    ipc_fetch("serve", handles_opened);
+}
+
+/* A read that comes after the publication expired: refused at its HOLD,
+ * before a byte is copied; imports: the VMM fds imported before (the path
+ * was CUDA IPC all the same). */
+static void after_expiry(const char *mode, unsigned long imports) {
     ctx_t c;
-    start(&c, "expire", 30000);
+    start(&c, mode, 30000);
     usleep(400000); /* the producer's 150 ms expiry passes */
     fetch(&c);
     kvc_status_t st = pump(&c, NULL, NULL, 0);
     assert_int_equal(st, KVC_ERR_DENIED);
     assert_int_equal(cudasim_calls("cudaMemcpyAsync"), 0);
+    assert_int_equal(cudasim_calls("cuMemImportFromShareableHandle"), imports);
     untouched(&c);
     assert_int_equal(finish(&c), 0);
+}
+
+static void test_ipc_after_expiry_denied(void **state) {
+    (void)state;
+    after_expiry("expire", 0);
 }
 
 static bool copies_queued(void) {
@@ -365,13 +381,14 @@ static void test_ipc_hold_broken_denied(void **state) {
 }
 
 /* The producer dies while the copies are queued: the fetch fails (no word
- * on the hold can come), the copies drained before the event. */
-static void test_ipc_producer_killed(void **state) {
-    (void)state;
+ * on the hold can come), the copies drained before the event; maps: the
+ * VMM mappings open meanwhile. */
+static void killed(const char *mode, int maps) {
     ctx_t c;
-    start(&c, "serve", 5000);
+    start(&c, mode, 5000);
     fetch(&c);
     assert_int_equal(pump(&c, copies_queued, NULL, 0), KVC_INPROGRESS);
+    assert_int_equal(cudasim_vmm_mappings(), maps);
     assert_int_equal(kill(c.pid, SIGKILL), 0);
     char msg[300];
     kvc_status_t st = pump(&c, NULL, msg, sizeof(msg));
@@ -379,6 +396,11 @@ static void test_ipc_producer_killed(void **state) {
     assert_true(st == KVC_ERR_PEER_FAILED || st == KVC_ERR_TIMED_OUT || st == KVC_ERR_TRANSPORT);
     assert_int_equal(cudasim_pending(), 0);
     assert_int_equal(finish(&c), -1);
+}
+
+static void test_ipc_producer_killed(void **state) {
+    (void)state;
+    killed("serve", 0);
 }
 
 /* Paths that must fall back to the staged push, byte-exact; fail_fn: a
@@ -435,56 +457,29 @@ static void test_ipc_other_node(void **state) {
 /* Both producer regions span two of its three physical allocations: one
  * allocation of the table, three pieces, their fds imported once and
  * mapped on each of our two devices. */
-static void test_ipc_vmm_fetch(void **state) {
-    (void)state;
-    ctx_t c;
-    start(&c, "vmm", 30000);
-    setenv("KVC_TEST_FD_BATCH", "2", 1); /* the three fds in two batches */
-    fetch(&c);
-    char msg[300];
-    kvc_status_t st = pump(&c, NULL, msg, sizeof(msg));
-    unsetenv("KVC_TEST_FD_BATCH");
-    if (st != KVC_OK) fail_msg("fetch failed: %s (%s)", msg, kvc_status_str(st));
-    check_bytes(&c);
-    assert_int_equal(kstat(&c, KVC_STAT_PEERS_IPC), 1);
-    assert_int_equal(kstat(&c, KVC_STAT_PEERS_PUSH), 0);
-    assert_int_equal(kstat(&c, KVC_STAT_BYTES_IPC), NX * BL * NREG);
-    assert_int_equal(kstat(&c, KVC_STAT_CUDA_COPIES), 0);
+static void vmm_mapped(ctx_t *c) {
+    (void)c;
     assert_int_equal(cudasim_calls("cudaIpcOpenMemHandle"), 0);
     assert_int_equal(cudasim_calls("cuMemImportFromShareableHandle"), 3);
     assert_int_equal(cudasim_vmm_mappings(), 2 * 3);
     assert_int_equal(cudasim_vmm_allocations(), 3); /* held by the mappings only */
-    wait_released(&c);
-    assert_int_equal(finish(&c), 0);
+}
+
+static void test_ipc_vmm_fetch(void **state) {
+    (void)state;
+    setenv("KVC_TEST_FD_BATCH", "2", 1); /* the three fds in two batches */
+    ipc_fetch("vmm", vmm_mapped);
+    unsetenv("KVC_TEST_FD_BATCH");
 }
 
 static void test_ipc_vmm_after_expiry_denied(void **state) {
     (void)state;
-    ctx_t c;
-    start(&c, "vmm-expire", 30000);
-    usleep(400000);
-    fetch(&c);
-    assert_int_equal(pump(&c, NULL, NULL, 0), KVC_ERR_DENIED);
-    assert_int_equal(cudasim_calls("cudaMemcpyAsync"), 0);
-    assert_int_equal(cudasim_calls("cuMemImportFromShareableHandle"), 3); /* the path was VMM IPC */
-    untouched(&c);
-    assert_int_equal(finish(&c), 0);
+    after_expiry("vmm-expire", 3);
 }
 
 static void test_ipc_vmm_producer_killed(void **state) {
     (void)state;
-    ctx_t c;
-    start(&c, "vmm", 5000);
-    fetch(&c);
-    assert_int_equal(pump(&c, copies_queued, NULL, 0), KVC_INPROGRESS);
-    assert_int_equal(cudasim_vmm_mappings(), 2 * 3);
-    assert_int_equal(kill(c.pid, SIGKILL), 0);
-    char msg[300];
-    kvc_status_t st = pump(&c, NULL, msg, sizeof(msg));
-    if (st == KVC_OK) fail_msg("a fetch from a killed producer succeeded");
-    assert_true(st == KVC_ERR_PEER_FAILED || st == KVC_ERR_TIMED_OUT || st == KVC_ERR_TRANSPORT);
-    assert_int_equal(cudasim_pending(), 0);
-    assert_int_equal(finish(&c), -1);
+    killed("vmm", 2 * 3);
 }
 
 /* Allocations created without CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
