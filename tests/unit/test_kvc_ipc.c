@@ -99,15 +99,18 @@ static const uint64_t LOC[] = {0, 1, 2, 3, 10, 11, 12, 13, 20, 21, 22, 23, 40};
  * (poses as another node); "no-ipc" (KVC_IPC=0); "vmm" and "vmm-expire"
  * ("serve" and "expire" with the memory mapped through the VMM API, in
  * physical allocations of 192 KiB); "vmm-nofd" (the same, created without
- * the POSIX fd handle type). */
+ * the POSIX fd handle type); "vmm-export-fails" (the producer's first
+ * cuMemExportToShareableHandle fails: its socket refuses the request). */
 static int producer_main(const char *mode) {
     setenv("UCX_TLS", "tcp,self", 1);
     setenv("UCX_WARN_UNUSED_ENV_VARS", "n", 1);
     bool vmm = !strncmp(mode, "vmm", 3), nofd = !strcmp(mode, "vmm-nofd");
+    bool noexport = !strcmp(mode, "vmm-export-fails");
     if (vmm) mode = !strcmp(mode, "vmm-expire") ? "expire" : "serve";
     if (!strcmp(mode, "other-host")) setenv("KVC_TEST_HOST_ID", "another-node", 1);
     if (!strcmp(mode, "no-ipc")) setenv("KVC_IPC", "0", 1);
     cudasim_reset(2, false);
+    if (noexport) cudasim_fail("cuMemExportToShareableHandle", 1, cudaErrorNotSupported);
     kvc_agent_t *a = agent("ipc-P", !strcmp(mode, "short-hold") ? 300 : 30000);
     uint8_t *mem = NULL, *host = malloc(NB * BL);
     /* Both regions in one allocation, region 1 a page and a half in. */
@@ -489,6 +492,12 @@ static void test_ipc_vmm_no_fd_type(void **state) {
     fallback("vmm-nofd", NULL, NULL);
 }
 
+/* The producer cannot export an fd when asked: it refuses, and closes. */
+static void test_ipc_vmm_export_fails(void **state) {
+    (void)state;
+    fallback("vmm-export-fails", NULL, NULL);
+}
+
 /* The fds came but one does not import here: the staged push. */
 static void test_ipc_vmm_import_fails(void **state) {
     (void)state;
@@ -643,6 +652,7 @@ int main(int argc, char **argv) {
         cmocka_unit_test(test_ipc_vmm_after_expiry_denied),
         cmocka_unit_test(test_ipc_vmm_producer_killed),
         cmocka_unit_test(test_ipc_vmm_no_fd_type),
+        cmocka_unit_test(test_ipc_vmm_export_fails),
         cmocka_unit_test(test_ipc_vmm_import_fails),
         cmocka_unit_test(test_ipcfd_refusals),
     };
