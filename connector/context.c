@@ -4,6 +4,7 @@
  * calls back into (log, clock, event queue, wake-up, poll set) are in
  * loop.c, so that calls run one way: context.c -> the rest -> loop.c. */
 #include "connector/kvc_int.h"
+#include "connector/kvc_vmm.h"
 
 #include <openssl/crypto.h>
 

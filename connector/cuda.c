@@ -12,6 +12,7 @@
  *  - copies are queued on the stream of the device that owns the memory,
  *    never on the current device's. */
 #include "connector/kvc_int.h"
+#include "connector/kvc_vmm.h"
 
 #include <cuda_runtime_api.h>
 #include <stdarg.h>

@@ -2,6 +2,7 @@
 /* Build without CUDA: every CUDA entry point reports it is unavailable.  The
  * copy planner is pure and shared by both builds (copyplan.c). */
 #include "connector/kvc_int.h"
+#include "connector/kvc_vmm.h"
 
 #include <stdio.h>
 

@@ -16,6 +16,7 @@
  * primary context on the calling thread, which may be the progress
  * thread) and restores the caller's device. */
 #include "connector/kvc_int.h"
+#include "connector/kvc_vmm.h"
 
 #include <cuda.h>
 #include <cuda_runtime_api.h>

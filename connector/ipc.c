@@ -47,6 +47,7 @@
  * fails, or a producer that dies mid-copy (its END never comes), fails the
  * fetch; FETCH_FAILED comes after the copies were drained. */
 #include "connector/kvc_int.h"
+#include "connector/kvc_vmm.h"
 
 #include <openssl/crypto.h>
 #include <stdio.h>

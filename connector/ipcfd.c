@@ -29,6 +29,7 @@
 #define _GNU_SOURCE /* struct ucred */
 #endif
 #include "connector/kvc_int.h"
+#include "connector/kvc_vmm.h"
 
 #include <errno.h>
 #include <openssl/crypto.h>

@@ -42,6 +42,7 @@
 #include <unistd.h>
 
 #include "connector/kvc_int.h"
+#include "connector/kvc_vmm.h"
 #include "tests/cudasim/cudasim.h"
 #include "tests/gpu/vmm_alloc.h"
 
