@@ -4,6 +4,7 @@
  * calls back into (log, clock, event queue, wake-up, poll set) are in
  * loop.c, so that calls run one way: context.c -> the rest -> loop.c. */
 #include "connector/kvc_int.h"
+#include "connector/kvc_vmm.h"
 
 #include <openssl/crypto.h>
 
@@ -69,6 +70,15 @@ static kvc_status_t progress_turn(kvc_agent_t *a, bool release) {
         case PE_PEER:
             kvc_peer_io(a, pe->obj, evs[i].events);
             break;
+        case PE_IPCFD_LISTEN:
+            kvc_ipcfd_accept(a);
+            break;
+        case PE_IPCFD_CONN:
+            kvc_ipcfd_conn_io(a, pe->obj, evs[i].events);
+            break;
+        case PE_IPCFD_FETCH:
+            kvc_peer_ipc_io(a, pe->obj, evs[i].events);
+            break;
         }
     }
 
@@ -80,6 +90,7 @@ static kvc_status_t progress_turn(kvc_agent_t *a, bool release) {
     uint64_t now = kvc_now_ns(), next = UINT64_MAX;
     kvc_peers_timers(a, now, &next);
     kvc_sconns_timers(a, now, &next);
+    kvc_ipcfd_timers(a, now, &next);
     kvc_stage_progress(a, now, &next);
     kvc_xfers_advance(a, now, &next);
     kvc_expiry_run(a, now, &next);

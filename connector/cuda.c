@@ -12,8 +12,10 @@
  *  - copies are queued on the stream of the device that owns the memory,
  *    never on the current device's. */
 #include "connector/kvc_int.h"
+#include "connector/kvc_vmm.h"
 
 #include <cuda_runtime_api.h>
+#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -88,6 +90,22 @@ static kvc_status_t dev_leave(kvc_cuda_t *c, int saved, kvc_status_t st) {
         return st;
     }
     return cfail(c, ce, "cudaSetDevice (restoring the caller's device)");
+}
+
+kvc_status_t kvc_cuda_dev_enter(kvc_cuda_t *c, int dev, int *saved) {
+    return dev_enter(c, dev, saved);
+}
+
+kvc_status_t kvc_cuda_dev_leave(kvc_cuda_t *c, int saved, kvc_status_t st) {
+    return dev_leave(c, saved, st);
+}
+
+kvc_status_t kvc_cuda_set_error(kvc_cuda_t *c, kvc_status_t st, const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    if (c) vsnprintf(c->err, sizeof(c->err), fmt, ap);
+    va_end(ap);
+    return st;
 }
 
 kvc_status_t kvc_cuda_create(kvc_cuda_t **out, char *err, size_t errlen) {
@@ -168,7 +186,11 @@ static cu_ptr_attr_fn ptr_attr_fn(void) {
 
 /* [base, base+len) inside the one allocation that holds base (the driver's
  * address range of base).  Without the driver function: true (the two-end
- * check of the caller stands alone). */
+ * check of the caller stands alone).  For VMM memory (cuMemCreate, cuMemMap)
+ * the range is the whole reservation (cuMemAddressReserve), so a region
+ * may span several physical allocations mapped one after the other, as
+ * PyTorch's expandable segments map them; the CUDA IPC export walks the
+ * mappings themselves (cuda_vmm.c). */
 static bool one_allocation(const void *base, size_t len) {
     cu_ptr_attr_fn fn = ptr_attr_fn();
     if (!fn) return true;
@@ -470,14 +492,17 @@ kvc_status_t kvc_cuda_ipc_export(kvc_cuda_t *c, int dev, const void *p, size_t l
          * IPC handle. */
         cfail(c, ce, "cudaIpcGetMemHandle of the region's allocation");
         st = KVC_ERR_UNSUPPORTED;
-    } else if ((ce = cudaDeviceGetPCIBusId(out->bus, (int)sizeof(out->bus), dev)) != cudaSuccess) {
-        st = cfail(c, ce, "cudaDeviceGetPCIBusId");
-    } else {
+    } else if ((st = kvc_cuda_bus_id(c, dev, out->bus)) == KVC_OK) {
         memcpy(out->handle, &h, KVC_IPC_HANDLE_LEN < sizeof(h) ? KVC_IPC_HANDLE_LEN : sizeof(h));
         out->base = start;
         out->size = size;
     }
     return dev_leave(c, saved, st);
+}
+
+kvc_status_t kvc_cuda_bus_id(kvc_cuda_t *c, int dev, char bus[KVC_IPC_BUS_LEN]) {
+    cudaError_t ce = cudaDeviceGetPCIBusId(bus, KVC_IPC_BUS_LEN, dev);
+    return ce == cudaSuccess ? KVC_OK : cfail(c, ce, "cudaDeviceGetPCIBusId");
 }
 
 int kvc_cuda_device_by_bus(kvc_cuda_t *c, const char *bus) {

@@ -2,6 +2,7 @@
 /* Build without CUDA: every CUDA entry point reports it is unavailable.  The
  * copy planner is pure and shared by both builds (copyplan.c). */
 #include "connector/kvc_int.h"
+#include "connector/kvc_vmm.h"
 
 #include <stdio.h>
 
@@ -92,3 +93,31 @@ kvc_status_t kvc_cuda_d2d_runs(kvc_cuda_t *c, int dev, void *dst, const void *sr
                                const kvc_run_t *runs, size_t n, void **ev) {
     return KVC_ERR_UNSUPPORTED;
 }
+
+kvc_status_t kvc_cuda_bus_id(kvc_cuda_t *c, int dev, char bus[KVC_IPC_BUS_LEN]) {
+    return KVC_ERR_UNSUPPORTED;
+}
+
+kvc_status_t kvc_cuda_vmm_pieces(kvc_cuda_t *c, int dev, const void *p, size_t len, bool need_fd,
+                                 kvc_vmm_piece_t **out, size_t *n) {
+    return KVC_ERR_UNSUPPORTED;
+}
+
+void kvc_cuda_vmm_release(kvc_cuda_t *c, kvc_vmm_piece_t *pieces, size_t n) {}
+
+kvc_status_t kvc_cuda_vmm_export(kvc_cuda_t *c, int dev, uint64_t handle, int *fd) {
+    return KVC_ERR_UNSUPPORTED;
+}
+
+kvc_status_t kvc_cuda_vmm_import(kvc_cuda_t *c, int dev, int fd, uint64_t *handle) {
+    return KVC_ERR_UNSUPPORTED;
+}
+
+void kvc_cuda_vmm_drop(kvc_cuda_t *c, uint64_t handle) {}
+
+kvc_status_t kvc_cuda_vmm_map(kvc_cuda_t *c, int dev, const uint64_t *handles,
+                              const uint64_t *sizes, size_t n, void **va) {
+    return KVC_ERR_UNSUPPORTED;
+}
+
+void kvc_cuda_vmm_unmap(kvc_cuda_t *c, int dev, void *va, const uint64_t *sizes, size_t n) {}

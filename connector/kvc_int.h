@@ -454,9 +454,15 @@ KVC_HIDDEN bool kvc_slice_at(uint64_t block_len, uint64_t nblocks, uint64_t b, u
  * (VMM memory, cudaMallocAsync pools): the message says why. */
 #define KVC_IPC_HANDLE_LEN 64 /* CUDA_IPC_HANDLE_SIZE */
 #define KVC_IPC_BUS_LEN 32
+/* How an exported allocation is opened: a cudaIpcGetMemHandle handle, or
+ * VMM pieces (physical allocations mapped contiguously, their POSIX fds
+ * passed over a Unix socket: ipcfd.c). */
+enum { KVC_IPC_KIND_HANDLE = 0, KVC_IPC_KIND_VMM = 1 };
 typedef struct {
     uint64_t base, size;
-    uint8_t handle[KVC_IPC_HANDLE_LEN];
+    uint8_t kind;                       /* KVC_IPC_KIND_* */
+    uint8_t handle[KVC_IPC_HANDLE_LEN]; /* KIND_HANDLE */
+    uint32_t first_piece, n_pieces;     /* KIND_VMM: its pieces, in address order */
     char bus[KVC_IPC_BUS_LEN];
 } kvc_cuda_export_t;
 KVC_HIDDEN kvc_status_t kvc_cuda_ipc_export(kvc_cuda_t *c, int dev, const void *p, size_t len,
@@ -493,8 +499,14 @@ KVC_HIDDEN void kvc_ipc_hs_append(const kvc_agent_t *a, kvc_buf_t *b);
 /* Consumer, after the handshake's MAC checked out: when the table shows a
  * producer on this node (host identity, another process) whose GPUs are
  * visible here, opens its allocations on the devices of the local regions
- * (p->ipc).  Anything else leaves p->ipc NULL (push/staged then; logged). */
-KVC_HIDDEN void kvc_ipc_peer_open(kvc_agent_t *a, kvc_peer_t *p, kvc_span_t table);
+ * (p->ipc).  Anything else leaves p->ipc NULL (push/staged then; logged).
+ * True when VMM allocations' fds are still to come over the producer's
+ * socket: the peer waits in PEER_IPC until kvc_ipc_peer_io says the open
+ * ended (peer.c, kvc_peer_ipc_io). */
+KVC_HIDDEN bool kvc_ipc_peer_open(kvc_agent_t *a, kvc_peer_t *p, kvc_span_t table);
+/* The fd socket of p (PEER_IPC) is readable: what came is imported.
+ * True when the open ended: p->ipc mapped, or NULL (failed, logged). */
+KVC_HIDDEN bool kvc_ipc_peer_io(kvc_agent_t *a, kvc_peer_t *p, uint32_t events);
 /* Waits for queued copies, then closes p's mappings. */
 KVC_HIDDEN void kvc_ipc_peer_close(kvc_agent_t *a, kvc_peer_t *p);
 /* One fetch's copies: an event per device that copies. */
@@ -510,28 +522,52 @@ KVC_HIDDEN kvc_status_t kvc_ipc_copy(kvc_agent_t *a, kvc_peer_t *p, const kvc_ru
 /* 1: every copy completed; 0: not yet; -1: one failed (*st set). */
 KVC_HIDDEN int kvc_ipc_poll(kvc_agent_t *a, kvc_ipc_job_t *j, kvc_status_t *st);
 KVC_HIDDEN void kvc_ipc_job_cleanup(kvc_agent_t *a, kvc_ipc_job_t *j);
-/* The table (wire.c, pure, fuzzed): u8 version 1, str16 host identity,
- * u32 pid, u32 n_allocs, n_allocs * { str16 PCI bus id, u64 size, blob32
- * handle }, u32 n_regions, n_regions * { u32 alloc, u64 offset }. */
+/* The table (wire.c, pure, fuzzed): u8 version 2, str16 host identity,
+ * u32 pid, u32 n_allocs, n_allocs * { str16 PCI bus id, u64 size, u8 kind,
+ * KIND_HANDLE: blob32 handle | KIND_VMM: u32 n_pieces }, u32 n_pieces,
+ * n_pieces * { u64 size }, and when n_pieces > 0: str16 socket name,
+ * blob32 socket token; then u32 n_regions, n_regions * { u32 alloc, u64
+ * offset }.  The pieces are the VMM allocations' in their order, each
+ * allocation's sizes summing to its size; the fds come in that order. */
+#define KVC_IPC_MAX_PIECES 65536u
+#define KVC_IPC_SOCK_LEN 64     /* the socket's name, printable, no NUL */
+#define KVC_IPC_FD_TOKEN_LEN 32 /* proves a fd request comes from a handshaken consumer */
 typedef struct {
     kvc_span_t bus, handle; /* borrowed from the table */
     uint64_t size;
+    uint8_t kind;
+    uint32_t first_piece, n_pieces; /* KIND_VMM */
 } kvc_ipc_alloc_t;
 typedef struct {
     kvc_span_t host;
-    uint32_t pid, n_allocs, n_regions;
+    uint32_t pid, n_allocs, n_regions, n_pieces;
     kvc_ipc_alloc_t *allocs; /* owned */
+    uint64_t *piece_size;    /* owned (n_pieces) */
+    kvc_span_t sock, token;  /* n_pieces > 0 */
     uint32_t *reg_alloc;     /* owned */
     uint64_t *reg_off;       /* owned */
 } kvc_ipc_table_t;
-KVC_HIDDEN void kvc_wire_encode_ipc(kvc_buf_t *b, const char *host, uint32_t pid,
-                                    const kvc_cuda_export_t *allocs, uint32_t n_allocs,
-                                    const uint32_t *reg_alloc, const uint64_t *reg_off,
-                                    uint32_t n_regions);
+typedef struct {
+    const char *host;
+    uint32_t pid;
+    const kvc_cuda_export_t *allocs;
+    uint32_t n_allocs;
+    const uint64_t *piece_size; /* n_pieces: the VMM allocations' pieces */
+    uint32_t n_pieces;
+    const char *sock;     /* n_pieces > 0 */
+    const uint8_t *token; /* KVC_IPC_FD_TOKEN_LEN bytes */
+    const uint32_t *reg_alloc;
+    const uint64_t *reg_off;
+    uint32_t n_regions;
+} kvc_ipc_tab_in_t;
+KVC_HIDDEN void kvc_wire_encode_ipc(kvc_buf_t *b, const kvc_ipc_tab_in_t *in);
 /* KVC_ERR_PROTOCOL unless well-formed: n_regions as given, region i inside
  * its allocation (reg_off[i] + region_len[i] <= size), handles of
  * KVC_IPC_HANDLE_LEN bytes, printable host and bus ids (shorter than
- * KVC_IPC_BUS_LEN).  On KVC_OK t borrows p (kvc_wire_ipc_cleanup). */
+ * KVC_IPC_BUS_LEN), VMM allocations whose pieces (none of size 0, at most
+ * KVC_IPC_MAX_PIECES in all) sum to their size, a printable socket name
+ * shorter than KVC_IPC_SOCK_LEN and a token of KVC_IPC_FD_TOKEN_LEN bytes
+ * when there are pieces.  On KVC_OK t borrows p (kvc_wire_ipc_cleanup). */
 KVC_HIDDEN kvc_status_t kvc_wire_parse_ipc(const uint8_t *p, size_t len, const uint64_t *region_len,
                                            uint32_t n_regions, kvc_ipc_table_t *t);
 KVC_HIDDEN void kvc_wire_ipc_cleanup(kvc_ipc_table_t *t);
@@ -569,7 +605,17 @@ KVC_HIDDEN kvc_status_t kvc_choose_path(const kvc_path_in_t *in, kvc_path_t *out
 /* Rate-limited log kinds (kvc_log_ratelimit). */
 enum { KVC_RL_AUTH, KVC_RL_DENIED, KVC_RL_PEER, KVC_RL_DATA, KVC_RL_KINDS };
 
-typedef enum { PE_LISTEN, PE_UCX, PE_TIMER, PE_WAKE, PE_SCONN, PE_PEER } kvc_pe_kind_t;
+typedef enum {
+    PE_LISTEN,
+    PE_UCX,
+    PE_TIMER,
+    PE_WAKE,
+    PE_SCONN,
+    PE_PEER,
+    PE_IPCFD_LISTEN, /* obj: the agent (ipcfd.c) */
+    PE_IPCFD_CONN,   /* obj: a kvc_ipcfd_conn_t */
+    PE_IPCFD_FETCH   /* obj: the peer whose fds come (ipc.c) */
+} kvc_pe_kind_t;
 
 typedef struct {
     kvc_pe_kind_t kind;
@@ -685,6 +731,8 @@ struct kvc_agent {
     bool cuda_direct;        /* a region is registered as device memory */
     bool ipc_off;            /* CUDA IPC disabled (KVC_AGENT_FIELD_CUDA_IPC, KVC_IPC=0) */
     kvc_buf_t ipc_tab;       /* producer: its IPC table (empty: no IPC export) */
+    /* owned: the producer's fd socket for its VMM allocations (ipcfd.c) */
+    struct kvc_ipcfd_srv *ipcfd;
 
     kvc_pubtab_t pubs;
     kvc_gone_t gone[KVC_NOTIFY_GONE]; /* ring, notify.c */
@@ -855,6 +903,8 @@ KVC_HIDDEN kvc_status_t kvc_resolve(const char *host, uint16_t port, struct sock
 
 /* --------------------------------------------------------- peer.c -- */
 KVC_HIDDEN void kvc_peer_io(kvc_agent_t *a, kvc_peer_t *p, uint32_t events);
+/* The fd socket of a peer waiting for the producer's VMM fds (PE_IPCFD_FETCH). */
+KVC_HIDDEN void kvc_peer_ipc_io(kvc_agent_t *a, kvc_peer_t *p, uint32_t events);
 /* Finds or starts a handshake with host:port.  KVC_ERR_NO_MEMORY only. */
 KVC_HIDDEN kvc_status_t kvc_peer_get(kvc_agent_t *a, const char *host, uint16_t port,
                                      const char *engine_id, kvc_peer_t **out);
@@ -877,7 +927,16 @@ struct kvc_peer_region {
     const uint8_t *mapped; /* the region mapped here (shared memory), or NULL */
     uint8_t mem_type;      /* kvc_mem_type_t as the producer registered it */
 };
-typedef enum { PEER_CONNECTING, PEER_HELLO, PEER_AUTH, PEER_READY, PEER_DEAD } kvc_peer_state_t;
+/* PEER_IPC: handshaken, the producer's VMM allocations' fds on the way
+ * (ipc.c); READY once they are mapped, or on push when that fails. */
+typedef enum {
+    PEER_CONNECTING,
+    PEER_HELLO,
+    PEER_AUTH,
+    PEER_IPC,
+    PEER_READY,
+    PEER_DEAD
+} kvc_peer_state_t;
 struct kvc_peer {
     kvc_peer_t *next;
     kvc_agent_t *a;

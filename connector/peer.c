@@ -31,6 +31,8 @@ static bool addr_plausible(const kvc_agent_t *a, const uint8_t *addr, size_t len
 
 /* ---------------------------------------------------------------- peers -- */
 
+static void peer_ready(kvc_agent_t *a, kvc_peer_t *p);
+
 void kvc_peer_ref(kvc_peer_t *p) {
     p->refs++;
 }
@@ -170,9 +172,18 @@ void kvc_peers_destroy(kvc_agent_t *a) {
 
 void kvc_peers_timers(kvc_agent_t *a, uint64_t now, uint64_t *next) {
     for (kvc_peer_t *p = a->peers; p; p = p->next) {
-        if (p->state != PEER_CONNECTING && p->state != PEER_HELLO && p->state != PEER_AUTH)
+        if (p->state != PEER_CONNECTING && p->state != PEER_HELLO && p->state != PEER_AUTH &&
+            p->state != PEER_IPC)
             continue;
-        if (now >= p->deadline_ns)
+        if (now >= p->deadline_ns && p->state == PEER_IPC) {
+            /* The producer's fds did not come: its memory is pushed. */
+            KVC_LOG(a, KVC_LOG_WARN,
+                    "CUDA IPC with engine %s off: its VMM allocations' fds did not come within "
+                    "%u ms; pushed instead",
+                    p->engine_id, a->connect_timeout_ms);
+            kvc_ipc_peer_close(a, p);
+            peer_ready(a, p);
+        } else if (now >= p->deadline_ns)
             peer_fail(a, p, KVC_ERR_UNREACHABLE, "handshake with %s:%u timed out after %u ms",
                       p->host, p->port, a->connect_timeout_ms);
         else if (p->deadline_ns < *next)
@@ -366,6 +377,49 @@ static kvc_status_t ep_create(kvc_agent_t *a, kvc_peer_t *p, const kvc_span_t *a
     return KVC_OK;
 }
 
+/* The handshake's end: the path chosen, fetches may go. */
+/* After the handshake: a live side channel (KVC_HFLAG_LIVE both ways) is
+ * kept open, idle, its close the producer's death (kvc_peer_io); any other
+ * is closed. */
+static void side_channel_idle(kvc_agent_t *a, kvc_peer_t *p) {
+    if (!p->live) {
+        peer_close_socket(a, p);
+        return;
+    }
+    free(p->in);
+    p->in = NULL;
+    p->in_len = p->in_cap = 0;
+    kvc_buf_cleanup(&p->out);
+    kvc_chan_cleanup(&p->chan);
+    kvc_ep_mod(a, p->fd, EPOLLIN | EPOLLRDHUP, &p->pe);
+}
+
+static void peer_ready(kvc_agent_t *a, kvc_peer_t *p) {
+    if (!choose_path(a, p)) return;
+    if (p->state != PEER_IPC) side_channel_idle(a, p); /* PEER_IPC: already */
+    p->state = PEER_READY;
+    a->stats[KVC_STAT_HANDSHAKES]++;
+    KVC_LOG(a, KVC_LOG_INFO,
+            "handshake with engine %s at %s:%u: regions=%u num_blocks=%llu proto=%s "
+            "remote_memory=%s",
+            p->engine_id, p->host, p->port, p->n_regions, (unsigned long long)p->num_blocks,
+            p->ipc                      ? "ipc"
+            : p->proto == KVC_PROTO_GET ? "get"
+                                        : "push",
+            p->ipc   ? "cuda-ipc-mapped"
+            : p->shm ? "shared-mapped"
+                     : "remote");
+    kvc_wake(a);
+}
+
+void kvc_peer_ipc_io(kvc_agent_t *a, kvc_peer_t *p, uint32_t events) {
+    if (p->state != PEER_IPC) {
+        kvc_ipc_peer_close(a, p); /* failed meanwhile: nothing more to read */
+        return;
+    }
+    if (kvc_ipc_peer_io(a, p, events)) peer_ready(a, p);
+}
+
 static void handshake_done(kvc_agent_t *a, kvc_peer_t *p, const uint8_t *body, size_t len) {
     kvc_wire_hs_t hs;
     KVC_LOG(a, KVC_LOG_DEBUG, "peer %s:%u: handshake received (%zu bytes)", p->host, p->port, len);
@@ -463,32 +517,14 @@ static void handshake_done(kvc_agent_t *a, kvc_peer_t *p, const uint8_t *body, s
             goto out;
         }
     }
-    kvc_ipc_peer_open(a, p, hs.ipc); /* p->ipc: this node's GPUs, mapped */
-    if (!choose_path(a, p)) goto out;
-    p->state = PEER_READY;
-    if (p->live) {
-        /* Kept open, idle: its close is the producer's death (kvc_peer_io). */
-        free(p->in);
-        p->in = NULL;
-        p->in_len = p->in_cap = 0;
-        kvc_buf_cleanup(&p->out);
-        kvc_chan_cleanup(&p->chan);
-        kvc_ep_mod(a, p->fd, EPOLLIN | EPOLLRDHUP, &p->pe);
-    } else {
-        peer_close_socket(a, p);
+    /* p->ipc: this node's GPUs, mapped; VMM memory's fds may still come. */
+    if (kvc_ipc_peer_open(a, p, hs.ipc)) {
+        p->state = PEER_IPC;
+        p->deadline_ns = kvc_now_ns() + (uint64_t)a->connect_timeout_ms * 1000000ull;
+        side_channel_idle(a, p);
+        goto out;
     }
-    a->stats[KVC_STAT_HANDSHAKES]++;
-    KVC_LOG(a, KVC_LOG_INFO,
-            "handshake with engine %s at %s:%u: regions=%u num_blocks=%llu proto=%s "
-            "remote_memory=%s",
-            p->engine_id, p->host, p->port, p->n_regions, (unsigned long long)p->num_blocks,
-            p->ipc                      ? "ipc"
-            : p->proto == KVC_PROTO_GET ? "get"
-                                        : "push",
-            p->ipc   ? "cuda-ipc-mapped"
-            : p->shm ? "shared-mapped"
-                     : "remote");
-    kvc_wake(a);
+    peer_ready(a, p);
 out:
     kvc_wire_hs_cleanup(&hs);
 }
@@ -622,7 +658,7 @@ static bool peer_send(kvc_agent_t *a, kvc_peer_t *p) {
 }
 
 void kvc_peer_io(kvc_agent_t *a, kvc_peer_t *p, uint32_t events) {
-    if (p->state == PEER_READY) { /* the live side channel: nothing may come */
+    if (p->state == PEER_READY || p->state == PEER_IPC) { /* the live side channel: idle */
         char junk[64];
         ssize_t n = p->fd >= 0 ? read(p->fd, junk, sizeof(junk)) : 0;
         if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) return;

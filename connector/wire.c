@@ -566,33 +566,98 @@ kvc_status_t kvc_token_parse(const char *hex, uint8_t t[KVC_TOKEN_LEN]) {
 
 /* ------------------------------------------------------ CUDA IPC table -- */
 
-void kvc_wire_encode_ipc(kvc_buf_t *b, const char *host, uint32_t pid,
-                         const kvc_cuda_export_t *allocs, uint32_t n_allocs,
-                         const uint32_t *reg_alloc, const uint64_t *reg_off, uint32_t n_regions) {
-    kvc_buf_u8(b, 1);
-    put_str16(b, host, strlen(host));
-    kvc_buf_u32(b, pid);
-    kvc_buf_u32(b, n_allocs);
-    for (uint32_t i = 0; i < n_allocs; i++) {
-        put_str16(b, allocs[i].bus, strnlen(allocs[i].bus, KVC_IPC_BUS_LEN - 1));
-        kvc_buf_u64(b, allocs[i].size);
-        put_blob32(b, allocs[i].handle, KVC_IPC_HANDLE_LEN);
+void kvc_wire_encode_ipc(kvc_buf_t *b, const kvc_ipc_tab_in_t *in) {
+    kvc_buf_u8(b, 2);
+    put_str16(b, in->host, strlen(in->host));
+    kvc_buf_u32(b, in->pid);
+    kvc_buf_u32(b, in->n_allocs);
+    for (uint32_t i = 0; i < in->n_allocs; i++) {
+        const kvc_cuda_export_t *al = &in->allocs[i];
+        put_str16(b, al->bus, strnlen(al->bus, KVC_IPC_BUS_LEN - 1));
+        kvc_buf_u64(b, al->size);
+        kvc_buf_u8(b, al->kind);
+        if (al->kind == KVC_IPC_KIND_VMM)
+            kvc_buf_u32(b, al->n_pieces);
+        else
+            put_blob32(b, al->handle, KVC_IPC_HANDLE_LEN);
     }
-    kvc_buf_u32(b, n_regions);
-    for (uint32_t i = 0; i < n_regions; i++) {
-        kvc_buf_u32(b, reg_alloc[i]);
-        kvc_buf_u64(b, reg_off[i]);
+    kvc_buf_u32(b, in->n_pieces);
+    for (uint32_t i = 0; i < in->n_pieces; i++)
+        kvc_buf_u64(b, in->piece_size[i]);
+    if (in->n_pieces) {
+        put_str16(b, in->sock, strnlen(in->sock, KVC_IPC_SOCK_LEN - 1));
+        put_blob32(b, in->token, KVC_IPC_FD_TOKEN_LEN);
+    }
+    kvc_buf_u32(b, in->n_regions);
+    for (uint32_t i = 0; i < in->n_regions; i++) {
+        kvc_buf_u32(b, in->reg_alloc[i]);
+        kvc_buf_u64(b, in->reg_off[i]);
     }
 }
 
-#define IPC_ALLOC_MIN_BYTES (2 + 8 + 4 + KVC_IPC_HANDLE_LEN)
+#define IPC_ALLOC_MIN_BYTES (2 + 8 + 1 + 4)
 #define IPC_REGION_BYTES (4 + 8)
+
+/* The allocations of a table (t->n_allocs of them, storage allocated):
+ * false when one is malformed.  VMM allocations take their pieces in
+ * order (first_piece set here). */
+static bool rd_ipc_allocs(rd_t *r, kvc_ipc_table_t *t, uint32_t *pieces) {
+    *pieces = 0;
+    for (uint32_t i = 0; i < t->n_allocs && !r->bad; i++) {
+        kvc_ipc_alloc_t *al = &t->allocs[i];
+        al->bus = rd_str16(r);
+        al->size = rd_uint(r, 8);
+        al->kind = (uint8_t)rd_uint(r, 1);
+        if (al->kind == KVC_IPC_KIND_VMM) {
+            al->first_piece = *pieces;
+            al->n_pieces = (uint32_t)rd_uint(r, 4);
+            if (al->n_pieces == 0 || al->n_pieces > KVC_IPC_MAX_PIECES - *pieces) return false;
+            *pieces += al->n_pieces;
+        } else if (al->kind == KVC_IPC_KIND_HANDLE) {
+            al->handle = rd_blob32(r);
+            if (!r->bad && al->handle.len != KVC_IPC_HANDLE_LEN) return false;
+        } else {
+            return false;
+        }
+        if (!r->bad && (al->bus.len == 0 || al->bus.len >= KVC_IPC_BUS_LEN ||
+                        !kvc_printable((const char *)al->bus.p, al->bus.len)))
+            return false;
+    }
+    return !r->bad;
+}
+
+/* The pieces' sizes, then the socket's name and token when there are
+ * pieces: false when malformed or when an allocation's pieces do not sum
+ * to its size. */
+static bool rd_ipc_pieces(rd_t *r, kvc_ipc_table_t *t) {
+    for (uint32_t i = 0; i < t->n_pieces && !r->bad; i++)
+        if ((t->piece_size[i] = rd_uint(r, 8)) == 0) return false;
+    for (uint32_t i = 0; i < t->n_allocs && !r->bad; i++) {
+        const kvc_ipc_alloc_t *al = &t->allocs[i];
+        uint64_t sum = 0;
+        for (uint32_t k = 0; al->kind == KVC_IPC_KIND_VMM && k < al->n_pieces; k++) {
+            uint64_t sz = t->piece_size[al->first_piece + k];
+            if (sz > al->size - sum) return false;
+            sum += sz;
+        }
+        if (al->kind == KVC_IPC_KIND_VMM && sum != al->size) return false;
+    }
+    if (t->n_pieces && !r->bad) {
+        t->sock = rd_str16(r);
+        t->token = rd_blob32(r);
+        if (!r->bad && (t->sock.len == 0 || t->sock.len >= KVC_IPC_SOCK_LEN ||
+                        !kvc_printable((const char *)t->sock.p, t->sock.len) ||
+                        t->token.len != KVC_IPC_FD_TOKEN_LEN))
+            return false;
+    }
+    return !r->bad;
+}
 
 kvc_status_t kvc_wire_parse_ipc(const uint8_t *p, size_t len, const uint64_t *region_len,
                                 uint32_t n_regions, kvc_ipc_table_t *t) {
     memset(t, 0, sizeof(*t));
     rd_t r = {p, len, 0, false};
-    if (rd_uint(&r, 1) != 1) return KVC_ERR_PROTOCOL;
+    if (rd_uint(&r, 1) != 2) return KVC_ERR_PROTOCOL;
     t->host = rd_str16(&r);
     t->pid = (uint32_t)rd_uint(&r, 4);
     t->n_allocs = (uint32_t)rd_uint(&r, 4);
@@ -607,16 +672,16 @@ kvc_status_t kvc_wire_parse_ipc(const uint8_t *p, size_t len, const uint64_t *re
         kvc_wire_ipc_cleanup(t);
         return KVC_ERR_NO_MEMORY;
     }
-    for (uint32_t i = 0; i < t->n_allocs && !r.bad; i++) {
-        kvc_ipc_alloc_t *al = &t->allocs[i];
-        al->bus = rd_str16(&r);
-        al->size = rd_uint(&r, 8);
-        al->handle = rd_blob32(&r);
-        if (!r.bad && (al->bus.len == 0 || al->bus.len >= KVC_IPC_BUS_LEN ||
-                       !kvc_printable((const char *)al->bus.p, al->bus.len) ||
-                       al->handle.len != KVC_IPC_HANDLE_LEN))
-            r.bad = true;
+    uint32_t pieces = 0;
+    if (!rd_ipc_allocs(&r, t, &pieces)) r.bad = true;
+    if (!r.bad &&
+        ((t->n_pieces = (uint32_t)rd_uint(&r, 4)) != pieces || r.bad || (len - r.off) / 8 < pieces))
+        r.bad = true;
+    if (!r.bad && pieces && !(t->piece_size = calloc(pieces, sizeof(*t->piece_size)))) {
+        kvc_wire_ipc_cleanup(t);
+        return KVC_ERR_NO_MEMORY;
     }
+    if (!r.bad && !rd_ipc_pieces(&r, t)) r.bad = true;
     if (!r.bad && rd_uint(&r, 4) != n_regions) r.bad = true;
     if (!r.bad && (len - r.off) / IPC_REGION_BYTES < n_regions) r.bad = true;
     for (uint32_t i = 0; i < n_regions && !r.bad; i++) {
@@ -637,6 +702,7 @@ kvc_status_t kvc_wire_parse_ipc(const uint8_t *p, size_t len, const uint64_t *re
 
 void kvc_wire_ipc_cleanup(kvc_ipc_table_t *t) {
     free(t->allocs);
+    free(t->piece_size);
     free(t->reg_alloc);
     free(t->reg_off);
     memset(t, 0, sizeof(*t));

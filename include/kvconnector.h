@@ -173,10 +173,30 @@
  * that stream (regions on one device), as staged copies do.  Only whole
  * blocks go this way (a sliced fetch is pushed), only with the automatic
  * protocol (KVC_PROTO=push or get never use it), and never between two
- * agents of one process (CUDA cannot open its own handles).  Anything that
- * prevents it (another node, VMM or stream-ordered pool memory that has no
- * such handle, a GPU not visible, an open that fails) leaves that producer
- * on the path above, logged at info level; nothing fails for it.  Disabled
+ * agents of one process (CUDA cannot open its own handles).  Which memory
+ * takes which way:
+ *  - cudaMalloc memory (PyTorch's caching allocator by default): the
+ *    allocation's cudaIpcGetMemHandle handle, in the table;
+ *  - memory the engine maps itself with the driver's VMM API (cuMemCreate,
+ *    cuMemMap; PyTorch with expandable_segments:True maps 20 MiB physical
+ *    allocations one after the other): each physical allocation behind the
+ *    regions is exported as a POSIX fd (cuMemExportToShareableHandle) when
+ *    it was created with CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR allowed
+ *    (PyTorch requests it unless fabric handles work there); the fds
+ *    go over a Unix socket of the producer's (abstract namespace, named in
+ *    the sealed table with a token that every request must carry, peer
+ *    credentials checked both ways), and the consumer maps them again in
+ *    order into one reserved range (cuMemImportFromShareableHandle,
+ *    cuMemAddressReserve, cuMemMap, cuMemSetAccess) before its first fetch
+ *    from that producer, which waits for it (within the connect timeout);
+ *  - VMM allocations without that handle type (vLLM's sleep-mode
+ *    CuMemAllocator creates them with none; fabric-only ones), stream-
+ *    ordered pools (cudaMallocAsync), a producer in another network
+ *    namespace (its socket is out of reach), host memory: the path above.
+ * Anything that prevents it (another node, memory that cannot be exported
+ * as above, a GPU not visible, an open, import or map that fails) leaves
+ * that producer on the path above, logged at info or warn level; nothing
+ * fails for it.  Disabled
  * with KVC_AGENT_FIELD_CUDA_IPC = 0 or KVC_IPC=0 (either side).  Counted in
  * KVC_STAT_PEERS_IPC and KVC_STAT_BYTES_IPC; the debug line of a finished
  * fetch says path=ipc.
@@ -197,6 +217,8 @@
  * producer on this host, instead of being copied from its mapped pool;
  * comparisons); KVC_STAGE_WINDOW (slots one staged job holds, default 4;
  * tuning);
+ * KVC_TEST_FD_BATCH (tests only: VMM allocations' fds asked for N at a
+ * time instead of 253);
  * KVC_TEST_WIRE_VERSION (tests only: speak another handshake version);
  * KVC_TEST_NO_LIVE (tests only: a consumer that closes its side channel
  * after the handshake, KVC_HFLAG_LIVE left out);

@@ -88,8 +88,9 @@ enum cudaDriverEntryPointQueryResult {
 };
 #define cudaEnableDefault 0x0
 
-/* Hands out the stand-in's own driver functions; only cuPointerGetAttribute
- * (RANGE_START_ADDR, RANGE_SIZE) is there. */
+/* Hands out the stand-in's own driver functions: cuPointerGetAttribute
+ * (RANGE_START_ADDR, RANGE_SIZE) and the virtual memory management calls
+ * of cuda.h beside this file (cudasim_vmm.c). */
 cudaError_t cudaGetDriverEntryPointByVersion(const char *symbol, void **funcPtr,
                                              unsigned int cudaVersion, unsigned long long flags,
                                              enum cudaDriverEntryPointQueryResult *driverStatus);

@@ -809,7 +809,8 @@ cudaError_t cudaGetDriverEntryPointByVersion(const char *symbol, void **fn, unsi
     ENTER("cudaGetDriverEntryPointByVersion", NULL);
     if (!symbol || !fn) LEAVE(cudaErrorInvalidValue);
     bool found = !strcmp(symbol, "cuPointerGetAttribute");
-    *fn = found ? (void *)sim_cu_pointer_get_attribute : NULL;
+    *fn = found ? (void *)sim_cu_pointer_get_attribute : cudasim_vmm_symbol(symbol);
+    found = *fn != NULL;
     if (status) *status = found ? cudaDriverEntryPointSuccess : cudaDriverEntryPointSymbolNotFound;
     LEAVE(cudaSuccess);
 }
@@ -1196,7 +1197,7 @@ bool cudasim_import_add(void *map, size_t maplen, size_t lead, size_t len, int p
 
 int cudasim_import_drop(void *p) {
     for (alloc_t *a = allocs; a; a = a->next)
-        if (a->imported && a->p == p) {
+        if (a->imported && a->pid != -1 && a->p == p) {
             if (--a->refs > 0) return 0;
             forget(a);
             munmap(a->p - a->off, a->maplen);
@@ -1204,6 +1205,29 @@ int cudasim_import_drop(void *p) {
             return 0;
         }
     return -1;
+}
+
+bool cudasim_devmem_add(void *p, size_t len, int device) {
+    alloc_t *a = calloc(1, sizeof(*a));
+    if (!a) return false;
+    *a = (alloc_t){.next = allocs,
+                   .p = p,
+                   .len = len,
+                   .device = device,
+                   .fd = -1,
+                   .imported = true, /* never cudaFree'd */
+                   .pid = -1};       /* no IPC mapping: refs 0 */
+    allocs = a;
+    return true;
+}
+
+void cudasim_devmem_drop(void *p) {
+    for (alloc_t *a = allocs; a; a = a->next)
+        if (a->imported && a->pid == -1 && a->p == p) {
+            forget(a);
+            free(a);
+            return;
+        }
 }
 
 int cudasim_ipc_open_count(void) {

@@ -50,5 +50,10 @@ size_t cudasim_pinned_peak(void);
 /* IPC mappings open in this process (cudaIpcOpenMemHandle references not
  * yet closed). */
 int cudasim_ipc_open_count(void);
+/* The driver's virtual memory management (cudasim_vmm.c): mappings
+ * (cuMemMap not yet unmapped) and physical allocations (cuMemCreate or
+ * imported, not yet freed) in this process. */
+int cudasim_vmm_mappings(void);
+int cudasim_vmm_allocations(void);
 
 #endif

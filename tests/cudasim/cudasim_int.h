@@ -1,6 +1,7 @@
 /* SPDX-License-Identifier: Apache-2.0 */
-/* Internals of the CUDA stand-in shared by cudasim.c (streams, memory) and
- * cudasim_ipc.c (interprocess handles).  Tests only. */
+/* Internals of the CUDA stand-in shared by cudasim.c (streams, memory),
+ * cudasim_ipc.c (interprocess handles) and cudasim_vmm.c (the driver's
+ * virtual memory management).  Tests only. */
 #ifndef CUDASIM_INT_H
 #define CUDASIM_INT_H
 
@@ -32,5 +33,12 @@ void *cudasim_import_find(int pid, uint64_t uid, int device);
 bool cudasim_import_add(void *map, size_t maplen, size_t lead, size_t len, int pid, uint64_t uid);
 /* One reference less (unmapped at zero); -1 if p is no IPC mapping. */
 int cudasim_import_drop(void *p);
+/* cudasim_vmm.c's accessible mappings: [p, p+len) is device memory of
+ * `device` (never cudaFree'd, no IPC handle, not counted as an IPC
+ * mapping) until dropped; the caller owns the pages. */
+bool cudasim_devmem_add(void *p, size_t len, int device);
+void cudasim_devmem_drop(void *p);
+/* cudasim_vmm.c: its driver function named `name`, or NULL (not locked). */
+void *cudasim_vmm_symbol(const char *name);
 
 #endif

@@ -61,15 +61,34 @@ static void seal_roundtrip(const uint8_t *d, size_t len) {
 }
 
 /* A CUDA IPC table as ipc.c parses it, for regions of these lengths: what
- * it accepts lies inside its allocations. */
+ * it accepts lies inside its allocations, and a VMM allocation's pieces
+ * (none empty) lie inside the table's and sum to its size. */
 static void ipc_table(const uint8_t *p, size_t len, const uint64_t *rlen, uint32_t n) {
     kvc_ipc_table_t t;
     if (kvc_wire_parse_ipc(p, len, rlen, n, &t) != KVC_OK) return;
     if (t.n_regions != n || !t.n_allocs || t.host.len == 0) abort();
+    if (t.n_pieces &&
+        (t.n_pieces > KVC_IPC_MAX_PIECES || !t.sock.len || t.token.len != KVC_IPC_FD_TOKEN_LEN))
+        abort();
+    for (uint32_t i = 0; i < t.n_allocs; i++) {
+        const kvc_ipc_alloc_t *al = &t.allocs[i];
+        if (al->kind == KVC_IPC_KIND_HANDLE && al->handle.len != KVC_IPC_HANDLE_LEN) abort();
+        if (al->kind != KVC_IPC_KIND_VMM) continue;
+        if (!al->n_pieces || al->first_piece > t.n_pieces ||
+            al->n_pieces > t.n_pieces - al->first_piece)
+            abort();
+        uint64_t sum = 0;
+        for (uint32_t k = 0; k < al->n_pieces; k++) {
+            uint64_t sz = t.piece_size[al->first_piece + k];
+            if (!sz || sz > al->size - sum) abort();
+            sum += sz;
+        }
+        if (sum != al->size) abort();
+    }
     for (uint32_t i = 0; i < n; i++) {
         const kvc_ipc_alloc_t *al = &t.allocs[t.reg_alloc[i]];
-        if (t.reg_alloc[i] >= t.n_allocs || al->handle.len != KVC_IPC_HANDLE_LEN ||
-            t.reg_off[i] > al->size || rlen[i] > al->size - t.reg_off[i])
+        if (t.reg_alloc[i] >= t.n_allocs || t.reg_off[i] > al->size ||
+            rlen[i] > al->size - t.reg_off[i])
             abort();
     }
     kvc_wire_ipc_cleanup(&t);

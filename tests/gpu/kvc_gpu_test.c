@@ -29,7 +29,12 @@
  * --xfer-timeout-ms N (the agent's data timeout, 30000 by default; a --kill
  * consumer gives up N ms + 30 s after its start) --host (producer and
  * consumer: the regions are host memory, pushed over the same transport:
- * the baseline of bench/kvc_bench.sh --staged; not with --probe).
+ * the baseline of bench/kvc_bench.sh --staged; not with --probe) --vmm
+ * (producer and consumer: the regions lie back to back in one range mapped
+ * with the driver's VMM API in physical allocations of 20 MiB, as PyTorch's
+ * expandable segments map them, created with the POSIX fd handle type: the
+ * same-node IPC path then passes the allocations' fds; regions span
+ * allocations) --vmm-piece-kb N (their size instead of 20 MiB).
  * The consumer's RESULT line says which path moved the bytes (path=ipc|get|
  * push; KVC_IPC=0 in the environment forbids the same-node CUDA IPC path,
  * which is otherwise chosen on one node), first_fetch_ms (the warm-up fetch
@@ -42,6 +47,8 @@
  * stdout; exit status 0 only when the check passed. */
 #include "connector/kvc_int.h" /* staging mode: the connector's own copy plan and copies */
 #include "include/kvconnector.h"
+
+#include "tests/gpu/vmm_alloc.h"
 
 #include <cuda_runtime_api.h>
 #include <errno.h>
@@ -71,9 +78,10 @@ typedef struct {
     size_t block;
     size_t fetch;
     const char *params, *kill_pidfile;
-    bool probe, default_stream, expect_fail, host;
+    bool probe, default_stream, expect_fail, host, vmm;
     int device;
     uint32_t expiry_ms, unpublish_ms, delay_ms, tp;
+    size_t vmm_piece;
 } opts_t;
 
 static double now_s(void) {
@@ -130,21 +138,6 @@ static uint64_t local_of(const opts_t *o, uint64_t remote) {
 
 static uint32_t xfer_timeout_ms = 30000;
 
-static kvc_agent_t *agent(const char *name, uint32_t tp) {
-    kvc_agent_params_t ap = {.field_mask = KVC_AGENT_FIELD_ENGINE_ID |
-                                           KVC_AGENT_FIELD_XFER_TIMEOUT | KVC_AGENT_FIELD_TP_SIZE,
-                             .engine_id = name,
-                             .xfer_timeout_ms = xfer_timeout_ms,
-                             .tp_size = tp ? tp : 1};
-    kvc_agent_t *a;
-    kvc_status_t st = kvc_agent_create(&ap, &a);
-    if (st != KVC_OK) {
-        fprintf(stderr, "kvc_agent_create: %s\n", kvc_status_str(st));
-        exit(1);
-    }
-    return a;
-}
-
 /* A region's memory: device memory, or host memory with --host. */
 static void *region_alloc(const opts_t *o, size_t len) {
     void *p = NULL;
@@ -162,6 +155,49 @@ static void region_free(const opts_t *o, void *p) {
     else
         CK(cudaFree(p));
 }
+
+/* The regions' device memory: one cudaMalloc each, or (--vmm) one VMM
+ * range holding them all back to back, in physical allocations of
+ * vmm_piece bytes (rounded up to the granularity). */
+static void alloc_regions(const opts_t *o, void **dev, vmm_mem_t *vm) {
+    size_t len = o->blocks * o->block;
+    if (!o->vmm) {
+        for (int r = 0; r < o->regions; r++)
+            dev[r] = region_alloc(o, len);
+        return;
+    }
+    int d = 0;
+    CK(cudaGetDevice(&d));
+    if (vmm_alloc(vm, len * (size_t)o->regions, o->vmm_piece, d, true) != 0) exit(1);
+    for (int r = 0; r < o->regions; r++)
+        dev[r] = (char *)(uintptr_t)vm->va + (size_t)r * len;
+}
+
+static void free_regions(const opts_t *o, void **dev, vmm_mem_t *vm) {
+    if (o->vmm) {
+        CK(cudaDeviceSynchronize()); /* unmapping does not wait for the GPU */
+        vmm_free(vm);
+        return;
+    }
+    for (int r = 0; r < o->regions; r++)
+        region_free(o, dev[r]);
+}
+
+static kvc_agent_t *agent(const char *name, uint32_t tp) {
+    kvc_agent_params_t ap = {.field_mask = KVC_AGENT_FIELD_ENGINE_ID |
+                                           KVC_AGENT_FIELD_XFER_TIMEOUT | KVC_AGENT_FIELD_TP_SIZE,
+                             .engine_id = name,
+                             .xfer_timeout_ms = xfer_timeout_ms,
+                             .tp_size = tp ? tp : 1};
+    kvc_agent_t *a;
+    kvc_status_t st = kvc_agent_create(&ap, &a);
+    if (st != KVC_OK) {
+        fprintf(stderr, "kvc_agent_create: %s\n", kvc_status_str(st));
+        exit(1);
+    }
+    return a;
+}
+
 
 static void register_regions(kvc_agent_t *a, void **dev, const opts_t *o) {
     kvc_region_params_t *rp = calloc((size_t)o->regions, sizeof(*rp));
@@ -362,10 +398,11 @@ static int run_producer(const opts_t *o) {
     kvc_agent_t *a = agent("gpu-P", 1);
     void **dev = calloc((size_t)o->regions, sizeof(void *));
     uint64_t *host;
+    vmm_mem_t vm = {0};
     if (!dev) return 1;
     CK(cudaMallocHost((void **)&host, len));
+    alloc_regions(o, dev, &vm);
     for (int r = 0; r < o->regions; r++) {
-        dev[r] = region_alloc(o, len);
         fill_region(o->host ? dev[r] : host, 1, r, o->blocks, o->block);
         if (!o->host) CK(cudaMemcpy(dev[r], host, len, cudaMemcpyHostToDevice));
     }
@@ -460,10 +497,9 @@ static int run_producer(const opts_t *o) {
            (unsigned long long)kstat(a, KVC_STAT_CUDA_STAGED_REGIONS));
     kvc_agent_destroy(a);
     if (es) CK(cudaStreamDestroy(es));
-    for (int r = 0; r < o->regions; r++) {
-        region_free(o, dev[r]);
-        if (gen2) CK(cudaFreeHost(gen2[r]));
-    }
+    free_regions(o, dev, &vm);
+    for (int r = 0; gen2 && r < o->regions; r++)
+        CK(cudaFreeHost(gen2[r]));
     CK(cudaFreeHost(host));
     free(gen2);
     free(dev);
@@ -523,10 +559,11 @@ static int run_consumer(const opts_t *o) {
     kvc_agent_t *a = agent("gpu-D", o->tp);
     void **dev = calloc((size_t)o->regions, sizeof(void *));
     uint64_t *host;
+    vmm_mem_t vm = {0};
     if (!dev) return 1;
     CK(cudaMallocHost((void **)&host, len));
+    alloc_regions(o, dev, &vm);
     for (int r = 0; r < o->regions; r++) {
-        dev[r] = region_alloc(o, len);
         if (o->host)
             memset(dev[r], 0x5A, len);
         else
@@ -687,17 +724,16 @@ static int run_consumer(const opts_t *o) {
         double mc = o->host ? 0 : runs_memcpy_gbps(o, dev, rem, loc, n); /* host: no device */
         printf("RESULT fetch outcome=done bad_words=%llu blocks=%zu regions=%d bytes=%.0f "
                "seconds=%.3f gbps=%.2f path=%s memory=%s staged=%s transports=%s copies=%llu "
-               "syncs=%llu first_fetch_ms=%.1f memcpy_gbps=%.1f ucx=%s\n",
+               "syncs=%llu first_fetch_ms=%.1f memcpy_gbps=%.1f alloc=%s ucx=%s\n",
                (unsigned long long)bad, n, o->regions, bytes, secs, bytes / secs / 1e9, path, mem,
                staged, tl, (unsigned long long)kstat(a, KVC_STAT_CUDA_COPIES),
                (unsigned long long)kstat(a, KVC_STAT_CUDA_SYNCS), first_ms, mc,
-               ucp_get_version_string());
+               o->vmm ? "vmm" : "cudaMalloc", ucp_get_version_string());
         if (bad || o->expect_fail) rc = 1; /* a fetch that had to fail succeeded */
     }
     kvc_agent_destroy(a);
     if (ds) CK(cudaStreamDestroy(ds));
-    for (int r = 0; r < o->regions; r++)
-        region_free(o, dev[r]);
+    free_regions(o, dev, &vm);
     CK(cudaFreeHost(host));
     free(dev);
     free(rem);
@@ -707,7 +743,8 @@ static int run_consumer(const opts_t *o) {
 }
 
 int main(int argc, char **argv) {
-    opts_t o = {.regions = 64, .blocks = 4096, .block = 32 << 10, .fetch = 2048};
+    opts_t o = {
+        .regions = 64, .blocks = 4096, .block = 32 << 10, .fetch = 2048, .vmm_piece = 20u << 20};
     if (argc < 2) {
         fprintf(stderr, "usage: %s probe-device|baseline|staging|producer|consumer [opts]\n",
                 argv[0]);
@@ -725,6 +762,10 @@ int main(int argc, char **argv) {
         }
         if (!strcmp(k, "--host")) {
             o.host = true;
+            continue;
+        }
+        if (!strcmp(k, "--vmm")) {
+            o.vmm = true;
             continue;
         }
         if (!v) {
@@ -756,6 +797,8 @@ int main(int argc, char **argv) {
             o.tp = (uint32_t)strtoul(v, NULL, 10);
         else if (!strcmp(k, "--xfer-timeout-ms"))
             xfer_timeout_ms = (uint32_t)strtoul(v, NULL, 10);
+        else if (!strcmp(k, "--vmm-piece-kb"))
+            o.vmm_piece = strtoull(v, NULL, 10) << 10;
         else if (!strcmp(k, "--expect"))
             o.expect_fail = !strcmp(v, "failed");
         else {
@@ -764,7 +807,8 @@ int main(int argc, char **argv) {
         }
     }
     if (o.regions < 1 || o.regions > MAX_REG || o.blocks < RUN || o.block < 8 || o.block % 8 ||
-        o.fetch == 0 || o.fetch > o.blocks / 2 || (o.host && o.probe)) {
+        o.fetch == 0 || o.fetch > o.blocks / 2 || (o.host && (o.probe || o.vmm)) ||
+        o.vmm_piece == 0) {
         fprintf(stderr, "bad sizes\n");
         return 2;
     }

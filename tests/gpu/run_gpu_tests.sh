@@ -23,8 +23,10 @@
 # under compute-sanitizer when it is installed; the same-node CUDA IPC path
 # (byte-exact, GB/s against D2D cudaMemcpy of the same runs, target 70 %,
 # first-fetch latency, stream order, two GPUs, reads after expiry/abort
-# denied, producer killed) while every other check runs with KVC_IPC=0, so
-# the staged and direct figures stay those of their paths.  One summary line per check;
+# denied, producer killed; also from VMM memory mapped as PyTorch's
+# expandable segments map it, fetch-ipc-vmm) while every other check runs
+# with KVC_IPC=0, so the staged and direct figures stay those of their
+# paths.  One summary line per check;
 # exit status 0 only if every check passed, 77 when nvidia-smi sees no GPU
 # (nothing to check).  A GPU that nvidia-smi sees with no test binary built
 # or buildable FAILS.
@@ -134,6 +136,7 @@ if [ $STANDIN = 0 ]; then
     if [ $FETCH -gt 8192 ]; then FETCH=8192; fi
     summary INFO sizes "64 regions x $BLK blocks x 32 KiB per process ($((64 * BLK / 32)) MiB), $FETCH blocks fetched; GPU 0 had $FREE_MIB MiB free"
     SMALL=(--regions 8 --blocks 1024 --block-kb 32 --fetch 256)
+    VMM=(--vmm) # 20 MiB physical allocations, as PyTorch's large pool maps them
     TIMEOUT=240
 else
     BIN=$BUILD/bin/kvc_gpu_test_standin
@@ -145,6 +148,7 @@ else
     NGPU=2
     REG=4 BLK=256 KB=4 FETCH=128
     SMALL=(--regions 2 --blocks 128 --block-kb 4 --fetch 64)
+    VMM=(--vmm --vmm-piece-kb 192) # 1 MiB regions across 192 KiB allocations
     TIMEOUT=120
 fi
 FULL=(--regions $REG --blocks $BLK --block-kb $KB --fetch $FETCH)
@@ -411,7 +415,17 @@ ipc_check() { # NAME ENV -- options
         return
     fi
     local text="$(val "$o" blocks) blocks x $(val "$o" regions) regions: every byte right, untouched blocks untouched; $g GB/s over CUDA IPC; first fetch $first ms (handshake + IPC open + one block)"
-    if [ $STANDIN = 0 ] && [ "$name" = fetch-ipc ]; then
+    if [ "${name%-vmm}" != "$name" ]; then
+        # VMM memory: the producer's allocations came as fds over its socket.
+        local vm
+        vm=$(grep -ho 'CUDA IPC with engine [^ ]*: [0-9]* allocations mapped ([0-9]* VMM pieces[^)]*) in [0-9.]* ms' "$WORK/$name.c.err" | tail -1)
+        if [ "$(val "$o" alloc)" != vmm ] || [ -z "$vm" ]; then
+            summary FAIL "$name" "expected VMM memory opened from the producer's fds: alloc=$(val "$o" alloc); $(grep -h 'CUDA IPC' "$WORK/$name.c.err" "$WORK/$name.p.err" | tail -2 | tr '\n' ' ')"
+            return
+        fi
+        text="$text; ${vm#CUDA IPC with engine * }"
+    fi
+    if [ $STANDIN = 0 ] && { [ "$name" = fetch-ipc ] || [ "$name" = fetch-ipc-vmm ]; }; then
         if ratio_ok "$g" "$mc" 0.70; then
             summary PASS "$name" "$text = $(pct "$g" "$mc") % of D2D cudaMemcpy of the same runs ($mc GB/s; baseline D2D $D2D GB/s; target 70 %)"
         else
@@ -423,6 +437,11 @@ ipc_check() { # NAME ENV -- options
 }
 
 ipc_check fetch-ipc "" -- "${FULL[@]}"
+# The producer's regions mapped with the VMM API (cuMemCreate, cuMemMap) in
+# 20 MiB physical allocations, as PyTorch's expandable segments map them:
+# cudaIpcGetMemHandle refuses that memory; the allocations travel as POSIX
+# fds over the producer's Unix socket and are mapped again in the consumer.
+ipc_check fetch-ipc-vmm "" -- "${FULL[@]}" "${VMM[@]}"
 ipc_check prompt4k-ipc "" -- "${PROMPT[@]}"
 # Stream order across processes: the producer's blocks are written behind a
 # 300 ms stream operation and published at once; the consumer's copies must

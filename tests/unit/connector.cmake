@@ -16,8 +16,10 @@ if(TARGET kvconnector_static)
   # CUDA stand-in in tests/cudasim (its cuda_runtime_api.h comes first on the
   # include path), so the real staging code runs here without a GPU.
   add_library(kvc_cudasim STATIC EXCLUDE_FROM_ALL ${KVC_CORE_SOURCES}
-              ${PROJECT_SOURCE_DIR}/connector/cuda.c ${PROJECT_SOURCE_DIR}/tests/cudasim/cudasim.c
-              ${PROJECT_SOURCE_DIR}/tests/cudasim/cudasim_ipc.c)
+              ${PROJECT_SOURCE_DIR}/connector/cuda.c ${PROJECT_SOURCE_DIR}/connector/cuda_vmm.c
+              ${PROJECT_SOURCE_DIR}/tests/cudasim/cudasim.c
+              ${PROJECT_SOURCE_DIR}/tests/cudasim/cudasim_ipc.c
+              ${PROJECT_SOURCE_DIR}/tests/cudasim/cudasim_vmm.c)
   target_include_directories(kvc_cudasim BEFORE PUBLIC ${PROJECT_SOURCE_DIR}/tests/cudasim)
   target_include_directories(kvc_cudasim PUBLIC ${PROJECT_SOURCE_DIR})
   target_link_libraries(kvc_cudasim PUBLIC PkgConfig::UCX PkgConfig::CJSON PkgConfig::OPENSSL

@@ -15,7 +15,14 @@
  * passes while the copies are queued) DENIED; a producer killed mid-copy
  * fails the fetch; a failing cudaIpcOpenMemHandle, KVC_IPC=0 on either
  * side and a producer on "another node" fall back to the staged push,
- * byte-exact; the IPC table's parser refuses what it must. */
+ * byte-exact; the IPC table's parser refuses what it must.
+ * The same with the producer's memory mapped through the driver's VMM API
+ * as PyTorch's expandable segments map it ("vmm" modes: three physical
+ * allocations mapped one after the other, each region spanning two of
+ * them): fds over the producer's Unix socket, byte-exact, a read after
+ * expiry DENIED, the producer killed mid-copy, and the staged push when
+ * the allocations cannot be exported (created without the POSIX fd handle
+ * type, as vLLM's sleep-mode allocator creates them) or not imported. */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -29,11 +36,15 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/socket.h>
+#include <sys/un.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include "connector/kvc_int.h"
+#include "connector/kvc_vmm.h"
 #include "tests/cudasim/cudasim.h"
+#include "tests/gpu/vmm_alloc.h"
 
 #define NB 64
 #define BL 4096
@@ -86,18 +97,31 @@ static const uint64_t LOC[] = {0, 1, 2, 3, 10, 11, 12, 13, 20, 21, 22, 23, 40};
  * "short-hold" (xfer timeout 300 ms: a read's hold breaks after it; a 'U'
  * on stdin unpublishes, as an engine aborting the request; once released
  * the blocks are overwritten, as the engine reuses them); "other-host"
- * (poses as another node); "no-ipc" (KVC_IPC=0). */
+ * (poses as another node); "no-ipc" (KVC_IPC=0); "vmm" and "vmm-expire"
+ * ("serve" and "expire" with the memory mapped through the VMM API, in
+ * physical allocations of 192 KiB); "vmm-nofd" (the same, created without
+ * the POSIX fd handle type); "vmm-export-fails" (the producer's first
+ * cuMemExportToShareableHandle fails: its socket refuses the request). */
 static int producer_main(const char *mode) {
     setenv("UCX_TLS", "tcp,self", 1);
     setenv("UCX_WARN_UNUSED_ENV_VARS", "n", 1);
+    bool vmm = !strncmp(mode, "vmm", 3), nofd = !strcmp(mode, "vmm-nofd");
+    bool noexport = !strcmp(mode, "vmm-export-fails");
+    if (vmm) mode = !strcmp(mode, "vmm-expire") ? "expire" : "serve";
     if (!strcmp(mode, "other-host")) setenv("KVC_TEST_HOST_ID", "another-node", 1);
     if (!strcmp(mode, "no-ipc")) setenv("KVC_IPC", "0", 1);
     cudasim_reset(2, false);
+    if (noexport) cudasim_fail("cuMemExportToShareableHandle", 1, cudaErrorNotSupported);
     kvc_agent_t *a = agent("ipc-P", !strcmp(mode, "short-hold") ? 300 : 30000);
     uint8_t *mem = NULL, *host = malloc(NB * BL);
     /* Both regions in one allocation, region 1 a page and a half in. */
     size_t off1 = NB * BL + 6144;
-    if (!a || !host || cudaMalloc((void **)&mem, off1 + NB * BL) != cudaSuccess) return 2;
+    vmm_mem_t vm = {0};
+    if (vmm && vmm_alloc(&vm, off1 + NB * BL, 3 * 64 * 1024, 0, !nofd) == 0)
+        mem = (uint8_t *)(uintptr_t)vm.va;
+    else if (!vmm && cudaMalloc((void **)&mem, off1 + NB * BL) != cudaSuccess)
+        mem = NULL;
+    if (!a || !host || !mem) return 2;
     kvc_region_params_t rp[NREG] = {cuda_region(mem, 0), cuda_region(mem + off1, 0)};
     for (int r = 0; r < NREG; r++) {
         for (uint64_t b = 0; b < NB; b++)
@@ -132,7 +156,10 @@ static int producer_main(const char *mode) {
         }
     }
     kvc_agent_destroy(a);
-    cudaFree(mem);
+    if (vmm)
+        vmm_free(&vm);
+    else
+        cudaFree(mem);
     free(host);
     return 0;
 }
@@ -208,6 +235,8 @@ static void start(ctx_t *c, const char *mode, uint32_t xfer_timeout_ms) {
 static int finish(ctx_t *c) {
     kvc_agent_destroy(c->a);
     assert_int_equal(cudasim_ipc_open_count(), c->open0); /* closed with the peer */
+    assert_int_equal(cudasim_vmm_mappings(), 0);          /* unmapped with the peer */
+    assert_int_equal(cudasim_vmm_allocations(), 0);       /* imported handles released */
     for (int r = 0; r < NREG; r++)
         assert_int_equal(cudaFree(c->dev[r]), cudaSuccess);
     close(c->in);
@@ -279,10 +308,11 @@ static void wait_released(ctx_t *c) {
     while (strcmp(line, "RELEASED"));
 }
 
-static void test_ipc_fetch(void **state) {
-    (void)state;
+/* A fetch over CUDA IPC from a producer in `mode`, byte-exact, then
+ * checked further by `more` before the producer goes. */
+static void ipc_fetch(const char *mode, void (*more)(ctx_t *c)) {
     ctx_t c;
-    start(&c, "serve", 30000);
+    start(&c, mode, 30000);
     fetch(&c);
     char msg[300];
     kvc_status_t st = pump(&c, NULL, msg, sizeof(msg));
@@ -291,28 +321,43 @@ static void test_ipc_fetch(void **state) {
     assert_int_equal(kstat(&c, KVC_STAT_PEERS_IPC), 1);
     assert_int_equal(kstat(&c, KVC_STAT_PEERS_PUSH), 0);
     assert_int_equal(kstat(&c, KVC_STAT_BYTES_IPC), NX * BL * NREG);
-    /* One allocation behind both producer regions, opened on each of our
-     * two devices; device-to-device copies, no staging copy. */
-    assert_int_equal(cudasim_calls("cudaIpcOpenMemHandle"), 2);
-    assert_int_equal(cudasim_ipc_open_count(), c.open0 + 2);
-    assert_int_equal(kstat(&c, KVC_STAT_CUDA_COPIES), 0);
+    assert_int_equal(kstat(&c, KVC_STAT_CUDA_COPIES), 0); /* device to device, no staging */
+    more(&c);
     wait_released(&c);
     assert_int_equal(finish(&c), 0);
 }
 
-/* A read that comes after the publication expired: refused at its HOLD,
- * before a byte is copied. */
-static void test_ipc_after_expiry_denied(void **state) {
+/* One allocation behind both producer regions, opened on each of our two
+ * devices. */
+static void handles_opened(ctx_t *c) {
+    assert_int_equal(cudasim_calls("cudaIpcOpenMemHandle"), 2);
+    assert_int_equal(cudasim_ipc_open_count(), c->open0 + 2);
+}
+
+static void test_ipc_fetch(void **state) {
     (void)state;
+    ipc_fetch("serve", handles_opened);
+}
+
+/* A read that comes after the publication expired: refused at its HOLD,
+ * before a byte is copied; imports: the VMM fds imported before (the path
+ * was CUDA IPC all the same). */
+static void after_expiry(const char *mode, unsigned long imports) {
     ctx_t c;
-    start(&c, "expire", 30000);
+    start(&c, mode, 30000);
     usleep(400000); /* the producer's 150 ms expiry passes */
     fetch(&c);
     kvc_status_t st = pump(&c, NULL, NULL, 0);
     assert_int_equal(st, KVC_ERR_DENIED);
     assert_int_equal(cudasim_calls("cudaMemcpyAsync"), 0);
+    assert_int_equal(cudasim_calls("cuMemImportFromShareableHandle"), imports);
     untouched(&c);
     assert_int_equal(finish(&c), 0);
+}
+
+static void test_ipc_after_expiry_denied(void **state) {
+    (void)state;
+    after_expiry("expire", 0);
 }
 
 static bool copies_queued(void) {
@@ -340,13 +385,14 @@ static void test_ipc_hold_broken_denied(void **state) {
 }
 
 /* The producer dies while the copies are queued: the fetch fails (no word
- * on the hold can come), the copies drained before the event. */
-static void test_ipc_producer_killed(void **state) {
-    (void)state;
+ * on the hold can come), the copies drained before the event; maps: the
+ * VMM mappings open meanwhile. */
+static void killed(const char *mode, int maps) {
     ctx_t c;
-    start(&c, "serve", 5000);
+    start(&c, mode, 5000);
     fetch(&c);
     assert_int_equal(pump(&c, copies_queued, NULL, 0), KVC_INPROGRESS);
+    assert_int_equal(cudasim_vmm_mappings(), maps);
     assert_int_equal(kill(c.pid, SIGKILL), 0);
     char msg[300];
     kvc_status_t st = pump(&c, NULL, msg, sizeof(msg));
@@ -356,8 +402,14 @@ static void test_ipc_producer_killed(void **state) {
     assert_int_equal(finish(&c), -1);
 }
 
-/* Paths that must fall back to the staged push, byte-exact. */
-static void fallback(const char *mode, const char *consumer_ipc_env, bool fail_open) {
+static void test_ipc_producer_killed(void **state) {
+    (void)state;
+    killed("serve", 0);
+}
+
+/* Paths that must fall back to the staged push, byte-exact; fail_fn: a
+ * CUDA call of the consumer that fails once. */
+static void fallback(const char *mode, const char *consumer_ipc_env, const char *fail_fn) {
     ctx_t c;
     start(&c, mode, 30000);
     if (consumer_ipc_env) setenv("KVC_IPC", consumer_ipc_env, 1);
@@ -368,7 +420,7 @@ static void fallback(const char *mode, const char *consumer_ipc_env, bool fail_o
         assert_int_equal(kvc_agent_register_regions(c.a, NB, rp, NREG), KVC_OK);
         unsetenv("KVC_IPC");
     }
-    if (fail_open) cudasim_fail("cudaIpcOpenMemHandle", 1, cudaErrorMapBufferObjectFailed);
+    if (fail_fn) cudasim_fail(fail_fn, 1, cudaErrorMapBufferObjectFailed);
     fetch(&c);
     char msg[300];
     kvc_status_t st = pump(&c, NULL, msg, sizeof(msg));
@@ -377,66 +429,204 @@ static void fallback(const char *mode, const char *consumer_ipc_env, bool fail_o
     assert_int_equal(kstat(&c, KVC_STAT_PEERS_IPC), 0);
     assert_int_equal(kstat(&c, KVC_STAT_PEERS_PUSH), 1);
     assert_int_equal(kstat(&c, KVC_STAT_BYTES_IPC), 0);
-    assert_int_equal(cudasim_calls("cudaIpcOpenMemHandle"), fail_open ? 1 : 0);
+    if (fail_fn) assert_int_equal(cudasim_calls(fail_fn), 1);
+    if (!fail_fn) assert_int_equal(cudasim_calls("cudaIpcOpenMemHandle"), 0);
+    if (!fail_fn) assert_int_equal(cudasim_calls("cuMemImportFromShareableHandle"), 0);
     wait_released(&c);
     assert_int_equal(finish(&c), 0);
 }
 
 static void test_ipc_open_fails_fallback(void **state) {
     (void)state;
-    fallback("serve", NULL, true);
+    fallback("serve", NULL, "cudaIpcOpenMemHandle");
 }
 
 static void test_ipc_consumer_disabled(void **state) {
     (void)state;
-    fallback("serve", "0", false);
+    fallback("serve", "0", NULL);
 }
 
 static void test_ipc_producer_disabled(void **state) {
     (void)state;
-    fallback("no-ipc", NULL, false);
+    fallback("no-ipc", NULL, NULL);
 }
 
 static void test_ipc_other_node(void **state) {
     (void)state;
-    fallback("other-host", NULL, false);
+    fallback("other-host", NULL, NULL);
+}
+
+/* ------------------------------------------------------------------ VMM -- */
+
+/* Both producer regions span two of its three physical allocations: one
+ * allocation of the table, three pieces, their fds imported once and
+ * mapped on each of our two devices. */
+static void vmm_mapped(ctx_t *c) {
+    (void)c;
+    assert_int_equal(cudasim_calls("cudaIpcOpenMemHandle"), 0);
+    assert_int_equal(cudasim_calls("cuMemImportFromShareableHandle"), 3);
+    assert_int_equal(cudasim_vmm_mappings(), 2 * 3);
+    assert_int_equal(cudasim_vmm_allocations(), 3); /* held by the mappings only */
+}
+
+static void test_ipc_vmm_fetch(void **state) {
+    (void)state;
+    setenv("KVC_TEST_FD_BATCH", "2", 1); /* the three fds in two batches */
+    ipc_fetch("vmm", vmm_mapped);
+    unsetenv("KVC_TEST_FD_BATCH");
+}
+
+static void test_ipc_vmm_after_expiry_denied(void **state) {
+    (void)state;
+    after_expiry("vmm-expire", 3);
+}
+
+static void test_ipc_vmm_producer_killed(void **state) {
+    (void)state;
+    killed("vmm", 2 * 3);
+}
+
+/* Allocations created without CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+ * cannot leave the producer: no IPC table, the staged push. */
+static void test_ipc_vmm_no_fd_type(void **state) {
+    (void)state;
+    fallback("vmm-nofd", NULL, NULL);
+}
+
+/* The producer cannot export an fd when asked: it refuses, and closes. */
+static void test_ipc_vmm_export_fails(void **state) {
+    (void)state;
+    fallback("vmm-export-fails", NULL, NULL);
+}
+
+/* The fds came but one does not import here: the staged push. */
+static void test_ipc_vmm_import_fails(void **state) {
+    (void)state;
+    fallback("vmm", NULL, "cuMemImportFromShareableHandle");
+}
+
+/* The producer's fd socket: a request with a wrong token is refused and
+ * the connection closed, without a fd; a consumer does not send its token
+ * to a socket that another pid than the table's owns. */
+static void test_ipcfd_refusals(void **state) {
+    (void)state;
+    cudasim_reset(2, false);
+    kvc_agent_t *a = agent("fd-P", 30000);
+    assert_non_null(a);
+    char name[KVC_IPC_SOCK_LEN];
+    uint8_t token[KVC_IPC_FD_TOKEN_LEN];
+    assert_int_equal(kvc_ipcfd_serve(a, NULL, NULL, 0, name, token), KVC_OK);
+    int fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+    struct sockaddr_un sa = {.sun_family = AF_UNIX};
+    memcpy(sa.sun_path + 1, name, strlen(name));
+    socklen_t sl = (socklen_t)(offsetof(struct sockaddr_un, sun_path) + 1 + strlen(name));
+    assert_int_equal(connect(fd, (struct sockaddr *)&sa, sl), 0);
+    uint8_t req[44] = "KVF1";
+    uint32_t first = 0, count = 1;
+    memcpy(req + 4, &first, 4);
+    memcpy(req + 8, &count, 4);
+    memcpy(req + 12, token, sizeof(token));
+    req[12] ^= 1;
+    assert_int_equal(send(fd, req, sizeof(req), 0), (ssize_t)sizeof(req));
+    uint8_t ans[16];
+    ssize_t n = -1;
+    for (int i = 0; i < 2000 && n < 0; i++) {
+        kvc_agent_progress(a);
+        n = recv(fd, ans, sizeof(ans), MSG_DONTWAIT);
+        if (n < 0) usleep(1000);
+    }
+    assert_int_equal(n, 16);
+    int32_t status;
+    memcpy(&status, ans + 4, 4);
+    assert_int_equal(status, KVC_ERR_AUTH);
+    for (int i = 0; i < 100; i++)
+        kvc_agent_progress(a);
+    assert_int_equal(recv(fd, ans, sizeof(ans), MSG_DONTWAIT), 0); /* closed */
+    close(fd);
+    /* The table names another pid than the socket's owner (this one). */
+    kvc_ipc_table_t t = {.pid = (uint32_t)getpid() + 1,
+                         .n_pieces = 1,
+                         .sock = {(const uint8_t *)name, strlen(name)},
+                         .token = {token, sizeof(token)}};
+    kvc_pollent_t pe = {PE_IPCFD_FETCH, NULL};
+    kvc_ipcfd_cli_t *cli = NULL;
+    char err[256];
+    assert_int_equal(kvc_ipcfd_fetch(a, &t, &pe, &cli, err, sizeof(err)), KVC_ERR_AUTH);
+    assert_non_null(strstr(err, "belongs to pid"));
+    kvc_agent_destroy(a);
 }
 
 /* ------------------------------------------------------------ the table -- */
 
 static void test_ipc_table_parse(void **state) {
     (void)state;
-    kvc_cuda_export_t al[2];
+    /* A legacy handle, a VMM allocation of three pieces, a legacy one. */
+    kvc_cuda_export_t al[3];
     memset(al, 0, sizeof(al));
     snprintf(al[0].bus, sizeof(al[0].bus), "0000:10:00.0");
     snprintf(al[1].bus, sizeof(al[1].bus), "0000:11:00.0");
+    snprintf(al[2].bus, sizeof(al[2].bus), "0000:11:00.0");
     al[0].size = 1000;
-    al[1].size = 500;
+    al[1] = (kvc_cuda_export_t){.size = 700, .kind = KVC_IPC_KIND_VMM, .n_pieces = 3};
+    snprintf(al[1].bus, sizeof(al[1].bus), "0000:10:00.0");
+    al[2].size = 500;
     memset(al[0].handle, 7, KVC_IPC_HANDLE_LEN);
-    uint32_t ra[3] = {0, 1, 0};
-    uint64_t off[3] = {0, 100, 600}, rlen[3] = {600, 400, 400};
+    uint64_t pieces[3] = {100, 200, 400};
+    uint8_t token[KVC_IPC_FD_TOKEN_LEN];
+    memset(token, 9, sizeof(token));
+    uint32_t ra[4] = {0, 2, 0, 1};
+    uint64_t off[4] = {0, 100, 600, 50}, rlen[4] = {600, 400, 400, 650};
+    kvc_ipc_tab_in_t in = {.host = "boot/ipc/pid",
+                           .pid = 42,
+                           .allocs = al,
+                           .n_allocs = 3,
+                           .piece_size = pieces,
+                           .n_pieces = 3,
+                           .sock = "kvc-vmm-0123",
+                           .token = token,
+                           .reg_alloc = ra,
+                           .reg_off = off,
+                           .n_regions = 4};
     kvc_buf_t b = {0};
-    kvc_wire_encode_ipc(&b, "boot/ipc/pid", 42, al, 2, ra, off, 3);
+    kvc_wire_encode_ipc(&b, &in);
     assert_false(b.failed);
     kvc_ipc_table_t t;
-    assert_int_equal(kvc_wire_parse_ipc(b.p, b.len, rlen, 3, &t), KVC_OK);
+    assert_int_equal(kvc_wire_parse_ipc(b.p, b.len, rlen, 4, &t), KVC_OK);
     assert_int_equal(t.pid, 42);
-    assert_int_equal(t.n_allocs, 2);
-    assert_int_equal(t.reg_alloc[1], 1);
+    assert_int_equal(t.n_allocs, 3);
+    assert_int_equal(t.reg_alloc[1], 2);
     assert_int_equal(t.reg_off[2], 600);
     assert_memory_equal(t.allocs[0].handle.p, al[0].handle, KVC_IPC_HANDLE_LEN);
+    assert_int_equal(t.allocs[1].kind, KVC_IPC_KIND_VMM);
+    assert_int_equal(t.allocs[1].first_piece, 0);
+    assert_int_equal(t.allocs[1].n_pieces, 3);
+    assert_int_equal(t.n_pieces, 3);
+    assert_int_equal(t.piece_size[2], 400);
+    assert_int_equal(t.sock.len, strlen("kvc-vmm-0123"));
+    assert_memory_equal(t.token.p, token, KVC_IPC_FD_TOKEN_LEN);
     kvc_wire_ipc_cleanup(&t);
     /* Every truncation, a trailing byte, a region past its allocation,
      * another region count: refused. */
     for (size_t n = 0; n < b.len; n++)
-        assert_int_equal(kvc_wire_parse_ipc(b.p, n, rlen, 3, &t), KVC_ERR_PROTOCOL);
+        assert_int_equal(kvc_wire_parse_ipc(b.p, n, rlen, 4, &t), KVC_ERR_PROTOCOL);
     kvc_buf_u8(&b, 0);
-    assert_int_equal(kvc_wire_parse_ipc(b.p, b.len, rlen, 3, &t), KVC_ERR_PROTOCOL);
+    assert_int_equal(kvc_wire_parse_ipc(b.p, b.len, rlen, 4, &t), KVC_ERR_PROTOCOL);
     b.len--;
-    uint64_t big[3] = {600, 401, 400};
-    assert_int_equal(kvc_wire_parse_ipc(b.p, b.len, big, 3, &t), KVC_ERR_PROTOCOL);
-    assert_int_equal(kvc_wire_parse_ipc(b.p, b.len, rlen, 2, &t), KVC_ERR_PROTOCOL);
+    uint64_t big[4] = {600, 401, 400, 650}, bigv[4] = {600, 400, 400, 651};
+    assert_int_equal(kvc_wire_parse_ipc(b.p, b.len, big, 4, &t), KVC_ERR_PROTOCOL);
+    assert_int_equal(kvc_wire_parse_ipc(b.p, b.len, bigv, 4, &t), KVC_ERR_PROTOCOL);
+    assert_int_equal(kvc_wire_parse_ipc(b.p, b.len, rlen, 3, &t), KVC_ERR_PROTOCOL);
     kvc_buf_cleanup(&b);
+    /* Pieces that do not sum to their allocation, a piece of 0 bytes, a
+     * token of another length: refused. */
+    uint64_t short_pieces[3] = {100, 200, 399}, zero[3] = {0, 300, 400};
+    const uint64_t *bad[] = {short_pieces, zero};
+    for (int i = 0; i < 2; i++) {
+        in.piece_size = bad[i];
+        kvc_wire_encode_ipc(&b, &in);
+        assert_int_equal(kvc_wire_parse_ipc(b.p, b.len, rlen, 4, &t), KVC_ERR_PROTOCOL);
+        kvc_buf_cleanup(&b);
+    }
 }
 
 int main(int argc, char **argv) {
@@ -459,6 +649,13 @@ int main(int argc, char **argv) {
         cmocka_unit_test(test_ipc_consumer_disabled),
         cmocka_unit_test(test_ipc_producer_disabled),
         cmocka_unit_test(test_ipc_other_node),
+        cmocka_unit_test(test_ipc_vmm_fetch),
+        cmocka_unit_test(test_ipc_vmm_after_expiry_denied),
+        cmocka_unit_test(test_ipc_vmm_producer_killed),
+        cmocka_unit_test(test_ipc_vmm_no_fd_type),
+        cmocka_unit_test(test_ipc_vmm_export_fails),
+        cmocka_unit_test(test_ipc_vmm_import_fails),
+        cmocka_unit_test(test_ipcfd_refusals),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
