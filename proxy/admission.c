@@ -144,6 +144,9 @@ px_adm_item *px_admq_pop(px_admq *q, int (*ok)(void *arg, px_adm_item *it), void
 
 #include "base/json.h"
 #include "base/log.h"
+#include "proxy/kvindex.h"
+#include "proxy/rewrite.h"
+#include "proxy/tenant.h"
 
 /* How often a worker with requests waiting looks again on its own:
  * back-offs ending and engines' figures (which change every
@@ -486,6 +489,99 @@ static double header_seconds(const px_http_head *h, const char *name) {
     return *end || !(v >= 0) ? -1 : v;
 }
 
+/* Who the request is: its tenant from its key (--tenant-keys), or from the
+ * tenant header when a trusted gateway sent it (--tenant-header-from), else
+ * the default tenant. The name the credentials gave goes to tname ("" for
+ * none: a gateway's tenant unknown here keeps its name, for its salt). 0,
+ * or -1 with msg when the header came from anyone else (the caller answers
+ * 403). */
+static int identify(px_ctx *c, px_adm_req *a, const px_http_head *h, char *tname, size_t tcap,
+                    char *msg, size_t cap) {
+    const px_config *cfg = c->cfg;
+    long ki = px_tkeys_find(c->tkeys, h, a->key);
+    a->keyed = ki >= 0 || (c->napi_keys && px_bearer_matches(h, (const unsigned char(*)[32])
+                                                                    c->api_keys, c->napi_keys));
+    const px_http_header *th = cfg->tenant_header[0] && cfg->tenant_header_from.n
+                                   ? px_http_find(h, cfg->tenant_header)
+                                   : NULL;
+    if (th && !px_cidr_list_match(&cfg->tenant_header_from, a->peer ? a->peer : "")) {
+        snprintf(msg, cap, "the %s header is accepted from the trusted gateways only "
+                 "(--tenant-header-from): a caller's tenant comes from its API key",
+                 cfg->tenant_header);
+        return -1;
+    }
+    if (ki >= 0)
+        snprintf(tname, tcap, "%s", px_tkeys_tenant(c->tkeys, ki));
+    else if (th)
+        snprintf(tname, tcap, "%.*s", (int)(th->value_len < tcap - 1 ? th->value_len : tcap - 1),
+                 th->value);
+    else
+        tname[0] = 0;
+    a->tenant = tname[0] ? px_tenants_find(&c->tenants, tname, strlen(tname))
+                         : px_tenants_default(&c->tenants);
+    return 0;
+}
+
+/* The client's cache_salt value (its bytes as sent) in body, if any. */
+static int own_salt(const char *body, size_t blen, const char **v, size_t *vn) {
+    px_json_member m;
+    if (!body || !px_json_find(body, blen, "cache_salt", &m) || m.type == PX_JSON_NULL) return 0;
+    *v = m.val;
+    *vn = m.val_len;
+    return 1;
+}
+
+/* The request's cache_salt (--cache-salt): its tenant's or its key's with
+ * the client's own folded in, or (off) the client's own as it is. */
+static void make_salt(px_ctx *c, px_adm_req *a, const char *tname, const char *body,
+                      size_t blen) {
+    const char *own = NULL;
+    size_t on = 0;
+    int has_own = own_salt(body, blen, &own, &on);
+    px_salt_mode mode = px_salt_mode_of(c->cfg);
+    a->salt_own = mode == PX_SALT_OFF;
+    a->salt[0] = 0;
+    a->salt_key = 0;
+    if (a->salt_own) {
+        /* The index keys by its decoded text, as the engine hashes it. */
+        char text[1024];
+        long n = has_own && on >= 2 && own[0] == '"'
+                     ? px_json_str_decode(own + 1, on - 2, text, sizeof text)
+                     : -1;
+        if (n > 0) a->salt_key = px_kv_salt_key(text, (size_t)n);
+        return;
+    }
+    px_salt_derive(tname, mode == PX_SALT_KEY && a->keyed ? a->key : NULL, has_own ? own : NULL,
+                   has_own ? on : 0, a->salt);
+    a->salt_key = px_kv_salt_key(a->salt, strlen(a->salt));
+}
+
+/* The most tokens a request may be charged: its prompt (at most a token a
+ * byte of the body, and a template's worth) and its completion limit
+ * (max_tokens and its spellings, else --default-max-tokens). *reserve:
+ * what admission takes from its tenant's tpm, the completion limit (the
+ * prompt is charged when the usage settles). */
+#define TEMPLATE_SLACK 1024
+static uint64_t token_cap(const px_config *cfg, const char *body, size_t blen, uint64_t *reserve) {
+    static const char *const keys[] = {"max_tokens", "max_completion_tokens", "max_output_tokens"};
+    uint64_t out = (uint64_t)cfg->default_max_tokens;
+    px_json_member m, sp;
+    const char *obj = body;
+    size_t on = blen;
+    if (body && px_json_find(body, blen, "sampling_params", &sp) && sp.type == PX_JSON_OBJECT)
+        obj = sp.val, on = sp.val_len; /* /inference/v1/generate */
+    for (size_t i = 0; obj && i < sizeof keys / sizeof *keys; i++) {
+        long long v;
+        if (px_json_find(obj, on, keys[i], &m) && m.type == PX_JSON_NUMBER &&
+            px_prio_number(m.val, m.val + m.val_len, &v) == 0 && v >= 0) {
+            out = v > 1000000000LL ? 1000000000ULL : (uint64_t)v;
+            break;
+        }
+    }
+    *reserve = out;
+    return out + blen + TEMPLATE_SLACK;
+}
+
 px_adm_verdict px_adm_enter(px_wctx *w, px_adm_req *a, px_pset *ps, const px_http_head *h,
                             const char *body, size_t blen, int *status, char *extra,
                             size_t extra_cap, char *msg, size_t msg_cap) {
@@ -495,24 +591,44 @@ px_adm_verdict px_adm_enter(px_wctx *w, px_adm_req *a, px_pset *ps, const px_htt
     a->ps = ps;
     a->w = w;
     extra[0] = 0;
-    const px_http_header *th = cfg->tenant_header[0] ? px_http_find(h, cfg->tenant_header) : NULL;
-    a->tenant = px_tenants_find(&c->tenants, th ? th->value : NULL, th ? th->value_len : 0);
+    char tname[256];
+    if (identify(c, a, h, tname, sizeof tname, msg, msg_cap) < 0) {
+        *status = 403;
+        px_m_inc(&w->metrics.adm[PX_ADM_M_TENANT_REFUSED]);
+        return PX_ADM_REFUSED;
+    }
+    make_salt(c, a, tname, body, blen);
     px_tenant *t = &c->tenants.v[a->tenant];
-    a->count_tokens = t->tpm.limit > 0;
+    a->count_tokens = atomic_load(&t->tpm.limit) > 0;
+    uint64_t reserve = 0;
+    a->tok_cap = token_cap(cfg, body, blen, &reserve);
+    if (!a->count_tokens) reserve = 0;
     uint64_t retry = 0;
-    px_rl_verdict rl = px_tenant_admit(t, now, &retry);
+    px_rl_verdict rl = px_tenant_admit(t, now, reserve, &retry);
+    if (rl == PX_RL_TOO_LARGE) {
+        *status = 429;
+        px_tenant_headers(t, now, extra, extra_cap);
+        snprintf(msg, msg_cap, "request too large for tenant '%s': it may use %llu tokens (its "
+                 "max_tokens, or --default-max-tokens, and its prompt), its limit is %llu tokens "
+                 "per minute", t->name[0] ? t->name : "(default)",
+                 (unsigned long long)reserve, (unsigned long long)t->tpm.limit);
+        px_m_inc(&w->metrics.adm[PX_ADM_M_RATE_TOKENS]);
+        return PX_ADM_REFUSED;
+    }
     if (rl != PX_RL_OK) {
         *status = 429;
         snprintf(extra, extra_cap, "Retry-After: %llu\r\n",
                  (unsigned long long)((retry + 999999999ULL) / 1000000000ULL));
         px_tenant_headers(t, now, extra, extra_cap);
         snprintf(msg, msg_cap, "rate limit reached for tenant '%s': %llu %s per minute",
-                 t->name, (unsigned long long)(rl == PX_RL_REQUESTS ? t->rpm.limit : t->tpm.limit),
+                 t->name[0] ? t->name : "(default)",
+                 (unsigned long long)(rl == PX_RL_REQUESTS ? t->rpm.limit : t->tpm.limit),
                  rl == PX_RL_REQUESTS ? "requests" : "tokens");
         px_m_inc(&w->metrics.adm[rl == PX_RL_REQUESTS ? PX_ADM_M_RATE_REQUESTS
                                                       : PX_ADM_M_RATE_TOKENS]);
         return PX_ADM_REFUSED;
     }
+    a->tok_reserved = reserve;
     double limit = cfg->queue_timeout;
     double asked = header_seconds(h, "x-queue-timeout");
     if (asked >= 0 && asked < limit) limit = asked;
@@ -624,9 +740,17 @@ void px_adm_leave(px_wctx *w, px_adm_req *a) {
         px_m_inc(&w->metrics.adm[PX_ADM_M_LEFT]);
         take_out(w->adm, a, px_now_ns());
     }
-    if (a->tok.total) {
-        px_bucket_charge(&w->ctx->tenants.v[a->tenant].tpm, px_now_ns(), a->tok.total);
+    if (a->count_tokens) {
+        /* Settled once: on the usage the answer reported (never more than
+         * the request could have produced: an engine's wild number must
+         * not lock its tenant out), else on the reservation when an answer
+         * passed, else nothing is charged. */
+        uint64_t used = a->tok.total ? a->tok.total : a->answered ? a->tok_reserved : 0;
+        if (used > a->tok_cap) used = a->tok_cap;
+        px_tenant_settle(&w->ctx->tenants.v[a->tenant], px_now_ns(), a->tok_reserved, used);
+        a->count_tokens = 0;
         a->tok.total = 0;
+        a->tok_reserved = 0;
     }
     if (a->sent) {
         a->sent = 0;
@@ -667,7 +791,25 @@ int px_adm_reconfigure(px_ctx *c, char *const *specs, size_t n, int64_t max_infl
 }
 
 void px_adm_answer(px_adm_req *a, const char *p, size_t n) {
+    a->answered = 1;
     if (a->count_tokens) px_tokscan_feed(&a->tok, p, n);
+}
+
+int px_adm_salted(const px_adm_req *a, px_buf *body) {
+    if (!a->salt[0] || a->salt_own || !body->data) return 0;
+    px_buf out;
+    px_buf_init(&out);
+    if (px_rewrite_cache_salt(body->data, body->len, a->salt, &out) < 0) {
+        px_buf_cleanup(&out);
+        return 0;
+    }
+    px_buf_cleanup(body);
+    *body = out;
+    return 1;
+}
+
+uint64_t px_adm_salt_key(const px_adm_req *a) {
+    return a->salt_key;
 }
 
 void px_adm_ratelimit_headers(px_ctx *c, const px_adm_req *a, char *out, size_t cap) {

@@ -103,6 +103,16 @@ typedef struct px_adm_req {
     uint64_t wait_ns;    /* time spent queued */
     px_tokscan tok;      /* the answer's total_tokens, for --tenant tpm= */
     int count_tokens;    /* the tenant has a tpm= limit */
+    uint64_t tok_reserved; /* tpm units taken at admission, settled when it ends */
+    uint64_t tok_cap;      /* the most tokens its usage may count (prompt bytes + max_tokens) */
+    int answered;          /* decode's answer passed (px_adm_answer) */
+    /* Who it is (tenant.h): set by px_adm_enter. */
+    const char *peer;       /* borrowed, set by the caller: the client's address text */
+    int keyed;              /* it presented an accepted key */
+    unsigned char key[32];  /* that key's SHA-256 */
+    char salt[33];          /* the cache_salt engines get ("": none); see px_adm_salted */
+    int salt_own;           /* the salt is the client's own (--cache-salt off): body untouched */
+    uint64_t salt_key;      /* the salt's key in the KV index (kvindex.h), 0: none */
     void *w;             /* borrowed: the px_wctx it entered on */
     void (*go)(void *owner);     /* dispatched out of the queue */
     void (*expire)(void *owner); /* its deadline passed while queued */
@@ -118,11 +128,14 @@ void px_adm_worker_stop(px_adm_worker *a);
 
 typedef enum { PX_ADM_GO = 0, PX_ADM_QUEUED, PX_ADM_REFUSED } px_adm_verdict;
 
-/* Admits a P/D request for pool ps: its tenant's rate limits, then the
- * pool's saturation. GO: send it on now (counted in ps->admitted).
- * QUEUED: a->go or a->expire will be called from this worker's loop.
- * REFUSED: answer *status (429 or 503) with the header lines in extra and
- * the message in msg. go and expire (and it.owner) must be set. */
+/* Admits a P/D request for pool ps: who it is (its tenant from its key,
+ * or from --tenant-header when a trusted gateway sent it; 403 when
+ * another peer sent that header), its cache_salt, its tenant's rate limits
+ * (tpm= reserves the request's most tokens), then the pool's saturation.
+ * GO: send it on now (counted in ps->admitted). QUEUED: a->go or
+ * a->expire will be called from this worker's loop. REFUSED: answer
+ * *status (403, 429 or 503) with the header lines in extra and the message
+ * in msg. go and expire (and it.owner, peer) must be set. */
 px_adm_verdict px_adm_enter(px_wctx *w, px_adm_req *a, px_pset *ps, const px_http_head *h,
                             const char *body, size_t blen, int *status, char *extra,
                             size_t extra_cap, char *msg, size_t msg_cap);
@@ -144,8 +157,19 @@ int px_adm_can_requeue(const px_adm_req *a, int status);
 int px_adm_requeue(px_wctx *w, px_adm_req *a);
 
 /* Decode's answer passes: tokens counted for the tenant's tpm when it
- * ends (px_adm_leave charges them). */
+ * ends (px_adm_leave settles the reservation on them, clamped to what the
+ * request could have produced; no usage seen: the reservation stands when
+ * an answer passed, else it is given back). */
 void px_adm_answer(px_adm_req *a, const char *p, size_t n);
+
+/* The body engines get for a request px_adm_enter salted: the client's
+ * cache_salt members removed and "cache_salt":"<salt>" added (rewrite.h).
+ * Returns 1 when *body was replaced, 0 when it goes as it is (no salt, or
+ * the client's own). */
+int px_adm_salted(const px_adm_req *a, struct px_buf *body);
+
+/* The KV index's key of a request's salt (kvindex.h), 0: none. */
+uint64_t px_adm_salt_key(const px_adm_req *a);
 
 /* Decode answered `status`: 429 and 503 (a full engine queue) put the
  * backend in back-off for --engine-backoff. Returns 1 when the answer is

@@ -20,6 +20,7 @@
 #include "proxy/dispatch.h"
 #include "proxy/prio.h"
 #include "proxy/ratelimit.h"
+#include "proxy/tenant.h"
 
 #define PX_POLICIES                                                                                \
     "round_robin|least_inflight|power_of_two|prefix_affinity|load_aware|kv_aware|"                 \
@@ -321,8 +322,27 @@ static const opt opts[] = {
      "rather than failed",
      NULL, AT_START},
     {"tenant-header", NULL, CT_STR, OFF(tenant_header), "x-tenant", 0, 0,
-     "request header naming the tenant for fairness and rate limits (absent or unknown: the "
-     "default tenant)",
+     "request header naming the tenant, read only from --tenant-header-from peers (absent or "
+     "unknown: the default tenant)",
+     NULL, AT_START},
+    {"tenant-header-from", NULL, CT_WORDS, OFF(tenant_header_from), "", 0, 0,
+     "addresses or CIDRs of trusted gateways whose --tenant-header is believed; from any other "
+     "peer a request carrying the header gets 403 (empty: the header is never read)",
+     NULL, AT_START},
+    {"tenant-keys", NULL, CT_STR, OFF(tenant_keys), "", 0, 0,
+     "file of TENANT:KEY lines: a request with Authorization: Bearer KEY is that tenant's, "
+     "whatever its headers say; the keys are accepted API keys too (compared in constant "
+     "time, never logged)",
+     NULL, AT_START},
+    {"cache-salt", NULL, CT_ENUM, OFF(cache_salt), "auto", 0, 0,
+     "the cache_salt P/D requests carry, which keeps engines' prefix caches apart: one per "
+     "tenant, one per API key, or off (the client's own passes); auto: tenant when "
+     "--tenant-keys or --tenant-header-from is set, else off; a client's own salt only "
+     "splits its share further",
+     "auto|tenant|key|off", AT_START},
+    {"default-max-tokens", NULL, CT_INT, OFF(default_max_tokens), "4096", 1, 100000000,
+     "completion tokens assumed for a request that sets no max_tokens: reserved from its "
+     "tenant's tpm= at admission, and the most its usage may count beyond the prompt",
      NULL, AT_START},
     {"priority-header", NULL, CT_STR, OFF(priority_header), "x-priority", 0, 0,
      "request header giving the priority: a number, lower first, or a --priority-class name "
@@ -335,9 +355,9 @@ static const opt opts[] = {
      NULL, RELOADS},
     {"tenant", NULL, CT_WORDS, OFF(tenants), "", 0, 0,
      "tenants, each NAME[:weight=W][:rpm=N][:tpm=N]: W its share of dispatch out of the queue "
-     "(1), N its requests or tokens per minute (0: no limit; 429 with x-ratelimit-* beyond); a "
-     "reload or POST /admin/admission changes, adds and removes tenants at once, queued "
-     "requests kept",
+     "(1), N its requests or tokens per minute (0: no limit; 429 with x-ratelimit-* beyond); "
+     "NAME default sets the default tenant's (callers no key or gateway names); a reload or "
+     "POST /admin/admission changes, adds and removes tenants at once, queued requests kept",
      NULL, RELOADS},
     {"print-config", NULL, CT_FLAG, OFF(print_config), "false", 0, 0,
      "print the effective configuration as YAML (a --config file) and exit", NULL, AT_START},
@@ -466,6 +486,7 @@ int px_target_allowed(const px_strlist *allow, const char *host, int port) {
 static int check_word(const opt *o, const char *v, char *err, size_t errlen) {
     if (!strcmp(o->name, "tenant")) return px_tenant_spec_check(v, err, errlen);
     if (!strcmp(o->name, "priority-class")) return px_prio_spec_check(v, err, errlen);
+    if (!strcmp(o->name, "tenant-header-from")) return px_cidr_check(v, err, errlen);
     int fam, bits, lo, hi;
     unsigned char a[16];
     char h[300];
@@ -1527,6 +1548,10 @@ static const struct {
     {"priority-header", 4, "NAME"},
     {"priority-class", 4, "SPECS"},
     {"tenant", 4, "SPECS"},
+    {"tenant-header-from", 6, "CIDRS"},
+    {"tenant-keys", 6, "FILE"},
+    {"cache-salt", 6, "MODE"},
+    {"default-max-tokens", 4, "TOKENS"},
 };
 
 static unsigned opt_group(const opt *o) {

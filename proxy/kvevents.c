@@ -206,6 +206,41 @@ static uint64_t obj_hash(const msgpack_object *o, uint64_t h) {
     }
 }
 
+/* What block i's extra keys add to its index key. vLLM's entry is a tuple
+ * of the LoRA name (every block of a LoRA request), multimodal keys (tuples),
+ * the cache_salt (the first block of a sequence only, a string) and
+ * prompt-embedding hashes (bytes) (kv_cache_utils.py,
+ * generate_block_hash_extra_keys, read at vllm-project/vllm@001cabc1). The
+ * LoRA name is already in `lora`'s part of the key and a salt is keyed as
+ * a request keys its own (px_kv_salt_key), so that a request can match
+ * them; whatever else is there is hashed as it is and matches no request
+ * the proxy can compute, as it should. */
+static uint64_t entry_extra(const msgpack_object *e, const msgpack_object *lora_name, int first) {
+    if (!e || e->type == MSGPACK_OBJECT_NIL) return 0;
+    if (e->type != MSGPACK_OBJECT_ARRAY) return obj_hash(e, 1);
+    const msgpack_object *salt = NULL;
+    uint64_t other = 1;
+    int has_other = 0;
+    for (uint32_t j = 0; j < e->via.array.size; j++) {
+        const msgpack_object *x = &e->via.array.ptr[j];
+        if (x->type == MSGPACK_OBJECT_STR) {
+            if (lora_name && lora_name->type == MSGPACK_OBJECT_STR &&
+                x->via.str.size == lora_name->via.str.size &&
+                !memcmp(x->via.str.ptr, lora_name->via.str.ptr, x->via.str.size))
+                continue;
+            if (first) { /* the salt comes after the LoRA name and multimodal keys */
+                if (salt) other = obj_hash(salt, other), has_other = 1;
+                salt = x;
+                continue;
+            }
+        }
+        other = obj_hash(x, other);
+        has_other = 1;
+    }
+    return (salt ? px_kv_salt_key(salt->via.str.ptr, salt->via.str.size) : 0) ^
+           (has_other ? other : 0);
+}
+
 /* The fields of one event, found by position (array layout) or name. */
 typedef struct fields {
     const msgpack_object *hashes, *parent, *tok, *bs, *lora_name, *extra;
@@ -287,7 +322,7 @@ static int do_stored(const fields *f, const px_kv_sink *sink) {
         extra = px_xmalloc((n ? n : 1) * sizeof *extra);
         for (size_t i = 0; i < n; i++) {
             const msgpack_object *e = has_extra ? &f->extra->via.array.ptr[i] : NULL;
-            extra[i] = px_mix64(lora) ^ (e && e->type != MSGPACK_OBJECT_NIL ? obj_hash(e, 1) : 0);
+            extra[i] = px_mix64(lora) ^ entry_extra(e, f->lora_name, i == 0 && !s.has_parent);
         }
         s.extra = extra;
     }

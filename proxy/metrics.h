@@ -64,6 +64,7 @@ typedef enum {
     PX_ADM_M_ENGINE_FULL,  /* an engine answered 429/503: backed off, not failed */
     PX_ADM_M_WOKEN,        /* woken by another worker that freed a pool slot */
     PX_ADM_M_REQUEUED,     /* an engine answered 429/503: queued again, not failed */
+    PX_ADM_M_TENANT_REFUSED, /* 403: a tenant header from a peer that is no trusted gateway */
     PX_ADM_M_COUNT
 } px_adm_event;
 

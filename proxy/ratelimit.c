@@ -126,31 +126,54 @@ int px_tenant_spec_check(const char *spec, char *err, size_t errlen) {
     return 0;
 }
 
+/* The name of a --tenant spec that sets the default tenant's settings. */
+#define DEFAULT_NAME "default"
+
 int px_tenants_parse(char *const *specs, size_t n, px_tenants *t, char *err, size_t errlen) {
     px_tenant *v = px_xcalloc(n + 1, sizeof *v);
+    px_tenant def = {0};
+    int has_def = 0;
+    size_t m = 0; /* named tenants parsed into v[0..m) */
     for (size_t i = 0; i < n; i++) {
-        int bad = parse_one(specs[i], &v[i], err, errlen) < 0;
-        for (size_t j = 0; !bad && j < i; j++)
-            if (!strcmp(v[j].name, v[i].name)) {
-                snprintf(err, errlen, "--tenant '%s': tenant '%s' is defined twice",
-                         specs[i], v[i].name);
+        px_tenant one = {0};
+        int bad = parse_one(specs[i], &one, err, errlen) < 0;
+        if (!bad && !strcmp(one.name, DEFAULT_NAME)) {
+            if (has_def) {
+                snprintf(err, errlen, "--tenant '%s': tenant '%s' is defined twice", specs[i],
+                         one.name);
                 bad = 1;
             }
+            free(def.name);
+            def = one;
+            has_def = 1;
+        } else if (!bad) {
+            v[m++] = one;
+            for (size_t j = 0; !bad && j + 1 < m; j++)
+                if (!strcmp(v[j].name, one.name)) {
+                    snprintf(err, errlen, "--tenant '%s': tenant '%s' is defined twice",
+                             specs[i], one.name);
+                    bad = 1;
+                }
+        }
         if (bad) {
-            for (size_t j = 0; j <= i; j++)
+            for (size_t j = 0; j < m; j++)
                 free(v[j].name);
+            free(def.name);
             free(v);
             return -1;
         }
     }
-    v[n].name = px_xstrdup("");
-    v[n].weight = 1;
-    v[n].live = 1;
-    px_bucket_init(&v[n].rpm, 0);
-    px_bucket_init(&v[n].tpm, 0);
+    /* The default tenant: weight 1 and no limits unless a "default" spec
+     * says otherwise. Its name stays "" (requests never name it). */
+    free(def.name);
+    v[m].name = px_xstrdup("");
+    v[m].weight = has_def ? def.weight : 1;
+    v[m].live = 1;
+    px_bucket_init(&v[m].rpm, has_def ? atomic_load(&def.rpm.limit) : 0);
+    px_bucket_init(&v[m].tpm, has_def ? atomic_load(&def.tpm.limit) : 0);
     t->v = v;
-    t->cap = n;
-    atomic_init(&t->n, n);
+    t->cap = m;
+    atomic_init(&t->n, m);
     return 0;
 }
 
@@ -226,7 +249,11 @@ int px_tenants_apply(px_tenants *t, const px_tenants *nt, uint32_t *weights, siz
         } else {
             if (atomic_load(&d->live)) gone++;
             atomic_store(&d->live, 0);
-            copy_settings(d, &nt->v[nt->cap]); /* weight 1, no limits */
+            /* Weight 1, no limits (its queued and running requests keep
+             * their index; the default tenant's limits are not theirs). */
+            px_bucket_set(&d->rpm, 0);
+            px_bucket_set(&d->tpm, 0);
+            atomic_store(&d->weight, 1);
         }
         __atomic_store_n(&weights[i], atomic_load(&d->weight), __ATOMIC_RELAXED);
     }
@@ -242,19 +269,47 @@ int px_tenants_apply(px_tenants *t, const px_tenants *nt, uint32_t *weights, siz
         /* Published: workers reading n with acquire see the slot whole. */
         atomic_store_explicit(&t->n, ++n, memory_order_release);
     }
+    /* The default tenant takes the settings of nt's ("default" spec or
+     * none: weight 1, no limits). */
+    copy_settings(&t->v[t->cap], &nt->v[nt->cap]);
+    __atomic_store_n(&weights[t->cap], atomic_load(&t->v[t->cap].weight), __ATOMIC_RELAXED);
     if (added) *added = fresh + back;
     if (removed) *removed = gone;
     return 0;
 }
 
-px_rl_verdict px_tenant_admit(px_tenant *t, uint64_t now, uint64_t *retry_ns) {
-    if (t->tpm.limit && px_bucket_remaining(&t->tpm, now) == 0) {
+void px_bucket_refund(px_bucket *b, uint64_t now, uint64_t n) {
+    uint64_t iv = atomic_load_explicit(&b->interval_ns, memory_order_relaxed);
+    if (!atomic_load_explicit(&b->limit, memory_order_relaxed) || !iv || !n) return;
+    uint64_t tat = atomic_load_explicit(&b->tat, memory_order_relaxed), next;
+    do {
+        if (tat <= now) return; /* full already */
+        next = tat - now > n * iv ? tat - n * iv : now;
+    } while (!atomic_compare_exchange_weak_explicit(&b->tat, &tat, next, memory_order_relaxed,
+                                                    memory_order_relaxed));
+}
+
+px_rl_verdict px_tenant_admit(px_tenant *t, uint64_t now, uint64_t tokens, uint64_t *retry_ns) {
+    uint64_t tl = atomic_load_explicit(&t->tpm.limit, memory_order_relaxed);
+    if (tl && tokens > tl) return PX_RL_TOO_LARGE;
+    if (tl && !tokens && px_bucket_remaining(&t->tpm, now) == 0) {
         uint64_t base = base_of(atomic_load_explicit(&t->tpm.tat, memory_order_relaxed), now);
         *retry_ns = base - (now + PX_RL_WINDOW_NS) + t->tpm.interval_ns;
         return PX_RL_TOKENS;
     }
-    if (!px_bucket_take(&t->rpm, now, 1, retry_ns)) return PX_RL_REQUESTS;
+    if (tl && tokens && !px_bucket_take(&t->tpm, now, tokens, retry_ns)) return PX_RL_TOKENS;
+    if (!px_bucket_take(&t->rpm, now, 1, retry_ns)) {
+        if (tl && tokens) px_bucket_refund(&t->tpm, now, tokens);
+        return PX_RL_REQUESTS;
+    }
     return PX_RL_OK;
+}
+
+void px_tenant_settle(px_tenant *t, uint64_t now, uint64_t reserved, uint64_t used) {
+    if (used > reserved)
+        px_bucket_charge(&t->tpm, now, used - reserved);
+    else
+        px_bucket_refund(&t->tpm, now, reserved - used);
 }
 
 /* OpenAI's reset spelling: "1s", "6m0s", "20ms". */

@@ -265,6 +265,7 @@ static px_pick kv_pick(px_req *r, px_pool *p, px_pick k) {
     k.tok = r->tok;
     k.ntok = r->ntok;
     k.kv_extra = kv_extra(r);
+    k.kv_salt = px_adm_salt_key(&r->adm);
     /* Tokens unknown (the engine's /tokenize did not answer in time): no
      * cache to match, but the engine chosen computes the whole prompt, and
      * the load others see must say so. */
@@ -548,6 +549,7 @@ static int admission(px_req *r, const px_http_head *h) {
     r->adm.it.owner = r;
     r->adm.go = adm_go;
     r->adm.expire = adm_expire;
+    r->adm.peer = r->client;
     px_adm_verdict v = px_adm_enter(r->w, &r->adm, r->ps, h, r->body.data, r->body.len, &status,
                                     extra, sizeof extra, msg, sizeof msg);
     if (v == PX_ADM_GO) return 0;
@@ -698,6 +700,8 @@ static void start_pd(px_req *r, const px_http_head *h) {
 
 /* Admitted: the prompt's key and tokens, then routing. */
 static void pd_go(px_req *r) {
+    /* The tenant's cache_salt in place of the client's (tenant.h). */
+    if (px_adm_salted(&r->adm, &r->body)) account(r);
     /* One look at the prompt gives prefix_affinity its key and kv_aware
      * its token ids. */
     px_json_member pm;
@@ -971,7 +975,8 @@ static int decide(px_req *r) {
     if (slot >= 0 && bs) {
         size_t cap = r->ntok / bs + 1;
         uint64_t *keys = px_xmalloc(cap * sizeof *keys);
-        size_t nk = px_kv_prompt_keys(r->tok, r->ntok, bs, kv_extra(r), keys, cap);
+        size_t nk = px_kv_salted_keys(r->tok, r->ntok, bs, kv_extra(r),
+                                      px_adm_salt_key(&r->adm), keys, cap);
         size_t cached = px_kv_reusable(px_kvindex_match(kv, slot, keys, nk), bs, r->ntok);
         free(keys);
         px_disagg_exact(cfg, (long)r->ntok, (long)cached, &r->dis);

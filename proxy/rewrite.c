@@ -2,6 +2,7 @@
 #include "proxy/rewrite.h"
 
 #include <stdio.h>
+#include <string.h>
 
 #include "base/json.h"
 
@@ -148,6 +149,16 @@ int px_rewrite_decode(const char *body, size_t n, const char *kvp, size_t kvp_le
     } else {
         px_buf_append(out, "}", 1);
     }
+    return 0;
+}
+
+int px_rewrite_cache_salt(const char *body, size_t n, const char *salt, px_buf *out) {
+    static const char *const salt_key[] = {"cache_salt"};
+    unsigned saw;
+    if (copy_members(body, n, salt_key, 1, out, &saw) < 0) return -1;
+    px_buf_appends(out, "\"cache_salt\":");
+    px_buf_append_json_str(out, salt, strlen(salt));
+    px_buf_append(out, "}", 1);
     return 0;
 }
 

@@ -40,6 +40,12 @@ int px_rewrite_prefill_generate(const char *body, size_t n, px_buf *out);
  * not an object. */
 int px_rewrite_decode(const char *body, size_t n, const char *kvp, size_t kvp_len, px_buf *out);
 
+/* Appends to `out` the body with every member whose key decodes to
+ * cache_salt removed and "cache_salt":"<salt>" added (tenant.h: the salt
+ * is the proxy's, derived from the client's credentials). Returns 0, or -1
+ * when body is not an object. */
+int px_rewrite_cache_salt(const char *body, size_t n, const char *salt, px_buf *out);
+
 /* 1 when a body begins the way Python's json.loads (json.detect_encoding)
  * reads as a byte-order mark or as UTF-16/UTF-32: an engine's JSON parser
  * would decode it, the proxy's cannot look inside it, so such bodies are

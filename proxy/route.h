@@ -176,6 +176,7 @@ typedef struct px_pick {
     size_t *cached; /* out, when not NULL: the chosen backend's cached prompt tokens (the
                      * engine's rule: whole blocks, never the prompt's last token) */
     uint64_t kv_extra; /* the prompt's LoRA key (px_kvindex_request_extra), 0: base model */
+    uint64_t kv_salt;  /* its cache_salt's key (px_kv_salt_key), 0: none */
     /* Sessions: a conversation (its key, 0: none) stays on the backend it
      * was routed to while that one is usable and not overloaded (over
      * ceil(load_factor * mean in-flight)). */

@@ -9,14 +9,28 @@ H1. A '#fragment' in the request target is refused (400): an engine behind
     the proxy cannot look inside it to strip its kv_transfer_params.
 H2. kv_transfer_params nested where vLLM reads them too never reach an
     engine: a generate request's sampling_params.extra_args, and vllm_xargs
-    (merged into extra_args) on every route."""
+    (merged into extra_args) on every route.
+H3. A request's tenant comes from its credentials: an API key of
+    --tenant-keys, or the tenant header from a trusted gateway
+    (--tenant-header-from) and refused from anyone else; unknown callers
+    are the default tenant, with limits of its own.
+H4. Engines get a cache_salt per tenant (or per key): a client's own salt
+    only splits its tenant's share; the KV index keys blocks by it, so
+    kv_aware finds each tenant's blocks and no one else's."""
 
+import http.client
 import json
+import os
 
 from pdharness.case import main
 from pdharness.client import RawClient, http_request
-from pdharness.mocks import decode_handler, prefill_handler
+from pdharness.ctl import tmpdir
+from pdharness.kvpub import Publisher
+from pdharness.mocks import HostMock, decode_handler, prefill_handler
+from pdharness.net import HOST, free_port, wait_value
 from pdharness.prod import ProdCase
+from pdharness.prom import metric, prom
+from test_kv_events import BS, port_free_on, tokens
 from test_pd_generate import gen_decode, gen_prefill
 
 EVIL = {"do_remote_prefill": True, "remote_host": "169.254.169.254", "remote_port": 80,
@@ -129,6 +143,234 @@ class NestedParamsTest(ProdCase):
         for req in p.requests + d.requests:
             self.assertFalse(has_evil(req), req.path)
             self.assertEqual(req.json()["vllm_xargs"], {"k": 2}, req.path)
+
+
+KEYS = {"alice": "sk-alice-0123456789", "bob": "sk-bob-9876543210",
+        "bob2": "sk-bob-second-key-42"}
+
+
+def keyfile(case):
+    d = tmpdir(case)
+    path = os.path.join(d, "tenant-keys")
+    with open(path, "w") as f:
+        f.write("# TENANT:KEY\nalice:%s\nbob: %s\nbob:%s\n"
+                % (KEYS["alice"], KEYS["bob"], KEYS["bob2"]))
+    return path
+
+
+def auth(who, **extra):
+    h = {"Authorization": "Bearer " + KEYS[who]} if who else {}
+    h.update(extra)
+    return h
+
+
+def post_from(port, source, body, headers):
+    """A POST from the loopback address `source` (a gateway or not)."""
+    c = http.client.HTTPConnection(HOST, port, timeout=10, source_address=(source, 0))
+    try:
+        hs = {"Content-Type": "application/json"}
+        hs.update(headers)
+        c.request("POST", "/v1/completions", body=json.dumps(body), headers=hs)
+        r = c.getresponse()
+        return r.status, r.read()
+    finally:
+        c.close()
+
+
+class TenantCredentialsTest(ProdCase):
+    """H3: x-tenant was believed from anyone: leaving it out, or a name
+    unknown or differently cased, meant no limits; naming another tenant
+    spent its budget."""
+
+    def proxy(self, extra=()):
+        p = self.mock(prefill_handler(), "p")
+        d = self.mock(decode_handler(), "d")
+        return self.start([p], [d], ["--tenant", "alice:rpm=2 bob:rpm=100 default:rpm=1",
+                                     "--tenant-keys", keyfile(self)] + list(extra))
+
+    def post(self, px, headers):
+        return http_request(px.port, "POST", "/v1/completions",
+                            {"model": "m", "prompt": "x", "max_tokens": 2}, headers)
+
+    def test_key_decides_not_the_header(self):
+        px = self.proxy()
+        # bob names alice in the header: bob's own budget is spent, not hers.
+        for i in range(5):
+            r = self.post(px, auth("bob", **{"x-tenant": "alice"}))
+            self.assertEqual(r.status, 200, "bob's request %d: %r" % (i, r.body[:200]))
+        for i in range(2):
+            self.assertEqual(self.post(px, auth("alice")).status, 200, "alice %d" % i)
+        r = self.post(px, auth("alice"))
+        self.assertErrorJson(r, 429, "alice's third in a minute")
+        self.assertIn(b"alice", r.body)
+        # Callers without a key are the default tenant, limited (rpm=1)
+        # whatever tenant they name, in whatever case.
+        self.assertEqual(self.post(px, {}).status, 200)
+        for h in ({}, {"x-tenant": "bob"}, {"x-tenant": "ALICE"}, {"x-tenant": "nobody"}):
+            self.assertErrorJson(self.post(px, h), 429, "default tenant, %r" % h)
+        # Keys are never written to the log, whatever the level.
+        text = px.stderr()
+        for k in KEYS.values():
+            self.assertNotIn(k, text)
+
+    def test_api_keys_still_required(self):
+        """With --api-key, tenant keys are accepted keys; others get 401."""
+        px = self.proxy(["--api-key", "sk-plain-key-55"])
+        self.assertEqual(self.post(px, auth("alice")).status, 200)
+        self.assertEqual(self.post(px, {"Authorization": "Bearer sk-plain-key-55"}).status, 200)
+        self.assertErrorJson(self.post(px, {"Authorization": "Bearer sk-wrong"}), 401)
+        self.assertErrorJson(self.post(px, {}), 401)
+
+    def test_gateway_header_trusted_only_from_gateway(self):
+        p = self.mock(prefill_handler(), "p")
+        d = self.mock(decode_handler(), "d")
+        px = self.start([p], [d], ["--tenant", "alice:rpm=2 default:rpm=50",
+                                   "--tenant-header-from", "127.0.0.2/32"])
+        body = {"model": "m", "prompt": "x", "max_tokens": 2}
+        # From anyone else, a request naming a tenant is refused.
+        st, b = post_from(px.port, "127.0.0.1", body, {"x-tenant": "alice"})
+        self.assertEqual(st, 403, b)
+        self.assertIn(b"--tenant-header-from", b)
+        # From the gateway, the header names the tenant: alice's limit holds.
+        for i in range(2):
+            st, b = post_from(px.port, "127.0.0.2", body, {"x-tenant": "alice"})
+            self.assertEqual(st, 200, b)
+        st, b = post_from(px.port, "127.0.0.2", body, {"x-tenant": "alice"})
+        self.assertEqual(st, 429, b)
+        # Without the header: the default tenant, from anywhere.
+        st, b = post_from(px.port, "127.0.0.1", body, {})
+        self.assertEqual(st, 200, b)
+        self.assertEqual(metric(prom(px.port), "pdproxy_admission_total",
+                                event="tenant_header_refused"), 1)
+
+    def test_key_file_errors_at_start(self):
+        from pdharness.procs import run_pdproxy
+        d = tmpdir(self)
+        path = os.path.join(d, "bad")
+        with open(path, "w") as f:
+            f.write("alice:secret-one\nno-tenant-secret-two\n")
+        p = run_pdproxy(["--decode", "http://127.0.0.1:9", "--tenant-keys", path])
+        self.assertEqual(p.returncode, 2, p.stderr)
+        self.assertIn("line 2", p.stderr)
+        self.assertNotIn("secret", p.stderr)
+
+
+def salt_of(req):
+    return req.json().get("cache_salt")
+
+
+class CacheSaltTest(ProdCase):
+    """H4: prefix caches leaked across tenants by timing; pdproxy sent no
+    cache_salt, or the client's own."""
+
+    def run_case(self, mode):
+        p = self.mock(prefill_handler(), "p")
+        d = self.mock(decode_handler(), "d")
+        px = self.start([p], [d], ["--tenant", "alice bob", "--tenant-keys", keyfile(self),
+                                   "--cache-salt", mode])
+        sent = [("alice", None), ("alice", None), ("bob", None), ("bob2", None), (None, None),
+                ("alice", "mine"), ("bob", "mine")]
+        for who, own in sent:
+            body = {"model": "m", "prompt": "same prompt", "max_tokens": 2}
+            if own:
+                body["cache_salt"] = own
+            r = http_request(px.port, "POST", "/v1/completions", body, auth(who))
+            self.assertEqual(r.status, 200, r.body)
+        self.assertEqual(len(p.requests), len(sent))
+        salts = []
+        for pr, dr in zip(p.requests, d.requests):
+            # Prefill and decode of one request: the same salt, once.
+            self.assertEqual(salt_of(pr), salt_of(dr))
+            self.assertEqual(pr.body.count(b"cache_salt"), 1 if salt_of(pr) else 0)
+            salts.append(salt_of(pr))
+        return salts
+
+    def test_salt_per_tenant(self):
+        a1, a2, b, b2, anon, a_own, b_own = self.run_case("tenant")
+        self.assertEqual(a1, a2)
+        self.assertEqual(b, b2, "two keys of one tenant share its salt")
+        self.assertEqual(len({a1, b, anon, a_own, b_own}), 5)
+        for s in (a1, b, anon, a_own, b_own):
+            self.assertRegex(s, "^[0-9a-f]{32}$")
+        self.assertNotIn("mine", (a_own, b_own))
+
+    def test_salt_per_key(self):
+        a1, a2, b, b2, anon, a_own, b_own = self.run_case("key")
+        self.assertEqual(a1, a2)
+        self.assertNotEqual(b, b2, "each key its own salt")
+        self.assertEqual(len({a1, b, b2, anon, a_own, b_own}), 6)
+
+    def test_salt_off_passes_the_clients(self):
+        a1, a2, b, b2, anon, a_own, b_own = self.run_case("off")
+        self.assertEqual([a1, a2, b, b2, anon], [None] * 5)
+        self.assertEqual([a_own, b_own], ["mine", "mine"])
+
+
+class SaltedIndexTest(ProdCase):
+    """H4: the KV index must key blocks by the salt, or kv_aware would send a
+    tenant to blocks it cannot use (another tenant's, or unsalted ones)."""
+
+    def test_kv_aware_finds_the_tenants_own_blocks(self):
+        hosts = ("127.0.0.2", "127.0.0.3")
+        for _ in range(20):
+            kvport = free_port()
+            if port_free_on(hosts, kvport):
+                break
+        mocks, pubs = [], []
+        for i, h in enumerate(hosts):
+            m = HostMock(prefill_handler(), name="P%d" % i, host=h)
+            self._mocks.append(m)
+            self.addCleanup(self._stop_mock, m)
+            pub = Publisher(h, kvport)
+            self.addCleanup(pub.close)
+            mocks.append(m)
+            pubs.append(pub)
+        D = self.mock(decode_handler(), "d")
+        px = self.start(prefill=[(m.bind_host, m.port) for m in mocks], decode=[D],
+                        extra=["--kv-events-port", str(kvport), "--prefill-policy", "kv_aware",
+                               "--tenant", "alice bob", "--tenant-keys", keyfile(self)])
+        for pub in pubs:
+            pub.wait_subscriber()
+        # Learn alice's salt from what an engine receives.
+        r = http_request(px.port, "POST", "/v1/completions",
+                         {"model": "m", "prompt": tokens(9, 2), "max_tokens": 2}, auth("alice"))
+        self.assertEqual(r.status, 200, r.body)
+        salt = salt_of((mocks[0].requests + mocks[1].requests)[0])
+        self.assertTrue(salt)
+        # Four prompts, each held by one engine under alice's salt (vLLM
+        # puts it in the first block's extra keys only) and by the other
+        # unsalted: alice's requests must find the salted copy every time,
+        # which a tie-break would do one time in 16.
+        prompts = [tokens(10 + k, 8) for k in range(4)]
+        for k, toks in enumerate(prompts):
+            salted, plain = pubs[k % 2], pubs[1 - k % 2]
+            salted.publish([("BlockStored", [list(range(1000 * k, 1000 * k + 8)), None, toks, BS,
+                                             None, "GPU", None, [[salt]] + [None] * 7])])
+            plain.publish([("BlockStored", [list(range(1000 * k + 500, 1000 * k + 508)), None,
+                                            toks, BS, None, "GPU", None, None])])
+        for m in mocks:
+            got = wait_value(lambda: metric(prom(px.port), "pdproxy_kv_index_blocks",
+                                            backend=self.bname(m)), lambda v: v == 32, 10.0)
+            self.assertEqual(got, 32)
+        for k, toks in enumerate(prompts):
+            for m in mocks:
+                m.requests.clear()
+            body = {"model": "m", "prompt": toks + [7, 7], "max_tokens": 2}
+            self.assertEqual(http_request(px.port, "POST", "/v1/completions", body,
+                                          auth("alice")).status, 200)
+            self.assertEqual([len(m.requests) for m in mocks], [1 - k % 2, k % 2],
+                             "prompt %d: alice's goes where her salted blocks are" % k)
+        # bob's and an anonymous caller's salts are neither alice's nor none.
+        for m in mocks:
+            m.requests.clear()
+        for who in ("bob", None):
+            self.assertEqual(http_request(px.port, "POST", "/v1/completions",
+                                          {"model": "m", "prompt": prompts[0], "max_tokens": 2},
+                                          auth(who)).status, 200)
+        got = [salt_of(r) for m in mocks for r in m.requests]
+        self.assertEqual(len(got), 2)
+        self.assertNotIn(salt, got)
+        self.assertNotIn(None, got)
 
 
 if __name__ == "__main__":
