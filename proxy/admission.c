@@ -795,17 +795,32 @@ void px_adm_answer(px_adm_req *a, const char *p, size_t n) {
     if (a->count_tokens) px_tokscan_feed(&a->tok, p, n);
 }
 
-int px_adm_salted(const px_adm_req *a, px_buf *body) {
-    if (!a->salt[0] || a->salt_own || !body->data) return 0;
-    px_buf out;
-    px_buf_init(&out);
-    if (px_rewrite_cache_salt(body->data, body->len, a->salt, &out) < 0) {
-        px_buf_cleanup(&out);
-        return 0;
+/* Replaces *body by out when rc is 1. */
+static int take_body(int rc, px_buf *body, px_buf *out) {
+    if (rc == 1) {
+        px_buf_cleanup(body);
+        *body = *out;
+        return 1;
     }
-    px_buf_cleanup(body);
-    *body = out;
-    return 1;
+    px_buf_cleanup(out);
+    return 0;
+}
+
+int px_adm_body(px_adm_req *a, int usage_route, px_buf *body) {
+    int changed = 0;
+    px_buf out;
+    if (a->salt[0] && !a->salt_own && body->data) {
+        px_buf_init(&out);
+        changed |= take_body(
+            px_rewrite_cache_salt(body->data, body->len, a->salt, &out) == 0 ? 1 : 0, body, &out);
+    }
+    if (usage_route && a->count_tokens && body->data) {
+        px_buf_init(&out);
+        a->strip_usage = take_body(px_rewrite_include_usage(body->data, body->len, &out), body,
+                                   &out);
+        changed |= a->strip_usage;
+    }
+    return changed;
 }
 
 uint64_t px_adm_salt_key(const px_adm_req *a) {

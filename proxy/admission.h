@@ -113,6 +113,7 @@ typedef struct px_adm_req {
     char salt[33];          /* the cache_salt engines get ("": none); see px_adm_salted */
     int salt_own;           /* the salt is the client's own (--cache-salt off): body untouched */
     uint64_t salt_key;      /* the salt's key in the KV index (kvindex.h), 0: none */
+    int strip_usage;        /* the proxy asked decode for the usage chunk: drop it */
     void *w;             /* borrowed: the px_wctx it entered on */
     void (*go)(void *owner);     /* dispatched out of the queue */
     void (*expire)(void *owner); /* its deadline passed while queued */
@@ -162,11 +163,14 @@ int px_adm_requeue(px_wctx *w, px_adm_req *a);
  * an answer passed, else it is given back). */
 void px_adm_answer(px_adm_req *a, const char *p, size_t n);
 
-/* The body engines get for a request px_adm_enter salted: the client's
- * cache_salt members removed and "cache_salt":"<salt>" added (rewrite.h).
- * Returns 1 when *body was replaced, 0 when it goes as it is (no salt, or
- * the client's own). */
-int px_adm_salted(const px_adm_req *a, struct px_buf *body);
+/* The body engines get for an admitted request: with the salt px_adm_enter
+ * chose (the client's cache_salt members removed, "cache_salt":"<salt>"
+ * added; not with the client's own), and, on a `usage_route` (chat and
+ * completions) whose tenant counts tokens, a stream that does not ask for
+ * usage asks for it (rewrite.h px_rewrite_include_usage; a->strip_usage
+ * set: its usage chunk is dropped before the client, usage.h). Returns 1
+ * when *body was replaced, 0 when it goes as it is. */
+int px_adm_body(px_adm_req *a, int usage_route, struct px_buf *body);
 
 /* The KV index's key of a request's salt (kvindex.h), 0: none. */
 uint64_t px_adm_salt_key(const px_adm_req *a);

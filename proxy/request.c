@@ -700,8 +700,10 @@ static void start_pd(px_req *r, const px_http_head *h) {
 
 /* Admitted: the prompt's key and tokens, then routing. */
 static void pd_go(px_req *r) {
-    /* The tenant's cache_salt in place of the client's (tenant.h). */
-    if (px_adm_salted(&r->adm, &r->body)) account(r);
+    /* The tenant's cache_salt in place of the client's (tenant.h), and a
+     * stream asked for its usage when the tenant's tokens count. */
+    if (px_adm_body(&r->adm, r->ep == PX_EP_CHAT || r->ep == PX_EP_COMPLETIONS, &r->body))
+        account(r);
     /* One look at the prompt gives prefix_affinity its key and kv_aware
      * its token ids. */
     px_json_member pm;
@@ -1529,9 +1531,13 @@ static int hold_for_kv_failure(const px_req *r, int status, int streamed) {
 /* The answer's head goes to the client (the usage filter set up first). */
 static void start_client_stream(px_req *r, int status, const char *ctype) {
     int json = ctype && !strncasecmp(ctype, "application/json", 16);
+    int strip = r->adm.strip_usage && r->streamed && status == 200;
     if (r->disagg && r->p_cached[0] && status == 200 && (r->streamed || json) &&
         !strcmp(r->ctx->cfg->usage_from, "prefill"))
         px_usage_init(&r->usage, r->p_cached, r->streamed, USAGE_MAX_HOLD, usage_out, r);
+    else if (strip)
+        px_usage_init(&r->usage, "", 1, USAGE_MAX_HOLD, usage_out, r);
+    if (strip) px_usage_strip(&r->usage);
     set_state(r, RS_STREAM);
     char rl[512];
     px_adm_ratelimit_headers(r->ctx, &r->adm, rl, sizeof rl);

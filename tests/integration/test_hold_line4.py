@@ -16,17 +16,22 @@ H3. A request's tenant comes from its credentials: an API key of
     are the default tenant, with limits of its own.
 H4. Engines get a cache_salt per tenant (or per key): a client's own salt
     only splits its tenant's share; the KV index keys blocks by it, so
-    kv_aware finds each tenant's blocks and no one else's."""
+    kv_aware finds each tenant's blocks and no one else's.
+M6. The tokens-per-minute limit holds: streams ask decode for their usage
+    (the usage chunk is dropped before a client that did not ask, every
+    other byte as it came), a request reserves its max_tokens at admission
+    and settles on its usage, clamped to what it could have produced."""
 
 import http.client
 import json
 import os
+import threading
 
 from pdharness.case import main
 from pdharness.client import RawClient, http_request
 from pdharness.ctl import tmpdir
 from pdharness.kvpub import Publisher
-from pdharness.mocks import HostMock, decode_handler, prefill_handler
+from pdharness.mocks import HostMock, Respond, Stream, decode_handler, prefill_handler
 from pdharness.net import HOST, free_port, wait_value
 from pdharness.prod import ProdCase
 from pdharness.prom import metric, prom
@@ -371,6 +376,111 @@ class SaltedIndexTest(ProdCase):
         self.assertEqual(len(got), 2)
         self.assertNotIn(salt, got)
         self.assertNotIn(None, got)
+
+
+def usage_decode(total=10, gate=None):
+    """A decode that answers like vLLM: a stream ends with a usage chunk
+    only when stream_options.include_usage asks for it; `gate` (an Event)
+    holds every answer until set."""
+    base = {"id": "cmpl-u", "object": "text_completion", "created": 1, "model": "m"}
+    usage = {"prompt_tokens": 4, "completion_tokens": 6, "total_tokens": total}
+
+    def h(req):
+        if gate is not None:
+            gate.wait(20)
+        doc = req.json()
+        if not doc.get("stream"):
+            body = dict(base, choices=[{"index": 0, "text": "ab", "finish_reason": "length"}],
+                        usage=usage)
+            return Respond(200, [("Content-Type", "application/json")], json.dumps(body))
+        return Stream(200, [("Content-Type", "text/event-stream")],
+                      [(0, c) for c in sse_answer(doc.get("stream_options") or {}, usage)])
+    return h
+
+
+def sse_answer(stream_options, usage):
+    base = {"id": "cmpl-u", "object": "text_completion", "created": 1, "model": "m"}
+    out = [b"data: " + json.dumps(dict(base, choices=[{"index": 0, "text": t,
+                                                       "finish_reason": None}])).encode() + b"\n\n"
+           for t in ("a", "b")]
+    if stream_options.get("include_usage"):
+        out.append(b"data: " + json.dumps(dict(base, choices=[], usage=usage)).encode() + b"\n\n")
+    return out + [b"data: [DONE]\n\n"]
+
+
+class TokenLimitTest(ProdCase):
+    """M6: streams without include_usage were never counted (20 of 20 passed
+    a limit of 30); concurrent requests each passed while the bucket was not
+    empty; one answer's total_tokens of 999999999999999999 locked a tenant
+    out (Retry-After: 9545387811)."""
+
+    def proxy(self, tpm, decode):
+        p = self.mock(prefill_handler(), "p")
+        self.D = self.mock(decode, "d")
+        return self.start([p], [self.D], ["--tenant", "alice:tpm=%d" % tpm,
+                                           "--tenant-keys", keyfile(self)])
+
+    def test_streams_are_counted_and_the_usage_chunk_dropped(self):
+        px = self.proxy(30, usage_decode(total=10))
+        want = b"".join(sse_answer({}, None))
+        codes = []
+        for i in range(20):
+            c = RawClient(px.port)
+            try:
+                c.request("POST", "/v1/completions", json.dumps(
+                    {"model": "m", "prompt": "x", "max_tokens": 2, "stream": True}),
+                    [("Authorization", "Bearer " + KEYS["alice"]),
+                     ("Content-Type", "application/json")])
+                r = c.read_response()
+            finally:
+                c.close()
+            codes.append(r.status)
+            if r.status == 200:
+                self.assertEqual(bytes(r.body), want, "stream %d, byte for byte" % i)
+        self.assertEqual(codes.count(200), 3, "30 tokens a minute, 10 an answer: %r" % codes)
+        so = self.D.requests[0].json()["stream_options"]
+        self.assertEqual(so, {"include_usage": True})
+        # A client that asks for the usage gets it, as decode sent it.
+        px2 = self.proxy(1000, usage_decode(total=10))
+        r = http_request(px2.port, "POST", "/v1/completions",
+                         {"model": "m", "prompt": "x", "max_tokens": 2, "stream": True,
+                          "stream_options": {"include_usage": True}}, auth("alice"))
+        usage = {"prompt_tokens": 4, "completion_tokens": 6, "total_tokens": 10}
+        self.assertEqual(r.body, b"".join(sse_answer({"include_usage": True}, usage)))
+
+    def test_concurrent_requests_reserve_their_max_tokens(self):
+        gate = threading.Event()
+        self.addCleanup(gate.set)
+        px = self.proxy(30, usage_decode(total=8, gate=gate))
+        results = []
+
+        def one(i):
+            r = http_request(px.port, "POST", "/v1/completions",
+                             {"model": "m", "prompt": "x", "max_tokens": 8}, auth("alice"),
+                             timeout=30)
+            results.append(r.status)
+            return r.status
+
+        threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(8)]
+        for t in threads:
+            t.start()
+        got = wait_value(lambda: len(results), lambda n: n >= 5, 10.0)
+        self.assertGreaterEqual(got, 5, "refusals come at once")
+        gate.set()
+        for t in threads:
+            t.join(30)
+        self.assertEqual(sorted(results), [200] * 3 + [429] * 5,
+                         "8 tokens reserved each against 30 a minute")
+
+    def test_wild_usage_is_clamped(self):
+        px = self.proxy(100000, usage_decode(total=999999999999999999))
+        body = {"model": "m", "prompt": "x", "max_tokens": 2}
+        self.assertEqual(http_request(px.port, "POST", "/v1/completions", body,
+                                      auth("alice")).status, 200)
+        r = http_request(px.port, "POST", "/v1/completions", body, auth("alice"))
+        self.assertEqual(r.status, 200, "locked out: %r %r" % (r.header("retry-after"), r.body))
+        left = int(r.header("x-ratelimit-remaining-tokens"))
+        self.assertGreater(left, 100000 - 3000)
 
 
 if __name__ == "__main__":
