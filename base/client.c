@@ -2,6 +2,7 @@
 #include "base/client.h"
 
 #include <errno.h>
+#include <stdatomic.h>
 #include <event2/buffer.h>
 #include <event2/event_struct.h> /* events embedded in a request: no allocation each */
 #include <linux/sockios.h>       /* SIOCOUTQ */
@@ -114,7 +115,16 @@ struct px_creq {
     int resent;
     size_t searched;
     int n_informational; /* 1xx heads skipped so far */
+    int early;           /* an answer began before the request was written whole */
 };
+
+/* Process-wide: answers that were not their request's (see client.h). */
+static atomic_ullong answers_mismatched, answers_early;
+
+void px_client_answer_counts(unsigned long long *mismatched, unsigned long long *early) {
+    *mismatched = atomic_load_explicit(&answers_mismatched, memory_order_relaxed);
+    *early = atomic_load_explicit(&answers_early, memory_order_relaxed);
+}
 
 static struct timeval tv_of(double s) {
     struct timeval tv = {(time_t)s, (suseconds_t)((s - (double)(time_t)s) * 1e6)};
@@ -263,7 +273,7 @@ static void finish(px_creq *q, px_cresult r, const char *why) {
     int sent = r == PX_CR_OK || request_sent(q);
     if (c) {
         c->q = NULL;
-        if (r == PX_CR_OK && q->keep_alive && !q->eof && !c->h->retired &&
+        if (r == PX_CR_OK && q->keep_alive && !q->eof && !c->h->retired && !q->early &&
             !evbuffer_get_length(c->in) && !evbuffer_get_length(c->out)) {
             to_idle(c);
         } else {
@@ -582,6 +592,12 @@ static int read_head(px_creq *q, struct evbuffer *in) {
     for (;;) {
         size_t len = evbuffer_get_length(in);
         if (!len) return 0;
+        if (!q->answering && !q->upload_done && !q->early) {
+            /* Answering what it has not read: another request's answer,
+             * or an engine out of step. This connection is not reused. */
+            q->early = 1;
+            atomic_fetch_add_explicit(&answers_early, 1, memory_order_relaxed);
+        }
         q->answering = 1;
         long end = px_http_head_end(in, MAX_RESP_HEAD, &q->searched);
         if (end < 0) {
@@ -618,6 +634,15 @@ static int read_head(px_creq *q, struct evbuffer *in) {
             }
             evbuffer_drain(in, hlen);
             continue;
+        }
+        if (q->o.expect_id) {
+            const px_http_header *x = px_http_find(h, "x-request-id");
+            size_t el = strlen(q->o.expect_id);
+            if (x && (x->value_len != el || memcmp(x->value, q->o.expect_id, el))) {
+                atomic_fetch_add_explicit(&answers_mismatched, 1, memory_order_relaxed);
+                fail(q, PX_CR_MISMATCH, "the answer names another request (X-Request-Id)");
+                return -1;
+            }
         }
         int st = h->status;
         if (q->o.head_request || st == 204 || st == 304) {

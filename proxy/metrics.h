@@ -92,6 +92,7 @@ typedef struct px_metrics {
     atomic_ullong stranded_released;
     atomic_ullong decisions[PX_DEC_COUNT];
     atomic_ullong fallbacks[PX_FB_COUNT];
+    atomic_ullong answers_foreign; /* prefill answers refused: another request's */
     atomic_ullong adm[PX_ADM_M_COUNT];
     px_hist queue_wait; /* seconds queued, of requests that left the queue */
     atomic_ullong tokenize[PX_TOK_COUNT]; /* exact prompt tokens, by result */

@@ -357,6 +357,7 @@ static int start_upstream(px_req *r, px_backend *b, const char *method, const ch
         .ca_file = cfg->upstream_ca,
         .insecure = cfg->upstream_insecure,
         .track_upload = body && cbs != NULL && b == r->db,
+        .request_id = r->id,
     };
     r->up = px_upstream_start(r->w->up, &q, cbs, r);
     px_buf_cleanup(&hd);
@@ -1119,6 +1120,16 @@ static void engine_error_message(const char *body, size_t n, char *out, size_t o
 static void prefill_done(void *arg, px_up_result rc, const char *errbuf, int connected) {
     px_req *r = arg;
     r->up = NULL; /* freed by the upstream module when this returns */
+    /* Another request's answer (an engine's late extra one): never its
+     * kv_transfer_params to decode; it ends as a broken answer (retried). */
+    if (rc == PX_UP_OK && r->pstatus >= 200 && r->pstatus < 300 &&
+        px_upstream_answer_foreign(r->pb, r->presp.data, r->presp.len, r->id)) {
+        px_m_inc(&r->w->metrics.answers_foreign);
+        rc = PX_UP_RESET;
+        errbuf = "the answer names another request (remote_request_id)";
+        PX_LOG(PX_LOG_WARN, "req=%s msg=\"prefill answered for another request: refused\" "
+               "prefill=%s", r->lid, r->pname);
+    }
     /* A full engine queue (admission.h) while the request may wait again:
      * the backend backs off, not counted as failed, and the request goes
      * back in the queue. Without a queue or time left, as before: a 503

@@ -76,6 +76,7 @@ typedef struct px_backend {
     /* kv_aware: prompt tokens of the requests routed here and not done. */
     atomic_long tokens;
     atomic_ullong outcomes[PX_OUT_COUNT]; /* upstream requests by outcome */
+    atomic_int echoes_id; /* its prefill answers' remote_request_id held the X-Request-Id sent */
     int check_busy;                       /* control thread only: a health check is in flight */
     int probe_busy; /* control thread only: a load probe (GET /metrics) is in flight */
 } px_backend;

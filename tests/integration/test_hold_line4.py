@@ -20,19 +20,25 @@ H4. Engines get a cache_salt per tenant (or per key): a client's own salt
 M6. The tokens-per-minute limit holds: streams ask decode for their usage
     (the usage chunk is dropped before a client that did not ask, every
     other byte as it came), a request reserves its max_tokens at admission
-    and settles on its usage, clamped to what it could have produced."""
+    and settles on its usage, clamped to what it could have produced.
+M7. A late extra answer never reaches the wrong request: an answer echoing
+    another X-Request-Id, or a prefill answer whose remote_request_id is
+    another request's, is refused and counted; a connection on which an
+    answer began before the request was written is not reused."""
 
 import http.client
 import json
 import os
+import socket
 import threading
+import time
 
 from pdharness.case import main
 from pdharness.client import RawClient, http_request
 from pdharness.ctl import tmpdir
 from pdharness.kvpub import Publisher
 from pdharness.mocks import HostMock, Respond, Stream, decode_handler, prefill_handler
-from pdharness.net import HOST, free_port, wait_value
+from pdharness.net import HOST, MAX_LOOP, Listener, free_port, wait_value
 from pdharness.prod import ProdCase
 from pdharness.prom import metric, prom
 from test_kv_events import BS, port_free_on, tokens
@@ -481,6 +487,161 @@ class TokenLimitTest(ProdCase):
         self.assertEqual(r.status, 200, "locked out: %r %r" % (r.header("retry-after"), r.body))
         left = int(r.header("x-ratelimit-remaining-tokens"))
         self.assertGreater(left, 100000 - 3000)
+
+
+class ExtraAnswerEngine(Listener):
+    """An engine that answers every request twice, the second time late: on
+    a reused connection the previous request's answer again comes first,
+    right after the next request arrived (the window HTTP/1.1 cannot tell
+    apart by itself). `role` "prefill": a completion whose
+    kv_transfer_params.remote_request_id holds the X-Request-Id (as vLLM's
+    does); "decode": a completion naming the request. `echo`: the answer's
+    head carries the X-Request-Id answered. `early`: the stray goes out as
+    soon as the next request's head is in, before its body is read."""
+
+    def __init__(self, role, echo=False, early=False):
+        super().__init__(name="extra-" + role)
+        self.role, self.echo, self.early = role, echo, early
+        self.seen = []
+        self.conns = 0
+        self.socks = []
+        self.start_accepting()
+
+    def close(self):
+        self.stop_accepting(join=0)
+        for c in self.socks:
+            try:
+                c.close()
+            except OSError:
+                pass
+
+    def answer(self, rid):
+        if self.role == "prefill":
+            doc = {"id": "cmpl-%s" % rid, "object": "text_completion", "model": "m",
+                   "choices": [{"index": 0, "text": "x", "finish_reason": "length"}],
+                   "kv_transfer_params": {"do_remote_prefill": True, "do_remote_decode": False,
+                                          "remote_block_ids": [1], "remote_engine_id": "e",
+                                          "remote_request_id": "cmpl-%s-0-1a2b3c4d" % rid,
+                                          "remote_host": "127.0.0.1", "remote_port": 1}}
+        else:
+            doc = {"id": "cmpl-%s" % rid, "object": "text_completion", "model": "m",
+                   "choices": [{"index": 0, "text": "answer-for:%s" % rid,
+                                "finish_reason": "stop"}]}
+        body = json.dumps(doc).encode()
+        head = "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n" % len(body)
+        if self.echo:
+            head += "X-Request-Id: %s\r\n" % rid
+        return head.encode() + b"\r\n" + body
+
+    def accepted(self, c):
+        self.conns += 1
+        self.socks.append(c)
+        threading.Thread(target=self.serve, args=(c,), daemon=True).start()
+
+    def serve(self, c):
+        try:
+            self.exchange(c)
+        except OSError:
+            pass  # pdproxy closed the connection: what it refused
+
+    def exchange(self, c):
+        buf, last = b"", None
+        c.settimeout(10)
+        for _ in range(MAX_LOOP):
+            while b"\r\n\r\n" not in buf:
+                try:
+                    data = c.recv(65536)
+                except OSError:
+                    return
+                if not data:
+                    return
+                buf += data
+            head, _, buf = buf.partition(b"\r\n\r\n")
+            fields = dict(l.split(b":", 1) for l in head.split(b"\r\n")[1:] if b":" in l)
+            fields = {k.strip().lower(): v.strip() for k, v in fields.items()}
+            rid = fields.get(b"x-request-id", b"").decode()
+            n = int(fields.get(b"content-length", b"0"))
+            if self.early and last is not None:
+                c.sendall(self.answer(last))  # before the body is read
+            while len(buf) < n:
+                data = c.recv(1 << 20)
+                if not data:
+                    return
+                buf += data
+            buf = buf[n:]
+            self.seen.append(rid)
+            if last is not None and not self.early:
+                c.sendall(self.answer(last))  # the late extra answer to the previous request
+                time.sleep(0.02)
+            c.sendall(self.answer(rid))
+            last = rid
+
+
+class ExtraAnswerTest(ProdCase):
+    """M7: with an engine that sends one answer too many, 241-293 of 320
+    clients got another request's answer and 247 of 320 decode requests
+    carried another request's kv_transfer_params."""
+
+    def engine(self, role, **kw):
+        e = ExtraAnswerEngine(role, **kw)
+        self.addCleanup(e.close)
+        return e
+
+    def test_prefill_answer_for_another_request_refused(self):
+        P = self.engine("prefill")
+        D = self.mock(decode_handler(), "d")
+        px = self.start([P.port], [D], threads=1)
+        codes = []
+        for i in range(8):
+            r = http_request(px.port, "POST", "/v1/completions",
+                             {"model": "m", "prompt": "x", "max_tokens": 2},
+                             {"X-Request-Id": "req-%d" % i})
+            codes.append(r.status)
+            if r.status != 200:  # every retry met a stale answer: refused, said so
+                self.assertErrorJson(r, 502, "req-%d" % i)
+                self.assertIn(b"another request", r.body)
+        self.assertIn(200, codes)
+        self.assertEqual(len(D.requests), codes.count(200))
+        for dr in D.requests:
+            rid = dr.header("x-request-id")
+            kv = dr.json()["kv_transfer_params"]
+            self.assertIn(rid + "-", kv["remote_request_id"],
+                          "decode of %s got another request's kv_transfer_params" % rid)
+        self.assertGreater(metric(prom(px.port), "pdproxy_upstream_answers_refused_total",
+                                  reason="remote_request_id"), 0)
+
+    def test_decode_answer_echoing_another_id_refused(self):
+        p = self.mock(prefill_handler(), "p")
+        D = self.engine("decode", echo=True)
+        px = self.start([p], [D.port], threads=1)
+        codes = []
+        for i in range(8):
+            rid = "req-%d" % i
+            r = http_request(px.port, "POST", "/v1/completions",
+                             {"model": "m", "prompt": "x", "max_tokens": 2}, {"X-Request-Id": rid})
+            codes.append(r.status)
+            if r.status == 200:
+                self.assertIn(b"answer-for:%s\"" % rid.encode(), r.body,
+                              "client %s got another request's answer" % rid)
+            else:
+                self.assertErrorJson(r, 502, rid)
+                self.assertIn(b"another request", r.body)
+        self.assertIn(200, codes)
+        self.assertGreater(metric(prom(px.port), "pdproxy_upstream_answers_refused_total",
+                                  reason="request_id"), 0)
+
+    def test_answer_before_the_request_was_written_ends_the_connection(self):
+        p = self.mock(prefill_handler(), "p")
+        D = self.engine("decode", early=True)
+        px = self.start([p], [D.port], threads=1)
+        big = "y" * (8 << 20)  # more than the socket buffers take at once
+        for i in range(3):
+            http_request(px.port, "POST", "/v1/completions",
+                         {"model": "m", "prompt": big if i == 1 else "x", "max_tokens": 2},
+                         {"X-Request-Id": "req-%d" % i}, timeout=30)
+        self.assertGreaterEqual(metric(prom(px.port), "pdproxy_upstream_early_answers_total"), 1)
+        # The third request did not go on the connection that answered early.
+        self.assertEqual(D.conns, 2)
 
 
 if __name__ == "__main__":
