@@ -115,7 +115,8 @@ struct px_creq {
     int resent;
     size_t searched;
     int n_informational; /* 1xx heads skipped so far */
-    int early;           /* an answer began before the request was written whole */
+    int early;           /* an answer began before the request was written whole, or the write
+                            side was shut: the connection is not reused */
 };
 
 /* Process-wide: answers that were not their request's (see client.h). */
@@ -857,6 +858,12 @@ int px_creq_abort_after_upload(px_creq *q) {
         evtimer_add(&q->acked_ev, &soon);
     }
     return 0;
+}
+
+int px_creq_shutdown_write(px_creq *q) {
+    if (!q->cn || !q->upload_done || q->cn->connecting) return -1;
+    q->early = 1; /* not reused: its other side is shut */
+    return shutdown(q->cn->fd, SHUT_WR) == 0 ? 0 : -1;
 }
 
 void px_creq_resume(px_creq *q) {

@@ -107,6 +107,13 @@ int px_creq_answering(const px_creq *q);
  * opts.track_upload): on_done follows with PX_CR_ABORTED. Returns 1 when that
  * has already happened (the caller may cancel at once). */
 int px_creq_abort_after_upload(px_creq *q);
+/* Tells the backend the request's client is gone while still reading its
+ * answer: the connection's write side is shut (the backend reads an end of
+ * stream, as when its client closes, and an engine aborts such a request),
+ * and the connection is not reused. An answer the backend had already sent
+ * still arrives. 0, or -1 when the request is not written whole yet (or no
+ * connection holds it). */
+int px_creq_shutdown_write(px_creq *q);
 /* Delivers again what a paused on_data left, and reads on. */
 void px_creq_resume(px_creq *q);
 /* Ends the exchange now: its connection is closed, not reused; on_done is

@@ -29,10 +29,11 @@
  * this is a broken engine, not a big request. */
 #define PREFILL_MAX_ANSWER (8 * 1024 * 1024)
 #define MAX_TRIES 16
-/* How long a prefill whose client left gets to answer before it is cut:
- * one that has not started answering has probably not published blocks
- * yet; one that has is let finish (so decode can release its blocks), but
- * not for longer than this, so a prefill stalled mid-answer is cut too. */
+/* How long a prefill whose client left gets to answer before it is told
+ * (on_grace_timer: its write side shut, its answer still read for
+ * PREFILL_ANSWER_GRACE_US); one that has started answering is let finish
+ * (so decode can release its blocks), but not for longer than the answer
+ * grace, so a prefill stalled mid-answer is cut too. */
 #define PREFILL_GRACE_US 50000
 #define PREFILL_ANSWER_GRACE_US 2000000
 
@@ -106,6 +107,7 @@ struct px_req {
     struct event *idle_timer;  /* owned: --decode-idle-timeout */
     uint64_t idle_since_ns;    /* the last byte (or start) the idle timer counts from */
     struct event *grace_timer; /* owned: a prefill whose client left may still answer */
+    int half_closed;           /* that prefill was told the client left; its answer is read */
     struct event free_ev;      /* frees the request on the loop turn after it finished */
     size_t bytes_out;
     int64_t held; /* bytes of the bodies above counted in the server's memory budget */
@@ -1943,9 +1945,23 @@ static void release_decode(px_req *r) {
     px_upstream_set_cbs(r->up, &release_tbl.up);
 }
 
-/* Prefill did not answer in its grace. */
+/* Prefill did not answer in its grace. It may still have published: an
+ * engine publishes just before its answer leaves, and the answer may be on
+ * its way (a loaded proxy, a slow network). Cutting the connection then
+ * strands the blocks until they expire. So the prefill is told the client
+ * left (its connection's write side shut: an engine aborts a request whose
+ * client closed, and one that has not published never will) and its
+ * answer is still read for PREFILL_ANSWER_GRACE_US: one that comes is
+ * released through decode. Where that cannot be done (https), it is cut. */
 static void on_grace_timer(evutil_socket_t fd, short what, void *arg) {
-    req_abandon(arg);
+    px_req *r = arg;
+    if (!r->half_closed && r->up && px_upstream_half_close(r->up) == 0) {
+        r->half_closed = 1;
+        struct timeval tv = {PREFILL_ANSWER_GRACE_US / 1000000, PREFILL_ANSWER_GRACE_US % 1000000};
+        evtimer_add(r->grace_timer, &tv);
+        return;
+    }
+    req_abandon(r);
 }
 
 static void release_prefill_done(void *arg, px_up_result rc, const char *errbuf, int connected) {

@@ -589,6 +589,10 @@ int px_upstream_answering(px_upstream *u) {
     return poll(&pfd, 1, 0) == 1 && (pfd.revents & POLLIN);
 }
 
+int px_upstream_half_close(px_upstream *u) {
+    return u->q ? px_creq_shutdown_write(u->q) : -1;
+}
+
 int px_upstream_abort_after_upload(px_upstream *u) {
     if (u->q) return px_creq_abort_after_upload(u->q);
     u->abort_after_upload = 1;

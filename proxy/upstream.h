@@ -99,6 +99,11 @@ int px_upstream_answering(px_upstream *u);
  * has been handed to the connection (needs opts.track_upload). Returns 1
  * when that has already happened: the caller may cancel at once. */
 int px_upstream_abort_after_upload(px_upstream *u);
+/* The request's client left: the backend is told (its connection's write
+ * side shut, base/client.h px_creq_shutdown_write) while its answer is
+ * still read. 0, or -1 when that cannot be done (https, or the request not
+ * written whole): the caller cancels instead. */
+int px_upstream_half_close(px_upstream *u);
 
 /* From inside on_headers only: copies the value of the answer's header
  * `name` (case-insensitive) into out (cap bytes, NUL-terminated, cut to

@@ -13,7 +13,8 @@ from pdharness.case import PxTestCase, main
 from pdharness.client import RawClient, http_request, raw_exchange, strict_json
 from pdharness.mocks import (Hang, Respond, Stream, chat_body, completion_body, decode_handler,
                              prefill_handler, sse_events)
-from pdharness.net import wait_until
+from pdharness.net import wait_until, wait_value
+from pdharness.prom import metric, prom
 
 
 def echo_decode(req):
@@ -476,8 +477,11 @@ class CancelPrefillTest(PxTestCase):
         self._cancel_during_p(rst=True)
 
     def test_no_decode_after_client_left(self):
-        # P answers 0.4 s later whatever happens (if pdproxy still listens):
-        # D must not be called for a client that is gone.
+        # P answers 0.4 s later whatever happens: pdproxy told it the client
+        # left (its write side shut at the grace's end) but still reads, so
+        # an answer means P published blocks (issue 41: cutting here
+        # stranded them). D is then given the request only to release them:
+        # sent, aborted, counted; nobody's answer is read.
         def slow_p(req):
             time.sleep(0.4)
             return prefill_handler()(req)
@@ -488,8 +492,15 @@ class CancelPrefillTest(PxTestCase):
         c.request("POST", "/v1/completions", completion_body())
         self.assertEqual(len(self.P.wait_requests(1, timeout=5)), 1)
         c.close()
-        time.sleep(0.8)
-        self.assertEqual(self.D.requests, [], "D called for a client that had left")
+        self.assertIsNotNone(self.P.requests[0].conn.wait_closed(1.0),
+                             "P not told that the client left")
+        released = wait_value(lambda: metric(prom(px.port),
+                                             "pdproxy_stranded_blocks_released_total"),
+                              lambda v: v == 1, 3.0)
+        self.assertEqual(released, 1, "P's late answer not released through D")
+        self.assertEqual(len(self.D.requests), 1)
+        self.assertIsNotNone(self.D.requests[0].conn.wait_closed(2.0),
+                             "the release's D request was not aborted")
 
 
 if __name__ == "__main__":
