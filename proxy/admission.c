@@ -106,29 +106,77 @@ void px_admq_remove(px_admq *q, px_adm_item *it) {
     q->bytes -= it->bytes;
 }
 
-px_adm_item *px_admq_pop(px_admq *q, int (*ok)(void *arg, px_adm_item *it), void *arg) {
-    for (int ci = 0; ci < PX_ADM_CLASSES && q->n; ci++) {
-        px_adm_class *c = &q->cls[ci];
-        /* Each active flow is looked at once at most. */
-        for (size_t i = 0, n = c->nactive; i < n; i++) {
-            px_adm_flow *f = c->ahead;
-            if (!f->credit) {
-                /* A reload may change a weight meanwhile (px_adm_reconfigure). */
-                uint32_t w =
-                    q->weights ? __atomic_load_n(&q->weights[f - c->flows], __ATOMIC_RELAXED) : 1;
-                f->credit = w ? w : 1;
-            }
-            px_adm_item *it = f->head;
-            if (ok && !ok(arg, it)) {
-                rotate(c); /* keeps its credit for its next turn */
-                continue;
-            }
-            f->credit--;
-            int spent = f->credit == 0;
-            px_admq_remove(q, it); /* deactivates f when it empties */
-            if (f->active && spent) rotate(c);
-            return it;
+/* The next item of class ci that ok accepts (DRR between its tenants). */
+static px_adm_item *pop_class(px_admq *q, int ci, int (*ok)(void *arg, px_adm_item *it),
+                              void *arg) {
+    px_adm_class *c = &q->cls[ci];
+    /* Each active flow is looked at once at most. */
+    for (size_t i = 0, n = c->nactive; i < n; i++) {
+        px_adm_flow *f = c->ahead;
+        if (!f->credit) {
+            /* A reload may change a weight meanwhile (px_adm_reconfigure). */
+            uint32_t w =
+                q->weights ? __atomic_load_n(&q->weights[f - c->flows], __ATOMIC_RELAXED) : 1;
+            f->credit = w ? w : 1;
         }
+        px_adm_item *it = f->head;
+        if (ok && !ok(arg, it)) {
+            rotate(c); /* keeps its credit for its next turn */
+            continue;
+        }
+        f->credit--;
+        int spent = f->credit == 0;
+        px_admq_remove(q, it); /* deactivates f when it empties */
+        if (f->active && spent) rotate(c);
+        return it;
+    }
+    return NULL;
+}
+
+void px_admq_set_shares(px_admq *q, const px_prio_map *m) {
+    int on = m && m->n && m->c[0].share;
+    for (int ci = 0; ci < PX_ADM_CLASSES; ci++) {
+        uint32_t sh = on && (size_t)ci < m->n ? m->c[ci].share : 0;
+        if (sh != q->share[ci]) q->ccredit[ci] = sh;
+        q->share[ci] = sh;
+    }
+    q->shares = on;
+}
+
+px_adm_item *px_admq_pop(px_admq *q, int (*ok)(void *arg, px_adm_item *it), void *arg) {
+    if (!q->shares) { /* strict order */
+        for (int ci = 0; ci < PX_ADM_CLASSES && q->n; ci++) {
+            px_adm_item *it = q->cls[ci].n ? pop_class(q, ci, ok, arg) : NULL;
+            if (it) return it;
+        }
+        return NULL;
+    }
+    /* Shares: classes in order, each while it has credit in this round;
+     * a new round when every class with requests has spent its credit (a
+     * class whose requests wait for their pool keeps its credit). */
+    for (int round = 0; round < 2 && q->n; round++) {
+        int waiting = 0;
+        for (int ci = 0; ci < PX_ADM_CLASSES; ci++) {
+            if (!q->cls[ci].n || !q->ccredit[ci]) continue;
+            px_adm_item *it = pop_class(q, ci, ok, arg);
+            if (it) {
+                q->ccredit[ci]--;
+                return it;
+            }
+            waiting = 1;
+        }
+        if (waiting) {
+            /* Work conserving: a class out of credit may still use a pool
+             * the waiting ones cannot. */
+            for (int ci = 0; ci < PX_ADM_CLASSES; ci++) {
+                px_adm_item *it = q->cls[ci].n && !q->ccredit[ci] ? pop_class(q, ci, ok, arg)
+                                                                   : NULL;
+                if (it) return it;
+            }
+            return NULL;
+        }
+        for (int ci = 0; ci < PX_ADM_CLASSES; ci++)
+            q->ccredit[ci] = q->share[ci];
     }
     return NULL;
 }
@@ -418,6 +466,7 @@ static void dispatch(px_adm_worker *a) {
         return;
     }
     a->dispatching = 1;
+    px_admq_set_shares(&a->q, px_adm_classes(a->w->ctx));
     do {
         a->again = 0;
         px_adm_item *it;
@@ -449,25 +498,32 @@ static void on_deadline(evutil_socket_t fd, short what, void *arg) {
 }
 
 /* The request's priority class: the header (a number or a class's name),
- * else the body's "priority", through the --priority-class map. */
-static int class_of(px_ctx *c, const px_http_head *h, const char *body, size_t blen) {
+ * else the body's "priority" (else vLLM's default, 0), through the
+ * --priority-class map; never better than its tenant's floor= (a claim of
+ * a better priority is served at the floor: who may claim which class is
+ * the tenant's configuration, not the client's word). */
+static int class_of(px_ctx *c, const px_tenant *t, const px_http_head *h, const char *body,
+                    size_t blen) {
     const px_config *cfg = c->cfg;
     const px_prio_map *m = px_adm_classes(c);
     const px_http_header *ph = cfg->priority_header[0] ? px_http_find(h, cfg->priority_header)
                                                        : NULL;
-    long long v;
-    if (ph && ph->value_len) {
-        if (px_prio_number(ph->value, ph->value + ph->value_len, &v) == 0)
-            return px_prio_map_class(m, v);
-        int k = px_prio_map_named(m, ph->value, ph->value_len);
-        if (k >= 0) return k;
-    }
+    long long v = 0;
+    int k = -1;
     px_json_member jm;
-    if (body && px_json_find(body, blen, "priority", &jm) && jm.type == PX_JSON_NUMBER &&
-        px_prio_number(jm.val, jm.val + jm.val_len, &v) == 0)
-        return px_prio_map_class(m, v);
-    /* No priority: vLLM's default, 0. */
-    return px_prio_map_class(m, 0);
+    if (ph && ph->value_len && px_prio_number(ph->value, ph->value + ph->value_len, &v) == 0)
+        k = -2; /* a number */
+    else if (ph && ph->value_len && (k = px_prio_map_named(m, ph->value, ph->value_len)) >= 0)
+        v = m->c[k].lo;
+    if (k == -1 && !(body && px_json_find(body, blen, "priority", &jm) &&
+                     jm.type == PX_JSON_NUMBER &&
+                     px_prio_number(jm.val, jm.val + jm.val_len, &v) == 0))
+        v = 0;
+    if (atomic_load_explicit(&t->has_floor, memory_order_relaxed)) {
+        long long fl = atomic_load_explicit(&t->floor, memory_order_relaxed);
+        if (v < fl) return px_prio_map_class(m, fl);
+    }
+    return k >= 0 ? k : px_prio_map_class(m, v);
 }
 
 int px_adm_set_classes(px_ctx *c, char *const *specs, size_t n, char *err, size_t errlen) {
@@ -642,7 +698,7 @@ px_adm_verdict px_adm_enter(px_wctx *w, px_adm_req *a, px_pset *ps, const px_htt
         }
         saturated = 1; /* another worker took the last slot meanwhile */
     }
-    a->it.cls = class_of(c, h, body, blen);
+    a->it.cls = class_of(c, t, h, body, blen);
     a->it.tenant = a->tenant;
     a->it.bytes = blen;
     if (!cfg->queue_max || limit <= 0 || px_admq_push(&w->adm->q, &a->it) < 0) {

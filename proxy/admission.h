@@ -17,7 +17,10 @@
  * bytes are per worker: --queue-max / threads each (at least 1).
  *
  * Order: the lowest class first (priority 0 before 1, as vLLM serves a
- * lower `priority` first); inside a class, deficit round robin between
+ * lower `priority` first), or, when --priority-class gives every class a
+ * share, rounds in which each class is served up to its share (no class
+ * starves); a request's class is never better than its tenant's floor=
+ * allows (the client's claim alone decides nothing); inside a class, deficit round robin between
  * tenants with a cost of one request and a quantum of the tenant's weight:
  * a tenant of weight w is dispatched up to w requests in a row, then the
  * next tenant with requests waiting. Unit cost, because a request's real
@@ -66,6 +69,10 @@ typedef struct px_admq {
     size_t n, bytes;          /* queued now */
     size_t max_n, max_bytes;  /* bounds; max_bytes 0: none */
     uint64_t pushed, dropped; /* counters for tests and metrics */
+    /* --priority-class shares (px_admq_set_shares); all 0: strict order. */
+    int shares;
+    uint32_t share[PX_ADM_CLASSES];
+    uint32_t ccredit[PX_ADM_CLASSES]; /* what each class has left of this round */
 } px_admq;
 
 
@@ -79,9 +86,12 @@ int px_admq_push(px_admq *q, px_adm_item *it);
 /* Takes a queued item out (its client left, its deadline passed). A no-op
  * when it is not queued. */
 void px_admq_remove(px_admq *q, px_adm_item *it);
+/* The classes' shares of the map m (NULL or no shares: strict order). */
+void px_admq_set_shares(px_admq *q, const px_prio_map *m);
 /* The next item to dispatch among those `ok` accepts (ok NULL: all):
- * classes in order, tenants by DRR, each tenant's oldest first; a tenant
- * whose oldest is not accepted is passed over this time. NULL when none. */
+ * classes in order (strictly, or by their shares in rounds), tenants by
+ * DRR, each tenant's oldest first; a tenant whose oldest is not accepted
+ * is passed over this time. NULL when none. */
 px_adm_item *px_admq_pop(px_admq *q, int (*ok)(void *arg, px_adm_item *it), void *arg);
 
 

@@ -350,12 +350,14 @@ static const opt opts[] = {
      NULL, AT_START},
     {"priority-class", NULL, CT_WORDS, OFF(priority_classes), "", 0, 0,
      "priority classes in the order served, each NAME:LO..HI (or NAME:P), the priority values "
-     "it takes; a value in none goes to the last class, a header may name a class (none: "
-     "classes 0..15 are the priority itself, clamped)",
+     "it takes, and :share=N on every class to serve them by shares (N requests a round, so "
+     "none starves) instead of strictly in order; a value in none goes to the last class, a "
+     "header may name a class (none: classes 0..15 are the priority itself, clamped)",
      NULL, RELOADS},
     {"tenant", NULL, CT_WORDS, OFF(tenants), "", 0, 0,
-     "tenants, each NAME[:weight=W][:rpm=N][:tpm=N]: W its share of dispatch out of the queue "
-     "(1), N its requests or tokens per minute (0: no limit; 429 with x-ratelimit-* beyond); "
+     "tenants, each NAME[:weight=W][:rpm=N][:tpm=N][:floor=P]: W its share of dispatch out of "
+     "the queue (1), N its requests or tokens per minute (0: no limit; 429 with x-ratelimit-* "
+     "beyond), P the best priority it may claim (a better claim is served as P); "
      "NAME default sets the default tenant's (callers no key or gateway names); a reload or "
      "POST /admin/admission changes, adds and removes tenants at once, queued requests kept",
      NULL, RELOADS},

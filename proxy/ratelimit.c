@@ -1,6 +1,7 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 #include "proxy/ratelimit.h"
 
+#include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -91,9 +92,24 @@ static int parse_one(const char *spec, px_tenant *t, char *err, size_t errlen) {
         return -1;
     }
     uint64_t weight = 1, rpm = 0, tpm = 0;
+    long long floor = 0;
+    int has_floor = 0;
+    uint64_t seen = 0;
     for (char *kv = strtok_r(NULL, ":", &save); kv; kv = strtok_r(NULL, ":", &save)) {
         char *eq = strchr(kv, '=');
         uint64_t *dst = NULL, max = 0;
+        if (eq && (size_t)(eq - kv) == 5 && !strncmp(kv, "floor", 5)) {
+            char *end;
+            errno = 0;
+            floor = strtoll(eq + 1, &end, 10);
+            if (!eq[1] || *end || errno || has_floor) {
+                snprintf(err, errlen, "--tenant '%s': '%s' is not an integer priority%s", spec,
+                         kv, has_floor ? " (given twice)" : "");
+                return -1;
+            }
+            has_floor = 1;
+            continue;
+        }
         if (eq && (size_t)(eq - kv) == 6 && !strncmp(kv, "weight", 6))
             dst = &weight, max = 1000;
         else if (eq && (size_t)(eq - kv) == 3 && !strncmp(kv, "rpm", 3))
@@ -101,10 +117,17 @@ static int parse_one(const char *spec, px_tenant *t, char *err, size_t errlen) {
         else if (eq && (size_t)(eq - kv) == 3 && !strncmp(kv, "tpm", 3))
             dst = &tpm, max = 1000000000000ULL;
         if (!dst) {
-            snprintf(err, errlen, "--tenant '%s': unknown setting '%s' (weight=, rpm=, tpm=)",
-                     spec, kv);
+            snprintf(err, errlen,
+                     "--tenant '%s': unknown setting '%s' (weight=, rpm=, tpm=, floor=)", spec, kv);
             return -1;
         }
+        uint64_t bit = dst == &weight ? 1 : dst == &rpm ? 2 : 4;
+        if (seen & bit) {
+            snprintf(err, errlen, "--tenant '%s': '%.*s' is given twice", spec,
+                     (int)(eq - kv), kv);
+            return -1;
+        }
+        seen |= bit;
         if (parse_u64(eq + 1, max, dst) < 0 || (dst == &weight && weight == 0)) {
             snprintf(err, errlen, "--tenant '%s': '%s' is not an integer in %d..%llu", spec, kv,
                      dst == &weight ? 1 : 0, (unsigned long long)max);
@@ -114,6 +137,8 @@ static int parse_one(const char *spec, px_tenant *t, char *err, size_t errlen) {
     t->name = px_xstrdup(name);
     t->weight = (uint32_t)weight;
     t->live = 1;
+    atomic_init(&t->floor, floor);
+    atomic_init(&t->has_floor, has_floor);
     px_bucket_init(&t->rpm, rpm);
     px_bucket_init(&t->tpm, tpm);
     return 0;
@@ -169,6 +194,8 @@ int px_tenants_parse(char *const *specs, size_t n, px_tenants *t, char *err, siz
     v[m].name = px_xstrdup("");
     v[m].weight = has_def ? def.weight : 1;
     v[m].live = 1;
+    atomic_init(&v[m].floor, has_def ? atomic_load(&def.floor) : 0);
+    atomic_init(&v[m].has_floor, has_def ? atomic_load(&def.has_floor) : 0);
     px_bucket_init(&v[m].rpm, has_def ? atomic_load(&def.rpm.limit) : 0);
     px_bucket_init(&v[m].tpm, has_def ? atomic_load(&def.tpm.limit) : 0);
     t->v = v;
@@ -194,6 +221,8 @@ static void copy_settings(px_tenant *dst, const px_tenant *src) {
     px_bucket_set(&dst->rpm, atomic_load(&src->rpm.limit));
     px_bucket_set(&dst->tpm, atomic_load(&src->tpm.limit));
     atomic_store(&dst->weight, atomic_load(&src->weight));
+    atomic_store(&dst->floor, atomic_load(&src->floor));
+    atomic_store(&dst->has_floor, atomic_load(&src->has_floor));
 }
 
 void px_tenants_reserve(px_tenants *t, size_t cap) {
@@ -254,6 +283,8 @@ int px_tenants_apply(px_tenants *t, const px_tenants *nt, uint32_t *weights, siz
             px_bucket_set(&d->rpm, 0);
             px_bucket_set(&d->tpm, 0);
             atomic_store(&d->weight, 1);
+            atomic_store(&d->floor, atomic_load(&nt->v[nt->cap].floor));
+            atomic_store(&d->has_floor, atomic_load(&nt->v[nt->cap].has_floor));
         }
         __atomic_store_n(&weights[i], atomic_load(&d->weight), __ATOMIC_RELAXED);
     }

@@ -50,6 +50,10 @@ typedef struct px_tenant {
     _Atomic int live;        /* requests naming it find it; 0: removed at run time */
     px_bucket rpm;
     px_bucket tpm;
+    /* floor=P: the best (lowest) priority its requests may claim; a claim
+     * of a better one is served as P. has_floor 0: any. */
+    _Atomic long long floor;
+    _Atomic int has_floor;
 } px_tenant;
 
 /* The tenants, shared by all workers: a table of `cap` slots and the
@@ -76,7 +80,8 @@ static inline size_t px_tenants_default(const px_tenants *t) {
     return t->cap;
 }
 
-/* Parses the n --tenant specs "NAME[:weight=W][:rpm=N][:tpm=N]"; the spec
+/* Parses the n --tenant specs "NAME[:weight=W][:rpm=N][:tpm=N][:floor=P]"
+ * (each setting once); the spec
  * named "default" sets the default tenant's weight and limits. 0, or -1
  * with err naming the spec and what is wrong (t untouched). */
 int px_tenants_parse(char *const *specs, size_t n, px_tenants *t, char *err, size_t errlen);

@@ -21,6 +21,9 @@ M6. The tokens-per-minute limit holds: streams ask decode for their usage
     (the usage chunk is dropped before a client that did not ask, every
     other byte as it came), a request reserves its max_tokens at admission
     and settles on its usage, clamped to what it could have produced.
+M5. Who may claim which priority class is the tenant's configuration
+    (floor=P); classes may get shares instead of strict order, so a lower
+    class is never starved.
 M7. A late extra answer never reaches the wrong request: an answer echoing
     another X-Request-Id, or a prefill answer whose remote_request_id is
     another request's, is refused and counted; a connection on which an
@@ -642,6 +645,51 @@ class ExtraAnswerTest(ProdCase):
         self.assertGreaterEqual(metric(prom(px.port), "pdproxy_upstream_early_answers_total"), 1)
         # The third request did not go on the connection that answered early.
         self.assertEqual(D.conns, 2)
+
+
+from test_admission import AdmissionCase, request_ids  # noqa: E402
+
+
+class PriorityClaimTest(AdmissionCase):
+    """M5: with --priority-class "premium:-100..-1 standard:0..100", any
+    client could claim premium (six loops got 65 answers while a weight-10
+    tenant timed out in the queue on 3 of 4 requests)."""
+
+    def test_claims_are_held_to_the_tenants_floor(self):
+        px = self.proxy(["--queue-max", "16", "--priority-class",
+                         "premium:-100..-1 standard:0..100", "--tenant-keys", keyfile(self),
+                         "--tenant", "alice:floor=-100 default:floor=0"])
+        self.block(px)
+        for i in range(3):  # callers without a key claim premium first
+            self.queue(px, "anon-%d" % i, {"x-priority": "premium"})
+        self.queue(px, "alice", auth("alice", **{"x-priority": "premium"}))
+        self.queue(px, "anon-num", {"x-priority": "-50"})
+        self.finish()
+        order = request_ids(self.D)[1:]
+        self.assertEqual(order[0], "alice", "only alice may claim premium: %r" % order)
+        self.assertEqual(sorted(order[1:]), ["anon-0", "anon-1", "anon-2", "anon-num"])
+
+    def test_class_shares_starve_no_class(self):
+        px = self.proxy(["--queue-max", "32", "--priority-class",
+                         "premium:-100..-1:share=3 standard:0..100:share=1"])
+        self.block(px)
+        for i in range(8):
+            self.queue(px, "prem-%d" % i, {"x-priority": "premium"})
+        for i in range(3):
+            self.queue(px, "std-%d" % i, {"x-priority": "standard"})
+        self.finish()
+        order = request_ids(self.D)[1:]
+        self.assertEqual(len(order), 11)
+        # Rounds of three premium and one standard, not eight premium first.
+        self.assertEqual([o[:3] for o in order[:8]],
+                         ["pre"] * 3 + ["std"] + ["pre"] * 3 + ["std"], order)
+
+    def test_shares_on_every_class_or_none(self):
+        from pdharness.procs import run_pdproxy
+        p = run_pdproxy(["--decode", "http://127.0.0.1:9", "--priority-class",
+                         "a:0:share=2 b:1"])
+        self.assertEqual(p.returncode, 2, p.stderr)
+        self.assertIn("share=", p.stderr)
 
 
 if __name__ == "__main__":
