@@ -710,6 +710,13 @@ px_adm_verdict px_adm_enter(px_wctx *w, px_adm_req *a, px_pset *ps, const px_htt
         }
         *status = 429;
         snprintf(extra, extra_cap, "Retry-After: 1\r\n");
+        if (limit <= 0) {
+            /* x-queue-timeout: 0 asks not to wait: no queue is full. */
+            snprintf(msg, msg_cap, "the pool is saturated and the request asked not to wait "
+                     "(x-queue-timeout: 0); retry later");
+            px_m_inc(&w->metrics.adm[PX_ADM_M_NO_WAIT]);
+            return PX_ADM_REFUSED;
+        }
         if (!cfg->queue_max)
             snprintf(msg, msg_cap, "the pool is saturated and no admission queue is configured "
                      "(--queue-max 0); retry later");

@@ -432,6 +432,8 @@ typedef struct sub {
     int have_seq, replaying, seen, was_healthy;
     uint64_t next; /* the sequence expected */
     unsigned long long batches, events, malformed, gaps, replays, replay_fail, resets;
+    uint64_t malformed_log_ns;        /* when the last malformed batch was logged */
+    unsigned long long malformed_quiet; /* malformed batches not logged since */
     struct sub *nx;
 } sub;
 
@@ -478,8 +480,19 @@ static void apply(sub *s, const void *p, size_t n) {
     if (ev < 0 || bad) {
         s->malformed++;
         atomic_fetch_add(&s->k->ctx->kvc.malformed, 1);
-        PX_LOG(PX_LOG_WARN, "msg=\"kv events: malformed batch\" backend=%s bad_events=%zu error=%s",
-               s->name, bad, ev < 0 ? err : "-");
+        /* One line a second at most per backend: a publisher sending
+         * garbage fast must not fill the log (the counter has them all). */
+        uint64_t now = px_now_ns();
+        if (s->malformed_log_ns && now - s->malformed_log_ns < 1000000000ull) {
+            s->malformed_quiet++;
+        } else {
+            PX_LOG(PX_LOG_WARN,
+                   "msg=\"kv events: malformed batch\" backend=%s bad_events=%zu error=%s "
+                   "not_logged_since=%llu",
+                   s->name, bad, ev < 0 ? err : "-", s->malformed_quiet);
+            s->malformed_log_ns = now;
+            s->malformed_quiet = 0;
+        }
     }
     if (ev > 0) {
         s->events += (unsigned)ev;

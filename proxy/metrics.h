@@ -65,6 +65,7 @@ typedef enum {
     PX_ADM_M_WOKEN,        /* woken by another worker that freed a pool slot */
     PX_ADM_M_REQUEUED,     /* an engine answered 429/503: queued again, not failed */
     PX_ADM_M_TENANT_REFUSED, /* 403: a tenant header from a peer that is no trusted gateway */
+    PX_ADM_M_NO_WAIT,      /* 429: saturated, and x-queue-timeout: 0 asked not to wait */
     PX_ADM_M_COUNT
 } px_adm_event;
 

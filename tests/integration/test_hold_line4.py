@@ -24,6 +24,10 @@ M6. The tokens-per-minute limit holds: streams ask decode for their usage
 M5. Who may claim which priority class is the tenant's configuration
     (floor=P); classes may get shares instead of strict order, so a lower
     class is never starved.
+L.  Malformed KV-event batches are logged at most once a second;
+    x-queue-timeout: 0 means "do not wait", not "the queue is full"; the
+    admin admission API refuses "a\\u0000b" and repeated settings, and says
+    which member is wrong.
 M7. A late extra answer never reaches the wrong request: an answer echoing
     another X-Request-Id, or a prefill answer whose remote_request_id is
     another request's, is refused and counted; a connection on which an
@@ -647,7 +651,7 @@ class ExtraAnswerTest(ProdCase):
         self.assertEqual(D.conns, 2)
 
 
-from test_admission import AdmissionCase, request_ids  # noqa: E402
+from test_admission import AdmissionCase, adm, request_ids  # noqa: E402
 
 
 class PriorityClaimTest(AdmissionCase):
@@ -690,6 +694,62 @@ class PriorityClaimTest(AdmissionCase):
                          "a:0:share=2 b:1"])
         self.assertEqual(p.returncode, 2, p.stderr)
         self.assertIn("share=", p.stderr)
+
+
+class LowItemsTest(AdmissionCase):
+    def test_malformed_kv_batches_logged_at_a_rate(self):
+        hosts = ("127.0.0.2",)
+        for _ in range(20):
+            kvport = free_port()
+            if port_free_on(hosts, kvport):
+                break
+        pub = Publisher(hosts[0], kvport)
+        self.addCleanup(pub.close)
+        px = self.start(args=["--decode", "http://127.0.0.2:%d" % free_port(),
+                              "--kv-events-port", str(kvport)])
+        pub.wait_subscriber()
+        n = 3000
+        for i in range(n):
+            pub.send_raw([b"t", i.to_bytes(8, "big"), b"\xc1garbage"])
+        got = wait_value(lambda: metric(prom(px.port), "pdproxy_kv_events_malformed_total"),
+                         lambda v: v == n, 20.0)
+        self.assertEqual(got, n)
+        lines = [l for l in px.stderr().splitlines() if "malformed batch" in l]
+        self.assertLessEqual(len(lines), 25, "one line a second at most")
+        self.assertGreaterEqual(len(lines), 1)
+
+    def test_queue_timeout_zero_does_not_wait(self):
+        px = self.proxy(["--queue-max", "8"])
+        self.block(px)  # the pool's only slot is taken: saturated
+        r = self.post(px, headers={"x-queue-timeout": "0"})
+        self.assertErrorJson(r, 429, "saturated, asked not to wait")
+        self.assertIn(b"asked not to wait", r.body)
+        self.assertNotIn(b"queue is full", r.body)
+        self.assertEqual(adm(px, "no_wait"), 1)
+        self.assertEqual(adm(px, "queue_full"), 0)
+        self.finish()
+        r = self.post(px, headers={"x-queue-timeout": "0"})
+        self.assertEqual(r.status, 200, "a pool with room serves it at once")
+
+    def test_admin_admission_refuses_what_it_cannot_take_whole(self):
+        from pdharness.ctl import admin, token_file
+        d = tmpdir(self)
+        tokpath, token = token_file(self, d)
+        aport = free_port()
+        self.gate.set()
+        px = self.proxy(["--tenant", "x", "--admin-port", str(aport), "--admin-token-file",
+                         tokpath])
+        cases = [({"tenants": "a\u0000b"}, "tenants"),
+                 ({"tenants": "a:rpm=1:rpm=5"}, "twice"),
+                 ({"pool_max_inflight": "x"}, "pool_max_inflight"),
+                 ({"pool_max_inflight": -1}, "pool_max_inflight"),
+                 ({"priority_classes": "p\u0000q:1"}, "priority_classes")]
+        for body, word in cases:
+            st, doc = admin(aport, "POST", "/admin/admission", body, token=token)
+            self.assertEqual(st, 400, "%r: %r" % (body, doc))
+            self.assertIn(word, doc["error"]["message"], body)
+        st, doc = admin(aport, "GET", "/admin/admission", token=token)
+        self.assertEqual([t["name"] for t in doc["tenants"]], ["x", "(default)"])
 
 
 if __name__ == "__main__":
