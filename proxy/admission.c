@@ -560,7 +560,8 @@ static int identify(px_ctx *c, px_adm_req *a, const px_http_head *h, char *tname
     const px_http_header *th = cfg->tenant_header[0] && cfg->tenant_header_from.n
                                    ? px_http_find(h, cfg->tenant_header)
                                    : NULL;
-    if (th && !px_cidr_list_match(&cfg->tenant_header_from, a->peer ? a->peer : "")) {
+    if (th && !px_cidr_list_match(cfg->tenant_header_from.v, cfg->tenant_header_from.n,
+                                   a->peer ? a->peer : "")) {
         snprintf(msg, cap, "the %s header is accepted from the trusted gateways only "
                  "(--tenant-header-from): a caller's tenant comes from its API key",
                  cfg->tenant_header);
@@ -594,7 +595,9 @@ static void make_salt(px_ctx *c, px_adm_req *a, const char *tname, const char *b
     const char *own = NULL;
     size_t on = 0;
     int has_own = own_salt(body, blen, &own, &on);
-    px_salt_mode mode = px_salt_mode_of(c->cfg);
+    const px_config *cfg = c->cfg;
+    px_salt_mode mode = px_salt_mode_of(cfg->cache_salt, (cfg->tenant_keys && cfg->tenant_keys[0]) ||
+                                                             cfg->tenant_header_from.n);
     a->salt_own = mode == PX_SALT_OFF;
     a->salt[0] = 0;
     a->salt_key = 0;

@@ -168,7 +168,7 @@ int px_cidr_check(const char *spec, char *err, size_t errlen) {
     return -1;
 }
 
-int px_cidr_list_match(const px_strlist *l, const char *addr) {
+int px_cidr_list_match(char *const *items, size_t nitems, const char *addr) {
     unsigned char h[16];
     int hfam;
     const char *mapped = !strncasecmp(addr, "::ffff:", 7) && strchr(addr + 7, '.') ? addr + 7
@@ -179,10 +179,10 @@ int px_cidr_list_match(const px_strlist *l, const char *addr) {
         hfam = AF_INET6;
     else
         return 0;
-    for (size_t i = 0; i < l->n; i++) {
+    for (size_t i = 0; i < nitems; i++) {
         unsigned char a[16];
         int fam, bits;
-        if (cidr_parse(l->v[i], &fam, a, &bits) < 0 || fam != hfam) continue;
+        if (cidr_parse(items[i], &fam, a, &bits) < 0 || fam != hfam) continue;
         size_t full = (size_t)bits / 8;
         int rest = bits % 8;
         if (memcmp(a, h, full)) continue;
@@ -194,14 +194,12 @@ int px_cidr_list_match(const px_strlist *l, const char *addr) {
 
 /* ---------- cache salts ---------- */
 
-px_salt_mode px_salt_mode_of(const px_config *cfg) {
-    const char *name = cfg->cache_salt ? cfg->cache_salt : "auto";
+px_salt_mode px_salt_mode_of(const char *mode, int creds) {
+    const char *name = mode ? mode : "auto";
     if (!strcmp(name, "key")) return PX_SALT_KEY;
     if (!strcmp(name, "off")) return PX_SALT_OFF;
     if (!strcmp(name, "tenant")) return PX_SALT_TENANT;
-    /* auto: salts where tenants come from credentials. */
-    return (cfg->tenant_keys && cfg->tenant_keys[0]) || cfg->tenant_header_from.n ? PX_SALT_TENANT
-                                                                                   : PX_SALT_OFF;
+    return creds ? PX_SALT_TENANT : PX_SALT_OFF; /* auto */
 }
 
 void px_salt_derive(const char *tenant, const unsigned char *key, const char *own, size_t own_len,

@@ -24,7 +24,6 @@
 #include <stdint.h>
 
 #include "base/http.h"
-#include "proxy/config.h"
 
 /* ---------- tenant keys ---------- */
 
@@ -54,14 +53,15 @@ int px_cidr_check(const char *spec, char *err, size_t errlen);
 /* Whether the address text `addr` (as px_conn_peer writes it; an
  * IPv4-mapped IPv6 address counts as its IPv4 one) is in one of the list's
  * items. */
-int px_cidr_list_match(const px_strlist *l, const char *addr);
+int px_cidr_list_match(char *const *items, size_t n, const char *addr);
 
 /* ---------- cache salts ---------- */
 
 typedef enum { PX_SALT_TENANT = 0, PX_SALT_KEY, PX_SALT_OFF } px_salt_mode;
-/* The mode --cache-salt gives (auto: tenant when tenants come from
- * credentials, --tenant-keys or --tenant-header-from, else off). */
-px_salt_mode px_salt_mode_of(const px_config *cfg);
+/* The mode --cache-salt's text `mode` gives; auto: tenant when tenants come
+ * from credentials (`creds`: --tenant-keys or --tenant-header-from given),
+ * else off. */
+px_salt_mode px_salt_mode_of(const char *mode, int creds);
 
 #define PX_SALT_LEN 32 /* hex digits */
 
