@@ -35,6 +35,7 @@ typedef struct host {
     int nidle;
     int refs;    /* requests and connections that point here */
     int retired; /* no longer a backend: connections close after their exchange */
+    int echoes;  /* its answers' X-Request-Id held the id sent: from now on they must */
     struct host *prev, *next;
     struct host *hnext; /* in its bucket of cl->tab */
     uint64_t hash;      /* of sa */
@@ -636,10 +637,14 @@ static int read_head(px_creq *q, struct evbuffer *in) {
             evbuffer_drain(in, hlen);
             continue;
         }
-        if (q->o.expect_id) {
-            const px_http_header *x = px_http_find(h, "x-request-id");
+        const px_http_header *x = q->o.expect_id ? px_http_find(h, "x-request-id") : NULL;
+        if (x) {
+            /* A backend that echoed the id sent (as it is, or inside its
+             * own) is held to it; one that sends ids of its own is not. */
             size_t el = strlen(q->o.expect_id);
-            if (x && (x->value_len != el || memcmp(x->value, q->o.expect_id, el))) {
+            if (el && memmem(x->value, x->value_len, q->o.expect_id, el)) {
+                q->h->echoes = 1;
+            } else if (q->h->echoes) {
                 atomic_fetch_add_explicit(&answers_mismatched, 1, memory_order_relaxed);
                 fail(q, PX_CR_MISMATCH, "the answer names another request (X-Request-Id)");
                 return -1;

@@ -14,7 +14,8 @@
  * Answers must belong to their request. Bytes that arrive while a
  * connection is idle close it; bytes that arrive after the next request was
  * written are checked here: an answer that echoes another X-Request-Id
- * than the one sent is refused (PX_CR_MISMATCH), and a connection on which
+ * than the one sent, from a backend that echoes it, is refused
+ * (PX_CR_MISMATCH), and a connection on which
  * an answer began before the whole request was written (no engine answers
  * a request it has not read: such bytes are another request's) is never
  * reused. px_client_answer_counts() counts both.
@@ -74,9 +75,11 @@ typedef struct px_creq_opts {
     int head_request;       /* the request is a HEAD: its response has no body */
     int track_upload;       /* px_creq_abort_after_upload may be used */
     /* The X-Request-Id the request carries (borrowed until on_done; NULL:
-     * none). An answer whose head echoes another X-Request-Id is some
+     * none). Once a backend address answered with an X-Request-Id holding
+     * the one sent, an answer from it whose X-Request-Id does not is some
      * other request's (a faulty engine's late extra answer): the exchange
-     * ends with PX_CR_MISMATCH and the connection is closed. */
+     * ends with PX_CR_MISMATCH and the connection is closed. A backend that
+     * sends ids of its own is never held to it. */
     const char *expect_id;
 } px_creq_opts;
 
