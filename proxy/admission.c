@@ -621,7 +621,8 @@ static void make_salt(px_ctx *c, px_adm_req *a, const char *tname, const char *b
  * what admission takes from its tenant's tpm, the completion limit (the
  * prompt is charged when the usage settles). */
 #define TEMPLATE_SLACK 1024
-static uint64_t token_cap(const px_config *cfg, const char *body, size_t blen, uint64_t *reserve) {
+static uint64_t token_cap(const px_config *cfg, const char *body, size_t blen, uint64_t *reserve,
+                          int *explicit_max) {
     static const char *const keys[] = {"max_tokens", "max_completion_tokens", "max_output_tokens"};
     uint64_t out = (uint64_t)cfg->default_max_tokens;
     px_json_member m, sp;
@@ -634,6 +635,7 @@ static uint64_t token_cap(const px_config *cfg, const char *body, size_t blen, u
         if (px_json_find(obj, on, keys[i], &m) && m.type == PX_JSON_NUMBER &&
             px_prio_number(m.val, m.val + m.val_len, &v) == 0 && v >= 0) {
             out = v > 1000000000LL ? 1000000000ULL : (uint64_t)v;
+            *explicit_max = 1;
             break;
         }
     }
@@ -660,16 +662,21 @@ px_adm_verdict px_adm_enter(px_wctx *w, px_adm_req *a, px_pset *ps, const px_htt
     px_tenant *t = &c->tenants.v[a->tenant];
     a->count_tokens = atomic_load(&t->tpm.limit) > 0;
     uint64_t reserve = 0;
-    a->tok_cap = token_cap(cfg, body, blen, &reserve);
-    if (!a->count_tokens) reserve = 0;
+    int explicit_max = 0;
+    if (a->count_tokens) {
+        a->tok_cap = token_cap(cfg, body, blen, &reserve, &explicit_max);
+        /* --default-max-tokens is a guess: never more than a minute's
+         * worth, so a request without max_tokens is never too large. */
+        uint64_t tl = atomic_load(&t->tpm.limit);
+        if (!explicit_max && reserve > tl) reserve = tl;
+    }
     uint64_t retry = 0;
     px_rl_verdict rl = px_tenant_admit(t, now, reserve, &retry);
     if (rl == PX_RL_TOO_LARGE) {
         *status = 429;
         px_tenant_headers(t, now, extra, extra_cap);
-        snprintf(msg, msg_cap, "request too large for tenant '%s': it may use %llu tokens (its "
-                 "max_tokens, or --default-max-tokens, and its prompt), its limit is %llu tokens "
-                 "per minute", t->name[0] ? t->name : "(default)",
+        snprintf(msg, msg_cap, "request too large for tenant '%s': its max_tokens is %llu, its "
+                 "limit %llu tokens per minute", t->name[0] ? t->name : "(default)",
                  (unsigned long long)reserve, (unsigned long long)t->tpm.limit);
         px_m_inc(&w->metrics.adm[PX_ADM_M_RATE_TOKENS]);
         return PX_ADM_REFUSED;

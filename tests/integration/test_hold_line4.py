@@ -485,6 +485,18 @@ class TokenLimitTest(ProdCase):
         self.assertEqual(sorted(results), [200] * 3 + [429] * 5,
                          "8 tokens reserved each against 30 a minute")
 
+    def test_too_large_said_so_and_default_capped(self):
+        px = self.proxy(30, usage_decode(total=8))
+        r = http_request(px.port, "POST", "/v1/completions",
+                         {"model": "m", "prompt": "x", "max_tokens": 31}, auth("alice"))
+        self.assertErrorJson(r, 429, "max_tokens past a minute's limit")
+        self.assertIn(b"too large", r.body)
+        # Without max_tokens, --default-max-tokens (4096) is reserved only up
+        # to the limit: such a request is never too large.
+        r = http_request(px.port, "POST", "/v1/completions", {"model": "m", "prompt": "x"},
+                         auth("alice"))
+        self.assertEqual(r.status, 200, r.body)
+
     def test_wild_usage_is_clamped(self):
         px = self.proxy(100000, usage_decode(total=999999999999999999))
         body = {"model": "m", "prompt": "x", "max_tokens": 2}
