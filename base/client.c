@@ -2,6 +2,7 @@
 #include "base/client.h"
 
 #include <errno.h>
+#include <stdatomic.h>
 #include <event2/buffer.h>
 #include <event2/event_struct.h> /* events embedded in a request: no allocation each */
 #include <linux/sockios.h>       /* SIOCOUTQ */
@@ -34,6 +35,7 @@ typedef struct host {
     int nidle;
     int refs;    /* requests and connections that point here */
     int retired; /* no longer a backend: connections close after their exchange */
+    int echoes;  /* its answers' X-Request-Id held the id sent: from now on they must */
     struct host *prev, *next;
     struct host *hnext; /* in its bucket of cl->tab */
     uint64_t hash;      /* of sa */
@@ -114,7 +116,17 @@ struct px_creq {
     int resent;
     size_t searched;
     int n_informational; /* 1xx heads skipped so far */
+    int early;           /* an answer began before the request was written whole, or the write
+                            side was shut: the connection is not reused */
 };
+
+/* Process-wide: answers that were not their request's (see client.h). */
+static atomic_ullong answers_mismatched, answers_early;
+
+void px_client_answer_counts(unsigned long long *mismatched, unsigned long long *early) {
+    *mismatched = atomic_load_explicit(&answers_mismatched, memory_order_relaxed);
+    *early = atomic_load_explicit(&answers_early, memory_order_relaxed);
+}
 
 static struct timeval tv_of(double s) {
     struct timeval tv = {(time_t)s, (suseconds_t)((s - (double)(time_t)s) * 1e6)};
@@ -263,7 +275,7 @@ static void finish(px_creq *q, px_cresult r, const char *why) {
     int sent = r == PX_CR_OK || request_sent(q);
     if (c) {
         c->q = NULL;
-        if (r == PX_CR_OK && q->keep_alive && !q->eof && !c->h->retired &&
+        if (r == PX_CR_OK && q->keep_alive && !q->eof && !c->h->retired && !q->early &&
             !evbuffer_get_length(c->in) && !evbuffer_get_length(c->out)) {
             to_idle(c);
         } else {
@@ -582,6 +594,12 @@ static int read_head(px_creq *q, struct evbuffer *in) {
     for (;;) {
         size_t len = evbuffer_get_length(in);
         if (!len) return 0;
+        if (!q->answering && !q->upload_done && !q->early) {
+            /* Answering what it has not read: another request's answer,
+             * or an engine out of step. This connection is not reused. */
+            q->early = 1;
+            atomic_fetch_add_explicit(&answers_early, 1, memory_order_relaxed);
+        }
         q->answering = 1;
         long end = px_http_head_end(in, MAX_RESP_HEAD, &q->searched);
         if (end < 0) {
@@ -618,6 +636,19 @@ static int read_head(px_creq *q, struct evbuffer *in) {
             }
             evbuffer_drain(in, hlen);
             continue;
+        }
+        const px_http_header *x = q->o.expect_id ? px_http_find(h, "x-request-id") : NULL;
+        if (x) {
+            /* A backend that echoed the id sent (as it is, or inside its
+             * own) is held to it; one that sends ids of its own is not. */
+            size_t el = strlen(q->o.expect_id);
+            if (el && memmem(x->value, x->value_len, q->o.expect_id, el)) {
+                q->h->echoes = 1;
+            } else if (q->h->echoes) {
+                atomic_fetch_add_explicit(&answers_mismatched, 1, memory_order_relaxed);
+                fail(q, PX_CR_MISMATCH, "the answer names another request (X-Request-Id)");
+                return -1;
+            }
         }
         int st = h->status;
         if (q->o.head_request || st == 204 || st == 304) {
@@ -860,6 +891,12 @@ int px_creq_abort_after_upload(px_creq *q) {
         evtimer_add(&q->acked_ev, &soon);
     }
     return 0;
+}
+
+int px_creq_shutdown_write(px_creq *q) {
+    if (!q->cn || !q->upload_done || q->cn->connecting) return -1;
+    q->early = 1; /* not reused: its other side is shut */
+    return shutdown(q->cn->fd, SHUT_WR) == 0 ? 0 : -1;
 }
 
 void px_creq_resume(px_creq *q) {

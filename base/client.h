@@ -13,6 +13,15 @@
  * whose write to a reused connection failed before a byte left (the
  * backend had closed it) goes once more on a fresh connection.
  *
+ * Answers must belong to their request. Bytes that arrive while a
+ * connection is idle close it; bytes that arrive after the next request was
+ * written are checked here: an answer that echoes another X-Request-Id
+ * than the one sent, from a backend that echoes it, is refused
+ * (PX_CR_MISMATCH), and a connection on which
+ * an answer began before the whole request was written (no engine answers
+ * a request it has not read: such bytes are another request's) is never
+ * reused. px_client_answer_counts() counts both.
+ *
  * Everything runs on the loop's thread. Callbacks run from inside the
  * client's own event handlers: on_head and on_data must not call
  * px_creq_cancel/_resume on their own request; on_done may do anything (the
@@ -39,6 +48,7 @@ typedef enum {
     PX_CR_RESET,    /* closed or reset before the response was complete */
     PX_CR_PROTOCOL, /* the response was malformed (or its head too large) */
     PX_CR_ABORTED,  /* on_data said stop, or the upload finished with abort_after_upload */
+    PX_CR_MISMATCH, /* the answer names another request (opts.expect_id): not read as ours */
 } px_cresult;
 
 typedef struct px_client_cfg {
@@ -66,6 +76,13 @@ typedef struct px_creq_opts {
     double idle_timeout;    /* seconds without a byte from the backend once sent; 0: none */
     int head_request;       /* the request is a HEAD: its response has no body */
     int track_upload;       /* px_creq_abort_after_upload may be used */
+    /* The X-Request-Id the request carries (borrowed until on_done; NULL:
+     * none). Once a backend address answered with an X-Request-Id holding
+     * the one sent, an answer from it whose X-Request-Id does not is some
+     * other request's (a faulty engine's late extra answer): the exchange
+     * ends with PX_CR_MISMATCH and the connection is closed. A backend that
+     * sends ids of its own is never held to it. */
+    const char *expect_id;
 } px_creq_opts;
 
 /* A client for one event loop (borrowed; it must outlive the client). */
@@ -95,11 +112,23 @@ int px_creq_answering(const px_creq *q);
  * opts.track_upload): on_done follows with PX_CR_ABORTED. Returns 1 when that
  * has already happened (the caller may cancel at once). */
 int px_creq_abort_after_upload(px_creq *q);
+/* Tells the backend the request's client is gone while still reading its
+ * answer: the connection's write side is shut (the backend reads an end of
+ * stream, as when its client closes, and an engine aborts such a request),
+ * and the connection is not reused. An answer the backend had already sent
+ * still arrives. 0, or -1 when the request is not written whole yet (or no
+ * connection holds it). */
+int px_creq_shutdown_write(px_creq *q);
 /* Delivers again what a paused on_data left, and reads on. */
 void px_creq_resume(px_creq *q);
 /* Ends the exchange now: its connection is closed, not reused; on_done is
  * not called. NULL is a no-op. */
 void px_creq_cancel(px_creq *q);
+
+/* Answers refused for naming another request, and connections not reused
+ * because an answer began before the request was written whole, since the
+ * process started (all clients; any thread). */
+void px_client_answer_counts(unsigned long long *mismatched, unsigned long long *early);
 
 /* Connections kept idle now, all addresses (for tests and metrics). */
 size_t px_client_idle(const px_client *c);

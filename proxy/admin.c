@@ -51,7 +51,10 @@ static char *str_member(const px_buf *body, const char *key) {
     if (!body->len || !px_json_find(body->data, body->len, key, &m)) return NULL;
     if (m.val_len < 2 || m.val[0] != '"') return NULL;
     char *out = px_xmalloc(m.val_len);
-    if (px_json_str_decode(m.val + 1, m.val_len - 2, out, m.val_len) < 0) {
+    long n = px_json_str_decode(m.val + 1, m.val_len - 2, out, m.val_len);
+    /* A NUL inside ("a\u0000b") would cut the C string short: "a" is not
+     * what was asked for, so the value is refused. */
+    if (n < 0 || strlen(out) != (size_t)n) {
         free(out);
         return NULL;
     }
@@ -391,12 +394,21 @@ static void change_admission(px_admin *a, px_conn *c, const px_buf *body) {
         }
         if (!end || *end || max < 0 || max > 100000000) has_max = -1;
     }
-    if ((!has_t && !has_max && !has_c) || (has_t && !specs) || (has_c && !classes) ||
-        has_max < 0) {
-        reply_err(c, 400,
-                  "expected a JSON object {\"tenants\": \"NAME[:weight=W][:rpm=N][:tpm=N] ...\", "
-                  "\"pool_max_inflight\": 0..100000000, \"priority_classes\": \"NAME:LO..HI "
-                  "...\"}, any of them");
+    const char *bad = NULL;
+    if (has_t && !specs)
+        bad = "\"tenants\" must be a JSON string (without NUL characters) of specs "
+              "NAME[:weight=W][:rpm=N][:tpm=N][:floor=P], space or comma separated";
+    else if (has_c && !classes)
+        bad = "\"priority_classes\" must be a JSON string (without NUL characters) of specs "
+              "NAME:LO..HI[:share=N]";
+    else if (has_max < 0)
+        bad = "\"pool_max_inflight\" must be an integer 0..100000000";
+    else if (!has_t && !has_max && !has_c)
+        bad = "expected a JSON object {\"tenants\": \"NAME[:weight=W][:rpm=N][:tpm=N] ...\", "
+              "\"pool_max_inflight\": 0..100000000, \"priority_classes\": \"NAME:LO..HI "
+              "...\"}, any of them";
+    if (bad) {
+        reply_err(c, 400, bad);
         free(specs);
         free(classes);
         return;

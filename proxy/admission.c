@@ -108,29 +108,77 @@ void px_admq_remove(px_admq *q, px_adm_item *it) {
     q->bytes -= it->bytes;
 }
 
-px_adm_item *px_admq_pop(px_admq *q, int (*ok)(void *arg, px_adm_item *it), void *arg) {
-    for (int ci = 0; ci < PX_ADM_CLASSES && q->n; ci++) {
-        px_adm_class *c = &q->cls[ci];
-        /* Each active flow is looked at once at most. */
-        for (size_t i = 0, n = c->nactive; i < n; i++) {
-            px_adm_flow *f = c->ahead;
-            if (!f->credit) {
-                /* A reload may change a weight meanwhile (px_adm_reconfigure). */
-                uint32_t w =
-                    q->weights ? __atomic_load_n(&q->weights[f - c->flows], __ATOMIC_RELAXED) : 1;
-                f->credit = w ? w : 1;
-            }
-            px_adm_item *it = f->head;
-            if (ok && !ok(arg, it)) {
-                rotate(c); /* keeps its credit for its next turn */
-                continue;
-            }
-            f->credit--;
-            int spent = f->credit == 0;
-            px_admq_remove(q, it); /* deactivates f when it empties */
-            if (f->active && spent) rotate(c);
-            return it;
+/* The next item of class ci that ok accepts (DRR between its tenants). */
+static px_adm_item *pop_class(px_admq *q, int ci, int (*ok)(void *arg, px_adm_item *it),
+                              void *arg) {
+    px_adm_class *c = &q->cls[ci];
+    /* Each active flow is looked at once at most. */
+    for (size_t i = 0, n = c->nactive; i < n; i++) {
+        px_adm_flow *f = c->ahead;
+        if (!f->credit) {
+            /* A reload may change a weight meanwhile (px_adm_reconfigure). */
+            uint32_t w =
+                q->weights ? __atomic_load_n(&q->weights[f - c->flows], __ATOMIC_RELAXED) : 1;
+            f->credit = w ? w : 1;
         }
+        px_adm_item *it = f->head;
+        if (ok && !ok(arg, it)) {
+            rotate(c); /* keeps its credit for its next turn */
+            continue;
+        }
+        f->credit--;
+        int spent = f->credit == 0;
+        px_admq_remove(q, it); /* deactivates f when it empties */
+        if (f->active && spent) rotate(c);
+        return it;
+    }
+    return NULL;
+}
+
+void px_admq_set_shares(px_admq *q, const px_prio_map *m) {
+    int on = m && m->n && m->c[0].share;
+    for (int ci = 0; ci < PX_ADM_CLASSES; ci++) {
+        uint32_t sh = on && (size_t)ci < m->n ? m->c[ci].share : 0;
+        if (sh != q->share[ci]) q->ccredit[ci] = sh;
+        q->share[ci] = sh;
+    }
+    q->shares = on;
+}
+
+px_adm_item *px_admq_pop(px_admq *q, int (*ok)(void *arg, px_adm_item *it), void *arg) {
+    if (!q->shares) { /* strict order */
+        for (int ci = 0; ci < PX_ADM_CLASSES && q->n; ci++) {
+            px_adm_item *it = q->cls[ci].n ? pop_class(q, ci, ok, arg) : NULL;
+            if (it) return it;
+        }
+        return NULL;
+    }
+    /* Shares: classes in order, each while it has credit in this round;
+     * a new round when every class with requests has spent its credit (a
+     * class whose requests wait for their pool keeps its credit). */
+    for (int round = 0; round < 2 && q->n; round++) {
+        int waiting = 0;
+        for (int ci = 0; ci < PX_ADM_CLASSES; ci++) {
+            if (!q->cls[ci].n || !q->ccredit[ci]) continue;
+            px_adm_item *it = pop_class(q, ci, ok, arg);
+            if (it) {
+                q->ccredit[ci]--;
+                return it;
+            }
+            waiting = 1;
+        }
+        if (waiting) {
+            /* Work conserving: a class out of credit may still use a pool
+             * the waiting ones cannot. */
+            for (int ci = 0; ci < PX_ADM_CLASSES; ci++) {
+                px_adm_item *it = q->cls[ci].n && !q->ccredit[ci] ? pop_class(q, ci, ok, arg)
+                                                                   : NULL;
+                if (it) return it;
+            }
+            return NULL;
+        }
+        for (int ci = 0; ci < PX_ADM_CLASSES; ci++)
+            q->ccredit[ci] = q->share[ci];
     }
     return NULL;
 }
@@ -146,6 +194,9 @@ px_adm_item *px_admq_pop(px_admq *q, int (*ok)(void *arg, px_adm_item *it), void
 
 #include "base/json.h"
 #include "base/log.h"
+#include "proxy/kvindex.h"
+#include "proxy/rewrite.h"
+#include "proxy/tenant.h"
 
 /* How often a worker with requests waiting looks again on its own:
  * back-offs ending and engines' figures (which change every
@@ -417,6 +468,7 @@ static void dispatch(px_adm_worker *a) {
         return;
     }
     a->dispatching = 1;
+    px_admq_set_shares(&a->q, px_adm_classes(a->w->ctx));
     do {
         a->again = 0;
         px_adm_item *it;
@@ -448,25 +500,32 @@ static void on_deadline(evutil_socket_t fd, short what, void *arg) {
 }
 
 /* The request's priority class: the header (a number or a class's name),
- * else the body's "priority", through the --priority-class map. */
-static int class_of(px_ctx *c, const px_http_head *h, const char *body, size_t blen) {
+ * else the body's "priority" (else vLLM's default, 0), through the
+ * --priority-class map; never better than its tenant's floor= (a claim of
+ * a better priority is served at the floor: who may claim which class is
+ * the tenant's configuration, not the client's word). */
+static int class_of(px_ctx *c, const px_tenant *t, const px_http_head *h, const char *body,
+                    size_t blen) {
     const px_config *cfg = c->cfg;
     const px_prio_map *m = px_adm_classes(c);
     const px_http_header *ph = cfg->priority_header[0] ? px_http_find(h, cfg->priority_header)
                                                        : NULL;
-    long long v;
-    if (ph && ph->value_len) {
-        if (px_prio_number(ph->value, ph->value + ph->value_len, &v) == 0)
-            return px_prio_map_class(m, v);
-        int k = px_prio_map_named(m, ph->value, ph->value_len);
-        if (k >= 0) return k;
-    }
+    long long v = 0;
+    int k = -1;
     px_json_member jm;
-    if (body && px_json_find(body, blen, "priority", &jm) && jm.type == PX_JSON_NUMBER &&
-        px_prio_number(jm.val, jm.val + jm.val_len, &v) == 0)
-        return px_prio_map_class(m, v);
-    /* No priority: vLLM's default, 0. */
-    return px_prio_map_class(m, 0);
+    if (ph && ph->value_len && px_prio_number(ph->value, ph->value + ph->value_len, &v) == 0)
+        k = -2; /* a number */
+    else if (ph && ph->value_len && (k = px_prio_map_named(m, ph->value, ph->value_len)) >= 0)
+        v = m->c[k].lo;
+    if (k == -1 && !(body && px_json_find(body, blen, "priority", &jm) &&
+                     jm.type == PX_JSON_NUMBER &&
+                     px_prio_number(jm.val, jm.val + jm.val_len, &v) == 0))
+        v = 0;
+    if (atomic_load_explicit(&t->has_floor, memory_order_relaxed)) {
+        long long fl = atomic_load_explicit(&t->floor, memory_order_relaxed);
+        if (v < fl) return px_prio_map_class(m, fl);
+    }
+    return k >= 0 ? k : px_prio_map_class(m, v);
 }
 
 int px_adm_set_classes(px_ctx *c, char *const *specs, size_t n, char *err, size_t errlen) {
@@ -488,6 +547,104 @@ static double header_seconds(const px_http_head *h, const char *name) {
     return *end || !(v >= 0) ? -1 : v;
 }
 
+/* Who the request is: its tenant from its key (--tenant-keys), or from the
+ * tenant header when a trusted gateway sent it (--tenant-header-from), else
+ * the default tenant. The name the credentials gave goes to tname ("" for
+ * none: a gateway's tenant unknown here keeps its name, for its salt). 0,
+ * or -1 with msg when the header came from anyone else (the caller answers
+ * 403). */
+static int identify(px_ctx *c, px_adm_req *a, const px_http_head *h, char *tname, size_t tcap,
+                    char *msg, size_t cap) {
+    const px_config *cfg = c->cfg;
+    long ki = px_tkeys_find(c->tkeys, h, a->key);
+    a->keyed = ki >= 0 || (c->napi_keys && px_bearer_matches(h, (const unsigned char(*)[32])
+                                                                    c->api_keys, c->napi_keys));
+    const px_http_header *th = cfg->tenant_header[0] && cfg->tenant_header_from.n
+                                   ? px_http_find(h, cfg->tenant_header)
+                                   : NULL;
+    if (th && !px_cidr_list_match(cfg->tenant_header_from.v, cfg->tenant_header_from.n,
+                                   a->peer ? a->peer : "")) {
+        snprintf(msg, cap, "the %s header is accepted from the trusted gateways only "
+                 "(--tenant-header-from): a caller's tenant comes from its API key",
+                 cfg->tenant_header);
+        return -1;
+    }
+    if (ki >= 0)
+        snprintf(tname, tcap, "%s", px_tkeys_tenant(c->tkeys, ki));
+    else if (th)
+        snprintf(tname, tcap, "%.*s", (int)(th->value_len < tcap - 1 ? th->value_len : tcap - 1),
+                 th->value);
+    else
+        tname[0] = 0;
+    a->tenant = tname[0] ? px_tenants_find(&c->tenants, tname, strlen(tname))
+                         : px_tenants_default(&c->tenants);
+    return 0;
+}
+
+/* The client's cache_salt value (its bytes as sent) in body, if any. */
+static int own_salt(const char *body, size_t blen, const char **v, size_t *vn) {
+    px_json_member m;
+    if (!body || !px_json_find(body, blen, "cache_salt", &m) || m.type == PX_JSON_NULL) return 0;
+    *v = m.val;
+    *vn = m.val_len;
+    return 1;
+}
+
+/* The request's cache_salt (--cache-salt): its tenant's or its key's with
+ * the client's own folded in, or (off) the client's own as it is. */
+static void make_salt(px_ctx *c, px_adm_req *a, const char *tname, const char *body,
+                      size_t blen) {
+    const char *own = NULL;
+    size_t on = 0;
+    int has_own = own_salt(body, blen, &own, &on);
+    const px_config *cfg = c->cfg;
+    px_salt_mode mode = px_salt_mode_of(cfg->cache_salt, (cfg->tenant_keys && cfg->tenant_keys[0]) ||
+                                                             cfg->tenant_header_from.n);
+    a->salt_own = mode == PX_SALT_OFF;
+    a->salt[0] = 0;
+    a->salt_key = 0;
+    if (a->salt_own) {
+        /* The index keys by its decoded text, as the engine hashes it. */
+        char text[1024];
+        long n = has_own && on >= 2 && own[0] == '"'
+                     ? px_json_str_decode(own + 1, on - 2, text, sizeof text)
+                     : -1;
+        if (n > 0) a->salt_key = px_kv_salt_key(text, (size_t)n);
+        return;
+    }
+    px_salt_derive(tname, mode == PX_SALT_KEY && a->keyed ? a->key : NULL, has_own ? own : NULL,
+                   has_own ? on : 0, a->salt);
+    a->salt_key = px_kv_salt_key(a->salt, strlen(a->salt));
+}
+
+/* The most tokens a request may be charged: its prompt (at most a token a
+ * byte of the body, and a template's worth) and its completion limit
+ * (max_tokens and its spellings, else --default-max-tokens). *reserve:
+ * what admission takes from its tenant's tpm, the completion limit (the
+ * prompt is charged when the usage settles). */
+#define TEMPLATE_SLACK 1024
+static uint64_t token_cap(const px_config *cfg, const char *body, size_t blen, uint64_t *reserve,
+                          int *explicit_max) {
+    static const char *const keys[] = {"max_tokens", "max_completion_tokens", "max_output_tokens"};
+    uint64_t out = (uint64_t)cfg->default_max_tokens;
+    px_json_member m, sp;
+    const char *obj = body;
+    size_t on = blen;
+    if (body && px_json_find(body, blen, "sampling_params", &sp) && sp.type == PX_JSON_OBJECT)
+        obj = sp.val, on = sp.val_len; /* /inference/v1/generate */
+    for (size_t i = 0; obj && i < sizeof keys / sizeof *keys; i++) {
+        long long v;
+        if (px_json_find(obj, on, keys[i], &m) && m.type == PX_JSON_NUMBER &&
+            px_prio_number(m.val, m.val + m.val_len, &v) == 0 && v >= 0) {
+            out = v > 1000000000LL ? 1000000000ULL : (uint64_t)v;
+            *explicit_max = 1;
+            break;
+        }
+    }
+    *reserve = out;
+    return out + blen + TEMPLATE_SLACK;
+}
+
 px_adm_verdict px_adm_enter(px_wctx *w, px_adm_req *a, px_pset *ps, const px_http_head *h,
                             const char *body, size_t blen, int *status, char *extra,
                             size_t extra_cap, char *msg, size_t msg_cap) {
@@ -497,24 +654,49 @@ px_adm_verdict px_adm_enter(px_wctx *w, px_adm_req *a, px_pset *ps, const px_htt
     a->ps = ps;
     a->w = w;
     extra[0] = 0;
-    const px_http_header *th = cfg->tenant_header[0] ? px_http_find(h, cfg->tenant_header) : NULL;
-    a->tenant = px_tenants_find(&c->tenants, th ? th->value : NULL, th ? th->value_len : 0);
+    char tname[256];
+    if (identify(c, a, h, tname, sizeof tname, msg, msg_cap) < 0) {
+        *status = 403;
+        px_m_inc(&w->metrics.adm[PX_ADM_M_TENANT_REFUSED]);
+        return PX_ADM_REFUSED;
+    }
+    make_salt(c, a, tname, body, blen);
     px_tenant *t = &c->tenants.v[a->tenant];
-    a->count_tokens = t->tpm.limit > 0;
+    a->count_tokens = atomic_load(&t->tpm.limit) > 0;
+    uint64_t reserve = 0;
+    int explicit_max = 0;
+    if (a->count_tokens) {
+        a->tok_cap = token_cap(cfg, body, blen, &reserve, &explicit_max);
+        /* --default-max-tokens is a guess: never more than a minute's
+         * worth, so a request without max_tokens is never too large. */
+        uint64_t tl = atomic_load(&t->tpm.limit);
+        if (!explicit_max && reserve > tl) reserve = tl;
+    }
     uint64_t retry = 0;
-    px_rl_verdict rl = px_tenant_admit(t, now, &retry);
+    px_rl_verdict rl = px_tenant_admit(t, now, reserve, &retry);
+    if (rl == PX_RL_TOO_LARGE) {
+        *status = 429;
+        px_tenant_headers(t, now, extra, extra_cap);
+        snprintf(msg, msg_cap, "request too large for tenant '%s': its max_tokens is %llu, its "
+                 "limit %llu tokens per minute", t->name[0] ? t->name : "(default)",
+                 (unsigned long long)reserve, (unsigned long long)t->tpm.limit);
+        px_m_inc(&w->metrics.adm[PX_ADM_M_RATE_TOKENS]);
+        return PX_ADM_REFUSED;
+    }
     if (rl != PX_RL_OK) {
         *status = 429;
         snprintf(extra, extra_cap, "Retry-After: %llu\r\n",
                  (unsigned long long)((retry + 999999999ULL) / 1000000000ULL));
         px_tenant_headers(t, now, extra, extra_cap);
         snprintf(msg, msg_cap, "rate limit reached for tenant '%s': %llu %s per minute",
-                 t->name, (unsigned long long)(rl == PX_RL_REQUESTS ? t->rpm.limit : t->tpm.limit),
+                 t->name[0] ? t->name : "(default)",
+                 (unsigned long long)(rl == PX_RL_REQUESTS ? t->rpm.limit : t->tpm.limit),
                  rl == PX_RL_REQUESTS ? "requests" : "tokens");
         px_m_inc(&w->metrics.adm[rl == PX_RL_REQUESTS ? PX_ADM_M_RATE_REQUESTS
                                                       : PX_ADM_M_RATE_TOKENS]);
         return PX_ADM_REFUSED;
     }
+    a->tok_reserved = reserve;
     double limit = cfg->queue_timeout;
     double asked = header_seconds(h, "x-queue-timeout");
     if (asked >= 0 && asked < limit) limit = asked;
@@ -528,7 +710,7 @@ px_adm_verdict px_adm_enter(px_wctx *w, px_adm_req *a, px_pset *ps, const px_htt
         }
         saturated = 1; /* another worker took the last slot meanwhile */
     }
-    a->it.cls = class_of(c, h, body, blen);
+    a->it.cls = class_of(c, t, h, body, blen);
     a->it.tenant = a->tenant;
     a->it.bytes = blen;
     if (!cfg->queue_max || limit <= 0 || px_admq_push(&w->adm->q, &a->it) < 0) {
@@ -540,6 +722,13 @@ px_adm_verdict px_adm_enter(px_wctx *w, px_adm_req *a, px_pset *ps, const px_htt
         }
         *status = 429;
         snprintf(extra, extra_cap, "Retry-After: 1\r\n");
+        if (limit <= 0) {
+            /* x-queue-timeout: 0 asks not to wait: no queue is full. */
+            snprintf(msg, msg_cap, "the pool is saturated and the request asked not to wait "
+                     "(x-queue-timeout: 0); retry later");
+            px_m_inc(&w->metrics.adm[PX_ADM_M_NO_WAIT]);
+            return PX_ADM_REFUSED;
+        }
         if (!cfg->queue_max)
             snprintf(msg, msg_cap, "the pool is saturated and no admission queue is configured "
                      "(--queue-max 0); retry later");
@@ -626,9 +815,17 @@ void px_adm_leave(px_wctx *w, px_adm_req *a) {
         px_m_inc(&w->metrics.adm[PX_ADM_M_LEFT]);
         take_out(w->adm, a, px_now_ns());
     }
-    if (a->tok.total) {
-        px_bucket_charge(&w->ctx->tenants.v[a->tenant].tpm, px_now_ns(), a->tok.total);
+    if (a->count_tokens) {
+        /* Settled once: on the usage the answer reported (never more than
+         * the request could have produced: an engine's wild number must
+         * not lock its tenant out), else on the reservation when an answer
+         * passed, else nothing is charged. */
+        uint64_t used = a->tok.total ? a->tok.total : a->answered ? a->tok_reserved : 0;
+        if (used > a->tok_cap) used = a->tok_cap;
+        px_tenant_settle(&w->ctx->tenants.v[a->tenant], px_now_ns(), a->tok_reserved, used);
+        a->count_tokens = 0;
         a->tok.total = 0;
+        a->tok_reserved = 0;
     }
     if (a->sent) {
         a->sent = 0;
@@ -669,7 +866,40 @@ int px_adm_reconfigure(px_ctx *c, char *const *specs, size_t n, int64_t max_infl
 }
 
 void px_adm_answer(px_adm_req *a, const char *p, size_t n) {
+    a->answered = 1;
     if (a->count_tokens) px_tokscan_feed(&a->tok, p, n);
+}
+
+/* Replaces *body by out when rc is 1. */
+static int take_body(int rc, px_buf *body, px_buf *out) {
+    if (rc == 1) {
+        px_buf_cleanup(body);
+        *body = *out;
+        return 1;
+    }
+    px_buf_cleanup(out);
+    return 0;
+}
+
+int px_adm_body(px_adm_req *a, int usage_route, px_buf *body) {
+    int changed = 0;
+    px_buf out;
+    if (a->salt[0] && !a->salt_own && body->data) {
+        px_buf_init(&out);
+        changed |= take_body(
+            px_rewrite_cache_salt(body->data, body->len, a->salt, &out) == 0 ? 1 : 0, body, &out);
+    }
+    if (usage_route && a->count_tokens && body->data) {
+        px_buf_init(&out);
+        a->strip_usage = take_body(px_rewrite_include_usage(body->data, body->len, &out), body,
+                                   &out);
+        changed |= a->strip_usage;
+    }
+    return changed;
+}
+
+uint64_t px_adm_salt_key(const px_adm_req *a) {
+    return a->salt_key;
 }
 
 void px_adm_ratelimit_headers(px_ctx *c, const px_adm_req *a, char *out, size_t cap) {

@@ -17,7 +17,10 @@
  * bytes are per worker: --queue-max / threads each (at least 1).
  *
  * Order: the lowest class first (priority 0 before 1, as vLLM serves a
- * lower `priority` first); inside a class, deficit round robin between
+ * lower `priority` first), or, when --priority-class gives every class a
+ * share, rounds in which each class is served up to its share (no class
+ * starves); a request's class is never better than its tenant's floor=
+ * allows (the client's claim alone decides nothing); inside a class, deficit round robin between
  * tenants with a cost of one request and a quantum of the tenant's weight:
  * a tenant of weight w is dispatched up to w requests in a row, then the
  * next tenant with requests waiting. Unit cost, because a request's real
@@ -66,6 +69,10 @@ typedef struct px_admq {
     size_t n, bytes;          /* queued now */
     size_t max_n, max_bytes;  /* bounds; max_bytes 0: none */
     uint64_t pushed, dropped; /* counters for tests and metrics */
+    /* --priority-class shares (px_admq_set_shares); all 0: strict order. */
+    int shares;
+    uint32_t share[PX_ADM_CLASSES];
+    uint32_t ccredit[PX_ADM_CLASSES]; /* what each class has left of this round */
 } px_admq;
 
 
@@ -79,9 +86,12 @@ int px_admq_push(px_admq *q, px_adm_item *it);
 /* Takes a queued item out (its client left, its deadline passed). A no-op
  * when it is not queued. */
 void px_admq_remove(px_admq *q, px_adm_item *it);
+/* The classes' shares of the map m (NULL or no shares: strict order). */
+void px_admq_set_shares(px_admq *q, const px_prio_map *m);
 /* The next item to dispatch among those `ok` accepts (ok NULL: all):
- * classes in order, tenants by DRR, each tenant's oldest first; a tenant
- * whose oldest is not accepted is passed over this time. NULL when none. */
+ * classes in order (strictly, or by their shares in rounds), tenants by
+ * DRR, each tenant's oldest first; a tenant whose oldest is not accepted
+ * is passed over this time. NULL when none. */
 px_adm_item *px_admq_pop(px_admq *q, int (*ok)(void *arg, px_adm_item *it), void *arg);
 
 
@@ -103,6 +113,17 @@ typedef struct px_adm_req {
     uint64_t wait_ns;    /* time spent queued */
     px_tokscan tok;      /* the answer's total_tokens, for --tenant tpm= */
     int count_tokens;    /* the tenant has a tpm= limit */
+    uint64_t tok_reserved; /* tpm units taken at admission, settled when it ends */
+    uint64_t tok_cap;      /* the most tokens its usage may count (prompt bytes + max_tokens) */
+    int answered;          /* decode's answer passed (px_adm_answer) */
+    /* Who it is (tenant.h): set by px_adm_enter. */
+    const char *peer;       /* borrowed, set by the caller: the client's address text */
+    int keyed;              /* it presented an accepted key */
+    unsigned char key[32];  /* that key's SHA-256 */
+    char salt[33];          /* the cache_salt engines get ("": none); see px_adm_salted */
+    int salt_own;           /* the salt is the client's own (--cache-salt off): body untouched */
+    uint64_t salt_key;      /* the salt's key in the KV index (kvindex.h), 0: none */
+    int strip_usage;        /* the proxy asked decode for the usage chunk: drop it */
     void *w;             /* borrowed: the px_wctx it entered on */
     void (*go)(void *owner);     /* dispatched out of the queue */
     void (*expire)(void *owner); /* its deadline passed while queued */
@@ -118,11 +139,14 @@ void px_adm_worker_stop(px_adm_worker *a);
 
 typedef enum { PX_ADM_GO = 0, PX_ADM_QUEUED, PX_ADM_REFUSED } px_adm_verdict;
 
-/* Admits a P/D request for pool ps: its tenant's rate limits, then the
- * pool's saturation. GO: send it on now (counted in ps->admitted).
- * QUEUED: a->go or a->expire will be called from this worker's loop.
- * REFUSED: answer *status (429 or 503) with the header lines in extra and
- * the message in msg. go and expire (and it.owner) must be set. */
+/* Admits a P/D request for pool ps: who it is (its tenant from its key,
+ * or from --tenant-header when a trusted gateway sent it; 403 when
+ * another peer sent that header), its cache_salt, its tenant's rate limits
+ * (tpm= reserves the request's most tokens), then the pool's saturation.
+ * GO: send it on now (counted in ps->admitted). QUEUED: a->go or
+ * a->expire will be called from this worker's loop. REFUSED: answer
+ * *status (403, 429 or 503) with the header lines in extra and the message
+ * in msg. go and expire (and it.owner, peer) must be set. */
 px_adm_verdict px_adm_enter(px_wctx *w, px_adm_req *a, px_pset *ps, const px_http_head *h,
                             const char *body, size_t blen, int *status, char *extra,
                             size_t extra_cap, char *msg, size_t msg_cap);
@@ -144,8 +168,22 @@ int px_adm_can_requeue(const px_adm_req *a, int status);
 int px_adm_requeue(px_wctx *w, px_adm_req *a);
 
 /* Decode's answer passes: tokens counted for the tenant's tpm when it
- * ends (px_adm_leave charges them). */
+ * ends (px_adm_leave settles the reservation on them, clamped to what the
+ * request could have produced; no usage seen: the reservation stands when
+ * an answer passed, else it is given back). */
 void px_adm_answer(px_adm_req *a, const char *p, size_t n);
+
+/* The body engines get for an admitted request: with the salt px_adm_enter
+ * chose (the client's cache_salt members removed, "cache_salt":"<salt>"
+ * added; not with the client's own), and, on a `usage_route` (chat and
+ * completions) whose tenant counts tokens, a stream that does not ask for
+ * usage asks for it (rewrite.h px_rewrite_include_usage; a->strip_usage
+ * set: its usage chunk is dropped before the client, usage.h). Returns 1
+ * when *body was replaced, 0 when it goes as it is. */
+int px_adm_body(px_adm_req *a, int usage_route, struct px_buf *body);
+
+/* The KV index's key of a request's salt (kvindex.h), 0: none. */
+uint64_t px_adm_salt_key(const px_adm_req *a);
 
 /* Decode answered `status`: 429 and 503 (a full engine queue) put the
  * backend in back-off for --engine-backoff. Returns 1 when the answer is

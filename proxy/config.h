@@ -145,6 +145,11 @@ typedef struct px_config {
     char *priority_header;     /* the request's priority (else the body's "priority") */
     px_strlist tenants;        /* --tenant specs */
     px_strlist priority_classes; /* --priority-class specs */
+    /* Issue 41: tenants from credentials (tenant.h). */
+    px_strlist tenant_header_from; /* trusted gateways: addresses and CIDRs */
+    char *tenant_keys;             /* TENANT:KEY file; "": none */
+    char *cache_salt;              /* tenant|key|off */
+    int64_t default_max_tokens;    /* a request without max_tokens is assumed to produce this */
     /* Issue 25: DP sizes backend entries of the file declare (dp_size), items
      * "N URL"; proxy/dp.c applies them once the configuration is accepted. */
     px_strlist backend_dp;
@@ -153,7 +158,7 @@ typedef struct px_config {
      * with "-" for one not given; proxy/kvevents.c applies them once the
      * configuration is accepted, over the --kv-events-port derived ones. */
     px_strlist backend_kv;
-    unsigned char set[96];          /* set[i]: option i was given by flag or environment */
+    unsigned char set[128];         /* set[i]: option i was given by flag or environment */
 } px_config;
 
 /* Checks backend lists before they become a generation (at start, on

@@ -13,6 +13,7 @@
 #include "proxy/k8s_url.h"
 #include "proxy/prio.h"
 #include "proxy/ratelimit.h"
+#include "proxy/tenant.h"
 
 const opt px_cfg_opts[] = {
     {"config", NULL, CT_STR, OFF(config_file), "", 0, 0,
@@ -322,23 +323,44 @@ const opt px_cfg_opts[] = {
      "rather than failed",
      NULL, AT_START, G_LISTEN, NULL},
     {"tenant-header", NULL, CT_STR, OFF(tenant_header), "x-tenant", 0, 0,
-     "request header naming the tenant for fairness and rate limits (absent or unknown: the "
-     "default tenant)",
+     "request header naming the tenant, read only from --tenant-header-from peers (absent or "
+     "unknown: the default tenant)",
      NULL, AT_START, G_LISTEN, "NAME"},
+    {"tenant-header-from", NULL, CT_WORDS, OFF(tenant_header_from), "", 0, 0,
+     "addresses or CIDRs of trusted gateways whose --tenant-header is believed; from any other "
+     "peer a request carrying the header gets 403 (empty: the header is never read)",
+     NULL, AT_START, G_SECURITY, "CIDRS"},
+    {"tenant-keys", NULL, CT_STR, OFF(tenant_keys), "", 0, 0,
+     "file of TENANT:KEY lines: a request with Authorization: Bearer KEY is that tenant's, "
+     "whatever its headers say; the keys are accepted API keys too (compared in constant "
+     "time, never logged)",
+     NULL, AT_START, G_SECURITY, "FILE"},
+    {"cache-salt", NULL, CT_ENUM, OFF(cache_salt), "auto", 0, 0,
+     "the cache_salt P/D requests carry, which keeps engines' prefix caches apart: one per "
+     "tenant, one per API key, or off (the client's own passes); auto: tenant when "
+     "--tenant-keys or --tenant-header-from is set, else off; a client's own salt only "
+     "splits its share further",
+     "auto|tenant|key|off", AT_START, G_SECURITY, "MODE"},
+    {"default-max-tokens", NULL, CT_INT, OFF(default_max_tokens), "4096", 1, 100000000,
+     "completion tokens assumed for a request that sets no max_tokens: reserved from its "
+     "tenant's tpm= at admission, and the most its usage may count beyond the prompt",
+     NULL, AT_START, G_LISTEN, "TOKENS"},
     {"priority-header", NULL, CT_STR, OFF(priority_header), "x-priority", 0, 0,
      "request header giving the priority: a number, lower first, or a --priority-class name "
      "(else the body's \"priority\", as vLLM takes it; else 0)",
      NULL, AT_START, G_LISTEN, "NAME"},
     {"priority-class", NULL, CT_WORDS, OFF(priority_classes), "", 0, 0,
      "priority classes in the order served, each NAME:LO..HI (or NAME:P), the priority values "
-     "it takes; a value in none goes to the last class, a header may name a class (none: "
-     "classes 0..15 are the priority itself, clamped)",
+     "it takes, and :share=N on every class to serve them by shares (N requests a round, so "
+     "none starves) instead of strictly in order; a value in none goes to the last class, a "
+     "header may name a class (none: classes 0..15 are the priority itself, clamped)",
      NULL, RELOADS, G_LISTEN, "SPECS"},
     {"tenant", NULL, CT_WORDS, OFF(tenants), "", 0, 0,
-     "tenants, each NAME[:weight=W][:rpm=N][:tpm=N]: W its share of dispatch out of the queue "
-     "(1), N its requests or tokens per minute (0: no limit; 429 with x-ratelimit-* beyond); a "
-     "reload or POST /admin/admission changes, adds and removes tenants at once, queued "
-     "requests kept",
+     "tenants, each NAME[:weight=W][:rpm=N][:tpm=N][:floor=P]: W its share of dispatch out of "
+     "the queue (1), N its requests or tokens per minute (0: no limit; 429 with x-ratelimit-* "
+     "beyond), P the best priority it may claim (a better claim is served as P); "
+     "NAME default sets the default tenant's (callers no key or gateway names); a reload or "
+     "POST /admin/admission changes, adds and removes tenants at once, queued requests kept",
      NULL, RELOADS, G_LISTEN, "SPECS"},
     {"print-config", NULL, CT_FLAG, OFF(print_config), "false", 0, 0,
      "print the effective configuration as YAML (a --config file) and exit", NULL, AT_START,
@@ -377,6 +399,7 @@ void px_cfg_list_copy(px_strlist *to, const px_strlist *from) {
 static int check_word(const opt *o, const char *v, char *err, size_t errlen) {
     if (!strcmp(o->name, "tenant")) return px_tenant_spec_check(v, err, errlen);
     if (!strcmp(o->name, "priority-class")) return px_prio_spec_check(v, err, errlen);
+    if (!strcmp(o->name, "tenant-header-from")) return px_cidr_check(v, err, errlen);
     return px_cfg_allow_check(o->name, v, err, errlen);
 }
 

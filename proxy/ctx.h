@@ -27,6 +27,7 @@ struct px_req;
 struct px_pindex;
 struct px_kvindex;
 struct px_kvsub;
+struct px_tkeys;
 struct px_pf_cache;
 struct px_dp_table;
 struct px_kv_decls;
@@ -89,6 +90,7 @@ typedef struct px_ctx {
     px_buf health_hdrs;       /* owned: header lines of health checks and load probes */
     unsigned char (*api_keys)[32]; /* owned: SHA-256 of each accepted client key */
     size_t napi_keys;
+    struct px_tkeys *tkeys; /* owned: --tenant-keys (tenant.h); NULL: none */
     atomic_long inflight;  /* P/D requests in flight, all workers */
     atomic_int draining;   /* SIGTERM: readiness says no */
     /* Reloads of the --config file (SIGHUP, POST /admin/reload): how many
@@ -154,7 +156,9 @@ px_gen *px_ctx_gen(px_ctx *c);
  * digests, so neither the key's length nor its bytes leak through timing). */
 int px_bearer_matches(const px_http_head *h, const unsigned char (*keys)[32], size_t n);
 /* Whether a client request carries an accepted key (--api-key,
- * --api-key-file), or no key is configured. */
+ * --api-key-file, --tenant-keys), or no --api-key/--api-key-file is
+ * configured (tenant keys alone require none: other callers are the
+ * default tenant). */
 int px_ctx_authorized(const px_ctx *c, const px_http_head *h);
 
 #endif

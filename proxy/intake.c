@@ -265,7 +265,8 @@ long px_intake_kv_cached(const px_intake *in, const char *name) {
     if (slot < 0 || !bs) return -1;
     size_t cap = in->ntok / bs + 1;
     uint64_t *keys = px_xmalloc(cap * sizeof *keys);
-    size_t nk = px_kv_prompt_keys(in->tok, in->ntok, bs, px_intake_kv_extra(in), keys, cap);
+    size_t nk =
+        px_kv_salted_keys(in->tok, in->ntok, bs, px_intake_kv_extra(in), in->salt, keys, cap);
     size_t cached = px_kv_reusable(px_kvindex_match(kv, slot, keys, nk), bs, in->ntok);
     free(keys);
     return (long)cached;
@@ -281,6 +282,7 @@ px_pick px_intake_pick(const px_intake *in, px_pool *p, px_pick k) {
     k.tok = in->tok;
     k.ntok = in->ntok;
     k.kv_extra = px_intake_kv_extra(in);
+    k.kv_salt = in->salt;
     /* Tokens unknown (the engine's /tokenize did not answer in time): no
      * cache to match, but the engine chosen computes the whole prompt, and
      * the load others see must say so. */

@@ -36,6 +36,7 @@ typedef struct px_intake {
     uint32_t *tok; /* owned: the prompt's exact tokens; NULL: unknown */
     size_t ntok;
     uint64_t tkey; /* the prompt's key in the worker's token cache */
+    uint64_t salt; /* its cache_salt's key (admission.h px_adm_salt_key), 0: none */
 } px_intake;
 
 /* A refusal: status 0 lets the request go on. */

@@ -206,6 +206,41 @@ static uint64_t obj_hash(const msgpack_object *o, uint64_t h) {
     }
 }
 
+/* What block i's extra keys add to its index key. vLLM's entry is a tuple
+ * of the LoRA name (every block of a LoRA request), multimodal keys (tuples),
+ * the cache_salt (the first block of a sequence only, a string) and
+ * prompt-embedding hashes (bytes) (kv_cache_utils.py,
+ * generate_block_hash_extra_keys, read at vllm-project/vllm@001cabc1). The
+ * LoRA name is already in `lora`'s part of the key and a salt is keyed as
+ * a request keys its own (px_kv_salt_key), so that a request can match
+ * them; whatever else is there is hashed as it is and matches no request
+ * the proxy can compute, as it should. */
+static uint64_t entry_extra(const msgpack_object *e, const msgpack_object *lora_name, int first) {
+    if (!e || e->type == MSGPACK_OBJECT_NIL) return 0;
+    if (e->type != MSGPACK_OBJECT_ARRAY) return obj_hash(e, 1);
+    const msgpack_object *salt = NULL;
+    uint64_t other = 1;
+    int has_other = 0;
+    for (uint32_t j = 0; j < e->via.array.size; j++) {
+        const msgpack_object *x = &e->via.array.ptr[j];
+        if (x->type == MSGPACK_OBJECT_STR) {
+            if (lora_name && lora_name->type == MSGPACK_OBJECT_STR &&
+                x->via.str.size == lora_name->via.str.size &&
+                !memcmp(x->via.str.ptr, lora_name->via.str.ptr, x->via.str.size))
+                continue;
+            if (first) { /* the salt comes after the LoRA name and multimodal keys */
+                if (salt) other = obj_hash(salt, other), has_other = 1;
+                salt = x;
+                continue;
+            }
+        }
+        other = obj_hash(x, other);
+        has_other = 1;
+    }
+    return (salt ? px_kv_salt_key(salt->via.str.ptr, salt->via.str.size) : 0) ^
+           (has_other ? other : 0);
+}
+
 /* The fields of one event, found by position (array layout) or name. */
 typedef struct fields {
     const msgpack_object *hashes, *parent, *tok, *bs, *lora_name, *extra;
@@ -287,7 +322,7 @@ static int do_stored(const fields *f, const px_kv_sink *sink) {
         extra = px_xmalloc((n ? n : 1) * sizeof *extra);
         for (size_t i = 0; i < n; i++) {
             const msgpack_object *e = has_extra ? &f->extra->via.array.ptr[i] : NULL;
-            extra[i] = px_mix64(lora) ^ (e && e->type != MSGPACK_OBJECT_NIL ? obj_hash(e, 1) : 0);
+            extra[i] = px_mix64(lora) ^ entry_extra(e, f->lora_name, i == 0 && !s.has_parent);
         }
         s.extra = extra;
     }
@@ -397,6 +432,8 @@ typedef struct sub {
     int have_seq, replaying, seen, was_healthy;
     uint64_t next; /* the sequence expected */
     unsigned long long batches, events, malformed, gaps, replays, replay_fail, resets;
+    uint64_t malformed_log_ns;        /* when the last malformed batch was logged */
+    unsigned long long malformed_quiet; /* malformed batches not logged since */
     struct sub *nx;
 } sub;
 
@@ -443,8 +480,19 @@ static void apply(sub *s, const void *p, size_t n) {
     if (ev < 0 || bad) {
         s->malformed++;
         atomic_fetch_add(&s->k->ctx->kvc.malformed, 1);
-        PX_LOG(PX_LOG_WARN, "msg=\"kv events: malformed batch\" backend=%s bad_events=%zu error=%s",
-               s->name, bad, ev < 0 ? err : "-");
+        /* One line a second at most per backend: a publisher sending
+         * garbage fast must not fill the log (the counter has them all). */
+        uint64_t now = px_now_ns();
+        if (s->malformed_log_ns && now - s->malformed_log_ns < 1000000000ull) {
+            s->malformed_quiet++;
+        } else {
+            PX_LOG(PX_LOG_WARN,
+                   "msg=\"kv events: malformed batch\" backend=%s bad_events=%zu error=%s "
+                   "not_logged_since=%llu",
+                   s->name, bad, ev < 0 ? err : "-", s->malformed_quiet);
+            s->malformed_log_ns = now;
+            s->malformed_quiet = 0;
+        }
     }
     if (ev > 0) {
         s->events += (unsigned)ev;

@@ -207,13 +207,24 @@ uint64_t px_kv_chain(uint64_t parent, const uint32_t *tok, size_t n, uint64_t ex
 
 size_t px_kv_prompt_keys(const uint32_t *tok, size_t ntok, size_t block_size, uint64_t extra,
                          uint64_t *out, size_t cap) {
+    return px_kv_salted_keys(tok, ntok, block_size, extra, 0, out, cap);
+}
+
+size_t px_kv_salted_keys(const uint32_t *tok, size_t ntok, size_t block_size, uint64_t extra,
+                         uint64_t salt, uint64_t *out, size_t cap) {
     if (!block_size) return 0;
     size_t n = ntok / block_size;
     if (n > cap) n = cap;
     uint64_t prev = 0;
     for (size_t i = 0; i < n; i++)
-        prev = out[i] = px_kv_chain(prev, tok + i * block_size, block_size, extra);
+        prev = out[i] = px_kv_chain(prev, tok + i * block_size, block_size,
+                                    i ? extra : extra ^ salt);
     return n;
+}
+
+uint64_t px_kv_salt_key(const char *salt, size_t n) {
+    /* Apart from any LoRA key (px_mix64 of a name's hash): another mix. */
+    return n ? nz(px_mix64(px_hash64(salt, n) ^ 0x5a17c0de5a17c0deull)) : 0;
 }
 
 px_kvindex *px_kvindex_create_bounded(size_t max_blocks, size_t max_bytes, size_t max_backends) {
@@ -506,7 +517,8 @@ static size_t prompt_extend(px_kv_prompt *p, size_t want) {
     }
     uint64_t prev = p->n ? p->keys[p->n - 1] : 0;
     for (; p->n < want; p->n++)
-        prev = p->keys[p->n] = px_kv_chain(prev, p->tok + p->n * p->bs, p->bs, p->extra);
+        prev = p->keys[p->n] = px_kv_chain(prev, p->tok + p->n * p->bs, p->bs,
+                                           p->n ? p->extra : p->extra ^ p->salt);
     return p->n;
 }
 

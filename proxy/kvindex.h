@@ -75,6 +75,16 @@ void px_kvindex_totals(px_kvindex *x, px_kvindex_stats *st);
  * Returns how many (ntok / block_size, at most cap). */
 size_t px_kv_prompt_keys(const uint32_t *tok, size_t ntok, size_t block_size, uint64_t extra,
                          uint64_t *out, size_t cap);
+/* The same for a request with a cache_salt: its key (px_kv_salt_key) goes
+ * into the first block's extra only, as vLLM puts the salt into the first
+ * block's extra keys alone (kv_cache_utils.py, read at
+ * vllm-project/vllm@001cabc1): every later key differs through the chain. */
+size_t px_kv_salted_keys(const uint32_t *tok, size_t ntok, size_t block_size, uint64_t extra,
+                         uint64_t salt, uint64_t *out, size_t cap);
+/* The index's key of a cache_salt's text (n bytes; 0 when n is 0): the KV
+ * event decoder keys a first block whose extra keys hold a salt by it, a
+ * request by its own salt. */
+uint64_t px_kv_salt_key(const char *salt, size_t n);
 
 /* LoRA adapters: an engine stores a LoRA request's blocks under the
  * adapter's name (BlockStored's lora_name), and a request names the adapter
@@ -96,6 +106,7 @@ typedef struct px_kv_prompt {
     const uint32_t *tok; /* borrowed: valid until cleanup */
     size_t ntok;
     uint64_t extra; /* hash of the LoRA name / extra keys, 0: none */
+    uint64_t salt;  /* px_kv_salt_key of its cache_salt, first block only (set after init) */
     size_t bs;      /* the block size keys[] are for (0: none yet) */
     size_t n;       /* keys[0..n) computed */
     size_t cap;

@@ -163,6 +163,7 @@ int px_leg_send(px_leg *l, const char *method, const char *path, const px_buf *b
         .ca_file = cfg->upstream_ca,
         .insecure = cfg->upstream_insecure,
         .track_upload = body && l->role == PX_LEG_DECODE,
+        .request_id = l->rid,
     };
     l->up = px_upstream_start(l->w->up, &q, &leg_up_cbs, l);
     px_buf_cleanup(&hd);

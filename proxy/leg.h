@@ -54,6 +54,7 @@ typedef struct px_leg {
     const px_leg_cbs *cbs; /* borrowed: static tables; the owner may swap them */
     void *owner;           /* borrowed */
     const char *lid;       /* borrowed: the request's id as a logfmt value, for log lines */
+    const char *rid;       /* borrowed: the X-Request-Id sent, which answers must echo (or NULL) */
     px_backend *b;         /* owned reference while an attempt holds it */
     px_upstream *up;       /* owned: the attempt's transfer in flight */
     char name[128];        /* the last attempt's backend, for logs after the hand-back */

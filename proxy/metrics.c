@@ -43,7 +43,8 @@ void px_hist_observe(px_hist *h, double seconds) {
 
 static const char *const adm_names[PX_ADM_M_COUNT] = {
     "queued", "dispatched", "queue_full", "queue_timeout", "client_left",
-    "rate_limited_requests", "rate_limited_tokens", "engine_full", "woken", "requeued"};
+    "rate_limited_requests", "rate_limited_tokens", "engine_full", "woken", "requeued",
+    "tenant_header_refused", "no_wait"};
 
 const char *px_adm_event_name(px_adm_event e) {
     return adm_names[e];

@@ -64,6 +64,8 @@ typedef enum {
     PX_ADM_M_ENGINE_FULL,  /* an engine answered 429/503: backed off, not failed */
     PX_ADM_M_WOKEN,        /* woken by another worker that freed a pool slot */
     PX_ADM_M_REQUEUED,     /* an engine answered 429/503: queued again, not failed */
+    PX_ADM_M_TENANT_REFUSED, /* 403: a tenant header from a peer that is no trusted gateway */
+    PX_ADM_M_NO_WAIT,      /* 429: saturated, and x-queue-timeout: 0 asked not to wait */
     PX_ADM_M_COUNT
 } px_adm_event;
 
@@ -91,6 +93,7 @@ typedef struct px_metrics {
     atomic_ullong stranded_released;
     atomic_ullong decisions[PX_DEC_COUNT];
     atomic_ullong fallbacks[PX_FB_COUNT];
+    atomic_ullong answers_foreign; /* prefill answers refused: another request's */
     atomic_ullong adm[PX_ADM_M_COUNT];
     px_hist queue_wait; /* seconds queued, of requests that left the queue */
     atomic_ullong tokenize[PX_TOK_COUNT]; /* exact prompt tokens, by result */

@@ -30,32 +30,44 @@ int px_prio_number(const char *s, const char *end, long long *out) {
     return 0;
 }
 
-static int prio_one(const char *spec, char *name, long long *lo, long long *hi, char *err,
-                    size_t errlen) {
-    const char *colon = strchr(spec, ':');
-    const char *range = colon ? colon + 1 : NULL;
+static int prio_one(const char *spec, char *name, long long *lo, long long *hi, unsigned *share,
+                    char *err, size_t errlen) {
+    char buf[128];
+    int bad = strlen(spec) >= sizeof buf;
+    if (!bad) snprintf(buf, sizeof buf, "%s", spec);
+    char *colon = bad ? NULL : strchr(buf, ':');
+    char *range = colon ? colon + 1 : NULL;
+    char *opt = range ? strchr(range, ':') : NULL;
+    if (opt) *opt++ = 0;
     const char *dots = range ? strstr(range, "..") : NULL;
-    size_t nlen = colon ? (size_t)(colon - spec) : 0;
-    int bad = !colon || !nlen || nlen >= PX_PRIO_NAME_MAX;
+    size_t nlen = colon ? (size_t)(colon - buf) : 0;
+    bad = bad || !colon || !nlen || nlen >= PX_PRIO_NAME_MAX;
     for (size_t i = 0; !bad && i < nlen; i++)
-        bad = !(isalnum((unsigned char)spec[i]) || spec[i] == '-' || spec[i] == '_');
+        bad = !(isalnum((unsigned char)buf[i]) || buf[i] == '-' || buf[i] == '_');
     /* A name is not a number, so "x-priority: 3" is never read as a name. */
-    if (!bad && (isdigit((unsigned char)spec[0]) || spec[0] == '-')) bad = 1;
+    if (!bad && (isdigit((unsigned char)buf[0]) || buf[0] == '-')) bad = 1;
     if (!bad && dots)
-        bad = px_prio_number(range, dots, lo) < 0 || px_prio_number(dots + 2, range + strlen(range), hi) < 0 ||
-              *lo > *hi;
+        bad = px_prio_number(range, dots, lo) < 0 ||
+              px_prio_number(dots + 2, range + strlen(range), hi) < 0 || *lo > *hi;
     else if (!bad) {
         bad = px_prio_number(range, range + strlen(range), lo) < 0;
         *hi = *lo;
     }
+    *share = 0;
+    long long sh = 0;
+    if (!bad && opt)
+        bad = strncmp(opt, "share=", 6) || px_prio_number(opt + 6, opt + strlen(opt), &sh) < 0 ||
+              sh < 1 || sh > 1000;
     if (bad) {
         snprintf(err, errlen,
-                 "--priority-class '%s': expected NAME:LO..HI or NAME:P (NAME letters, digits, "
-                 "- and _, not starting with a digit or -, under %d bytes; LO <= HI integers)",
+                 "--priority-class '%s': expected NAME:LO..HI or NAME:P, then optionally "
+                 ":share=N (NAME letters, digits, - and _, not starting with a digit or -, under "
+                 "%d bytes; LO <= HI integers; N 1..1000)",
                  spec, PX_PRIO_NAME_MAX);
         return -1;
     }
-    memcpy(name, spec, nlen);
+    *share = (unsigned)sh;
+    memcpy(name, buf, nlen);
     name[nlen] = 0;
     return 0;
 }
@@ -63,7 +75,8 @@ static int prio_one(const char *spec, char *name, long long *lo, long long *hi, 
 int px_prio_spec_check(const char *spec, char *err, size_t errlen) {
     char name[PX_PRIO_NAME_MAX];
     long long lo, hi;
-    return prio_one(spec, name, &lo, &hi, err, errlen);
+    unsigned share;
+    return prio_one(spec, name, &lo, &hi, &share, err, errlen);
 }
 
 int px_prio_map_parse(char *const *specs, size_t n, px_prio_map *m, char *err, size_t errlen) {
@@ -73,7 +86,14 @@ int px_prio_map_parse(char *const *specs, size_t n, px_prio_map *m, char *err, s
     }
     px_prio_map t = {.n = n};
     for (size_t i = 0; i < n; i++) {
-        if (prio_one(specs[i], t.c[i].name, &t.c[i].lo, &t.c[i].hi, err, errlen) < 0) return -1;
+        if (prio_one(specs[i], t.c[i].name, &t.c[i].lo, &t.c[i].hi, &t.c[i].share, err,
+                     errlen) < 0)
+            return -1;
+        if (i && !t.c[i].share != !t.c[0].share) {
+            snprintf(err, errlen, "--priority-class '%s': give every class a share=, or none "
+                     "(strict order)", specs[i]);
+            return -1;
+        }
         for (size_t j = 0; j < i; j++)
             if (!strcmp(t.c[j].name, t.c[i].name)) {
                 snprintf(err, errlen, "--priority-class '%s': class '%s' is defined twice",

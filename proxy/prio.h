@@ -13,7 +13,10 @@
 int px_adm_class_of(long long priority);
 
 /* --priority-class: named classes, each a range of priority values, in
- * the order they are served (the first listed first). A request's
+ * the order they are served (the first listed first), strictly, or, when
+ * every class has a share (NAME:LO..HI:share=N), by shares: among classes
+ * with requests waiting, each class is served up to its share in a round
+ * before the next, so a lower class is never starved. A request's
  * priority (--priority-header, a number or a class's name; else the
  * body's `priority`) goes to the first class whose range holds it, a
  * number in none to the last class. n == 0: the default mapping,
@@ -24,11 +27,12 @@ typedef struct px_prio_map {
     struct {
         char name[PX_PRIO_NAME_MAX];
         long long lo, hi; /* the priorities it holds, both included */
+        unsigned share;   /* requests per round; 0: strict order (every class 0) */
     } c[PX_ADM_CLASSES];
 } px_prio_map;
 
-/* Parses specs "NAME:LO..HI" (or "NAME:P" for one value). 0, or -1 with
- * err naming the spec (m untouched). */
+/* Parses specs "NAME:LO..HI" (or "NAME:P" for one value), each with an
+ * optional ":share=N". 0, or -1 with err naming the spec (m untouched). */
 int px_prio_map_parse(char *const *specs, size_t n, px_prio_map *m, char *err, size_t errlen);
 /* Checks one spec as px_prio_map_parse would. */
 int px_prio_spec_check(const char *spec, char *err, size_t errlen);

@@ -1,6 +1,7 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 #include "proxy/ratelimit.h"
 
+#include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -91,9 +92,24 @@ static int parse_one(const char *spec, px_tenant *t, char *err, size_t errlen) {
         return -1;
     }
     uint64_t weight = 1, rpm = 0, tpm = 0;
+    long long floor = 0;
+    int has_floor = 0;
+    uint64_t seen = 0;
     for (char *kv = strtok_r(NULL, ":", &save); kv; kv = strtok_r(NULL, ":", &save)) {
         char *eq = strchr(kv, '=');
         uint64_t *dst = NULL, max = 0;
+        if (eq && (size_t)(eq - kv) == 5 && !strncmp(kv, "floor", 5)) {
+            char *end;
+            errno = 0;
+            floor = strtoll(eq + 1, &end, 10);
+            if (!eq[1] || *end || errno || has_floor) {
+                snprintf(err, errlen, "--tenant '%s': '%s' is not an integer priority%s", spec,
+                         kv, has_floor ? " (given twice)" : "");
+                return -1;
+            }
+            has_floor = 1;
+            continue;
+        }
         if (eq && (size_t)(eq - kv) == 6 && !strncmp(kv, "weight", 6))
             dst = &weight, max = 1000;
         else if (eq && (size_t)(eq - kv) == 3 && !strncmp(kv, "rpm", 3))
@@ -101,10 +117,17 @@ static int parse_one(const char *spec, px_tenant *t, char *err, size_t errlen) {
         else if (eq && (size_t)(eq - kv) == 3 && !strncmp(kv, "tpm", 3))
             dst = &tpm, max = 1000000000000ULL;
         if (!dst) {
-            snprintf(err, errlen, "--tenant '%s': unknown setting '%s' (weight=, rpm=, tpm=)",
-                     spec, kv);
+            snprintf(err, errlen,
+                     "--tenant '%s': unknown setting '%s' (weight=, rpm=, tpm=, floor=)", spec, kv);
             return -1;
         }
+        uint64_t bit = dst == &weight ? 1 : dst == &rpm ? 2 : 4;
+        if (seen & bit) {
+            snprintf(err, errlen, "--tenant '%s': '%.*s' is given twice", spec,
+                     (int)(eq - kv), kv);
+            return -1;
+        }
+        seen |= bit;
         if (parse_u64(eq + 1, max, dst) < 0 || (dst == &weight && weight == 0)) {
             snprintf(err, errlen, "--tenant '%s': '%s' is not an integer in %d..%llu", spec, kv,
                      dst == &weight ? 1 : 0, (unsigned long long)max);
@@ -114,6 +137,8 @@ static int parse_one(const char *spec, px_tenant *t, char *err, size_t errlen) {
     t->name = px_xstrdup(name);
     t->weight = (uint32_t)weight;
     t->live = 1;
+    atomic_init(&t->floor, floor);
+    atomic_init(&t->has_floor, has_floor);
     px_bucket_init(&t->rpm, rpm);
     px_bucket_init(&t->tpm, tpm);
     return 0;
@@ -126,31 +151,56 @@ int px_tenant_spec_check(const char *spec, char *err, size_t errlen) {
     return 0;
 }
 
+/* The name of a --tenant spec that sets the default tenant's settings. */
+#define DEFAULT_NAME "default"
+
 int px_tenants_parse(char *const *specs, size_t n, px_tenants *t, char *err, size_t errlen) {
     px_tenant *v = px_xcalloc(n + 1, sizeof *v);
+    px_tenant def = {0};
+    int has_def = 0;
+    size_t m = 0; /* named tenants parsed into v[0..m) */
     for (size_t i = 0; i < n; i++) {
-        int bad = parse_one(specs[i], &v[i], err, errlen) < 0;
-        for (size_t j = 0; !bad && j < i; j++)
-            if (!strcmp(v[j].name, v[i].name)) {
-                snprintf(err, errlen, "--tenant '%s': tenant '%s' is defined twice",
-                         specs[i], v[i].name);
+        px_tenant one = {0};
+        int bad = parse_one(specs[i], &one, err, errlen) < 0;
+        if (!bad && !strcmp(one.name, DEFAULT_NAME)) {
+            if (has_def) {
+                snprintf(err, errlen, "--tenant '%s': tenant '%s' is defined twice", specs[i],
+                         one.name);
                 bad = 1;
             }
+            free(def.name);
+            def = one;
+            has_def = 1;
+        } else if (!bad) {
+            v[m++] = one;
+            for (size_t j = 0; !bad && j + 1 < m; j++)
+                if (!strcmp(v[j].name, one.name)) {
+                    snprintf(err, errlen, "--tenant '%s': tenant '%s' is defined twice",
+                             specs[i], one.name);
+                    bad = 1;
+                }
+        }
         if (bad) {
-            for (size_t j = 0; j <= i; j++)
+            for (size_t j = 0; j < m; j++)
                 free(v[j].name);
+            free(def.name);
             free(v);
             return -1;
         }
     }
-    v[n].name = px_xstrdup("");
-    v[n].weight = 1;
-    v[n].live = 1;
-    px_bucket_init(&v[n].rpm, 0);
-    px_bucket_init(&v[n].tpm, 0);
+    /* The default tenant: weight 1 and no limits unless a "default" spec
+     * says otherwise. Its name stays "" (requests never name it). */
+    free(def.name);
+    v[m].name = px_xstrdup("");
+    v[m].weight = has_def ? def.weight : 1;
+    v[m].live = 1;
+    atomic_init(&v[m].floor, has_def ? atomic_load(&def.floor) : 0);
+    atomic_init(&v[m].has_floor, has_def ? atomic_load(&def.has_floor) : 0);
+    px_bucket_init(&v[m].rpm, has_def ? atomic_load(&def.rpm.limit) : 0);
+    px_bucket_init(&v[m].tpm, has_def ? atomic_load(&def.tpm.limit) : 0);
     t->v = v;
-    t->cap = n;
-    atomic_init(&t->n, n);
+    t->cap = m;
+    atomic_init(&t->n, m);
     return 0;
 }
 
@@ -171,6 +221,8 @@ static void copy_settings(px_tenant *dst, const px_tenant *src) {
     px_bucket_set(&dst->rpm, atomic_load(&src->rpm.limit));
     px_bucket_set(&dst->tpm, atomic_load(&src->tpm.limit));
     atomic_store(&dst->weight, atomic_load(&src->weight));
+    atomic_store(&dst->floor, atomic_load(&src->floor));
+    atomic_store(&dst->has_floor, atomic_load(&src->has_floor));
 }
 
 void px_tenants_reserve(px_tenants *t, size_t cap) {
@@ -226,7 +278,13 @@ int px_tenants_apply(px_tenants *t, const px_tenants *nt, uint32_t *weights, siz
         } else {
             if (atomic_load(&d->live)) gone++;
             atomic_store(&d->live, 0);
-            copy_settings(d, &nt->v[nt->cap]); /* weight 1, no limits */
+            /* Weight 1, no limits (its queued and running requests keep
+             * their index; the default tenant's limits are not theirs). */
+            px_bucket_set(&d->rpm, 0);
+            px_bucket_set(&d->tpm, 0);
+            atomic_store(&d->weight, 1);
+            atomic_store(&d->floor, atomic_load(&nt->v[nt->cap].floor));
+            atomic_store(&d->has_floor, atomic_load(&nt->v[nt->cap].has_floor));
         }
         __atomic_store_n(&weights[i], atomic_load(&d->weight), __ATOMIC_RELAXED);
     }
@@ -242,19 +300,47 @@ int px_tenants_apply(px_tenants *t, const px_tenants *nt, uint32_t *weights, siz
         /* Published: workers reading n with acquire see the slot whole. */
         atomic_store_explicit(&t->n, ++n, memory_order_release);
     }
+    /* The default tenant takes the settings of nt's ("default" spec or
+     * none: weight 1, no limits). */
+    copy_settings(&t->v[t->cap], &nt->v[nt->cap]);
+    __atomic_store_n(&weights[t->cap], atomic_load(&t->v[t->cap].weight), __ATOMIC_RELAXED);
     if (added) *added = fresh + back;
     if (removed) *removed = gone;
     return 0;
 }
 
-px_rl_verdict px_tenant_admit(px_tenant *t, uint64_t now, uint64_t *retry_ns) {
-    if (t->tpm.limit && px_bucket_remaining(&t->tpm, now) == 0) {
+void px_bucket_refund(px_bucket *b, uint64_t now, uint64_t n) {
+    uint64_t iv = atomic_load_explicit(&b->interval_ns, memory_order_relaxed);
+    if (!atomic_load_explicit(&b->limit, memory_order_relaxed) || !iv || !n) return;
+    uint64_t tat = atomic_load_explicit(&b->tat, memory_order_relaxed), next;
+    do {
+        if (tat <= now) return; /* full already */
+        next = tat - now > n * iv ? tat - n * iv : now;
+    } while (!atomic_compare_exchange_weak_explicit(&b->tat, &tat, next, memory_order_relaxed,
+                                                    memory_order_relaxed));
+}
+
+px_rl_verdict px_tenant_admit(px_tenant *t, uint64_t now, uint64_t tokens, uint64_t *retry_ns) {
+    uint64_t tl = atomic_load_explicit(&t->tpm.limit, memory_order_relaxed);
+    if (tl && tokens > tl) return PX_RL_TOO_LARGE;
+    if (tl && !tokens && px_bucket_remaining(&t->tpm, now) == 0) {
         uint64_t base = base_of(atomic_load_explicit(&t->tpm.tat, memory_order_relaxed), now);
         *retry_ns = base - (now + PX_RL_WINDOW_NS) + t->tpm.interval_ns;
         return PX_RL_TOKENS;
     }
-    if (!px_bucket_take(&t->rpm, now, 1, retry_ns)) return PX_RL_REQUESTS;
+    if (tl && tokens && !px_bucket_take(&t->tpm, now, tokens, retry_ns)) return PX_RL_TOKENS;
+    if (!px_bucket_take(&t->rpm, now, 1, retry_ns)) {
+        if (tl && tokens) px_bucket_refund(&t->tpm, now, tokens);
+        return PX_RL_REQUESTS;
+    }
     return PX_RL_OK;
+}
+
+void px_tenant_settle(px_tenant *t, uint64_t now, uint64_t reserved, uint64_t used) {
+    if (used > reserved)
+        px_bucket_charge(&t->tpm, now, used - reserved);
+    else
+        px_bucket_refund(&t->tpm, now, reserved - used);
 }
 
 /* OpenAI's reset spelling: "1s", "6m0s", "20ms". */

@@ -6,9 +6,10 @@
  * next unit; taking n units moves it n * interval later, refused when it
  * would run more than a full minute (the burst) ahead of now. That is a
  * token bucket of capacity `limit` refilled at limit/minute, with one
- * compare-and-swap per take. Tenants come from --tenant specs; requests
- * name theirs with --tenant-header (unknown or none: the default tenant,
- * weight 1, no limits). Pure apart from the atomics: no loop, no I/O. */
+ * compare-and-swap per take. Tenants come from --tenant specs; a request's
+ * tenant comes from its credentials (tenant.h, admission.c): unknown
+ * callers are the default tenant's (weight 1 and no limits unless a spec
+ * named "default" sets them). Pure apart from the atomics: no loop, no I/O. */
 #ifndef PX_RATELIMIT_H
 #define PX_RATELIMIT_H
 
@@ -49,6 +50,10 @@ typedef struct px_tenant {
     _Atomic int live;        /* requests naming it find it; 0: removed at run time */
     px_bucket rpm;
     px_bucket tpm;
+    /* floor=P: the best (lowest) priority its requests may claim; a claim
+     * of a better one is served as P. has_floor 0: any. */
+    _Atomic long long floor;
+    _Atomic int has_floor;
 } px_tenant;
 
 /* The tenants, shared by all workers: a table of `cap` slots and the
@@ -75,7 +80,9 @@ static inline size_t px_tenants_default(const px_tenants *t) {
     return t->cap;
 }
 
-/* Parses the n --tenant specs "NAME[:weight=W][:rpm=N][:tpm=N]". 0, or -1
+/* Parses the n --tenant specs "NAME[:weight=W][:rpm=N][:tpm=N][:floor=P]"
+ * (each setting once); the spec
+ * named "default" sets the default tenant's weight and limits. 0, or -1
  * with err naming the spec and what is wrong (t untouched). */
 int px_tenants_parse(char *const *specs, size_t n, px_tenants *t, char *err, size_t errlen);
 void px_tenants_cleanup(px_tenants *t);
@@ -89,7 +96,8 @@ void px_tenants_reserve(px_tenants *t, size_t cap);
  * taken); tenants of nt new to t take a free slot; live tenants missing
  * from nt are removed: requests naming them go to the default tenant from
  * now on, while their queued and running requests keep their index (and
- * their place in the queue), served at weight 1 without limits. weights[]
+ * their place in the queue), served at weight 1 without limits; the
+ * default tenant takes nt's default settings. weights[]
  * (cap + 1, read by the queues with __atomic loads) follow. *added and
  * *removed (may be NULL) count the changes. 0, or -1 with err when the new
  * names need more free slots than are left (nothing changed). One writer
@@ -100,12 +108,23 @@ int px_tenants_apply(px_tenants *t, const px_tenants *nt, uint32_t *weights, siz
  * Any thread, no lock. */
 size_t px_tenants_find(const px_tenants *t, const char *name, size_t n);
 
-/* Why a request is refused by its tenant's limits. */
-typedef enum { PX_RL_OK = 0, PX_RL_REQUESTS, PX_RL_TOKENS } px_rl_verdict;
+/* Gives back n units taken before (a reservation not used): the bucket
+ * never becomes fuller than full. */
+void px_bucket_refund(px_bucket *b, uint64_t now, uint64_t n);
 
-/* Takes one request from the tenant's request bucket and checks that its
- * token bucket is not in debt. On refusal *retry_ns says when to retry. */
-px_rl_verdict px_tenant_admit(px_tenant *t, uint64_t now, uint64_t *retry_ns);
+/* Why a request is refused by its tenant's limits. */
+typedef enum { PX_RL_OK = 0, PX_RL_REQUESTS, PX_RL_TOKENS, PX_RL_TOO_LARGE } px_rl_verdict;
+
+/* Takes `tokens` from the tenant's token bucket (a reservation: the
+ * request's most tokens, settled by px_tenant_settle once its usage is
+ * known) and one request from its request bucket, both or neither.
+ * tokens 0: the token bucket must only not be in debt. TOO_LARGE: more
+ * tokens than the limit allows in a minute, never admitted. On refusal
+ * *retry_ns says when to retry (not for TOO_LARGE). */
+px_rl_verdict px_tenant_admit(px_tenant *t, uint64_t now, uint64_t tokens, uint64_t *retry_ns);
+/* A request that reserved `reserved` tokens used `used`: the difference is
+ * charged (the bucket may go into debt) or given back. */
+void px_tenant_settle(px_tenant *t, uint64_t now, uint64_t reserved, uint64_t used);
 
 /* The x-ratelimit-* header lines OpenAI clients read, for a tenant with a
  * limit ("" for one without), appended to out (NUL-terminated, truncated

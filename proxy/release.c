@@ -3,10 +3,11 @@
 
 #include "base/log.h"
 
-/* How long a prefill whose client left gets to answer before it is cut:
- * one that has not started answering has probably not published blocks
- * yet; one that has is let finish (so decode can release its blocks), but
- * not for longer than this, so a prefill stalled mid-answer is cut too. */
+/* How long a prefill whose client left gets to answer before it is told
+ * (pre_grace: its write side shut, its answer still read for
+ * PREFILL_ANSWER_GRACE_US); one that has started answering is let finish
+ * (so decode can release its blocks), but not for longer than the answer
+ * grace, so a prefill stalled mid-answer is cut too. */
 #define PREFILL_GRACE_US 50000
 #define PREFILL_ANSWER_GRACE_US 2000000
 
@@ -14,7 +15,7 @@ static const px_leg_cbs pre_cbs, dec_cbs;
 
 void px_release_init(px_release *rl, const px_release_ops *ops, void *owner, px_leg *pre,
                      px_leg *dec, px_intake *in) {
-    *rl = (px_release){ops, owner, pre, dec, in};
+    *rl = (px_release){ops, owner, pre, dec, in, 0};
 }
 
 static void over(void *arg) {
@@ -89,7 +90,25 @@ static void pre_done(void *arg, px_up_result rc, const char *why, int connected)
         over(rl);
 }
 
-static const px_leg_cbs pre_cbs = {.data = pre_data, .done = pre_done, .grace = over};
+/* Prefill did not answer in its grace. It may still have published: an
+ * engine publishes just before its answer leaves, and the answer may be on
+ * its way (a loaded proxy, a slow network). Cutting the connection then
+ * strands the blocks until they expire. So the prefill is told the client
+ * left (its connection's write side shut: an engine aborts a request whose
+ * client closed, and one that has not published never will) and its
+ * answer is still read for PREFILL_ANSWER_GRACE_US: one that comes is
+ * released through decode. Where that cannot be done (https), it is cut. */
+static void pre_grace(void *arg) {
+    px_release *rl = arg;
+    if (!rl->half_closed && rl->pre->up && px_upstream_half_close(rl->pre->up) == 0) {
+        rl->half_closed = 1;
+        px_leg_grace(rl->pre, PREFILL_ANSWER_GRACE_US);
+        return;
+    }
+    over(rl);
+}
+
+static const px_leg_cbs pre_cbs = {.data = pre_data, .done = pre_done, .grace = pre_grace};
 static const px_leg_cbs dec_cbs = {.data = dec_data, .done = dec_done, .idle = over};
 
 void px_release_prefill(px_release *rl) {

@@ -27,6 +27,7 @@ typedef struct px_release {
     void *owner;               /* borrowed */
     px_leg *pre, *dec;         /* borrowed: the request's legs */
     px_intake *in;             /* borrowed: what a decode pick brings */
+    int half_closed;           /* prefill was told the client left; its answer is still read */
 } px_release;
 
 void px_release_init(px_release *rl, const px_release_ops *ops, void *owner, px_leg *pre,
@@ -37,7 +38,9 @@ void px_release_init(px_release *rl, const px_release_ops *ops, void *owner, px_
  * if the connection were cut. So prefill gets a short grace (well inside
  * the 100 ms in which a cancelled upstream must close) to answer, longer
  * when it has started answering; an answer goes on to the release through
- * decode, silence is cut. */
+ * decode. Silence gets prefill told the client left (its write side shut,
+ * so an engine aborts a request it has not finished) and its answer read
+ * a while longer; then it is cut. */
 void px_release_prefill(px_release *rl);
 
 /* The client left before decode received the request (abort after upload

@@ -53,9 +53,15 @@ static void usage_out(void *arg, const char *p, size_t n) {
 
 void px_reply_start(px_reply *o, int status, const char *ctype, int sse, int kv) {
     int json = ctype && !strncasecmp(ctype, "application/json", 16);
+    /* A stream whose usage the proxy asked for (the tenant's tokens count,
+     * admission.h): the usage chunk is the proxy's, not the client's. */
+    int strip = o->adm->strip_usage && sse && status == 200;
     if (kv && o->cached[0] && status == 200 && (sse || json) &&
         !strcmp(o->ctx->cfg->usage_from, "prefill"))
         px_usage_init(&o->usage, o->cached, sse, USAGE_MAX_HOLD, usage_out, o);
+    else if (strip)
+        px_usage_init(&o->usage, "", 1, USAGE_MAX_HOLD, usage_out, o);
+    if (strip) px_usage_strip(&o->usage);
     o->started = 1;
     char rl[512];
     px_adm_ratelimit_headers(o->ctx, o->adm, rl, sizeof rl);

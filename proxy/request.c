@@ -521,6 +521,17 @@ static void prefill_done(void *arg, px_up_result rc, const char *why, int connec
     px_req *r = arg;
     px_leg *p = &r->pre;
     const px_config *cfg = r->ctx->cfg;
+    /* Another request's answer (an engine's late extra one): never its
+     * kv_transfer_params to decode; it ends as a broken answer (retried). */
+    if (rc == PX_UP_OK && p->status >= 200 && p->status < 300 &&
+        px_upstream_answer_foreign(p->b, p->resp.data, p->resp.len, r->log.id)) {
+        px_m_inc(&r->w->metrics.answers_foreign);
+        rc = PX_UP_RESET;
+        why = "the answer names another request (remote_request_id)";
+        PX_LOG(PX_LOG_WARN,
+               "req=%s msg=\"prefill answered for another request: refused\" prefill=%s",
+               r->log.lid, p->name);
+    }
     /* A full engine queue (admission.h) while the request may wait again:
      * the backend backs off, not counted as failed, and the request goes
      * back in the queue. Without a queue or time left, as before: a 503
@@ -773,6 +784,11 @@ static const px_leg_cbs tokenize_cbs = {.done = tok_done};
 /* Admitted: the prompt's key and, when wanted, its exact tokens. */
 static void pd_go(void *arg) {
     px_req *r = arg;
+    /* The tenant's cache_salt in place of the client's (tenant.h), and a
+     * stream asked for its usage when the tenant's tokens count. */
+    if (px_adm_body(&r->adm, r->ep == PX_EP_CHAT || r->ep == PX_EP_COMPLETIONS, &r->body))
+        account(r);
+    r->in.salt = px_adm_salt_key(&r->adm);
     px_buf body = {0}; /* the /tokenize request, when one is to be made */
     if (px_intake_tokens(&r->in, px_intake_prompt(&r->in), &body)) {
         r->tok = px_xcalloc(1, sizeof *r->tok);
@@ -805,6 +821,7 @@ static px_req *req_new(px_wctx *w, px_conn *c, px_endpoint ep, const px_http_hea
     px_intake_init(&r->in, w, r->g, ep, &r->body);
     px_leg_init(&r->pre, PX_LEG_PREFILL, w, &prefill_cbs, r, r->log.lid);
     px_leg_init(&r->dec, PX_LEG_DECODE, w, &decode_cbs, r, r->log.lid);
+    r->pre.rid = r->dec.rid = r->log.id;
     r->pre.pool = &r->in.ps->prefill;
     r->dec.pool = &r->in.ps->decode;
     px_release_init(&r->rel, &release_ops, r, &r->pre, &r->dec, &r->in);
@@ -875,6 +892,7 @@ static void start_pd(px_req *r, const px_http_head *h) {
     r->adm.it.owner = r;
     r->adm.go = pd_go;
     r->adm.expire = adm_expire;
+    r->adm.peer = r->log.client;
     px_adm_verdict av = px_adm_enter(r->w, &r->adm, r->in.ps, h, r->body.data, r->body.len, &status,
                                      extra, sizeof extra, msg, sizeof msg);
     if (av == PX_ADM_QUEUED) {

@@ -2,6 +2,7 @@
 #include "proxy/rewrite.h"
 
 #include <stdio.h>
+#include <string.h>
 
 #include "base/json.h"
 
@@ -182,6 +183,39 @@ int px_rewrite_decode_xfer(const char *body, size_t n, const char *kvp, size_t k
     }
     px_buf_printf(out, "\"transfer_id\":\"%s\"}}", transfer_id);
     return 0;
+}
+
+int px_rewrite_cache_salt(const char *body, size_t n, const char *salt, px_buf *out) {
+    static const char *const salt_key[] = {"cache_salt"};
+    unsigned saw;
+    if (copy_members(body, n, salt_key, 1, out, &saw) < 0) return -1;
+    px_buf_appends(out, "\"cache_salt\":");
+    px_buf_append_json_str(out, salt, strlen(salt));
+    px_buf_append(out, "}", 1);
+    return 0;
+}
+
+int px_rewrite_include_usage(const char *body, size_t n, px_buf *out) {
+    static const char *const so_key[] = {"stream_options"};
+    static const char *const usage_keys[] = {"include_usage", "continuous_usage_stats"};
+    px_json_member st, so, iu;
+    if (!px_json_find(body, n, "stream", &st) || st.type != PX_JSON_TRUE) return 0;
+    int has_so = px_json_find(body, n, "stream_options", &so) && so.type == PX_JSON_OBJECT;
+    if (has_so && px_json_find(so.val, so.val_len, "include_usage", &iu) &&
+        iu.type == PX_JSON_TRUE)
+        return 0; /* asked for: it is the client's */
+    unsigned saw;
+    if (copy_members(body, n, so_key, 1, out, &saw) < 0) return -1;
+    px_buf_appends(out, "\"stream_options\":");
+    if (has_so) {
+        /* continuous_usage_stats goes too: without include_usage it did
+         * nothing, with it every chunk would carry usage. */
+        if (copy_members(so.val, so.val_len, usage_keys, 2, out, &saw) < 0) return -1;
+    } else {
+        px_buf_append(out, "{", 1);
+    }
+    px_buf_appends(out, "\"include_usage\":true}}");
+    return 1;
 }
 
 int px_body_foreign_encoding(const char *body, size_t n) {

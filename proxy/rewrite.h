@@ -52,6 +52,21 @@ int px_rewrite_decode(const char *body, size_t n, const char *kvp, size_t kvp_le
 int px_rewrite_decode_xfer(const char *body, size_t n, const char *kvp, size_t kvp_len,
                            const char *transfer_id, px_buf *out);
 
+/* Appends to `out` the body with every member whose key decodes to
+ * cache_salt removed and "cache_salt":"<salt>" added (tenant.h: the salt
+ * is the proxy's, derived from the client's credentials). Returns 0, or -1
+ * when body is not an object. */
+int px_rewrite_cache_salt(const char *body, size_t n, const char *salt, px_buf *out);
+
+/* A streamed request ("stream": true) that does not ask for usage: its
+ * body with "stream_options":{..., "include_usage":true} (the client's
+ * other stream options kept, but continuous_usage_stats) appended to `out`,
+ * so that decode ends its stream with a usage chunk (which the proxy
+ * drops, usage.h) and the tenant's tokens can be counted. Returns 1 when
+ * `out` holds that body, 0 when the body goes as it is (not streamed, or
+ * usage asked for), -1 when it is not an object. */
+int px_rewrite_include_usage(const char *body, size_t n, px_buf *out);
+
 /* 1 when a body begins the way Python's json.loads (json.detect_encoding)
  * reads as a byte-order mark or as UTF-16/UTF-32: an engine's JSON parser
  * would decode it, the proxy's cannot look inside it, so such bodies are

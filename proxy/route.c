@@ -545,6 +545,7 @@ static size_t choose_kv(px_pool *p, const px_pick *k, const size_t *cand, size_t
     int use_kv = k && k->tok && k->kv;
     px_kv_prompt pr;
     px_kv_prompt_init(&pr, use_kv ? k->tok : NULL, use_kv ? k->ntok : 0, use_kv ? k->kv_extra : 0);
+    pr.salt = use_kv ? k->kv_salt : 0;
     int exact = 0;
     if (use_kv) {
         /* The first block's key at the first block size an engine announced:

@@ -76,6 +76,7 @@ typedef struct px_backend {
     /* kv_aware: prompt tokens of the requests routed here and not done. */
     atomic_long tokens;
     atomic_ullong outcomes[PX_OUT_COUNT]; /* upstream requests by outcome */
+    atomic_int echoes_id; /* its prefill answers' remote_request_id held the X-Request-Id sent */
     int check_busy;                       /* control thread only: a health check is in flight */
     int probe_busy; /* control thread only: a load probe (GET /metrics) is in flight */
 } px_backend;
@@ -179,6 +180,7 @@ typedef struct px_pick {
     size_t *cached; /* out, when not NULL: the chosen backend's cached prompt tokens (the
                      * engine's rule: whole blocks, never the prompt's last token) */
     uint64_t kv_extra; /* the prompt's LoRA key (px_kvindex_request_extra), 0: base model */
+    uint64_t kv_salt;  /* its cache_salt's key (px_kv_salt_key), 0: none */
     /* Sessions: a conversation (its key, 0: none) stays on the backend it
      * was routed to while that one is usable and not overloaded (over
      * ceil(load_factor * mean in-flight)). */

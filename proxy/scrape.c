@@ -11,6 +11,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "base/client.h"
 #include "base/logsink.h"
 #include "proxy/admission.h"
 #include "proxy/discovery.h"
@@ -409,6 +410,19 @@ void px_scrape_render(px_ctx *ctx, px_buf *o) {
                       "instance.\n# TYPE pdproxy_retries_total counter\n");
     px_buf_printf(o, "pdproxy_retries_total{role=\"prefill\"} %llu\n", SUM(retries[0]));
     px_buf_printf(o, "pdproxy_retries_total{role=\"decode\"} %llu\n", SUM(retries[1]));
+    unsigned long long mism, early;
+    px_client_answer_counts(&mism, &early);
+    px_buf_appends(o, "# HELP pdproxy_upstream_answers_refused_total Engine answers that named "
+                      "another request than the one sent (a late extra answer), by where "
+                      "that showed: the X-Request-Id echoed, or prefill's remote_request_id.\n"
+                      "# TYPE pdproxy_upstream_answers_refused_total counter\n");
+    px_buf_printf(o, "pdproxy_upstream_answers_refused_total{reason=\"request_id\"} %llu\n", mism);
+    px_buf_printf(o, "pdproxy_upstream_answers_refused_total{reason=\"remote_request_id\"} %llu\n",
+                  SUM(answers_foreign));
+    counter(o, "pdproxy_upstream_early_answers_total",
+            "Upstream connections closed, not reused, because an answer began before the "
+            "request was written whole.",
+            early);
     counter(o, "pdproxy_stranded_blocks_released_total",
             "Requests whose client left after prefill answered: decode was sent the request and "
             "aborted so that prefill frees the blocks at once.",

@@ -9,6 +9,7 @@
 #include <strings.h>
 
 #include "base/client.h"
+#include "base/json.h"
 #include "base/log.h"
 #include "base/util.h"
 #include "proxy/curlx.h"
@@ -494,6 +495,8 @@ static void h_done(void *arg, px_cresult r, const char *why, int sent) {
     void *uarg = u->arg;
     u->q = NULL;
     free_up(u);
+    /* An answer that named another request (PX_CR_MISMATCH) ends like a
+     * broken one: no byte of it was ours. */
     px_up_result res = r == PX_CR_OK        ? PX_UP_OK
                        : r == PX_CR_CONNECT ? PX_UP_CONNECT
                        : r == PX_CR_TIMEOUT ? PX_UP_TIMEOUT
@@ -528,6 +531,7 @@ static px_upstream *start_http(px_uploop *l, const px_upstream_req *q, const px_
         .total_timeout = q->total_timeout,
         .idle_timeout = q->idle_timeout,
         .track_upload = q->track_upload,
+        .expect_id = q->request_id,
     };
     px_upstream *u = px_xcalloc(1, sizeof *u);
     u->loop = l;
@@ -585,10 +589,32 @@ int px_upstream_answering(px_upstream *u) {
     return poll(&pfd, 1, 0) == 1 && (pfd.revents & POLLIN);
 }
 
+int px_upstream_half_close(px_upstream *u) {
+    return u->q ? px_creq_shutdown_write(u->q) : -1;
+}
+
 int px_upstream_abort_after_upload(px_upstream *u) {
     if (u->q) return px_creq_abort_after_upload(u->q);
     u->abort_after_upload = 1;
     return u->upload_done;
+}
+
+int px_upstream_answer_foreign(px_backend *b, const char *body, size_t n, const char *id) {
+    px_json_member kv, rid;
+    char text[512];
+    if (!b || !body || !id || !*id || !px_json_find(body, n, "kv_transfer_params", &kv) ||
+        kv.type != PX_JSON_OBJECT ||
+        !px_json_find(kv.val, kv.val_len, "remote_request_id", &rid) ||
+        rid.type != PX_JSON_STRING)
+        return 0;
+    long l = px_json_str_decode(rid.val + 1, rid.val_len - 2, text, sizeof text);
+    if (l < 0) return 0;
+    if (memmem(text, (size_t)l, id, strlen(id))) {
+        if (!atomic_load_explicit(&b->echoes_id, memory_order_relaxed))
+            atomic_store_explicit(&b->echoes_id, 1, memory_order_relaxed);
+        return 0;
+    }
+    return atomic_load_explicit(&b->echoes_id, memory_order_relaxed);
 }
 
 int px_upstream_status_for(px_up_result r) {

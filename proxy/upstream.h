@@ -74,7 +74,17 @@ typedef struct px_upstream_req {
     const char *ca_file; /* https: CA bundle; NULL or "": the system store */
     int insecure;        /* https: skip certificate verification */
     int track_upload;    /* report when the body has been sent (px_upstream_abort_after_upload) */
+    const char *request_id; /* the X-Request-Id sent: an answer echoing another is refused
+                               (http://, base/client.h expect_id); NULL: not checked */
 } px_upstream_req;
+
+/* Whether a prefill answer of backend b (body[0..n), a 2xx) is another
+ * request's: an engine that puts the X-Request-Id it got into its
+ * remote_request_id (vLLM, engine-sim: the id plus a suffix) is known to
+ * once one answer of b did so, and from then on an answer whose
+ * remote_request_id lacks `id` is refused (a late extra answer would give
+ * decode another request's kv_transfer_params). 1: refuse it. Any thread. */
+int px_upstream_answer_foreign(px_backend *b, const char *body, size_t n, const char *id);
 
 /* Starts the request `q` describes. Returns NULL when the transfer cannot
  * even start; nothing is called back then. */
@@ -89,6 +99,11 @@ int px_upstream_answering(px_upstream *u);
  * has been handed to the connection (needs opts.track_upload). Returns 1
  * when that has already happened: the caller may cancel at once. */
 int px_upstream_abort_after_upload(px_upstream *u);
+/* The request's client left: the backend is told (its connection's write
+ * side shut, base/client.h px_creq_shutdown_write) while its answer is
+ * still read. 0, or -1 when that cannot be done (https, or the request not
+ * written whole): the caller cancels instead. */
+int px_upstream_half_close(px_upstream *u);
 
 /* From inside on_headers only: copies the value of the answer's header
  * `name` (case-insensitive) into out (cap bytes, NUL-terminated, cut to

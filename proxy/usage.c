@@ -44,11 +44,40 @@ static void emit(px_usage *u, const char *p, size_t n) {
     if (n) u->out(u->arg, p, n);
 }
 
+/* Whether an SSE event is the usage chunk a stream ends with when asked
+ * for it (stream_options.include_usage): a data line holding a JSON object
+ * with an empty "choices" array and a "usage" object. */
+static int usage_only(const char *p, size_t n) {
+    const char *d = n >= 5 && !memcmp(p, "data:", 5) ? p : memmem(p, n, "\ndata:", 6);
+    if (!d) return 0;
+    if (*d == '\n') d++;
+    d += 5;
+    const char *end = memchr(d, '\n', (size_t)(p + n - d));
+    if (!end) end = p + n;
+    px_json_member c, u;
+    if (!px_json_find(d, (size_t)(end - d), "usage", &u) || u.type != PX_JSON_OBJECT ||
+        !px_json_find(d, (size_t)(end - d), "choices", &c) || c.type != PX_JSON_ARRAY)
+        return 0;
+    for (size_t i = 1; i + 1 < c.val_len; i++)
+        if (c.val[i] != ' ' && c.val[i] != '\t' && c.val[i] != '\r' && c.val[i] != '\n')
+            return 0;
+    return 1;
+}
+
 /* Passes on p[0..n), a JSON document or one SSE event, with prefill's
- * cached_tokens in place of decode's; every other byte as it is. */
+ * cached_tokens in place of decode's; every other byte as it is. The
+ * usage chunk the proxy asked for is not passed on at all. */
 static void emit_fixed(px_usage *u, const char *p, size_t n) {
     const char *json = p, *end = p + n, *v;
     size_t vl;
+    if (u->sse && u->strip && usage_only(p, n)) {
+        u->stripped++;
+        return;
+    }
+    if (!u->cached[0]) {
+        emit(u, p, n);
+        return;
+    }
     if (u->sse) {
         /* The event's data line that carries the usage. */
         const char *k = memmem(p, n, "\"cached_tokens\"", 15);
@@ -124,6 +153,10 @@ void px_usage_end(px_usage *u, int whole) {
     else
         flush_events(u, 1);
     px_usage_cleanup(u);
+}
+
+void px_usage_strip(px_usage *u) {
+    u->strip = 1;
 }
 
 size_t px_usage_held(const px_usage *u) {

@@ -1,6 +1,7 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /* --usage-from prefill: decode's answer with prefill's cached_tokens in
- * place of decode's (usage.prompt_tokens_details.cached_tokens), as a byte
+ * place of decode's (usage.prompt_tokens_details.cached_tokens), and
+ * without the usage chunk the proxy asked for (px_usage_strip), as a byte
  * filter. Decode's bytes go in as they arrive; what comes out goes to the
  * caller's output callback, every byte as it was but that number. A JSON
  * answer is held whole, an SSE answer an event at a time; past the hold
@@ -24,6 +25,8 @@ typedef struct px_usage {
     px_buf held;      /* owned: bytes not yet passed on */
     px_usage_out out; /* borrowed, with arg */
     void *arg;
+    int strip;          /* drop the usage chunk of an SSE answer (px_usage_strip) */
+    unsigned stripped;  /* usage chunks dropped */
 } px_usage;
 
 /* Copies the number text of usage.prompt_tokens_details.cached_tokens in
@@ -35,6 +38,12 @@ int px_usage_cached_tokens(const char *json, size_t n, char out[24]);
  * px_usage_cached_tokens), `sse` says how decode answers. */
 void px_usage_init(px_usage *u, const char *cached, int sse, size_t max_hold, px_usage_out out,
                    void *arg);
+
+/* Also drops the SSE event that carries only usage (empty "choices", a
+ * "usage" object): the one decode sends because the proxy asked for it
+ * (stream_options.include_usage, to count a tenant's tokens) and the client
+ * did not. Every other byte passes as it came. With `cached` "" only this. */
+void px_usage_strip(px_usage *u);
 
 /* Takes p[0..n) of decode's answer. Returns 0 when the filter took it
  * (held, complete events passed on), or -1 when it would pass the hold

@@ -63,7 +63,9 @@ class AdmissionCase(ProdCase):
     def proxy(self, extra, decode=None, **kw):
         self.P = self.mock(prefill_handler(), name="P")
         self.D = self.mock(decode or gated_decode(self.gate), name="D")
-        return self.start([self.P], [self.D], ["--pool-max-inflight", "1"] + list(extra),
+        # The tests name tenants with x-tenant, as a trusted gateway would.
+        return self.start([self.P], [self.D], ["--pool-max-inflight", "1",
+                                               "--tenant-header-from", "127.0.0.1"] + list(extra),
                           threads=1, **kw)
 
     def send(self, px, rid, headers=None, body=None, timeout=20):
@@ -334,12 +336,14 @@ class RateLimitTest(AdmissionCase):
         px = self.proxy(["--tenant", "t:tpm=10"],
                         decode=gated_decode(self.gate, usage_tokens=8))
         h = {"x-tenant": "t"}
-        self.assertEqual(self.post(px, headers=h).status, 200)
-        r2 = self.post(px, headers=h)
+        body = completion_body(max_tokens=2)
+        self.assertEqual(self.post(px, body=body, headers=h).status, 200)
+        r2 = self.post(px, body=body, headers=h)
         self.assertEqual(r2.status, 200)
         self.assertEqual(r2.header("x-ratelimit-limit-tokens"), "10")
-        self.assertEqual(r2.header("x-ratelimit-remaining-tokens"), "2")
-        r3 = self.post(px, headers=h)
+        # 8 used by the first, 2 reserved by this one (its max_tokens).
+        self.assertEqual(r2.header("x-ratelimit-remaining-tokens"), "0")
+        r3 = self.post(px, body=body, headers=h)
         self.assertErrorJson(r3, 429, "past tpm")
         self.assertIn("tokens", r3.json()["error"]["message"])
         self.assertEqual(r3.header("x-ratelimit-remaining-tokens"), "0")
@@ -563,7 +567,7 @@ class SaturationSourcesTest(AdmissionCase):
         pools = [("m", ["m"], [self.P], [self.D])]
         write_yaml(f, pools_yaml(pools, "pool-max-inflight: 1\nqueue-max: 32\n"
                                  "tenant: a b\n"))
-        px = self.start(args=["--config", f], threads=1)
+        px = self.start(args=["--config", f, "--tenant-header-from", "127.0.0.1"], threads=1)
         self.block(px)
         for i in range(6):
             self.queue(px, "a%d" % i, {"x-tenant": "a"})
@@ -665,7 +669,7 @@ class SaturationSourcesTest(AdmissionCase):
         self.P = self.mock(prefill_handler(), name="P")
         self.D = self.mock(gated_decode(self.gate), name="D")
         write_yaml(f, pools_yaml([("m", ["m"], [self.P], [self.D])], "tenant: a\n"))
-        px = self.start(args=["--config", f], threads=1)
+        px = self.start(args=["--config", f, "--tenant-header-from", "127.0.0.1"], threads=1)
         self.assertEqual(self.post(px, headers={"x-tenant": "n"}).status, 200)
         write_yaml(f, pools_yaml([("m", ["m"], [self.P], [self.D])],
                                  "tenant: a n:rpm=1\npriority-class: hi:0 lo:1..9\n"))
@@ -685,7 +689,7 @@ class SaturationSourcesTest(AdmissionCase):
         f = os.path.join(d, "pdproxy.yaml")
         extra = "pool-max-inflight: 1\nqueue-max: 8\n"
         write_yaml(f, pools_yaml([("m", ["m"], [self.P], [self.D])], extra))
-        px = self.start(args=["--config", f], threads=1)
+        px = self.start(args=["--config", f, "--tenant-header-from", "127.0.0.1"], threads=1)
         self.block(px)
         for i in range(3):
             self.queue(px, "q%d" % i)
@@ -707,7 +711,8 @@ def sim_proxy(pport, dport, extra):
     def argv(port):
         return [PDPROXY, "--port", str(port), "--threads", "1", "--drain-delay", "0",
                 "--prefiller-hosts", HOST, "--prefiller-ports", str(pport),
-                "--decoder-hosts", HOST, "--decoder-ports", str(dport)] + list(extra)
+                "--decoder-hosts", HOST, "--decoder-ports", str(dport),
+                "--tenant-header-from", "127.0.0.1"] + list(extra)
     return start_proc("pdproxy", argv, "/healthcheck")
 
 

@@ -107,6 +107,10 @@ SAMPLES = {
     "priority-header": ("x-prio", None),
     "priority-class": ("hi:-5..0, lo:1..9", "hi:-5..0 lo:1..9"),
     "tenant": ("a:weight=2:rpm=60, b", "a:weight=2:rpm=60 b"),
+    "tenant-header-from": ("10.0.0.0/8, 192.0.2.7", "10.0.0.0/8 192.0.2.7"),
+    "tenant-keys": ("/nonexistent/tenant-keys", None),
+    "cache-salt": ("key", None),
+    "default-max-tokens": ("512", None),
     "prefiller-allowlist": ("10.0.0.0/8:*, prefill.example:8000", "10.0.0.0/8:* prefill.example:8000"),
 }
 # Options that --print-config shows in another form: the file itself, and

@@ -53,7 +53,18 @@ class StrandedBlocksTest(LoggedCase):
         where = "seed=%d (PX_TEST_SEED to replay)" % seed
         ps = [self.start(start_engine_sim("prefill", ENGINE_FLAGS)) for _ in range(2)]
         d = self.start(start_engine_sim("decode", ENGINE_FLAGS))
-        px = self.start(start_sim_proxy([p.port for p in ps], [d.port],
+        # PX_TEST_PREFILL_DELAY_MS opens on purpose the window load opened
+        # in CI: prefills' answers reach pdproxy that much late (a relay),
+        # after the grace of a client that left during prefill.
+        delay = float(os.environ.get("PX_TEST_PREFILL_DELAY_MS") or 0) / 1000.0
+        ports = [p.port for p in ps]
+        if delay:
+            relays = [Relay(port, down_delay_s=delay) for port in ports]
+            for r in relays:
+                self.addCleanup(r.close)
+            ports = [r.port for r in relays]
+            where += " PX_TEST_PREFILL_DELAY_MS=%g" % (delay * 1000)
+        px = self.start(start_sim_proxy(ports, [d.port],
                                         ["--health-interval", "0", "--log-level", "info"]))
 
         # A third leave: 7 during prefill (P's TTFT is 30 ms), 7 around the
@@ -155,15 +166,20 @@ class Relay(Listener):
     * up_piece/up_gap: read what pdproxy sends in pieces of up_piece bytes,
       up_gap seconds apart (a slow network toward the engine);
     * hold_last_s: hold the last byte of each answer (Content-Length framed)
-      that long after the rest (an answer split across segments).
+      that long after the rest (an answer split across segments);
+    * down_delay_s: deliver every piece of an answer that much later (an
+      answer on its way while pdproxy's grace for it runs out: what a
+      loaded machine does to a prefill's answer).
 
     Events: `up_started` when the first bytes toward the engine arrive,
     `answer_partial` when an answer went out but for its last byte,
     `up_eof` when pdproxy closed its side."""
 
-    def __init__(self, target_port, up_piece=None, up_gap=0.0, hold_last_s=0.0):
+    def __init__(self, target_port, up_piece=None, up_gap=0.0, hold_last_s=0.0,
+                 down_delay_s=0.0):
         self.target = target_port
         self.up_piece, self.up_gap, self.hold_last_s = up_piece, up_gap, hold_last_s
+        self.down_delay_s = down_delay_s
         self.up_started = threading.Event()
         self.answer_partial = threading.Event()
         self.up_eof = threading.Event()
@@ -226,6 +242,8 @@ class Relay(Listener):
                     pass
                 return
             if not self.hold_last_s:
+                if self.down_delay_s:
+                    time.sleep(self.down_delay_s)
                 try:
                     dst.sendall(data)
                 except OSError:
@@ -318,6 +336,28 @@ class HandOverWindowTest(LoggedCase):
         time.sleep(0.1)
         c.close()  # prefill answered; its last byte reaches pdproxy 0.4 s later
         self.released_without_expiry(p, "client left while prefill's answer was in flight")
+
+    def test_client_leaves_before_prefill_answer_reaches_pdproxy(self):
+        """The window load opened in CI (issue 41): the client leaves during
+        prefill, prefill publishes and answers, but its answer reaches
+        pdproxy only after pdproxy's 50 ms grace; cutting the connection
+        then stranded the blocks. The relay delays the answer on purpose."""
+        p = self.start(start_engine_sim("prefill", HANDOVER_FLAGS))
+        d = self.start(start_engine_sim("decode", HANDOVER_FLAGS))
+        relay = Relay(p.port, down_delay_s=0.3)
+        self.addCleanup(relay.close)
+        px = self.start(start_sim_proxy([relay.port], [d.port], ["--health-interval", "0"]))
+        body = {"model": "sim-model", "prompt": "an answer late for its grace " * 20,
+                "max_tokens": 8, "stream": True}
+        c = RawClient(px.port, timeout=30)
+        c.request("POST", "/v1/completions", json.dumps(body).encode(),
+                  [("X-Request-Id", "late-answer")])
+        self.assertTrue(relay.up_started.wait(10), "the request never reached prefill")
+        time.sleep(0.005)
+        c.close()  # during prefill (30 ms); its answer reaches pdproxy 0.3 s after it leaves
+        self.released_without_expiry(p, "client left; prefill's answer came after the grace")
+        pm = prom(px.port)
+        self.assertEqual(metric(pm, "pdproxy_stranded_blocks_released_total"), 1)
 
 
 if __name__ == "__main__":

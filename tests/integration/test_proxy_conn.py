@@ -482,8 +482,11 @@ class CancelPrefillTest(PxTestCase):
         self._cancel_during_p(rst=True)
 
     def test_no_decode_after_client_left(self):
-        # P answers 0.4 s later whatever happens (if pdproxy still listens):
-        # D must not be called for a client that is gone.
+        # P answers 0.4 s later whatever happens: pdproxy told it the client
+        # left (its write side shut at the grace's end) but still reads, so
+        # an answer means P published blocks (issue 41: cutting here
+        # stranded them). D is then given the request only to release them:
+        # sent, aborted, counted; nobody's answer is read.
         def slow_p(req):
             time.sleep(0.4)
             return prefill_handler()(req)
@@ -494,10 +497,15 @@ class CancelPrefillTest(PxTestCase):
         c.request("POST", "/v1/completions", completion_body())
         self.assertEqual(len(self.P.wait_requests(1, timeout=5)), 1)
         c.close()
-        # Its access line is written when the request is over (prefill's
-        # grace spent): no decode can follow it.
-        self.wait_access(px, outcome="client_disconnected")
-        self.assertEqual(self.D.requests, [], "D called for a client that had left")
+        self.assertIsNotNone(self.P.requests[0].conn.wait_closed(1.0),
+                             "P not told that the client left")
+        released = wait_value(lambda: metric(prom(px.port),
+                                             "pdproxy_stranded_blocks_released_total"),
+                              lambda v: v == 1, 3.0)
+        self.assertEqual(released, 1, "P's late answer not released through D")
+        self.assertEqual(len(self.D.requests), 1)
+        self.assertIsNotNone(self.D.requests[0].conn.wait_closed(2.0),
+                             "the release's D request was not aborted")
 
 
 if __name__ == "__main__":

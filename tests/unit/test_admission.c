@@ -214,6 +214,47 @@ static void test_priority_classes(void **state)
     assert_non_null(strstr(err, "at most 16"));
 }
 
+/* Issue 41: classes with shares are served in rounds (3 of class 0, 1 of
+ * class 1), so the lower class is never starved; a class whose requests
+ * wait for their pool keeps its credit, and one out of credit still serves
+ * a pool the others cannot use. */
+static int not_id7(void *arg, px_adm_item *it)
+{
+    (void)arg;
+    return id_of(it) != 7;
+}
+
+static void test_class_shares(void **state)
+{
+    (void)state;
+    uint32_t w[1] = {1};
+    px_admq q;
+    px_admq_init(&q, w, 1, 100, 0);
+    char *specs[] = {"hi:0:share=3", "lo:1:share=1"};
+    px_prio_map m;
+    char err[256];
+    assert_int_equal(px_prio_map_parse(specs, 2, &m, err, sizeof err), 0);
+    px_admq_set_shares(&q, &m);
+    px_adm_item it[12];
+    for (int i = 0; i < 8; i++)
+        assert_int_equal(px_admq_push(&q, item(&it[i], 0, 0, 1, i)), 0);
+    for (int i = 8; i < 11; i++)
+        assert_int_equal(px_admq_push(&q, item(&it[i], 1, 0, 1, i)), 0);
+    int want[11] = {0, 1, 2, 8, 3, 4, 5, 9, 6, 7, 10};
+    for (int i = 0; i < 11; i++)
+        assert_int_equal(id_of(px_admq_pop(&q, NULL, NULL)), want[i]);
+    /* hi's next (id 7) waits for its pool: lo, out of credit, still goes. */
+    px_admq_set_shares(&q, &m);
+    assert_int_equal(px_admq_push(&q, item(&it[0], 0, 0, 1, 7)), 0);
+    assert_int_equal(px_admq_push(&q, item(&it[1], 1, 0, 1, 1)), 0);
+    assert_int_equal(px_admq_push(&q, item(&it[2], 1, 0, 1, 2)), 0);
+    assert_int_equal(id_of(px_admq_pop(&q, not_id7, NULL)), 1);
+    assert_int_equal(id_of(px_admq_pop(&q, not_id7, NULL)), 2);
+    assert_null(px_admq_pop(&q, not_id7, NULL));
+    assert_int_equal(id_of(px_admq_pop(&q, NULL, NULL)), 7);
+    px_admq_cleanup(&q);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -222,6 +263,7 @@ int main(void)
         cmocka_unit_test(test_bounds_and_remove),
         cmocka_unit_test(test_pop_skips_blocked),
         cmocka_unit_test(test_priority_classes),
+        cmocka_unit_test(test_class_shares),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -123,9 +123,9 @@ static void test_tenants_parse(void **state)
     assert_int_equal(t.v[3].weight, 1);
 
     uint64_t now = 7 * SEC, retry = 0;
-    assert_int_equal(px_tenant_admit(&t.v[0], now, &retry), PX_RL_OK);
-    assert_int_equal(px_tenant_admit(&t.v[0], now, &retry), PX_RL_OK);
-    assert_int_equal(px_tenant_admit(&t.v[0], now, &retry), PX_RL_REQUESTS);
+    assert_int_equal(px_tenant_admit(&t.v[0], now, 0, &retry), PX_RL_OK);
+    assert_int_equal(px_tenant_admit(&t.v[0], now, 0, &retry), PX_RL_OK);
+    assert_int_equal(px_tenant_admit(&t.v[0], now, 0, &retry), PX_RL_REQUESTS);
     assert_int_equal(retry, 30 * SEC);
     char h[512] = "";
     px_tenant_headers(&t.v[0], now, h, sizeof h);
@@ -135,9 +135,9 @@ static void test_tenants_parse(void **state)
     assert_null(strstr(h, "tokens"));
 
     /* Tokens: admitted until the answers' usage spends the minute. */
-    assert_int_equal(px_tenant_admit(&t.v[1], now, &retry), PX_RL_OK);
+    assert_int_equal(px_tenant_admit(&t.v[1], now, 0, &retry), PX_RL_OK);
     px_bucket_charge(&t.v[1].tpm, now, 150);
-    assert_int_equal(px_tenant_admit(&t.v[1], now, &retry), PX_RL_TOKENS);
+    assert_int_equal(px_tenant_admit(&t.v[1], now, 0, &retry), PX_RL_TOKENS);
     assert_true(retry > 30 * SEC && retry <= 31 * SEC);
     h[0] = 0;
     px_tenant_headers(&t.v[1], now, h, sizeof h);
@@ -206,8 +206,8 @@ static void test_tenants_apply(void **state)
     assert_int_equal(w[2], 4);
     assert_int_equal(t.v[2].rpm.limit, 1);
     uint64_t retry;
-    assert_int_equal(px_tenant_admit(&t.v[2], SEC, &retry), PX_RL_OK);
-    assert_int_equal(px_tenant_admit(&t.v[2], SEC, &retry), PX_RL_REQUESTS);
+    assert_int_equal(px_tenant_admit(&t.v[2], SEC, 0, &retry), PX_RL_OK);
+    assert_int_equal(px_tenant_admit(&t.v[2], SEC, 0, &retry), PX_RL_REQUESTS);
 
     /* b comes back into its old slot; d and e need two slots, one is left. */
     char *full[] = {"a", "b:weight=5", "c", "d", "e"};
@@ -227,7 +227,7 @@ static void test_tenants_apply(void **state)
     assert_int_equal(w[1], 5);
     assert_int_equal(px_tenants_find(&t, "d", 1), 3);
     /* c without its limit now: admitted. */
-    assert_int_equal(px_tenant_admit(&t.v[2], SEC, &retry), PX_RL_OK);
+    assert_int_equal(px_tenant_admit(&t.v[2], SEC, 0, &retry), PX_RL_OK);
     px_tenants_cleanup(&t);
 }
 
@@ -303,6 +303,73 @@ static void test_tokscan(void **state)
     assert_int_equal(none.total, 0);
 }
 
+/* Issue 41: tpm= reserves a request's most tokens at admission and
+ * settles on its real usage, so concurrent requests cannot each pass
+ * while the bucket is not empty; a request that can never fit is told so. */
+static void test_reserve_and_settle(void **state)
+{
+    (void)state;
+    char *specs[] = {"t:tpm=30"};
+    px_tenants t;
+    parse_into(&t, specs, 1);
+    uint64_t now = 5 * SEC, retry = 0;
+    /* Four requests of max 8 tokens at once: three fit in 30, not four. */
+    for (int i = 0; i < 3; i++)
+        assert_int_equal(px_tenant_admit(&t.v[0], now, 8, &retry), PX_RL_OK);
+    assert_int_equal(px_tenant_admit(&t.v[0], now, 8, &retry), PX_RL_TOKENS);
+    assert_true(retry > 0);
+    /* One used 2 of its 8: 6 come back, and the fourth fits. */
+    px_tenant_settle(&t.v[0], now, 8, 2);
+    assert_int_equal(px_tenant_admit(&t.v[0], now, 8, &retry), PX_RL_OK);
+    /* Refunds never fill the bucket past full. */
+    px_tenant_settle(&t.v[0], now, 1000, 0);
+    assert_int_equal(px_bucket_remaining(&t.v[0].tpm, now), 30);
+    /* More than a minute's worth: never admitted, and said so. */
+    assert_int_equal(px_tenant_admit(&t.v[0], now, 31, &retry), PX_RL_TOO_LARGE);
+    /* A refused request takes no request from rpm either (both or none). */
+    px_bucket_set(&t.v[0].rpm, 1);
+    assert_int_equal(px_tenant_admit(&t.v[0], now, 30, &retry), PX_RL_OK);
+    assert_int_equal(px_tenant_admit(&t.v[0], now, 30, &retry), PX_RL_TOKENS);
+    px_tenants_cleanup(&t);
+}
+
+/* A spec named "default" sets the default tenant's limits: unknown callers
+ * are limited too. */
+static void test_default_tenant_spec(void **state)
+{
+    (void)state;
+    char *specs[] = {"a:rpm=5", "default:weight=2:rpm=1"};
+    px_tenants t;
+    parse_into(&t, specs, 2);
+    assert_int_equal(t.n, 1);
+    size_t d = px_tenants_default(&t);
+    assert_int_equal(px_tenants_find(&t, "default", 7), d);
+    assert_int_equal(px_tenants_find(&t, "A", 1), d);
+    assert_int_equal(t.v[d].rpm.limit, 1);
+    assert_int_equal(t.v[d].weight, 2);
+    uint64_t retry;
+    assert_int_equal(px_tenant_admit(&t.v[d], SEC, 0, &retry), PX_RL_OK);
+    assert_int_equal(px_tenant_admit(&t.v[d], SEC, 0, &retry), PX_RL_REQUESTS);
+    char *twice[] = {"default:rpm=1", "default:rpm=2"};
+    px_tenants u = {0};
+    char err[256] = "";
+    assert_int_equal(px_tenants_parse(twice, 2, &u, err, sizeof err), -1);
+    /* A reload changes it, and a removed tenant gets no limits, not the
+     * default's. */
+    px_tenants_reserve(&t, 4);
+    uint32_t w[5] = {1, 1, 1, 1, 2};
+    char *next[] = {"default:rpm=7"};
+    px_tenants nt;
+    parse_into(&nt, next, 1);
+    size_t added, removed;
+    assert_int_equal(px_tenants_apply(&t, &nt, w, &added, &removed, err, sizeof err), 0);
+    px_tenants_cleanup(&nt);
+    assert_int_equal(t.v[4].rpm.limit, 7);
+    assert_int_equal(w[4], 1);
+    assert_int_equal(t.v[0].rpm.limit, 0);
+    px_tenants_cleanup(&t);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -315,6 +382,8 @@ int main(void)
         cmocka_unit_test(test_tenants_apply),
         cmocka_unit_test(test_tenants_apply_while_found),
         cmocka_unit_test(test_tokscan),
+        cmocka_unit_test(test_reserve_and_settle),
+        cmocka_unit_test(test_default_tenant_spec),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -281,6 +281,41 @@ static void test_extract(void **state)
                      PX_KVP_BAD_RESPONSE);
 }
 
+/* Issue 41: the tenant's cache_salt replaces every spelling of the
+ * client's; a stream that does not ask for usage is made to. */
+static void test_cache_salt_and_usage(void **state)
+{
+    (void)state;
+    px_buf out;
+    px_buf_init(&out);
+    const char *b = "{\"cache_salt\":\"mine\",\"m\":1,\"cache_\\u0073alt\":2}";
+    assert_int_equal(px_rewrite_cache_salt(b, strlen(b), "abc", &out), 0);
+    px_buf_append(&out, "", 1);
+    assert_string_equal(out.data, "{\"m\":1,\"cache_salt\":\"abc\"}");
+    const struct {
+        const char *in, *want; /* want NULL: unchanged */
+    } u[] = {
+        {"{\"stream\":true}", "{\"stream\":true,\"stream_options\":{\"include_usage\":true}}"},
+        {"{\"stream\":true,\"stream_options\":{\"include_usage\":false,\"x\":1,"
+         "\"continuous_usage_stats\":true}}",
+         "{\"stream\":true,\"stream_options\":{\"x\":1,\"include_usage\":true}}"},
+        {"{\"stream\":true,\"stream_options\":null}",
+         "{\"stream\":true,\"stream_options\":{\"include_usage\":true}}"},
+        {"{\"stream\":true,\"stream_options\":{\"include_usage\":true}}", NULL},
+        {"{\"stream\":false}", NULL},
+        {"{\"prompt\":\"x\"}", NULL},
+    };
+    for (size_t i = 0; i < sizeof u / sizeof *u; i++) {
+        px_buf_reset(&out);
+        int rc = px_rewrite_include_usage(u[i].in, strlen(u[i].in), &out);
+        assert_int_equal(rc, u[i].want ? 1 : 0);
+        if (!u[i].want) continue;
+        px_buf_append(&out, "", 1);
+        assert_string_equal(out.data, u[i].want);
+    }
+    px_buf_cleanup(&out);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -294,6 +329,7 @@ int main(void)
         cmocka_unit_test(test_extract),
         cmocka_unit_test(test_nested_owned_keys),
         cmocka_unit_test(test_foreign_encodings_refused),
+        cmocka_unit_test(test_cache_salt_and_usage),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -127,9 +127,39 @@ static void test_gives_up_past_the_limit(void **state)
     px_buf_cleanup(&out);
 }
 
+/* Issue 41: the usage chunk the proxy asked for is dropped, every other
+ * byte passes as it came, whatever the pieces. */
+static void test_strip_usage_chunk(void **state)
+{
+    (void)state;
+    const char *in = "data: {\"choices\":[{\"text\":\"a\"}]}\n\n"
+                     "data: {\"choices\": [ ],\"usage\":{\"total_tokens\":10}}\r\n\r\n"
+                     "data: {\"choices\":[],\"usage\":null}\n\n"
+                     "data: [DONE]\n\n";
+    const char *want = "data: {\"choices\":[{\"text\":\"a\"}]}\n\n"
+                       "data: {\"choices\":[],\"usage\":null}\n\n"
+                       "data: [DONE]\n\n";
+    for (size_t step = 1; step <= strlen(in); step += 7) {
+        px_buf out;
+        px_usage u;
+        px_buf_init(&out);
+        px_usage_init(&u, "", 1, 1 << 20, collect, &out);
+        px_usage_strip(&u);
+        size_t n = strlen(in);
+        for (size_t at = 0; at < n; at += step)
+            assert_int_equal(px_usage_feed(&u, in + at, n - at < step ? n - at : step), 0);
+        px_usage_end(&u, 1);
+        assert_int_equal(u.stripped, 1);
+        px_buf_append(&out, "", 1);
+        assert_string_equal(out.data, want);
+        px_buf_cleanup(&out);
+    }
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_strip_usage_chunk),
         cmocka_unit_test(test_cached_tokens),
         cmocka_unit_test(test_json_whole),
         cmocka_unit_test(test_sse_events),
