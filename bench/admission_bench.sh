@@ -66,7 +66,8 @@ common=(--log-level warn --access-log=false
 "$pdproxy" --port "$A" --threads 1 "${common[@]}" 2>"$work/logs/off.err" & pa=$!; pids+=($pa)
 "$pdproxy" --port "$B" --threads 1 "${common[@]}" --pool-max-inflight 100000 --queue-max 1024 \
     --tenant "$(for i in $(seq 1 63); do printf 't%02d:weight=3 ' "$i"; done)bench:weight=2:rpm=1000000000:tpm=1000000000000" \
-    --priority-class "interactive:-100..0 normal:1..10 batch:11..100" 2>"$work/logs/on.err" & pb=$!; pids+=($pb)
+    --priority-class "interactive:-100..0 normal:1..10 batch:11..100" \
+    --tenant-header-from 127.0.0.1 2>"$work/logs/on.err" & pb=$!; pids+=($pb)
 "$pdproxy" --port "$C" --threads "$full_threads" "${common[@]}" --pool-max-inflight "$full_pool" --queue-max 1024 \
     2>"$work/logs/full.err" & pc=$!; pids+=($pc)
 for p in $P $D $A $B $C; do wait_port "$p"; done
@@ -129,7 +130,7 @@ if [[ " $phases " == *" fair "* ]]; then
     wait_port "$SP"; wait_port "$SD"
     "$pdproxy" --port "$F" --threads 1 --log-level info --prefiller-hosts 127.0.0.1 --prefiller-ports "$SP" \
         --decoder-hosts 127.0.0.1 --decoder-ports "$SD" --pool-max-inflight 2 --queue-max 256 \
-        --tenant "loud quiet" 2>"$work/logs/fair.err" & pids+=($!)
+        --tenant "loud quiet" --tenant-header-from 127.0.0.1 2>"$work/logs/fair.err" & pids+=($!)
     wait_port "$F"
     fair_wrk() { TENANT=$1 TAG=$2 wrk -t1 -c"$3" -d"${duration}s" --latency -s "$root/bench/wrk/tenant.lua" \
                  "http://127.0.0.1:$F/v1/completions"; }
