@@ -396,6 +396,7 @@ static int take_slot(px_ctx *c, px_pset *ps) {
  * the pool's slots. */
 static int pool_free(void *arg, px_adm_item *it) {
     px_adm_req *r = (px_adm_req *)it; /* it is the first member */
+    if (r->ready && !r->ready(it->owner)) return 0;
     return !px_pool_saturated(arg, r->ps, px_now_ns()) && take_slot(arg, r->ps);
 }
 
@@ -467,6 +468,10 @@ static int class_of(px_ctx *c, const px_http_head *h, const char *body, size_t b
         return px_prio_map_class(m, v);
     /* No priority: vLLM's default, 0. */
     return px_prio_map_class(m, 0);
+}
+
+int px_adm_request_class(px_ctx *c, const px_http_head *h, const char *body, size_t blen) {
+    return class_of(c, h, body, blen);
 }
 
 int px_adm_set_classes(px_ctx *c, char *const *specs, size_t n, char *err, size_t errlen) {

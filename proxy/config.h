@@ -137,6 +137,15 @@ typedef struct px_config {
     char *priority_header;     /* the request's priority (else the body's "priority") */
     px_strlist tenants;        /* --tenant specs */
     px_strlist priority_classes; /* --priority-class specs */
+    /* Issue 42, routing and admission by predicted latency (predict.h). */
+    double slo_ttft_ms;        /* a request's TTFT target when nothing else gives one; 0: none */
+    double slo_tpot_ms;        /* its TPOT target, the same way */
+    char *slo_miss;            /* send|queue|refuse: a request predicted to miss its TTFT */
+    char *slo_refuse_status;   /* "503" | "429" */
+    px_strlist slo;            /* --slo specs: targets per tenant, class, pool */
+    int latency_decode_only;   /* decode alone when predicted faster */
+    double latency_half_life;  /* seconds: the model forgets a sample this fast */
+    double latency_keep;       /* and keeps this much of the past per new sample */
     /* Issue 25: DP sizes backend entries of the file declare (dp_size), items
      * "N URL"; proxy/dp.c applies them once the configuration is accepted. */
     px_strlist backend_dp;
@@ -145,7 +154,7 @@ typedef struct px_config {
      * with "-" for one not given; proxy/kvevents.c applies them once the
      * configuration is accepted, over the --kv-events-port derived ones. */
     px_strlist backend_kv;
-    unsigned char set[96];          /* set[i]: option i was given by flag or environment */
+    unsigned char set[112];          /* set[i]: option i was given by flag or environment */
 } px_config;
 
 /* Checks backend lists before they become a generation (at start, on

@@ -20,6 +20,7 @@
 #include "proxy/dp.h"
 #include "proxy/kvindex.h"
 #include "proxy/otlp.h"
+#include "proxy/predict.h"
 #include "proxy/rewrite.h"
 #include "proxy/tokenize.h"
 #include "proxy/trace.h"
@@ -176,6 +177,7 @@ struct px_req {
     struct event *conc_timer; /* owned: bounds that wait */
     int kv_waited;     /* decode sent X-KV-Wait-Ms: */
     double kv_wait_ms; /* its value */
+    px_lat_req lat;    /* routing and admission by predicted latency (predict.h) */
 };
 
 /* The flow, top-down: each section below calls into later ones. */
@@ -260,7 +262,7 @@ static px_pick kv_pick(px_req *r, px_pool *p, px_pick k) {
         k.sessions = r->ctx->sessions;
         k.session = r->session;
     }
-    if (p->cfg.policy != PX_POLICY_KV_AWARE) return k;
+    if (p->cfg.policy != PX_POLICY_KV_AWARE && p->cfg.policy != PX_POLICY_LATENCY) return k;
     k.kv = r->ctx->kvindex;
     k.tok = r->tok;
     k.ntok = r->ntok;
@@ -272,6 +274,7 @@ static px_pick kv_pick(px_req *r, px_pool *p, px_pick k) {
         long est = px_disagg_estimate(r->ctx->cfg, r->ep, r->body.data, r->body.len);
         k.ntok = est > 0 ? (size_t)est : 0;
     }
+    px_lat_req_prefer(&r->lat, p == &r->ps->decode, &k);
     return k;
 }
 
@@ -527,6 +530,8 @@ static int check_pd(px_req *r, const px_http_head *h) {
 
 /* Admission control (admission.h): dispatched out of the queue. */
 static void pd_go(px_req *r);
+static void route_pd(px_req *r);
+static int requeue(px_req *r, void (*go)(void *));
 
 static void adm_go(void *arg) {
     pd_go(arg);
@@ -534,6 +539,7 @@ static void adm_go(void *arg) {
 
 static void adm_expire(void *arg) {
     px_req *r = arg;
+    r->lat.refused = r->lat.waited; /* it waited for its prediction in vain */
     req_fail(r, 503, "Retry-After: 1\r\n",
              "the request waited %.3f s in the admission queue for a saturated pool: its "
              "deadline passed (--queue-timeout, x-queue-timeout)",
@@ -692,6 +698,7 @@ static void start_pd(px_req *r, const px_http_head *h) {
     else if (r->ctx->sessions && px_json_find(r->body.data, r->body.len, "user", &user) &&
              user.type == PX_JSON_STRING && user.val_len > 2)
         r->session = px_hash64_seed(user.val, user.val_len, 2);
+    px_lat_req_headers(&r->lat, r->ctx, h, r->body.data, r->body.len);
     if (admission(r, h) != 0) return;
     pd_go(r);
 }
@@ -710,21 +717,61 @@ static void pd_go(px_req *r) {
                 ? r->ps->prefill.cfg.prefix_bytes
                 : pm.val_len;
     }
-    int kva = pp == PX_POLICY_KV_AWARE || r->ps->decode.cfg.policy == PX_POLICY_KV_AWARE;
+    int kva = pp == PX_POLICY_KV_AWARE || r->ps->decode.cfg.policy == PX_POLICY_KV_AWARE ||
+              px_lat_pool(r->ps);
     if (has && (kva || r->ctx->kvindex) && !r->tok)
         r->ntok = px_disagg_prompt_ids(r->ep, &pm, 1u << 20, &r->tok);
     if (want_tokens(r, kva)) return;
     route_pd(r);
 }
 
+/* Routing and admission by predicted latency (predict.h): 1 when r was
+ * refused, waits in the queue, or went to decode alone on the plan. */
+static int lat_ready(void *arg) {
+    return px_lat_req_ready(&((px_req *)arg)->lat);
+}
+
+static void adm_reroute(void *arg) {
+    px_req *r = arg;
+    r->adm.ready = NULL;
+    route_pd(r);
+}
+
+static int lat_route(px_req *r) {
+    long est = r->tok ? 0 : px_disagg_estimate(r->ctx->cfg, r->ep, r->body.data, r->body.len);
+    px_lat_verdict v = px_lat_req_route(&r->lat, r->ctx, r->ps, r->adm.tenant, r->tok,
+                                        r->tok ? r->ntok : (size_t)(est > 0 ? est : 0),
+                                        kv_extra(r), r->t0, r->adm.deadline_ns);
+    if (v == PX_LATV_WAIT) {
+        r->adm.ready = lat_ready;
+        r->adm.it.cls = PX_ADM_CLASSES - 1; /* behind the requests that can meet theirs */
+        if (requeue(r, adm_reroute)) return 1;
+        r->adm.ready = NULL;
+        v = px_lat_req_refuse(&r->lat); /* no room to wait */
+    }
+    if (v == PX_LATV_REFUSE) {
+        char extra[40], msg[200];
+        int status = px_lat_req_refusal(&r->lat, extra, sizeof extra, msg, sizeof msg);
+        req_fail(r, status, extra, "%s", msg);
+        return 1;
+    }
+    if (v != PX_LATV_LOCAL) return 0;
+    r->decided = 1;
+    r->decision = PX_DEC_PREDICTED;
+    px_m_inc(&r->w->metrics.decisions[r->decision]);
+    decode_only(r);
+    return 1;
+}
+
 /* Routes a P/D request once its tokens are known (or are not to be). */
 static void route_pd(px_req *r) {
     int kva = r->ps->prefill.cfg.policy == PX_POLICY_KV_AWARE ||
-              r->ps->decode.cfg.policy == PX_POLICY_KV_AWARE;
+              r->ps->decode.cfg.policy == PX_POLICY_KV_AWARE || px_lat_pool(r->ps);
     if (kva && !r->key && r->tok) { /* kv_aware's tie-break spreads by prompt */
         r->key = (const char *)r->tok;
         r->key_len = r->ntok * sizeof *r->tok;
     }
+    if (lat_route(r)) return;
     r->decided = 1;
     int disagg = decide(r);
     if (r->no_prefill) { /* sidecar without the header: decode alone, said so */
@@ -1656,6 +1703,7 @@ static int decode_data(void *arg, const char *p, size_t n) {
 static int decode_pass(px_req *r, const char *p, size_t n) {
     if (client_full(r)) return 1;
     px_adm_answer(&r->adm, p, n);
+    px_lat_req_answer(&r->lat, p, n);
     if (r->usage.active) {
         /* Held, or given up on: then what was held went first. */
         int held = px_usage_feed(&r->usage, p, n) == 0;
@@ -2089,6 +2137,13 @@ static void finish_log(px_req *r, int status, const char *outcome) {
     px_metrics_count(m, r->ep, status);
     px_hist_observe(&m->duration, secs(r->t0, now));
     if (r->t_first) px_hist_observe(&m->ttfb[r->streamed], secs(r->t0, r->t_first));
+    px_lat_obs lo = {.status = status, .t0 = r->t0, .t_pstart = r->t_pstart,
+                     .t_prefill = r->t_prefill, .t_dstart = r->t_dstart, .t_first = r->t_first,
+                     .now = now, .kv_waited = r->kv_waited, .kv_wait_ms = r->kv_wait_ms,
+                     .pname = r->pname, .dname = r->dname, .disagg = r->disagg,
+                     .serial = r->disp == PX_DISP_SERIAL, .tries_p = r->ntried_p,
+                     .tries_d = r->ntried_d};
+    px_lat_req_finish(&r->lat, r->ctx, r->ps->name, &lo);
     write_access(r, status, outcome, now);
     if (px_otlp_enabled()) submit_spans(r, status, outcome, now);
 }
@@ -2096,7 +2151,15 @@ static void finish_log(px_req *r, int status, const char *outcome) {
 /* The one access-line writer: what r does not know yet (no backend, no
  * answer, no decision) is left out of the line. */
 static void write_access(const px_req *r, int status, const char *outcome, uint64_t now) {
-    px_access a = {.req = r->lid,
+    double slo_t, slo_p, pred;
+    const char *slo;
+    px_lat_req_report(&r->lat, &slo_t, &slo_p, &pred, &slo);
+    px_access a = {.slo_ttft_ms = slo_t,
+                   .slo_tpot_ms = slo_p,
+                   .predicted = pred >= 0,
+                   .pred_ttft_ms = pred,
+                   .slo = slo,
+                   .req = r->lid,
                    .client = r->client,
                    .method = r->method,
                    .endpoint = r->lpath,
@@ -2144,7 +2207,15 @@ static void submit_spans(px_req *r, int status, const char *outcome, uint64_t no
     const px_buf *body = r->body.len ? &r->body : &r->dbody;
     int has_model = op && body->data && px_json_find(body->data, body->len, "model", &mm) &&
                     mm.type == PX_JSON_STRING && mm.val_len >= 2;
-    px_otlp_req q = {.trace_id = r->trace_id,
+    double slo_t, slo_p, pred;
+    const char *slo;
+    px_lat_req_report(&r->lat, &slo_t, &slo_p, &pred, &slo);
+    px_otlp_req q = {.slo_ttft_ms = slo_t,
+                     .slo_tpot_ms = slo_p,
+                     .predicted = pred >= 0,
+                     .pred_ttft_ms = pred,
+                     .slo = slo,
+                     .trace_id = r->trace_id,
                      .flags = r->trace_flags,
                      .parent_span = r->parent_span[0] ? r->parent_span : NULL,
                      .span_root = r->span_root,
