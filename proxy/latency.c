@@ -92,9 +92,11 @@ struct px_latmodel {
 };
 
 /* Slopes before anything is known: a prompt token costs 100 us to compute
- * (a mid-size model on one GPU), a token of KV moves in 1 us, and a
- * request's tokens do not slow another's output. */
-static const double default_b[PX_LAT_KINDS] = {1e-4, 1e-4, 1e-4, 0};
+ * (a mid-size model on one GPU), twice that on a decode, whose prompts
+ * also hold up the tokens of every request it generates for (so before
+ * anything is learned, a prompt is disaggregated), a token of KV moves in
+ * 1 us, and a request's tokens do not slow another's output. */
+static const double default_b[PX_LAT_KINDS] = {1e-4, 1e-4, 2e-4, 0};
 static const double default_kv_b = 1e-6;
 
 static const char *const kind_names[PX_LAT_KINDS] = {"prefill", "decode", "local", "tpot"};
@@ -483,45 +485,53 @@ void px_lat_plan_make(const px_latmodel *m, const px_lat_cand *P, size_t np, con
     double best = INFINITY, best_local = INFINITY, w;
     /* Decode's parts do not depend on the prefill: once per decode. Its
      * TPOT decides whether it may take the request at all. */
-    double dec[64], dscore[64], dslope[64], tp[64], pre[64], pscore[64];
+    double dec[64], dscore[64], backlog[64], tp[64], pre[64], pscore[64], pslope[64];
     int tpot_ok[64], any_ok = 0;
     size_t n_d = nd < 64 ? nd : 64, n_p = np < 64 ? np : 64;
     for (size_t i = 0; i < n_p; i++) {
         size_t u = ntok > P[i].cached ? ntok - P[i].cached : 0;
         pre[i] = engine_pred(m, P[i].key, PX_LAT_PREFILL, (double)P[i].tokens + (double)u, &w);
         pscore[i] = optimistic(pre[i], w);
+        pslope[i] = px_lat_slope(m, P[i].key, PX_LAT_PREFILL);
     }
     for (size_t j = 0; j < n_d; j++) {
-        dec[j] = engine_pred(m, D[j].key, PX_LAT_DECODE, (double)D[j].tokens, &w);
+        dec[j] = engine_pred(m, D[j].key, PX_LAT_DECODE, (double)D[j].inflight, &w);
         dscore[j] = optimistic(dec[j], w);
-        dslope[j] = px_lat_slope(m, D[j].key, PX_LAT_DECODE);
+        /* The prompts it computes for decode-only requests, in seconds at
+         * its own speed: its first token waits for what is left of them
+         * when the KV lands. */
+        backlog[j] = px_lat_slope(m, D[j].key, PX_LAT_LOCAL) * (double)D[j].tokens;
         tp[j] = px_lat_predict(m, D[j].key, PX_LAT_TPOT, (double)D[j].inflight);
         tpot_ok[j] = tpot_s <= 0 || tp[j] <= tpot_s;
         any_ok |= tpot_ok[j];
     }
     for (size_t j = 0; j < n_d; j++) {
         if (any_ok && !tpot_ok[j]) continue;
-        /* Decode alone: it computes what it lacks of the prompt behind
-         * the prompts queued on it. */
+        /* Decode alone: it computes what it lacks of the prompt, which
+         * holds up the first token of every request whose KV lands on it
+         * meanwhile (those routed after this plan too, which no plan can
+         * see): only on a decode computing no other prompt, so that such
+         * delays stay one prompt long. */
         size_t lu = ntok > D[j].cached ? ntok - D[j].cached : 0;
         double lx = (double)D[j].tokens + (double)lu;
         double local = engine_pred(m, D[j].key, PX_LAT_LOCAL, lx, &w);
-        if (optimistic(local, w) < best_local) {
+        if (D[j].tokens <= 0 && optimistic(local, w) < best_local) {
             best_local = optimistic(local, w);
             out->local_score = best_local;
             out->local_ok = 1;
             out->lkey = D[j].key;
             out->l_cached = D[j].cached;
             out->local = local;
-            out->local_wait = px_lat_slope(m, D[j].key, PX_LAT_LOCAL) * (double)D[j].tokens;
+            out->local_wait = backlog[j];
             out->l_x = lx;
             out->ltp_x = D[j].inflight;
         }
         for (size_t i = 0; i < n_p; i++) {
             size_t u = ntok > P[i].cached ? ntok - P[i].cached : 0;
-            double px = (double)P[i].tokens + (double)u;
             double kv = pair_pred(m, P[i].key, D[j].key, (double)ntok, &w);
-            double score = pscore[i] + optimistic(kv, w) + dscore[j];
+            double held = backlog[j] - pre[i] - kv;
+            if (held < 0) held = 0;
+            double score = pscore[i] + optimistic(kv, w) + dscore[j] + held;
             if (score < best) {
                 best = score;
                 out->score = score;
@@ -529,15 +539,15 @@ void px_lat_plan_make(const px_latmodel *m, const px_lat_cand *P, size_t np, con
                 out->pkey = P[i].key;
                 out->dkey = D[j].key;
                 out->p_cached = P[i].cached;
-                out->ttft = pre[i] + kv + dec[j];
+                out->ttft = pre[i] + kv + dec[j] + held;
                 out->pre = pre[i];
                 out->kv = kv;
-                out->dec = dec[j];
-                out->wait = px_lat_slope(m, P[i].key, PX_LAT_PREFILL) * (double)P[i].tokens +
-                            dslope[j] * (double)D[j].tokens;
+                out->dec = dec[j] + held;
+                out->wait = pslope[i] * (double)P[i].tokens + held;
                 out->tpot = tp[j];
-                out->p_x = px;
-                out->d_x = (double)D[j].tokens;
+                out->p_x = (double)P[i].tokens + (double)u;
+                out->d_x = D[j].inflight;
+                out->d_backlog = backlog[j];
                 out->tp_x = D[j].inflight;
             }
         }

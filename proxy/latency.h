@@ -10,9 +10,10 @@
  *            the request was routed, this one's included (b: seconds per
  *            token, a: its fixed cost);
  *   decode   y: seconds from sending decode its request to the first byte,
- *            less its KV wait (X-KV-Wait-Ms); x: the uncached prompt tokens
- *            it was computing for decode-only requests (their prefills hold
- *            up its first tokens);
+ *            less its KV wait (X-KV-Wait-Ms) and less what was left, when
+ *            the KV landed, of the prompts it computes for decode-only
+ *            requests (predicted apart: their uncached tokens at its local
+ *            seconds per token); x: the requests in flight on it;
  *   local    y: a decode-only request's seconds to first byte; x: the
  *            uncached tokens queued on it plus this prompt's;
  *   tpot     y: seconds per output token of a stream after its first; x:
@@ -132,6 +133,7 @@ typedef struct px_lat_plan {
     double score;          /* what the choice compared: ttft less the exploration
                               bonus of parts the model knows little of */
     double p_x, d_x, tp_x; /* the fits' x for the pair, kept for the observations */
+    double d_backlog;      /* the decode's decode-only prompts, seconds of its compute */
     int local_ok;          /* a decode-only choice was found */
     uint64_t lkey;         /* its decode */
     size_t l_cached;
@@ -143,7 +145,8 @@ typedef struct px_lat_plan {
 
 /* The pair (p in P, d in D) with the lowest predicted TTFT among those
  * whose decode's predicted TPOT is at most tpot_s (0: any; when none is,
- * any), and the decode-only choice with the lowest predicted TTFT, for a
+ * any), and the decode-only choice with the lowest predicted TTFT (among
+ * decodes computing no other decode-only prompt), for a
  * prompt of ntok tokens (the first 64 of each pool). Compared on scores:
  * each part of a prediction made from little of its own evidence (weight
  * w) counts 0.5 / (1 + w) less, so that what was never tried is tried,

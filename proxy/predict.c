@@ -12,6 +12,11 @@
 #include "proxy/kvindex.h"
 #include "proxy/route.h"
 
+/* Decode alone only when predicted this much faster than the best pair:
+ * its prompt delays the first tokens of the requests disaggregated to
+ * that decode, which its own prediction does not count. */
+#define LOCAL_MARGIN 0.8
+
 /* Members looked at per pool (a larger pool: its first ones). */
 #define CANDS 64
 /* A request let out of its wait when the best choice's waiting is under
@@ -231,13 +236,15 @@ static void observe(px_lat_req *l, const px_lat_obs *o) {
         if (pre >= 0) px_lat_observe(m, pk, o->pname, PX_LAT_PREFILL, l->plan.p_x, pre, o->now);
         /* Serial only: with both legs at once decode's wait holds the
          * prefill too. */
-        if (o->serial && o->kv_waited) {
-            double kv = o->kv_wait_ms / 1e3;
-            px_lat_observe_pair(m, pk, dk, o->pname, o->dname, (double)l->ntok, kv, o->now);
-            if (ttfb_d >= kv)
-                px_lat_observe(m, dk, o->dname, PX_LAT_DECODE, l->plan.d_x, ttfb_d - kv, o->now);
-        } else if (o->serial && ttfb_d >= 0) {
-            px_lat_observe(m, dk, o->dname, PX_LAT_DECODE, l->plan.d_x, ttfb_d, o->now);
+        if (o->serial && ttfb_d >= 0) {
+            double kv = o->kv_waited ? o->kv_wait_ms / 1e3 : 0;
+            if (o->kv_waited)
+                px_lat_observe_pair(m, pk, dk, o->pname, o->dname, (double)l->ntok, kv, o->now);
+            /* What was left of decode's decode-only prompts when the KV
+             * landed is predicted apart (the plan's backlog). */
+            double held = l->plan.d_backlog - span(l->t_plan, o->t_dstart) - kv;
+            double y = ttfb_d - kv - (held > 0 ? held : 0);
+            px_lat_observe(m, dk, o->dname, PX_LAT_DECODE, l->plan.d_x, y > 0 ? y : 0, o->now);
         }
         px_lat_error(m, l->plan.ttft, span(l->t_plan, o->t_first));
     }
