@@ -54,7 +54,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                 "tests", "integration"))
-from kv_routing import engine_metrics, pct, text, wait_engine  # noqa: E402
+from kv_routing import engine_metrics, pct, read_stream, text, wait_engine  # noqa: E402
 from pdharness.net import HOST, free_port  # noqa: E402
 from pdharness.procs import Proc, start_proc  # noqa: E402
 
@@ -104,15 +104,8 @@ def request(port, msgs, headers, max_tokens, timeout=60):
         if r.status != 200:
             r.read()
             return r.status, None, r.getheader("Retry-After")
-        ttft, buf = None, b""
-        while True:
-            chunk = r.read1(65536)
-            if not chunk:
-                break
-            buf += chunk
-            if ttft is None and b'"content":"' in buf.replace(b'"content":""', b""):
-                ttft = time.monotonic() - t0
-        return (200 if b"[DONE]" in buf else 599), ttft, None
+        ttft, done = read_stream(r, t0)
+        return (200 if done else 599), ttft, None
     finally:
         c.close()
 
@@ -206,12 +199,14 @@ def run(args, config, load):
         recs = [r for r in access_lines(xp.log()) if r.get("req", "").startswith("m-")]
         answered = [r for r in results if r[1] == 200 and r[2] is not None]
         met = [r for r in answered if r[2] * 1e3 <= r[3]]
-        errs = []
+        errs, by = [], {}
         for rec in recs:
             if "pred_ttft_ms" in rec and "ttfb_ms" in rec and rec.get("status") == "200":
                 obs = float(rec["ttfb_ms"])
                 if obs > 0:
-                    errs.append(abs(float(rec["pred_ttft_ms"]) - obs) / obs)
+                    e = (float(rec["pred_ttft_ms"]) - obs) / obs
+                    errs.append(abs(e))
+                    by.setdefault(rec.get("decision"), []).append(e)
         slow_link = "%s:%d" % pre[0], "%s:%d" % dec[0]
         served = [r for r in recs if r.get("status") == "200"]
         over_link = sum(1 for r in served if (r.get("prefill"), r.get("decode")) == slow_link)
@@ -231,9 +226,16 @@ def run(args, config, load):
             "p90": pct([r[2] for r in answered], 0.9) * 1e3,
             "err_p50": pct(errs, 0.5) if errs else float("nan"),
             "err_p90": pct(errs, 0.9) if errs else float("nan"),
+            # Signed errors by how the request was served: where the model
+            # over- (> 0) or under-predicts (< 0).
+            "err_by": " ".join("%s:n=%d,p10=%+.2f,p50=%+.2f,p90=%+.2f" %
+                               (k, len(v), pct(v, 0.1), pct(v, 0.5), pct(v, 0.9))
+                               for k, v in sorted(by.items())),
             "slow_link": over_link / len(served) if served else 0,
             "slow_prefill": on_slow / len(served) if served else 0,
             "decode_alone": alone / len(served) if served else 0,
+            # Prompt tokens computed (the run's, its tail included) over 4 x the
+            # window: above 1, the prefills worked past the window's end.
             "prefill_busy": busy / (4 * wall), "wall": wall,
             "load": "%.1f->%.1f" % (load_before[0], load_after[0]),
         }
@@ -260,9 +262,9 @@ def main():
     ap.add_argument("--systems", type=int, default=2)
     ap.add_argument("--system-tokens", type=int, default=600)
     ap.add_argument("--user-tokens", type=int, default=300)
-    ap.add_argument("--burst-rate", type=float, default=9.0)
+    ap.add_argument("--burst-rate", type=float, default=15.0)
     ap.add_argument("--burst-s", type=float, default=3.0)
-    ap.add_argument("--quiet-rate", type=float, default=2.0)
+    ap.add_argument("--quiet-rate", type=float, default=3.0)
     ap.add_argument("--quiet-s", type=float, default=3.0)
     ap.add_argument("--fast-us", type=int, default=1000)
     ap.add_argument("--slow-us", type=int, default=3000)
@@ -301,6 +303,8 @@ def main():
                   (k, c, r["requests"], r["goodput"], r["met_share"], r["p50"], r["p90"],
                    r["refused"], r["errors"], r["err_p50"], r["err_p90"], r["slow_link"],
                    r["slow_prefill"], r["decode_alone"], r["prefill_busy"], r["load"]))
+            if r["err_by"]:
+                print("|   | signed prediction errors: %s |" % r["err_by"])
             sys.stdout.flush()
     med = {c: {k: statistics.median(r[k] for r in runs[c]) for k in COLS} for c in configs}
     print("\nmedians of %d runs:\n" % args.repeat)

@@ -102,12 +102,13 @@ static int plan(px_lat_req *l) {
     px_kv_prompt_cleanup(&pr);
     px_lat_plan_make(l->c->lat, P, np, D, nd, l->ntok, l->t.tpot_ms / 1e3, &l->plan);
     l->t_plan = px_now_ns();
-    l->planned = l->plan.ok || l->plan.local_ok;
-    /* Decode alone when that is predicted faster: conditional
-     * disaggregation by prediction, not by a token threshold. */
-    l->local =
-        l->plan.local_ok &&
-        (!l->plan.ok || (l->c->cfg->latency_decode_only && l->plan.local_score < l->plan.score));
+    /* Without a pair (no usable prefill) the request goes the usual way:
+     * --fallback-decode-only, or an error. Decode alone when that is
+     * predicted faster: conditional disaggregation by prediction, not by
+     * a token threshold. */
+    l->planned = l->plan.ok;
+    l->local = l->plan.ok && l->plan.local_ok && l->c->cfg->latency_decode_only &&
+               l->plan.local_score < LOCAL_MARGIN * l->plan.score;
     l->predicted = l->local ? l->plan.local : l->plan.ttft;
     return l->planned;
 }

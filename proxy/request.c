@@ -771,7 +771,7 @@ static void route_pd(px_req *r) {
         r->key = (const char *)r->tok;
         r->key_len = r->ntok * sizeof *r->tok;
     }
-    if (lat_route(r)) return;
+    if (!r->hb && !r->no_prefill && lat_route(r)) return; /* sidecar: the header decides */
     r->decided = 1;
     int disagg = decide(r);
     if (r->no_prefill) { /* sidecar without the header: decode alone, said so */
