@@ -98,19 +98,26 @@ def stream_ttft(port, msgs, timeout=60):
         r = c.getresponse()
         if r.status != 200:
             raise RuntimeError("status %d: %r" % (r.status, r.read()[:200]))
-        ttft, buf = None, b""
-        while True:
-            chunk = r.read1(65536)
-            if not chunk:
-                break
-            buf += chunk
-            if ttft is None and b'"content":"' in buf.replace(b'"content":""', b""):
-                ttft = time.monotonic() - t0
-        if b"[DONE]" not in buf:
+        ttft, done = read_stream(r, t0)
+        if not done:
             raise RuntimeError("stream without [DONE]")
         return ttft if ttft is not None else time.monotonic() - t0
     finally:
         c.close()
+
+
+def read_stream(r, t0):
+    """Reads a chat completion's SSE answer: (seconds from t0 to its first
+    content, or None; whether it ended with [DONE])."""
+    ttft, buf = None, b""
+    while True:
+        chunk = r.read1(65536)
+        if not chunk:
+            break
+        buf += chunk
+        if ttft is None and b'"content":"' in buf.replace(b'"content":""', b""):
+            ttft = time.monotonic() - t0
+    return ttft, b"[DONE]" in buf
 
 
 def tokenize(addr, msgs):

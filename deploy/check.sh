@@ -1173,7 +1173,7 @@ TARGET_LABELS = {"instance", "job", "namespace", "pod", "le", "__name__"}  # add
 # exposed must have a panel), not against a list kept here.
 HISTOGRAMS = {"pdproxy_request_duration_seconds", "pdproxy_time_to_first_byte_seconds",
               "pdproxy_prefill_duration_seconds", "pdproxy_queue_wait_seconds",
-              "pdproxy_decode_kv_wait_seconds"}
+              "pdproxy_decode_kv_wait_seconds", "pdproxy_latency_model_ttft_error"}
 REQUIRED = {"vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
             "engine_sim_kv_blocks_expired_total"}
 WORDS = {"sum", "min", "max", "avg", "count", "stddev", "stdvar", "topk", "bottomk", "quantile",

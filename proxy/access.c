@@ -38,6 +38,10 @@ void px_access_write(const px_access *a) {
     if (a->estimated)
         ADD(" prompt_tokens_est=%ld uncached_tokens_est=%ld", a->prompt_tokens_est,
             a->uncached_tokens_est);
+    if (a->slo_ttft_ms > 0) ADD(" slo_ttft_ms=%.0f", a->slo_ttft_ms);
+    if (a->slo_tpot_ms > 0) ADD(" slo_tpot_ms=%.0f", a->slo_tpot_ms);
+    if (a->predicted) ADD(" pred_ttft_ms=%.2f", a->pred_ttft_ms);
+    if (a->slo) ADD(" slo=%s", a->slo);
 #undef ADD
     px_log_write_batched(PX_LOG_INFO, "%s", line);
 }

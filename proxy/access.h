@@ -37,6 +37,13 @@ typedef struct px_access {
     int estimated; /* the two estimates below are set */
     long prompt_tokens_est;
     long uncached_tokens_est;
+    /* Latency targets and prediction (predict.h): targets in ms (0: none),
+     * the predicted TTFT when `predicted`, and the result ("met",
+     * "missed", "refused", "failed"; NULL: no target). */
+    double slo_ttft_ms, slo_tpot_ms;
+    int predicted;
+    double pred_ttft_ms;
+    const char *slo;
 } px_access;
 
 /* Writes the access line, at level info but whatever --log-level says:

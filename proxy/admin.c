@@ -18,6 +18,8 @@
 #include "proxy/dp.h"
 #include "proxy/kvevents.h"
 #include "proxy/kvindex.h"
+#include "proxy/latency.h"
+#include "proxy/slo.h"
 
 #define ADMIN_NOTE                                                                                 \
     "changes made through the admin API last until the next reload from the --config file"
@@ -446,6 +448,49 @@ static void change_admission(px_admin *a, px_conn *c, const px_buf *body) {
     show_admission(a, c);
 }
 
+/* GET /admin/latency_model: the live latency model (latency.h). */
+static void latency_model(px_admin *a, px_conn *c) {
+    px_buf b;
+    px_buf_init(&b);
+    px_lat_render_json(a->h.ctx->lat, &b);
+    reply(c, 200, &b);
+    px_buf_cleanup(&b);
+}
+
+/* GET /admin/slo: the --slo specs in effect. POST {"slo": "KIND=NAME:ttft=MS ..."}
+ * replaces them (space or comma separated; "" for none) until the next
+ * reload from the file. */
+static void slo(px_admin *a, px_conn *c, const px_buf *body, int post) {
+    px_buf b;
+    px_buf_init(&b);
+    if (post) {
+        char *specs = str_member(body, "slo");
+        if (!specs) {
+            reply_err(c, 400, "expected a JSON object {\"slo\": \"KIND=NAME:key=value[:...] ...\"}");
+            px_buf_cleanup(&b);
+            return;
+        }
+        px_strlist w = {0};
+        for (char *save = NULL, *t = strtok_r(specs, " ,\t", &save); t;
+             t = strtok_r(NULL, " ,\t", &save))
+            px_strlist_push(&w, t);
+        char err[512];
+        int rc = px_slo_publish(a->h.ctx->slo, w.v, w.n, err, sizeof err);
+        px_strlist_clear(&w);
+        free(specs);
+        if (rc < 0) {
+            reply_err(c, 400, err);
+            px_buf_cleanup(&b);
+            return;
+        }
+        PX_LOG(PX_LOG_INFO, "msg=\"admin: latency targets changed\" who=%s specs=%zu", a->who,
+               px_slo_current(a->h.ctx->slo)->n);
+    }
+    px_slo_render_json(a->h.ctx->slo, &b);
+    reply(c, 200, &b);
+    px_buf_cleanup(&b);
+}
+
 /* POST /admin/reload answered once the file was read (on a helper thread)
  * and the generation swapped, or a newer reload superseded this one. */
 typedef struct pending_reload {
@@ -655,6 +700,17 @@ static void dispatch(void *ctx, px_conn *c, const px_http_head *h, px_buf *body)
             kv_index(a, c, h);
         else
             px_conn_reply_error(c, 405, NULL, "Allow: GET\r\n", "method not allowed: use GET");
+    } else if (px_http_path_is(h, "/admin/latency_model")) {
+        if (get)
+            latency_model(a, c);
+        else
+            px_conn_reply_error(c, 405, NULL, "Allow: GET\r\n", "method not allowed: use GET");
+    } else if (px_http_path_is(h, "/admin/slo")) {
+        if (get || post)
+            slo(a, c, body, post);
+        else
+            px_conn_reply_error(c, 405, NULL, "Allow: GET, POST\r\n",
+                                "method not allowed: use GET or POST");
     } else if (px_http_path_is(h, "/admin/reload")) {
         if (post)
             reload(a, c);
@@ -664,7 +720,8 @@ static void dispatch(void *ctx, px_conn *c, const px_http_head *h, px_buf *body)
         reply_err(c, 404,
                   "not found: the admin API serves /admin/backends, "
                   "/admin/backends/drain, /admin/backends/undrain, /admin/config, "
-                  "/admin/admission, /admin/kv_index and /admin/reload");
+                  "/admin/admission, /admin/kv_index, /admin/latency_model, /admin/slo and "
+                  "/admin/reload");
     }
 }
 

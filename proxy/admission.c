@@ -447,6 +447,7 @@ static int take_slot(px_ctx *c, px_pset *ps) {
  * the pool's slots. */
 static int pool_free(void *arg, px_adm_item *it) {
     px_adm_req *r = (px_adm_req *)it; /* it is the first member */
+    if (r->ready && !r->ready(it->owner)) return 0;
     return !px_pool_saturated(arg, r->ps, px_now_ns()) && take_slot(arg, r->ps);
 }
 
@@ -521,11 +522,15 @@ static int class_of(px_ctx *c, const px_tenant *t, const px_http_head *h, const 
                      jm.type == PX_JSON_NUMBER &&
                      px_prio_number(jm.val, jm.val + jm.val_len, &v) == 0))
         v = 0;
-    if (atomic_load_explicit(&t->has_floor, memory_order_relaxed)) {
+    if (t && atomic_load_explicit(&t->has_floor, memory_order_relaxed)) {
         long long fl = atomic_load_explicit(&t->floor, memory_order_relaxed);
         if (v < fl) return px_prio_map_class(m, fl);
     }
     return k >= 0 ? k : px_prio_map_class(m, v);
+}
+
+int px_adm_request_class(px_ctx *c, const px_http_head *h, const char *body, size_t blen) {
+    return class_of(c, NULL, h, body, blen); /* the class claimed, before any tenant's floor */
 }
 
 int px_adm_set_classes(px_ctx *c, char *const *specs, size_t n, char *err, size_t errlen) {

@@ -127,6 +127,10 @@ typedef struct px_adm_req {
     void *w;             /* borrowed: the px_wctx it entered on */
     void (*go)(void *owner);     /* dispatched out of the queue */
     void (*expire)(void *owner); /* its deadline passed while queued */
+    /* NULL, or whether the request itself may leave the queue now, asked
+     * before its pool's room (a request waiting for its predicted latency
+     * to fit its target, predict.h). */
+    int (*ready)(void *owner);
 } px_adm_req;
 
 /* What a worker holds for admission: its queue and the timer that looks
@@ -166,6 +170,11 @@ int px_adm_can_requeue(const px_adm_req *a, int status);
  * and a->go may run before this returns when the pool has room. 0, or -1
  * (queue full, deadline passed): nothing changed but the slot given back. */
 int px_adm_requeue(px_wctx *w, px_adm_req *a);
+
+/* The request's priority class: the priority header (a number or a
+ * --priority-class name), else the body's "priority", else 0, through
+ * the classes in effect. Any thread. */
+int px_adm_request_class(px_ctx *c, const px_http_head *h, const char *body, size_t blen);
 
 /* Decode's answer passes: tokens counted for the tenant's tpm when it
  * ends (px_adm_leave settles the reservation on them, clamped to what the

@@ -150,6 +150,15 @@ typedef struct px_config {
     char *tenant_keys;             /* TENANT:KEY file; "": none */
     char *cache_salt;              /* tenant|key|off */
     int64_t default_max_tokens;    /* a request without max_tokens is assumed to produce this */
+    /* Issue 42, routing and admission by predicted latency (predict.h). */
+    double slo_ttft_ms;        /* a request's TTFT target when nothing else gives one; 0: none */
+    double slo_tpot_ms;        /* its TPOT target, the same way */
+    char *slo_miss;            /* send|queue|refuse: a request predicted to miss its TTFT */
+    char *slo_refuse_status;   /* "503" | "429" */
+    px_strlist slo;            /* --slo specs: targets per tenant, class, pool */
+    int latency_decode_only;   /* decode alone when predicted faster */
+    double latency_half_life;  /* seconds: the model forgets a sample this fast */
+    double latency_keep;       /* and keeps this much of the past per new sample */
     /* Issue 25: DP sizes backend entries of the file declare (dp_size), items
      * "N URL"; proxy/dp.c applies them once the configuration is accepted. */
     px_strlist backend_dp;

@@ -17,7 +17,7 @@
 
 #define PX_POLICIES                                                                                \
     "round_robin|least_inflight|power_of_two|prefix_affinity|load_aware|kv_aware|"                 \
-    "prefix_affinity_bytes"
+    "prefix_affinity_bytes|latency"
 
 typedef enum {
     CT_STR,

@@ -13,6 +13,7 @@
 #include "proxy/k8s_url.h"
 #include "proxy/prio.h"
 #include "proxy/ratelimit.h"
+#include "proxy/slo.h"
 #include "proxy/tenant.h"
 
 const opt px_cfg_opts[] = {
@@ -362,6 +363,39 @@ const opt px_cfg_opts[] = {
      "NAME default sets the default tenant's (callers no key or gateway names); a reload or "
      "POST /admin/admission changes, adds and removes tenants at once, queued requests kept",
      NULL, RELOADS, G_LISTEN, "SPECS"},
+    {"slo-ttft-ms", NULL, CT_SECONDS, OFF(slo_ttft_ms), "0", 0, 3600000,
+     "time-to-first-token target (ms) of a request whose x-slo-ttft-ms header, tenant, "
+     "priority class and pool (--slo) give none; counted in pdproxy_slo_attained_total and "
+     "used by the latency policy (0: none)",
+     NULL, AT_START, G_ROUTING, "MS"},
+    {"slo-tpot-ms", NULL, CT_SECONDS, OFF(slo_tpot_ms), "0", 0, 3600000,
+     "time-per-output-token target (ms), the same way (x-slo-tpot-ms; 0: none)", NULL, AT_START,
+     G_ROUTING, "MS"},
+    {"slo-miss", NULL, CT_ENUM, OFF(slo_miss), "send", 0, 0,
+     "latency policy: a request predicted to miss its TTFT target on every engine is sent "
+     "anyway, waits in the admission queue until its prediction fits or the engines are "
+     "about idle (queue: needs --queue-max), or is refused at once with Retry-After (refuse); "
+     "--slo's miss= per tenant, class or pool",
+     "send|queue|refuse", AT_START, G_ROUTING, "ACTION"},
+    {"slo-refuse-status", NULL, CT_ENUM, OFF(slo_refuse_status), "503", 0, 0,
+     "status of a refusal by prediction (--slo's status=)", "503|429", AT_START, G_ROUTING,
+     "STATUS"},
+    {"slo", NULL, CT_WORDS, OFF(slo), "", 0, 0,
+     "latency targets, each KIND=NAME:key=value[:...], KIND tenant, class or pool (pool=* for "
+     "every pool), keys ttft and tpot (ms), miss (send|queue|refuse), status (503|429); a "
+     "header wins, then tenant, class, pool; a reload or POST /admin/slo replaces them",
+     NULL, RELOADS, G_ROUTING, "SPECS"},
+    {"latency-decode-only", NULL, CT_FLAG, OFF(latency_decode_only), "true", 0, 0,
+     "latency policy: send a request to decode alone when that is predicted faster than every "
+     "prefill-decode pair (conditional disaggregation by prediction; false: always a pair)",
+     NULL, AT_START, G_ROUTING, NULL},
+    {"latency-half-life", NULL, CT_SECONDS, OFF(latency_half_life), "30", 0.1, 86400,
+     "latency model: seconds after which a sample counts half, so an engine that changes is "
+     "relearned and one unused drifts back to the pooled fit",
+     NULL, AT_START, G_ROUTING, NULL},
+    {"latency-keep", NULL, CT_SECONDS, OFF(latency_keep), "0.95", 0.5, 1,
+     "latency model: share of the past kept per new sample (0.95: about the last 20 count)",
+     NULL, AT_START, G_ROUTING, "FRACTION"},
     {"print-config", NULL, CT_FLAG, OFF(print_config), "false", 0, 0,
      "print the effective configuration as YAML (a --config file) and exit", NULL, AT_START,
      G_OPERATIONS, NULL},
@@ -400,6 +434,7 @@ static int check_word(const opt *o, const char *v, char *err, size_t errlen) {
     if (!strcmp(o->name, "tenant")) return px_tenant_spec_check(v, err, errlen);
     if (!strcmp(o->name, "priority-class")) return px_prio_spec_check(v, err, errlen);
     if (!strcmp(o->name, "tenant-header-from")) return px_cidr_check(v, err, errlen);
+    if (!strcmp(o->name, "slo")) return px_slo_spec_check(v, err, errlen);
     return px_cfg_allow_check(o->name, v, err, errlen);
 }
 

@@ -11,6 +11,8 @@
 #include "base/log.h"
 #include "proxy/prio.h"
 #include "proxy/kvindex.h"
+#include "proxy/latency.h"
+#include "proxy/slo.h"
 #include "proxy/tenant.h"
 
 /* ---------- generations ---------- */
@@ -189,6 +191,10 @@ int px_ctx_init(px_ctx *c, const px_config *cfg, char *err, size_t errlen) {
     atomic_init(&c->pool_max_inflight, cfg->pool_max_inflight);
     if (px_prio_publish(&c->prio, cfg->priority_classes.v, cfg->priority_classes.n, err, errlen) < 0)
         return -1;
+    /* Routing and admission by predicted latency (predict.h). */
+    c->lat = px_latmodel_create(256, 1024, cfg->latency_keep, cfg->latency_half_life);
+    c->slo = px_slo_create();
+    if (px_slo_publish(c->slo, cfg->slo.v, cfg->slo.n, err, errlen) < 0) return -1;
     return 0;
 }
 
@@ -203,6 +209,8 @@ void px_ctx_cleanup(px_ctx *c) {
     free(c->workers);
     px_kvindex_destroy(c->kvindex);
     px_sessions_destroy(c->sessions);
+    px_latmodel_destroy(c->lat);
+    px_slo_destroy(c->slo);
     pthread_mutex_destroy(&c->gen_mu);
 }
 

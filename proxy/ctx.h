@@ -112,6 +112,8 @@ typedef struct px_ctx {
     struct px_kvsub *kvsub;     /* borrowed: the subscriber, control thread only; NULL when off */
     px_sessions *sessions;      /* owned: sessions' decode backends; NULL: --session-ttl 0 */
     px_registry *reg;           /* borrowed: the process-wide tables (server.c's) */
+    struct px_latmodel *lat;    /* owned: the live latency model (latency.h) */
+    struct px_slo *slo;         /* owned: latency targets and their attainment (slo.h) */
 } px_ctx;
 
 /* What one worker thread owns for its requests; only that thread touches

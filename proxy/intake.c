@@ -234,7 +234,8 @@ int px_intake_prompt(px_intake *in) {
                           ? pc->prefix_bytes
                           : pm.val_len;
     }
-    int kva = pp == PX_POLICY_KV_AWARE || in->ps->decode.cfg.policy == PX_POLICY_KV_AWARE;
+    int kva = pp == PX_POLICY_KV_AWARE || in->ps->decode.cfg.policy == PX_POLICY_KV_AWARE ||
+              px_lat_pool(in->ps);
     if (has && (kva || in->ctx->kvindex) && !in->tok)
         in->ntok = px_disagg_prompt_ids(in->ep, &pm, 1u << 20, &in->tok);
     return kva;
@@ -242,7 +243,7 @@ int px_intake_prompt(px_intake *in) {
 
 void px_intake_token_key(px_intake *in) {
     int kva = in->ps->prefill.cfg.policy == PX_POLICY_KV_AWARE ||
-              in->ps->decode.cfg.policy == PX_POLICY_KV_AWARE;
+              in->ps->decode.cfg.policy == PX_POLICY_KV_AWARE || px_lat_pool(in->ps);
     if (kva && !in->key && in->tok) {
         in->key = (const char *)in->tok;
         in->key_len = in->ntok * sizeof *in->tok;
@@ -277,7 +278,7 @@ px_pick px_intake_pick(const px_intake *in, px_pool *p, px_pick k) {
         k.sessions = in->ctx->sessions;
         k.session = in->session;
     }
-    if (p->cfg.policy != PX_POLICY_KV_AWARE) return k;
+    if (p->cfg.policy != PX_POLICY_KV_AWARE && p->cfg.policy != PX_POLICY_LATENCY) return k;
     k.kv = in->ctx->kvindex;
     k.tok = in->tok;
     k.ntok = in->ntok;
@@ -290,6 +291,7 @@ px_pick px_intake_pick(const px_intake *in, px_pool *p, px_pick k) {
         long est = px_disagg_estimate(in->ctx->cfg, in->ep, in->body->data, in->body->len);
         k.ntok = est > 0 ? (size_t)est : 0;
     }
+    if (in->lat) px_lat_req_prefer(in->lat, p == &in->ps->decode, &k);
     return k;
 }
 

@@ -18,6 +18,7 @@
 #include "proxy/disagg.h"
 #include "proxy/endpoint.h"
 #include "proxy/leg.h"
+#include "proxy/predict.h"
 #include "proxy/route.h"
 
 /* One request's intake. */
@@ -37,6 +38,7 @@ typedef struct px_intake {
     size_t ntok;
     uint64_t tkey; /* the prompt's key in the worker's token cache */
     uint64_t salt; /* its cache_salt's key (admission.h px_adm_salt_key), 0: none */
+    const px_lat_req *lat; /* borrowed, or NULL: its latency plan, which picks name (predict.h) */
 } px_intake;
 
 /* A refusal: status 0 lets the request go on. */

@@ -5,7 +5,7 @@ const double px_hist_bounds[PX_HIST_BUCKETS] = {0.001, 0.0025, 0.005, 0.01, 0.02
                                                 0.5,   1,      2.5,   5,    10,    30,   60,  300};
 static const char *const dec_reasons[PX_DEC_COUNT] = {
     "always", "long_prompt", "short_prompt", "cached_prefix", "no_healthy_prefill", "endpoint",
-    "no_prefiller_header"};
+    "no_prefiller_header", "predicted_faster"};
 const char *const px_tokresult_names[PX_TOK_COUNT] = {"ok", "cached", "timeout", "error"};
 
 static const char *const fb_names[PX_FB_COUNT] = {"no_healthy_prefill", "prefill_5xx",

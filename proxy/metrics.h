@@ -23,6 +23,8 @@ typedef enum {
     PX_DEC_NO_PREFILL,    /* decode_only: no prefill can take it (--fallback-decode-only) */
     PX_DEC_ENDPOINT,      /* decode_only: the engine takes no kv_transfer_params there */
     PX_DEC_NO_HEADER,     /* decode_only: sidecar mode, no x-prefiller-host-port */
+    PX_DEC_PREDICTED,     /* decode_only: predicted faster than any prefill-decode pair
+                           * (the latency policy, predict.h) */
     PX_DEC_COUNT
 } px_decision;
 

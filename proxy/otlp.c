@@ -16,7 +16,7 @@
 #include "base/log.h"
 #include "base/util.h"
 
-#define MAX_ATTRS 18 /* the server span: HTTP, GenAI and pdproxy.* ones */
+#define MAX_ATTRS 22 /* the server span: HTTP, GenAI and pdproxy.* ones */
 #define ATTR_LEN 136
 
 typedef enum { A_STR, A_INT, A_BOOL } attr_type;
@@ -472,6 +472,10 @@ void px_otlp_submit(const px_otlp_req *q) {
     if (rrid[0]) add_str(r, "pdproxy.remote_request_id", rrid);
     if (q->decode) add_bool(r, "pdproxy.stream", q->streamed);
     if (q->queued) add_int(r, "pdproxy.queue.wait_us", (long long)(q->queue_wait_ns / 1000));
+    if (q->slo_ttft_ms > 0) add_int(r, "pdproxy.slo.ttft_ms", (long long)q->slo_ttft_ms);
+    if (q->slo_tpot_ms > 0) add_int(r, "pdproxy.slo.tpot_ms", (long long)q->slo_tpot_ms);
+    if (q->predicted) add_int(r, "pdproxy.predicted_ttft_us", (long long)(q->pred_ttft_ms * 1e3));
+    if (q->slo) add_str(r, "pdproxy.slo.result", q->slo);
     r->error = q->status >= 500;
 
     /* Client spans, one per leg: named by the method, with the backend's

@@ -79,6 +79,12 @@ typedef struct px_otlp_req {
     const char *operation;     /* gen_ai.operation.name, or NULL: not a GenAI call */
     const char *model;         /* the body's "model" as raw JSON string bytes, or NULL */
     size_t model_len;
+    /* Latency targets (ms, 0: none), the predicted TTFT when `predicted`,
+     * and the result against the targets (NULL: none); predict.h. */
+    double slo_ttft_ms, slo_tpot_ms;
+    int predicted;
+    double pred_ttft_ms;
+    const char *slo;
 } px_otlp_req;
 
 /* Queues the request's spans when it is sampled and export is on. */

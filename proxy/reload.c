@@ -16,6 +16,7 @@
 #include "proxy/dispatch.h"
 #include "proxy/dp.h"
 #include "proxy/kvevents.h"
+#include "proxy/slo.h"
 
 /* ---------- the backends' URLs, for changes in place ---------- */
 
@@ -585,6 +586,8 @@ static int apply(px_reloader *rl, int from_file, px_config *nc, const px_api_op 
         if (px_adm_set_classes(rl->ctx, nc->priority_classes.v, nc->priority_classes.n, aerr,
                                sizeof aerr) < 0)
             PX_LOG(PX_LOG_WARN, "msg=\"reload: priority classes kept\" error=\"%s\"", aerr);
+        if (px_slo_publish(rl->ctx->slo, nc->slo.v, nc->slo.n, aerr, sizeof aerr) < 0)
+            PX_LOG(PX_LOG_WARN, "msg=\"reload: latency targets kept\" error=\"%s\"", aerr);
     }
     remember(rl, nc, op);
     PX_LOG(PX_LOG_INFO, "msg=\"configuration swapped\" generation=%llu source=%s pools=%zu ms=%.3f",

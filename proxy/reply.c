@@ -82,6 +82,7 @@ static int client_full(px_reply *o) {
 int px_reply_pass(px_reply *o, const char *p, size_t n) {
     if (client_full(o)) return 1;
     px_adm_answer(o->adm, p, n);
+    if (o->lat) px_lat_req_answer(o->lat, p, n);
     if (o->usage.active) {
         /* Held, or given up on: then what was held went first. */
         if (px_usage_feed(&o->usage, p, n) == 0) return 0;

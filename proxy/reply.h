@@ -13,6 +13,7 @@
 
 #include "base/conn.h"
 #include "proxy/admission.h"
+#include "proxy/predict.h"
 #include "proxy/kvhold.h"
 #include "proxy/usage.h"
 
@@ -21,6 +22,7 @@ typedef struct px_reply {
     const char *id;    /* borrowed: the request id the answer echoes */
     px_ctx *ctx;       /* borrowed */
     px_adm_req *adm;   /* borrowed: the request's admission entry */
+    px_lat_req *lat;   /* borrowed, or NULL: its latency targets (TPOT counted, predict.h) */
     size_t *bytes_out; /* borrowed: where the bytes sent are counted */
     int started;       /* decode's answer has begun to go out: errors cut it */
     int paused;        /* decode waits for the client to drain its queue */

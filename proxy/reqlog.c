@@ -105,7 +105,15 @@ typedef struct end {
 
 static void write_access(const px_reqlog *lg, const end *e, uint64_t now) {
     const px_leg *pre = lg->pre, *dec = lg->dec;
-    px_access a = {.req = lg->lid,
+    double slo_t = 0, slo_p = 0, pred = -1;
+    const char *slo = NULL;
+    if (lg->lat) px_lat_req_report(lg->lat, &slo_t, &slo_p, &pred, &slo);
+    px_access a = {.slo_ttft_ms = slo_t,
+                   .slo_tpot_ms = slo_p,
+                   .predicted = pred >= 0,
+                   .pred_ttft_ms = pred,
+                   .slo = slo,
+                   .req = lg->lid,
                    .client = lg->client,
                    .method = lg->method,
                    .endpoint = lg->lpath,
@@ -155,7 +163,15 @@ static void submit_spans(const px_reqlog *lg, const end *e, uint64_t now) {
     int has_model = op && body && body->data && px_json_find(body->data, body->len, "model", &mm) &&
                     mm.type == PX_JSON_STRING && mm.val_len >= 2;
     const px_leg *pre = lg->pre, *dec = lg->dec;
-    px_otlp_req q = {.trace_id = lg->trace_id,
+    double slo_t = 0, slo_p = 0, pred = -1;
+    const char *slo = NULL;
+    if (lg->lat) px_lat_req_report(lg->lat, &slo_t, &slo_p, &pred, &slo);
+    px_otlp_req q = {.slo_ttft_ms = slo_t,
+                     .slo_tpot_ms = slo_p,
+                     .predicted = pred >= 0,
+                     .pred_ttft_ms = pred,
+                     .slo = slo,
+                     .trace_id = lg->trace_id,
                      .flags = lg->trace_flags,
                      .parent_span = lg->parent_span[0] ? lg->parent_span : NULL,
                      .span_root = lg->span_root,

@@ -16,6 +16,7 @@
 #include "proxy/endpoint.h"
 #include "proxy/leg.h"
 #include "proxy/metrics.h"
+#include "proxy/predict.h"
 
 /* How a request ended (the access line's outcome). Never renumbered. */
 typedef enum {
@@ -60,6 +61,7 @@ typedef struct px_reqlog {
     const px_leg *pre, *dec; /* borrowed: prefill's and decode's legs */
     const px_disagg *dis;    /* borrowed: conditional disaggregation's estimate */
     const px_adm_req *adm;   /* borrowed: its time in the admission queue */
+    const px_lat_req *lat;   /* borrowed: its latency targets and prediction (predict.h) */
     int https;               /* the client came over TLS */
 } px_reqlog;
 

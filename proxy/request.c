@@ -15,6 +15,7 @@
 #include "proxy/handoff.h"
 #include "proxy/intake.h"
 #include "proxy/leg.h"
+#include "proxy/predict.h"
 #include "proxy/release.h"
 #include "proxy/reply.h"
 #include "proxy/reqlog.h"
@@ -84,6 +85,7 @@ struct px_req {
     int disagg;           /* decode's body carries prefill's kv_transfer_params */
     char transfer_id[PX_DISPATCH_XFER_LEN]; /* minted for both legs (dispatch.h) */
     px_adm_req adm;       /* admission control: its queue entry, pool slot, tenant */
+    px_lat_req lat;       /* routing and admission by predicted latency (predict.h) */
     int counted;          /* holds one of the server's in-flight slots */
     int64_t held;         /* bytes of its buffers counted in the server's memory budget */
     struct event free_ev; /* frees the request on the loop turn after it finished */
@@ -160,6 +162,25 @@ static void req_finish(px_req *r, int status, px_req_outcome outcome, const char
                r->log.lid, px_log_value(msg, qmsg, sizeof qmsg), status, states[r->state].name);
     }
     px_reply_fail(&r->reply, status, extra, msg);
+    if (r->in.ps) { /* the answer's samples into the latency model (predict.h) */
+        const px_leg *p = &r->pre, *d = &r->dec;
+        px_lat_obs lo = {.status = status,
+                         .t0 = r->log.t0,
+                         .t_pstart = p->t_start,
+                         .t_prefill = p->t_end,
+                         .t_dstart = d->t_start,
+                         .t_first = r->log.t_first,
+                         .now = px_now_ns(),
+                         .kv_waited = r->log.kv_waited,
+                         .kv_wait_ms = r->log.kv_wait_ms,
+                         .pname = p->name,
+                         .dname = d->name,
+                         .disagg = r->disagg,
+                         .serial = r->log.disp == PX_DISP_SERIAL,
+                         .tries_p = p->ntried,
+                         .tries_d = d->ntried};
+        px_lat_req_finish(&r->lat, r->ctx, r->in.ps->name, &lo);
+    }
     px_reqlog_finish(&r->log, &r->w->metrics, status, outcome, states[r->state].name,
                      r->body.len ? &r->body : &r->dec.body);
     set_state(r, RS_DONE);
@@ -739,8 +760,51 @@ static const px_exchange_cbs client_cbs = {client_gone, client_drained};
 /* ---------- TOKENIZE, and the decision: prefill, or decode alone ---------- */
 
 /* Routes a P/D request once its tokens are known (or are not to be). */
+static void route_pd(px_req *r);
+
+/* Routing and admission by predicted latency (predict.h): 1 when r was
+ * refused, waits in the queue, or went to decode alone on the plan. */
+static int lat_ready(void *arg) {
+    return px_lat_req_ready(&((px_req *)arg)->lat);
+}
+
+static void adm_reroute(void *arg) {
+    px_req *r = arg;
+    r->adm.ready = NULL;
+    route_pd(r);
+}
+
+static int lat_route(px_req *r) {
+    const px_intake *in = &r->in;
+    long est = in->tok ? 0 : px_disagg_estimate(r->ctx->cfg, r->ep, r->body.data, r->body.len);
+    px_lat_verdict v = px_lat_req_route(&r->lat, r->ctx, in->ps, r->adm.tenant, in->tok,
+                                        in->tok ? in->ntok : (size_t)(est > 0 ? est : 0),
+                                        px_intake_kv_extra(in), r->log.t0, r->adm.deadline_ns);
+    if (v == PX_LATV_WAIT) {
+        r->adm.ready = lat_ready;
+        r->adm.it.cls = PX_ADM_CLASSES - 1; /* behind the requests that can meet theirs */
+        if (requeue(r, adm_reroute)) return 1;
+        r->adm.ready = NULL;
+        v = px_lat_req_refuse(&r->lat); /* no room to wait */
+    }
+    if (v == PX_LATV_REFUSE) {
+        char extra[40], msg[200];
+        int status = px_lat_req_refusal(&r->lat, extra, sizeof extra, msg, sizeof msg);
+        req_fail(r, status, extra, "%s", msg);
+        return 1;
+    }
+    if (v != PX_LATV_LOCAL) return 0;
+    r->log.decided = 1;
+    r->log.decision = PX_DEC_PREDICTED;
+    px_m_inc(&r->w->metrics.decisions[r->log.decision]);
+    decode_only(r);
+    return 1;
+}
+
 static void route_pd(px_req *r) {
     px_intake_token_key(&r->in);
+    /* sidecar: the header decides */
+    if (!r->in.hb && !r->in.no_prefill && lat_route(r)) return;
     r->log.decided = 1;
     int disagg = px_intake_decide(&r->in, &r->dec, &r->dis);
     r->log.decision = r->dis.decision;
@@ -827,7 +891,9 @@ static px_req *req_new(px_wctx *w, px_conn *c, px_endpoint ep, const px_http_hea
     px_release_init(&r->rel, &release_ops, r, &r->pre, &r->dec, &r->in);
     px_reqlog_start(&r->log, c, ep, h, &r->target);
     px_reqlog_sources(&r->log, &r->pre, &r->dec, &r->dis, &r->adm, r->ctx->cfg);
+    r->log.lat = r->in.lat = &r->lat;
     px_reply_init(&r->reply, c, r->ctx, &r->adm, r->log.id, &r->log.bytes_out);
+    r->reply.lat = &r->lat;
     const px_reqlog *lg = &r->log;
     /* Only the P/D endpoints ever reach a prefill. */
     if (!px_endpoint_passthrough(ep) && ep != PX_EP_MODELS)
@@ -867,6 +933,7 @@ static void start_passthrough(px_req *r) {
 
 static void adm_expire(void *arg) {
     px_req *r = arg;
+    r->lat.refused = r->lat.waited; /* it waited for its prediction in vain */
     req_fail(r, 503, "Retry-After: 1\r\n",
              "the request waited %.3f s in the admission queue for a saturated pool: its "
              "deadline passed (--queue-timeout, x-queue-timeout)",
@@ -893,6 +960,7 @@ static void start_pd(px_req *r, const px_http_head *h) {
     r->adm.go = pd_go;
     r->adm.expire = adm_expire;
     r->adm.peer = r->log.client;
+    px_lat_req_headers(&r->lat, r->ctx, h, r->body.data, r->body.len);
     px_adm_verdict av = px_adm_enter(r->w, &r->adm, r->in.ps, h, r->body.data, r->body.len, &status,
                                      extra, sizeof extra, msg, sizeof msg);
     if (av == PX_ADM_QUEUED) {

@@ -18,7 +18,7 @@
 
 static const char *const policy_names[] = {"round_robin",          "least_inflight", "power_of_two",
                                            "prefix_affinity",      "load_aware",     "kv_aware",
-                                           "prefix_affinity_bytes"};
+                                           "prefix_affinity_bytes", "latency"};
 static const char *const outcome_names[] = {
     "ok", "client_error", "server_error", "connect_error", "reset", "timeout", "cancelled"};
 
@@ -752,10 +752,23 @@ static size_t choose_prefix(px_pool *p, const px_pick *k, const size_t *cand, si
     return best;
 }
 
+/* latency: the member the plan preferred, when it is a candidate. */
+static size_t choose_preferred(px_pool *p, const px_pick *k, const size_t *cand, size_t nc,
+                               size_t *cached) {
+    for (size_t j = 0; k && k->prefer && j < nc; j++)
+        if (p->b[cand[j]]->key_hash == k->prefer) {
+            *cached = k->prefer_cached;
+            return cand[j];
+        }
+    return choose_kv(p, k, cand, nc, cached);
+}
+
 static size_t choose(px_pool *p, const px_pick *k, const size_t *cand, size_t nc, size_t *cached) {
     switch (p->cfg.policy) {
     case PX_POLICY_KV_AWARE:
         return choose_kv(p, k, cand, nc, cached);
+    case PX_POLICY_LATENCY:
+        return choose_preferred(p, k, cand, nc, cached);
     case PX_POLICY_ROUND_ROBIN:
     default: {
         /* The first candidate at or after the cursor. */
@@ -824,12 +837,35 @@ px_backend *px_pool_pick(px_pool *p, const px_pick *k, size_t *nmembers) {
         if (k && k->sessions && k->session) px_sessions_put(k->sessions, k->session, b->key_hash);
         atomic_fetch_add(&b->refs, 1);
         atomic_fetch_add(&b->inflight, 1);
-        if (p->cfg.policy == PX_POLICY_KV_AWARE && k)
+        if ((p->cfg.policy == PX_POLICY_KV_AWARE || p->cfg.policy == PX_POLICY_LATENCY) && k)
             px_backend_charge(b, (long)k->ntok - (long)cached);
     }
     pthread_mutex_unlock(&p->mu);
     if (cand != local) free(cand);
     return b;
+}
+
+size_t px_pool_snapshot(px_pool *p, const px_pick *k, px_kv_prompt *pr, px_lat_cand *out,
+                        size_t cap) {
+    uint64_t now = px_now_ns();
+    int use_kv = k && k->tok && k->kv && pr;
+    size_t n = 0;
+    pthread_mutex_lock(&p->mu);
+    for (size_t i = 0; i < p->n && n < cap; i++) {
+        px_backend *b = p->b[i];
+        if (excluded(k, b) || !eligible(p, b, now)) continue;
+        size_t cached = 0;
+        if (use_kv) {
+            size_t m = px_kvindex_match_prompt(k->kv, px_kvindex_slot(k->kv, b->name, 0), pr);
+            cached = px_kv_reusable(m, pr->bs, k->ntok);
+        }
+        out[n++] = (px_lat_cand){.key = b->key_hash,
+                                 .tokens = atomic_load(&b->tokens),
+                                 .inflight = atomic_load(&b->inflight),
+                                 .cached = cached};
+    }
+    pthread_mutex_unlock(&p->mu);
+    return n;
 }
 
 static void eject(px_pool *p, px_backend *b, const char *why) {

@@ -14,7 +14,8 @@
 #include <stdint.h>
 #include <sys/socket.h>
 
-#include "base/hash.h" /* px_hash64: routing keys and the ring */
+#include "base/hash.h"     /* px_hash64: routing keys and the ring */
+#include "proxy/latency.h" /* px_lat_cand: px_pool_snapshot's answer */
 
 typedef enum {
     PX_POLICY_ROUND_ROBIN = 0,
@@ -26,6 +27,10 @@ typedef enum {
     /* The old prefix_affinity: the ring point of the prompt's first
      * --prefix-bytes bytes only (kept to compare, bench/kv_routing.py). */
     PX_POLICY_PREFIX_AFFINITY_BYTES,
+    /* The prefill-decode pair with the lowest predicted time to first
+     * token (latency.h): the request's plan names each pool's member
+     * (px_pick.prefer); without a plan, as kv_aware. */
+    PX_POLICY_LATENCY,
 } px_policy;
 
 /* Parses a policy name; -1 when unknown. */
@@ -186,6 +191,10 @@ typedef struct px_pick {
      * ceil(load_factor * mean in-flight)). */
     struct px_sessions *sessions;
     uint64_t session;
+    /* latency: the member the request's plan chose (its key_hash; 0: none)
+     * and the prompt tokens it reuses; taken when it is a candidate. */
+    uint64_t prefer;
+    size_t prefer_cached;
 } px_pick;
 
 /* Which backend (its key_hash) each session was last routed to: at most
@@ -226,6 +235,17 @@ void px_backend_charge(px_backend *b, long tokens);
  * Returns NULL when no member can be chosen; *nmembers says how many there
  * are. */
 px_backend *px_pool_pick(px_pool *p, const px_pick *k, size_t *nmembers);
+
+/* What each member a request could be routed to now offers it (the
+ * latency policy's plan, latency.h): up to `cap` eligible members not
+ * excluded by k, with their queued tokens, in-flight requests and, when k
+ * has the prompt's tokens and the KV index, the prompt tokens each would
+ * reuse (`pr`: the prompt's keys, hashed lazily and shared between the
+ * two pools' snapshots). Returns how many were written; 0 when none is
+ * eligible (px_pool_pick's panic routing then decides). */
+struct px_kv_prompt;
+size_t px_pool_snapshot(px_pool *p, const px_pick *k, struct px_kv_prompt *pr, px_lat_cand *out,
+                        size_t cap);
 
 /* Ends one request on b: lowers in-flight, counts the outcome, feeds passive
  * health, drops the reference. A success readmits an ejected backend. */

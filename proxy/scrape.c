@@ -17,7 +17,9 @@
 #include "proxy/discovery.h"
 #include "proxy/dp.h"
 #include "proxy/kvindex.h"
+#include "proxy/latency.h"
 #include "proxy/otlp.h"
+#include "proxy/slo.h"
 
 static const char *const phase_names[PX_PHASE_COUNT] = {"prefill", "decode", "stream"};
 
@@ -467,6 +469,8 @@ void px_scrape_render(px_ctx *ctx, px_buf *o) {
                 "Time requests waited in the admission queue before leaving it.",
                 offsetof(px_metrics, queue_wait));
     px_adm_render_metrics(ctx, o);
+    px_slo_render_metrics(ctx->slo, o);
+    px_lat_render_metrics(ctx->lat, o);
     unsigned long long inflight = (unsigned long long)atomic_load(&ctx->inflight);
     px_buf_printf(o,
                   "# HELP pdproxy_inflight_requests Client requests in flight.\n"

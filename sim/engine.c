@@ -20,6 +20,7 @@
 #include "base/util.h"
 #include "include/kvconnector.h"
 #include "sim/kvsim.h"
+#include "sim/link.h"
 #include "sim/sim_request.h"
 
 static void pump_queue(sim_engine *e);
@@ -217,6 +218,10 @@ static void on_client_gone(void *arg) {
         return;
     }
     case SR_FETCHING:
+        if (!r->fetching) { /* its bytes are crossing a --kv-peer-cost link */
+            req_finish(r);
+            return;
+        }
         r->orphan = 1; /* freed when the fetch reports back */
         return;
     case SR_SEQ_WAIT: {
@@ -416,14 +421,16 @@ static void stream_end(px_buf *b, sim_req *r) {
 
 /* ---------------------------------------------------------- generation -- */
 
-static void schedule(sim_req *r, uint32_t ms) {
-    struct timeval tv = {ms / 1000, (ms % 1000) * 1000};
-    evtimer_add(r->timer, &tv);
-}
-
 static void schedule_us(sim_req *r, uint64_t us) {
     struct timeval tv = {(time_t)(us / 1000000), (suseconds_t)(us % 1000000)};
     evtimer_add(r->timer, &tv);
+}
+
+/* The time between two output tokens: --decode-us-per-token, else
+ * --itl-ms. */
+static uint64_t itl_us(const sim_engine *e) {
+    return e->cfg->decode_us_per_token ? e->cfg->decode_us_per_token
+                                       : (uint64_t)e->cfg->itl_ms * 1000u;
 }
 
 static void emit_tokens(evutil_socket_t fd, short what, void *arg) {
@@ -444,12 +451,12 @@ static void emit_tokens(evutil_socket_t fd, short what, void *arg) {
         else
             stream_word(&b, r, w, wl, last);
         if (last) break;
-    } while (e->cfg->itl_ms == 0);
+    } while (itl_us(e) == 0);
 
     if (r->emitted < (size_t)r->max_tokens) {
         if (r->stream) send_sse(r, &b);
         px_buf_cleanup(&b);
-        schedule(r, e->cfg->itl_ms);
+        schedule_us(r, itl_us(e));
         return;
     }
     if (!r->stream) {
@@ -690,37 +697,17 @@ static void pump_queue(sim_engine *e) {
 
 /* ----------------------------------------------------- connector events -- */
 
-static void on_fetch_event(sim_engine *e, const kvc_event_t *ev) {
-    sim_req *r = (sim_req *)(uintptr_t)ev->user_data;
-    if (!r) return; /* a bare notification */
-    r->fetching = 0;
+/* The fetch's outcome reached decode (after its link's cost, when one
+ * applies): X-KV-Wait-Ms, then generation from the received KV, or the
+ * policy of a failed load. */
+static void fetch_landed(sim_req *r, int ok) {
+    sim_engine *e = r->e;
     /* How long decode waited for prefill's KV (in push mode: the prefill
      * too), for the proxy's access line. */
     size_t hl = strlen(r->dp_hdr);
     snprintf(r->dp_hdr + hl, sizeof r->dp_hdr - hl, "X-KV-Wait-Ms: %.3f\r\n",
              (double)(px_now_ns() - r->t_fetch0) / 1e6);
-    if (ev->type == KVC_EV_FETCH_DONE) {
-        uint64_t ns = px_now_ns() - r->t_fetch0;
-        e->fetches++;
-        e->bytes_fetched += ev->bytes;
-        e->fetch_ns += ns;
-        PX_LOG(PX_LOG_INFO,
-               "req=%s msg=\"kv fetch done\" remote_request_id=%s blocks=%zu bytes=%llu ms=%.3f "
-               "gbps=%.2f",
-               r->internal_id, ev->request_id ? ev->request_id : "-", ev->num_blocks,
-               (unsigned long long)ev->bytes, (double)ns / 1e6,
-               ns ? (double)ev->bytes / (double)ns : 0.0);
-    } else {
-        e->fetch_failures++;
-        PX_LOG(PX_LOG_WARN,
-               "req=%s msg=\"kv fetch failed, recomputing locally\" status=%s detail=\"%s\"",
-               r->internal_id, kvc_status_str(ev->status), ev->message ? ev->message : "");
-    }
-    if (r->orphan) {
-        req_finish(r);
-        return;
-    }
-    if (ev->type == KVC_EV_FETCH_DONE) {
+    if (ok) {
         uint64_t bad = verify_blocks(r);
         if (bad) {
             e->corrupt_blocks += bad;
@@ -744,6 +731,64 @@ static void on_fetch_event(sim_engine *e, const kvc_event_t *ev) {
     } else {
         start_local(r);
     }
+}
+
+static void on_link_landed(evutil_socket_t fd, short what, void *arg) {
+    fetch_landed(arg, 1);
+}
+
+/* --kv-peer-cost: when the bytes fetched from r's prefill have crossed
+ * its link; 0 when no link applies. */
+static uint64_t link_land_ns(sim_req *r, uint64_t bytes) {
+    sim_engine *e = r->e;
+    if (!e->links) return 0;
+    const cJSON *eid = cJSON_GetObjectItemCaseSensitive(r->kvp, "remote_engine_id");
+    const cJSON *host = cJSON_GetObjectItemCaseSensitive(r->kvp, "remote_host");
+    const cJSON *port = cJSON_GetObjectItemCaseSensitive(r->kvp, "remote_port");
+    char hp[300] = "";
+    if (cJSON_IsString(host) && cJSON_IsNumber(port))
+        snprintf(hp, sizeof hp, "%s:%d", host->valuestring, port->valueint);
+    return sim_link_land(e->links, cJSON_IsString(eid) ? eid->valuestring : NULL,
+                         hp[0] ? hp : NULL, bytes, px_now_ns());
+}
+
+static void on_fetch_event(sim_engine *e, const kvc_event_t *ev) {
+    sim_req *r = (sim_req *)(uintptr_t)ev->user_data;
+    if (!r) return; /* a bare notification */
+    r->fetching = 0;
+    if (ev->type == KVC_EV_FETCH_DONE) {
+        uint64_t ns = px_now_ns() - r->t_fetch0;
+        e->fetches++;
+        e->bytes_fetched += ev->bytes;
+        e->fetch_ns += ns;
+        PX_LOG(PX_LOG_INFO,
+               "req=%s msg=\"kv fetch done\" remote_request_id=%s blocks=%zu bytes=%llu ms=%.3f "
+               "gbps=%.2f",
+               r->internal_id, ev->request_id ? ev->request_id : "-", ev->num_blocks,
+               (unsigned long long)ev->bytes, (double)ns / 1e6,
+               ns ? (double)ev->bytes / (double)ns : 0.0);
+    } else {
+        e->fetch_failures++;
+        PX_LOG(PX_LOG_WARN,
+               "req=%s msg=\"kv fetch failed, recomputing locally\" status=%s detail=\"%s\"",
+               r->internal_id, kvc_status_str(ev->status), ev->message ? ev->message : "");
+    }
+    if (r->orphan) {
+        req_finish(r);
+        return;
+    }
+    uint64_t land = ev->type == KVC_EV_FETCH_DONE ? link_land_ns(r, ev->bytes) : 0;
+    uint64_t now = px_now_ns();
+    if (land > now) {
+        /* The bytes are here, but the link says they are still on their
+         * way: decode goes on when they would have landed. */
+        e->link_waits++;
+        e->link_wait_ns += land - now;
+        event_assign(r->timer, e->base, -1, 0, on_link_landed, r);
+        schedule_us(r, (land - now) / 1000u);
+        return;
+    }
+    fetch_landed(r, ev->type == KVC_EV_FETCH_DONE);
 }
 
 static uint32_t renew_interval_ms(const sim_engine *e) {
@@ -1025,6 +1070,14 @@ int sim_engine_setup_agent(sim_engine *e) {
     struct timeval tv = {renew_interval_ms(e) / 1000, (renew_interval_ms(e) % 1000) * 1000};
     event_add(e->kv_ev, cfg->kv_lease_ms ? &tv : NULL);
     return 0;
+}
+
+int sim_engine_setup_links(sim_engine *e) {
+    char err[256];
+    if (!e->cfg->kv_peer_cost || !e->cfg->kv_peer_cost[0]) return 0;
+    e->links = sim_links_parse(e->cfg->kv_peer_cost, err, sizeof err);
+    if (!e->links) fprintf(stderr, "engine-sim: --kv-peer-cost %s\n", err);
+    return e->links ? 0 : -1;
 }
 
 void sim_engine_free_reqs(sim_engine *e) {

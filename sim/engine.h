@@ -44,6 +44,9 @@ typedef struct sim_config {
     uint32_t max_num_queued_reqs;          /* vLLM's --max-num-queued-reqs (PR 49445): past this
                                               many requests in the engine (waiting + running),
                                               429; 0: no cap */
+    uint32_t decode_us_per_token;          /* time between output tokens, us; 0: --itl-ms */
+    const char *kv_peer_cost;              /* "PEER=DELAY_MS[/MB_PER_S],...": what a KV fetch
+                                              from each prefill costs beyond the copy (link.h) */
     uint32_t max_num_seqs;                 /* vLLM's --max-num-seqs: requests generating at
                                               once; the others wait for a slot; 0: no cap */
     const char *kv_transfer_mode;          /* "pull" (vLLM's NixlConnector, the default) or

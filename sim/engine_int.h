@@ -111,6 +111,9 @@ struct sim_engine {
     size_t ngen;
     sim_req *shead, *stail;
     uint64_t generations, seq_wait_ns;
+    /* --kv-peer-cost: the links, and the fetches they delayed. */
+    struct sim_links *links; /* owned; NULL: none */
+    uint64_t link_waits, link_wait_ns;
     uint64_t renew_due_ns;            /* next lease renewal of queued decode requests */
     uint64_t dp_requests[SIM_DP_MAX]; /* by the X-data-parallel-rank requests named */
     /* nrunning and nqueued split by rank: /metrics' per-engine series,
@@ -130,6 +133,8 @@ void sim_handle_tokenize(sim_engine *e, px_conn *c, const px_http_head *h, px_bu
 
 /* The KV agent and its regions; 0, or -1 with a message on stderr. */
 int sim_engine_setup_agent(sim_engine *e);
+/* The --kv-peer-cost links; 0, or -1 with a message on stderr. */
+int sim_engine_setup_links(sim_engine *e);
 /* Frees every request (the loop has stopped). */
 void sim_engine_free_reqs(sim_engine *e);
 /* The prefix cache and its KV event publisher; 0, or -1 with a message on

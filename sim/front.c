@@ -16,6 +16,7 @@
 #include "base/log.h"
 #include "sim/engine_int.h"
 #include "sim/kvsim.h"
+#include "sim/link.h"
 
 /* ---------------------------------------------------------- completions -- */
 
@@ -131,6 +132,15 @@ static void reply_metrics(sim_engine *e, px_conn *c) {
                   (double)e->block_wait_ns / 1e9, (double)e->compute_wait_ns / 1e9,
                   (double)e->seq_wait_ns / 1e9, (unsigned long long)e->admitted,
                   (unsigned long long)e->computes, (unsigned long long)e->generations);
+    COUNTER("engine_sim_kv_link_delays_total",
+            "KV fetches held back by a --kv-peer-cost link (its delay or bandwidth cap).",
+            e->link_waits);
+    px_buf_printf(&b,
+                  "# HELP engine_sim_kv_link_delay_seconds_total Time KV fetches were held back "
+                  "by --kv-peer-cost links.\n"
+                  "# TYPE engine_sim_kv_link_delay_seconds_total counter\n"
+                  "engine_sim_kv_link_delay_seconds_total %.9f\n",
+                  (double)e->link_wait_ns / 1e9);
     COUNTER("engine_sim_invalid_kv_transfer_params_total",
             "Decode requests whose kv_transfer_params were unusable.", e->invalid_kvp);
     COUNTER("engine_sim_kv_params_without_blocks_total",
@@ -275,7 +285,8 @@ int sim_engine_run(const sim_config *cfg) {
     struct event *sigterm = evsignal_new(e->base, SIGTERM, on_signal, e);
     event_add(sigint, NULL);
     event_add(sigterm, NULL);
-    if (sim_engine_setup_prefix(e) < 0 || sim_engine_setup_agent(e) < 0 || setup_listener(e) < 0)
+    if (sim_engine_setup_prefix(e) < 0 || sim_engine_setup_links(e) < 0 ||
+        sim_engine_setup_agent(e) < 0 || setup_listener(e) < 0)
         goto out;
     uint16_t kvport = 0;
     kvc_agent_get_port(e->agent, &kvport);
@@ -297,6 +308,7 @@ out:
     event_base_free(e->base);
     free(e->free_blocks);
     sim_engine_free_prefix(e);
+    sim_links_free(e->links);
     free(e);
     return rc;
 }

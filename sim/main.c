@@ -10,6 +10,7 @@
 
 #include "base/log.h"
 #include "sim/engine.h"
+#include "sim/link.h"
 
 typedef enum { O_STR, O_INT, O_U32, O_U64, O_ROLE, O_LEVEL } otype;
 
@@ -68,6 +69,13 @@ static const sim_opt opts[] = {
     {"prefill-us-per-token", O_U32, OFF(prefill_us_per_token), 0, 1000000, "N",
      "compute time of one prompt token, us; prompts are\n"
      "computed one at a time, cached prefixes skipped (0)"},
+    {"decode-us-per-token", O_U32, OFF(decode_us_per_token), 0, 60000000, "N",
+     "time between two output tokens, us; 0 = --itl-ms (0)"},
+    {"kv-peer-cost", O_STR, OFF(kv_peer_cost), 0, 0, "PEER=MS[/MBPS],...",
+     "what fetching KV from a prefill costs beyond the copy:\n"
+     "a delay in ms and a bandwidth cap in MB/s (fetches\n"
+     "over one link queue for it); PEER is the prefill's\n"
+     "engine id, its KV \"host:port\", or * for any (none)"},
     {"prefix-cache-blocks", O_U64, OFF(prefix_cache_blocks), 0, 1L << 24, "N",
      "prefix cache capacity in blocks, least recently used\n"
      "evicted first; 0 = --num-blocks (0)"},
@@ -236,6 +244,15 @@ int main(int argc, char **argv) {
         fprintf(stderr, "engine-sim: --kv-transfer-mode '%s': expected pull or push\n",
                 c.kv_transfer_mode);
         return 2;
+    }
+    if (c.kv_peer_cost) {
+        char err[256];
+        sim_links *l = sim_links_parse(c.kv_peer_cost, err, sizeof err);
+        if (!l) {
+            fprintf(stderr, "engine-sim: --kv-peer-cost %s\n", err);
+            return 2;
+        }
+        sim_links_free(l);
     }
     uint64_t pool = c.num_blocks * c.block_bytes;
     if (pool > (16ull << 30)) {

@@ -23,6 +23,10 @@ px_py_test(sim_push)
 # wait behind prompts computed before (decode's queueing in pd_mixed.py).
 px_py_test(sim_queue)
 
+# engine-sim's speeds: --decode-us-per-token and --kv-peer-cost (a delay and
+# a bandwidth cap per prefill-decode link), what latency routing learns.
+px_py_test(sim_speed)
+
 # --dispatch concurrent: both legs at once (mocks decide the race and the
 # failures; engine-sims in push mode move real KV).
 px_py_test(pd_concurrent)

@@ -19,6 +19,9 @@ endforeach()
 px_py_test(kv_events TIMEOUT 120)
 px_py_test(kv_replicas TIMEOUT 120)
 px_py_test(kv_routing TIMEOUT 120)
+# Routing and admission by predicted latency (the latency policy) on engine-sims
+# of different speeds and links.
+px_py_test(latency_routing TIMEOUT 240)
 # Per-backend endpoints (config entries, admin API) with engine-sim publishing.
 px_py_test(kv_endpoints TIMEOUT 180)
 

@@ -112,6 +112,14 @@ SAMPLES = {
     "cache-salt": ("key", None),
     "default-max-tokens": ("512", None),
     "prefiller-allowlist": ("10.0.0.0/8:*, prefill.example:8000", "10.0.0.0/8:* prefill.example:8000"),
+    "slo-ttft-ms": ("750", None),
+    "slo-tpot-ms": ("40", None),
+    "slo-miss": ("refuse", None),
+    "slo-refuse-status": ("429", None),
+    "slo": ("class=hi:ttft=500, pool=*:tpot=50:miss=queue", "class=hi:ttft=500 pool=*:tpot=50:miss=queue"),
+    "latency-decode-only": ("false", None),
+    "latency-half-life": ("12", None),
+    "latency-keep": ("0.9", None),
 }
 # Options that --print-config shows in another form: the file itself, and
 # the pools (a "pools:" list).
