@@ -418,3 +418,24 @@ int px_json_find(const char *obj, size_t n, const char *key, px_json_member *m) 
     }
     return r < 0 ? 0 : found;
 }
+
+int px_json_object_find(const char *obj, size_t n, const char *const *keys, size_t nkeys,
+                        px_json_member *found) {
+    px_json_iter it;
+    px_json_member m;
+    int r;
+    for (size_t i = 0; i < nkeys; i++)
+        found[i].val = NULL;
+    if (px_json_iter_init(&it, obj, n) < 0) return -1;
+    /* px_json_iter_next validates each value it steps over, at the depth
+     * px_json_validate would; what it leaves is the closing brace and
+     * whatever follows it. */
+    while ((r = px_json_iter_next(&it, &m)) == 1)
+        for (size_t i = 0; i < nkeys; i++)
+            if (px_json_str_eq(m.key, m.key_len, keys[i])) {
+                found[i] = m;
+                break;
+            }
+    if (r < 0 || skip_ws(it.p + 1, it.end) != it.end) return -1;
+    return 0;
+}
