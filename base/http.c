@@ -7,21 +7,48 @@
 
 #include <event2/buffer.h>
 
+/* RFC 9110's token characters, looked up once per byte of every header
+ * name (a table, not strchr per byte). */
+static const unsigned char tchar[256] = {
+    0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+    0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+    0, 1, 0, 1, 1, 1, 1, 1, 0, 0, 1, 1, 0, 1, 1, 0,
+    1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0,
+    0, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1,
+    1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 1, 1,
+    1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1,
+    1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 0, 1, 0, 1, 0,
+    /* 0x80-0xff: none */
+};
+
 static int is_tchar(unsigned char c) {
-    if ((c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9')) return 1;
-    return c && strchr("!#$%&'*+-.^_`|~", c) != NULL;
+    return tchar[c];
+}
+
+/* Whether c may stand in a header value: no control character but tab,
+ * no DEL (CR and LF end the value). */
+static int value_byte(unsigned char c) {
+    return c >= 0x20 ? c != 0x7f : c == '\t';
+}
+
+/* ASCII lower case without a table or a locale. */
+static unsigned char lower(unsigned char c) {
+    return (unsigned char)(c + ((unsigned)(c - 'A') < 26u ? 32 : 0));
 }
 
 int px_http_token_eq(const char *s, size_t n, const char *lit) {
     size_t i;
-    for (i = 0; i < n && lit[i]; i++) {
-        unsigned char a = (unsigned char)s[i], b = (unsigned char)lit[i];
-        if (a >= 'A' && a <= 'Z') a = (unsigned char)(a + 32);
-        if (b >= 'A' && b <= 'Z') b = (unsigned char)(b + 32);
-        if (a != b) return 0;
-    }
+    for (i = 0; i < n && lit[i]; i++)
+        if (lower((unsigned char)s[i]) != lower((unsigned char)lit[i])) return 0;
     return i == n && lit[i] == 0;
 }
+
+/* Whether s[0..n) is the token lit (lit_len bytes) in any case: the length
+ * first, so most names are told apart without a byte compared. */
+static int name_is(const char *s, size_t n, const char *lit, size_t lit_len) {
+    return n == lit_len && px_http_token_eq(s, n, lit);
+}
+#define NAME_IS(s, n, lit) name_is((s), (n), (lit), sizeof(lit) - 1)
 
 void px_http_path(const px_http_head *h, const char **path, size_t *len) {
     const char *t = h->target;
@@ -187,9 +214,9 @@ void px_http_via_append(const px_http_head *h, px_buf *out) {
 }
 
 const px_http_header *px_http_find(const px_http_head *h, const char *name) {
+    size_t n = strlen(name);
     for (size_t i = 0; i < h->nheaders; i++)
-        if (px_http_token_eq(h->headers[i].name, h->headers[i].name_len, name))
-            return &h->headers[i];
+        if (name_is(h->headers[i].name, h->headers[i].name_len, name, n)) return &h->headers[i];
     return NULL;
 }
 
@@ -262,11 +289,9 @@ static int parse_fields(const char *p, const char *end, px_http_head *h, fields 
         while (p < end && (*p == ' ' || *p == '\t'))
             p++;
         s = p;
-        while (p < end && *p != '\r' && *p != '\n') {
-            unsigned char c = (unsigned char)*p;
-            if ((c < 0x20 && c != '\t') || c == 0x7f) return *why = "invalid header value", 400;
+        while (p < end && value_byte((unsigned char)*p))
             p++;
-        }
+        if (p < end && *p != '\r' && *p != '\n') return *why = "invalid header value", 400;
         if (end - p < 2 || p[0] != '\r' || p[1] != '\n') return *why = "bare CR or LF", 400;
         const char *e = p;
         while (e > s && (e[-1] == ' ' || e[-1] == '\t'))
@@ -275,23 +300,27 @@ static int parse_fields(const char *p, const char *end, px_http_head *h, fields 
         hd->value_len = (size_t)(e - s);
         p += 2;
 
-        if (px_http_token_eq(hd->name, hd->name_len, "content-length")) {
+        /* The framing headers, told apart by length first. */
+        const char *nm = hd->name;
+        size_t nl = hd->name_len;
+        if (nl != 14 && nl != 17 && nl != 10 && nl != 4 && nl != 6) continue;
+        if (NAME_IS(nm, nl, "content-length")) {
             int64_t cl;
             if (parse_content_length(hd->value, hd->value_len, &cl) < 0)
                 return *why = "invalid Content-Length", 400;
             if (h->content_length >= 0 && h->content_length != cl)
                 return *why = "conflicting Content-Length headers", 400;
             h->content_length = cl;
-        } else if (px_http_token_eq(hd->name, hd->name_len, "transfer-encoding")) {
+        } else if (NAME_IS(nm, nl, "transfer-encoding")) {
             if (f->have_te || !px_http_token_eq(hd->value, hd->value_len, "chunked"))
                 return *why = "unsupported Transfer-Encoding", 501;
             f->have_te = 1;
-        } else if (px_http_token_eq(hd->name, hd->name_len, "connection")) {
+        } else if (NAME_IS(nm, nl, "connection")) {
             if (has_token(hd->value, hd->value_len, "close")) f->conn_close = 1;
             if (has_token(hd->value, hd->value_len, "keep-alive")) f->conn_keep = 1;
-        } else if (px_http_token_eq(hd->name, hd->name_len, "host")) {
+        } else if (NAME_IS(nm, nl, "host")) {
             f->nhost++;
-        } else if (px_http_token_eq(hd->name, hd->name_len, "expect")) {
+        } else if (NAME_IS(nm, nl, "expect")) {
             if (!px_http_token_eq(hd->value, hd->value_len, "100-continue"))
                 return *why = "unsupported Expect", 417;
             h->expect_continue = 1;

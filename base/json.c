@@ -70,19 +70,33 @@ static int plain8(const char *p) {
     return special == 0;
 }
 
+/* plain[c]: the byte c neither ends, escapes nor breaks a string (ASCII,
+ * no control character, no '"', no '\\'): plain8's test one byte at a time. */
+#define R16(v) v, v, v, v, v, v, v, v, v, v, v, v, v, v, v, v
+static const unsigned char plain[256] = {
+    R16(0), R16(0), /* control characters */
+    1, 1, 0, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, /* ' ' '!' '"' ... */
+    R16(1), R16(1),
+    1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 0, 1, 1, 1, /* ... '[' '\\' ']' ... */
+    R16(1), R16(1),
+    R16(0), R16(0), R16(0), R16(0), R16(0), R16(0), R16(0), R16(0), /* beyond ASCII */
+};
+#undef R16
+
 /* p points just past the opening quote; returns a pointer past the closing one. */
 static const char *scan_string(scan *sc, const char *p) {
     const char *end = sc->end;
     while (p < end) {
+        /* Eight bytes at a time while they are plain, then byte by byte up
+         * to the next byte that is not (most strings are short keys: the
+         * word-wide test is tried once, not after every byte). */
         while (end - p >= 8 && plain8(p))
             p += 8;
+        while (p < end && plain[(unsigned char)*p])
+            p++;
         if (p >= end) break;
         unsigned char c = (unsigned char)*p;
         if (c == '"') return p + 1;
-        if (c >= 0x20 && c < 0x80 && c != '\\') {
-            p++;
-            continue;
-        }
         if (c == '\\') {
             if (++p >= end) break;
             switch (*p) {
@@ -337,8 +351,13 @@ static long next_cp(const char **pp, const char *end) {
 int px_json_str_eq(const char *raw, size_t len, const char *lit) {
     const char *p = raw, *end = raw + len;
     const unsigned char *l = (const unsigned char *)lit;
-    /* Fast path: no escapes, plain byte comparison. */
-    if (!memchr(raw, '\\', len)) return strlen(lit) == len && memcmp(raw, lit, len) == 0;
+    /* Fast paths. An escape is longer than the character it stands for
+     * (and an escaped NUL ends the text), so a raw string no longer than
+     * lit equals it only byte for byte (lit has no backslash); a longer
+     * one only through an escape. */
+    size_t n = strlen(lit);
+    if (len <= n) return len == n && memcmp(raw, lit, len) == 0;
+    if (!memchr(raw, '\\', len)) return 0;
     while (p < end) {
         long cp = next_cp(&p, end);
         /* An escaped NUL ends the key for C consumers (cJSON reads
@@ -398,4 +417,25 @@ int px_json_find(const char *obj, size_t n, const char *key, px_json_member *m) 
         }
     }
     return r < 0 ? 0 : found;
+}
+
+int px_json_object_find(const char *obj, size_t n, const char *const *keys, size_t nkeys,
+                        px_json_member *found) {
+    px_json_iter it;
+    px_json_member m;
+    int r;
+    for (size_t i = 0; i < nkeys; i++)
+        found[i].val = NULL;
+    if (px_json_iter_init(&it, obj, n) < 0) return -1;
+    /* px_json_iter_next validates each value it steps over, at the depth
+     * px_json_validate would; what it leaves is the closing brace and
+     * whatever follows it. */
+    while ((r = px_json_iter_next(&it, &m)) == 1)
+        for (size_t i = 0; i < nkeys; i++)
+            if (px_json_str_eq(m.key, m.key_len, keys[i])) {
+                found[i] = m;
+                break;
+            }
+    if (r < 0 || skip_ws(it.p + 1, it.end) != it.end) return -1;
+    return 0;
 }

@@ -63,6 +63,15 @@ int px_json_str_eq(const char *raw, size_t len, const char *lit);
  * does). Returns 1 and fills *m, or 0 when absent or obj is not an object. */
 int px_json_find(const char *obj, size_t n, const char *key, px_json_member *m);
 
+/* Validates the object that fills obj[0..n) as px_json_validate does and, in
+ * the same pass, finds the LAST member named keys[i] (as px_json_find) into
+ * found[i] for each of the nkeys keys; found[i].val is NULL for a key that
+ * is absent. Returns 0, or -1 when obj is not a valid JSON object (found[]
+ * then says nothing; px_json_validate tells why). One pass where a
+ * validation and a px_json_find per key would make several. */
+int px_json_object_find(const char *obj, size_t n, const char *const *keys, size_t nkeys,
+                        px_json_member *found);
+
 /* Decodes a raw JSON string body into UTF-8 at out (at most outcap-1 bytes,
  * NUL-terminated). Returns the decoded length, or -1 when it does not fit or
  * is malformed. */

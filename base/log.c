@@ -139,17 +139,23 @@ int px_log_level_parse(const char *s) {
 
 const char *px_log_value(const char *s, char *out, size_t cap) {
     int plain = s[0] != '\0';
-    for (const char *p = s; *p && plain; p++)
+    const char *p = s;
+    for (; *p && plain; p++)
         plain = (unsigned char)*p > 0x20 && *p != '=' && *p != '"' && *p != '\\' && *p != 0x7f;
     size_t o = 0;
-    if (plain) {
-        snprintf(out, cap, "%s", s);
+    if (plain) { /* as snprintf(out, cap, "%s", s) would, cut to fit */
+        size_t n = (size_t)(p - s);
+        if (cap) {
+            if (n >= cap) n = cap - 1;
+            memcpy(out, s, n);
+            out[n] = '\0';
+        }
         return out;
     }
     if (cap < 3) return "\"\"";
     out[o++] = '"';
-    for (const char *p = s; *p && o + 6 < cap; p++) {
-        unsigned char c = (unsigned char)*p;
+    for (const char *q = s; *q && o + 6 < cap; q++) {
+        unsigned char c = (unsigned char)*q;
         if (c == '"' || c == '\\') {
             out[o++] = '\\';
             out[o++] = (char)c;
@@ -179,15 +185,35 @@ static const char *ts_prefix(time_t sec) {
     return text;
 }
 
-static void log_line(px_log_level_t lvl, int batched, const char *fmt, va_list ap) {
-    char line[2048];
+#define LINE_MAX_BYTES 2048
+
+/* Writes "ts=... level=... " at line's start; returns its length (written
+ * by hand: it starts every line, the access line of every request too). */
+static size_t line_prefix(px_log_level_t lvl, char *line) {
     struct timespec ts;
     clock_gettime(CLOCK_REALTIME, &ts);
-    int n = snprintf(line, sizeof line, "ts=%s.%03ldZ level=%s ", ts_prefix(ts.tv_sec),
-                     ts.tv_nsec / 1000000, names[lvl]);
-    int m = vsnprintf(line + n, sizeof line - (size_t)n - 1, fmt, ap);
-    size_t len = (size_t)n + (m < 0 ? 0 : (size_t)m);
-    if (len > sizeof line - 2) len = sizeof line - 2;
+    const char *t = ts_prefix(ts.tv_sec), *name = names[lvl];
+    size_t n = 0, tl = strlen(t), nl = strlen(name);
+    long ms = ts.tv_nsec / 1000000;
+    memcpy(line, "ts=", 3);
+    n = 3;
+    memcpy(line + n, t, tl);
+    n += tl;
+    line[n++] = '.';
+    line[n++] = (char)('0' + ms / 100);
+    line[n++] = (char)('0' + ms / 10 % 10);
+    line[n++] = (char)('0' + ms % 10);
+    memcpy(line + n, "Z level=", 8);
+    n += 8;
+    memcpy(line + n, name, nl);
+    n += nl;
+    line[n++] = ' ';
+    return n;
+}
+
+/* Hands the line[0..len) (room for one byte more) to the sink, as it is or
+ * as JSON. */
+static void line_emit(int batched, char *line, size_t len) {
     if (px_log_json) {
         char js[4096];
         size_t jl = logfmt_to_json(line, len, js, sizeof js - 1);
@@ -201,6 +227,15 @@ static void log_line(px_log_level_t lvl, int batched, const char *fmt, va_list a
     if (!px_logsink_put(line, len, batched)) fwrite(line, 1, len, stderr);
 }
 
+static void log_line(px_log_level_t lvl, int batched, const char *fmt, va_list ap) {
+    char line[LINE_MAX_BYTES];
+    size_t n = line_prefix(lvl, line);
+    int m = vsnprintf(line + n, sizeof line - n - 1, fmt, ap);
+    size_t len = n + (m < 0 ? 0 : (size_t)m);
+    if (len > sizeof line - 2) len = sizeof line - 2;
+    line_emit(batched, line, len);
+}
+
 void px_log_write(px_log_level_t lvl, const char *fmt, ...) {
     va_list ap;
     va_start(ap, fmt);
@@ -208,9 +243,10 @@ void px_log_write(px_log_level_t lvl, const char *fmt, ...) {
     va_end(ap);
 }
 
-void px_log_write_batched(px_log_level_t lvl, const char *fmt, ...) {
-    va_list ap;
-    va_start(ap, fmt);
-    log_line(lvl, 1, fmt, ap);
-    va_end(ap);
+void px_log_put_batched(px_log_level_t lvl, const char *text, size_t n) {
+    char line[LINE_MAX_BYTES];
+    size_t p = line_prefix(lvl, line);
+    if (n > sizeof line - 2 - p) n = sizeof line - 2 - p;
+    memcpy(line + p, text, n);
+    line_emit(1, line, p + n);
 }

@@ -30,10 +30,10 @@ int px_log_level_parse(const char *s);
 const char *px_log_value(const char *s, char *out, size_t cap);
 
 void px_log_write(px_log_level_t lvl, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
-/* The same for a line that may wait in the thread's log buffer, to be
- * written in a batch (the access log: logsink.h). */
-void px_log_write_batched(px_log_level_t lvl, const char *fmt, ...)
-    __attribute__((format(printf, 2, 3)));
+/* The same for a line formatted already, text[0..n) (cut to the line's
+ * limit, as px_log_write cuts), that may wait in the thread's log buffer
+ * to be written in a batch (the access log: logsink.h). */
+void px_log_put_batched(px_log_level_t lvl, const char *text, size_t n);
 
 /* Checks the level before any formatting happens. `fmt` continues the line
  * after "ts=… level=…", in key=value form, e.g. PX_LOG(PX_LOG_WARN,

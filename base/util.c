@@ -1,6 +1,7 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 #include "base/util.h"
 
+#include <math.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -132,6 +133,32 @@ void px_buf_printf(px_buf *b, const char *fmt, ...) {
     vsnprintf(b->data + b->len, (size_t)n + 1, fmt, ap);
     va_end(ap);
     b->len += (size_t)n;
+}
+
+size_t px_fmt_2dp(double v, char out[32]) {
+    /* Below 2^33 the product v * 100 is off v's exact hundredfold by at
+     * most 2^-14: only a product within 2^-10 of a half could round
+     * otherwise than printf's exact decimal expansion does; those, and
+     * exact ties (printf rounds them to even), go to printf. */
+    if (!signbit(v) && v < 8589934592.0) {
+        double s = v * 100.0;
+        uint64_t i = (uint64_t)s;
+        double f = s - (double)i;
+        if (fabs(f - 0.5) > 1.0 / 1024) {
+            uint64_t h = i + (f > 0.5);
+            char tmp[24], *e = tmp + sizeof tmp;
+            *--e = (char)('0' + h % 10);
+            *--e = (char)('0' + h / 10 % 10);
+            *--e = '.';
+            char *b = px_u64_dec(e, h / 100);
+            size_t n = (size_t)(tmp + sizeof tmp - b);
+            memcpy(out, b, n);
+            out[n] = '\0';
+            return n;
+        }
+    }
+    int n = snprintf(out, 32, "%.2f", v);
+    return n < 0 ? 0 : (size_t)n < 32 ? (size_t)n : 31;
 }
 
 uint64_t px_now_ns(void) {

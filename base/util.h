@@ -38,6 +38,12 @@ size_t px_pct_decode(const char *src, size_t n, char *dst, size_t cap);
  * `end` must have 20 bytes before it. */
 char *px_u64_dec(char *end, uint64_t v);
 void px_buf_printf(px_buf *b, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+/* Writes v as printf's "%.2f" does, byte for byte, into out (32 bytes,
+ * NUL-terminated); returns the length. Without printf for what the access
+ * line carries (non-negative milliseconds); printf itself where the
+ * rounding is not plain (a value within a hair of a half hundredth) or v is
+ * negative, huge or not a number. */
+size_t px_fmt_2dp(double v, char out[32]);
 void px_buf_reset(px_buf *b);
 
 /* Monotonic clock in nanoseconds. */

@@ -10,8 +10,9 @@ px_kvp_status px_handoff_serial(px_metrics *m, const char *lid, const char *pref
                                 char cached[24], char *err, size_t errlen) {
     const char *kvp = NULL;
     size_t kvp_len = 0;
-    px_kvp_status ks =
-        px_extract_kv_params(resp->data ? resp->data : "", resp->len, &kvp, &kvp_len, err, errlen);
+    px_json_member usage;
+    px_kvp_status ks = px_extract_prefill_answer(resp->data ? resp->data : "", resp->len, &kvp,
+                                                 &kvp_len, &usage, err, errlen);
     if (ks == PX_KVP_BAD_RESPONSE) return ks;
     if (ks == PX_KVP_MISSING) {
         px_m_inc(&m->kvp_missing);
@@ -32,9 +33,9 @@ px_kvp_status px_handoff_serial(px_metrics *m, const char *lid, const char *pref
     if (kvp && learn) px_dispatch_learn(learn, prefill, kvp, kvp_len);
     px_buf_reset(out);
     px_rewrite_decode_xfer(body->data, body->len, kvp, kvp_len, transfer_id, out);
-    /* Prefill's cached_tokens, for --usage-from prefill (only then: three
-     * searches of prefill's answer). */
-    if (resp->data && usage_prefill) px_usage_cached_tokens(resp->data, resp->len, cached);
+    /* Prefill's cached_tokens, for --usage-from prefill (its usage member
+     * was found in the same pass as kv_transfer_params). */
+    if (resp->data && usage_prefill) px_usage_cached_tokens_in(&usage, cached);
     px_buf_cleanup(body);
     px_buf_cleanup(pbody);
     if (!keep) px_buf_cleanup(resp);
@@ -80,12 +81,19 @@ void px_handoff_learn(px_pf_cache *ids, const char *prefill, const px_buf *resp,
     const char *kvp = NULL;
     size_t kl = 0;
     char err[128];
-    px_kvp_status ks =
-        px_extract_kv_params(resp->data ? resp->data : "", resp->len, &kvp, &kl, err, sizeof err);
+    px_json_member usage;
+    px_kvp_status ks = px_extract_prefill_answer(resp->data ? resp->data : "", resp->len, &kvp,
+                                                 &kl, &usage, err, sizeof err);
     if ((ks == PX_KVP_OK || ks == PX_KVP_NO_REQUEST_ID) && kvp)
         px_dispatch_learn(ids, prefill, kvp, kl);
-    if (resp->data && !cached[0] && usage_prefill)
-        px_usage_cached_tokens(resp->data, resp->len, cached);
+    /* (An answer that is no valid object is searched on its own, as
+     * before: only the found members of a valid one are trusted.) */
+    if (resp->data && !cached[0] && usage_prefill) {
+        if (ks != PX_KVP_BAD_RESPONSE)
+            px_usage_cached_tokens_in(&usage, cached);
+        else
+            px_usage_cached_tokens(resp->data, resp->len, cached);
+    }
 }
 
 int px_handoff_forwarded(px_buf *b) {

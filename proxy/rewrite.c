@@ -264,19 +264,31 @@ size_t px_rewrite_rendered_bytes(const char *body, size_t n) {
     return total;
 }
 
-px_kvp_status px_extract_kv_params(const char *resp, size_t n, const char **kvp, size_t *kvp_len,
-                                   char *err, size_t errlen) {
-    if (px_json_validate(resp, n, err, errlen) != PX_JSON_OBJECT) {
+px_kvp_status px_extract_prefill_answer(const char *resp, size_t n, const char **kvp,
+                                        size_t *kvp_len, px_json_member *usage, char *err,
+                                        size_t errlen) {
+    static const char *const keys[] = {"kv_transfer_params", "usage"};
+    px_json_member found[2], rid;
+    /* One pass validates the answer and finds both members (it runs on
+     * every request); only a bad answer is scanned again, for the reason. */
+    if (px_json_object_find(resp, n, keys, 2, found) < 0) {
+        if (err && errlen) err[0] = '\0';
+        px_json_validate(resp, n, err, errlen);
         if (err && errlen && !err[0]) snprintf(err, errlen, "not a JSON object");
         return PX_KVP_BAD_RESPONSE;
     }
-    px_json_member m, rid;
-    if (!px_json_find(resp, n, "kv_transfer_params", &m) || m.type != PX_JSON_OBJECT)
-        return PX_KVP_MISSING;
-    *kvp = m.val;
-    *kvp_len = m.val_len;
-    if (!px_json_find(m.val, m.val_len, "remote_request_id", &rid) ||
+    if (usage) *usage = found[1];
+    const px_json_member *m = &found[0];
+    if (!m->val || m->type != PX_JSON_OBJECT) return PX_KVP_MISSING;
+    *kvp = m->val;
+    *kvp_len = m->val_len;
+    if (!px_json_find(m->val, m->val_len, "remote_request_id", &rid) ||
         (rid.type != PX_JSON_STRING) || rid.val_len <= 2)
         return PX_KVP_NO_REQUEST_ID;
     return PX_KVP_OK;
+}
+
+px_kvp_status px_extract_kv_params(const char *resp, size_t n, const char **kvp, size_t *kvp_len,
+                                   char *err, size_t errlen) {
+    return px_extract_prefill_answer(resp, n, kvp, kvp_len, NULL, err, errlen);
 }

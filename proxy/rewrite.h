@@ -7,6 +7,7 @@
 
 #include <stddef.h>
 
+#include "base/json.h"
 #include "base/util.h"
 
 /* The kv_transfer_params the proxy sends to prefill. */
@@ -106,5 +107,11 @@ typedef enum {
  * resp (borrowed). err receives the parse error for PX_KVP_BAD_RESPONSE. */
 px_kvp_status px_extract_kv_params(const char *resp, size_t n, const char **kvp, size_t *kvp_len,
                                    char *err, size_t errlen);
+
+/* px_extract_kv_params that also gives the answer's top-level usage member
+ * (usage->val NULL when it has none), found in the same pass over resp. */
+px_kvp_status px_extract_prefill_answer(const char *resp, size_t n, const char **kvp,
+                                        size_t *kvp_len, px_json_member *usage, char *err,
+                                        size_t errlen);
 
 #endif

@@ -6,12 +6,12 @@
 
 #include "base/json.h"
 
-/* The number text of usage.prompt_tokens_details.cached_tokens in the JSON
- * object json[0..n): 1 with its span, else 0. */
-static int cached_span(const char *json, size_t n, const char **v, size_t *vl) {
-    px_json_member u, d, c;
-    if (!px_json_find(json, n, "usage", &u) || u.type != PX_JSON_OBJECT) return 0;
-    if (!px_json_find(u.val, u.val_len, "prompt_tokens_details", &d) || d.type != PX_JSON_OBJECT)
+/* The number text of prompt_tokens_details.cached_tokens in the usage
+ * member u: 1 with its span, else 0. */
+static int cached_in(const px_json_member *u, const char **v, size_t *vl) {
+    px_json_member d, c;
+    if (!u->val || u->type != PX_JSON_OBJECT) return 0;
+    if (!px_json_find(u->val, u->val_len, "prompt_tokens_details", &d) || d.type != PX_JSON_OBJECT)
         return 0;
     if (!px_json_find(d.val, d.val_len, "cached_tokens", &c) || c.type != PX_JSON_NUMBER) return 0;
     *v = c.val;
@@ -19,13 +19,32 @@ static int cached_span(const char *json, size_t n, const char **v, size_t *vl) {
     return 1;
 }
 
-int px_usage_cached_tokens(const char *json, size_t n, char out[24]) {
-    const char *v;
-    size_t vl;
-    if (!json || !cached_span(json, n, &v, &vl) || vl >= 24) return 0;
+/* The number text of usage.prompt_tokens_details.cached_tokens in the JSON
+ * object json[0..n): 1 with its span, else 0. */
+static int cached_span(const char *json, size_t n, const char **v, size_t *vl) {
+    px_json_member u;
+    if (!px_json_find(json, n, "usage", &u) || u.type != PX_JSON_OBJECT) return 0;
+    return cached_in(&u, v, vl);
+}
+
+/* Copies the number text v[0..vl) into out: 1, or 0 when it does not fit. */
+static int cached_copy(const char *v, size_t vl, char out[24]) {
+    if (vl >= 24) return 0;
     memcpy(out, v, vl);
     out[vl] = '\0';
     return 1;
+}
+
+int px_usage_cached_tokens(const char *json, size_t n, char out[24]) {
+    const char *v;
+    size_t vl;
+    return json && cached_span(json, n, &v, &vl) && cached_copy(v, vl, out);
+}
+
+int px_usage_cached_tokens_in(const px_json_member *usage, char out[24]) {
+    const char *v;
+    size_t vl;
+    return cached_in(usage, &v, &vl) && cached_copy(v, vl, out);
 }
 
 void px_usage_init(px_usage *u, const char *cached, int sse, size_t max_hold, px_usage_out out,

@@ -12,6 +12,7 @@
 
 #include <stddef.h>
 
+#include "base/json.h"
 #include "base/util.h"
 
 /* Receives the filter's output, n > 0 bytes at a time. */
@@ -33,6 +34,10 @@ typedef struct px_usage {
  * the JSON object json[0..n) into out (NUL-terminated). Returns 1, or 0
  * when there is none or it does not fit (out untouched). */
 int px_usage_cached_tokens(const char *json, size_t n, char out[24]);
+
+/* The same, from the answer's usage member already found (its val NULL:
+ * none). */
+int px_usage_cached_tokens_in(const px_json_member *usage, char out[24]);
 
 /* Starts filtering: `cached` is prefill's number text (from
  * px_usage_cached_tokens), `sse` says how decode answers. */

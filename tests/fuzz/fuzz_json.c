@@ -6,7 +6,8 @@
  * terminated string; a document that validates as an object iterates to
  * the end without error, every member's spans lie inside the buffer, every
  * value validates alone as the type the iterator reported, and key
- * comparison agrees with decoding the key. */
+ * comparison agrees with decoding the key; px_json_object_find agrees with
+ * px_json_validate and px_json_find. */
 #include <string.h>
 
 #include "base/json.h"
@@ -77,6 +78,17 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
         FZ_CHECK(err[0] != '\0');
     else
         FZ_CHECK(t >= PX_JSON_OBJECT && t <= PX_JSON_NULL);
+
+    /* One pass (validation and finds together) says what validation and a
+     * find per key say. */
+    static const char *const keys[] = {"kv_transfer_params", "usage", "a"};
+    px_json_member found[3], f;
+    FZ_CHECK(px_json_object_find(buf, size, keys, 3, found) == (t == PX_JSON_OBJECT ? 0 : -1));
+    for (size_t k = 0; t == PX_JSON_OBJECT && k < 3; k++) {
+        int has = px_json_find(buf, size, keys[k], &f);
+        FZ_CHECK(has == (found[k].val != NULL));
+        FZ_CHECK(!has || (f.val == found[k].val && f.val_len == found[k].val_len));
+    }
 
     if (t == PX_JSON_OBJECT) {
         walk_object(buf, size, buf, size, 0);

@@ -142,6 +142,48 @@ static void test_chunked_spans_point_into_input(void **state)
     assert_memory_equal(out, "hello world", 11);
 }
 
+/* Every byte in a header name and in a header value, against RFC 9110's
+ * rules (names: token characters; values: no control character but tab,
+ * no DEL), and the framing headers found in any case and only by their
+ * exact names. */
+static void test_byte_classes(void **state)
+{
+    (void)state;
+    px_http_head h;
+    const char *why;
+    for (int c = 0; c < 256; c++) {
+        char req[64];
+        int tok = c && ((c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') ||
+                        (c >= '0' && c <= '9') || strchr("!#$%&'*+-.^_`|~", c));
+        int n = snprintf(req, sizeof req, "GET / HTTP/1.1\r\nHost: h\r\nX%cY: v\r\n\r\n", 'a');
+        req[n - 9] = (char)c; /* the byte between X and Y */
+        int st = px_http_parse_head(req, (size_t)n, &h, &why);
+        /* A colon ends the name early: "X:Y: v" is the header X. */
+        if ((st == 0) != (tok || c == ':')) fail_msg("name byte 0x%02x: status %d", c, st);
+        int val = c >= 0x20 ? c != 0x7f : c == '\t';
+        n = snprintf(req, sizeof req, "GET / HTTP/1.1\r\nHost: h\r\nX: a%cb\r\n\r\n", 'a');
+        req[n - 6] = (char)c; /* the byte between a and b */
+        st = px_http_parse_head(req, (size_t)n, &h, &why);
+        /* CR and LF inside a value end it early: a bare one is refused. */
+        if ((st == 0) != val) fail_msg("value byte 0x%02x: status %d", c, st);
+    }
+    const char *ok = "GET / HTTP/1.1\r\nhOsT: h\r\nCONTENT-length: 3\r\n"
+                     "Content-Lengtx: 9\r\nX-Content-Length: 9\r\nconnection: CLOSE\r\n\r\n";
+    assert_int_equal(px_http_parse_head(ok, strlen(ok), &h, &why), 0);
+    assert_int_equal(h.content_length, 3);
+    assert_false(h.keep_alive);
+    assert_non_null(px_http_find(&h, "Content-Length"));
+    assert_null(px_http_find(&h, "content-len"));
+    assert_memory_equal(px_http_find(&h, "x-content-length")->name, "X-Content-Length", 16);
+    const char *te = "GET / HTTP/1.1\r\nHost: h\r\nTRANSFER-ENCODING: Chunked\r\n"
+                     "EXPECT: 100-Continue\r\n\r\n";
+    assert_int_equal(px_http_parse_head(te, strlen(te), &h, &why), 0);
+    assert_true(h.chunked);
+    assert_true(h.expect_continue);
+    const char *two = "GET / HTTP/1.1\r\nHost: h\r\nhost: i\r\n\r\n";
+    assert_int_equal(px_http_parse_head(two, strlen(two), &h, &why), 400);
+}
+
 static void test_too_many_headers(void **state)
 {
     px_buf b;
@@ -277,6 +319,7 @@ int main(void)
         cmocka_unit_test(test_response_heads),
         cmocka_unit_test(test_chunked_spans_point_into_input),
         cmocka_unit_test(test_too_many_headers),
+        cmocka_unit_test(test_byte_classes),
         cmocka_unit_test(test_chunked_decoder),
         cmocka_unit_test(test_request_id),
         cmocka_unit_test(test_normalize_target),

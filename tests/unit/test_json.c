@@ -38,9 +38,10 @@ static void test_invalid_documents(void **state)
     }
 }
 
-/* Strings are scanned 8 bytes at a time while they are plain ASCII: a
- * special byte at every offset of a long string, in every position of the
- * 8-byte window, must still be seen. */
+/* Strings are scanned 8 bytes at a time while they are plain ASCII, then
+ * byte by byte to the next special byte: a special byte at every offset of
+ * a string, in every position of the 8-byte window, with long and short
+ * tails after it, must still be seen. */
 static void test_long_strings_every_offset(void **state)
 {
     const struct {
@@ -59,7 +60,8 @@ static void test_long_strings_every_offset(void **state)
     };
     char doc[64];
     for (size_t k = 0; k < sizeof cases / sizeof *cases; k++)
-        for (size_t at = 0; at <= 24; at++) {
+        for (size_t at = 0; at <= 24; at++)
+        for (size_t tail = 0; tail <= 17; tail++) {
             size_t n = 0;
             doc[n++] = '"';
             for (size_t i = 0; i < at; i++)
@@ -67,13 +69,14 @@ static void test_long_strings_every_offset(void **state)
             size_t m = strlen(cases[k].ins);
             memcpy(doc + n, cases[k].ins, m);
             n += m;
-            for (size_t i = 0; i < 17; i++)
+            for (size_t i = 0; i < tail; i++)
                 doc[n++] = 'z';
             doc[n++] = '"';
             char err[128];
             px_json_type got = px_json_validate(doc, n, err, sizeof err);
             if (got != cases[k].want)
-                fail_msg("case %zu at offset %zu: got %d, want %d", k, at, got, cases[k].want);
+                fail_msg("case %zu at offset %zu, tail %zu: got %d, want %d", k, at, tail, got,
+                         cases[k].want);
         }
 }
 
@@ -142,13 +145,45 @@ static void test_find_last_duplicate(void **state)
     assert_int_equal(px_json_find(s, strlen(s), "nope", &m), 0);
 }
 
+/* px_json_object_find says what px_json_validate and a px_json_find per
+ * key say, in one pass: valid objects (duplicates: the last), anything
+ * else refused. */
+static void test_object_find(void **state)
+{
+    const char *docs[] = {
+        "{}", " { } ", "{\"a\":1}", "{\"a\":1,\"b\":{\"a\":2},\"a\":[3]} ",
+        "{\"\\u0061\":\"x\",\"b\":null}", "{\"b\":true}\n",
+        /* not valid objects */
+        "[1]", "1", "", "{", "{\"a\":1,}", "{\"a\":1} {}", "{\"a\":1} x", "{\"a\":1}}",
+        "{\"a\":[1,]}", "{\"a\":\"\xff\"}", "{\"a\":1,\"b\":tru}", "{\"b\":{\"a\":1}",
+    };
+    static const char *const keys[] = {"a", "b", "c"};
+    for (size_t d = 0; d < sizeof docs / sizeof *docs; d++) {
+        const char *s = docs[d];
+        size_t n = strlen(s);
+        char err[128];
+        px_json_member found[3], m;
+        int valid = px_json_validate(s, n, err, sizeof err) == PX_JSON_OBJECT;
+        int rc = px_json_object_find(s, n, keys, 3, found);
+        if (rc != (valid ? 0 : -1)) fail_msg("doc %zu: rc %d, valid %d", d, rc, valid);
+        if (!valid) continue;
+        for (size_t k = 0; k < 3; k++) {
+            int has = px_json_find(s, n, keys[k], &m);
+            if (has != (found[k].val != NULL)) fail_msg("doc %zu key %s", d, keys[k]);
+            if (has && (m.val != found[k].val || m.val_len != found[k].val_len ||
+                        m.type != found[k].type))
+                fail_msg("doc %zu key %s: another member", d, keys[k]);
+        }
+    }
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_valid_documents),   cmocka_unit_test(test_invalid_documents),
         cmocka_unit_test(test_depth_limit),       cmocka_unit_test(test_iterate_members),
         cmocka_unit_test(test_key_escapes),       cmocka_unit_test(test_find_last_duplicate),
-        cmocka_unit_test(test_long_strings_every_offset),
+        cmocka_unit_test(test_long_strings_every_offset), cmocka_unit_test(test_object_find),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

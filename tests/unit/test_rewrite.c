@@ -4,6 +4,7 @@
 #include <stddef.h>
 #include <stdint.h>
 #include <cmocka.h>
+#include <stdio.h>
 #include <string.h>
 
 #include "proxy/rewrite.h"
@@ -279,6 +280,30 @@ static void test_extract(void **state)
                      PX_KVP_BAD_RESPONSE);
     assert_int_equal(px_extract_kv_params("[]", 2, &kvp, &n, err, sizeof err),
                      PX_KVP_BAD_RESPONSE);
+    assert_string_equal(err, "not a JSON object");
+    /* Found in the one pass that validates: bytes after the object, or a
+     * bad value after the member, still make the answer bad, with the
+     * reason px_json_validate gives. */
+    char trail[128];
+    snprintf(trail, sizeof trail, "%s x", ok);
+    assert_int_equal(px_extract_kv_params(trail, strlen(trail), &kvp, &n, err, sizeof err),
+                     PX_KVP_BAD_RESPONSE);
+    assert_non_null(strstr(err, "trailing data"));
+    const char *late = "{\"kv_transfer_params\":{\"remote_request_id\":\"r\"},\"x\":[1,]}";
+    assert_int_equal(px_extract_kv_params(late, strlen(late), &kvp, &n, err, sizeof err),
+                     PX_KVP_BAD_RESPONSE);
+    /* The usage member comes from the same pass (the last one, as JSON
+     * readers take it). */
+    px_json_member u;
+    const char *both = "{\"usage\":1,\"kv_transfer_params\":{\"remote_request_id\":\"r:1\"},"
+                       "\"usage\":{\"prompt_tokens\":9}}";
+    assert_int_equal(px_extract_prefill_answer(both, strlen(both), &kvp, &n, &u, err, sizeof err),
+                     PX_KVP_OK);
+    assert_int_equal(u.type, PX_JSON_OBJECT);
+    assert_int_equal(u.val_len, strlen("{\"prompt_tokens\":9}"));
+    assert_int_equal(px_extract_prefill_answer(none, strlen(none), &kvp, &n, &u, err, sizeof err),
+                     PX_KVP_MISSING);
+    assert_null(u.val);
 }
 
 /* Issue 41: the tenant's cache_salt replaces every spelling of the

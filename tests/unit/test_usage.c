@@ -55,6 +55,16 @@ static void test_cached_tokens(void **state)
                       "123456789012345678901234567890}}}";
     assert_int_equal(px_usage_cached_tokens(big, strlen(big), out), 0);
     assert_int_equal(px_usage_cached_tokens(NULL, 0, out), 0);
+    /* From the usage member found already (px_extract_prefill_answer). */
+    px_json_member u;
+    assert_int_equal(px_json_find(ok, strlen(ok), "usage", &u), 1);
+    strcpy(out, "x");
+    assert_int_equal(px_usage_cached_tokens_in(&u, out), 1);
+    assert_string_equal(out, "64");
+    u.val = NULL;
+    strcpy(out, "x");
+    assert_int_equal(px_usage_cached_tokens_in(&u, out), 0);
+    assert_string_equal(out, "x");
 }
 
 static void test_json_whole(void **state)
