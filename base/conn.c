@@ -556,6 +556,13 @@ void px_conn_abort(px_conn *c) {
     close_after_flush(c);
 }
 
+const struct x509_st *px_conn_client_cert(const px_conn *c) {
+    if (!c || !c->tls || !c->bev) return NULL;
+    SSL *ssl = bufferevent_openssl_get_ssl(c->bev);
+    X509 *x = ssl ? SSL_get0_peer_certificate(ssl) : NULL;
+    return x && SSL_get_verify_result(ssl) == X509_V_OK ? x : NULL;
+}
+
 void px_conn_peer(const px_conn *c, char *out, size_t n) {
     if (n) snprintf(out, n, "%s", c->peer);
 }

@@ -111,6 +111,11 @@ size_t px_conn_pending(const px_conn *c);
  * the socket has none (a Unix socket). Read once, when it was accepted. */
 void px_conn_peer(const px_conn *c, char *out, size_t n);
 
+/* The client's certificate when the connection is TLS and its handshake
+ * verified one (a listener with --tls-client-ca); NULL otherwise. Borrowed:
+ * valid while the connection is. */
+const struct x509_st *px_conn_client_cert(const px_conn *c);
+
 /* The OpenAI error "type" for a status. */
 const char *px_error_type(int status);
 

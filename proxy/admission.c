@@ -552,9 +552,10 @@ static double header_seconds(const px_http_head *h, const char *name) {
     return *end || !(v >= 0) ? -1 : v;
 }
 
-/* Who the request is: its tenant from its key (--tenant-keys), or from the
- * tenant header when a trusted gateway sent it (--tenant-header-from), else
- * the default tenant. The name the credentials gave goes to tname ("" for
+/* Who the request is: its tenant from its key (--tenant-keys), else from
+ * its client certificate (--tenant-certs), else from the tenant header when
+ * a trusted gateway sent it (--tenant-header-from), else the default
+ * tenant. The name the credentials gave goes to tname ("" for
  * none: a gateway's tenant unknown here keeps its name, for its salt). 0,
  * or -1 with msg when the header came from anyone else (the caller answers
  * 403). */
@@ -574,8 +575,11 @@ static int identify(px_ctx *c, px_adm_req *a, const px_http_head *h, char *tname
                  cfg->tenant_header);
         return -1;
     }
+    long ci = ki < 0 && a->cert ? px_tcerts_find(c->tcerts, a->cert) : -1;
     if (ki >= 0)
         snprintf(tname, tcap, "%s", px_tkeys_tenant(c->tkeys, ki));
+    else if (ci >= 0)
+        snprintf(tname, tcap, "%s", px_tcerts_tenant(c->tcerts, ci));
     else if (th)
         snprintf(tname, tcap, "%.*s", (int)(th->value_len < tcap - 1 ? th->value_len : tcap - 1),
                  th->value);
@@ -603,7 +607,7 @@ static void make_salt(px_ctx *c, px_adm_req *a, const char *tname, const char *b
     size_t on = 0;
     int has_own = own_salt(body, blen, &own, &on);
     const px_config *cfg = c->cfg;
-    px_salt_mode mode = px_salt_mode_of(cfg->cache_salt, (cfg->tenant_keys && cfg->tenant_keys[0]) ||
+    px_salt_mode mode = px_salt_mode_of(cfg->cache_salt, c->tkeys || c->tcerts ||
                                                              cfg->tenant_header_from.n);
     a->salt_own = mode == PX_SALT_OFF;
     a->salt[0] = 0;

@@ -118,6 +118,9 @@ typedef struct px_adm_req {
     int answered;          /* decode's answer passed (px_adm_answer) */
     /* Who it is (tenant.h): set by px_adm_enter. */
     const char *peer;       /* borrowed, set by the caller: the client's address text */
+    const struct x509_st *cert; /* borrowed, set by the caller: the client's verified
+                                 * certificate (px_conn_client_cert), read by px_adm_enter
+                                 * only; NULL: none */
     int keyed;              /* it presented an accepted key */
     unsigned char key[32];  /* that key's SHA-256 */
     char salt[33];          /* the cache_salt engines get ("": none); see px_adm_salted */

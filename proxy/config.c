@@ -163,6 +163,16 @@ static int check_together(px_config *c, char *err, size_t errlen) {
         snprintf(err, errlen, "--tls-cert and --tls-key go together: give both or neither");
         return -1;
     }
+    if (c->tls_client_ca[0] && !c->tls_cert[0]) {
+        snprintf(err, errlen, "--tls-client-ca verifies HTTPS clients: give --tls-cert and "
+                 "--tls-key too");
+        return -1;
+    }
+    if (c->tenant_certs[0] && !c->tls_client_ca[0]) {
+        snprintf(err, errlen, "--tenant-certs names tenants by verified client certificates: "
+                 "give --tls-client-ca (and --tls-cert, --tls-key) too");
+        return -1;
+    }
     if (c->prefiller_hosts.n != c->prefiller_ports.n) {
         snprintf(err, errlen,
                  "--prefiller-hosts has %zu value(s) but --prefiller-ports has %zu: give one port "

@@ -148,6 +148,9 @@ typedef struct px_config {
     /* Issue 41: tenants from credentials (tenant.h). */
     px_strlist tenant_header_from; /* trusted gateways: addresses and CIDRs */
     char *tenant_keys;             /* TENANT:KEY file; "": none */
+    char *tenant_certs;            /* TENANT:NAME file (client certificates); "": none */
+    char *tls_client_ca;           /* PEM CA bundle clients' certificates are verified by */
+    char *tls_client_verify;       /* require|optional */
     char *cache_salt;              /* tenant|key|off */
     int64_t default_max_tokens;    /* a request without max_tokens is assumed to produce this */
     /* Issue 42, routing and admission by predicted latency (predict.h). */

@@ -232,6 +232,15 @@ const opt px_cfg_opts[] = {
      AT_START, G_SECURITY, "FILE"},
     {"tls-key", NULL, CT_STR, OFF(tls_key), "", 0, 0, "PEM private key for --tls-cert", NULL,
      AT_START, G_SECURITY, "FILE"},
+    {"tls-client-ca", NULL, CT_STR, OFF(tls_client_ca), "", 0, 0,
+     "PEM CA bundle: ask HTTPS clients for a certificate and verify it (mutual TLS); needs "
+     "--tls-cert",
+     NULL, AT_START, G_SECURITY, "FILE"},
+    {"tls-client-verify", NULL, CT_ENUM, OFF(tls_client_verify), "require", 0, 0,
+     "with --tls-client-ca: require a verified client certificate (the handshake fails "
+     "without one), or optional (a client without one is served; one that sends a certificate "
+     "the CA does not verify still fails)",
+     "require|optional", AT_START, G_SECURITY, "MODE"},
     {"upstream-ca", NULL, CT_STR, OFF(upstream_ca), "", 0, 0,
      "PEM CA bundle to verify https:// backends (default: the system store)", NULL, AT_START,
      G_UPSTREAM, "FILE"},
@@ -336,10 +345,15 @@ const opt px_cfg_opts[] = {
      "whatever its headers say; the keys are accepted API keys too (compared in constant "
      "time, never logged)",
      NULL, AT_START, G_SECURITY, "FILE"},
+    {"tenant-certs", NULL, CT_STR, OFF(tenant_certs), "", 0, 0,
+     "file of TENANT:NAME lines: a request over a connection whose client certificate "
+     "(verified by --tls-client-ca) has NAME as its subject CN or a subjectAltName (DNS, URI "
+     "or email) is that tenant's, unless its API key names one (--tenant-keys)",
+     NULL, AT_START, G_SECURITY, "FILE"},
     {"cache-salt", NULL, CT_ENUM, OFF(cache_salt), "auto", 0, 0,
      "the cache_salt P/D requests carry, which keeps engines' prefix caches apart: one per "
      "tenant, one per API key, or off (the client's own passes); auto: tenant when "
-     "--tenant-keys or --tenant-header-from is set, else off; a client's own salt only "
+     "--tenant-keys, --tenant-certs or --tenant-header-from is set, else off; a client's own salt only "
      "splits its share further",
      "auto|tenant|key|off", AT_START, G_SECURITY, "MODE"},
     {"default-max-tokens", NULL, CT_INT, OFF(default_max_tokens), "4096", 1, 100000000,

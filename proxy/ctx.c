@@ -177,13 +177,15 @@ int px_ctx_init(px_ctx *c, const px_config *cfg, char *err, size_t errlen) {
     if (cfg->session_ttl > 0) c->sessions = px_sessions_create(65536, cfg->session_ttl);
     if (load_api_keys(c, cfg, err, errlen) < 0) return -1;
     if (px_tkeys_load(cfg->tenant_keys, &c->tkeys, err, errlen) < 0) return -1;
+    if (px_tcerts_load(cfg->tenant_certs, &c->tcerts, err, errlen) < 0) return -1;
     /* Admission control's tenants (ratelimit.h), shared by the workers. */
     if (px_tenants_parse(cfg->tenants.v, cfg->tenants.n, &c->tenants, err, errlen) < 0) return -1;
     size_t nt = atomic_load(&c->tenants.n);
-    if (nt && !c->tkeys && !cfg->tenant_header_from.n)
+    if (nt && !c->tkeys && !c->tcerts && !cfg->tenant_header_from.n)
         PX_LOG(PX_LOG_WARN, "msg=\"tenants are configured but no request can name one: give "
-                            "--tenant-keys (API keys of tenants) or --tenant-header-from (trusted "
-                            "gateways); every request is the default tenant's\" tenants=%zu", nt);
+                            "--tenant-keys (API keys of tenants), --tenant-certs (client "
+                            "certificates) or --tenant-header-from (trusted gateways); every "
+                            "request is the default tenant's\" tenants=%zu", nt);
     px_tenants_reserve(&c->tenants, 2 * nt > PX_TENANT_SLOTS ? 2 * nt : PX_TENANT_SLOTS);
     c->tenant_weights = px_xcalloc(c->tenants.cap + 1, sizeof *c->tenant_weights);
     for (size_t i = 0; i <= c->tenants.cap; i++)
@@ -203,6 +205,7 @@ void px_ctx_cleanup(px_ctx *c) {
     px_buf_cleanup(&c->health_hdrs);
     free(c->api_keys);
     px_tkeys_destroy(c->tkeys);
+    px_tcerts_destroy(c->tcerts);
     px_tenants_cleanup(&c->tenants);
     free(c->tenant_weights);
     px_prio_cleanup(&c->prio);

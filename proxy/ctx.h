@@ -28,6 +28,7 @@ struct px_pindex;
 struct px_kvindex;
 struct px_kvsub;
 struct px_tkeys;
+struct px_tcerts;
 struct px_pf_cache;
 struct px_dp_table;
 struct px_kv_decls;
@@ -91,6 +92,7 @@ typedef struct px_ctx {
     unsigned char (*api_keys)[32]; /* owned: SHA-256 of each accepted client key */
     size_t napi_keys;
     struct px_tkeys *tkeys; /* owned: --tenant-keys (tenant.h); NULL: none */
+    struct px_tcerts *tcerts; /* owned: --tenant-certs (tenant.h); NULL: none */
     atomic_long inflight;  /* P/D requests in flight, all workers */
     atomic_int draining;   /* SIGTERM: readiness says no */
     /* Reloads of the --config file (SIGHUP, POST /admin/reload): how many

@@ -960,6 +960,7 @@ static void start_pd(px_req *r, const px_http_head *h) {
     r->adm.go = pd_go;
     r->adm.expire = adm_expire;
     r->adm.peer = r->log.client;
+    r->adm.cert = r->ctx->tcerts ? px_conn_client_cert(r->reply.conn) : NULL;
     px_lat_req_headers(&r->lat, r->ctx, h, r->body.data, r->body.len);
     px_adm_verdict av = px_adm_enter(r->w, &r->adm, r->in.ps, h, r->body.data, r->body.len, &status,
                                      extra, sizeof extra, msg, sizeof msg);

@@ -166,6 +166,33 @@ static const char *ssl_why(char *buf, size_t n) {
     return buf;
 }
 
+/* --tls-client-ca: clients are asked for a certificate (the CA's names are
+ * sent as the acceptable issuers) and it is verified against the bundle;
+ * with --tls-client-verify require, a handshake without one fails. */
+static int setup_client_verify(px_server *s, char *err, size_t errlen) {
+    const px_config *c = s->ctx.cfg;
+    if (!c->tls_client_ca[0]) return 0;
+    char ca[4096], why[256];
+    if (px_cred_path(c->tls_client_ca, "--tls-client-ca", ca, sizeof ca, err, errlen) < 0)
+        return -1;
+    ERR_clear_error();
+    STACK_OF(X509_NAME) *names = SSL_load_client_CA_file(ca);
+    if (!names || SSL_CTX_load_verify_locations(s->tls, ca, NULL) != 1) {
+        if (names) sk_X509_NAME_pop_free(names, X509_NAME_free);
+        snprintf(err, errlen, "--tls-client-ca '%s': %s", ca, ssl_why(why, sizeof why));
+        return -1;
+    }
+    SSL_CTX_set_client_CA_list(s->tls, names);
+    int mode = SSL_VERIFY_PEER;
+    if (strcmp(c->tls_client_verify, "optional")) mode |= SSL_VERIFY_FAIL_IF_NO_PEER_CERT;
+    SSL_CTX_set_verify(s->tls, mode, NULL);
+    /* Resumed sessions keep the verified certificate; OpenSSL refuses to
+     * resume without a context id once clients are verified. */
+    static const unsigned char sid[] = "pdproxy";
+    SSL_CTX_set_session_id_context(s->tls, sid, sizeof sid - 1);
+    return 0;
+}
+
 static int setup_tls(px_server *s, char *err, size_t errlen) {
     const px_config *c = s->ctx.cfg;
     if (!c->tls_cert[0]) return 0;
@@ -187,7 +214,7 @@ static int setup_tls(px_server *s, char *err, size_t errlen) {
         snprintf(err, errlen, "--tls-key '%s': %s", key, ssl_why(why, sizeof why));
         return -1;
     }
-    return 0;
+    return setup_client_verify(s, err, errlen);
 fail:
     snprintf(err, errlen, "cannot create the TLS context");
     return -1;

@@ -5,6 +5,8 @@
 #include <errno.h>
 #include <openssl/crypto.h>
 #include <openssl/sha.h>
+#include <openssl/x509.h>
+#include <openssl/x509v3.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -31,59 +33,74 @@ static void trim(const char **s, size_t *n) {
         (*n)--;
 }
 
-int px_tkeys_load(const char *path, px_tkeys **out, char *err, size_t errlen) {
-    *out = NULL;
-    if (!path || !*path) return 0;
+/* Reads the TENANT:VALUE lines of a --tenant-keys or --tenant-certs file
+ * (blank lines and '#' comments skipped, spaces around both parts trimmed)
+ * and hands each pair to add(). A line's text never goes into a message
+ * (it may hold a key). 0, or -1 with err naming the flag, the file and the
+ * line. */
+typedef int (*pair_fn)(void *arg, const char *t, size_t tn, const char *v, size_t vn);
+static int read_pairs(const char *flag, const char *what, const char *noun, const char *path,
+                      pair_fn add, void *arg, char *err, size_t errlen) {
     FILE *f = fopen(path, "r");
     if (!f) {
-        snprintf(err, errlen, "--tenant-keys '%s': %s", path, strerror(errno));
+        snprintf(err, errlen, "%s '%s': %s", flag, path, strerror(errno));
         return -1;
     }
-    px_tkeys *k = px_xcalloc(1, sizeof *k);
     char *line = NULL;
-    size_t cap = 0, lineno = 0;
+    size_t cap = 0, lineno = 0, pairs = 0;
     int rc = 0;
-    while (getline(&line, &cap, f) >= 0) {
+    while (rc == 0 && getline(&line, &cap, f) >= 0) {
         lineno++;
         const char *s = line;
         size_t n = strcspn(line, "\n");
         trim(&s, &n);
         if (!n || *s == '#') continue;
         const char *colon = memchr(s, ':', n);
-        const char *t = s, *key = colon ? colon + 1 : NULL;
-        size_t tn = colon ? (size_t)(colon - s) : 0, kn = colon ? n - tn - 1 : 0;
+        const char *t = s, *v = colon ? colon + 1 : NULL;
+        size_t tn = colon ? (size_t)(colon - s) : 0, vn = colon ? n - tn - 1 : 0;
         if (colon) {
             trim(&t, &tn);
-            trim(&key, &kn);
+            trim(&v, &vn);
         }
-        if (!colon || !tn || !kn || tn > 200 || memchr(t, '\0', tn)) {
-            /* The line holds a key: its text never goes into a message. */
-            snprintf(err, errlen, "--tenant-keys '%s' line %zu: expected TENANT:KEY", path,
-                     lineno);
+        if (!colon || !tn || !vn || tn > 200 || memchr(t, '\0', tn) || memchr(v, '\0', vn)) {
+            snprintf(err, errlen, "%s '%s' line %zu: expected TENANT:%s", flag, path, lineno,
+                     what);
             rc = -1;
-            break;
+        } else if (add(arg, t, tn, v, vn) < 0) {
+            snprintf(err, errlen, "%s '%s' line %zu: an earlier line gives this %s to another "
+                     "tenant", flag, path, lineno, noun);
+            rc = -1;
         }
-        k->v = px_xrealloc(k->v, (k->n + 1) * sizeof *k->v);
-        SHA256((const unsigned char *)key, kn, k->v[k->n].digest);
-        k->v[k->n].tenant = px_xstrndup(t, tn);
-        for (size_t i = 0; i < k->n && rc == 0; i++)
-            if (!memcmp(k->v[i].digest, k->v[k->n].digest, 32) &&
-                strcmp(k->v[i].tenant, k->v[k->n].tenant)) {
-                snprintf(err, errlen, "--tenant-keys '%s' line %zu: an earlier line gives this "
-                         "key to another tenant", path, lineno);
-                rc = -1;
-            }
-        k->n++;
-        if (rc) break;
+        pairs++;
     }
     OPENSSL_cleanse(line, cap);
     free(line);
     fclose(f);
-    if (rc == 0 && !k->n) {
-        snprintf(err, errlen, "--tenant-keys '%s': no TENANT:KEY line in the file", path);
+    if (rc == 0 && !pairs) {
+        snprintf(err, errlen, "%s '%s': no TENANT:%s line in the file", flag, path, what);
         rc = -1;
     }
-    if (rc < 0) {
+    return rc;
+}
+
+static int add_key(void *arg, const char *t, size_t tn, const char *key, size_t kn) {
+    px_tkeys *k = arg;
+    k->v = px_xrealloc(k->v, (k->n + 1) * sizeof *k->v);
+    SHA256((const unsigned char *)key, kn, k->v[k->n].digest);
+    k->v[k->n].tenant = px_xstrndup(t, tn);
+    k->n++;
+    for (size_t i = 0; i + 1 < k->n; i++)
+        if (!memcmp(k->v[i].digest, k->v[k->n - 1].digest, 32) &&
+            strcmp(k->v[i].tenant, k->v[k->n - 1].tenant))
+            return -1;
+    return 0;
+}
+
+int px_tkeys_load(const char *path, px_tkeys **out, char *err, size_t errlen) {
+    *out = NULL;
+    if (!path || !*path) return 0;
+    px_tkeys *k = px_xcalloc(1, sizeof *k);
+    if (read_pairs("--tenant-keys", "KEY", "key", path, add_key, k, err, errlen) < 0) {
         px_tkeys_destroy(k);
         return -1;
     }
@@ -129,6 +146,95 @@ long px_tkeys_find(const px_tkeys *k, const px_http_head *h, unsigned char diges
 
 const char *px_tkeys_tenant(const px_tkeys *k, long i) {
     return k && i >= 0 && (size_t)i < k->n ? k->v[i].tenant : "";
+}
+
+/* ---------- tenant certificates ---------- */
+
+typedef struct tcert {
+    char *name;   /* owned: a CN or subjectAltName */
+    char *tenant; /* owned */
+} tcert;
+
+struct px_tcerts {
+    tcert *v; /* owned */
+    size_t n;
+};
+
+static int add_cert(void *arg, const char *t, size_t tn, const char *name, size_t nn) {
+    px_tcerts *c = arg;
+    for (size_t i = 0; i < c->n; i++)
+        if (strlen(c->v[i].name) == nn && !memcmp(c->v[i].name, name, nn))
+            return strlen(c->v[i].tenant) == tn && !memcmp(c->v[i].tenant, t, tn) ? 0 : -1;
+    c->v = px_xrealloc(c->v, (c->n + 1) * sizeof *c->v);
+    c->v[c->n].name = px_xstrndup(name, nn);
+    c->v[c->n].tenant = px_xstrndup(t, tn);
+    c->n++;
+    return 0;
+}
+
+int px_tcerts_load(const char *path, px_tcerts **out, char *err, size_t errlen) {
+    *out = NULL;
+    if (!path || !*path) return 0;
+    px_tcerts *c = px_xcalloc(1, sizeof *c);
+    if (read_pairs("--tenant-certs", "NAME", "name", path, add_cert, c, err, errlen) < 0) {
+        px_tcerts_destroy(c);
+        return -1;
+    }
+    *out = c;
+    return 0;
+}
+
+void px_tcerts_destroy(px_tcerts *c) {
+    if (!c) return;
+    for (size_t i = 0; i < c->n; i++) {
+        free(c->v[i].name);
+        free(c->v[i].tenant);
+    }
+    free(c->v);
+    free(c);
+}
+
+size_t px_tcerts_count(const px_tcerts *c) {
+    return c ? c->n : 0;
+}
+
+/* The entry whose name is the n bytes at s (no embedded NUL: a name that
+ * has one is no name at all, the old CN-spoofing trick), -1 when none. */
+static long cert_entry(const px_tcerts *c, const unsigned char *s, int n) {
+    if (n <= 0 || memchr(s, 0, (size_t)n)) return -1;
+    for (size_t i = 0; i < c->n; i++)
+        if (strlen(c->v[i].name) == (size_t)n && !memcmp(c->v[i].name, s, (size_t)n))
+            return (long)i;
+    return -1;
+}
+
+long px_tcerts_find(const px_tcerts *c, const struct x509_st *cert) {
+    if (!c || !cert) return -1;
+    long best = -1;
+    /* The subjectAltNames first (DNS, URI, email), then the subject's CNs;
+     * of several matches the earliest line of the file wins. */
+    GENERAL_NAMES *sans = X509_get_ext_d2i(cert, NID_subject_alt_name, NULL, NULL);
+    for (int i = 0; i < sk_GENERAL_NAME_num(sans); i++) {
+        const GENERAL_NAME *g = sk_GENERAL_NAME_value(sans, i);
+        const ASN1_IA5STRING *v = g->type == GEN_DNS     ? g->d.dNSName
+                                  : g->type == GEN_URI   ? g->d.uniformResourceIdentifier
+                                  : g->type == GEN_EMAIL ? g->d.rfc822Name
+                                                         : NULL;
+        long e = v ? cert_entry(c, ASN1_STRING_get0_data(v), ASN1_STRING_length(v)) : -1;
+        if (e >= 0 && (best < 0 || e < best)) best = e;
+    }
+    GENERAL_NAMES_free(sans);
+    const X509_NAME *subj = X509_get_subject_name(cert);
+    for (int i = -1; (i = X509_NAME_get_index_by_NID(subj, NID_commonName, i)) >= 0;) {
+        const ASN1_STRING *v = X509_NAME_ENTRY_get_data(X509_NAME_get_entry(subj, i));
+        long e = cert_entry(c, ASN1_STRING_get0_data(v), ASN1_STRING_length(v));
+        if (e >= 0 && (best < 0 || e < best)) best = e;
+    }
+    return best;
+}
+
+const char *px_tcerts_tenant(const px_tcerts *c, long i) {
+    return c && i >= 0 && (size_t)i < c->n ? c->v[i].tenant : "";
 }
 
 /* ---------- trusted gateways ---------- */

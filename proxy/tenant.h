@@ -8,6 +8,11 @@
  *   Authorization is "Bearer KEY" is that tenant's, whatever else it says.
  *   Keys are kept as SHA-256 digests only and compared in constant time
  *   (every entry, no early exit); a key is never logged.
+ * - Tenant certificates (--tenant-certs FILE): lines "TENANT:NAME". A
+ *   request over a TLS connection whose client certificate the handshake
+ *   verified (--tls-client-ca) and which has NAME as a subjectAltName (DNS,
+ *   URI, email) or as its subject's CN is that tenant's; a tenant key
+ *   still decides first.
  * - Trusted gateways (--tenant-header-from CIDRS): the tenant header is
  *   believed from these peers only, and refused from any other.
  * - Salts (--cache-salt auto|tenant|key|off): vLLM keys a prompt's first KV
@@ -44,6 +49,24 @@ long px_tkeys_find(const px_tkeys *k, const px_http_head *h, unsigned char diges
 const char *px_tkeys_tenant(const px_tkeys *k, long i);
 /* The SHA-256 of the request's bearer token: 1, or 0 when it has none. */
 int px_bearer_digest(const px_http_head *h, unsigned char digest[32]);
+
+/* ---------- tenant certificates ---------- */
+
+typedef struct px_tcerts px_tcerts;
+struct x509_st;
+
+/* Reads "TENANT:NAME" lines (as px_tkeys_load; a NAME may name one tenant
+ * only). 0 with *out set (NULL for an empty path), or -1 with err. */
+int px_tcerts_load(const char *path, px_tcerts **out, char *err, size_t errlen);
+void px_tcerts_destroy(px_tcerts *c); /* NULL: no-op */
+size_t px_tcerts_count(const px_tcerts *c);
+/* The entry naming one of the certificate's names (subjectAltName DNS, URI
+ * or email, or a subject CN; compared byte for byte, a name holding a NUL
+ * never matches): the earliest in the file when several do; -1 when none
+ * (or c or cert is NULL). */
+long px_tcerts_find(const px_tcerts *c, const struct x509_st *cert);
+/* The tenant entry i names (borrowed). */
+const char *px_tcerts_tenant(const px_tcerts *c, long i);
 
 /* ---------- trusted gateways ---------- */
 

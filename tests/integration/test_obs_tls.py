@@ -65,6 +65,22 @@ def setUpModule():
     with open(chain, "w") as out, open(leaf) as a, open(os.path.join(d, "inter.pem")) as b:
         out.write(a.read() + b.read())
     CERTS["chain"] = (chain, key)
+    # Client certificates (--tls-client-ca, --tenant-certs): two the test CA
+    # issued, named by a URI and by the CN, one it issued that no line maps,
+    # and one from a CA pdproxy does not trust.
+    client = "basicConstraints=critical,CA:FALSE\nkeyUsage=critical,digitalSignature\n" \
+             "extendedKeyUsage=clientAuth\n"
+    CERTS["c-alice"] = _leaf(d, "c-alice", None,
+                             ext=client + "subjectAltName=URI:spiffe://example.org/alice\n")
+    CERTS["c-bob"] = _leaf(d, "c-bob", None, ext=client + "subjectAltName=DNS:bob.example\n")
+    CERTS["c-nobody"] = _leaf(d, "c-nobody", None, ext=client)
+    _openssl(["req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
+              "-nodes", "-keyout", "rogue.key", "-out", "rogue.pem", "-days", "2",
+              "-subj", "/CN=a CA pdproxy does not trust",
+              "-addext", "basicConstraints=critical,CA:TRUE",
+              "-addext", "keyUsage=critical,keyCertSign,cRLSign"], d)
+    CERTS["c-rogue"] = _leaf(d, "c-rogue", None, ca="rogue",
+                             ext=client + "subjectAltName=DNS:bob.example\n")
 
 
 def tearDownModule():
@@ -306,6 +322,110 @@ class TlsFrontTest(PxTestCase):
                                timeout=10)
         self.assertNotEqual(p.returncode, 0, "pdproxy started with a key that is not the cert's")
         self.assertIn("tls-key", p.stderr)
+
+
+class ClientCertTest(PxTestCase):
+    """Issue 41 item 3: a tenant comes from credentials: an API key, a header
+    a trusted gateway set, or a client certificate. --tls-client-ca verifies
+    clients; --tenant-certs maps a certificate's name to a tenant."""
+
+    def proxy(self, extra=(), certs="alice:spiffe://example.org/alice\nbob: c-bob \n"):
+        self.P = self.mock(p_handler(), "P")
+        self.D = self.mock(d_handler, "D")
+        d = tempfile.mkdtemp(prefix="pdproxy-tcerts-")
+        self.addCleanup(shutil.rmtree, d, True)
+        tc, tk = os.path.join(d, "certs"), os.path.join(d, "keys")
+        with open(tc, "w") as f:
+            f.write("# tenant:certificate name\n" + certs)
+        with open(tk, "w") as f:
+            f.write("alice:sk-alice-key-1\n")
+        cert, key = CERTS["server"]
+        return self.start_proxy([self.P], [self.D], extra=[
+            "--drain-delay", "0", "--tls-cert", cert, "--tls-key", key,
+            "--tls-client-ca", CERTS["ca"], "--tenant-certs", tc, "--tenant-keys", tk,
+            "--tenant", "alice:rpm=100 bob:rpm=2 default:rpm=100"] + list(extra))
+
+    def post(self, px, who, headers=None):
+        ctx = client_ctx()
+        if who:
+            ctx.load_cert_chain(*CERTS[who])
+        body = {"model": "m", "prompt": "same prompt", "max_tokens": 2}
+        st, _, data, _, _ = https_request(px.port, "POST", "/v1/completions", body,
+                                          headers=headers, ctx=ctx)
+        salt = self.P.requests[-1].json().get("cache_salt") if st == 200 else None
+        return st, data, salt
+
+    def test_certificate_names_the_tenant(self):
+        px = self.proxy()
+        st, body, alice = self.post(px, "c-alice")
+        self.assertEqual(st, 200, body)
+        self.assertRegex(alice, "^[0-9a-f]{32}$")
+        # alice's key, over a connection whose certificate maps to no one:
+        # the same tenant, so the same salt.
+        st, body, by_key = self.post(px, "c-nobody", {"Authorization": "Bearer sk-alice-key-1"})
+        self.assertEqual(st, 200, body)
+        self.assertEqual(by_key, alice)
+        # A tenant header is not a credential: alice stays alice.
+        st, body, named = self.post(px, "c-alice", {"x-tenant": "bob"})
+        self.assertEqual((st, named), (200, alice), body)
+        # An unmapped certificate is the default tenant; bob (by his CN) is bob.
+        _, _, anon = self.post(px, "c-nobody")
+        st, body, bob = self.post(px, "c-bob")
+        self.assertEqual(st, 200, body)
+        self.assertEqual(len({alice, anon, bob}), 3)
+        # bob's limit is bob's (rpm=2): his third request in the minute is
+        # refused and names him; alice is still served.
+        st, body, _ = self.post(px, "c-bob")
+        self.assertEqual(st, 200, body)
+        st, body, _ = self.post(px, "c-bob")
+        self.assertEqual(st, 429, body)
+        self.assertIn(b"bob", body)
+        self.assertEqual(self.post(px, "c-alice")[0], 200)
+
+    def test_handshake_needs_a_certificate_the_ca_issued(self):
+        px = self.proxy()
+        for who in (None, "c-rogue"):
+            with self.assertRaises((ssl.SSLError, ConnectionError, OSError),
+                                   msg="served a client with %s" % (who or "no certificate")):
+                self.post(px, who)
+        self.assertEqual(len(self.P.requests), 0)
+        self.assertEqual(self.post(px, "c-alice")[0], 200)
+
+    def test_optional_serves_clients_without_one(self):
+        px = self.proxy(["--tls-client-verify", "optional"])
+        st, body, anon = self.post(px, None)
+        self.assertEqual(st, 200, body)
+        _, _, alice = self.post(px, "c-alice")
+        self.assertNotEqual(anon, alice)
+        # A certificate the CA did not issue still fails the handshake.
+        with self.assertRaises((ssl.SSLError, ConnectionError, OSError)):
+            self.post(px, "c-rogue")
+
+    def test_settings_checked_at_start(self):
+        cert, key = CERTS["server"]
+        d = tempfile.mkdtemp(prefix="pdproxy-tcerts-")
+        self.addCleanup(shutil.rmtree, d, True)
+        bad = os.path.join(d, "bad")
+        with open(bad, "w") as f:
+            f.write("alice:c-alice\nno tenant here\n")
+        twice = os.path.join(d, "twice")
+        with open(twice, "w") as f:
+            f.write("alice:c-alice\nbob:c-alice\n")
+        base = ["--host", HOST, "--port", str(free_port()), "--health-interval", "0",
+                "--decode", "http://127.0.0.1:9"]
+        cases = [
+            (["--tls-client-ca", CERTS["ca"]], "--tls-cert"),
+            (["--tls-cert", cert, "--tls-key", key, "--tenant-certs", bad], "--tls-client-ca"),
+            (["--tls-cert", cert, "--tls-key", key, "--tls-client-ca", CERTS["ca"],
+              "--tenant-certs", bad], "line 2"),
+            (["--tls-cert", cert, "--tls-key", key, "--tls-client-ca", CERTS["ca"],
+              "--tenant-certs", twice], "another tenant"),
+            (["--tls-cert", cert, "--tls-key", key, "--tls-client-ca", bad], "--tls-client-ca"),
+        ]
+        for args, said in cases:
+            p = run_pdproxy(base + args, timeout=10)
+            self.assertEqual(p.returncode, 2, (args, p.stderr))
+            self.assertIn(said, p.stderr, args)
 
 
 class TlsUpstreamTest(PxTestCase):

@@ -10,6 +10,8 @@
 #include <unistd.h>
 
 #include <cmocka.h>
+#include <openssl/x509.h>
+#include <openssl/x509v3.h>
 
 #include "base/http.h"
 #include "proxy/tenant.h"
@@ -89,6 +91,97 @@ static void test_key_file_errors_never_show_keys(void **state)
     assert_int_equal(px_tkeys_load("/nonexistent/keys", &k, err, sizeof err), -1);
 }
 
+/* A certificate (unsigned: only its names matter here) with the subject CN
+ * cn (cn_len bytes, may hold a NUL; NULL: none) and subjectAltNames of
+ * the given types and values. */
+static X509 *cert_with(const char *cn, int cn_len, const int *types, const char *const *sans,
+                       size_t nsans)
+{
+    X509 *x = X509_new();
+    assert_non_null(x);
+    if (cn)
+        assert_int_equal(X509_NAME_add_entry_by_NID(X509_get_subject_name(x), NID_commonName,
+                                                    MBSTRING_UTF8, (const unsigned char *)cn,
+                                                    cn_len, -1, 0),
+                         1);
+    if (nsans) {
+        GENERAL_NAMES *gs = sk_GENERAL_NAME_new_null();
+        for (size_t i = 0; i < nsans; i++) {
+            GENERAL_NAME *g = GENERAL_NAME_new();
+            ASN1_IA5STRING *v = ASN1_IA5STRING_new();
+            ASN1_STRING_set(v, sans[i], (int)strlen(sans[i]));
+            GENERAL_NAME_set0_value(g, types[i], v);
+            sk_GENERAL_NAME_push(gs, g);
+        }
+        assert_int_equal(X509_add1_ext_i2d(x, NID_subject_alt_name, gs, 0, 0), 1);
+        GENERAL_NAMES_free(gs);
+    }
+    return x;
+}
+
+static void test_cert_names_map_to_tenants(void **state)
+{
+    (void)state;
+    char *path = write_file("# tenant:name\nalice:spiffe://example.org/alice\n"
+                            "bob: bob.example \ncarol:carol-client\ndave:dave@example.org\n"
+                            "erin:alice\n");
+    px_tcerts *c = NULL;
+    char err[256] = "";
+    assert_int_equal(px_tcerts_load(path, &c, err, sizeof err), 0);
+    assert_int_equal(px_tcerts_count(c), 5);
+    const int uri = GEN_URI, dns = GEN_DNS, email = GEN_EMAIL, dns2[] = {GEN_DNS, GEN_URI};
+    const char *const a_uri[] = {"spiffe://example.org/alice"}, *b[] = {"bob.example"},
+                      *d[] = {"dave@example.org"}, *late[] = {"zed.example", "alice"},
+                      *near[] = {"spiffe://example.org/alice/x"}, *caps[] = {"BOB.example"};
+    const struct {
+        X509 *x;
+        const char *tenant; /* NULL: none */
+    } cases[] = {
+        {cert_with("whatever", -1, &uri, a_uri, 1), "alice"}, /* by URI */
+        {cert_with(NULL, 0, &dns, b, 1), "bob"},              /* by DNS */
+        {cert_with("carol-client", -1, NULL, NULL, 0), "carol"}, /* by CN */
+        {cert_with(NULL, 0, &email, d, 1), "dave"},           /* by email */
+        /* A URI "alice" is erin's name, not alice's. */
+        {cert_with(NULL, 0, dns2, late, 2), "erin"},
+        /* Names of two lines: the earlier line (alice's) wins. */
+        {cert_with("carol-client", -1, &uri, a_uri, 1), "alice"},
+        /* Near misses: a longer name, another case, a CN with a NUL after
+         * a mapped name (the old spoofing trick), no names at all. */
+        {cert_with(NULL, 0, &uri, near, 1), NULL},
+        {cert_with(NULL, 0, &dns, caps, 1), NULL},
+        {cert_with("carol-client\0.evil", 17, NULL, NULL, 0), NULL},
+        {cert_with(NULL, 0, NULL, NULL, 0), NULL},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) {
+        long e = px_tcerts_find(c, cases[i].x);
+        if (cases[i].tenant) {
+            if (e < 0) fail_msg("case %zu: no tenant, expected %s", i, cases[i].tenant);
+            assert_string_equal(px_tcerts_tenant(c, e), cases[i].tenant);
+        } else if (e >= 0) {
+            fail_msg("case %zu: tenant %s, expected none", i, px_tcerts_tenant(c, e));
+        }
+        X509_free(cases[i].x);
+    }
+    assert_int_equal(px_tcerts_find(c, NULL), -1);
+    assert_int_equal(px_tcerts_find(NULL, NULL), -1);
+    px_tcerts_destroy(c);
+    unlink(path);
+    free(path);
+    /* The same name given to two tenants is refused; to one, twice, is not. */
+    const char *files[] = {"a:n1\nb:n1\n", "a:n1\na:n1\n", "a n1\n", ""};
+    const int ok[] = {0, 1, 0, 0};
+    for (size_t i = 0; i < 4; i++) {
+        path = write_file(files[i]);
+        c = NULL;
+        int rc = px_tcerts_load(path, &c, err, sizeof err);
+        assert_int_equal(rc, ok[i] ? 0 : -1);
+        if (!ok[i]) assert_non_null(strstr(err, "--tenant-certs"));
+        px_tcerts_destroy(c);
+        unlink(path);
+        free(path);
+    }
+}
+
 static void test_gateways(void **state)
 {
     (void)state;
@@ -143,6 +236,7 @@ int main(void)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_keys_map_to_tenants),
         cmocka_unit_test(test_key_file_errors_never_show_keys),
+        cmocka_unit_test(test_cert_names_map_to_tenants),
         cmocka_unit_test(test_gateways),
         cmocka_unit_test(test_salts),
     };
