@@ -76,32 +76,15 @@ for p in $P $D; do wait_port "$p" 30; done
 # drive PORT COUNT: COUNT completions (wrk's completion body) on CONNS
 # keep-alive connections, each sent in one write; fails unless all are 200.
 drive() {
-    python3 - "$1" "$2" "$conns" <<'PY'
-import socket, sys, threading
+    ROOT=$root python3 - "$1" "$2" "$conns" <<'PY'
+import os, socket, sys, threading
+sys.path.insert(0, os.path.join(os.environ["ROOT"], "tests", "integration"))
+from pdharness.canned import response_length as length
 port, count, conns = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
 body = b'{"model":"bench","prompt":"The quick brown fox jumps over the lazy dog","max_tokens":16,"temperature":0}'
 req = (b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
        b"Content-Length: %d\r\n\r\n" % len(body)) + body
 ok = [0] * conns
-def length(buf):  # of the whole response at buf's start (Content-Length or chunked), or None
-    end = buf.find(b"\r\n\r\n")
-    if end < 0:
-        return None
-    head, pos = buf[:end].lower(), end + 4
-    if b"transfer-encoding: chunked" not in head:
-        j = head.find(b"content-length:")
-        pos += int(head[j + 15:].split(b"\r\n")[0]) if j >= 0 else 0
-        return pos if len(buf) >= pos else None
-    for _ in range(10000):
-        eol = buf.find(b"\r\n", pos)
-        if eol < 0:
-            return None
-        size = int(buf[pos:eol].split(b";")[0], 16)
-        pos = eol + 2 + size + 2
-        if len(buf) < pos:
-            return None
-        if size == 0:
-            return pos
 def one(i, k):
     s = socket.create_connection(("127.0.0.1", port), timeout=120)
     s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
