@@ -281,6 +281,16 @@ px_outcome px_leg_outcome(const px_leg *l, px_up_result rc) {
     }
 }
 
+int px_leg_answer_foreign(px_leg *l, const char *id) {
+    if (l->status < 200 || l->status >= 300 ||
+        !px_upstream_answer_foreign(l->b, l->resp.data, l->resp.len, id))
+        return 0;
+    px_m_inc(&l->w->metrics.answers_foreign);
+    PX_LOG(PX_LOG_WARN, "req=%s msg=\"prefill answered for another request: refused\" prefill=%s",
+           l->lid, l->name);
+    return 1;
+}
+
 int px_leg_retry(px_leg *l, px_outcome o, long long retries, px_up_result rc, const char *why) {
     int failed = o == PX_OUT_CONNECT_ERR || o == PX_OUT_RESET || o == PX_OUT_SERVER_ERR;
     if (!failed || l->too_big || (long long)l->ntried > retries || l->ntried >= PX_LEG_MAX_TRIES)

@@ -219,6 +219,27 @@ void px_reqlog_sources(px_reqlog *lg, const px_leg *pre, const px_leg *dec, cons
     lg->https = cfg->tls_cert && cfg->tls_cert[0];
 }
 
+void px_reqlog_latency(const px_reqlog *lg, px_lat_req *lat, px_ctx *ctx, const char *pool,
+                       int status, int disagg) {
+    const px_leg *p = lg->pre, *d = lg->dec;
+    px_lat_obs o = {.status = status,
+                    .t0 = lg->t0,
+                    .t_pstart = p->t_start,
+                    .t_prefill = p->t_end,
+                    .t_dstart = d->t_start,
+                    .t_first = lg->t_first,
+                    .now = px_now_ns(),
+                    .kv_waited = lg->kv_waited,
+                    .kv_wait_ms = lg->kv_wait_ms,
+                    .pname = p->name,
+                    .dname = d->name,
+                    .disagg = disagg,
+                    .serial = lg->disp == PX_DISP_SERIAL,
+                    .tries_p = p->ntried,
+                    .tries_d = d->ntried};
+    px_lat_req_finish(lat, ctx, pool, &o);
+}
+
 void px_reqlog_finish(const px_reqlog *lg, px_metrics *m, int status, px_req_outcome outcome,
                       const char *state, const px_buf *body) {
     uint64_t now = px_now_ns();

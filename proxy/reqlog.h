@@ -85,6 +85,11 @@ void px_reqlog_sources(px_reqlog *lg, const px_leg *pre, const px_leg *dec, cons
 /* Once per request: the request metrics, the access line, the spans,
  * with its status, outcome, the state it ended in and the body it held
  * last (the model's name). */
+/* The answer's samples into the latency model (predict.h) through lat
+ * (the request's, lg->lat) for pool `pool`: the legs' times and backends,
+ * once per request. */
+void px_reqlog_latency(const px_reqlog *lg, px_lat_req *lat, px_ctx *ctx, const char *pool,
+                       int status, int disagg);
 void px_reqlog_finish(const px_reqlog *lg, px_metrics *m, int status, px_req_outcome outcome,
                       const char *state, const px_buf *body);
 

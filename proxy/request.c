@@ -162,25 +162,7 @@ static void req_finish(px_req *r, int status, px_req_outcome outcome, const char
                r->log.lid, px_log_value(msg, qmsg, sizeof qmsg), status, states[r->state].name);
     }
     px_reply_fail(&r->reply, status, extra, msg);
-    if (r->in.ps) { /* the answer's samples into the latency model (predict.h) */
-        const px_leg *p = &r->pre, *d = &r->dec;
-        px_lat_obs lo = {.status = status,
-                         .t0 = r->log.t0,
-                         .t_pstart = p->t_start,
-                         .t_prefill = p->t_end,
-                         .t_dstart = d->t_start,
-                         .t_first = r->log.t_first,
-                         .now = px_now_ns(),
-                         .kv_waited = r->log.kv_waited,
-                         .kv_wait_ms = r->log.kv_wait_ms,
-                         .pname = p->name,
-                         .dname = d->name,
-                         .disagg = r->disagg,
-                         .serial = r->log.disp == PX_DISP_SERIAL,
-                         .tries_p = p->ntried,
-                         .tries_d = d->ntried};
-        px_lat_req_finish(&r->lat, r->ctx, r->in.ps->name, &lo);
-    }
+    if (r->in.ps) px_reqlog_latency(&r->log, &r->lat, r->ctx, r->in.ps->name, status, r->disagg);
     px_reqlog_finish(&r->log, &r->w->metrics, status, outcome, states[r->state].name,
                      r->body.len ? &r->body : &r->dec.body);
     set_state(r, RS_DONE);
@@ -544,14 +526,9 @@ static void prefill_done(void *arg, px_up_result rc, const char *why, int connec
     const px_config *cfg = r->ctx->cfg;
     /* Another request's answer (an engine's late extra one): never its
      * kv_transfer_params to decode; it ends as a broken answer (retried). */
-    if (rc == PX_UP_OK && p->status >= 200 && p->status < 300 &&
-        px_upstream_answer_foreign(p->b, p->resp.data, p->resp.len, r->log.id)) {
-        px_m_inc(&r->w->metrics.answers_foreign);
+    if (rc == PX_UP_OK && px_leg_answer_foreign(p, r->log.id)) {
         rc = PX_UP_RESET;
         why = "the answer names another request (remote_request_id)";
-        PX_LOG(PX_LOG_WARN,
-               "req=%s msg=\"prefill answered for another request: refused\" prefill=%s",
-               r->log.lid, p->name);
     }
     /* A full engine queue (admission.h) while the request may wait again:
      * the backend backs off, not counted as failed, and the request goes
