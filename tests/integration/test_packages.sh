@@ -37,8 +37,10 @@ for p in $pkgs; do
 done
 
 pid=
+svcdir=
 cleanup() {
     [ -n "$pid" ] && kill "$pid" 2>/dev/null || true
+    if [ -n "$svcdir" ]; then rm -rf "$svcdir"; fi
     dpkg -P libkvconnector-dev libkvconnector pdproxy >/dev/null 2>&1 || true
 }
 trap cleanup EXIT
@@ -87,12 +89,17 @@ case "$keyline" in *'${CREDENTIALS_DIRECTORY}/pdproxy_api-keys') ;;
 echo "pkgtest-key-0123456789abcdef" >/etc/pdproxy/credentials/api-keys
 chmod 0600 /etc/pdproxy/credentials/api-keys
 svc_uid=61873
-cred=$work/credentials
-rm -rf "$cred"; mkdir -p "$cred"
+# What the service's user reads lies in a directory of its own under /tmp:
+# the build directory may sit below one that user cannot enter (a home
+# directory, a private temporary directory).
+svcdir=$(mktemp -d /tmp/pdproxy-pkgtest.XXXXXX)
+chmod 0755 "$svcdir"
+cred=$svcdir/credentials
+mkdir -p "$cred"
 for f in /etc/pdproxy/credentials/*; do cp "$f" "$cred/pdproxy_$(basename "$f")"; done
 chown -R "$svc_uid:$svc_uid" "$cred"; chmod 0500 "$cred"; chmod 0400 "$cred"/*
-sed "s|^# *api-key-file: .*|$keyline|" /etc/pdproxy/pdproxy.yaml >"$work/pdproxy-cred.yaml"
-chmod 0644 "$work/pdproxy-cred.yaml"; chmod o+x "$work"
+sed "s|^# *api-key-file: .*|$keyline|" /etc/pdproxy/pdproxy.yaml >"$svcdir/pdproxy-cred.yaml"
+chmod 0644 "$svcdir/pdproxy-cred.yaml"
 as_service() { setpriv --reuid="$svc_uid" --regid="$svc_uid" --clear-groups "$@"; }
 rc=0
 as_service /usr/bin/pdproxy --config /etc/pdproxy/pdproxy.yaml --api-key-file \
@@ -103,7 +110,7 @@ port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); pr
 # setpriv itself in the background (not the shell function: $! would be a
 # subshell, and SIGTERM would miss pdproxy), without the lock's descriptor.
 setpriv --reuid="$svc_uid" --regid="$svc_uid" --clear-groups env CREDENTIALS_DIRECTORY="$cred" \
-    /usr/bin/pdproxy --config "$work/pdproxy-cred.yaml" --port "$port" --drain-delay 0 \
+    /usr/bin/pdproxy --config "$svcdir/pdproxy-cred.yaml" --port "$port" --drain-delay 0 \
     --health-interval 0 --threads 1 >"$work/cred.log" 2>&1 9>&- &
 pid=$!
 ok=0
