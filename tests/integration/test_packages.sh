@@ -188,6 +188,7 @@ done
 
 # --- purge leaves nothing behind
 trap - EXIT
+rm -rf "$svcdir"
 dpkg -P libkvconnector-dev libkvconnector pdproxy >"$work/purge.log" 2>&1 ||
     { cat "$work/purge.log" >&2; fail "dpkg -P"; }
 for f in /usr/bin/pdproxy /etc/pdproxy /lib/systemd/system/pdproxy.service \
