@@ -21,7 +21,7 @@ import time
 from pdharness import connector as kvc
 from pdharness.connector import (WIRE, Peer, consumer, fetch, hdr, hello_body, ids, pipelined,
                                  producer, publish, pump, roundtrip)
-from pdharness.net import closed_port, wait_until
+from pdharness.net import closed_port, wait_until, wait_value
 
 
 # --------------------------------------------------------------- cases --
@@ -506,17 +506,15 @@ def case_garbage(P, D):
         # gone but the live side channels of D and D2 (kept open after their
         # handshakes, KVC_HFLAG_LIVE), and the fd count is back near the
         # baseline (D2's endpoints and side channel).
-        deadline = time.monotonic() + 10
-        while True:
-            n_sc, n_fd = side_channel_conns(pid, K.port), fd_count(pid)
-            if n_sc == 2 and n_fd <= base + 16:
-                if os.environ.get("KVC_TEST_TRACE"):
-                    print("fds: baseline %d, after %d" % (base, n_fd))
-                break
-            if time.monotonic() > deadline:
-                raise AssertionError("producer fds: %d (baseline %d), side-channel sockets %d"
-                                     % (n_fd, base, n_sc))
-            pump([K], 0.05)  # bounded poll of the producer's state
+        def counts():
+            pump([K], 0.0)  # files K's events, so that its stdout never fills
+            return side_channel_conns(pid, K.port), fd_count(pid)
+        n_sc, n_fd = wait_value(counts, lambda c: c[0] == 2 and c[1] <= base + 16, 10.0, 0.05)
+        if not (n_sc == 2 and n_fd <= base + 16):
+            raise AssertionError("producer fds: %d (baseline %d), side-channel sockets %d"
+                                 % (n_fd, base, n_sc))
+        if os.environ.get("KVC_TEST_TRACE"):
+            print("fds: baseline %d, after %d" % (base, n_fd))
         # After: a new consumer handshakes; the old ones go on.
         D3 = consumer("D-after")
         try:
