@@ -86,7 +86,7 @@ class StrandedBlocksTest(LoggedCase):
                 c.request("POST", "/v1/completions", json.dumps(body).encode(),
                           [("X-Request-Id", "strand-%d-%s" % (i, m))])
                 if m in ("prefill", "after"):
-                    time.sleep(delay)
+                    time.sleep(delay)  # leaves at the plan's random point of the request
                     return ("left", None)
                 if m == "stream":
                     r = c.read_response(timeout=30, until=lambda r: len(r.body) > 0)
