@@ -21,7 +21,7 @@ import time
 from pdharness import connector as kvc
 from pdharness.connector import (WIRE, Peer, consumer, fetch, hdr, hello_body, ids, pipelined,
                                  producer, publish, pump, roundtrip)
-from pdharness.net import closed_port
+from pdharness.net import closed_port, wait_until, wait_value
 
 
 # --------------------------------------------------------------- cases --
@@ -105,10 +105,10 @@ def case_unknown_id(P, D):
     D.event("FETCH_DONE")
     # No publication of this producer ever had that id with that token: the
     # notification is refused and counted, and raises no event.
-    deadline = time.monotonic() + 5
-    while P.stat()["denied"] == "0":
-        assert time.monotonic() < deadline, "notification for an unknown id not counted"
-        pump([P], 0.05)
+    def counted():
+        pump([P], 0.0)  # files P's events, so that its stdout never fills
+        return P.stat()["denied"] != "0"
+    assert wait_until(counted, 5.0, 0.05), "notification for an unknown id not counted"
     assert P.stat()["unknown"] == "1" and P.stat()["published_now"] == "1"
     assert not any("UNKNOWN_NOTIFY" in e for e in P.events)
 
@@ -192,7 +192,16 @@ def case_killed_peer(P, D):
         x = fetch(D, [2, 3, 4], params)
         if kvc.MODE == "tcp":
             # Push protocol: nothing can arrive while the producer is stopped.
-            time.sleep(0.2)  # not a readiness wait: gives a stuck fetch the chance to show
+            # A fetch from a live producer issued after it is the later event:
+            # D reports in order, so reading up to its FETCH_DONE files
+            # whatever D said about the stuck fetch before.
+            # (Another producer: P's own counts are checked at the end.)
+            L = producer("P-live")
+            try:
+                y = fetch(D, [8], publish(L, "while-stopped", [8]))
+                D.event("FETCH_DONE", xfer=y)
+            finally:
+                L.close()
             assert not any("FETCH_" in e for e in D.events), D.events
         K.kill()
         # tcp: the fetch fails when the endpoint does.  sm: the read is one-sided
@@ -497,17 +506,15 @@ def case_garbage(P, D):
         # gone but the live side channels of D and D2 (kept open after their
         # handshakes, KVC_HFLAG_LIVE), and the fd count is back near the
         # baseline (D2's endpoints and side channel).
-        deadline = time.monotonic() + 10
-        while True:
-            n_sc, n_fd = side_channel_conns(pid, K.port), fd_count(pid)
-            if n_sc == 2 and n_fd <= base + 16:
-                if os.environ.get("KVC_TEST_TRACE"):
-                    print("fds: baseline %d, after %d" % (base, n_fd))
-                break
-            if time.monotonic() > deadline:
-                raise AssertionError("producer fds: %d (baseline %d), side-channel sockets %d"
-                                     % (n_fd, base, n_sc))
-            pump([K], 0.05)  # bounded poll of the producer's state
+        def counts():
+            pump([K], 0.0)  # files K's events, so that its stdout never fills
+            return side_channel_conns(pid, K.port), fd_count(pid)
+        n_sc, n_fd = wait_value(counts, lambda c: c[0] == 2 and c[1] <= base + 16, 10.0, 0.05)
+        if not (n_sc == 2 and n_fd <= base + 16):
+            raise AssertionError("producer fds: %d (baseline %d), side-channel sockets %d"
+                                 % (n_fd, base, n_sc))
+        if os.environ.get("KVC_TEST_TRACE"):
+            print("fds: baseline %d, after %d" % (base, n_fd))
         # After: a new consumer handshakes; the old ones go on.
         D3 = consumer("D-after")
         try:

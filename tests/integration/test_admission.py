@@ -20,7 +20,7 @@ from pdharness.ctl import (admin, pools_yaml, sighup, tmpdir, token_file, wait_g
                            write_yaml)
 from pdharness.mocks import (Respond, completion_body, engine_metrics_handler, prefill_handler,
                              request_ids)
-from pdharness.net import MAX_LOOP, now
+from pdharness.net import now, wait_until, wait_value
 from pdharness.prod import ProdCase
 from pdharness.prom import metric, prom
 
@@ -81,12 +81,7 @@ class AdmissionCase(ProdCase):
         return t
 
     def wait_metric(self, px, event, want, timeout=5.0):
-        deadline = now() + timeout
-        for _ in range(MAX_LOOP):
-            v = adm(px, event)
-            if v >= want or now() > deadline:
-                break
-            threading.Event().wait(0.01)
+        v = wait_value(lambda: adm(px, event), lambda v: v >= want, timeout, 0.01)
         self.assertGreaterEqual(v, want, "pdproxy_admission_total{event=%s}" % event)
 
     def block(self, px):
@@ -527,7 +522,7 @@ class SaturationSourcesTest(AdmissionCase):
 
         def slow(req):
             if (req.header("x-request-id") or "").startswith("slow"):
-                threading.Event().wait(0.3)
+                threading.Event().wait(0.3)  # the slow first bytes: the scenario
             return gated(req)
 
         self.P = self.mock(prefill_handler(), name="P")
@@ -808,10 +803,9 @@ class EngineSimTest(ClusterCase):
 
         with concurrent.futures.ThreadPoolExecutor(20) as ex:
             louds = [ex.submit(loud, c) for c in range(20)]
-            for _ in range(MAX_LOOP):  # the burst is on: requests wait
-                if adm(px, "queued") >= 20 or any(f.done() for f in louds):
-                    break
-                threading.Event().wait(0.01)
+            # The burst is on: requests wait.
+            wait_until(lambda: adm(px, "queued") >= 20 or any(f.done() for f in louds), 60.0,
+                       0.01)
             burst = quiet_run("burst")
             stop.set()
             nloud = sum(f.result(timeout=60) for f in louds)

@@ -95,11 +95,11 @@ class KilledPrefillTest(ClusterCase):
         px = self.start(start_sim_proxy([p1.port, p2.port], [d.port], ["--connect-timeout", "1"]))
         results = []
         lock = threading.Lock()
-        stop_at = time.monotonic() + 4.0
+        stop_at = [time.monotonic() + 60.0]  # set to 2.5 s after the kill below
 
         def client(k):
             i = 0
-            while time.monotonic() < stop_at and i < 400:
+            while time.monotonic() < stop_at[0] and i < 400:
                 i += 1
                 t0 = time.monotonic()
                 st, hdrs, raw = post_json(px.port, "/v1/chat/completions", {
@@ -108,11 +108,21 @@ class KilledPrefillTest(ClusterCase):
                 with lock:
                     results.append((t0, time.monotonic() - t0, st, raw))
 
+        def served(p):
+            return prom_values(p.port).get("engine_sim_requests_total", 0)
+
         with concurrent.futures.ThreadPoolExecutor(8) as pool:
             futs = [pool.submit(client, k) for k in range(8)]
-            time.sleep(1.5)
+            # Killed once both prefills are serving the clients, in the midst of it.
+            try:
+                wait_for(lambda: (served(p1) >= 10 and served(p2) >= 10, (served(p1), served(p2))),
+                         30, "both prefills to serve 10 requests")
+            except AssertionError:
+                stop_at[0] = 0.0
+                raise
             t_kill = time.monotonic()
             p1.kill()
+            stop_at[0] = t_kill + 2.5
             for f in futs:
                 f.result(timeout=60)
         self.assertTrue(results)

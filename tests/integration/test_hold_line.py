@@ -34,7 +34,7 @@ from pdharness.client import RawClient, errmsg, http_request
 from pdharness.mocks import (Hang, Respond, Stream, completion_body, decode_handler,
                              prefill_handler, sse_events)
 from pdharness.net import (HOST, MAX_LOOP, connect_refused, free_port, listening_inodes, now,
-                           socket_inodes, wait_until)
+                           read_by_peer, socket_inodes, wait_until)
 from pdharness.namespace import STALL_DNS, StallingDns, mount_prefix, unshare_usable
 from pdharness.procs import PDPROXY, Proxy, ProxyStartError, rss_bytes
 from pdharness.prod import ProdCase
@@ -65,7 +65,7 @@ def send_for(sock, data, seconds):
         try:
             sent += sock.send(data[sent:sent + 65536])
         except BlockingIOError:
-            time.sleep(0.01)
+            time.sleep(0.01)  # pacing: the peer reads when it reads
         except OSError:
             break
     sock.setblocking(True)
@@ -93,6 +93,9 @@ class NonReadingClientTest(ProdCase):
         # (as many as it reads within 4 s). The limit leaves room for a
         # sanitizer build's quarantine.
         sent = send_for(c.sock, METRICS_REQ * 40000, 4.0)
+        # What pdproxy read it may still be parsing and answering into its
+        # buffers; nothing marks the end of that, so it gets 1 s before
+        # the memory is measured.
         time.sleep(1.0)
         grown = rss_bytes(pid) - base
         held = metric(prom(px.port), "pdproxy_buffered_bytes")
@@ -129,7 +132,7 @@ class NonReadingClientTest(ProdCase):
         px = self.pd(["--send-timeout", "3"])
         c = RawClient(px.port, rcvbuf=4096)
         c.send(METRICS_REQ * 200)
-        time.sleep(1.0)
+        time.sleep(1.0)  # the reader's pause: the scenario
         for i in range(200):
             r = c.read_response(method="GET")
             self.assertEqual(r.status, 200, "response %d: %r" % (i, r))
@@ -323,8 +326,10 @@ class LeaveAfterPrefillHeadTest(ProdCase):
         c.request("POST", "/v1/completions", completion_body())
         P.wait_requests(1, timeout=5)
         conn = P.requests[0].conn
-        self.assertTrue(wait_until(lambda: conn.bytes_sent > 0, 3.0), "mock sent no head")
-        time.sleep(0.1)
+        # The client leaves once pdproxy has read the prefill's head.
+        self.assertTrue(wait_until(lambda: conn.bytes_sent > 0 and
+                                   read_by_peer(conn.local_port, conn.peer_port), 3.0),
+                        "mock sent no head, or pdproxy did not read it")
         t0 = now()
         c.close()
         # A prefill that started answering gets 2 s to finish (its blocks

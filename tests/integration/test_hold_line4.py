@@ -591,7 +591,7 @@ class ExtraAnswerEngine(Listener):
             self.seen.append(rid)
             if last is not None and not self.early:
                 c.sendall(self.answer(last))  # the late extra answer to the previous request
-                time.sleep(0.02)
+                time.sleep(0.02)  # pacing: the extra answer arrives apart from the right one
             c.sendall(self.answer(rid))
             last = rid
 

@@ -99,7 +99,11 @@ class KvReplicasTest(ProdCase):
                 metric(prom(px.port), "pdproxy_kv_index_blocks", backend="%s:%d" % b) is not None
                 for b in prefills), 10.0)
             self.assertTrue(st)
-        time.sleep(0.5)  # ZeroMQ's subscription handshake; a missed batch would show below
+        # ZeroMQ's subscription handshake ends after the connect, and nothing
+        # says when: pdproxy watches its sockets only for disconnects and
+        # engine-sim's PUB socket hears no subscriptions. A batch missed for
+        # want of it would show below (a sequence gap), so it gets 0.5 s.
+        time.sleep(0.5)
         # Four families of prompts sharing 8-block prefixes, each asked
         # three times with different tails, interleaved.
         prompts = []

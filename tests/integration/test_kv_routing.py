@@ -202,12 +202,17 @@ class KvRoutingTest(ProdCase):
         chosen beforehand (it receives the KV), so a decode-local request
         sent meanwhile still goes to the decode holding its prefix."""
         slow_d = decode_handler()
+        # The long request is held on D0 until the test has routed the other:
+        # its load is there for the whole decision, however slow the machine.
+        release = threading.Event()
 
         def h(req):
-            time.sleep(2.0 if b"long" in req.body else 0.0)
+            if b"long" in req.body:
+                release.wait(10.0)
             return slow_d(req)
 
         (D0, D1), (E0, E1) = self.engines(handler=h)
+        self.addCleanup(release.set)  # runs before the mocks stop
         P = self.mock(prefill_handler(), name="P")
         px = self.start_kv([P], [D0, D1], extra=["--decode-policy", "kv_aware",
                                                  "--disagg-min-tokens", "4"])
@@ -216,7 +221,7 @@ class KvRoutingTest(ProdCase):
         E0.publish([stored(range(1300, 1306), None, a, BS),
                     stored([1400], None, lng, BS)])
         self.index_has(px, D0, 7)
-        # 4 of its 40 tokens cached on D0: D0, through the prefill, 2 s long.
+        # 4 of its 40 tokens cached on D0: D0, through the prefill, held there.
         body = {"model": "m", "prompt": lng + tokens(15, 9), "max_tokens": 4, "user": "long"}
         t = threading.Thread(target=self.post, args=(px, body), daemon=True)
         t.start()
@@ -224,6 +229,8 @@ class KvRoutingTest(ProdCase):
         self.assertEqual(len(P.requests), 1)
         # 24 of 25 cached on D0, which computes nothing for the other: D0 alone.
         self.send(px, a + [1])
+        self.assertTrue(t.is_alive(), "the long request ended before the other was routed")
+        release.set()
         t.join(10)
         self.assertFalse(t.is_alive())
         self.assertEqual(self.counts([D0, D1]), [2, 0])

@@ -25,7 +25,7 @@ from pdharness.mocks import (MOCK_TLS, Hang, Reset, Respond, Stream, chat_body, 
                              decode_handler, default_p_kv, prefill_handler, sse_events)
 from pdharness.net import wait_value
 from pdharness.pd import PdCase, prose, rid_headers
-from pdharness.net import wait_until
+from pdharness.net import read_by_peer, wait_until
 from pdharness.procs import PDPROXY, start_engine_sim
 
 CONC = ["--dispatch", "concurrent"]
@@ -397,9 +397,11 @@ class ConcurrentMockTest(PdCase):
         gate = Gate()
         p_base = prefill_handler(mode="push")
         d_base = decode_handler()
+        p_sent = []  # bytes P had sent on the push leg's connection before answering it
 
         def p(req):
             if is_push(req):
+                p_sent.append(req.conn.bytes_sent)
                 gate.set()
                 return Hang(WAIT * 2) if phase == "both" else p_base(req)
             return p_base(req)
@@ -422,7 +424,12 @@ class ConcurrentMockTest(PdCase):
             c.read_response(head_only=True)
         self.assertTrue(gate.wait())
         self.assertEqual(len(D.wait_requests(2, timeout=WAIT)), 2, "no decode leg")
-        time.sleep(0.1)
+        if phase == "decode_wait":
+            # The client leaves once pdproxy has read prefill's answer.
+            pconn = P.requests[1].conn
+            self.assertTrue(wait_until(lambda: pconn.bytes_sent > p_sent[0] and
+                                       read_by_peer(pconn.local_port, pconn.peer_port), WAIT),
+                            "pdproxy did not read prefill's answer")
         c.close()
         self.assertIsNotNone(D.requests[1].conn.wait_closed(WAIT), "decode leg left open")
         if phase == "both":
@@ -712,13 +719,17 @@ class ConcurrentSimTest(PdCase):
         comp = {"model": "sim-model", "prompt": PROMPT, "max_tokens": 4}
         self.ask(px, "/v1/completions", comp, "g0")
         for i in range(3):
+            base = self.engine_metric(P.port, "engine_sim_requests_total")
             c = RawClient(px.port)
             c.request("POST", "/v1/completions", dict(comp, prompt=prose(3000, seed=30 + i)),
                       headers=[("X-Request-Id", "gone%d" % i)])
-            # Within the ~0.2 s of prefill, whatever the previous one left
-            # the engine computing (access lines come in batches, so the
-            # wait below may give it time to finish).
-            time.sleep(0.05 + 0.05 * i)
+            # Once prefill computes it, and then 0, 50 or 100 ms into its
+            # ~0.2 s of prefill (pacing: three points of it), whatever the
+            # previous one left the engine computing (access lines come in
+            # batches, so the wait below may give it time to finish).
+            self.assertTrue(wait_until(lambda: self.engine_metric(
+                P.port, "engine_sim_requests_total") > base, 5.0), "prefill never got gone%d" % i)
+            time.sleep(0.05 * i)
             c.close()
             rec = self.access_for(px, "gone%d" % i)
             self.assertEqual(rec["status"], "499")
@@ -735,9 +746,14 @@ class ConcurrentSimTest(PdCase):
         def run():
             out["r"] = http_request(px.port, "POST", "/v1/completions",
                                     dict(comp, prompt=prose(3000, seed=41)), headers=rid_headers("k1"))
+        base = [self.engine_metric(e.port, "engine_sim_requests_total") for e in (P, D)]
         t = threading.Thread(target=run)
         t.start()
-        time.sleep(0.1)
+        # Decode is killed once both engines have the request, while
+        # prefill computes it (400 us a token).
+        self.assertTrue(wait_until(lambda: all(
+            self.engine_metric(e.port, "engine_sim_requests_total") > b
+            for e, b in zip((P, D), base)), 5.0), "the engines never got k1")
         D.kill()
         t.join(30)
         self.assertFalse(t.is_alive())

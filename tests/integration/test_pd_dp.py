@@ -15,13 +15,12 @@ the per-rank gauges."""
 import json
 import os
 import threading
-import time
 
 from pdharness.case import main
 from pdharness.client import RawClient, http_request
 from pdharness.ctl import admin, sighup, tmpdir, token_file, url, wait_generation, write_yaml
 from pdharness.mocks import Respond, decode_handler, prefill_handler
-from pdharness.net import free_port
+from pdharness.net import free_port, wait_value
 from pdharness.pd import PdCase, rid_headers
 from pdharness.procs import run_pdproxy
 from pdharness.prom import metric, prom
@@ -164,23 +163,16 @@ class DpSimTest(PdCase):
                       dict(body, max_tokens=400, stream=True),
                       headers=[("X-data-parallel-rank", "0")])
             hogs.append(c)
-        samples = []
-        for _ in range(100):
-            samples = prom(D.port)
-            if metric(samples, "vllm:num_requests_running", engine="0") == 2:
-                break
-            time.sleep(0.05)
+        samples = wait_value(lambda: prom(D.port),
+                             lambda sm: metric(sm, "vllm:num_requests_running", engine="0") == 2,
+                             5.0, 0.05)
         self.assertEqual(metric(samples, "vllm:num_requests_running", engine="0"), 2)
         self.assertEqual(metric(samples, "vllm:num_requests_running", engine="1"), 0)
         px = self.start_proxy([P.port], [D.port], threads=1,
                               extra=["--decode-dp-size", "2", "--metrics-interval", "0.1"])
         dname = "127.0.0.1:%d" % D.port
-        for _ in range(100):
-            if self.metric(px, "pdproxy_dp_rank_engine_load", backend=dname, rank="0") == 2:
-                break
-            time.sleep(0.05)
-        self.assertEqual(self.metric(px, "pdproxy_dp_rank_engine_load", backend=dname,
-                                     rank="0"), 2)
+        load0 = lambda: self.metric(px, "pdproxy_dp_rank_engine_load", backend=dname, rank="0")
+        self.assertEqual(wait_value(load0, lambda v: v == 2, 5.0, 0.05), 2)
         for i in range(3):
             r = http_request(px.port, "POST", "/v1/completions", body)
             self.assertEqual(r.status, 200, r.body)
@@ -193,10 +185,7 @@ class DpSimTest(PdCase):
             c.close()
         # The engine saw the streams' clients leave: rank 0 idle again, and
         # pdproxy, probing, goes back to the lowest rank.
-        for _ in range(200):
-            if self.metric(px, "pdproxy_dp_rank_engine_load", backend=dname, rank="0") == 0:
-                break
-            time.sleep(0.05)
+        self.assertEqual(wait_value(load0, lambda v: v == 0, 10.0, 0.05), 0)
         r = http_request(px.port, "POST", "/v1/completions", body)
         self.assertEqual(r.status, 200, r.body)
         self.assertEqual(self.metric(px, "pdproxy_dp_rank_requests_total", role="decode",
@@ -373,10 +362,8 @@ class DpRankParseTest(PdCase):
         px = self.start_proxy([P], [D], threads=1,
                               extra=["--decode-dp-size", "2", "--metrics-interval", "0.1"])
         dname = "127.0.0.1:%d" % D.port
-        for _ in range(100):
-            if self.metric(px, "pdproxy_dp_rank_engine_load", backend=dname, rank="1") is not None:
-                break
-            time.sleep(0.05)
+        wait_value(lambda: self.metric(px, "pdproxy_dp_rank_engine_load", backend=dname,
+                                       rank="1"), lambda v: v is not None, 5.0, 0.05)
         self.assertEqual(self.metric(px, "pdproxy_dp_rank_engine_load", backend=dname,
                                      rank="0"), 9)
         self.assertEqual(self.metric(px, "pdproxy_dp_rank_engine_load", backend=dname,

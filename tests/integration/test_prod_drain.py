@@ -167,7 +167,10 @@ class DrainTest(ProdCase):
         px._expected_exit = True
         t0 = now()
         px.proc.send_signal(signal.SIGTERM)
-        time.sleep(0.5)
+        # The second comes once pdproxy is draining (it said so), 0.5 s into
+        # the 0.8 s delay: that point of the delay is the scenario.
+        self.assertLogged(px, r'msg="SIGTERM: draining"')
+        time.sleep(max(0.0, t0 + 0.5 - now()))
         px.proc.send_signal(signal.SIGTERM)
         rc = self.wait_exit(px, 5.0)
         self.assertEqual(rc, 0)

@@ -6,7 +6,6 @@ prefix_affinity (the prompt's whole block chain, with its bounded-load cap
 --prefix-load-factor; prefix_affinity_bytes, the first --prefix-bytes) and
 load_aware (engines' /metrics read by load probes every --metrics-interval)."""
 
-import time
 import unittest
 
 from pdharness.mocks import (Respond, chat_body, completion_body, decode_handler,
@@ -299,8 +298,12 @@ class LoadAwareTest(ProdCase):
     def test_no_scrapes_without_load_aware(self):
         B = [self.mock(prefill_handler(), name="P%d" % i) for i in range(2)]
         D = self.mock(decode_handler(), name="D")
-        self.start(B, [D], ["--metrics-interval", "0.05"])
-        time.sleep(0.5)
+        # Health checks every 0.05 s too: ten of them on every engine are
+        # ten intervals of pdproxy's timers, each one a scrape would have
+        # shown in.
+        self.start(B, [D], ["--metrics-interval", "0.05"], health_interval="0.05")
+        for m in B + [D]:
+            self.assertGreaterEqual(m.wait_probes(10, 5.0), 10, "%s: health checks" % m.name)
         self.assertEqual([r.path for m in B + [D] for r in m.probes if "metrics" in r.path], [])
 
 

@@ -19,7 +19,7 @@ import unittest
 from pdharness.case import case_failed
 from pdharness.client import RawClient, run_concurrently
 from pdharness.cluster import ClusterCase
-from pdharness.net import HOST, MAX_LOOP, Listener, now, wait_value
+from pdharness.net import HOST, MAX_LOOP, Listener, now, read_by_peer, wait_until, wait_value
 from pdharness.procs import start_engine_sim, start_sim_proxy
 from pdharness.prom import metric, prom
 
@@ -86,7 +86,7 @@ class StrandedBlocksTest(LoggedCase):
                 c.request("POST", "/v1/completions", json.dumps(body).encode(),
                           [("X-Request-Id", "strand-%d-%s" % (i, m))])
                 if m in ("prefill", "after"):
-                    time.sleep(delay)
+                    time.sleep(delay)  # leaves at the plan's random point of the request
                     return ("left", None)
                 if m == "stream":
                     r = c.read_response(timeout=30, until=lambda r: len(r.body) > 0)
@@ -119,7 +119,10 @@ class StrandedBlocksTest(LoggedCase):
         self.assertEqual(metric(pm, "pdproxy_inflight_requests"), 0, where)
         t_quiet = now()
 
-        # Past the expiry: a block nobody released has expired by now.
+        # Past the expiry: a block nobody released has expired by now. A
+        # block stranded is one published for a request pdproxy gave up on
+        # (a prefill finishing for a client that left): its expiry is the
+        # only event that shows it, so this waits for the expiry to pass.
         time.sleep(EXPIRY_MS / 1000.0 + 1.0)
         total_pub = 0
         for p in ps:
@@ -182,6 +185,7 @@ class Relay(Listener):
         self.down_delay_s = down_delay_s
         self.up_started = threading.Event()
         self.answer_partial = threading.Event()
+        self.partial_to = None  # (relay port, pdproxy's port) of the partial answer
         self.up_eof = threading.Event()
         self.up_bytes = 0
         # With up_piece, a small receive buffer so that slow reading slows
@@ -263,6 +267,8 @@ class Relay(Listener):
             answer, buf = buf[:len(head) + 4 + n], buf[len(head) + 4 + n:]
             try:
                 dst.sendall(answer[:-1])
+                # pdproxy's port on the connection the answer goes out on.
+                self.partial_to = (self.port, dst.getpeername()[1])
                 self.answer_partial.set()
                 time.sleep(self.hold_last_s)
                 dst.sendall(answer[-1:])
@@ -296,6 +302,8 @@ class HandOverWindowTest(LoggedCase):
         self.assertEqual(rel, pub, "%s: %d of %d published blocks not released by the consumer "
                          "%.1fs into a %d ms expiry" % (where, pub - rel, pub, expiry * 0.8,
                                                         HANDOVER_EXPIRY_MS))
+        # A block published after the count above (a prefill finishing for
+        # the client that left) would show only by expiring: past the expiry.
         time.sleep(expiry * 0.2 + 0.5)
         self.assertEqual(metric(prom(p.port), "engine_sim_kv_blocks_expired_total"), 0, where)
 
@@ -333,7 +341,9 @@ class HandOverWindowTest(LoggedCase):
         c.request("POST", "/v1/completions", json.dumps(body).encode(),
                   [("X-Request-Id", "split-answer")])
         self.assertTrue(relay.answer_partial.wait(10), "prefill never answered")
-        time.sleep(0.1)
+        # pdproxy has read all but the last byte of the answer.
+        self.assertTrue(wait_until(lambda: read_by_peer(*relay.partial_to), 5.0),
+                        "pdproxy did not read the partial answer")
         c.close()  # prefill answered; its last byte reaches pdproxy 0.4 s later
         self.released_without_expiry(p, "client left while prefill's answer was in flight")
 
@@ -353,7 +363,11 @@ class HandOverWindowTest(LoggedCase):
         c.request("POST", "/v1/completions", json.dumps(body).encode(),
                   [("X-Request-Id", "late-answer")])
         self.assertTrue(relay.up_started.wait(10), "the request never reached prefill")
-        time.sleep(0.005)
+        # Prefill has the request (it starts computing at once, for 30 ms);
+        # its answer is then held 0.3 s on the way.
+        self.assertTrue(wait_until(
+            lambda: metric(prom(p.port), "engine_sim_requests_total") == 1, 5.0, 0.002),
+            "prefill never got the request")
         c.close()  # during prefill (30 ms); its answer reaches pdproxy 0.3 s after it leaves
         self.released_without_expiry(p, "client left; prefill's answer came after the grace")
         pm = prom(px.port)

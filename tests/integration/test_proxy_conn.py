@@ -13,7 +13,7 @@ from pdharness.case import PxTestCase, main
 from pdharness.client import RawClient, http_request, raw_exchange, strict_json
 from pdharness.mocks import (Hang, Respond, Stream, chat_body, completion_body, decode_handler,
                              prefill_handler, sse_events)
-from pdharness.net import wait_until, wait_value
+from pdharness.net import read_by_peer, wait_until, wait_value
 from pdharness.prom import metric, prom
 
 
@@ -99,9 +99,15 @@ class KeepAliveTest(PxTestCase):
         self.D.set_handler(slow_echo_decode)
         px = self.start_proxy([self.P], [self.D], threads=1)
         self.burst(px, 6)
-        time.sleep(0.5)
+        # Below the cap pdproxy would close an idle connection when it comes
+        # back to the pool, as the capped test shows, at once. A second
+        # burst, answered 0.3 s late, is served by the six kept: by its end
+        # the mock has long seen any such close.
+        self.burst(px, 6)
         self.assertEqual(self.closed_by_proxy(self.D), 0,
                          "idle upstream connections closed below the default cap")
+        self.assertEqual(len(set(self.D.conn_ids())), 6,
+                         "the second burst opened new D connections: %r" % self.D.conn_ids())
 
     def test_upstream_reuse_after_streams(self):
         events = sse_events(["x", "y"])
@@ -407,12 +413,19 @@ class ChurnTest(PxTestCase):
                 body = json.dumps(completion_body(prompt=prompt, stream=True)).encode()
                 if kind == "partial":
                     c.send(RawClient.build("POST", "/v1/completions", body)[:-5])
-                    time.sleep(0.05)
+                    # Left after pdproxy read the partial request.
+                    cport = c.sock.getsockname()[1]
+                    if not wait_until(lambda: read_by_peer(cport, px.port), 5.0):
+                        raise AssertionError("pdproxy did not read %s" % prompt)
                     c.close(rst=k % 2 == 1)
                     return
                 c.request("POST", "/v1/completions", body)
                 if kind in ("hang-p", "hang-d"):
-                    time.sleep(0.1)
+                    # Left while the engine that hangs holds the request.
+                    m = P if kind == "hang-p" else D
+                    if not wait_until(lambda: any(r.json()["prompt"] == prompt
+                                                  for r in list(m.requests)), 5.0):
+                        raise AssertionError("%s never got %s" % (m.name, prompt))
                     c.close(rst=k % 2 == 1)
                     return
                 if kind == "mid":
@@ -488,7 +501,7 @@ class CancelPrefillTest(PxTestCase):
         # stranded them). D is then given the request only to release them:
         # sent, aborted, counted; nobody's answer is read.
         def slow_p(req):
-            time.sleep(0.4)
+            time.sleep(0.4)  # the late answer the test is about
             return prefill_handler()(req)
 
         self.P.set_handler(slow_p)

@@ -12,6 +12,7 @@ import time
 from pdharness.case import PxTestCase, main
 from pdharness.client import RawClient, http_request
 from pdharness.mocks import completion_body, decode_handler, prefill_handler
+from pdharness.net import read_by_peer, wait_until
 
 BODY = json.dumps(completion_body(prompt="split")).encode()
 
@@ -32,7 +33,7 @@ class HttpFrontTest(PxTestCase):
             for i in range(0, len(data), step):
                 c.send(data[i:i + step])
                 if gap:
-                    time.sleep(gap)
+                    time.sleep(gap)  # a client dribbling its request: the scenario
         else:
             c.send(data)
         return c.read_response(timeout=timeout)
@@ -56,10 +57,17 @@ class HttpFrontTest(PxTestCase):
         head_len = data.index(b"\r\n\r\n") + 4
         c = RawClient(self.px.port)
         self.addCleanup(c.close)
+        cport = c.sock.getsockname()[1]
+
+        def read_by_pdproxy(what):
+            # Each piece is read by pdproxy before the next is sent, so its
+            # parser really sees the head's end and the body split.
+            self.assertTrue(wait_until(lambda: read_by_peer(cport, self.px.port), 5.0),
+                            "pdproxy did not read %s" % what)
         c.send(data[:head_len - 2])
-        time.sleep(0.1)
+        read_by_pdproxy("the head without its last CRLF")
         c.send(data[head_len - 2:head_len + 5])
-        time.sleep(0.1)
+        read_by_pdproxy("the head's end and the body's start")
         c.send(data[head_len + 5:])
         self._assert_ok(c.read_response(timeout=5))
 

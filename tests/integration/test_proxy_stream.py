@@ -12,7 +12,7 @@ from pdharness.case import PxTestCase, main
 from pdharness.client import RawClient, http_request
 from pdharness.mocks import (Hang, Stream, chat_body, completion_body, decode_handler,
                              prefill_handler, sse_events)
-from pdharness.net import tcp_queues
+from pdharness.net import now, tcp_queues, wait_until
 from pdharness.procs import rss_bytes, sanitized
 
 MiB = 1 << 20
@@ -142,6 +142,8 @@ class StreamTest(PxTestCase):
 
         time.sleep(1.0)  # the client is not reading: that is the scenario
         s1 = in_pdproxy()
+        # Backpressure is a bound held over time: a second look 1 s later
+        # shows whether pdproxy's share kept growing.
         time.sleep(1.0)
         s2 = in_pdproxy()
         rss2 = rss_bytes(px.proc.pid)
@@ -226,15 +228,18 @@ class CancelStreamTest(PxTestCase):
         c.request("POST", "/v1/completions", completion_body())
         self.assertEqual(len(self.D.wait_requests(1, timeout=5)), 1)
         dconn = self.D.requests[0].conn
-        # Wait until D is stalled (nothing more written for 200 ms).
-        last, stalled_since = -1, time.monotonic()
-        for _ in range(200):
+        # Wait until D is stalled (nothing more written for 200 ms): a
+        # stall is the absence of progress, so it takes that long to see.
+        st = {"last": -1, "since": now()}
+
+        def stalled():
             cur = dconn.bytes_sent
-            if cur != last:
-                last, stalled_since = cur, time.monotonic()
-            elif time.monotonic() - stalled_since > 0.2:
-                break
-            time.sleep(0.02)
+            if cur != st["last"]:
+                st["last"], st["since"] = cur, now()
+                return False
+            return now() - st["since"] > 0.2
+        self.assertTrue(wait_until(stalled, 4.0, 0.02),
+                        "D never paused: %d bytes written" % dconn.bytes_sent)
         self.assertIsNone(dconn.t_closed)
         t0 = c.close()
         t_closed = dconn.wait_closed(3.0)

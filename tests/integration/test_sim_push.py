@@ -13,19 +13,23 @@ import json
 import secrets
 import socket
 import threading
-import time
 
 from pdharness.case import main
 from pdharness.client import post_json
+from pdharness.net import wait_until, wait_value
 from pdharness.pd import PdCase, prose, rid_headers
 
 PROMPT = prose(3000, seed=5)
+# What the prefill's connector logs (debug) when a decode's fetch arrives
+# before the publication and is held for it.
+HELD = "held until its publication"
 
 
 class SimPushTest(PdCase):
 
     def pair(self):
-        P = self.engine("prefill", ["--kv-transfer-mode", "push"])
+        # Debug logs: prefill says when it holds a fetch (push() waits for it).
+        P = self.engine("prefill", ["--kv-transfer-mode", "push", "--log-level", "debug"])
         D = self.engine("decode", ["--kv-transfer-mode", "push"])
         return P, D
 
@@ -69,11 +73,13 @@ class SimPushTest(PdCase):
                                                                    prompt=p_prompt or PROMPT,
                                                                    kv_transfer_params=p_kvp)))
         first, second = (td, tp) if decode_first else (tp, td)
+        held = P.log().count(HELD)
         first.start()
         if decode_first:
-            # Let decode's registration reach prefill before it publishes (it
+            # Decode's registration reaches prefill before it publishes (it
             # would be served either way; this exercises the held path).
-            time.sleep(0.2)
+            self.assertTrue(wait_until(lambda: P.log().count(HELD) > held, 10.0, 0.01),
+                            "decode's fetch never held at prefill:\n" + P.log()[-3000:])
         second.start()
         for t in (td, tp):
             t.join(60)
@@ -88,11 +94,8 @@ class SimPushTest(PdCase):
                 - m("engine_sim_kv_blocks_expired_total"))
 
     def wait_released(self, P):
-        for _ in range(100):
-            if self.published_left(P) == 0:
-                return
-            time.sleep(0.05)
-        self.assertEqual(self.published_left(P), 0)
+        self.assertEqual(wait_value(lambda: self.published_left(P), lambda n: n == 0, 5.0, 0.05),
+                         0)
 
     def test_push_answers_as_serial_and_moves_kv(self):
         P, D = self.pair()
@@ -172,9 +175,12 @@ class SimPushTest(PdCase):
             "remote_host": ident["remote_host"], "remote_port": ident["remote_port"],
             "tp_size": 1})
         c = http.client.HTTPConnection("127.0.0.1", D.port, timeout=10)
+        held = P.log().count(HELD)
         c.request("POST", "/v1/completions", body=json.dumps(d_body),
                   headers={"Content-Type": "application/json"})
-        time.sleep(0.1)
+        # Decode's client leaves once its fetch is held at prefill.
+        self.assertTrue(wait_until(lambda: P.log().count(HELD) > held, 10.0, 0.01),
+                        "decode's fetch never held at prefill:\n" + P.log()[-3000:])
         c.sock.shutdown(socket.SHUT_RDWR)
         c.close()
         st, _, raw = post_json(P.port, "/v1/completions", dict(body, max_tokens=1, kv_transfer_params={
@@ -185,11 +191,8 @@ class SimPushTest(PdCase):
         # The fetch reached prefill before its publication and was held.
         self.assertIn("held until its publication", P.log())
         self.assertIn("served on publish", P.log())
-        for _ in range(100):
-            if self.engine_metric(D.port, "vllm:num_requests_running") == 0:
-                break
-            time.sleep(0.05)
-        self.assertEqual(self.engine_metric(D.port, "vllm:num_requests_running"), 0)
+        self.assertEqual(wait_value(lambda: self.engine_metric(D.port, "vllm:num_requests_running"),
+                                    lambda n: n == 0, 5.0, 0.05), 0)
         self.assertEqual(self.engine_metric(D.port, "engine_sim_kv_fetches_total"), 2)
 
     def test_push_without_identity_is_invalid(self):

@@ -59,7 +59,7 @@ class Server:
         try:
             while not self.stop:
                 busy = self.engine.step()
-                time.sleep(0.002 if busy else 0.005)
+                time.sleep(0.002 if busy else 0.005)  # the engine's step pace
         except BaseException:  # a broken engine must fail the test, not hang it
             traceback.print_exc()
             sys.stderr.flush()

@@ -40,16 +40,22 @@ class Faults(unittest.TestCase):
         for e in cls.procs:
             e.stop()
 
-    def queued(self, d, prompt, kv, rid, hold_s):
+    def queued(self, d, prompt, kv, rid, hold_s, expires=False):
         """decode with allocation paused for hold_s (the request waits in the
-        queue, get_num_new_matched_tokens asked every step)."""
+        queue, get_num_new_matched_tokens asked every step). expires: the
+        lease is to run out within hold_s, so the hold ends when prefill
+        has its blocks back (at most hold_s)."""
         d.call("POST", "/test/pause", {"on": True})
         pool = concurrent.futures.ThreadPoolExecutor(1)
         fut = pool.submit(decode, d, prompt, kv, rid)
         try:
             d.wait_state(lambda s: s["waiting"] >= 1)
-            time.sleep(hold_s)
-            published = self.p.state()["published_now"]
+            if expires:
+                published = self.p.wait_state(lambda s: s["published_now"] == 0,
+                                              hold_s)["published_now"]
+            else:
+                time.sleep(hold_s)  # held past the lease: time is the scenario
+                published = self.p.state()["published_now"]
         finally:
             d.call("POST", "/test/pause", {"on": False})
         res = fut.result(timeout=60)
@@ -76,7 +82,7 @@ class Faults(unittest.TestCase):
     def test_2_lease_expired_fail(self):
         prompt = prompt_of(2)
         kv, _ = prefill(self.p, prompt, "lf")
-        published, (st, r) = self.queued(self.d_fail, prompt, kv, "lf", 2.0)
+        published, (st, r) = self.queued(self.d_fail, prompt, kv, "lf", 2.0, expires=True)
         self.assertEqual(published, 0)  # expired: blocks back to prefill
         self.assertEqual(self.settle_p()["free_blocks"], self.p.state()["num_blocks"])
         self.assertGreaterEqual(self.p.metric("vllm:pdkv_num_kv_expired_reqs_total"), 1)
@@ -86,7 +92,7 @@ class Faults(unittest.TestCase):
     def test_3_lease_expired_recompute(self):
         prompt = prompt_of(3)
         kv, first = prefill(self.p, prompt, "lc")
-        published, (st, r) = self.queued(self.d_rec, prompt, kv, "lc", 2.0)
+        published, (st, r) = self.queued(self.d_rec, prompt, kv, "lc", 2.0, expires=True)
         self.assertEqual(published, 0)
         self.assertEqual(st, 200, r)
         # recomputed locally: the same model, the same first token
@@ -115,8 +121,13 @@ class Faults(unittest.TestCase):
             d.call("POST", "/test/pause", {"on": True})
             pool = concurrent.futures.ThreadPoolExecutor(1)
             fut = pool.submit(decode, d, prompt, kv, "dd")
+            renewed = self.p.metric("vllm:pdkv_num_lease_renewals_accepted_total")
             d.wait_state(lambda s: s["waiting"] >= 1)
-            time.sleep(1.0)  # renewing
+            # Renewing: five renewals 0.3 s apart span 1.2 s, past the blocks'
+            # 1 s lease.
+            self.assertGreaterEqual(harness.wait_value(
+                lambda: self.p.metric("vllm:pdkv_num_lease_renewals_accepted_total"),
+                lambda n: n >= renewed + 5, 10.0, 0.05), renewed + 5)
             self.assertEqual(self.p.state()["published_now"], 1)
         finally:
             d.kill()

@@ -40,7 +40,7 @@ class Local:
     def loop(self):
         while not self.stop:
             self.e.step()
-            time.sleep(0.001)
+            time.sleep(0.001)  # the engine's step pace
 
     def run(self, rid, prompt, max_tokens, params):
         return self.run_req(Request(rid, prompt, max_tokens, params))

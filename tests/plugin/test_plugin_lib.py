@@ -13,7 +13,6 @@ import os
 import stat
 import subprocess
 import sys
-import time
 import unittest
 
 import harness
@@ -34,11 +33,12 @@ def shutil_which(name):
 
 
 def wait_events(evs, n, timeout=10):
-    deadline = time.monotonic() + timeout
-    while len([e for e in evs if e.type in (kvc.EventType.FETCH_DONE, kvc.EventType.FETCH_FAILED)]) < n \
-            and time.monotonic() < deadline:
-        time.sleep(0.01)
-    return [e for e in evs if e.type in (kvc.EventType.FETCH_DONE, kvc.EventType.FETCH_FAILED)]
+    """The fetches' end events in `evs` (filled by the agent's callback),
+    once there are n of them or timeout s have gone by."""
+    def ends():
+        return [e for e in list(evs)
+                if e.type in (kvc.EventType.FETCH_DONE, kvc.EventType.FETCH_FAILED)]
+    return harness.wait_value(ends, lambda got: len(got) >= n, timeout, 0.01)
 
 
 class Lib(unittest.TestCase):

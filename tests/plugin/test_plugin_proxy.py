@@ -9,7 +9,6 @@ import http.client
 import json
 import os
 import subprocess
-import time
 import unittest
 
 import harness
@@ -37,20 +36,17 @@ class Proxy(unittest.TestCase):
              "--decoder-hosts", "127.0.0.1", "--decoder-ports", str(self.d.port)],
             stdout=self.log, stderr=self.log)
         self.addCleanup(self.stop_proxy)
-        deadline = time.monotonic() + 15
-        while True:
+        def ready():
+            self.assertIsNone(self.px.poll(), "pdproxy exited")
             try:
                 c = http.client.HTTPConnection("127.0.0.1", self.port, timeout=2)
                 c.request("GET", "/healthcheck")
                 ok = c.getresponse().status == 200
                 c.close()
-                if ok:
-                    break
+                return ok
             except OSError:
-                pass
-            self.assertIsNone(self.px.poll(), "pdproxy exited")
-            self.assertLess(time.monotonic(), deadline, "pdproxy not ready")
-            time.sleep(0.1)
+                return False
+        self.assertTrue(harness.wait_until(ready, 15, 0.1), "pdproxy not ready")
 
     def stop_proxy(self):
         self.px.terminate()

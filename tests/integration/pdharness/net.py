@@ -6,7 +6,8 @@
   (poll a value until it is done, return the last one), ``wait_for`` (poll,
   raise on timeout), ``wait_http`` (poll a GET until 200),
   ``connect_refused``: every wait in the harness is one of these.
-* ``listening_inodes``, ``socket_inodes``, ``tcp_queues``: /proc/net views.
+* ``listening_inodes``, ``socket_inodes``, ``tcp_queues``, ``read_by_peer``:
+  /proc/net views.
 * ``Listener``: a listening socket whose thread hands each accepted
   connection to ``accepted()``; the mocks and the tests' own servers.
 * ``Blackhole``: a port where connect() neither succeeds nor is refused.
@@ -161,6 +162,17 @@ def tcp_queues(local_port, remote_port):
     except OSError:
         pass
     return 0, 0
+
+
+def read_by_peer(local_port, remote_port):
+    """True when everything written on the established loopback connection
+    local_port -> remote_port has been read by the application at the other
+    end: our send queue and the peer's receive queue are both empty (a
+    piece the peer has read() is one it has seen apart from the next).
+    Also True when the connection is not found (closed: nothing left to read)."""
+    tx, _ = tcp_queues(local_port, remote_port)
+    _, rx = tcp_queues(remote_port, local_port)
+    return tx == 0 and rx == 0
 
 
 def socket_inodes(pid):
