@@ -2,6 +2,7 @@
 #include "proxy/latency.h"
 
 #include <math.h>
+#include <sched.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -168,16 +169,21 @@ typedef struct line {
     uint64_t n;
 } line;
 
+/* A reader's attempts at a consistent read of an entry: spinning first,
+ * then yielding the CPU (a writer preempted mid-update, with more threads
+ * than cores, finishes only when it runs again). Past them the entry is
+ * taken as unknown (the pooled line answers). */
+#define READ_SPINS 64
+#define READ_TRIES 1024
+
 /* Reads kind k's line of e, and checks e still holds `key` (0: any).
- * Returns 0 when e holds another key now. */
+ * Returns 0 when e holds another key now, or no consistent read came. */
 static int read_line(const entry *e0, uint64_t key, int k, line *l) {
     entry *e = (entry *)e0; /* the atomics are only loaded */
-    for (int tries = 0;; tries++) {
+    for (int tries = 0; tries < READ_TRIES; tries++) {
+        if (tries >= READ_SPINS) sched_yield();
         unsigned s1 = atomic_load_explicit(&e->seq, memory_order_acquire);
-        if (s1 & 1) {
-            if (tries < 64) continue;
-            return 0; /* a writer stalled mid-update: as if unknown */
-        }
+        if (s1 & 1) continue; /* a writer is mid-update */
         uint64_t kk = atomic_load_explicit(&e->key, memory_order_relaxed);
         l->a = atomic_load_explicit(&e->a[k], memory_order_relaxed);
         l->b = atomic_load_explicit(&e->b[k], memory_order_relaxed);
@@ -185,8 +191,8 @@ static int read_line(const entry *e0, uint64_t key, int k, line *l) {
         l->n = atomic_load_explicit(&e->n[k], memory_order_relaxed);
         atomic_thread_fence(memory_order_acquire);
         if (atomic_load_explicit(&e->seq, memory_order_relaxed) == s1) return !key || kk == key;
-        if (tries >= 64) return 0;
     }
+    return 0;
 }
 
 static entry *find(const table *t, uint64_t key) {
