@@ -11,6 +11,7 @@
 #include "base/list.h"
 #include "base/log.h"
 #include "proxy/admission.h"
+#include "proxy/concurrent.h"
 #include "proxy/disagg.h"
 #include "proxy/handoff.h"
 #include "proxy/intake.h"
@@ -19,9 +20,6 @@
 #include "proxy/release.h"
 #include "proxy/reply.h"
 #include "proxy/reqlog.h"
-
-/* How long a concurrent prefill leg is let answer after decode did. */
-#define PREFILL_ANSWER_GRACE_US 2000000
 
 /* ---------- the states and their transitions ---------- */
 
@@ -81,6 +79,7 @@ struct px_req {
     px_leg dec;           /* the decode leg */
     px_reply reply;       /* its one answer to the client (reply.h) */
     px_release rel;       /* what lets prefill's blocks go when the client left (release.h) */
+    px_conc conc;         /* the prefill leg beside decode's, concurrent dispatch (concurrent.h) */
     px_disagg dis;        /* its hash owned: conditional disaggregation's estimate */
     int disagg;           /* decode's body carries prefill's kv_transfer_params */
     char transfer_id[PX_DISPATCH_XFER_LEN]; /* minted for both legs (dispatch.h) */
@@ -117,6 +116,10 @@ static void account(px_req *r) {
                             px_reply_held(&r->reply));
     px_budget_add(&r->ctx->shared, now - r->held);
     r->held = now;
+}
+
+static void account_cb(void *arg) {
+    account(arg);
 }
 
 /* ---------- DONE: the one exit ---------- */
@@ -303,12 +306,7 @@ static void retry_without_kv(px_req *r) {
     px_handoff_forwarded(&r->dec.body);
     px_kvhold_retry(&r->reply.hold);
     r->disagg = 0;
-    if (r->log.disp == PX_DISP_CONCURRENT) {
-        /* Decode could not load from the prefill it was pointed at: that
-         * identity is not trusted again until the prefill answers anew. */
-        r->pre.beside = 0;
-        px_dispatch_forget(r->ctx->reg->identities, r->pre.name);
-    }
+    if (r->log.disp == PX_DISP_CONCURRENT) px_conc_distrust(&r->conc);
     r->dec.status = 0;
     r->log.t_first = 0;
     note_fallback(r, PX_FB_KV_LOAD);
@@ -320,16 +318,12 @@ static void retry_without_kv(px_req *r) {
     start_decode(r);
 }
 
-/* Decode answered in full while prefill's leg still runs (decode loaded
- * the KV as prefill published it, or computed the prompt itself). The
- * client has its answer; prefill is let answer, so that a publication
- * being made is not cut half-way (it would wait for expiry) and its
- * answer refreshes the identity, but not for longer than
- * PREFILL_ANSWER_GRACE_US. The access line is written at that end. */
+/* Decode answered in full while prefill's leg still runs: the client has
+ * its answer, prefill is let end (px_conc_await). The access line is
+ * written at that end (conc_over). */
 static void await_prefill(px_req *r) {
     set_state(r, RS_AWAIT_PREFILL);
-    r->pre.beside = 0;
-    px_leg_grace(&r->pre, PREFILL_ANSWER_GRACE_US);
+    px_conc_await(&r->conc);
 }
 
 static void decode_done(void *arg, px_up_result rc, const char *why, int connected) {
@@ -588,108 +582,46 @@ static const px_leg_cbs prefill_cbs = {
 
 /* ---------- concurrent dispatch: the prefill leg beside decode's ---------- */
 
-static void await_prefill_over(void *arg) {
+/* The prefill leg ended after decode answered in full (AWAIT_PREFILL). */
+static void conc_over(void *arg) {
     px_req *r = arg;
     req_finish(r, r->dec.status, PX_RO_OK, NULL, NULL);
 }
 
-/* The prefill leg ended. A good answer refreshes the identity cache. A
- * failure while decode still waits for the KV (no answer head from it
- * yet, so nothing reached the client) cancels decode's leg, then: a 4xx
- * goes to the client as prefill said it; --fallback-decode-only sends the
- * request to decode alone; else an OpenAI error. No other prefill is
- * tried: decode's params name this one. Once decode has answered, it had
- * its KV (or computed it): prefill's late failure changes nothing. */
-static void conc_prefill_done(void *arg, px_up_result rc, const char *why, int connected) {
+static void conc_rejected(void *arg) {
+    prefill_rejected(arg, 0); /* as serial */
+}
+
+/* Prefill failed while decode waited for its KV: with
+ * --fallback-decode-only decode alone, else an OpenAI error. */
+static void conc_failed(void *arg, px_up_result rc, const char *why) {
     px_req *r = arg;
-    px_leg *p = &r->pre;
-    prefill_ended(r, rc);
-    px_leg_answered(&r->pre, r->log.t0);
-    if (rc == PX_UP_OK && p->status >= 200 && p->status < 300 && !p->too_big) {
-        px_handoff_learn(r->ctx->reg->identities, p->name, &p->resp,
-                         !strcmp(r->ctx->cfg->usage_from, "prefill"), r->reply.cached);
-        if (!px_reqlog_traced()) px_buf_cleanup(&p->resp);
-        account(r);
-        if (r->state == RS_AWAIT_PREFILL) req_finish(r, r->dec.status, PX_RO_OK, NULL, NULL);
-        return;
-    }
-    if (r->state == RS_AWAIT_PREFILL) {
-        px_buf_reset(&p->resp);
-        req_finish(r, r->dec.status, PX_RO_OK, NULL, NULL);
-        return;
-    }
-    if (!p->beside || r->log.t_first) {
-        px_buf_reset(&p->resp);
-        account(r);
-        PX_LOG(PX_LOG_INFO,
-               "req=%s msg=\"prefill leg failed after decode answered: decode's answer stands\" "
-               "prefill=%s status=%d error=\"%s\"",
-               r->log.lid, p->name, p->status, rc ? why : "");
-        return;
-    }
-    PX_LOG(PX_LOG_WARN,
-           "req=%s msg=\"prefill failed while decode waited for its KV: decode's leg cancelled\" "
-           "prefill=%s decode=%s status=%d error=\"%s\"",
-           r->log.lid, p->name, r->dec.name, p->status, rc ? why : "");
-    px_leg_stop(&r->dec, PX_OUT_CANCELLED);
-    p->beside = 0;
-    if (rc == PX_UP_OK && p->status >= 400 && p->status < 500 && !p->too_big) {
-        prefill_rejected(r, 0); /* as serial */
-        return;
-    }
-    px_buf_reset(&p->resp);
-    account(r);
     if (r->ctx->cfg->fallback_decode_only)
         fall_back(r, PX_FB_CONC_PREFILL);
     else
-        leg_fail(r, p, rc, why);
+        leg_fail(r, &r->pre, rc, why);
 }
 
-static const px_leg_cbs conc_prefill_cbs = {
-    .data = prefill_data, .done = conc_prefill_done, .grace = await_prefill_over};
+/* What the concurrent prefill leg (concurrent.h) tells the request. */
+static const px_conc_ops conc_ops = {account_cb, conc_over, conc_rejected, conc_failed};
 
-/* --dispatch concurrent (dispatch.h): prefill is told to publish under an
- * id and token minted here, decode is told where to register for them,
- * and both are sent now. Decode's leg goes on as any decode (its answer
- * streamed, its failed KV load retried); the prefill leg is only read for
- * its status and identity. A prefill whose identity is not known yet, or
- * that does not push, is sent serial (px_dispatch_decide): its answer
- * teaches it (decode_body). */
+/* --dispatch concurrent: both legs sent now when px_conc_dispatch says so,
+ * else prefill serial. Decode's leg goes on as any decode (its answer
+ * streamed, its failed KV load retried). */
 static void dispatch_concurrent(px_req *r) {
     if (pick_prefill(r) < 0) return;
-    char id[PX_DISPATCH_ID_LEN];
-    px_pf_identity pf;
-    int known = px_dispatch_get(r->ctx->reg->identities, r->pre.b->name, &pf);
-    px_dispatch_kind k = px_dispatch_decide(r->in.ps->dispatch, known ? &pf : NULL);
-    if (k == PX_DISP_CONCURRENT &&
-        px_handoff_concurrent(&pf, r->transfer_id, &r->body, &r->pre.body, &r->dec.body, id) < 0)
-        k = PX_DISP_NO_IDENTITY;
-    if (k != PX_DISP_CONCURRENT) {
-        r->log.disp = k;
-        px_m_inc(&r->w->metrics.dispatch[k]);
-        PX_LOG(PX_LOG_DEBUG, "req=%s msg=\"sent serial\" prefill=%s reason=%s", r->log.lid,
-               r->pre.b->name, px_dispatch_kind_reason(k));
+    r->log.disp = px_conc_dispatch(&r->conc, r->in.ps->dispatch, r->transfer_id, &r->body);
+    if (r->log.disp != PX_DISP_CONCURRENT) {
         send_prefill(r);
         return;
     }
-    r->log.disp = PX_DISP_CONCURRENT;
-    px_m_inc(&r->w->metrics.dispatch[PX_DISP_CONCURRENT]);
     r->disagg = 1;
-    account(r);
-    PX_LOG(PX_LOG_DEBUG,
-           "req=%s msg=\"concurrent dispatch\" prefill=%s remote_request_id=%s transfer_id=%s",
-           r->log.lid, r->pre.b->name, id, r->transfer_id);
-    r->pre.cbs = &conc_prefill_cbs;
     if (send_prefill(r) < 0) return;
     r->pre.beside = 1;
     start_decode(r);
 }
 
 /* ---------- RELEASING: the client left, prefill's blocks are let go ---------- */
-
-static void account_cb(void *arg) {
-    account(arg);
-}
 
 static int handoff(void *arg) {
     char err[128];
@@ -866,6 +798,7 @@ static px_req *req_new(px_wctx *w, px_conn *c, px_endpoint ep, const px_http_hea
     r->pre.pool = &r->in.ps->prefill;
     r->dec.pool = &r->in.ps->decode;
     px_release_init(&r->rel, &release_ops, r, &r->pre, &r->dec, &r->in);
+    px_conc_init(&r->conc, &conc_ops, r, &r->pre, &r->dec, &r->log, r->reply.cached);
     px_reqlog_start(&r->log, c, ep, h, &r->target);
     px_reqlog_sources(&r->log, &r->pre, &r->dec, &r->dis, &r->adm, r->ctx->cfg);
     r->log.lat = r->in.lat = &r->lat;
