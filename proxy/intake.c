@@ -259,6 +259,15 @@ uint64_t px_intake_kv_extra(const px_intake *in) {
     return px_kvindex_request_extra(in->ctx->kvindex, m.val + 1, m.val_len - 2);
 }
 
+px_lat_verdict px_intake_lat_route(const px_intake *in, px_lat_req *lat, size_t tenant, uint64_t t0,
+                                   uint64_t deadline_ns) {
+    long est =
+        in->tok ? 0 : px_disagg_estimate(in->ctx->cfg, in->ep, in->body->data, in->body->len);
+    return px_lat_req_route(lat, in->ctx, in->ps, tenant, in->tok,
+                            in->tok ? in->ntok : (size_t)(est > 0 ? est : 0),
+                            px_intake_kv_extra(in), t0, deadline_ns);
+}
+
 long px_intake_kv_cached(const px_intake *in, const char *name) {
     px_kvindex *kv = in->ctx->kvindex;
     int slot = kv && in->tok ? px_kvindex_slot(kv, name, 0) : -1;

@@ -106,6 +106,13 @@ void px_intake_worker_cleanup(px_wctx *w);
  * usable prefill, goes to decode alone. */
 int px_intake_decide(px_intake *in, px_leg *dec, px_disagg *dis);
 
+/* Routing and admission by predicted latency (predict.h) of the prompt
+ * read: px_lat_req_route's verdict for `lat`, with its exact tokens or,
+ * without them, the body's estimate (disagg.h), for `tenant`, from t0 (the
+ * request's arrival) within the admission queue's deadline_ns. */
+px_lat_verdict px_intake_lat_route(const px_intake *in, px_lat_req *lat, size_t tenant, uint64_t t0,
+                                   uint64_t deadline_ns);
+
 /* Makes tok (when set) the routing key of a kv_aware pool that has none:
  * its tie-break spreads by prompt. */
 void px_intake_token_key(px_intake *in);

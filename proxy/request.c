@@ -684,11 +684,8 @@ static void adm_reroute(void *arg) {
 }
 
 static int lat_route(px_req *r) {
-    const px_intake *in = &r->in;
-    long est = in->tok ? 0 : px_disagg_estimate(r->ctx->cfg, r->ep, r->body.data, r->body.len);
-    px_lat_verdict v = px_lat_req_route(&r->lat, r->ctx, in->ps, r->adm.tenant, in->tok,
-                                        in->tok ? in->ntok : (size_t)(est > 0 ? est : 0),
-                                        px_intake_kv_extra(in), r->log.t0, r->adm.deadline_ns);
+    px_lat_verdict v =
+        px_intake_lat_route(&r->in, &r->lat, r->adm.tenant, r->log.t0, r->adm.deadline_ns);
     if (v == PX_LATV_WAIT) {
         r->adm.ready = lat_ready;
         r->adm.it.cls = PX_ADM_CLASSES - 1; /* behind the requests that can meet theirs */
