@@ -27,7 +27,6 @@ px_dispatch_kind px_conc_dispatch(px_conc *c, px_dispatch_mode mode, const char 
     if (k == PX_DISP_CONCURRENT &&
         px_handoff_concurrent(&pf, transfer_id, body, &p->body, &c->dec->body, id) < 0)
         k = PX_DISP_NO_IDENTITY;
-    px_m_inc(&w->metrics.dispatch[k]);
     if (k != PX_DISP_CONCURRENT) {
         PX_LOG(PX_LOG_DEBUG, "req=%s msg=\"sent serial\" prefill=%s reason=%s", p->lid, p->b->name,
                px_dispatch_kind_reason(k));

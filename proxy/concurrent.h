@@ -47,7 +47,7 @@ void px_conc_init(px_conc *c, const px_conc_ops *ops, void *owner, px_leg *pre, 
  * the client's `body` and the request's transfer_id). A prefill whose
  * identity is not known yet, or that does not push, is sent serial
  * (px_dispatch_decide): its answer teaches it (px_handoff_serial).
- * Counted and logged. Returns the kind; for PX_DISP_CONCURRENT both
+ * Logged. Returns the kind; for PX_DISP_CONCURRENT both
  * bodies are built and the prefill leg reports here from now on: the
  * caller sends both legs. */
 px_dispatch_kind px_conc_dispatch(px_conc *c, px_dispatch_mode mode, const char *transfer_id,

@@ -79,6 +79,23 @@ void px_reqlog_start(px_reqlog *lg, px_conn *c, px_endpoint ep, const px_http_he
     start_trace(lg, h);
 }
 
+void px_reqlog_decided(px_reqlog *lg, px_metrics *m, px_decision d) {
+    lg->decided = 1;
+    lg->decision = d;
+    px_m_inc(&m->decisions[d]);
+}
+
+void px_reqlog_fell_back(px_reqlog *lg, px_metrics *m, px_fallback why) {
+    lg->fell_back = 1;
+    lg->fallback = why;
+    px_m_inc(&m->fallbacks[why]);
+}
+
+void px_reqlog_dispatched(px_reqlog *lg, px_metrics *m, int kind) {
+    lg->disp = kind;
+    px_m_inc(&m->dispatch[kind]);
+}
+
 void px_reqlog_answer(px_reqlog *lg, px_metrics *m, px_leg *dec, const char *ctype) {
     lg->t_first = px_now_ns();
     char w[32], *end;

@@ -76,6 +76,14 @@ void px_reqlog_start(px_reqlog *lg, px_conn *c, px_endpoint ep, const px_http_he
  * (X-KV-Wait-Ms, observed in m). From inside the leg's head callback. */
 void px_reqlog_answer(px_reqlog *lg, px_metrics *m, px_leg *dec, const char *ctype);
 
+/* How the request is served, noted in its record and counted in m: the
+ * decision (through a prefill, or decode alone, and why), a fall back to
+ * decode alone (it overrides the decision), the dispatch of its prefill
+ * leg (a px_dispatch_kind, dispatch.h). */
+void px_reqlog_decided(px_reqlog *lg, px_metrics *m, px_decision d);
+void px_reqlog_fell_back(px_reqlog *lg, px_metrics *m, px_fallback why);
+void px_reqlog_dispatched(px_reqlog *lg, px_metrics *m, int kind);
+
 /* Where the end reads the request's legs, estimate and queue time, all
  * borrowed until px_reqlog_finish; cfg says whether clients come over
  * TLS. */

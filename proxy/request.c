@@ -103,13 +103,6 @@ static void set_state(px_req *r, req_state st) {
     r->state = st;
 }
 
-/* The request goes to decode alone after all, for `why`. */
-static void note_fallback(px_req *r, px_fallback why) {
-    r->log.fell_back = 1;
-    r->log.fallback = why;
-    px_m_inc(&r->w->metrics.fallbacks[why]);
-}
-
 /* Brings the memory budget's count of this request's bodies up to date. */
 static void account(px_req *r) {
     int64_t now = (int64_t)(r->body.len + r->pre.body.len + r->dec.body.len + r->pre.resp.len +
@@ -309,7 +302,7 @@ static void retry_without_kv(px_req *r) {
     if (r->log.disp == PX_DISP_CONCURRENT) px_conc_distrust(&r->conc);
     r->dec.status = 0;
     r->log.t_first = 0;
-    note_fallback(r, PX_FB_KV_LOAD);
+    px_reqlog_fell_back(&r->log, &r->w->metrics, PX_FB_KV_LOAD);
     account(r);
     PX_LOG(PX_LOG_WARN,
            "req=%s msg=\"decode failed to load prefill's KV: retrying once without "
@@ -405,7 +398,7 @@ static void decode_only(px_req *r) {
 
 /* --fallback-decode-only: prefill could not serve the request. */
 static void fall_back(px_req *r, px_fallback why) {
-    note_fallback(r, why);
+    px_reqlog_fell_back(&r->log, &r->w->metrics, why);
     decode_only(r);
 }
 
@@ -610,8 +603,9 @@ static const px_conc_ops conc_ops = {account_cb, conc_over, conc_rejected, conc_
  * streamed, its failed KV load retried). */
 static void dispatch_concurrent(px_req *r) {
     if (pick_prefill(r) < 0) return;
-    r->log.disp = px_conc_dispatch(&r->conc, r->in.ps->dispatch, r->transfer_id, &r->body);
-    if (r->log.disp != PX_DISP_CONCURRENT) {
+    px_dispatch_kind k = px_conc_dispatch(&r->conc, r->in.ps->dispatch, r->transfer_id, &r->body);
+    px_reqlog_dispatched(&r->log, &r->w->metrics, k);
+    if (k != PX_DISP_CONCURRENT) {
         send_prefill(r);
         return;
     }
@@ -700,9 +694,7 @@ static int lat_route(px_req *r) {
         return 1;
     }
     if (v != PX_LATV_LOCAL) return 0;
-    r->log.decided = 1;
-    r->log.decision = PX_DEC_PREDICTED;
-    px_m_inc(&r->w->metrics.decisions[r->log.decision]);
+    px_reqlog_decided(&r->log, &r->w->metrics, PX_DEC_PREDICTED);
     decode_only(r);
     return 1;
 }
@@ -711,10 +703,8 @@ static void route_pd(px_req *r) {
     px_intake_token_key(&r->in);
     /* sidecar: the header decides */
     if (!r->in.hb && !r->in.no_prefill && lat_route(r)) return;
-    r->log.decided = 1;
     int disagg = px_intake_decide(&r->in, &r->dec, &r->dis);
-    r->log.decision = r->dis.decision;
-    px_m_inc(&r->w->metrics.decisions[r->log.decision]);
+    px_reqlog_decided(&r->log, &r->w->metrics, r->dis.decision);
     if (!disagg) {
         if (r->log.decision == PX_DEC_NO_PREFILL) {
             PX_LOG(PX_LOG_WARN,
@@ -738,8 +728,7 @@ static void route_pd(px_req *r) {
         dispatch_concurrent(r);
         return;
     }
-    r->log.disp = PX_DISP_SERIAL;
-    px_m_inc(&r->w->metrics.dispatch[PX_DISP_SERIAL]);
+    px_reqlog_dispatched(&r->log, &r->w->metrics, PX_DISP_SERIAL);
     start_prefill(r);
 }
 
