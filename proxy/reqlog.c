@@ -110,26 +110,35 @@ void px_reqlog_answer(px_reqlog *lg, px_metrics *m, px_leg *dec, const char *cty
     lg->streamed = ctype && !strncasecmp(ctype, "text/event-stream", 17);
 }
 
-/* The one access-line writer: what the request does not know yet (no
- * backend, no answer, no decision) is left out of the line. */
 /* What the end adds to the record. */
 typedef struct end {
     int status;
     px_req_outcome outcome;
     const char *state;  /* the request's state when it ended */
     const px_buf *body; /* the body last held, for the model's name */
+    /* Its latency targets, prediction and result (px_lat_req_report),
+     * read once for the access line and the spans. */
+    double slo_t, slo_p, pred;
+    const char *slo;
 } end;
 
+/* The end of the request whose record is lg: its latency report read. */
+static end end_of(const px_reqlog *lg, int status, px_req_outcome outcome, const char *state,
+                  const px_buf *body) {
+    end e = {status, outcome, state, body, 0, 0, -1, NULL};
+    if (lg->lat) px_lat_req_report(lg->lat, &e.slo_t, &e.slo_p, &e.pred, &e.slo);
+    return e;
+}
+
+/* The one access-line writer: what the request does not know yet (no
+ * backend, no answer, no decision) is left out of the line. */
 static void write_access(const px_reqlog *lg, const end *e, uint64_t now) {
     const px_leg *pre = lg->pre, *dec = lg->dec;
-    double slo_t = 0, slo_p = 0, pred = -1;
-    const char *slo = NULL;
-    if (lg->lat) px_lat_req_report(lg->lat, &slo_t, &slo_p, &pred, &slo);
-    px_access a = {.slo_ttft_ms = slo_t,
-                   .slo_tpot_ms = slo_p,
-                   .predicted = pred >= 0,
-                   .pred_ttft_ms = pred,
-                   .slo = slo,
+    px_access a = {.slo_ttft_ms = e->slo_t,
+                   .slo_tpot_ms = e->slo_p,
+                   .predicted = e->pred >= 0,
+                   .pred_ttft_ms = e->pred,
+                   .slo = e->slo,
                    .req = lg->lid,
                    .client = lg->client,
                    .method = lg->method,
@@ -180,14 +189,11 @@ static void submit_spans(const px_reqlog *lg, const end *e, uint64_t now) {
     int has_model = op && body && body->data && px_json_find(body->data, body->len, "model", &mm) &&
                     mm.type == PX_JSON_STRING && mm.val_len >= 2;
     const px_leg *pre = lg->pre, *dec = lg->dec;
-    double slo_t = 0, slo_p = 0, pred = -1;
-    const char *slo = NULL;
-    if (lg->lat) px_lat_req_report(lg->lat, &slo_t, &slo_p, &pred, &slo);
-    px_otlp_req q = {.slo_ttft_ms = slo_t,
-                     .slo_tpot_ms = slo_p,
-                     .predicted = pred >= 0,
-                     .pred_ttft_ms = pred,
-                     .slo = slo,
+    px_otlp_req q = {.slo_ttft_ms = e->slo_t,
+                     .slo_tpot_ms = e->slo_p,
+                     .predicted = e->pred >= 0,
+                     .pred_ttft_ms = e->pred,
+                     .slo = e->slo,
                      .trace_id = lg->trace_id,
                      .flags = lg->trace_flags,
                      .parent_span = lg->parent_span[0] ? lg->parent_span : NULL,
@@ -260,7 +266,7 @@ void px_reqlog_latency(const px_reqlog *lg, px_lat_req *lat, px_ctx *ctx, const 
 void px_reqlog_finish(const px_reqlog *lg, px_metrics *m, int status, px_req_outcome outcome,
                       const char *state, const px_buf *body) {
     uint64_t now = px_now_ns();
-    const end *e = &(end){status, outcome, state, body};
+    const end ended = end_of(lg, status, outcome, state, body), *e = &ended;
     px_metrics_count(m, lg->ep, e->status);
     px_hist_observe(&m->duration, secs(lg->t0, now));
     if (lg->t_first) px_hist_observe(&m->ttfb[lg->streamed], secs(lg->t0, lg->t_first));
@@ -286,6 +292,6 @@ void px_reqlog_refuse(px_conn *c, const px_http_head *h, const char *endpoint, i
     px_log_value(m, v.method, sizeof v.method);
     px_conn_peer(c, v.client, sizeof v.client);
     v.bytes_out = px_conn_reply_error(c, status, id, extra, msg);
-    end e = {.status = status, .outcome = PX_RO_REFUSED};
+    end e = end_of(&v, status, PX_RO_REFUSED, NULL, NULL);
     write_access(&v, &e, px_now_ns());
 }
