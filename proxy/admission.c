@@ -562,9 +562,10 @@ static double header_seconds(const px_http_head *h, const char *name) {
 static int identify(px_ctx *c, px_adm_req *a, const px_http_head *h, char *tname, size_t tcap,
                     char *msg, size_t cap) {
     const px_config *cfg = c->cfg;
-    long ki = px_tkeys_find(c->tkeys, h, a->key);
-    a->keyed = ki >= 0 || (c->napi_keys && px_bearer_matches(h, (const unsigned char(*)[32])
-                                                                    c->api_keys, c->napi_keys));
+    int bearer = px_bearer_digest(h, a->key); /* hashed once for both key lists */
+    long ki = bearer ? px_tkeys_find_digest(c->tkeys, a->key) : -1;
+    a->keyed = ki >= 0 || (bearer && px_digest_in(a->key, (const unsigned char(*)[32])c->api_keys,
+                                                  c->napi_keys));
     const px_http_header *th = cfg->tenant_header[0] && cfg->tenant_header_from.n
                                    ? px_http_find(h, cfg->tenant_header)
                                    : NULL;

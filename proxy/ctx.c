@@ -2,7 +2,6 @@
 #include "proxy/ctx.h"
 
 #include <errno.h>
-#include <openssl/crypto.h>
 #include <openssl/sha.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -68,21 +67,16 @@ px_gen *px_ctx_gen(px_ctx *c) {
 /* ---------- credentials ---------- */
 
 int px_bearer_matches(const px_http_head *h, const unsigned char (*keys)[32], size_t n) {
-    const px_http_header *a = px_http_find(h, "authorization");
-    if (!a || a->value_len < 7 || !px_http_token_eq(a->value, 6, "bearer") || a->value[6] != ' ')
-        return 0;
     unsigned char d[32];
-    SHA256((const unsigned char *)a->value + 7, a->value_len - 7, d);
-    int ok = 0;
-    for (size_t i = 0; i < n; i++)
-        ok |= CRYPTO_memcmp(d, keys[i], 32) == 0;
-    return ok;
+    return px_bearer_digest(h, d) && px_digest_in(d, keys, n);
 }
 
 int px_ctx_authorized(const px_ctx *c, const px_http_head *h) {
-    return !c->napi_keys ||
-           px_bearer_matches(h, (const unsigned char(*)[32])c->api_keys, c->napi_keys) ||
-           px_tkeys_find(c->tkeys, h, NULL) >= 0;
+    if (!c->napi_keys) return 1;
+    unsigned char d[32]; /* the token hashed once for both lists */
+    return px_bearer_digest(h, d) &&
+           (px_digest_in(d, (const unsigned char(*)[32])c->api_keys, c->napi_keys) ||
+            px_tkeys_find_digest(c->tkeys, d) >= 0);
 }
 
 static void add_api_key(px_ctx *c, const char *k, size_t n) {

@@ -45,10 +45,15 @@ size_t px_tkeys_count(const px_tkeys *k);
  * NULL). Every entry is compared, in constant time, on SHA-256 digests.
  * `digest` (may be NULL) receives the token's digest when there is one. */
 long px_tkeys_find(const px_tkeys *k, const px_http_head *h, unsigned char digest[32]);
+/* The same for a token's digest (px_bearer_digest) already taken. */
+long px_tkeys_find_digest(const px_tkeys *k, const unsigned char digest[32]);
 /* The tenant entry i names (borrowed). */
 const char *px_tkeys_tenant(const px_tkeys *k, long i);
 /* The SHA-256 of the request's bearer token: 1, or 0 when it has none. */
 int px_bearer_digest(const px_http_head *h, unsigned char digest[32]);
+/* Whether digest d is one of keys[0..n), compared in constant time against
+ * every entry. */
+int px_digest_in(const unsigned char d[32], const unsigned char (*keys)[32], size_t n);
 
 /* ---------- tenant certificates ---------- */
 
