@@ -567,19 +567,10 @@ void px_conn_peer(const px_conn *c, char *out, size_t n) {
     if (n) snprintf(out, n, "%s", c->peer);
 }
 
-/* The peer's address as text, from what accept() returned; without it
- * (NULL), asked of the socket: once per connection either way, never per
- * request. */
-static void peer_text(evutil_socket_t fd, const struct sockaddr *sa, socklen_t salen, char *out,
-                      size_t n) {
-    struct sockaddr_storage ss;
+/* The peer's address as text, from what accept() returned: once per
+ * connection, never per request ("" for a family without one). */
+static void peer_text(const struct sockaddr *sa, socklen_t salen, char *out, size_t n) {
     out[0] = '\0';
-    if (!sa) {
-        socklen_t sl = sizeof ss;
-        if (getpeername(fd, (struct sockaddr *)&ss, &sl) != 0) return;
-        sa = (const struct sockaddr *)&ss;
-        salen = sl;
-    }
     if (sa->sa_family == AF_INET && salen >= (socklen_t)sizeof(struct sockaddr_in))
         inet_ntop(AF_INET, &((const struct sockaddr_in *)sa)->sin_addr, out, (socklen_t)n);
     else if (sa->sa_family == AF_INET6 && salen >= (socklen_t)sizeof(struct sockaddr_in6))
@@ -822,7 +813,7 @@ px_conn *px_conn_accept(struct event_base *base, evutil_socket_t fd, const struc
     int one = 1;
     setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
     px_conn *c = px_xcalloc(1, sizeof *c);
-    peer_text(fd, sa, salen, c->peer, sizeof c->peer);
+    peer_text(sa, salen, c->peer, sizeof c->peer);
     c->base = base;
     c->cfg = cfg;
     c->list = list;

@@ -58,7 +58,7 @@ typedef struct px_conn_list {
 } px_conn_list;
 
 /* Takes a connected socket (owned from now on) and the peer's address
- * accept() returned (copied; NULL: asked of the socket). cfg and list are
+ * accept() returned (copied; required). cfg and list are
  * borrowed and must outlive the connection. Returns NULL (fd closed) on
  * failure. Past cfg->shared->max_conns the connection is answered 503 and
  * closed. */
