@@ -102,6 +102,10 @@ class LatencyRoutingTest(PdCase):
         self.assertEqual(doc["specs"], [{"kind": "pool", "name": "*", "ttft_ms": 60000.0}])
         st, doc = admin(aport, "POST", "/admin/slo", {"slo": "pool=*:ttft=-1"}, token=token)
         self.assertEqual(st, 400, doc)
+        for bad in ({}, {"slo": 5}):  # no specs string: refused, the targets kept
+            st, doc = admin(aport, "POST", "/admin/slo", bad, token=token)
+            self.assertEqual(st, 400, (bad, doc))
+            self.assertIn("slo", doc["error"]["message"])
         rec = self.run_seq(px, 1, 2000, "target", seed0=100)[0]
         self.assertEqual((rec["slo_ttft_ms"], rec["slo"]), ("60000", "met"))
         self.assertEqual(metric(prom(px.port), "pdproxy_slo_attained_total", pool="", **{"class": "0"},
