@@ -273,16 +273,6 @@ for c in sorted({c for _, c in ev}, key=int):
             print("c=%-3s %s/nginx1hop events/s = %.2f (median of %d)" % (
                 c, k, statistics.median(ev[(k, c)]) / statistics.median(ev[("nginx1hop", c)]),
                 len(ev[(k, c)])))
-PY'
-import statistics, sys
-ev = {}
-for line in open(sys.argv[1]):
-    p = line.split()
-    ev.setdefault(p[0], []).append(float(p[1]))
-med = {k: statistics.median(v) for k, v in ev.items()}
-for k in ("pdproxy", "baseline"):
-    if k in med:
-        print("%s/nginx1hop events/s = %.2f (median of %d)" % (k, med[k] / med["nginx1hop"], len(ev[k])))
 PY
 fi
 if [ -n "${SYSCALLS:-}" ]; then
