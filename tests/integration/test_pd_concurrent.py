@@ -173,6 +173,7 @@ class ConcurrentMockTest(PdCase):
             return out
 
         d_base = decode_handler()
+        seen = []  # prefill's ok answers pdproxy had counted when decode answered
 
         def d(req):
             if not is_push(req):
@@ -182,7 +183,7 @@ class ConcurrentMockTest(PdCase):
             # request's and this one's) before decode answers.
             ok = lambda: self.metric(px, "pdproxy_upstream_requests_total", role="prefill",
                                      outcome="ok") or 0
-            wait_value(ok, lambda n: n >= 2, WAIT)
+            seen.append(wait_value(ok, lambda n: n >= 2, WAIT))
             return Stream(200, [("Content-Type", "text/event-stream"),
                                 ("X-KV-Wait-Ms", "12.5")],
                           [(0.0, c) for c in sse_events(["a", "b"])])
@@ -194,6 +195,7 @@ class ConcurrentMockTest(PdCase):
         self.assertEqual(r.status, 200)
         self.assertEqual(r.body, b"".join(sse_events(["a", "b"])))
         self.assertTrue(gate.seen)
+        self.assertGreaterEqual(seen[0], 2, "prefill's answer not counted before decode answered")
         rec = self.access_for(px, "c3")
         self.assertEqual(rec["dispatch"], "concurrent")
         self.assertEqual(rec["kv_wait_ms"], "12.50")

@@ -85,6 +85,9 @@ class SimSpeedTest(PdCase):
             t.start()
         for t in ts:
             t.join(60)
+        # A failure inside a thread only prints: both decodes must have ended.
+        self.assertFalse(any(t.is_alive() for t in ts))
+        self.assertEqual(len(waits), 2, waits)
         nbytes = metric(prom(D.port), "engine_sim_kv_bytes_fetched_total")
         self.assertGreater(nbytes, 100000)
         # Both together took at least all bytes at 1 MB/s.
