@@ -76,9 +76,7 @@ static void *ep_close_force(ucp_ep_h ep) {
     return UCS_PTR_IS_PTR(req) ? req : NULL;
 }
 
-/* No more sends to c; the sweep closes its endpoint and unlists it.  Only
- * marks: may run inside a UCX callback. */
-static void cons_retire(kvc_cons_t *c) {
+void kvc_cons_retire(kvc_cons_t *c) {
     if (c->dead) return;
     c->dead = true;
     c->src->live--;
@@ -93,7 +91,7 @@ static void cons_err_cb(void *arg, ucp_ep_h ep, ucs_status_t us) {
     kvc_cons_t *c = arg;
     kvc_agent_t *a = c->a;
     if (c->dead) return;
-    cons_retire(c);
+    kvc_cons_retire(c);
     a->stats[KVC_STAT_CONSUMERS_LOST]++;
     KVC_LOG(a, KVC_LOG_INFO, "consumer %s (key %016llx): endpoint failed: %s",
             c->engine_id ? c->engine_id : "?", (unsigned long long)c->key,
@@ -152,7 +150,7 @@ static bool cons_make_room(kvc_agent_t *a, kvc_src_t *s) {
             "consumer %s (key %016llx) from %s forgotten, least recently used, for a new one "
             "from %s",
             v->engine_id, (unsigned long long)v->key, from->addr, s->addr);
-    cons_retire(v);
+    kvc_cons_retire(v);
     return true;
 }
 
@@ -163,7 +161,7 @@ kvc_status_t kvc_cons_attach(kvc_agent_t *a, uint64_t key, const uint8_t *addr, 
      * endpoint to it may be going down with that one, so each handshake
      * gets a fresh endpoint and the key's older record is retired. */
     kvc_cons_t *old = kvc_cons_find(a, key);
-    if (old) cons_retire(old);
+    if (old) kvc_cons_retire(old);
     kvc_src_t *s = src_get(a, src);
     if (!s) return KVC_ERR_NO_MEMORY;
     s->refs++; /* held while room is made */
@@ -267,7 +265,7 @@ void kvc_cons_sweep(kvc_agent_t *a) {
 
 void kvc_cons_close_all(kvc_agent_t *a) {
     for (kvc_cons_t *c = a->conss; c; c = c->next) {
-        cons_retire(c);
+        kvc_cons_retire(c);
         if (c->ep) {
             c->close_req = ep_close_force(c->ep);
             c->ep = NULL;

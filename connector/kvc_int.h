@@ -1051,6 +1051,10 @@ KVC_HIDDEN kvc_cons_t *kvc_cons_find(kvc_agent_t *a, uint64_t key);
 KVC_HIDDEN void kvc_cons_ref(kvc_cons_t *c);
 /* May free c (when retired and closed). */
 KVC_HIDDEN void kvc_cons_unref(kvc_cons_t *c);
+/* No more sends to c: dead, its place (in all and at its address) given
+ * back; the sweep closes its endpoint and unlists it.  Only marks: may run
+ * inside a UCX callback.  No-op on a dead record. */
+KVC_HIDDEN void kvc_cons_retire(kvc_cons_t *c);
 /* From progress, after kvc_pending_timers and kvc_stage_progress (which
  * drop the held pulls and staged jobs of dead records): closes the
  * endpoints of the records whose endpoint failed (force: sends in flight

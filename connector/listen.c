@@ -132,8 +132,7 @@ static void sconn_close(kvc_agent_t *a, kvc_sconn_t *c) {
         if (c->state == SC_LIVE && !k->dead && !a->destroying) {
             /* Its consumer closed the live side channel: gone (or done with
              * us); what waits for it is dropped as on an endpoint failure. */
-            k->dead = true;
-            a->cons_check = true;
+            kvc_cons_retire(k); /* its place given back, as on an endpoint failure */
             a->stats[KVC_STAT_CONSUMERS_LOST]++;
             KVC_LOG(a, KVC_LOG_INFO, "consumer %s (key %016llx): side channel closed",
                     k->engine_id ? k->engine_id : "?", (unsigned long long)k->key);
