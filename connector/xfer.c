@@ -1088,8 +1088,10 @@ static ucs_status_t ready_cb(void *arg, const void *header, size_t hlen, void *d
     if (h.region >= a->n_regions || !a->regions[h.region].staged) {
         data_reject(a, x, "ready message for a region that is not staged", h.local_start,
                     h.count);
-    } else if (h.count <= a->num_blocks &&
-               chunk_take(a, x, &h, (size_t)h.count * a->regions[h.region].block_len, &dst)) {
+    } else if (h.count > a->num_blocks) {
+        data_reject(a, x, "ready message for more blocks than a region holds", h.local_start,
+                    h.count);
+    } else if (chunk_take(a, x, &h, (size_t)h.count * a->regions[h.region].block_len, &dst)) {
         size_t bytes = (size_t)h.count * a->regions[h.region].block_len;
         kvc_status_t st = kvc_stage_ready(a, &x->sref, x->peer, h.xfer_id, h.token, h.region,
                                           h.local_start, off, bytes);
