@@ -261,6 +261,10 @@ uint64_t px_intake_kv_extra(const px_intake *in) {
 
 px_lat_verdict px_intake_lat_route(const px_intake *in, px_lat_req *lat, size_t tenant, uint64_t t0,
                                    uint64_t deadline_ns) {
+    /* Without a latency pool only the targets are resolved: the prompt's
+     * size and model are not looked for. */
+    if (!px_lat_pool(in->ps) || !in->ctx->lat)
+        return px_lat_req_route(lat, in->ctx, in->ps, tenant, NULL, 0, 0, t0, deadline_ns);
     long est =
         in->tok ? 0 : px_disagg_estimate(in->ctx->cfg, in->ep, in->body->data, in->body->len);
     return px_lat_req_route(lat, in->ctx, in->ps, tenant, in->tok,
