@@ -6,9 +6,6 @@
 #include "base/log.h"
 #include "proxy/handoff.h"
 
-/* How long a concurrent prefill leg is let answer after decode did. */
-#define PREFILL_ANSWER_GRACE_US 2000000
-
 static const px_leg_cbs pre_cbs;
 
 void px_conc_init(px_conc *c, const px_conc_ops *ops, void *owner, px_leg *pre, px_leg *dec,
@@ -44,7 +41,7 @@ px_dispatch_kind px_conc_dispatch(px_conc *c, px_dispatch_mode mode, const char 
 void px_conc_await(px_conc *c) {
     c->awaiting = 1;
     c->pre->beside = 0;
-    px_leg_grace(c->pre, PREFILL_ANSWER_GRACE_US);
+    px_leg_grace(c->pre, PX_LEG_ANSWER_GRACE_US);
 }
 
 void px_conc_distrust(px_conc *c) {

@@ -153,6 +153,9 @@ int px_leg_resend(px_leg *l, int connected, const char *why);
 /* Arms the jittered backoff before the next attempt: 10 ms doubling per
  * attempt up to 320 ms, half to one and a half of it; cbs->retry then. */
 void px_leg_backoff(px_leg *l);
+/* How long a prefill leg is let answer once nothing else waits for it
+ * (decode answered, or the client left): concurrent.c and release.c. */
+#define PX_LEG_ANSWER_GRACE_US 2000000
 /* Arms a grace of `us` microseconds; cbs->grace then. */
 void px_leg_grace(px_leg *l, long us);
 /* Notes a byte (or the start): no byte for idle_s ends the attempt

@@ -5,11 +5,10 @@
 
 /* How long a prefill whose client left gets to answer before it is told
  * (pre_grace: its write side shut, its answer still read for
- * PREFILL_ANSWER_GRACE_US); one that has started answering is let finish
+ * PX_LEG_ANSWER_GRACE_US); one that has started answering is let finish
  * (so decode can release its blocks), but not for longer than the answer
  * grace, so a prefill stalled mid-answer is cut too. */
 #define PREFILL_GRACE_US 50000
-#define PREFILL_ANSWER_GRACE_US 2000000
 
 static const px_leg_cbs pre_cbs, dec_cbs;
 
@@ -96,13 +95,13 @@ static void pre_done(void *arg, px_up_result rc, const char *why, int connected)
  * strands the blocks until they expire. So the prefill is told the client
  * left (its connection's write side shut: an engine aborts a request whose
  * client closed, and one that has not published never will) and its
- * answer is still read for PREFILL_ANSWER_GRACE_US: one that comes is
+ * answer is still read for PX_LEG_ANSWER_GRACE_US: one that comes is
  * released through decode. Where that cannot be done (https), it is cut. */
 static void pre_grace(void *arg) {
     px_release *rl = arg;
     if (!rl->half_closed && rl->pre->up && px_upstream_half_close(rl->pre->up) == 0) {
         rl->half_closed = 1;
-        px_leg_grace(rl->pre, PREFILL_ANSWER_GRACE_US);
+        px_leg_grace(rl->pre, PX_LEG_ANSWER_GRACE_US);
         return;
     }
     over(rl);
@@ -114,7 +113,7 @@ static const px_leg_cbs dec_cbs = {.data = dec_data, .done = dec_done, .idle = o
 void px_release_prefill(px_release *rl) {
     rl->pre->cbs = &pre_cbs;
     rl->pre->owner = rl;
-    px_leg_grace(rl->pre, px_leg_answering(rl->pre) ? PREFILL_ANSWER_GRACE_US : PREFILL_GRACE_US);
+    px_leg_grace(rl->pre, px_leg_answering(rl->pre) ? PX_LEG_ANSWER_GRACE_US : PREFILL_GRACE_US);
 }
 
 void px_release_decode(px_release *rl) {
