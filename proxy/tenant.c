@@ -322,18 +322,22 @@ px_salt_mode px_salt_mode_of(const char *mode, int creds) {
 void px_salt_derive(const char *tenant, const unsigned char *key, const char *own, size_t own_len,
                     char out[PX_SALT_LEN + 1]) {
     /* A domain tag (with its NUL), what the salt is of, then the client's
-     * own salt: one buffer, one SHA-256. */
+     * own salt: one buffer (on the stack unless the client's salt is
+     * long), one SHA-256. */
     static const char tag[] = "pdproxy cache_salt v1";
     size_t tl = key ? 32 : strlen(tenant) + 1;
-    px_buf b;
-    px_buf_init(&b);
-    px_buf_append(&b, tag, sizeof tag);
-    px_buf_append(&b, key ? "k" : "t", 2);
-    px_buf_append(&b, key ? (const char *)key : tenant, tl);
-    if (own_len) px_buf_append(&b, own, own_len);
+    size_t n = sizeof tag + 2 + tl + own_len;
+    unsigned char stack[1024], *b = n <= sizeof stack ? stack : px_xmalloc(n), *p = b;
+    memcpy(p, tag, sizeof tag);
+    p += sizeof tag;
+    memcpy(p, key ? "k" : "t", 2);
+    p += 2;
+    memcpy(p, key ? (const void *)key : (const void *)tenant, tl);
+    p += tl;
+    if (own_len) memcpy(p, own, own_len);
     unsigned char d[32];
-    SHA256((const unsigned char *)b.data, b.len, d);
-    px_buf_cleanup(&b);
+    SHA256(b, n, d);
+    if (b != stack) free(b);
     static const char hex[] = "0123456789abcdef";
     for (int i = 0; i < PX_SALT_LEN / 2; i++) {
         out[2 * i] = hex[d[i] >> 4];
