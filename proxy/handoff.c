@@ -4,15 +4,13 @@
 #include "base/log.h"
 #include "proxy/usage.h"
 
-px_kvp_status px_handoff_serial(px_metrics *m, const char *lid, const char *prefill, px_buf *resp,
-                                int keep, px_buf *body, px_buf *pbody, px_pf_cache *learn,
-                                int usage_prefill, const char *transfer_id, px_buf *out,
-                                char cached[24], char *err, size_t errlen) {
-    const char *kvp = NULL;
-    size_t kvp_len = 0;
-    px_json_member usage;
-    px_kvp_status ks = px_extract_prefill_answer(resp->data ? resp->data : "", resp->len, &kvp,
-                                                 &kvp_len, &usage, err, errlen);
+px_kvp_status px_handoff_serial(px_metrics *m, const char *lid, const char *prefill,
+                                const px_prefill_answer *a, px_buf *resp, int keep, px_buf *body,
+                                px_buf *pbody, px_pf_cache *learn, int usage_prefill,
+                                const char *transfer_id, px_buf *out, char cached[24]) {
+    const char *kvp = a->kvp;
+    size_t kvp_len = a->kvp_len;
+    px_kvp_status ks = a->ks;
     if (ks == PX_KVP_BAD_RESPONSE) return ks;
     if (ks == PX_KVP_MISSING) {
         px_m_inc(&m->kvp_missing);
@@ -35,7 +33,7 @@ px_kvp_status px_handoff_serial(px_metrics *m, const char *lid, const char *pref
     px_rewrite_decode_xfer(body->data, body->len, kvp, kvp_len, transfer_id, out);
     /* Prefill's cached_tokens, for --usage-from prefill (its usage member
      * was found in the same pass as kv_transfer_params). */
-    if (resp->data && usage_prefill) px_usage_cached_tokens_in(&usage, cached);
+    if (resp->data && usage_prefill) px_usage_cached_tokens_in(&a->usage, cached);
     px_buf_cleanup(body);
     px_buf_cleanup(pbody);
     if (!keep) px_buf_cleanup(resp);

@@ -23,7 +23,8 @@
 void px_handoff_prefill(px_endpoint ep, const px_buf *body, const char *transfer_id,
                         px_buf *out);
 
-/* Prefill (named `prefill`) answered `resp`: decode's body goes to *out
+/* Prefill (named `prefill`) answered `resp`, read into `a`
+ * (px_prefill_answer_read): decode's body goes to *out
  * (reset first), the client's `body` with prefill's kv_transfer_params.
  * From then on only decode's body is needed (retries resend it): `body`
  * and prefill's body `pbody` are freed, and `resp` too unless `keep` (the
@@ -35,11 +36,11 @@ void px_handoff_prefill(px_endpoint ep, const px_buf *body, const char *transfer
  * --usage-from prefill, its cached_tokens go to `cached`. Prefill's
  * parameters reach decode byte for byte but for their transfer_id, which is
  * the router's `transfer_id` (px_rewrite_decode_xfer). Returns what the
- * answer held; for PX_KVP_BAD_RESPONSE nothing is built and err says why. */
-px_kvp_status px_handoff_serial(px_metrics *m, const char *lid, const char *prefill, px_buf *resp,
-                                int keep, px_buf *body, px_buf *pbody, px_pf_cache *learn,
-                                int usage_prefill, const char *transfer_id, px_buf *out,
-                                char cached[24], char *err, size_t errlen);
+ * answer held; for PX_KVP_BAD_RESPONSE nothing is built (a->err says why). */
+px_kvp_status px_handoff_serial(px_metrics *m, const char *lid, const char *prefill,
+                                const px_prefill_answer *a, px_buf *resp, int keep, px_buf *body,
+                                px_buf *pbody, px_pf_cache *learn, int usage_prefill,
+                                const char *transfer_id, px_buf *out, char cached[24]);
 
 /* Decode alone: its body (*out, reset first) is the client's without
  * kv_transfer_params of its own. */

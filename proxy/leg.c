@@ -281,9 +281,8 @@ px_outcome px_leg_outcome(const px_leg *l, px_up_result rc) {
     }
 }
 
-int px_leg_answer_foreign(px_leg *l, const char *id) {
-    if (l->status < 200 || l->status >= 300 ||
-        !px_upstream_answer_foreign(l->b, l->resp.data, l->resp.len, id))
+int px_leg_answer_foreign(px_leg *l, const px_json_member *rid, const char *id) {
+    if (l->status < 200 || l->status >= 300 || !px_upstream_answer_foreign(l->b, rid, id))
         return 0;
     px_m_inc(&l->w->metrics.answers_foreign);
     PX_LOG(PX_LOG_WARN, "req=%s msg=\"prefill answered for another request: refused\" prefill=%s",

@@ -138,10 +138,11 @@ void px_leg_stop(px_leg *l, px_outcome o);
 /* How the attempt went: the transfer's result and the answer's status
  * (too_big: a server error). */
 px_outcome px_leg_outcome(const px_leg *l, px_up_result rc);
-/* Whether the leg's 2xx answer names another request than `id` (an
+/* Whether the leg's 2xx answer, whose remote_request_id is `rid` (read
+ * from it: px_prefill_answer_read), names another request than `id` (an
  * engine's late extra answer, px_upstream_answer_foreign): counted and
  * logged when it does. */
-int px_leg_answer_foreign(px_leg *l, const char *id);
+int px_leg_answer_foreign(px_leg *l, const px_json_member *rid, const char *id);
 /* A failed attempt (outcome o; rc and why: the transfer's) is retried,
  * with at most `retries` retries: when refused, reset or 5xx, and its
  * answer fit. Then it is logged and counted, its answer dropped, and the

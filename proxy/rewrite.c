@@ -264,11 +264,14 @@ size_t px_rewrite_rendered_bytes(const char *body, size_t n) {
     return total;
 }
 
-px_kvp_status px_extract_prefill_answer(const char *resp, size_t n, const char **kvp,
-                                        size_t *kvp_len, px_json_member *usage, char *err,
-                                        size_t errlen) {
+/* px_extract_prefill_answer that also gives remote_request_id (rid->val
+ * NULL when the answer has none). */
+static px_kvp_status extract(const char *resp, size_t n, const char **kvp, size_t *kvp_len,
+                             px_json_member *usage, px_json_member *rid, char *err,
+                             size_t errlen) {
     static const char *const keys[] = {"kv_transfer_params", "usage"};
-    px_json_member found[2], rid;
+    px_json_member found[2];
+    rid->val = NULL;
     /* One pass validates the answer and finds both members (it runs on
      * every request); only a bad answer is scanned again, for the reason. */
     if (px_json_object_find(resp, n, keys, 2, found) < 0) {
@@ -282,10 +285,27 @@ px_kvp_status px_extract_prefill_answer(const char *resp, size_t n, const char *
     if (!m->val || m->type != PX_JSON_OBJECT) return PX_KVP_MISSING;
     *kvp = m->val;
     *kvp_len = m->val_len;
-    if (!px_json_find(m->val, m->val_len, "remote_request_id", &rid) ||
-        (rid.type != PX_JSON_STRING) || rid.val_len <= 2)
+    if (!px_json_find(m->val, m->val_len, "remote_request_id", rid)) {
+        rid->val = NULL;
         return PX_KVP_NO_REQUEST_ID;
+    }
+    if (rid->type != PX_JSON_STRING || rid->val_len <= 2) return PX_KVP_NO_REQUEST_ID;
     return PX_KVP_OK;
+}
+
+px_kvp_status px_extract_prefill_answer(const char *resp, size_t n, const char **kvp,
+                                        size_t *kvp_len, px_json_member *usage, char *err,
+                                        size_t errlen) {
+    px_json_member rid;
+    return extract(resp, n, kvp, kvp_len, usage, &rid, err, errlen);
+}
+
+void px_prefill_answer_read(px_prefill_answer *a, const char *resp, size_t n) {
+    a->kvp = NULL;
+    a->kvp_len = 0;
+    a->usage.val = NULL;
+    a->ks = extract(resp ? resp : "", n, &a->kvp, &a->kvp_len, &a->usage, &a->rid, a->err,
+                    sizeof a->err);
 }
 
 px_kvp_status px_extract_kv_params(const char *resp, size_t n, const char **kvp, size_t *kvp_len,

@@ -114,4 +114,20 @@ px_kvp_status px_extract_prefill_answer(const char *resp, size_t n, const char *
                                         size_t *kvp_len, px_json_member *usage, char *err,
                                         size_t errlen);
 
+/* A prefill's answer, read once (one pass over its bytes) for everything
+ * the request asks of it: whether it names another request (its
+ * remote_request_id), decode's kv_transfer_params, --usage-from prefill's
+ * usage. The spans are borrowed from the answer's buffer. */
+typedef struct px_prefill_answer {
+    px_kvp_status ks;
+    const char *kvp; /* kv_transfer_params' bytes (PX_KVP_OK, PX_KVP_NO_REQUEST_ID) */
+    size_t kvp_len;
+    px_json_member usage; /* val NULL: none */
+    px_json_member rid;   /* kv_transfer_params' remote_request_id; val NULL: none */
+    char err[128];        /* PX_KVP_BAD_RESPONSE: why */
+} px_prefill_answer;
+
+/* Reads resp[0..n) into *a (px_extract_prefill_answer, plus the id). */
+void px_prefill_answer_read(px_prefill_answer *a, const char *resp, size_t n);
+
 #endif

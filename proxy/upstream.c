@@ -599,15 +599,10 @@ int px_upstream_abort_after_upload(px_upstream *u) {
     return u->upload_done;
 }
 
-int px_upstream_answer_foreign(px_backend *b, const char *body, size_t n, const char *id) {
-    px_json_member kv, rid;
+int px_upstream_answer_foreign(px_backend *b, const px_json_member *rid, const char *id) {
     char text[512];
-    if (!b || !body || !id || !*id || !px_json_find(body, n, "kv_transfer_params", &kv) ||
-        kv.type != PX_JSON_OBJECT ||
-        !px_json_find(kv.val, kv.val_len, "remote_request_id", &rid) ||
-        rid.type != PX_JSON_STRING)
-        return 0;
-    long l = px_json_str_decode(rid.val + 1, rid.val_len - 2, text, sizeof text);
+    if (!b || !rid || !rid->val || rid->type != PX_JSON_STRING || !id || !*id) return 0;
+    long l = px_json_str_decode(rid->val + 1, rid->val_len - 2, text, sizeof text);
     if (l < 0) return 0;
     if (memmem(text, (size_t)l, id, strlen(id))) {
         if (!atomic_load_explicit(&b->echoes_id, memory_order_relaxed))

@@ -11,6 +11,7 @@
 #include <event2/event.h>
 #include <stddef.h>
 
+#include "base/json.h"
 #include "base/util.h"
 #include "proxy/route.h"
 
@@ -78,13 +79,14 @@ typedef struct px_upstream_req {
                                (http://, base/client.h expect_id); NULL: not checked */
 } px_upstream_req;
 
-/* Whether a prefill answer of backend b (body[0..n), a 2xx) is another
+/* Whether a prefill answer of backend b (a 2xx, whose kv_transfer_params'
+ * remote_request_id is `rid`, the raw JSON member, val NULL: none) is another
  * request's: an engine that puts the X-Request-Id it got into its
  * remote_request_id (vLLM, engine-sim: the id plus a suffix) is known to
  * once one answer of b did so, and from then on an answer whose
  * remote_request_id lacks `id` is refused (a late extra answer would give
  * decode another request's kv_transfer_params). 1: refuse it. Any thread. */
-int px_upstream_answer_foreign(px_backend *b, const char *body, size_t n, const char *id);
+int px_upstream_answer_foreign(px_backend *b, const px_json_member *rid, const char *id);
 
 /* Starts the request `q` describes. Returns NULL when the transfer cannot
  * even start; nothing is called back then. */
