@@ -57,21 +57,22 @@ static int utf8_len(const unsigned char *p, const unsigned char *end) {
     return n;
 }
 
-/* Whether none of 8 bytes ends, escapes or breaks a string: no '"', no
- * '\\', no control character, nothing outside ASCII (those take the
- * byte-wise path). Each test is nonzero iff some byte matches. */
-static int plain8(const char *p) {
+/* The bytes of 8 that end, escape or break a string: '"', '\\', a control
+ * character, anything outside ASCII (those take the byte-wise path). Bit 7
+ * of byte i is set when byte i is one of them; above the first such byte a
+ * bit may be set wrongly (a borrow), never below it, so the lowest set bit
+ * is exact. */
+static uint64_t special8(const char *p) {
     uint64_t v;
     memcpy(&v, p, 8);
     const uint64_t ones = 0x0101010101010101ull, high = 0x8080808080808080ull;
     uint64_t q = v ^ (ones * '"'), b = v ^ (ones * '\\');
-    uint64_t special = (v & high) | ((v - ones * 0x20) & ~v & high) | ((q - ones) & ~q & high) |
-                       ((b - ones) & ~b & high);
-    return special == 0;
+    return (v & high) | ((v - ones * 0x20) & ~v & high) | ((q - ones) & ~q & high) |
+           ((b - ones) & ~b & high);
 }
 
 /* plain[c]: the byte c neither ends, escapes nor breaks a string (ASCII,
- * no control character, no '"', no '\\'): plain8's test one byte at a time. */
+ * no control character, no '"', no '\\'): special8's test one byte at a time. */
 #define R16(v) v, v, v, v, v, v, v, v, v, v, v, v, v, v, v, v
 static const unsigned char plain[256] = {
     R16(0), R16(0), /* control characters */
@@ -87,13 +88,20 @@ static const unsigned char plain[256] = {
 static const char *scan_string(scan *sc, const char *p) {
     const char *end = sc->end;
     while (p < end) {
-        /* Eight bytes at a time while they are plain, then byte by byte up
-         * to the next byte that is not (most strings are short keys: the
-         * word-wide test is tried once, not after every byte). */
-        while (end - p >= 8 && plain8(p))
+        /* Eight bytes at a time: past them while they are plain, else
+         * straight to the first that is not (on a little-endian machine the
+         * lowest set bit is the first byte in memory); the last few bytes
+         * of the buffer one at a time. */
+        uint64_t sp = 0;
+        while (end - p >= 8 && !(sp = special8(p)))
             p += 8;
-        while (p < end && plain[(unsigned char)*p])
-            p++;
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+        if (sp)
+            p += __builtin_ctzll(sp) >> 3;
+        else
+#endif
+            while (p < end && plain[(unsigned char)*p])
+                p++;
         if (p >= end) break;
         unsigned char c = (unsigned char)*p;
         if (c == '"') return p + 1;
@@ -355,6 +363,11 @@ int px_json_str_eq(const char *raw, size_t len, const char *lit) {
      * (and an escaped NUL ends the text), so a raw string no longer than
      * lit equals it only byte for byte (lit has no backslash); a longer
      * one only through an escape. */
+    /* The first byte tells most keys apart: unless it opens an escape, it
+     * is the first character (lit is ASCII), and an empty raw string
+     * equals only an empty lit. */
+    if (!len) return !*l;
+    if (*raw != '\\' && (unsigned char)*raw != *l) return 0;
     size_t n = strlen(lit);
     if (len <= n) return len == n && memcmp(raw, lit, len) == 0;
     if (!memchr(raw, '\\', len)) return 0;

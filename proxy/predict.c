@@ -39,6 +39,17 @@ void px_lat_req_headers(px_lat_req *l, px_ctx *c, const px_http_head *h, const c
                         size_t blen) {
     l->hdr_ttft_ms = header_ms(h, "x-slo-ttft-ms");
     l->hdr_tpot_ms = header_ms(h, "x-slo-tpot-ms");
+    /* The class names the request's targets (--slo class=) and its SLO
+     * counts: without any target (no x-slo-* header, no --slo-ttft-ms or
+     * --slo-tpot-ms, no --slo map) it is never read, and its body is not
+     * searched for it. (A map a reload brings in the microseconds before
+     * this request resolves sees it as class 0.) */
+    const px_config *cfg = c->cfg;
+    l->cls = 0;
+    l->cls_name[0] = 0;
+    if (!(l->hdr_ttft_ms > 0) && !(l->hdr_tpot_ms > 0) && !(cfg->slo_ttft_ms > 0) &&
+        !(cfg->slo_tpot_ms > 0) && !px_slo_current(c->slo)->n)
+        return;
     l->cls = px_adm_request_class(c, h, body, blen);
     const px_prio_map *m = px_adm_classes(c);
     if (m && (size_t)l->cls < m->n)
