@@ -564,7 +564,7 @@ const struct x509_st *px_conn_client_cert(const px_conn *c) {
 }
 
 void px_conn_peer(const px_conn *c, char *out, size_t n) {
-    if (n) snprintf(out, n, "%s", c->peer);
+    px_strncpyz(out, n, c->peer, sizeof c->peer);
 }
 
 /* The peer's address as text, from what accept() returned: once per

@@ -390,6 +390,12 @@ long px_json_str_decode(const char *raw, size_t len, char *out, size_t outcap) {
     const char *p = raw, *end = raw + len;
     size_t o = 0;
     while (p < end) {
+        /* A plain byte (printable ASCII, no escape) is itself. */
+        if (plain[(unsigned char)*p]) {
+            if (o + 1 >= outcap) return -1;
+            out[o++] = *p++;
+            continue;
+        }
         long cp = next_cp(&p, end);
         if (cp < 0) return -1;
         unsigned char tmp[4];

@@ -36,6 +36,16 @@ char *px_xstrdup(const char *s) {
     return px_xstrndup(s, strlen(s));
 }
 
+size_t px_strncpyz(char *out, size_t cap, const char *s, size_t n) {
+    if (!cap) return 0;
+    const char *z = memchr(s, 0, n);
+    if (z) n = (size_t)(z - s);
+    if (n > cap - 1) n = cap - 1;
+    memcpy(out, s, n);
+    out[n] = 0;
+    return n;
+}
+
 char *px_xstrndup(const char *s, size_t n) {
     char *p = px_xmalloc(n + 1);
     memcpy(p, s, n);
@@ -104,17 +114,6 @@ size_t px_pct_decode(const char *src, size_t n, char *dst, size_t cap) {
     }
     if (cap) dst[o] = '\0';
     return o;
-}
-
-void px_buf_append(px_buf *b, const void *p, size_t n) {
-    px_buf_reserve(b, n);
-    if (n) memcpy(b->data + b->len, p, n);
-    b->len += n;
-    b->data[b->len] = '\0';
-}
-
-void px_buf_appends(px_buf *b, const char *s) {
-    px_buf_append(b, s, strlen(s));
 }
 
 void px_buf_printf(px_buf *b, const char *fmt, ...) {

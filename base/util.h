@@ -5,6 +5,7 @@
 
 #include <stddef.h>
 #include <stdint.h>
+#include <string.h>
 
 /* Allocation that never returns NULL: on exhaustion it logs and aborts the
  * process, because every caller would otherwise have to unwind a half-built
@@ -14,6 +15,10 @@ void *px_xcalloc(size_t n, size_t size);
 void *px_xrealloc(void *p, size_t n);
 char *px_xstrdup(const char *s);
 char *px_xstrndup(const char *s, size_t n);
+/* Copies at most n bytes of s (fewer at a NUL) into out[0..cap), truncated
+ * to fit and always terminated (cap > 0): snprintf(out, cap, "%.*s", n, s)
+ * without the format parser, for the request path. Returns bytes copied. */
+size_t px_strncpyz(char *out, size_t cap, const char *s, size_t n);
 
 /* A growable byte buffer. `data` is owned; always NUL-terminated past `len`
  * so text can be passed to C string functions. */
@@ -26,8 +31,17 @@ typedef struct px_buf {
 void px_buf_init(px_buf *b);
 void px_buf_cleanup(px_buf *b);
 void px_buf_reserve(px_buf *b, size_t extra);
-void px_buf_append(px_buf *b, const void *p, size_t n);
-void px_buf_appends(px_buf *b, const char *s);
+/* Inline: most appends on the request path are a few bytes into room
+ * already reserved, and a call each cost more than the copy. */
+static inline void px_buf_append(px_buf *b, const void *p, size_t n) {
+    if (b->len + n >= b->cap) px_buf_reserve(b, n);
+    if (n) memcpy(b->data + b->len, p, n);
+    b->len += n;
+    b->data[b->len] = '\0';
+}
+static inline void px_buf_appends(px_buf *b, const char *s) {
+    px_buf_append(b, s, strlen(s));
+}
 /* Appends v in decimal (no printf: headers are built per request). */
 void px_buf_append_u64(px_buf *b, uint64_t v);
 /* Percent-decodes src[0..n) into dst (cap bytes, NUL-terminated, cut to

@@ -5,9 +5,11 @@
 #include "proxy/usage.h"
 
 px_kvp_status px_handoff_serial(px_metrics *m, const char *lid, const char *prefill,
-                                const px_prefill_answer *a, px_buf *resp, int keep, px_buf *body,
+                                px_prefill_answer *a, px_buf *resp, int keep, px_buf *body,
                                 px_buf *pbody, px_pf_cache *learn, int usage_prefill,
                                 const char *transfer_id, px_buf *out, char cached[24]) {
+    if (!a->read) px_prefill_answer_read(a, resp->data, resp->len);
+    a->read = 0;
     const char *kvp = a->kvp;
     size_t kvp_len = a->kvp_len;
     px_kvp_status ks = a->ks;

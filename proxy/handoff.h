@@ -23,8 +23,9 @@
 void px_handoff_prefill(px_endpoint ep, const px_buf *body, const char *transfer_id,
                         px_buf *out);
 
-/* Prefill (named `prefill`) answered `resp`, read into `a`
- * (px_prefill_answer_read): decode's body goes to *out
+/* Prefill (named `prefill`) answered `resp`, read into `a` once
+ * (px_prefill_answer_read: done here unless a->read; a->read is cleared,
+ * its spans die with resp): decode's body goes to *out
  * (reset first), the client's `body` with prefill's kv_transfer_params.
  * From then on only decode's body is needed (retries resend it): `body`
  * and prefill's body `pbody` are freed, and `resp` too unless `keep` (the
@@ -38,7 +39,7 @@ void px_handoff_prefill(px_endpoint ep, const px_buf *body, const char *transfer
  * the router's `transfer_id` (px_rewrite_decode_xfer). Returns what the
  * answer held; for PX_KVP_BAD_RESPONSE nothing is built (a->err says why). */
 px_kvp_status px_handoff_serial(px_metrics *m, const char *lid, const char *prefill,
-                                const px_prefill_answer *a, px_buf *resp, int keep, px_buf *body,
+                                px_prefill_answer *a, px_buf *resp, int keep, px_buf *body,
                                 px_buf *pbody, px_pf_cache *learn, int usage_prefill,
                                 const char *transfer_id, px_buf *out, char cached[24]);
 

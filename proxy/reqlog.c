@@ -61,7 +61,7 @@ void px_reqlog_start(px_reqlog *lg, px_conn *c, px_endpoint ep, const px_http_he
     if (px_endpoint_passthrough(ep)) {
         /* The client's method, path and query as it sent them (an
          * absolute-form target loses its scheme and authority). */
-        snprintf(lg->method, sizeof lg->method, "%.*s", (int)h->method_len, h->method);
+        px_strncpyz(lg->method, sizeof lg->method, h->method, h->method_len);
         const char *path;
         size_t plen;
         px_http_path(h, &path, &plen);
@@ -70,8 +70,10 @@ void px_reqlog_start(px_reqlog *lg, px_conn *c, px_endpoint ep, const px_http_he
         snprintf(pbuf, sizeof pbuf, "%.*s", (int)(plen < 200 ? plen : 200), path);
         px_log_value(pbuf, lg->lpath, sizeof lg->lpath);
     } else {
-        snprintf(lg->method, sizeof lg->method, "%s", ep == PX_EP_MODELS ? "GET" : "POST");
-        snprintf(lg->lpath, sizeof lg->lpath, "%s", px_endpoints[ep].path);
+        const char *m = ep == PX_EP_MODELS ? "GET" : "POST";
+        px_strncpyz(lg->method, sizeof lg->method, m, strlen(m));
+        px_strncpyz(lg->lpath, sizeof lg->lpath, px_endpoints[ep].path,
+                    strlen(px_endpoints[ep].path));
     }
     lg->target = *target;
     px_http_request_id(h, lg->id);

@@ -76,8 +76,7 @@ struct px_req {
     char *target;         /* owned: path and query sent to decode; NULL: the endpoint's path */
     px_leg *tok;          /* owned: the call to an engine's /tokenize (leg.h); NULL: none */
     px_leg pre;           /* the prefill leg */
-    px_prefill_answer pa; /* prefill's answer read (by prefill_done), spans into pre.resp */
-    int pa_read;          /* pa holds the answer now in pre.resp */
+    px_prefill_answer pa; /* prefill's answer, read once (prefill_done or the handoff) */
     px_leg dec;           /* the decode leg */
     px_reply reply;       /* its one answer to the client (reply.h) */
     px_release rel;       /* what lets prefill's blocks go when the client left (release.h) */
@@ -436,7 +435,7 @@ static int pick_prefill(px_req *r) {
 /* Sends the prefill body to r->pre's backend. Returns -1 when r has ended. */
 static int send_prefill(px_req *r) {
     set_state(r, RS_PREFILL);
-    r->pa_read = 0;
+    r->pa.read = 0;
     int rc = px_leg_send(&r->pre, "POST", px_endpoints[r->ep].path, &r->pre.body, &r->pre.hdrs, 0);
     if (rc == PX_LEG_PAST)
         req_fail(r, 504, NULL, "prefill did not answer within --prefill-timeout %gs",
@@ -485,22 +484,15 @@ static void prefill_rejected(px_req *r, int named) {
     req_finish(r, p->status, PX_RO_PREFILL_REJECTED, NULL, NULL);
 }
 
-/* Builds decode's body from the client's and prefill's kv_transfer_params.
- * Returns what prefill's answer held; for PX_KVP_BAD_RESPONSE nothing is
- * built and err says why. */
-static px_kvp_status decode_body(px_req *r, char *err, size_t errlen) {
-    /* Read once: prefill_done read it already unless the release got it. */
-    if (!r->pa_read) px_prefill_answer_read(&r->pa, r->pre.resp.data, r->pre.resp.len);
-    r->pa_read = 0;
+/* Decode's body from the client's and prefill's kv_transfer_params: what
+ * prefill's answer held (PX_KVP_BAD_RESPONSE: nothing built, r->pa.err). */
+static px_kvp_status decode_body(px_req *r) {
     px_kvp_status ks = px_handoff_serial(
         &r->w->metrics, r->log.lid, r->pre.name, &r->pa, &r->pre.resp, px_reqlog_traced(),
         &r->body, &r->pre.body,
         r->in.ps->dispatch == PX_DISPATCH_CONCURRENT ? r->ctx->reg->identities : NULL,
         !strcmp(r->ctx->cfg->usage_from, "prefill"), r->transfer_id, &r->dec.body, r->reply.cached);
-    if (ks == PX_KVP_BAD_RESPONSE) {
-        snprintf(err, errlen, "%s", r->pa.err);
-        return ks;
-    }
+    if (ks == PX_KVP_BAD_RESPONSE) return ks;
     r->disagg = ks != PX_KVP_MISSING;
     r->in.key = NULL; /* it pointed into the client's body */
     account(r);
@@ -508,9 +500,9 @@ static px_kvp_status decode_body(px_req *r, char *err, size_t errlen) {
 }
 
 static void proceed_to_decode(px_req *r) {
-    char err[128];
-    if (decode_body(r, err, sizeof err) == PX_KVP_BAD_RESPONSE) {
-        req_fail(r, 502, NULL, "prefill %s returned an invalid answer: %s", r->pre.name, err);
+    if (decode_body(r) == PX_KVP_BAD_RESPONSE) {
+        req_fail(r, 502, NULL, "prefill %s returned an invalid answer: %s", r->pre.name,
+                 r->pa.err);
         return;
     }
     start_decode(r);
@@ -522,10 +514,9 @@ static void prefill_done(void *arg, px_up_result rc, const char *why, int connec
     const px_config *cfg = r->ctx->cfg;
     /* Another request's answer (an engine's late extra one): never its
      * kv_transfer_params to decode; it ends as a broken answer (retried). */
-    r->pa_read = rc == PX_UP_OK && p->status >= 200 && p->status < 300;
-    if (r->pa_read) px_prefill_answer_read(&r->pa, p->resp.data, p->resp.len);
-    if (r->pa_read && px_leg_answer_foreign(p, &r->pa.rid, r->log.id)) {
-        r->pa_read = 0;
+    if (rc == PX_UP_OK && p->status >= 200 && p->status < 300)
+        px_prefill_answer_read(&r->pa, p->resp.data, p->resp.len);
+    if (r->pa.read && px_leg_answer_foreign(p, &r->pa.rid, r->log.id)) {
         rc = PX_UP_RESET;
         why = "the answer names another request (remote_request_id)";
     }
@@ -630,8 +621,7 @@ static void dispatch_concurrent(px_req *r) {
 /* ---------- RELEASING: the client left, prefill's blocks are let go ---------- */
 
 static int handoff(void *arg) {
-    char err[128];
-    px_kvp_status ks = decode_body(arg, err, sizeof err);
+    px_kvp_status ks = decode_body(arg);
     return ks != PX_KVP_BAD_RESPONSE && ks != PX_KVP_MISSING;
 }
 

@@ -306,6 +306,7 @@ void px_prefill_answer_read(px_prefill_answer *a, const char *resp, size_t n) {
     a->usage.val = NULL;
     a->ks = extract(resp ? resp : "", n, &a->kvp, &a->kvp_len, &a->usage, &a->rid, a->err,
                     sizeof a->err);
+    a->read = 1;
 }
 
 px_kvp_status px_extract_kv_params(const char *resp, size_t n, const char **kvp, size_t *kvp_len,

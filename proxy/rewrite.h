@@ -119,6 +119,7 @@ px_kvp_status px_extract_prefill_answer(const char *resp, size_t n, const char *
  * remote_request_id), decode's kv_transfer_params, --usage-from prefill's
  * usage. The spans are borrowed from the answer's buffer. */
 typedef struct px_prefill_answer {
+    int read; /* it holds the answer now in its buffer (its reader says when not) */
     px_kvp_status ks;
     const char *kvp; /* kv_transfer_params' bytes (PX_KVP_OK, PX_KVP_NO_REQUEST_ID) */
     size_t kvp_len;
@@ -127,7 +128,8 @@ typedef struct px_prefill_answer {
     char err[128];        /* PX_KVP_BAD_RESPONSE: why */
 } px_prefill_answer;
 
-/* Reads resp[0..n) into *a (px_extract_prefill_answer, plus the id). */
+/* Reads resp[0..n) into *a (px_extract_prefill_answer, plus the id);
+ * sets a->read. */
 void px_prefill_answer_read(px_prefill_answer *a, const char *resp, size_t n);
 
 #endif
