@@ -8,6 +8,7 @@
 #include <string.h>
 
 #include "base/util.h"
+#include "proxy/bodyidx.h"
 
 void px_admq_init(px_admq *q, const uint32_t *weights, size_t ntenants, size_t max_n,
                   size_t max_bytes) {
@@ -505,8 +506,8 @@ static void on_deadline(evutil_socket_t fd, short what, void *arg) {
  * --priority-class map; never better than its tenant's floor= (a claim of
  * a better priority is served at the floor: who may claim which class is
  * the tenant's configuration, not the client's word). */
-static int class_of(px_ctx *c, const px_tenant *t, const px_http_head *h, const char *body,
-                    size_t blen) {
+static int class_of(px_ctx *c, const px_tenant *t, const px_http_head *h,
+                    const px_body_idx *bx, const char *body, size_t blen) {
     const px_config *cfg = c->cfg;
     const px_prio_map *m = px_adm_classes(c);
     const px_http_header *ph = cfg->priority_header[0] ? px_http_find(h, cfg->priority_header)
@@ -518,7 +519,7 @@ static int class_of(px_ctx *c, const px_tenant *t, const px_http_head *h, const 
         k = -2; /* a number */
     else if (ph && ph->value_len && (k = px_prio_map_named(m, ph->value, ph->value_len)) >= 0)
         v = m->c[k].lo;
-    if (k == -1 && !(body && px_json_find(body, blen, "priority", &jm) &&
+    if (k == -1 && !(px_body_idx_get(bx, PX_BK_PRIORITY, body, blen, &jm) &&
                      jm.type == PX_JSON_NUMBER &&
                      px_prio_number(jm.val, jm.val + jm.val_len, &v) == 0))
         v = 0;
@@ -530,7 +531,7 @@ static int class_of(px_ctx *c, const px_tenant *t, const px_http_head *h, const 
 }
 
 int px_adm_request_class(px_ctx *c, const px_http_head *h, const char *body, size_t blen) {
-    return class_of(c, NULL, h, body, blen); /* the class claimed, before any tenant's floor */
+    return class_of(c, NULL, h, NULL, body, blen); /* the class claimed, before any tenant's floor */
 }
 
 int px_adm_set_classes(px_ctx *c, char *const *specs, size_t n, char *err, size_t errlen) {
@@ -592,9 +593,11 @@ static int identify(px_ctx *c, px_adm_req *a, const px_http_head *h, char *tname
 }
 
 /* The client's cache_salt value (its bytes as sent) in body, if any. */
-static int own_salt(const char *body, size_t blen, const char **v, size_t *vn) {
+static int own_salt(const px_body_idx *bx, const char *body, size_t blen, const char **v,
+                    size_t *vn) {
     px_json_member m;
-    if (!body || !px_json_find(body, blen, "cache_salt", &m) || m.type == PX_JSON_NULL) return 0;
+    if (!px_body_idx_get(bx, PX_BK_CACHE_SALT, body, blen, &m) || m.type == PX_JSON_NULL)
+        return 0;
     *v = m.val;
     *vn = m.val_len;
     return 1;
@@ -606,7 +609,7 @@ static void make_salt(px_ctx *c, px_adm_req *a, const char *tname, const char *b
                       size_t blen) {
     const char *own = NULL;
     size_t on = 0;
-    int has_own = own_salt(body, blen, &own, &on);
+    int has_own = own_salt(a->bx, body, blen, &own, &on);
     const px_config *cfg = c->cfg;
     px_salt_mode mode = px_salt_mode_of(cfg->cache_salt, c->tkeys || c->tcerts ||
                                                              cfg->tenant_header_from.n);
@@ -633,18 +636,20 @@ static void make_salt(px_ctx *c, px_adm_req *a, const char *tname, const char *b
  * what admission takes from its tenant's tpm, the completion limit (the
  * prompt is charged when the usage settles). */
 #define TEMPLATE_SLACK 1024
-static uint64_t token_cap(const px_config *cfg, const char *body, size_t blen, uint64_t *reserve,
-                          int *explicit_max) {
-    static const char *const keys[] = {"max_tokens", "max_completion_tokens", "max_output_tokens"};
+static uint64_t token_cap(const px_config *cfg, const px_body_idx *bx, const char *body,
+                          size_t blen, uint64_t *reserve, int *explicit_max) {
+    static const px_bkey keys[] = {PX_BK_MAX_TOKENS, PX_BK_MAX_COMPLETION_TOKENS,
+                                   PX_BK_MAX_OUTPUT_TOKENS};
     uint64_t out = (uint64_t)cfg->default_max_tokens;
     px_json_member m, sp;
     const char *obj = body;
     size_t on = blen;
-    if (body && px_json_find(body, blen, "sampling_params", &sp) && sp.type == PX_JSON_OBJECT)
-        obj = sp.val, on = sp.val_len; /* /inference/v1/generate */
+    int nested = px_body_idx_get(bx, PX_BK_SAMPLING_PARAMS, body, blen, &sp) &&
+                 sp.type == PX_JSON_OBJECT;
+    if (nested) obj = sp.val, on = sp.val_len; /* /inference/v1/generate */
     for (size_t i = 0; obj && i < sizeof keys / sizeof *keys; i++) {
         long long v;
-        if (px_json_find(obj, on, keys[i], &m) && m.type == PX_JSON_NUMBER &&
+        if (px_body_idx_get(nested ? NULL : bx, keys[i], obj, on, &m) && m.type == PX_JSON_NUMBER &&
             px_prio_number(m.val, m.val + m.val_len, &v) == 0 && v >= 0) {
             out = v > 1000000000LL ? 1000000000ULL : (uint64_t)v;
             *explicit_max = 1;
@@ -676,7 +681,7 @@ px_adm_verdict px_adm_enter(px_wctx *w, px_adm_req *a, px_pset *ps, const px_htt
     uint64_t reserve = 0;
     int explicit_max = 0;
     if (a->count_tokens) {
-        a->tok_cap = token_cap(cfg, body, blen, &reserve, &explicit_max);
+        a->tok_cap = token_cap(cfg, a->bx, body, blen, &reserve, &explicit_max);
         /* --default-max-tokens is a guess: never more than a minute's
          * worth, so a request without max_tokens is never too large. */
         uint64_t tl = atomic_load(&t->tpm.limit);
@@ -720,7 +725,7 @@ px_adm_verdict px_adm_enter(px_wctx *w, px_adm_req *a, px_pset *ps, const px_htt
         }
         saturated = 1; /* another worker took the last slot meanwhile */
     }
-    a->it.cls = class_of(c, t, h, body, blen);
+    a->it.cls = class_of(c, t, h, a->bx, body, blen);
     a->it.tenant = a->tenant;
     a->it.bytes = blen;
     if (!cfg->queue_max || limit <= 0 || px_admq_push(&w->adm->q, &a->it) < 0) {

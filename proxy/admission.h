@@ -121,6 +121,8 @@ typedef struct px_adm_req {
     const struct x509_st *cert; /* borrowed, set by the caller: the client's verified
                                  * certificate (px_conn_client_cert), read by px_adm_enter
                                  * only; NULL: none */
+    const struct px_body_idx *bx; /* borrowed, set by the caller: the body's members
+                                   * (bodyidx.h), read by px_adm_enter only; NULL: searched */
     int keyed;              /* it presented an accepted key */
     unsigned char key[32];  /* that key's SHA-256 */
     char salt[33];          /* the cache_salt engines get ("": none); see px_adm_salted */

@@ -11,11 +11,15 @@
 /* ---------- the decision ---------- */
 
 /* The member holding the prompt. */
+px_bkey px_disagg_prompt_key(px_endpoint ep) {
+    return ep == PX_EP_COMPLETIONS  ? PX_BK_PROMPT
+           : ep == PX_EP_RESPONSES ? PX_BK_INPUT
+           : ep == PX_EP_GENERATE  ? PX_BK_TOKEN_IDS
+                                   : PX_BK_MESSAGES;
+}
+
 static const char *prompt_member(px_endpoint ep) {
-    return ep == PX_EP_COMPLETIONS  ? "prompt"
-           : ep == PX_EP_RESPONSES ? "input"
-           : ep == PX_EP_GENERATE  ? "token_ids"
-                                   : "messages";
+    return px_bkey_name(px_disagg_prompt_key(ep));
 }
 
 /* Tokens of a prompt given as token ids ([1,2,3]): exact. -1 when the

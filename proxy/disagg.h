@@ -10,6 +10,7 @@
 #include <stdint.h>
 
 #include "base/json.h"
+#include "proxy/bodyidx.h"
 #include "proxy/config.h"
 #include "proxy/endpoint.h"
 #include "proxy/metrics.h"
@@ -55,6 +56,8 @@ size_t px_disagg_token_ids(px_endpoint ep, const char *body, size_t len, size_t 
 /* The member of the body that holds the prompt ("prompt", "messages",
  * "input", "token_ids" by endpoint): 1 with it in *m, 0 when absent. */
 int px_disagg_prompt(px_endpoint ep, const char *body, size_t len, px_json_member *m);
+/* The member that holds endpoint ep's prompt. */
+px_bkey px_disagg_prompt_key(px_endpoint ep);
 /* px_disagg_token_ids on the member px_disagg_prompt found (one parse of
  * the body serves prefix_affinity's key and kv_aware's tokens). */
 size_t px_disagg_prompt_ids(px_endpoint ep, const px_json_member *m, size_t max, uint32_t **out);

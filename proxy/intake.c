@@ -33,6 +33,11 @@ void px_intake_init(px_intake *in, px_wctx *w, px_gen *g, px_endpoint ep, const 
     in->ps = &g->ps[0];
 }
 
+void px_intake_body_gone(px_intake *in) {
+    in->key = NULL;
+    in->bx.ok = 0;
+}
+
 void px_intake_cleanup(px_intake *in) {
     px_backend_release(in->hb);
     in->hb = NULL;
@@ -64,8 +69,8 @@ static int choose_pool(px_intake *in, const char *lid, px_verdict *v) {
     px_json_member m;
     char model[512];
     long n = -1;
-    int str = px_json_find(in->body->data, in->body->len, "model", &m) && m.val_len >= 2 &&
-              m.val[0] == '"';
+    int str = px_body_idx_get(&in->bx, PX_BK_MODEL, in->body->data, in->body->len, &m) &&
+              m.val_len >= 2 && m.val[0] == '"';
     if (str) n = px_json_str_decode(m.val + 1, m.val_len - 2, model, sizeof model);
     if (n < 0 && str && m.val_len >= sizeof model)
         return refuse(v, 400, NULL,
@@ -194,10 +199,14 @@ int px_intake_room(px_intake *in, int64_t *held, px_verdict *v) {
 int px_intake_pd(px_intake *in, const px_http_head *h, const char *lid, px_verdict *v) {
     const px_buf *body = in->body;
     char err[128];
-    px_json_type t = px_json_validate(body->data ? body->data : "", body->len, err, sizeof err);
-    if (t == PX_JSON_INVALID)
-        return refuse(v, 400, NULL, "request body is not valid JSON: %s", err);
-    if (t != PX_JSON_OBJECT) return refuse(v, 400, NULL, "request body must be a JSON object");
+    /* One pass validates the body and finds the members read later; only
+     * a bad body is scanned again, for the reason. */
+    if (px_body_idx_build(&in->bx, body->data, body->len) < 0) {
+        if (px_json_validate(body->data ? body->data : "", body->len, err, sizeof err) ==
+            PX_JSON_INVALID)
+            return refuse(v, 400, NULL, "request body is not valid JSON: %s", err);
+        return refuse(v, 400, NULL, "request body must be a JSON object");
+    }
     if (choose_pool(in, lid, v) < 0 || sidecar_prefill(in, h, lid, v) < 0) return -1;
     /* A prefill without a decode to hand its blocks to would strand them
      * until they expire: refuse before starting one. */
@@ -215,7 +224,8 @@ int px_intake_pd(px_intake *in, const px_http_head *h, const char *lid, px_verdi
     px_json_member user;
     if (sh && sh->value_len)
         in->session = px_hash64_seed(sh->value, sh->value_len, 1);
-    else if (in->ctx->sessions && px_json_find(body->data, body->len, "user", &user) &&
+    else if (in->ctx->sessions &&
+             px_body_idx_get(&in->bx, PX_BK_USER, body->data, body->len, &user) &&
              user.type == PX_JSON_STRING && user.val_len > 2)
         in->session = px_hash64_seed(user.val, user.val_len, 2);
     return 0;
@@ -225,7 +235,8 @@ int px_intake_prompt(px_intake *in) {
     /* One look at the prompt gives prefix_affinity its key and kv_aware
      * its token ids. */
     px_json_member pm;
-    int has = px_disagg_prompt(in->ep, in->body->data, in->body->len, &pm);
+    int has = px_body_idx_get(&in->bx, px_disagg_prompt_key(in->ep), in->body->data,
+                              in->body->len, &pm);
     const px_pool_cfg *pc = &in->ps->prefill.cfg;
     px_policy pp = pc->policy;
     if (has && (pp == PX_POLICY_PREFIX_AFFINITY || pp == PX_POLICY_PREFIX_AFFINITY_BYTES)) {
@@ -253,7 +264,8 @@ void px_intake_token_key(px_intake *in) {
 uint64_t px_intake_kv_extra(const px_intake *in) {
     px_json_member m;
     const px_buf *body = in->body;
-    if (!in->ctx->kvindex || !body->data || !px_json_find(body->data, body->len, "model", &m) ||
+    if (!in->ctx->kvindex || !body->data ||
+        !px_body_idx_get(&in->bx, PX_BK_MODEL, body->data, body->len, &m) ||
         m.type != PX_JSON_STRING || m.val_len < 2)
         return 0;
     return px_kvindex_request_extra(in->ctx->kvindex, m.val + 1, m.val_len - 2);

@@ -15,6 +15,7 @@
 #include "base/http.h"
 #include "base/util.h"
 #include "proxy/ctx.h"
+#include "proxy/bodyidx.h"
 #include "proxy/disagg.h"
 #include "proxy/endpoint.h"
 #include "proxy/leg.h"
@@ -28,6 +29,7 @@ typedef struct px_intake {
     px_gen *g;   /* borrowed: the request's generation */
     px_endpoint ep;
     const px_buf *body; /* borrowed: the client's body, while the request holds it */
+    px_body_idx bx;     /* its members, found as px_intake_pd validated it */
     px_pset *ps;        /* borrowed from g: the pool of the request's model */
     px_backend *hb;     /* owned reference: the prefill named by the request's header */
     int no_prefill;     /* sidecar mode without the header: decode alone */
@@ -55,6 +57,9 @@ void px_intake_announce(void);
 
 void px_intake_init(px_intake *in, px_wctx *w, px_gen *g, px_endpoint ep, const px_buf *body);
 void px_intake_cleanup(px_intake *in);
+/* The client's body was let go: nothing points into it any more (the
+ * prefix key, the members). */
+void px_intake_body_gone(px_intake *in);
 void px_verdict_cleanup(px_verdict *v);
 
 /* The checks of every request: one of --max-inflight's slots taken

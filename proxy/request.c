@@ -484,8 +484,7 @@ static void prefill_rejected(px_req *r, int named) {
     req_finish(r, p->status, PX_RO_PREFILL_REJECTED, NULL, NULL);
 }
 
-/* Decode's body from the client's and prefill's kv_transfer_params: what
- * prefill's answer held (PX_KVP_BAD_RESPONSE: nothing built, r->pa.err). */
+/* Decode's body (handoff.h): what prefill's answer held (bad: r->pa.err). */
 static px_kvp_status decode_body(px_req *r) {
     px_kvp_status ks = px_handoff_serial(
         &r->w->metrics, r->log.lid, r->pre.name, &r->pa, &r->pre.resp, px_reqlog_traced(),
@@ -494,7 +493,7 @@ static px_kvp_status decode_body(px_req *r) {
         !strcmp(r->ctx->cfg->usage_from, "prefill"), r->transfer_id, &r->dec.body, r->reply.cached);
     if (ks == PX_KVP_BAD_RESPONSE) return ks;
     r->disagg = ks != PX_KVP_MISSING;
-    r->in.key = NULL; /* it pointed into the client's body */
+    px_intake_body_gone(&r->in);
     account(r);
     return ks;
 }
@@ -622,7 +621,7 @@ static void dispatch_concurrent(px_req *r) {
 
 static int handoff(void *arg) {
     px_kvp_status ks = decode_body(arg);
-    return ks != PX_KVP_BAD_RESPONSE && ks != PX_KVP_MISSING;
+    return ks == PX_KVP_OK || ks == PX_KVP_NO_REQUEST_ID;
 }
 
 /* What the release (release.h) asks of the request. */
@@ -859,6 +858,7 @@ static void start_pd(px_req *r, const px_http_head *h) {
     r->adm.expire = adm_expire;
     r->adm.peer = r->log.client;
     r->adm.cert = r->ctx->tcerts ? px_conn_client_cert(r->reply.conn) : NULL;
+    r->adm.bx = &r->in.bx;
     px_lat_req_headers(&r->lat, r->ctx, h, r->body.data, r->body.len);
     px_adm_verdict av = px_adm_enter(r->w, &r->adm, r->in.ps, h, r->body.data, r->body.len, &status,
                                      extra, sizeof extra, msg, sizeof msg);

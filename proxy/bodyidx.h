@@ -1,0 +1,48 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/* The client body's top-level members that the proxy reads (its model,
+ * prompt, user, cache_salt, limits, priority), found in the one pass that
+ * validates the body: intake, admission and routing look them up here
+ * instead of each scanning the body again. Spans borrowed from the body:
+ * valid while the request holds it. */
+#ifndef PX_BODYIDX_H
+#define PX_BODYIDX_H
+
+#include <stddef.h>
+
+#include "base/json.h"
+
+typedef enum {
+    PX_BK_MODEL,
+    PX_BK_USER,
+    PX_BK_PROMPT,   /* completions */
+    PX_BK_MESSAGES, /* chat, messages */
+    PX_BK_INPUT,    /* responses */
+    PX_BK_TOKEN_IDS, /* generate */
+    PX_BK_CACHE_SALT,
+    PX_BK_SAMPLING_PARAMS,
+    PX_BK_MAX_TOKENS,
+    PX_BK_MAX_COMPLETION_TOKENS,
+    PX_BK_MAX_OUTPUT_TOKENS,
+    PX_BK_PRIORITY,
+    PX_BK_N
+} px_bkey;
+
+typedef struct px_body_idx {
+    int ok; /* built from a body that is a valid JSON object, still held */
+    px_json_member m[PX_BK_N];
+} px_body_idx;
+
+/* Validates body[0..n) as a JSON object and finds its members (the last
+ * of duplicates, as px_json_find). Returns 0, or -1 (x->ok 0) when it is
+ * not a valid object: px_json_validate says why. */
+int px_body_idx_build(px_body_idx *x, const char *body, size_t n);
+
+/* The member named by k: 1 with *m set, 0 when absent. x NULL or not ok:
+ * the answer is px_json_find's on body[0..n) (callers that hold no index). */
+int px_body_idx_get(const px_body_idx *x, px_bkey k, const char *body, size_t n,
+                    px_json_member *m);
+
+/* The key of k as it stands in a body ("model"). */
+const char *px_bkey_name(px_bkey k);
+
+#endif
