@@ -31,22 +31,25 @@ static int value_byte(unsigned char c) {
     return c >= 0x20 ? c != 0x7f : c == '\t';
 }
 
-/* ASCII lower case without a table or a locale. */
-static unsigned char lower(unsigned char c) {
-    return (unsigned char)(c + ((unsigned)(c - 'A') < 26u ? 32 : 0));
+/* Whether a[0..n) and b[0..n) are equal but for the case of letters: a
+ * byte equal to its peer costs one compare, and one that differs matches
+ * only as the other case of the same letter (they differ in bit 5 alone). */
+static int ieq(const char *a, const char *b, size_t n) {
+    for (size_t i = 0; i < n; i++) {
+        unsigned char x = (unsigned char)a[i], y = (unsigned char)b[i];
+        if (x != y && ((x ^ y) != 0x20 || (unsigned)((x | 0x20) - 'a') >= 26u)) return 0;
+    }
+    return 1;
 }
 
 int px_http_token_eq(const char *s, size_t n, const char *lit) {
-    size_t i;
-    for (i = 0; i < n && lit[i]; i++)
-        if (lower((unsigned char)s[i]) != lower((unsigned char)lit[i])) return 0;
-    return i == n && lit[i] == 0;
+    return strnlen(lit, n + 1) == n && ieq(s, lit, n);
 }
 
 /* Whether s[0..n) is the token lit (lit_len bytes) in any case: the length
  * first, so most names are told apart without a byte compared. */
 static int name_is(const char *s, size_t n, const char *lit, size_t lit_len) {
-    return n == lit_len && px_http_token_eq(s, n, lit);
+    return n == lit_len && ieq(s, lit, n);
 }
 #define NAME_IS(s, n, lit) name_is((s), (n), (lit), sizeof(lit) - 1)
 

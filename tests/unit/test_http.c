@@ -146,6 +146,29 @@ static void test_chunked_spans_point_into_input(void **state)
  * rules (names: token characters; values: no control character but tab,
  * no DEL), and the framing headers found in any case and only by their
  * exact names. */
+/* Case-insensitive token compare: letters fold, nothing else does (bytes
+ * 0x20 apart that are not two cases of a letter, such as '@' and '`', '['
+ * and '{', '-' and CR, differ), and the lengths must agree. */
+static void test_token_eq(void **state) {
+    (void)state;
+    assert_true(px_http_token_eq("Content-Length", 14, "content-length"));
+    assert_true(px_http_token_eq("CHUNKED", 7, "chunked"));
+    assert_true(px_http_token_eq("chunked", 7, "ChUnKeD"));
+    assert_false(px_http_token_eq("chunked", 6, "chunked"));
+    assert_false(px_http_token_eq("chunke", 6, "chunked"));
+    assert_false(px_http_token_eq("chunkedx", 8, "chunked"));
+    assert_false(px_http_token_eq("a@b", 3, "a`b"));
+    assert_false(px_http_token_eq("a[b", 3, "a{b"));
+    assert_false(px_http_token_eq("x\rid", 4, "x-id")); /* CR and - are 0x20 apart */
+    for (int c = 0; c < 256; c++)
+        for (int d = 0; d < 256; d++) {
+            char a[2] = {(char)c, 0}, b[2] = {(char)d, 0};
+            int fold = (c >= 'A' && c <= 'Z' ? c + 32 : c) == (d >= 'A' && d <= 'Z' ? d + 32 : d);
+            if (!d) continue; /* lit ends at its NUL */
+            assert_int_equal(px_http_token_eq(a, 1, b), fold);
+        }
+}
+
 static void test_byte_classes(void **state)
 {
     (void)state;
@@ -320,6 +343,7 @@ int main(void)
         cmocka_unit_test(test_chunked_spans_point_into_input),
         cmocka_unit_test(test_too_many_headers),
         cmocka_unit_test(test_byte_classes),
+        cmocka_unit_test(test_token_eq),
         cmocka_unit_test(test_chunked_decoder),
         cmocka_unit_test(test_request_id),
         cmocka_unit_test(test_normalize_target),
