@@ -10,6 +10,7 @@ PKGS=(
   python3 curl openssl
   nginx-light wrk
   strace   # tests/integration/test_proxy_budget.py counts system calls per request
+  valgrind # tests/integration/test_proxy_budget.py counts instructions per request (callgrind)
   clang libclang-rt-dev
   python3-yaml   # deploy/check.sh parses the rendered Kubernetes manifests
   mkdocs   # the documentation site (mkdocs.yml, docs/): CTest docs.site builds it with --strict
