@@ -24,12 +24,16 @@
 #ifndef PX_SANITIZE
 #define PX_SANITIZE ""
 #endif
+#ifndef PX_LTO_ON
+#define PX_LTO_ON 0
+#endif
 
 void px_version_print(FILE *out) {
     fprintf(out, "pdproxy %s\n", PDPROXY_VERSION);
     fprintf(out, "commit: %s\n", PDPROXY_COMMIT);
-    fprintf(out, "build: %s%s%s\n", PX_BUILD_TYPE[0] ? PX_BUILD_TYPE : "default",
-            PX_SANITIZE[0] ? ", sanitizers " : "", PX_SANITIZE);
+    fprintf(out, "build: %s%s%s%s\n", PX_BUILD_TYPE[0] ? PX_BUILD_TYPE : "default",
+            PX_LTO_ON ? ", link-time optimised" : "", PX_SANITIZE[0] ? ", sanitizers " : "",
+            PX_SANITIZE);
     const char *ssl = OpenSSL_version(OPENSSL_VERSION);
     fprintf(out, "TLS: %s", ssl);
     if (strcmp(ssl, OPENSSL_VERSION_TEXT)) fprintf(out, " (built against %s)", OPENSSL_VERSION_TEXT);
