@@ -910,6 +910,8 @@ int px_adm_body(px_adm_req *a, int usage_route, px_buf *body) {
                                    &out);
         changed |= a->strip_usage;
     }
+    /* Its members moved with it: found again, in the new bytes. */
+    if (changed && a->bx) px_body_idx_build(a->bx, body->data, body->len);
     return changed;
 }
 

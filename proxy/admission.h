@@ -121,8 +121,8 @@ typedef struct px_adm_req {
     const struct x509_st *cert; /* borrowed, set by the caller: the client's verified
                                  * certificate (px_conn_client_cert), read by px_adm_enter
                                  * only; NULL: none */
-    const struct px_body_idx *bx; /* borrowed, set by the caller: the body's members
-                                   * (bodyidx.h), read by px_adm_enter only; NULL: searched */
+    struct px_body_idx *bx; /* borrowed, set by the caller: the body's members (bodyidx.h),
+                             * read by px_adm_enter, rebuilt by px_adm_body; NULL: searched */
     int keyed;              /* it presented an accepted key */
     unsigned char key[32];  /* that key's SHA-256 */
     char salt[33];          /* the cache_salt engines get ("": none); see px_adm_salted */
@@ -193,7 +193,8 @@ void px_adm_answer(px_adm_req *a, const char *p, size_t n);
  * completions) whose tenant counts tokens, a stream that does not ask for
  * usage asks for it (rewrite.h px_rewrite_include_usage; a->strip_usage
  * set: its usage chunk is dropped before the client, usage.h). Returns 1
- * when *body was replaced, 0 when it goes as it is. */
+ * when *body was replaced (a->bx, when set, indexes the new one), 0 when it
+ * goes as it is. */
 int px_adm_body(px_adm_req *a, int usage_route, struct px_buf *body);
 
 /* The KV index's key of a request's salt (kvindex.h), 0: none. */

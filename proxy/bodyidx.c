@@ -22,12 +22,15 @@ const char *px_bkey_name(px_bkey k) {
 
 int px_body_idx_build(px_body_idx *x, const char *body, size_t n) {
     x->ok = px_json_object_find(body ? body : "", n, names, PX_BK_N, x->m) == 0;
+    x->src = body;
+    x->len = n;
     return x->ok ? 0 : -1;
 }
 
 int px_body_idx_get(const px_body_idx *x, px_bkey k, const char *body, size_t n,
                     px_json_member *m) {
-    if (!x || !x->ok) return body && px_json_find(body, n, names[k], m);
+    if (!x || !x->ok || x->src != body || x->len != n)
+        return body && px_json_find(body, n, names[k], m);
     if (!x->m[k].val) return 0;
     *m = x->m[k];
     return 1;

@@ -28,7 +28,9 @@ typedef enum {
 } px_bkey;
 
 typedef struct px_body_idx {
-    int ok; /* built from a body that is a valid JSON object, still held */
+    int ok;          /* built from a body that is a valid JSON object, still held */
+    const char *src; /* that body's bytes: a lookup on others searches them */
+    size_t len;
     px_json_member m[PX_BK_N];
 } px_body_idx;
 
@@ -37,8 +39,10 @@ typedef struct px_body_idx {
  * not a valid object: px_json_validate says why. */
 int px_body_idx_build(px_body_idx *x, const char *body, size_t n);
 
-/* The member named by k: 1 with *m set, 0 when absent. x NULL or not ok:
- * the answer is px_json_find's on body[0..n) (callers that hold no index). */
+/* The member named by k: 1 with *m set, 0 when absent. x NULL, not ok,
+ * or built from other bytes than body[0..n) (a body rewritten since):
+ * the answer is px_json_find's on body[0..n). A body rewritten in place
+ * must be indexed again (px_body_idx_build). */
 int px_body_idx_get(const px_body_idx *x, px_bkey k, const char *body, size_t n,
                     px_json_member *m);
 

@@ -7,6 +7,7 @@
 #include <stdio.h>
 #include <string.h>
 
+#include "proxy/bodyidx.h"
 #include "proxy/rewrite.h"
 
 static void check_prefill(const char *in, const char *want)
@@ -341,6 +342,45 @@ static void test_cache_salt_and_usage(void **state)
     px_buf_cleanup(&out);
 }
 
+/* The client body's members, found in the pass that validates it: what
+ * px_json_find would find (the last of duplicates, escaped keys), nothing
+ * for a body that is no object, and a search of the bytes asked about
+ * when they are not the ones indexed (a body rewritten since). */
+static void test_body_index(void **state)
+{
+    (void)state;
+    const char *b = "{\"model\":\"a\",\"prompt\":[1,2],\"mod\\u0065l\":\"b\",\"user\":\"u\","
+                    "\"sampling_params\":{\"max_tokens\":3}}";
+    size_t n = strlen(b);
+    px_body_idx x;
+    px_json_member m;
+    assert_int_equal(px_body_idx_build(&x, b, n), 0);
+    for (int k = 0; k < PX_BK_N; k++) {
+        px_json_member f;
+        int want = px_json_find(b, n, px_bkey_name((px_bkey)k), &f);
+        assert_int_equal(px_body_idx_get(&x, (px_bkey)k, b, n, &m), want);
+        if (want) assert_ptr_equal(m.val, f.val);
+    }
+    assert_true(px_body_idx_get(&x, PX_BK_MODEL, b, n, &m));
+    assert_memory_equal(m.val, "\"b\"", 3); /* the last "model", escaped or not */
+    assert_false(px_body_idx_get(&x, PX_BK_MAX_TOKENS, b, n, &m)); /* nested: not top-level */
+    /* Other bytes (a copy, as a rewritten body is): searched, never the index. */
+    char copy[256];
+    memcpy(copy, b, n + 1);
+    memcpy(copy + strlen("{\"model\":\""), "z", 1);
+    assert_true(px_body_idx_get(&x, PX_BK_MODEL, copy, n, &m));
+    assert_ptr_equal(m.val, copy + (strstr(b, "\"b\"") - b));
+    assert_true(px_body_idx_get(&x, PX_BK_USER, copy, n - 1, &m) == px_json_find(copy, n - 1,
+                                                                                 "user", &m));
+    /* Not an object, or not JSON: no index; lookups search. */
+    assert_int_equal(px_body_idx_build(&x, "[1]", 3), -1);
+    assert_false(x.ok);
+    assert_int_equal(px_body_idx_build(&x, "{\"model\":", 9), -1);
+    assert_false(px_body_idx_get(&x, PX_BK_MODEL, "{\"model\":", 9, &m));
+    assert_int_equal(px_body_idx_build(&x, NULL, 0), -1);
+    assert_false(px_body_idx_get(NULL, PX_BK_MODEL, NULL, 0, &m));
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -355,6 +395,7 @@ int main(void)
         cmocka_unit_test(test_nested_owned_keys),
         cmocka_unit_test(test_foreign_encodings_refused),
         cmocka_unit_test(test_cache_salt_and_usage),
+        cmocka_unit_test(test_body_index),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
