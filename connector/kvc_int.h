@@ -857,28 +857,6 @@ KVC_HIDDEN ucs_status_t kvc_stage_recv(kvc_agent_t *a, kvc_stage_ref_t *ref, siz
 #define KVC_WIRE_POOL_LEN (KVC_WIRE_DATA_HDR_LEN + 24)
 #define KVC_WIRE_SLOT_LEN (8 + KVC_TOKEN_LEN + 16)
 enum { KVC_SLOT_POOL_OK = 1, KVC_SLOT_POOL_NO = 2, KVC_SLOT_FREE = 3 };
-/* Each message's encoder fills a fixed-size header (no allocation: they
- * go once per chunk); each parser checks the length and the fields a
- * peer could get wrong, KVC_ERR_PROTOCOL otherwise. */
-KVC_HIDDEN void kvc_wire_encode_ready(uint8_t out[KVC_WIRE_READY_LEN], const kvc_wire_data_hdr_t *h,
-                                      uint64_t off);
-KVC_HIDDEN kvc_status_t kvc_wire_parse_ready(const uint8_t *p, size_t len, kvc_wire_data_hdr_t *h,
-                                             uint64_t *off);
-typedef struct {
-    kvc_wire_data_hdr_t h; /* xfer id and token */
-    uint64_t base, len;    /* the pool in the producer's address space (len > 0, no wrap) */
-    uint64_t slot_bytes;   /* > 0, dividing len */
-} kvc_wire_pool_t;
-KVC_HIDDEN void kvc_wire_encode_pool(uint8_t out[KVC_WIRE_POOL_LEN], const kvc_wire_pool_t *m);
-KVC_HIDDEN kvc_status_t kvc_wire_parse_pool(const uint8_t *p, size_t len, kvc_wire_pool_t *m);
-typedef struct {
-    uint64_t xfer_id;
-    uint8_t token[KVC_TOKEN_LEN];
-    uint32_t kind; /* KVC_SLOT_*; the u32 after it is 0 */
-    uint64_t off;  /* the slot's offset in the pool (KVC_SLOT_FREE) */
-} kvc_wire_slot_t;
-KVC_HIDDEN void kvc_wire_encode_slot(uint8_t out[KVC_WIRE_SLOT_LEN], const kvc_wire_slot_t *m);
-KVC_HIDDEN kvc_status_t kvc_wire_parse_slot(const uint8_t *p, size_t len, kvc_wire_slot_t *m);
 /* Consumer: whether its pulls to p ask for the mapped pool (KVC_PULL_SHM):
  * staged regions here, KVC_STAGED_WIRE unset, and p's pool not found
  * unmappable before. */
@@ -886,7 +864,8 @@ KVC_HIDDEN bool kvc_stage_shm_wanted(const kvc_agent_t *a, const kvc_peer_t *p);
 /* Consumer: the producer p offers its pool for fetch (xfer_id, token):
  * mapped here (once per peer and pool), answered with a SLOT
  * POOL_OK or POOL_NO on p's endpoint. */
-KVC_HIDDEN void kvc_stage_pool_offer(kvc_agent_t *a, kvc_peer_t *p, const kvc_wire_pool_t *m,
+KVC_HIDDEN void kvc_stage_pool_offer(kvc_agent_t *a, kvc_peer_t *p, uint64_t xfer_id,
+                                     const uint8_t token[KVC_TOKEN_LEN], const uint8_t *hdr,
                                      const void *rkey, size_t rkey_len);
 /* Consumer: a checked READY of the fetch whose account is ref: its chunk
  * is copied from p's mapped slot to the device, and the slot handed back

@@ -433,19 +433,19 @@ kvc_status_t kvc_wire_parse_pull(const uint8_t *p, size_t len, kvc_wire_pull_t *
     return KVC_OK;
 }
 
-/* v little-endian in p[0..n). */
-static void wr_le(uint8_t *p, uint64_t v, int n) {
-    for (int i = 0; i < n; i++)
-        p[i] = (uint8_t)(v >> (8 * i));
-}
-
 void kvc_wire_encode_data_hdr(uint8_t out[KVC_WIRE_DATA_HDR_LEN], const kvc_wire_data_hdr_t *h) {
-    wr_le(out, h->xfer_id, 8);
-    wr_le(out + 8, h->region, 4);
-    wr_le(out + 12, (uint32_t)h->status, 4);
-    wr_le(out + 16, h->local_start, 8);
-    wr_le(out + 24, h->count, 8);
-    memcpy(out + 32, h->token, KVC_TOKEN_LEN);
+    kvc_buf_t b = {0};
+    kvc_buf_u64(&b, h->xfer_id);
+    kvc_buf_u32(&b, h->region);
+    kvc_buf_u32(&b, (uint32_t)h->status);
+    kvc_buf_u64(&b, h->local_start);
+    kvc_buf_u64(&b, h->count);
+    kvc_buf_put(&b, h->token, KVC_TOKEN_LEN);
+    if (!b.failed && b.len == KVC_WIRE_DATA_HDR_LEN)
+        memcpy(out, b.p, KVC_WIRE_DATA_HDR_LEN);
+    else
+        memset(out, 0xff, KVC_WIRE_DATA_HDR_LEN); /* parses as garbage: rejected */
+    kvc_buf_cleanup(&b);
 }
 
 kvc_status_t kvc_wire_parse_data_hdr(const uint8_t *p, size_t len, kvc_wire_data_hdr_t *h) {
@@ -459,67 +459,6 @@ kvc_status_t kvc_wire_parse_data_hdr(const uint8_t *p, size_t len, kvc_wire_data
     t.count = rd_uint(&r, 8);
     memcpy(t.token, rd_span(&r, KVC_TOKEN_LEN).p, KVC_TOKEN_LEN);
     *h = t;
-    return KVC_OK;
-}
-
-void kvc_wire_encode_ready(uint8_t out[KVC_WIRE_READY_LEN], const kvc_wire_data_hdr_t *h,
-                           uint64_t off) {
-    kvc_wire_encode_data_hdr(out, h);
-    wr_le(out + KVC_WIRE_DATA_HDR_LEN, off, 8);
-}
-
-kvc_status_t kvc_wire_parse_ready(const uint8_t *p, size_t len, kvc_wire_data_hdr_t *h,
-                                  uint64_t *off) {
-    if (!p || len != KVC_WIRE_READY_LEN ||
-        kvc_wire_parse_data_hdr(p, KVC_WIRE_DATA_HDR_LEN, h) != KVC_OK)
-        return KVC_ERR_PROTOCOL;
-    rd_t r = {p + KVC_WIRE_DATA_HDR_LEN, 8, 0, false};
-    *off = rd_uint(&r, 8);
-    return KVC_OK;
-}
-
-void kvc_wire_encode_pool(uint8_t out[KVC_WIRE_POOL_LEN], const kvc_wire_pool_t *m) {
-    kvc_wire_encode_data_hdr(out, &m->h);
-    wr_le(out + KVC_WIRE_DATA_HDR_LEN, m->base, 8);
-    wr_le(out + KVC_WIRE_DATA_HDR_LEN + 8, m->len, 8);
-    wr_le(out + KVC_WIRE_DATA_HDR_LEN + 16, m->slot_bytes, 8);
-}
-
-kvc_status_t kvc_wire_parse_pool(const uint8_t *p, size_t len, kvc_wire_pool_t *m) {
-    kvc_wire_pool_t t;
-    if (!p || len != KVC_WIRE_POOL_LEN ||
-        kvc_wire_parse_data_hdr(p, KVC_WIRE_DATA_HDR_LEN, &t.h) != KVC_OK)
-        return KVC_ERR_PROTOCOL;
-    rd_t r = {p + KVC_WIRE_DATA_HDR_LEN, 24, 0, false};
-    t.base = rd_uint(&r, 8);
-    t.len = rd_uint(&r, 8);
-    t.slot_bytes = rd_uint(&r, 8);
-    if (!t.len || t.base > UINT64_MAX - t.len || !t.slot_bytes || t.len % t.slot_bytes)
-        return KVC_ERR_PROTOCOL;
-    *m = t;
-    return KVC_OK;
-}
-
-void kvc_wire_encode_slot(uint8_t out[KVC_WIRE_SLOT_LEN], const kvc_wire_slot_t *m) {
-    wr_le(out, m->xfer_id, 8);
-    memcpy(out + 8, m->token, KVC_TOKEN_LEN);
-    wr_le(out + 8 + KVC_TOKEN_LEN, m->kind, 4);
-    wr_le(out + 12 + KVC_TOKEN_LEN, 0, 4);
-    wr_le(out + 16 + KVC_TOKEN_LEN, m->off, 8);
-}
-
-kvc_status_t kvc_wire_parse_slot(const uint8_t *p, size_t len, kvc_wire_slot_t *m) {
-    if (!p || len != KVC_WIRE_SLOT_LEN) return KVC_ERR_PROTOCOL;
-    rd_t r = {p, len, 0, false};
-    kvc_wire_slot_t t;
-    t.xfer_id = rd_uint(&r, 8);
-    memcpy(t.token, rd_span(&r, KVC_TOKEN_LEN).p, KVC_TOKEN_LEN);
-    t.kind = (uint32_t)rd_uint(&r, 4);
-    uint64_t zero = rd_uint(&r, 4);
-    t.off = rd_uint(&r, 8);
-    if (r.bad || zero || t.kind < KVC_SLOT_POOL_OK || t.kind > KVC_SLOT_FREE)
-        return KVC_ERR_PROTOCOL;
-    *m = t;
     return KVC_OK;
 }
 

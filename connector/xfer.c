@@ -1048,15 +1048,13 @@ static ucs_status_t pool_cb(void *arg, const void *header, size_t hlen, void *da
                             const ucp_am_recv_param_t *param) {
     kvc_agent_t *a = arg;
     bool rndv = (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0;
-    kvc_wire_pool_t m;
-    if (a->destroying || rndv || kvc_wire_parse_pool(header, hlen, &m) != KVC_OK) {
-        if (!a->destroying && kvc_log_ratelimit(a, KVC_RL_DATA))
-            KVC_LOG(a, KVC_LOG_WARN, "push: malformed pool offer (%zu bytes), dropped", hlen);
+    kvc_wire_data_hdr_t h;
+    if (a->destroying || rndv || hlen != KVC_WIRE_POOL_LEN ||
+        kvc_wire_parse_data_hdr(header, KVC_WIRE_DATA_HDR_LEN, &h) != KVC_OK)
         return rndv ? UCS_ERR_INVALID_PARAM : UCS_OK;
-    }
-    kvc_xfer_t *x = any_xfer(a, m.h.xfer_id);
-    if (x && kvc_mac_equal(m.h.token, x->xfer_token, KVC_TOKEN_LEN))
-        kvc_stage_pool_offer(a, x->peer, &m, data, len);
+    kvc_xfer_t *x = any_xfer(a, h.xfer_id);
+    if (x && kvc_mac_equal(h.token, x->xfer_token, KVC_TOKEN_LEN))
+        kvc_stage_pool_offer(a, x->peer, h.xfer_id, h.token, header, data, len);
     return UCS_OK;
 }
 
@@ -1067,12 +1065,16 @@ static ucs_status_t ready_cb(void *arg, const void *header, size_t hlen, void *d
     (void)data;
     bool rndv = (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0;
     kvc_wire_data_hdr_t h;
-    uint64_t off;
-    if (a->destroying || rndv || len || kvc_wire_parse_ready(header, hlen, &h, &off) != KVC_OK) {
+    if (a->destroying || rndv || len || hlen != KVC_WIRE_READY_LEN ||
+        kvc_wire_parse_data_hdr(header, KVC_WIRE_DATA_HDR_LEN, &h) != KVC_OK) {
         if (!a->destroying && kvc_log_ratelimit(a, KVC_RL_DATA))
             KVC_LOG(a, KVC_LOG_WARN, "push: malformed ready message (%zu bytes), dropped", hlen);
         return rndv ? UCS_ERR_INVALID_PARAM : UCS_OK;
     }
+    const uint8_t *o = (const uint8_t *)header + KVC_WIRE_DATA_HDR_LEN;
+    uint64_t off = 0;
+    for (int i = 7; i >= 0; i--)
+        off = off << 8 | o[i];
     bool refused;
     kvc_xfer_t *x = data_fetch(a, &h, &refused);
     if (!x) {

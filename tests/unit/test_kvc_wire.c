@@ -488,67 +488,6 @@ static void test_tokens_and_membership(void **state) {
     assert_false(kvc_pub_has_run(&p, 3, 1));
 }
 
-/* The staged path's READY, POOL and SLOT messages: byte layout fixed
- * (little-endian after the DATA header), round trips, and what a peer
- * could get wrong refused. */
-static void test_staged_messages(void **state) {
-    (void)state;
-    kvc_wire_data_hdr_t h = {7, 3, 0, 100, 8, {1, 2, 3}}, g;
-    uint8_t r[KVC_WIRE_READY_LEN];
-    uint64_t off = 0;
-    kvc_wire_encode_ready(r, &h, 0x0102030405060708ull);
-    assert_int_equal(r[KVC_WIRE_DATA_HDR_LEN], 0x08);
-    assert_int_equal(r[KVC_WIRE_READY_LEN - 1], 0x01);
-    assert_int_equal(kvc_wire_parse_ready(r, sizeof r, &g, &off), KVC_OK);
-    assert_int_equal(off, 0x0102030405060708ull);
-    assert_memory_equal(&g.token, &h.token, KVC_TOKEN_LEN);
-    assert_int_equal(g.xfer_id, 7);
-    assert_int_equal(g.local_start, 100);
-    assert_int_equal(kvc_wire_parse_ready(r, sizeof r - 1, &g, &off), KVC_ERR_PROTOCOL);
-    assert_int_equal(kvc_wire_parse_ready(NULL, 0, &g, &off), KVC_ERR_PROTOCOL);
-
-    kvc_wire_pool_t m = {h, 1ull << 40, 64ull << 20, 4ull << 20}, n;
-    uint8_t p[KVC_WIRE_POOL_LEN];
-    kvc_wire_encode_pool(p, &m);
-    assert_int_equal(kvc_wire_parse_pool(p, sizeof p, &n), KVC_OK);
-    assert_int_equal(n.base, m.base);
-    assert_int_equal(n.len, m.len);
-    assert_int_equal(n.slot_bytes, m.slot_bytes);
-    assert_int_equal(n.h.xfer_id, 7);
-    assert_int_equal(kvc_wire_parse_pool(p, sizeof p + 1, &n), KVC_ERR_PROTOCOL);
-    kvc_wire_pool_t bad[] = {
-        {h, 4096, 0, 4096},                  /* an empty pool */
-        {h, UINT64_MAX - 10, 4096, 4096},    /* wrapping the address space */
-        {h, 4096, 8192, 0},                  /* no slot size */
-        {h, 4096, 8192, 3000},               /* slots that do not tile it */
-    };
-    for (size_t i = 0; i < sizeof bad / sizeof *bad; i++) {
-        kvc_wire_encode_pool(p, &bad[i]);
-        assert_int_equal(kvc_wire_parse_pool(p, sizeof p, &n), KVC_ERR_PROTOCOL);
-    }
-
-    kvc_wire_slot_t s = {9, {4, 5, 6}, KVC_SLOT_FREE, 3ull << 20}, t;
-    uint8_t b[KVC_WIRE_SLOT_LEN];
-    kvc_wire_encode_slot(b, &s);
-    assert_int_equal(b[0], 9);
-    assert_int_equal(b[8 + KVC_TOKEN_LEN], KVC_SLOT_FREE);
-    assert_int_equal(kvc_wire_parse_slot(b, sizeof b, &t), KVC_OK);
-    assert_int_equal(t.xfer_id, 9);
-    assert_int_equal(t.kind, KVC_SLOT_FREE);
-    assert_int_equal(t.off, 3ull << 20);
-    assert_memory_equal(t.token, s.token, KVC_TOKEN_LEN);
-    assert_int_equal(kvc_wire_parse_slot(b, sizeof b - 1, &t), KVC_ERR_PROTOCOL);
-    b[12 + KVC_TOKEN_LEN] = 1; /* the reserved u32 */
-    assert_int_equal(kvc_wire_parse_slot(b, sizeof b, &t), KVC_ERR_PROTOCOL);
-    for (uint32_t kind = 0; kind < 6; kind++) {
-        s.kind = kind;
-        kvc_wire_encode_slot(b, &s);
-        assert_int_equal(kvc_wire_parse_slot(b, sizeof b, &t),
-                         kind >= KVC_SLOT_POOL_OK && kind <= KVC_SLOT_FREE ? KVC_OK
-                                                                           : KVC_ERR_PROTOCOL);
-    }
-}
-
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_header),
@@ -562,7 +501,6 @@ int main(void) {
         cmocka_unit_test(test_auth_messages),
         cmocka_unit_test(test_macs),
         cmocka_unit_test(test_tokens_and_membership),
-        cmocka_unit_test(test_staged_messages),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
