@@ -848,15 +848,39 @@ typedef struct {
  * handler's.  The fetch must outlive its holds. */
 KVC_HIDDEN ucs_status_t kvc_stage_recv(kvc_agent_t *a, kvc_stage_ref_t *ref, size_t region,
                                        uint64_t local_start, void *data, size_t len);
-/* Staged through the producer's mapped pool (staged-shm).  The READY header
- * is a DATA header then u64 the slot's offset in the pool; a POOL header a
- * DATA header (xfer id and token) then u64 pool address, u64 pool length,
- * u64 slot bytes, with the packed rkey as its data; a SLOT message u64
- * xfer id, token, u32 kind (KVC_SLOT_*), u32 0, u64 slot offset. */
+/* Staged through the producer's mapped pool (staged-shm), AM headers
+ * (wire.c, pure, fuzzed; each parse takes exactly its length):
+ *  READY: a DATA header (status 0, a region, count > 0), u64 the slot's
+ *         offset in the pool; no data.
+ *  POOL:  a DATA header (xfer id and token), u64 pool address, u64 pool
+ *         length, u64 slot bytes (the length a multiple of it, the pool not
+ *         wrapping); the packed rkey is its data (1..KVC_WIRE_MAX_BLOB).
+ *  SLOT:  u64 xfer id, token, u32 kind (KVC_SLOT_*), u32 0, u64 slot offset. */
 #define KVC_WIRE_READY_LEN (KVC_WIRE_DATA_HDR_LEN + 8)
 #define KVC_WIRE_POOL_LEN (KVC_WIRE_DATA_HDR_LEN + 24)
 #define KVC_WIRE_SLOT_LEN (8 + KVC_TOKEN_LEN + 16)
 enum { KVC_SLOT_POOL_OK = 1, KVC_SLOT_POOL_NO = 2, KVC_SLOT_FREE = 3 };
+typedef struct {
+    kvc_wire_data_hdr_t h;
+    uint64_t off;
+} kvc_wire_ready_t;
+typedef struct {
+    kvc_wire_data_hdr_t h;
+    uint64_t base, len, slot_bytes;
+} kvc_wire_pool_t;
+typedef struct {
+    uint64_t xfer_id;
+    uint8_t token[KVC_TOKEN_LEN];
+    uint32_t kind;
+    uint64_t off;
+} kvc_wire_slot_t;
+KVC_HIDDEN void kvc_wire_encode_ready(uint8_t out[KVC_WIRE_READY_LEN], const kvc_wire_ready_t *r);
+KVC_HIDDEN kvc_status_t kvc_wire_parse_ready(const uint8_t *p, size_t len, kvc_wire_ready_t *r);
+KVC_HIDDEN void kvc_wire_encode_pool(uint8_t out[KVC_WIRE_POOL_LEN], const kvc_wire_pool_t *pl);
+KVC_HIDDEN kvc_status_t kvc_wire_parse_pool(const uint8_t *p, size_t len, size_t rkey_len,
+                                            kvc_wire_pool_t *pl);
+KVC_HIDDEN void kvc_wire_encode_slot(uint8_t out[KVC_WIRE_SLOT_LEN], const kvc_wire_slot_t *s);
+KVC_HIDDEN kvc_status_t kvc_wire_parse_slot(const uint8_t *p, size_t len, kvc_wire_slot_t *s);
 /* Consumer: whether its pulls to p ask for the mapped pool (KVC_PULL_SHM):
  * staged regions here, KVC_STAGED_WIRE unset, and p's pool not found
  * unmappable before. */
@@ -864,8 +888,7 @@ KVC_HIDDEN bool kvc_stage_shm_wanted(const kvc_agent_t *a, const kvc_peer_t *p);
 /* Consumer: the producer p offers its pool for fetch (xfer_id, token):
  * mapped here (once per peer and pool), answered with a SLOT
  * POOL_OK or POOL_NO on p's endpoint. */
-KVC_HIDDEN void kvc_stage_pool_offer(kvc_agent_t *a, kvc_peer_t *p, uint64_t xfer_id,
-                                     const uint8_t token[KVC_TOKEN_LEN], const uint8_t *hdr,
+KVC_HIDDEN void kvc_stage_pool_offer(kvc_agent_t *a, kvc_peer_t *p, const kvc_wire_pool_t *pl,
                                      const void *rkey, size_t rkey_len);
 /* Consumer: a checked READY of the fetch whose account is ref: its chunk
  * is copied from p's mapped slot to the device, and the slot handed back
