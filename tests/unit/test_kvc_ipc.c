@@ -62,16 +62,20 @@ static void quiet_log(void *arg, kvc_log_level_t level, const char *msg) {
     if (getenv("KVC_TEST_VERBOSE")) fprintf(stderr, "%s: %s\n", (const char *)arg, msg);
 }
 
+static uint32_t connect_ms; /* the next agents' connect timeout (0: the default) */
+
 static kvc_agent_t *agent(const char *name, uint32_t xfer_timeout_ms) {
     kvc_agent_params_t ap = {.field_mask = KVC_AGENT_FIELD_ENGINE_ID | KVC_AGENT_FIELD_SECRET |
-                                           KVC_AGENT_FIELD_LOG | KVC_AGENT_FIELD_XFER_TIMEOUT,
+                                           KVC_AGENT_FIELD_LOG | KVC_AGENT_FIELD_XFER_TIMEOUT |
+                                           KVC_AGENT_FIELD_CONNECT_TIMEOUT,
                              .engine_id = name,
                              .secret = SECRET,
                              .secret_len = strlen(SECRET),
                              .log_cb = quiet_log,
                              .log_arg = (void *)name,
                              .log_level = KVC_LOG_DEBUG,
-                             .xfer_timeout_ms = xfer_timeout_ms};
+                             .xfer_timeout_ms = xfer_timeout_ms,
+                             .connect_timeout_ms = connect_ms};
     kvc_agent_t *a = NULL;
     return kvc_agent_create(&ap, &a) == KVC_OK ? a : NULL;
 }
@@ -101,17 +105,20 @@ static const uint64_t LOC[] = {0, 1, 2, 3, 10, 11, 12, 13, 20, 21, 22, 23, 40};
  * ("serve" and "expire" with the memory mapped through the VMM API, in
  * physical allocations of 192 KiB); "vmm-nofd" (the same, created without
  * the POSIX fd handle type); "vmm-export-fails" (the producer's first
- * cuMemExportToShareableHandle fails: its socket refuses the request). */
+ * cuMemExportToShareableHandle fails: its socket refuses the request);
+ * "vmm-stall" (its exports take 2 s each: a consumer's fd request is taken
+ * and answered only after the consumer's 1 s connect timeout). */
 static int producer_main(const char *mode) {
     setenv("UCX_TLS", "tcp,self", 1);
     setenv("UCX_WARN_UNUSED_ENV_VARS", "n", 1);
     bool vmm = !strncmp(mode, "vmm", 3), nofd = !strcmp(mode, "vmm-nofd");
-    bool noexport = !strcmp(mode, "vmm-export-fails");
+    bool noexport = !strcmp(mode, "vmm-export-fails"), stall = !strcmp(mode, "vmm-stall");
     if (vmm) mode = !strcmp(mode, "vmm-expire") ? "expire" : "serve";
     if (!strcmp(mode, "other-host")) setenv("KVC_TEST_HOST_ID", "another-node", 1);
     if (!strcmp(mode, "no-ipc")) setenv("KVC_IPC", "0", 1);
     cudasim_reset(2, false);
     if (noexport) cudasim_fail("cuMemExportToShareableHandle", 1, cudaErrorNotSupported);
+    if (stall) cudasim_vmm_stall_export(2000);
     kvc_agent_t *a = agent("ipc-P", !strcmp(mode, "short-hold") ? 300 : 30000);
     uint8_t *mem = NULL, *host = malloc(NB * BL);
     /* Both regions in one allocation, region 1 a page and a half in. */
@@ -500,6 +507,16 @@ static void test_ipc_vmm_export_fails(void **state) {
 }
 
 /* The fds came but one does not import here: the staged push. */
+/* The producer's socket takes the fd request but the fds do not come
+ * within the consumer's connect timeout (PEER_IPC): that producer is
+ * pushed, byte-exact, nothing mapped; the late answer is not used. */
+static void test_ipc_vmm_fds_time_out(void **state) {
+    (void)state;
+    connect_ms = 1000;
+    fallback("vmm-stall", NULL, NULL);
+    connect_ms = 0;
+}
+
 static void test_ipc_vmm_import_fails(void **state) {
     (void)state;
     fallback("vmm", NULL, "cuMemImportFromShareableHandle");
@@ -655,6 +672,7 @@ int main(int argc, char **argv) {
         cmocka_unit_test(test_ipc_vmm_no_fd_type),
         cmocka_unit_test(test_ipc_vmm_export_fails),
         cmocka_unit_test(test_ipc_vmm_import_fails),
+        cmocka_unit_test(test_ipc_vmm_fds_time_out),
         cmocka_unit_test(test_ipcfd_refusals),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
