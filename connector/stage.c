@@ -72,13 +72,16 @@ typedef struct {
     kvc_status_t fail; /* consumer: the receive failed */
 } slot_t;
 
-/* A send: header storage that lives until completion. */
-typedef struct {
+/* A send: header storage that lives until completion; kept for the next
+ * send once complete (kvc_stage.ctx_spare), so a chunk costs no heap call. */
+typedef struct sendctx sendctx_t;
+struct sendctx {
+    sendctx_t *next; /* spare list */
     kvc_agent_t *a;
     sjob_t *job;
     slot_t *slot; /* freed when the send completes (wire), or NULL */
     uint8_t hdr[KVC_WIRE_POOL_LEN];
-} sendctx_t;
+};
 
 struct sjob {
     sjob_t *next;
@@ -152,7 +155,38 @@ struct kvc_stage {
     sjob_t *jobs, *jobs_tail;
     pend_t *pend, *pend_tail;
     rd_t *rds, *rd_spare; /* consumer: mapped-slot copies in flight; spares keep events */
+    sendctx_t *ctx_spare; /* completed sends' contexts, for the next ones */
+    pend_t *pend_spare;   /* consumer: waiting-message records, for the next ones */
 };
+
+/* A record from its spare list, else from the heap (NULL: out of memory). */
+static sendctx_t *ctx_get(kvc_agent_t *a) {
+    sendctx_t *c = a->stage ? a->stage->ctx_spare : NULL;
+    if (!c) return malloc(sizeof(*c));
+    a->stage->ctx_spare = c->next;
+    return c;
+}
+
+static pend_t *pend_get(kvc_stage_t *s) {
+    pend_t *p = s->pend_spare;
+    if (!p) return malloc(sizeof(*p));
+    s->pend_spare = p->next;
+    return p;
+}
+
+static void ctx_put(kvc_agent_t *a, sendctx_t *c) {
+    if (!a->stage) {
+        free(c);
+        return;
+    }
+    c->next = a->stage->ctx_spare;
+    a->stage->ctx_spare = c;
+}
+
+static void pend_put(kvc_stage_t *s, pend_t *p) {
+    p->next = s->pend_spare;
+    s->pend_spare = p;
+}
 
 size_t kvc_stage_pool_bytes(const kvc_agent_t *a) {
     return a->stage ? a->stage->slot_bytes * a->stage->nslots : 0;
@@ -239,7 +273,7 @@ static bool ref_live(const kvc_stage_ref_t *r) {
 static void pend_drop(kvc_agent_t *a, pend_t *p, kvc_status_t st, const char *what) {
     ucp_am_data_release(a->worker, p->data);
     ref_release(a, p->x, st, what);
-    free(p);
+    pend_put(a->stage, p);
 }
 
 void kvc_stage_cleanup(kvc_agent_t *a) {
@@ -267,6 +301,16 @@ void kvc_stage_cleanup(kvc_agent_t *a) {
         free(j->runs);
         free(j->pub_id);
         free(j);
+    }
+    while (s->ctx_spare) {
+        sendctx_t *c = s->ctx_spare;
+        s->ctx_spare = c->next;
+        free(c);
+    }
+    while (s->pend_spare) {
+        pend_t *p = s->pend_spare;
+        s->pend_spare = p->next;
+        free(p);
     }
     for (int k = 0; k < 2; k++) /* the peers (and their mappings) are gone already */
         while (k ? s->rd_spare : s->rds) {
@@ -310,7 +354,8 @@ static void slot_release(slot_t *sl) {
 
 static void send_done(void *req, ucs_status_t us, void *ud) {
     sendctx_t *c = ud;
-    c->a->push_inflight--;
+    kvc_agent_t *a = c->a;
+    a->push_inflight--;
     if (us != UCS_OK && us != UCS_ERR_CANCELED)
         KVC_LOG(c->a, KVC_LOG_WARN, "push (staged): send failed: %s", ucs_status_string(us));
     if (c->slot) slot_release(c->slot);
@@ -318,8 +363,8 @@ static void send_done(void *req, ucs_status_t us, void *ud) {
         c->job->inflight--;
         if (us != UCS_OK) job_fail(c->job, KVC_ERR_TRANSPORT);
     }
-    kvc_wake(c->a);
-    free(c);
+    kvc_wake(a);
+    ctx_put(a, c);
     if (req) ucp_request_free(req);
 }
 
@@ -328,13 +373,13 @@ static void send_done(void *req, ucs_status_t us, void *ud) {
  * or failed, goes through send_done, which frees `slot` (when given). */
 static void send_am(kvc_agent_t *a, ucp_ep_h ep, sjob_t *j, slot_t *slot, unsigned id,
                     const void *hdr, size_t hlen, const void *data, size_t len, bool rndv) {
-    sendctx_t *c = calloc(1, sizeof(*c));
+    sendctx_t *c = ctx_get(a);
     if (!c) {
         if (slot) slot_release(slot);
         if (j) job_fail(j, KVC_ERR_NO_MEMORY);
         return;
     }
-    *c = (sendctx_t){.a = a, .job = j, .slot = slot};
+    *c = (sendctx_t){.next = NULL, .a = a, .job = j, .slot = slot};
     memcpy(c->hdr, hdr, hlen);
     ucp_request_param_t rp;
     memset(&rp, 0, sizeof(rp));
@@ -552,12 +597,12 @@ ucs_status_t kvc_stage_recv(kvc_agent_t *a, kvc_stage_ref_t *x, size_t region, u
         recv_start(a, sl, x, data, len, rg->cuda_dev, dst);
         return UCS_INPROGRESS;
     }
-    pend_t *p = calloc(1, sizeof(*p));
+    pend_t *p = pend_get(s);
     if (!p) {
         ref_release(a, x, KVC_ERR_NO_MEMORY, "out of memory");
         return UCS_ERR_NO_MEMORY;
     }
-    *p = (pend_t){.x = x, .data = data, .len = len, .dev = rg->cuda_dev, .dst = dst};
+    *p = (pend_t){.next = NULL, .x = x, .data = data, .len = len, .dev = rg->cuda_dev, .dst = dst};
     if (s->pend_tail)
         s->pend_tail->next = p;
     else
@@ -708,7 +753,7 @@ void kvc_stage_progress(kvc_agent_t *a, uint64_t now, uint64_t *next) {
         s->pend = p->next;
         if (!s->pend) s->pend_tail = NULL;
         recv_start(a, sl, p->x, p->data, p->len, p->dev, p->dst);
-        free(p);
+        pend_put(s, p);
     }
     /* Producer jobs, oldest first; a finished one sends its END (or its
      * refusal, after a failure) once nothing of it is in flight. */

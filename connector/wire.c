@@ -434,19 +434,19 @@ kvc_status_t kvc_wire_parse_pull(const uint8_t *p, size_t len, kvc_wire_pull_t *
     return KVC_OK;
 }
 
+static void put_le(uint8_t *out, uint64_t v, int bytes) {
+    for (int i = 0; i < bytes; i++)
+        out[i] = (uint8_t)(v >> (8 * i));
+}
+
+/* Written in place: one header per pushed chunk, no heap buffer. */
 void kvc_wire_encode_data_hdr(uint8_t out[KVC_WIRE_DATA_HDR_LEN], const kvc_wire_data_hdr_t *h) {
-    kvc_buf_t b = {0};
-    kvc_buf_u64(&b, h->xfer_id);
-    kvc_buf_u32(&b, h->region);
-    kvc_buf_u32(&b, (uint32_t)h->status);
-    kvc_buf_u64(&b, h->local_start);
-    kvc_buf_u64(&b, h->count);
-    kvc_buf_put(&b, h->token, KVC_TOKEN_LEN);
-    if (!b.failed && b.len == KVC_WIRE_DATA_HDR_LEN)
-        memcpy(out, b.p, KVC_WIRE_DATA_HDR_LEN);
-    else
-        memset(out, 0xff, KVC_WIRE_DATA_HDR_LEN); /* parses as garbage: rejected */
-    kvc_buf_cleanup(&b);
+    put_le(out, h->xfer_id, 8);
+    put_le(out + 8, h->region, 4);
+    put_le(out + 12, (uint32_t)h->status, 4);
+    put_le(out + 16, h->local_start, 8);
+    put_le(out + 24, h->count, 8);
+    memcpy(out + 32, h->token, KVC_TOKEN_LEN);
 }
 
 kvc_status_t kvc_wire_parse_data_hdr(const uint8_t *p, size_t len, kvc_wire_data_hdr_t *h) {
@@ -464,11 +464,6 @@ kvc_status_t kvc_wire_parse_data_hdr(const uint8_t *p, size_t len, kvc_wire_data
 }
 
 /* ------------------------------------------- staged-shm: READY, POOL, SLOT -- */
-
-static void put_le(uint8_t *out, uint64_t v, int bytes) {
-    for (int i = 0; i < bytes; i++)
-        out[i] = (uint8_t)(v >> (8 * i));
-}
 
 void kvc_wire_encode_ready(uint8_t out[KVC_WIRE_READY_LEN], const kvc_wire_ready_t *r) {
     kvc_wire_encode_data_hdr(out, &r->h);
