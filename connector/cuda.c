@@ -22,6 +22,7 @@
 #include <strings.h>
 
 #define MAX_DEVICES 64
+#define SPARE_EVENTS 4 /* per device: CUDA IPC fetches' events, kept for the next fetches */
 
 typedef struct {
     int device;
@@ -33,6 +34,8 @@ typedef struct {
     bool recorded;       /* `done` recorded, maybe not complete yet */
     bool slot_copies;    /* staging-pool copies queued (stage.c polls their events) */
     bool ipc_copies;     /* CUDA IPC copies queued (ipc.c polls their events) */
+    cudaEvent_t spare[SPARE_EVENTS]; /* events of this device handed back, for reuse */
+    int nspare;
 } cdev_t;
 
 struct kvc_cuda {
@@ -458,6 +461,8 @@ void kvc_cuda_destroy(kvc_cuda_t *c) {
     if (!c) return;
     kvc_cuda_drain(c);
     for (int i = 0; i < c->ndev; i++) {
+        while (c->devs[i].nspare)
+            cudaEventDestroy(c->devs[i].spare[--c->devs[i].nspare]);
         cudaEventDestroy(c->devs[i].user);
         cudaEventDestroy(c->devs[i].done);
         cudaStreamDestroy(c->devs[i].stream);
@@ -574,7 +579,9 @@ kvc_status_t kvc_cuda_d2d_runs(kvc_cuda_t *c, int dev, void *dst, const void *sr
         }
         d->ipc_copies = true;
     }
-    if (st == KVC_OK && !*ev) {
+    if (st == KVC_OK && !*ev && d->nspare) {
+        *ev = d->spare[--d->nspare];
+    } else if (st == KVC_OK && !*ev) {
         cudaEvent_t e;
         if ((ce = cudaEventCreateWithFlags(&e, cudaEventDisableTiming)) != cudaSuccess)
             st = cfail(c, ce, "cudaEventCreateWithFlags");
@@ -584,4 +591,12 @@ kvc_status_t kvc_cuda_d2d_runs(kvc_cuda_t *c, int dev, void *dst, const void *sr
     if (st == KVC_OK && (ce = cudaEventRecord((cudaEvent_t)*ev, d->stream)) != cudaSuccess)
         st = cfail(c, ce, "cudaEventRecord");
     return dev_leave(c, saved, st);
+}
+
+void kvc_cuda_event_put(kvc_cuda_t *c, int dev, void *ev) {
+    cdev_t *d = find_dev(c, dev);
+    if (d && d->nspare < SPARE_EVENTS)
+        d->spare[d->nspare++] = ev;
+    else
+        kvc_cuda_event_destroy(c, ev);
 }

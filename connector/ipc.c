@@ -580,7 +580,7 @@ int kvc_ipc_poll(kvc_agent_t *a, kvc_ipc_job_t *j, kvc_status_t *st) {
 
 void kvc_ipc_job_cleanup(kvc_agent_t *a, kvc_ipc_job_t *j) {
     for (int k = 0; j->ev && k < j->n; k++)
-        if (j->ev[k]) kvc_cuda_event_destroy(a->cuda, j->ev[k]);
+        if (j->ev[k]) kvc_cuda_event_put(a->cuda, j->dev[k], j->ev[k]);
     free(j->ev);
     free(j->dev);
     memset(j, 0, sizeof(*j));

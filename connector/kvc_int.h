@@ -419,6 +419,9 @@ KVC_HIDDEN kvc_status_t kvc_cuda_copy_event(kvc_cuda_t *c, int dev, void *dst, c
 /* 1: the event's work is complete; 0: not yet; -1: it failed (*st set). */
 KVC_HIDDEN int kvc_cuda_event_poll(kvc_cuda_t *c, void *ev, kvc_status_t *st);
 KVC_HIDDEN void kvc_cuda_event_destroy(kvc_cuda_t *c, void *ev);
+/* Hands an event made on dev back (its work complete or no longer waited
+ * for): kept for kvc_cuda_d2d_runs, or destroyed when dev keeps enough. */
+KVC_HIDDEN void kvc_cuda_event_put(kvc_cuda_t *c, int dev, void *ev);
 /* One host sync per device with queued work; every device is synced even
  * when one fails. */
 KVC_HIDDEN kvc_status_t kvc_cuda_sync(kvc_cuda_t *c);
@@ -476,8 +479,9 @@ KVC_HIDDEN kvc_status_t kvc_cuda_ipc_open(kvc_cuda_t *c, int dev,
 KVC_HIDDEN void kvc_cuda_ipc_close(kvc_cuda_t *c, int dev, void *ptr);
 /* Queues device-to-device copies on dev's stream: run i copies
  * runs[i].count * block_len bytes from src + runs[i].remote * block_len to
- * dst + runs[i].local * block_len; then records *ev (created on dev when
- * NULL; the caller destroys it) after them.  kvc_cuda_drain waits for them. */
+ * dst + runs[i].local * block_len; then records *ev (when NULL, one dev
+ * kept or a new one; the caller hands it back with kvc_cuda_event_put)
+ * after them.  kvc_cuda_drain waits for them. */
 KVC_HIDDEN kvc_status_t kvc_cuda_d2d_runs(kvc_cuda_t *c, int dev, void *dst, const void *src,
                                           size_t block_len, const kvc_run_t *runs, size_t n,
                                           void **ev);

@@ -63,11 +63,13 @@ static void quiet_log(void *arg, kvc_log_level_t level, const char *msg) {
 }
 
 static uint32_t connect_ms; /* the next agents' connect timeout (0: the default) */
+static uint32_t tp_size;    /* the next agents' TP size (0: 1) */
 
 static kvc_agent_t *agent(const char *name, uint32_t xfer_timeout_ms) {
     kvc_agent_params_t ap = {.field_mask = KVC_AGENT_FIELD_ENGINE_ID | KVC_AGENT_FIELD_SECRET |
                                            KVC_AGENT_FIELD_LOG | KVC_AGENT_FIELD_XFER_TIMEOUT |
-                                           KVC_AGENT_FIELD_CONNECT_TIMEOUT,
+                                           KVC_AGENT_FIELD_CONNECT_TIMEOUT |
+                                           (tp_size ? KVC_AGENT_FIELD_TP_SIZE : 0),
                              .engine_id = name,
                              .secret = SECRET,
                              .secret_len = strlen(SECRET),
@@ -75,7 +77,8 @@ static kvc_agent_t *agent(const char *name, uint32_t xfer_timeout_ms) {
                              .log_arg = (void *)name,
                              .log_level = KVC_LOG_DEBUG,
                              .xfer_timeout_ms = xfer_timeout_ms,
-                             .connect_timeout_ms = connect_ms};
+                             .connect_timeout_ms = connect_ms,
+                             .tp_size = tp_size};
     kvc_agent_t *a = NULL;
     return kvc_agent_create(&ap, &a) == KVC_OK ? a : NULL;
 }
@@ -330,6 +333,44 @@ static void ipc_fetch(const char *mode, void (*more)(ctx_t *c)) {
     assert_int_equal(kstat(&c, KVC_STAT_BYTES_IPC), NX * BL * NREG);
     assert_int_equal(kstat(&c, KVC_STAT_CUDA_COPIES), 0); /* device to device, no staging */
     more(&c);
+    wait_released(&c);
+    assert_int_equal(finish(&c), 0);
+}
+
+/* Fetches over CUDA IPC reuse their events: three fetches of one
+ * publication (a consumer of TP 3: the producer releases it at the third
+ * notification), events created for the first only (one per device), none
+ * after; no host sync in any (their events are polled). */
+static void test_ipc_fetches_reuse_events(void **state) {
+    (void)state;
+    tp_size = 3;
+    ctx_t c;
+    start(&c, "serve", 30000);
+    tp_size = 0;
+    unsigned long created[3], syncs = 0;
+    for (int i = 0; i < 3; i++) {
+        unsigned long e0 = cudasim_calls("cudaEventCreateWithFlags");
+        unsigned long s0 = cudasim_calls("cudaStreamSynchronize") +
+                           cudasim_calls("cudaEventSynchronize") +
+                           cudasim_calls("cudaDeviceSynchronize");
+        memset(c.dev[0], 0xA5, NB * BL);
+        memset(c.dev[1], 0xA5, NB * BL);
+        fetch(&c);
+        char msg[300];
+        kvc_status_t st = pump(&c, NULL, msg, sizeof(msg));
+        if (st != KVC_OK) fail_msg("fetch %d failed: %s (%s)", i, msg, kvc_status_str(st));
+        check_bytes(&c);
+        created[i] = cudasim_calls("cudaEventCreateWithFlags") - e0;
+        syncs += cudasim_calls("cudaStreamSynchronize") + cudasim_calls("cudaEventSynchronize") +
+                 cudasim_calls("cudaDeviceSynchronize") - s0;
+    }
+    print_message("IPC fetches: events created %lu, %lu, %lu; host syncs %lu\n", created[0],
+                  created[1], created[2], syncs);
+    assert_int_equal(kstat(&c, KVC_STAT_BYTES_IPC), 3 * NX * BL * NREG);
+    assert_int_equal(created[0], NREG); /* one per device */
+    assert_int_equal(created[1], 0);
+    assert_int_equal(created[2], 0);
+    assert_int_equal(syncs, 0);
     wait_released(&c);
     assert_int_equal(finish(&c), 0);
 }
@@ -659,6 +700,7 @@ int main(int argc, char **argv) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_ipc_table_parse),
         cmocka_unit_test(test_ipc_fetch),
+        cmocka_unit_test(test_ipc_fetches_reuse_events),
         cmocka_unit_test(test_ipc_after_expiry_denied),
         cmocka_unit_test(test_ipc_hold_broken_denied),
         cmocka_unit_test(test_ipc_producer_killed),
