@@ -38,9 +38,19 @@ typedef struct {
     int nspare;
 } cdev_t;
 
+/* A publication's capture: one event per device, recorded on its stream
+ * after the wait for the engine's writes (kvc_cuda_capture). */
+struct kvc_cuda_cap {
+    kvc_cuda_cap_t *next; /* spare list */
+    kvc_cuda_t *c;
+    int n;
+    cudaEvent_t ev[MAX_DEVICES];
+};
+
 struct kvc_cuda {
     cdev_t devs[MAX_DEVICES];
     int ndev;
+    kvc_cuda_cap_t *cap_spare; /* captures handed back, their events kept */
     char err[320];
 };
 
@@ -460,6 +470,13 @@ int kvc_cuda_devices(const kvc_cuda_t *c) {
 void kvc_cuda_destroy(kvc_cuda_t *c) {
     if (!c) return;
     kvc_cuda_drain(c);
+    while (c->cap_spare) {
+        kvc_cuda_cap_t *k = c->cap_spare;
+        c->cap_spare = k->next;
+        for (int i = 0; i < MAX_DEVICES; i++)
+            if (k->ev[i]) cudaEventDestroy(k->ev[i]);
+        free(k);
+    }
     for (int i = 0; i < c->ndev; i++) {
         while (c->devs[i].nspare)
             cudaEventDestroy(c->devs[i].spare[--c->devs[i].nspare]);
@@ -599,4 +616,57 @@ void kvc_cuda_event_put(kvc_cuda_t *c, int dev, void *ev) {
         d->spare[d->nspare++] = ev;
     else
         kvc_cuda_event_destroy(c, ev);
+}
+
+/* -------------------------------------------------- publication capture -- */
+
+kvc_status_t kvc_cuda_capture(kvc_cuda_t *c, kvc_cuda_cap_t **out) {
+    kvc_cuda_cap_t *k = c->cap_spare;
+    if (k)
+        c->cap_spare = k->next;
+    else if (!(k = calloc(1, sizeof(*k))))
+        return KVC_ERR_NO_MEMORY;
+    k->next = NULL;
+    k->c = c;
+    k->n = c->ndev;
+    kvc_status_t st = KVC_OK;
+    for (int i = 0; i < c->ndev && st == KVC_OK; i++) {
+        int saved;
+        if ((st = dev_enter(c, c->devs[i].device, &saved)) != KVC_OK) break;
+        cudaError_t ce;
+        if (!k->ev[i] &&
+            (ce = cudaEventCreateWithFlags(&k->ev[i], cudaEventDisableTiming)) != cudaSuccess) {
+            k->ev[i] = NULL;
+            st = cfail(c, ce, "cudaEventCreateWithFlags");
+        } else if ((ce = cudaEventRecord(k->ev[i], c->devs[i].stream)) != cudaSuccess) {
+            st = cfail(c, ce, "cudaEventRecord");
+        }
+        st = dev_leave(c, saved, st);
+    }
+    if (st != KVC_OK) {
+        kvc_cuda_capture_put(k);
+        return st;
+    }
+    *out = k;
+    return KVC_OK;
+}
+
+kvc_status_t kvc_cuda_capture_wait(kvc_cuda_cap_t *k, unsigned *syncs) {
+    kvc_status_t first = KVC_OK;
+    for (int i = 0; i < k->n; i++) {
+        cudaError_t ce = cudaEventQuery(k->ev[i]);
+        if (ce == cudaErrorNotReady) { /* the engine's writes still run: wait for them */
+            (*syncs)++;
+            ce = cudaEventSynchronize(k->ev[i]);
+        }
+        if (ce != cudaSuccess && first == KVC_OK)
+            first = cfail(k->c, ce, "cudaEventSynchronize (the publication's capture)");
+    }
+    return first;
+}
+
+void kvc_cuda_capture_put(kvc_cuda_cap_t *k) {
+    if (!k) return;
+    k->next = k->c->cap_spare;
+    k->c->cap_spare = k;
 }

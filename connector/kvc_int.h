@@ -422,6 +422,15 @@ KVC_HIDDEN void kvc_cuda_event_destroy(kvc_cuda_t *c, void *ev);
 /* Hands an event made on dev back (its work complete or no longer waited
  * for): kept for kvc_cuda_d2d_runs, or destroyed when dev keeps enough. */
 KVC_HIDDEN void kvc_cuda_event_put(kvc_cuda_t *c, int dev, void *ev);
+/* A publication's capture (publish.c, agents that export over CUDA IPC):
+ * an event per device recorded on its stream after the wait for the
+ * engine's writes, instead of a host sync at publish.  Wait (push.c, before
+ * a one-sided read is confirmed): complete at once, or a host wait for it
+ * (*syncs counts them).  Put: back to c's spares (NULL: nothing). */
+typedef struct kvc_cuda_cap kvc_cuda_cap_t;
+KVC_HIDDEN kvc_status_t kvc_cuda_capture(kvc_cuda_t *c, kvc_cuda_cap_t **out);
+KVC_HIDDEN kvc_status_t kvc_cuda_capture_wait(kvc_cuda_cap_t *k, unsigned *syncs);
+KVC_HIDDEN void kvc_cuda_capture_put(kvc_cuda_cap_t *k);
 /* One host sync per device with queued work; every device is synced even
  * when one fails. */
 KVC_HIDDEN kvc_status_t kvc_cuda_sync(kvc_cuda_t *c);
@@ -664,6 +673,7 @@ struct kvc_pub {
     /* Readers: while any is left, the blocks are not handed back. */
     uint32_t pushes;   /* push jobs sending from the blocks (push.c) */
     kvc_hold_t *holds; /* owned: confirmed one-sided reads */
+    kvc_cuda_cap_t *cap; /* owned: the capture a first one-sided read waits for, or NULL */
     size_t nholds, holds_cap;
     /* Released (out of the table) while readers were left: on the draining
      * list until the last one ends, then its event goes to the engine. */
