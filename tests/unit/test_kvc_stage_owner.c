@@ -24,38 +24,49 @@
 #define NB 64
 #define BL (256 << 10)
 
+/* A staged producer P (progress thread; a pool of two slots of a pushed
+ * chunk; xfer timeout ms, 0: the default) with one CUDA region of NB
+ * blocks in *dev, all published as "staged" under *tok; its port. */
+static kvc_agent_t *staged_producer(uint32_t xfer_timeout_ms, void **dev, char tok[33],
+                                    uint16_t *port) {
+    cudasim_reset(1, true);
+    setenv("UCX_TLS", "tcp,self", 1);
+    setenv("UCX_WARN_UNUSED_ENV_VARS", "n", 1);
+    kvc_agent_params_t ap = {.field_mask = KVC_AGENT_FIELD_ENGINE_ID |
+                                           KVC_AGENT_FIELD_PROGRESS_THREAD |
+                                           KVC_AGENT_FIELD_STAGING_POOL |
+                                           (xfer_timeout_ms ? KVC_AGENT_FIELD_XFER_TIMEOUT : 0),
+                             .engine_id = "stage-P",
+                             .progress_thread = 1,
+                             .staging_pool_bytes = 2 * BL,
+                             .xfer_timeout_ms = xfer_timeout_ms};
+    kvc_agent_t *P;
+    assert_int_equal(kvc_agent_create(&ap, &P), KVC_OK);
+    assert_int_equal(cudaMalloc(dev, (size_t)NB * BL), cudaSuccess);
+    kvc_region_params_t rp = {.field_mask = KVC_REGION_FIELD_BASE | KVC_REGION_FIELD_MEM_TYPE,
+                              .len = (size_t)NB * BL,
+                              .base = *dev,
+                              .mem_type = KVC_MEM_CUDA};
+    assert_int_equal(kvc_agent_register_regions(P, NB, &rp, 1), KVC_OK);
+    assert_int_equal(kvc_token_new(tok), KVC_OK);
+    uint64_t ids[NB];
+    for (uint64_t i = 0; i < NB; i++)
+        ids[i] = i;
+    kvc_publish_params_t pp = {.field_mask = KVC_PUBLISH_FIELD_TOKEN, .kv_token = tok};
+    char *json = NULL;
+    assert_int_equal(kvc_publish(P, "staged", ids, NB, &pp, &json), KVC_OK);
+    kvc_free(json);
+    assert_int_equal(kvc_agent_get_port(P, port), KVC_OK);
+    return P;
+}
+
 static void test_staged_pull_without_owner(void **state) {
     (void)state;
     for (int round = 0; round < 2; round++) {
-        cudasim_reset(1, true);
-        setenv("UCX_TLS", "tcp,self", 1);
-        setenv("UCX_WARN_UNUSED_ENV_VARS", "n", 1);
-        kvc_agent_params_t ap = {.field_mask = KVC_AGENT_FIELD_ENGINE_ID |
-                                               KVC_AGENT_FIELD_PROGRESS_THREAD |
-                                               KVC_AGENT_FIELD_STAGING_POOL,
-                                 .engine_id = "stage-P",
-                                 .progress_thread = 1,
-                                 .staging_pool_bytes = 2 * BL};
-        kvc_agent_t *P;
-        assert_int_equal(kvc_agent_create(&ap, &P), KVC_OK);
         void *dev;
-        assert_int_equal(cudaMalloc(&dev, (size_t)NB * BL), cudaSuccess);
-        kvc_region_params_t rp = {.field_mask = KVC_REGION_FIELD_BASE | KVC_REGION_FIELD_MEM_TYPE,
-                                  .len = (size_t)NB * BL,
-                                  .base = dev,
-                                  .mem_type = KVC_MEM_CUDA};
-        assert_int_equal(kvc_agent_register_regions(P, NB, &rp, 1), KVC_OK);
         char tok[33];
-        assert_int_equal(kvc_token_new(tok), KVC_OK);
-        uint64_t ids[NB];
-        for (uint64_t i = 0; i < NB; i++)
-            ids[i] = i;
-        kvc_publish_params_t pp = {.field_mask = KVC_PUBLISH_FIELD_TOKEN, .kv_token = tok};
-        char *json = NULL;
-        assert_int_equal(kvc_publish(P, "staged", ids, NB, &pp, &json), KVC_OK);
-        kvc_free(json);
         uint16_t port;
-        assert_int_equal(kvc_agent_get_port(P, &port), KVC_OK);
+        kvc_agent_t *P = staged_producer(0, &dev, tok, &port);
 
         raw_t r;
         raw_up(&r, NULL);
@@ -123,16 +134,6 @@ static ucs_status_t on_ready(void *arg, const void *header, size_t hlen, void *d
         shm.offs[shm.n_offs++] = rm.off;
     }
     return UCS_OK;
-}
-
-static void raw_handler(raw_t *r, unsigned id, ucp_am_recv_callback_t cb) {
-    ucp_am_handler_param_t hp = {.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID |
-                                               UCP_AM_HANDLER_PARAM_FIELD_FLAGS |
-                                               UCP_AM_HANDLER_PARAM_FIELD_CB,
-                                 .id = id,
-                                 .flags = UCP_AM_FLAG_WHOLE_MSG,
-                                 .cb = cb};
-    assert_int_equal(ucp_worker_set_am_recv_handler(r->w, &hp), UCS_OK);
 }
 
 /* One SLOT message (POOL_OK, or FREE of a lent slot) to the producer. */
@@ -231,40 +232,10 @@ static void shm_pull(raw_t *r, uint16_t port, const char *tok, uint64_t xid, boo
 
 static void test_lent_slot_reclaimed(void **state) {
     (void)state;
-    cudasim_reset(1, true);
-    setenv("UCX_TLS", "tcp,self", 1);
-    setenv("UCX_WARN_UNUSED_ENV_VARS", "n", 1);
-    kvc_agent_params_t ap = {.field_mask = KVC_AGENT_FIELD_ENGINE_ID |
-                                           KVC_AGENT_FIELD_PROGRESS_THREAD |
-                                           KVC_AGENT_FIELD_STAGING_POOL |
-                                           KVC_AGENT_FIELD_XFER_TIMEOUT,
-                             .engine_id = "stage-P",
-                             .progress_thread = 1,
-                             .staging_pool_bytes = 2 * BL, /* two slots of a pushed chunk */
-                             .xfer_timeout_ms = 400};
-    kvc_agent_t *P;
-    assert_int_equal(kvc_agent_create(&ap, &P), KVC_OK);
     void *dev;
-    assert_int_equal(cudaMalloc(&dev, (size_t)NB * BL), cudaSuccess);
-    kvc_region_params_t rp = {.field_mask = KVC_REGION_FIELD_BASE | KVC_REGION_FIELD_MEM_TYPE,
-                              .len = (size_t)NB * BL,
-                              .base = dev,
-                              .mem_type = KVC_MEM_CUDA};
-    assert_int_equal(kvc_agent_register_regions(P, NB, &rp, 1), KVC_OK);
     char tok[33];
-    assert_int_equal(kvc_token_new(tok), KVC_OK);
-    uint64_t ids[NB];
-    for (uint64_t i = 0; i < NB; i++)
-        ids[i] = i;
-    kvc_publish_params_t pp = {.field_mask = KVC_PUBLISH_FIELD_TOKEN |
-                                             KVC_PUBLISH_FIELD_EXPIRY,
-                               .kv_token = tok,
-                               .expiry_ms = 60000};
-    char *json = NULL;
-    assert_int_equal(kvc_publish(P, "staged", ids, NB, &pp, &json), KVC_OK);
-    kvc_free(json);
     uint16_t port;
-    assert_int_equal(kvc_agent_get_port(P, &port), KVC_OK);
+    kvc_agent_t *P = staged_producer(400, &dev, tok, &port);
 
     /* Alive but silent: both slots lent, neither handed back; refused at
      * the 400 ms xfer timeout, nothing more lent meanwhile. */
