@@ -12,7 +12,10 @@
 set -euo pipefail
 B=${1:-build} WAY=${2:-shm}
 BIN=$B/bin/kvc_gpu_test_standin SO=$B/lib/alloc_count.so
-[ -x "$BIN" ] && [ -f "$SO" ] || { echo "build kvc_gpu_test_standin and alloc_count in $B first" >&2; exit 2; }
+if [ ! -x "$BIN" ] || [ ! -f "$SO" ]; then
+    echo "build kvc_gpu_test_standin and alloc_count in $B first" >&2
+    exit 2
+fi
 SO=$(realpath "$SO")
 export UCX_WARN_UNUSED_ENV_VARS=n KVC_SECRET=${KVC_SECRET-kvc-bench-secret} KVC_CUDA_STAGED=1 KVC_IPC=0
 [ "$WAY" = wire ] && export KVC_STAGED_WIRE=1
@@ -20,7 +23,7 @@ dir=$(mktemp -d)
 trap 'rm -rf "$dir"' EXIT
 # One fetch of $1 blocks: prints "chunks", leaves $dir/{p,c}.$1 (site counts).
 run() {
-    local f=$1 opts=(--regions 4 --blocks $(($1 * 2)) --block-kb 32 --fetch $1)
+    local f=$1 opts=(--regions 4 --blocks "$(($1 * 2))" --block-kb 32 --fetch "$1")
     ALLOC_COUNT_CALLERS=1 ALLOC_COUNT_OUT=$dir/p.$f LD_PRELOAD=$SO \
         timeout 120 "$BIN" producer --params "$dir/j$f" "${opts[@]}" >"$dir/po.$f" 2>&1 &
     local pp=$!
@@ -45,7 +48,7 @@ echo "kvc_allocs way=$(cat "$dir/way.$L") chunks=$cs/$cl UCX_TLS=${UCX_TLS:-defa
 for side in p c; do
     name=$([ $side = p ] && echo producer || echo consumer)
     join -a1 -a2 -e0 -o 0,1.2,2.2 <(sites "$dir/$side.$S") <(sites "$dir/$side.$L") |
-        awk -v n=$((cl - cs)) -v who=$name '{ d = $3 - $2; t += d; if (d) printf "  %s %s: %.2f per chunk\n", who, $1, d / n }
+        awk -v n=$((cl - cs)) -v who="$name" '{ d = $3 - $2; t += d; if (d) printf "  %s %s: %.2f per chunk\n", who, $1, d / n }
             END { printf "%s_connector_allocs_per_chunk=%.2f\n", who, t / n }'
     tot() { head -1 "$1" | awk '{ print $1 + $2 + $3 }'; }
     echo "  ${name}_process_allocs_per_chunk=$(awk -v a="$(tot "$dir/$side.$S")" -v b="$(tot "$dir/$side.$L")" -v n=$((cl - cs)) 'BEGIN { printf "%.1f", (b - a) / n }') (UCX and the stand-in included)"
