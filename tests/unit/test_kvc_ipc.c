@@ -420,6 +420,17 @@ static void test_ipc_publish_by_stream(void **state) {
     assert_int_equal(finish(&c), 0);
 }
 
+/* The same publication never read: the producer's agent goes with its
+ * capture still held (handed back before the CUDA context goes; ASan
+ * would see the use after free). */
+static void test_ipc_publish_by_stream_unread(void **state) {
+    (void)state;
+    ctx_t c;
+    start(&c, "stream", 30000);
+    assert_int_equal(c.syncs_at_publish, 0);
+    assert_int_equal(finish(&c), 0);
+}
+
 /* One allocation behind both producer regions, opened on each of our two
  * devices. */
 static void handles_opened(ctx_t *c) {
@@ -747,6 +758,7 @@ int main(int argc, char **argv) {
         cmocka_unit_test(test_ipc_fetch),
         cmocka_unit_test(test_ipc_fetches_reuse_events),
         cmocka_unit_test(test_ipc_publish_by_stream),
+        cmocka_unit_test(test_ipc_publish_by_stream_unread),
         cmocka_unit_test(test_ipc_after_expiry_denied),
         cmocka_unit_test(test_ipc_hold_broken_denied),
         cmocka_unit_test(test_ipc_producer_killed),
