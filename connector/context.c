@@ -400,12 +400,12 @@ void kvc_agent_destroy(kvc_agent_t *a) {
     kvc_push_destroy(a);
     kvc_cons_destroy(a);
     ucp_cleanup(a->ctx);
+    kvc_pubtab_cleanup(&a->pubs); /* before the CUDA context: their captures go back to it */
     kvc_cuda_destroy(a->cuda);
     close_fd(&a->listen_fd);
     kvc_loop_close(a);
     kvc_buf_cleanup(&a->hs_msg);
     kvc_buf_cleanup(&a->hs_msg_nokeys);
-    kvc_pubtab_cleanup(&a->pubs);
     free_secret(a);
     free(a->engine_id);
     free(a->listen_host);

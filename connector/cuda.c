@@ -22,6 +22,7 @@
 #include <strings.h>
 
 #define MAX_DEVICES 64
+#define SPARE_EVENTS 4 /* per device: CUDA IPC fetches' events, kept for the next fetches */
 
 typedef struct {
     int device;
@@ -33,11 +34,23 @@ typedef struct {
     bool recorded;       /* `done` recorded, maybe not complete yet */
     bool slot_copies;    /* staging-pool copies queued (stage.c polls their events) */
     bool ipc_copies;     /* CUDA IPC copies queued (ipc.c polls their events) */
+    cudaEvent_t spare[SPARE_EVENTS]; /* events of this device handed back, for reuse */
+    int nspare;
 } cdev_t;
+
+/* A publication's capture: one event per device, recorded on its stream
+ * after the wait for the engine's writes (kvc_cuda_capture). */
+struct kvc_cuda_cap {
+    kvc_cuda_cap_t *next; /* spare list */
+    kvc_cuda_t *c;
+    int n;
+    cudaEvent_t ev[MAX_DEVICES];
+};
 
 struct kvc_cuda {
     cdev_t devs[MAX_DEVICES];
     int ndev;
+    kvc_cuda_cap_t *cap_spare; /* captures handed back, their events kept */
     char err[320];
 };
 
@@ -457,7 +470,16 @@ int kvc_cuda_devices(const kvc_cuda_t *c) {
 void kvc_cuda_destroy(kvc_cuda_t *c) {
     if (!c) return;
     kvc_cuda_drain(c);
+    while (c->cap_spare) {
+        kvc_cuda_cap_t *k = c->cap_spare;
+        c->cap_spare = k->next;
+        for (int i = 0; i < MAX_DEVICES; i++)
+            if (k->ev[i]) cudaEventDestroy(k->ev[i]);
+        free(k);
+    }
     for (int i = 0; i < c->ndev; i++) {
+        while (c->devs[i].nspare)
+            cudaEventDestroy(c->devs[i].spare[--c->devs[i].nspare]);
         cudaEventDestroy(c->devs[i].user);
         cudaEventDestroy(c->devs[i].done);
         cudaStreamDestroy(c->devs[i].stream);
@@ -574,7 +596,9 @@ kvc_status_t kvc_cuda_d2d_runs(kvc_cuda_t *c, int dev, void *dst, const void *sr
         }
         d->ipc_copies = true;
     }
-    if (st == KVC_OK && !*ev) {
+    if (st == KVC_OK && !*ev && d->nspare) {
+        *ev = d->spare[--d->nspare];
+    } else if (st == KVC_OK && !*ev) {
         cudaEvent_t e;
         if ((ce = cudaEventCreateWithFlags(&e, cudaEventDisableTiming)) != cudaSuccess)
             st = cfail(c, ce, "cudaEventCreateWithFlags");
@@ -584,4 +608,65 @@ kvc_status_t kvc_cuda_d2d_runs(kvc_cuda_t *c, int dev, void *dst, const void *sr
     if (st == KVC_OK && (ce = cudaEventRecord((cudaEvent_t)*ev, d->stream)) != cudaSuccess)
         st = cfail(c, ce, "cudaEventRecord");
     return dev_leave(c, saved, st);
+}
+
+void kvc_cuda_event_put(kvc_cuda_t *c, int dev, void *ev) {
+    cdev_t *d = find_dev(c, dev);
+    if (d && d->nspare < SPARE_EVENTS)
+        d->spare[d->nspare++] = ev;
+    else
+        kvc_cuda_event_destroy(c, ev);
+}
+
+/* -------------------------------------------------- publication capture -- */
+
+kvc_status_t kvc_cuda_capture(kvc_cuda_t *c, kvc_cuda_cap_t **out) {
+    kvc_cuda_cap_t *k = c->cap_spare;
+    if (k)
+        c->cap_spare = k->next;
+    else if (!(k = calloc(1, sizeof(*k))))
+        return KVC_ERR_NO_MEMORY;
+    k->next = NULL;
+    k->c = c;
+    k->n = c->ndev;
+    kvc_status_t st = KVC_OK;
+    for (int i = 0; i < c->ndev && st == KVC_OK; i++) {
+        int saved;
+        if ((st = dev_enter(c, c->devs[i].device, &saved)) != KVC_OK) break;
+        cudaError_t ce;
+        if (!k->ev[i] &&
+            (ce = cudaEventCreateWithFlags(&k->ev[i], cudaEventDisableTiming)) != cudaSuccess) {
+            k->ev[i] = NULL;
+            st = cfail(c, ce, "cudaEventCreateWithFlags");
+        } else if ((ce = cudaEventRecord(k->ev[i], c->devs[i].stream)) != cudaSuccess) {
+            st = cfail(c, ce, "cudaEventRecord");
+        }
+        st = dev_leave(c, saved, st);
+    }
+    if (st != KVC_OK) {
+        kvc_cuda_capture_put(k);
+        return st;
+    }
+    *out = k;
+    return KVC_OK;
+}
+
+kvc_status_t kvc_cuda_capture_wait(kvc_cuda_cap_t *k, unsigned *syncs) {
+    kvc_status_t first = KVC_OK;
+    for (int i = 0; i < k->n; i++) {
+        cudaError_t ce = cudaEventQuery(k->ev[i]);
+        if (ce == cudaErrorNotReady) { /* the engine's writes still run: wait for them */
+            (*syncs)++;
+            ce = cudaEventSynchronize(k->ev[i]);
+        }
+        if (ce != cudaSuccess && first == KVC_OK)
+            first = cfail(k->c, ce, "cudaEventSynchronize (the publication's capture)");
+    }
+    return first;
+}
+
+void kvc_cuda_capture_put(kvc_cuda_cap_t *k) {
+    if (!k) return;
+    k->next = k->c->cap_spare;
+    k->c->cap_spare = k;
 }

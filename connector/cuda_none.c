@@ -53,6 +53,14 @@ int kvc_cuda_event_poll(kvc_cuda_t *c, void *ev, kvc_status_t *st) {
 }
 
 void kvc_cuda_event_destroy(kvc_cuda_t *c, void *ev) {}
+void kvc_cuda_event_put(kvc_cuda_t *c, int dev, void *ev) {}
+kvc_status_t kvc_cuda_capture(kvc_cuda_t *c, kvc_cuda_cap_t **out) {
+    return KVC_ERR_UNSUPPORTED;
+}
+kvc_status_t kvc_cuda_capture_wait(kvc_cuda_cap_t *k, unsigned *syncs) {
+    return KVC_OK;
+}
+void kvc_cuda_capture_put(kvc_cuda_cap_t *k) {}
 
 kvc_status_t kvc_cuda_sync(kvc_cuda_t *c) {
     return KVC_ERR_UNSUPPORTED;

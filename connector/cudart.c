@@ -51,6 +51,7 @@
       (event, flags))                                                                              \
     X(cudaError_t, cudaEventDestroy, (cudaEvent_t event), (event))                                 \
     X(cudaError_t, cudaEventQuery, (cudaEvent_t event), (event))                                   \
+    X(cudaError_t, cudaEventSynchronize, (cudaEvent_t event), (event))                             \
     X(cudaError_t, cudaEventRecord, (cudaEvent_t event, cudaStream_t stream), (event, stream))     \
     X(cudaError_t, cudaMemcpyAsync,                                                                \
       (void *dst, const void *src, size_t count, enum cudaMemcpyKind kind, cudaStream_t stream),   \

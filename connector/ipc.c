@@ -42,8 +42,10 @@
  * follows.  A refusal (DENIED: expired, released, hold broken by the
  * producer's xfer timeout) fails the fetch, the copied bytes may be of
  * reused blocks.  No stream order crosses processes: the producer's writes
- * must be complete before a consumer copies, so kvc_publish syncs its
- * CUDA wait on the host when the agent exports (publish.c).  A copy that
+ * must be complete before a consumer copies, so kvc_publish records an
+ * event after its CUDA wait when the agent exports (publish.c), and the
+ * producer checks it before it confirms a HOLD, waiting for it on the host
+ * only if the writes still run then (push.c).  A copy that
  * fails, or a producer that dies mid-copy (its END never comes), fails the
  * fetch; FETCH_FAILED comes after the copies were drained. */
 #include "connector/kvc_int.h"
@@ -580,7 +582,7 @@ int kvc_ipc_poll(kvc_agent_t *a, kvc_ipc_job_t *j, kvc_status_t *st) {
 
 void kvc_ipc_job_cleanup(kvc_agent_t *a, kvc_ipc_job_t *j) {
     for (int k = 0; j->ev && k < j->n; k++)
-        if (j->ev[k]) kvc_cuda_event_destroy(a->cuda, j->ev[k]);
+        if (j->ev[k]) kvc_cuda_event_put(a->cuda, j->dev[k], j->ev[k]);
     free(j->ev);
     free(j->dev);
     memset(j, 0, sizeof(*j));

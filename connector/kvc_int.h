@@ -419,6 +419,18 @@ KVC_HIDDEN kvc_status_t kvc_cuda_copy_event(kvc_cuda_t *c, int dev, void *dst, c
 /* 1: the event's work is complete; 0: not yet; -1: it failed (*st set). */
 KVC_HIDDEN int kvc_cuda_event_poll(kvc_cuda_t *c, void *ev, kvc_status_t *st);
 KVC_HIDDEN void kvc_cuda_event_destroy(kvc_cuda_t *c, void *ev);
+/* Hands an event made on dev back (its work complete or no longer waited
+ * for): kept for kvc_cuda_d2d_runs, or destroyed when dev keeps enough. */
+KVC_HIDDEN void kvc_cuda_event_put(kvc_cuda_t *c, int dev, void *ev);
+/* A publication's capture (publish.c, agents that export over CUDA IPC):
+ * an event per device recorded on its stream after the wait for the
+ * engine's writes, instead of a host sync at publish.  Wait (push.c, before
+ * a one-sided read is confirmed): complete at once, or a host wait for it
+ * (*syncs counts them).  Put: back to c's spares (NULL: nothing). */
+typedef struct kvc_cuda_cap kvc_cuda_cap_t;
+KVC_HIDDEN kvc_status_t kvc_cuda_capture(kvc_cuda_t *c, kvc_cuda_cap_t **out);
+KVC_HIDDEN kvc_status_t kvc_cuda_capture_wait(kvc_cuda_cap_t *k, unsigned *syncs);
+KVC_HIDDEN void kvc_cuda_capture_put(kvc_cuda_cap_t *k);
 /* One host sync per device with queued work; every device is synced even
  * when one fails. */
 KVC_HIDDEN kvc_status_t kvc_cuda_sync(kvc_cuda_t *c);
@@ -476,8 +488,9 @@ KVC_HIDDEN kvc_status_t kvc_cuda_ipc_open(kvc_cuda_t *c, int dev,
 KVC_HIDDEN void kvc_cuda_ipc_close(kvc_cuda_t *c, int dev, void *ptr);
 /* Queues device-to-device copies on dev's stream: run i copies
  * runs[i].count * block_len bytes from src + runs[i].remote * block_len to
- * dst + runs[i].local * block_len; then records *ev (created on dev when
- * NULL; the caller destroys it) after them.  kvc_cuda_drain waits for them. */
+ * dst + runs[i].local * block_len; then records *ev (when NULL, one dev
+ * kept or a new one; the caller hands it back with kvc_cuda_event_put)
+ * after them.  kvc_cuda_drain waits for them. */
 KVC_HIDDEN kvc_status_t kvc_cuda_d2d_runs(kvc_cuda_t *c, int dev, void *dst, const void *src,
                                           size_t block_len, const kvc_run_t *runs, size_t n,
                                           void **ev);
@@ -660,6 +673,7 @@ struct kvc_pub {
     /* Readers: while any is left, the blocks are not handed back. */
     uint32_t pushes;   /* push jobs sending from the blocks (push.c) */
     kvc_hold_t *holds; /* owned: confirmed one-sided reads */
+    kvc_cuda_cap_t *cap; /* owned: the capture a first one-sided read waits for, or NULL */
     size_t nholds, holds_cap;
     /* Released (out of the table) while readers were left: on the draining
      * list until the last one ends, then its event goes to the engine. */
@@ -848,15 +862,39 @@ typedef struct {
  * handler's.  The fetch must outlive its holds. */
 KVC_HIDDEN ucs_status_t kvc_stage_recv(kvc_agent_t *a, kvc_stage_ref_t *ref, size_t region,
                                        uint64_t local_start, void *data, size_t len);
-/* Staged through the producer's mapped pool (staged-shm).  The READY header
- * is a DATA header then u64 the slot's offset in the pool; a POOL header a
- * DATA header (xfer id and token) then u64 pool address, u64 pool length,
- * u64 slot bytes, with the packed rkey as its data; a SLOT message u64
- * xfer id, token, u32 kind (KVC_SLOT_*), u32 0, u64 slot offset. */
+/* Staged through the producer's mapped pool (staged-shm), AM headers
+ * (wire.c, pure, fuzzed; each parse takes exactly its length):
+ *  READY: a DATA header (status 0, a region, count > 0), u64 the slot's
+ *         offset in the pool; no data.
+ *  POOL:  a DATA header (xfer id and token), u64 pool address, u64 pool
+ *         length, u64 slot bytes (the length a multiple of it, the pool not
+ *         wrapping); the packed rkey is its data (1..KVC_WIRE_MAX_BLOB).
+ *  SLOT:  u64 xfer id, token, u32 kind (KVC_SLOT_*), u32 0, u64 slot offset. */
 #define KVC_WIRE_READY_LEN (KVC_WIRE_DATA_HDR_LEN + 8)
 #define KVC_WIRE_POOL_LEN (KVC_WIRE_DATA_HDR_LEN + 24)
 #define KVC_WIRE_SLOT_LEN (8 + KVC_TOKEN_LEN + 16)
 enum { KVC_SLOT_POOL_OK = 1, KVC_SLOT_POOL_NO = 2, KVC_SLOT_FREE = 3 };
+typedef struct {
+    kvc_wire_data_hdr_t h;
+    uint64_t off;
+} kvc_wire_ready_t;
+typedef struct {
+    kvc_wire_data_hdr_t h;
+    uint64_t base, len, slot_bytes;
+} kvc_wire_pool_t;
+typedef struct {
+    uint64_t xfer_id;
+    uint8_t token[KVC_TOKEN_LEN];
+    uint32_t kind;
+    uint64_t off;
+} kvc_wire_slot_t;
+KVC_HIDDEN void kvc_wire_encode_ready(uint8_t out[KVC_WIRE_READY_LEN], const kvc_wire_ready_t *r);
+KVC_HIDDEN kvc_status_t kvc_wire_parse_ready(const uint8_t *p, size_t len, kvc_wire_ready_t *r);
+KVC_HIDDEN void kvc_wire_encode_pool(uint8_t out[KVC_WIRE_POOL_LEN], const kvc_wire_pool_t *pl);
+KVC_HIDDEN kvc_status_t kvc_wire_parse_pool(const uint8_t *p, size_t len, size_t rkey_len,
+                                            kvc_wire_pool_t *pl);
+KVC_HIDDEN void kvc_wire_encode_slot(uint8_t out[KVC_WIRE_SLOT_LEN], const kvc_wire_slot_t *s);
+KVC_HIDDEN kvc_status_t kvc_wire_parse_slot(const uint8_t *p, size_t len, kvc_wire_slot_t *s);
 /* Consumer: whether its pulls to p ask for the mapped pool (KVC_PULL_SHM):
  * staged regions here, KVC_STAGED_WIRE unset, and p's pool not found
  * unmappable before. */
@@ -864,8 +902,7 @@ KVC_HIDDEN bool kvc_stage_shm_wanted(const kvc_agent_t *a, const kvc_peer_t *p);
 /* Consumer: the producer p offers its pool for fetch (xfer_id, token):
  * mapped here (once per peer and pool), answered with a SLOT
  * POOL_OK or POOL_NO on p's endpoint. */
-KVC_HIDDEN void kvc_stage_pool_offer(kvc_agent_t *a, kvc_peer_t *p, uint64_t xfer_id,
-                                     const uint8_t token[KVC_TOKEN_LEN], const uint8_t *hdr,
+KVC_HIDDEN void kvc_stage_pool_offer(kvc_agent_t *a, kvc_peer_t *p, const kvc_wire_pool_t *pl,
                                      const void *rkey, size_t rkey_len);
 /* Consumer: a checked READY of the fetch whose account is ref: its chunk
  * is copied from p's mapped slot to the device, and the slot handed back

@@ -30,6 +30,7 @@ kvc_status_t kvc_pubtab_init(kvc_pubtab_t *t) {
 
 void kvc_pub_free(kvc_pub_t *p) {
     if (!p) return;
+    kvc_cuda_capture_put(p->cap);
     free(p->holds);
     free(p->id);
     free(p->blocks);
@@ -161,10 +162,14 @@ bool kvc_pub_has_run(const kvc_pub_t *p, uint64_t start, uint64_t count) {
  * sync of the engine's own stream).  Staged regions need nothing more: their
  * device -> pool copies are queued on those streams when a pull is served,
  * behind this wait, so kvc_publish returns without a host sync.  Regions
- * registered directly are read by UCX outside any stream, and exported
- * ones (CUDA IPC, ipc.c) by consumers' copies, so a host sync of that wait
- * ends the capture.  On failure nothing stays queued. */
-static kvc_status_t capture(kvc_agent_t *a, const kvc_publish_params_t *params) {
+ * registered directly are read by UCX outside any stream, so a host sync
+ * of that wait ends the capture.  Exported ones (CUDA IPC, ipc.c) are read
+ * by consumers' copies only after a HOLD is confirmed (push.c): an event
+ * recorded after the wait (*cap) is checked there, and waited for on the
+ * host only if the writes still run then.  On failure nothing stays
+ * queued. */
+static kvc_status_t capture(kvc_agent_t *a, const kvc_publish_params_t *params,
+                            kvc_cuda_cap_t **cap) {
     uint64_t m = params ? params->field_mask : 0;
     void *ev = (m & KVC_PUBLISH_FIELD_CUDA_EVENT) ? params->cuda_event : NULL;
     /* A stream that is given is a stream, 0 (the legacy default stream)
@@ -173,11 +178,11 @@ static kvc_status_t capture(kvc_agent_t *a, const kvc_publish_params_t *params) 
     void *stream = has_stream ? params->cuda_stream : NULL;
     if (!ev && !has_stream) return KVC_OK; /* caller-ordered */
     kvc_status_t st = kvc_cuda_wait_for(a->cuda, ev, has_stream, stream);
-    /* Consumers on this node copy straight from the blocks over CUDA IPC,
-     * outside any stream of ours: the writes end here too. */
-    if (st == KVC_OK && (a->cuda_direct || a->ipc_tab.len)) {
+    if (st == KVC_OK && a->cuda_direct) {
         st = kvc_cuda_sync(a->cuda);
         a->stats[KVC_STAT_CUDA_SYNCS]++;
+    } else if (st == KVC_OK && a->ipc_tab.len) {
+        st = kvc_cuda_capture(a->cuda, cap);
     }
     if (st != KVC_OK) {
         kvc_cuda_drain(a->cuda);
@@ -235,7 +240,7 @@ static kvc_status_t publish_impl(kvc_agent_t *a, const char *request_id, const u
     char *json = kvc_params_to_json(a->engine_id, request_id, a->adv_host, a->port, block_ids, n,
                                     a->tp_size, p->token);
     if (!json) goto err_pub;
-    if (a->cuda && n && (st = capture(a, params)) != KVC_OK) goto err_json;
+    if (a->cuda && n && (st = capture(a, params, &p->cap)) != KVC_OK) goto err_json;
     kvc_pubtab_insert(&a->pubs, p);
     a->stats[KVC_STAT_PUBLISHED]++;
     kvc_wake(a); /* re-arm the timer with this deadline */

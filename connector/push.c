@@ -327,6 +327,19 @@ static void pull_issue(kvc_agent_t *a, ucp_ep_h ep, const kvc_wire_pull_t *pl, k
 /* Confirms a one-sided read of a checked publication: its blocks are held
  * for this fetch until the transfer deadline. */
 static void pull_hold(kvc_agent_t *a, ucp_ep_h ep, const kvc_wire_pull_t *pl, kvc_pub_t *pub) {
+    if (pub->cap) { /* the engine's writes (publish.c capture) end before any read */
+        unsigned syncs = 0;
+        kvc_status_t st = kvc_cuda_capture_wait(pub->cap, &syncs);
+        a->stats[KVC_STAT_CUDA_SYNCS] += syncs;
+        if (st != KVC_OK) { /* kept: every read of it is refused */
+            KVC_LOG(a, KVC_LOG_WARN, "pull for req=%s: the publication's CUDA writes: %s", pub->id,
+                    kvc_cuda_last_error(a->cuda));
+            push_refuse(a, ep, pl, st);
+            return;
+        }
+        kvc_cuda_capture_put(pub->cap);
+        pub->cap = NULL;
+    }
     uint64_t deadline = kvc_now_ns() + (uint64_t)a->xfer_timeout_ms * 1000000ull;
     if (kvc_pub_hold(a, pub, pl->xfer_id, pl->xfer_token, deadline) != KVC_OK) {
         push_refuse(a, ep, pl, KVC_ERR_NO_MEMORY);

@@ -72,13 +72,16 @@ typedef struct {
     kvc_status_t fail; /* consumer: the receive failed */
 } slot_t;
 
-/* A send: header storage that lives until completion. */
-typedef struct {
+/* A send: header storage that lives until completion; kept for the next
+ * send once complete (kvc_stage.ctx_spare), so a chunk costs no heap call. */
+typedef struct sendctx sendctx_t;
+struct sendctx {
+    sendctx_t *next; /* spare list */
     kvc_agent_t *a;
     sjob_t *job;
     slot_t *slot; /* freed when the send completes (wire), or NULL */
     uint8_t hdr[KVC_WIRE_POOL_LEN];
-} sendctx_t;
+};
 
 struct sjob {
     sjob_t *next;
@@ -152,7 +155,38 @@ struct kvc_stage {
     sjob_t *jobs, *jobs_tail;
     pend_t *pend, *pend_tail;
     rd_t *rds, *rd_spare; /* consumer: mapped-slot copies in flight; spares keep events */
+    sendctx_t *ctx_spare; /* completed sends' contexts, for the next ones */
+    pend_t *pend_spare;   /* consumer: waiting-message records, for the next ones */
 };
+
+/* A record from its spare list, else from the heap (NULL: out of memory). */
+static sendctx_t *ctx_get(kvc_agent_t *a) {
+    sendctx_t *c = a->stage ? a->stage->ctx_spare : NULL;
+    if (!c) return malloc(sizeof(*c));
+    a->stage->ctx_spare = c->next;
+    return c;
+}
+
+static pend_t *pend_get(kvc_stage_t *s) {
+    pend_t *p = s->pend_spare;
+    if (!p) return malloc(sizeof(*p));
+    s->pend_spare = p->next;
+    return p;
+}
+
+static void ctx_put(kvc_agent_t *a, sendctx_t *c) {
+    if (!a->stage) {
+        free(c);
+        return;
+    }
+    c->next = a->stage->ctx_spare;
+    a->stage->ctx_spare = c;
+}
+
+static void pend_put(kvc_stage_t *s, pend_t *p) {
+    p->next = s->pend_spare;
+    s->pend_spare = p;
+}
 
 size_t kvc_stage_pool_bytes(const kvc_agent_t *a) {
     return a->stage ? a->stage->slot_bytes * a->stage->nslots : 0;
@@ -239,7 +273,7 @@ static bool ref_live(const kvc_stage_ref_t *r) {
 static void pend_drop(kvc_agent_t *a, pend_t *p, kvc_status_t st, const char *what) {
     ucp_am_data_release(a->worker, p->data);
     ref_release(a, p->x, st, what);
-    free(p);
+    pend_put(a->stage, p);
 }
 
 void kvc_stage_cleanup(kvc_agent_t *a) {
@@ -267,6 +301,16 @@ void kvc_stage_cleanup(kvc_agent_t *a) {
         free(j->runs);
         free(j->pub_id);
         free(j);
+    }
+    while (s->ctx_spare) {
+        sendctx_t *c = s->ctx_spare;
+        s->ctx_spare = c->next;
+        free(c);
+    }
+    while (s->pend_spare) {
+        pend_t *p = s->pend_spare;
+        s->pend_spare = p->next;
+        free(p);
     }
     for (int k = 0; k < 2; k++) /* the peers (and their mappings) are gone already */
         while (k ? s->rd_spare : s->rds) {
@@ -310,7 +354,8 @@ static void slot_release(slot_t *sl) {
 
 static void send_done(void *req, ucs_status_t us, void *ud) {
     sendctx_t *c = ud;
-    c->a->push_inflight--;
+    kvc_agent_t *a = c->a;
+    a->push_inflight--;
     if (us != UCS_OK && us != UCS_ERR_CANCELED)
         KVC_LOG(c->a, KVC_LOG_WARN, "push (staged): send failed: %s", ucs_status_string(us));
     if (c->slot) slot_release(c->slot);
@@ -318,8 +363,8 @@ static void send_done(void *req, ucs_status_t us, void *ud) {
         c->job->inflight--;
         if (us != UCS_OK) job_fail(c->job, KVC_ERR_TRANSPORT);
     }
-    kvc_wake(c->a);
-    free(c);
+    kvc_wake(a);
+    ctx_put(a, c);
     if (req) ucp_request_free(req);
 }
 
@@ -328,13 +373,13 @@ static void send_done(void *req, ucs_status_t us, void *ud) {
  * or failed, goes through send_done, which frees `slot` (when given). */
 static void send_am(kvc_agent_t *a, ucp_ep_h ep, sjob_t *j, slot_t *slot, unsigned id,
                     const void *hdr, size_t hlen, const void *data, size_t len, bool rndv) {
-    sendctx_t *c = calloc(1, sizeof(*c));
+    sendctx_t *c = ctx_get(a);
     if (!c) {
         if (slot) slot_release(slot);
         if (j) job_fail(j, KVC_ERR_NO_MEMORY);
         return;
     }
-    *c = (sendctx_t){.a = a, .job = j, .slot = slot};
+    *c = (sendctx_t){.next = NULL, .a = a, .job = j, .slot = slot};
     memcpy(c->hdr, hdr, hlen);
     ucp_request_param_t rp;
     memset(&rp, 0, sizeof(rp));
@@ -413,21 +458,15 @@ void kvc_stage_push(kvc_agent_t *a, kvc_cons_t *cons, ucp_ep_h ep, const kvc_wir
         /* The consumer may map the pool: offered first, the chunks copied
          * meanwhile wait in their slots for its answer (KVC_SLOT_POOL_*). */
         kvc_stage_t *s = a->stage;
-        kvc_wire_data_hdr_t h = {j->xid, 0, 0, 0, 0, {0}};
-        memcpy(h.token, j->token, KVC_TOKEN_LEN);
+        kvc_wire_pool_t pool = {{j->xid, 0, 0, 0, 0, {0}},
+                                (uint64_t)(uintptr_t)s->base,
+                                s->slot_bytes * s->nslots,
+                                s->slot_bytes};
+        memcpy(pool.h.token, j->token, KVC_TOKEN_LEN);
         uint8_t hdr[KVC_WIRE_POOL_LEN];
-        kvc_wire_encode_data_hdr(hdr, &h);
-        kvc_buf_t b = {0};
-        kvc_buf_u64(&b, (uint64_t)(uintptr_t)s->base);
-        kvc_buf_u64(&b, s->slot_bytes * s->nslots);
-        kvc_buf_u64(&b, s->slot_bytes);
-        if (!b.failed) {
-            memcpy(hdr + KVC_WIRE_DATA_HDR_LEN, b.p, 24);
-            j->way = J_ASKED;
-            send_am(a, job_ep(j), j, NULL, KVC_AM_POOL, hdr, sizeof(hdr), s->rkey, s->rkey_len,
-                    false);
-        }
-        kvc_buf_cleanup(&b);
+        kvc_wire_encode_pool(hdr, &pool);
+        j->way = J_ASKED;
+        send_am(a, job_ep(j), j, NULL, KVC_AM_POOL, hdr, sizeof(hdr), s->rkey, s->rkey_len, false);
     }
     if (a->stage->jobs_tail)
         a->stage->jobs_tail->next = j;
@@ -558,12 +597,12 @@ ucs_status_t kvc_stage_recv(kvc_agent_t *a, kvc_stage_ref_t *x, size_t region, u
         recv_start(a, sl, x, data, len, rg->cuda_dev, dst);
         return UCS_INPROGRESS;
     }
-    pend_t *p = calloc(1, sizeof(*p));
+    pend_t *p = pend_get(s);
     if (!p) {
         ref_release(a, x, KVC_ERR_NO_MEMORY, "out of memory");
         return UCS_ERR_NO_MEMORY;
     }
-    *p = (pend_t){.x = x, .data = data, .len = len, .dev = rg->cuda_dev, .dst = dst};
+    *p = (pend_t){.next = NULL, .x = x, .data = data, .len = len, .dev = rg->cuda_dev, .dst = dst};
     if (s->pend_tail)
         s->pend_tail->next = p;
     else
@@ -613,21 +652,13 @@ static void slot_step(kvc_agent_t *a, slot_t *sl, uint64_t now) {
         send_msg(a, job_ep(j), j, sl, &h, sl->p, sl->len);
         return;
     }
+    kvc_wire_ready_t rd = {h, (uint64_t)(sl->p - a->stage->base)};
     uint8_t hdr[KVC_WIRE_READY_LEN];
-    kvc_wire_encode_data_hdr(hdr, &h);
-    kvc_buf_t b = {0};
-    kvc_buf_u64(&b, (uint64_t)(sl->p - a->stage->base));
-    if (b.failed) {
-        job_fail(j, KVC_ERR_NO_MEMORY);
-        slot_release(sl);
-    } else {
-        memcpy(hdr + KVC_WIRE_DATA_HDR_LEN, b.p, 8);
-        j->inflight++; /* the slot, until the consumer hands it back */
-        sl->state = S_LENT;
-        sl->lent_ns = now;
-        send_am(a, job_ep(j), j, NULL, KVC_AM_READY, hdr, sizeof(hdr), NULL, 0, false);
-    }
-    kvc_buf_cleanup(&b);
+    kvc_wire_encode_ready(hdr, &rd);
+    j->inflight++; /* the slot, until the consumer hands it back */
+    sl->state = S_LENT;
+    sl->lent_ns = now;
+    send_am(a, job_ep(j), j, NULL, KVC_AM_READY, hdr, sizeof(hdr), NULL, 0, false);
 }
 
 void kvc_stage_progress(kvc_agent_t *a, uint64_t now, uint64_t *next) {
@@ -722,7 +753,7 @@ void kvc_stage_progress(kvc_agent_t *a, uint64_t now, uint64_t *next) {
         s->pend = p->next;
         if (!s->pend) s->pend_tail = NULL;
         recv_start(a, sl, p->x, p->data, p->len, p->dev, p->dst);
-        free(p);
+        pend_put(s, p);
     }
     /* Producer jobs, oldest first; a finished one sends its END (or its
      * refusal, after a failure) once nothing of it is in flight. */
@@ -760,51 +791,32 @@ void kvc_stage_progress(kvc_agent_t *a, uint64_t now, uint64_t *next) {
 
 /* ------------------------------------------------- producer: SLOT messages -- */
 
-static kvc_status_t parse_slot(const uint8_t *p, size_t len, uint64_t *xid, const uint8_t **token,
-                               uint32_t *kind, uint64_t *off) {
-    if (len != KVC_WIRE_SLOT_LEN) return KVC_ERR_PROTOCOL;
-    uint64_t v[2] = {0, 0};
-    for (int i = 7; i >= 0; i--) {
-        v[0] = v[0] << 8 | p[i];
-        v[1] = v[1] << 8 | p[8 + KVC_TOKEN_LEN + 8 + i];
-    }
-    const uint8_t *k = p + 8 + KVC_TOKEN_LEN;
-    *xid = v[0];
-    *token = p + 8;
-    *kind = (uint32_t)k[0] | (uint32_t)k[1] << 8 | (uint32_t)k[2] << 16 | (uint32_t)k[3] << 24;
-    *off = v[1];
-    return KVC_OK;
-}
-
 ucs_status_t kvc_stage_slot_cb(void *arg, const void *header, size_t hlen, void *data, size_t len,
                                const ucp_am_recv_param_t *param) {
     kvc_agent_t *a = arg;
-    uint64_t xid, off;
-    const uint8_t *token;
-    uint32_t kind;
+    kvc_wire_slot_t m;
     (void)data;
-    (void)len;
     bool rndv = (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0;
-    if (a->destroying || !a->stage || parse_slot(header, hlen, &xid, &token, &kind, &off)) {
+    if (a->destroying || !a->stage || len || kvc_wire_parse_slot(header, hlen, &m) != KVC_OK) {
         if (!a->destroying && kvc_log_ratelimit(a, KVC_RL_DATA))
             KVC_LOG(a, KVC_LOG_WARN, "push (staged): malformed slot message, dropped");
         return rndv ? UCS_ERR_INVALID_PARAM : UCS_OK;
     }
     kvc_stage_t *s = a->stage;
     sjob_t *j = s->jobs;
-    while (j && !(j->xid == xid && kvc_mac_equal(j->token, token, KVC_TOKEN_LEN)))
+    while (j && !(j->xid == m.xfer_id && kvc_mac_equal(j->token, m.token, KVC_TOKEN_LEN)))
         j = j->next;
-    size_t i = off / s->slot_bytes;
+    uint64_t i = m.off / s->slot_bytes;
     if (!j) {
         a->stats[KVC_STAT_DENIED]++; /* not a job of ours, or a wrong token */
-    } else if (kind == KVC_SLOT_FREE) {
-        slot_t *sl = off % s->slot_bytes == 0 && i < s->nslots ? &s->slots[i] : NULL;
+    } else if (m.kind == KVC_SLOT_FREE) {
+        slot_t *sl = m.off % s->slot_bytes == 0 && i < s->nslots ? &s->slots[i] : NULL;
         if (sl && sl->state == S_LENT && sl->job == j) {
             j->inflight--;
             slot_release(sl);
         }
-    } else if ((kind == KVC_SLOT_POOL_OK || kind == KVC_SLOT_POOL_NO) && j->way == J_ASKED) {
-        j->way = kind == KVC_SLOT_POOL_OK ? J_SHM : J_WIRE;
+    } else if (j->way == J_ASKED) { /* POOL_OK or POOL_NO */
+        j->way = m.kind == KVC_SLOT_POOL_OK ? J_SHM : J_WIRE;
         KVC_LOG(a, KVC_LOG_DEBUG, "push (staged) req=%s: consumer %s the pool", j->pub_id,
                 j->way == J_SHM ? "maps" : "does not map");
     }
@@ -816,17 +828,13 @@ ucs_status_t kvc_stage_slot_cb(void *arg, const void *header, size_t hlen, void 
 
 void kvc_stage_slot_send(kvc_agent_t *a, ucp_ep_h ep, uint64_t xfer_id,
                          const uint8_t token[KVC_TOKEN_LEN], uint32_t kind, uint64_t off) {
-    kvc_buf_t b = {0};
-    kvc_buf_u64(&b, xfer_id);
-    kvc_buf_put(&b, token, KVC_TOKEN_LEN);
-    kvc_buf_u32(&b, kind);
-    kvc_buf_u32(&b, 0);
-    kvc_buf_u64(&b, off);
+    kvc_wire_slot_t m = {xfer_id, {0}, kind, off};
+    memcpy(m.token, token, KVC_TOKEN_LEN);
+    uint8_t hdr[KVC_WIRE_SLOT_LEN];
+    kvc_wire_encode_slot(hdr, &m);
     /* Lost (no endpoint, out of memory): the producer reclaims the slot at
      * its data timeout. */
-    if (!b.failed && b.len == KVC_WIRE_SLOT_LEN)
-        send_am(a, ep, NULL, NULL, KVC_AM_SLOT, b.p, b.len, NULL, 0, false);
-    kvc_buf_cleanup(&b);
+    send_am(a, ep, NULL, NULL, KVC_AM_SLOT, hdr, sizeof(hdr), NULL, 0, false);
 }
 
 bool kvc_stage_shm_wanted(const kvc_agent_t *a, const kvc_peer_t *p) {
@@ -844,28 +852,19 @@ void kvc_stage_peer_cleanup(kvc_agent_t *a, kvc_peer_t *p) {
     p->spool = NULL;
 }
 
-static uint64_t get_u64(const uint8_t *p) {
-    uint64_t v = 0;
-    for (int i = 7; i >= 0; i--)
-        v = v << 8 | p[i];
-    return v;
-}
-
 /* Maps the offered pool here; false when it cannot be (another host, no
  * shared-memory transport, a bad offer). */
-static bool spool_map(kvc_agent_t *a, kvc_peer_t *p, const uint8_t *hdr, const void *rkey,
+static bool spool_map(kvc_agent_t *a, kvc_peer_t *p, const kvc_wire_pool_t *pl, const void *rkey,
                       size_t rkey_len) {
     struct kvc_spool *sp = p->spool;
     if (sp) /* one pool per producer: the same offer again, or a refusal */
         return !sp->bad && sp->blob_len == rkey_len && !memcmp(sp->blob, rkey, rkey_len);
     if (!(sp = p->spool = calloc(1, sizeof(*sp)))) return false;
     sp->bad = true;
-    sp->base = get_u64(hdr + KVC_WIRE_DATA_HDR_LEN);
-    sp->len = get_u64(hdr + KVC_WIRE_DATA_HDR_LEN + 8);
+    sp->base = pl->base; /* kvc_wire_parse_pool: a length, not wrapping, a key */
+    sp->len = pl->len;
     void *ptr = NULL;
-    if (!p->ep || !rkey_len || rkey_len > KVC_WIRE_MAX_BLOB || !sp->len ||
-        sp->base > UINT64_MAX - sp->len || !(sp->blob = malloc(rkey_len)))
-        return false;
+    if (!p->ep || !(sp->blob = malloc(rkey_len))) return false;
     memcpy(sp->blob, rkey, rkey_len);
     sp->blob_len = rkey_len;
     if (ucp_ep_rkey_unpack(p->ep, rkey, &sp->rkey) != UCS_OK) {
@@ -888,11 +887,11 @@ static bool spool_map(kvc_agent_t *a, kvc_peer_t *p, const uint8_t *hdr, const v
     return true;
 }
 
-void kvc_stage_pool_offer(kvc_agent_t *a, kvc_peer_t *p, uint64_t xfer_id,
-                          const uint8_t token[KVC_TOKEN_LEN], const uint8_t *hdr, const void *rkey,
-                          size_t rkey_len) {
-    bool ok = a->stage && !a->stage->wire && spool_map(a, p, hdr, rkey, rkey_len);
-    kvc_stage_slot_send(a, p->ep, xfer_id, token, ok ? KVC_SLOT_POOL_OK : KVC_SLOT_POOL_NO, 0);
+void kvc_stage_pool_offer(kvc_agent_t *a, kvc_peer_t *p, const kvc_wire_pool_t *pl,
+                          const void *rkey, size_t rkey_len) {
+    bool ok = a->stage && !a->stage->wire && spool_map(a, p, pl, rkey, rkey_len);
+    kvc_stage_slot_send(a, p->ep, pl->h.xfer_id, pl->h.token,
+                        ok ? KVC_SLOT_POOL_OK : KVC_SLOT_POOL_NO, 0);
 }
 
 kvc_status_t kvc_stage_ready(kvc_agent_t *a, kvc_stage_ref_t *ref, kvc_peer_t *p, uint64_t xfer_id,

@@ -30,6 +30,7 @@
  * DATA header (AM header): u64 xfer_id, u32 region, i32 status,
  *                 u64 local_start, u64 count, xfer_token[16]
  * NOTIFY (AM data): pub_token[16], "<request id>:<tp>"
+ * READY, POOL, SLOT (AM headers of the staged-shm path): kvc_int.h, stage.c.
  * Everything a parser reads is bounds-checked against the input length;
  * counts are checked against the bytes that remain before any allocation. */
 #include "connector/kvc_int.h"
@@ -433,19 +434,19 @@ kvc_status_t kvc_wire_parse_pull(const uint8_t *p, size_t len, kvc_wire_pull_t *
     return KVC_OK;
 }
 
+static void put_le(uint8_t *out, uint64_t v, int bytes) {
+    for (int i = 0; i < bytes; i++)
+        out[i] = (uint8_t)(v >> (8 * i));
+}
+
+/* Written in place: one header per pushed chunk, no heap buffer. */
 void kvc_wire_encode_data_hdr(uint8_t out[KVC_WIRE_DATA_HDR_LEN], const kvc_wire_data_hdr_t *h) {
-    kvc_buf_t b = {0};
-    kvc_buf_u64(&b, h->xfer_id);
-    kvc_buf_u32(&b, h->region);
-    kvc_buf_u32(&b, (uint32_t)h->status);
-    kvc_buf_u64(&b, h->local_start);
-    kvc_buf_u64(&b, h->count);
-    kvc_buf_put(&b, h->token, KVC_TOKEN_LEN);
-    if (!b.failed && b.len == KVC_WIRE_DATA_HDR_LEN)
-        memcpy(out, b.p, KVC_WIRE_DATA_HDR_LEN);
-    else
-        memset(out, 0xff, KVC_WIRE_DATA_HDR_LEN); /* parses as garbage: rejected */
-    kvc_buf_cleanup(&b);
+    put_le(out, h->xfer_id, 8);
+    put_le(out + 8, h->region, 4);
+    put_le(out + 12, (uint32_t)h->status, 4);
+    put_le(out + 16, h->local_start, 8);
+    put_le(out + 24, h->count, 8);
+    memcpy(out + 32, h->token, KVC_TOKEN_LEN);
 }
 
 kvc_status_t kvc_wire_parse_data_hdr(const uint8_t *p, size_t len, kvc_wire_data_hdr_t *h) {
@@ -459,6 +460,72 @@ kvc_status_t kvc_wire_parse_data_hdr(const uint8_t *p, size_t len, kvc_wire_data
     t.count = rd_uint(&r, 8);
     memcpy(t.token, rd_span(&r, KVC_TOKEN_LEN).p, KVC_TOKEN_LEN);
     *h = t;
+    return KVC_OK;
+}
+
+/* ------------------------------------------- staged-shm: READY, POOL, SLOT -- */
+
+void kvc_wire_encode_ready(uint8_t out[KVC_WIRE_READY_LEN], const kvc_wire_ready_t *r) {
+    kvc_wire_encode_data_hdr(out, &r->h);
+    put_le(out + KVC_WIRE_DATA_HDR_LEN, r->off, 8);
+}
+
+kvc_status_t kvc_wire_parse_ready(const uint8_t *p, size_t len, kvc_wire_ready_t *r) {
+    kvc_wire_ready_t t;
+    if (!p || len != KVC_WIRE_READY_LEN ||
+        kvc_wire_parse_data_hdr(p, KVC_WIRE_DATA_HDR_LEN, &t.h) != KVC_OK)
+        return KVC_ERR_PROTOCOL;
+    rd_t rd = {p + KVC_WIRE_DATA_HDR_LEN, 8, 0, false};
+    t.off = rd_uint(&rd, 8);
+    /* A chunk lent: never an END, a refusal or an empty one (those come as DATA). */
+    if (t.h.status != 0 || t.h.region == KVC_DATA_END || t.h.count == 0) return KVC_ERR_PROTOCOL;
+    *r = t;
+    return KVC_OK;
+}
+
+void kvc_wire_encode_pool(uint8_t out[KVC_WIRE_POOL_LEN], const kvc_wire_pool_t *pl) {
+    kvc_wire_encode_data_hdr(out, &pl->h);
+    put_le(out + KVC_WIRE_DATA_HDR_LEN, pl->base, 8);
+    put_le(out + KVC_WIRE_DATA_HDR_LEN + 8, pl->len, 8);
+    put_le(out + KVC_WIRE_DATA_HDR_LEN + 16, pl->slot_bytes, 8);
+}
+
+kvc_status_t kvc_wire_parse_pool(const uint8_t *p, size_t len, size_t rkey_len,
+                                 kvc_wire_pool_t *pl) {
+    kvc_wire_pool_t t;
+    if (!p || len != KVC_WIRE_POOL_LEN || rkey_len == 0 || rkey_len > KVC_WIRE_MAX_BLOB ||
+        kvc_wire_parse_data_hdr(p, KVC_WIRE_DATA_HDR_LEN, &t.h) != KVC_OK)
+        return KVC_ERR_PROTOCOL;
+    rd_t rd = {p + KVC_WIRE_DATA_HDR_LEN, 24, 0, false};
+    t.base = rd_uint(&rd, 8);
+    t.len = rd_uint(&rd, 8);
+    t.slot_bytes = rd_uint(&rd, 8);
+    if (t.h.status != 0 || t.len == 0 || t.slot_bytes == 0 || t.slot_bytes > t.len ||
+        t.len % t.slot_bytes || t.base > UINT64_MAX - t.len)
+        return KVC_ERR_PROTOCOL;
+    *pl = t;
+    return KVC_OK;
+}
+
+void kvc_wire_encode_slot(uint8_t out[KVC_WIRE_SLOT_LEN], const kvc_wire_slot_t *s) {
+    put_le(out, s->xfer_id, 8);
+    memcpy(out + 8, s->token, KVC_TOKEN_LEN);
+    put_le(out + 8 + KVC_TOKEN_LEN, s->kind, 4);
+    put_le(out + 8 + KVC_TOKEN_LEN + 4, 0, 4);
+    put_le(out + 8 + KVC_TOKEN_LEN + 8, s->off, 8);
+}
+
+kvc_status_t kvc_wire_parse_slot(const uint8_t *p, size_t len, kvc_wire_slot_t *s) {
+    if (!p || len != KVC_WIRE_SLOT_LEN) return KVC_ERR_PROTOCOL;
+    rd_t r = {p, len, 0, false};
+    kvc_wire_slot_t t;
+    t.xfer_id = rd_uint(&r, 8);
+    memcpy(t.token, rd_span(&r, KVC_TOKEN_LEN).p, KVC_TOKEN_LEN);
+    t.kind = (uint32_t)rd_uint(&r, 4);
+    (void)rd_uint(&r, 4); /* reserved */
+    t.off = rd_uint(&r, 8);
+    if (r.bad || t.kind < KVC_SLOT_POOL_OK || t.kind > KVC_SLOT_FREE) return KVC_ERR_PROTOCOL;
+    *s = t;
     return KVC_OK;
 }
 

@@ -1048,13 +1048,15 @@ static ucs_status_t pool_cb(void *arg, const void *header, size_t hlen, void *da
                             const ucp_am_recv_param_t *param) {
     kvc_agent_t *a = arg;
     bool rndv = (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0;
-    kvc_wire_data_hdr_t h;
-    if (a->destroying || rndv || hlen != KVC_WIRE_POOL_LEN ||
-        kvc_wire_parse_data_hdr(header, KVC_WIRE_DATA_HDR_LEN, &h) != KVC_OK)
+    kvc_wire_pool_t pl;
+    if (a->destroying || rndv || kvc_wire_parse_pool(header, hlen, len, &pl) != KVC_OK) {
+        if (!a->destroying && kvc_log_ratelimit(a, KVC_RL_DATA))
+            KVC_LOG(a, KVC_LOG_WARN, "push: malformed pool offer (%zu bytes), dropped", hlen);
         return rndv ? UCS_ERR_INVALID_PARAM : UCS_OK;
-    kvc_xfer_t *x = any_xfer(a, h.xfer_id);
-    if (x && kvc_mac_equal(h.token, x->xfer_token, KVC_TOKEN_LEN))
-        kvc_stage_pool_offer(a, x->peer, h.xfer_id, h.token, header, data, len);
+    }
+    kvc_xfer_t *x = any_xfer(a, pl.h.xfer_id);
+    if (x && kvc_mac_equal(pl.h.token, x->xfer_token, KVC_TOKEN_LEN))
+        kvc_stage_pool_offer(a, x->peer, &pl, data, len);
     return UCS_OK;
 }
 
@@ -1064,17 +1066,14 @@ static ucs_status_t ready_cb(void *arg, const void *header, size_t hlen, void *d
     kvc_agent_t *a = arg;
     (void)data;
     bool rndv = (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0;
-    kvc_wire_data_hdr_t h;
-    if (a->destroying || rndv || len || hlen != KVC_WIRE_READY_LEN ||
-        kvc_wire_parse_data_hdr(header, KVC_WIRE_DATA_HDR_LEN, &h) != KVC_OK) {
+    kvc_wire_ready_t rm;
+    if (a->destroying || rndv || len || kvc_wire_parse_ready(header, hlen, &rm) != KVC_OK) {
         if (!a->destroying && kvc_log_ratelimit(a, KVC_RL_DATA))
             KVC_LOG(a, KVC_LOG_WARN, "push: malformed ready message (%zu bytes), dropped", hlen);
         return rndv ? UCS_ERR_INVALID_PARAM : UCS_OK;
     }
-    const uint8_t *o = (const uint8_t *)header + KVC_WIRE_DATA_HDR_LEN;
-    uint64_t off = 0;
-    for (int i = 7; i >= 0; i--)
-        off = off << 8 | o[i];
+    kvc_wire_data_hdr_t h = rm.h;
+    uint64_t off = rm.off;
     bool refused;
     kvc_xfer_t *x = data_fetch(a, &h, &refused);
     if (!x) {

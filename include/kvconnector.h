@@ -84,10 +84,13 @@
  *    (KVC_PUBLISH_FIELD_CUDA_STREAM, regions on one device only).  The
  *    connector's streams wait on it (cudaStreamWaitEvent).  Staged: kvc_publish
  *    returns at once, without a host sync (the device-to-pool copies of a
- *    pull are queued behind that wait); direct, and any agent that exports
- *    its regions over CUDA IPC (see "How bytes move"): it returns once the
- *    writes are complete (a host sync of the wait, since UCX, or a consumer
- *    process on this node, reads device memory outside any stream of ours).
+ *    pull are queued behind that wait); so does an agent that exports its
+ *    regions over CUDA IPC (see "How bytes move"): an event is recorded
+ *    after that wait, and a consumer process on this node copies only once
+ *    the producer confirmed its read, which it does once that event is
+ *    complete (waited for on the host there only if the writes still run).
+ *    Direct: it returns once the writes are complete (a host sync of the
+ *    wait, since UCX reads device memory outside any stream of ours).
  *    The engine never has to synchronise.  Without either field the caller
  * guarantees that its writes to the blocks are complete (e.g. it synchronised its stream).
  *  - kvc_fetch: a cudaStream_t that will read the blocks

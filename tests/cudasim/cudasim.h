@@ -55,5 +55,9 @@ int cudasim_ipc_open_count(void);
  * imported, not yet freed) in this process. */
 int cudasim_vmm_mappings(void);
 int cudasim_vmm_allocations(void);
+/* Every later cuMemExportToShareableHandle first sleeps ms on the calling
+ * thread (0: no more): a producer that takes a consumer's fd request and
+ * answers only late. */
+void cudasim_vmm_stall_export(unsigned ms);
 
 #endif

@@ -368,8 +368,15 @@ static CUresult sim_address_range(CUdeviceptr *base, size_t *size, CUdeviceptr d
     return leave(CUDA_SUCCESS);
 }
 
+static unsigned export_stall_ms;
+
+void cudasim_vmm_stall_export(unsigned ms) {
+    export_stall_ms = ms;
+}
+
 static CUresult sim_export(void *out, CUmemGenericAllocationHandle h,
                            CUmemAllocationHandleType type, unsigned long long flags) {
+    if (export_stall_ms) usleep(export_stall_ms * 1000u); /* outside the stand-in's lock */
     CUresult r = enter("cuMemExportToShareableHandle");
     if (r) return r;
     phys_t *ph = phys_of(h);

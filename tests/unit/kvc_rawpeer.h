@@ -55,6 +55,20 @@ static ucs_status_t raw_on_data(void *arg, const void *header, size_t hlen, void
     return UCS_OK;
 }
 
+/* The handler of active message id on this worker (whole messages; its
+ * argument is r). */
+static inline void raw_handler(raw_t *r, unsigned id, ucp_am_recv_callback_t cb) {
+    ucp_am_handler_param_t hp = {.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID |
+                                               UCP_AM_HANDLER_PARAM_FIELD_FLAGS |
+                                               UCP_AM_HANDLER_PARAM_FIELD_CB |
+                                               UCP_AM_HANDLER_PARAM_FIELD_ARG,
+                                 .id = id,
+                                 .flags = UCP_AM_FLAG_WHOLE_MSG,
+                                 .cb = cb,
+                                 .arg = r};
+    assert_int_equal(ucp_worker_set_am_recv_handler(r->w, &hp), UCS_OK);
+}
+
 /* secret: the cluster secret (borrowed until raw_leave), or NULL. */
 static inline void raw_up(raw_t *r, const char *secret) {
     memset(r, 0, sizeof(*r));
@@ -74,15 +88,7 @@ static inline void raw_up(raw_t *r, const char *secret) {
                               .thread_mode = UCS_THREAD_MODE_SINGLE};
     assert_int_equal(ucp_worker_create(r->ctx, &wp, &r->w), UCS_OK);
     assert_int_equal(ucp_worker_get_address(r->w, &r->addr, &r->addr_len), UCS_OK);
-    ucp_am_handler_param_t hp = {.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID |
-                                               UCP_AM_HANDLER_PARAM_FIELD_FLAGS |
-                                               UCP_AM_HANDLER_PARAM_FIELD_CB |
-                                               UCP_AM_HANDLER_PARAM_FIELD_ARG,
-                                 .id = KVC_AM_DATA,
-                                 .flags = UCP_AM_FLAG_WHOLE_MSG,
-                                 .cb = raw_on_data,
-                                 .arg = r};
-    assert_int_equal(ucp_worker_set_am_recv_handler(r->w, &hp), UCS_OK);
+    raw_handler(r, KVC_AM_DATA, raw_on_data);
 }
 
 static inline bool raw_read(int fd, void *p, size_t n) {

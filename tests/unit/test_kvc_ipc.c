@@ -62,16 +62,23 @@ static void quiet_log(void *arg, kvc_log_level_t level, const char *msg) {
     if (getenv("KVC_TEST_VERBOSE")) fprintf(stderr, "%s: %s\n", (const char *)arg, msg);
 }
 
+static uint32_t connect_ms; /* the next agents' connect timeout (0: the default) */
+static uint32_t tp_size;    /* the next agents' TP size (0: 1) */
+
 static kvc_agent_t *agent(const char *name, uint32_t xfer_timeout_ms) {
     kvc_agent_params_t ap = {.field_mask = KVC_AGENT_FIELD_ENGINE_ID | KVC_AGENT_FIELD_SECRET |
-                                           KVC_AGENT_FIELD_LOG | KVC_AGENT_FIELD_XFER_TIMEOUT,
+                                           KVC_AGENT_FIELD_LOG | KVC_AGENT_FIELD_XFER_TIMEOUT |
+                                           KVC_AGENT_FIELD_CONNECT_TIMEOUT |
+                                           (tp_size ? KVC_AGENT_FIELD_TP_SIZE : 0),
                              .engine_id = name,
                              .secret = SECRET,
                              .secret_len = strlen(SECRET),
                              .log_cb = quiet_log,
                              .log_arg = (void *)name,
                              .log_level = KVC_LOG_DEBUG,
-                             .xfer_timeout_ms = xfer_timeout_ms};
+                             .xfer_timeout_ms = xfer_timeout_ms,
+                             .connect_timeout_ms = connect_ms,
+                             .tp_size = tp_size};
     kvc_agent_t *a = NULL;
     return kvc_agent_create(&ap, &a) == KVC_OK ? a : NULL;
 }
@@ -101,19 +108,29 @@ static const uint64_t LOC[] = {0, 1, 2, 3, 10, 11, 12, 13, 20, 21, 22, 23, 40};
  * ("serve" and "expire" with the memory mapped through the VMM API, in
  * physical allocations of 192 KiB); "vmm-nofd" (the same, created without
  * the POSIX fd handle type); "vmm-export-fails" (the producer's first
- * cuMemExportToShareableHandle fails: its socket refuses the request). */
+ * cuMemExportToShareableHandle fails: its socket refuses the request);
+ * "stream" ("serve" with the blocks written by copies still queued on the
+ * engine's stream when it publishes, the stream given to kvc_publish: the
+ * stand-in is lazy, so they run only when someone waits for them; prints
+ * the host syncs kvc_publish made, "syncs_at_publish=N", before the JSON);
+ * "vmm-stall" (its exports take 2 s each: a consumer's fd request is taken
+ * and answered only after the consumer's 1 s connect timeout). */
 static int producer_main(const char *mode) {
     setenv("UCX_TLS", "tcp,self", 1);
     setenv("UCX_WARN_UNUSED_ENV_VARS", "n", 1);
     bool vmm = !strncmp(mode, "vmm", 3), nofd = !strcmp(mode, "vmm-nofd");
-    bool noexport = !strcmp(mode, "vmm-export-fails");
+    bool noexport = !strcmp(mode, "vmm-export-fails"), stall = !strcmp(mode, "vmm-stall");
     if (vmm) mode = !strcmp(mode, "vmm-expire") ? "expire" : "serve";
     if (!strcmp(mode, "other-host")) setenv("KVC_TEST_HOST_ID", "another-node", 1);
     if (!strcmp(mode, "no-ipc")) setenv("KVC_IPC", "0", 1);
     cudasim_reset(2, false);
     if (noexport) cudasim_fail("cuMemExportToShareableHandle", 1, cudaErrorNotSupported);
+    if (stall) cudasim_vmm_stall_export(2000);
     kvc_agent_t *a = agent("ipc-P", !strcmp(mode, "short-hold") ? 300 : 30000);
-    uint8_t *mem = NULL, *host = malloc(NB * BL);
+    bool by_stream = !strcmp(mode, "stream");
+    uint8_t *mem = NULL, *host = malloc(NREG * NB * BL);
+    cudaStream_t es = NULL;
+    if (by_stream && cudaStreamCreateWithFlags(&es, cudaStreamNonBlocking) != cudaSuccess) return 2;
     /* Both regions in one allocation, region 1 a page and a half in. */
     size_t off1 = NB * BL + 6144;
     vmm_mem_t vm = {0};
@@ -124,16 +141,29 @@ static int producer_main(const char *mode) {
     if (!a || !host || !mem) return 2;
     kvc_region_params_t rp[NREG] = {cuda_region(mem, 0), cuda_region(mem + off1, 0)};
     for (int r = 0; r < NREG; r++) {
+        uint8_t *h = host + (size_t)r * NB * BL;
         for (uint64_t b = 0; b < NB; b++)
             for (size_t i = 0; i < BL; i++)
-                host[b * BL + i] = pat(r, b, i);
-        if (cudaMemcpy(rp[r].base, host, NB * BL, cudaMemcpyHostToDevice) != cudaSuccess) return 2;
+                h[b * BL + i] = pat(r, b, i);
+        if (by_stream ? cudaMemset(rp[r].base, 0xEE, NB * BL) != cudaSuccess ||
+                            cudaMemcpyAsync(rp[r].base, h, NB * BL, cudaMemcpyHostToDevice, es) !=
+                                cudaSuccess
+                      : cudaMemcpy(rp[r].base, h, NB * BL, cudaMemcpyHostToDevice) != cudaSuccess)
+            return 2;
     }
     if (kvc_agent_register_regions(a, NB, rp, NREG) != KVC_OK) return 2;
-    kvc_publish_params_t pp = {.field_mask = KVC_PUBLISH_FIELD_EXPIRY,
-                               .expiry_ms = !strcmp(mode, "expire") ? 150 : 30000};
+    kvc_publish_params_t pp = {.field_mask = KVC_PUBLISH_FIELD_EXPIRY |
+                                             (by_stream ? KVC_PUBLISH_FIELD_CUDA_STREAM : 0),
+                               .expiry_ms = !strcmp(mode, "expire") ? 150 : 30000,
+                               .cuda_stream = es};
     char *json = NULL;
+    unsigned long s0 = cudasim_calls("cudaStreamSynchronize") +
+                       cudasim_calls("cudaEventSynchronize") +
+                       cudasim_calls("cudaDeviceSynchronize");
     if (kvc_publish(a, "ipc-req", REM, NX, &pp, &json) != KVC_OK) return 2;
+    printf("syncs_at_publish=%lu\n",
+           cudasim_calls("cudaStreamSynchronize") + cudasim_calls("cudaEventSynchronize") +
+               cudasim_calls("cudaDeviceSynchronize") - s0);
     printf("%s\n", json);
     fflush(stdout);
     kvc_free(json);
@@ -156,6 +186,7 @@ static int producer_main(const char *mode) {
         }
     }
     kvc_agent_destroy(a);
+    if (es) cudaStreamDestroy(es);
     if (vmm)
         vmm_free(&vm);
     else
@@ -167,6 +198,7 @@ static int producer_main(const char *mode) {
 /* ------------------------------------------------------------ consumer -- */
 
 typedef struct {
+    int syncs_at_publish; /* the producer's, -1: not said */
     pid_t pid;
     int open0;   /* IPC mappings open before the test */
     int in, out; /* the producer's stdin (ours to write) and stdout */
@@ -212,9 +244,11 @@ static void start(ctx_t *c, const char *mode, uint32_t xfer_timeout_ms) {
     c->in = pin[1];
     c->out = pout[0];
     /* UCX may log on stdout too: the params are the line that is JSON. */
-    do
+    c->syncs_at_publish = -1;
+    do {
         assert_true(read_line(c, c->json, sizeof(c->json), 20000));
-    while (c->json[0] != '{');
+        sscanf(c->json, "syncs_at_publish=%d", &c->syncs_at_publish);
+    } while (c->json[0] != '{');
     assert_non_null(strstr(c->json, "remote_kv_token"));
     setenv("UCX_TLS", "tcp,self", 1);
     setenv("UCX_WARN_UNUSED_ENV_VARS", "n", 1);
@@ -324,6 +358,76 @@ static void ipc_fetch(const char *mode, void (*more)(ctx_t *c)) {
     assert_int_equal(kstat(&c, KVC_STAT_CUDA_COPIES), 0); /* device to device, no staging */
     more(&c);
     wait_released(&c);
+    assert_int_equal(finish(&c), 0);
+}
+
+/* Fetches over CUDA IPC reuse their events: three fetches of one
+ * publication (a consumer of TP 3: the producer releases it at the third
+ * notification), events created for the first only (one per device), none
+ * after; no host sync in any (their events are polled). */
+static void test_ipc_fetches_reuse_events(void **state) {
+    (void)state;
+    tp_size = 3;
+    ctx_t c;
+    start(&c, "serve", 30000);
+    tp_size = 0;
+    unsigned long created[3], syncs = 0;
+    for (int i = 0; i < 3; i++) {
+        unsigned long e0 = cudasim_calls("cudaEventCreateWithFlags");
+        unsigned long s0 = cudasim_calls("cudaStreamSynchronize") +
+                           cudasim_calls("cudaEventSynchronize") +
+                           cudasim_calls("cudaDeviceSynchronize");
+        memset(c.dev[0], 0xA5, NB * BL);
+        memset(c.dev[1], 0xA5, NB * BL);
+        fetch(&c);
+        char msg[300];
+        kvc_status_t st = pump(&c, NULL, msg, sizeof(msg));
+        if (st != KVC_OK) fail_msg("fetch %d failed: %s (%s)", i, msg, kvc_status_str(st));
+        check_bytes(&c);
+        created[i] = cudasim_calls("cudaEventCreateWithFlags") - e0;
+        syncs += cudasim_calls("cudaStreamSynchronize") + cudasim_calls("cudaEventSynchronize") +
+                 cudasim_calls("cudaDeviceSynchronize") - s0;
+    }
+    print_message("IPC fetches: events created %lu, %lu, %lu; host syncs %lu\n", created[0],
+                  created[1], created[2], syncs);
+    assert_int_equal(kstat(&c, KVC_STAT_BYTES_IPC), 3 * NX * BL * NREG);
+    assert_int_equal(created[0], NREG); /* one per device */
+    assert_int_equal(created[1], 0);
+    assert_int_equal(created[2], 0);
+    assert_int_equal(syncs, 0);
+    wait_released(&c);
+    assert_int_equal(finish(&c), 0);
+}
+
+/* The producer's blocks are written by copies still queued on its
+ * engine's stream when it publishes (given the stream): kvc_publish makes
+ * no host sync (an event recorded after its wait is checked, and waited
+ * for, before the HOLD is confirmed), and the consumer's copies see every
+ * written byte: a confirmation that did not wait would let them read the
+ * 0xEE the blocks held before. */
+static void test_ipc_publish_by_stream(void **state) {
+    (void)state;
+    ctx_t c;
+    start(&c, "stream", 30000);
+    assert_int_equal(c.syncs_at_publish, 0);
+    fetch(&c);
+    char msg[300];
+    kvc_status_t st = pump(&c, NULL, msg, sizeof(msg));
+    if (st != KVC_OK) fail_msg("fetch failed: %s (%s)", msg, kvc_status_str(st));
+    check_bytes(&c);
+    assert_int_equal(kstat(&c, KVC_STAT_BYTES_IPC), NX * BL * NREG);
+    wait_released(&c);
+    assert_int_equal(finish(&c), 0);
+}
+
+/* The same publication never read: the producer's agent goes with its
+ * capture still held (handed back before the CUDA context goes; ASan
+ * would see the use after free). */
+static void test_ipc_publish_by_stream_unread(void **state) {
+    (void)state;
+    ctx_t c;
+    start(&c, "stream", 30000);
+    assert_int_equal(c.syncs_at_publish, 0);
     assert_int_equal(finish(&c), 0);
 }
 
@@ -500,6 +604,16 @@ static void test_ipc_vmm_export_fails(void **state) {
 }
 
 /* The fds came but one does not import here: the staged push. */
+/* The producer's socket takes the fd request but the fds do not come
+ * within the consumer's connect timeout (PEER_IPC): that producer is
+ * pushed, byte-exact, nothing mapped; the late answer is not used. */
+static void test_ipc_vmm_fds_time_out(void **state) {
+    (void)state;
+    connect_ms = 1000;
+    fallback("vmm-stall", NULL, NULL);
+    connect_ms = 0;
+}
+
 static void test_ipc_vmm_import_fails(void **state) {
     (void)state;
     fallback("vmm", NULL, "cuMemImportFromShareableHandle");
@@ -642,6 +756,9 @@ int main(int argc, char **argv) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_ipc_table_parse),
         cmocka_unit_test(test_ipc_fetch),
+        cmocka_unit_test(test_ipc_fetches_reuse_events),
+        cmocka_unit_test(test_ipc_publish_by_stream),
+        cmocka_unit_test(test_ipc_publish_by_stream_unread),
         cmocka_unit_test(test_ipc_after_expiry_denied),
         cmocka_unit_test(test_ipc_hold_broken_denied),
         cmocka_unit_test(test_ipc_producer_killed),
@@ -655,6 +772,7 @@ int main(int argc, char **argv) {
         cmocka_unit_test(test_ipc_vmm_no_fd_type),
         cmocka_unit_test(test_ipc_vmm_export_fails),
         cmocka_unit_test(test_ipc_vmm_import_fails),
+        cmocka_unit_test(test_ipc_vmm_fds_time_out),
         cmocka_unit_test(test_ipcfd_refusals),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);

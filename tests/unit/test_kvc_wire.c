@@ -245,6 +245,85 @@ static void test_pull_and_data(void **state) {
     assert_int_equal(kvc_wire_parse_data_hdr(NULL, 0, &g), KVC_ERR_PROTOCOL);
 }
 
+/* The staged-shm messages (READY, POOL, SLOT): round trips, the bytes
+ * pinned (little endian, as every other field), every other length
+ * refused, and what no producer sends refused too. */
+static void test_staged_messages(void **state) {
+    (void)state;
+    kvc_wire_ready_t r = {{0x0102030405060708ull, 2, 0, 40, 3, {0xaa, 0xbb}}, 0x2000}, r2;
+    uint8_t rb[KVC_WIRE_READY_LEN + 1];
+    kvc_wire_encode_ready(rb, &r);
+    assert_int_equal(kvc_wire_parse_ready(rb, KVC_WIRE_READY_LEN, &r2), KVC_OK);
+    assert_memory_equal(&r2.h, &r.h, sizeof(r.h));
+    assert_int_equal(r2.off, 0x2000);
+    static const uint8_t off_le[8] = {0, 0x20, 0, 0, 0, 0, 0, 0};
+    assert_memory_equal(rb + KVC_WIRE_DATA_HDR_LEN, off_le, 8);
+    assert_int_equal(rb[0], 0x08); /* the DATA header's xfer id, little endian */
+    for (size_t n = 0; n <= sizeof(rb); n++)
+        if (n != KVC_WIRE_READY_LEN)
+            assert_int_equal(kvc_wire_parse_ready(rb, n, &r2), KVC_ERR_PROTOCOL);
+    assert_int_equal(kvc_wire_parse_ready(NULL, KVC_WIRE_READY_LEN, &r2), KVC_ERR_PROTOCOL);
+    kvc_wire_ready_t bad[3] = {r, r, r};
+    bad[0].h.status = -3;          /* a refusal comes as DATA */
+    bad[1].h.region = KVC_DATA_END; /* so does an END */
+    bad[2].h.count = 0;            /* an empty chunk */
+    for (int i = 0; i < 3; i++) {
+        kvc_wire_encode_ready(rb, &bad[i]);
+        assert_int_equal(kvc_wire_parse_ready(rb, KVC_WIRE_READY_LEN, &r2), KVC_ERR_PROTOCOL);
+    }
+
+    kvc_wire_pool_t p = {{9, 0, 0, 0, 0, {1}}, 0x7f0000000000ull, 64ull << 20, 4ull << 20}, p2;
+    uint8_t pb[KVC_WIRE_POOL_LEN + 1];
+    kvc_wire_encode_pool(pb, &p);
+    assert_int_equal(kvc_wire_parse_pool(pb, KVC_WIRE_POOL_LEN, 12, &p2), KVC_OK);
+    assert_memory_equal(&p2.h, &p.h, sizeof(p.h));
+    assert_int_equal(p2.base, p.base);
+    assert_int_equal(p2.len, p.len);
+    assert_int_equal(p2.slot_bytes, p.slot_bytes);
+    assert_int_equal(pb[KVC_WIRE_DATA_HDR_LEN + 8 + 3], 0x04); /* 64 MiB = 0x04000000 */
+    for (size_t n = 0; n <= sizeof(pb); n++)
+        if (n != KVC_WIRE_POOL_LEN)
+            assert_int_equal(kvc_wire_parse_pool(pb, n, 12, &p2), KVC_ERR_PROTOCOL);
+    /* The rkey (the message's data): none, or past the blob bound. */
+    assert_int_equal(kvc_wire_parse_pool(pb, KVC_WIRE_POOL_LEN, 0, &p2), KVC_ERR_PROTOCOL);
+    assert_int_equal(kvc_wire_parse_pool(pb, KVC_WIRE_POOL_LEN, KVC_WIRE_MAX_BLOB + 1, &p2),
+                     KVC_ERR_PROTOCOL);
+    kvc_wire_pool_t pbad[5] = {p, p, p, p, p};
+    pbad[0].len = 0;
+    pbad[1].slot_bytes = 0;
+    pbad[2].slot_bytes = pbad[2].len + 1; /* a slot larger than the pool */
+    pbad[3].slot_bytes = 3 << 20;         /* the pool not whole slots */
+    pbad[4].base = UINT64_MAX - 100;      /* wraps the address space */
+    for (int i = 0; i < 5; i++) {
+        kvc_wire_encode_pool(pb, &pbad[i]);
+        assert_int_equal(kvc_wire_parse_pool(pb, KVC_WIRE_POOL_LEN, 12, &p2), KVC_ERR_PROTOCOL);
+    }
+
+    kvc_wire_slot_t m = {77, {5, 6, 7}, KVC_SLOT_FREE, 3ull << 22}, m2;
+    uint8_t sb[KVC_WIRE_SLOT_LEN + 1];
+    kvc_wire_encode_slot(sb, &m);
+    /* u64 xfer id, token, u32 kind, u32 0, u64 offset */
+    uint8_t want[KVC_WIRE_SLOT_LEN] = {77};
+    memcpy(want + 8, m.token, KVC_TOKEN_LEN);
+    want[8 + KVC_TOKEN_LEN] = KVC_SLOT_FREE;
+    want[8 + KVC_TOKEN_LEN + 8 + 2] = 0xc0;
+    assert_memory_equal(sb, want, KVC_WIRE_SLOT_LEN);
+    assert_int_equal(kvc_wire_parse_slot(sb, KVC_WIRE_SLOT_LEN, &m2), KVC_OK);
+    assert_int_equal(m2.xfer_id, 77);
+    assert_memory_equal(m2.token, m.token, KVC_TOKEN_LEN);
+    assert_int_equal(m2.kind, KVC_SLOT_FREE);
+    assert_int_equal(m2.off, m.off);
+    for (size_t n = 0; n <= sizeof(sb); n++)
+        if (n != KVC_WIRE_SLOT_LEN)
+            assert_int_equal(kvc_wire_parse_slot(sb, n, &m2), KVC_ERR_PROTOCOL);
+    uint32_t kinds[] = {0, KVC_SLOT_FREE + 1, UINT32_MAX};
+    for (int i = 0; i < 3; i++) {
+        m.kind = kinds[i];
+        kvc_wire_encode_slot(sb, &m);
+        assert_int_equal(kvc_wire_parse_slot(sb, KVC_WIRE_SLOT_LEN, &m2), KVC_ERR_PROTOCOL);
+    }
+}
+
 static void check_notify(const char *txt, kvc_status_t want, const char *id, uint32_t tp) {
     kvc_span_t s;
     uint32_t t = 99;
@@ -495,6 +574,7 @@ int main(void) {
         cmocka_unit_test(test_handshake_truncated_and_corrupt),
         cmocka_unit_test(test_pull_and_data),
         cmocka_unit_test(test_pull_ext),
+        cmocka_unit_test(test_staged_messages),
         cmocka_unit_test(test_notify),
         cmocka_unit_test(test_coalesce),
         cmocka_unit_test(test_params_json),
