@@ -67,15 +67,20 @@ static uint64_t prefix_hash(sim_req *r, size_t b) {
     return r->ph[b];
 }
 
-static void compute_blocks(sim_req *r) {
+/* Writes layers [l0, l1) of r's blocks (what its forward pass computes). */
+static void compute_layers(sim_req *r, uint32_t l0, uint32_t l1) {
     sim_engine *e = r->e;
     for (size_t b = 0; b < r->nblocks; b++) {
         uint64_t ph = prefix_hash(r, b);
-        for (uint32_t l = 0; l < e->cfg->layers; l++)
+        for (uint32_t l = l0; l < l1; l++)
             for (uint32_t kv = 0; kv < 2; kv++)
                 kvsim_fill_block(ph, l, kv, block_addr(e, l * 2 + kv, r->blocks[b]),
                                  e->cfg->block_bytes);
     }
+}
+
+static void compute_blocks(sim_req *r) {
+    compute_layers(r, 0, r->e->cfg->layers);
 }
 
 /* ------------------------------------------------------ prefix cache -- */
@@ -588,6 +593,7 @@ static void prefill_reply(evutil_socket_t fd, short what, void *arg) {
 static void prefill_layer(evutil_socket_t fd, short what, void *arg) {
     sim_req *r = arg;
     sim_engine *e = r->e;
+    compute_layers(r, r->layer, r->layer + 1);
     kvc_status_t st =
         r->pub_json ? kvc_publish_ready(e->agent, pub_id(r), (size_t)r->layer * 2, 2, NULL) : KVC_OK;
     if (st != KVC_OK)
@@ -707,7 +713,7 @@ static void start_req(sim_req *r) {
     r->e->dp_running[r->dp_rank]++;
     switch (r->mode) {
     case SIM_MODE_PREFILL:
-        compute_blocks(r);
+        if (!r->e->cfg->layer_compute_us) compute_blocks(r); /* else layer by layer */
         compute_prompt(r);
         r->state = SR_PREFILL_WAIT;
         if (r->e->cfg->layer_compute_us) { /* the forward pass, layer by layer */
