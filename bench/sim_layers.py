@@ -27,19 +27,13 @@ import os
 import secrets
 import statistics
 import sys
-import threading
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                 "tests", "integration"))
 from pdharness.client import post_json
 from pdharness.prom import prom
-
-WORDS = "the quick brown fox jumps over a lazy dog while wizards examine manuscripts".split()
-
-
-def prompt(i, ntok):
-    return "req %d " % i + " ".join(WORDS[(i + k) % len(WORDS)] for k in range(ntok))
-
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from sim_push import pct, prompt, push_legs  # noqa: E402
 
 def ident_of(P, D):
     """The prefill's kv_transfer_params identity, from one serial request."""
@@ -55,27 +49,10 @@ def ident_of(P, D):
 
 def push(P, D, text, ident):
     """Decode's KV wait (ms) for one request sent to P and D at once."""
-    rid, tok = "lw-" + secrets.token_hex(8), secrets.token_hex(16)
-    body = {"model": "sim-model", "prompt": text, "max_tokens": 1}
-    pk = {"do_remote_decode": True, "remote_request_id": rid, "remote_kv_token": tok,
-          "transfer_mode": "push"}
-    dk = dict(ident, do_remote_prefill=True, remote_request_id=rid, remote_kv_token=tok,
-              transfer_mode="push")
-    res = {}
-    t = threading.Thread(target=lambda: res.update(p=post_json(P, "/v1/completions",
-                                                               dict(body, kv_transfer_params=pk))))
-    t.start()
-    st, hd, raw = post_json(D, "/v1/completions", dict(body, kv_transfer_params=dk))
-    t.join(60)
-    assert st == 200 and res["p"][0] == 200, raw
+    hd = push_legs(P, D, text, ident, prefix="lw-")[1]
     wait = {k.lower(): v for k, v in hd.items()}.get("x-kv-wait-ms")
     assert wait is not None, hd
     return float(wait)
-
-
-def pct(xs, q):
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
 def main():
