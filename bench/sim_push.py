@@ -46,7 +46,12 @@ def serial(P, D, text):
 
 
 def push(P, D, text, ident):
-    rid, tok = "push-" + secrets.token_hex(8), secrets.token_hex(16)
+    return push_legs(P, D, text, ident)[0]
+
+
+def push_legs(P, D, text, ident, prefix="push-"):
+    """Both legs at once; (seconds until decode answered, decode's headers)."""
+    rid, tok = prefix + secrets.token_hex(8), secrets.token_hex(16)
     body = {"model": "sim-model", "prompt": text, "max_tokens": 1}
     pk = {"do_remote_decode": True, "remote_request_id": rid, "remote_kv_token": tok,
           "transfer_mode": "push"}
@@ -61,7 +66,7 @@ def push(P, D, text, ident):
     dt = time.monotonic() - t0
     t.join(60)
     assert st == 200 and res["p"][0] == 200, raw
-    return dt
+    return dt, hd
 
 
 def pct(xs, q):

@@ -682,6 +682,10 @@ struct kvc_pub {
     kvc_status_t rel_status;
     const char *rel_msg; /* static text or NULL */
     kvc_pub_t *dnext;    /* draining list */
+    /* Layer-wise (KVC_PUBLISH_FIELD_LAYERWISE): ready[r] once region r is
+     * written (NULL: published whole); unready: regions not ready yet. */
+    uint8_t *ready;
+    size_t unready;
 };
 
 typedef struct {
@@ -780,6 +784,7 @@ struct kvc_agent {
     struct kvc_pending *pending; /* owned: fetches registered before their publication */
     size_t n_pending, pending_bytes;
     bool pending_check; /* a publication came: serve the held pulls that wait for it */
+    struct kvc_defer *defers; /* owned: layer-wise pushes waiting for regions (push.c) */
     bool destroying;
 };
 

@@ -35,6 +35,7 @@ void kvc_pub_free(kvc_pub_t *p) {
     free(p->id);
     free(p->blocks);
     free(p->sorted);
+    free(p->ready);
     free(p);
 }
 
@@ -240,12 +241,16 @@ static kvc_status_t publish_impl(kvc_agent_t *a, const char *request_id, const u
     char *json = kvc_params_to_json(a->engine_id, request_id, a->adv_host, a->port, block_ids, n,
                                     a->tp_size, p->token);
     if (!json) goto err_pub;
-    if (a->cuda && n && (st = capture(a, params, &p->cap)) != KVC_OK) goto err_json;
+    if (m & KVC_PUBLISH_FIELD_LAYERWISE) { /* nothing written yet: kvc_publish_ready */
+        if (!(p->ready = calloc(a->n_regions, 1))) goto err_json;
+        p->unready = a->n_regions;
+    } else if (a->cuda && n && (st = capture(a, params, &p->cap)) != KVC_OK)
+        goto err_json;
     kvc_pubtab_insert(&a->pubs, p);
     a->stats[KVC_STAT_PUBLISHED]++;
     kvc_wake(a); /* re-arm the timer with this deadline */
-    KVC_LOG(a, KVC_LOG_DEBUG, "published req=%s blocks=%zu expiry_ms=%u lease_ms=%u", request_id,
-            n, exp, lease);
+    KVC_LOG(a, KVC_LOG_DEBUG, "published req=%s blocks=%zu expiry_ms=%u lease_ms=%u%s",
+            request_id, n, exp, lease, p->ready ? " layer-wise" : "");
     *json_out = json;
     if (a->pending) { /* fetches registered before it: served on this progress turn (push.c) */
         a->pending_check = true;
@@ -258,6 +263,41 @@ err_json:
 err_pub:
     kvc_pub_free(p);
     return st;
+}
+
+/* Regions [first, +count) of a layer-wise publication are written: their
+ * CUDA writes captured as kvc_publish's, then readable.  The pushes waiting
+ * for them (push.c) send them on the next progress turn. */
+static kvc_status_t ready_impl(kvc_agent_t *a, const char *request_id, size_t first, size_t count,
+                               const kvc_publish_params_t *params) {
+    if (!a || !request_id || count == 0 || first >= a->n_regions || count > a->n_regions - first)
+        return KVC_ERR_INVALID_PARAM;
+    kvc_pub_t *p = kvc_pubtab_find(&a->pubs, request_id, strlen(request_id));
+    if (!p) return KVC_ERR_NOT_FOUND;
+    if (!p->unready) return KVC_OK; /* whole, or complete already */
+    /* An IPC capture recorded now follows every earlier wait on the same
+     * private streams: it replaces the one before. */
+    kvc_cuda_cap_t *cap = NULL;
+    kvc_status_t st = a->cuda && p->n ? capture(a, params, &cap) : KVC_OK;
+    if (st != KVC_OK) return st;
+    if (cap) {
+        kvc_cuda_capture_put(p->cap);
+        p->cap = cap;
+    }
+    for (size_t r = first; r < first + count; r++)
+        if (!p->ready[r]) {
+            p->ready[r] = 1;
+            p->unready--;
+        }
+    KVC_LOG(a, KVC_LOG_DEBUG, "req=%s: regions [%zu,+%zu) ready, %zu to go", p->id, first, count,
+            p->unready);
+    /* Waiting pushes take the new regions; once complete, the held pulls
+     * that wait for the whole publication are served. */
+    if (a->defers || (!p->unready && a->pending)) {
+        a->pending_check = a->pending_check || !p->unready;
+        kvc_wake(a);
+    }
+    return KVC_OK;
 }
 
 static kvc_status_t unpublish_impl(kvc_agent_t *a, const char *request_id) {
@@ -436,6 +476,15 @@ kvc_status_t kvc_unpublish(kvc_agent_t *a, const char *request_id) {
     if (!a) return KVC_ERR_INVALID_PARAM;
     kvc_lock(a);
     kvc_status_t st = unpublish_impl(a, request_id);
+    kvc_unlock(a);
+    return st;
+}
+
+kvc_status_t kvc_publish_ready(kvc_agent_t *a, const char *request_id, size_t first_region,
+                               size_t num_regions, const kvc_publish_params_t *params) {
+    if (!a) return KVC_ERR_INVALID_PARAM;
+    kvc_lock(a);
+    kvc_status_t st = ready_impl(a, request_id, first_region, num_regions, params);
     kvc_unlock(a);
     return st;
 }

@@ -41,7 +41,23 @@ typedef struct kvc_pending {
     size_t len;
     char *id;         /* owned: its request id */
     uint64_t deadline_ns;
+    bool whole; /* held for a layer-wise publication to be complete */
 } pending_t;
+
+/* A layer-wise push (KVC_PUBLISH_FIELD_LAYERWISE): a checked pull of a
+ * publication whose regions are not all written yet.  Each region goes out
+ * once the engine marks it ready (kvc_publish_ready), the END after the
+ * last; all on our own endpoint to the consumer.  Its job stays a reader
+ * of the publication until then, so a release in between waits for it and
+ * refuses the fetch (defer_advance). */
+typedef struct kvc_defer {
+    struct kvc_defer *next; /* on a->defers */
+    kvc_cons_t *cons;       /* referenced */
+    kvc_wire_pull_t pl;     /* owned runs; its request id is not kept */
+    push_job_t *j;          /* one reference held until the END */
+    uint8_t *sent;          /* owned: per region, its DATA went out */
+    size_t nsent, k;        /* regions sent; DATA messages issued */
+} defer_t;
 
 /* Pulls one publication may be served: enough for every TP rank of the
  * decode side, not an amplifier for a peer that repeats its pull. */
@@ -86,7 +102,18 @@ static void job_free(push_job_t *j) {
 
 static void pending_free(kvc_agent_t *a, pending_t *p);
 
+static void defer_free(defer_t *d) {
+    free(d->pl.runs);
+    free(d->sent);
+    free(d);
+}
+
 void kvc_push_destroy(kvc_agent_t *a) {
+    while (a->defers) { /* their jobs and consumers go below */
+        defer_t *d = a->defers;
+        a->defers = d->next;
+        defer_free(d);
+    }
     while (a->push_jobs)
         job_drop(a->push_jobs);
     while (a->pending) {
@@ -162,7 +189,7 @@ static void pull_unowned(kvc_agent_t *a, ucp_ep_h ep, const kvc_wire_pull_t *pl,
  * publication and the bytes in flight.  Refuses it (DENIED, counted, logged)
  * and returns NULL otherwise; *bytes: what serving it sends. */
 static bool pending_add(kvc_agent_t *a, kvc_cons_t *cons, const kvc_wire_pull_t *pl,
-                        ucp_ep_h ep, const void *msg, size_t len);
+                        ucp_ep_h ep, const void *msg, size_t len, const kvc_pub_t *whole);
 static void pull_end(kvc_agent_t *a, ucp_ep_h ep, const kvc_wire_pull_t *pl);
 
 static kvc_pub_t *pull_check(kvc_agent_t *a, kvc_cons_t *cons, ucp_ep_h ep, const kvc_wire_pull_t *pl,
@@ -176,7 +203,7 @@ static kvc_pub_t *pull_check(kvc_agent_t *a, kvc_cons_t *cons, ucp_ep_h ep, cons
             pull_unowned(a, ep, pl, "a held registration");
             return NULL;
         }
-        if (pending_add(a, cons, pl, ep, msg, msg_len)) return NULL;
+        if (pending_add(a, cons, pl, ep, msg, msg_len, NULL)) return NULL;
     }
     /* A notify-only registration for a publication that already ended: its
      * notification goes out and is taken as a late one (notify.c). */
@@ -243,21 +270,162 @@ static kvc_pub_t *pull_check(kvc_agent_t *a, kvc_cons_t *cons, ucp_ep_h ep, cons
     return pub;
 }
 
-/* Serves a checked pull: one DATA send per chunk of every (run, region),
- * then the END.  Large runs go as several messages: one huge rendezvous
- * over tcp is slower than a stream of a few MiB each. */
-static void pull_issue(kvc_agent_t *a, ucp_ep_h ep, const kvc_wire_pull_t *pl, kvc_pub_t *pub,
-                       uint64_t bytes) {
-    pub->pulls++;
-    size_t nsend = 0;
+/* DATA messages one region of a pull takes. */
+static size_t region_sends(const kvc_agent_t *a, const kvc_wire_pull_t *pl, size_t r) {
+    uint64_t per = pl->parts > 1 ? 1 : a->push_chunk / a->regions[r].block_len;
+    if (per == 0) per = 1;
+    size_t n = 0;
+    for (size_t i = 0; i < pl->n; i++)
+        n += (size_t)((pl->runs[i].count + per - 1) / per);
+    return n;
+}
+
+/* Sends region r of every run of a checked pull, in messages of up to
+ * push_chunk (one huge rendezvous over tcp is slower than a stream of a
+ * few MiB each); *k: the job's headers used so far.  False when a send
+ * failed (the consumer's endpoint error or timeout then ends its fetch). */
+static bool issue_region(kvc_agent_t *a, ucp_ep_h ep, const kvc_wire_pull_t *pl, push_job_t *j,
+                         size_t r, size_t *k) {
+    ucp_request_param_t rp;
+    memset(&rp, 0, sizeof(rp));
+    rp.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+    rp.cb.send = push_cb;
+    rp.user_data = j;
+    if (pl->flags & KVC_PULL_RNDV) {
+        rp.op_attr_mask |= UCP_OP_ATTR_FIELD_FLAGS;
+        rp.flags = UCP_AM_SEND_FLAG_RNDV;
+    }
     bool sliced = pl->parts > 1; /* one message per block: its part is not contiguous
                                     with the next block's */
-    for (size_t i = 0; i < pl->n; i++)
-        for (size_t r = 0; r < a->n_regions; r++) {
-            uint64_t per = sliced ? 1 : a->push_chunk / a->regions[r].block_len;
-            if (per == 0) per = 1;
-            nsend += (size_t)((pl->runs[i].count + per - 1) / per);
+    kvc_region_t *rg = &a->regions[r];
+    uint64_t per = sliced ? 1 : a->push_chunk / rg->block_len;
+    if (per == 0) per = 1;
+    size_t part_len = rg->block_len / pl->parts;
+    for (size_t i = 0; i < pl->n; i++) {
+        const kvc_run_t *run = &pl->runs[i];
+        for (uint64_t off = 0; off < run->count; off += per, (*k)++) {
+            uint64_t cnt = run->count - off < per ? run->count - off : per;
+            kvc_wire_data_hdr_t h = {pl->xfer_id, (uint32_t)r, 0, run->local + off, cnt, {0}};
+            memcpy(h.token, pl->xfer_token, KVC_TOKEN_LEN);
+            kvc_wire_encode_data_hdr(j->hdr[*k], &h);
+            uint64_t at;
+            if (!kvc_slice_at(rg->block_len, a->num_blocks, run->remote + off,
+                              sliced ? pl->part : 0, sliced ? part_len : rg->block_len, &at))
+                return false; /* pull_check let no such run through */
+            const uint8_t *src = (const uint8_t *)rg->base + at;
+            j->refs++;
+            a->push_inflight++;
+            ucs_status_ptr_t s =
+                ucp_am_send_nbx(ep, KVC_AM_DATA, j->hdr[*k], KVC_WIRE_DATA_HDR_LEN, src,
+                                sliced ? part_len : cnt * rg->block_len, &rp);
+            if (UCS_PTR_IS_PTR(s)) continue;
+            j->refs--;
+            a->push_inflight--;
+            if (UCS_PTR_IS_ERR(s)) {
+                KVC_LOG(a, KVC_LOG_WARN, "push: send for fetch %llu failed: %s",
+                        (unsigned long long)pl->xfer_id, ucs_status_string(UCS_PTR_STATUS(s)));
+                return false;
+            }
         }
+    }
+    return true;
+}
+
+/* The END of a pull that sent k DATA messages. */
+static void issue_end(kvc_agent_t *a, ucp_ep_h ep, const kvc_wire_pull_t *pl, size_t k) {
+    kvc_wire_data_hdr_t end = {pl->xfer_id, KVC_DATA_END, 0, 0, k, {0}};
+    memcpy(end.token, pl->xfer_token, KVC_TOKEN_LEN);
+    push_hdr_only(a, ep, &end);
+}
+
+/* Takes a layer-wise push off the list: its job's reference goes (the
+ * publication's blocks come back once its sends end). */
+static void defer_drop(kvc_agent_t *a, defer_t *d) {
+    defer_t **pp = &a->defers;
+    while (*pp != d)
+        pp = &(*pp)->next;
+    *pp = d->next;
+    kvc_cons_unref(d->cons);
+    if (--d->j->refs == 0) job_free(d->j);
+    defer_free(d);
+}
+
+/* Sends the regions of d that became ready; the END once all went out.  A
+ * publication that ended first refuses the fetch: TIMED_OUT when it
+ * expired (its producer did not complete it in time), else DENIED. */
+static void defer_advance(kvc_agent_t *a, defer_t *d) {
+    kvc_pub_t *pub = d->j->pub;
+    ucp_ep_h ep = d->cons->dead ? NULL : d->cons->ep;
+    if (!ep) { /* nobody to answer: its fetch fails on the endpoint error */
+        KVC_LOG(a, KVC_LOG_WARN, "push: consumer %s gone, layer-wise push for req=%s dropped",
+                d->cons->engine_id, pub->id);
+        defer_drop(a, d);
+        return;
+    }
+    if (pub->released) {
+        kvc_status_t st = pub->rel_type == KVC_EV_EXPIRED ? KVC_ERR_TIMED_OUT : KVC_ERR_DENIED;
+        KVC_LOG(a, KVC_LOG_WARN,
+                "push: req=%s ended with %zu of %zu regions ready, fetch %llu refused (%s)",
+                pub->id, a->n_regions - pub->unready, a->n_regions,
+                (unsigned long long)d->pl.xfer_id, kvc_status_str(st));
+        push_refuse(a, ep, &d->pl, st);
+        defer_drop(a, d);
+        return;
+    }
+    if (d->nsent + pub->unready == a->n_regions) return; /* nothing new */
+    for (size_t r = 0; r < a->n_regions; r++) {
+        if (!pub->ready[r] || d->sent[r]) continue;
+        d->sent[r] = 1;
+        d->nsent++;
+        if (!issue_region(a, ep, &d->pl, d->j, r, &d->k)) {
+            defer_drop(a, d);
+            return;
+        }
+    }
+    if (d->nsent < a->n_regions) return;
+    issue_end(a, ep, &d->pl, d->k);
+    defer_drop(a, d);
+}
+
+/* A pull of a layer-wise publication that is not complete: what is ready
+ * goes now, the rest as it comes (defer_advance), on our own endpoint to
+ * the consumer.  Holds the issuing reference of j. */
+static void defer_start(kvc_agent_t *a, kvc_cons_t *cons, ucp_ep_h ep, const kvc_wire_pull_t *pl,
+                        push_job_t *j) {
+    defer_t *d = calloc(1, sizeof(*d));
+    kvc_status_t st = KVC_ERR_NO_MEMORY;
+    if (d && (d->sent = calloc(a->n_regions, 1)) &&
+        (d->pl.runs = malloc(pl->n * sizeof(kvc_run_t) + 1)))
+        st = kvc_cons_ep(cons) ? KVC_OK : KVC_ERR_TRANSPORT;
+    if (st != KVC_OK) {
+        if (d) defer_free(d);
+        push_refuse(a, ep, pl, st);
+        if (--j->refs == 0) job_free(j);
+        return;
+    }
+    kvc_run_t *runs = d->pl.runs;
+    d->pl = *pl;
+    d->pl.runs = runs;
+    memcpy(runs, pl->runs, pl->n * sizeof(kvc_run_t));
+    d->pl.request_id = (kvc_span_t){0};
+    d->cons = cons;
+    kvc_cons_ref(cons);
+    d->j = j;
+    d->next = a->defers;
+    a->defers = d;
+    KVC_LOG(a, KVC_LOG_DEBUG, "push: fetch %llu for req=%s sends its regions as they are ready",
+            (unsigned long long)pl->xfer_id, j->pub->id);
+    defer_advance(a, d);
+}
+
+/* Serves a checked pull: its DATA, region by region, then the END; a
+ * layer-wise publication that is not complete yet through defer_start. */
+static void pull_issue(kvc_agent_t *a, kvc_cons_t *cons, ucp_ep_h ep, const kvc_wire_pull_t *pl,
+                       kvc_pub_t *pub, uint64_t bytes) {
+    pub->pulls++;
+    size_t nsend = 0;
+    for (size_t r = 0; r < a->n_regions; r++)
+        nsend += region_sends(a, pl, r);
     if (nsend == 0) return;
     push_job_t *j = job_new(a, nsend);
     if (!j) {
@@ -269,58 +437,15 @@ static void pull_issue(kvc_agent_t *a, ucp_ep_h ep, const kvc_wire_pull_t *pl, k
     j->pub = pub;
     kvc_pub_push_begin(pub);
     a->push_bytes += bytes;
-    ucp_request_param_t rp;
-    memset(&rp, 0, sizeof(rp));
-    rp.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
-    rp.cb.send = push_cb;
-    rp.user_data = j;
-    if (pl->flags & KVC_PULL_RNDV) {
-        rp.op_attr_mask |= UCP_OP_ATTR_FIELD_FLAGS;
-        rp.flags = UCP_AM_SEND_FLAG_RNDV;
+    if (pub->unready) {
+        defer_start(a, cons, ep, pl, j);
+        return;
     }
     size_t k = 0;
-    bool failed = false;
-    for (size_t i = 0; i < pl->n && !failed; i++) {
-        const kvc_run_t *run = &pl->runs[i];
-        for (size_t r = 0; r < a->n_regions && !failed; r++) {
-            kvc_region_t *rg = &a->regions[r];
-            uint64_t per = sliced ? 1 : a->push_chunk / rg->block_len;
-            if (per == 0) per = 1;
-            size_t part_len = rg->block_len / pl->parts;
-            for (uint64_t off = 0; off < run->count; off += per, k++) {
-                uint64_t cnt = run->count - off < per ? run->count - off : per;
-                kvc_wire_data_hdr_t h = {pl->xfer_id, (uint32_t)r, 0, run->local + off, cnt, {0}};
-                memcpy(h.token, pl->xfer_token, KVC_TOKEN_LEN);
-                kvc_wire_encode_data_hdr(j->hdr[k], &h);
-                uint64_t at;
-                if (!kvc_slice_at(rg->block_len, a->num_blocks, run->remote + off,
-                                  sliced ? pl->part : 0, sliced ? part_len : rg->block_len, &at)) {
-                    failed = true; /* pull_check let no such run through */
-                    break;
-                }
-                const uint8_t *src = (const uint8_t *)rg->base + at;
-                j->refs++;
-                a->push_inflight++;
-                ucs_status_ptr_t s =
-                    ucp_am_send_nbx(ep, KVC_AM_DATA, j->hdr[k], KVC_WIRE_DATA_HDR_LEN, src,
-                                    sliced ? part_len : cnt * rg->block_len, &rp);
-                if (UCS_PTR_IS_PTR(s)) continue;
-                j->refs--;
-                a->push_inflight--;
-                if (UCS_PTR_IS_ERR(s)) {
-                    KVC_LOG(a, KVC_LOG_WARN, "push: send for fetch %llu failed: %s",
-                            (unsigned long long)pl->xfer_id, ucs_status_string(UCS_PTR_STATUS(s)));
-                    failed = true; /* the consumer's endpoint error or timeout ends its fetch */
-                    break;
-                }
-            }
-        }
-    }
-    if (!failed) {
-        kvc_wire_data_hdr_t end = {pl->xfer_id, KVC_DATA_END, 0, 0, k, {0}};
-        memcpy(end.token, pl->xfer_token, KVC_TOKEN_LEN);
-        push_hdr_only(a, ep, &end);
-    }
+    bool ok = true;
+    for (size_t r = 0; r < a->n_regions && ok; r++)
+        ok = issue_region(a, ep, pl, j, r, &k);
+    if (ok) issue_end(a, ep, pl, k);
     if (--j->refs == 0) job_free(j);
 }
 
@@ -439,6 +564,15 @@ static bool tail_resolve(kvc_agent_t *a, kvc_wire_pull_t *pl) {
     return true;
 }
 
+/* Whether a pull of a layer-wise publication waits until every region is
+ * ready: one-sided reads and their CUDA IPC copies (the HOLD is their only
+ * word from us), staged pushes (one pipelined job) and notify-only
+ * registrations (their release must not overtake the writes).  Others are
+ * pushed region by region (defer_start). */
+static bool waits_whole(const kvc_agent_t *a, const kvc_wire_pull_t *pl) {
+    return (pl->flags & KVC_PULL_HOLD) || pl->n == 0 || a->n_staged;
+}
+
 /* One parsed pull from consumer cons (NULL: a pull without KVC_PULL_CONS,
  * answered in its callback or refused, pull_unowned), answered now on ep
  * (the reply endpoint in the AM callback, cons's own endpoint later); msg/len:
@@ -460,6 +594,13 @@ static void pull_serve(kvc_agent_t *a, kvc_cons_t *cons, ucp_ep_h ep, kvc_wire_p
         return;
     }
     kvc_pub_t *pub = pull_check(a, cons, ep, pl, &bytes, msg, len);
+    if (pub && pub->unready && waits_whole(a, pl)) { /* served once it is complete */
+        if (!cons)
+            pull_unowned(a, ep, pl, "a wait for a layer-wise publication");
+        else if (msg)
+            pending_add(a, cons, pl, ep, msg, len, pub);
+        return;
+    }
     if (pub && (pl->flags & KVC_PULL_HOLD))
         pull_hold(a, ep, pl, pub);
     else if (pub && pl->n == 0) /* a notify-only fetch's registration: published now */
@@ -470,8 +611,10 @@ static void pull_serve(kvc_agent_t *a, kvc_cons_t *cons, ucp_ep_h ep, kvc_wire_p
         pub->pulls++;
         kvc_stage_push(a, cons, ep, pl, pl->runs, pl->n);
         pl->runs = NULL; /* the staged job owns them now */
-    } else if (pub)
-        pull_issue(a, ep, pl, pub, bytes);
+    } else if (pub && pub->unready && !cons)
+        pull_unowned(a, ep, pl, "a layer-wise push");
+    else if (pub)
+        pull_issue(a, cons, ep, pl, pub, bytes);
 }
 
 /* ------------------------------------------------ held registrations -- */
@@ -541,8 +684,10 @@ static const char *pending_make_room(kvc_agent_t *a, kvc_cons_t *cons, size_t le
     return "held registrations over their memory bound";
 }
 
+/* whole: the layer-wise publication it waits to be complete (bounded by
+ * that publication's end), else NULL (a registration before publication). */
 static bool pending_add(kvc_agent_t *a, kvc_cons_t *cons, const kvc_wire_pull_t *pl,
-                        ucp_ep_h ep, const void *msg, size_t len) {
+                        ucp_ep_h ep, const void *msg, size_t len, const kvc_pub_t *whole) {
     const char *why = pending_make_room(a, cons, len);
     if (why) {
         a->stats[KVC_STAT_PENDING_REFUSED]++;
@@ -574,6 +719,7 @@ static bool pending_add(kvc_agent_t *a, kvc_cons_t *cons, const kvc_wire_pull_t 
     cons->src->held_bytes += len;
     uint32_t ms = pl->wait_ms && pl->wait_ms < a->pending_fetch_ms ? pl->wait_ms : a->pending_fetch_ms;
     p->deadline_ns = kvc_now_ns() + (uint64_t)ms * 1000000ull;
+    if ((p->whole = whole != NULL)) p->deadline_ns = whole->hard_deadline_ns;
     p->next = a->pending;
     a->pending = p;
     a->n_pending++;
@@ -592,13 +738,16 @@ static void pending_serve(kvc_agent_t *a) {
     while (*pp) {
         pending_t *p = *pp;
         /* A dead consumer's pulls wait for kvc_cons_sweep to drop them. */
-        if (p->cons->dead || !kvc_pubtab_find(&a->pubs, p->id, strlen(p->id))) {
+        kvc_pub_t *pub = p->cons->dead ? NULL : kvc_pubtab_find(&a->pubs, p->id, strlen(p->id));
+        kvc_wire_pull_t pl;
+        bool parsed = pub && kvc_wire_parse_pull(p->msg, p->len, &pl) == KVC_OK;
+        if (!pub || (parsed && pub->unready && waits_whole(a, &pl))) {
+            if (parsed) free(pl.runs);
             pp = &p->next;
             continue;
         }
         *pp = p->next;
-        kvc_wire_pull_t pl;
-        if (kvc_wire_parse_pull(p->msg, p->len, &pl) == KVC_OK) {
+        if (parsed) {
             a->stats[KVC_STAT_PENDING_SERVED]++;
             KVC_LOG(a, KVC_LOG_DEBUG, "push: held fetch %llu for req=%s served on publish",
                     (unsigned long long)pl.xfer_id, p->id);
@@ -630,10 +779,16 @@ static void pending_drop_dead(kvc_agent_t *a) {
 void kvc_pending_timers(kvc_agent_t *a, uint64_t now, uint64_t *next) {
     pending_drop_dead(a);
     if (a->pending_check) pending_serve(a);
+    for (defer_t *d = a->defers, *nx; d; d = nx) {
+        nx = d->next;
+        defer_advance(a, d);
+    }
     pending_t **pp = &a->pending;
     while (*pp) {
         pending_t *p = *pp;
-        if (p->deadline_ns > now) {
+        /* Held for a layer-wise publication that ended incomplete. */
+        bool ended = p->whole && !kvc_pubtab_find(&a->pubs, p->id, strlen(p->id));
+        if (p->deadline_ns > now && !ended) {
             if (p->deadline_ns < *next) *next = p->deadline_ns;
             pp = &p->next;
             continue;
@@ -642,7 +797,14 @@ void kvc_pending_timers(kvc_agent_t *a, uint64_t now, uint64_t *next) {
         kvc_wire_pull_t pl;
         if (p->cons->dead) {
             /* nobody to answer */
-        } else if (kvc_wire_parse_pull(p->msg, p->len, &pl) == KVC_OK) {
+        } else if (ended && kvc_wire_parse_pull(p->msg, p->len, &pl) == KVC_OK) {
+            KVC_LOG(a, KVC_LOG_WARN,
+                    "push: fetch %llu for req=%s refused: the publication ended before all its "
+                    "regions were ready",
+                    (unsigned long long)pl.xfer_id, p->id);
+            push_refuse(a, p->cons->ep, &pl, KVC_ERR_DENIED);
+            free(pl.runs);
+        } else if (!ended && kvc_wire_parse_pull(p->msg, p->len, &pl) == KVC_OK) {
             a->stats[KVC_STAT_PENDING_EXPIRED]++;
             KVC_LOG(a, KVC_LOG_WARN,
                     "push: fetch %llu registered for req=%s never met its publication, refused",

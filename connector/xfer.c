@@ -924,7 +924,7 @@ static kvc_xfer_t *data_fetch(kvc_agent_t *a, const kvc_wire_data_hdr_t *h, bool
         kvc_status_t st =
             h->status < 0 && h->status >= KVC_ERR_BUSY ? (kvc_status_t)h->status : KVC_ERR_PROTOCOL;
         const char *why = st == KVC_ERR_TIMED_OUT
-                              ? "the publication did not come within the registration wait"
+                              ? "not published (or not complete) within the registration wait"
                           : st == KVC_ERR_BUSY ? "it holds too many registrations"
                           : st == KVC_ERR_INCOMPATIBLE ? "its blocks cannot be read in these parts"
                                                        : kvc_status_str(st);

@@ -539,6 +539,7 @@ enum {
     KVC_PUBLISH_FIELD_CUDA_STREAM = 1u << 4,
     KVC_PUBLISH_FIELD_TOKEN = 1u << 5,
     KVC_PUBLISH_FIELD_LEASE = 1u << 6,
+    KVC_PUBLISH_FIELD_LAYERWISE = 1u << 7, /**< no value: see kvc_publish_ready() */
 };
 
 typedef struct {
@@ -599,6 +600,32 @@ KVC_API kvc_status_t kvc_token_new(char out[33]);
  */
 KVC_API kvc_status_t kvc_publish(kvc_agent_t *a, const char *request_id, const uint64_t *block_ids,
                                  size_t n, const kvc_publish_params_t *params, char **json_out);
+
+/**
+ * Layer-wise publishing.  kvc_publish with KVC_PUBLISH_FIELD_LAYERWISE
+ * publishes the blocks before they are written (its CUDA event and stream
+ * fields are ignored): no region of them is readable yet, and each becomes
+ * readable when the engine marks it with this call, in any order, e.g. one
+ * layer at a time as the forward pass writes it.  `params` (may be NULL)
+ * carries the CUDA event or stream recorded after the writes to regions
+ * [first_region, +num_regions) of the request's blocks, with the ordering of
+ * kvc_publish ("CUDA ordering contract"); only those two fields are read.
+ * A pushed fetch (the producer sends) moves each region as it becomes ready
+ * and ends, with its FETCH_DONE, once every region is ready and moved; the
+ * consumer needs nothing new, and a fetch that starts before the first
+ * region is ready simply waits.  Other ways of reading (one-sided reads,
+ * CUDA IPC, staged pushes, notify-only fetches) are served once the last
+ * region is ready, as if published then.  A publication that ends before it
+ * is complete (expiry, lease, kvc_unpublish, a notification) fails the
+ * fetches waiting for it: KVC_ERR_TIMED_OUT after expiry, else
+ * KVC_ERR_DENIED; a producer that dies fails them as any dead producer
+ * does.  Marking a region that is ready already is harmless.
+ * KVC_OK; KVC_ERR_NOT_FOUND (not published, or ended); KVC_ERR_INVALID_PARAM
+ * (empty or out-of-range regions); KVC_ERR_CUDA (as kvc_publish; the regions
+ * stay unready).
+ */
+KVC_API kvc_status_t kvc_publish_ready(kvc_agent_t *a, const char *request_id, size_t first_region,
+                                       size_t num_regions, const kvc_publish_params_t *params);
 
 /** Releases a published request early (e.g. the engine aborted it).
  * KVC_OK: released now, no event.  KVC_INPROGRESS: pushes or confirmed

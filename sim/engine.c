@@ -67,15 +67,20 @@ static uint64_t prefix_hash(sim_req *r, size_t b) {
     return r->ph[b];
 }
 
-static void compute_blocks(sim_req *r) {
+/* Writes layers [l0, l1) of r's blocks (what its forward pass computes). */
+static void compute_layers(sim_req *r, uint32_t l0, uint32_t l1) {
     sim_engine *e = r->e;
     for (size_t b = 0; b < r->nblocks; b++) {
         uint64_t ph = prefix_hash(r, b);
-        for (uint32_t l = 0; l < e->cfg->layers; l++)
+        for (uint32_t l = l0; l < l1; l++)
             for (uint32_t kv = 0; kv < 2; kv++)
                 kvsim_fill_block(ph, l, kv, block_addr(e, l * 2 + kv, r->blocks[b]),
                                  e->cfg->block_bytes);
     }
+}
+
+static void compute_blocks(sim_req *r) {
+    compute_layers(r, 0, r->e->cfg->layers);
 }
 
 /* ------------------------------------------------------ prefix cache -- */
@@ -147,6 +152,7 @@ static void req_free(sim_req *r) {
     release_req_blocks(r);
     PX_LIST_UNLINK(e->reqs, r);
     if (r->timer) event_free(r->timer);
+    kvc_free(r->pub_json);
     cJSON_Delete(r->kvp);
     free(r->prev_id);
     free(r->tok);
@@ -523,30 +529,49 @@ static int push_mode(const sim_engine *e) {
     return !strcmp(e->cfg->kv_transfer_mode, "push");
 }
 
-static void prefill_reply(evutil_socket_t fd, short what, void *arg) {
-    sim_req *r = arg;
-    sim_engine *e = r->e;
-    char *json = NULL;
-    /* Push mode: publish under the caller's id and token, which decode's
-     * held fetch already names; its registration is served at once. */
+/* Publishes r's blocks: its kv_transfer_params, or NULL (answered with an
+ * error).  Push mode: under the caller's id and token, which decode's held
+ * fetch already names; its registration is served at once.  Layer-wise:
+ * before the first layer is computed (prefill_layer marks them). */
+static const char *pub_token(const sim_req *r) {
     const cJSON *pid = cJSON_GetObjectItemCaseSensitive(r->kvp, "remote_request_id");
     const cJSON *ptok = cJSON_GetObjectItemCaseSensitive(r->kvp, "remote_kv_token");
-    kvc_publish_params_t pp = {.field_mask = KVC_PUBLISH_FIELD_TOKEN,
-                               .kv_token = cJSON_IsString(ptok) ? ptok->valuestring : NULL};
-    int push = cJSON_IsString(pid) && cJSON_IsString(ptok);
-    kvc_status_t st = kvc_publish(e->agent, push ? pid->valuestring : r->internal_id, r->blocks,
-                                  r->nblocks, push ? &pp : NULL, &json);
+    return cJSON_IsString(pid) && cJSON_IsString(ptok) ? ptok->valuestring : NULL;
+}
+
+static const char *pub_id(const sim_req *r) {
+    return pub_token(r) ? cJSON_GetObjectItemCaseSensitive(r->kvp, "remote_request_id")->valuestring
+                        : r->internal_id;
+}
+
+static char *prefill_publish(sim_req *r, int layerwise) {
+    sim_engine *e = r->e;
+    char *json = NULL;
+    kvc_publish_params_t pp = {
+        .field_mask = (pub_token(r) ? KVC_PUBLISH_FIELD_TOKEN : 0) |
+                      (layerwise ? KVC_PUBLISH_FIELD_LAYERWISE : 0),
+        .kv_token = pub_token(r)};
+    kvc_status_t st = kvc_publish(e->agent, pub_id(r), r->blocks, r->nblocks, &pp, &json);
     if (st != KVC_OK) {
         char msg[160];
         snprintf(msg, sizeof msg, "cannot publish KV blocks: %s", kvc_status_str(st));
         req_error(r, 500, msg);
-        return;
+        return NULL;
     }
-    /* The keys vLLM's NIXL schedulers write today (sim_kvp_answer). */
-    char *ans = sim_kvp_answer(json, push_mode(e), r->ntok);
     /* The blocks now belong to the publication until released or expired. */
     r->holds_blocks = 0;
     e->blocks_published += r->nblocks;
+    return json;
+}
+
+static void prefill_reply(evutil_socket_t fd, short what, void *arg) {
+    sim_req *r = arg;
+    sim_engine *e = r->e;
+    char *json = r->pub_json;
+    r->pub_json = NULL;
+    if (!json && !(json = prefill_publish(r, 0))) return; /* r is gone */
+    /* The keys vLLM's NIXL schedulers write today (sim_kvp_answer). */
+    char *ans = sim_kvp_answer(json, push_mode(e), r->ntok);
     char w[32];
     size_t wl = kvsim_word(r->prompt_hash, r->seed, 0, w);
     r->emitted = 1;
@@ -560,6 +585,26 @@ static void prefill_reply(evutil_socket_t fd, short what, void *arg) {
     cJSON_free(ans);
     kvc_free(json);
     req_finish(r);
+}
+
+/* Layer r->layer of the forward pass is computed (--layer-compute-us): with
+ * --kv-layerwise its K and V regions are ready; after the last, the
+ * answer. */
+static void prefill_layer(evutil_socket_t fd, short what, void *arg) {
+    sim_req *r = arg;
+    sim_engine *e = r->e;
+    compute_layers(r, r->layer, r->layer + 1);
+    kvc_status_t st =
+        r->pub_json ? kvc_publish_ready(e->agent, pub_id(r), (size_t)r->layer * 2, 2, NULL) : KVC_OK;
+    if (st != KVC_OK)
+        PX_LOG(PX_LOG_WARN, "req=%s msg=\"layer not marked ready\" layer=%u status=%s",
+               r->internal_id, r->layer, kvc_status_str(st));
+    if (++r->layer < e->cfg->layers) {
+        schedule_us(r, e->cfg->layer_compute_us);
+        return;
+    }
+    event_assign(r->timer, e->base, -1, 0, prefill_reply, r);
+    schedule_us(r, (uint64_t)e->cfg->ttft_ms * 1000u);
 }
 
 static void start_local(sim_req *r) {
@@ -668,9 +713,17 @@ static void start_req(sim_req *r) {
     r->e->dp_running[r->dp_rank]++;
     switch (r->mode) {
     case SIM_MODE_PREFILL:
-        compute_blocks(r);
+        if (!r->e->cfg->layer_compute_us) compute_blocks(r); /* else layer by layer */
         compute_prompt(r);
         r->state = SR_PREFILL_WAIT;
+        if (r->e->cfg->layer_compute_us) { /* the forward pass, layer by layer */
+            char *json = r->e->cfg->kv_layerwise ? prefill_publish(r, 1) : NULL;
+            if (r->e->cfg->kv_layerwise && !json) break; /* answered, r is gone */
+            r->pub_json = json;
+            event_assign(r->timer, r->e->base, -1, 0, prefill_layer, r);
+            schedule_us(r, r->compute_us + r->e->cfg->layer_compute_us);
+            break;
+        }
         event_assign(r->timer, r->e->base, -1, 0, prefill_reply, r);
         schedule_us(r, r->compute_us + (uint64_t)r->e->cfg->ttft_ms * 1000u);
         break;

@@ -52,6 +52,11 @@ typedef struct sim_config {
     const char *kv_transfer_mode;          /* "pull" (vLLM's NixlConnector, the default) or
                                               "push" (its NixlPushConnector), as answers say in
                                               transfer_mode */
+    uint32_t layer_compute_us;             /* prefill's forward pass: this long per layer, after
+                                              its prompt compute, before its answer (0) */
+    uint32_t kv_layerwise;                 /* with layer_compute_us: publish before the first
+                                              layer, each layer ready as it is computed
+                                              (kvc_publish_ready) (0) */
 } sim_config;
 
 /* Runs the engine until SIGINT/SIGTERM. Returns the process exit status. */

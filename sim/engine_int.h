@@ -64,6 +64,8 @@ typedef struct sim_req {
     char dp_hdr[96];     /* "X-Data-Parallel-Rank: N\r\n" and, after a KV fetch,
                             "X-KV-Wait-Ms: F\r\n", or "" */
     uint64_t compute_us; /* time until its prompt is computed, before time to first token */
+    uint32_t layer;      /* prefill: layers computed (--layer-compute-us) */
+    char *pub_json;      /* owned: a layer-wise publication's kv_transfer_params, or NULL */
     int dp_rank;         /* the data-parallel rank it runs on (0 when it named none) */
     uint64_t t_queued;   /* when it joined the wait queue for KV blocks (0: never) */
     uint64_t t_seq;      /* when it joined the queue for a generation slot */

@@ -69,6 +69,13 @@ static const sim_opt opts[] = {
     {"prefill-us-per-token", O_U32, OFF(prefill_us_per_token), 0, 1000000, "N",
      "compute time of one prompt token, us; prompts are\n"
      "computed one at a time, cached prefixes skipped (0)"},
+    {"layer-compute-us", O_U32, OFF(layer_compute_us), 0, 10000000, "N",
+     "prefill's forward pass: N us per layer after the\n"
+     "prompt's compute, before the answer (0)"},
+    {"kv-layerwise", O_U32, OFF(kv_layerwise), 0, 1, "0|1",
+     "with --layer-compute-us: publish before the first\n"
+     "layer and mark each layer's K and V ready as it is\n"
+     "computed, so decode's fetch overlaps the pass (0)"},
     {"decode-us-per-token", O_U32, OFF(decode_us_per_token), 0, 60000000, "N",
      "time between two output tokens, us; 0 = --itl-ms (0)"},
     {"kv-peer-cost", O_STR, OFF(kv_peer_cost), 0, 0, "PEER=MS[/MBPS],...",

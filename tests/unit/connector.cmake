@@ -5,7 +5,7 @@
 # tests/cudasim; tests only), and the pure path/copy-plan choices.  They
 # reach internal functions through connector/kvc_int.h.
 if(TARGET kvconnector_static)
-  foreach(m kvc_wire kvc_agent kvc_path kvc_xfer kvc_api2 kvc_owner kvc_threads)
+  foreach(m kvc_wire kvc_agent kvc_path kvc_xfer kvc_api2 kvc_owner kvc_threads kvc_layers)
     px_unit_test(${m} kvconnector_static)
   endforeach()
 
