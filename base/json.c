@@ -279,6 +279,10 @@ int px_json_iter_next(px_json_iter *it, px_json_member *m) {
     return 1;
 }
 
+int px_json_iter_whole(const px_json_iter *it) {
+    return skip_ws(it->p + 1, it->end) == it->end;
+}
+
 /* Decodes one character of a raw JSON string at *pp into a code point. */
 static long next_cp(const char **pp, const char *end) {
     const char *p = *pp;
@@ -455,6 +459,6 @@ int px_json_object_find(const char *obj, size_t n, const char *const *keys, size
                 found[i] = m;
                 break;
             }
-    if (r < 0 || skip_ws(it.p + 1, it.end) != it.end) return -1;
+    if (r < 0 || !px_json_iter_whole(&it)) return -1;
     return 0;
 }

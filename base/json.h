@@ -52,6 +52,10 @@ int px_json_iter_init(px_json_iter *it, const char *obj, size_t n);
 /* Returns 1 with the next member, 0 at the end, -1 on malformed input. */
 int px_json_iter_next(px_json_iter *it, px_json_member *m);
 
+/* After px_json_iter_next returned 0: 1 when nothing but whitespace follows
+ * the object's closing brace (the object fills its input), else 0. */
+int px_json_iter_whole(const px_json_iter *it);
+
 /* Whether a raw (escaped) JSON string body equals the plain text `lit`
  * (ASCII) once its escapes are decoded: "\u0073tream" equals "stream".
  * An escaped NUL ends the string, as it does for engines that decode keys

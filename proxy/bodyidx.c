@@ -20,11 +20,54 @@ const char *px_bkey_name(px_bkey k) {
     return names[k];
 }
 
+/* Finds keys as px_json_object_find does (the last of duplicates) and
+ * lists every member while they fit. */
 int px_body_idx_build(px_body_idx *x, const char *body, size_t n) {
-    x->ok = px_json_object_find(body ? body : "", n, names, PX_BK_N, x->m) == 0;
+    px_json_iter it;
+    px_json_member m;
+    int r = -1;
+    const char *b = body ? body : "";
     x->src = body;
     x->len = n;
+    x->nlist = n <= UINT32_MAX ? 0 : PX_BODY_IDX_LIST + 1;
+    for (int k = 0; k < PX_BK_N; k++)
+        x->m[k].val = NULL;
+    if (px_json_iter_init(&it, b, n) == 0) {
+        while ((r = px_json_iter_next(&it, &m)) == 1) {
+            for (int k = 0; k < PX_BK_N; k++)
+                if (px_json_str_eq(m.key, m.key_len, names[k])) {
+                    x->m[k] = m;
+                    break;
+                }
+            if (x->nlist < PX_BODY_IDX_LIST) {
+                px_body_span *s = &x->list[x->nlist];
+                s->start = (uint32_t)(m.start - b);
+                s->key = (uint32_t)(m.key - b);
+                s->key_len = (uint32_t)m.key_len;
+                s->val = (uint32_t)(m.val - b);
+                s->val_len = (uint32_t)m.val_len;
+                s->type = (uint32_t)m.type;
+            }
+            if (x->nlist <= PX_BODY_IDX_LIST) x->nlist++;
+        }
+    }
+    x->ok = r == 0 && px_json_iter_whole(&it);
     return x->ok ? 0 : -1;
+}
+
+int px_body_idx_count(const px_body_idx *x, const char *body, size_t n) {
+    if (!x || !x->ok || x->src != body || x->len != n || x->nlist > PX_BODY_IDX_LIST) return -1;
+    return (int)x->nlist;
+}
+
+void px_body_idx_member(const px_body_idx *x, unsigned i, px_json_member *m) {
+    const px_body_span *s = &x->list[i];
+    m->start = x->src + s->start;
+    m->key = x->src + s->key;
+    m->key_len = s->key_len;
+    m->val = x->src + s->val;
+    m->val_len = s->val_len;
+    m->type = (px_json_type)s->type;
 }
 
 int px_body_idx_get(const px_body_idx *x, px_bkey k, const char *body, size_t n,

@@ -8,6 +8,7 @@
 #define PX_BODYIDX_H
 
 #include <stddef.h>
+#include <stdint.h>
 
 #include "base/json.h"
 
@@ -27,11 +28,22 @@ typedef enum {
     PX_BK_N
 } px_bkey;
 
+/* Every top-level member in order, for the legs' rewrites (rewrite.c),
+ * which copy the body member by member: with the list they do not scan it
+ * again (twice per request, prompt included). Offsets into the body; a
+ * body with more members, or past 4 GiB, is not listed (scanned). */
+#define PX_BODY_IDX_LIST 24
+typedef struct px_body_span {
+    uint32_t start, key, key_len, val, val_len, type;
+} px_body_span;
+
 typedef struct px_body_idx {
     int ok;          /* built from a body that is a valid JSON object, still held */
     const char *src; /* that body's bytes: a lookup on others searches them */
     size_t len;
     px_json_member m[PX_BK_N];
+    unsigned nlist; /* members listed; PX_BODY_IDX_LIST + 1: not listed */
+    px_body_span list[PX_BODY_IDX_LIST];
 } px_body_idx;
 
 /* Validates body[0..n) as a JSON object and finds its members (the last
@@ -45,6 +57,14 @@ int px_body_idx_build(px_body_idx *x, const char *body, size_t n);
  * must be indexed again (px_body_idx_build). */
 int px_body_idx_get(const px_body_idx *x, px_bkey k, const char *body, size_t n,
                     px_json_member *m);
+
+/* The number of members of body[0..n) listed in x, in order, or -1 when x
+ * is NULL, not ok, built from other bytes or has no list: the caller
+ * iterates the body itself then. */
+int px_body_idx_count(const px_body_idx *x, const char *body, size_t n);
+
+/* Member i (< px_body_idx_count) as px_json_iter_next returns it. */
+void px_body_idx_member(const px_body_idx *x, unsigned i, px_json_member *m);
 
 /* The key of k as it stands in a body ("model"). */
 const char *px_bkey_name(px_bkey k);

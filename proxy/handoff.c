@@ -2,12 +2,14 @@
 #include "proxy/handoff.h"
 
 #include "base/log.h"
+#include "proxy/bodyidx.h"
 #include "proxy/usage.h"
 
 px_kvp_status px_handoff_serial(px_metrics *m, const char *lid, const char *prefill,
                                 px_prefill_answer *a, px_buf *resp, int keep, px_buf *body,
-                                px_buf *pbody, px_pf_cache *learn, int usage_prefill,
-                                const char *transfer_id, px_buf *out, char cached[24]) {
+                                const px_body_idx *x, px_buf *pbody, px_pf_cache *learn,
+                                int usage_prefill, const char *transfer_id, px_buf *out,
+                                char cached[24]) {
     if (!a->read) px_prefill_answer_read(a, resp->data, resp->len);
     a->read = 0;
     const char *kvp = a->kvp;
@@ -32,7 +34,7 @@ px_kvp_status px_handoff_serial(px_metrics *m, const char *lid, const char *pref
      * answers. */
     if (kvp && learn) px_dispatch_learn(learn, prefill, kvp, kvp_len);
     px_buf_reset(out);
-    px_rewrite_decode_xfer(body->data, body->len, kvp, kvp_len, transfer_id, out);
+    px_rewrite_decode_xfer(body->data, body->len, x, kvp, kvp_len, transfer_id, out);
     /* Prefill's cached_tokens, for --usage-from prefill (its usage member
      * was found in the same pass as kv_transfer_params). */
     if (resp->data && usage_prefill) px_usage_cached_tokens_in(&a->usage, cached);
@@ -42,19 +44,19 @@ px_kvp_status px_handoff_serial(px_metrics *m, const char *lid, const char *pref
     return ks;
 }
 
-void px_handoff_prefill(px_endpoint ep, const px_buf *body, const char *transfer_id,
-                        px_buf *out) {
+void px_handoff_prefill(px_endpoint ep, const px_buf *body, const px_body_idx *x,
+                        const char *transfer_id, px_buf *out) {
     if (ep == PX_EP_RESPONSES)
-        px_rewrite_prefill_responses(body->data, body->len, transfer_id, out);
+        px_rewrite_prefill_responses(body->data, body->len, x, transfer_id, out);
     else if (ep == PX_EP_GENERATE)
-        px_rewrite_prefill_generate(body->data, body->len, transfer_id, out);
+        px_rewrite_prefill_generate(body->data, body->len, x, transfer_id, out);
     else
-        px_rewrite_prefill(body->data, body->len, transfer_id, out);
+        px_rewrite_prefill(body->data, body->len, x, transfer_id, out);
 }
 
-void px_handoff_alone(const px_buf *body, px_buf *out) {
+void px_handoff_alone(const px_buf *body, const px_body_idx *x, px_buf *out) {
     px_buf_reset(out);
-    px_rewrite_decode(body->data, body->len, NULL, 0, out);
+    px_rewrite_decode(body->data, body->len, x, NULL, 0, out);
 }
 
 int px_handoff_concurrent(const px_pf_identity *pf, const char *transfer_id, const px_buf *body,
@@ -65,13 +67,13 @@ int px_handoff_concurrent(const px_pf_identity *pf, const char *transfer_id, con
     px_buf_init(&kvp);
     px_buf_init(&b);
     px_dispatch_prefill_kvp(id, tok, transfer_id, &kvp);
-    px_rewrite_decode(pbody->data, pbody->len, kvp.data, kvp.len, &b);
+    px_rewrite_decode(pbody->data, pbody->len, NULL, kvp.data, kvp.len, &b);
     px_buf_cleanup(pbody);
     *pbody = b;
     px_buf_reset(&kvp);
     px_dispatch_decode_kvp(pf, id, tok, transfer_id, &kvp);
     px_buf_reset(dbody);
-    px_rewrite_decode(body->data, body->len, kvp.data, kvp.len, dbody);
+    px_rewrite_decode(body->data, body->len, NULL, kvp.data, kvp.len, dbody);
     px_buf_cleanup(&kvp);
     return 0;
 }

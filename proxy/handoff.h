@@ -19,9 +19,10 @@
 
 /* Prefill's body (appended to *out): the client's `body` to endpoint `ep`
  * rewritten for a prefill (rewrite.h: max_tokens 1, remote decode, the
- * router's `transfer_id` in its kv_transfer_params). */
-void px_handoff_prefill(px_endpoint ep, const px_buf *body, const char *transfer_id,
-                        px_buf *out);
+ * router's `transfer_id` in its kv_transfer_params). `x`: the body's index
+ * (bodyidx.h) or NULL, here and below, copied from instead of scanning. */
+void px_handoff_prefill(px_endpoint ep, const px_buf *body, const struct px_body_idx *x,
+                        const char *transfer_id, px_buf *out);
 
 /* Prefill (named `prefill`) answered `resp`, read into `a` once
  * (px_prefill_answer_read: done here unless a->read; a->read is cleared,
@@ -40,12 +41,13 @@ void px_handoff_prefill(px_endpoint ep, const px_buf *body, const char *transfer
  * answer held; for PX_KVP_BAD_RESPONSE nothing is built (a->err says why). */
 px_kvp_status px_handoff_serial(px_metrics *m, const char *lid, const char *prefill,
                                 px_prefill_answer *a, px_buf *resp, int keep, px_buf *body,
-                                px_buf *pbody, px_pf_cache *learn, int usage_prefill,
-                                const char *transfer_id, px_buf *out, char cached[24]);
+                                const struct px_body_idx *x, px_buf *pbody, px_pf_cache *learn,
+                                int usage_prefill, const char *transfer_id, px_buf *out,
+                                char cached[24]);
 
 /* Decode alone: its body (*out, reset first) is the client's without
  * kv_transfer_params of its own. */
-void px_handoff_alone(const px_buf *body, px_buf *out);
+void px_handoff_alone(const px_buf *body, const struct px_body_idx *x, px_buf *out);
 
 /* --dispatch concurrent toward a prefill of identity `pf` (one that
  * pushes: px_dispatch_decide): prefill's body (*pbody, the prefill rewrite

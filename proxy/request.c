@@ -391,7 +391,7 @@ static const px_leg_cbs decode_cbs = {decode_head, decode_data, decode_done, .id
 /* Sends the client's request to decode alone (no kv_transfer_params:
  * decode computes the prefill itself). */
 static void decode_only(px_req *r) {
-    px_handoff_alone(&r->body, &r->dec.body);
+    px_handoff_alone(&r->body, &r->in.bx, &r->dec.body);
     r->disagg = 0;
     account(r);
     start_decode(r);
@@ -487,8 +487,8 @@ static void prefill_rejected(px_req *r, int named) {
 /* Decode's body (handoff.h): what prefill's answer held (bad: r->pa.err). */
 static px_kvp_status decode_body(px_req *r) {
     px_kvp_status ks = px_handoff_serial(
-        &r->w->metrics, r->log.lid, r->pre.name, &r->pa, &r->pre.resp, px_reqlog_traced(),
-        &r->body, &r->pre.body,
+        &r->w->metrics, r->log.lid, r->pre.name, &r->pa, &r->pre.resp, px_reqlog_traced(), &r->body,
+        &r->in.bx, &r->pre.body,
         r->in.ps->dispatch == PX_DISPATCH_CONCURRENT ? r->ctx->reg->identities : NULL,
         !strcmp(r->ctx->cfg->usage_from, "prefill"), r->transfer_id, &r->dec.body, r->reply.cached);
     if (ks == PX_KVP_BAD_RESPONSE) return ks;
@@ -721,7 +721,7 @@ static void route_pd(px_req *r) {
         req_fail(r, 500, NULL, "cannot mint a transfer id: the random generator failed");
         return;
     }
-    px_handoff_prefill(r->ep, &r->body, r->transfer_id, &r->pre.body);
+    px_handoff_prefill(r->ep, &r->body, &r->in.bx, r->transfer_id, &r->pre.body);
     account(r);
     if (r->ctx->cfg->prefill_timeout > 0)
         r->pre.deadline = px_now_ns() + (uint64_t)(r->ctx->cfg->prefill_timeout * 1e9);

@@ -5,6 +5,7 @@
 #include <string.h>
 
 #include "base/json.h"
+#include "proxy/bodyidx.h"
 
 /* Keys the prefill request must not carry from the client. */
 static const char *const prefill_drop[] = {
@@ -32,19 +33,41 @@ static int is_nested_owned(const px_json_member *m) {
     return 0;
 }
 
+/* The members of body[0..n): listed by its index (bodyidx.h) when x
+ * was built from these bytes, else scanned. */
+typedef struct {
+    px_json_iter it;
+    const px_body_idx *x;
+    int i, n; /* the next listed member, how many; n -1: scanned */
+} members;
+
+static int members_init(members *c, const char *body, size_t n, const px_body_idx *x) {
+    c->x = x;
+    c->i = 0;
+    c->n = px_body_idx_count(x, body, n);
+    return c->n >= 0 ? 0 : px_json_iter_init(&c->it, body, n);
+}
+
+static int members_next(members *c, px_json_member *m) {
+    if (c->n < 0) return px_json_iter_next(&c->it, m);
+    if (c->i == c->n) return 0;
+    px_body_idx_member(c->x, (unsigned)c->i++, m);
+    return 1;
+}
+
 /* Copies the members of `body` not named in `drop` into `out` as "{m1,m2,...",
  * leaving the object open. Sets *saw for each dropped key seen (bit i), and
  * SAW_NESTED when a proxy-owned key was stripped inside a nested member. */
-static int copy_members(const char *body, size_t n, const char *const *drop, size_t ndrop,
-                        px_buf *out, unsigned *saw) {
-    px_json_iter it;
+static int copy_members(const char *body, size_t n, const px_body_idx *x, const char *const *drop,
+                        size_t ndrop, px_buf *out, unsigned *saw) {
+    members it;
     px_json_member m;
     int r, first = 1;
-    if (px_json_iter_init(&it, body, n) < 0) return -1;
+    if (members_init(&it, body, n, x) < 0) return -1;
     px_buf_reserve(out, n + 256);
     px_buf_append(out, "{", 1);
     *saw = 0;
-    while ((r = px_json_iter_next(&it, &m)) == 1) {
+    while ((r = members_next(&it, &m)) == 1) {
         int dropped = 0;
         for (size_t i = 0; i < ndrop; i++) {
             if (px_json_str_eq(m.key, m.key_len, drop[i])) {
@@ -66,7 +89,7 @@ static int copy_members(const char *body, size_t n, const char *const *drop, siz
         }
         size_t at = out->len;
         unsigned inner;
-        if (copy_members(m.val, m.val_len, owned_keys, 1, out, &inner) < 0) return -1;
+        if (copy_members(m.val, m.val_len, NULL, owned_keys, 1, out, &inner) < 0) return -1;
         if (!inner) { /* nothing stripped inside: the value's own bytes */
             out->len = at;
             px_buf_append(out, m.val, m.val_len);
@@ -95,10 +118,11 @@ static void prefill_kvp(const char *transfer_id, px_buf *out) {
     px_buf_append(out, ",", 1);
 }
 
-int px_rewrite_prefill(const char *body, size_t n, const char *transfer_id, px_buf *out) {
+int px_rewrite_prefill(const char *body, size_t n, const px_body_idx *x, const char *transfer_id,
+                       px_buf *out) {
     unsigned saw;
-    if (copy_members(body, n, prefill_drop, sizeof prefill_drop / sizeof *prefill_drop, out, &saw) <
-        0)
+    if (copy_members(body, n, x, prefill_drop, sizeof prefill_drop / sizeof *prefill_drop, out,
+                     &saw) < 0)
         return -1;
     prefill_kvp(transfer_id, out);
     px_buf_appends(out, "\"stream\":false,\"max_tokens\":1");
@@ -114,10 +138,11 @@ int px_rewrite_prefill(const char *body, size_t n, const char *transfer_id, px_b
 static const char *const responses_drop[] = {"kv_transfer_params", "stream",     "stream_options",
                                              "max_output_tokens",  "background", "store"};
 
-int px_rewrite_prefill_responses(const char *body, size_t n, const char *transfer_id, px_buf *out) {
+int px_rewrite_prefill_responses(const char *body, size_t n, const px_body_idx *x,
+                                 const char *transfer_id, px_buf *out) {
     unsigned saw;
-    if (copy_members(body, n, responses_drop, sizeof responses_drop / sizeof *responses_drop, out,
-                     &saw) < 0)
+    if (copy_members(body, n, x, responses_drop, sizeof responses_drop / sizeof *responses_drop,
+                     out, &saw) < 0)
         return -1;
     prefill_kvp(transfer_id, out);
     px_buf_appends(out, "\"stream\":false,\"max_output_tokens\":1,\"store\":false}");
@@ -130,17 +155,19 @@ static const char *const generate_drop[] = {"kv_transfer_params", "stream", "str
                                             "sampling_params"};
 static const char *const sampling_drop[] = {"max_tokens", "min_tokens"};
 
-int px_rewrite_prefill_generate(const char *body, size_t n, const char *transfer_id, px_buf *out) {
+int px_rewrite_prefill_generate(const char *body, size_t n, const px_body_idx *x,
+                                const char *transfer_id, px_buf *out) {
     unsigned saw;
     px_json_member sp;
-    int has_sp = px_json_find(body, n, "sampling_params", &sp) && sp.type == PX_JSON_OBJECT;
-    if (copy_members(body, n, generate_drop, sizeof generate_drop / sizeof *generate_drop, out,
+    int has_sp =
+        px_body_idx_get(x, PX_BK_SAMPLING_PARAMS, body, n, &sp) && sp.type == PX_JSON_OBJECT;
+    if (copy_members(body, n, x, generate_drop, sizeof generate_drop / sizeof *generate_drop, out,
                      &saw) < 0)
         return -1;
     prefill_kvp(transfer_id, out);
     px_buf_appends(out, "\"stream\":false,\"sampling_params\":");
     if (has_sp) {
-        if (copy_members(sp.val, sp.val_len, sampling_drop, 2, out, &saw) < 0) return -1;
+        if (copy_members(sp.val, sp.val_len, NULL, sampling_drop, 2, out, &saw) < 0) return -1;
     } else {
         px_buf_append(out, "{", 1);
     }
@@ -148,10 +175,11 @@ int px_rewrite_prefill_generate(const char *body, size_t n, const char *transfer
     return 0;
 }
 
-int px_rewrite_decode(const char *body, size_t n, const char *kvp, size_t kvp_len, px_buf *out) {
+int px_rewrite_decode(const char *body, size_t n, const px_body_idx *x, const char *kvp,
+                      size_t kvp_len, px_buf *out) {
     unsigned saw;
     size_t start = out->len;
-    if (copy_members(body, n, prefill_drop, 1, out, &saw) < 0) return -1;
+    if (copy_members(body, n, x, prefill_drop, 1, out, &saw) < 0) return -1;
     if (kvp) {
         px_buf_appends(out, "\"kv_transfer_params\":");
         px_buf_append(out, kvp, kvp_len);
@@ -164,22 +192,22 @@ int px_rewrite_decode(const char *body, size_t n, const char *kvp, size_t kvp_le
     return 0;
 }
 
-int px_rewrite_decode_xfer(const char *body, size_t n, const char *kvp, size_t kvp_len,
-                           const char *transfer_id, px_buf *out) {
+int px_rewrite_decode_xfer(const char *body, size_t n, const px_body_idx *x, const char *kvp,
+                           size_t kvp_len, const char *transfer_id, px_buf *out) {
     static const char *const own[] = {"transfer_id"};
     unsigned saw;
-    if (!transfer_id || !kvp) return px_rewrite_decode(body, n, kvp, kvp_len, out);
+    if (!transfer_id || !kvp) return px_rewrite_decode(body, n, x, kvp, kvp_len, out);
     /* Prefill's members as they came, its own transfer_id left out, written
      * straight into out (no copy of kvp: this runs on every request). */
     size_t start = out->len;
     /* One allocation for the whole body: each copy_members reserves its
      * input's size and 256 bytes more. */
     px_buf_reserve(out, n + kvp_len + 512);
-    if (copy_members(body, n, prefill_drop, 1, out, &saw) < 0) return -1;
+    if (copy_members(body, n, x, prefill_drop, 1, out, &saw) < 0) return -1;
     px_buf_appends(out, "\"kv_transfer_params\":");
-    if (copy_members(kvp, kvp_len, own, 1, out, &saw) < 0) { /* kvp is no object */
+    if (copy_members(kvp, kvp_len, NULL, own, 1, out, &saw) < 0) { /* kvp is no object */
         out->len = start;
-        return px_rewrite_decode(body, n, kvp, kvp_len, out);
+        return px_rewrite_decode(body, n, x, kvp, kvp_len, out);
     }
     px_buf_printf(out, "\"transfer_id\":\"%s\"}}", transfer_id);
     return 0;
@@ -188,7 +216,7 @@ int px_rewrite_decode_xfer(const char *body, size_t n, const char *kvp, size_t k
 int px_rewrite_cache_salt(const char *body, size_t n, const char *salt, px_buf *out) {
     static const char *const salt_key[] = {"cache_salt"};
     unsigned saw;
-    if (copy_members(body, n, salt_key, 1, out, &saw) < 0) return -1;
+    if (copy_members(body, n, NULL, salt_key, 1, out, &saw) < 0) return -1;
     px_buf_appends(out, "\"cache_salt\":");
     px_buf_append_json_str(out, salt, strlen(salt));
     px_buf_append(out, "}", 1);
@@ -205,12 +233,12 @@ int px_rewrite_include_usage(const char *body, size_t n, px_buf *out) {
         iu.type == PX_JSON_TRUE)
         return 0; /* asked for: it is the client's */
     unsigned saw;
-    if (copy_members(body, n, so_key, 1, out, &saw) < 0) return -1;
+    if (copy_members(body, n, NULL, so_key, 1, out, &saw) < 0) return -1;
     px_buf_appends(out, "\"stream_options\":");
     if (has_so) {
         /* continuous_usage_stats goes too: without include_usage it did
          * nothing, with it every chunk would carry usage. */
-        if (copy_members(so.val, so.val_len, usage_keys, 2, out, &saw) < 0) return -1;
+        if (copy_members(so.val, so.val_len, NULL, usage_keys, 2, out, &saw) < 0) return -1;
     } else {
         px_buf_append(out, "{", 1);
     }
@@ -236,7 +264,7 @@ int px_rewrite_forwarded(const char *body, size_t n, px_buf *out) {
     if (px_json_validate(body, n, err, sizeof err) != PX_JSON_OBJECT) return -1;
     unsigned saw;
     size_t start = out->len;
-    if (copy_members(body, n, prefill_drop, 1, out, &saw) < 0) return -1;
+    if (copy_members(body, n, NULL, prefill_drop, 1, out, &saw) < 0) return -1;
     if (!saw) {
         out->len = start;
         return 0;

@@ -15,6 +15,13 @@
     "{\"do_remote_decode\":true,\"do_remote_prefill\":false,\"remote_engine_id\":null,"            \
     "\"remote_block_ids\":null,\"remote_host\":null,\"remote_port\":null}"
 
+struct px_body_idx;
+
+/* The rewrites of the client's body take its index (bodyidx.h) as x: built
+ * from these very bytes, its member list is copied from without scanning
+ * the body again; NULL, or built from other bytes: the body is scanned.
+ * The output is the same either way. */
+
 /* Appends to `out` the prefill request built from the client's body (a
  * validated JSON object): its members minus kv_transfer_params, stream,
  * stream_options, max_tokens, max_completion_tokens, min_tokens and
@@ -25,33 +32,37 @@
  * backslashes), "stream":false, "max_tokens":1 and, when the client sent
  * the key, "max_completion_tokens":1. Returns 0, or -1 when body is not an
  * object. */
-int px_rewrite_prefill(const char *body, size_t n, const char *transfer_id, px_buf *out);
+int px_rewrite_prefill(const char *body, size_t n, const struct px_body_idx *x,
+                       const char *transfer_id, px_buf *out);
 
 /* The same for vLLM's /v1/responses (ResponsesRequest): without stream,
  * stream_options, max_output_tokens, background and store, then the
  * proxy's kv_transfer_params, "stream":false, "max_output_tokens":1 and
  * "store":false. */
-int px_rewrite_prefill_responses(const char *body, size_t n, const char *transfer_id, px_buf *out);
+int px_rewrite_prefill_responses(const char *body, size_t n, const struct px_body_idx *x,
+                                 const char *transfer_id, px_buf *out);
 
 /* The same for vLLM's token-in /inference/v1/generate (GenerateRequest):
  * without stream and stream_options, its sampling_params object copied
  * without max_tokens and min_tokens and given "max_tokens":1 (a
  * sampling_params that is absent or no object becomes {"max_tokens":1}). */
-int px_rewrite_prefill_generate(const char *body, size_t n, const char *transfer_id, px_buf *out);
+int px_rewrite_prefill_generate(const char *body, size_t n, const struct px_body_idx *x,
+                                const char *transfer_id, px_buf *out);
 
 /* Appends to `out` the decode request: the client's members minus any
  * kv_transfer_params of its own, then "kv_transfer_params":<kvp> with kvp's
  * bytes as they are (kvp NULL: none added). Returns 0, or -1 when body is
  * not an object. */
-int px_rewrite_decode(const char *body, size_t n, const char *kvp, size_t kvp_len, px_buf *out);
+int px_rewrite_decode(const char *body, size_t n, const struct px_body_idx *x, const char *kvp,
+                      size_t kvp_len, px_buf *out);
 
 /* px_rewrite_decode with prefill's kv_transfer_params (kvp, an object)
  * given "transfer_id":"<transfer_id>": every member of kvp is copied as the
  * exact bytes prefill sent (nested per-group remote_block_ids included),
  * but a transfer_id of its own, which the router's replaces. transfer_id
  * NULL, or kvp NULL or not an object: px_rewrite_decode as is. */
-int px_rewrite_decode_xfer(const char *body, size_t n, const char *kvp, size_t kvp_len,
-                           const char *transfer_id, px_buf *out);
+int px_rewrite_decode_xfer(const char *body, size_t n, const struct px_body_idx *x, const char *kvp,
+                           size_t kvp_len, const char *transfer_id, px_buf *out);
 
 /* Appends to `out` the body with every member whose key decodes to
  * cache_salt removed and "cache_salt":"<salt>" added (tenant.h: the salt

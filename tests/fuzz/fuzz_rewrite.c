@@ -19,6 +19,7 @@
 #include <string.h>
 
 #include "base/json.h"
+#include "proxy/bodyidx.h"
 #include "proxy/rewrite.h"
 #include "tests/fuzz/fuzz_common.h"
 
@@ -66,7 +67,7 @@ static int span_is(const char *p, size_t n, const char *lit) {
 static void check_prefill(const char *body, size_t n, const counts *in) {
     px_buf out;
     px_buf_init(&out);
-    FZ_CHECK(px_rewrite_prefill(body, n, NULL, &out) == 0);
+    FZ_CHECK(px_rewrite_prefill(body, n, NULL, NULL, &out) == 0);
     char *o = fz_dup(out.data, out.len);
     FZ_CHECK(px_json_validate(o, out.len, NULL, 0) == PX_JSON_OBJECT);
     counts c;
@@ -86,11 +87,41 @@ static void check_prefill(const char *body, size_t n, const counts *in) {
     px_buf_cleanup(&out);
 }
 
+/* The proxy's own rewrites copy from the body's index (bodyidx.h): built
+ * from these bytes it must accept exactly what validates, and every
+ * rewrite made from its member list must equal the one that scans. */
+static void same_from_index(const char *body, size_t n, const char *kvp, size_t kvp_len) {
+    px_body_idx x;
+    FZ_CHECK(px_body_idx_build(&x, body, n) == 0);
+    for (int f = 0; f < 4; f++) {
+        px_buf s, l;
+        px_buf_init(&s);
+        px_buf_init(&l);
+        int rs, rl;
+        if (f == 0) {
+            rs = px_rewrite_prefill(body, n, NULL, "xfer-f", &s);
+            rl = px_rewrite_prefill(body, n, &x, "xfer-f", &l);
+        } else if (f == 1) {
+            rs = px_rewrite_prefill_generate(body, n, NULL, NULL, &s);
+            rl = px_rewrite_prefill_generate(body, n, &x, NULL, &l);
+        } else if (f == 2) {
+            rs = px_rewrite_prefill_responses(body, n, NULL, NULL, &s);
+            rl = px_rewrite_prefill_responses(body, n, &x, NULL, &l);
+        } else {
+            rs = px_rewrite_decode_xfer(body, n, NULL, kvp, kvp_len, "xfer-f", &s);
+            rl = px_rewrite_decode_xfer(body, n, &x, kvp, kvp_len, "xfer-f", &l);
+        }
+        FZ_CHECK(rs == 0 && rl == 0 && s.len == l.len && memcmp(s.data, l.data, s.len) == 0);
+        px_buf_cleanup(&s);
+        px_buf_cleanup(&l);
+    }
+}
+
 static void check_decode(const char *body, size_t n, const counts *in, const char *kvp,
                          size_t kvp_len) {
     px_buf out;
     px_buf_init(&out);
-    FZ_CHECK(px_rewrite_decode(body, n, kvp, kvp_len, &out) == 0);
+    FZ_CHECK(px_rewrite_decode(body, n, NULL, kvp, kvp_len, &out) == 0);
     char *o = fz_dup(out.data, out.len);
     FZ_CHECK(px_json_validate(o, out.len, NULL, 0) == PX_JSON_OBJECT);
     counts c;
@@ -148,7 +179,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
          * transfer_id is the router's, the last one an engine reads. */
         px_buf out;
         px_buf_init(&out);
-        FZ_CHECK(px_rewrite_decode_xfer(body, blen, kvp, kvp_len, "xfer-f", &out) == 0);
+        FZ_CHECK(px_rewrite_decode_xfer(body, blen, NULL, kvp, kvp_len, "xfer-f", &out) == 0);
         FZ_CHECK(px_json_validate(out.data, out.len, NULL, 0) == PX_JSON_OBJECT);
         px_json_member k, t;
         if (kvp) {
@@ -157,13 +188,16 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
             FZ_CHECK(t.val_len == 8 && memcmp(t.val, "\"xfer-f\"", 8) == 0);
         }
         px_buf_cleanup(&out);
+        same_from_index(body, blen, kvp, kvp_len);
     } else {
         /* Callers validate first; the rewrites must still fail cleanly. */
+        px_body_idx x;
+        FZ_CHECK(px_body_idx_build(&x, body, blen) == -1);
         px_buf out;
         px_buf_init(&out);
-        (void)px_rewrite_prefill(body, blen, "xfer-f", &out);
+        (void)px_rewrite_prefill(body, blen, NULL, "xfer-f", &out);
         px_buf_reset(&out);
-        (void)px_rewrite_decode(body, blen, kvp, kvp_len, &out);
+        (void)px_rewrite_decode(body, blen, NULL, kvp, kvp_len, &out);
         px_buf_cleanup(&out);
     }
     free(body);

@@ -68,11 +68,11 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
         px_buf_init(&out);
 
         if (chat == SIM_KIND_RESPONSES)
-            px_rewrite_prefill_responses(b, len, NULL, &out);
+            px_rewrite_prefill_responses(b, len, NULL, NULL, &out);
         else if (chat == SIM_KIND_GENERATE)
-            px_rewrite_prefill_generate(b, len, NULL, &out);
+            px_rewrite_prefill_generate(b, len, NULL, NULL, &out);
         else
-            px_rewrite_prefill(b, len, NULL, &out);
+            px_rewrite_prefill(b, len, NULL, NULL, &out);
         if (parse(chat, out.data, out.len, &p) == 0) {
             FZ_CHECK(p.mode == SIM_MODE_PREFILL);
             FZ_CHECK(!p.stream && p.max_tokens == 1);
@@ -82,7 +82,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
         /* Prefill answered without kv_transfer_params: decode must
          * recompute, never fetch from where the client pointed. */
         px_buf_reset(&out);
-        px_rewrite_decode(b, len, NULL, 0, &out);
+        px_rewrite_decode(b, len, NULL, NULL, 0, &out);
         if (parse(chat, out.data, out.len, &p) == 0) {
             FZ_CHECK(p.mode == SIM_MODE_LOCAL && !p.kvp_invalid);
         }
@@ -90,7 +90,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
 
         /* Prefill's params present: decode fetches from prefill's host. */
         px_buf_reset(&out);
-        px_rewrite_decode(b, len, good_kvp, sizeof good_kvp - 1, &out);
+        px_rewrite_decode(b, len, NULL, good_kvp, sizeof good_kvp - 1, &out);
         if (parse(chat, out.data, out.len, &p) == 0) {
             FZ_CHECK(p.mode == SIM_MODE_DECODE && p.kvp != NULL);
             const cJSON *host = cJSON_GetObjectItemCaseSensitive(p.kvp, "remote_host");

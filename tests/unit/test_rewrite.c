@@ -14,7 +14,7 @@ static void check_prefill(const char *in, const char *want)
 {
     px_buf b;
     px_buf_init(&b);
-    assert_int_equal(px_rewrite_prefill(in, strlen(in), NULL, &b), 0);
+    assert_int_equal(px_rewrite_prefill(in, strlen(in), NULL, NULL, &b), 0);
     assert_string_equal(b.data, want);
     px_buf_cleanup(&b);
 }
@@ -43,14 +43,19 @@ static void test_prefill_rewrite(void **state)
                   "{\"b\":2,\"kv_transfer_params\":" KVP ",\"stream\":false,\"max_tokens\":1}");
 }
 
-static void check_with(int (*fn)(const char *, size_t, const char *, px_buf *), const char *in,
-                       const char *want) {
-    px_buf b;
-    px_buf_init(&b);
-    assert_int_equal(fn(in, strlen(in), NULL, &b), 0);
-    px_buf_append(&b, "", 1);
-    assert_string_equal(b.data, want);
-    px_buf_cleanup(&b);
+/* fn on `in`, scanned and copied from its index: both give `want`. */
+static void check_with(int (*fn)(const char *, size_t, const px_body_idx *, const char *, px_buf *),
+                       const char *in, const char *want) {
+    px_body_idx x;
+    assert_int_equal(px_body_idx_build(&x, in, strlen(in)), 0);
+    for (int i = 0; i < 2; i++) {
+        px_buf b;
+        px_buf_init(&b);
+        assert_int_equal(fn(in, strlen(in), i ? &x : NULL, NULL, &b), 0);
+        px_buf_append(&b, "", 1);
+        assert_string_equal(b.data, want);
+        px_buf_cleanup(&b);
+    }
 }
 
 /* /v1/responses: max_output_tokens, not max_tokens (vLLM would ignore
@@ -65,7 +70,7 @@ static void test_prefill_responses(void **state)
                ",\"stream\":false,\"max_output_tokens\":1,\"store\":false}");
     px_buf b;
     px_buf_init(&b);
-    assert_int_equal(px_rewrite_prefill_responses("[1]", 3, NULL, &b), -1);
+    assert_int_equal(px_rewrite_prefill_responses("[1]", 3, NULL, NULL, &b), -1);
     px_buf_cleanup(&b);
 }
 
@@ -86,7 +91,7 @@ static void test_prefill_generate(void **state)
                ",\"stream\":false,\"sampling_params\":{\"max_tokens\":1}}");
     px_buf b;
     px_buf_init(&b);
-    assert_int_equal(px_rewrite_prefill_generate("[1]", 3, NULL, &b), -1);
+    assert_int_equal(px_rewrite_prefill_generate("[1]", 3, NULL, NULL, &b), -1);
     px_buf_cleanup(&b);
 }
 
@@ -94,7 +99,7 @@ static void test_prefill_rejects_non_object(void **state)
 {
     px_buf b;
     px_buf_init(&b);
-    assert_int_equal(px_rewrite_prefill("[1]", 3, NULL, &b), -1);
+    assert_int_equal(px_rewrite_prefill("[1]", 3, NULL, NULL, &b), -1);
     px_buf_cleanup(&b);
 }
 
@@ -104,22 +109,22 @@ static void test_decode_rewrite(void **state)
     const char *kvp = "{\"remote_request_id\":\"cmpl-1-0-abcd\",\"n\":9007199254740993,\"f\":1e-7}";
     px_buf b;
     px_buf_init(&b);
-    assert_int_equal(px_rewrite_decode(client, strlen(client), kvp, strlen(kvp), &b), 0);
+    assert_int_equal(px_rewrite_decode(client, strlen(client), NULL, kvp, strlen(kvp), &b), 0);
     assert_string_equal(b.data, "{\"prompt\":\"h\\u00e9\",\"stream\":true,\"kv_transfer_params\":"
                                 "{\"remote_request_id\":\"cmpl-1-0-abcd\",\"n\":9007199254740993,"
                                 "\"f\":1e-7}}");
     px_buf_reset(&b);
-    assert_int_equal(px_rewrite_decode(client, strlen(client), NULL, 0, &b), 0);
+    assert_int_equal(px_rewrite_decode(client, strlen(client), NULL, NULL, 0, &b), 0);
     assert_string_equal(b.data, "{\"prompt\":\"h\\u00e9\",\"stream\":true}");
     px_buf_reset(&b);
-    assert_int_equal(px_rewrite_decode("{}", 2, NULL, 0, &b), 0);
+    assert_int_equal(px_rewrite_decode("{}", 2, NULL, NULL, 0, &b), 0);
     assert_string_equal(b.data, "{}");
     px_buf_reset(&b);
-    assert_int_equal(px_rewrite_decode("{\"kv_transfer_params\":1}", 24, NULL, 0, &b), 0);
+    assert_int_equal(px_rewrite_decode("{\"kv_transfer_params\":1}", 24, NULL, NULL, 0, &b), 0);
     assert_string_equal(b.data, "{}");
     px_buf_reset(&b);
     const char *nul = "{\"kv_transfer_params\\u0000\":{\"remote_host\":\"evil\"},\"a\":1}";
-    assert_int_equal(px_rewrite_decode(nul, strlen(nul), NULL, 0, &b), 0);
+    assert_int_equal(px_rewrite_decode(nul, strlen(nul), NULL, NULL, 0, &b), 0);
     assert_string_equal(b.data, "{\"a\":1}");
     px_buf_cleanup(&b);
 }
@@ -149,7 +154,7 @@ static void test_nested_owned_keys(void **state)
                       "\"extra_args\":{\"kv_transfer_params\":{\"remote_host\":\"evil\"}}}}";
     px_buf b;
     px_buf_init(&b);
-    assert_int_equal(px_rewrite_decode(gen, strlen(gen), "{\"r\":1}", 7, &b), 0);
+    assert_int_equal(px_rewrite_decode(gen, strlen(gen), NULL, "{\"r\":1}", 7, &b), 0);
     px_buf_append(&b, "", 1);
     assert_string_equal(b.data, "{\"token_ids\":[1],\"sampling_params\":{\"extra_args\":{}},"
                                 "\"kv_transfer_params\":{\"r\":1}}");
@@ -206,7 +211,7 @@ static void test_prefill_transfer_id(void **state)
     px_buf b;
     px_buf_init(&b);
     const char *in = "{\"prompt\":\"hi\",\"kv_transfer_params\":{\"transfer_id\":\"client\"}}";
-    assert_int_equal(px_rewrite_prefill(in, strlen(in), "xfer-1", &b), 0);
+    assert_int_equal(px_rewrite_prefill(in, strlen(in), NULL, "xfer-1", &b), 0);
     px_buf_append(&b, "", 1);
     assert_string_equal(b.data, "{\"prompt\":\"hi\",\"kv_transfer_params\":" ""
                                 "{\"do_remote_decode\":true,\"do_remote_prefill\":false,"
@@ -215,11 +220,11 @@ static void test_prefill_transfer_id(void **state)
                                 "\"transfer_id\":\"xfer-1\"},\"stream\":false,\"max_tokens\":1}");
     assert_null(strstr(b.data, "client"));
     px_buf_reset(&b);
-    assert_int_equal(px_rewrite_prefill_responses("{\"input\":\"x\"}", 13, "xfer-1", &b), 0);
+    assert_int_equal(px_rewrite_prefill_responses("{\"input\":\"x\"}", 13, NULL, "xfer-1", &b), 0);
     px_buf_append(&b, "", 1);
     assert_non_null(strstr(b.data, want_kvp));
     px_buf_reset(&b);
-    assert_int_equal(px_rewrite_prefill_generate("{\"token_ids\":[1]}", 17, "xfer-1", &b), 0);
+    assert_int_equal(px_rewrite_prefill_generate("{\"token_ids\":[1]}", 17, NULL, "xfer-1", &b), 0);
     px_buf_append(&b, "", 1);
     assert_non_null(strstr(b.data, want_kvp));
     px_buf_cleanup(&b);
@@ -237,7 +242,7 @@ static void test_decode_transfer_id(void **state)
     px_buf b;
     px_buf_init(&b);
     assert_int_equal(
-        px_rewrite_decode_xfer(client, strlen(client), kvp, strlen(kvp), "xfer-9", &b), 0);
+        px_rewrite_decode_xfer(client, strlen(client), NULL, kvp, strlen(kvp), "xfer-9", &b), 0);
     px_buf_append(&b, "", 1);
     assert_string_equal(b.data, "{\"prompt\":\"p\",\"kv_transfer_params\":"
                                 "{\"remote_block_ids\":[[1, 2,3],[],[ 7 ]],"
@@ -245,13 +250,15 @@ static void test_decode_transfer_id(void **state)
                                 "\"transfer_mode\":\"pull\",\"pp_size\":1,\"dcp_size\":1,"
                                 "\"transfer_id\":\"xfer-9\"}}");
     px_buf_reset(&b);
-    assert_int_equal(px_rewrite_decode_xfer(client, strlen(client), "{}", 2, "xfer-9", &b), 0);
+    assert_int_equal(px_rewrite_decode_xfer(client, strlen(client), NULL, "{}", 2, "xfer-9", &b),
+                     0);
     px_buf_append(&b, "", 1);
     assert_string_equal(b.data,
                         "{\"prompt\":\"p\",\"kv_transfer_params\":{\"transfer_id\":\"xfer-9\"}}");
     /* No kv_transfer_params from prefill: none to decode, no transfer_id. */
     px_buf_reset(&b);
-    assert_int_equal(px_rewrite_decode_xfer(client, strlen(client), NULL, 0, "xfer-9", &b), 0);
+    assert_int_equal(px_rewrite_decode_xfer(client, strlen(client), NULL, NULL, 0, "xfer-9", &b),
+                     0);
     px_buf_append(&b, "", 1);
     assert_string_equal(b.data, "{\"prompt\":\"p\"}");
     px_buf_cleanup(&b);
@@ -381,6 +388,89 @@ static void test_body_index(void **state)
     assert_false(px_body_idx_get(NULL, PX_BK_MODEL, NULL, 0, &m));
 }
 
+/* The legs' rewrites copied from the index's member list equal the ones
+ * that scan the body, for every endpoint's rewrite: whitespace, escaped
+ * keys, duplicates, nested owned keys, and a body with more members than
+ * the list holds (scanned). A list built from other bytes is never used. */
+static void same_both_ways(const char *b) {
+    size_t n = strlen(b);
+    px_body_idx x;
+    const char *kx = "{\"transfer_id\":1,\"b\":2}";
+    assert_int_equal(px_body_idx_build(&x, b, n), 0);
+    for (int f = 0; f < 6; f++) {
+        px_buf s, l;
+        px_buf_init(&s);
+        px_buf_init(&l);
+        int rs = 0, rl = 0;
+        switch (f) {
+        case 0:
+            rs = px_rewrite_prefill(b, n, NULL, "t", &s);
+            rl = px_rewrite_prefill(b, n, &x, "t", &l);
+            break;
+        case 1:
+            rs = px_rewrite_prefill_responses(b, n, NULL, NULL, &s);
+            rl = px_rewrite_prefill_responses(b, n, &x, NULL, &l);
+            break;
+        case 2:
+            rs = px_rewrite_prefill_generate(b, n, NULL, "t", &s);
+            rl = px_rewrite_prefill_generate(b, n, &x, "t", &l);
+            break;
+        case 3:
+            rs = px_rewrite_decode(b, n, NULL, "{\"a\":1}", 7, &s);
+            rl = px_rewrite_decode(b, n, &x, "{\"a\":1}", 7, &l);
+            break;
+        case 4:
+            rs = px_rewrite_decode(b, n, NULL, NULL, 0, &s);
+            rl = px_rewrite_decode(b, n, &x, NULL, 0, &l);
+            break;
+        default:
+            rs = px_rewrite_decode_xfer(b, n, NULL, kx, strlen(kx), "t", &s);
+            rl = px_rewrite_decode_xfer(b, n, &x, kx, strlen(kx), "t", &l);
+        }
+        assert_int_equal(rs, 0);
+        assert_int_equal(rl, 0);
+        assert_int_equal(s.len, l.len);
+        assert_memory_equal(s.data, l.data, s.len);
+        px_buf_cleanup(&s);
+        px_buf_cleanup(&l);
+    }
+}
+
+static void test_rewrite_from_index(void **state) {
+    (void)state;
+    same_both_ways("{}");
+    same_both_ways(" { \"model\" : \"m\" ,\n\"prompt\":\"a \\\" b\", \"stream\":true,"
+                   "\"max_tokens\" :9, \"str\\u0065am\":false } ");
+    same_both_ways(
+        "{\"kv_transfer_params\":{\"x\":1},\"vllm_xargs\":{\"kv_transfer_params\":2,"
+        "\"k\":3},\"sampling_params\":{\"max_tokens\":5,\"extra_args\":{"
+        "\"kv_transfer_params\":1}},\"token_ids\":[1,2],\"model\":\"a\",\"model\":\"b\"}");
+    char big[2048];
+    size_t o = 0;
+    big[o++] = '{';
+    for (int i = 0; i < PX_BODY_IDX_LIST + 3; i++)
+        o += (size_t)snprintf(big + o, sizeof big - o, "%s\"k%d\":%d", i ? "," : "", i, i);
+    snprintf(big + o, sizeof big - o, ",\"stream\":true}");
+    same_both_ways(big);
+    px_body_idx x;
+    assert_int_equal(px_body_idx_build(&x, big, strlen(big)), 0);
+    assert_int_equal(px_body_idx_count(&x, big, strlen(big)), -1); /* too many: scanned */
+    /* Built from other bytes (a copy): the copy is scanned, its own members
+     * copied, not the indexed body's. */
+    const char *b = "{\"model\":\"a\",\"stream\":true}";
+    char copy[64];
+    memcpy(copy, b, strlen(b) + 1);
+    copy[10] = 'z';
+    assert_int_equal(px_body_idx_build(&x, b, strlen(b)), 0);
+    assert_int_equal(px_body_idx_count(&x, b, strlen(b)), 2);
+    assert_int_equal(px_body_idx_count(&x, copy, strlen(copy)), -1);
+    px_buf out;
+    px_buf_init(&out);
+    assert_int_equal(px_rewrite_decode(copy, strlen(copy), &x, NULL, 0, &out), 0);
+    assert_string_equal(out.data, "{\"model\":\"z\",\"stream\":true}");
+    px_buf_cleanup(&out);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -396,6 +486,7 @@ int main(void)
         cmocka_unit_test(test_foreign_encodings_refused),
         cmocka_unit_test(test_cache_salt_and_usage),
         cmocka_unit_test(test_body_index),
+        cmocka_unit_test(test_rewrite_from_index),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
