@@ -649,6 +649,10 @@ static void read_head(px_conn *c) {
     c->state = CS_BODY;
 }
 
+/* The most room given to a body before its bytes arrive: an announced
+ * length is a promise, and a client that does not keep it holds no more. */
+#define BODY_PRESIZE ((size_t)256 * 1024)
+
 /* Returns 1 once the whole body is in c->body. */
 static int read_body(px_conn *c) {
     struct evbuffer *in = bufferevent_get_input(c->bev);
@@ -661,7 +665,13 @@ static int read_body(px_conn *c) {
                 return -1;
             }
             c->body_held += (int64_t)take;
-            px_buf_reserve(&c->body, take);
+            /* A body that comes in several reads gets its room at the
+             * first (up to BODY_PRESIZE): grown read by read, each
+             * doubling copied the whole body again. */
+            size_t room = take;
+            if (c->body.len == 0 && (size_t)c->body_left > take)
+                room = (size_t)c->body_left < BODY_PRESIZE ? (size_t)c->body_left : BODY_PRESIZE;
+            px_buf_reserve(&c->body, room);
             evbuffer_remove(in, c->body.data + c->body.len, take);
             c->body.len += take;
             c->body.data[c->body.len] = '\0';
