@@ -20,6 +20,8 @@
 #                      one hop's figure leaves out: pdproxy's target is nginx's
 #                      one hop plus its mock
 #   bench/insn_per_req.sh [build-dir]   (N=1000 WARM=200 CONNS=1; ~2 minutes)
+# PROMPT_BYTES=16384: a prompt of about that many bytes (the sentence repeated;
+# ~4k tokens), where the body's scans and copies weigh as in real traffic.
 # BASELINE=<build-dir>: also pdproxy from that build (another commit), both
 # modes. PROFILE=<dir>: keep the callgrind files of the measured requests
 # there (callgrind_annotate PROFILE/pdproxy.out).
@@ -81,7 +83,10 @@ import os, socket, sys, threading
 sys.path.insert(0, os.path.join(os.environ["ROOT"], "tests", "integration"))
 from pdharness.canned import response_length as length
 port, count, conns = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
-body = b'{"model":"bench","prompt":"The quick brown fox jumps over the lazy dog","max_tokens":16,"temperature":0}'
+words = b"The quick brown fox jumps over the lazy dog"
+want = int(os.environ.get("PROMPT_BYTES") or 0)
+prompt = (words + b" ") * (want // (len(words) + 1)) + words if want else words
+body = b'{"model":"bench","prompt":"' + prompt + b'","max_tokens":16,"temperature":0}'
 req = (b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
        b"Content-Length: %d\r\n\r\n" % len(body)) + body
 ok = [0] * conns

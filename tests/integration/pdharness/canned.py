@@ -123,9 +123,9 @@ def response_length(buf):
     return None
 
 
-def drive(port, n, clients, rid=None, timeout=10.0):
-    """n completions through pdproxy on `clients` keep-alive connections,
-    each request in one send; returns how many were answered 200. With
+def drive(port, n, clients, rid=None, timeout=10.0, body=REQ_BODY):
+    """n completions (`body`) through pdproxy on `clients` keep-alive
+    connections, each request in one send; returns how many were answered 200. With
     `rid`, request k of connection i carries X-Request-Id rid-i-k. A
     connection that waits `timeout` seconds for an answer stops there."""
     ok = [0] * clients
@@ -133,7 +133,7 @@ def drive(port, n, clients, rid=None, timeout=10.0):
     def request(i, k):
         extra = b"X-Request-Id: %s-%d-%d\r\n" % (rid.encode(), i, k) if rid else b""
         return (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                + extra + b"Content-Length: %d\r\n\r\n" % len(REQ_BODY) + REQ_BODY)
+                + extra + b"Content-Length: %d\r\n\r\n" % len(body) + body)
 
     def one(i, count):
         plain = request(i, 0)
