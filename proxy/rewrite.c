@@ -213,10 +213,11 @@ int px_rewrite_decode_xfer(const char *body, size_t n, const px_body_idx *x, con
     return 0;
 }
 
-int px_rewrite_cache_salt(const char *body, size_t n, const char *salt, px_buf *out) {
+int px_rewrite_cache_salt(const char *body, size_t n, const px_body_idx *x, const char *salt,
+                          px_buf *out) {
     static const char *const salt_key[] = {"cache_salt"};
     unsigned saw;
-    if (copy_members(body, n, NULL, salt_key, 1, out, &saw) < 0) return -1;
+    if (copy_members(body, n, x, salt_key, 1, out, &saw) < 0) return -1;
     px_buf_appends(out, "\"cache_salt\":");
     px_buf_append_json_str(out, salt, strlen(salt));
     px_buf_append(out, "}", 1);

@@ -68,7 +68,8 @@ int px_rewrite_decode_xfer(const char *body, size_t n, const struct px_body_idx 
  * cache_salt removed and "cache_salt":"<salt>" added (tenant.h: the salt
  * is the proxy's, derived from the client's credentials). Returns 0, or -1
  * when body is not an object. */
-int px_rewrite_cache_salt(const char *body, size_t n, const char *salt, px_buf *out);
+int px_rewrite_cache_salt(const char *body, size_t n, const struct px_body_idx *x, const char *salt,
+                          px_buf *out);
 
 /* A streamed request ("stream": true) that does not ask for usage: its
  * body with "stream_options":{..., "include_usage":true} (the client's

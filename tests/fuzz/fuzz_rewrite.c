@@ -93,7 +93,7 @@ static void check_prefill(const char *body, size_t n, const counts *in) {
 static void same_from_index(const char *body, size_t n, const char *kvp, size_t kvp_len) {
     px_body_idx x;
     FZ_CHECK(px_body_idx_build(&x, body, n) == 0);
-    for (int f = 0; f < 4; f++) {
+    for (int f = 0; f < 5; f++) {
         px_buf s, l;
         px_buf_init(&s);
         px_buf_init(&l);
@@ -107,6 +107,9 @@ static void same_from_index(const char *body, size_t n, const char *kvp, size_t 
         } else if (f == 2) {
             rs = px_rewrite_prefill_responses(body, n, NULL, NULL, &s);
             rl = px_rewrite_prefill_responses(body, n, &x, NULL, &l);
+        } else if (f == 3) {
+            rs = px_rewrite_cache_salt(body, n, NULL, "salt", &s);
+            rl = px_rewrite_cache_salt(body, n, &x, "salt", &l);
         } else {
             rs = px_rewrite_decode_xfer(body, n, NULL, kvp, kvp_len, "xfer-f", &s);
             rl = px_rewrite_decode_xfer(body, n, &x, kvp, kvp_len, "xfer-f", &l);

@@ -322,9 +322,14 @@ static void test_cache_salt_and_usage(void **state)
     px_buf out;
     px_buf_init(&out);
     const char *b = "{\"cache_salt\":\"mine\",\"m\":1,\"cache_\\u0073alt\":2}";
-    assert_int_equal(px_rewrite_cache_salt(b, strlen(b), "abc", &out), 0);
-    px_buf_append(&out, "", 1);
-    assert_string_equal(out.data, "{\"m\":1,\"cache_salt\":\"abc\"}");
+    px_body_idx x;
+    assert_int_equal(px_body_idx_build(&x, b, strlen(b)), 0);
+    for (int i = 0; i < 2; i++) { /* scanned, and copied from the index */
+        px_buf_reset(&out);
+        assert_int_equal(px_rewrite_cache_salt(b, strlen(b), i ? &x : NULL, "abc", &out), 0);
+        px_buf_append(&out, "", 1);
+        assert_string_equal(out.data, "{\"m\":1,\"cache_salt\":\"abc\"}");
+    }
     const struct {
         const char *in, *want; /* want NULL: unchanged */
     } u[] = {
@@ -397,7 +402,7 @@ static void same_both_ways(const char *b) {
     px_body_idx x;
     const char *kx = "{\"transfer_id\":1,\"b\":2}";
     assert_int_equal(px_body_idx_build(&x, b, n), 0);
-    for (int f = 0; f < 6; f++) {
+    for (int f = 0; f < 7; f++) {
         px_buf s, l;
         px_buf_init(&s);
         px_buf_init(&l);
@@ -422,6 +427,10 @@ static void same_both_ways(const char *b) {
         case 4:
             rs = px_rewrite_decode(b, n, NULL, NULL, 0, &s);
             rl = px_rewrite_decode(b, n, &x, NULL, 0, &l);
+            break;
+        case 6:
+            rs = px_rewrite_cache_salt(b, n, NULL, "s\"", &s);
+            rl = px_rewrite_cache_salt(b, n, &x, "s\"", &l);
             break;
         default:
             rs = px_rewrite_decode_xfer(b, n, NULL, kx, strlen(kx), "t", &s);
