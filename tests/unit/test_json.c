@@ -80,6 +80,30 @@ static void test_long_strings_every_offset(void **state)
         }
 }
 
+/* Every byte value, alone, at every offset of the first three 16-byte
+ * blocks of a string (the scan goes 16 or 8 bytes at a time, then byte by
+ * byte): a string iff it is printable ASCII other than '"' and '\\'. */
+static void test_every_byte_every_offset(void **state)
+{
+    (void)state;
+    char doc[64];
+    for (int c = 0; c < 256; c++)
+        for (size_t at = 0; at < 48; at++) {
+            size_t n = 0;
+            doc[n++] = '"';
+            for (size_t i = 0; i < at; i++)
+                doc[n++] = 'a';
+            doc[n++] = (char)c;
+            for (size_t i = at + 1; i < 48; i++)
+                doc[n++] = 'x'; /* not an escape's letter */
+            doc[n++] = '"';
+            px_json_type want =
+                c >= 0x20 && c < 0x80 && c != '"' && c != '\\' ? PX_JSON_STRING : PX_JSON_INVALID;
+            px_json_type got = px_json_validate(doc, n, NULL, 0);
+            if (got != want) fail_msg("byte 0x%02x at offset %zu: got %d, want %d", c, at, got, want);
+        }
+}
+
 static void test_depth_limit(void **state)
 {
     size_t n = 10000;
@@ -184,6 +208,7 @@ int main(void)
         cmocka_unit_test(test_depth_limit),       cmocka_unit_test(test_iterate_members),
         cmocka_unit_test(test_key_escapes),       cmocka_unit_test(test_find_last_duplicate),
         cmocka_unit_test(test_long_strings_every_offset), cmocka_unit_test(test_object_find),
+        cmocka_unit_test(test_every_byte_every_offset),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
