@@ -13,6 +13,7 @@ run; allocations by bench/alloc_count.c preloaded into a second pdproxy
 (malloc, calloc and realloc, read on SIGUSR2 before and after)."""
 
 import os
+import platform
 import shutil
 import signal
 import subprocess
@@ -57,7 +58,10 @@ from pdharness.procs import BIN_DIR, PDPROXY, sanitized
 # legs' rewrites copying from the index's member list and the body's room
 # taken at its first read. glibc's memcpy of large spans (rep movsb) counts
 # one instruction a byte under callgrind: copies weigh more here than in
-# time; a CPU whose memcpy uses vector loops counts fewer.
+# time; a CPU whose memcpy uses vector loops counts fewer. With strings
+# scanned 16 bytes at a time (SSE2, x86-64): 5,380 per KiB, and 59,400 for
+# a short request (budget lowered from 66,000 to 64,000; the build without
+# LTO was not measured again and keeps its 69,000).
 # Idle anonymous memory (RssAnon) of one worker: measured 1.17 MiB after
 # issue 36, of which ~0.8 MiB is the shared libraries' relocated data
 # (libcrypto alone 404 KiB, ZeroMQ's dependencies ~250 KiB), heap and
@@ -69,9 +73,10 @@ BUDGET = {
     "syscalls_per_s": 60,  # ... and per second of the run
     "epoll_wait": 3.0,
     "allocations": 20.0,
-    "instructions": 66000,  # user-space, every thread, per request (callgrind)
+    "instructions": 64000,  # user-space, every thread, per request (callgrind)
     "instructions_no_lto": 69000,  # ... built with -DPDPROXY_LTO=OFF
-    "instructions_per_kib": 7800,  # ... and for each KiB of a long prompt
+    "instructions_per_kib": 5800,  # ... and for each KiB of a long prompt (x86-64)
+    "instructions_per_kib_no_sse2": 7800,  # ... where strings are scanned 8 bytes at a time
     "idle_anon_kib": 2048,
 }
 REQUESTS = 1000
@@ -199,11 +204,12 @@ class BudgetTest(PxTestCase):
             self.fail("no totals in the callgrind dump")
         per = total(2) / REQUESTS
         per_kib = (total(3) / LONG_REQUESTS - per) / LONG_PROMPT_KIB
+        kib_budget = BUDGET["instructions_per_kib" if platform.machine() in ("x86_64", "AMD64")
+                            else "instructions_per_kib_no_sse2"]
         print("\ninstructions per request: %.0f (budget %d; %s); per KiB of prompt: %.0f "
-              "(budget %d)" % (per, budget, kind, per_kib, BUDGET["instructions_per_kib"]))
+              "(budget %d)" % (per, budget, kind, per_kib, kib_budget))
         self.assertLessEqual(per, budget, "instructions per request")
-        self.assertLessEqual(per_kib, BUDGET["instructions_per_kib"],
-                             "instructions per KiB of a request's prompt")
+        self.assertLessEqual(per_kib, kib_budget, "instructions per KiB of a request's prompt")
 
     def test_allocation_budget(self):
         lib = os.path.join(os.environ.get("PX_BUILD_DIR") or os.path.join(BIN_DIR, ".."),
