@@ -902,7 +902,8 @@ int px_adm_body(px_adm_req *a, int usage_route, px_buf *body) {
     if (a->salt[0] && !a->salt_own && body->data) {
         px_buf_init(&out);
         changed |= take_body(
-            px_rewrite_cache_salt(body->data, body->len, a->bx, a->salt, &out) == 0 ? 1 : 0, body, &out);
+            px_rewrite_cache_salt(body->data, body->len, a->bx, a->salt, &out) == 0 ? 1 : 0, body,
+            &out);
     }
     if (usage_route && a->count_tokens && body->data) {
         px_buf_init(&out);

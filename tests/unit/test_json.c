@@ -100,7 +100,8 @@ static void test_every_byte_every_offset(void **state)
             px_json_type want =
                 c >= 0x20 && c < 0x80 && c != '"' && c != '\\' ? PX_JSON_STRING : PX_JSON_INVALID;
             px_json_type got = px_json_validate(doc, n, NULL, 0);
-            if (got != want) fail_msg("byte 0x%02x at offset %zu: got %d, want %d", c, at, got, want);
+            if (got != want)
+                fail_msg("byte 0x%02x at offset %zu: got %d, want %d", c, at, got, want);
         }
 }
 
