@@ -6,8 +6,10 @@
 #   (b) wrk through pdproxy (two upstream calls: mock prefill, then mock decode)
 #   (c) wrk through an nginx reverse proxy making one keep-alive hop to the mock
 #
-# Prints req/s, p50 and p99 for 1, 16 and 64 connections (wrk -t1), the
-# ratios, and pdproxy's RSS idle and under load.
+# Prints req/s, p50 and p99 for 1, 16 and 64 connections (wrk -t1), CPU per
+# request of pdproxy, nginx one hop and the mock (the direct row), the ratios
+# (pdproxy's CPU against nginx one hop's plus its mock's), and pdproxy's RSS
+# idle and under load.
 #   bench/proxy_bench.sh [build-dir]     (DURATION=10 THREADS=1 by default)
 #   SYSCALLS=1: also count pdproxy's system calls per request (strace -c) at 1
 #   and 64 connections; PROFILE=1: also a perf profile at 64 connections;
@@ -165,8 +167,11 @@ if [ "$otlp" = 1 ]; then
 fi
 
 for p in $ports; do wait_port "$p"; done
-# nginx one hop's worker, for its CPU per request.
+# nginx one hop's worker, for its CPU per request, and the mocks' worker,
+# whose CPU per request (the direct row) completes the target: pdproxy's CPU
+# per request at or below nginx one hop's plus its mock's.
 ngw=$(pgrep -f "nginx: worker process" -P "$(cat "$work/onehop.pid")" | head -1)
+mkw=$(pgrep -f "nginx: worker process" -P "$(cat "$work/backends.pid")" | head -1)
 curl -sf -X POST "http://127.0.0.1:$X/v1/completions" -d '{"prompt":"x"}' >/dev/null
 
 rss_kb() { awk '/VmRSS/{print $2}' "/proc/$1/status"; }
@@ -197,7 +202,7 @@ run() { # name url conns [pid whose CPU per request to report]
 echo "pdproxy bench: wrk -t1 -d${duration}s, pdproxy --threads $pthreads ${logargs[*]:-(default flags)}, nginx one-hop worker_processes $pthreads${baseline:+, baseline $baseline}, $rounds round(s)"
 for round in $(seq 1 "$rounds"); do
 for c in ${CONNS:-1 16 64}; do
-    run direct "http://127.0.0.1:$D" "$c"
+    run direct "http://127.0.0.1:$D" "$c" "$mkw"
     run pdproxy "http://127.0.0.1:$X" "$c" "$ppid" &
     runpid=$!
     while kill -0 "$runpid" 2>/dev/null; do
@@ -368,6 +373,9 @@ for c in sorted({c for _, c in runs}):
         out.append("pdproxy/baseline req/s = %.2f  CPU/req = %.2f" % (
             med("pdproxy", c, 0) / med("baseline", c, 0),
             med("pdproxy", c, 3) / med("baseline", c, 3) if med("baseline", c, 3) else 0))
+    if med("direct", c, 3) and med("nginx1hop", c, 3):
+        out.append("CPU/req pdproxy/(nginx1hop+mock) = %.2f" % (
+            med("pdproxy", c, 3) / (med("nginx1hop", c, 3) + med("direct", c, 3))))
     if med("direct", c, 0):
         out.append("p50 pdproxy - direct = %.3f ms" % (med("pdproxy", c, 1) - med("direct", c, 1)))
     print("   ".join(out) + "   (medians of %d)" % len(runs[("nginx1hop", c)]))
