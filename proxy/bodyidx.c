@@ -39,15 +39,7 @@ int px_body_idx_build(px_body_idx *x, const char *body, size_t n) {
                     x->m[k] = m;
                     break;
                 }
-            if (x->nlist < PX_BODY_IDX_LIST) {
-                px_body_span *s = &x->list[x->nlist];
-                s->start = (uint32_t)(m.start - b);
-                s->key = (uint32_t)(m.key - b);
-                s->key_len = (uint32_t)m.key_len;
-                s->val = (uint32_t)(m.val - b);
-                s->val_len = (uint32_t)m.val_len;
-                s->type = (uint32_t)m.type;
-            }
+            if (x->nlist < PX_BODY_IDX_LIST) px_body_span_set(&x->list[x->nlist], b, &m);
             if (x->nlist <= PX_BODY_IDX_LIST) x->nlist++;
         }
     }
@@ -61,13 +53,41 @@ int px_body_idx_count(const px_body_idx *x, const char *body, size_t n) {
 }
 
 void px_body_idx_member(const px_body_idx *x, unsigned i, px_json_member *m) {
-    const px_body_span *s = &x->list[i];
-    m->start = x->src + s->start;
-    m->key = x->src + s->key;
+    px_body_span_get(&x->list[i], x->src, m);
+}
+
+void px_body_span_set(px_body_span *s, const char *base, const px_json_member *m) {
+    s->start = (uint32_t)(m->start - base);
+    s->key = (uint32_t)(m->key - base);
+    s->key_len = (uint32_t)m->key_len;
+    s->val = (uint32_t)(m->val - base);
+    s->val_len = (uint32_t)m->val_len;
+    s->type = (uint32_t)m->type;
+}
+
+void px_body_span_get(const px_body_span *s, const char *base, px_json_member *m) {
+    m->start = base + s->start;
+    m->key = base + s->key;
     m->key_len = s->key_len;
-    m->val = x->src + s->val;
+    m->val = base + s->val;
     m->val_len = s->val_len;
     m->type = (px_json_type)s->type;
+}
+
+void px_member_list_start(px_member_list *l, const char *src, size_t len) {
+    l->src = src;
+    l->len = len;
+    l->n = len <= UINT32_MAX ? 0 : PX_MEMBER_LIST + 1;
+}
+
+void px_member_list_add(px_member_list *l, const px_json_member *m) {
+    if (l->n < PX_MEMBER_LIST) px_body_span_set(&l->s[l->n], l->src, m);
+    if (l->n <= PX_MEMBER_LIST) l->n++;
+}
+
+int px_member_list_count(const px_member_list *l, const char *obj, size_t n) {
+    if (!l || !obj || l->src != obj || l->len != n || l->n > PX_MEMBER_LIST) return -1;
+    return (int)l->n;
 }
 
 int px_body_idx_get(const px_body_idx *x, px_bkey k, const char *body, size_t n,

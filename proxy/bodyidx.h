@@ -66,6 +66,28 @@ int px_body_idx_count(const px_body_idx *x, const char *body, size_t n);
 /* Member i (< px_body_idx_count) as px_json_iter_next returns it. */
 void px_body_idx_member(const px_body_idx *x, unsigned i, px_json_member *m);
 
+/* A span as a member of the bytes at base, and back. */
+void px_body_span_set(px_body_span *s, const char *base, const px_json_member *m);
+void px_body_span_get(const px_body_span *s, const char *base, px_json_member *m);
+
+/* The members of another JSON object, listed in order while read once
+ * (prefill's kv_transfer_params, read for its remote_request_id), so that
+ * the copy made of it member by member for decode does not scan it again.
+ * Offsets into src[0..len); an object with more members, or past 4 GiB,
+ * is not listed. */
+#define PX_MEMBER_LIST 16
+typedef struct px_member_list {
+    const char *src;
+    size_t len;
+    unsigned n; /* members listed; PX_MEMBER_LIST + 1: not listed */
+    px_body_span s[PX_MEMBER_LIST];
+} px_member_list;
+void px_member_list_start(px_member_list *l, const char *src, size_t len);
+void px_member_list_add(px_member_list *l, const px_json_member *m);
+/* The number of members of obj[0..n) listed in l, or -1 when l is NULL,
+ * lists other bytes or did not list them all. */
+int px_member_list_count(const px_member_list *l, const char *obj, size_t n);
+
 /* The key of k as it stands in a body ("model"). */
 const char *px_bkey_name(px_bkey k);
 

@@ -34,7 +34,7 @@ px_kvp_status px_handoff_serial(px_metrics *m, const char *lid, const char *pref
      * answers. */
     if (kvp && learn) px_dispatch_learn(learn, prefill, kvp, kvp_len);
     px_buf_reset(out);
-    px_rewrite_decode_xfer(body->data, body->len, x, kvp, kvp_len, transfer_id, out);
+    px_rewrite_decode_xfer(body->data, body->len, x, &a->kvl, kvp, kvp_len, transfer_id, out);
     /* Prefill's cached_tokens, for --usage-from prefill (its usage member
      * was found in the same pass as kv_transfer_params). */
     if (resp->data && usage_prefill) px_usage_cached_tokens_in(&a->usage, cached);

@@ -33,37 +33,46 @@ static int is_nested_owned(const px_json_member *m) {
     return 0;
 }
 
-/* The members of body[0..n): listed by its index (bodyidx.h) when x
- * was built from these bytes, else scanned. */
+/* The members of body[0..n): listed by its index (bodyidx.h) or a member
+ * list when either was built from these bytes, else scanned. */
 typedef struct {
     px_json_iter it;
-    const px_body_idx *x;
+    const px_body_span *list;
+    const char *src;
     int i, n; /* the next listed member, how many; n -1: scanned */
 } members;
 
-static int members_init(members *c, const char *body, size_t n, const px_body_idx *x) {
-    c->x = x;
+static int members_init(members *c, const char *body, size_t n, const px_body_idx *x,
+                        const px_member_list *l) {
     c->i = 0;
-    c->n = px_body_idx_count(x, body, n);
-    return c->n >= 0 ? 0 : px_json_iter_init(&c->it, body, n);
+    c->src = body;
+    if ((c->n = px_body_idx_count(x, body, n)) >= 0) {
+        c->list = x->list;
+        return 0;
+    }
+    if ((c->n = px_member_list_count(l, body, n)) >= 0) {
+        c->list = l->s;
+        return 0;
+    }
+    return px_json_iter_init(&c->it, body, n);
 }
 
 static int members_next(members *c, px_json_member *m) {
     if (c->n < 0) return px_json_iter_next(&c->it, m);
     if (c->i == c->n) return 0;
-    px_body_idx_member(c->x, (unsigned)c->i++, m);
+    px_body_span_get(&c->list[c->i++], c->src, m);
     return 1;
 }
 
 /* Copies the members of `body` not named in `drop` into `out` as "{m1,m2,...",
  * leaving the object open. Sets *saw for each dropped key seen (bit i), and
  * SAW_NESTED when a proxy-owned key was stripped inside a nested member. */
-static int copy_members(const char *body, size_t n, const px_body_idx *x, const char *const *drop,
-                        size_t ndrop, px_buf *out, unsigned *saw) {
+static int copy_listed(const char *body, size_t n, const px_body_idx *x, const px_member_list *l,
+                       const char *const *drop, size_t ndrop, px_buf *out, unsigned *saw) {
     members it;
     px_json_member m;
     int r, first = 1;
-    if (members_init(&it, body, n, x) < 0) return -1;
+    if (members_init(&it, body, n, x, l) < 0) return -1;
     px_buf_reserve(out, n + 256);
     px_buf_append(out, "{", 1);
     *saw = 0;
@@ -89,7 +98,7 @@ static int copy_members(const char *body, size_t n, const px_body_idx *x, const 
         }
         size_t at = out->len;
         unsigned inner;
-        if (copy_members(m.val, m.val_len, NULL, owned_keys, 1, out, &inner) < 0) return -1;
+        if (copy_listed(m.val, m.val_len, NULL, NULL, owned_keys, 1, out, &inner) < 0) return -1;
         if (!inner) { /* nothing stripped inside: the value's own bytes */
             out->len = at;
             px_buf_append(out, m.val, m.val_len);
@@ -106,12 +115,19 @@ static int copy_members(const char *body, size_t n, const px_body_idx *x, const 
     return 0;
 }
 
+static int copy_members(const char *body, size_t n, const px_body_idx *x, const char *const *drop,
+                        size_t ndrop, px_buf *out, unsigned *saw) {
+    return copy_listed(body, n, x, NULL, drop, ndrop, out, saw);
+}
+
 /* The proxy's kv_transfer_params member, then a comma. */
 static void prefill_kvp(const char *transfer_id, px_buf *out) {
     px_buf_appends(out, "\"kv_transfer_params\":");
     if (transfer_id) {
         px_buf_append(out, PX_PREFILL_KV_PARAMS, sizeof PX_PREFILL_KV_PARAMS - 2);
-        px_buf_printf(out, ",\"transfer_id\":\"%s\"}", transfer_id);
+        px_buf_appends(out, ",\"transfer_id\":\"");
+        px_buf_appends(out, transfer_id);
+        px_buf_appends(out, "\"}");
     } else {
         px_buf_appends(out, PX_PREFILL_KV_PARAMS);
     }
@@ -192,8 +208,9 @@ int px_rewrite_decode(const char *body, size_t n, const px_body_idx *x, const ch
     return 0;
 }
 
-int px_rewrite_decode_xfer(const char *body, size_t n, const px_body_idx *x, const char *kvp,
-                           size_t kvp_len, const char *transfer_id, px_buf *out) {
+int px_rewrite_decode_xfer(const char *body, size_t n, const px_body_idx *x,
+                           const px_member_list *kl, const char *kvp, size_t kvp_len,
+                           const char *transfer_id, px_buf *out) {
     static const char *const own[] = {"transfer_id"};
     unsigned saw;
     if (!transfer_id || !kvp) return px_rewrite_decode(body, n, x, kvp, kvp_len, out);
@@ -205,11 +222,13 @@ int px_rewrite_decode_xfer(const char *body, size_t n, const px_body_idx *x, con
     px_buf_reserve(out, n + kvp_len + 512);
     if (copy_members(body, n, x, prefill_drop, 1, out, &saw) < 0) return -1;
     px_buf_appends(out, "\"kv_transfer_params\":");
-    if (copy_members(kvp, kvp_len, NULL, own, 1, out, &saw) < 0) { /* kvp is no object */
+    if (copy_listed(kvp, kvp_len, NULL, kl, own, 1, out, &saw) < 0) { /* kvp is no object */
         out->len = start;
         return px_rewrite_decode(body, n, x, kvp, kvp_len, out);
     }
-    px_buf_printf(out, "\"transfer_id\":\"%s\"}}", transfer_id);
+    px_buf_appends(out, "\"transfer_id\":\"");
+    px_buf_appends(out, transfer_id);
+    px_buf_appends(out, "\"}}");
     return 0;
 }
 
@@ -293,14 +312,37 @@ size_t px_rewrite_rendered_bytes(const char *body, size_t n) {
     return total;
 }
 
+/* kv_transfer_params' last remote_request_id into *rid (val NULL: none),
+ * its members into *l when l is given; -1 when kvp is no object. */
+static int kvp_read(const char *kvp, size_t n, px_json_member *rid, px_member_list *l) {
+    px_json_iter it;
+    px_json_member m;
+    int r;
+    rid->val = NULL;
+    if (l) px_member_list_start(l, kvp, n);
+    if (px_json_iter_init(&it, kvp, n) < 0) return -1;
+    while ((r = px_json_iter_next(&it, &m)) == 1) {
+        if (l) px_member_list_add(l, &m);
+        if (px_json_str_eq(m.key, m.key_len, "remote_request_id")) *rid = m;
+    }
+    if (r < 0) {
+        rid->val = NULL;
+        if (l) l->n = PX_MEMBER_LIST + 1;
+        return -1;
+    }
+    return 0;
+}
+
 /* px_extract_prefill_answer that also gives remote_request_id (rid->val
- * NULL when the answer has none). */
+ * NULL when the answer has none) and, l given, lists kv_transfer_params'
+ * members. */
 static px_kvp_status extract(const char *resp, size_t n, const char **kvp, size_t *kvp_len,
-                             px_json_member *usage, px_json_member *rid, char *err,
-                             size_t errlen) {
+                             px_json_member *usage, px_json_member *rid, px_member_list *l,
+                             char *err, size_t errlen) {
     static const char *const keys[] = {"kv_transfer_params", "usage"};
     px_json_member found[2];
     rid->val = NULL;
+    if (l) px_member_list_start(l, NULL, 0);
     /* One pass validates the answer and finds both members (it runs on
      * every request); only a bad answer is scanned again, for the reason. */
     if (px_json_object_find(resp, n, keys, 2, found) < 0) {
@@ -314,10 +356,7 @@ static px_kvp_status extract(const char *resp, size_t n, const char **kvp, size_
     if (!m->val || m->type != PX_JSON_OBJECT) return PX_KVP_MISSING;
     *kvp = m->val;
     *kvp_len = m->val_len;
-    if (!px_json_find(m->val, m->val_len, "remote_request_id", rid)) {
-        rid->val = NULL;
-        return PX_KVP_NO_REQUEST_ID;
-    }
+    if (kvp_read(m->val, m->val_len, rid, l) < 0 || !rid->val) return PX_KVP_NO_REQUEST_ID;
     if (rid->type != PX_JSON_STRING || rid->val_len <= 2) return PX_KVP_NO_REQUEST_ID;
     return PX_KVP_OK;
 }
@@ -326,14 +365,14 @@ px_kvp_status px_extract_prefill_answer(const char *resp, size_t n, const char *
                                         size_t *kvp_len, px_json_member *usage, char *err,
                                         size_t errlen) {
     px_json_member rid;
-    return extract(resp, n, kvp, kvp_len, usage, &rid, err, errlen);
+    return extract(resp, n, kvp, kvp_len, usage, &rid, NULL, err, errlen);
 }
 
 void px_prefill_answer_read(px_prefill_answer *a, const char *resp, size_t n) {
     a->kvp = NULL;
     a->kvp_len = 0;
     a->usage.val = NULL;
-    a->ks = extract(resp ? resp : "", n, &a->kvp, &a->kvp_len, &a->usage, &a->rid, a->err,
+    a->ks = extract(resp ? resp : "", n, &a->kvp, &a->kvp_len, &a->usage, &a->rid, &a->kvl, a->err,
                     sizeof a->err);
     a->read = 1;
 }

@@ -9,6 +9,7 @@
 
 #include "base/json.h"
 #include "base/util.h"
+#include "proxy/bodyidx.h"
 
 /* The kv_transfer_params the proxy sends to prefill. */
 #define PX_PREFILL_KV_PARAMS                                                                       \
@@ -60,9 +61,11 @@ int px_rewrite_decode(const char *body, size_t n, const struct px_body_idx *x, c
  * given "transfer_id":"<transfer_id>": every member of kvp is copied as the
  * exact bytes prefill sent (nested per-group remote_block_ids included),
  * but a transfer_id of its own, which the router's replaces. transfer_id
- * NULL, or kvp NULL or not an object: px_rewrite_decode as is. */
-int px_rewrite_decode_xfer(const char *body, size_t n, const struct px_body_idx *x, const char *kvp,
-                           size_t kvp_len, const char *transfer_id, px_buf *out);
+ * NULL, or kvp NULL or not an object: px_rewrite_decode as is. kl: kvp's
+ * members as read already (px_prefill_answer), or NULL: kvp is scanned. */
+int px_rewrite_decode_xfer(const char *body, size_t n, const struct px_body_idx *x,
+                           const px_member_list *kl, const char *kvp, size_t kvp_len,
+                           const char *transfer_id, px_buf *out);
 
 /* Appends to `out` the body with every member whose key decodes to
  * cache_salt removed and "cache_salt":"<salt>" added (tenant.h: the salt
@@ -137,6 +140,7 @@ typedef struct px_prefill_answer {
     size_t kvp_len;
     px_json_member usage; /* val NULL: none */
     px_json_member rid;   /* kv_transfer_params' remote_request_id; val NULL: none */
+    px_member_list kvl;   /* kv_transfer_params' members, listed while rid was sought */
     char err[128];        /* PX_KVP_BAD_RESPONSE: why */
 } px_prefill_answer;
 

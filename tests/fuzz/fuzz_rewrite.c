@@ -111,13 +111,32 @@ static void same_from_index(const char *body, size_t n, const char *kvp, size_t 
             rs = px_rewrite_cache_salt(body, n, NULL, "salt", &s);
             rl = px_rewrite_cache_salt(body, n, &x, "salt", &l);
         } else {
-            rs = px_rewrite_decode_xfer(body, n, NULL, kvp, kvp_len, "xfer-f", &s);
-            rl = px_rewrite_decode_xfer(body, n, &x, kvp, kvp_len, "xfer-f", &l);
+            rs = px_rewrite_decode_xfer(body, n, NULL, NULL, kvp, kvp_len, "xfer-f", &s);
+            rl = px_rewrite_decode_xfer(body, n, &x, NULL, kvp, kvp_len, "xfer-f", &l);
         }
         FZ_CHECK(rs == 0 && rl == 0 && s.len == l.len && memcmp(s.data, l.data, s.len) == 0);
         px_buf_cleanup(&s);
         px_buf_cleanup(&l);
     }
+    /* Decode's copy of prefill's kv_transfer_params from the members
+     * listed while the answer was read equals the scanning copy. */
+    px_buf ans, s, l;
+    px_buf_init(&ans);
+    px_buf_init(&s);
+    px_buf_init(&l);
+    px_buf_appends(&ans, "{\"kv_transfer_params\":");
+    px_buf_append(&ans, kvp, kvp_len);
+    px_buf_append(&ans, "}", 1);
+    px_prefill_answer a;
+    px_prefill_answer_read(&a, ans.data, ans.len);
+    if (a.kvp) {
+        int rs = px_rewrite_decode_xfer(body, n, &x, NULL, a.kvp, a.kvp_len, "xfer-f", &s);
+        int rl = px_rewrite_decode_xfer(body, n, &x, &a.kvl, a.kvp, a.kvp_len, "xfer-f", &l);
+        FZ_CHECK(rs == 0 && rl == 0 && s.len == l.len && memcmp(s.data, l.data, s.len) == 0);
+    }
+    px_buf_cleanup(&ans);
+    px_buf_cleanup(&s);
+    px_buf_cleanup(&l);
 }
 
 static void check_decode(const char *body, size_t n, const counts *in, const char *kvp,
@@ -182,7 +201,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
          * transfer_id is the router's, the last one an engine reads. */
         px_buf out;
         px_buf_init(&out);
-        FZ_CHECK(px_rewrite_decode_xfer(body, blen, NULL, kvp, kvp_len, "xfer-f", &out) == 0);
+        FZ_CHECK(px_rewrite_decode_xfer(body, blen, NULL, NULL, kvp, kvp_len, "xfer-f", &out) == 0);
         FZ_CHECK(px_json_validate(out.data, out.len, NULL, 0) == PX_JSON_OBJECT);
         px_json_member k, t;
         if (kvp) {

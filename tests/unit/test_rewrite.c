@@ -242,7 +242,8 @@ static void test_decode_transfer_id(void **state)
     px_buf b;
     px_buf_init(&b);
     assert_int_equal(
-        px_rewrite_decode_xfer(client, strlen(client), NULL, kvp, strlen(kvp), "xfer-9", &b), 0);
+        px_rewrite_decode_xfer(client, strlen(client), NULL, NULL, kvp, strlen(kvp), "xfer-9", &b),
+        0);
     px_buf_append(&b, "", 1);
     assert_string_equal(b.data, "{\"prompt\":\"p\",\"kv_transfer_params\":"
                                 "{\"remote_block_ids\":[[1, 2,3],[],[ 7 ]],"
@@ -250,15 +251,15 @@ static void test_decode_transfer_id(void **state)
                                 "\"transfer_mode\":\"pull\",\"pp_size\":1,\"dcp_size\":1,"
                                 "\"transfer_id\":\"xfer-9\"}}");
     px_buf_reset(&b);
-    assert_int_equal(px_rewrite_decode_xfer(client, strlen(client), NULL, "{}", 2, "xfer-9", &b),
-                     0);
+    assert_int_equal(
+        px_rewrite_decode_xfer(client, strlen(client), NULL, NULL, "{}", 2, "xfer-9", &b), 0);
     px_buf_append(&b, "", 1);
     assert_string_equal(b.data,
                         "{\"prompt\":\"p\",\"kv_transfer_params\":{\"transfer_id\":\"xfer-9\"}}");
     /* No kv_transfer_params from prefill: none to decode, no transfer_id. */
     px_buf_reset(&b);
-    assert_int_equal(px_rewrite_decode_xfer(client, strlen(client), NULL, NULL, 0, "xfer-9", &b),
-                     0);
+    assert_int_equal(
+        px_rewrite_decode_xfer(client, strlen(client), NULL, NULL, NULL, 0, "xfer-9", &b), 0);
     px_buf_append(&b, "", 1);
     assert_string_equal(b.data, "{\"prompt\":\"p\"}");
     px_buf_cleanup(&b);
@@ -433,8 +434,8 @@ static void same_both_ways(const char *b) {
             rl = px_rewrite_cache_salt(b, n, &x, "s\"", &l);
             break;
         default:
-            rs = px_rewrite_decode_xfer(b, n, NULL, kx, strlen(kx), "t", &s);
-            rl = px_rewrite_decode_xfer(b, n, &x, kx, strlen(kx), "t", &l);
+            rs = px_rewrite_decode_xfer(b, n, NULL, NULL, kx, strlen(kx), "t", &s);
+            rl = px_rewrite_decode_xfer(b, n, &x, NULL, kx, strlen(kx), "t", &l);
         }
         assert_int_equal(rs, 0);
         assert_int_equal(rl, 0);
@@ -480,6 +481,75 @@ static void test_rewrite_from_index(void **state) {
     px_buf_cleanup(&out);
 }
 
+/* Decode's kv_transfer_params copied from the members listed while the
+ * prefill answer was read equal the ones copied by scanning them: spaces
+ * around colons, escaped and duplicate keys, prefill's own transfer_id
+ * first, last or twice, nested values, an empty object, and one with more
+ * members than the list holds (scanned). The answer's remote_request_id is
+ * the last one, as before. */
+static void kvp_both_ways(const char *kvp) {
+    char ans[4096];
+    snprintf(ans, sizeof ans, "{\"id\":\"p\", \"kv_transfer_params\" : %s ,\"usage\":{}}", kvp);
+    px_prefill_answer a;
+    px_prefill_answer_read(&a, ans, strlen(ans));
+    assert_non_null(a.kvp);
+    const char *body = "{\"model\":\"m\",\"prompt\":\"p\"}";
+    px_buf s, l;
+    px_buf_init(&s);
+    px_buf_init(&l);
+    assert_int_equal(
+        px_rewrite_decode_xfer(body, strlen(body), NULL, NULL, a.kvp, a.kvp_len, "t", &s), 0);
+    assert_int_equal(
+        px_rewrite_decode_xfer(body, strlen(body), NULL, &a.kvl, a.kvp, a.kvp_len, "t", &l), 0);
+    assert_int_equal(s.len, l.len);
+    assert_memory_equal(s.data, l.data, s.len);
+    px_buf_cleanup(&s);
+    px_buf_cleanup(&l);
+}
+
+static void test_decode_from_answer_list(void **state) {
+    (void)state;
+    kvp_both_ways("{}");
+    kvp_both_ways(
+        "{ \"remote_request_id\" : \"r1\" , \"transfer_id\":\"own\",\"a\":[1,{\"b\":2}]}");
+    kvp_both_ways("{\"transfer_id\":\"x\",\"remote_block_ids\":[[1,2],[3]],\"transfer_id\":\"y\"}");
+    kvp_both_ways("{\"a\":1,\"transfer\\u005fid\":\"esc\",\"remote_request_id\":\"r\"}");
+    char big[2048];
+    size_t o = 0;
+    big[o++] = '{';
+    for (int i = 0; i < PX_MEMBER_LIST + 3; i++)
+        o += (size_t)snprintf(big + o, sizeof big - o, "%s\"k%d\":%d", i ? "," : "", i, i);
+    snprintf(big + o, sizeof big - o, ",\"transfer_id\":\"own\",\"remote_request_id\":\"r\"}");
+    kvp_both_ways(big);
+
+    px_prefill_answer a;
+    const char *ans = "{\"kv_transfer_params\":{\"remote_request_id\":\"first\",\"x\":1,"
+                      "\"remote_request_id\":\"last\"}}";
+    px_prefill_answer_read(&a, ans, strlen(ans));
+    assert_int_equal(a.ks, PX_KVP_OK);
+    assert_int_equal(a.rid.val_len, 6);
+    assert_memory_equal(a.rid.val, "\"last\"", 6);
+    assert_int_equal(px_member_list_count(&a.kvl, a.kvp, a.kvp_len), 3);
+    /* A list of other bytes (a copy of kv_transfer_params, changed) is not
+     * used: the copy's own members are copied. */
+    char copy[128];
+    memcpy(copy, a.kvp, a.kvp_len);
+    copy[a.kvp_len] = '\0';
+    copy[22] = 'F'; /* "first" -> "First" */
+    assert_int_equal(px_member_list_count(&a.kvl, copy, a.kvp_len), -1);
+    px_buf out;
+    px_buf_init(&out);
+    assert_int_equal(px_rewrite_decode_xfer("{}", 2, NULL, &a.kvl, copy, a.kvp_len, "t", &out), 0);
+    assert_string_equal(out.data,
+                        "{\"kv_transfer_params\":{\"remote_request_id\":\"First\",\"x\":1,"
+                        "\"remote_request_id\":\"last\",\"transfer_id\":\"t\"}}");
+    px_buf_cleanup(&out);
+    /* An answer without kv_transfer_params lists nothing. */
+    px_prefill_answer_read(&a, "{\"usage\":{}}", 12);
+    assert_int_equal(a.ks, PX_KVP_MISSING);
+    assert_int_equal(px_member_list_count(&a.kvl, "{}", 2), -1);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -496,6 +566,7 @@ int main(void)
         cmocka_unit_test(test_cache_salt_and_usage),
         cmocka_unit_test(test_body_index),
         cmocka_unit_test(test_rewrite_from_index),
+        cmocka_unit_test(test_decode_from_answer_list),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
