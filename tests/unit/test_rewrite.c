@@ -394,6 +394,24 @@ static void test_body_index(void **state)
     assert_false(px_body_idx_get(NULL, PX_BK_MODEL, NULL, 0, &m));
 }
 
+/* {"k0":0,...,"k<n-1>":n-1 and then tail: an object with more members
+ * than a list holds. */
+static void many_members(char *big, size_t cap, int n, const char *tail) {
+    size_t o = 0;
+    big[o++] = '{';
+    for (int i = 0; i < n; i++)
+        o += (size_t)snprintf(big + o, cap - o, "%s\"k%d\":%d", i ? "," : "", i, i);
+    snprintf(big + o, cap - o, "%s", tail);
+}
+
+/* Two rewrites' outputs are byte-equal; both are freed. */
+static void same_bytes_then_free(px_buf *s, px_buf *l) {
+    assert_int_equal(s->len, l->len);
+    assert_memory_equal(s->data, l->data, s->len);
+    px_buf_cleanup(s);
+    px_buf_cleanup(l);
+}
+
 /* The legs' rewrites copied from the index's member list equal the ones
  * that scan the body, for every endpoint's rewrite: whitespace, escaped
  * keys, duplicates, nested owned keys, and a body with more members than
@@ -439,10 +457,7 @@ static void same_both_ways(const char *b) {
         }
         assert_int_equal(rs, 0);
         assert_int_equal(rl, 0);
-        assert_int_equal(s.len, l.len);
-        assert_memory_equal(s.data, l.data, s.len);
-        px_buf_cleanup(&s);
-        px_buf_cleanup(&l);
+        same_bytes_then_free(&s, &l);
     }
 }
 
@@ -456,11 +471,7 @@ static void test_rewrite_from_index(void **state) {
         "\"k\":3},\"sampling_params\":{\"max_tokens\":5,\"extra_args\":{"
         "\"kv_transfer_params\":1}},\"token_ids\":[1,2],\"model\":\"a\",\"model\":\"b\"}");
     char big[2048];
-    size_t o = 0;
-    big[o++] = '{';
-    for (int i = 0; i < PX_BODY_IDX_LIST + 3; i++)
-        o += (size_t)snprintf(big + o, sizeof big - o, "%s\"k%d\":%d", i ? "," : "", i, i);
-    snprintf(big + o, sizeof big - o, ",\"stream\":true}");
+    many_members(big, sizeof big, PX_BODY_IDX_LIST + 3, ",\"stream\":true}");
     same_both_ways(big);
     px_body_idx x;
     assert_int_equal(px_body_idx_build(&x, big, strlen(big)), 0);
@@ -501,10 +512,7 @@ static void kvp_both_ways(const char *kvp) {
         px_rewrite_decode_xfer(body, strlen(body), NULL, NULL, a.kvp, a.kvp_len, "t", &s), 0);
     assert_int_equal(
         px_rewrite_decode_xfer(body, strlen(body), NULL, &a.kvl, a.kvp, a.kvp_len, "t", &l), 0);
-    assert_int_equal(s.len, l.len);
-    assert_memory_equal(s.data, l.data, s.len);
-    px_buf_cleanup(&s);
-    px_buf_cleanup(&l);
+    same_bytes_then_free(&s, &l);
 }
 
 static void test_decode_from_answer_list(void **state) {
@@ -515,11 +523,8 @@ static void test_decode_from_answer_list(void **state) {
     kvp_both_ways("{\"transfer_id\":\"x\",\"remote_block_ids\":[[1,2],[3]],\"transfer_id\":\"y\"}");
     kvp_both_ways("{\"a\":1,\"transfer\\u005fid\":\"esc\",\"remote_request_id\":\"r\"}");
     char big[2048];
-    size_t o = 0;
-    big[o++] = '{';
-    for (int i = 0; i < PX_MEMBER_LIST + 3; i++)
-        o += (size_t)snprintf(big + o, sizeof big - o, "%s\"k%d\":%d", i ? "," : "", i, i);
-    snprintf(big + o, sizeof big - o, ",\"transfer_id\":\"own\",\"remote_request_id\":\"r\"}");
+    many_members(big, sizeof big, PX_MEMBER_LIST + 3,
+                 ",\"transfer_id\":\"own\",\"remote_request_id\":\"r\"}");
     kvp_both_ways(big);
 
     px_prefill_answer a;
