@@ -23,7 +23,11 @@
 # PROMPT_BYTES=16384: a prompt of about that many bytes (the sentence repeated;
 # ~4k tokens), where the body's scans and copies weigh as in real traffic.
 # BASELINE=<build-dir>: also pdproxy from that build (another commit), both
-# modes. PROFILE=<dir>: keep the callgrind files of the measured requests
+# modes. PD_ARGS="...": more pdproxy flags for every pdproxy run (word-split);
+# HEADERS="name: value|...": more request header lines; with ONLY="pdproxy"
+# and a second run without them, the cost of a feature (admission's gate:
+# PD_ARGS="--tenant bench --tenant-header-from 127.0.0.1" HEADERS="x-tenant: bench").
+# PROFILE=<dir>: keep the callgrind files of the measured requests
 # there (callgrind_annotate PROFILE/pdproxy.out).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -87,8 +91,10 @@ words = b"The quick brown fox jumps over the lazy dog"
 want = int(os.environ.get("PROMPT_BYTES") or 0)
 prompt = (words + b" ") * (want // (len(words) + 1)) + words if want else words
 body = b'{"model":"bench","prompt":"' + prompt + b'","max_tokens":16,"temperature":0}'
+extra = b"".join(h.strip().encode() + b"\r\n" for h in os.environ.get("HEADERS", "").split("|")
+                if h.strip())
 req = (b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-       b"Content-Length: %d\r\n\r\n" % len(body)) + body
+       + extra + b"Content-Length: %d\r\n\r\n" % len(body)) + body
 ok = [0] * conns
 def one(i, k):
     s = socket.create_connection(("127.0.0.1", port), timeout=120)
@@ -141,8 +147,9 @@ pd() { # name binary [args]: pdproxy against the two mocks
     local name=$1 bin=$2 X
     shift 2
     X=$(free_port)
+    # shellcheck disable=SC2086
     measure "$name" "$X" "$bin" --port "$X" --threads 1 --prefill "http://127.0.0.1:$P" \
-        --decode "http://127.0.0.1:$D" "$@"
+        --decode "http://127.0.0.1:$D" ${PD_ARGS:-} "$@"
 }
 
 # ONLY="pdproxy nginx1hop ...": those runs alone.
