@@ -146,6 +146,47 @@ static void test_tenants_parse(void **state)
     px_tenants_cleanup(&t);
 }
 
+/* The x-ratelimit-* lines byte for byte (reset as ms below a second, s
+ * with three digits below a minute, m and s above), after what is already
+ * in the buffer; a buffer too small for a tenant's next group of lines
+ * gets none of that group, never half. */
+static void test_tenant_headers_exact(void **state)
+{
+    (void)state;
+    char *specs[] = {"a:rpm=120:tpm=100000", "b:rpm=2"};
+    px_tenants t;
+    char err[256];
+    assert_int_equal(px_tenants_parse(specs, 2, &t, err, sizeof err), 0);
+    uint64_t now = 7 * SEC, retry = 0;
+    assert_int_equal(px_tenant_admit(&t.v[0], now, 0, &retry), PX_RL_OK);
+    px_bucket_charge(&t.v[0].tpm, now, 2500);
+    const char *want = "x: y\r\n"
+                       "x-ratelimit-limit-requests: 120\r\nx-ratelimit-remaining-requests: 119\r\n"
+                       "x-ratelimit-reset-requests: 500ms\r\n"
+                       "x-ratelimit-limit-tokens: 100000\r\nx-ratelimit-remaining-tokens: 97500\r\n"
+                       "x-ratelimit-reset-tokens: 1.5s\r\n";
+    char h[512] = "x: y\r\n";
+    px_tenant_headers(&t.v[0], now, h, sizeof h);
+    assert_string_equal(h, want);
+    size_t group1 = strstr(want, "x-ratelimit-limit-tokens") - want;
+    for (size_t cap = 7; cap <= strlen(want) + 1; cap++) {
+        char c[512] = "x: y\r\n";
+        px_tenant_headers(&t.v[0], now, c, cap);
+        size_t got = strlen(c);
+        assert_true(got < cap);
+        size_t expect = cap > strlen(want) ? strlen(want) : cap > group1 ? group1 : 6;
+        if (got != expect || memcmp(c, want, got) != 0)
+            fail_msg("cap %zu: %zu bytes \"%s\"", cap, got, c);
+    }
+    assert_int_equal(px_tenant_admit(&t.v[1], now, 0, &retry), PX_RL_OK);
+    assert_int_equal(px_tenant_admit(&t.v[1], now, 0, &retry), PX_RL_OK);
+    h[0] = 0;
+    px_tenant_headers(&t.v[1], now + 15 * SEC, h, sizeof h);
+    assert_string_equal(h, "x-ratelimit-limit-requests: 2\r\nx-ratelimit-remaining-requests: 0\r\n"
+                           "x-ratelimit-reset-requests: 45s\r\n");
+    px_tenants_cleanup(&t);
+}
+
 static void test_tenants_parse_errors(void **state)
 {
     (void)state;
@@ -379,6 +420,7 @@ int main(void)
         cmocka_unit_test(test_bucket_set_in_use),
         cmocka_unit_test(test_tenants_parse),
         cmocka_unit_test(test_tenants_parse_errors),
+        cmocka_unit_test(test_tenant_headers_exact),
         cmocka_unit_test(test_tenants_apply),
         cmocka_unit_test(test_tenants_apply_while_found),
         cmocka_unit_test(test_tokscan),
