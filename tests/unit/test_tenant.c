@@ -210,6 +210,9 @@ static void test_salts(void **state)
     px_salt_derive("alice", NULL, NULL, 0, b);
     assert_string_equal(a, b); /* the same in every replica */
     assert_int_equal(strlen(a), PX_SALT_LEN);
+    /* ... and in every version: SHA-256 of the tag, "t", the tenant and the
+     * client's own salt (hashlib gives the same), its first 16 bytes. */
+    assert_string_equal(a, "0210ed35013538a89cdc5fbaf5b88d55");
     px_salt_derive("bob", NULL, NULL, 0, c);
     assert_string_not_equal(a, c);
     px_salt_derive("", NULL, NULL, 0, c);
@@ -217,6 +220,7 @@ static void test_salts(void **state)
     /* The client's own salt splits a tenant's share, never joins another. */
     px_salt_derive("alice", NULL, "\"x\"", 3, b);
     assert_string_not_equal(a, b);
+    assert_string_equal(b, "1417c880f1eefa8b43c178765bdcfb8e");
     unsigned char key[32] = {1};
     px_salt_derive("alice", key, NULL, 0, c);
     assert_string_not_equal(a, c);
