@@ -319,8 +319,8 @@ static int kvp_read(const char *kvp, size_t n, px_json_member *rid, px_member_li
     px_json_member m;
     int r;
     rid->val = NULL;
+    if (px_json_iter_init(&it, kvp, n) < 0) return -1; /* l lists nothing */
     if (l) px_member_list_start(l, kvp, n);
-    if (px_json_iter_init(&it, kvp, n) < 0) return -1;
     while ((r = px_json_iter_next(&it, &m)) == 1) {
         if (l) px_member_list_add(l, &m);
         if (px_json_str_eq(m.key, m.key_len, "remote_request_id")) *rid = m;

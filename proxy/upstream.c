@@ -446,19 +446,11 @@ static void link_up(px_uploop *l, px_upstream *u) {
     l->live = u;
 }
 
-/* v[0..vl) into out[0..cap) as a string, cut to fit (snprintf's "%.*s"
- * without the format's parsing: twice per request). cap > 0. */
-static void copy_cut(char *out, size_t cap, const char *v, size_t vl) {
-    if (vl >= cap) vl = cap - 1;
-    memcpy(out, v, vl);
-    out[vl] = '\0';
-}
-
 static void h_head(void *arg, const px_http_head *h) {
     px_upstream *u = arg;
     const px_http_header *ct = px_http_find(h, "content-type");
     char buf[256];
-    if (ct) copy_cut(buf, sizeof buf, ct->value, ct->value_len);
+    if (ct) px_strncpyz(buf, sizeof buf, ct->value, ct->value_len);
     u->cur_head = h;
     if (u->cbs.on_headers) u->cbs.on_headers(u->arg, h->status, ct ? buf : NULL);
     u->cur_head = NULL;
@@ -488,7 +480,7 @@ int px_upstream_header(px_upstream *u, const char *name, char *out, size_t cap) 
             vl--;
     }
     if (!v) return 0;
-    copy_cut(out, cap, v, vl);
+    px_strncpyz(out, cap, v, vl);
     return 1;
 }
 
