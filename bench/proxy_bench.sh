@@ -12,7 +12,8 @@
 # idle and under load.
 #   bench/proxy_bench.sh [build-dir]     (DURATION=10 THREADS=1 by default)
 #   SYSCALLS=1: also count pdproxy's system calls per request (strace -c) at 1
-#   and 64 connections; PROFILE=1: also a perf profile at 64 connections;
+#   and 64 connections; PROFILE=1: also a perf profile at 64 connections
+#   (PERF_KEEP=<file>: its perf data kept as <file>.c64, SSE's as <file>);
 #   SSE=1: also 256 concurrent streams of 200 events (SSE_CONNS="16 64":
 #   those counts instead), pdproxy beside nginx
 #   (with PROFILE=1, profiled too). CONNS="64" runs only the listed
@@ -253,7 +254,7 @@ if [ -n "${SSE:-}" ]; then
         prof_done=1
         wait "$prof" || true
         echo "pdproxy profile while streaming (self time, top entries):"
-        perf report -q -g none -i "$work/perf.sse" --no-children --sort dso,symbol 2>/dev/null | grep -v "^$" | head -30; [ -n "${PERF_KEEP:-}" ] && cp "$work/perf.sse" "$PERF_KEEP"
+        perf report -q -g none -i "$work/perf.sse" --no-children --sort dso,symbol 2>/dev/null | grep -v "^$" | head -30 || true; [ -n "${PERF_KEEP:-}" ] && cp "$work/perf.sse" "$PERF_KEEP"
     fi
     [ -n "$baseline" ] && stream baseline "http://127.0.0.1:$BS" "$sbpid" "$sc"
     stream nginx1hop "http://127.0.0.1:$NS" "$ngw" "$sc"
@@ -339,7 +340,10 @@ if [ -n "${PROFILE:-}" ]; then
     wrk -t1 -c64 -d4s -s "$root/bench/wrk/completion.lua" "http://127.0.0.1:$X/v1/completions" >/dev/null
     wait "$prof" || true
     echo; echo "pdproxy profile at c=64 (self time, top entries):"
-    perf report -q -g none -i "$work/perf.data" --no-children --sort dso,symbol 2>/dev/null | grep -v "^$" | head -40
+    perf report -q -g none -i "$work/perf.data" --no-children --sort dso,symbol 2>/dev/null | grep -v "^$" | head -40 || true
+    echo "by object (user space against the kernel):"
+    perf report -q -g none -i "$work/perf.data" --no-children --sort dso 2>/dev/null | grep -v "^$" | head -8 || true
+    [ -n "${PERF_KEEP:-}" ] && cp "$work/perf.data" "$PERF_KEEP.c64"
 fi
 
 echo
