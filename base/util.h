@@ -20,6 +20,26 @@ char *px_xstrndup(const char *s, size_t n);
  * without the format parser, for the request path. Returns bytes copied. */
 size_t px_strncpyz(char *out, size_t cap, const char *s, size_t n);
 
+/* Freed blocks of one size kept for reuse, at most PX_SPARES of them: for an
+ * object made and freed on every request that is too large for malloc's
+ * per-thread cache of small blocks (a block past it goes through the arena's
+ * bins both ways). Not thread-safe: one owner thread. */
+#define PX_SPARES 8
+typedef struct px_spares {
+    void *v[PX_SPARES];
+    int n;
+    size_t size; /* the blocks' size, set by the first take */
+} px_spares;
+/* A zeroed block of `size` bytes (the same size on every call for one s): a
+ * spare if there is one, else new. */
+void *px_spare_take(px_spares *s, size_t size);
+/* Keeps p (a block from px_spare_take(s, ...), or NULL) as a spare, or frees
+ * it when PX_SPARES are kept; a kept block is poisoned for AddressSanitizer
+ * as free() would have left it. */
+void px_spare_put(px_spares *s, void *p);
+/* Frees every spare. */
+void px_spare_drain(px_spares *s);
+
 /* A growable byte buffer. `data` is owned; always NUL-terminated past `len`
  * so text can be passed to C string functions. */
 typedef struct px_buf {

@@ -127,6 +127,7 @@ struct px_wctx {
     px_metrics metrics;      /* written by this thread only */
     struct px_req *reqs;     /* owned: requests alive, some without a client */
     size_t nreqs;
+    px_spares spare_reqs;    /* owned: freed requests' blocks (5.5 KiB each) */
     struct px_pindex *pindex; /* owned: --disagg-min-tokens' prefix index; NULL until used */
     struct px_adm_worker *adm; /* owned: admission queue (admission.h) */
     struct px_tokcache *tokcache; /* owned: prompts' exact tokens (/tokenize); NULL until used */

@@ -134,7 +134,7 @@ static void req_free(px_req *r) {
     px_reply_cleanup(&r->reply);
     free(r->target);
     free(r->dis.hash);
-    free(r);
+    px_spare_put(&r->w->spare_reqs, r);
 }
 
 static void on_free(evutil_socket_t fd, short what, void *arg) {
@@ -768,7 +768,7 @@ static void pd_go(void *arg) {
  * `body`), with its record, its legs and their header lines. */
 static px_req *req_new(px_wctx *w, px_conn *c, px_endpoint ep, const px_http_head *h,
                        px_buf *body) {
-    px_req *r = px_xcalloc(1, sizeof *r);
+    px_req *r = px_spare_take(&w->spare_reqs, sizeof *r);
     r->w = w;
     PX_LIST_PUSH(w->reqs, r);
     w->nreqs++;

@@ -119,6 +119,7 @@ static void *worker_main(void *arg) {
 static void worker_cleanup(px_worker *w) {
     px_conn_list_close_all(&w->conns);
     px_req_free_all(&w->wc);
+    px_spare_drain(&w->wc.spare_reqs);
     px_adm_worker_destroy(w->wc.adm);
     /* Workers cleaned up later still close requests that look at every
      * worker's queue (admission.c, wake_others). */

@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 # Unit tests of the proxy's pure modules.
-foreach(m json rewrite http config log route trace access usage disagg pindex kvhold dp dispatch admission ratelimit kvindex tokenize tenant latency concurrent)
+foreach(m util json rewrite http config log route trace access usage disagg pindex kvhold dp dispatch admission ratelimit kvindex tokenize tenant latency concurrent)
   px_unit_test(${m} pxcore)
 endforeach()
 # base/client.c against a scripted server thread on 127.0.0.1.

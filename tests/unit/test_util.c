@@ -1,0 +1,110 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/* cmocka.h needs these first. */
+// clang-format off
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <cmocka.h>
+// clang-format on
+#include <fcntl.h>
+#include <signal.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "base/util.h"
+
+/* px_xcalloc takes small blocks from malloc (its per-thread cache hands back
+ * the block just freed, dirty) and zeroes them itself: each size, either
+ * side of the small/large line, comes back all zeros after a block of that
+ * size was filled and freed. */
+static void test_xcalloc_zeroes_reused_blocks(void **state)
+{
+    (void)state;
+    static const size_t sizes[] = {1, 7, 16, 128, 776, 1000, 1008, 1009, 1024, 5632, 70000};
+    for (size_t i = 0; i < sizeof sizes / sizeof *sizes; i++) {
+        size_t n = sizes[i];
+        for (int form = 0; form < 2; form++) {
+            unsigned char *dirty = px_xmalloc(n);
+            memset(dirty, 0xa5, n);
+            free(dirty);
+            unsigned char *p = form ? px_xcalloc(n, 1) : px_xcalloc(1, n);
+            for (size_t j = 0; j < n; j++)
+                if (p[j]) fail_msg("size %zu (%s): byte %zu is 0x%02x", n, form ? "n x 1" : "1 x n", j,
+                                   p[j]);
+            free(p);
+        }
+    }
+    /* An element count times a size is zeroed whole, not just one element. */
+    uint32_t *q = px_xcalloc(100, sizeof *q);
+    for (int j = 0; j < 100; j++)
+        assert_int_equal(q[j], 0);
+    free(q);
+    /* Zero of anything is still a block the caller may free. */
+    free(px_xcalloc(0, 8));
+    free(px_xcalloc(8, 0));
+}
+
+/* A count times a size past SIZE_MAX aborts (the process's one answer to
+ * exhaustion), rather than wrapping to a small block the caller overruns. */
+static void test_xcalloc_overflow_aborts(void **state)
+{
+    (void)state;
+    pid_t pid = fork();
+    assert_true(pid >= 0);
+    if (pid == 0) {
+        int fd = open("/dev/null", O_WRONLY);
+        if (fd >= 0) dup2(fd, 2);
+        void *p = px_xcalloc(SIZE_MAX / 2, 3);
+        _exit(p ? 0 : 1);
+    }
+    int st = 0;
+    assert_int_equal(waitpid(pid, &st, 0), pid);
+    assert_true(WIFSIGNALED(st));
+    assert_int_equal(WTERMSIG(st), SIGABRT);
+}
+
+/* Spares: a block put back is the next one taken, zeroed again; no more than
+ * PX_SPARES are kept (the rest are freed at once); drain frees the kept. */
+static void test_spares_reuse_zeroed_and_bounded(void **state)
+{
+    (void)state;
+    px_spares s = {0};
+    enum { SIZE = 5632 };
+    unsigned char *a = px_spare_take(&s, SIZE);
+    for (size_t j = 0; j < SIZE; j++)
+        assert_int_equal(a[j], 0);
+    memset(a, 0x5a, SIZE);
+    px_spare_put(&s, a);
+    assert_int_equal(s.n, 1);
+    unsigned char *b = px_spare_take(&s, SIZE);
+    assert_ptr_equal(a, b);
+    assert_int_equal(s.n, 0);
+    for (size_t j = 0; j < SIZE; j++)
+        if (b[j]) fail_msg("a spare came back with byte %zu = 0x%02x", j, b[j]);
+    px_spare_put(&s, b);
+    px_spare_put(&s, NULL);
+    assert_int_equal(s.n, 1);
+    void *many[PX_SPARES + 3];
+    for (int i = 0; i < PX_SPARES + 3; i++)
+        many[i] = px_spare_take(&s, SIZE);
+    assert_int_equal(s.n, 0);
+    for (int i = 0; i < PX_SPARES + 3; i++)
+        px_spare_put(&s, many[i]);
+    assert_int_equal(s.n, PX_SPARES);
+    px_spare_drain(&s);
+    assert_int_equal(s.n, 0);
+    px_spare_drain(&s);
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_xcalloc_zeroes_reused_blocks),
+        cmocka_unit_test(test_xcalloc_overflow_aborts),
+        cmocka_unit_test(test_spares_reuse_zeroed_and_bounded),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
