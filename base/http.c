@@ -644,18 +644,50 @@ int px_http_hop_by_hop(const px_http_header *x) {
     return 0;
 }
 
+/* The offset in s[0, n) of the first "\r\n\r\n", or -1. */
+static long blank_line(const char *s, size_t n) {
+    size_t i = 0;
+#ifdef __SSE2__
+    /* Sixteen starting points at a time: byte i is '\r', i+1 '\n', i+2 '\r'
+     * and i+3 '\n' (a head is ~10 lines, each with a CR that would send a
+     * byte-wise search into a 4-byte compare). */
+    const __m128i cr = _mm_set1_epi8('\r'), lf = _mm_set1_epi8('\n');
+    for (; i + 19 <= n; i += 16) {
+        const char *p = s + i;
+        __m128i a = _mm_cmpeq_epi8(_mm_loadu_si128((const __m128i *)(const void *)p), cr);
+        __m128i b = _mm_cmpeq_epi8(_mm_loadu_si128((const __m128i *)(const void *)(p + 1)), lf);
+        __m128i c = _mm_cmpeq_epi8(_mm_loadu_si128((const __m128i *)(const void *)(p + 2)), cr);
+        __m128i d = _mm_cmpeq_epi8(_mm_loadu_si128((const __m128i *)(const void *)(p + 3)), lf);
+        unsigned m = (unsigned)_mm_movemask_epi8(_mm_and_si128(_mm_and_si128(a, b), _mm_and_si128(c, d)));
+        if (m) return (long)(i + (size_t)__builtin_ctz(m));
+    }
+#endif
+    for (; i + 4 <= n; i++)
+        if (s[i] == '\r' && s[i + 1] == '\n' && s[i + 2] == '\r' && s[i + 3] == '\n') return (long)i;
+    return -1;
+}
+
 long px_http_head_end(struct evbuffer *in, size_t max, size_t *searched) {
     size_t len = evbuffer_get_length(in);
-    struct evbuffer_ptr start, end;
     size_t limit = len < max + 4 ? len : max + 4;
     size_t from = *searched > 3 ? *searched - 3 : 0;
-    evbuffer_ptr_set(in, &start, from, EVBUFFER_PTR_SET);
-    evbuffer_ptr_set(in, &end, limit, EVBUFFER_PTR_SET);
-    struct evbuffer_ptr pos = evbuffer_search_range(in, "\r\n\r\n", 4, &start, &end);
-    if (pos.pos < 0) {
+    long at = -1;
+    struct evbuffer_iovec v;
+    /* The range is nearly always in the buffer's first chain: searched in
+     * place there; across chains, by libevent's search. */
+    if (limit > from && evbuffer_peek(in, (ev_ssize_t)limit, NULL, &v, 1) == 1 && v.iov_len >= limit) {
+        at = blank_line((const char *)v.iov_base + from, limit - from);
+        if (at >= 0) at += (long)from;
+    } else if (limit > from) {
+        struct evbuffer_ptr start, end;
+        evbuffer_ptr_set(in, &start, from, EVBUFFER_PTR_SET);
+        evbuffer_ptr_set(in, &end, limit, EVBUFFER_PTR_SET);
+        at = (long)evbuffer_search_range(in, "\r\n\r\n", 4, &start, &end).pos;
+    }
+    if (at < 0) {
         *searched = limit;
         return len >= max + 4 ? -1 : 0;
     }
     *searched = 0;
-    return (long)pos.pos + 4;
+    return at + 4;
 }

@@ -9,6 +9,8 @@
 
 #include "base/http.h"
 
+#include <event2/buffer.h>
+
 static int parse(const char *s, px_http_head *h, const char **why)
 {
     return px_http_parse_head(s, strlen(s), h, why);
@@ -354,6 +356,54 @@ static void test_normalize_target(void **state)
     norm("/v1/a%23b", 0, "/v1/a%23b");
 }
 
+/* The blank line's offset by a plain search of the flat bytes. */
+static long flat_end(const char *s, size_t n, size_t max) {
+    size_t limit = n < max + 4 ? n : max + 4;
+    for (size_t i = 0; i + 4 <= limit; i++)
+        if (!memcmp(s + i, "\r\n\r\n", 4)) return (long)i + 4;
+    return n >= max + 4 ? -1 : 0;
+}
+
+/* px_http_head_end finds the blank line wherever it falls: in one chain of
+ * the buffer (searched in place, sixteen starting points at a time) or with
+ * the buffer's bytes in two chains split at every offset (libevent's
+ * search), at every offset from the start and with CRs and LFs around it
+ * that are not one; and when the bytes arrive one at a time, it finds it
+ * with the last one, searching only what is new. */
+static void test_head_end_every_offset_and_split(void **state) {
+    (void)state;
+    char s[96];
+    for (size_t at = 0; at + 4 <= sizeof s; at++) {
+        for (size_t i = 0; i < sizeof s; i++)
+            s[i] = (char)("ab\r\n\r:\n"[i % 8]); /* CRs and LFs, never CRLFCRLF */
+        memcpy(s + at, "\r\n\r\n", 4);
+        for (size_t max = 40; max <= 200; max += 160) {
+            long want = flat_end(s, sizeof s, max);
+            for (size_t split = 0; split <= sizeof s; split++) {
+                struct evbuffer *b = evbuffer_new();
+                if (split) evbuffer_add_reference(b, s, split, NULL, NULL);
+                if (split < sizeof s) evbuffer_add_reference(b, s + split, sizeof s - split, NULL, NULL);
+                size_t searched = 0;
+                long got = px_http_head_end(b, max, &searched);
+                if (got != want) fail_msg("end at %zu, split %zu, max %zu: %ld, not %ld", at, split, max, got, want);
+                evbuffer_free(b);
+            }
+            /* Trickled: a byte at a time, *searched carried between calls. */
+            struct evbuffer *b = evbuffer_new();
+            size_t searched = 0;
+            long got = 0;
+            size_t i = 0;
+            while (!got && i < sizeof s) {
+                evbuffer_add(b, s + i++, 1);
+                got = px_http_head_end(b, max, &searched);
+            }
+            assert_int_equal(got, want);
+            if (want > 0) assert_int_equal(i, (size_t)want);
+            evbuffer_free(b);
+        }
+    }
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -366,6 +416,7 @@ int main(void)
         cmocka_unit_test(test_too_many_headers),
         cmocka_unit_test(test_byte_classes),
         cmocka_unit_test(test_value_bytes_every_offset),
+        cmocka_unit_test(test_head_end_every_offset_and_split),
         cmocka_unit_test(test_token_eq),
         cmocka_unit_test(test_chunked_decoder),
         cmocka_unit_test(test_request_id),
