@@ -249,12 +249,24 @@ static void on_writable(evutil_socket_t fd, short what, void *arg);
 static void process(px_creq *q);
 static void fail(px_creq *q, px_cresult r, const char *why);
 
+static void on_resume(evutil_socket_t fd, short what, void *arg);
+static void on_idle_timeout(evutil_socket_t fd, short what, void *arg);
+static void on_acked_poll(evutil_socket_t fd, short what, void *arg);
+
+/* One of the exchange's embedded events other than its timer, assigned on
+ * first use: most exchanges never pause, time out idle or abort, and each
+ * assigned event is one more to delete when the exchange ends. */
+static struct event *q_ev(px_creq *q, struct event *ev, event_callback_fn cb) {
+    if (!event_initialized(ev)) event_assign(ev, q->cl->base, -1, 0, cb, q);
+    return ev;
+}
+
 static void creq_free(px_creq *q) {
     host_unref(q->cl, q->h);
     event_del(&q->timer);
-    event_del(&q->resume_ev);
-    event_del(&q->idle_ev);
-    event_del(&q->acked_ev);
+    if (event_initialized(&q->resume_ev)) event_del(&q->resume_ev);
+    if (event_initialized(&q->idle_ev)) event_del(&q->idle_ev);
+    if (event_initialized(&q->acked_ev)) event_del(&q->acked_ev);
     px_buf_cleanup(&q->head);
     free(q);
 }
@@ -422,7 +434,7 @@ static void flush(cconn *c) {
                 q->eof = 1;
                 q->rerr = 1;
                 set_reading(c, 0);
-                event_active(&q->resume_ev, EV_TIMEOUT, 0);
+                event_active(q_ev(q, &q->resume_ev, on_resume), EV_TIMEOUT, 0);
             } else {
                 conn_free(c);
             }
@@ -437,7 +449,7 @@ static void flush(cconn *c) {
          * a rare path, taken when a client leaves mid-upload). */
         if (q->abort_after_upload) {
             struct timeval now = {0, 0};
-            evtimer_add(&q->acked_ev, &now);
+            evtimer_add(q_ev(q, &q->acked_ev, on_acked_poll), &now);
         }
     }
 }
@@ -496,7 +508,7 @@ static void on_acked_poll(evutil_socket_t fd, short what, void *arg) {
  * timer waits out the rest when it fires after activity. */
 static void arm_idle(px_creq *q, double s) {
     struct timeval tv = tv_of(s > 0.001 ? s : 0.001);
-    evtimer_add(&q->idle_ev, &tv);
+    evtimer_add(q_ev(q, &q->idle_ev, on_idle_timeout), &tv);
 }
 
 static void on_idle_timeout(evutil_socket_t fd, short what, void *arg) {
@@ -849,9 +861,6 @@ px_creq *px_creq_start(px_client *cl, const struct sockaddr *sa, socklen_t salen
     q->arg = arg;
     q->t_start_ns = px_now_ns();
     evtimer_assign(&q->timer, cl->base, on_timer, q);
-    event_assign(&q->resume_ev, cl->base, -1, 0, on_resume, q);
-    evtimer_assign(&q->idle_ev, cl->base, on_idle_timeout, q);
-    evtimer_assign(&q->acked_ev, cl->base, on_acked_poll, q);
     if (q->o.idle_timeout > 0) { /* on a reused connection as on a new one */
         q->last_read_ns = q->t_start_ns;
         arm_idle(q, q->o.idle_timeout);
@@ -888,7 +897,7 @@ int px_creq_abort_after_upload(px_creq *q) {
     q->abort_after_upload = 1;
     if (q->upload_done) {
         struct timeval soon = {0, 5000};
-        evtimer_add(&q->acked_ev, &soon);
+        evtimer_add(q_ev(q, &q->acked_ev, on_acked_poll), &soon);
     }
     return 0;
 }
@@ -905,7 +914,7 @@ void px_creq_resume(px_creq *q) {
     if (q->cn && !q->eof) set_reading(q->cn, 1);
     /* On the next loop turn: the caller may be inside its own callbacks, and
      * what is delivered may end the exchange. */
-    event_active(&q->resume_ev, EV_TIMEOUT, 0);
+    event_active(q_ev(q, &q->resume_ev, on_resume), EV_TIMEOUT, 0);
 }
 
 void px_creq_cancel(px_creq *q) {
