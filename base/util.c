@@ -33,7 +33,11 @@ void *px_xcalloc(size_t n, size_t size) {
     if (__builtin_mul_overflow(n, size, &total)) oom(SIZE_MAX);
     void *p;
     if (total <= SMALL_ZEROED) {
-        if ((p = malloc(total))) memset(p, 0, total);
+        p = malloc(total);
+        /* GCC turns a malloc followed by a memset to zero back into calloc
+         * unless something in between might write memory. */
+        __asm__ volatile("" : : "r"(p) : "memory");
+        if (p) memset(p, 0, total);
     } else {
         p = calloc(n, size);
     }
