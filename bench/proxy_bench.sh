@@ -376,6 +376,24 @@ for c in sorted({c for _, c in runs}):
     if med("direct", c, 0):
         out.append("p50 pdproxy - direct = %.3f ms" % (med("pdproxy", c, 1) - med("direct", c, 1)))
     print("   ".join(out) + "   (medians of %d)" % len(runs[("nginx1hop", c)]))
+    # Paired by round: a busy host slows every process of a round alike, so
+    # the ratio within each round, then their median, blurs less than a
+    # ratio of medians taken over different rounds.
+    def series(name):
+        return [r[3] for r in runs.get((name, c), []) if len(r) > 3]
+    pd, ng, mk, bl = series("pdproxy"), series("nginx1hop"), series("direct"), series("baseline")
+    paired = []
+    k = min(len(pd), len(ng), len(mk))
+    if k > 1:
+        v = sorted(pd[i] / (ng[i] + mk[i]) for i in range(k) if ng[i] + mk[i])
+        paired.append("CPU/req pdproxy/(nginx1hop+mock) %.2f (%.2f-%.2f)" % (
+            statistics.median(v), v[0], v[-1]))
+    k = min(len(pd), len(bl))
+    if k > 1:
+        v = sorted(pd[i] / bl[i] for i in range(k) if bl[i])
+        paired.append("CPU/req pdproxy/baseline %.2f (%.2f-%.2f)" % (statistics.median(v), v[0], v[-1]))
+    if paired:
+        print("c=%-3d paired by round, median (range): " % c + "   ".join(paired))
 PY
 if [ "$https" = 1 ]; then
     awk '{ rps[$1" "$2]=$3; cpu[$1" "$2]=$6 } END { for (i = 1; i <= 3; i++) { c = (i == 1) ? 1 : (i == 2) ? 16 : 64
