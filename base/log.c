@@ -137,11 +137,28 @@ int px_log_level_parse(const char *s) {
     return -1;
 }
 
+/* bare[c]: byte c may stand in a logfmt value unquoted (not NUL, a space,
+ * another control character, '=', '"', '\\' or DEL). */
+#define R16(v) v, v, v, v, v, v, v, v, v, v, v, v, v, v, v, v
+static const unsigned char bare[256] = {
+    R16(0), R16(0),                                 /* NUL and control characters */
+    0, 1, 0, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, /* ' ' '!' '"' ... */
+    1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 0, 1, 1, /* ... '=' ... */
+    R16(1),
+    1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 0, 1, 1, 1, /* ... '\\' ... */
+    R16(1),
+    1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 0, /* ... DEL */
+    R16(1), R16(1), R16(1), R16(1), R16(1), R16(1), R16(1), R16(1), /* beyond ASCII */
+};
+#undef R16
+
 const char *px_log_value(const char *s, char *out, size_t cap) {
-    int plain = s[0] != '\0';
+    /* One table load a byte, to the first byte that is not bare: the end
+     * (NUL) when the value is plain. */
     const char *p = s;
-    for (; *p && plain; p++)
-        plain = (unsigned char)*p > 0x20 && *p != '=' && *p != '"' && *p != '\\' && *p != 0x7f;
+    while (bare[(unsigned char)*p])
+        p++;
+    int plain = !*p && p != s;
     size_t o = 0;
     if (plain) { /* as snprintf(out, cap, "%s", s) would, cut to fit */
         size_t n = (size_t)(p - s);
