@@ -386,7 +386,7 @@ static long next_cp(const char **pp, const char *end) {
     return cp;
 }
 
-int px_json_str_eq(const char *raw, size_t len, const char *lit) {
+int px_json_str_eq_full(const char *raw, size_t len, const char *lit) {
     const char *p = raw, *end = raw + len;
     const unsigned char *l = (const unsigned char *)lit;
     /* Fast paths. An escape is longer than the character it stands for

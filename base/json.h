@@ -61,7 +61,16 @@ int px_json_iter_whole(const px_json_iter *it);
  * An escaped NUL ends the string, as it does for engines that decode keys
  * into C strings (cJSON): "stream\u0000x" equals "stream" too, so every
  * spelling some engine reads as `lit` is matched (and stripped). */
-int px_json_str_eq(const char *raw, size_t len, const char *lit);
+int px_json_str_eq_full(const char *raw, size_t len, const char *lit);
+/* Most calls compare a key against one that differs in its first byte
+ * (a request's keys against a list to strip): that test inline, the rest
+ * in px_json_str_eq_full. Unless the raw string's first byte opens an
+ * escape, it is the first character; an empty raw string equals only "". */
+static inline int px_json_str_eq(const char *raw, size_t len, const char *lit) {
+    if (!len) return !*lit;
+    if (*raw != '\\' && *raw != *lit) return 0;
+    return px_json_str_eq_full(raw, len, lit);
+}
 
 /* Finds the LAST member named `key` (duplicate keys resolve as Python's json
  * does). Returns 1 and fills *m, or 0 when absent or obj is not an object. */
