@@ -8,6 +8,9 @@
 #include <string.h>
 #include <sys/random.h>
 #include <time.h>
+#ifdef __SSE2__
+#include <emmintrin.h>
+#endif
 
 static void oom(size_t n) {
     fprintf(stderr, "pdproxy: out of memory allocating %zu bytes\n", n);
@@ -146,6 +149,25 @@ char *px_u64_dec(char *end, uint64_t v) {
         v /= 10;
     } while (v);
     return end;
+}
+
+void px_hex64(char out[16], uint64_t v) {
+#ifdef __SSE2__
+    /* The 8 bytes most significant first, each split into its two nibbles
+     * (high, low), interleaved into 16 digit values; '0' added to each and
+     * 'a' - '0' - 10 more to those above 9. */
+    __m128i x = _mm_cvtsi64_si128((long long)__builtin_bswap64(v));
+    __m128i lo = _mm_and_si128(x, _mm_set1_epi8(15));
+    __m128i hi = _mm_and_si128(_mm_srli_epi16(x, 4), _mm_set1_epi8(15));
+    __m128i d = _mm_unpacklo_epi8(hi, lo);
+    __m128i letter = _mm_and_si128(_mm_cmpgt_epi8(d, _mm_set1_epi8(9)), _mm_set1_epi8('a' - '0' - 10));
+    d = _mm_add_epi8(_mm_add_epi8(d, _mm_set1_epi8('0')), letter);
+    _mm_storeu_si128((__m128i *)(void *)out, d);
+#else
+    static const char hex[] = "0123456789abcdef";
+    for (int i = 0; i < 16; i++)
+        out[i] = hex[(v >> (60 - 4 * i)) & 15];
+#endif
 }
 
 void px_buf_append_u64(px_buf *b, uint64_t v) {

@@ -71,6 +71,9 @@ size_t px_pct_decode(const char *src, size_t n, char *dst, size_t cap);
 /* Writes v in decimal ending at `end` (exclusive); returns where it starts.
  * `end` must have 20 bytes before it. */
 char *px_u64_dec(char *end, uint64_t v);
+/* v as 16 lowercase hex digits, most significant first, in out[0..15] (no
+ * NUL): what printf's "%016" PRIx64 gives, without the format parser. */
+void px_hex64(char out[16], uint64_t v);
 void px_buf_printf(px_buf *b, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 /* Writes v as printf's "%.2f" does, byte for byte, into out (32 bytes,
  * NUL-terminated); returns the length. Without printf for what the access

@@ -34,22 +34,15 @@ int px_trace_parse(const char *tp, size_t n, char trace[33], char flags[3]) {
     return 1;
 }
 
-/* v as 16 lowercase hex digits. */
-static void hex16(char *out, uint64_t v) {
-    static const char hex[] = "0123456789abcdef";
-    for (int i = 0; i < 16; i++)
-        out[i] = hex[(v >> (60 - 4 * i)) & 15];
-}
-
 void px_trace_new(char trace[33]) {
-    hex16(trace, px_rand64() | 1);
-    hex16(trace + 16, px_rand64());
+    px_hex64(trace, px_rand64() | 1);
+    px_hex64(trace + 16, px_rand64());
     trace[32] = '\0';
 }
 
 /* A new span id: 16 hex digits, never all zero. */
 void px_trace_span_new(char sp[17]) {
-    hex16(sp, px_rand64() | 1);
+    px_hex64(sp, px_rand64() | 1);
     sp[16] = '\0';
 }
 

@@ -8,6 +8,8 @@
 #include <cmocka.h>
 // clang-format on
 #include <fcntl.h>
+#include <inttypes.h>
+#include <stdio.h>
 #include <signal.h>
 #include <stdlib.h>
 #include <string.h>
@@ -99,12 +101,38 @@ static void test_spares_reuse_zeroed_and_bounded(void **state)
     px_spare_drain(&s);
 }
 
+/* px_hex64 writes what printf's "%016" PRIx64 writes, 16 bytes and not one
+ * more: every nibble value at every position, the edges, and a stream of
+ * pseudo-random values. */
+static void test_hex64_as_printf(void **state)
+{
+    (void)state;
+    char got[20], want[20];
+    uint64_t x = 0x9e3779b97f4a7c15ull;
+    for (int i = 0; i < 20000; i++) {
+        uint64_t v;
+        if (i < 16 * 16)
+            v = (uint64_t)(i % 16) << (4 * (i / 16)); /* nibble i%16 at position i/16 */
+        else if (i < 16 * 16 + 4)
+            v = (uint64_t[]){0, UINT64_MAX, 1, 0x8000000000000000ull}[i - 16 * 16];
+        else
+            v = (x ^= x << 13, x ^= x >> 7, x ^= x << 17);
+        memset(got, '#', sizeof got);
+        px_hex64(got, v);
+        snprintf(want, sizeof want, "%016" PRIx64, v);
+        if (memcmp(got, want, 16)) fail_msg("%016" PRIx64 ": got %.16s", v, got);
+        for (size_t j = 16; j < sizeof got; j++)
+            assert_int_equal(got[j], '#');
+    }
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_xcalloc_zeroes_reused_blocks),
         cmocka_unit_test(test_xcalloc_overflow_aborts),
         cmocka_unit_test(test_spares_reuse_zeroed_and_bounded),
+        cmocka_unit_test(test_hex64_as_printf),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
