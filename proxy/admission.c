@@ -570,8 +570,7 @@ static int identify(px_ctx *c, px_adm_req *a, const px_http_head *h, char *tname
     const px_http_header *th = cfg->tenant_header[0] && cfg->tenant_header_from.n
                                    ? px_http_find(h, cfg->tenant_header)
                                    : NULL;
-    if (th && !px_cidr_list_match(cfg->tenant_header_from.v, cfg->tenant_header_from.n,
-                                   a->peer ? a->peer : "")) {
+    if (th && !px_cidr_match(c->trusted, c->ntrusted, a->peer ? a->peer : "")) {
         snprintf(msg, cap, "the %s header is accepted from the trusted gateways only "
                  "(--tenant-header-from): a caller's tenant comes from its API key",
                  cfg->tenant_header);

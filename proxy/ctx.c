@@ -172,6 +172,10 @@ int px_ctx_init(px_ctx *c, const px_config *cfg, char *err, size_t errlen) {
     if (load_api_keys(c, cfg, err, errlen) < 0) return -1;
     if (px_tkeys_load(cfg->tenant_keys, &c->tkeys, err, errlen) < 0) return -1;
     if (px_tcerts_load(cfg->tenant_certs, &c->tcerts, err, errlen) < 0) return -1;
+    if (px_cidrs_parse(cfg->tenant_header_from.v, cfg->tenant_header_from.n, &c->trusted, err,
+                       errlen) < 0)
+        return -1;
+    c->ntrusted = cfg->tenant_header_from.n;
     /* Admission control's tenants (ratelimit.h), shared by the workers. */
     if (px_tenants_parse(cfg->tenants.v, cfg->tenants.n, &c->tenants, err, errlen) < 0) return -1;
     size_t nt = atomic_load(&c->tenants.n);
@@ -200,6 +204,7 @@ void px_ctx_cleanup(px_ctx *c) {
     free(c->api_keys);
     px_tkeys_destroy(c->tkeys);
     px_tcerts_destroy(c->tcerts);
+    free(c->trusted);
     px_tenants_cleanup(&c->tenants);
     free(c->tenant_weights);
     px_prio_cleanup(&c->prio);

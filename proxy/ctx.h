@@ -29,6 +29,7 @@ struct px_kvindex;
 struct px_kvsub;
 struct px_tkeys;
 struct px_tcerts;
+struct px_cidr;
 struct px_pf_cache;
 struct px_dp_table;
 struct px_kv_decls;
@@ -93,6 +94,8 @@ typedef struct px_ctx {
     size_t napi_keys;
     struct px_tkeys *tkeys; /* owned: --tenant-keys (tenant.h); NULL: none */
     struct px_tcerts *tcerts; /* owned: --tenant-certs (tenant.h); NULL: none */
+    struct px_cidr *trusted;  /* owned: --tenant-header-from, parsed (tenant.h) */
+    size_t ntrusted;
     atomic_long inflight;  /* P/D requests in flight, all workers */
     atomic_int draining;   /* SIGTERM: readiness says no */
     /* Reloads of the --config file (SIGHUP, POST /admin/reload): how many

@@ -287,7 +287,21 @@ int px_cidr_check(const char *spec, char *err, size_t errlen) {
     return -1;
 }
 
-int px_cidr_list_match(char *const *items, size_t nitems, const char *addr) {
+int px_cidrs_parse(char *const *items, size_t n, px_cidr **out, char *err, size_t errlen) {
+    *out = NULL;
+    if (!n) return 0;
+    px_cidr *v = px_xcalloc(n, sizeof *v);
+    for (size_t i = 0; i < n; i++) {
+        if (cidr_parse(items[i], &v[i].fam, v[i].a, &v[i].bits) < 0) {
+            free(v);
+            return px_cidr_check(items[i], err, errlen);
+        }
+    }
+    *out = v;
+    return 0;
+}
+
+int px_cidr_match(const px_cidr *nets, size_t nitems, const char *addr) {
     unsigned char h[16];
     int hfam;
     const char *mapped = !strncasecmp(addr, "::ffff:", 7) && strchr(addr + 7, '.') ? addr + 7
@@ -299,13 +313,12 @@ int px_cidr_list_match(char *const *items, size_t nitems, const char *addr) {
     else
         return 0;
     for (size_t i = 0; i < nitems; i++) {
-        unsigned char a[16];
-        int fam, bits;
-        if (cidr_parse(items[i], &fam, a, &bits) < 0 || fam != hfam) continue;
-        size_t full = (size_t)bits / 8;
-        int rest = bits % 8;
-        if (memcmp(a, h, full)) continue;
-        if (rest && ((a[full] ^ h[full]) & (0xff << (8 - rest)) & 0xff)) continue;
+        const px_cidr *c = &nets[i];
+        if (c->fam != hfam) continue;
+        size_t full = (size_t)c->bits / 8;
+        int rest = c->bits % 8;
+        if (memcmp(c->a, h, full)) continue;
+        if (rest && ((c->a[full] ^ h[full]) & (0xff << (8 - rest)) & 0xff)) continue;
         return 1;
     }
     return 0;

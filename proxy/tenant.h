@@ -78,10 +78,19 @@ const char *px_tcerts_tenant(const px_tcerts *c, long i);
 /* One --tenant-header-from item: an IPv4 or IPv6 address, or a CIDR.
  * 0, or -1 with err. */
 int px_cidr_check(const char *spec, char *err, size_t errlen);
+/* A parsed item: family, address and prefix length. */
+typedef struct px_cidr {
+    int fam, bits;
+    unsigned char a[16];
+} px_cidr;
+/* The n items (each as px_cidr_check takes it) parsed into *out (owned;
+ * NULL when n is 0), once per configuration rather than per request: 0, or
+ * -1 with err at the first bad item. */
+int px_cidrs_parse(char *const *items, size_t n, px_cidr **out, char *err, size_t errlen);
 /* Whether the address text `addr` (as px_conn_peer writes it; an
- * IPv4-mapped IPv6 address counts as its IPv4 one) is in one of the list's
- * items. */
-int px_cidr_list_match(char *const *items, size_t n, const char *addr);
+ * IPv4-mapped IPv6 address counts as its IPv4 one) is in one of the n
+ * parsed items. */
+int px_cidr_match(const px_cidr *nets, size_t n, const char *addr);
 
 /* ---------- cache salts ---------- */
 

@@ -192,14 +192,34 @@ static void test_gateways(void **state)
     assert_int_equal(px_cidr_check("10.0.0.0/33", err, sizeof err), -1);
     assert_int_equal(px_cidr_check("gateway.example", err, sizeof err), -1);
     assert_int_equal(px_cidr_check("10.0.0.0/", err, sizeof err), -1);
-    assert_true(px_cidr_list_match(items, 3, "10.1.2.3"));
-    assert_true(px_cidr_list_match(items, 3, "::ffff:10.1.2.3"));
-    assert_true(px_cidr_list_match(items, 3, "192.0.2.7"));
-    assert_false(px_cidr_list_match(items, 3, "192.0.2.8"));
-    assert_true(px_cidr_list_match(items, 3, "fd12::1"));
-    assert_false(px_cidr_list_match(items, 3, "fe80::1"));
-    assert_false(px_cidr_list_match(items, 3, ""));
-    assert_false(px_cidr_list_match(NULL, 0, "10.1.2.3"));
+    px_cidr *nets;
+    assert_int_equal(px_cidrs_parse(items, 3, &nets, err, sizeof err), 0);
+    assert_true(px_cidr_match(nets, 3, "10.1.2.3"));
+    assert_true(px_cidr_match(nets, 3, "::ffff:10.1.2.3"));
+    assert_true(px_cidr_match(nets, 3, "192.0.2.7"));
+    assert_false(px_cidr_match(nets, 3, "192.0.2.8"));
+    assert_true(px_cidr_match(nets, 3, "fd12::1"));
+    assert_false(px_cidr_match(nets, 3, "fe80::1"));
+    assert_false(px_cidr_match(nets, 3, ""));
+    assert_false(px_cidr_match(nets, 3, "10.1.2"));
+    free(nets);
+    /* Prefixes that end inside a byte, either side of the line. */
+    char *odd[] = {"198.51.100.0/23", "2001:db8::/33"};
+    assert_int_equal(px_cidrs_parse(odd, 2, &nets, err, sizeof err), 0);
+    assert_true(px_cidr_match(nets, 2, "198.51.101.255"));
+    assert_false(px_cidr_match(nets, 2, "198.51.102.0"));
+    assert_true(px_cidr_match(nets, 2, "2001:db8:7fff::1"));
+    assert_false(px_cidr_match(nets, 2, "2001:db8:8000::1"));
+    free(nets);
+    assert_int_equal(px_cidrs_parse(NULL, 0, &nets, err, sizeof err), 0);
+    assert_null(nets);
+    assert_false(px_cidr_match(nets, 0, "10.1.2.3"));
+    /* A bad item anywhere in the list fails the parse, naming it. */
+    char *bad[] = {"10.0.0.0/8", "10.0.0.0/33"};
+    err[0] = 0;
+    assert_int_equal(px_cidrs_parse(bad, 2, &nets, err, sizeof err), -1);
+    assert_null(nets);
+    assert_non_null(strstr(err, "10.0.0.0/33"));
 }
 
 static void test_salts(void **state)
