@@ -55,39 +55,30 @@ void *px_xcalloc(size_t n, size_t size) {
 #define PX_ASAN 1
 #endif
 #endif
-#ifdef PX_ASAN
-#include <sanitizer/asan_interface.h>
-#define POISON(p, n) ASAN_POISON_MEMORY_REGION(p, n)
-#define UNPOISON(p, n) ASAN_UNPOISON_MEMORY_REGION(p, n)
-#else
-#define POISON(p, n) ((void)(p), (void)(n))
-#define UNPOISON(p, n) ((void)(p), (void)(n))
-#endif
 
 void *px_spare_take(px_spares *s, size_t size) {
-    s->size = size;
     if (!s->n) return px_xcalloc(1, size);
-    void *p = s->v[--s->n];
-    UNPOISON(p, size);
-    return memset(p, 0, size);
+    return memset(s->v[--s->n], 0, size);
 }
 
 void px_spare_put(px_spares *s, void *p) {
     if (!p) return;
-    if (s->n == PX_SPARES) {
-        free(p);
+#ifndef PX_ASAN
+    if (s->n < PX_SPARES) {
+        s->v[s->n++] = p;
         return;
     }
-    POISON(p, s->size); /* a use after "free" still trips ASan */
-    s->v[s->n++] = p;
+#endif
+    /* Full, or under AddressSanitizer, whose quarantine keeps a freed block
+     * out of use for long so that a late use is caught (a spare handed to
+     * the next request at once would let a stale pointer reach a live
+     * request instead). */
+    free(p);
 }
 
 void px_spare_drain(px_spares *s) {
-    while (s->n) {
-        void *p = s->v[--s->n];
-        UNPOISON(p, s->size);
-        free(p);
-    }
+    while (s->n)
+        free(s->v[--s->n]);
 }
 
 void *px_xrealloc(void *p, size_t n) {
@@ -156,7 +147,8 @@ void px_hex64(char out[16], uint64_t v) {
     /* The 8 bytes most significant first, each split into its two nibbles
      * (high, low), interleaved into 16 digit values; '0' added to each and
      * 'a' - '0' - 10 more to those above 9. */
-    __m128i x = _mm_cvtsi64_si128((long long)__builtin_bswap64(v));
+    uint64_t be = __builtin_bswap64(v);
+    __m128i x = _mm_loadl_epi64((const __m128i *)(const void *)&be);
     __m128i lo = _mm_and_si128(x, _mm_set1_epi8(15));
     __m128i hi = _mm_and_si128(_mm_srli_epi16(x, 4), _mm_set1_epi8(15));
     __m128i d = _mm_unpacklo_epi8(hi, lo);

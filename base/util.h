@@ -28,14 +28,13 @@ size_t px_strncpyz(char *out, size_t cap, const char *s, size_t n);
 typedef struct px_spares {
     void *v[PX_SPARES];
     int n;
-    size_t size; /* the blocks' size, set by the first take */
 } px_spares;
 /* A zeroed block of `size` bytes (the same size on every call for one s): a
  * spare if there is one, else new. */
 void *px_spare_take(px_spares *s, size_t size);
 /* Keeps p (a block from px_spare_take(s, ...), or NULL) as a spare, or frees
- * it when PX_SPARES are kept; a kept block is poisoned for AddressSanitizer
- * as free() would have left it. */
+ * it when PX_SPARES are kept. Under AddressSanitizer it always frees (the
+ * sanitizer's quarantine then catches a late use of the block). */
 void px_spare_put(px_spares *s, void *p);
 /* Frees every spare. */
 void px_spare_drain(px_spares *s);
