@@ -386,11 +386,13 @@ for c in sorted({c for _, c in runs}):
     k = min(len(pd), len(ng), len(mk))
     if k > 1:
         v = sorted(pd[i] / (ng[i] + mk[i]) for i in range(k) if ng[i] + mk[i])
+    if k > 1 and v:
         paired.append("CPU/req pdproxy/(nginx1hop+mock) %.2f (%.2f-%.2f)" % (
             statistics.median(v), v[0], v[-1]))
     k = min(len(pd), len(bl))
     if k > 1:
         v = sorted(pd[i] / bl[i] for i in range(k) if bl[i])
+    if k > 1 and v:
         paired.append("CPU/req pdproxy/baseline %.2f (%.2f-%.2f)" % (statistics.median(v), v[0], v[-1]))
     if paired:
         print("c=%-3d paired by round, median (range): " % c + "   ".join(paired))
