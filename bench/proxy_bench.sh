@@ -7,9 +7,11 @@
 #   (c) wrk through an nginx reverse proxy making one keep-alive hop to the mock
 #
 # Prints req/s, p50 and p99 for 1, 16 and 64 connections (wrk -t1), CPU per
-# request of pdproxy, nginx one hop and the mock (the direct row), the ratios
-# (pdproxy's CPU against nginx one hop's plus its mock's), and pdproxy's RSS
-# idle and under load.
+# request of pdproxy, nginx one hop and the mock (the direct row) with its
+# user and kernel parts, the TCP segments per request of each path (from
+# /proc/net/snmp: run it on an otherwise quiet host), the ratios (pdproxy's
+# CPU against nginx one hop's plus its mock's), and pdproxy's RSS idle and
+# under load.
 #   bench/proxy_bench.sh [build-dir]     (DURATION=10 THREADS=1 by default)
 #   SYSCALLS=1: also count pdproxy's system calls per request (strace -c) at 1
 #   and 64 connections; PROFILE=1: also a perf profile at 64 connections
@@ -180,23 +182,33 @@ rss_idle=$(rss_kb "$ppid")
 
 # wrk's latency table: "50%  123.00us"; normalise to milliseconds.
 to_ms() { awk '{v=$1; if (v ~ /us$/) {sub(/us/,"",v); v/=1000} else if (v ~ /ms$/) {sub(/ms/,"",v)} else if (v ~ /s$/) {sub(/s/,"",v); v*=1000}; printf "%.3f", v}'; }
-# CPU seconds (user + system) a process has used, from /proc/<pid>/stat.
-cpu_s() { awk '{printf "%.2f", ($14 + $15) / 100}' "/proc/$1/stat"; }
+# CPU seconds a process has used, user and system, from /proc/<pid>/stat.
+cpu_s() { awk '{printf "%.2f %.2f", $14 / 100, $15 / 100}' "/proc/$1/stat"; }
+cpu_total() { awk '{printf "%.2f", ($14 + $15) / 100}' "/proc/$1/stat"; }
+# TCP segments sent by every socket of the host (loopback included).
+tcp_segs() { awk '/^Tcp:/ && $11 ~ /^[0-9]+$/ {print $11}' /proc/net/snmp; }
 run() { # name url conns [pid whose CPU per request to report]
-    local out c0=0 cpu="" n
+    local out c0="0 0" cpu="" n s0
     [ -n "${4:-}" ] && c0=$(cpu_s "$4")
+    s0=$(tcp_segs)
     out=$(wrk -t1 -c"$3" -d"${duration}s" --latency -s "$root/bench/wrk/completion.lua" "$2/v1/completions")
     if [ -n "${4:-}" ]; then
+        # CPU per request, then its user and kernel parts, and the TCP
+        # segments per request of the whole path (wrk's included): the
+        # kernel's share follows the segments, whoever sends them.
         n=$(awk '/requests in/{print $1}' <<<"$out")
-        cpu=$(awk -v a="$c0" -v b="$(cpu_s "$4")" -v n="$n" 'BEGIN{printf "CPU %.1f us/req", (b - a) * 1e6 / n}')
+        cpu=$(awk -v a="$c0" -v b="$(cpu_s "$4")" -v n="$n" -v s0="$s0" -v s1="$(tcp_segs)" 'BEGIN {
+            split(a, x, " "); split(b, y, " "); u = (y[1] - x[1]) * 1e6 / n; k = (y[2] - x[2]) * 1e6 / n
+            printf "CPU %.1f us/req %.1f %.1f %.2f", u + k, u, k, (s1 - s0) / n }')
     fi
     local rps p50 p99 errs
     rps=$(awk '/Requests\/sec/{print $2}' <<<"$out")
     p50=$(awk '$1=="50%"{print $2}' <<<"$out" | to_ms)
     p99=$(awk '$1=="99%"{print $2}' <<<"$out" | to_ms)
     errs=$(awk '/Non-2xx|Socket errors/{print}' <<<"$out" | tr '\n' ' ')
-    printf "%-8s c=%-3s %10s req/s  p50 %8s ms  p99 %8s ms  %s %s\n" "$1" "$3" "$rps" "$p50" "$p99" "$cpu" "$errs"
-    echo "$1 $3 $rps $p50 $p99 ${cpu:+$(awk '{print $2}' <<<"$cpu")}" >> "$work/results"
+    printf "%-8s c=%-3s %10s req/s  p50 %8s ms  p99 %8s ms  %s %s\n" "$1" "$3" "$rps" "$p50" "$p99" \
+        "${cpu:+$(awk '{printf "CPU %s us/req (user %s, kernel %s; %s TCP segments/req)", $2, $4, $5, $6}' <<<"$cpu")}" "$errs"
+    echo "$1 $3 $rps $p50 $p99 ${cpu:+$(awk '{print $2, $4, $5, $6}' <<<"$cpu")}" >> "$work/results"
 }
 
 echo "pdproxy bench: wrk -t1 -d${duration}s, pdproxy --threads $pthreads ${logargs[*]:-(default flags)}, nginx one-hop worker_processes $pthreads${baseline:+, baseline $baseline}, $rounds round(s)"
@@ -232,9 +244,9 @@ if [ -n "${SSE:-}" ]; then
     fi
     stream() { # name url pid conns
         local c0 out rps mbs c1
-        c0=$(cpu_s "$3")
+        c0=$(cpu_total "$3")
         out=$(wrk -t1 -c"$4" -d"${duration}s" -s "$root/bench/wrk/stream.lua" "$2/v1/completions")
-        c1=$(cpu_s "$3")
+        c1=$(cpu_total "$3")
         rps=$(awk '/Requests\/sec/{print $2}' <<<"$out")
         mbs=$(awk '/Transfer\/sec/{v=$2; if (v ~ /MB$/) {sub(/MB/,"",v)} else if (v ~ /KB$/) {sub(/KB/,"",v); v/=1024} else if (v ~ /GB$/) {sub(/GB/,"",v); v*=1024}; print v}' <<<"$out")
         awk -v n="$1" -v r="$rps" -v m="$mbs" -v c="$(awk -v a="$c0" -v b="$c1" 'BEGIN{print b-a}')" -v d="$duration" \
@@ -396,6 +408,20 @@ for c in sorted({c for _, c in runs}):
         paired.append("CPU/req pdproxy/baseline %.2f (%.2f-%.2f)" % (statistics.median(v), v[0], v[-1]))
     if paired:
         print("c=%-3d paired by round, median (range): " % c + "   ".join(paired))
+    # Where the CPU goes: user space against the kernel. The kernel's part
+    # follows the connections a process serves per request (a read and a
+    # write on each, a request segment and an answer segment): pdproxy 3
+    # (client, prefill, decode), nginx one hop 2, the mock 1. The segments
+    # per request of the whole path (every sender, wrk's too) show whether
+    # any path sends more than that floor (a split write, a bare ACK).
+    if med("pdproxy", c, 6) and med("nginx1hop", c, 6):
+        print("c=%-3d user/kernel us/req: pdproxy %.1f/%.1f, nginx1hop %.1f/%.1f, mock %.1f/%.1f;"
+              " kernel us per connection of a request: pdproxy %.1f (3), nginx1hop %.1f (2),"
+              " mock %.1f (1); TCP segments/req: two hops %.2f, one hop %.2f, direct %.2f" % (
+                  c, med("pdproxy", c, 4), med("pdproxy", c, 5), med("nginx1hop", c, 4),
+                  med("nginx1hop", c, 5), med("direct", c, 4), med("direct", c, 5),
+                  med("pdproxy", c, 5) / 3, med("nginx1hop", c, 5) / 2, med("direct", c, 5),
+                  med("pdproxy", c, 6), med("nginx1hop", c, 6), med("direct", c, 6)))
 PY
 if [ "$https" = 1 ]; then
     awk '{ rps[$1" "$2]=$3; cpu[$1" "$2]=$6 } END { for (i = 1; i <= 3; i++) { c = (i == 1) ? 1 : (i == 2) ? 16 : 64
