@@ -268,7 +268,7 @@ static void creq_free(px_creq *q) {
     if (event_initialized(&q->idle_ev)) event_del(&q->idle_ev);
     if (event_initialized(&q->acked_ev)) event_del(&q->acked_ev);
     px_buf_cleanup(&q->head);
-    free(q);
+    px_mem_put(q);
 }
 
 /* Whether any byte of the request was handed to the kernel. */
@@ -848,7 +848,7 @@ px_creq *px_creq_start(px_client *cl, const struct sockaddr *sa, socklen_t salen
                        size_t head_len, const char *body, size_t len, const px_creq_opts *o,
                        const px_creq_cbs *cbs, void *arg) {
     if (salen > sizeof(struct sockaddr_storage)) return NULL;
-    px_creq *q = px_xcalloc(1, sizeof *q);
+    px_creq *q = px_mem_zalloc(sizeof *q);
     q->cl = cl;
     q->h = host_for(cl, sa, salen);
     px_buf_init(&q->head);

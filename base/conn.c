@@ -131,7 +131,7 @@ static void conn_free_cb(evutil_socket_t fd, short what, void *arg) {
     event_free(c->timer);
     event_free(c->resume);
     event_free(c->flush);
-    free(c->headbuf);
+    px_mem_put(c->headbuf);
     px_buf_cleanup(&c->body);
     free(c);
 }
@@ -256,7 +256,7 @@ static void close_after_flush(px_conn *c) {
 static void exchange_done(px_conn *c) {
     c->xcbs = NULL;
     c->streaming = 0;
-    free(c->headbuf);
+    px_mem_put(c->headbuf);
     c->headbuf = NULL;
     px_buf_cleanup(&c->body); /* an idle connection keeps no body's capacity */
     if (!c->keep_alive || c->cfg->draining) {
@@ -609,7 +609,7 @@ static void read_head(px_conn *c) {
     if (end < 0) reject(c, 431, "request header block too large");
     if (end <= 0) return;
     size_t hlen = (size_t)end;
-    c->headbuf = px_xmalloc(hlen);
+    c->headbuf = px_mem_take(hlen);
     evbuffer_remove(in, c->headbuf, hlen);
     const char *why = NULL;
     int st = px_http_parse_head(c->headbuf, hlen, &c->head, &why);

@@ -1,7 +1,9 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 #include "base/util.h"
 
+#include <event2/event.h>
 #include <math.h>
+#include <pthread.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -10,6 +12,18 @@
 #include <time.h>
 #ifdef __SSE2__
 #include <emmintrin.h>
+#endif
+
+#if defined(__SANITIZE_ADDRESS__)
+#define PX_ASAN 1
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+#define PX_ASAN 1
+#endif
+#endif
+#if defined(__GLIBC__) && !defined(PX_ASAN)
+#include <malloc.h>
+#define PX_MEM_CACHE 1
 #endif
 
 static void oom(size_t n) {
@@ -48,13 +62,6 @@ void *px_xcalloc(size_t n, size_t size) {
     return p;
 }
 
-#if defined(__SANITIZE_ADDRESS__)
-#define PX_ASAN 1
-#elif defined(__has_feature)
-#if __has_feature(address_sanitizer)
-#define PX_ASAN 1
-#endif
-#endif
 
 void *px_spare_take(px_spares *s, size_t size) {
     if (!s->n) return px_xcalloc(1, size);
@@ -79,6 +86,109 @@ void px_spare_put(px_spares *s, void *p) {
 void px_spare_drain(px_spares *s) {
     while (s->n)
         free(s->v[--s->n]);
+}
+
+#ifdef PX_MEM_CACHE
+typedef struct mem_class {
+    void *v[PX_MEM_KEEP];
+    int n;
+} mem_class;
+static _Thread_local mem_class mem_kept[4]; /* 128, 256, 512, 1024 bytes */
+static _Thread_local int mem_state;         /* 0: unknown, 1: drained at exit, -1: no key */
+static pthread_key_t mem_key;
+static int mem_key_ok;
+static pthread_once_t mem_once = PTHREAD_ONCE_INIT;
+
+static void mem_exit(void *unused) {
+    (void)unused;
+    mem_state = -1; /* a block put by a later destructor is freed */
+    px_mem_drain();
+}
+
+static void mem_key_init(void) {
+    mem_key_ok = pthread_key_create(&mem_key, mem_exit) == 0;
+}
+
+/* The class serving a request of n bytes (n <= PX_MEM_MAX). */
+static int class_for(size_t n) {
+    if (n <= 128) return 0;
+    return (int)(sizeof(unsigned long long) * 8) - __builtin_clzll((unsigned long long)(n - 1)) - 7;
+}
+#endif
+
+/* px_mem_take, or NULL when memory is exhausted (libevent's contract). */
+static void *mem_take(size_t n) {
+#ifdef PX_MEM_CACHE
+    if (n <= PX_MEM_MAX) {
+        int k = class_for(n);
+        mem_class *m = &mem_kept[k];
+        if (m->n) return m->v[--m->n];
+        return malloc((size_t)128 << k); /* the whole class, so it comes back to it */
+    }
+#endif
+    return malloc(n ? n : 1);
+}
+
+void *px_mem_take(size_t n) {
+    void *p = mem_take(n);
+    if (!p) oom(n);
+    return p;
+}
+
+void *px_mem_zalloc(size_t n) {
+    return memset(px_mem_take(n), 0, n);
+}
+
+void px_mem_put(void *p) {
+    if (!p) return;
+#ifdef PX_MEM_CACHE
+    /* The largest class the block can serve, if it is not much larger
+     * (a block past half again its class is not hoarded as a small one). */
+    size_t u = malloc_usable_size(p);
+    if (u >= 128 && u < 1536) {
+        int k = (int)(sizeof(unsigned long long) * 8) - __builtin_clzll((unsigned long long)u) - 8;
+        if (u < (size_t)192 << k && mem_kept[k].n < PX_MEM_KEEP) {
+            if (mem_state == 0) { /* the thread's first: free them at its exit */
+                pthread_once(&mem_once, mem_key_init);
+                mem_state = mem_key_ok && pthread_setspecific(mem_key, &mem_state) == 0 ? 1 : -1;
+            }
+            if (mem_state == 1) {
+                mem_kept[k].v[mem_kept[k].n++] = p;
+                return;
+            }
+        }
+    }
+#endif
+    free(p);
+}
+
+size_t px_mem_kept(void) {
+    size_t n = 0;
+#ifdef PX_MEM_CACHE
+    for (int k = 0; k < 4; k++)
+        n += (size_t)mem_kept[k].n;
+#endif
+    return n;
+}
+
+void px_mem_drain(void) {
+#ifdef PX_MEM_CACHE
+    for (int k = 0; k < 4; k++)
+        while (mem_kept[k].n)
+            free(mem_kept[k].v[--mem_kept[k].n]);
+#endif
+}
+
+#ifdef PX_MEM_CACHE
+static void *mem_realloc(void *p, size_t n) {
+    return realloc(p, n);
+}
+#endif
+
+void px_mem_for_libevent(void) {
+#ifdef PX_MEM_CACHE
+    event_set_mem_functions(mem_take, mem_realloc, px_mem_put);
+#endif
 }
 
 void *px_xrealloc(void *p, size_t n) {
@@ -115,7 +225,7 @@ void px_buf_init(px_buf *b) {
 }
 
 void px_buf_cleanup(px_buf *b) {
-    free(b->data);
+    px_mem_put(b->data);
     px_buf_init(b);
 }
 
@@ -130,7 +240,10 @@ void px_buf_reserve(px_buf *b, size_t extra) {
     size_t cap = b->cap ? b->cap : 256;
     while (cap < need)
         cap *= 2;
-    b->data = px_xrealloc(b->data, cap);
+    if (!b->data)
+        b->data = px_mem_take(cap); /* 256, 512, 1024: a class of the cache */
+    else
+        b->data = px_xrealloc(b->data, cap);
     b->cap = cap;
 }
 

@@ -39,6 +39,38 @@ void px_spare_put(px_spares *s, void *p);
 /* Frees every spare. */
 void px_spare_drain(px_spares *s);
 
+/* A per-thread cache of freed small blocks, for the blocks a request makes
+ * and frees by the dozen (libevent's buffer chains, px_buf's rooms, an
+ * upstream exchange's objects). glibc's own per-thread cache keeps 7 blocks
+ * of a size: with tens of requests in flight a worker frees more than that
+ * in one loop turn, and the rest go through the arena's bins both ways.
+ * Requests up to PX_MEM_MAX bytes are served in four classes (128, 256, 512
+ * and 1,024 bytes, a miss allocating the whole class); each thread keeps up
+ * to PX_MEM_KEEP blocks of a class and frees them when it exits. The blocks
+ * are malloc's: one taken may be given to free(), and any block from malloc
+ * may be put. Under AddressSanitizer, or without glibc's
+ * malloc_usable_size, nothing is kept (the sanitizer's quarantine then
+ * catches a late use of a freed block, which a block handed straight to
+ * the next request would hide). */
+#define PX_MEM_MAX 1024
+#define PX_MEM_KEEP 64
+/* A block of at least n bytes; aborts on exhaustion, as px_xmalloc does. */
+void *px_mem_take(size_t n);
+/* The same, zeroed over its first n bytes. */
+void *px_mem_zalloc(size_t n);
+/* Keeps p for the calling thread's next px_mem_take of its class, or frees
+ * it (a block larger than the classes, or a class already full). NULL is
+ * ignored. */
+void px_mem_put(void *p);
+/* Blocks the calling thread keeps. */
+size_t px_mem_kept(void);
+/* Frees the blocks the calling thread keeps (a thread's exit does it too). */
+void px_mem_drain(void);
+/* libevent allocates through the cache from now on (its buffers' chains are
+ * most of a request's blocks). Called once, before any other libevent call
+ * of the process. */
+void px_mem_for_libevent(void);
+
 /* A growable byte buffer. `data` is owned; always NUL-terminated past `len`
  * so text can be passed to C string functions. */
 typedef struct px_buf {

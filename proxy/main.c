@@ -7,6 +7,7 @@
 
 #include "base/log.h"
 #include "base/logsink.h"
+#include "base/util.h"
 #include "proxy/access.h"
 #include "proxy/config.h"
 #include "proxy/otlp.h"
@@ -24,6 +25,7 @@ static void log_dropped(uint64_t n) {
 }
 
 int main(int argc, char **argv) {
+    px_mem_for_libevent(); /* before anything else touches libevent */
     px_config cfg;
     char err[512];
     px_config_result r = px_config_load(&cfg, argc, argv, environ, stdout, err, sizeof err);

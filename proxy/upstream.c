@@ -92,7 +92,7 @@ static void free_up(px_upstream *u) {
             evtimer_add(l->idle_close, &tv);
         }
     }
-    free(u);
+    px_mem_put(u);
 }
 
 static px_up_result result_of(CURLcode rc) {
@@ -344,13 +344,13 @@ static px_upstream *start_https(px_uploop *l, const px_upstream_req *q, const px
     size_t len = q->len;
     const px_buf *headers = q->headers;
     if (curl_side(l) < 0) return NULL;
-    px_upstream *u = px_xcalloc(1, sizeof *u);
+    px_upstream *u = px_mem_zalloc(sizeof *u);
     u->loop = l;
     u->cbs = *cbs;
     u->arg = arg;
     u->easy = l->nidle ? l->idle[--l->nidle] : curl_easy_init();
     if (!u->easy) {
-        free(u);
+        px_mem_put(u);
         return NULL;
     }
     CURL *e = u->easy;
@@ -427,7 +427,7 @@ static px_upstream *start_https(px_uploop *l, const px_upstream_req *q, const px
         release_easy(l, e);
         curl_slist_free_all(u->connect_to);
         curl_slist_free_all(u->hdrs);
-        free(u);
+        px_mem_put(u);
         return NULL;
     }
     l->nhttps++;
@@ -533,14 +533,14 @@ static px_upstream *start_http(px_uploop *l, const px_upstream_req *q, const px_
         .track_upload = q->track_upload,
         .expect_id = q->request_id,
     };
-    px_upstream *u = px_xcalloc(1, sizeof *u);
+    px_upstream *u = px_mem_zalloc(sizeof *u);
     u->loop = l;
     u->cbs = *cbs;
     u->arg = arg;
     u->q = px_creq_start(l->client, (struct sockaddr *)&b->addr, b->addrlen, hd->data, hd->len,
                          q->body, q->body ? q->len : 0, &co, &h_cbs, u);
     if (!u->q) {
-        free(u);
+        px_mem_put(u);
         return NULL;
     }
     link_up(l, u);

@@ -7,8 +7,11 @@
 #include <stdint.h>
 #include <cmocka.h>
 // clang-format on
+#include <event2/buffer.h>
 #include <fcntl.h>
 #include <inttypes.h>
+#include <malloc.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <signal.h>
 #include <stdlib.h>
@@ -114,6 +117,142 @@ static void test_spares_reuse_zeroed_and_bounded(void **state)
     px_spare_drain(&s);
 }
 
+/* The block cache: every request size up to PX_MEM_MAX gets a block of at
+ * least its class (128, 256, 512, 1024 bytes), a block put back is the next
+ * one taken for any size of its class, and zalloc zeroes a dirty one. */
+static void test_mem_classes_reuse(void **state)
+{
+    (void)state;
+    static const size_t sizes[] = {1, 100, 128, 129, 200, 256, 257, 500, 512, 513, 1000, 1024};
+    px_mem_drain();
+    for (size_t i = 0; i < sizeof sizes / sizeof *sizes; i++) {
+        size_t n = sizes[i], cls = n <= 128 ? 128 : n <= 256 ? 256 : n <= 512 ? 512 : 1024;
+        unsigned char *p = px_mem_take(n);
+        memset(p, 0xa5, n); /* ASan: the block holds n bytes */
+#ifndef TEST_ASAN
+        /* A miss allocates the whole class, so the block comes back to it. */
+        if (malloc_usable_size(p) < cls)
+            fail_msg("size %zu: %zu usable bytes, under its class %zu", n, malloc_usable_size(p), cls);
+#endif
+        px_mem_put(p);
+#ifdef TEST_ASAN
+        assert_int_equal(px_mem_kept(), 0); /* freed: the quarantine catches late uses */
+        free(px_mem_zalloc(n));
+        continue;
+#endif
+        assert_int_equal(px_mem_kept(), 1);
+        /* The smallest and largest size of the class both get it back. */
+        size_t other = (i % 2) ? cls : cls / 2 + 1;
+        if (cls == 128) other = (i % 2) ? 128 : 1;
+        unsigned char *q = px_mem_zalloc(other);
+        assert_ptr_equal(p, q);
+        for (size_t j = 0; j < other; j++)
+            if (q[j]) fail_msg("size %zu: a kept block came back with byte %zu = 0x%02x", n, j, q[j]);
+        assert_int_equal(px_mem_kept(), 0);
+        px_mem_put(q);
+        px_mem_drain();
+    }
+    px_mem_put(NULL);
+    assert_int_equal(px_mem_kept(), 0);
+    free(px_mem_take(0)); /* a block the caller may free */
+    free(px_mem_take(5000)); /* past the classes: plain malloc */
+}
+
+/* What is kept: malloc's own blocks too, but not one too small for the
+ * smallest class, nor one far larger than its class (hoarded as a small
+ * one it would waste its size); and at most PX_MEM_KEEP of a class. */
+static void test_mem_bounded(void **state)
+{
+    (void)state;
+    px_mem_drain();
+    px_mem_put(malloc(16));
+    px_mem_put(malloc(1600));
+    px_mem_put(malloc(4096));
+    assert_int_equal(px_mem_kept(), 0);
+    void *m = malloc(512);
+    px_mem_put(m);
+#ifdef TEST_ASAN
+    assert_int_equal(px_mem_kept(), 0);
+    return;
+#endif
+    assert_int_equal(px_mem_kept(), 1);
+    assert_ptr_equal(px_mem_take(300), m);
+    free(m);
+    enum { N = PX_MEM_KEEP + 5 };
+    void *v[N];
+    for (int i = 0; i < N; i++)
+        v[i] = px_mem_take(1024);
+    for (int i = 0; i < N; i++)
+        px_mem_put(v[i]);
+    assert_int_equal(px_mem_kept(), PX_MEM_KEEP);
+    /* The other classes have room of their own. */
+    px_mem_put(px_mem_take(256));
+    assert_int_equal(px_mem_kept(), PX_MEM_KEEP + 1);
+    px_mem_drain();
+    assert_int_equal(px_mem_kept(), 0);
+}
+
+static void *put_and_exit(void *arg)
+{
+    void **v = arg;
+    for (int i = 0; i < PX_MEM_KEEP; i++)
+        px_mem_put(v[i]);
+    return (void *)px_mem_kept();
+}
+
+/* A thread's kept blocks are freed when it exits: blocks of the main
+ * arena, put by a thread that then exits, are back in the arena's free
+ * space (mallinfo2 counts the main arena's blocks in use). */
+static void test_mem_freed_at_thread_exit(void **state)
+{
+    (void)state;
+    void *v[PX_MEM_KEEP];
+    for (int i = 0; i < PX_MEM_KEEP; i++)
+        v[i] = malloc(1024);
+    size_t before = mallinfo2().uordblks;
+    pthread_t t;
+    void *kept = NULL;
+    assert_int_equal(pthread_create(&t, NULL, put_and_exit, v), 0);
+    assert_int_equal(pthread_join(t, &kept), 0);
+#ifdef TEST_ASAN
+    assert_int_equal((size_t)kept, 0);
+    return;
+#endif
+    assert_int_equal((size_t)kept, PX_MEM_KEEP);
+    size_t after = mallinfo2().uordblks;
+    if (!before) skip(); /* an allocator that keeps no such count */
+    /* Half of them at least: the thread's own start and end move the count
+     * too (kept, none of them would be back). */
+    if (after + (size_t)PX_MEM_KEEP * 512 > before)
+        fail_msg("blocks in use %zu before the thread, %zu after it exited: its kept blocks leaked",
+                 before, after);
+}
+
+/* libevent's buffers allocate through the cache once px_mem_for_libevent
+ * ran: a chain freed by a drain is kept, and the next chain reuses it. */
+static void test_mem_libevent_chains(void **state)
+{
+    (void)state;
+    px_mem_for_libevent();
+    px_mem_drain();
+    struct evbuffer *b = evbuffer_new();
+    assert_non_null(b);
+    assert_int_equal(evbuffer_add(b, "hello", 5), 0);
+    assert_int_equal(px_mem_kept(), 0);
+    assert_int_equal(evbuffer_drain(b, 5), 0);
+#ifdef TEST_ASAN
+    assert_int_equal(px_mem_kept(), 0);
+#else
+    assert_true(px_mem_kept() > 0);
+    size_t kept = px_mem_kept();
+    kept = px_mem_kept();
+    assert_int_equal(evbuffer_add(b, "again", 5), 0);
+    assert_true(px_mem_kept() < kept);
+#endif
+    evbuffer_free(b);
+    px_mem_drain();
+}
+
 /* px_hex64 writes what printf's "%016" PRIx64 writes, 16 bytes and not one
  * more: every nibble value at every position, the edges, and a stream of
  * pseudo-random values. */
@@ -146,6 +285,10 @@ int main(void)
         cmocka_unit_test(test_xcalloc_overflow_aborts),
         cmocka_unit_test(test_spares_reuse_zeroed_and_bounded),
         cmocka_unit_test(test_hex64_as_printf),
+        cmocka_unit_test(test_mem_classes_reuse),
+        cmocka_unit_test(test_mem_bounded),
+        cmocka_unit_test(test_mem_freed_at_thread_exit),
+        cmocka_unit_test(test_mem_libevent_chains),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
