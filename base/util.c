@@ -93,7 +93,8 @@ typedef struct mem_class {
     void *v[PX_MEM_KEEP];
     int n;
 } mem_class;
-static _Thread_local mem_class mem_kept[4]; /* 128, 256, 512, 1024 bytes */
+#define MEM_CLASSES 7
+static _Thread_local mem_class mem_kept[MEM_CLASSES]; /* 128, 192, 256, 384, 512, 768, 1024 */
 static _Thread_local int mem_state;         /* 0: unknown, 1: drained at exit, -1: no key */
 static pthread_key_t mem_key;
 static int mem_key_ok;
@@ -109,21 +110,40 @@ static void mem_key_init(void) {
     mem_key_ok = pthread_key_create(&mem_key, mem_exit) == 0;
 }
 
-/* The class serving a request of n bytes (n <= PX_MEM_MAX). */
+static const size_t mem_size[MEM_CLASSES] = {128, 192, 256, 384, 512, 768, 1024};
+
+/* Bits needed to write v (v > 0). */
+static int bit_len(size_t v) {
+    return (int)(sizeof(unsigned long long) * 8) - __builtin_clzll((unsigned long long)v);
+}
+
+/* The smallest class of at least n bytes (PX_MEM_MIN < n <= PX_MEM_MAX):
+ * each power of two from 128 and the one and a half between them, so no
+ * block is more than a third larger than asked for. */
 static int class_for(size_t n) {
     if (n <= 128) return 0;
-    return (int)(sizeof(unsigned long long) * 8) - __builtin_clzll((unsigned long long)(n - 1)) - 7;
+    int b = bit_len(n - 1); /* 2^(b-1) < n <= 2^b */
+    size_t half = (size_t)1 << (b - 1);
+    return 2 * (b - 8) + (n <= half + half / 2 ? 1 : 2);
+}
+
+/* The largest class of at most u bytes (128 <= u < 1536): where a block of
+ * u usable bytes can serve. */
+static int class_of(size_t u) {
+    int b = bit_len(u); /* 2^(b-1) <= u < 2^b */
+    size_t low = (size_t)1 << (b - 1);
+    return 2 * (b - 8) + (u >= low + low / 2);
 }
 #endif
 
 /* px_mem_take, or NULL when memory is exhausted (libevent's contract). */
 static void *mem_take(size_t n) {
 #ifdef PX_MEM_CACHE
-    if (n <= PX_MEM_MAX) {
+    if (n > PX_MEM_MIN && n <= PX_MEM_MAX) {
         int k = class_for(n);
         mem_class *m = &mem_kept[k];
         if (m->n) return m->v[--m->n];
-        return malloc((size_t)128 << k); /* the whole class, so it comes back to it */
+        return malloc(mem_size[k]); /* the whole class, so it comes back to it */
     }
 #endif
     return malloc(n ? n : 1);
@@ -142,12 +162,12 @@ void *px_mem_zalloc(size_t n) {
 void px_mem_put(void *p) {
     if (!p) return;
 #ifdef PX_MEM_CACHE
-    /* The largest class the block can serve, if it is not much larger
-     * (a block past half again its class is not hoarded as a small one). */
+    /* Kept in the largest class the block can serve; a block of 1.5 KiB
+     * or more is not hoarded as a small one. */
     size_t u = malloc_usable_size(p);
     if (u >= 128 && u < 1536) {
-        int k = (int)(sizeof(unsigned long long) * 8) - __builtin_clzll((unsigned long long)u) - 8;
-        if (u < (size_t)192 << k && mem_kept[k].n < PX_MEM_KEEP) {
+        int k = class_of(u);
+        if (mem_kept[k].n < PX_MEM_KEEP) {
             if (mem_state == 0) { /* the thread's first: free them at its exit */
                 pthread_once(&mem_once, mem_key_init);
                 mem_state = mem_key_ok && pthread_setspecific(mem_key, &mem_state) == 0 ? 1 : -1;
@@ -165,7 +185,7 @@ void px_mem_put(void *p) {
 size_t px_mem_kept(void) {
     size_t n = 0;
 #ifdef PX_MEM_CACHE
-    for (int k = 0; k < 4; k++)
+    for (int k = 0; k < MEM_CLASSES; k++)
         n += (size_t)mem_kept[k].n;
 #endif
     return n;
@@ -173,21 +193,15 @@ size_t px_mem_kept(void) {
 
 void px_mem_drain(void) {
 #ifdef PX_MEM_CACHE
-    for (int k = 0; k < 4; k++)
+    for (int k = 0; k < MEM_CLASSES; k++)
         while (mem_kept[k].n)
             free(mem_kept[k].v[--mem_kept[k].n]);
 #endif
 }
 
-#ifdef PX_MEM_CACHE
-static void *mem_realloc(void *p, size_t n) {
-    return realloc(p, n);
-}
-#endif
-
 void px_mem_for_libevent(void) {
 #ifdef PX_MEM_CACHE
-    event_set_mem_functions(mem_take, mem_realloc, px_mem_put);
+    event_set_mem_functions(mem_take, realloc, px_mem_put);
 #endif
 }
 

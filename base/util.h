@@ -44,14 +44,19 @@ void px_spare_drain(px_spares *s);
  * upstream exchange's objects). glibc's own per-thread cache keeps 7 blocks
  * of a size: with tens of requests in flight a worker frees more than that
  * in one loop turn, and the rest go through the arena's bins both ways.
- * Requests up to PX_MEM_MAX bytes are served in four classes (128, 256, 512
- * and 1,024 bytes, a miss allocating the whole class); each thread keeps up
- * to PX_MEM_KEEP blocks of a class and frees them when it exits. The blocks
- * are malloc's: one taken may be given to free(), and any block from malloc
- * may be put. Under AddressSanitizer, or without glibc's
+ * Requests of PX_MEM_MIN to PX_MEM_MAX bytes are served in seven classes
+ * (128, 192, 256, 384, 512, 768 and 1,024 bytes; a miss allocates the
+ * whole class, at most a third more than asked for); smaller ones and
+ * larger ones go straight to malloc. Each thread keeps up to PX_MEM_KEEP
+ * blocks of a class (at most ~210 KiB a thread, also in a thread that
+ * frees what others allocated) and frees them when it exits. The blocks
+ * are malloc's: one taken may be given to free(), and any block from
+ * malloc may be put. Under AddressSanitizer, or without glibc's
  * malloc_usable_size, nothing is kept (the sanitizer's quarantine then
  * catches a late use of a freed block, which a block handed straight to
- * the next request would hide). */
+ * the next request would hide; valgrind's memcheck would miss such a use
+ * of a kept block too). */
+#define PX_MEM_MIN 64
 #define PX_MEM_MAX 1024
 #define PX_MEM_KEEP 64
 /* A block of at least n bytes; aborts on exhaustion, as px_xmalloc does. */

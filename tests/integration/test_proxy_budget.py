@@ -50,7 +50,9 @@ from pdharness.procs import BIN_DIR, PDPROXY, sanitized
 # request's small blocks (libevent's chains, px_buf rooms, the upstream
 # exchange's objects) kept per thread by px_mem (base/util.h): 0.01, budget
 # 1: a new malloc per request fails it. What px_mem serves from its cache
-# is not a malloc call and does not count here; its instructions do.
+# is not a malloc call and does not count here (nor would more, while this
+# test's few clients keep fewer than PX_MEM_KEEP blocks of a class in
+# flight); its instructions do.
 # Instructions per request (user space, callgrind, every thread; what
 # neither a loaded machine nor a shared one blurs): 148,500 before issue 36
 # against bench/insn_per_req.sh's nginx mocks, 97,400 after its first
@@ -80,7 +82,7 @@ from pdharness.procs import BIN_DIR, PDPROXY, sanitized
 # checked by table, JSON keys told apart inline by their first byte and trace
 # ids written 16 hex digits at once: 44,470 to 44,840 (budget 48,500), 51,970
 # to 52,460 without LTO (budget 56,500). With the small blocks from px_mem's
-# per-thread cache: 43,311 to 43,325 (budget 46,500), 50,806 to 50,836
+# per-thread cache: 43,311 to 43,638 (budget 46,500), 50,806 to 51,260
 # without LTO (budget 54,500).
 # Idle anonymous memory (RssAnon) of one worker: measured 1.17 MiB after
 # issue 36, of which ~0.8 MiB is the shared libraries' relocated data

@@ -117,33 +117,48 @@ static void test_spares_reuse_zeroed_and_bounded(void **state)
     px_spare_drain(&s);
 }
 
-/* The block cache: every request size up to PX_MEM_MAX gets a block of at
- * least its class (128, 256, 512, 1024 bytes), a block put back is the next
- * one taken for any size of its class, and zalloc zeroes a dirty one. */
+/* The classes, written out: a block of u usable bytes is kept in the
+ * largest class of at most u bytes (none below 128 or from 1,536), and a
+ * request of n bytes (65 to 1,024) is served from the smallest class of
+ * at least n. */
+static const size_t mem_classes[] = {128, 192, 256, 384, 512, 768, 1024};
+enum { NCLASSES = sizeof mem_classes / sizeof *mem_classes };
+
+static size_t class_serving(size_t n)
+{
+    for (int k = 0; k < NCLASSES; k++)
+        if (n <= mem_classes[k]) return mem_classes[k];
+    return 0;
+}
+
+/* Every request size gets a block of at least its class; a block put back
+ * is the next one taken for the smallest and the largest size its class
+ * serves; zalloc zeroes a dirty one; sizes off the classes are malloc's. */
 static void test_mem_classes_reuse(void **state)
 {
     (void)state;
-    static const size_t sizes[] = {1, 100, 128, 129, 200, 256, 257, 500, 512, 513, 1000, 1024};
     px_mem_drain();
-    for (size_t i = 0; i < sizeof sizes / sizeof *sizes; i++) {
-        size_t n = sizes[i], cls = n <= 128 ? 128 : n <= 256 ? 256 : n <= 512 ? 512 : 1024;
+    for (size_t n = 1; n <= PX_MEM_MAX + 8; n++) {
         unsigned char *p = px_mem_take(n);
         memset(p, 0xa5, n); /* ASan: the block holds n bytes */
-#ifndef TEST_ASAN
-        /* A miss allocates the whole class, so the block comes back to it. */
-        if (malloc_usable_size(p) < cls)
-            fail_msg("size %zu: %zu usable bytes, under its class %zu", n, malloc_usable_size(p), cls);
-#endif
         px_mem_put(p);
 #ifdef TEST_ASAN
         assert_int_equal(px_mem_kept(), 0); /* freed: the quarantine catches late uses */
-        free(px_mem_zalloc(n));
         continue;
 #endif
+        if (n <= PX_MEM_MIN || n > PX_MEM_MAX) {
+            /* malloc's own block: kept only if it happens to fit a class. */
+            px_mem_drain();
+            continue;
+        }
+        size_t cls = class_serving(n);
+        if (malloc_usable_size(p) < cls)
+            fail_msg("size %zu: %zu usable bytes, under its class %zu", n, malloc_usable_size(p), cls);
         assert_int_equal(px_mem_kept(), 1);
-        /* The smallest and largest size of the class both get it back. */
-        size_t other = (i % 2) ? cls : cls / 2 + 1;
-        if (cls == 128) other = (i % 2) ? 128 : 1;
+        size_t lo = cls == 128 ? PX_MEM_MIN + 1 : mem_classes[0];
+        for (int k = 1; k < NCLASSES; k++)
+            if (mem_classes[k] == cls) lo = mem_classes[k - 1] + 1;
+        size_t other = (n % 2) ? cls : lo;
         unsigned char *q = px_mem_zalloc(other);
         assert_ptr_equal(p, q);
         for (size_t j = 0; j < other; j++)
@@ -155,41 +170,74 @@ static void test_mem_classes_reuse(void **state)
     px_mem_put(NULL);
     assert_int_equal(px_mem_kept(), 0);
     free(px_mem_take(0)); /* a block the caller may free */
-    free(px_mem_take(5000)); /* past the classes: plain malloc */
+    free(px_mem_zalloc(5000)); /* past the classes: plain malloc */
 }
 
-/* What is kept: malloc's own blocks too, but not one too small for the
- * smallest class, nor one far larger than its class (hoarded as a small
- * one it would waste its size); and at most PX_MEM_KEEP of a class. */
+/* What is kept of malloc's own blocks, by their usable size: none under
+ * the smallest class or from 1.5 KiB, else in the largest class they can
+ * serve, which then hands them out (and a larger class does not). */
+static void test_mem_keeps_malloc_blocks_by_size(void **state)
+{
+    (void)state;
+    px_mem_drain();
+    for (size_t n = 1; n <= 1700; n++) {
+        void *p = malloc(n);
+        size_t u = malloc_usable_size(p);
+        px_mem_put(p);
+#ifdef TEST_ASAN
+        assert_int_equal(px_mem_kept(), 0);
+        continue;
+#endif
+        if (u < 128 || u >= 1536) {
+            if (px_mem_kept()) fail_msg("malloc(%zu), %zu usable: kept", n, u);
+            continue;
+        }
+        if (px_mem_kept() != 1) fail_msg("malloc(%zu), %zu usable: not kept", n, u);
+        int k = NCLASSES - 1;
+        while (mem_classes[k] > u)
+            k--;
+        if (k + 1 < NCLASSES) {
+            void *big = px_mem_take(mem_classes[k + 1]);
+            if (big == p) fail_msg("malloc(%zu), %zu usable: served %zu bytes", n, u, mem_classes[k + 1]);
+            free(big);
+        }
+        if (px_mem_take(mem_classes[k]) != p)
+            fail_msg("malloc(%zu), %zu usable: not served from class %zu", n, u, mem_classes[k]);
+        free(p);
+    }
+    assert_int_equal(px_mem_kept(), 0);
+}
+
+/* At most PX_MEM_KEEP blocks of a class; the other classes have room of
+ * their own; drain frees them all. A px_buf's first room is a kept block. */
 static void test_mem_bounded(void **state)
 {
     (void)state;
     px_mem_drain();
-    px_mem_put(malloc(16));
-    px_mem_put(malloc(1600));
-    px_mem_put(malloc(4096));
-    assert_int_equal(px_mem_kept(), 0);
-    void *m = malloc(512);
-    px_mem_put(m);
-#ifdef TEST_ASAN
-    assert_int_equal(px_mem_kept(), 0);
-    return;
-#endif
-    assert_int_equal(px_mem_kept(), 1);
-    assert_ptr_equal(px_mem_take(300), m);
-    free(m);
     enum { N = PX_MEM_KEEP + 5 };
     void *v[N];
     for (int i = 0; i < N; i++)
         v[i] = px_mem_take(1024);
     for (int i = 0; i < N; i++)
         px_mem_put(v[i]);
+#ifdef TEST_ASAN
+    assert_int_equal(px_mem_kept(), 0);
+    return;
+#endif
     assert_int_equal(px_mem_kept(), PX_MEM_KEEP);
-    /* The other classes have room of their own. */
     px_mem_put(px_mem_take(256));
     assert_int_equal(px_mem_kept(), PX_MEM_KEEP + 1);
     px_mem_drain();
     assert_int_equal(px_mem_kept(), 0);
+    void *room = px_mem_take(256);
+    px_mem_put(room);
+    px_buf b;
+    px_buf_init(&b);
+    px_buf_append(&b, "x", 1);
+    assert_ptr_equal(b.data, room);
+    px_buf_cleanup(&b);
+    assert_int_equal(px_mem_kept(), 1);
+    px_mem_drain();
 }
 
 static void *put_and_exit(void *arg)
@@ -200,9 +248,9 @@ static void *put_and_exit(void *arg)
     return (void *)px_mem_kept();
 }
 
-/* A thread's kept blocks are freed when it exits: blocks of the main
- * arena, put by a thread that then exits, are back in the arena's free
- * space (mallinfo2 counts the main arena's blocks in use). */
+/* A thread's kept blocks are freed when it exits: blocks allocated here,
+ * put by a thread that then exits, are back in malloc's free space
+ * (mallinfo2 counts the blocks in use). */
 static void test_mem_freed_at_thread_exit(void **state)
 {
     (void)state;
@@ -226,6 +274,37 @@ static void test_mem_freed_at_thread_exit(void **state)
     if (after + (size_t)PX_MEM_KEEP * 512 > before)
         fail_msg("blocks in use %zu before the thread, %zu after it exited: its kept blocks leaked",
                  before, after);
+}
+
+static pthread_key_t late_key;
+static size_t late_kept = 99;
+
+static void late_put(void *arg)
+{
+    px_mem_put(arg);
+    late_kept = px_mem_kept();
+}
+
+static void *put_then_late_put(void *arg)
+{
+    px_mem_put(px_mem_take(512));
+    /* A key made after the cache's first put: its destructor runs after
+     * the cache's own. */
+    pthread_setspecific(late_key, arg);
+    return NULL;
+}
+
+/* A block put by a destructor that runs after the cache's own is freed, not
+ * kept where nothing would free it. */
+static void test_mem_put_after_thread_drain(void **state)
+{
+    (void)state;
+    assert_int_equal(pthread_key_create(&late_key, late_put), 0);
+    pthread_t t;
+    assert_int_equal(pthread_create(&t, NULL, put_then_late_put, malloc(512)), 0);
+    assert_int_equal(pthread_join(t, NULL), 0);
+    assert_int_equal(late_kept, 0);
+    pthread_key_delete(late_key);
 }
 
 /* libevent's buffers allocate through the cache once px_mem_for_libevent
@@ -286,7 +365,9 @@ int main(void)
         cmocka_unit_test(test_spares_reuse_zeroed_and_bounded),
         cmocka_unit_test(test_hex64_as_printf),
         cmocka_unit_test(test_mem_classes_reuse),
+        cmocka_unit_test(test_mem_keeps_malloc_blocks_by_size),
         cmocka_unit_test(test_mem_bounded),
+        cmocka_unit_test(test_mem_put_after_thread_drain),
         cmocka_unit_test(test_mem_freed_at_thread_exit),
         cmocka_unit_test(test_mem_libevent_chains),
     };
