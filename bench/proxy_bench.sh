@@ -184,7 +184,7 @@ rss_idle=$(rss_kb "$ppid")
 to_ms() { awk '{v=$1; if (v ~ /us$/) {sub(/us/,"",v); v/=1000} else if (v ~ /ms$/) {sub(/ms/,"",v)} else if (v ~ /s$/) {sub(/s/,"",v); v*=1000}; printf "%.3f", v}'; }
 # CPU seconds a process has used, user and system, from /proc/<pid>/stat.
 cpu_s() { awk '{printf "%.2f %.2f", $14 / 100, $15 / 100}' "/proc/$1/stat"; }
-cpu_total() { awk '{printf "%.2f", ($14 + $15) / 100}' "/proc/$1/stat"; }
+cpu_total() { cpu_s "$1" | awk '{printf "%.2f", $1 + $2}'; }
 # TCP segments sent by every socket of the host (loopback included).
 tcp_segs() { awk '/^Tcp:/ && $11 ~ /^[0-9]+$/ {print $11}' /proc/net/snmp; }
 run() { # name url conns [pid whose CPU per request to report]
@@ -194,8 +194,8 @@ run() { # name url conns [pid whose CPU per request to report]
     out=$(wrk -t1 -c"$3" -d"${duration}s" --latency -s "$root/bench/wrk/completion.lua" "$2/v1/completions")
     if [ -n "${4:-}" ]; then
         # CPU per request, then its user and kernel parts, and the TCP
-        # segments per request of the whole path (wrk's included): the
-        # kernel's share follows the segments, whoever sends them.
+        # segments per request of the whole path (wrk's included; see the
+        # summary below for what they tell).
         n=$(awk '/requests in/{print $1}' <<<"$out")
         cpu=$(awk -v a="$c0" -v b="$(cpu_s "$4")" -v n="$n" -v s0="$s0" -v s1="$(tcp_segs)" 'BEGIN {
             split(a, x, " "); split(b, y, " "); u = (y[1] - x[1]) * 1e6 / n; k = (y[2] - x[2]) * 1e6 / n

@@ -62,21 +62,32 @@ static void test_xcalloc_zeroes_reused_blocks(void **state)
 
 /* A count times a size past SIZE_MAX aborts (the process's one answer to
  * exhaustion), rather than wrapping to a small block the caller overruns. */
-static void test_xcalloc_overflow_aborts(void **state)
+static void *xcalloc_overflow(void)
 {
-    (void)state;
+    return px_xcalloc(SIZE_MAX / 2, 3);
+}
+
+/* alloc, run in a child with stderr silenced, ends it with SIGABRT. */
+static void assert_aborts(void *(*alloc)(void))
+{
     pid_t pid = fork();
     assert_true(pid >= 0);
     if (pid == 0) {
         int fd = open("/dev/null", O_WRONLY);
         if (fd >= 0) dup2(fd, 2);
-        void *p = px_xcalloc(SIZE_MAX / 2, 3);
+        void *p = alloc();
         _exit(p ? 0 : 1);
     }
     int st = 0;
     assert_int_equal(waitpid(pid, &st, 0), pid);
     assert_true(WIFSIGNALED(st));
     assert_int_equal(WTERMSIG(st), SIGABRT);
+}
+
+static void test_xcalloc_overflow_aborts(void **state)
+{
+    (void)state;
+    assert_aborts(xcalloc_overflow);
 }
 
 /* Spares: a block put back is the next one taken, zeroed again; no more than
@@ -307,6 +318,28 @@ static void test_mem_put_after_thread_drain(void **state)
     pthread_key_delete(late_key);
 }
 
+static void *mem_take_too_much(void)
+{
+    return px_mem_take(SIZE_MAX / 2);
+}
+
+static void *mem_zalloc_too_much(void)
+{
+    return px_mem_zalloc(SIZE_MAX / 2);
+}
+
+/* Exhaustion aborts, as px_xmalloc does, rather than handing back NULL
+ * (only libevent's hook returns NULL, libevent's contract). */
+static void test_mem_exhaustion_aborts(void **state)
+{
+    (void)state;
+#ifdef TEST_ASAN
+    skip(); /* ASan reports the allocation itself and exits its own way */
+#endif
+    assert_aborts(mem_take_too_much);
+    assert_aborts(mem_zalloc_too_much);
+}
+
 /* libevent's buffers allocate through the cache once px_mem_for_libevent
  * ran: a chain freed by a drain is kept, and the next chain reuses it. */
 static void test_mem_libevent_chains(void **state)
@@ -368,6 +401,7 @@ int main(void)
         cmocka_unit_test(test_mem_keeps_malloc_blocks_by_size),
         cmocka_unit_test(test_mem_bounded),
         cmocka_unit_test(test_mem_put_after_thread_drain),
+        cmocka_unit_test(test_mem_exhaustion_aborts),
         cmocka_unit_test(test_mem_freed_at_thread_exit),
         cmocka_unit_test(test_mem_libevent_chains),
     };
